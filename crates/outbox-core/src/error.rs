@@ -1,0 +1,296 @@
+//! Typed errors and their classification.
+//!
+//! Every error the relay meets is one of two kinds: a [`PublishError`] from a sink or a
+//! [`StoreError`] from the database. Whether it is worth retrying is decided here and
+//! nowhere else: see [`PublishErrorKind::disposition`] and [`StoreErrorKind::is_retryable`].
+
+use std::error::Error as StdError;
+use std::fmt;
+use std::time::Duration;
+
+type Source = Box<dyn StdError + Send + Sync + 'static>;
+
+/// What the relay does with an event whose publish failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Disposition {
+    /// Try again later; `after` is a delay the sink asked for (for example HTTP Retry-After).
+    Retry { after: Option<Duration> },
+    /// Never retry: the event goes to the dead letters at once.
+    Permanent,
+}
+
+/// Why a sink did not confirm an event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum PublishErrorKind {
+    /// The broker cannot be reached or the connection dropped.
+    Unavailable,
+    /// No confirmation arrived in time.
+    Timeout,
+    /// The broker asked us to slow down.
+    Throttled,
+    /// The broker failed on its side (HTTP 5xx, a broker-internal error).
+    BrokerFailure,
+    /// The target (stream, exchange, topic) does not exist yet.
+    MissingTarget,
+    /// No route is configured for the event's destination.
+    NoRoute,
+    /// Local I/O failed (file sink, stdout).
+    Io,
+    /// The message is larger than the broker accepts.
+    TooLarge,
+    /// The broker refused our credentials or permissions.
+    Unauthorized,
+    /// The broker refused this message for good (HTTP 4xx, invalid subject...).
+    Rejected,
+    /// The event could not be encoded for this sink.
+    Encoding,
+}
+
+impl PublishErrorKind {
+    /// The one place that decides whether a publish failure is retried.
+    pub fn disposition(self) -> Disposition {
+        use PublishErrorKind::*;
+        match self {
+            Unavailable | Timeout | Throttled | BrokerFailure | MissingTarget | NoRoute | Io => {
+                Disposition::Retry { after: None }
+            }
+            TooLarge | Unauthorized | Rejected | Encoding => Disposition::Permanent,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        use PublishErrorKind::*;
+        match self {
+            Unavailable => "unavailable",
+            Timeout => "timeout",
+            Throttled => "throttled",
+            BrokerFailure => "broker_failure",
+            MissingTarget => "missing_target",
+            NoRoute => "no_route",
+            Io => "io",
+            TooLarge => "too_large",
+            Unauthorized => "unauthorized",
+            Rejected => "rejected",
+            Encoding => "encoding",
+        }
+    }
+}
+
+/// A failed publish of one event.
+#[derive(Debug)]
+pub struct PublishError {
+    kind: PublishErrorKind,
+    message: String,
+    retry_after: Option<Duration>,
+    source: Option<Source>,
+}
+
+impl PublishError {
+    pub fn new(kind: PublishErrorKind, message: impl Into<String>) -> Self {
+        PublishError {
+            kind,
+            message: message.into(),
+            retry_after: None,
+            source: None,
+        }
+    }
+
+    /// Chains the underlying error instead of formatting it into the message.
+    pub fn with_source(mut self, source: impl Into<Source>) -> Self {
+        self.source = Some(source.into());
+        self
+    }
+
+    /// A delay the broker asked for; it replaces the backoff for this attempt.
+    pub fn with_retry_after(mut self, after: Duration) -> Self {
+        self.retry_after = Some(after);
+        self
+    }
+
+    pub fn kind(&self) -> PublishErrorKind {
+        self.kind
+    }
+
+    pub fn disposition(&self) -> Disposition {
+        match self.kind.disposition() {
+            Disposition::Retry { .. } => Disposition::Retry {
+                after: self.retry_after,
+            },
+            Disposition::Permanent => Disposition::Permanent,
+        }
+    }
+
+    /// The message with its chain of causes, as stored in `last_error`.
+    pub fn report(&self) -> String {
+        report(self)
+    }
+}
+
+impl fmt::Display for PublishError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.kind.as_str(), self.message)
+    }
+}
+
+impl StdError for PublishError {
+    fn source(&self) -> Option<&(dyn StdError + 'static)> {
+        self.source
+            .as_deref()
+            .map(|s| s as &(dyn StdError + 'static))
+    }
+}
+
+/// Why a database operation failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum StoreErrorKind {
+    /// The database cannot be reached or the connection dropped.
+    Connection,
+    /// A transient conflict (deadlock, serialization failure, lock timeout, busy).
+    Conflict,
+    /// The outbox or nodes table (or the trigger) is missing.
+    MissingSchema,
+    /// The database role lacks a privilege.
+    Privilege,
+    /// The configuration is wrong (bad URL, bad identifier, TLS setup).
+    Config,
+    /// Any other failure of a statement.
+    Query,
+}
+
+impl StoreErrorKind {
+    /// The one place that decides whether a database failure is retried.
+    pub fn is_retryable(self) -> bool {
+        matches!(
+            self,
+            StoreErrorKind::Connection | StoreErrorKind::Conflict | StoreErrorKind::Query
+        )
+    }
+
+    /// What an operator should do about it.
+    pub fn hint(self) -> &'static str {
+        match self {
+            StoreErrorKind::Connection => "check that the database is running and the URL's host, port and credentials are right",
+            StoreErrorKind::Conflict => "this is transient; the relay retries by itself",
+            StoreErrorKind::MissingSchema => "run `outbox-relay migrate` (or `run --auto-migrate`), or apply the DDL from `outbox-relay migrate --print`",
+            StoreErrorKind::Privilege => "grant the privileges listed by `outbox-relay migrate --print` to the relay's role",
+            StoreErrorKind::Config => "fix the configuration value named in the message",
+            StoreErrorKind::Query => "see the database's message; `outbox-relay check` verifies the tables",
+        }
+    }
+}
+
+/// A failed database operation.
+#[derive(Debug)]
+pub struct StoreError {
+    kind: StoreErrorKind,
+    message: String,
+    source: Option<Source>,
+}
+
+impl StoreError {
+    pub fn new(kind: StoreErrorKind, message: impl Into<String>) -> Self {
+        StoreError {
+            kind,
+            message: message.into(),
+            source: None,
+        }
+    }
+
+    pub fn with_source(mut self, source: impl Into<Source>) -> Self {
+        self.source = Some(source.into());
+        self
+    }
+
+    pub fn kind(&self) -> StoreErrorKind {
+        self.kind
+    }
+
+    pub fn is_retryable(&self) -> bool {
+        self.kind.is_retryable()
+    }
+
+    /// The message with its causes and the operator hint.
+    pub fn report(&self) -> String {
+        format!("{} (fix: {})", report(self), self.kind.hint())
+    }
+}
+
+impl fmt::Display for StoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl StdError for StoreError {
+    fn source(&self) -> Option<&(dyn StdError + 'static)> {
+        self.source
+            .as_deref()
+            .map(|s| s as &(dyn StdError + 'static))
+    }
+}
+
+/// An error and its chain of causes on one line, without repeats.
+pub fn report(error: &dyn StdError) -> String {
+    let mut out = error.to_string();
+    let mut cause = error.source();
+    while let Some(c) = cause {
+        let text = c.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        cause = c.source();
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn permanent_kinds_are_never_retried() {
+        for kind in [
+            PublishErrorKind::TooLarge,
+            PublishErrorKind::Unauthorized,
+            PublishErrorKind::Rejected,
+            PublishErrorKind::Encoding,
+        ] {
+            assert_eq!(kind.disposition(), Disposition::Permanent, "{kind:?}");
+        }
+        assert_eq!(
+            PublishErrorKind::Unavailable.disposition(),
+            Disposition::Retry { after: None }
+        );
+    }
+
+    #[test]
+    fn retry_after_is_carried_for_retryable_errors_only() {
+        let e = PublishError::new(PublishErrorKind::Throttled, "429")
+            .with_retry_after(Duration::from_secs(3));
+        assert_eq!(
+            e.disposition(),
+            Disposition::Retry {
+                after: Some(Duration::from_secs(3))
+            }
+        );
+        let e = PublishError::new(PublishErrorKind::TooLarge, "too big")
+            .with_retry_after(Duration::from_secs(3));
+        assert_eq!(e.disposition(), Disposition::Permanent);
+    }
+
+    #[test]
+    fn report_chains_sources() {
+        let io = std::io::Error::other("disk full");
+        let e = PublishError::new(PublishErrorKind::Io, "writing events.jsonl").with_source(io);
+        assert_eq!(e.report(), "io: writing events.jsonl: disk full");
+        let s = StoreError::new(
+            StoreErrorKind::MissingSchema,
+            "relation \"outbox\" does not exist",
+        );
+        assert!(s.report().contains("outbox-relay migrate"));
+        assert!(!s.is_retryable());
+    }
+}

@@ -1,0 +1,215 @@
+//! The event envelope.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::SystemTime;
+
+use serde::Serialize;
+use serde_json::value::RawValue;
+use uuid::Uuid;
+
+/// The publish order of an event: the outbox table's `sequence_id`.
+pub type SequenceId = i64;
+
+/// The idempotency key of an event, carried to the broker's de-duplication field.
+pub type EventId = Uuid;
+
+/// Event headers: string keys to string values. JSON values that are not strings are
+/// carried as their JSON text.
+pub type Headers = BTreeMap<String, String>;
+
+/// The identity of one relay process; it owns the leases it takes.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct NodeId(pub String);
+
+impl NodeId {
+    /// A fresh, unique node id.
+    pub fn random() -> Self {
+        NodeId(Uuid::new_v4().to_string())
+    }
+}
+
+impl fmt::Display for NodeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// The message body.
+#[derive(Clone, Debug)]
+pub enum Payload {
+    /// No payload (SQL NULL).
+    Null,
+    /// A JSON document, kept as the database returned it so it is never re-encoded.
+    Json(Box<RawValue>),
+    /// Raw bytes, published as they are.
+    Bytes(Vec<u8>),
+}
+
+impl Payload {
+    /// The bytes a broker receives as the message body.
+    pub fn as_bytes(&self) -> &[u8] {
+        match self {
+            Payload::Null => b"null",
+            Payload::Json(raw) => raw.get().as_bytes(),
+            Payload::Bytes(bytes) => bytes,
+        }
+    }
+
+    /// The length of the message body in bytes.
+    pub fn len(&self) -> usize {
+        self.as_bytes().len()
+    }
+
+    /// True when the body is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Parses JSON text into a payload; the text is kept verbatim.
+    pub fn from_json_text(text: String) -> Result<Self, String> {
+        RawValue::from_string(text)
+            .map(Payload::Json)
+            .map_err(|e| format!("payload is not valid JSON: {e}"))
+    }
+}
+
+impl Serialize for Payload {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Payload::Null => serializer.serialize_unit(),
+            Payload::Json(raw) => raw.serialize(serializer),
+            Payload::Bytes(bytes) => match std::str::from_utf8(bytes) {
+                Ok(text) => serializer.serialize_str(text),
+                Err(_) => serializer.serialize_bytes(bytes),
+            },
+        }
+    }
+}
+
+/// One event, decoded from an outbox row and claimed by this node.
+#[derive(Clone, Debug)]
+pub struct Event {
+    pub sequence_id: SequenceId,
+    pub event_id: EventId,
+    /// The channel, topic or subject.
+    pub destination: String,
+    /// The ordering key as written; `None` means the destination orders the event.
+    pub partition_key: Option<String>,
+    /// The message name.
+    pub event_type: String,
+    pub payload: Payload,
+    pub headers: Headers,
+    pub mutation_id: Option<String>,
+    pub rejected: bool,
+    /// How many publish attempts were made before this one.
+    pub attempts: u32,
+    pub created_at: SystemTime,
+}
+
+impl Event {
+    /// The key whose events are published strictly in `sequence_id` order.
+    pub fn ordering_key(&self) -> &str {
+        self.partition_key.as_deref().unwrap_or(&self.destination)
+    }
+}
+
+/// An event an application (or `outbox-relay send`) writes into the outbox.
+#[derive(Clone, Debug, Default)]
+pub struct NewEvent {
+    pub event_id: Option<EventId>,
+    pub destination: String,
+    pub partition_key: Option<String>,
+    pub event_type: String,
+    /// JSON text, or `None` for SQL NULL.
+    pub payload: Option<String>,
+    pub headers: Headers,
+    pub mutation_id: Option<String>,
+}
+
+/// Turns a JSON object into [`Headers`]. Non-string values keep their JSON text.
+pub fn headers_from_json(value: &serde_json::Value) -> Result<Headers, String> {
+    match value {
+        serde_json::Value::Null => Ok(Headers::new()),
+        serde_json::Value::Object(map) => Ok(map
+            .iter()
+            .map(|(k, v)| {
+                let v = match v {
+                    serde_json::Value::String(s) => s.clone(),
+                    other => other.to_string(),
+                };
+                (k.clone(), v)
+            })
+            .collect()),
+        other => Err(format!(
+            "headers must be a JSON object, found {}",
+            json_kind(other)
+        )),
+    }
+}
+
+/// Parses header JSON text (as stored in the database) into [`Headers`].
+pub fn headers_from_json_text(text: &str) -> Result<Headers, String> {
+    let value: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| format!("headers are not valid JSON: {e}"))?;
+    headers_from_json(&value)
+}
+
+fn json_kind(value: &serde_json::Value) -> &'static str {
+    match value {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(key: Option<&str>) -> Event {
+        Event {
+            sequence_id: 1,
+            event_id: Uuid::nil(),
+            destination: "orders".into(),
+            partition_key: key.map(String::from),
+            event_type: "created".into(),
+            payload: Payload::Null,
+            headers: Headers::new(),
+            mutation_id: None,
+            rejected: false,
+            attempts: 0,
+            created_at: SystemTime::UNIX_EPOCH,
+        }
+    }
+
+    #[test]
+    fn ordering_key_defaults_to_destination() {
+        assert_eq!(event(None).ordering_key(), "orders");
+        assert_eq!(event(Some("customer-7")).ordering_key(), "customer-7");
+    }
+
+    #[test]
+    fn json_payload_is_kept_verbatim() {
+        let p = Payload::from_json_text(r#"{"b": 1,  "a":[2]}"#.into()).unwrap();
+        assert_eq!(p.as_bytes(), br#"{"b": 1,  "a":[2]}"#);
+        assert!(Payload::from_json_text("{nope".into()).is_err());
+    }
+
+    #[test]
+    fn headers_accept_objects_only() {
+        let h = headers_from_json_text(r#"{"trace":"abc","n":5,"list":[1]}"#).unwrap();
+        assert_eq!(h["trace"], "abc");
+        assert_eq!(h["n"], "5");
+        assert_eq!(h["list"], "[1]");
+        assert!(headers_from_json_text("null").unwrap().is_empty());
+        let err = headers_from_json_text("[1,2]").unwrap_err();
+        assert!(
+            err.contains("must be a JSON object, found an array"),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,22 @@
+//! Domain core of outbox-relay.
+//!
+//! This crate holds the vocabulary every other crate shares and performs no I/O:
+//! - [`event`]: the event envelope as read from an outbox row, and its ordering key;
+//! - [`error`]: typed errors, each classified as retryable or permanent in one place;
+//! - [`retry`]: exponential backoff with jitter and the dead-letter decision;
+//! - [`store`]: the [`OutboxStore`](store::OutboxStore) contract (claim → ack / retry / dead-letter);
+//! - [`publisher`]: the [`Publisher`](publisher::Publisher) contract (a batch in, one outcome per event);
+//! - [`ident`]: validated, quoted SQL identifiers for configurable schema and table names.
+
+pub mod error;
+pub mod event;
+pub mod ident;
+pub mod publisher;
+pub mod retry;
+pub mod store;
+
+pub use error::{Disposition, PublishError, PublishErrorKind, StoreError, StoreErrorKind};
+pub use event::{Event, EventId, Headers, NewEvent, NodeId, Payload, SequenceId};
+pub use publisher::{Outcome, Publisher};
+pub use retry::{RetryDecision, RetryPolicy};
+pub use store::{Claimed, OutboxStore};

@@ -1,0 +1,138 @@
+//! Exponential backoff with jitter, and the dead-letter decision.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use crate::error::{Disposition, PublishError};
+
+/// Default first retry delay: long enough for a broker blip to pass, short enough not to be noticed.
+pub const DEFAULT_BASE_DELAY: Duration = Duration::from_millis(500);
+/// Default cap on the retry delay: an outage is retried at least every five minutes.
+pub const DEFAULT_MAX_DELAY: Duration = Duration::from_secs(300);
+/// Default attempts before an event is dead-lettered (about an hour of retries at the defaults).
+pub const DEFAULT_MAX_ATTEMPTS: u32 = 20;
+
+/// How failed publishes are retried.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RetryPolicy {
+    pub base_delay: Duration,
+    pub max_delay: Duration,
+    pub max_attempts: u32,
+    /// Overrides of `max_attempts` by event type (the export seed's `event_type.max_retry_count`).
+    pub max_attempts_by_type: HashMap<String, u32>,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy {
+            base_delay: DEFAULT_BASE_DELAY,
+            max_delay: DEFAULT_MAX_DELAY,
+            max_attempts: DEFAULT_MAX_ATTEMPTS,
+            max_attempts_by_type: HashMap::new(),
+        }
+    }
+}
+
+/// What happens to an event after a failed attempt.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RetryDecision {
+    /// Publish again after this delay.
+    RetryAfter(Duration),
+    /// Move to the dead letters.
+    DeadLetter,
+}
+
+impl RetryPolicy {
+    pub fn max_attempts_for(&self, event_type: &str) -> u32 {
+        self.max_attempts_by_type
+            .get(event_type)
+            .copied()
+            .unwrap_or(self.max_attempts)
+            .max(1)
+    }
+
+    /// The delay before attempt `attempts + 1`, where `attempts` failures happened so far
+    /// (at least one). "Equal jitter": half the exponential delay is fixed, half random,
+    /// so retries spread out but never come sooner than half the backoff.
+    pub fn backoff(&self, attempts: u32) -> Duration {
+        let exponent = attempts.saturating_sub(1).min(30);
+        let full = self
+            .base_delay
+            .saturating_mul(1u32 << exponent)
+            .min(self.max_delay);
+        let half = full / 2;
+        half + half.mul_f64(fastrand::f64())
+    }
+
+    /// Decides what follows a failed attempt. `attempts` counts this failed attempt.
+    pub fn decide(&self, event_type: &str, attempts: u32, error: &PublishError) -> RetryDecision {
+        match error.disposition() {
+            Disposition::Permanent => RetryDecision::DeadLetter,
+            Disposition::Retry { .. } if attempts >= self.max_attempts_for(event_type) => {
+                RetryDecision::DeadLetter
+            }
+            Disposition::Retry { after: Some(after) } => {
+                RetryDecision::RetryAfter(after.min(self.max_delay))
+            }
+            Disposition::Retry { after: None } => RetryDecision::RetryAfter(self.backoff(attempts)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::PublishErrorKind;
+
+    fn policy() -> RetryPolicy {
+        RetryPolicy {
+            base_delay: Duration::from_millis(100),
+            max_delay: Duration::from_secs(10),
+            max_attempts: 5,
+            max_attempts_by_type: HashMap::from([("fragile".to_string(), 2)]),
+        }
+    }
+
+    #[test]
+    fn backoff_grows_exponentially_within_jitter_bounds() {
+        let p = policy();
+        for attempts in 1..=12u32 {
+            let full = Duration::from_millis(100 * (1u64 << (attempts - 1))).min(p.max_delay);
+            for _ in 0..50 {
+                let d = p.backoff(attempts);
+                assert!(
+                    d >= full / 2 && d <= full,
+                    "attempt {attempts}: {d:?} vs {full:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn retries_until_max_attempts_then_dead_letters() {
+        let p = policy();
+        let err = PublishError::new(PublishErrorKind::Unavailable, "down");
+        assert!(matches!(
+            p.decide("t", 4, &err),
+            RetryDecision::RetryAfter(_)
+        ));
+        assert_eq!(p.decide("t", 5, &err), RetryDecision::DeadLetter);
+        assert_eq!(p.decide("fragile", 2, &err), RetryDecision::DeadLetter);
+    }
+
+    #[test]
+    fn permanent_errors_dead_letter_at_once() {
+        let err = PublishError::new(PublishErrorKind::TooLarge, "1 MiB > 64 KiB");
+        assert_eq!(policy().decide("t", 1, &err), RetryDecision::DeadLetter);
+    }
+
+    #[test]
+    fn broker_requested_delay_is_capped() {
+        let err = PublishError::new(PublishErrorKind::Throttled, "429")
+            .with_retry_after(Duration::from_secs(3600));
+        assert_eq!(
+            policy().decide("t", 1, &err),
+            RetryDecision::RetryAfter(Duration::from_secs(10))
+        );
+    }
+}

@@ -1,0 +1,194 @@
+//! The outbox store contract.
+//!
+//! # Row lifecycle
+//! A row is **pending** from its commit until it is acked or dead-lettered. A pending row is
+//! **claimable** when all of these hold:
+//! - its `available_at` has passed (scheduled delivery and retry backoff);
+//! - it carries no live lease (`locked_until` is empty or in the past);
+//! - no earlier pending row of the same ordering key is *blocking* it: waiting to retry
+//!   (`available_at` in the future after a failed attempt) or leased by another node.
+//!   Rows leased by the claiming node itself do not block it: that node's engine already
+//!   holds them in order.
+//!
+//! [`OutboxStore::claim`] leases up to `limit` claimable rows to one node in a single
+//! statement, oldest `sequence_id` first, and never hands the same row to two nodes while a
+//! lease lives. Every later operation names the node: a store applies it only to rows that
+//! node still leases, so a node whose lease expired (and whose rows another node took) cannot
+//! ack, retry or dead-letter them. Such a refusal is not an error: the returned count is
+//! smaller, and the rows will be delivered again (at least once, never lost).
+//!
+//! Rolled-back inserts are never visible, so never claimed. A crash at any point leaves rows
+//! leased until `locked_until`, after which they are claimable again: publish-then-crash
+//! means redelivery, never loss.
+//!
+//! All methods return `'static` futures, so the engine can run many at once; each is one
+//! statement (or one transaction) per call, whatever the number of rows.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use futures::future::BoxFuture;
+
+use crate::error::StoreError;
+use crate::event::{Event, NewEvent, NodeId, SequenceId};
+
+pub type StoreResult<T> = Result<T, StoreError>;
+
+/// A request to lease claimable rows to a node.
+#[derive(Clone, Debug)]
+pub struct ClaimRequest {
+    pub node: NodeId,
+    pub limit: usize,
+    pub lease: Duration,
+}
+
+/// One claimed row.
+#[derive(Clone, Debug)]
+pub enum Claimed {
+    Event(Event),
+    /// A row the store could not decode. It is leased like any other and must be
+    /// dead-lettered with `reason`; it never stops the relay.
+    Undecodable {
+        sequence_id: SequenceId,
+        ordering_key: String,
+        destination: String,
+        attempts: u32,
+        reason: String,
+    },
+}
+
+impl Claimed {
+    pub fn sequence_id(&self) -> SequenceId {
+        match self {
+            Claimed::Event(e) => e.sequence_id,
+            Claimed::Undecodable { sequence_id, .. } => *sequence_id,
+        }
+    }
+
+    pub fn ordering_key(&self) -> &str {
+        match self {
+            Claimed::Event(e) => e.ordering_key(),
+            Claimed::Undecodable { ordering_key, .. } => ordering_key,
+        }
+    }
+}
+
+/// A failed attempt to record: the row is released, its `attempts` and `last_error` set,
+/// and it becomes claimable again after `delay`.
+#[derive(Clone, Debug)]
+pub struct RetryLater {
+    pub sequence_id: SequenceId,
+    /// Attempts so far, including the one that failed.
+    pub attempts: u32,
+    pub error: String,
+    pub delay: Duration,
+}
+
+/// A row to move to the dead letters, whole, with its attempts and last error.
+#[derive(Clone, Debug)]
+pub struct DeadLetter {
+    pub sequence_id: SequenceId,
+    pub attempts: u32,
+    pub error: String,
+}
+
+/// Counts for metrics and `stats`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Backlog {
+    /// Pending rows (not yet delivered nor dead).
+    pub pending: u64,
+    /// Pending rows that failed at least once.
+    pub retrying: u64,
+    /// Dead-lettered rows.
+    pub dead: u64,
+    /// Age of the oldest pending row.
+    pub oldest_pending_age: Option<Duration>,
+}
+
+/// One finding of [`OutboxStore::verify`]: what is wrong and how to fix it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Problem {
+    pub what: String,
+    pub fix: String,
+}
+
+/// Called when new rows may have been committed.
+pub type OnChange = Arc<dyn Fn() + Send + Sync>;
+
+/// Where outbox rows live. See the module docs for the contract.
+pub trait OutboxStore: Send + Sync + 'static {
+    /// A short description for logs, e.g. `postgres public.outbox` (never with secrets).
+    fn describe(&self) -> String;
+
+    /// Leases up to `limit` claimable rows to `node`, ordered by `sequence_id`.
+    fn claim(&self, request: ClaimRequest) -> BoxFuture<'static, StoreResult<Vec<Claimed>>>;
+
+    /// Marks rows delivered: deletes them, or (when the store retains delivered rows) sets
+    /// `delivered_at`. Only rows still leased by `node`; returns how many were acked.
+    fn ack(&self, node: NodeId, ids: Vec<SequenceId>) -> BoxFuture<'static, StoreResult<u64>>;
+
+    /// Records failed attempts and releases the rows until their delay has passed.
+    fn retry_later(
+        &self,
+        node: NodeId,
+        retries: Vec<RetryLater>,
+    ) -> BoxFuture<'static, StoreResult<u64>>;
+
+    /// Moves rows to the dead letters in one transaction.
+    fn dead_letter(
+        &self,
+        node: NodeId,
+        entries: Vec<DeadLetter>,
+    ) -> BoxFuture<'static, StoreResult<u64>>;
+
+    /// Returns leased rows to claimable at once, without counting an attempt
+    /// (graceful shutdown, or later rows of a key whose earlier row must retry).
+    fn release(&self, node: NodeId, ids: Vec<SequenceId>) -> BoxFuture<'static, StoreResult<u64>>;
+
+    /// Pushes the lease of these rows, still held by `node`, to `now + lease`.
+    fn extend_leases(
+        &self,
+        node: NodeId,
+        ids: Vec<SequenceId>,
+        lease: Duration,
+    ) -> BoxFuture<'static, StoreResult<u64>>;
+
+    /// Backlog counts for metrics.
+    fn backlog(&self) -> BoxFuture<'static, StoreResult<Backlog>>;
+
+    /// Inserts events the way an application does (used by `outbox-relay send` and tests).
+    fn insert(&self, events: Vec<NewEvent>) -> BoxFuture<'static, StoreResult<Vec<SequenceId>>>;
+
+    /// Checks connectivity with the cheapest possible statement.
+    fn ping(&self) -> BoxFuture<'static, StoreResult<()>>;
+
+    /// Verifies tables, trigger and privileges; every problem comes with its fix.
+    fn verify(&self) -> BoxFuture<'static, StoreResult<Vec<Problem>>>;
+
+    /// A task that calls `on_change` whenever rows may have been committed (PostgreSQL
+    /// NOTIFY, SQLite's data version), and once after each reconnect, for as long as it is
+    /// polled. `None` when the store cannot tell, and the engine relies on polling.
+    fn subscribe(&self, on_change: OnChange) -> Option<BoxFuture<'static, ()>>;
+}
+
+/// A live node as recorded in the nodes table.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NodeRecord {
+    pub id: String,
+    pub expiry: SystemTime,
+}
+
+/// Membership in the nodes table (`id`, `expiry`), as the Ably connector keeps it.
+pub trait NodeRegistry: Send + Sync + 'static {
+    /// Inserts or refreshes this node's row with `expiry = now + ttl`.
+    fn heartbeat(&self, node: NodeId, ttl: Duration) -> BoxFuture<'static, StoreResult<()>>;
+
+    /// Deletes rows whose expiry has passed; returns how many.
+    fn remove_expired(&self) -> BoxFuture<'static, StoreResult<u64>>;
+
+    /// Deletes this node's row (graceful shutdown).
+    fn deregister(&self, node: NodeId) -> BoxFuture<'static, StoreResult<()>>;
+
+    /// The nodes whose expiry has not passed.
+    fn live_nodes(&self) -> BoxFuture<'static, StoreResult<Vec<NodeRecord>>>;
+}

@@ -1,0 +1,57 @@
+//! Maps PostgreSQL and pool errors to [`StoreErrorKind`]s by SQLSTATE, never by message text.
+
+use outbox_core::{StoreError, StoreErrorKind};
+use tokio_postgres::error::SqlState;
+
+pub fn classify(error: &tokio_postgres::Error) -> StoreErrorKind {
+    let Some(code) = error.code() else {
+        // No SQLSTATE: the connection itself failed (I/O, TLS, closed).
+        return StoreErrorKind::Connection;
+    };
+    if *code == SqlState::UNDEFINED_TABLE
+        || *code == SqlState::UNDEFINED_COLUMN
+        || *code == SqlState::UNDEFINED_FUNCTION
+        || *code == SqlState::INVALID_SCHEMA_NAME
+    {
+        StoreErrorKind::MissingSchema
+    } else if *code == SqlState::INSUFFICIENT_PRIVILEGE {
+        StoreErrorKind::Privilege
+    } else if *code == SqlState::INVALID_PASSWORD
+        || *code == SqlState::INVALID_AUTHORIZATION_SPECIFICATION
+        || *code == SqlState::INVALID_CATALOG_NAME
+    {
+        StoreErrorKind::Config
+    } else if *code == SqlState::T_R_DEADLOCK_DETECTED
+        || *code == SqlState::T_R_SERIALIZATION_FAILURE
+        || *code == SqlState::LOCK_NOT_AVAILABLE
+    {
+        StoreErrorKind::Conflict
+    } else if code.code().starts_with("08")
+        || code.code().starts_with("57")
+        || *code == SqlState::TOO_MANY_CONNECTIONS
+    {
+        // Connection exceptions; 57P01 is pg_terminate_backend, 57P03 "starting up".
+        StoreErrorKind::Connection
+    } else {
+        StoreErrorKind::Query
+    }
+}
+
+pub fn db_error(context: &str, error: tokio_postgres::Error) -> StoreError {
+    let kind = classify(&error);
+    let detail = match error.as_db_error() {
+        Some(db) => db.message().to_string(),
+        None => error.to_string(),
+    };
+    StoreError::new(kind, format!("{context}: {detail}")).with_source(error)
+}
+
+pub fn pool_error(context: &str, error: deadpool_postgres::PoolError) -> StoreError {
+    match error {
+        deadpool_postgres::PoolError::Backend(e) => db_error(context, e),
+        other => StoreError::new(
+            StoreErrorKind::Connection,
+            format!("{context}: no database connection: {other}"),
+        ),
+    }
+}

@@ -1,0 +1,574 @@
+//! PostgreSQL outbox store.
+//!
+//! Claims, acks, retries and dead-letters are one prepared statement each per batch (see
+//! [`schema::Statements`]). Wake-ups come from LISTEN on a dedicated connection; the
+//! statement-level trigger created by [`PgStore::migrate`] sends them.
+
+mod error;
+pub mod schema;
+mod tls;
+
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use outbox_core::event::headers_from_json_text;
+use outbox_core::store::{
+    Backlog, ClaimRequest, Claimed, DeadLetter, NodeRecord, NodeRegistry, OnChange, Problem,
+    RetryLater, StoreResult,
+};
+use outbox_core::{
+    Event, NewEvent, NodeId, OutboxStore, Payload, SequenceId, StoreError, StoreErrorKind,
+};
+use tokio_postgres::{AsyncMessage, Row};
+use tokio_postgres_rustls::MakeRustlsConnect;
+
+pub use error::classify;
+pub use schema::{Tables, DEFAULT_NOTIFY_CHANNEL};
+
+use error::{db_error, pool_error};
+
+/// Connection settings and table names.
+#[derive(Clone, Debug)]
+pub struct PgOptions {
+    /// `postgres://user:password@host:port/db?sslmode=require`.
+    pub url: String,
+    pub tables: Tables,
+    /// Keep delivered rows (with `delivered_at`) instead of deleting them.
+    pub retain_delivered: bool,
+    /// Extra CA certificates (PEM) for TLS, besides the system's roots.
+    pub ca_file: Option<PathBuf>,
+    pub pool_size: usize,
+}
+
+struct Inner {
+    pool: Pool,
+    config: tokio_postgres::Config,
+    tls: MakeRustlsConnect,
+    tables: Tables,
+    sql: schema::Statements,
+    retain_delivered: bool,
+}
+
+/// The PostgreSQL store. Cheap to clone.
+#[derive(Clone)]
+pub struct PgStore {
+    inner: Arc<Inner>,
+}
+
+impl PgStore {
+    /// Builds the pool. No connection is opened until first use.
+    pub fn new(options: PgOptions) -> StoreResult<Self> {
+        let config = tokio_postgres::Config::from_str(&options.url).map_err(|e| {
+            StoreError::new(StoreErrorKind::Config, format!("invalid database URL: {e}"))
+        })?;
+        let tls = tls::connector(options.ca_file.as_deref())?;
+        let manager = Manager::from_config(
+            config.clone(),
+            tls.clone(),
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(options.pool_size.max(2))
+            .wait_timeout(Some(Duration::from_secs(10)))
+            .create_timeout(Some(Duration::from_secs(10)))
+            .runtime(deadpool_postgres::Runtime::Tokio1)
+            .build()
+            .map_err(|e| StoreError::new(StoreErrorKind::Config, format!("pool setup: {e}")))?;
+        Ok(PgStore {
+            inner: Arc::new(Inner {
+                pool,
+                config,
+                tls,
+                sql: schema::Statements::new(&options.tables),
+                tables: options.tables,
+                retain_delivered: options.retain_delivered,
+            }),
+        })
+    }
+
+    pub fn tables(&self) -> &Tables {
+        &self.inner.tables
+    }
+
+    /// Creates every table, index, function and trigger that is missing, in one transaction,
+    /// serialized against concurrent migrations by an advisory lock.
+    pub async fn migrate(&self) -> StoreResult<()> {
+        let mut client = self
+            .inner
+            .pool
+            .get()
+            .await
+            .map_err(|e| pool_error("migrate", e))?;
+        let tx = client
+            .transaction()
+            .await
+            .map_err(|e| db_error("migrate", e))?;
+        tx.batch_execute("SELECT pg_advisory_xact_lock(hashtext('outbox-relay migrate'))")
+            .await
+            .map_err(|e| db_error("migrate", e))?;
+        tx.batch_execute(&self.inner.tables.ddl())
+            .await
+            .map_err(|e| db_error("migrate", e))?;
+        tx.commit().await.map_err(|e| db_error("migrate", e))
+    }
+
+    /// Runs `sql` with parameters on a pooled connection, through the statement cache.
+    async fn execute(
+        inner: &Inner,
+        context: &'static str,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> StoreResult<u64> {
+        let client = inner.pool.get().await.map_err(|e| pool_error(context, e))?;
+        let statement = client
+            .prepare_cached(sql)
+            .await
+            .map_err(|e| db_error(context, e))?;
+        client
+            .execute(&statement, params)
+            .await
+            .map_err(|e| db_error(context, e))
+    }
+
+    async fn query(
+        inner: &Inner,
+        context: &'static str,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> StoreResult<Vec<Row>> {
+        let client = inner.pool.get().await.map_err(|e| pool_error(context, e))?;
+        let statement = client
+            .prepare_cached(sql)
+            .await
+            .map_err(|e| db_error(context, e))?;
+        client
+            .query(&statement, params)
+            .await
+            .map_err(|e| db_error(context, e))
+    }
+
+    /// Runs arbitrary SQL (for tests and tools).
+    pub async fn batch_execute(&self, sql: &str) -> StoreResult<()> {
+        let client = self
+            .inner
+            .pool
+            .get()
+            .await
+            .map_err(|e| pool_error("execute", e))?;
+        client
+            .batch_execute(sql)
+            .await
+            .map_err(|e| db_error("execute", e))
+    }
+}
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+fn from_micros(micros: i64) -> SystemTime {
+    if micros >= 0 {
+        UNIX_EPOCH + Duration::from_micros(micros as u64)
+    } else {
+        UNIX_EPOCH - Duration::from_micros(micros.unsigned_abs())
+    }
+}
+
+/// Decodes one claimed row. A row that cannot be decoded becomes [`Claimed::Undecodable`].
+fn row_to_claimed(row: &Row) -> Claimed {
+    let sequence_id: i64 = row.get(0);
+    let destination: String = row.get(2);
+    let partition_key: Option<String> = row.get(3);
+    let attempts: i32 = row.get(9);
+    let headers_text: String = row.get(6);
+    let payload_text: Option<String> = row.get(5);
+    let decoded = headers_from_json_text(&headers_text).and_then(|headers| {
+        let payload = match payload_text {
+            None => Payload::Null,
+            Some(text) => Payload::from_json_text(text)?,
+        };
+        Ok((headers, payload))
+    });
+    match decoded {
+        Ok((headers, payload)) => Claimed::Event(Event {
+            sequence_id,
+            event_id: row.get(1),
+            destination,
+            partition_key,
+            event_type: row.get(4),
+            payload,
+            headers,
+            mutation_id: row.get(7),
+            rejected: row.get(8),
+            attempts: attempts.max(0) as u32,
+            created_at: from_micros(row.get(10)),
+        }),
+        Err(reason) => Claimed::Undecodable {
+            sequence_id,
+            ordering_key: partition_key.unwrap_or_else(|| destination.clone()),
+            destination,
+            attempts: attempts.max(0) as u32,
+            reason,
+        },
+    }
+}
+
+impl OutboxStore for PgStore {
+    fn describe(&self) -> String {
+        format!("postgres {}", self.inner.tables.outbox)
+    }
+
+    fn claim(&self, request: ClaimRequest) -> BoxFuture<'static, StoreResult<Vec<Claimed>>> {
+        let inner = self.inner.clone();
+        async move {
+            let limit = request.limit as i64;
+            let lease = millis(request.lease);
+            let rows = Self::query(
+                &inner,
+                "claim",
+                &inner.sql.claim,
+                &[&request.node.0, &limit, &lease],
+            )
+            .await?;
+            let mut claimed: Vec<Claimed> = rows.iter().map(row_to_claimed).collect();
+            // RETURNING does not keep the scan's order.
+            claimed.sort_unstable_by_key(Claimed::sequence_id);
+            Ok(claimed)
+        }
+        .boxed()
+    }
+
+    fn ack(&self, node: NodeId, ids: Vec<SequenceId>) -> BoxFuture<'static, StoreResult<u64>> {
+        let inner = self.inner.clone();
+        async move {
+            let sql = if inner.retain_delivered {
+                &inner.sql.ack_retain
+            } else {
+                &inner.sql.ack_delete
+            };
+            Self::execute(&inner, "ack", sql, &[&node.0, &ids]).await
+        }
+        .boxed()
+    }
+
+    fn retry_later(
+        &self,
+        node: NodeId,
+        retries: Vec<RetryLater>,
+    ) -> BoxFuture<'static, StoreResult<u64>> {
+        let inner = self.inner.clone();
+        async move {
+            let ids: Vec<i64> = retries.iter().map(|r| r.sequence_id).collect();
+            let attempts: Vec<i32> = retries
+                .iter()
+                .map(|r| i32::try_from(r.attempts).unwrap_or(i32::MAX))
+                .collect();
+            let errors: Vec<&str> = retries.iter().map(|r| r.error.as_str()).collect();
+            let delays: Vec<i64> = retries.iter().map(|r| millis(r.delay)).collect();
+            Self::execute(
+                &inner,
+                "retry",
+                &inner.sql.retry_later,
+                &[&node.0, &ids, &attempts, &errors, &delays],
+            )
+            .await
+        }
+        .boxed()
+    }
+
+    fn dead_letter(
+        &self,
+        node: NodeId,
+        entries: Vec<DeadLetter>,
+    ) -> BoxFuture<'static, StoreResult<u64>> {
+        let inner = self.inner.clone();
+        async move {
+            let ids: Vec<i64> = entries.iter().map(|e| e.sequence_id).collect();
+            let attempts: Vec<i32> = entries
+                .iter()
+                .map(|e| i32::try_from(e.attempts).unwrap_or(i32::MAX))
+                .collect();
+            let errors: Vec<&str> = entries.iter().map(|e| e.error.as_str()).collect();
+            Self::execute(
+                &inner,
+                "dead-letter",
+                &inner.sql.dead_letter,
+                &[&node.0, &ids, &attempts, &errors],
+            )
+            .await
+        }
+        .boxed()
+    }
+
+    fn release(&self, node: NodeId, ids: Vec<SequenceId>) -> BoxFuture<'static, StoreResult<u64>> {
+        let inner = self.inner.clone();
+        async move { Self::execute(&inner, "release", &inner.sql.release, &[&node.0, &ids]).await }
+            .boxed()
+    }
+
+    fn extend_leases(
+        &self,
+        node: NodeId,
+        ids: Vec<SequenceId>,
+        lease: Duration,
+    ) -> BoxFuture<'static, StoreResult<u64>> {
+        let inner = self.inner.clone();
+        async move {
+            let lease = millis(lease);
+            Self::execute(
+                &inner,
+                "extend leases",
+                &inner.sql.extend_leases,
+                &[&node.0, &ids, &lease],
+            )
+            .await
+        }
+        .boxed()
+    }
+
+    fn backlog(&self) -> BoxFuture<'static, StoreResult<Backlog>> {
+        let inner = self.inner.clone();
+        async move {
+            let rows = Self::query(&inner, "backlog", &inner.sql.backlog, &[]).await?;
+            let dead = Self::query(&inner, "backlog", &inner.sql.dead_count, &[]).await?;
+            let row = &rows[0];
+            let oldest: Option<i64> = row.get(2);
+            Ok(Backlog {
+                pending: row.get::<_, i64>(0) as u64,
+                retrying: row.get::<_, i64>(1) as u64,
+                dead: dead[0].get::<_, i64>(0) as u64,
+                oldest_pending_age: oldest.map(|ms| Duration::from_millis(ms.max(0) as u64)),
+            })
+        }
+        .boxed()
+    }
+
+    fn insert(&self, events: Vec<NewEvent>) -> BoxFuture<'static, StoreResult<Vec<SequenceId>>> {
+        let inner = self.inner.clone();
+        async move {
+            let ids: Vec<Option<uuid::Uuid>> = events.iter().map(|e| e.event_id).collect();
+            let destinations: Vec<&str> = events.iter().map(|e| e.destination.as_str()).collect();
+            let keys: Vec<Option<&str>> =
+                events.iter().map(|e| e.partition_key.as_deref()).collect();
+            let types: Vec<&str> = events.iter().map(|e| e.event_type.as_str()).collect();
+            let payloads: Vec<Option<&str>> = events.iter().map(|e| e.payload.as_deref()).collect();
+            let headers: Vec<String> = events
+                .iter()
+                .map(|e| serde_json::to_string(&e.headers).unwrap_or_else(|_| "{}".into()))
+                .collect();
+            let mutations: Vec<Option<&str>> =
+                events.iter().map(|e| e.mutation_id.as_deref()).collect();
+            let rows = Self::query(
+                &inner,
+                "insert",
+                &inner.sql.insert,
+                &[
+                    &ids,
+                    &destinations,
+                    &keys,
+                    &types,
+                    &payloads,
+                    &headers,
+                    &mutations,
+                ],
+            )
+            .await?;
+            Ok(rows.iter().map(|r| r.get(0)).collect())
+        }
+        .boxed()
+    }
+
+    fn ping(&self) -> BoxFuture<'static, StoreResult<()>> {
+        let inner = self.inner.clone();
+        async move {
+            Self::execute(&inner, "ping", "SELECT 1", &[])
+                .await
+                .map(|_| ())
+        }
+        .boxed()
+    }
+
+    fn verify(&self) -> BoxFuture<'static, StoreResult<Vec<Problem>>> {
+        let inner = self.inner.clone();
+        async move { verify(&inner).await }.boxed()
+    }
+
+    fn subscribe(&self, on_change: OnChange) -> Option<BoxFuture<'static, ()>> {
+        let inner = self.inner.clone();
+        Some(listen_forever(inner, on_change).boxed())
+    }
+}
+
+async fn verify(inner: &Inner) -> StoreResult<Vec<Problem>> {
+    let t = &inner.tables;
+    let mut problems = Vec::new();
+    let migrate_fix = "run `outbox-relay migrate` (or apply `outbox-relay migrate --print`)";
+    // (table, privileges the relay needs on it)
+    let needs = [
+        (&t.outbox, "SELECT, UPDATE, DELETE"),
+        (&t.dead_letters, "SELECT, INSERT"),
+        (&t.nodes, "SELECT, INSERT, UPDATE, DELETE"),
+    ];
+    for (table, privileges) in needs {
+        let name = table.quoted();
+        let rows = PgStore::query(
+            inner,
+            "verify",
+            "SELECT to_regclass($1) IS NOT NULL",
+            &[&name],
+        )
+        .await?;
+        if !rows[0].get::<_, bool>(0) {
+            problems.push(Problem {
+                what: format!("table {table} does not exist"),
+                fix: migrate_fix.into(),
+            });
+            continue;
+        }
+        for privilege in privileges.split(", ") {
+            let rows = PgStore::query(
+                inner,
+                "verify",
+                "SELECT has_table_privilege(current_user, $1, $2)",
+                &[&name, &privilege],
+            )
+            .await?;
+            if !rows[0].get::<_, bool>(0) {
+                problems.push(Problem {
+                    what: format!("the current role lacks {privilege} on {table}"),
+                    fix: format!("GRANT {privilege} ON {name} TO <relay role>; (see `outbox-relay migrate --print`)"),
+                });
+            }
+        }
+    }
+    let (trigger, table) = t.trigger_exists_sql();
+    let rows = PgStore::query(
+        inner,
+        "verify",
+        "SELECT count(*)::int8 FROM pg_trigger WHERE tgname = $1 AND tgrelid = to_regclass($2)",
+        &[&trigger, &table],
+    )
+    .await?;
+    if rows[0].get::<_, i64>(0) == 0 {
+        problems.push(Problem {
+            what: format!("trigger {trigger} on {} is missing: the relay is not woken on insert and falls back to polling", t.outbox),
+            fix: migrate_fix.into(),
+        });
+    }
+    Ok(problems)
+}
+
+/// LISTENs on a dedicated connection and calls `on_change` for every notification, and once
+/// after each (re)connect to catch what was missed. Reconnects with backoff, forever.
+async fn listen_forever(inner: Arc<Inner>, on_change: OnChange) {
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        match listen_once(&inner, &on_change).await {
+            Ok(()) => backoff = Duration::from_millis(100),
+            Err(e) => {
+                tracing::warn!(error = %e.report(), retry_in = ?backoff, "LISTEN connection lost; the safety poll covers the gap");
+            }
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(5));
+    }
+}
+
+async fn listen_once(inner: &Inner, on_change: &OnChange) -> StoreResult<()> {
+    let (client, mut connection) = inner
+        .config
+        .connect(inner.tls.clone())
+        .await
+        .map_err(|e| db_error("listen", e))?;
+    let notify = on_change.clone();
+    let driver = async move {
+        loop {
+            match futures::future::poll_fn(|cx| connection.poll_message(cx)).await {
+                Some(Ok(AsyncMessage::Notification(_))) => notify(),
+                Some(Ok(_)) => {}
+                Some(Err(e)) => return Err(db_error("listen", e)),
+                None => {
+                    return Err(StoreError::new(
+                        StoreErrorKind::Connection,
+                        "listen: connection closed",
+                    ))
+                }
+            }
+        }
+    };
+    let driver = tokio::spawn(driver);
+    let listen = format!("LISTEN {}", inner.tables.notify_channel.quoted());
+    if let Err(e) = client.batch_execute(&listen).await {
+        driver.abort();
+        return Err(db_error("listen", e));
+    }
+    tracing::debug!(channel = %inner.tables.notify_channel, "listening for notifications");
+    on_change();
+    let result = driver.await.unwrap_or_else(|e| {
+        Err(StoreError::new(
+            StoreErrorKind::Connection,
+            format!("listen task failed: {e}"),
+        ))
+    });
+    drop(client);
+    result
+}
+
+impl NodeRegistry for PgStore {
+    fn heartbeat(&self, node: NodeId, ttl: Duration) -> BoxFuture<'static, StoreResult<()>> {
+        let inner = self.inner.clone();
+        async move {
+            let ttl = millis(ttl);
+            Self::execute(&inner, "heartbeat", &inner.sql.heartbeat, &[&node.0, &ttl])
+                .await
+                .map(|_| ())
+        }
+        .boxed()
+    }
+
+    fn remove_expired(&self) -> BoxFuture<'static, StoreResult<u64>> {
+        let inner = self.inner.clone();
+        async move {
+            Self::execute(
+                &inner,
+                "remove expired nodes",
+                &inner.sql.remove_expired,
+                &[],
+            )
+            .await
+        }
+        .boxed()
+    }
+
+    fn deregister(&self, node: NodeId) -> BoxFuture<'static, StoreResult<()>> {
+        let inner = self.inner.clone();
+        async move {
+            Self::execute(&inner, "deregister", &inner.sql.deregister, &[&node.0])
+                .await
+                .map(|_| ())
+        }
+        .boxed()
+    }
+
+    fn live_nodes(&self) -> BoxFuture<'static, StoreResult<Vec<NodeRecord>>> {
+        let inner = self.inner.clone();
+        async move {
+            let rows = Self::query(&inner, "list nodes", &inner.sql.live_nodes, &[]).await?;
+            Ok(rows
+                .iter()
+                .map(|r| NodeRecord {
+                    id: r.get(0),
+                    expiry: from_micros(r.get(1)),
+                })
+                .collect())
+        }
+        .boxed()
+    }
+}

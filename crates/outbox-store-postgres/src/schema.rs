@@ -1,0 +1,339 @@
+//! DDL, grants and statement texts, built from validated table names.
+
+use outbox_core::ident::{Ident, TableName};
+use outbox_core::StoreError;
+
+/// The notification channel the trigger signals and the relay listens on.
+pub const DEFAULT_NOTIFY_CHANNEL: &str = "outbox_relay";
+
+/// The names of everything the relay owns in the database.
+#[derive(Clone, Debug)]
+pub struct Tables {
+    pub outbox: TableName,
+    pub dead_letters: TableName,
+    pub nodes: TableName,
+    pub notify_channel: Ident,
+}
+
+impl Tables {
+    pub fn new(
+        outbox_schema: &str,
+        outbox_table: &str,
+        nodes_schema: &str,
+        nodes_table: &str,
+        notify_channel: &str,
+    ) -> Result<Self, StoreError> {
+        let outbox = TableName::new(outbox_schema, outbox_table)?;
+        let dead_letters = TableName::new(outbox_schema, &format!("{outbox_table}_dead_letters"))?;
+        Ok(Tables {
+            outbox,
+            dead_letters,
+            nodes: TableName::new(nodes_schema, nodes_table)?,
+            notify_channel: Ident::new(notify_channel, "notify channel")?,
+        })
+    }
+
+    /// The ordering-key expression; the claim query and the blocking index must agree on it.
+    pub const ORDERING_KEY: &'static str = "coalesce(partition_key, destination)";
+
+    fn notify_function(&self) -> String {
+        self.outbox.sibling("_notify")
+    }
+
+    fn trigger_name(&self) -> String {
+        format!("{}_trigger", self.outbox.name)
+    }
+
+    /// Everything `migrate` creates; each statement is idempotent.
+    pub fn ddl(&self) -> String {
+        let t = self.outbox.quoted();
+        let n = self.outbox.name.as_str();
+        let schema = self.outbox.schema.quoted();
+        let dl = self.dead_letters.quoted();
+        let nodes = self.nodes.quoted();
+        let nodes_schema = self.nodes.schema.quoted();
+        let func = self.notify_function();
+        let trigger = self.trigger_name();
+        let channel = self.notify_channel.as_str();
+        let key = Self::ORDERING_KEY;
+        format!(
+            r#"CREATE SCHEMA IF NOT EXISTS {schema};
+CREATE SCHEMA IF NOT EXISTS {nodes_schema};
+
+-- Applications insert here, in the same transaction as their data change.
+CREATE TABLE IF NOT EXISTS {t} (
+    sequence_id   bigserial PRIMARY KEY,          -- publish order
+    event_id      uuid NOT NULL UNIQUE DEFAULT gen_random_uuid(), -- idempotency key sent to brokers
+    destination   text NOT NULL,                  -- channel, topic or subject
+    partition_key text,                           -- ordering key; NULL means the destination
+    event_type    text NOT NULL,                  -- message name
+    payload       jsonb,
+    headers       jsonb NOT NULL DEFAULT '{{}}',
+    mutation_id   text,
+    rejected      boolean NOT NULL DEFAULT false,
+    created_at    timestamptz NOT NULL DEFAULT clock_timestamp(),
+    -- relay bookkeeping: applications leave these alone (available_at may schedule delivery)
+    available_at  timestamptz NOT NULL DEFAULT now(),
+    attempts      integer NOT NULL DEFAULT 0,
+    last_error    text,
+    locked_by     text,
+    locked_until  timestamptz,
+    delivered_at  timestamptz                     -- set only with --retain-delivered
+);
+
+-- Pending rows in publish order (the claim scan).
+CREATE INDEX IF NOT EXISTS "{n}_pending_idx" ON {t} (sequence_id) WHERE delivered_at IS NULL;
+
+-- Rows that can hold back later rows of their key: leased, or waiting to retry. Small by design.
+CREATE INDEX IF NOT EXISTS "{n}_blocking_idx" ON {t} (({key}), sequence_id)
+    WHERE delivered_at IS NULL AND (locked_by IS NOT NULL OR attempts > 0);
+
+-- Events that can never be delivered, whole, with their attempts and last error.
+CREATE TABLE IF NOT EXISTS {dl} (
+    sequence_id   bigint PRIMARY KEY,
+    event_id      uuid NOT NULL,
+    destination   text NOT NULL,
+    partition_key text,
+    event_type    text NOT NULL,
+    payload       jsonb,
+    headers       jsonb NOT NULL DEFAULT '{{}}',
+    mutation_id   text,
+    rejected      boolean NOT NULL DEFAULT false,
+    created_at    timestamptz NOT NULL,
+    attempts      integer NOT NULL,
+    last_error    text NOT NULL,
+    dead_at       timestamptz NOT NULL DEFAULT now()
+);
+
+-- Relay nodes and their heartbeats (the Ably connector's nodes table).
+CREATE TABLE IF NOT EXISTS {nodes} (
+    id     text PRIMARY KEY,
+    expiry timestamp without time zone NOT NULL
+);
+
+-- Wakes the relay after each inserting statement; never fails the application's insert.
+CREATE OR REPLACE FUNCTION {func}() RETURNS trigger AS $$
+BEGIN
+    PERFORM pg_notify('{channel}', '');
+    RETURN NULL;
+EXCEPTION
+    WHEN others THEN
+        RAISE WARNING 'unexpected error in %: %', TG_NAME, SQLERRM;
+        RETURN NULL;
+END;
+$$ LANGUAGE plpgsql;
+
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = '{trigger}' AND tgrelid = '{t}'::regclass) THEN
+        CREATE TRIGGER "{trigger}" AFTER INSERT ON {t}
+            FOR EACH STATEMENT EXECUTE FUNCTION {func}();
+    END IF;
+END
+$$;
+"#
+        )
+    }
+
+    /// The least privileges the relay's role needs at run time.
+    pub fn grants(&self, role: &str) -> String {
+        let t = self.outbox.quoted();
+        let dl = self.dead_letters.quoted();
+        let nodes = self.nodes.quoted();
+        let role = format!("\"{role}\"");
+        let mut schemas = vec![self.outbox.schema.quoted()];
+        if self.nodes.schema != self.outbox.schema {
+            schemas.push(self.nodes.schema.quoted());
+        }
+        format!(
+            r#"-- The relay's run-time role: no DDL, no access beyond these tables.
+-- CREATE ROLE {role} LOGIN PASSWORD '...';
+GRANT USAGE ON SCHEMA {schemas} TO {role};
+GRANT SELECT, UPDATE, DELETE ON {t} TO {role};
+GRANT SELECT, INSERT ON {dl} TO {role};
+GRANT SELECT, INSERT, UPDATE, DELETE ON {nodes} TO {role};
+-- Applications (and `outbox-relay send`) also need:
+--   GRANT INSERT ON {t} TO app_role;
+--   GRANT USAGE ON SEQUENCE {seq} TO app_role;
+"#,
+            schemas = schemas.join(", "),
+            seq = self.outbox.sibling("_sequence_id_seq"),
+        )
+    }
+
+    pub fn trigger_exists_sql(&self) -> (String, String) {
+        (self.trigger_name(), self.outbox.quoted())
+    }
+}
+
+/// Statement texts, built once per store.
+#[derive(Debug)]
+pub struct Statements {
+    pub claim: String,
+    pub ack_delete: String,
+    pub ack_retain: String,
+    pub retry_later: String,
+    pub dead_letter: String,
+    pub release: String,
+    pub extend_leases: String,
+    pub backlog: String,
+    pub dead_count: String,
+    pub insert: String,
+    pub heartbeat: String,
+    pub remove_expired: String,
+    pub deregister: String,
+    pub live_nodes: String,
+}
+
+/// Columns returned for each claimed row, decoded by `row_to_claimed`.
+const RETURNED: &str = "o.sequence_id, o.event_id, o.destination, o.partition_key, o.event_type, \
+     o.payload::text, o.headers::text, o.mutation_id, o.rejected, o.attempts, \
+     (extract(epoch from o.created_at) * 1000000)::int8";
+
+impl Statements {
+    pub fn new(tables: &Tables) -> Self {
+        let t = tables.outbox.quoted();
+        let dl = tables.dead_letters.quoted();
+        let nodes = tables.nodes.quoted();
+        let key_o = "coalesce(o.partition_key, o.destination)";
+        let key_p = "coalesce(p.partition_key, p.destination)";
+        Statements {
+            // $1 node, $2 limit, $3 lease in ms. See outbox_core::store for the contract.
+            claim: format!(
+                "WITH claimable AS (
+                    SELECT o.sequence_id FROM {t} o
+                    WHERE o.delivered_at IS NULL
+                      AND o.available_at <= now()
+                      AND (o.locked_until IS NULL OR o.locked_until < now())
+                      AND NOT EXISTS (
+                        SELECT 1 FROM {t} p
+                        WHERE {key_p} = {key_o}
+                          AND p.sequence_id < o.sequence_id
+                          AND p.delivered_at IS NULL
+                          AND (p.locked_by IS NOT NULL OR p.attempts > 0)
+                          AND (p.available_at > now()
+                               OR (p.locked_until > now() AND p.locked_by <> $1)))
+                    ORDER BY o.sequence_id
+                    LIMIT $2
+                    FOR UPDATE SKIP LOCKED)
+                 UPDATE {t} o
+                    SET locked_by = $1, locked_until = now() + $3 * interval '1 millisecond'
+                   FROM claimable c
+                  WHERE o.sequence_id = c.sequence_id
+              RETURNING {RETURNED}"
+            ),
+            ack_delete: format!(
+                "DELETE FROM {t} WHERE sequence_id = ANY($2) AND locked_by = $1"
+            ),
+            ack_retain: format!(
+                "UPDATE {t} SET delivered_at = now(), locked_by = NULL, locked_until = NULL
+                  WHERE sequence_id = ANY($2) AND locked_by = $1"
+            ),
+            retry_later: format!(
+                "UPDATE {t} o
+                    SET attempts = u.attempts, last_error = u.error,
+                        available_at = now() + u.delay_ms * interval '1 millisecond',
+                        locked_by = NULL, locked_until = NULL
+                   FROM unnest($2::int8[], $3::int4[], $4::text[], $5::int8[])
+                        AS u(sequence_id, attempts, error, delay_ms)
+                  WHERE o.sequence_id = u.sequence_id AND o.locked_by = $1"
+            ),
+            dead_letter: format!(
+                "WITH moved AS (
+                    DELETE FROM {t} o
+                     USING unnest($2::int8[], $3::int4[], $4::text[]) AS u(sequence_id, attempts, error)
+                     WHERE o.sequence_id = u.sequence_id AND o.locked_by = $1
+                 RETURNING o.*, u.attempts AS final_attempts, u.error AS final_error)
+                 INSERT INTO {dl} (sequence_id, event_id, destination, partition_key, event_type,
+                                   payload, headers, mutation_id, rejected, created_at,
+                                   attempts, last_error)
+                 SELECT sequence_id, event_id, destination, partition_key, event_type,
+                        payload, headers, mutation_id, rejected, created_at,
+                        final_attempts, final_error
+                   FROM moved
+                 ON CONFLICT (sequence_id) DO UPDATE
+                    SET attempts = EXCLUDED.attempts, last_error = EXCLUDED.last_error,
+                        dead_at = EXCLUDED.dead_at"
+            ),
+            release: format!(
+                "UPDATE {t} SET locked_by = NULL, locked_until = NULL
+                  WHERE sequence_id = ANY($2) AND locked_by = $1"
+            ),
+            extend_leases: format!(
+                "UPDATE {t} SET locked_until = now() + $3 * interval '1 millisecond'
+                  WHERE sequence_id = ANY($2) AND locked_by = $1"
+            ),
+            backlog: format!(
+                "SELECT count(*)::int8,
+                        count(*) FILTER (WHERE attempts > 0)::int8,
+                        (extract(epoch from now() - min(created_at)) * 1000)::int8
+                   FROM {t} WHERE delivered_at IS NULL"
+            ),
+            dead_count: format!("SELECT count(*)::int8 FROM {dl}"),
+            insert: format!(
+                "INSERT INTO {t} (event_id, destination, partition_key, event_type, payload,
+                                  headers, mutation_id)
+                 SELECT coalesce(u.event_id, gen_random_uuid()), u.destination, u.partition_key,
+                        u.event_type, u.payload::jsonb, u.headers::jsonb, u.mutation_id
+                   FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[],
+                               $6::text[], $7::text[])
+                        WITH ORDINALITY AS u(event_id, destination, partition_key, event_type,
+                                             payload, headers, mutation_id, n)
+                  ORDER BY u.n
+              RETURNING sequence_id"
+            ),
+            heartbeat: format!(
+                "INSERT INTO {nodes} (id, expiry)
+                 VALUES ($1, (now() AT TIME ZONE 'UTC') + $2 * interval '1 millisecond')
+                 ON CONFLICT (id) DO UPDATE SET expiry = EXCLUDED.expiry"
+            ),
+            remove_expired: format!(
+                "DELETE FROM {nodes} WHERE expiry < (now() AT TIME ZONE 'UTC')"
+            ),
+            deregister: format!("DELETE FROM {nodes} WHERE id = $1"),
+            live_nodes: format!(
+                "SELECT id, (extract(epoch from expiry) * 1000000)::int8 FROM {nodes}
+                  WHERE expiry >= (now() AT TIME ZONE 'UTC') ORDER BY id"
+            ),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tables() -> Tables {
+        Tables::new(
+            "app",
+            "events",
+            "app",
+            "relay_nodes",
+            DEFAULT_NOTIFY_CHANNEL,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn ddl_names_every_object_from_config_and_quotes_it() {
+        let ddl = tables().ddl();
+        assert!(ddl.contains("CREATE TABLE IF NOT EXISTS \"app\".\"events\" ("));
+        assert!(ddl.contains("CREATE TABLE IF NOT EXISTS \"app\".\"events_dead_letters\" ("));
+        assert!(ddl.contains("CREATE TABLE IF NOT EXISTS \"app\".\"relay_nodes\" ("));
+        assert!(ddl.contains("FUNCTION \"app\".\"events_notify\"()"));
+        assert!(
+            ddl.contains("CREATE TRIGGER \"events_trigger\" AFTER INSERT ON \"app\".\"events\"")
+        );
+        assert!(ddl.contains("FOR EACH STATEMENT"));
+        assert!(ddl.contains("pg_notify('outbox_relay', '')"));
+    }
+
+    #[test]
+    fn grants_are_least_privilege() {
+        let g = tables().grants("relay");
+        assert!(g.contains("GRANT SELECT, UPDATE, DELETE ON \"app\".\"events\" TO \"relay\";"));
+        assert!(g.contains("GRANT SELECT, INSERT ON \"app\".\"events_dead_letters\" TO \"relay\";"));
+        assert!(!g.contains("CREATE ON"));
+        assert!(!g.contains("INSERT ON \"app\".\"events\" TO \"relay\""));
+    }
+}

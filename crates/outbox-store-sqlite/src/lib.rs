@@ -1,0 +1,590 @@
+//! Embedded SQLite outbox store: the zero-configuration default (`./outbox.db`).
+//!
+//! It keeps the PostgreSQL store's semantics (leases, per-key blocking, retries, dead
+//! letters) in the same table layout, with times as Unix milliseconds. SQLite has no
+//! NOTIFY: [`OutboxStore::subscribe`] watches `PRAGMA data_version` on its own connection,
+//! which changes whenever another connection commits, so a poll costs one tiny read.
+//! rusqlite is synchronous, so every operation runs on a blocking thread.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use outbox_core::event::headers_from_json_text;
+use outbox_core::store::{
+    Backlog, ClaimRequest, Claimed, DeadLetter, NodeRecord, NodeRegistry, OnChange, Problem,
+    RetryLater, StoreResult,
+};
+use outbox_core::{
+    Event, NewEvent, NodeId, OutboxStore, Payload, SequenceId, StoreError, StoreErrorKind,
+};
+use rusqlite::types::ValueRef;
+use rusqlite::{params, Connection, OptionalExtension, Row};
+use uuid::Uuid;
+
+/// How often the wake-up task reads `PRAGMA data_version`.
+pub const DEFAULT_CHANGE_POLL: Duration = Duration::from_millis(10);
+
+const DDL: &str = r#"
+CREATE TABLE IF NOT EXISTS outbox (
+    sequence_id   INTEGER PRIMARY KEY AUTOINCREMENT,
+    event_id      TEXT NOT NULL UNIQUE DEFAULT (lower(
+                      hex(randomblob(4)) || '-' || hex(randomblob(2)) || '-4' ||
+                      substr(hex(randomblob(2)), 2) || '-' ||
+                      substr('89ab', 1 + (abs(random()) % 4), 1) ||
+                      substr(hex(randomblob(2)), 2) || '-' || hex(randomblob(6)))),
+    destination   TEXT NOT NULL,
+    partition_key TEXT,
+    event_type    TEXT NOT NULL,
+    payload       TEXT,                                  -- JSON text
+    headers       TEXT NOT NULL DEFAULT '{}',            -- JSON object
+    mutation_id   TEXT,
+    rejected      INTEGER NOT NULL DEFAULT 0,
+    created_at    INTEGER NOT NULL DEFAULT (CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)),
+    available_at  INTEGER NOT NULL DEFAULT (CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)),
+    attempts      INTEGER NOT NULL DEFAULT 0,
+    last_error    TEXT,
+    locked_by     TEXT,
+    locked_until  INTEGER,
+    delivered_at  INTEGER
+);
+CREATE INDEX IF NOT EXISTS outbox_pending_idx ON outbox (sequence_id) WHERE delivered_at IS NULL;
+CREATE INDEX IF NOT EXISTS outbox_blocking_idx ON outbox (coalesce(partition_key, destination), sequence_id)
+    WHERE delivered_at IS NULL AND (locked_by IS NOT NULL OR attempts > 0);
+CREATE TABLE IF NOT EXISTS outbox_dead_letters (
+    sequence_id   INTEGER PRIMARY KEY,
+    event_id      TEXT NOT NULL,
+    destination   TEXT NOT NULL,
+    partition_key TEXT,
+    event_type    TEXT NOT NULL,
+    payload       TEXT,
+    headers       TEXT NOT NULL DEFAULT '{}',
+    mutation_id   TEXT,
+    rejected      INTEGER NOT NULL DEFAULT 0,
+    created_at    INTEGER NOT NULL,
+    attempts      INTEGER NOT NULL,
+    last_error    TEXT NOT NULL,
+    dead_at       INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS outbox_nodes (
+    id     TEXT PRIMARY KEY,
+    expiry TIMESTAMP NOT NULL                            -- Unix milliseconds
+);
+"#;
+
+const CLAIM: &str = "
+UPDATE outbox SET locked_by = ?1, locked_until = ?2 + ?4
+ WHERE sequence_id IN (
+    SELECT o.sequence_id FROM outbox o
+     WHERE o.delivered_at IS NULL
+       AND o.available_at <= ?2
+       AND (o.locked_until IS NULL OR o.locked_until < ?2)
+       AND NOT EXISTS (
+           SELECT 1 FROM outbox p
+            WHERE coalesce(p.partition_key, p.destination) = coalesce(o.partition_key, o.destination)
+              AND p.sequence_id < o.sequence_id
+              AND p.delivered_at IS NULL
+              AND (p.locked_by IS NOT NULL OR p.attempts > 0)
+              AND (p.available_at > ?2 OR (p.locked_until > ?2 AND p.locked_by <> ?1)))
+     ORDER BY o.sequence_id
+     LIMIT ?3)
+RETURNING sequence_id, event_id, destination, partition_key, event_type, payload, headers,
+          mutation_id, rejected, attempts, created_at";
+
+/// The SQLite store. Cheap to clone.
+#[derive(Clone)]
+pub struct SqliteStore {
+    conn: Arc<Mutex<Connection>>,
+    path: PathBuf,
+    retain_delivered: bool,
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX / 4)
+}
+
+fn sql_error(context: &str, error: rusqlite::Error) -> StoreError {
+    use rusqlite::ErrorCode;
+    let kind = match error.sqlite_error_code() {
+        Some(ErrorCode::DatabaseBusy | ErrorCode::DatabaseLocked) => StoreErrorKind::Conflict,
+        Some(ErrorCode::CannotOpen | ErrorCode::NotADatabase) => StoreErrorKind::Config,
+        Some(ErrorCode::ReadOnly | ErrorCode::PermissionDenied) => StoreErrorKind::Privilege,
+        _ if error.to_string().contains("no such table") => StoreErrorKind::MissingSchema,
+        _ => StoreErrorKind::Query,
+    };
+    StoreError::new(kind, format!("{context}: {error}")).with_source(error)
+}
+
+fn open(path: &Path) -> StoreResult<Connection> {
+    let conn = Connection::open(path).map_err(|e| {
+        sql_error(
+            &format!("cannot open SQLite database {}", path.display()),
+            e,
+        )
+    })?;
+    conn.busy_timeout(Duration::from_secs(10))
+        .map_err(|e| sql_error("busy_timeout", e))?;
+    conn.execute_batch("PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL;")
+        .map_err(|e| sql_error("configure SQLite", e))?;
+    Ok(conn)
+}
+
+impl SqliteStore {
+    /// Opens (creating if needed) the database file.
+    pub fn open(path: impl AsRef<Path>, retain_delivered: bool) -> StoreResult<Self> {
+        let path = path.as_ref().to_path_buf();
+        let conn = open(&path)?;
+        Ok(SqliteStore {
+            conn: Arc::new(Mutex::new(conn)),
+            path,
+            retain_delivered,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The DDL `migrate` applies.
+    pub fn ddl() -> &'static str {
+        DDL
+    }
+
+    /// Creates the tables and indexes that are missing.
+    pub async fn migrate(&self) -> StoreResult<()> {
+        self.with_conn(|conn| {
+            conn.execute_batch(&format!("BEGIN IMMEDIATE; {DDL} COMMIT;"))
+                .map_err(|e| sql_error("migrate", e))
+        })
+        .await
+    }
+
+    /// Runs arbitrary SQL (for tests and tools).
+    pub async fn batch_execute(&self, sql: &str) -> StoreResult<()> {
+        let sql = sql.to_string();
+        self.with_conn(move |conn| {
+            conn.execute_batch(&sql)
+                .map_err(|e| sql_error("execute", e))
+        })
+        .await
+    }
+
+    fn with_conn<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Connection) -> StoreResult<T> + Send + 'static,
+    ) -> BoxFuture<'static, StoreResult<T>> {
+        let conn = self.conn.clone();
+        async move {
+            tokio::task::spawn_blocking(move || {
+                let mut guard = conn.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+                f(&mut guard)
+            })
+            .await
+            .map_err(|e| {
+                StoreError::new(StoreErrorKind::Query, format!("SQLite task failed: {e}"))
+            })?
+        }
+        .boxed()
+    }
+
+    /// Runs `f` inside an immediate transaction.
+    fn in_tx<T: Send + 'static>(
+        &self,
+        context: &'static str,
+        f: impl FnOnce(&rusqlite::Transaction<'_>) -> rusqlite::Result<T> + Send + 'static,
+    ) -> BoxFuture<'static, StoreResult<T>> {
+        self.with_conn(move |conn| {
+            let tx = conn
+                .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
+                .map_err(|e| sql_error(context, e))?;
+            let value = f(&tx).map_err(|e| sql_error(context, e))?;
+            tx.commit().map_err(|e| sql_error(context, e))?;
+            Ok(value)
+        })
+    }
+}
+
+fn text_of(value: ValueRef<'_>) -> Result<Option<String>, String> {
+    match value {
+        ValueRef::Null => Ok(None),
+        ValueRef::Text(t) | ValueRef::Blob(t) => std::str::from_utf8(t)
+            .map(|s| Some(s.to_string()))
+            .map_err(|_| "is not UTF-8 text".to_string()),
+        ValueRef::Integer(i) => Ok(Some(i.to_string())),
+        ValueRef::Real(f) => Ok(Some(f.to_string())),
+    }
+}
+
+fn row_to_claimed(row: &Row<'_>) -> rusqlite::Result<Claimed> {
+    let sequence_id: i64 = row.get(0)?;
+    let destination: String = row.get(2)?;
+    let partition_key: Option<String> = row.get(3)?;
+    let attempts: i64 = row.get(9)?;
+    let decoded = (|| {
+        let event_id_text: String = text_of(row.get_ref(1).map_err(|e| e.to_string())?)
+            .map_err(|e| format!("event_id {e}"))?
+            .unwrap_or_default();
+        let event_id = Uuid::parse_str(&event_id_text)
+            .map_err(|e| format!("event_id {event_id_text:?} is not a UUID: {e}"))?;
+        let payload = match text_of(row.get_ref(5).map_err(|e| e.to_string())?)
+            .map_err(|e| format!("payload {e}"))?
+        {
+            None => Payload::Null,
+            Some(text) => Payload::from_json_text(text)?,
+        };
+        let headers_text = text_of(row.get_ref(6).map_err(|e| e.to_string())?)
+            .map_err(|e| format!("headers {e}"))?
+            .unwrap_or_default();
+        let headers = headers_from_json_text(&headers_text)?;
+        let event_type: String = row
+            .get(4)
+            .map_err(|e| format!("event_type is not text: {e}"))?;
+        let mutation_id: Option<String> = text_of(row.get_ref(7).map_err(|e| e.to_string())?)
+            .map_err(|e| format!("mutation_id {e}"))?;
+        let rejected: i64 = row.get(8).map_err(|e| format!("rejected: {e}"))?;
+        let created_ms: i64 = row.get(10).map_err(|e| format!("created_at: {e}"))?;
+        Ok::<_, String>(Event {
+            sequence_id,
+            event_id,
+            destination: destination.clone(),
+            partition_key: partition_key.clone(),
+            event_type,
+            payload,
+            headers,
+            mutation_id,
+            rejected: rejected != 0,
+            attempts: attempts.max(0) as u32,
+            created_at: UNIX_EPOCH + Duration::from_millis(created_ms.max(0) as u64),
+        })
+    })();
+    Ok(match decoded {
+        Ok(event) => Claimed::Event(event),
+        Err(reason) => Claimed::Undecodable {
+            sequence_id,
+            ordering_key: partition_key.unwrap_or_else(|| destination.clone()),
+            destination,
+            attempts: attempts.max(0) as u32,
+            reason,
+        },
+    })
+}
+
+/// Runs `stmt` once per id; SQLite has no arrays, and a prepared statement per row inside
+/// one transaction costs microseconds.
+fn for_each_id(
+    tx: &rusqlite::Transaction<'_>,
+    sql: &str,
+    node: &str,
+    ids: &[SequenceId],
+) -> rusqlite::Result<u64> {
+    let mut stmt = tx.prepare_cached(sql)?;
+    let mut n = 0;
+    for id in ids {
+        n += stmt.execute(params![node, id])? as u64;
+    }
+    Ok(n)
+}
+
+impl OutboxStore for SqliteStore {
+    fn describe(&self) -> String {
+        format!("sqlite {}", self.path.display())
+    }
+
+    fn claim(&self, request: ClaimRequest) -> BoxFuture<'static, StoreResult<Vec<Claimed>>> {
+        self.in_tx("claim", move |tx| {
+            let mut stmt = tx.prepare_cached(CLAIM)?;
+            let rows = stmt.query_map(
+                params![
+                    request.node.0,
+                    now_ms(),
+                    request.limit as i64,
+                    millis(request.lease)
+                ],
+                row_to_claimed,
+            )?;
+            let mut claimed = rows.collect::<rusqlite::Result<Vec<_>>>()?;
+            claimed.sort_unstable_by_key(Claimed::sequence_id);
+            Ok(claimed)
+        })
+    }
+
+    fn ack(&self, node: NodeId, ids: Vec<SequenceId>) -> BoxFuture<'static, StoreResult<u64>> {
+        let retain = self.retain_delivered;
+        self.in_tx("ack", move |tx| {
+            if retain {
+                let now = now_ms();
+                let mut stmt = tx.prepare_cached(
+                    "UPDATE outbox SET delivered_at = ?3, locked_by = NULL, locked_until = NULL
+                      WHERE sequence_id = ?2 AND locked_by = ?1",
+                )?;
+                let mut n = 0;
+                for id in &ids {
+                    n += stmt.execute(params![node.0, id, now])? as u64;
+                }
+                Ok(n)
+            } else {
+                for_each_id(
+                    tx,
+                    "DELETE FROM outbox WHERE sequence_id = ?2 AND locked_by = ?1",
+                    &node.0,
+                    &ids,
+                )
+            }
+        })
+    }
+
+    fn retry_later(
+        &self,
+        node: NodeId,
+        retries: Vec<RetryLater>,
+    ) -> BoxFuture<'static, StoreResult<u64>> {
+        self.in_tx("retry", move |tx| {
+            let now = now_ms();
+            let mut stmt = tx.prepare_cached(
+                "UPDATE outbox SET attempts = ?3, last_error = ?4, available_at = ?5,
+                        locked_by = NULL, locked_until = NULL
+                  WHERE sequence_id = ?2 AND locked_by = ?1",
+            )?;
+            let mut n = 0;
+            for r in &retries {
+                n += stmt.execute(params![
+                    node.0,
+                    r.sequence_id,
+                    r.attempts,
+                    r.error,
+                    now + millis(r.delay)
+                ])? as u64;
+            }
+            Ok(n)
+        })
+    }
+
+    fn dead_letter(
+        &self,
+        node: NodeId,
+        entries: Vec<DeadLetter>,
+    ) -> BoxFuture<'static, StoreResult<u64>> {
+        self.in_tx("dead-letter", move |tx| {
+            let now = now_ms();
+            let mut copy = tx.prepare_cached(
+                "INSERT OR REPLACE INTO outbox_dead_letters
+                   (sequence_id, event_id, destination, partition_key, event_type, payload, headers,
+                    mutation_id, rejected, created_at, attempts, last_error, dead_at)
+                 SELECT sequence_id, event_id, destination, partition_key, event_type, payload,
+                        headers, mutation_id, rejected, created_at, ?3, ?4, ?5
+                   FROM outbox WHERE sequence_id = ?2 AND locked_by = ?1",
+            )?;
+            let mut delete =
+                tx.prepare_cached("DELETE FROM outbox WHERE sequence_id = ?2 AND locked_by = ?1")?;
+            let mut n = 0;
+            for e in &entries {
+                copy.execute(params![node.0, e.sequence_id, e.attempts, e.error, now])?;
+                n += delete.execute(params![node.0, e.sequence_id])? as u64;
+            }
+            Ok(n)
+        })
+    }
+
+    fn release(&self, node: NodeId, ids: Vec<SequenceId>) -> BoxFuture<'static, StoreResult<u64>> {
+        self.in_tx("release", move |tx| {
+            for_each_id(
+                tx,
+                "UPDATE outbox SET locked_by = NULL, locked_until = NULL
+                  WHERE sequence_id = ?2 AND locked_by = ?1",
+                &node.0,
+                &ids,
+            )
+        })
+    }
+
+    fn extend_leases(
+        &self,
+        node: NodeId,
+        ids: Vec<SequenceId>,
+        lease: Duration,
+    ) -> BoxFuture<'static, StoreResult<u64>> {
+        self.in_tx("extend leases", move |tx| {
+            let until = now_ms() + millis(lease);
+            let mut stmt = tx.prepare_cached(
+                "UPDATE outbox SET locked_until = ?3 WHERE sequence_id = ?2 AND locked_by = ?1",
+            )?;
+            let mut n = 0;
+            for id in &ids {
+                n += stmt.execute(params![node.0, id, until])? as u64;
+            }
+            Ok(n)
+        })
+    }
+
+    fn backlog(&self) -> BoxFuture<'static, StoreResult<Backlog>> {
+        self.with_conn(|conn| {
+            let (pending, retrying, oldest): (i64, i64, Option<i64>) = conn
+                .query_row(
+                    "SELECT count(*), count(*) FILTER (WHERE attempts > 0), min(created_at)
+                       FROM outbox WHERE delivered_at IS NULL",
+                    [],
+                    |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+                )
+                .map_err(|e| sql_error("backlog", e))?;
+            let dead: i64 = conn
+                .query_row("SELECT count(*) FROM outbox_dead_letters", [], |r| r.get(0))
+                .map_err(|e| sql_error("backlog", e))?;
+            Ok(Backlog {
+                pending: pending as u64,
+                retrying: retrying as u64,
+                dead: dead as u64,
+                oldest_pending_age: oldest
+                    .map(|ms| Duration::from_millis((now_ms() - ms).max(0) as u64)),
+            })
+        })
+    }
+
+    fn insert(&self, events: Vec<NewEvent>) -> BoxFuture<'static, StoreResult<Vec<SequenceId>>> {
+        self.in_tx("insert", move |tx| {
+            let mut stmt = tx.prepare_cached(
+                "INSERT INTO outbox (event_id, destination, partition_key, event_type, payload,
+                                     headers, mutation_id)
+                 VALUES (coalesce(?1, lower(hex(randomblob(16)))), ?2, ?3, ?4, ?5, ?6, ?7)
+                 RETURNING sequence_id",
+            )?;
+            let mut ids = Vec::with_capacity(events.len());
+            for e in &events {
+                let event_id = e.event_id.unwrap_or_else(Uuid::new_v4).to_string();
+                let headers = serde_json::to_string(&e.headers).unwrap_or_else(|_| "{}".into());
+                ids.push(stmt.query_row(
+                    params![
+                        event_id,
+                        e.destination,
+                        e.partition_key,
+                        e.event_type,
+                        e.payload,
+                        headers,
+                        e.mutation_id
+                    ],
+                    |r| r.get(0),
+                )?);
+            }
+            Ok(ids)
+        })
+    }
+
+    fn ping(&self) -> BoxFuture<'static, StoreResult<()>> {
+        self.with_conn(|conn| {
+            conn.query_row("SELECT 1", [], |_| Ok(()))
+                .map_err(|e| sql_error("ping", e))
+        })
+    }
+
+    fn verify(&self) -> BoxFuture<'static, StoreResult<Vec<Problem>>> {
+        self.with_conn(|conn| {
+            let mut problems = Vec::new();
+            for table in ["outbox", "outbox_dead_letters", "outbox_nodes"] {
+                let found: Option<String> = conn
+                    .query_row(
+                        "SELECT name FROM sqlite_master WHERE type = 'table' AND name = ?1",
+                        [table],
+                        |r| r.get(0),
+                    )
+                    .optional()
+                    .map_err(|e| sql_error("verify", e))?;
+                if found.is_none() {
+                    problems.push(Problem {
+                        what: format!("table {table} does not exist"),
+                        fix: "run `outbox-relay migrate` (or `run --auto-migrate`)".into(),
+                    });
+                }
+            }
+            Ok(problems)
+        })
+    }
+
+    fn subscribe(&self, on_change: OnChange) -> Option<BoxFuture<'static, ()>> {
+        let path = self.path.clone();
+        Some(watch_data_version(path, on_change).boxed())
+    }
+}
+
+/// Calls `on_change` whenever another connection commits to the database file.
+async fn watch_data_version(path: PathBuf, on_change: OnChange) {
+    let conn = match tokio::task::spawn_blocking(move || open(&path)).await {
+        Ok(Ok(conn)) => Arc::new(Mutex::new(conn)),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e.report(), "cannot watch SQLite for changes; polling only");
+            return;
+        }
+        Err(_) => return,
+    };
+    let mut last: Option<i64> = None;
+    let mut ticker = tokio::time::interval(DEFAULT_CHANGE_POLL);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticker.tick().await;
+        let conn = conn.clone();
+        let version = tokio::task::spawn_blocking(move || {
+            let guard = conn.lock().unwrap_or_else(|p| p.into_inner());
+            guard.query_row("PRAGMA data_version", [], |r| r.get::<_, i64>(0))
+        })
+        .await;
+        if let Ok(Ok(version)) = version {
+            if last.is_some_and(|l| l != version) {
+                on_change();
+            }
+            last = Some(version);
+        }
+    }
+}
+
+impl NodeRegistry for SqliteStore {
+    fn heartbeat(&self, node: NodeId, ttl: Duration) -> BoxFuture<'static, StoreResult<()>> {
+        self.in_tx("heartbeat", move |tx| {
+            tx.execute(
+                "INSERT INTO outbox_nodes (id, expiry) VALUES (?1, ?2)
+                 ON CONFLICT (id) DO UPDATE SET expiry = excluded.expiry",
+                params![node.0, now_ms() + millis(ttl)],
+            )
+            .map(|_| ())
+        })
+    }
+
+    fn remove_expired(&self) -> BoxFuture<'static, StoreResult<u64>> {
+        self.in_tx("remove expired nodes", |tx| {
+            tx.execute("DELETE FROM outbox_nodes WHERE expiry < ?1", [now_ms()])
+                .map(|n| n as u64)
+        })
+    }
+
+    fn deregister(&self, node: NodeId) -> BoxFuture<'static, StoreResult<()>> {
+        self.in_tx("deregister", move |tx| {
+            tx.execute("DELETE FROM outbox_nodes WHERE id = ?1", [node.0])
+                .map(|_| ())
+        })
+    }
+
+    fn live_nodes(&self) -> BoxFuture<'static, StoreResult<Vec<NodeRecord>>> {
+        self.with_conn(|conn| {
+            let mut stmt = conn
+                .prepare("SELECT id, expiry FROM outbox_nodes WHERE expiry >= ?1 ORDER BY id")
+                .map_err(|e| sql_error("list nodes", e))?;
+            let rows = stmt
+                .query_map([now_ms()], |r| {
+                    Ok(NodeRecord {
+                        id: r.get(0)?,
+                        expiry: UNIX_EPOCH
+                            + Duration::from_millis(r.get::<_, i64>(1)?.max(0) as u64),
+                    })
+                })
+                .map_err(|e| sql_error("list nodes", e))?;
+            rows.collect::<rusqlite::Result<Vec<_>>>()
+                .map_err(|e| sql_error("list nodes", e))
+        })
+    }
+}

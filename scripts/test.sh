@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The whole test suite: installs and starts the servers, runs every test, stops the servers.
+#   scripts/test.sh [extra cargo-nextest arguments]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+cleanup() { scripts/servers.sh stop; }
+trap cleanup EXIT
+
+eval "$(scripts/servers.sh start)"
+
+if ! cargo nextest --version >/dev/null 2>&1; then
+  cargo install cargo-nextest --locked
+fi
+cargo nextest run --workspace --no-fail-fast "$@"
