@@ -1,1 +1,649 @@
+//! The relay engine: claim → publish → confirm → ack.
+//!
+//! [`run`] drives one node. It claims batches of rows from an [`OutboxStore`], puts them
+//! into per-key [`lanes`], hands lane heads to the [`Publisher`] (many keys at once, one
+//! event per key), and settles each outcome with one statement per batch: ack what the sink
+//! confirmed, record a retry (releasing the rest of that key's lane), or dead-letter.
+//!
+//! Wake-ups: a claim runs at start, on each store notification (NOTIFY, SQLite data
+//! version), on the poll ticker (the safety poll, or the only trigger in fixed-rate mode),
+//! when a retry comes due, and at once while the last claim came back full (a backlog), so
+//! a backlog drains without sleeping. Notifications arriving while a claim runs coalesce
+//! into one follow-up claim.
 
+pub mod lanes;
+pub mod metrics;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use futures::future::BoxFuture;
+use futures::stream::FuturesUnordered;
+use futures::{FutureExt, StreamExt};
+use outbox_core::store::{ClaimRequest, DeadLetter, RetryLater, StoreResult};
+use outbox_core::{
+    Claimed, Event, NodeId, OutboxStore, PublishError, PublishErrorKind, Publisher, RetryDecision,
+    RetryPolicy, SequenceId, StoreError,
+};
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use crate::lanes::{Head, Lanes};
+use crate::metrics::{DestinationLabels, DEFAULT_DESTINATION_LABELS};
+
+/// Rows claimed per statement by default: large enough to amortise the round trip, small
+/// enough that one claim's lock time stays in the low milliseconds.
+pub const DEFAULT_BATCH_SIZE: usize = 500;
+/// Rows one node holds at most (claimed, not yet settled).
+pub const DEFAULT_MAX_IN_FLIGHT: usize = 10_000;
+/// How long a claim's lease lives; a crashed node's rows come back after this.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+/// The safety poll with LISTEN, or the polling period in fixed-rate mode.
+pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_secs(1);
+/// How long a sink may take to confirm a batch before its events are retried.
+pub const DEFAULT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a graceful shutdown waits for in-flight publishes.
+pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(15);
+/// How often backlog gauges are refreshed.
+pub const DEFAULT_BACKLOG_INTERVAL: Duration = Duration::from_secs(5);
+
+/// How the engine learns that rows arrived.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WakeMode {
+    /// Store notifications plus a safety poll every `poll_interval`.
+    Notify,
+    /// Poll every `poll_interval` only (the seeds' ADBC_POLL_FIXED_RATE).
+    FixedRate,
+}
+
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    pub node: NodeId,
+    pub batch_size: usize,
+    pub max_in_flight: usize,
+    pub lease: Duration,
+    pub poll_interval: Duration,
+    pub wake: WakeMode,
+    pub retry: RetryPolicy,
+    pub publish_timeout: Duration,
+    pub shutdown_timeout: Duration,
+    pub backlog_interval: Duration,
+    /// Deliver what is deliverable now, then return.
+    pub drain: bool,
+}
+
+impl EngineConfig {
+    pub fn new(node: NodeId) -> Self {
+        EngineConfig {
+            node,
+            batch_size: DEFAULT_BATCH_SIZE,
+            max_in_flight: DEFAULT_MAX_IN_FLIGHT,
+            lease: DEFAULT_LEASE,
+            poll_interval: DEFAULT_POLL_INTERVAL,
+            wake: WakeMode::Notify,
+            retry: RetryPolicy::default(),
+            publish_timeout: DEFAULT_PUBLISH_TIMEOUT,
+            shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
+            backlog_interval: DEFAULT_BACKLOG_INTERVAL,
+            drain: false,
+        }
+    }
+}
+
+/// What a run did.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Summary {
+    pub published: u64,
+    pub retried: u64,
+    pub dead_lettered: u64,
+}
+
+/// A finished settle statement.
+enum Settled {
+    Acked(Vec<Acked>, StoreResult<u64>),
+    Retried(Vec<(Arc<str>, String)>, Vec<SequenceId>, StoreResult<u64>),
+    DeadLettered(Vec<(Arc<str>, String)>, Vec<SequenceId>, StoreResult<u64>),
+    Released(Vec<SequenceId>, StoreResult<u64>),
+    Extended(StoreResult<u64>),
+}
+
+struct Acked {
+    sequence_id: SequenceId,
+    destination: String,
+    created_at: SystemTime,
+}
+
+type Published = (Vec<Arc<Event>>, Vec<outbox_core::Outcome>);
+
+/// Retries a store write until it succeeds or fails for good. Settling must not be dropped:
+/// a row whose ack is lost would be published again, one whose retry is lost could reorder.
+async fn persist<F>(what: &'static str, mut op: F) -> StoreResult<u64>
+where
+    F: FnMut() -> BoxFuture<'static, StoreResult<u64>>,
+{
+    let mut delay = Duration::from_millis(50);
+    loop {
+        match op().await {
+            Ok(n) => return Ok(n),
+            Err(e) if e.is_retryable() => {
+                ::metrics::counter!(metrics::STORE_ERRORS, "operation" => what).increment(1);
+                tracing::warn!(operation = what, error = %e.report(), retry_in = ?delay, "store write failed; retrying");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(5));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+struct Engine {
+    store: Arc<dyn OutboxStore>,
+    publisher: Arc<dyn Publisher>,
+    config: EngineConfig,
+    lanes: Lanes,
+    labels: DestinationLabels,
+    publishing: FuturesUnordered<BoxFuture<'static, Published>>,
+    settling: FuturesUnordered<BoxFuture<'static, Settled>>,
+    summary: Summary,
+    claims_started: u64,
+    next_retry: Option<Instant>,
+}
+
+impl Engine {
+    fn spawn_settle(&mut self, settle: BoxFuture<'static, Settled>) {
+        self.settling.push(settle);
+    }
+
+    fn release(&mut self, ids: Vec<SequenceId>) {
+        if ids.is_empty() {
+            return;
+        }
+        let store = self.store.clone();
+        let node = self.config.node.clone();
+        self.spawn_settle(
+            async move {
+                let result = persist("release", || store.release(node.clone(), ids.clone())).await;
+                Settled::Released(ids, result)
+            }
+            .boxed(),
+        );
+    }
+
+    /// Hands out every ready lane head: events to the publisher, undecodable rows to the
+    /// dead letters.
+    fn dispatch(&mut self) {
+        loop {
+            let heads = self.lanes.take_ready(self.config.batch_size);
+            if heads.is_empty() {
+                return;
+            }
+            let mut batch = Vec::with_capacity(heads.len());
+            let mut undecodable = Vec::new();
+            for head in heads {
+                match head {
+                    Head::Publish(event) => batch.push(event),
+                    Head::DeadLetter {
+                        sequence_id,
+                        key,
+                        destination,
+                        attempts,
+                        reason,
+                    } => {
+                        tracing::error!(sequence_id, %destination, %reason, "undecodable row; dead-lettering it");
+                        undecodable.push((
+                            key,
+                            destination,
+                            DeadLetter {
+                                sequence_id,
+                                attempts,
+                                error: format!("undecodable row: {reason}"),
+                            },
+                        ));
+                    }
+                }
+            }
+            self.dead_letter(undecodable);
+            if !batch.is_empty() {
+                ::metrics::histogram!(metrics::PUBLISH_BATCH).record(batch.len() as f64);
+                let publish = self.publisher.publish(batch.clone());
+                let timeout = self.config.publish_timeout;
+                self.publishing.push(
+                    async move {
+                        let n = batch.len();
+                        let outcomes = match tokio::time::timeout(timeout, publish).await {
+                            Ok(outcomes) => outcomes,
+                            Err(_) => (0..n)
+                                .map(|_| {
+                                    Err(PublishError::new(
+                                        PublishErrorKind::Timeout,
+                                        format!("no confirmation within {timeout:?}"),
+                                    ))
+                                })
+                                .collect(),
+                        };
+                        (batch, outcomes)
+                    }
+                    .boxed(),
+                );
+            }
+        }
+    }
+
+    fn dead_letter(&mut self, entries: Vec<(Arc<str>, String, DeadLetter)>) {
+        if entries.is_empty() {
+            return;
+        }
+        let store = self.store.clone();
+        let node = self.config.node.clone();
+        let mut keys = Vec::with_capacity(entries.len());
+        let mut rows = Vec::with_capacity(entries.len());
+        for (key, destination, row) in entries {
+            keys.push((key, destination));
+            rows.push(row);
+        }
+        let ids: Vec<SequenceId> = rows.iter().map(|r| r.sequence_id).collect();
+        self.spawn_settle(
+            async move {
+                let result = persist("dead-letter", || {
+                    store.dead_letter(node.clone(), rows.clone())
+                })
+                .await;
+                Settled::DeadLettered(keys, ids, result)
+            }
+            .boxed(),
+        );
+    }
+
+    fn on_published(&mut self, (batch, mut outcomes): Published) {
+        if outcomes.len() != batch.len() {
+            tracing::error!(
+                sink = %self.publisher.describe(),
+                events = batch.len(),
+                outcomes = outcomes.len(),
+                "sink broke its contract (one outcome per event); retrying the batch"
+            );
+            outcomes = batch
+                .iter()
+                .map(|_| {
+                    Err(PublishError::new(
+                        PublishErrorKind::BrokerFailure,
+                        "sink returned the wrong number of outcomes",
+                    ))
+                })
+                .collect();
+        }
+        let now = SystemTime::now();
+        let mut acked = Vec::new();
+        let mut retries = Vec::new();
+        let mut retry_keys = Vec::new();
+        let mut dead = Vec::new();
+        let mut release = Vec::new();
+        let mut first_failure: Option<(String, usize)> = None;
+        for (event, outcome) in batch.iter().zip(outcomes) {
+            let key = event.ordering_key();
+            match outcome {
+                Ok(()) => {
+                    acked.push(Acked {
+                        sequence_id: event.sequence_id,
+                        destination: event.destination.clone(),
+                        created_at: event.created_at,
+                    });
+                    if let Ok(latency) = now.duration_since(event.created_at) {
+                        ::metrics::histogram!(metrics::COMMIT_TO_CONFIRM)
+                            .record(latency.as_secs_f64());
+                    }
+                    self.lanes.advance(key);
+                }
+                Err(error) => {
+                    let attempts = event.attempts + 1;
+                    let report = error.report();
+                    match self
+                        .config
+                        .retry
+                        .decide(&event.event_type, attempts, &error)
+                    {
+                        RetryDecision::RetryAfter(delay) => {
+                            match &mut first_failure {
+                                Some((_, n)) => *n += 1,
+                                None => first_failure = Some((report.clone(), 1)),
+                            }
+                            let due = Instant::now() + delay;
+                            self.next_retry = Some(self.next_retry.map_or(due, |d| d.min(due)));
+                            release.extend(self.lanes.block(key));
+                            retry_keys.push((Arc::from(key), event.destination.clone()));
+                            retries.push(RetryLater {
+                                sequence_id: event.sequence_id,
+                                attempts,
+                                error: report,
+                                delay,
+                            });
+                        }
+                        RetryDecision::DeadLetter => {
+                            tracing::error!(
+                                sequence_id = event.sequence_id,
+                                event_id = %event.event_id,
+                                destination = %event.destination,
+                                attempts,
+                                error = %report,
+                                "event cannot be delivered; dead-lettering it"
+                            );
+                            dead.push((
+                                Arc::from(key),
+                                event.destination.clone(),
+                                DeadLetter {
+                                    sequence_id: event.sequence_id,
+                                    attempts,
+                                    error: report,
+                                },
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+        if let Some((error, count)) = first_failure {
+            tracing::warn!(events = count, %error, sink = %self.publisher.describe(), "publish failed; will retry with backoff");
+        }
+        self.ack(acked);
+        self.retry_later(retry_keys, retries);
+        self.dead_letter(dead);
+        self.release(release);
+    }
+
+    fn ack(&mut self, acked: Vec<Acked>) {
+        if acked.is_empty() {
+            return;
+        }
+        let store = self.store.clone();
+        let node = self.config.node.clone();
+        let ids: Vec<SequenceId> = acked.iter().map(|a| a.sequence_id).collect();
+        self.spawn_settle(
+            async move {
+                let result = persist("ack", || store.ack(node.clone(), ids.clone())).await;
+                Settled::Acked(acked, result)
+            }
+            .boxed(),
+        );
+    }
+
+    fn retry_later(&mut self, keys: Vec<(Arc<str>, String)>, retries: Vec<RetryLater>) {
+        if retries.is_empty() {
+            return;
+        }
+        let store = self.store.clone();
+        let node = self.config.node.clone();
+        let ids: Vec<SequenceId> = retries.iter().map(|r| r.sequence_id).collect();
+        self.spawn_settle(
+            async move {
+                let result =
+                    persist("retry", || store.retry_later(node.clone(), retries.clone())).await;
+                Settled::Retried(keys, ids, result)
+            }
+            .boxed(),
+        );
+    }
+
+    fn fenced(&self, what: &str, expected: usize, done: u64) {
+        if (done as usize) < expected {
+            let missing = expected - done as usize;
+            ::metrics::counter!(metrics::FENCED).increment(missing as u64);
+            tracing::warn!(
+                operation = what,
+                rows = missing,
+                "rows were no longer leased by this node (lease expired); they will be delivered again"
+            );
+        }
+    }
+
+    fn on_settled(&mut self, settled: Settled) -> StoreResult<()> {
+        match settled {
+            Settled::Acked(acked, result) => {
+                let n = result?;
+                self.fenced("ack", acked.len(), n);
+                for a in &acked {
+                    ::metrics::counter!(metrics::PUBLISHED, "destination" => self.labels.label(&a.destination))
+                        .increment(1);
+                    let _ = a.created_at;
+                }
+                self.summary.published += acked.len() as u64;
+                let ids: Vec<SequenceId> = acked.iter().map(|a| a.sequence_id).collect();
+                self.lanes.forget(&ids);
+            }
+            Settled::Retried(keys, ids, result) => {
+                let n = result?;
+                self.fenced("retry", ids.len(), n);
+                for (key, destination) in &keys {
+                    self.lanes.retry_recorded(key, self.claims_started);
+                    ::metrics::counter!(metrics::RETRIED, "destination" => self.labels.label(destination))
+                        .increment(1);
+                }
+                self.summary.retried += ids.len() as u64;
+                self.lanes.forget(&ids);
+            }
+            Settled::DeadLettered(keys, ids, result) => {
+                let n = result?;
+                self.fenced("dead-letter", ids.len(), n);
+                for (key, destination) in &keys {
+                    self.lanes.advance(key);
+                    ::metrics::counter!(metrics::DEAD_LETTERED, "destination" => self.labels.label(destination))
+                        .increment(1);
+                }
+                self.summary.dead_lettered += ids.len() as u64;
+                self.lanes.forget(&ids);
+            }
+            Settled::Released(ids, result) => {
+                result?;
+                self.lanes.forget(&ids);
+            }
+            Settled::Extended(result) => {
+                if let Err(e) = result {
+                    tracing::warn!(error = %e.report(), "could not extend leases");
+                }
+            }
+        }
+        ::metrics::gauge!(metrics::IN_FLIGHT).set(self.lanes.held() as f64);
+        Ok(())
+    }
+}
+
+/// Runs the relay until `shutdown` resolves (or, with `drain`, until nothing deliverable is
+/// left). Returns an error only for a store failure that retrying cannot fix (missing
+/// tables, privileges); the error says how to fix it.
+pub async fn run(
+    store: Arc<dyn OutboxStore>,
+    publisher: Arc<dyn Publisher>,
+    config: EngineConfig,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<Summary, StoreError> {
+    metrics::describe();
+    let wake = Arc::new(Notify::new());
+    let listener = match config.wake {
+        WakeMode::Notify => {
+            let wake = wake.clone();
+            store
+                .subscribe(Arc::new(move || wake.notify_one()))
+                .map(tokio::spawn)
+        }
+        WakeMode::FixedRate => None,
+    };
+    let backlog_reporter = tokio::spawn(report_backlog(store.clone(), config.backlog_interval));
+    let mut engine = Engine {
+        store,
+        publisher,
+        labels: DestinationLabels::new(DEFAULT_DESTINATION_LABELS),
+        config,
+        lanes: Lanes::default(),
+        publishing: FuturesUnordered::new(),
+        settling: FuturesUnordered::new(),
+        summary: Summary::default(),
+        claims_started: 0,
+        next_retry: None,
+    };
+    let result = event_loop(&mut engine, wake, shutdown).await;
+    if let Some(listener) = listener {
+        listener.abort();
+    }
+    backlog_reporter.abort();
+    // Whatever is still leased goes back at once rather than after the lease.
+    let leftover = engine.lanes.held_ids();
+    if !leftover.is_empty() {
+        let release = engine.store.release(engine.config.node.clone(), leftover);
+        match tokio::time::timeout(Duration::from_secs(5), release).await {
+            Ok(Ok(n)) => tracing::info!(rows = n, "released leases"),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e.report(), "could not release leases; they expire by themselves")
+            }
+            Err(_) => tracing::warn!("releasing leases timed out; they expire by themselves"),
+        }
+    }
+    engine.publisher.close().await;
+    result.map(|()| engine.summary)
+}
+
+async fn event_loop(
+    engine: &mut Engine,
+    wake: Arc<Notify>,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), StoreError> {
+    tokio::pin!(shutdown);
+    let config = engine.config.clone();
+    let mut poll = tokio::time::interval(config.poll_interval);
+    poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut extend = tokio::time::interval(config.lease / 3);
+    extend.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    extend.reset();
+    let mut claiming: Option<BoxFuture<'static, (u64, usize, StoreResult<Vec<Claimed>>)>> = None;
+    let mut want_claim = true; // poll once at start-up
+    let mut backlog = false; // the last claim came back full
+    let mut last_claim_empty = false;
+    let mut claim_backoff = Duration::from_millis(100);
+    let mut claim_not_before = Instant::now();
+    let mut extending = false;
+    let mut stopping_deadline: Option<Instant> = None;
+
+    loop {
+        let stopping = stopping_deadline.is_some();
+        if !stopping {
+            engine.dispatch();
+            let capacity = config.max_in_flight.saturating_sub(engine.lanes.held());
+            if claiming.is_none()
+                && (want_claim || backlog)
+                && capacity > 0
+                && Instant::now() >= claim_not_before
+            {
+                want_claim = false;
+                engine.claims_started += 1;
+                let claim_no = engine.claims_started;
+                let limit = capacity.min(config.batch_size);
+                let claim = engine.store.claim(ClaimRequest {
+                    node: config.node.clone(),
+                    limit,
+                    lease: config.lease,
+                });
+                claiming = Some(async move { (claim_no, limit, claim.await) }.boxed());
+            }
+        }
+        let idle = claiming.is_none()
+            && engine.publishing.is_empty()
+            && engine.settling.is_empty()
+            && engine.lanes.held() == 0;
+        if stopping
+            && claiming.is_none()
+            && engine.publishing.is_empty()
+            && engine.settling.is_empty()
+        {
+            return Ok(());
+        }
+        if config.drain && idle && last_claim_empty && !want_claim && !backlog {
+            return Ok(());
+        }
+        let retry_due = engine.next_retry;
+        let claim_wait = (claim_not_before > Instant::now()).then_some(claim_not_before);
+        tokio::select! {
+            () = &mut shutdown, if !stopping => {
+                tracing::info!("shutting down: settling in-flight events");
+                stopping_deadline = Some(Instant::now() + config.shutdown_timeout);
+                let unstarted = engine.lanes.take_unstarted();
+                engine.release(unstarted);
+            }
+            () = tokio::time::sleep_until(stopping_deadline.unwrap_or_else(Instant::now)), if stopping => {
+                tracing::warn!(
+                    publishing = engine.publishing.len(),
+                    settling = engine.settling.len(),
+                    "shutdown timeout reached; leaving the rest to lease expiry"
+                );
+                return Ok(());
+            }
+            (claim_no, limit, result) = async { claiming.as_mut().expect("guarded").await }, if claiming.is_some() => {
+                claiming = None;
+                match result {
+                    Ok(rows) => {
+                        claim_backoff = Duration::from_millis(100);
+                        ::metrics::histogram!(metrics::CLAIM_BATCH).record(rows.len() as f64);
+                        backlog = rows.len() >= limit;
+                        last_claim_empty = rows.is_empty();
+                        let release = engine.lanes.accept(claim_no, rows);
+                        engine.lanes.expire_blocks(claim_no);
+                        engine.release(release);
+                        if stopping_deadline.is_some() {
+                            let unstarted = engine.lanes.take_unstarted();
+                            engine.release(unstarted);
+                        }
+                        ::metrics::gauge!(metrics::IN_FLIGHT).set(engine.lanes.held() as f64);
+                    }
+                    Err(e) if e.is_retryable() => {
+                        ::metrics::counter!(metrics::STORE_ERRORS, "operation" => "claim").increment(1);
+                        tracing::warn!(error = %e.report(), retry_in = ?claim_backoff, "claim failed");
+                        want_claim = true;
+                        claim_not_before = Instant::now() + claim_backoff;
+                        claim_backoff = (claim_backoff * 2).min(Duration::from_secs(5));
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            Some(published) = engine.publishing.next() => engine.on_published(published),
+            Some(settled) = engine.settling.next() => {
+                if matches!(settled, Settled::Extended(_)) {
+                    extending = false;
+                } else if config.drain {
+                    // Something changed: look once more before deciding the drain is done.
+                    want_claim = true;
+                }
+                engine.on_settled(settled)?;
+            }
+            () = wake.notified() => want_claim = true,
+            _ = poll.tick() => want_claim = true,
+            () = tokio::time::sleep_until(retry_due.unwrap_or_else(Instant::now)), if retry_due.is_some() && !config.drain => {
+                engine.next_retry = None;
+                want_claim = true;
+            }
+            () = tokio::time::sleep_until(claim_wait.unwrap_or_else(Instant::now)), if claim_wait.is_some() => {}
+            _ = extend.tick(), if !extending && engine.lanes.held() > 0 => {
+                extending = true;
+                let ids = engine.lanes.held_ids();
+                let store = engine.store.clone();
+                let node = config.node.clone();
+                let lease = config.lease;
+                engine.spawn_settle(async move { Settled::Extended(store.extend_leases(node, ids, lease).await) }.boxed());
+            }
+        }
+    }
+}
+
+async fn report_backlog(store: Arc<dyn OutboxStore>, every: Duration) {
+    let mut ticker = tokio::time::interval(every);
+    loop {
+        ticker.tick().await;
+        match store.backlog().await {
+            Ok(b) => {
+                ::metrics::gauge!(metrics::BACKLOG).set(b.pending as f64);
+                ::metrics::gauge!(metrics::RETRYING).set(b.retrying as f64);
+                ::metrics::gauge!(metrics::DEAD).set(b.dead as f64);
+                ::metrics::gauge!(metrics::OLDEST_AGE)
+                    .set(b.oldest_pending_age.map_or(0.0, |a| a.as_secs_f64()));
+            }
+            Err(e) => tracing::debug!(error = %e.report(), "backlog query failed"),
+        }
+    }
+}

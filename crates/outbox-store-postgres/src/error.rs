@@ -5,8 +5,15 @@ use tokio_postgres::error::SqlState;
 
 pub fn classify(error: &tokio_postgres::Error) -> StoreErrorKind {
     let Some(code) = error.code() else {
-        // No SQLSTATE: the connection itself failed (I/O, TLS, closed).
-        return StoreErrorKind::Connection;
+        // No SQLSTATE: either the connection failed (I/O, TLS, closed) or the client
+        // refused a parameter or row (a bug, not worth a reconnect).
+        let io = std::error::Error::source(error)
+            .is_some_and(|s| s.downcast_ref::<std::io::Error>().is_some());
+        return if error.is_closed() || io || error.to_string().starts_with("error connecting") {
+            StoreErrorKind::Connection
+        } else {
+            StoreErrorKind::Query
+        };
     };
     if *code == SqlState::UNDEFINED_TABLE
         || *code == SqlState::UNDEFINED_COLUMN

@@ -217,7 +217,7 @@ impl Statements {
                     LIMIT $2
                     FOR UPDATE SKIP LOCKED)
                  UPDATE {t} o
-                    SET locked_by = $1, locked_until = now() + $3 * interval '1 millisecond'
+                    SET locked_by = $1, locked_until = now() + $3::int8 * interval '1 millisecond'
                    FROM claimable c
                   WHERE o.sequence_id = c.sequence_id
               RETURNING {RETURNED}"
@@ -260,7 +260,7 @@ impl Statements {
                   WHERE sequence_id = ANY($2) AND locked_by = $1"
             ),
             extend_leases: format!(
-                "UPDATE {t} SET locked_until = now() + $3 * interval '1 millisecond'
+                "UPDATE {t} SET locked_until = now() + $3::int8 * interval '1 millisecond'
                   WHERE sequence_id = ANY($2) AND locked_by = $1"
             ),
             backlog: format!(
@@ -284,7 +284,7 @@ impl Statements {
             ),
             heartbeat: format!(
                 "INSERT INTO {nodes} (id, expiry)
-                 VALUES ($1, (now() AT TIME ZONE 'UTC') + $2 * interval '1 millisecond')
+                 VALUES ($1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond')
                  ON CONFLICT (id) DO UPDATE SET expiry = EXCLUDED.expiry"
             ),
             remove_expired: format!(

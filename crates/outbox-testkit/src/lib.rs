@@ -1,1 +1,63 @@
+//! Test support: databases on the servers `scripts/servers.sh` starts, a scriptable
+//! recording publisher, and the conformance suites every store must pass.
 
+pub mod conformance;
+pub mod recording;
+
+use std::time::Duration;
+
+/// The admin URL of the test PostgreSQL server. Tests fail (they do not skip) without it.
+pub fn pg_admin_url() -> String {
+    std::env::var("OUTBOX_TEST_DATABASE_URL").expect(
+        "OUTBOX_TEST_DATABASE_URL is not set: run the tests through scripts/test.sh, \
+         or `eval \"$(scripts/servers.sh start)\"` first",
+    )
+}
+
+/// Creates an empty database with a unique name and returns its URL, so tests never share state.
+pub async fn fresh_pg_database() -> String {
+    let admin = pg_admin_url();
+    let (client, connection) = tokio_postgres::connect(&admin, tokio_postgres::NoTls)
+        .await
+        .expect("connect to the test PostgreSQL server");
+    tokio::spawn(connection);
+    let name = format!("t_{}", uuid::Uuid::new_v4().simple());
+    client
+        .batch_execute(&format!("CREATE DATABASE {name}"))
+        .await
+        .expect("create test database");
+    with_database(&admin, &name)
+}
+
+/// `url` with its database name replaced.
+pub fn with_database(url: &str, database: &str) -> String {
+    let (base, query) = match url.split_once('?') {
+        Some((b, q)) => (b, Some(q)),
+        None => (url, None),
+    };
+    let cut = base.rfind('/').expect("URL has a path");
+    let mut out = format!("{}/{}", &base[..cut], database);
+    if let Some(q) = query {
+        out.push('?');
+        out.push_str(q);
+    }
+    out
+}
+
+/// Polls `check` until it returns `Some`, or panics after `timeout` naming `what`.
+pub async fn eventually<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            panic!("timed out after {timeout:?} waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

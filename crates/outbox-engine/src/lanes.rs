@@ -1,0 +1,295 @@
+//! Per-key lanes: the in-memory half of the ordering guarantee.
+//!
+//! Every claimed row joins the lane of its ordering key, in `sequence_id` order. Only the
+//! head of a lane is ever out (publishing, or being dead-lettered); the next one goes when
+//! the head is confirmed or dead-lettered. When a head must retry, the rest of its lane is
+//! released back to the store, where the head's future `available_at` blocks them, and the
+//! key is *blocked* here until the retry is recorded and every claim that could have read
+//! the rows before that is back (so a racing claim cannot slip a later row past the head).
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+
+use outbox_core::{Claimed, Event, SequenceId};
+
+/// A lane's head, handed out for work.
+#[derive(Clone, Debug)]
+pub enum Head {
+    Publish(Arc<Event>),
+    /// An undecodable row: it goes straight to the dead letters.
+    DeadLetter {
+        sequence_id: SequenceId,
+        key: Arc<str>,
+        destination: String,
+        attempts: u32,
+        reason: String,
+    },
+}
+
+#[derive(Default)]
+struct Lane {
+    queue: VecDeque<Claimed>,
+    busy: bool,
+}
+
+/// The block on a key whose head is waiting to retry.
+#[derive(Clone, Copy, Debug)]
+enum Block {
+    /// The retry is not recorded yet: release anything claimed for this key.
+    Unrecorded,
+    /// Recorded once `n` claims had started: claims numbered `<= n` may still carry stale rows.
+    RecordedAfterClaim(u64),
+}
+
+#[derive(Default)]
+pub struct Lanes {
+    lanes: HashMap<Arc<str>, Lane>,
+    ready: VecDeque<Arc<str>>,
+    blocked: HashMap<Arc<str>, Block>,
+    /// Every row this node leases and has not settled (for lease extension and release).
+    held: HashSet<SequenceId>,
+}
+
+impl Lanes {
+    pub fn held(&self) -> usize {
+        self.held.len()
+    }
+
+    pub fn held_ids(&self) -> Vec<SequenceId> {
+        self.held.iter().copied().collect()
+    }
+
+    pub fn has_ready(&self) -> bool {
+        !self.ready.is_empty()
+    }
+
+    /// Rows queued behind a head, not yet handed out.
+    pub fn queued(&self) -> usize {
+        self.lanes.values().map(|l| l.queue.len()).sum()
+    }
+
+    /// Adds the rows of claim number `claim_no` (sorted by `sequence_id`). Returns the rows
+    /// to release at once because their key is blocked.
+    pub fn accept(&mut self, claim_no: u64, claimed: Vec<Claimed>) -> Vec<SequenceId> {
+        let mut release = Vec::new();
+        for row in claimed {
+            let seq = row.sequence_id();
+            if !self.held.insert(seq) {
+                // Already ours (an ack still in progress); the claim only renewed the lease.
+                continue;
+            }
+            let key: Arc<str> = Arc::from(row.ordering_key());
+            match self.blocked.get(&key) {
+                Some(Block::Unrecorded) => {
+                    release.push(seq);
+                    continue;
+                }
+                Some(Block::RecordedAfterClaim(n)) if claim_no <= *n => {
+                    release.push(seq);
+                    continue;
+                }
+                Some(_) => {
+                    self.blocked.remove(&key);
+                }
+                None => {}
+            }
+            let lane = self.lanes.entry(key.clone()).or_default();
+            let was_idle = !lane.busy && lane.queue.is_empty();
+            lane.queue.push_back(row);
+            if was_idle {
+                self.ready.push_back(key);
+            }
+        }
+        release
+    }
+
+    /// Hands out up to `max` lane heads and marks their lanes busy.
+    pub fn take_ready(&mut self, max: usize) -> Vec<Head> {
+        let mut heads = Vec::new();
+        while heads.len() < max {
+            let Some(key) = self.ready.pop_front() else {
+                break;
+            };
+            let Some(lane) = self.lanes.get_mut(&key) else {
+                continue;
+            };
+            let Some(front) = lane.queue.front() else {
+                continue;
+            };
+            lane.busy = true;
+            heads.push(match front {
+                Claimed::Event(e) => Head::Publish(Arc::new(e.clone())),
+                Claimed::Undecodable {
+                    sequence_id,
+                    destination,
+                    attempts,
+                    reason,
+                    ..
+                } => Head::DeadLetter {
+                    sequence_id: *sequence_id,
+                    key: key.clone(),
+                    destination: destination.clone(),
+                    attempts: *attempts,
+                    reason: reason.clone(),
+                },
+            });
+        }
+        heads
+    }
+
+    /// The head of `key` is done (confirmed, or dead-lettered): the next row may go.
+    pub fn advance(&mut self, key: &str) {
+        let Some(lane) = self.lanes.get_mut(key) else {
+            return;
+        };
+        lane.queue.pop_front();
+        lane.busy = false;
+        if lane.queue.is_empty() {
+            self.lanes.remove(key);
+        } else {
+            self.ready.push_back(Arc::from(key));
+        }
+    }
+
+    /// The head of `key` must retry: drops the lane and blocks the key until
+    /// [`Lanes::retry_recorded`]. Returns the rows behind the head, to release.
+    pub fn block(&mut self, key: &str) -> Vec<SequenceId> {
+        let key: Arc<str> = Arc::from(key);
+        self.blocked.insert(key.clone(), Block::Unrecorded);
+        let Some(mut lane) = self.lanes.remove(&key) else {
+            return Vec::new();
+        };
+        lane.queue.pop_front();
+        lane.queue.iter().map(Claimed::sequence_id).collect()
+    }
+
+    /// The retry of `key`'s head is recorded; `claims_started` claims had begun by then.
+    pub fn retry_recorded(&mut self, key: &str, claims_started: u64) {
+        if let Some(block) = self.blocked.get_mut(key) {
+            *block = Block::RecordedAfterClaim(claims_started);
+        }
+    }
+
+    /// Drops blocks that no claim can be affected by any more.
+    pub fn expire_blocks(&mut self, claims_finished: u64) {
+        self.blocked.retain(|_, block| match block {
+            Block::Unrecorded => true,
+            Block::RecordedAfterClaim(n) => *n >= claims_finished,
+        });
+    }
+
+    /// Rows whose settle statement succeeded (or that were released) are no longer held.
+    pub fn forget(&mut self, ids: &[SequenceId]) {
+        for id in ids {
+            self.held.remove(id);
+        }
+    }
+
+    /// Everything still queued and not handed out (for release at shutdown).
+    pub fn take_unstarted(&mut self) -> Vec<SequenceId> {
+        let mut ids = Vec::new();
+        for lane in self.lanes.values_mut() {
+            let skip = usize::from(lane.busy);
+            ids.extend(lane.queue.iter().skip(skip).map(Claimed::sequence_id));
+            lane.queue.truncate(skip);
+        }
+        self.ready.clear();
+        ids
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use outbox_core::{Headers, Payload};
+    use std::time::SystemTime;
+
+    fn row(seq: i64, key: &str) -> Claimed {
+        Claimed::Event(Event {
+            sequence_id: seq,
+            event_id: uuid::Uuid::nil(),
+            destination: "d".into(),
+            partition_key: Some(key.into()),
+            event_type: "t".into(),
+            payload: Payload::Null,
+            headers: Headers::new(),
+            mutation_id: None,
+            rejected: false,
+            attempts: 0,
+            created_at: SystemTime::UNIX_EPOCH,
+        })
+    }
+
+    fn seqs(heads: &[Head]) -> Vec<i64> {
+        heads
+            .iter()
+            .map(|h| match h {
+                Head::Publish(e) => e.sequence_id,
+                Head::DeadLetter { sequence_id, .. } => *sequence_id,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn one_head_per_key_in_sequence_order() {
+        let mut lanes = Lanes::default();
+        lanes.accept(1, vec![row(1, "a"), row(2, "b"), row(3, "a"), row(4, "a")]);
+        assert_eq!(seqs(&lanes.take_ready(100)), vec![1, 2]);
+        assert!(lanes.take_ready(100).is_empty(), "heads are out");
+        lanes.advance("a");
+        assert_eq!(seqs(&lanes.take_ready(100)), vec![3]);
+        lanes.advance("a");
+        lanes.advance("b");
+        assert_eq!(seqs(&lanes.take_ready(100)), vec![4]);
+    }
+
+    #[test]
+    fn rows_claimed_later_queue_behind_the_busy_head() {
+        let mut lanes = Lanes::default();
+        lanes.accept(1, vec![row(1, "a")]);
+        assert_eq!(seqs(&lanes.take_ready(10)), vec![1]);
+        lanes.accept(2, vec![row(5, "a")]);
+        assert!(lanes.take_ready(10).is_empty());
+        lanes.advance("a");
+        assert_eq!(seqs(&lanes.take_ready(10)), vec![5]);
+    }
+
+    #[test]
+    fn a_retrying_head_releases_its_lane_and_blocks_stale_claims() {
+        let mut lanes = Lanes::default();
+        lanes.accept(1, vec![row(1, "a"), row(2, "a"), row(3, "b")]);
+        lanes.take_ready(10);
+        assert_eq!(lanes.block("a"), vec![2]);
+        // A claim racing the retry write returns row 6 of key a: released, not queued.
+        assert_eq!(lanes.accept(2, vec![row(6, "a")]), vec![6]);
+        lanes.retry_recorded("a", 3); // claim 3 started before the write finished
+        assert_eq!(lanes.accept(3, vec![row(7, "a")]), vec![7]);
+        lanes.expire_blocks(3);
+        // Claim 4 began after the retry was recorded: the store's own blocking applies.
+        assert!(lanes.accept(4, vec![row(8, "a")]).is_empty());
+        lanes.advance("b");
+        assert_eq!(seqs(&lanes.take_ready(10)), vec![8]);
+    }
+
+    #[test]
+    fn duplicate_claims_of_held_rows_are_ignored() {
+        let mut lanes = Lanes::default();
+        lanes.accept(1, vec![row(1, "a")]);
+        lanes.take_ready(10);
+        lanes.advance("a");
+        lanes.accept(2, vec![row(1, "a")]);
+        assert!(lanes.take_ready(10).is_empty());
+        lanes.forget(&[1]);
+        assert_eq!(lanes.held(), 0);
+    }
+
+    #[test]
+    fn shutdown_takes_only_rows_not_handed_out() {
+        let mut lanes = Lanes::default();
+        lanes.accept(1, vec![row(1, "a"), row(2, "a"), row(3, "b")]);
+        lanes.take_ready(1);
+        let mut ids = lanes.take_unstarted();
+        ids.sort();
+        assert_eq!(ids, vec![2, 3]);
+    }
+}

@@ -1,0 +1,101 @@
+//! Metric names and the destination label guard.
+
+use std::collections::HashSet;
+use std::sync::Mutex;
+
+pub const PUBLISHED: &str = "outbox_events_published_total";
+pub const RETRIED: &str = "outbox_events_retried_total";
+pub const DEAD_LETTERED: &str = "outbox_events_dead_lettered_total";
+pub const COMMIT_TO_CONFIRM: &str = "outbox_commit_to_confirm_seconds";
+pub const CLAIM_BATCH: &str = "outbox_claim_batch_size";
+pub const PUBLISH_BATCH: &str = "outbox_publish_batch_size";
+pub const IN_FLIGHT: &str = "outbox_in_flight_events";
+pub const FENCED: &str = "outbox_fenced_operations_total";
+pub const BACKLOG: &str = "outbox_backlog_events";
+pub const RETRYING: &str = "outbox_retrying_events";
+pub const DEAD: &str = "outbox_dead_letter_events";
+pub const OLDEST_AGE: &str = "outbox_oldest_pending_age_seconds";
+pub const STORE_ERRORS: &str = "outbox_store_errors_total";
+
+/// Registers descriptions so `/metrics` explains itself.
+pub fn describe() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    describe_counter!(PUBLISHED, "Events confirmed by the sink, by destination.");
+    describe_counter!(
+        RETRIED,
+        "Failed publishes scheduled for a retry, by destination."
+    );
+    describe_counter!(
+        DEAD_LETTERED,
+        "Events moved to the dead letters, by destination."
+    );
+    describe_histogram!(
+        COMMIT_TO_CONFIRM,
+        Unit::Seconds,
+        "Time from the event's insert (created_at) to the sink's confirmation."
+    );
+    describe_histogram!(CLAIM_BATCH, "Rows returned by each claim.");
+    describe_histogram!(
+        PUBLISH_BATCH,
+        "Events handed to the sink in one publish call."
+    );
+    describe_gauge!(IN_FLIGHT, "Rows this node leases and has not settled.");
+    describe_counter!(
+        FENCED,
+        "Acks or updates refused because this node no longer held the lease."
+    );
+    describe_gauge!(BACKLOG, "Pending events in the outbox.");
+    describe_gauge!(RETRYING, "Pending events that failed at least once.");
+    describe_gauge!(DEAD, "Events in the dead letters.");
+    describe_gauge!(
+        OLDEST_AGE,
+        Unit::Seconds,
+        "Age of the oldest pending event."
+    );
+    describe_counter!(STORE_ERRORS, "Failed database operations, by operation.");
+}
+
+/// Caps the number of distinct destination label values, so a destination per entity
+/// (`posts:123`) cannot blow up the metrics; the rest are counted as `other`.
+pub struct DestinationLabels {
+    seen: Mutex<HashSet<String>>,
+    limit: usize,
+}
+
+/// Distinct destinations labelled before the rest become `other`.
+pub const DEFAULT_DESTINATION_LABELS: usize = 500;
+
+impl DestinationLabels {
+    pub fn new(limit: usize) -> Self {
+        DestinationLabels {
+            seen: Mutex::new(HashSet::new()),
+            limit,
+        }
+    }
+
+    pub fn label(&self, destination: &str) -> String {
+        let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        if seen.contains(destination) {
+            return destination.to_string();
+        }
+        if seen.len() < self.limit {
+            seen.insert(destination.to_string());
+            return destination.to_string();
+        }
+        "other".to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn destinations_beyond_the_limit_become_other() {
+        let labels = DestinationLabels::new(2);
+        assert_eq!(labels.label("a"), "a");
+        assert_eq!(labels.label("b"), "b");
+        assert_eq!(labels.label("c"), "other");
+        assert_eq!(labels.label("a"), "a");
+    }
+}

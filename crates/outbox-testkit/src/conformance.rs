@@ -1,0 +1,618 @@
+//! The store conformance suite. Each store's `tests/conformance.rs` implements [`Harness`]
+//! and stamps every test out with [`store_conformance!`](crate::store_conformance), so all
+//! stores are held to the contract in `outbox_core::store`.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use outbox_core::store::{ClaimRequest, DeadLetter, NodeRegistry, RetryLater};
+use outbox_core::{
+    Claimed, NewEvent, NodeId, OutboxStore, PublishErrorKind, RetryPolicy, SequenceId,
+};
+use outbox_engine::{EngineConfig, WakeMode};
+
+use crate::eventually;
+use crate::recording::RecordingPublisher;
+
+/// A dead-lettered row as the suite checks it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DeadRow {
+    pub sequence_id: SequenceId,
+    pub attempts: i64,
+    pub last_error: String,
+    /// The payload as JSON text.
+    pub payload: Option<String>,
+}
+
+/// One fresh, migrated database per test.
+pub trait Harness: Send + Sync {
+    /// A store that deletes rows on ack.
+    fn store(&self) -> Arc<dyn OutboxStore>;
+    /// A store over the same database that keeps delivered rows.
+    fn retaining_store(&self) -> Arc<dyn OutboxStore>;
+    fn registry(&self) -> Arc<dyn NodeRegistry>;
+    /// Inserts an event inside a transaction that is rolled back.
+    fn insert_rolled_back(&self, destination: &str) -> BoxFuture<'_, ()>;
+    /// Inserts a row whose headers are not a JSON object.
+    fn insert_undecodable(&self, destination: &str) -> BoxFuture<'_, SequenceId>;
+    /// `(attempts, last_error, delivered)` of an outbox row, `None` if it is gone.
+    fn row_state(&self, id: SequenceId) -> BoxFuture<'_, Option<(i64, Option<String>, bool)>>;
+    fn dead_rows(&self) -> BoxFuture<'_, Vec<DeadRow>>;
+}
+
+/// Stamps out one `#[tokio::test]` per conformance test, given an async harness constructor.
+#[macro_export]
+macro_rules! store_conformance {
+    ($new_harness:path) => {
+        $crate::store_conformance!(@tests $new_harness;
+            exclusive_claims, per_key_order_across_nodes, retry_scheduling,
+            dead_lettering_keeps_the_whole_event, lease_expiry,
+            crash_between_publish_and_ack_redelivers, rolled_back_inserts_are_never_claimed,
+            undecodable_rows_are_claimed_for_dead_lettering, ack_deletes_or_retains,
+            release_makes_rows_claimable, node_registry,
+            engine_delivers_in_order_per_key, engine_retry_blocks_only_its_key,
+            engine_dead_letters_after_max_attempts_and_moves_on,
+            engine_dead_letters_permanent_errors_and_undecodable_rows);
+    };
+    (@tests $new_harness:path; $($name:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                let harness = $new_harness().await;
+                $crate::conformance::$name(&harness).await;
+            }
+        )*
+    };
+}
+
+fn event(destination: &str, key: Option<&str>, event_type: &str, n: usize) -> NewEvent {
+    NewEvent {
+        destination: destination.into(),
+        partition_key: key.map(String::from),
+        event_type: event_type.into(),
+        payload: Some(format!(r#"{{"n":{n}}}"#)),
+        ..NewEvent::default()
+    }
+}
+
+fn request(node: &NodeId, limit: usize) -> ClaimRequest {
+    ClaimRequest {
+        node: node.clone(),
+        limit,
+        lease: Duration::from_secs(30),
+    }
+}
+
+fn ids(claimed: &[Claimed]) -> Vec<SequenceId> {
+    claimed.iter().map(Claimed::sequence_id).collect()
+}
+
+pub async fn exclusive_claims(h: &dyn Harness) {
+    let store = h.store();
+    let events = (0..100)
+        .map(|n| event("d", Some(&format!("k{n}")), "t", n))
+        .collect();
+    let inserted = store.insert(events).await.unwrap();
+    let (a, b) = (NodeId::random(), NodeId::random());
+    let (ra, rb) = tokio::join!(store.claim(request(&a, 60)), store.claim(request(&b, 60)));
+    let (ra, rb) = (ids(&ra.unwrap()), ids(&rb.unwrap()));
+    let sa: HashSet<_> = ra.iter().collect();
+    assert!(
+        rb.iter().all(|id| !sa.contains(id)),
+        "a row was claimed twice"
+    );
+    let mut all: Vec<_> = ra.iter().chain(rb.iter()).copied().collect();
+    all.sort();
+    assert_eq!(all, inserted, "every row claimed exactly once");
+    let c = store.claim(request(&NodeId::random(), 100)).await.unwrap();
+    assert!(c.is_empty(), "leased rows are not claimable: {:?}", ids(&c));
+}
+
+pub async fn per_key_order_across_nodes(h: &dyn Harness) {
+    let store = h.store();
+    let seq = store
+        .insert(vec![
+            event("d", Some("a"), "t", 1),
+            event("d", Some("b"), "t", 2),
+            event("d", Some("a"), "t", 3),
+            event("d", None, "t", 4),
+        ])
+        .await
+        .unwrap();
+    let (a, b) = (NodeId::random(), NodeId::random());
+    let first = store.claim(request(&a, 1)).await.unwrap();
+    assert_eq!(ids(&first), vec![seq[0]]);
+    // Node b must not get a's later row of key "a" while a holds the earlier one.
+    let second = store.claim(request(&b, 10)).await.unwrap();
+    assert_eq!(
+        ids(&second),
+        vec![seq[1], seq[3]],
+        "key a is held by node a"
+    );
+    assert_eq!(
+        second[1].ordering_key(),
+        "d",
+        "a NULL key orders by destination"
+    );
+    // Node a's own lease does not block node a: it queues the row behind its head.
+    let third = store.claim(request(&a, 10)).await.unwrap();
+    assert_eq!(ids(&third), vec![seq[2]]);
+}
+
+pub async fn retry_scheduling(h: &dyn Harness) {
+    let store = h.store();
+    let seq = store
+        .insert(vec![
+            event("d", Some("a"), "t", 1),
+            event("d", Some("a"), "t", 2),
+            event("d", Some("b"), "t", 3),
+        ])
+        .await
+        .unwrap();
+    let node = NodeId::random();
+    let claimed = store.claim(request(&node, 1)).await.unwrap();
+    assert_eq!(ids(&claimed), vec![seq[0]]);
+    let retry = RetryLater {
+        sequence_id: seq[0],
+        attempts: 1,
+        error: "unavailable: broker down".into(),
+        delay: Duration::from_millis(400),
+    };
+    assert_eq!(
+        store.retry_later(node.clone(), vec![retry]).await.unwrap(),
+        1
+    );
+    assert_eq!(
+        h.row_state(seq[0]).await,
+        Some((1, Some("unavailable: broker down".into()), false))
+    );
+    // While a's head waits, its later row is blocked too; b flows.
+    let other = NodeId::random();
+    let now = store.claim(request(&other, 10)).await.unwrap();
+    assert_eq!(
+        ids(&now),
+        vec![seq[2]],
+        "only key b is claimable during a's backoff"
+    );
+    // After the delay, a's rows come back in order, attempts intact.
+    let later = eventually("the retry to come due", Duration::from_secs(10), || async {
+        let c = store.claim(request(&other, 10)).await.unwrap();
+        (!c.is_empty()).then_some(c)
+    })
+    .await;
+    assert_eq!(ids(&later), vec![seq[0], seq[1]]);
+    match &later[0] {
+        Claimed::Event(e) => assert_eq!(e.attempts, 1),
+        other => panic!("expected an event, got {other:?}"),
+    }
+}
+
+pub async fn dead_lettering_keeps_the_whole_event(h: &dyn Harness) {
+    let store = h.store();
+    let seq = store
+        .insert(vec![
+            event("d", Some("a"), "t", 1),
+            event("d", Some("a"), "t", 2),
+        ])
+        .await
+        .unwrap();
+    let node = NodeId::random();
+    store.claim(request(&node, 1)).await.unwrap();
+    let dead = DeadLetter {
+        sequence_id: seq[0],
+        attempts: 3,
+        error: "too_large: 2 MiB > 1 MiB".into(),
+    };
+    assert_eq!(
+        store.dead_letter(node.clone(), vec![dead]).await.unwrap(),
+        1
+    );
+    assert_eq!(h.row_state(seq[0]).await, None, "moved out of the outbox");
+    let rows = h.dead_rows().await;
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0].sequence_id, seq[0]);
+    assert_eq!(rows[0].attempts, 3);
+    assert_eq!(rows[0].last_error, "too_large: 2 MiB > 1 MiB");
+    let payload: serde_json::Value =
+        serde_json::from_str(rows[0].payload.as_deref().unwrap()).unwrap();
+    assert_eq!(payload, serde_json::json!({"n": 1}));
+    // The key carries on.
+    let next = store.claim(request(&NodeId::random(), 10)).await.unwrap();
+    assert_eq!(ids(&next), vec![seq[1]]);
+    assert_eq!(store.backlog().await.unwrap().dead, 1);
+}
+
+pub async fn lease_expiry(h: &dyn Harness) {
+    let store = h.store();
+    let seq = store
+        .insert(vec![event("d", Some("a"), "t", 1)])
+        .await
+        .unwrap();
+    let crashed = NodeId::random();
+    let short = ClaimRequest {
+        node: crashed.clone(),
+        limit: 10,
+        lease: Duration::from_millis(300),
+    };
+    assert_eq!(ids(&store.claim(short).await.unwrap()), seq);
+    let survivor = NodeId::random();
+    assert!(store
+        .claim(request(&survivor, 10))
+        .await
+        .unwrap()
+        .is_empty());
+    let reclaimed = eventually("the lease to expire", Duration::from_secs(10), || async {
+        let c = store.claim(request(&survivor, 10)).await.unwrap();
+        (!c.is_empty()).then_some(c)
+    })
+    .await;
+    assert_eq!(ids(&reclaimed), seq);
+    // Extending keeps a live lease alive.
+    assert_eq!(
+        store
+            .extend_leases(survivor.clone(), seq.clone(), Duration::from_secs(30))
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(
+        store
+            .extend_leases(crashed, seq, Duration::from_secs(30))
+            .await
+            .unwrap(),
+        0,
+        "a node cannot extend a lease it lost"
+    );
+}
+
+pub async fn crash_between_publish_and_ack_redelivers(h: &dyn Harness) {
+    let store = h.store();
+    let seq = store
+        .insert(vec![event("d", Some("a"), "t", 1)])
+        .await
+        .unwrap();
+    let first = NodeId::random();
+    let lease = ClaimRequest {
+        node: first.clone(),
+        limit: 10,
+        lease: Duration::from_millis(300),
+    };
+    let published = store.claim(lease).await.unwrap();
+    let Claimed::Event(published) = &published[0] else {
+        panic!("expected an event")
+    };
+    // ... the sink confirmed, and the node died before its ack.
+    let second = NodeId::random();
+    let again = eventually(
+        "redelivery after the lease",
+        Duration::from_secs(10),
+        || async {
+            let c = store.claim(request(&second, 10)).await.unwrap();
+            (!c.is_empty()).then_some(c)
+        },
+    )
+    .await;
+    let Claimed::Event(again) = &again[0] else {
+        panic!("expected an event")
+    };
+    assert_eq!(
+        again.event_id, published.event_id,
+        "same id: consumers can de-duplicate"
+    );
+    // The first node's late ack is fenced; the second node's ack lands.
+    assert_eq!(store.ack(first, seq.clone()).await.unwrap(), 0);
+    assert_eq!(store.ack(second, seq.clone()).await.unwrap(), 1);
+    assert_eq!(h.row_state(seq[0]).await, None);
+}
+
+pub async fn rolled_back_inserts_are_never_claimed(h: &dyn Harness) {
+    let store = h.store();
+    h.insert_rolled_back("d").await;
+    let committed = store.insert(vec![event("d", None, "t", 1)]).await.unwrap();
+    h.insert_rolled_back("d").await;
+    let claimed = store.claim(request(&NodeId::random(), 100)).await.unwrap();
+    assert_eq!(ids(&claimed), committed);
+}
+
+pub async fn undecodable_rows_are_claimed_for_dead_lettering(h: &dyn Harness) {
+    let store = h.store();
+    let bad = h.insert_undecodable("d").await;
+    let good = store
+        .insert(vec![event("d", Some("x"), "t", 1)])
+        .await
+        .unwrap();
+    let node = NodeId::random();
+    let claimed = store.claim(request(&node, 10)).await.unwrap();
+    assert_eq!(ids(&claimed), vec![bad, good[0]]);
+    match &claimed[0] {
+        Claimed::Undecodable { reason, .. } => {
+            assert!(
+                reason.contains("headers"),
+                "reason names the column: {reason}"
+            )
+        }
+        other => panic!("expected an undecodable row, got {other:?}"),
+    }
+    let dead = DeadLetter {
+        sequence_id: bad,
+        attempts: 0,
+        error: "undecodable row".into(),
+    };
+    assert_eq!(store.dead_letter(node, vec![dead]).await.unwrap(), 1);
+    assert_eq!(h.dead_rows().await[0].sequence_id, bad);
+}
+
+pub async fn ack_deletes_or_retains(h: &dyn Harness) {
+    let store = h.store();
+    let retaining = h.retaining_store();
+    let seq = store
+        .insert(vec![
+            event("d", Some("a"), "t", 1),
+            event("d", Some("b"), "t", 2),
+        ])
+        .await
+        .unwrap();
+    let node = NodeId::random();
+    store.claim(request(&node, 10)).await.unwrap();
+    assert_eq!(store.ack(node.clone(), vec![seq[0]]).await.unwrap(), 1);
+    assert_eq!(h.row_state(seq[0]).await, None, "deleted by default");
+    assert_eq!(retaining.ack(node.clone(), vec![seq[1]]).await.unwrap(), 1);
+    assert_eq!(
+        h.row_state(seq[1]).await,
+        Some((0, None, true)),
+        "kept, marked delivered"
+    );
+    assert!(store.claim(request(&node, 10)).await.unwrap().is_empty());
+    assert_eq!(store.backlog().await.unwrap().pending, 0);
+}
+
+pub async fn release_makes_rows_claimable(h: &dyn Harness) {
+    let store = h.store();
+    let seq = store
+        .insert(vec![
+            event("d", Some("a"), "t", 1),
+            event("d", Some("a"), "t", 2),
+        ])
+        .await
+        .unwrap();
+    let node = NodeId::random();
+    store.claim(request(&node, 10)).await.unwrap();
+    assert_eq!(store.release(node, seq.clone()).await.unwrap(), 2);
+    let other = store.claim(request(&NodeId::random(), 10)).await.unwrap();
+    assert_eq!(
+        ids(&other),
+        seq,
+        "released rows come back at once, in order"
+    );
+    match &other[0] {
+        Claimed::Event(e) => assert_eq!(e.attempts, 0, "a release is not an attempt"),
+        other => panic!("expected an event, got {other:?}"),
+    }
+}
+
+pub async fn node_registry(h: &dyn Harness) {
+    let registry = h.registry();
+    let (a, b) = (NodeId::random(), NodeId::random());
+    registry
+        .heartbeat(a.clone(), Duration::from_secs(30))
+        .await
+        .unwrap();
+    registry
+        .heartbeat(b.clone(), Duration::from_millis(200))
+        .await
+        .unwrap();
+    registry
+        .heartbeat(a.clone(), Duration::from_secs(30))
+        .await
+        .unwrap();
+    let live: HashSet<String> = registry
+        .live_nodes()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|n| n.id)
+        .collect();
+    assert_eq!(live, HashSet::from([a.0.clone(), b.0.clone()]));
+    let removed = eventually("node b to expire", Duration::from_secs(10), || async {
+        let n = registry.remove_expired().await.unwrap();
+        (n > 0).then_some(n)
+    })
+    .await;
+    assert_eq!(removed, 1);
+    registry.deregister(a).await.unwrap();
+    assert!(registry.live_nodes().await.unwrap().is_empty());
+}
+
+fn engine_config(drain: bool) -> EngineConfig {
+    let mut config = EngineConfig::new(NodeId::random());
+    config.drain = drain;
+    config.batch_size = 7; // small, so ordering crosses claim boundaries
+    config.wake = WakeMode::FixedRate;
+    config.poll_interval = Duration::from_millis(20);
+    config.retry = RetryPolicy {
+        base_delay: Duration::from_millis(20),
+        max_delay: Duration::from_millis(100),
+        max_attempts: 3,
+        max_attempts_by_type: HashMap::from([("fragile".to_string(), 1)]),
+    };
+    config
+}
+
+/// Runs the engine until every row is settled (delivered or dead), then stops it.
+async fn run_until_settled(
+    h: &dyn Harness,
+    publisher: &RecordingPublisher,
+    config: EngineConfig,
+) -> outbox_engine::Summary {
+    let store = h.store();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let engine = tokio::spawn(outbox_engine::run(
+        store.clone(),
+        Arc::new(publisher.clone()),
+        config,
+        async move {
+            let _ = stop_rx.await;
+        },
+    ));
+    eventually("the outbox to empty", Duration::from_secs(20), || async {
+        let b = store.backlog().await.unwrap();
+        (b.pending == 0).then_some(())
+    })
+    .await;
+    stop_tx.send(()).unwrap();
+    engine.await.unwrap().unwrap()
+}
+
+fn assert_per_key_order(delivered: &[Arc<outbox_core::Event>]) {
+    let mut last: HashMap<String, SequenceId> = HashMap::new();
+    for e in delivered {
+        if let Some(prev) = last.insert(e.ordering_key().to_string(), e.sequence_id) {
+            assert!(
+                prev < e.sequence_id,
+                "key {} went {} then {}",
+                e.ordering_key(),
+                prev,
+                e.sequence_id
+            );
+        }
+    }
+}
+
+pub async fn engine_delivers_in_order_per_key(h: &dyn Harness) {
+    let store = h.store();
+    let events = (0..200)
+        .map(|n| event("d", Some(&format!("k{}", n % 9)), "t", n))
+        .collect();
+    let seq = store.insert(events).await.unwrap();
+    let publisher = RecordingPublisher::new();
+    let summary = outbox_engine::run(
+        store,
+        Arc::new(publisher.clone()),
+        engine_config(true),
+        std::future::pending(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(summary.published, 200);
+    let delivered = publisher.delivered();
+    let mut got: Vec<_> = delivered.iter().map(|e| e.sequence_id).collect();
+    got.sort();
+    assert_eq!(got, seq);
+    assert_per_key_order(&delivered);
+    for batch in publisher.batches() {
+        let keys: HashSet<_> = batch.iter().collect();
+        assert_eq!(
+            keys.len(),
+            batch.len(),
+            "a batch carried one key twice: {batch:?}"
+        );
+    }
+}
+
+pub async fn engine_retry_blocks_only_its_key(h: &dyn Harness) {
+    let store = h.store();
+    let mut events = vec![event("d", Some("slow"), "flaky", 0)];
+    events.extend(
+        (1..30).map(|n| event("d", Some(if n % 2 == 0 { "slow" } else { "fast" }), "t", n)),
+    );
+    let seq = store.insert(events).await.unwrap();
+    let publisher = RecordingPublisher::new();
+    publisher.fail("flaky", 2, PublishErrorKind::Unavailable);
+    let summary = run_until_settled(h, &publisher, engine_config(false)).await;
+    assert_eq!(summary.published, 30);
+    assert_eq!(summary.retried, 2);
+    let delivered = publisher.delivered();
+    assert_per_key_order(&delivered);
+    // "fast" was not held back by "slow"'s retries: it finished before slow's head got through.
+    let head_at = delivered
+        .iter()
+        .position(|e| e.sequence_id == seq[0])
+        .unwrap();
+    let fast_done = delivered
+        .iter()
+        .rposition(|e| e.ordering_key() == "fast")
+        .unwrap();
+    assert!(
+        fast_done < head_at,
+        "fast key waited for the slow key's retries"
+    );
+    assert_eq!(
+        publisher
+            .attempts()
+            .iter()
+            .filter(|s| **s == seq[0])
+            .count(),
+        3
+    );
+}
+
+pub async fn engine_dead_letters_after_max_attempts_and_moves_on(h: &dyn Harness) {
+    let store = h.store();
+    let seq = store
+        .insert(vec![
+            event("d", Some("a"), "doomed", 0),
+            event("d", Some("a"), "t", 1),
+            event("d", Some("b"), "fragile", 2),
+        ])
+        .await
+        .unwrap();
+    let publisher = RecordingPublisher::new();
+    publisher.fail("doomed", 100, PublishErrorKind::Unavailable);
+    publisher.fail("fragile", 100, PublishErrorKind::Timeout);
+    let summary = run_until_settled(h, &publisher, engine_config(false)).await;
+    assert_eq!(summary.dead_lettered, 2);
+    let dead = h.dead_rows().await;
+    let by_id: HashMap<_, _> = dead.iter().map(|d| (d.sequence_id, d)).collect();
+    assert_eq!(by_id[&seq[0]].attempts, 3, "max_attempts");
+    assert!(
+        by_id[&seq[0]].last_error.contains("unavailable"),
+        "{}",
+        by_id[&seq[0]].last_error
+    );
+    assert_eq!(by_id[&seq[2]].attempts, 1, "per-type max attempts");
+    let delivered: Vec<_> = publisher
+        .delivered()
+        .iter()
+        .map(|e| e.sequence_id)
+        .collect();
+    assert_eq!(
+        delivered,
+        vec![seq[1]],
+        "the key carried on after its dead head"
+    );
+}
+
+pub async fn engine_dead_letters_permanent_errors_and_undecodable_rows(h: &dyn Harness) {
+    let store = h.store();
+    let first = store
+        .insert(vec![event("d", Some("a"), "huge", 0)])
+        .await
+        .unwrap();
+    let bad = h.insert_undecodable("d").await;
+    let rest = store
+        .insert((1..10).map(|n| event("d", Some("a"), "t", n)).collect())
+        .await
+        .unwrap();
+    let publisher = RecordingPublisher::new();
+    publisher.fail("huge", 1, PublishErrorKind::TooLarge);
+    let summary = outbox_engine::run(
+        store,
+        Arc::new(publisher.clone()),
+        engine_config(true),
+        std::future::pending(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(summary.dead_lettered, 2);
+    assert_eq!(summary.retried, 0, "permanent errors are not retried");
+    let dead: HashSet<_> = h.dead_rows().await.iter().map(|d| d.sequence_id).collect();
+    assert_eq!(dead, HashSet::from([first[0], bad]));
+    let delivered: Vec<_> = publisher
+        .delivered()
+        .iter()
+        .map(|e| e.sequence_id)
+        .collect();
+    assert_eq!(delivered, rest);
+}

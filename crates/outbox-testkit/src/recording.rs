@@ -1,0 +1,85 @@
+//! A publisher that records what it receives and fails on command, for engine tests.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use outbox_core::{Event, Outcome, PublishError, PublishErrorKind, Publisher};
+
+#[derive(Default)]
+struct State {
+    delivered: Vec<Arc<Event>>,
+    attempts: Vec<i64>,
+    /// Remaining failures to inject per event_type.
+    failures: HashMap<String, (usize, PublishErrorKind)>,
+    /// Keys of every batch, to check that a batch never holds a key twice.
+    batches: Vec<Vec<String>>,
+}
+
+/// Records every confirmed event in publish order.
+#[derive(Clone, Default)]
+pub struct RecordingPublisher {
+    state: Arc<Mutex<State>>,
+}
+
+impl RecordingPublisher {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Makes the next `times` publishes of `event_type` fail with `kind`.
+    pub fn fail(&self, event_type: &str, times: usize, kind: PublishErrorKind) {
+        self.state
+            .lock()
+            .unwrap()
+            .failures
+            .insert(event_type.to_string(), (times, kind));
+    }
+
+    /// Confirmed events, in the order they were confirmed.
+    pub fn delivered(&self) -> Vec<Arc<Event>> {
+        self.state.lock().unwrap().delivered.clone()
+    }
+
+    /// Every attempt's sequence_id, successful or not.
+    pub fn attempts(&self) -> Vec<i64> {
+        self.state.lock().unwrap().attempts.clone()
+    }
+
+    pub fn batches(&self) -> Vec<Vec<String>> {
+        self.state.lock().unwrap().batches.clone()
+    }
+}
+
+impl Publisher for RecordingPublisher {
+    fn describe(&self) -> String {
+        "recording".into()
+    }
+
+    fn publish(&self, batch: Vec<Arc<Event>>) -> BoxFuture<'static, Vec<Outcome>> {
+        let mut state = self.state.lock().unwrap();
+        state
+            .batches
+            .push(batch.iter().map(|e| e.ordering_key().to_string()).collect());
+        let outcomes = batch
+            .into_iter()
+            .map(|event| {
+                state.attempts.push(event.sequence_id);
+                if let Some((left, kind)) = state.failures.get_mut(&event.event_type) {
+                    if *left > 0 {
+                        *left -= 1;
+                        return Err(PublishError::new(*kind, "injected failure"));
+                    }
+                }
+                state.delivered.push(event);
+                Ok(())
+            })
+            .collect();
+        async move { outcomes }.boxed()
+    }
+
+    fn health(&self) -> BoxFuture<'static, Result<(), PublishError>> {
+        async { Ok(()) }.boxed()
+    }
+}
