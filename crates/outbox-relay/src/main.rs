@@ -1,1 +1,79 @@
-fn main() {}
+//! The `outbox-relay` binary: a thin layer of commands over the engine, stores and sinks.
+
+mod cli;
+mod commands;
+mod config;
+mod http;
+mod store;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use figment::providers::Serialized;
+
+use crate::cli::{Cli, Command};
+use crate::config::{Config, LogFormat};
+
+fn init_logging(config: &Config) -> anyhow::Result<()> {
+    let filter = tracing_subscriber::EnvFilter::try_new(&config.log_level).map_err(|e| {
+        anyhow::anyhow!(
+            "invalid log level {:?}: {e}; use e.g. info, debug or outbox_engine=debug",
+            config.log_level
+        )
+    })?;
+    // Logs go to stderr: stdout belongs to the stdout sink.
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match config.log_format {
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+        LogFormat::Text => builder.init(),
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let config = match Config::load(
+        cli.global.config.as_deref(),
+        Serialized::defaults(cli.overrides()),
+    ) {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            return ExitCode::from(2);
+        }
+    };
+    if let Err(e) = init_logging(&config) {
+        eprintln!("error: {e:#}");
+        return ExitCode::from(2);
+    }
+    // One TLS crypto provider for every client in the process.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async move {
+        match cli.command {
+            Command::Run(args) => commands::run(config, args.drain).await,
+            Command::Migrate(args) => commands::migrate(config, args).await,
+            Command::Check(_) => commands::check(config).await,
+            Command::Send(args) => commands::send(config, args).await,
+        }
+    });
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            tracing::error!(error = %format!("{e:#}"), "outbox-relay failed");
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -110,7 +110,7 @@ impl PgStore {
             .transaction()
             .await
             .map_err(|e| db_error("migrate", e))?;
-        tx.batch_execute("SELECT pg_advisory_xact_lock(hashtext('outbox-relay migrate'))")
+        tx.batch_execute("SET LOCAL client_min_messages = warning; SELECT pg_advisory_xact_lock(hashtext('outbox-relay migrate'))")
             .await
             .map_err(|e| db_error("migrate", e))?;
         tx.batch_execute(&self.inner.tables.ddl())

@@ -1,0 +1,256 @@
+//! The subcommands.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use outbox_cluster::{Membership, MembershipConfig};
+use outbox_core::{NewEvent, NodeId, Publisher};
+use outbox_engine::{EngineConfig, WakeMode};
+
+use crate::cli::{MigrateArgs, SendArgs};
+use crate::config::{redact_url, Config};
+use crate::store::AnyStore;
+
+fn default_node_id() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "relay".into());
+    let suffix = uuid::Uuid::new_v4().simple().to_string();
+    format!("{host}-{}", &suffix[..8])
+}
+
+fn install_metrics() -> anyhow::Result<PrometheusHandle> {
+    let latency = [
+        0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    ];
+    let sizes = [
+        1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 5000.0,
+    ];
+    let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            Matcher::Full(outbox_engine::metrics::COMMIT_TO_CONFIRM.into()),
+            &latency,
+        )?
+        .set_buckets_for_metric(Matcher::Suffix("_batch_size".into()), &sizes)?
+        .install_recorder()
+        .context("installing the metrics recorder")?;
+    let upkeep = handle.clone();
+    tokio::spawn(async move {
+        let mut ticker = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            ticker.tick().await;
+            upkeep.run_upkeep();
+        }
+    });
+    Ok(handle)
+}
+
+/// Resolves on SIGTERM or SIGINT.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot watch SIGTERM; only Ctrl-C stops the relay");
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM received"),
+        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received"),
+    }
+}
+
+/// Opens the store and makes sure its tables exist (creating them when allowed).
+async fn ready_store(config: &Config, create: bool) -> anyhow::Result<AnyStore> {
+    let store = AnyStore::open(config)?;
+    let outbox = store.outbox();
+    outbox.ping().await.map_err(|e| {
+        anyhow::anyhow!(
+            "cannot reach {}: {}",
+            redact_url(&config.database_url),
+            e.report()
+        )
+    })?;
+    if create || store.creates_tables_implicitly() {
+        store.migrate().await?;
+    }
+    let problems = outbox
+        .verify()
+        .await
+        .map_err(|e| anyhow::anyhow!(e.report()))?;
+    let mut fatal = Vec::new();
+    for p in problems {
+        if p.what.contains("trigger") {
+            tracing::warn!(problem = %p.what, fix = %p.fix, "continuing with polling only");
+        } else {
+            fatal.push(format!("{} (fix: {})", p.what, p.fix));
+        }
+    }
+    if !fatal.is_empty() {
+        bail!("the database is not ready:\n  - {}", fatal.join("\n  - "));
+    }
+    Ok(store)
+}
+
+fn publisher(config: &Config) -> anyhow::Result<Arc<dyn Publisher>> {
+    outbox_publishers::from_uri(&config.sink)
+        .map_err(|e| anyhow::anyhow!("sink {}: {}", redact_url(&config.sink), e.report()))
+}
+
+pub async fn run(config: Config, drain: bool) -> anyhow::Result<ExitCode> {
+    let metrics = install_metrics()?;
+    let store = ready_store(&config, config.auto_migrate).await?;
+    let outbox = store.outbox();
+    let sink = publisher(&config)?;
+    let node = NodeId(config.node_id.clone().unwrap_or_else(default_node_id));
+    tracing::info!(
+        node = %node,
+        store = %outbox.describe(),
+        sink = %sink.describe(),
+        mode = if config.poll_fixed_rate { "fixed-rate polling" } else { "notify + safety poll" },
+        poll_interval = ?config.poll_interval,
+        drain,
+        "outbox-relay starting"
+    );
+    let http = match config.http_socket_addr()? {
+        Some(addr) => {
+            let (bound, task) =
+                crate::http::serve(addr, outbox.clone(), sink.clone(), metrics).await?;
+            tracing::info!(addr = %bound, "HTTP endpoints: /healthz /readyz /metrics");
+            Some(task)
+        }
+        None => None,
+    };
+    let membership = Membership::join(
+        store.registry(),
+        MembershipConfig {
+            node: node.clone(),
+            heartbeat_interval: config.heartbeat_interval,
+            heartbeat_timeout: config.heartbeat_timeout,
+        },
+    )
+    .await
+    .map_err(|e| anyhow::anyhow!("cannot register in the nodes table: {}", e.report()))?;
+
+    let mut engine = EngineConfig::new(node);
+    engine.batch_size = config.batch_size;
+    engine.max_in_flight = config.max_in_flight;
+    engine.lease = config.lease;
+    engine.poll_interval = config.poll_interval;
+    engine.wake = if config.poll_fixed_rate {
+        WakeMode::FixedRate
+    } else {
+        WakeMode::Notify
+    };
+    engine.retry = config.retry_policy();
+    engine.publish_timeout = config.publish_timeout;
+    engine.shutdown_timeout = config.shutdown_timeout;
+    engine.drain = drain;
+    let result = outbox_engine::run(outbox, sink, engine, shutdown_signal()).await;
+    membership.leave().await;
+    if let Some(http) = http {
+        http.abort();
+    }
+    let summary = result.map_err(|e| anyhow::anyhow!("relay stopped: {}", e.report()))?;
+    tracing::info!(
+        published = summary.published,
+        retried = summary.retried,
+        dead_lettered = summary.dead_lettered,
+        "outbox-relay stopped"
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn migrate(config: Config, args: MigrateArgs) -> anyhow::Result<ExitCode> {
+    let store = AnyStore::open(&config)?;
+    if args.print {
+        outbox_core::ident::Ident::new(&args.role, "role name")
+            .map_err(|e| anyhow::anyhow!(e.report()))?;
+        println!("{}", store.printable_ddl(&args.role));
+        return Ok(ExitCode::SUCCESS);
+    }
+    store.migrate().await?;
+    println!("migrated: {}", store.outbox().describe());
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn check(config: Config) -> anyhow::Result<ExitCode> {
+    let mut failed = false;
+    println!("ok: configuration is valid ({config:?})");
+    let store = AnyStore::open(&config)?;
+    let outbox = store.outbox();
+    match outbox.ping().await {
+        Ok(()) => println!("ok: connected to {}", redact_url(&config.database_url)),
+        Err(e) => {
+            println!(
+                "problem: cannot connect to {}: {}",
+                redact_url(&config.database_url),
+                e.report()
+            );
+            return Ok(ExitCode::FAILURE);
+        }
+    }
+    match outbox.verify().await {
+        Ok(problems) if problems.is_empty() => println!("ok: tables, trigger and privileges"),
+        Ok(problems) => {
+            failed = true;
+            for p in problems {
+                println!("problem: {}\n    fix: {}", p.what, p.fix);
+            }
+        }
+        Err(e) => {
+            failed = true;
+            println!("problem: {}", e.report());
+        }
+    }
+    match publisher(&config) {
+        Ok(sink) => match sink.health().await {
+            Ok(()) => println!("ok: sink {} is reachable", sink.describe()),
+            Err(e) => {
+                failed = true;
+                println!("problem: sink {}: {}", sink.describe(), e.report());
+            }
+        },
+        Err(e) => {
+            failed = true;
+            println!("problem: {e:#}");
+        }
+    }
+    Ok(if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+pub async fn send(config: Config, args: SendArgs) -> anyhow::Result<ExitCode> {
+    if let Err(e) = serde_json::from_str::<serde::de::IgnoredAny>(&args.payload) {
+        bail!(
+            "the payload is not valid JSON ({e}); quote text as JSON, e.g. '\"hello\"', or send an object like '{{\"id\": 1}}'"
+        );
+    }
+    let store = ready_store(&config, false).await?;
+    let event = NewEvent {
+        event_id: args.event_id,
+        destination: args.destination,
+        partition_key: args.key,
+        event_type: args.event_type,
+        payload: Some(args.payload),
+        headers: args.headers.into_iter().collect(),
+        mutation_id: args.mutation_id,
+    };
+    let ids = store
+        .outbox()
+        .insert(vec![event])
+        .await
+        .map_err(|e| anyhow::anyhow!("insert failed: {}", e.report()))?;
+    println!("inserted event with sequence_id {}", ids[0]);
+    Ok(ExitCode::SUCCESS)
+}

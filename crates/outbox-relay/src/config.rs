@@ -1,0 +1,502 @@
+//! Configuration: defaults, then a TOML file, then `OUTBOX_RELAY_*` environment variables
+//! (and `DATABASE_URL`), then command-line flags. Later sources win.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use figment::providers::{Env, Format, Serialized, Toml};
+use figment::Figment;
+use serde::{Deserialize, Serialize};
+
+/// The zero-configuration database: a SQLite file in the working directory.
+pub const DEFAULT_DATABASE_URL: &str = "sqlite:outbox.db";
+/// The zero-configuration sink.
+pub const DEFAULT_SINK: &str = "stdout";
+/// Loopback only: metrics and health are not for the outside world unless asked.
+pub const DEFAULT_HTTP_ADDR: &str = "127.0.0.1:2259";
+/// The file read from the working directory when `--config` is not given.
+pub const DEFAULT_CONFIG_FILE: &str = "outbox-relay.toml";
+
+/// Durations are written with units: `500ms`, `2s`, `5m`, `7d`.
+pub mod duration {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use std::time::Duration;
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&humantime::format_duration(*d).to_string())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        let text = String::deserialize(d)?;
+        parse(&text).map_err(serde::de::Error::custom)
+    }
+
+    pub fn parse(text: &str) -> Result<Duration, String> {
+        humantime::parse_duration(text.trim()).map_err(|e| {
+            format!("invalid duration {text:?} ({e}); write it with a unit, e.g. 500ms, 2s, 5m")
+        })
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct RetryConfig {
+    #[serde(with = "duration")]
+    pub base_delay: Duration,
+    #[serde(with = "duration")]
+    pub max_delay: Duration,
+    pub max_attempts: u32,
+    /// Per event type overrides of `max_attempts`.
+    pub max_attempts_by_type: HashMap<String, u32>,
+}
+
+impl Default for RetryConfig {
+    fn default() -> Self {
+        let p = outbox_core::RetryPolicy::default();
+        RetryConfig {
+            base_delay: p.base_delay,
+            max_delay: p.max_delay,
+            max_attempts: p.max_attempts,
+            max_attempts_by_type: HashMap::new(),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    pub database_url: String,
+    /// Extra CA certificates (PEM) for database TLS.
+    pub database_ca_file: Option<PathBuf>,
+    pub sink: String,
+    pub outbox_schema: String,
+    pub outbox_table: String,
+    pub nodes_schema: String,
+    pub nodes_table: String,
+    pub notify_channel: String,
+    pub retain_delivered: bool,
+    pub auto_migrate: bool,
+    #[serde(with = "duration")]
+    pub poll_interval: Duration,
+    pub poll_fixed_rate: bool,
+    pub batch_size: usize,
+    pub max_in_flight: usize,
+    #[serde(with = "duration")]
+    pub lease: Duration,
+    #[serde(with = "duration")]
+    pub publish_timeout: Duration,
+    #[serde(with = "duration")]
+    pub shutdown_timeout: Duration,
+    #[serde(with = "duration")]
+    pub heartbeat_interval: Duration,
+    #[serde(with = "duration")]
+    pub heartbeat_timeout: Duration,
+    /// `host:port` for /healthz, /readyz and /metrics; empty turns the server off.
+    pub http_addr: String,
+    pub node_id: Option<String>,
+    pub pool_size: usize,
+    pub log_format: LogFormat,
+    pub log_level: String,
+    pub retry: RetryConfig,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            database_url: DEFAULT_DATABASE_URL.into(),
+            database_ca_file: None,
+            sink: DEFAULT_SINK.into(),
+            outbox_schema: "public".into(),
+            outbox_table: "outbox".into(),
+            nodes_schema: "public".into(),
+            nodes_table: "outbox_nodes".into(),
+            notify_channel: outbox_store_postgres::DEFAULT_NOTIFY_CHANNEL.into(),
+            retain_delivered: false,
+            auto_migrate: false,
+            poll_interval: outbox_engine::DEFAULT_POLL_INTERVAL,
+            poll_fixed_rate: false,
+            batch_size: outbox_engine::DEFAULT_BATCH_SIZE,
+            max_in_flight: outbox_engine::DEFAULT_MAX_IN_FLIGHT,
+            lease: outbox_engine::DEFAULT_LEASE,
+            publish_timeout: outbox_engine::DEFAULT_PUBLISH_TIMEOUT,
+            shutdown_timeout: outbox_engine::DEFAULT_SHUTDOWN_TIMEOUT,
+            heartbeat_interval: outbox_cluster::DEFAULT_HEARTBEAT_INTERVAL,
+            heartbeat_timeout: outbox_cluster::DEFAULT_HEARTBEAT_TIMEOUT,
+            http_addr: DEFAULT_HTTP_ADDR.into(),
+            node_id: None,
+            pool_size: 8,
+            log_format: LogFormat::Text,
+            log_level: "info".into(),
+            retry: RetryConfig::default(),
+        }
+    }
+}
+
+/// Debug output never shows the database password.
+impl std::fmt::Debug for Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Config")
+            .field("database_url", &redact_url(&self.database_url))
+            .field("sink", &redact_url(&self.sink))
+            .field(
+                "outbox",
+                &format!("{}.{}", self.outbox_schema, self.outbox_table),
+            )
+            .field(
+                "nodes",
+                &format!("{}.{}", self.nodes_schema, self.nodes_table),
+            )
+            .field("poll_interval", &self.poll_interval)
+            .field("poll_fixed_rate", &self.poll_fixed_rate)
+            .field("retain_delivered", &self.retain_delivered)
+            .field("batch_size", &self.batch_size)
+            .field("lease", &self.lease)
+            .field("http_addr", &self.http_addr)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Replaces the password in a URL's user info, and any `password=` query value, with `***`.
+pub fn redact_url(url: &str) -> String {
+    let mut out = url.to_string();
+    if let Some(scheme_end) = out.find("://") {
+        let rest_start = scheme_end + 3;
+        let authority_end = out[rest_start..]
+            .find(['/', '?', '#'])
+            .map_or(out.len(), |i| rest_start + i);
+        if let Some(at) = out[rest_start..authority_end].rfind('@') {
+            let userinfo = &out[rest_start..rest_start + at];
+            if let Some(colon) = userinfo.find(':') {
+                let start = rest_start + colon + 1;
+                out.replace_range(start..rest_start + at, "***");
+            }
+        }
+    }
+    for key in ["password=", "sslpassword="] {
+        let mut search_from = 0;
+        while let Some(i) = out[search_from..].find(key) {
+            let start = search_from + i + key.len();
+            let end = out[start..]
+                .find(['&', ' '])
+                .map_or(out.len(), |j| start + j);
+            out.replace_range(start..end, "***");
+            search_from = start + 3;
+        }
+    }
+    out
+}
+
+/// Which database a URL names.
+#[derive(Clone, Debug, PartialEq)]
+pub enum DatabaseKind {
+    Postgres,
+    Sqlite(PathBuf),
+}
+
+impl Config {
+    /// Layers the sources. `file` is `--config`; without it `outbox-relay.toml` is read if present.
+    pub fn load(file: Option<&Path>, flags: Serialized<FlagOverrides>) -> anyhow::Result<Config> {
+        let mut figment = Figment::from(Serialized::defaults(Config::default()));
+        match file {
+            Some(path) => {
+                if !path.exists() {
+                    bail!(
+                        "config file {} does not exist (check --config)",
+                        path.display()
+                    );
+                }
+                figment = figment.merge(Toml::file(path));
+            }
+            None if Path::new(DEFAULT_CONFIG_FILE).exists() => {
+                figment = figment.merge(Toml::file(DEFAULT_CONFIG_FILE));
+            }
+            None => {}
+        }
+        figment = figment
+            .merge(
+                Env::raw()
+                    .only(&["DATABASE_URL"])
+                    .map(|_| "database_url".into()),
+            )
+            .merge(
+                Env::prefixed("OUTBOX_RELAY_")
+                    .split("__")
+                    .ignore(&["webhook_secret"]),
+            )
+            .merge(flags);
+        let config: Config = figment.extract().map_err(|e| {
+            anyhow::anyhow!(
+                "invalid configuration: {}",
+                e.to_string().replace("unknown field", "unknown setting")
+            )
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    pub fn validate(&self) -> anyhow::Result<()> {
+        self.database_kind()?;
+        if self.batch_size == 0 || self.batch_size > 50_000 {
+            bail!(
+                "batch_size must be between 1 and 50000 (got {})",
+                self.batch_size
+            );
+        }
+        if self.max_in_flight < self.batch_size {
+            bail!(
+                "max_in_flight ({}) must be at least batch_size ({})",
+                self.max_in_flight,
+                self.batch_size
+            );
+        }
+        if self.lease < Duration::from_millis(300) {
+            bail!("lease must be at least 300ms (got {:?})", self.lease);
+        }
+        if self.poll_interval.is_zero() {
+            bail!("poll_interval must be greater than zero");
+        }
+        if self.heartbeat_timeout <= self.heartbeat_interval {
+            bail!(
+                "heartbeat_timeout ({:?}) must be longer than heartbeat_interval ({:?})",
+                self.heartbeat_timeout,
+                self.heartbeat_interval
+            );
+        }
+        if self.retry.max_attempts == 0 {
+            bail!("retry.max_attempts must be at least 1");
+        }
+        if self.retry.base_delay > self.retry.max_delay {
+            bail!("retry.base_delay must not exceed retry.max_delay");
+        }
+        self.http_socket_addr()?;
+        Ok(())
+    }
+
+    pub fn database_kind(&self) -> anyhow::Result<DatabaseKind> {
+        let url = self.database_url.trim();
+        if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            return Ok(DatabaseKind::Postgres);
+        }
+        if let Some(path) = url.strip_prefix("sqlite:") {
+            let path = path.strip_prefix("//").unwrap_or(path);
+            if path.is_empty() {
+                bail!("database URL `sqlite:` needs a file path, e.g. sqlite:outbox.db");
+            }
+            return Ok(DatabaseKind::Sqlite(PathBuf::from(path)));
+        }
+        let shown = redact_url(url);
+        if url.starts_with("mysql://") || url.starts_with("mariadb://") {
+            bail!("database URL {shown}: the MySQL/MariaDB store is not available in this version; use postgres:// or sqlite:PATH");
+        }
+        bail!("unsupported database URL {shown}: use postgres://user@host:port/db or sqlite:PATH")
+    }
+
+    pub fn http_socket_addr(&self) -> anyhow::Result<Option<SocketAddr>> {
+        if self.http_addr.trim().is_empty() {
+            return Ok(None);
+        }
+        self.http_addr.parse().map(Some).with_context(|| {
+            format!(
+                "invalid http_addr {:?}: use host:port, e.g. 127.0.0.1:2259",
+                self.http_addr
+            )
+        })
+    }
+
+    pub fn retry_policy(&self) -> outbox_core::RetryPolicy {
+        outbox_core::RetryPolicy {
+            base_delay: self.retry.base_delay,
+            max_delay: self.retry.max_delay,
+            max_attempts: self.retry.max_attempts,
+            max_attempts_by_type: self.retry.max_attempts_by_type.clone(),
+        }
+    }
+}
+
+/// Values given as flags; only those present override the other sources.
+#[derive(Debug, Default, Serialize)]
+pub struct FlagOverrides {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub database_url: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub database_ca_file: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sink: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub outbox_schema: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub outbox_table: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nodes_schema: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nodes_table: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retain_delivered: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub auto_migrate: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub poll_interval: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub poll_fixed_rate: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub batch_size: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_in_flight: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lease: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub publish_timeout: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shutdown_timeout: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub heartbeat_interval: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub heartbeat_timeout: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub http_addr: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub node_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub log_format: Option<LogFormat>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub log_level: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retry: Option<RetryFlags>,
+}
+
+#[derive(Debug, Default, Serialize)]
+pub struct RetryFlags {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub base_delay: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_delay: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_attempts: Option<u32>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passwords_are_redacted() {
+        assert_eq!(
+            redact_url("postgres://relay:s3cr%40t@db:5432/app?sslmode=require"),
+            "postgres://relay:***@db:5432/app?sslmode=require"
+        );
+        assert_eq!(
+            redact_url("postgres://db/app?user=x&password=hunter2&sslmode=require"),
+            "postgres://db/app?user=x&password=***&sslmode=require"
+        );
+        assert_eq!(redact_url("sqlite:outbox.db"), "sqlite:outbox.db");
+        assert_eq!(
+            redact_url("postgres://relay@db/app"),
+            "postgres://relay@db/app"
+        );
+    }
+
+    #[test]
+    fn debug_output_hides_the_password() {
+        let config = Config {
+            database_url: "postgres://u:topsecret@h/db".into(),
+            ..Config::default()
+        };
+        assert!(!format!("{config:?}").contains("topsecret"));
+    }
+
+    #[test]
+    fn database_urls_pick_the_store() {
+        let mut c = Config::default();
+        assert_eq!(
+            c.database_kind().unwrap(),
+            DatabaseKind::Sqlite("outbox.db".into())
+        );
+        c.database_url = "postgresql://h/db".into();
+        assert_eq!(c.database_kind().unwrap(), DatabaseKind::Postgres);
+        c.database_url = "oracle://x:pw@h".into();
+        let err = c.database_kind().unwrap_err().to_string();
+        assert!(
+            err.contains("use postgres://") && !err.contains("pw"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn durations_need_units() {
+        assert_eq!(
+            duration::parse("250ms").unwrap(),
+            Duration::from_millis(250)
+        );
+        assert_eq!(
+            duration::parse("7d").unwrap(),
+            Duration::from_secs(7 * 86400)
+        );
+        assert!(duration::parse("250").unwrap_err().contains("with a unit"));
+    }
+
+    #[test]
+    fn flags_win_over_files_and_environment() {
+        figment::Jail::expect_with(|jail| {
+            jail.create_file(
+                "relay.toml",
+                r#"
+                sink = "file:/tmp/from-file.jsonl"
+                batch_size = 100
+                [retry]
+                max_attempts = 7
+                [retry.max_attempts_by_type]
+                "order.created" = 2
+                "#,
+            )?;
+            jail.set_env("OUTBOX_RELAY_BATCH_SIZE", "200");
+            jail.set_env("OUTBOX_RELAY_POLL_INTERVAL", "250ms");
+            jail.set_env("DATABASE_URL", "postgres://from-env/db");
+            let flags = FlagOverrides {
+                batch_size: Some(300),
+                ..FlagOverrides::default()
+            };
+            let c = Config::load(Some(Path::new("relay.toml")), Serialized::defaults(flags))
+                .map_err(|e| e.to_string())?;
+            assert_eq!(c.sink, "file:/tmp/from-file.jsonl");
+            assert_eq!(c.batch_size, 300);
+            assert_eq!(c.poll_interval, Duration::from_millis(250));
+            assert_eq!(c.database_url, "postgres://from-env/db");
+            assert_eq!(c.retry.max_attempts, 7);
+            assert_eq!(c.retry.max_attempts_by_type["order.created"], 2);
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn unknown_settings_and_bad_values_are_named() {
+        figment::Jail::expect_with(|jail| {
+            jail.create_file("relay.toml", "batch_sise = 5\n")?;
+            let err = Config::load(
+                Some(Path::new("relay.toml")),
+                Serialized::defaults(FlagOverrides::default()),
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(err.contains("batch_sise"), "{err}");
+            jail.create_file("relay.toml", "lease = \"10\"\n")?;
+            let err = Config::load(
+                Some(Path::new("relay.toml")),
+                Serialized::defaults(FlagOverrides::default()),
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(err.contains("with a unit"), "{err}");
+            Ok(())
+        });
+    }
+}
