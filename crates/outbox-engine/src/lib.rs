@@ -111,10 +111,12 @@ enum Settled {
 struct Acked {
     sequence_id: SequenceId,
     destination: String,
-    created_at: SystemTime,
 }
 
 type Published = (Vec<Arc<Event>>, Vec<outbox_core::Outcome>);
+
+/// A claim in progress: its number, its row limit, and its result.
+type Claiming = BoxFuture<'static, (u64, usize, StoreResult<Vec<Claimed>>)>;
 
 /// Retries a store write until it succeeds or fails for good. Settling must not be dropped:
 /// a row whose ack is lost would be published again, one whose retry is lost could reorder.
@@ -287,7 +289,6 @@ impl Engine {
                     acked.push(Acked {
                         sequence_id: event.sequence_id,
                         destination: event.destination.clone(),
-                        created_at: event.created_at,
                     });
                     if let Ok(latency) = now.duration_since(event.created_at) {
                         ::metrics::histogram!(metrics::COMMIT_TO_CONFIRM)
@@ -404,7 +405,6 @@ impl Engine {
                 for a in &acked {
                     ::metrics::counter!(metrics::PUBLISHED, "destination" => self.labels.label(&a.destination))
                         .increment(1);
-                    let _ = a.created_at;
                 }
                 self.summary.published += acked.len() as u64;
                 let ids: Vec<SequenceId> = acked.iter().map(|a| a.sequence_id).collect();
@@ -513,7 +513,7 @@ async fn event_loop(
     let mut extend = tokio::time::interval(config.lease / 3);
     extend.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     extend.reset();
-    let mut claiming: Option<BoxFuture<'static, (u64, usize, StoreResult<Vec<Claimed>>)>> = None;
+    let mut claiming: Option<Claiming> = None;
     let mut want_claim = true; // poll once at start-up
     let mut backlog = false; // the last claim came back full
     let mut last_claim_empty = false;

@@ -142,24 +142,43 @@ pub struct FileSink {
 impl FileSink {
     pub fn open(path: impl AsRef<Path>) -> Result<Self, PublishError> {
         let path = path.as_ref().to_path_buf();
-        let file = OpenOptions::new()
+        let io_error = |e: std::io::Error| {
+            PublishError::new(
+                PublishErrorKind::Io,
+                format!(
+                    "cannot open sink file {}: {e} (check that the directory exists and is writable)",
+                    path.display()
+                ),
+            )
+        };
+        let mut file = OpenOptions::new()
             .create(true)
+            .read(true)
             .append(true)
             .open(&path)
-            .map_err(|e| {
-                PublishError::new(
-                    PublishErrorKind::Io,
-                    format!(
-                        "cannot open sink file {}: {e} (check that the directory exists and is writable)",
-                        path.display()
-                    ),
-                )
-            })?;
+            .map_err(io_error)?;
+        terminate_torn_line(&mut file).map_err(io_error)?;
         Ok(FileSink {
             path,
             file: Arc::new(Mutex::new(file)),
         })
     }
+}
+
+/// A crash mid-write can leave a partial last line; end it so the next line stays whole.
+fn terminate_torn_line(file: &mut File) -> std::io::Result<()> {
+    use std::io::{Read, Seek, SeekFrom};
+    if file.metadata()?.len() == 0 {
+        return Ok(());
+    }
+    file.seek(SeekFrom::End(-1))?;
+    let mut last = [0u8; 1];
+    file.read_exact(&mut last)?;
+    if last[0] != b'\n' {
+        file.write_all(b"\n")?;
+        file.sync_data()?;
+    }
+    Ok(())
 }
 
 impl Publisher for FileSink {
@@ -259,6 +278,20 @@ mod tests {
             })
             .collect();
         assert_eq!(seqs, vec![1, 2, 3]);
+    }
+
+    #[tokio::test]
+    async fn a_torn_last_line_is_terminated_on_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("events.jsonl");
+        std::fs::write(&path, "{\"sequence_id\":1}\n{\"seq").unwrap();
+        let sink = FileSink::open(&path).unwrap();
+        sink.publish(vec![event(2, "2")]).await;
+        let text = std::fs::read_to_string(&path).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 3);
+        assert_eq!(lines[1], "{\"seq");
+        assert!(serde_json::from_str::<serde_json::Value>(lines[2]).is_ok());
     }
 
     #[test]

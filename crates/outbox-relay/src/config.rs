@@ -385,6 +385,7 @@ pub struct RetryFlags {
 }
 
 #[cfg(test)]
+#[allow(clippy::result_large_err)] // figment::Jail's closure signature
 mod tests {
     use super::*;
 

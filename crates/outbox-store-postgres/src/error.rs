@@ -46,11 +46,11 @@ pub fn classify(error: &tokio_postgres::Error) -> StoreErrorKind {
 
 pub fn db_error(context: &str, error: tokio_postgres::Error) -> StoreError {
     let kind = classify(&error);
-    let detail = match error.as_db_error() {
-        Some(db) => db.message().to_string(),
-        None => error.to_string(),
-    };
-    StoreError::new(kind, format!("{context}: {detail}")).with_source(error)
+    match error.as_db_error() {
+        // The server's message says it all; the wrapper would only repeat it.
+        Some(db) => StoreError::new(kind, format!("{context}: {}", db.message())),
+        None => StoreError::new(kind, format!("{context}: {error}")).with_source(error),
+    }
 }
 
 pub fn pool_error(context: &str, error: deadpool_postgres::PoolError) -> StoreError {

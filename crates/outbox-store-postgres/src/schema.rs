@@ -250,10 +250,7 @@ impl Statements {
                  SELECT sequence_id, event_id, destination, partition_key, event_type,
                         payload, headers, mutation_id, rejected, created_at,
                         final_attempts, final_error
-                   FROM moved
-                 ON CONFLICT (sequence_id) DO UPDATE
-                    SET attempts = EXCLUDED.attempts, last_error = EXCLUDED.last_error,
-                        dead_at = EXCLUDED.dead_at"
+                   FROM moved"
             ),
             release: format!(
                 "UPDATE {t} SET locked_by = NULL, locked_until = NULL

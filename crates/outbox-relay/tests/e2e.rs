@@ -1,0 +1,702 @@
+//! End-to-end tests of the `outbox-relay` binary against real PostgreSQL and SQLite.
+
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use outbox_testkit::{eventually, fresh_pg_database};
+use uuid::Uuid;
+
+const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
+
+/// A relay process whose stderr (logs) goes to a file.
+struct Relay {
+    child: Child,
+    log: PathBuf,
+}
+
+impl Relay {
+    fn start(dir: &Path, name: &str, database_url: &str, args: &[&str]) -> Relay {
+        let log = dir.join(format!("{name}.log"));
+        let stdout = dir.join(format!("{name}.stdout"));
+        let child = Command::new(BIN)
+            .arg("run")
+            .args(["--http-addr", "", "--log-format", "json"])
+            .args(args)
+            .env("DATABASE_URL", database_url)
+            .env_remove("OUTBOX_RELAY_DATABASE_URL")
+            .current_dir(dir)
+            .stdout(std::fs::File::create(&stdout).unwrap())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("start outbox-relay");
+        Relay { child, log }
+    }
+
+    fn kill9(&mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+
+    async fn terminate(&mut self) -> ExitStatus {
+        let pid = self.child.id().to_string();
+        let status = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+        assert!(status.success());
+        let child = &mut self.child;
+        eventually(
+            "the relay to exit after SIGTERM",
+            Duration::from_secs(30),
+            || {
+                let done = child.try_wait().unwrap();
+                async move { done }
+            },
+        )
+        .await
+    }
+
+    fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn pg(url: &str) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    client
+}
+
+fn relay_cmd(database_url: &str, args: &[&str]) -> std::process::Output {
+    Command::new(BIN)
+        .args(args)
+        .env("DATABASE_URL", database_url)
+        .output()
+        .expect("run outbox-relay")
+}
+
+/// JSON lines of a sink file; a torn line (from a kill -9 mid-write) is skipped.
+fn read_lines(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+#[derive(Clone, Debug)]
+struct Committed {
+    key: String,
+    sequence_id: i64,
+}
+
+/// Checks a delivery log: every committed event present, no rolled-back one, per key the
+/// first deliveries in sequence order. Returns the number of duplicates.
+fn verify_deliveries(
+    lines: &[serde_json::Value],
+    committed: &HashMap<String, Committed>,
+    rolled_back: &HashSet<String>,
+) -> usize {
+    let mut seen = HashSet::new();
+    let mut duplicates = 0;
+    let mut last_by_key: HashMap<String, i64> = HashMap::new();
+    for line in lines {
+        let id = line["event_id"].as_str().unwrap().to_string();
+        assert!(
+            !rolled_back.contains(&id),
+            "rolled-back event {id} was published"
+        );
+        let Some(c) = committed.get(&id) else {
+            panic!("unknown event {id} was published")
+        };
+        assert_eq!(line["sequence_id"].as_i64().unwrap(), c.sequence_id);
+        if !seen.insert(id) {
+            duplicates += 1;
+            continue;
+        }
+        if let Some(prev) = last_by_key.insert(c.key.clone(), c.sequence_id) {
+            assert!(
+                prev < c.sequence_id,
+                "key {} delivered {} before {}",
+                c.key,
+                prev,
+                c.sequence_id
+            );
+        }
+    }
+    let missing: Vec<_> = committed.keys().filter(|id| !seen.contains(*id)).collect();
+    assert!(
+        missing.is_empty(),
+        "{} committed events never delivered, e.g. {:?}",
+        missing.len(),
+        missing.first()
+    );
+    duplicates
+}
+
+/// Writer `w` owns keys `w-0..w-9` and commits transactions of 1-4 events one after another,
+/// rolling back every fifth.
+async fn writer(
+    url: String,
+    w: usize,
+    transactions: usize,
+    committed: Arc<Mutex<HashMap<String, Committed>>>,
+    rolled_back: Arc<Mutex<HashSet<String>>>,
+    progress: Arc<AtomicUsize>,
+) {
+    let mut client = pg(&url).await;
+    let mut rng = fastrand::Rng::with_seed(w as u64);
+    for t in 0..transactions {
+        let tx = client.transaction().await.unwrap();
+        let mut rows = Vec::new();
+        for _ in 0..rng.usize(1..=4) {
+            let id = Uuid::new_v4();
+            let key = format!("{w}-{}", rng.usize(0..10));
+            let row = tx
+                .query_one(
+                    "INSERT INTO outbox (event_id, destination, partition_key, event_type, payload)
+                     VALUES ($1, 'orders', $2, 'created', jsonb_build_object('w', $3::int, 't', $4::int))
+                     RETURNING sequence_id",
+                    &[&id, &key, &(w as i32), &(t as i32)],
+                )
+                .await
+                .unwrap();
+            rows.push((
+                id.to_string(),
+                Committed {
+                    key,
+                    sequence_id: row.get(0),
+                },
+            ));
+        }
+        if t % 5 == 4 {
+            tx.rollback().await.unwrap();
+            rolled_back
+                .lock()
+                .unwrap()
+                .extend(rows.into_iter().map(|(id, _)| id));
+        } else {
+            tx.commit().await.unwrap();
+            committed.lock().unwrap().extend(rows);
+        }
+        progress.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_mid_stream_loses_nothing_and_keeps_per_key_order() {
+    let url = fresh_pg_database().await;
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("events.jsonl");
+    let sink = format!("file:{}", out.display());
+    assert!(relay_cmd(&url, &["migrate"]).status.success());
+    let args = [
+        "--sink",
+        &sink,
+        "--lease",
+        "1s",
+        "--batch-size",
+        "50",
+        "--poll-interval",
+        "200ms",
+    ];
+    let mut first = Relay::start(dir.path(), "first", &url, &args);
+
+    let committed = Arc::new(Mutex::new(HashMap::new()));
+    let rolled_back = Arc::new(Mutex::new(HashSet::new()));
+    let progress = Arc::new(AtomicUsize::new(0));
+    let (writers, per_writer) = (4, 150);
+    let tasks: Vec<_> = (0..writers)
+        .map(|w| {
+            tokio::spawn(writer(
+                url.clone(),
+                w,
+                per_writer,
+                committed.clone(),
+                rolled_back.clone(),
+                progress.clone(),
+            ))
+        })
+        .collect();
+
+    // Crash the first relay once it has published part of the stream.
+    eventually(
+        "the first relay to publish",
+        Duration::from_secs(30),
+        || {
+            let n = read_lines(&out).len();
+            async move { (n >= 100).then_some(()) }
+        },
+    )
+    .await;
+    first.kill9();
+    let mut second = Relay::start(dir.path(), "second", &url, &args);
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert_eq!(progress.load(Ordering::Relaxed), writers * per_writer);
+    let committed = committed.lock().unwrap().clone();
+    let rolled_back = rolled_back.lock().unwrap().clone();
+    eventually(
+        "every committed event to be delivered",
+        Duration::from_secs(60),
+        || {
+            let delivered: HashSet<String> = read_lines(&out)
+                .iter()
+                .map(|l| l["event_id"].as_str().unwrap().to_string())
+                .collect();
+            let done = committed.keys().all(|id| delivered.contains(id));
+            async move { done.then_some(()) }
+        },
+    )
+    .await;
+
+    let status = second.terminate().await;
+    assert!(
+        status.success(),
+        "exit status {status:?}; logs:\n{}",
+        second.logs()
+    );
+    let duplicates = verify_deliveries(&read_lines(&out), &committed, &rolled_back);
+    eprintln!(
+        "{} events, {} duplicates after kill -9",
+        committed.len(),
+        duplicates
+    );
+
+    let client = pg(&url).await;
+    let left: i64 = client
+        .query_one("SELECT count(*) FROM outbox", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(left, 0, "everything delivered was acked (deleted)");
+    let nodes: i64 = client
+        .query_one("SELECT count(*) FROM outbox_nodes", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        nodes <= 1,
+        "only the killed node's row may remain until it expires"
+    );
+    assert!(
+        second.logs().contains("deregistered"),
+        "graceful shutdown deregisters"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_releases_leases_and_exits_zero() {
+    let url = fresh_pg_database().await;
+    let dir = tempfile::tempdir().unwrap();
+    let client = pg(&url).await;
+    assert!(relay_cmd(&url, &["migrate"]).status.success());
+    client
+        .batch_execute(
+            "INSERT INTO outbox (destination, partition_key, event_type, payload)
+             SELECT 'orders', 'k' || (i % 20), 'created', jsonb_build_object('i', i) FROM generate_series(1, 3000) i",
+        )
+        .await
+        .unwrap();
+    // A slow sink: a FIFO nobody reads would block forever; use a file and stop mid-drain.
+    let out = dir.path().join("events.jsonl");
+    let sink = format!("file:{}", out.display());
+    let mut relay = Relay::start(
+        dir.path(),
+        "relay",
+        &url,
+        &["--sink", &sink, "--batch-size", "100", "--lease", "1h"],
+    );
+    eventually("publishing to start", Duration::from_secs(30), || {
+        let n = read_lines(&out).len();
+        async move { (n > 0).then_some(()) }
+    })
+    .await;
+    let status = relay.terminate().await;
+    assert!(status.success(), "{}", relay.logs());
+    let leased: i64 = client
+        .query_one(
+            "SELECT count(*) FROM outbox WHERE locked_by IS NOT NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        leased, 0,
+        "a graceful stop releases every lease (the lease here is 1h)"
+    );
+    let nodes: i64 = client
+        .query_one("SELECT count(*) FROM outbox_nodes", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(nodes, 0, "a graceful stop deregisters");
+    // A new relay picks the rest up at once and delivers everything exactly once overall
+    // (nothing was lost or left leased).
+    let status = relay_cmd(
+        &url,
+        &["run", "--drain", "--http-addr", "", "--sink", &sink],
+    );
+    assert!(
+        status.status.success(),
+        "{}",
+        String::from_utf8_lossy(&status.stderr)
+    );
+    let ids: Vec<String> = read_lines(&out)
+        .iter()
+        .map(|l| l["event_id"].as_str().unwrap().to_string())
+        .collect();
+    let unique: HashSet<_> = ids.iter().collect();
+    assert_eq!(unique.len(), 3000);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notify_wakes_the_relay_and_survives_a_killed_listen_connection() {
+    let url = fresh_pg_database().await;
+    let dir = tempfile::tempdir().unwrap();
+    let client = pg(&url).await;
+    assert!(relay_cmd(&url, &["migrate"]).status.success());
+    let out = dir.path().join("events.jsonl");
+    let sink = format!("file:{}", out.display());
+    // The safety poll is an hour away: only NOTIFY can deliver these promptly.
+    let mut relay = Relay::start(
+        dir.path(),
+        "relay",
+        &url,
+        &["--sink", &sink, "--poll-interval", "1h"],
+    );
+    let insert = "INSERT INTO outbox (destination, event_type, payload) VALUES ('d', 't', '1')";
+    let listening = "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN%' AND datname = current_database()";
+    eventually("the relay to LISTEN", Duration::from_secs(30), || {
+        let client = &client;
+        async move {
+            (client
+                .query_one(listening, &[])
+                .await
+                .unwrap()
+                .get::<_, i64>(0)
+                == 1)
+                .then_some(())
+        }
+    })
+    .await;
+    client.batch_execute(insert).await.unwrap();
+    eventually("a NOTIFY-driven delivery", Duration::from_secs(20), || {
+        let n = read_lines(&out).len();
+        async move { (n == 1).then_some(()) }
+    })
+    .await;
+    // Kill the LISTEN connection; insert while the relay reconnects.
+    client
+        .batch_execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE query LIKE 'LISTEN%' AND datname = current_database()")
+        .await
+        .unwrap();
+    client.batch_execute(insert).await.unwrap();
+    eventually(
+        "delivery after the LISTEN connection came back",
+        Duration::from_secs(20),
+        || {
+            let n = read_lines(&out).len();
+            async move { (n == 2).then_some(()) }
+        },
+    )
+    .await;
+    assert!(
+        relay.logs().contains("LISTEN connection lost"),
+        "{}",
+        relay.logs()
+    );
+    assert!(relay.terminate().await.success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fixed_rate_polling_and_the_safety_poll_work_without_the_trigger() {
+    let url = fresh_pg_database().await;
+    let dir = tempfile::tempdir().unwrap();
+    let client = pg(&url).await;
+    assert!(relay_cmd(&url, &["migrate"]).status.success());
+    client
+        .batch_execute("DROP TRIGGER outbox_trigger ON outbox")
+        .await
+        .unwrap();
+    for (name, extra) in [("fixed", vec!["--poll-fixed-rate"]), ("safety", vec![])] {
+        let out = dir.path().join(format!("{name}.jsonl"));
+        let sink = format!("file:{}", out.display());
+        let mut args = vec!["--sink", sink.as_str(), "--poll-interval", "100ms"];
+        args.extend(extra);
+        let mut relay = Relay::start(dir.path(), name, &url, &args);
+        client
+            .batch_execute(
+                "INSERT INTO outbox (destination, event_type, payload) VALUES ('d', 't', '1')",
+            )
+            .await
+            .unwrap();
+        eventually("a poll-driven delivery", Duration::from_secs(20), || {
+            let n = read_lines(&out).len();
+            async move { (n == 1).then_some(()) }
+        })
+        .await;
+        assert!(relay.terminate().await.success());
+        if name == "safety" {
+            assert!(
+                relay.logs().contains("trigger"),
+                "the missing trigger is reported: {}",
+                relay.logs()
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn least_privileged_role_from_migrate_print_is_enough() {
+    let url = fresh_pg_database().await;
+    let client = pg(&url).await;
+    assert!(relay_cmd(&url, &["migrate"]).status.success());
+    let printed = relay_cmd(&url, &["migrate", "--print", "--role", "relay_min"]);
+    let printed = String::from_utf8(printed.stdout).unwrap();
+    let grants: String = printed
+        .lines()
+        .filter(|l| l.starts_with("GRANT"))
+        .collect::<Vec<_>>()
+        .join("\n");
+    assert!(grants.contains("ON \"public\".\"outbox\""), "{printed}");
+    let role = format!("relay_{}", Uuid::new_v4().simple());
+    client
+        .batch_execute(&format!(
+            "CREATE ROLE {role} LOGIN; {}",
+            grants.replace("\"relay_min\"", &role)
+        ))
+        .await
+        .unwrap();
+    client
+        .batch_execute(
+            "INSERT INTO outbox (destination, event_type, payload) SELECT 'd', 't', to_jsonb(i) FROM generate_series(1, 50) i;
+             INSERT INTO outbox (destination, event_type, payload, headers) VALUES ('d', 't', '1', '[1]');",
+        )
+        .await
+        .unwrap();
+    let role_url = url.replacen("postgres@", &format!("{role}@"), 1);
+    let check = relay_cmd(&role_url, &["check"]);
+    let text = String::from_utf8_lossy(&check.stdout);
+    assert!(check.status.success(), "{text}");
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("events.jsonl");
+    let run = relay_cmd(
+        &role_url,
+        &[
+            "run",
+            "--drain",
+            "--http-addr",
+            "",
+            "--sink",
+            &format!("file:{}", out.display()),
+        ],
+    );
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    assert_eq!(read_lines(&out).len(), 50);
+    let dead: i64 = client
+        .query_one("SELECT count(*) FROM outbox_dead_letters", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        dead, 1,
+        "the undecodable row was dead-lettered by the minimal role"
+    );
+
+    // Without DELETE, `check` names the privilege and the fix, and `run` refuses to start.
+    client
+        .batch_execute(&format!("REVOKE DELETE ON outbox FROM {role}"))
+        .await
+        .unwrap();
+    let check = relay_cmd(&role_url, &["check"]);
+    let text = String::from_utf8_lossy(&check.stdout);
+    assert!(!check.status.success());
+    assert!(
+        text.contains("lacks DELETE on public.outbox") && text.contains("GRANT DELETE"),
+        "{text}"
+    );
+    let run = relay_cmd(&role_url, &["run", "--drain", "--http-addr", ""]);
+    assert!(!run.status.success());
+    assert!(String::from_utf8_lossy(&run.stderr).contains("GRANT DELETE"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_tables_fail_with_the_fix_and_auto_migrate_creates_them() {
+    let url = fresh_pg_database().await;
+    let run = relay_cmd(&url, &["run", "--drain", "--http-addr", ""]);
+    assert_eq!(run.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        stderr.contains("does not exist") && stderr.contains("outbox-relay migrate"),
+        "{stderr}"
+    );
+    let run = relay_cmd(
+        &url,
+        &["run", "--drain", "--auto-migrate", "--http-addr", ""],
+    );
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    assert!(
+        relay_cmd(&url, &["migrate"]).status.success(),
+        "migrate is idempotent"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retain_delivered_marks_rows_instead_of_deleting() {
+    let url = fresh_pg_database().await;
+    let client = pg(&url).await;
+    assert!(relay_cmd(&url, &["migrate"]).status.success());
+    let send = relay_cmd(
+        &url,
+        &[
+            "send",
+            "--destination",
+            "d",
+            "--key",
+            "k",
+            "--header",
+            "trace=1",
+            "{\"a\":1}",
+        ],
+    );
+    assert!(
+        send.status.success(),
+        "{}",
+        String::from_utf8_lossy(&send.stderr)
+    );
+    let run = relay_cmd(
+        &url,
+        &["run", "--drain", "--retain-delivered", "--http-addr", ""],
+    );
+    assert!(run.status.success());
+    let line: serde_json::Value = serde_json::from_slice(&run.stdout).unwrap();
+    assert_eq!(line["headers"]["trace"], "1");
+    assert_eq!(line["partition_key"], "k");
+    let row = client
+        .query_one(
+            "SELECT delivered_at IS NOT NULL, locked_by IS NULL FROM outbox",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert!(row.get::<_, bool>(0) && row.get::<_, bool>(1));
+    let again = relay_cmd(
+        &url,
+        &["run", "--drain", "--retain-delivered", "--http-addr", ""],
+    );
+    assert!(again.stdout.is_empty(), "delivered rows are not sent again");
+}
+
+#[test]
+fn errors_name_the_problem_and_never_show_secrets() {
+    let bad = relay_cmd(
+        "postgres://postgres:hunter2@127.0.0.1:1/nowhere",
+        &["run", "--drain", "--http-addr", ""],
+    );
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert_eq!(bad.status.code(), Some(1));
+    assert!(
+        stderr.contains("cannot reach postgres://postgres:***@127.0.0.1:1/nowhere"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("hunter2"), "{stderr}");
+
+    let bad = relay_cmd("sqlite:x.db", &["run", "--batch-size", "0"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("batch_size must be between"));
+
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite:{}", dir.path().join("o.db").display());
+    let bad = relay_cmd(
+        &db,
+        &[
+            "run",
+            "--drain",
+            "--http-addr",
+            "",
+            "--sink",
+            "carrier-pigeon://x",
+        ],
+    );
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("use `stdout` or `file:PATH`"));
+    let bad = relay_cmd(&db, &["send", "--destination", "d", "{not json"]);
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("not valid JSON"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zero_config_sqlite_relays_events_sent_from_another_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run.stdout");
+    let mut relay = Command::new(BIN)
+        .args(["run", "--http-addr", "127.0.0.1:0"])
+        .env_remove("DATABASE_URL")
+        .current_dir(dir.path())
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    for i in 0..20 {
+        let sent = Command::new(BIN)
+            .args([
+                "send",
+                "--destination",
+                "greetings",
+                "--key",
+                &format!("k{}", i % 3),
+                &format!("{{\"i\":{i}}}"),
+            ])
+            .env_remove("DATABASE_URL")
+            .current_dir(dir.path())
+            .output()
+            .unwrap();
+        assert!(
+            sent.status.success(),
+            "{}",
+            String::from_utf8_lossy(&sent.stderr)
+        );
+    }
+    assert!(dir.path().join("outbox.db").exists());
+    let lines = eventually("all 20 events on stdout", Duration::from_secs(30), || {
+        let lines = read_lines(&out);
+        async move { (lines.len() == 20).then_some(lines) }
+    })
+    .await;
+    let mut last: HashMap<String, i64> = HashMap::new();
+    for l in &lines {
+        let seq = l["sequence_id"].as_i64().unwrap();
+        if let Some(prev) = last.insert(l["partition_key"].as_str().unwrap().into(), seq) {
+            assert!(prev < seq);
+        }
+    }
+    Command::new("kill")
+        .args(["-TERM", &relay.id().to_string()])
+        .status()
+        .unwrap();
+    let status = eventually("exit", Duration::from_secs(30), || {
+        let s = relay.try_wait().unwrap();
+        async move { s }
+    })
+    .await;
+    assert!(status.success());
+}
