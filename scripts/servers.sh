@@ -20,6 +20,7 @@ as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 install_packages() {
   local missing=()
   [ -x "$PG_BIN/initdb" ] || missing+=(postgresql-15 postgresql-contrib)
+  command -v openssl >/dev/null || missing+=(openssl)
   if [ ${#missing[@]} -gt 0 ]; then
     log "installing ${missing[*]}"
     as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2
@@ -32,6 +33,22 @@ as_pg() {
   if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi
 }
 
+# A throwaway CA and a server certificate for 127.0.0.1/localhost, so TLS is tested for real.
+make_certs() {
+  local dir=$1
+  [ -f "$dir/server.key" ] && return
+  mkdir -p "$dir"
+  openssl req -x509 -newkey rsa:2048 -nodes -days 30 -subj "/CN=outbox-relay test CA" \
+    -keyout "$dir/ca.key" -out "$dir/ca.pem" \
+    -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign" 2>/dev/null
+  openssl req -newkey rsa:2048 -nodes -subj "/CN=localhost" \
+    -keyout "$dir/server.key" -out "$dir/server.csr" 2>/dev/null
+  printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n' > "$dir/server.ext"
+  openssl x509 -req -in "$dir/server.csr" -CA "$dir/ca.pem" -CAkey "$dir/ca.key" -CAcreateserial \
+    -days 30 -out "$dir/server.pem" -extfile "$dir/server.ext" 2>/dev/null
+  chmod 600 "$dir/server.key"
+}
+
 start_postgres() {
   local dir=$STATE/pg
   if [ ! -f "$dir/data/PG_VERSION" ]; then
@@ -39,14 +56,17 @@ start_postgres() {
     [ "$(id -u)" = 0 ] && chown postgres "$dir"
     as_pg "$PG_BIN/initdb" -D "$dir/data" -U postgres --auth=trust -E UTF8 >/dev/null
   fi
+  make_certs "$dir/tls"
+  [ "$(id -u)" = 0 ] && chown -R postgres "$dir/tls"
   if ! as_pg "$PG_BIN/pg_ctl" -D "$dir/data" status >/dev/null 2>&1; then
     # fsync=off only speeds the tests up; the benchmarks run with the defaults.
     as_pg "$PG_BIN/pg_ctl" -D "$dir/data" -l "$dir/log" -w start -o \
-      "-c listen_addresses=127.0.0.1 -p $PG_PORT -k $dir -c fsync=off -c full_page_writes=off -c max_connections=400 -c wal_level=logical" >/dev/null
+      "-c listen_addresses=127.0.0.1 -p $PG_PORT -k $dir -c fsync=off -c full_page_writes=off -c max_connections=400 -c wal_level=logical -c ssl=on -c ssl_cert_file=$dir/tls/server.pem -c ssl_key_file=$dir/tls/server.key" >/dev/null
   fi
   log "postgres ready on 127.0.0.1:$PG_PORT"
   echo "export OUTBOX_TEST_DATABASE_URL=postgres://postgres@127.0.0.1:$PG_PORT/postgres"
   echo "export OUTBOX_TEST_PG_DATA=$dir/data"
+  echo "export OUTBOX_TEST_PG_CA=$dir/tls/ca.pem"
 }
 
 stop_postgres() {

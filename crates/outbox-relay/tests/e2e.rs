@@ -700,3 +700,60 @@ async fn zero_config_sqlite_relays_events_sent_from_another_process() {
     .await;
     assert!(status.success());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn database_tls_is_verified_against_the_configured_ca() {
+    let url = fresh_pg_database().await;
+    let ca = std::env::var("OUTBOX_TEST_PG_CA").expect("OUTBOX_TEST_PG_CA from scripts/servers.sh");
+    let client = pg(&url).await;
+    assert!(relay_cmd(&url, &["migrate"]).status.success());
+    let tls_url = format!("{url}?sslmode=verify-full&application_name=outbox_tls_test");
+
+    // Without the test CA the server's certificate is not trusted, and the error says so.
+    let untrusted = relay_cmd(&tls_url, &["check"]);
+    assert!(!untrusted.status.success());
+    let text = String::from_utf8_lossy(&untrusted.stdout);
+    assert!(
+        text.contains("cannot connect") && text.to_lowercase().contains("certificate"),
+        "{text}"
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("events.jsonl");
+    let sink = format!("file:{}", out.display());
+    let mut relay = Relay::start(
+        dir.path(),
+        "tls",
+        &tls_url,
+        &["--database-ca-file", &ca, "--sink", &sink],
+    );
+    client
+        .batch_execute(
+            "INSERT INTO outbox (destination, event_type, payload) VALUES ('d', 't', '1')",
+        )
+        .await
+        .unwrap();
+    eventually("delivery over TLS", Duration::from_secs(20), || {
+        let n = read_lines(&out).len();
+        async move { (n == 1).then_some(()) }
+    })
+    .await;
+    let row = client
+        .query_one(
+            "SELECT count(*), bool_and(s.ssl) FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid)
+              WHERE a.application_name = 'outbox_tls_test'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert!(
+        row.get::<_, i64>(0) > 0,
+        "the relay's connections are visible"
+    );
+    assert_eq!(
+        row.get::<_, Option<bool>>(1),
+        Some(true),
+        "every relay connection uses TLS"
+    );
+    assert!(relay.terminate().await.success());
+}

@@ -9,7 +9,6 @@ pub mod schema;
 mod tls;
 
 use std::path::PathBuf;
-use std::str::FromStr;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -63,10 +62,7 @@ pub struct PgStore {
 impl PgStore {
     /// Builds the pool. No connection is opened until first use.
     pub fn new(options: PgOptions) -> StoreResult<Self> {
-        let config = tokio_postgres::Config::from_str(&options.url).map_err(|e| {
-            StoreError::new(StoreErrorKind::Config, format!("invalid database URL: {e}"))
-        })?;
-        let tls = tls::connector(options.ca_file.as_deref())?;
+        let (config, tls) = tls::prepare(&options.url, options.ca_file.as_deref())?;
         let manager = Manager::from_config(
             config.clone(),
             tls.clone(),

@@ -1,16 +1,122 @@
-//! TLS for database connections: rustls with the ring provider, the system's roots and an
-//! optional extra CA file. Certificates are always verified when TLS is used.
+//! TLS for database connections, with libpq's `sslmode` meanings (rustls, ring provider):
+//!
+//! | sslmode | encrypted | certificate checked |
+//! |---|---|---|
+//! | `disable`, `allow` | no | - |
+//! | `prefer` (default) | if the server offers it | no (as libpq) |
+//! | `require` | yes | no (as libpq), unless a CA file is given: then chain and host name |
+//! | `verify-ca` | yes | chain against the system roots plus the CA file |
+//! | `verify-full` | yes | chain and host name |
+//!
+//! The CA file comes from `sslrootcert=` in the URL or the `database_ca_file` setting.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
 use std::sync::Arc;
 
 use outbox_core::{StoreError, StoreErrorKind};
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::client::WebPkiServerVerifier;
+use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::CertificateDer;
-use rustls::RootCertStore;
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::{CertificateError, DigitallySignedStruct, RootCertStore, SignatureScheme};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
-pub fn connector(ca_file: Option<&Path>) -> Result<MakeRustlsConnect, StoreError> {
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Verify {
+    Nothing,
+    Chain,
+    ChainAndName,
+}
+
+fn config_error(message: String) -> StoreError {
+    StoreError::new(StoreErrorKind::Config, message)
+}
+
+/// Parses the URL (libpq `sslmode` and `sslrootcert` included) into a connection config and
+/// the TLS connector that implements its `sslmode`.
+pub fn prepare(
+    url: &str,
+    ca_file: Option<&Path>,
+) -> Result<(tokio_postgres::Config, MakeRustlsConnect), StoreError> {
+    let (url, sslmode, rootcert) = split_tls_params(url);
+    let ca_file = rootcert.or_else(|| ca_file.map(Path::to_path_buf));
+    let (mode, verify) = match sslmode.as_deref().unwrap_or("prefer") {
+        "disable" | "allow" => ("disable", Verify::Nothing),
+        "prefer" => ("prefer", Verify::Nothing),
+        "require" if ca_file.is_some() => ("require", Verify::ChainAndName),
+        "require" => ("require", Verify::Nothing),
+        "verify-ca" => ("require", Verify::Chain),
+        "verify-full" => ("require", Verify::ChainAndName),
+        other => {
+            return Err(config_error(format!(
+                "invalid sslmode {other:?}: use disable, prefer, require, verify-ca or verify-full"
+            )))
+        }
+    };
+    let url = with_param(&url, "sslmode", mode);
+    let config = tokio_postgres::Config::from_str(&url)
+        .map_err(|e| config_error(format!("invalid database URL: {e}")))?;
+    Ok((config, connector(verify, ca_file.as_deref())?))
+}
+
+/// Removes `sslmode` and `sslrootcert` from a URL's query, returning them.
+fn split_tls_params(url: &str) -> (String, Option<String>, Option<PathBuf>) {
+    let Some((base, query)) = url.split_once('?') else {
+        return (url.to_string(), None, None);
+    };
+    let (mut sslmode, mut rootcert, mut kept) = (None, None, Vec::new());
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        match pair.split_once('=') {
+            Some(("sslmode", v)) => sslmode = Some(v.to_string()),
+            Some(("sslrootcert", v)) => rootcert = Some(PathBuf::from(v)),
+            _ => kept.push(pair),
+        }
+    }
+    let url = if kept.is_empty() {
+        base.to_string()
+    } else {
+        format!("{base}?{}", kept.join("&"))
+    };
+    (url, sslmode, rootcert)
+}
+
+fn with_param(url: &str, key: &str, value: &str) -> String {
+    let sep = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{sep}{key}={value}")
+}
+
+fn connector(verify: Verify, ca_file: Option<&Path>) -> Result<MakeRustlsConnect, StoreError> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ClientConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| config_error(format!("TLS setup: {e}")))?;
+    let config = match verify {
+        Verify::Nothing => builder
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(EncryptOnly(provider)))
+            .with_no_client_auth(),
+        Verify::Chain | Verify::ChainAndName => {
+            let roots = Arc::new(root_store(ca_file)?);
+            let webpki = WebPkiServerVerifier::builder_with_provider(roots, provider)
+                .build()
+                .map_err(|e| config_error(format!("TLS setup: {e}")))?;
+            let verifier: Arc<dyn ServerCertVerifier> = if verify == Verify::Chain {
+                Arc::new(ChainOnly(webpki))
+            } else {
+                webpki
+            };
+            builder
+                .dangerous()
+                .with_custom_certificate_verifier(verifier)
+                .with_no_client_auth()
+        }
+    };
+    Ok(MakeRustlsConnect::new(config))
+}
+
+fn root_store(ca_file: Option<&Path>) -> Result<RootCertStore, StoreError> {
     let mut roots = RootCertStore::empty();
     for cert in rustls_native_certs::load_native_certs().certs {
         let _ = roots.add(cert);
@@ -19,25 +125,150 @@ pub fn connector(ca_file: Option<&Path>) -> Result<MakeRustlsConnect, StoreError
         let certs = CertificateDer::pem_file_iter(path)
             .and_then(|iter| iter.collect::<Result<Vec<_>, _>>())
             .map_err(|e| {
-                StoreError::new(
-                    StoreErrorKind::Config,
-                    format!("cannot read database CA file {}: {e}", path.display()),
-                )
+                config_error(format!(
+                    "cannot read database CA file {}: {e}",
+                    path.display()
+                ))
             })?;
         for cert in certs {
             roots.add(cert).map_err(|e| {
-                StoreError::new(
-                    StoreErrorKind::Config,
-                    format!("invalid certificate in {}: {e}", path.display()),
-                )
+                config_error(format!("invalid certificate in {}: {e}", path.display()))
             })?;
         }
     }
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let config = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| StoreError::new(StoreErrorKind::Config, format!("TLS setup: {e}")))?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    Ok(MakeRustlsConnect::new(config))
+    Ok(roots)
+}
+
+/// libpq's `prefer`/`require`: encrypt, check the handshake, trust any certificate.
+#[derive(Debug)]
+struct EncryptOnly(Arc<CryptoProvider>);
+
+impl ServerCertVerifier for EncryptOnly {
+    fn verify_server_cert(
+        &self,
+        _: &CertificateDer<'_>,
+        _: &[CertificateDer<'_>],
+        _: &ServerName<'_>,
+        _: &[u8],
+        _: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+/// `verify-ca`: the chain must verify; the host name need not match.
+#[derive(Debug)]
+struct ChainOnly(Arc<WebPkiServerVerifier>);
+
+impl ServerCertVerifier for ChainOnly {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        match self
+            .0
+            .verify_server_cert(end_entity, intermediates, server_name, ocsp, now)
+        {
+            Err(rustls::Error::InvalidCertificate(
+                CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
+            )) => Ok(ServerCertVerified::assertion()),
+            other => other,
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.supported_verify_schemes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn libpq_tls_parameters_are_taken_out_of_the_url() {
+        let (url, mode, root) = split_tls_params(
+            "postgres://u@h/db?sslmode=verify-full&sslrootcert=/ca.pem&application_name=x",
+        );
+        assert_eq!(url, "postgres://u@h/db?application_name=x");
+        assert_eq!(mode.as_deref(), Some("verify-full"));
+        assert_eq!(root, Some(PathBuf::from("/ca.pem")));
+        let (url, mode, _) = split_tls_params("postgres://u@h/db");
+        assert_eq!((url.as_str(), mode), ("postgres://u@h/db", None));
+    }
+
+    #[test]
+    fn every_libpq_sslmode_is_accepted_and_others_named() {
+        for mode in [
+            "disable",
+            "allow",
+            "prefer",
+            "require",
+            "verify-ca",
+            "verify-full",
+        ] {
+            prepare(&format!("postgres://u@h/db?sslmode={mode}"), None).unwrap();
+        }
+        let err = prepare("postgres://u@h/db?sslmode=always", None)
+            .err()
+            .unwrap();
+        assert!(
+            err.to_string().contains("use disable, prefer, require"),
+            "{err}"
+        );
+    }
 }

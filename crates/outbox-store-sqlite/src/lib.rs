@@ -278,21 +278,13 @@ fn row_to_claimed(row: &Row<'_>) -> rusqlite::Result<Claimed> {
     })
 }
 
-/// Runs `stmt` once per id; SQLite has no arrays, and a prepared statement per row inside
-/// one transaction costs microseconds.
-fn for_each_id(
-    tx: &rusqlite::Transaction<'_>,
-    sql: &str,
-    node: &str,
-    ids: &[SequenceId],
-) -> rusqlite::Result<u64> {
-    let mut stmt = tx.prepare_cached(sql)?;
-    let mut n = 0;
-    for id in ids {
-        n += stmt.execute(params![node, id])? as u64;
-    }
-    Ok(n)
+/// The ids as a JSON array, for `sequence_id IN (SELECT value FROM json_each(?))`: one
+/// statement per batch, as on PostgreSQL.
+fn id_list(ids: &[SequenceId]) -> String {
+    serde_json::to_string(ids).unwrap_or_else(|_| "[]".into())
 }
+
+const IN_IDS: &str = "sequence_id IN (SELECT value FROM json_each(?2))";
 
 impl OutboxStore for SqliteStore {
     fn describe(&self) -> String {
@@ -320,25 +312,19 @@ impl OutboxStore for SqliteStore {
     fn ack(&self, node: NodeId, ids: Vec<SequenceId>) -> BoxFuture<'static, StoreResult<u64>> {
         let retain = self.retain_delivered;
         self.in_tx("ack", move |tx| {
-            if retain {
-                let now = now_ms();
-                let mut stmt = tx.prepare_cached(
+            let n = if retain {
+                tx.prepare_cached(&format!(
                     "UPDATE outbox SET delivered_at = ?3, locked_by = NULL, locked_until = NULL
-                      WHERE sequence_id = ?2 AND locked_by = ?1",
-                )?;
-                let mut n = 0;
-                for id in &ids {
-                    n += stmt.execute(params![node.0, id, now])? as u64;
-                }
-                Ok(n)
+                      WHERE {IN_IDS} AND locked_by = ?1"
+                ))?
+                .execute(params![node.0, id_list(&ids), now_ms()])?
             } else {
-                for_each_id(
-                    tx,
-                    "DELETE FROM outbox WHERE sequence_id = ?2 AND locked_by = ?1",
-                    &node.0,
-                    &ids,
-                )
-            }
+                tx.prepare_cached(&format!(
+                    "DELETE FROM outbox WHERE {IN_IDS} AND locked_by = ?1"
+                ))?
+                .execute(params![node.0, id_list(&ids)])?
+            };
+            Ok(n as u64)
         })
     }
 
@@ -396,13 +382,13 @@ impl OutboxStore for SqliteStore {
 
     fn release(&self, node: NodeId, ids: Vec<SequenceId>) -> BoxFuture<'static, StoreResult<u64>> {
         self.in_tx("release", move |tx| {
-            for_each_id(
-                tx,
-                "UPDATE outbox SET locked_by = NULL, locked_until = NULL
-                  WHERE sequence_id = ?2 AND locked_by = ?1",
-                &node.0,
-                &ids,
-            )
+            let n = tx
+                .prepare_cached(&format!(
+                    "UPDATE outbox SET locked_by = NULL, locked_until = NULL
+                      WHERE {IN_IDS} AND locked_by = ?1"
+                ))?
+                .execute(params![node.0, id_list(&ids)])?;
+            Ok(n as u64)
         })
     }
 
@@ -413,15 +399,12 @@ impl OutboxStore for SqliteStore {
         lease: Duration,
     ) -> BoxFuture<'static, StoreResult<u64>> {
         self.in_tx("extend leases", move |tx| {
-            let until = now_ms() + millis(lease);
-            let mut stmt = tx.prepare_cached(
-                "UPDATE outbox SET locked_until = ?3 WHERE sequence_id = ?2 AND locked_by = ?1",
-            )?;
-            let mut n = 0;
-            for id in &ids {
-                n += stmt.execute(params![node.0, id, until])? as u64;
-            }
-            Ok(n)
+            let n = tx
+                .prepare_cached(&format!(
+                    "UPDATE outbox SET locked_until = ?3 WHERE {IN_IDS} AND locked_by = ?1"
+                ))?
+                .execute(params![node.0, id_list(&ids), now_ms() + millis(lease)])?;
+            Ok(n as u64)
         })
     }
 
