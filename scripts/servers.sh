@@ -4,6 +4,7 @@
 #
 #   scripts/servers.sh start     # prints `export ...` lines for the tests' environment
 #   scripts/servers.sh stop
+#   scripts/servers.sh restart-postgres   # for the tests that restart the database
 #
 # OUTBOX_TEST_STATE (default /tmp/outbox-relay-test-servers) holds data, sockets and pids.
 # OUTBOX_TEST_PG_PORT (default 54329) is PostgreSQL's port.
@@ -86,8 +87,12 @@ case "${1:-}" in
   stop)
     stop_postgres
     ;;
+  restart-postgres)
+    stop_postgres
+    start_postgres >/dev/null
+    ;;
   *)
-    echo "usage: $0 start|stop" >&2
+    echo "usage: $0 start|stop|restart-postgres" >&2
     exit 2
     ;;
 esac

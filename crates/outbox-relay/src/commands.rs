@@ -67,24 +67,27 @@ async fn shutdown_signal() {
     }
 }
 
-/// Opens the store and makes sure its tables exist (creating them when allowed).
-async fn ready_store(config: &Config, create: bool) -> anyhow::Result<AnyStore> {
+/// Opens the store and makes sure its tables exist (creating them when allowed). With
+/// `wait`, transient failures (the database is down or restarting) are retried until they
+/// pass; problems only an operator can fix fail at once, with the fix.
+async fn ready_store(config: &Config, create: bool, wait: bool) -> anyhow::Result<AnyStore> {
     let store = AnyStore::open(config)?;
-    let outbox = store.outbox();
-    outbox.ping().await.map_err(|e| {
-        anyhow::anyhow!(
-            "cannot reach {}: {}",
-            redact_url(&config.database_url),
-            e.report()
-        )
-    })?;
-    if create || store.creates_tables_implicitly() {
-        store.migrate().await?;
-    }
-    let problems = outbox
-        .verify()
-        .await
-        .map_err(|e| anyhow::anyhow!(e.report()))?;
+    let mut delay = Duration::from_millis(200);
+    let problems = loop {
+        match prepare_store(&store, create).await {
+            Ok(problems) => break problems,
+            Err(e) if wait && e.is_retryable() => {
+                tracing::warn!(error = %e.report(), retry_in = ?delay, "waiting for the database");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(5));
+            }
+            Err(e) => bail!(
+                "cannot use {}: {}",
+                redact_url(&config.database_url),
+                e.report()
+            ),
+        }
+    };
     let mut fatal = Vec::new();
     for p in problems {
         if p.what.contains("trigger") {
@@ -99,6 +102,18 @@ async fn ready_store(config: &Config, create: bool) -> anyhow::Result<AnyStore> 
     Ok(store)
 }
 
+async fn prepare_store(
+    store: &AnyStore,
+    create: bool,
+) -> Result<Vec<outbox_core::store::Problem>, outbox_core::StoreError> {
+    let outbox = store.outbox();
+    outbox.ping().await?;
+    if create || store.creates_tables_implicitly() {
+        store.migrate().await?;
+    }
+    outbox.verify().await
+}
+
 fn publisher(config: &Config) -> anyhow::Result<Arc<dyn Publisher>> {
     outbox_publishers::from_uri(&config.sink)
         .map_err(|e| anyhow::anyhow!("sink {}: {}", redact_url(&config.sink), e.report()))
@@ -106,7 +121,7 @@ fn publisher(config: &Config) -> anyhow::Result<Arc<dyn Publisher>> {
 
 pub async fn run(config: Config, drain: bool) -> anyhow::Result<ExitCode> {
     let metrics = install_metrics()?;
-    let store = ready_store(&config, config.auto_migrate).await?;
+    let store = ready_store(&config, config.auto_migrate, !drain).await?;
     let outbox = store.outbox();
     let sink = publisher(&config)?;
     let node = NodeId(config.node_id.clone().unwrap_or_else(default_node_id));
@@ -176,7 +191,10 @@ pub async fn migrate(config: Config, args: MigrateArgs) -> anyhow::Result<ExitCo
         println!("{}", store.printable_ddl(&args.role));
         return Ok(ExitCode::SUCCESS);
     }
-    store.migrate().await?;
+    store
+        .migrate()
+        .await
+        .map_err(|e| anyhow::anyhow!("migration failed: {}", e.report()))?;
     println!("migrated: {}", store.outbox().describe());
     Ok(ExitCode::SUCCESS)
 }
@@ -236,7 +254,7 @@ pub async fn send(config: Config, args: SendArgs) -> anyhow::Result<ExitCode> {
             "the payload is not valid JSON ({e}); quote text as JSON, e.g. '\"hello\"', or send an object like '{{\"id\": 1}}'"
         );
     }
-    let store = ready_store(&config, false).await?;
+    let store = ready_store(&config, false, false).await?;
     let event = NewEvent {
         event_id: args.event_id,
         destination: args.destination,

@@ -63,12 +63,11 @@ impl AnyStore {
         matches!(self, AnyStore::Sqlite(_))
     }
 
-    pub async fn migrate(&self) -> anyhow::Result<()> {
-        let result = match self {
+    pub async fn migrate(&self) -> Result<(), outbox_core::StoreError> {
+        match self {
             AnyStore::Postgres(s) => s.migrate().await,
             AnyStore::Sqlite(s) => s.migrate().await,
-        };
-        result.map_err(|e| anyhow::anyhow!("migration failed: {}", e.report()))
+        }
     }
 
     /// The DDL and grants `migrate --print` shows.

@@ -64,6 +64,9 @@ impl Relay {
 
 impl Drop for Relay {
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("--- relay log {} ---\n{}", self.log.display(), self.logs());
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -617,7 +620,7 @@ fn errors_name_the_problem_and_never_show_secrets() {
     let stderr = String::from_utf8_lossy(&bad.stderr);
     assert_eq!(bad.status.code(), Some(1));
     assert!(
-        stderr.contains("cannot reach postgres://postgres:***@127.0.0.1:1/nowhere"),
+        stderr.contains("cannot use postgres://postgres:***@127.0.0.1:1/nowhere"),
         "{stderr}"
     );
     assert!(!stderr.contains("hunter2"), "{stderr}");
@@ -756,4 +759,118 @@ async fn database_tls_is_verified_against_the_configured_ca() {
         "every relay connection uses TLS"
     );
     assert!(relay.terminate().await.success());
+}
+
+/// A PostgreSQL server of this test's own (so restarting it disturbs no other test).
+struct OwnPostgres {
+    state: tempfile::TempDir,
+    port: u16,
+}
+
+impl OwnPostgres {
+    fn script(&self, command: &str) -> String {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/servers.sh");
+        let out = Command::new("bash")
+            .arg(script)
+            .arg(command)
+            .env("OUTBOX_TEST_STATE", self.state.path())
+            .env("OUTBOX_TEST_PG_PORT", self.port.to_string())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "servers.sh {command}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    fn start() -> Self {
+        let state = tempfile::Builder::new().prefix("own-pg").tempdir().unwrap();
+        std::fs::set_permissions(
+            state.path(),
+            std::os::unix::fs::PermissionsExt::from_mode(0o777),
+        )
+        .unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let pg = OwnPostgres { state, port };
+        pg.script("start");
+        pg
+    }
+
+    fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+}
+
+impl Drop for OwnPostgres {
+    fn drop(&mut self) {
+        self.script("stop");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_restart_mid_run_loses_nothing() {
+    let server = OwnPostgres::start();
+    let url = server.url();
+    let dir = tempfile::tempdir().unwrap();
+    assert!(relay_cmd(&url, &["migrate"]).status.success());
+    let out = dir.path().join("events.jsonl");
+    let sink = format!("file:{}", out.display());
+    let mut relay = Relay::start(
+        dir.path(),
+        "relay",
+        &url,
+        &["--sink", &sink, "--poll-interval", "300ms"],
+    );
+    let insert = |from: i32| {
+        let url = url.clone();
+        async move {
+            pg(&url)
+                .await
+                .batch_execute(&format!(
+                    "INSERT INTO outbox (destination, partition_key, event_type, payload)
+                     SELECT 'd', 'k' || (i % 7), 't', to_jsonb(i) FROM generate_series({from}, {from} + 99) i"
+                ))
+                .await
+                .unwrap()
+        }
+    };
+    insert(1).await;
+    eventually("the first events", Duration::from_secs(30), || {
+        let n = read_lines(&out).len();
+        async move { (n > 0).then_some(()) }
+    })
+    .await;
+    server.script("restart-postgres");
+    insert(101).await;
+    let lines = eventually(
+        "all 200 events after the restart",
+        Duration::from_secs(60),
+        || {
+            let lines = read_lines(&out);
+            let unique: HashSet<String> = lines
+                .iter()
+                .map(|l| l["event_id"].as_str().unwrap().to_string())
+                .collect();
+            async move { (unique.len() == 200).then_some(lines) }
+        },
+    )
+    .await;
+    let mut last: HashMap<String, i64> = HashMap::new();
+    let mut seen = HashSet::new();
+    for l in &lines {
+        if !seen.insert(l["event_id"].as_str().unwrap().to_string()) {
+            continue;
+        }
+        let seq = l["sequence_id"].as_i64().unwrap();
+        if let Some(prev) = last.insert(l["partition_key"].as_str().unwrap().into(), seq) {
+            assert!(prev < seq, "order broke across the restart");
+        }
+    }
+    assert!(relay.terminate().await.success(), "{}", relay.logs());
 }
