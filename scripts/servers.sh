@@ -2,6 +2,7 @@
 # Installs (from Debian packages, when missing) and starts the local servers the tests need,
 # on 127.0.0.1 only, under one state directory; stops them again.
 #
+#   scripts/servers.sh install   # installs servers and build prerequisites only
 #   scripts/servers.sh start     # prints `export ...` lines for the tests' environment
 #   scripts/servers.sh stop
 #   scripts/servers.sh restart-postgres   # for the tests that restart the database
@@ -13,6 +14,11 @@ set -euo pipefail
 STATE=${OUTBOX_TEST_STATE:-/tmp/outbox-relay-test-servers}
 PG_PORT=${OUTBOX_TEST_PG_PORT:-54329}
 PG_BIN=/usr/lib/postgresql/15/bin
+NATS_PORT=${OUTBOX_TEST_NATS_PORT:-54222}
+REDIS_PORT=${OUTBOX_TEST_REDIS_PORT:-54379}
+RABBIT_PORT=${OUTBOX_TEST_RABBIT_PORT:-54672}
+# Which servers `start` starts (the tests that own a private server start only theirs).
+SERVERS=${OUTBOX_TEST_SERVERS:-postgres nats redis rabbitmq}
 
 log() { echo "servers.sh: $*" >&2; }
 
@@ -22,6 +28,15 @@ install_packages() {
   local missing=()
   [ -x "$PG_BIN/initdb" ] || missing+=(postgresql-15 postgresql-contrib)
   command -v openssl >/dev/null || missing+=(openssl)
+  command -v nats-server >/dev/null || missing+=(nats-server)
+  command -v redis-server >/dev/null || missing+=(redis-server)
+  [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || missing+=(rabbitmq-server)
+  # Build prerequisites of librdkafka (the Kafka sink); its libcurl is built from source
+  # (rdkafka's curl-static feature), so no libcurl headers are needed.
+  command -v cmake >/dev/null || missing+=(cmake)
+  command -v g++ >/dev/null || missing+=(g++)
+  [ -f /usr/include/openssl/ssl.h ] || missing+=(libssl-dev)
+  [ -f /usr/include/zlib.h ] || missing+=(zlib1g-dev)
   if [ ${#missing[@]} -gt 0 ]; then
     log "installing ${missing[*]}"
     as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2
@@ -77,22 +92,105 @@ stop_postgres() {
   fi
 }
 
+start_nats() {
+  local dir=$STATE/nats
+  mkdir -p "$dir"
+  if ! curl -sf "http://127.0.0.1:$((NATS_PORT + 1))/healthz" >/dev/null 2>&1; then
+    setsid nats-server -a 127.0.0.1 -p "$NATS_PORT" -m "$((NATS_PORT + 1))" -js -sd "$dir/js" \
+      -P "$dir/nats.pid" -l "$dir/nats.log" </dev/null >/dev/null 2>&1 &
+    for _ in $(seq 100); do
+      curl -sf "http://127.0.0.1:$((NATS_PORT + 1))/healthz?js-enabled-only=true" >/dev/null 2>&1 && break
+      sleep 0.1
+    done
+  fi
+  log "nats-server (JetStream) ready on 127.0.0.1:$NATS_PORT"
+  echo "export OUTBOX_TEST_NATS_URL=nats://127.0.0.1:$NATS_PORT"
+}
+
+stop_nats() {
+  local pid
+  pid=$(cat "$STATE/nats/nats.pid" 2>/dev/null) || return 0
+  kill "$pid" 2>/dev/null || true
+  for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+}
+
+start_redis() {
+  local dir=$STATE/redis
+  mkdir -p "$dir"
+  if ! redis-cli -h 127.0.0.1 -p "$REDIS_PORT" ping >/dev/null 2>&1; then
+    redis-server --bind 127.0.0.1 --port "$REDIS_PORT" --daemonize yes --dir "$dir" \
+      --pidfile "$dir/redis.pid" --logfile "$dir/redis.log" --save "" --appendonly no >/dev/null
+    for _ in $(seq 100); do
+      redis-cli -h 127.0.0.1 -p "$REDIS_PORT" ping >/dev/null 2>&1 && break
+      sleep 0.1
+    done
+  fi
+  log "redis ready on 127.0.0.1:$REDIS_PORT"
+  echo "export OUTBOX_TEST_REDIS_URL=redis://127.0.0.1:$REDIS_PORT"
+}
+
+stop_redis() {
+  redis-cli -h 127.0.0.1 -p "$REDIS_PORT" shutdown nosave >/dev/null 2>&1 || true
+}
+
+# RabbitMQ runs as the current user with everything under $STATE/rabbitmq; its Erlang port
+# mapper (epmd) gets a port of its own so it never meets another installation's.
+rabbit_env() {
+  local dir=$STATE/rabbitmq
+  export HOME=$dir RABBITMQ_NODENAME=rabbit@localhost RABBITMQ_NODE_IP_ADDRESS=127.0.0.1 \
+    RABBITMQ_NODE_PORT=$RABBIT_PORT RABBITMQ_DIST_PORT=$((RABBIT_PORT + 10000)) \
+    ERL_EPMD_ADDRESS=127.0.0.1 ERL_EPMD_PORT=$((RABBIT_PORT + 1)) \
+    RABBITMQ_MNESIA_BASE=$dir/mnesia RABBITMQ_LOG_BASE=$dir/log \
+    RABBITMQ_CONFIG_FILE=$dir/rabbitmq.conf RABBITMQ_PID_FILE=$dir/rabbit.pid \
+    RABBITMQ_ENABLED_PLUGINS_FILE=$dir/enabled_plugins
+}
+
+start_rabbitmq() {
+  local dir=$STATE/rabbitmq
+  mkdir -p "$dir/log"
+  # A 1 MiB message limit lets the tests see the broker refuse an oversized message.
+  printf 'listeners.tcp.default = 127.0.0.1:%s\nmax_message_size = 1048576\nloopback_users = none\n' "$RABBIT_PORT" > "$dir/rabbitmq.conf"
+  echo "[]." > "$dir/enabled_plugins"
+  (
+    rabbit_env
+    if ! /usr/lib/rabbitmq/bin/rabbitmqctl -q status >/dev/null 2>&1; then
+      setsid /usr/lib/rabbitmq/bin/rabbitmq-server </dev/null >"$dir/log/console.log" 2>&1 &
+      /usr/lib/rabbitmq/bin/rabbitmqctl -q wait --timeout 120 "$dir/rabbit.pid" >/dev/null
+    fi
+  )
+  log "rabbitmq ready on 127.0.0.1:$RABBIT_PORT"
+  echo "export OUTBOX_TEST_AMQP_URL=amqp://guest:guest@127.0.0.1:$RABBIT_PORT/%2f"
+}
+
+stop_rabbitmq() {
+  [ -d "$STATE/rabbitmq" ] || return 0
+  (
+    rabbit_env
+    /usr/lib/rabbitmq/bin/rabbitmqctl -q stop >/dev/null 2>&1 || true
+    epmd -port "$ERL_EPMD_PORT" -kill >/dev/null 2>&1 || true
+  )
+}
+
 case "${1:-}" in
+  install)
+    install_packages
+    ;;
   start)
     install_packages
     mkdir -p "$STATE"
     chmod 755 "$STATE"
-    start_postgres
+    for server in $SERVERS; do "start_$server"; done
     ;;
   stop)
-    stop_postgres
+    for server in $SERVERS; do "stop_$server"; done
     ;;
-  restart-postgres)
-    stop_postgres
-    start_postgres >/dev/null
+  restart-postgres | restart-nats | restart-redis | restart-rabbitmq)
+    server=${1#restart-}
+    "stop_$server"
+    "start_$server" >/dev/null
     ;;
   *)
-    echo "usage: $0 start|stop|restart-postgres" >&2
+    echo "usage: $0 install|start|stop|restart-SERVER" >&2
     exit 2
     ;;
 esac

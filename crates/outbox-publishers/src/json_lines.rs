@@ -7,7 +7,9 @@ use std::sync::{Arc, Mutex};
 
 use futures::future::BoxFuture;
 use futures::FutureExt;
-use outbox_core::{Event, Outcome, PublishError, PublishErrorKind, Publisher};
+use outbox_core::{Event, Outcome, PublishError, PublishErrorKind};
+
+use crate::sink::{Routed, Sink};
 use serde::Serialize;
 
 /// One output line. Field names are part of the sink's format.
@@ -60,11 +62,11 @@ pub fn encode_line(event: &Event, out: &mut Vec<u8>) -> Result<(), PublishError>
 }
 
 /// Encodes a batch; events that cannot be encoded get a permanent error and are left out.
-fn encode_batch(batch: &[Arc<Event>]) -> (Vec<u8>, Vec<Option<PublishError>>) {
+fn encode_batch(batch: &[Routed]) -> (Vec<u8>, Vec<Option<PublishError>>) {
     let mut buffer = Vec::with_capacity(batch.len() * 256);
     let errors = batch
         .iter()
-        .map(|event| {
+        .map(|Routed { event, .. }| {
             let mark = buffer.len();
             encode_line(event, &mut buffer)
                 .err()
@@ -105,12 +107,12 @@ impl StdoutSink {
     }
 }
 
-impl Publisher for StdoutSink {
+impl Sink for StdoutSink {
     fn describe(&self) -> String {
         "stdout".into()
     }
 
-    fn publish(&self, batch: Vec<Arc<Event>>) -> BoxFuture<'static, Vec<Outcome>> {
+    fn send(&self, batch: Vec<Routed>) -> BoxFuture<'static, Vec<Outcome>> {
         let lock = self.lock.clone();
         async move {
             let (buffer, errors) = encode_batch(&batch);
@@ -181,12 +183,12 @@ fn terminate_torn_line(file: &mut File) -> std::io::Result<()> {
     Ok(())
 }
 
-impl Publisher for FileSink {
+impl Sink for FileSink {
     fn describe(&self) -> String {
         format!("file:{}", self.path.display())
     }
 
-    fn publish(&self, batch: Vec<Arc<Event>>) -> BoxFuture<'static, Vec<Outcome>> {
+    fn send(&self, batch: Vec<Routed>) -> BoxFuture<'static, Vec<Outcome>> {
         let file = self.file.clone();
         let what = self.path.display().to_string();
         async move {
@@ -224,26 +226,29 @@ mod tests {
     use outbox_core::{Headers, Payload};
     use std::time::{Duration, UNIX_EPOCH};
 
-    fn event(seq: i64, payload: &str) -> Arc<Event> {
-        Arc::new(Event {
-            sequence_id: seq,
-            event_id: uuid::Uuid::from_u128(seq as u128),
-            destination: "orders".into(),
-            partition_key: Some("c-1".into()),
-            event_type: "created".into(),
-            payload: Payload::from_json_text(payload.into()).unwrap(),
-            headers: Headers::from([("trace".to_string(), "t1".to_string())]),
-            mutation_id: Some("m-1".into()),
-            rejected: false,
-            attempts: 2,
-            created_at: UNIX_EPOCH + Duration::from_micros(1_700_000_000_123_456),
-        })
+    fn event(seq: i64, payload: &str) -> Routed {
+        Routed {
+            target: String::new(),
+            event: Arc::new(Event {
+                sequence_id: seq,
+                event_id: uuid::Uuid::from_u128(seq as u128),
+                destination: "orders".into(),
+                partition_key: Some("c-1".into()),
+                event_type: "created".into(),
+                payload: Payload::from_json_text(payload.into()).unwrap(),
+                headers: Headers::from([("trace".to_string(), "t1".to_string())]),
+                mutation_id: Some("m-1".into()),
+                rejected: false,
+                attempts: 2,
+                created_at: UNIX_EPOCH + Duration::from_micros(1_700_000_000_123_456),
+            }),
+        }
     }
 
     #[test]
     fn line_carries_every_field_and_the_payload_verbatim() {
         let mut out = Vec::new();
-        encode_line(&event(7, r#"{"total": 12.50}"#), &mut out).unwrap();
+        encode_line(&event(7, r#"{"total": 12.50}"#).event, &mut out).unwrap();
         let text = String::from_utf8(out).unwrap();
         assert!(text.ends_with('\n'));
         assert!(text.contains(r#""payload":{"total": 12.50}"#), "{text}");
@@ -265,9 +270,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("events.jsonl");
         let sink = FileSink::open(&path).unwrap();
-        let outcomes = sink.publish(vec![event(1, "1"), event(2, "[2]")]).await;
+        let outcomes = sink.send(vec![event(1, "1"), event(2, "[2]")]).await;
         assert!(outcomes.iter().all(|o| o.is_ok()));
-        sink.publish(vec![event(3, "null")]).await;
+        sink.send(vec![event(3, "null")]).await;
         let text = std::fs::read_to_string(&path).unwrap();
         let seqs: Vec<i64> = text
             .lines()
@@ -286,7 +291,7 @@ mod tests {
         let path = dir.path().join("events.jsonl");
         std::fs::write(&path, "{\"sequence_id\":1}\n{\"seq").unwrap();
         let sink = FileSink::open(&path).unwrap();
-        sink.publish(vec![event(2, "2")]).await;
+        sink.send(vec![event(2, "2")]).await;
         let text = std::fs::read_to_string(&path).unwrap();
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines.len(), 3);

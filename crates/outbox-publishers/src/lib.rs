@@ -1,31 +1,93 @@
-//! Publishers (sinks) for outbox-relay, one module per target.
-//!
-//! Each implements [`outbox_core::Publisher`]; [`from_uri`] picks one from a `--sink` URI.
+//! Publishers for outbox-relay: a [`Router`] (the engine's [`outbox_core::Publisher`]) over
+//! named [`Sink`]s, one module per broker.
 
+pub mod config;
 pub mod json_lines;
+#[cfg(feature = "nats")]
+pub mod nats;
+pub mod router;
+pub mod sink;
+pub mod template;
 
-use outbox_core::{PublishError, PublishErrorKind, Publisher};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
-pub use json_lines::{FileSink, StdoutSink};
+use outbox_core::{PublishError, PublishErrorKind};
 
-/// Builds the publisher a `--sink` URI names: `stdout`, or `file:PATH`.
-pub fn from_uri(uri: &str) -> Result<Arc<dyn Publisher>, PublishError> {
-    if uri == "stdout" || uri == "stdout:" {
-        return Ok(Arc::new(StdoutSink::new()));
+pub use config::{RouteConfig, Secret, SinkConfig};
+pub use json_lines::{FileSink, StdoutSink};
+pub use router::{Route, Router};
+pub use sink::{Routed, Sink};
+pub use template::Template;
+
+fn invalid(message: impl Into<String>) -> PublishError {
+    PublishError::new(PublishErrorKind::Rejected, message)
+}
+
+/// Builds one sink from its settings. Connections are made lazily or retried in the
+/// background, so a broker that is down at start delays delivery but not the relay.
+pub async fn build_sink(name: &str, config: &SinkConfig) -> Result<Arc<dyn Sink>, PublishError> {
+    let uri = config.uri.trim();
+    let scheme = uri.split(':').next().unwrap_or_default();
+    match scheme {
+        "stdout" => Ok(Arc::new(StdoutSink::new())),
+        "file" => {
+            let path = uri.trim_start_matches("file:");
+            let path = path.strip_prefix("//").unwrap_or(path);
+            if path.is_empty() {
+                return Err(invalid(
+                    "sink `file:` needs a path, e.g. file:/var/lib/outbox/events.jsonl",
+                ));
+            }
+            Ok(Arc::new(FileSink::open(path)?))
+        }
+        #[cfg(feature = "nats")]
+        "nats" | "tls" => nats::sink(config).await,
+        other => Err(invalid(format!(
+            "sink {name}: unknown URI scheme {other:?}: use stdout, file:PATH, nats://, kafka://, amqp://, redis://, http(s):// or ably:"
+        ))),
     }
-    if let Some(path) = uri.strip_prefix("file:") {
-        let path = path.strip_prefix("//").unwrap_or(path);
-        if path.is_empty() {
-            return Err(PublishError::new(
-                PublishErrorKind::Rejected,
-                "sink `file:` needs a path, e.g. --sink file:/var/lib/outbox/events.jsonl",
+}
+
+/// A router with one sink for every destination (`--sink URI`).
+pub async fn from_uri(uri: &str) -> Result<Arc<dyn outbox_core::Publisher>, PublishError> {
+    let config = SinkConfig {
+        uri: uri.to_string(),
+        ..SinkConfig::default()
+    };
+    let sink = build_sink("default", &config).await?;
+    Ok(Arc::new(Router::single("default", sink)))
+}
+
+/// A router over configured sinks and routes. Without routes, a single sink takes every
+/// destination.
+pub async fn build_router(
+    sinks: &BTreeMap<String, SinkConfig>,
+    routes: &[RouteConfig],
+) -> Result<Arc<dyn outbox_core::Publisher>, PublishError> {
+    let mut built = Vec::new();
+    for (name, config) in sinks {
+        built.push((
+            name.clone(),
+            build_sink(name, config).await?,
+            config.max_message_bytes,
+        ));
+    }
+    let mut parsed = Vec::new();
+    for route in routes {
+        let target = match &route.target {
+            Some(t) => Template::parse(t).map_err(invalid)?,
+            None => Template::destination(),
+        };
+        parsed.push(Route::new(&route.destinations, &route.sink, target).map_err(invalid)?);
+    }
+    if parsed.is_empty() {
+        if built.len() != 1 {
+            return Err(invalid(
+                "several sinks are configured but no [[routes]]: add routes that map destinations to sinks",
             ));
         }
-        return Ok(Arc::new(FileSink::open(path)?));
+        parsed.push(Route::new("*", &built[0].0, Template::destination()).map_err(invalid)?);
     }
-    Err(PublishError::new(
-        PublishErrorKind::Rejected,
-        format!("unknown sink {uri:?}: use `stdout` or `file:PATH`"),
-    ))
+    Ok(Arc::new(Router::new(built, parsed).map_err(invalid)?))
 }

@@ -69,7 +69,8 @@ pub enum Command {
 
 #[derive(Args, Debug)]
 pub struct RunArgs {
-    /// Where events go: stdout, or file:PATH (JSON lines, fsynced before ack) [default: stdout].
+    /// Where every event goes: stdout, file:PATH, nats://, kafka://, amqp://, redis://,
+    /// http(s)://URL-template or ably: [default: the config's [sinks]/[[routes]], else stdout].
     #[arg(long, value_name = "URI")]
     pub sink: Option<String>,
     /// Create missing tables and trigger at start (needs CREATE privileges).

@@ -114,16 +114,18 @@ async fn prepare_store(
     outbox.verify().await
 }
 
-fn publisher(config: &Config) -> anyhow::Result<Arc<dyn Publisher>> {
-    outbox_publishers::from_uri(&config.sink)
-        .map_err(|e| anyhow::anyhow!("sink {}: {}", redact_url(&config.sink), e.report()))
+async fn publisher(config: &Config) -> anyhow::Result<Arc<dyn Publisher>> {
+    let (sinks, routes) = config.sink_setup();
+    outbox_publishers::build_router(&sinks, &routes)
+        .await
+        .map_err(|e| anyhow::anyhow!("{}", redact_url(&e.report())))
 }
 
 pub async fn run(config: Config, drain: bool) -> anyhow::Result<ExitCode> {
     let metrics = install_metrics()?;
     let store = ready_store(&config, config.auto_migrate, !drain).await?;
     let outbox = store.outbox();
-    let sink = publisher(&config)?;
+    let sink = publisher(&config).await?;
     let node = NodeId(config.node_id.clone().unwrap_or_else(default_node_id));
     tracing::info!(
         node = %node,
@@ -228,7 +230,7 @@ pub async fn check(config: Config) -> anyhow::Result<ExitCode> {
             println!("problem: {}", e.report());
         }
     }
-    match publisher(&config) {
+    match publisher(&config).await {
         Ok(sink) => match sink.health().await {
             Ok(()) => println!("ok: sink {} is reachable", sink.describe()),
             Err(e) => {

@@ -78,7 +78,12 @@ pub struct Config {
     pub database_url: String,
     /// Extra CA certificates (PEM) for database TLS.
     pub database_ca_file: Option<PathBuf>,
-    pub sink: String,
+    /// One sink for every destination; when set it replaces `[sinks]` and `[[routes]]`.
+    pub sink: Option<String>,
+    /// Named sinks (`[sinks.NAME]`), used with `[[routes]]`.
+    pub sinks: std::collections::BTreeMap<String, outbox_publishers::SinkConfig>,
+    /// Destination globs to sinks and target templates, first match wins.
+    pub routes: Vec<outbox_publishers::RouteConfig>,
     pub outbox_schema: String,
     pub outbox_table: String,
     pub nodes_schema: String,
@@ -115,7 +120,9 @@ impl Default for Config {
         Config {
             database_url: DEFAULT_DATABASE_URL.into(),
             database_ca_file: None,
-            sink: DEFAULT_SINK.into(),
+            sink: None,
+            sinks: Default::default(),
+            routes: Vec::new(),
             outbox_schema: "public".into(),
             outbox_table: "outbox".into(),
             nodes_schema: "public".into(),
@@ -147,7 +154,8 @@ impl std::fmt::Debug for Config {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Config")
             .field("database_url", &redact_url(&self.database_url))
-            .field("sink", &redact_url(&self.sink))
+            .field("sink", &self.sink.as_deref().map(redact_url))
+            .field("sinks", &self.sinks.keys().collect::<Vec<_>>())
             .field(
                 "outbox",
                 &format!("{}.{}", self.outbox_schema, self.outbox_table),
@@ -313,6 +321,20 @@ impl Config {
         })
     }
 
+    /// The sinks and routes in effect: `sink` alone, `[sinks]` with `[[routes]]`, or stdout.
+    pub fn sink_setup(
+        &self,
+    ) -> (
+        std::collections::BTreeMap<String, outbox_publishers::SinkConfig>,
+        Vec<outbox_publishers::RouteConfig>,
+    ) {
+        match (&self.sink, self.sinks.is_empty()) {
+            (Some(uri), _) => (single_sink(uri), Vec::new()),
+            (None, true) => (single_sink(DEFAULT_SINK), Vec::new()),
+            (None, false) => (self.sinks.clone(), self.routes.clone()),
+        }
+    }
+
     pub fn retry_policy(&self) -> outbox_core::RetryPolicy {
         outbox_core::RetryPolicy {
             base_delay: self.retry.base_delay,
@@ -321,6 +343,14 @@ impl Config {
             max_attempts_by_type: self.retry.max_attempts_by_type.clone(),
         }
     }
+}
+
+fn single_sink(uri: &str) -> std::collections::BTreeMap<String, outbox_publishers::SinkConfig> {
+    let config = outbox_publishers::SinkConfig {
+        uri: uri.to_string(),
+        ..Default::default()
+    };
+    std::collections::BTreeMap::from([("default".to_string(), config)])
 }
 
 /// Values given as flags; only those present override the other sources.
@@ -468,7 +498,7 @@ mod tests {
             };
             let c = Config::load(Some(Path::new("relay.toml")), Serialized::defaults(flags))
                 .map_err(|e| e.to_string())?;
-            assert_eq!(c.sink, "file:/tmp/from-file.jsonl");
+            assert_eq!(c.sink.as_deref(), Some("file:/tmp/from-file.jsonl"));
             assert_eq!(c.batch_size, 300);
             assert_eq!(c.poll_interval, Duration::from_millis(250));
             assert_eq!(c.database_url, "postgres://from-env/db");

@@ -775,6 +775,7 @@ impl OwnPostgres {
             .arg(command)
             .env("OUTBOX_TEST_STATE", self.state.path())
             .env("OUTBOX_TEST_PG_PORT", self.port.to_string())
+            .env("OUTBOX_TEST_SERVERS", "postgres")
             .output()
             .unwrap();
         assert!(

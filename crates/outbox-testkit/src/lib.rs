@@ -2,7 +2,14 @@
 //! recording publisher, and the conformance suites every store must pass.
 
 pub mod conformance;
+pub mod publisher;
 pub mod recording;
+pub mod server;
+
+/// Installs the process-wide TLS provider, as the binary does at start-up.
+pub fn install_crypto() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
 
 use std::time::Duration;
 

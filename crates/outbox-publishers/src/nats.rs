@@ -1,0 +1,226 @@
+//! NATS JetStream: `Nats-Msg-Id` = event id, so the stream's duplicate window drops
+//! redeliveries; each event is confirmed by its PubAck.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::context::PublishErrorKind as JsKind;
+use async_nats::jetstream::message::PublishMessage;
+use async_nats::{HeaderMap, ServerAddr};
+use bytes::Bytes;
+use futures::future::{join_all, BoxFuture};
+use futures::FutureExt;
+use outbox_core::{Outcome, PublishError, PublishErrorKind};
+
+use crate::config::{SinkConfig, DEFAULT_SINK_TIMEOUT};
+use crate::sink::{Routed, Sink};
+
+/// Header names the relay sets besides `Nats-Msg-Id` and the event's own headers.
+pub const HEADER_EVENT_TYPE: &str = "Outbox-Event-Type";
+pub const HEADER_PARTITION_KEY: &str = "Outbox-Partition-Key";
+pub const HEADER_SEQUENCE_ID: &str = "Outbox-Sequence-Id";
+pub const HEADER_MUTATION_ID: &str = "Outbox-Mutation-Id";
+
+pub struct NatsSink {
+    client: async_nats::Client,
+    jetstream: async_nats::jetstream::Context,
+    shown: String,
+}
+
+fn setup_error(message: String) -> PublishError {
+    PublishError::new(PublishErrorKind::Rejected, message)
+}
+
+impl NatsSink {
+    pub async fn connect(config: &SinkConfig) -> Result<Self, PublishError> {
+        let addr: ServerAddr = config.uri.parse().map_err(|e| {
+            setup_error(format!(
+                "invalid NATS URI: {e}; use nats://[user:password@]host:port"
+            ))
+        })?;
+        let mut options = match (&config.creds_file, &config.nkey_seed_file, &config.token) {
+            (Some(path), _, _) => async_nats::ConnectOptions::with_credentials_file(path)
+                .await
+                .map_err(|e| {
+                    setup_error(format!(
+                        "cannot read NATS creds file {}: {e}",
+                        path.display()
+                    ))
+                })?,
+            (None, Some(path), _) => {
+                let seed = std::fs::read_to_string(path).map_err(|e| {
+                    setup_error(format!(
+                        "cannot read NATS nkey seed file {}: {e}",
+                        path.display()
+                    ))
+                })?;
+                async_nats::ConnectOptions::with_nkey(seed.trim().to_string())
+            }
+            (None, None, Some(token)) => async_nats::ConnectOptions::with_token(token.0.clone()),
+            (None, None, None) => async_nats::ConnectOptions::new(),
+        };
+        if let Some(ca) = &config.tls_ca_file {
+            options = options.add_root_certificates(ca.clone()).require_tls(true);
+        }
+        if let (Some(cert), Some(key)) = (&config.tls_cert_file, &config.tls_key_file) {
+            options = options.add_client_certificate(cert.clone(), key.clone());
+        }
+        if config.uri.starts_with("tls://") {
+            options = options.require_tls(true);
+        }
+        let shown = format!("nats://{}:{}", addr.host(), addr.port());
+        let client = options
+            .name("outbox-relay")
+            .connection_timeout(Duration::from_secs(5))
+            // A broker that is down at start is retried in the background, like a dropped one.
+            .retry_on_initial_connect()
+            .connect(addr)
+            .await
+            .map_err(|e| setup_error(format!("cannot connect to {shown}: {e}")))?;
+        let jetstream = async_nats::jetstream::ContextBuilder::new()
+            .timeout(config.timeout.unwrap_or(DEFAULT_SINK_TIMEOUT))
+            .max_ack_inflight(20_000)
+            .backpressure_on_inflight(true)
+            .build(client.clone());
+        Ok(NatsSink {
+            client,
+            jetstream,
+            shown,
+        })
+    }
+}
+
+fn headers_for(routed: &Routed) -> HeaderMap {
+    let event = &routed.event;
+    let mut headers = HeaderMap::new();
+    for (name, value) in &event.headers {
+        headers.insert(name.as_str(), value.as_str());
+    }
+    headers.insert(HEADER_EVENT_TYPE, event.event_type.as_str());
+    headers.insert(HEADER_SEQUENCE_ID, event.sequence_id.to_string().as_str());
+    if let Some(key) = &event.partition_key {
+        headers.insert(HEADER_PARTITION_KEY, key.as_str());
+    }
+    if let Some(mutation) = &event.mutation_id {
+        headers.insert(HEADER_MUTATION_ID, mutation.as_str());
+    }
+    headers
+}
+
+/// Waits up to `limit` for the connection (at start-up, or while reconnecting), so a batch
+/// fails fast when NATS is down instead of waiting out every ack timeout.
+async fn connected_within(client: &async_nats::Client, limit: Duration) -> bool {
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        if client.connection_state() == async_nats::connection::State::Connected {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// The one place NATS errors become publish outcomes.
+fn classify(error: async_nats::jetstream::context::PublishError, subject: &str) -> PublishError {
+    let (kind, message) = match error.kind() {
+        JsKind::StreamNotFound => (
+            PublishErrorKind::MissingTarget,
+            format!("no JetStream stream captures subject {subject:?}; create a stream for it (e.g. `nats stream add --subjects '{subject}'`)"),
+        ),
+        JsKind::MaxPayloadExceeded => (PublishErrorKind::TooLarge, format!("message for {subject:?} exceeds the server's max_payload")),
+        JsKind::TimedOut => (PublishErrorKind::Timeout, format!("no PubAck for {subject:?} in time")),
+        JsKind::BrokenPipe => (PublishErrorKind::Unavailable, "connection to NATS lost".to_string()),
+        JsKind::MaxAckPending => (PublishErrorKind::Throttled, "too many unconfirmed publishes".to_string()),
+        _ => {
+            let text = error.to_string();
+            if text.to_lowercase().contains("permission") || text.to_lowercase().contains("authorization") {
+                (PublishErrorKind::Unauthorized, format!("not allowed to publish to {subject:?}"))
+            } else {
+                (PublishErrorKind::BrokerFailure, format!("publish to {subject:?} failed"))
+            }
+        }
+    };
+    PublishError::new(kind, message).with_source(error)
+}
+
+impl Sink for NatsSink {
+    fn describe(&self) -> String {
+        self.shown.clone()
+    }
+
+    fn send(&self, batch: Vec<Routed>) -> BoxFuture<'static, Vec<Outcome>> {
+        let jetstream = self.jetstream.clone();
+        let client = self.client.clone();
+        async move {
+            if !connected_within(&client, Duration::from_secs(2)).await {
+                return batch
+                    .iter()
+                    .map(|_| {
+                        Err(PublishError::new(
+                            PublishErrorKind::Unavailable,
+                            "not connected to NATS; reconnecting",
+                        ))
+                    })
+                    .collect();
+            }
+            // Send every message first, then await the acks: the whole batch is in flight.
+            let mut pending = Vec::with_capacity(batch.len());
+            for routed in &batch {
+                let message = PublishMessage::build()
+                    .payload(Bytes::copy_from_slice(routed.event.payload.as_bytes()))
+                    .headers(headers_for(routed))
+                    .message_id(routed.event.event_id.hyphenated().to_string());
+                pending.push(jetstream.send_publish(routed.target.clone(), message).await);
+            }
+            let acks = pending
+                .into_iter()
+                .zip(&batch)
+                .map(|(sent, routed)| async move {
+                    match sent {
+                        Ok(ack) => ack
+                            .await
+                            .map(|_| ())
+                            .map_err(|e| classify(e, &routed.target)),
+                        Err(e) => Err(classify(e, &routed.target)),
+                    }
+                });
+            join_all(acks).await
+        }
+        .boxed()
+    }
+
+    fn health(&self) -> BoxFuture<'static, Result<(), PublishError>> {
+        let client = self.client.clone();
+        let shown = self.shown.clone();
+        async move {
+            match client.connection_state() {
+                async_nats::connection::State::Connected => Ok(()),
+                state => Err(PublishError::new(
+                    PublishErrorKind::Unavailable,
+                    format!("{shown} is {state:?}"),
+                )),
+            }
+        }
+        .boxed()
+    }
+
+    fn max_message_bytes(&self) -> Option<usize> {
+        let max = self.client.server_info().max_payload;
+        (max > 0).then_some(max)
+    }
+
+    fn close(&self) -> BoxFuture<'static, ()> {
+        let client = self.client.clone();
+        async move {
+            let _ = client.flush().await;
+        }
+        .boxed()
+    }
+}
+
+/// Builds the sink behind an `Arc`.
+pub async fn sink(config: &SinkConfig) -> Result<Arc<dyn Sink>, PublishError> {
+    Ok(Arc::new(NatsSink::connect(config).await?))
+}

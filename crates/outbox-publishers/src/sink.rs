@@ -1,0 +1,34 @@
+//! The contract between the router and one broker connection.
+
+use std::sync::Arc;
+
+use futures::future::BoxFuture;
+use outbox_core::{Event, Outcome, PublishError};
+
+/// An event with the target (subject, topic, exchange/routing key, stream, URL, channel)
+/// its route resolved.
+#[derive(Clone, Debug)]
+pub struct Routed {
+    pub event: Arc<Event>,
+    pub target: String,
+}
+
+/// One configured broker connection. The contract is [`outbox_core::Publisher`]'s: one
+/// outcome per event, in batch order, `Ok` only after the broker's confirmation, many
+/// events in flight, the event id in the broker's de-duplication field.
+pub trait Sink: Send + Sync + 'static {
+    fn describe(&self) -> String;
+
+    fn send(&self, batch: Vec<Routed>) -> BoxFuture<'static, Vec<Outcome>>;
+
+    fn health(&self) -> BoxFuture<'static, Result<(), PublishError>>;
+
+    /// The largest payload the broker accepts, if it has a limit.
+    fn max_message_bytes(&self) -> Option<usize> {
+        None
+    }
+
+    fn close(&self) -> BoxFuture<'static, ()> {
+        Box::pin(async {})
+    }
+}

@@ -1,0 +1,122 @@
+//! Target templates: `events.{destination}`, `{event_type}`, `{partition_key}`, `{key}`.
+
+use outbox_core::Event;
+
+/// A parsed template. Unknown placeholders are rejected when the configuration loads.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Template {
+    parts: Vec<Part>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+enum Part {
+    Text(String),
+    Destination,
+    EventType,
+    PartitionKey,
+    OrderingKey,
+}
+
+impl Template {
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let mut parts = Vec::new();
+        let mut rest = text;
+        while let Some(open) = rest.find('{') {
+            if open > 0 {
+                parts.push(Part::Text(rest[..open].to_string()));
+            }
+            let close = rest[open..]
+                .find('}')
+                .ok_or_else(|| format!("template {text:?} has an unclosed '{{'"))?
+                + open;
+            parts.push(match &rest[open + 1..close] {
+                "destination" => Part::Destination,
+                "event_type" => Part::EventType,
+                "partition_key" => Part::PartitionKey,
+                "key" => Part::OrderingKey,
+                other => {
+                    return Err(format!(
+                        "template {text:?} uses {{{other}}}: use {{destination}}, {{event_type}}, {{partition_key}} or {{key}}"
+                    ))
+                }
+            });
+            rest = &rest[close + 1..];
+        }
+        if !rest.is_empty() {
+            parts.push(Part::Text(rest.to_string()));
+        }
+        Ok(Template { parts })
+    }
+
+    /// The identity template: the destination itself.
+    pub fn destination() -> Self {
+        Template {
+            parts: vec![Part::Destination],
+        }
+    }
+
+    /// Renders the template; `escape` transforms each substituted value (URL encoding for
+    /// webhooks), never the literal text.
+    pub fn render_with(&self, event: &Event, escape: impl Fn(&str) -> String) -> String {
+        let mut out = String::new();
+        for part in &self.parts {
+            match part {
+                Part::Text(t) => out.push_str(t),
+                Part::Destination => out.push_str(&escape(&event.destination)),
+                Part::EventType => out.push_str(&escape(&event.event_type)),
+                Part::PartitionKey => {
+                    out.push_str(&escape(event.partition_key.as_deref().unwrap_or("")))
+                }
+                Part::OrderingKey => out.push_str(&escape(event.ordering_key())),
+            }
+        }
+        out
+    }
+
+    pub fn render(&self, event: &Event) -> String {
+        self.render_with(event, str::to_string)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use outbox_core::{Headers, Payload};
+
+    fn event() -> Event {
+        Event {
+            sequence_id: 1,
+            event_id: uuid::Uuid::nil(),
+            destination: "orders".into(),
+            partition_key: Some("c/1".into()),
+            event_type: "created".into(),
+            payload: Payload::Null,
+            headers: Headers::new(),
+            mutation_id: None,
+            rejected: false,
+            attempts: 0,
+            created_at: std::time::SystemTime::UNIX_EPOCH,
+        }
+    }
+
+    #[test]
+    fn renders_every_placeholder() {
+        let t = Template::parse("events.{destination}.{event_type}.{partition_key}.{key}").unwrap();
+        assert_eq!(t.render(&event()), "events.orders.created.c/1.c/1");
+        let t = Template::parse("https://h/{partition_key}").unwrap();
+        assert_eq!(
+            t.render_with(&event(), |v| v.replace('/', "%2F")),
+            "https://h/c%2F1"
+        );
+    }
+
+    #[test]
+    fn rejects_unknown_or_broken_placeholders() {
+        assert!(Template::parse("{topic}")
+            .unwrap_err()
+            .contains("use {destination}"));
+        assert!(Template::parse("a.{destination")
+            .unwrap_err()
+            .contains("unclosed"));
+    }
+}

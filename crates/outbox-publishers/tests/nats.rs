@@ -1,0 +1,169 @@
+//! The publisher conformance suite against a real nats-server with JetStream (one private
+//! server per test, so the restart test disturbs nobody).
+
+use std::sync::Arc;
+
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use outbox_publishers::{Sink, SinkConfig};
+use outbox_testkit::publisher::{BrokerHarness, Received};
+use outbox_testkit::server::ServerProcess;
+
+struct NatsHarness {
+    server: ServerProcess,
+    sink: Arc<dyn Sink>,
+    subject: String,
+    stream: String,
+}
+
+fn url(server: &ServerProcess) -> String {
+    format!("nats://127.0.0.1:{}", server.port)
+}
+
+async fn new_harness() -> NatsHarness {
+    let server = ServerProcess::start(
+        "nats-server",
+        &["-a", "127.0.0.1", "-p", "{port}", "-js", "-sd", "{dir}/js"],
+    );
+    let id = uuid::Uuid::new_v4().simple().to_string();
+    let subject = format!("orders.{id}");
+    let stream = format!("S{id}");
+    let client = async_nats::connect(url(&server)).await.unwrap();
+    async_nats::jetstream::new(client)
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: stream.clone(),
+            subjects: vec![subject.clone()],
+            storage: async_nats::jetstream::stream::StorageType::File,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let config = SinkConfig {
+        uri: url(&server),
+        ..SinkConfig::default()
+    };
+    let sink = outbox_publishers::build_sink("nats", &config)
+        .await
+        .unwrap();
+    NatsHarness {
+        server,
+        sink,
+        subject,
+        stream,
+    }
+}
+
+impl BrokerHarness for NatsHarness {
+    fn sink(&self) -> Arc<dyn Sink> {
+        self.sink.clone()
+    }
+
+    fn target(&self) -> String {
+        self.subject.clone()
+    }
+
+    fn received(&self) -> BoxFuture<'_, Vec<Received>> {
+        async move {
+            let Ok(client) = async_nats::connect(url(&self.server)).await else {
+                return Vec::new();
+            };
+            let js = async_nats::jetstream::new(client);
+            let Ok(mut stream) = js.get_stream(&self.stream).await else {
+                return Vec::new();
+            };
+            let Ok(info) = stream.info().await else {
+                return Vec::new();
+            };
+            let (first, last) = (info.state.first_sequence, info.state.last_sequence);
+            let mut out = Vec::new();
+            for seq in first..=last {
+                if last == 0 {
+                    break;
+                }
+                let message = stream.get_raw_message(seq).await.unwrap();
+                let header = |name: &str| {
+                    message
+                        .headers
+                        .get(name)
+                        .map(|v| v.as_str().to_string())
+                        .unwrap_or_default()
+                };
+                out.push(Received {
+                    event_id: header("Nats-Msg-Id"),
+                    ordering_key: header("Outbox-Partition-Key"),
+                    payload: message.payload.to_vec(),
+                });
+            }
+            out
+        }
+        .boxed()
+    }
+
+    fn broker_dedupes(&self) -> bool {
+        true
+    }
+
+    fn oversized_bytes(&self) -> usize {
+        2 * 1024 * 1024 // nats-server's default max_payload is 1 MiB
+    }
+
+    fn stop_broker(&self) -> BoxFuture<'_, ()> {
+        async move { self.server.stop() }.boxed()
+    }
+
+    fn start_broker(&self) -> BoxFuture<'_, ()> {
+        async move { self.server.resume() }.boxed()
+    }
+}
+
+outbox_testkit::publisher_conformance!(new_harness);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_stream_is_a_retryable_error_naming_the_subject() {
+    let harness = new_harness().await;
+    let event = outbox_testkit::publisher::event(1, "k", b"{}".to_vec());
+    let outcomes = harness
+        .sink
+        .send(vec![outbox_publishers::Routed {
+            event,
+            target: "nowhere.subject".into(),
+        }])
+        .await;
+    let err = outcomes[0].as_ref().unwrap_err();
+    assert!(
+        matches!(err.disposition(), outbox_core::Disposition::Retry { .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("nowhere.subject"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn event_headers_type_and_key_travel_as_nats_headers() {
+    let harness = new_harness().await;
+    let event = outbox_testkit::publisher::event(7, "customer-7", b"{\"a\":1}".to_vec());
+    let id = event.event_id.to_string();
+    let routed = outbox_publishers::Routed {
+        event,
+        target: harness.subject.clone(),
+    };
+    assert!(harness.sink.send(vec![routed]).await[0].is_ok());
+    let client = async_nats::connect(url(&harness.server)).await.unwrap();
+    let stream = async_nats::jetstream::new(client)
+        .get_stream(&harness.stream)
+        .await
+        .unwrap();
+    let message = stream.get_raw_message(1).await.unwrap();
+    let h = &message.headers;
+    assert_eq!(h.get("Nats-Msg-Id").unwrap().as_str(), id);
+    assert_eq!(
+        h.get("Outbox-Event-Type").unwrap().as_str(),
+        "order.created"
+    );
+    assert_eq!(
+        h.get("Outbox-Partition-Key").unwrap().as_str(),
+        "customer-7"
+    );
+    assert_eq!(h.get("Outbox-Sequence-Id").unwrap().as_str(), "7");
+    assert_eq!(h.get("Outbox-Mutation-Id").unwrap().as_str(), "m7");
+    assert_eq!(h.get("trace-id").unwrap().as_str(), "t7");
+}

@@ -1,0 +1,282 @@
+//! The publisher conformance suite. Each broker's test implements [`BrokerHarness`] over a
+//! real server and stamps the tests out with
+//! [`publisher_conformance!`](crate::publisher_conformance).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use futures::future::BoxFuture;
+use outbox_core::{Disposition, Event, Headers, NewEvent, NodeId, Payload, Publisher, RetryPolicy};
+use outbox_engine::{EngineConfig, WakeMode};
+use outbox_publishers::{Routed, Router, Sink};
+
+use crate::eventually;
+
+/// A message as a consumer read it from the broker.
+#[derive(Clone, Debug)]
+pub struct Received {
+    pub event_id: String,
+    pub ordering_key: String,
+    pub payload: Vec<u8>,
+}
+
+pub trait BrokerHarness: Send + Sync {
+    /// The sink under test.
+    fn sink(&self) -> Arc<dyn Sink>;
+    /// The target (subject, topic, queue, stream, URL, channel) this test publishes to.
+    fn target(&self) -> String;
+    /// Everything the target holds so far, in the broker's order.
+    fn received(&self) -> BoxFuture<'_, Vec<Received>>;
+    /// Whether the broker itself drops a second copy of an event id.
+    fn broker_dedupes(&self) -> bool;
+    /// A payload size the sink or broker refuses.
+    fn oversized_bytes(&self) -> usize;
+    /// Stops the broker (kill), then [`BrokerHarness::start_broker`] brings it back.
+    fn stop_broker(&self) -> BoxFuture<'_, ()>;
+    fn start_broker(&self) -> BoxFuture<'_, ()>;
+}
+
+#[macro_export]
+macro_rules! publisher_conformance {
+    ($new_harness:path) => {
+        $crate::publisher_conformance!(@tests $new_harness;
+            delivers_every_event_in_order_per_key,
+            redelivery_after_a_crash_is_deduplicated,
+            oversized_messages_fail_permanently,
+            broker_restart_mid_stream_loses_nothing);
+    };
+    (@tests $new_harness:path; $($name:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                $crate::install_crypto();
+                let harness = $new_harness().await;
+                $crate::publisher::$name(&harness).await;
+            }
+        )*
+    };
+}
+
+pub fn event(seq: i64, key: &str, payload: Vec<u8>) -> Arc<Event> {
+    Arc::new(Event {
+        sequence_id: seq,
+        event_id: uuid::Uuid::new_v4(),
+        destination: "orders".into(),
+        partition_key: Some(key.into()),
+        event_type: "order.created".into(),
+        payload: Payload::Bytes(payload),
+        headers: Headers::from([("trace-id".to_string(), format!("t{seq}"))]),
+        mutation_id: Some(format!("m{seq}")),
+        rejected: false,
+        attempts: 0,
+        created_at: SystemTime::now(),
+    })
+}
+
+fn routed(h: &dyn BrokerHarness, events: &[Arc<Event>]) -> Vec<Routed> {
+    events
+        .iter()
+        .map(|e| Routed {
+            event: e.clone(),
+            target: h.target(),
+        })
+        .collect()
+}
+
+async fn wait_for(h: &dyn BrokerHarness, distinct: usize) -> Vec<Received> {
+    eventually(
+        &format!("{distinct} distinct messages at the broker"),
+        Duration::from_secs(30),
+        || async {
+            let got = h.received().await;
+            let ids: HashSet<&str> = got.iter().map(|r| r.event_id.as_str()).collect();
+            (ids.len() >= distinct).then_some(got)
+        },
+    )
+    .await
+}
+
+pub async fn delivers_every_event_in_order_per_key(h: &dyn BrokerHarness) {
+    let sink = h.sink();
+    let keys = 10;
+    let rounds = 30;
+    let mut sent = Vec::new();
+    // Like the engine: each batch carries at most one event per key.
+    for round in 0..rounds {
+        let batch: Vec<_> = (0..keys)
+            .map(|k| {
+                let seq = (round * keys + k) as i64;
+                event(
+                    seq,
+                    &format!("key-{k}"),
+                    format!("{{\"round\":{round},\"key\":{k}}}").into_bytes(),
+                )
+            })
+            .collect();
+        let outcomes = sink.send(routed(h, &batch)).await;
+        assert_eq!(outcomes.len(), batch.len());
+        for o in &outcomes {
+            assert!(o.is_ok(), "publish failed: {o:?}");
+        }
+        sent.extend(batch);
+    }
+    let received = wait_for(h, sent.len()).await;
+    assert_eq!(
+        received.len(),
+        sent.len(),
+        "no duplicates when nothing failed"
+    );
+    let by_id: HashMap<String, &Arc<Event>> =
+        sent.iter().map(|e| (e.event_id.to_string(), e)).collect();
+    let mut last: HashMap<String, i64> = HashMap::new();
+    for r in &received {
+        let e = by_id
+            .get(&r.event_id)
+            .unwrap_or_else(|| panic!("unknown event id {}", r.event_id));
+        assert_eq!(
+            r.payload,
+            e.payload.as_bytes(),
+            "payload arrives byte for byte"
+        );
+        assert_eq!(r.ordering_key, e.ordering_key());
+        if let Some(prev) = last.insert(r.ordering_key.clone(), e.sequence_id) {
+            assert!(
+                prev < e.sequence_id,
+                "key {} arrived out of order",
+                r.ordering_key
+            );
+        }
+    }
+}
+
+pub async fn redelivery_after_a_crash_is_deduplicated(h: &dyn BrokerHarness) {
+    let sink = h.sink();
+    let batch: Vec<_> = (0..5)
+        .map(|i| event(i, &format!("k{i}"), b"{}".to_vec()))
+        .collect();
+    assert!(sink.send(routed(h, &batch)).await.iter().all(|o| o.is_ok()));
+    // The relay died before its ack: the same rows are claimed and published again.
+    assert!(sink.send(routed(h, &batch)).await.iter().all(|o| o.is_ok()));
+    let received = wait_for(h, batch.len()).await;
+    let ids: HashSet<&str> = received.iter().map(|r| r.event_id.as_str()).collect();
+    assert_eq!(
+        ids.len(),
+        5,
+        "every copy carries its event id, so consumers can drop repeats"
+    );
+    if h.broker_dedupes() {
+        // Let a late duplicate show up if the broker failed to drop it.
+        let sentinel = event(99, "sentinel", b"{}".to_vec());
+        assert!(sink.send(routed(h, &[sentinel])).await[0].is_ok());
+        let received = wait_for(h, 6).await;
+        assert_eq!(
+            received.len(),
+            6,
+            "the broker dropped the redelivered copies"
+        );
+    }
+}
+
+pub async fn oversized_messages_fail_permanently(h: &dyn BrokerHarness) {
+    let router = Router::single("under-test", h.sink());
+    let big = event(1, "big", vec![b'x'; h.oversized_bytes()]);
+    let small = event(2, "small", b"{}".to_vec());
+    let mut big_routed = (*big).clone();
+    big_routed.destination = h.target();
+    let mut small_routed = (*small).clone();
+    small_routed.destination = h.target();
+    let outcomes = router
+        .publish(vec![Arc::new(big_routed), Arc::new(small_routed)])
+        .await;
+    let err = outcomes[0]
+        .as_ref()
+        .expect_err("the oversized message must fail");
+    assert_eq!(err.disposition(), Disposition::Permanent, "{err}");
+    assert!(
+        outcomes[1].is_ok(),
+        "other events are not affected: {:?}",
+        outcomes[1]
+    );
+}
+
+pub async fn broker_restart_mid_stream_loses_nothing(h: &dyn BrokerHarness) {
+    let dir = tempfile::tempdir().unwrap();
+    let store =
+        Arc::new(outbox_store_sqlite::SqliteStore::open(dir.path().join("o.db"), false).unwrap());
+    store.migrate().await.unwrap();
+    let insert = |from: usize| {
+        let store = store.clone();
+        let target = h.target();
+        async move {
+            let events = (from..from + 100)
+                .map(|i| NewEvent {
+                    destination: target.clone(),
+                    partition_key: Some(format!("k{}", i % 7)),
+                    event_type: "t".into(),
+                    payload: Some(format!("{{\"i\":{i}}}")),
+                    ..NewEvent::default()
+                })
+                .collect();
+            outbox_core::OutboxStore::insert(&*store, events)
+                .await
+                .unwrap();
+        }
+    };
+    let mut config = EngineConfig::new(NodeId::random());
+    config.wake = WakeMode::Notify;
+    config.poll_interval = Duration::from_millis(50);
+    config.publish_timeout = Duration::from_secs(5);
+    config.retry = RetryPolicy {
+        base_delay: Duration::from_millis(50),
+        max_delay: Duration::from_millis(500),
+        max_attempts: 10_000,
+        max_attempts_by_type: HashMap::new(),
+    };
+    let router: Arc<dyn Publisher> = Arc::new(Router::single("under-test", h.sink()));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let engine = tokio::spawn(outbox_engine::run(
+        store.clone(),
+        router,
+        config,
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+    insert(0).await;
+    wait_for(h, 100).await;
+    h.stop_broker().await;
+    insert(100).await;
+    // Give the engine time to hit the dead broker and back off.
+    eventually(
+        "publishes to fail while the broker is down",
+        Duration::from_secs(30),
+        || {
+            let store = store.clone();
+            async move {
+                let b = outbox_core::OutboxStore::backlog(&*store).await.unwrap();
+                (b.retrying > 0).then_some(())
+            }
+        },
+    )
+    .await;
+    h.start_broker().await;
+    eventually(
+        "the backlog to drain after the restart",
+        Duration::from_secs(60),
+        || {
+            let store = store.clone();
+            async move {
+                let b = outbox_core::OutboxStore::backlog(&*store).await.unwrap();
+                (b.pending == 0).then_some(())
+            }
+        },
+    )
+    .await;
+    stop.send(()).unwrap();
+    let summary = engine.await.unwrap().unwrap();
+    assert_eq!(summary.dead_lettered, 0);
+    let received = wait_for(h, 200).await;
+    let ids: HashSet<&str> = received.iter().map(|r| r.event_id.as_str()).collect();
+    assert_eq!(ids.len(), 200);
+}

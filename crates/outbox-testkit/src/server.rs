@@ -1,0 +1,95 @@
+//! Private server processes for tests that stop and restart their broker.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::Duration;
+
+/// A free loopback port.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A server process started from a command line, restartable on the same port and data dir.
+pub struct ServerProcess {
+    program: String,
+    args: Vec<String>,
+    pub port: u16,
+    pub dir: tempfile::TempDir,
+    child: Mutex<Option<Child>>,
+}
+
+impl ServerProcess {
+    /// Starts `program args...` (where `{port}` and `{dir}` are substituted) and waits until
+    /// the port accepts connections.
+    pub fn start(program: &str, args: &[&str]) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let port = free_port();
+        let args = args
+            .iter()
+            .map(|a| {
+                a.replace("{port}", &port.to_string())
+                    .replace("{dir}", dir.path().to_str().unwrap())
+            })
+            .collect();
+        let server = ServerProcess {
+            program: program.to_string(),
+            args,
+            port,
+            dir,
+            child: Mutex::new(None),
+        };
+        server.resume();
+        server
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// Kills the server (SIGKILL: the broker gets no chance to say goodbye).
+    pub fn stop(&self) {
+        if let Some(mut child) = self.child.lock().unwrap().take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts it again on the same port and data directory.
+    pub fn resume(&self) {
+        let child = Command::new(&self.program)
+            .args(&self.args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "cannot start {}: {e} (run scripts/servers.sh install)",
+                    self.program
+                )
+            });
+        *self.child.lock().unwrap() = Some(child);
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{} did not open port {}",
+                self.program,
+                self.port
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
