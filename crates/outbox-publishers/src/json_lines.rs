@@ -299,10 +299,10 @@ mod tests {
         assert!(serde_json::from_str::<serde_json::Value>(lines[2]).is_ok());
     }
 
-    #[test]
-    fn unknown_sinks_name_the_choices() {
-        let err = crate::from_uri("kafka-ish://x").err().unwrap();
-        assert!(err.to_string().contains("use `stdout` or `file:PATH`"));
-        assert!(crate::from_uri("file:").is_err());
+    #[tokio::test]
+    async fn unknown_sinks_name_the_choices() {
+        let err = crate::from_uri("kafka-ish://x").await.err().unwrap();
+        assert!(err.to_string().contains("use stdout, file:PATH, nats://"), "{err}");
+        assert!(crate::from_uri("file:").await.is_err());
     }
 }

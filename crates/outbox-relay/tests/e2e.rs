@@ -642,7 +642,7 @@ fn errors_name_the_problem_and_never_show_secrets() {
             "carrier-pigeon://x",
         ],
     );
-    assert!(String::from_utf8_lossy(&bad.stderr).contains("use `stdout` or `file:PATH`"));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("use stdout, file:PATH, nats://"));
     let bad = relay_cmd(&db, &["send", "--destination", "d", "{not json"]);
     assert!(String::from_utf8_lossy(&bad.stderr).contains("not valid JSON"));
 }
