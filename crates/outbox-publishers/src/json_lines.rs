@@ -302,7 +302,10 @@ mod tests {
     #[tokio::test]
     async fn unknown_sinks_name_the_choices() {
         let err = crate::from_uri("kafka-ish://x").await.err().unwrap();
-        assert!(err.to_string().contains("use stdout, file:PATH, nats://"), "{err}");
+        assert!(
+            err.to_string().contains("use stdout, file:PATH, nats://"),
+            "{err}"
+        );
         assert!(crate::from_uri("file:").await.is_err());
     }
 }

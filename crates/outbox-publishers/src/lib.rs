@@ -5,6 +5,8 @@ pub mod config;
 pub mod json_lines;
 #[cfg(feature = "nats")]
 pub mod nats;
+#[cfg(feature = "redis")]
+pub mod redis;
 pub mod router;
 pub mod sink;
 pub mod template;
@@ -27,6 +29,17 @@ fn invalid(message: impl Into<String>) -> PublishError {
 /// Builds one sink from its settings. Connections are made lazily or retried in the
 /// background, so a broker that is down at start delays delivery but not the relay.
 pub async fn build_sink(name: &str, config: &SinkConfig) -> Result<Arc<dyn Sink>, PublishError> {
+    let sink = connect_sink(name, config).await?;
+    Ok(match config.max_message_bytes {
+        Some(limit) => Arc::new(sink::Limited {
+            inner: sink,
+            max_message_bytes: limit,
+        }),
+        None => sink,
+    })
+}
+
+async fn connect_sink(name: &str, config: &SinkConfig) -> Result<Arc<dyn Sink>, PublishError> {
     let uri = config.uri.trim();
     let scheme = uri.split(':').next().unwrap_or_default();
     match scheme {
@@ -43,6 +56,8 @@ pub async fn build_sink(name: &str, config: &SinkConfig) -> Result<Arc<dyn Sink>
         }
         #[cfg(feature = "nats")]
         "nats" | "tls" => nats::sink(config).await,
+        #[cfg(feature = "redis")]
+        "redis" | "rediss" => redis::sink(config),
         other => Err(invalid(format!(
             "sink {name}: unknown URI scheme {other:?}: use stdout, file:PATH, nats://, kafka://, amqp://, redis://, http(s):// or ably:"
         ))),
@@ -67,11 +82,7 @@ pub async fn build_router(
 ) -> Result<Arc<dyn outbox_core::Publisher>, PublishError> {
     let mut built = Vec::new();
     for (name, config) in sinks {
-        built.push((
-            name.clone(),
-            build_sink(name, config).await?,
-            config.max_message_bytes,
-        ));
+        built.push((name.clone(), build_sink(name, config).await?));
     }
     let mut parsed = Vec::new();
     for route in routes {

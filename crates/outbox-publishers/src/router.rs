@@ -34,36 +34,15 @@ impl Route {
     }
 }
 
-struct NamedSink {
-    sink: Arc<dyn Sink>,
-    max_message_bytes: Option<usize>,
-}
-
 /// The publisher the engine sees.
 pub struct Router {
-    sinks: HashMap<String, NamedSink>,
+    sinks: HashMap<String, Arc<dyn Sink>>,
     routes: Vec<Route>,
 }
 
 impl Router {
-    /// `max_message_bytes` overrides a sink's own limit.
-    pub fn new(
-        sinks: Vec<(String, Arc<dyn Sink>, Option<usize>)>,
-        routes: Vec<Route>,
-    ) -> Result<Self, String> {
-        let sinks: HashMap<String, NamedSink> = sinks
-            .into_iter()
-            .map(|(name, sink, limit)| {
-                let max_message_bytes = limit.or_else(|| sink.max_message_bytes());
-                (
-                    name,
-                    NamedSink {
-                        sink,
-                        max_message_bytes,
-                    },
-                )
-            })
-            .collect();
+    pub fn new(sinks: Vec<(String, Arc<dyn Sink>)>, routes: Vec<Route>) -> Result<Self, String> {
+        let sinks: HashMap<String, Arc<dyn Sink>> = sinks.into_iter().collect();
         for route in &routes {
             if !sinks.contains_key(&route.sink) {
                 let mut names: Vec<_> = sinks.keys().cloned().collect();
@@ -82,8 +61,7 @@ impl Router {
     /// One sink for every destination.
     pub fn single(name: &str, sink: Arc<dyn Sink>) -> Self {
         let route = Route::new("*", name, Template::destination()).expect("valid glob");
-        Router::new(vec![(name.to_string(), sink, None)], vec![route])
-            .expect("route names the sink")
+        Router::new(vec![(name.to_string(), sink)], vec![route]).expect("route names the sink")
     }
 
     fn route(&self, event: &Event) -> Option<&Route> {
@@ -95,7 +73,7 @@ impl Router {
 
 impl Publisher for Router {
     fn describe(&self) -> String {
-        let mut names: Vec<String> = self.sinks.values().map(|s| s.sink.describe()).collect();
+        let mut names: Vec<String> = self.sinks.values().map(|s| s.describe()).collect();
         names.sort();
         names.join(", ")
     }
@@ -115,8 +93,7 @@ impl Publisher for Router {
                 )));
                 continue;
             };
-            let named = &self.sinks[&route.sink];
-            if let Some(limit) = named.max_message_bytes {
+            if let Some(limit) = self.sinks[&route.sink].max_message_bytes() {
                 if event.payload.len() > limit {
                     outcomes[i] = Some(Err(PublishError::new(
                         PublishErrorKind::TooLarge,
@@ -139,7 +116,7 @@ impl Publisher for Router {
             .into_iter()
             .map(|(name, (positions, routed))| {
                 let n = routed.len();
-                let send = self.sinks[name].sink.send(routed);
+                let send = self.sinks[name].send(routed);
                 async move { (positions, n, send.await) }
             })
             .collect();
@@ -164,7 +141,7 @@ impl Publisher for Router {
     }
 
     fn health(&self) -> BoxFuture<'static, Result<(), PublishError>> {
-        let checks: Vec<_> = self.sinks.values().map(|s| s.sink.health()).collect();
+        let checks: Vec<_> = self.sinks.values().map(|s| s.health()).collect();
         async move {
             for result in join_all(checks).await {
                 result?;
@@ -175,7 +152,7 @@ impl Publisher for Router {
     }
 
     fn close(&self) -> BoxFuture<'static, ()> {
-        let closes: Vec<_> = self.sinks.values().map(|s| s.sink.close()).collect();
+        let closes: Vec<_> = self.sinks.values().map(|s| s.close()).collect();
         async move {
             join_all(closes).await;
         }

@@ -32,3 +32,31 @@ pub trait Sink: Send + Sync + 'static {
         Box::pin(async {})
     }
 }
+
+/// A sink whose size limit comes from configuration instead of the broker.
+pub struct Limited {
+    pub inner: Arc<dyn Sink>,
+    pub max_message_bytes: usize,
+}
+
+impl Sink for Limited {
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+
+    fn send(&self, batch: Vec<Routed>) -> BoxFuture<'static, Vec<Outcome>> {
+        self.inner.send(batch)
+    }
+
+    fn health(&self) -> BoxFuture<'static, Result<(), PublishError>> {
+        self.inner.health()
+    }
+
+    fn max_message_bytes(&self) -> Option<usize> {
+        Some(self.max_message_bytes)
+    }
+
+    fn close(&self) -> BoxFuture<'static, ()> {
+        self.inner.close()
+    }
+}

@@ -1,0 +1,237 @@
+//! Redis Streams: XADD per event through a script that first checks a per-event key, so a
+//! redelivered event is not appended twice within the de-duplication window. All of a
+//! batch's scripts go out pipelined on one multiplexed connection.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::{join_all, BoxFuture};
+use futures::FutureExt;
+use outbox_core::{Outcome, PublishError, PublishErrorKind};
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{ErrorKind, RedisError, Script};
+use tokio::sync::Mutex;
+
+use crate::config::{SinkConfig, DEFAULT_SINK_TIMEOUT};
+use crate::sink::{Routed, Sink};
+
+/// Appends unless the event's id was seen within the window. The id is recorded only after
+/// XADD succeeded, so a failed append never marks the event as sent.
+/// KEYS: stream, dedupe key. ARGV: window seconds, maxlen (0: none), field/value pairs.
+const APPEND_ONCE: &str = r#"
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  return false
+end
+local id
+if tonumber(ARGV[2]) > 0 then
+  id = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', unpack(ARGV, 3))
+else
+  id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
+end
+redis.call('SET', KEYS[2], id, 'EX', ARGV[1])
+return id
+"#;
+
+pub struct RedisSink {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    client: redis::Client,
+    connection: Mutex<Option<ConnectionManager>>,
+    script: Script,
+    maxlen: usize,
+    window_secs: u64,
+    timeout: Duration,
+    shown: String,
+}
+
+fn setup_error(message: String) -> PublishError {
+    PublishError::new(PublishErrorKind::Rejected, message)
+}
+
+impl RedisSink {
+    pub fn new(config: &SinkConfig) -> Result<Self, PublishError> {
+        let shown = redact(&config.uri);
+        let client = if config.tls_ca_file.is_some() || config.tls_cert_file.is_some() {
+            let read = |path: &std::path::Path| {
+                std::fs::read(path).map_err(|e| setup_error(format!("cannot read {}: {e}", path.display())))
+            };
+            let root_cert = config.tls_ca_file.as_deref().map(read).transpose()?;
+            let client_tls = match (&config.tls_cert_file, &config.tls_key_file) {
+                (Some(cert), Some(key)) => Some(redis::ClientTlsConfig {
+                    client_cert: read(cert)?,
+                    client_key: read(key)?,
+                }),
+                _ => None,
+            };
+            redis::Client::build_with_tls(config.uri.as_str(), redis::TlsCertificates { client_tls, root_cert })
+        } else {
+            redis::Client::open(config.uri.as_str())
+        }
+        .map_err(|e| setup_error(format!("invalid Redis URI {shown}: {e}; use redis://[user:password@]host:port[/db] or rediss:// for TLS")))?;
+        Ok(RedisSink {
+            inner: Arc::new(Inner {
+                client,
+                connection: Mutex::new(None),
+                script: Script::new(APPEND_ONCE),
+                maxlen: config.maxlen.unwrap_or(0),
+                window_secs: config.dedupe_window.as_secs().max(1),
+                timeout: config.timeout.unwrap_or(DEFAULT_SINK_TIMEOUT),
+                shown,
+            }),
+        })
+    }
+}
+
+impl Inner {
+    /// The shared connection, made on first use; it reconnects by itself afterwards.
+    async fn connection(&self) -> Result<ConnectionManager, PublishError> {
+        let mut slot = self.connection.lock().await;
+        if let Some(c) = slot.as_ref() {
+            return Ok(c.clone());
+        }
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(Duration::from_secs(2)))
+            .set_response_timeout(Some(self.timeout))
+            .set_number_of_retries(2)
+            .set_max_delay(Duration::from_secs(2));
+        let manager = ConnectionManager::new_with_config(self.client.clone(), config)
+            .await
+            .map_err(|e| classify(e, &self.shown))?;
+        *slot = Some(manager.clone());
+        Ok(manager)
+    }
+}
+
+fn redact(uri: &str) -> String {
+    match (uri.find("://"), uri.rfind('@')) {
+        (Some(s), Some(at)) if at > s => format!("{}***{}", &uri[..s + 3], &uri[at..]),
+        _ => uri.to_string(),
+    }
+}
+
+/// The one place Redis errors become publish outcomes.
+fn classify(error: RedisError, what: &str) -> PublishError {
+    let kind = match error.kind() {
+        ErrorKind::AuthenticationFailed => PublishErrorKind::Unauthorized,
+        ErrorKind::Io => PublishErrorKind::Unavailable,
+        _ if error.is_timeout() => PublishErrorKind::Timeout,
+        _ if error.is_connection_dropped() || error.is_connection_refusal() => {
+            PublishErrorKind::Unavailable
+        }
+        _ => {
+            let text = error.to_string();
+            if text.contains("NOPERM") || text.contains("NOAUTH") {
+                PublishErrorKind::Unauthorized
+            } else if text.contains("WRONGTYPE") {
+                PublishErrorKind::Rejected
+            } else if text.contains("OOM") || text.contains("LOADING") || text.contains("BUSY") {
+                PublishErrorKind::BrokerFailure
+            } else {
+                PublishErrorKind::BrokerFailure
+            }
+        }
+    };
+    PublishError::new(kind, format!("redis {what}")).with_source(error)
+}
+
+impl Sink for RedisSink {
+    fn describe(&self) -> String {
+        self.inner.shown.clone()
+    }
+
+    fn send(&self, batch: Vec<Routed>) -> BoxFuture<'static, Vec<Outcome>> {
+        let inner = self.inner.clone();
+        async move {
+            let script = &inner.script;
+            let (maxlen, window, shown) = (inner.maxlen, inner.window_secs, &inner.shown);
+            let connection = match inner.connection().await {
+                Ok(c) => c,
+                Err(e) => {
+                    let report = e.report();
+                    return batch
+                        .iter()
+                        .map(|_| Err(PublishError::new(e.kind(), report.clone())))
+                        .collect();
+                }
+            };
+            let appends = batch.iter().map(|routed| {
+                let mut connection = connection.clone();
+                let event = &routed.event;
+                let mut invocation = script.key(&routed.target);
+                invocation
+                    .key(format!(
+                        "outbox-relay:dedupe:{{{}}}:{}",
+                        routed.target, event.event_id
+                    ))
+                    .arg(window)
+                    .arg(maxlen)
+                    .arg("event_id")
+                    .arg(event.event_id.to_string())
+                    .arg("sequence_id")
+                    .arg(event.sequence_id)
+                    .arg("destination")
+                    .arg(&event.destination)
+                    .arg("type")
+                    .arg(&event.event_type)
+                    .arg("key")
+                    .arg(event.ordering_key())
+                    .arg("headers")
+                    .arg(serde_json::to_string(&event.headers).unwrap_or_else(|_| "{}".into()))
+                    .arg("payload")
+                    .arg(event.payload.as_bytes());
+                if let Some(m) = &event.mutation_id {
+                    invocation.arg("mutation_id").arg(m);
+                }
+                async move {
+                    invocation
+                        .invoke_async::<Option<String>>(&mut connection)
+                        .await
+                        .map(|_| ())
+                        .map_err(|e| classify(e, shown))
+                }
+            });
+            join_all(appends).await
+        }
+        .boxed()
+    }
+
+    fn health(&self) -> BoxFuture<'static, Result<(), PublishError>> {
+        let client = self.inner.client.clone();
+        let shown = self.inner.shown.clone();
+        async move {
+            let mut c = tokio::time::timeout(
+                Duration::from_secs(2),
+                client.get_multiplexed_async_connection(),
+            )
+            .await
+            .map_err(|_| {
+                PublishError::new(PublishErrorKind::Timeout, format!("{shown}: no answer"))
+            })?
+            .map_err(|e| classify(e, &shown))?;
+            redis::cmd("PING")
+                .query_async::<String>(&mut c)
+                .await
+                .map(|_| ())
+                .map_err(|e| classify(e, &shown))
+        }
+        .boxed()
+    }
+}
+
+pub fn sink(config: &SinkConfig) -> Result<Arc<dyn Sink>, PublishError> {
+    Ok(Arc::new(RedisSink::new(config)?))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn passwords_are_not_shown() {
+        assert_eq!(
+            super::redact("redis://u:secret@h:6379/0"),
+            "redis://***@h:6379/0"
+        );
+        assert_eq!(super::redact("redis://h:6379"), "redis://h:6379");
+    }
+}

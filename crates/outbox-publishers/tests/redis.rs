@@ -1,0 +1,157 @@
+//! The publisher conformance suite against a real redis-server (one private server per test).
+
+use std::sync::Arc;
+
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use outbox_publishers::{Sink, SinkConfig};
+use outbox_testkit::publisher::{BrokerHarness, Received};
+use outbox_testkit::server::ServerProcess;
+use redis::AsyncCommands;
+
+struct RedisHarness {
+    server: ServerProcess,
+    sink: Arc<dyn Sink>,
+    stream: String,
+}
+
+fn url(server: &ServerProcess) -> String {
+    format!("redis://127.0.0.1:{}", server.port)
+}
+
+async fn new_harness() -> RedisHarness {
+    // Append-only with fsync, so a killed and restarted server keeps what it acknowledged.
+    let server = ServerProcess::start(
+        "redis-server",
+        &[
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            "{port}",
+            "--dir",
+            "{dir}",
+            "--save",
+            "",
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "always",
+        ],
+    );
+    let config = SinkConfig {
+        uri: url(&server),
+        max_message_bytes: Some(1024 * 1024),
+        ..SinkConfig::default()
+    };
+    let sink = outbox_publishers::build_sink("redis", &config)
+        .await
+        .unwrap();
+    RedisHarness {
+        server,
+        sink,
+        stream: format!("orders:{}", uuid::Uuid::new_v4().simple()),
+    }
+}
+
+impl BrokerHarness for RedisHarness {
+    fn sink(&self) -> Arc<dyn Sink> {
+        self.sink.clone()
+    }
+
+    fn target(&self) -> String {
+        self.stream.clone()
+    }
+
+    fn received(&self) -> BoxFuture<'_, Vec<Received>> {
+        async move {
+            let Ok(client) = redis::Client::open(url(&self.server)) else {
+                return Vec::new();
+            };
+            let Ok(mut c) = client.get_multiplexed_async_connection().await else {
+                return Vec::new();
+            };
+            let reply: redis::streams::StreamRangeReply = c.xrange_all(&self.stream).await.unwrap();
+            reply
+                .ids
+                .iter()
+                .map(|entry| {
+                    let text = |name: &str| entry.get::<String>(name).unwrap_or_default();
+                    Received {
+                        event_id: text("event_id"),
+                        ordering_key: text("key"),
+                        payload: entry.get::<Vec<u8>>("payload").unwrap_or_default(),
+                    }
+                })
+                .collect()
+        }
+        .boxed()
+    }
+
+    fn broker_dedupes(&self) -> bool {
+        true
+    }
+
+    fn oversized_bytes(&self) -> usize {
+        2 * 1024 * 1024
+    }
+
+    fn stop_broker(&self) -> BoxFuture<'_, ()> {
+        async move { self.server.stop() }.boxed()
+    }
+
+    fn start_broker(&self) -> BoxFuture<'_, ()> {
+        async move { self.server.resume() }.boxed()
+    }
+}
+
+outbox_testkit::publisher_conformance!(new_harness);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn entries_carry_every_field_and_maxlen_trims() {
+    let server = ServerProcess::start(
+        "redis-server",
+        &["--bind", "127.0.0.1", "--port", "{port}", "--save", ""],
+    );
+    let config = SinkConfig {
+        uri: url(&server),
+        maxlen: Some(10),
+        ..SinkConfig::default()
+    };
+    let sink = outbox_publishers::build_sink("redis", &config)
+        .await
+        .unwrap();
+    let events: Vec<_> = (0..300)
+        .map(|i| outbox_testkit::publisher::event(i, &format!("k{i}"), b"{\"a\":1}".to_vec()))
+        .collect();
+    let routed = events
+        .iter()
+        .map(|e| outbox_publishers::Routed {
+            event: e.clone(),
+            target: "s".into(),
+        })
+        .collect();
+    assert!(sink.send(routed).await.iter().all(|o| o.is_ok()));
+    let mut c = redis::Client::open(url(&server))
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let len: usize = c.xlen("s").await.unwrap();
+    assert!(len < 300, "MAXLEN ~ trims the stream (len {len})");
+    let reply: redis::streams::StreamRangeReply = c.xrange_all("s").await.unwrap();
+    let wanted = events[299].event_id.to_string();
+    let last = reply
+        .ids
+        .iter()
+        .find(|e| e.get::<String>("event_id").as_deref() == Some(wanted.as_str()))
+        .expect("the newest event survives trimming");
+    assert_eq!(last.get::<String>("type").unwrap(), "order.created");
+    assert_eq!(last.get::<String>("key").unwrap(), "k299");
+    assert_eq!(last.get::<String>("sequence_id").unwrap(), "299");
+    assert_eq!(last.get::<String>("mutation_id").unwrap(), "m299");
+    assert_eq!(
+        last.get::<String>("headers").unwrap(),
+        "{\"trace-id\":\"t299\"}"
+    );
+    assert_eq!(last.get::<String>("payload").unwrap(), "{\"a\":1}");
+}
