@@ -126,9 +126,8 @@ fn classify(error: RedisError, what: &str) -> PublishError {
                 PublishErrorKind::Unauthorized
             } else if text.contains("WRONGTYPE") {
                 PublishErrorKind::Rejected
-            } else if text.contains("OOM") || text.contains("LOADING") || text.contains("BUSY") {
-                PublishErrorKind::BrokerFailure
             } else {
+                // OOM, LOADING, BUSY and the rest: the server may recover.
                 PublishErrorKind::BrokerFailure
             }
         }
