@@ -1,7 +1,11 @@
 //! Publishers for outbox-relay: a [`Router`] (the engine's [`outbox_core::Publisher`]) over
 //! named [`Sink`]s, one module per broker.
 
+#[cfg(feature = "ably")]
+pub mod ably;
 pub mod config;
+#[cfg(any(feature = "webhook", feature = "ably"))]
+mod http;
 pub mod json_lines;
 #[cfg(feature = "nats")]
 pub mod nats;
@@ -10,6 +14,8 @@ pub mod redis;
 pub mod router;
 pub mod sink;
 pub mod template;
+#[cfg(feature = "webhook")]
+pub mod webhook;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -58,6 +64,10 @@ async fn connect_sink(name: &str, config: &SinkConfig) -> Result<Arc<dyn Sink>, 
         "nats" | "tls" => nats::sink(config).await,
         #[cfg(feature = "redis")]
         "redis" | "rediss" => redis::sink(config),
+        #[cfg(feature = "webhook")]
+        "http" | "https" => webhook::sink(config),
+        #[cfg(feature = "ably")]
+        "ably" => ably::sink(config),
         other => Err(invalid(format!(
             "sink {name}: unknown URI scheme {other:?}: use stdout, file:PATH, nats://, kafka://, amqp://, redis://, http(s):// or ably:"
         ))),

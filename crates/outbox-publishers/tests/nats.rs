@@ -90,7 +90,7 @@ impl BrokerHarness for NatsHarness {
                 };
                 out.push(Received {
                     event_id: header("Nats-Msg-Id"),
-                    ordering_key: header("Outbox-Partition-Key"),
+                    ordering_key: Some(header("Outbox-Partition-Key")),
                     payload: message.payload.to_vec(),
                 });
             }

@@ -78,7 +78,7 @@ impl BrokerHarness for RedisHarness {
                     let text = |name: &str| entry.get::<String>(name).unwrap_or_default();
                     Received {
                         event_id: text("event_id"),
-                        ordering_key: text("key"),
+                        ordering_key: Some(text("key")),
                         payload: entry.get::<Vec<u8>>("payload").unwrap_or_default(),
                     }
                 })

@@ -1,0 +1,153 @@
+//! What the HTTP sinks (webhooks, Ably) share: the client and the status → outcome rule.
+
+use std::time::Duration;
+
+use outbox_core::{PublishError, PublishErrorKind};
+
+use crate::config::SinkConfig;
+
+/// Builds a client with the sink's TLS settings (rustls, the process-wide provider).
+pub fn client(config: &SinkConfig, timeout: Duration) -> Result<reqwest::Client, PublishError> {
+    let setup = |m: String| PublishError::new(PublishErrorKind::Rejected, m);
+    let mut builder = reqwest::Client::builder()
+        .timeout(timeout)
+        .connect_timeout(Duration::from_secs(5))
+        .pool_max_idle_per_host(64)
+        .user_agent(concat!("outbox-relay/", env!("CARGO_PKG_VERSION")));
+    if let Some(path) = &config.tls_ca_file {
+        let pem = std::fs::read(path)
+            .map_err(|e| setup(format!("cannot read {}: {e}", path.display())))?;
+        for cert in reqwest::Certificate::from_pem_bundle(&pem)
+            .map_err(|e| setup(format!("invalid CA file {}: {e}", path.display())))?
+        {
+            builder = builder.add_root_certificate(cert);
+        }
+    }
+    if let (Some(cert), Some(key)) = (&config.tls_cert_file, &config.tls_key_file) {
+        let mut pem = std::fs::read(cert)
+            .map_err(|e| setup(format!("cannot read {}: {e}", cert.display())))?;
+        pem.extend(
+            std::fs::read(key).map_err(|e| setup(format!("cannot read {}: {e}", key.display())))?,
+        );
+        let identity = reqwest::Identity::from_pem(&pem)
+            .map_err(|e| setup(format!("invalid client certificate: {e}")))?;
+        builder = builder.identity(identity);
+    }
+    builder
+        .build()
+        .map_err(|e| setup(format!("HTTP client setup failed: {e}")))
+}
+
+/// The one place an HTTP response status becomes an outcome: 2xx delivered; 408, 429
+/// (honouring Retry-After), 5xx retryable; 413 too large; 401/403 unauthorised; other 4xx
+/// permanent.
+pub fn outcome(
+    status: reqwest::StatusCode,
+    retry_after: Option<&str>,
+    body: &str,
+    what: &str,
+) -> Result<(), PublishError> {
+    if status.is_success() {
+        return Ok(());
+    }
+    let code = status.as_u16();
+    let detail: String = body.chars().take(300).collect();
+    let message = format!("{what} answered {status}: {detail}");
+    let kind = match code {
+        408 => PublishErrorKind::Timeout,
+        429 => PublishErrorKind::Throttled,
+        413 => PublishErrorKind::TooLarge,
+        401 | 403 => PublishErrorKind::Unauthorized,
+        500..=599 => PublishErrorKind::BrokerFailure,
+        _ => PublishErrorKind::Rejected,
+    };
+    let mut error = PublishError::new(kind, message);
+    if let Some(delay) = retry_after.and_then(parse_retry_after) {
+        error = error.with_retry_after(delay);
+    }
+    Err(error)
+}
+
+/// Retry-After in seconds or as an HTTP date.
+pub fn parse_retry_after(value: &str) -> Option<Duration> {
+    let value = value.trim();
+    if let Ok(seconds) = value.parse::<u64>() {
+        return Some(Duration::from_secs(seconds));
+    }
+    let at = httpdate_to_system_time(value)?;
+    Some(
+        at.duration_since(std::time::SystemTime::now())
+            .unwrap_or_default(),
+    )
+}
+
+fn httpdate_to_system_time(value: &str) -> Option<std::time::SystemTime> {
+    // "Sun, 06 Nov 1994 08:49:37 GMT" is RFC 1123, a profile of RFC 2822; humantime reads
+    // RFC 3339 only, so rebuild it in that form.
+    let parts: Vec<&str> = value.split_whitespace().collect();
+    if parts.len() != 6 || parts[5] != "GMT" {
+        return None;
+    }
+    let month = [
+        "Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec",
+    ]
+    .iter()
+    .position(|m| *m == parts[2])?
+        + 1;
+    let text = format!("{}-{:02}-{:0>2}T{}Z", parts[3], month, parts[1], parts[4]);
+    humantime::parse_rfc3339(&text).ok()
+}
+
+/// The transport failed (no status): retryable.
+pub fn transport_error(error: reqwest::Error, what: &str) -> PublishError {
+    let kind = if error.is_timeout() {
+        PublishErrorKind::Timeout
+    } else {
+        PublishErrorKind::Unavailable
+    };
+    PublishError::new(kind, format!("{what}: request failed")).with_source(error)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use outbox_core::Disposition;
+    use reqwest::StatusCode;
+
+    #[test]
+    fn statuses_map_to_the_documented_outcomes() {
+        assert!(outcome(StatusCode::NO_CONTENT, None, "", "x").is_ok());
+        for (code, retry) in [
+            (408, true),
+            (429, true),
+            (500, true),
+            (503, true),
+            (400, false),
+            (404, false),
+            (410, false),
+            (413, false),
+            (401, false),
+        ] {
+            let e = outcome(StatusCode::from_u16(code).unwrap(), None, "", "x").unwrap_err();
+            assert_eq!(
+                matches!(e.disposition(), Disposition::Retry { .. }),
+                retry,
+                "{code}"
+            );
+        }
+        let e = outcome(StatusCode::TOO_MANY_REQUESTS, Some("7"), "", "x").unwrap_err();
+        assert_eq!(
+            e.disposition(),
+            Disposition::Retry {
+                after: Some(Duration::from_secs(7))
+            }
+        );
+    }
+
+    #[test]
+    fn retry_after_accepts_http_dates() {
+        let past = parse_retry_after("Sun, 06 Nov 1994 08:49:37 GMT").unwrap();
+        assert_eq!(past, Duration::ZERO);
+        assert!(parse_retry_after("soon").is_none());
+    }
+}

@@ -1,0 +1,468 @@
+//! Webhooks and Ably against real local HTTP servers. Ably's hosted service cannot be
+//! reached from here, so its tests run a local server that checks the exact REST request
+//! Ably documents (POST /channels/{channel}/messages, Basic auth with the API key, one JSON
+//! message with a client-supplied id) and answers as Ably does.
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderMap, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use outbox_core::Disposition;
+use outbox_publishers::{Routed, Sink, SinkConfig};
+use outbox_testkit::publisher::{event, BrokerHarness, Received};
+
+const SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+const ABLY_KEY: &str = "appid.keyid:keysecret";
+
+#[derive(Clone, Debug)]
+struct Request {
+    path: String,
+    headers: HeaderMap,
+    body: Vec<u8>,
+}
+
+#[derive(Default)]
+struct Recorder {
+    requests: Mutex<Vec<Request>>,
+    /// Scripted answers (status, Retry-After), used before answering 2xx.
+    script: Mutex<VecDeque<(u16, Option<&'static str>)>>,
+    in_flight: Mutex<(usize, usize)>, // (now, max)
+    slow: Mutex<Option<Duration>>,
+}
+
+async fn record(
+    State(rec): State<Arc<Recorder>>,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    {
+        let mut f = rec.in_flight.lock().unwrap();
+        f.0 += 1;
+        f.1 = f.1.max(f.0);
+    }
+    let slow = *rec.slow.lock().unwrap();
+    if let Some(d) = slow {
+        tokio::time::sleep(d).await; // a slow endpoint, so concurrent requests overlap
+    }
+    rec.in_flight.lock().unwrap().0 -= 1;
+    if let Some((status, retry_after)) = rec.script.lock().unwrap().pop_front() {
+        let mut response = StatusCode::from_u16(status).unwrap().into_response();
+        if let Some(r) = retry_after {
+            response
+                .headers_mut()
+                .insert("retry-after", r.parse().unwrap());
+        }
+        return response;
+    }
+    rec.requests.lock().unwrap().push(Request {
+        path: uri.path().to_string(),
+        headers,
+        body: body.to_vec(),
+    });
+    StatusCode::CREATED.into_response()
+}
+
+/// A local HTTP server that records requests; it can be stopped and restarted on its port.
+struct Receiver {
+    recorder: Arc<Recorder>,
+    addr: SocketAddr,
+    task: Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+impl Receiver {
+    async fn start() -> Receiver {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let receiver = Receiver {
+            recorder: Arc::default(),
+            addr: listener.local_addr().unwrap(),
+            task: Mutex::new(None),
+        };
+        receiver.serve(listener);
+        receiver
+    }
+
+    fn serve(&self, listener: tokio::net::TcpListener) {
+        let app = axum::Router::new()
+            .route("/hooks/{*rest}", post(record))
+            .route("/channels/{channel}/messages", post(record))
+            .layer(DefaultBodyLimit::max(1024 * 1024)) // larger bodies get 413
+            .with_state(self.recorder.clone());
+        *self.task.lock().unwrap() = Some(tokio::spawn(async move {
+            axum::serve(listener, app).await.unwrap();
+        }));
+    }
+
+    fn stop(&self) {
+        if let Some(task) = self.task.lock().unwrap().take() {
+            task.abort();
+        }
+    }
+
+    async fn resume(&self) {
+        let listener = tokio::net::TcpListener::bind(self.addr).await.unwrap();
+        self.serve(listener);
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    fn requests(&self) -> Vec<Request> {
+        self.recorder.requests.lock().unwrap().clone()
+    }
+}
+
+impl Drop for Receiver {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn body_payload(value: &serde_json::Value) -> Vec<u8> {
+    match value {
+        serde_json::Value::String(s) => s.as_bytes().to_vec(),
+        other => other.to_string().into_bytes(),
+    }
+}
+
+// ---------------------------------------------------------------- webhooks
+
+struct WebhookHarness {
+    receiver: Receiver,
+    sink: Arc<dyn Sink>,
+    target: String,
+}
+
+async fn webhook_harness() -> WebhookHarness {
+    let receiver = Receiver::start().await;
+    let config = SinkConfig {
+        uri: format!(
+            "{}/hooks/{{destination}}?key={{partition_key}}",
+            receiver.url()
+        ),
+        secret: Some(outbox_publishers::Secret(SECRET.into())),
+        timeout: Some(Duration::from_secs(2)),
+        ..SinkConfig::default()
+    };
+    let sink = outbox_publishers::build_sink("hooks", &config)
+        .await
+        .unwrap();
+    WebhookHarness {
+        receiver,
+        sink,
+        target: format!("orders-{}", uuid::Uuid::new_v4().simple()),
+    }
+}
+
+/// Checks the Standard Webhooks signature of a request, as a receiver would.
+fn verify_signature(request: &Request) {
+    let header = |n: &str| {
+        request
+            .headers
+            .get(n)
+            .unwrap_or_else(|| panic!("missing {n}"))
+            .to_str()
+            .unwrap()
+            .to_string()
+    };
+    let key = outbox_publishers::webhook::decode_secret(SECRET).unwrap();
+    let expected = outbox_publishers::webhook::sign(
+        &key,
+        &header("webhook-id"),
+        header("webhook-timestamp").parse().unwrap(),
+        &request.body,
+    );
+    assert_eq!(header("webhook-signature"), expected);
+    assert_eq!(header("content-type"), "application/json");
+}
+
+impl BrokerHarness for WebhookHarness {
+    fn sink(&self) -> Arc<dyn Sink> {
+        self.sink.clone()
+    }
+
+    fn target(&self) -> String {
+        self.target.clone()
+    }
+
+    fn received(&self) -> BoxFuture<'_, Vec<Received>> {
+        async move {
+            self.receiver
+                .requests()
+                .iter()
+                .map(|r| {
+                    verify_signature(r);
+                    let body: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+                    assert_eq!(
+                        r.headers["webhook-id"].to_str().unwrap(),
+                        body["event_id"].as_str().unwrap()
+                    );
+                    Received {
+                        event_id: body["event_id"].as_str().unwrap().to_string(),
+                        ordering_key: body["partition_key"].as_str().map(String::from),
+                        payload: body_payload(&body["payload"]),
+                    }
+                })
+                .collect()
+        }
+        .boxed()
+    }
+
+    fn broker_dedupes(&self) -> bool {
+        false // receivers de-duplicate on webhook-id
+    }
+
+    fn oversized_bytes(&self) -> usize {
+        2 * 1024 * 1024 // the receiver answers 413 above 1 MiB
+    }
+
+    fn stop_broker(&self) -> BoxFuture<'_, ()> {
+        async move { self.receiver.stop() }.boxed()
+    }
+
+    fn start_broker(&self) -> BoxFuture<'_, ()> {
+        async move { self.receiver.resume().await }.boxed()
+    }
+}
+
+mod webhook {
+    use super::*;
+    outbox_testkit::publisher_conformance!(webhook_harness);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webhook_statuses_map_to_outcomes_and_urls_are_templated() {
+    outbox_testkit::install_crypto();
+    let h = webhook_harness().await;
+    let mut e = (*event(1, "a/b c", b"{}".to_vec())).clone();
+    e.destination = "orders".into();
+    let e = Arc::new(e);
+    let send = |e: &Arc<outbox_core::Event>| {
+        h.sink.send(vec![Routed {
+            event: e.clone(),
+            target: String::new(),
+        }])
+    };
+    for (status, retry_after, retryable) in [
+        (503, None, true),
+        (408, None, true),
+        (429, Some("3"), true),
+        (400, None, false),
+        (404, None, false),
+    ] {
+        h.receiver
+            .recorder
+            .script
+            .lock()
+            .unwrap()
+            .push_back((status, retry_after));
+        let outcome = send(&e).await.remove(0);
+        let err = outcome.expect_err("scripted failure");
+        assert_eq!(
+            matches!(err.disposition(), Disposition::Retry { .. }),
+            retryable,
+            "{status}: {err}"
+        );
+        if status == 429 {
+            assert_eq!(
+                err.disposition(),
+                Disposition::Retry {
+                    after: Some(Duration::from_secs(3))
+                }
+            );
+        }
+    }
+    assert!(send(&e).await[0].is_ok());
+    let requests = h.receiver.requests();
+    assert_eq!(requests.len(), 1);
+    assert_eq!(requests[0].path, "/hooks/orders");
+    verify_signature(&requests[0]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webhook_concurrency_is_capped_per_destination() {
+    outbox_testkit::install_crypto();
+    let receiver = Receiver::start().await;
+    *receiver.recorder.slow.lock().unwrap() = Some(Duration::from_millis(30));
+    let config = SinkConfig {
+        uri: format!("{}/hooks/{{destination}}", receiver.url()),
+        concurrency: Some(4),
+        ..SinkConfig::default()
+    };
+    let sink = outbox_publishers::build_sink("hooks", &config)
+        .await
+        .unwrap();
+    let batch = (0..40)
+        .map(|i| Routed {
+            event: event(i, &format!("k{i}"), b"{}".to_vec()),
+            target: String::new(),
+        })
+        .collect();
+    assert!(sink.send(batch).await.iter().all(|o| o.is_ok()));
+    let max = receiver.recorder.in_flight.lock().unwrap().1;
+    assert!(
+        max <= 4,
+        "at most 4 requests in flight per destination, saw {max}"
+    );
+    assert!(max > 1, "requests run concurrently, saw {max}");
+    assert!(
+        receiver
+            .requests()
+            .iter()
+            .all(|r| r.headers.get("webhook-signature").is_none()),
+        "no secret, no signature"
+    );
+}
+
+// ---------------------------------------------------------------- Ably
+
+struct AblyHarness {
+    receiver: Receiver,
+    sink: Arc<dyn Sink>,
+    channel: String,
+    _key_file: tempfile::NamedTempFile,
+}
+
+async fn ably_harness() -> AblyHarness {
+    let receiver = Receiver::start().await;
+    let key_file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(key_file.path(), format!("{ABLY_KEY}\n")).unwrap();
+    let config = SinkConfig {
+        uri: "ably:".into(),
+        rest_url: Some(receiver.url()),
+        api_key_file: Some(key_file.path().to_path_buf()),
+        timeout: Some(Duration::from_secs(2)),
+        ..SinkConfig::default()
+    };
+    let sink = outbox_publishers::build_sink("ably", &config)
+        .await
+        .unwrap();
+    AblyHarness {
+        receiver,
+        sink,
+        channel: format!("posts:{}", uuid::Uuid::new_v4().simple()),
+        _key_file: key_file,
+    }
+}
+
+/// Checks one request against Ably's REST publish contract and returns the message.
+fn ably_message(request: &Request, channel: &str) -> serde_json::Value {
+    use base64::Engine;
+    let expected_path = format!("/channels/{}/messages", channel.replace(':', "%3A"));
+    assert_eq!(request.path, expected_path);
+    let auth = format!(
+        "Basic {}",
+        base64::engine::general_purpose::STANDARD.encode(ABLY_KEY)
+    );
+    assert_eq!(request.headers["authorization"].to_str().unwrap(), auth);
+    assert_eq!(
+        request.headers["content-type"].to_str().unwrap(),
+        "application/json"
+    );
+    let message: serde_json::Value = serde_json::from_slice(&request.body).unwrap();
+    let id = message["id"].as_str().expect("a client-supplied id");
+    assert!(
+        id.ends_with(":0") && uuid::Uuid::parse_str(&id[..id.len() - 2]).is_ok(),
+        "id {id} is <event id>:0"
+    );
+    message
+}
+
+impl BrokerHarness for AblyHarness {
+    fn sink(&self) -> Arc<dyn Sink> {
+        self.sink.clone()
+    }
+
+    fn target(&self) -> String {
+        self.channel.clone()
+    }
+
+    fn received(&self) -> BoxFuture<'_, Vec<Received>> {
+        async move {
+            self.receiver
+                .requests()
+                .iter()
+                .map(|r| {
+                    let m = ably_message(r, &self.channel);
+                    let id = m["id"].as_str().unwrap();
+                    Received {
+                        event_id: id[..id.len() - 2].to_string(),
+                        ordering_key: None,
+                        payload: m["data"].as_str().unwrap_or_default().as_bytes().to_vec(),
+                    }
+                })
+                .collect()
+        }
+        .boxed()
+    }
+
+    fn broker_dedupes(&self) -> bool {
+        false // Ably drops repeats of a client-supplied id; this local server does not
+    }
+
+    fn oversized_bytes(&self) -> usize {
+        70 * 1024 // above Ably's default 64 KiB message limit
+    }
+
+    fn stop_broker(&self) -> BoxFuture<'_, ()> {
+        async move { self.receiver.stop() }.boxed()
+    }
+
+    fn start_broker(&self) -> BoxFuture<'_, ()> {
+        async move { self.receiver.resume().await }.boxed()
+    }
+}
+
+mod ably {
+    use super::*;
+    outbox_testkit::publisher_conformance!(ably_harness);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ably_request_is_the_documented_rest_publish() {
+    outbox_testkit::install_crypto();
+    let h = ably_harness().await;
+    let mut e = (*event(5, "k", br#"{"body":"hi"}"#.to_vec())).clone();
+    e.payload = outbox_core::Payload::from_json_text(r#"{"body":"hi"}"#.into()).unwrap();
+    e.rejected = true;
+    let e = Arc::new(e);
+    assert!(h
+        .sink
+        .send(vec![Routed {
+            event: e.clone(),
+            target: h.channel.clone()
+        }])
+        .await[0]
+        .is_ok());
+    let m = ably_message(&h.receiver.requests()[0], &h.channel);
+    assert_eq!(m["id"], format!("{}:0", e.event_id));
+    assert_eq!(m["name"], "order.created");
+    assert_eq!(m["data"], r#"{"body":"hi"}"#);
+    assert_eq!(m["encoding"], "json");
+    assert_eq!(m["extras"]["headers"]["trace-id"], "t5");
+    assert_eq!(m["extras"]["headers"]["x-ably-models-event-uuid"], "m5");
+    assert_eq!(m["extras"]["headers"]["x-ably-models-reject"], "true");
+}
+
+#[tokio::test]
+async fn ably_keys_never_come_from_the_uri() {
+    let config = SinkConfig {
+        uri: "ably:appid.keyid:secret".into(),
+        ..SinkConfig::default()
+    };
+    let err = outbox_publishers::build_sink("ably", &config)
+        .await
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("never in the URI"), "{err}");
+    assert!(!err.to_string().contains("secret"));
+}
