@@ -9,6 +9,8 @@ mod http;
 pub mod json_lines;
 #[cfg(feature = "nats")]
 pub mod nats;
+#[cfg(feature = "rabbitmq")]
+pub mod rabbitmq;
 #[cfg(feature = "redis")]
 pub mod redis;
 pub mod router;
@@ -64,6 +66,8 @@ async fn connect_sink(name: &str, config: &SinkConfig) -> Result<Arc<dyn Sink>, 
         "nats" | "tls" => nats::sink(config).await,
         #[cfg(feature = "redis")]
         "redis" | "rediss" => redis::sink(config),
+        #[cfg(feature = "rabbitmq")]
+        "amqp" | "amqps" => rabbitmq::sink(config),
         #[cfg(feature = "webhook")]
         "http" | "https" => webhook::sink(config),
         #[cfg(feature = "ably")]

@@ -1,0 +1,294 @@
+//! RabbitMQ with publisher confirms: persistent messages, `message_id` = event id, the
+//! event's headers, `mandatory` so an unroutable message comes back instead of vanishing.
+//! A batch is published on one confirm-mode channel and its confirms awaited together.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::{join_all, BoxFuture};
+use futures::FutureExt;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::Confirmation;
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ErrorKind};
+use outbox_core::{Outcome, Payload, PublishError, PublishErrorKind};
+use tokio::sync::Mutex;
+
+use crate::config::{SinkConfig, Unroutable, DEFAULT_SINK_TIMEOUT};
+use crate::sink::{Routed, Sink};
+use crate::template::Template;
+
+/// RabbitMQ's default `max_message_size` (128 MiB); a lower server limit is learned from
+/// the broker's refusal.
+pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 128 * 1024 * 1024;
+
+/// Marks messages that failed only because another message of their batch made the broker
+/// close the channel; they are published once more on a fresh channel.
+const COLLATERAL: &str = "channel closed after another message was refused as too large";
+
+pub struct RabbitSink {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    uri: String,
+    shown: String,
+    exchange: Template,
+    unroutable: Unroutable,
+    timeout: Duration,
+    max_message_bytes: AtomicUsize,
+    session: Mutex<Option<(Connection, Channel)>>,
+}
+
+fn redact(uri: &str) -> String {
+    match (uri.find("://"), uri.rfind('@')) {
+        (Some(s), Some(at)) if at > s => format!("{}***{}", &uri[..s + 3], &uri[at..]),
+        _ => uri.to_string(),
+    }
+}
+
+impl RabbitSink {
+    pub fn new(config: &SinkConfig) -> Result<Self, PublishError> {
+        let exchange = Template::parse(config.exchange.as_deref().unwrap_or(""))
+            .map_err(|e| PublishError::new(PublishErrorKind::Rejected, format!("exchange: {e}")))?;
+        Ok(RabbitSink {
+            inner: Arc::new(Inner {
+                uri: config.uri.clone(),
+                shown: redact(&config.uri),
+                exchange,
+                unroutable: config.unroutable,
+                timeout: config.timeout.unwrap_or(DEFAULT_SINK_TIMEOUT),
+                max_message_bytes: AtomicUsize::new(DEFAULT_MAX_MESSAGE_BYTES),
+                session: Mutex::new(None),
+            }),
+        })
+    }
+}
+
+impl Inner {
+    /// The confirm-mode channel, (re)opened when the connection or channel is gone.
+    async fn channel(&self) -> Result<Channel, PublishError> {
+        let mut session = self.session.lock().await;
+        if let Some((connection, channel)) = session.as_ref() {
+            if connection.status().connected() && channel.status().connected() {
+                return Ok(channel.clone());
+            }
+        }
+        let connect = async {
+            let connection = match session.take() {
+                Some((c, _)) if c.status().connected() => c,
+                _ => Connection::connect(&self.uri, ConnectionProperties::default()).await?,
+            };
+            let channel = connection.create_channel().await?;
+            channel
+                .confirm_select(ConfirmSelectOptions::default())
+                .await?;
+            Ok::<_, lapin::Error>((connection, channel))
+        };
+        let (connection, channel) = tokio::time::timeout(Duration::from_secs(5), connect)
+            .await
+            .map_err(|_| {
+                PublishError::new(
+                    PublishErrorKind::Unavailable,
+                    format!("{}: connection timed out", self.shown),
+                )
+            })?
+            .map_err(|e| self.classify(e, 0))?;
+        *session = Some((connection, channel.clone()));
+        Ok(channel)
+    }
+
+    /// The one place RabbitMQ errors become publish outcomes. `size` is the message's size,
+    /// to tell the oversized message apart from the others on a channel the broker closed.
+    fn classify(&self, error: lapin::Error, size: usize) -> PublishError {
+        let (kind, message) = match error.kind() {
+            ErrorKind::ProtocolError(amqp) => {
+                let text = amqp.get_message().to_string();
+                match amqp.kind() {
+                    AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED)
+                        if text.contains("larger than") =>
+                    {
+                        // "message size N is larger than configured max size M"
+                        if let Some(limit) = text
+                            .rsplit(' ')
+                            .next()
+                            .and_then(|m| m.parse::<usize>().ok())
+                        {
+                            self.max_message_bytes.store(limit, Ordering::Relaxed);
+                            if size <= limit {
+                                return PublishError::new(
+                                    PublishErrorKind::Unavailable,
+                                    format!("{}: {COLLATERAL}", self.shown),
+                                );
+                            }
+                        }
+                        (PublishErrorKind::TooLarge, text)
+                    }
+                    AMQPErrorKind::Soft(AMQPSoftError::CONTENTTOOLARGE) => {
+                        (PublishErrorKind::TooLarge, text)
+                    }
+                    AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED) => {
+                        (PublishErrorKind::Unauthorized, text)
+                    }
+                    AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND) => (
+                        PublishErrorKind::MissingTarget,
+                        format!(
+                            "{text} (declare the exchange, or fix the sink's exchange setting)"
+                        ),
+                    ),
+                    _ => (PublishErrorKind::BrokerFailure, text),
+                }
+            }
+            ErrorKind::IOError(_)
+            | ErrorKind::InvalidConnectionState(_)
+            | ErrorKind::InvalidChannelState(..) => {
+                (PublishErrorKind::Unavailable, "connection lost".to_string())
+            }
+            _ => (
+                PublishErrorKind::BrokerFailure,
+                "publish failed".to_string(),
+            ),
+        };
+        PublishError::new(kind, format!("{}: {message}", self.shown)).with_source(error)
+    }
+
+    fn properties(routed: &Routed) -> BasicProperties {
+        let event = &routed.event;
+        let mut headers = FieldTable::default();
+        for (k, v) in &event.headers {
+            headers.insert(
+                ShortString::from(k.as_str()),
+                AMQPValue::LongString(LongString::from(v.as_str())),
+            );
+        }
+        let text = |s: &str| AMQPValue::LongString(LongString::from(s));
+        headers.insert("outbox-event-type".into(), text(&event.event_type));
+        headers.insert("outbox-partition-key".into(), text(event.ordering_key()));
+        headers.insert(
+            "outbox-sequence-id".into(),
+            AMQPValue::LongLongInt(event.sequence_id),
+        );
+        if let Some(m) = &event.mutation_id {
+            headers.insert("outbox-mutation-id".into(), text(m));
+        }
+        let mut properties = BasicProperties::default()
+            .with_message_id(event.event_id.hyphenated().to_string().as_str().into())
+            .with_delivery_mode(2)
+            .with_type(event.event_type.as_str().into())
+            .with_headers(headers);
+        if let Ok(created) = event.created_at.duration_since(std::time::UNIX_EPOCH) {
+            properties = properties.with_timestamp(created.as_secs());
+        }
+        if matches!(event.payload, Payload::Json(_)) {
+            properties = properties.with_content_type("application/json".into());
+        }
+        properties
+    }
+}
+
+impl Sink for RabbitSink {
+    fn describe(&self) -> String {
+        self.inner.shown.clone()
+    }
+
+    fn send(&self, batch: Vec<Routed>) -> BoxFuture<'static, Vec<Outcome>> {
+        let inner = self.inner.clone();
+        async move {
+            let mut outcomes = publish_batch(&inner, &batch).await;
+            let collateral: Vec<usize> = outcomes
+                .iter()
+                .enumerate()
+                .filter(|(_, o)| {
+                    o.as_ref()
+                        .is_err_and(|e| e.to_string().contains(COLLATERAL))
+                })
+                .map(|(i, _)| i)
+                .collect();
+            if !collateral.is_empty() {
+                let again: Vec<Routed> = collateral.iter().map(|&i| batch[i].clone()).collect();
+                for (i, outcome) in collateral
+                    .into_iter()
+                    .zip(publish_batch(&inner, &again).await)
+                {
+                    outcomes[i] = outcome;
+                }
+            }
+            outcomes
+        }
+        .boxed()
+    }
+
+    fn health(&self) -> BoxFuture<'static, Result<(), PublishError>> {
+        let inner = self.inner.clone();
+        async move { inner.channel().await.map(|_| ()) }.boxed()
+    }
+
+    fn max_message_bytes(&self) -> Option<usize> {
+        Some(self.inner.max_message_bytes.load(Ordering::Relaxed))
+    }
+}
+
+/// Publishes a batch on the confirm channel and awaits every confirm.
+async fn publish_batch(inner: &Arc<Inner>, batch: &[Routed]) -> Vec<Outcome> {
+    {
+        let channel = match inner.channel().await {
+            Ok(c) => c,
+            Err(e) => {
+                let report = e.report();
+                return batch
+                    .iter()
+                    .map(|_| Err(PublishError::new(e.kind(), report.clone())))
+                    .collect();
+            }
+        };
+        // Publish the whole batch, then await every confirm.
+        let mut confirms = Vec::with_capacity(batch.len());
+        for routed in batch {
+            let exchange = inner.exchange.render(&routed.event);
+            let published = channel
+                .basic_publish(
+                    exchange.as_str().into(),
+                    routed.target.as_str().into(),
+                    BasicPublishOptions {
+                        mandatory: true,
+                        ..BasicPublishOptions::default()
+                    },
+                    routed.event.payload.as_bytes(),
+                    Inner::properties(routed),
+                )
+                .await;
+            confirms.push((published, exchange));
+        }
+        let outcomes = confirms.into_iter().zip(batch).map(|((published, exchange), routed)| async move {
+                let size = routed.event.payload.len();
+                let confirm = published.map_err(|e| inner.classify(e, size))?;
+                match tokio::time::timeout(inner.timeout, confirm).await {
+                    Err(_) => Err(PublishError::new(PublishErrorKind::Timeout, format!("{}: no confirm in time", inner.shown))),
+                    Ok(Err(e)) => Err(inner.classify(e, size)),
+                    Ok(Ok(Confirmation::Ack(None))) => Ok(()),
+                    Ok(Ok(Confirmation::Ack(Some(returned)))) | Ok(Ok(Confirmation::Nack(Some(returned)))) => {
+                        let kind = match inner.unroutable {
+                            Unroutable::Retry => PublishErrorKind::NoRoute,
+                            Unroutable::DeadLetter => PublishErrorKind::Rejected,
+                        };
+                        Err(PublishError::new(
+                            kind,
+                            format!(
+                                "{}: unroutable ({}): no queue is bound to exchange {:?} with routing key {:?}",
+                                inner.shown, returned.reply_text, exchange, routed.target
+                            ),
+                        ))
+                    }
+                    Ok(Ok(Confirmation::Nack(None))) => Err(PublishError::new(PublishErrorKind::BrokerFailure, format!("{}: the broker refused to store the message (nack)", inner.shown))),
+                    Ok(Ok(Confirmation::NotRequested)) => Err(PublishError::new(PublishErrorKind::BrokerFailure, "publisher confirms are not enabled")),
+                }
+            });
+        join_all(outcomes).await
+    }
+}
+
+pub fn sink(config: &SinkConfig) -> Result<Arc<dyn Sink>, PublishError> {
+    Ok(Arc::new(RabbitSink::new(config)?))
+}

@@ -1,0 +1,258 @@
+//! The publisher conformance suite against a real RabbitMQ (the shared test server from
+//! scripts/servers.sh, whose max_message_size is 1 MiB; the restart test starts its own).
+
+use std::path::Path;
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use lapin::options::{BasicGetOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{Connection, ConnectionProperties};
+use outbox_core::Disposition;
+use outbox_publishers::{Routed, Sink, SinkConfig};
+use outbox_testkit::publisher::{event, BrokerHarness, Received};
+
+struct RabbitHarness {
+    url: String,
+    sink: Arc<dyn Sink>,
+    queue: String,
+    received: Mutex<Vec<Received>>,
+    private: Option<PrivateRabbit>,
+}
+
+/// A RabbitMQ of this test's own, through the same script.
+struct PrivateRabbit {
+    state: tempfile::TempDir,
+    port: u16,
+}
+
+impl PrivateRabbit {
+    fn script(&self, command: &str) -> String {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/servers.sh");
+        let out = Command::new("bash")
+            .arg(script)
+            .arg(command)
+            .env("OUTBOX_TEST_STATE", self.state.path())
+            .env("OUTBOX_TEST_RABBIT_PORT", self.port.to_string())
+            .env("OUTBOX_TEST_SERVERS", "rabbitmq")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "servers.sh {command}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    }
+}
+
+impl Drop for PrivateRabbit {
+    fn drop(&mut self) {
+        self.script("stop");
+    }
+}
+
+fn shared_url() -> String {
+    std::env::var("OUTBOX_TEST_AMQP_URL")
+        .expect("OUTBOX_TEST_AMQP_URL: run the tests through scripts/test.sh")
+}
+
+async fn harness_at(url: String, private: Option<PrivateRabbit>) -> RabbitHarness {
+    let queue = format!("orders-{}", uuid::Uuid::new_v4().simple());
+    let connection = Connection::connect(&url, ConnectionProperties::default())
+        .await
+        .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    channel
+        .queue_declare(
+            queue.as_str().into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    connection.close(200, "setup done".into()).await.unwrap();
+    let config = SinkConfig {
+        uri: url.clone(),
+        ..SinkConfig::default()
+    };
+    let sink = outbox_publishers::build_sink("rabbit", &config)
+        .await
+        .unwrap();
+    RabbitHarness {
+        url,
+        sink,
+        queue,
+        received: Mutex::default(),
+        private,
+    }
+}
+
+async fn new_harness() -> RabbitHarness {
+    harness_at(shared_url(), None).await
+}
+
+async fn private_harness() -> RabbitHarness {
+    let state = tempfile::tempdir().unwrap();
+    let port = outbox_testkit::server::free_port();
+    let private = PrivateRabbit { state, port };
+    private.script("start");
+    harness_at(
+        format!("amqp://guest:guest@127.0.0.1:{port}/%2f"),
+        Some(private),
+    )
+    .await
+}
+
+impl BrokerHarness for RabbitHarness {
+    fn sink(&self) -> Arc<dyn Sink> {
+        self.sink.clone()
+    }
+
+    fn target(&self) -> String {
+        self.queue.clone() // the default exchange routes by queue name
+    }
+
+    fn received(&self) -> BoxFuture<'_, Vec<Received>> {
+        async move {
+            if let Ok(connection) =
+                Connection::connect(&self.url, ConnectionProperties::default()).await
+            {
+                let channel = connection.create_channel().await.unwrap();
+                while let Ok(Some(message)) = channel
+                    .basic_get(self.queue.as_str().into(), BasicGetOptions { no_ack: true })
+                    .await
+                {
+                    let props = &message.delivery.properties;
+                    let key = props
+                        .headers()
+                        .as_ref()
+                        .and_then(|h| h.inner().get("outbox-partition-key").cloned())
+                        .and_then(|v| match v {
+                            AMQPValue::LongString(s) => Some(s.to_string()),
+                            _ => None,
+                        });
+                    self.received.lock().unwrap().push(Received {
+                        event_id: props
+                            .message_id()
+                            .as_ref()
+                            .map(|m| m.to_string())
+                            .unwrap_or_default(),
+                        ordering_key: key,
+                        payload: message.delivery.data.clone(),
+                    });
+                }
+                let _ = connection.close(200, "done".into()).await;
+            }
+            self.received.lock().unwrap().clone()
+        }
+        .boxed()
+    }
+
+    fn broker_dedupes(&self) -> bool {
+        false // consumers de-duplicate on message_id
+    }
+
+    fn oversized_bytes(&self) -> usize {
+        2 * 1024 * 1024 // the test servers allow 1 MiB
+    }
+
+    fn stop_broker(&self) -> BoxFuture<'_, ()> {
+        async move {
+            self.private
+                .as_ref()
+                .expect("restart tests use a private server")
+                .script("stop");
+        }
+        .boxed()
+    }
+
+    fn start_broker(&self) -> BoxFuture<'_, ()> {
+        async move {
+            self.private
+                .as_ref()
+                .expect("restart tests use a private server")
+                .script("start");
+        }
+        .boxed()
+    }
+}
+
+outbox_testkit::publisher_conformance!(new_harness, restart: private_harness);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unroutable_messages_retry_or_dead_letter_as_configured() {
+    outbox_testkit::install_crypto();
+    for (unroutable, retryable) in [
+        (outbox_publishers::config::Unroutable::Retry, true),
+        (outbox_publishers::config::Unroutable::DeadLetter, false),
+    ] {
+        let config = SinkConfig {
+            uri: shared_url(),
+            unroutable,
+            ..SinkConfig::default()
+        };
+        let sink = outbox_publishers::build_sink("rabbit", &config)
+            .await
+            .unwrap();
+        let routed = Routed {
+            event: event(1, "k", b"{}".to_vec()),
+            target: "no-such-queue".into(),
+        };
+        let outcome = sink.send(vec![routed]).await.remove(0);
+        let err = outcome.expect_err("nothing is bound to that routing key");
+        assert_eq!(
+            matches!(err.disposition(), Disposition::Retry { .. }),
+            retryable,
+            "{err}"
+        );
+        assert!(
+            err.to_string().contains("unroutable") && err.to_string().contains("no-such-queue"),
+            "{err}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_are_persistent_with_id_type_and_headers() {
+    outbox_testkit::install_crypto();
+    let h = new_harness().await;
+    let e = event(3, "c-3", b"{\"x\":1}".to_vec());
+    assert!(h
+        .sink
+        .send(vec![Routed {
+            event: e.clone(),
+            target: h.queue.clone()
+        }])
+        .await[0]
+        .is_ok());
+    let connection = Connection::connect(&h.url, ConnectionProperties::default())
+        .await
+        .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    let message = channel
+        .basic_get(h.queue.as_str().into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+        .unwrap();
+    let p = &message.delivery.properties;
+    assert_eq!(p.delivery_mode(), &Some(2), "persistent");
+    assert_eq!(
+        p.message_id().as_ref().unwrap().to_string(),
+        e.event_id.to_string()
+    );
+    assert_eq!(p.kind().as_ref().unwrap().to_string(), "order.created");
+    let headers = p.headers().as_ref().unwrap().inner();
+    assert!(
+        matches!(headers.get("trace-id"), Some(AMQPValue::LongString(v)) if v.to_string() == "t3")
+    );
+    assert!(matches!(
+        headers.get("outbox-sequence-id"),
+        Some(AMQPValue::LongLongInt(3))
+    ));
+}
