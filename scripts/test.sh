@@ -12,4 +12,9 @@ eval "$(scripts/servers.sh start)"
 if ! cargo nextest --version >/dev/null 2>&1; then
   cargo install cargo-nextest --locked
 fi
-cargo nextest run --workspace --no-fail-fast "$@"
+extra=()
+if command -v tansu >/dev/null 2>&1; then
+  echo "test.sh: tansu found: running the Kafka compatibility tests against it too" >&2
+  extra+=(--run-ignored all)
+fi
+cargo nextest run --workspace --no-fail-fast "${extra[@]}" "$@"

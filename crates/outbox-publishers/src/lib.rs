@@ -7,6 +7,8 @@ pub mod config;
 #[cfg(any(feature = "webhook", feature = "ably"))]
 mod http;
 pub mod json_lines;
+#[cfg(feature = "kafka")]
+pub mod kafka;
 #[cfg(feature = "nats")]
 pub mod nats;
 #[cfg(feature = "rabbitmq")]
@@ -66,6 +68,8 @@ async fn connect_sink(name: &str, config: &SinkConfig) -> Result<Arc<dyn Sink>, 
         "nats" | "tls" => nats::sink(config).await,
         #[cfg(feature = "redis")]
         "redis" | "rediss" => redis::sink(config),
+        #[cfg(feature = "kafka")]
+        "kafka" | "kafkas" => kafka::sink(config),
         #[cfg(feature = "rabbitmq")]
         "amqp" | "amqps" => rabbitmq::sink(config),
         #[cfg(feature = "webhook")]

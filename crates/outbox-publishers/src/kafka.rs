@@ -1,0 +1,257 @@
+//! Kafka with the idempotent producer (`enable.idempotence`, `acks=all`): the message key is
+//! the ordering key, so per-key order holds within a partition; headers carry the event id
+//! (consumers de-duplicate on it: Kafka has no per-message de-duplication across producer
+//! sessions), the event type, sequence id and the event's own headers. Rows are acked only
+//! after each message's delivery report.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::{join_all, BoxFuture};
+use futures::FutureExt;
+use outbox_core::{Outcome, PublishError, PublishErrorKind};
+use rdkafka::config::ClientConfig;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+
+use crate::config::{SinkConfig, DEFAULT_SINK_TIMEOUT};
+use crate::sink::{Routed, Sink};
+
+/// The producer's default `message.max.bytes`.
+pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 1_000_000;
+
+pub const HEADER_EVENT_ID: &str = "outbox-event-id";
+pub const HEADER_EVENT_TYPE: &str = "outbox-event-type";
+pub const HEADER_SEQUENCE_ID: &str = "outbox-sequence-id";
+pub const HEADER_MUTATION_ID: &str = "outbox-mutation-id";
+
+pub struct KafkaSink {
+    producer: FutureProducer,
+    shown: String,
+    max_message_bytes: usize,
+}
+
+/// The librdkafka properties for a sink: `kafka://host:port[,host:port]` (plaintext) or
+/// `kafkas://...` (TLS), SASL from the settings, then any raw `kafka` properties.
+pub fn client_config(config: &SinkConfig) -> Result<ClientConfig, PublishError> {
+    let setup = |m: String| PublishError::new(PublishErrorKind::Rejected, m);
+    let (tls, servers) = if let Some(rest) = config.uri.strip_prefix("kafkas://") {
+        (true, rest)
+    } else if let Some(rest) = config.uri.strip_prefix("kafka://") {
+        (config.tls_ca_file.is_some(), rest)
+    } else {
+        return Err(setup(
+            "a Kafka sink URI looks like kafka://host:port[,host:port] (kafkas:// for TLS)".into(),
+        ));
+    };
+    let servers = servers.trim_end_matches('/');
+    if servers.is_empty() {
+        return Err(setup("the Kafka URI names no broker".into()));
+    }
+    let timeout = config.timeout.unwrap_or(DEFAULT_SINK_TIMEOUT);
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", servers)
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set("max.in.flight.requests.per.connection", "5")
+        .set("linger.ms", "2")
+        .set("message.timeout.ms", timeout.as_millis().to_string())
+        .set("client.id", "outbox-relay");
+    let sasl = config.sasl_mechanism.is_some();
+    let protocol = match (tls, sasl) {
+        (false, false) => "plaintext",
+        (true, false) => "ssl",
+        (false, true) => "sasl_plaintext",
+        (true, true) => "sasl_ssl",
+    };
+    c.set("security.protocol", protocol);
+    if let Some(ca) = &config.tls_ca_file {
+        c.set("ssl.ca.location", ca.display().to_string());
+    }
+    if let (Some(cert), Some(key)) = (&config.tls_cert_file, &config.tls_key_file) {
+        c.set("ssl.certificate.location", cert.display().to_string());
+        c.set("ssl.key.location", key.display().to_string());
+    }
+    if let Some(mechanism) = &config.sasl_mechanism {
+        c.set("sasl.mechanism", mechanism);
+        if let Some(user) = &config.sasl_username {
+            c.set("sasl.username", user);
+        }
+        if let Some(password) = &config.sasl_password {
+            c.set("sasl.password", &password.0);
+        }
+    }
+    for (k, v) in &config.kafka {
+        c.set(k, v);
+    }
+    Ok(c)
+}
+
+impl KafkaSink {
+    pub fn new(config: &SinkConfig) -> Result<Self, PublishError> {
+        let client = client_config(config)?;
+        let max_message_bytes = config
+            .kafka
+            .get("message.max.bytes")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(DEFAULT_MAX_MESSAGE_BYTES);
+        let producer: FutureProducer = client.create().map_err(|e| {
+            PublishError::new(
+                PublishErrorKind::Rejected,
+                format!("invalid Kafka settings: {e}"),
+            )
+        })?;
+        Ok(KafkaSink {
+            producer,
+            shown: config.uri.clone(),
+            max_message_bytes,
+        })
+    }
+}
+
+/// The one place Kafka errors become publish outcomes.
+fn classify(error: KafkaError, topic: &str) -> PublishError {
+    use RDKafkaErrorCode as C;
+    let kind = match error.rdkafka_error_code() {
+        Some(C::MessageSizeTooLarge) => PublishErrorKind::TooLarge,
+        Some(
+            C::TopicAuthorizationFailed
+            | C::ClusterAuthorizationFailed
+            | C::SaslAuthenticationFailed,
+        ) => PublishErrorKind::Unauthorized,
+        Some(C::UnknownTopicOrPartition | C::UnknownTopic) => PublishErrorKind::MissingTarget,
+        Some(C::MessageTimedOut | C::RequestTimedOut) => PublishErrorKind::Timeout,
+        Some(C::QueueFull) => PublishErrorKind::Throttled,
+        Some(C::InvalidRecord) => PublishErrorKind::Rejected,
+        _ => PublishErrorKind::Unavailable,
+    };
+    PublishError::new(kind, format!("kafka topic {topic:?}")).with_source(error)
+}
+
+impl Sink for KafkaSink {
+    fn describe(&self) -> String {
+        self.shown.clone()
+    }
+
+    fn send(&self, batch: Vec<Routed>) -> BoxFuture<'static, Vec<Outcome>> {
+        // Enqueue the whole batch, then await every delivery report.
+        let deliveries: Vec<_> = batch
+            .iter()
+            .map(|routed| {
+                let event = &routed.event;
+                let id = event.event_id.hyphenated().to_string();
+                let sequence = event.sequence_id.to_string();
+                let mut headers = OwnedHeaders::new_with_capacity(event.headers.len() + 4)
+                    .insert(Header {
+                        key: HEADER_EVENT_ID,
+                        value: Some(id.as_str()),
+                    })
+                    .insert(Header {
+                        key: HEADER_EVENT_TYPE,
+                        value: Some(event.event_type.as_str()),
+                    })
+                    .insert(Header {
+                        key: HEADER_SEQUENCE_ID,
+                        value: Some(sequence.as_str()),
+                    });
+                if let Some(m) = &event.mutation_id {
+                    headers = headers.insert(Header {
+                        key: HEADER_MUTATION_ID,
+                        value: Some(m.as_str()),
+                    });
+                }
+                for (k, v) in &event.headers {
+                    headers = headers.insert(Header {
+                        key: k.as_str(),
+                        value: Some(v.as_str()),
+                    });
+                }
+                let record = FutureRecord::to(&routed.target)
+                    .key(event.ordering_key())
+                    .payload(event.payload.as_bytes())
+                    .headers(headers);
+                let topic = routed.target.clone();
+                match self.producer.send_result(record) {
+                    Ok(delivery) => async move {
+                        match delivery.await {
+                            Ok(Ok(_)) => Ok(()),
+                            Ok(Err((e, _))) => Err(classify(e, &topic)),
+                            Err(_) => Err(PublishError::new(
+                                PublishErrorKind::Unavailable,
+                                "the Kafka producer shut down",
+                            )),
+                        }
+                    }
+                    .boxed(),
+                    Err((e, _)) => {
+                        let error = classify(e, &topic);
+                        async move { Err(error) }.boxed()
+                    }
+                }
+            })
+            .collect();
+        async move { join_all(deliveries).await }.boxed()
+    }
+
+    fn health(&self) -> BoxFuture<'static, Result<(), PublishError>> {
+        let producer = self.producer.clone();
+        let shown = self.shown.clone();
+        async move {
+            tokio::task::spawn_blocking(move || {
+                producer
+                    .client()
+                    .fetch_metadata(None, Duration::from_secs(3))
+            })
+            .await
+            .map_err(|e| PublishError::new(PublishErrorKind::Unavailable, format!("{shown}: {e}")))?
+            .map(|_| ())
+            .map_err(|e| classify(e, &shown))
+        }
+        .boxed()
+    }
+
+    fn max_message_bytes(&self) -> Option<usize> {
+        Some(self.max_message_bytes)
+    }
+
+    fn close(&self) -> BoxFuture<'static, ()> {
+        let producer = self.producer.clone();
+        async move {
+            let _ =
+                tokio::task::spawn_blocking(move || producer.flush(Duration::from_secs(5))).await;
+        }
+        .boxed()
+    }
+}
+
+pub fn sink(config: &SinkConfig) -> Result<Arc<dyn Sink>, PublishError> {
+    Ok(Arc::new(KafkaSink::new(config)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uri_and_settings_become_librdkafka_properties() {
+        let config = SinkConfig {
+            uri: "kafkas://b1:9093,b2:9093".into(),
+            sasl_mechanism: Some("SCRAM-SHA-512".into()),
+            sasl_username: Some("relay".into()),
+            sasl_password: Some(crate::Secret("pw".into())),
+            ..SinkConfig::default()
+        };
+        let c = client_config(&config).unwrap();
+        assert_eq!(c.get("bootstrap.servers"), Some("b1:9093,b2:9093"));
+        assert_eq!(c.get("security.protocol"), Some("sasl_ssl"));
+        assert_eq!(c.get("enable.idempotence"), Some("true"));
+        assert_eq!(c.get("acks"), Some("all"));
+        assert_eq!(c.get("sasl.mechanism"), Some("SCRAM-SHA-512"));
+        assert!(client_config(&SinkConfig {
+            uri: "kafka://".into(),
+            ..SinkConfig::default()
+        })
+        .is_err());
+    }
+}
