@@ -159,3 +159,109 @@ impl Publisher for Router {
         .boxed()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use outbox_core::{Disposition, Headers, Payload};
+    use std::sync::Mutex;
+
+    /// Records (target, sequence id) and confirms everything.
+    #[derive(Default)]
+    struct Recorder(Mutex<Vec<(String, i64)>>);
+
+    impl Sink for Recorder {
+        fn describe(&self) -> String {
+            "recorder".into()
+        }
+        fn send(&self, batch: Vec<Routed>) -> BoxFuture<'static, Vec<Outcome>> {
+            let mut seen = self.0.lock().unwrap();
+            let outcomes = batch
+                .iter()
+                .map(|r| {
+                    seen.push((r.target.clone(), r.event.sequence_id));
+                    Ok(())
+                })
+                .collect();
+            async move { outcomes }.boxed()
+        }
+        fn health(&self) -> BoxFuture<'static, Result<(), PublishError>> {
+            async { Ok(()) }.boxed()
+        }
+        fn max_message_bytes(&self) -> Option<usize> {
+            Some(10)
+        }
+    }
+
+    fn event(seq: i64, destination: &str, payload: &str) -> Arc<Event> {
+        Arc::new(Event {
+            sequence_id: seq,
+            event_id: uuid::Uuid::nil(),
+            destination: destination.into(),
+            partition_key: None,
+            event_type: "created".into(),
+            payload: Payload::Bytes(payload.as_bytes().to_vec()),
+            headers: Headers::new(),
+            mutation_id: None,
+            rejected: false,
+            attempts: 0,
+            created_at: std::time::SystemTime::UNIX_EPOCH,
+        })
+    }
+
+    #[tokio::test]
+    async fn routes_by_first_matching_glob_and_keeps_outcome_order() {
+        let (a, b) = (Arc::new(Recorder::default()), Arc::new(Recorder::default()));
+        let router = Router::new(
+            vec![
+                ("a".into(), a.clone() as Arc<dyn Sink>),
+                ("b".into(), b.clone() as Arc<dyn Sink>),
+            ],
+            vec![
+                Route::new(
+                    "orders.*",
+                    "a",
+                    Template::parse("events.{destination}.{event_type}").unwrap(),
+                )
+                .unwrap(),
+                Route::new("posts:*", "b", Template::destination()).unwrap(),
+            ],
+        )
+        .unwrap();
+        let outcomes = router
+            .publish(vec![
+                event(1, "orders.eu", "1"),
+                event(2, "posts:7", "2"),
+                event(3, "invoices", "3"),
+                event(4, "orders.us", "this is too large"),
+            ])
+            .await;
+        assert!(outcomes[0].is_ok() && outcomes[1].is_ok());
+        let unrouted = outcomes[2].as_ref().unwrap_err();
+        assert!(matches!(unrouted.disposition(), Disposition::Retry { .. }));
+        assert!(unrouted
+            .to_string()
+            .contains("no route matches destination \"invoices\""));
+        let large = outcomes[3].as_ref().unwrap_err();
+        assert_eq!(large.disposition(), Disposition::Permanent);
+        assert_eq!(
+            *a.0.lock().unwrap(),
+            vec![("events.orders.eu.created".to_string(), 1)]
+        );
+        assert_eq!(*b.0.lock().unwrap(), vec![("posts:7".to_string(), 2)]);
+    }
+
+    #[test]
+    fn routes_must_name_configured_sinks() {
+        let err = Router::new(
+            vec![],
+            vec![Route::new("*", "nope", Template::destination()).unwrap()],
+        )
+        .err()
+        .unwrap();
+        assert!(
+            err.contains("names sink \"nope\", which is not configured"),
+            "{err}"
+        );
+    }
+}

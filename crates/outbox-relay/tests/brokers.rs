@@ -1,0 +1,249 @@
+//! The binary with a config file of several sinks and routes, against a real nats-server.
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use outbox_testkit::eventually;
+use outbox_testkit::server::ServerProcess;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
+
+fn relay(dir: &Path, args: &[&str]) -> std::process::Output {
+    Command::new(BIN)
+        .args(args)
+        .current_dir(dir)
+        .env_remove("DATABASE_URL")
+        .output()
+        .unwrap()
+}
+
+/// GET on the relay's HTTP server; (status, body).
+async fn get(addr: &str, path: &str) -> Option<(u16, String)> {
+    let mut stream = tokio::net::TcpStream::connect(addr).await.ok()?;
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.ok()?;
+    let status = response.split_whitespace().nth(1)?.parse().ok()?;
+    Some((
+        status,
+        response
+            .split("\r\n\r\n")
+            .nth(1)
+            .unwrap_or_default()
+            .to_string(),
+    ))
+}
+
+struct Running(Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routes_send_each_destination_to_its_sink_and_readyz_follows_the_broker() {
+    outbox_testkit::install_crypto();
+    let nats = ServerProcess::start(
+        "nats-server",
+        &["-a", "127.0.0.1", "-p", "{port}", "-js", "-sd", "{dir}/js"],
+    );
+    let nats_url = format!("nats://127.0.0.1:{}", nats.port);
+    let js = async_nats::jetstream::new(async_nats::connect(&nats_url).await.unwrap());
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: "EVENTS".into(),
+        subjects: vec!["events.>".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+
+    let dir = tempfile::tempdir().unwrap();
+    let audit = dir.path().join("audit.jsonl");
+    std::fs::write(
+        dir.path().join("outbox-relay.toml"),
+        format!(
+            r#"
+database_url = "sqlite:{db}"
+http_addr = "127.0.0.1:0"
+log_format = "json"
+[retry]
+base_delay = "50ms"
+max_delay = "100ms"
+max_attempts = 3
+
+[sinks.nats]
+uri = "{nats_url}"
+
+[sinks.audit]
+uri = "file:{audit}"
+
+[[routes]]
+destinations = "orders.*"
+sink = "nats"
+target = "events.{{destination}}"
+
+[[routes]]
+destinations = "audit"
+sink = "audit"
+"#,
+            db = dir.path().join("o.db").display(),
+            audit = audit.display(),
+        ),
+    )
+    .unwrap();
+    for (destination, key) in [
+        ("orders.eu", "c1"),
+        ("orders.eu", "c2"),
+        ("orders.us", "c1"),
+        ("audit", "a"),
+        ("invoices", "i"),
+    ] {
+        let out = relay(
+            dir.path(),
+            &[
+                "send",
+                "--destination",
+                destination,
+                "--key",
+                key,
+                "{\"ok\":true}",
+            ],
+        );
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let log = dir.path().join("relay.log");
+    let child = Command::new(BIN)
+        .arg("run")
+        .current_dir(dir.path())
+        .env_remove("DATABASE_URL")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let mut child = Running(child);
+
+    let mut stream = js.get_stream("EVENTS").await.unwrap();
+    eventually(
+        "three order events in JetStream",
+        Duration::from_secs(30),
+        || {
+            let n = futures::executor::block_on(stream.info())
+                .map(|i| i.state.messages)
+                .unwrap_or(0);
+            async move { (n == 3).then_some(()) }
+        },
+    )
+    .await;
+    let subjects: Vec<String> =
+        futures::future::join_all((1..=3).map(|seq| stream.get_raw_message(seq)))
+            .await
+            .into_iter()
+            .map(|m| m.unwrap().subject.to_string())
+            .collect();
+    assert_eq!(
+        subjects.iter().filter(|s| *s == "events.orders.eu").count(),
+        2
+    );
+    assert_eq!(
+        subjects.iter().filter(|s| *s == "events.orders.us").count(),
+        1
+    );
+    eventually(
+        "the audit event in its file",
+        Duration::from_secs(30),
+        || {
+            let n = std::fs::read_to_string(&audit)
+                .unwrap_or_default()
+                .lines()
+                .count();
+            async move { (n == 1).then_some(()) }
+        },
+    )
+    .await;
+
+    // The unrouted destination is retried, then dead-lettered with the reason.
+    let db = dir.path().join("o.db");
+    let dead = eventually("the unrouted event to be dead-lettered", Duration::from_secs(30), || {
+        let conn = rusqlite::Connection::open(&db).unwrap();
+        let row: Option<(i64, String)> = conn
+            .query_row("SELECT attempts, last_error FROM outbox_dead_letters WHERE destination = 'invoices'", [], |r| {
+                Ok((r.get(0)?, r.get(1)?))
+            })
+            .ok();
+        async move { row }
+    })
+    .await;
+    assert_eq!(dead.0, 3, "max_attempts");
+    assert!(
+        dead.1.contains("no route matches destination \"invoices\""),
+        "{}",
+        dead.1
+    );
+
+    // /readyz follows the broker.
+    let addr = eventually(
+        "the HTTP address in the log",
+        Duration::from_secs(10),
+        || {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            let addr = text
+                .lines()
+                .find(|l| l.contains("HTTP endpoints"))
+                .and_then(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+                .and_then(|v| v["addr"].as_str().map(String::from));
+            async move { addr }
+        },
+    )
+    .await;
+    assert_eq!(get(&addr, "/readyz").await.unwrap().0, 200);
+    nats.stop();
+    let (_, body) = eventually(
+        "/readyz to report the broker down",
+        Duration::from_secs(30),
+        || {
+            let addr = addr.clone();
+            async move { get(&addr, "/readyz").await.filter(|(s, _)| *s == 503) }
+        },
+    )
+    .await;
+    assert!(
+        body.contains(&format!("nats://127.0.0.1:{}", nats.port)),
+        "{body}"
+    );
+    nats.resume();
+    eventually("/readyz to recover", Duration::from_secs(30), || {
+        let addr = addr.clone();
+        async move { get(&addr, "/readyz").await.filter(|(s, _)| *s == 200) }
+    })
+    .await;
+    let metrics = get(&addr, "/metrics").await.unwrap().1;
+    assert!(
+        metrics.contains("outbox_events_published_total{destination=\"orders.eu\"} 2"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("outbox_events_dead_lettered_total{destination=\"invoices\"} 1"),
+        "{metrics}"
+    );
+
+    Command::new("kill")
+        .args(["-TERM", &child.0.id().to_string()])
+        .status()
+        .unwrap();
+    let status = eventually("exit", Duration::from_secs(30), || {
+        let s = child.0.try_wait().unwrap();
+        async move { s }
+    })
+    .await;
+    assert!(status.success());
+}
