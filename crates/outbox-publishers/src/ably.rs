@@ -148,27 +148,19 @@ impl Sink for AblySink {
                         .send()
                         .await
                         .map_err(|e| crate::http::transport_error(e, &what))?;
-                    let status = response.status();
-                    let retry_after = response
-                        .headers()
-                        .get("retry-after")
-                        .and_then(|v| v.to_str().ok())
-                        .map(str::to_string);
-                    if status.is_success() {
-                        return Ok(());
-                    }
-                    let body = response.text().await.unwrap_or_default();
                     // Ably's error code 40009 means "message too large", whatever the status.
-                    let code = serde_json::from_str::<Value>(&body)
-                        .ok()
-                        .and_then(|v| v["error"]["code"].as_u64());
-                    if code == Some(40009) {
-                        return Err(PublishError::new(
-                            PublishErrorKind::TooLarge,
-                            format!("{what}: message too large"),
-                        ));
-                    }
-                    crate::http::outcome(status, retry_after.as_deref(), &body, &what)
+                    crate::http::response_outcome(response, &what, |body| {
+                        let code = serde_json::from_str::<Value>(body)
+                            .ok()
+                            .and_then(|v| v["error"]["code"].as_u64());
+                        (code == Some(40009)).then(|| {
+                            PublishError::new(
+                                PublishErrorKind::TooLarge,
+                                format!("{what}: message too large"),
+                            )
+                        })
+                    })
+                    .await
                 }
             })
             .collect();

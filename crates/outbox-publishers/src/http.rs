@@ -68,6 +68,28 @@ pub fn outcome(
     Err(error)
 }
 
+/// Turns a response into an outcome; `special` may claim a failure first from the body.
+pub async fn response_outcome(
+    response: reqwest::Response,
+    what: &str,
+    special: impl Fn(&str) -> Option<PublishError>,
+) -> Result<(), PublishError> {
+    let status = response.status();
+    if status.is_success() {
+        return Ok(());
+    }
+    let retry_after = response
+        .headers()
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let body = response.text().await.unwrap_or_default();
+    if let Some(error) = special(&body) {
+        return Err(error);
+    }
+    outcome(status, retry_after.as_deref(), &body, what)
+}
+
 /// Retry-After in seconds or as an HTTP date.
 pub fn parse_retry_after(value: &str) -> Option<Duration> {
     let value = value.trim();

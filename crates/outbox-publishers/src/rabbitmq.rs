@@ -17,7 +17,7 @@ use outbox_core::{Outcome, Payload, PublishError, PublishErrorKind};
 use tokio::sync::Mutex;
 
 use crate::config::{SinkConfig, Unroutable, DEFAULT_SINK_TIMEOUT};
-use crate::sink::{Routed, Sink};
+use crate::sink::{fail_all, redact_uri, Routed, Sink};
 use crate::template::Template;
 
 /// RabbitMQ's default `max_message_size` (128 MiB); a lower server limit is learned from
@@ -42,13 +42,6 @@ struct Inner {
     session: Mutex<Option<(Connection, Channel)>>,
 }
 
-fn redact(uri: &str) -> String {
-    match (uri.find("://"), uri.rfind('@')) {
-        (Some(s), Some(at)) if at > s => format!("{}***{}", &uri[..s + 3], &uri[at..]),
-        _ => uri.to_string(),
-    }
-}
-
 impl RabbitSink {
     pub fn new(config: &SinkConfig) -> Result<Self, PublishError> {
         let exchange = Template::parse(config.exchange.as_deref().unwrap_or(""))
@@ -56,7 +49,7 @@ impl RabbitSink {
         Ok(RabbitSink {
             inner: Arc::new(Inner {
                 uri: config.uri.clone(),
-                shown: redact(&config.uri),
+                shown: redact_uri(&config.uri),
                 exchange,
                 unroutable: config.unroutable,
                 timeout: config.timeout.unwrap_or(DEFAULT_SINK_TIMEOUT),
@@ -235,13 +228,7 @@ async fn publish_batch(inner: &Arc<Inner>, batch: &[Routed]) -> Vec<Outcome> {
     {
         let channel = match inner.channel().await {
             Ok(c) => c,
-            Err(e) => {
-                let report = e.report();
-                return batch
-                    .iter()
-                    .map(|_| Err(PublishError::new(e.kind(), report.clone())))
-                    .collect();
-            }
+            Err(e) => return fail_all(batch, &e),
         };
         // Publish the whole batch, then await every confirm.
         let mut confirms = Vec::with_capacity(batch.len());

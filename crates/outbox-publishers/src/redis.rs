@@ -13,7 +13,7 @@ use redis::{ErrorKind, RedisError, Script};
 use tokio::sync::Mutex;
 
 use crate::config::{SinkConfig, DEFAULT_SINK_TIMEOUT};
-use crate::sink::{Routed, Sink};
+use crate::sink::{fail_all, redact_uri, Routed, Sink};
 
 /// Appends unless the event's id was seen within the window. The id is recorded only after
 /// XADD succeeded, so a failed append never marks the event as sent.
@@ -52,7 +52,7 @@ fn setup_error(message: String) -> PublishError {
 
 impl RedisSink {
     pub fn new(config: &SinkConfig) -> Result<Self, PublishError> {
-        let shown = redact(&config.uri);
+        let shown = redact_uri(&config.uri);
         let client = if config.tls_ca_file.is_some() || config.tls_cert_file.is_some() {
             let read = |path: &std::path::Path| {
                 std::fs::read(path).map_err(|e| setup_error(format!("cannot read {}: {e}", path.display())))
@@ -104,13 +104,6 @@ impl Inner {
     }
 }
 
-fn redact(uri: &str) -> String {
-    match (uri.find("://"), uri.rfind('@')) {
-        (Some(s), Some(at)) if at > s => format!("{}***{}", &uri[..s + 3], &uri[at..]),
-        _ => uri.to_string(),
-    }
-}
-
 /// The one place Redis errors become publish outcomes.
 fn classify(error: RedisError, what: &str) -> PublishError {
     let kind = match error.kind() {
@@ -147,13 +140,7 @@ impl Sink for RedisSink {
             let (maxlen, window, shown) = (inner.maxlen, inner.window_secs, &inner.shown);
             let connection = match inner.connection().await {
                 Ok(c) => c,
-                Err(e) => {
-                    let report = e.report();
-                    return batch
-                        .iter()
-                        .map(|_| Err(PublishError::new(e.kind(), report.clone())))
-                        .collect();
-                }
+                Err(e) => return fail_all(&batch, &e),
             };
             let appends = batch.iter().map(|routed| {
                 let mut connection = connection.clone();
@@ -221,16 +208,4 @@ impl Sink for RedisSink {
 
 pub fn sink(config: &SinkConfig) -> Result<Arc<dyn Sink>, PublishError> {
     Ok(Arc::new(RedisSink::new(config)?))
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn passwords_are_not_shown() {
-        assert_eq!(
-            super::redact("redis://u:secret@h:6379/0"),
-            "redis://***@h:6379/0"
-        );
-        assert_eq!(super::redact("redis://h:6379"), "redis://h:6379");
-    }
 }

@@ -133,18 +133,7 @@ impl Sink for WebhookSink {
                         .send()
                         .await
                         .map_err(|e| crate::http::transport_error(e, &what))?;
-                    let status = response.status();
-                    let retry_after = response
-                        .headers()
-                        .get("retry-after")
-                        .and_then(|v| v.to_str().ok())
-                        .map(str::to_string);
-                    let text = if status.is_success() {
-                        String::new()
-                    } else {
-                        response.text().await.unwrap_or_default()
-                    };
-                    crate::http::outcome(status, retry_after.as_deref(), &text, &what)
+                    crate::http::response_outcome(response, &what, |_| None).await
                 }
             })
             .collect();

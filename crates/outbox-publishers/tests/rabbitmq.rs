@@ -1,8 +1,6 @@
 //! The publisher conformance suite against a real RabbitMQ (the shared test server from
 //! scripts/servers.sh, whose max_message_size is 1 MiB; the restart test starts its own).
 
-use std::path::Path;
-use std::process::Command;
 use std::sync::{Arc, Mutex};
 
 use futures::future::BoxFuture;
@@ -13,45 +11,14 @@ use lapin::{Connection, ConnectionProperties};
 use outbox_core::Disposition;
 use outbox_publishers::{Routed, Sink, SinkConfig};
 use outbox_testkit::publisher::{event, BrokerHarness, Received};
+use outbox_testkit::server::ScriptedServer;
 
 struct RabbitHarness {
     url: String,
     sink: Arc<dyn Sink>,
     queue: String,
     received: Mutex<Vec<Received>>,
-    private: Option<PrivateRabbit>,
-}
-
-/// A RabbitMQ of this test's own, through the same script.
-struct PrivateRabbit {
-    state: tempfile::TempDir,
-    port: u16,
-}
-
-impl PrivateRabbit {
-    fn script(&self, command: &str) -> String {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/servers.sh");
-        let out = Command::new("bash")
-            .arg(script)
-            .arg(command)
-            .env("OUTBOX_TEST_STATE", self.state.path())
-            .env("OUTBOX_TEST_RABBIT_PORT", self.port.to_string())
-            .env("OUTBOX_TEST_SERVERS", "rabbitmq")
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "servers.sh {command}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap()
-    }
-}
-
-impl Drop for PrivateRabbit {
-    fn drop(&mut self) {
-        self.script("stop");
-    }
+    private: Option<ScriptedServer>,
 }
 
 fn shared_url() -> String {
@@ -59,7 +26,7 @@ fn shared_url() -> String {
         .expect("OUTBOX_TEST_AMQP_URL: run the tests through scripts/test.sh")
 }
 
-async fn harness_at(url: String, private: Option<PrivateRabbit>) -> RabbitHarness {
+async fn harness_at(url: String, private: Option<ScriptedServer>) -> RabbitHarness {
     let queue = format!("orders-{}", uuid::Uuid::new_v4().simple());
     let connection = Connection::connect(&url, ConnectionProperties::default())
         .await
@@ -98,15 +65,9 @@ async fn new_harness() -> RabbitHarness {
 }
 
 async fn private_harness() -> RabbitHarness {
-    let state = tempfile::tempdir().unwrap();
-    let port = outbox_testkit::server::free_port();
-    let private = PrivateRabbit { state, port };
-    private.script("start");
-    harness_at(
-        format!("amqp://guest:guest@127.0.0.1:{port}/%2f"),
-        Some(private),
-    )
-    .await
+    let private = ScriptedServer::start("rabbitmq", "OUTBOX_TEST_RABBIT_PORT");
+    let url = format!("amqp://guest:guest@127.0.0.1:{}/%2f", private.port);
+    harness_at(url, Some(private)).await
 }
 
 impl BrokerHarness for RabbitHarness {

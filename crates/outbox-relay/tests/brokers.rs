@@ -247,3 +247,124 @@ sink = "audit"
     .await;
     assert!(status.success());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_while_publishing_to_jetstream_leaves_no_duplicate_in_the_stream() {
+    outbox_testkit::install_crypto();
+    let nats = ServerProcess::start(
+        "nats-server",
+        &["-a", "127.0.0.1", "-p", "{port}", "-js", "-sd", "{dir}/js"],
+    );
+    let nats_url = format!("nats://127.0.0.1:{}", nats.port);
+    let js = async_nats::jetstream::new(async_nats::connect(&nats_url).await.unwrap());
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: "ORDERS".into(),
+        subjects: vec!["orders".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("o.db");
+    let url = format!("sqlite:{}", db.display());
+    assert!(relay(dir.path(), &["migrate", "--database-url", &url])
+        .status
+        .success());
+
+    // A writer commits 2,000 events over 20 keys while the relay runs.
+    let total = 2_000;
+    let writer = {
+        let db = db.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut conn = rusqlite::Connection::open(&db).unwrap();
+            conn.busy_timeout(Duration::from_secs(10)).unwrap();
+            for chunk in 0..(total / 50) {
+                let tx = conn.transaction().unwrap();
+                for i in chunk * 50..(chunk + 1) * 50 {
+                    tx.execute(
+                        "INSERT INTO outbox (event_id, destination, partition_key, event_type, payload) VALUES (?1, 'orders', ?2, 't', ?3)",
+                        rusqlite::params![uuid::Uuid::new_v4().to_string(), format!("k{}", i % 20), format!("{{\"i\":{i}}}")],
+                    )
+                    .unwrap();
+                }
+                tx.commit().unwrap();
+            }
+        })
+    };
+    let start = |name: &str| {
+        Running(
+            Command::new(BIN)
+                .args([
+                    "run",
+                    "--database-url",
+                    &url,
+                    "--sink",
+                    &nats_url,
+                    "--lease",
+                    "1s",
+                    "--batch-size",
+                    "100",
+                    "--http-addr",
+                    "",
+                ])
+                .current_dir(dir.path())
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(dir.path().join(format!("{name}.log"))).unwrap())
+                .spawn()
+                .unwrap(),
+        )
+    };
+    let count = |js: async_nats::jetstream::Context| async move {
+        let mut stream = js.get_stream("ORDERS").await.unwrap();
+        stream.info().await.map(|i| i.state.messages).unwrap_or(0)
+    };
+    let mut first = start("first");
+    eventually(
+        "the first relay to publish",
+        Duration::from_secs(30),
+        || {
+            let js = js.clone();
+            async move { (count(js).await >= 300).then_some(()) }
+        },
+    )
+    .await;
+    first.0.kill().unwrap(); // SIGKILL, mid-stream
+    first.0.wait().unwrap();
+    let _second = start("second");
+    writer.await.unwrap();
+    eventually("every event in the stream", Duration::from_secs(60), || {
+        let js = js.clone();
+        let db = db.clone();
+        async move {
+            let left: i64 = rusqlite::Connection::open(&db)
+                .unwrap()
+                .query_row("SELECT count(*) FROM outbox", [], |r| r.get(0))
+                .unwrap();
+            (left == 0 && count(js).await >= total as u64).then_some(())
+        }
+    })
+    .await;
+    assert_eq!(
+        count(js.clone()).await,
+        total as u64,
+        "JetStream dropped every redelivered copy"
+    );
+    // First deliveries per key are in sequence order: the payload's i grows per key.
+    let stream = js.get_stream("ORDERS").await.unwrap();
+    let mut last: std::collections::HashMap<String, i64> = Default::default();
+    for seq in 1..=total as u64 {
+        let m = stream.get_raw_message(seq).await.unwrap();
+        let key = m
+            .headers
+            .get("Outbox-Partition-Key")
+            .unwrap()
+            .as_str()
+            .to_string();
+        let i = serde_json::from_slice::<serde_json::Value>(&m.payload).unwrap()["i"]
+            .as_i64()
+            .unwrap();
+        if let Some(prev) = last.insert(key.clone(), i) {
+            assert!(prev < i, "key {key}: {prev} then {i}");
+        }
+    }
+}

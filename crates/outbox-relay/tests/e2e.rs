@@ -761,63 +761,11 @@ async fn database_tls_is_verified_against_the_configured_ca() {
     assert!(relay.terminate().await.success());
 }
 
-/// A PostgreSQL server of this test's own (so restarting it disturbs no other test).
-struct OwnPostgres {
-    state: tempfile::TempDir,
-    port: u16,
-}
-
-impl OwnPostgres {
-    fn script(&self, command: &str) -> String {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/servers.sh");
-        let out = Command::new("bash")
-            .arg(script)
-            .arg(command)
-            .env("OUTBOX_TEST_STATE", self.state.path())
-            .env("OUTBOX_TEST_PG_PORT", self.port.to_string())
-            .env("OUTBOX_TEST_SERVERS", "postgres")
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "servers.sh {command}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap()
-    }
-
-    fn start() -> Self {
-        let state = tempfile::Builder::new().prefix("own-pg").tempdir().unwrap();
-        std::fs::set_permissions(
-            state.path(),
-            std::os::unix::fs::PermissionsExt::from_mode(0o777),
-        )
-        .unwrap();
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let pg = OwnPostgres { state, port };
-        pg.script("start");
-        pg
-    }
-
-    fn url(&self) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
-    }
-}
-
-impl Drop for OwnPostgres {
-    fn drop(&mut self) {
-        self.script("stop");
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_database_restart_mid_run_loses_nothing() {
-    let server = OwnPostgres::start();
-    let url = server.url();
+    // A server of this test's own, so restarting it disturbs no other test.
+    let server = outbox_testkit::server::ScriptedServer::start("postgres", "OUTBOX_TEST_PG_PORT");
+    let url = format!("postgres://postgres@127.0.0.1:{}/postgres", server.port);
     let dir = tempfile::tempdir().unwrap();
     assert!(relay_cmd(&url, &["migrate"]).status.success());
     let out = dir.path().join("events.jsonl");

@@ -93,3 +93,64 @@ impl Drop for ServerProcess {
         self.stop();
     }
 }
+
+/// One server of a test's own, started through `scripts/servers.sh` (for the slow starters,
+/// PostgreSQL and RabbitMQ) with a private state directory and port, and stopped on drop.
+pub struct ScriptedServer {
+    state: tempfile::TempDir,
+    pub port: u16,
+    server: &'static str,
+    port_env: &'static str,
+}
+
+impl ScriptedServer {
+    /// `server` is a name `servers.sh` knows (`postgres`, `rabbitmq`); `port_env` the
+    /// variable it reads that server's port from.
+    pub fn start(server: &'static str, port_env: &'static str) -> Self {
+        let state = tempfile::Builder::new()
+            .prefix("own-server")
+            .tempdir()
+            .unwrap();
+        // PostgreSQL runs as the postgres user, which must reach the directory.
+        std::fs::set_permissions(
+            state.path(),
+            std::os::unix::fs::PermissionsExt::from_mode(0o777),
+        )
+        .unwrap();
+        let server = ScriptedServer {
+            state,
+            port: free_port(),
+            server,
+            port_env,
+        };
+        server.script("start");
+        server
+    }
+
+    /// Runs `servers.sh <command>` for this server; returns its standard output.
+    pub fn script(&self, command: &str) -> String {
+        let script =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/servers.sh");
+        let out = Command::new("bash")
+            .arg(script)
+            .arg(command)
+            .env("OUTBOX_TEST_STATE", self.state.path())
+            .env(self.port_env, self.port.to_string())
+            .env("OUTBOX_TEST_SERVERS", self.server)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "servers.sh {command} {}: {}",
+            self.server,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    }
+}
+
+impl Drop for ScriptedServer {
+    fn drop(&mut self) {
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.script("stop")));
+    }
+}
