@@ -1,83 +1,117 @@
-//! Cluster membership through the database's nodes table, as the Ably connector keeps it.
+//! Cluster coordination through the database.
 //!
-//! A node registers by writing its row with `expiry = now + heartbeat_timeout`, pushes the
-//! expiry forward every `heartbeat_interval`, deletes rows that expired (nodes that died),
-//! and deletes its own row when it leaves. Partition ownership builds on this (issue 4).
+//! Every node registers in the nodes table and heartbeats by pushing its expiry forward;
+//! live nodes delete expired rows. In ordered mode each node also keeps partition leases:
+//! it computes the fair assignment from the live nodes ([`assign`]), renews the leases it
+//! holds, hands over partitions assigned elsewhere once its engine has settled their work,
+//! and takes the free or expired leases of partitions assigned to it. Every takeover bumps
+//! the partition's fencing epoch, and the engine settles rows only under the epoch it
+//! holds. See ARCHITECTURE.md for the protocol.
 
+pub mod assign;
+
+use std::collections::BTreeSet;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use outbox_core::store::NodeRegistry;
-use outbox_core::{NodeId, StoreError};
+use outbox_core::store::{NodeRegistry, PartitionRegistry};
+use outbox_core::{NodeId, Ownership, StoreError};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-/// How often a node pushes its expiry forward.
+/// How often a node pushes its expiry forward and renews its partition leases.
 pub const DEFAULT_HEARTBEAT_INTERVAL: Duration = Duration::from_secs(2);
-/// How long a node stays listed without a heartbeat: five missed beats.
+/// How long a silent node stays listed, and how long a partition lease lasts: five missed
+/// beats. A dead node's partitions are taken over within this time.
 pub const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(10);
 
 pub const CLUSTER_NODES: &str = "outbox_cluster_nodes";
+pub const OWNED_PARTITIONS: &str = "outbox_owned_partitions";
+pub const REBALANCES: &str = "outbox_partition_changes_total";
 
 #[derive(Clone, Debug)]
-pub struct MembershipConfig {
+pub struct ClusterConfig {
     pub node: NodeId,
     pub heartbeat_interval: Duration,
     pub heartbeat_timeout: Duration,
 }
 
-/// This node's live membership; [`Membership::leave`] ends it.
-pub struct Membership {
+/// Partition leases to keep, with the state the engine reads.
+#[derive(Clone)]
+pub struct Partitions {
+    pub registry: Arc<dyn PartitionRegistry>,
+    pub ownership: Arc<Ownership>,
+}
+
+/// This node's membership (and partition leases); [`Coordinator::stop`] ends them.
+pub struct Coordinator {
     registry: Arc<dyn NodeRegistry>,
+    partitions: Option<Partitions>,
     node: NodeId,
     stop: watch::Sender<bool>,
     task: JoinHandle<()>,
 }
 
-impl Membership {
-    /// Registers the node (failing if the database refuses) and starts heartbeating.
-    pub async fn join(
+impl Coordinator {
+    /// Registers the node (failing if the database refuses), then keeps membership and
+    /// leases in the background.
+    pub async fn start(
         registry: Arc<dyn NodeRegistry>,
-        config: MembershipConfig,
+        partitions: Option<Partitions>,
+        config: ClusterConfig,
     ) -> Result<Self, StoreError> {
         registry
             .heartbeat(config.node.clone(), config.heartbeat_timeout)
             .await?;
         tracing::info!(node = %config.node, "registered in the nodes table");
-        let (stop, mut stopped) = watch::channel(false);
-        let task = tokio::spawn({
-            let registry = registry.clone();
-            let config = config.clone();
-            async move {
-                let mut ticker = tokio::time::interval(config.heartbeat_interval);
-                ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                ticker.tick().await;
-                loop {
-                    tokio::select! {
-                        _ = ticker.tick() => beat(&*registry, &config).await,
-                        _ = stopped.changed() => return,
-                    }
-                }
-            }
-        });
-        Ok(Membership {
+        metrics::describe_gauge!(CLUSTER_NODES, "Live nodes in the nodes table.");
+        metrics::describe_gauge!(OWNED_PARTITIONS, "Partitions this node holds.");
+        metrics::describe_counter!(
+            REBALANCES,
+            "Partition leases acquired, released or lost by this node."
+        );
+        let (stop, stopped) = watch::channel(false);
+        let task = tokio::spawn(run(
+            registry.clone(),
+            partitions.clone(),
+            config.clone(),
+            stopped,
+        ));
+        Ok(Coordinator {
             registry,
+            partitions,
             node: config.node,
             stop,
             task,
         })
     }
 
-    /// Stops heartbeating and removes this node's row.
-    pub async fn leave(self) {
+    /// Stops heartbeating, gives up every partition (call it after the engine stopped and
+    /// released its rows) and removes this node's row.
+    pub async fn stop(self) {
         let _ = self.stop.send(true);
         let _ = self.task.await;
-        match tokio::time::timeout(
-            Duration::from_secs(5),
-            self.registry.deregister(self.node.clone()),
-        )
-        .await
-        {
+        let limit = Duration::from_secs(5);
+        if let Some(p) = &self.partitions {
+            let held: Vec<i32> = p.ownership.held().into_iter().map(|(p, _)| p).collect();
+            if !held.is_empty() {
+                match tokio::time::timeout(
+                    limit,
+                    p.registry.release_partitions(self.node.clone(), held),
+                )
+                .await
+                {
+                    Ok(Ok(n)) => tracing::info!(partitions = n, "released partition leases"),
+                    Ok(Err(e)) => {
+                        tracing::warn!(error = %e.report(), "could not release partitions; their leases expire by themselves")
+                    }
+                    Err(_) => tracing::warn!(
+                        "releasing partitions timed out; their leases expire by themselves"
+                    ),
+                }
+            }
+        }
+        match tokio::time::timeout(limit, self.registry.deregister(self.node.clone())).await {
             Ok(Ok(())) => tracing::info!(node = %self.node, "deregistered"),
             Ok(Err(e)) => {
                 tracing::warn!(error = %e.report(), "could not deregister; the row expires by itself")
@@ -87,20 +121,157 @@ impl Membership {
     }
 }
 
-async fn beat(registry: &dyn NodeRegistry, config: &MembershipConfig) {
+async fn run(
+    registry: Arc<dyn NodeRegistry>,
+    partitions: Option<Partitions>,
+    config: ClusterConfig,
+    mut stopped: watch::Receiver<bool>,
+) {
+    let mut count: Option<u32> = None;
+    loop {
+        let live = beat(&*registry, &config).await;
+        let mut handing_over = false;
+        if let (Some(p), Some(live)) = (&partitions, live) {
+            if count.is_none() {
+                count = p.registry.partition_count().await.ok().filter(|n| *n > 0);
+            }
+            if let Some(count) = count {
+                handing_over = balance(p, &config, count, &live).await;
+            }
+        }
+        // While a hand-over waits for the engine, look again soon.
+        let pause = if handing_over {
+            Duration::from_millis(100).min(config.heartbeat_interval)
+        } else {
+            config.heartbeat_interval
+        };
+        tokio::select! {
+            _ = tokio::time::sleep(pause) => {}
+            _ = stopped.changed() => return,
+        }
+    }
+}
+
+/// Heartbeats, removes expired nodes, and returns the live node ids.
+async fn beat(registry: &dyn NodeRegistry, config: &ClusterConfig) -> Option<Vec<String>> {
     if let Err(e) = registry
         .heartbeat(config.node.clone(), config.heartbeat_timeout)
         .await
     {
         tracing::warn!(error = %e.report(), "heartbeat failed");
-        return;
+        return None;
     }
     match registry.remove_expired().await {
         Ok(0) => {}
         Ok(n) => tracing::info!(nodes = n, "removed expired nodes"),
         Err(e) => tracing::warn!(error = %e.report(), "could not remove expired nodes"),
     }
-    if let Ok(nodes) = registry.live_nodes().await {
-        metrics::gauge!(CLUSTER_NODES).set(nodes.len() as f64);
+    match registry.live_nodes().await {
+        Ok(nodes) => {
+            metrics::gauge!(CLUSTER_NODES).set(nodes.len() as f64);
+            let mut ids: Vec<String> = nodes.into_iter().map(|n| n.id).collect();
+            if !ids.contains(&config.node.0) {
+                ids.push(config.node.0.clone());
+            }
+            ids.sort();
+            Some(ids)
+        }
+        Err(e) => {
+            tracing::warn!(error = %e.report(), "could not list nodes");
+            None
+        }
     }
+}
+
+/// One round of lease keeping. Returns whether a hand-over is still waiting.
+async fn balance(p: &Partitions, config: &ClusterConfig, count: u32, live: &[String]) -> bool {
+    let ttl = config.heartbeat_timeout;
+    // Our own view of a lease ends a quarter early, counted from before the statement.
+    let valid_for = ttl.mul_f64(0.75);
+    let node = &config.node;
+
+    let started = Instant::now();
+    let held = p.ownership.held();
+    if !held.is_empty() {
+        match p.registry.renew(node.clone(), held.clone(), ttl).await {
+            Ok(renewed) => {
+                let renewed: BTreeSet<i32> = renewed.into_iter().collect();
+                for (partition, epoch) in held {
+                    if renewed.contains(&partition) {
+                        p.ownership.renewed(partition, started + valid_for);
+                    } else {
+                        tracing::warn!(
+                            partition,
+                            epoch,
+                            "lost partition lease; another node took it"
+                        );
+                        metrics::counter!(REBALANCES, "change" => "lost").increment(1);
+                        p.ownership.remove(partition);
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e.report(), "could not renew partition leases; publishing stops when they run out");
+                return false;
+            }
+        }
+    }
+
+    let assignment = assign::assign(count, live);
+    let mine: BTreeSet<i32> = assignment
+        .get(&node.0)
+        .map(|v| v.iter().copied().collect())
+        .unwrap_or_default();
+    let held: BTreeSet<i32> = p.ownership.held().into_iter().map(|(p, _)| p).collect();
+
+    // Hand over what is assigned elsewhere, once the engine has settled its rows.
+    let mut drained = Vec::new();
+    let mut waiting = false;
+    for &partition in held.difference(&mine) {
+        p.ownership.revoke(partition);
+        if p.ownership.is_busy(partition) {
+            waiting = true;
+        } else {
+            drained.push(partition);
+        }
+    }
+    for &partition in held.intersection(&mine) {
+        p.ownership.keep(partition);
+    }
+    if !drained.is_empty() {
+        match p
+            .registry
+            .release_partitions(node.clone(), drained.clone())
+            .await
+        {
+            Ok(_) => {
+                for partition in &drained {
+                    p.ownership.remove(*partition);
+                }
+                metrics::counter!(REBALANCES, "change" => "released")
+                    .increment(drained.len() as u64);
+                tracing::info!(partitions = ?drained, "handed partitions over");
+            }
+            Err(e) => tracing::warn!(error = %e.report(), "could not release partitions"),
+        }
+    }
+
+    // Take what is assigned here and free (or expired).
+    let wanted: Vec<i32> = mine.difference(&held).copied().collect();
+    if !wanted.is_empty() {
+        let started = Instant::now();
+        match p.registry.acquire(node.clone(), wanted, ttl).await {
+            Ok(taken) if !taken.is_empty() => {
+                for (partition, epoch) in &taken {
+                    p.ownership.grant(*partition, *epoch, started + valid_for);
+                }
+                metrics::counter!(REBALANCES, "change" => "acquired").increment(taken.len() as u64);
+                tracing::info!(partitions = ?taken.iter().map(|(p, _)| p).collect::<Vec<_>>(), "acquired partitions");
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e.report(), "could not acquire partitions"),
+        }
+    }
+    metrics::gauge!(OWNED_PARTITIONS).set(p.ownership.held().len() as f64);
+    waiting
 }

@@ -11,12 +11,16 @@
 pub mod error;
 pub mod event;
 pub mod ident;
+pub mod ownership;
+pub mod partition;
 pub mod publisher;
 pub mod retry;
 pub mod store;
 
 pub use error::{Disposition, PublishError, PublishErrorKind, StoreError, StoreErrorKind};
 pub use event::{Event, EventId, Headers, NewEvent, NodeId, Payload, SequenceId};
+pub use ownership::Ownership;
+pub use partition::{partition_of, Fence};
 pub use publisher::{Outcome, Publisher};
 pub use retry::{RetryDecision, RetryPolicy};
 pub use store::{Claimed, OutboxStore};

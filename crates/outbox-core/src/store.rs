@@ -31,6 +31,7 @@ use futures::future::BoxFuture;
 
 use crate::error::StoreError;
 use crate::event::{Event, NewEvent, NodeId, SequenceId};
+use crate::partition::Fence;
 
 pub type StoreResult<T> = Result<T, StoreError>;
 
@@ -40,6 +41,26 @@ pub struct ClaimRequest {
     pub node: NodeId,
     pub limit: usize,
     pub lease: Duration,
+    /// Claim only rows of these partitions. Within them, leases of other nodes do not count:
+    /// partition ownership (with its fencing epochs) has replaced them. `None`: every
+    /// partition, with row leases deciding (a single node).
+    pub fence: Option<Arc<Fence>>,
+    /// Per-key order (the default). `false` claims any ready rows, whatever their key
+    /// (`--ordering none`).
+    pub ordered: bool,
+}
+
+impl ClaimRequest {
+    /// An ordered claim over every partition.
+    pub fn new(node: NodeId, limit: usize, lease: Duration) -> Self {
+        ClaimRequest {
+            node,
+            limit,
+            lease,
+            fence: None,
+            ordered: true,
+        }
+    }
 }
 
 /// One claimed row.
@@ -124,20 +145,29 @@ pub trait OutboxStore: Send + Sync + 'static {
     fn claim(&self, request: ClaimRequest) -> BoxFuture<'static, StoreResult<Vec<Claimed>>>;
 
     /// Marks rows delivered: deletes them, or (when the store retains delivered rows) sets
-    /// `delivered_at`. Only rows still leased by `node`; returns how many were acked.
-    fn ack(&self, node: NodeId, ids: Vec<SequenceId>) -> BoxFuture<'static, StoreResult<u64>>;
+    /// `delivered_at`. Only rows still leased by `node` and, with a `fence`, of partitions
+    /// it still holds at those epochs; returns how many were acked.
+    fn ack(
+        &self,
+        node: NodeId,
+        fence: Option<Arc<Fence>>,
+        ids: Vec<SequenceId>,
+    ) -> BoxFuture<'static, StoreResult<u64>>;
 
-    /// Records failed attempts and releases the rows until their delay has passed.
+    /// Records failed attempts and releases the rows until their delay has passed (fenced
+    /// like [`OutboxStore::ack`]).
     fn retry_later(
         &self,
         node: NodeId,
+        fence: Option<Arc<Fence>>,
         retries: Vec<RetryLater>,
     ) -> BoxFuture<'static, StoreResult<u64>>;
 
-    /// Moves rows to the dead letters in one transaction.
+    /// Moves rows to the dead letters in one transaction (fenced like [`OutboxStore::ack`]).
     fn dead_letter(
         &self,
         node: NodeId,
+        fence: Option<Arc<Fence>>,
         entries: Vec<DeadLetter>,
     ) -> BoxFuture<'static, StoreResult<u64>>;
 
@@ -191,4 +221,49 @@ pub trait NodeRegistry: Send + Sync + 'static {
 
     /// The nodes whose expiry has not passed.
     fn live_nodes(&self) -> BoxFuture<'static, StoreResult<Vec<NodeRecord>>>;
+}
+
+/// A partition's lease as stored.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PartitionRecord {
+    pub partition: i32,
+    pub owner: Option<String>,
+    pub epoch: i64,
+    pub lease_until: Option<SystemTime>,
+}
+
+/// Partition leases with fencing epochs, in the same database as the outbox.
+///
+/// A lease is taken only when the partition is free or its lease expired, and taking it
+/// increments the epoch; renewing and releasing apply only to the holder at its epoch.
+pub trait PartitionRegistry: Send + Sync + 'static {
+    /// The outbox's partition count (fixed when it was migrated).
+    fn partition_count(&self) -> BoxFuture<'static, StoreResult<u32>>;
+
+    /// Takes the free or expired ones of `partitions`; returns those taken with their new
+    /// epochs.
+    fn acquire(
+        &self,
+        node: NodeId,
+        partitions: Vec<i32>,
+        ttl: Duration,
+    ) -> BoxFuture<'static, StoreResult<Vec<(i32, i64)>>>;
+
+    /// Extends the leases `node` still holds at these epochs; returns the partitions renewed.
+    fn renew(
+        &self,
+        node: NodeId,
+        held: Vec<(i32, i64)>,
+        ttl: Duration,
+    ) -> BoxFuture<'static, StoreResult<Vec<i32>>>;
+
+    /// Gives partitions up (after their work is settled).
+    fn release_partitions(
+        &self,
+        node: NodeId,
+        partitions: Vec<i32>,
+    ) -> BoxFuture<'static, StoreResult<u64>>;
+
+    /// Every partition's lease.
+    fn partitions(&self) -> BoxFuture<'static, StoreResult<Vec<PartitionRecord>>>;
 }

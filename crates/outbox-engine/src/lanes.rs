@@ -7,7 +7,7 @@
 //! key is *blocked* here until the retry is recorded and every claim that could have read
 //! the rows before that is back (so a racing claim cannot slip a later row past the head).
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use outbox_core::{Claimed, Event, SequenceId};
@@ -30,6 +30,7 @@ pub enum Head {
 struct Lane {
     queue: VecDeque<Claimed>,
     busy: bool,
+    partition: i32,
 }
 
 /// The block on a key whose head is waiting to retry.
@@ -46,17 +47,57 @@ pub struct Lanes {
     lanes: HashMap<Arc<str>, Lane>,
     ready: VecDeque<Arc<str>>,
     blocked: HashMap<Arc<str>, Block>,
-    /// Every row this node leases and has not settled (for lease extension and release).
-    held: HashSet<SequenceId>,
+    /// Every row this node leases and has not settled (for lease extension and release),
+    /// with its partition.
+    held: HashMap<SequenceId, i32>,
+    /// Held rows per partition, when the node holds partitions.
+    busy: HashMap<i32, usize>,
+    /// `Some(count)` when rows are spread over partitions (a cluster).
+    partition_count: Option<u32>,
+    /// `false` for `--ordering none`: every row is its own lane.
+    ordered: bool,
 }
 
 impl Lanes {
+    pub fn new(ordered: bool, partition_count: Option<u32>) -> Self {
+        Lanes {
+            ordered,
+            partition_count,
+            ..Lanes::default()
+        }
+    }
+
+    /// Partitions with held rows.
+    pub fn busy_partitions(&self) -> std::collections::BTreeSet<i32> {
+        self.busy.keys().copied().collect()
+    }
+
+    /// Drops every queued row of partitions not in `keep` (their lanes' in-flight heads
+    /// finish); returns the rows to release.
+    pub fn keep_only_partitions(
+        &mut self,
+        keep: &std::collections::BTreeSet<i32>,
+    ) -> Vec<SequenceId> {
+        let mut release = Vec::new();
+        self.lanes.retain(|_, lane| {
+            if keep.contains(&lane.partition) {
+                return true;
+            }
+            let skip = usize::from(lane.busy);
+            release.extend(lane.queue.iter().skip(skip).map(Claimed::sequence_id));
+            lane.queue.truncate(skip);
+            lane.busy
+        });
+        let lanes = &self.lanes;
+        self.ready.retain(|k| lanes.contains_key(k));
+        release
+    }
     pub fn held(&self) -> usize {
         self.held.len()
     }
 
     pub fn held_ids(&self) -> Vec<SequenceId> {
-        self.held.iter().copied().collect()
+        self.held.keys().copied().collect()
     }
 
     pub fn has_ready(&self) -> bool {
@@ -74,11 +115,22 @@ impl Lanes {
         let mut release = Vec::new();
         for row in claimed {
             let seq = row.sequence_id();
-            if !self.held.insert(seq) {
+            if self.held.contains_key(&seq) {
                 // Already ours (an ack still in progress); the claim only renewed the lease.
                 continue;
             }
-            let key: Arc<str> = Arc::from(row.ordering_key());
+            let partition = self
+                .partition_count
+                .map_or(0, |n| outbox_core::partition_of(row.ordering_key(), n));
+            self.held.insert(seq, partition);
+            if self.partition_count.is_some() {
+                *self.busy.entry(partition).or_default() += 1;
+            }
+            let key: Arc<str> = if self.ordered {
+                Arc::from(row.ordering_key())
+            } else {
+                Arc::from(seq.to_string())
+            };
             match self.blocked.get(&key) {
                 Some(Block::Unrecorded) => {
                     release.push(seq);
@@ -94,6 +146,7 @@ impl Lanes {
                 None => {}
             }
             let lane = self.lanes.entry(key.clone()).or_default();
+            lane.partition = partition;
             let was_idle = !lane.busy && lane.queue.is_empty();
             lane.queue.push_back(row);
             if was_idle {
@@ -181,7 +234,14 @@ impl Lanes {
     /// Rows whose settle statement succeeded (or that were released) are no longer held.
     pub fn forget(&mut self, ids: &[SequenceId]) {
         for id in ids {
-            self.held.remove(id);
+            if let Some(partition) = self.held.remove(id) {
+                if let Some(n) = self.busy.get_mut(&partition) {
+                    *n -= 1;
+                    if *n == 0 {
+                        self.busy.remove(&partition);
+                    }
+                }
+            }
         }
     }
 
@@ -232,7 +292,7 @@ mod tests {
 
     #[test]
     fn one_head_per_key_in_sequence_order() {
-        let mut lanes = Lanes::default();
+        let mut lanes = Lanes::new(true, None);
         lanes.accept(1, vec![row(1, "a"), row(2, "b"), row(3, "a"), row(4, "a")]);
         assert_eq!(seqs(&lanes.take_ready(100)), vec![1, 2]);
         assert!(lanes.take_ready(100).is_empty(), "heads are out");
@@ -245,7 +305,7 @@ mod tests {
 
     #[test]
     fn rows_claimed_later_queue_behind_the_busy_head() {
-        let mut lanes = Lanes::default();
+        let mut lanes = Lanes::new(true, None);
         lanes.accept(1, vec![row(1, "a")]);
         assert_eq!(seqs(&lanes.take_ready(10)), vec![1]);
         lanes.accept(2, vec![row(5, "a")]);
@@ -256,7 +316,7 @@ mod tests {
 
     #[test]
     fn a_retrying_head_releases_its_lane_and_blocks_stale_claims() {
-        let mut lanes = Lanes::default();
+        let mut lanes = Lanes::new(true, None);
         lanes.accept(1, vec![row(1, "a"), row(2, "a"), row(3, "b")]);
         lanes.take_ready(10);
         assert_eq!(lanes.block("a"), vec![2]);
@@ -273,7 +333,7 @@ mod tests {
 
     #[test]
     fn duplicate_claims_of_held_rows_are_ignored() {
-        let mut lanes = Lanes::default();
+        let mut lanes = Lanes::new(true, None);
         lanes.accept(1, vec![row(1, "a")]);
         lanes.take_ready(10);
         lanes.advance("a");
@@ -285,11 +345,47 @@ mod tests {
 
     #[test]
     fn shutdown_takes_only_rows_not_handed_out() {
-        let mut lanes = Lanes::default();
+        let mut lanes = Lanes::new(true, None);
         lanes.accept(1, vec![row(1, "a"), row(2, "a"), row(3, "b")]);
         lanes.take_ready(1);
         let mut ids = lanes.take_unstarted();
         ids.sort();
         assert_eq!(ids, vec![2, 3]);
+    }
+
+    #[test]
+    fn unordered_lanes_send_every_row_at_once() {
+        let mut lanes = Lanes::new(false, None);
+        lanes.accept(1, vec![row(1, "a"), row(2, "a"), row(3, "a")]);
+        assert_eq!(seqs(&lanes.take_ready(10)), vec![1, 2, 3]);
+    }
+
+    #[test]
+    fn lost_partitions_drop_their_queued_rows_and_busy_counts_follow() {
+        let mut lanes = Lanes::new(true, Some(4));
+        let rows: Vec<_> = (0..40).map(|i| row(i, &format!("k{}", i % 8))).collect();
+        lanes.accept(1, rows);
+        let busy = lanes.busy_partitions();
+        assert!(busy.len() > 1);
+        let keep: std::collections::BTreeSet<i32> = busy.iter().take(1).copied().collect();
+        let out = lanes.take_ready(100);
+        let released = lanes.keep_only_partitions(&keep);
+        // Every head went out; the rows queued behind heads of other partitions come back.
+        assert!(!released.is_empty());
+        for id in &released {
+            let key = format!("k{}", id % 8);
+            assert!(!keep.contains(&outbox_core::partition_of(&key, 4)));
+        }
+        lanes.forget(&released);
+        lanes.forget(&seqs(&out));
+        for head in seqs(&out) {
+            let key = format!("k{}", head % 8);
+            lanes.advance(&key);
+        }
+        assert_eq!(
+            lanes.busy_partitions(),
+            keep,
+            "only the kept partition still has rows"
+        );
     }
 }

@@ -23,8 +23,8 @@ use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt};
 use outbox_core::store::{ClaimRequest, DeadLetter, RetryLater, StoreResult};
 use outbox_core::{
-    Claimed, Event, NodeId, OutboxStore, PublishError, PublishErrorKind, Publisher, RetryDecision,
-    RetryPolicy, SequenceId, StoreError,
+    Claimed, Event, Fence, NodeId, OutboxStore, Ownership, PublishError, PublishErrorKind,
+    Publisher, RetryDecision, RetryPolicy, SequenceId, StoreError,
 };
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -71,6 +71,11 @@ pub struct EngineConfig {
     pub backlog_interval: Duration,
     /// Deliver what is deliverable now, then return.
     pub drain: bool,
+    /// Per-key order (the default); `false` publishes any ready rows (`--ordering none`).
+    pub ordered: bool,
+    /// The partitions this node holds, kept by the cluster coordinator. `None`: a single
+    /// node that claims every partition.
+    pub ownership: Option<Arc<Ownership>>,
 }
 
 impl EngineConfig {
@@ -87,6 +92,8 @@ impl EngineConfig {
             shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
             backlog_interval: DEFAULT_BACKLOG_INTERVAL,
             drain: false,
+            ordered: true,
+            ownership: None,
         }
     }
 }
@@ -153,6 +160,14 @@ struct Engine {
 }
 
 impl Engine {
+    /// The fence settles carry: the held partitions at their epochs.
+    fn settle_fence(&self) -> Option<Arc<Fence>> {
+        self.config
+            .ownership
+            .as_ref()
+            .map(|o| Arc::new(o.settle_fence()))
+    }
+
     fn spawn_settle(&mut self, settle: BoxFuture<'static, Settled>) {
         self.settling.push(settle);
     }
@@ -245,10 +260,11 @@ impl Engine {
             rows.push(row);
         }
         let ids: Vec<SequenceId> = rows.iter().map(|r| r.sequence_id).collect();
+        let fence = self.settle_fence();
         self.spawn_settle(
             async move {
                 let result = persist("dead-letter", || {
-                    store.dead_letter(node.clone(), rows.clone())
+                    store.dead_letter(node.clone(), fence.clone(), rows.clone())
                 })
                 .await;
                 Settled::DeadLettered(keys, ids, result)
@@ -359,9 +375,13 @@ impl Engine {
         let store = self.store.clone();
         let node = self.config.node.clone();
         let ids: Vec<SequenceId> = acked.iter().map(|a| a.sequence_id).collect();
+        let fence = self.settle_fence();
         self.spawn_settle(
             async move {
-                let result = persist("ack", || store.ack(node.clone(), ids.clone())).await;
+                let result = persist("ack", || {
+                    store.ack(node.clone(), fence.clone(), ids.clone())
+                })
+                .await;
                 Settled::Acked(acked, result)
             }
             .boxed(),
@@ -375,10 +395,13 @@ impl Engine {
         let store = self.store.clone();
         let node = self.config.node.clone();
         let ids: Vec<SequenceId> = retries.iter().map(|r| r.sequence_id).collect();
+        let fence = self.settle_fence();
         self.spawn_settle(
             async move {
-                let result =
-                    persist("retry", || store.retry_later(node.clone(), retries.clone())).await;
+                let result = persist("retry", || {
+                    store.retry_later(node.clone(), fence.clone(), retries.clone())
+                })
+                .await;
                 Settled::Retried(keys, ids, result)
             }
             .boxed(),
@@ -467,13 +490,18 @@ pub async fn run(
         }
         WakeMode::FixedRate => None,
     };
+    if let Some(ownership) = &config.ownership {
+        let wake = wake.clone();
+        ownership.on_change(move || wake.notify_one());
+    }
     let backlog_reporter = tokio::spawn(report_backlog(store.clone(), config.backlog_interval));
+    let lanes = Lanes::new(config.ordered, config.ownership.as_ref().map(|o| o.count()));
     let mut engine = Engine {
         store,
         publisher,
         labels: DestinationLabels::new(DEFAULT_DESTINATION_LABELS),
         config,
-        lanes: Lanes::default(),
+        lanes,
         publishing: FuturesUnordered::new(),
         settling: FuturesUnordered::new(),
         summary: Summary::default(),
@@ -521,9 +549,24 @@ async fn event_loop(
     let mut claim_not_before = Instant::now();
     let mut extending = false;
     let mut stopping_deadline: Option<Instant> = None;
+    // Ownership as last seen: its generation, and when a lease next runs out by our clock.
+    let mut seen_generation = u64::MAX;
+    let mut next_expiry: Option<std::time::Instant> = None;
+    let mut reported_busy = std::collections::BTreeSet::new();
 
     loop {
         let stopping = stopping_deadline.is_some();
+        if let Some(ownership) = &config.ownership {
+            let now = std::time::Instant::now();
+            if ownership.generation() != seen_generation || next_expiry.is_some_and(|t| now >= t) {
+                seen_generation = ownership.generation();
+                let (publishable, next) = ownership.publishable(now);
+                next_expiry = next;
+                // Work of partitions we may no longer publish goes back, unpublished.
+                let dropped = engine.lanes.keep_only_partitions(&publishable);
+                engine.release(dropped);
+            }
+        }
         if !stopping {
             engine.dispatch();
             let capacity = config.max_in_flight.saturating_sub(engine.lanes.held());
@@ -532,16 +575,33 @@ async fn event_loop(
                 && capacity > 0
                 && Instant::now() >= claim_not_before
             {
-                want_claim = false;
-                engine.claims_started += 1;
-                let claim_no = engine.claims_started;
-                let limit = capacity.min(config.batch_size);
-                let claim = engine.store.claim(ClaimRequest {
-                    node: config.node.clone(),
-                    limit,
-                    lease: config.lease,
-                });
-                claiming = Some(async move { (claim_no, limit, claim.await) }.boxed());
+                let fence = config
+                    .ownership
+                    .as_ref()
+                    .map(|o| Arc::new(o.claim_fence(std::time::Instant::now())));
+                // Holding no partition, there is nothing to claim until the coordinator
+                // grants one (it wakes us).
+                if !fence.as_ref().is_some_and(|f| f.partitions.is_empty()) {
+                    want_claim = false;
+                    engine.claims_started += 1;
+                    let claim_no = engine.claims_started;
+                    let limit = capacity.min(config.batch_size);
+                    let claim = engine.store.claim(ClaimRequest {
+                        node: config.node.clone(),
+                        limit,
+                        lease: config.lease,
+                        fence,
+                        ordered: config.ordered,
+                    });
+                    claiming = Some(async move { (claim_no, limit, claim.await) }.boxed());
+                }
+            }
+        }
+        if let Some(ownership) = &config.ownership {
+            let busy = engine.lanes.busy_partitions();
+            if busy != reported_busy {
+                ownership.set_busy(busy.clone());
+                reported_busy = busy;
             }
         }
         let idle = claiming.is_none()

@@ -190,12 +190,20 @@ impl Sink for RabbitSink {
         let inner = self.inner.clone();
         async move {
             let mut outcomes = publish_batch(&inner, &batch).await;
+            // A size refusal makes the broker close the channel, failing the rest of the
+            // batch with it; those go once more on a fresh channel.
+            let refused = outcomes.iter().any(|o| {
+                o.as_ref()
+                    .is_err_and(|e| e.kind() == PublishErrorKind::TooLarge)
+            });
             let collateral: Vec<usize> = outcomes
                 .iter()
                 .enumerate()
                 .filter(|(_, o)| {
-                    o.as_ref()
-                        .is_err_and(|e| e.to_string().contains(COLLATERAL))
+                    o.as_ref().is_err_and(|e| {
+                        e.to_string().contains(COLLATERAL)
+                            || (refused && e.kind() == PublishErrorKind::Unavailable)
+                    })
                 })
                 .map(|(i, _)| i)
                 .collect();

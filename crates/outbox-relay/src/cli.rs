@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::config::{FlagOverrides, LogFormat, RetryFlags};
+use crate::config::{FlagOverrides, LogFormat, OrderingMode, RetryFlags};
 
 /// Publishes transactional-outbox rows to brokers: at least once, in order per key,
 /// de-duplicable by event id.
@@ -65,6 +65,15 @@ pub enum Command {
     Check(CheckArgs),
     /// Insert one event into the outbox, as an application would.
     Send(SendArgs),
+    /// Show the backlog, the live nodes and which partitions each owns.
+    Stats(StatsArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct StatsArgs {
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Args, Debug)]
@@ -126,6 +135,11 @@ pub struct RunArgs {
     /// This node's id in the nodes table [default: <hostname>-<random>].
     #[arg(long, value_name = "ID")]
     pub node_id: Option<String>,
+    /// key: per-key order across the cluster, through partition ownership (PostgreSQL);
+    /// none: every node claims any ready rows, for maximum throughput [default: key].
+    /// All nodes of a cluster must use the same mode.
+    #[arg(long, value_enum, value_name = "MODE")]
+    pub ordering: Option<OrderingMode>,
 }
 
 #[derive(Args, Debug)]
@@ -136,6 +150,9 @@ pub struct MigrateArgs {
     /// Role named in the printed GRANTs.
     #[arg(long, default_value = "outbox_relay", value_name = "ROLE")]
     pub role: String,
+    /// Partitions to spread ordering keys over, fixed when the outbox is created [default: 64].
+    #[arg(long, value_name = "N")]
+    pub partitions: Option<u32>,
 }
 
 #[derive(Args, Debug)]
@@ -208,6 +225,7 @@ impl Cli {
                 o.heartbeat_timeout = r.heartbeat_timeout.clone();
                 o.http_addr = r.http_addr.clone();
                 o.node_id = r.node_id.clone();
+                o.ordering = r.ordering;
                 let retry = RetryFlags {
                     base_delay: r.retry_base_delay.clone(),
                     max_delay: r.retry_max_delay.clone(),
@@ -221,7 +239,8 @@ impl Cli {
                 }
             }
             Command::Check(c) => o.sink = c.sink.clone(),
-            Command::Migrate(_) | Command::Send(_) => {}
+            Command::Migrate(m) => o.partitions = m.partitions,
+            Command::Send(_) | Command::Stats(_) => {}
         }
         o
     }

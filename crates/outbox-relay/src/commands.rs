@@ -6,12 +6,12 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use outbox_cluster::{Membership, MembershipConfig};
-use outbox_core::{NewEvent, NodeId, Publisher};
+use outbox_cluster::{ClusterConfig, Coordinator, Partitions};
+use outbox_core::{NewEvent, NodeId, Ownership, Publisher};
 use outbox_engine::{EngineConfig, WakeMode};
 
 use crate::cli::{MigrateArgs, SendArgs};
-use crate::config::{redact_url, Config};
+use crate::config::{redact_url, Config, OrderingMode};
 use crate::store::AnyStore;
 
 fn default_node_id() -> String {
@@ -145,9 +145,30 @@ pub async fn run(config: Config, drain: bool) -> anyhow::Result<ExitCode> {
         }
         None => None,
     };
-    let membership = Membership::join(
+    let ordered = config.ordering == OrderingMode::Key;
+    // Ordered PostgreSQL nodes keep partition leases; SQLite is single-node, and unordered
+    // nodes share every row through SKIP LOCKED.
+    let partitions = match (store.partition_registry(), ordered) {
+        (Some(registry), true) => {
+            let count = registry
+                .partition_count()
+                .await
+                .map_err(|e| anyhow::anyhow!("cannot read the partitions table: {}", e.report()))?;
+            if count == 0 {
+                bail!("the partitions table is empty: run `outbox-relay migrate`");
+            }
+            Some(Partitions {
+                registry,
+                ownership: Ownership::new(count),
+            })
+        }
+        _ => None,
+    };
+    let ownership = partitions.as_ref().map(|p| p.ownership.clone());
+    let coordinator = Coordinator::start(
         store.registry(),
-        MembershipConfig {
+        partitions,
+        ClusterConfig {
             node: node.clone(),
             heartbeat_interval: config.heartbeat_interval,
             heartbeat_timeout: config.heartbeat_timeout,
@@ -170,8 +191,11 @@ pub async fn run(config: Config, drain: bool) -> anyhow::Result<ExitCode> {
     engine.publish_timeout = config.publish_timeout;
     engine.shutdown_timeout = config.shutdown_timeout;
     engine.drain = drain;
+    engine.ordered = ordered;
+    engine.ownership = ownership;
     let result = outbox_engine::run(outbox, sink, engine, shutdown_signal()).await;
-    membership.leave().await;
+    // The engine has released its rows; now the partitions and the node row go.
+    coordinator.stop().await;
     if let Some(http) = http {
         http.abort();
     }
@@ -273,4 +297,116 @@ pub async fn send(config: Config, args: SendArgs) -> anyhow::Result<ExitCode> {
         .map_err(|e| anyhow::anyhow!("insert failed: {}", e.report()))?;
     println!("inserted event with sequence_id {}", ids[0]);
     Ok(ExitCode::SUCCESS)
+}
+
+/// `stats`: backlog, live nodes and partition owners.
+pub async fn stats(config: Config, json: bool) -> anyhow::Result<ExitCode> {
+    let store = ready_store(&config, false, false).await?;
+    let report = |e: outbox_core::StoreError| anyhow::anyhow!(e.report());
+    let backlog = store.outbox().backlog().await.map_err(report)?;
+    let nodes = store.registry().live_nodes().await.map_err(report)?;
+    let partitions = match store.partition_registry() {
+        Some(r) => r.partitions().await.map_err(report)?,
+        None => Vec::new(),
+    };
+    let now = std::time::SystemTime::now();
+    let owned_by = |id: &str| -> Vec<i32> {
+        partitions
+            .iter()
+            .filter(|p| p.owner.as_deref() == Some(id) && p.lease_until.is_some_and(|t| t > now))
+            .map(|p| p.partition)
+            .collect()
+    };
+    let unowned: Vec<i32> = partitions
+        .iter()
+        .filter(|p| p.owner.is_none() || p.lease_until.is_none_or(|t| t <= now))
+        .map(|p| p.partition)
+        .collect();
+    if json {
+        let value = serde_json::json!({
+            "outbox": store.outbox().describe(),
+            "backlog": {
+                "pending": backlog.pending,
+                "retrying": backlog.retrying,
+                "dead": backlog.dead,
+                "oldest_pending_age_seconds": backlog.oldest_pending_age.map(|d| d.as_secs_f64()),
+            },
+            "nodes": nodes.iter().map(|n| serde_json::json!({
+                "id": n.id,
+                "expiry": humantime::format_rfc3339_millis(n.expiry).to_string(),
+                "partitions": owned_by(&n.id),
+            })).collect::<Vec<_>>(),
+            "partitions": partitions.len(),
+            "unowned_partitions": unowned,
+        });
+        println!("{}", serde_json::to_string_pretty(&value)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let age = backlog
+        .oldest_pending_age
+        .map(|d| {
+            format!(
+                ", oldest {}",
+                humantime::format_duration(Duration::from_millis(d.as_millis() as u64))
+            )
+        })
+        .unwrap_or_default();
+    println!(
+        "{}: {} pending{age}, {} retrying, {} dead",
+        store.outbox().describe(),
+        backlog.pending,
+        backlog.retrying,
+        backlog.dead
+    );
+    println!("nodes ({} live):", nodes.len());
+    for n in &nodes {
+        let left = n.expiry.duration_since(now).unwrap_or_default();
+        let owned = owned_by(&n.id);
+        let owned_text = if partitions.is_empty() {
+            String::new()
+        } else {
+            format!("  partitions {} ({})", ranges(&owned), owned.len())
+        };
+        println!(
+            "  {}  heartbeat due within {}{owned_text}",
+            n.id,
+            humantime::format_duration(Duration::from_secs(left.as_secs()))
+        );
+    }
+    if !partitions.is_empty() {
+        println!(
+            "unowned partitions: {}",
+            if unowned.is_empty() {
+                "none".to_string()
+            } else {
+                ranges(&unowned)
+            }
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `0-3,7,9-10` for a sorted list.
+fn ranges(values: &[i32]) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < values.len() {
+        let start = values[i];
+        let mut end = start;
+        while i + 1 < values.len() && values[i + 1] == end + 1 {
+            i += 1;
+            end = values[i];
+        }
+        out.push(if start == end {
+            start.to_string()
+        } else {
+            format!("{start}-{end}")
+        });
+        i += 1;
+    }
+    if out.is_empty() {
+        "none".into()
+    } else {
+        out.join(",")
+    }
 }

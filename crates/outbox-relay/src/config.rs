@@ -65,6 +65,16 @@ impl Default for RetryConfig {
     }
 }
 
+/// Ordering mode: per key (partitioned across nodes), or none (any node, any row).
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum OrderingMode {
+    /// Events of one key are published in sequence order, across failover and rebalancing.
+    Key,
+    /// No ordering: every node claims any ready rows (maximum throughput).
+    None,
+}
+
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum LogFormat {
@@ -109,6 +119,9 @@ pub struct Config {
     /// `host:port` for /healthz, /readyz and /metrics; empty turns the server off.
     pub http_addr: String,
     pub node_id: Option<String>,
+    pub ordering: OrderingMode,
+    /// Partitions a new outbox is created with (`migrate`); fixed afterwards.
+    pub partitions: u32,
     pub pool_size: usize,
     pub log_format: LogFormat,
     pub log_level: String,
@@ -141,6 +154,8 @@ impl Default for Config {
             heartbeat_timeout: outbox_cluster::DEFAULT_HEARTBEAT_TIMEOUT,
             http_addr: DEFAULT_HTTP_ADDR.into(),
             node_id: None,
+            ordering: OrderingMode::Key,
+            partitions: outbox_core::partition::DEFAULT_PARTITIONS,
             pool_size: 8,
             log_format: LogFormat::Text,
             log_level: "info".into(),
@@ -280,6 +295,12 @@ impl Config {
                 self.heartbeat_interval
             );
         }
+        if self.partitions == 0 || self.partitions > 4096 {
+            bail!(
+                "partitions must be between 1 and 4096 (got {})",
+                self.partitions
+            );
+        }
         if self.retry.max_attempts == 0 {
             bail!("retry.max_attempts must be at least 1");
         }
@@ -396,6 +417,10 @@ pub struct FlagOverrides {
     pub http_addr: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub node_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ordering: Option<OrderingMode>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub partitions: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub log_format: Option<LogFormat>,
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -66,6 +66,7 @@ fn main() -> ExitCode {
             Command::Migrate(args) => commands::migrate(config, args).await,
             Command::Check(_) => commands::check(config).await,
             Command::Send(args) => commands::send(config, args).await,
+            Command::Stats(args) => commands::stats(config, args.json).await,
         }
     });
     match result {

@@ -21,7 +21,8 @@ impl AnyStore {
     pub fn open(config: &Config) -> anyhow::Result<Self> {
         match config.database_kind()? {
             DatabaseKind::Postgres => {
-                let tables = pg_tables(config)?;
+                let mut tables = pg_tables(config)?;
+                tables.partition_count = config.partitions;
                 let store = PgStore::new(PgOptions {
                     url: config.database_url.clone(),
                     tables,
@@ -48,6 +49,14 @@ impl AnyStore {
         match self {
             AnyStore::Postgres(s) => Arc::new(s.clone()),
             AnyStore::Sqlite(s) => Arc::new(s.clone()),
+        }
+    }
+
+    /// Partition leases: PostgreSQL only (SQLite is the single-node store).
+    pub fn partition_registry(&self) -> Option<Arc<dyn outbox_core::store::PartitionRegistry>> {
+        match self {
+            AnyStore::Postgres(s) => Some(Arc::new(s.clone())),
+            AnyStore::Sqlite(_) => None,
         }
     }
 

@@ -17,12 +17,13 @@ use futures::future::BoxFuture;
 use futures::FutureExt;
 use outbox_core::event::headers_from_json_text;
 use outbox_core::store::{
-    Backlog, ClaimRequest, Claimed, DeadLetter, NodeRecord, NodeRegistry, OnChange, Problem,
-    RetryLater, StoreResult,
+    Backlog, ClaimRequest, Claimed, DeadLetter, NodeRecord, NodeRegistry, OnChange,
+    PartitionRecord, PartitionRegistry, Problem, RetryLater, StoreResult,
 };
 use outbox_core::{
-    Event, NewEvent, NodeId, OutboxStore, Payload, SequenceId, StoreError, StoreErrorKind,
+    Event, Fence, NewEvent, NodeId, OutboxStore, Payload, SequenceId, StoreError, StoreErrorKind,
 };
+use tokio_postgres::types::ToSql;
 use tokio_postgres::{AsyncMessage, Row};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
@@ -165,6 +166,27 @@ impl PgStore {
     }
 }
 
+/// Runs a settle statement, with the partition fence's parameters appended when there is one.
+async fn settle(
+    inner: &Inner,
+    context: &'static str,
+    sql: &schema::Fenced,
+    fence: Option<&Fence>,
+    params: &[&(dyn ToSql + Sync)],
+) -> StoreResult<u64> {
+    match fence {
+        None => PgStore::execute(inner, context, &sql.plain, params).await,
+        Some(fence) => {
+            let count = fence.count as i32;
+            let mut all: Vec<&(dyn ToSql + Sync)> = params.to_vec();
+            all.push(&fence.partitions);
+            all.push(&fence.epochs);
+            all.push(&count);
+            PgStore::execute(inner, context, &sql.fenced, &all).await
+        }
+    }
+}
+
 fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
@@ -226,13 +248,31 @@ impl OutboxStore for PgStore {
         async move {
             let limit = request.limit as i64;
             let lease = millis(request.lease);
-            let rows = Self::query(
-                &inner,
-                "claim",
-                &inner.sql.claim,
-                &[&request.node.0, &limit, &lease],
-            )
-            .await?;
+            let node = &request.node.0;
+            let rows = match (&request.fence, request.ordered) {
+                (_, false) => {
+                    Self::query(
+                        &inner,
+                        "claim",
+                        &inner.sql.claim_unordered,
+                        &[node, &limit, &lease],
+                    )
+                    .await?
+                }
+                (None, true) => {
+                    Self::query(&inner, "claim", &inner.sql.claim, &[node, &limit, &lease]).await?
+                }
+                (Some(fence), true) => {
+                    let count = fence.count as i32;
+                    Self::query(
+                        &inner,
+                        "claim",
+                        &inner.sql.claim_owned,
+                        &[node, &limit, &lease, &count, &fence.partitions],
+                    )
+                    .await?
+                }
+            };
             let mut claimed: Vec<Claimed> = rows.iter().map(row_to_claimed).collect();
             // RETURNING does not keep the scan's order.
             claimed.sort_unstable_by_key(Claimed::sequence_id);
@@ -241,7 +281,12 @@ impl OutboxStore for PgStore {
         .boxed()
     }
 
-    fn ack(&self, node: NodeId, ids: Vec<SequenceId>) -> BoxFuture<'static, StoreResult<u64>> {
+    fn ack(
+        &self,
+        node: NodeId,
+        fence: Option<Arc<Fence>>,
+        ids: Vec<SequenceId>,
+    ) -> BoxFuture<'static, StoreResult<u64>> {
         let inner = self.inner.clone();
         async move {
             let sql = if inner.retain_delivered {
@@ -249,7 +294,7 @@ impl OutboxStore for PgStore {
             } else {
                 &inner.sql.ack_delete
             };
-            Self::execute(&inner, "ack", sql, &[&node.0, &ids]).await
+            settle(&inner, "ack", sql, fence.as_deref(), &[&node.0, &ids]).await
         }
         .boxed()
     }
@@ -257,6 +302,7 @@ impl OutboxStore for PgStore {
     fn retry_later(
         &self,
         node: NodeId,
+        fence: Option<Arc<Fence>>,
         retries: Vec<RetryLater>,
     ) -> BoxFuture<'static, StoreResult<u64>> {
         let inner = self.inner.clone();
@@ -268,10 +314,11 @@ impl OutboxStore for PgStore {
                 .collect();
             let errors: Vec<&str> = retries.iter().map(|r| r.error.as_str()).collect();
             let delays: Vec<i64> = retries.iter().map(|r| millis(r.delay)).collect();
-            Self::execute(
+            settle(
                 &inner,
                 "retry",
                 &inner.sql.retry_later,
+                fence.as_deref(),
                 &[&node.0, &ids, &attempts, &errors, &delays],
             )
             .await
@@ -282,6 +329,7 @@ impl OutboxStore for PgStore {
     fn dead_letter(
         &self,
         node: NodeId,
+        fence: Option<Arc<Fence>>,
         entries: Vec<DeadLetter>,
     ) -> BoxFuture<'static, StoreResult<u64>> {
         let inner = self.inner.clone();
@@ -292,10 +340,11 @@ impl OutboxStore for PgStore {
                 .map(|e| i32::try_from(e.attempts).unwrap_or(i32::MAX))
                 .collect();
             let errors: Vec<&str> = entries.iter().map(|e| e.error.as_str()).collect();
-            Self::execute(
+            settle(
                 &inner,
                 "dead-letter",
                 &inner.sql.dead_letter,
+                fence.as_deref(),
                 &[&node.0, &ids, &attempts, &errors],
             )
             .await
@@ -411,6 +460,7 @@ async fn verify(inner: &Inner) -> StoreResult<Vec<Problem>> {
         (&t.outbox, "SELECT, UPDATE, DELETE"),
         (&t.dead_letters, "SELECT, INSERT"),
         (&t.nodes, "SELECT, INSERT, UPDATE, DELETE"),
+        (&t.partitions, "SELECT, UPDATE"),
     ];
     for (table, privileges) in needs {
         let name = table.quoted();
@@ -562,6 +612,96 @@ impl NodeRegistry for PgStore {
                 .map(|r| NodeRecord {
                     id: r.get(0),
                     expiry: from_micros(r.get(1)),
+                })
+                .collect())
+        }
+        .boxed()
+    }
+}
+
+impl PartitionRegistry for PgStore {
+    fn partition_count(&self) -> BoxFuture<'static, StoreResult<u32>> {
+        let inner = self.inner.clone();
+        async move {
+            let rows =
+                Self::query(&inner, "partition count", &inner.sql.partition_count, &[]).await?;
+            Ok(rows[0].get::<_, i64>(0).max(0) as u32)
+        }
+        .boxed()
+    }
+
+    fn acquire(
+        &self,
+        node: NodeId,
+        partitions: Vec<i32>,
+        ttl: Duration,
+    ) -> BoxFuture<'static, StoreResult<Vec<(i32, i64)>>> {
+        let inner = self.inner.clone();
+        async move {
+            let ttl = millis(ttl);
+            let rows = Self::query(
+                &inner,
+                "acquire partitions",
+                &inner.sql.acquire,
+                &[&node.0, &partitions, &ttl],
+            )
+            .await?;
+            Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+        }
+        .boxed()
+    }
+
+    fn renew(
+        &self,
+        node: NodeId,
+        held: Vec<(i32, i64)>,
+        ttl: Duration,
+    ) -> BoxFuture<'static, StoreResult<Vec<i32>>> {
+        let inner = self.inner.clone();
+        async move {
+            let (partitions, epochs): (Vec<i32>, Vec<i64>) = held.into_iter().unzip();
+            let ttl = millis(ttl);
+            let rows = Self::query(
+                &inner,
+                "renew partitions",
+                &inner.sql.renew,
+                &[&node.0, &partitions, &epochs, &ttl],
+            )
+            .await?;
+            Ok(rows.iter().map(|r| r.get(0)).collect())
+        }
+        .boxed()
+    }
+
+    fn release_partitions(
+        &self,
+        node: NodeId,
+        partitions: Vec<i32>,
+    ) -> BoxFuture<'static, StoreResult<u64>> {
+        let inner = self.inner.clone();
+        async move {
+            Self::execute(
+                &inner,
+                "release partitions",
+                &inner.sql.release_partitions,
+                &[&node.0, &partitions],
+            )
+            .await
+        }
+        .boxed()
+    }
+
+    fn partitions(&self) -> BoxFuture<'static, StoreResult<Vec<PartitionRecord>>> {
+        let inner = self.inner.clone();
+        async move {
+            let rows = Self::query(&inner, "list partitions", &inner.sql.partitions, &[]).await?;
+            Ok(rows
+                .iter()
+                .map(|r| PartitionRecord {
+                    partition: r.get(0),
+                    owner: r.get(1),
+                    epoch: r.get(2),
+                    lease_until: r.get::<_, Option<i64>>(3).map(from_micros),
                 })
                 .collect())
         }

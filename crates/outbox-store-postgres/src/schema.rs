@@ -12,7 +12,11 @@ pub struct Tables {
     pub outbox: TableName,
     pub dead_letters: TableName,
     pub nodes: TableName,
+    /// Partition leases: `<outbox>_partitions`.
+    pub partitions: TableName,
     pub notify_channel: Ident,
+    /// Partitions a new outbox gets (`migrate --partitions`).
+    pub partition_count: u32,
 }
 
 impl Tables {
@@ -25,12 +29,21 @@ impl Tables {
     ) -> Result<Self, StoreError> {
         let outbox = TableName::new(outbox_schema, outbox_table)?;
         let dead_letters = TableName::new(outbox_schema, &format!("{outbox_table}_dead_letters"))?;
+        let partitions = TableName::new(outbox_schema, &format!("{outbox_table}_partitions"))?;
         Ok(Tables {
             outbox,
             dead_letters,
             nodes: TableName::new(nodes_schema, nodes_table)?,
+            partitions,
             notify_channel: Ident::new(notify_channel, "notify channel")?,
+            partition_count: outbox_core::partition::DEFAULT_PARTITIONS,
         })
+    }
+
+    /// `"schema"."<outbox>_partition"(key, count)`: the SQL twin of
+    /// `outbox_core::partition_of`.
+    pub fn partition_function(&self) -> String {
+        self.outbox.sibling("_partition")
     }
 
     /// The ordering-key expression; the claim query and the blocking index must agree on it.
@@ -56,6 +69,9 @@ impl Tables {
         let trigger = self.trigger_name();
         let channel = self.notify_channel.as_str();
         let key = Self::ORDERING_KEY;
+        let parts = self.partitions.quoted();
+        let partition_fn = self.partition_function();
+        let partition_count = self.partition_count;
         format!(
             r#"CREATE SCHEMA IF NOT EXISTS {schema};
 CREATE SCHEMA IF NOT EXISTS {nodes_schema};
@@ -105,6 +121,22 @@ CREATE TABLE IF NOT EXISTS {dl} (
     dead_at       timestamptz NOT NULL DEFAULT now()
 );
 
+-- A key's partition: the first 4 bytes of md5(key), sign bit cleared, modulo the count.
+CREATE OR REPLACE FUNCTION {partition_fn}(key text, partitions integer) RETURNS integer
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    AS $$ SELECT ((('x' || substr(md5(key), 1, 8))::bit(32)::integer) & 2147483647) % partitions $$;
+
+-- Partition leases: one owner at a time, a fencing epoch that grows with every takeover.
+CREATE TABLE IF NOT EXISTS {parts} (
+    partition   integer PRIMARY KEY,
+    owner       text,
+    epoch       bigint NOT NULL DEFAULT 0,
+    lease_until timestamptz
+);
+INSERT INTO {parts} (partition)
+    SELECT generate_series(0, {partition_count} - 1)
+    WHERE NOT EXISTS (SELECT 1 FROM {parts});
+
 -- Relay nodes and their heartbeats (the Ably connector's nodes table).
 CREATE TABLE IF NOT EXISTS {nodes} (
     id     text PRIMARY KEY,
@@ -140,6 +172,8 @@ $$;
         let t = self.outbox.quoted();
         let dl = self.dead_letters.quoted();
         let nodes = self.nodes.quoted();
+        let parts = self.partitions.quoted();
+        let partition_fn = self.partition_function();
         let role = format!("\"{role}\"");
         let mut schemas = vec![self.outbox.schema.quoted()];
         if self.nodes.schema != self.outbox.schema {
@@ -152,6 +186,8 @@ GRANT USAGE ON SCHEMA {schemas} TO {role};
 GRANT SELECT, UPDATE, DELETE ON {t} TO {role};
 GRANT SELECT, INSERT ON {dl} TO {role};
 GRANT SELECT, INSERT, UPDATE, DELETE ON {nodes} TO {role};
+GRANT SELECT, UPDATE ON {parts} TO {role};
+GRANT EXECUTE ON FUNCTION {partition_fn}(text, integer) TO {role};
 -- Applications (and `outbox-relay send`) also need:
 --   GRANT INSERT ON {t} TO app_role;
 --   GRANT USAGE ON SEQUENCE {seq} TO app_role;
@@ -169,11 +205,16 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON {nodes} TO {role};
 /// Statement texts, built once per store.
 #[derive(Debug)]
 pub struct Statements {
+    /// Ordered, every partition, row leases decide (a single node).
     pub claim: String,
-    pub ack_delete: String,
-    pub ack_retain: String,
-    pub retry_later: String,
-    pub dead_letter: String,
+    /// Ordered, only the node's partitions; other nodes' row leases do not count there.
+    pub claim_owned: String,
+    /// Any ready rows (`--ordering none`).
+    pub claim_unordered: String,
+    pub ack_delete: Fenced,
+    pub ack_retain: Fenced,
+    pub retry_later: Fenced,
+    pub dead_letter: Fenced,
     pub release: String,
     pub extend_leases: String,
     pub backlog: String,
@@ -183,6 +224,18 @@ pub struct Statements {
     pub remove_expired: String,
     pub deregister: String,
     pub live_nodes: String,
+    pub partition_count: String,
+    pub acquire: String,
+    pub renew: String,
+    pub release_partitions: String,
+    pub partitions: String,
+}
+
+/// A settle statement, plain and with the partition fence appended.
+#[derive(Debug)]
+pub struct Fenced {
+    pub plain: String,
+    pub fenced: String,
 }
 
 /// Columns returned for each claimed row, decoded by `row_to_claimed`.
@@ -195,24 +248,33 @@ impl Statements {
         let t = tables.outbox.quoted();
         let dl = tables.dead_letters.quoted();
         let nodes = tables.nodes.quoted();
+        let parts = tables.partitions.quoted();
+        let func = tables.partition_function();
         let key_o = "coalesce(o.partition_key, o.destination)";
         let key_p = "coalesce(p.partition_key, p.destination)";
-        Statements {
-            // $1 node, $2 limit, $3 lease in ms. See outbox_core::store for the contract.
-            claim: format!(
+        // The fence: the row's partition is held by the node ($1) at the epoch it holds.
+        // `$P`, `$E`, `$N` are the partitions, epochs and partition count parameters.
+        let fence = |first: usize| {
+            format!(
+                " AND EXISTS (SELECT 1 FROM {parts} pp
+                      JOIN unnest(${p}::int4[], ${e}::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                     WHERE pp.partition = {func}({key_o}, ${n}) AND pp.owner = $1 AND pp.epoch = h.epoch)",
+                p = first,
+                e = first + 1,
+                n = first + 2
+            )
+        };
+        let fenced = |plain: String, first: usize| Fenced {
+            fenced: format!("{plain}{}", fence(first)),
+            plain,
+        };
+        let claim = |candidates: &str| {
+            format!(
                 "WITH claimable AS (
                     SELECT o.sequence_id FROM {t} o
                     WHERE o.delivered_at IS NULL
                       AND o.available_at <= now()
-                      AND (o.locked_until IS NULL OR o.locked_until < now())
-                      AND NOT EXISTS (
-                        SELECT 1 FROM {t} p
-                        WHERE {key_p} = {key_o}
-                          AND p.sequence_id < o.sequence_id
-                          AND p.delivered_at IS NULL
-                          AND (p.locked_by IS NOT NULL OR p.attempts > 0)
-                          AND (p.available_at > now()
-                               OR (p.locked_until > now() AND p.locked_by <> $1)))
+                      {candidates}
                     ORDER BY o.sequence_id
                     LIMIT $2
                     FOR UPDATE SKIP LOCKED)
@@ -221,37 +283,79 @@ impl Statements {
                    FROM claimable c
                   WHERE o.sequence_id = c.sequence_id
               RETURNING {RETURNED}"
+            )
+        };
+        Statements {
+            // $1 node, $2 limit, $3 lease in ms. See outbox_core::store for the contract.
+            claim: claim(&format!(
+                "AND (o.locked_until IS NULL OR o.locked_until < now())
+                 AND NOT EXISTS (
+                    SELECT 1 FROM {t} p
+                    WHERE {key_p} = {key_o}
+                      AND p.sequence_id < o.sequence_id
+                      AND p.delivered_at IS NULL
+                      AND (p.locked_by IS NOT NULL OR p.attempts > 0)
+                      AND (p.available_at > now()
+                           OR (p.locked_until > now() AND p.locked_by <> $1)))"
+            )),
+            // ... $4 partition count, $5 the node's partitions.
+            claim_owned: claim(&format!(
+                "AND (o.locked_by IS NULL OR o.locked_by <> $1 OR o.locked_until < now())
+                 AND {func}({key_o}, $4) = ANY($5::int4[])
+                 AND NOT EXISTS (
+                    SELECT 1 FROM {t} p
+                    WHERE {key_p} = {key_o}
+                      AND p.sequence_id < o.sequence_id
+                      AND p.delivered_at IS NULL
+                      AND (p.locked_by IS NOT NULL OR p.attempts > 0)
+                      AND p.attempts > 0 AND p.available_at > now())"
+            )),
+            claim_unordered: claim("AND (o.locked_until IS NULL OR o.locked_until < now())"),
+            ack_delete: fenced(
+                format!("DELETE FROM {t} o WHERE o.sequence_id = ANY($2) AND o.locked_by = $1"),
+                3,
             ),
-            ack_delete: format!(
-                "DELETE FROM {t} WHERE sequence_id = ANY($2) AND locked_by = $1"
+            ack_retain: fenced(
+                format!(
+                    "UPDATE {t} o SET delivered_at = now(), locked_by = NULL, locked_until = NULL
+                      WHERE o.sequence_id = ANY($2) AND o.locked_by = $1"
+                ),
+                3,
             ),
-            ack_retain: format!(
-                "UPDATE {t} SET delivered_at = now(), locked_by = NULL, locked_until = NULL
-                  WHERE sequence_id = ANY($2) AND locked_by = $1"
+            retry_later: fenced(
+                format!(
+                    "UPDATE {t} o
+                        SET attempts = u.attempts, last_error = u.error,
+                            available_at = now() + u.delay_ms * interval '1 millisecond',
+                            locked_by = NULL, locked_until = NULL
+                       FROM unnest($2::int8[], $3::int4[], $4::text[], $5::int8[])
+                            AS u(sequence_id, attempts, error, delay_ms)
+                      WHERE o.sequence_id = u.sequence_id AND o.locked_by = $1"
+                ),
+                6,
             ),
-            retry_later: format!(
-                "UPDATE {t} o
-                    SET attempts = u.attempts, last_error = u.error,
-                        available_at = now() + u.delay_ms * interval '1 millisecond',
-                        locked_by = NULL, locked_until = NULL
-                   FROM unnest($2::int8[], $3::int4[], $4::text[], $5::int8[])
-                        AS u(sequence_id, attempts, error, delay_ms)
-                  WHERE o.sequence_id = u.sequence_id AND o.locked_by = $1"
-            ),
-            dead_letter: format!(
-                "WITH moved AS (
-                    DELETE FROM {t} o
-                     USING unnest($2::int8[], $3::int4[], $4::text[]) AS u(sequence_id, attempts, error)
-                     WHERE o.sequence_id = u.sequence_id AND o.locked_by = $1
-                 RETURNING o.*, u.attempts AS final_attempts, u.error AS final_error)
-                 INSERT INTO {dl} (sequence_id, event_id, destination, partition_key, event_type,
-                                   payload, headers, mutation_id, rejected, created_at,
-                                   attempts, last_error)
-                 SELECT sequence_id, event_id, destination, partition_key, event_type,
-                        payload, headers, mutation_id, rejected, created_at,
-                        final_attempts, final_error
-                   FROM moved"
-            ),
+            dead_letter: {
+                let moved = |condition: String| {
+                    format!(
+                        "WITH moved AS (
+                            DELETE FROM {t} o
+                             USING unnest($2::int8[], $3::int4[], $4::text[]) AS u(sequence_id, attempts, error)
+                             WHERE o.sequence_id = u.sequence_id AND o.locked_by = $1{condition}
+                         RETURNING o.*, u.attempts AS final_attempts, u.error AS final_error)
+                         INSERT INTO {dl} (sequence_id, event_id, destination, partition_key, event_type,
+                                           payload, headers, mutation_id, rejected, created_at,
+                                           attempts, last_error)
+                         SELECT sequence_id, event_id, destination, partition_key, event_type,
+                                payload, headers, mutation_id, rejected, created_at,
+                                final_attempts, final_error
+                           FROM moved"
+                    )
+                };
+                Fenced {
+                    plain: moved(String::new()),
+                    fenced: moved(fence(5)),
+                }
+            },
             release: format!(
                 "UPDATE {t} SET locked_by = NULL, locked_until = NULL
                   WHERE sequence_id = ANY($2) AND locked_by = $1"
@@ -291,6 +395,31 @@ impl Statements {
             live_nodes: format!(
                 "SELECT id, (extract(epoch from expiry) * 1000000)::int8 FROM {nodes}
                   WHERE expiry >= (now() AT TIME ZONE 'UTC') ORDER BY id"
+            ),
+            partition_count: format!("SELECT count(*)::int8 FROM {parts}"),
+            // $1 node, $2 partitions, $3 ttl in ms.
+            acquire: format!(
+                "UPDATE {parts}
+                    SET owner = $1, epoch = epoch + 1,
+                        lease_until = now() + $3::int8 * interval '1 millisecond'
+                  WHERE partition = ANY($2::int4[])
+                    AND (owner IS NULL OR lease_until IS NULL OR lease_until < now())
+              RETURNING partition, epoch"
+            ),
+            // $1 node, $2 partitions, $3 epochs, $4 ttl in ms.
+            renew: format!(
+                "UPDATE {parts} p SET lease_until = now() + $4::int8 * interval '1 millisecond'
+                   FROM unnest($2::int4[], $3::int8[]) AS h(partition, epoch)
+                  WHERE p.partition = h.partition AND p.owner = $1 AND p.epoch = h.epoch
+              RETURNING p.partition"
+            ),
+            release_partitions: format!(
+                "UPDATE {parts} SET owner = NULL, lease_until = NULL
+                  WHERE partition = ANY($2::int4[]) AND owner = $1"
+            ),
+            partitions: format!(
+                "SELECT partition, owner, epoch, (extract(epoch from lease_until) * 1000000)::int8
+                   FROM {parts} ORDER BY partition"
             ),
         }
     }

@@ -18,7 +18,7 @@ use outbox_core::store::{
     RetryLater, StoreResult,
 };
 use outbox_core::{
-    Event, NewEvent, NodeId, OutboxStore, Payload, SequenceId, StoreError, StoreErrorKind,
+    Event, Fence, NewEvent, NodeId, OutboxStore, Payload, SequenceId, StoreError, StoreErrorKind,
 };
 use rusqlite::types::ValueRef;
 use rusqlite::{params, Connection, OptionalExtension, Row};
@@ -74,6 +74,20 @@ CREATE TABLE IF NOT EXISTS outbox_nodes (
 );
 "#;
 
+/// Unordered claims (`--ordering none`) leave out the per-key blocking.
+const CLAIM_UNORDERED: &str = "
+UPDATE outbox SET locked_by = ?1, locked_until = ?2 + ?4
+ WHERE sequence_id IN (
+    SELECT o.sequence_id FROM outbox o
+     WHERE o.delivered_at IS NULL
+       AND o.available_at <= ?2
+       AND (o.locked_until IS NULL OR o.locked_until < ?2)
+     ORDER BY o.sequence_id
+     LIMIT ?3)
+RETURNING sequence_id, event_id, destination, partition_key, event_type, payload, headers,
+          mutation_id, rejected, attempts, created_at";
+
+/// SQLite is the single-node store: claims ignore partition fences.
 const CLAIM: &str = "
 UPDATE outbox SET locked_by = ?1, locked_until = ?2 + ?4
  WHERE sequence_id IN (
@@ -293,7 +307,11 @@ impl OutboxStore for SqliteStore {
 
     fn claim(&self, request: ClaimRequest) -> BoxFuture<'static, StoreResult<Vec<Claimed>>> {
         self.in_tx("claim", move |tx| {
-            let mut stmt = tx.prepare_cached(CLAIM)?;
+            let mut stmt = tx.prepare_cached(if request.ordered {
+                CLAIM
+            } else {
+                CLAIM_UNORDERED
+            })?;
             let rows = stmt.query_map(
                 params![
                     request.node.0,
@@ -309,7 +327,12 @@ impl OutboxStore for SqliteStore {
         })
     }
 
-    fn ack(&self, node: NodeId, ids: Vec<SequenceId>) -> BoxFuture<'static, StoreResult<u64>> {
+    fn ack(
+        &self,
+        node: NodeId,
+        _fence: Option<Arc<Fence>>,
+        ids: Vec<SequenceId>,
+    ) -> BoxFuture<'static, StoreResult<u64>> {
         let retain = self.retain_delivered;
         self.in_tx("ack", move |tx| {
             let n = if retain {
@@ -331,6 +354,7 @@ impl OutboxStore for SqliteStore {
     fn retry_later(
         &self,
         node: NodeId,
+        _fence: Option<Arc<Fence>>,
         retries: Vec<RetryLater>,
     ) -> BoxFuture<'static, StoreResult<u64>> {
         self.in_tx("retry", move |tx| {
@@ -357,6 +381,7 @@ impl OutboxStore for SqliteStore {
     fn dead_letter(
         &self,
         node: NodeId,
+        _fence: Option<Arc<Fence>>,
         entries: Vec<DeadLetter>,
     ) -> BoxFuture<'static, StoreResult<u64>> {
         self.in_tx("dead-letter", move |tx| {

@@ -78,11 +78,7 @@ fn event(destination: &str, key: Option<&str>, event_type: &str, n: usize) -> Ne
 }
 
 fn request(node: &NodeId, limit: usize) -> ClaimRequest {
-    ClaimRequest {
-        node: node.clone(),
-        limit,
-        lease: Duration::from_secs(30),
-    }
+    ClaimRequest::new(node.clone(), limit, Duration::from_secs(30))
 }
 
 fn ids(claimed: &[Claimed]) -> Vec<SequenceId> {
@@ -161,7 +157,10 @@ pub async fn retry_scheduling(h: &dyn Harness) {
         delay: Duration::from_millis(400),
     };
     assert_eq!(
-        store.retry_later(node.clone(), vec![retry]).await.unwrap(),
+        store
+            .retry_later(node.clone(), None, vec![retry])
+            .await
+            .unwrap(),
         1
     );
     assert_eq!(
@@ -206,7 +205,10 @@ pub async fn dead_lettering_keeps_the_whole_event(h: &dyn Harness) {
         error: "too_large: 2 MiB > 1 MiB".into(),
     };
     assert_eq!(
-        store.dead_letter(node.clone(), vec![dead]).await.unwrap(),
+        store
+            .dead_letter(node.clone(), None, vec![dead])
+            .await
+            .unwrap(),
         1
     );
     assert_eq!(h.row_state(seq[0]).await, None, "moved out of the outbox");
@@ -231,11 +233,7 @@ pub async fn lease_expiry(h: &dyn Harness) {
         .await
         .unwrap();
     let crashed = NodeId::random();
-    let short = ClaimRequest {
-        node: crashed.clone(),
-        limit: 10,
-        lease: Duration::from_millis(300),
-    };
+    let short = ClaimRequest::new(crashed.clone(), 10, Duration::from_millis(300));
     assert_eq!(ids(&store.claim(short).await.unwrap()), seq);
     let survivor = NodeId::random();
     assert!(store
@@ -274,11 +272,7 @@ pub async fn crash_between_publish_and_ack_redelivers(h: &dyn Harness) {
         .await
         .unwrap();
     let first = NodeId::random();
-    let lease = ClaimRequest {
-        node: first.clone(),
-        limit: 10,
-        lease: Duration::from_millis(300),
-    };
+    let lease = ClaimRequest::new(first.clone(), 10, Duration::from_millis(300));
     let published = store.claim(lease).await.unwrap();
     let Claimed::Event(published) = &published[0] else {
         panic!("expected an event")
@@ -302,8 +296,8 @@ pub async fn crash_between_publish_and_ack_redelivers(h: &dyn Harness) {
         "same id: consumers can de-duplicate"
     );
     // The first node's late ack is fenced; the second node's ack lands.
-    assert_eq!(store.ack(first, seq.clone()).await.unwrap(), 0);
-    assert_eq!(store.ack(second, seq.clone()).await.unwrap(), 1);
+    assert_eq!(store.ack(first, None, seq.clone()).await.unwrap(), 0);
+    assert_eq!(store.ack(second, None, seq.clone()).await.unwrap(), 1);
     assert_eq!(h.row_state(seq[0]).await, None);
 }
 
@@ -340,7 +334,7 @@ pub async fn undecodable_rows_are_claimed_for_dead_lettering(h: &dyn Harness) {
         attempts: 0,
         error: "undecodable row".into(),
     };
-    assert_eq!(store.dead_letter(node, vec![dead]).await.unwrap(), 1);
+    assert_eq!(store.dead_letter(node, None, vec![dead]).await.unwrap(), 1);
     assert_eq!(h.dead_rows().await[0].sequence_id, bad);
 }
 
@@ -356,9 +350,18 @@ pub async fn ack_deletes_or_retains(h: &dyn Harness) {
         .unwrap();
     let node = NodeId::random();
     store.claim(request(&node, 10)).await.unwrap();
-    assert_eq!(store.ack(node.clone(), vec![seq[0]]).await.unwrap(), 1);
+    assert_eq!(
+        store.ack(node.clone(), None, vec![seq[0]]).await.unwrap(),
+        1
+    );
     assert_eq!(h.row_state(seq[0]).await, None, "deleted by default");
-    assert_eq!(retaining.ack(node.clone(), vec![seq[1]]).await.unwrap(), 1);
+    assert_eq!(
+        retaining
+            .ack(node.clone(), None, vec![seq[1]])
+            .await
+            .unwrap(),
+        1
+    );
     assert_eq!(
         h.row_state(seq[1]).await,
         Some((0, None, true)),

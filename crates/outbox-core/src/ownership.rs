@@ -1,0 +1,230 @@
+//! The partitions a node holds right now, shared between the cluster coordinator (which
+//! takes, renews, revokes and loses leases) and the engine (which claims, publishes and
+//! settles only within them).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use crate::partition::Fence;
+
+#[derive(Clone, Copy, Debug)]
+struct Held {
+    epoch: i64,
+    /// When the lease ends by this node's own clock, measured conservatively from before the
+    /// statement that took or renewed it. After this the node does not publish the partition,
+    /// whatever it has not heard yet (a node frozen by SIGSTOP wakes up past this).
+    valid_until: Instant,
+}
+
+#[derive(Default)]
+struct State {
+    held: BTreeMap<i32, Held>,
+    /// Held partitions being handed over: no new claims; released once not busy.
+    revoking: BTreeSet<i32>,
+    /// Partitions with rows the engine still holds.
+    busy: BTreeSet<i32>,
+}
+
+type Callback = Box<dyn Fn() + Send + Sync>;
+
+pub struct Ownership {
+    count: u32,
+    state: Mutex<State>,
+    generation: AtomicU64,
+    on_change: Mutex<Option<Callback>>,
+}
+
+impl Ownership {
+    pub fn new(count: u32) -> Arc<Self> {
+        Arc::new(Ownership {
+            count,
+            state: Mutex::default(),
+            generation: AtomicU64::new(0),
+            on_change: Mutex::new(None),
+        })
+    }
+
+    pub fn count(&self) -> u32 {
+        self.count
+    }
+
+    /// Grows with every change the coordinator makes.
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    /// Called after every change (the engine wakes up to claim or drop work).
+    pub fn on_change(&self, callback: impl Fn() + Send + Sync + 'static) {
+        *self.on_change.lock().unwrap_or_else(|p| p.into_inner()) = Some(Box::new(callback));
+    }
+
+    fn changed(&self) {
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        if let Some(callback) = self
+            .on_change
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+        {
+            callback();
+        }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn grant(&self, partition: i32, epoch: i64, valid_until: Instant) {
+        self.state()
+            .held
+            .insert(partition, Held { epoch, valid_until });
+        self.changed();
+    }
+
+    pub fn renewed(&self, partition: i32, valid_until: Instant) {
+        if let Some(held) = self.state().held.get_mut(&partition) {
+            held.valid_until = valid_until;
+        }
+        self.changed();
+    }
+
+    /// The partition is gone (released, or taken by another node).
+    pub fn remove(&self, partition: i32) {
+        {
+            let mut state = self.state();
+            state.held.remove(&partition);
+            state.revoking.remove(&partition);
+        }
+        self.changed();
+    }
+
+    /// Start handing the partition over: stop claiming it, let in-flight work settle.
+    pub fn revoke(&self, partition: i32) {
+        if self.state().revoking.insert(partition) {
+            self.changed();
+        }
+    }
+
+    /// The hand-over is no longer wanted.
+    pub fn keep(&self, partition: i32) {
+        if self.state().revoking.remove(&partition) {
+            self.changed();
+        }
+    }
+
+    /// Partitions held, with their epochs.
+    pub fn held(&self) -> Vec<(i32, i64)> {
+        self.state()
+            .held
+            .iter()
+            .map(|(p, h)| (*p, h.epoch))
+            .collect()
+    }
+
+    pub fn revoking(&self) -> Vec<i32> {
+        self.state().revoking.iter().copied().collect()
+    }
+
+    pub fn is_busy(&self, partition: i32) -> bool {
+        self.state().busy.contains(&partition)
+    }
+
+    /// Reported by the engine whenever the set changes.
+    pub fn set_busy(&self, busy: BTreeSet<i32>) {
+        self.state().busy = busy;
+    }
+
+    fn fence(&self, filter: impl Fn(i32, &Held) -> bool) -> Fence {
+        let state = self.state();
+        let (partitions, epochs) = state
+            .held
+            .iter()
+            .filter(|(p, h)| filter(**p, h))
+            .map(|(p, h)| (*p, h.epoch))
+            .unzip();
+        Fence {
+            count: self.count,
+            partitions,
+            epochs,
+        }
+    }
+
+    /// What the engine may claim: held, valid by its own clock, not being handed over.
+    pub fn claim_fence(&self, now: Instant) -> Fence {
+        let revoking = self.state().revoking.clone();
+        self.fence(|p, h| h.valid_until > now && !revoking.contains(&p))
+    }
+
+    /// What settles are fenced with: every held partition at its epoch (the database
+    /// decides whether the lease still stands).
+    pub fn settle_fence(&self) -> Fence {
+        self.fence(|_, _| true)
+    }
+
+    /// Partitions the engine may publish now (held, valid by its clock, not being handed
+    /// over), and when that next changes by the clock.
+    pub fn publishable(&self, now: Instant) -> (BTreeSet<i32>, Option<Instant>) {
+        let state = self.state();
+        let valid = state
+            .held
+            .iter()
+            .filter(|(p, h)| h.valid_until > now && !state.revoking.contains(p));
+        let partitions = valid.clone().map(|(p, _)| *p).collect();
+        let next = valid.map(|(_, h)| h.valid_until).min();
+        (partitions, next)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn fences_follow_grants_revocations_and_the_clock() {
+        let o = Ownership::new(8);
+        let now = Instant::now();
+        o.grant(1, 5, now + Duration::from_secs(10));
+        o.grant(2, 7, now + Duration::from_secs(1));
+        o.revoke(2);
+        assert_eq!(
+            o.claim_fence(now).partitions,
+            vec![1],
+            "no new claims on a revoked partition"
+        );
+        assert_eq!(
+            o.settle_fence().epochs,
+            vec![5, 7],
+            "settles still fenced with both"
+        );
+        let later = now + Duration::from_secs(2);
+        let (publishable, next) = o.publishable(later);
+        assert_eq!(
+            publishable.into_iter().collect::<Vec<_>>(),
+            vec![1],
+            "2 is revoked and ran out"
+        );
+        o.keep(2);
+        assert_eq!(
+            o.publishable(now).0.into_iter().collect::<Vec<_>>(),
+            vec![1, 2]
+        );
+        assert_eq!(next, Some(now + Duration::from_secs(10)));
+        let g = o.generation();
+        o.remove(2);
+        assert!(o.generation() > g);
+        assert_eq!(o.held(), vec![(1, 5)]);
+    }
+}
+
+impl std::fmt::Debug for Ownership {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ownership")
+            .field("count", &self.count)
+            .field("held", &self.held())
+            .field("revoking", &self.revoking())
+            .finish()
+    }
+}
