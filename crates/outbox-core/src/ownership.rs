@@ -177,6 +177,16 @@ impl Ownership {
     }
 }
 
+impl std::fmt::Debug for Ownership {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ownership")
+            .field("count", &self.count)
+            .field("held", &self.held())
+            .field("revoking", &self.revoking())
+            .finish()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -216,15 +226,5 @@ mod tests {
         o.remove(2);
         assert!(o.generation() > g);
         assert_eq!(o.held(), vec![(1, 5)]);
-    }
-}
-
-impl std::fmt::Debug for Ownership {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Ownership")
-            .field("count", &self.count)
-            .field("held", &self.held())
-            .field("revoking", &self.revoking())
-            .finish()
     }
 }
