@@ -645,6 +645,9 @@ async fn event_loop(
                         last_claim_empty = rows.is_empty();
                         let release = engine.lanes.accept(claim_no, rows);
                         engine.lanes.expire_blocks(claim_no);
+                        // The claim may carry rows of partitions revoked or lost while it
+                        // ran: check again before anything is dispatched.
+                        seen_generation = u64::MAX;
                         engine.release(release);
                         if stopping_deadline.is_some() {
                             let unstarted = engine.lanes.take_unstarted();

@@ -268,7 +268,14 @@ impl OutboxStore for PgStore {
                         &inner,
                         "claim",
                         &inner.sql.claim_owned,
-                        &[node, &limit, &lease, &count, &fence.partitions],
+                        &[
+                            node,
+                            &limit,
+                            &lease,
+                            &count,
+                            &fence.partitions,
+                            &fence.epochs,
+                        ],
                     )
                     .await?
                 }

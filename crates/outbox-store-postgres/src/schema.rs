@@ -268,7 +268,7 @@ impl Statements {
             fenced: format!("{plain}{}", fence(first)),
             plain,
         };
-        let claim = |candidates: &str| {
+        let claim = |candidates: &str, locking: &str| {
             format!(
                 "WITH claimable AS (
                     SELECT o.sequence_id FROM {t} o
@@ -277,7 +277,7 @@ impl Statements {
                       {candidates}
                     ORDER BY o.sequence_id
                     LIMIT $2
-                    FOR UPDATE SKIP LOCKED)
+                    {locking})
                  UPDATE {t} o
                     SET locked_by = $1, locked_until = now() + $3::int8 * interval '1 millisecond'
                    FROM claimable c
@@ -297,11 +297,18 @@ impl Statements {
                       AND (p.locked_by IS NOT NULL OR p.attempts > 0)
                       AND (p.available_at > now()
                            OR (p.locked_until > now() AND p.locked_by <> $1)))"
-            )),
-            // ... $4 partition count, $5 the node's partitions.
+            ), "FOR UPDATE SKIP LOCKED"),
+            // ... $4 partition count, $5 the node's partitions, $6 their epochs. Only while the
+            // database still shows the leases live at those epochs. Rows locked by another
+            // transaction are waited for, not skipped: in a held partition that only happens
+            // when a node that lost it is still finishing a statement, and skipping its row
+            // could let a later row of the same key go first.
             claim_owned: claim(&format!(
                 "AND (o.locked_by IS NULL OR o.locked_by <> $1 OR o.locked_until < now())
-                 AND {func}({key_o}, $4) = ANY($5::int4[])
+                 AND EXISTS (SELECT 1 FROM {parts} pp
+                      JOIN unnest($5::int4[], $6::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                     WHERE pp.partition = {func}({key_o}, $4) AND pp.owner = $1 AND pp.epoch = h.epoch
+                       AND pp.lease_until > now())
                  AND NOT EXISTS (
                     SELECT 1 FROM {t} p
                     WHERE {key_p} = {key_o}
@@ -309,8 +316,11 @@ impl Statements {
                       AND p.delivered_at IS NULL
                       AND (p.locked_by IS NOT NULL OR p.attempts > 0)
                       AND p.attempts > 0 AND p.available_at > now())"
-            )),
-            claim_unordered: claim("AND (o.locked_until IS NULL OR o.locked_until < now())"),
+            ), "FOR UPDATE"),
+            claim_unordered: claim(
+                "AND (o.locked_until IS NULL OR o.locked_until < now())",
+                "FOR UPDATE SKIP LOCKED",
+            ),
             ack_delete: fenced(
                 format!("DELETE FROM {t} o WHERE o.sequence_id = ANY($2) AND o.locked_by = $1"),
                 3,

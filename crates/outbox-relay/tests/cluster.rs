@@ -1,0 +1,528 @@
+//! Several relay processes over one PostgreSQL database, publishing to a real JetStream,
+//! while writers commit and roll back and nodes are killed, stopped, frozen and added.
+
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use outbox_testkit::eventually;
+use outbox_testkit::server::{ScriptedServer, ServerProcess};
+use uuid::Uuid;
+
+const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
+
+struct Node {
+    name: String,
+    child: Option<Child>,
+    log: PathBuf,
+}
+
+impl Node {
+    fn pid(&self) -> String {
+        self.child.as_ref().expect("running").id().to_string()
+    }
+
+    fn signal(&self, signal: &str) {
+        assert!(Command::new("kill")
+            .args([signal, &self.pid()])
+            .status()
+            .unwrap()
+            .success());
+    }
+
+    fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    async fn wait_exit(&mut self) -> std::process::ExitStatus {
+        let child = self.child.as_mut().expect("running");
+        let status = eventually("the node to exit", Duration::from_secs(30), || {
+            let s = child.try_wait().unwrap();
+            async move { s }
+        })
+        .await;
+        self.child = None;
+        status
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        if let Some(child) = self.child.as_mut() {
+            let _ = Command::new("kill")
+                .args(["-CONT", &child.id().to_string()])
+                .status();
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        if std::thread::panicking() {
+            let keep = std::env::temp_dir().join("outbox-relay-failed-cluster-logs");
+            let _ = std::fs::create_dir_all(&keep);
+            let _ = std::fs::copy(&self.log, keep.join(format!("{}.log", self.name)));
+            let logs = self.logs();
+            let tail: Vec<&str> = logs.lines().rev().take(40).collect();
+            eprintln!(
+                "--- {} (last lines) ---\n{}",
+                self.name,
+                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+            );
+        }
+    }
+}
+
+struct Cluster {
+    dir: tempfile::TempDir,
+    database_url: String,
+    nats_url: String,
+    ordering: &'static str,
+}
+
+impl Cluster {
+    fn start_node(&self, name: &str) -> Node {
+        let log = self.dir.path().join(format!("{name}.log"));
+        // Each node's connections carry its name, so a test can find and kill them.
+        let url = format!("{}?application_name={name}", self.database_url);
+        let child = Command::new(BIN)
+            .args([
+                "run",
+                "--database-url",
+                &url,
+                "--sink",
+                &self.nats_url,
+                "--node-id",
+                name,
+                "--ordering",
+                self.ordering,
+            ])
+            .args([
+                "--heartbeat-interval",
+                "250ms",
+                "--heartbeat-timeout",
+                "1500ms",
+                "--lease",
+                "3s",
+            ])
+            .args([
+                "--batch-size",
+                "100",
+                "--poll-interval",
+                "200ms",
+                "--http-addr",
+                "",
+                "--log-format",
+                "json",
+            ])
+            .args([
+                "--retry-base-delay",
+                "50ms",
+                "--retry-max-delay",
+                "500ms",
+                "--max-attempts",
+                "1000",
+            ])
+            .current_dir(self.dir.path())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        Node {
+            name: name.into(),
+            child: Some(child),
+            log,
+        }
+    }
+}
+
+async fn pg(url: &str) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    client
+}
+
+async fn reconnect(url: &str) -> tokio_postgres::Client {
+    loop {
+        if let Ok((client, connection)) = tokio_postgres::connect(url, tokio_postgres::NoTls).await
+        {
+            tokio::spawn(connection);
+            return client;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[derive(Default)]
+struct Ledger {
+    committed: HashMap<String, (String, i64)>, // event id → (key, sequence id)
+    rolled_back: HashSet<String>,
+}
+
+/// Writer `w` owns keys `w-0..w-9` and commits 1-4 events per transaction, rolling back
+/// every fifth; it paces itself so the faults land mid-stream.
+async fn writer(
+    url: String,
+    w: usize,
+    transactions: usize,
+    ledger: Arc<Mutex<Ledger>>,
+    progress: Arc<AtomicUsize>,
+) {
+    let mut client = pg(&url).await;
+    let mut rng = fastrand::Rng::with_seed(w as u64 + 7);
+    for t in 0..transactions {
+        if client.is_closed() {
+            // The database restarted under us: reconnect.
+            client = reconnect(&url).await;
+        }
+        let Ok(tx) = client.transaction().await else {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        };
+        let mut rows = Vec::new();
+        let mut failed = false;
+        for _ in 0..rng.usize(1..=4) {
+            let id = Uuid::new_v4();
+            let key = format!("{w}-{}", rng.usize(0..10));
+            match tx
+                .query_one(
+                    "INSERT INTO outbox (event_id, destination, partition_key, event_type, payload)
+                     VALUES ($1, 'orders', $2, 'created', jsonb_build_object('w', $3::int, 't', $4::int)) RETURNING sequence_id",
+                    &[&id, &key, &(w as i32), &(t as i32)],
+                )
+                .await
+            {
+                Ok(row) => rows.push((id.to_string(), (key, row.get::<_, i64>(0)))),
+                Err(_) => {
+                    failed = true;
+                    break;
+                }
+            }
+        }
+        let outcome = if failed || t % 5 == 4 {
+            tx.rollback().await.map(|_| false)
+        } else {
+            tx.commit().await.map(|_| true)
+        };
+        {
+            let mut ledger = ledger.lock().unwrap();
+            match outcome {
+                Ok(true) => ledger.committed.extend(rows),
+                Ok(false) => ledger
+                    .rolled_back
+                    .extend(rows.into_iter().map(|(id, _)| id)),
+                // A commit whose answer was lost: the test's database restart can do that. Its rows
+                // count as committed only if they exist; the checker looks them up at the end.
+                Err(_) => ledger
+                    .rolled_back
+                    .extend(rows.into_iter().map(|(id, _)| format!("unknown:{id}"))),
+            }
+        }
+        progress.fetch_add(1, Ordering::Relaxed);
+        tokio::time::sleep(Duration::from_millis(8)).await; // pacing, not synchronisation
+    }
+}
+
+/// Reads the whole stream: (event id, key, sequence id) in stream order.
+async fn stream_contents(js: &async_nats::jetstream::Context) -> Vec<(String, String, i64)> {
+    let mut stream = js.get_stream("ORDERS").await.unwrap();
+    let last = stream.info().await.unwrap().state.last_sequence;
+    let mut out = Vec::new();
+    for seq in 1..=last {
+        if let Ok(m) = stream.get_raw_message(seq).await {
+            let h = |n: &str| {
+                m.headers
+                    .get(n)
+                    .map(|v| v.as_str().to_string())
+                    .unwrap_or_default()
+            };
+            out.push((
+                h("Nats-Msg-Id"),
+                h("Outbox-Partition-Key"),
+                h("Outbox-Sequence-Id").parse().unwrap_or(-1),
+            ));
+        }
+    }
+    out
+}
+
+enum Faults {
+    /// kill -9 and restart, SIGTERM, SIGSTOP past the lease and SIGCONT, a fourth node,
+    /// and one node's connections killed with pg_terminate_backend.
+    Nodes,
+    /// The whole database restarted mid-run.
+    DatabaseRestart(ScriptedServer),
+}
+
+async fn scenario(ordering: &'static str, faults: Faults) {
+    outbox_testkit::install_crypto();
+    let nats = ServerProcess::start(
+        "nats-server",
+        &["-a", "127.0.0.1", "-p", "{port}", "-js", "-sd", "{dir}/js"],
+    );
+    let nats_url = format!("nats://127.0.0.1:{}", nats.port);
+    let js = async_nats::jetstream::new(async_nats::connect(&nats_url).await.unwrap());
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: "ORDERS".into(),
+        subjects: vec!["orders".into()],
+        duplicate_window: Duration::from_secs(600),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let database_url = match &faults {
+        Faults::DatabaseRestart(server) => {
+            format!("postgres://postgres@127.0.0.1:{}/postgres", server.port)
+        }
+        Faults::Nodes => outbox_testkit::fresh_pg_database().await,
+    };
+    let cluster = Cluster {
+        dir: tempfile::tempdir().unwrap(),
+        database_url: database_url.clone(),
+        nats_url,
+        ordering,
+    };
+    let migrated = Command::new(BIN)
+        .args([
+            "migrate",
+            "--database-url",
+            &database_url,
+            "--partitions",
+            "16",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        migrated.status.success(),
+        "{}",
+        String::from_utf8_lossy(&migrated.stderr)
+    );
+
+    let mut nodes: Vec<Node> = (1..=3)
+        .map(|i| cluster.start_node(&format!("relay-{i}")))
+        .collect();
+    let ledger = Arc::new(Mutex::new(Ledger::default()));
+    let progress = Arc::new(AtomicUsize::new(0));
+    let (writers, per_writer) = (3, 400);
+    let tasks: Vec<_> = (0..writers)
+        .map(|w| {
+            tokio::spawn(writer(
+                database_url.clone(),
+                w,
+                per_writer,
+                ledger.clone(),
+                progress.clone(),
+            ))
+        })
+        .collect();
+    let total = writers * per_writer;
+    let reach = |fraction: f64| {
+        let progress = progress.clone();
+        async move {
+            eventually("the writers' progress", Duration::from_secs(120), || {
+                let done = progress.load(Ordering::Relaxed) as f64 >= fraction * total as f64;
+                async move { done.then_some(()) }
+            })
+            .await
+        }
+    };
+    let admin = pg(&database_url).await;
+
+    match &faults {
+        Faults::Nodes => {
+            reach(0.15).await;
+            nodes[0].child.as_mut().unwrap().kill().unwrap(); // kill -9
+            nodes[0].child.as_mut().unwrap().wait().unwrap();
+            nodes[0].child = None;
+            reach(0.25).await;
+            nodes[0] = cluster.start_node("relay-1b");
+            reach(0.35).await;
+            nodes[1].signal("-TERM");
+            let status = nodes[1].wait_exit().await;
+            assert!(status.success(), "SIGTERM exits 0: {}", nodes[1].logs());
+            reach(0.45).await;
+            let frozen: Vec<i32> = admin
+                .query(
+                    "SELECT partition FROM outbox_partitions WHERE owner = 'relay-3'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| r.get(0))
+                .collect();
+            nodes[2].signal("-STOP");
+            if ordering == "key" {
+                assert!(
+                    !frozen.is_empty(),
+                    "relay-3 held partitions before it froze"
+                );
+                // Frozen past its lease: another node takes every partition it had.
+                eventually("relay-3's partitions to be taken over", Duration::from_secs(30), || {
+                    let (admin, frozen) = (&admin, &frozen);
+                    async move {
+                        let n: i64 = admin
+                            .query_one(
+                                "SELECT count(*) FROM outbox_partitions
+                                  WHERE partition = ANY($1) AND owner IS NOT NULL AND owner <> 'relay-3' AND lease_until > now()",
+                                &[frozen],
+                            )
+                            .await
+                            .unwrap()
+                            .get(0);
+                        (n as usize == frozen.len()).then_some(())
+                    }
+                })
+                .await;
+            } else {
+                tokio::time::sleep(Duration::from_secs(2)).await; // frozen for a while; nothing to observe
+            }
+            nodes[2].signal("-CONT");
+            reach(0.6).await;
+            nodes.push(cluster.start_node("relay-4"));
+            reach(0.75).await;
+            eventually("relay-4 to connect", Duration::from_secs(30), || {
+                let admin = &admin;
+                async move {
+                    let n: i64 = admin
+                        .query_one("SELECT count(*) FROM pg_stat_activity WHERE application_name = 'relay-4'", &[])
+                        .await
+                        .unwrap()
+                        .get(0);
+                    (n > 0).then_some(())
+                }
+            })
+            .await;
+            let killed: i64 = admin
+                .query_one(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = 'relay-4'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            assert!(killed > 0, "relay-4 had connections to kill");
+        }
+        Faults::DatabaseRestart(server) => {
+            reach(0.4).await;
+            server.script("restart-postgres");
+        }
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+
+    // The rows whose commit answer was lost: committed if present.
+    let mut ledger = std::mem::take(&mut *ledger.lock().unwrap());
+    let admin = pg(&database_url).await;
+    let unknown: Vec<String> = ledger
+        .rolled_back
+        .iter()
+        .filter_map(|id| id.strip_prefix("unknown:").map(String::from))
+        .collect();
+    ledger.rolled_back.retain(|id| !id.starts_with("unknown:"));
+    for id in unknown {
+        ledger.rolled_back.insert(id); // treated as unknown: neither required nor forbidden
+    }
+    let committed = ledger.committed;
+    eventually(
+        "every committed event in the stream and the outbox empty",
+        Duration::from_secs(120),
+        || {
+            let (js, admin, committed) = (&js, &admin, &committed);
+            async move {
+                let left: i64 = admin
+                    .query_one("SELECT count(*) FROM outbox", &[])
+                    .await
+                    .ok()?
+                    .get(0);
+                let seen: HashSet<String> = stream_contents(js)
+                    .await
+                    .into_iter()
+                    .map(|(id, _, _)| id)
+                    .collect();
+                (left == 0 && committed.keys().all(|id| seen.contains(id))).then_some(())
+            }
+        },
+    )
+    .await;
+
+    // The checker.
+    let contents = stream_contents(&js).await;
+    let mut seen = HashSet::new();
+    let mut duplicates = 0;
+    let mut last: HashMap<String, i64> = HashMap::new();
+    for (id, key, seq) in &contents {
+        if !seen.insert(id.clone()) {
+            duplicates += 1;
+            continue;
+        }
+        if !committed.contains_key(id) {
+            // A row the writer saw fail or roll back must never appear, unless its commit's
+            // answer was lost (then it may have committed after all).
+            let unknown_commit: bool = admin
+                .query_opt(
+                    "SELECT 1 FROM outbox WHERE event_id = $1::text::uuid",
+                    &[id],
+                )
+                .await
+                .unwrap()
+                .is_some();
+            assert!(
+                !unknown_commit || !ledger.rolled_back.contains(id),
+                "rolled-back event {id} was published"
+            );
+        }
+        if ordering == "key" {
+            if let Some(prev) = last.insert(key.clone(), *seq) {
+                assert!(
+                    prev < *seq,
+                    "key {key}: first deliveries went {prev} then {seq}"
+                );
+            }
+        }
+    }
+    eprintln!(
+        "{} committed, {} in the stream, {} duplicates ({} ordering)",
+        committed.len(),
+        contents.len(),
+        duplicates,
+        ordering
+    );
+    assert_eq!(
+        duplicates, 0,
+        "JetStream's dedupe window drops every redelivery"
+    );
+    for id in committed.keys() {
+        assert!(seen.contains(id));
+    }
+    if matches!(faults, Faults::Nodes) && ordering == "key" {
+        assert!(
+            nodes[2].logs().contains("lost partition lease"),
+            "the frozen node noticed it lost its partitions"
+        );
+    }
+    for node in nodes.iter_mut().filter(|n| n.child.is_some()) {
+        node.signal("-TERM");
+        let status = node.wait_exit().await;
+        assert!(status.success(), "{} exits 0", node.name);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ordered_cluster_survives_kills_freezes_joins_and_killed_connections() {
+    scenario("key", Faults::Nodes).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn unordered_cluster_loses_nothing_under_the_same_faults() {
+    scenario("none", Faults::Nodes).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ordered_cluster_survives_a_database_restart() {
+    let server = ScriptedServer::start("postgres", "OUTBOX_TEST_PG_PORT");
+    scenario("key", Faults::DatabaseRestart(server)).await;
+}
