@@ -72,22 +72,17 @@ async fn shutdown_signal() {
 /// pass; problems only an operator can fix fail at once, with the fix.
 async fn ready_store(config: &Config, create: bool, wait: bool) -> anyhow::Result<AnyStore> {
     let store = AnyStore::open(config)?;
-    let mut delay = Duration::from_millis(200);
-    let problems = loop {
-        match prepare_store(&store, create).await {
-            Ok(problems) => break problems,
-            Err(e) if wait && e.is_retryable() => {
-                tracing::warn!(error = %e.report(), retry_in = ?delay, "waiting for the database");
-                tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(Duration::from_secs(5));
-            }
-            Err(e) => bail!(
-                "cannot use {}: {}",
-                redact_url(&config.database_url),
-                e.report()
-            ),
-        }
-    };
+    let problems = retry_transient("checking the database", wait, || {
+        prepare_store(&store, create)
+    })
+    .await
+    .map_err(|e| {
+        anyhow::anyhow!(
+            "cannot use {}: {}",
+            redact_url(&config.database_url),
+            e.report()
+        )
+    })?;
     let mut fatal = Vec::new();
     for p in problems {
         if p.what.contains("trigger") {
@@ -100,6 +95,31 @@ async fn ready_store(config: &Config, create: bool, wait: bool) -> anyhow::Resul
         bail!("the database is not ready:\n  - {}", fatal.join("\n  - "));
     }
     Ok(store)
+}
+
+/// Runs `op`; with `wait`, transient failures (the database is down, restarting, or killed
+/// our connection) are retried with backoff until they pass. Other failures return at once.
+async fn retry_transient<T, F, Fut>(
+    what: &str,
+    wait: bool,
+    mut op: F,
+) -> Result<T, outbox_core::StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, outbox_core::StoreError>>,
+{
+    let mut delay = Duration::from_millis(200);
+    loop {
+        match op().await {
+            Ok(value) => return Ok(value),
+            Err(e) if wait && e.is_retryable() => {
+                tracing::warn!(error = %e.report(), retry_in = ?delay, "{what}: waiting for the database");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(5));
+            }
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 async fn prepare_store(
@@ -150,10 +170,11 @@ pub async fn run(config: Config, drain: bool) -> anyhow::Result<ExitCode> {
     // nodes share every row through SKIP LOCKED.
     let partitions = match (store.partition_registry(), ordered) {
         (Some(registry), true) => {
-            let count = registry
-                .partition_count()
-                .await
-                .map_err(|e| anyhow::anyhow!("cannot read the partitions table: {}", e.report()))?;
+            let count = retry_transient("reading the partition count", !drain, || {
+                registry.partition_count()
+            })
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot read the partitions table: {}", e.report()))?;
             if count == 0 {
                 bail!("the partitions table is empty: run `outbox-relay migrate`");
             }
@@ -165,15 +186,14 @@ pub async fn run(config: Config, drain: bool) -> anyhow::Result<ExitCode> {
         _ => None,
     };
     let ownership = partitions.as_ref().map(|p| p.ownership.clone());
-    let coordinator = Coordinator::start(
-        store.registry(),
-        partitions,
-        ClusterConfig {
-            node: node.clone(),
-            heartbeat_interval: config.heartbeat_interval,
-            heartbeat_timeout: config.heartbeat_timeout,
-        },
-    )
+    let cluster = ClusterConfig {
+        node: node.clone(),
+        heartbeat_interval: config.heartbeat_interval,
+        heartbeat_timeout: config.heartbeat_timeout,
+    };
+    let coordinator = retry_transient("registering in the nodes table", !drain, || {
+        Coordinator::start(store.registry(), partitions.clone(), cluster.clone())
+    })
     .await
     .map_err(|e| anyhow::anyhow!("cannot register in the nodes table: {}", e.report()))?;
 
