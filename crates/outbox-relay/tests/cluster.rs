@@ -382,6 +382,34 @@ async fn scenario(ordering: &'static str, faults: Faults) {
             nodes[2].signal("-CONT");
             reach(0.6).await;
             nodes.push(cluster.start_node("relay-4"));
+            if ordering == "key" {
+                // `stats` shows the rebalanced cluster: every partition owned, fair shares.
+                let url = database_url.clone();
+                eventually(
+                    "a fair share for every node in `stats`",
+                    Duration::from_secs(30),
+                    || {
+                        let out = Command::new(BIN)
+                            .args(["stats", "--json", "--database-url", &url])
+                            .output()
+                            .unwrap();
+                        let stats: serde_json::Value =
+                            serde_json::from_slice(&out.stdout).unwrap_or_default();
+                        let nodes = stats["nodes"].as_array().cloned().unwrap_or_default();
+                        let shares: Vec<usize> = nodes
+                            .iter()
+                            .map(|n| n["partitions"].as_array().map_or(0, |p| p.len()))
+                            .collect();
+                        let fair = 16usize.div_ceil(nodes.len().max(1));
+                        let done = nodes.len() == 3
+                            && nodes.iter().any(|n| n["id"] == "relay-4")
+                            && shares.iter().sum::<usize>() == 16
+                            && shares.iter().all(|s| *s <= fair && *s > 0);
+                        async move { done.then_some(()) }
+                    },
+                )
+                .await;
+            }
             reach(0.75).await;
             eventually("relay-4 to connect", Duration::from_secs(30), || {
                 let admin = &admin;
