@@ -267,3 +267,89 @@ pub trait PartitionRegistry: Send + Sync + 'static {
     /// Every partition's lease.
     fn partitions(&self) -> BoxFuture<'static, StoreResult<Vec<PartitionRecord>>>;
 }
+
+/// Backlog of one destination, for `stats`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct DestinationStats {
+    pub destination: String,
+    pub pending: u64,
+    pub retrying: u64,
+    pub dead: u64,
+    pub oldest_pending_age: Option<Duration>,
+}
+
+/// A dead-lettered event, for `dead list`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DeadRecord {
+    pub sequence_id: SequenceId,
+    pub event_id: crate::event::EventId,
+    pub destination: String,
+    pub event_type: String,
+    pub attempts: u32,
+    pub last_error: String,
+    pub dead_at: SystemTime,
+}
+
+/// Which dead letters an operator command touches.
+#[derive(Clone, Debug, PartialEq)]
+pub enum DeadSelector {
+    Ids(Vec<SequenceId>),
+    Destination(String),
+    All,
+}
+
+/// Operator commands. Bulk changes go in bounded batches (the callers loop), so no statement
+/// holds locks on many rows for long.
+pub trait Operations: Send + Sync + 'static {
+    fn destination_stats(&self) -> BoxFuture<'static, StoreResult<Vec<DestinationStats>>>;
+
+    fn dead_list(
+        &self,
+        destination: Option<String>,
+        limit: u32,
+    ) -> BoxFuture<'static, StoreResult<Vec<DeadRecord>>>;
+
+    /// Moves dead letters back into the outbox, under their old sequence ids, with attempts
+    /// reset: the relay publishes them again.
+    fn dead_retry(&self, selector: DeadSelector) -> BoxFuture<'static, StoreResult<u64>>;
+
+    fn dead_purge(&self, selector: DeadSelector) -> BoxFuture<'static, StoreResult<u64>>;
+
+    /// Retained delivered events created in `[since, until)` (and of `destination`) after
+    /// `after`: how many there are.
+    fn count_replayable(
+        &self,
+        since: SystemTime,
+        until: SystemTime,
+        destination: Option<String>,
+    ) -> BoxFuture<'static, StoreResult<u64>>;
+
+    /// Marks up to `batch` of them pending again, in sequence order after `after`; returns
+    /// how many and the last sequence id (the next call's `after`).
+    fn replay_batch(
+        &self,
+        since: SystemTime,
+        until: SystemTime,
+        destination: Option<String>,
+        after: SequenceId,
+        batch: u32,
+    ) -> BoxFuture<'static, StoreResult<(u64, SequenceId)>>;
+
+    /// Delivered (retained) rows older than `delivered_before`, and dead letters older than
+    /// `dead_before`: how many there are.
+    fn count_prunable(
+        &self,
+        delivered_before: Option<SystemTime>,
+        dead_before: Option<SystemTime>,
+    ) -> BoxFuture<'static, StoreResult<(u64, u64)>>;
+
+    /// Deletes up to `batch` delivered rows older than `before`; returns how many.
+    fn prune_delivered(
+        &self,
+        before: SystemTime,
+        batch: u32,
+    ) -> BoxFuture<'static, StoreResult<u64>>;
+
+    /// Deletes up to `batch` dead letters older than `before`; returns how many.
+    fn prune_dead(&self, before: SystemTime, batch: u32) -> BoxFuture<'static, StoreResult<u64>>;
+}

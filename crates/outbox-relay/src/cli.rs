@@ -65,8 +65,80 @@ pub enum Command {
     Check(CheckArgs),
     /// Insert one event into the outbox, as an application would.
     Send(SendArgs),
-    /// Show the backlog, the live nodes and which partitions each owns.
+    /// Show the backlog per destination, the live nodes and which partitions each owns.
     Stats(StatsArgs),
+    /// Inspect, resend or delete dead-lettered events.
+    #[command(subcommand)]
+    Dead(DeadCommand),
+    /// Publish retained delivered events again (needs --retain-delivered), for consumers
+    /// that lost data.
+    Replay(ReplayArgs),
+    /// Delete old delivered (retained) rows and dead letters, in small batches.
+    Prune(PruneArgs),
+}
+
+#[derive(Subcommand, Debug)]
+pub enum DeadCommand {
+    /// List dead letters: id, destination, type, attempts and last error.
+    List {
+        /// Only this destination.
+        #[arg(long, value_name = "D")]
+        destination: Option<String>,
+        /// At most this many [default: 50].
+        #[arg(long, default_value_t = 50, value_name = "N")]
+        limit: u32,
+        /// Print JSON lines.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Move dead letters back into the outbox, attempts reset, to be published again.
+    Retry(DeadSelectArgs),
+    /// Delete dead letters.
+    Purge(DeadSelectArgs),
+}
+
+#[derive(Args, Debug)]
+#[group(required = true, multiple = false)]
+pub struct DeadSelectArgs {
+    /// These sequence ids (repeatable).
+    #[arg(long = "id", value_name = "ID")]
+    pub ids: Vec<i64>,
+    /// Every dead letter of this destination.
+    #[arg(long, value_name = "D")]
+    pub destination: Option<String>,
+    /// Every dead letter.
+    #[arg(long)]
+    pub all: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct ReplayArgs {
+    /// Events created at or after this time (RFC 3339, e.g. 2026-11-20T10:00:00Z) or this
+    /// long ago (e.g. 2h).
+    #[arg(long, value_name = "TIME")]
+    pub since: String,
+    /// Events created before this time [default: now].
+    #[arg(long, value_name = "TIME")]
+    pub until: Option<String>,
+    /// Only this destination.
+    #[arg(long, value_name = "D")]
+    pub destination: Option<String>,
+}
+
+#[derive(Args, Debug)]
+pub struct PruneArgs {
+    /// Delete delivered (retained) rows delivered longer ago than this, e.g. 7d.
+    #[arg(long, value_name = "AGE")]
+    pub delivered_older_than: Option<String>,
+    /// Delete dead letters dead longer ago than this, e.g. 30d.
+    #[arg(long, value_name = "AGE")]
+    pub dead_older_than: Option<String>,
+    /// Only count what would be deleted.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Rows per delete statement [default: 1000].
+    #[arg(long, default_value_t = 1000, value_name = "N")]
+    pub batch_size: u32,
 }
 
 #[derive(Args, Debug)]
@@ -240,7 +312,11 @@ impl Cli {
             }
             Command::Check(c) => o.sink = c.sink.clone(),
             Command::Migrate(m) => o.partitions = m.partitions,
-            Command::Send(_) | Command::Stats(_) => {}
+            Command::Send(_)
+            | Command::Stats(_)
+            | Command::Dead(_)
+            | Command::Replay(_)
+            | Command::Prune(_) => {}
         }
         o
     }

@@ -70,7 +70,11 @@ async fn shutdown_signal() {
 /// Opens the store and makes sure its tables exist (creating them when allowed). With
 /// `wait`, transient failures (the database is down or restarting) are retried until they
 /// pass; problems only an operator can fix fail at once, with the fix.
-async fn ready_store(config: &Config, create: bool, wait: bool) -> anyhow::Result<AnyStore> {
+pub(crate) async fn ready_store(
+    config: &Config,
+    create: bool,
+    wait: bool,
+) -> anyhow::Result<AnyStore> {
     let store = AnyStore::open(config)?;
     let problems = retry_transient("checking the database", wait, || {
         prepare_store(&store, create)
@@ -324,6 +328,11 @@ pub async fn stats(config: Config, json: bool) -> anyhow::Result<ExitCode> {
     let store = ready_store(&config, false, false).await?;
     let report = |e: outbox_core::StoreError| anyhow::anyhow!(e.report());
     let backlog = store.outbox().backlog().await.map_err(report)?;
+    let destinations = store
+        .operations()
+        .destination_stats()
+        .await
+        .map_err(report)?;
     let nodes = store.registry().live_nodes().await.map_err(report)?;
     let partitions = match store.partition_registry() {
         Some(r) => r.partitions().await.map_err(report)?,
@@ -351,6 +360,13 @@ pub async fn stats(config: Config, json: bool) -> anyhow::Result<ExitCode> {
                 "dead": backlog.dead,
                 "oldest_pending_age_seconds": backlog.oldest_pending_age.map(|d| d.as_secs_f64()),
             },
+            "destinations": destinations.iter().map(|d| serde_json::json!({
+                "destination": d.destination,
+                "pending": d.pending,
+                "retrying": d.retrying,
+                "dead": d.dead,
+                "oldest_pending_age_seconds": d.oldest_pending_age.map(|a| a.as_secs_f64()),
+            })).collect::<Vec<_>>(),
             "nodes": nodes.iter().map(|n| serde_json::json!({
                 "id": n.id,
                 "expiry": humantime::format_rfc3339_millis(n.expiry).to_string(),
@@ -378,6 +394,22 @@ pub async fn stats(config: Config, json: bool) -> anyhow::Result<ExitCode> {
         backlog.retrying,
         backlog.dead
     );
+    if !destinations.is_empty() {
+        println!(
+            "  {:<32} {:>9} {:>9} {:>7}  oldest pending",
+            "destination", "pending", "retrying", "dead"
+        );
+        for d in &destinations {
+            let oldest = d
+                .oldest_pending_age
+                .map(|a| humantime::format_duration(Duration::from_secs(a.as_secs())).to_string())
+                .unwrap_or_else(|| "-".into());
+            println!(
+                "  {:<32} {:>9} {:>9} {:>7}  {oldest}",
+                d.destination, d.pending, d.retrying, d.dead
+            );
+        }
+    }
     println!("nodes ({} live):", nodes.len());
     for n in &nodes {
         let left = n.expiry.duration_since(now).unwrap_or_default();

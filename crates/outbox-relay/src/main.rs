@@ -4,6 +4,8 @@ mod cli;
 mod commands;
 mod config;
 mod http;
+mod operator;
+mod progress;
 mod store;
 
 use std::process::ExitCode;
@@ -67,6 +69,9 @@ fn main() -> ExitCode {
             Command::Check(_) => commands::check(config).await,
             Command::Send(args) => commands::send(config, args).await,
             Command::Stats(args) => commands::stats(config, args.json).await,
+            Command::Dead(command) => operator::dead(config, command).await,
+            Command::Replay(args) => operator::replay(config, args).await,
+            Command::Prune(args) => operator::prune(config, args).await,
         }
     });
     match result {

@@ -60,6 +60,13 @@ impl AnyStore {
         }
     }
 
+    pub fn operations(&self) -> Arc<dyn outbox_core::store::Operations> {
+        match self {
+            AnyStore::Postgres(s) => Arc::new(s.clone()),
+            AnyStore::Sqlite(s) => Arc::new(s.clone()),
+        }
+    }
+
     pub fn registry(&self) -> Arc<dyn NodeRegistry> {
         match self {
             AnyStore::Postgres(s) => Arc::new(s.clone()),

@@ -5,6 +5,7 @@
 //! statement-level trigger created by [`PgStore::migrate`] sends them.
 
 mod error;
+mod ops;
 pub mod schema;
 mod tls;
 
@@ -191,7 +192,7 @@ fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
-fn from_micros(micros: i64) -> SystemTime {
+pub(crate) fn from_micros(micros: i64) -> SystemTime {
     if micros >= 0 {
         UNIX_EPOCH + Duration::from_micros(micros as u64)
     } else {

@@ -191,6 +191,9 @@ GRANT EXECUTE ON FUNCTION {partition_fn}(text, integer) TO {role};
 -- Applications (and `outbox-relay send`) also need:
 --   GRANT INSERT ON {t} TO app_role;
 --   GRANT USAGE ON SEQUENCE {seq} TO app_role;
+-- Operators (`dead retry`, `dead purge`, `prune`) also need:
+--   GRANT INSERT ON {t} TO operator_role;
+--   GRANT DELETE ON {dl} TO operator_role;
 "#,
             schemas = schemas.join(", "),
             seq = self.outbox.sibling("_sequence_id_seq"),

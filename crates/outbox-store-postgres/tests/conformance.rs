@@ -60,6 +60,10 @@ impl Harness for PgHarness {
         Arc::new(self.store.clone())
     }
 
+    fn operations(&self) -> Arc<dyn outbox_core::store::Operations> {
+        Arc::new(self.store.clone())
+    }
+
     fn insert_rolled_back(&self, destination: &str) -> BoxFuture<'_, ()> {
         let sql = format!(
             "BEGIN; INSERT INTO outbox (destination, event_type, payload) VALUES ('{destination}', 't', '1'); ROLLBACK;"

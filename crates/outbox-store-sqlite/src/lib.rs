@@ -24,6 +24,8 @@ use rusqlite::types::ValueRef;
 use rusqlite::{params, Connection, OptionalExtension, Row};
 use uuid::Uuid;
 
+mod ops;
+
 /// How often the wake-up task reads `PRAGMA data_version`.
 pub const DEFAULT_CHANGE_POLL: Duration = Duration::from_millis(10);
 

@@ -46,6 +46,10 @@ impl Harness for SqliteHarness {
         Arc::new(self.store.clone())
     }
 
+    fn operations(&self) -> Arc<dyn outbox_core::store::Operations> {
+        Arc::new(self.store.clone())
+    }
+
     fn insert_rolled_back(&self, destination: &str) -> BoxFuture<'_, ()> {
         let conn = self.conn.lock().unwrap();
         conn.execute_batch(&format!(

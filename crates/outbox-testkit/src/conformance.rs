@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
-use outbox_core::store::{ClaimRequest, DeadLetter, NodeRegistry, RetryLater};
+use outbox_core::store::{
+    ClaimRequest, DeadLetter, DeadSelector, NodeRegistry, Operations, RetryLater,
+};
 use outbox_core::{
     Claimed, NewEvent, NodeId, OutboxStore, PublishErrorKind, RetryPolicy, SequenceId,
 };
@@ -33,6 +35,8 @@ pub trait Harness: Send + Sync {
     /// A store over the same database that keeps delivered rows.
     fn retaining_store(&self) -> Arc<dyn OutboxStore>;
     fn registry(&self) -> Arc<dyn NodeRegistry>;
+    /// Operator commands over the same database.
+    fn operations(&self) -> Arc<dyn Operations>;
     /// Inserts an event inside a transaction that is rolled back.
     fn insert_rolled_back(&self, destination: &str) -> BoxFuture<'_, ()>;
     /// Inserts a row whose headers are not a JSON object.
@@ -54,7 +58,8 @@ macro_rules! store_conformance {
             release_makes_rows_claimable, node_registry,
             engine_delivers_in_order_per_key, engine_retry_blocks_only_its_key,
             engine_dead_letters_after_max_attempts_and_moves_on,
-            engine_dead_letters_permanent_errors_and_undecodable_rows);
+            engine_dead_letters_permanent_errors_and_undecodable_rows,
+            operator_lists_retries_and_purges_dead_letters, operator_replays_and_prunes_in_batches);
     };
     (@tests $new_harness:path; $($name:ident),* $(,)?) => {
         $(
@@ -618,4 +623,157 @@ pub async fn engine_dead_letters_permanent_errors_and_undecodable_rows(h: &dyn H
         .map(|e| e.sequence_id)
         .collect();
     assert_eq!(delivered, rest);
+}
+
+pub async fn operator_lists_retries_and_purges_dead_letters(h: &dyn Harness) {
+    let store = h.store();
+    let ops = h.operations();
+    let seq = store
+        .insert(vec![
+            event("a", Some("k1"), "t", 1),
+            event("a", Some("k2"), "t", 2),
+            event("b", None, "u", 3),
+        ])
+        .await
+        .unwrap();
+    let node = NodeId::random();
+    store.claim(request(&node, 10)).await.unwrap();
+    let dead = seq
+        .iter()
+        .map(|s| DeadLetter {
+            sequence_id: *s,
+            attempts: 4,
+            error: format!("boom {s}"),
+        })
+        .collect();
+    assert_eq!(store.dead_letter(node, None, dead).await.unwrap(), 3);
+
+    let all = ops.dead_list(None, 100).await.unwrap();
+    assert_eq!(all.iter().map(|d| d.sequence_id).collect::<Vec<_>>(), seq);
+    assert_eq!(all[2].destination, "b");
+    assert_eq!(all[2].event_type, "u");
+    assert_eq!(all[2].attempts, 4);
+    assert_eq!(all[2].last_error, format!("boom {}", seq[2]));
+    assert_eq!(ops.dead_list(Some("a".into()), 100).await.unwrap().len(), 2);
+    assert_eq!(ops.dead_list(None, 1).await.unwrap().len(), 1);
+    let stats = ops.destination_stats().await.unwrap();
+    assert_eq!(
+        stats
+            .iter()
+            .map(|s| (s.destination.as_str(), s.dead))
+            .collect::<Vec<_>>(),
+        vec![("a", 2), ("b", 1)]
+    );
+
+    // Retry one by id: it is back, same sequence id and event id, attempts reset.
+    assert_eq!(
+        ops.dead_retry(DeadSelector::Ids(vec![seq[0]]))
+            .await
+            .unwrap(),
+        1
+    );
+    let again = store.claim(request(&NodeId::random(), 10)).await.unwrap();
+    assert_eq!(ids(&again), vec![seq[0]]);
+    match &again[0] {
+        Claimed::Event(e) => {
+            assert_eq!(e.event_id, all[0].event_id);
+            assert_eq!(e.attempts, 0);
+        }
+        other => panic!("expected an event, got {other:?}"),
+    }
+    assert_eq!(
+        ops.dead_retry(DeadSelector::Destination("a".into()))
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(ops.dead_purge(DeadSelector::All).await.unwrap(), 1);
+    assert!(ops.dead_list(None, 100).await.unwrap().is_empty());
+    let stats = ops.destination_stats().await.unwrap();
+    let a = stats.iter().find(|s| s.destination == "a").unwrap();
+    assert_eq!((a.pending, a.dead), (2, 0));
+}
+
+pub async fn operator_replays_and_prunes_in_batches(h: &dyn Harness) {
+    let store = h.retaining_store();
+    let ops = h.operations();
+    let seq = store
+        .insert(
+            (0..5)
+                .map(|n| event("d", Some(&format!("k{n}")), "t", n))
+                .collect(),
+        )
+        .await
+        .unwrap();
+    let node = NodeId::random();
+    store.claim(request(&node, 10)).await.unwrap();
+    assert_eq!(store.ack(node.clone(), None, seq.clone()).await.unwrap(), 5);
+    let (since, until) = (
+        std::time::SystemTime::now() - Duration::from_secs(60),
+        std::time::SystemTime::now() + Duration::from_secs(60),
+    );
+    assert_eq!(ops.count_replayable(since, until, None).await.unwrap(), 5);
+    assert_eq!(
+        ops.count_replayable(since, until, Some("other".into()))
+            .await
+            .unwrap(),
+        0
+    );
+    let mut after = 0;
+    let mut batches = Vec::new();
+    loop {
+        let (n, last) = ops
+            .replay_batch(since, until, None, after, 2)
+            .await
+            .unwrap();
+        if n == 0 {
+            break;
+        }
+        batches.push(n);
+        after = last;
+    }
+    assert_eq!(batches, vec![2, 2, 1]);
+    let relay = NodeId::random();
+    let replayed = store.claim(request(&relay, 10)).await.unwrap();
+    assert_eq!(
+        ids(&replayed),
+        seq,
+        "replayed events are delivered again, in order"
+    );
+    assert_eq!(store.ack(relay, None, seq.clone()).await.unwrap(), 5);
+
+    // Prune delivered rows and dead letters older than a cut-off, in small batches.
+    let extra = store.insert(vec![event("d", None, "t", 9)]).await.unwrap();
+    let node = NodeId::random();
+    store.claim(request(&node, 10)).await.unwrap();
+    let dead = vec![DeadLetter {
+        sequence_id: extra[0],
+        attempts: 1,
+        error: "x".into(),
+    }];
+    assert_eq!(store.dead_letter(node, None, dead).await.unwrap(), 1);
+    let later = std::time::SystemTime::now() + Duration::from_secs(60);
+    assert_eq!(
+        ops.count_prunable(Some(since), Some(since)).await.unwrap(),
+        (0, 0),
+        "nothing that old"
+    );
+    assert_eq!(
+        ops.count_prunable(Some(later), Some(later)).await.unwrap(),
+        (5, 1)
+    );
+    let mut pruned = Vec::new();
+    loop {
+        let n = ops.prune_delivered(later, 2).await.unwrap();
+        if n == 0 {
+            break;
+        }
+        pruned.push(n);
+    }
+    assert_eq!(pruned, vec![2, 2, 1]);
+    assert_eq!(ops.prune_dead(later, 2).await.unwrap(), 1);
+    assert_eq!(
+        ops.count_prunable(Some(later), Some(later)).await.unwrap(),
+        (0, 0)
+    );
 }

@@ -1,0 +1,187 @@
+//! Operator commands: dead letters, replay, prune.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use anyhow::{bail, Context};
+use outbox_core::store::{DeadSelector, Operations};
+
+use crate::cli::{DeadCommand, DeadSelectArgs, PruneArgs, ReplayArgs};
+use crate::commands::ready_store;
+use crate::config::{duration, Config};
+use crate::progress::Progress;
+
+async fn operations(config: &Config) -> anyhow::Result<Arc<dyn Operations>> {
+    Ok(ready_store(config, false, false).await?.operations())
+}
+
+fn store_error(e: outbox_core::StoreError) -> anyhow::Error {
+    anyhow::anyhow!(e.report())
+}
+
+fn selector(args: DeadSelectArgs) -> DeadSelector {
+    match (args.ids.is_empty(), args.destination, args.all) {
+        (false, _, _) => DeadSelector::Ids(args.ids),
+        (true, Some(d), _) => DeadSelector::Destination(d),
+        _ => DeadSelector::All,
+    }
+}
+
+pub async fn dead(config: Config, command: DeadCommand) -> anyhow::Result<ExitCode> {
+    let ops = operations(&config).await?;
+    match command {
+        DeadCommand::List {
+            destination,
+            limit,
+            json,
+        } => {
+            let rows = ops
+                .dead_list(destination, limit)
+                .await
+                .map_err(store_error)?;
+            for r in &rows {
+                let dead_at = humantime::format_rfc3339_seconds(r.dead_at);
+                if json {
+                    let line = serde_json::json!({
+                        "sequence_id": r.sequence_id,
+                        "event_id": r.event_id,
+                        "destination": r.destination,
+                        "event_type": r.event_type,
+                        "attempts": r.attempts,
+                        "last_error": r.last_error,
+                        "dead_at": dead_at.to_string(),
+                    });
+                    println!("{line}");
+                } else {
+                    println!(
+                        "{}\t{}\t{}\t{}\tattempts={}\t{}\t{}",
+                        r.sequence_id,
+                        r.event_id,
+                        r.destination,
+                        r.event_type,
+                        r.attempts,
+                        dead_at,
+                        r.last_error
+                    );
+                }
+            }
+            if !json && rows.is_empty() {
+                eprintln!("no dead letters");
+            }
+        }
+        DeadCommand::Retry(args) => {
+            let n = ops.dead_retry(selector(args)).await.map_err(store_error)?;
+            println!("moved {n} dead letters back to the outbox; the relay publishes them again");
+        }
+        DeadCommand::Purge(args) => {
+            let n = ops.dead_purge(selector(args)).await.map_err(store_error)?;
+            println!("deleted {n} dead letters");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// A time given as RFC 3339 or as an age (`2h` means two hours ago).
+fn parse_time(text: &str) -> anyhow::Result<SystemTime> {
+    if let Ok(t) = humantime::parse_rfc3339_weak(text) {
+        return Ok(t);
+    }
+    let age = duration::parse(text).map_err(|_| {
+        anyhow::anyhow!(
+            "invalid time {text:?}: give RFC 3339 (2026-11-20T10:00:00Z) or an age (2h, 7d)"
+        )
+    })?;
+    Ok(SystemTime::now() - age)
+}
+
+pub async fn replay(config: Config, args: ReplayArgs) -> anyhow::Result<ExitCode> {
+    let since = parse_time(&args.since)?;
+    let until = args
+        .until
+        .as_deref()
+        .map(parse_time)
+        .transpose()?
+        .unwrap_or_else(SystemTime::now);
+    if since >= until {
+        bail!("--since must be before --until");
+    }
+    let ops = operations(&config).await?;
+    let total = ops
+        .count_replayable(since, until, args.destination.clone())
+        .await
+        .map_err(store_error)?;
+    if total == 0 {
+        println!("no retained delivered events in that window (replay needs rows kept with --retain-delivered)");
+        return Ok(ExitCode::SUCCESS);
+    }
+    let mut progress = Progress::new("replaying", total);
+    let mut after = 0;
+    loop {
+        let (n, last) = ops
+            .replay_batch(since, until, args.destination.clone(), after, 1000)
+            .await
+            .map_err(store_error)?;
+        if n == 0 {
+            break;
+        }
+        progress.add(n);
+        after = last;
+    }
+    progress.finish();
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn prune(config: Config, args: PruneArgs) -> anyhow::Result<ExitCode> {
+    let cutoff = |age: &Option<String>, flag: &str| -> anyhow::Result<Option<SystemTime>> {
+        age.as_deref()
+            .map(|a| {
+                duration::parse(a)
+                    .map(|d| SystemTime::now() - d)
+                    .map_err(anyhow::Error::msg)
+            })
+            .transpose()
+            .with_context(|| format!("--{flag}"))
+    };
+    let delivered = cutoff(&args.delivered_older_than, "delivered-older-than")?;
+    let dead = cutoff(&args.dead_older_than, "dead-older-than")?;
+    if delivered.is_none() && dead.is_none() {
+        bail!("give --delivered-older-than AGE, --dead-older-than AGE, or both (e.g. 7d, 30d)");
+    }
+    let batch = args.batch_size.clamp(1, 50_000);
+    let ops = operations(&config).await?;
+    let (n_delivered, n_dead) = ops
+        .count_prunable(delivered, dead)
+        .await
+        .map_err(store_error)?;
+    if args.dry_run {
+        println!("would delete {n_delivered} delivered rows and {n_dead} dead letters");
+        return Ok(ExitCode::SUCCESS);
+    }
+    if let Some(before) = delivered {
+        let mut progress = Progress::new("pruning delivered rows", n_delivered);
+        loop {
+            let n = ops
+                .prune_delivered(before, batch)
+                .await
+                .map_err(store_error)?;
+            if n == 0 {
+                break;
+            }
+            progress.add(n);
+        }
+        progress.finish();
+    }
+    if let Some(before) = dead {
+        let mut progress = Progress::new("pruning dead letters", n_dead);
+        loop {
+            let n = ops.prune_dead(before, batch).await.map_err(store_error)?;
+            if n == 0 {
+                break;
+            }
+            progress.add(n);
+        }
+        progress.finish();
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,147 @@
+//! Operator commands through the binary, on the embedded SQLite store (the store-level
+//! behaviour is covered for PostgreSQL and SQLite by the conformance suite).
+
+use std::path::Path;
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use outbox_testkit::eventually;
+
+const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
+
+fn relay(dir: &Path, args: &[&str]) -> Output {
+    let out = Command::new(BIN)
+        .args(args)
+        .current_dir(dir)
+        .env_remove("DATABASE_URL")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "outbox-relay {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).to_string()
+}
+
+fn lines(path: &Path) -> usize {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .count()
+}
+
+#[tokio::test]
+async fn dead_letters_can_be_listed_retried_and_purged_and_retained_events_replayed_and_pruned() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::write(
+        d.join("outbox-relay.toml"),
+        r#"
+database_url = "sqlite:o.db"
+retain_delivered = true
+http_addr = ""
+[retry]
+base_delay = "10ms"
+max_delay = "20ms"
+max_attempts = 2
+[sinks.out]
+uri = "file:out.jsonl"
+[[routes]]
+destinations = "orders"
+sink = "out"
+"#,
+    )
+    .unwrap();
+    for key in ["a", "b", "c"] {
+        relay(d, &["send", "--destination", "orders", "--key", key, "{}"]);
+    }
+    relay(d, &["send", "--destination", "nowhere", "{}"]);
+
+    // The unrouted event fails twice, then is dead-lettered.
+    let listed = eventually(
+        "the unrouted event in the dead letters",
+        Duration::from_secs(30),
+        || {
+            relay(d, &["run", "--drain"]);
+            let out = stdout(&relay(d, &["dead", "list", "--json"]));
+            async move { (!out.is_empty()).then_some(out) }
+        },
+    )
+    .await;
+    assert_eq!(lines(&d.join("out.jsonl")), 3);
+    let dead: serde_json::Value = serde_json::from_str(listed.lines().next().unwrap()).unwrap();
+    assert_eq!(dead["destination"], "nowhere");
+    assert_eq!(dead["attempts"], 2);
+    assert!(dead["last_error"]
+        .as_str()
+        .unwrap()
+        .contains("no route matches destination"));
+
+    let stats: serde_json::Value =
+        serde_json::from_slice(&relay(d, &["stats", "--json"]).stdout).unwrap();
+    let by: Vec<(String, u64, u64)> = stats["destinations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| {
+            (
+                x["destination"].as_str().unwrap().into(),
+                x["pending"].as_u64().unwrap(),
+                x["dead"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        by,
+        vec![("nowhere".into(), 0, 1)],
+        "delivered rows are retained, not pending"
+    );
+
+    assert!(stdout(&relay(d, &["dead", "retry", "--destination", "nowhere"])).contains("moved 1"));
+    let stats: serde_json::Value =
+        serde_json::from_slice(&relay(d, &["stats", "--json"]).stdout).unwrap();
+    assert_eq!(
+        stats["backlog"]["pending"], 1,
+        "the retried event is pending again"
+    );
+    assert!(stdout(&relay(d, &["dead", "purge", "--all"])).contains("deleted 0"));
+
+    // Replay publishes the retained events again, with their original ids.
+    let replayed = relay(d, &["replay", "--since", "1h"]);
+    assert!(String::from_utf8_lossy(&replayed.stderr).contains("replaying: 3/3 (100%)"));
+    relay(d, &["run", "--drain"]);
+    let out = std::fs::read_to_string(d.join("out.jsonl")).unwrap();
+    let ids: Vec<String> = out
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["event_id"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(ids.len(), 6);
+    assert_eq!(ids[..3], ids[3..], "the same events, in the same order");
+
+    // Prune the delivered rows; a dry run first.
+    assert!(stdout(&relay(
+        d,
+        &["prune", "--delivered-older-than", "0s", "--dry-run"]
+    ))
+    .contains("would delete 3 delivered rows"));
+    let pruned = relay(
+        d,
+        &["prune", "--delivered-older-than", "0s", "--batch-size", "2"],
+    );
+    assert!(String::from_utf8_lossy(&pruned.stderr).contains("pruning delivered rows: 3/3 (100%)"));
+    assert!(stdout(&relay(
+        d,
+        &["prune", "--delivered-older-than", "0s", "--dry-run"]
+    ))
+    .contains("would delete 0 delivered rows"));
+}

@@ -1,0 +1,306 @@
+//! Operator commands on PostgreSQL: per-destination stats, dead letters, replay, prune.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use outbox_core::store::{DeadRecord, DeadSelector, DestinationStats, Operations, StoreResult};
+use outbox_core::SequenceId;
+use tokio_postgres::types::ToSql;
+
+use crate::{from_micros, PgStore};
+
+fn seconds(t: SystemTime) -> f64 {
+    match t.duration_since(UNIX_EPOCH) {
+        Ok(d) => d.as_secs_f64(),
+        Err(e) => -e.duration().as_secs_f64(),
+    }
+}
+
+/// The WHERE clause and its parameter for a selector (parameter `$1`).
+fn selector(s: &DeadSelector) -> (&'static str, Box<dyn ToSql + Sync + Send>) {
+    match s {
+        DeadSelector::Ids(ids) => ("sequence_id = ANY($1::int8[])", Box::new(ids.clone())),
+        DeadSelector::Destination(d) => ("destination = $1", Box::new(d.clone())),
+        DeadSelector::All => ("$1::bool", Box::new(true)),
+    }
+}
+
+impl Operations for PgStore {
+    fn destination_stats(&self) -> BoxFuture<'static, StoreResult<Vec<DestinationStats>>> {
+        let inner = self.inner.clone();
+        async move {
+            let t = inner.tables.outbox.quoted();
+            let dl = inner.tables.dead_letters.quoted();
+            let pending = Self::query(
+                &inner,
+                "stats",
+                &format!(
+                    "SELECT destination, count(*)::int8, count(*) FILTER (WHERE attempts > 0)::int8,
+                            (extract(epoch from now() - min(created_at)) * 1000)::int8
+                       FROM {t} WHERE delivered_at IS NULL GROUP BY destination"
+                ),
+                &[],
+            )
+            .await?;
+            let dead = Self::query(
+                &inner,
+                "stats",
+                &format!("SELECT destination, count(*)::int8 FROM {dl} GROUP BY destination"),
+                &[],
+            )
+            .await?;
+            let mut by: BTreeMap<String, DestinationStats> = BTreeMap::new();
+            for r in pending {
+                let d: String = r.get(0);
+                let s = by.entry(d.clone()).or_default();
+                s.destination = d;
+                s.pending = r.get::<_, i64>(1) as u64;
+                s.retrying = r.get::<_, i64>(2) as u64;
+                s.oldest_pending_age = r
+                    .get::<_, Option<i64>>(3)
+                    .map(|ms| Duration::from_millis(ms.max(0) as u64));
+            }
+            for r in dead {
+                let d: String = r.get(0);
+                let s = by.entry(d.clone()).or_default();
+                s.destination = d;
+                s.dead = r.get::<_, i64>(1) as u64;
+            }
+            Ok(by.into_values().collect())
+        }
+        .boxed()
+    }
+
+    fn dead_list(
+        &self,
+        destination: Option<String>,
+        limit: u32,
+    ) -> BoxFuture<'static, StoreResult<Vec<DeadRecord>>> {
+        let inner = self.inner.clone();
+        async move {
+            let dl = inner.tables.dead_letters.quoted();
+            let limit = i64::from(limit);
+            let rows = Self::query(
+                &inner,
+                "dead list",
+                &format!(
+                    "SELECT sequence_id, event_id, destination, event_type, attempts::int8, last_error,
+                            (extract(epoch from dead_at) * 1000000)::int8
+                       FROM {dl} WHERE ($1::text IS NULL OR destination = $1)
+                      ORDER BY sequence_id LIMIT $2"
+                ),
+                &[&destination, &limit],
+            )
+            .await?;
+            Ok(rows
+                .iter()
+                .map(|r| DeadRecord {
+                    sequence_id: r.get(0),
+                    event_id: r.get(1),
+                    destination: r.get(2),
+                    event_type: r.get(3),
+                    attempts: r.get::<_, i64>(4).max(0) as u32,
+                    last_error: r.get(5),
+                    dead_at: from_micros(r.get(6)),
+                })
+                .collect())
+        }
+        .boxed()
+    }
+
+    fn dead_retry(&self, which: DeadSelector) -> BoxFuture<'static, StoreResult<u64>> {
+        let inner = self.inner.clone();
+        async move {
+            let (t, dl) = (
+                inner.tables.outbox.quoted(),
+                inner.tables.dead_letters.quoted(),
+            );
+            let (condition, param) = selector(&which);
+            // The INSERT fires the outbox trigger, so relays wake up at once.
+            let sql = format!(
+                "WITH moved AS (DELETE FROM {dl} WHERE {condition} RETURNING *)
+                 INSERT INTO {t} (sequence_id, event_id, destination, partition_key, event_type,
+                                  payload, headers, mutation_id, rejected, created_at)
+                 SELECT sequence_id, event_id, destination, partition_key, event_type,
+                        payload, headers, mutation_id, rejected, created_at FROM moved"
+            );
+            Self::execute(
+                &inner,
+                "dead retry",
+                &sql,
+                &[&*param as &(dyn ToSql + Sync)],
+            )
+            .await
+        }
+        .boxed()
+    }
+
+    fn dead_purge(&self, which: DeadSelector) -> BoxFuture<'static, StoreResult<u64>> {
+        let inner = self.inner.clone();
+        async move {
+            let dl = inner.tables.dead_letters.quoted();
+            let (condition, param) = selector(&which);
+            let sql = format!("DELETE FROM {dl} WHERE {condition}");
+            Self::execute(
+                &inner,
+                "dead purge",
+                &sql,
+                &[&*param as &(dyn ToSql + Sync)],
+            )
+            .await
+        }
+        .boxed()
+    }
+
+    fn count_replayable(
+        &self,
+        since: SystemTime,
+        until: SystemTime,
+        destination: Option<String>,
+    ) -> BoxFuture<'static, StoreResult<u64>> {
+        let inner = self.inner.clone();
+        async move {
+            let t = inner.tables.outbox.quoted();
+            let rows = Self::query(
+                &inner,
+                "replay",
+                &format!(
+                    "SELECT count(*)::int8 FROM {t}
+                      WHERE delivered_at IS NOT NULL AND created_at >= to_timestamp($1)
+                        AND created_at < to_timestamp($2) AND ($3::text IS NULL OR destination = $3)"
+                ),
+                &[&seconds(since), &seconds(until), &destination],
+            )
+            .await?;
+            Ok(rows[0].get::<_, i64>(0) as u64)
+        }
+        .boxed()
+    }
+
+    fn replay_batch(
+        &self,
+        since: SystemTime,
+        until: SystemTime,
+        destination: Option<String>,
+        after: SequenceId,
+        batch: u32,
+    ) -> BoxFuture<'static, StoreResult<(u64, SequenceId)>> {
+        let inner = self.inner.clone();
+        async move {
+            let t = inner.tables.outbox.quoted();
+            let batch = i64::from(batch);
+            let rows = Self::query(
+                &inner,
+                "replay",
+                &format!(
+                    "WITH b AS (
+                        SELECT sequence_id FROM {t}
+                         WHERE delivered_at IS NOT NULL AND created_at >= to_timestamp($1)
+                           AND created_at < to_timestamp($2) AND ($3::text IS NULL OR destination = $3)
+                           AND sequence_id > $4
+                         ORDER BY sequence_id LIMIT $5 FOR UPDATE)
+                     UPDATE {t} o SET delivered_at = NULL, attempts = 0, last_error = NULL,
+                            available_at = now(), locked_by = NULL, locked_until = NULL
+                       FROM b WHERE o.sequence_id = b.sequence_id
+                     RETURNING o.sequence_id"
+                ),
+                &[&seconds(since), &seconds(until), &destination, &after, &batch],
+            )
+            .await?;
+            let last = rows.iter().map(|r| r.get::<_, i64>(0)).max().unwrap_or(after);
+            if !rows.is_empty() {
+                // An UPDATE fires no insert trigger: wake the relays ourselves.
+                let channel = inner.tables.notify_channel.as_str().to_string();
+                Self::execute(&inner, "replay", "SELECT pg_notify($1, '')", &[&channel]).await?;
+            }
+            Ok((rows.len() as u64, last))
+        }
+        .boxed()
+    }
+
+    fn count_prunable(
+        &self,
+        delivered_before: Option<SystemTime>,
+        dead_before: Option<SystemTime>,
+    ) -> BoxFuture<'static, StoreResult<(u64, u64)>> {
+        let inner = self.inner.clone();
+        async move {
+            let (t, dl) = (
+                inner.tables.outbox.quoted(),
+                inner.tables.dead_letters.quoted(),
+            );
+            let delivered = match delivered_before {
+                Some(before) => Self::query(
+                    &inner,
+                    "prune",
+                    &format!(
+                        "SELECT count(*)::int8 FROM {t} WHERE delivered_at < to_timestamp($1)"
+                    ),
+                    &[&seconds(before)],
+                )
+                .await?[0]
+                    .get::<_, i64>(0) as u64,
+                None => 0,
+            };
+            let dead = match dead_before {
+                Some(before) => Self::query(
+                    &inner,
+                    "prune",
+                    &format!("SELECT count(*)::int8 FROM {dl} WHERE dead_at < to_timestamp($1)"),
+                    &[&seconds(before)],
+                )
+                .await?[0]
+                    .get::<_, i64>(0) as u64,
+                None => 0,
+            };
+            Ok((delivered, dead))
+        }
+        .boxed()
+    }
+
+    fn prune_delivered(
+        &self,
+        before: SystemTime,
+        batch: u32,
+    ) -> BoxFuture<'static, StoreResult<u64>> {
+        let inner = self.inner.clone();
+        async move {
+            let t = inner.tables.outbox.quoted();
+            let sql = format!(
+                "DELETE FROM {t} WHERE sequence_id IN (
+                    SELECT sequence_id FROM {t} WHERE delivered_at < to_timestamp($1)
+                     ORDER BY sequence_id LIMIT $2 FOR UPDATE SKIP LOCKED)"
+            );
+            Self::execute(
+                &inner,
+                "prune",
+                &sql,
+                &[&seconds(before), &i64::from(batch)],
+            )
+            .await
+        }
+        .boxed()
+    }
+
+    fn prune_dead(&self, before: SystemTime, batch: u32) -> BoxFuture<'static, StoreResult<u64>> {
+        let inner = self.inner.clone();
+        async move {
+            let dl = inner.tables.dead_letters.quoted();
+            let sql = format!(
+                "DELETE FROM {dl} WHERE sequence_id IN (
+                    SELECT sequence_id FROM {dl} WHERE dead_at < to_timestamp($1)
+                     ORDER BY sequence_id LIMIT $2 FOR UPDATE SKIP LOCKED)"
+            );
+            Self::execute(
+                &inner,
+                "prune",
+                &sql,
+                &[&seconds(before), &i64::from(batch)],
+            )
+            .await
+        }
+        .boxed()
+    }
+}

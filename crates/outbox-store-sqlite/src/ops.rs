@@ -1,0 +1,230 @@
+//! Operator commands on SQLite: per-destination stats, dead letters, replay, prune.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use futures::future::BoxFuture;
+use outbox_core::store::{DeadRecord, DeadSelector, DestinationStats, Operations, StoreResult};
+use outbox_core::SequenceId;
+use rusqlite::{params, types::Value};
+
+use crate::{now_ms, sql_error, SqliteStore};
+
+fn ms(t: SystemTime) -> i64 {
+    match t.duration_since(UNIX_EPOCH) {
+        Ok(d) => d.as_millis() as i64,
+        Err(e) => -(e.duration().as_millis() as i64),
+    }
+}
+
+/// The WHERE clause and its parameter for a selector (parameter `?1`).
+fn selector(s: &DeadSelector) -> (&'static str, Value) {
+    match s {
+        DeadSelector::Ids(ids) => (
+            "sequence_id IN (SELECT value FROM json_each(?1))",
+            Value::Text(serde_json::to_string(ids).unwrap_or_else(|_| "[]".into())),
+        ),
+        DeadSelector::Destination(d) => ("destination = ?1", Value::Text(d.clone())),
+        DeadSelector::All => ("?1", Value::Integer(1)),
+    }
+}
+
+impl Operations for SqliteStore {
+    fn destination_stats(&self) -> BoxFuture<'static, StoreResult<Vec<DestinationStats>>> {
+        self.with_conn(|conn| {
+            let mut by: BTreeMap<String, DestinationStats> = BTreeMap::new();
+            let now = now_ms();
+            let mut stmt = conn
+                .prepare(
+                    "SELECT destination, count(*), count(*) FILTER (WHERE attempts > 0), min(created_at)
+                       FROM outbox WHERE delivered_at IS NULL GROUP BY destination",
+                )
+                .map_err(|e| sql_error("stats", e))?;
+            let rows = stmt
+                .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?, r.get::<_, i64>(2)?, r.get::<_, Option<i64>>(3)?)))
+                .map_err(|e| sql_error("stats", e))?;
+            for row in rows {
+                let (d, pending, retrying, oldest) = row.map_err(|e| sql_error("stats", e))?;
+                let s = by.entry(d.clone()).or_default();
+                s.destination = d;
+                s.pending = pending as u64;
+                s.retrying = retrying as u64;
+                s.oldest_pending_age = oldest.map(|t| Duration::from_millis((now - t).max(0) as u64));
+            }
+            let mut stmt = conn
+                .prepare("SELECT destination, count(*) FROM outbox_dead_letters GROUP BY destination")
+                .map_err(|e| sql_error("stats", e))?;
+            let rows = stmt
+                .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))
+                .map_err(|e| sql_error("stats", e))?;
+            for row in rows {
+                let (d, dead) = row.map_err(|e| sql_error("stats", e))?;
+                let s = by.entry(d.clone()).or_default();
+                s.destination = d;
+                s.dead = dead as u64;
+            }
+            Ok(by.into_values().collect())
+        })
+    }
+
+    fn dead_list(
+        &self,
+        destination: Option<String>,
+        limit: u32,
+    ) -> BoxFuture<'static, StoreResult<Vec<DeadRecord>>> {
+        self.with_conn(move |conn| {
+            let mut stmt = conn
+                .prepare(
+                    "SELECT sequence_id, event_id, destination, event_type, attempts, last_error, dead_at
+                       FROM outbox_dead_letters WHERE (?1 IS NULL OR destination = ?1)
+                      ORDER BY sequence_id LIMIT ?2",
+                )
+                .map_err(|e| sql_error("dead list", e))?;
+            let rows = stmt
+                .query_map(params![destination, limit], |r| {
+                    let id: String = r.get(1)?;
+                    Ok(DeadRecord {
+                        sequence_id: r.get(0)?,
+                        event_id: uuid::Uuid::parse_str(&id).unwrap_or_default(),
+                        destination: r.get(2)?,
+                        event_type: r.get(3)?,
+                        attempts: r.get::<_, i64>(4)?.max(0) as u32,
+                        last_error: r.get(5)?,
+                        dead_at: UNIX_EPOCH + Duration::from_millis(r.get::<_, i64>(6)?.max(0) as u64),
+                    })
+                })
+                .map_err(|e| sql_error("dead list", e))?;
+            rows.collect::<rusqlite::Result<Vec<_>>>().map_err(|e| sql_error("dead list", e))
+        })
+    }
+
+    fn dead_retry(&self, which: DeadSelector) -> BoxFuture<'static, StoreResult<u64>> {
+        self.in_tx("dead retry", move |tx| {
+            let (condition, param) = selector(&which);
+            tx.execute(
+                &format!(
+                    "INSERT INTO outbox (sequence_id, event_id, destination, partition_key, event_type,
+                                         payload, headers, mutation_id, rejected, created_at)
+                     SELECT sequence_id, event_id, destination, partition_key, event_type,
+                            payload, headers, mutation_id, rejected, created_at
+                       FROM outbox_dead_letters WHERE {condition}"
+                ),
+                [&param],
+            )?;
+            let n = tx.execute(&format!("DELETE FROM outbox_dead_letters WHERE {condition}"), [&param])?;
+            Ok(n as u64)
+        })
+    }
+
+    fn dead_purge(&self, which: DeadSelector) -> BoxFuture<'static, StoreResult<u64>> {
+        self.in_tx("dead purge", move |tx| {
+            let (condition, param) = selector(&which);
+            let n = tx.execute(
+                &format!("DELETE FROM outbox_dead_letters WHERE {condition}"),
+                [&param],
+            )?;
+            Ok(n as u64)
+        })
+    }
+
+    fn count_replayable(
+        &self,
+        since: SystemTime,
+        until: SystemTime,
+        destination: Option<String>,
+    ) -> BoxFuture<'static, StoreResult<u64>> {
+        self.with_conn(move |conn| {
+            conn.query_row(
+                "SELECT count(*) FROM outbox WHERE delivered_at IS NOT NULL AND created_at >= ?1
+                    AND created_at < ?2 AND (?3 IS NULL OR destination = ?3)",
+                params![ms(since), ms(until), destination],
+                |r| r.get::<_, i64>(0),
+            )
+            .map(|n| n as u64)
+            .map_err(|e| sql_error("replay", e))
+        })
+    }
+
+    fn replay_batch(
+        &self,
+        since: SystemTime,
+        until: SystemTime,
+        destination: Option<String>,
+        after: SequenceId,
+        batch: u32,
+    ) -> BoxFuture<'static, StoreResult<(u64, SequenceId)>> {
+        self.in_tx("replay", move |tx| {
+            let mut stmt = tx.prepare(
+                "UPDATE outbox SET delivered_at = NULL, attempts = 0, last_error = NULL,
+                        available_at = ?6, locked_by = NULL, locked_until = NULL
+                  WHERE sequence_id IN (
+                    SELECT sequence_id FROM outbox
+                     WHERE delivered_at IS NOT NULL AND created_at >= ?1 AND created_at < ?2
+                       AND (?3 IS NULL OR destination = ?3) AND sequence_id > ?4
+                     ORDER BY sequence_id LIMIT ?5)
+                 RETURNING sequence_id",
+            )?;
+            let ids = stmt
+                .query_map(
+                    params![ms(since), ms(until), destination, after, batch, now_ms()],
+                    |r| r.get::<_, i64>(0),
+                )?
+                .collect::<rusqlite::Result<Vec<_>>>()?;
+            Ok((ids.len() as u64, ids.iter().copied().max().unwrap_or(after)))
+        })
+    }
+
+    fn count_prunable(
+        &self,
+        delivered_before: Option<SystemTime>,
+        dead_before: Option<SystemTime>,
+    ) -> BoxFuture<'static, StoreResult<(u64, u64)>> {
+        self.with_conn(move |conn| {
+            let count = |sql: &str, before: Option<SystemTime>| -> StoreResult<u64> {
+                match before {
+                    None => Ok(0),
+                    Some(b) => conn
+                        .query_row(sql, [ms(b)], |r| r.get::<_, i64>(0))
+                        .map(|n| n as u64)
+                        .map_err(|e| sql_error("prune", e)),
+                }
+            };
+            Ok((
+                count(
+                    "SELECT count(*) FROM outbox WHERE delivered_at < ?1",
+                    delivered_before,
+                )?,
+                count(
+                    "SELECT count(*) FROM outbox_dead_letters WHERE dead_at < ?1",
+                    dead_before,
+                )?,
+            ))
+        })
+    }
+
+    fn prune_delivered(
+        &self,
+        before: SystemTime,
+        batch: u32,
+    ) -> BoxFuture<'static, StoreResult<u64>> {
+        self.in_tx("prune", move |tx| {
+            tx.execute(
+                "DELETE FROM outbox WHERE sequence_id IN (
+                    SELECT sequence_id FROM outbox WHERE delivered_at < ?1 ORDER BY sequence_id LIMIT ?2)",
+                params![ms(before), batch],
+            )
+            .map(|n| n as u64)
+        })
+    }
+
+    fn prune_dead(&self, before: SystemTime, batch: u32) -> BoxFuture<'static, StoreResult<u64>> {
+        self.in_tx("prune", move |tx| {
+            tx.execute(
+                "DELETE FROM outbox_dead_letters WHERE sequence_id IN (
+                    SELECT sequence_id FROM outbox_dead_letters WHERE dead_at < ?1 ORDER BY sequence_id LIMIT ?2)",
+                params![ms(before), batch],
+            )
+            .map(|n| n as u64)
+        })
+    }
+}
