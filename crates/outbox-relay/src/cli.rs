@@ -30,7 +30,8 @@ pub struct GlobalArgs {
     /// [default: sqlite:outbox.db]. Also OUTBOX_RELAY_DATABASE_URL or DATABASE_URL.
     #[arg(long, global = true, value_name = "URL")]
     pub database_url: Option<String>,
-    /// Extra CA certificates (PEM) to trust for database TLS (sslmode=require or prefer).
+    /// Extra CA certificates (PEM) for database TLS (verify-ca, verify-full; with them,
+    /// sslmode=require verifies the server too).
     #[arg(long, global = true, value_name = "FILE")]
     pub database_ca_file: Option<PathBuf>,
     /// Schema of the outbox table [default: public].

@@ -271,6 +271,15 @@ impl Statements {
             fenced: format!("{plain}{}", fence(first)),
             plain,
         };
+        // The partitions the database confirms as held (owner, epoch, live lease), computed
+        // once per claim (an InitPlan): rows are then filtered against an array while the
+        // pending index is walked in order, and a node holding every partition skips the
+        // per-row hash altogether.
+        let held = format!(
+            "CAST((SELECT coalesce(array_agg(pp.partition), '{{}}') FROM {parts} pp
+                     JOIN unnest($5::int4[], $6::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                    WHERE pp.owner = $1 AND pp.epoch = h.epoch AND pp.lease_until > now()) AS int4[])"
+        );
         let claim = |candidates: &str, locking: &str| {
             format!(
                 "WITH claimable AS (
@@ -308,10 +317,7 @@ impl Statements {
             // could let a later row of the same key go first.
             claim_owned: claim(&format!(
                 "AND (o.locked_by IS NULL OR o.locked_by <> $1 OR o.locked_until < now())
-                 AND EXISTS (SELECT 1 FROM {parts} pp
-                      JOIN unnest($5::int4[], $6::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
-                     WHERE pp.partition = {func}({key_o}, $4) AND pp.owner = $1 AND pp.epoch = h.epoch
-                       AND pp.lease_until > now())
+                 AND (cardinality({held}) = $4 OR {func}({key_o}, $4) = ANY({held}))
                  AND NOT EXISTS (
                     SELECT 1 FROM {t} p
                     WHERE {key_p} = {key_o}
