@@ -231,30 +231,19 @@ impl Operations for PgStore {
                 inner.tables.outbox.quoted(),
                 inner.tables.dead_letters.quoted(),
             );
-            let delivered = match delivered_before {
-                Some(before) => Self::query(
-                    &inner,
-                    "prune",
-                    &format!(
-                        "SELECT count(*)::int8 FROM {t} WHERE delivered_at < to_timestamp($1)"
-                    ),
-                    &[&seconds(before)],
-                )
-                .await?[0]
-                    .get::<_, i64>(0) as u64,
-                None => 0,
+            let count = |table: String, column: &'static str, before: Option<SystemTime>| {
+                let inner = inner.clone();
+                async move {
+                    let Some(before) = before else { return Ok(0) };
+                    let sql = format!(
+                        "SELECT count(*)::int8 FROM {table} WHERE {column} < to_timestamp($1)"
+                    );
+                    let rows = Self::query(&inner, "prune", &sql, &[&seconds(before)]).await?;
+                    Ok::<u64, outbox_core::StoreError>(rows[0].get::<_, i64>(0) as u64)
+                }
             };
-            let dead = match dead_before {
-                Some(before) => Self::query(
-                    &inner,
-                    "prune",
-                    &format!("SELECT count(*)::int8 FROM {dl} WHERE dead_at < to_timestamp($1)"),
-                    &[&seconds(before)],
-                )
-                .await?[0]
-                    .get::<_, i64>(0) as u64,
-                None => 0,
-            };
+            let delivered = count(t, "delivered_at", delivered_before).await?;
+            let dead = count(dl, "dead_at", dead_before).await?;
             Ok((delivered, dead))
         }
         .boxed()
@@ -265,42 +254,39 @@ impl Operations for PgStore {
         before: SystemTime,
         batch: u32,
     ) -> BoxFuture<'static, StoreResult<u64>> {
-        let inner = self.inner.clone();
-        async move {
-            let t = inner.tables.outbox.quoted();
-            let sql = format!(
-                "DELETE FROM {t} WHERE sequence_id IN (
-                    SELECT sequence_id FROM {t} WHERE delivered_at < to_timestamp($1)
-                     ORDER BY sequence_id LIMIT $2 FOR UPDATE SKIP LOCKED)"
-            );
-            Self::execute(
-                &inner,
-                "prune",
-                &sql,
-                &[&seconds(before), &i64::from(batch)],
-            )
-            .await
-        }
-        .boxed()
+        let table = self.inner.tables.outbox.quoted();
+        prune(self, table, "delivered_at", before, batch)
     }
 
     fn prune_dead(&self, before: SystemTime, batch: u32) -> BoxFuture<'static, StoreResult<u64>> {
-        let inner = self.inner.clone();
-        async move {
-            let dl = inner.tables.dead_letters.quoted();
-            let sql = format!(
-                "DELETE FROM {dl} WHERE sequence_id IN (
-                    SELECT sequence_id FROM {dl} WHERE dead_at < to_timestamp($1)
-                     ORDER BY sequence_id LIMIT $2 FOR UPDATE SKIP LOCKED)"
-            );
-            Self::execute(
-                &inner,
-                "prune",
-                &sql,
-                &[&seconds(before), &i64::from(batch)],
-            )
-            .await
-        }
-        .boxed()
+        let table = self.inner.tables.dead_letters.quoted();
+        prune(self, table, "dead_at", before, batch)
     }
+}
+
+/// Deletes up to `batch` rows of `table` whose `column` is older than `before`, skipping
+/// rows other transactions hold, so a prune never waits on or blocks the relay for long.
+fn prune(
+    store: &PgStore,
+    table: String,
+    column: &'static str,
+    before: SystemTime,
+    batch: u32,
+) -> BoxFuture<'static, StoreResult<u64>> {
+    let inner = store.inner.clone();
+    async move {
+        let sql = format!(
+            "DELETE FROM {table} WHERE sequence_id IN (
+                SELECT sequence_id FROM {table} WHERE {column} < to_timestamp($1)
+                 ORDER BY sequence_id LIMIT $2 FOR UPDATE SKIP LOCKED)"
+        );
+        PgStore::execute(
+            &inner,
+            "prune",
+            &sql,
+            &[&seconds(before), &i64::from(batch)],
+        )
+        .await
+    }
+    .boxed()
 }

@@ -299,8 +299,9 @@ impl Statements {
         };
         Statements {
             // $1 node, $2 limit, $3 lease in ms. See outbox_core::store for the contract.
-            claim: claim(&format!(
-                "AND (o.locked_until IS NULL OR o.locked_until < now())
+            claim: claim(
+                &format!(
+                    "AND (o.locked_until IS NULL OR o.locked_until < now())
                  AND NOT EXISTS (
                     SELECT 1 FROM {t} p
                     WHERE {key_p} = {key_o}
@@ -309,14 +310,17 @@ impl Statements {
                       AND (p.locked_by IS NOT NULL OR p.attempts > 0)
                       AND (p.available_at > now()
                            OR (p.locked_until > now() AND p.locked_by <> $1)))"
-            ), "FOR UPDATE SKIP LOCKED"),
+                ),
+                "FOR UPDATE SKIP LOCKED",
+            ),
             // ... $4 partition count, $5 the node's partitions, $6 their epochs. Only while the
             // database still shows the leases live at those epochs. Rows locked by another
             // transaction are waited for, not skipped: in a held partition that only happens
             // when a node that lost it is still finishing a statement, and skipping its row
             // could let a later row of the same key go first.
-            claim_owned: claim(&format!(
-                "AND (o.locked_by IS NULL OR o.locked_by <> $1 OR o.locked_until < now())
+            claim_owned: claim(
+                &format!(
+                    "AND (o.locked_by IS NULL OR o.locked_by <> $1 OR o.locked_until < now())
                  AND (cardinality({held}) = $4 OR {func}({key_o}, $4) = ANY({held}))
                  AND NOT EXISTS (
                     SELECT 1 FROM {t} p
@@ -325,7 +329,9 @@ impl Statements {
                       AND p.delivered_at IS NULL
                       AND (p.locked_by IS NOT NULL OR p.attempts > 0)
                       AND p.attempts > 0 AND p.available_at > now())"
-            ), "FOR UPDATE"),
+                ),
+                "FOR UPDATE",
+            ),
             claim_unordered: claim(
                 "AND (o.locked_until IS NULL OR o.locked_until < now())",
                 "FOR UPDATE SKIP LOCKED",

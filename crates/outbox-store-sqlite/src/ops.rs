@@ -207,24 +207,30 @@ impl Operations for SqliteStore {
         before: SystemTime,
         batch: u32,
     ) -> BoxFuture<'static, StoreResult<u64>> {
-        self.in_tx("prune", move |tx| {
-            tx.execute(
-                "DELETE FROM outbox WHERE sequence_id IN (
-                    SELECT sequence_id FROM outbox WHERE delivered_at < ?1 ORDER BY sequence_id LIMIT ?2)",
-                params![ms(before), batch],
-            )
-            .map(|n| n as u64)
-        })
+        prune(self, "outbox", "delivered_at", before, batch)
     }
 
     fn prune_dead(&self, before: SystemTime, batch: u32) -> BoxFuture<'static, StoreResult<u64>> {
-        self.in_tx("prune", move |tx| {
-            tx.execute(
-                "DELETE FROM outbox_dead_letters WHERE sequence_id IN (
-                    SELECT sequence_id FROM outbox_dead_letters WHERE dead_at < ?1 ORDER BY sequence_id LIMIT ?2)",
-                params![ms(before), batch],
-            )
-            .map(|n| n as u64)
-        })
+        prune(self, "outbox_dead_letters", "dead_at", before, batch)
     }
+}
+
+/// Deletes up to `batch` rows of `table` whose `column` is older than `before`.
+fn prune(
+    store: &SqliteStore,
+    table: &'static str,
+    column: &'static str,
+    before: SystemTime,
+    batch: u32,
+) -> BoxFuture<'static, StoreResult<u64>> {
+    store.in_tx("prune", move |tx| {
+        tx.execute(
+            &format!(
+                "DELETE FROM {table} WHERE sequence_id IN (
+                    SELECT sequence_id FROM {table} WHERE {column} < ?1 ORDER BY sequence_id LIMIT ?2)"
+            ),
+            params![ms(before), batch],
+        )
+        .map(|n| n as u64)
+    })
 }
