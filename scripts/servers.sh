@@ -5,6 +5,7 @@
 #   scripts/servers.sh install   # installs servers and build prerequisites only
 #   scripts/servers.sh start     # prints `export ...` lines for the tests' environment
 #   scripts/servers.sh stop
+#   scripts/servers.sh certs DIR          # a test CA and server certificate in DIR
 #   scripts/servers.sh restart-postgres   # for the tests that restart the database
 #
 # OUTBOX_TEST_STATE (default /tmp/outbox-relay-test-servers) holds data, sockets and pids.
@@ -176,6 +177,10 @@ stop_rabbitmq() {
 case "${1:-}" in
   install)
     install_packages
+    ;;
+  certs)
+    # A CA and a server certificate for 127.0.0.1/localhost in DIR, for TLS tests.
+    make_certs "${2:?usage: $0 certs DIR}"
     ;;
   start)
     install_packages

@@ -167,3 +167,78 @@ async fn event_headers_type_and_key_travel_as_nats_headers() {
     assert_eq!(h.get("Outbox-Mutation-Id").unwrap().as_str(), "m7");
     assert_eq!(h.get("trace-id").unwrap().as_str(), "t7");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_is_verified_against_the_configured_ca() {
+    outbox_testkit::install_crypto();
+    let certs = outbox_testkit::server::test_certs();
+    let path = |f: &str| certs.path().join(f).display().to_string();
+    let server = ServerProcess::start(
+        "nats-server",
+        &[
+            "-a",
+            "127.0.0.1",
+            "-p",
+            "{port}",
+            "-js",
+            "-sd",
+            "{dir}/js",
+            "--tls",
+            "--tlscert",
+            &path("server.pem"),
+            "--tlskey",
+            &path("server.key"),
+        ],
+    );
+    let url = format!("tls://127.0.0.1:{}", server.port);
+    // Create the stream over TLS with a client that trusts the test CA.
+    let client = async_nats::ConnectOptions::new()
+        .add_root_certificates(certs.path().join("ca.pem"))
+        .require_tls(true)
+        .connect(&url)
+        .await
+        .unwrap();
+    async_nats::jetstream::new(client)
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: "TLS".into(),
+            subjects: vec!["secure".into()],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let config = SinkConfig {
+        uri: url.clone(),
+        tls_ca_file: Some(certs.path().join("ca.pem")),
+        ..SinkConfig::default()
+    };
+    let sink = outbox_publishers::build_sink("nats", &config)
+        .await
+        .unwrap();
+    let event = outbox_testkit::publisher::event(1, "k", b"{}".to_vec());
+    let outcomes = sink
+        .send(vec![outbox_publishers::Routed {
+            event,
+            target: "secure".into(),
+        }])
+        .await;
+    assert!(outcomes[0].is_ok(), "{:?}", outcomes[0]);
+    // Without the CA the server is not trusted: nothing is published.
+    let untrusted = SinkConfig {
+        uri: url,
+        ..SinkConfig::default()
+    };
+    let sink = outbox_publishers::build_sink("nats", &untrusted)
+        .await
+        .unwrap();
+    let event = outbox_testkit::publisher::event(2, "k", b"{}".to_vec());
+    let outcomes = sink
+        .send(vec![outbox_publishers::Routed {
+            event,
+            target: "secure".into(),
+        }])
+        .await;
+    assert!(
+        outcomes[0].is_err(),
+        "an untrusted server must not get the event"
+    );
+}

@@ -155,3 +155,65 @@ async fn entries_carry_every_field_and_maxlen_trims() {
     );
     assert_eq!(last.get::<String>("payload").unwrap(), "{\"a\":1}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_is_verified_against_the_configured_ca() {
+    outbox_testkit::install_crypto();
+    let certs = outbox_testkit::server::test_certs();
+    let path = |f: &str| certs.path().join(f).display().to_string();
+    let server = ServerProcess::start(
+        "redis-server",
+        &[
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--tls-port",
+            "{port}",
+            "--save",
+            "",
+            "--tls-cert-file",
+            &path("server.pem"),
+            "--tls-key-file",
+            &path("server.key"),
+            "--tls-ca-cert-file",
+            &path("ca.pem"),
+            "--tls-auth-clients",
+            "no",
+        ],
+    );
+    let config = SinkConfig {
+        uri: format!("rediss://127.0.0.1:{}", server.port),
+        tls_ca_file: Some(certs.path().join("ca.pem")),
+        ..SinkConfig::default()
+    };
+    let sink = outbox_publishers::build_sink("redis", &config)
+        .await
+        .unwrap();
+    let event = outbox_testkit::publisher::event(1, "k", b"{}".to_vec());
+    let outcomes = sink
+        .send(vec![outbox_publishers::Routed {
+            event,
+            target: "secure".into(),
+        }])
+        .await;
+    assert!(outcomes[0].is_ok(), "{:?}", outcomes[0]);
+    let untrusted = SinkConfig {
+        uri: config.uri.clone(),
+        ..SinkConfig::default()
+    };
+    let sink = outbox_publishers::build_sink("redis", &untrusted)
+        .await
+        .unwrap();
+    let event = outbox_testkit::publisher::event(2, "k", b"{}".to_vec());
+    let outcomes = sink
+        .send(vec![outbox_publishers::Routed {
+            event,
+            target: "secure".into(),
+        }])
+        .await;
+    assert!(
+        outcomes[0].is_err(),
+        "an untrusted server must not get the event"
+    );
+}

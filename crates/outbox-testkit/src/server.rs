@@ -154,3 +154,22 @@ impl Drop for ScriptedServer {
         let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.script("stop")));
     }
 }
+
+/// A throwaway CA (`ca.pem`) and a server certificate for 127.0.0.1 (`server.pem`,
+/// `server.key`), made by `scripts/servers.sh certs`.
+pub fn test_certs() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/servers.sh");
+    let out = Command::new("bash")
+        .arg(script)
+        .arg("certs")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "servers.sh certs: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    dir
+}
