@@ -108,7 +108,13 @@ impl Receiver {
     }
 
     async fn resume(&self) {
-        let listener = tokio::net::TcpListener::bind(self.addr).await.unwrap();
+        // The aborted server task drops its listener asynchronously: retry until the port is free.
+        let listener = outbox_testkit::eventually(
+            "the receiver's port to be free",
+            Duration::from_secs(10),
+            || async { tokio::net::TcpListener::bind(self.addr).await.ok() },
+        )
+        .await;
         self.serve(listener);
     }
 

@@ -1,14 +1,16 @@
 //! The binary with a config file of several sinks and routes, against a real nats-server.
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use outbox_testkit::eventually;
 use outbox_testkit::server::ServerProcess;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
+mod support;
+
+use support::{RelayProcess, BIN};
 
 fn relay(dir: &Path, args: &[&str]) -> std::process::Output {
     Command::new(BIN)
@@ -35,15 +37,6 @@ async fn get(addr: &str, path: &str) -> Option<(u16, String)> {
             .unwrap_or_default()
             .to_string(),
     ))
-}
-
-struct Running(Child);
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -122,15 +115,7 @@ sink = "audit"
         );
     }
     let log = dir.path().join("relay.log");
-    let child = Command::new(BIN)
-        .arg("run")
-        .current_dir(dir.path())
-        .env_remove("DATABASE_URL")
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
-    let mut child = Running(child);
+    let mut relay_process = RelayProcess::spawn(dir.path(), "relay", &["run"], &[]);
 
     let mut stream = js.get_stream("EVENTS").await.unwrap();
     eventually(
@@ -236,15 +221,7 @@ sink = "audit"
         "{metrics}"
     );
 
-    Command::new("kill")
-        .args(["-TERM", &child.0.id().to_string()])
-        .status()
-        .unwrap();
-    let status = eventually("exit", Duration::from_secs(30), || {
-        let s = child.0.try_wait().unwrap();
-        async move { s }
-    })
-    .await;
+    let status = relay_process.terminate().await;
     assert!(status.success());
 }
 
@@ -292,27 +269,20 @@ async fn kill_9_while_publishing_to_jetstream_leaves_no_duplicate_in_the_stream(
         })
     };
     let start = |name: &str| {
-        Running(
-            Command::new(BIN)
-                .args([
-                    "run",
-                    "--database-url",
-                    &url,
-                    "--sink",
-                    &nats_url,
-                    "--lease",
-                    "1s",
-                    "--batch-size",
-                    "100",
-                    "--http-addr",
-                    "",
-                ])
-                .current_dir(dir.path())
-                .stdout(Stdio::null())
-                .stderr(std::fs::File::create(dir.path().join(format!("{name}.log"))).unwrap())
-                .spawn()
-                .unwrap(),
-        )
+        let args = [
+            "run",
+            "--database-url",
+            &url,
+            "--sink",
+            &nats_url,
+            "--lease",
+            "1s",
+            "--batch-size",
+            "100",
+            "--http-addr",
+            "",
+        ];
+        RelayProcess::spawn(dir.path(), name, &args, &[])
     };
     let count = |js: async_nats::jetstream::Context| async move {
         let mut stream = js.get_stream("ORDERS").await.unwrap();
@@ -328,8 +298,7 @@ async fn kill_9_while_publishing_to_jetstream_leaves_no_duplicate_in_the_stream(
         },
     )
     .await;
-    first.0.kill().unwrap(); // SIGKILL, mid-stream
-    first.0.wait().unwrap();
+    first.kill9(); // mid-stream
     let _second = start("second");
     writer.await.unwrap();
     eventually("every event in the stream", Duration::from_secs(60), || {

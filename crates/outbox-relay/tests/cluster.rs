@@ -2,8 +2,7 @@
 //! while writers commit and roll back and nodes are killed, stopped, frozen and added.
 
 use std::collections::{HashMap, HashSet};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -12,66 +11,9 @@ use outbox_testkit::eventually;
 use outbox_testkit::server::{ScriptedServer, ServerProcess};
 use uuid::Uuid;
 
-const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
+mod support;
 
-struct Node {
-    name: String,
-    child: Option<Child>,
-    log: PathBuf,
-}
-
-impl Node {
-    fn pid(&self) -> String {
-        self.child.as_ref().expect("running").id().to_string()
-    }
-
-    fn signal(&self, signal: &str) {
-        assert!(Command::new("kill")
-            .args([signal, &self.pid()])
-            .status()
-            .unwrap()
-            .success());
-    }
-
-    fn logs(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    async fn wait_exit(&mut self) -> std::process::ExitStatus {
-        let child = self.child.as_mut().expect("running");
-        let status = eventually("the node to exit", Duration::from_secs(30), || {
-            let s = child.try_wait().unwrap();
-            async move { s }
-        })
-        .await;
-        self.child = None;
-        status
-    }
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        if let Some(child) = self.child.as_mut() {
-            let _ = Command::new("kill")
-                .args(["-CONT", &child.id().to_string()])
-                .status();
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-        if std::thread::panicking() {
-            let keep = std::env::temp_dir().join("outbox-relay-failed-cluster-logs");
-            let _ = std::fs::create_dir_all(&keep);
-            let _ = std::fs::copy(&self.log, keep.join(format!("{}.log", self.name)));
-            let logs = self.logs();
-            let tail: Vec<&str> = logs.lines().rev().take(40).collect();
-            eprintln!(
-                "--- {} (last lines) ---\n{}",
-                self.name,
-                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
-            );
-        }
-    }
-}
+use support::{pg, RelayProcess, BIN};
 
 struct Cluster {
     dir: tempfile::TempDir,
@@ -81,67 +23,42 @@ struct Cluster {
 }
 
 impl Cluster {
-    fn start_node(&self, name: &str) -> Node {
-        let log = self.dir.path().join(format!("{name}.log"));
+    fn start_node(&self, name: &str) -> RelayProcess {
         // Each node's connections carry its name, so a test can find and kill them.
         let url = format!("{}?application_name={name}", self.database_url);
-        let child = Command::new(BIN)
-            .args([
-                "run",
-                "--database-url",
-                &url,
-                "--sink",
-                &self.nats_url,
-                "--node-id",
-                name,
-                "--ordering",
-                self.ordering,
-            ])
-            .args([
-                "--heartbeat-interval",
-                "250ms",
-                "--heartbeat-timeout",
-                "1500ms",
-                "--lease",
-                "3s",
-            ])
-            .args([
-                "--batch-size",
-                "100",
-                "--poll-interval",
-                "200ms",
-                "--http-addr",
-                "",
-                "--log-format",
-                "json",
-            ])
-            .args([
-                "--retry-base-delay",
-                "50ms",
-                "--retry-max-delay",
-                "500ms",
-                "--max-attempts",
-                "1000",
-            ])
-            .current_dir(self.dir.path())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap();
-        Node {
-            name: name.into(),
-            child: Some(child),
-            log,
-        }
+        let args = [
+            "run",
+            "--database-url",
+            &url,
+            "--sink",
+            &self.nats_url,
+            "--node-id",
+            name,
+            "--ordering",
+            self.ordering,
+            "--heartbeat-interval",
+            "250ms",
+            "--heartbeat-timeout",
+            "1500ms",
+            "--lease",
+            "3s",
+            "--batch-size",
+            "100",
+            "--poll-interval",
+            "200ms",
+            "--http-addr",
+            "",
+            "--log-format",
+            "json",
+            "--retry-base-delay",
+            "50ms",
+            "--retry-max-delay",
+            "500ms",
+            "--max-attempts",
+            "1000",
+        ];
+        RelayProcess::spawn(self.dir.path(), name, &args, &[])
     }
-}
-
-async fn pg(url: &str) -> tokio_postgres::Client {
-    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(connection);
-    client
 }
 
 async fn reconnect(url: &str) -> tokio_postgres::Client {
@@ -300,7 +217,7 @@ async fn scenario(ordering: &'static str, faults: Faults) {
         String::from_utf8_lossy(&migrated.stderr)
     );
 
-    let mut nodes: Vec<Node> = (1..=3)
+    let mut nodes: Vec<RelayProcess> = (1..=3)
         .map(|i| cluster.start_node(&format!("relay-{i}")))
         .collect();
     let ledger = Arc::new(Mutex::new(Ledger::default()));
@@ -333,9 +250,7 @@ async fn scenario(ordering: &'static str, faults: Faults) {
     match &faults {
         Faults::Nodes => {
             reach(0.15).await;
-            nodes[0].child.as_mut().unwrap().kill().unwrap(); // kill -9
-            nodes[0].child.as_mut().unwrap().wait().unwrap();
-            nodes[0].child = None;
+            nodes[0].kill9();
             reach(0.25).await;
             nodes[0] = cluster.start_node("relay-1b");
             reach(0.35).await;
@@ -532,7 +447,7 @@ async fn scenario(ordering: &'static str, faults: Faults) {
             "the frozen node noticed it lost its partitions"
         );
     }
-    for node in nodes.iter_mut().filter(|n| n.child.is_some()) {
+    for node in nodes.iter_mut().filter(|n| n.is_running()) {
         node.signal("-TERM");
         let status = node.wait_exit().await;
         assert!(status.success(), "{} exits 0", node.name);

@@ -1,8 +1,8 @@
 //! End-to-end tests of the `outbox-relay` binary against real PostgreSQL and SQLite.
 
 use std::collections::{HashMap, HashSet};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -10,74 +10,15 @@ use std::time::Duration;
 use outbox_testkit::{eventually, fresh_pg_database};
 use uuid::Uuid;
 
-const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
+mod support;
 
-/// A relay process whose stderr (logs) goes to a file.
-struct Relay {
-    child: Child,
-    log: PathBuf,
-}
+use support::{pg, read_lines, RelayProcess, BIN};
 
-impl Relay {
-    fn start(dir: &Path, name: &str, database_url: &str, args: &[&str]) -> Relay {
-        let log = dir.join(format!("{name}.log"));
-        let stdout = dir.join(format!("{name}.stdout"));
-        let child = Command::new(BIN)
-            .arg("run")
-            .args(["--http-addr", "", "--log-format", "json"])
-            .args(args)
-            .env("DATABASE_URL", database_url)
-            .env_remove("OUTBOX_RELAY_DATABASE_URL")
-            .current_dir(dir)
-            .stdout(std::fs::File::create(&stdout).unwrap())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .expect("start outbox-relay");
-        Relay { child, log }
-    }
-
-    fn kill9(&mut self) {
-        self.child.kill().unwrap();
-        self.child.wait().unwrap();
-    }
-
-    async fn terminate(&mut self) -> ExitStatus {
-        let pid = self.child.id().to_string();
-        let status = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
-        assert!(status.success());
-        let child = &mut self.child;
-        eventually(
-            "the relay to exit after SIGTERM",
-            Duration::from_secs(30),
-            || {
-                let done = child.try_wait().unwrap();
-                async move { done }
-            },
-        )
-        .await
-    }
-
-    fn logs(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-impl Drop for Relay {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!("--- relay log {} ---\n{}", self.log.display(), self.logs());
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-async fn pg(url: &str) -> tokio_postgres::Client {
-    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(connection);
-    client
+/// `outbox-relay run` with JSON logs and no HTTP server, against `database_url`.
+fn start_relay(dir: &Path, name: &str, database_url: &str, args: &[&str]) -> RelayProcess {
+    let mut all = vec!["run", "--http-addr", "", "--log-format", "json"];
+    all.extend_from_slice(args);
+    RelayProcess::spawn(dir, name, &all, &[("DATABASE_URL", database_url)])
 }
 
 fn relay_cmd(database_url: &str, args: &[&str]) -> std::process::Output {
@@ -86,15 +27,6 @@ fn relay_cmd(database_url: &str, args: &[&str]) -> std::process::Output {
         .env("DATABASE_URL", database_url)
         .output()
         .expect("run outbox-relay")
-}
-
-/// JSON lines of a sink file; a torn line (from a kill -9 mid-write) is skipped.
-fn read_lines(path: &Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect()
 }
 
 #[derive(Clone, Debug)]
@@ -213,7 +145,7 @@ async fn kill_9_mid_stream_loses_nothing_and_keeps_per_key_order() {
         "--poll-interval",
         "200ms",
     ];
-    let mut first = Relay::start(dir.path(), "first", &url, &args);
+    let mut first = start_relay(dir.path(), "first", &url, &args);
 
     let committed = Arc::new(Mutex::new(HashMap::new()));
     let rolled_back = Arc::new(Mutex::new(HashSet::new()));
@@ -243,7 +175,7 @@ async fn kill_9_mid_stream_loses_nothing_and_keeps_per_key_order() {
     )
     .await;
     first.kill9();
-    let mut second = Relay::start(dir.path(), "second", &url, &args);
+    let mut second = start_relay(dir.path(), "second", &url, &args);
     for t in tasks {
         t.await.unwrap();
     }
@@ -315,7 +247,7 @@ async fn sigterm_releases_leases_and_exits_zero() {
     // A slow sink: a FIFO nobody reads would block forever; use a file and stop mid-drain.
     let out = dir.path().join("events.jsonl");
     let sink = format!("file:{}", out.display());
-    let mut relay = Relay::start(
+    let mut relay = start_relay(
         dir.path(),
         "relay",
         &url,
@@ -374,7 +306,7 @@ async fn notify_wakes_the_relay_and_survives_a_killed_listen_connection() {
     let out = dir.path().join("events.jsonl");
     let sink = format!("file:{}", out.display());
     // The safety poll is an hour away: only NOTIFY can deliver these promptly.
-    let mut relay = Relay::start(
+    let mut relay = start_relay(
         dir.path(),
         "relay",
         &url,
@@ -439,7 +371,7 @@ async fn fixed_rate_polling_and_the_safety_poll_work_without_the_trigger() {
         let sink = format!("file:{}", out.display());
         let mut args = vec!["--sink", sink.as_str(), "--poll-interval", "100ms"];
         args.extend(extra);
-        let mut relay = Relay::start(dir.path(), name, &url, &args);
+        let mut relay = start_relay(dir.path(), name, &url, &args);
         client
             .batch_execute(
                 "INSERT INTO outbox (destination, event_type, payload) VALUES ('d', 't', '1')",
@@ -724,7 +656,7 @@ async fn database_tls_is_verified_against_the_configured_ca() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("events.jsonl");
     let sink = format!("file:{}", out.display());
-    let mut relay = Relay::start(
+    let mut relay = start_relay(
         dir.path(),
         "tls",
         &tls_url,
@@ -770,7 +702,7 @@ async fn a_database_restart_mid_run_loses_nothing() {
     assert!(relay_cmd(&url, &["migrate"]).status.success());
     let out = dir.path().join("events.jsonl");
     let sink = format!("file:{}", out.display());
-    let mut relay = Relay::start(
+    let mut relay = start_relay(
         dir.path(),
         "relay",
         &url,

@@ -528,7 +528,12 @@ pub async fn engine_retry_blocks_only_its_key(h: &dyn Harness) {
     let seq = store.insert(events).await.unwrap();
     let publisher = RecordingPublisher::new();
     publisher.fail("flaky", 2, PublishErrorKind::Unavailable);
-    let summary = run_until_settled(h, &publisher, engine_config(false)).await;
+    // The slow key's two retries take at least 100 + 200 ms: ample time for the fast key's
+    // fifteen events, however loaded the machine.
+    let mut config = engine_config(false);
+    config.retry.base_delay = Duration::from_millis(200);
+    config.retry.max_delay = Duration::from_millis(400);
+    let summary = run_until_settled(h, &publisher, config).await;
     assert_eq!(summary.published, 30);
     assert_eq!(summary.retried, 2);
     let delivered = publisher.delivered();
