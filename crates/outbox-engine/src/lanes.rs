@@ -52,6 +52,10 @@ pub struct Lanes {
     held: HashMap<SequenceId, i32>,
     /// Held rows per partition, when the node holds partitions.
     busy: HashMap<i32, usize>,
+    /// Held rows handed to a release statement that has not reported back. A claim may
+    /// re-take such a row (the release committed first): it is queued again, and the
+    /// release's report must not forget it.
+    releasing: std::collections::HashSet<SequenceId>,
     /// `Some(count)` when rows are spread over partitions (a cluster).
     partition_count: Option<u32>,
     /// `false` for `--ordering none`: every row is its own lane.
@@ -115,16 +119,23 @@ impl Lanes {
         let mut release = Vec::new();
         for row in claimed {
             let seq = row.sequence_id();
-            if self.held.contains_key(&seq) {
-                // Already ours (an ack still in progress); the claim only renewed the lease.
-                continue;
-            }
             let partition = self
                 .partition_count
                 .map_or(0, |n| outbox_core::partition_of(row.ordering_key(), n));
-            self.held.insert(seq, partition);
-            if self.partition_count.is_some() {
-                *self.busy.entry(partition).or_default() += 1;
+            match self.held.entry(seq) {
+                std::collections::hash_map::Entry::Occupied(_) => {
+                    if !self.releasing.remove(&seq) {
+                        // Still in a lane or in flight: the claim only renewed an expired lease.
+                        continue;
+                    }
+                    // Released, and claimed again before the release reported back: a new row.
+                }
+                std::collections::hash_map::Entry::Vacant(slot) => {
+                    slot.insert(partition);
+                    if self.partition_count.is_some() {
+                        *self.busy.entry(partition).or_default() += 1;
+                    }
+                }
             }
             let key: Arc<str> = if self.ordered {
                 Arc::from(row.ordering_key())
@@ -231,7 +242,22 @@ impl Lanes {
         });
     }
 
-    /// Rows whose settle statement succeeded (or that were released) are no longer held.
+    /// These held rows are being released.
+    pub fn releasing(&mut self, ids: &[SequenceId]) {
+        self.releasing.extend(ids.iter().copied());
+    }
+
+    /// A release reported back: forget the rows no claim has taken again since.
+    pub fn forget_released(&mut self, ids: &[SequenceId]) {
+        let gone: Vec<SequenceId> = ids
+            .iter()
+            .copied()
+            .filter(|id| self.releasing.remove(id))
+            .collect();
+        self.forget(&gone);
+    }
+
+    /// Rows whose settle statement succeeded are no longer held.
     pub fn forget(&mut self, ids: &[SequenceId]) {
         for id in ids {
             if let Some(partition) = self.held.remove(id) {
@@ -387,5 +413,27 @@ mod tests {
             keep,
             "only the kept partition still has rows"
         );
+    }
+
+    #[test]
+    fn a_row_claimed_again_while_its_release_is_reported_is_queued_not_lost() {
+        let mut lanes = Lanes::new(true, None);
+        lanes.accept(1, vec![row(1, "a"), row(2, "a")]);
+        lanes.take_ready(10);
+        let behind = lanes.block("a");
+        assert_eq!(behind, vec![2]);
+        lanes.releasing(&[1]); // the head's retry statement releases it too
+        lanes.releasing(&behind);
+        lanes.retry_recorded("a", 1);
+        lanes.expire_blocks(2);
+        // Both statements committed; a claim takes row 1 (due again) and row 2 before
+        // either reported back.
+        assert!(lanes.accept(2, vec![row(1, "a"), row(2, "a")]).is_empty());
+        lanes.forget_released(&[1]);
+        lanes.forget_released(&behind);
+        assert_eq!(lanes.held(), 2, "row 2 is held again, not forgotten");
+        assert_eq!(seqs(&lanes.take_ready(10)), vec![1]);
+        lanes.advance("a");
+        assert_eq!(seqs(&lanes.take_ready(10)), vec![2]);
     }
 }

@@ -176,6 +176,7 @@ impl Engine {
         if ids.is_empty() {
             return;
         }
+        self.lanes.releasing(&ids);
         let store = self.store.clone();
         let node = self.config.node.clone();
         self.spawn_settle(
@@ -395,6 +396,9 @@ impl Engine {
         let store = self.store.clone();
         let node = self.config.node.clone();
         let ids: Vec<SequenceId> = retries.iter().map(|r| r.sequence_id).collect();
+        // A retry statement releases its rows: a claim may take them again (once due)
+        // before this reports back.
+        self.lanes.releasing(&ids);
         let fence = self.settle_fence();
         self.spawn_settle(
             async move {
@@ -442,7 +446,7 @@ impl Engine {
                         .increment(1);
                 }
                 self.summary.retried += ids.len() as u64;
-                self.lanes.forget(&ids);
+                self.lanes.forget_released(&ids);
             }
             Settled::DeadLettered(keys, ids, result) => {
                 let n = result?;
@@ -457,7 +461,7 @@ impl Engine {
             }
             Settled::Released(ids, result) => {
                 result?;
-                self.lanes.forget(&ids);
+                self.lanes.forget_released(&ids);
             }
             Settled::Extended(result) => {
                 if let Err(e) = result {

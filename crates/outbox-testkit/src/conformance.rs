@@ -448,11 +448,13 @@ fn engine_config(drain: bool) -> EngineConfig {
     config
 }
 
-/// Runs the engine until every row is settled (delivered or dead), then stops it.
+/// Runs the engine until every row is settled (delivered or dead), then stops it. If that
+/// does not happen, the panic shows each remaining row and whether the engine still runs.
 async fn run_until_settled(
     h: &dyn Harness,
     publisher: &RecordingPublisher,
     config: EngineConfig,
+    rows: &[SequenceId],
 ) -> outbox_engine::Summary {
     let store = h.store();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -464,11 +466,29 @@ async fn run_until_settled(
             let _ = stop_rx.await;
         },
     ));
-    eventually("the outbox to empty", Duration::from_secs(20), || async {
-        let b = store.backlog().await.unwrap();
-        (b.pending == 0).then_some(())
-    })
-    .await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        if store.backlog().await.unwrap().pending == 0 {
+            break;
+        }
+        if tokio::time::Instant::now() >= deadline || engine.is_finished() {
+            let mut states = Vec::new();
+            for id in rows {
+                states.push((*id, h.row_state(*id).await));
+            }
+            let finished = engine.is_finished();
+            let result = if finished {
+                format!("{:?}", engine.await)
+            } else {
+                "still running".into()
+            };
+            panic!(
+                "the outbox did not empty: engine {result}; rows (id, (attempts, last_error, delivered)): {states:?}; attempts seen: {:?}",
+                publisher.attempts()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     stop_tx.send(()).unwrap();
     engine.await.unwrap().unwrap()
 }
@@ -533,7 +553,7 @@ pub async fn engine_retry_blocks_only_its_key(h: &dyn Harness) {
     let mut config = engine_config(false);
     config.retry.base_delay = Duration::from_millis(200);
     config.retry.max_delay = Duration::from_millis(400);
-    let summary = run_until_settled(h, &publisher, config).await;
+    let summary = run_until_settled(h, &publisher, config, &seq).await;
     assert_eq!(summary.published, 30);
     assert_eq!(summary.retried, 2);
     let delivered = publisher.delivered();
@@ -574,7 +594,7 @@ pub async fn engine_dead_letters_after_max_attempts_and_moves_on(h: &dyn Harness
     let publisher = RecordingPublisher::new();
     publisher.fail("doomed", 100, PublishErrorKind::Unavailable);
     publisher.fail("fragile", 100, PublishErrorKind::Timeout);
-    let summary = run_until_settled(h, &publisher, engine_config(false)).await;
+    let summary = run_until_settled(h, &publisher, engine_config(false), &seq).await;
     assert_eq!(summary.dead_lettered, 2);
     let dead = h.dead_rows().await;
     let by_id: HashMap<_, _> = dead.iter().map(|d| (d.sequence_id, d)).collect();
