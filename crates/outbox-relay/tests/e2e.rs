@@ -12,7 +12,7 @@ use uuid::Uuid;
 
 mod support;
 
-use support::{pg, read_lines, RelayProcess, BIN};
+use support::{pg, read_lines, wait_for_lines, RelayProcess, BIN};
 
 /// `outbox-relay run` with JSON logs and no HTTP server, against `database_url`.
 fn start_relay(dir: &Path, name: &str, database_url: &str, args: &[&str]) -> RelayProcess {
@@ -165,13 +165,11 @@ async fn kill_9_mid_stream_loses_nothing_and_keeps_per_key_order() {
         .collect();
 
     // Crash the first relay once it has published part of the stream.
-    eventually(
+    wait_for_lines(
         "the first relay to publish",
+        &out,
         Duration::from_secs(30),
-        || {
-            let n = read_lines(&out).len();
-            async move { (n >= 100).then_some(()) }
-        },
+        |n| n >= 100,
     )
     .await;
     first.kill9();
@@ -253,9 +251,8 @@ async fn sigterm_releases_leases_and_exits_zero() {
         &url,
         &["--sink", &sink, "--batch-size", "100", "--lease", "1h"],
     );
-    eventually("publishing to start", Duration::from_secs(30), || {
-        let n = read_lines(&out).len();
-        async move { (n > 0).then_some(()) }
+    wait_for_lines("publishing to start", &out, Duration::from_secs(30), |n| {
+        n > 0
     })
     .await;
     let status = relay.terminate().await;
@@ -328,10 +325,12 @@ async fn notify_wakes_the_relay_and_survives_a_killed_listen_connection() {
     })
     .await;
     client.batch_execute(insert).await.unwrap();
-    eventually("a NOTIFY-driven delivery", Duration::from_secs(20), || {
-        let n = read_lines(&out).len();
-        async move { (n == 1).then_some(()) }
-    })
+    wait_for_lines(
+        "a NOTIFY-driven delivery",
+        &out,
+        Duration::from_secs(20),
+        |n| n == 1,
+    )
     .await;
     // Kill the LISTEN connection; insert while the relay reconnects.
     client
@@ -339,13 +338,11 @@ async fn notify_wakes_the_relay_and_survives_a_killed_listen_connection() {
         .await
         .unwrap();
     client.batch_execute(insert).await.unwrap();
-    eventually(
+    wait_for_lines(
         "delivery after the LISTEN connection came back",
+        &out,
         Duration::from_secs(20),
-        || {
-            let n = read_lines(&out).len();
-            async move { (n == 2).then_some(()) }
-        },
+        |n| n == 2,
     )
     .await;
     assert!(
@@ -378,10 +375,12 @@ async fn fixed_rate_polling_and_the_safety_poll_work_without_the_trigger() {
             )
             .await
             .unwrap();
-        eventually("a poll-driven delivery", Duration::from_secs(20), || {
-            let n = read_lines(&out).len();
-            async move { (n == 1).then_some(()) }
-        })
+        wait_for_lines(
+            "a poll-driven delivery",
+            &out,
+            Duration::from_secs(20),
+            |n| n == 1,
+        )
         .await;
         assert!(relay.terminate().await.success());
         if name == "safety" {
@@ -668,9 +667,8 @@ async fn database_tls_is_verified_against_the_configured_ca() {
         )
         .await
         .unwrap();
-    eventually("delivery over TLS", Duration::from_secs(20), || {
-        let n = read_lines(&out).len();
-        async move { (n == 1).then_some(()) }
+    wait_for_lines("delivery over TLS", &out, Duration::from_secs(20), |n| {
+        n == 1
     })
     .await;
     let row = client
@@ -722,11 +720,7 @@ async fn a_database_restart_mid_run_loses_nothing() {
         }
     };
     insert(1).await;
-    eventually("the first events", Duration::from_secs(30), || {
-        let n = read_lines(&out).len();
-        async move { (n > 0).then_some(()) }
-    })
-    .await;
+    wait_for_lines("the first events", &out, Duration::from_secs(30), |n| n > 0).await;
     server.script("restart-postgres");
     insert(101).await;
     let lines = eventually(

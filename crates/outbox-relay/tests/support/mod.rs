@@ -131,3 +131,18 @@ pub fn read_lines(path: &Path) -> Vec<serde_json::Value> {
         .filter_map(|l| serde_json::from_str(l).ok())
         .collect()
 }
+
+/// Waits until the sink file at `path` holds a number of JSON lines that `done` accepts.
+pub async fn wait_for_lines(
+    what: &str,
+    path: &Path,
+    timeout: Duration,
+    done: impl Fn(usize) -> bool,
+) {
+    eventually(what, timeout, || {
+        let n = read_lines(path).len();
+        let ready = done(n);
+        async move { ready.then_some(()) }
+    })
+    .await
+}
