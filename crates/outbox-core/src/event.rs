@@ -104,6 +104,9 @@ pub struct Event {
     pub rejected: bool,
     /// How many publish attempts were made before this one.
     pub attempts: u32,
+    /// This row's own attempt limit, when its table keeps one (the export seed's
+    /// `event_type.max_retry_count`); otherwise the retry policy decides.
+    pub max_attempts: Option<u32>,
     pub created_at: SystemTime,
 }
 
@@ -182,6 +185,7 @@ mod tests {
             mutation_id: None,
             rejected: false,
             attempts: 0,
+            max_attempts: None,
             created_at: SystemTime::UNIX_EPOCH,
         }
     }

@@ -66,9 +66,19 @@ impl RetryPolicy {
 
     /// Decides what follows a failed attempt. `attempts` counts this failed attempt.
     pub fn decide(&self, event_type: &str, attempts: u32, error: &PublishError) -> RetryDecision {
+        self.decide_with_limit(self.max_attempts_for(event_type), attempts, error)
+    }
+
+    /// [`RetryPolicy::decide`] with the limit given (a row's own limit).
+    pub fn decide_with_limit(
+        &self,
+        max_attempts: u32,
+        attempts: u32,
+        error: &PublishError,
+    ) -> RetryDecision {
         match error.disposition() {
             Disposition::Permanent => RetryDecision::DeadLetter,
-            Disposition::Retry { .. } if attempts >= self.max_attempts_for(event_type) => {
+            Disposition::Retry { .. } if attempts >= max_attempts.max(1) => {
                 RetryDecision::DeadLetter
             }
             Disposition::Retry { after: Some(after) } => {

@@ -302,6 +302,7 @@ mod tests {
             mutation_id: None,
             rejected: false,
             attempts: 0,
+            max_attempts: None,
             created_at: SystemTime::UNIX_EPOCH,
         })
     }

@@ -316,11 +316,10 @@ impl Engine {
                 Err(error) => {
                     let attempts = event.attempts + 1;
                     let report = error.report();
-                    match self
-                        .config
-                        .retry
-                        .decide(&event.event_type, attempts, &error)
-                    {
+                    let limit = event
+                        .max_attempts
+                        .unwrap_or_else(|| self.config.retry.max_attempts_for(&event.event_type));
+                    match self.config.retry.decide_with_limit(limit, attempts, &error) {
                         RetryDecision::RetryAfter(delay) => {
                             match &mut first_failure {
                                 Some((_, n)) => *n += 1,

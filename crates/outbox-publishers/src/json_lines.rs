@@ -240,6 +240,7 @@ mod tests {
                 mutation_id: Some("m-1".into()),
                 rejected: false,
                 attempts: 2,
+                max_attempts: None,
                 created_at: UNIX_EPOCH + Duration::from_micros(1_700_000_000_123_456),
             }),
         }

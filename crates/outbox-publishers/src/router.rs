@@ -205,6 +205,7 @@ mod tests {
             mutation_id: None,
             rejected: false,
             attempts: 0,
+            max_attempts: None,
             created_at: std::time::SystemTime::UNIX_EPOCH,
         })
     }

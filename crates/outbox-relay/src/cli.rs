@@ -34,6 +34,12 @@ pub struct GlobalArgs {
     /// sslmode=require verifies the server too).
     #[arg(long, global = true, value_name = "FILE")]
     pub database_ca_file: Option<PathBuf>,
+    /// The outbox table's layout: native (the relay's own tables), adbc (Ably Database
+    /// Connector), open-outbox (Open Outbox Relay), export (event + event_type),
+    /// mysql-outbox-events (the MySQL 8 seed), or custom (a [mapping] in the config file)
+    /// [default: native]. Each seed layout defaults to its own table name.
+    #[arg(long, global = true, value_name = "LAYOUT")]
+    pub layout: Option<String>,
     /// Schema of the outbox table [default: public].
     #[arg(long, global = true, value_name = "NAME")]
     pub outbox_schema: Option<String>,
@@ -273,6 +279,7 @@ impl Cli {
         let g = &self.global;
         let mut o = FlagOverrides {
             database_url: g.database_url.clone(),
+            layout: g.layout.clone(),
             database_ca_file: g.database_ca_file.clone(),
             outbox_schema: g.outbox_schema.clone(),
             outbox_table: g.outbox_table.clone(),

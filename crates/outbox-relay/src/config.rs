@@ -126,6 +126,10 @@ pub struct Config {
     pub log_format: LogFormat,
     pub log_level: String,
     pub retry: RetryConfig,
+    /// The outbox table's layout: the relay's own (`native`), a seed's, or `custom`.
+    pub layout: outbox_layout::LayoutKind,
+    /// The column mapping of `layout = "custom"` (`[mapping]`).
+    pub mapping: Option<outbox_layout::Mapping>,
 }
 
 impl Default for Config {
@@ -160,6 +164,8 @@ impl Default for Config {
             log_format: LogFormat::Text,
             log_level: "info".into(),
             retry: RetryConfig::default(),
+            layout: outbox_layout::LayoutKind::Native,
+            mapping: None,
         }
     }
 }
@@ -219,10 +225,34 @@ pub fn redact_url(url: &str) -> String {
     out
 }
 
+/// The Ably connector's environment variables and the settings they set (`layout = "adbc"`).
+pub const ADBC_ALIASES: &[(&str, &str)] = &[
+    ("ADBC_POSTGRES_CONNECTION_URI", "database_url"),
+    ("ADBC_OUTBOX_TABLE_TABLE_SCHEMA", "outbox_schema"),
+    ("ADBC_OUTBOX_TABLE_TABLE_NAME", "outbox_table"),
+    ("ADBC_NODES_TABLE_TABLE_SCHEMA", "nodes_schema"),
+    ("ADBC_NODES_TABLE_TABLE_NAME", "nodes_table"),
+    ("ADBC_OUTBOX_TABLE_AUTO_CREATE", "auto_migrate"),
+    ("ADBC_POLL_INTERVAL", "poll_interval"),
+    ("ADBC_POLL_FIXED_RATE", "poll_fixed_rate"),
+    ("ADBC_HEARTBEAT_TIMEOUT", "heartbeat_timeout"),
+];
+
+/// Table names after the layout's defaults: a seed's table name replaces the native default.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LayoutTables {
+    pub outbox_schema: String,
+    pub outbox_table: String,
+    pub nodes_schema: String,
+    pub nodes_table: String,
+    pub notify_channel: String,
+}
+
 /// Which database a URL names.
 #[derive(Clone, Debug, PartialEq)]
 pub enum DatabaseKind {
     Postgres,
+    MySql,
     Sqlite(PathBuf),
 }
 
@@ -245,18 +275,30 @@ impl Config {
             }
             None => {}
         }
-        figment = figment
-            .merge(
-                Env::raw()
-                    .only(&["DATABASE_URL"])
-                    .map(|_| "database_url".into()),
-            )
-            .merge(
-                Env::prefixed("OUTBOX_RELAY_")
-                    .split("__")
-                    .ignore(&["webhook_secret"]),
-            )
-            .merge(flags);
+        let env = Env::prefixed("OUTBOX_RELAY_")
+            .split("__")
+            .ignore(&["webhook_secret"]);
+        let layout: outbox_layout::LayoutKind = figment
+            .clone()
+            .merge(env.clone())
+            .merge(flags.clone())
+            .extract_inner("layout")
+            .unwrap_or_default();
+        figment = figment.merge(
+            Env::raw()
+                .only(&["DATABASE_URL"])
+                .map(|_| "database_url".into()),
+        );
+        if layout == outbox_layout::LayoutKind::Adbc {
+            // The Ably connector's own settings carry over (below OUTBOX_RELAY_* and flags).
+            figment = figment.merge(Env::raw().filter_map(|key| {
+                ADBC_ALIASES
+                    .iter()
+                    .find(|(adbc, _)| key.as_str().eq_ignore_ascii_case(adbc))
+                    .map(|(_, ours)| (*ours).into())
+            }));
+        }
+        figment = figment.merge(env).merge(flags);
         let config: Config = figment.extract().map_err(|e| {
             anyhow::anyhow!(
                 "invalid configuration: {}",
@@ -325,9 +367,67 @@ impl Config {
         }
         let shown = redact_url(url);
         if url.starts_with("mysql://") || url.starts_with("mariadb://") {
-            bail!("database URL {shown}: the MySQL/MariaDB store is not available in this version; use postgres:// or sqlite:PATH");
+            return Ok(DatabaseKind::MySql);
         }
-        bail!("unsupported database URL {shown}: use postgres://user@host:port/db or sqlite:PATH")
+        bail!("unsupported database URL {shown}: use postgres://user@host:port/db, mysql://user@host:port/db or sqlite:PATH")
+    }
+
+    /// The table names in effect for the layout.
+    pub fn layout_tables(&self) -> LayoutTables {
+        use outbox_layout::LayoutKind as L;
+        let default_table = match self.layout {
+            L::Native | L::Adbc | L::Custom => "outbox",
+            L::OpenOutbox => "openoutbox_events",
+            L::Export => "event",
+            L::MysqlOutboxEvents => "outbox_events",
+        };
+        let outbox_table = if self.outbox_table == "outbox" {
+            default_table.to_string()
+        } else {
+            self.outbox_table.clone()
+        };
+        let nodes_table = if self.layout == L::Adbc && self.nodes_table == "outbox_nodes" {
+            "nodes".to_string()
+        } else {
+            self.nodes_table.clone()
+        };
+        let notify_channel = if self.layout == L::Adbc
+            && self.notify_channel == outbox_store_postgres::DEFAULT_NOTIFY_CHANNEL
+        {
+            "ably_adbc".to_string()
+        } else {
+            self.notify_channel.clone()
+        };
+        LayoutTables {
+            outbox_schema: self.outbox_schema.clone(),
+            outbox_table,
+            nodes_schema: self.nodes_schema.clone(),
+            nodes_table,
+            notify_channel,
+        }
+    }
+
+    /// The column mapping of a non-native layout.
+    pub fn layout_mapping(&self) -> anyhow::Result<Option<outbox_layout::Mapping>> {
+        use outbox_layout::{LayoutKind as L, Mapping};
+        let t = self.layout_tables();
+        let mysql = self.database_kind()? == DatabaseKind::MySql;
+        let database = (t.outbox_schema != "public").then_some(t.outbox_schema.as_str());
+        let mapping = match self.layout {
+            L::Native if mysql => Mapping::native_mysql(database, &t.outbox_table, self.retain_delivered),
+            L::Native => return Ok(None),
+            L::Adbc => Mapping::adbc(&t.outbox_schema, &t.outbox_table),
+            L::OpenOutbox => Mapping::open_outbox(&t.outbox_schema, &t.outbox_table),
+            L::Export => Mapping::export(&t.outbox_schema, &t.outbox_table),
+            L::MysqlOutboxEvents => Mapping::mysql_outbox_events(database, &t.outbox_table),
+            L::Custom => self.mapping.clone().ok_or_else(|| {
+                anyhow::anyhow!("layout = \"custom\" needs a [mapping] section naming the table and its columns (see the README, \"Layouts\")")
+            })?,
+        };
+        mapping
+            .validate()
+            .map_err(|e| anyhow::anyhow!(e.report()))?;
+        Ok(Some(mapping))
     }
 
     pub fn http_socket_addr(&self) -> anyhow::Result<Option<SocketAddr>> {
@@ -375,10 +475,12 @@ fn single_sink(uri: &str) -> std::collections::BTreeMap<String, outbox_publisher
 }
 
 /// Values given as flags; only those present override the other sources.
-#[derive(Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize)]
 pub struct FlagOverrides {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub database_url: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub layout: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub database_ca_file: Option<PathBuf>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -429,7 +531,7 @@ pub struct FlagOverrides {
     pub retry: Option<RetryFlags>,
 }
 
-#[derive(Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize)]
 pub struct RetryFlags {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub base_delay: Option<String>,

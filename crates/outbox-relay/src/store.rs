@@ -5,7 +5,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use outbox_core::store::NodeRegistry;
 use outbox_core::OutboxStore;
-use outbox_store_postgres::{PgOptions, PgStore, Tables};
+use outbox_store_postgres::{MappedPgStore, PgOptions, PgStore, Tables};
 use outbox_store_sqlite::SqliteStore;
 
 use crate::config::{Config, DatabaseKind};
@@ -14,6 +14,8 @@ use crate::config::{Config, DatabaseKind};
 #[derive(Clone)]
 pub enum AnyStore {
     Postgres(PgStore),
+    /// A seed's table or a custom mapping on PostgreSQL.
+    MappedPostgres(MappedPgStore),
     Sqlite(SqliteStore),
 }
 
@@ -23,17 +25,34 @@ impl AnyStore {
             DatabaseKind::Postgres => {
                 let mut tables = pg_tables(config)?;
                 tables.partition_count = config.partitions;
-                let store = PgStore::new(PgOptions {
+                let options = PgOptions {
                     url: config.database_url.clone(),
                     tables,
                     retain_delivered: config.retain_delivered,
                     ca_file: config.database_ca_file.clone(),
                     pool_size: config.pool_size,
-                })
-                .map_err(|e| anyhow::anyhow!(e.report()))?;
+                };
+                if let Some(mapping) = config.layout_mapping()? {
+                    let channel = (config.layout == outbox_layout::LayoutKind::Adbc)
+                        .then(|| config.layout_tables().notify_channel);
+                    let store = MappedPgStore::new(
+                        options,
+                        mapping,
+                        &config.layout.to_string(),
+                        channel.as_deref(),
+                        config.retry.max_attempts,
+                    )
+                    .map_err(|e| anyhow::anyhow!(e.report()))?;
+                    return Ok(AnyStore::MappedPostgres(store));
+                }
+                let store = PgStore::new(options).map_err(|e| anyhow::anyhow!(e.report()))?;
                 Ok(AnyStore::Postgres(store))
             }
+            DatabaseKind::MySql => anyhow::bail!("the MySQL/MariaDB store is not built yet"),
             DatabaseKind::Sqlite(path) => {
+                if config.layout != outbox_layout::LayoutKind::Native {
+                    anyhow::bail!("the {} layout runs on PostgreSQL or MySQL/MariaDB; SQLite supports the native layout only", config.layout);
+                }
                 if config.outbox_table != "outbox" || config.outbox_schema != "public" {
                     anyhow::bail!("custom table names are supported on PostgreSQL only; the SQLite store uses `outbox`");
                 }
@@ -48,6 +67,7 @@ impl AnyStore {
     pub fn outbox(&self) -> Arc<dyn OutboxStore> {
         match self {
             AnyStore::Postgres(s) => Arc::new(s.clone()),
+            AnyStore::MappedPostgres(s) => Arc::new(s.clone()),
             AnyStore::Sqlite(s) => Arc::new(s.clone()),
         }
     }
@@ -56,13 +76,15 @@ impl AnyStore {
     pub fn partition_registry(&self) -> Option<Arc<dyn outbox_core::store::PartitionRegistry>> {
         match self {
             AnyStore::Postgres(s) => Some(Arc::new(s.clone())),
-            AnyStore::Sqlite(_) => None,
+            // Mapped layouts run one active relay per table (see MappedPgStore).
+            AnyStore::MappedPostgres(_) | AnyStore::Sqlite(_) => None,
         }
     }
 
     pub fn operations(&self) -> Arc<dyn outbox_core::store::Operations> {
         match self {
             AnyStore::Postgres(s) => Arc::new(s.clone()),
+            AnyStore::MappedPostgres(s) => Arc::new(s.clone()),
             AnyStore::Sqlite(s) => Arc::new(s.clone()),
         }
     }
@@ -70,6 +92,7 @@ impl AnyStore {
     pub fn registry(&self) -> Arc<dyn NodeRegistry> {
         match self {
             AnyStore::Postgres(s) => Arc::new(s.clone()),
+            AnyStore::MappedPostgres(s) => Arc::new(s.clone()),
             AnyStore::Sqlite(s) => Arc::new(s.clone()),
         }
     }
@@ -82,6 +105,7 @@ impl AnyStore {
     pub async fn migrate(&self) -> Result<(), outbox_core::StoreError> {
         match self {
             AnyStore::Postgres(s) => s.migrate().await,
+            AnyStore::MappedPostgres(s) => s.migrate().await,
             AnyStore::Sqlite(s) => s.migrate().await,
         }
     }
@@ -92,6 +116,11 @@ impl AnyStore {
             AnyStore::Postgres(s) => {
                 format!("{}\n{}", s.tables().ddl(), s.tables().grants(role))
             }
+            AnyStore::MappedPostgres(s) => format!(
+                "{}\n{}",
+                s.ddl().unwrap_or_else(|| "-- A custom mapping runs on the application's own table: nothing to create.\n".into()),
+                s.grants(role)
+            ),
             AnyStore::Sqlite(_) => format!(
                 "-- SQLite has no roles: the relay needs read/write access to the database file\n-- and its directory (for the WAL).\n{}",
                 SqliteStore::ddl()
@@ -101,12 +130,13 @@ impl AnyStore {
 }
 
 fn pg_tables(config: &Config) -> anyhow::Result<Tables> {
+    let t = config.layout_tables();
     Tables::new(
-        &config.outbox_schema,
-        &config.outbox_table,
-        &config.nodes_schema,
-        &config.nodes_table,
-        &config.notify_channel,
+        &t.outbox_schema,
+        &t.outbox_table,
+        &t.nodes_schema,
+        &t.nodes_table,
+        &t.notify_channel,
     )
     .map_err(|e| anyhow::anyhow!(e.report()))
 }

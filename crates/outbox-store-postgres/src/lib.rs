@@ -5,6 +5,7 @@
 //! statement-level trigger created by [`PgStore::migrate`] sends them.
 
 mod error;
+pub mod mapped;
 mod ops;
 pub mod schema;
 mod tls;
@@ -29,6 +30,7 @@ use tokio_postgres::{AsyncMessage, Row};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 pub use error::classify;
+pub use mapped::MappedPgStore;
 pub use schema::{Tables, DEFAULT_NOTIFY_CHANNEL};
 
 use error::{db_error, pool_error};
@@ -227,6 +229,7 @@ fn row_to_claimed(row: &Row) -> Claimed {
             mutation_id: row.get(7),
             rejected: row.get(8),
             attempts: attempts.max(0) as u32,
+            max_attempts: None,
             created_at: from_micros(row.get(10)),
         }),
         Err(reason) => Claimed::Undecodable {
@@ -522,9 +525,15 @@ async fn verify(inner: &Inner) -> StoreResult<Vec<Problem>> {
 /// LISTENs on a dedicated connection and calls `on_change` for every notification, and once
 /// after each (re)connect to catch what was missed. Reconnects with backoff, forever.
 async fn listen_forever(inner: Arc<Inner>, on_change: OnChange) {
+    let channel = inner.tables.notify_channel.as_str().to_string();
+    listen_forever_on(inner, channel, on_change).await
+}
+
+/// [`listen_forever`] on a given channel (a validated identifier).
+pub(crate) async fn listen_forever_on(inner: Arc<Inner>, channel: String, on_change: OnChange) {
     let mut backoff = Duration::from_millis(100);
     loop {
-        match listen_once(&inner, &on_change).await {
+        match listen_once(&inner, &channel, &on_change).await {
             Ok(()) => backoff = Duration::from_millis(100),
             Err(e) => {
                 tracing::warn!(error = %e.report(), retry_in = ?backoff, "LISTEN connection lost; the safety poll covers the gap");
@@ -535,7 +544,7 @@ async fn listen_forever(inner: Arc<Inner>, on_change: OnChange) {
     }
 }
 
-async fn listen_once(inner: &Inner, on_change: &OnChange) -> StoreResult<()> {
+async fn listen_once(inner: &Inner, channel: &str, on_change: &OnChange) -> StoreResult<()> {
     let (client, mut connection) = inner
         .config
         .connect(inner.tls.clone())
@@ -558,12 +567,12 @@ async fn listen_once(inner: &Inner, on_change: &OnChange) -> StoreResult<()> {
         }
     };
     let driver = tokio::spawn(driver);
-    let listen = format!("LISTEN {}", inner.tables.notify_channel.quoted());
+    let listen = format!("LISTEN \"{channel}\"");
     if let Err(e) = client.batch_execute(&listen).await {
         driver.abort();
         return Err(db_error("listen", e));
     }
-    tracing::debug!(channel = %inner.tables.notify_channel, "listening for notifications");
+    tracing::debug!(%channel, "listening for notifications");
     on_change();
     let result = driver.await.unwrap_or_else(|e| {
         Err(StoreError::new(

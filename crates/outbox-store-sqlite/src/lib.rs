@@ -279,6 +279,7 @@ fn row_to_claimed(row: &Row<'_>) -> rusqlite::Result<Claimed> {
             mutation_id,
             rejected: rejected != 0,
             attempts: attempts.max(0) as u32,
+            max_attempts: None,
             created_at: UNIX_EPOCH + Duration::from_millis(created_ms.max(0) as u64),
         })
     })();

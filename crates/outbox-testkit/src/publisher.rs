@@ -76,6 +76,7 @@ pub fn event(seq: i64, key: &str, payload: Vec<u8>) -> Arc<Event> {
         mutation_id: Some(format!("m{seq}")),
         rejected: false,
         attempts: 0,
+        max_attempts: None,
         created_at: SystemTime::now(),
     })
 }

@@ -1,0 +1,1154 @@
+//! Statements for a mapped table, in PostgreSQL or MySQL/MariaDB syntax.
+//!
+//! Every method returns complete statement text. Placeholders are written by the caller's
+//! fragments (`$n` for PostgreSQL, `?` for MySQL), so the executor decides how id lists are
+//! bound: PostgreSQL arrays, or MySQL lists of integers it formats itself. Every claimed row
+//! is selected as [`Sql::select_list`] in this order: id, event id, destination, key, type,
+//! payload, headers, mutation id, rejected, attempts, created_at (µs), max attempts.
+
+use crate::{
+    literal, DeadState, Dialect, IdType, KeyFallback, Mapping, OnSuccess, PayloadFormat, Seed,
+    State,
+};
+
+/// A validated mapping rendered for one dialect.
+#[derive(Clone, Debug)]
+pub struct Sql {
+    pub mapping: Mapping,
+    pub dialect: Dialect,
+}
+
+/// The message every reaped row gets as its last error.
+pub const REAPED: &str =
+    "the relay holding this event stopped before settling it (lease expired); counted as an attempt";
+
+impl Sql {
+    /// Validates the mapping.
+    pub fn new(mapping: Mapping, dialect: Dialect) -> Result<Self, outbox_core::StoreError> {
+        mapping.validate()?;
+        Ok(Sql { mapping, dialect })
+    }
+
+    pub fn quote(&self, name: &str) -> String {
+        match self.dialect {
+            Dialect::Postgres => format!("\"{name}\""),
+            Dialect::MySql => format!("`{name}`"),
+        }
+    }
+
+    /// The schema-qualified table.
+    pub fn table(&self) -> String {
+        self.qualified(&self.mapping.table)
+    }
+
+    /// A table in the mapping's schema.
+    pub fn qualified(&self, name: &str) -> String {
+        match &self.mapping.schema {
+            Some(schema) => format!("{}.{}", self.quote(schema), self.quote(name)),
+            None => self.quote(name),
+        }
+    }
+
+    /// The relay's side table for dead rows of layouts that cannot mark them.
+    pub fn dead_table(&self) -> String {
+        self.qualified(&format!("{}_dead_letters", self.mapping.table))
+    }
+
+    fn col(&self, name: &str) -> String {
+        format!("o.{}", self.quote(name))
+    }
+
+    fn opt(&self, name: &Option<String>) -> Option<String> {
+        name.as_deref().map(|n| self.col(n))
+    }
+
+    /// The current time as the timestamp columns hold it.
+    pub fn now(&self) -> &'static str {
+        match (self.dialect, self.mapping.utc_timestamps) {
+            (Dialect::Postgres, false) => "now()",
+            (Dialect::Postgres, true) => "(now() AT TIME ZONE 'UTC')",
+            (Dialect::MySql, _) => "UTC_TIMESTAMP(6)",
+        }
+    }
+
+    /// `now + ms` for a placeholder holding milliseconds.
+    fn now_plus(&self, ms: &str) -> String {
+        match self.dialect {
+            Dialect::Postgres => format!("{} + {ms}::int8 * interval '1 millisecond'", self.now()),
+            Dialect::MySql => format!("{} + INTERVAL ({ms} * 1000) MICROSECOND", self.now()),
+        }
+    }
+
+    fn now_minus(&self, ms: &str) -> String {
+        match self.dialect {
+            Dialect::Postgres => format!("{} - {ms}::int8 * interval '1 millisecond'", self.now()),
+            Dialect::MySql => format!("{} - INTERVAL ({ms} * 1000) MICROSECOND", self.now()),
+        }
+    }
+
+    fn text(&self, expr: &str) -> String {
+        match self.dialect {
+            Dialect::Postgres => format!("({expr})::text"),
+            Dialect::MySql => format!("CAST({expr} AS CHAR)"),
+        }
+    }
+
+    fn int(&self, expr: &str) -> String {
+        match self.dialect {
+            Dialect::Postgres => format!("({expr})::int8"),
+            Dialect::MySql => format!("CAST({expr} AS SIGNED)"),
+        }
+    }
+
+    fn micros(&self, expr: &str) -> String {
+        match self.dialect {
+            Dialect::Postgres => format!("(extract(epoch from {expr}) * 1000000)::int8"),
+            Dialect::MySql => format!("CAST(UNIX_TIMESTAMP({expr}) * 1000000 AS SIGNED)"),
+        }
+    }
+
+    fn null_text(&self) -> &'static str {
+        match self.dialect {
+            Dialect::Postgres => "NULL::text",
+            Dialect::MySql => "NULL",
+        }
+    }
+
+    fn null_int(&self) -> &'static str {
+        match self.dialect {
+            Dialect::Postgres => "NULL::int8",
+            Dialect::MySql => "NULL",
+        }
+    }
+
+    /// The row id as selected (`int8` or `uuid`).
+    pub fn id_expr(&self) -> String {
+        let id = self.col(&self.mapping.id);
+        match self.mapping.id_type {
+            IdType::Integer => self.int(&id),
+            IdType::Uuid => id,
+        }
+    }
+
+    fn id(&self) -> String {
+        self.col(&self.mapping.id)
+    }
+
+    /// The ordering key as text; the same expression the executor derives for decoded rows.
+    pub fn key_expr(&self) -> String {
+        let fallback = match self.mapping.key_fallback {
+            KeyFallback::Destination => self.text(&self.col(&self.mapping.destination)),
+            KeyFallback::Row => match self.dialect {
+                Dialect::Postgres => format!("'row:' || {}", self.text(&self.id())),
+                Dialect::MySql => format!("CONCAT('row:', {})", self.text(&self.id())),
+            },
+        };
+        match &self.mapping.key {
+            Some(key) => format!("coalesce({}, {fallback})", self.text(&self.col(key))),
+            None => fallback,
+        }
+    }
+
+    /// The columns of a claimed row (see the module docs for the order).
+    pub fn select_list(&self) -> String {
+        let m = &self.mapping;
+        let text_or_null = |c: &Option<String>| match self.opt(c) {
+            Some(c) => self.text(&c),
+            None => self.null_text().to_string(),
+        };
+        let int_or_null = |c: &Option<String>| match self.opt(c) {
+            Some(c) => self.int(&c),
+            None => self.null_int().to_string(),
+        };
+        let payload = match (self.dialect, m.payload_format) {
+            (Dialect::Postgres, PayloadFormat::Bytes) => self.col(&m.payload),
+            (Dialect::Postgres, _) => self.text(&self.col(&m.payload)),
+            (Dialect::MySql, _) => self.col(&m.payload),
+        };
+        let created = match self.opt(&m.created_at) {
+            Some(c) => self.micros(&c),
+            None => self.null_int().to_string(),
+        };
+        let max_attempts = match &m.max_attempts_from {
+            Some(from) => {
+                let plus = if from.counts_retries { " + 1" } else { "" };
+                self.int(&format!(
+                    "(SELECT mx.{col}{plus} FROM {table} mx WHERE mx.{key} = {join})",
+                    col = self.quote(&from.column),
+                    table = self.qualified(&from.table),
+                    key = self.quote(&from.key_column),
+                    join = self.col(&from.join_column),
+                ))
+            }
+            None => self.null_int().to_string(),
+        };
+        [
+            self.id_expr(),
+            text_or_null(&m.event_id),
+            self.text(&self.col(&m.destination)),
+            text_or_null(&m.key),
+            text_or_null(&m.event_type),
+            payload,
+            text_or_null(&m.headers),
+            text_or_null(&m.mutation_id),
+            int_or_null(&m.rejected),
+            int_or_null(&m.attempts),
+            created,
+            max_attempts,
+        ]
+        .join(", ")
+    }
+
+    fn state_literal(&self, value: &str) -> String {
+        literal(value).expect("validated")
+    }
+
+    fn state_is(&self, value: &str) -> Option<String> {
+        match &self.mapping.state {
+            State::Flag { column, .. } | State::Status { column, .. } => Some(format!(
+                "{} = {}",
+                self.col(column),
+                self.state_literal(value)
+            )),
+            State::Rows => None,
+        }
+    }
+
+    /// Rows that are not delivered nor dead (in flight included).
+    pub fn pending(&self) -> String {
+        let m = &self.mapping;
+        let mut parts = Vec::new();
+        match &m.state {
+            State::Status {
+                column,
+                pending,
+                in_flight,
+                ..
+            } => {
+                let mut values = vec![self.state_literal(pending)];
+                values.extend(in_flight.iter().map(|v| self.state_literal(v)));
+                parts.push(format!("{} IN ({})", self.col(column), values.join(", ")));
+            }
+            State::Flag { pending, .. } => parts.extend(self.state_is(pending)),
+            State::Rows => {}
+        }
+        if let Some(d) = self.opt(&m.delivered_at) {
+            if !matches!(m.state, State::Status { .. }) {
+                parts.push(format!("{d} IS NULL"));
+            }
+        }
+        match m.dead_state() {
+            DeadState::Timestamp(c) => parts.push(format!("{} IS NULL", self.col(&c))),
+            DeadState::SideTable => parts.push(format!(
+                "NOT EXISTS (SELECT 1 FROM {} dl WHERE dl.id = {})",
+                self.dead_table(),
+                self.id()
+            )),
+            _ => {}
+        }
+        if parts.is_empty() {
+            "true".into()
+        } else {
+            parts.join(" AND ")
+        }
+    }
+
+    /// Dead rows.
+    pub fn dead(&self) -> String {
+        match self.mapping.dead_state() {
+            DeadState::Status(v) | DeadState::Flag(v) => self.state_is(&v).expect("a state column"),
+            DeadState::Timestamp(c) => format!("{} IS NOT NULL", self.col(&c)),
+            DeadState::SideTable => format!(
+                "EXISTS (SELECT 1 FROM {} dl WHERE dl.id = {})",
+                self.dead_table(),
+                self.id()
+            ),
+        }
+    }
+
+    /// Delivered rows that are retained.
+    pub fn delivered(&self) -> Option<String> {
+        let m = &self.mapping;
+        if m.on_success != OnSuccess::Mark {
+            return None;
+        }
+        match &m.state {
+            State::Status { delivered, .. } => self.state_is(delivered),
+            State::Flag { done, .. } => self.state_is(done).map(|s| {
+                if m.dead_state() == DeadState::SideTable {
+                    s
+                } else {
+                    format!("{s} AND NOT ({})", self.dead())
+                }
+            }),
+            State::Rows => self
+                .opt(&m.delivered_at)
+                .map(|d| format!("{d} IS NOT NULL")),
+        }
+    }
+
+    /// Rows that may be claimed now (besides the blocked keys and held ids the executor adds).
+    pub fn claimable(&self) -> String {
+        let m = &self.mapping;
+        let mut parts = Vec::new();
+        match &m.state {
+            State::Status { pending, .. } => parts.extend(self.state_is(pending)),
+            _ => parts.push(self.pending()),
+        }
+        if matches!(m.state, State::Status { .. }) {
+            if let DeadState::SideTable = m.dead_state() {
+                parts.push(self.pending());
+            }
+        }
+        match (self.opt(&m.locked_by), self.opt(&m.locked_until)) {
+            (_, Some(until)) => {
+                parts.push(format!("({until} IS NULL OR {until} < {})", self.now()))
+            }
+            (Some(by), None)
+                if !matches!(
+                    m.state,
+                    State::Status {
+                        in_flight: Some(_),
+                        ..
+                    }
+                ) =>
+            {
+                parts.push(format!("{by} IS NULL"))
+            }
+            _ => {}
+        }
+        if let Some(a) = self.opt(&m.available_at) {
+            parts.push(format!("{a} <= {}", self.now()));
+        }
+        parts.join(" AND ")
+    }
+
+    /// `ORDER BY` terms.
+    pub fn order_by(&self) -> String {
+        if self.mapping.order_by.is_empty() {
+            self.id()
+        } else {
+            self.mapping
+                .order_by
+                .iter()
+                .map(|c| self.col(c))
+                .collect::<Vec<_>>()
+                .join(", ")
+        }
+    }
+
+    /// `SET` items marking a claim, for a node and lease placeholder; empty when the table has
+    /// nothing to mark.
+    pub fn claim_set(&self, node: &str, lease_ms: &str) -> Vec<String> {
+        let m = &self.mapping;
+        let q = |c: &str| self.quote(c);
+        let mut set = Vec::new();
+        if let State::Status {
+            column,
+            in_flight: Some(v),
+            ..
+        } = &m.state
+        {
+            set.push(format!("{} = {}", q(column), self.state_literal(v)));
+        }
+        if let Some(c) = &m.locked_by {
+            set.push(format!("{} = {node}", q(c)));
+        }
+        if let Some(c) = &m.locked_until {
+            set.push(format!("{} = {}", q(c), self.now_plus(lease_ms)));
+        }
+        if let Some(c) = &m.locked_at {
+            set.push(format!("{} = {}", q(c), self.now()));
+        }
+        if !set.is_empty() {
+            if let Some(c) = &m.updated_at {
+                set.push(format!("{} = {}", q(c), self.now()));
+            }
+        }
+        set
+    }
+
+    fn unlock(&self) -> Vec<String> {
+        let m = &self.mapping;
+        [&m.locked_by, &m.locked_until, &m.locked_at]
+            .into_iter()
+            .flatten()
+            .map(|c| format!("{} = NULL", self.quote(c)))
+            .collect()
+    }
+
+    fn touch(&self, set: &mut Vec<String>) {
+        if let Some(c) = &self.mapping.updated_at {
+            if !set.is_empty() {
+                set.push(format!("{} = {}", self.quote(c), self.now()));
+            }
+        }
+    }
+
+    fn back_to_pending(&self) -> Vec<String> {
+        let mut set = Vec::new();
+        if let State::Status {
+            column,
+            pending,
+            in_flight: Some(_),
+            ..
+        } = &self.mapping.state
+        {
+            set.push(format!(
+                "{} = {}",
+                self.quote(column),
+                self.state_literal(pending)
+            ));
+        }
+        set.extend(self.unlock());
+        set
+    }
+
+    /// Settles apply only to rows this node still holds, as far as the table can tell.
+    pub fn fence(&self, node: &str) -> String {
+        let m = &self.mapping;
+        if let Some(by) = self.opt(&m.locked_by) {
+            return format!("{by} = {node}");
+        }
+        if let State::Status {
+            column,
+            in_flight: Some(v),
+            ..
+        } = &m.state
+        {
+            return format!(
+                "{} = {} AND {node} IS NOT NULL",
+                self.col(column),
+                self.state_literal(v)
+            );
+        }
+        format!("{node} IS NOT NULL")
+    }
+
+    /// Marks delivered rows (delete, or mark).
+    pub fn ack(&self, ids: &str, node: &str) -> String {
+        let t = self.table();
+        let fence = self.fence(node);
+        match self.mapping.on_success {
+            OnSuccess::Delete => match self.dialect {
+                Dialect::Postgres => format!(
+                    "DELETE FROM {t} o WHERE o.{} {ids} AND {fence}",
+                    self.quote(&self.mapping.id)
+                ),
+                Dialect::MySql => format!(
+                    "DELETE o FROM {t} o WHERE o.{} {ids} AND {fence}",
+                    self.quote(&self.mapping.id)
+                ),
+            },
+            OnSuccess::Mark => {
+                let m = &self.mapping;
+                let mut set = Vec::new();
+                match &m.state {
+                    State::Status {
+                        column, delivered, ..
+                    } => set.push(format!(
+                        "{} = {}",
+                        self.quote(column),
+                        self.state_literal(delivered)
+                    )),
+                    State::Flag { column, done, .. } => set.push(format!(
+                        "{} = {}",
+                        self.quote(column),
+                        self.state_literal(done)
+                    )),
+                    State::Rows => {}
+                }
+                if let Some(c) = &m.delivered_at {
+                    set.push(format!("{} = {}", self.quote(c), self.now()));
+                }
+                set.extend(self.unlock());
+                self.touch(&mut set);
+                self.update(&set, &format!("o.{} {ids} AND {fence}", self.quote(&m.id)))
+            }
+        }
+    }
+
+    fn update(&self, set: &[String], condition: &str) -> String {
+        // MySQL qualifies SET targets with the alias; PostgreSQL refuses that.
+        let prefix = if self.dialect == Dialect::MySql {
+            "o."
+        } else {
+            ""
+        };
+        let set = set
+            .iter()
+            .map(|s| format!("{prefix}{s}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        format!("UPDATE {} o SET {set} WHERE {condition}", self.table())
+    }
+
+    /// `SET` items recording a failed attempt; placeholders for attempts, error and delay.
+    pub fn retry_set(&self, attempts: &str, error: &str, delay_ms: &str) -> Vec<String> {
+        let m = &self.mapping;
+        let mut set = self.back_to_pending();
+        if let Some(c) = &m.attempts {
+            set.push(format!("{} = {attempts}", self.quote(c)));
+        }
+        if let Some(c) = &m.last_error {
+            set.push(format!("{} = {error}", self.quote(c)));
+        }
+        if let Some(c) = &m.available_at {
+            set.push(format!("{} = {}", self.quote(c), self.now_plus(delay_ms)));
+        }
+        self.touch(&mut set);
+        set
+    }
+
+    /// `SET` items for a dead row (not for the side table).
+    pub fn dead_set(&self, attempts: &str, error: &str) -> Vec<String> {
+        let m = &self.mapping;
+        let mut set = Vec::new();
+        match m.dead_state() {
+            DeadState::Status(v) | DeadState::Flag(v) => {
+                let column = match &m.state {
+                    State::Status { column, .. } | State::Flag { column, .. } => column,
+                    State::Rows => unreachable!("a dead value needs a state column"),
+                };
+                set.push(format!(
+                    "{} = {}",
+                    self.quote(column),
+                    self.state_literal(&v)
+                ));
+            }
+            DeadState::Timestamp(c) => set.push(format!("{} = {}", self.quote(&c), self.now())),
+            DeadState::SideTable => {}
+        }
+        if let Some(c) = &m.attempts {
+            set.push(format!("{} = {attempts}", self.quote(c)));
+        }
+        if let Some(c) = &m.last_error {
+            set.push(format!("{} = {error}", self.quote(c)));
+        }
+        set.extend(self.unlock());
+        self.touch(&mut set);
+        set
+    }
+
+    /// Returns held rows to pending without counting an attempt.
+    pub fn release(&self, ids: &str, node: &str) -> Option<String> {
+        let mut set = self.back_to_pending();
+        self.touch(&mut set);
+        (!set.is_empty()).then(|| {
+            self.update(
+                &set,
+                &format!(
+                    "o.{} {ids} AND {}",
+                    self.quote(&self.mapping.id),
+                    self.fence(node)
+                ),
+            )
+        })
+    }
+
+    /// Extends the leases of held rows.
+    pub fn extend(&self, ids: &str, node: &str, lease_ms: &str) -> Option<String> {
+        let m = &self.mapping;
+        let q = |c: &str| self.quote(c);
+        let set = if let Some(c) = &m.locked_until {
+            format!("{} = {}", q(c), self.now_plus(lease_ms))
+        } else if let Some(c) = &m.locked_at {
+            format!("{} = {}", q(c), self.now())
+        } else if let (
+            Some(c),
+            State::Status {
+                in_flight: Some(_), ..
+            },
+        ) = (&m.updated_at, &m.state)
+        {
+            format!("{} = {}", q(c), self.now())
+        } else {
+            return None;
+        };
+        Some(self.update(
+            &[set],
+            &format!(
+                "o.{} {ids} AND {} AND {lease_ms} >= 0",
+                q(&m.id),
+                self.fence(node)
+            ),
+        ))
+    }
+
+    /// Rows held by a relay that is gone: `all` (a placeholder, true at takeover) or whose
+    /// lease ran out (`lease_ms` placeholder).
+    fn stale(&self, all: &str, lease_ms: &str) -> Option<String> {
+        let m = &self.mapping;
+        let held = match (&m.state, self.opt(&m.locked_by), self.opt(&m.locked_until)) {
+            (
+                State::Status {
+                    column,
+                    in_flight: Some(v),
+                    ..
+                },
+                _,
+                _,
+            ) => {
+                format!("{} = {}", self.col(column), self.state_literal(v))
+            }
+            (_, Some(by), _) => format!("{by} IS NOT NULL"),
+            (_, None, Some(until)) => format!("{until} IS NOT NULL"),
+            _ => return None,
+        };
+        let expired = if let Some(until) = self.opt(&m.locked_until) {
+            format!("{until} < {}", self.now())
+        } else if let Some(at) = self.opt(&m.locked_at) {
+            format!("{at} < {}", self.now_minus(lease_ms))
+        } else if let Some(at) = self.opt(&m.updated_at) {
+            format!("{at} < {}", self.now_minus(lease_ms))
+        } else {
+            format!("{lease_ms} < 0")
+        };
+        Some(format!("{held} AND ({all} OR {expired})"))
+    }
+
+    /// The reaper: returns stale held rows to pending, counting the attempt where the table
+    /// counts them, or (`to_dead`) marks dead those whose last allowed attempt it was.
+    /// Placeholders: `max` (default max attempts), `all`, `lease_ms`, in that order.
+    pub fn reap(&self, to_dead: bool, max: &str, all: &str, lease_ms: &str) -> Option<String> {
+        let m = &self.mapping;
+        let stale = self.stale(all, lease_ms)?;
+        let counts = m.attempts.is_some() && matches!(m.state, State::Status { .. });
+        if to_dead && !counts {
+            return None;
+        }
+        let max_expr = match &m.max_attempts_from {
+            Some(from) => {
+                let plus = if from.counts_retries { " + 1" } else { "" };
+                format!(
+                    "coalesce((SELECT mx.{col}{plus} FROM {table} mx WHERE mx.{key} = {join}), {max})",
+                    col = self.quote(&from.column),
+                    table = self.qualified(&from.table),
+                    key = self.quote(&from.key_column),
+                    join = self.col(&from.join_column),
+                )
+            }
+            None => max.to_string(),
+        };
+        let mut condition = stale;
+        let mut set = if to_dead {
+            self.dead_set("", "")
+                .into_iter()
+                .filter(|s| !s.ends_with("= "))
+                .collect()
+        } else {
+            self.back_to_pending()
+        };
+        if counts {
+            let attempts = self.col(m.attempts.as_deref().unwrap_or_default());
+            let column = self.quote(m.attempts.as_deref().unwrap_or_default());
+            set.retain(|s| !s.starts_with(&format!("{column} =")));
+            set.push(format!("{column} = {attempts} + 1"));
+            let cmp = if to_dead { ">=" } else { "<" };
+            condition = format!("{condition} AND {attempts} + 1 {cmp} {max_expr}");
+            if let Some(c) = &m.last_error {
+                set.retain(|s| !s.starts_with(&format!("{} =", self.quote(c))));
+                set.push(format!("{} = '{REAPED}'", self.quote(c)));
+            }
+        } else if max.is_empty() {
+            return None;
+        } else {
+            condition = format!("{condition} AND {max} IS NOT NULL");
+        }
+        self.touch(&mut set);
+        Some(self.update(&set, &condition))
+    }
+
+    /// `(pending, retrying, dead, oldest pending age ms)` per destination (or in total when
+    /// `by_destination` is false).
+    pub fn stats(&self, by_destination: bool) -> String {
+        let m = &self.mapping;
+        let sum = |cond: &str| {
+            self.int(&format!(
+                "coalesce(sum(CASE WHEN {cond} THEN 1 ELSE 0 END), 0)"
+            ))
+        };
+        let retrying = match self.opt(&m.attempts) {
+            Some(a) => format!("({}) AND {a} > 0", self.pending()),
+            None => "false".into(),
+        };
+        let retrying = if self.dialect == Dialect::MySql && retrying == "false" {
+            "1 = 0".to_string()
+        } else {
+            retrying
+        };
+        let age = match self.opt(&m.created_at) {
+            Some(c) => match self.dialect {
+                Dialect::Postgres => format!(
+                    "(extract(epoch from {} - min(CASE WHEN {} THEN {c} END)) * 1000)::int8",
+                    self.now(),
+                    self.pending()
+                ),
+                Dialect::MySql => format!(
+                    "CAST(TIMESTAMPDIFF(MICROSECOND, min(CASE WHEN {} THEN {c} END), {}) / 1000 AS SIGNED)",
+                    self.pending(),
+                    self.now()
+                ),
+            },
+            None => self.null_int().into(),
+        };
+        let dest = self.text(&self.col(&m.destination));
+        let (select_dest, group) = if by_destination {
+            (
+                format!("{dest}, "),
+                format!(" GROUP BY {dest} ORDER BY {dest}"),
+            )
+        } else {
+            (String::new(), String::new())
+        };
+        format!(
+            "SELECT {select_dest}{}, {}, {}, {age} FROM {} o WHERE ({}) OR ({}){group}",
+            sum(&self.pending()),
+            sum(&retrying),
+            sum(&self.dead()),
+            self.table(),
+            self.pending(),
+            self.dead(),
+        )
+    }
+
+    fn dead_at(&self) -> String {
+        let m = &self.mapping;
+        match m.dead_state() {
+            DeadState::Timestamp(c) => self.micros(&self.col(&c)),
+            DeadState::SideTable => self.micros(&format!(
+                "(SELECT dl.dead_at FROM {} dl WHERE dl.id = {})",
+                self.dead_table(),
+                self.id()
+            )),
+            _ => match self.opt(&m.updated_at) {
+                Some(c) => self.micros(&c),
+                None => self.null_int().into(),
+            },
+        }
+    }
+
+    /// Dead rows: id, event id, destination, type, attempts, last error, dead at (µs).
+    /// `destination` is a placeholder or `None`; `limit` a placeholder.
+    pub fn dead_list(&self, destination: Option<&str>, limit: &str) -> String {
+        let m = &self.mapping;
+        let side = m.dead_state() == DeadState::SideTable;
+        let side_col = |c: &str| {
+            format!(
+                "(SELECT dl.{c} FROM {} dl WHERE dl.id = {})",
+                self.dead_table(),
+                self.id()
+            )
+        };
+        let attempts = if side {
+            self.int(&side_col("attempts"))
+        } else {
+            self.opt(&m.attempts)
+                .map(|a| self.int(&a))
+                .unwrap_or_else(|| self.null_int().into())
+        };
+        let error = if side {
+            self.text(&side_col("last_error"))
+        } else {
+            self.opt(&m.last_error)
+                .map(|c| self.text(&c))
+                .unwrap_or_else(|| self.null_text().into())
+        };
+        let event_type = m.event_type.as_ref().unwrap_or(&m.destination);
+        let dest = self.text(&self.col(&m.destination));
+        let filter = destination
+            .map(|d| format!(" AND {dest} = {d}"))
+            .unwrap_or_default();
+        format!(
+            "SELECT {}, {}, {dest}, {}, {attempts}, {error}, {} FROM {} o WHERE {}{filter} ORDER BY {} LIMIT {limit}",
+            self.text(&self.id()),
+            self.opt(&m.event_id).map(|c| self.text(&c)).unwrap_or_else(|| self.null_text().into()),
+            self.text(&self.col(event_type)),
+            self.dead_at(),
+            self.table(),
+            self.dead(),
+            self.order_by(),
+        )
+    }
+
+    /// Returns dead rows (selected by `condition`, over alias `o`) to pending with their
+    /// attempts reset; `None` for the side table (the executor deletes its rows instead).
+    pub fn dead_retry(&self, condition: &str) -> Option<String> {
+        let m = &self.mapping;
+        let mut set = Vec::new();
+        match (&m.state, m.dead_state()) {
+            (_, DeadState::SideTable) => return None,
+            (
+                State::Status {
+                    column, pending, ..
+                },
+                _,
+            )
+            | (
+                State::Flag {
+                    column, pending, ..
+                },
+                _,
+            ) => set.push(format!(
+                "{} = {}",
+                self.quote(column),
+                self.state_literal(pending)
+            )),
+            (State::Rows, _) => {}
+        }
+        if let DeadState::Timestamp(c) = m.dead_state() {
+            set.push(format!("{} = NULL", self.quote(&c)));
+        }
+        if let Some(c) = &m.attempts {
+            set.push(format!("{} = 0", self.quote(c)));
+        }
+        if let Some(c) = &m.last_error {
+            set.push(format!("{} = NULL", self.quote(c)));
+        }
+        if let Some(c) = &m.available_at {
+            set.push(format!("{} = {}", self.quote(c), self.now()));
+        }
+        set.extend(self.unlock());
+        self.touch(&mut set);
+        Some(self.update(&set, &format!("({}) AND {condition}", self.dead())))
+    }
+
+    /// The destination as text, over alias `o`.
+    pub fn destination_text(&self) -> String {
+        self.text(&self.col(&self.mapping.destination))
+    }
+
+    /// The id column over alias `o`.
+    pub fn id_column(&self) -> String {
+        self.id()
+    }
+
+    /// The timestamp a delivered row is aged by for `prune`.
+    pub fn delivered_time(&self) -> Option<String> {
+        let m = &self.mapping;
+        self.opt(&m.delivered_at)
+            .or_else(|| self.opt(&m.updated_at))
+            .or_else(|| self.opt(&m.created_at))
+    }
+
+    /// The timestamp a dead row is aged by for `prune`.
+    pub fn dead_time(&self) -> Option<String> {
+        let m = &self.mapping;
+        match m.dead_state() {
+            DeadState::Timestamp(c) => Some(self.col(&c)),
+            DeadState::SideTable => Some(format!(
+                "(SELECT dl.dead_at FROM {} dl WHERE dl.id = {})",
+                self.dead_table(),
+                self.id()
+            )),
+            _ => self.opt(&m.updated_at).or_else(|| self.opt(&m.created_at)),
+        }
+    }
+
+    /// `created_at` over alias `o`, when mapped.
+    pub fn created_at(&self) -> Option<String> {
+        self.opt(&self.mapping.created_at)
+    }
+
+    /// Sets delivered rows back to pending for `replay`.
+    pub fn replay_set(&self) -> Vec<String> {
+        let m = &self.mapping;
+        let mut set = Vec::new();
+        match &m.state {
+            State::Status {
+                column, pending, ..
+            }
+            | State::Flag {
+                column, pending, ..
+            } => set.push(format!(
+                "{} = {}",
+                self.quote(column),
+                self.state_literal(pending)
+            )),
+            State::Rows => {}
+        }
+        if let Some(c) = &m.delivered_at {
+            set.push(format!("{} = NULL", self.quote(c)));
+        }
+        if let Some(c) = &m.attempts {
+            set.push(format!("{} = 0", self.quote(c)));
+        }
+        if let Some(c) = &m.available_at {
+            set.push(format!("{} = {}", self.quote(c), self.now()));
+        }
+        self.touch(&mut set);
+        set
+    }
+
+    /// The side table for dead rows (created by `migrate` when the layout needs it).
+    pub fn dead_table_ddl(&self) -> Option<String> {
+        if self.mapping.dead_state() != DeadState::SideTable {
+            return None;
+        }
+        let id_type = match (self.dialect, self.mapping.id_type) {
+            (Dialect::Postgres, IdType::Integer) => "bigint",
+            (Dialect::Postgres, IdType::Uuid) => "uuid",
+            (Dialect::MySql, IdType::Integer) => "bigint unsigned",
+            (Dialect::MySql, IdType::Uuid) => "char(36)",
+        };
+        let time = match self.dialect {
+            Dialect::Postgres => "timestamptz NOT NULL DEFAULT now()",
+            Dialect::MySql => "datetime(6) NOT NULL",
+        };
+        Some(format!(
+            "-- Dead events of a layout that cannot mark them; the outbox row itself is left as it is.\n\
+             CREATE TABLE IF NOT EXISTS {} (\n    id {id_type} PRIMARY KEY,\n    attempts integer NOT NULL,\n    last_error text NOT NULL,\n    dead_at {time}\n);\n",
+            self.dead_table()
+        ))
+    }
+
+    /// The objects `migrate` creates: the seed's DDL (presets), and the side table if any.
+    pub fn ddl(&self) -> Option<String> {
+        let m = &self.mapping;
+        let mut ddl = match m.seed? {
+            Seed::Adbc => adbc_outbox_ddl(m),
+            Seed::OpenOutbox => open_outbox_ddl(m),
+            Seed::Export => export_ddl(m),
+            Seed::MysqlOutboxEvents => mysql_outbox_events_ddl(m),
+            Seed::NativeMysql => native_mysql_ddl(m),
+        };
+        if let Some(side) = self.dead_table_ddl() {
+            ddl.push_str(&side);
+        }
+        Some(ddl)
+    }
+
+    /// The least privileges at run time.
+    pub fn grants(&self, role: &str) -> String {
+        let t = self.table();
+        let write = match self.mapping.on_success {
+            OnSuccess::Delete => "SELECT, UPDATE, DELETE",
+            OnSuccess::Mark => "SELECT, UPDATE",
+        };
+        let role = match self.dialect {
+            Dialect::Postgres => format!("\"{role}\""),
+            Dialect::MySql => format!("'{role}'@'%'"),
+        };
+        let mut out = format!("GRANT {write} ON {t} TO {role};\n");
+        if let Some(from) = &self.mapping.max_attempts_from {
+            out.push_str(&format!(
+                "GRANT SELECT ON {} TO {role};\n",
+                self.qualified(&from.table)
+            ));
+        }
+        if self.dead_table_ddl().is_some() {
+            out.push_str(&format!(
+                "GRANT SELECT, INSERT, DELETE ON {} TO {role};\n",
+                self.dead_table()
+            ));
+        }
+        out.push_str(&format!(
+            "-- Operators (`dead purge`, `prune`) also need DELETE on {t}.\n"
+        ));
+        out
+    }
+}
+
+/// The Ably connector's outbox table, function and trigger, exactly as its documentation
+/// gives them (names substituted).
+pub fn adbc_outbox_ddl(m: &Mapping) -> String {
+    let schema = m.schema.as_deref().unwrap_or("public");
+    let table = &m.table;
+    format!(
+        r#"CREATE SCHEMA IF NOT EXISTS "{schema}";
+CREATE TABLE IF NOT EXISTS "{schema}"."{table}" ( sequence_id serial PRIMARY KEY, mutation_id TEXT NOT NULL, channel TEXT NOT NULL, name TEXT NOT NULL, rejected boolean NOT NULL DEFAULT false, data JSONB, headers JSONB, locked_by TEXT, lock_expiry TIMESTAMP WITHOUT TIME ZONE, processed BOOLEAN NOT NULL DEFAULT false );
+CREATE OR REPLACE FUNCTION "{schema}"."{table}_notify"() RETURNS trigger AS $$ BEGIN PERFORM pg_notify('ably_adbc'::text, ''::text); RETURN NULL; EXCEPTION -- ensure this function can never throw an uncaught exception
+ WHEN others THEN RAISE WARNING 'unexpected error in %s: %%', SQLERRM; RETURN NULL; END; $$ LANGUAGE plpgsql;
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = '{table}_trigger' AND tgrelid = '"{schema}"."{table}"'::regclass) THEN
+        CREATE TRIGGER "{table}_trigger" AFTER INSERT ON "{schema}"."{table}" FOR EACH STATEMENT EXECUTE PROCEDURE "{schema}"."{table}_notify"();
+    END IF;
+END
+$$;
+"#
+    )
+}
+
+/// Open Outbox Relay's table and indexes, as its documentation gives them (without the
+/// development-only `DROP TABLE`).
+pub fn open_outbox_ddl(m: &Mapping) -> String {
+    let schema = m.schema.as_deref().unwrap_or("public");
+    let t = format!("\"{schema}\".\"{}\"", m.table);
+    let n = &m.table;
+    format!(
+        r#"CREATE SCHEMA IF NOT EXISTS "{schema}";
+CREATE TABLE IF NOT EXISTS {t} (
+    event_id UUID PRIMARY KEY,
+    event_type TEXT NOT NULL,
+    partition_key TEXT,
+    payload BYTEA NOT NULL,
+    headers JSONB NOT NULL DEFAULT '{{}}',
+    status TEXT NOT NULL DEFAULT 'PENDING',
+    attempts INT NOT NULL DEFAULT 0,
+    last_error TEXT,
+    available_at TIMESTAMPTZ NOT NULL DEFAULT NOW(),
+    locked_by TEXT,
+    locked_at TIMESTAMPTZ,
+    delivered_at TIMESTAMPTZ,
+    created_at TIMESTAMPTZ NOT NULL DEFAULT NOW(),
+    updated_at TIMESTAMPTZ NOT NULL DEFAULT NOW(),
+    CONSTRAINT check_valid_status CHECK ( status IN ('PENDING', 'DELIVERING', 'DELIVERED', 'DEAD') ));
+CREATE INDEX IF NOT EXISTS idx_{n}_processing_queue ON {t} (available_at ASC, created_at ASC) WHERE status = 'PENDING';
+CREATE INDEX IF NOT EXISTS idx_{n}_stuck_leases ON {t} (locked_at ASC) WHERE status = 'DELIVERING';
+CREATE INDEX IF NOT EXISTS idx_{n}_metrics_count ON {t} (status) INCLUDE (attempts) WHERE status = 'PENDING';
+CREATE INDEX IF NOT EXISTS idx_{n}_metrics_lag ON {t} (status, created_at ASC) WHERE status = 'PENDING';
+CREATE INDEX IF NOT EXISTS idx_{n}_prune_delivered ON {t} (delivered_at) WHERE status = 'DELIVERED';
+CREATE INDEX IF NOT EXISTS idx_{n}_prune_dead ON {t} (updated_at) WHERE status = 'DEAD';
+"#
+    )
+}
+
+/// The export seed's tables. Its article gives the queries, not the DDL: these are the columns
+/// those queries use (`id`, `type_code`, `payload`, `status`, `processing_retries_count`,
+/// `updated_at`), plus `created_at`.
+pub fn export_ddl(m: &Mapping) -> String {
+    let schema = m.schema.as_deref().unwrap_or("public");
+    let t = format!("\"{schema}\".\"{}\"", m.table);
+    let types = format!("\"{schema}\".\"event_type\"");
+    format!(
+        r#"CREATE SCHEMA IF NOT EXISTS "{schema}";
+CREATE TABLE IF NOT EXISTS {types} (
+    code text PRIMARY KEY,
+    max_retry_count integer NOT NULL
+);
+CREATE TABLE IF NOT EXISTS {t} (
+    id bigserial PRIMARY KEY,
+    type_code text NOT NULL REFERENCES {types} (code),
+    payload jsonb NOT NULL,
+    status text NOT NULL DEFAULT 'NEW',
+    processing_retries_count integer NOT NULL DEFAULT 0,
+    created_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    updated_at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE INDEX IF NOT EXISTS "{n}_new_idx" ON {t} (id) WHERE status = 'NEW';
+CREATE INDEX IF NOT EXISTS "{n}_processing_idx" ON {t} (updated_at) WHERE status = 'PROCESSING';
+"#,
+        n = m.table
+    )
+}
+
+/// The MySQL seed's `outbox_events`, as its `SHOW CREATE TABLE` gives it (the collation
+/// is MySQL 8's; MariaDB gets its own default).
+pub fn mysql_outbox_events_ddl(m: &Mapping) -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS `{}` (
+`id` bigint unsigned NOT NULL AUTO_INCREMENT,
+`type` tinyint unsigned NOT NULL,
+`message` mediumtext NOT NULL,
+`isConsumed` tinyint(1) NOT NULL DEFAULT '0',
+`createdAt` datetime NOT NULL,
+`updatedAt` datetime NOT NULL,
+PRIMARY KEY (`id`),
+KEY `outbox_events_is_consumed_created_at` (`isConsumed`,`createdAt`),
+KEY `createdAt` (`createdAt`)
+) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4;
+",
+        m.table
+    )
+}
+
+/// The native layout on MySQL/MariaDB.
+pub fn native_mysql_ddl(m: &Mapping) -> String {
+    let t = &m.table;
+    format!(
+        "CREATE TABLE IF NOT EXISTS `{t}` (
+    sequence_id   bigint unsigned NOT NULL AUTO_INCREMENT PRIMARY KEY,
+    event_id      char(36) NOT NULL DEFAULT (UUID()),
+    destination   varchar(255) NOT NULL,
+    partition_key varchar(255) NULL,
+    event_type    varchar(255) NOT NULL,
+    payload       json NULL,
+    headers       json NULL,
+    mutation_id   varchar(255) NULL,
+    rejected      boolean NOT NULL DEFAULT false,
+    created_at    datetime(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
+    available_at  datetime(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
+    attempts      integer NOT NULL DEFAULT 0,
+    last_error    text NULL,
+    locked_by     varchar(64) NULL,
+    locked_until  datetime(6) NULL,
+    delivered_at  datetime(6) NULL,
+    dead_at       datetime(6) NULL,
+    UNIQUE KEY `{t}_event_id` (event_id),
+    KEY `{t}_pending` (delivered_at, dead_at, sequence_id)
+) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4;
+"
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pg(m: Mapping) -> Sql {
+        Sql::new(m, Dialect::Postgres).unwrap()
+    }
+
+    #[test]
+    fn adbc_claims_unprocessed_unlocked_rows_and_deletes_on_ack() {
+        let s = pg(Mapping::adbc("public", "outbox"));
+        let c = s.claimable();
+        assert!(c.contains("o.\"processed\" = false"), "{c}");
+        assert!(
+            c.contains("o.\"lock_expiry\" < (now() AT TIME ZONE 'UTC')"),
+            "{c}"
+        );
+        assert!(s
+            .ack("= ANY($1)", "$2")
+            .starts_with("DELETE FROM \"public\".\"outbox\" o"));
+        assert!(s.dead().contains("\"processed\" = true"));
+    }
+
+    #[test]
+    fn open_outbox_moves_through_its_statuses() {
+        let s = pg(Mapping::open_outbox("public", "openoutbox_events"));
+        assert!(s.claimable().contains("o.\"status\" = 'PENDING'"));
+        let claim = s.claim_set("$4", "$5").join(", ");
+        assert!(
+            claim.contains("\"status\" = 'DELIVERING'") && claim.contains("\"locked_at\" = now()"),
+            "{claim}"
+        );
+        let ack = s.ack("= ANY($1)", "$2");
+        assert!(
+            ack.contains("\"status\" = 'DELIVERED'") && ack.contains("\"delivered_at\" = now()"),
+            "{ack}"
+        );
+        let reap = s.reap(true, "$1", "$2", "$3").unwrap();
+        assert!(
+            reap.contains("'DEAD'") && reap.contains("\"attempts\" = o.\"attempts\" + 1"),
+            "{reap}"
+        );
+    }
+
+    #[test]
+    fn export_reads_max_attempts_from_event_type() {
+        let s = pg(Mapping::export("public", "event"));
+        assert!(s
+            .select_list()
+            .contains("(SELECT mx.\"max_retry_count\" + 1 FROM \"public\".\"event_type\" mx"));
+        assert!(s.key_expr().contains("'row:'"));
+    }
+
+    #[test]
+    fn mysql_seed_uses_backquotes_and_a_side_table() {
+        let s = Sql::new(
+            Mapping::mysql_outbox_events(None, "outbox_events"),
+            Dialect::MySql,
+        )
+        .unwrap();
+        assert!(s.claimable().contains("o.`isConsumed` = 0"));
+        assert!(s.claimable().contains("`outbox_events_dead_letters`"));
+        assert!(s.ack("IN (1)", "?").contains("o.`isConsumed` = 1"));
+        assert!(s.claim_set("?", "?").is_empty());
+        assert!(s
+            .ddl()
+            .unwrap()
+            .contains("CREATE TABLE IF NOT EXISTS `outbox_events_dead_letters`"));
+    }
+}
