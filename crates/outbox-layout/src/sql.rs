@@ -191,7 +191,10 @@ impl Sql {
             payload,
             text_or_null(&m.headers),
             text_or_null(&m.mutation_id),
-            int_or_null(&m.rejected),
+            match self.opt(&m.rejected) {
+                Some(c) => self.int(&format!("CASE WHEN {c} THEN 1 ELSE 0 END")),
+                None => self.null_int().to_string(),
+            },
             int_or_null(&m.attempts),
             created,
             max_attempts,
@@ -379,7 +382,8 @@ impl Sql {
 
     fn touch(&self, set: &mut Vec<String>) {
         if let Some(c) = &self.mapping.updated_at {
-            if !set.is_empty() {
+            let column = format!("{} =", self.quote(c));
+            if !set.is_empty() && !set.iter().any(|s| s.starts_with(&column)) {
                 set.push(format!("{} = {}", self.quote(c), self.now()));
             }
         }
@@ -650,11 +654,11 @@ impl Sql {
                 set.retain(|s| !s.starts_with(&format!("{} =", self.quote(c))));
                 set.push(format!("{} = '{REAPED}'", self.quote(c)));
             }
-        } else if max.is_empty() {
-            return None;
         } else {
             condition = format!("{condition} AND {max} IS NOT NULL");
         }
+        // Every placeholder appears, whichever columns the table has.
+        condition = format!("{condition} AND {lease_ms} >= 0");
         self.touch(&mut set);
         Some(self.update(&set, &condition))
     }

@@ -133,7 +133,9 @@ impl MappedPgStore {
         );
         let claim_marks = format!(
             "WITH c AS ({candidates} FOR UPDATE SKIP LOCKED),
-                  u AS (UPDATE {t} o SET {} FROM c WHERE {id} = c.id RETURNING {}, {})
+                  u AS (UPDATE {t} o SET {} FROM c
+                         WHERE {id} = c.id AND $3::text IS NOT NULL AND $4::int8 >= 0
+                         RETURNING {}, {})
              SELECT {} FROM u ORDER BY {}",
             sql.claim_set("$3::text", "$4").join(", "),
             aliased.join(", "),
@@ -180,6 +182,9 @@ impl MappedPgStore {
     /// custom mapping, whose table the application owns.
     pub fn ddl(&self) -> Option<String> {
         let mut ddl = self.inner.sql.ddl()?;
+        if !self.uses_nodes_table() {
+            return Some(ddl);
+        }
         let nodes = self.base.tables().nodes.quoted();
         ddl.push_str(&format!(
             "CREATE SCHEMA IF NOT EXISTS {};\nCREATE TABLE IF NOT EXISTS {nodes} ( id TEXT PRIMARY KEY, expiry TIMESTAMP WITHOUT TIME ZONE NOT NULL );\n",
@@ -189,12 +194,24 @@ impl MappedPgStore {
     }
 
     pub fn grants(&self, role: &str) -> String {
-        let nodes = self.base.tables().nodes.quoted();
-        format!(
-            "-- The relay's run-time role for the {} layout.\n{}GRANT SELECT, INSERT, UPDATE, DELETE ON {nodes} TO \"{role}\";\n",
+        let mut grants = format!(
+            "-- The relay's run-time role for the {} layout.\n{}",
             self.inner.layout,
             self.inner.sql.grants(role)
-        )
+        );
+        if self.uses_nodes_table() {
+            let nodes = self.base.tables().nodes.quoted();
+            grants.push_str(&format!(
+                "GRANT SELECT, INSERT, UPDATE, DELETE ON {nodes} TO \"{role}\";\n"
+            ));
+        }
+        grants
+    }
+
+    /// Only the Ably connector's layout has a nodes table; on the others the active-relay
+    /// lock is the whole of the coordination, and nodes are not listed.
+    fn uses_nodes_table(&self) -> bool {
+        self.inner.sql.mapping.seed == Some(Seed::Adbc)
     }
 
     pub async fn migrate(&self) -> StoreResult<()> {
@@ -1006,18 +1023,30 @@ fn mapped_columns(m: &Mapping) -> Vec<&str> {
 
 impl NodeRegistry for MappedPgStore {
     fn heartbeat(&self, node: NodeId, ttl: Duration) -> BoxFuture<'static, StoreResult<()>> {
+        if !self.uses_nodes_table() {
+            return futures::future::ready(Ok(())).boxed();
+        }
         self.base.heartbeat(node, ttl)
     }
 
     fn remove_expired(&self) -> BoxFuture<'static, StoreResult<u64>> {
+        if !self.uses_nodes_table() {
+            return futures::future::ready(Ok(0)).boxed();
+        }
         self.base.remove_expired()
     }
 
     fn deregister(&self, node: NodeId) -> BoxFuture<'static, StoreResult<()>> {
+        if !self.uses_nodes_table() {
+            return futures::future::ready(Ok(())).boxed();
+        }
         self.base.deregister(node)
     }
 
     fn live_nodes(&self) -> BoxFuture<'static, StoreResult<Vec<NodeRecord>>> {
+        if !self.uses_nodes_table() {
+            return futures::future::ready(Ok(Vec::new())).boxed();
+        }
         self.base.live_nodes()
     }
 }
@@ -1033,9 +1062,9 @@ impl MappedPgStore {
     /// A timestamp parameter as the table's timestamp columns hold it.
     fn at(&self, placeholder: &str) -> String {
         if self.inner.sql.mapping.utc_timestamps {
-            format!("(to_timestamp({placeholder}::float8 / 1e6) AT TIME ZONE 'UTC')")
+            format!("(to_timestamp({placeholder}::int8::float8 / 1e6) AT TIME ZONE 'UTC')")
         } else {
-            format!("to_timestamp({placeholder}::float8 / 1e6)")
+            format!("to_timestamp({placeholder}::int8::float8 / 1e6)")
         }
     }
 

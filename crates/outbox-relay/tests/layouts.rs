@@ -1,0 +1,522 @@
+//! The seeds' own tables on PostgreSQL, created from their DDL verbatim (tests/fixtures/seeds),
+//! filled with their example inserts, relayed by the binary to a real NATS JetStream server.
+//! Each test checks the success action (deleted / marked / delivered_at set) and the failure
+//! path (dead state, `dead list`, `dead retry`, `dead purge`, `prune`).
+
+mod support;
+
+use std::path::Path;
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use outbox_testkit::eventually;
+use outbox_testkit::server::ServerProcess;
+use support::{pg, RelayProcess, BIN};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+struct Harness {
+    dir: tempfile::TempDir,
+    url: String,
+    db: tokio_postgres::Client,
+    _nats: ServerProcess,
+    nats_url: String,
+    js: async_nats::jetstream::Context,
+}
+
+struct Message {
+    subject: String,
+    payload: String,
+    bytes: Vec<u8>,
+    header: std::collections::HashMap<String, String>,
+}
+
+impl Harness {
+    async fn new(fixture: &str) -> Harness {
+        outbox_testkit::install_crypto();
+        let url = outbox_testkit::fresh_pg_database().await;
+        let db = pg(&url).await;
+        db.batch_execute(fixture)
+            .await
+            .expect("apply the seed's DDL");
+        let nats = ServerProcess::start(
+            "nats-server",
+            &["-a", "127.0.0.1", "-p", "{port}", "-js", "-sd", "{dir}/js"],
+        );
+        let nats_url = format!("nats://127.0.0.1:{}", nats.port);
+        let js = async_nats::jetstream::new(async_nats::connect(&nats_url).await.unwrap());
+        js.create_stream(async_nats::jetstream::stream::Config {
+            name: "SEED".into(),
+            subjects: vec!["seed.>".into()],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        Harness {
+            dir: tempfile::tempdir().unwrap(),
+            url,
+            db,
+            _nats: nats,
+            nats_url,
+            js,
+        }
+    }
+
+    /// Routes `routed` destinations to NATS (`seed.<destination>`); the rest have no route, so
+    /// they fail twice and go dead.
+    fn configure(&self, layout: &str, routed: &[&str]) {
+        let mut routes = String::new();
+        for glob in routed {
+            routes.push_str(&format!(
+                "[[routes]]\ndestinations = \"{glob}\"\nsink = \"nats\"\ntarget = \"seed.{{destination}}\"\n"
+            ));
+        }
+        std::fs::write(
+            self.dir.path().join("outbox-relay.toml"),
+            format!(
+                r#"
+database_url = "{url}"
+layout = "{layout}"
+http_addr = ""
+poll_interval = "100ms"
+lease = "2s"
+[retry]
+base_delay = "10ms"
+max_delay = "20ms"
+max_attempts = 2
+[sinks.nats]
+uri = "{nats}"
+{routes}"#,
+                url = self.url,
+                nats = self.nats_url,
+            ),
+        )
+        .unwrap();
+    }
+
+    fn relay(&self, name: &str) -> RelayProcess {
+        RelayProcess::spawn(self.dir.path(), name, &["run"], &[])
+    }
+
+    fn cli(&self, args: &[&str]) -> String {
+        let out = command(self.dir.path(), args);
+        assert!(
+            out.status.success(),
+            "outbox-relay {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).to_string()
+    }
+
+    async fn messages(&self) -> Vec<Message> {
+        let mut stream = self.js.get_stream("SEED").await.unwrap();
+        let last = stream.info().await.unwrap().state.last_sequence;
+        let mut out = Vec::new();
+        for seq in 1..=last {
+            let m = stream.get_raw_message(seq).await.unwrap();
+            let header = m
+                .headers
+                .iter()
+                .map(|(k, v)| (k.to_string(), v[0].to_string()))
+                .collect();
+            out.push(Message {
+                subject: m.subject.to_string(),
+                payload: String::from_utf8_lossy(&m.payload).to_string(),
+                bytes: m.payload.to_vec(),
+                header,
+            });
+        }
+        out
+    }
+
+    async fn wait_messages(&self, n: usize) -> Vec<Message> {
+        eventually(&format!("{n} messages in the stream"), WAIT, || async {
+            let m = self.messages().await;
+            (m.len() >= n).then_some(m)
+        })
+        .await
+    }
+
+    async fn count(&self, sql: &str) -> i64 {
+        self.db.query_one(sql, &[]).await.unwrap().get(0)
+    }
+
+    async fn wait_count(&self, what: &str, sql: &str, expected: i64) {
+        eventually(what, WAIT, || async {
+            (self.count(sql).await == expected).then_some(())
+        })
+        .await
+    }
+}
+
+fn command(dir: &Path, args: &[&str]) -> Output {
+    Command::new(BIN)
+        .args(args)
+        .current_dir(dir)
+        .env_remove("DATABASE_URL")
+        .output()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adbc_table_is_relayed_in_channel_order_and_processed_rows_are_deleted() {
+    let h = Harness::new(include_str!("fixtures/seeds/adbc.sql")).await;
+    h.configure("adbc", &["posts:*"]);
+    assert!(h.cli(&["check", "--sink", "stdout"]).contains("ok"));
+    // The seed's example transaction, with JSON data.
+    h.db.batch_execute(
+        "CREATE TABLE comments (comment text);
+         BEGIN;
+         INSERT INTO comments (comment) VALUES ('New comment!');
+         INSERT INTO outbox (mutation_id, channel, name, data) VALUES ('my-mutation-id', 'posts:123', 'addComment', '{\"comment\": \"New comment!\"}');
+         COMMIT;
+         INSERT INTO outbox (mutation_id, channel, name, data, headers, rejected)
+              VALUES ('m2', 'posts:123', 'editComment', '{\"n\": 2}', '{\"author\": \"socrates\"}', true);
+         INSERT INTO outbox (mutation_id, channel, name, data) VALUES ('m3', 'posts:9', 'addComment', '{\"n\": 3}');
+         INSERT INTO outbox (mutation_id, channel, name, data) VALUES ('m4', 'nowhere', 'lost', '{\"n\": 4}');",
+    )
+    .await
+    .unwrap();
+    let mut relay = h.relay("adbc");
+    let messages = h.wait_messages(3).await;
+    let on_123: Vec<&Message> = messages
+        .iter()
+        .filter(|m| m.subject == "seed.posts:123")
+        .collect();
+    assert_eq!(on_123.len(), 2);
+    assert_eq!(on_123[0].payload, r#"{"comment": "New comment!"}"#);
+    assert_eq!(on_123[0].header["Outbox-Event-Type"], "addComment");
+    assert_eq!(on_123[0].header["Outbox-Mutation-Id"], "my-mutation-id");
+    assert_eq!(on_123[1].header["author"], "socrates");
+    let ids: std::collections::HashSet<&str> = messages
+        .iter()
+        .map(|m| m.header["Nats-Msg-Id"].as_str())
+        .collect();
+    assert_eq!(ids.len(), 3, "every event has its own dedupe id");
+
+    // Delivered rows are deleted; the unroutable one is dead: processed, left in place.
+    h.wait_count(
+        "the dead row marked processed",
+        "SELECT count(*) FROM outbox WHERE channel = 'nowhere' AND processed",
+        1,
+    )
+    .await;
+    assert_eq!(
+        h.count("SELECT count(*) FROM outbox WHERE channel <> 'nowhere'")
+            .await,
+        0
+    );
+    assert!(
+        h.count("SELECT count(*) FROM nodes").await >= 1,
+        "the relay heartbeats in the nodes table"
+    );
+    assert_eq!(relay.terminate().await.code(), Some(0));
+    assert_eq!(
+        h.count("SELECT count(*) FROM nodes").await,
+        0,
+        "a clean exit deregisters"
+    );
+
+    let listed = h.cli(&["dead", "list"]);
+    assert!(
+        listed.contains("nowhere") && listed.contains("lost"),
+        "{listed}"
+    );
+    assert!(h.cli(&["stats"]).contains("nowhere"));
+    // The seed's manual resend: back to unprocessed, and published once a route exists.
+    h.cli(&["dead", "retry", "--destination", "nowhere"]);
+    assert_eq!(
+        h.count("SELECT count(*) FROM outbox WHERE processed").await,
+        0
+    );
+    h.configure("adbc", &["posts:*", "nowhere"]);
+    let mut relay = h.relay("adbc-2");
+    h.wait_messages(4).await;
+    h.wait_count("the resent row deleted", "SELECT count(*) FROM outbox", 0)
+        .await;
+    relay.terminate().await;
+
+    // Purge removes dead rows.
+    h.db.batch_execute(
+        "INSERT INTO outbox (mutation_id, channel, name, data, processed) VALUES ('m5', 'gone', 'x', '{}', true)",
+    )
+    .await
+    .unwrap();
+    h.cli(&["dead", "purge", "--all"]);
+    assert_eq!(h.count("SELECT count(*) FROM outbox").await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adbc_migrate_creates_exactly_the_connectors_objects_and_accepts_its_env_names() {
+    let url = outbox_testkit::fresh_pg_database().await;
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(BIN)
+        .args(["migrate", "--layout", "adbc"])
+        .current_dir(dir.path())
+        .env_remove("DATABASE_URL")
+        .env("ADBC_POSTGRES_CONNECTION_URI", &url)
+        .env("ADBC_OUTBOX_TABLE_TABLE_SCHEMA", "app")
+        .env("ADBC_OUTBOX_TABLE_TABLE_NAME", "events")
+        .env("ADBC_NODES_TABLE_TABLE_SCHEMA", "app")
+        .env("ADBC_NODES_TABLE_TABLE_NAME", "relay_nodes")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let db = pg(&url).await;
+    let tables: Vec<String> = db
+        .query(
+            "SELECT table_schema || '.' || table_name FROM information_schema.tables
+              WHERE table_schema NOT IN ('pg_catalog', 'information_schema') ORDER BY 1",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(tables, ["app.events", "app.relay_nodes"]);
+    let columns: Vec<String> = db
+        .query(
+            "SELECT column_name::text || ' ' || data_type FROM information_schema.columns
+              WHERE table_schema = 'app' AND table_name = 'events' ORDER BY ordinal_position",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(
+        columns,
+        [
+            "sequence_id integer",
+            "mutation_id text",
+            "channel text",
+            "name text",
+            "rejected boolean",
+            "data jsonb",
+            "headers jsonb",
+            "locked_by text",
+            "lock_expiry timestamp without time zone",
+            "processed boolean"
+        ]
+    );
+    let trigger: String = db
+        .query_one(
+            "SELECT tgname::text || ' ' || p.proname::text FROM pg_trigger t JOIN pg_proc p ON p.oid = t.tgfoid
+              WHERE NOT tgisinternal",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(trigger, "events_trigger events_notify");
+    let source: String = db
+        .query_one(
+            "SELECT prosrc FROM pg_proc WHERE proname = 'events_notify'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        source.contains("pg_notify('ably_adbc'::text, ''::text)"),
+        "{source}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_outbox_events_go_pending_delivering_delivered_or_dead_and_the_reaper_counts_crashes()
+{
+    let h = Harness::new(include_str!("fixtures/seeds/open_outbox.sql")).await;
+    h.configure("open-outbox", &["user.*", "order.*"]);
+    h.db.batch_execute(
+        "INSERT INTO openoutbox_events (event_id, event_type, partition_key, payload, headers)
+              VALUES ('00000000-0000-4000-8000-000000000001', 'user.signup', 'u1', '\\x01ff02'::bytea, '{\"trace\": \"t1\"}');
+         INSERT INTO openoutbox_events (event_id, event_type, partition_key, payload)
+              VALUES ('00000000-0000-4000-8000-000000000002', 'user.signup', 'u1', convert_to('second', 'UTF8'));
+         INSERT INTO openoutbox_events (event_id, event_type, payload)
+              VALUES ('00000000-0000-4000-8000-000000000003', 'nowhere', convert_to('lost', 'UTF8'));
+         -- Left DELIVERING by a relay that crashed: one with attempts to spare, one on its last.
+         INSERT INTO openoutbox_events (event_id, event_type, payload, status, attempts, locked_by, locked_at)
+              VALUES ('00000000-0000-4000-8000-000000000004', 'order.placed', convert_to('resumed', 'UTF8'), 'DELIVERING', 0, 'ghost', now() - interval '1 hour');
+         INSERT INTO openoutbox_events (event_id, event_type, payload, status, attempts, locked_by, locked_at)
+              VALUES ('00000000-0000-4000-8000-000000000005', 'order.placed', convert_to('poison', 'UTF8'), 'DELIVERING', 1, 'ghost', now() - interval '1 hour');",
+    )
+    .await
+    .unwrap();
+    let mut relay = h.relay("open-outbox");
+    let messages = h.wait_messages(3).await;
+    let signup: Vec<&Message> = messages
+        .iter()
+        .filter(|m| m.subject == "seed.user.signup")
+        .collect();
+    assert_eq!(signup.len(), 2);
+    assert_eq!(
+        signup[0].bytes,
+        [1, 0xff, 2],
+        "the bytea payload is published as raw bytes"
+    );
+    assert_eq!(
+        signup[0].header["Nats-Msg-Id"],
+        "00000000-0000-4000-8000-000000000001"
+    );
+    assert_eq!(signup[0].header["trace"], "t1");
+    assert_eq!(signup[1].payload, "second");
+    assert!(messages.iter().any(|m| m.payload == "resumed"));
+    assert!(!messages.iter().any(|m| m.payload == "poison"));
+
+    h.wait_count(
+        "delivered rows marked with delivered_at",
+        "SELECT count(*) FROM openoutbox_events WHERE status = 'DELIVERED' AND delivered_at IS NOT NULL AND locked_by IS NULL",
+        3,
+    )
+    .await;
+    h.wait_count(
+        "the unroutable event dead after 2 attempts, and the poison event dead by the reaper",
+        "SELECT count(*) FROM openoutbox_events WHERE status = 'DEAD' AND last_error IS NOT NULL AND attempts = 2",
+        2,
+    )
+    .await;
+    assert_eq!(
+        h.count("SELECT attempts::int8 FROM openoutbox_events WHERE event_id = '00000000-0000-4000-8000-000000000004'").await,
+        1,
+        "the reaper counted the crashed attempt"
+    );
+    relay.terminate().await;
+
+    let listed = h.cli(&["dead", "list"]);
+    assert!(
+        listed.contains("nowhere") && listed.contains("order.placed"),
+        "{listed}"
+    );
+    h.cli(&["dead", "retry", "--destination", "nowhere"]);
+    assert_eq!(
+        h.count("SELECT count(*) FROM openoutbox_events WHERE status = 'PENDING' AND attempts = 0")
+            .await,
+        1
+    );
+    h.cli(&["dead", "purge", "--all"]);
+    assert_eq!(
+        h.count("SELECT count(*) FROM openoutbox_events WHERE status = 'DEAD'")
+            .await,
+        0
+    );
+    h.cli(&["prune", "--delivered-older-than", "0s"]);
+    assert_eq!(
+        h.count("SELECT count(*) FROM openoutbox_events WHERE status = 'DELIVERED'")
+            .await,
+        0
+    );
+    assert_eq!(
+        h.count("SELECT count(*) FROM openoutbox_events").await,
+        1,
+        "the pending one stays"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn export_events_go_new_processing_done_or_error_with_per_type_retry_limits() {
+    let h = Harness::new(include_str!("fixtures/seeds/export.sql")).await;
+    h.configure("export", &["order_created"]);
+    h.db.batch_execute(
+        "INSERT INTO event_type (code, max_retry_count) VALUES ('order_created', 3), ('client_updated', 0);
+         INSERT INTO event (type_code, payload) VALUES ('order_created', '{\"order\": 1}'), ('order_created', '{\"order\": 2}');
+         INSERT INTO event (type_code, payload) VALUES ('client_updated', '{\"client\": 7}');
+         -- Stuck in PROCESSING by an exporter that died: retries left, and none left.
+         INSERT INTO event (type_code, payload, status, processing_retries_count, updated_at)
+              VALUES ('order_created', '{\"order\": 3}', 'PROCESSING', 1, now() - interval '20 minutes'),
+                     ('order_created', '{\"order\": 4}', 'PROCESSING', 3, now() - interval '20 minutes');",
+    )
+    .await
+    .unwrap();
+    let mut relay = h.relay("export");
+    let messages = h.wait_messages(3).await;
+    let payloads: std::collections::BTreeSet<&str> =
+        messages.iter().map(|m| m.payload.as_str()).collect();
+    assert_eq!(
+        payloads,
+        [r#"{"order": 1}"#, r#"{"order": 2}"#, r#"{"order": 3}"#]
+            .into_iter()
+            .collect()
+    );
+    h.wait_count(
+        "delivered events DONE",
+        "SELECT count(*) FROM event WHERE status = 'DONE'",
+        3,
+    )
+    .await;
+    // client_updated allows no retry: one attempt, then ERROR; order 4 had used its retries.
+    h.wait_count(
+        "failed events in ERROR",
+        "SELECT count(*) FROM event WHERE status = 'ERROR'",
+        2,
+    )
+    .await;
+    assert_eq!(
+        h.count(
+            "SELECT processing_retries_count::int8 FROM event WHERE type_code = 'client_updated'"
+        )
+        .await,
+        1
+    );
+    assert_eq!(
+        h.count(
+            "SELECT processing_retries_count::int8 FROM event WHERE payload = '{\"order\": 3}'"
+        )
+        .await,
+        2,
+        "the stalled event's retry was counted"
+    );
+    relay.terminate().await;
+    h.cli(&["dead", "retry", "--destination", "client_updated"]);
+    assert_eq!(
+        h.count("SELECT count(*) FROM event WHERE status = 'NEW' AND processing_retries_count = 0")
+            .await,
+        1
+    );
+    let stats = h.cli(&["stats", "--json"]);
+    assert!(stats.contains("client_updated"), "{stats}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_relay_takes_over_a_mapped_table_when_the_active_one_dies() {
+    let h = Harness::new(include_str!("fixtures/seeds/adbc.sql")).await;
+    h.configure("adbc", &["*"]);
+    let insert = |n: i32| {
+        format!("INSERT INTO outbox (mutation_id, channel, name, data) VALUES ('m{n}', 'c', 'n', '{{\"n\": {n}}}')")
+    };
+    let mut first = h.relay("first");
+    h.db.batch_execute(&insert(1)).await.unwrap();
+    h.wait_messages(1).await;
+    let mut second = h.relay("second");
+    eventually("both relays in the nodes table", WAIT, || async {
+        (h.count("SELECT count(*) FROM nodes").await == 2).then_some(())
+    })
+    .await;
+    first.kill9();
+    for n in 2..=5 {
+        h.db.batch_execute(&insert(n)).await.unwrap();
+    }
+    let messages = h.wait_messages(5).await;
+    let payloads: Vec<&str> = messages.iter().map(|m| m.payload.as_str()).collect();
+    assert_eq!(
+        payloads,
+        [
+            r#"{"n": 1}"#,
+            r#"{"n": 2}"#,
+            r#"{"n": 3}"#,
+            r#"{"n": 4}"#,
+            r#"{"n": 5}"#
+        ],
+        "the standby delivers in channel order"
+    );
+    assert!(second.logs().contains("now the table's active relay"));
+    h.wait_count("every row deleted", "SELECT count(*) FROM outbox", 0)
+        .await;
+    second.terminate().await;
+}
