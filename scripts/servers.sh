@@ -18,8 +18,9 @@ PG_BIN=/usr/lib/postgresql/15/bin
 NATS_PORT=${OUTBOX_TEST_NATS_PORT:-54222}
 REDIS_PORT=${OUTBOX_TEST_REDIS_PORT:-54379}
 RABBIT_PORT=${OUTBOX_TEST_RABBIT_PORT:-54672}
+MARIADB_PORT=${OUTBOX_TEST_MARIADB_PORT:-54306}
 # Which servers `start` starts (the tests that own a private server start only theirs).
-SERVERS=${OUTBOX_TEST_SERVERS:-postgres nats redis rabbitmq}
+SERVERS=${OUTBOX_TEST_SERVERS:-postgres nats redis rabbitmq mariadb}
 
 log() { echo "servers.sh: $*" >&2; }
 
@@ -32,6 +33,8 @@ install_packages() {
   command -v nats-server >/dev/null || missing+=(nats-server)
   command -v redis-server >/dev/null || missing+=(redis-server)
   [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || missing+=(rabbitmq-server)
+  # MariaDB stands in for MySQL 8, which Debian does not package.
+  [ -x /usr/sbin/mariadbd ] || missing+=(mariadb-server)
   # Build prerequisites of librdkafka (the Kafka sink); its libcurl is built from source
   # (rdkafka's curl-static feature), so no libcurl headers are needed.
   command -v cmake >/dev/null || missing+=(cmake)
@@ -174,6 +177,39 @@ stop_rabbitmq() {
   )
 }
 
+# MariaDB as the mysql user, under $STATE/mariadb, on 127.0.0.1 only. The tests connect as
+# root over TCP without a password (this throwaway server only).
+start_mariadb() {
+  local dir=$STATE/mariadb
+  mkdir -p "$dir"
+  [ "$(id -u)" = 0 ] && chown mysql "$dir"
+  if [ ! -d "$dir/data/mysql" ]; then
+    mariadb-install-db --no-defaults --user=mysql --datadir="$dir/data" \
+      --auth-root-authentication-method=socket --skip-test-db >"$dir/install.log" 2>&1
+  fi
+  if ! mariadb-admin --no-defaults --socket="$dir/mysqld.sock" ping >/dev/null 2>&1; then
+    setsid /usr/sbin/mariadbd --no-defaults --user=mysql --datadir="$dir/data" \
+      --socket="$dir/mysqld.sock" --pid-file="$dir/mysqld.pid" --bind-address=127.0.0.1 \
+      --port="$MARIADB_PORT" --innodb-flush-log-at-trx-commit=0 --skip-log-bin \
+      --max-connections=400 --skip-name-resolve </dev/null >"$dir/mysqld.log" 2>&1 &
+    for _ in $(seq 200); do
+      mariadb-admin --no-defaults --socket="$dir/mysqld.sock" ping >/dev/null 2>&1 && break
+      sleep 0.1
+    done
+    mariadb --no-defaults --socket="$dir/mysqld.sock" -uroot -e \
+      "CREATE USER IF NOT EXISTS 'root'@'127.0.0.1' IDENTIFIED BY ''; GRANT ALL ON *.* TO 'root'@'127.0.0.1' WITH GRANT OPTION;"
+  fi
+  log "mariadb ready on 127.0.0.1:$MARIADB_PORT"
+  echo "export OUTBOX_TEST_MYSQL_URL=mysql://root@127.0.0.1:$MARIADB_PORT/mysql"
+}
+
+stop_mariadb() {
+  local pid
+  pid=$(cat "$STATE/mariadb/mysqld.pid" 2>/dev/null) || return 0
+  kill "$pid" 2>/dev/null || true
+  for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+}
+
 case "${1:-}" in
   install)
     install_packages
@@ -191,7 +227,7 @@ case "${1:-}" in
   stop)
     for server in $SERVERS; do "stop_$server"; done
     ;;
-  restart-postgres | restart-nats | restart-redis | restart-rabbitmq)
+  restart-postgres | restart-nats | restart-redis | restart-rabbitmq | restart-mariadb)
     server=${1#restart-}
     "stop_$server"
     "start_$server" >/dev/null

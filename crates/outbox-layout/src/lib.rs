@@ -13,6 +13,7 @@
 //! time (a database lock decides which; the others stand by and take over when it dies).
 //! See ARCHITECTURE.md, "Mapped layouts".
 
+pub mod memory;
 pub mod sql;
 
 use std::fmt;

@@ -8,20 +8,18 @@
 //! What the table has no column for (attempts, the next attempt time, a lease) is kept in
 //! memory; see ARCHITECTURE.md, "Mapped layouts".
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures::future::BoxFuture;
 use futures::FutureExt;
-use outbox_core::event::headers_from_json_text;
 use outbox_core::store::{
     Backlog, ClaimRequest, Claimed, DeadLetter, DeadRecord, DeadSelector, DestinationStats,
     NodeRecord, NodeRegistry, OnChange, Operations, Problem, RetryLater, StoreResult,
 };
-use outbox_core::{
-    Event, Fence, NewEvent, NodeId, OutboxStore, Payload, SequenceId, StoreError, StoreErrorKind,
-};
+use outbox_core::{Fence, NewEvent, NodeId, OutboxStore, SequenceId, StoreError, StoreErrorKind};
+use outbox_layout::memory::{decode, derived_event_id, Memory, RawRow, RowId};
 use outbox_layout::sql::Sql;
 use outbox_layout::{IdType, Mapping, PayloadFormat, Seed};
 use tokio_postgres::types::{ToSql, Type};
@@ -33,45 +31,6 @@ use crate::{from_micros, millis, PgOptions, PgStore};
 
 /// How often a standby relay tries to become the active one, and the active one reaps.
 const LEADER_RETRY: Duration = Duration::from_secs(1);
-
-/// Row ids as the engine sees them: integer ids as they are; UUID ids get process-local
-/// numbers, handed out in claim order (so per-key order holds) and kept until the row settles.
-#[derive(Default)]
-struct Handles {
-    next: i64,
-    by_uuid: HashMap<Uuid, i64>,
-    by_handle: HashMap<i64, Uuid>,
-}
-
-impl Handles {
-    fn handle(&mut self, id: Uuid) -> i64 {
-        if let Some(h) = self.by_uuid.get(&id) {
-            return *h;
-        }
-        self.next += 1;
-        self.by_uuid.insert(id, self.next);
-        self.by_handle.insert(self.next, id);
-        self.next
-    }
-
-    fn forget(&mut self, handle: i64) {
-        if let Some(id) = self.by_handle.remove(&handle) {
-            self.by_uuid.remove(&id);
-        }
-    }
-}
-
-/// What the table cannot hold.
-#[derive(Default)]
-struct Memory {
-    handles: Handles,
-    /// Held rows and their ordering keys.
-    held: HashMap<i64, String>,
-    /// Failed attempts, for tables without an attempts column.
-    attempts: HashMap<i64, u32>,
-    /// Keys waiting for a retry, until when.
-    blocked: HashMap<String, Instant>,
-}
 
 struct Leader {
     client: Option<tokio_postgres::Client>,
@@ -290,88 +249,29 @@ impl MappedInner {
             None => self.sql.mapping.table.clone(),
         }
     }
+}
 
-    /// The dedupe id of a row without an event id column: a name-based UUID of the table and
-    /// row id, the same on every attempt and every relay.
-    fn derived_event_id(&self, id: &str) -> Uuid {
-        Uuid::new_v5(
-            &Uuid::NAMESPACE_OID,
-            format!("outbox-relay:{}:{id}", self.table_name()).as_bytes(),
-        )
-    }
-
-    fn decode(&self, row: &Row, memory: &mut Memory) -> Claimed {
-        let m = &self.sql.mapping;
-        let (handle, id_text) = match m.id_type {
-            IdType::Integer => {
-                let id: i64 = row.get(0);
-                (id, id.to_string())
-            }
-            IdType::Uuid => {
-                let id: Uuid = row.get(0);
-                (memory.handles.handle(id), id.to_string())
-            }
-        };
-        let destination: String = row.get::<_, Option<String>>(2).unwrap_or_default();
-        let key = row
-            .get::<_, Option<String>>(3)
-            .unwrap_or_else(|| match m.key_fallback {
-                outbox_layout::KeyFallback::Destination => destination.clone(),
-                outbox_layout::KeyFallback::Row => format!("row:{id_text}"),
-            });
-        let attempts = row
-            .get::<_, Option<i64>>(9)
-            .map(|a| a.max(0) as u32)
-            .unwrap_or_else(|| memory.attempts.get(&handle).copied().unwrap_or(0));
-        memory.held.insert(handle, key.clone());
-        let payload = match m.payload_format {
-            PayloadFormat::Bytes => Ok(row
-                .get::<_, Option<Vec<u8>>>(5)
-                .map_or(Payload::Null, Payload::Bytes)),
-            PayloadFormat::Text => Ok(row
-                .get::<_, Option<String>>(5)
-                .map_or(Payload::Null, |t| Payload::Bytes(t.into_bytes()))),
-            PayloadFormat::Json => match row.get::<_, Option<String>>(5) {
-                None => Ok(Payload::Null),
-                Some(text) => Payload::from_json_text(text),
-            },
-        };
-        let headers = match row.get::<_, Option<String>>(6) {
-            None => Ok(Default::default()),
-            Some(text) => headers_from_json_text(&text),
-        };
-        let event_id = match row.get::<_, Option<String>>(1) {
-            Some(text) => Uuid::parse_str(&text).map_err(|e| format!("event id {text:?}: {e}")),
-            None => Ok(self.derived_event_id(&id_text)),
-        };
-        let decoded = payload.and_then(|p| headers.and_then(|h| event_id.map(|id| (p, h, id))));
-        match decoded {
-            Ok((payload, headers, event_id)) => Claimed::Event(Event {
-                sequence_id: handle,
-                event_id,
-                event_type: row
-                    .get::<_, Option<String>>(4)
-                    .unwrap_or_else(|| destination.clone()),
-                destination,
-                partition_key: Some(key),
-                payload,
-                headers,
-                mutation_id: row.get(7),
-                rejected: row.get::<_, Option<i64>>(8).unwrap_or(0) != 0,
-                attempts,
-                max_attempts: row.get::<_, Option<i64>>(11).map(|n| n.max(1) as u32),
-                created_at: row
-                    .get::<_, Option<i64>>(10)
-                    .map_or_else(SystemTime::now, from_micros),
-            }),
-            Err(reason) => Claimed::Undecodable {
-                sequence_id: handle,
-                ordering_key: key,
-                destination,
-                attempts,
-                reason,
-            },
-        }
+/// A PostgreSQL row in `select_list` order as plain values.
+fn raw_row(row: &Row, mapping: &Mapping) -> RawRow {
+    RawRow {
+        id: match mapping.id_type {
+            IdType::Integer => RowId::Integer(row.get(0)),
+            IdType::Uuid => RowId::Uuid(row.get(0)),
+        },
+        event_id: row.get(1),
+        destination: row.get(2),
+        key: row.get(3),
+        event_type: row.get(4),
+        payload: match mapping.payload_format {
+            PayloadFormat::Bytes => row.get(5),
+            _ => row.get::<_, Option<String>>(5).map(String::into_bytes),
+        },
+        headers: row.get(6),
+        mutation_id: row.get(7),
+        rejected: row.get(8),
+        attempts: row.get(9),
+        created_micros: row.get(10),
+        max_attempts: row.get(11),
     }
 }
 
@@ -403,12 +303,7 @@ impl MappedPgStore {
             IdType::Integer => Ids::Integer(handles.to_vec()),
             IdType::Uuid => {
                 let memory = self.inner.memory.lock().expect("memory lock");
-                Ids::Uuid(
-                    handles
-                        .iter()
-                        .filter_map(|h| memory.handles.by_handle.get(h).copied())
-                        .collect(),
-                )
+                Ids::Uuid(handles.iter().filter_map(|h| memory.uuid(*h)).collect())
             }
         }
     }
@@ -421,15 +316,12 @@ impl MappedPgStore {
     }
 
     /// Rows that settled leave memory.
-    fn settled(&self, handles: &[SequenceId], forget_attempts: bool) {
-        let mut memory = self.inner.memory.lock().expect("memory lock");
-        for h in handles {
-            memory.held.remove(h);
-            if forget_attempts {
-                memory.attempts.remove(h);
-                memory.handles.forget(*h);
-            }
-        }
+    fn settled(&self, handles: &[SequenceId], done: bool) {
+        self.inner
+            .memory
+            .lock()
+            .expect("memory lock")
+            .settled(handles, done);
     }
 
     /// Becomes (or stays) the active relay; false when another relay is active.
@@ -511,12 +403,7 @@ impl OutboxStore for MappedPgStore {
             let inner = &store.inner;
             let (blocked, held): (Vec<String>, Vec<i64>) = {
                 let mut memory = inner.memory.lock().expect("memory lock");
-                let now = Instant::now();
-                memory.blocked.retain(|_, until| *until > now);
-                (
-                    memory.blocked.keys().cloned().collect(),
-                    memory.held.keys().copied().collect(),
-                )
+                (memory.blocked_keys(), memory.held())
             };
             let limit = request.limit as i64;
             let rows = if inner.sql.mapping.marks_claims() {
@@ -539,7 +426,16 @@ impl OutboxStore for MappedPgStore {
                 .await?
             };
             let mut memory = inner.memory.lock().expect("memory lock");
-            Ok(rows.iter().map(|r| inner.decode(r, &mut memory)).collect())
+            Ok(rows
+                .iter()
+                .map(|r| {
+                    decode(
+                        &inner.sql.mapping,
+                        raw_row(r, &inner.sql.mapping),
+                        &mut memory,
+                    )
+                })
+                .collect())
         }
         .boxed()
     }
@@ -582,10 +478,7 @@ impl OutboxStore for MappedPgStore {
             {
                 let mut memory = store.inner.memory.lock().expect("memory lock");
                 for r in &retries {
-                    memory.attempts.insert(r.sequence_id, r.attempts);
-                    if let Some(key) = memory.held.get(&r.sequence_id).cloned() {
-                        memory.blocked.insert(key, Instant::now() + r.delay);
-                    }
+                    memory.retry(r.sequence_id, r.attempts, r.delay);
                 }
             }
             let set = store
@@ -1161,7 +1054,7 @@ impl Operations for MappedPgStore {
                         event_id: r
                             .get::<_, Option<String>>(1)
                             .and_then(|t| Uuid::parse_str(&t).ok())
-                            .unwrap_or_else(|| store.inner.derived_event_id(&id)),
+                            .unwrap_or_else(|| derived_event_id(&store.inner.sql.mapping, &id)),
                         destination: r.get(2),
                         event_type: r.get(3),
                         attempts: r.get::<_, Option<i64>>(4).unwrap_or(0).max(0) as u32,

@@ -1,0 +1,257 @@
+//! What a mapped table cannot hold, kept by its active relay: row handles for UUID ids, the
+//! rows it holds, attempts (without an attempts column) and keys waiting for a retry. And the
+//! decoding of a selected row into an event, shared by the PostgreSQL and MySQL executors.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use outbox_core::event::headers_from_json_text;
+use outbox_core::{Claimed, Event, Payload, SequenceId};
+use uuid::Uuid;
+
+use crate::{IdType, KeyFallback, Mapping, PayloadFormat};
+
+/// A row id as the database returned it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RowId {
+    Integer(i64),
+    Uuid(Uuid),
+}
+
+/// A selected row, in [`crate::sql::Sql::select_list`] order, as plain values.
+#[derive(Clone, Debug)]
+pub struct RawRow {
+    pub id: RowId,
+    pub event_id: Option<String>,
+    pub destination: Option<String>,
+    pub key: Option<String>,
+    pub event_type: Option<String>,
+    pub payload: Option<Vec<u8>>,
+    pub headers: Option<String>,
+    pub mutation_id: Option<String>,
+    pub rejected: Option<i64>,
+    pub attempts: Option<i64>,
+    pub created_micros: Option<i64>,
+    pub max_attempts: Option<i64>,
+}
+
+/// The active relay's memory of a mapped table. Engine handles are the integer ids
+/// themselves; UUID ids get process-local numbers in claim order (so per-key order holds),
+/// kept until the row settles.
+#[derive(Default)]
+pub struct Memory {
+    next: i64,
+    by_uuid: HashMap<Uuid, i64>,
+    by_handle: HashMap<i64, Uuid>,
+    /// Held rows and their ordering keys.
+    held: HashMap<i64, String>,
+    attempts: HashMap<i64, u32>,
+    blocked: HashMap<String, Instant>,
+}
+
+impl Memory {
+    fn handle(&mut self, id: &RowId) -> i64 {
+        match id {
+            RowId::Integer(i) => *i,
+            RowId::Uuid(u) => {
+                if let Some(h) = self.by_uuid.get(u) {
+                    return *h;
+                }
+                self.next += 1;
+                self.by_uuid.insert(*u, self.next);
+                self.by_handle.insert(self.next, *u);
+                self.next
+            }
+        }
+    }
+
+    /// The UUID behind a handle (UUID-keyed tables).
+    pub fn uuid(&self, handle: SequenceId) -> Option<Uuid> {
+        self.by_handle.get(&handle).copied()
+    }
+
+    /// Held handles.
+    pub fn held(&self) -> Vec<SequenceId> {
+        self.held.keys().copied().collect()
+    }
+
+    /// Keys whose head waits for a retry; expired blocks are dropped.
+    pub fn blocked_keys(&mut self) -> Vec<String> {
+        let now = Instant::now();
+        self.blocked.retain(|_, until| *until > now);
+        self.blocked.keys().cloned().collect()
+    }
+
+    /// A failed attempt: the key waits `delay`; attempts are remembered.
+    pub fn retry(&mut self, handle: SequenceId, attempts: u32, delay: Duration) {
+        self.attempts.insert(handle, attempts);
+        if let Some(key) = self.held.get(&handle).cloned() {
+            self.blocked.insert(key, Instant::now() + delay);
+        }
+    }
+
+    /// Rows that left this relay: released or retried (`done` false), or acked or dead.
+    pub fn settled(&mut self, handles: &[SequenceId], done: bool) {
+        for h in handles {
+            self.held.remove(h);
+            if done {
+                self.attempts.remove(h);
+                if let Some(u) = self.by_handle.remove(h) {
+                    self.by_uuid.remove(&u);
+                }
+            }
+        }
+    }
+}
+
+/// The dedupe id of a row without an event id column: a name-based UUID of the table and row
+/// id, the same on every attempt and every relay.
+pub fn derived_event_id(mapping: &Mapping, id: &str) -> Uuid {
+    let table = match &mapping.schema {
+        Some(s) => format!("{s}.{}", mapping.table),
+        None => mapping.table.clone(),
+    };
+    Uuid::new_v5(
+        &Uuid::NAMESPACE_OID,
+        format!("outbox-relay:{table}:{id}").as_bytes(),
+    )
+}
+
+fn from_micros(micros: i64) -> SystemTime {
+    if micros >= 0 {
+        UNIX_EPOCH + Duration::from_micros(micros as u64)
+    } else {
+        UNIX_EPOCH - Duration::from_micros(micros.unsigned_abs())
+    }
+}
+
+/// Decodes a claimed row and records it as held. A row that cannot be decoded becomes
+/// [`Claimed::Undecodable`], to be dead-lettered.
+pub fn decode(mapping: &Mapping, raw: RawRow, memory: &mut Memory) -> Claimed {
+    let handle = memory.handle(&raw.id);
+    let id_text = match &raw.id {
+        RowId::Integer(i) => i.to_string(),
+        RowId::Uuid(u) => u.to_string(),
+    };
+    debug_assert_eq!(
+        matches!(raw.id, RowId::Uuid(_)),
+        mapping.id_type == IdType::Uuid
+    );
+    let destination = raw.destination.unwrap_or_default();
+    let key = raw.key.unwrap_or_else(|| match mapping.key_fallback {
+        KeyFallback::Destination => destination.clone(),
+        KeyFallback::Row => format!("row:{id_text}"),
+    });
+    let attempts = raw
+        .attempts
+        .map(|a| a.max(0) as u32)
+        .unwrap_or_else(|| memory.attempts.get(&handle).copied().unwrap_or(0));
+    memory.held.insert(handle, key.clone());
+    let payload = match (raw.payload, mapping.payload_format) {
+        (None, _) => Ok(Payload::Null),
+        (Some(bytes), PayloadFormat::Bytes | PayloadFormat::Text) => Ok(Payload::Bytes(bytes)),
+        (Some(bytes), PayloadFormat::Json) => String::from_utf8(bytes)
+            .map_err(|_| "payload is not UTF-8 JSON".to_string())
+            .and_then(Payload::from_json_text),
+    };
+    let headers = match raw.headers {
+        None => Ok(Default::default()),
+        Some(text) => headers_from_json_text(&text),
+    };
+    let event_id = match raw.event_id {
+        Some(text) => Uuid::parse_str(text.trim()).map_err(|e| format!("event id {text:?}: {e}")),
+        None => Ok(derived_event_id(mapping, &id_text)),
+    };
+    let decoded = payload.and_then(|p| headers.and_then(|h| event_id.map(|id| (p, h, id))));
+    match decoded {
+        Ok((payload, headers, event_id)) => Claimed::Event(Event {
+            sequence_id: handle,
+            event_id,
+            event_type: raw.event_type.unwrap_or_else(|| destination.clone()),
+            destination,
+            partition_key: Some(key),
+            payload,
+            headers,
+            mutation_id: raw.mutation_id,
+            rejected: raw.rejected.unwrap_or(0) != 0,
+            attempts,
+            max_attempts: raw.max_attempts.map(|n| n.max(1) as u32),
+            created_at: raw.created_micros.map_or_else(SystemTime::now, from_micros),
+        }),
+        Err(reason) => Claimed::Undecodable {
+            sequence_id: handle,
+            ordering_key: key,
+            destination,
+            attempts,
+            reason,
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn raw(id: RowId) -> RawRow {
+        RawRow {
+            id,
+            event_id: None,
+            destination: Some("t".into()),
+            key: None,
+            event_type: None,
+            payload: Some(b"{\"a\":1}".to_vec()),
+            headers: None,
+            mutation_id: None,
+            rejected: None,
+            attempts: None,
+            created_micros: None,
+            max_attempts: None,
+        }
+    }
+
+    #[test]
+    fn uuid_rows_get_handles_in_claim_order_until_they_settle() {
+        let m = Mapping::open_outbox("public", "e");
+        let mut memory = Memory::default();
+        let a = Uuid::new_v4();
+        let b = Uuid::new_v4();
+        let ha = decode(&m, raw(RowId::Uuid(a)), &mut memory).sequence_id();
+        let hb = decode(&m, raw(RowId::Uuid(b)), &mut memory).sequence_id();
+        assert!(ha < hb);
+        assert_eq!(
+            decode(&m, raw(RowId::Uuid(a)), &mut memory).sequence_id(),
+            ha
+        );
+        memory.settled(&[ha], true);
+        assert_eq!(memory.uuid(ha), None);
+        assert_eq!(memory.uuid(hb), Some(b));
+    }
+
+    #[test]
+    fn a_retrying_head_blocks_its_key_and_attempts_are_remembered() {
+        let m = Mapping::adbc("public", "outbox");
+        let mut memory = Memory::default();
+        let h = decode(&m, raw(RowId::Integer(7)), &mut memory).sequence_id();
+        memory.retry(h, 1, Duration::from_secs(60));
+        memory.settled(&[h], false);
+        assert_eq!(memory.blocked_keys(), ["t"]);
+        match decode(&m, raw(RowId::Integer(7)), &mut memory) {
+            Claimed::Event(e) => {
+                assert_eq!(e.attempts, 1);
+                assert_eq!(e.event_id, derived_event_id(&m, "7"), "stable dedupe id");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_row_that_is_not_json_is_undecodable_not_fatal() {
+        let m = Mapping::adbc("public", "outbox");
+        let mut row = raw(RowId::Integer(1));
+        row.payload = Some(b"New comment!".to_vec());
+        assert!(matches!(
+            decode(&m, row, &mut Memory::default()),
+            Claimed::Undecodable { .. }
+        ));
+    }
+}
