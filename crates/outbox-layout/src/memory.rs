@@ -43,10 +43,17 @@ pub struct Memory {
     next: i64,
     by_uuid: HashMap<Uuid, i64>,
     by_handle: HashMap<i64, Uuid>,
-    /// Held rows and their ordering keys.
-    held: HashMap<i64, String>,
+    /// Held rows: their ordering keys, the node holding them and until when.
+    held: HashMap<i64, Held>,
     attempts: HashMap<i64, u32>,
-    blocked: HashMap<String, Instant>,
+    /// Keys whose head waits to retry, until when.
+    retrying: HashMap<String, Instant>,
+}
+
+struct Held {
+    key: String,
+    node: String,
+    until: Instant,
 }
 
 impl Memory {
@@ -75,18 +82,39 @@ impl Memory {
         self.held.keys().copied().collect()
     }
 
-    /// Keys whose head waits for a retry; expired blocks are dropped.
-    pub fn blocked_keys(&mut self) -> Vec<String> {
+    /// Keys a claim by `node` must leave out: a head waits to retry, or another node holds
+    /// a live lease on the key.
+    pub fn blocked_keys(&mut self, node: &str) -> Vec<String> {
         let now = Instant::now();
-        self.blocked.retain(|_, until| *until > now);
-        self.blocked.keys().cloned().collect()
+        self.retrying.retain(|_, due| *due > now);
+        let mut keys: std::collections::BTreeSet<String> = self.retrying.keys().cloned().collect();
+        keys.extend(
+            self.held
+                .values()
+                .filter(|h| h.node != node && h.until > now)
+                .map(|h| h.key.clone()),
+        );
+        keys.into_iter().collect()
     }
 
-    /// A failed attempt: the key waits `delay`; attempts are remembered.
+    /// A failed attempt: its key waits `delay`; attempts are remembered. Call it once the
+    /// table has recorded the retry, so a table-side `available_at` is never later than the
+    /// moment the key unblocks here.
     pub fn retry(&mut self, handle: SequenceId, attempts: u32, delay: Duration) {
         self.attempts.insert(handle, attempts);
-        if let Some(key) = self.held.get(&handle).cloned() {
-            self.blocked.insert(key, Instant::now() + delay);
+        if let Some(held) = self.held.get(&handle) {
+            self.retrying
+                .insert(held.key.clone(), Instant::now() + delay);
+        }
+    }
+
+    /// Leases extended to `now + lease`.
+    pub fn extend(&mut self, handles: &[SequenceId], lease: Duration) {
+        let until = Instant::now() + lease;
+        for h in handles {
+            if let Some(held) = self.held.get_mut(h) {
+                held.until = until;
+            }
         }
     }
 
@@ -127,7 +155,13 @@ fn from_micros(micros: i64) -> SystemTime {
 
 /// Decodes a claimed row and records it as held. A row that cannot be decoded becomes
 /// [`Claimed::Undecodable`], to be dead-lettered.
-pub fn decode(mapping: &Mapping, raw: RawRow, memory: &mut Memory) -> Claimed {
+pub fn decode(
+    mapping: &Mapping,
+    raw: RawRow,
+    memory: &mut Memory,
+    node: &str,
+    lease: Duration,
+) -> Claimed {
     let handle = memory.handle(&raw.id);
     let id_text = match &raw.id {
         RowId::Integer(i) => i.to_string(),
@@ -146,7 +180,14 @@ pub fn decode(mapping: &Mapping, raw: RawRow, memory: &mut Memory) -> Claimed {
         .attempts
         .map(|a| a.max(0) as u32)
         .unwrap_or_else(|| memory.attempts.get(&handle).copied().unwrap_or(0));
-    memory.held.insert(handle, key.clone());
+    memory.held.insert(
+        handle,
+        Held {
+            key: key.clone(),
+            node: node.to_string(),
+            until: Instant::now() + lease,
+        },
+    );
     let payload = match (raw.payload, mapping.payload_format) {
         (None, _) => Ok(Payload::Null),
         (Some(bytes), PayloadFormat::Bytes | PayloadFormat::Text) => Ok(Payload::Bytes(bytes)),
@@ -192,6 +233,8 @@ pub fn decode(mapping: &Mapping, raw: RawRow, memory: &mut Memory) -> Claimed {
 mod tests {
     use super::*;
 
+    const LEASE: Duration = Duration::from_secs(30);
+
     fn raw(id: RowId) -> RawRow {
         RawRow {
             id,
@@ -215,11 +258,11 @@ mod tests {
         let mut memory = Memory::default();
         let a = Uuid::new_v4();
         let b = Uuid::new_v4();
-        let ha = decode(&m, raw(RowId::Uuid(a)), &mut memory).sequence_id();
-        let hb = decode(&m, raw(RowId::Uuid(b)), &mut memory).sequence_id();
+        let ha = decode(&m, raw(RowId::Uuid(a)), &mut memory, "n", LEASE).sequence_id();
+        let hb = decode(&m, raw(RowId::Uuid(b)), &mut memory, "n", LEASE).sequence_id();
         assert!(ha < hb);
         assert_eq!(
-            decode(&m, raw(RowId::Uuid(a)), &mut memory).sequence_id(),
+            decode(&m, raw(RowId::Uuid(a)), &mut memory, "n", LEASE).sequence_id(),
             ha
         );
         memory.settled(&[ha], true);
@@ -228,14 +271,19 @@ mod tests {
     }
 
     #[test]
-    fn a_retrying_head_blocks_its_key_and_attempts_are_remembered() {
+    fn a_retrying_head_blocks_its_key_until_it_is_due() {
         let m = Mapping::adbc("public", "outbox");
         let mut memory = Memory::default();
-        let h = decode(&m, raw(RowId::Integer(7)), &mut memory).sequence_id();
+        let h = decode(&m, raw(RowId::Integer(7)), &mut memory, "n", LEASE).sequence_id();
         memory.retry(h, 1, Duration::from_secs(60));
         memory.settled(&[h], false);
-        assert_eq!(memory.blocked_keys(), ["t"]);
-        match decode(&m, raw(RowId::Integer(7)), &mut memory) {
+        assert_eq!(memory.blocked_keys("n"), ["t"]);
+        memory.retrying.insert("t".into(), Instant::now());
+        assert!(
+            memory.blocked_keys("n").is_empty(),
+            "due: the key flows again"
+        );
+        match decode(&m, raw(RowId::Integer(7)), &mut memory, "n", LEASE) {
             Claimed::Event(e) => {
                 assert_eq!(e.attempts, 1);
                 assert_eq!(e.event_id, derived_event_id(&m, "7"), "stable dedupe id");
@@ -245,12 +293,26 @@ mod tests {
     }
 
     #[test]
+    fn keys_held_by_another_node_are_blocked() {
+        let m = Mapping::adbc("public", "outbox");
+        let mut memory = Memory::default();
+        decode(&m, raw(RowId::Integer(1)), &mut memory, "a", LEASE);
+        assert_eq!(memory.blocked_keys("b"), ["t"]);
+        assert!(memory.blocked_keys("a").is_empty());
+        memory.extend(&[1], Duration::ZERO);
+        assert!(
+            memory.blocked_keys("b").is_empty(),
+            "an expired lease blocks nothing"
+        );
+    }
+
+    #[test]
     fn a_row_that_is_not_json_is_undecodable_not_fatal() {
         let m = Mapping::adbc("public", "outbox");
         let mut row = raw(RowId::Integer(1));
         row.payload = Some(b"New comment!".to_vec());
         assert!(matches!(
-            decode(&m, row, &mut Memory::default()),
+            decode(&m, row, &mut Memory::default(), "n", LEASE),
             Claimed::Undecodable { .. }
         ));
     }

@@ -272,7 +272,7 @@ impl Sql {
     /// Delivered rows that are retained.
     pub fn delivered(&self) -> Option<String> {
         let m = &self.mapping;
-        if m.on_success != OnSuccess::Mark {
+        if m.on_success != OnSuccess::Mark && !matches!(m.state, State::Rows) {
             return None;
         }
         match &m.state {

@@ -84,8 +84,14 @@ impl MappedPgStore {
         let order_keys: Vec<String> = (0..order.len()).map(|i| format!("k{i}")).collect();
         let t = sql.table();
         let id = sql.id_column();
+        let id_array = match sql.mapping.id_type {
+            IdType::Integer => "int8[]",
+            IdType::Uuid => "uuid[]",
+        };
         let candidates = format!(
-            "SELECT {id} AS id FROM {t} o WHERE {} AND NOT ({} = ANY($2::text[])) ORDER BY {} LIMIT $1",
+            "SELECT {id} AS id FROM {t} o
+              WHERE {} AND NOT ({} = ANY($2::text[]))
+              ORDER BY {} LIMIT $1",
             sql.claimable(),
             sql.key_expr(),
             sql.order_by()
@@ -102,12 +108,10 @@ impl MappedPgStore {
             columns.join(", "),
             order_keys.join(", ")
         );
-        let id_array = match sql.mapping.id_type {
-            IdType::Integer => "int8[]",
-            IdType::Uuid => "uuid[]",
-        };
         let claim_unmarked = format!(
-            "SELECT {} FROM {t} o WHERE {} AND NOT ({} = ANY($2::text[])) AND NOT ({id} = ANY($3::{id_array}))
+            "SELECT {} FROM {t} o
+              WHERE {} AND NOT ({} = ANY($2::text[]))
+                AND NOT ({id} = ANY($3::{id_array}))
               ORDER BY {} LIMIT $1",
             sql.select_list(),
             sql.claimable(),
@@ -401,9 +405,9 @@ impl OutboxStore for MappedPgStore {
                 return Ok(Vec::new());
             }
             let inner = &store.inner;
-            let (blocked, held): (Vec<String>, Vec<i64>) = {
+            let (blocked, held) = {
                 let mut memory = inner.memory.lock().expect("memory lock");
-                (memory.blocked_keys(), memory.held())
+                (memory.blocked_keys(&request.node.0), memory.held())
             };
             let limit = request.limit as i64;
             let rows = if inner.sql.mapping.marks_claims() {
@@ -433,6 +437,8 @@ impl OutboxStore for MappedPgStore {
                         &inner.sql.mapping,
                         raw_row(r, &inner.sql.mapping),
                         &mut memory,
+                        &request.node.0,
+                        request.lease,
                     )
                 })
                 .collect())
@@ -475,12 +481,6 @@ impl OutboxStore for MappedPgStore {
         let store = self.clone();
         async move {
             let handles: Vec<i64> = retries.iter().map(|r| r.sequence_id).collect();
-            {
-                let mut memory = store.inner.memory.lock().expect("memory lock");
-                for r in &retries {
-                    memory.retry(r.sequence_id, r.attempts, r.delay);
-                }
-            }
             let set = store
                 .inner
                 .sql
@@ -513,6 +513,13 @@ impl OutboxStore for MappedPgStore {
                 )
                 .await?
             };
+            {
+                // After the table recorded it: the key unblocks here no sooner than there.
+                let mut memory = store.inner.memory.lock().expect("memory lock");
+                for r in &retries {
+                    memory.retry(r.sequence_id, r.attempts, r.delay);
+                }
+            }
             store.settled(&handles, false);
             Ok(n)
         }
@@ -606,6 +613,12 @@ impl OutboxStore for MappedPgStore {
     ) -> BoxFuture<'static, StoreResult<u64>> {
         let store = self.clone();
         async move {
+            store
+                .inner
+                .memory
+                .lock()
+                .expect("memory lock")
+                .extend(&ids, lease);
             let statement = store.inner.sql.extend(
                 &format!("= ANY($1::{})", store.id_array()),
                 "$2::text",

@@ -1,0 +1,147 @@
+//! The store conformance suite against MariaDB (Debian's package; no MySQL 8 server can be
+//! installed here), native layout, one fresh database per test.
+
+use std::sync::Arc;
+
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use mysql_async::prelude::Queryable;
+use outbox_core::store::NodeRegistry;
+use outbox_core::{OutboxStore, SequenceId};
+use outbox_layout::Mapping;
+use outbox_store_mysql::{MySqlOptions, MySqlStore};
+use outbox_testkit::conformance::{DeadRow, Harness};
+
+struct MySqlHarness {
+    store: MySqlStore,
+    retaining: MySqlStore,
+    pool: mysql_async::Pool,
+}
+
+/// A fresh database on the test server; its URL.
+async fn fresh_mysql_database() -> String {
+    let admin = std::env::var("OUTBOX_TEST_MYSQL_URL").expect(
+        "OUTBOX_TEST_MYSQL_URL is not set: run the tests through scripts/test.sh, \
+         or `eval \"$(scripts/servers.sh start)\"` first",
+    );
+    let name = format!("t_{}", uuid::Uuid::new_v4().simple());
+    let mut conn = mysql_async::Conn::from_url(&admin)
+        .await
+        .expect("connect to MariaDB");
+    conn.query_drop(format!("CREATE DATABASE {name}"))
+        .await
+        .unwrap();
+    conn.disconnect().await.unwrap();
+    let cut = admin.rfind('/').unwrap();
+    format!("{}/{name}", &admin[..cut])
+}
+
+fn store(url: &str, retain: bool) -> MySqlStore {
+    MySqlStore::new(MySqlOptions {
+        url: url.to_string(),
+        mapping: Mapping::native_mysql(None, "outbox", retain),
+        layout: "native".into(),
+        max_attempts: 20,
+        pool_size: 8,
+        nodes_table: Some("outbox_nodes".into()),
+    })
+    .unwrap()
+}
+
+async fn new_harness() -> MySqlHarness {
+    let url = fresh_mysql_database().await;
+    let s = store(&url, false);
+    s.migrate().await.unwrap();
+    MySqlHarness {
+        retaining: store(&url, true),
+        store: s,
+        pool: mysql_async::Pool::new(url.as_str()),
+    }
+}
+
+impl Harness for MySqlHarness {
+    fn store(&self) -> Arc<dyn OutboxStore> {
+        Arc::new(self.store.clone())
+    }
+
+    fn retaining_store(&self) -> Arc<dyn OutboxStore> {
+        Arc::new(self.retaining.clone())
+    }
+
+    fn registry(&self) -> Arc<dyn NodeRegistry> {
+        Arc::new(self.store.clone())
+    }
+
+    fn operations(&self) -> Arc<dyn outbox_core::store::Operations> {
+        Arc::new(self.store.clone())
+    }
+
+    fn insert_rolled_back(&self, destination: &str) -> BoxFuture<'_, ()> {
+        let destination = destination.to_string();
+        async move {
+            let mut conn = self.pool.get_conn().await.unwrap();
+            let mut tx = conn
+                .start_transaction(mysql_async::TxOpts::default())
+                .await
+                .unwrap();
+            tx.exec_drop(
+                "INSERT INTO outbox (destination, event_type, payload) VALUES (?, 't', '1')",
+                (destination,),
+            )
+            .await
+            .unwrap();
+            tx.rollback().await.unwrap();
+        }
+        .boxed()
+    }
+
+    fn insert_undecodable(&self, destination: &str) -> BoxFuture<'_, SequenceId> {
+        let destination = destination.to_string();
+        async move {
+            let mut conn = self.pool.get_conn().await.unwrap();
+            conn.exec_drop(
+                "INSERT INTO outbox (destination, event_type, payload, headers) VALUES (?, 't', '{}', '[\"not\", \"an object\"]')",
+                (destination,),
+            )
+            .await
+            .unwrap();
+            conn.last_insert_id().unwrap() as i64
+        }
+        .boxed()
+    }
+
+    fn row_state(&self, id: SequenceId) -> BoxFuture<'_, Option<(i64, Option<String>, bool)>> {
+        async move {
+            let mut conn = self.pool.get_conn().await.unwrap();
+            // Dead rows stay in the table on MySQL (dead_at set) but are out of the queue.
+            conn.exec_first(
+                "SELECT attempts, last_error, delivered_at IS NOT NULL FROM outbox WHERE sequence_id = ? AND dead_at IS NULL",
+                (id,),
+            )
+            .await
+            .unwrap()
+            .map(|(a, e, d): (i64, Option<String>, i64)| (a, e, d != 0))
+        }
+        .boxed()
+    }
+
+    fn dead_rows(&self) -> BoxFuture<'_, Vec<DeadRow>> {
+        async move {
+            let mut conn = self.pool.get_conn().await.unwrap();
+            conn.query_map(
+                "SELECT sequence_id, attempts, last_error, CAST(payload AS CHAR) FROM outbox WHERE dead_at IS NOT NULL ORDER BY sequence_id",
+                |(sequence_id, attempts, last_error, payload): (i64, i64, String, Option<String>)| DeadRow {
+                    sequence_id,
+                    attempts,
+                    last_error,
+                    payload,
+                },
+            )
+            .await
+            .unwrap()
+        }
+        .boxed()
+    }
+}
+
+outbox_testkit::store_conformance!(new_harness);
