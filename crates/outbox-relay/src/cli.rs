@@ -26,7 +26,8 @@ pub struct GlobalArgs {
     /// TOML configuration file [default: ./outbox-relay.toml when present].
     #[arg(long, global = true, value_name = "FILE")]
     pub config: Option<PathBuf>,
-    /// Database URL: postgres://user:pass@host:port/db[?sslmode=require] or sqlite:PATH
+    /// Database URL: postgres://user:pass@host:port/db[?sslmode=require],
+    /// mysql://user:pass@host:port/db[?require_ssl=true] (MySQL 8, MariaDB >= 10.6) or sqlite:PATH
     /// [default: sqlite:outbox.db]. Also OUTBOX_RELAY_DATABASE_URL or DATABASE_URL.
     #[arg(long, global = true, value_name = "URL")]
     pub database_url: Option<String>,

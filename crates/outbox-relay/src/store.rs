@@ -5,6 +5,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use outbox_core::store::NodeRegistry;
 use outbox_core::OutboxStore;
+use outbox_store_mysql::{MySqlOptions, MySqlStore};
 use outbox_store_postgres::{MappedPgStore, PgOptions, PgStore, Tables};
 use outbox_store_sqlite::SqliteStore;
 
@@ -16,6 +17,8 @@ pub enum AnyStore {
     Postgres(PgStore),
     /// A seed's table or a custom mapping on PostgreSQL.
     MappedPostgres(MappedPgStore),
+    /// MySQL 8 / MariaDB: the native layout or a mapped table.
+    MySql(MySqlStore),
     Sqlite(SqliteStore),
 }
 
@@ -48,7 +51,33 @@ impl AnyStore {
                 let store = PgStore::new(options).map_err(|e| anyhow::anyhow!(e.report()))?;
                 Ok(AnyStore::Postgres(store))
             }
-            DatabaseKind::MySql => anyhow::bail!("the MySQL/MariaDB store is not built yet"),
+            DatabaseKind::MySql => {
+                let mapping = config
+                    .layout_mapping()?
+                    .expect("every MySQL layout is a mapping");
+                if matches!(
+                    config.layout,
+                    outbox_layout::LayoutKind::Adbc
+                        | outbox_layout::LayoutKind::OpenOutbox
+                        | outbox_layout::LayoutKind::Export
+                ) {
+                    anyhow::bail!(
+                        "the {} layout is a PostgreSQL table (its seed defines it for PostgreSQL); on MySQL/MariaDB use the native or mysql-outbox-events layout, or a custom mapping",
+                        config.layout
+                    );
+                }
+                let store = MySqlStore::new(MySqlOptions {
+                    url: config.database_url.clone(),
+                    mapping,
+                    layout: config.layout.to_string(),
+                    max_attempts: config.retry.max_attempts,
+                    pool_size: config.pool_size,
+                    nodes_table: (config.layout == outbox_layout::LayoutKind::Native)
+                        .then(|| config.layout_tables().nodes_table),
+                })
+                .map_err(|e| anyhow::anyhow!(e.report()))?;
+                Ok(AnyStore::MySql(store))
+            }
             DatabaseKind::Sqlite(path) => {
                 if config.layout != outbox_layout::LayoutKind::Native {
                     anyhow::bail!("the {} layout runs on PostgreSQL or MySQL/MariaDB; SQLite supports the native layout only", config.layout);
@@ -68,6 +97,7 @@ impl AnyStore {
         match self {
             AnyStore::Postgres(s) => Arc::new(s.clone()),
             AnyStore::MappedPostgres(s) => Arc::new(s.clone()),
+            AnyStore::MySql(s) => Arc::new(s.clone()),
             AnyStore::Sqlite(s) => Arc::new(s.clone()),
         }
     }
@@ -77,7 +107,7 @@ impl AnyStore {
         match self {
             AnyStore::Postgres(s) => Some(Arc::new(s.clone())),
             // Mapped layouts run one active relay per table (see MappedPgStore).
-            AnyStore::MappedPostgres(_) | AnyStore::Sqlite(_) => None,
+            AnyStore::MappedPostgres(_) | AnyStore::MySql(_) | AnyStore::Sqlite(_) => None,
         }
     }
 
@@ -85,6 +115,7 @@ impl AnyStore {
         match self {
             AnyStore::Postgres(s) => Arc::new(s.clone()),
             AnyStore::MappedPostgres(s) => Arc::new(s.clone()),
+            AnyStore::MySql(s) => Arc::new(s.clone()),
             AnyStore::Sqlite(s) => Arc::new(s.clone()),
         }
     }
@@ -93,6 +124,7 @@ impl AnyStore {
         match self {
             AnyStore::Postgres(s) => Arc::new(s.clone()),
             AnyStore::MappedPostgres(s) => Arc::new(s.clone()),
+            AnyStore::MySql(s) => Arc::new(s.clone()),
             AnyStore::Sqlite(s) => Arc::new(s.clone()),
         }
     }
@@ -106,6 +138,7 @@ impl AnyStore {
         match self {
             AnyStore::Postgres(s) => s.migrate().await,
             AnyStore::MappedPostgres(s) => s.migrate().await,
+            AnyStore::MySql(s) => s.migrate().await,
             AnyStore::Sqlite(s) => s.migrate().await,
         }
     }
@@ -117,6 +150,11 @@ impl AnyStore {
                 format!("{}\n{}", s.tables().ddl(), s.tables().grants(role))
             }
             AnyStore::MappedPostgres(s) => format!(
+                "{}\n{}",
+                s.ddl().unwrap_or_else(|| "-- A custom mapping runs on the application's own table: nothing to create.\n".into()),
+                s.grants(role)
+            ),
+            AnyStore::MySql(s) => format!(
                 "{}\n{}",
                 s.ddl().unwrap_or_else(|| "-- A custom mapping runs on the application's own table: nothing to create.\n".into()),
                 s.grants(role)

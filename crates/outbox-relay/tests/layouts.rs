@@ -9,6 +9,7 @@ use std::path::Path;
 use std::process::{Command, Output};
 use std::time::Duration;
 
+use mysql_async::prelude::Queryable;
 use outbox_testkit::eventually;
 use outbox_testkit::server::ServerProcess;
 use support::{pg, RelayProcess, BIN};
@@ -18,7 +19,7 @@ const WAIT: Duration = Duration::from_secs(30);
 struct Harness {
     dir: tempfile::TempDir,
     url: String,
-    db: tokio_postgres::Client,
+    db: Option<tokio_postgres::Client>,
     _nats: ServerProcess,
     nats_url: String,
     js: async_nats::jetstream::Context,
@@ -33,12 +34,19 @@ struct Message {
 
 impl Harness {
     async fn new(fixture: &str) -> Harness {
-        outbox_testkit::install_crypto();
         let url = outbox_testkit::fresh_pg_database().await;
         let db = pg(&url).await;
         db.batch_execute(fixture)
             .await
             .expect("apply the seed's DDL");
+        let mut h = Harness::on(url).await;
+        h.db = Some(db);
+        h
+    }
+
+    /// NATS and a working directory for a relay on the database at `url`.
+    async fn on(url: String) -> Harness {
+        outbox_testkit::install_crypto();
         let nats = ServerProcess::start(
             "nats-server",
             &["-a", "127.0.0.1", "-p", "{port}", "-js", "-sd", "{dir}/js"],
@@ -55,7 +63,7 @@ impl Harness {
         Harness {
             dir: tempfile::tempdir().unwrap(),
             url,
-            db,
+            db: None,
             _nats: nats,
             nats_url,
             js,
@@ -92,6 +100,10 @@ uri = "{nats}"
             ),
         )
         .unwrap();
+    }
+
+    fn pg(&self) -> &tokio_postgres::Client {
+        self.db.as_ref().expect("a PostgreSQL harness")
     }
 
     fn relay(&self, name: &str) -> RelayProcess {
@@ -138,7 +150,25 @@ uri = "{nats}"
     }
 
     async fn count(&self, sql: &str) -> i64 {
-        self.db.query_one(sql, &[]).await.unwrap().get(0)
+        match &self.db {
+            Some(db) => db.query_one(sql, &[]).await.unwrap().get(0),
+            None => {
+                let mut conn = mysql_async::Conn::from_url(self.url.as_str())
+                    .await
+                    .unwrap();
+                let n: Option<i64> = conn.query_first(sql).await.unwrap();
+                conn.disconnect().await.unwrap();
+                n.unwrap_or(0)
+            }
+        }
+    }
+
+    async fn mysql(&self, sql: &str) {
+        let mut conn = mysql_async::Conn::from_url(self.url.as_str())
+            .await
+            .unwrap();
+        conn.query_drop(sql).await.unwrap();
+        conn.disconnect().await.unwrap();
     }
 
     async fn wait_count(&self, what: &str, sql: &str, expected: i64) {
@@ -164,7 +194,7 @@ async fn adbc_table_is_relayed_in_channel_order_and_processed_rows_are_deleted()
     h.configure("adbc", &["posts:*"]);
     assert!(h.cli(&["check", "--sink", "stdout"]).contains("ok"));
     // The seed's example transaction, with JSON data.
-    h.db.batch_execute(
+    h.pg().batch_execute(
         "CREATE TABLE comments (comment text);
          BEGIN;
          INSERT INTO comments (comment) VALUES ('New comment!');
@@ -237,7 +267,7 @@ async fn adbc_table_is_relayed_in_channel_order_and_processed_rows_are_deleted()
     relay.terminate().await;
 
     // Purge removes dead rows.
-    h.db.batch_execute(
+    h.pg().batch_execute(
         "INSERT INTO outbox (mutation_id, channel, name, data, processed) VALUES ('m5', 'gone', 'x', '{}', true)",
     )
     .await
@@ -334,7 +364,7 @@ async fn open_outbox_events_go_pending_delivering_delivered_or_dead_and_the_reap
 {
     let h = Harness::new(include_str!("fixtures/seeds/open_outbox.sql")).await;
     h.configure("open-outbox", &["user.*", "order.*"]);
-    h.db.batch_execute(
+    h.pg().batch_execute(
         "INSERT INTO openoutbox_events (event_id, event_type, partition_key, payload, headers)
               VALUES ('00000000-0000-4000-8000-000000000001', 'user.signup', 'u1', '\\x01ff02'::bytea, '{\"trace\": \"t1\"}');
          INSERT INTO openoutbox_events (event_id, event_type, partition_key, payload)
@@ -423,7 +453,7 @@ async fn open_outbox_events_go_pending_delivering_delivered_or_dead_and_the_reap
 async fn export_events_go_new_processing_done_or_error_with_per_type_retry_limits() {
     let h = Harness::new(include_str!("fixtures/seeds/export.sql")).await;
     h.configure("export", &["order_created"]);
-    h.db.batch_execute(
+    h.pg().batch_execute(
         "INSERT INTO event_type (code, max_retry_count) VALUES ('order_created', 3), ('client_updated', 0);
          INSERT INTO event (type_code, payload) VALUES ('order_created', '{\"order\": 1}'), ('order_created', '{\"order\": 2}');
          INSERT INTO event (type_code, payload) VALUES ('client_updated', '{\"client\": 7}');
@@ -491,7 +521,7 @@ async fn a_standby_relay_takes_over_a_mapped_table_when_the_active_one_dies() {
         format!("INSERT INTO outbox (mutation_id, channel, name, data) VALUES ('m{n}', 'c', 'n', '{{\"n\": {n}}}')")
     };
     let mut first = h.relay("first");
-    h.db.batch_execute(&insert(1)).await.unwrap();
+    h.pg().batch_execute(&insert(1)).await.unwrap();
     h.wait_messages(1).await;
     let mut second = h.relay("second");
     eventually("both relays in the nodes table", WAIT, || async {
@@ -500,7 +530,7 @@ async fn a_standby_relay_takes_over_a_mapped_table_when_the_active_one_dies() {
     .await;
     first.kill9();
     for n in 2..=5 {
-        h.db.batch_execute(&insert(n)).await.unwrap();
+        h.pg().batch_execute(&insert(n)).await.unwrap();
     }
     let messages = h.wait_messages(5).await;
     let payloads: Vec<&str> = messages.iter().map(|m| m.payload.as_str()).collect();
@@ -519,4 +549,126 @@ async fn a_standby_relay_takes_over_a_mapped_table_when_the_active_one_dies() {
     h.wait_count("every row deleted", "SELECT count(*) FROM outbox", 0)
         .await;
     second.terminate().await;
+}
+
+/// A fresh database on the test MariaDB server; its URL.
+async fn fresh_mysql_database() -> String {
+    let admin = std::env::var("OUTBOX_TEST_MYSQL_URL")
+        .expect("OUTBOX_TEST_MYSQL_URL is not set: run the tests through scripts/test.sh");
+    let name = format!("t_{}", uuid::Uuid::new_v4().simple());
+    let mut conn = mysql_async::Conn::from_url(admin.as_str()).await.unwrap();
+    conn.query_drop(format!("CREATE DATABASE {name}"))
+        .await
+        .unwrap();
+    conn.disconnect().await.unwrap();
+    let cut = admin.rfind('/').unwrap();
+    format!("{}/{name}", &admin[..cut])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_seed_outbox_events_are_relayed_fifo_and_marked_consumed_on_mariadb() {
+    let h = Harness::on(fresh_mysql_database().await).await;
+    // The seed's SHOW CREATE TABLE output, verbatim but for MySQL 8's collation
+    // utf8mb4_0900_ai_ci, which MariaDB 10.11 does not have.
+    let ddl = include_str!("fixtures/seeds/mysql_outbox_events.sql")
+        .replace(" COLLATE=utf8mb4_0900_ai_ci", "");
+    h.mysql(&ddl).await;
+    h.configure("mysql-outbox-events", &["1"]);
+    let migrate = h.cli(&["migrate", "--print"]);
+    assert!(
+        migrate.contains("`outbox_events_dead_letters`"),
+        "{migrate}"
+    );
+    // The side table for dead events is the relay's; the seed's table stays as it is.
+    h.cli(&["migrate"]);
+    // The seed's dispatch: INSERT INTO outbox_events (`id`,`type`,`message`,`isConsumed`,`createdAt`,`updatedAt`) VALUES (DEFAULT,?,?,?,?,?)
+    for (n, kind) in [(1, 1), (2, 1), (3, 9), (4, 1)] {
+        h.mysql(&format!(
+            "INSERT INTO outbox_events (`id`,`type`,`message`,`isConsumed`,`createdAt`,`updatedAt`) \
+             VALUES (DEFAULT,{kind},'{{\"id\":{n}}}',0,UTC_TIMESTAMP(),UTC_TIMESTAMP())"
+        ))
+        .await;
+    }
+    let mut relay = h.relay("mysql-seed");
+    let messages = h.wait_messages(3).await;
+    let payloads: Vec<&str> = messages.iter().map(|m| m.payload.as_str()).collect();
+    assert_eq!(
+        payloads,
+        [r#"{"id":1}"#, r#"{"id":2}"#, r#"{"id":4}"#],
+        "FIFO per type"
+    );
+    assert!(messages.iter().all(|m| m.subject == "seed.1"));
+    h.wait_count(
+        "delivered rows marked consumed",
+        "SELECT count(*) FROM outbox_events WHERE isConsumed = 1",
+        3,
+    )
+    .await;
+    h.wait_count(
+        "the unroutable event recorded dead, its row left unconsumed",
+        "SELECT count(*) FROM outbox_events_dead_letters d JOIN outbox_events e ON e.id = d.id WHERE e.isConsumed = 0 AND d.attempts = 2",
+        1,
+    )
+    .await;
+    relay.terminate().await;
+    assert!(h.cli(&["dead", "list"]).contains("no_route"));
+    h.cli(&["dead", "retry", "--all"]);
+    assert_eq!(
+        h.count("SELECT count(*) FROM outbox_events_dead_letters")
+            .await,
+        0
+    );
+    h.configure("mysql-outbox-events", &["1", "9"]);
+    let mut relay = h.relay("mysql-seed-2");
+    h.wait_messages(4).await;
+    h.wait_count(
+        "every row consumed",
+        "SELECT count(*) FROM outbox_events WHERE isConsumed = 0",
+        0,
+    )
+    .await;
+    relay.terminate().await;
+    h.cli(&["prune", "--delivered-older-than", "0s"]);
+    assert_eq!(h.count("SELECT count(*) FROM outbox_events").await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn native_layout_on_mariadb_migrates_sends_and_relays() {
+    let h = Harness::on(fresh_mysql_database().await).await;
+    h.configure("native", &["orders.*"]);
+    h.cli(&["migrate"]);
+    assert!(h.cli(&["check", "--sink", "stdout"]).contains("ok"));
+    for n in 1..=3 {
+        h.cli(&[
+            "send",
+            "--destination",
+            "orders.eu",
+            "--key",
+            "c1",
+            &format!("{{\"n\":{n}}}"),
+        ]);
+    }
+    h.cli(&["send", "--destination", "nowhere", "{}"]);
+    let mut relay = h.relay("mysql-native");
+    let messages = h.wait_messages(3).await;
+    let payloads: Vec<&str> = messages.iter().map(|m| m.payload.as_str()).collect();
+    assert_eq!(payloads, [r#"{"n":1}"#, r#"{"n":2}"#, r#"{"n":3}"#]);
+    h.wait_count(
+        "delivered rows deleted, the dead one kept",
+        "SELECT count(*) FROM outbox",
+        1,
+    )
+    .await;
+    h.wait_count(
+        "the dead row",
+        "SELECT count(*) FROM outbox WHERE dead_at IS NOT NULL AND attempts = 2",
+        1,
+    )
+    .await;
+    assert!(h.count("SELECT count(*) FROM outbox_nodes").await >= 1);
+    relay.terminate().await;
+    let stats = h.cli(&["stats"]);
+    assert!(stats.contains("nowhere"), "{stats}");
+    h.cli(&["dead", "purge", "--all"]);
+    assert_eq!(h.count("SELECT count(*) FROM outbox").await, 0);
 }
