@@ -906,20 +906,23 @@ impl Sql {
         ))
     }
 
-    /// The objects `migrate` creates: the seed's DDL (presets), and the side table if any.
+    /// The objects `migrate` creates: the seed's DDL (presets), and the side table if any;
+    /// `None` when there is nothing to create (a custom mapping that marks dead rows itself).
     pub fn ddl(&self) -> Option<String> {
         let m = &self.mapping;
-        let mut ddl = match m.seed? {
-            Seed::Adbc => adbc_outbox_ddl(m),
-            Seed::OpenOutbox => open_outbox_ddl(m),
-            Seed::Export => export_ddl(m),
-            Seed::MysqlOutboxEvents => mysql_outbox_events_ddl(m),
-            Seed::NativeMysql => native_mysql_ddl(m),
+        let mut ddl = match m.seed {
+            Some(Seed::Adbc) => adbc_outbox_ddl(m),
+            Some(Seed::OpenOutbox) => open_outbox_ddl(m),
+            Some(Seed::Export) => export_ddl(m),
+            Some(Seed::MysqlOutboxEvents) => mysql_outbox_events_ddl(m),
+            Some(Seed::NativeMysql) => native_mysql_ddl(m),
+            // A custom mapping's table is the application's own.
+            None => String::new(),
         };
         if let Some(side) = self.dead_table_ddl() {
             ddl.push_str(&side);
         }
-        Some(ddl)
+        (!ddl.is_empty()).then_some(ddl)
     }
 
     /// The least privileges at run time.

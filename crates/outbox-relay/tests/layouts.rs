@@ -672,3 +672,73 @@ async fn native_layout_on_mariadb_migrates_sends_and_relays() {
     h.cli(&["dead", "purge", "--all"]);
     assert_eq!(h.count("SELECT count(*) FROM outbox").await, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_custom_mapping_relays_an_applications_own_table() {
+    let h = Harness::new(
+        "CREATE TABLE app_events (
+             id bigserial PRIMARY KEY,
+             topic text NOT NULL,
+             aggregate_id text,
+             kind text NOT NULL,
+             body bytea NOT NULL,
+             created_at timestamptz NOT NULL DEFAULT now(),
+             sent_at timestamptz
+         );",
+    )
+    .await;
+    h.configure("custom", &["billing.*"]);
+    let config = h.dir.path().join("outbox-relay.toml");
+    let mut text = std::fs::read_to_string(&config).unwrap();
+    // The [mapping] must come after the top-level keys: insert it before the sinks.
+    text = text.replace(
+        "[sinks.nats]",
+        r#"[mapping]
+table = "app_events"
+schema = "public"
+id = "id"
+destination = "topic"
+key = "aggregate_id"
+event_type = "kind"
+payload = "body"
+payload_format = "bytes"
+created_at = "created_at"
+delivered_at = "sent_at"
+on_success = "mark"
+state = { kind = "rows" }
+
+[sinks.nats]"#,
+    );
+    std::fs::write(&config, text).unwrap();
+    let printed = h.cli(&["migrate", "--print"]);
+    assert!(printed.contains("\"app_events_dead_letters\""), "{printed}");
+    h.cli(&["migrate"]);
+    h.pg()
+        .batch_execute(
+            "INSERT INTO app_events (topic, aggregate_id, kind, body) VALUES
+             ('billing.invoice', 'acct-1', 'created', 'raw-1'),
+             ('billing.invoice', 'acct-1', 'paid', 'raw-2'),
+             ('shipping', NULL, 'sent', 'raw-3');",
+        )
+        .await
+        .unwrap();
+    let mut relay = h.relay("custom");
+    let messages = h.wait_messages(2).await;
+    assert_eq!(messages[0].payload, "raw-1");
+    assert_eq!(messages[1].payload, "raw-2");
+    assert_eq!(messages[1].header["Outbox-Event-Type"], "paid");
+    h.wait_count(
+        "delivered rows marked",
+        "SELECT count(*) FROM app_events WHERE sent_at IS NOT NULL",
+        2,
+    )
+    .await;
+    h.wait_count(
+        "the unroutable row dead in the side table",
+        "SELECT count(*) FROM app_events_dead_letters",
+        1,
+    )
+    .await;
+    relay.terminate().await;
+    assert!(h.cli(&["dead", "list"]).contains("shipping"));
+}

@@ -291,7 +291,7 @@ impl MySqlStore {
         let Some(ddl) = self.ddl() else {
             return Err(StoreError::new(
                 StoreErrorKind::Config,
-                "a custom mapping runs on the application's existing table: there is nothing to migrate",
+                "this custom mapping runs on the application's existing table and marks dead rows itself: there is nothing to migrate",
             ));
         };
         let mut conn = self.conn("migrate").await?;

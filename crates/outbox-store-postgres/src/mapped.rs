@@ -181,7 +181,7 @@ impl MappedPgStore {
         let Some(ddl) = self.ddl() else {
             return Err(StoreError::new(
                 StoreErrorKind::Config,
-                "a custom mapping runs on the application's existing table: there is nothing to migrate",
+                "this custom mapping runs on the application's existing table and marks dead rows itself: there is nothing to migrate",
             ));
         };
         let mut client = self
