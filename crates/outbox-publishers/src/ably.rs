@@ -30,7 +30,8 @@ pub struct AblySink {
     authorization: Arc<String>,
 }
 
-/// The API key: from `api_key_file`, else ABLY_API_KEY, else OUTBOX_RELAY_ABLY_API_KEY.
+/// The API key: from `api_key_file`, else ABLY_API_KEY, else OUTBOX_RELAY_ABLY_API_KEY, else
+/// the Ably connector's ADBC_ABLY_API_KEY.
 fn api_key(config: &SinkConfig) -> Result<String, PublishError> {
     let setup = |m: String| PublishError::new(PublishErrorKind::Rejected, m);
     if config.uri.trim() != "ably:" {
@@ -47,6 +48,7 @@ fn api_key(config: &SinkConfig) -> Result<String, PublishError> {
         })?,
         None => std::env::var("ABLY_API_KEY")
             .or_else(|_| std::env::var("OUTBOX_RELAY_ABLY_API_KEY"))
+            .or_else(|_| std::env::var("ADBC_ABLY_API_KEY"))
             .map_err(|_| setup("no Ably API key: set ABLY_API_KEY or api_key_file".into()))?,
     };
     let key = key.trim().to_string();
