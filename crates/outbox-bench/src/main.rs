@@ -1,0 +1,356 @@
+//! The benchmark suite (issue 6): drain, latency, keep-up, writer cost and scaling, each
+//! against a seed-style baseline relay measured in the same run where the issue asks for one.
+//!
+//! `cargo run --release -p outbox-bench -- [--events N] [--quick] [--out DIR]`
+//!
+//! It starts its own durable PostgreSQL (with pg_stat_statements) and NATS through
+//! `scripts/servers.sh` in `/tmp/outbox-relay-bench`, drives release builds of the relay as
+//! child processes, records the machine, and writes `results.json` and `results.md` to
+//! `--out` (default `bench-results`). See BENCHMARKS.md for the method.
+
+mod baseline;
+mod load;
+mod measure;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+
+pub const SUBJECT: &str = "bench.orders";
+
+/// Settings from the command line.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub events: u64,
+    pub baseline_events: u64,
+    pub latency_seconds: u64,
+    pub scaling_events: u64,
+    pub out: PathBuf,
+    pub only: Option<String>,
+}
+
+fn settings() -> Result<Settings> {
+    let mut s = Settings {
+        events: 1_000_000,
+        baseline_events: 50_000,
+        latency_seconds: 10,
+        scaling_events: 200_000,
+        out: PathBuf::from("bench-results"),
+        only: None,
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        let mut value = || args.next().context("a value must follow the flag");
+        match arg.as_str() {
+            "--events" => s.events = value()?.parse()?,
+            "--baseline-events" => s.baseline_events = value()?.parse()?,
+            "--latency-seconds" => s.latency_seconds = value()?.parse()?,
+            "--scaling-events" => s.scaling_events = value()?.parse()?,
+            "--out" => s.out = PathBuf::from(value()?),
+            "--only" => s.only = Some(value()?),
+            "--quick" => {
+                s.events = 100_000;
+                s.baseline_events = 10_000;
+                s.latency_seconds = 4;
+                s.scaling_events = 50_000;
+            }
+            "--help" | "-h" => {
+                println!("outbox-bench [--events N] [--baseline-events N] [--latency-seconds S] [--scaling-events N] [--quick] [--only drain|latency|keepup|writers|scaling] [--out DIR]");
+                std::process::exit(0);
+            }
+            other => bail!("unknown argument {other:?}; see --help"),
+        }
+    }
+    Ok(s)
+}
+
+/// The servers this run started, stopped on drop.
+pub struct Servers {
+    pub admin_url: String,
+    pub nats_url: String,
+    pub pg_data: PathBuf,
+    env: Vec<(String, String)>,
+}
+
+impl Servers {
+    fn start() -> Result<Servers> {
+        let env = vec![
+            ("OUTBOX_TEST_STATE".to_string(), "/tmp/outbox-relay-bench".to_string()),
+            ("OUTBOX_TEST_SERVERS".into(), "postgres nats".into()),
+            ("OUTBOX_TEST_PG_PORT".into(), "54339".into()),
+            ("OUTBOX_TEST_NATS_PORT".into(), "54232".into()),
+            ("OUTBOX_PG_DURABLE".into(), "1".into()),
+            (
+                "OUTBOX_PG_EXTRA".into(),
+                "-c shared_preload_libraries=pg_stat_statements".into(),
+            ),
+        ];
+        let out = Command::new("scripts/servers.sh")
+            .arg("start")
+            .envs(env.iter().cloned())
+            .stderr(Stdio::inherit())
+            .output()
+            .context("scripts/servers.sh start (run from the repository root)")?;
+        if !out.status.success() {
+            bail!("scripts/servers.sh start failed");
+        }
+        let exports: BTreeMap<String, String> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| l.strip_prefix("export "))
+            .filter_map(|l| l.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Ok(Servers {
+            admin_url: exports
+                .get("OUTBOX_TEST_DATABASE_URL")
+                .context("no database URL")?
+                .clone(),
+            nats_url: exports.get("OUTBOX_TEST_NATS_URL").context("no NATS URL")?.clone(),
+            pg_data: PathBuf::from(exports.get("OUTBOX_TEST_PG_DATA").context("no data dir")?),
+            env,
+        })
+    }
+
+    pub fn db_url(&self, name: &str) -> String {
+        let cut = self.admin_url.rfind('/').expect("a path");
+        format!("{}/{name}", &self.admin_url[..cut])
+    }
+}
+
+impl Drop for Servers {
+    fn drop(&mut self) {
+        let _ = Command::new("scripts/servers.sh")
+            .arg("stop")
+            .envs(self.env.iter().cloned())
+            .status();
+    }
+}
+
+/// Context every measurement needs.
+pub struct Bench {
+    pub servers: Servers,
+    pub bin: PathBuf,
+    pub work: PathBuf,
+    pub settings: Settings,
+}
+
+pub async fn connect(url: &str) -> Result<tokio_postgres::Client> {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .with_context(|| format!("connect to {url}"))?;
+    tokio::spawn(connection);
+    Ok(client)
+}
+
+impl Bench {
+    pub fn url(&self) -> String {
+        self.servers.db_url("bench")
+    }
+
+    /// A fresh `bench` database with the relay's tables (and pg_stat_statements).
+    pub async fn reset(&self) -> Result<tokio_postgres::Client> {
+        let admin = connect(&self.servers.admin_url).await?;
+        admin
+            .batch_execute("DROP DATABASE IF EXISTS bench WITH (FORCE)")
+            .await?;
+        admin.batch_execute("CREATE DATABASE bench").await?;
+        self.relay_cli(&["migrate"])?;
+        let db = connect(&self.url()).await?;
+        db.batch_execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+            .await?;
+        Ok(db)
+    }
+
+    pub fn relay_cli(&self, args: &[&str]) -> Result<()> {
+        let status = Command::new(&self.bin)
+            .args(args)
+            .args(["--database-url", &self.url()])
+            .stdout(Stdio::null())
+            .status()?;
+        if !status.success() {
+            bail!("outbox-relay {args:?} failed");
+        }
+        Ok(())
+    }
+
+    /// `outbox-relay run` with `args`, logs to `<work>/<name>.log`.
+    pub fn spawn_relay(&self, name: &str, args: &[&str]) -> Result<Child> {
+        let log = std::fs::File::create(self.work.join(format!("{name}.log")))?;
+        Ok(Command::new(&self.bin)
+            .arg("run")
+            .args(["--database-url", &self.url(), "--http-addr", "", "--log-level", "warn"])
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()?)
+    }
+
+    /// Fills the outbox with `n` events: JSON payloads of about 200 bytes over 1,000 keys.
+    pub async fn prefill(&self, db: &tokio_postgres::Client, table: &str, n: u64) -> Result<()> {
+        let columns = if table == "outbox" {
+            "destination, partition_key, event_type, payload"
+        } else {
+            "destination, partition_key, payload"
+        };
+        let event_type = if table == "outbox" { "'order.created', " } else { "" };
+        db.batch_execute(&format!(
+            "INSERT INTO {table} ({columns})
+             SELECT '{SUBJECT}', 'customer-' || (i % 1000), {event_type}
+                    jsonb_build_object('seq', i, 'customer', 'customer-' || (i % 1000), 'total', 99.95,
+                                       'currency', 'EUR', 'items', 3, 'note', repeat('x', 100))
+               FROM generate_series(1, {n}) i;
+             VACUUM ANALYZE {table};"
+        ))
+        .await?;
+        Ok(())
+    }
+
+    pub async fn nats_stream(&self) -> Result<async_nats::jetstream::Context> {
+        let js = async_nats::jetstream::new(async_nats::connect(&self.servers.nats_url).await?);
+        let _ = js.delete_stream("BENCH").await;
+        js.create_stream(async_nats::jetstream::stream::Config {
+            name: "BENCH".into(),
+            subjects: vec!["bench.>".into()],
+            ..Default::default()
+        })
+        .await?;
+        Ok(js)
+    }
+}
+
+fn machine() -> Value {
+    let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
+    let cpu = read("/proc/cpuinfo")
+        .lines()
+        .find(|l| l.starts_with("model name"))
+        .and_then(|l| l.split(':').nth(1))
+        .unwrap_or("")
+        .trim()
+        .to_string();
+    let mem_kib: u64 = read("/proc/meminfo")
+        .lines()
+        .find(|l| l.starts_with("MemTotal"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    json!({
+        "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        "cpu": cpu,
+        "memory_gib": mem_kib / 1_048_576,
+        "kernel": read("/proc/sys/kernel/osrelease").trim(),
+    })
+}
+
+fn build_relay() -> Result<PathBuf> {
+    let status = Command::new("cargo")
+        .args(["build", "--release", "-q", "-p", "outbox-relay"])
+        .status()?;
+    if !status.success() {
+        bail!("cargo build --release -p outbox-relay failed");
+    }
+    Ok(PathBuf::from("target/release/outbox-relay"))
+}
+
+fn write_results(out: &Path, results: &Value) -> Result<()> {
+    std::fs::create_dir_all(out)?;
+    std::fs::write(out.join("results.json"), serde_json::to_string_pretty(results)?)?;
+    let md = measure::markdown(results);
+    std::fs::write(out.join("results.md"), &md)?;
+    println!("{md}");
+    Ok(())
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> Result<()> {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let settings = settings()?;
+    let bin = build_relay()?;
+    let servers = Servers::start()?;
+    let work = std::env::temp_dir().join(format!("outbox-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&work)?;
+    let bench = Bench {
+        servers,
+        bin,
+        work,
+        settings: settings.clone(),
+    };
+    let pg_version: String = connect(&bench.servers.admin_url)
+        .await?
+        .query_one("SELECT version()", &[])
+        .await?
+        .get(0);
+    let mut results = json!({
+        "date": humantime_now(),
+        "machine": machine(),
+        "postgres": pg_version.split(',').next().unwrap_or("").to_string(),
+        "settings": {
+            "events": settings.events,
+            "baseline_events": settings.baseline_events,
+            "latency_seconds": settings.latency_seconds,
+            "scaling_events": settings.scaling_events,
+        },
+    });
+    let wanted = |name: &str| settings.only.as_deref().is_none_or(|o| o == name);
+    let started = Instant::now();
+    if wanted("drain") {
+        results["drain"] = measure::drain(&bench).await?;
+        write_results(&settings.out, &results)?;
+    }
+    if wanted("latency") {
+        results["latency"] = measure::latency(&bench).await?;
+        write_results(&settings.out, &results)?;
+    }
+    if wanted("keepup") {
+        results["keep_up"] = measure::keep_up(&bench).await?;
+        write_results(&settings.out, &results)?;
+    }
+    if wanted("writers") {
+        results["writer_cost"] = measure::writer_cost(&bench).await?;
+        write_results(&settings.out, &results)?;
+    }
+    if wanted("scaling") {
+        results["scaling"] = measure::scaling(&bench).await?;
+    }
+    results["duration_s"] = json!(started.elapsed().as_secs());
+    write_results(&settings.out, &results)?;
+    let _ = std::fs::remove_dir_all(&bench.work);
+    Ok(())
+}
+
+fn humantime_now() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    // Days since the epoch to a civil date (proleptic Gregorian).
+    let days = (secs / 86_400) as i64;
+    let (z, era_days) = (days + 719_468, 146_097);
+    let era = z.div_euclid(era_days);
+    let doe = z - era * era_days;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}")
+}
+
+/// Waits for `child` with a deadline.
+pub fn wait_child(child: &mut Child, timeout: Duration) -> Result<std::process::ExitStatus> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(status) = child.try_wait()? {
+            return Ok(status);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            bail!("a relay did not finish within {timeout:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

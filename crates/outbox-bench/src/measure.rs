@@ -1,0 +1,512 @@
+//! The six measurements and the Markdown report.
+
+use std::collections::HashMap;
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use futures::StreamExt;
+use serde_json::{json, Value};
+
+use crate::{baseline, connect, load, wait_child, Bench, SUBJECT};
+
+const TICKS: f64 = 100.0;
+
+/// CPU seconds of a process from /proc/<pid>/stat: (own, reaped children).
+fn proc_cpu(pid: &str) -> Option<(f64, f64, i64)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let n = |i: usize| rest.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    let ppid = rest.get(1)?.parse().ok()?;
+    Some(((n(11) + n(12)) / TICKS, (n(13) + n(14)) / TICKS, ppid))
+}
+
+/// PostgreSQL's CPU seconds so far: the postmaster, its live children, and the children it
+/// has reaped.
+fn pg_cpu(b: &Bench) -> f64 {
+    let pid_file = b.servers.pg_data.join("postmaster.pid");
+    let Some(pm) = std::fs::read_to_string(pid_file)
+        .ok()
+        .and_then(|s| s.lines().next().map(str::to_string))
+    else {
+        return 0.0;
+    };
+    let pm_num: i64 = pm.parse().unwrap_or(0);
+    let mut total = proc_cpu(&pm).map_or(0.0, |(own, reaped, _)| own + reaped);
+    if let Ok(entries) = std::fs::read_dir("/proc") {
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().to_string();
+            if let Some((own, _, ppid)) = proc_cpu(&name) {
+                if ppid == pm_num {
+                    total += own;
+                }
+            }
+        }
+    }
+    total
+}
+
+fn self_cpu() -> f64 {
+    proc_cpu("self").map_or(0.0, |(own, _, _)| own)
+}
+
+async fn statements(db: &tokio_postgres::Client) -> Result<i64> {
+    Ok(db
+        .query_one(
+            "SELECT coalesce(sum(calls), 0)::int8 FROM pg_stat_statements
+              WHERE dbid = (SELECT oid FROM pg_database WHERE datname = 'bench')
+                AND query NOT ILIKE '%pg_stat_statements%'",
+            &[],
+        )
+        .await?
+        .get(0))
+}
+
+/// `/usr/bin/time` output: wall, user, system, peak RSS KiB.
+fn timed(b: &Bench, args: &[&str]) -> Result<(f64, f64, f64, u64)> {
+    let out = b.work.join("time.txt");
+    let status = Command::new("/usr/bin/time")
+        .args(["-f", "%e %U %S %M", "-o"])
+        .arg(&out)
+        .arg(&b.bin)
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .context("/usr/bin/time (apt-get install time)")?;
+    if !status.success() {
+        bail!("outbox-relay {args:?} failed");
+    }
+    let text = std::fs::read_to_string(out)?;
+    let v: Vec<f64> = text
+        .lines()
+        .last()
+        .unwrap_or("")
+        .split_whitespace()
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    Ok((v[0], v[1], v[2], v[3] as u64))
+}
+
+async fn stream_count(js: &async_nats::jetstream::Context) -> Result<u64> {
+    Ok(js.get_stream("BENCH").await?.info().await?.state.messages)
+}
+
+/// 1. Drain: the relay and the baseline, to the file sink and to JetStream.
+pub async fn drain(b: &Bench) -> Result<Value> {
+    let n = b.settings.events;
+    let mut out = json!({});
+    for sink in ["file", "nats"] {
+        eprintln!("drain: relay, {n} events to {sink}");
+        let db = b.reset().await?;
+        b.prefill(&db, "outbox", n).await?;
+        let js = b.nats_stream().await?;
+        let target = match sink {
+            "file" => format!("file:{}", b.work.join("drain.jsonl").display()),
+            _ => b.servers.nats_url.clone(),
+        };
+        db.batch_execute("SELECT pg_stat_statements_reset()").await?;
+        let cpu0 = pg_cpu(b);
+        let url = b.url();
+        let (wall, user, sys, rss) = timed(
+            b,
+            &[
+                "run", "--drain", "--database-url", &url, "--sink", &target, "--http-addr", "",
+                "--log-level", "warn",
+            ],
+        )?;
+        let pg = pg_cpu(b) - cpu0;
+        let calls = statements(&db).await?;
+        let delivered = match sink {
+            "file" => std::fs::read_to_string(b.work.join("drain.jsonl"))?.lines().count() as u64,
+            _ => stream_count(&js).await?,
+        };
+        let _ = std::fs::remove_file(b.work.join("drain.jsonl"));
+        let relay = json!({
+            "events": n, "delivered": delivered, "wall_s": wall,
+            "events_per_s": n as f64 / wall,
+            "relay_cpu_s_per_million": (user + sys) * 1e6 / n as f64,
+            "peak_rss_mb": rss as f64 / 1024.0,
+            "statements_per_event": calls as f64 / n as f64,
+            "postgres_cpu_s": pg,
+        });
+
+        let bn = b.settings.baseline_events;
+        eprintln!("drain: baseline, {bn} events to {sink}");
+        let db = b.reset().await?;
+        db.batch_execute(baseline::DDL).await?;
+        b.prefill(&db, "baseline_outbox", bn).await?;
+        let js = b.nats_stream().await?;
+        let sink_impl = match sink {
+            "file" => baseline::Sink::file(&b.work.join("baseline.jsonl"))?,
+            _ => baseline::Sink::Nats(js.clone()),
+        };
+        db.batch_execute("SELECT pg_stat_statements_reset()").await?;
+        let (cpu0, self0, start) = (pg_cpu(b), self_cpu(), Instant::now());
+        let published =
+            baseline::run(&url, sink_impl, Arc::new(AtomicBool::new(false)), true).await?;
+        let wall = start.elapsed().as_secs_f64();
+        let (pg, own) = (pg_cpu(b) - cpu0, self_cpu() - self0);
+        let calls = statements(&db).await?;
+        let base = json!({
+            "events": bn, "delivered": published, "wall_s": wall,
+            "events_per_s": bn as f64 / wall,
+            "relay_cpu_s_per_million": own * 1e6 / bn as f64,
+            "statements_per_event": calls as f64 / bn as f64,
+            "postgres_cpu_s": pg,
+        });
+        let ratio = relay["events_per_s"].as_f64().unwrap_or(0.0)
+            / base["events_per_s"].as_f64().unwrap_or(1.0);
+        out[sink] = json!({ "relay": relay, "baseline": base, "ratio": ratio });
+    }
+    Ok(out)
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((p * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len()) - 1;
+    sorted[i]
+}
+
+fn signal(child: &std::process::Child, sig: &str) {
+    let _ = Command::new("kill")
+        .args([sig, &child.id().to_string()])
+        .status();
+}
+
+/// Commit-to-confirmation latency of one configuration at `rate` events/s.
+async fn latency_run(b: &Bench, rate: u64, mode: &str) -> Result<Value> {
+    let db = b.reset().await?;
+    let js = b.nats_stream().await?;
+    let table = if mode == "baseline" {
+        db.batch_execute(baseline::DDL).await?;
+        "baseline_outbox"
+    } else {
+        "outbox"
+    };
+    let received: Arc<Mutex<HashMap<u64, Instant>>> = Arc::default();
+    let nats = async_nats::connect(&b.servers.nats_url).await?;
+    let mut sub = nats.subscribe("bench.>").await?;
+    let sink_received = received.clone();
+    let collector = tokio::spawn(async move {
+        while let Some(m) = sub.next().await {
+            let at = Instant::now();
+            if let Ok(v) = serde_json::from_slice::<Value>(&m.payload) {
+                if let Some(seq) = v["seq"].as_u64() {
+                    sink_received.lock().unwrap().entry(seq).or_insert(at);
+                }
+            }
+        }
+    });
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut relay = None;
+    let mut base_task = None;
+    match mode {
+        "baseline" => {
+            let (url, stop, js) = (b.url(), stop.clone(), js.clone());
+            base_task = Some(tokio::spawn(async move {
+                baseline::run(&url, baseline::Sink::Nats(js), stop, false).await
+            }));
+        }
+        "notify" => relay = Some(b.spawn_relay("latency", &["--sink", &b.servers.nats_url])?),
+        _ => {
+            relay = Some(b.spawn_relay(
+                "latency",
+                &[
+                    "--sink",
+                    &b.servers.nats_url,
+                    "--poll-fixed-rate",
+                    "--poll-interval",
+                    "50ms",
+                ],
+            )?)
+        }
+    }
+    // Ready when a probe event (seq 0) comes through.
+    let probe = format!(
+        "INSERT INTO {table} (destination, partition_key, {}payload) VALUES ('{SUBJECT}', 'probe', {}'{{\"seq\": 0}}')",
+        if table == "outbox" { "event_type, " } else { "" },
+        if table == "outbox" { "'probe', " } else { "" },
+    );
+    db.batch_execute(&probe).await?;
+    let ready = Instant::now();
+    while !received.lock().unwrap().contains_key(&0) {
+        if ready.elapsed() > Duration::from_secs(30) {
+            bail!("latency ({mode}): the relay did not deliver a probe event within 30 s");
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let writers = if rate >= 5000 { 16 } else { 4 };
+    let seconds = b.settings.latency_seconds;
+    let commits = load::fixed_rate(&b.url(), table, rate, seconds, writers).await?;
+    let commits: Vec<(u64, Instant)> = commits.lock().unwrap().clone();
+    let wait = Instant::now();
+    while received.lock().unwrap().len() < commits.len() + 1 && wait.elapsed() < Duration::from_secs(30) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    if let Some(mut r) = relay {
+        signal(&r, "-TERM");
+        wait_child(&mut r, Duration::from_secs(30))?;
+    }
+    if let Some(t) = base_task {
+        let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
+    }
+    collector.abort();
+    let got = received.lock().unwrap();
+    let mut ms: Vec<f64> = commits
+        .iter()
+        .filter_map(|(seq, at)| {
+            got.get(seq)
+                .map(|r| r.saturating_duration_since(*at).as_secs_f64() * 1000.0)
+        })
+        .collect();
+    ms.sort_by(|a, b| a.total_cmp(b));
+    Ok(json!({
+        "mode": mode, "target_rate": rate,
+        "achieved_rate": commits.len() as f64 / seconds as f64,
+        "events": commits.len(), "missing": commits.len() - ms.len(),
+        "p50_ms": percentile(&ms, 0.5), "p99_ms": percentile(&ms, 0.99),
+        "p999_ms": percentile(&ms, 0.999), "max_ms": ms.last().copied().unwrap_or(f64::NAN),
+    }))
+}
+
+/// 2. Latency at 1,000/s and 10,000/s: NOTIFY, fixed-rate polling, and the baseline.
+pub async fn latency(b: &Bench) -> Result<Value> {
+    let mut runs = Vec::new();
+    for rate in [1_000u64, 10_000] {
+        for mode in ["notify", "poll", "baseline"] {
+            eprintln!("latency: {mode} at {rate}/s");
+            runs.push(latency_run(b, rate, mode).await?);
+        }
+    }
+    Ok(Value::Array(runs))
+}
+
+async fn backlog(db: &tokio_postgres::Client) -> Result<i64> {
+    Ok(db
+        .query_one("SELECT count(*)::int8 FROM outbox", &[])
+        .await?
+        .get(0))
+}
+
+/// 3. Keep-up: the insert rate with the relay off, then whether the backlog stays bounded
+/// with it on while the writers go flat out.
+pub async fn keep_up(b: &Bench) -> Result<Value> {
+    let seconds = b.settings.latency_seconds.max(5) as f64;
+    eprintln!("keep-up: insert rate without the relay");
+    b.reset().await?;
+    let off = load::flat_out(&b.url(), "outbox", 16, seconds).await?;
+    let db = b.reset().await?;
+    b.nats_stream().await?;
+    let mut relay = b.spawn_relay("keepup", &["--sink", &b.servers.nats_url])?;
+    eprintln!("keep-up: insert rate with the relay publishing to JetStream");
+    let samples = Arc::new(Mutex::new(Vec::new()));
+    let sampler = {
+        let (url, samples) = (b.url(), samples.clone());
+        tokio::spawn(async move {
+            let db = connect(&url).await?;
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                let n = backlog(&db).await?;
+                samples.lock().unwrap().push(n);
+            }
+            #[allow(unreachable_code)]
+            Ok::<_, anyhow::Error>(())
+        })
+    };
+    let on = load::flat_out(&b.url(), "outbox", 16, seconds * 2.0).await?;
+    sampler.abort();
+    let at_end = backlog(&db).await?;
+    let start = Instant::now();
+    while backlog(&db).await? > 0 && start.elapsed() < Duration::from_secs(120) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let drain_after = start.elapsed().as_secs_f64();
+    signal(&relay, "-TERM");
+    wait_child(&mut relay, Duration::from_secs(30))?;
+    let samples = samples.lock().unwrap().clone();
+    let max = samples.iter().copied().max().unwrap_or(0).max(at_end);
+    Ok(json!({
+        "insert_rate_relay_off": off,
+        "insert_rate_relay_on": on,
+        "backlog_samples": samples,
+        "backlog_max": max,
+        "backlog_at_end": at_end,
+        "drained_after_s": drain_after,
+        "bounded": (max as f64) < on,
+    }))
+}
+
+/// The relay's cheaper wake-up: NOTIFY only while the relay is idle, which it signals by
+/// holding an advisory lock (see ARCHITECTURE.md, "Wake-ups").
+const GATED_NOTIFY: &str = "
+CREATE OR REPLACE FUNCTION public.outbox_notify() RETURNS trigger AS $$
+BEGIN
+    IF NOT pg_try_advisory_xact_lock_shared(hashtext('outbox-relay wake-up')) THEN
+        PERFORM pg_notify('outbox_relay', '');
+    END IF;
+    RETURN NULL;
+END $$ LANGUAGE plpgsql;";
+
+/// 5. Writer cost of the wake-up mechanism at 1, 4 and 16 writers.
+pub async fn writer_cost(b: &Bench) -> Result<Value> {
+    let seconds = (b.settings.latency_seconds as f64 / 2.0).max(3.0);
+    let mut rows = Vec::new();
+    for variant in ["no trigger", "NOTIFY trigger", "gated, relay idle", "gated, relay busy"] {
+        let db = b.reset().await?;
+        // A listener, as the relay would be.
+        let listener = connect(&b.url()).await?;
+        listener.batch_execute("LISTEN outbox_relay").await?;
+        let holder = connect(&b.url()).await?;
+        match variant {
+            "no trigger" => db.batch_execute("DROP TRIGGER outbox_trigger ON outbox").await?,
+            "NOTIFY trigger" => {}
+            _ => {
+                db.batch_execute(GATED_NOTIFY).await?;
+                if variant == "gated, relay idle" {
+                    holder
+                        .batch_execute("SELECT pg_advisory_lock(hashtext('outbox-relay wake-up'))")
+                        .await?;
+                }
+            }
+        }
+        let mut rates = serde_json::Map::new();
+        for writers in [1u64, 4, 16] {
+            eprintln!("writer cost: {variant}, {writers} writers");
+            db.batch_execute("TRUNCATE outbox").await?;
+            let rate = load::flat_out(&b.url(), "outbox", writers, seconds).await?;
+            rates.insert(writers.to_string(), json!(rate));
+        }
+        rows.push(json!({ "variant": variant, "inserts_per_s": rates }));
+    }
+    Ok(Value::Array(rows))
+}
+
+/// 6. Scaling: 1, 2 and 3 nodes draining the same backlog, ordered and unordered.
+pub async fn scaling(b: &Bench) -> Result<Value> {
+    let n = b.settings.scaling_events;
+    let mut runs = Vec::new();
+    for ordering in ["key", "none"] {
+        for nodes in 1..=3usize {
+            eprintln!("scaling: {nodes} node(s), ordering {ordering}, {n} events");
+            let db = b.reset().await?;
+            b.prefill(&db, "outbox", n).await?;
+            let start = Instant::now();
+            let mut children = Vec::new();
+            for i in 0..nodes {
+                let sink = format!("file:{}", b.work.join(format!("scale-{i}.jsonl")).display());
+                children.push(b.spawn_relay(
+                    &format!("scale-{i}"),
+                    &["--sink", &sink, "--ordering", ordering, "--node-id", &format!("bench-{i}")],
+                )?);
+            }
+            while backlog(&db).await? > 0 {
+                if start.elapsed() > Duration::from_secs(600) {
+                    bail!("scaling: the backlog did not drain within 10 minutes");
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            let wall = start.elapsed().as_secs_f64();
+            for c in &children {
+                signal(c, "-TERM");
+            }
+            for mut c in children {
+                wait_child(&mut c, Duration::from_secs(60))?;
+            }
+            for i in 0..nodes {
+                let _ = std::fs::remove_file(b.work.join(format!("scale-{i}.jsonl")));
+            }
+            runs.push(json!({
+                "ordering": ordering, "nodes": nodes, "events": n, "wall_s": wall,
+                "events_per_s": n as f64 / wall,
+            }));
+        }
+    }
+    Ok(Value::Array(runs))
+}
+
+fn f(v: &Value) -> String {
+    match v.as_f64() {
+        Some(x) if x >= 100.0 => format!("{x:.0}"),
+        Some(x) if x >= 10.0 => format!("{x:.1}"),
+        Some(x) => format!("{x:.2}"),
+        None => "-".into(),
+    }
+}
+
+/// The report, from the results.
+pub fn markdown(r: &Value) -> String {
+    let mut s = format!(
+        "## Results ({}, {} cores, {} GiB, {}, kernel {})\n\n",
+        r["date"].as_str().unwrap_or(""),
+        r["machine"]["cores"],
+        r["machine"]["memory_gib"],
+        r["postgres"].as_str().unwrap_or(""),
+        r["machine"]["kernel"].as_str().unwrap_or(""),
+    );
+    if let Some(d) = r.get("drain") {
+        s.push_str("### Drain\n\n| sink | relay | events | events/s | CPU s per 1M | peak RSS MB | statements/event | Postgres CPU s | ratio to baseline |\n|---|---|---|---|---|---|---|---|---|\n");
+        for sink in ["file", "nats"] {
+            let x = &d[sink];
+            for who in ["relay", "baseline"] {
+                let y = &x[who];
+                s.push_str(&format!(
+                    "| {sink} | {who} | {} | {} | {} | {} | {} | {} | {} |\n",
+                    y["events"], f(&y["events_per_s"]), f(&y["relay_cpu_s_per_million"]),
+                    if who == "relay" { f(&y["peak_rss_mb"]) } else { "-".into() },
+                    f(&y["statements_per_event"]), f(&y["postgres_cpu_s"]),
+                    if who == "relay" { format!("{}×", f(&x["ratio"])) } else { "1×".into() },
+                ));
+            }
+        }
+        s.push('\n');
+    }
+    if let Some(Value::Array(runs)) = r.get("latency") {
+        s.push_str("### Latency, commit to confirmation (ms)\n\n| target rate | achieved | mode | p50 | p99 | p99.9 | max | missing |\n|---|---|---|---|---|---|---|---|\n");
+        for x in runs {
+            s.push_str(&format!(
+                "| {} | {} | {} | {} | {} | {} | {} | {} |\n",
+                x["target_rate"], f(&x["achieved_rate"]), x["mode"].as_str().unwrap_or(""),
+                f(&x["p50_ms"]), f(&x["p99_ms"]), f(&x["p999_ms"]), f(&x["max_ms"]), x["missing"],
+            ));
+        }
+        s.push('\n');
+    }
+    if let Some(k) = r.get("keep_up") {
+        s.push_str(&format!(
+            "### Keep-up\n\nInserts/s by 16 writers: {} with the relay off, {} with it on (publishing to JetStream). Backlog sampled each second: {}; max {}, {} when the writers stopped, drained {} s later. Bounded: {}.\n\n",
+            f(&k["insert_rate_relay_off"]), f(&k["insert_rate_relay_on"]), k["backlog_samples"],
+            k["backlog_max"], k["backlog_at_end"], f(&k["drained_after_s"]), k["bounded"],
+        ));
+    }
+    if let Some(Value::Array(rows)) = r.get("writer_cost") {
+        let base = rows.first().map(|x| x["inserts_per_s"].clone()).unwrap_or_default();
+        s.push_str("### Writer cost (single-row inserts/s; change against no trigger)\n\n| wake-up | 1 writer | 4 writers | 16 writers |\n|---|---|---|---|\n");
+        for x in rows {
+            let cell = |w: &str| {
+                let v = x["inserts_per_s"][w].as_f64().unwrap_or(0.0);
+                let b = base[w].as_f64().unwrap_or(1.0);
+                format!("{v:.0} ({:+.0}%)", (v / b - 1.0) * 100.0)
+            };
+            s.push_str(&format!(
+                "| {} | {} | {} | {} |\n",
+                x["variant"].as_str().unwrap_or(""), cell("1"), cell("4"), cell("16")
+            ));
+        }
+        s.push('\n');
+    }
+    if let Some(Value::Array(runs)) = r.get("scaling") {
+        s.push_str("### Scaling (drain to per-node file sinks, wall time including start-up)\n\n| ordering | nodes | events | events/s |\n|---|---|---|---|\n");
+        for x in runs {
+            s.push_str(&format!(
+                "| {} | {} | {} | {} |\n",
+                x["ordering"].as_str().unwrap_or(""), x["nodes"], x["events"], f(&x["events_per_s"])
+            ));
+        }
+    }
+    s
+}
