@@ -33,7 +33,7 @@ pub enum Sink {
     /// One line per event, `fdatasync` after each (the file's acknowledgement).
     File(std::fs::File),
     /// JetStream, awaiting each PubAck.
-    Nats(async_nats::jetstream::Context),
+    Nats(Box<async_nats::jetstream::Context>),
 }
 
 impl Sink {
@@ -64,8 +64,7 @@ pub async fn run(url: &str, mut sink: Sink, stop: Arc<AtomicBool>, drain: bool) 
     let (mut client, mut connection) = tokio_postgres::connect(url, tokio_postgres::NoTls).await?;
     let (wake_tx, mut wake_rx) = tokio::sync::mpsc::channel::<()>(1);
     tokio::spawn(async move {
-        let mut messages =
-            futures::stream::poll_fn(move |cx| connection.poll_message(cx));
+        let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
         while let Some(Ok(message)) = messages.next().await {
             if let tokio_postgres::AsyncMessage::Notification(_) = message {
                 let _ = wake_tx.try_send(());

@@ -79,7 +79,10 @@ pub struct Servers {
 impl Servers {
     fn start() -> Result<Servers> {
         let env = vec![
-            ("OUTBOX_TEST_STATE".to_string(), "/tmp/outbox-relay-bench".to_string()),
+            (
+                "OUTBOX_TEST_STATE".to_string(),
+                "/tmp/outbox-relay-bench".to_string(),
+            ),
             ("OUTBOX_TEST_SERVERS".into(), "postgres nats".into()),
             ("OUTBOX_TEST_PG_PORT".into(), "54339".into()),
             ("OUTBOX_TEST_NATS_PORT".into(), "54232".into()),
@@ -109,7 +112,10 @@ impl Servers {
                 .get("OUTBOX_TEST_DATABASE_URL")
                 .context("no database URL")?
                 .clone(),
-            nats_url: exports.get("OUTBOX_TEST_NATS_URL").context("no NATS URL")?.clone(),
+            nats_url: exports
+                .get("OUTBOX_TEST_NATS_URL")
+                .context("no NATS URL")?
+                .clone(),
             pg_data: PathBuf::from(exports.get("OUTBOX_TEST_PG_DATA").context("no data dir")?),
             env,
         })
@@ -182,7 +188,14 @@ impl Bench {
         let log = std::fs::File::create(self.work.join(format!("{name}.log")))?;
         Ok(Command::new(&self.bin)
             .arg("run")
-            .args(["--database-url", &self.url(), "--http-addr", "", "--log-level", "warn"])
+            .args([
+                "--database-url",
+                &self.url(),
+                "--http-addr",
+                "",
+                "--log-level",
+                "warn",
+            ])
             .args(args)
             .stdout(Stdio::null())
             .stderr(log)
@@ -196,7 +209,11 @@ impl Bench {
         } else {
             "destination, partition_key, payload"
         };
-        let event_type = if table == "outbox" { "'order.created', " } else { "" };
+        let event_type = if table == "outbox" {
+            "'order.created', "
+        } else {
+            ""
+        };
         db.batch_execute(&format!(
             "INSERT INTO {table} ({columns})
              SELECT '{SUBJECT}', 'customer-' || (i % 1000), {event_type}
@@ -257,7 +274,10 @@ fn build_relay() -> Result<PathBuf> {
 
 fn write_results(out: &Path, results: &Value) -> Result<()> {
     std::fs::create_dir_all(out)?;
-    std::fs::write(out.join("results.json"), serde_json::to_string_pretty(results)?)?;
+    std::fs::write(
+        out.join("results.json"),
+        serde_json::to_string_pretty(results)?,
+    )?;
     let md = measure::markdown(results);
     std::fs::write(out.join("results.md"), &md)?;
     println!("{md}");

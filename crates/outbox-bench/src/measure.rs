@@ -18,7 +18,11 @@ const TICKS: f64 = 100.0;
 fn proc_cpu(pid: &str) -> Option<(f64, f64, i64)> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let rest: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
-    let n = |i: usize| rest.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    let n = |i: usize| {
+        rest.get(i)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
     let ppid = rest.get(1)?.parse().ok()?;
     Some(((n(11) + n(12)) / TICKS, (n(13) + n(14)) / TICKS, ppid))
 }
@@ -106,20 +110,31 @@ pub async fn drain(b: &Bench) -> Result<Value> {
             "file" => format!("file:{}", b.work.join("drain.jsonl").display()),
             _ => b.servers.nats_url.clone(),
         };
-        db.batch_execute("SELECT pg_stat_statements_reset()").await?;
+        db.batch_execute("SELECT pg_stat_statements_reset()")
+            .await?;
         let cpu0 = pg_cpu(b);
         let url = b.url();
         let (wall, user, sys, rss) = timed(
             b,
             &[
-                "run", "--drain", "--database-url", &url, "--sink", &target, "--http-addr", "",
-                "--log-level", "warn",
+                "run",
+                "--drain",
+                "--database-url",
+                &url,
+                "--sink",
+                &target,
+                "--http-addr",
+                "",
+                "--log-level",
+                "warn",
             ],
         )?;
         let pg = pg_cpu(b) - cpu0;
         let calls = statements(&db).await?;
         let delivered = match sink {
-            "file" => std::fs::read_to_string(b.work.join("drain.jsonl"))?.lines().count() as u64,
+            "file" => std::fs::read_to_string(b.work.join("drain.jsonl"))?
+                .lines()
+                .count() as u64,
             _ => stream_count(&js).await?,
         };
         let _ = std::fs::remove_file(b.work.join("drain.jsonl"));
@@ -140,9 +155,10 @@ pub async fn drain(b: &Bench) -> Result<Value> {
         let js = b.nats_stream().await?;
         let sink_impl = match sink {
             "file" => baseline::Sink::file(&b.work.join("baseline.jsonl"))?,
-            _ => baseline::Sink::Nats(js.clone()),
+            _ => baseline::Sink::Nats(Box::new(js.clone())),
         };
-        db.batch_execute("SELECT pg_stat_statements_reset()").await?;
+        db.batch_execute("SELECT pg_stat_statements_reset()")
+            .await?;
         let (cpu0, self0, start) = (pg_cpu(b), self_cpu(), Instant::now());
         let published =
             baseline::run(&url, sink_impl, Arc::new(AtomicBool::new(false)), true).await?;
@@ -208,10 +224,17 @@ async fn latency_run(b: &Bench, rate: u64, mode: &str) -> Result<Value> {
         "baseline" => {
             let (url, stop, js) = (b.url(), stop.clone(), js.clone());
             base_task = Some(tokio::spawn(async move {
-                baseline::run(&url, baseline::Sink::Nats(js), stop, false).await
+                baseline::run(&url, baseline::Sink::Nats(Box::new(js)), stop, false).await
             }));
         }
         "notify" => relay = Some(b.spawn_relay("latency", &["--sink", &b.servers.nats_url])?),
+        "gated" => {
+            b.relay_cli(&["migrate", "--wakeup", "gated"])?;
+            relay = Some(b.spawn_relay(
+                "latency",
+                &["--sink", &b.servers.nats_url, "--wakeup", "gated"],
+            )?)
+        }
         _ => {
             relay = Some(b.spawn_relay(
                 "latency",
@@ -244,7 +267,9 @@ async fn latency_run(b: &Bench, rate: u64, mode: &str) -> Result<Value> {
     let commits = load::fixed_rate(&b.url(), table, rate, seconds, writers).await?;
     let commits: Vec<(u64, Instant)> = commits.lock().unwrap().clone();
     let wait = Instant::now();
-    while received.lock().unwrap().len() < commits.len() + 1 && wait.elapsed() < Duration::from_secs(30) {
+    while received.lock().unwrap().len() < commits.len() + 1
+        && wait.elapsed() < Duration::from_secs(30)
+    {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     stop.store(true, Ordering::Relaxed);
@@ -274,11 +299,12 @@ async fn latency_run(b: &Bench, rate: u64, mode: &str) -> Result<Value> {
     }))
 }
 
-/// 2. Latency at 1,000/s and 10,000/s: NOTIFY, fixed-rate polling, and the baseline.
+/// Latency (2.) at 1,000/s and 10,000/s: NOTIFY, the gated wake-up, fixed-rate polling
+/// (50 ms), and the baseline.
 pub async fn latency(b: &Bench) -> Result<Value> {
     let mut runs = Vec::new();
     for rate in [1_000u64, 10_000] {
-        for mode in ["notify", "poll", "baseline"] {
+        for mode in ["notify", "gated", "poll", "baseline"] {
             eprintln!("latency: {mode} at {rate}/s");
             runs.push(latency_run(b, rate, mode).await?);
         }
@@ -293,7 +319,7 @@ async fn backlog(db: &tokio_postgres::Client) -> Result<i64> {
         .get(0))
 }
 
-/// 3. Keep-up: the insert rate with the relay off, then whether the backlog stays bounded
+/// Keep-up (3.): the insert rate with the relay off, then whether the backlog stays bounded
 /// with it on while the writers go flat out.
 pub async fn keep_up(b: &Bench) -> Result<Value> {
     let seconds = b.settings.latency_seconds.max(5) as f64;
@@ -341,36 +367,34 @@ pub async fn keep_up(b: &Bench) -> Result<Value> {
     }))
 }
 
-/// The relay's cheaper wake-up: NOTIFY only while the relay is idle, which it signals by
-/// holding an advisory lock (see ARCHITECTURE.md, "Wake-ups").
-const GATED_NOTIFY: &str = "
-CREATE OR REPLACE FUNCTION public.outbox_notify() RETURNS trigger AS $$
-BEGIN
-    IF NOT pg_try_advisory_xact_lock_shared(hashtext('outbox-relay wake-up')) THEN
-        PERFORM pg_notify('outbox_relay', '');
-    END IF;
-    RETURN NULL;
-END $$ LANGUAGE plpgsql;";
+/// The advisory lock a waiting relay holds under `wakeup = "gated"` (see the PostgreSQL store).
+const GATE_KEY: &str = "SELECT pg_advisory_lock(hashtext('outbox-relay wake-up public.outbox'))";
 
 /// 5. Writer cost of the wake-up mechanism at 1, 4 and 16 writers.
 pub async fn writer_cost(b: &Bench) -> Result<Value> {
     let seconds = (b.settings.latency_seconds as f64 / 2.0).max(3.0);
     let mut rows = Vec::new();
-    for variant in ["no trigger", "NOTIFY trigger", "gated, relay idle", "gated, relay busy"] {
+    for variant in [
+        "no trigger",
+        "NOTIFY trigger",
+        "gated, relay idle",
+        "gated, relay busy",
+    ] {
         let db = b.reset().await?;
         // A listener, as the relay would be.
         let listener = connect(&b.url()).await?;
         listener.batch_execute("LISTEN outbox_relay").await?;
         let holder = connect(&b.url()).await?;
         match variant {
-            "no trigger" => db.batch_execute("DROP TRIGGER outbox_trigger ON outbox").await?,
+            "no trigger" => {
+                db.batch_execute("DROP TRIGGER outbox_trigger ON outbox")
+                    .await?
+            }
             "NOTIFY trigger" => {}
             _ => {
-                db.batch_execute(GATED_NOTIFY).await?;
+                b.relay_cli(&["migrate", "--wakeup", "gated"])?;
                 if variant == "gated, relay idle" {
-                    holder
-                        .batch_execute("SELECT pg_advisory_lock(hashtext('outbox-relay wake-up'))")
-                        .await?;
+                    holder.batch_execute(GATE_KEY).await?;
                 }
             }
         }
@@ -401,7 +425,14 @@ pub async fn scaling(b: &Bench) -> Result<Value> {
                 let sink = format!("file:{}", b.work.join(format!("scale-{i}.jsonl")).display());
                 children.push(b.spawn_relay(
                     &format!("scale-{i}"),
-                    &["--sink", &sink, "--ordering", ordering, "--node-id", &format!("bench-{i}")],
+                    &[
+                        "--sink",
+                        &sink,
+                        "--ordering",
+                        ordering,
+                        "--node-id",
+                        &format!("bench-{i}"),
+                    ],
                 )?);
             }
             while backlog(&db).await? > 0 {
@@ -456,10 +487,21 @@ pub fn markdown(r: &Value) -> String {
                 let y = &x[who];
                 s.push_str(&format!(
                     "| {sink} | {who} | {} | {} | {} | {} | {} | {} | {} |\n",
-                    y["events"], f(&y["events_per_s"]), f(&y["relay_cpu_s_per_million"]),
-                    if who == "relay" { f(&y["peak_rss_mb"]) } else { "-".into() },
-                    f(&y["statements_per_event"]), f(&y["postgres_cpu_s"]),
-                    if who == "relay" { format!("{}×", f(&x["ratio"])) } else { "1×".into() },
+                    y["events"],
+                    f(&y["events_per_s"]),
+                    f(&y["relay_cpu_s_per_million"]),
+                    if who == "relay" {
+                        f(&y["peak_rss_mb"])
+                    } else {
+                        "-".into()
+                    },
+                    f(&y["statements_per_event"]),
+                    f(&y["postgres_cpu_s"]),
+                    if who == "relay" {
+                        format!("{}×", f(&x["ratio"]))
+                    } else {
+                        "1×".into()
+                    },
                 ));
             }
         }
@@ -470,8 +512,14 @@ pub fn markdown(r: &Value) -> String {
         for x in runs {
             s.push_str(&format!(
                 "| {} | {} | {} | {} | {} | {} | {} | {} |\n",
-                x["target_rate"], f(&x["achieved_rate"]), x["mode"].as_str().unwrap_or(""),
-                f(&x["p50_ms"]), f(&x["p99_ms"]), f(&x["p999_ms"]), f(&x["max_ms"]), x["missing"],
+                x["target_rate"],
+                f(&x["achieved_rate"]),
+                x["mode"].as_str().unwrap_or(""),
+                f(&x["p50_ms"]),
+                f(&x["p99_ms"]),
+                f(&x["p999_ms"]),
+                f(&x["max_ms"]),
+                x["missing"],
             ));
         }
         s.push('\n');
@@ -484,7 +532,10 @@ pub fn markdown(r: &Value) -> String {
         ));
     }
     if let Some(Value::Array(rows)) = r.get("writer_cost") {
-        let base = rows.first().map(|x| x["inserts_per_s"].clone()).unwrap_or_default();
+        let base = rows
+            .first()
+            .map(|x| x["inserts_per_s"].clone())
+            .unwrap_or_default();
         s.push_str("### Writer cost (single-row inserts/s; change against no trigger)\n\n| wake-up | 1 writer | 4 writers | 16 writers |\n|---|---|---|---|\n");
         for x in rows {
             let cell = |w: &str| {
@@ -494,7 +545,10 @@ pub fn markdown(r: &Value) -> String {
             };
             s.push_str(&format!(
                 "| {} | {} | {} | {} |\n",
-                x["variant"].as_str().unwrap_or(""), cell("1"), cell("4"), cell("16")
+                x["variant"].as_str().unwrap_or(""),
+                cell("1"),
+                cell("4"),
+                cell("16")
             ));
         }
         s.push('\n');
@@ -504,7 +558,10 @@ pub fn markdown(r: &Value) -> String {
         for x in runs {
             s.push_str(&format!(
                 "| {} | {} | {} | {} |\n",
-                x["ordering"].as_str().unwrap_or(""), x["nodes"], x["events"], f(&x["events_per_s"])
+                x["ordering"].as_str().unwrap_or(""),
+                x["nodes"],
+                x["events"],
+                f(&x["events_per_s"])
             ));
         }
     }

@@ -199,6 +199,12 @@ pub trait OutboxStore: Send + Sync + 'static {
     /// NOTIFY, SQLite's data version), and once after each reconnect, for as long as it is
     /// polled. `None` when the store cannot tell, and the engine relies on polling.
     fn subscribe(&self, on_change: OnChange) -> Option<BoxFuture<'static, ()>>;
+
+    /// The engine is waiting for new rows (`true`: nothing held, its last claim came back
+    /// empty) or busy (`false`). A store whose wake-up is gated on it (PostgreSQL with
+    /// `wakeup = "gated"`) has writers notify only while the relay waits, and otherwise wakes
+    /// the engine itself at short intervals. Default: ignored.
+    fn set_waiting(&self, _waiting: bool) {}
 }
 
 /// A live node as recorded in the nodes table.

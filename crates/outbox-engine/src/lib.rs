@@ -548,6 +548,7 @@ async fn event_loop(
     let mut want_claim = true; // poll once at start-up
     let mut backlog = false; // the last claim came back full
     let mut last_claim_empty = false;
+    let mut reported_waiting = false;
     let mut claim_backoff = Duration::from_millis(100);
     let mut claim_not_before = Instant::now();
     let mut extending = false;
@@ -611,6 +612,11 @@ async fn event_loop(
             && engine.publishing.is_empty()
             && engine.settling.is_empty()
             && engine.lanes.held() == 0;
+        let waiting = idle && last_claim_empty && !want_claim && !stopping;
+        if waiting != reported_waiting {
+            engine.store.set_waiting(waiting);
+            reported_waiting = waiting;
+        }
         if stopping
             && claiming.is_none()
             && engine.publishing.is_empty()

@@ -41,6 +41,11 @@ pub struct GlobalArgs {
     /// [default: native]. Each seed layout defaults to its own table name.
     #[arg(long, global = true, value_name = "LAYOUT")]
     pub layout: Option<String>,
+    /// How writers wake the relay on PostgreSQL: notify (every inserting statement NOTIFYs)
+    /// or gated (only while the relay waits for rows; cheaper for writers under load).
+    /// `migrate` installs the matching trigger function [default: notify].
+    #[arg(long, global = true, value_enum, value_name = "MODE")]
+    pub wakeup: Option<crate::config::WakeupMode>,
     /// Schema of the outbox table [default: public].
     #[arg(long, global = true, value_name = "NAME")]
     pub outbox_schema: Option<String>,
@@ -281,6 +286,7 @@ impl Cli {
         let mut o = FlagOverrides {
             database_url: g.database_url.clone(),
             layout: g.layout.clone(),
+            wakeup: g.wakeup,
             database_ca_file: g.database_ca_file.clone(),
             outbox_schema: g.outbox_schema.clone(),
             outbox_table: g.outbox_table.clone(),

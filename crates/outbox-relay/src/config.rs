@@ -75,6 +75,18 @@ pub enum OrderingMode {
     None,
 }
 
+/// How writers wake the relay (PostgreSQL).
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum WakeupMode {
+    /// Every inserting statement NOTIFYs (simple; NOTIFY serialises commits under load).
+    Notify,
+    /// Writers NOTIFY only while a relay waits for rows; a relay at work polls every few
+    /// milliseconds instead. Cheaper for writers; one waiting node per table gets the
+    /// notifications, other cluster nodes rely on poll_interval.
+    Gated,
+}
+
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum LogFormat {
@@ -130,6 +142,8 @@ pub struct Config {
     pub layout: outbox_layout::LayoutKind,
     /// The column mapping of `layout = "custom"` (`[mapping]`).
     pub mapping: Option<outbox_layout::Mapping>,
+    /// How writers wake the relay: `notify` or `gated`; `migrate` installs the matching trigger.
+    pub wakeup: WakeupMode,
 }
 
 impl Default for Config {
@@ -166,6 +180,7 @@ impl Default for Config {
             retry: RetryConfig::default(),
             layout: outbox_layout::LayoutKind::Native,
             mapping: None,
+            wakeup: WakeupMode::Notify,
         }
     }
 }
@@ -481,6 +496,8 @@ pub struct FlagOverrides {
     pub database_url: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub layout: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub wakeup: Option<WakeupMode>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub database_ca_file: Option<PathBuf>,
     #[serde(skip_serializing_if = "Option::is_none")]

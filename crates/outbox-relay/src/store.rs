@@ -28,6 +28,7 @@ impl AnyStore {
             DatabaseKind::Postgres => {
                 let mut tables = pg_tables(config)?;
                 tables.partition_count = config.partitions;
+                tables.gated_wakeup = config.wakeup == crate::config::WakeupMode::Gated;
                 let options = PgOptions {
                     url: config.database_url.clone(),
                     tables,

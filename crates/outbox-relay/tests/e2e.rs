@@ -749,3 +749,96 @@ async fn a_database_restart_mid_run_loses_nothing() {
     }
     assert!(relay.terminate().await.success(), "{}", relay.logs());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gated_wakeup_notifies_only_a_waiting_relay_and_loses_nothing_under_concurrent_writers() {
+    let url = fresh_pg_database().await;
+    let dir = tempfile::tempdir().unwrap();
+    let client = pg(&url).await;
+    assert!(relay_cmd(&url, &["migrate", "--wakeup", "gated"])
+        .status
+        .success());
+    let body: String = client
+        .query_one(
+            "SELECT prosrc FROM pg_proc WHERE proname = 'outbox_notify'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(body.contains("pg_try_advisory_xact_lock_shared"), "{body}");
+    let out = dir.path().join("events.jsonl");
+    let sink = format!("file:{}", out.display());
+    // The safety poll is an hour away: only the gate's NOTIFY or its own polling delivers.
+    let mut relay = start_relay(
+        dir.path(),
+        "relay",
+        &url,
+        &[
+            "--sink",
+            &sink,
+            "--poll-interval",
+            "1h",
+            "--wakeup",
+            "gated",
+        ],
+    );
+    let waiting = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND mode = 'ExclusiveLock'";
+    eventually(
+        "the waiting relay to hold the gate",
+        Duration::from_secs(30),
+        || {
+            let client = &client;
+            async move {
+                (client
+                    .query_one(waiting, &[])
+                    .await
+                    .unwrap()
+                    .get::<_, i64>(0)
+                    == 1)
+                    .then_some(())
+            }
+        },
+    )
+    .await;
+    client
+        .batch_execute(
+            "INSERT INTO outbox (destination, event_type, payload) VALUES ('d', 't', '1')",
+        )
+        .await
+        .unwrap();
+    wait_for_lines(
+        "a gated NOTIFY delivery",
+        &out,
+        Duration::from_secs(20),
+        |n| n == 1,
+    )
+    .await;
+    // Four writers at once, 250 single-row transactions each.
+    let mut writers = Vec::new();
+    for w in 0..4 {
+        let client = pg(&url).await;
+        writers.push(tokio::spawn(async move {
+            for i in 0..250 {
+                client
+                    .execute(
+                        "INSERT INTO outbox (destination, partition_key, event_type, payload) VALUES ('d', $1, 't', '1')",
+                        &[&format!("w{w}-{}", i % 10)],
+                    )
+                    .await
+                    .unwrap();
+            }
+        }));
+    }
+    for w in writers {
+        w.await.unwrap();
+    }
+    wait_for_lines(
+        "every event delivered",
+        &out,
+        Duration::from_secs(30),
+        |n| n == 1001,
+    )
+    .await;
+    assert!(relay.terminate().await.success());
+}

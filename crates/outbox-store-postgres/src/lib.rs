@@ -55,6 +55,8 @@ struct Inner {
     tables: Tables,
     sql: schema::Statements,
     retain_delivered: bool,
+    /// The engine's waiting state, for the gated wake-up.
+    waiting: tokio::sync::watch::Sender<bool>,
 }
 
 /// The PostgreSQL store. Cheap to clone.
@@ -89,6 +91,7 @@ impl PgStore {
                 sql: schema::Statements::new(&options.tables),
                 tables: options.tables,
                 retain_delivered: options.retain_delivered,
+                waiting: tokio::sync::watch::channel(false).0,
             }),
         })
     }
@@ -460,6 +463,10 @@ impl OutboxStore for PgStore {
         let inner = self.inner.clone();
         Some(listen_forever(inner, on_change).boxed())
     }
+
+    fn set_waiting(&self, waiting: bool) {
+        self.inner.waiting.send_replace(waiting);
+    }
 }
 
 async fn verify(inner: &Inner) -> StoreResult<Vec<Problem>> {
@@ -574,6 +581,12 @@ async fn listen_once(inner: &Inner, channel: &str, on_change: &OnChange) -> Stor
     }
     tracing::debug!(%channel, "listening for notifications");
     on_change();
+    let mut driver = driver;
+    if inner.tables.gated_wakeup {
+        let result = gate(inner, &client, &mut driver, on_change).await;
+        driver.abort();
+        return result;
+    }
     let result = driver.await.unwrap_or_else(|e| {
         Err(StoreError::new(
             StoreErrorKind::Connection,
@@ -582,6 +595,60 @@ async fn listen_once(inner: &Inner, channel: &str, on_change: &OnChange) -> Stor
     });
     drop(client);
     result
+}
+
+/// How often a relay at work looks for rows while writers are in their transactions (the
+/// gated wake-up cannot wait for it yet).
+const GATE_RETRY: std::time::Duration = std::time::Duration::from_millis(5);
+
+/// The gated wake-up: while the engine waits, hold the advisory lock writers test (so they
+/// notify); while it works, release it (so they do not, and their commits stay cheap). A
+/// waiting engine that cannot take the lock (a writer is mid-transaction) is woken every few
+/// milliseconds instead, until it can. Returns the connection's end.
+async fn gate(
+    inner: &Inner,
+    client: &tokio_postgres::Client,
+    driver: &mut tokio::task::JoinHandle<StoreResult<()>>,
+    on_change: &OnChange,
+) -> StoreResult<()> {
+    let key = inner.tables.wakeup_key();
+    let mut waiting = inner.waiting.subscribe();
+    let mut holding = false;
+    loop {
+        let want = *waiting.borrow_and_update();
+        if want && !holding {
+            let row = client
+                .query_one("SELECT pg_try_advisory_lock(hashtext($1))", &[&key])
+                .await
+                .map_err(|e| db_error("wake-up gate", e))?;
+            holding = row.get(0);
+            // Either way, look again: rows committed before the lock was held notified nobody.
+            on_change();
+        } else if !want && holding {
+            client
+                .query_one("SELECT pg_advisory_unlock(hashtext($1))", &[&key])
+                .await
+                .map_err(|e| db_error("wake-up gate", e))?;
+            holding = false;
+        }
+        let retry = want && !holding;
+        tokio::select! {
+            ended = &mut *driver => {
+                return ended.unwrap_or_else(|e| {
+                    Err(StoreError::new(
+                        StoreErrorKind::Connection,
+                        format!("listen task failed: {e}"),
+                    ))
+                });
+            }
+            changed = waiting.changed() => {
+                if changed.is_err() {
+                    return Ok(());
+                }
+            }
+            () = tokio::time::sleep(GATE_RETRY), if retry => {}
+        }
+    }
 }
 
 impl NodeRegistry for PgStore {

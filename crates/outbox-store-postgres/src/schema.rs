@@ -17,6 +17,8 @@ pub struct Tables {
     pub notify_channel: Ident,
     /// Partitions a new outbox gets (`migrate --partitions`).
     pub partition_count: u32,
+    /// Writers notify only while a relay waits for rows (`wakeup = "gated"`).
+    pub gated_wakeup: bool,
 }
 
 impl Tables {
@@ -37,6 +39,7 @@ impl Tables {
             partitions,
             notify_channel: Ident::new(notify_channel, "notify channel")?,
             partition_count: outbox_core::partition::DEFAULT_PARTITIONS,
+            gated_wakeup: false,
         })
     }
 
@@ -48,6 +51,12 @@ impl Tables {
 
     /// The ordering-key expression; the claim query and the blocking index must agree on it.
     pub const ORDERING_KEY: &'static str = "coalesce(partition_key, destination)";
+
+    /// The advisory-lock key (as text, hashed in SQL) a waiting relay holds under the gated
+    /// wake-up.
+    pub fn wakeup_key(&self) -> String {
+        format!("outbox-relay wake-up {}", self.outbox)
+    }
 
     fn notify_function(&self) -> String {
         self.outbox.sibling("_notify")
@@ -72,6 +81,17 @@ impl Tables {
         let parts = self.partitions.quoted();
         let partition_fn = self.partition_function();
         let partition_count = self.partition_count;
+        let notify = if self.gated_wakeup {
+            format!(
+                "-- Gated: only while a relay waits (it then holds this lock); a relay at work polls.
+    IF NOT pg_try_advisory_xact_lock_shared(hashtext('{}')) THEN
+        PERFORM pg_notify('{channel}', '');
+    END IF;",
+                self.wakeup_key()
+            )
+        } else {
+            format!("PERFORM pg_notify('{channel}', '');")
+        };
         format!(
             r#"CREATE SCHEMA IF NOT EXISTS {schema};
 CREATE SCHEMA IF NOT EXISTS {nodes_schema};
@@ -146,7 +166,7 @@ CREATE TABLE IF NOT EXISTS {nodes} (
 -- Wakes the relay after each inserting statement; never fails the application's insert.
 CREATE OR REPLACE FUNCTION {func}() RETURNS trigger AS $$
 BEGIN
-    PERFORM pg_notify('{channel}', '');
+    {notify}
     RETURN NULL;
 EXCEPTION
     WHEN others THEN
