@@ -30,6 +30,7 @@ install_packages() {
   local missing=()
   [ -x "$PG_BIN/initdb" ] || missing+=(postgresql-15 postgresql-contrib)
   command -v openssl >/dev/null || missing+=(openssl)
+  [ -x /usr/bin/time ] || missing+=(time)   # the benchmarks read CPU and peak RSS from it
   command -v nats-server >/dev/null || missing+=(nats-server)
   command -v redis-server >/dev/null || missing+=(redis-server)
   [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || missing+=(rabbitmq-server)

@@ -97,10 +97,47 @@ async fn stream_count(js: &async_nats::jetstream::Context) -> Result<u64> {
     Ok(js.get_stream("BENCH").await?.info().await?.state.messages)
 }
 
+/// PostgreSQL by itself consuming the outbox in batches of 1,000, with no relay: deleting
+/// (the least any relay must do), and leasing then deleting (what a leased claim and an ack
+/// do). The physical floor the relay's drain is measured against.
+async fn postgres_floor(b: &Bench, n: u64) -> Result<Value> {
+    let mut out = json!({});
+    for (name, steps) in [
+        (
+            "delete_only",
+            vec!["DELETE FROM outbox WHERE sequence_id IN (SELECT sequence_id FROM outbox ORDER BY sequence_id LIMIT 1000)"],
+        ),
+        (
+            "lease_then_delete",
+            vec![
+                "UPDATE outbox SET locked_by = 'x', locked_until = now() + interval '30 s' WHERE sequence_id IN (SELECT sequence_id FROM outbox WHERE locked_by IS NULL ORDER BY sequence_id LIMIT 1000)",
+                "DELETE FROM outbox WHERE sequence_id IN (SELECT sequence_id FROM outbox WHERE locked_by = 'x' ORDER BY sequence_id LIMIT 1000)",
+            ],
+        ),
+    ] {
+        eprintln!("drain: PostgreSQL alone, {name}, {n} rows");
+        let db = b.reset().await?;
+        b.prefill(&db, "outbox", n).await?;
+        let start = Instant::now();
+        loop {
+            let mut touched = 0;
+            for step in &steps {
+                touched += db.execute(*step, &[]).await?;
+            }
+            if touched == 0 {
+                break;
+            }
+        }
+        out[name] = json!(n as f64 / start.elapsed().as_secs_f64());
+    }
+    Ok(out)
+}
+
 /// 1. Drain: the relay and the baseline, to the file sink and to JetStream.
 pub async fn drain(b: &Bench) -> Result<Value> {
     let n = b.settings.events;
     let mut out = json!({});
+    out["postgres_floor_events_per_s"] = postgres_floor(b, n.min(200_000)).await?;
     for sink in ["file", "nats"] {
         eprintln!("drain: relay, {n} events to {sink}");
         let db = b.reset().await?;
@@ -505,7 +542,11 @@ pub fn markdown(r: &Value) -> String {
                 ));
             }
         }
-        s.push('\n');
+        let floor = &d["postgres_floor_events_per_s"];
+        s.push_str(&format!(
+            "\nPostgreSQL alone, batches of 1,000 rows, no relay: {} rows/s deleted, {} rows/s leased then deleted.\n\n",
+            f(&floor["delete_only"]), f(&floor["lease_then_delete"])
+        ));
     }
     if let Some(Value::Array(runs)) = r.get("latency") {
         s.push_str("### Latency, commit to confirmation (ms)\n\n| target rate | achieved | mode | p50 | p99 | p99.9 | max | missing |\n|---|---|---|---|---|---|---|---|\n");
