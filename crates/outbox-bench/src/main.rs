@@ -219,10 +219,10 @@ impl Bench {
              SELECT '{SUBJECT}', 'customer-' || (i % 1000), {event_type}
                     jsonb_build_object('seq', i, 'customer', 'customer-' || (i % 1000), 'total', 99.95,
                                        'currency', 'EUR', 'items', 3, 'note', repeat('x', 100))
-               FROM generate_series(1, {n}) i;
-             VACUUM ANALYZE {table};"
+               FROM generate_series(1, {n}) i"
         ))
         .await?;
+        db.batch_execute(&format!("VACUUM ANALYZE {table}")).await?;
         Ok(())
     }
 

@@ -60,8 +60,7 @@ async fn statements(db: &tokio_postgres::Client) -> Result<i64> {
     Ok(db
         .query_one(
             "SELECT coalesce(sum(calls), 0)::int8 FROM pg_stat_statements
-              WHERE dbid = (SELECT oid FROM pg_database WHERE datname = 'bench')
-                AND query NOT ILIKE '%pg_stat_statements%'",
+              WHERE query NOT ILIKE '%pg_stat_statements%'",
             &[],
         )
         .await?

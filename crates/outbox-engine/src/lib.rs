@@ -612,7 +612,13 @@ async fn event_loop(
             && engine.publishing.is_empty()
             && engine.settling.is_empty()
             && engine.lanes.held() == 0;
-        let waiting = idle && last_claim_empty && !want_claim && !stopping;
+        // Waiting for rows: nothing held and no backlog. A claim in flight does not count, so
+        // the claim a gated store asks for after taking its lock does not flip this back.
+        let waiting = engine.publishing.is_empty()
+            && engine.settling.is_empty()
+            && engine.lanes.held() == 0
+            && !backlog
+            && !stopping;
         if waiting != reported_waiting {
             engine.store.set_waiting(waiting);
             reported_waiting = waiting;

@@ -57,6 +57,9 @@ struct Inner {
     retain_delivered: bool,
     /// The engine's waiting state, for the gated wake-up.
     waiting: tokio::sync::watch::Sender<bool>,
+    /// Rows each node holds from owned-partition claims, which lease nothing in the table:
+    /// the next claim leaves them out.
+    owned: std::sync::Mutex<std::collections::HashMap<String, std::collections::HashSet<i64>>>,
 }
 
 /// The PostgreSQL store. Cheap to clone.
@@ -92,6 +95,7 @@ impl PgStore {
                 tables: options.tables,
                 retain_delivered: options.retain_delivered,
                 waiting: tokio::sync::watch::channel(false).0,
+                owned: Default::default(),
             }),
         })
     }
@@ -170,6 +174,15 @@ impl PgStore {
             .await
             .map_err(|e| db_error("execute", e))
     }
+}
+
+/// Forgets owned-claim rows of `node` that settled; returns those that were owned.
+fn forget_owned(inner: &Inner, node: &NodeId, ids: &[SequenceId]) -> Vec<SequenceId> {
+    let mut owned = inner.owned.lock().expect("owned lock");
+    let Some(mine) = owned.get_mut(&node.0) else {
+        return Vec::new();
+    };
+    ids.iter().copied().filter(|id| mine.remove(id)).collect()
 }
 
 /// Runs a settle statement, with the partition fence's parameters appended when there is one.
@@ -271,20 +284,31 @@ impl OutboxStore for PgStore {
                 }
                 (Some(fence), true) => {
                     let count = fence.count as i32;
-                    Self::query(
+                    let held: Vec<i64> = inner
+                        .owned
+                        .lock()
+                        .expect("owned lock")
+                        .get(node)
+                        .map(|h| h.iter().copied().collect())
+                        .unwrap_or_default();
+                    let rows = Self::query(
                         &inner,
                         "claim",
                         &inner.sql.claim_owned,
                         &[
                             node,
                             &limit,
-                            &lease,
+                            &held,
                             &count,
                             &fence.partitions,
                             &fence.epochs,
                         ],
                     )
-                    .await?
+                    .await?;
+                    let mut owned = inner.owned.lock().expect("owned lock");
+                    let mine = owned.entry(node.clone()).or_default();
+                    mine.extend(rows.iter().map(|r| r.get::<_, i64>(0)));
+                    rows
                 }
             };
             let mut claimed: Vec<Claimed> = rows.iter().map(row_to_claimed).collect();
@@ -308,7 +332,9 @@ impl OutboxStore for PgStore {
             } else {
                 &inner.sql.ack_delete
             };
-            settle(&inner, "ack", sql, fence.as_deref(), &[&node.0, &ids]).await
+            let n = settle(&inner, "ack", sql, fence.as_deref(), &[&node.0, &ids]).await?;
+            forget_owned(&inner, &node, &ids);
+            Ok(n)
         }
         .boxed()
     }
@@ -328,14 +354,16 @@ impl OutboxStore for PgStore {
                 .collect();
             let errors: Vec<&str> = retries.iter().map(|r| r.error.as_str()).collect();
             let delays: Vec<i64> = retries.iter().map(|r| millis(r.delay)).collect();
-            settle(
+            let n = settle(
                 &inner,
                 "retry",
                 &inner.sql.retry_later,
                 fence.as_deref(),
                 &[&node.0, &ids, &attempts, &errors, &delays],
             )
-            .await
+            .await?;
+            forget_owned(&inner, &node, &ids);
+            Ok(n)
         }
         .boxed()
     }
@@ -354,22 +382,38 @@ impl OutboxStore for PgStore {
                 .map(|e| i32::try_from(e.attempts).unwrap_or(i32::MAX))
                 .collect();
             let errors: Vec<&str> = entries.iter().map(|e| e.error.as_str()).collect();
-            settle(
+            let n = settle(
                 &inner,
                 "dead-letter",
                 &inner.sql.dead_letter,
                 fence.as_deref(),
                 &[&node.0, &ids, &attempts, &errors],
             )
-            .await
+            .await?;
+            forget_owned(&inner, &node, &ids);
+            Ok(n)
         }
         .boxed()
     }
 
     fn release(&self, node: NodeId, ids: Vec<SequenceId>) -> BoxFuture<'static, StoreResult<u64>> {
         let inner = self.inner.clone();
-        async move { Self::execute(&inner, "release", &inner.sql.release, &[&node.0, &ids]).await }
-            .boxed()
+        async move {
+            // Owned-claim rows hold no lease: forgetting them makes them claimable.
+            let owned = forget_owned(&inner, &node, &ids);
+            let leased: Vec<i64> = ids
+                .iter()
+                .copied()
+                .filter(|id| !owned.contains(id))
+                .collect();
+            let n = if leased.is_empty() {
+                0
+            } else {
+                Self::execute(&inner, "release", &inner.sql.release, &[&node.0, &leased]).await?
+            };
+            Ok(n + owned.len() as u64)
+        }
+        .boxed()
     }
 
     fn extend_leases(
@@ -380,14 +424,27 @@ impl OutboxStore for PgStore {
     ) -> BoxFuture<'static, StoreResult<u64>> {
         let inner = self.inner.clone();
         async move {
+            let leased: Vec<i64> = {
+                let owned = inner.owned.lock().expect("owned lock");
+                let mine = owned.get(&node.0);
+                ids.iter()
+                    .copied()
+                    .filter(|id| mine.is_none_or(|m| !m.contains(id)))
+                    .collect()
+            };
+            let unleased = (ids.len() - leased.len()) as u64;
+            if leased.is_empty() {
+                return Ok(unleased);
+            }
             let lease = millis(lease);
-            Self::execute(
+            let n = Self::execute(
                 &inner,
                 "extend leases",
                 &inner.sql.extend_leases,
-                &[&node.0, &ids, &lease],
+                &[&node.0, &leased, &lease],
             )
-            .await
+            .await?;
+            Ok(n + unleased)
         }
         .boxed()
     }

@@ -287,8 +287,13 @@ impl Statements {
                 n = first + 2
             )
         };
+        // Fenced settles (owned partitions) hold no row lease: the fence replaces it.
         let fenced = |plain: String, first: usize| Fenced {
-            fenced: format!("{plain}{}", fence(first)),
+            fenced: format!(
+                "{}{}",
+                plain.replace(" AND o.locked_by = $1", ""),
+                fence(first)
+            ),
             plain,
         };
         // The partitions the database confirms as held (owner, epoch, live lease), computed
@@ -333,24 +338,26 @@ impl Statements {
                 ),
                 "FOR UPDATE SKIP LOCKED",
             ),
-            // ... $4 partition count, $5 the node's partitions, $6 their epochs. Only while the
-            // database still shows the leases live at those epochs. Rows locked by another
-            // transaction are waited for, not skipped: in a held partition that only happens
-            // when a node that lost it is still finishing a statement, and skipping its row
-            // could let a later row of the same key go first.
-            claim_owned: claim(
-                &format!(
-                    "AND (o.locked_by IS NULL OR o.locked_by <> $1 OR o.locked_until < now())
-                 AND (cardinality({held}) = $4 OR {func}({key_o}, $4) = ANY({held}))
-                 AND NOT EXISTS (
-                    SELECT 1 FROM {t} p
-                    WHERE {key_p} = {key_o}
-                      AND p.sequence_id < o.sequence_id
-                      AND p.delivered_at IS NULL
-                      AND (p.locked_by IS NOT NULL OR p.attempts > 0)
-                      AND p.attempts > 0 AND p.available_at > now())"
-                ),
-                "FOR UPDATE",
+            // Owned partitions: $1 node, $2 limit, $3 the rows this node already holds, $4 the
+            // partition count, $5 its partitions, $6 their epochs. A plain SELECT: ownership
+            // (checked here against the live leases, and fencing every settle) replaces the row
+            // lease, so rows are neither updated nor locked at claim time. See ARCHITECTURE.md.
+            claim_owned: format!(
+                "SELECT {RETURNED} FROM {t} o
+                  WHERE o.delivered_at IS NULL
+                    AND o.available_at <= now()
+                    AND NOT (o.sequence_id = ANY($3::int8[]))
+                    AND (cardinality({held}) = $4 OR {func}({key_o}, $4) = ANY({held}))
+                    AND NOT EXISTS (
+                       SELECT 1 FROM {t} p
+                       WHERE {key_p} = {key_o}
+                         AND p.sequence_id < o.sequence_id
+                         AND p.delivered_at IS NULL
+                         AND (p.locked_by IS NOT NULL OR p.attempts > 0)
+                         AND p.attempts > 0 AND p.available_at > now())
+                    AND $1::text IS NOT NULL
+                  ORDER BY o.sequence_id
+                  LIMIT $2"
             ),
             claim_unordered: claim(
                 "AND (o.locked_until IS NULL OR o.locked_until < now())",
@@ -398,7 +405,7 @@ impl Statements {
                 };
                 Fenced {
                     plain: moved(String::new()),
-                    fenced: moved(fence(5)),
+                    fenced: moved(fence(5)).replace(" AND o.locked_by = $1", ""),
                 }
             },
             release: format!(
