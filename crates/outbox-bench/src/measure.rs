@@ -356,16 +356,29 @@ async fn backlog(db: &tokio_postgres::Client) -> Result<i64> {
 }
 
 /// Keep-up (3.): the insert rate with the relay off, then whether the backlog stays bounded
-/// with it on while the writers go flat out.
+/// with it on while the writers go flat out, with each wake-up.
 pub async fn keep_up(b: &Bench) -> Result<Value> {
+    let mut out = json!({});
+    for wakeup in ["notify", "gated"] {
+        out[wakeup] = keep_up_with(b, wakeup).await?;
+    }
+    Ok(out)
+}
+
+async fn keep_up_with(b: &Bench, wakeup: &str) -> Result<Value> {
     let seconds = b.settings.latency_seconds.max(5) as f64;
-    eprintln!("keep-up: insert rate without the relay");
+    eprintln!("keep-up ({wakeup}): insert rate without the relay");
     b.reset().await?;
+    b.relay_cli(&["migrate", "--wakeup", wakeup])?;
     let off = load::flat_out(&b.url(), "outbox", 16, seconds).await?;
     let db = b.reset().await?;
+    b.relay_cli(&["migrate", "--wakeup", wakeup])?;
     b.nats_stream().await?;
-    let mut relay = b.spawn_relay("keepup", &["--sink", &b.servers.nats_url])?;
-    eprintln!("keep-up: insert rate with the relay publishing to JetStream");
+    let mut relay = b.spawn_relay(
+        "keepup",
+        &["--sink", &b.servers.nats_url, "--wakeup", wakeup],
+    )?;
+    eprintln!("keep-up ({wakeup}): insert rate with the relay publishing to JetStream");
     let samples = Arc::new(Mutex::new(Vec::new()));
     let sampler = {
         let (url, samples) = (b.url(), samples.clone());
@@ -500,7 +513,8 @@ fn f(v: &Value) -> String {
     match v.as_f64() {
         Some(x) if x >= 100.0 => format!("{x:.0}"),
         Some(x) if x >= 10.0 => format!("{x:.1}"),
-        Some(x) => format!("{x:.2}"),
+        Some(x) if x >= 0.1 || x == 0.0 => format!("{x:.2}"),
+        Some(x) => format!("{x:.4}"),
         None => "-".into(),
     }
 }
@@ -564,12 +578,17 @@ pub fn markdown(r: &Value) -> String {
         }
         s.push('\n');
     }
-    if let Some(k) = r.get("keep_up") {
-        s.push_str(&format!(
-            "### Keep-up\n\nInserts/s by 16 writers: {} with the relay off, {} with it on (publishing to JetStream). Backlog sampled each second: {}; max {}, {} when the writers stopped, drained {} s later. Bounded: {}.\n\n",
-            f(&k["insert_rate_relay_off"]), f(&k["insert_rate_relay_on"]), k["backlog_samples"],
-            k["backlog_max"], k["backlog_at_end"], f(&k["drained_after_s"]), k["bounded"],
-        ));
+    if let Some(keep) = r.get("keep_up") {
+        s.push_str("### Keep-up (16 writers flat out; the relay publishing to JetStream)\n\n");
+        for wakeup in ["notify", "gated"] {
+            let k = &keep[wakeup];
+            s.push_str(&format!(
+                "- **{wakeup}**: {} inserts/s with the relay off, {} with it on. Backlog each second: {}; max {}, {} when the writers stopped, drained {} s later. Bounded: {}.\n",
+                f(&k["insert_rate_relay_off"]), f(&k["insert_rate_relay_on"]), k["backlog_samples"],
+                k["backlog_max"], k["backlog_at_end"], f(&k["drained_after_s"]), k["bounded"],
+            ));
+        }
+        s.push('\n');
     }
     if let Some(Value::Array(rows)) = r.get("writer_cost") {
         let base = rows
