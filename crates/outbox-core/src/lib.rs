@@ -16,6 +16,7 @@ pub mod partition;
 pub mod publisher;
 pub mod retry;
 pub mod store;
+pub mod time;
 
 pub use error::{Disposition, PublishError, PublishErrorKind, StoreError, StoreErrorKind};
 pub use event::{Event, EventId, Headers, NewEvent, NodeId, Payload, SequenceId};

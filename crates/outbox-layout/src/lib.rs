@@ -402,6 +402,43 @@ impl Mapping {
         }
     }
 
+    /// Every column the mapping names (for `check`).
+    pub fn columns(&self) -> Vec<&str> {
+        let mut columns = vec![
+            self.id.as_str(),
+            self.destination.as_str(),
+            self.payload.as_str(),
+        ];
+        for c in [
+            &self.event_id,
+            &self.key,
+            &self.event_type,
+            &self.headers,
+            &self.mutation_id,
+            &self.rejected,
+            &self.created_at,
+            &self.updated_at,
+            &self.attempts,
+            &self.last_error,
+            &self.available_at,
+            &self.locked_by,
+            &self.locked_until,
+            &self.locked_at,
+            &self.delivered_at,
+            &self.dead_at,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            columns.push(c);
+        }
+        match &self.state {
+            State::Flag { column, .. } | State::Status { column, .. } => columns.push(column),
+            State::Rows => {}
+        }
+        columns
+    }
+
     /// Where dead rows go (derived from the state and columns).
     pub fn dead_state(&self) -> DeadState {
         match (&self.state, self.on_success) {

@@ -3,9 +3,10 @@
 //! decoding of a selected row into an event, shared by the PostgreSQL and MySQL executors.
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime};
 
 use outbox_core::event::headers_from_json_text;
+use outbox_core::time::from_micros;
 use outbox_core::{Claimed, Event, Payload, SequenceId};
 use uuid::Uuid;
 
@@ -143,14 +144,6 @@ pub fn derived_event_id(mapping: &Mapping, id: &str) -> Uuid {
         &Uuid::NAMESPACE_OID,
         format!("outbox-relay:{table}:{id}").as_bytes(),
     )
-}
-
-fn from_micros(micros: i64) -> SystemTime {
-    if micros >= 0 {
-        UNIX_EPOCH + Duration::from_micros(micros as u64)
-    } else {
-        UNIX_EPOCH - Duration::from_micros(micros.unsigned_abs())
-    }
 }
 
 /// Decodes a claimed row and records it as held. A row that cannot be decoded becomes

@@ -22,6 +22,7 @@ use outbox_core::store::{
     Backlog, ClaimRequest, Claimed, DeadLetter, DeadRecord, DeadSelector, DestinationStats,
     NodeRecord, NodeRegistry, OnChange, Operations, Problem, RetryLater, StoreResult,
 };
+use outbox_core::time::{from_micros, micros, millis};
 use outbox_core::{Fence, NewEvent, NodeId, OutboxStore, SequenceId, StoreError, StoreErrorKind};
 use outbox_layout::memory::{decode, derived_event_id, Memory, RawRow, RowId};
 use outbox_layout::sql::Sql;
@@ -92,25 +93,6 @@ fn db_error(context: &str, error: mysql_async::Error) -> StoreError {
     match &error {
         mysql_async::Error::Server(e) => StoreError::new(kind, format!("{context}: {}", e.message)),
         _ => StoreError::new(kind, format!("{context}: {error}")),
-    }
-}
-
-fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
-}
-
-fn micros(t: SystemTime) -> i64 {
-    match t.duration_since(UNIX_EPOCH) {
-        Ok(d) => d.as_micros() as i64,
-        Err(e) => -(e.duration().as_micros() as i64),
-    }
-}
-
-fn from_micros(micros: i64) -> SystemTime {
-    if micros >= 0 {
-        UNIX_EPOCH + Duration::from_micros(micros as u64)
-    } else {
-        UNIX_EPOCH - Duration::from_micros(micros.unsigned_abs())
     }
 }
 
@@ -915,30 +897,7 @@ async fn verify(store: &MySqlStore) -> StoreResult<Vec<Problem>> {
         });
         return Ok(problems);
     }
-    let mut columns = vec![&m.id, &m.destination, &m.payload];
-    columns.extend(
-        [
-            &m.event_id,
-            &m.key,
-            &m.event_type,
-            &m.headers,
-            &m.mutation_id,
-            &m.rejected,
-            &m.created_at,
-            &m.updated_at,
-            &m.attempts,
-            &m.last_error,
-            &m.available_at,
-            &m.locked_by,
-            &m.locked_until,
-            &m.locked_at,
-            &m.delivered_at,
-            &m.dead_at,
-        ]
-        .into_iter()
-        .flatten(),
-    );
-    for column in columns {
+    for column in m.columns() {
         if !present.contains(column) {
             problems.push(Problem {
                 what: format!(

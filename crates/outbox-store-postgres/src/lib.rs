@@ -7,12 +7,13 @@
 mod error;
 pub mod mapped;
 mod ops;
+mod owned;
 pub mod schema;
 mod tls;
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use futures::future::BoxFuture;
@@ -31,6 +32,7 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 
 pub use error::classify;
 pub use mapped::MappedPgStore;
+pub(crate) use outbox_core::time::{from_micros, millis};
 pub use schema::{Tables, DEFAULT_NOTIFY_CHANNEL};
 
 use error::{db_error, pool_error};
@@ -57,9 +59,8 @@ struct Inner {
     retain_delivered: bool,
     /// The engine's waiting state, for the gated wake-up.
     waiting: tokio::sync::watch::Sender<bool>,
-    /// Rows each node holds from owned-partition claims, which lease nothing in the table:
-    /// the next claim leaves them out.
-    owned: std::sync::Mutex<std::collections::HashMap<String, std::collections::HashSet<i64>>>,
+    /// The rows each node holds from owned-partition claims.
+    owned: owned::OwnedClaims,
 }
 
 /// The PostgreSQL store. Cheap to clone.
@@ -176,15 +177,6 @@ impl PgStore {
     }
 }
 
-/// Forgets owned-claim rows of `node` that settled; returns those that were owned.
-fn forget_owned(inner: &Inner, node: &NodeId, ids: &[SequenceId]) -> Vec<SequenceId> {
-    let mut owned = inner.owned.lock().expect("owned lock");
-    let Some(mine) = owned.get_mut(&node.0) else {
-        return Vec::new();
-    };
-    ids.iter().copied().filter(|id| mine.remove(id)).collect()
-}
-
 /// Runs a settle statement, with the partition fence's parameters appended when there is one.
 async fn settle(
     inner: &Inner,
@@ -203,18 +195,6 @@ async fn settle(
             all.push(&count);
             PgStore::execute(inner, context, &sql.fenced, &all).await
         }
-    }
-}
-
-fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
-}
-
-pub(crate) fn from_micros(micros: i64) -> SystemTime {
-    if micros >= 0 {
-        UNIX_EPOCH + Duration::from_micros(micros as u64)
-    } else {
-        UNIX_EPOCH - Duration::from_micros(micros.unsigned_abs())
     }
 }
 
@@ -284,13 +264,7 @@ impl OutboxStore for PgStore {
                 }
                 (Some(fence), true) => {
                     let count = fence.count as i32;
-                    let held: Vec<i64> = inner
-                        .owned
-                        .lock()
-                        .expect("owned lock")
-                        .get(node)
-                        .map(|h| h.iter().copied().collect())
-                        .unwrap_or_default();
+                    let held = inner.owned.held(node);
                     let rows = Self::query(
                         &inner,
                         "claim",
@@ -305,9 +279,9 @@ impl OutboxStore for PgStore {
                         ],
                     )
                     .await?;
-                    let mut owned = inner.owned.lock().expect("owned lock");
-                    let mine = owned.entry(node.clone()).or_default();
-                    mine.extend(rows.iter().map(|r| r.get::<_, i64>(0)));
+                    inner
+                        .owned
+                        .claimed(node, rows.iter().map(|r| r.get::<_, i64>(0)));
                     rows
                 }
             };
@@ -333,7 +307,7 @@ impl OutboxStore for PgStore {
                 &inner.sql.ack_delete
             };
             let n = settle(&inner, "ack", sql, fence.as_deref(), &[&node.0, &ids]).await?;
-            forget_owned(&inner, &node, &ids);
+            inner.owned.forget(&node.0, &ids);
             Ok(n)
         }
         .boxed()
@@ -362,7 +336,7 @@ impl OutboxStore for PgStore {
                 &[&node.0, &ids, &attempts, &errors, &delays],
             )
             .await?;
-            forget_owned(&inner, &node, &ids);
+            inner.owned.forget(&node.0, &ids);
             Ok(n)
         }
         .boxed()
@@ -390,7 +364,7 @@ impl OutboxStore for PgStore {
                 &[&node.0, &ids, &attempts, &errors],
             )
             .await?;
-            forget_owned(&inner, &node, &ids);
+            inner.owned.forget(&node.0, &ids);
             Ok(n)
         }
         .boxed()
@@ -400,7 +374,7 @@ impl OutboxStore for PgStore {
         let inner = self.inner.clone();
         async move {
             // Owned-claim rows hold no lease: forgetting them makes them claimable.
-            let owned = forget_owned(&inner, &node, &ids);
+            let owned = inner.owned.forget(&node.0, &ids);
             let leased: Vec<i64> = ids
                 .iter()
                 .copied()
@@ -424,14 +398,11 @@ impl OutboxStore for PgStore {
     ) -> BoxFuture<'static, StoreResult<u64>> {
         let inner = self.inner.clone();
         async move {
-            let leased: Vec<i64> = {
-                let owned = inner.owned.lock().expect("owned lock");
-                let mine = owned.get(&node.0);
-                ids.iter()
-                    .copied()
-                    .filter(|id| mine.is_none_or(|m| !m.contains(id)))
-                    .collect()
-            };
+            let leased: Vec<i64> = ids
+                .iter()
+                .copied()
+                .filter(|id| !inner.owned.holds(&node.0, *id))
+                .collect();
             let unleased = (ids.len() - leased.len()) as u64;
             if leased.is_empty() {
                 return Ok(unleased);

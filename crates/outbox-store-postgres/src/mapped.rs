@@ -27,7 +27,8 @@ use tokio_postgres::Row;
 use uuid::Uuid;
 
 use crate::error::{db_error, pool_error};
-use crate::{from_micros, millis, PgOptions, PgStore};
+use crate::{PgOptions, PgStore};
+use outbox_core::time::{from_micros, micros, millis};
 
 /// How often a standby relay tries to become the active one, and the active one reaps.
 const LEADER_RETRY: Duration = Duration::from_secs(1);
@@ -839,7 +840,7 @@ async fn verify(store: &MappedPgStore) -> StoreResult<Vec<Problem>> {
         });
         return Ok(problems);
     }
-    for column in mapped_columns(m) {
+    for column in m.columns() {
         if !present.contains(column) {
             problems.push(Problem {
                 what: format!(
@@ -893,40 +894,6 @@ async fn verify(store: &MappedPgStore) -> StoreResult<Vec<Problem>> {
     Ok(problems)
 }
 
-fn mapped_columns(m: &Mapping) -> Vec<&str> {
-    let mut columns = vec![m.id.as_str(), m.destination.as_str(), m.payload.as_str()];
-    for c in [
-        &m.event_id,
-        &m.key,
-        &m.event_type,
-        &m.headers,
-        &m.mutation_id,
-        &m.rejected,
-        &m.created_at,
-        &m.updated_at,
-        &m.attempts,
-        &m.last_error,
-        &m.available_at,
-        &m.locked_by,
-        &m.locked_until,
-        &m.locked_at,
-        &m.delivered_at,
-        &m.dead_at,
-    ]
-    .into_iter()
-    .flatten()
-    {
-        columns.push(c);
-    }
-    match &m.state {
-        outbox_layout::State::Flag { column, .. } | outbox_layout::State::Status { column, .. } => {
-            columns.push(column)
-        }
-        outbox_layout::State::Rows => {}
-    }
-    columns
-}
-
 impl NodeRegistry for MappedPgStore {
     fn heartbeat(&self, node: NodeId, ttl: Duration) -> BoxFuture<'static, StoreResult<()>> {
         if !self.uses_nodes_table() {
@@ -954,13 +921,6 @@ impl NodeRegistry for MappedPgStore {
             return futures::future::ready(Ok(Vec::new())).boxed();
         }
         self.base.live_nodes()
-    }
-}
-
-fn micros(t: SystemTime) -> i64 {
-    match t.duration_since(UNIX_EPOCH) {
-        Ok(d) => d.as_micros() as i64,
-        Err(e) => -(e.duration().as_micros() as i64),
     }
 }
 

@@ -6,6 +6,7 @@
 //! which changes whenever another connection commits, so a poll costs one tiny read.
 //! rusqlite is synchronous, so every operation runs on a blocking thread.
 
+use outbox_core::time::millis;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -122,10 +123,6 @@ fn now_ms() -> i64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as i64)
         .unwrap_or(0)
-}
-
-fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX / 4)
 }
 
 fn sql_error(context: &str, error: rusqlite::Error) -> StoreError {
