@@ -276,15 +276,18 @@ impl Statements {
         let key_o = "coalesce(o.partition_key, o.destination)";
         let key_p = "coalesce(p.partition_key, p.destination)";
         // The fence: the row's partition is held by the node ($1) at the epoch it holds.
-        // `$P`, `$E`, `$N` are the partitions, epochs and partition count parameters.
+        // `$P`, `$E`, `$N` are the partitions, epochs and partition count parameters. The
+        // confirmed partitions are computed once per statement (an InitPlan); a node holding
+        // every partition then skips the per-row hash altogether.
         let fence = |first: usize| {
+            let (p, e, n) = (first, first + 1, first + 2);
+            let confirmed = format!(
+                "CAST((SELECT coalesce(array_agg(pp.partition), '{{}}') FROM {parts} pp
+                         JOIN unnest(${p}::int4[], ${e}::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])"
+            );
             format!(
-                " AND EXISTS (SELECT 1 FROM {parts} pp
-                      JOIN unnest(${p}::int4[], ${e}::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
-                     WHERE pp.partition = {func}({key_o}, ${n}) AND pp.owner = $1 AND pp.epoch = h.epoch)",
-                p = first,
-                e = first + 1,
-                n = first + 2
+                " AND (cardinality({confirmed}) = ${n} OR {func}({key_o}, ${n}) = ANY({confirmed}))"
             )
         };
         // Fenced settles (owned partitions) hold no row lease: the fence replaces it.
