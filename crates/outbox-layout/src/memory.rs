@@ -109,6 +109,16 @@ impl Memory {
         }
     }
 
+    /// Failed attempts the table has recorded: each key waits its delay, and the rows leave
+    /// this relay (see [`Memory::retry`]).
+    pub fn retried(&mut self, retries: &[outbox_core::store::RetryLater]) {
+        for r in retries {
+            self.retry(r.sequence_id, r.attempts, r.delay);
+        }
+        let handles: Vec<SequenceId> = retries.iter().map(|r| r.sequence_id).collect();
+        self.settled(&handles, false);
+    }
+
     /// Leases extended to `now + lease`.
     pub fn extend(&mut self, handles: &[SequenceId], lease: Duration) {
         let until = Instant::now() + lease;

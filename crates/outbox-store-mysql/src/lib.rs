@@ -564,7 +564,6 @@ impl OutboxStore for MySqlStore {
     ) -> BoxFuture<'static, StoreResult<u64>> {
         let store = self.clone();
         async move {
-            let handles: Vec<SequenceId> = retries.iter().map(|r| r.sequence_id).collect();
             let sql = &store.inner.sql;
             let set = sql.retry_set(":attempts", ":error", ":delay");
             let mut n = 0;
@@ -606,14 +605,13 @@ impl OutboxStore for MySqlStore {
                 }
                 tx.commit().await.map_err(|e| db_error("retry", e))?;
             }
-            {
-                // After the table recorded it: the key unblocks here no sooner than there.
-                let mut memory = store.inner.memory.lock().expect("memory lock");
-                for r in &retries {
-                    memory.retry(r.sequence_id, r.attempts, r.delay);
-                }
-            }
-            store.settled(&handles, false);
+            // After the table recorded it: the key unblocks here no sooner than there.
+            store
+                .inner
+                .memory
+                .lock()
+                .expect("memory lock")
+                .retried(&retries);
             Ok(n)
         }
         .boxed()
@@ -1369,14 +1367,7 @@ impl Operations for MySqlStore {
             let Some(condition) = store.prune_delivered_condition() else {
                 return Ok(0);
             };
-            let ids = store
-                .pick(
-                    &condition,
-                    vec![("before", Value::from(micros(before)))],
-                    batch,
-                )
-                .await?;
-            store.delete_ids(&ids).await
+            store.prune_where(&condition, before, batch).await
         }
         .boxed()
     }
@@ -1389,20 +1380,30 @@ impl Operations for MySqlStore {
                 return Ok(0);
             };
             let condition = format!("({}) AND {time} < {}", sql.dead(), store.at("before"));
-            let ids = store
-                .pick(
-                    &condition,
-                    vec![("before", Value::from(micros(before)))],
-                    batch,
-                )
-                .await?;
-            store.delete_ids(&ids).await
+            store.prune_where(&condition, before, batch).await
         }
         .boxed()
     }
 }
 
 impl MySqlStore {
+    /// Deletes up to `batch` rows matching `condition` (which compares with `:before`).
+    async fn prune_where(
+        &self,
+        condition: &str,
+        before: SystemTime,
+        batch: u32,
+    ) -> StoreResult<u64> {
+        let ids = self
+            .pick(
+                condition,
+                vec![("before", Value::from(micros(before)))],
+                batch,
+            )
+            .await?;
+        self.delete_ids(&ids).await
+    }
+
     fn prune_delivered_condition(&self) -> Option<String> {
         let sql = &self.inner.sql;
         Some(format!(

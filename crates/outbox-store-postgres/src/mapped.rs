@@ -514,14 +514,13 @@ impl OutboxStore for MappedPgStore {
                 )
                 .await?
             };
-            {
-                // After the table recorded it: the key unblocks here no sooner than there.
-                let mut memory = store.inner.memory.lock().expect("memory lock");
-                for r in &retries {
-                    memory.retry(r.sequence_id, r.attempts, r.delay);
-                }
-            }
-            store.settled(&handles, false);
+            // After the table recorded it: the key unblocks here no sooner than there.
+            store
+                .inner
+                .memory
+                .lock()
+                .expect("memory lock")
+                .retried(&retries);
             Ok(n)
         }
         .boxed()
