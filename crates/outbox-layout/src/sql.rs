@@ -472,7 +472,9 @@ impl Sql {
         }
     }
 
-    fn update(&self, set: &[String], condition: &str) -> String {
+    /// `UPDATE <table> o SET <set> WHERE <condition>`, qualifying the targets as the dialect
+    /// wants them.
+    pub fn update(&self, set: &[String], condition: &str) -> String {
         // MySQL qualifies SET targets with the alias; PostgreSQL refuses that.
         let prefix = if self.dialect == Dialect::MySql {
             "o."

@@ -489,16 +489,8 @@ impl OutboxStore for MySqlStore {
             let set = sql.claim_set(":node", ":lease");
             if marks && !raws.is_empty() && !set.is_empty() {
                 let ids: Vec<RowId> = raws.iter().map(|r| r.id.clone()).collect();
-                let update = format!(
-                    "UPDATE {} o SET {} WHERE {} IN ({})",
-                    sql.table(),
-                    set.iter()
-                        .map(|s| format!("o.{s}"))
-                        .collect::<Vec<_>>()
-                        .join(", "),
-                    sql.id_column(),
-                    id_list(&ids)
-                );
+                let update =
+                    sql.update(&set, &format!("{} IN ({})", sql.id_column(), id_list(&ids)));
                 tx.exec_drop(
                     &update,
                     named(vec![
@@ -579,16 +571,14 @@ impl OutboxStore for MySqlStore {
                     let Some(id) = store.row_ids(&[r.sequence_id]).pop() else {
                         continue;
                     };
-                    let statement = format!(
-                        "UPDATE {} o SET {} WHERE {} = {} AND {}",
-                        sql.table(),
-                        set.iter()
-                            .map(|s| format!("o.{s}"))
-                            .collect::<Vec<_>>()
-                            .join(", "),
-                        sql.id_column(),
-                        id_list(&[id]),
-                        sql.fence(":node")
+                    let statement = sql.update(
+                        &set,
+                        &format!(
+                            "{} = {} AND {}",
+                            sql.id_column(),
+                            id_list(&[id]),
+                            sql.fence(":node")
+                        ),
                     );
                     tx.exec_drop(
                         &statement,
@@ -650,16 +640,9 @@ impl OutboxStore for MySqlStore {
                         sql.fence(":node")
                     )
                 } else {
-                    let set = sql.dead_set(":attempts", ":error");
-                    format!(
-                        "UPDATE {} o SET {} WHERE {} = {id} AND {}",
-                        sql.table(),
-                        set.iter()
-                            .map(|s| format!("o.{s}"))
-                            .collect::<Vec<_>>()
-                            .join(", "),
-                        sql.id_column(),
-                        sql.fence(":node")
+                    sql.update(
+                        &sql.dead_set(":attempts", ":error"),
+                        &format!("{} = {id} AND {}", sql.id_column(), sql.fence(":node")),
                     )
                 };
                 tx.exec_drop(
@@ -1295,16 +1278,7 @@ impl Operations for MySqlStore {
             let n = store
                 .exec(
                     "replay",
-                    &format!(
-                        "UPDATE {} o SET {} WHERE {} IN ({})",
-                        sql.table(),
-                        set.iter()
-                            .map(|s| format!("o.{s}"))
-                            .collect::<Vec<_>>()
-                            .join(", "),
-                        sql.id_column(),
-                        id_list(&ids)
-                    ),
+                    &sql.update(&set, &format!("{} IN ({})", sql.id_column(), id_list(&ids))),
                     Params::Empty,
                 )
                 .await?;

@@ -108,6 +108,11 @@ impl PgStore {
     /// Creates every table, index, function and trigger that is missing, in one transaction,
     /// serialized against concurrent migrations by an advisory lock.
     pub async fn migrate(&self) -> StoreResult<()> {
+        self.apply_ddl(&self.inner.tables.ddl()).await
+    }
+
+    /// Runs idempotent DDL in one transaction, serialized against concurrent migrations.
+    pub(crate) async fn apply_ddl(&self, ddl: &str) -> StoreResult<()> {
         let mut client = self
             .inner
             .pool
@@ -121,7 +126,7 @@ impl PgStore {
         tx.batch_execute("SET LOCAL client_min_messages = warning; SELECT pg_advisory_xact_lock(hashtext('outbox-relay migrate'))")
             .await
             .map_err(|e| db_error("migrate", e))?;
-        tx.batch_execute(&self.inner.tables.ddl())
+        tx.batch_execute(ddl)
             .await
             .map_err(|e| db_error("migrate", e))?;
         tx.commit().await.map_err(|e| db_error("migrate", e))

@@ -185,24 +185,7 @@ impl MappedPgStore {
                 "this custom mapping runs on the application's existing table and marks dead rows itself: there is nothing to migrate",
             ));
         };
-        let mut client = self
-            .base
-            .inner
-            .pool
-            .get()
-            .await
-            .map_err(|e| pool_error("migrate", e))?;
-        let tx = client
-            .transaction()
-            .await
-            .map_err(|e| db_error("migrate", e))?;
-        tx.batch_execute("SET LOCAL client_min_messages = warning; SELECT pg_advisory_xact_lock(hashtext('outbox-relay migrate'))")
-            .await
-            .map_err(|e| db_error("migrate", e))?;
-        tx.batch_execute(&ddl)
-            .await
-            .map_err(|e| db_error("migrate", e))?;
-        tx.commit().await.map_err(|e| db_error("migrate", e))
+        self.base.apply_ddl(&ddl).await
     }
 
     /// Runs arbitrary SQL (for tests and tools).
