@@ -86,10 +86,23 @@ start_postgres() {
     as_pg "$PG_BIN/pg_ctl" -D "$dir/data" -l "$dir/log" -w start -o \
       "-c listen_addresses=127.0.0.1 -p $PG_PORT -k $dir $speed ${OUTBOX_PG_EXTRA:-} -c max_connections=400 -c wal_level=logical -c ssl=on -c ssl_cert_file=$dir/tls/server.pem -c ssl_key_file=$dir/tls/server.key" >/dev/null
   fi
+  drop_test_databases
   log "postgres ready on 127.0.0.1:$PG_PORT"
   echo "export OUTBOX_TEST_DATABASE_URL=postgres://postgres@127.0.0.1:$PG_PORT/postgres"
   echo "export OUTBOX_TEST_PG_DATA=$dir/data"
   echo "export OUTBOX_TEST_PG_CA=$dir/tls/ca.pem"
+}
+
+# Each test creates its own database (t_<uuid>); drop what earlier runs left, ~8 MB apiece.
+drop_test_databases() {
+  local psql=("$PG_BIN/psql" -h 127.0.0.1 -p "$PG_PORT" -U postgres -d postgres -qAt)
+  local names
+  names=$("${psql[@]}" -c "SELECT datname FROM pg_database WHERE datname ~ '^t_[0-9a-f]{32}$'")
+  [ -z "$names" ] && return
+  log "dropping $(wc -l <<<"$names") test databases left by earlier runs"
+  while read -r name; do
+    "${psql[@]}" -c "DROP DATABASE IF EXISTS $name WITH (FORCE)" >/dev/null
+  done <<<"$names"
 }
 
 stop_postgres() {
