@@ -182,7 +182,7 @@ pub struct RunArgs {
     /// Do not LISTEN for notifications; poll every --poll-interval instead.
     #[arg(long)]
     pub poll_fixed_rate: bool,
-    /// Rows claimed per statement [default: 500].
+    /// Rows claimed per statement [default: 1000].
     #[arg(long, value_name = "N")]
     pub batch_size: Option<usize>,
     /// Rows one node holds at most while publishing [default: 10000].
