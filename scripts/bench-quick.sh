@@ -5,6 +5,9 @@
 #     runs, read back from the relay's commit-to-confirm histogram.
 # PostgreSQL runs durably (fsync on) in its own state directory.
 #   scripts/bench-quick.sh [events] [latency-inserts]
+# RELAY_ARGS adds options to the drain's relay (e.g. "--batch-size 1000"); latency-inserts 0
+# skips the latency part. BENCHMARKS.md's batch-size sweep was run this way:
+#   for b in 500 1000 2000; do RELAY_ARGS="--batch-size $b" scripts/bench-quick.sh 1000000 0; done
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EVENTS=${1:-200000}
@@ -35,13 +38,14 @@ psql -q "$DB" -c "INSERT INTO outbox (destination, partition_key, event_type, pa
     FROM generate_series(1, $EVENTS) i" >/dev/null
 start=$(date +%s.%N)
 /usr/bin/time -f "%e s wall, %U s user, %S s sys, %M KiB peak RSS" -o "$WORK/time" \
-  $BIN run --drain --database-url "$DB" --sink "file:$WORK/events.jsonl" --http-addr "" --log-level warn
+  $BIN run --drain --database-url "$DB" --sink "file:$WORK/events.jsonl" --http-addr "" --log-level warn ${RELAY_ARGS:-}
 end=$(date +%s.%N)
 lines=$(wc -l < "$WORK/events.jsonl")
 awk -v n="$lines" -v s="$start" -v e="$end" 'BEGIN { printf "drain: %d events to the file sink in %.2f s = %.0f events/s\n", n, e - s, n / (e - s) }'
 echo "drain: relay $(cat "$WORK/time")"
 
 # 2. Latency at a steady rate.
+if [ "$INSERTS" = 0 ]; then rm -rf "$WORK"; exit 0; fi
 reset_db
 $BIN run --database-url "$DB" --sink "file:$WORK/latency.jsonl" --http-addr 127.0.0.1:0 --log-format json > /dev/null 2> "$WORK/relay.log" &
 relay=$!

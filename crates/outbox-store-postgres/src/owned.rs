@@ -4,7 +4,12 @@
 //! A claim cursor (scanning only above the highest id claimed) was tried and measured, and
 //! dropped: after a partition moves, a retry recorded by the previous owner comes due below
 //! the cursor with nothing on this node to say so, and a cursor scan would then claim a later
-//! row of its key first (the cluster test caught it). Every claim scans from the start.
+//! row of its key first (the cluster test caught it). A scan floor (the lowest pending row
+//! not held, read after each claim and trusted once the snapshot's running transactions had
+//! ended) was tried too: 1M events drained 58% faster, and the ordered-cluster tests reordered
+//! keys in every run. An insert that has taken its id from the sequence but not yet its
+//! transaction id is invisible to every snapshot, so the floor passed rows that committed a
+//! moment later. Every claim scans from the start.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
