@@ -2,7 +2,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -582,12 +582,13 @@ fn errors_name_the_problem_and_never_show_secrets() {
 async fn zero_config_sqlite_relays_events_sent_from_another_process() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("run.stdout");
+    let err = dir.path().join("run.stderr");
     let mut relay = Command::new(BIN)
         .args(["run", "--http-addr", "127.0.0.1:0"])
         .env_remove("DATABASE_URL")
         .current_dir(dir.path())
         .stdout(std::fs::File::create(&out).unwrap())
-        .stderr(Stdio::null())
+        .stderr(std::fs::File::create(&err).unwrap())
         .spawn()
         .unwrap();
     for i in 0..20 {
@@ -611,11 +612,30 @@ async fn zero_config_sqlite_relays_events_sent_from_another_process() {
         );
     }
     assert!(dir.path().join("outbox.db").exists());
-    let lines = eventually("all 20 events on stdout", Duration::from_secs(30), || {
+    // Polls stdout; on failure the relay's log says why.
+    let relay_log = || std::fs::read_to_string(&err).unwrap_or_default();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let lines = loop {
         let lines = read_lines(&out);
-        async move { (lines.len() == 20).then_some(lines) }
-    })
-    .await;
+        if lines.len() >= 20 {
+            assert_eq!(lines.len(), 20, "more than 20 events: {lines:?}");
+            break lines;
+        }
+        if let Some(status) = relay.try_wait().unwrap() {
+            panic!(
+                "the relay exited ({status}) after {} events:\n{}",
+                lines.len(),
+                relay_log()
+            );
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} of 20 events on stdout after 30 s; the relay's log:\n{}",
+            lines.len(),
+            relay_log()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     let mut last: HashMap<String, i64> = HashMap::new();
     for l in &lines {
         let seq = l["sequence_id"].as_i64().unwrap();
