@@ -52,7 +52,21 @@ pub fn with_database(url: &str, database: &str) -> String {
 }
 
 /// Polls `check` until it returns `Some`, or panics after `timeout` naming `what`.
-pub async fn eventually<T, F, Fut>(what: &str, timeout: Duration, mut check: F) -> T
+pub async fn eventually<T, F, Fut>(what: &str, timeout: Duration, check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    eventually_explained(what, timeout, String::new, check).await
+}
+
+/// [`eventually`], adding `explain()` (say, a process's log) to the panic on timeout.
+pub async fn eventually_explained<T, F, Fut>(
+    what: &str,
+    timeout: Duration,
+    explain: impl Fn() -> String,
+    mut check: F,
+) -> T
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Option<T>>,
@@ -63,7 +77,10 @@ where
             return value;
         }
         if tokio::time::Instant::now() >= deadline {
-            panic!("timed out after {timeout:?} waiting for {what}");
+            panic!(
+                "timed out after {timeout:?} waiting for {what}\n{}",
+                explain()
+            );
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
