@@ -444,6 +444,11 @@ async fn least_privileged_role_from_migrate_print_is_enough() {
         String::from_utf8_lossy(&run.stderr)
     );
     assert_eq!(read_lines(&out).len(), 50);
+    let log = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        !log.contains("scan the pending rows from the start"),
+        "the granted role can use the scan floor: {log}"
+    );
     let dead: i64 = client
         .query_one("SELECT count(*) FROM outbox_dead_letters", &[])
         .await

@@ -12,6 +12,7 @@ pub mod schema;
 mod tls;
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -59,8 +60,10 @@ struct Inner {
     retain_delivered: bool,
     /// The engine's waiting state, for the gated wake-up.
     waiting: tokio::sync::watch::Sender<bool>,
-    /// The rows each node holds from owned-partition claims.
+    /// The rows each node holds from owned-partition claims, and where claims start.
     owned: owned::OwnedClaims,
+    /// Cleared (with a warning) when the scan floor cannot be used on this database.
+    floor_usable: AtomicBool,
 }
 
 /// The PostgreSQL store. Cheap to clone.
@@ -97,6 +100,7 @@ impl PgStore {
                 retain_delivered: options.retain_delivered,
                 waiting: tokio::sync::watch::channel(false).0,
                 owned: Default::default(),
+                floor_usable: AtomicBool::new(true),
             }),
         })
     }
@@ -179,6 +183,107 @@ impl PgStore {
             .batch_execute(sql)
             .await
             .map_err(|e| db_error("execute", e))
+    }
+}
+
+/// An owned-partition claim (ordered, fenced), with the scan floor's reads pipelined around
+/// it on the same connection, in this order: sequence, insert-lock holders, claim, after.
+async fn claim_owned(
+    inner: &Inner,
+    node: &str,
+    limit: i64,
+    fence: &Fence,
+) -> StoreResult<Vec<Row>> {
+    let sql = &inner.sql;
+    let client = inner.pool.get().await.map_err(|e| pool_error("claim", e))?;
+    let claim = client
+        .prepare_cached(&sql.claim_owned)
+        .await
+        .map_err(|e| db_error("claim", e))?;
+    let mut floor_statements = None;
+    if inner.floor_usable.load(Ordering::Relaxed) {
+        match futures::try_join!(
+            client.prepare_cached(&sql.floor_sequence),
+            client.prepare_cached(&sql.floor_writers),
+            client.prepare_cached(&sql.floor_after),
+        ) {
+            Ok(statements) => floor_statements = Some(statements),
+            Err(e) => floor_unusable(inner, &e),
+        }
+    }
+    let plan = inner.owned.plan(node, fence, floor_statements.is_some());
+    let count = fence.count as i32;
+    let claim_params: [&(dyn ToSql + Sync); 7] = [
+        &node,
+        &limit,
+        &plan.held,
+        &count,
+        &fence.partitions,
+        &fence.epochs,
+        &plan.start,
+    ];
+    let Some((sequence, writers, after)) = floor_statements else {
+        let rows = client
+            .query(&claim, &claim_params)
+            .await
+            .map_err(|e| db_error("claim", e))?;
+        let ids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
+        inner.owned.claimed(node, &plan, &ids, None);
+        return Ok(rows);
+    };
+    let after_params: [&(dyn ToSql + Sync); 3] = [&node, &fence.partitions, &fence.epochs];
+    // Polled in this order, the four are sent in this order, in one round trip.
+    let (sequence, writers, rows, after) = futures::join!(
+        client.query_one(&sequence, &[]),
+        client.query_one(&writers, &[]),
+        client.query(&claim, &claim_params),
+        client.query_one(&after, &after_params),
+    );
+    let rows = rows.map_err(|e| db_error("claim", e))?;
+    let ids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
+    let seen = match (sequence, writers, after) {
+        (Ok(sequence), Ok(writers), Ok(after)) => {
+            let cache: Option<i64> = sequence.get(1);
+            if cache == Some(1) {
+                Some(owned::Observation {
+                    sequence: sequence.get(0),
+                    writers: writers.get(0),
+                    claimed: &ids,
+                    full: ids.len() as i64 >= limit,
+                    lowest_retry: after.get(0),
+                    fence_held: after.get(1),
+                })
+            } else {
+                inner.floor_usable.store(false, Ordering::Relaxed);
+                tracing::info!(
+                    cache,
+                    "the outbox's sequence_id is not drawn from a sequence with CACHE 1 \
+                     (the default): claims scan the pending rows from the start"
+                );
+                None
+            }
+        }
+        (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => {
+            floor_unusable(inner, &e);
+            None
+        }
+    };
+    inner.owned.claimed(node, &plan, &ids, seen);
+    Ok(rows)
+}
+
+/// Claims go on without the scan floor, after saying why once.
+fn floor_unusable(inner: &Inner, e: &tokio_postgres::Error) {
+    if inner.floor_usable.swap(false, Ordering::Relaxed) {
+        let reason = e
+            .as_db_error()
+            .map_or_else(|| e.to_string(), |db| db.message().to_string());
+        tracing::warn!(
+            error = %reason,
+            "claims scan the pending rows from the start, slower with a large backlog; \
+             to fix, grant the relay's role SELECT on the outbox's sequence \
+             (see `outbox-relay migrate --print`)"
+        );
     }
 }
 
@@ -267,28 +372,7 @@ impl OutboxStore for PgStore {
                 (None, true) => {
                     Self::query(&inner, "claim", &inner.sql.claim, &[node, &limit, &lease]).await?
                 }
-                (Some(fence), true) => {
-                    let count = fence.count as i32;
-                    let held = inner.owned.held(node);
-                    let rows = Self::query(
-                        &inner,
-                        "claim",
-                        &inner.sql.claim_owned,
-                        &[
-                            node,
-                            &limit,
-                            &held,
-                            &count,
-                            &fence.partitions,
-                            &fence.epochs,
-                        ],
-                    )
-                    .await?;
-                    inner
-                        .owned
-                        .claimed(node, rows.iter().map(|r| r.get::<_, i64>(0)));
-                    rows
-                }
+                (Some(fence), true) => claim_owned(&inner, node, limit, fence).await?,
             };
             let mut claimed: Vec<Claimed> = rows.iter().map(row_to_claimed).collect();
             // RETURNING does not keep the scan's order.
@@ -312,7 +396,7 @@ impl OutboxStore for PgStore {
                 &inner.sql.ack_delete
             };
             let n = settle(&inner, "ack", sql, fence.as_deref(), &[&node.0, &ids]).await?;
-            inner.owned.forget(&node.0, &ids);
+            inner.owned.forget(&node.0, &ids, n < ids.len() as u64);
             Ok(n)
         }
         .boxed()
@@ -341,7 +425,7 @@ impl OutboxStore for PgStore {
                 &[&node.0, &ids, &attempts, &errors, &delays],
             )
             .await?;
-            inner.owned.forget(&node.0, &ids);
+            inner.owned.forget(&node.0, &ids, true);
             Ok(n)
         }
         .boxed()
@@ -369,7 +453,7 @@ impl OutboxStore for PgStore {
                 &[&node.0, &ids, &attempts, &errors],
             )
             .await?;
-            inner.owned.forget(&node.0, &ids);
+            inner.owned.forget(&node.0, &ids, n < ids.len() as u64);
             Ok(n)
         }
         .boxed()
@@ -379,7 +463,7 @@ impl OutboxStore for PgStore {
         let inner = self.inner.clone();
         async move {
             // Owned-claim rows hold no lease: forgetting them makes them claimable.
-            let owned = inner.owned.forget(&node.0, &ids);
+            let owned = inner.owned.forget(&node.0, &ids, true);
             let leased: Vec<i64> = ids
                 .iter()
                 .copied()

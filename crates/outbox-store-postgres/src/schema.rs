@@ -204,6 +204,8 @@ $$;
 -- CREATE ROLE {role} LOGIN PASSWORD '...';
 GRANT USAGE ON SCHEMA {schemas} TO {role};
 GRANT SELECT, UPDATE, DELETE ON {t} TO {role};
+-- To read how far ids have been handed out (claims then skip what they have been through).
+GRANT SELECT ON SEQUENCE {seq} TO {role};
 GRANT SELECT, INSERT ON {dl} TO {role};
 GRANT SELECT, INSERT, UPDATE, DELETE ON {nodes} TO {role};
 GRANT SELECT, UPDATE ON {parts} TO {role};
@@ -232,6 +234,12 @@ pub struct Statements {
     pub claim: String,
     /// Ordered, only the node's partitions; other nodes' row leases do not count there.
     pub claim_owned: String,
+    /// The scan floor's reads around an owned claim (see `owned.rs`): the sequence's last
+    /// value and cache size; the sessions holding the insert lock; after the claim, the
+    /// lowest row waiting to retry and whether the fence held.
+    pub floor_sequence: String,
+    pub floor_writers: String,
+    pub floor_after: String,
     /// Any ready rows (`--ordering none`).
     pub claim_unordered: String,
     pub ack_delete: Fenced,
@@ -342,7 +350,8 @@ impl Statements {
                 "FOR UPDATE SKIP LOCKED",
             ),
             // Owned partitions: $1 node, $2 limit, $3 the rows this node already holds, $4 the
-            // partition count, $5 its partitions, $6 their epochs. A plain SELECT: ownership
+            // partition count, $5 its partitions, $6 their epochs, $7 the scan floor (rows held
+            // in $3 are only those at or above it). A plain SELECT: ownership
             // (checked here against the live leases, and fencing every settle) replaces the row
             // lease, so rows are neither updated nor locked at claim time. See ARCHITECTURE.md.
             claim_owned: format!(
@@ -359,8 +368,31 @@ impl Statements {
                          AND (p.locked_by IS NOT NULL OR p.attempts > 0)
                          AND p.attempts > 0 AND p.available_at > now())
                     AND $1::text IS NOT NULL
+                    AND o.sequence_id >= $7
                   ORDER BY o.sequence_id
                   LIMIT $2"
+            ),
+            floor_sequence: format!(
+                "SELECT coalesce(pg_sequence_last_value(q.s), 0)::int8,
+                        (SELECT seqcache FROM pg_catalog.pg_sequence WHERE seqrelid = q.s)::int8
+                   FROM (SELECT pg_get_serial_sequence('{t}', 'sequence_id')::regclass AS s) q"
+            ),
+            // Every mode an insert takes or implies; not the vacuum's.
+            floor_writers: format!(
+                "SELECT coalesce(array_agg(l.virtualtransaction), '{{}}') FROM pg_catalog.pg_locks l
+                  WHERE l.locktype = 'relation' AND l.relation = '{t}'::regclass
+                    AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())
+                    AND l.mode IN ('RowExclusiveLock', 'ShareRowExclusiveLock', 'ExclusiveLock', 'AccessExclusiveLock')"
+            ),
+            // $1 node, $2 partitions, $3 epochs.
+            floor_after: format!(
+                "SELECT (SELECT min(o.sequence_id) FROM {t} o
+                          WHERE o.delivered_at IS NULL AND o.attempts > 0
+                            AND (o.locked_by IS NOT NULL OR o.attempts > 0)),
+                        (SELECT count(*) FROM {parts} pp
+                           JOIN unnest($2::int4[], $3::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                          WHERE pp.owner = $1 AND pp.epoch = h.epoch AND pp.lease_until > now())
+                        = cardinality($2::int4[])"
             ),
             claim_unordered: claim(
                 "AND (o.locked_until IS NULL OR o.locked_until < now())",
@@ -461,11 +493,14 @@ impl Statements {
                     AND (owner IS NULL OR lease_until IS NULL OR lease_until < now())
               RETURNING partition, epoch"
             ),
-            // $1 node, $2 partitions, $3 epochs, $4 ttl in ms.
+            // $1 node, $2 partitions, $3 epochs, $4 ttl in ms. A lease that ran out is not
+            // renewed (it is taken again, at a new epoch): a lease of one epoch is then unbroken,
+            // which the scan floor relies on.
             renew: format!(
                 "UPDATE {parts} p SET lease_until = now() + $4::int8 * interval '1 millisecond'
                    FROM unnest($2::int4[], $3::int8[]) AS h(partition, epoch)
                   WHERE p.partition = h.partition AND p.owner = $1 AND p.epoch = h.epoch
+                    AND p.lease_until > now()
               RETURNING p.partition"
             ),
             release_partitions: format!(

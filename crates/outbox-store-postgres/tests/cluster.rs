@@ -108,12 +108,26 @@ async fn leases_are_exclusive_and_each_takeover_bumps_the_epoch() {
     })
     .await;
     assert_eq!(retaken, vec![(0, 2)]);
-    // Partition 1's lease ran out too, but nobody took it: A still holds it at epoch 1.
+    // Partition 1's lease ran out too, and nobody took it: A cannot renew it either (a lease
+    // of one epoch is unbroken), but takes it again at the next epoch.
     let renewed = store
         .renew(a.clone(), vec![(0, 1), (1, 1)], Duration::from_secs(30))
         .await
         .unwrap();
-    assert_eq!(renewed, vec![1], "A lost partition 0 and kept 1");
+    assert!(
+        renewed.is_empty(),
+        "lapsed leases are not renewed: {renewed:?}"
+    );
+    let again = store
+        .acquire(a.clone(), vec![1], Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert_eq!(again, vec![(1, 2)]);
+    let renewed = store
+        .renew(a.clone(), again, Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert_eq!(renewed, vec![1], "a live lease is renewed");
     assert_eq!(
         store
             .release_partitions(b.clone(), vec![0, 2])
@@ -275,6 +289,121 @@ async fn owned_claims_cover_only_the_fence_and_unordered_claims_ignore_keys() {
         unordered.len(),
         1,
         "unordered claims take the later row at once"
+    );
+}
+
+/// A node holding every partition of a 4-partition store.
+async fn sole_owner(store: &PgStore) -> (NodeId, Fence) {
+    let node = NodeId::random();
+    let taken = store
+        .acquire(node.clone(), vec![0, 1, 2, 3], Duration::from_secs(60))
+        .await
+        .unwrap();
+    let fence = Fence {
+        count: 4,
+        partitions: vec![0, 1, 2, 3],
+        epochs: taken.iter().map(|(_, e)| *e).collect(),
+    };
+    (node, fence)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_do_not_pass_an_insert_that_commits_after_later_rows() {
+    let (store, url) = store(4).await;
+    let (node, fence) = sole_owner(&store).await;
+    let (writer, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    // An application transaction draws its id and stays open while later rows commit.
+    writer
+        .batch_execute(
+            "BEGIN; INSERT INTO outbox (destination, partition_key, event_type, payload)
+                    VALUES ('d', 'slow', 't', '0')",
+        )
+        .await
+        .unwrap();
+    let mut later = Vec::new();
+    for round in 0..3 {
+        let seq = store
+            .insert((0..5).map(|i| event(&format!("k{i}"), round)).collect())
+            .await
+            .unwrap();
+        later.extend(seq);
+        let claimed = store.claim(owned(&node, fence.clone(), 100)).await.unwrap();
+        assert!(
+            claimed.iter().all(|c| later.contains(&c.sequence_id())),
+            "only committed rows"
+        );
+    }
+    writer.batch_execute("COMMIT").await.unwrap();
+    let slow: i64 = writer
+        .query_one(
+            "SELECT sequence_id FROM outbox WHERE partition_key = 'slow'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(slow < later[0], "the open insert drew the lowest id");
+    let claimed = store.claim(owned(&node, fence.clone(), 100)).await.unwrap();
+    assert_eq!(
+        ids(&claimed),
+        vec![slow],
+        "the row committed last is claimed at once, below rows already claimed"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_that_retries_is_claimed_again_when_due_before_its_keys_later_rows() {
+    let (store, url) = store(4).await;
+    let (node, fence) = sole_owner(&store).await;
+    let seq = store
+        .insert(vec![event("k", 0), event("other", 1), event("k", 2)])
+        .await
+        .unwrap();
+    let claimed = store.claim(owned(&node, fence.clone(), 2)).await.unwrap();
+    assert_eq!(ids(&claimed), seq[..2]);
+    let retry = vec![outbox_core::store::RetryLater {
+        sequence_id: seq[0],
+        attempts: 1,
+        error: "down".into(),
+        delay: Duration::from_millis(300),
+    }];
+    let f = Some(Arc::new(fence.clone()));
+    assert_eq!(store.retry_later(node.clone(), f, retry).await.unwrap(), 1);
+    let waiting = store.claim(owned(&node, fence.clone(), 10)).await.unwrap();
+    assert!(
+        waiting.is_empty(),
+        "the key waits for its head: {:?}",
+        ids(&waiting)
+    );
+    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let client = Arc::new(client);
+    let head = seq[0];
+    eventually("the retry to come due", Duration::from_secs(10), || {
+        let client = client.clone();
+        async move {
+            let due: bool = client
+                .query_one(
+                    "SELECT available_at <= now() FROM outbox WHERE sequence_id = $1",
+                    &[&head],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            due.then_some(())
+        }
+    })
+    .await;
+    let claimed = store.claim(owned(&node, fence, 10)).await.unwrap();
+    assert_eq!(
+        ids(&claimed),
+        vec![seq[0], seq[2]],
+        "the head first, at once"
     );
 }
 
