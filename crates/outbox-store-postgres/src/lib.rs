@@ -268,6 +268,14 @@ async fn claim_owned(
             None
         }
     };
+    tracing::trace!(
+        start = plan.start,
+        held = plan.held.len(),
+        claimed = ids.len(),
+        sequence = seen.as_ref().map(|s| s.sequence),
+        writers = seen.as_ref().map(|s| s.writers.len()),
+        "owned claim"
+    );
     inner.owned.claimed(node, &plan, &ids, seen);
     Ok(rows)
 }
@@ -336,7 +344,10 @@ fn row_to_claimed(row: &Row) -> Claimed {
             rejected: row.get(8),
             attempts: attempts.max(0) as u32,
             max_attempts: None,
-            created_at: from_micros(row.get(10)),
+            // Binary timestamps (no numeric arithmetic in the claim); ±infinity reads as now.
+            created_at: row
+                .try_get::<_, std::time::SystemTime>(10)
+                .unwrap_or_else(|_| std::time::SystemTime::now()),
         }),
         Err(reason) => Claimed::Undecodable {
             sequence_id,

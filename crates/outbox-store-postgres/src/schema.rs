@@ -271,8 +271,7 @@ pub struct Fenced {
 
 /// Columns returned for each claimed row, decoded by `row_to_claimed`.
 const RETURNED: &str = "o.sequence_id, o.event_id, o.destination, o.partition_key, o.event_type, \
-     o.payload::text, o.headers::text, o.mutation_id, o.rejected, o.attempts, \
-     (extract(epoch from o.created_at) * 1000000)::int8";
+     o.payload::text, o.headers::text, o.mutation_id, o.rejected, o.attempts, o.created_at";
 
 impl Statements {
     pub fn new(tables: &Tables) -> Self {
