@@ -31,6 +31,10 @@ pub struct Settings {
     pub scaling_events: u64,
     pub out: PathBuf,
     pub only: Option<String>,
+    /// Drain sinks to measure (`file`, `nats`).
+    pub sinks: Vec<String>,
+    /// Extra options for the drained relay (for sweeps).
+    pub relay_args: Vec<String>,
 }
 
 fn settings() -> Result<Settings> {
@@ -41,6 +45,8 @@ fn settings() -> Result<Settings> {
         scaling_events: 200_000,
         out: PathBuf::from("bench-results"),
         only: None,
+        sinks: vec!["file".into(), "nats".into()],
+        relay_args: Vec::new(),
     };
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
@@ -52,6 +58,10 @@ fn settings() -> Result<Settings> {
             "--scaling-events" => s.scaling_events = value()?.parse()?,
             "--out" => s.out = PathBuf::from(value()?),
             "--only" => s.only = Some(value()?),
+            "--sinks" => s.sinks = value()?.split(',').map(str::to_string).collect(),
+            "--relay-args" => {
+                s.relay_args = value()?.split_whitespace().map(str::to_string).collect()
+            }
             "--quick" => {
                 s.events = 100_000;
                 s.baseline_events = 10_000;
@@ -60,6 +70,7 @@ fn settings() -> Result<Settings> {
             }
             "--help" | "-h" => {
                 println!("outbox-bench [--events N] [--baseline-events N] [--latency-seconds S] [--scaling-events N] [--quick] [--only drain|latency|keepup|writers|scaling] [--out DIR]");
+                println!("  drain sweeps: [--sinks file,nats] [--relay-args \"--batch-size 2000\"]; --baseline-events 0 skips the baseline and the PostgreSQL floor");
                 std::process::exit(0);
             }
             other => bail!("unknown argument {other:?}; see --help"),

@@ -136,8 +136,11 @@ async fn postgres_floor(b: &Bench, n: u64) -> Result<Value> {
 pub async fn drain(b: &Bench) -> Result<Value> {
     let n = b.settings.events;
     let mut out = json!({});
-    out["postgres_floor_events_per_s"] = postgres_floor(b, n.min(200_000)).await?;
-    for sink in ["file", "nats"] {
+    let with_baseline = b.settings.baseline_events > 0;
+    if with_baseline {
+        out["postgres_floor_events_per_s"] = postgres_floor(b, n.min(200_000)).await?;
+    }
+    for sink in b.settings.sinks.iter().map(String::as_str) {
         eprintln!("drain: relay, {n} events to {sink}");
         let db = b.reset().await?;
         b.prefill(&db, "outbox", n).await?;
@@ -150,21 +153,20 @@ pub async fn drain(b: &Bench) -> Result<Value> {
             .await?;
         let cpu0 = pg_cpu(b);
         let url = b.url();
-        let (wall, user, sys, rss) = timed(
-            b,
-            &[
-                "run",
-                "--drain",
-                "--database-url",
-                &url,
-                "--sink",
-                &target,
-                "--http-addr",
-                "",
-                "--log-level",
-                "warn",
-            ],
-        )?;
+        let mut args = vec![
+            "run",
+            "--drain",
+            "--database-url",
+            &url,
+            "--sink",
+            &target,
+            "--http-addr",
+            "",
+            "--log-level",
+            "warn",
+        ];
+        args.extend(b.settings.relay_args.iter().map(String::as_str));
+        let (wall, user, sys, rss) = timed(b, &args)?;
         let pg = pg_cpu(b) - cpu0;
         let calls = statements(&db).await?;
         let delivered = match sink {
@@ -182,6 +184,10 @@ pub async fn drain(b: &Bench) -> Result<Value> {
             "statements_per_event": calls as f64 / n as f64,
             "postgres_cpu_s": pg,
         });
+        if !with_baseline {
+            out[sink] = json!({ "relay": relay });
+            continue;
+        }
 
         let bn = b.settings.baseline_events;
         eprintln!("drain: baseline, {bn} events to {sink}");
@@ -535,6 +541,9 @@ pub fn markdown(r: &Value) -> String {
             let x = &d[sink];
             for who in ["relay", "baseline"] {
                 let y = &x[who];
+                if y.is_null() {
+                    continue;
+                }
                 s.push_str(&format!(
                     "| {sink} | {who} | {} | {} | {} | {} | {} | {} | {} |\n",
                     y["events"],
@@ -556,10 +565,12 @@ pub fn markdown(r: &Value) -> String {
             }
         }
         let floor = &d["postgres_floor_events_per_s"];
-        s.push_str(&format!(
+        if !floor.is_null() {
+            s.push_str(&format!(
             "\nPostgreSQL alone, batches of 1,000 rows, no relay: {} rows/s deleted, {} rows/s leased then deleted.\n\n",
             f(&floor["delete_only"]), f(&floor["lease_then_delete"])
         ));
+        }
     }
     if let Some(Value::Array(runs)) = r.get("latency") {
         s.push_str("### Latency, commit to confirmation (ms)\n\n| target rate | achieved | mode | p50 | p99 | p99.9 | max | missing |\n|---|---|---|---|---|---|---|---|\n");

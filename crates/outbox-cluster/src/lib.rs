@@ -203,7 +203,7 @@ async fn balance(p: &Partitions, config: &ClusterConfig, count: u32, live: &[Str
                         tracing::warn!(
                             partition,
                             epoch,
-                            "lost partition lease; another node took it"
+                            "lost partition lease: it ran out or another node took it"
                         );
                         metrics::counter!(REBALANCES, "change" => "lost").increment(1);
                         p.ownership.remove(partition);

@@ -17,7 +17,8 @@ use crate::cli::{Cli, Command};
 use crate::config::{Config, LogFormat};
 
 // glibc's malloc took a fifth of the relay's CPU publishing to JetStream, much of it waiting
-// on arena locks between runtime threads (perf; BENCHMARKS.md).
+// on arena locks between runtime threads (perf; BENCHMARKS.md). Built without transparent huge
+// pages (`no_thp`): with them, peak RSS doubled.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
