@@ -1,5 +1,5 @@
-//! The application's side: writers inserting single-row transactions, at a fixed rate or as
-//! fast as they can.
+//! The application's side: writers inserting transactions of one row (or a few), at a fixed
+//! rate or as fast as they can.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -31,23 +31,47 @@ pub fn payload(seq: u64) -> String {
 /// Commit times by sequence number.
 pub type Commits = Arc<Mutex<Vec<(u64, Instant)>>>;
 
-/// `writers` connections inserting at `rate` per second in total for `seconds`; returns when
-/// they stop, with each event's commit time (taken when COMMIT returned).
+/// Inserts `n` rows in one statement (one transaction, one statement-level trigger call).
+fn multi_insert_sql(table: &str) -> String {
+    let columns = if table == "outbox" {
+        "destination, partition_key, event_type, payload"
+    } else {
+        "destination, partition_key, payload"
+    };
+    let event_type = if table == "outbox" {
+        "'order.created', "
+    } else {
+        ""
+    };
+    format!(
+        "INSERT INTO {table} ({columns})
+         SELECT $1, k, {event_type}p::jsonb FROM unnest($2::text[], $3::text[]) AS u(k, p)"
+    )
+}
+
+/// `writers` connections inserting at `rate` events per second in total for `seconds`, in
+/// transactions of `per_commit` events; returns when they stop, with each event's commit time
+/// (taken when COMMIT returned).
 pub async fn fixed_rate(
     url: &str,
     table: &str,
     rate: u64,
     seconds: u64,
     writers: u64,
+    per_commit: u64,
 ) -> Result<Commits> {
     let commits: Commits = Arc::new(Mutex::new(Vec::new()));
     let next = Arc::new(AtomicU64::new(1));
-    let period = Duration::from_secs_f64(writers as f64 / rate as f64);
+    let period = Duration::from_secs_f64((writers * per_commit) as f64 / rate as f64);
     let until = Instant::now() + Duration::from_secs(seconds);
     let mut tasks = Vec::new();
     for _ in 0..writers {
         let client = crate::connect(url).await?;
-        let sql = insert_sql(table);
+        let sql = if per_commit == 1 {
+            insert_sql(table)
+        } else {
+            multi_insert_sql(table)
+        };
         let (commits, next) = (commits.clone(), next.clone());
         tasks.push(tokio::spawn(async move {
             let statement = client.prepare(&sql).await?;
@@ -55,12 +79,27 @@ pub async fn fixed_rate(
             ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             while Instant::now() < until {
                 ticker.tick().await;
-                let seq = next.fetch_add(1, Ordering::Relaxed);
-                let key = format!("customer-{}", seq % 1000);
-                client
-                    .execute(&statement, &[&SUBJECT, &key, &payload(seq)])
-                    .await?;
-                commits.lock().unwrap().push((seq, Instant::now()));
+                let first = next.fetch_add(per_commit, Ordering::Relaxed);
+                let seqs: Vec<u64> = (first..first + per_commit).collect();
+                let keys: Vec<String> = seqs
+                    .iter()
+                    .map(|seq| format!("customer-{}", seq % 1000))
+                    .collect();
+                let payloads: Vec<String> = seqs.iter().map(|seq| payload(*seq)).collect();
+                if per_commit == 1 {
+                    client
+                        .execute(&statement, &[&SUBJECT, &keys[0], &payloads[0]])
+                        .await?;
+                } else {
+                    client
+                        .execute(&statement, &[&SUBJECT, &keys, &payloads])
+                        .await?;
+                }
+                let at = Instant::now();
+                commits
+                    .lock()
+                    .unwrap()
+                    .extend(seqs.into_iter().map(|seq| (seq, at)));
             }
             Ok::<_, anyhow::Error>(())
         }));
