@@ -33,8 +33,10 @@ pub struct Settings {
     pub only: Option<String>,
     /// Drain sinks to measure (`file`, `nats`).
     pub sinks: Vec<String>,
-    /// Extra options for the drained relay (for sweeps).
+    /// Extra options for the drained and latency relays (for sweeps).
     pub relay_args: Vec<String>,
+    /// Latency runs as (events/s, events per transaction, mode); empty = the full plan.
+    pub latency_plan: Vec<(u64, u64, String)>,
 }
 
 fn settings() -> Result<Settings> {
@@ -47,6 +49,7 @@ fn settings() -> Result<Settings> {
         only: None,
         sinks: vec!["file".into(), "nats".into()],
         relay_args: Vec::new(),
+        latency_plan: Vec::new(),
     };
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
@@ -62,6 +65,7 @@ fn settings() -> Result<Settings> {
             "--relay-args" => {
                 s.relay_args = value()?.split_whitespace().map(str::to_string).collect()
             }
+            "--latency-plan" => s.latency_plan = parse_latency_plan(&value()?)?,
             "--quick" => {
                 s.events = 100_000;
                 s.baseline_events = 10_000;
@@ -71,12 +75,31 @@ fn settings() -> Result<Settings> {
             "--help" | "-h" => {
                 println!("outbox-bench [--events N] [--baseline-events N] [--latency-seconds S] [--scaling-events N] [--quick] [--only drain|latency|keepup|writers|scaling] [--out DIR]");
                 println!("  drain sweeps: [--sinks file,nats] [--relay-args \"--batch-size 2000\"]; --baseline-events 0 skips the baseline and the PostgreSQL floor");
+                println!("  latency subsets: [--latency-plan 10000x10:notify+gated,1000x1:poll] (events/s x events per transaction : modes notify|gated|poll|baseline)");
                 std::process::exit(0);
             }
             other => bail!("unknown argument {other:?}; see --help"),
         }
     }
     Ok(s)
+}
+
+/// `RATExPER:MODE+MODE,...`, for example `10000x10:notify+gated,1000x1:baseline`.
+fn parse_latency_plan(text: &str) -> Result<Vec<(u64, u64, String)>> {
+    let mut plan = Vec::new();
+    for item in text.split(',') {
+        let (rate, modes) = item
+            .split_once(':')
+            .with_context(|| format!("latency plan item {item:?}: expected RATExPER:MODES"))?;
+        let (rate, per) = rate.split_once('x').unwrap_or((rate, "1"));
+        for mode in modes.split('+') {
+            if !["notify", "gated", "poll", "baseline"].contains(&mode) {
+                bail!("latency plan item {item:?}: unknown mode {mode:?} (notify, gated, poll, baseline)");
+            }
+            plan.push((rate.parse()?, per.parse()?, mode.to_string()));
+        }
+    }
+    Ok(plan)
 }
 
 /// The servers this run started, stopped on drop.
@@ -197,6 +220,8 @@ impl Bench {
     /// `outbox-relay run` with `args`, logs to `<work>/<name>.log`.
     pub fn spawn_relay(&self, name: &str, args: &[&str]) -> Result<Child> {
         let log = std::fs::File::create(self.work.join(format!("{name}.log")))?;
+        // OUTBOX_BENCH_RELAY_LOG=trace records every claim in the relay's log.
+        let level = std::env::var("OUTBOX_BENCH_RELAY_LOG").unwrap_or_else(|_| "warn".into());
         Ok(Command::new(&self.bin)
             .arg("run")
             .args([
@@ -205,7 +230,9 @@ impl Bench {
                 "--http-addr",
                 "",
                 "--log-level",
-                "warn",
+                &level,
+                "--log-format",
+                "json",
             ])
             .args(args)
             .stdout(Stdio::null())
@@ -274,7 +301,20 @@ fn machine() -> Value {
 }
 
 fn build_relay() -> Result<PathBuf> {
-    let status = Command::new("cargo")
+    // Under `cargo run` this process inherits the variables cargo sets for a package (its
+    // CARGO_PKG_*, LD_LIBRARY_PATH, ...); passed on, they make the nested build rebuild
+    // dependencies that the outer build then rebuilds again.
+    let mut cargo = Command::new("cargo");
+    for (name, _) in std::env::vars_os() {
+        let name = name.to_string_lossy();
+        let set_by_cargo = (name.starts_with("CARGO_")
+            && !matches!(&*name, "CARGO_HOME" | "CARGO_TARGET_DIR"))
+            || matches!(&*name, "LD_LIBRARY_PATH" | "OUT_DIR" | "RUSTC" | "RUSTDOC");
+        if set_by_cargo {
+            cargo.env_remove(&*name);
+        }
+    }
+    let status = cargo
         .args(["build", "--release", "-q", "-p", "outbox-relay"])
         .status()?;
     if !status.success() {
@@ -348,7 +388,11 @@ async fn main() -> Result<()> {
     }
     results["duration_s"] = json!(started.elapsed().as_secs());
     write_results(&settings.out, &results)?;
-    let _ = std::fs::remove_dir_all(&bench.work);
+    if std::env::var_os("OUTBOX_BENCH_RELAY_LOG").is_none() {
+        let _ = std::fs::remove_dir_all(&bench.work);
+    } else {
+        eprintln!("relay logs kept in {}", bench.work.display());
+    }
     Ok(())
 }
 

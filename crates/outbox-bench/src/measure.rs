@@ -269,25 +269,18 @@ async fn latency_run(b: &Bench, rate: u64, per_commit: u64, mode: &str) -> Resul
                 baseline::run(&url, baseline::Sink::Nats(Box::new(js)), stop, false).await
             }));
         }
-        "notify" => relay = Some(b.spawn_relay("latency", &["--sink", &b.servers.nats_url])?),
-        "gated" => {
-            b.relay_cli(&["migrate", "--wakeup", "gated"])?;
-            relay = Some(b.spawn_relay(
-                "latency",
-                &["--sink", &b.servers.nats_url, "--wakeup", "gated"],
-            )?)
-        }
         _ => {
-            relay = Some(b.spawn_relay(
-                "latency",
-                &[
-                    "--sink",
-                    &b.servers.nats_url,
-                    "--poll-fixed-rate",
-                    "--poll-interval",
-                    "50ms",
-                ],
-            )?)
+            let mut args = vec!["--sink", b.servers.nats_url.as_str()];
+            match mode {
+                "gated" => {
+                    b.relay_cli(&["migrate", "--wakeup", "gated"])?;
+                    args.extend(["--wakeup", "gated"]);
+                }
+                "poll" => args.extend(["--poll-fixed-rate", "--poll-interval", "50ms"]),
+                _ => {}
+            }
+            args.extend(b.settings.relay_args.iter().map(String::as_str));
+            relay = Some(b.spawn_relay("latency", &args)?);
         }
     }
     // Ready when a probe event (seq 0) comes through.
@@ -345,13 +338,18 @@ async fn latency_run(b: &Bench, rate: u64, per_commit: u64, mode: &str) -> Resul
 /// (50 ms), and the baseline, with single-row transactions; then 10,000/s as transactions of
 /// 10 events (1,000 commits/s), which this machine's writers can reach with a trigger.
 pub async fn latency(b: &Bench) -> Result<Value> {
-    let mut runs = Vec::new();
-    let plan = [(1_000u64, 1u64), (10_000, 1), (10_000, 10)];
-    for (rate, per_commit) in plan {
-        for mode in ["notify", "gated", "poll", "baseline"] {
-            eprintln!("latency: {mode} at {rate}/s, {per_commit} per transaction");
-            runs.push(latency_run(b, rate, per_commit, mode).await?);
+    let mut plan = b.settings.latency_plan.clone();
+    if plan.is_empty() {
+        for (rate, per_commit) in [(1_000u64, 1u64), (10_000, 1), (10_000, 10)] {
+            for mode in ["notify", "gated", "poll", "baseline"] {
+                plan.push((rate, per_commit, mode.to_string()));
+            }
         }
+    }
+    let mut runs = Vec::new();
+    for (rate, per_commit, mode) in plan {
+        eprintln!("latency: {mode} at {rate}/s, {per_commit} per transaction");
+        runs.push(latency_run(b, rate, per_commit, &mode).await?);
     }
     Ok(Value::Array(runs))
 }
