@@ -107,6 +107,8 @@ pub struct Servers {
     pub admin_url: String,
     pub nats_url: String,
     pub pg_data: PathBuf,
+    /// nats-server's pid file, for its CPU time.
+    pub nats_pid_file: PathBuf,
     env: Vec<(String, String)>,
 }
 
@@ -151,6 +153,7 @@ impl Servers {
                 .context("no NATS URL")?
                 .clone(),
             pg_data: PathBuf::from(exports.get("OUTBOX_TEST_PG_DATA").context("no data dir")?),
+            nats_pid_file: PathBuf::from(&env[0].1).join("nats/nats.pid"),
             env,
         })
     }

@@ -52,6 +52,14 @@ fn pg_cpu(b: &Bench) -> f64 {
     total
 }
 
+/// nats-server's CPU seconds so far.
+fn nats_cpu(b: &Bench) -> f64 {
+    std::fs::read_to_string(&b.servers.nats_pid_file)
+        .ok()
+        .and_then(|pid| proc_cpu(pid.trim()))
+        .map_or(0.0, |(own, _, _)| own)
+}
+
 fn self_cpu() -> f64 {
     proc_cpu("self").map_or(0.0, |(own, _, _)| own)
 }
@@ -151,7 +159,7 @@ pub async fn drain(b: &Bench) -> Result<Value> {
         };
         db.batch_execute("SELECT pg_stat_statements_reset()")
             .await?;
-        let cpu0 = pg_cpu(b);
+        let (cpu0, nats0) = (pg_cpu(b), nats_cpu(b));
         let url = b.url();
         let mut args = vec![
             "run",
@@ -167,7 +175,7 @@ pub async fn drain(b: &Bench) -> Result<Value> {
         ];
         args.extend(b.settings.relay_args.iter().map(String::as_str));
         let (wall, user, sys, rss) = timed(b, &args)?;
-        let pg = pg_cpu(b) - cpu0;
+        let (pg, nats) = (pg_cpu(b) - cpu0, nats_cpu(b) - nats0);
         let calls = statements(&db).await?;
         let delivered = match sink {
             "file" => std::fs::read_to_string(b.work.join("drain.jsonl"))?
@@ -183,6 +191,7 @@ pub async fn drain(b: &Bench) -> Result<Value> {
             "peak_rss_mb": rss as f64 / 1024.0,
             "statements_per_event": calls as f64 / n as f64,
             "postgres_cpu_s": pg,
+            "nats_server_cpu_s": nats,
         });
         if !with_baseline {
             out[sink] = json!({ "relay": relay });
@@ -201,11 +210,11 @@ pub async fn drain(b: &Bench) -> Result<Value> {
         };
         db.batch_execute("SELECT pg_stat_statements_reset()")
             .await?;
-        let (cpu0, self0, start) = (pg_cpu(b), self_cpu(), Instant::now());
+        let (cpu0, nats0, self0, start) = (pg_cpu(b), nats_cpu(b), self_cpu(), Instant::now());
         let published =
             baseline::run(&url, sink_impl, Arc::new(AtomicBool::new(false)), true).await?;
         let wall = start.elapsed().as_secs_f64();
-        let (pg, own) = (pg_cpu(b) - cpu0, self_cpu() - self0);
+        let (pg, nats, own) = (pg_cpu(b) - cpu0, nats_cpu(b) - nats0, self_cpu() - self0);
         let calls = statements(&db).await?;
         let base = json!({
             "events": bn, "delivered": published, "wall_s": wall,
@@ -213,6 +222,7 @@ pub async fn drain(b: &Bench) -> Result<Value> {
             "relay_cpu_s_per_million": own * 1e6 / bn as f64,
             "statements_per_event": calls as f64 / bn as f64,
             "postgres_cpu_s": pg,
+            "nats_server_cpu_s": nats,
         });
         let ratio = relay["events_per_s"].as_f64().unwrap_or(0.0)
             / base["events_per_s"].as_f64().unwrap_or(1.0);
@@ -536,7 +546,7 @@ pub fn markdown(r: &Value) -> String {
         r["machine"]["kernel"].as_str().unwrap_or(""),
     );
     if let Some(d) = r.get("drain") {
-        s.push_str("### Drain\n\n| sink | relay | events | events/s | CPU s per 1M | peak RSS MB | statements/event | Postgres CPU s | ratio to baseline |\n|---|---|---|---|---|---|---|---|---|\n");
+        s.push_str("### Drain\n\n| sink | relay | events | events/s | CPU s per 1M | peak RSS MB | statements/event | Postgres CPU s | nats-server CPU s | ratio to baseline |\n|---|---|---|---|---|---|---|---|---|---|\n");
         for sink in ["file", "nats"] {
             let x = &d[sink];
             for who in ["relay", "baseline"] {
@@ -545,7 +555,7 @@ pub fn markdown(r: &Value) -> String {
                     continue;
                 }
                 s.push_str(&format!(
-                    "| {sink} | {who} | {} | {} | {} | {} | {} | {} | {} |\n",
+                    "| {sink} | {who} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
                     y["events"],
                     f(&y["events_per_s"]),
                     f(&y["relay_cpu_s_per_million"]),
@@ -556,6 +566,7 @@ pub fn markdown(r: &Value) -> String {
                     },
                     f(&y["statements_per_event"]),
                     f(&y["postgres_cpu_s"]),
+                    f(&y["nats_server_cpu_s"]),
                     if who == "relay" {
                         format!("{}×", f(&x["ratio"]))
                     } else {

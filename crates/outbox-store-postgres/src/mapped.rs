@@ -89,9 +89,11 @@ impl MappedPgStore {
             IdType::Integer => "int8[]",
             IdType::Uuid => "uuid[]",
         };
+        // `NOT IN (SELECT unnest(..))` probes a hash; `NOT (.. = ANY(..))` would compare each
+        // scanned row with every element. Neither array holds NULL.
         let candidates = format!(
             "SELECT {id} AS id FROM {t} o
-              WHERE {} AND NOT ({} = ANY($2::text[]))
+              WHERE {} AND {} NOT IN (SELECT unnest($2::text[]))
               ORDER BY {} LIMIT $1",
             sql.claimable(),
             sql.key_expr(),
@@ -111,8 +113,8 @@ impl MappedPgStore {
         );
         let claim_unmarked = format!(
             "SELECT {} FROM {t} o
-              WHERE {} AND NOT ({} = ANY($2::text[]))
-                AND NOT ({id} = ANY($3::{id_array}))
+              WHERE {} AND {} NOT IN (SELECT unnest($2::text[]))
+                AND {id} NOT IN (SELECT unnest($3::{id_array}))
               ORDER BY {} LIMIT $1",
             sql.select_list(),
             sql.claimable(),

@@ -353,11 +353,14 @@ impl Statements {
             // in $3 are only those at or above it). A plain SELECT: ownership
             // (checked here against the live leases, and fencing every settle) replaces the row
             // lease, so rows are neither updated nor locked at claim time. See ARCHITECTURE.md.
+            // `NOT IN (SELECT unnest(..))` is a hashed subplan; `NOT (.. = ANY($3))` compares
+            // every scanned row with every held id (387 ms instead of 5.6 ms for 10,000).
+            // The array never holds NULL, so NOT IN means what it says.
             claim_owned: format!(
                 "SELECT {RETURNED} FROM {t} o
                   WHERE o.delivered_at IS NULL
                     AND o.available_at <= now()
-                    AND NOT (o.sequence_id = ANY($3::int8[]))
+                    AND o.sequence_id NOT IN (SELECT unnest($3::int8[]))
                     AND (cardinality({held}) = $4 OR {func}({key_o}, $4) = ANY({held}))
                     AND NOT EXISTS (
                        SELECT 1 FROM {t} p
