@@ -76,6 +76,7 @@ fn settings() -> Result<Settings> {
                 println!("outbox-bench [--events N] [--baseline-events N] [--latency-seconds S] [--scaling-events N] [--quick] [--only drain|latency|keepup|writers|scaling] [--out DIR]");
                 println!("  drain sweeps: [--sinks file,nats] [--relay-args \"--batch-size 2000\"]; --baseline-events 0 skips the baseline and the PostgreSQL floor");
                 println!("  latency subsets: [--latency-plan 10000x10:notify+gated,1000x1:poll] (events/s x events per transaction : modes notify|gated|poll|baseline)");
+                println!("  environment: OUTBOX_BENCH_RELAY_LOG=<filter> keeps the latency relays' JSON logs; OUTBOX_BENCH_RELAY_BIN=<path> measures that relay binary instead of building one");
                 std::process::exit(0);
             }
             other => bail!("unknown argument {other:?}; see --help"),
@@ -304,6 +305,10 @@ fn machine() -> Value {
 }
 
 fn build_relay() -> Result<PathBuf> {
+    // OUTBOX_BENCH_RELAY_BIN measures another build (an A/B of two commits) instead.
+    if let Some(bin) = std::env::var_os("OUTBOX_BENCH_RELAY_BIN") {
+        return Ok(PathBuf::from(bin));
+    }
     // Under `cargo run` this process inherits the variables cargo sets for a package (its
     // CARGO_PKG_*, LD_LIBRARY_PATH, ...); passed on, they make the nested build rebuild
     // dependencies that the outer build then rebuilds again.
