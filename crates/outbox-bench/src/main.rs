@@ -22,6 +22,9 @@ use serde_json::{json, Value};
 
 pub const SUBJECT: &str = "bench.orders";
 
+/// Where `scripts/servers.sh` keeps the bench servers' data, sockets and pids.
+const STATE_DIR: &str = "/tmp/outbox-relay-bench";
+
 /// Settings from the command line.
 #[derive(Clone, Debug)]
 pub struct Settings {
@@ -37,6 +40,8 @@ pub struct Settings {
     pub relay_args: Vec<String>,
     /// Latency runs as (events/s, events per transaction, mode); empty = the full plan.
     pub latency_plan: Vec<(u64, u64, String)>,
+    /// `OUTBOX_BENCH_RELAY_LOG`: the latency relays' log filter; when set, their logs are kept.
+    pub relay_log: Option<String>,
 }
 
 fn settings() -> Result<Settings> {
@@ -50,6 +55,7 @@ fn settings() -> Result<Settings> {
         sinks: vec!["file".into(), "nats".into()],
         relay_args: Vec::new(),
         latency_plan: Vec::new(),
+        relay_log: std::env::var("OUTBOX_BENCH_RELAY_LOG").ok(),
     };
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
@@ -116,10 +122,7 @@ pub struct Servers {
 impl Servers {
     fn start() -> Result<Servers> {
         let env = vec![
-            (
-                "OUTBOX_TEST_STATE".to_string(),
-                "/tmp/outbox-relay-bench".to_string(),
-            ),
+            ("OUTBOX_TEST_STATE".to_string(), STATE_DIR.to_string()),
             ("OUTBOX_TEST_SERVERS".into(), "postgres nats".into()),
             ("OUTBOX_TEST_PG_PORT".into(), "54339".into()),
             ("OUTBOX_TEST_NATS_PORT".into(), "54232".into()),
@@ -154,7 +157,7 @@ impl Servers {
                 .context("no NATS URL")?
                 .clone(),
             pg_data: PathBuf::from(exports.get("OUTBOX_TEST_PG_DATA").context("no data dir")?),
-            nats_pid_file: PathBuf::from(&env[0].1).join("nats/nats.pid"),
+            nats_pid_file: Path::new(STATE_DIR).join("nats/nats.pid"),
             env,
         })
     }
@@ -225,7 +228,7 @@ impl Bench {
     pub fn spawn_relay(&self, name: &str, args: &[&str]) -> Result<Child> {
         let log = std::fs::File::create(self.work.join(format!("{name}.log")))?;
         // OUTBOX_BENCH_RELAY_LOG=trace records every claim in the relay's log.
-        let level = std::env::var("OUTBOX_BENCH_RELAY_LOG").unwrap_or_else(|_| "warn".into());
+        let level = self.settings.relay_log.as_deref().unwrap_or("warn");
         Ok(Command::new(&self.bin)
             .arg("run")
             .args([
@@ -234,7 +237,7 @@ impl Bench {
                 "--http-addr",
                 "",
                 "--log-level",
-                &level,
+                level,
                 "--log-format",
                 "json",
             ])
@@ -396,7 +399,7 @@ async fn main() -> Result<()> {
     }
     results["duration_s"] = json!(started.elapsed().as_secs());
     write_results(&settings.out, &results)?;
-    if std::env::var_os("OUTBOX_BENCH_RELAY_LOG").is_none() {
+    if settings.relay_log.is_none() {
         let _ = std::fs::remove_dir_all(&bench.work);
     } else {
         eprintln!("relay logs kept in {}", bench.work.display());

@@ -60,6 +60,26 @@ fn nats_cpu(b: &Bench) -> f64 {
         .map_or(0.0, |(own, _, _)| own)
 }
 
+/// CPU seconds the two servers use from `start` on.
+struct ServerCpu {
+    postgres: f64,
+    nats: f64,
+}
+
+impl ServerCpu {
+    fn start(b: &Bench) -> ServerCpu {
+        ServerCpu {
+            postgres: pg_cpu(b),
+            nats: nats_cpu(b),
+        }
+    }
+
+    /// (PostgreSQL, nats-server) CPU seconds since `start`.
+    fn used(&self, b: &Bench) -> (f64, f64) {
+        (pg_cpu(b) - self.postgres, nats_cpu(b) - self.nats)
+    }
+}
+
 fn self_cpu() -> f64 {
     proc_cpu("self").map_or(0.0, |(own, _, _)| own)
 }
@@ -159,7 +179,7 @@ pub async fn drain(b: &Bench) -> Result<Value> {
         };
         db.batch_execute("SELECT pg_stat_statements_reset()")
             .await?;
-        let (cpu0, nats0) = (pg_cpu(b), nats_cpu(b));
+        let servers = ServerCpu::start(b);
         let url = b.url();
         let mut args = vec![
             "run",
@@ -175,7 +195,7 @@ pub async fn drain(b: &Bench) -> Result<Value> {
         ];
         args.extend(b.settings.relay_args.iter().map(String::as_str));
         let (wall, user, sys, rss) = timed(b, &args)?;
-        let (pg, nats) = (pg_cpu(b) - cpu0, nats_cpu(b) - nats0);
+        let (pg, nats) = servers.used(b);
         let calls = statements(&db).await?;
         let delivered = match sink {
             "file" => std::fs::read_to_string(b.work.join("drain.jsonl"))?
@@ -210,11 +230,11 @@ pub async fn drain(b: &Bench) -> Result<Value> {
         };
         db.batch_execute("SELECT pg_stat_statements_reset()")
             .await?;
-        let (cpu0, nats0, self0, start) = (pg_cpu(b), nats_cpu(b), self_cpu(), Instant::now());
+        let (servers, self0, start) = (ServerCpu::start(b), self_cpu(), Instant::now());
         let published =
             baseline::run(&url, sink_impl, Arc::new(AtomicBool::new(false)), true).await?;
         let wall = start.elapsed().as_secs_f64();
-        let (pg, nats, own) = (pg_cpu(b) - cpu0, nats_cpu(b) - nats0, self_cpu() - self0);
+        let ((pg, nats), own) = (servers.used(b), self_cpu() - self0);
         let calls = statements(&db).await?;
         let base = json!({
             "events": bn, "delivered": published, "wall_s": wall,
