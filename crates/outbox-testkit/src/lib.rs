@@ -2,9 +2,12 @@
 //! recording publisher, and the conformance suites every store must pass.
 
 pub mod conformance;
+pub mod faultproxy;
 pub mod publisher;
 pub mod recording;
 pub mod server;
+
+pub use faultproxy::{Direction, FaultHandle, FaultProxy};
 
 /// Installs the process-wide TLS provider, as the binary does at start-up.
 pub fn install_crypto() {
