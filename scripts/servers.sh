@@ -84,7 +84,7 @@ start_postgres() {
     local speed="-c fsync=off -c full_page_writes=off"
     [ "${OUTBOX_PG_DURABLE:-0}" = 1 ] && speed=""
     as_pg "$PG_BIN/pg_ctl" -D "$dir/data" -l "$dir/log" -w start -o \
-      "-c listen_addresses=127.0.0.1 -p $PG_PORT -k $dir $speed ${OUTBOX_PG_EXTRA:-} -c max_connections=400 -c wal_level=logical -c ssl=on -c ssl_cert_file=$dir/tls/server.pem -c ssl_key_file=$dir/tls/server.key" >/dev/null
+      "-c listen_addresses=127.0.0.1 -p $PG_PORT -k $dir $speed ${OUTBOX_PG_EXTRA:-} -c max_connections=400 -c max_prepared_transactions=10 -c wal_level=logical -c ssl=on -c ssl_cert_file=$dir/tls/server.pem -c ssl_key_file=$dir/tls/server.key" >/dev/null
   fi
   drop_test_databases
   log "postgres ready on 127.0.0.1:$PG_PORT"

@@ -7,6 +7,10 @@
 //! and takes the free or expired leases of partitions assigned to it. Every takeover bumps
 //! the partition's fencing epoch, and the engine settles rows only under the epoch it
 //! holds. See ARCHITECTURE.md for the protocol.
+//!
+//! A node id belongs to one process at a time: [`Coordinator::start`] refuses an id that
+//! another live process heartbeats under, and a running node that finds its row rewritten by
+//! another process drops its partitions and reports itself [displaced](Coordinator::displaced).
 
 pub mod assign;
 
@@ -14,8 +18,8 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use outbox_core::store::{NodeRegistry, PartitionRegistry};
-use outbox_core::{NodeId, Ownership, StoreError};
+use outbox_core::store::{Incarnation, NodeRegistry, PartitionRegistry, Registration};
+use outbox_core::{NodeId, Ownership, StoreError, StoreErrorKind};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -49,20 +53,25 @@ pub struct Coordinator {
     partitions: Option<Partitions>,
     node: NodeId,
     stop: watch::Sender<bool>,
+    /// The expiry this process last wrote; `None` once another process took the row.
+    incarnation: watch::Receiver<Option<Incarnation>>,
     task: JoinHandle<()>,
 }
 
 impl Coordinator {
     /// Registers the node (failing if the database refuses), then keeps membership and
     /// leases in the background.
+    ///
+    /// If the node's row has not expired, it belongs to another live process or to one that
+    /// died without deregistering (kill -9): this watches the row until its expiry moves (a
+    /// live process: refused, [`StoreErrorKind::Config`]) or passes (taken over), so a
+    /// restart under the same id waits at most the heartbeat timeout.
     pub async fn start(
         registry: Arc<dyn NodeRegistry>,
         partitions: Option<Partitions>,
         config: ClusterConfig,
     ) -> Result<Self, StoreError> {
-        registry
-            .heartbeat(config.node.clone(), config.heartbeat_timeout)
-            .await?;
+        let incarnation = register(&*registry, &config).await?;
         tracing::info!(node = %config.node, "registered in the nodes table");
         metrics::describe_gauge!(CLUSTER_NODES, "Live nodes in the nodes table.");
         metrics::describe_gauge!(OWNED_PARTITIONS, "Partitions this node holds.");
@@ -71,29 +80,66 @@ impl Coordinator {
             "Partition leases acquired, released or lost by this node."
         );
         let (stop, stopped) = watch::channel(false);
+        let (written, incarnation_rx) = watch::channel(Some(incarnation));
         let task = tokio::spawn(run(
             registry.clone(),
             partitions.clone(),
             config.clone(),
             stopped,
+            written,
         ));
         Ok(Coordinator {
             registry,
             partitions,
             node: config.node,
             stop,
+            incarnation: incarnation_rx,
             task,
         })
     }
 
-    /// Stops heartbeating, gives up every partition (call it after the engine stopped and
-    /// released its rows) and removes this node's row.
+    /// Resolves once another process has heartbeated under this node's id: the coordinator
+    /// has dropped every partition, and the relay must stop (the other process may hold the
+    /// same partitions under the same name, so nothing this one settles is fenced off).
+    pub fn displaced(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut incarnation = self.incarnation.clone();
+        async move {
+            if incarnation.wait_for(Option::is_none).await.is_err() {
+                // The coordinator stopped without being displaced.
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+
+    /// Whether another process took this node's row (see [`Coordinator::displaced`]).
+    pub fn is_displaced(&self) -> bool {
+        self.incarnation.borrow().is_none()
+    }
+
+    /// Stops heartbeating, gives up every partition the engine no longer holds rows of (call
+    /// it after the engine stopped and released its rows) and removes this node's row. A displaced node touches neither:
+    /// both are the other process's now.
     pub async fn stop(self) {
         let _ = self.stop.send(true);
         let _ = self.task.await;
+        let Some(incarnation) = *self.incarnation.borrow() else {
+            tracing::warn!(node = %self.node, "left the nodes table and partitions to the process that took over this node id");
+            return;
+        };
         let limit = Duration::from_secs(5);
         if let Some(p) = &self.partitions {
-            let held: Vec<i32> = p.ownership.held().into_iter().map(|(p, _)| p).collect();
+            // A partition with a publish the engine gave up waiting for (shutdown timeout)
+            // is left to expire: the broker may still take that publish, and the next owner
+            // must not publish the key's later events before it.
+            let (held, unsettled): (Vec<i32>, Vec<i32>) = p
+                .ownership
+                .held()
+                .into_iter()
+                .map(|(p, _)| p)
+                .partition(|partition| !p.ownership.is_busy(*partition));
+            if !unsettled.is_empty() {
+                tracing::warn!(partitions = ?unsettled, "partitions with unconfirmed publishes are left to expire");
+            }
             if !held.is_empty() {
                 match tokio::time::timeout(
                     limit,
@@ -111,7 +157,12 @@ impl Coordinator {
                 }
             }
         }
-        match tokio::time::timeout(limit, self.registry.deregister(self.node.clone())).await {
+        match tokio::time::timeout(
+            limit,
+            self.registry.deregister(self.node.clone(), incarnation),
+        )
+        .await
+        {
             Ok(Ok(())) => tracing::info!(node = %self.node, "deregistered"),
             Ok(Err(e)) => {
                 tracing::warn!(error = %e.report(), "could not deregister; the row expires by itself")
@@ -121,15 +172,80 @@ impl Coordinator {
     }
 }
 
+/// Takes the node's row, waiting out a predecessor that died without deregistering; refuses
+/// an id whose row another live process keeps moving.
+async fn register(
+    registry: &dyn NodeRegistry,
+    config: &ClusterConfig,
+) -> Result<Incarnation, StoreError> {
+    let node = &config.node;
+    let mut first_seen = None;
+    loop {
+        let standing = match registry
+            .register(node.clone(), config.heartbeat_timeout)
+            .await?
+        {
+            Registration::Registered(incarnation) => return Ok(incarnation),
+            Registration::Taken(standing) => standing,
+        };
+        match first_seen {
+            None => {
+                tracing::warn!(
+                    node = %node,
+                    "node id is registered by another process, or by one that died without \
+                     deregistering: waiting for its heartbeat to move (refused) or expire (taken over)"
+                );
+                first_seen = Some(standing);
+            }
+            Some(seen) if seen != standing => {
+                return Err(StoreError::new(
+                    StoreErrorKind::Config,
+                    format!(
+                        "another live process is running as node {node} (it keeps heartbeating in the nodes table); \
+                         give every relay process its own --node-id (OUTBOX_RELAY_NODE_ID), or leave it unset for a generated one"
+                    ),
+                ));
+            }
+            Some(_) => {}
+        }
+        // A live process beats every heartbeat interval; look a few times per interval.
+        tokio::time::sleep(config.heartbeat_interval / 4).await;
+    }
+}
+
 async fn run(
     registry: Arc<dyn NodeRegistry>,
     partitions: Option<Partitions>,
     config: ClusterConfig,
     mut stopped: watch::Receiver<bool>,
+    written: watch::Sender<Option<Incarnation>>,
 ) {
     let mut count: Option<u32> = None;
     loop {
-        let live = beat(&*registry, &config).await;
+        let Some(last) = *written.borrow() else {
+            return;
+        };
+        let live = match beat(&*registry, &config, last).await {
+            Beat::Live(incarnation, live) => {
+                written.send_replace(Some(incarnation));
+                live
+            }
+            Beat::Failed => None,
+            Beat::Displaced => {
+                tracing::error!(
+                    node = %config.node,
+                    "another process is heartbeating as this node (the same --node-id): \
+                     dropping every partition and stopping; give every relay process its own --node-id"
+                );
+                if let Some(p) = &partitions {
+                    for (partition, _) in p.ownership.held() {
+                        p.ownership.remove(partition);
+                    }
+                }
+                written.send_replace(None);
+                return;
+            }
+        };
         let mut handing_over = false;
         if let (Some(p), Some(live)) = (&partitions, live) {
             if count.is_none() {
@@ -152,15 +268,27 @@ async fn run(
     }
 }
 
-/// Heartbeats, removes expired nodes, and returns the live node ids.
-async fn beat(registry: &dyn NodeRegistry, config: &ClusterConfig) -> Option<Vec<String>> {
-    if let Err(e) = registry
-        .heartbeat(config.node.clone(), config.heartbeat_timeout)
+enum Beat {
+    /// The new expiry, and the live node ids if they could be listed.
+    Live(Incarnation, Option<Vec<String>>),
+    Failed,
+    /// Another process rewrote this node's row.
+    Displaced,
+}
+
+/// Heartbeats, removes expired nodes, and lists the live node ids.
+async fn beat(registry: &dyn NodeRegistry, config: &ClusterConfig, last: Incarnation) -> Beat {
+    let incarnation = match registry
+        .heartbeat(config.node.clone(), last, config.heartbeat_timeout)
         .await
     {
-        tracing::warn!(error = %e.report(), "heartbeat failed");
-        return None;
-    }
+        Ok(Some(incarnation)) => incarnation,
+        Ok(None) => return Beat::Displaced,
+        Err(e) => {
+            tracing::warn!(error = %e.report(), "heartbeat failed");
+            return Beat::Failed;
+        }
+    };
     match registry.remove_expired().await {
         Ok(0) => {}
         Ok(n) => tracing::info!(nodes = n, "removed expired nodes"),
@@ -174,11 +302,11 @@ async fn beat(registry: &dyn NodeRegistry, config: &ClusterConfig) -> Option<Vec
                 ids.push(config.node.0.clone());
             }
             ids.sort();
-            Some(ids)
+            Beat::Live(incarnation, Some(ids))
         }
         Err(e) => {
             tracing::warn!(error = %e.report(), "could not list nodes");
-            None
+            Beat::Live(incarnation, None)
         }
     }
 }

@@ -21,10 +21,13 @@ struct Held {
 #[derive(Default)]
 struct State {
     held: BTreeMap<i32, Held>,
-    /// Held partitions being handed over: no new claims; released once not busy.
-    revoking: BTreeSet<i32>,
-    /// Partitions with rows the engine still holds.
+    /// Held partitions being handed over, with the generation that revoked them: no new
+    /// claims; released once the engine has seen that generation and holds none of their rows.
+    revoking: BTreeMap<i32, u64>,
+    /// Partitions with rows the engine still holds, as of generation `engine_seen`.
     busy: BTreeSet<i32>,
+    /// The last generation the engine acted on (dropped the work it may no longer publish).
+    engine_seen: u64,
 }
 
 type Callback = Box<dyn Fn() + Send + Sync>;
@@ -62,6 +65,10 @@ impl Ownership {
 
     fn changed(&self) {
         self.generation.fetch_add(1, Ordering::AcqRel);
+        self.notify();
+    }
+
+    fn notify(&self) {
         if let Some(callback) = self
             .on_change
             .lock()
@@ -102,14 +109,21 @@ impl Ownership {
 
     /// Start handing the partition over: stop claiming it, let in-flight work settle.
     pub fn revoke(&self, partition: i32) {
-        if self.state().revoking.insert(partition) {
-            self.changed();
+        let mut state = self.state();
+        if state.revoking.contains_key(&partition) {
+            return;
         }
+        // The generation this change creates: the engine must have seen it before the
+        // partition counts as idle.
+        let generation = self.generation.fetch_add(1, Ordering::AcqRel) + 1;
+        state.revoking.insert(partition, generation);
+        drop(state);
+        self.notify();
     }
 
     /// The hand-over is no longer wanted.
     pub fn keep(&self, partition: i32) {
-        if self.state().revoking.remove(&partition) {
+        if self.state().revoking.remove(&partition).is_some() {
             self.changed();
         }
     }
@@ -124,16 +138,42 @@ impl Ownership {
     }
 
     pub fn revoking(&self) -> Vec<i32> {
-        self.state().revoking.iter().copied().collect()
+        self.state().revoking.keys().copied().collect()
     }
 
+    /// Whether the engine may still publish the partition: it holds rows of it, or it has not
+    /// yet acted on the partition's revocation (a head may be on its way to the sink). A
+    /// partition is released only once this is false.
     pub fn is_busy(&self, partition: i32) -> bool {
-        self.state().busy.contains(&partition)
+        let state = self.state();
+        state.busy.contains(&partition)
+            || state
+                .revoking
+                .get(&partition)
+                .is_some_and(|revoked| state.engine_seen < *revoked)
     }
 
-    /// Reported by the engine whenever the set changes.
-    pub fn set_busy(&self, busy: BTreeSet<i32>) {
-        self.state().busy = busy;
+    /// Reported by the engine: the partitions it holds rows of, after it acted on
+    /// `generation` (dropped the queued work of partitions it may no longer publish).
+    pub fn set_busy(&self, busy: BTreeSet<i32>, generation: u64) {
+        let mut state = self.state();
+        state.busy = busy;
+        state.engine_seen = state.engine_seen.max(generation);
+    }
+
+    /// Until when the engine may wait for a sink's confirmation of events of `partitions`:
+    /// the earliest end of their leases by this node's clock; `None` when one of them is no
+    /// longer held (it may not publish it at all).
+    pub fn publish_deadline(&self, partitions: &BTreeSet<i32>) -> Option<Instant> {
+        let state = self.state();
+        partitions
+            .iter()
+            .map(|p| state.held.get(p).map(|h| h.valid_until))
+            .try_fold(None, |earliest: Option<Instant>, until| {
+                let until = until?;
+                Some(Some(earliest.map_or(until, |e| e.min(until))))
+            })
+            .flatten()
     }
 
     fn fence(&self, filter: impl Fn(i32, &Held) -> bool) -> Fence {
@@ -154,7 +194,7 @@ impl Ownership {
     /// What the engine may claim: held, valid by its own clock, not being handed over.
     pub fn claim_fence(&self, now: Instant) -> Fence {
         let revoking = self.state().revoking.clone();
-        self.fence(|p, h| h.valid_until > now && !revoking.contains(&p))
+        self.fence(|p, h| h.valid_until > now && !revoking.contains_key(&p))
     }
 
     /// What settles are fenced with: every held partition at its epoch (the database
@@ -170,7 +210,7 @@ impl Ownership {
         let valid = state
             .held
             .iter()
-            .filter(|(p, h)| h.valid_until > now && !state.revoking.contains(p));
+            .filter(|(p, h)| h.valid_until > now && !state.revoking.contains_key(p));
         let partitions = valid.clone().map(|(p, _)| *p).collect();
         let next = valid.map(|(_, h)| h.valid_until).min();
         (partitions, next)
@@ -226,5 +266,43 @@ mod tests {
         o.remove(2);
         assert!(o.generation() > g);
         assert_eq!(o.held(), vec![(1, 5)]);
+    }
+
+    #[test]
+    fn a_revoked_partition_stays_busy_until_the_engine_has_seen_the_revocation() {
+        // The race: the engine reported "no rows of 3" just before the revocation, and is
+        // about to hand a queued head of 3 to the sink.
+        let o = Ownership::new(8);
+        o.grant(3, 1, Instant::now() + Duration::from_secs(10));
+        o.set_busy(BTreeSet::new(), o.generation());
+        o.revoke(3);
+        assert!(
+            o.is_busy(3),
+            "not released on a report older than the revocation"
+        );
+        let seen = o.generation();
+        o.set_busy(BTreeSet::from([3]), seen);
+        assert!(o.is_busy(3), "in-flight work of 3 settles first");
+        o.set_busy(BTreeSet::new(), seen);
+        assert!(!o.is_busy(3));
+    }
+
+    #[test]
+    fn publishes_are_bounded_by_the_earliest_lease_of_their_partitions() {
+        let o = Ownership::new(8);
+        let now = Instant::now();
+        o.grant(1, 1, now + Duration::from_secs(10));
+        o.grant(2, 1, now + Duration::from_secs(4));
+        assert_eq!(
+            o.publish_deadline(&BTreeSet::from([1, 2])),
+            Some(now + Duration::from_secs(4))
+        );
+        o.renewed(2, now + Duration::from_secs(12));
+        assert_eq!(
+            o.publish_deadline(&BTreeSet::from([1, 2])),
+            Some(now + Duration::from_secs(10))
+        );
+        o.remove(1);
+        assert_eq!(o.publish_deadline(&BTreeSet::from([1, 2])), None);
     }
 }

@@ -214,16 +214,56 @@ pub struct NodeRecord {
     pub expiry: SystemTime,
 }
 
+/// The expiry a process last wrote to its row in the nodes table, exactly as the store keeps
+/// it (opaque: microseconds or milliseconds since the Unix epoch, by store). The table has
+/// no column for an incarnation, so the expiry serves as one: two processes heartbeating
+/// under the same id overwrite each other's value, and the next conditioned heartbeat of
+/// either one finds a value it did not write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Incarnation(pub i64);
+
+/// What [`NodeRegistry::register`] found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Registration {
+    /// The row is this process's, written with this expiry.
+    Registered(Incarnation),
+    /// A row with this id has not expired: another live process, or one that died without
+    /// deregistering. Its current expiry, to tell the two apart: a live process moves it.
+    Taken(Incarnation),
+}
+
 /// Membership in the nodes table (`id`, `expiry`), as the Ably connector keeps it.
+///
+/// A node id belongs to one process at a time. [`NodeRegistry::register`] takes the row only
+/// when it is absent or expired, and [`NodeRegistry::heartbeat`] and
+/// [`NodeRegistry::deregister`] apply only while the row still shows the expiry this process
+/// last wrote, so a second process started with the same id is refused at start (or, if it
+/// took the row while this one was stalled, this one learns it at its next heartbeat).
 pub trait NodeRegistry: Send + Sync + 'static {
-    /// Inserts or refreshes this node's row with `expiry = now + ttl`.
-    fn heartbeat(&self, node: NodeId, ttl: Duration) -> BoxFuture<'static, StoreResult<()>>;
+    /// Inserts this node's row with `expiry = now + ttl` if it is absent, or takes it over if
+    /// its expiry has passed; otherwise leaves it and reports its expiry.
+    fn register(
+        &self,
+        node: NodeId,
+        ttl: Duration,
+    ) -> BoxFuture<'static, StoreResult<Registration>>;
+
+    /// Pushes this node's expiry to `now + ttl` if the row still shows `last`, or inserts it
+    /// again if it is gone (expired and removed by another node). Returns the new expiry, or
+    /// `None` when the row shows an expiry this process did not write: another process
+    /// heartbeats under this id.
+    fn heartbeat(
+        &self,
+        node: NodeId,
+        last: Incarnation,
+        ttl: Duration,
+    ) -> BoxFuture<'static, StoreResult<Option<Incarnation>>>;
 
     /// Deletes rows whose expiry has passed; returns how many.
     fn remove_expired(&self) -> BoxFuture<'static, StoreResult<u64>>;
 
-    /// Deletes this node's row (graceful shutdown).
-    fn deregister(&self, node: NodeId) -> BoxFuture<'static, StoreResult<()>>;
+    /// Deletes this node's row (graceful shutdown) if it still shows `last`.
+    fn deregister(&self, node: NodeId, last: Incarnation) -> BoxFuture<'static, StoreResult<()>>;
 
     /// The nodes whose expiry has not passed.
     fn live_nodes(&self) -> BoxFuture<'static, StoreResult<Vec<NodeRecord>>>;

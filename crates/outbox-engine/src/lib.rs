@@ -41,8 +41,10 @@ pub const DEFAULT_MAX_IN_FLIGHT: usize = 10_000;
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 /// The safety poll with LISTEN, or the polling period in fixed-rate mode.
 pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_secs(1);
-/// How long a sink may take to confirm a batch before its events are retried.
-pub const DEFAULT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a sink may take to confirm a batch before its events are retried; shorter than
+/// the row lease, which must outlive every publish of its row. Partition leases bound each
+/// publish by themselves (`Engine::lease_lost`).
+pub const DEFAULT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(20);
 /// How long a graceful shutdown waits for in-flight publishes.
 pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(15);
 /// How often backlog gauges are refreshed.
@@ -224,21 +226,30 @@ impl Engine {
             self.dead_letter(undecodable);
             if !batch.is_empty() {
                 ::metrics::histogram!(metrics::PUBLISH_BATCH).record(batch.len() as f64);
+                let lease_lost = self.lease_lost(&batch);
                 let publish = self.publisher.publish(batch.clone());
                 let timeout = self.config.publish_timeout;
                 self.publishing.push(
                     async move {
                         let n = batch.len();
-                        let outcomes = match tokio::time::timeout(timeout, publish).await {
-                            Ok(outcomes) => outcomes,
-                            Err(_) => (0..n)
+                        let failed = |reason: String| {
+                            (0..n)
                                 .map(|_| {
                                     Err(PublishError::new(
                                         PublishErrorKind::Timeout,
-                                        format!("no confirmation within {timeout:?}"),
+                                        reason.clone(),
                                     ))
                                 })
-                                .collect(),
+                                .collect()
+                        };
+                        let outcomes = tokio::select! {
+                            outcomes = tokio::time::timeout(timeout, publish) => match outcomes {
+                                Ok(outcomes) => outcomes,
+                                Err(_) => failed(format!("no confirmation within {timeout:?}")),
+                            },
+                            () = lease_lost => failed(
+                                "no confirmation before this node's partition lease ran out".into(),
+                            ),
                         };
                         (batch, outcomes)
                     }
@@ -246,6 +257,30 @@ impl Engine {
                 );
             }
         }
+    }
+
+    /// Resolves when this node may no longer wait for the sink to confirm `batch`: a
+    /// partition of it was lost, or its lease ran out by the node's own clock and was not
+    /// renewed. A confirmation after that could follow the new owner's publishes of the same
+    /// keys. Pending forever without partition ownership.
+    fn lease_lost(&self, batch: &[Arc<Event>]) -> BoxFuture<'static, ()> {
+        let Some(ownership) = self.config.ownership.clone() else {
+            return futures::future::pending().boxed();
+        };
+        let partitions: std::collections::BTreeSet<i32> = batch
+            .iter()
+            .map(|e| outbox_core::partition_of(e.ordering_key(), ownership.count()))
+            .collect();
+        async move {
+            // Renewals move the deadline on; look again each time it comes.
+            while let Some(deadline) = ownership.publish_deadline(&partitions) {
+                if std::time::Instant::now() >= deadline {
+                    break;
+                }
+                tokio::time::sleep_until(Instant::from_std(deadline)).await;
+            }
+        }
+        .boxed()
     }
 
     fn dead_letter(&mut self, entries: Vec<(Arc<str>, String, DeadLetter)>) {
@@ -557,6 +592,7 @@ async fn event_loop(
     let mut seen_generation = u64::MAX;
     let mut next_expiry: Option<std::time::Instant> = None;
     let mut reported_busy = std::collections::BTreeSet::new();
+    let mut reported_generation = u64::MAX;
 
     loop {
         let stopping = stopping_deadline.is_some();
@@ -602,10 +638,13 @@ async fn event_loop(
             }
         }
         if let Some(ownership) = &config.ownership {
+            // Reported with the generation acted on above: the coordinator releases a revoked
+            // partition only on a report that postdates the revocation.
             let busy = engine.lanes.busy_partitions();
-            if busy != reported_busy {
-                ownership.set_busy(busy.clone());
+            if busy != reported_busy || seen_generation != reported_generation {
+                ownership.set_busy(busy.clone(), seen_generation);
                 reported_busy = busy;
+                reported_generation = seen_generation;
             }
         }
         let idle = claiming.is_none()

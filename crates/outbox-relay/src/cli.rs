@@ -41,8 +41,10 @@ pub struct GlobalArgs {
     /// [default: native]. Each seed layout defaults to its own table name.
     #[arg(long, global = true, value_name = "LAYOUT")]
     pub layout: Option<String>,
-    /// How writers wake the relay on PostgreSQL: notify (every inserting statement NOTIFYs)
-    /// or gated (only while the relay waits for rows; cheaper for writers under load).
+    /// How writers wake the relay on PostgreSQL: notify (every inserting statement NOTIFYs),
+    /// gated (only while the relay waits for rows; cheaper for writers under load) or poll
+    /// (never: the relay polls every --poll-interval; for applications that use two-phase
+    /// commit, since a transaction that sent a NOTIFY cannot PREPARE TRANSACTION).
     /// `migrate` installs the matching trigger function [default: notify].
     #[arg(long, global = true, value_enum, value_name = "MODE")]
     pub wakeup: Option<crate::config::WakeupMode>,
@@ -191,7 +193,8 @@ pub struct RunArgs {
     /// Lease on claimed rows; a crashed node's rows return after it [default: 30s].
     #[arg(long, value_name = "DURATION")]
     pub lease: Option<String>,
-    /// Time a sink has to confirm a batch before it is retried [default: 30s].
+    /// Time a sink has to confirm a batch before it is retried; shorter than --lease, and cut
+    /// short when the node's partition lease runs out [default: 20s].
     #[arg(long, value_name = "DURATION")]
     pub publish_timeout: Option<String>,
     /// Time a graceful shutdown waits for in-flight events [default: 15s].

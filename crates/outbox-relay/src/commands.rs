@@ -11,8 +11,29 @@ use outbox_core::{NewEvent, NodeId, Ownership, Publisher};
 use outbox_engine::{EngineConfig, WakeMode};
 
 use crate::cli::{MigrateArgs, SendArgs};
-use crate::config::{redact_url, Config, OrderingMode};
+use crate::config::{redact_url, Config, OrderingMode, WakeupMode};
 use crate::store::AnyStore;
+
+/// A failure only the operator's configuration can fix: the binary exits 2 for it.
+#[derive(Debug)]
+pub struct ConfigError(pub String);
+
+impl std::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// A store error as the binary reports it: exit 2 when only the configuration can fix it.
+fn failure(message: String, e: &outbox_core::StoreError) -> anyhow::Error {
+    if e.kind() == outbox_core::StoreErrorKind::Config {
+        anyhow::Error::new(ConfigError(message))
+    } else {
+        anyhow::anyhow!(message)
+    }
+}
 
 fn default_node_id() -> String {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
@@ -81,11 +102,12 @@ pub(crate) async fn ready_store(
     })
     .await
     .map_err(|e| {
-        anyhow::anyhow!(
+        let message = format!(
             "cannot use {}: {}",
             redact_url(&config.database_url),
             e.report()
-        )
+        );
+        failure(message, &e)
     })?;
     let mut fatal = Vec::new();
     for p in problems {
@@ -145,17 +167,18 @@ async fn publisher(config: &Config) -> anyhow::Result<Arc<dyn Publisher>> {
         .map_err(|e| anyhow::anyhow!("{}", redact_url(&e.report())))
 }
 
-pub async fn run(config: Config, drain: bool) -> anyhow::Result<ExitCode> {
+pub async fn run(mut config: Config, drain: bool) -> anyhow::Result<ExitCode> {
     let metrics = install_metrics()?;
+    // Chosen before the store opens: its sessions carry it in their application_name.
+    let node = NodeId(config.node_id.get_or_insert_with(default_node_id).clone());
     let store = ready_store(&config, config.auto_migrate, !drain).await?;
     let outbox = store.outbox();
     let sink = publisher(&config).await?;
-    let node = NodeId(config.node_id.clone().unwrap_or_else(default_node_id));
     tracing::info!(
         node = %node,
         store = %outbox.describe(),
         sink = %sink.describe(),
-        mode = if config.poll_fixed_rate { "fixed-rate polling" } else { "notify + safety poll" },
+        mode = if config.poll_fixed_rate || config.wakeup == WakeupMode::Poll { "fixed-rate polling" } else { "notify + safety poll" },
         poll_interval = ?config.poll_interval,
         drain,
         "outbox-relay starting"
@@ -199,14 +222,18 @@ pub async fn run(config: Config, drain: bool) -> anyhow::Result<ExitCode> {
         Coordinator::start(store.registry(), partitions.clone(), cluster.clone())
     })
     .await
-    .map_err(|e| anyhow::anyhow!("cannot register in the nodes table: {}", e.report()))?;
+    .map_err(|e| {
+        let message = format!("cannot register in the nodes table: {}", e.report());
+        failure(message, &e)
+    })?;
 
     let mut engine = EngineConfig::new(node);
     engine.batch_size = config.batch_size;
     engine.max_in_flight = config.max_in_flight;
     engine.lease = config.lease;
     engine.poll_interval = config.poll_interval;
-    engine.wake = if config.poll_fixed_rate {
+    // Nothing notifies under `--wakeup poll`: listening would only cost a connection.
+    engine.wake = if config.poll_fixed_rate || config.wakeup == WakeupMode::Poll {
         WakeMode::FixedRate
     } else {
         WakeMode::Notify
@@ -217,13 +244,29 @@ pub async fn run(config: Config, drain: bool) -> anyhow::Result<ExitCode> {
     engine.drain = drain;
     engine.ordered = ordered;
     engine.ownership = ownership;
-    let result = outbox_engine::run(outbox, sink, engine, shutdown_signal()).await;
+    let displaced = coordinator.displaced();
+    let stop = async move {
+        tokio::select! {
+            () = shutdown_signal() => {}
+            () = displaced => {}
+        }
+    };
+    let result = outbox_engine::run(outbox, sink, engine, stop).await;
+    let displaced = coordinator.is_displaced();
     // The engine has released its rows; now the partitions and the node row go.
     coordinator.stop().await;
     if let Some(http) = http {
         http.abort();
     }
     let summary = result.map_err(|e| anyhow::anyhow!("relay stopped: {}", e.report()))?;
+    if displaced {
+        return Err(anyhow::Error::new(ConfigError(
+            "relay stopped: another process started with the same node id took over this node's \
+             row in the nodes table; give every relay process its own --node-id \
+             (OUTBOX_RELAY_NODE_ID), or leave it unset for a generated one"
+                .into(),
+        )));
+    }
     tracing::info!(
         published = summary.published,
         retried = summary.retried,

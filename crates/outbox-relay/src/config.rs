@@ -85,6 +85,10 @@ pub enum WakeupMode {
     /// milliseconds instead. Cheaper for writers; one waiting node per table gets the
     /// notifications, other cluster nodes rely on poll_interval.
     Gated,
+    /// Writers never NOTIFY and the relay polls every poll_interval (as with
+    /// poll_fixed_rate). For applications that use two-phase commit: PostgreSQL refuses to
+    /// PREPARE a transaction that has sent a NOTIFY.
+    Poll,
 }
 
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, clap::ValueEnum)]
@@ -345,11 +349,34 @@ impl Config {
         if self.poll_interval.is_zero() {
             bail!("poll_interval must be greater than zero");
         }
-        if self.heartbeat_timeout <= self.heartbeat_interval {
+        // A node stops publishing a partition at 3/4 of its lease (heartbeat_timeout) after
+        // the last renewal; with fewer than three renewals in that time, one slow heartbeat
+        // statement hands every partition over.
+        if self.heartbeat_timeout < self.heartbeat_interval * 3 {
             bail!(
-                "heartbeat_timeout ({:?}) must be longer than heartbeat_interval ({:?})",
+                "heartbeat_timeout ({:?}) must be at least 3 x heartbeat_interval ({:?}): leases \
+                 are renewed every interval, and one late renewal must not lose them",
                 self.heartbeat_timeout,
                 self.heartbeat_interval
+            );
+        }
+        // Below this, every publish times out and is sent again, duplicating every event.
+        if self.publish_timeout < Duration::from_millis(100) {
+            bail!(
+                "publish_timeout must be at least 100ms (got {:?}): every publish would time out \
+                 and be sent again",
+                self.publish_timeout
+            );
+        }
+        // A row lease stops guarding its row when it runs out: a publish still waiting then
+        // can be confirmed after another node took the row and published the key's next
+        // events. (Partition leases bound each publish by themselves, see the engine.)
+        if self.publish_timeout >= self.lease {
+            bail!(
+                "publish_timeout ({:?}) must be shorter than lease ({:?}): a publish must not \
+                 outlive the lease on its row",
+                self.publish_timeout,
+                self.lease
             );
         }
         if self.partitions == 0 || self.partitions > 4096 {
@@ -650,6 +677,31 @@ mod tests {
             assert_eq!(c.retry.max_attempts_by_type["order.created"], 2);
             Ok(())
         });
+    }
+
+    #[test]
+    fn impossible_timings_are_refused() {
+        let base = Config::default();
+        base.validate().expect("the defaults are consistent");
+        let refused = |c: Config| c.validate().unwrap_err().to_string();
+        let err = refused(Config {
+            publish_timeout: Duration::from_nanos(1),
+            ..Config::default()
+        });
+        assert!(
+            err.contains("publish_timeout must be at least 100ms"),
+            "{err}"
+        );
+        let err = refused(Config {
+            publish_timeout: Duration::from_secs(45),
+            ..Config::default()
+        });
+        assert!(err.contains("shorter than lease"), "{err}");
+        let err = refused(Config {
+            heartbeat_interval: Duration::from_secs(4),
+            ..Config::default()
+        });
+        assert!(err.contains("at least 3 x heartbeat_interval"), "{err}");
     }
 
     #[test]

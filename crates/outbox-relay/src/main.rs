@@ -85,7 +85,11 @@ fn main() -> ExitCode {
         Err(e) => {
             tracing::error!(error = %format!("{e:#}"), "outbox-relay failed");
             eprintln!("error: {e:#}");
-            ExitCode::FAILURE
+            if e.downcast_ref::<commands::ConfigError>().is_some() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::FAILURE
+            }
         }
     }
 }

@@ -29,12 +29,18 @@ impl AnyStore {
                 let mut tables = pg_tables(config)?;
                 tables.partition_count = config.partitions;
                 tables.gated_wakeup = config.wakeup == crate::config::WakeupMode::Gated;
+                tables.poll_wakeup = config.wakeup == crate::config::WakeupMode::Poll;
                 let options = PgOptions {
                     url: config.database_url.clone(),
                     tables,
                     retain_delivered: config.retain_delivered,
                     ca_file: config.database_ca_file.clone(),
                     pool_size: config.pool_size,
+                    application_name: Some(match &config.node_id {
+                        Some(node) => format!("outbox-relay {node}"),
+                        None => "outbox-relay".into(),
+                    }),
+                    operation_timeout: None,
                 };
                 if let Some(mapping) = config.layout_mapping()? {
                     let channel = (config.layout == outbox_layout::LayoutKind::Adbc)

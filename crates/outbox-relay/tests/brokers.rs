@@ -277,6 +277,8 @@ async fn kill_9_while_publishing_to_jetstream_leaves_no_duplicate_in_the_stream(
             &nats_url,
             "--lease",
             "1s",
+            "--publish-timeout",
+            "700ms",
             "--batch-size",
             "100",
             "--http-addr",

@@ -42,6 +42,8 @@ impl Cluster {
             "1500ms",
             "--lease",
             "3s",
+            "--publish-timeout",
+            "2s",
             "--batch-size",
             "100",
             "--poll-interval",
@@ -468,4 +470,78 @@ async fn unordered_cluster_loses_nothing_under_the_same_faults() {
 async fn ordered_cluster_survives_a_database_restart() {
     let server = ScriptedServer::start("postgres", "OUTBOX_TEST_PG_PORT");
     scenario("key", Faults::DatabaseRestart(server)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_leaves_a_partition_with_an_unconfirmed_publish_to_expire() {
+    let url = outbox_testkit::fresh_pg_database().await;
+    let dir = tempfile::tempdir().unwrap();
+    // A webhook endpoint that takes the request and never answers.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("http://{}/events", listener.local_addr().unwrap());
+    let accepted = Arc::new(Mutex::new(Vec::new()));
+    let held = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((socket, _)) = listener.accept().await {
+            held.lock().unwrap().push(socket);
+        }
+    });
+    let migrate = Command::new(BIN)
+        .args(["migrate", "--database-url", &url])
+        .output()
+        .unwrap();
+    assert!(migrate.status.success(), "{migrate:?}");
+    let db = pg(&url).await;
+    db.batch_execute(
+        "INSERT INTO outbox (destination, partition_key, event_type, payload)
+         VALUES ('d', 'stuck', 't', '{}')",
+    )
+    .await
+    .unwrap();
+    let args = [
+        "run",
+        "--database-url",
+        &url,
+        "--sink",
+        &endpoint,
+        "--node-id",
+        "n1",
+        "--shutdown-timeout",
+        "500ms",
+        "--http-addr",
+        "",
+    ];
+    let mut relay = RelayProcess::spawn(dir.path(), "n1", &args, &[]);
+    eventually(
+        "the publish to reach the endpoint",
+        Duration::from_secs(30),
+        || {
+            let reached = !accepted.lock().unwrap().is_empty();
+            async move { reached.then_some(()) }
+        },
+    )
+    .await;
+    assert!(relay.terminate().await.success(), "{}", relay.logs());
+    let stuck = outbox_core::partition_of("stuck", 64);
+    let owners: Vec<(i32, Option<String>)> = db
+        .query(
+            "SELECT partition, owner FROM outbox_partitions ORDER BY partition",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    for (partition, owner) in owners {
+        if partition == stuck {
+            assert_eq!(
+                owner.as_deref(),
+                Some("n1"),
+                "the broker may still take the publish: the lease must run out first"
+            );
+        } else {
+            assert_eq!(owner, None, "partition {partition} is released at once");
+        }
+    }
 }

@@ -140,6 +140,8 @@ async fn kill_9_mid_stream_loses_nothing_and_keeps_per_key_order() {
         &sink,
         "--lease",
         "1s",
+        "--publish-timeout",
+        "700ms",
         "--batch-size",
         "50",
         "--poll-interval",
@@ -400,17 +402,13 @@ async fn least_privileged_role_from_migrate_print_is_enough() {
     assert!(relay_cmd(&url, &["migrate"]).status.success());
     let printed = relay_cmd(&url, &["migrate", "--print", "--role", "relay_min"]);
     let printed = String::from_utf8(printed.stdout).unwrap();
-    let grants: String = printed
-        .lines()
-        .filter(|l| l.starts_with("GRANT"))
-        .collect::<Vec<_>>()
-        .join("\n");
-    assert!(grants.contains("ON \"public\".\"outbox\""), "{printed}");
+    assert!(printed.contains("ON \"public\".\"outbox\" TO"), "{printed}");
+    // Applied whole, as `psql -f` would (the DDL again is a no-op).
     let role = format!("relay_{}", Uuid::new_v4().simple());
     client
         .batch_execute(&format!(
             "CREATE ROLE {role} LOGIN; {}",
-            grants.replace("\"relay_min\"", &role)
+            printed.replace("\"relay_min\"", &role)
         ))
         .await
         .unwrap();

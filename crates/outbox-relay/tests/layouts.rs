@@ -88,6 +88,7 @@ layout = "{layout}"
 http_addr = ""
 poll_interval = "100ms"
 lease = "2s"
+publish_timeout = "1500ms"
 [retry]
 base_delay = "10ms"
 max_delay = "20ms"

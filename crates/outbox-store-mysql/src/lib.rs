@@ -20,7 +20,8 @@ use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, Opts, OptsBuilder, Params, Pool, PoolConstraints, PoolOpts, Row, Value};
 use outbox_core::store::{
     Backlog, ClaimRequest, Claimed, DeadLetter, DeadRecord, DeadSelector, DestinationStats,
-    NodeRecord, NodeRegistry, OnChange, Operations, Problem, RetryLater, StoreResult,
+    Incarnation, NodeRecord, NodeRegistry, OnChange, Operations, Problem, Registration, RetryLater,
+    StoreResult,
 };
 use outbox_core::time::{from_micros, micros, millis};
 use outbox_core::{Fence, NewEvent, NodeId, OutboxStore, SequenceId, StoreError, StoreErrorKind};
@@ -902,22 +903,109 @@ async fn verify(store: &MySqlStore) -> StoreResult<Vec<Problem>> {
     Ok(problems)
 }
 
+impl MySqlStore {
+    /// In one transaction: reads the node's row (its expiry in microseconds since the epoch,
+    /// counted without the session's time zone, and whether it is live), and writes `now +
+    /// ttl` if `may_write` accepts what it read. Returns what was read and what was written.
+    async fn write_node_expiry(
+        &self,
+        context: &'static str,
+        nodes: &str,
+        node: &NodeId,
+        ttl: Duration,
+        may_write: impl FnOnce(Option<(i64, bool)>) -> bool,
+    ) -> StoreResult<(Option<i64>, Option<i64>)> {
+        let micros = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', expiry)";
+        let id = || named(vec![("id", Value::from(node.0.as_str()))]);
+        let mut conn = self.conn(context).await?;
+        let mut tx = conn
+            .start_transaction(mysql_async::TxOpts::default())
+            .await
+            .map_err(|e| db_error(context, e))?;
+        let read: Option<Row> = tx
+            .exec_first(
+                format!(
+                    "SELECT {micros}, expiry >= UTC_TIMESTAMP(6) FROM {nodes} WHERE id = :id FOR UPDATE"
+                ),
+                id(),
+            )
+            .await
+            .map_err(|e| db_error(context, e))?;
+        let current = read.map(|mut r| {
+            (
+                int(col(&mut r, 0)).unwrap_or(0),
+                int(col(&mut r, 1)).unwrap_or(0) != 0,
+            )
+        });
+        if !may_write(current) {
+            tx.rollback().await.map_err(|e| db_error(context, e))?;
+            return Ok((current.map(|c| c.0), None));
+        }
+        tx.exec_drop(
+            format!(
+                "INSERT INTO {nodes} (id, expiry) VALUES (:id, UTC_TIMESTAMP(6) + INTERVAL (:ttl * 1000) MICROSECOND)
+                 ON DUPLICATE KEY UPDATE expiry = VALUES(expiry)"
+            ),
+            named(vec![
+                ("id", Value::from(node.0.as_str())),
+                ("ttl", Value::from(millis(ttl))),
+            ]),
+        )
+        .await
+        .map_err(|e| db_error(context, e))?;
+        let written: Option<Row> = tx
+            .exec_first(format!("SELECT {micros} FROM {nodes} WHERE id = :id"), id())
+            .await
+            .map_err(|e| db_error(context, e))?;
+        tx.commit().await.map_err(|e| db_error(context, e))?;
+        Ok((
+            current.map(|c| c.0),
+            written.and_then(|mut r| int(col(&mut r, 0))),
+        ))
+    }
+}
+
 impl NodeRegistry for MySqlStore {
-    fn heartbeat(&self, node: NodeId, ttl: Duration) -> BoxFuture<'static, StoreResult<()>> {
+    fn register(
+        &self,
+        node: NodeId,
+        ttl: Duration,
+    ) -> BoxFuture<'static, StoreResult<Registration>> {
         let store = self.clone();
         async move {
-            let Some(nodes) = store.nodes() else { return Ok(()) };
-            store
-                .exec(
-                    "heartbeat",
-                    &format!(
-                        "INSERT INTO {nodes} (id, expiry) VALUES (:id, UTC_TIMESTAMP(6) + INTERVAL (:ttl * 1000) MICROSECOND)
-                         ON DUPLICATE KEY UPDATE expiry = VALUES(expiry)"
-                    ),
-                    named(vec![("id", Value::from(node.0)), ("ttl", Value::from(millis(ttl)))]),
-                )
-                .await
-                .map(|_| ())
+            let Some(nodes) = store.nodes() else {
+                return Ok(Registration::Registered(Incarnation(0)));
+            };
+            let (current, written) = store
+                .write_node_expiry("register", &nodes, &node, ttl, |row| {
+                    !row.is_some_and(|(_, live)| live)
+                })
+                .await?;
+            Ok(match (written, current) {
+                (Some(w), _) => Registration::Registered(Incarnation(w)),
+                (None, c) => Registration::Taken(Incarnation(c.unwrap_or(0))),
+            })
+        }
+        .boxed()
+    }
+
+    fn heartbeat(
+        &self,
+        node: NodeId,
+        last: Incarnation,
+        ttl: Duration,
+    ) -> BoxFuture<'static, StoreResult<Option<Incarnation>>> {
+        let store = self.clone();
+        async move {
+            let Some(nodes) = store.nodes() else {
+                return Ok(Some(last));
+            };
+            let (_, written) = store
+                .write_node_expiry("heartbeat", &nodes, &node, ttl, |row| {
+                    row.is_none_or(|(expiry, _)| expiry == last.0)
+                })
+                .await?;
+            Ok(written.map(Incarnation))
         }
         .boxed()
     }
@@ -939,7 +1027,7 @@ impl NodeRegistry for MySqlStore {
         .boxed()
     }
 
-    fn deregister(&self, node: NodeId) -> BoxFuture<'static, StoreResult<()>> {
+    fn deregister(&self, node: NodeId, last: Incarnation) -> BoxFuture<'static, StoreResult<()>> {
         let store = self.clone();
         async move {
             let Some(nodes) = store.nodes() else {
@@ -948,8 +1036,11 @@ impl NodeRegistry for MySqlStore {
             store
                 .exec(
                     "deregister",
-                    &format!("DELETE FROM {nodes} WHERE id = :id"),
-                    named(vec![("id", Value::from(node.0))]),
+                    &format!(
+                        "DELETE FROM {nodes}
+                          WHERE id = :id AND TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', expiry) = :last"
+                    ),
+                    named(vec![("id", Value::from(node.0)), ("last", Value::from(last.0))]),
                 )
                 .await
                 .map(|_| ())

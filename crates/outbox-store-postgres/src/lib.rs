@@ -12,7 +12,6 @@ pub mod schema;
 mod tls;
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,8 +20,8 @@ use futures::future::BoxFuture;
 use futures::FutureExt;
 use outbox_core::event::headers_from_json_text;
 use outbox_core::store::{
-    Backlog, ClaimRequest, Claimed, DeadLetter, NodeRecord, NodeRegistry, OnChange,
-    PartitionRecord, PartitionRegistry, Problem, RetryLater, StoreResult,
+    Backlog, ClaimRequest, Claimed, DeadLetter, Incarnation, NodeRecord, NodeRegistry, OnChange,
+    PartitionRecord, PartitionRegistry, Problem, Registration, RetryLater, StoreResult,
 };
 use outbox_core::{
     Event, Fence, NewEvent, NodeId, OutboxStore, Payload, SequenceId, StoreError, StoreErrorKind,
@@ -49,6 +48,37 @@ pub struct PgOptions {
     /// Extra CA certificates (PEM) for TLS, besides the system's roots.
     pub ca_file: Option<PathBuf>,
     pub pool_size: usize,
+    /// The sessions' `application_name` (`outbox-relay <node id>`), so `pg_stat_activity`
+    /// tells the relay's sessions apart; a URL that sets one keeps its own.
+    pub application_name: Option<String>,
+    /// How long a store operation may wait for the database before it fails as a lost
+    /// connection (`None`: [`OPERATION_TIMEOUT`]). Migrations are not bounded.
+    pub operation_timeout: Option<Duration>,
+}
+
+/// How long a store operation waits for an answer before it fails, retryably, as a lost
+/// connection. A database behind a dead network can leave a connection open that never
+/// answers; nothing the relay runs takes this long on a live database.
+pub const OPERATION_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// TCP settings that notice a dead peer even on an idle connection (the LISTEN session, the
+/// active relay's lock session): keepalive probes after 10 s of silence, every 5 s, 3 of
+/// them (about 25 s); and unacknowledged data aborts the connection after 20 s. A URL that
+/// sets any of these keeps its own value.
+const TCP_DEFAULTS: [(&str, Duration); 3] = [
+    ("keepalives_idle", Duration::from_secs(10)),
+    ("keepalives_interval", Duration::from_secs(5)),
+    ("tcp_user_timeout", Duration::from_secs(20)),
+];
+const KEEPALIVE_RETRIES: u32 = 3;
+
+/// Whether the URL's query sets `key`.
+fn url_sets(url: &str, key: &str) -> bool {
+    url.split_once('?').is_some_and(|(_, query)| {
+        query
+            .split('&')
+            .any(|pair| pair.split('=').next() == Some(key))
+    })
 }
 
 struct Inner {
@@ -58,12 +88,13 @@ struct Inner {
     tables: Tables,
     sql: schema::Statements,
     retain_delivered: bool,
+    operation_timeout: Duration,
     /// The engine's waiting state, for the gated wake-up.
     waiting: tokio::sync::watch::Sender<bool>,
     /// The rows each node holds from owned-partition claims, and where claims start.
     owned: owned::OwnedClaims,
-    /// Cleared (with a warning) when the scan floor cannot be used on this database.
-    floor_usable: AtomicBool,
+    /// Whether claims may use the scan floor now.
+    floor: owned::FloorHealth,
 }
 
 /// The PostgreSQL store. Cheap to clone.
@@ -75,7 +106,30 @@ pub struct PgStore {
 impl PgStore {
     /// Builds the pool. No connection is opened until first use.
     pub fn new(options: PgOptions) -> StoreResult<Self> {
-        let (config, tls) = tls::prepare(&options.url, options.ca_file.as_deref())?;
+        let (mut config, tls) = tls::prepare(&options.url, options.ca_file.as_deref())?;
+        if config.get_application_name().is_none() {
+            config.application_name(
+                options
+                    .application_name
+                    .as_deref()
+                    .unwrap_or("outbox-relay"),
+            );
+        }
+        for (key, value) in TCP_DEFAULTS {
+            if !url_sets(&options.url, key) {
+                match key {
+                    "keepalives_idle" => config.keepalives_idle(value),
+                    "keepalives_interval" => config.keepalives_interval(value),
+                    _ => config.tcp_user_timeout(value),
+                };
+            }
+        }
+        if !url_sets(&options.url, "keepalives_retries") {
+            config.keepalives_retries(KEEPALIVE_RETRIES);
+        }
+        if !url_sets(&options.url, "keepalives") {
+            config.keepalives(true);
+        }
         let manager = Manager::from_config(
             config.clone(),
             tls.clone(),
@@ -98,9 +152,10 @@ impl PgStore {
                 sql: schema::Statements::new(&options.tables),
                 tables: options.tables,
                 retain_delivered: options.retain_delivered,
+                operation_timeout: options.operation_timeout.unwrap_or(OPERATION_TIMEOUT),
                 waiting: tokio::sync::watch::channel(false).0,
                 owned: Default::default(),
-                floor_usable: AtomicBool::new(true),
+                floor: Default::default(),
             }),
         })
     }
@@ -143,15 +198,18 @@ impl PgStore {
         sql: &str,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> StoreResult<u64> {
-        let client = inner.pool.get().await.map_err(|e| pool_error(context, e))?;
-        let statement = client
-            .prepare_cached(sql)
-            .await
-            .map_err(|e| db_error(context, e))?;
-        client
-            .execute(&statement, params)
-            .await
-            .map_err(|e| db_error(context, e))
+        bounded(inner, context, async {
+            let client = inner.pool.get().await.map_err(|e| pool_error(context, e))?;
+            let statement = client
+                .prepare_cached(sql)
+                .await
+                .map_err(|e| db_error(context, e))?;
+            client
+                .execute(&statement, params)
+                .await
+                .map_err(|e| db_error(context, e))
+        })
+        .await
     }
 
     async fn query(
@@ -160,15 +218,18 @@ impl PgStore {
         sql: &str,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> StoreResult<Vec<Row>> {
-        let client = inner.pool.get().await.map_err(|e| pool_error(context, e))?;
-        let statement = client
-            .prepare_cached(sql)
-            .await
-            .map_err(|e| db_error(context, e))?;
-        client
-            .query(&statement, params)
-            .await
-            .map_err(|e| db_error(context, e))
+        bounded(inner, context, async {
+            let client = inner.pool.get().await.map_err(|e| pool_error(context, e))?;
+            let statement = client
+                .prepare_cached(sql)
+                .await
+                .map_err(|e| db_error(context, e))?;
+            client
+                .query(&statement, params)
+                .await
+                .map_err(|e| db_error(context, e))
+        })
+        .await
     }
 
     /// Runs arbitrary SQL (for tests and tools).
@@ -186,34 +247,79 @@ impl PgStore {
     }
 }
 
+/// Runs a store operation with the operation timeout. A connection that did not answer in
+/// time may be dead without knowing it (a blackholed network), and its neighbours with it:
+/// the pool forgets its idle connections, so the retry opens fresh ones.
+async fn bounded<T>(
+    inner: &Inner,
+    context: &'static str,
+    operation: impl std::future::Future<Output = StoreResult<T>>,
+) -> StoreResult<T> {
+    // Its own statement: the operation (and the connection it holds, which goes back to the
+    // pool) is dropped before the pool is cleared.
+    let result = tokio::time::timeout(inner.operation_timeout, operation).await;
+    result.unwrap_or_else(|_| {
+        inner.pool.retain(|_, _| false);
+        Err(StoreError::new(
+            StoreErrorKind::Connection,
+            format!(
+                "{context}: no answer from the database within {:?}; the connection is presumed lost",
+                inner.operation_timeout
+            ),
+        ))
+    })
+}
+
 /// An owned-partition claim (ordered, fenced), with the scan floor's reads pipelined around
-/// it on the same connection, in this order: sequence, insert-lock holders, claim, after.
+/// it on the same connection, in this order: sequence, writers, due time, claim, after.
 async fn claim_owned(
     inner: &Inner,
     node: &str,
     limit: i64,
     fence: &Fence,
 ) -> StoreResult<Vec<Row>> {
-    let sql = &inner.sql;
     let client = inner.pool.get().await.map_err(|e| pool_error("claim", e))?;
+    match claim_owned_once(inner, &client, node, limit, fence).await? {
+        Some(rows) => Ok(rows),
+        // A row the floor passed has come due: claim again from zero, so that it goes out
+        // before the rows of its key that it holds back.
+        None => {
+            inner.owned.due_passed(node);
+            Ok(claim_owned_once(inner, &client, node, limit, fence)
+                .await?
+                .unwrap_or_default())
+        }
+    }
+}
+
+/// One owned claim; `None` when it started above zero and the floor's due time had passed.
+async fn claim_owned_once(
+    inner: &Inner,
+    client: &deadpool_postgres::Client,
+    node: &str,
+    limit: i64,
+    fence: &Fence,
+) -> StoreResult<Option<Vec<Row>>> {
+    let sql = &inner.sql;
     let claim = client
         .prepare_cached(&sql.claim_owned)
         .await
         .map_err(|e| db_error("claim", e))?;
     let mut floor_statements = None;
-    if inner.floor_usable.load(Ordering::Relaxed) {
+    if inner.floor.usable() {
         match futures::try_join!(
             client.prepare_cached(&sql.floor_sequence),
             client.prepare_cached(&sql.floor_writers),
+            client.prepare_cached(&sql.floor_due),
             client.prepare_cached(&sql.floor_after),
         ) {
             Ok(statements) => floor_statements = Some(statements),
-            Err(e) => floor_unusable(inner, &e),
+            Err(e) => inner.floor.failed(db_error("scan floor", e)),
         }
     }
     let plan = inner.owned.plan(node, fence, floor_statements.is_some());
     let count = fence.count as i32;
-    let claim_params: [&(dyn ToSql + Sync); 7] = [
+    let claim_params: [&(dyn ToSql + Sync); 8] = [
         &node,
         &limit,
         &plan.held,
@@ -221,50 +327,57 @@ async fn claim_owned(
         &fence.partitions,
         &fence.epochs,
         &plan.start,
+        &plan.due,
     ];
-    let Some((sequence, writers, after)) = floor_statements else {
+    let Some((sequence, writers, due, after)) = floor_statements else {
         let rows = client
             .query(&claim, &claim_params)
             .await
             .map_err(|e| db_error("claim", e))?;
         let ids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
         inner.owned.claimed(node, &plan, &ids, None);
-        return Ok(rows);
+        return Ok(Some(rows));
     };
-    let after_params: [&(dyn ToSql + Sync); 3] = [&node, &fence.partitions, &fence.epochs];
-    // Polled in this order, the four are sent in this order, in one round trip.
-    let (sequence, writers, rows, after) = futures::join!(
+    let due_params: [&(dyn ToSql + Sync); 3] = [&node, &fence.partitions, &count];
+    let after_params: [&(dyn ToSql + Sync); 4] =
+        [&node, &fence.partitions, &fence.epochs, &plan.due];
+    // Polled in this order, the five are sent in this order, in one round trip.
+    let (sequence, writers, due, rows, after) = futures::join!(
         client.query_one(&sequence, &[]),
         client.query_one(&writers, &[]),
+        client.query_one(&due, &due_params),
         client.query(&claim, &claim_params),
         client.query_one(&after, &after_params),
     );
     let rows = rows.map_err(|e| db_error("claim", e))?;
     let ids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
-    let seen = match (sequence, writers, after) {
-        (Ok(sequence), Ok(writers), Ok(after)) => {
-            let cache: Option<i64> = sequence.get(1);
-            if cache == Some(1) {
-                Some(owned::Observation {
-                    sequence: sequence.get(0),
-                    writers: writers.get(0),
-                    claimed: &ids,
-                    full: ids.len() as i64 >= limit,
-                    lowest_retry: after.get(0),
-                    fence_held: after.get(1),
-                })
-            } else {
-                inner.floor_usable.store(false, Ordering::Relaxed);
-                tracing::info!(
-                    cache,
-                    "the outbox's sequence_id is not drawn from a sequence with CACHE 1 \
-                     (the default): claims scan the pending rows from the start"
-                );
-                None
+    let seen = match (sequence, writers, due, after) {
+        (Ok(sequence), Ok(writers), Ok(due), Ok(after)) => {
+            // Rows make the statement's clock check moot: it passed, or none would return.
+            if ids.is_empty() && plan.start > 0 && after.get::<_, bool>(1) {
+                inner.owned.claimed(node, &plan, &ids, None);
+                return Ok(None);
+            }
+            match owned::SequenceCheck::from_row(&sequence).problem() {
+                Some(problem) => {
+                    inner.floor.unusable(problem);
+                    None
+                }
+                None => {
+                    inner.floor.in_use();
+                    Some(owned::Observation {
+                        sequence: sequence.get(0),
+                        writers: writers.get(0),
+                        next_due: due.get(0),
+                        claimed: &ids,
+                        full: ids.len() as i64 >= limit,
+                        fence_held: after.get(0),
+                    })
+                }
             }
         }
-        (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => {
-            floor_unusable(inner, &e);
+        (Err(e), _, _, _) | (_, Err(e), _, _) | (_, _, Err(e), _) | (_, _, _, Err(e)) => {
+            inner.floor.failed(db_error("scan floor", e));
             None
         }
     };
@@ -277,22 +390,7 @@ async fn claim_owned(
         "owned claim"
     );
     inner.owned.claimed(node, &plan, &ids, seen);
-    Ok(rows)
-}
-
-/// Claims go on without the scan floor, after saying why once.
-fn floor_unusable(inner: &Inner, e: &tokio_postgres::Error) {
-    if inner.floor_usable.swap(false, Ordering::Relaxed) {
-        let reason = e
-            .as_db_error()
-            .map_or_else(|| e.to_string(), |db| db.message().to_string());
-        tracing::warn!(
-            error = %reason,
-            "claims scan the pending rows from the start, slower with a large backlog; \
-             to fix, grant the relay's role SELECT on the outbox's sequence \
-             (see `outbox-relay migrate --print`)"
-        );
-    }
+    Ok(Some(rows))
 }
 
 /// Runs a settle statement, with the partition fence's parameters appended when there is one.
@@ -383,7 +481,9 @@ impl OutboxStore for PgStore {
                 (None, true) => {
                     Self::query(&inner, "claim", &inner.sql.claim, &[node, &limit, &lease]).await?
                 }
-                (Some(fence), true) => claim_owned(&inner, node, limit, fence).await?,
+                (Some(fence), true) => {
+                    bounded(&inner, "claim", claim_owned(&inner, node, limit, fence)).await?
+                }
             };
             let mut claimed: Vec<Claimed> = rows.iter().map(row_to_claimed).collect();
             // RETURNING does not keep the scan's order.
@@ -597,7 +697,22 @@ impl OutboxStore for PgStore {
     }
 }
 
+/// Refuses a hot standby: it takes no writes, so a relay there would fail every claim.
+/// Checked by `verify`, which `run` and `check` call first thing.
+pub(crate) async fn refuse_standby(inner: &Inner) -> StoreResult<()> {
+    let rows = PgStore::query(inner, "verify", "SELECT pg_is_in_recovery()", &[]).await?;
+    if rows[0].get::<_, bool>(0) {
+        return Err(StoreError::new(
+            StoreErrorKind::Config,
+            "the database is a hot standby (pg_is_in_recovery() is true), which takes no writes: \
+             point the database URL at the primary, not at a replica or a pooler that routes to one",
+        ));
+    }
+    Ok(())
+}
+
 async fn verify(inner: &Inner) -> StoreResult<Vec<Problem>> {
+    refuse_standby(inner).await?;
     let t = &inner.tables;
     let mut problems = Vec::new();
     let migrate_fix = "run `outbox-relay migrate` (or apply `outbox-relay migrate --print`)";
@@ -651,6 +766,22 @@ async fn verify(inner: &Inner) -> StoreResult<Vec<Problem>> {
     if rows[0].get::<_, i64>(0) == 0 {
         problems.push(Problem {
             what: format!("trigger {trigger} on {} is missing: the relay is not woken on insert and falls back to polling", t.outbox),
+            fix: migrate_fix.into(),
+        });
+    }
+    let index = t.scheduled_index();
+    let rows = PgStore::query(
+        inner,
+        "verify",
+        "SELECT to_regclass($1) IS NOT NULL",
+        &[&index],
+    )
+    .await?;
+    if !rows[0].get::<_, bool>(0) {
+        problems.push(Problem {
+            what: format!(
+                "index {index} is missing: cluster claims scan the pending rows from the start"
+            ),
             fix: migrate_fix.into(),
         });
     }
@@ -729,10 +860,25 @@ async fn listen_once(inner: &Inner, channel: &str, on_change: &OnChange) -> Stor
 /// gated wake-up cannot wait for it yet).
 const GATE_RETRY: std::time::Duration = std::time::Duration::from_millis(5);
 
+/// How often a waiting relay tries for the gate while another relay holds it. It is not
+/// woken for these tries: it claims at its `poll_interval`, and on the NOTIFYs the holder's
+/// writers send to every listener.
+const GATE_HELD_ELSEWHERE_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Tries for the gate; when that fails, tells who holds it: writers mid-transaction (their
+/// shared locks admit a shared lock, taken and dropped at once) or another relay (its
+/// exclusive lock admits none). One round trip: `CASE` evaluates its branches in order.
+const GATE_TRY: &str = "SELECT CASE
+    WHEN pg_try_advisory_lock(hashtext($1)) THEN 'taken'
+    WHEN pg_try_advisory_lock_shared(hashtext($1)) AND pg_advisory_unlock_shared(hashtext($1))
+         THEN 'writers'
+    ELSE 'relay' END";
+
 /// The gated wake-up: while the engine waits, hold the advisory lock writers test (so they
 /// notify); while it works, release it (so they do not, and their commits stay cheap). A
-/// waiting engine that cannot take the lock (a writer is mid-transaction) is woken every few
-/// milliseconds instead, until it can. Returns the connection's end.
+/// waiting engine that cannot take the lock because a writer is mid-transaction is woken
+/// every few milliseconds instead, until it can; one that cannot because another relay holds
+/// it (a cluster) is left to its poll interval. Returns the connection's end.
 async fn gate(
     inner: &Inner,
     client: &tokio_postgres::Client,
@@ -742,16 +888,23 @@ async fn gate(
     let key = inner.tables.wakeup_key();
     let mut waiting = inner.waiting.subscribe();
     let mut holding = false;
+    let mut held_elsewhere = false;
     loop {
         let want = *waiting.borrow_and_update();
         if want && !holding {
             let row = client
-                .query_one("SELECT pg_try_advisory_lock(hashtext($1))", &[&key])
+                .query_one(GATE_TRY, &[&key])
                 .await
                 .map_err(|e| db_error("wake-up gate", e))?;
-            holding = row.get(0);
-            // Either way, look again: rows committed before the lock was held notified nobody.
-            on_change();
+            let state: &str = row.get(0);
+            holding = state == "taken";
+            held_elsewhere = state == "relay";
+            // Look again: rows committed before the lock was held notified nobody, and
+            // writers mid-transaction will not notify either. Under another relay's gate,
+            // its writers notify every listener, this one included.
+            if !held_elsewhere {
+                on_change();
+            }
         } else if !want && holding {
             client
                 .query_one("SELECT pg_advisory_unlock(hashtext($1))", &[&key])
@@ -760,6 +913,11 @@ async fn gate(
             holding = false;
         }
         let retry = want && !holding;
+        let pause = if held_elsewhere {
+            GATE_HELD_ELSEWHERE_RETRY
+        } else {
+            GATE_RETRY
+        };
         tokio::select! {
             ended = &mut *driver => {
                 return ended.unwrap_or_else(|e| {
@@ -774,19 +932,56 @@ async fn gate(
                     return Ok(());
                 }
             }
-            () = tokio::time::sleep(GATE_RETRY), if retry => {}
+            () = tokio::time::sleep(pause), if retry => {}
         }
     }
 }
 
 impl NodeRegistry for PgStore {
-    fn heartbeat(&self, node: NodeId, ttl: Duration) -> BoxFuture<'static, StoreResult<()>> {
+    fn register(
+        &self,
+        node: NodeId,
+        ttl: Duration,
+    ) -> BoxFuture<'static, StoreResult<Registration>> {
         let inner = self.inner.clone();
         async move {
             let ttl = millis(ttl);
-            Self::execute(&inner, "heartbeat", &inner.sql.heartbeat, &[&node.0, &ttl])
-                .await
-                .map(|_| ())
+            let rows =
+                Self::query(&inner, "register", &inner.sql.register, &[&node.0, &ttl]).await?;
+            let Some(row) = rows.first() else {
+                // Another session took the row after this statement's snapshot was taken.
+                return Err(StoreError::new(
+                    StoreErrorKind::Conflict,
+                    "register: the node's row changed during registration",
+                ));
+            };
+            let expiry = Incarnation(row.get(1));
+            Ok(if row.get(0) {
+                Registration::Registered(expiry)
+            } else {
+                Registration::Taken(expiry)
+            })
+        }
+        .boxed()
+    }
+
+    fn heartbeat(
+        &self,
+        node: NodeId,
+        last: Incarnation,
+        ttl: Duration,
+    ) -> BoxFuture<'static, StoreResult<Option<Incarnation>>> {
+        let inner = self.inner.clone();
+        async move {
+            let ttl = millis(ttl);
+            let rows = Self::query(
+                &inner,
+                "heartbeat",
+                &inner.sql.heartbeat,
+                &[&node.0, &ttl, &last.0],
+            )
+            .await?;
+            Ok(rows.first().map(|r| Incarnation(r.get(0))))
         }
         .boxed()
     }
@@ -805,12 +1000,17 @@ impl NodeRegistry for PgStore {
         .boxed()
     }
 
-    fn deregister(&self, node: NodeId) -> BoxFuture<'static, StoreResult<()>> {
+    fn deregister(&self, node: NodeId, last: Incarnation) -> BoxFuture<'static, StoreResult<()>> {
         let inner = self.inner.clone();
         async move {
-            Self::execute(&inner, "deregister", &inner.sql.deregister, &[&node.0])
-                .await
-                .map(|_| ())
+            Self::execute(
+                &inner,
+                "deregister",
+                &inner.sql.deregister,
+                &[&node.0, &last.0],
+            )
+            .await
+            .map(|_| ())
         }
         .boxed()
     }

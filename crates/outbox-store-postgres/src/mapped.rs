@@ -16,7 +16,8 @@ use futures::future::BoxFuture;
 use futures::FutureExt;
 use outbox_core::store::{
     Backlog, ClaimRequest, Claimed, DeadLetter, DeadRecord, DeadSelector, DestinationStats,
-    NodeRecord, NodeRegistry, OnChange, Operations, Problem, RetryLater, StoreResult,
+    Incarnation, NodeRecord, NodeRegistry, OnChange, Operations, Problem, Registration, RetryLater,
+    StoreResult,
 };
 use outbox_core::{Fence, NewEvent, NodeId, OutboxStore, SequenceId, StoreError, StoreErrorKind};
 use outbox_layout::memory::{decode, derived_event_id, Memory, RawRow, RowId};
@@ -794,6 +795,7 @@ fn typed(ty: &Type, value: Option<String>) -> StoreResult<Box<dyn ToSql + Sync +
 }
 
 async fn verify(store: &MappedPgStore) -> StoreResult<Vec<Problem>> {
+    crate::refuse_standby(&store.base.inner).await?;
     let sql = &store.inner.sql;
     let m = &sql.mapping;
     let schema = m.schema.clone().unwrap_or_else(|| "public".into());
@@ -878,12 +880,29 @@ async fn verify(store: &MappedPgStore) -> StoreResult<Vec<Problem>> {
     Ok(problems)
 }
 
+/// Layouts without a nodes table keep no membership: one active relay holds the table's lock.
 impl NodeRegistry for MappedPgStore {
-    fn heartbeat(&self, node: NodeId, ttl: Duration) -> BoxFuture<'static, StoreResult<()>> {
+    fn register(
+        &self,
+        node: NodeId,
+        ttl: Duration,
+    ) -> BoxFuture<'static, StoreResult<Registration>> {
         if !self.uses_nodes_table() {
-            return futures::future::ready(Ok(())).boxed();
+            return futures::future::ready(Ok(Registration::Registered(Incarnation(0)))).boxed();
         }
-        self.base.heartbeat(node, ttl)
+        self.base.register(node, ttl)
+    }
+
+    fn heartbeat(
+        &self,
+        node: NodeId,
+        last: Incarnation,
+        ttl: Duration,
+    ) -> BoxFuture<'static, StoreResult<Option<Incarnation>>> {
+        if !self.uses_nodes_table() {
+            return futures::future::ready(Ok(Some(last))).boxed();
+        }
+        self.base.heartbeat(node, last, ttl)
     }
 
     fn remove_expired(&self) -> BoxFuture<'static, StoreResult<u64>> {
@@ -893,11 +912,11 @@ impl NodeRegistry for MappedPgStore {
         self.base.remove_expired()
     }
 
-    fn deregister(&self, node: NodeId) -> BoxFuture<'static, StoreResult<()>> {
+    fn deregister(&self, node: NodeId, last: Incarnation) -> BoxFuture<'static, StoreResult<()>> {
         if !self.uses_nodes_table() {
             return futures::future::ready(Ok(())).boxed();
         }
-        self.base.deregister(node)
+        self.base.deregister(node, last)
     }
 
     fn live_nodes(&self) -> BoxFuture<'static, StoreResult<Vec<NodeRecord>>> {

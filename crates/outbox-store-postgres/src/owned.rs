@@ -12,27 +12,152 @@
 //! knowing. The hard case is an insert in progress: it has drawn its id from the sequence,
 //! but no snapshot shows it yet. Two earlier designs trusted snapshots and reordered keys.
 //! This one asks the lock manager: an insert takes its `RowExclusiveLock` on the table
-//! before it draws an id, and keeps it until it has committed or aborted. So with `seq`, the
-//! sequence's last value, read *before* `writers`, the sessions holding that lock: once
-//! none of `writers` holds it any more, every id up to `seq` is committed (and visible to a
-//! new snapshot) or never will be. A claim taken after that and scanning from `start` has
-//! seen everything up to `seq`.
+//! before it draws an id from the column default, and an application that draws the id
+//! itself first (`SELECT nextval(..)`, as Hibernate and jOOQ do) holds the sequence's
+//! `RowExclusiveLock` from that moment; both are kept until the transaction ends. So with
+//! `seq`, the sequence's last value, read *before* `writers`, the sessions holding either
+//! lock: once none of `writers` holds it any more, every id up to `seq` is committed (and
+//! visible to a new snapshot) or never will be. A claim taken after that and scanning from
+//! `start` has seen everything up to `seq`. This needs a sequence that hands out ids one at
+//! a time (INCREMENT 1, CACHE 1): a session that caches ids, or an application that draws a
+//! block of them (Hibernate's pooled optimiser), inserts them later holding no lock in
+//! between, so the store checks both at run time and otherwise scans from the start.
 //!
-//! The floor comes back down when rows below it become claimable again: rows released or
-//! retried by this node (to their lowest id), another fence (to zero), and once a second (to
-//! zero) for rows no claim can see coming: rows an operator moves back (`dead retry`,
-//! `replay`) and rows scheduled for later by the application. It never passes a row waiting
-//! to retry (it would block its key's later rows until due, then be passed over).
+//! Rows not available yet (scheduled by the application, or waiting to retry) may be passed:
+//! before each claim the store reads when the first of them in the node's partitions comes
+//! due, and the floor is good only until then (`ClaimPlan::due`, checked by the claim
+//! statement itself against the database's clock). A claim past that time returns nothing,
+//! and the store claims again from zero, so a row coming due is claimed before the rows of
+//! its key that it holds back.
+//!
+//! The floor also comes back down when rows below it become claimable again: rows released
+//! or retried by this node (to their lowest id), another fence (to zero), and once a second
+//! (to zero) for rows no claim can see coming: rows an operator moves back (`dead retry`,
+//! `replay`).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use outbox_core::{Fence, SequenceId};
+use outbox_core::{Fence, SequenceId, StoreError};
 
-/// How often the floor goes back to zero, so that rows moved back by an operator or
-/// scheduled by the application are found.
+/// How often the floor goes back to zero, so that rows moved back by an operator are found.
 const FULL_SCAN_EVERY: Duration = Duration::from_secs(1);
+
+/// How long claims go without the floor after a reason not to use it, before trying again
+/// (a GRANT or an ALTER SEQUENCE then takes effect without a restart).
+const FLOOR_RECHECK: Duration = Duration::from_secs(60);
+
+/// Whether claims may use the scan floor. A transient error costs one claim its floor; a
+/// reason that lasts (a missing privilege, index or sequence property) turns it off for
+/// [`FLOOR_RECHECK`], said once per reason, and the floor comes back when it is gone.
+pub struct FloorHealth {
+    off: Mutex<Option<FloorOff>>,
+    recheck: Duration,
+}
+
+impl Default for FloorHealth {
+    fn default() -> Self {
+        FloorHealth {
+            off: Mutex::new(None),
+            recheck: FLOOR_RECHECK,
+        }
+    }
+}
+
+struct FloorOff {
+    until: Instant,
+    reason: String,
+}
+
+impl FloorHealth {
+    pub fn usable(&self) -> bool {
+        let off = self.off.lock().expect("floor health lock");
+        off.as_ref().is_none_or(|o| o.until <= Instant::now())
+    }
+
+    /// A floor statement failed.
+    pub fn failed(&self, e: StoreError) {
+        if e.is_retryable() {
+            tracing::debug!(error = %e, "scan floor skipped for one claim");
+        } else {
+            self.unusable(format!(
+                "{e}; to fix, grant the relay's role SELECT on the outbox's sequence \
+                 (see `outbox-relay migrate --print`)"
+            ));
+        }
+    }
+
+    /// Claims scan from the start for a while, after saying why (once per reason).
+    pub fn unusable(&self, reason: String) {
+        let mut off = self.off.lock().expect("floor health lock");
+        if off.as_ref().is_none_or(|o| o.reason != reason) {
+            tracing::warn!(
+                %reason,
+                "claims scan the pending rows from the start (correct, but slower with a large \
+                 backlog); checked again every {}s",
+                self.recheck.as_secs()
+            );
+        }
+        *off = Some(FloorOff {
+            until: Instant::now() + self.recheck,
+            reason,
+        });
+    }
+
+    /// A claim used the floor.
+    pub fn in_use(&self) {
+        let mut off = self.off.lock().expect("floor health lock");
+        if off.take().is_some() {
+            tracing::info!("claims use the scan floor again");
+        }
+    }
+}
+
+/// What `floor_sequence` says about the outbox's sequence and the scheduled index.
+pub struct SequenceCheck {
+    has_sequence: bool,
+    cache: Option<i64>,
+    increment: Option<i64>,
+    scheduled_index: bool,
+}
+
+impl SequenceCheck {
+    pub fn from_row(row: &tokio_postgres::Row) -> Self {
+        SequenceCheck {
+            has_sequence: row.get(1),
+            cache: row.get(2),
+            increment: row.get(3),
+            scheduled_index: row.get(4),
+        }
+    }
+
+    /// Why the floor cannot vouch for ids on this table, with the fix.
+    pub fn problem(&self) -> Option<String> {
+        if !self.has_sequence {
+            return Some(
+                "the outbox's sequence_id has no sequence of its own (serial or identity), so \
+                 the relay cannot tell when every id below a value has committed"
+                    .into(),
+            );
+        }
+        if self.cache != Some(1) || self.increment != Some(1) {
+            return Some(format!(
+                "the outbox's sequence hands out ids ahead (CACHE {}, INCREMENT BY {}), so a \
+                 session can insert an id drawn earlier after later ids commit; where the \
+                 application allows it, ALTER SEQUENCE .. CACHE 1 INCREMENT BY 1",
+                self.cache.unwrap_or(0),
+                self.increment.unwrap_or(0)
+            ));
+        }
+        if !self.scheduled_index {
+            return Some(
+                "the outbox's scheduled index is missing; run `outbox-relay migrate`".into(),
+            );
+        }
+        None
+    }
+}
 
 /// Held rows and the scan floor per node (a process runs one node; tests run several on one
 /// store).
@@ -53,6 +178,9 @@ struct Floor {
     fence: Option<(Vec<i32>, Vec<i64>)>,
     /// A sequence value waiting for the sessions that could still insert below it.
     candidate: Option<(SequenceId, Vec<String>)>,
+    /// When the first row `start` passed that was not available yet comes due
+    /// (microseconds since the epoch, the database's clock); `None`: no such row.
+    due: Option<i64>,
     /// Counts the times the floor came down; a claim whose plan saw another count may not
     /// raise it past the lowered value.
     lowered: u64,
@@ -65,6 +193,7 @@ impl Default for Floor {
             start: 0,
             fence: None,
             candidate: None,
+            due: None,
             lowered: 0,
             full_scan_at: Instant::now(),
         }
@@ -78,10 +207,12 @@ impl Floor {
     }
 }
 
-/// What a claim scans: from `start`, leaving out `held` (only the held rows at or above it).
+/// What a claim scans: from `start`, leaving out `held` (only the held rows at or above it),
+/// and only while the database's clock is before `due`.
 pub struct ClaimPlan {
     pub start: SequenceId,
     pub held: Vec<SequenceId>,
+    pub due: Option<i64>,
     lowered: u64,
 }
 
@@ -89,14 +220,15 @@ pub struct ClaimPlan {
 pub struct Observation<'a> {
     /// The sequence's last value, read before `writers`.
     pub sequence: SequenceId,
-    /// Sessions holding the outbox's insert lock (virtual transaction ids).
+    /// Sessions holding the outbox's insert lock or the sequence's (virtual transaction ids).
     pub writers: Vec<String>,
+    /// When the first row of the node's partitions not available yet comes due (read after
+    /// `writers`, before the claim).
+    pub next_due: Option<i64>,
     /// The ids the claim returned (read after `writers`).
     pub claimed: &'a [SequenceId],
     /// Whether the claim returned as many rows as it asked for.
     pub full: bool,
-    /// The lowest pending row waiting to retry or retried (read after the claim).
-    pub lowest_retry: Option<SequenceId>,
     /// Whether every partition of the fence was still held, lease unbroken, after the claim.
     pub fence_held: bool,
 }
@@ -127,6 +259,7 @@ impl OwnedClaims {
         let start = floor.start;
         ClaimPlan {
             start,
+            due: floor.due,
             held: claims
                 .held
                 .iter()
@@ -173,20 +306,29 @@ impl OwnedClaims {
         };
         let mut next = plan.start;
         if let (Some(sequence), true) = (complete_up_to, seen.fence_held) {
-            // Up to here, every claimable row is now held.
+            // Up to here, every claimable row is now held, and every row not available yet
+            // was counted in `next_due`.
             let covered = match seen.claimed.iter().max() {
                 Some(&last) if seen.full => last.min(sequence),
                 _ => sequence,
             };
             next = next.max(covered.saturating_add(1));
         }
-        if let Some(retry) = seen.lowest_retry {
-            next = next.min(retry);
-        }
         if floor.lowered != plan.lowered {
             next = next.min(floor.start);
         }
         floor.start = next;
+        // Rows an earlier claim passed that are still not available were read again into
+        // `next_due`; rows that came due since made this claim's statement return nothing.
+        floor.due = seen.next_due;
+    }
+
+    /// A claim above zero found the floor's due time passed: the next one starts at zero.
+    pub fn due_passed(&self, node: &str) {
+        let mut nodes = self.nodes.lock().expect("owned claims lock");
+        if let Some(claims) = nodes.get_mut(node) {
+            claims.floor.lower_to(0);
+        }
     }
 
     /// Rows that settled or were released; returns those `node` held from owned claims.
@@ -239,9 +381,37 @@ mod tests {
             writers: writers.iter().map(|w| w.to_string()).collect(),
             claimed,
             full,
-            lowest_retry: None,
+            next_due: None,
             fence_held: true,
         }
+    }
+
+    #[test]
+    fn a_transient_error_costs_one_claim_and_a_lasting_reason_is_checked_again() {
+        use outbox_core::StoreErrorKind;
+        let health = FloorHealth::default();
+        health.failed(StoreError::new(
+            StoreErrorKind::Connection,
+            "connection reset",
+        ));
+        assert!(health.usable(), "a transient error keeps the floor");
+        health.failed(StoreError::new(
+            StoreErrorKind::Privilege,
+            "permission denied for sequence",
+        ));
+        assert!(!health.usable(), "a missing privilege turns it off");
+        health.in_use();
+        assert!(health.usable());
+
+        let soon = FloorHealth {
+            recheck: Duration::ZERO,
+            ..FloorHealth::default()
+        };
+        soon.unusable("CACHE 20".into());
+        assert!(
+            soon.usable(),
+            "tried again once the recheck time has passed"
+        );
     }
 
     #[test]
@@ -299,25 +469,38 @@ mod tests {
         c.forget("a", &[5], true);
         assert_eq!(c.plan("a", &fence(), true).start, 5);
 
-        // A row waiting to retry caps the floor.
-        let plan = c.plan("a", &fence(), true);
-        let mut s = seen(80, &[], &[], false);
-        s.lowest_retry = Some(7);
-        c.claimed("a", &plan, &[], Some(s));
-        assert_eq!(c.plan("a", &fence(), true).start, 7);
-
         // A partition lease that lapsed during the claim: no move.
         let plan = c.plan("a", &fence(), true);
         let mut s = seen(90, &[], &[], false);
         s.fence_held = false;
         c.claimed("a", &plan, &[], Some(s));
-        assert_eq!(c.plan("a", &fence(), true).start, 7);
+        assert_eq!(c.plan("a", &fence(), true).start, 5);
+
+        // A claim that found the floor's due time passed: back to zero.
+        c.due_passed("a");
+        assert_eq!(c.plan("a", &fence(), true).start, 0);
 
         let other = Fence {
             epochs: vec![1, 2, 1, 1],
             ..fence()
         };
         assert_eq!(c.plan("a", &other, true).start, 0);
+    }
+
+    #[test]
+    fn rows_not_available_yet_are_passed_only_until_the_first_comes_due() {
+        let c = OwnedClaims::default();
+        // A row waiting an hour to retry no longer caps the floor: the floor passes it and
+        // carries its due time, for the claim statement to check.
+        let plan = c.plan("a", &fence(), true);
+        let mut s = seen(80, &[], &[], false);
+        s.next_due = Some(3_600_000_000);
+        c.claimed("a", &plan, &[], Some(s));
+        let plan = c.plan("a", &fence(), true);
+        assert_eq!((plan.start, plan.due), (81, Some(3_600_000_000)));
+        // The next claim reads the due times again: the row was claimed or came due.
+        c.claimed("a", &plan, &[], Some(seen(85, &[], &[], false)));
+        assert_eq!(c.plan("a", &fence(), true).due, None);
     }
 
     #[test]

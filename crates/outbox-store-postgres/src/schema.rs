@@ -19,6 +19,10 @@ pub struct Tables {
     pub partition_count: u32,
     /// Writers notify only while a relay waits for rows (`wakeup = "gated"`).
     pub gated_wakeup: bool,
+    /// Writers never notify (`wakeup = "poll"`): the trigger function does nothing and the
+    /// relay polls. A transaction that has sent a NOTIFY cannot `PREPARE TRANSACTION`, so
+    /// applications using two-phase commit need this mode.
+    pub poll_wakeup: bool,
 }
 
 impl Tables {
@@ -40,6 +44,7 @@ impl Tables {
             notify_channel: Ident::new(notify_channel, "notify channel")?,
             partition_count: outbox_core::partition::DEFAULT_PARTITIONS,
             gated_wakeup: false,
+            poll_wakeup: false,
         })
     }
 
@@ -47,6 +52,12 @@ impl Tables {
     /// `outbox_core::partition_of`.
     pub fn partition_function(&self) -> String {
         self.outbox.sibling("_partition")
+    }
+
+    /// The index of rows that are not available yet (scheduled, or waiting to retry), which the
+    /// scan floor reads to know until when it may skip them. Quoted, schema-qualified.
+    pub fn scheduled_index(&self) -> String {
+        self.outbox.sibling("_scheduled_idx")
     }
 
     /// The ordering-key expression; the claim query and the blocking index must agree on it.
@@ -81,7 +92,13 @@ impl Tables {
         let parts = self.partitions.quoted();
         let partition_fn = self.partition_function();
         let partition_count = self.partition_count;
-        let notify = if self.gated_wakeup {
+        let notify = if self.poll_wakeup {
+            // The trigger stays (so switching modes is `migrate` again, which replaces this
+            // body), but sends nothing.
+            "-- --wakeup poll: no NOTIFY, so inserting transactions can PREPARE TRANSACTION.
+    NULL;"
+                .to_string()
+        } else if self.gated_wakeup {
             format!(
                 "-- Gated: only while a relay waits (it then holds this lock); a relay at work polls.
     IF NOT pg_try_advisory_xact_lock_shared(hashtext('{}')) THEN
@@ -123,6 +140,11 @@ CREATE INDEX IF NOT EXISTS "{n}_pending_idx" ON {t} (sequence_id) WHERE delivere
 -- Rows that can hold back later rows of their key: leased, or waiting to retry. Small by design.
 CREATE INDEX IF NOT EXISTS "{n}_blocking_idx" ON {t} (({key}), sequence_id)
     WHERE delivered_at IS NULL AND (locked_by IS NOT NULL OR attempts > 0);
+
+-- Rows that become available later than they were written: scheduled by the application, or
+-- waiting to retry. Small by design; the scan floor reads when the next one comes due.
+CREATE INDEX IF NOT EXISTS "{n}_scheduled_idx" ON {t} (available_at)
+    WHERE delivered_at IS NULL AND available_at > created_at;
 
 -- Events that can never be delivered, whole, with their attempts and last error.
 CREATE TABLE IF NOT EXISTS {dl} (
@@ -205,20 +227,23 @@ $$;
 GRANT USAGE ON SCHEMA {schemas} TO {role};
 GRANT SELECT, UPDATE, DELETE ON {t} TO {role};
 -- To read how far ids have been handed out (claims then skip what they have been through).
-GRANT SELECT ON SEQUENCE {seq} TO {role};
+-- The sequence's name is PostgreSQL's (it shortens long names its own way): ask for it.
+DO $grant$ BEGIN
+    EXECUTE format('GRANT SELECT ON SEQUENCE %s TO %s',
+                   pg_get_serial_sequence('{t}', 'sequence_id'), '{role}');
+END $grant$;
 GRANT SELECT, INSERT ON {dl} TO {role};
 GRANT SELECT, INSERT, UPDATE, DELETE ON {nodes} TO {role};
 GRANT SELECT, UPDATE ON {parts} TO {role};
 GRANT EXECUTE ON FUNCTION {partition_fn}(text, integer) TO {role};
 -- Applications (and `outbox-relay send`) also need:
 --   GRANT INSERT ON {t} TO app_role;
---   GRANT USAGE ON SEQUENCE {seq} TO app_role;
+--   GRANT USAGE ON SEQUENCE <SELECT pg_get_serial_sequence('{t}', 'sequence_id')> TO app_role;
 -- Operators (`dead retry`, `dead purge`, `prune`) also need:
 --   GRANT INSERT ON {t} TO operator_role;
 --   GRANT DELETE ON {dl} TO operator_role;
 "#,
             schemas = schemas.join(", "),
-            seq = self.outbox.sibling("_sequence_id_seq"),
         )
     }
 
@@ -235,10 +260,12 @@ pub struct Statements {
     /// Ordered, only the node's partitions; other nodes' row leases do not count there.
     pub claim_owned: String,
     /// The scan floor's reads around an owned claim (see `owned.rs`): the sequence's last
-    /// value and cache size; the sessions holding the insert lock; after the claim, the
-    /// lowest row waiting to retry and whether the fence held.
+    /// value and whether it can vouch for ids; the sessions that may still insert below it;
+    /// when the next row not available yet comes due; after the claim, whether the fence
+    /// held and whether that due time has passed.
     pub floor_sequence: String,
     pub floor_writers: String,
+    pub floor_due: String,
     pub floor_after: String,
     /// Any ready rows (`--ordering none`).
     pub claim_unordered: String,
@@ -260,6 +287,8 @@ pub struct Statements {
     pub renew: String,
     pub release_partitions: String,
     pub partitions: String,
+    /// Registration in the nodes table: takes the node's row only if absent or expired.
+    pub register: String,
 }
 
 /// A settle statement, plain and with the partition fence appended.
@@ -280,6 +309,7 @@ impl Statements {
         let nodes = tables.nodes.quoted();
         let parts = tables.partitions.quoted();
         let func = tables.partition_function();
+        let scheduled = tables.scheduled_index();
         let key_o = "coalesce(o.partition_key, o.destination)";
         let key_p = "coalesce(p.partition_key, p.destination)";
         // The fence: the row's partition is held by the node ($1) at the epoch it holds.
@@ -350,7 +380,9 @@ impl Statements {
             ),
             // Owned partitions: $1 node, $2 limit, $3 the rows this node already holds, $4 the
             // partition count, $5 its partitions, $6 their epochs, $7 the scan floor (rows held
-            // in $3 are only those at or above it). A plain SELECT: ownership
+            // in $3 are only those at or above it), $8 when a row the floor passed comes due
+            // (microseconds since the epoch): from then on a claim above zero returns nothing,
+            // and the store claims again from zero. A plain SELECT: ownership
             // (checked here against the live leases, and fencing every settle) replaces the row
             // lease, so rows are neither updated nor locked at claim time. See ARCHITECTURE.md.
             // `NOT IN (SELECT unnest(..))` is a hashed subplan; `NOT (.. = ANY($3))` compares
@@ -371,30 +403,54 @@ impl Statements {
                          AND p.attempts > 0 AND p.available_at > now())
                     AND $1::text IS NOT NULL
                     AND o.sequence_id >= $7
+                    AND ($7 = 0 OR $8::int8 IS NULL OR now() < to_timestamp($8::int8 / 1000000.0))
                   ORDER BY o.sequence_id
                   LIMIT $2"
             ),
+            // The sequence's last value, whether it exists, whether it hands out ids one by
+            // one (INCREMENT 1, CACHE 1: otherwise a session can insert an id drawn earlier,
+            // holding no lock in between), and whether the scheduled index exists.
             floor_sequence: format!(
-                "SELECT coalesce(pg_sequence_last_value(q.s), 0)::int8,
-                        (SELECT seqcache FROM pg_catalog.pg_sequence WHERE seqrelid = q.s)::int8
+                "SELECT coalesce(pg_sequence_last_value(q.s), 0)::int8, q.s IS NOT NULL,
+                        (SELECT seqcache FROM pg_catalog.pg_sequence WHERE seqrelid = q.s)::int8,
+                        (SELECT seqincrement FROM pg_catalog.pg_sequence WHERE seqrelid = q.s)::int8,
+                        to_regclass('{scheduled}') IS NOT NULL
                    FROM (SELECT pg_get_serial_sequence('{t}', 'sequence_id')::regclass AS s) q"
             ),
-            // Every mode an insert takes or implies; not the vacuum's.
+            // Sessions that may still insert an id at or below the sequence's last value: those
+            // holding the outbox's insert lock, and those that drew from the sequence in their
+            // open transaction (`nextval` holds the sequence's lock until the transaction ends:
+            // ORMs draw the id before the INSERT). Every mode an insert or a draw takes or
+            // implies; not the vacuum's.
             floor_writers: format!(
                 "SELECT coalesce(array_agg(l.virtualtransaction), '{{}}') FROM pg_catalog.pg_locks l
-                  WHERE l.locktype = 'relation' AND l.relation = '{t}'::regclass
+                  WHERE l.locktype = 'relation'
+                    AND l.relation IN ('{t}'::regclass, pg_get_serial_sequence('{t}', 'sequence_id')::regclass)
                     AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())
                     AND l.mode IN ('RowExclusiveLock', 'ShareRowExclusiveLock', 'ExclusiveLock', 'AccessExclusiveLock')"
             ),
-            // $1 node, $2 partitions, $3 epochs.
+            // Before the claim: when the first row of the node's partitions that is not
+            // available yet comes due ($1 node, $2 partitions, $3 partition count), in
+            // microseconds since the epoch; NULL when there is none (or only `infinity`). The
+            // floor may pass such rows only until then. `available_at > created_at` matches
+            // the scheduled index's predicate, so the read is one index probe.
+            floor_due: format!(
+                "SELECT CASE WHEN isfinite(m) THEN (extract(epoch from m) * 1000000)::int8 END
+                   FROM (SELECT min(o.available_at) AS m FROM {t} o
+                          WHERE o.delivered_at IS NULL AND o.available_at > o.created_at
+                            AND o.available_at > now()
+                            AND (cardinality($2::int4[]) = $3 OR {func}({key_o}, $3) = ANY($2::int4[]))
+                            AND $1::text IS NOT NULL) d"
+            ),
+            // After the claim ($1 node, $2 partitions, $3 epochs, $4 the floor's due time):
+            // whether every partition of the fence was still held, lease unbroken, and whether
+            // the floor's due time has passed.
             floor_after: format!(
-                "SELECT (SELECT min(o.sequence_id) FROM {t} o
-                          WHERE o.delivered_at IS NULL AND o.attempts > 0
-                            AND (o.locked_by IS NOT NULL OR o.attempts > 0)),
-                        (SELECT count(*) FROM {parts} pp
+                "SELECT (SELECT count(*) FROM {parts} pp
                            JOIN unnest($2::int4[], $3::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
                           WHERE pp.owner = $1 AND pp.epoch = h.epoch AND pp.lease_until > now())
-                        = cardinality($2::int4[])"
+                        = cardinality($2::int4[]),
+                        coalesce(now() >= to_timestamp($4::int8 / 1000000.0), false)"
             ),
             claim_unordered: claim(
                 "AND (o.locked_until IS NULL OR o.locked_until < now())",
@@ -472,15 +528,35 @@ impl Statements {
                   ORDER BY u.n
               RETURNING sequence_id"
             ),
+            // $1 node, $2 ttl in ms, $3 the expiry this process last wrote (microseconds,
+            // compared exactly: timestamps are integers of microseconds). The row is pushed
+            // only while it shows our value, or inserted again if it is gone; no row back
+            // means another process wrote it.
             heartbeat: format!(
-                "INSERT INTO {nodes} (id, expiry)
-                 VALUES ($1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond')
-                 ON CONFLICT (id) DO UPDATE SET expiry = EXCLUDED.expiry"
+                "WITH pushed AS (
+                    UPDATE {nodes}
+                       SET expiry = (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond'
+                     WHERE id = $1
+                       AND expiry = 'epoch'::timestamp + $3::int8 * interval '1 microsecond'
+                 RETURNING expiry
+                 ), inserted AS (
+                    INSERT INTO {nodes} (id, expiry)
+                    SELECT $1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond'
+                     WHERE NOT EXISTS (SELECT 1 FROM {nodes} WHERE id = $1)
+                        ON CONFLICT (id) DO NOTHING
+                 RETURNING expiry
+                 )
+                 SELECT (extract(epoch from expiry) * 1000000)::int8 FROM pushed
+                 UNION ALL
+                 SELECT (extract(epoch from expiry) * 1000000)::int8 FROM inserted"
             ),
             remove_expired: format!(
                 "DELETE FROM {nodes} WHERE expiry < (now() AT TIME ZONE 'UTC')"
             ),
-            deregister: format!("DELETE FROM {nodes} WHERE id = $1"),
+            deregister: format!(
+                "DELETE FROM {nodes}
+                  WHERE id = $1 AND expiry = 'epoch'::timestamp + $2::int8 * interval '1 microsecond'"
+            ),
             live_nodes: format!(
                 "SELECT id, (extract(epoch from expiry) * 1000000)::int8 FROM {nodes}
                   WHERE expiry >= (now() AT TIME ZONE 'UTC') ORDER BY id"
@@ -512,6 +588,21 @@ impl Statements {
             partitions: format!(
                 "SELECT partition, owner, epoch, (extract(epoch from lease_until) * 1000000)::int8
                    FROM {parts} ORDER BY partition"
+            ),
+            // $1 node, $2 ttl in ms. Takes the row only if absent or expired; otherwise the
+            // second branch reports the expiry that stands.
+            register: format!(
+                "WITH taken AS (
+                    INSERT INTO {nodes} (id, expiry)
+                    VALUES ($1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond')
+                        ON CONFLICT (id) DO UPDATE SET expiry = EXCLUDED.expiry
+                     WHERE {nodes}.expiry < (now() AT TIME ZONE 'UTC')
+                 RETURNING expiry
+                 )
+                 SELECT true, (extract(epoch from expiry) * 1000000)::int8 FROM taken
+                 UNION ALL
+                 SELECT false, (extract(epoch from expiry) * 1000000)::int8 FROM {nodes}
+                  WHERE id = $1 AND NOT EXISTS (SELECT 1 FROM taken)"
             ),
         }
     }

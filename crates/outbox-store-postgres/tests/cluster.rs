@@ -24,6 +24,8 @@ async fn store(partitions: u32) -> (PgStore, String) {
         tables,
         retain_delivered: false,
         ca_file: None,
+        application_name: None,
+        operation_timeout: None,
         pool_size: 4,
     })
     .unwrap();
@@ -427,4 +429,265 @@ async fn store_with_retrying_head() -> (PgStore, String) {
     }];
     assert_eq!(store.retry_later(node, None, retry).await.unwrap(), 1);
     (store, url)
+}
+
+/// A second session on the test database, as an application would hold one.
+async fn session(url: &str) -> tokio_postgres::Client {
+    let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    client
+}
+
+/// Inserts `count` rows of other keys and claims them, so that the floor moves past them.
+async fn claim_other_rows(store: &PgStore, node: &NodeId, fence: &Fence, round: usize) {
+    let seq = store
+        .insert((0..5).map(|i| event(&format!("other{i}"), round)).collect())
+        .await
+        .unwrap();
+    let claimed = store.claim(owned(node, fence.clone(), 100)).await.unwrap();
+    assert_eq!(ids(&claimed), seq, "round {round}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_do_not_pass_an_id_the_application_drew_before_its_insert() {
+    let (store, url) = store(4).await;
+    let (node, fence) = sole_owner(&store).await;
+    // Hibernate's and jOOQ's SEQUENCE strategy: draw the id, insert it later in the same
+    // transaction, while other rows are inserted and claimed.
+    let app = session(&url).await;
+    app.batch_execute("BEGIN").await.unwrap();
+    let drawn: i64 = app
+        .query_one(
+            "SELECT nextval(pg_get_serial_sequence('outbox', 'sequence_id'))",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    for round in 0..3 {
+        claim_other_rows(&store, &node, &fence, round).await;
+    }
+    app.execute(
+        "INSERT INTO outbox (sequence_id, destination, partition_key, event_type, payload)
+         VALUES ($1, 'd', 'k', 't', '1')",
+        &[&drawn],
+    )
+    .await
+    .unwrap();
+    app.batch_execute("COMMIT").await.unwrap();
+    let later = store.insert(vec![event("k", 2)]).await.unwrap();
+    let claimed = store.claim(owned(&node, fence, 100)).await.unwrap();
+    assert_eq!(
+        ids(&claimed),
+        vec![drawn, later[0]],
+        "the row committed first goes first"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sequence_that_hands_out_ids_ahead_keeps_claims_from_the_start() {
+    let (store, url) = store(4).await;
+    let (node, fence) = sole_owner(&store).await;
+    // Hibernate's pooled optimiser: one nextval hands the application 50 ids, which it
+    // inserts in later transactions, holding no lock in between.
+    let app = session(&url).await;
+    app.batch_execute(
+        "ALTER SEQUENCE outbox_sequence_id_seq INCREMENT BY 50;
+         SELECT setval('outbox_sequence_id_seq', 1000)",
+    )
+    .await
+    .unwrap();
+    let block_end: i64 = app
+        .query_one("SELECT nextval('outbox_sequence_id_seq')", &[])
+        .await
+        .unwrap()
+        .get(0);
+    for round in 0..3 {
+        claim_other_rows(&store, &node, &fence, round).await;
+    }
+    let pooled = block_end - 10;
+    app.execute(
+        "INSERT INTO outbox (sequence_id, destination, partition_key, event_type, payload)
+         VALUES ($1, 'd', 'k', 't', '1')",
+        &[&pooled],
+    )
+    .await
+    .unwrap();
+    let later = store.insert(vec![event("k", 2)]).await.unwrap();
+    let claimed = store.claim(owned(&node, fence, 100)).await.unwrap();
+    assert_eq!(ids(&claimed), vec![pooled, later[0]]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scheduled_row_goes_out_when_due_before_later_rows_of_its_key() {
+    let (store, url) = store(4).await;
+    let (node, fence) = sole_owner(&store).await;
+    let app = session(&url).await;
+    let scheduled: i64 = app
+        .query_one(
+            "INSERT INTO outbox (destination, partition_key, event_type, payload, available_at)
+             VALUES ('d', 'k', 't', '0', now() + interval '300 milliseconds')
+             RETURNING sequence_id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    // Claims pass the row while it is not due.
+    for round in 0..3 {
+        claim_other_rows(&store, &node, &fence, round).await;
+    }
+    let app = Arc::new(app);
+    eventually(
+        "the scheduled row to come due",
+        Duration::from_secs(10),
+        || {
+            let app = app.clone();
+            async move {
+                let due: bool = app
+                    .query_one(
+                        "SELECT available_at <= now() FROM outbox WHERE sequence_id = $1",
+                        &[&scheduled],
+                    )
+                    .await
+                    .unwrap()
+                    .get(0);
+                due.then_some(())
+            }
+        },
+    )
+    .await;
+    let later = store.insert(vec![event("k", 1)]).await.unwrap();
+    let claimed = store.claim(owned(&node, fence, 100)).await.unwrap();
+    assert_eq!(
+        ids(&claimed),
+        vec![scheduled, later[0]],
+        "available first, out first"
+    );
+}
+
+/// A sink that takes events and never confirms them (a broker link that went silent).
+struct SilentSink;
+
+impl outbox_core::Publisher for SilentSink {
+    fn describe(&self) -> String {
+        "silent".into()
+    }
+
+    fn publish(
+        &self,
+        _batch: Vec<Arc<outbox_core::Event>>,
+    ) -> futures::future::BoxFuture<'static, Vec<outbox_core::Outcome>> {
+        Box::pin(futures::future::pending())
+    }
+
+    fn health(&self) -> futures::future::BoxFuture<'static, Result<(), outbox_core::PublishError>> {
+        Box::pin(async { Ok(()) })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_is_abandoned_when_the_partition_lease_runs_out() {
+    let (store, url) = store(4).await;
+    let (node, fence) = sole_owner(&store).await;
+    // The node's own view of its leases runs out soon and is never renewed (its coordinator
+    // stalled); the publish timeout alone would wait an hour.
+    let ownership = outbox_core::Ownership::new(4);
+    let valid_until = std::time::Instant::now() + Duration::from_millis(500);
+    for (partition, epoch) in fence.partitions.iter().zip(&fence.epochs) {
+        ownership.grant(*partition, *epoch, valid_until);
+    }
+    let seq = store.insert(vec![event("k", 0)]).await.unwrap();
+    let mut config = outbox_engine::EngineConfig::new(node);
+    config.ownership = Some(ownership);
+    config.publish_timeout = Duration::from_secs(3600);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let engine = tokio::spawn(outbox_engine::run(
+        Arc::new(store),
+        Arc::new(SilentSink),
+        config,
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+    let app = Arc::new(session(&url).await);
+    let error: String = eventually(
+        "the unconfirmed publish to be given up",
+        Duration::from_secs(20),
+        || {
+            let app = app.clone();
+            let id = seq[0];
+            async move {
+                app.query_one(
+                    "SELECT last_error FROM outbox WHERE sequence_id = $1",
+                    &[&id],
+                )
+                .await
+                .unwrap()
+                .get::<_, Option<String>>(0)
+            }
+        },
+    )
+    .await;
+    assert!(error.contains("lease ran out"), "{error}");
+    let _ = stop.send(());
+    engine.await.unwrap().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn printed_grants_name_the_sequence_postgres_made_for_a_long_table_name() {
+    let url = outbox_testkit::fresh_pg_database().await;
+    // 50 characters: PostgreSQL shortens "<table>_sequence_id_seq" its own way.
+    let table = "orders_outbox_for_the_billing_and_invoicing_domain";
+    assert_eq!(table.len(), 50);
+    let tables = Tables::new(
+        "public",
+        table,
+        "public",
+        "outbox_nodes",
+        DEFAULT_NOTIFY_CHANNEL,
+    )
+    .unwrap();
+    let store = PgStore::new(PgOptions {
+        url: url.clone(),
+        tables: tables.clone(),
+        retain_delivered: false,
+        ca_file: None,
+        pool_size: 2,
+        application_name: None,
+        operation_timeout: None,
+    })
+    .unwrap();
+    store.migrate().await.unwrap();
+    let role = format!("relay_{}", std::process::id());
+    let admin = session(&url).await;
+    admin
+        .batch_execute(&format!(
+            "DROP ROLE IF EXISTS {role}; CREATE ROLE {role}; {}",
+            tables.grants(&role)
+        ))
+        .await
+        .unwrap();
+    let granted: bool = admin
+        .query_one(
+            "SELECT has_sequence_privilege($1, pg_get_serial_sequence($2, 'sequence_id'), 'SELECT')",
+            &[&role, &format!("public.{table}")],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let database: String = admin
+        .query_one("SELECT current_database()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    admin
+        .batch_execute(&format!(
+            "REVOKE ALL ON DATABASE \"{database}\" FROM {role}; DROP OWNED BY {role}; DROP ROLE {role}"
+        ))
+        .await
+        .unwrap();
+    assert!(granted);
 }

@@ -28,6 +28,8 @@ pub fn options(url: &str, retain_delivered: bool) -> PgOptions {
         .unwrap(),
         retain_delivered,
         ca_file: None,
+        application_name: None,
+        operation_timeout: None,
         pool_size: 4,
     }
 }

@@ -15,8 +15,8 @@ use futures::future::BoxFuture;
 use futures::FutureExt;
 use outbox_core::event::headers_from_json_text;
 use outbox_core::store::{
-    Backlog, ClaimRequest, Claimed, DeadLetter, NodeRecord, NodeRegistry, OnChange, Problem,
-    RetryLater, StoreResult,
+    Backlog, ClaimRequest, Claimed, DeadLetter, Incarnation, NodeRecord, NodeRegistry, OnChange,
+    Problem, Registration, RetryLater, StoreResult,
 };
 use outbox_core::{
     Event, Fence, NewEvent, NodeId, OutboxStore, Payload, SequenceId, StoreError, StoreErrorKind,
@@ -551,15 +551,60 @@ async fn watch_data_version(path: PathBuf, on_change: OnChange) {
     }
 }
 
+/// Expiries are milliseconds since the Unix epoch; the immediate transaction serialises the
+/// read and the write, so each check-then-write below is atomic.
 impl NodeRegistry for SqliteStore {
-    fn heartbeat(&self, node: NodeId, ttl: Duration) -> BoxFuture<'static, StoreResult<()>> {
-        self.in_tx("heartbeat", move |tx| {
+    fn register(
+        &self,
+        node: NodeId,
+        ttl: Duration,
+    ) -> BoxFuture<'static, StoreResult<Registration>> {
+        self.in_tx("register", move |tx| {
+            let now = now_ms();
+            let current: Option<i64> = tx
+                .query_row(
+                    "SELECT expiry FROM outbox_nodes WHERE id = ?1",
+                    [&node.0],
+                    |r| r.get(0),
+                )
+                .optional()?;
+            if let Some(expiry) = current.filter(|e| *e >= now) {
+                return Ok(Registration::Taken(Incarnation(expiry)));
+            }
+            let expiry = now + millis(ttl);
             tx.execute(
                 "INSERT INTO outbox_nodes (id, expiry) VALUES (?1, ?2)
                  ON CONFLICT (id) DO UPDATE SET expiry = excluded.expiry",
-                params![node.0, now_ms() + millis(ttl)],
-            )
-            .map(|_| ())
+                params![node.0, expiry],
+            )?;
+            Ok(Registration::Registered(Incarnation(expiry)))
+        })
+    }
+
+    fn heartbeat(
+        &self,
+        node: NodeId,
+        last: Incarnation,
+        ttl: Duration,
+    ) -> BoxFuture<'static, StoreResult<Option<Incarnation>>> {
+        self.in_tx("heartbeat", move |tx| {
+            let current: Option<i64> = tx
+                .query_row(
+                    "SELECT expiry FROM outbox_nodes WHERE id = ?1",
+                    [&node.0],
+                    |r| r.get(0),
+                )
+                .optional()?;
+            if current.is_some_and(|e| e != last.0) {
+                return Ok(None);
+            }
+            let expiry = now_ms() + millis(ttl);
+            tx.execute(
+                "INSERT INTO outbox_nodes (id, expiry) VALUES (?1, ?2)
+                 ON CONFLICT (id) DO UPDATE SET expiry = excluded.expiry",
+                params![node.0, expiry],
+            )?;
+            Ok(Some(Incarnation(expiry)))
         })
     }
 
@@ -570,10 +615,13 @@ impl NodeRegistry for SqliteStore {
         })
     }
 
-    fn deregister(&self, node: NodeId) -> BoxFuture<'static, StoreResult<()>> {
+    fn deregister(&self, node: NodeId, last: Incarnation) -> BoxFuture<'static, StoreResult<()>> {
         self.in_tx("deregister", move |tx| {
-            tx.execute("DELETE FROM outbox_nodes WHERE id = ?1", [node.0])
-                .map(|_| ())
+            tx.execute(
+                "DELETE FROM outbox_nodes WHERE id = ?1 AND expiry = ?2",
+                params![node.0, last.0],
+            )
+            .map(|_| ())
         })
     }
 

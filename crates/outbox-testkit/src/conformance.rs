@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use outbox_core::store::{
-    ClaimRequest, DeadLetter, DeadSelector, NodeRegistry, Operations, RetryLater,
+    ClaimRequest, DeadLetter, DeadSelector, NodeRegistry, Operations, Registration, RetryLater,
 };
 use outbox_core::{
     Claimed, NewEvent, NodeId, OutboxStore, PublishErrorKind, RetryPolicy, SequenceId,
@@ -403,18 +403,31 @@ pub async fn release_makes_rows_claimable(h: &dyn Harness) {
 pub async fn node_registry(h: &dyn Harness) {
     let registry = h.registry();
     let (a, b) = (NodeId::random(), NodeId::random());
-    registry
-        .heartbeat(a.clone(), Duration::from_secs(30))
+    let long = Duration::from_secs(30);
+    let Registration::Registered(a1) = registry.register(a.clone(), long).await.unwrap() else {
+        panic!("a fresh id registers");
+    };
+    let Registration::Registered(b1) = registry
+        .register(b.clone(), Duration::from_millis(200))
         .await
-        .unwrap();
-    registry
-        .heartbeat(b.clone(), Duration::from_millis(200))
+        .unwrap()
+    else {
+        panic!("a fresh id registers");
+    };
+    // A second process with a's id finds the row live, with the expiry a wrote.
+    assert_eq!(
+        registry.register(a.clone(), long).await.unwrap(),
+        Registration::Taken(a1)
+    );
+    // A longer ttl, so the new expiry differs from the first even at a coarse clock.
+    let a2 = registry
+        .heartbeat(a.clone(), a1, Duration::from_secs(60))
         .await
-        .unwrap();
-    registry
-        .heartbeat(a.clone(), Duration::from_secs(30))
-        .await
-        .unwrap();
+        .unwrap()
+        .expect("a's own heartbeat lands");
+    assert_ne!(a1, a2);
+    // A heartbeat conditioned on an expiry the row no longer shows is another process's.
+    assert_eq!(registry.heartbeat(a.clone(), a1, long).await.unwrap(), None);
     let live: HashSet<String> = registry
         .live_nodes()
         .await
@@ -429,8 +442,53 @@ pub async fn node_registry(h: &dyn Harness) {
     })
     .await;
     assert_eq!(removed, 1);
-    registry.deregister(a).await.unwrap();
-    assert!(registry.live_nodes().await.unwrap().is_empty());
+    // b's row expired and was removed: its late heartbeat registers it again.
+    assert!(registry
+        .heartbeat(b.clone(), b1, long)
+        .await
+        .unwrap()
+        .is_some());
+    // An expired row is taken over by a restarted process at once.
+    let c = NodeId::random();
+    let Registration::Registered(_) = registry
+        .register(c.clone(), Duration::from_millis(1))
+        .await
+        .unwrap()
+    else {
+        panic!("a fresh id registers");
+    };
+    eventually(
+        "node c's row to be taken over",
+        Duration::from_secs(10),
+        || {
+            let registry = registry.clone();
+            let c = c.clone();
+            async move {
+                match registry.register(c, long).await.unwrap() {
+                    Registration::Registered(i) => Some(i),
+                    Registration::Taken(_) => None,
+                }
+            }
+        },
+    )
+    .await;
+    // Deregistering with a stale expiry leaves the row to whoever wrote it.
+    registry.deregister(a.clone(), a1).await.unwrap();
+    assert_eq!(registry.live_nodes().await.unwrap().len(), 3);
+    registry.deregister(a, a2).await.unwrap();
+    registry.deregister(b, b1).await.unwrap();
+    let left: Vec<String> = registry
+        .live_nodes()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|n| n.id)
+        .collect();
+    assert_eq!(
+        left.len(),
+        2,
+        "b's stale deregister left its new row: {left:?}"
+    );
 }
 
 fn engine_config(drain: bool) -> EngineConfig {

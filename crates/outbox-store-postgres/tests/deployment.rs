@@ -1,0 +1,165 @@
+//! Deployment faults at the store, against real PostgreSQL: a database that stops answering,
+//! the gated wake-up in a cluster, and two-phase commit.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_core::store::ClaimRequest;
+use outbox_core::{NodeId, OutboxStore, StoreErrorKind};
+use outbox_store_postgres::{PgOptions, PgStore, Tables, DEFAULT_NOTIFY_CHANNEL};
+use outbox_testkit::{eventually, FaultProxy};
+
+fn options(url: &str) -> PgOptions {
+    PgOptions {
+        url: url.to_string(),
+        tables: Tables::new(
+            "public",
+            "outbox",
+            "public",
+            "outbox_nodes",
+            DEFAULT_NOTIFY_CHANNEL,
+        )
+        .unwrap(),
+        retain_delivered: false,
+        ca_file: None,
+        pool_size: 4,
+        application_name: None,
+        operation_timeout: None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operation_on_a_blackholed_connection_ends_with_a_retryable_error() {
+    let url = outbox_testkit::fresh_pg_database().await;
+    PgStore::new(options(&url))
+        .unwrap()
+        .migrate()
+        .await
+        .unwrap();
+    let (proxy, proxied) = FaultProxy::start_for_url(&url).await.unwrap();
+    let store = PgStore::new(PgOptions {
+        operation_timeout: Some(Duration::from_secs(1)),
+        ..options(&proxied)
+    })
+    .unwrap();
+    store.ping().await.unwrap();
+
+    // The network drops everything and tells nobody: the pooled connection looks open.
+    proxy.blackhole();
+    let claim = store.claim(ClaimRequest::new(
+        NodeId::random(),
+        10,
+        Duration::from_secs(30),
+    ));
+    // Only a guard against hanging forever (what happened before the operation timeout).
+    let outcome = tokio::time::timeout(Duration::from_secs(120), claim)
+        .await
+        .expect("a claim on a dead connection must end");
+    let error = outcome.expect_err("nothing can be claimed through a blackhole");
+    assert_eq!(
+        error.kind(),
+        StoreErrorKind::Connection,
+        "{}",
+        error.report()
+    );
+    assert!(error.is_retryable());
+
+    // Once the network is back, the store works again.
+    proxy.heal();
+    eventually("the store to answer again", Duration::from_secs(60), || {
+        let store = store.clone();
+        async move { store.ping().await.ok() }
+    })
+    .await;
+}
+
+fn gated(url: &str, name: &str) -> PgStore {
+    let mut options = options(url);
+    options.tables.gated_wakeup = true;
+    options.application_name = Some(name.into());
+    PgStore::new(options).unwrap()
+}
+
+/// Subscribes `store` and counts its wake-ups.
+fn count_wakeups(store: &PgStore) -> (Arc<AtomicUsize>, tokio::task::JoinHandle<()>) {
+    let count = Arc::new(AtomicUsize::new(0));
+    let counter = count.clone();
+    let task = store
+        .subscribe(Arc::new(move || {
+            counter.fetch_add(1, Ordering::Relaxed);
+        }))
+        .expect("PostgreSQL subscribes");
+    (count, tokio::spawn(task))
+}
+
+/// The application name of the session holding the gate exclusively, if any.
+async fn gate_holder(admin: &tokio_postgres::Client) -> Option<String> {
+    admin
+        .query_opt(
+            "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+              WHERE l.locktype = 'advisory' AND l.mode = 'ExclusiveLock' AND l.granted
+                AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+            &[],
+        )
+        .await
+        .unwrap()
+        .map(|r| r.get(0))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_another_relays_gate_a_waiting_relay_is_not_woken_every_few_milliseconds() {
+    let url = outbox_testkit::fresh_pg_database().await;
+    let (admin, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    let holder = gated(&url, "gate-a");
+    holder.migrate().await.unwrap();
+    let (_, a_task) = count_wakeups(&holder);
+    holder.set_waiting(true);
+    eventually(
+        "relay a to hold the gate",
+        Duration::from_secs(30),
+        || async { (gate_holder(&admin).await.as_deref() == Some("gate-a")).then_some(()) },
+    )
+    .await;
+
+    let other = gated(&url, "gate-b");
+    let (b_wakeups, b_task) = count_wakeups(&other);
+    other.set_waiting(true);
+    eventually(
+        "relay b to try for the gate",
+        Duration::from_secs(30),
+        || async {
+            let tried = admin
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity
+                  WHERE application_name = 'gate-b' AND query LIKE '%pg_try_advisory_lock%'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get::<_, i64>(0);
+            (tried > 0).then_some(())
+        },
+    )
+    .await;
+    // An observation window, not a synchronisation: a relay woken every 5 ms (the bug) is
+    // woken dozens of times in it; one left to its poll interval, once (after LISTEN) or twice.
+    let before = b_wakeups.load(Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let woken = b_wakeups.load(Ordering::Relaxed) - before;
+    assert!(woken <= 2, "relay b was woken {woken} times in 500 ms");
+
+    // When relay a goes to work, it gives the gate up, and relay b takes it.
+    holder.set_waiting(false);
+    eventually(
+        "relay b to take the gate",
+        Duration::from_secs(30),
+        || async { (gate_holder(&admin).await.as_deref() == Some("gate-b")).then_some(()) },
+    )
+    .await;
+    a_task.abort();
+    b_task.abort();
+}
