@@ -10,6 +10,7 @@
 //! | [`throttle`](FaultHandle::throttle) | a thin pipe: at most N bytes/s per connection and direction |
 //! | [`cut`](FaultHandle::cut) | the server or a firewall resetting: every connection gets a RST, new ones too |
 //! | [`blackhole`](FaultHandle::blackhole) | a partition: nothing moves either way, nobody is told |
+//! | [`blackhole_existing`](FaultHandle::blackhole_existing) | a firewall or NAT that forgot its flows: open connections go silent, new ones work |
 //! | [`half_open`](FaultHandle::half_open) | one direction lost: its bytes vanish, the other still flows |
 //! | [`heal`](FaultHandle::heal) | the network back to normal |
 //!
@@ -17,11 +18,16 @@
 //! a small queue, stamping each chunk with the time it was read, and a writer takes chunks
 //! out only when the current faults let them go; so a fault applies to bytes already inside
 //! the proxy too, as it would to segments already on the wire.
+//!
+//! The faults live above TCP: the proxy's kernel still acknowledges every segment and
+//! answers keepalive probes, so a client's TCP keepalives and `TCP_USER_TIMEOUT` do not
+//! notice a blackhole here (on a real network they might). What the proxy tests is whether
+//! the application notices by itself, through its own timeouts and heartbeats.
 
 use std::io;
 use std::net::SocketAddr;
 use std::ops::Deref;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -69,14 +75,19 @@ pub struct Faults {
     pub refusing: bool,
     /// How many cuts so far; a connection that sees it change resets itself.
     cuts: u64,
+    /// Connections numbered up to this one are held both ways (0: none).
+    stale_upto: u64,
 }
 
 impl Faults {
-    fn link(&self, direction: Direction) -> LinkFaults {
-        match direction {
+    /// The faults that apply to connection number `serial` going `direction`.
+    fn link(&self, direction: Direction, serial: u64) -> LinkFaults {
+        let mut link = match direction {
             Direction::ToClient => self.to_client,
             _ => self.to_upstream,
-        }
+        };
+        link.held |= serial <= self.stale_upto;
+        link
     }
 
     fn links_mut(&mut self, direction: Direction) -> impl Iterator<Item = &mut LinkFaults> {
@@ -93,6 +104,8 @@ impl Faults {
 struct Shared {
     faults: watch::Sender<Faults>,
     live: AtomicUsize,
+    /// The number of the last connection accepted (connections count from 1).
+    serials: AtomicU64,
 }
 
 /// Changes a running [`FaultProxy`]'s faults; clones control the same proxy.
@@ -137,6 +150,16 @@ impl FaultHandle {
     /// held bytes arrive once [`heal`](Self::heal) is called.
     pub fn blackhole(&self) {
         self.modify(|f| f.links_mut(Direction::Both).for_each(|l| l.held = true));
+    }
+
+    /// Holds the connections open now, both ways, as [`blackhole`](Self::blackhole) does,
+    /// while connections made from now on work: a stateful firewall, NAT or load balancer
+    /// that lost its flow table (or failed over) and drops the old flows' packets without a
+    /// RST. Only a client that gives up on a silent connection, by a timeout or keepalive,
+    /// gets going again before [`heal`](Self::heal).
+    pub fn blackhole_existing(&self) {
+        let newest = self.shared.serials.load(Ordering::SeqCst);
+        self.modify(|f| f.stale_upto = newest);
     }
 
     /// Silently drops the bytes going `dropped` while the other direction keeps flowing: a
@@ -197,6 +220,7 @@ impl FaultProxy {
             shared: Arc::new(Shared {
                 faults: watch::Sender::new(Faults::default()),
                 live: AtomicUsize::new(0),
+                serials: AtomicU64::new(0),
             }),
         };
         let accept = tokio::spawn(accept_loop(listener, upstream, handle.clone()));
@@ -262,10 +286,6 @@ async fn accept_loop(listener: TcpListener, upstream: SocketAddr, handle: FaultH
         tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((client, _)) => {
-                    if handle.shared.faults.borrow().refusing {
-                        reset(&client);
-                        continue;
-                    }
                     connections.spawn(serve(client, upstream, handle.clone()));
                 }
                 // Out of file descriptors and the like: back off instead of spinning.
@@ -300,8 +320,16 @@ impl Drop for Live<'_> {
 
 async fn serve(mut client: TcpStream, upstream: SocketAddr, handle: FaultHandle) {
     let _live = Live::new(&handle.shared.live);
+    let serial = handle.shared.serials.fetch_add(1, Ordering::SeqCst) + 1;
     let mut faults = handle.shared.faults.subscribe();
-    let generation = faults.borrow().cuts;
+    // Read together, so a cut lands either before this connection (refused) or after it.
+    let (generation, refusing) = {
+        let now = faults.borrow();
+        (now.cuts, now.refusing)
+    };
+    if refusing {
+        return reset(&client);
+    }
     let connect = async {
         // A partition holds the handshake too: connect upstream only once traffic may flow.
         let _ = faults
@@ -321,7 +349,7 @@ async fn serve(mut client: TcpStream, upstream: SocketAddr, handle: FaultHandle)
     let _ = client.set_nodelay(true);
     let _ = server.set_nodelay(true);
     let outcome = tokio::select! {
-        outcome = forward(&mut client, &mut server, &handle) => outcome,
+        outcome = forward(&mut client, &mut server, serial, &handle) => outcome,
         () = cut_after(handle.shared.faults.subscribe(), generation) => Err(io::ErrorKind::ConnectionReset.into()),
     };
     if outcome.is_err() {
@@ -341,6 +369,7 @@ async fn cut_after(mut faults: watch::Receiver<Faults>, generation: u64) {
 async fn forward(
     client: &mut TcpStream,
     server: &mut TcpStream,
+    serial: u64,
     handle: &FaultHandle,
 ) -> io::Result<()> {
     let (client_read, client_write) = client.split();
@@ -350,13 +379,13 @@ async fn forward(
         pump(
             client_read,
             server_write,
-            Direction::ToUpstream,
+            Link(Direction::ToUpstream, serial),
             faults.subscribe()
         ),
         pump(
             server_read,
             client_write,
-            Direction::ToClient,
+            Link(Direction::ToClient, serial),
             faults.subscribe()
         ),
     )?;
@@ -376,11 +405,21 @@ enum Piece {
     Failed(io::Error),
 }
 
+/// One direction of one connection (by its number), the unit faults apply to.
+#[derive(Clone, Copy)]
+struct Link(Direction, u64);
+
+impl Link {
+    fn of(self, faults: &Faults) -> LinkFaults {
+        faults.link(self.0, self.1)
+    }
+}
+
 /// Copies one direction through the faults until the reading side ends.
 async fn pump(
     mut from: impl AsyncRead + Unpin,
     to: impl AsyncWrite + Unpin,
-    direction: Direction,
+    link: Link,
     faults: watch::Receiver<Faults>,
 ) -> io::Result<()> {
     // A few chunks of slack between reading and writing: what a link holds in flight. The
@@ -404,7 +443,7 @@ async fn pump(
             }
         }
     };
-    let write = deliver(chunks, to, direction, faults);
+    let write = deliver(chunks, to, link, faults);
     tokio::pin!(write);
     tokio::select! {
         outcome = &mut write => return outcome,
@@ -423,7 +462,7 @@ enum Gate {
 async fn deliver(
     mut chunks: mpsc::Receiver<Chunk>,
     mut to: impl AsyncWrite + Unpin,
-    direction: Direction,
+    link: Link,
     mut faults: watch::Receiver<Faults>,
 ) -> io::Result<()> {
     let hole = || io::Error::new(io::ErrorKind::ConnectionAborted, "bytes were dropped");
@@ -433,7 +472,7 @@ async fn deliver(
             // The stream has a hole: once this direction stops dropping, reset the connection.
             tokio::select! {
                 next = chunks.recv() => next,
-                _ = faults.wait_for(|f| !f.link(direction).dropped) => return Err(hole()),
+                _ = faults.wait_for(|f| !link.of(f).dropped) => return Err(hole()),
             }
         } else {
             chunks.recv().await
@@ -441,7 +480,7 @@ async fn deliver(
         let Some(chunk) = next else {
             return Ok(());
         };
-        match gate(&mut faults, direction, chunk.read_at).await {
+        match gate(&mut faults, link, chunk.read_at).await {
             Gate::Drop => {
                 lost = true;
                 continue;
@@ -450,7 +489,7 @@ async fn deliver(
             Gate::Send => {}
         }
         match chunk.piece {
-            Piece::Bytes(bytes) => write_paced(&mut to, &bytes, direction, &faults).await?,
+            Piece::Bytes(bytes) => write_paced(&mut to, &bytes, link, &faults).await?,
             Piece::End => to.shutdown().await?,
             Piece::Failed(e) => return Err(e),
         }
@@ -458,24 +497,20 @@ async fn deliver(
 }
 
 /// Waits until a chunk read at `read_at` may go: not held, its latency served.
-async fn gate(
-    faults: &mut watch::Receiver<Faults>,
-    direction: Direction,
-    read_at: Instant,
-) -> Gate {
+async fn gate(faults: &mut watch::Receiver<Faults>, link: Link, read_at: Instant) -> Gate {
     loop {
-        let link = faults.borrow_and_update().link(direction);
-        if link.dropped {
+        let now = link.of(&faults.borrow_and_update());
+        if now.dropped {
             return Gate::Drop;
         }
-        let due = read_at + link.latency;
-        if !link.held && Instant::now() >= due {
+        let due = read_at + now.latency;
+        if !now.held && Instant::now() >= due {
             return Gate::Send;
         }
         // Re-check on any change: a heal releases held and delayed bytes at once.
         tokio::select! {
             changed = faults.changed() => if changed.is_err() { return Gate::Send },
-            () = tokio::time::sleep_until(due), if !link.held => {}
+            () = tokio::time::sleep_until(due), if !now.held => {}
         }
     }
 }
@@ -485,11 +520,11 @@ async fn gate(
 async fn write_paced(
     to: &mut (impl AsyncWrite + Unpin),
     mut bytes: &[u8],
-    direction: Direction,
+    link: Link,
     faults: &watch::Receiver<Faults>,
 ) -> io::Result<()> {
     while !bytes.is_empty() {
-        let limit = faults.borrow().link(direction).bytes_per_sec;
+        let limit = link.of(&faults.borrow()).bytes_per_sec;
         let Some(rate) = limit.map(|r| r.max(1)) else {
             return to.write_all(bytes).await;
         };
@@ -687,6 +722,21 @@ mod tests {
         proxy.heal();
         assert_eq!(read_exactly(&mut stream, 4).await, b"held");
         assert_eq!(read_exactly(&mut late, 3).await, b"new");
+    }
+
+    #[tokio::test]
+    async fn blackhole_existing_stalls_open_connections_only() {
+        let (proxy, mut seen) = proxied_echo().await;
+        let mut old = connected(&proxy, &mut seen).await;
+        proxy.blackhole_existing();
+        old.write_all(b"old").await.unwrap();
+        nothing_arrives(&mut old).await;
+        server_sees_nothing(&mut seen).await;
+
+        connected(&proxy, &mut seen).await;
+
+        proxy.heal();
+        assert_eq!(read_exactly(&mut old, 3).await, b"old");
     }
 
     #[tokio::test]

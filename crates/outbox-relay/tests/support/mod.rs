@@ -146,3 +146,309 @@ pub async fn wait_for_lines(
     })
     .await
 }
+
+// ---- Writers, and what reached the broker: for the chaos tests (`faults.rs`) ----
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// What the writers did, by event id.
+#[derive(Default)]
+pub struct Ledger {
+    /// event id → (key, sequence id)
+    pub committed: HashMap<String, (String, i64)>,
+    pub rolled_back: HashSet<String>,
+    /// Events of transactions whose commit answer was lost: neither required nor forbidden.
+    pub unknown: HashSet<String>,
+}
+
+/// Writer tasks inserting into `outbox` until stopped: writer `w` owns keys `w-0..w-9`,
+/// commits 1-4 events per transaction, rolls back every fifth and pauses `pace` in between.
+pub struct Writers {
+    stop: Arc<AtomicBool>,
+    committed: Arc<AtomicUsize>,
+    ledger: Arc<Mutex<Ledger>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Writers {
+    pub fn start(url: &str, writers: usize, pace: Duration) -> Writers {
+        let stop = Arc::new(AtomicBool::new(false));
+        let committed = Arc::new(AtomicUsize::new(0));
+        let ledger = Arc::new(Mutex::new(Ledger::default()));
+        let tasks = (0..writers)
+            .map(|w| {
+                let (url, stop) = (url.to_string(), stop.clone());
+                let (committed, ledger) = (committed.clone(), ledger.clone());
+                tokio::spawn(async move {
+                    let mut rng = fastrand::Rng::with_seed(w as u64 + 7);
+                    let mut client = pg(&url).await;
+                    let mut t = 0;
+                    while !stop.load(Ordering::Relaxed) {
+                        if client.is_closed() {
+                            client = pg(&url).await;
+                        }
+                        let outcome = write_transaction(&mut client, &mut rng, w, t).await;
+                        {
+                            let mut ledger = ledger.lock().unwrap();
+                            match outcome {
+                                Written::Committed(rows) => {
+                                    committed.fetch_add(rows.len(), Ordering::Relaxed);
+                                    ledger.committed.extend(rows);
+                                }
+                                Written::RolledBack(ids) => ledger.rolled_back.extend(ids),
+                                Written::Unknown(ids) => ledger.unknown.extend(ids),
+                            }
+                        }
+                        t += 1;
+                        tokio::time::sleep(pace).await; // pacing, not synchronisation
+                    }
+                })
+            })
+            .collect();
+        Writers {
+            stop,
+            committed,
+            ledger,
+            tasks,
+        }
+    }
+
+    /// Events committed so far.
+    pub fn committed(&self) -> usize {
+        self.committed.load(Ordering::Relaxed)
+    }
+
+    /// Waits until `n` more events are committed (the writers keep going through faults).
+    pub async fn wait_for_more(&self, n: usize) {
+        let target = self.committed() + n;
+        eventually("the writers' progress", Duration::from_secs(60), || {
+            let done = self.committed() >= target;
+            async move { done.then_some(()) }
+        })
+        .await
+    }
+
+    pub async fn stop(self) -> Ledger {
+        self.stop.store(true, Ordering::Relaxed);
+        for task in self.tasks {
+            task.await.unwrap();
+        }
+        std::mem::take(&mut *self.ledger.lock().unwrap())
+    }
+}
+
+enum Written {
+    Committed(Vec<(String, (String, i64))>),
+    RolledBack(Vec<String>),
+    Unknown(Vec<String>),
+}
+
+async fn write_transaction(
+    client: &mut tokio_postgres::Client,
+    rng: &mut fastrand::Rng,
+    w: usize,
+    t: usize,
+) -> Written {
+    let Ok(tx) = client.transaction().await else {
+        return Written::RolledBack(Vec::new());
+    };
+    let mut rows = Vec::new();
+    for _ in 0..rng.usize(1..=4) {
+        let id = uuid::Uuid::new_v4();
+        let key = format!("{w}-{}", rng.usize(0..10));
+        let inserted = tx
+            .query_one(
+                "INSERT INTO outbox (event_id, destination, partition_key, event_type, payload)
+                 VALUES ($1, 'orders', $2, 'created', jsonb_build_object('w', $3::int, 't', $4::int))
+                 RETURNING sequence_id",
+                &[&id, &key, &(w as i32), &(t as i32)],
+            )
+            .await;
+        match inserted {
+            Ok(row) => rows.push((id.to_string(), (key, row.get::<_, i64>(0)))),
+            Err(_) => return Written::RolledBack(rows.into_iter().map(|(id, _)| id).collect()),
+        }
+    }
+    let ids = || rows.iter().map(|(id, _)| id.clone()).collect();
+    if t % 5 == 4 {
+        let _ = tx.rollback().await;
+        return Written::RolledBack(ids());
+    }
+    match tx.commit().await {
+        Ok(()) => Written::Committed(rows),
+        Err(_) => Written::Unknown(ids()),
+    }
+}
+
+/// One message on the broker: its dedupe id, ordering key and outbox sequence id.
+#[derive(Clone, Debug)]
+pub struct Delivery {
+    pub id: String,
+    pub key: String,
+    pub seq: i64,
+}
+
+impl Delivery {
+    fn from_headers(headers: Option<&async_nats::HeaderMap>) -> Delivery {
+        let header = |name: &str| {
+            headers
+                .and_then(|h| h.get(name))
+                .map(|v| v.as_str().to_string())
+                .unwrap_or_default()
+        };
+        Delivery {
+            id: header("Nats-Msg-Id"),
+            key: header("Outbox-Partition-Key"),
+            seq: header("Outbox-Sequence-Id").parse().unwrap_or(-1),
+        }
+    }
+}
+
+/// Every message published on a subject, redeliveries included, in the order the server
+/// passed them on: a core subscription, which JetStream's dedupe does not filter.
+pub struct Deliveries {
+    log: Arc<Mutex<Vec<Delivery>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Deliveries {
+    pub async fn record(client: &async_nats::Client, subject: &str) -> Deliveries {
+        let mut subscriber = client.subscribe(subject.to_string()).await.unwrap();
+        // The server has the subscription once a flush returns: nothing published later is missed.
+        client.flush().await.unwrap();
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let sink = log.clone();
+        let task = tokio::spawn(async move {
+            use futures::StreamExt;
+            while let Some(message) = subscriber.next().await {
+                let delivery = Delivery::from_headers(message.headers.as_ref());
+                sink.lock().unwrap().push(delivery);
+            }
+        });
+        Deliveries { log, task }
+    }
+
+    pub fn len(&self) -> usize {
+        self.log.lock().unwrap().len()
+    }
+
+    pub fn snapshot(&self) -> Vec<Delivery> {
+        self.log.lock().unwrap().clone()
+    }
+}
+
+impl Drop for Deliveries {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A JetStream stream's messages in stream order.
+pub async fn stream_deliveries(js: &async_nats::jetstream::Context, name: &str) -> Vec<Delivery> {
+    let mut stream = js.get_stream(name).await.unwrap();
+    let last = stream.info().await.unwrap().state.last_sequence;
+    let mut out = Vec::new();
+    for seq in 1..=last {
+        if let Ok(m) = stream.get_raw_message(seq).await {
+            out.push(Delivery::from_headers(Some(&m.headers)));
+        }
+    }
+    out
+}
+
+/// What a run delivered: distinct events, messages, redeliveries and order.
+#[derive(Debug, Default)]
+pub struct Figures {
+    pub events: usize,
+    pub messages: usize,
+    /// Messages beyond the first of their event.
+    pub duplicates: usize,
+    /// The most messages one event produced.
+    pub max_copies: usize,
+    /// The most same-key events with a later sequence id first delivered before an event
+    /// (0: first deliveries are in per-key order).
+    pub max_reorder: usize,
+    /// Up to five examples of first deliveries out of order.
+    pub reordered: Vec<String>,
+}
+
+impl Figures {
+    pub fn of(deliveries: &[Delivery]) -> Figures {
+        let mut copies: HashMap<&str, usize> = HashMap::new();
+        let mut firsts: HashMap<&str, Vec<i64>> = HashMap::new();
+        for d in deliveries {
+            let n = copies.entry(&d.id).or_default();
+            *n += 1;
+            if *n == 1 {
+                firsts.entry(&d.key).or_default().push(d.seq);
+            }
+        }
+        let mut figures = Figures {
+            events: copies.len(),
+            messages: deliveries.len(),
+            duplicates: deliveries.len() - copies.len(),
+            max_copies: copies.values().copied().max().unwrap_or(0),
+            ..Figures::default()
+        };
+        for (key, seqs) in firsts {
+            for (i, seq) in seqs.iter().enumerate() {
+                let ahead = seqs[..i].iter().filter(|s| *s > seq).count();
+                if ahead > 0 && figures.reordered.len() < 5 {
+                    figures
+                        .reordered
+                        .push(format!("key {key}: {seq} after {ahead} later events"));
+                }
+                figures.max_reorder = figures.max_reorder.max(ahead);
+            }
+        }
+        figures
+    }
+}
+
+// ---- The relay's HTTP endpoints ----
+
+/// `GET path` from the relay's HTTP server at `addr`: the status and the body, or `None`
+/// when the server does not answer.
+pub async fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.ok()?;
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.ok()?;
+    let status = response.split_whitespace().nth(1)?.parse().ok()?;
+    let body = response.split("\r\n\r\n").nth(1).unwrap_or_default();
+    Some((status, body.to_string()))
+}
+
+/// The address the relay's HTTP server bound, from its JSON start-up log line (run it with
+/// `--http-addr 127.0.0.1:0 --log-format json`).
+pub async fn http_addr(relay: &RelayProcess) -> String {
+    outbox_testkit::eventually_explained(
+        "the relay's HTTP endpoints",
+        Duration::from_secs(30),
+        || relay.logs(),
+        || {
+            let addr = relay
+                .logs()
+                .lines()
+                .find(|l| l.contains("HTTP endpoints"))
+                .and_then(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+                .and_then(|v| v["addr"].as_str().map(String::from));
+            async move { addr }
+        },
+    )
+    .await
+}
+
+/// The value of an unlabelled metric (or the first series of a labelled one) in `/metrics`.
+pub fn metric_value(metrics: &str, name: &str) -> Option<f64> {
+    metrics
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
