@@ -248,7 +248,15 @@ impl Bench {
     }
 
     /// Fills the outbox with `n` events: JSON payloads of about 200 bytes over 1,000 keys.
-    pub async fn prefill(&self, db: &tokio_postgres::Client, table: &str, n: u64) -> Result<()> {
+    /// The table is left as a user's would be right after a bulk load: without statistics
+    /// until autovacuum gets to it (`analyze` runs `VACUUM ANALYZE` for the comparison).
+    pub async fn prefill(
+        &self,
+        db: &tokio_postgres::Client,
+        table: &str,
+        n: u64,
+        analyze: bool,
+    ) -> Result<()> {
         let columns = if table == "outbox" {
             "destination, partition_key, event_type, payload"
         } else {
@@ -267,7 +275,9 @@ impl Bench {
                FROM generate_series(1, {n}) i"
         ))
         .await?;
-        db.batch_execute(&format!("VACUUM ANALYZE {table}")).await?;
+        if analyze {
+            db.batch_execute(&format!("VACUUM ANALYZE {table}")).await?;
+        }
         Ok(())
     }
 

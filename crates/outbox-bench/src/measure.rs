@@ -144,7 +144,7 @@ async fn postgres_floor(b: &Bench, n: u64) -> Result<Value> {
     ] {
         eprintln!("drain: PostgreSQL alone, {name}, {n} rows");
         let db = b.reset().await?;
-        b.prefill(&db, "outbox", n).await?;
+        b.prefill(&db, "outbox", n, false).await?;
         let start = Instant::now();
         loop {
             let mut touched = 0;
@@ -169,52 +169,12 @@ pub async fn drain(b: &Bench) -> Result<Value> {
         out["postgres_floor_events_per_s"] = postgres_floor(b, n.min(200_000)).await?;
     }
     for sink in b.settings.sinks.iter().map(String::as_str) {
-        eprintln!("drain: relay, {n} events to {sink}");
-        let db = b.reset().await?;
-        b.prefill(&db, "outbox", n).await?;
-        let js = b.nats_stream().await?;
-        let target = match sink {
-            "file" => format!("file:{}", b.work.join("drain.jsonl").display()),
-            _ => b.servers.nats_url.clone(),
-        };
-        db.batch_execute("SELECT pg_stat_statements_reset()")
-            .await?;
-        let servers = ServerCpu::start(b);
-        let url = b.url();
-        let mut args = vec![
-            "run",
-            "--drain",
-            "--database-url",
-            &url,
-            "--sink",
-            &target,
-            "--http-addr",
-            "",
-            "--log-level",
-            "warn",
-        ];
-        args.extend(b.settings.relay_args.iter().map(String::as_str));
-        let (wall, user, sys, rss) = timed(b, &args)?;
-        let (pg, nats) = servers.used(b);
-        let calls = statements(&db).await?;
-        let delivered = match sink {
-            "file" => std::fs::read_to_string(b.work.join("drain.jsonl"))?
-                .lines()
-                .count() as u64,
-            _ => stream_count(&js).await?,
-        };
-        let _ = std::fs::remove_file(b.work.join("drain.jsonl"));
-        let relay = json!({
-            "events": n, "delivered": delivered, "wall_s": wall,
-            "events_per_s": n as f64 / wall,
-            "relay_cpu_s_per_million": (user + sys) * 1e6 / n as f64,
-            "peak_rss_mb": rss as f64 / 1024.0,
-            "statements_per_event": calls as f64 / n as f64,
-            "postgres_cpu_s": pg,
-            "nats_server_cpu_s": nats,
-        });
+        // As a user's backlog is right after it was loaded (no statistics yet), and after
+        // VACUUM ANALYZE: the rate must not depend on the difference.
+        let relay = drain_relay(b, sink, n, false).await?;
+        let analyzed = drain_relay(b, sink, n, true).await?;
         if !with_baseline {
-            out[sink] = json!({ "relay": relay });
+            out[sink] = json!({ "relay": relay, "relay_analyzed": analyzed });
             continue;
         }
 
@@ -222,7 +182,7 @@ pub async fn drain(b: &Bench) -> Result<Value> {
         eprintln!("drain: baseline, {bn} events to {sink}");
         let db = b.reset().await?;
         db.batch_execute(baseline::DDL).await?;
-        b.prefill(&db, "baseline_outbox", bn).await?;
+        b.prefill(&db, "baseline_outbox", bn, false).await?;
         let js = b.nats_stream().await?;
         let sink_impl = match sink {
             "file" => baseline::Sink::file(&b.work.join("baseline.jsonl"))?,
@@ -232,7 +192,7 @@ pub async fn drain(b: &Bench) -> Result<Value> {
             .await?;
         let (servers, self0, start) = (ServerCpu::start(b), self_cpu(), Instant::now());
         let published =
-            baseline::run(&url, sink_impl, Arc::new(AtomicBool::new(false)), true).await?;
+            baseline::run(&b.url(), sink_impl, Arc::new(AtomicBool::new(false)), true).await?;
         let wall = start.elapsed().as_secs_f64();
         let ((pg, nats), own) = (servers.used(b), self_cpu() - self0);
         let calls = statements(&db).await?;
@@ -246,9 +206,59 @@ pub async fn drain(b: &Bench) -> Result<Value> {
         });
         let ratio = relay["events_per_s"].as_f64().unwrap_or(0.0)
             / base["events_per_s"].as_f64().unwrap_or(1.0);
-        out[sink] = json!({ "relay": relay, "baseline": base, "ratio": ratio });
+        out[sink] =
+            json!({ "relay": relay, "relay_analyzed": analyzed, "baseline": base, "ratio": ratio });
     }
     Ok(out)
+}
+
+/// One relay drain of `n` prefilled events to `sink`.
+async fn drain_relay(b: &Bench, sink: &str, n: u64, analyze: bool) -> Result<Value> {
+    let statistics = if analyze { "analyzed" } else { "no statistics" };
+    eprintln!("drain: relay, {n} events to {sink}, {statistics}");
+    let db = b.reset().await?;
+    b.prefill(&db, "outbox", n, analyze).await?;
+    let js = b.nats_stream().await?;
+    let target = match sink {
+        "file" => format!("file:{}", b.work.join("drain.jsonl").display()),
+        _ => b.servers.nats_url.clone(),
+    };
+    db.batch_execute("SELECT pg_stat_statements_reset()")
+        .await?;
+    let servers = ServerCpu::start(b);
+    let url = b.url();
+    let mut args = vec![
+        "run",
+        "--drain",
+        "--database-url",
+        &url,
+        "--sink",
+        &target,
+        "--http-addr",
+        "",
+        "--log-level",
+        "warn",
+    ];
+    args.extend(b.settings.relay_args.iter().map(String::as_str));
+    let (wall, user, sys, rss) = timed(b, &args)?;
+    let (pg, nats) = servers.used(b);
+    let calls = statements(&db).await?;
+    let delivered = match sink {
+        "file" => std::fs::read_to_string(b.work.join("drain.jsonl"))?
+            .lines()
+            .count() as u64,
+        _ => stream_count(&js).await?,
+    };
+    let _ = std::fs::remove_file(b.work.join("drain.jsonl"));
+    Ok(json!({
+        "events": n, "delivered": delivered, "wall_s": wall,
+        "events_per_s": n as f64 / wall,
+        "relay_cpu_s_per_million": (user + sys) * 1e6 / n as f64,
+        "peak_rss_mb": rss as f64 / 1024.0,
+        "statements_per_event": calls as f64 / n as f64,
+        "postgres_cpu_s": pg,
+        "nats_server_cpu_s": nats,
+    }))
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -503,7 +513,7 @@ pub async fn scaling(b: &Bench) -> Result<Value> {
         for nodes in 1..=3usize {
             eprintln!("scaling: {nodes} node(s), ordering {ordering}, {n} events");
             let db = b.reset().await?;
-            b.prefill(&db, "outbox", n).await?;
+            b.prefill(&db, "outbox", n, false).await?;
             let start = Instant::now();
             let mut children = Vec::new();
             for i in 0..nodes {
@@ -569,17 +579,28 @@ pub fn markdown(r: &Value) -> String {
         s.push_str("### Drain\n\n| sink | relay | events | events/s | CPU s per 1M | peak RSS MB | statements/event | Postgres CPU s | nats-server CPU s | ratio to baseline |\n|---|---|---|---|---|---|---|---|---|---|\n");
         for sink in ["file", "nats"] {
             let x = &d[sink];
-            for who in ["relay", "baseline"] {
+            for who in ["relay", "relay_analyzed", "baseline"] {
                 let y = &x[who];
                 if y.is_null() {
                     continue;
                 }
+                let label = match who {
+                    "relay" => "relay, no statistics",
+                    "relay_analyzed" => "relay, after VACUUM ANALYZE",
+                    _ => "baseline, no statistics",
+                };
+                let relay = who != "baseline";
+                let ratio = match who {
+                    "relay" => format!("{}×", f(&x["ratio"])),
+                    "relay_analyzed" => "-".into(),
+                    _ => "1×".into(),
+                };
                 s.push_str(&format!(
-                    "| {sink} | {who} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+                    "| {sink} | {label} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
                     y["events"],
                     f(&y["events_per_s"]),
                     f(&y["relay_cpu_s_per_million"]),
-                    if who == "relay" {
+                    if relay {
                         f(&y["peak_rss_mb"])
                     } else {
                         "-".into()
@@ -587,11 +608,7 @@ pub fn markdown(r: &Value) -> String {
                     f(&y["statements_per_event"]),
                     f(&y["postgres_cpu_s"]),
                     f(&y["nats_server_cpu_s"]),
-                    if who == "relay" {
-                        format!("{}×", f(&x["ratio"]))
-                    } else {
-                        "1×".into()
-                    },
+                    ratio,
                 ));
             }
         }

@@ -18,8 +18,9 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use outbox_core::health::Check;
 use outbox_core::store::{Incarnation, NodeRegistry, PartitionRegistry, Registration};
-use outbox_core::{NodeId, Ownership, StoreError, StoreErrorKind};
+use outbox_core::{Health, NodeId, Ownership, StoreError, StoreErrorKind};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -38,6 +39,8 @@ pub struct ClusterConfig {
     pub node: NodeId,
     pub heartbeat_interval: Duration,
     pub heartbeat_timeout: Duration,
+    /// Where heartbeats and lease keeping report success, failure and waits.
+    pub health: Arc<Health>,
 }
 
 /// Partition leases to keep, with the state the engine reads.
@@ -74,7 +77,10 @@ impl Coordinator {
         let incarnation = register(&*registry, &config).await?;
         tracing::info!(node = %config.node, "registered in the nodes table");
         metrics::describe_gauge!(CLUSTER_NODES, "Live nodes in the nodes table.");
-        metrics::describe_gauge!(OWNED_PARTITIONS, "Partitions this node holds.");
+        metrics::describe_gauge!(
+            OWNED_PARTITIONS,
+            "Partitions this node holds and may publish: leased, and the lease still valid by its own clock."
+        );
         metrics::describe_counter!(
             REBALANCES,
             "Partition leases acquired, released or lost by this node."
@@ -118,15 +124,25 @@ impl Coordinator {
 
     /// Stops heartbeating, gives up every partition the engine no longer holds rows of (call
     /// it after the engine stopped and released its rows) and removes this node's row. A displaced node touches neither:
-    /// both are the other process's now.
-    pub async fn stop(self) {
+    /// both are the other process's now. Returns by `deadline` whatever the database does:
+    /// what it could not give up expires by itself.
+    pub async fn stop(self, deadline: tokio::time::Instant) {
         let _ = self.stop.send(true);
-        let _ = self.task.await;
+        // A round stuck on a database that does not answer is abandoned, not waited for.
+        let mut task = self.task;
+        if tokio::time::timeout(Duration::from_secs(1), &mut task)
+            .await
+            .is_err()
+        {
+            task.abort();
+        }
         let Some(incarnation) = *self.incarnation.borrow() else {
             tracing::warn!(node = %self.node, "left the nodes table and partitions to the process that took over this node id");
             return;
         };
-        let limit = Duration::from_secs(5);
+        let limit = deadline
+            .saturating_duration_since(tokio::time::Instant::now())
+            .min(Duration::from_secs(5));
         if let Some(p) = &self.partitions {
             // A partition with a publish the engine gave up waiting for (shutdown timeout)
             // is left to expire: the broker may still take that publish, and the next owner
@@ -152,11 +168,14 @@ impl Coordinator {
                         tracing::warn!(error = %e.report(), "could not release partitions; their leases expire by themselves")
                     }
                     Err(_) => tracing::warn!(
-                        "releasing partitions timed out; their leases expire by themselves"
+                        "releasing partitions had no answer before the shutdown deadline; their leases expire by themselves"
                     ),
                 }
             }
         }
+        let limit = deadline
+            .saturating_duration_since(tokio::time::Instant::now())
+            .min(Duration::from_secs(5));
         match tokio::time::timeout(
             limit,
             self.registry.deregister(self.node.clone(), incarnation),
@@ -167,7 +186,9 @@ impl Coordinator {
             Ok(Err(e)) => {
                 tracing::warn!(error = %e.report(), "could not deregister; the row expires by itself")
             }
-            Err(_) => tracing::warn!("deregistering timed out; the row expires by itself"),
+            Err(_) => tracing::warn!(
+                "deregistering had no answer before the shutdown deadline; the row expires by itself"
+            ),
         }
     }
 }
@@ -221,16 +242,43 @@ async fn run(
     written: watch::Sender<Option<Incarnation>>,
 ) {
     let mut count: Option<u32> = None;
+    // The last heartbeat failed without an answer: it may have written the row all the same.
+    let mut unanswered = false;
     loop {
         let Some(last) = *written.borrow() else {
             return;
         };
         let live = match beat(&*registry, &config, last).await {
             Beat::Live(incarnation, live) => {
+                unanswered = false;
                 written.send_replace(Some(incarnation));
                 live
             }
-            Beat::Failed => None,
+            Beat::Failed => {
+                unanswered = true;
+                None
+            }
+            Beat::Displaced if unanswered => {
+                // The expiry we do not recognise is most likely the one our unanswered
+                // heartbeat wrote (a connection lost after the commit). Take it as ours once:
+                // a second process under this id moves it again before our next beat, and
+                // that beat, answered, finds it so.
+                unanswered = false;
+                match registry
+                    .register(config.node.clone(), config.heartbeat_timeout)
+                    .await
+                {
+                    Ok(Registration::Taken(current) | Registration::Registered(current)) => {
+                        tracing::info!(node = %config.node, "the last heartbeat's answer was lost; its write is taken as this process's");
+                        written.send_replace(Some(current));
+                    }
+                    Err(e) => {
+                        unanswered = true;
+                        tracing::warn!(error = %e.report(), "heartbeat failed");
+                    }
+                }
+                None
+            }
             Beat::Displaced => {
                 tracing::error!(
                     node = %config.node,
@@ -278,14 +326,19 @@ enum Beat {
 
 /// Heartbeats, removes expired nodes, and lists the live node ids.
 async fn beat(registry: &dyn NodeRegistry, config: &ClusterConfig, last: Incarnation) -> Beat {
+    let attempt = config.health.begin(Check::Heartbeat);
     let incarnation = match registry
         .heartbeat(config.node.clone(), last, config.heartbeat_timeout)
         .await
     {
-        Ok(Some(incarnation)) => incarnation,
+        Ok(Some(incarnation)) => {
+            attempt.succeeded();
+            incarnation
+        }
         Ok(None) => return Beat::Displaced,
         Err(e) => {
             tracing::warn!(error = %e.report(), "heartbeat failed");
+            attempt.failed(e.report());
             return Beat::Failed;
         }
     };
@@ -311,8 +364,36 @@ async fn beat(registry: &dyn NodeRegistry, config: &ClusterConfig, last: Incarna
     }
 }
 
-/// One round of lease keeping. Returns whether a hand-over is still waiting.
+/// One round of lease keeping, reported to the health as one attempt. Returns whether a
+/// hand-over is still waiting.
 async fn balance(p: &Partitions, config: &ClusterConfig, count: u32, live: &[String]) -> bool {
+    let attempt = config.health.begin(Check::Leases);
+    let (waiting, failure) = keep_leases(p, config, count, live).await;
+    match failure {
+        None => attempt.succeeded(),
+        Some(e) => {
+            // Said once per streak at error level when only an operator can fix it.
+            if attempt.failed(e.report()) && !e.is_retryable() {
+                tracing::error!(error = %e.report(), "cannot keep partition leases: this node publishes nothing until this is fixed");
+            }
+        }
+    }
+    // What the node may publish now, not what it last took: leases it cannot renew drop out
+    // of the count when they run out by its own clock.
+    let owned = p.ownership.publishable(Instant::now()).0.len();
+    metrics::gauge!(OWNED_PARTITIONS).set(owned as f64);
+    waiting
+}
+
+/// Renews, hands over and takes leases. Returns whether a hand-over is still waiting, and the
+/// first failure of the round.
+async fn keep_leases(
+    p: &Partitions,
+    config: &ClusterConfig,
+    count: u32,
+    live: &[String],
+) -> (bool, Option<StoreError>) {
+    let mut failure = None;
     let ttl = config.heartbeat_timeout;
     // Our own view of a lease ends a quarter early, counted from before the statement.
     let valid_for = ttl.mul_f64(0.75);
@@ -340,7 +421,7 @@ async fn balance(p: &Partitions, config: &ClusterConfig, count: u32, live: &[Str
             }
             Err(e) => {
                 tracing::warn!(error = %e.report(), "could not renew partition leases; publishing stops when they run out");
-                return false;
+                return (false, Some(e));
             }
         }
     }
@@ -350,6 +431,7 @@ async fn balance(p: &Partitions, config: &ClusterConfig, count: u32, live: &[Str
         .get(&node.0)
         .map(|v| v.iter().copied().collect())
         .unwrap_or_default();
+    config.health.set_assigned(mine.len());
     let held: BTreeSet<i32> = p.ownership.held().into_iter().map(|(p, _)| p).collect();
 
     // Hand over what is assigned elsewhere, once the engine has settled its rows.
@@ -380,7 +462,10 @@ async fn balance(p: &Partitions, config: &ClusterConfig, count: u32, live: &[Str
                     .increment(drained.len() as u64);
                 tracing::info!(partitions = ?drained, "handed partitions over");
             }
-            Err(e) => tracing::warn!(error = %e.report(), "could not release partitions"),
+            Err(e) => {
+                tracing::warn!(error = %e.report(), "could not release partitions");
+                failure = failure.or(Some(e));
+            }
         }
     }
 
@@ -397,9 +482,11 @@ async fn balance(p: &Partitions, config: &ClusterConfig, count: u32, live: &[Str
                 tracing::info!(partitions = ?taken.iter().map(|(p, _)| p).collect::<Vec<_>>(), "acquired partitions");
             }
             Ok(_) => {}
-            Err(e) => tracing::warn!(error = %e.report(), "could not acquire partitions"),
+            Err(e) => {
+                tracing::warn!(error = %e.report(), "could not acquire partitions");
+                failure = failure.or(Some(e));
+            }
         }
     }
-    metrics::gauge!(OWNED_PARTITIONS).set(p.ownership.held().len() as f64);
-    waiting
+    (waiting, failure)
 }

@@ -155,6 +155,11 @@ pub enum StoreErrorKind {
     Privilege,
     /// The configuration is wrong (bad URL, bad identifier, TLS setup).
     Config,
+    /// A column has a type the relay cannot read (altered after `migrate`).
+    SchemaMismatch,
+    /// The database reports its storage damaged (SQLite's SQLITE_CORRUPT): no retry can
+    /// succeed, and each would publish again what it cannot ack.
+    Corrupt,
     /// Any other failure of a statement.
     Query,
 }
@@ -176,6 +181,8 @@ impl StoreErrorKind {
             StoreErrorKind::MissingSchema => "run `outbox-relay migrate` (or `run --auto-migrate`), or apply the DDL from `outbox-relay migrate --print`",
             StoreErrorKind::Privilege => "grant the privileges listed by `outbox-relay migrate --print` to the relay's role",
             StoreErrorKind::Config => "fix the configuration value named in the message",
+            StoreErrorKind::Corrupt => "stop writing to the database and recover it (`sqlite3 FILE .recover`, or restore a backup); events published but not acked are sent again once it is sound",
+            StoreErrorKind::SchemaMismatch => "restore the column's type as `outbox-relay migrate --print` shows it; `outbox-relay check` lists every column that differs, with the ALTER TABLE that restores it",
             StoreErrorKind::Query => "see the database's message; `outbox-relay check` verifies the tables",
         }
     }
@@ -187,6 +194,9 @@ pub struct StoreError {
     kind: StoreErrorKind,
     message: String,
     source: Option<Source>,
+    /// A fix more precise than the kind's (a TLS failure is a `Connection` error, but its
+    /// fix is about certificates, not about the host and port).
+    hint: Option<&'static str>,
 }
 
 impl StoreError {
@@ -195,7 +205,19 @@ impl StoreError {
             kind,
             message: message.into(),
             source: None,
+            hint: None,
         }
+    }
+
+    /// Replaces the kind's hint; the kind alone still decides whether it is retried.
+    pub fn with_hint(mut self, hint: &'static str) -> Self {
+        self.hint = Some(hint);
+        self
+    }
+
+    /// What an operator should do about it.
+    pub fn hint(&self) -> &'static str {
+        self.hint.unwrap_or(self.kind.hint())
     }
 
     pub fn with_source(mut self, source: impl Into<Source>) -> Self {
@@ -213,7 +235,7 @@ impl StoreError {
 
     /// The message with its causes and the operator hint.
     pub fn report(&self) -> String {
-        format!("{} (fix: {})", report(self), self.kind.hint())
+        format!("{} (fix: {})", report(self), self.hint())
     }
 }
 

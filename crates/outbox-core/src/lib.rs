@@ -10,6 +10,7 @@
 
 pub mod error;
 pub mod event;
+pub mod health;
 pub mod ident;
 pub mod ownership;
 pub mod partition;
@@ -20,6 +21,7 @@ pub mod time;
 
 pub use error::{Disposition, PublishError, PublishErrorKind, StoreError, StoreErrorKind};
 pub use event::{Event, EventId, Headers, NewEvent, NodeId, Payload, SequenceId};
+pub use health::Health;
 pub use ownership::Ownership;
 pub use partition::{partition_of, Fence};
 pub use publisher::{Outcome, Publisher};

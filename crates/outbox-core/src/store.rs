@@ -133,6 +133,25 @@ pub struct Problem {
     pub fix: String,
 }
 
+impl Problem {
+    /// The mark [`Problem::degraded`] leaves on `what`.
+    const DEGRADED: &'static str = " (the relay runs with this)";
+
+    /// A problem the relay can run with, at some cost it names (polling only, rows sent to
+    /// the dead letters): `run` warns, `check` fails.
+    pub fn degraded(what: impl Into<String>, fix: impl Into<String>) -> Self {
+        Problem {
+            what: format!("{}{}", what.into(), Self::DEGRADED),
+            fix: fix.into(),
+        }
+    }
+
+    /// Whether `run` may start despite this problem (a missing wake-up trigger is one too).
+    pub fn is_degraded(&self) -> bool {
+        self.what.ends_with(Self::DEGRADED) || self.what.contains("trigger")
+    }
+}
+
 /// Called when new rows may have been committed.
 pub type OnChange = Arc<dyn Fn() + Send + Sync>;
 

@@ -25,6 +25,73 @@ pub fn from_micros(micros: i64) -> SystemTime {
     }
 }
 
+/// The first microsecond RFC 3339 can write: `0001-01-01T00:00:00Z`.
+pub const RFC3339_FIRST_MICROS: i64 = -62_135_596_800_000_000;
+/// The last microsecond RFC 3339 can write: `9999-12-31T23:59:59.999999Z`.
+pub const RFC3339_LAST_MICROS: i64 = 253_402_300_799_999_999;
+
+/// Why a `created_at` cannot be carried, or `None` when it can: any time RFC 3339 writes
+/// (years 1 to 9999, before the Unix epoch too). Beyond that range a time is not one an
+/// application meant (`'infinity'`, a stray integer), and sinks could not write it.
+pub fn created_at_problem(micros_since_epoch: i64) -> Option<String> {
+    if (RFC3339_FIRST_MICROS..=RFC3339_LAST_MICROS).contains(&micros_since_epoch) {
+        return None;
+    }
+    let what = match micros_since_epoch {
+        i64::MAX => "infinity".to_string(),
+        i64::MIN => "-infinity".to_string(),
+        m => format!("{m} microseconds from the Unix epoch"),
+    };
+    Some(format!(
+        "created_at is {what}, outside the years 1 to 9999 that an event can carry; \
+         set created_at to the event's real time in the dead letters, then `outbox-relay dead retry`"
+    ))
+}
+
+/// `t` as RFC 3339 in UTC with microseconds (`1969-07-20T20:17:40.000000Z`), on both sides
+/// of the Unix epoch; an error for times outside years 1 to 9999.
+pub fn rfc3339_micros(t: SystemTime) -> Result<String, String> {
+    let m = micros(t);
+    if let Some(problem) = created_at_problem(m) {
+        return Err(problem);
+    }
+    let (secs, micro) = (m.div_euclid(1_000_000), m.rem_euclid(1_000_000));
+    let (days, second_of_day) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    let (year, month, day) = civil_date(days);
+    Ok(format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{micro:06}Z",
+        second_of_day / 3600,
+        second_of_day / 60 % 60,
+        second_of_day % 60
+    ))
+}
+
+/// The proleptic Gregorian date `days` after 1970-01-01. Counts in 400-year cycles of
+/// 146,097 days whose years start on 1 March, so the leap day ends each year.
+fn civil_date(days: i64) -> (i64, i64, i64) {
+    const CYCLE: i64 = 146_097;
+    // Days from 0000-03-01 to 1970-01-01.
+    let shifted = days + 719_468;
+    let cycle = shifted.div_euclid(CYCLE);
+    let day_of_cycle = shifted.rem_euclid(CYCLE);
+    // Years into the cycle: remove the leap days of 4-, 100- and 400-year periods.
+    let year_of_cycle = (day_of_cycle - day_of_cycle / 1460 + day_of_cycle / 36_524
+        - day_of_cycle / (CYCLE - 1))
+        / 365;
+    let day_of_year =
+        day_of_cycle - (365 * year_of_cycle + year_of_cycle / 4 - year_of_cycle / 100);
+    // Months from March, of 31/30 days alternating in a 153-day, 5-month pattern.
+    let month_from_march = (5 * day_of_year + 2) / 153;
+    let day = day_of_year - (153 * month_from_march + 2) / 5 + 1;
+    let month = if month_from_march < 10 {
+        month_from_march + 3
+    } else {
+        month_from_march - 9
+    };
+    let year = cycle * 400 + year_of_cycle + i64::from(month <= 2);
+    (year, month, day)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -35,5 +102,42 @@ mod tests {
             assert_eq!(micros(from_micros(m)), m);
         }
         assert_eq!(millis(Duration::from_secs(2)), 2000);
+    }
+
+    #[test]
+    fn rfc3339_writes_years_1_to_9999_on_both_sides_of_the_epoch() {
+        let cases = [
+            (RFC3339_FIRST_MICROS, "0001-01-01T00:00:00.000000Z"),
+            (-14_182_940_000_000, "1969-07-20T20:17:40.000000Z"),
+            (-1, "1969-12-31T23:59:59.999999Z"),
+            (0, "1970-01-01T00:00:00.000000Z"),
+            (951_782_400_000_000, "2000-02-29T00:00:00.000000Z"),
+            (1_700_000_000_123_456, "2023-11-14T22:13:20.123456Z"),
+            (RFC3339_LAST_MICROS, "9999-12-31T23:59:59.999999Z"),
+        ];
+        for (m, text) in cases {
+            assert_eq!(rfc3339_micros(from_micros(m)).as_deref(), Ok(text), "{m}");
+        }
+        // Agrees with humantime wherever humantime can write a time (from 1970).
+        for m in (0..RFC3339_LAST_MICROS).step_by(7_777_777_777_777) {
+            let ours = rfc3339_micros(from_micros(m)).unwrap();
+            let theirs = humantime::format_rfc3339_micros(from_micros(m)).to_string();
+            assert_eq!(ours, theirs, "{m}");
+        }
+    }
+
+    #[test]
+    fn times_rfc3339_cannot_write_are_refused_with_the_fix() {
+        for m in [
+            RFC3339_LAST_MICROS + 1,
+            RFC3339_FIRST_MICROS - 1,
+            i64::MAX,
+            i64::MIN,
+        ] {
+            let err = rfc3339_micros(from_micros(m)).unwrap_err();
+            assert!(err.contains("outside the years 1 to 9999"), "{err}");
+            assert!(err.contains("dead retry"), "{err}");
+        }
+        assert!(created_at_problem(i64::MAX).unwrap().contains("infinity"));
     }
 }

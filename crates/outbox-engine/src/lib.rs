@@ -21,9 +21,10 @@ use std::time::{Duration, SystemTime};
 use futures::future::BoxFuture;
 use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt};
-use outbox_core::store::{ClaimRequest, DeadLetter, RetryLater, StoreResult};
+use outbox_core::health::Check;
+use outbox_core::store::{Backlog, ClaimRequest, DeadLetter, RetryLater, StoreResult};
 use outbox_core::{
-    Claimed, Event, Fence, NodeId, OutboxStore, Ownership, PublishError, PublishErrorKind,
+    Claimed, Event, Fence, Health, NodeId, OutboxStore, Ownership, PublishError, PublishErrorKind,
     Publisher, RetryDecision, RetryPolicy, SequenceId, StoreError,
 };
 use tokio::sync::Notify;
@@ -45,8 +46,16 @@ pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_secs(1);
 /// the row lease, which must outlive every publish of its row. Partition leases bound each
 /// publish by themselves (`Engine::lease_lost`).
 pub const DEFAULT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(20);
-/// How long a graceful shutdown waits for in-flight publishes.
+/// How long a graceful shutdown may take in all: waiting for in-flight publishes, then
+/// releasing rows, closing the sinks, giving up partitions and deregistering.
 pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(15);
+/// How much of the shutdown timeout is kept for the clean-up after the wait for in-flight
+/// publishes (a quarter of it, at most this), so an unreachable broker or database cannot
+/// stretch the shutdown past the timeout.
+pub const SHUTDOWN_CLEANUP_RESERVE: Duration = Duration::from_secs(5);
+/// How long a drain waits, by default, for pending rows it cannot claim yet (leased by a node
+/// that died, or in partitions another node still holds) before it reports them as left.
+pub const DEFAULT_DRAIN_PATIENCE: Duration = Duration::from_secs(40);
 /// How often backlog gauges are refreshed.
 pub const DEFAULT_BACKLOG_INTERVAL: Duration = Duration::from_secs(5);
 
@@ -73,6 +82,11 @@ pub struct EngineConfig {
     pub backlog_interval: Duration,
     /// Deliver what is deliverable now, then return.
     pub drain: bool,
+    /// With `drain`: how long to wait for pending rows that no claim returns yet (another
+    /// node's leases or partitions run out) before reporting them as left.
+    pub drain_patience: Duration,
+    /// Where claims and settles report success, failure and waits that last too long.
+    pub health: Arc<Health>,
     /// Per-key order (the default); `false` publishes any ready rows (`--ordering none`).
     pub ordered: bool,
     /// The partitions this node holds, kept by the cluster coordinator. `None`: a single
@@ -94,6 +108,8 @@ impl EngineConfig {
             shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
             backlog_interval: DEFAULT_BACKLOG_INTERVAL,
             drain: false,
+            drain_patience: DEFAULT_DRAIN_PATIENCE,
+            health: Health::new(),
             ordered: true,
             ownership: None,
         }
@@ -106,6 +122,26 @@ pub struct Summary {
     pub published: u64,
     pub retried: u64,
     pub dead_lettered: u64,
+    /// The last publish failure (retried or dead-lettered), for the drain's report.
+    pub last_failure: Option<String>,
+    /// Publishes and settle statements still unfinished when the shutdown timeout ran out.
+    pub abandoned: usize,
+    /// With `drain`: how it ended (`None` without `drain`).
+    pub drain: Option<DrainEnd>,
+}
+
+/// How a drain ended: what the outbox still held.
+#[derive(Clone, Debug, PartialEq)]
+pub enum DrainEnd {
+    /// Nothing is pending but rows inserted after the drain began (`arrived`), which are left
+    /// for the next run.
+    Clean { arrived: u64 },
+    /// Rows are left undelivered: waiting to retry (and the rows of their keys behind them),
+    /// or pending rows no claim returned within the drain's patience (leased by a node that
+    /// is still alive, in partitions another node holds, or scheduled for later).
+    Left(Backlog),
+    /// The backlog could not be read, so the drain cannot vouch for anything.
+    Unknown(String),
 }
 
 /// A finished settle statement.
@@ -129,13 +165,21 @@ type Claiming = BoxFuture<'static, (u64, usize, StoreResult<Vec<Claimed>>)>;
 
 /// Retries a store write until it succeeds or fails for good. Settling must not be dropped:
 /// a row whose ack is lost would be published again, one whose retry is lost could reorder.
-async fn persist<F>(what: &'static str, mut op: F) -> StoreResult<u64>
+async fn persist<F>(health: Arc<Health>, what: &'static str, mut op: F) -> StoreResult<u64>
 where
     F: FnMut() -> BoxFuture<'static, StoreResult<u64>>,
 {
     let mut delay = Duration::from_millis(50);
     loop {
-        match op().await {
+        let attempt = health.begin(Check::Settle);
+        let result = op().await;
+        match &result {
+            Ok(_) => attempt.succeeded(),
+            Err(e) => {
+                attempt.failed(format!("{what}: {}", e.report()));
+            }
+        }
+        match result {
             Ok(n) => return Ok(n),
             Err(e) if e.is_retryable() => {
                 ::metrics::counter!(metrics::STORE_ERRORS, "operation" => what).increment(1);
@@ -159,6 +203,15 @@ struct Engine {
     summary: Summary,
     claims_started: u64,
     next_retry: Option<Instant>,
+    /// When the whole shutdown must be over (set on the shutdown signal).
+    shutdown_deadline: Option<Instant>,
+    /// When the run began: a drain leaves rows inserted after this to the next run.
+    started: Instant,
+}
+
+/// The part of `shutdown_timeout` kept for the clean-up after in-flight publishes.
+pub fn shutdown_cleanup_reserve(shutdown_timeout: Duration) -> Duration {
+    (shutdown_timeout / 4).min(SHUTDOWN_CLEANUP_RESERVE)
 }
 
 impl Engine {
@@ -181,9 +234,13 @@ impl Engine {
         self.lanes.releasing(&ids);
         let store = self.store.clone();
         let node = self.config.node.clone();
+        let health = self.config.health.clone();
         self.spawn_settle(
             async move {
-                let result = persist("release", || store.release(node.clone(), ids.clone())).await;
+                let result = persist(health, "release", || {
+                    store.release(node.clone(), ids.clone())
+                })
+                .await;
                 Settled::Released(ids, result)
             }
             .boxed(),
@@ -289,6 +346,7 @@ impl Engine {
         }
         let store = self.store.clone();
         let node = self.config.node.clone();
+        let health = self.config.health.clone();
         let mut keys = Vec::with_capacity(entries.len());
         let mut rows = Vec::with_capacity(entries.len());
         for (key, destination, row) in entries {
@@ -299,7 +357,7 @@ impl Engine {
         let fence = self.settle_fence();
         self.spawn_settle(
             async move {
-                let result = persist("dead-letter", || {
+                let result = persist(health, "dead-letter", || {
                     store.dead_letter(node.clone(), fence.clone(), rows.clone())
                 })
                 .await;
@@ -351,6 +409,7 @@ impl Engine {
                 Err(error) => {
                     let attempts = event.attempts + 1;
                     let report = error.report();
+                    self.summary.last_failure = Some(report.clone());
                     let limit = event
                         .max_attempts
                         .unwrap_or_else(|| self.config.retry.max_attempts_for(&event.event_type));
@@ -409,11 +468,12 @@ impl Engine {
         }
         let store = self.store.clone();
         let node = self.config.node.clone();
+        let health = self.config.health.clone();
         let ids: Vec<SequenceId> = acked.iter().map(|a| a.sequence_id).collect();
         let fence = self.settle_fence();
         self.spawn_settle(
             async move {
-                let result = persist("ack", || {
+                let result = persist(health, "ack", || {
                     store.ack(node.clone(), fence.clone(), ids.clone())
                 })
                 .await;
@@ -429,6 +489,7 @@ impl Engine {
         }
         let store = self.store.clone();
         let node = self.config.node.clone();
+        let health = self.config.health.clone();
         let ids: Vec<SequenceId> = retries.iter().map(|r| r.sequence_id).collect();
         // A retry statement releases its rows: a claim may take them again (once due)
         // before this reports back.
@@ -436,7 +497,7 @@ impl Engine {
         let fence = self.settle_fence();
         self.spawn_settle(
             async move {
-                let result = persist("retry", || {
+                let result = persist(health, "retry", || {
                     store.retry_later(node.clone(), fence.clone(), retries.clone())
                 })
                 .await;
@@ -532,7 +593,11 @@ pub async fn run(
         let wake = wake.clone();
         ownership.on_change(move || wake.notify_one());
     }
-    let backlog_reporter = tokio::spawn(report_backlog(store.clone(), config.backlog_interval));
+    let backlog_reporter = tokio::spawn(report_backlog(
+        store.clone(),
+        config.backlog_interval,
+        config.health.clone(),
+    ));
     let lanes = Lanes::new(config.ordered, config.ownership.as_ref().map(|o| o.count()));
     let mut engine = Engine {
         store,
@@ -545,26 +610,94 @@ pub async fn run(
         summary: Summary::default(),
         claims_started: 0,
         next_retry: None,
+        shutdown_deadline: None,
+        started: Instant::now(),
     };
     let result = event_loop(&mut engine, wake, shutdown).await;
     if let Some(listener) = listener {
         listener.abort();
     }
     backlog_reporter.abort();
+    // Everything from here on ends by the shutdown deadline: a database or broker that does
+    // not answer costs the rest of the shutdown budget, never more.
+    let deadline = engine
+        .shutdown_deadline
+        .unwrap_or_else(|| Instant::now() + engine.config.shutdown_timeout);
     // Whatever is still leased goes back at once rather than after the lease.
     let leftover = engine.lanes.held_ids();
     if !leftover.is_empty() {
+        let rows = leftover.len();
         let release = engine.store.release(engine.config.node.clone(), leftover);
-        match tokio::time::timeout(Duration::from_secs(5), release).await {
+        match tokio::time::timeout_at(deadline, release).await {
             Ok(Ok(n)) => tracing::info!(rows = n, "released leases"),
             Ok(Err(e)) => {
-                tracing::warn!(error = %e.report(), "could not release leases; they expire by themselves")
+                tracing::warn!(rows, error = %e.report(), "could not release leases; the rows come back when their leases run out")
             }
-            Err(_) => tracing::warn!("releasing leases timed out; they expire by themselves"),
+            Err(_) => tracing::warn!(
+                rows,
+                "the database did not answer the release before the shutdown deadline; the rows come back when their leases run out"
+            ),
         }
     }
-    engine.publisher.close().await;
+    if result.is_ok() && engine.config.drain && engine.summary.drain.is_none() {
+        // Stopped by a signal mid-drain: say what is left, without waiting for anything.
+        let running_for = engine.started.elapsed();
+        engine.summary.drain = Some(
+            match tokio::time::timeout_at(deadline, drain_check(engine.store.clone(), running_for))
+                .await
+            {
+                Ok(DrainCheck::Done(end)) => end,
+                Ok(DrainCheck::Wait(backlog)) => DrainEnd::Left(backlog),
+                Ok(DrainCheck::Failed(e)) => DrainEnd::Unknown(e),
+                Err(_) => DrainEnd::Unknown(
+                    "the backlog query had no answer before the shutdown deadline".into(),
+                ),
+            },
+        );
+    }
+    if tokio::time::timeout_at(deadline, engine.publisher.close())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            sink = %engine.publisher.describe(),
+            "the sink did not close before the shutdown deadline (broker unreachable?); \
+             anything it had not confirmed is delivered again from the outbox"
+        );
+    }
     result.map(|()| engine.summary)
+}
+
+enum DrainCheck {
+    Done(DrainEnd),
+    /// Pending rows that no claim returned: another node's leases or partitions, or rows
+    /// scheduled for later.
+    Wait(Backlog),
+    Failed(String),
+}
+
+/// What the outbox holds once a drain found nothing more to claim. `running_for`: rows
+/// younger than this were inserted during the drain.
+async fn drain_check(store: Arc<dyn OutboxStore>, running_for: Duration) -> DrainCheck {
+    let backlog = match store.backlog().await {
+        Ok(b) => b,
+        Err(e) => return DrainCheck::Failed(format!("cannot read the backlog: {}", e.report())),
+    };
+    if backlog.pending == 0 {
+        DrainCheck::Done(DrainEnd::Clean { arrived: 0 })
+    } else if backlog.retrying > 0 {
+        // Failed events: a drain does not wait out their backoff.
+        DrainCheck::Done(DrainEnd::Left(backlog))
+    } else if backlog
+        .oldest_pending_age
+        .is_some_and(|age| age < running_for)
+    {
+        DrainCheck::Done(DrainEnd::Clean {
+            arrived: backlog.pending,
+        })
+    } else {
+        DrainCheck::Wait(backlog)
+    }
 }
 
 async fn event_loop(
@@ -593,6 +726,8 @@ async fn event_loop(
     let mut next_expiry: Option<std::time::Instant> = None;
     let mut reported_busy = std::collections::BTreeSet::new();
     let mut reported_generation = u64::MAX;
+    let mut drain_checked = 0;
+    let mut drain_waiting_since: Option<Instant> = None;
 
     loop {
         let stopping = stopping_deadline.is_some();
@@ -633,7 +768,20 @@ async fn event_loop(
                         fence,
                         ordered: config.ordered,
                     });
-                    claiming = Some(async move { (claim_no, limit, claim.await) }.boxed());
+                    let attempt = config.health.begin(Check::Claim);
+                    claiming = Some(
+                        async move {
+                            let result = claim.await;
+                            match &result {
+                                Ok(_) => attempt.succeeded(),
+                                Err(e) => {
+                                    attempt.failed(e.report());
+                                }
+                            }
+                            (claim_no, limit, result)
+                        }
+                        .boxed(),
+                    );
                 }
             }
         }
@@ -669,23 +817,71 @@ async fn event_loop(
         {
             return Ok(());
         }
-        if config.drain && idle && last_claim_empty && !want_claim && !backlog {
-            return Ok(());
+        if config.drain
+            && idle
+            && last_claim_empty
+            && !want_claim
+            && !backlog
+            && drain_checked != engine.claims_started
+        {
+            // Nothing more to claim: what is still pending decides whether the drain is done.
+            drain_checked = engine.claims_started;
+            let waited = drain_waiting_since.map(|t: Instant| t.elapsed());
+            let out_of_patience = waited.is_some_and(|w| w >= config.drain_patience);
+            match drain_check(engine.store.clone(), engine.started.elapsed()).await {
+                DrainCheck::Done(end) => {
+                    engine.summary.drain = Some(end);
+                    return Ok(());
+                }
+                DrainCheck::Wait(left) if out_of_patience => {
+                    engine.summary.drain = Some(DrainEnd::Left(left));
+                    return Ok(());
+                }
+                DrainCheck::Failed(e) if out_of_patience => {
+                    engine.summary.drain = Some(DrainEnd::Unknown(e));
+                    return Ok(());
+                }
+                DrainCheck::Wait(left) => {
+                    if waited.is_none() {
+                        tracing::info!(
+                            pending = left.pending,
+                            patience = ?config.drain_patience,
+                            "drain: pending events that no claim returns yet (leased by another \
+                             node or one that died, in another node's partitions, or scheduled \
+                             for later); waiting for them"
+                        );
+                    }
+                    drain_waiting_since.get_or_insert_with(Instant::now);
+                }
+                DrainCheck::Failed(e) => {
+                    tracing::warn!(error = %e, "drain: cannot tell what is left; trying again");
+                    drain_waiting_since.get_or_insert_with(Instant::now);
+                }
+            }
         }
         let retry_due = engine.next_retry;
         let claim_wait = (claim_not_before > Instant::now()).then_some(claim_not_before);
         tokio::select! {
             () = &mut shutdown, if !stopping => {
-                tracing::info!("shutting down: settling in-flight events");
-                stopping_deadline = Some(Instant::now() + config.shutdown_timeout);
+                let now = Instant::now();
+                let reserve = shutdown_cleanup_reserve(config.shutdown_timeout);
+                tracing::info!(
+                    shutdown_timeout = ?config.shutdown_timeout,
+                    "shutting down: settling in-flight events"
+                );
+                engine.shutdown_deadline = Some(now + config.shutdown_timeout);
+                stopping_deadline = Some(now + config.shutdown_timeout - reserve);
                 let unstarted = engine.lanes.take_unstarted();
                 engine.release(unstarted);
             }
             () = tokio::time::sleep_until(stopping_deadline.unwrap_or_else(Instant::now)), if stopping => {
+                engine.summary.abandoned = engine.publishing.len() + engine.settling.len();
                 tracing::warn!(
-                    publishing = engine.publishing.len(),
-                    settling = engine.settling.len(),
-                    "shutdown timeout reached; leaving the rest to lease expiry"
+                    publishes = engine.publishing.len(),
+                    settle_statements = engine.settling.len(),
+                    rows = engine.lanes.held(),
+                    "shutdown timeout reached with publishes or settles unfinished (broker or \
+                     database not answering); their rows are delivered again once their leases run out"
                 );
                 return Ok(());
             }
@@ -742,25 +938,42 @@ async fn event_loop(
                 let store = engine.store.clone();
                 let node = config.node.clone();
                 let lease = config.lease;
-                engine.spawn_settle(async move { Settled::Extended(store.extend_leases(node, ids, lease).await) }.boxed());
+                let attempt = config.health.begin(Check::Settle);
+                engine.spawn_settle(async move {
+                    let result = store.extend_leases(node, ids, lease).await;
+                    match &result {
+                        Ok(_) => attempt.succeeded(),
+                        Err(e) => {
+                            attempt.failed(format!("extend leases: {}", e.report()));
+                        }
+                    }
+                    Settled::Extended(result)
+                }.boxed());
             }
         }
     }
 }
 
-async fn report_backlog(store: Arc<dyn OutboxStore>, every: Duration) {
+async fn report_backlog(store: Arc<dyn OutboxStore>, every: Duration, health: Arc<Health>) {
     let mut ticker = tokio::time::interval(every);
     loop {
         ticker.tick().await;
+        let attempt = health.begin(Check::Backlog);
         match store.backlog().await {
             Ok(b) => {
+                attempt.succeeded();
                 ::metrics::gauge!(metrics::BACKLOG).set(b.pending as f64);
                 ::metrics::gauge!(metrics::RETRYING).set(b.retrying as f64);
                 ::metrics::gauge!(metrics::DEAD).set(b.dead as f64);
                 ::metrics::gauge!(metrics::OLDEST_AGE)
                     .set(b.oldest_pending_age.map_or(0.0, |a| a.as_secs_f64()));
             }
-            Err(e) => tracing::debug!(error = %e.report(), "backlog query failed"),
+            Err(e) => {
+                // The gauges keep their last values; the failure shows in /readyz and in
+                // outbox_last_success_timestamp_seconds{check="backlog"}.
+                tracing::debug!(error = %e.report(), "backlog query failed");
+                attempt.failed(e.report());
+            }
         }
     }
 }

@@ -16,6 +16,8 @@ pub const RETRYING: &str = "outbox_retrying_events";
 pub const DEAD: &str = "outbox_dead_letter_events";
 pub const OLDEST_AGE: &str = "outbox_oldest_pending_age_seconds";
 pub const STORE_ERRORS: &str = "outbox_store_errors_total";
+pub const LAST_SUCCESS: &str = "outbox_last_success_timestamp_seconds";
+pub const TROUBLES: &str = "outbox_health_problems";
 
 /// Registers descriptions so `/metrics` explains itself.
 pub fn describe() {
@@ -53,6 +55,15 @@ pub fn describe() {
         "Age of the oldest pending event."
     );
     describe_counter!(STORE_ERRORS, "Failed database operations, by operation.");
+    describe_gauge!(
+        LAST_SUCCESS,
+        Unit::Seconds,
+        "Unix time of the last success of each check (claim, settle, heartbeat, partition leases, backlog); alert on time() minus this."
+    );
+    describe_gauge!(
+        TROUBLES,
+        "Problems /readyz reports right now (failing checks, database waits past 10 s, assigned partitions not held)."
+    );
 }
 
 /// Caps the number of distinct destination label values, so a destination per entity

@@ -38,7 +38,7 @@ fn default_dedupe_window() -> Duration {
     DEFAULT_REDIS_DEDUPE_WINDOW
 }
 
-#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct SinkConfig {
     /// `stdout`, `file:PATH`, `nats://`, `kafka://`, `amqp://`/`amqps://`, `redis://`/`rediss://`,
@@ -84,6 +84,155 @@ pub struct SinkConfig {
     pub api_key_file: Option<PathBuf>,
     /// Ably: REST endpoint [default: https://rest.ably.io].
     pub rest_url: Option<String>,
+}
+
+/// Written out so that a sink built in code (`--sink URI`) gets the same defaults as one read
+/// from a file: a derived default would give the Redis dedupe window 0s.
+impl Default for SinkConfig {
+    fn default() -> Self {
+        SinkConfig {
+            uri: String::new(),
+            max_message_bytes: None,
+            timeout: None,
+            tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
+            creds_file: None,
+            nkey_seed_file: None,
+            token: None,
+            sasl_mechanism: None,
+            sasl_username: None,
+            sasl_password: None,
+            kafka: Default::default(),
+            exchange: None,
+            unroutable: Unroutable::default(),
+            maxlen: None,
+            dedupe_window: DEFAULT_REDIS_DEDUPE_WINDOW,
+            concurrency: None,
+            secret: None,
+            api_key_file: None,
+            rest_url: None,
+        }
+    }
+}
+
+/// The settings each sink reads, by URI scheme, besides `uri` and `max_message_bytes`
+/// (which every sink honours).
+const SETTINGS_READ: &[(&[&str], &[&str])] = &[
+    (&["stdout", "file"], &[]),
+    (
+        &["nats", "tls"],
+        &[
+            "timeout",
+            "tls_ca_file",
+            "tls_cert_file",
+            "tls_key_file",
+            "creds_file",
+            "nkey_seed_file",
+            "token",
+        ],
+    ),
+    (
+        &["kafka", "kafkas"],
+        &[
+            "timeout",
+            "tls_ca_file",
+            "tls_cert_file",
+            "tls_key_file",
+            "sasl_mechanism",
+            "sasl_username",
+            "sasl_password",
+            "kafka",
+        ],
+    ),
+    (&["amqp", "amqps"], &["timeout", "exchange", "unroutable"]),
+    (
+        &["redis", "rediss"],
+        &[
+            "timeout",
+            "tls_ca_file",
+            "tls_cert_file",
+            "tls_key_file",
+            "maxlen",
+            "dedupe_window",
+        ],
+    ),
+    (
+        &["http", "https"],
+        &[
+            "timeout",
+            "tls_ca_file",
+            "tls_cert_file",
+            "tls_key_file",
+            "concurrency",
+            "secret",
+        ],
+    ),
+    (
+        &["ably"],
+        &[
+            "timeout",
+            "tls_ca_file",
+            "tls_cert_file",
+            "tls_key_file",
+            "api_key_file",
+            "rest_url",
+        ],
+    ),
+];
+
+impl SinkConfig {
+    /// The URI's scheme: `nats` for `nats://host`, `file` for `file:PATH`.
+    pub fn scheme(&self) -> &str {
+        self.uri.trim().split(':').next().unwrap_or_default()
+    }
+
+    /// Settings given here that this sink never reads (a Redis `maxlen` on a NATS sink): they
+    /// would have no effect, so the relay refuses them. Empty for an unknown scheme, which
+    /// building the sink reports.
+    pub fn settings_without_effect(&self) -> Vec<&'static str> {
+        let scheme = self.scheme();
+        let Some((_, read)) = SETTINGS_READ
+            .iter()
+            .find(|(schemes, _)| schemes.contains(&scheme))
+        else {
+            return Vec::new();
+        };
+        self.settings_given()
+            .into_iter()
+            .filter(|setting| !read.contains(setting))
+            .collect()
+    }
+
+    /// The sink-specific settings that differ from their defaults.
+    fn settings_given(&self) -> Vec<&'static str> {
+        let d = SinkConfig::default();
+        let given = [
+            ("timeout", self.timeout != d.timeout),
+            ("tls_ca_file", self.tls_ca_file.is_some()),
+            ("tls_cert_file", self.tls_cert_file.is_some()),
+            ("tls_key_file", self.tls_key_file.is_some()),
+            ("creds_file", self.creds_file.is_some()),
+            ("nkey_seed_file", self.nkey_seed_file.is_some()),
+            ("token", self.token.is_some()),
+            ("sasl_mechanism", self.sasl_mechanism.is_some()),
+            ("sasl_username", self.sasl_username.is_some()),
+            ("sasl_password", self.sasl_password.is_some()),
+            ("kafka", !self.kafka.is_empty()),
+            ("exchange", self.exchange.is_some()),
+            ("unroutable", self.unroutable != d.unroutable),
+            ("maxlen", self.maxlen.is_some()),
+            ("dedupe_window", self.dedupe_window != d.dedupe_window),
+            ("concurrency", self.concurrency.is_some()),
+            ("secret", self.secret.is_some()),
+            ("api_key_file", self.api_key_file.is_some()),
+            ("rest_url", self.rest_url.is_some()),
+        ];
+        given
+            .into_iter()
+            .filter_map(|(name, set)| set.then_some(name))
+            .collect()
+    }
 }
 
 pub mod duration {
@@ -138,4 +287,50 @@ pub struct RouteConfig {
     pub sink: String,
     /// The target template [default: "{destination}"].
     pub target: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sink(uri: &str) -> SinkConfig {
+        SinkConfig {
+            uri: uri.into(),
+            ..SinkConfig::default()
+        }
+    }
+
+    #[test]
+    fn a_setting_another_sink_reads_is_named() {
+        let nats = SinkConfig {
+            maxlen: Some(1000),
+            ..sink("nats://127.0.0.1:4222")
+        };
+        assert_eq!(nats.settings_without_effect(), ["maxlen"]);
+        let redis = SinkConfig {
+            maxlen: Some(1000),
+            dedupe_window: Duration::from_secs(60),
+            ..sink("redis://127.0.0.1")
+        };
+        assert!(redis.settings_without_effect().is_empty());
+        let file = SinkConfig {
+            timeout: Some(Duration::from_secs(1)),
+            exchange: Some("x".into()),
+            ..sink("file:/tmp/x.jsonl")
+        };
+        assert_eq!(file.settings_without_effect(), ["timeout", "exchange"]);
+        let amqp = SinkConfig {
+            tls_ca_file: Some("/ca.pem".into()),
+            ..sink("amqps://host")
+        };
+        assert_eq!(amqp.settings_without_effect(), ["tls_ca_file"]);
+        assert!(sink("gopher://x").settings_without_effect().is_empty());
+    }
+
+    #[test]
+    fn a_sink_built_in_code_keeps_the_redis_dedupe_window() {
+        assert_eq!(sink("redis://h").dedupe_window, DEFAULT_REDIS_DEDUPE_WINDOW);
+        let read: SinkConfig = serde_json::from_str(r#"{"uri": "redis://h"}"#).unwrap();
+        assert_eq!(read, sink("redis://h"));
+    }
 }

@@ -41,6 +41,9 @@ mod uuid_string {
 /// Appends the JSON line for `event` (with a trailing newline) to `out`.
 pub fn encode_line(event: &Event, out: &mut Vec<u8>) -> Result<(), PublishError> {
     let id = uuid_string::UuidStr(event.event_id);
+    // Stores refuse such rows already; a time RFC 3339 cannot write fails this event only.
+    let created_at = outbox_core::time::rfc3339_micros(event.created_at)
+        .map_err(|problem| PublishError::new(PublishErrorKind::Encoding, problem))?;
     let line = Line {
         event_id: &id,
         sequence_id: event.sequence_id,
@@ -52,7 +55,7 @@ pub fn encode_line(event: &Event, out: &mut Vec<u8>) -> Result<(), PublishError>
         mutation_id: event.mutation_id.as_deref(),
         rejected: event.rejected,
         attempts: event.attempts,
-        created_at: humantime::format_rfc3339_micros(event.created_at).to_string(),
+        created_at,
     };
     serde_json::to_writer(&mut *out, &line).map_err(|e| {
         PublishError::new(PublishErrorKind::Encoding, "cannot encode event as JSON").with_source(e)
@@ -76,21 +79,15 @@ fn encode_batch(batch: &[Routed]) -> (Vec<u8>, Vec<Option<PublishError>>) {
     (buffer, errors)
 }
 
-/// Turns the result of one write of the whole batch into one outcome per event.
-fn outcomes(
-    errors: Vec<Option<PublishError>>,
-    written: &Result<(), std::io::Error>,
-    what: &str,
-) -> Vec<Outcome> {
+/// Turns the result of one write of the whole batch (a failure is its complete report)
+/// into one outcome per event.
+fn outcomes(errors: Vec<Option<PublishError>>, written: &Result<(), String>) -> Vec<Outcome> {
     errors
         .into_iter()
         .map(|encode_error| match (encode_error, written) {
             (Some(e), _) => Err(e),
             (None, Ok(())) => Ok(()),
-            (None, Err(io)) => Err(PublishError::new(
-                PublishErrorKind::Io,
-                format!("writing to {what}: {io}"),
-            )),
+            (None, Err(report)) => Err(PublishError::new(PublishErrorKind::Io, report.clone())),
         })
         .collect()
 }
@@ -123,8 +120,9 @@ impl Sink for StdoutSink {
                 out.flush()
             })
             .await
-            .unwrap_or_else(|e| Err(std::io::Error::other(e)));
-            outcomes(errors, &written, "stdout")
+            .unwrap_or_else(|e| Err(std::io::Error::other(e)))
+            .map_err(|e| format!("writing to stdout: {e}"));
+            outcomes(errors, &written)
         }
         .boxed()
     }
@@ -134,37 +132,67 @@ impl Sink for StdoutSink {
     }
 }
 
+/// The mode of a sink file the relay creates: events carry business data, so only the
+/// relay's user may read them. A file that exists keeps its mode (create it beforehand to
+/// share it, e.g. 0640 for a log shipper's group), and a file recreated after a rotation
+/// or a removal takes the mode of the file it replaces.
+pub const FILE_MODE: u32 = 0o600;
+
+/// How often one batch is written again because the file left its path while it was
+/// written (rotated twice in a row); after that the batch fails and the engine retries it.
+const WRITES_PER_BATCH: usize = 3;
+
 /// Appends JSON lines to a file; each batch is written, flushed and fsynced before any of
 /// its events is reported delivered.
+///
+/// Events are acked only when the file written is the file at the path, checked (device
+/// and inode) before and after each write: a file removed or replaced (logrotate) is
+/// reopened by path and created again, and a batch written into a file that left the path
+/// meanwhile is written again. A removed directory is not recreated: batches fail (and are
+/// retried) and [`Sink::health`] fails, naming the directory, until it is back.
 pub struct FileSink {
     path: PathBuf,
-    file: Arc<Mutex<File>>,
+    state: Arc<Mutex<OpenFile>>,
+}
+
+struct OpenFile {
+    file: File,
+    /// Why the last write failed, until a write succeeds: a full disk or a failing device
+    /// shows only when written to, so health reports it from here (the engine's retries
+    /// write again within --retry-max-delay).
+    last_failure: Option<String>,
+    /// A failed write left part of a line that could not be cut off.
+    maybe_torn: bool,
 }
 
 impl FileSink {
     pub fn open(path: impl AsRef<Path>) -> Result<Self, PublishError> {
         let path = path.as_ref().to_path_buf();
-        let io_error = |e: std::io::Error| {
-            PublishError::new(
-                PublishErrorKind::Io,
-                format!(
-                    "cannot open sink file {}: {e} (check that the directory exists and is writable)",
-                    path.display()
-                ),
-            )
-        };
-        let mut file = OpenOptions::new()
-            .create(true)
-            .read(true)
-            .append(true)
-            .open(&path)
-            .map_err(io_error)?;
-        terminate_torn_line(&mut file).map_err(io_error)?;
+        let file = open_appending(&path, FILE_MODE).map_err(|e| {
+            PublishError::new(PublishErrorKind::Io, io_report("cannot open", &path, &e))
+        })?;
         Ok(FileSink {
             path,
-            file: Arc::new(Mutex::new(file)),
+            state: Arc::new(Mutex::new(OpenFile {
+                file,
+                last_failure: None,
+                maybe_torn: false,
+            })),
         })
     }
+}
+
+/// Opens `path` for appending, creating it with `mode`, and ends a torn last line.
+fn open_appending(path: &Path, mode: u32) -> std::io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut file = OpenOptions::new()
+        .create(true)
+        .read(true)
+        .append(true)
+        .mode(mode)
+        .open(path)?;
+    terminate_torn_line(&mut file)?;
+    Ok(file)
 }
 
 /// A crash mid-write can leave a partial last line; end it so the next line stays whole.
@@ -183,38 +211,165 @@ fn terminate_torn_line(file: &mut File) -> std::io::Result<()> {
     Ok(())
 }
 
+/// The directory a sink file lives in (`.` for a bare file name).
+fn directory_of(path: &Path) -> &Path {
+    match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    }
+}
+
+fn same_file(a: &std::fs::Metadata, b: &std::fs::Metadata) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    (a.dev(), a.ino()) == (b.dev(), b.ino())
+}
+
+/// The report of an I/O failure on the sink file, with what the operator can do about it.
+fn io_report(action: &str, path: &Path, e: &std::io::Error) -> String {
+    use std::io::ErrorKind;
+    let fix = match e.kind() {
+        ErrorKind::StorageFull | ErrorKind::QuotaExceeded => {
+            "free space on its filesystem (or raise the quota)"
+        }
+        ErrorKind::PermissionDenied => "let the relay's user write the file and its directory",
+        ErrorKind::ReadOnlyFilesystem => "remount its filesystem read-write or choose another path",
+        ErrorKind::NotFound | ErrorKind::NotADirectory => "create its directory",
+        ErrorKind::IsADirectory => "the path is a directory: give a file path",
+        _ => "check the file and its filesystem",
+    };
+    format!("{action} sink file {}: {e}; {fix}", path.display())
+}
+
+/// [`io_report`] for a failure while running, when the events wait in the outbox.
+fn retried_report(action: &str, path: &Path, e: &std::io::Error) -> String {
+    format!(
+        "{}; events stay in the outbox and are retried",
+        io_report(action, path, e)
+    )
+}
+
+impl OpenFile {
+    /// Makes `file` the file now at `path`: reopens it when it was replaced and creates it
+    /// again when it was removed. Fails, naming the fix, when its directory is gone.
+    fn follow_path(&mut self, path: &Path) -> Result<(), String> {
+        let open = self
+            .file
+            .metadata()
+            .map_err(|e| retried_report("cannot inspect the open", path, &e))?;
+        let dir = directory_of(path);
+        match std::fs::metadata(path) {
+            Ok(at_path) if same_file(&open, &at_path) => return Ok(()),
+            Ok(_) => tracing::info!(path = %path.display(), "the sink file was replaced (rotated); appending to the new file"),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && !dir.is_dir() => {
+                return Err(format!(
+                    "sink file {}: its directory {} no longer exists; create it (mkdir -p {}) and delivery resumes; events stay in the outbox until then",
+                    path.display(),
+                    dir.display(),
+                    dir.display()
+                ))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                tracing::warn!(path = %path.display(), "the sink file was removed; creating it again")
+            }
+            Err(e) => return Err(retried_report("cannot inspect", path, &e)),
+        }
+        use std::os::unix::fs::PermissionsExt;
+        let mode = open.permissions().mode() & 0o777;
+        self.file =
+            open_appending(path, mode).map_err(|e| retried_report("cannot reopen", path, &e))?;
+        self.maybe_torn = false;
+        // The new directory entry must survive a crash, like the lines written into it.
+        File::open(dir)
+            .and_then(|d| d.sync_all())
+            .map_err(|e| retried_report("cannot sync the directory of", path, &e))
+    }
+
+    /// Whether the open file is still the one at `path`.
+    fn is_at(&self, path: &Path) -> bool {
+        match (self.file.metadata(), std::fs::metadata(path)) {
+            (Ok(open), Ok(at_path)) => same_file(&open, &at_path),
+            _ => false,
+        }
+    }
+
+    /// Appends `buffer` and fsyncs; on failure cuts off what part of it reached the file,
+    /// so that the retry starts on a line of its own.
+    fn append(&mut self, buffer: &[u8], path: &Path) -> Result<(), String> {
+        if self.maybe_torn {
+            terminate_torn_line(&mut self.file)
+                .map_err(|e| retried_report("cannot repair the last line of", path, &e))?;
+            self.maybe_torn = false;
+        }
+        let before = self.file.metadata().map(|m| m.len());
+        let written = self
+            .file
+            .write_all(buffer)
+            .and_then(|()| self.file.flush())
+            .and_then(|()| self.file.sync_data());
+        let result = written.map_err(|e| {
+            let cut = before.is_ok_and(|len| self.file.set_len(len).is_ok());
+            self.maybe_torn = !cut;
+            retried_report("cannot write to", path, &e)
+        });
+        self.last_failure = result.as_ref().err().cloned();
+        result
+    }
+
+    /// Writes one batch into the file at `path`, written again if the file left the path
+    /// while it was written.
+    fn write_batch(&mut self, buffer: &[u8], path: &Path) -> Result<(), String> {
+        for _ in 0..WRITES_PER_BATCH {
+            self.follow_path(path)?;
+            self.append(buffer, path)?;
+            if self.is_at(path) {
+                return Ok(());
+            }
+        }
+        Err(format!(
+            "sink file {} was replaced during each of {WRITES_PER_BATCH} writes of one batch; it is retried",
+            path.display()
+        ))
+    }
+}
+
 impl Sink for FileSink {
     fn describe(&self) -> String {
         format!("file:{}", self.path.display())
     }
 
     fn send(&self, batch: Vec<Routed>) -> BoxFuture<'static, Vec<Outcome>> {
-        let file = self.file.clone();
-        let what = self.path.display().to_string();
+        let state = self.state.clone();
+        let path = self.path.clone();
         async move {
             let (buffer, errors) = encode_batch(&batch);
             let written = tokio::task::spawn_blocking(move || {
-                let mut file = file.lock().unwrap_or_else(|p| p.into_inner());
-                file.write_all(&buffer)?;
-                file.flush()?;
-                file.sync_data()
+                let mut open = state.lock().unwrap_or_else(|p| p.into_inner());
+                open.write_batch(&buffer, &path)
             })
             .await
-            .unwrap_or_else(|e| Err(std::io::Error::other(e)));
-            outcomes(errors, &written, &what)
+            .unwrap_or_else(|e| Err(format!("the sink file's writer failed: {e}")));
+            outcomes(errors, &written)
         }
         .boxed()
     }
 
+    /// Fails while the file cannot be written at its path: its directory is gone, it cannot
+    /// be recreated, or the last write failed (a full disk) and none has succeeded since.
     fn health(&self) -> BoxFuture<'static, Result<(), PublishError>> {
+        let state = self.state.clone();
         let path = self.path.clone();
         async move {
-            std::fs::metadata(&path).map(|_| ()).map_err(|e| {
-                PublishError::new(
-                    PublishErrorKind::Io,
-                    format!("sink file {} is not accessible: {e}", path.display()),
-                )
+            tokio::task::spawn_blocking(move || {
+                let mut open = state.lock().unwrap_or_else(|p| p.into_inner());
+                open.follow_path(&path)?;
+                match &open.last_failure {
+                    Some(failure) => Err(format!("the last write failed: {failure}")),
+                    None => Ok(()),
+                }
             })
+            .await
+            .unwrap_or_else(|e| Err(format!("the sink file's health check failed: {e}")))
+            .map_err(|report| PublishError::new(PublishErrorKind::Io, report))
         }
         .boxed()
     }
@@ -266,6 +421,30 @@ mod tests {
         assert_eq!(v["created_at"], "2023-11-14T22:13:20.123456Z");
     }
 
+    #[test]
+    fn created_at_before_1970_is_written_and_beyond_9999_fails_only_its_event() {
+        let mut routed = event(1, "1");
+        let e = Arc::get_mut(&mut routed.event).unwrap();
+        e.created_at = UNIX_EPOCH - Duration::from_secs(86_400);
+        let mut out = Vec::new();
+        encode_line(&routed.event, &mut out).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(v["created_at"], "1969-12-31T00:00:00.000000Z");
+
+        let mut far = event(2, "2");
+        Arc::get_mut(&mut far.event).unwrap().created_at =
+            UNIX_EPOCH + Duration::from_secs(253_402_300_800);
+        let (buffer, errors) = encode_batch(&[far, event(3, "3")]);
+        let error = errors[0].as_ref().expect("year 10000 cannot be written");
+        assert_eq!(error.kind(), PublishErrorKind::Encoding);
+        assert!(
+            error.to_string().contains("outside the years 1 to 9999"),
+            "{error}"
+        );
+        assert!(errors[1].is_none());
+        assert_eq!(buffer.iter().filter(|b| **b == b'\n').count(), 1);
+    }
+
     #[tokio::test]
     async fn file_sink_appends_and_reports_each_event() {
         let dir = tempfile::tempdir().unwrap();
@@ -284,6 +463,139 @@ mod tests {
             })
             .collect();
         assert_eq!(seqs, vec![1, 2, 3]);
+    }
+
+    fn mode_of(path: &Path) -> u32 {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::metadata(path).unwrap().permissions().mode() & 0o777
+    }
+
+    fn sequence_ids(path: &Path) -> Vec<i64> {
+        std::fs::read_to_string(path)
+            .unwrap_or_default()
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["sequence_id"]
+                    .as_i64()
+                    .unwrap()
+            })
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn a_removed_file_is_created_again_and_holds_the_next_batch() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("events.jsonl");
+        let sink = FileSink::open(&path).unwrap();
+        sink.send(vec![event(1, "1")]).await;
+        std::fs::remove_file(&path).unwrap();
+        let outcomes = sink.send(vec![event(2, "2"), event(3, "3")]).await;
+        assert!(outcomes.iter().all(|o| o.is_ok()), "{outcomes:?}");
+        assert_eq!(
+            sequence_ids(&path),
+            vec![2, 3],
+            "acked only once at the path"
+        );
+        assert!(sink.health().await.is_ok());
+    }
+
+    #[tokio::test]
+    async fn a_rotated_file_is_reopened_and_the_new_file_gets_the_next_batch() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("events.jsonl");
+        let rotated = dir.path().join("events.jsonl.1");
+        let sink = FileSink::open(&path).unwrap();
+        sink.send(vec![event(1, "1")]).await;
+        // logrotate's default: rename, then create an empty file at the path.
+        std::fs::rename(&path, &rotated).unwrap();
+        std::fs::File::create(&path).unwrap();
+        let outcomes = sink.send(vec![event(2, "2")]).await;
+        assert!(outcomes.iter().all(|o| o.is_ok()), "{outcomes:?}");
+        assert_eq!(sequence_ids(&rotated), vec![1]);
+        assert_eq!(sequence_ids(&path), vec![2]);
+    }
+
+    #[tokio::test]
+    async fn a_removed_directory_fails_batches_and_health_until_it_is_back() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("out");
+        std::fs::create_dir(&dir).unwrap();
+        let path = dir.join("events.jsonl");
+        let sink = FileSink::open(&path).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+
+        let outcomes = sink.send(vec![event(1, "1"), event(2, "2")]).await;
+        for outcome in &outcomes {
+            let error = outcome
+                .as_ref()
+                .expect_err("nothing is acked into a lost file");
+            assert_eq!(error.kind(), PublishErrorKind::Io);
+            assert!(matches!(
+                error.disposition(),
+                outbox_core::Disposition::Retry { .. }
+            ));
+            let text = error.to_string();
+            assert!(
+                text.contains(&format!("mkdir -p {}", dir.display())),
+                "{text}"
+            );
+        }
+        let unhealthy = sink.health().await.expect_err("the directory is gone");
+        assert!(
+            unhealthy.to_string().contains("no longer exists"),
+            "{unhealthy}"
+        );
+        assert!(!dir.exists(), "the sink does not recreate a directory");
+
+        std::fs::create_dir(&dir).unwrap();
+        sink.health()
+            .await
+            .expect("healthy once the directory is back");
+        let outcomes = sink.send(vec![event(1, "1"), event(2, "2")]).await;
+        assert!(outcomes.iter().all(|o| o.is_ok()), "{outcomes:?}");
+        assert_eq!(sequence_ids(&path), vec![1, 2]);
+    }
+
+    #[tokio::test]
+    async fn a_full_disk_fails_the_batch_and_health_until_a_write_succeeds() {
+        let sink = FileSink::open("/dev/full").unwrap();
+        sink.health().await.expect("nothing written yet");
+        let outcomes = sink.send(vec![event(1, "1")]).await;
+        let error = outcomes[0].as_ref().expect_err("/dev/full holds nothing");
+        assert!(
+            error.to_string().contains("free space on its filesystem"),
+            "{error}"
+        );
+        let unhealthy = sink.health().await.expect_err("the last write failed");
+        assert!(
+            unhealthy.to_string().contains("No space left on device"),
+            "{unhealthy}"
+        );
+    }
+
+    #[tokio::test]
+    async fn files_are_created_private_and_existing_modes_are_kept() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let new = dir.path().join("new.jsonl");
+        let sink = FileSink::open(&new).unwrap();
+        assert_eq!(mode_of(&new), 0o600);
+        std::fs::remove_file(&new).unwrap();
+        sink.send(vec![event(1, "1")]).await;
+        assert_eq!(mode_of(&new), 0o600, "recreated private too");
+
+        let shared = dir.path().join("shared.jsonl");
+        std::fs::write(&shared, "").unwrap();
+        std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o640)).unwrap();
+        let sink = FileSink::open(&shared).unwrap();
+        assert_eq!(mode_of(&shared), 0o640, "an existing file keeps its mode");
+        std::fs::remove_file(&shared).unwrap();
+        sink.send(vec![event(1, "1")]).await;
+        assert_eq!(
+            mode_of(&shared),
+            0o640,
+            "a recreated file keeps the old one's mode"
+        );
     }
 
     #[tokio::test]

@@ -76,10 +76,53 @@ async fn connect_sink(name: &str, config: &SinkConfig) -> Result<Arc<dyn Sink>, 
         "http" | "https" => webhook::sink(config),
         #[cfg(feature = "ably")]
         "ably" => ably::sink(config),
-        other => Err(invalid(format!(
-            "sink {name}: unknown URI scheme {other:?}: use stdout, file:PATH, nats://, kafka://, amqp://, redis://, http(s):// or ably:"
-        ))),
+        other => Err(invalid(match unbuilt_sink(other) {
+            Some((sink, feature)) => format!(
+                "sink {name}: this build has no {sink} sink; build with --features {feature} (or use a build that has it)"
+            ),
+            None => format!(
+                "sink {name}: unknown URI scheme {other:?}: use stdout, file:PATH, nats://, kafka://, amqp://, redis://, http(s):// or ably:"
+            ),
+        })),
     }
+}
+
+/// Each feature-gated sink: its URI schemes, its name, its cargo feature.
+const GATED_SINKS: &[(&[&str], &str, &str, bool)] = &[
+    (&["nats", "tls"], "NATS", "nats", cfg!(feature = "nats")),
+    (
+        &["kafka", "kafkas"],
+        "Kafka",
+        "kafka",
+        cfg!(feature = "kafka"),
+    ),
+    (
+        &["amqp", "amqps"],
+        "RabbitMQ",
+        "rabbitmq",
+        cfg!(feature = "rabbitmq"),
+    ),
+    (
+        &["redis", "rediss"],
+        "Redis",
+        "redis",
+        cfg!(feature = "redis"),
+    ),
+    (
+        &["http", "https"],
+        "webhook",
+        "webhook",
+        cfg!(feature = "webhook"),
+    ),
+    (&["ably"], "Ably", "ably", cfg!(feature = "ably")),
+];
+
+/// The sink and cargo feature of a scheme this build left out, if it is one.
+fn unbuilt_sink(scheme: &str) -> Option<(&'static str, &'static str)> {
+    GATED_SINKS
+        .iter()
+        .find(|(schemes, _, _, built)| !built && schemes.contains(&scheme))
+        .map(|(_, sink, feature, _)| (*sink, *feature))
 }
 
 /// A router with one sink for every destination (`--sink URI`).
@@ -119,4 +162,53 @@ pub async fn build_router(
         parsed.push(Route::new("*", &built[0].0, Template::destination()).map_err(invalid)?);
     }
     Ok(Arc::new(Router::new(built, parsed).map_err(invalid)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Meaningful in a build without some sink (`cargo test -p outbox-publishers
+    /// --no-default-features --lib`): each left-out scheme names the feature that brings it.
+    #[tokio::test]
+    async fn a_scheme_left_out_of_the_build_names_its_feature() {
+        for (schemes, sink, feature, built) in GATED_SINKS {
+            if *built {
+                continue;
+            }
+            for scheme in *schemes {
+                let uri = format!("{scheme}://127.0.0.1:1");
+                let result = build_sink(
+                    "main",
+                    &SinkConfig {
+                        uri: uri.clone(),
+                        ..SinkConfig::default()
+                    },
+                )
+                .await;
+                let err = result
+                    .err()
+                    .expect("no sink without its feature")
+                    .to_string();
+                assert!(
+                    err.contains(&format!(
+                        "this build has no {sink} sink; build with --features {feature}"
+                    )),
+                    "{uri}: {err}"
+                );
+            }
+        }
+        let err = build_sink(
+            "main",
+            &SinkConfig {
+                uri: "gopher://x".into(),
+                ..SinkConfig::default()
+            },
+        )
+        .await
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(err.contains("unknown URI scheme"), "{err}");
+    }
 }

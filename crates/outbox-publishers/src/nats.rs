@@ -214,7 +214,12 @@ impl Sink for NatsSink {
     fn close(&self) -> BoxFuture<'static, ()> {
         let client = self.client.clone();
         async move {
-            let _ = client.flush().await;
+            // A flush waits for a connection: while NATS is unreachable it would never
+            // return, and there is nothing buffered worth waiting for (every event the sink
+            // has not confirmed is delivered again from the outbox).
+            if client.connection_state() == async_nats::connection::State::Connected {
+                let _ = client.flush().await;
+            }
         }
         .boxed()
     }

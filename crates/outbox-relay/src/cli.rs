@@ -172,7 +172,10 @@ pub struct RunArgs {
     /// Create missing tables and trigger at start (needs CREATE privileges).
     #[arg(long)]
     pub auto_migrate: bool,
-    /// Deliver everything deliverable now, then exit 0 (for cron jobs and tests).
+    /// Deliver everything deliverable now, then exit (for cron jobs and tests): 0 when
+    /// nothing is left pending and nothing was dead-lettered, 1 when events are left
+    /// undelivered (retrying, dead-lettered, or still pending after waiting out other nodes'
+    /// leases), with how many and why.
     #[arg(long)]
     pub drain: bool,
     /// Keep delivered rows, marked with delivered_at, instead of deleting them.

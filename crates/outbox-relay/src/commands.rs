@@ -7,8 +7,8 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use outbox_cluster::{ClusterConfig, Coordinator, Partitions};
-use outbox_core::{NewEvent, NodeId, Ownership, Publisher};
-use outbox_engine::{EngineConfig, WakeMode};
+use outbox_core::{Health, NewEvent, NodeId, Ownership, Publisher};
+use outbox_engine::{DrainEnd, EngineConfig, Summary, WakeMode};
 
 use crate::cli::{MigrateArgs, SendArgs};
 use crate::config::{redact_url, Config, OrderingMode, WakeupMode};
@@ -111,8 +111,8 @@ pub(crate) async fn ready_store(
     })?;
     let mut fatal = Vec::new();
     for p in problems {
-        if p.what.contains("trigger") {
-            tracing::warn!(problem = %p.what, fix = %p.fix, "continuing with polling only");
+        if p.is_degraded() {
+            tracing::warn!(problem = %p.what, fix = %p.fix, "continuing despite a problem");
         } else {
             fatal.push(format!("{} (fix: {})", p.what, p.fix));
         }
@@ -178,15 +178,17 @@ pub async fn run(mut config: Config, drain: bool) -> anyhow::Result<ExitCode> {
         node = %node,
         store = %outbox.describe(),
         sink = %sink.describe(),
-        mode = if config.poll_fixed_rate || config.wakeup == WakeupMode::Poll { "fixed-rate polling" } else { "notify + safety poll" },
+        mode = config.wake_description(),
         poll_interval = ?config.poll_interval,
         drain,
         "outbox-relay starting"
     );
+    let health = Health::new();
     let http = match config.http_socket_addr()? {
         Some(addr) => {
             let (bound, task) =
-                crate::http::serve(addr, outbox.clone(), sink.clone(), metrics).await?;
+                crate::http::serve(addr, outbox.clone(), sink.clone(), metrics, health.clone())
+                    .await?;
             tracing::info!(addr = %bound, "HTTP endpoints: /healthz /readyz /metrics");
             Some(task)
         }
@@ -213,10 +215,14 @@ pub async fn run(mut config: Config, drain: bool) -> anyhow::Result<ExitCode> {
         _ => None,
     };
     let ownership = partitions.as_ref().map(|p| p.ownership.clone());
+    if let Some(ownership) = &ownership {
+        health.watch_ownership(ownership.clone());
+    }
     let cluster = ClusterConfig {
         node: node.clone(),
         heartbeat_interval: config.heartbeat_interval,
         heartbeat_timeout: config.heartbeat_timeout,
+        health: health.clone(),
     };
     let coordinator = retry_transient("registering in the nodes table", !drain, || {
         Coordinator::start(store.registry(), partitions.clone(), cluster.clone())
@@ -242,19 +248,38 @@ pub async fn run(mut config: Config, drain: bool) -> anyhow::Result<ExitCode> {
     engine.publish_timeout = config.publish_timeout;
     engine.shutdown_timeout = config.shutdown_timeout;
     engine.drain = drain;
+    // Rows leased by a node that died come back after their lease; its partitions, once its
+    // heartbeat expired and the next beat takes them.
+    engine.drain_patience =
+        config.lease.max(config.heartbeat_timeout) + config.heartbeat_interval * 2;
     engine.ordered = ordered;
     engine.ownership = ownership;
+    engine.health = health.clone();
+    let monitor = tokio::spawn(crate::http::watch_health(health));
     let displaced = coordinator.displaced();
-    let stop = async move {
-        tokio::select! {
-            () = shutdown_signal() => {}
-            () = displaced => {}
+    let shutdown_timeout = config.shutdown_timeout;
+    let stopping_since = Arc::new(std::sync::OnceLock::new());
+    let stop = {
+        let stopping_since = stopping_since.clone();
+        async move {
+            tokio::select! {
+                () = shutdown_signal() => {}
+                () = displaced => {}
+            }
+            let _ = stopping_since.set(tokio::time::Instant::now());
+            shutdown_backstop(shutdown_timeout);
         }
     };
     let result = outbox_engine::run(outbox, sink, engine, stop).await;
     let displaced = coordinator.is_displaced();
-    // The engine has released its rows; now the partitions and the node row go.
-    coordinator.stop().await;
+    // The engine has released its rows; now the partitions and the node row go, by the same
+    // deadline as the rest of the shutdown.
+    let deadline = match stopping_since.get() {
+        Some(since) => *since + shutdown_timeout,
+        None => tokio::time::Instant::now() + shutdown_timeout,
+    };
+    coordinator.stop(deadline).await;
+    monitor.abort();
     if let Some(http) = http {
         http.abort();
     }
@@ -273,14 +298,92 @@ pub async fn run(mut config: Config, drain: bool) -> anyhow::Result<ExitCode> {
         dead_lettered = summary.dead_lettered,
         "outbox-relay stopped"
     );
+    if drain {
+        drain_verdict(&summary)?;
+    }
     Ok(ExitCode::SUCCESS)
+}
+
+/// How long past `shutdown_timeout` the process may linger (a thread blocked in a driver,
+/// say) before it is ended anyway.
+const SHUTDOWN_BACKSTOP_GRACE: Duration = Duration::from_secs(2);
+
+/// Every step of the shutdown is bounded by `shutdown_timeout`; should something block a
+/// thread regardless, this ends the process (exit 1) shortly after, saying so.
+fn shutdown_backstop(shutdown_timeout: Duration) {
+    let spawned = std::thread::Builder::new()
+        .name("shutdown-backstop".into())
+        .spawn(move || {
+            std::thread::sleep(shutdown_timeout + SHUTDOWN_BACKSTOP_GRACE);
+            tracing::error!(
+                shutdown_timeout = ?shutdown_timeout,
+                "shutdown did not finish in time; exiting anyway (rows still leased come back when their leases run out)"
+            );
+            eprintln!("error: shutdown did not finish within {shutdown_timeout:?}; exiting anyway");
+            std::process::exit(1);
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "cannot start the shutdown backstop");
+    }
+}
+
+/// `run --drain`'s exit: success only when nothing it could have delivered is left.
+///
+/// - exit 0: every pending event was delivered (events inserted after the drain began may be
+///   left for the next run) and none was dead-lettered;
+/// - exit 1: events were dead-lettered, or are left waiting to retry, or stayed pending
+///   past the drain's patience (leased by a node that is still alive, or scheduled for
+///   later), or the backlog could not be read.
+fn drain_verdict(summary: &Summary) -> anyhow::Result<()> {
+    let last_error = summary
+        .last_failure
+        .as_deref()
+        .map(|e| format!("; last error: {e}"))
+        .unwrap_or_default();
+    let dead = if summary.dead_lettered > 0 {
+        format!(
+            "{} events were dead-lettered (see `outbox-relay dead list`); ",
+            summary.dead_lettered
+        )
+    } else {
+        String::new()
+    };
+    match &summary.drain {
+        Some(DrainEnd::Clean { arrived }) if summary.dead_lettered == 0 => {
+            if *arrived > 0 {
+                tracing::info!(
+                    events = arrived,
+                    "drained; events inserted during the drain are left for the next run"
+                );
+            }
+            Ok(())
+        }
+        Some(DrainEnd::Clean { .. }) => {
+            bail!("drain incomplete: {dead}the rest was delivered{last_error}")
+        }
+        Some(DrainEnd::Left(left)) => {
+            let waiting = left.pending - left.retrying;
+            bail!(
+                "drain incomplete: {dead}{} events left undelivered: {} waiting to retry after \
+                 failing, {waiting} more pending (behind a failed event of their key, leased by \
+                 another node, or scheduled for later){last_error}; see `outbox-relay stats`, \
+                 fix the cause and run the drain again",
+                left.pending,
+                left.retrying
+            )
+        }
+        Some(DrainEnd::Unknown(e)) => {
+            bail!("drain incomplete: {dead}cannot tell what is left in the outbox: {e}")
+        }
+        None => bail!("drain incomplete: {dead}the drain did not finish{last_error}"),
+    }
 }
 
 pub async fn migrate(config: Config, args: MigrateArgs) -> anyhow::Result<ExitCode> {
     let store = AnyStore::open(&config)?;
     if args.print {
         outbox_core::ident::Ident::new(&args.role, "role name")
-            .map_err(|e| anyhow::anyhow!(e.report()))?;
+            .map_err(|e| anyhow::Error::new(ConfigError(format!("--role: {}", e.report()))))?;
         println!("{}", store.printable_ddl(&args.role));
         return Ok(ExitCode::SUCCESS);
     }

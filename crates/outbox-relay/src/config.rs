@@ -29,8 +29,20 @@ pub mod duration {
         s.serialize_str(&humantime::format_duration(*d).to_string())
     }
 
+    /// A bare number (`OUTBOX_RELAY_LEASE=10` arrives as one) is refused for its missing unit,
+    /// not for its type.
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Written {
+        Text(String),
+        Number(f64),
+    }
+
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        let text = String::deserialize(d)?;
+        let text = match Written::deserialize(d)? {
+            Written::Text(text) => text,
+            Written::Number(n) => n.to_string(),
+        };
         parse(&text).map_err(serde::de::Error::custom)
     }
 
@@ -318,12 +330,9 @@ impl Config {
             }));
         }
         figment = figment.merge(env).merge(flags);
-        let config: Config = figment.extract().map_err(|e| {
-            anyhow::anyhow!(
-                "invalid configuration: {}",
-                e.to_string().replace("unknown field", "unknown setting")
-            )
-        })?;
+        let config: Config = figment
+            .extract()
+            .map_err(|e| anyhow::anyhow!("invalid configuration: {}", describe_figment_error(e)))?;
         config.validate()?;
         Ok(config)
     }
@@ -392,7 +401,114 @@ impl Config {
             bail!("retry.base_delay must not exceed retry.max_delay");
         }
         self.http_socket_addr()?;
+        self.refuse_settings_without_effect()?;
+        self.check_names()?;
         Ok(())
+    }
+
+    /// A setting that cannot apply to this configuration is an error, never silently ignored.
+    fn refuse_settings_without_effect(&self) -> anyhow::Result<()> {
+        use outbox_layout::LayoutKind as L;
+        let database = self.database_kind()?;
+        let store = match database {
+            DatabaseKind::Postgres => None,
+            DatabaseKind::MySql => Some("MySQL/MariaDB"),
+            DatabaseKind::Sqlite(_) => Some("SQLite"),
+        };
+        if let Some(store) = store {
+            if self.notify_channel != outbox_store_postgres::DEFAULT_NOTIFY_CHANNEL {
+                bail!(
+                    "notify_channel has no effect on {store}, which has no NOTIFY (the relay \
+                     {}): remove the setting",
+                    self.wake_description()
+                );
+            }
+            if self.wakeup == WakeupMode::Gated {
+                bail!(
+                    "wakeup = \"gated\" (--wakeup gated) gates PostgreSQL's NOTIFY, which {store} \
+                     does not have: remove it (or use --wakeup poll to poll at a fixed rate)"
+                );
+            }
+        }
+        if let DatabaseKind::Sqlite(_) = database {
+            if self.layout != L::Native {
+                bail!(
+                    "layout = \"{}\" runs on PostgreSQL or MySQL/MariaDB; SQLite supports the \
+                     native layout only: remove --layout (or use a PostgreSQL or MySQL URL)",
+                    self.layout
+                );
+            }
+            if self.outbox_table != "outbox" || self.outbox_schema != "public" {
+                bail!(
+                    "outbox_table and outbox_schema have no effect on SQLite, whose store uses \
+                     `outbox`: remove them"
+                );
+            }
+        }
+        if database == DatabaseKind::MySql
+            && matches!(self.layout, L::Adbc | L::OpenOutbox | L::Export)
+        {
+            bail!(
+                "layout = \"{}\" is a PostgreSQL table (its seed defines it for PostgreSQL); on \
+                 MySQL/MariaDB use the native or mysql-outbox-events layout, or a custom mapping",
+                self.layout
+            );
+        }
+        if self.layout != L::Custom && self.mapping.is_some() {
+            bail!(
+                "a [mapping] section has no effect with layout = \"{}\": set layout = \"custom\" \
+                 to use it, or remove it",
+                self.layout
+            );
+        }
+        if self.poll_fixed_rate && self.wakeup == WakeupMode::Gated {
+            bail!(
+                "poll_fixed_rate (--poll-fixed-rate) and wakeup = \"gated\" contradict each other: \
+                 a fixed-rate relay never listens, so the gate would wake nobody; use --wakeup \
+                 poll to poll at a fixed rate, or drop --poll-fixed-rate"
+            );
+        }
+        if self.sink.is_some() && (!self.routes.is_empty() || !self.sinks.is_empty()) {
+            bail!(
+                "sink (--sink, OUTBOX_RELAY_SINK) replaces every [sinks.NAME] and [[routes]], \
+                 which would be ignored: give either sink or [sinks] with [[routes]], not both"
+            );
+        }
+        for (name, sink) in &self.sinks {
+            if let Some(setting) = sink.settings_without_effect().first() {
+                bail!(
+                    "sinks.{name}.{setting} has no effect on a {} sink ({}), which does not read \
+                     it: remove it, or check the sink's uri",
+                    sink.scheme(),
+                    redact_url(&sink.uri)
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Table, schema and channel names are SQL identifiers: refused here, before any store
+    /// opens, so that a bad name is a configuration error like any other bad value.
+    fn check_names(&self) -> anyhow::Result<()> {
+        let t = self.layout_tables();
+        let report = |e: outbox_core::StoreError| anyhow::anyhow!(e.report());
+        outbox_core::ident::TableName::new(&t.outbox_schema, &t.outbox_table).map_err(report)?;
+        outbox_core::ident::TableName::new(&t.nodes_schema, &t.nodes_table).map_err(report)?;
+        outbox_core::ident::Ident::new(&t.notify_channel, "notify channel").map_err(report)?;
+        self.layout_mapping()?;
+        Ok(())
+    }
+
+    /// How the relay learns of new rows, for its start-up line.
+    pub fn wake_description(&self) -> &'static str {
+        let fixed = self.poll_fixed_rate || self.wakeup == WakeupMode::Poll;
+        match self.database_kind() {
+            _ if fixed => "fixed-rate polling",
+            Ok(DatabaseKind::Sqlite(_)) => "data_version watch + safety poll",
+            Ok(DatabaseKind::MySql) => "polling (MySQL has no NOTIFY)",
+            _ if self.wakeup == WakeupMode::Gated => "gated notify + safety poll",
+            _ => "notify + safety poll",
+        }
     }
 
     pub fn database_kind(&self) -> anyhow::Result<DatabaseKind> {
@@ -506,6 +622,47 @@ impl Config {
             max_attempts_by_type: self.retry.max_attempts_by_type.clone(),
         }
     }
+}
+
+/// Figment's errors in the operator's terms: what is wrong, with which setting, and where the
+/// value came from (a file, an environment variable, a flag); never the source-code location
+/// that figment gives for values set in code (the flags).
+fn describe_figment_error(error: figment::Error) -> String {
+    error
+        .into_iter()
+        .map(|e| {
+            let what = e
+                .kind
+                .to_string()
+                .replace("unknown field", "unknown setting");
+            let key = e.path.join(".");
+            let source = e.metadata.as_ref().and_then(|md| md.source.as_ref());
+            let origin = match (source, &e.metadata, &e.profile) {
+                (Some(figment::Source::File(path)), _, _) => {
+                    format!("setting `{key}` in {}", path.display())
+                }
+                // The flags (and the built-in defaults) are values set in code.
+                (Some(figment::Source::Code(_)), _, _) => {
+                    format!("--{}", key.replace(['.', '_'], "-"))
+                }
+                // Figment names these variables without their prefix.
+                (None, Some(md), _) if md.name.contains("OUTBOX_RELAY_") => format!(
+                    "environment variable OUTBOX_RELAY_{}",
+                    e.path.join("__").to_uppercase()
+                ),
+                (None, Some(md), Some(profile)) if md.name.contains("environment") => {
+                    format!("environment variable {}", md.interpolate(profile, &e.path))
+                }
+                _ => format!("setting `{key}`"),
+            };
+            if key.is_empty() {
+                what
+            } else {
+                format!("{origin}: {what}")
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 fn single_sink(uri: &str) -> std::collections::BTreeMap<String, outbox_publishers::SinkConfig> {
@@ -723,6 +880,165 @@ mod tests {
             .unwrap_err()
             .to_string();
             assert!(err.contains("with a unit"), "{err}");
+            Ok(())
+        });
+    }
+
+    /// Each setting that cannot apply is refused by name, with what to do instead.
+    #[test]
+    fn settings_without_effect_are_refused_by_name() {
+        let pg = "postgres://relay@db/app".to_string();
+        let refused = |c: Config| c.validate().unwrap_err().to_string();
+        let err = refused(Config {
+            wakeup: WakeupMode::Gated,
+            ..Config::default()
+        });
+        assert!(
+            err.contains("--wakeup gated") && err.contains("SQLite"),
+            "{err}"
+        );
+        let err = refused(Config {
+            database_url: "mysql://relay@db/app".into(),
+            wakeup: WakeupMode::Gated,
+            ..Config::default()
+        });
+        assert!(err.contains("MySQL/MariaDB"), "{err}");
+        for url in ["sqlite:outbox.db", "mysql://relay@db/app"] {
+            let err = refused(Config {
+                database_url: url.into(),
+                notify_channel: "events".into(),
+                ..Config::default()
+            });
+            assert!(err.contains("notify_channel has no effect"), "{url}: {err}");
+        }
+        let err = refused(Config {
+            database_url: pg.clone(),
+            poll_fixed_rate: true,
+            wakeup: WakeupMode::Gated,
+            ..Config::default()
+        });
+        assert!(err.contains("poll_fixed_rate"), "{err}");
+        let main = outbox_publishers::SinkConfig {
+            uri: "nats://127.0.0.1:4222".into(),
+            maxlen: Some(100),
+            ..Default::default()
+        };
+        let err = refused(Config {
+            sinks: [("main".to_string(), main.clone())].into(),
+            ..Config::default()
+        });
+        assert!(
+            err.contains("sinks.main.maxlen has no effect on a nats sink"),
+            "{err}"
+        );
+        let route = outbox_publishers::RouteConfig {
+            destinations: "*".into(),
+            sink: "main".into(),
+            target: None,
+        };
+        let err = refused(Config {
+            sink: Some("stdout".into()),
+            sinks: [("main".to_string(), single_sink("stdout")["default"].clone())].into(),
+            routes: vec![route],
+            ..Config::default()
+        });
+        assert!(err.contains("--sink") && err.contains("not both"), "{err}");
+        let err = refused(Config {
+            layout: outbox_layout::LayoutKind::OpenOutbox,
+            ..Config::default()
+        });
+        assert!(
+            err.contains("SQLite supports the native layout only"),
+            "{err}"
+        );
+        let err = refused(Config {
+            database_url: pg.clone(),
+            mapping: Some(outbox_layout::Mapping::open_outbox("public", "events")),
+            ..Config::default()
+        });
+        assert!(err.contains("[mapping] section has no effect"), "{err}");
+        // What does apply passes: notify_channel and gated on PostgreSQL, on any layout.
+        Config {
+            database_url: pg.clone(),
+            layout: outbox_layout::LayoutKind::OpenOutbox,
+            notify_channel: "events".into(),
+            wakeup: WakeupMode::Gated,
+            ..Config::default()
+        }
+        .validate()
+        .expect("notify_channel and gated apply to every PostgreSQL layout");
+        Config {
+            wakeup: WakeupMode::Poll,
+            ..Config::default()
+        }
+        .validate()
+        .expect("poll applies to SQLite: no data_version watch");
+    }
+
+    #[test]
+    fn bad_names_are_configuration_errors() {
+        let err = Config {
+            database_url: "postgres://relay@db/app".into(),
+            nodes_table: "nodes; drop".into(),
+            ..Config::default()
+        }
+        .validate()
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("invalid table name \"nodes; drop\""), "{err}");
+    }
+
+    #[test]
+    fn the_start_up_line_says_how_each_store_wakes() {
+        let with = |url: &str, wakeup: WakeupMode| Config {
+            database_url: url.into(),
+            wakeup,
+            ..Config::default()
+        };
+        let sqlite = with("sqlite:outbox.db", WakeupMode::Notify);
+        assert_eq!(
+            sqlite.wake_description(),
+            "data_version watch + safety poll"
+        );
+        let pg = "postgres://db/app";
+        assert_eq!(
+            with(pg, WakeupMode::Notify).wake_description(),
+            "notify + safety poll"
+        );
+        assert_eq!(
+            with(pg, WakeupMode::Gated).wake_description(),
+            "gated notify + safety poll"
+        );
+        assert_eq!(
+            with(pg, WakeupMode::Poll).wake_description(),
+            "fixed-rate polling"
+        );
+        assert!(with("mysql://db/app", WakeupMode::Notify)
+            .wake_description()
+            .contains("no NOTIFY"));
+    }
+
+    #[test]
+    fn a_bad_value_names_its_flag_or_variable_never_a_source_file() {
+        figment::Jail::expect_with(|jail| {
+            let flags = FlagOverrides {
+                lease: Some("10".into()),
+                ..FlagOverrides::default()
+            };
+            let err = Config::load(None, Serialized::defaults(flags))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("--lease: invalid duration \"10\""), "{err}");
+            assert!(!err.contains(".rs"), "{err}");
+            jail.set_env("OUTBOX_RELAY_POLL_INTERVAL", "5");
+            let err = Config::load(None, Serialized::defaults(FlagOverrides::default()))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("environment variable OUTBOX_RELAY_POLL_INTERVAL")
+                    && err.contains("write it with a unit"),
+                "{err}"
+            );
             Ok(())
         });
     }

@@ -8,6 +8,7 @@ mod operator;
 mod progress;
 mod store;
 
+use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use clap::Parser;
@@ -29,9 +30,11 @@ fn init_logging(config: &Config) -> anyhow::Result<()> {
             config.log_level
         )
     })?;
-    // Logs go to stderr: stdout belongs to the stdout sink.
+    // Logs go to stderr: stdout belongs to the stdout sink. Colours only on a terminal: a
+    // redirected log (a file, journald, a collector) would keep the escape codes.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
     match config.log_format {
         LogFormat::Json => builder.json().flatten_event(true).init(),

@@ -43,13 +43,12 @@ impl AnyStore {
                     operation_timeout: None,
                 };
                 if let Some(mapping) = config.layout_mapping()? {
-                    let channel = (config.layout == outbox_layout::LayoutKind::Adbc)
-                        .then(|| config.layout_tables().notify_channel);
+                    // Every layout wakes on the channel in `options` (the seed's own for adbc).
                     let store = MappedPgStore::new(
                         options,
                         mapping,
                         &config.layout.to_string(),
-                        channel.as_deref(),
+                        None,
                         config.retry.max_attempts,
                     )
                     .map_err(|e| anyhow::anyhow!(e.report()))?;
@@ -59,20 +58,10 @@ impl AnyStore {
                 Ok(AnyStore::Postgres(store))
             }
             DatabaseKind::MySql => {
-                let mapping = config
-                    .layout_mapping()?
-                    .expect("every MySQL layout is a mapping");
-                if matches!(
-                    config.layout,
-                    outbox_layout::LayoutKind::Adbc
-                        | outbox_layout::LayoutKind::OpenOutbox
-                        | outbox_layout::LayoutKind::Export
-                ) {
-                    anyhow::bail!(
-                        "the {} layout is a PostgreSQL table (its seed defines it for PostgreSQL); on MySQL/MariaDB use the native or mysql-outbox-events layout, or a custom mapping",
-                        config.layout
-                    );
-                }
+                // PostgreSQL-only layouts were refused with the configuration (`validate`).
+                let Some(mapping) = config.layout_mapping()? else {
+                    anyhow::bail!("every MySQL layout is a mapping");
+                };
                 let store = MySqlStore::new(MySqlOptions {
                     url: config.database_url.clone(),
                     mapping,
@@ -86,12 +75,7 @@ impl AnyStore {
                 Ok(AnyStore::MySql(store))
             }
             DatabaseKind::Sqlite(path) => {
-                if config.layout != outbox_layout::LayoutKind::Native {
-                    anyhow::bail!("the {} layout runs on PostgreSQL or MySQL/MariaDB; SQLite supports the native layout only", config.layout);
-                }
-                if config.outbox_table != "outbox" || config.outbox_schema != "public" {
-                    anyhow::bail!("custom table names are supported on PostgreSQL only; the SQLite store uses `outbox`");
-                }
+                // Other layouts and table names were refused with the configuration (`validate`).
                 let store = SqliteStore::open(&path, config.retain_delivered)
                     .map_err(|e| anyhow::anyhow!(e.report()))
                     .with_context(|| format!("opening {}", path.display()))?;
@@ -156,11 +140,7 @@ impl AnyStore {
             AnyStore::Postgres(s) => {
                 format!("{}\n{}", s.tables().ddl(), s.tables().grants(role))
             }
-            AnyStore::MappedPostgres(s) => format!(
-                "{}\n{}",
-                s.ddl().unwrap_or_else(|| "-- A custom mapping runs on the application's own table: nothing to create.\n".into()),
-                s.grants(role)
-            ),
+            AnyStore::MappedPostgres(s) => format!("{}\n{}", s.ddl(), s.grants(role)),
             AnyStore::MySql(s) => format!(
                 "{}\n{}",
                 s.ddl().unwrap_or_else(|| "-- A custom mapping runs on the application's own table: nothing to create.\n".into()),

@@ -89,9 +89,21 @@ pub fn classify(error: &mysql_async::Error) -> StoreErrorKind {
     }
 }
 
+/// ER_DATA_TOO_LONG: a value longer than its column, refused in strict mode (the default).
+const DATA_TOO_LONG: u16 = 1406;
+
 fn db_error(context: &str, error: mysql_async::Error) -> StoreError {
     let kind = classify(&error);
     match &error {
+        mysql_async::Error::Server(e) if e.code == DATA_TOO_LONG => StoreError::new(
+            kind,
+            format!(
+                "{context}: {}: shorten the value (an ordering key can be a hash of a longer \
+                 one) or widen the column, e.g. ALTER TABLE .. MODIFY partition_key text (the \
+                 native table's destination, partition_key and event_type are varchar(255))",
+                e.message
+            ),
+        ),
         mysql_async::Error::Server(e) => StoreError::new(kind, format!("{context}: {}", e.message)),
         _ => StoreError::new(kind, format!("{context}: {error}")),
     }

@@ -44,11 +44,28 @@ pub fn classify(error: &tokio_postgres::Error) -> StoreErrorKind {
     }
 }
 
+/// The fix for a failed TLS handshake: the host and port are right (the server answered), the
+/// certificates or the sslmode are not.
+pub const TLS_HINT: &str = "check the URL's sslmode (require needs a server with ssl = on; \
+    verify-ca and verify-full need the CA that signed the server's certificate, given with \
+    --database-ca-file or sslrootcert, and verify-full a certificate naming the URL's host)";
+
+/// tokio-postgres reports a failed handshake (a certificate refused, a server without TLS)
+/// as its TLS error kind, which it exposes only through this text.
+fn is_tls_failure(error: &tokio_postgres::Error) -> bool {
+    error
+        .to_string()
+        .starts_with("error performing TLS handshake")
+}
+
 pub fn db_error(context: &str, error: tokio_postgres::Error) -> StoreError {
     let kind = classify(&error);
     match error.as_db_error() {
         // The server's message says it all; the wrapper would only repeat it.
         Some(db) => StoreError::new(kind, format!("{context}: {}", db.message())),
+        None if is_tls_failure(&error) => StoreError::new(kind, format!("{context}: {error}"))
+            .with_source(error)
+            .with_hint(TLS_HINT),
         None => StoreError::new(kind, format!("{context}: {error}")).with_source(error),
     }
 }

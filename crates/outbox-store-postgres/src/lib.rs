@@ -97,6 +97,15 @@ struct Inner {
     floor: owned::FloorHealth,
 }
 
+/// Planner settings of the store's sessions. A claim walks the pending index in id order and
+/// stops at its limit. On a table that was never analyzed (a backlog loaded after an
+/// outage, before autovacuum got to it) the planner guesses that few rows match, and reads
+/// every pending row at or above the floor to sort them instead: 300 ms per claim instead of
+/// a few, a drain of 300,000 events at 12,000-75,000/s instead of 160,000/s (BENCHMARKS.md).
+/// The index gives the order for free, so a plan that sorts is never the better one for the
+/// relay's statements; statements with no index to follow still sort.
+const INDEX_ORDER_PLANS: &str = "-c enable_sort=off";
+
 /// The PostgreSQL store. Cheap to clone.
 #[derive(Clone)]
 pub struct PgStore {
@@ -130,6 +139,11 @@ impl PgStore {
         if !url_sets(&options.url, "keepalives") {
             config.keepalives(true);
         }
+        let session_options = match config.get_options() {
+            Some(own) => format!("{own} {INDEX_ORDER_PLANS}"),
+            None => INDEX_ORDER_PLANS.to_string(),
+        };
+        config.options(&session_options);
         let manager = Manager::from_config(
             config.clone(),
             tls.clone(),
@@ -204,10 +218,10 @@ impl PgStore {
                 .prepare_cached(sql)
                 .await
                 .map_err(|e| db_error(context, e))?;
-            client
-                .execute(&statement, params)
-                .await
-                .map_err(|e| db_error(context, e))
+            client.execute(&statement, params).await.map_err(|e| {
+                forget_stale_plans(inner, &e);
+                db_error(context, e)
+            })
         })
         .await
     }
@@ -224,10 +238,10 @@ impl PgStore {
                 .prepare_cached(sql)
                 .await
                 .map_err(|e| db_error(context, e))?;
-            client
-                .query(&statement, params)
-                .await
-                .map_err(|e| db_error(context, e))
+            client.query(&statement, params).await.map_err(|e| {
+                forget_stale_plans(inner, &e);
+                db_error(context, e)
+            })
         })
         .await
     }
@@ -330,11 +344,11 @@ async fn claim_owned_once(
         &plan.due,
     ];
     let Some((sequence, writers, due, after)) = floor_statements else {
-        let rows = client
-            .query(&claim, &claim_params)
-            .await
-            .map_err(|e| db_error("claim", e))?;
-        let ids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
+        let rows = client.query(&claim, &claim_params).await.map_err(|e| {
+            forget_stale_plans(inner, &e);
+            db_error("claim", e)
+        })?;
+        let ids = claimed_ids(&inner.tables, &rows)?;
         inner.owned.claimed(node, &plan, &ids, None);
         return Ok(Some(rows));
     };
@@ -349,8 +363,11 @@ async fn claim_owned_once(
         client.query(&claim, &claim_params),
         client.query_one(&after, &after_params),
     );
-    let rows = rows.map_err(|e| db_error("claim", e))?;
-    let ids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
+    let rows = rows.map_err(|e| {
+        forget_stale_plans(inner, &e);
+        db_error("claim", e)
+    })?;
+    let ids = claimed_ids(&inner.tables, &rows)?;
     let seen = match (sequence, writers, due, after) {
         (Ok(sequence), Ok(writers), Ok(due), Ok(after)) => {
             // Rows make the statement's clock check moot: it passed, or none would return.
@@ -414,46 +431,187 @@ async fn settle(
     }
 }
 
-/// Decodes one claimed row. A row that cannot be decoded becomes [`Claimed::Undecodable`].
-fn row_to_claimed(row: &Row) -> Claimed {
-    let sequence_id: i64 = row.get(0);
-    let destination: String = row.get(2);
-    let partition_key: Option<String> = row.get(3);
-    let attempts: i32 = row.get(9);
-    let headers_text: String = row.get(6);
-    let payload_text: Option<String> = row.get(5);
-    let decoded = headers_from_json_text(&headers_text).and_then(|headers| {
-        let payload = match payload_text {
+/// A timestamp as PostgreSQL sends it in binary: microseconds from 2000-01-01, with
+/// `i64::MAX` and `i64::MIN` for `'infinity'` and `'-infinity'`. Read raw, so that no value
+/// fails to decode (or overflows) before [`outbox_core::time::created_at_problem`] judges it.
+struct PgMicros(i64);
+
+impl PgMicros {
+    /// Microseconds from the Unix epoch, infinities kept as `i64::MAX` / `i64::MIN`.
+    fn unix_micros(&self) -> i64 {
+        const FROM_2000: i64 = 946_684_800_000_000;
+        match self.0 {
+            i64::MAX | i64::MIN => self.0,
+            m => m.saturating_add(FROM_2000),
+        }
+    }
+}
+
+impl<'a> tokio_postgres::types::FromSql<'a> for PgMicros {
+    fn from_sql(
+        _: &tokio_postgres::types::Type,
+        raw: &'a [u8],
+    ) -> Result<Self, Box<dyn std::error::Error + Sync + Send>> {
+        let bytes: [u8; 8] = raw.try_into()?;
+        Ok(PgMicros(i64::from_be_bytes(bytes)))
+    }
+
+    fn accepts(ty: &tokio_postgres::types::Type) -> bool {
+        use tokio_postgres::types::Type;
+        *ty == Type::TIMESTAMPTZ || *ty == Type::TIMESTAMP
+    }
+}
+
+/// Whether a claimed column's type can be read; one per column of `schema::RETURNED`.
+type Reads = fn(&tokio_postgres::types::Type) -> bool;
+
+fn claimed_column_reads() -> [(Reads, &'static str); 11] {
+    use tokio_postgres::types::FromSql;
+    let text: Reads = <String as FromSql>::accepts;
+    [
+        (<i64 as FromSql>::accepts, "bigint"),
+        (<uuid::Uuid as FromSql>::accepts, "uuid"),
+        (text, "text"),
+        (text, "text"),
+        (text, "text"),
+        (text, "jsonb"),
+        (text, "jsonb"),
+        (text, "text"),
+        (<bool as FromSql>::accepts, "boolean"),
+        (<i32 as FromSql>::accepts, "integer"),
+        (<PgMicros as FromSql>::accepts, "timestamptz"),
+    ]
+}
+
+/// A column of the claim's result whose type the relay cannot read (altered after `migrate`):
+/// no row of the table can be decoded, so this stops the relay rather than dead-letter all.
+fn claimed_columns_problem(tables: &Tables, row: &Row) -> Option<StoreError> {
+    let reads = claimed_column_reads();
+    let columns = row.columns();
+    if columns.len() != reads.len() {
+        return Some(StoreError::new(
+            StoreErrorKind::SchemaMismatch,
+            format!(
+                "claim returned {} columns, the relay reads {}",
+                columns.len(),
+                reads.len()
+            ),
+        ));
+    }
+    columns
+        .iter()
+        .zip(reads)
+        .find(|(column, (accepts, _))| !accepts(column.type_()))
+        .map(|(column, (_, expected))| {
+            StoreError::new(
+                StoreErrorKind::SchemaMismatch,
+                format!(
+                    "column {} of {} has type {}, which the relay cannot read as {expected}",
+                    column.name(),
+                    tables.outbox,
+                    column.type_()
+                ),
+            )
+        })
+}
+
+/// The claimed rows' sequence ids; a column type the relay cannot read is an error.
+fn claimed_ids(tables: &Tables, rows: &[Row]) -> StoreResult<Vec<i64>> {
+    if let Some(problem) = rows
+        .first()
+        .and_then(|r| claimed_columns_problem(tables, r))
+    {
+        return Err(problem);
+    }
+    rows.iter()
+        .map(|r| {
+            r.try_get(0).map_err(|e| {
+                StoreError::new(
+                    StoreErrorKind::SchemaMismatch,
+                    "claim: unreadable sequence_id",
+                )
+                .with_source(e)
+            })
+        })
+        .collect()
+}
+
+/// Reads column `index` of a claimed row, naming the column when it cannot (a NULL where
+/// `migrate` made it NOT NULL).
+fn column<'a, T: tokio_postgres::types::FromSql<'a>>(
+    row: &'a Row,
+    index: usize,
+) -> Result<T, String> {
+    row.try_get(index).map_err(|e| {
+        let name = row.columns()[index].name();
+        let cause = std::error::Error::source(&e);
+        if cause.is_some_and(|c| c.is::<tokio_postgres::types::WasNull>()) {
+            format!(
+                "{name} is NULL, which the relay cannot publish; set {name} in the dead letters, then `outbox-relay dead retry`"
+            )
+        } else {
+            format!("{name} cannot be read: {}", outbox_core::error::report(&e))
+        }
+    })
+}
+
+/// Decodes one claimed row (whose columns [`claimed_ids`] checked). A row that cannot be
+/// decoded becomes [`Claimed::Undecodable`].
+fn row_to_claimed(sequence_id: i64, row: &Row) -> Claimed {
+    let destination: Option<String> = row.try_get(2).unwrap_or_default();
+    let partition_key: Option<String> = row.try_get(3).unwrap_or_default();
+    let attempts = row.try_get::<_, i32>(9).unwrap_or_default().max(0) as u32;
+    let decoded = (|| {
+        let headers = match column::<Option<String>>(row, 6)? {
+            Some(text) => headers_from_json_text(&text)?,
+            None => return Err(column::<String>(row, 6).unwrap_err()),
+        };
+        let payload = match column::<Option<String>>(row, 5)? {
             None => Payload::Null,
             Some(text) => Payload::from_json_text(text)?,
         };
-        Ok((headers, payload))
-    });
-    match decoded {
-        Ok((headers, payload)) => Claimed::Event(Event {
+        let created_at = column::<PgMicros>(row, 10)?.unix_micros();
+        if let Some(problem) = outbox_core::time::created_at_problem(created_at) {
+            return Err(problem);
+        }
+        Ok(Event {
             sequence_id,
-            event_id: row.get(1),
-            destination,
-            partition_key,
-            event_type: row.get(4),
+            event_id: column(row, 1)?,
+            destination: column(row, 2)?,
+            partition_key: partition_key.clone(),
+            event_type: column(row, 4)?,
             payload,
             headers,
-            mutation_id: row.get(7),
-            rejected: row.get(8),
-            attempts: attempts.max(0) as u32,
+            mutation_id: column(row, 7)?,
+            rejected: column(row, 8)?,
+            attempts,
             max_attempts: None,
-            // Binary timestamps (no numeric arithmetic in the claim); ±infinity reads as now.
-            created_at: row
-                .try_get::<_, std::time::SystemTime>(10)
-                .unwrap_or_else(|_| std::time::SystemTime::now()),
-        }),
+            created_at: from_micros(created_at),
+        })
+    })();
+    match decoded {
+        Ok(event) => Claimed::Event(event),
         Err(reason) => Claimed::Undecodable {
             sequence_id,
-            ordering_key: partition_key.unwrap_or_else(|| destination.clone()),
-            destination,
-            attempts: attempts.max(0) as u32,
+            // As the claim statement keys it; a row with neither is keyed by "".
+            ordering_key: partition_key
+                .or_else(|| destination.clone())
+                .unwrap_or_default(),
+            destination: destination.unwrap_or_default(),
+            attempts,
             reason,
         },
+    }
+}
+
+/// A table altered under a running relay fails its prepared statements with "cached plan
+/// must not change result type" (SQLSTATE 0A000) for as long as they are reused: forget them
+/// all, so the next try prepares afresh (and then reads the new column types, or says why
+/// it cannot).
+fn forget_stale_plans(inner: &Inner, error: &tokio_postgres::Error) {
+    if error.code() == Some(&tokio_postgres::error::SqlState::FEATURE_NOT_SUPPORTED) {
+        tracing::warn!(error = %error, "a table changed under the relay: preparing its statements again");
+        inner.pool.manager().statement_caches.clear();
     }
 }
 
@@ -485,7 +643,12 @@ impl OutboxStore for PgStore {
                     bounded(&inner, "claim", claim_owned(&inner, node, limit, fence)).await?
                 }
             };
-            let mut claimed: Vec<Claimed> = rows.iter().map(row_to_claimed).collect();
+            let ids = claimed_ids(&inner.tables, &rows)?;
+            let mut claimed: Vec<Claimed> = ids
+                .into_iter()
+                .zip(&rows)
+                .map(|(id, row)| row_to_claimed(id, row))
+                .collect();
             // RETURNING does not keep the scan's order.
             claimed.sort_unstable_by_key(Claimed::sequence_id);
             Ok(claimed)
@@ -755,6 +918,7 @@ async fn verify(inner: &Inner) -> StoreResult<Vec<Problem>> {
             }
         }
     }
+    problems.extend(verify_outbox_columns(inner).await?);
     let (trigger, table) = t.trigger_exists_sql();
     let rows = PgStore::query(
         inner,
@@ -784,6 +948,128 @@ async fn verify(inner: &Inner) -> StoreResult<Vec<Problem>> {
             ),
             fix: migrate_fix.into(),
         });
+    }
+    blocking_index_problems(inner, &mut problems).await?;
+    Ok(problems)
+}
+
+/// The blocking index over the key's hash. An outbox migrated by an earlier version has the
+/// index over the key itself instead: claims still find it (they compare the key too), so the
+/// relay runs, but a key too long for it fails every claim or retry that leases it.
+async fn blocking_index_problems(inner: &Inner, problems: &mut Vec<Problem>) -> StoreResult<()> {
+    let t = &inner.tables;
+    let (index, obsolete) = (t.blocking_index(), t.obsolete_blocking_index());
+    let rows = PgStore::query(
+        inner,
+        "verify",
+        "SELECT to_regclass($1) IS NOT NULL, to_regclass($2) IS NOT NULL",
+        &[&index, &obsolete],
+    )
+    .await?;
+    let (present, obsolete_present) = (rows[0].get::<_, bool>(0), rows[0].get::<_, bool>(1));
+    let fix = "run `outbox-relay migrate` (or apply `outbox-relay migrate --print`): it creates \
+               the index and drops the old one";
+    if obsolete_present {
+        problems.push(Problem::degraded(
+            format!(
+                "index {obsolete} is from an earlier version and {index} is {}: an ordering key \
+                 longer than about 2.7 kB fails every claim and retry that leases it",
+                if present { "there too" } else { "missing" }
+            ),
+            fix,
+        ));
+    } else if !present {
+        problems.push(Problem {
+            what: format!(
+                "index {index} is missing: every claim looks for each key's earlier rows without it"
+            ),
+            fix: fix.into(),
+        });
+    }
+    Ok(())
+}
+
+/// The native outbox table's columns as `migrate` creates them: name, type as
+/// `format_type` writes it, other types the relay reads as well, and NOT NULL.
+const OUTBOX_COLUMNS: [(&str, &str, &[&str], bool); 16] = [
+    ("sequence_id", "bigint", &[], true),
+    ("event_id", "uuid", &[], true),
+    ("destination", "text", &["character varying"], true),
+    ("partition_key", "text", &["character varying"], false),
+    ("event_type", "text", &["character varying"], true),
+    ("payload", "jsonb", &["json"], false),
+    ("headers", "jsonb", &["json"], true),
+    ("mutation_id", "text", &["character varying"], false),
+    ("rejected", "boolean", &[], true),
+    ("created_at", "timestamp with time zone", &[], true),
+    ("available_at", "timestamp with time zone", &[], true),
+    ("attempts", "integer", &[], true),
+    ("last_error", "text", &["character varying"], false),
+    ("locked_by", "text", &["character varying"], false),
+    ("locked_until", "timestamp with time zone", &[], false),
+    ("delivered_at", "timestamp with time zone", &[], false),
+];
+
+/// Compares the outbox table's columns with [`OUTBOX_COLUMNS`]: a missing (renamed) column
+/// or a changed type stops the relay, so each is a problem; a dropped NOT NULL only sends
+/// the rows with NULL there to the dead letters, so it is a degraded one. Columns the
+/// relay does not know (an application's own) are left alone.
+async fn verify_outbox_columns(inner: &Inner) -> StoreResult<Vec<Problem>> {
+    let t = &inner.tables.outbox;
+    let name = t.quoted();
+    let rows = PgStore::query(
+        inner,
+        "verify",
+        "SELECT a.attname::text, format_type(a.atttypid, NULL), a.attnotnull
+           FROM pg_attribute a
+          WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped
+          ORDER BY a.attnum",
+        &[&name],
+    )
+    .await?;
+    let found: Vec<(String, String, bool)> = rows
+        .iter()
+        .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
+        .collect::<Result<_, tokio_postgres::Error>>()
+        .map_err(|e| db_error("verify", e))?;
+    if found.is_empty() {
+        return Ok(Vec::new()); // reported as a missing table
+    }
+    let known = |column: &str| OUTBOX_COLUMNS.iter().any(|(c, ..)| *c == column);
+    let mut problems = Vec::new();
+    for (column, ty, also, not_null) in OUTBOX_COLUMNS {
+        let Some((_, found_ty, found_not_null)) = found.iter().find(|(c, ..)| c == column) else {
+            // A renamed column: an unknown one of the same type is the likely culprit.
+            let fix = match found.iter().find(|(c, t, _)| !known(c) && t == ty) {
+                Some((other, ..)) => format!(
+                    "ALTER TABLE {name} RENAME COLUMN \"{}\" TO {column}; (if {other} is it: the relay reads {column})",
+                    other.replace('"', "\"\"")
+                ),
+                None => format!(
+                    "ALTER TABLE {name} ADD COLUMN {column} {ty}; (see `outbox-relay migrate --print` for its default), or rename the column that holds it back to {column}"
+                ),
+            };
+            problems.push(Problem {
+                what: format!(
+                    "column {column} of {t} is missing: the relay reads it in every claim"
+                ),
+                fix,
+            });
+            continue;
+        };
+        if found_ty != ty && !also.contains(&found_ty.as_str()) {
+            problems.push(Problem {
+                what: format!("column {column} of {t} has type {found_ty}; the relay reads {ty}"),
+                fix: format!(
+                    "ALTER TABLE {name} ALTER COLUMN {column} TYPE {ty} USING {column}::{ty};"
+                ),
+            });
+        } else if not_null && !found_not_null {
+            problems.push(Problem::degraded(
+                format!("column {column} of {t} allows NULL: rows with NULL there cannot be published and go to the dead letters"),
+                format!("ALTER TABLE {name} ALTER COLUMN {column} SET NOT NULL; (after setting {column} on the rows where it is NULL)"),
+            ));
+        }
     }
     Ok(problems)
 }

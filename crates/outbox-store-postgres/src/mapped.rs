@@ -29,6 +29,10 @@ use uuid::Uuid;
 
 use crate::error::{db_error, pool_error};
 use crate::{PgOptions, PgStore};
+use outbox_core::ident::{Ident, TableName};
+
+/// The channel the Ably connector's trigger notifies.
+const ADBC_CHANNEL: &str = "ably_adbc";
 use outbox_core::time::{from_micros, micros, millis};
 
 /// How often a standby relay tries to become the active one, and the active one reaps.
@@ -43,7 +47,6 @@ struct Leader {
 pub(crate) struct MappedInner {
     sql: Sql,
     layout: String,
-    notify_channel: Option<String>,
     default_max_attempts: i64,
     memory: Mutex<Memory>,
     leader: tokio::sync::Mutex<Leader>,
@@ -60,14 +63,24 @@ pub struct MappedPgStore {
 
 impl MappedPgStore {
     /// `layout` names the layout in logs; `notify_channel` is the channel the table's trigger
-    /// signals, if it has one; `max_attempts` applies where the table has no limit of its own.
+    /// signals [default: the one in `options`]; `max_attempts` applies where the table has no
+    /// limit of its own.
     pub fn new(
-        options: PgOptions,
+        mut options: PgOptions,
         mapping: Mapping,
         layout: &str,
         notify_channel: Option<&str>,
         max_attempts: u32,
     ) -> StoreResult<Self> {
+        // The wake-up (trigger, channel, gate key) is the native store's, about the mapped
+        // table: the base store then LISTENs and gates exactly as it does for its own.
+        options.tables.outbox = TableName::new(
+            mapping.schema.as_deref().unwrap_or("public"),
+            &mapping.table,
+        )?;
+        if let Some(channel) = notify_channel {
+            options.tables.notify_channel = Ident::new(channel, "notify channel")?;
+        }
         let sql = Sql::new(mapping, outbox_layout::Dialect::Postgres)?;
         let base = PgStore::new(options)?;
         let items = select_items(&sql);
@@ -127,7 +140,6 @@ impl MappedPgStore {
             inner: Arc::new(MappedInner {
                 sql,
                 layout: layout.to_string(),
-                notify_channel: notify_channel.map(str::to_string),
                 default_max_attempts: max_attempts as i64,
                 memory: Mutex::new(Memory::default()),
                 leader: tokio::sync::Mutex::new(Leader {
@@ -145,19 +157,31 @@ impl MappedPgStore {
         &self.inner.sql
     }
 
-    /// The seed's DDL (and the relay's side table, if the layout needs one), or `None` for a
-    /// custom mapping, whose table the application owns.
-    pub fn ddl(&self) -> Option<String> {
-        let mut ddl = self.inner.sql.ddl()?;
-        if !self.uses_nodes_table() {
-            return Some(ddl);
+    /// The seed's DDL (none for a custom mapping, whose table the application owns), the
+    /// relay's side table if the layout needs one, and the wake-up trigger on the table.
+    pub fn ddl(&self) -> String {
+        let mut ddl = self.inner.sql.ddl().unwrap_or_default();
+        if self.uses_nodes_table() {
+            let nodes = self.base.tables().nodes.quoted();
+            ddl.push_str(&format!(
+                "CREATE SCHEMA IF NOT EXISTS {};\nCREATE TABLE IF NOT EXISTS {nodes} ( id TEXT PRIMARY KEY, expiry TIMESTAMP WITHOUT TIME ZONE NOT NULL );\n",
+                self.base.tables().nodes.schema.quoted()
+            ));
         }
-        let nodes = self.base.tables().nodes.quoted();
-        ddl.push_str(&format!(
-            "CREATE SCHEMA IF NOT EXISTS {};\nCREATE TABLE IF NOT EXISTS {nodes} ( id TEXT PRIMARY KEY, expiry TIMESTAMP WITHOUT TIME ZONE NOT NULL );\n",
-            self.base.tables().nodes.schema.quoted()
-        ));
-        Some(ddl)
+        if !self.seed_trigger_suffices() {
+            ddl.push_str(&self.base.tables().wakeup_ddl());
+        }
+        ddl
+    }
+
+    /// The Ably connector's own trigger (in its DDL) is the wake-up as long as the relay
+    /// notifies on its channel; a gated or poll wake-up, or another channel, replaces its body.
+    fn seed_trigger_suffices(&self) -> bool {
+        let t = self.base.tables();
+        self.inner.sql.mapping.seed == Some(Seed::Adbc)
+            && !t.gated_wakeup
+            && !t.poll_wakeup
+            && t.notify_channel.as_str() == ADBC_CHANNEL
     }
 
     pub fn grants(&self, role: &str) -> String {
@@ -182,13 +206,7 @@ impl MappedPgStore {
     }
 
     pub async fn migrate(&self) -> StoreResult<()> {
-        let Some(ddl) = self.ddl() else {
-            return Err(StoreError::new(
-                StoreErrorKind::Config,
-                "this custom mapping runs on the application's existing table and marks dead rows itself: there is nothing to migrate",
-            ));
-        };
-        self.base.apply_ddl(&ddl).await
+        self.base.apply_ddl(&self.ddl()).await
     }
 
     /// Runs arbitrary SQL (for tests and tools).
@@ -242,27 +260,74 @@ impl MappedInner {
     }
 }
 
-/// A PostgreSQL row in `select_list` order as plain values.
-fn raw_row(row: &Row, mapping: &Mapping) -> RawRow {
-    RawRow {
-        id: match mapping.id_type {
-            IdType::Integer => RowId::Integer(row.get(0)),
-            IdType::Uuid => RowId::Uuid(row.get(0)),
-        },
-        event_id: row.get(1),
-        destination: row.get(2),
-        key: row.get(3),
-        event_type: row.get(4),
+/// A PostgreSQL row in `select_list` order as plain values. Every column but the id is cast
+/// to text or int8 by the statement, so only an id column whose type changed under the
+/// relay fails, as a typed error that names it.
+fn raw_row(row: &Row, mapping: &Mapping) -> StoreResult<RawRow> {
+    let read_error = |index: usize, e: tokio_postgres::Error| {
+        StoreError::new(
+            StoreErrorKind::SchemaMismatch,
+            format!(
+                "claim: column {} of the mapped table cannot be read: {}",
+                row.columns()[index].name(),
+                outbox_core::error::report(&e)
+            ),
+        )
+    };
+    let id = match mapping.id_type {
+        IdType::Integer => row.try_get(0).map(RowId::Integer),
+        IdType::Uuid => row.try_get(0).map(RowId::Uuid),
+    }
+    .map_err(|e| read_error(0, e))?;
+    let text = |index: usize| -> StoreResult<Option<String>> {
+        row.try_get(index).map_err(|e| read_error(index, e))
+    };
+    let int = |index: usize| -> StoreResult<Option<i64>> {
+        row.try_get(index).map_err(|e| read_error(index, e))
+    };
+    Ok(RawRow {
+        id,
+        event_id: text(1)?,
+        destination: text(2)?,
+        key: text(3)?,
+        event_type: text(4)?,
         payload: match mapping.payload_format {
-            PayloadFormat::Bytes => row.get(5),
-            _ => row.get::<_, Option<String>>(5).map(String::into_bytes),
+            PayloadFormat::Bytes => row.try_get(5).map_err(|e| read_error(5, e))?,
+            _ => text(5)?.map(String::into_bytes),
         },
-        headers: row.get(6),
-        mutation_id: row.get(7),
-        rejected: row.get(8),
-        attempts: row.get(9),
-        created_micros: row.get(10),
-        max_attempts: row.get(11),
+        headers: text(6)?,
+        mutation_id: text(7)?,
+        rejected: int(8)?,
+        attempts: int(9)?,
+        created_micros: int(10)?,
+        max_attempts: int(11)?,
+    })
+}
+
+/// Decodes a claimed row; a `created_at` no event can carry (see
+/// [`outbox_core::time::created_at_problem`]) makes it undecodable.
+fn decode_row(
+    mapping: &Mapping,
+    raw: RawRow,
+    memory: &mut Memory,
+    node: &str,
+    lease: Duration,
+) -> Claimed {
+    let created_at_problem = raw
+        .created_micros
+        .and_then(outbox_core::time::created_at_problem);
+    match (
+        decode(mapping, raw, memory, node, lease),
+        created_at_problem,
+    ) {
+        (Claimed::Event(event), Some(reason)) => Claimed::Undecodable {
+            sequence_id: event.sequence_id,
+            ordering_key: event.ordering_key().to_string(),
+            destination: event.destination,
+            attempts: event.attempts,
+            reason,
+        },
+        (claimed, _) => claimed,
     }
 }
 
@@ -416,13 +481,17 @@ impl OutboxStore for MappedPgStore {
                 )
                 .await?
             };
-            let mut memory = inner.memory.lock().expect("memory lock");
-            Ok(rows
+            let raw = rows
                 .iter()
-                .map(|r| {
-                    decode(
+                .map(|r| raw_row(r, &inner.sql.mapping))
+                .collect::<StoreResult<Vec<_>>>()?;
+            let mut memory = inner.memory.lock().expect("memory lock");
+            Ok(raw
+                .into_iter()
+                .map(|raw| {
+                    decode_row(
                         &inner.sql.mapping,
-                        raw_row(r, &inner.sql.mapping),
+                        raw,
                         &mut memory,
                         &request.node.0,
                         request.lease,
@@ -666,8 +735,12 @@ impl OutboxStore for MappedPgStore {
     }
 
     fn subscribe(&self, on_change: OnChange) -> Option<BoxFuture<'static, ()>> {
-        let channel = self.inner.notify_channel.as_ref()?;
-        Some(crate::listen_forever_on(self.base.inner.clone(), channel.clone(), on_change).boxed())
+        // The base store listens on this table's channel, and gates it (see `new`).
+        self.base.subscribe(on_change)
+    }
+
+    fn set_waiting(&self, waiting: bool) {
+        self.base.set_waiting(waiting);
     }
 }
 
@@ -861,21 +934,23 @@ async fn verify(store: &MappedPgStore) -> StoreResult<Vec<Problem>> {
             });
         }
     }
-    if m.seed == Some(Seed::Adbc) {
-        let trigger = format!("{}_trigger", m.table);
-        let rows = PgStore::query(
-            &store.base.inner,
-            "verify",
-            "SELECT count(*)::int8 FROM pg_trigger WHERE tgname = $1 AND tgrelid = to_regclass($2)",
-            &[&trigger, &table],
-        )
-        .await?;
-        if rows[0].get::<_, i64>(0) == 0 {
-            problems.push(Problem {
-                what: format!("trigger {trigger} on {table} is missing: the relay is not woken on insert and falls back to polling"),
-                fix,
-            });
-        }
+    // Every layout's table wakes the relay through the same trigger as the native one.
+    let trigger = format!("{}_trigger", m.table);
+    let rows = PgStore::query(
+        &store.base.inner,
+        "verify",
+        "SELECT count(*)::int8 FROM pg_trigger WHERE tgname = $1 AND tgrelid = to_regclass($2)",
+        &[&trigger, &table],
+    )
+    .await?;
+    if rows[0].get::<_, i64>(0) == 0 {
+        problems.push(Problem {
+            what: format!("trigger {trigger} on {table} is missing: the relay is not woken on insert and falls back to polling"),
+            fix: format!(
+                "run `outbox-relay migrate --layout {}` (or apply `outbox-relay migrate --layout {} --print`)",
+                store.inner.layout, store.inner.layout
+            ),
+        });
     }
     Ok(problems)
 }

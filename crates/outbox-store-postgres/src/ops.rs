@@ -53,7 +53,12 @@ impl Operations for PgStore {
             .await?;
             let mut by: BTreeMap<String, DestinationStats> = BTreeMap::new();
             for r in pending {
-                let d: String = r.get(0);
+                // NULL when an operator dropped NOT NULL; such rows are dead-lettered by the relay.
+                let d: String = r
+                    .try_get::<_, Option<String>>(0)
+                    .ok()
+                    .flatten()
+                    .unwrap_or_default();
                 let s = by.entry(d.clone()).or_default();
                 s.destination = d;
                 s.pending = r.get::<_, i64>(1) as u64;
@@ -63,7 +68,12 @@ impl Operations for PgStore {
                     .map(|ms| Duration::from_millis(ms.max(0) as u64));
             }
             for r in dead {
-                let d: String = r.get(0);
+                // NULL when an operator dropped NOT NULL; such rows are dead-lettered by the relay.
+                let d: String = r
+                    .try_get::<_, Option<String>>(0)
+                    .ok()
+                    .flatten()
+                    .unwrap_or_default();
                 let s = by.entry(d.clone()).or_default();
                 s.destination = d;
                 s.dead = r.get::<_, i64>(1) as u64;
@@ -98,9 +108,10 @@ impl Operations for PgStore {
                 .iter()
                 .map(|r| DeadRecord {
                     sequence_id: r.get(0),
-                    event_id: r.get(1),
-                    destination: r.get(2),
-                    event_type: r.get(3),
+                    // Dead letters of undecodable rows keep what the outbox row held.
+                    event_id: r.try_get(1).unwrap_or_default(),
+                    destination: r.try_get(2).unwrap_or_default(),
+                    event_type: r.try_get(3).unwrap_or_default(),
                     attempts: r.get::<_, i64>(4).max(0) as u32,
                     last_error: r.get(5),
                     dead_at: from_micros(r.get(6)),

@@ -3,6 +3,12 @@
 use outbox_core::ident::{Ident, TableName};
 use outbox_core::StoreError;
 
+/// The blocking index's name after the outbox's. It differs from the obsolete one right after
+/// the table name, so that PostgreSQL's shortening of long names (63 bytes) cannot make them
+/// one name.
+const BLOCKING_INDEX_SUFFIX: &str = "_key_blockers_idx";
+const OBSOLETE_BLOCKING_INDEX_SUFFIX: &str = "_blocking_idx";
+
 /// The notification channel the trigger signals and the relay listens on.
 pub const DEFAULT_NOTIFY_CHANNEL: &str = "outbox_relay";
 
@@ -63,6 +69,25 @@ impl Tables {
     /// The ordering-key expression; the claim query and the blocking index must agree on it.
     pub const ORDERING_KEY: &'static str = "coalesce(partition_key, destination)";
 
+    /// What the blocking index holds of the ordering key: its 64-bit hash. A btree row holds
+    /// at most about 2.7 kB, and keys (composite ids, URLs) can be longer; the claim compares
+    /// the hash, to find the index, and the key itself, so colliding keys never block each other.
+    pub const ORDERING_KEY_HASH: &'static str =
+        "hashtextextended(coalesce(partition_key, destination), 0)";
+
+    /// The index of rows that can hold back later rows of their key (leased, or waiting to
+    /// retry), over the key's hash. Quoted, schema-qualified.
+    pub fn blocking_index(&self) -> String {
+        self.outbox.sibling(BLOCKING_INDEX_SUFFIX)
+    }
+
+    /// The blocking index earlier versions created, over the key itself: it cannot take a key
+    /// longer than a btree row, so every claim or retry that put such a key into it failed.
+    /// `migrate` drops it. Quoted, schema-qualified.
+    pub fn obsolete_blocking_index(&self) -> String {
+        self.outbox.sibling(OBSOLETE_BLOCKING_INDEX_SUFFIX)
+    }
+
     /// The advisory-lock key (as text, hashed in SQL) a waiting relay holds under the gated
     /// wake-up.
     pub fn wakeup_key(&self) -> String {
@@ -85,30 +110,12 @@ impl Tables {
         let dl = self.dead_letters.quoted();
         let nodes = self.nodes.quoted();
         let nodes_schema = self.nodes.schema.quoted();
-        let func = self.notify_function();
-        let trigger = self.trigger_name();
-        let channel = self.notify_channel.as_str();
-        let key = Self::ORDERING_KEY;
+        let key_hash = Self::ORDERING_KEY_HASH;
+        let blocking_index = format!("\"{n}{BLOCKING_INDEX_SUFFIX}\""); // in the table's schema
+        let obsolete_blocking_index = self.obsolete_blocking_index();
         let parts = self.partitions.quoted();
         let partition_fn = self.partition_function();
         let partition_count = self.partition_count;
-        let notify = if self.poll_wakeup {
-            // The trigger stays (so switching modes is `migrate` again, which replaces this
-            // body), but sends nothing.
-            "-- --wakeup poll: no NOTIFY, so inserting transactions can PREPARE TRANSACTION.
-    NULL;"
-                .to_string()
-        } else if self.gated_wakeup {
-            format!(
-                "-- Gated: only while a relay waits (it then holds this lock); a relay at work polls.
-    IF NOT pg_try_advisory_xact_lock_shared(hashtext('{}')) THEN
-        PERFORM pg_notify('{channel}', '');
-    END IF;",
-                self.wakeup_key()
-            )
-        } else {
-            format!("PERFORM pg_notify('{channel}', '');")
-        };
         format!(
             r#"CREATE SCHEMA IF NOT EXISTS {schema};
 CREATE SCHEMA IF NOT EXISTS {nodes_schema};
@@ -138,8 +145,11 @@ CREATE TABLE IF NOT EXISTS {t} (
 CREATE INDEX IF NOT EXISTS "{n}_pending_idx" ON {t} (sequence_id) WHERE delivered_at IS NULL;
 
 -- Rows that can hold back later rows of their key: leased, or waiting to retry. Small by design.
-CREATE INDEX IF NOT EXISTS "{n}_blocking_idx" ON {t} (({key}), sequence_id)
+-- Over the key's hash: a btree row cannot hold a key longer than about 2.7 kB.
+CREATE INDEX IF NOT EXISTS {blocking_index} ON {t} (({key_hash}), sequence_id)
     WHERE delivered_at IS NULL AND (locked_by IS NOT NULL OR attempts > 0);
+-- Its predecessor, over the key itself, failed every claim that leased a longer key.
+DROP INDEX IF EXISTS {obsolete_blocking_index};
 
 -- Rows that become available later than they were written: scheduled by the application, or
 -- waiting to retry. Small by design; the scan floor reads when the next one comes due.
@@ -185,7 +195,38 @@ CREATE TABLE IF NOT EXISTS {nodes} (
     expiry timestamp without time zone NOT NULL
 );
 
--- Wakes the relay after each inserting statement; never fails the application's insert.
+{wakeup}"#,
+            wakeup = self.wakeup_ddl(),
+        )
+    }
+
+    /// The statement-level trigger that wakes the relay on commit (its body follows the
+    /// wake-up mode: notify, gated, or nothing under `poll`), and its function. Idempotent.
+    /// Mapped layouts install the same on their table (named after it).
+    pub fn wakeup_ddl(&self) -> String {
+        let t = self.outbox.quoted();
+        let func = self.notify_function();
+        let trigger = self.trigger_name();
+        let channel = self.notify_channel.as_str();
+        let notify = if self.poll_wakeup {
+            // The trigger stays (so switching modes is `migrate` again, which replaces this
+            // body), but sends nothing.
+            "-- --wakeup poll: no NOTIFY, so inserting transactions can PREPARE TRANSACTION.
+    NULL;"
+                .to_string()
+        } else if self.gated_wakeup {
+            format!(
+                "-- Gated: only while a relay waits (it then holds this lock); a relay at work polls.
+    IF NOT pg_try_advisory_xact_lock_shared(hashtext('{}')) THEN
+        PERFORM pg_notify('{channel}', '');
+    END IF;",
+                self.wakeup_key()
+            )
+        } else {
+            format!("PERFORM pg_notify('{channel}', '');")
+        };
+        format!(
+            r#"-- Wakes the relay after each inserting statement; never fails the application's insert.
 CREATE OR REPLACE FUNCTION {func}() RETURNS trigger AS $$
 BEGIN
     {notify}
@@ -312,6 +353,12 @@ impl Statements {
         let scheduled = tables.scheduled_index();
         let key_o = "coalesce(o.partition_key, o.destination)";
         let key_p = "coalesce(p.partition_key, p.destination)";
+        // An earlier row of the same key: the hash finds it in the blocking index, the key
+        // itself rules out a collision. (Against a database migrated before the hash index,
+        // the key comparison finds the old index instead.)
+        let same_key = format!(
+            "hashtextextended({key_p}, 0) = hashtextextended({key_o}, 0) AND {key_p} = {key_o}"
+        );
         // The fence: the row's partition is held by the node ($1) at the epoch it holds.
         // `$P`, `$E`, `$N` are the partitions, epochs and partition count parameters. The
         // confirmed partitions are computed once per statement (an InitPlan); a node holding
@@ -369,7 +416,7 @@ impl Statements {
                     "AND (o.locked_until IS NULL OR o.locked_until < now())
                  AND NOT EXISTS (
                     SELECT 1 FROM {t} p
-                    WHERE {key_p} = {key_o}
+                    WHERE {same_key}
                       AND p.sequence_id < o.sequence_id
                       AND p.delivered_at IS NULL
                       AND (p.locked_by IS NOT NULL OR p.attempts > 0)
@@ -396,7 +443,7 @@ impl Statements {
                     AND (cardinality({held}) = $4 OR {func}({key_o}, $4) = ANY({held}))
                     AND NOT EXISTS (
                        SELECT 1 FROM {t} p
-                       WHERE {key_p} = {key_o}
+                       WHERE {same_key}
                          AND p.sequence_id < o.sequence_id
                          AND p.delivered_at IS NULL
                          AND (p.locked_by IS NOT NULL OR p.attempts > 0)
@@ -490,9 +537,12 @@ impl Statements {
                          INSERT INTO {dl} (sequence_id, event_id, destination, partition_key, event_type,
                                            payload, headers, mutation_id, rejected, created_at,
                                            attempts, last_error)
-                         SELECT sequence_id, event_id, destination, partition_key, event_type,
-                                payload, headers, mutation_id, rejected, created_at,
-                                final_attempts, final_error
+                         -- Undecodable rows too: a NULL where the dead letters allow none is
+                         -- kept as an empty value (last_error says which it was).
+                         SELECT sequence_id, coalesce(event_id, '00000000-0000-0000-0000-000000000000'),
+                                coalesce(destination, ''), partition_key, coalesce(event_type, ''),
+                                payload, coalesce(headers, '{{}}'), mutation_id, coalesce(rejected, false),
+                                coalesce(created_at, now()), final_attempts, final_error
                            FROM moved"
                     )
                 };
@@ -635,6 +685,23 @@ mod tests {
         );
         assert!(ddl.contains("FOR EACH STATEMENT"));
         assert!(ddl.contains("pg_notify('outbox_relay', '')"));
+    }
+
+    #[test]
+    fn the_blocking_index_and_the_claims_agree_on_the_hashed_key() {
+        let t = tables();
+        assert!(Tables::ORDERING_KEY_HASH.contains(Tables::ORDERING_KEY));
+        let ddl = t.ddl();
+        assert!(ddl.contains(&format!(
+            "CREATE INDEX IF NOT EXISTS \"events_key_blockers_idx\" ON \"app\".\"events\" (({}), sequence_id)",
+            Tables::ORDERING_KEY_HASH
+        )));
+        assert!(ddl.contains("DROP INDEX IF EXISTS \"app\".\"events_blocking_idx\";"));
+        let sql = Statements::new(&t);
+        for claim in [&sql.claim, &sql.claim_owned] {
+            // The hash finds the index; the key rules out collisions.
+            assert!(claim.contains("hashtextextended(coalesce(p.partition_key, p.destination), 0) = hashtextextended(coalesce(o.partition_key, o.destination), 0) AND coalesce(p.partition_key, p.destination) = coalesce(o.partition_key, o.destination)"), "{claim}");
+        }
     }
 
     #[test]

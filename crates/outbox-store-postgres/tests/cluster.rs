@@ -691,3 +691,157 @@ async fn printed_grants_name_the_sequence_postgres_made_for_a_long_table_name() 
         .unwrap();
     assert!(granted);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_on_a_table_without_statistics_reads_only_the_rows_it_returns() {
+    let (store, url) = store(4).await;
+    let (node, fence) = sole_owner(&store).await;
+    let app = Arc::new(session(&url).await);
+    // A backlog loaded after an outage, before autovacuum analyzed it (kept from doing so
+    // here, so that the test does not depend on its timing).
+    app.batch_execute(
+        "ALTER TABLE outbox SET (autovacuum_enabled = false);
+         INSERT INTO outbox (destination, partition_key, event_type, payload)
+         SELECT 'd', 'k' || (i % 100), 't', '{}' FROM generate_series(1, 50000) i",
+    )
+    .await
+    .unwrap();
+    let claimed = store.claim(owned(&node, fence, 10)).await.unwrap();
+    assert_eq!(claimed.len(), 10);
+    // The store's session reports its counters when it goes idle.
+    let read: i64 = eventually(
+        "the claim's table statistics",
+        Duration::from_secs(30),
+        || {
+            let app = app.clone();
+            async move {
+                app.batch_execute("SELECT pg_stat_clear_snapshot()")
+                    .await
+                    .unwrap();
+                let row = app
+                    .query_one(
+                        "SELECT coalesce(seq_scan, 0) + coalesce(idx_scan, 0),
+                            coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0)
+                       FROM pg_stat_user_tables WHERE relname = 'outbox'",
+                        &[],
+                    )
+                    .await
+                    .unwrap();
+                (row.get::<_, i64>(0) > 0).then(|| row.get::<_, i64>(1))
+            }
+        },
+    )
+    .await;
+    assert!(
+        read < 1_000,
+        "a claim of 10 rows read {read} rows of 50,000: it did not follow the pending index"
+    );
+}
+
+/// The real nodes table, with one heartbeat's answer lost after its write committed (as
+/// when the connection drops between the commit and the reply).
+struct LosesOneAnswer {
+    store: PgStore,
+    armed: std::sync::atomic::AtomicBool,
+    heartbeats: std::sync::atomic::AtomicUsize,
+}
+
+impl outbox_core::store::NodeRegistry for LosesOneAnswer {
+    fn register(
+        &self,
+        node: NodeId,
+        ttl: Duration,
+    ) -> futures::future::BoxFuture<
+        'static,
+        outbox_core::store::StoreResult<outbox_core::store::Registration>,
+    > {
+        self.store.register(node, ttl)
+    }
+
+    fn heartbeat(
+        &self,
+        node: NodeId,
+        last: outbox_core::store::Incarnation,
+        ttl: Duration,
+    ) -> futures::future::BoxFuture<
+        'static,
+        outbox_core::store::StoreResult<Option<outbox_core::store::Incarnation>>,
+    > {
+        use std::sync::atomic::Ordering::SeqCst;
+        self.heartbeats.fetch_add(1, SeqCst);
+        let beat = self.store.heartbeat(node, last, ttl);
+        if !self.armed.swap(false, SeqCst) {
+            return beat;
+        }
+        Box::pin(async move {
+            beat.await?.expect("the row was this process's");
+            Err(outbox_core::StoreError::new(
+                outbox_core::StoreErrorKind::Connection,
+                "connection lost before the answer",
+            ))
+        })
+    }
+
+    fn remove_expired(
+        &self,
+    ) -> futures::future::BoxFuture<'static, outbox_core::store::StoreResult<u64>> {
+        self.store.remove_expired()
+    }
+
+    fn deregister(
+        &self,
+        node: NodeId,
+        last: outbox_core::store::Incarnation,
+    ) -> futures::future::BoxFuture<'static, outbox_core::store::StoreResult<()>> {
+        self.store.deregister(node, last)
+    }
+
+    fn live_nodes(
+        &self,
+    ) -> futures::future::BoxFuture<
+        'static,
+        outbox_core::store::StoreResult<Vec<outbox_core::store::NodeRecord>>,
+    > {
+        self.store.live_nodes()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_heartbeat_whose_answer_was_lost_does_not_make_the_node_think_it_was_displaced() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let (store, _url) = store(4).await;
+    let registry = Arc::new(LosesOneAnswer {
+        store,
+        armed: false.into(),
+        heartbeats: 0.into(),
+    });
+    let coordinator = outbox_cluster::Coordinator::start(
+        registry.clone(),
+        None,
+        outbox_cluster::ClusterConfig {
+            node: NodeId("n1".into()),
+            heartbeat_interval: Duration::from_millis(50),
+            heartbeat_timeout: Duration::from_secs(5),
+            health: outbox_core::Health::new(),
+        },
+    )
+    .await
+    .unwrap();
+    registry.armed.store(true, SeqCst);
+    eventually("the answer to be lost", Duration::from_secs(10), || {
+        let lost = !registry.armed.load(SeqCst);
+        async move { lost.then_some(()) }
+    })
+    .await;
+    let lost_at = registry.heartbeats.load(SeqCst);
+    eventually("three more heartbeats", Duration::from_secs(10), || {
+        let beats = registry.heartbeats.load(SeqCst);
+        let displaced = coordinator.is_displaced();
+        async move { (beats >= lost_at + 3 || displaced).then_some(()) }
+    })
+    .await;
+    assert!(
+        !coordinator.is_displaced(),
+        "its own write, whose answer was lost, is not another process"
+    );
+}

@@ -131,13 +131,51 @@ fn sql_error(context: &str, error: rusqlite::Error) -> StoreError {
         Some(ErrorCode::DatabaseBusy | ErrorCode::DatabaseLocked) => StoreErrorKind::Conflict,
         Some(ErrorCode::CannotOpen | ErrorCode::NotADatabase) => StoreErrorKind::Config,
         Some(ErrorCode::ReadOnly | ErrorCode::PermissionDenied) => StoreErrorKind::Privilege,
+        Some(ErrorCode::DatabaseCorrupt) => StoreErrorKind::Corrupt,
         _ if error.to_string().contains("no such table") => StoreErrorKind::MissingSchema,
         _ => StoreErrorKind::Query,
     };
-    StoreError::new(kind, format!("{context}: {error}")).with_source(error)
+    // SQLite has no roles to grant to: the file system decides.
+    let read_only = matches!(
+        error.sqlite_error_code(),
+        Some(ErrorCode::ReadOnly | ErrorCode::PermissionDenied)
+    );
+    let e = StoreError::new(kind, format!("{context}: {error}")).with_source(error);
+    if read_only {
+        e.with_hint(READ_ONLY_HINT)
+    } else {
+        e
+    }
+}
+
+/// The fix for a database SQLite may not write.
+pub const READ_ONLY_HINT: &str = "the database file or its directory is read-only for the \
+    relay's user: make both writable by it (chmod u+w, or chown); SQLite writes its -wal and \
+    -shm files beside the database (or drop mode=ro from a file: URL)";
+
+/// The mode of a database file the relay creates: the outbox holds business data, so only
+/// the relay's user may read it. SQLite gives the -wal and -shm files the database file's
+/// mode; a database that exists keeps its own (create it beforehand to share it).
+pub const DATABASE_FILE_MODE: u32 = 0o600;
+
+/// Creates the database file with [`DATABASE_FILE_MODE`] unless it exists. A failure is left
+/// to SQLite's own open, which reports it.
+fn create_private(path: &Path) {
+    use std::os::unix::fs::OpenOptionsExt;
+    // In-memory databases and SQLite URIs name no file of that name.
+    let name = path.to_string_lossy();
+    if name.is_empty() || name == ":memory:" || name.starts_with("file:") {
+        return;
+    }
+    let _ = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(DATABASE_FILE_MODE)
+        .open(path);
 }
 
 fn open(path: &Path) -> StoreResult<Connection> {
+    create_private(path);
     let conn = Connection::open(path).map_err(|e| {
         sql_error(
             &format!("cannot open SQLite database {}", path.display()),
@@ -237,56 +275,97 @@ fn text_of(value: ValueRef<'_>) -> Result<Option<String>, String> {
     }
 }
 
+/// Column `index` as text, naming the column when it is not UTF-8 (SQLite keeps whatever
+/// bytes a `CAST(X'..' AS TEXT)` gives it).
+fn text_column(row: &Row<'_>, index: usize, name: &str) -> Result<Option<String>, String> {
+    text_of(row.get_ref(index).map_err(|e| format!("{name}: {e}"))?).map_err(|e| {
+        format!("{name} {e}; correct it in the dead letters, then `outbox-relay dead retry`")
+    })
+}
+
+/// Column `index` as an integer; text that is not one is not read as 0.
+fn integer_column(row: &Row<'_>, index: usize, name: &str) -> Result<Option<i64>, String> {
+    match row.get_ref(index).map_err(|e| format!("{name}: {e}"))? {
+        ValueRef::Null => Ok(None),
+        ValueRef::Integer(i) => Ok(Some(i)),
+        other => Err(format!("{name} is {:?}, not an integer", other.data_type())),
+    }
+}
+
+/// `name` is NULL where the relay needs a value.
+fn required<T>(value: Option<T>, name: &str) -> Result<T, String> {
+    value.ok_or_else(|| {
+        format!("{name} is NULL, which the relay cannot publish; set {name} in the dead letters, then `outbox-relay dead retry`")
+    })
+}
+
+/// Decodes one claimed row. Only an unreadable `sequence_id` (the table's INTEGER PRIMARY
+/// KEY, so never) fails the claim; any other column that cannot be read makes the row
+/// [`Claimed::Undecodable`], to be dead-lettered while the rows of other keys flow.
 fn row_to_claimed(row: &Row<'_>) -> rusqlite::Result<Claimed> {
     let sequence_id: i64 = row.get(0)?;
-    let destination: String = row.get(2)?;
-    let partition_key: Option<String> = row.get(3)?;
-    let attempts: i64 = row.get(9)?;
+    // The ordering key as the claim statement compares it: the bytes, whatever they are.
+    let raw_text = |index| match row.get_ref(index) {
+        Ok(ValueRef::Text(t) | ValueRef::Blob(t)) => Some(String::from_utf8_lossy(t).into_owned()),
+        Ok(ValueRef::Integer(i)) => Some(i.to_string()),
+        _ => None,
+    };
+    let lossy_destination = raw_text(2).unwrap_or_default();
+    let lossy_key = raw_text(3);
+    let attempts = integer_column(row, 9, "attempts")
+        .ok()
+        .flatten()
+        .unwrap_or(0)
+        .clamp(0, i64::from(u32::MAX)) as u32;
     let decoded = (|| {
-        let event_id_text: String = text_of(row.get_ref(1).map_err(|e| e.to_string())?)
-            .map_err(|e| format!("event_id {e}"))?
-            .unwrap_or_default();
+        let event_id_text = required(text_column(row, 1, "event_id")?, "event_id")?;
         let event_id = Uuid::parse_str(&event_id_text)
             .map_err(|e| format!("event_id {event_id_text:?} is not a UUID: {e}"))?;
-        let payload = match text_of(row.get_ref(5).map_err(|e| e.to_string())?)
-            .map_err(|e| format!("payload {e}"))?
-        {
+        let destination = required(text_column(row, 2, "destination")?, "destination")?;
+        let partition_key = text_column(row, 3, "partition_key")?;
+        let event_type = required(text_column(row, 4, "event_type")?, "event_type")?;
+        let payload = match text_column(row, 5, "payload")? {
             None => Payload::Null,
             Some(text) => Payload::from_json_text(text)?,
         };
-        let headers_text = text_of(row.get_ref(6).map_err(|e| e.to_string())?)
-            .map_err(|e| format!("headers {e}"))?
-            .unwrap_or_default();
+        let headers_text = required(text_column(row, 6, "headers")?, "headers")?;
         let headers = headers_from_json_text(&headers_text)?;
-        let event_type: String = row
-            .get(4)
-            .map_err(|e| format!("event_type is not text: {e}"))?;
-        let mutation_id: Option<String> = text_of(row.get_ref(7).map_err(|e| e.to_string())?)
-            .map_err(|e| format!("mutation_id {e}"))?;
-        let rejected: i64 = row.get(8).map_err(|e| format!("rejected: {e}"))?;
-        let created_ms: i64 = row.get(10).map_err(|e| format!("created_at: {e}"))?;
+        let mutation_id = text_column(row, 7, "mutation_id")?;
+        let rejected = required(integer_column(row, 8, "rejected")?, "rejected")?;
+        // Unix milliseconds; beyond what microseconds hold is out of range as well.
+        let created_ms = required(integer_column(row, 10, "created_at")?, "created_at")?;
+        let Some(created_micros) = created_ms
+            .checked_mul(1000)
+            .filter(|m| outbox_core::time::created_at_problem(*m).is_none())
+        else {
+            return Err(format!(
+                "created_at is {created_ms} milliseconds from the Unix epoch, outside the years \
+                 1 to 9999 that an event can carry; set created_at to the event's real time in \
+                 the dead letters, then `outbox-relay dead retry`"
+            ));
+        };
         Ok::<_, String>(Event {
             sequence_id,
             event_id,
-            destination: destination.clone(),
-            partition_key: partition_key.clone(),
+            destination,
+            partition_key,
             event_type,
             payload,
             headers,
             mutation_id,
             rejected: rejected != 0,
-            attempts: attempts.max(0) as u32,
+            attempts,
             max_attempts: None,
-            created_at: UNIX_EPOCH + Duration::from_millis(created_ms.max(0) as u64),
+            created_at: outbox_core::time::from_micros(created_micros),
         })
     })();
     Ok(match decoded {
         Ok(event) => Claimed::Event(event),
         Err(reason) => Claimed::Undecodable {
             sequence_id,
-            ordering_key: partition_key.unwrap_or_else(|| destination.clone()),
-            destination,
-            attempts: attempts.max(0) as u32,
+            ordering_key: lossy_key.unwrap_or_else(|| lossy_destination.clone()),
+            destination: lossy_destination,
+            attempts,
             reason,
         },
     })
@@ -509,6 +588,8 @@ impl OutboxStore for SqliteStore {
                         what: format!("table {table} does not exist"),
                         fix: "run `outbox-relay migrate` (or `run --auto-migrate`)".into(),
                     });
+                } else if table == "outbox" {
+                    problems.extend(verify_outbox_columns(conn)?);
                 }
             }
             Ok(problems)
@@ -519,6 +600,64 @@ impl OutboxStore for SqliteStore {
         let path = self.path.clone();
         Some(watch_data_version(path, on_change).boxed())
     }
+}
+
+/// The outbox table's columns as [`DDL`] declares them: name, declared type, NOT NULL.
+const OUTBOX_COLUMNS: [(&str, &str, bool); 16] = [
+    ("sequence_id", "INTEGER", false), // the rowid: never NULL
+    ("event_id", "TEXT", true),
+    ("destination", "TEXT", true),
+    ("partition_key", "TEXT", false),
+    ("event_type", "TEXT", true),
+    ("payload", "TEXT", false),
+    ("headers", "TEXT", true),
+    ("mutation_id", "TEXT", false),
+    ("rejected", "INTEGER", true),
+    ("created_at", "INTEGER", true),
+    ("available_at", "INTEGER", true),
+    ("attempts", "INTEGER", true),
+    ("last_error", "TEXT", false),
+    ("locked_by", "TEXT", false),
+    ("locked_until", "INTEGER", false),
+    ("delivered_at", "INTEGER", false),
+];
+
+/// Compares the outbox table's columns with [`OUTBOX_COLUMNS`]. SQLite reads any value from
+/// any column, so only a missing (renamed) column stops claims; a different declared type or
+/// a missing NOT NULL lets through rows that go to the dead letters.
+fn verify_outbox_columns(conn: &Connection) -> StoreResult<Vec<Problem>> {
+    let found: Vec<(String, String, bool)> = conn
+        .prepare("SELECT name, type, \"notnull\" FROM pragma_table_info('outbox')")
+        .and_then(|mut stmt| {
+            stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get::<_, i64>(2)? != 0)))?
+                .collect()
+        })
+        .map_err(|e| sql_error("verify", e))?;
+    let mut problems = Vec::new();
+    for (column, ty, not_null) in OUTBOX_COLUMNS {
+        match found.iter().find(|(c, ..)| c == column) {
+            None => problems.push(Problem {
+                what: format!("column {column} of table outbox is missing: the relay reads it in every claim"),
+                fix: format!(
+                    "ALTER TABLE outbox RENAME COLUMN <its current name> TO {column}; or ALTER TABLE outbox ADD COLUMN {column} {ty} (see `outbox-relay migrate --print`)"
+                ),
+            }),
+            Some((_, found_ty, found_not_null)) => {
+                if !found_ty.eq_ignore_ascii_case(ty) {
+                    problems.push(Problem::degraded(
+                        format!("column {column} of table outbox is declared {found_ty}, not {ty}: rows whose {column} the relay cannot read go to the dead letters"),
+                        format!("rebuild the table with {column} {ty} (see `outbox-relay migrate --print`)"),
+                    ));
+                } else if not_null && !found_not_null {
+                    problems.push(Problem::degraded(
+                        format!("column {column} of table outbox allows NULL: rows with NULL there cannot be published and go to the dead letters"),
+                        format!("rebuild the table with {column} NOT NULL (see `outbox-relay migrate --print`)"),
+                    ));
+                }
+            }
+        }
+    }
+    Ok(problems)
 }
 
 /// Calls `on_change` whenever another connection commits to the database file.

@@ -1,0 +1,284 @@
+//! What this node's own work says about its health: for each kind of operation, when it last
+//! succeeded, since when it has been failing (and why), and since when an attempt has been
+//! waiting for an answer. The engine and the cluster coordinator write it as they go; `/readyz`,
+//! the metrics and the relay's watchdog read it. A database that stops answering (no error,
+//! no reset) shows up here as an attempt that waits too long, well before its operation
+//! timeout turns it into an error.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant, SystemTime};
+
+use crate::Ownership;
+
+/// How long an attempt may wait for the database before it counts as trouble. Statements
+/// take milliseconds (a claim over a large unanalyzed backlog, under a second); the store
+/// gives up on an operation after 30 s, so this is what notices a blackholed connection.
+pub const DEFAULT_STALL: Duration = Duration::from_secs(10);
+
+/// The operations watched.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Check {
+    /// The engine's claims.
+    Claim,
+    /// Acks, retries, dead-letters and releases.
+    Settle,
+    /// The node's heartbeat in the nodes table.
+    Heartbeat,
+    /// Renewing and taking partition leases.
+    Leases,
+    /// The backlog query behind the backlog gauges.
+    Backlog,
+}
+
+impl Check {
+    pub const ALL: [Check; 5] = [
+        Check::Claim,
+        Check::Settle,
+        Check::Heartbeat,
+        Check::Leases,
+        Check::Backlog,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Check::Claim => "claim",
+            Check::Settle => "settle",
+            Check::Heartbeat => "heartbeat",
+            Check::Leases => "partition leases",
+            Check::Backlog => "backlog",
+        }
+    }
+}
+
+#[derive(Default)]
+struct CheckState {
+    last_success: Option<SystemTime>,
+    /// Since when, and the latest error.
+    failing: Option<(Instant, String)>,
+    /// Attempts waiting for an answer, by attempt number: when each started.
+    waiting: BTreeMap<u64, Instant>,
+}
+
+#[derive(Default)]
+struct State {
+    checks: BTreeMap<Check, CheckState>,
+    next_attempt: u64,
+    /// Partitions the fair assignment gives this node (ordered cluster only).
+    assigned: Option<usize>,
+}
+
+/// Shared by the engine, the coordinator and the HTTP endpoints of one node.
+#[derive(Default)]
+pub struct Health {
+    state: Mutex<State>,
+    ownership: OnceLock<Arc<Ownership>>,
+}
+
+/// One attempt of a watched operation; dropping it without a verdict (a cancelled future)
+/// only stops the wait from counting.
+pub struct Attempt {
+    health: Arc<Health>,
+    check: Check,
+    id: u64,
+}
+
+impl Attempt {
+    pub fn succeeded(self) {
+        let mut state = self.health.state();
+        let check = state.checks.entry(self.check).or_default();
+        check.last_success = Some(SystemTime::now());
+        check.failing = None;
+    }
+
+    /// Records the failure; returns `true` if the check was not failing already (the first
+    /// failure of a streak, worth a log line of its own).
+    pub fn failed(self, error: impl Into<String>) -> bool {
+        let mut state = self.health.state();
+        let check = state.checks.entry(self.check).or_default();
+        let first = check.failing.is_none();
+        let since = check.failing.take().map_or_else(Instant::now, |(s, _)| s);
+        check.failing = Some((since, error.into()));
+        first
+    }
+}
+
+impl Drop for Attempt {
+    fn drop(&mut self) {
+        let mut state = self.health.state();
+        if let Some(check) = state.checks.get_mut(&self.check) {
+            check.waiting.remove(&self.id);
+        }
+    }
+}
+
+/// One thing wrong, as `/readyz` and the watchdog word it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Trouble {
+    /// What it concerns: a [`Check`] name, or `partitions`.
+    pub what: &'static str,
+    /// What is wrong, for an operator.
+    pub detail: String,
+    /// How long it has lasted, as far as is known (zero when unknown).
+    pub lasting: Duration,
+}
+
+impl std::fmt::Display for Trouble {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.what, self.detail)
+    }
+}
+
+impl std::fmt::Debug for Health {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Health")
+            .field("troubles", &self.troubles(Instant::now(), Duration::MAX))
+            .finish()
+    }
+}
+
+impl Health {
+    pub fn new() -> Arc<Self> {
+        Arc::new(Health::default())
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// An attempt of `check` starts now.
+    pub fn begin(self: &Arc<Self>, check: Check) -> Attempt {
+        let mut state = self.state();
+        state.next_attempt += 1;
+        let id = state.next_attempt;
+        state
+            .checks
+            .entry(check)
+            .or_default()
+            .waiting
+            .insert(id, Instant::now());
+        Attempt {
+            health: self.clone(),
+            check,
+            id,
+        }
+    }
+
+    /// When `check` last succeeded (wall clock, for a timestamp gauge).
+    pub fn last_success(&self, check: Check) -> Option<SystemTime> {
+        self.state().checks.get(&check).and_then(|c| c.last_success)
+    }
+
+    /// The partitions this node holds, to compare with its assignment.
+    pub fn watch_ownership(&self, ownership: Arc<Ownership>) {
+        let _ = self.ownership.set(ownership);
+    }
+
+    /// Set by the coordinator after each assignment.
+    pub fn set_assigned(&self, partitions: usize) {
+        self.state().assigned = Some(partitions);
+    }
+
+    /// Partitions this node may publish right now: held, and valid by its own clock.
+    pub fn owned_partitions(&self, now: Instant) -> Option<usize> {
+        self.ownership.get().map(|o| o.publishable(now).0.len())
+    }
+
+    /// Everything wrong right now: failing checks, attempts without an answer for longer than
+    /// `stall`, and partitions assigned to this node that it does not hold.
+    pub fn troubles(&self, now: Instant, stall: Duration) -> Vec<Trouble> {
+        let mut out = Vec::new();
+        let assigned;
+        {
+            let state = self.state();
+            assigned = state.assigned;
+            for (check, c) in &state.checks {
+                if let Some((since, error)) = &c.failing {
+                    let lasting = now.saturating_duration_since(*since);
+                    out.push(Trouble {
+                        what: check.name(),
+                        detail: format!("failing for {}s: {error}", lasting.as_secs()),
+                        lasting,
+                    });
+                } else if let Some(oldest) = c.waiting.values().min() {
+                    let waited = now.saturating_duration_since(*oldest);
+                    if waited >= stall {
+                        out.push(Trouble {
+                            what: check.name(),
+                            detail: format!(
+                                "no answer from the database for {}s (the connection may be \
+                                 blackholed: check the network path to the database)",
+                                waited.as_secs()
+                            ),
+                            lasting: waited,
+                        });
+                    }
+                }
+            }
+        }
+        if let (Some(assigned), Some(owned)) = (assigned, self.owned_partitions(now)) {
+            if assigned > 0 && owned == 0 {
+                out.push(Trouble {
+                    what: "partitions",
+                    detail: format!(
+                        "holds none of the {assigned} partitions assigned to it, so it publishes nothing"
+                    ),
+                    lasting: Duration::ZERO,
+                });
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failure_is_reported_until_the_next_success() {
+        let health = Health::new();
+        assert!(health.begin(Check::Leases).failed("permission denied"));
+        assert!(!health.begin(Check::Leases).failed("permission denied"));
+        let troubles = health.troubles(Instant::now(), Duration::from_secs(10));
+        assert_eq!(troubles.len(), 1);
+        assert!(troubles[0].detail.contains("permission denied"));
+        health.begin(Check::Leases).succeeded();
+        assert!(health
+            .troubles(Instant::now(), Duration::from_secs(10))
+            .is_empty());
+        assert!(health.last_success(Check::Leases).is_some());
+    }
+
+    #[test]
+    fn an_attempt_without_an_answer_counts_once_it_waited_past_the_stall_bound() {
+        let health = Health::new();
+        let attempt = health.begin(Check::Claim);
+        let stall = Duration::from_secs(10);
+        assert!(health.troubles(Instant::now(), stall).is_empty());
+        let later = Instant::now() + stall;
+        assert_eq!(health.troubles(later, stall)[0].what, "claim");
+        drop(attempt);
+        assert!(health.troubles(later, stall).is_empty());
+    }
+
+    #[test]
+    fn holding_none_of_the_assigned_partitions_is_trouble() {
+        let health = Health::new();
+        let ownership = Ownership::new(4);
+        health.watch_ownership(ownership.clone());
+        health.set_assigned(0);
+        assert!(health
+            .troubles(Instant::now(), Duration::from_secs(1))
+            .is_empty());
+        health.set_assigned(4);
+        assert_eq!(
+            health.troubles(Instant::now(), Duration::from_secs(1))[0].what,
+            "partitions"
+        );
+        ownership.grant(1, 1, Instant::now() + Duration::from_secs(5));
+        assert!(health
+            .troubles(Instant::now(), Duration::from_secs(1))
+            .is_empty());
+    }
+}

@@ -1,0 +1,256 @@
+//! Bad input given to the binary: a setting that cannot apply, a value that cannot work, a
+//! name that is no identifier. Each is a configuration error (exit 2) that names the setting
+//! and the fix; runtime failures (exit 1) carry a fix about their own cause. And the logs
+//! tell the truth about how the relay wakes, without colour codes in a redirected file.
+
+mod support;
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use support::BIN;
+
+/// Runs `outbox-relay <args>` in `dir` with `env` set, stdout and stderr captured (so stderr is
+/// not a terminal), and no database URL inherited.
+fn relay(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut command = Command::new(BIN);
+    command
+        .args(args)
+        .current_dir(dir)
+        .env_remove("DATABASE_URL")
+        .env_remove("OUTBOX_RELAY_DATABASE_URL");
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    command.output().expect("run outbox-relay")
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).to_string()
+}
+
+/// The configuration is refused with exit 2, and the message names `setting` and `fix`.
+#[track_caller]
+fn refused(out: Output, setting: &str, fix: &str) {
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(2), "exit 2 expected: {err}");
+    assert!(err.contains(setting), "the message names {setting}: {err}");
+    assert!(err.contains(fix), "the message says {fix:?}: {err}");
+    assert!(!err.contains(".rs:"), "no source location: {err}");
+}
+
+const PG: &str = "postgres://relay@127.0.0.1:1/app";
+
+#[test]
+fn a_setting_that_has_no_effect_is_refused_with_exit_2_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    // SQLite (the default database) has no NOTIFY to gate or to name a channel for.
+    refused(
+        relay(d, &["run", "--drain", "--wakeup", "gated"], &[]),
+        "--wakeup gated",
+        "remove it",
+    );
+    refused(
+        relay(
+            d,
+            &["run", "--drain"],
+            &[("OUTBOX_RELAY_NOTIFY_CHANNEL", "events")],
+        ),
+        "notify_channel",
+        "remove the setting",
+    );
+    // A fixed-rate relay never listens: the gate would wake nobody.
+    refused(
+        relay(
+            d,
+            &[
+                "run",
+                "--drain",
+                "--database-url",
+                PG,
+                "--poll-fixed-rate",
+                "--wakeup",
+                "gated",
+            ],
+            &[],
+        ),
+        "--poll-fixed-rate",
+        "use --wakeup poll",
+    );
+    // A Redis setting on a NATS sink.
+    std::fs::write(
+        d.join("maxlen.toml"),
+        "[sinks.main]\nuri = \"nats://127.0.0.1:4222\"\nmaxlen = 1000\n",
+    )
+    .unwrap();
+    refused(
+        relay(d, &["--config", "maxlen.toml", "run", "--drain"], &[]),
+        "sinks.main.maxlen",
+        "no effect on a nats sink",
+    );
+    // --sink replaces the routes, which would silently stop applying.
+    std::fs::write(
+        d.join("routes.toml"),
+        "[sinks.main]\nuri = \"stdout\"\n[[routes]]\ndestinations = \"*\"\nsink = \"main\"\n",
+    )
+    .unwrap();
+    refused(
+        relay(
+            d,
+            &[
+                "--config",
+                "routes.toml",
+                "run",
+                "--drain",
+                "--sink",
+                "stdout",
+            ],
+            &[],
+        ),
+        "--sink",
+        "not both",
+    );
+    // A seed's layout on SQLite, and table names SQLite does not use.
+    refused(
+        relay(d, &["run", "--drain", "--layout", "open-outbox"], &[]),
+        "layout = \"open-outbox\"",
+        "remove --layout",
+    );
+    refused(
+        relay(d, &["run", "--drain", "--outbox-table", "events"], &[]),
+        "outbox_table",
+        "remove them",
+    );
+}
+
+#[test]
+fn bad_values_and_names_exit_2_naming_where_they_came_from() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    refused(
+        relay(d, &["run", "--drain", "--lease", "10"], &[]),
+        "--lease",
+        "write it with a unit",
+    );
+    refused(
+        relay(d, &["run", "--drain"], &[("OUTBOX_RELAY_LEASE", "10")]),
+        "environment variable OUTBOX_RELAY_LEASE",
+        "write it with a unit",
+    );
+    std::fs::write(d.join("relay.toml"), "poll_interval = \"soon\"\n").unwrap();
+    refused(
+        relay(d, &["--config", "relay.toml", "run", "--drain"], &[]),
+        "setting `poll_interval` in",
+        "write it with a unit",
+    );
+    refused(
+        relay(
+            d,
+            &[
+                "run",
+                "--drain",
+                "--database-url",
+                PG,
+                "--outbox-table",
+                "orders\"; DROP",
+            ],
+            &[],
+        ),
+        "invalid table name",
+        "ASCII letters, digits or underscores",
+    );
+    refused(
+        relay(
+            d,
+            &[
+                "migrate",
+                "--database-url",
+                PG,
+                "--print",
+                "--role",
+                "relay role",
+            ],
+            &[],
+        ),
+        "--role: invalid role name",
+        "ASCII letters, digits or underscores",
+    );
+}
+
+#[test]
+fn a_redirected_log_has_no_colour_codes_and_sqlite_says_how_it_wakes() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = relay(
+        dir.path(),
+        &[
+            "run",
+            "--drain",
+            "--http-addr",
+            "",
+            "--sink",
+            "file:events.jsonl",
+        ],
+        &[],
+    );
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        !err.contains('\u{1b}'),
+        "no ANSI escape in a redirected log: {err:?}"
+    );
+    assert!(
+        err.contains("data_version watch + safety poll") && !err.contains("notify"),
+        "SQLite has no NOTIFY: {err}"
+    );
+}
+
+#[test]
+fn a_read_only_sqlite_database_is_told_to_make_the_file_writable() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    assert!(relay(d, &["migrate"], &[]).status.success());
+    let out = relay(
+        d,
+        &[
+            "send",
+            "--database-url",
+            "sqlite:file:outbox.db?mode=ro",
+            "--destination",
+            "orders",
+            "{}",
+        ],
+        &[],
+    );
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("read-only for the relay's user") && err.contains("chmod"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("grant"),
+        "SQLite has no privileges to grant: {err}"
+    );
+}
+
+#[test]
+fn a_failed_tls_handshake_is_told_about_tls_not_about_the_host() {
+    let url = std::env::var("OUTBOX_TEST_DATABASE_URL")
+        .expect("OUTBOX_TEST_DATABASE_URL is not set: source /tmp/servers.env");
+    let dir = tempfile::tempdir().unwrap();
+    // The test server's certificate is signed by a CA the system does not trust.
+    let url = format!("{url}?sslmode=verify-full");
+    let out = relay(
+        dir.path(),
+        &["check", "--database-url", &url, "--sink", "stdout"],
+        &[],
+    );
+    let report = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{report}");
+    assert!(
+        report.contains("TLS handshake") && report.contains("fix: check the URL's sslmode"),
+        "{report}"
+    );
+    assert!(!report.contains("host, port and credentials"), "{report}");
+}

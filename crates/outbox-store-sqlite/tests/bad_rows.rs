@@ -1,0 +1,152 @@
+//! Rows SQLite accepts but the relay cannot publish (bytes that are not UTF-8, times no
+//! event can carry): each is claimed as undecodable, dead-lettered with its reason and its
+//! bytes intact, and the other rows flow. `verify` names a renamed column.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use outbox_core::store::{ClaimRequest, Claimed, DeadLetter};
+use outbox_core::{NodeId, OutboxStore};
+use outbox_store_sqlite::SqliteStore;
+
+async fn store() -> (tempfile::TempDir, SqliteStore) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path().join("outbox.db"), false).unwrap();
+    store.migrate().await.unwrap();
+    (dir, store)
+}
+
+/// Claims everything and dead-letters the undecodable rows, as the engine does; returns the
+/// events (destination, created_at) and the reasons.
+async fn claim_and_settle(store: &SqliteStore) -> (Vec<(String, SystemTime)>, Vec<String>) {
+    let node = NodeId("n1".into());
+    let claimed = store
+        .claim(ClaimRequest::new(
+            node.clone(),
+            100,
+            Duration::from_secs(30),
+        ))
+        .await
+        .expect("one bad row never fails the claim");
+    let mut events = Vec::new();
+    let mut dead = Vec::new();
+    for c in claimed {
+        match c {
+            Claimed::Event(e) => events.push((e.destination, e.created_at)),
+            Claimed::Undecodable {
+                sequence_id,
+                reason,
+                ..
+            } => dead.push(DeadLetter {
+                sequence_id,
+                attempts: 1,
+                error: reason,
+            }),
+        }
+    }
+    let reasons = dead.iter().map(|d| d.error.clone()).collect();
+    let n = dead.len() as u64;
+    assert_eq!(store.dead_letter(node, None, dead).await.unwrap(), n);
+    (events, reasons)
+}
+
+#[tokio::test]
+async fn invalid_utf8_in_destination_or_key_is_dead_lettered_and_other_rows_flow() {
+    let (_dir, store) = store().await;
+    store
+        .batch_execute(
+            "INSERT INTO outbox (destination, partition_key, event_type) VALUES
+               (CAST(X'64FF' AS TEXT), NULL, 't'),
+               ('orders', CAST(X'6BFE' AS TEXT), 't'),
+               ('orders', 'k', CAST(X'C3' AS TEXT)),
+               ('orders', 'k2', 't')",
+        )
+        .await
+        .unwrap();
+    let (events, reasons) = claim_and_settle(&store).await;
+    assert_eq!(events.len(), 1, "{events:?} {reasons:?}");
+    assert_eq!(events[0].0, "orders");
+    assert_eq!(reasons.len(), 3, "{reasons:?}");
+    for (reason, column) in reasons
+        .iter()
+        .zip(["destination", "partition_key", "event_type"])
+    {
+        assert!(
+            reason.starts_with(&format!("{column} is not UTF-8 text")),
+            "{reason}"
+        );
+        assert!(reason.contains("dead retry"), "{reason}");
+    }
+    // The dead letters keep the bytes as they were.
+    let dir = _dir.path().join("outbox.db");
+    let conn = rusqlite::Connection::open(dir).unwrap();
+    let bytes: Vec<u8> = conn
+        .query_row(
+            "SELECT CAST(destination AS BLOB) FROM outbox_dead_letters ORDER BY sequence_id LIMIT 1",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(bytes, [0x64, 0xFF]);
+}
+
+#[tokio::test]
+async fn created_at_before_1970_is_delivered_and_beyond_9999_is_dead_lettered() {
+    let (_dir, store) = store().await;
+    store
+        .batch_execute(
+            "INSERT INTO outbox (destination, event_type, created_at) VALUES
+               ('moon', 't', -14182940000),
+               ('max', 't', 9223372036854775807),
+               ('min', 't', -9223372036854775808),
+               ('far', 't', 253402300800000),
+               ('text', 't', 'yesterday'),
+               ('ok', 't', 1700000000123)",
+        )
+        .await
+        .unwrap();
+    let (events, reasons) = claim_and_settle(&store).await;
+    assert_eq!(
+        events,
+        [
+            ("moon".into(), UNIX_EPOCH - Duration::from_secs(14_182_940)),
+            (
+                "ok".into(),
+                UNIX_EPOCH + Duration::from_millis(1_700_000_000_123)
+            ),
+        ]
+    );
+    assert_eq!(reasons.len(), 4, "{reasons:?}");
+    for reason in &reasons[..3] {
+        assert!(reason.contains("outside the years 1 to 9999"), "{reason}");
+    }
+    assert!(
+        reasons[0].starts_with("created_at is 9223372036854775807 milliseconds"),
+        "{}",
+        reasons[0]
+    );
+    assert!(
+        reasons[3].contains("created_at is Text, not an integer"),
+        "{}",
+        reasons[3]
+    );
+}
+
+#[tokio::test]
+async fn verify_names_a_renamed_column() {
+    let (_dir, store) = store().await;
+    assert_eq!(store.verify().await.unwrap(), vec![]);
+    store
+        .batch_execute("ALTER TABLE outbox RENAME COLUMN mutation_id TO mut_id")
+        .await
+        .unwrap();
+    let problems = store.verify().await.unwrap();
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert!(
+        problems[0]
+            .what
+            .contains("column mutation_id of table outbox is missing"),
+        "{problems:?}"
+    );
+    assert!(problems[0].fix.contains("RENAME COLUMN"), "{problems:?}");
+    assert!(!problems[0].is_degraded());
+}

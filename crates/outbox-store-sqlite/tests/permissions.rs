@@ -1,0 +1,41 @@
+//! The files of the SQLite store are private to the relay's user.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+
+use outbox_store_sqlite::SqliteStore;
+
+fn mode_of(path: &Path) -> u32 {
+    std::fs::metadata(path).unwrap().permissions().mode() & 0o777
+}
+
+#[tokio::test]
+async fn a_new_database_and_its_wal_and_shm_files_are_readable_by_the_owner_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("outbox.db");
+    let store = SqliteStore::open(&db, false).unwrap();
+    store.migrate().await.unwrap();
+    store
+        .batch_execute(
+            "INSERT INTO outbox (destination, event_type, payload) VALUES ('d', 't', '1')",
+        )
+        .await
+        .unwrap();
+    for file in ["outbox.db", "outbox.db-wal", "outbox.db-shm"] {
+        let path = dir.path().join(file);
+        assert!(path.exists(), "{file} exists while the store is open");
+        assert_eq!(mode_of(&path), 0o600, "{file}");
+    }
+}
+
+#[tokio::test]
+async fn an_existing_database_keeps_its_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("shared.db");
+    std::fs::write(&db, "").unwrap();
+    std::fs::set_permissions(&db, std::fs::Permissions::from_mode(0o640)).unwrap();
+    let store = SqliteStore::open(&db, false).unwrap();
+    store.migrate().await.unwrap();
+    assert_eq!(mode_of(&db), 0o640);
+    assert_eq!(mode_of(&dir.path().join("shared.db-wal")), 0o640);
+}
