@@ -1,12 +1,13 @@
 //! NATS JetStream: `Nats-Msg-Id` = event id, so the stream's duplicate window drops
 //! redeliveries; each event is confirmed by its PubAck.
 
+use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::context::PublishErrorKind as JsKind;
 use async_nats::jetstream::message::PublishMessage;
-use async_nats::{HeaderMap, ServerAddr};
+use async_nats::{HeaderMap, HeaderName, HeaderValue, ServerAddr};
 use bytes::Bytes;
 use futures::future::{join_all, BoxFuture};
 use futures::FutureExt;
@@ -90,21 +91,71 @@ impl NatsSink {
     }
 }
 
-fn headers_for(routed: &Routed) -> HeaderMap {
+/// The event's headers as NATS carries them: text lines, so a name is printable ASCII
+/// without ':' and a value has no line break. An event with anything else is refused for
+/// good, naming what NATS cannot carry (the client would otherwise abort the process).
+fn headers_for(routed: &Routed) -> Result<HeaderMap, PublishError> {
     let event = &routed.event;
-    let mut headers = HeaderMap::new();
-    for (name, value) in &event.headers {
-        headers.insert(name.as_str(), value.as_str());
-    }
-    headers.insert(HEADER_EVENT_TYPE, event.event_type.as_str());
-    headers.insert(HEADER_SEQUENCE_ID, event.sequence_id.to_string().as_str());
+    let sequence_id = event.sequence_id.to_string();
+    let mut fields: Vec<(&str, &str)> = event
+        .headers
+        .iter()
+        .map(|(name, value)| (name.as_str(), value.as_str()))
+        .collect();
+    fields.push((HEADER_EVENT_TYPE, event.event_type.as_str()));
+    fields.push((HEADER_SEQUENCE_ID, sequence_id.as_str()));
     if let Some(key) = &event.partition_key {
-        headers.insert(HEADER_PARTITION_KEY, key.as_str());
+        fields.push((HEADER_PARTITION_KEY, key.as_str()));
     }
     if let Some(mutation) = &event.mutation_id {
-        headers.insert(HEADER_MUTATION_ID, mutation.as_str());
+        fields.push((HEADER_MUTATION_ID, mutation.as_str()));
     }
-    headers
+    let mut headers = HeaderMap::new();
+    for (name, value) in fields {
+        let parsed_name = (!name.is_empty())
+            .then(|| HeaderName::from_str(name).ok())
+            .flatten();
+        let Some(parsed_name) = parsed_name else {
+            return Err(PublishError::new(
+                PublishErrorKind::Encoding,
+                format!(
+                    "header name {name:?} cannot travel as a NATS header (printable ASCII \
+                     without ':' or spaces); rename it in the event's headers"
+                ),
+            ));
+        };
+        let Ok(parsed_value) = HeaderValue::from_str(value) else {
+            return Err(PublishError::new(
+                PublishErrorKind::Encoding,
+                format!(
+                    "the value of NATS header {name} has a line break, which a NATS header \
+                     cannot carry; remove it from the event's {name}"
+                ),
+            ));
+        };
+        headers.insert(parsed_name, parsed_value);
+    }
+    Ok(headers)
+}
+
+/// Why `subject` cannot be published to, if it cannot: NATS subjects are dot-separated
+/// tokens with no whitespace.
+fn subject_problem(subject: &str) -> Option<PublishError> {
+    let malformed = subject.is_empty()
+        || subject.contains(char::is_whitespace)
+        || subject.starts_with('.')
+        || subject.ends_with('.')
+        || subject.contains("..");
+    malformed.then(|| {
+        PublishError::new(
+            PublishErrorKind::Rejected,
+            format!(
+                "{subject:?} is not a NATS subject (dot-separated tokens, no spaces, tabs or line \
+                 breaks); publish such destinations under a valid subject with a [[routes]] \
+                 entry's target"
+            ),
+        )
+    })
 }
 
 /// Waits up to `limit` for the connection (at start-up, or while reconnecting), so a batch
@@ -168,22 +219,35 @@ impl Sink for NatsSink {
             // Send every message first, then await the acks: the whole batch is in flight.
             let mut pending = Vec::with_capacity(batch.len());
             for routed in &batch {
+                if let Some(problem) = subject_problem(&routed.target) {
+                    pending.push(Err(problem));
+                    continue;
+                }
+                let headers = match headers_for(routed) {
+                    Ok(headers) => headers,
+                    Err(problem) => {
+                        pending.push(Err(problem));
+                        continue;
+                    }
+                };
                 let message = PublishMessage::build()
                     .payload(Bytes::copy_from_slice(routed.event.payload.as_bytes()))
-                    .headers(headers_for(routed))
+                    .headers(headers)
                     .message_id(routed.event.event_id.hyphenated().to_string());
-                pending.push(jetstream.send_publish(routed.target.clone(), message).await);
+                let sent = jetstream.send_publish(routed.target.clone(), message).await;
+                pending.push(Ok(sent));
             }
             let acks = pending
                 .into_iter()
                 .zip(&batch)
                 .map(|(sent, routed)| async move {
                     match sent {
-                        Ok(ack) => ack
+                        Err(refused) => Err(refused),
+                        Ok(Ok(ack)) => ack
                             .await
                             .map(|_| ())
                             .map_err(|e| classify(e, &routed.target)),
-                        Err(e) => Err(classify(e, &routed.target)),
+                        Ok(Err(e)) => Err(classify(e, &routed.target)),
                     }
                 });
             join_all(acks).await

@@ -27,7 +27,7 @@ impl std::fmt::Display for ConfigError {
 impl std::error::Error for ConfigError {}
 
 /// A store error as the binary reports it: exit 2 when only the configuration can fix it.
-fn failure(message: String, e: &outbox_core::StoreError) -> anyhow::Error {
+pub(crate) fn failure(message: String, e: &outbox_core::StoreError) -> anyhow::Error {
     if e.kind() == outbox_core::StoreErrorKind::Config {
         anyhow::Error::new(ConfigError(message))
     } else {

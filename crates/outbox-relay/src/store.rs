@@ -51,10 +51,11 @@ impl AnyStore {
                         None,
                         config.retry.max_attempts,
                     )
-                    .map_err(|e| anyhow::anyhow!(e.report()))?;
+                    .map_err(|e| crate::commands::failure(e.report(), &e))?;
                     return Ok(AnyStore::MappedPostgres(store));
                 }
-                let store = PgStore::new(options).map_err(|e| anyhow::anyhow!(e.report()))?;
+                let store =
+                    PgStore::new(options).map_err(|e| crate::commands::failure(e.report(), &e))?;
                 Ok(AnyStore::Postgres(store))
             }
             DatabaseKind::MySql => {
@@ -71,13 +72,13 @@ impl AnyStore {
                     nodes_table: (config.layout == outbox_layout::LayoutKind::Native)
                         .then(|| config.layout_tables().nodes_table),
                 })
-                .map_err(|e| anyhow::anyhow!(e.report()))?;
+                .map_err(|e| crate::commands::failure(e.report(), &e))?;
                 Ok(AnyStore::MySql(store))
             }
             DatabaseKind::Sqlite(path) => {
                 // Other layouts and table names were refused with the configuration (`validate`).
                 let store = SqliteStore::open(&path, config.retain_delivered)
-                    .map_err(|e| anyhow::anyhow!(e.report()))
+                    .map_err(|e| crate::commands::failure(e.report(), &e))
                     .with_context(|| format!("opening {}", path.display()))?;
                 Ok(AnyStore::Sqlite(store))
             }
@@ -163,5 +164,5 @@ fn pg_tables(config: &Config) -> anyhow::Result<Tables> {
         &t.nodes_table,
         &t.notify_channel,
     )
-    .map_err(|e| anyhow::anyhow!(e.report()))
+    .map_err(|e| crate::commands::failure(e.report(), &e))
 }

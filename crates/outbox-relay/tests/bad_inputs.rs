@@ -267,9 +267,6 @@ async fn stream_len(js: &async_nats::jetstream::Context, name: &str) -> u64 {
 
 #[cfg(feature = "nats")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "issue 14: an invalid NATS subject (a destination with a space, tab or line break) \
-            is a retryable broker_failure \"publish to .. failed: invalid subject format\" \
-            without a fix, retried max_attempts times while its key waits"]
 async fn a_destination_that_is_no_nats_subject_is_dead_lettered_at_once_naming_the_fix() {
     let (js, prefix) = nats_stream().await;
     let nats = std::env::var("OUTBOX_TEST_NATS_URL").unwrap();
@@ -327,9 +324,6 @@ async fn a_destination_that_is_no_nats_subject_is_dead_lettered_at_once_naming_t
 
 #[cfg(feature = "nats")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "issue 14: a header name with a space, ':' or non-ASCII, or a line break in a \
-            header value, partition_key or event_type, panics the NATS sink (async_nats \
-            asserts in HeaderMap::insert): exit 101 at every restart, nothing behind it delivered"]
 async fn header_text_nats_cannot_carry_dead_letters_its_event_and_never_crashes_the_relay() {
     let (js, prefix) = nats_stream().await;
     let nats = std::env::var("OUTBOX_TEST_NATS_URL").unwrap();
@@ -615,8 +609,6 @@ fn unreachable_hosts_are_named_with_the_fix_and_exit_1() {
 }
 
 #[test]
-#[ignore = "issue 14: an invalid sslmode exits 1, not 2: the store's Config error is not \
-            turned into a configuration error on the way out of run and check"]
 fn a_bad_sslmode_is_a_configuration_error_naming_the_modes() {
     let dir = tempfile::tempdir().unwrap();
     let url = "postgres://relay@127.0.0.1:1/app?sslmode=always";
@@ -790,9 +782,6 @@ fn sslmode_require_against_a_server_without_tls_is_told_about_tls_and_prefer_fal
 }
 
 #[test]
-#[ignore = "issue 14: sslmode=disable against a server that accepts TLS connections only \
-            gives the server's 'no pg_hba.conf entry ... no encryption' with the generic fix \
-            'fix the configuration value named in the message', not 'use sslmode=require'"]
 fn sslmode_disable_against_a_server_requiring_tls_is_told_to_use_require() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();

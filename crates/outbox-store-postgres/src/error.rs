@@ -58,9 +58,24 @@ fn is_tls_failure(error: &tokio_postgres::Error) -> bool {
         .starts_with("error performing TLS handshake")
 }
 
+/// The fix when the server turned away a connection for not using TLS.
+pub const TLS_REQUIRED_HINT: &str = "the server accepts only TLS connections from this host: \
+    use sslmode=require in the URL (or verify-full, with --database-ca-file for a private CA)";
+
+/// pg_hba.conf refuses a plain connection that a `hostssl` line would accept; PostgreSQL says
+/// so only in the message's last words ("…, no encryption").
+fn is_refused_without_tls(db: &tokio_postgres::error::DbError) -> bool {
+    *db.code() == SqlState::INVALID_AUTHORIZATION_SPECIFICATION
+        && db.message().ends_with("no encryption")
+}
+
 pub fn db_error(context: &str, error: tokio_postgres::Error) -> StoreError {
     let kind = classify(&error);
     match error.as_db_error() {
+        Some(db) if is_refused_without_tls(db) => {
+            StoreError::new(kind, format!("{context}: {}", db.message()))
+                .with_hint(TLS_REQUIRED_HINT)
+        }
         // The server's message says it all; the wrapper would only repeat it.
         Some(db) => StoreError::new(kind, format!("{context}: {}", db.message())),
         None if is_tls_failure(&error) => StoreError::new(kind, format!("{context}: {error}"))
