@@ -56,6 +56,23 @@ pub struct PgOptions {
     pub operation_timeout: Option<Duration>,
 }
 
+impl PgOptions {
+    /// `url` and `tables` with the defaults: delivered rows deleted, the system's CAs, 4
+    /// connections, `application_name` `outbox-relay`, operations bounded by
+    /// [`OPERATION_TIMEOUT`].
+    pub fn new(url: impl Into<String>, tables: Tables) -> Self {
+        PgOptions {
+            url: url.into(),
+            tables,
+            retain_delivered: false,
+            ca_file: None,
+            pool_size: 4,
+            application_name: None,
+            operation_timeout: None,
+        }
+    }
+}
+
 /// How long a store operation waits for an answer before it fails, retryably, as a lost
 /// connection. A database behind a dead network can leave a connection open that never
 /// answers; nothing the relay runs takes this long on a live database.
@@ -205,6 +222,30 @@ impl PgStore {
         tx.commit().await.map_err(|e| db_error("migrate", e))
     }
 
+    /// A pooled connection with `sql` prepared on it, through its statement cache.
+    async fn prepared(
+        inner: &Inner,
+        context: &'static str,
+        sql: &str,
+    ) -> StoreResult<(deadpool_postgres::Client, tokio_postgres::Statement)> {
+        let client = inner.pool.get().await.map_err(|e| pool_error(context, e))?;
+        let statement = client
+            .prepare_cached(sql)
+            .await
+            .map_err(|e| db_error(context, e))?;
+        Ok((client, statement))
+    }
+
+    /// A statement's failure; a plan a changed column type made stale is forgotten.
+    fn statement_error(
+        inner: &Inner,
+        context: &'static str,
+        e: tokio_postgres::Error,
+    ) -> StoreError {
+        forget_stale_plans(inner, &e);
+        db_error(context, e)
+    }
+
     /// Runs `sql` with parameters on a pooled connection, through the statement cache.
     async fn execute(
         inner: &Inner,
@@ -213,15 +254,11 @@ impl PgStore {
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> StoreResult<u64> {
         bounded(inner, context, async {
-            let client = inner.pool.get().await.map_err(|e| pool_error(context, e))?;
-            let statement = client
-                .prepare_cached(sql)
+            let (client, statement) = Self::prepared(inner, context, sql).await?;
+            client
+                .execute(&statement, params)
                 .await
-                .map_err(|e| db_error(context, e))?;
-            client.execute(&statement, params).await.map_err(|e| {
-                forget_stale_plans(inner, &e);
-                db_error(context, e)
-            })
+                .map_err(|e| Self::statement_error(inner, context, e))
         })
         .await
     }
@@ -233,15 +270,11 @@ impl PgStore {
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> StoreResult<Vec<Row>> {
         bounded(inner, context, async {
-            let client = inner.pool.get().await.map_err(|e| pool_error(context, e))?;
-            let statement = client
-                .prepare_cached(sql)
+            let (client, statement) = Self::prepared(inner, context, sql).await?;
+            client
+                .query(&statement, params)
                 .await
-                .map_err(|e| db_error(context, e))?;
-            client.query(&statement, params).await.map_err(|e| {
-                forget_stale_plans(inner, &e);
-                db_error(context, e)
-            })
+                .map_err(|e| Self::statement_error(inner, context, e))
         })
         .await
     }

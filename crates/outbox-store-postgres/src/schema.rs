@@ -54,6 +54,19 @@ impl Tables {
         })
     }
 
+    /// The relay's own tables under their default names: `public.outbox`,
+    /// `public.outbox_nodes`, the default notify channel.
+    pub fn standard() -> Self {
+        Tables::new(
+            "public",
+            "outbox",
+            "public",
+            "outbox_nodes",
+            DEFAULT_NOTIFY_CHANNEL,
+        )
+        .expect("the default names are valid identifiers")
+    }
+
     /// `"schema"."<outbox>_partition"(key, count)`: the SQL twin of
     /// `outbox_core::partition_of`.
     pub fn partition_function(&self) -> String {

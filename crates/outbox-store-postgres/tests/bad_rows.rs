@@ -7,27 +7,11 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use outbox_core::store::{ClaimRequest, Claimed, DeadLetter};
 use outbox_core::{NodeId, OutboxStore, StoreErrorKind};
-use outbox_store_postgres::{PgOptions, PgStore, Tables, DEFAULT_NOTIFY_CHANNEL};
+use outbox_store_postgres::{PgOptions, PgStore, Tables};
 
 async fn store() -> (PgStore, tokio_postgres::Client) {
     let url = outbox_testkit::fresh_pg_database().await;
-    let store = PgStore::new(PgOptions {
-        url: url.clone(),
-        tables: Tables::new(
-            "public",
-            "outbox",
-            "public",
-            "outbox_nodes",
-            DEFAULT_NOTIFY_CHANNEL,
-        )
-        .unwrap(),
-        retain_delivered: false,
-        ca_file: None,
-        application_name: None,
-        operation_timeout: None,
-        pool_size: 2,
-    })
-    .unwrap();
+    let store = PgStore::new(PgOptions::new(url.as_str(), Tables::standard())).unwrap();
     store.migrate().await.unwrap();
     let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
         .await

@@ -10,25 +10,9 @@ use outbox_testkit::eventually;
 
 async fn store(partitions: u32) -> (PgStore, String) {
     let url = outbox_testkit::fresh_pg_database().await;
-    let mut tables = Tables::new(
-        "public",
-        "outbox",
-        "public",
-        "outbox_nodes",
-        DEFAULT_NOTIFY_CHANNEL,
-    )
-    .unwrap();
+    let mut tables = Tables::standard();
     tables.partition_count = partitions;
-    let store = PgStore::new(PgOptions {
-        url: url.clone(),
-        tables,
-        retain_delivered: false,
-        ca_file: None,
-        application_name: None,
-        operation_timeout: None,
-        pool_size: 4,
-    })
-    .unwrap();
+    let store = PgStore::new(PgOptions::new(url.as_str(), tables)).unwrap();
     store.migrate().await.unwrap();
     (store, url)
 }
@@ -650,16 +634,7 @@ async fn printed_grants_name_the_sequence_postgres_made_for_a_long_table_name() 
         DEFAULT_NOTIFY_CHANNEL,
     )
     .unwrap();
-    let store = PgStore::new(PgOptions {
-        url: url.clone(),
-        tables: tables.clone(),
-        retain_delivered: false,
-        ca_file: None,
-        pool_size: 2,
-        application_name: None,
-        operation_timeout: None,
-    })
-    .unwrap();
+    let store = PgStore::new(PgOptions::new(url.as_str(), tables.clone())).unwrap();
     store.migrate().await.unwrap();
     let role = format!("relay_{}", std::process::id());
     let admin = session(&url).await;

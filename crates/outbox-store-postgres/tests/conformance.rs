@@ -6,7 +6,7 @@ use futures::future::BoxFuture;
 use futures::FutureExt;
 use outbox_core::store::NodeRegistry;
 use outbox_core::{OutboxStore, SequenceId};
-use outbox_store_postgres::{PgOptions, PgStore, Tables, DEFAULT_NOTIFY_CHANNEL};
+use outbox_store_postgres::{PgOptions, PgStore, Tables};
 use outbox_testkit::conformance::{DeadRow, Harness};
 
 struct PgHarness {
@@ -18,14 +18,7 @@ struct PgHarness {
 pub fn options(url: &str, retain_delivered: bool) -> PgOptions {
     PgOptions {
         url: url.to_string(),
-        tables: Tables::new(
-            "public",
-            "outbox",
-            "public",
-            "outbox_nodes",
-            DEFAULT_NOTIFY_CHANNEL,
-        )
-        .unwrap(),
+        tables: Tables::standard(),
         retain_delivered,
         ca_file: None,
         application_name: None,

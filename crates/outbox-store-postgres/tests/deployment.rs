@@ -7,26 +7,11 @@ use std::time::Duration;
 
 use outbox_core::store::ClaimRequest;
 use outbox_core::{NodeId, OutboxStore, StoreErrorKind};
-use outbox_store_postgres::{PgOptions, PgStore, Tables, DEFAULT_NOTIFY_CHANNEL};
+use outbox_store_postgres::{PgOptions, PgStore, Tables};
 use outbox_testkit::{eventually, FaultProxy};
 
 fn options(url: &str) -> PgOptions {
-    PgOptions {
-        url: url.to_string(),
-        tables: Tables::new(
-            "public",
-            "outbox",
-            "public",
-            "outbox_nodes",
-            DEFAULT_NOTIFY_CHANNEL,
-        )
-        .unwrap(),
-        retain_delivered: false,
-        ca_file: None,
-        pool_size: 4,
-        application_name: None,
-        operation_timeout: None,
-    }
+    PgOptions::new(url.to_string(), Tables::standard())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,31 +6,15 @@ use std::time::Duration;
 
 use outbox_core::store::{ClaimRequest, PartitionRegistry, RetryLater};
 use outbox_core::{Claimed, Fence, NewEvent, NodeId, OutboxStore};
-use outbox_store_postgres::{PgOptions, PgStore, Tables, DEFAULT_NOTIFY_CHANNEL};
+use outbox_store_postgres::{PgOptions, PgStore, Tables};
 
 const PARTITIONS: u32 = 4;
 
 async fn store() -> (PgStore, String) {
     let url = outbox_testkit::fresh_pg_database().await;
-    let mut tables = Tables::new(
-        "public",
-        "outbox",
-        "public",
-        "outbox_nodes",
-        DEFAULT_NOTIFY_CHANNEL,
-    )
-    .unwrap();
+    let mut tables = Tables::standard();
     tables.partition_count = PARTITIONS;
-    let store = PgStore::new(PgOptions {
-        url: url.clone(),
-        tables,
-        retain_delivered: false,
-        ca_file: None,
-        application_name: None,
-        operation_timeout: None,
-        pool_size: 4,
-    })
-    .unwrap();
+    let store = PgStore::new(PgOptions::new(url.as_str(), tables)).unwrap();
     store.migrate().await.unwrap();
     (store, url)
 }
