@@ -102,7 +102,13 @@ impl Sql {
 
     fn micros(&self, expr: &str) -> String {
         match self.dialect {
-            Dialect::Postgres => format!("(extract(epoch from {expr}) * 1000000)::int8"),
+            // 'infinity' has no epoch to speak of: it reads as a time beyond any the relay
+            // accepts, so the row is dead-lettered with the reason instead of failing the
+            // whole statement.
+            Dialect::Postgres => format!(
+                "CASE WHEN isfinite({expr}) THEN (extract(epoch from {expr}) * 1000000)::int8 \
+                 WHEN {expr} > 'epoch' THEN 9223372036854775807 ELSE -9223372036854775807 - 1 END"
+            ),
             Dialect::MySql => format!("CAST(UNIX_TIMESTAMP({expr}) * 1000000 AS SIGNED)"),
         }
     }
@@ -686,7 +692,7 @@ impl Sql {
         let age = match self.opt(&m.created_at) {
             Some(c) => match self.dialect {
                 Dialect::Postgres => format!(
-                    "(extract(epoch from {} - min(CASE WHEN {} THEN {c} END)) * 1000)::int8",
+                    "(extract(epoch from {} - min(CASE WHEN {} AND isfinite({c}) THEN {c} END)) * 1000)::int8",
                     self.now(),
                     self.pending()
                 ),

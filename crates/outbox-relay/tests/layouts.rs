@@ -834,3 +834,27 @@ async fn a_seed_table_under_the_gated_wakeup_wakes_a_waiting_relay() {
     }
     relay.terminate().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_infinite_created_at_on_a_seed_table_dead_letters_its_row_and_the_rest_flows() {
+    let h = Harness::new(include_str!("fixtures/seeds/open_outbox.sql")).await;
+    h.configure("open-outbox", &["user.*"]);
+    h.pg().batch_execute(
+        "INSERT INTO openoutbox_events (event_id, event_type, partition_key, payload, created_at)
+              VALUES ('00000000-0000-4000-8000-000000000001', 'user.signup', 'u1', convert_to('never', 'UTF8'), 'infinity');
+         INSERT INTO openoutbox_events (event_id, event_type, partition_key, payload)
+              VALUES ('00000000-0000-4000-8000-000000000002', 'user.signup', 'u2', convert_to('flows', 'UTF8'));",
+    )
+    .await
+    .unwrap();
+    let mut relay = h.relay("open-outbox");
+    let messages = h.wait_messages(1).await;
+    assert_eq!(messages[0].payload, "flows");
+    h.wait_count(
+        "the row with an infinite created_at dead, naming it",
+        "SELECT count(*) FROM openoutbox_events WHERE status = 'DEAD' AND last_error LIKE '%created_at is infinity%'",
+        1,
+    )
+    .await;
+    relay.terminate().await;
+}

@@ -38,7 +38,7 @@ impl Operations for PgStore {
                 "stats",
                 &format!(
                     "SELECT destination, count(*)::int8, count(*) FILTER (WHERE attempts > 0)::int8,
-                            (extract(epoch from now() - min(created_at)) * 1000)::int8
+                            (extract(epoch from now() - min(created_at) FILTER (WHERE isfinite(created_at))) * 1000)::int8
                        FROM {t} WHERE delivered_at IS NULL GROUP BY destination"
                 ),
                 &[],

@@ -575,7 +575,7 @@ impl Statements {
             backlog: format!(
                 "SELECT count(*)::int8,
                         count(*) FILTER (WHERE attempts > 0)::int8,
-                        (extract(epoch from now() - min(created_at)) * 1000)::int8
+                        (extract(epoch from now() - min(created_at) FILTER (WHERE isfinite(created_at))) * 1000)::int8
                    FROM {t} WHERE delivered_at IS NULL"
             ),
             dead_count: format!("SELECT count(*)::int8 FROM {dl}"),
