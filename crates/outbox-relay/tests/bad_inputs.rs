@@ -817,3 +817,55 @@ fn sslmode_disable_against_a_server_requiring_tls_is_told_to_use_require() {
         "names the fix: {report}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_sqlite_file_stops_the_relay_with_the_recovery_fix_instead_of_resending_forever()
+{
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let url = sqlite_outbox(d);
+    let conn = sqlite(d);
+    let payload = format!("{{\"x\": \"{}\"}}", "y".repeat(500));
+    for i in 0..300 {
+        conn.execute(
+            "INSERT INTO outbox (destination, partition_key, event_type, payload)
+             VALUES ('d', ?1, 't', ?2)",
+            [format!("k{}", i % 10), payload.clone()],
+        )
+        .unwrap();
+    }
+    conn.execute_batch("PRAGMA wal_checkpoint(TRUNCATE)")
+        .unwrap();
+    drop(conn);
+    // Overwrite part of every third page past the first ten, as a failing disk might.
+    let file = d.join("outbox.db");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let pages = bytes.len() / 4096;
+    for page in (10..pages.saturating_sub(2)).step_by(3) {
+        bytes[page * 4096 + 100..page * 4096 + 300].fill(0xA5);
+    }
+    std::fs::write(&file, bytes).unwrap();
+    let sink = format!("file:{}", d.join("events.jsonl").display());
+    let mut relay = RelayProcess::spawn(
+        d,
+        "corrupt",
+        &[
+            "run",
+            "--drain",
+            "--database-url",
+            &url,
+            "--sink",
+            &sink,
+            "--http-addr",
+            "",
+        ],
+        &[],
+    );
+    let status = relay.wait_exit().await;
+    let logs = relay.logs();
+    assert_eq!(status.code(), Some(1), "{logs}");
+    assert!(
+        logs.contains("malformed") && logs.contains(".recover"),
+        "names the damage and the fix: {logs}"
+    );
+}
