@@ -295,6 +295,18 @@ impl OpenFile {
     /// Appends `buffer` and fsyncs; on failure cuts off what part of it reached the file,
     /// so that the retry starts on a line of its own.
     fn append(&mut self, buffer: &[u8], path: &Path) -> Result<(), String> {
+        // Another writer of the file (a second relay, or an old process during a restart)
+        // waits while this batch is written: a failed write is cut back to the length it
+        // started from, which must not take that writer's confirmed lines with it.
+        self.file
+            .lock()
+            .map_err(|e| retried_report("cannot lock", path, &e))?;
+        let result = self.append_locked(buffer, path);
+        let _ = self.file.unlock();
+        result
+    }
+
+    fn append_locked(&mut self, buffer: &[u8], path: &Path) -> Result<(), String> {
         if self.maybe_torn {
             terminate_torn_line(&mut self.file)
                 .map_err(|e| retried_report("cannot repair the last line of", path, &e))?;

@@ -820,3 +820,28 @@ async fn a_heartbeat_whose_answer_was_lost_does_not_make_the_node_think_it_was_d
         "its own write, whose answer was lost, is not another process"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_migrated_before_the_scheduled_index_is_slower_not_refused() {
+    let (store, url) = store(4).await;
+    session(&url)
+        .await
+        .batch_execute("DROP INDEX outbox_scheduled_idx")
+        .await
+        .unwrap();
+    let problems = store.verify().await.unwrap();
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.what.contains("outbox_scheduled_idx")),
+        "{problems:?}"
+    );
+    assert!(
+        problems.iter().all(|p| p.is_degraded()),
+        "run starts on it (the floor is off and says so): {problems:?}"
+    );
+    let (node, fence) = sole_owner(&store).await;
+    let seq = store.insert(vec![event("k", 0)]).await.unwrap();
+    let claimed = store.claim(owned(&node, fence, 10)).await.unwrap();
+    assert_eq!(ids(&claimed), seq);
+}
