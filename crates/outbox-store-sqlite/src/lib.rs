@@ -184,10 +184,26 @@ fn open(path: &Path) -> StoreResult<Connection> {
     })?;
     conn.busy_timeout(Duration::from_secs(10))
         .map_err(|e| sql_error("busy_timeout", e))?;
-    conn.execute_batch("PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL;")
-        .map_err(|e| sql_error("configure SQLite", e))?;
-    Ok(conn)
+    // Switching a new file to WAL needs it to itself, and SQLite answers "database is locked"
+    // at once, without the busy timeout, while another process opens it too (a relay and a
+    // `send` started together on a new outbox.db). Wait that out as the timeout would.
+    let started = std::time::Instant::now();
+    loop {
+        match conn.execute_batch("PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL;") {
+            Ok(()) => return Ok(conn),
+            Err(e)
+                if e.sqlite_error_code() == Some(rusqlite::ErrorCode::DatabaseBusy)
+                    && started.elapsed() < CONFIGURE_PATIENCE =>
+            {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => return Err(sql_error("configure SQLite", e)),
+        }
+    }
 }
+
+/// How long opening waits for another process to finish setting up the same new file.
+const CONFIGURE_PATIENCE: Duration = Duration::from_secs(10);
 
 impl SqliteStore {
     /// Opens (creating if needed) the database file.

@@ -39,3 +39,33 @@ async fn an_existing_database_keeps_its_mode() {
     assert_eq!(mode_of(&db), 0o640);
     assert_eq!(mode_of(&dir.path().join("shared.db-wal")), 0o640);
 }
+
+#[test]
+fn processes_opening_a_new_database_together_all_succeed() {
+    // A relay and `outbox-relay send` started together on a new outbox.db: each switches the
+    // file to WAL, and SQLite answers one of them "database is locked" at once.
+    for round in 0..20 {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("outbox.db");
+        let start = std::sync::Arc::new(std::sync::Barrier::new(4));
+        let openers: Vec<_> = (0..4)
+            .map(|_| {
+                let (db, start) = (db.clone(), start.clone());
+                std::thread::spawn(move || {
+                    start.wait();
+                    let store = SqliteStore::open(&db, false)?;
+                    // Each sets the tables up too (`run` and `send` migrate on a new file).
+                    tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .unwrap()
+                        .block_on(store.migrate())
+                })
+            })
+            .collect();
+        for opener in openers {
+            let opened = opener.join().unwrap();
+            assert!(opened.is_ok(), "round {round}: {:?}", opened.err());
+        }
+    }
+}
