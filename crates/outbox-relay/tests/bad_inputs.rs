@@ -511,14 +511,10 @@ async fn two_relays_on_one_sqlite_file_deliver_each_event_once_in_key_order() {
     let mut relays = [start("first"), start("second")];
     // Both relays are up before the events arrive, so they compete for every batch.
     for r in &relays {
-        eventually_explained(
+        r.wait_for_log(
             "the relay to register",
             Duration::from_secs(30),
-            || r.logs(),
-            || {
-                let up = r.logs().contains("registered in the nodes table");
-                async move { up.then_some(()) }
-            },
+            "registered in the nodes table",
         )
         .await;
     }

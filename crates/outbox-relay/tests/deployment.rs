@@ -150,16 +150,13 @@ async fn a_node_whose_id_another_process_took_stops_and_exits_2() {
     frozen.signal("-STOP");
     let second = relay(dir.path(), "second", &url, "same", &out);
     // The second process must have taken the row (not be waiting) before the first wakes up.
-    eventually_explained(
-        "the second process to register",
-        Duration::from_secs(30),
-        || second.logs(),
-        || {
-            let up = second.logs().contains("registered in the nodes table");
-            async move { up.then_some(()) }
-        },
-    )
-    .await;
+    second
+        .wait_for_log(
+            "the second process to register",
+            Duration::from_secs(30),
+            "registered in the nodes table",
+        )
+        .await;
 
     frozen.signal("-CONT");
     let status = frozen.wait_exit().await;

@@ -6,46 +6,20 @@ use std::path::Path;
 use std::time::Duration;
 
 use outbox_testkit::{eventually, eventually_explained, fresh_pg_database};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 mod support;
 
-use support::{pg, read_lines, RelayProcess, BIN};
-
-async fn get(addr: &str, path: &str) -> Option<(u16, String)> {
-    let mut stream = tokio::net::TcpStream::connect(addr).await.ok()?;
-    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
-    stream.write_all(request.as_bytes()).await.ok()?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await.ok()?;
-    let status = response.split_whitespace().nth(1)?.parse().ok()?;
-    let body = response.split("\r\n\r\n").nth(1).unwrap_or_default();
-    Some((status, body.to_string()))
-}
-
-/// The address the relay logged for its HTTP endpoints.
-async fn http_addr(relay: &RelayProcess) -> String {
-    eventually(
-        "the HTTP address in the log",
-        Duration::from_secs(20),
-        || {
-            let addr = relay
-                .logs()
-                .lines()
-                .find(|l| l.contains("HTTP endpoints"))
-                .and_then(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-                .and_then(|v| v["addr"].as_str().map(String::from));
-            async move { addr }
-        },
-    )
-    .await
-}
+use support::{http_addr, http_get, pg, read_lines, RelayProcess, BIN};
 
 async fn readyz_becomes(addr: &str, status: u16) -> String {
     eventually(
         &format!("/readyz to answer {status}"),
         Duration::from_secs(30),
-        || async move { get(addr, "/readyz").await.filter(|(s, _)| *s == status) },
+        || async move {
+            http_get(addr, "/readyz")
+                .await
+                .filter(|(s, _)| *s == status)
+        },
     )
     .await
     .1

@@ -101,16 +101,13 @@ async fn sigterm_ends_the_relay_within_its_shutdown_timeout_while_nats_is_unreac
             &[],
         );
         // It is trying to publish (and failing) before it is told to stop.
-        eventually_explained(
-            "a publish attempt",
-            Duration::from_secs(30),
-            || relay.logs(),
-            || {
-                let tried = relay.logs().contains("publish failed");
-                async move { tried.then_some(()) }
-            },
-        )
-        .await;
+        relay
+            .wait_for_log(
+                "a publish attempt",
+                Duration::from_secs(30),
+                "publish failed",
+            )
+            .await;
         // `terminate` waits up to 30 s: ten times the shutdown timeout, not a speed test.
         let status = relay.terminate().await;
         let logs = relay.logs();

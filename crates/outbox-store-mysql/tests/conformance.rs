@@ -145,3 +145,35 @@ impl Harness for MySqlHarness {
 }
 
 outbox_testkit::store_conformance!(new_harness);
+
+/// Ordering keys longer than the native table's column. The key is not indexed on MySQL
+/// (blocked keys are passed to the claim as values), so no index row limit applies; the
+/// native column refuses what it cannot hold, and the error says what to do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_10kb_key_is_refused_at_insert_with_the_fix() {
+    let url = fresh_mysql_database().await;
+    let store = store(&url, false);
+    store.migrate().await.unwrap();
+    let error = store
+        .insert(vec![outbox_core::NewEvent {
+            destination: "d".into(),
+            partition_key: Some("k".repeat(10_240)),
+            event_type: "t".into(),
+            payload: Some("1".into()),
+            ..outbox_core::NewEvent::default()
+        }])
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("Data too long for column 'partition_key'")
+            && error.contains("hash of a longer one")
+            && error.contains("MODIFY partition_key text"),
+        "{error}"
+    );
+    assert_eq!(
+        store.backlog().await.unwrap().pending,
+        0,
+        "nothing half-written"
+    );
+}

@@ -953,6 +953,21 @@ async fn verify(inner: &Inner) -> StoreResult<Vec<Problem>> {
     }
     problems.extend(verify_outbox_columns(inner).await?);
     let (trigger, table) = t.trigger_exists_sql();
+    problems.extend(
+        missing_trigger(inner, &trigger, &table, &t.outbox.to_string(), migrate_fix).await?,
+    );
+    index_problems(inner, &mut problems, migrate_fix).await?;
+    Ok(problems)
+}
+
+/// The wake-up trigger `trigger` on `table` (quoted), if it is missing: the relay then polls.
+pub(crate) async fn missing_trigger(
+    inner: &Inner,
+    trigger: &str,
+    table: &str,
+    shown: &str,
+    fix: &str,
+) -> StoreResult<Option<Problem>> {
     let rows = PgStore::query(
         inner,
         "verify",
@@ -960,47 +975,48 @@ async fn verify(inner: &Inner) -> StoreResult<Vec<Problem>> {
         &[&trigger, &table],
     )
     .await?;
-    if rows[0].get::<_, i64>(0) == 0 {
-        problems.push(Problem {
-            what: format!("trigger {trigger} on {} is missing: the relay is not woken on insert and falls back to polling", t.outbox),
-            fix: migrate_fix.into(),
-        });
-    }
-    let index = t.scheduled_index();
+    Ok((rows[0].get::<_, i64>(0) == 0).then(|| Problem {
+        what: format!("trigger {trigger} on {shown} is missing: the relay is not woken on insert and falls back to polling"),
+        fix: fix.into(),
+    }))
+}
+
+/// The indexes claims rely on, read in one statement. Without the scheduled index the scan
+/// floor is off (slower, not wrong). The blocking index is over the key's hash; an outbox
+/// migrated by an earlier version has the index over the key itself instead: claims still
+/// find it (they compare the key too), so the relay runs, but a key too long for it fails
+/// every claim or retry that leases it.
+async fn index_problems(
+    inner: &Inner,
+    problems: &mut Vec<Problem>,
+    migrate_fix: &str,
+) -> StoreResult<()> {
+    let t = &inner.tables;
+    let (scheduled, index, obsolete) = (
+        t.scheduled_index(),
+        t.blocking_index(),
+        t.obsolete_blocking_index(),
+    );
     let rows = PgStore::query(
         inner,
         "verify",
-        "SELECT to_regclass($1) IS NOT NULL",
-        &[&index],
+        "SELECT to_regclass($1) IS NOT NULL, to_regclass($2) IS NOT NULL, to_regclass($3) IS NOT NULL",
+        &[&scheduled, &index, &obsolete],
     )
     .await?;
-    if !rows[0].get::<_, bool>(0) {
-        // Slower, not wrong: the scan floor is off without it (and says so).
+    let (scheduled_present, present, obsolete_present) = (
+        rows[0].get::<_, bool>(0),
+        rows[0].get::<_, bool>(1),
+        rows[0].get::<_, bool>(2),
+    );
+    if !scheduled_present {
         problems.push(Problem::degraded(
             format!(
-                "index {index} is missing: cluster claims scan the pending rows from the start"
+                "index {scheduled} is missing: cluster claims scan the pending rows from the start"
             ),
             migrate_fix,
         ));
     }
-    blocking_index_problems(inner, &mut problems).await?;
-    Ok(problems)
-}
-
-/// The blocking index over the key's hash. An outbox migrated by an earlier version has the
-/// index over the key itself instead: claims still find it (they compare the key too), so the
-/// relay runs, but a key too long for it fails every claim or retry that leases it.
-async fn blocking_index_problems(inner: &Inner, problems: &mut Vec<Problem>) -> StoreResult<()> {
-    let t = &inner.tables;
-    let (index, obsolete) = (t.blocking_index(), t.obsolete_blocking_index());
-    let rows = PgStore::query(
-        inner,
-        "verify",
-        "SELECT to_regclass($1) IS NOT NULL, to_regclass($2) IS NOT NULL",
-        &[&index, &obsolete],
-    )
-    .await?;
-    let (present, obsolete_present) = (rows[0].get::<_, bool>(0), rows[0].get::<_, bool>(1));
     let fix = "run `outbox-relay migrate` (or apply `outbox-relay migrate --print`): it creates \
                the index and drops the old one";
     if obsolete_present {

@@ -936,22 +936,12 @@ async fn verify(store: &MappedPgStore) -> StoreResult<Vec<Problem>> {
     }
     // Every layout's table wakes the relay through the same trigger as the native one.
     let trigger = format!("{}_trigger", m.table);
-    let rows = PgStore::query(
-        &store.base.inner,
-        "verify",
-        "SELECT count(*)::int8 FROM pg_trigger WHERE tgname = $1 AND tgrelid = to_regclass($2)",
-        &[&trigger, &table],
-    )
-    .await?;
-    if rows[0].get::<_, i64>(0) == 0 {
-        problems.push(Problem {
-            what: format!("trigger {trigger} on {table} is missing: the relay is not woken on insert and falls back to polling"),
-            fix: format!(
-                "run `outbox-relay migrate --layout {}` (or apply `outbox-relay migrate --layout {} --print`)",
-                store.inner.layout, store.inner.layout
-            ),
-        });
-    }
+    let fix = format!(
+        "run `outbox-relay migrate --layout {}` (or apply `outbox-relay migrate --layout {} --print`)",
+        store.inner.layout, store.inner.layout
+    );
+    problems
+        .extend(crate::missing_trigger(&store.base.inner, &trigger, &table, &table, &fix).await?);
     Ok(problems)
 }
 

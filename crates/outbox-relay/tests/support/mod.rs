@@ -88,6 +88,20 @@ impl RelayProcess {
     pub fn logs(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
+
+    /// Waits until the relay's log contains `text`; on timeout the failure shows the log.
+    pub async fn wait_for_log(&self, what: &str, within: Duration, text: &str) {
+        outbox_testkit::eventually_explained(
+            what,
+            within,
+            || self.logs(),
+            || {
+                let seen = self.logs().contains(text);
+                async move { seen.then_some(()) }
+            },
+        )
+        .await
+    }
 }
 
 impl Drop for RelayProcess {
