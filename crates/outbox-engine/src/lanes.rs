@@ -12,6 +12,11 @@ use std::sync::Arc;
 
 use outbox_core::{Claimed, Event, SequenceId};
 
+/// The lane a row belongs to: its ordering key, or under `--ordering none` the row itself.
+/// Only [`Lanes::lane_of`] makes one, so a caller cannot address a lane by the wrong name.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct LaneKey(Arc<str>);
+
 /// A lane's head, handed out for work.
 #[derive(Clone, Debug)]
 pub enum Head {
@@ -19,7 +24,7 @@ pub enum Head {
     /// An undecodable row: it goes straight to the dead letters.
     DeadLetter {
         sequence_id: SequenceId,
-        key: Arc<str>,
+        lane: LaneKey,
         destination: String,
         attempts: u32,
         reason: String,
@@ -44,9 +49,9 @@ enum Block {
 
 #[derive(Default)]
 pub struct Lanes {
-    lanes: HashMap<Arc<str>, Lane>,
-    ready: VecDeque<Arc<str>>,
-    blocked: HashMap<Arc<str>, Block>,
+    lanes: HashMap<LaneKey, Lane>,
+    ready: VecDeque<LaneKey>,
+    blocked: HashMap<LaneKey, Block>,
     /// Every row this node leases and has not settled (for lease extension and release),
     /// with its partition.
     held: HashMap<SequenceId, i32>,
@@ -68,6 +73,15 @@ impl Lanes {
             ordered,
             partition_count,
             ..Lanes::default()
+        }
+    }
+
+    /// The lane of the row `sequence_id` with `ordering_key`.
+    pub fn lane_of(&self, sequence_id: SequenceId, ordering_key: &str) -> LaneKey {
+        if self.ordered {
+            LaneKey(Arc::from(ordering_key))
+        } else {
+            LaneKey(Arc::from(sequence_id.to_string()))
         }
     }
 
@@ -137,11 +151,7 @@ impl Lanes {
                     }
                 }
             }
-            let key: Arc<str> = if self.ordered {
-                Arc::from(row.ordering_key())
-            } else {
-                Arc::from(seq.to_string())
-            };
+            let key = self.lane_of(seq, row.ordering_key());
             match self.blocked.get(&key) {
                 Some(Block::Unrecorded) => {
                     release.push(seq);
@@ -191,7 +201,7 @@ impl Lanes {
                     ..
                 } => Head::DeadLetter {
                     sequence_id: *sequence_id,
-                    key: key.clone(),
+                    lane: key.clone(),
                     destination: destination.clone(),
                     attempts: *attempts,
                     reason: reason.clone(),
@@ -202,7 +212,7 @@ impl Lanes {
     }
 
     /// The head of `key` is done (confirmed, or dead-lettered): the next row may go.
-    pub fn advance(&mut self, key: &str) {
+    pub fn advance(&mut self, key: &LaneKey) {
         let Some(lane) = self.lanes.get_mut(key) else {
             return;
         };
@@ -211,16 +221,15 @@ impl Lanes {
         if lane.queue.is_empty() {
             self.lanes.remove(key);
         } else {
-            self.ready.push_back(Arc::from(key));
+            self.ready.push_back(key.clone());
         }
     }
 
     /// The head of `key` must retry: drops the lane and blocks the key until
     /// [`Lanes::retry_recorded`]. Returns the rows behind the head, to release.
-    pub fn block(&mut self, key: &str) -> Vec<SequenceId> {
-        let key: Arc<str> = Arc::from(key);
+    pub fn block(&mut self, key: &LaneKey) -> Vec<SequenceId> {
         self.blocked.insert(key.clone(), Block::Unrecorded);
-        let Some(mut lane) = self.lanes.remove(&key) else {
+        let Some(mut lane) = self.lanes.remove(key) else {
             return Vec::new();
         };
         lane.queue.pop_front();
@@ -228,7 +237,7 @@ impl Lanes {
     }
 
     /// The retry of `key`'s head is recorded; `claims_started` claims had begun by then.
-    pub fn retry_recorded(&mut self, key: &str, claims_started: u64) {
+    pub fn retry_recorded(&mut self, key: &LaneKey, claims_started: u64) {
         if let Some(block) = self.blocked.get_mut(key) {
             *block = Block::RecordedAfterClaim(claims_started);
         }
@@ -323,10 +332,10 @@ mod tests {
         lanes.accept(1, vec![row(1, "a"), row(2, "b"), row(3, "a"), row(4, "a")]);
         assert_eq!(seqs(&lanes.take_ready(100)), vec![1, 2]);
         assert!(lanes.take_ready(100).is_empty(), "heads are out");
-        lanes.advance("a");
+        lanes.advance(&lanes.lane_of(0, "a"));
         assert_eq!(seqs(&lanes.take_ready(100)), vec![3]);
-        lanes.advance("a");
-        lanes.advance("b");
+        lanes.advance(&lanes.lane_of(0, "a"));
+        lanes.advance(&lanes.lane_of(0, "b"));
         assert_eq!(seqs(&lanes.take_ready(100)), vec![4]);
     }
 
@@ -337,7 +346,7 @@ mod tests {
         assert_eq!(seqs(&lanes.take_ready(10)), vec![1]);
         lanes.accept(2, vec![row(5, "a")]);
         assert!(lanes.take_ready(10).is_empty());
-        lanes.advance("a");
+        lanes.advance(&lanes.lane_of(0, "a"));
         assert_eq!(seqs(&lanes.take_ready(10)), vec![5]);
     }
 
@@ -346,15 +355,15 @@ mod tests {
         let mut lanes = Lanes::new(true, None);
         lanes.accept(1, vec![row(1, "a"), row(2, "a"), row(3, "b")]);
         lanes.take_ready(10);
-        assert_eq!(lanes.block("a"), vec![2]);
+        assert_eq!(lanes.block(&lanes.lane_of(0, "a")), vec![2]);
         // A claim racing the retry write returns row 6 of key a: released, not queued.
         assert_eq!(lanes.accept(2, vec![row(6, "a")]), vec![6]);
-        lanes.retry_recorded("a", 3); // claim 3 started before the write finished
+        lanes.retry_recorded(&lanes.lane_of(0, "a"), 3); // claim 3 started before the write finished
         assert_eq!(lanes.accept(3, vec![row(7, "a")]), vec![7]);
         lanes.expire_blocks(3);
         // Claim 4 began after the retry was recorded: the store's own blocking applies.
         assert!(lanes.accept(4, vec![row(8, "a")]).is_empty());
-        lanes.advance("b");
+        lanes.advance(&lanes.lane_of(0, "b"));
         assert_eq!(seqs(&lanes.take_ready(10)), vec![8]);
     }
 
@@ -363,7 +372,7 @@ mod tests {
         let mut lanes = Lanes::new(true, None);
         lanes.accept(1, vec![row(1, "a")]);
         lanes.take_ready(10);
-        lanes.advance("a");
+        lanes.advance(&lanes.lane_of(0, "a"));
         lanes.accept(2, vec![row(1, "a")]);
         assert!(lanes.take_ready(10).is_empty());
         lanes.forget(&[1]);
@@ -388,6 +397,35 @@ mod tests {
     }
 
     #[test]
+    fn unordered_lanes_are_gone_once_their_row_is_confirmed() {
+        let mut lanes = Lanes::new(false, None);
+        lanes.accept(1, vec![row(1, "a"), row(2, "a")]);
+        assert_eq!(seqs(&lanes.take_ready(10)), vec![1, 2]);
+        lanes.advance(&lanes.lane_of(1, "a"));
+        lanes.advance(&lanes.lane_of(2, "a"));
+        lanes.forget(&[1, 2]);
+        assert_eq!(lanes.queued(), 0, "confirmed rows stay in no lane");
+        assert!(lanes.lanes.is_empty());
+    }
+
+    #[test]
+    fn unordered_retry_claimed_again_by_the_same_node_goes_out_again() {
+        // The head fails; its retry statement releases it; once due, this node's own claim
+        // takes it again. It must be handed out, not queued behind its own old attempt.
+        let mut lanes = Lanes::new(false, None);
+        lanes.accept(1, vec![row(1, "a")]);
+        assert_eq!(seqs(&lanes.take_ready(10)), vec![1]);
+        let lane = lanes.lane_of(1, "a");
+        assert!(lanes.block(&lane).is_empty());
+        lanes.releasing(&[1]);
+        lanes.retry_recorded(&lane, 1);
+        lanes.forget_released(&[1]);
+        assert!(lanes.accept(2, vec![row(1, "a")]).is_empty());
+        lanes.expire_blocks(2);
+        assert_eq!(seqs(&lanes.take_ready(10)), vec![1]);
+    }
+
+    #[test]
     fn lost_partitions_drop_their_queued_rows_and_busy_counts_follow() {
         let mut lanes = Lanes::new(true, Some(4));
         let rows: Vec<_> = (0..40).map(|i| row(i, &format!("k{}", i % 8))).collect();
@@ -407,7 +445,7 @@ mod tests {
         lanes.forget(&seqs(&out));
         for head in seqs(&out) {
             let key = format!("k{}", head % 8);
-            lanes.advance(&key);
+            lanes.advance(&lanes.lane_of(0, &key));
         }
         assert_eq!(
             lanes.busy_partitions(),
@@ -421,11 +459,11 @@ mod tests {
         let mut lanes = Lanes::new(true, None);
         lanes.accept(1, vec![row(1, "a"), row(2, "a")]);
         lanes.take_ready(10);
-        let behind = lanes.block("a");
+        let behind = lanes.block(&lanes.lane_of(0, "a"));
         assert_eq!(behind, vec![2]);
         lanes.releasing(&[1]); // the head's retry statement releases it too
         lanes.releasing(&behind);
-        lanes.retry_recorded("a", 1);
+        lanes.retry_recorded(&lanes.lane_of(0, "a"), 1);
         lanes.expire_blocks(2);
         // Both statements committed; a claim takes row 1 (due again) and row 2 before
         // either reported back.
@@ -434,7 +472,7 @@ mod tests {
         lanes.forget_released(&behind);
         assert_eq!(lanes.held(), 2, "row 2 is held again, not forgotten");
         assert_eq!(seqs(&lanes.take_ready(10)), vec![1]);
-        lanes.advance("a");
+        lanes.advance(&lanes.lane_of(0, "a"));
         assert_eq!(seqs(&lanes.take_ready(10)), vec![2]);
     }
 }

@@ -30,7 +30,7 @@ use outbox_core::{
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use crate::lanes::{Head, Lanes};
+use crate::lanes::{Head, LaneKey, Lanes};
 use crate::metrics::{DestinationLabels, DEFAULT_DESTINATION_LABELS};
 
 /// Rows claimed per statement by default. Draining 1M events on 2 cores, 1,000 ran 57-62k
@@ -147,8 +147,8 @@ pub enum DrainEnd {
 /// A finished settle statement.
 enum Settled {
     Acked(Vec<Acked>, StoreResult<u64>),
-    Retried(Vec<(Arc<str>, String)>, Vec<SequenceId>, StoreResult<u64>),
-    DeadLettered(Vec<(Arc<str>, String)>, Vec<SequenceId>, StoreResult<u64>),
+    Retried(Vec<(LaneKey, String)>, Vec<SequenceId>, StoreResult<u64>),
+    DeadLettered(Vec<(LaneKey, String)>, Vec<SequenceId>, StoreResult<u64>),
     Released(Vec<SequenceId>, StoreResult<u64>),
     Extended(StoreResult<u64>),
 }
@@ -262,14 +262,14 @@ impl Engine {
                     Head::Publish(event) => batch.push(event),
                     Head::DeadLetter {
                         sequence_id,
-                        key,
+                        lane,
                         destination,
                         attempts,
                         reason,
                     } => {
                         tracing::error!(sequence_id, %destination, %reason, "undecodable row; dead-lettering it");
                         undecodable.push((
-                            key,
+                            lane,
                             destination,
                             DeadLetter {
                                 sequence_id,
@@ -340,7 +340,7 @@ impl Engine {
         .boxed()
     }
 
-    fn dead_letter(&mut self, entries: Vec<(Arc<str>, String, DeadLetter)>) {
+    fn dead_letter(&mut self, entries: Vec<(LaneKey, String, DeadLetter)>) {
         if entries.is_empty() {
             return;
         }
@@ -393,7 +393,7 @@ impl Engine {
         let mut release = Vec::new();
         let mut first_failure: Option<(String, usize)> = None;
         for (event, outcome) in batch.iter().zip(outcomes) {
-            let key = event.ordering_key();
+            let lane = self.lanes.lane_of(event.sequence_id, event.ordering_key());
             match outcome {
                 Ok(()) => {
                     acked.push(Acked {
@@ -404,7 +404,7 @@ impl Engine {
                         ::metrics::histogram!(metrics::COMMIT_TO_CONFIRM)
                             .record(latency.as_secs_f64());
                     }
-                    self.lanes.advance(key);
+                    self.lanes.advance(&lane);
                 }
                 Err(error) => {
                     let attempts = event.attempts + 1;
@@ -421,8 +421,8 @@ impl Engine {
                             }
                             let due = Instant::now() + delay;
                             self.next_retry = Some(self.next_retry.map_or(due, |d| d.min(due)));
-                            release.extend(self.lanes.block(key));
-                            retry_keys.push((Arc::from(key), event.destination.clone()));
+                            release.extend(self.lanes.block(&lane));
+                            retry_keys.push((lane, event.destination.clone()));
                             retries.push(RetryLater {
                                 sequence_id: event.sequence_id,
                                 attempts,
@@ -440,7 +440,7 @@ impl Engine {
                                 "event cannot be delivered; dead-lettering it"
                             );
                             dead.push((
-                                Arc::from(key),
+                                lane,
                                 event.destination.clone(),
                                 DeadLetter {
                                     sequence_id: event.sequence_id,
@@ -483,7 +483,7 @@ impl Engine {
         );
     }
 
-    fn retry_later(&mut self, keys: Vec<(Arc<str>, String)>, retries: Vec<RetryLater>) {
+    fn retry_later(&mut self, keys: Vec<(LaneKey, String)>, retries: Vec<RetryLater>) {
         if retries.is_empty() {
             return;
         }

@@ -59,7 +59,7 @@ macro_rules! store_conformance {
             engine_delivers_in_order_per_key, engine_retry_blocks_only_its_key,
             engine_dead_letters_after_max_attempts_and_moves_on,
             engine_dead_letters_permanent_errors_and_undecodable_rows,
-            operator_lists_retries_and_purges_dead_letters, operator_replays_and_prunes_in_batches);
+            engine_unordered_retries_and_dead_letters_go_out_again, operator_lists_retries_and_purges_dead_letters, operator_replays_and_prunes_in_batches);
     };
     (@tests $new_harness:path; $($name:ident),* $(,)?) => {
         $(
@@ -637,6 +637,33 @@ pub async fn engine_retry_blocks_only_its_key(h: &dyn Harness) {
             .count(),
         3
     );
+}
+
+/// `--ordering none`: a retried event comes back to the same node (the only one here) and
+/// must go out again; a dead-lettered one must not stay behind in memory.
+pub async fn engine_unordered_retries_and_dead_letters_go_out_again(h: &dyn Harness) {
+    let store = h.store();
+    let mut events = vec![
+        event("d", Some("a"), "flaky", 0),
+        event("d", Some("a"), "doomed", 1),
+    ];
+    events.extend((2..20).map(|n| event("d", Some("a"), "t", n)));
+    let seq = store.insert(events).await.unwrap();
+    let publisher = RecordingPublisher::new();
+    publisher.fail("flaky", 2, PublishErrorKind::Unavailable);
+    publisher.fail("doomed", 100, PublishErrorKind::Unavailable);
+    let mut config = engine_config(false);
+    config.ordered = false;
+    let summary = run_until_settled(h, &publisher, config, &seq).await;
+    assert_eq!(summary.published, 19);
+    assert_eq!(
+        summary.retried,
+        2 + 2,
+        "flaky twice, doomed until its third attempt"
+    );
+    assert_eq!(summary.dead_lettered, 1);
+    let attempts = publisher.attempts();
+    assert_eq!(attempts.iter().filter(|s| **s == seq[0]).count(), 3);
 }
 
 pub async fn engine_dead_letters_after_max_attempts_and_moves_on(h: &dyn Harness) {
