@@ -25,5 +25,5 @@ pub use health::Health;
 pub use ownership::Ownership;
 pub use partition::{partition_of, Fence};
 pub use publisher::{Outcome, Publisher};
-pub use retry::{RetryDecision, RetryPolicy};
+pub use retry::{Backoff, RetryDecision, RetryPolicy};
 pub use store::{Claimed, OutboxStore};

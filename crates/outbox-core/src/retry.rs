@@ -1,4 +1,5 @@
-//! Exponential backoff with jitter, and the dead-letter decision.
+//! Exponential backoff with jitter, and the dead-letter decision; [`Backoff`] for the
+//! relay's own operations that must eventually succeed.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -89,10 +90,52 @@ impl RetryPolicy {
     }
 }
 
+/// The wait between tries of an operation the relay repeats until it succeeds (a store
+/// write, a claim, a reconnect, a start-up check): `first`, doubled after each failure up to
+/// `cap`, and back to `first` after a success. No jitter: one process retries one thing, so
+/// there is no herd to spread out.
+#[derive(Clone, Debug)]
+pub struct Backoff {
+    first: Duration,
+    cap: Duration,
+    next: Duration,
+}
+
+impl Backoff {
+    pub const fn new(first: Duration, cap: Duration) -> Self {
+        Backoff {
+            first,
+            cap,
+            next: first,
+        }
+    }
+
+    /// The wait before the next try; the one after is twice as long (at most `cap`).
+    pub fn next_delay(&mut self) -> Duration {
+        let delay = self.next;
+        self.next = self.next.saturating_mul(2).min(self.cap);
+        delay
+    }
+
+    /// The last try succeeded: the next failure waits `first` again.
+    pub fn reset(&mut self) {
+        self.next = self.first;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::error::PublishErrorKind;
+
+    #[test]
+    fn backoff_doubles_up_to_its_cap_and_starts_over_after_a_success() {
+        let mut b = Backoff::new(Duration::from_millis(100), Duration::from_millis(500));
+        let waits: Vec<u64> = (0..5).map(|_| b.next_delay().as_millis() as u64).collect();
+        assert_eq!(waits, vec![100, 200, 400, 500, 500]);
+        b.reset();
+        assert_eq!(b.next_delay(), Duration::from_millis(100));
+    }
 
     fn policy() -> RetryPolicy {
         RetryPolicy {

@@ -13,6 +13,7 @@
 
 pub mod lanes;
 pub mod metrics;
+mod scheduler;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -24,7 +25,7 @@ use futures::{FutureExt, StreamExt};
 use outbox_core::health::Check;
 use outbox_core::store::{Backlog, ClaimRequest, DeadLetter, RetryLater, StoreResult};
 use outbox_core::{
-    Claimed, Event, Fence, Health, NodeId, OutboxStore, Ownership, PublishError, PublishErrorKind,
+    Backoff, Event, Fence, Health, NodeId, OutboxStore, Ownership, PublishError, PublishErrorKind,
     Publisher, RetryDecision, RetryPolicy, SequenceId, StoreError,
 };
 use tokio::sync::Notify;
@@ -32,6 +33,7 @@ use tokio::time::Instant;
 
 use crate::lanes::{Head, LaneKey, Lanes};
 use crate::metrics::{DestinationLabels, DEFAULT_DESTINATION_LABELS};
+use crate::scheduler::{Claim, ClaimScheduler};
 
 /// Rows claimed per statement by default. Draining 1M events on 2 cores, 1,000 ran 57-62k
 /// events/s against 41k for 500 and 49k for 2,000 (BENCHMARKS.md, "What each change bought").
@@ -160,8 +162,26 @@ struct Acked {
 
 type Published = (Vec<Arc<Event>>, Vec<outbox_core::Outcome>);
 
-/// A claim in progress: its number, its row limit, and its result.
-type Claiming = BoxFuture<'static, (u64, usize, StoreResult<Vec<Claimed>>)>;
+/// Ownership as the engine last acted on it and last reported it.
+struct OwnershipSeen {
+    /// The generation acted on, and when a lease next runs out by our clock.
+    generation: u64,
+    next_expiry: Option<std::time::Instant>,
+    /// The busy partitions last reported, with the generation they were reported at.
+    reported_busy: std::collections::BTreeSet<i32>,
+    reported_generation: u64,
+}
+
+impl Default for OwnershipSeen {
+    fn default() -> Self {
+        OwnershipSeen {
+            generation: u64::MAX,
+            next_expiry: None,
+            reported_busy: std::collections::BTreeSet::new(),
+            reported_generation: u64::MAX,
+        }
+    }
+}
 
 /// Retries a store write until it succeeds or fails for good. Settling must not be dropped:
 /// a row whose ack is lost would be published again, one whose retry is lost could reorder.
@@ -169,7 +189,7 @@ async fn persist<F>(health: Arc<Health>, what: &'static str, mut op: F) -> Store
 where
     F: FnMut() -> BoxFuture<'static, StoreResult<u64>>,
 {
-    let mut delay = Duration::from_millis(50);
+    let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(5));
     loop {
         let attempt = health.begin(Check::Settle);
         let result = op().await;
@@ -182,10 +202,10 @@ where
         match result {
             Ok(n) => return Ok(n),
             Err(e) if e.is_retryable() => {
+                let retry_in = backoff.next_delay();
                 ::metrics::counter!(metrics::STORE_ERRORS, "operation" => what).increment(1);
-                tracing::warn!(operation = what, error = %e.report(), retry_in = ?delay, "store write failed; retrying");
-                tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(Duration::from_secs(5));
+                tracing::warn!(operation = what, error = %e.report(), ?retry_in, "store write failed; retrying");
+                tokio::time::sleep(retry_in).await;
             }
             Err(e) => return Err(e),
         }
@@ -201,10 +221,23 @@ struct Engine {
     publishing: FuturesUnordered<BoxFuture<'static, Published>>,
     settling: FuturesUnordered<BoxFuture<'static, Settled>>,
     summary: Summary,
-    claims_started: u64,
+    claims: ClaimScheduler,
     next_retry: Option<Instant>,
     /// When the whole shutdown must be over (set on the shutdown signal).
     shutdown_deadline: Option<Instant>,
+    /// Stopping: until when in-flight publishes and settles are waited for (the shutdown
+    /// deadline less the clean-up reserve).
+    stopping: Option<Instant>,
+    /// A lease extension is running.
+    extending: bool,
+    /// Ownership as last acted on, and as last reported to the coordinator.
+    ownership_seen: OwnershipSeen,
+    /// The waiting state last told to the store (for its gated wake-up).
+    reported_waiting: bool,
+    /// With a drain: the claim count when the backlog was last checked, and since when
+    /// rows no claim returns have been waited for.
+    drain_checked: u64,
+    drain_waiting_since: Option<Instant>,
     /// When the run began: a drain leaves rows inserted after this to the next run.
     started: Instant,
 }
@@ -520,6 +553,12 @@ impl Engine {
     }
 
     fn on_settled(&mut self, settled: Settled) -> StoreResult<()> {
+        if matches!(settled, Settled::Extended(_)) {
+            self.extending = false;
+        } else if self.config.drain {
+            // Something changed: look once more before deciding the drain is done.
+            self.claims.want();
+        }
         match settled {
             Settled::Acked(acked, result) => {
                 let n = result?;
@@ -536,7 +575,7 @@ impl Engine {
                 let n = result?;
                 self.fenced("retry", ids.len(), n);
                 for (key, destination) in &keys {
-                    self.lanes.retry_recorded(key, self.claims_started);
+                    self.lanes.retry_recorded(key, self.claims.started);
                     ::metrics::counter!(metrics::RETRIED, "destination" => self.labels.label(destination))
                         .increment(1);
                 }
@@ -566,6 +605,219 @@ impl Engine {
         }
         ::metrics::gauge!(metrics::IN_FLIGHT).set(self.lanes.held() as f64);
         Ok(())
+    }
+}
+
+/// The claim step and the loop's bookkeeping, beside `dispatch`, `on_published` and
+/// `on_settled` above.
+impl Engine {
+    /// Publishes, settles and the lanes are all empty: nothing of ours is in flight.
+    fn nothing_pending(&self) -> bool {
+        self.publishing.is_empty() && self.settling.is_empty()
+    }
+
+    /// Acts on a changed ownership, or on a lease that ran out by our clock: the work of
+    /// partitions this node may no longer publish goes back, unpublished.
+    fn follow_ownership(&mut self) {
+        let Some(ownership) = self.config.ownership.clone() else {
+            return;
+        };
+        let now = std::time::Instant::now();
+        let seen = &mut self.ownership_seen;
+        if ownership.generation() != seen.generation || seen.next_expiry.is_some_and(|t| now >= t) {
+            seen.generation = ownership.generation();
+            let (publishable, next) = ownership.publishable(now);
+            seen.next_expiry = next;
+            let dropped = self.lanes.keep_only_partitions(&publishable);
+            self.release(dropped);
+        }
+    }
+
+    /// Tells the coordinator which partitions still have rows here, with the generation
+    /// acted on: it releases a revoked partition only on a report that postdates the
+    /// revocation.
+    fn report_busy_partitions(&mut self) {
+        let Some(ownership) = &self.config.ownership else {
+            return;
+        };
+        let busy = self.lanes.busy_partitions();
+        let seen = &mut self.ownership_seen;
+        if busy != seen.reported_busy || seen.generation != seen.reported_generation {
+            ownership.set_busy(busy.clone(), seen.generation);
+            seen.reported_busy = busy;
+            seen.reported_generation = seen.generation;
+        }
+    }
+
+    /// Tells the store whether the engine waits for rows (nothing held, no backlog), for
+    /// its gated wake-up. A claim in flight does not count, so the claim a gated store asks
+    /// for after taking its lock does not flip this back.
+    fn report_waiting(&mut self) {
+        let waiting = self.nothing_pending()
+            && self.lanes.held() == 0
+            && !self.claims.backlog
+            && self.stopping.is_none();
+        if waiting != self.reported_waiting {
+            self.store.set_waiting(waiting);
+            self.reported_waiting = waiting;
+        }
+    }
+
+    /// Starts a claim if one is due and there is room for more rows.
+    fn start_claim(&mut self) {
+        let capacity = self.config.max_in_flight.saturating_sub(self.lanes.held());
+        if !self.claims.due(capacity) {
+            return;
+        }
+        let fence = self
+            .config
+            .ownership
+            .as_ref()
+            .map(|o| Arc::new(o.claim_fence(std::time::Instant::now())));
+        // Holding no partition, there is nothing to claim until the coordinator grants one
+        // (it wakes us).
+        if fence.as_ref().is_some_and(|f| f.partitions.is_empty()) {
+            return;
+        }
+        let limit = capacity.min(self.config.batch_size);
+        let claim = self.store.claim(ClaimRequest {
+            node: self.config.node.clone(),
+            limit,
+            lease: self.config.lease,
+            fence,
+            ordered: self.config.ordered,
+        });
+        let attempt = self.config.health.begin(Check::Claim);
+        let claim_no = self.claims.started + 1;
+        self.claims.start(
+            async move {
+                let result = claim.await;
+                match &result {
+                    Ok(_) => attempt.succeeded(),
+                    Err(e) => {
+                        attempt.failed(e.report());
+                    }
+                }
+                (claim_no, limit, result)
+            }
+            .boxed(),
+        );
+    }
+
+    /// A claim came back: its rows join their lanes (or go back, if their key is blocked).
+    fn on_claimed(&mut self, (claim_no, limit, result): Claim) -> StoreResult<()> {
+        match result {
+            Ok(rows) => {
+                ::metrics::histogram!(metrics::CLAIM_BATCH).record(rows.len() as f64);
+                self.claims.succeeded(rows.len(), limit);
+                let release = self.lanes.accept(claim_no, rows);
+                self.lanes.expire_blocks(claim_no);
+                // The claim may carry rows of partitions revoked or lost while it ran: check
+                // again before anything is dispatched.
+                self.ownership_seen.generation = u64::MAX;
+                self.release(release);
+                if self.stopping.is_some() {
+                    let unstarted = self.lanes.take_unstarted();
+                    self.release(unstarted);
+                }
+                ::metrics::gauge!(metrics::IN_FLIGHT).set(self.lanes.held() as f64);
+                Ok(())
+            }
+            Err(e) if e.is_retryable() => {
+                let retry_in = self.claims.failed();
+                ::metrics::counter!(metrics::STORE_ERRORS, "operation" => "claim").increment(1);
+                tracing::warn!(error = %e.report(), ?retry_in, "claim failed");
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Keeps this node's row leases alive while their rows are in its lanes or in flight.
+    fn extend_leases(&mut self) {
+        self.extending = true;
+        let ids = self.lanes.held_ids();
+        let store = self.store.clone();
+        let node = self.config.node.clone();
+        let lease = self.config.lease;
+        let attempt = self.config.health.begin(Check::Settle);
+        self.spawn_settle(
+            async move {
+                let result = store.extend_leases(node, ids, lease).await;
+                if let Err(e) = &result {
+                    attempt.failed(format!("extend leases: {}", e.report()));
+                } else {
+                    attempt.succeeded();
+                }
+                Settled::Extended(result)
+            }
+            .boxed(),
+        );
+    }
+
+    /// The shutdown signal: no more claims or dispatches; rows not handed out go back.
+    fn begin_shutdown(&mut self) {
+        let now = Instant::now();
+        let timeout = self.config.shutdown_timeout;
+        tracing::info!(shutdown_timeout = ?timeout, "shutting down: settling in-flight events");
+        self.shutdown_deadline = Some(now + timeout);
+        self.stopping = Some(now + timeout - shutdown_cleanup_reserve(timeout));
+        let unstarted = self.lanes.take_unstarted();
+        self.release(unstarted);
+    }
+
+    /// The wait for in-flight work ran out: what is unfinished comes back after its lease.
+    fn abandon_unfinished(&mut self) {
+        self.summary.abandoned = self.publishing.len() + self.settling.len();
+        tracing::warn!(
+            publishes = self.publishing.len(),
+            settle_statements = self.settling.len(),
+            rows = self.lanes.held(),
+            "shutdown timeout reached with publishes or settles unfinished (broker or \
+             database not answering); their rows are delivered again once their leases run out"
+        );
+    }
+
+    /// With a drain, once nothing more is claimed: whether what is still pending lets the
+    /// drain end (and how, in `summary.drain`). Checked once per claim.
+    async fn drain_finished(&mut self) -> bool {
+        let idle = self.claims.settled_empty() && self.nothing_pending() && self.lanes.held() == 0;
+        if !self.config.drain || !idle || self.drain_checked == self.claims.started {
+            return false;
+        }
+        self.drain_checked = self.claims.started;
+        let waited = self.drain_waiting_since.map(|t| t.elapsed());
+        let out_of_patience = waited.is_some_and(|w| w >= self.config.drain_patience);
+        match drain_check(self.store.clone(), self.started.elapsed()).await {
+            DrainCheck::Done(end) => {
+                self.summary.drain = Some(end);
+                return true;
+            }
+            DrainCheck::Wait(left) if out_of_patience => {
+                self.summary.drain = Some(DrainEnd::Left(left));
+                return true;
+            }
+            DrainCheck::Failed(e) if out_of_patience => {
+                self.summary.drain = Some(DrainEnd::Unknown(e));
+                return true;
+            }
+            DrainCheck::Wait(left) => {
+                if waited.is_none() {
+                    tracing::info!(
+                        pending = left.pending,
+                        patience = ?self.config.drain_patience,
+                        "drain: pending events that no claim returns yet (leased by another \
+                         node or one that died, in another node's partitions, or scheduled \
+                         for later); waiting for them"
+                    );
+                }
+            }
+            DrainCheck::Failed(e) => {
+                tracing::warn!(error = %e, "drain: cannot tell what is left; trying again");
+            }
+        }
+        self.drain_waiting_since.get_or_insert_with(Instant::now);
+        false
     }
 }
 
@@ -608,9 +860,15 @@ pub async fn run(
         publishing: FuturesUnordered::new(),
         settling: FuturesUnordered::new(),
         summary: Summary::default(),
-        claims_started: 0,
+        claims: ClaimScheduler::default(),
         next_retry: None,
         shutdown_deadline: None,
+        stopping: None,
+        extending: false,
+        ownership_seen: OwnershipSeen::default(),
+        reported_waiting: false,
+        drain_checked: 0,
+        drain_waiting_since: None,
         started: Instant::now(),
     };
     let result = event_loop(&mut engine, wake, shutdown).await;
@@ -700,256 +958,57 @@ async fn drain_check(store: Arc<dyn OutboxStore>, running_for: Duration) -> Drai
     }
 }
 
+/// The engine's loop: each turn starts what may start (dispatch, a claim), reports what
+/// changed, then waits for the next event; each arm of the `select!` is one call.
 async fn event_loop(
     engine: &mut Engine,
     wake: Arc<Notify>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), StoreError> {
     tokio::pin!(shutdown);
-    let config = engine.config.clone();
-    let mut poll = tokio::time::interval(config.poll_interval);
+    let mut poll = tokio::time::interval(engine.config.poll_interval);
     poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut extend = tokio::time::interval(config.lease / 3);
+    let mut extend = tokio::time::interval(engine.config.lease / 3);
     extend.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     extend.reset();
-    let mut claiming: Option<Claiming> = None;
-    let mut want_claim = true; // poll once at start-up
-    let mut backlog = false; // the last claim came back full
-    let mut last_claim_empty = false;
-    let mut reported_waiting = false;
-    let mut claim_backoff = Duration::from_millis(100);
-    let mut claim_not_before = Instant::now();
-    let mut extending = false;
-    let mut stopping_deadline: Option<Instant> = None;
-    // Ownership as last seen: its generation, and when a lease next runs out by our clock.
-    let mut seen_generation = u64::MAX;
-    let mut next_expiry: Option<std::time::Instant> = None;
-    let mut reported_busy = std::collections::BTreeSet::new();
-    let mut reported_generation = u64::MAX;
-    let mut drain_checked = 0;
-    let mut drain_waiting_since: Option<Instant> = None;
-
     loop {
-        let stopping = stopping_deadline.is_some();
-        if let Some(ownership) = &config.ownership {
-            let now = std::time::Instant::now();
-            if ownership.generation() != seen_generation || next_expiry.is_some_and(|t| now >= t) {
-                seen_generation = ownership.generation();
-                let (publishable, next) = ownership.publishable(now);
-                next_expiry = next;
-                // Work of partitions we may no longer publish goes back, unpublished.
-                let dropped = engine.lanes.keep_only_partitions(&publishable);
-                engine.release(dropped);
-            }
-        }
-        if !stopping {
+        engine.follow_ownership();
+        if engine.stopping.is_none() {
             engine.dispatch();
-            let capacity = config.max_in_flight.saturating_sub(engine.lanes.held());
-            if claiming.is_none()
-                && (want_claim || backlog)
-                && capacity > 0
-                && Instant::now() >= claim_not_before
-            {
-                let fence = config
-                    .ownership
-                    .as_ref()
-                    .map(|o| Arc::new(o.claim_fence(std::time::Instant::now())));
-                // Holding no partition, there is nothing to claim until the coordinator
-                // grants one (it wakes us).
-                if !fence.as_ref().is_some_and(|f| f.partitions.is_empty()) {
-                    want_claim = false;
-                    engine.claims_started += 1;
-                    let claim_no = engine.claims_started;
-                    let limit = capacity.min(config.batch_size);
-                    let claim = engine.store.claim(ClaimRequest {
-                        node: config.node.clone(),
-                        limit,
-                        lease: config.lease,
-                        fence,
-                        ordered: config.ordered,
-                    });
-                    let attempt = config.health.begin(Check::Claim);
-                    claiming = Some(
-                        async move {
-                            let result = claim.await;
-                            match &result {
-                                Ok(_) => attempt.succeeded(),
-                                Err(e) => {
-                                    attempt.failed(e.report());
-                                }
-                            }
-                            (claim_no, limit, result)
-                        }
-                        .boxed(),
-                    );
-                }
-            }
+            engine.start_claim();
         }
-        if let Some(ownership) = &config.ownership {
-            // Reported with the generation acted on above: the coordinator releases a revoked
-            // partition only on a report that postdates the revocation.
-            let busy = engine.lanes.busy_partitions();
-            if busy != reported_busy || seen_generation != reported_generation {
-                ownership.set_busy(busy.clone(), seen_generation);
-                reported_busy = busy;
-                reported_generation = seen_generation;
-            }
-        }
-        let idle = claiming.is_none()
-            && engine.publishing.is_empty()
-            && engine.settling.is_empty()
-            && engine.lanes.held() == 0;
-        // Waiting for rows: nothing held and no backlog. A claim in flight does not count, so
-        // the claim a gated store asks for after taking its lock does not flip this back.
-        let waiting = engine.publishing.is_empty()
-            && engine.settling.is_empty()
-            && engine.lanes.held() == 0
-            && !backlog
-            && !stopping;
-        if waiting != reported_waiting {
-            engine.store.set_waiting(waiting);
-            reported_waiting = waiting;
-        }
-        if stopping
-            && claiming.is_none()
-            && engine.publishing.is_empty()
-            && engine.settling.is_empty()
+        engine.report_busy_partitions();
+        engine.report_waiting();
+        if engine.stopping.is_some() && engine.claims.running.is_none() && engine.nothing_pending()
         {
             return Ok(());
         }
-        if config.drain
-            && idle
-            && last_claim_empty
-            && !want_claim
-            && !backlog
-            && drain_checked != engine.claims_started
-        {
-            // Nothing more to claim: what is still pending decides whether the drain is done.
-            drain_checked = engine.claims_started;
-            let waited = drain_waiting_since.map(|t: Instant| t.elapsed());
-            let out_of_patience = waited.is_some_and(|w| w >= config.drain_patience);
-            match drain_check(engine.store.clone(), engine.started.elapsed()).await {
-                DrainCheck::Done(end) => {
-                    engine.summary.drain = Some(end);
-                    return Ok(());
-                }
-                DrainCheck::Wait(left) if out_of_patience => {
-                    engine.summary.drain = Some(DrainEnd::Left(left));
-                    return Ok(());
-                }
-                DrainCheck::Failed(e) if out_of_patience => {
-                    engine.summary.drain = Some(DrainEnd::Unknown(e));
-                    return Ok(());
-                }
-                DrainCheck::Wait(left) => {
-                    if waited.is_none() {
-                        tracing::info!(
-                            pending = left.pending,
-                            patience = ?config.drain_patience,
-                            "drain: pending events that no claim returns yet (leased by another \
-                             node or one that died, in another node's partitions, or scheduled \
-                             for later); waiting for them"
-                        );
-                    }
-                    drain_waiting_since.get_or_insert_with(Instant::now);
-                }
-                DrainCheck::Failed(e) => {
-                    tracing::warn!(error = %e, "drain: cannot tell what is left; trying again");
-                    drain_waiting_since.get_or_insert_with(Instant::now);
-                }
-            }
+        if engine.drain_finished().await {
+            return Ok(());
         }
+        let stopping = engine.stopping;
         let retry_due = engine.next_retry;
-        let claim_wait = (claim_not_before > Instant::now()).then_some(claim_not_before);
+        let backing_off = engine.claims.backing_off_until();
+        let may_extend = !engine.extending && engine.lanes.held() > 0;
         tokio::select! {
-            () = &mut shutdown, if !stopping => {
-                let now = Instant::now();
-                let reserve = shutdown_cleanup_reserve(config.shutdown_timeout);
-                tracing::info!(
-                    shutdown_timeout = ?config.shutdown_timeout,
-                    "shutting down: settling in-flight events"
-                );
-                engine.shutdown_deadline = Some(now + config.shutdown_timeout);
-                stopping_deadline = Some(now + config.shutdown_timeout - reserve);
-                let unstarted = engine.lanes.take_unstarted();
-                engine.release(unstarted);
-            }
-            () = tokio::time::sleep_until(stopping_deadline.unwrap_or_else(Instant::now)), if stopping => {
-                engine.summary.abandoned = engine.publishing.len() + engine.settling.len();
-                tracing::warn!(
-                    publishes = engine.publishing.len(),
-                    settle_statements = engine.settling.len(),
-                    rows = engine.lanes.held(),
-                    "shutdown timeout reached with publishes or settles unfinished (broker or \
-                     database not answering); their rows are delivered again once their leases run out"
-                );
+            () = &mut shutdown, if stopping.is_none() => engine.begin_shutdown(),
+            () = tokio::time::sleep_until(stopping.unwrap_or_else(Instant::now)), if stopping.is_some() => {
+                engine.abandon_unfinished();
                 return Ok(());
             }
-            (claim_no, limit, result) = async { claiming.as_mut().expect("guarded").await }, if claiming.is_some() => {
-                claiming = None;
-                match result {
-                    Ok(rows) => {
-                        claim_backoff = Duration::from_millis(100);
-                        ::metrics::histogram!(metrics::CLAIM_BATCH).record(rows.len() as f64);
-                        backlog = rows.len() >= limit;
-                        last_claim_empty = rows.is_empty();
-                        let release = engine.lanes.accept(claim_no, rows);
-                        engine.lanes.expire_blocks(claim_no);
-                        // The claim may carry rows of partitions revoked or lost while it
-                        // ran: check again before anything is dispatched.
-                        seen_generation = u64::MAX;
-                        engine.release(release);
-                        if stopping_deadline.is_some() {
-                            let unstarted = engine.lanes.take_unstarted();
-                            engine.release(unstarted);
-                        }
-                        ::metrics::gauge!(metrics::IN_FLIGHT).set(engine.lanes.held() as f64);
-                    }
-                    Err(e) if e.is_retryable() => {
-                        ::metrics::counter!(metrics::STORE_ERRORS, "operation" => "claim").increment(1);
-                        tracing::warn!(error = %e.report(), retry_in = ?claim_backoff, "claim failed");
-                        want_claim = true;
-                        claim_not_before = Instant::now() + claim_backoff;
-                        claim_backoff = (claim_backoff * 2).min(Duration::from_secs(5));
-                    }
-                    Err(e) => return Err(e),
-                }
+            claim = async { engine.claims.running.as_mut().expect("guarded").await }, if engine.claims.running.is_some() => {
+                engine.on_claimed(claim)?;
             }
             Some(published) = engine.publishing.next() => engine.on_published(published),
-            Some(settled) = engine.settling.next() => {
-                if matches!(settled, Settled::Extended(_)) {
-                    extending = false;
-                } else if config.drain {
-                    // Something changed: look once more before deciding the drain is done.
-                    want_claim = true;
-                }
-                engine.on_settled(settled)?;
-            }
-            () = wake.notified() => want_claim = true,
-            _ = poll.tick() => want_claim = true,
-            () = tokio::time::sleep_until(retry_due.unwrap_or_else(Instant::now)), if retry_due.is_some() && !config.drain => {
+            Some(settled) = engine.settling.next() => engine.on_settled(settled)?,
+            () = wake.notified() => engine.claims.want(),
+            _ = poll.tick() => engine.claims.want(),
+            () = tokio::time::sleep_until(retry_due.unwrap_or_else(Instant::now)), if retry_due.is_some() && !engine.config.drain => {
                 engine.next_retry = None;
-                want_claim = true;
+                engine.claims.want();
             }
-            () = tokio::time::sleep_until(claim_wait.unwrap_or_else(Instant::now)), if claim_wait.is_some() => {}
-            _ = extend.tick(), if !extending && engine.lanes.held() > 0 => {
-                extending = true;
-                let ids = engine.lanes.held_ids();
-                let store = engine.store.clone();
-                let node = config.node.clone();
-                let lease = config.lease;
-                let attempt = config.health.begin(Check::Settle);
-                engine.spawn_settle(async move {
-                    let result = store.extend_leases(node, ids, lease).await;
-                    match &result {
-                        Ok(_) => attempt.succeeded(),
-                        Err(e) => {
-                            attempt.failed(format!("extend leases: {}", e.report()));
-                        }
-                    }
-                    Settled::Extended(result)
-                }.boxed());
-            }
+            () = tokio::time::sleep_until(backing_off.unwrap_or_else(Instant::now)), if backing_off.is_some() => {}
+            _ = extend.tick(), if may_extend => engine.extend_leases(),
         }
     }
 }

@@ -1133,16 +1133,14 @@ async fn listen_forever(inner: Arc<Inner>, on_change: OnChange) {
 
 /// [`listen_forever`] on a given channel (a validated identifier).
 pub(crate) async fn listen_forever_on(inner: Arc<Inner>, channel: String, on_change: OnChange) {
-    let mut backoff = Duration::from_millis(100);
+    let mut backoff = outbox_core::Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
     loop {
-        match listen_once(&inner, &channel, &on_change).await {
-            Ok(()) => backoff = Duration::from_millis(100),
-            Err(e) => {
-                tracing::warn!(error = %e.report(), retry_in = ?backoff, "LISTEN connection lost; the safety poll covers the gap");
-            }
+        if let Err(e) = listen_once(&inner, &channel, &on_change).await {
+            tracing::warn!(error = %e.report(), "LISTEN connection lost; the safety poll covers the gap");
+        } else {
+            backoff.reset();
         }
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(Duration::from_secs(5));
+        tokio::time::sleep(backoff.next_delay()).await;
     }
 }
 
