@@ -1,0 +1,198 @@
+//! The cluster's tables: the nodes table (membership, heartbeats) and the partitions
+//! table (leases and fencing epochs).
+
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use outbox_core::store::{
+    Incarnation, NodeRecord, NodeRegistry, PartitionRecord, PartitionRegistry, Registration,
+    StoreResult,
+};
+use outbox_core::{NodeId, StoreError, StoreErrorKind};
+
+use crate::{from_micros, millis, PgStore};
+
+impl NodeRegistry for PgStore {
+    fn register(
+        &self,
+        node: NodeId,
+        ttl: Duration,
+    ) -> BoxFuture<'static, StoreResult<Registration>> {
+        let inner = self.inner.clone();
+        async move {
+            let ttl = millis(ttl);
+            let rows =
+                Self::query(&inner, "register", &inner.sql.register, &[&node.0, &ttl]).await?;
+            let Some(row) = rows.first() else {
+                // Another session took the row after this statement's snapshot was taken.
+                return Err(StoreError::new(
+                    StoreErrorKind::Conflict,
+                    "register: the node's row changed during registration",
+                ));
+            };
+            let expiry = Incarnation(row.get(1));
+            Ok(if row.get(0) {
+                Registration::Registered(expiry)
+            } else {
+                Registration::Taken(expiry)
+            })
+        }
+        .boxed()
+    }
+
+    fn heartbeat(
+        &self,
+        node: NodeId,
+        last: Incarnation,
+        ttl: Duration,
+    ) -> BoxFuture<'static, StoreResult<Option<Incarnation>>> {
+        let inner = self.inner.clone();
+        async move {
+            let ttl = millis(ttl);
+            let rows = Self::query(
+                &inner,
+                "heartbeat",
+                &inner.sql.heartbeat,
+                &[&node.0, &ttl, &last.0],
+            )
+            .await?;
+            Ok(rows.first().map(|r| Incarnation(r.get(0))))
+        }
+        .boxed()
+    }
+
+    fn remove_expired(&self) -> BoxFuture<'static, StoreResult<u64>> {
+        let inner = self.inner.clone();
+        async move {
+            Self::execute(
+                &inner,
+                "remove expired nodes",
+                &inner.sql.remove_expired,
+                &[],
+            )
+            .await
+        }
+        .boxed()
+    }
+
+    fn deregister(&self, node: NodeId, last: Incarnation) -> BoxFuture<'static, StoreResult<()>> {
+        let inner = self.inner.clone();
+        async move {
+            Self::execute(
+                &inner,
+                "deregister",
+                &inner.sql.deregister,
+                &[&node.0, &last.0],
+            )
+            .await
+            .map(|_| ())
+        }
+        .boxed()
+    }
+
+    fn live_nodes(&self) -> BoxFuture<'static, StoreResult<Vec<NodeRecord>>> {
+        let inner = self.inner.clone();
+        async move {
+            let rows = Self::query(&inner, "list nodes", &inner.sql.live_nodes, &[]).await?;
+            Ok(rows
+                .iter()
+                .map(|r| NodeRecord {
+                    id: r.get(0),
+                    expiry: from_micros(r.get(1)),
+                })
+                .collect())
+        }
+        .boxed()
+    }
+}
+
+impl PartitionRegistry for PgStore {
+    fn partition_count(&self) -> BoxFuture<'static, StoreResult<u32>> {
+        let inner = self.inner.clone();
+        async move {
+            let rows =
+                Self::query(&inner, "partition count", &inner.sql.partition_count, &[]).await?;
+            Ok(rows[0].get::<_, i64>(0).max(0) as u32)
+        }
+        .boxed()
+    }
+
+    fn acquire(
+        &self,
+        node: NodeId,
+        partitions: Vec<i32>,
+        ttl: Duration,
+    ) -> BoxFuture<'static, StoreResult<Vec<(i32, i64)>>> {
+        let inner = self.inner.clone();
+        async move {
+            let ttl = millis(ttl);
+            let rows = Self::query(
+                &inner,
+                "acquire partitions",
+                &inner.sql.acquire,
+                &[&node.0, &partitions, &ttl],
+            )
+            .await?;
+            Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+        }
+        .boxed()
+    }
+
+    fn renew(
+        &self,
+        node: NodeId,
+        held: Vec<(i32, i64)>,
+        ttl: Duration,
+    ) -> BoxFuture<'static, StoreResult<Vec<i32>>> {
+        let inner = self.inner.clone();
+        async move {
+            let (partitions, epochs): (Vec<i32>, Vec<i64>) = held.into_iter().unzip();
+            let ttl = millis(ttl);
+            let rows = Self::query(
+                &inner,
+                "renew partitions",
+                &inner.sql.renew,
+                &[&node.0, &partitions, &epochs, &ttl],
+            )
+            .await?;
+            Ok(rows.iter().map(|r| r.get(0)).collect())
+        }
+        .boxed()
+    }
+
+    fn release_partitions(
+        &self,
+        node: NodeId,
+        partitions: Vec<i32>,
+    ) -> BoxFuture<'static, StoreResult<u64>> {
+        let inner = self.inner.clone();
+        async move {
+            Self::execute(
+                &inner,
+                "release partitions",
+                &inner.sql.release_partitions,
+                &[&node.0, &partitions],
+            )
+            .await
+        }
+        .boxed()
+    }
+
+    fn partitions(&self) -> BoxFuture<'static, StoreResult<Vec<PartitionRecord>>> {
+        let inner = self.inner.clone();
+        async move {
+            let rows = Self::query(&inner, "list partitions", &inner.sql.partitions, &[]).await?;
+            Ok(rows
+                .iter()
+                .map(|r| PartitionRecord {
+                    partition: r.get(0),
+                    owner: r.get(1),
+                    epoch: r.get(2),
+                    lease_until: r.get::<_, Option<i64>>(3).map(from_micros),
+                })
+                .collect())
+        }
+        .boxed()
+    }
+}
