@@ -446,7 +446,7 @@ impl Statements {
             // (checked here against the live leases, and fencing every settle) replaces the row
             // lease, so rows are neither updated nor locked at claim time. See ARCHITECTURE.md.
             // `NOT IN (SELECT unnest(..))` is a hashed subplan; `NOT (.. = ANY($3))` compares
-            // every scanned row with every held id (387 ms instead of 5.6 ms for 10,000).
+            // every scanned row with every held id (BENCHMARKS.md, "What each change bought").
             // The array never holds NULL, so NOT IN means what it says.
             claim_owned: format!(
                 "SELECT {RETURNED} FROM {t} o
