@@ -152,58 +152,29 @@ mod tests {
 
     /// The relay had two redactors: the binary's `redact_url` hid user-info passwords and
     /// `password=` values but showed a lone user-info token, `access_token=` and every URL of
-    /// a message after the first; the sinks' `redact_uri` hid the whole user info but no query
-    /// secret, and cut from the scheme to the *last* `@` of the text, hiding the host of a URL
-    /// with an e-mail address in its query and every URL between two in a message. Each line:
-    /// input, the first redactor's output, the second's, and this one's.
+    /// a message after the first; the sinks' `redact_uri` hid the whole user info but no
+    /// parameter, and cut from the scheme to the *last* `@` of the text, hiding hosts rather
+    /// than secrets. Each case: the input, what each of them showed, and what is shown now.
     #[test]
     fn the_cases_each_old_redactor_got_wrong() {
+        #[rustfmt::skip]
         let cases = [
-            // redact_url leaked the token.
-            (
-                "redis://token@h:6379",
-                "redis://token@h:6379",
-                "redis://***@h:6379",
-            ),
-            // Both leaked it.
-            (
-                "https://hooks.example/in?access_token=abc",
-                "https://hooks.example/in?access_token=abc",
-                "https://hooks.example/in?access_token=abc",
-            ),
-            // redact_uri leaked it.
-            (
-                "postgres://db/app?user=x&password=hunter2",
-                "postgres://db/app?user=x&password=***",
-                "postgres://db/app?user=x&password=hunter2",
-            ),
-            (
-                "host=db password=hunter2",
-                "host=db password=***",
-                "host=db password=hunter2",
-            ),
-            // redact_url leaked the second password; redact_uri hid the first URL's host.
-            (
-                "cannot reach nats://a:pw1@h1:4222 or amqp://b:pw2@h2",
-                "cannot reach nats://a:***@h1:4222 or amqp://b:pw2@h2",
-                "cannot reach nats://***@h2",
-            ),
-            // redact_uri hid the host, not a secret.
-            (
-                "https://h/notify?to=a@b.example",
-                "https://h/notify?to=a@b.example",
-                "https://***@b.example",
-            ),
+            // (input, old redact_url, old redact_uri, now)
+            ("redis://token@h:6379", "redis://token@h:6379", "redis://***@h:6379",
+             "redis://***@h:6379"),
+            ("https://h/in?access_token=abc", "https://h/in?access_token=abc",
+             "https://h/in?access_token=abc", "https://h/in?access_token=***"),
+            ("postgres://db/app?password=pw", "postgres://db/app?password=***",
+             "postgres://db/app?password=pw", "postgres://db/app?password=***"),
+            ("host=db password=pw", "host=db password=***", "host=db password=pw",
+             "host=db password=***"),
+            ("nats://a:pw1@h1 or amqp://b:pw2@h2", "nats://a:***@h1 or amqp://b:pw2@h2",
+             "nats://***@h2", "nats://a:***@h1 or amqp://b:***@h2"),
+            ("https://h/notify?to=a@b.example", "https://h/notify?to=a@b.example",
+             "https://***@b.example", "https://h/notify?to=a@b.example"),
         ];
-        for (input, _binary, _sinks) in cases {
-            let shown = redact_url(input);
-            for secret in ["token@", "abc", "hunter2", "pw1", "pw2"] {
-                assert!(!shown.contains(secret), "{input} -> {shown}");
-            }
-            assert!(
-                shown.contains("h/") || !input.contains("h/"),
-                "{input} -> {shown}"
-            );
+        for (input, _binary, _sinks, now) in cases {
+            assert_eq!(redact_url(input), now, "{input}");
         }
     }
 
