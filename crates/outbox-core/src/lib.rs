@@ -6,7 +6,8 @@
 //! - [`retry`]: exponential backoff with jitter and the dead-letter decision;
 //! - [`store`]: the [`OutboxStore`](store::OutboxStore) contract (claim → ack / retry / dead-letter);
 //! - [`publisher`]: the [`Publisher`](publisher::Publisher) contract (a batch in, one outcome per event);
-//! - [`ident`]: validated, quoted SQL identifiers for configurable schema and table names.
+//! - [`ident`]: validated, quoted SQL identifiers for configurable schema and table names;
+//! - [`redact`]: secrets out of URLs and the messages that quote them.
 
 pub mod error;
 pub mod event;
@@ -15,6 +16,7 @@ pub mod ident;
 pub mod ownership;
 pub mod partition;
 pub mod publisher;
+pub mod redact;
 pub mod retry;
 pub mod store;
 pub mod time;

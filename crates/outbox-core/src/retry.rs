@@ -4,6 +4,8 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
+use serde::{Deserialize, Serialize};
+
 use crate::error::{Disposition, PublishError};
 
 /// Default first retry delay: long enough for a broker blip to pass, short enough not to be noticed.
@@ -13,10 +15,13 @@ pub const DEFAULT_MAX_DELAY: Duration = Duration::from_secs(300);
 /// Default attempts before an event is dead-lettered (about an hour of retries at the defaults).
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 20;
 
-/// How failed publishes are retried.
-#[derive(Clone, Debug, PartialEq)]
+/// How failed publishes are retried. Deserialized as the relay's `[retry]` settings.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct RetryPolicy {
+    #[serde(with = "crate::time::duration_text")]
     pub base_delay: Duration,
+    #[serde(with = "crate::time::duration_text")]
     pub max_delay: Duration,
     pub max_attempts: u32,
     /// Overrides of `max_attempts` by event type (the export seed's `event_type.max_retry_count`).

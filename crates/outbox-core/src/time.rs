@@ -141,3 +141,37 @@ mod tests {
         assert!(created_at_problem(i64::MAX).unwrap().contains("infinity"));
     }
 }
+
+/// Durations written with units (`500ms`, `2s`, `5m`, `7d`), for settings:
+/// `#[serde(with = "outbox_core::time::duration_text")]`.
+pub mod duration_text {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use std::time::Duration;
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&humantime::format_duration(*d).to_string())
+    }
+
+    /// A bare number (an environment variable `LEASE=10` arrives as one) is refused for its
+    /// missing unit, not for its type.
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Written {
+        Text(String),
+        Number(f64),
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        let text = match Written::deserialize(d)? {
+            Written::Text(text) => text,
+            Written::Number(n) => n.to_string(),
+        };
+        parse(&text).map_err(serde::de::Error::custom)
+    }
+
+    pub fn parse(text: &str) -> Result<Duration, String> {
+        humantime::parse_duration(text.trim()).map_err(|e| {
+            format!("invalid duration {text:?} ({e}); write it with a unit, e.g. 500ms, 2s, 5m")
+        })
+    }
+}

@@ -601,6 +601,39 @@ pub enum LayoutKind {
     Custom,
 }
 
+impl LayoutKind {
+    /// The outbox table when none is configured: a seed's own table name.
+    pub fn default_outbox_table(self) -> &'static str {
+        match self {
+            LayoutKind::Native | LayoutKind::Adbc | LayoutKind::Custom => "outbox",
+            LayoutKind::OpenOutbox => "openoutbox_events",
+            LayoutKind::Export => "event",
+            LayoutKind::MysqlOutboxEvents => "outbox_events",
+        }
+    }
+
+    /// The nodes table of a layout that brings its own (the Ably connector's `nodes`).
+    pub fn default_nodes_table(self) -> Option<&'static str> {
+        (self == LayoutKind::Adbc).then_some("nodes")
+    }
+
+    /// The NOTIFY channel of a layout whose trigger names its own (the Ably connector's).
+    pub fn default_notify_channel(self) -> Option<&'static str> {
+        (self == LayoutKind::Adbc).then_some("ably_adbc")
+    }
+
+    /// Whether the layout's table exists in this dialect: the PostgreSQL seeds' tables
+    /// (adbc, open-outbox, export) are defined for PostgreSQL only.
+    pub fn runs_on(self, dialect: Dialect) -> bool {
+        match self {
+            LayoutKind::Adbc | LayoutKind::OpenOutbox | LayoutKind::Export => {
+                dialect == Dialect::Postgres
+            }
+            LayoutKind::Native | LayoutKind::MysqlOutboxEvents | LayoutKind::Custom => true,
+        }
+    }
+}
+
 impl fmt::Display for LayoutKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {

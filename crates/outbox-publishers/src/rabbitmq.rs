@@ -17,7 +17,7 @@ use outbox_core::{Outcome, Payload, PublishError, PublishErrorKind};
 use tokio::sync::Mutex;
 
 use crate::config::{SinkConfig, Unroutable, DEFAULT_SINK_TIMEOUT};
-use crate::sink::{fail_all, redact_uri, Routed, Sink};
+use crate::sink::{fail_all, Routed, Sink};
 use crate::template::Template;
 
 /// RabbitMQ's default `max_message_size` (128 MiB); a lower server limit is learned from
@@ -49,7 +49,7 @@ impl RabbitSink {
         Ok(RabbitSink {
             inner: Arc::new(Inner {
                 uri: config.uri.clone(),
-                shown: redact_uri(&config.uri),
+                shown: outbox_core::redact::redact_url(&config.uri),
                 exchange,
                 unroutable: config.unroutable,
                 timeout: config.timeout.unwrap_or(DEFAULT_SINK_TIMEOUT),

@@ -13,7 +13,7 @@ use redis::{ErrorKind, RedisError, Script};
 use tokio::sync::Mutex;
 
 use crate::config::{SinkConfig, DEFAULT_SINK_TIMEOUT};
-use crate::sink::{fail_all, redact_uri, Routed, Sink};
+use crate::sink::{fail_all, Routed, Sink};
 
 /// Appends unless the event's id was seen within the window. The id is recorded only after
 /// XADD succeeded, so a failed append never marks the event as sent.
@@ -52,7 +52,7 @@ fn setup_error(message: String) -> PublishError {
 
 impl RedisSink {
     pub fn new(config: &SinkConfig) -> Result<Self, PublishError> {
-        let shown = redact_uri(&config.uri);
+        let shown = outbox_core::redact::redact_url(&config.uri);
         let client = if config.tls_ca_file.is_some() || config.tls_cert_file.is_some() {
             let read = |path: &std::path::Path| {
                 std::fs::read(path).map_err(|e| setup_error(format!("cannot read {}: {e}", path.display())))

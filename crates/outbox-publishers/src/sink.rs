@@ -42,14 +42,6 @@ pub fn fail_all(batch: &[Routed], error: &PublishError) -> Vec<Outcome> {
         .collect()
 }
 
-/// A broker URI with the user info (password, token) replaced by `***`.
-pub fn redact_uri(uri: &str) -> String {
-    match (uri.find("://"), uri.rfind('@')) {
-        (Some(s), Some(at)) if at > s => format!("{}***{}", &uri[..s + 3], &uri[at..]),
-        _ => uri.to_string(),
-    }
-}
-
 /// A sink whose size limit comes from configuration instead of the broker.
 pub struct Limited {
     pub inner: Arc<dyn Sink>,
@@ -75,17 +67,5 @@ impl Sink for Limited {
 
     fn close(&self) -> BoxFuture<'static, ()> {
         self.inner.close()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn user_info_is_not_shown() {
-        assert_eq!(
-            super::redact_uri("redis://u:secret@h:6379/0"),
-            "redis://***@h:6379/0"
-        );
-        assert_eq!(super::redact_uri("amqp://h:5672"), "amqp://h:5672");
     }
 }

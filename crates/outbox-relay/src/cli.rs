@@ -1,10 +1,20 @@
 //! Command-line interface.
+//!
+//! A flag that sets a setting is a field named after the setting's key (its clap id is the
+//! key, `retry.max_attempts` for `--max-attempts`), so that the flags serialize straight into
+//! the configuration's highest layer ([`Cli::flags`]) and their help shows the setting's
+//! default from `Config::default()` ([`command`]). Fields that are no setting (`--config`,
+//! `--drain`, `--print`) are `#[serde(skip)]`.
 
 use std::path::PathBuf;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, CommandFactory, Parser, Subcommand};
+use figment::providers::Serialized;
+use figment::value::{Dict, Value};
+use figment::{Figment, Metadata, Profile, Provider};
+use serde::Serialize;
 
-use crate::config::{FlagOverrides, LogFormat, OrderingMode, RetryFlags};
+use crate::config::{Config, LogFormat, OrderingMode, WakeupMode};
 
 /// Publishes transactional-outbox rows to brokers: at least once, in order per key,
 /// de-duplicable by event id.
@@ -21,14 +31,15 @@ pub struct Cli {
     pub command: Command,
 }
 
-#[derive(Args, Debug)]
+#[derive(Args, Debug, Serialize)]
 pub struct GlobalArgs {
     /// TOML configuration file [default: ./outbox-relay.toml when present].
     #[arg(long, global = true, value_name = "FILE")]
+    #[serde(skip)]
     pub config: Option<PathBuf>,
     /// Database URL: postgres://user:pass@host:port/db[?sslmode=require],
-    /// mysql://user:pass@host:port/db[?require_ssl=true] (MySQL 8, MariaDB >= 10.6) or sqlite:PATH
-    /// [default: sqlite:outbox.db]. Also OUTBOX_RELAY_DATABASE_URL or DATABASE_URL.
+    /// mysql://user:pass@host:port/db[?require_ssl=true] (MySQL 8, MariaDB >= 10.6) or
+    /// sqlite:PATH. Also OUTBOX_RELAY_DATABASE_URL or DATABASE_URL.
     #[arg(long, global = true, value_name = "URL")]
     pub database_url: Option<String>,
     /// Extra CA certificates (PEM) for database TLS (verify-ca, verify-full; with them,
@@ -37,33 +48,33 @@ pub struct GlobalArgs {
     pub database_ca_file: Option<PathBuf>,
     /// The outbox table's layout: native (the relay's own tables), adbc (Ably Database
     /// Connector), open-outbox (Open Outbox Relay), export (event + event_type),
-    /// mysql-outbox-events (the MySQL 8 seed), or custom (a [mapping] in the config file)
-    /// [default: native]. Each seed layout defaults to its own table name.
+    /// mysql-outbox-events (the MySQL 8 seed), or custom (a [mapping] in the config file).
+    /// Each seed layout defaults to its own table name.
     #[arg(long, global = true, value_name = "LAYOUT")]
     pub layout: Option<String>,
     /// How writers wake the relay on PostgreSQL: notify (every inserting statement NOTIFYs),
     /// gated (only while the relay waits for rows; cheaper for writers under load) or poll
     /// (never: the relay polls every --poll-interval; for applications that use two-phase
     /// commit, since a transaction that sent a NOTIFY cannot PREPARE TRANSACTION).
-    /// `migrate` installs the matching trigger function [default: notify].
+    /// `migrate` installs the matching trigger function.
     #[arg(long, global = true, value_enum, value_name = "MODE")]
-    pub wakeup: Option<crate::config::WakeupMode>,
-    /// Schema of the outbox table [default: public].
+    pub wakeup: Option<WakeupMode>,
+    /// Schema of the outbox table.
     #[arg(long, global = true, value_name = "NAME")]
     pub outbox_schema: Option<String>,
-    /// Name of the outbox table [default: outbox]. Dead letters go to <name>_dead_letters.
+    /// Name of the outbox table; dead letters go to <name>_dead_letters.
     #[arg(long, global = true, value_name = "NAME")]
     pub outbox_table: Option<String>,
-    /// Schema of the nodes table [default: public].
+    /// Schema of the nodes table.
     #[arg(long, global = true, value_name = "NAME")]
     pub nodes_schema: Option<String>,
-    /// Name of the nodes table [default: outbox_nodes].
+    /// Name of the nodes table.
     #[arg(long, global = true, value_name = "NAME")]
     pub nodes_table: Option<String>,
     /// Log format.
     #[arg(long, global = true, value_enum, value_name = "FORMAT")]
     pub log_format: Option<LogFormat>,
-    /// Log level or filter, e.g. info, debug, outbox_engine=debug [default: info].
+    /// Log level or filter, e.g. info, debug, outbox_engine=debug.
     #[arg(long, global = true, value_name = "FILTER")]
     pub log_level: Option<String>,
 }
@@ -163,7 +174,7 @@ pub struct StatsArgs {
     pub json: bool,
 }
 
-#[derive(Args, Debug)]
+#[derive(Args, Debug, Serialize)]
 pub struct RunArgs {
     /// Where every event goes: stdout, file:PATH, nats://, kafka://, amqp://, redis://,
     /// http(s)://URL-template or ably: [default: the config's [sinks]/[[routes]], else stdout].
@@ -177,76 +188,94 @@ pub struct RunArgs {
     /// undelivered (retrying, dead-lettered, or still pending after waiting out other nodes'
     /// leases), with how many and why.
     #[arg(long)]
+    #[serde(skip)]
     pub drain: bool,
     /// Keep delivered rows, marked with delivered_at, instead of deleting them.
     #[arg(long)]
     pub retain_delivered: bool,
-    /// Safety-poll period while LISTENing, or the polling period with --poll-fixed-rate [default: 1s].
+    /// Safety-poll period while LISTENing, or the polling period with --poll-fixed-rate.
     #[arg(long, value_name = "DURATION")]
     pub poll_interval: Option<String>,
     /// Do not LISTEN for notifications; poll every --poll-interval instead.
     #[arg(long)]
     pub poll_fixed_rate: bool,
-    /// Rows claimed per statement [default: 1000].
+    /// Rows claimed per statement.
     #[arg(long, value_name = "N")]
     pub batch_size: Option<usize>,
-    /// Rows one node holds at most while publishing [default: 10000].
+    /// Rows one node holds at most while publishing.
     #[arg(long, value_name = "N")]
     pub max_in_flight: Option<usize>,
-    /// Lease on claimed rows; a crashed node's rows return after it [default: 30s].
+    /// Lease on claimed rows; a crashed node's rows return after it.
     #[arg(long, value_name = "DURATION")]
     pub lease: Option<String>,
     /// Time a sink has to confirm a batch before it is retried; shorter than --lease, and cut
-    /// short when the node's partition lease runs out [default: 20s].
+    /// short when the node's partition lease runs out.
     #[arg(long, value_name = "DURATION")]
     pub publish_timeout: Option<String>,
-    /// Time a graceful shutdown waits for in-flight events [default: 15s].
+    /// Time a graceful shutdown waits for in-flight events.
     #[arg(long, value_name = "DURATION")]
     pub shutdown_timeout: Option<String>,
-    /// First retry delay; each retry doubles it, with jitter [default: 500ms].
-    #[arg(long, value_name = "DURATION")]
-    pub retry_base_delay: Option<String>,
-    /// Longest retry delay [default: 5m].
-    #[arg(long, value_name = "DURATION")]
-    pub retry_max_delay: Option<String>,
-    /// Attempts before an event is dead-lettered; per event type in the config file's
-    /// [retry.max_attempts_by_type] [default: 20].
-    #[arg(long, value_name = "N")]
-    pub max_attempts: Option<u32>,
-    /// How often this node heartbeats in the nodes table [default: 2s].
+    #[command(flatten)]
+    pub retry: RetryArgs,
+    /// How often this node heartbeats in the nodes table.
     #[arg(long, value_name = "DURATION")]
     pub heartbeat_interval: Option<String>,
-    /// How long a silent node stays listed [default: 10s].
+    /// How long a silent node stays listed.
     #[arg(long, value_name = "DURATION")]
     pub heartbeat_timeout: Option<String>,
     /// Address for /healthz, /readyz and /metrics; 127.0.0.1:0 picks a free port, an empty
-    /// value turns it off [default: 127.0.0.1:2259].
+    /// value turns it off.
     #[arg(long, value_name = "HOST:PORT")]
     pub http_addr: Option<String>,
     /// This node's id in the nodes table [default: <hostname>-<random>].
     #[arg(long, value_name = "ID")]
     pub node_id: Option<String>,
     /// key: per-key order across the cluster, through partition ownership (PostgreSQL);
-    /// none: every node claims any ready rows, for maximum throughput [default: key].
-    /// All nodes of a cluster must use the same mode.
+    /// none: every node claims any ready rows, for maximum throughput. All nodes of a cluster
+    /// must use the same mode.
     #[arg(long, value_enum, value_name = "MODE")]
     pub ordering: Option<OrderingMode>,
 }
 
-#[derive(Args, Debug)]
+/// The `[retry]` settings' flags.
+#[derive(Args, Debug, Serialize)]
+pub struct RetryArgs {
+    /// First retry delay; each retry doubles it, with jitter.
+    #[arg(
+        long = "retry-base-delay",
+        id = "retry.base_delay",
+        value_name = "DURATION"
+    )]
+    pub base_delay: Option<String>,
+    /// Longest retry delay.
+    #[arg(
+        long = "retry-max-delay",
+        id = "retry.max_delay",
+        value_name = "DURATION"
+    )]
+    pub max_delay: Option<String>,
+    /// Attempts before an event is dead-lettered; per event type in the config file's
+    /// [retry.max_attempts_by_type].
+    #[arg(long = "max-attempts", id = "retry.max_attempts", value_name = "N")]
+    pub max_attempts: Option<u32>,
+}
+
+#[derive(Args, Debug, Serialize)]
 pub struct MigrateArgs {
     /// Print the DDL and the least-privilege GRANTs instead of applying them.
     #[arg(long)]
+    #[serde(skip)]
     pub print: bool,
     /// Role named in the printed GRANTs.
     #[arg(long, default_value = "outbox_relay", value_name = "ROLE")]
+    #[serde(skip)]
     pub role: String,
-    /// Partitions to spread ordering keys over, fixed when the outbox is created [default: 64].
+    /// Partitions to spread ordering keys over, fixed when the outbox is created.
     #[arg(long, value_name = "N")]
     pub partitions: Option<u32>,
 }
 
-#[derive(Args, Debug)]
+#[derive(Args, Debug, Serialize)]
 pub struct CheckArgs {
     /// The sink to check as well [default: the configured sink].
     #[arg(long, value_name = "URI")]
@@ -286,59 +315,143 @@ fn parse_header(text: &str) -> Result<(String, String), String> {
 }
 
 impl Cli {
-    /// The flags that override file and environment settings.
-    pub fn overrides(&self) -> FlagOverrides {
-        let g = &self.global;
-        let mut o = FlagOverrides {
-            database_url: g.database_url.clone(),
-            layout: g.layout.clone(),
-            wakeup: g.wakeup,
-            database_ca_file: g.database_ca_file.clone(),
-            outbox_schema: g.outbox_schema.clone(),
-            outbox_table: g.outbox_table.clone(),
-            nodes_schema: g.nodes_schema.clone(),
-            nodes_table: g.nodes_table.clone(),
-            log_format: g.log_format,
-            log_level: g.log_level.clone(),
-            ..FlagOverrides::default()
-        };
+    /// The flags given, as the configuration's highest layer.
+    pub fn flags(&self) -> Figment {
+        let flags = Figment::from(Given(&self.global));
         match &self.command {
-            Command::Run(r) => {
-                o.sink = r.sink.clone();
-                o.auto_migrate = r.auto_migrate.then_some(true);
-                o.retain_delivered = r.retain_delivered.then_some(true);
-                o.poll_interval = r.poll_interval.clone();
-                o.poll_fixed_rate = r.poll_fixed_rate.then_some(true);
-                o.batch_size = r.batch_size;
-                o.max_in_flight = r.max_in_flight;
-                o.lease = r.lease.clone();
-                o.publish_timeout = r.publish_timeout.clone();
-                o.shutdown_timeout = r.shutdown_timeout.clone();
-                o.heartbeat_interval = r.heartbeat_interval.clone();
-                o.heartbeat_timeout = r.heartbeat_timeout.clone();
-                o.http_addr = r.http_addr.clone();
-                o.node_id = r.node_id.clone();
-                o.ordering = r.ordering;
-                let retry = RetryFlags {
-                    base_delay: r.retry_base_delay.clone(),
-                    max_delay: r.retry_max_delay.clone(),
-                    max_attempts: r.max_attempts,
-                };
-                if retry.base_delay.is_some()
-                    || retry.max_delay.is_some()
-                    || retry.max_attempts.is_some()
-                {
-                    o.retry = Some(retry);
-                }
-            }
-            Command::Check(c) => o.sink = c.sink.clone(),
-            Command::Migrate(m) => o.partitions = m.partitions,
+            Command::Run(args) => flags.merge(Given(args)),
+            Command::Check(args) => flags.merge(Given(args)),
+            Command::Migrate(args) => flags.merge(Given(args)),
             Command::Send(_)
             | Command::Stats(_)
             | Command::Dead(_)
             | Command::Replay(_)
-            | Command::Prune(_) => {}
+            | Command::Prune(_) => flags,
         }
-        o
+    }
+}
+
+/// Flags as a configuration layer: only the flags given. A flag left out (`None`, or `false`
+/// for a switch, which can only turn a setting on) leaves the lower layers' value.
+struct Given<T>(T);
+
+impl<T: Serialize> Provider for Given<T> {
+    fn metadata(&self) -> Metadata {
+        // Values set in code: their errors name the flag (see `describe_figment_error`).
+        Serialized::defaults(&self.0).metadata()
+    }
+
+    fn data(&self) -> Result<figment::value::Map<Profile, Dict>, figment::Error> {
+        fn given(dict: Dict) -> Dict {
+            dict.into_iter()
+                .filter_map(|(key, value)| match value {
+                    Value::Empty(..) | Value::Bool(_, false) => None,
+                    Value::Dict(tag, dict) => Some((key, Value::Dict(tag, given(dict)))),
+                    value => Some((key, value)),
+                })
+                .collect()
+        }
+        let data = Serialized::defaults(&self.0).data()?;
+        Ok(data.into_iter().map(|(p, dict)| (p, given(dict))).collect())
+    }
+}
+
+/// The command line, each setting flag's help ending in the default from `Config::default()`.
+pub fn command() -> clap::Command {
+    let defaults = serde_json::to_value(Config::default()).unwrap_or_default();
+    with_defaults(Cli::command(), &defaults)
+}
+
+fn with_defaults(mut command: clap::Command, defaults: &serde_json::Value) -> clap::Command {
+    let shown: Vec<(String, String)> = command
+        .get_arguments()
+        // An argument with a clap default is no setting (`prune --batch-size`).
+        .filter(|arg| arg.get_default_values().is_empty())
+        .filter_map(|arg| {
+            let id = arg.get_id().as_str();
+            let pointer = format!("/{}", id.replace('.', "/"));
+            let value = match defaults.pointer(&pointer)? {
+                serde_json::Value::String(s) => s.clone(),
+                serde_json::Value::Number(n) => n.to_string(),
+                // Switches default to off; `None` has no value to show.
+                _ => return None,
+            };
+            Some((id.to_string(), value))
+        })
+        .collect();
+    for (id, value) in shown {
+        command = command.mut_arg(id, |arg| {
+            let help = arg.get_help().map(|h| format!("{h} [default: {value}]"));
+            let long_help = arg
+                .get_long_help()
+                .map(|h| format!("{h} [default: {value}]"));
+            let arg = match help {
+                Some(help) => arg.help(help),
+                None => arg,
+            };
+            match long_help {
+                Some(help) => arg.long_help(help),
+                None => arg,
+            }
+        });
+    }
+    let subcommands: Vec<String> = command
+        .get_subcommands()
+        .map(|s| s.get_name().to_string())
+        .collect();
+    for name in subcommands {
+        command = command.mut_subcommand(name, |sub| with_defaults(sub, defaults));
+    }
+    command
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn help_of(path: &[&str], flag: &str) -> String {
+        let mut command = command();
+        command.build();
+        let mut command = &command;
+        for name in path {
+            command = command.find_subcommand(name).expect("subcommand");
+        }
+        let arg = command
+            .get_arguments()
+            .find(|a| a.get_long() == Some(flag))
+            .expect("flag");
+        arg.get_help().expect("help").to_string()
+    }
+
+    /// The help shows the value the relay uses, from the one place it is set.
+    #[test]
+    fn the_help_shows_each_setting_default_from_the_config() {
+        let d = Config::default();
+        let shown = |path: &[&str], flag: &str, value: String| {
+            let help = help_of(path, flag);
+            assert!(
+                help.ends_with(&format!("[default: {value}]")),
+                "--{flag}: {help}"
+            );
+        };
+        shown(&["run"], "batch-size", d.batch_size.to_string());
+        shown(&["run"], "lease", "30s".into());
+        shown(&["run"], "retry-base-delay", "500ms".into());
+        shown(&["run"], "retry-max-delay", "5m".into());
+        shown(&["run"], "max-attempts", d.retry.max_attempts.to_string());
+        shown(&["run"], "http-addr", d.http_addr.clone());
+        shown(&["run"], "ordering", "key".into());
+        shown(&["migrate"], "partitions", d.partitions.to_string());
+        shown(&[], "database-url", d.database_url.clone());
+        shown(&[], "nodes-table", d.nodes_table.clone());
+        shown(&[], "wakeup", "notify".into());
+        // Not a setting: its help is its own.
+        assert_eq!(
+            help_of(&["prune"], "batch-size")
+                .matches("[default")
+                .count(),
+            1
+        );
+        assert!(!help_of(&["run"], "auto-migrate").contains("[default"));
     }
 }

@@ -6,12 +6,14 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use outbox_cluster::{ClusterConfig, Coordinator, Partitions};
-use outbox_core::{Health, NewEvent, NodeId, Ownership, Publisher};
-use outbox_engine::{DrainEnd, EngineConfig, Summary, WakeMode};
+use outbox_cluster::{Coordinator, Partitions};
+use outbox_core::redact::redact_url;
+use outbox_core::{NewEvent, NodeId, Ownership, Publisher};
+use outbox_engine::{DrainEnd, Summary};
+use outbox_publishers::{RouteConfig, SinkConfig};
 
 use crate::cli::{MigrateArgs, SendArgs};
-use crate::config::{redact_url, Config, OrderingMode, WakeupMode};
+use crate::config::{Config, RunParts};
 use crate::store::AnyStore;
 
 /// A failure only the operator's configuration can fix: the binary exits 2 for it.
@@ -160,9 +162,11 @@ async fn prepare_store(
     outbox.verify().await
 }
 
-async fn publisher(config: &Config) -> anyhow::Result<Arc<dyn Publisher>> {
-    let (sinks, routes) = config.sink_setup();
-    outbox_publishers::build_router(&sinks, &routes)
+async fn publisher(
+    sinks: &std::collections::BTreeMap<String, SinkConfig>,
+    routes: &[RouteConfig],
+) -> anyhow::Result<Arc<dyn Publisher>> {
+    outbox_publishers::build_router(sinks, routes)
         .await
         .map_err(|e| anyhow::anyhow!("{}", redact_url(&e.report())))
 }
@@ -171,9 +175,17 @@ pub async fn run(mut config: Config, drain: bool) -> anyhow::Result<ExitCode> {
     let metrics = install_metrics()?;
     // Chosen before the store opens: its sessions carry it in their application_name.
     let node = NodeId(config.node_id.get_or_insert_with(default_node_id).clone());
+    let RunParts {
+        mut engine,
+        cluster,
+        sinks,
+        routes,
+        http_addr,
+        health,
+    } = config.resolve(node.clone(), drain)?;
     let store = ready_store(&config, config.auto_migrate, !drain).await?;
     let outbox = store.outbox();
-    let sink = publisher(&config).await?;
+    let sink = publisher(&sinks, &routes).await?;
     tracing::info!(
         node = %node,
         store = %outbox.describe(),
@@ -183,8 +195,7 @@ pub async fn run(mut config: Config, drain: bool) -> anyhow::Result<ExitCode> {
         drain,
         "outbox-relay starting"
     );
-    let health = Health::new();
-    let http = match config.http_socket_addr()? {
+    let http = match http_addr {
         Some(addr) => {
             let (bound, task) =
                 crate::http::serve(addr, outbox.clone(), sink.clone(), metrics, health.clone())
@@ -194,10 +205,9 @@ pub async fn run(mut config: Config, drain: bool) -> anyhow::Result<ExitCode> {
         }
         None => None,
     };
-    let ordered = config.ordering == OrderingMode::Key;
     // Ordered PostgreSQL nodes keep partition leases; SQLite is single-node, and unordered
     // nodes share every row through SKIP LOCKED.
-    let partitions = match (store.partition_registry(), ordered) {
+    let partitions = match (store.partition_registry(), engine.ordered) {
         (Some(registry), true) => {
             let count = retry_transient("reading the partition count", !drain, || {
                 registry.partition_count()
@@ -214,16 +224,10 @@ pub async fn run(mut config: Config, drain: bool) -> anyhow::Result<ExitCode> {
         }
         _ => None,
     };
-    let ownership = partitions.as_ref().map(|p| p.ownership.clone());
-    if let Some(ownership) = &ownership {
+    engine.ownership = partitions.as_ref().map(|p| p.ownership.clone());
+    if let Some(ownership) = &engine.ownership {
         health.watch_ownership(ownership.clone());
     }
-    let cluster = ClusterConfig {
-        node: node.clone(),
-        heartbeat_interval: config.heartbeat_interval,
-        heartbeat_timeout: config.heartbeat_timeout,
-        health: health.clone(),
-    };
     let coordinator = retry_transient("registering in the nodes table", !drain, || {
         Coordinator::start(store.registry(), partitions.clone(), cluster.clone())
     })
@@ -233,31 +237,9 @@ pub async fn run(mut config: Config, drain: bool) -> anyhow::Result<ExitCode> {
         failure(message, &e)
     })?;
 
-    let mut engine = EngineConfig::new(node);
-    engine.batch_size = config.batch_size;
-    engine.max_in_flight = config.max_in_flight;
-    engine.lease = config.lease;
-    engine.poll_interval = config.poll_interval;
-    // Nothing notifies under `--wakeup poll`: listening would only cost a connection.
-    engine.wake = if config.poll_fixed_rate || config.wakeup == WakeupMode::Poll {
-        WakeMode::FixedRate
-    } else {
-        WakeMode::Notify
-    };
-    engine.retry = config.retry_policy();
-    engine.publish_timeout = config.publish_timeout;
-    engine.shutdown_timeout = config.shutdown_timeout;
-    engine.drain = drain;
-    // Rows leased by a node that died come back after their lease; its partitions, once its
-    // heartbeat expired and the next beat takes them.
-    engine.drain_patience =
-        config.lease.max(config.heartbeat_timeout) + config.heartbeat_interval * 2;
-    engine.ordered = ordered;
-    engine.ownership = ownership;
-    engine.health = health.clone();
     let monitor = tokio::spawn(crate::http::watch_health(health));
     let displaced = coordinator.displaced();
-    let shutdown_timeout = config.shutdown_timeout;
+    let shutdown_timeout = engine.shutdown_timeout;
     let stopping_since = Arc::new(std::sync::OnceLock::new());
     let stop = {
         let stopping_since = stopping_since.clone();
@@ -424,7 +406,8 @@ pub async fn check(config: Config) -> anyhow::Result<ExitCode> {
             println!("problem: {}", e.report());
         }
     }
-    match publisher(&config).await {
+    let (sinks, routes) = config.sink_setup();
+    match publisher(&sinks, &routes).await {
         Ok(sink) => match sink.health().await {
             Ok(()) => println!("ok: sink {} is reachable", sink.describe()),
             Err(e) => {

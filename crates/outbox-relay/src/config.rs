@@ -1,14 +1,27 @@
 //! Configuration: defaults, then a TOML file, then `OUTBOX_RELAY_*` environment variables
 //! (and `DATABASE_URL`), then command-line flags. Later sources win.
+//!
+//! [`Config`] declares every setting: its key (in the file, and as `OUTBOX_RELAY_<KEY>`), its
+//! type and its default (`Config::default`). A setting that has a flag is a field of the same
+//! name in `cli.rs`, serialized as it is into the flags' layer; the flag's help shows the
+//! default from here. [`Config::resolve`] turns the result into what `run` hands to the
+//! engine, the cluster coordinator, the sinks and the HTTP server.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
 use figment::providers::{Env, Format, Serialized, Toml};
-use figment::Figment;
+use figment::{Figment, Provider};
+use outbox_cluster::ClusterConfig;
+use outbox_core::redact::redact_url;
+use outbox_core::{Health, NodeId, RetryPolicy};
+use outbox_engine::{EngineConfig, WakeMode};
+use outbox_layout::{Dialect, LayoutKind};
+use outbox_publishers::{RouteConfig, SinkConfig};
 use serde::{Deserialize, Serialize};
 
 /// The zero-configuration database: a SQLite file in the working directory.
@@ -19,63 +32,12 @@ pub const DEFAULT_SINK: &str = "stdout";
 pub const DEFAULT_HTTP_ADDR: &str = "127.0.0.1:2259";
 /// The file read from the working directory when `--config` is not given.
 pub const DEFAULT_CONFIG_FILE: &str = "outbox-relay.toml";
+/// The schema of the outbox and nodes tables (on MySQL: the URL's database).
+const DEFAULT_SCHEMA: &str = "public";
+const DEFAULT_NODES_TABLE: &str = "outbox_nodes";
 
 /// Durations are written with units: `500ms`, `2s`, `5m`, `7d`.
-pub mod duration {
-    use serde::{Deserialize, Deserializer, Serializer};
-    use std::time::Duration;
-
-    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&humantime::format_duration(*d).to_string())
-    }
-
-    /// A bare number (`OUTBOX_RELAY_LEASE=10` arrives as one) is refused for its missing unit,
-    /// not for its type.
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Written {
-        Text(String),
-        Number(f64),
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        let text = match Written::deserialize(d)? {
-            Written::Text(text) => text,
-            Written::Number(n) => n.to_string(),
-        };
-        parse(&text).map_err(serde::de::Error::custom)
-    }
-
-    pub fn parse(text: &str) -> Result<Duration, String> {
-        humantime::parse_duration(text.trim()).map_err(|e| {
-            format!("invalid duration {text:?} ({e}); write it with a unit, e.g. 500ms, 2s, 5m")
-        })
-    }
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(default, deny_unknown_fields)]
-pub struct RetryConfig {
-    #[serde(with = "duration")]
-    pub base_delay: Duration,
-    #[serde(with = "duration")]
-    pub max_delay: Duration,
-    pub max_attempts: u32,
-    /// Per event type overrides of `max_attempts`.
-    pub max_attempts_by_type: HashMap<String, u32>,
-}
-
-impl Default for RetryConfig {
-    fn default() -> Self {
-        let p = outbox_core::RetryPolicy::default();
-        RetryConfig {
-            base_delay: p.base_delay,
-            max_delay: p.max_delay,
-            max_attempts: p.max_attempts,
-            max_attempts_by_type: HashMap::new(),
-        }
-    }
-}
+pub use outbox_core::time::duration_text as duration;
 
 /// Ordering mode: per key (partitioned across nodes), or none (any node, any row).
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, clap::ValueEnum)]
@@ -119,9 +81,9 @@ pub struct Config {
     /// One sink for every destination; when set it replaces `[sinks]` and `[[routes]]`.
     pub sink: Option<String>,
     /// Named sinks (`[sinks.NAME]`), used with `[[routes]]`.
-    pub sinks: std::collections::BTreeMap<String, outbox_publishers::SinkConfig>,
+    pub sinks: BTreeMap<String, SinkConfig>,
     /// Destination globs to sinks and target templates, first match wins.
-    pub routes: Vec<outbox_publishers::RouteConfig>,
+    pub routes: Vec<RouteConfig>,
     pub outbox_schema: String,
     pub outbox_table: String,
     pub nodes_schema: String,
@@ -153,9 +115,10 @@ pub struct Config {
     pub pool_size: usize,
     pub log_format: LogFormat,
     pub log_level: String,
-    pub retry: RetryConfig,
+    /// `[retry]`: base_delay, max_delay, max_attempts, max_attempts_by_type.
+    pub retry: RetryPolicy,
     /// The outbox table's layout: the relay's own (`native`), a seed's, or `custom`.
-    pub layout: outbox_layout::LayoutKind,
+    pub layout: LayoutKind,
     /// The column mapping of `layout = "custom"` (`[mapping]`).
     pub mapping: Option<outbox_layout::Mapping>,
     /// How writers wake the relay: `notify` or `gated`; `migrate` installs the matching trigger.
@@ -170,10 +133,10 @@ impl Default for Config {
             sink: None,
             sinks: Default::default(),
             routes: Vec::new(),
-            outbox_schema: "public".into(),
-            outbox_table: "outbox".into(),
-            nodes_schema: "public".into(),
-            nodes_table: "outbox_nodes".into(),
+            outbox_schema: DEFAULT_SCHEMA.into(),
+            outbox_table: LayoutKind::Native.default_outbox_table().into(),
+            nodes_schema: DEFAULT_SCHEMA.into(),
+            nodes_table: DEFAULT_NODES_TABLE.into(),
             notify_channel: outbox_store_postgres::DEFAULT_NOTIFY_CHANNEL.into(),
             retain_delivered: false,
             auto_migrate: false,
@@ -193,8 +156,8 @@ impl Default for Config {
             pool_size: 8,
             log_format: LogFormat::Text,
             log_level: "info".into(),
-            retry: RetryConfig::default(),
-            layout: outbox_layout::LayoutKind::Native,
+            retry: RetryPolicy::default(),
+            layout: LayoutKind::Native,
             mapping: None,
             wakeup: WakeupMode::Notify,
         }
@@ -224,36 +187,6 @@ impl std::fmt::Debug for Config {
             .field("http_addr", &self.http_addr)
             .finish_non_exhaustive()
     }
-}
-
-/// Replaces the password in a URL's user info, and any `password=` query value, with `***`.
-pub fn redact_url(url: &str) -> String {
-    let mut out = url.to_string();
-    if let Some(scheme_end) = out.find("://") {
-        let rest_start = scheme_end + 3;
-        let authority_end = out[rest_start..]
-            .find(['/', '?', '#'])
-            .map_or(out.len(), |i| rest_start + i);
-        if let Some(at) = out[rest_start..authority_end].rfind('@') {
-            let userinfo = &out[rest_start..rest_start + at];
-            if let Some(colon) = userinfo.find(':') {
-                let start = rest_start + colon + 1;
-                out.replace_range(start..rest_start + at, "***");
-            }
-        }
-    }
-    for key in ["password=", "sslpassword="] {
-        let mut search_from = 0;
-        while let Some(i) = out[search_from..].find(key) {
-            let start = search_from + i + key.len();
-            let end = out[start..]
-                .find(['&', ' '])
-                .map_or(out.len(), |j| start + j);
-            out.replace_range(start..end, "***");
-            search_from = start + 3;
-        }
-    }
-    out
 }
 
 /// The Ably connector's environment variables and the settings they set (`layout = "adbc"`).
@@ -288,8 +221,9 @@ pub enum DatabaseKind {
 }
 
 impl Config {
-    /// Layers the sources. `file` is `--config`; without it `outbox-relay.toml` is read if present.
-    pub fn load(file: Option<&Path>, flags: Serialized<FlagOverrides>) -> anyhow::Result<Config> {
+    /// Layers the sources. `file` is `--config`; without it `outbox-relay.toml` is read if
+    /// present. `flags` is the command line's layer (`Cli::flags`).
+    pub fn load(file: Option<&Path>, flags: impl Provider + Clone) -> anyhow::Result<Config> {
         let mut figment = Figment::from(Serialized::defaults(Config::default()));
         match file {
             Some(path) => {
@@ -309,7 +243,7 @@ impl Config {
         let env = Env::prefixed("OUTBOX_RELAY_")
             .split("__")
             .ignore(&["webhook_secret"]);
-        let layout: outbox_layout::LayoutKind = figment
+        let layout: LayoutKind = figment
             .clone()
             .merge(env.clone())
             .merge(flags.clone())
@@ -320,7 +254,7 @@ impl Config {
                 .only(&["DATABASE_URL"])
                 .map(|_| "database_url".into()),
         );
-        if layout == outbox_layout::LayoutKind::Adbc {
+        if layout == LayoutKind::Adbc {
             // The Ably connector's own settings carry over (below OUTBOX_RELAY_* and flags).
             figment = figment.merge(Env::raw().filter_map(|key| {
                 ADBC_ALIASES
@@ -408,7 +342,6 @@ impl Config {
 
     /// A setting that cannot apply to this configuration is an error, never silently ignored.
     fn refuse_settings_without_effect(&self) -> anyhow::Result<()> {
-        use outbox_layout::LayoutKind as L;
         let database = self.database_kind()?;
         let store = match database {
             DatabaseKind::Postgres => None,
@@ -431,30 +364,30 @@ impl Config {
             }
         }
         if let DatabaseKind::Sqlite(_) = database {
-            if self.layout != L::Native {
+            if self.layout != LayoutKind::Native {
                 bail!(
                     "layout = \"{}\" runs on PostgreSQL or MySQL/MariaDB; SQLite supports the \
                      native layout only: remove --layout (or use a PostgreSQL or MySQL URL)",
                     self.layout
                 );
             }
-            if self.outbox_table != "outbox" || self.outbox_schema != "public" {
+            if self.outbox_table != LayoutKind::Native.default_outbox_table()
+                || self.outbox_schema != DEFAULT_SCHEMA
+            {
                 bail!(
                     "outbox_table and outbox_schema have no effect on SQLite, whose store uses \
                      `outbox`: remove them"
                 );
             }
         }
-        if database == DatabaseKind::MySql
-            && matches!(self.layout, L::Adbc | L::OpenOutbox | L::Export)
-        {
+        if database == DatabaseKind::MySql && !self.layout.runs_on(Dialect::MySql) {
             bail!(
                 "layout = \"{}\" is a PostgreSQL table (its seed defines it for PostgreSQL); on \
                  MySQL/MariaDB use the native or mysql-outbox-events layout, or a custom mapping",
                 self.layout
             );
         }
-        if self.layout != L::Custom && self.mapping.is_some() {
+        if self.layout != LayoutKind::Custom && self.mapping.is_some() {
             bail!(
                 "a [mapping] section has no effect with layout = \"{}\": set layout = \"custom\" \
                  to use it, or remove it",
@@ -530,38 +463,32 @@ impl Config {
         bail!("unsupported database URL {shown}: use postgres://user@host:port/db, mysql://user@host:port/db or sqlite:PATH")
     }
 
-    /// The table names in effect for the layout.
+    /// The table names in effect for the layout: a name left at its default becomes the
+    /// layout's own (a seed's table, the Ably connector's nodes table and channel).
     pub fn layout_tables(&self) -> LayoutTables {
-        use outbox_layout::LayoutKind as L;
-        let default_table = match self.layout {
-            L::Native | L::Adbc | L::Custom => "outbox",
-            L::OpenOutbox => "openoutbox_events",
-            L::Export => "event",
-            L::MysqlOutboxEvents => "outbox_events",
-        };
-        let outbox_table = if self.outbox_table == "outbox" {
-            default_table.to_string()
-        } else {
-            self.outbox_table.clone()
-        };
-        let nodes_table = if self.layout == L::Adbc && self.nodes_table == "outbox_nodes" {
-            "nodes".to_string()
-        } else {
-            self.nodes_table.clone()
-        };
-        let notify_channel = if self.layout == L::Adbc
-            && self.notify_channel == outbox_store_postgres::DEFAULT_NOTIFY_CHANNEL
-        {
-            "ably_adbc".to_string()
-        } else {
-            self.notify_channel.clone()
+        let native = LayoutKind::Native;
+        let layout_default = |set: &str, default: &str, own: Option<&str>| match own {
+            Some(own) if set == default => own.to_string(),
+            _ => set.to_string(),
         };
         LayoutTables {
             outbox_schema: self.outbox_schema.clone(),
-            outbox_table,
+            outbox_table: layout_default(
+                &self.outbox_table,
+                native.default_outbox_table(),
+                Some(self.layout.default_outbox_table()),
+            ),
             nodes_schema: self.nodes_schema.clone(),
-            nodes_table,
-            notify_channel,
+            nodes_table: layout_default(
+                &self.nodes_table,
+                DEFAULT_NODES_TABLE,
+                self.layout.default_nodes_table(),
+            ),
+            notify_channel: layout_default(
+                &self.notify_channel,
+                outbox_store_postgres::DEFAULT_NOTIFY_CHANNEL,
+                self.layout.default_notify_channel(),
+            ),
         }
     }
 
@@ -570,7 +497,7 @@ impl Config {
         use outbox_layout::{LayoutKind as L, Mapping};
         let t = self.layout_tables();
         let mysql = self.database_kind()? == DatabaseKind::MySql;
-        let database = (t.outbox_schema != "public").then_some(t.outbox_schema.as_str());
+        let database = (t.outbox_schema != DEFAULT_SCHEMA).then_some(t.outbox_schema.as_str());
         let mapping = match self.layout {
             L::Native if mysql => Mapping::native_mysql(database, &t.outbox_table, self.retain_delivered),
             L::Native => return Ok(None),
@@ -601,12 +528,7 @@ impl Config {
     }
 
     /// The sinks and routes in effect: `sink` alone, `[sinks]` with `[[routes]]`, or stdout.
-    pub fn sink_setup(
-        &self,
-    ) -> (
-        std::collections::BTreeMap<String, outbox_publishers::SinkConfig>,
-        Vec<outbox_publishers::RouteConfig>,
-    ) {
+    pub fn sink_setup(&self) -> (BTreeMap<String, SinkConfig>, Vec<RouteConfig>) {
         match (&self.sink, self.sinks.is_empty()) {
             (Some(uri), _) => (single_sink(uri), Vec::new()),
             (None, true) => (single_sink(DEFAULT_SINK), Vec::new()),
@@ -614,14 +536,61 @@ impl Config {
         }
     }
 
-    pub fn retry_policy(&self) -> outbox_core::RetryPolicy {
-        outbox_core::RetryPolicy {
-            base_delay: self.retry.base_delay,
-            max_delay: self.retry.max_delay,
-            max_attempts: self.retry.max_attempts,
-            max_attempts_by_type: self.retry.max_attempts_by_type.clone(),
-        }
+    /// What `run` hands to the engine, the cluster coordinator, the sinks and the HTTP server,
+    /// for the node `node` (the store opens from the `Config` itself). With `drain`, the engine
+    /// delivers what is deliverable now and returns. The engine's `ownership` is left for
+    /// `run` to set, once the store says how many partitions there are.
+    pub fn resolve(&self, node: NodeId, drain: bool) -> anyhow::Result<RunParts> {
+        let health = Health::new();
+        let mut engine = EngineConfig::new(node.clone());
+        engine.batch_size = self.batch_size;
+        engine.max_in_flight = self.max_in_flight;
+        engine.lease = self.lease;
+        engine.poll_interval = self.poll_interval;
+        // Nothing notifies under `--wakeup poll`: listening would only cost a connection.
+        engine.wake = if self.poll_fixed_rate || self.wakeup == WakeupMode::Poll {
+            WakeMode::FixedRate
+        } else {
+            WakeMode::Notify
+        };
+        engine.retry = self.retry.clone();
+        engine.publish_timeout = self.publish_timeout;
+        engine.shutdown_timeout = self.shutdown_timeout;
+        engine.drain = drain;
+        // Rows leased by a node that died come back after their lease; its partitions, once
+        // its heartbeat expired and the next beat takes them.
+        engine.drain_patience =
+            self.lease.max(self.heartbeat_timeout) + self.heartbeat_interval * 2;
+        engine.ordered = self.ordering == OrderingMode::Key;
+        engine.health = health.clone();
+        let cluster = ClusterConfig {
+            node,
+            heartbeat_interval: self.heartbeat_interval,
+            heartbeat_timeout: self.heartbeat_timeout,
+            health: health.clone(),
+        };
+        let (sinks, routes) = self.sink_setup();
+        Ok(RunParts {
+            engine,
+            cluster,
+            sinks,
+            routes,
+            http_addr: self.http_socket_addr()?,
+            health,
+        })
     }
+}
+
+/// The parts `run` starts, resolved from the settings in one place.
+pub struct RunParts {
+    pub engine: EngineConfig,
+    pub cluster: ClusterConfig,
+    pub sinks: BTreeMap<String, SinkConfig>,
+    pub routes: Vec<RouteConfig>,
+    /// Where /healthz, /readyz and /metrics listen; `None`: no HTTP server.
+    pub http_addr: Option<SocketAddr>,
+    /// What the engine and the coordinator report to, and /readyz shows.
+    pub health: Arc<Health>,
 }
 
 /// Figment's errors in the operator's terms: what is wrong, with which setting, and where the
@@ -665,81 +634,12 @@ fn describe_figment_error(error: figment::Error) -> String {
         .join("; ")
 }
 
-fn single_sink(uri: &str) -> std::collections::BTreeMap<String, outbox_publishers::SinkConfig> {
-    let config = outbox_publishers::SinkConfig {
+fn single_sink(uri: &str) -> BTreeMap<String, SinkConfig> {
+    let config = SinkConfig {
         uri: uri.to_string(),
         ..Default::default()
     };
-    std::collections::BTreeMap::from([("default".to_string(), config)])
-}
-
-/// Values given as flags; only those present override the other sources.
-#[derive(Clone, Debug, Default, Serialize)]
-pub struct FlagOverrides {
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub database_url: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub layout: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub wakeup: Option<WakeupMode>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub database_ca_file: Option<PathBuf>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub sink: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub outbox_schema: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub outbox_table: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub nodes_schema: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub nodes_table: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub retain_delivered: Option<bool>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub auto_migrate: Option<bool>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub poll_interval: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub poll_fixed_rate: Option<bool>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub batch_size: Option<usize>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub max_in_flight: Option<usize>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub lease: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub publish_timeout: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub shutdown_timeout: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub heartbeat_interval: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub heartbeat_timeout: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub http_addr: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub node_id: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub ordering: Option<OrderingMode>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub partitions: Option<u32>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub log_format: Option<LogFormat>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub log_level: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub retry: Option<RetryFlags>,
-}
-
-#[derive(Clone, Debug, Default, Serialize)]
-pub struct RetryFlags {
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub base_delay: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub max_delay: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub max_attempts: Option<u32>,
+    BTreeMap::from([("default".to_string(), config)])
 }
 
 #[cfg(test)]
@@ -747,21 +647,15 @@ pub struct RetryFlags {
 mod tests {
     use super::*;
 
-    #[test]
-    fn passwords_are_redacted() {
-        assert_eq!(
-            redact_url("postgres://relay:s3cr%40t@db:5432/app?sslmode=require"),
-            "postgres://relay:***@db:5432/app?sslmode=require"
-        );
-        assert_eq!(
-            redact_url("postgres://db/app?user=x&password=hunter2&sslmode=require"),
-            "postgres://db/app?user=x&password=***&sslmode=require"
-        );
-        assert_eq!(redact_url("sqlite:outbox.db"), "sqlite:outbox.db");
-        assert_eq!(
-            redact_url("postgres://relay@db/app"),
-            "postgres://relay@db/app"
-        );
+    /// The command line's layer, as `main` builds it.
+    fn flags(args: &[&str]) -> Figment {
+        use clap::FromArgMatches;
+        let matches = crate::cli::command()
+            .try_get_matches_from(args)
+            .expect("valid arguments");
+        crate::cli::Cli::from_arg_matches(&matches)
+            .expect("valid arguments")
+            .flags()
     }
 
     #[test]
@@ -820,12 +714,9 @@ mod tests {
             jail.set_env("OUTBOX_RELAY_BATCH_SIZE", "200");
             jail.set_env("OUTBOX_RELAY_POLL_INTERVAL", "250ms");
             jail.set_env("DATABASE_URL", "postgres://from-env/db");
-            let flags = FlagOverrides {
-                batch_size: Some(300),
-                ..FlagOverrides::default()
-            };
-            let c = Config::load(Some(Path::new("relay.toml")), Serialized::defaults(flags))
-                .map_err(|e| e.to_string())?;
+            let flags = flags(&["outbox-relay", "run", "--batch-size", "300"]);
+            let c =
+                Config::load(Some(Path::new("relay.toml")), flags).map_err(|e| e.to_string())?;
             assert_eq!(c.sink.as_deref(), Some("file:/tmp/from-file.jsonl"));
             assert_eq!(c.batch_size, 300);
             assert_eq!(c.poll_interval, Duration::from_millis(250));
@@ -865,20 +756,14 @@ mod tests {
     fn unknown_settings_and_bad_values_are_named() {
         figment::Jail::expect_with(|jail| {
             jail.create_file("relay.toml", "batch_sise = 5\n")?;
-            let err = Config::load(
-                Some(Path::new("relay.toml")),
-                Serialized::defaults(FlagOverrides::default()),
-            )
-            .unwrap_err()
-            .to_string();
+            let err = Config::load(Some(Path::new("relay.toml")), Figment::new())
+                .unwrap_err()
+                .to_string();
             assert!(err.contains("batch_sise"), "{err}");
             jail.create_file("relay.toml", "lease = \"10\"\n")?;
-            let err = Config::load(
-                Some(Path::new("relay.toml")),
-                Serialized::defaults(FlagOverrides::default()),
-            )
-            .unwrap_err()
-            .to_string();
+            let err = Config::load(Some(Path::new("relay.toml")), Figment::new())
+                .unwrap_err()
+                .to_string();
             assert!(err.contains("with a unit"), "{err}");
             Ok(())
         });
@@ -1021,19 +906,12 @@ mod tests {
     #[test]
     fn a_bad_value_names_its_flag_or_variable_never_a_source_file() {
         figment::Jail::expect_with(|jail| {
-            let flags = FlagOverrides {
-                lease: Some("10".into()),
-                ..FlagOverrides::default()
-            };
-            let err = Config::load(None, Serialized::defaults(flags))
-                .unwrap_err()
-                .to_string();
+            let flags = flags(&["outbox-relay", "run", "--lease", "10"]);
+            let err = Config::load(None, flags).unwrap_err().to_string();
             assert!(err.contains("--lease: invalid duration \"10\""), "{err}");
             assert!(!err.contains(".rs"), "{err}");
             jail.set_env("OUTBOX_RELAY_POLL_INTERVAL", "5");
-            let err = Config::load(None, Serialized::defaults(FlagOverrides::default()))
-                .unwrap_err()
-                .to_string();
+            let err = Config::load(None, Figment::new()).unwrap_err().to_string();
             assert!(
                 err.contains("environment variable OUTBOX_RELAY_POLL_INTERVAL")
                     && err.contains("write it with a unit"),
@@ -1041,5 +919,77 @@ mod tests {
             );
             Ok(())
         });
+    }
+
+    /// A switch not given leaves the file's value; a retry flag sets only its own field.
+    #[test]
+    fn absent_flags_leave_the_lower_layers_alone() {
+        figment::Jail::expect_with(|jail| {
+            jail.create_file(
+                "relay.toml",
+                "auto_migrate = true\nlayout = \"native\"\n[retry]\nmax_attempts = 7\n",
+            )?;
+            let flags = flags(&["outbox-relay", "run", "--retry-max-delay", "1m"]);
+            let c =
+                Config::load(Some(Path::new("relay.toml")), flags).map_err(|e| e.to_string())?;
+            assert!(c.auto_migrate);
+            assert_eq!(c.retry.max_attempts, 7);
+            assert_eq!(c.retry.max_delay, Duration::from_secs(60));
+            assert_eq!(c.retry.base_delay, RetryPolicy::default().base_delay);
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn resolve_hands_each_part_its_settings() {
+        let config = Config {
+            batch_size: 10,
+            lease: Duration::from_secs(40),
+            poll_fixed_rate: true,
+            ordering: OrderingMode::None,
+            http_addr: String::new(),
+            sink: Some("file:out.jsonl".into()),
+            ..Config::default()
+        };
+        let parts = config.resolve(NodeId("n1".into()), true).unwrap();
+        assert_eq!(parts.engine.batch_size, 10);
+        assert_eq!(parts.engine.wake, WakeMode::FixedRate);
+        assert!(parts.engine.drain && !parts.engine.ordered);
+        assert_eq!(parts.engine.drain_patience, Duration::from_secs(44));
+        assert_eq!(parts.cluster.node.0, "n1");
+        assert_eq!(parts.cluster.heartbeat_timeout, config.heartbeat_timeout);
+        assert!(Arc::ptr_eq(&parts.engine.health, &parts.cluster.health));
+        assert_eq!(parts.sinks["default"].uri, "file:out.jsonl");
+        assert!(parts.routes.is_empty() && parts.http_addr.is_none());
+    }
+
+    #[test]
+    fn a_seed_layout_brings_its_own_table_names() {
+        let adbc = Config {
+            layout: LayoutKind::Adbc,
+            ..Config::default()
+        };
+        let t = adbc.layout_tables();
+        assert_eq!(
+            (t.outbox_table.as_str(), t.nodes_table.as_str()),
+            ("outbox", "nodes")
+        );
+        assert_eq!(t.notify_channel, "ably_adbc");
+        let export = Config {
+            layout: LayoutKind::Export,
+            nodes_table: "my_nodes".into(),
+            ..Config::default()
+        };
+        let t = export.layout_tables();
+        assert_eq!(
+            (t.outbox_table.as_str(), t.nodes_table.as_str()),
+            ("event", "my_nodes")
+        );
+        let named = Config {
+            layout: LayoutKind::OpenOutbox,
+            outbox_table: "events".into(),
+            ..Config::default()
+        };
+        assert_eq!(named.layout_tables().outbox_table, "events");
     }
 }

@@ -11,8 +11,7 @@ mod store;
 use std::io::IsTerminal;
 use std::process::ExitCode;
 
-use clap::Parser;
-use figment::providers::Serialized;
+use clap::FromArgMatches;
 
 use crate::cli::{Cli, Command};
 use crate::config::{Config, LogFormat};
@@ -44,11 +43,11 @@ fn init_logging(config: &Config) -> anyhow::Result<()> {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
-    let config = match Config::load(
-        cli.global.config.as_deref(),
-        Serialized::defaults(cli.overrides()),
-    ) {
+    let cli = match Cli::from_arg_matches(&cli::command().get_matches()) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
+    let config = match Config::load(cli.global.config.as_deref(), cli.flags()) {
         Ok(config) => config,
         Err(e) => {
             eprintln!("error: {e:#}");

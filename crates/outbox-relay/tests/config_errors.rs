@@ -254,3 +254,53 @@ fn a_failed_tls_handshake_is_told_about_tls_not_about_the_host() {
     );
     assert!(!report.contains("host, port and credentials"), "{report}");
 }
+
+/// Each setting's flag shows the default the relay uses, written once in `Config::default()`.
+#[test]
+fn the_help_shows_every_setting_default() {
+    let dir = tempfile::tempdir().unwrap();
+    let help =
+        |args: &[&str]| String::from_utf8_lossy(&relay(dir.path(), args, &[]).stdout).to_string();
+    let run = help(&["run", "--help"]);
+    for (flag, default) in [
+        ("--database-url", "sqlite:outbox.db"),
+        ("--batch-size", "1000"),
+        ("--max-in-flight", "10000"),
+        ("--lease", "30s"),
+        ("--publish-timeout", "20s"),
+        ("--retry-base-delay", "500ms"),
+        ("--retry-max-delay", "5m"),
+        ("--max-attempts", "20"),
+        ("--heartbeat-timeout", "10s"),
+        ("--http-addr", "127.0.0.1:2259"),
+        ("--nodes-table", "outbox_nodes"),
+    ] {
+        let text = run
+            .split(&format!("      {flag} "))
+            .nth(1)
+            .unwrap_or_else(|| panic!("{flag} is in the help: {run}"));
+        let text = text.split("\n\n").next().unwrap_or_default();
+        assert!(
+            text.contains(&format!("[default: {default}]")),
+            "{flag}: {text}"
+        );
+    }
+    assert!(help(&["migrate", "--help"]).contains("[default: 64]"));
+}
+
+/// Neither `check`'s configuration line nor its sink report shows a secret of the sink's
+/// URI: a token in the user info, a password, a secret query parameter.
+#[test]
+fn check_shows_no_secret_of_a_sink_uri() {
+    let dir = tempfile::tempdir().unwrap();
+    for sink in [
+        "redis://s3cr3t-token@127.0.0.1:1",
+        "redis://user:s3cr3t-password@127.0.0.1:1",
+        "http://127.0.0.1:1/hook?access_token=s3cr3t-query",
+    ] {
+        let out = relay(dir.path(), &["check", "--sink", sink], &[]);
+        let shown = format!("{}{}", String::from_utf8_lossy(&out.stdout), stderr(&out));
+        assert!(shown.contains("configuration is valid"), "{shown}");
+        assert!(!shown.contains("s3cr3t"), "{sink}: {shown}");
+    }
+}
