@@ -32,7 +32,9 @@ use crate::lsn::Lsn;
 pub enum AckError {
     #[error("no transaction at {0} is in flight in this session")]
     UnknownTransaction(Lsn),
-    #[error("the transaction at {commit_lsn} had {handed_out} events handed out; more were settled")]
+    #[error(
+        "the transaction at {commit_lsn} had {handed_out} events handed out; more were settled"
+    )]
     OverSettled { commit_lsn: Lsn, handed_out: u64 },
 }
 
@@ -79,7 +81,9 @@ impl Acknowledgements {
                 ..
             } => self.transaction(*commit_lsn).end_lsn = Some(*end_lsn),
             Output::Idle { wal_end } => match self.in_flight.back_mut() {
-                Some(last) => last.idle_after = Some(last.idle_after.unwrap_or_default().max(*wal_end)),
+                Some(last) => {
+                    last.idle_after = Some(last.idle_after.unwrap_or_default().max(*wal_end))
+                }
                 None => self.confirmable = self.confirmable.max(*wal_end),
             },
             Output::Skipped { .. } => {}
@@ -126,7 +130,11 @@ impl Acknowledgements {
     /// The record of the transaction at `commit_lsn`: the last one, or a new one after it
     /// (transactions arrive in commit order).
     fn transaction(&mut self, commit_lsn: Lsn) -> &mut InFlight {
-        if self.in_flight.back().is_none_or(|t| t.commit_lsn != commit_lsn) {
+        if self
+            .in_flight
+            .back()
+            .is_none_or(|t| t.commit_lsn != commit_lsn)
+        {
             self.in_flight.push_back(InFlight {
                 commit_lsn,
                 end_lsn: None,
@@ -153,14 +161,14 @@ mod tests {
         (
             Output::Event {
                 position,
-                event: Err(crate::event::Undecodable {
+                event: Err(Box::new(crate::event::Undecodable {
                     reason: String::new(),
                     source: crate::event::EventSource::Table { sequence_id: None },
                     event_id: None,
                     destination: None,
                     partition_key: None,
                     raw: String::new(),
-                }),
+                })),
             },
             position,
         )
@@ -196,7 +204,10 @@ mod tests {
         acks.observe(&committed(200, 210, 1));
         assert_eq!(acks.confirmable(), Lsn(210));
         assert_eq!(acks.transactions_in_flight(), 0);
-        assert_eq!(acks.settle(p_a0), Err(AckError::UnknownTransaction(Lsn(100))));
+        assert_eq!(
+            acks.settle(p_a0),
+            Err(AckError::UnknownTransaction(Lsn(100)))
+        );
     }
 
     #[test]

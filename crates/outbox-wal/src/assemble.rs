@@ -34,7 +34,7 @@ pub enum Output {
     /// be decoded, which still counts as an event of its transaction.
     Event {
         position: EventPosition,
-        event: Result<WalEvent, Undecodable>,
+        event: Result<WalEvent, Box<Undecodable>>,
     },
     /// The transaction at `commit_lsn` ended after `events` events. Confirming `end_lsn`
     /// tells the server never to send it again.
@@ -162,12 +162,12 @@ impl Assembler {
                 Ok(None)
             }
             LogicalMessage::Insert(insert) => {
-                let columns = self
-                    .relations
-                    .get(&insert.relation)
-                    .ok_or(AssembleError::UnknownRelation {
-                        oid: insert.relation,
-                    })?;
+                let columns =
+                    self.relations
+                        .get(&insert.relation)
+                        .ok_or(AssembleError::UnknownRelation {
+                            oid: insert.relation,
+                        })?;
                 let Some(columns) = columns else {
                     self.stats.other_changes += 1;
                     return Ok(None);
@@ -233,7 +233,7 @@ impl Assembler {
     fn hand_out(
         &mut self,
         position: EventPosition,
-        event: Result<WalEvent, Undecodable>,
+        event: Result<WalEvent, Box<Undecodable>>,
     ) -> Output {
         self.stats.events += 1;
         if event.is_err() {
@@ -356,15 +356,24 @@ mod tests {
         else {
             panic!("{out:?}")
         };
-        assert_eq!((*commit_lsn, *end_lsn, *events), (Lsn(0x500), Lsn(0x528), 2));
+        assert_eq!(
+            (*commit_lsn, *end_lsn, *events),
+            (Lsn(0x500), Lsn(0x528), 2)
+        );
         let stats = a.stats();
-        assert_eq!((stats.events, stats.other_changes, stats.other_messages), (2, 1, 1));
+        assert_eq!(
+            (stats.events, stats.other_changes, stats.other_messages),
+            (2, 1, 1)
+        );
     }
 
     #[test]
     fn keepalives_inside_a_transaction_are_not_idle_positions() {
         let mut a = assembler();
-        assert!(matches!(a.keepalive(Lsn(5)), Some(Output::Idle { wal_end: Lsn(5) })));
+        assert!(matches!(
+            a.keepalive(Lsn(5)),
+            Some(Output::Idle { wal_end: Lsn(5) })
+        ));
         a.push_bytes(&wire::begin(0x500, 0, 1)).unwrap();
         assert!(a.keepalive(Lsn(0x600)).is_none());
         a.push_bytes(&wire::commit(0x500, 0x528, 0)).unwrap();
@@ -411,6 +420,11 @@ mod tests {
             .push_bytes(&wire::message(false, 7, "outbox", b"{}"))
             .unwrap();
         assert!(matches!(out, Some(Output::Skipped { lsn: Lsn(7), .. })));
-        assert_eq!(a.push_bytes(&wire::message(false, 8, "x", b"")).unwrap().map(|_| ()), None);
+        assert_eq!(
+            a.push_bytes(&wire::message(false, 8, "x", b""))
+                .unwrap()
+                .map(|_| ()),
+            None
+        );
     }
 }

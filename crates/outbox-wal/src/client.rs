@@ -193,12 +193,14 @@ impl WalStream {
                     lsn,
                     prefix,
                     content,
-                } => self.assembler.push(LogicalMessage::Message(EmittedMessage {
-                    transactional,
-                    lsn: lsn.into(),
-                    prefix: &prefix,
-                    content: &content,
-                }))?,
+                } => self
+                    .assembler
+                    .push(LogicalMessage::Message(EmittedMessage {
+                        transactional,
+                        lsn: lsn.into(),
+                        prefix: &prefix,
+                        content: &content,
+                    }))?,
                 ReplicationEvent::KeepAlive { wal_end, .. } => {
                     let wal_end = Lsn::from(wal_end);
                     if self.stop_at.is_some_and(|stop| wal_end >= stop)

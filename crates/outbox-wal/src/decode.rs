@@ -208,7 +208,10 @@ pub fn decode(bytes: &[u8]) -> Result<LogicalMessage<'_>, DecodeError> {
             })
         }
     };
-    let mut r = Reader { rest: body, message };
+    let mut r = Reader {
+        rest: body,
+        message,
+    };
     let decoded = match tag {
         b'B' => LogicalMessage::Begin(Begin {
             final_lsn: r.lsn("final LSN")?,
@@ -366,7 +369,10 @@ struct Reader<'a> {
 
 impl<'a> Reader<'a> {
     fn take<const N: usize>(&mut self, field: &'static str) -> Result<[u8; N], DecodeError> {
-        let (head, tail) = self.rest.split_first_chunk::<N>().ok_or(self.truncated(field))?;
+        let (head, tail) = self
+            .rest
+            .split_first_chunk::<N>()
+            .ok_or(self.truncated(field))?;
         self.rest = tail;
         Ok(*head)
     }
@@ -545,7 +551,12 @@ mod tests {
         string(&mut type_message, "mood");
         vec![
             begin(0x10, 5, 42),
-            relation(7, "public", "outbox", &[("sequence_id", 20), ("payload", 3802)]),
+            relation(
+                7,
+                "public",
+                "outbox",
+                &[("sequence_id", 20), ("payload", 3802)],
+            ),
             insert(7, &[Some("1"), None]),
             update,
             delete,

@@ -109,7 +109,7 @@ pub fn decode_message(
     lsn: Lsn,
     position: EventPosition,
     commit_time: SystemTime,
-) -> Result<WalEvent, Undecodable> {
+) -> Result<WalEvent, Box<Undecodable>> {
     let source = EventSource::Message { lsn };
     let undecodable = |reason: String| Undecodable {
         reason,
@@ -120,17 +120,19 @@ pub fn decode_message(
         raw: String::from_utf8_lossy(content).into_owned(),
     };
     let text = std::str::from_utf8(content)
-        .map_err(|_| undecodable("the outbox message is not UTF-8".into()))?;
+        .map_err(|_| Box::new(undecodable("the outbox message is not UTF-8".into())))?;
     let message: Content = serde_json::from_str(text).map_err(|e| {
-        undecodable(format!(
+        Box::new(undecodable(format!(
             "the outbox message is not the documented JSON object: {e}"
-        ))
+        )))
     })?;
-    let fail = |reason: String| Undecodable {
-        event_id: message.event_id,
-        destination: Some(message.destination.clone()),
-        partition_key: message.key.clone(),
-        ..undecodable(reason)
+    let fail = |reason: String| {
+        Box::new(Undecodable {
+            event_id: message.event_id,
+            destination: Some(message.destination.clone()),
+            partition_key: message.key.clone(),
+            ..undecodable(reason)
+        })
     };
     match &message.v {
         None => {}
@@ -170,7 +172,7 @@ mod tests {
         ordinal: 3,
     };
 
-    fn decode(text: &str) -> Result<WalEvent, Undecodable> {
+    fn decode(text: &str) -> Result<WalEvent, Box<Undecodable>> {
         decode_message(text.as_bytes(), Lsn(0x90), POSITION, SystemTime::UNIX_EPOCH)
     }
 

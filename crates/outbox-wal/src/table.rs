@@ -67,7 +67,11 @@ impl OutboxColumns {
             mutation_id: find("mutation_id"),
             created_at: find("created_at"),
             available_at: find("available_at"),
-            names: relation.columns.iter().map(|c| c.name.to_string()).collect(),
+            names: relation
+                .columns
+                .iter()
+                .map(|c| c.name.to_string())
+                .collect(),
         })
     }
 
@@ -77,25 +81,27 @@ impl OutboxColumns {
         &self,
         row: &TupleData<'_>,
         commit_time: SystemTime,
-    ) -> Result<WalEvent, Undecodable> {
+    ) -> Result<WalEvent, Box<Undecodable>> {
         let sequence_id = self
             .sequence_id
             .and_then(|i| text(row, i).ok().flatten())
             .and_then(|s| s.parse().ok());
         let source = EventSource::Table { sequence_id };
-        let undecodable = |reason: String| Undecodable {
-            reason,
-            source,
-            event_id: text(row, self.event_id)
-                .ok()
-                .flatten()
-                .and_then(|s| s.parse().ok()),
-            destination: text(row, self.destination).ok().flatten().map(String::from),
-            partition_key: self
-                .partition_key
-                .and_then(|i| text(row, i).ok().flatten())
-                .map(String::from),
-            raw: self.raw(row),
+        let undecodable = |reason: String| {
+            Box::new(Undecodable {
+                reason,
+                source,
+                event_id: text(row, self.event_id)
+                    .ok()
+                    .flatten()
+                    .and_then(|s| s.parse().ok()),
+                destination: text(row, self.destination).ok().flatten().map(String::from),
+                partition_key: self
+                    .partition_key
+                    .and_then(|i| text(row, i).ok().flatten())
+                    .map(String::from),
+                raw: self.raw(row),
+            })
         };
         if row.columns.len() != self.names.len() {
             return Err(undecodable(format!(
@@ -135,9 +141,9 @@ impl OutboxColumns {
                 .map_err(|e| undecodable(format!("{name}: {e}"))),
         };
         let created_at = timestamp(self.created_at, "created_at")?.unwrap_or(commit_time);
-        if let Some(problem) = outbox_core::time::created_at_problem(outbox_core::time::micros(
-            created_at,
-        )) {
+        if let Some(problem) =
+            outbox_core::time::created_at_problem(outbox_core::time::micros(created_at))
+        {
             return Err(undecodable(format!("created_at {problem}")));
         }
         Ok(WalEvent {
@@ -365,9 +371,7 @@ mod tests {
         let LogicalMessage::Insert(insert) = decode(&insert).unwrap() else {
             panic!()
         };
-        let event = columns
-            .event(&insert.new, SystemTime::UNIX_EPOCH)
-            .unwrap();
+        let event = columns.event(&insert.new, SystemTime::UNIX_EPOCH).unwrap();
         assert_eq!(event.destination, "orders");
         assert_eq!(event.event_type, "Placed");
         assert_eq!(event.partition_key, None);
@@ -409,7 +413,11 @@ mod tests {
         let error = columns
             .event(&insert.new, SystemTime::UNIX_EPOCH)
             .unwrap_err();
-        assert!(error.reason.contains("headers must be a JSON object"), "{}", error.reason);
+        assert!(
+            error.reason.contains("headers must be a JSON object"),
+            "{}",
+            error.reason
+        );
         assert_eq!(error.destination.as_deref(), Some("orders"));
         assert_eq!(error.partition_key.as_deref(), Some("k"));
         assert!(error.event_id.is_some());
@@ -424,6 +432,8 @@ mod tests {
         };
         let error = OutboxColumns::resolve(&relation).unwrap_err();
         assert_eq!(error.column, "event_id");
-        assert!(error.to_string().contains("app.events has no column event_id"));
+        assert!(error
+            .to_string()
+            .contains("app.events has no column event_id"));
     }
 }
