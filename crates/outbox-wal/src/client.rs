@@ -76,18 +76,43 @@ pub enum WalError {
 }
 
 impl WalError {
-    /// Whether a new session may succeed where this one failed: a dropped connection or a
-    /// server error, not a configuration, slot or stream problem (the same bytes would come
-    /// again).
+    /// Whether a new session may succeed where this one failed: a dropped connection, a
+    /// server shutting down or out of connections, or a slot held by another consumer (a
+    /// standby waits on that). Not a configuration, privilege, slot or stream problem: the
+    /// same answer, or the same bytes, would come again.
     pub fn is_retryable(&self) -> bool {
         match self {
-            WalError::Connection(e) => e.is_transient() || e.is_io() || e.is_server(),
+            WalError::Connection(PgWireError::Server(message)) => match sqlstate(message) {
+                Some(code) => {
+                    code == SLOT_IN_USE
+                        || ["08", "40", "53", "57", "58"]
+                            .iter()
+                            .any(|class| code.starts_with(class))
+                }
+                None => false,
+            },
+            WalError::Connection(e) => e.is_io() || e.is_transient(),
             WalError::Config(_)
             | WalError::Slot { .. }
             | WalError::MissingPublication(_)
             | WalError::Stream(_) => false,
         }
     }
+
+    /// The slot is held by another session: another relay is the active consumer.
+    pub fn is_slot_in_use(&self) -> bool {
+        matches!(self, WalError::Connection(PgWireError::Server(message))
+            if sqlstate(message) == Some(SLOT_IN_USE))
+    }
+}
+
+/// object_in_use: PostgreSQL's answer to START_REPLICATION on a slot another session holds.
+const SLOT_IN_USE: &str = "55006";
+
+/// The SQLSTATE `pgwire-replication` appends to a server error's text: `... (SQLSTATE 55006)`.
+fn sqlstate(message: &str) -> Option<&str> {
+    let code = message.strip_suffix(')')?.rsplit_once("(SQLSTATE ")?.1;
+    (code.len() == 5).then_some(code)
 }
 
 /// The slot as the session found it.
@@ -345,7 +370,7 @@ async fn ensure_slot(client: &mut ReplicationClient, slot: &str) -> Result<SlotS
         match client.simple_query(&create).await {
             Ok(_) => created = true,
             // Another relay created it meanwhile (duplicate_object): use theirs.
-            Err(PgWireError::Server(message)) if message.contains("42710") => {}
+            Err(PgWireError::Server(message)) if sqlstate(&message) == Some("42710") => {}
             Err(e) => return Err(e.into()),
         }
         rows = client.simple_query(&read).await?;
@@ -399,7 +424,68 @@ pub async fn drop_slot(config: &WalConfig) -> Result<bool, WalError> {
     {
         Ok(_) => Ok(true),
         // undefined_object: there is no such slot.
-        Err(PgWireError::Server(message)) if message.contains("42704") => Ok(false),
+        Err(PgWireError::Server(message)) if sqlstate(&message) == Some("42704") => Ok(false),
         Err(e) => Err(e.into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn server(message: &str) -> WalError {
+        WalError::Connection(PgWireError::Server(message.into()))
+    }
+
+    #[test]
+    fn a_busy_slot_or_a_lost_connection_is_retried_a_refusal_is_not() {
+        let busy = server("replication slot \"s\" is active for PID 7 (SQLSTATE 55006)");
+        assert!(busy.is_retryable() && busy.is_slot_in_use());
+        assert!(server("the database system is shutting down (SQLSTATE 57P03)").is_retryable());
+        assert!(server("sorry, too many clients already (SQLSTATE 53300)").is_retryable());
+        let denied = server("permission denied to start WAL sender (SQLSTATE 42501)");
+        assert!(!denied.is_retryable() && !denied.is_slot_in_use());
+        assert!(!server("no code").is_retryable());
+        assert!(!WalError::Config("x".into()).is_retryable());
+    }
+
+    #[test]
+    fn names_going_into_replication_commands_are_checked() {
+        assert!(check_name("outbox_relay_1", "slot").is_ok());
+        for bad in ["", "Upper", "a-b", "a b", "x'; DROP", &"a".repeat(64)] {
+            assert!(check_name(bad, "slot").is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_url_becomes_a_replication_config() {
+        let mut config = WalConfig::new(
+            "postgres://relay:p%40ss@db.example:6543/app?sslmode=require",
+            "s",
+            "p",
+            TableName::new("public", "outbox").unwrap(),
+        );
+        config.stop_at = Some(Lsn(5));
+        let replication = replication_config(&config).unwrap();
+        assert_eq!(
+            (
+                replication.host.as_str(),
+                replication.port,
+                replication.user.as_str(),
+                replication.password.as_str(),
+                replication.database.as_str()
+            ),
+            ("db.example", 6543, "relay", "p@ss", "app")
+        );
+        assert!(replication.tls.mode.requires_tls());
+        assert_eq!(
+            replication.stop_at_lsn,
+            Some(pgwire_replication::Lsn::from_u64(5))
+        );
+        assert!(replication_config(&WalConfig {
+            url: "not a url".into(),
+            ..config
+        })
+        .is_err());
     }
 }
