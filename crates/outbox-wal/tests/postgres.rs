@@ -558,3 +558,45 @@ async fn a_drain_ends_at_the_position_current_when_it_started() {
     }
     assert_eq!(delivered, vec![0, 1, 2]);
 }
+
+#[tokio::test]
+async fn idle_keepalives_move_the_slot_past_other_writes() {
+    let fixture = Fixture::new().await;
+    let mut stream = fixture.start().await;
+    let db = connect(&fixture.url).await;
+    // Writes the publication does not cover: the WAL grows, the outbox stays empty.
+    db.batch_execute(
+        "CREATE TABLE other (n int); INSERT INTO other SELECT generate_series(1, 1000);",
+    )
+    .await
+    .unwrap();
+    let written: String = db
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let written: Lsn = written.parse().unwrap();
+    let mut acks = Acknowledgements::new(stream.slot().confirmed_flush);
+    loop {
+        let output = next(&mut stream).await;
+        acks.observe(&output);
+        match output {
+            Output::Idle { wal_end } if wal_end >= written => break,
+            Output::Event { .. } => panic!("no outbox event was written"),
+            _ => {}
+        }
+    }
+    let confirmable = acks.confirmable();
+    assert!(confirmable >= written);
+    stream.confirm(confirmable);
+    stream.stop(Duration::from_secs(10)).await.unwrap();
+    let confirmed: String = db
+        .query_one(
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+            &[&fixture.config.slot],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(confirmed.parse::<Lsn>().unwrap() >= written);
+}
