@@ -11,8 +11,8 @@ use crate::decode::{Begin, Commit, EmittedMessage, LogicalMessage};
 use crate::emit::EMIT_PREFIX;
 use crate::lsn::Lsn;
 
-/// Where and how to replicate.
-#[derive(Clone, Debug)]
+/// Where and how to replicate. Its `Debug` leaves the URL out: it may hold a password.
+#[derive(Clone)]
 pub struct WalConfig {
     /// The database URL (`postgres://user:password@host:port/db?sslmode=...`), the same as the
     /// store's. The role needs the REPLICATION attribute.
@@ -55,6 +55,22 @@ impl WalConfig {
             stop_at: None,
             application_name: "outbox-relay".into(),
         }
+    }
+}
+
+impl std::fmt::Debug for WalConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WalConfig")
+            .field("url", &"(hidden)")
+            .field("slot", &self.slot)
+            .field("publication", &self.publication)
+            .field("outbox_table", &self.outbox_table)
+            .field("message_prefix", &self.message_prefix)
+            .field("status_interval", &self.status_interval)
+            .field("read_ahead", &self.read_ahead)
+            .field("stop_at", &self.stop_at)
+            .field("application_name", &self.application_name)
+            .finish()
     }
 }
 
@@ -478,6 +494,7 @@ mod tests {
             ("db.example", 6543, "relay", "p@ss", "app")
         );
         assert!(replication.tls.mode.requires_tls());
+        assert!(!format!("{config:?}").contains("p%40ss"));
         assert_eq!(
             replication.stop_at_lsn,
             Some(pgwire_replication::Lsn::from_u64(5))
