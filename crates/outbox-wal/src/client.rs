@@ -341,10 +341,21 @@ fn replication_config(config: &WalConfig) -> Result<ReplicationConfig, WalError>
     let database = url.get_dbname().unwrap_or(user);
     let tls = match url.get_ssl_mode() {
         tokio_postgres::config::SslMode::Disable => pgwire_replication::TlsConfig::disabled(),
+        // Without TLS support, "prefer" falls back to what it prefers over failing.
+        tokio_postgres::config::SslMode::Prefer if cfg!(not(feature = "tls")) => {
+            pgwire_replication::TlsConfig::disabled()
+        }
         tokio_postgres::config::SslMode::Prefer => pgwire_replication::TlsConfig {
             mode: pgwire_replication::SslMode::Prefer,
             ..pgwire_replication::TlsConfig::disabled()
         },
+        _ if cfg!(not(feature = "tls")) => {
+            return Err(WalError::Config(
+                "the database URL asks for TLS, and this build of WAL capture has none: \
+                 build outbox-wal with its `tls` feature"
+                    .into(),
+            ))
+        }
         _ => pgwire_replication::TlsConfig::require(),
     };
     let mut replication = ReplicationConfig::new(
@@ -476,13 +487,14 @@ mod tests {
     #[test]
     fn the_url_becomes_a_replication_config() {
         let mut config = WalConfig::new(
-            "postgres://relay:p%40ss@db.example:6543/app?sslmode=require",
+            "postgres://relay:p%40ss@db.example:6543/app?sslmode=disable",
             "s",
             "p",
             TableName::new("public", "outbox").unwrap(),
         );
         config.stop_at = Some(Lsn(5));
         let replication = replication_config(&config).unwrap();
+        assert!(!replication.tls.mode.requires_tls());
         assert_eq!(
             (
                 replication.host.as_str(),
@@ -493,12 +505,20 @@ mod tests {
             ),
             ("db.example", 6543, "relay", "p@ss", "app")
         );
-        assert!(replication.tls.mode.requires_tls());
-        assert!(!format!("{config:?}").contains("p%40ss"));
         assert_eq!(
             replication.stop_at_lsn,
             Some(pgwire_replication::Lsn::from_u64(5))
         );
+        assert!(!format!("{config:?}").contains("p%40ss"));
+        let tls = WalConfig {
+            url: config.url.replace("disable", "require"),
+            ..config.clone()
+        };
+        if cfg!(feature = "tls") {
+            assert!(replication_config(&tls).unwrap().tls.mode.requires_tls());
+        } else {
+            assert!(replication_config(&tls).is_err());
+        }
         assert!(replication_config(&WalConfig {
             url: "not a url".into(),
             ..config
