@@ -600,3 +600,45 @@ async fn idle_keepalives_move_the_slot_past_other_writes() {
         .get(0);
     assert!(confirmed.parse::<Lsn>().unwrap() >= written);
 }
+
+#[tokio::test]
+async fn one_consumer_holds_the_slot_and_a_standby_takes_over_when_it_goes() {
+    let fixture = Fixture::new().await;
+    let active = fixture.start().await;
+    // A standby is refused while the active session holds the slot, and told why.
+    let refused = match WalStream::start(&fixture.config).await {
+        Ok(_) => panic!("two sessions held one slot"),
+        Err(e) => e,
+    };
+    assert!(
+        refused.is_slot_in_use() && refused.is_retryable(),
+        "{refused}"
+    );
+    // The active one dies without a goodbye; the standby's retries take the slot.
+    drop(active);
+    let mut standby = fixture.start().await;
+    let db = connect(&fixture.url).await;
+    insert(&db, "k", 1).await;
+    let mut acks = Acknowledgements::new(standby.slot().confirmed_flush);
+    let transactions = read_transactions(&mut standby, &mut acks, 1).await;
+    assert_eq!(payload_n(&transactions[0].events[0].1), 1);
+    // The server ends the session (as in a restart): the error says to start again.
+    db.batch_execute(&format!(
+        "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots
+          WHERE slot_name = '{}'",
+        fixture.config.slot
+    ))
+    .await
+    .unwrap();
+    let ended = loop {
+        match tokio::time::timeout(Duration::from_secs(60), standby.next())
+            .await
+            .expect("the end of the session within 60 s")
+        {
+            Ok(Some(_)) => continue,
+            Ok(None) => panic!("the session ended without an error"),
+            Err(e) => break e,
+        }
+    };
+    assert!(ended.is_retryable(), "{ended}");
+}
