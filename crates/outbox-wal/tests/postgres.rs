@@ -10,8 +10,8 @@ use std::time::Duration;
 use outbox_core::ident::{Ident, TableName};
 use outbox_store_postgres::schema::Tables;
 use outbox_wal::{
-    drop_slot, emit_function_ddl, Acknowledgements, EventPosition, EventSource, Lsn, Output,
-    WalConfig, WalError, WalEvent, WalStream,
+    drop_slot, emit_function_ddl, publication_ddl, Acknowledgements, EventPosition, EventSource,
+    Lsn, Output, WalConfig, WalError, WalEvent, WalStream,
 };
 use tokio_postgres::{Client, NoTls};
 
@@ -32,11 +32,13 @@ impl Fixture {
         db.batch_execute(&emit_function_ddl(&Ident::new("public", "schema").unwrap()))
             .await
             .unwrap();
-        db.batch_execute(&format!(
-            "CREATE PUBLICATION {PUBLICATION} FOR TABLE public.outbox WITH (publish = 'insert')"
-        ))
-        .await
-        .unwrap();
+        let publication = publication_ddl(
+            &Ident::new(PUBLICATION, "publication").unwrap(),
+            &TableName::new("public", "outbox").unwrap(),
+        );
+        // Twice: `migrate` runs it on every start.
+        db.batch_execute(&publication).await.unwrap();
+        db.batch_execute(&publication).await.unwrap();
         let slot = format!("t_{}", uuid::Uuid::new_v4().simple());
         let mut config = WalConfig::new(
             url.clone(),
