@@ -1,0 +1,244 @@
+//! Which WAL position may be confirmed to the slot.
+//!
+//! The slot's confirmed position is a promise to the server: "everything committed before
+//! this is done; never send it again". So it may pass a transaction only once every event
+//! of that transaction is *settled*: confirmed by the sink, or durably recorded as retrying
+//! or dead by the caller. And it may pass it only at the transaction's `end_lsn` (a slot
+//! confirmed at the commit record itself sends the transaction again).
+//!
+//! [`Acknowledgements`] keeps one small record per transaction in flight (a count of handed
+//! out and settled events, not the events), in commit order. Events settle in any order;
+//! the confirmable position is the `end_lsn` of the last transaction of the settled prefix,
+//! or a later idle keepalive position when nothing after it is in flight. The caller hands
+//! [`Acknowledgements::confirmable`] to [`crate::WalStream::confirm`]; nothing is confirmed
+//! on its own.
+//!
+//! A transaction is confirmed whole: after a crash, a transaction that was partly delivered
+//! is sent again, whole, and its delivered events are duplicates with the same event ids
+//! (and the same [`EventPosition`]s, which lets a caller that remembers positions skip them).
+//!
+//! One `Acknowledgements` serves one replication session: a new session starts again from
+//! the slot's confirmed position, and settles of the old session's events are refused.
+
+use std::collections::VecDeque;
+
+use crate::assemble::Output;
+use crate::event::EventPosition;
+use crate::lsn::Lsn;
+
+/// A settle that does not match what was handed out: a caller bug, or an event of an
+/// earlier session.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum AckError {
+    #[error("no transaction at {0} is in flight in this session")]
+    UnknownTransaction(Lsn),
+    #[error(
+        "the transaction at {commit_lsn} had {handed_out} events handed out; more were settled"
+    )]
+    OverSettled { commit_lsn: Lsn, handed_out: u64 },
+}
+
+#[derive(Debug)]
+struct InFlight {
+    commit_lsn: Lsn,
+    /// Set by the Commit.
+    end_lsn: Option<Lsn>,
+    handed_out: u64,
+    settled: u64,
+    /// An idle keepalive position seen after this transaction's commit, before the next.
+    idle_after: Option<Lsn>,
+}
+
+impl InFlight {
+    fn done(&self) -> bool {
+        self.end_lsn.is_some() && self.settled == self.handed_out
+    }
+}
+
+/// The settled prefix of one replication session's stream.
+#[derive(Debug)]
+pub struct Acknowledgements {
+    confirmable: Lsn,
+    in_flight: VecDeque<InFlight>,
+}
+
+impl Acknowledgements {
+    /// `start`: the slot's confirmed position when the session began.
+    pub fn new(start: Lsn) -> Self {
+        Acknowledgements {
+            confirmable: start,
+            in_flight: VecDeque::new(),
+        }
+    }
+
+    /// Records what the assembler handed out; call it for every [`Output`], in order.
+    pub fn observe(&mut self, output: &Output) {
+        match output {
+            Output::Event { position, .. } => self.transaction(position.commit_lsn).handed_out += 1,
+            Output::Committed {
+                commit_lsn,
+                end_lsn,
+                ..
+            } => self.transaction(*commit_lsn).end_lsn = Some(*end_lsn),
+            Output::Idle { wal_end } => match self.in_flight.back_mut() {
+                Some(last) => {
+                    last.idle_after = Some(last.idle_after.unwrap_or_default().max(*wal_end))
+                }
+                None => self.confirmable = self.confirmable.max(*wal_end),
+            },
+            Output::Skipped { .. } => {}
+        }
+    }
+
+    /// One event is settled: the sink confirmed it, or it is durably recorded as retrying
+    /// or dead.
+    pub fn settle(&mut self, position: EventPosition) -> Result<(), AckError> {
+        let i = self
+            .in_flight
+            .binary_search_by_key(&position.commit_lsn, |t| t.commit_lsn)
+            .map_err(|_| AckError::UnknownTransaction(position.commit_lsn))?;
+        let transaction = &mut self.in_flight[i];
+        if transaction.settled == transaction.handed_out {
+            return Err(AckError::OverSettled {
+                commit_lsn: transaction.commit_lsn,
+                handed_out: transaction.handed_out,
+            });
+        }
+        transaction.settled += 1;
+        Ok(())
+    }
+
+    /// The highest position that may be confirmed now. Monotonic.
+    pub fn confirmable(&mut self) -> Lsn {
+        while self.in_flight.front().is_some_and(InFlight::done) {
+            if let Some(done) = self.in_flight.pop_front() {
+                let end = done.end_lsn.unwrap_or_default();
+                self.confirmable = self
+                    .confirmable
+                    .max(end)
+                    .max(done.idle_after.unwrap_or_default());
+            }
+        }
+        self.confirmable
+    }
+
+    /// Transactions with events handed out and not all settled, or not yet committed.
+    pub fn transactions_in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    /// The record of the transaction at `commit_lsn`: the last one, or a new one after it
+    /// (transactions arrive in commit order).
+    fn transaction(&mut self, commit_lsn: Lsn) -> &mut InFlight {
+        if self
+            .in_flight
+            .back()
+            .is_none_or(|t| t.commit_lsn != commit_lsn)
+        {
+            self.in_flight.push_back(InFlight {
+                commit_lsn,
+                end_lsn: None,
+                handed_out: 0,
+                settled: 0,
+                idle_after: None,
+            });
+        }
+        let last = self.in_flight.len() - 1;
+        &mut self.in_flight[last]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::SystemTime;
+
+    fn event(commit: u64, ordinal: u64) -> (Output, EventPosition) {
+        let position = EventPosition {
+            commit_lsn: Lsn(commit),
+            ordinal,
+        };
+        (
+            Output::Event {
+                position,
+                event: Err(Box::new(crate::event::Undecodable {
+                    reason: String::new(),
+                    source: crate::event::EventSource::Table { sequence_id: None },
+                    event_id: None,
+                    destination: None,
+                    partition_key: None,
+                    raw: String::new(),
+                })),
+            },
+            position,
+        )
+    }
+
+    fn committed(commit: u64, end: u64, events: u64) -> Output {
+        Output::Committed {
+            commit_lsn: Lsn(commit),
+            end_lsn: Lsn(end),
+            events,
+            commit_time: SystemTime::UNIX_EPOCH,
+        }
+    }
+
+    #[test]
+    fn confirms_the_settled_prefix_at_end_lsns() {
+        let mut acks = Acknowledgements::new(Lsn(10));
+        let (a0, p_a0) = event(100, 0);
+        let (a1, p_a1) = event(100, 1);
+        let (b0, p_b0) = event(200, 0);
+        for output in [&a0, &a1, &committed(100, 110, 2), &b0] {
+            acks.observe(output);
+        }
+        assert_eq!(acks.confirmable(), Lsn(10));
+        // B settles first: A still holds the position.
+        acks.settle(p_b0).unwrap();
+        acks.settle(p_a1).unwrap();
+        assert_eq!(acks.confirmable(), Lsn(10));
+        acks.settle(p_a0).unwrap();
+        assert_eq!(acks.confirmable(), Lsn(110));
+        // B is settled but not committed yet: its events could still be coming.
+        assert_eq!(acks.transactions_in_flight(), 1);
+        acks.observe(&committed(200, 210, 1));
+        assert_eq!(acks.confirmable(), Lsn(210));
+        assert_eq!(acks.transactions_in_flight(), 0);
+        assert_eq!(
+            acks.settle(p_a0),
+            Err(AckError::UnknownTransaction(Lsn(100)))
+        );
+    }
+
+    #[test]
+    fn idle_positions_count_once_everything_before_them_is_settled() {
+        let mut acks = Acknowledgements::new(Lsn(10));
+        acks.observe(&Output::Idle { wal_end: Lsn(50) });
+        assert_eq!(acks.confirmable(), Lsn(50));
+        let (a0, p_a0) = event(100, 0);
+        acks.observe(&a0);
+        acks.observe(&committed(100, 110, 1));
+        acks.observe(&Output::Idle { wal_end: Lsn(500) });
+        assert_eq!(acks.confirmable(), Lsn(50));
+        acks.settle(p_a0).unwrap();
+        assert_eq!(acks.confirmable(), Lsn(500));
+        // A transaction without events confirms at once.
+        acks.observe(&committed(600, 620, 0));
+        assert_eq!(acks.confirmable(), Lsn(620));
+    }
+
+    #[test]
+    fn settling_more_than_was_handed_out_is_refused() {
+        let mut acks = Acknowledgements::new(Lsn::ZERO);
+        let (a0, p_a0) = event(100, 0);
+        acks.observe(&a0);
+        acks.settle(p_a0).unwrap();
+        assert_eq!(
+            acks.settle(p_a0),
+            Err(AckError::OverSettled {
+                commit_lsn: Lsn(100),
+                handed_out: 1
+            })
+        );
+    }
+}

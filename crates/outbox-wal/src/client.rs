@@ -1,0 +1,528 @@
+//! The replication client: one logical replication session over `pgwire-replication`,
+//! feeding the assembler, with a confirmed position that only the caller advances.
+
+use std::time::Duration;
+
+use outbox_core::ident::TableName;
+use pgwire_replication::{PgWireError, ReplicationClient, ReplicationConfig, ReplicationEvent};
+
+use crate::assemble::{AssembleError, Assembler, Output};
+use crate::decode::{Begin, Commit, EmittedMessage, LogicalMessage};
+use crate::emit::EMIT_PREFIX;
+use crate::lsn::Lsn;
+
+/// Where and how to replicate. Its `Debug` leaves the URL out: it may hold a password.
+#[derive(Clone)]
+pub struct WalConfig {
+    /// The database URL (`postgres://user:password@host:port/db?sslmode=...`), the same as the
+    /// store's. The role needs the REPLICATION attribute.
+    pub url: String,
+    /// The logical replication slot: created with pgoutput on first use. 1-63 of `a-z`,
+    /// `0-9`, `_` (PostgreSQL's rule for slot names).
+    pub slot: String,
+    /// The publication of the outbox's INSERTs (`migrate --capture wal` creates it).
+    pub publication: String,
+    pub outbox_table: TableName,
+    /// The prefix of outbox messages ([`EMIT_PREFIX`]).
+    pub message_prefix: String,
+    /// How often the confirmed position is reported when it moved (and at most how long a
+    /// confirmation waits to be reported).
+    pub status_interval: Duration,
+    /// Replication messages read ahead of the caller (bounds memory with the sink's pace).
+    pub read_ahead: usize,
+    /// End the stream once a transaction that commits at or after this position begins,
+    /// or a keepalive reaches it (`run --drain`).
+    pub stop_at: Option<Lsn>,
+    /// Shown in `pg_stat_replication`.
+    pub application_name: String,
+}
+
+impl WalConfig {
+    pub fn new(
+        url: impl Into<String>,
+        slot: impl Into<String>,
+        publication: impl Into<String>,
+        outbox_table: TableName,
+    ) -> Self {
+        WalConfig {
+            url: url.into(),
+            slot: slot.into(),
+            publication: publication.into(),
+            outbox_table,
+            message_prefix: EMIT_PREFIX.to_string(),
+            status_interval: Duration::from_secs(1),
+            read_ahead: 8192,
+            stop_at: None,
+            application_name: "outbox-relay".into(),
+        }
+    }
+}
+
+impl std::fmt::Debug for WalConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WalConfig")
+            .field("url", &"(hidden)")
+            .field("slot", &self.slot)
+            .field("publication", &self.publication)
+            .field("outbox_table", &self.outbox_table)
+            .field("message_prefix", &self.message_prefix)
+            .field("status_interval", &self.status_interval)
+            .field("read_ahead", &self.read_ahead)
+            .field("stop_at", &self.stop_at)
+            .field("application_name", &self.application_name)
+            .finish()
+    }
+}
+
+/// Why WAL capture stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum WalError {
+    #[error("WAL capture configuration: {0}")]
+    Config(String),
+    #[error("replication slot {slot:?} cannot be used: {reason}")]
+    Slot { slot: String, reason: String },
+    #[error(
+        "publication {0:?} does not exist in this database: run `outbox-relay migrate --capture wal`"
+    )]
+    MissingPublication(String),
+    #[error("replication connection: {0}")]
+    Connection(#[from] PgWireError),
+    #[error(transparent)]
+    Stream(#[from] AssembleError),
+}
+
+impl WalError {
+    /// Whether a new session may succeed where this one failed: a dropped connection, a
+    /// server shutting down or out of connections, or a slot held by another consumer (a
+    /// standby waits on that). Not a configuration, privilege, slot or stream problem: the
+    /// same answer, or the same bytes, would come again.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            WalError::Connection(PgWireError::Server(message)) => match sqlstate(message) {
+                Some(code) => {
+                    code == SLOT_IN_USE
+                        || ["08", "40", "53", "57", "58"]
+                            .iter()
+                            .any(|class| code.starts_with(class))
+                }
+                None => false,
+            },
+            WalError::Connection(e) => e.is_io() || e.is_transient(),
+            WalError::Config(_)
+            | WalError::Slot { .. }
+            | WalError::MissingPublication(_)
+            | WalError::Stream(_) => false,
+        }
+    }
+
+    /// The slot is held by another session: another relay is the active consumer.
+    pub fn is_slot_in_use(&self) -> bool {
+        matches!(self, WalError::Connection(PgWireError::Server(message))
+            if sqlstate(message) == Some(SLOT_IN_USE))
+    }
+}
+
+/// object_in_use: PostgreSQL's answer to START_REPLICATION on a slot another session holds.
+const SLOT_IN_USE: &str = "55006";
+
+/// The SQLSTATE `pgwire-replication` appends to a server error's text: `... (SQLSTATE 55006)`.
+fn sqlstate(message: &str) -> Option<&str> {
+    let code = message.strip_suffix(')')?.rsplit_once("(SQLSTATE ")?.1;
+    (code.len() == 5).then_some(code)
+}
+
+/// The slot as the session found it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SlotState {
+    /// Whether this session created the slot.
+    pub created: bool,
+    /// Where the stream starts: nothing committed before it is sent.
+    pub confirmed_flush: Lsn,
+}
+
+/// One replication session.
+///
+/// Contract:
+/// - [`next`](Self::next) yields the assembler's outputs in stream order: events of
+///   committed transactions only, in commit order, each transaction closed by
+///   [`Output::Committed`].
+/// - The slot's confirmed position moves only through [`confirm`](Self::confirm): never by
+///   itself, never backwards. Keepalive replies and periodic status updates report the
+///   last confirmed position (`pgwire-replication` sends them from its worker task, also
+///   while the caller is busy).
+/// - The session holds the slot (an active slot has one consumer); dropping or
+///   [`stop`](Self::stop)ping it releases the slot for a standby.
+pub struct WalStream {
+    client: ReplicationClient,
+    assembler: Assembler,
+    slot: SlotState,
+    confirmed: Lsn,
+    stop_at: Option<Lsn>,
+}
+
+impl WalStream {
+    /// Connects in replication mode, creates the slot if it is missing, checks the
+    /// publication, and starts replication from the slot's confirmed position.
+    pub async fn start(config: &WalConfig) -> Result<Self, WalError> {
+        check_name(&config.slot, "slot")?;
+        check_name(&config.publication, "publication")?;
+        let replication = replication_config(config)?;
+        let mut client = ReplicationClient::connect_gated(replication.clone()).await?;
+        let publication = client
+            .simple_query(&format!(
+                "SELECT 1 FROM pg_catalog.pg_publication WHERE pubname = '{}'",
+                config.publication
+            ))
+            .await?;
+        if publication.is_empty() {
+            return Err(WalError::MissingPublication(config.publication.clone()));
+        }
+        let slot = ensure_slot(&mut client, &config.slot).await?;
+        // The worker's first status update would otherwise report the start position (0/0
+        // means "the slot's"): report the slot's own, so the position never goes back.
+        drop(client);
+        let replication = replication
+            .with_start_lsn(slot.confirmed_flush.into())
+            .with_ack_lsn(slot.confirmed_flush.into());
+        let mut client = ReplicationClient::connect(replication).await?;
+        client.wait_started().await?;
+        Ok(WalStream {
+            client,
+            assembler: Assembler::new(config.outbox_table.clone(), config.message_prefix.clone()),
+            slot,
+            confirmed: slot.confirmed_flush,
+            stop_at: config.stop_at,
+        })
+    }
+
+    pub fn slot(&self) -> SlotState {
+        self.slot
+    }
+
+    /// The next output; `Ok(None)` when the stream ended: [`stop`](Self::stop) was called,
+    /// or `stop_at` was reached. An error ends the session: start a new one (from the
+    /// slot's confirmed position) if [`WalError::is_retryable`].
+    pub async fn next(&mut self) -> Result<Option<Output>, WalError> {
+        loop {
+            let Some(event) = self.client.recv().await? else {
+                return Ok(None);
+            };
+            let output = match event {
+                ReplicationEvent::XLogData { data, .. } => self.assembler.push_bytes(&data)?,
+                // The client decodes these three itself and hands them over parsed.
+                ReplicationEvent::Begin {
+                    final_lsn,
+                    xid,
+                    commit_time_micros,
+                } => self.assembler.push(LogicalMessage::Begin(Begin {
+                    final_lsn: final_lsn.into(),
+                    commit_time: commit_time_micros,
+                    xid,
+                }))?,
+                ReplicationEvent::Commit {
+                    lsn,
+                    end_lsn,
+                    commit_time_micros,
+                } => self.assembler.push(LogicalMessage::Commit(Commit {
+                    flags: 0,
+                    commit_lsn: lsn.into(),
+                    end_lsn: end_lsn.into(),
+                    commit_time: commit_time_micros,
+                }))?,
+                ReplicationEvent::Message {
+                    transactional,
+                    lsn,
+                    prefix,
+                    content,
+                } => self
+                    .assembler
+                    .push(LogicalMessage::Message(EmittedMessage {
+                        transactional,
+                        lsn: lsn.into(),
+                        prefix: &prefix,
+                        content: &content,
+                    }))?,
+                ReplicationEvent::KeepAlive { wal_end, .. } => {
+                    let wal_end = Lsn::from(wal_end);
+                    if self.stop_at.is_some_and(|stop| wal_end >= stop)
+                        && !self.assembler.in_transaction()
+                    {
+                        self.client.stop();
+                    }
+                    self.assembler.keepalive(wal_end)
+                }
+                ReplicationEvent::StoppedAt { .. } => return Ok(None),
+                // `ReplicationEvent` may grow: what we do not know is not ours.
+                #[allow(unreachable_patterns)]
+                _ => None,
+            };
+            if output.is_some() {
+                return Ok(output);
+            }
+        }
+    }
+
+    /// Confirms `lsn` to the slot: the server may drop WAL before it and will never send a
+    /// transaction that ended at or before it again. Call it only with a position every
+    /// event before which is settled ([`crate::Acknowledgements::confirmable`]). Lower
+    /// positions than the last are ignored. Reported within `status_interval`.
+    pub fn confirm(&mut self, lsn: Lsn) {
+        if lsn > self.confirmed {
+            self.confirmed = lsn;
+            self.client.update_applied_lsn(lsn.into());
+        }
+    }
+
+    /// The last position passed to [`confirm`](Self::confirm) (or the slot's at start).
+    pub fn confirmed(&self) -> Lsn {
+        self.confirmed
+    }
+
+    /// The last confirmed position the server has been told.
+    pub fn reported(&self) -> Lsn {
+        self.client.metrics().last_applied_lsn().into()
+    }
+
+    pub fn assembler(&self) -> &Assembler {
+        &self.assembler
+    }
+
+    /// Ends the session: waits up to `wait` for the last confirmation to be reported, then
+    /// closes the stream. A confirmation that was not reported by then is not lost work,
+    /// only repeated work: its transactions are sent again to the next session.
+    pub async fn stop(mut self, wait: Duration) -> Result<(), WalError> {
+        let deadline = tokio::time::Instant::now() + wait;
+        // The worker reports on its own schedule and offers no completion signal; a short
+        // poll of its counter is the only way to know.
+        while self.reported() < self.confirmed && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        self.client.shutdown().await?;
+        Ok(())
+    }
+}
+
+/// Slot and publication names go into replication commands unquoted (the client writes
+/// `START_REPLICATION SLOT <name>` as given), so only PostgreSQL's slot-name characters pass.
+fn check_name(name: &str, what: &str) -> Result<(), WalError> {
+    let valid = !name.is_empty()
+        && name.len() <= 63
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+    if valid {
+        Ok(())
+    } else {
+        Err(WalError::Config(format!(
+            "invalid {what} name {name:?}: use 1-63 lowercase ASCII letters, digits or underscores"
+        )))
+    }
+}
+
+fn replication_config(config: &WalConfig) -> Result<ReplicationConfig, WalError> {
+    let url: tokio_postgres::Config = config
+        .url
+        .parse()
+        .map_err(|e| WalError::Config(format!("the database URL cannot be parsed: {e}")))?;
+    let host = match url.get_hosts().first() {
+        Some(tokio_postgres::config::Host::Tcp(host)) => host.clone(),
+        #[cfg(unix)]
+        Some(tokio_postgres::config::Host::Unix(dir)) => dir.to_string_lossy().into_owned(),
+        None => "localhost".into(),
+    };
+    let port = url.get_ports().first().copied().unwrap_or(5432);
+    let user = url
+        .get_user()
+        .ok_or_else(|| WalError::Config("the database URL names no user".into()))?;
+    let password = url
+        .get_password()
+        .map(|p| String::from_utf8_lossy(p).into_owned())
+        .unwrap_or_default();
+    let database = url.get_dbname().unwrap_or(user);
+    let tls = match url.get_ssl_mode() {
+        tokio_postgres::config::SslMode::Disable => pgwire_replication::TlsConfig::disabled(),
+        // Without TLS support, "prefer" falls back to what it prefers over failing.
+        tokio_postgres::config::SslMode::Prefer if cfg!(not(feature = "tls")) => {
+            pgwire_replication::TlsConfig::disabled()
+        }
+        tokio_postgres::config::SslMode::Prefer => pgwire_replication::TlsConfig {
+            mode: pgwire_replication::SslMode::Prefer,
+            ..pgwire_replication::TlsConfig::disabled()
+        },
+        _ if cfg!(not(feature = "tls")) => {
+            return Err(WalError::Config(
+                "the database URL asks for TLS, and this build of WAL capture has none: \
+                 build outbox-wal with its `tls` feature"
+                    .into(),
+            ))
+        }
+        _ => pgwire_replication::TlsConfig::require(),
+    };
+    let mut replication = ReplicationConfig::new(
+        host,
+        user,
+        password,
+        database,
+        config.slot.clone(),
+        config.publication.as_str(),
+    )
+    .with_port(port)
+    .with_tls(tls)
+    .with_status_interval(config.status_interval)
+    .with_wakeup_interval(config.status_interval)
+    .with_buffer_size(config.read_ahead.max(1))
+    .with_application_name(config.application_name.clone())
+    // Timestamps are parsed from their text: fix the style they are written in.
+    .with_options("-c DateStyle=ISO -c TimeZone=UTC");
+    if let Some(stop) = config.stop_at {
+        replication = replication.with_stop_lsn(stop.into());
+    }
+    Ok(replication)
+}
+
+/// Reads the slot, creating it (pgoutput) when missing.
+async fn ensure_slot(client: &mut ReplicationClient, slot: &str) -> Result<SlotState, WalError> {
+    let slot_error = |reason: String| WalError::Slot {
+        slot: slot.to_string(),
+        reason,
+    };
+    let read = format!(
+        "SELECT plugin, database = current_database(), confirmed_flush_lsn::text, wal_status
+           FROM pg_catalog.pg_replication_slots WHERE slot_name = '{slot}'"
+    );
+    let mut created = false;
+    let mut rows = client.simple_query(&read).await?;
+    if rows.is_empty() {
+        let create = format!("CREATE_REPLICATION_SLOT {slot} LOGICAL pgoutput NOEXPORT_SNAPSHOT");
+        match client.simple_query(&create).await {
+            Ok(_) => created = true,
+            // Another relay created it meanwhile (duplicate_object): use theirs.
+            Err(PgWireError::Server(message)) if sqlstate(&message) == Some("42710") => {}
+            Err(e) => return Err(e.into()),
+        }
+        rows = client.simple_query(&read).await?;
+    }
+    let row = rows
+        .first()
+        .ok_or_else(|| slot_error("it vanished right after it was created".into()))?;
+    let text = |i: usize| {
+        row.get(i)
+            .and_then(|v| v.as_ref())
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+    };
+    if text(0).as_deref() != Some("pgoutput") {
+        return Err(slot_error(format!(
+            "it uses the plugin {:?}, not pgoutput (or is a physical slot): drop it or choose another slot name",
+            text(0).unwrap_or_default()
+        )));
+    }
+    if text(1).as_deref() != Some("t") {
+        return Err(slot_error(
+            "it belongs to another database: choose another slot name".into(),
+        ));
+    }
+    if text(3).as_deref() == Some("lost") {
+        return Err(slot_error(
+            "it is invalidated (wal_status = lost: the WAL it needed was removed, see \
+             max_slot_wal_keep_size); events written since it fell behind cannot be read \
+             from the WAL: drop the slot and recover them from the application"
+                .into(),
+        ));
+    }
+    let confirmed_flush = text(2)
+        .ok_or_else(|| slot_error("it has no confirmed position".into()))?
+        .parse()
+        .map_err(|e| slot_error(format!("{e}")))?;
+    Ok(SlotState {
+        created,
+        confirmed_flush,
+    })
+}
+
+/// Drops the configured slot, waiting for an active consumer to release it first
+/// (`DROP_REPLICATION_SLOT ... WAIT`). Returns whether a slot was dropped. Over the
+/// replication protocol, so it needs the same role and connection settings as the stream.
+pub async fn drop_slot(config: &WalConfig) -> Result<bool, WalError> {
+    check_name(&config.slot, "slot")?;
+    let mut client = ReplicationClient::connect_gated(replication_config(config)?).await?;
+    match client
+        .simple_query(&format!("DROP_REPLICATION_SLOT {} WAIT", config.slot))
+        .await
+    {
+        Ok(_) => Ok(true),
+        // undefined_object: there is no such slot.
+        Err(PgWireError::Server(message)) if sqlstate(&message) == Some("42704") => Ok(false),
+        Err(e) => Err(e.into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn server(message: &str) -> WalError {
+        WalError::Connection(PgWireError::Server(message.into()))
+    }
+
+    #[test]
+    fn a_busy_slot_or_a_lost_connection_is_retried_a_refusal_is_not() {
+        let busy = server("replication slot \"s\" is active for PID 7 (SQLSTATE 55006)");
+        assert!(busy.is_retryable() && busy.is_slot_in_use());
+        assert!(server("the database system is shutting down (SQLSTATE 57P03)").is_retryable());
+        assert!(server("sorry, too many clients already (SQLSTATE 53300)").is_retryable());
+        let denied = server("permission denied to start WAL sender (SQLSTATE 42501)");
+        assert!(!denied.is_retryable() && !denied.is_slot_in_use());
+        assert!(!server("no code").is_retryable());
+        assert!(!WalError::Config("x".into()).is_retryable());
+    }
+
+    #[test]
+    fn names_going_into_replication_commands_are_checked() {
+        assert!(check_name("outbox_relay_1", "slot").is_ok());
+        for bad in ["", "Upper", "a-b", "a b", "x'; DROP", &"a".repeat(64)] {
+            assert!(check_name(bad, "slot").is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_url_becomes_a_replication_config() {
+        let mut config = WalConfig::new(
+            "postgres://relay:p%40ss@db.example:6543/app?sslmode=disable",
+            "s",
+            "p",
+            TableName::new("public", "outbox").unwrap(),
+        );
+        config.stop_at = Some(Lsn(5));
+        let replication = replication_config(&config).unwrap();
+        assert!(!replication.tls.mode.requires_tls());
+        assert_eq!(
+            (
+                replication.host.as_str(),
+                replication.port,
+                replication.user.as_str(),
+                replication.password.as_str(),
+                replication.database.as_str()
+            ),
+            ("db.example", 6543, "relay", "p@ss", "app")
+        );
+        assert_eq!(
+            replication.stop_at_lsn,
+            Some(pgwire_replication::Lsn::from_u64(5))
+        );
+        assert!(!format!("{config:?}").contains("p%40ss"));
+        let tls = WalConfig {
+            url: config.url.replace("disable", "require"),
+            ..config.clone()
+        };
+        if cfg!(feature = "tls") {
+            assert!(replication_config(&tls).unwrap().tls.mode.requires_tls());
+        } else {
+            assert!(replication_config(&tls).is_err());
+        }
+        assert!(replication_config(&WalConfig {
+            url: "not a url".into(),
+            ..config
+        })
+        .is_err());
+    }
+}

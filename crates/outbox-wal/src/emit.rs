@@ -1,0 +1,247 @@
+//! Table-less events: the emit-message format, its decoder, and the SQL function that
+//! writes it.
+//!
+//! # The format (version 1)
+//!
+//! An application writes an event, in its own transaction, as a transactional logical
+//! decoding message:
+//!
+//! ```sql
+//! SELECT pg_logical_emit_message(true, 'outbox', '<content>');
+//! ```
+//!
+//! - **prefix**: `outbox` ([`EMIT_PREFIX`]). Messages with other prefixes are not ours and
+//!   are skipped. pgoutput sends every message of the database whatever the publication,
+//!   so the prefix is the only filter.
+//! - **transactional**: must be `true`. A transactional message is decoded only if its
+//!   transaction commits, in the transaction's commit order, together with the rest of the
+//!   transaction. A non-transactional one is sent at once even if the writer then rolls
+//!   back, which an outbox must never do: it is skipped and reported
+//!   ([`crate::Output::Skipped`]).
+//! - **content**: one UTF-8 JSON object:
+//!
+//! | field | type | |
+//! |---|---|---|
+//! | `v` | number | format version, `1`; absent means 1; any other value is undecodable |
+//! | `destination` | string | required: the channel, topic or subject |
+//! | `type` | string | required: the message name (`event_type`) |
+//! | `key` | string or null | the ordering key (`partition_key`); null or absent: the destination |
+//! | `payload` | any JSON | the message body, kept verbatim; null or absent: no payload |
+//! | `headers` | object | string values as they are, others as their JSON text; null or absent: none |
+//! | `event_id` | UUID string | the idempotency key; absent: derived from the event's WAL position ([`crate::EventPosition::derived_event_id`]), so a redelivery carries the same id |
+//! | `mutation_id` | string | optional, as in the table |
+//!
+//! Other fields are ignored, so later versions can add optional ones. Content that breaks
+//! these rules becomes an [`Undecodable`] event, which the engine dead-letters.
+//!
+//! The event's `created_at` is its transaction's commit time. No table row exists, so no
+//! table grows and nothing is deleted after delivery.
+//!
+//! [`emit_function_ddl`] creates `outbox_emit(...)`, which writes this format.
+
+use std::time::SystemTime;
+
+use outbox_core::ident::Ident;
+use outbox_core::{EventId, Headers, Payload};
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+use crate::event::{EventPosition, EventSource, Undecodable, WalEvent};
+use crate::lsn::Lsn;
+
+/// The logical decoding message prefix of outbox events.
+pub const EMIT_PREFIX: &str = "outbox";
+
+/// The SQL function that writes an outbox message.
+pub const EMIT_FUNCTION: &str = "outbox_emit";
+
+/// `CREATE OR REPLACE FUNCTION <schema>.outbox_emit(destination text, key text, type text,
+/// payload jsonb, headers jsonb DEFAULT '{}', event_id uuid DEFAULT gen_random_uuid())
+/// RETURNS uuid`: writes one event in the [format](self) into the caller's transaction and
+/// returns its event id. Idempotent, for `migrate`. Needs no privilege beyond EXECUTE:
+/// `pg_logical_emit_message` is executable by PUBLIC. A NULL destination or type raises an
+/// error in the writer's transaction, where it can still be fixed, rather than becoming a
+/// dead letter later; a NULL event_id gets a fresh one.
+pub fn emit_function_ddl(schema: &Ident) -> String {
+    let schema = schema.quoted();
+    format!(
+        r#"CREATE OR REPLACE FUNCTION {schema}.{EMIT_FUNCTION}(
+    destination text, key text, type text, payload jsonb,
+    headers jsonb DEFAULT '{{}}', event_id uuid DEFAULT gen_random_uuid())
+RETURNS uuid
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $outbox_emit$
+DECLARE
+    id uuid := coalesce($6, gen_random_uuid());
+BEGIN
+    IF $1 IS NULL OR $3 IS NULL THEN
+        RAISE EXCEPTION '{EMIT_FUNCTION}: destination and type must not be NULL'
+            USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    PERFORM pg_logical_emit_message(true, '{EMIT_PREFIX}', json_build_object(
+        'v', 1, 'event_id', id, 'destination', $1, 'key', $2, 'type', $3,
+        'payload', $4, 'headers', coalesce($5, '{{}}'::jsonb))::text);
+    RETURN id;
+END
+$outbox_emit$;"#
+    )
+}
+
+/// The JSON content, as written.
+#[derive(Deserialize)]
+struct Content {
+    v: Option<serde_json::Value>,
+    event_id: Option<EventId>,
+    destination: String,
+    key: Option<String>,
+    #[serde(rename = "type")]
+    event_type: String,
+    payload: Option<Box<RawValue>>,
+    headers: Option<serde_json::Value>,
+    mutation_id: Option<String>,
+}
+
+/// Decodes one outbox message's content at `position`. `lsn` is the message's own WAL
+/// position and `commit_time` its transaction's.
+pub fn decode_message(
+    content: &[u8],
+    lsn: Lsn,
+    position: EventPosition,
+    commit_time: SystemTime,
+) -> Result<WalEvent, Box<Undecodable>> {
+    let source = EventSource::Message { lsn };
+    let undecodable = |reason: String| Undecodable {
+        reason,
+        source,
+        event_id: None,
+        destination: None,
+        partition_key: None,
+        raw: String::from_utf8_lossy(content).into_owned(),
+    };
+    let text = std::str::from_utf8(content)
+        .map_err(|_| Box::new(undecodable("the outbox message is not UTF-8".into())))?;
+    let message: Content = serde_json::from_str(text).map_err(|e| {
+        Box::new(undecodable(format!(
+            "the outbox message is not the documented JSON object: {e}"
+        )))
+    })?;
+    let fail = |reason: String| {
+        Box::new(Undecodable {
+            event_id: message.event_id,
+            destination: Some(message.destination.clone()),
+            partition_key: message.key.clone(),
+            ..undecodable(reason)
+        })
+    };
+    match &message.v {
+        None => {}
+        Some(v) if v.as_u64() == Some(1) => {}
+        Some(other) => {
+            return Err(fail(format!(
+                "outbox message format version {other} is not supported (only 1)"
+            )))
+        }
+    }
+    let headers = match &message.headers {
+        None => Headers::new(),
+        Some(value) => outbox_core::event::headers_from_json(value).map_err(&fail)?,
+    };
+    Ok(WalEvent {
+        event_id: message
+            .event_id
+            .unwrap_or_else(|| position.derived_event_id()),
+        destination: message.destination,
+        partition_key: message.key,
+        event_type: message.event_type,
+        payload: message.payload.map_or(Payload::Null, Payload::Json),
+        headers,
+        mutation_id: message.mutation_id,
+        created_at: commit_time,
+        available_at: None,
+        source,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const POSITION: EventPosition = EventPosition {
+        commit_lsn: Lsn(0x100),
+        ordinal: 3,
+    };
+
+    fn decode(text: &str) -> Result<WalEvent, Box<Undecodable>> {
+        decode_message(text.as_bytes(), Lsn(0x90), POSITION, SystemTime::UNIX_EPOCH)
+    }
+
+    #[test]
+    fn decodes_the_documented_fields() {
+        let event = decode(
+            r#"{"v":1,"event_id":"6f1c9f3e-8d3a-4c1e-9a51-3c2b1d0e9f10","destination":"orders",
+               "key":"o-1","type":"OrderPlaced","payload":{"b": 2, "a": [1]},
+               "headers":{"trace":"t1","n":5},"mutation_id":"m1","future":true}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            event.event_id.to_string(),
+            "6f1c9f3e-8d3a-4c1e-9a51-3c2b1d0e9f10"
+        );
+        assert_eq!(event.destination, "orders");
+        assert_eq!(event.ordering_key(), "o-1");
+        assert_eq!(event.event_type, "OrderPlaced");
+        assert_eq!(event.payload.as_bytes(), br#"{"b": 2, "a": [1]}"#);
+        assert_eq!(event.headers["trace"], "t1");
+        assert_eq!(event.headers["n"], "5");
+        assert_eq!(event.mutation_id.as_deref(), Some("m1"));
+        assert_eq!(event.source, EventSource::Message { lsn: Lsn(0x90) });
+    }
+
+    #[test]
+    fn optional_fields_default_and_the_id_follows_the_position() {
+        let a = decode(r#"{"destination":"d","type":"t"}"#).unwrap();
+        let b = decode(r#"{"destination":"d","type":"t","key":null,"payload":null}"#).unwrap();
+        assert_eq!(a.event_id, b.event_id);
+        assert_eq!(a.event_id, POSITION.derived_event_id());
+        assert_eq!(a.event_id.get_version_num(), 8);
+        assert_eq!(a.ordering_key(), "d");
+        assert!(matches!(a.payload, Payload::Null));
+        assert!(a.headers.is_empty());
+        let other = EventPosition {
+            ordinal: 4,
+            ..POSITION
+        };
+        assert_ne!(other.derived_event_id(), a.event_id);
+    }
+
+    #[test]
+    fn content_that_breaks_the_format_is_undecodable_and_says_why() {
+        for (content, why) in [
+            ("not json", "not the documented JSON"),
+            (r#"{"type":"t"}"#, "destination"),
+            (r#"{"destination":"d","type":"t","v":2}"#, "version 2"),
+            (
+                r#"{"destination":"d","type":"t","headers":[1]}"#,
+                "headers must be a JSON object",
+            ),
+            (
+                r#"{"destination":"d","type":"t","event_id":"nope"}"#,
+                "UUID",
+            ),
+        ] {
+            let error = decode(content).unwrap_err();
+            assert!(error.reason.contains(why), "{content}: {}", error.reason);
+            assert_eq!(error.raw, content);
+        }
+        let error = decode_message(b"\xff", Lsn(1), POSITION, SystemTime::UNIX_EPOCH).unwrap_err();
+        assert!(error.reason.contains("UTF-8"));
+    }
+
+    #[test]
+    fn the_function_quotes_its_schema_and_uses_the_prefix() {
+        let ddl = emit_function_ddl(&Ident::new("app", "schema").unwrap());
+        assert!(ddl.starts_with("CREATE OR REPLACE FUNCTION \"app\".outbox_emit("));
+        assert!(ddl.contains("pg_logical_emit_message(true, 'outbox',"));
+    }
+}

@@ -1,0 +1,107 @@
+//! What the WAL yields: events, where each came from, and the ones that cannot be decoded.
+
+use std::time::SystemTime;
+
+use outbox_core::{Event, EventId, Headers, Payload, SequenceId};
+
+use crate::lsn::Lsn;
+
+/// Where an event stands in the WAL: its transaction's commit position and its place in the
+/// transaction. The same committed transaction decodes to the same positions every time it
+/// is sent, so a position names an event across reconnects and restarts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct EventPosition {
+    /// The transaction's commit record (the Begin message's final LSN).
+    pub commit_lsn: Lsn,
+    /// 0 for the transaction's first event, counting only events (rows of the outbox table
+    /// and outbox messages), not other changes.
+    pub ordinal: u64,
+}
+
+impl EventPosition {
+    /// An event id for an event that carries none (an emitted message written by hand
+    /// without `event_id`): derived from the position, so a redelivery carries the same id
+    /// and brokers can drop the duplicate. A UUID of version 8 (custom): commit LSN, then
+    /// ordinal, with the version and variant bits set.
+    pub fn derived_event_id(&self) -> EventId {
+        let mut bytes = [0u8; 16];
+        bytes[..8].copy_from_slice(&self.commit_lsn.0.to_be_bytes());
+        bytes[8..].copy_from_slice(&self.ordinal.to_be_bytes());
+        bytes[6] = (bytes[6] & 0x0f) | 0x80;
+        bytes[8] = (bytes[8] & 0x3f) | 0x80;
+        EventId::from_bytes(bytes)
+    }
+}
+
+/// How an event was written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventSource {
+    /// An INSERT into the outbox table; the row's `sequence_id` when the table has one.
+    Table { sequence_id: Option<SequenceId> },
+    /// A transactional `pg_logical_emit_message` with the outbox prefix, at `lsn`.
+    Message { lsn: Lsn },
+}
+
+/// One event decoded from the WAL: the fields of [`outbox_core::Event`] the WAL carries.
+#[derive(Clone, Debug)]
+pub struct WalEvent {
+    pub event_id: EventId,
+    /// The channel, topic or subject.
+    pub destination: String,
+    /// The ordering key as written; `None` means the destination orders the event.
+    pub partition_key: Option<String>,
+    pub event_type: String,
+    pub payload: Payload,
+    pub headers: Headers,
+    pub mutation_id: Option<String>,
+    /// The row's `created_at`; for a message, its transaction's commit time.
+    pub created_at: SystemTime,
+    /// The row's `available_at`, when the table has the column: a time in the future asks
+    /// for delayed delivery, which WAL capture has to honour by parking the event.
+    pub available_at: Option<SystemTime>,
+    pub source: EventSource,
+}
+
+impl WalEvent {
+    /// The key whose events are published in commit order.
+    pub fn ordering_key(&self) -> &str {
+        self.partition_key.as_deref().unwrap_or(&self.destination)
+    }
+
+    /// The engine's event. `sequence_id` is the caller's: WAL events have no table sequence
+    /// in the message form, so the caller numbers events in commit order (for example a
+    /// counter per process), and that number is what orders a key's lane.
+    pub fn into_core(self, sequence_id: SequenceId) -> Event {
+        Event {
+            sequence_id,
+            event_id: self.event_id,
+            destination: self.destination,
+            partition_key: self.partition_key,
+            event_type: self.event_type,
+            payload: self.payload,
+            headers: self.headers,
+            mutation_id: self.mutation_id,
+            rejected: false,
+            attempts: 0,
+            max_attempts: None,
+            created_at: self.created_at,
+        }
+    }
+}
+
+/// An outbox row or message that cannot become an event (a header that is not a JSON
+/// object, a message that is not the documented JSON, a `created_at` of `infinity`). It
+/// still occupies its position: the engine dead-letters it (with `raw` as the record) and
+/// then counts it as settled, or the slot could never move past it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Undecodable {
+    /// What is wrong, naming the field.
+    pub reason: String,
+    pub source: EventSource,
+    /// What could be read of the event, for the dead letter.
+    pub event_id: Option<EventId>,
+    pub destination: Option<String>,
+    pub partition_key: Option<String>,
+    /// The row as `column=value` lines, or the message's content as (lossy) UTF-8.
+    pub raw: String,
+}

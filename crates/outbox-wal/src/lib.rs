@@ -1,0 +1,36 @@
+//! WAL capture: outbox events read from PostgreSQL logical replication, in commit order.
+//!
+//! The pieces, from the wire up:
+//! - [`mod@decode`]: the pgoutput decoder (protocol version 1, with messages). Pure.
+//! - [`table`] and [`emit`]: what an event looks like in the WAL: an INSERT into the native
+//!   outbox table (columns found by name), or a transactional logical decoding message with
+//!   the `outbox` prefix (the format and the `outbox_emit` SQL function are in [`emit`]).
+//! - [`assemble`]: decoded messages → events of committed transactions, in commit order,
+//!   each handed out as it arrives, and a `Committed` marker per transaction.
+//! - [`ack`]: which position the slot may be confirmed at, given which events are settled.
+//! - [`schema`]: the publication `migrate --capture wal` creates.
+//! - [`client`]: the replication session (slot creation, START_REPLICATION, status
+//!   updates) over `pgwire-replication`.
+//!
+//! Events are decoded from the stream itself, never re-read from the table: a row read back
+//! when the WAL announces it may not be visible yet, and acknowledging the WAL anyway loses
+//! it.
+
+pub mod ack;
+pub mod assemble;
+pub mod client;
+pub mod decode;
+pub mod emit;
+pub mod event;
+pub mod lsn;
+pub mod schema;
+pub mod table;
+
+pub use ack::{AckError, Acknowledgements};
+pub use assemble::{AssembleError, Assembler, AssemblerStats, Output};
+pub use client::{drop_slot, SlotState, WalConfig, WalError, WalStream};
+pub use decode::{decode, DecodeError, LogicalMessage};
+pub use emit::{emit_function_ddl, EMIT_FUNCTION, EMIT_PREFIX};
+pub use event::{EventPosition, EventSource, Undecodable, WalEvent};
+pub use lsn::Lsn;
+pub use schema::publication_ddl;

@@ -1,0 +1,646 @@
+//! WAL capture against the real PostgreSQL 15 (`wal_level = logical`): commit order,
+//! rollbacks, emitted messages, restart from the confirmed position, and a 100,000-event
+//! transaction streamed without buffering.
+//!
+//! Every test makes its own database and slot, and drops the slot when it ends, passed or
+//! not: a slot left behind pins WAL for everyone on the server.
+
+use std::time::Duration;
+
+use outbox_core::ident::{Ident, TableName};
+use outbox_store_postgres::schema::Tables;
+use outbox_wal::{
+    drop_slot, emit_function_ddl, publication_ddl, Acknowledgements, EventPosition, EventSource,
+    Lsn, Output, WalConfig, WalError, WalEvent, WalStream,
+};
+use tokio_postgres::{Client, NoTls};
+
+const PUBLICATION: &str = "outbox_wal_test";
+
+/// A fresh database with the native outbox, `outbox_emit` and a publication of the
+/// outbox's INSERTs, and a slot name of its own, dropped on drop.
+struct Fixture {
+    url: String,
+    config: WalConfig,
+}
+
+impl Fixture {
+    async fn new() -> Fixture {
+        let url = outbox_testkit::fresh_pg_database().await;
+        let db = connect(&url).await;
+        db.batch_execute(&Tables::standard().ddl()).await.unwrap();
+        db.batch_execute(&emit_function_ddl(&Ident::new("public", "schema").unwrap()))
+            .await
+            .unwrap();
+        let publication = publication_ddl(
+            &Ident::new(PUBLICATION, "publication").unwrap(),
+            &TableName::new("public", "outbox").unwrap(),
+        );
+        // Twice: `migrate` runs it on every start.
+        db.batch_execute(&publication).await.unwrap();
+        db.batch_execute(&publication).await.unwrap();
+        let slot = format!("t_{}", uuid::Uuid::new_v4().simple());
+        let mut config = WalConfig::new(
+            url.clone(),
+            slot,
+            PUBLICATION,
+            TableName::new("public", "outbox").unwrap(),
+        );
+        config.status_interval = Duration::from_millis(50);
+        Fixture { url, config }
+    }
+
+    async fn start(&self) -> WalStream {
+        start(&self.config).await
+    }
+}
+
+/// Starts a session. A slot whose previous consumer has just gone may still show as active
+/// for a moment (the server releases it when that walsender's command ends): that refusal
+/// (object_in_use), and only that, is retried.
+async fn start(config: &WalConfig) -> WalStream {
+    let mut tries = 0;
+    loop {
+        match WalStream::start(config).await {
+            Ok(stream) => return stream,
+            Err(WalError::Connection(e)) if e.to_string().contains("55006") && tries < 100 => {
+                tries += 1;
+                eprintln!("slot still active, retry {tries}: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("start WAL capture: {e}"),
+        }
+    }
+}
+
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        let (url, slot) = (self.url.clone(), self.config.slot.clone());
+        // Drop cannot await, and the test's runtime may be the one this blocks (its
+        // session may still hold the slot): a runtime and a thread of our own, and the
+        // slot's consumer, if any, is ended rather than waited for.
+        let dropped = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| e.to_string())?;
+            rt.block_on(force_drop_slot(&url, &slot))
+        })
+        .join();
+        if !matches!(dropped, Ok(Ok(()))) {
+            eprintln!("could not drop slot {}: {dropped:?}", self.config.slot);
+        }
+    }
+}
+
+async fn force_drop_slot(url: &str, slot: &str) -> Result<(), String> {
+    let db = connect(url).await;
+    for _ in 0..100 {
+        let result = db
+            .batch_execute(&format!(
+                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots
+                  WHERE slot_name = '{slot}' AND active_pid IS NOT NULL;
+                 SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots
+                  WHERE slot_name = '{slot}';"
+            ))
+            .await;
+        match result {
+            Ok(()) => return Ok(()),
+            // object_in_use: the ended consumer has not released it yet.
+            Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::OBJECT_IN_USE) => {
+                tokio::time::sleep(Duration::from_millis(50)).await
+            }
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+    Err("the slot stayed active".into())
+}
+
+async fn connect(url: &str) -> Client {
+    let (client, connection) = tokio_postgres::connect(url, NoTls).await.unwrap();
+    tokio::spawn(connection);
+    client
+}
+
+async fn insert(db: &Client, key: &str, n: i32) -> i64 {
+    db.query_one(
+        "INSERT INTO outbox (destination, partition_key, event_type, payload)
+         VALUES ('orders', $1, 'Placed', jsonb_build_object('n', $2::int4)) RETURNING sequence_id",
+        &[&key, &n],
+    )
+    .await
+    .unwrap()
+    .get(0)
+}
+
+/// One transaction as the stream delivered it.
+#[derive(Debug)]
+struct Transaction {
+    commit_lsn: Lsn,
+    end_lsn: Lsn,
+    events: Vec<(EventPosition, WalEvent)>,
+}
+
+async fn next(stream: &mut WalStream) -> Output {
+    // A bound on a hang, not a synchronisation: every awaited output was already committed.
+    tokio::time::timeout(Duration::from_secs(60), stream.next())
+        .await
+        .expect("an output within 60 s")
+        .expect("the stream works")
+        .expect("the stream is open")
+}
+
+/// Reads until `count` transactions with events have committed; events are registered in
+/// `acks`. Transactions without events (another prefix's messages) are passed over.
+async fn read_transactions(
+    stream: &mut WalStream,
+    acks: &mut Acknowledgements,
+    count: usize,
+) -> Vec<Transaction> {
+    let mut done = Vec::new();
+    let mut events = Vec::new();
+    while done.len() < count {
+        let output = next(stream).await;
+        acks.observe(&output);
+        match output {
+            Output::Event { position, event } => {
+                events.push((position, event.expect("a decodable event")))
+            }
+            Output::Committed {
+                commit_lsn,
+                end_lsn,
+                events: n,
+                ..
+            } => {
+                assert_eq!(n as usize, events.len());
+                if n > 0 {
+                    done.push(Transaction {
+                        commit_lsn,
+                        end_lsn,
+                        events: std::mem::take(&mut events),
+                    });
+                }
+            }
+            Output::Idle { .. } | Output::Skipped { .. } => {}
+        }
+    }
+    done
+}
+
+fn payload_n(event: &WalEvent) -> i64 {
+    let value: serde_json::Value = serde_json::from_slice(event.payload.as_bytes()).unwrap();
+    value["n"].as_i64().unwrap()
+}
+
+fn sequence_id(event: &WalEvent) -> i64 {
+    match event.source {
+        EventSource::Table {
+            sequence_id: Some(id),
+        } => id,
+        other => panic!("not a table row: {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn transactions_arrive_in_commit_order_not_sequence_order() {
+    let fixture = Fixture::new().await;
+    let mut stream = fixture.start().await;
+    assert!(stream.slot().created);
+    // Five writers open their transactions in order (so their rows draw sequence ids in
+    // order), then commit in another order.
+    let mut writers = Vec::new();
+    for i in 0..5 {
+        let db = connect(&fixture.url).await;
+        db.batch_execute("BEGIN").await.unwrap();
+        let a = insert(&db, "k", i * 10).await;
+        let b = insert(&db, "k", i * 10 + 1).await;
+        assert!(a < b);
+        writers.push(db);
+    }
+    let commit_order = [3, 0, 4, 1, 2];
+    for &i in &commit_order {
+        writers[i].batch_execute("COMMIT").await.unwrap();
+    }
+
+    let mut acks = Acknowledgements::new(stream.slot().confirmed_flush);
+    let transactions = read_transactions(&mut stream, &mut acks, 5).await;
+    let delivered: Vec<Vec<i64>> = transactions
+        .iter()
+        .map(|t| t.events.iter().map(|(_, e)| payload_n(e)).collect())
+        .collect();
+    let expected: Vec<Vec<i64>> = commit_order
+        .iter()
+        .map(|&i| vec![i as i64 * 10, i as i64 * 10 + 1])
+        .collect();
+    assert_eq!(delivered, expected);
+    // Sequence ids are not in delivery order: the WAL's order is the commit order.
+    let ids: Vec<i64> = transactions
+        .iter()
+        .flat_map(|t| t.events.iter().map(|(_, e)| sequence_id(e)))
+        .collect();
+    assert_ne!(ids, {
+        let mut sorted = ids.clone();
+        sorted.sort();
+        sorted
+    });
+    for pair in transactions.windows(2) {
+        assert!(pair[0].end_lsn <= pair[1].commit_lsn);
+    }
+    for t in &transactions {
+        let ordinals: Vec<u64> = t.events.iter().map(|(p, _)| p.ordinal).collect();
+        assert_eq!(ordinals, vec![0, 1]);
+        assert!(t.events.iter().all(|(p, _)| p.commit_lsn == t.commit_lsn));
+        let event = &t.events[0].1;
+        assert_eq!(
+            (
+                event.destination.as_str(),
+                event.ordering_key(),
+                event.event_type.as_str()
+            ),
+            ("orders", "k", "Placed")
+        );
+    }
+    stream.stop(Duration::from_secs(5)).await.unwrap();
+}
+
+#[tokio::test]
+async fn rolled_back_rows_never_appear() {
+    let fixture = Fixture::new().await;
+    let mut stream = fixture.start().await;
+    let db = connect(&fixture.url).await;
+    db.batch_execute("BEGIN").await.unwrap();
+    insert(&db, "k", 1).await;
+    db.batch_execute("ROLLBACK").await.unwrap();
+    // A committed transaction whose savepoint was rolled back keeps only the rest.
+    db.batch_execute("BEGIN").await.unwrap();
+    insert(&db, "k", 2).await;
+    db.batch_execute("SAVEPOINT s").await.unwrap();
+    insert(&db, "k", 3).await;
+    db.batch_execute("ROLLBACK TO SAVEPOINT s").await.unwrap();
+    insert(&db, "k", 4).await;
+    db.batch_execute("COMMIT").await.unwrap();
+    // A rolled-back emitted message is gone too.
+    db.batch_execute("BEGIN; SELECT outbox_emit('orders', 'k', 'Placed', '{\"n\": 5}'); ROLLBACK;")
+        .await
+        .unwrap();
+    insert(&db, "k", 6).await;
+
+    let mut acks = Acknowledgements::new(stream.slot().confirmed_flush);
+    let transactions = read_transactions(&mut stream, &mut acks, 2).await;
+    let delivered: Vec<Vec<i64>> = transactions
+        .iter()
+        .map(|t| t.events.iter().map(|(_, e)| payload_n(e)).collect())
+        .collect();
+    assert_eq!(delivered, vec![vec![2, 4], vec![6]]);
+    stream.stop(Duration::from_secs(5)).await.unwrap();
+    // The operator's drop waits for the stopped session to release the slot.
+    assert!(drop_slot(&fixture.config).await.unwrap());
+    assert!(!drop_slot(&fixture.config).await.unwrap());
+}
+
+#[tokio::test]
+async fn emitted_messages_interleave_with_rows_in_commit_order() {
+    let fixture = Fixture::new().await;
+    let mut stream = fixture.start().await;
+    let db = connect(&fixture.url).await;
+    let early = connect(&fixture.url).await;
+    // Opened first, committed last.
+    early.batch_execute("BEGIN").await.unwrap();
+    let early_id: uuid::Uuid = early
+        .query_one(
+            "SELECT outbox_emit('orders', 'k', 'Placed', '{\"n\": 1}', '{\"trace\": \"t\"}')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    insert(&db, "k", 2).await;
+    db.batch_execute(
+        "BEGIN;
+         INSERT INTO outbox (destination, partition_key, event_type, payload)
+              VALUES ('orders', 'k', 'Placed', '{\"n\": 3}');
+         SELECT outbox_emit('orders', NULL, 'Placed', '{\"n\": 4}');
+         SELECT pg_logical_emit_message(true, 'not-outbox', 'ignored');
+         SELECT pg_logical_emit_message(false, 'outbox', '{\"destination\":\"d\",\"type\":\"t\"}');
+         INSERT INTO outbox (destination, partition_key, event_type, payload)
+              VALUES ('orders', 'k', 'Placed', '{\"n\": 5}');
+         COMMIT;",
+    )
+    .await
+    .unwrap();
+    early.batch_execute("COMMIT").await.unwrap();
+    let message_error = db
+        .batch_execute("SELECT outbox_emit(NULL, 'k', 'Placed', '{}')")
+        .await
+        .unwrap_err();
+    assert!(message_error
+        .as_db_error()
+        .is_some_and(|e| e.message().contains("must not be NULL")));
+
+    let mut acks = Acknowledgements::new(stream.slot().confirmed_flush);
+    let mut skipped = 0;
+    let mut events = Vec::new();
+    let mut commits = 0;
+    while commits < 3 {
+        let output = next(&mut stream).await;
+        acks.observe(&output);
+        match output {
+            Output::Event { event, .. } => events.push(event.unwrap()),
+            Output::Committed { events: n, .. } if n > 0 => commits += 1,
+            Output::Skipped { .. } => skipped += 1,
+            _ => {}
+        }
+    }
+    let order: Vec<(i64, bool)> = events
+        .iter()
+        .map(|e| {
+            (
+                payload_n(e),
+                matches!(e.source, EventSource::Message { .. }),
+            )
+        })
+        .collect();
+    assert_eq!(
+        order,
+        vec![(2, false), (3, false), (4, true), (5, false), (1, true)]
+    );
+    assert_eq!(skipped, 1);
+    let early_event = &events[4];
+    assert_eq!(early_event.event_id, early_id);
+    assert_eq!(early_event.headers["trace"], "t");
+    assert_eq!(early_event.ordering_key(), "k");
+    assert_eq!(events[2].ordering_key(), "orders");
+    assert_eq!(stream.assembler().stats().other_messages, 1);
+    stream.stop(Duration::from_secs(5)).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_restart_resumes_after_the_confirmed_transaction() {
+    let fixture = Fixture::new().await;
+    let mut stream = fixture.start().await;
+    let db = connect(&fixture.url).await;
+    for t in 0..6 {
+        db.batch_execute("BEGIN").await.unwrap();
+        for e in 0..3 {
+            insert(&db, &format!("k{e}"), t * 10 + e).await;
+        }
+        db.batch_execute("COMMIT").await.unwrap();
+    }
+    let mut acks = Acknowledgements::new(stream.slot().confirmed_flush);
+    let transactions = read_transactions(&mut stream, &mut acks, 6).await;
+    // The sink confirmed the first three transactions, and one event of the fourth.
+    for t in &transactions[..3] {
+        for (position, _) in &t.events {
+            acks.settle(*position).unwrap();
+        }
+    }
+    acks.settle(transactions[3].events[0].0).unwrap();
+    let confirmable = acks.confirmable();
+    assert_eq!(confirmable, transactions[2].end_lsn);
+    stream.confirm(confirmable);
+    stream.stop(Duration::from_secs(10)).await.unwrap();
+
+    let probe = connect(&fixture.url).await;
+    let confirmed: String = probe
+        .query_one(
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+            &[&fixture.config.slot],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(confirmed.parse::<Lsn>().unwrap(), confirmable);
+
+    // One more transaction while the relay is away.
+    insert(&db, "k0", 60).await;
+    let mut stream = fixture.start().await;
+    assert!(!stream.slot().created);
+    assert_eq!(stream.slot().confirmed_flush, confirmable);
+    let mut acks = Acknowledgements::new(stream.slot().confirmed_flush);
+    let again = read_transactions(&mut stream, &mut acks, 4).await;
+    let delivered: Vec<i64> = again
+        .iter()
+        .flat_map(|t| t.events.iter().map(|(_, e)| payload_n(e)))
+        .collect();
+    // The fourth transaction comes again whole (its settled event too), at the same
+    // positions, and nothing before it.
+    assert_eq!(delivered, vec![30, 31, 32, 40, 41, 42, 50, 51, 52, 60]);
+    for (before, after) in transactions[3..].iter().zip(&again) {
+        assert_eq!(before.commit_lsn, after.commit_lsn);
+        let ids = |t: &Transaction| -> Vec<uuid::Uuid> {
+            t.events.iter().map(|(_, e)| e.event_id).collect()
+        };
+        assert_eq!(ids(before), ids(after));
+    }
+    stream.stop(Duration::from_secs(5)).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_large_transaction_streams_through_without_being_buffered() {
+    const EVENTS: u64 = 100_000;
+    let fixture = Fixture::new().await;
+    let mut stream = fixture.start().await;
+    let db = connect(&fixture.url).await;
+    let started = std::time::Instant::now();
+    db.batch_execute(&format!(
+        "INSERT INTO outbox (destination, partition_key, event_type, payload)
+         SELECT 'orders', 'k' || (g % 100), 'Placed', jsonb_build_object('n', g)
+           FROM generate_series(1, {EVENTS}) g"
+    ))
+    .await
+    .unwrap();
+    let inserted = started.elapsed();
+
+    let mut acks = Acknowledgements::new(stream.slot().confirmed_flush);
+    let mut handed_out = 0u64;
+    let mut max_buffered = 0usize;
+    let mut max_in_flight = 0usize;
+    let mut expected_n = 1;
+    let end_lsn = loop {
+        let output = next(&mut stream).await;
+        max_buffered = max_buffered.max(stream.assembler().buffered_events());
+        acks.observe(&output);
+        match output {
+            Output::Event { position, event } => {
+                // Each event arrives before the transaction's end, in order, and is settled
+                // as a sink would: the assembler keeps none of them.
+                assert_eq!(payload_n(&event.unwrap()), expected_n);
+                expected_n += 1;
+                handed_out += 1;
+                acks.settle(position).unwrap();
+            }
+            Output::Committed {
+                events, end_lsn, ..
+            } if events > 0 => {
+                assert_eq!(events, EVENTS);
+                break end_lsn;
+            }
+            _ => {}
+        }
+        max_in_flight = max_in_flight.max(acks.transactions_in_flight());
+    };
+    // For the record only (no timing is asserted).
+    eprintln!(
+        "100,000-event transaction: insert {inserted:?}, then streamed in {:?}",
+        started.elapsed() - inserted
+    );
+    assert_eq!(
+        handed_out, EVENTS,
+        "every event was handed out before the commit"
+    );
+    assert_eq!(max_buffered, 0);
+    assert_eq!(max_in_flight, 1, "one record for the whole transaction");
+    assert_eq!(acks.confirmable(), end_lsn);
+    stream.confirm(end_lsn);
+    stream.stop(Duration::from_secs(10)).await.unwrap();
+}
+
+#[tokio::test]
+async fn columns_are_found_by_name_after_the_table_changes() {
+    let fixture = Fixture::new().await;
+    let mut stream = fixture.start().await;
+    let db = connect(&fixture.url).await;
+    insert(&db, "k", 1).await;
+    db.batch_execute(
+        "ALTER TABLE outbox DROP COLUMN mutation_id;
+         ALTER TABLE outbox ADD COLUMN tenant text;",
+    )
+    .await
+    .unwrap();
+    db.batch_execute(
+        "INSERT INTO outbox (tenant, destination, partition_key, event_type, payload)
+         VALUES ('t1', 'orders', 'k', 'Placed', '{\"n\": 2}')",
+    )
+    .await
+    .unwrap();
+    let mut acks = Acknowledgements::new(stream.slot().confirmed_flush);
+    let transactions = read_transactions(&mut stream, &mut acks, 2).await;
+    let delivered: Vec<i64> = transactions
+        .iter()
+        .flat_map(|t| t.events.iter().map(|(_, e)| payload_n(e)))
+        .collect();
+    assert_eq!(delivered, vec![1, 2]);
+    stream.stop(Duration::from_secs(5)).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_drain_ends_at_the_position_current_when_it_started() {
+    let fixture = Fixture::new().await;
+    // Create the slot first: a slot sees only what commits after it exists.
+    fixture
+        .start()
+        .await
+        .stop(Duration::from_secs(5))
+        .await
+        .unwrap();
+    let db = connect(&fixture.url).await;
+    for n in 0..3 {
+        insert(&db, "k", n).await;
+    }
+    let current: String = db
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let mut config = fixture.config.clone();
+    config.stop_at = Some(current.parse().unwrap());
+    let mut stream = start(&config).await;
+    insert(&db, "k", 3).await; // after the drain's position: not part of it
+    let mut delivered = Vec::new();
+    loop {
+        let output = tokio::time::timeout(Duration::from_secs(60), stream.next())
+            .await
+            .expect("an output within 60 s")
+            .expect("the stream works");
+        match output {
+            Some(Output::Event { event, .. }) => delivered.push(payload_n(&event.unwrap())),
+            Some(_) => {}
+            None => break,
+        }
+    }
+    assert_eq!(delivered, vec![0, 1, 2]);
+}
+
+#[tokio::test]
+async fn idle_keepalives_move_the_slot_past_other_writes() {
+    let fixture = Fixture::new().await;
+    let mut stream = fixture.start().await;
+    let db = connect(&fixture.url).await;
+    // Writes the publication does not cover: the WAL grows, the outbox stays empty.
+    db.batch_execute(
+        "CREATE TABLE other (n int); INSERT INTO other SELECT generate_series(1, 1000);",
+    )
+    .await
+    .unwrap();
+    let written: String = db
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let written: Lsn = written.parse().unwrap();
+    let mut acks = Acknowledgements::new(stream.slot().confirmed_flush);
+    loop {
+        let output = next(&mut stream).await;
+        acks.observe(&output);
+        match output {
+            Output::Idle { wal_end } if wal_end >= written => break,
+            Output::Event { .. } => panic!("no outbox event was written"),
+            _ => {}
+        }
+    }
+    let confirmable = acks.confirmable();
+    assert!(confirmable >= written);
+    stream.confirm(confirmable);
+    stream.stop(Duration::from_secs(10)).await.unwrap();
+    let confirmed: String = db
+        .query_one(
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+            &[&fixture.config.slot],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(confirmed.parse::<Lsn>().unwrap() >= written);
+}
+
+#[tokio::test]
+async fn one_consumer_holds_the_slot_and_a_standby_takes_over_when_it_goes() {
+    let fixture = Fixture::new().await;
+    let active = fixture.start().await;
+    // A standby is refused while the active session holds the slot, and told why.
+    let refused = match WalStream::start(&fixture.config).await {
+        Ok(_) => panic!("two sessions held one slot"),
+        Err(e) => e,
+    };
+    assert!(
+        refused.is_slot_in_use() && refused.is_retryable(),
+        "{refused}"
+    );
+    // The active one dies without a goodbye; the standby's retries take the slot.
+    drop(active);
+    let mut standby = fixture.start().await;
+    let db = connect(&fixture.url).await;
+    insert(&db, "k", 1).await;
+    let mut acks = Acknowledgements::new(standby.slot().confirmed_flush);
+    let transactions = read_transactions(&mut standby, &mut acks, 1).await;
+    assert_eq!(payload_n(&transactions[0].events[0].1), 1);
+    // The server ends the session (as in a restart): the error says to start again.
+    db.batch_execute(&format!(
+        "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots
+          WHERE slot_name = '{}'",
+        fixture.config.slot
+    ))
+    .await
+    .unwrap();
+    let ended = loop {
+        match tokio::time::timeout(Duration::from_secs(60), standby.next())
+            .await
+            .expect("the end of the session within 60 s")
+        {
+            Ok(Some(_)) => continue,
+            Ok(None) => panic!("the session ended without an error"),
+            Err(e) => break e,
+        }
+    };
+    assert!(ended.is_retryable(), "{ended}");
+}
