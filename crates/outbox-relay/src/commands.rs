@@ -136,14 +136,14 @@ where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, outbox_core::StoreError>>,
 {
-    let mut delay = Duration::from_millis(200);
+    let mut backoff = outbox_core::Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
     loop {
         match op().await {
             Ok(value) => return Ok(value),
             Err(e) if wait && e.is_retryable() => {
-                tracing::warn!(error = %e.report(), retry_in = ?delay, "{what}: waiting for the database");
-                tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(Duration::from_secs(5));
+                let retry_in = backoff.next_delay();
+                tracing::warn!(error = %e.report(), ?retry_in, "{what}: waiting for the database");
+                tokio::time::sleep(retry_in).await;
             }
             Err(e) => return Err(e),
         }
