@@ -164,7 +164,14 @@ async fn publisher(config: &Config) -> anyhow::Result<Arc<dyn Publisher>> {
     let (sinks, routes) = config.sink_setup();
     outbox_publishers::build_router(&sinks, &routes)
         .await
-        .map_err(|e| anyhow::anyhow!("{}", redact_url(&e.report())))
+        .map_err(|e| {
+            let message = redact_url(&e.report());
+            if e.kind().is_config() {
+                anyhow::Error::new(ConfigError(message))
+            } else {
+                anyhow::anyhow!(message)
+            }
+        })
 }
 
 pub async fn run(mut config: Config, drain: bool) -> anyhow::Result<ExitCode> {

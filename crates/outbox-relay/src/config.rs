@@ -474,16 +474,6 @@ impl Config {
                  which would be ignored: give either sink or [sinks] with [[routes]], not both"
             );
         }
-        for (name, sink) in &self.sinks {
-            if let Some(setting) = sink.settings_without_effect().first() {
-                bail!(
-                    "sinks.{name}.{setting} has no effect on a {} sink ({}), which does not read \
-                     it: remove it, or check the sink's uri",
-                    sink.scheme(),
-                    redact_url(&sink.uri)
-                );
-            }
-        }
         Ok(())
     }
 
@@ -666,10 +656,7 @@ fn describe_figment_error(error: figment::Error) -> String {
 }
 
 fn single_sink(uri: &str) -> std::collections::BTreeMap<String, outbox_publishers::SinkConfig> {
-    let config = outbox_publishers::SinkConfig {
-        uri: uri.to_string(),
-        ..Default::default()
-    };
+    let config = outbox_publishers::SinkConfig::new(uri);
     std::collections::BTreeMap::from([("default".to_string(), config)])
 }
 
@@ -918,19 +905,6 @@ mod tests {
             ..Config::default()
         });
         assert!(err.contains("poll_fixed_rate"), "{err}");
-        let main = outbox_publishers::SinkConfig {
-            uri: "nats://127.0.0.1:4222".into(),
-            maxlen: Some(100),
-            ..Default::default()
-        };
-        let err = refused(Config {
-            sinks: [("main".to_string(), main.clone())].into(),
-            ..Config::default()
-        });
-        assert!(
-            err.contains("sinks.main.maxlen has no effect on a nats sink"),
-            "{err}"
-        );
         let route = outbox_publishers::RouteConfig {
             destinations: "*".into(),
             sink: "main".into(),
