@@ -332,3 +332,44 @@ impl Sink for NatsSink {
 pub async fn sink(uri: &str, config: &NatsConfig) -> Result<Arc<dyn Sink>, SinkSetupError> {
     Ok(Arc::new(NatsSink::connect(uri, config).await?))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use async_nats::jetstream::context::PublishError as JsError;
+    use async_nats::ConnectErrorKind as K;
+
+    #[test]
+    fn connect_errors_are_classified_by_their_kind() {
+        let kind = |k| classify_connect(async_nats::ConnectError::new(k), "nats://h:4222").kind();
+        for k in [
+            K::ServerParse,
+            K::Tls,
+            K::Authentication,
+            K::AuthorizationViolation,
+        ] {
+            assert!(kind(k).is_config(), "{k:?}");
+        }
+        for k in [K::Dns, K::TimedOut, K::Io, K::MaxReconnects] {
+            assert!(!kind(k).is_config(), "{k:?}");
+        }
+    }
+
+    #[test]
+    fn a_refused_publish_is_classified_by_the_jetstream_status() {
+        let refusal = |code: usize| {
+            let api: async_nats::jetstream::Error = serde_json::from_value(serde_json::json!({
+                "code": code, "err_code": 10000, "description": "some server text"
+            }))
+            .unwrap();
+            classify(JsError::with_source(JsKind::Other, api), "orders").kind()
+        };
+        assert_eq!(refusal(403), PublishErrorKind::Unauthorized);
+        assert_eq!(refusal(401), PublishErrorKind::Unauthorized);
+        assert_eq!(refusal(500), PublishErrorKind::BrokerFailure);
+        assert_eq!(
+            classify(JsError::new(JsKind::StreamNotFound), "orders").kind(),
+            PublishErrorKind::MissingTarget
+        );
+    }
+}
