@@ -7,6 +7,7 @@
 //! to share one base id, so each event goes in its own request; the requests run
 //! concurrently on pooled connections.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use base64::Engine;
@@ -15,7 +16,10 @@ use futures::FutureExt;
 use outbox_core::{Event, Outcome, Payload, PublishError, PublishErrorKind};
 use serde_json::{json, Map, Value};
 
-use crate::config::{SinkConfig, DEFAULT_SINK_TIMEOUT};
+use serde::{Deserialize, Serialize};
+
+use crate::config::{ConfirmTimeout, TlsFiles};
+use crate::error::SinkSetupError;
 use crate::sink::{Routed, Sink};
 
 pub const DEFAULT_REST_URL: &str = "https://rest.ably.io";
@@ -23,6 +27,20 @@ pub const DEFAULT_REST_URL: &str = "https://rest.ably.io";
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 65_536;
 pub const MUTATION_HEADER: &str = "x-ably-models-event-uuid";
 pub const REJECT_HEADER: &str = "x-ably-models-reject";
+
+/// An Ably sink's own settings (`[sinks.NAME]` with the URI `ably:`).
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct AblyConfig {
+    #[serde(flatten)]
+    pub timeout: ConfirmTimeout,
+    #[serde(flatten)]
+    pub tls: TlsFiles,
+    /// A file holding the API key (or ABLY_API_KEY / OUTBOX_RELAY_ABLY_API_KEY).
+    pub api_key_file: Option<PathBuf>,
+    /// REST endpoint [default: https://rest.ably.io].
+    pub rest_url: Option<String>,
+}
 
 pub struct AblySink {
     client: reqwest::Client,
@@ -32,16 +50,15 @@ pub struct AblySink {
 
 /// The API key: from `api_key_file`, else ABLY_API_KEY, else OUTBOX_RELAY_ABLY_API_KEY, else
 /// the Ably connector's ADBC_ABLY_API_KEY.
-fn api_key(config: &SinkConfig) -> Result<String, PublishError> {
-    let setup = |m: String| PublishError::new(PublishErrorKind::Rejected, m);
-    if config.uri.trim() != "ably:" {
-        return Err(setup(
-            "the Ably sink URI is just `ably:`; give the API key through api_key_file or ABLY_API_KEY, never in the URI".into(),
+fn api_key(uri: &str, config: &AblyConfig) -> Result<String, SinkSetupError> {
+    if uri.trim() != "ably:" {
+        return Err(SinkSetupError::config(
+            "the Ably sink URI is just `ably:`; give the API key through api_key_file or ABLY_API_KEY, never in the URI",
         ));
     }
     let key = match &config.api_key_file {
         Some(path) => std::fs::read_to_string(path).map_err(|e| {
-            setup(format!(
+            SinkSetupError::config(format!(
                 "cannot read the Ably API key file {}: {e}",
                 path.display()
             ))
@@ -49,12 +66,14 @@ fn api_key(config: &SinkConfig) -> Result<String, PublishError> {
         None => std::env::var("ABLY_API_KEY")
             .or_else(|_| std::env::var("OUTBOX_RELAY_ABLY_API_KEY"))
             .or_else(|_| std::env::var("ADBC_ABLY_API_KEY"))
-            .map_err(|_| setup("no Ably API key: set ABLY_API_KEY or api_key_file".into()))?,
+            .map_err(|_| {
+                SinkSetupError::config("no Ably API key: set ABLY_API_KEY or api_key_file")
+            })?,
     };
     let key = key.trim().to_string();
     if !key.contains(':') {
-        return Err(setup(
-            "the Ably API key must look like <app>.<key id>:<secret>".into(),
+        return Err(SinkSetupError::config(
+            "the Ably API key must look like <app>.<key id>:<secret>",
         ));
     }
     Ok(key)
@@ -103,14 +122,14 @@ pub fn message(event: &Event) -> Value {
 }
 
 impl AblySink {
-    pub fn new(config: &SinkConfig) -> Result<Self, PublishError> {
-        let key = api_key(config)?;
+    pub fn new(uri: &str, config: &AblyConfig) -> Result<Self, SinkSetupError> {
+        let key = api_key(uri, config)?;
         let authorization = format!(
             "Basic {}",
             base64::engine::general_purpose::STANDARD.encode(key)
         );
         Ok(AblySink {
-            client: crate::http::client(config, config.timeout.unwrap_or(DEFAULT_SINK_TIMEOUT))?,
+            client: crate::http::client(&config.tls, config.timeout.get())?,
             rest_url: config
                 .rest_url
                 .clone()
@@ -187,6 +206,6 @@ impl Sink for AblySink {
     }
 }
 
-pub fn sink(config: &SinkConfig) -> Result<Arc<dyn Sink>, PublishError> {
-    Ok(Arc::new(AblySink::new(config)?))
+pub fn sink(uri: &str, config: &AblyConfig) -> Result<Arc<dyn Sink>, SinkSetupError> {
+    Ok(Arc::new(AblySink::new(uri, config)?))
 }

@@ -1,9 +1,22 @@
 //! Sink settings, as written under `[sinks.NAME]` in the configuration file.
+//!
+//! The URI's scheme chooses the sink ([`SinkKind`]). What every sink reads (`uri`,
+//! `max_message_bytes`) is declared here once, in [`SinkConfig`]; each sink module owns a
+//! struct of its own settings (`NatsConfig`, `RedisConfig`, ...) with unknown fields denied,
+//! and the settings several brokers share are declared once too ([`ConfirmTimeout`],
+//! [`TlsFiles`]) and flattened into theirs. So a setting the chosen sink does not read (a
+//! Redis `maxlen` on a NATS sink) is a configuration error naming it, never silently ignored.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
+use serde::de::value::MapAccessDeserializer;
+use serde::de::{DeserializeOwned, DeserializeSeed, IntoDeserializer, MapAccess};
+use serde::{Deserialize, Deserializer, Serialize};
+use serde_json::{Map, Value};
+
+use crate::error::SinkSetupError;
+use outbox_core::redact::redact_url;
 
 /// A secret value: it deserializes like a string and never shows in `Debug` output.
 #[derive(Clone, Default, Deserialize, Serialize, PartialEq)]
@@ -16,222 +29,329 @@ impl std::fmt::Debug for Secret {
     }
 }
 
-/// What RabbitMQ's unroutable (returned) messages become.
-#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
-#[serde(rename_all = "kebab-case")]
-pub enum Unroutable {
-    /// Retry with backoff (a queue or binding may be added), then dead-letter.
-    #[default]
-    Retry,
-    /// Dead-letter at once.
-    DeadLetter,
-}
-
-/// Redelivered events within this window are not appended twice to a Redis stream.
-pub const DEFAULT_REDIS_DEDUPE_WINDOW: Duration = Duration::from_secs(24 * 3600);
-/// Concurrent requests per destination for webhooks.
-pub const DEFAULT_WEBHOOK_CONCURRENCY: usize = 16;
 /// How long a broker has to confirm before the event is retried.
 pub const DEFAULT_SINK_TIMEOUT: Duration = Duration::from_secs(10);
 
-fn default_dedupe_window() -> Duration {
-    DEFAULT_REDIS_DEDUPE_WINDOW
-}
-
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
-#[serde(default, deny_unknown_fields)]
-pub struct SinkConfig {
-    /// `stdout`, `file:PATH`, `nats://`, `kafka://`, `amqp://`/`amqps://`, `redis://`/`rediss://`,
-    /// `http://`/`https://` (a URL template), `ably:`.
-    pub uri: String,
-    /// Payloads larger than this are dead-lettered at once [default: the broker's limit].
-    pub max_message_bytes: Option<usize>,
+/// `timeout`, read by every broker sink (stdout and files confirm by writing).
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq)]
+pub struct ConfirmTimeout {
     /// Time the broker has to confirm one batch [default: 10s].
-    #[serde(with = "opt_duration")]
+    #[serde(with = "opt_duration", default)]
     pub timeout: Option<Duration>,
-    /// PEM CA certificates to trust (TLS), besides the system's roots.
-    pub tls_ca_file: Option<PathBuf>,
-    /// PEM client certificate and key, for brokers that require mutual TLS.
-    pub tls_cert_file: Option<PathBuf>,
-    pub tls_key_file: Option<PathBuf>,
-    /// NATS: credentials file (JWT + nkey seed).
-    pub creds_file: Option<PathBuf>,
-    /// NATS: a file holding an nkey seed.
-    pub nkey_seed_file: Option<PathBuf>,
-    /// NATS: a token (prefer the URI's user info, or an environment variable).
-    pub token: Option<Secret>,
-    /// Kafka: SASL mechanism (PLAIN, SCRAM-SHA-256, SCRAM-SHA-512) and credentials.
-    pub sasl_mechanism: Option<String>,
-    pub sasl_username: Option<String>,
-    pub sasl_password: Option<Secret>,
-    /// Kafka: extra librdkafka properties.
-    pub kafka: std::collections::BTreeMap<String, String>,
-    /// RabbitMQ: the exchange, a template [default: "" (the default exchange: the routing
-    /// key names the queue)].
-    pub exchange: Option<String>,
-    /// RabbitMQ: what an unroutable message becomes.
-    pub unroutable: Unroutable,
-    /// Redis: approximate MAXLEN for each stream.
-    pub maxlen: Option<usize>,
-    /// Redis: how long an event id is remembered to drop redeliveries [default: 24h].
-    #[serde(with = "crate::config::duration", default = "default_dedupe_window")]
-    pub dedupe_window: Duration,
-    /// Webhooks: concurrent requests per destination [default: 16].
-    pub concurrency: Option<usize>,
-    /// Webhooks: the signing secret, `whsec_<base64>` (or OUTBOX_RELAY_WEBHOOK_SECRET).
-    pub secret: Option<Secret>,
-    /// Ably: a file holding the API key (or ABLY_API_KEY / OUTBOX_RELAY_ABLY_API_KEY).
-    pub api_key_file: Option<PathBuf>,
-    /// Ably: REST endpoint [default: https://rest.ably.io].
-    pub rest_url: Option<String>,
 }
 
-/// Written out so that a sink built in code (`--sink URI`) gets the same defaults as one read
-/// from a file: a derived default would give the Redis dedupe window 0s.
-impl Default for SinkConfig {
-    fn default() -> Self {
-        SinkConfig {
-            uri: String::new(),
-            max_message_bytes: None,
-            timeout: None,
-            tls_ca_file: None,
-            tls_cert_file: None,
-            tls_key_file: None,
-            creds_file: None,
-            nkey_seed_file: None,
-            token: None,
-            sasl_mechanism: None,
-            sasl_username: None,
-            sasl_password: None,
-            kafka: Default::default(),
-            exchange: None,
-            unroutable: Unroutable::default(),
-            maxlen: None,
-            dedupe_window: DEFAULT_REDIS_DEDUPE_WINDOW,
-            concurrency: None,
-            secret: None,
-            api_key_file: None,
-            rest_url: None,
+impl ConfirmTimeout {
+    pub fn get(self) -> Duration {
+        self.timeout.unwrap_or(DEFAULT_SINK_TIMEOUT)
+    }
+}
+
+/// `tls_ca_file`, `tls_cert_file`, `tls_key_file`, read by the sinks whose client takes
+/// certificates from files (all brokers but RabbitMQ, which uses the system's roots).
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+pub struct TlsFiles {
+    /// PEM CA certificates to trust, besides the system's roots.
+    #[serde(rename = "tls_ca_file")]
+    pub ca_file: Option<PathBuf>,
+    /// PEM client certificate and key, for brokers that require mutual TLS.
+    #[serde(rename = "tls_cert_file")]
+    pub cert_file: Option<PathBuf>,
+    #[serde(rename = "tls_key_file")]
+    pub key_file: Option<PathBuf>,
+}
+
+/// The sink a URI names, by its scheme.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SinkKind {
+    Stdout,
+    File,
+    Nats,
+    Kafka,
+    RabbitMq,
+    Redis,
+    Webhook,
+    Ably,
+}
+
+impl SinkKind {
+    pub const ALL: [SinkKind; 8] = [
+        SinkKind::Stdout,
+        SinkKind::File,
+        SinkKind::Nats,
+        SinkKind::Kafka,
+        SinkKind::RabbitMq,
+        SinkKind::Redis,
+        SinkKind::Webhook,
+        SinkKind::Ably,
+    ];
+
+    /// The URI schemes that choose this sink.
+    pub fn schemes(self) -> &'static [&'static str] {
+        match self {
+            SinkKind::Stdout => &["stdout"],
+            SinkKind::File => &["file"],
+            SinkKind::Nats => &["nats", "tls"],
+            SinkKind::Kafka => &["kafka", "kafkas"],
+            SinkKind::RabbitMq => &["amqp", "amqps"],
+            SinkKind::Redis => &["redis", "rediss"],
+            SinkKind::Webhook => &["http", "https"],
+            SinkKind::Ably => &["ably"],
         }
     }
+
+    /// The sink's name in messages, and the cargo feature that builds it (none: always built).
+    pub fn name_and_feature(self) -> (&'static str, Option<&'static str>) {
+        match self {
+            SinkKind::Stdout => ("stdout", None),
+            SinkKind::File => ("file", None),
+            SinkKind::Nats => ("NATS", Some("nats")),
+            SinkKind::Kafka => ("Kafka", Some("kafka")),
+            SinkKind::RabbitMq => ("RabbitMQ", Some("rabbitmq")),
+            SinkKind::Redis => ("Redis", Some("redis")),
+            SinkKind::Webhook => ("webhook", Some("webhook")),
+            SinkKind::Ably => ("Ably", Some("ably")),
+        }
+    }
+
+    /// Whether this build has the sink.
+    pub fn is_built(self) -> bool {
+        match self {
+            SinkKind::Stdout | SinkKind::File => true,
+            SinkKind::Nats => cfg!(feature = "nats"),
+            SinkKind::Kafka => cfg!(feature = "kafka"),
+            SinkKind::RabbitMq => cfg!(feature = "rabbitmq"),
+            SinkKind::Redis => cfg!(feature = "redis"),
+            SinkKind::Webhook => cfg!(feature = "webhook"),
+            SinkKind::Ably => cfg!(feature = "ably"),
+        }
+    }
+
+    /// The sink `uri` names; an unknown scheme is a configuration error listing the choices.
+    pub fn of(uri: &str) -> Result<SinkKind, SinkSetupError> {
+        let scheme = scheme_of(uri);
+        SinkKind::ALL
+            .into_iter()
+            .find(|kind| kind.schemes().contains(&scheme))
+            .ok_or_else(|| {
+                SinkSetupError::config(format!(
+                    "unknown URI scheme {scheme:?}: use stdout, file:PATH, nats://, kafka://, amqp://, redis://, http(s):// or ably:"
+                ))
+            })
+    }
+
+    /// The error for a sink this build leaves out, naming the feature that brings it.
+    pub(crate) fn not_built(self) -> SinkSetupError {
+        let (sink, feature) = self.name_and_feature();
+        SinkSetupError::config(format!(
+            "this build has no {sink} sink; build with --features {} (or use a build that has it)",
+            feature.unwrap_or_default()
+        ))
+    }
 }
 
-/// The settings each sink reads, by URI scheme, besides `uri` and `max_message_bytes`
-/// (which every sink honours).
-const SETTINGS_READ: &[(&[&str], &[&str])] = &[
-    (&["stdout", "file"], &[]),
-    (
-        &["nats", "tls"],
-        &[
-            "timeout",
-            "tls_ca_file",
-            "tls_cert_file",
-            "tls_key_file",
-            "creds_file",
-            "nkey_seed_file",
-            "token",
-        ],
-    ),
-    (
-        &["kafka", "kafkas"],
-        &[
-            "timeout",
-            "tls_ca_file",
-            "tls_cert_file",
-            "tls_key_file",
-            "sasl_mechanism",
-            "sasl_username",
-            "sasl_password",
-            "kafka",
-        ],
-    ),
-    (&["amqp", "amqps"], &["timeout", "exchange", "unroutable"]),
-    (
-        &["redis", "rediss"],
-        &[
-            "timeout",
-            "tls_ca_file",
-            "tls_cert_file",
-            "tls_key_file",
-            "maxlen",
-            "dedupe_window",
-        ],
-    ),
-    (
-        &["http", "https"],
-        &[
-            "timeout",
-            "tls_ca_file",
-            "tls_cert_file",
-            "tls_key_file",
-            "concurrency",
-            "secret",
-        ],
-    ),
-    (
-        &["ably"],
-        &[
-            "timeout",
-            "tls_ca_file",
-            "tls_cert_file",
-            "tls_key_file",
-            "api_key_file",
-            "rest_url",
-        ],
-    ),
-];
+/// The URI's scheme: `nats` for `nats://host`, `file` for `file:PATH`.
+fn scheme_of(uri: &str) -> &str {
+    uri.trim().split(':').next().unwrap_or_default()
+}
+
+/// One `[sinks.NAME]`: the URI, the settings every sink reads, and the chosen sink's own.
+/// Built by reading a table (serde) or from a bare URI ([`SinkConfig::new`]), so its
+/// settings always belong to the sink its URI names.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct SinkConfig {
+    /// `stdout`, `file:PATH`, `nats://`, `kafka://`, `amqp://`/`amqps://`,
+    /// `redis://`/`rediss://`, `http://`/`https://` (a URL template), `ably:`.
+    uri: String,
+    /// Payloads larger than this are dead-lettered at once [default: the broker's limit].
+    max_message_bytes: Option<usize>,
+    #[serde(flatten)]
+    settings: SinkSettings,
+}
+
+/// The settings of the sink a URI names, each owned by its sink's module.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(untagged)]
+pub enum SinkSettings {
+    /// stdout and files read nothing more; a sink this build leaves out is refused when built.
+    None,
+    #[cfg(feature = "nats")]
+    Nats(crate::nats::NatsConfig),
+    #[cfg(feature = "kafka")]
+    Kafka(crate::kafka::KafkaConfig),
+    #[cfg(feature = "rabbitmq")]
+    RabbitMq(crate::rabbitmq::RabbitMqConfig),
+    #[cfg(feature = "redis")]
+    Redis(crate::redis::RedisConfig),
+    #[cfg(feature = "webhook")]
+    Webhook(crate::webhook::WebhookConfig),
+    #[cfg(feature = "ably")]
+    Ably(crate::ably::AblyConfig),
+}
+
+/// What stdout and file sinks read beyond the common settings: nothing.
+#[derive(Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+struct NoSettings {}
 
 impl SinkConfig {
-    /// The URI's scheme: `nats` for `nats://host`, `file` for `file:PATH`.
-    pub fn scheme(&self) -> &str {
-        self.uri.trim().split(':').next().unwrap_or_default()
+    /// The sink `uri` names, with its defaults (`--sink URI`). A scheme no sink of this build
+    /// reads is reported when the sink is built.
+    pub fn new(uri: impl Into<String>) -> Self {
+        let uri = uri.into();
+        let settings = SinkKind::of(&uri)
+            .and_then(|kind| read_settings(kind, &uri, Map::new()))
+            .unwrap_or(SinkSettings::None);
+        SinkConfig {
+            uri,
+            max_message_bytes: None,
+            settings,
+        }
     }
 
-    /// Settings given here that this sink never reads (a Redis `maxlen` on a NATS sink): they
-    /// would have no effect, so the relay refuses them. Empty for an unknown scheme, which
-    /// building the sink reports.
-    pub fn settings_without_effect(&self) -> Vec<&'static str> {
-        let scheme = self.scheme();
-        let Some((_, read)) = SETTINGS_READ
-            .iter()
-            .find(|(schemes, _)| schemes.contains(&scheme))
-        else {
-            return Vec::new();
+    /// Reads one `[sinks.NAME]` table: `uri` chooses the sink, whose own settings struct then
+    /// reads the rest. A setting that sink does not read is refused by name.
+    pub fn from_table(mut table: Map<String, Value>) -> Result<Self, SinkSetupError> {
+        let uri: String = take(&mut table, "uri")?.ok_or_else(|| {
+            SinkSetupError::config(
+                "`uri` is missing: every sink needs one, e.g. uri = \"nats://127.0.0.1:4222\"",
+            )
+        })?;
+        let max_message_bytes = take(&mut table, "max_message_bytes")?;
+        let settings = read_settings(SinkKind::of(&uri)?, &uri, table)?;
+        Ok(SinkConfig {
+            uri,
+            max_message_bytes,
+            settings,
+        })
+    }
+
+    pub fn uri(&self) -> &str {
+        &self.uri
+    }
+
+    pub fn max_message_bytes(&self) -> Option<usize> {
+        self.max_message_bytes
+    }
+
+    pub fn settings(&self) -> &SinkSettings {
+        &self.settings
+    }
+}
+
+impl<'de> Deserialize<'de> for SinkConfig {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        // The sink is known only once `uri` is read, and a table's keys come in any order:
+        // the table is read whole first.
+        let table = Map::<String, Value>::deserialize(deserializer)?;
+        SinkConfig::from_table(table).map_err(serde::de::Error::custom)
+    }
+}
+
+/// Removes `key` from the table and reads it, naming it if its value does not fit.
+fn take<T: DeserializeOwned>(
+    table: &mut Map<String, Value>,
+    key: &str,
+) -> Result<Option<T>, SinkSetupError> {
+    table
+        .remove(key)
+        .map(|value| {
+            // Option: a value written out as null (serde's None) reads back as unset.
+            Option::<T>::deserialize(value)
+                .map_err(|e| SinkSetupError::config(format!("`{key}`: {e}")))
+        })
+        .transpose()
+        .map(Option::flatten)
+}
+
+/// The settings of the `kind` sink from what is left of its table.
+fn read_settings(
+    kind: SinkKind,
+    uri: &str,
+    table: Map<String, Value>,
+) -> Result<SinkSettings, SinkSetupError> {
+    match kind {
+        SinkKind::Stdout | SinkKind::File => {
+            read::<NoSettings>(uri, table)?;
+            Ok(SinkSettings::None)
+        }
+        #[cfg(feature = "nats")]
+        SinkKind::Nats => read(uri, table).map(SinkSettings::Nats),
+        #[cfg(feature = "kafka")]
+        SinkKind::Kafka => read(uri, table).map(SinkSettings::Kafka),
+        #[cfg(feature = "rabbitmq")]
+        SinkKind::RabbitMq => read(uri, table).map(SinkSettings::RabbitMq),
+        #[cfg(feature = "redis")]
+        SinkKind::Redis => read(uri, table).map(SinkSettings::Redis),
+        #[cfg(feature = "webhook")]
+        SinkKind::Webhook => read(uri, table).map(SinkSettings::Webhook),
+        #[cfg(feature = "ably")]
+        SinkKind::Ably => read(uri, table).map(SinkSettings::Ably),
+        // A sink this build leaves out has no settings type to check against; building it
+        // names the feature that brings it (commands that never build sinks still work).
+        #[allow(unreachable_patterns)]
+        _ => Ok(SinkSettings::None),
+    }
+}
+
+/// Reads a sink's own settings struct `T`. A key `T` does not have is refused first, with
+/// the fix, rather than as serde's bare "unknown field".
+fn read<T>(uri: &str, table: Map<String, Value>) -> Result<T, SinkSetupError>
+where
+    T: DeserializeOwned + Serialize + Default,
+{
+    // The settings `T` has are the keys of its default, serialized (flattened parts too).
+    let known = match serde_json::to_value(T::default()) {
+        Ok(Value::Object(known)) => known,
+        _ => Map::new(),
+    };
+    if let Some(key) = table.keys().find(|key| !known.contains_key(*key)) {
+        return Err(SinkSetupError::config(format!(
+            "`{key}` has no effect on a {} sink ({}), which does not read it: remove it, or check \
+             the sink's uri",
+            scheme_of(uri),
+            redact_url(uri.trim())
+        )));
+    }
+    let entries = Entries {
+        entries: table.into_iter(),
+        value: None,
+    };
+    T::deserialize(MapAccessDeserializer::new(entries))
+        .map_err(|e| SinkSetupError::config(e.to_string()))
+}
+
+/// A table's entries fed to a settings struct, so that a value that does not fit is named by
+/// its key (deserializing the table as one JSON value would not say which).
+struct Entries {
+    entries: serde_json::map::IntoIter,
+    value: Option<(String, Value)>,
+}
+
+impl<'de> MapAccess<'de> for Entries {
+    type Error = serde_json::Error;
+
+    fn next_key_seed<K: DeserializeSeed<'de>>(
+        &mut self,
+        seed: K,
+    ) -> Result<Option<K::Value>, Self::Error> {
+        let Some((key, value)) = self.entries.next() else {
+            return Ok(None);
         };
-        self.settings_given()
-            .into_iter()
-            .filter(|setting| !read.contains(setting))
-            .collect()
+        let read = seed.deserialize(key.clone().into_deserializer())?;
+        self.value = Some((key, value));
+        Ok(Some(read))
     }
 
-    /// The sink-specific settings that differ from their defaults.
-    fn settings_given(&self) -> Vec<&'static str> {
-        let d = SinkConfig::default();
-        let given = [
-            ("timeout", self.timeout != d.timeout),
-            ("tls_ca_file", self.tls_ca_file.is_some()),
-            ("tls_cert_file", self.tls_cert_file.is_some()),
-            ("tls_key_file", self.tls_key_file.is_some()),
-            ("creds_file", self.creds_file.is_some()),
-            ("nkey_seed_file", self.nkey_seed_file.is_some()),
-            ("token", self.token.is_some()),
-            ("sasl_mechanism", self.sasl_mechanism.is_some()),
-            ("sasl_username", self.sasl_username.is_some()),
-            ("sasl_password", self.sasl_password.is_some()),
-            ("kafka", !self.kafka.is_empty()),
-            ("exchange", self.exchange.is_some()),
-            ("unroutable", self.unroutable != d.unroutable),
-            ("maxlen", self.maxlen.is_some()),
-            ("dedupe_window", self.dedupe_window != d.dedupe_window),
-            ("concurrency", self.concurrency.is_some()),
-            ("secret", self.secret.is_some()),
-            ("api_key_file", self.api_key_file.is_some()),
-            ("rest_url", self.rest_url.is_some()),
-        ];
-        given
-            .into_iter()
-            .filter_map(|(name, set)| set.then_some(name))
-            .collect()
+    fn next_value_seed<V: DeserializeSeed<'de>>(
+        &mut self,
+        seed: V,
+    ) -> Result<V::Value, Self::Error> {
+        let (key, value) = self
+            .value
+            .take()
+            .ok_or_else(|| serde::de::Error::custom("a value was asked for before its key"))?;
+        seed.deserialize(value)
+            .map_err(|e| serde::de::Error::custom(format_args!("`{key}`: {e}")))
     }
 }
 
@@ -292,45 +412,134 @@ pub struct RouteConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
-    fn sink(uri: &str) -> SinkConfig {
-        SinkConfig {
-            uri: uri.into(),
-            ..SinkConfig::default()
+    fn read(table: Value) -> Result<SinkConfig, String> {
+        serde_json::from_value(table).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn a_setting_the_chosen_sink_does_not_read_is_refused_by_name() {
+        #[cfg(feature = "nats")]
+        {
+            let err =
+                read(json!({"uri": "nats://u:pw@127.0.0.1:4222", "maxlen": 1000})).unwrap_err();
+            assert!(
+                err.contains(
+                    "`maxlen` has no effect on a nats sink (nats://***@127.0.0.1:4222), which \
+                     does not read it: remove it, or check the sink's uri"
+                ),
+                "{err}"
+            );
+        }
+        #[cfg(feature = "rabbitmq")]
+        {
+            let err = read(json!({"uri": "amqps://h", "tls_ca_file": "/ca.pem"})).unwrap_err();
+            assert!(
+                err.contains("`tls_ca_file` has no effect on a amqps"),
+                "{err}"
+            );
+        }
+        let err = read(json!({"uri": "file:/tmp/x.jsonl", "timeout": "1s"})).unwrap_err();
+        assert!(
+            err.contains("`timeout` has no effect on a file sink"),
+            "{err}"
+        );
+        let err = read(json!({"uri": "stdout", "maxlenn": 1})).unwrap_err();
+        assert!(
+            err.contains("`maxlenn` has no effect on a stdout sink"),
+            "{err}"
+        );
+        // What every sink reads is accepted everywhere.
+        read(json!({"uri": "stdout", "max_message_bytes": 10})).unwrap();
+    }
+
+    #[cfg(all(feature = "redis", feature = "kafka"))]
+    #[test]
+    fn each_sink_reads_its_own_settings() {
+        let redis = read(json!({
+            "uri": "redis://h",
+            "maxlen": 1000,
+            "dedupe_window": "1m",
+            "timeout": "2s",
+            "tls_ca_file": "/ca.pem",
+        }))
+        .unwrap();
+        let SinkSettings::Redis(settings) = redis.settings() else {
+            panic!("a redis:// URI chooses the Redis sink: {redis:?}");
+        };
+        assert_eq!(settings.maxlen, Some(1000));
+        assert_eq!(settings.dedupe_window, Duration::from_secs(60));
+        assert_eq!(settings.timeout.get(), Duration::from_secs(2));
+        assert_eq!(settings.tls.ca_file, Some("/ca.pem".into()));
+        let kafka = read(json!({
+            "uri": "kafkas://b:9093",
+            "sasl_mechanism": "PLAIN",
+            "kafka": {"linger.ms": "5"},
+        }))
+        .unwrap();
+        assert!(matches!(kafka.settings(), SinkSettings::Kafka(k) if k.kafka["linger.ms"] == "5"));
+    }
+
+    #[cfg(feature = "redis")]
+    #[test]
+    fn a_value_that_does_not_fit_is_named() {
+        let err = read(json!({"uri": "redis://h", "maxlen": "many"})).unwrap_err();
+        assert!(err.contains("`maxlen`: invalid type"), "{err}");
+        let err = read(json!({"uri": "redis://h", "timeout": "10"})).unwrap_err();
+        assert!(err.contains("with a unit"), "{err}");
+        let err = read(json!({"uri": 5})).unwrap_err();
+        assert!(err.contains("`uri`: invalid type"), "{err}");
+        let err = read(json!({"maxlen": 5})).unwrap_err();
+        assert!(err.contains("`uri` is missing"), "{err}");
+        let err = read(json!({"uri": "gopher://x"})).unwrap_err();
+        assert!(err.contains("unknown URI scheme \"gopher\""), "{err}");
+    }
+
+    #[test]
+    fn a_sink_built_from_its_uri_has_the_defaults_of_one_read_from_a_table() {
+        for uri in [
+            "stdout",
+            "file:/tmp/x.jsonl",
+            "nats://h:4222",
+            "kafka://h:9092",
+            "amqp://h",
+            "redis://h",
+            "https://h/{destination}",
+            "ably:",
+        ] {
+            assert_eq!(
+                read(json!({ "uri": uri })).unwrap(),
+                SinkConfig::new(uri),
+                "{uri}"
+            );
+        }
+        #[cfg(feature = "redis")]
+        {
+            let SinkSettings::Redis(redis) = SinkConfig::new("redis://h").settings else {
+                panic!("a redis:// URI chooses the Redis sink");
+            };
+            assert_eq!(redis.dedupe_window, crate::redis::DEFAULT_DEDUPE_WINDOW);
         }
     }
 
+    #[cfg(feature = "redis")]
     #[test]
-    fn a_setting_another_sink_reads_is_named() {
-        let nats = SinkConfig {
-            maxlen: Some(1000),
-            ..sink("nats://127.0.0.1:4222")
-        };
-        assert_eq!(nats.settings_without_effect(), ["maxlen"]);
-        let redis = SinkConfig {
-            maxlen: Some(1000),
-            dedupe_window: Duration::from_secs(60),
-            ..sink("redis://127.0.0.1")
-        };
-        assert!(redis.settings_without_effect().is_empty());
-        let file = SinkConfig {
-            timeout: Some(Duration::from_secs(1)),
-            exchange: Some("x".into()),
-            ..sink("file:/tmp/x.jsonl")
-        };
-        assert_eq!(file.settings_without_effect(), ["timeout", "exchange"]);
-        let amqp = SinkConfig {
-            tls_ca_file: Some("/ca.pem".into()),
-            ..sink("amqps://host")
-        };
-        assert_eq!(amqp.settings_without_effect(), ["tls_ca_file"]);
-        assert!(sink("gopher://x").settings_without_effect().is_empty());
-    }
-
-    #[test]
-    fn a_sink_built_in_code_keeps_the_redis_dedupe_window() {
-        assert_eq!(sink("redis://h").dedupe_window, DEFAULT_REDIS_DEDUPE_WINDOW);
-        let read: SinkConfig = serde_json::from_str(r#"{"uri": "redis://h"}"#).unwrap();
-        assert_eq!(read, sink("redis://h"));
+    fn a_config_written_out_reads_back_the_same() {
+        let config = read(json!({
+            "uri": "redis://h",
+            "max_message_bytes": 100,
+            "maxlen": 5,
+            "dedupe_window": "1h",
+            "timeout": "3s",
+        }))
+        .unwrap();
+        let written = serde_json::to_value(&config).unwrap();
+        assert_eq!(read(written).unwrap(), config);
+        let stdout = SinkConfig::new("stdout");
+        assert_eq!(
+            read(serde_json::to_value(&stdout).unwrap()).unwrap(),
+            stdout
+        );
     }
 }

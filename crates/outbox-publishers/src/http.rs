@@ -4,17 +4,18 @@ use std::time::Duration;
 
 use outbox_core::{PublishError, PublishErrorKind};
 
-use crate::config::SinkConfig;
+use crate::config::TlsFiles;
+use crate::error::SinkSetupError;
 
-/// Builds a client with the sink's TLS settings (rustls, the process-wide provider).
-pub fn client(config: &SinkConfig, timeout: Duration) -> Result<reqwest::Client, PublishError> {
-    let setup = |m: String| PublishError::new(PublishErrorKind::Rejected, m);
+/// Builds a client with the sink's TLS files (rustls, the process-wide provider).
+pub fn client(tls: &TlsFiles, timeout: Duration) -> Result<reqwest::Client, SinkSetupError> {
+    let setup = SinkSetupError::config;
     let mut builder = reqwest::Client::builder()
         .timeout(timeout)
         .connect_timeout(Duration::from_secs(5))
         .pool_max_idle_per_host(64)
         .user_agent(concat!("outbox-relay/", env!("CARGO_PKG_VERSION")));
-    if let Some(path) = &config.tls_ca_file {
+    if let Some(path) = &tls.ca_file {
         let pem = std::fs::read(path)
             .map_err(|e| setup(format!("cannot read {}: {e}", path.display())))?;
         for cert in reqwest::Certificate::from_pem_bundle(&pem)
@@ -23,7 +24,7 @@ pub fn client(config: &SinkConfig, timeout: Duration) -> Result<reqwest::Client,
             builder = builder.add_root_certificate(cert);
         }
     }
-    if let (Some(cert), Some(key)) = (&config.tls_cert_file, &config.tls_key_file) {
+    if let (Some(cert), Some(key)) = (&tls.cert_file, &tls.key_file) {
         let mut pem = std::fs::read(cert)
             .map_err(|e| setup(format!("cannot read {}: {e}", cert.display())))?;
         pem.extend(

@@ -9,6 +9,7 @@ use futures::future::BoxFuture;
 use futures::FutureExt;
 use outbox_core::{Event, Outcome, PublishError, PublishErrorKind};
 
+use crate::error::SinkSetupError;
 use crate::sink::{Routed, Sink};
 use serde::Serialize;
 
@@ -166,11 +167,12 @@ struct OpenFile {
 }
 
 impl FileSink {
-    pub fn open(path: impl AsRef<Path>) -> Result<Self, PublishError> {
+    /// Opens (or creates) the file. A file that cannot be opened at start-up (a missing
+    /// directory, no permission) is the configuration's to fix.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, SinkSetupError> {
         let path = path.as_ref().to_path_buf();
-        let file = open_appending(&path, FILE_MODE).map_err(|e| {
-            PublishError::new(PublishErrorKind::Io, io_report("cannot open", &path, &e))
-        })?;
+        let file = open_appending(&path, FILE_MODE)
+            .map_err(|e| SinkSetupError::config(io_report("cannot open", &path, &e)))?;
         Ok(FileSink {
             path,
             state: Arc::new(Mutex::new(OpenFile {

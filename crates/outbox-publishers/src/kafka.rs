@@ -4,6 +4,7 @@
 //! sessions), the event type, sequence id and the event's own headers. Rows are acked only
 //! after each message's delivery report.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,7 +16,10 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 
-use crate::config::{SinkConfig, DEFAULT_SINK_TIMEOUT};
+use serde::{Deserialize, Serialize};
+
+use crate::config::{ConfirmTimeout, Secret, TlsFiles};
+use crate::error::SinkSetupError;
 use crate::sink::{Routed, Sink};
 
 /// The producer's default `message.max.bytes`.
@@ -26,6 +30,22 @@ pub const HEADER_EVENT_TYPE: &str = "outbox-event-type";
 pub const HEADER_SEQUENCE_ID: &str = "outbox-sequence-id";
 pub const HEADER_MUTATION_ID: &str = "outbox-mutation-id";
 
+/// A Kafka sink's own settings (`[sinks.NAME]` with a `kafka://` or `kafkas://` URI).
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct KafkaConfig {
+    #[serde(flatten)]
+    pub timeout: ConfirmTimeout,
+    #[serde(flatten)]
+    pub tls: TlsFiles,
+    /// SASL mechanism (PLAIN, SCRAM-SHA-256, SCRAM-SHA-512) and credentials.
+    pub sasl_mechanism: Option<String>,
+    pub sasl_username: Option<String>,
+    pub sasl_password: Option<Secret>,
+    /// Extra librdkafka properties.
+    pub kafka: BTreeMap<String, String>,
+}
+
 pub struct KafkaSink {
     producer: FutureProducer,
     shown: String,
@@ -34,29 +54,30 @@ pub struct KafkaSink {
 
 /// The librdkafka properties for a sink: `kafka://host:port[,host:port]` (plaintext) or
 /// `kafkas://...` (TLS), SASL from the settings, then any raw `kafka` properties.
-pub fn client_config(config: &SinkConfig) -> Result<ClientConfig, PublishError> {
-    let setup = |m: String| PublishError::new(PublishErrorKind::Rejected, m);
-    let (tls, servers) = if let Some(rest) = config.uri.strip_prefix("kafkas://") {
+pub fn client_config(uri: &str, config: &KafkaConfig) -> Result<ClientConfig, SinkSetupError> {
+    let (tls, servers) = if let Some(rest) = uri.strip_prefix("kafkas://") {
         (true, rest)
-    } else if let Some(rest) = config.uri.strip_prefix("kafka://") {
-        (config.tls_ca_file.is_some(), rest)
+    } else if let Some(rest) = uri.strip_prefix("kafka://") {
+        (config.tls.ca_file.is_some(), rest)
     } else {
-        return Err(setup(
-            "a Kafka sink URI looks like kafka://host:port[,host:port] (kafkas:// for TLS)".into(),
+        return Err(SinkSetupError::config(
+            "a Kafka sink URI looks like kafka://host:port[,host:port] (kafkas:// for TLS)",
         ));
     };
     let servers = servers.trim_end_matches('/');
     if servers.is_empty() {
-        return Err(setup("the Kafka URI names no broker".into()));
+        return Err(SinkSetupError::config("the Kafka URI names no broker"));
     }
-    let timeout = config.timeout.unwrap_or(DEFAULT_SINK_TIMEOUT);
     let mut c = ClientConfig::new();
     c.set("bootstrap.servers", servers)
         .set("enable.idempotence", "true")
         .set("acks", "all")
         .set("max.in.flight.requests.per.connection", "5")
         .set("linger.ms", "2")
-        .set("message.timeout.ms", timeout.as_millis().to_string())
+        .set(
+            "message.timeout.ms",
+            config.timeout.get().as_millis().to_string(),
+        )
         .set("client.id", "outbox-relay");
     let sasl = config.sasl_mechanism.is_some();
     let protocol = match (tls, sasl) {
@@ -66,10 +87,10 @@ pub fn client_config(config: &SinkConfig) -> Result<ClientConfig, PublishError> 
         (true, true) => "sasl_ssl",
     };
     c.set("security.protocol", protocol);
-    if let Some(ca) = &config.tls_ca_file {
+    if let Some(ca) = &config.tls.ca_file {
         c.set("ssl.ca.location", ca.display().to_string());
     }
-    if let (Some(cert), Some(key)) = (&config.tls_cert_file, &config.tls_key_file) {
+    if let (Some(cert), Some(key)) = (&config.tls.cert_file, &config.tls.key_file) {
         c.set("ssl.certificate.location", cert.display().to_string());
         c.set("ssl.key.location", key.display().to_string());
     }
@@ -89,22 +110,20 @@ pub fn client_config(config: &SinkConfig) -> Result<ClientConfig, PublishError> 
 }
 
 impl KafkaSink {
-    pub fn new(config: &SinkConfig) -> Result<Self, PublishError> {
-        let client = client_config(config)?;
+    pub fn new(uri: &str, config: &KafkaConfig) -> Result<Self, SinkSetupError> {
+        let client = client_config(uri, config)?;
         let max_message_bytes = config
             .kafka
             .get("message.max.bytes")
             .and_then(|v| v.parse().ok())
             .unwrap_or(DEFAULT_MAX_MESSAGE_BYTES);
+        // librdkafka checks its properties here and connects later, in the background.
         let producer: FutureProducer = client.create().map_err(|e| {
-            PublishError::new(
-                PublishErrorKind::Rejected,
-                format!("invalid Kafka settings: {e}"),
-            )
+            SinkSetupError::config(format!("invalid Kafka settings: {e}")).with_source(e)
         })?;
         Ok(KafkaSink {
             producer,
-            shown: config.uri.clone(),
+            shown: uri.to_string(),
             max_message_bytes,
         })
     }
@@ -225,8 +244,8 @@ impl Sink for KafkaSink {
     }
 }
 
-pub fn sink(config: &SinkConfig) -> Result<Arc<dyn Sink>, PublishError> {
-    Ok(Arc::new(KafkaSink::new(config)?))
+pub fn sink(uri: &str, config: &KafkaConfig) -> Result<Arc<dyn Sink>, SinkSetupError> {
+    Ok(Arc::new(KafkaSink::new(uri, config)?))
 }
 
 #[cfg(test)]
@@ -235,23 +254,18 @@ mod tests {
 
     #[test]
     fn uri_and_settings_become_librdkafka_properties() {
-        let config = SinkConfig {
-            uri: "kafkas://b1:9093,b2:9093".into(),
+        let config = KafkaConfig {
             sasl_mechanism: Some("SCRAM-SHA-512".into()),
             sasl_username: Some("relay".into()),
             sasl_password: Some(crate::Secret("pw".into())),
-            ..SinkConfig::default()
+            ..KafkaConfig::default()
         };
-        let c = client_config(&config).unwrap();
+        let c = client_config("kafkas://b1:9093,b2:9093", &config).unwrap();
         assert_eq!(c.get("bootstrap.servers"), Some("b1:9093,b2:9093"));
         assert_eq!(c.get("security.protocol"), Some("sasl_ssl"));
         assert_eq!(c.get("enable.idempotence"), Some("true"));
         assert_eq!(c.get("acks"), Some("all"));
         assert_eq!(c.get("sasl.mechanism"), Some("SCRAM-SHA-512"));
-        assert!(client_config(&SinkConfig {
-            uri: "kafka://".into(),
-            ..SinkConfig::default()
-        })
-        .is_err());
+        assert!(client_config("kafka://", &KafkaConfig::default()).is_err());
     }
 }

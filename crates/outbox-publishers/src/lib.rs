@@ -4,6 +4,7 @@
 #[cfg(feature = "ably")]
 pub mod ably;
 pub mod config;
+pub mod error;
 #[cfg(any(feature = "webhook", feature = "ably"))]
 mod http;
 pub mod json_lines;
@@ -24,23 +25,18 @@ pub mod webhook;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use outbox_core::{PublishError, PublishErrorKind};
-
-pub use config::{RouteConfig, Secret, SinkConfig};
+pub use config::{RouteConfig, Secret, SinkConfig, SinkKind, SinkSettings};
+pub use error::{SinkSetupError, SinkSetupKind};
 pub use json_lines::{FileSink, StdoutSink};
 pub use router::{Route, Router};
 pub use sink::{Routed, Sink};
 pub use template::Template;
 
-fn invalid(message: impl Into<String>) -> PublishError {
-    PublishError::new(PublishErrorKind::Rejected, message)
-}
-
 /// Builds one sink from its settings. Connections are made lazily or retried in the
 /// background, so a broker that is down at start delays delivery but not the relay.
-pub async fn build_sink(name: &str, config: &SinkConfig) -> Result<Arc<dyn Sink>, PublishError> {
+pub async fn build_sink(name: &str, config: &SinkConfig) -> Result<Arc<dyn Sink>, SinkSetupError> {
     let sink = connect_sink(name, config).await?;
-    Ok(match config.max_message_bytes {
+    Ok(match config.max_message_bytes() {
         Some(limit) => Arc::new(sink::Limited {
             inner: sink,
             max_message_bytes: limit,
@@ -49,89 +45,46 @@ pub async fn build_sink(name: &str, config: &SinkConfig) -> Result<Arc<dyn Sink>
     })
 }
 
-async fn connect_sink(name: &str, config: &SinkConfig) -> Result<Arc<dyn Sink>, PublishError> {
-    let uri = config.uri.trim();
-    let scheme = uri.split(':').next().unwrap_or_default();
-    match scheme {
-        "stdout" => Ok(Arc::new(StdoutSink::new())),
-        "file" => {
-            let path = uri.trim_start_matches("file:");
-            let path = path.strip_prefix("//").unwrap_or(path);
-            if path.is_empty() {
-                return Err(invalid(
-                    "sink `file:` needs a path, e.g. file:/var/lib/outbox/events.jsonl",
-                ));
-            }
-            Ok(Arc::new(FileSink::open(path)?))
-        }
+async fn connect_sink(name: &str, config: &SinkConfig) -> Result<Arc<dyn Sink>, SinkSetupError> {
+    let uri = config.uri().trim();
+    match config.settings() {
         #[cfg(feature = "nats")]
-        "nats" | "tls" => nats::sink(config).await,
-        #[cfg(feature = "redis")]
-        "redis" | "rediss" => redis::sink(config),
+        SinkSettings::Nats(settings) => nats::sink(uri, settings).await,
         #[cfg(feature = "kafka")]
-        "kafka" | "kafkas" => kafka::sink(config),
+        SinkSettings::Kafka(settings) => kafka::sink(uri, settings),
         #[cfg(feature = "rabbitmq")]
-        "amqp" | "amqps" => rabbitmq::sink(config),
+        SinkSettings::RabbitMq(settings) => rabbitmq::sink(uri, settings),
+        #[cfg(feature = "redis")]
+        SinkSettings::Redis(settings) => redis::sink(uri, settings),
         #[cfg(feature = "webhook")]
-        "http" | "https" => webhook::sink(config),
+        SinkSettings::Webhook(settings) => webhook::sink(uri, settings),
         #[cfg(feature = "ably")]
-        "ably" => ably::sink(config),
-        other => Err(invalid(match unbuilt_sink(other) {
-            Some((sink, feature)) => format!(
-                "sink {name}: this build has no {sink} sink; build with --features {feature} (or use a build that has it)"
-            ),
-            None => format!(
-                "sink {name}: unknown URI scheme {other:?}: use stdout, file:PATH, nats://, kafka://, amqp://, redis://, http(s):// or ably:"
-            ),
-        })),
+        SinkSettings::Ably(settings) => ably::sink(uri, settings),
+        // Every sink with settings of its own is matched above, so the rest is stdout, a
+        // file, or a sink this build leaves out (or an unknown scheme, from `--sink`).
+        SinkSettings::None => {
+            let in_sink = |e: SinkSetupError| SinkSetupError::config(format!("sink {name}: {e}"));
+            match SinkKind::of(uri).map_err(in_sink)? {
+                SinkKind::Stdout => Ok(Arc::new(StdoutSink::new())),
+                SinkKind::File => {
+                    let path = uri.trim_start_matches("file:");
+                    let path = path.strip_prefix("//").unwrap_or(path);
+                    if path.is_empty() {
+                        return Err(SinkSetupError::config(
+                            "sink `file:` needs a path, e.g. file:/var/lib/outbox/events.jsonl",
+                        ));
+                    }
+                    Ok(Arc::new(FileSink::open(path)?))
+                }
+                unbuilt => Err(in_sink(unbuilt.not_built())),
+            }
+        }
     }
 }
 
-/// Each feature-gated sink: its URI schemes, its name, its cargo feature.
-const GATED_SINKS: &[(&[&str], &str, &str, bool)] = &[
-    (&["nats", "tls"], "NATS", "nats", cfg!(feature = "nats")),
-    (
-        &["kafka", "kafkas"],
-        "Kafka",
-        "kafka",
-        cfg!(feature = "kafka"),
-    ),
-    (
-        &["amqp", "amqps"],
-        "RabbitMQ",
-        "rabbitmq",
-        cfg!(feature = "rabbitmq"),
-    ),
-    (
-        &["redis", "rediss"],
-        "Redis",
-        "redis",
-        cfg!(feature = "redis"),
-    ),
-    (
-        &["http", "https"],
-        "webhook",
-        "webhook",
-        cfg!(feature = "webhook"),
-    ),
-    (&["ably"], "Ably", "ably", cfg!(feature = "ably")),
-];
-
-/// The sink and cargo feature of a scheme this build left out, if it is one.
-fn unbuilt_sink(scheme: &str) -> Option<(&'static str, &'static str)> {
-    GATED_SINKS
-        .iter()
-        .find(|(schemes, _, _, built)| !built && schemes.contains(&scheme))
-        .map(|(_, sink, feature, _)| (*sink, *feature))
-}
-
 /// A router with one sink for every destination (`--sink URI`).
-pub async fn from_uri(uri: &str) -> Result<Arc<dyn outbox_core::Publisher>, PublishError> {
-    let config = SinkConfig {
-        uri: uri.to_string(),
-        ..SinkConfig::default()
-    };
-    let sink = build_sink("default", &config).await?;
+pub async fn from_uri(uri: &str) -> Result<Arc<dyn outbox_core::Publisher>, SinkSetupError> {
+    let sink = build_sink("default", &SinkConfig::new(uri)).await?;
     Ok(Arc::new(Router::single("default", sink)))
 }
 
@@ -140,7 +93,7 @@ pub async fn from_uri(uri: &str) -> Result<Arc<dyn outbox_core::Publisher>, Publ
 pub async fn build_router(
     sinks: &BTreeMap<String, SinkConfig>,
     routes: &[RouteConfig],
-) -> Result<Arc<dyn outbox_core::Publisher>, PublishError> {
+) -> Result<Arc<dyn outbox_core::Publisher>, SinkSetupError> {
     let mut built = Vec::new();
     for (name, config) in sinks {
         built.push((name.clone(), build_sink(name, config).await?));
@@ -148,20 +101,27 @@ pub async fn build_router(
     let mut parsed = Vec::new();
     for route in routes {
         let target = match &route.target {
-            Some(t) => Template::parse(t).map_err(invalid)?,
+            Some(t) => Template::parse(t).map_err(SinkSetupError::config)?,
             None => Template::destination(),
         };
-        parsed.push(Route::new(&route.destinations, &route.sink, target).map_err(invalid)?);
+        parsed.push(
+            Route::new(&route.destinations, &route.sink, target).map_err(SinkSetupError::config)?,
+        );
     }
     if parsed.is_empty() {
         if built.len() != 1 {
-            return Err(invalid(
+            return Err(SinkSetupError::config(
                 "several sinks are configured but no [[routes]]: add routes that map destinations to sinks",
             ));
         }
-        parsed.push(Route::new("*", &built[0].0, Template::destination()).map_err(invalid)?);
+        parsed.push(
+            Route::new("*", &built[0].0, Template::destination())
+                .map_err(SinkSetupError::config)?,
+        );
     }
-    Ok(Arc::new(Router::new(built, parsed).map_err(invalid)?))
+    Ok(Arc::new(
+        Router::new(built, parsed).map_err(SinkSetupError::config)?,
+    ))
 }
 
 #[cfg(test)]
@@ -172,20 +132,17 @@ mod tests {
     /// --no-default-features --lib`): each left-out scheme names the feature that brings it.
     #[tokio::test]
     async fn a_scheme_left_out_of_the_build_names_its_feature() {
-        for (schemes, sink, feature, built) in GATED_SINKS {
-            if *built {
-                continue;
-            }
-            for scheme in *schemes {
+        for kind in SinkKind::ALL.into_iter().filter(|kind| !kind.is_built()) {
+            let (sink, feature) = kind.name_and_feature();
+            let feature = feature.unwrap_or_default();
+            for scheme in kind.schemes() {
                 let uri = format!("{scheme}://127.0.0.1:1");
-                let result = build_sink(
-                    "main",
-                    &SinkConfig {
-                        uri: uri.clone(),
-                        ..SinkConfig::default()
-                    },
-                )
-                .await;
+                // Read from a file too: the table is accepted (commands that build no sink
+                // still run), and building the sink names the feature.
+                let read: SinkConfig =
+                    serde_json::from_value(serde_json::json!({ "uri": uri })).unwrap();
+                assert_eq!(read, SinkConfig::new(&uri));
+                let result = build_sink("main", &read).await;
                 let err = result
                     .err()
                     .expect("no sink without its feature")
@@ -198,17 +155,14 @@ mod tests {
                 );
             }
         }
-        let err = build_sink(
-            "main",
-            &SinkConfig {
-                uri: "gopher://x".into(),
-                ..SinkConfig::default()
-            },
-        )
-        .await
-        .err()
-        .unwrap()
-        .to_string();
-        assert!(err.contains("unknown URI scheme"), "{err}");
+        let err = build_sink("main", &SinkConfig::new("gopher://x"))
+            .await
+            .err()
+            .unwrap();
+        assert!(
+            err.to_string().contains("sink main: unknown URI scheme"),
+            "{err}"
+        );
+        assert!(err.kind().is_config());
     }
 }

@@ -1,6 +1,7 @@
 //! NATS JetStream: `Nats-Msg-Id` = event id, so the stream's duplicate window drops
 //! redeliveries; each event is confirmed by its PubAck.
 
+use std::path::PathBuf;
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,7 +14,10 @@ use futures::future::{join_all, BoxFuture};
 use futures::FutureExt;
 use outbox_core::{Outcome, PublishError, PublishErrorKind};
 
-use crate::config::{SinkConfig, DEFAULT_SINK_TIMEOUT};
+use serde::{Deserialize, Serialize};
+
+use crate::config::{ConfirmTimeout, Secret, TlsFiles};
+use crate::error::SinkSetupError;
 use crate::sink::{Routed, Sink};
 
 /// Header names the relay sets besides `Nats-Msg-Id` and the event's own headers.
@@ -22,20 +26,32 @@ pub const HEADER_PARTITION_KEY: &str = "Outbox-Partition-Key";
 pub const HEADER_SEQUENCE_ID: &str = "Outbox-Sequence-Id";
 pub const HEADER_MUTATION_ID: &str = "Outbox-Mutation-Id";
 
+/// A NATS sink's own settings (`[sinks.NAME]` with a `nats://` or `tls://` URI).
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct NatsConfig {
+    #[serde(flatten)]
+    pub timeout: ConfirmTimeout,
+    #[serde(flatten)]
+    pub tls: TlsFiles,
+    /// A credentials file (JWT + nkey seed).
+    pub creds_file: Option<PathBuf>,
+    /// A file holding an nkey seed.
+    pub nkey_seed_file: Option<PathBuf>,
+    /// A token (prefer the URI's user info, or an environment variable).
+    pub token: Option<Secret>,
+}
+
 pub struct NatsSink {
     client: async_nats::Client,
     jetstream: async_nats::jetstream::Context,
     shown: String,
 }
 
-fn setup_error(message: String) -> PublishError {
-    PublishError::new(PublishErrorKind::Rejected, message)
-}
-
 impl NatsSink {
-    pub async fn connect(config: &SinkConfig) -> Result<Self, PublishError> {
-        let addr: ServerAddr = config.uri.parse().map_err(|e| {
-            setup_error(format!(
+    pub async fn connect(uri: &str, config: &NatsConfig) -> Result<Self, SinkSetupError> {
+        let addr: ServerAddr = uri.parse().map_err(|e| {
+            SinkSetupError::config(format!(
                 "invalid NATS URI: {e}; use nats://[user:password@]host:port"
             ))
         })?;
@@ -43,14 +59,14 @@ impl NatsSink {
             (Some(path), _, _) => async_nats::ConnectOptions::with_credentials_file(path)
                 .await
                 .map_err(|e| {
-                    setup_error(format!(
+                    SinkSetupError::config(format!(
                         "cannot read NATS creds file {}: {e}",
                         path.display()
                     ))
                 })?,
             (None, Some(path), _) => {
                 let seed = std::fs::read_to_string(path).map_err(|e| {
-                    setup_error(format!(
+                    SinkSetupError::config(format!(
                         "cannot read NATS nkey seed file {}: {e}",
                         path.display()
                     ))
@@ -60,13 +76,13 @@ impl NatsSink {
             (None, None, Some(token)) => async_nats::ConnectOptions::with_token(token.0.clone()),
             (None, None, None) => async_nats::ConnectOptions::new(),
         };
-        if let Some(ca) = &config.tls_ca_file {
+        if let Some(ca) = &config.tls.ca_file {
             options = options.add_root_certificates(ca.clone()).require_tls(true);
         }
-        if let (Some(cert), Some(key)) = (&config.tls_cert_file, &config.tls_key_file) {
+        if let (Some(cert), Some(key)) = (&config.tls.cert_file, &config.tls.key_file) {
             options = options.add_client_certificate(cert.clone(), key.clone());
         }
-        if config.uri.starts_with("tls://") {
+        if uri.starts_with("tls://") {
             options = options.require_tls(true);
         }
         let shown = format!("nats://{}:{}", addr.host(), addr.port());
@@ -77,9 +93,9 @@ impl NatsSink {
             .retry_on_initial_connect()
             .connect(addr)
             .await
-            .map_err(|e| setup_error(format!("cannot connect to {shown}: {e}")))?;
+            .map_err(|e| classify_connect(e, &shown))?;
         let jetstream = async_nats::jetstream::ContextBuilder::new()
-            .timeout(config.timeout.unwrap_or(DEFAULT_SINK_TIMEOUT))
+            .timeout(config.timeout.get())
             .max_ack_inflight(20_000)
             .backpressure_on_inflight(true)
             .build(client.clone());
@@ -89,6 +105,24 @@ impl NatsSink {
             shown,
         })
     }
+}
+
+/// The one place a failed NATS connection becomes a set-up error, by the client's kind.
+fn classify_connect(error: async_nats::ConnectError, shown: &str) -> SinkSetupError {
+    use async_nats::ConnectErrorKind as K;
+    let message = match error.kind() {
+        K::ServerParse => format!("invalid NATS server address {shown}"),
+        K::Tls => format!("TLS set-up for {shown} failed: check the tls_* files"),
+        K::Authentication | K::AuthorizationViolation => format!(
+            "{shown} refused the relay's credentials: check the URI's user info, creds_file, \
+             nkey_seed_file or token"
+        ),
+        K::Dns | K::TimedOut | K::Io | K::MaxReconnects => {
+            return SinkSetupError::unavailable(format!("cannot connect to {shown}"))
+                .with_source(error)
+        }
+    };
+    SinkSetupError::config(message).with_source(error)
 }
 
 /// The event's headers as NATS carries them: text lines, so a name is printable ASCII
@@ -184,16 +218,21 @@ fn classify(error: async_nats::jetstream::context::PublishError, subject: &str) 
         JsKind::TimedOut => (PublishErrorKind::Timeout, format!("no PubAck for {subject:?} in time")),
         JsKind::BrokenPipe => (PublishErrorKind::Unavailable, "connection to NATS lost".to_string()),
         JsKind::MaxAckPending => (PublishErrorKind::Throttled, "too many unconfirmed publishes".to_string()),
-        _ => {
-            let text = error.to_string();
-            if text.to_lowercase().contains("permission") || text.to_lowercase().contains("authorization") {
-                (PublishErrorKind::Unauthorized, format!("not allowed to publish to {subject:?}"))
-            } else {
-                (PublishErrorKind::BrokerFailure, format!("publish to {subject:?} failed"))
-            }
-        }
+        // JetStream's own refusals carry an HTTP-like status: 401/403 are permissions.
+        _ if matches!(jetstream_status(&error), Some(401 | 403)) => (
+            PublishErrorKind::Unauthorized,
+            format!("not allowed to publish to {subject:?}"),
+        ),
+        _ => (PublishErrorKind::BrokerFailure, format!("publish to {subject:?} failed")),
     };
     PublishError::new(kind, message).with_source(error)
+}
+
+/// The status of the JetStream API error behind a failed publish, if the server sent one.
+fn jetstream_status(error: &async_nats::jetstream::context::PublishError) -> Option<usize> {
+    std::error::Error::source(error)?
+        .downcast_ref::<async_nats::jetstream::Error>()
+        .map(|e| e.code())
 }
 
 impl Sink for NatsSink {
@@ -290,6 +329,47 @@ impl Sink for NatsSink {
 }
 
 /// Builds the sink behind an `Arc`.
-pub async fn sink(config: &SinkConfig) -> Result<Arc<dyn Sink>, PublishError> {
-    Ok(Arc::new(NatsSink::connect(config).await?))
+pub async fn sink(uri: &str, config: &NatsConfig) -> Result<Arc<dyn Sink>, SinkSetupError> {
+    Ok(Arc::new(NatsSink::connect(uri, config).await?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use async_nats::jetstream::context::PublishError as JsError;
+    use async_nats::ConnectErrorKind as K;
+
+    #[test]
+    fn connect_errors_are_classified_by_their_kind() {
+        let kind = |k| classify_connect(async_nats::ConnectError::new(k), "nats://h:4222").kind();
+        for k in [
+            K::ServerParse,
+            K::Tls,
+            K::Authentication,
+            K::AuthorizationViolation,
+        ] {
+            assert!(kind(k).is_config(), "{k:?}");
+        }
+        for k in [K::Dns, K::TimedOut, K::Io, K::MaxReconnects] {
+            assert!(!kind(k).is_config(), "{k:?}");
+        }
+    }
+
+    #[test]
+    fn a_refused_publish_is_classified_by_the_jetstream_status() {
+        let refusal = |code: usize| {
+            let api: async_nats::jetstream::Error = serde_json::from_value(serde_json::json!({
+                "code": code, "err_code": 10000, "description": "some server text"
+            }))
+            .unwrap();
+            classify(JsError::with_source(JsKind::Other, api), "orders").kind()
+        };
+        assert_eq!(refusal(403), PublishErrorKind::Unauthorized);
+        assert_eq!(refusal(401), PublishErrorKind::Unauthorized);
+        assert_eq!(refusal(500), PublishErrorKind::BrokerFailure);
+        assert_eq!(
+            classify(JsError::new(JsKind::StreamNotFound), "orders").kind(),
+            PublishErrorKind::MissingTarget
+        );
+    }
 }

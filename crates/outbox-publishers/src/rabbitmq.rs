@@ -16,7 +16,10 @@ use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ErrorKin
 use outbox_core::{Outcome, Payload, PublishError, PublishErrorKind};
 use tokio::sync::Mutex;
 
-use crate::config::{SinkConfig, Unroutable, DEFAULT_SINK_TIMEOUT};
+use serde::{Deserialize, Serialize};
+
+use crate::config::ConfirmTimeout;
+use crate::error::SinkSetupError;
 use crate::sink::{fail_all, Routed, Sink};
 use crate::template::Template;
 
@@ -27,6 +30,30 @@ pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 128 * 1024 * 1024;
 /// Marks messages that failed only because another message of their batch made the broker
 /// close the channel; they are published once more on a fresh channel.
 const COLLATERAL: &str = "channel closed after another message was refused as too large";
+
+/// What RabbitMQ's unroutable (returned) messages become.
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum Unroutable {
+    /// Retry with backoff (a queue or binding may be added), then dead-letter.
+    #[default]
+    Retry,
+    /// Dead-letter at once.
+    DeadLetter,
+}
+
+/// A RabbitMQ sink's own settings (`[sinks.NAME]` with an `amqp://` or `amqps://` URI).
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct RabbitMqConfig {
+    #[serde(flatten)]
+    pub timeout: ConfirmTimeout,
+    /// The exchange, a template [default: "" (the default exchange: the routing key names
+    /// the queue)].
+    pub exchange: Option<String>,
+    /// What an unroutable message becomes.
+    pub unroutable: Unroutable,
+}
 
 pub struct RabbitSink {
     inner: Arc<Inner>,
@@ -43,16 +70,24 @@ struct Inner {
 }
 
 impl RabbitSink {
-    pub fn new(config: &SinkConfig) -> Result<Self, PublishError> {
+    pub fn new(uri: &str, config: &RabbitMqConfig) -> Result<Self, SinkSetupError> {
+        let shown = outbox_core::redact::redact_url(uri);
+        // Connections are made on first use; a URI that cannot work is refused now.
+        uri.parse::<lapin::uri::AMQPUri>().map_err(|e| {
+            SinkSetupError::config(format!(
+                "invalid RabbitMQ URI {shown}: {e}; use amqp://[user:password@]host[:port][/vhost] \
+                 (amqps:// for TLS)"
+            ))
+        })?;
         let exchange = Template::parse(config.exchange.as_deref().unwrap_or(""))
-            .map_err(|e| PublishError::new(PublishErrorKind::Rejected, format!("exchange: {e}")))?;
+            .map_err(|e| SinkSetupError::config(format!("exchange: {e}")))?;
         Ok(RabbitSink {
             inner: Arc::new(Inner {
-                uri: config.uri.clone(),
-                shown: outbox_core::redact::redact_url(&config.uri),
+                uri: uri.to_string(),
+                shown,
                 exchange,
                 unroutable: config.unroutable,
-                timeout: config.timeout.unwrap_or(DEFAULT_SINK_TIMEOUT),
+                timeout: config.timeout.get(),
                 max_message_bytes: AtomicUsize::new(DEFAULT_MAX_MESSAGE_BYTES),
                 session: Mutex::new(None),
             }),
@@ -100,6 +135,9 @@ impl Inner {
             ErrorKind::ProtocolError(amqp) => {
                 let text = amqp.get_message().to_string();
                 match amqp.kind() {
+                    // PRECONDITION_FAILED covers other refusals too; only the broker's text
+                    // says it is the size ("message size N is larger than configured max
+                    // size M"), and only the text carries the limit.
                     AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED)
                         if text.contains("larger than") =>
                     {
@@ -135,6 +173,8 @@ impl Inner {
                 }
             }
             ErrorKind::IOError(_)
+            | ErrorKind::RuntimeShutdownError(_)
+            | ErrorKind::MissingHeartbeatError
             | ErrorKind::InvalidConnectionState(_)
             | ErrorKind::InvalidChannelState(..) => {
                 (PublishErrorKind::Unavailable, "connection lost".to_string())
@@ -284,6 +324,6 @@ async fn publish_batch(inner: &Arc<Inner>, batch: &[Routed]) -> Vec<Outcome> {
     }
 }
 
-pub fn sink(config: &SinkConfig) -> Result<Arc<dyn Sink>, PublishError> {
-    Ok(Arc::new(RabbitSink::new(config)?))
+pub fn sink(uri: &str, config: &RabbitMqConfig) -> Result<Arc<dyn Sink>, SinkSetupError> {
+    Ok(Arc::new(RabbitSink::new(uri, config)?))
 }

@@ -12,7 +12,10 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{ErrorKind, RedisError, Script};
 use tokio::sync::Mutex;
 
-use crate::config::{SinkConfig, DEFAULT_SINK_TIMEOUT};
+use serde::{Deserialize, Serialize};
+
+use crate::config::{ConfirmTimeout, TlsFiles};
+use crate::error::SinkSetupError;
 use crate::sink::{fail_all, Routed, Sink};
 
 /// Appends unless the event's id was seen within the window. The id is recorded only after
@@ -32,6 +35,36 @@ redis.call('SET', KEYS[2], id, 'EX', ARGV[1])
 return id
 "#;
 
+/// Redelivered events within this window are not appended twice to a Redis stream.
+pub const DEFAULT_DEDUPE_WINDOW: Duration = Duration::from_secs(24 * 3600);
+
+/// A Redis sink's own settings (`[sinks.NAME]` with a `redis://` or `rediss://` URI).
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct RedisConfig {
+    #[serde(flatten)]
+    pub timeout: ConfirmTimeout,
+    #[serde(flatten)]
+    pub tls: TlsFiles,
+    /// Approximate MAXLEN for each stream.
+    pub maxlen: Option<usize>,
+    /// How long an event id is remembered to drop redeliveries [default: 24h].
+    #[serde(with = "crate::config::duration")]
+    pub dedupe_window: Duration,
+}
+
+/// Written out: a derived default would give the dedupe window 0s.
+impl Default for RedisConfig {
+    fn default() -> Self {
+        RedisConfig {
+            timeout: ConfirmTimeout::default(),
+            tls: TlsFiles::default(),
+            maxlen: None,
+            dedupe_window: DEFAULT_DEDUPE_WINDOW,
+        }
+    }
+}
+
 pub struct RedisSink {
     inner: Arc<Inner>,
 }
@@ -46,30 +79,27 @@ struct Inner {
     shown: String,
 }
 
-fn setup_error(message: String) -> PublishError {
-    PublishError::new(PublishErrorKind::Rejected, message)
-}
-
 impl RedisSink {
-    pub fn new(config: &SinkConfig) -> Result<Self, PublishError> {
-        let shown = outbox_core::redact::redact_url(&config.uri);
-        let client = if config.tls_ca_file.is_some() || config.tls_cert_file.is_some() {
+    pub fn new(uri: &str, config: &RedisConfig) -> Result<Self, SinkSetupError> {
+        let shown = outbox_core::redact::redact_url(uri);
+        let tls = &config.tls;
+        let client = if tls.ca_file.is_some() || tls.cert_file.is_some() {
             let read = |path: &std::path::Path| {
-                std::fs::read(path).map_err(|e| setup_error(format!("cannot read {}: {e}", path.display())))
+                std::fs::read(path).map_err(|e| SinkSetupError::config(format!("cannot read {}: {e}", path.display())))
             };
-            let root_cert = config.tls_ca_file.as_deref().map(read).transpose()?;
-            let client_tls = match (&config.tls_cert_file, &config.tls_key_file) {
+            let root_cert = tls.ca_file.as_deref().map(read).transpose()?;
+            let client_tls = match (&tls.cert_file, &tls.key_file) {
                 (Some(cert), Some(key)) => Some(redis::ClientTlsConfig {
                     client_cert: read(cert)?,
                     client_key: read(key)?,
                 }),
                 _ => None,
             };
-            redis::Client::build_with_tls(config.uri.as_str(), redis::TlsCertificates { client_tls, root_cert })
+            redis::Client::build_with_tls(uri, redis::TlsCertificates { client_tls, root_cert })
         } else {
-            redis::Client::open(config.uri.as_str())
+            redis::Client::open(uri)
         }
-        .map_err(|e| setup_error(format!("invalid Redis URI {shown}: {e}; use redis://[user:password@]host:port[/db] or rediss:// for TLS")))?;
+        .map_err(|e| SinkSetupError::config(format!("invalid Redis URI {shown}: {e}; use redis://[user:password@]host:port[/db] or rediss:// for TLS")))?;
         Ok(RedisSink {
             inner: Arc::new(Inner {
                 client,
@@ -77,7 +107,7 @@ impl RedisSink {
                 script: Script::new(APPEND_ONCE),
                 maxlen: config.maxlen.unwrap_or(0),
                 window_secs: config.dedupe_window.as_secs().max(1),
-                timeout: config.timeout.unwrap_or(DEFAULT_SINK_TIMEOUT),
+                timeout: config.timeout.get(),
                 shown,
             }),
         })
@@ -206,6 +236,6 @@ impl Sink for RedisSink {
     }
 }
 
-pub fn sink(config: &SinkConfig) -> Result<Arc<dyn Sink>, PublishError> {
-    Ok(Arc::new(RedisSink::new(config)?))
+pub fn sink(uri: &str, config: &RedisConfig) -> Result<Arc<dyn Sink>, SinkSetupError> {
+    Ok(Arc::new(RedisSink::new(uri, config)?))
 }

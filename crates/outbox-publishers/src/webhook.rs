@@ -10,16 +10,36 @@ use base64::Engine;
 use futures::future::{join_all, BoxFuture};
 use futures::FutureExt;
 use hmac::{Hmac, Mac};
-use outbox_core::{Outcome, PublishError, PublishErrorKind};
+use outbox_core::{Outcome, PublishError};
 use sha2::Sha256;
 use tokio::sync::Semaphore;
 
-use crate::config::{SinkConfig, DEFAULT_SINK_TIMEOUT, DEFAULT_WEBHOOK_CONCURRENCY};
+use serde::{Deserialize, Serialize};
+
+use crate::config::{ConfirmTimeout, Secret, TlsFiles};
+use crate::error::SinkSetupError;
 use crate::sink::{Routed, Sink};
 use crate::template::Template;
 
 /// The environment variable that holds the signing secret when the config file does not.
 pub const SECRET_ENV: &str = "OUTBOX_RELAY_WEBHOOK_SECRET";
+
+/// Concurrent requests per destination.
+pub const DEFAULT_CONCURRENCY: usize = 16;
+
+/// A webhook sink's own settings (`[sinks.NAME]` with an `http://` or `https://` URL template).
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct WebhookConfig {
+    #[serde(flatten)]
+    pub timeout: ConfirmTimeout,
+    #[serde(flatten)]
+    pub tls: TlsFiles,
+    /// Concurrent requests per destination [default: 16].
+    pub concurrency: Option<usize>,
+    /// The signing secret, `whsec_<base64>` (or OUTBOX_RELAY_WEBHOOK_SECRET).
+    pub secret: Option<Secret>,
+}
 
 pub struct WebhookSink {
     client: reqwest::Client,
@@ -59,9 +79,8 @@ fn url_escape(value: &str) -> String {
 }
 
 impl WebhookSink {
-    pub fn new(config: &SinkConfig) -> Result<Self, PublishError> {
-        let setup = |m: String| PublishError::new(PublishErrorKind::Rejected, m);
-        let url = Template::parse(&config.uri).map_err(setup)?;
+    pub fn new(uri: &str, config: &WebhookConfig) -> Result<Self, SinkSetupError> {
+        let url = Template::parse(uri).map_err(SinkSetupError::config)?;
         let secret = match &config.secret {
             Some(s) => Some(s.0.clone()),
             None => std::env::var(SECRET_ENV).ok().filter(|s| !s.is_empty()),
@@ -69,16 +88,13 @@ impl WebhookSink {
         let key = secret
             .map(|s| decode_secret(&s).map(Arc::new))
             .transpose()
-            .map_err(setup)?;
+            .map_err(SinkSetupError::config)?;
         Ok(WebhookSink {
-            client: crate::http::client(config, config.timeout.unwrap_or(DEFAULT_SINK_TIMEOUT))?,
+            client: crate::http::client(&config.tls, config.timeout.get())?,
             url: Arc::new(url),
-            shown: config.uri.split('?').next().unwrap_or_default().to_string(),
+            shown: uri.split('?').next().unwrap_or_default().to_string(),
             key,
-            per_destination: config
-                .concurrency
-                .unwrap_or(DEFAULT_WEBHOOK_CONCURRENCY)
-                .max(1),
+            per_destination: config.concurrency.unwrap_or(DEFAULT_CONCURRENCY).max(1),
             limits: Arc::default(),
         })
     }
@@ -146,8 +162,8 @@ impl Sink for WebhookSink {
     }
 }
 
-pub fn sink(config: &SinkConfig) -> Result<Arc<dyn Sink>, PublishError> {
-    Ok(Arc::new(WebhookSink::new(config)?))
+pub fn sink(uri: &str, config: &WebhookConfig) -> Result<Arc<dyn Sink>, SinkSetupError> {
+    Ok(Arc::new(WebhookSink::new(uri, config)?))
 }
 
 #[cfg(test)]

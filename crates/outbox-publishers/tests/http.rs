@@ -18,6 +18,7 @@ use futures::FutureExt;
 use outbox_core::Disposition;
 use outbox_publishers::{Routed, Sink, SinkConfig};
 use outbox_testkit::publisher::{event, BrokerHarness, Received};
+use serde_json::json;
 
 const SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
 const ABLY_KEY: &str = "appid.keyid:keysecret";
@@ -36,6 +37,11 @@ struct Recorder {
     script: Mutex<VecDeque<(u16, Option<&'static str>)>>,
     in_flight: Mutex<(usize, usize)>, // (now, max)
     slow: Mutex<Option<Duration>>,
+}
+
+/// A sink's settings as a `[sinks.NAME]` table would give them.
+fn read_config(table: serde_json::Value) -> SinkConfig {
+    serde_json::from_value(table).expect("valid sink settings")
 }
 
 async fn record(
@@ -150,15 +156,11 @@ struct WebhookHarness {
 
 async fn webhook_harness() -> WebhookHarness {
     let receiver = Receiver::start().await;
-    let config = SinkConfig {
-        uri: format!(
-            "{}/hooks/{{destination}}?key={{partition_key}}",
-            receiver.url()
-        ),
-        secret: Some(outbox_publishers::Secret(SECRET.into())),
-        timeout: Some(Duration::from_secs(2)),
-        ..SinkConfig::default()
-    };
+    let config = read_config(json!({
+        "uri": format!("{}/hooks/{{destination}}?key={{partition_key}}", receiver.url()),
+        "secret": SECRET,
+        "timeout": "2s",
+    }));
     let sink = outbox_publishers::build_sink("hooks", &config)
         .await
         .unwrap();
@@ -299,11 +301,10 @@ async fn webhook_concurrency_is_capped_per_destination() {
     outbox_testkit::install_crypto();
     let receiver = Receiver::start().await;
     *receiver.recorder.slow.lock().unwrap() = Some(Duration::from_millis(30));
-    let config = SinkConfig {
-        uri: format!("{}/hooks/{{destination}}", receiver.url()),
-        concurrency: Some(4),
-        ..SinkConfig::default()
-    };
+    let config = read_config(json!({
+        "uri": format!("{}/hooks/{{destination}}", receiver.url()),
+        "concurrency": 4,
+    }));
     let sink = outbox_publishers::build_sink("hooks", &config)
         .await
         .unwrap();
@@ -342,13 +343,12 @@ async fn ably_harness() -> AblyHarness {
     let receiver = Receiver::start().await;
     let key_file = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(key_file.path(), format!("{ABLY_KEY}\n")).unwrap();
-    let config = SinkConfig {
-        uri: "ably:".into(),
-        rest_url: Some(receiver.url()),
-        api_key_file: Some(key_file.path().to_path_buf()),
-        timeout: Some(Duration::from_secs(2)),
-        ..SinkConfig::default()
-    };
+    let config = read_config(json!({
+        "uri": "ably:",
+        "rest_url": receiver.url(),
+        "api_key_file": key_file.path(),
+        "timeout": "2s",
+    }));
     let sink = outbox_publishers::build_sink("ably", &config)
         .await
         .unwrap();
@@ -461,10 +461,7 @@ async fn ably_request_is_the_documented_rest_publish() {
 
 #[tokio::test]
 async fn ably_keys_never_come_from_the_uri() {
-    let config = SinkConfig {
-        uri: "ably:appid.keyid:secret".into(),
-        ..SinkConfig::default()
-    };
+    let config = SinkConfig::new("ably:appid.keyid:secret");
     let err = outbox_publishers::build_sink("ably", &config)
         .await
         .err()

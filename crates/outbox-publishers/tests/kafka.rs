@@ -41,11 +41,11 @@ async fn new_harness() -> KafkaHarness {
 }
 
 async fn harness_for(servers: String, topic: String, cluster: Option<Cluster>) -> KafkaHarness {
-    let config = SinkConfig {
-        uri: format!("kafka://{servers}"),
-        timeout: Some(Duration::from_secs(5)),
-        ..SinkConfig::default()
-    };
+    let config: SinkConfig = serde_json::from_value(serde_json::json!({
+        "uri": format!("kafka://{servers}"),
+        "timeout": "5s",
+    }))
+    .unwrap();
     let sink = outbox_publishers::build_sink("kafka", &config)
         .await
         .unwrap();

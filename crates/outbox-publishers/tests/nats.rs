@@ -38,10 +38,7 @@ async fn new_harness() -> NatsHarness {
         })
         .await
         .unwrap();
-    let config = SinkConfig {
-        uri: url(&server),
-        ..SinkConfig::default()
-    };
+    let config = SinkConfig::new(url(&server));
     let sink = outbox_publishers::build_sink("nats", &config)
         .await
         .unwrap();
@@ -206,11 +203,11 @@ async fn tls_is_verified_against_the_configured_ca() {
         })
         .await
         .unwrap();
-    let config = SinkConfig {
-        uri: url.clone(),
-        tls_ca_file: Some(certs.path().join("ca.pem")),
-        ..SinkConfig::default()
-    };
+    let config: SinkConfig = serde_json::from_value(serde_json::json!({
+        "uri": url,
+        "tls_ca_file": certs.path().join("ca.pem"),
+    }))
+    .unwrap();
     let sink = outbox_publishers::build_sink("nats", &config)
         .await
         .unwrap();
@@ -223,10 +220,7 @@ async fn tls_is_verified_against_the_configured_ca() {
         .await;
     assert!(outcomes[0].is_ok(), "{:?}", outcomes[0]);
     // Without the CA the server is not trusted: nothing is published.
-    let untrusted = SinkConfig {
-        uri: url,
-        ..SinkConfig::default()
-    };
+    let untrusted = SinkConfig::new(url);
     let sink = outbox_publishers::build_sink("nats", &untrusted)
         .await
         .unwrap();

@@ -44,10 +44,7 @@ async fn harness_at(url: String, private: Option<ScriptedServer>) -> RabbitHarne
         .await
         .unwrap();
     connection.close(200, "setup done".into()).await.unwrap();
-    let config = SinkConfig {
-        uri: url.clone(),
-        ..SinkConfig::default()
-    };
+    let config = SinkConfig::new(url.clone());
     let sink = outbox_publishers::build_sink("rabbit", &config)
         .await
         .unwrap();
@@ -150,14 +147,14 @@ outbox_testkit::publisher_conformance!(new_harness, restart: private_harness);
 async fn unroutable_messages_retry_or_dead_letter_as_configured() {
     outbox_testkit::install_crypto();
     for (unroutable, retryable) in [
-        (outbox_publishers::config::Unroutable::Retry, true),
-        (outbox_publishers::config::Unroutable::DeadLetter, false),
+        (outbox_publishers::rabbitmq::Unroutable::Retry, true),
+        (outbox_publishers::rabbitmq::Unroutable::DeadLetter, false),
     ] {
-        let config = SinkConfig {
-            uri: shared_url(),
-            unroutable,
-            ..SinkConfig::default()
-        };
+        let config: SinkConfig = serde_json::from_value(serde_json::json!({
+            "uri": shared_url(),
+            "unroutable": unroutable,
+        }))
+        .unwrap();
         let sink = outbox_publishers::build_sink("rabbit", &config)
             .await
             .unwrap();

@@ -8,11 +8,17 @@ use outbox_publishers::{Sink, SinkConfig};
 use outbox_testkit::publisher::{BrokerHarness, Received};
 use outbox_testkit::server::ServerProcess;
 use redis::AsyncCommands;
+use serde_json::json;
 
 struct RedisHarness {
     server: ServerProcess,
     sink: Arc<dyn Sink>,
     stream: String,
+}
+
+/// A sink's settings as a `[sinks.NAME]` table would give them.
+fn read_config(table: serde_json::Value) -> SinkConfig {
+    serde_json::from_value(table).expect("valid sink settings")
 }
 
 fn url(server: &ServerProcess) -> String {
@@ -38,11 +44,7 @@ async fn new_harness() -> RedisHarness {
             "always",
         ],
     );
-    let config = SinkConfig {
-        uri: url(&server),
-        max_message_bytes: Some(1024 * 1024),
-        ..SinkConfig::default()
-    };
+    let config = read_config(json!({ "uri": url(&server), "max_message_bytes": 1024 * 1024 }));
     let sink = outbox_publishers::build_sink("redis", &config)
         .await
         .unwrap();
@@ -112,11 +114,7 @@ async fn entries_carry_every_field_and_maxlen_trims() {
         "redis-server",
         &["--bind", "127.0.0.1", "--port", "{port}", "--save", ""],
     );
-    let config = SinkConfig {
-        uri: url(&server),
-        maxlen: Some(10),
-        ..SinkConfig::default()
-    };
+    let config = read_config(json!({ "uri": url(&server), "maxlen": 10 }));
     let sink = outbox_publishers::build_sink("redis", &config)
         .await
         .unwrap();
@@ -194,11 +192,10 @@ async fn tls_is_verified_against_the_configured_ca() {
             "no",
         ],
     );
-    let config = SinkConfig {
-        uri: format!("rediss://127.0.0.1:{}", server.port),
-        tls_ca_file: Some(certs.path().join("ca.pem")),
-        ..SinkConfig::default()
-    };
+    let config = read_config(json!({
+        "uri": format!("rediss://127.0.0.1:{}", server.port),
+        "tls_ca_file": certs.path().join("ca.pem"),
+    }));
     let sink = outbox_publishers::build_sink("redis", &config)
         .await
         .unwrap();
@@ -210,10 +207,7 @@ async fn tls_is_verified_against_the_configured_ca() {
         }])
         .await;
     assert!(outcomes[0].is_ok(), "{:?}", outcomes[0]);
-    let untrusted = SinkConfig {
-        uri: config.uri.clone(),
-        ..SinkConfig::default()
-    };
+    let untrusted = SinkConfig::new(config.uri());
     let sink = outbox_publishers::build_sink("redis", &untrusted)
         .await
         .unwrap();

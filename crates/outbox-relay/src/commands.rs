@@ -168,7 +168,14 @@ async fn publisher(
 ) -> anyhow::Result<Arc<dyn Publisher>> {
     outbox_publishers::build_router(sinks, routes)
         .await
-        .map_err(|e| anyhow::anyhow!("{}", redact_url(&e.report())))
+        .map_err(|e| {
+            let message = redact_url(&e.report());
+            if e.kind().is_config() {
+                anyhow::Error::new(ConfigError(message))
+            } else {
+                anyhow::anyhow!(message)
+            }
+        })
 }
 
 pub async fn run(mut config: Config, drain: bool) -> anyhow::Result<ExitCode> {

@@ -407,16 +407,6 @@ impl Config {
                  which would be ignored: give either sink or [sinks] with [[routes]], not both"
             );
         }
-        for (name, sink) in &self.sinks {
-            if let Some(setting) = sink.settings_without_effect().first() {
-                bail!(
-                    "sinks.{name}.{setting} has no effect on a {} sink ({}), which does not read \
-                     it: remove it, or check the sink's uri",
-                    sink.scheme(),
-                    redact_url(&sink.uri)
-                );
-            }
-        }
         Ok(())
     }
 
@@ -635,11 +625,7 @@ fn describe_figment_error(error: figment::Error) -> String {
 }
 
 fn single_sink(uri: &str) -> BTreeMap<String, SinkConfig> {
-    let config = SinkConfig {
-        uri: uri.to_string(),
-        ..Default::default()
-    };
-    BTreeMap::from([("default".to_string(), config)])
+    BTreeMap::from([("default".to_string(), SinkConfig::new(uri))])
 }
 
 #[cfg(test)]
@@ -803,19 +789,6 @@ mod tests {
             ..Config::default()
         });
         assert!(err.contains("poll_fixed_rate"), "{err}");
-        let main = outbox_publishers::SinkConfig {
-            uri: "nats://127.0.0.1:4222".into(),
-            maxlen: Some(100),
-            ..Default::default()
-        };
-        let err = refused(Config {
-            sinks: [("main".to_string(), main.clone())].into(),
-            ..Config::default()
-        });
-        assert!(
-            err.contains("sinks.main.maxlen has no effect on a nats sink"),
-            "{err}"
-        );
         let route = outbox_publishers::RouteConfig {
             destinations: "*".into(),
             sink: "main".into(),
@@ -959,7 +932,7 @@ mod tests {
         assert_eq!(parts.cluster.node.0, "n1");
         assert_eq!(parts.cluster.heartbeat_timeout, config.heartbeat_timeout);
         assert!(Arc::ptr_eq(&parts.engine.health, &parts.cluster.health));
-        assert_eq!(parts.sinks["default"].uri, "file:out.jsonl");
+        assert_eq!(parts.sinks["default"].uri(), "file:out.jsonl");
         assert!(parts.routes.is_empty() && parts.http_addr.is_none());
     }
 

@@ -86,8 +86,8 @@ fn a_setting_that_has_no_effect_is_refused_with_exit_2_naming_it() {
     .unwrap();
     refused(
         relay(d, &["--config", "maxlen.toml", "run", "--drain"], &[]),
-        "sinks.main.maxlen",
-        "no effect on a nats sink",
+        "`sinks.main`",
+        "`maxlen` has no effect on a nats sink",
     );
     // --sink replaces the routes, which would silently stop applying.
     std::fs::write(
@@ -303,4 +303,63 @@ fn check_shows_no_secret_of_a_sink_uri() {
         assert!(shown.contains("configuration is valid"), "{shown}");
         assert!(!shown.contains("s3cr3t"), "{sink}: {shown}");
     }
+}
+
+/// Each sink reads only its own settings: one of another sink's, from a file or the
+/// environment, is refused when the configuration is read (before any command runs), naming
+/// the setting, the sink and the fix; so is a URI no sink reads, and a sink that cannot be
+/// set up from its settings is a configuration error too.
+#[test]
+fn a_setting_of_another_sink_is_refused_naming_the_setting_the_sink_and_the_fix() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::write(
+        d.join("sasl.toml"),
+        "[sinks.events]\nuri = \"redis://relay:hunter2@127.0.0.1:6379\"\nsasl_mechanism = \"PLAIN\"\n",
+    )
+    .unwrap();
+    let out = relay(d, &["--config", "sasl.toml", "migrate", "--print"], &[]);
+    refused(
+        out,
+        "`sinks.events`",
+        "`sasl_mechanism` has no effect on a redis sink (redis://relay:***@127.0.0.1:6379), which \
+         does not read it: remove it, or check the sink's uri",
+    );
+    let err = stderr(&relay(
+        d,
+        &["--config", "sasl.toml", "migrate", "--print"],
+        &[],
+    ));
+    assert!(
+        !err.contains("hunter2"),
+        "no password in the message: {err}"
+    );
+    refused(
+        relay(
+            d,
+            &["run", "--drain"],
+            &[
+                ("OUTBOX_RELAY_SINKS__MAIN__URI", "stdout"),
+                ("OUTBOX_RELAY_SINKS__MAIN__TIMEOUT", "5s"),
+            ],
+        ),
+        "environment variable OUTBOX_RELAY_SINKS__MAIN",
+        "`timeout` has no effect on a stdout sink",
+    );
+    std::fs::write(
+        d.join("gopher.toml"),
+        "[sinks.main]\nuri = \"gopher://x\"\n",
+    )
+    .unwrap();
+    refused(
+        relay(d, &["--config", "gopher.toml", "run", "--drain"], &[]),
+        "`sinks.main`",
+        "unknown URI scheme \"gopher\": use stdout, file:PATH, nats://",
+    );
+    // Set-up failures the configuration must fix exit 2 as well.
+    refused(
+        relay(d, &["run", "--drain", "--sink", "file:"], &[]),
+        "sink `file:`",
+        "needs a path",
+    );
 }
