@@ -111,6 +111,32 @@ pub struct Event {
 }
 
 impl Event {
+    /// An event on its first attempt: no key (the destination orders it), no headers or
+    /// mutation id, not rejected, no limit of its own, created now. A store or capture fills
+    /// in what its row or message carries with struct update syntax.
+    pub fn new(
+        sequence_id: SequenceId,
+        event_id: EventId,
+        destination: impl Into<String>,
+        event_type: impl Into<String>,
+        payload: Payload,
+    ) -> Event {
+        Event {
+            sequence_id,
+            event_id,
+            destination: destination.into(),
+            partition_key: None,
+            event_type: event_type.into(),
+            payload,
+            headers: Headers::new(),
+            mutation_id: None,
+            rejected: false,
+            attempts: 0,
+            max_attempts: None,
+            created_at: SystemTime::now(),
+        }
+    }
+
     /// The key whose events are published strictly in `sequence_id` order.
     pub fn ordering_key(&self) -> &str {
         self.partition_key.as_deref().unwrap_or(&self.destination)
@@ -175,18 +201,8 @@ mod tests {
 
     fn event(key: Option<&str>) -> Event {
         Event {
-            sequence_id: 1,
-            event_id: Uuid::nil(),
-            destination: "orders".into(),
             partition_key: key.map(String::from),
-            event_type: "created".into(),
-            payload: Payload::Null,
-            headers: Headers::new(),
-            mutation_id: None,
-            rejected: false,
-            attempts: 0,
-            max_attempts: None,
-            created_at: SystemTime::UNIX_EPOCH,
+            ..Event::new(1, Uuid::nil(), "orders", "created", Payload::Null)
         }
     }
 

@@ -296,23 +296,12 @@ impl Lanes {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use outbox_core::{Headers, Payload};
-    use std::time::SystemTime;
+    use outbox_core::Payload;
 
     fn row(seq: i64, key: &str) -> Claimed {
         Claimed::Event(Event {
-            sequence_id: seq,
-            event_id: uuid::Uuid::nil(),
-            destination: "d".into(),
             partition_key: Some(key.into()),
-            event_type: "t".into(),
-            payload: Payload::Null,
-            headers: Headers::new(),
-            mutation_id: None,
-            rejected: false,
-            attempts: 0,
-            max_attempts: None,
-            created_at: SystemTime::UNIX_EPOCH,
+            ..Event::new(seq, uuid::Uuid::nil(), "d", "t", Payload::Null)
         })
     }
 

@@ -426,7 +426,7 @@ mod tests {
                 read(json!({"uri": "nats://u:pw@127.0.0.1:4222", "maxlen": 1000})).unwrap_err();
             assert!(
                 err.contains(
-                    "`maxlen` has no effect on a nats sink (nats://***@127.0.0.1:4222), which \
+                    "`maxlen` has no effect on a nats sink (nats://u:***@127.0.0.1:4222), which \
                      does not read it: remove it, or check the sink's uri"
                 ),
                 "{err}"

@@ -163,7 +163,7 @@ impl Publisher for Router {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use outbox_core::{Disposition, Headers, Payload};
+    use outbox_core::{Disposition, Payload};
     use std::sync::Mutex;
 
     /// Records (target, sequence id) and confirms everything.
@@ -194,20 +194,14 @@ mod tests {
     }
 
     fn event(seq: i64, destination: &str, payload: &str) -> Arc<Event> {
-        Arc::new(Event {
-            sequence_id: seq,
-            event_id: uuid::Uuid::nil(),
-            destination: destination.into(),
-            partition_key: None,
-            event_type: "created".into(),
-            payload: Payload::Bytes(payload.as_bytes().to_vec()),
-            headers: Headers::new(),
-            mutation_id: None,
-            rejected: false,
-            attempts: 0,
-            max_attempts: None,
-            created_at: std::time::SystemTime::UNIX_EPOCH,
-        })
+        let payload = Payload::Bytes(payload.as_bytes().to_vec());
+        Arc::new(Event::new(
+            seq,
+            uuid::Uuid::nil(),
+            destination,
+            "created",
+            payload,
+        ))
     }
 
     #[tokio::test]

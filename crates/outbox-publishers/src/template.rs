@@ -81,22 +81,12 @@ impl Template {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use outbox_core::{Headers, Payload};
+    use outbox_core::Payload;
 
     fn event() -> Event {
         Event {
-            sequence_id: 1,
-            event_id: uuid::Uuid::nil(),
-            destination: "orders".into(),
             partition_key: Some("c/1".into()),
-            event_type: "created".into(),
-            payload: Payload::Null,
-            headers: Headers::new(),
-            mutation_id: None,
-            rejected: false,
-            attempts: 0,
-            max_attempts: None,
-            created_at: std::time::SystemTime::UNIX_EPOCH,
+            ..Event::new(1, uuid::Uuid::nil(), "orders", "created", Payload::Null)
         }
     }
 

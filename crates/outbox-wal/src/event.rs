@@ -73,18 +73,17 @@ impl WalEvent {
     /// counter per process), and that number is what orders a key's lane.
     pub fn into_core(self, sequence_id: SequenceId) -> Event {
         Event {
-            sequence_id,
-            event_id: self.event_id,
-            destination: self.destination,
             partition_key: self.partition_key,
-            event_type: self.event_type,
-            payload: self.payload,
             headers: self.headers,
             mutation_id: self.mutation_id,
-            rejected: false,
-            attempts: 0,
-            max_attempts: None,
             created_at: self.created_at,
+            ..Event::new(
+                sequence_id,
+                self.event_id,
+                self.destination,
+                self.event_type,
+                self.payload,
+            )
         }
     }
 }
