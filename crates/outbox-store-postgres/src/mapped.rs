@@ -216,15 +216,17 @@ impl MappedDb for MappedPg {
             mark,
         } = claim;
         let limit = params.int(limit);
-        let statement = match mark {
-            Some((node, lease)) => {
-                let (node, lease) = (params.text(node), params.int(lease));
-                sql.claim_and_mark(&condition, &limit, &node, &lease)
-            }
+        let Some((node, lease)) = mark else {
             // Nothing to mark: the active relay excludes what it holds, nobody else claims.
-            None => sql.claim_select(&condition, &limit, false),
+            let statement = sql.claim_select(&condition, &limit, false);
+            return self.query("claim", statement, params).await;
         };
-        self.query("claim", statement, params).await
+        let (node, lease) = (params.text(node), params.int(lease));
+        let statement = sql.claim_and_mark(&condition, &limit, &node, &lease);
+        let mut rows = self.query("claim", statement, params).await?;
+        let order = sql.claim_order_column();
+        rows.sort_by_key(|row| Self::int(row, order));
+        Ok(rows)
     }
 
     async fn insert(

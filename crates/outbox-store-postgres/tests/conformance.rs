@@ -270,17 +270,15 @@ mod mapped {
     // Every test but `node_registry`: a custom mapping keeps no membership (one active relay
     // per table is the whole of the coordination, and the Ably layout's nodes table is the
     // native store's, which the suite above runs).
-    // KNOWN FAILING, left out until fixed (they fail the same way on the store before the
-    // redesign): engine_delivers_in_order_per_key and
-    // engine_dead_letters_permanent_errors_and_undecodable_rows never end their drain, and
-    // engine_retry_blocks_only_its_key sees the fast key wait for the slow key's retries.
     outbox_testkit::store_conformance!(@tests new_harness;
         exclusive_claims, per_key_order_across_nodes, retry_scheduling,
         dead_lettering_keeps_the_whole_event, lease_expiry,
         crash_between_publish_and_ack_redelivers, rolled_back_inserts_are_never_claimed,
         undecodable_rows_are_claimed_for_dead_lettering, ack_deletes_or_retains,
         release_makes_rows_claimable,
+        engine_delivers_in_order_per_key, engine_retry_blocks_only_its_key,
         engine_dead_letters_after_max_attempts_and_moves_on,
+        engine_dead_letters_permanent_errors_and_undecodable_rows,
         engine_unordered_retries_and_dead_letters_go_out_again,
         operator_lists_retries_and_purges_dead_letters, operator_replays_and_prunes_in_batches);
 }
