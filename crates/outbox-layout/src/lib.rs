@@ -14,7 +14,9 @@
 //! See ARCHITECTURE.md, "Mapped layouts".
 
 pub mod memory;
+pub mod params;
 pub mod sql;
+pub mod store;
 
 use std::fmt;
 

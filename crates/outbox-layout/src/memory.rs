@@ -157,8 +157,34 @@ pub fn derived_event_id(mapping: &Mapping, id: &str) -> Uuid {
 }
 
 /// Decodes a claimed row and records it as held. A row that cannot be decoded becomes
-/// [`Claimed::Undecodable`], to be dead-lettered.
+/// [`Claimed::Undecodable`], to be dead-lettered; so does a `created_at` no event can carry
+/// (see [`outbox_core::time::created_at_problem`]).
 pub fn decode(
+    mapping: &Mapping,
+    raw: RawRow,
+    memory: &mut Memory,
+    node: &str,
+    lease: Duration,
+) -> Claimed {
+    let created_at_problem = raw
+        .created_micros
+        .and_then(outbox_core::time::created_at_problem);
+    match (
+        decode_columns(mapping, raw, memory, node, lease),
+        created_at_problem,
+    ) {
+        (Claimed::Event(event), Some(reason)) => Claimed::Undecodable {
+            sequence_id: event.sequence_id,
+            ordering_key: event.ordering_key().to_string(),
+            destination: event.destination,
+            attempts: event.attempts,
+            reason,
+        },
+        (claimed, _) => claimed,
+    }
+}
+
+fn decode_columns(
     mapping: &Mapping,
     raw: RawRow,
     memory: &mut Memory,

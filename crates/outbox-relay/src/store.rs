@@ -6,6 +6,7 @@ use anyhow::Context;
 use outbox_core::store::NodeRegistry;
 use outbox_core::OutboxStore;
 use outbox_store_mysql::{MySqlOptions, MySqlStore};
+use outbox_store_postgres::mapped::MappedPgOptions;
 use outbox_store_postgres::{MappedPgStore, PgOptions, PgStore, Tables};
 use outbox_store_sqlite::SqliteStore;
 
@@ -44,13 +45,12 @@ impl AnyStore {
                 };
                 if let Some(mapping) = config.layout_mapping()? {
                     // Every layout wakes on the channel in `options` (the seed's own for adbc).
-                    let store = MappedPgStore::new(
-                        options,
+                    let store = MappedPgStore::new(MappedPgOptions {
+                        pg: options,
                         mapping,
-                        &config.layout.to_string(),
-                        None,
-                        config.retry.max_attempts,
-                    )
+                        layout: config.layout.to_string(),
+                        max_attempts: config.retry.max_attempts,
+                    })
                     .map_err(|e| crate::commands::failure(e.report(), &e))?;
                     return Ok(AnyStore::MappedPostgres(store));
                 }
@@ -141,7 +141,9 @@ impl AnyStore {
             AnyStore::Postgres(s) => {
                 format!("{}\n{}", s.tables().ddl(), s.tables().grants(role))
             }
-            AnyStore::MappedPostgres(s) => format!("{}\n{}", s.ddl(), s.grants(role)),
+            AnyStore::MappedPostgres(s) => {
+                format!("{}\n{}", s.ddl().unwrap_or_default(), s.grants(role))
+            }
             AnyStore::MySql(s) => format!(
                 "{}\n{}",
                 s.ddl().unwrap_or_else(|| "-- A custom mapping runs on the application's own table: nothing to create.\n".into()),

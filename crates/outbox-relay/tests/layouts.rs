@@ -560,23 +560,9 @@ async fn a_standby_relay_takes_over_a_mapped_table_when_the_active_one_dies() {
     second.terminate().await;
 }
 
-/// A fresh database on the test MariaDB server; its URL.
-async fn fresh_mysql_database() -> String {
-    let admin = std::env::var("OUTBOX_TEST_MYSQL_URL")
-        .expect("OUTBOX_TEST_MYSQL_URL is not set: run the tests through scripts/test.sh");
-    let name = format!("t_{}", uuid::Uuid::new_v4().simple());
-    let mut conn = mysql_async::Conn::from_url(admin.as_str()).await.unwrap();
-    conn.query_drop(format!("CREATE DATABASE {name}"))
-        .await
-        .unwrap();
-    conn.disconnect().await.unwrap();
-    let cut = admin.rfind('/').unwrap();
-    format!("{}/{name}", &admin[..cut])
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mysql_seed_outbox_events_are_relayed_fifo_and_marked_consumed_on_mariadb() {
-    let h = Harness::on(fresh_mysql_database().await).await;
+    let h = Harness::on(outbox_testkit::fresh_mysql_database().await).await;
     // The seed's SHOW CREATE TABLE output, verbatim but for MySQL 8's collation
     // utf8mb4_0900_ai_ci, which MariaDB 10.11 does not have.
     let ddl = include_str!("fixtures/seeds/mysql_outbox_events.sql")
@@ -643,7 +629,7 @@ async fn mysql_seed_outbox_events_are_relayed_fifo_and_marked_consumed_on_mariad
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn native_layout_on_mariadb_migrates_sends_and_relays() {
-    let h = Harness::on(fresh_mysql_database().await).await;
+    let h = Harness::on(outbox_testkit::fresh_mysql_database().await).await;
     h.configure("native", &["orders.*"]);
     h.cli(&["migrate"]);
     assert!(h

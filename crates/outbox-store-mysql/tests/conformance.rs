@@ -18,24 +18,6 @@ struct MySqlHarness {
     pool: mysql_async::Pool,
 }
 
-/// A fresh database on the test server; its URL.
-async fn fresh_mysql_database() -> String {
-    let admin = std::env::var("OUTBOX_TEST_MYSQL_URL").expect(
-        "OUTBOX_TEST_MYSQL_URL is not set: run the tests through scripts/test.sh, \
-         or `eval \"$(scripts/servers.sh start)\"` first",
-    );
-    let name = format!("t_{}", uuid::Uuid::new_v4().simple());
-    let mut conn = mysql_async::Conn::from_url(&admin)
-        .await
-        .expect("connect to MariaDB");
-    conn.query_drop(format!("CREATE DATABASE {name}"))
-        .await
-        .unwrap();
-    conn.disconnect().await.unwrap();
-    let cut = admin.rfind('/').unwrap();
-    format!("{}/{name}", &admin[..cut])
-}
-
 fn store(url: &str, retain: bool) -> MySqlStore {
     MySqlStore::new(MySqlOptions {
         url: url.to_string(),
@@ -49,7 +31,7 @@ fn store(url: &str, retain: bool) -> MySqlStore {
 }
 
 async fn new_harness() -> MySqlHarness {
-    let url = fresh_mysql_database().await;
+    let url = outbox_testkit::fresh_mysql_database().await;
     let s = store(&url, false);
     s.migrate().await.unwrap();
     MySqlHarness {
@@ -151,7 +133,7 @@ outbox_testkit::store_conformance!(new_harness);
 /// native column refuses what it cannot hold, and the error says what to do.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_10kb_key_is_refused_at_insert_with_the_fix() {
-    let url = fresh_mysql_database().await;
+    let url = outbox_testkit::fresh_mysql_database().await;
     let store = store(&url, false);
     store.migrate().await.unwrap();
     let error = store

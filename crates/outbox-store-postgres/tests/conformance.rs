@@ -120,3 +120,165 @@ impl Harness for PgHarness {
 }
 
 outbox_testkit::store_conformance!(new_harness);
+
+/// The suite against `MappedPgStore` with a custom mapping over an application's table
+/// shaped like the native one (the MySQL native layout's mapping, here as a custom one).
+mod mapped {
+    use super::*;
+    use outbox_layout::Mapping;
+    use outbox_store_postgres::mapped::MappedPgOptions;
+    use outbox_store_postgres::MappedPgStore;
+
+    const TABLE: &str = "
+        CREATE TABLE events (
+            sequence_id  bigserial PRIMARY KEY,
+            event_id     uuid NOT NULL DEFAULT gen_random_uuid(),
+            destination  text NOT NULL,
+            partition_key text,
+            event_type   text NOT NULL,
+            payload      jsonb,
+            headers      jsonb,
+            mutation_id  text,
+            rejected     boolean NOT NULL DEFAULT false,
+            created_at   timestamptz NOT NULL DEFAULT clock_timestamp(),
+            available_at timestamptz NOT NULL DEFAULT now(),
+            attempts     integer NOT NULL DEFAULT 0,
+            last_error   text,
+            locked_by    text,
+            locked_until timestamptz,
+            delivered_at timestamptz,
+            dead_at      timestamptz
+        )";
+
+    pub struct MappedHarness {
+        store: MappedPgStore,
+        retaining: MappedPgStore,
+        client: tokio_postgres::Client,
+    }
+
+    fn store(url: &str, retain: bool) -> MappedPgStore {
+        let mapping = Mapping {
+            seed: None,
+            insert_defaults: Vec::new(),
+            ..Mapping::native_mysql(None, "events", retain)
+        };
+        MappedPgStore::new(MappedPgOptions {
+            pg: options(url, retain),
+            mapping,
+            layout: "custom".into(),
+            max_attempts: 20,
+        })
+        .unwrap()
+    }
+
+    pub async fn new_harness() -> MappedHarness {
+        let url = outbox_testkit::fresh_pg_database().await;
+        let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(connection);
+        client.batch_execute(TABLE).await.unwrap();
+        let store = store(&url, false);
+        store.migrate().await.unwrap();
+        MappedHarness {
+            retaining: self::store(&url, true),
+            store,
+            client,
+        }
+    }
+
+    impl Harness for MappedHarness {
+        fn store(&self) -> Arc<dyn OutboxStore> {
+            Arc::new(self.store.clone())
+        }
+
+        fn retaining_store(&self) -> Arc<dyn OutboxStore> {
+            Arc::new(self.retaining.clone())
+        }
+
+        fn registry(&self) -> Arc<dyn NodeRegistry> {
+            Arc::new(self.store.clone())
+        }
+
+        fn operations(&self) -> Arc<dyn outbox_core::store::Operations> {
+            Arc::new(self.store.clone())
+        }
+
+        fn insert_rolled_back(&self, destination: &str) -> BoxFuture<'_, ()> {
+            let sql = format!(
+                "BEGIN; INSERT INTO events (destination, event_type, payload) VALUES ('{destination}', 't', '1'); ROLLBACK;"
+            );
+            async move { self.client.batch_execute(&sql).await.unwrap() }.boxed()
+        }
+
+        fn insert_undecodable(&self, destination: &str) -> BoxFuture<'_, SequenceId> {
+            let destination = destination.to_string();
+            async move {
+                let row = self
+                    .client
+                    .query_one(
+                        "INSERT INTO events (destination, event_type, payload, headers)
+                         VALUES ($1, 't', '{}', '[\"not\", \"an object\"]') RETURNING sequence_id",
+                        &[&destination],
+                    )
+                    .await
+                    .unwrap();
+                row.get(0)
+            }
+            .boxed()
+        }
+
+        fn row_state(&self, id: SequenceId) -> BoxFuture<'_, Option<(i64, Option<String>, bool)>> {
+            async move {
+                // Dead rows stay in the table (dead_at set) but are out of the queue.
+                self.client
+                    .query_opt(
+                        "SELECT attempts::int8, last_error, delivered_at IS NOT NULL FROM events
+                          WHERE sequence_id = $1 AND dead_at IS NULL",
+                        &[&id],
+                    )
+                    .await
+                    .unwrap()
+                    .map(|r| (r.get(0), r.get(1), r.get(2)))
+            }
+            .boxed()
+        }
+
+        fn dead_rows(&self) -> BoxFuture<'_, Vec<DeadRow>> {
+            async move {
+                self.client
+                    .query(
+                        "SELECT sequence_id, attempts::int8, last_error, payload::text FROM events
+                          WHERE dead_at IS NOT NULL ORDER BY sequence_id",
+                        &[],
+                    )
+                    .await
+                    .unwrap()
+                    .iter()
+                    .map(|r| DeadRow {
+                        sequence_id: r.get(0),
+                        attempts: r.get(1),
+                        last_error: r.get(2),
+                        payload: r.get(3),
+                    })
+                    .collect()
+            }
+            .boxed()
+        }
+    }
+
+    // Every test but `node_registry`: a custom mapping keeps no membership (one active relay
+    // per table is the whole of the coordination, and the Ably layout's nodes table is the
+    // native store's, which the suite above runs).
+    outbox_testkit::store_conformance!(@tests new_harness;
+        exclusive_claims, per_key_order_across_nodes, retry_scheduling,
+        dead_lettering_keeps_the_whole_event, lease_expiry,
+        crash_between_publish_and_ack_redelivers, rolled_back_inserts_are_never_claimed,
+        undecodable_rows_are_claimed_for_dead_lettering, ack_deletes_or_retains,
+        release_makes_rows_claimable,
+        engine_delivers_in_order_per_key, engine_retry_blocks_only_its_key,
+        engine_dead_letters_after_max_attempts_and_moves_on,
+        engine_dead_letters_permanent_errors_and_undecodable_rows,
+        engine_unordered_retries_and_dead_letters_go_out_again,
+        operator_lists_retries_and_purges_dead_letters, operator_replays_and_prunes_in_batches);
+}

@@ -39,6 +39,25 @@ pub async fn fresh_pg_database() -> String {
     with_database(&admin, &name)
 }
 
+/// Creates an empty database with a unique name on the test MariaDB server
+/// (`OUTBOX_TEST_MYSQL_URL`) and returns its URL. Tests fail (they do not skip) without it.
+pub async fn fresh_mysql_database() -> String {
+    use mysql_async::prelude::Queryable;
+    let admin = std::env::var("OUTBOX_TEST_MYSQL_URL").expect(
+        "OUTBOX_TEST_MYSQL_URL is not set: run the tests through scripts/test.sh, \
+         or `eval \"$(scripts/servers.sh start)\"` first",
+    );
+    let name = format!("t_{}", uuid::Uuid::new_v4().simple());
+    let mut conn = mysql_async::Conn::from_url(admin.as_str())
+        .await
+        .expect("connect to the test MariaDB server");
+    conn.query_drop(format!("CREATE DATABASE {name}"))
+        .await
+        .expect("create test database");
+    conn.disconnect().await.expect("disconnect");
+    with_database(&admin, &name)
+}
+
 /// `url` with its database name replaced.
 pub fn with_database(url: &str, database: &str) -> String {
     let (base, query) = match url.split_once('?') {

@@ -1,0 +1,1070 @@
+//! The mapped-table store, written once: [`MappedStore`] over a database part, [`MappedDb`],
+//! implemented for PostgreSQL (`outbox-store-postgres`) and MySQL/MariaDB
+//! (`outbox-store-mysql`).
+//!
+//! # Active relay
+//! One relay per table is active at a time: it holds a session-level lock on a dedicated
+//! connection ([`MappedDb::take_lock`]), and standby relays claim nothing until that lock is
+//! gone; they try again every [`LEADER_RETRY`]. On taking over, the new active relay forgets
+//! its memory and reaps every row the table shows as held (counting the attempt where the
+//! table counts them, so a poison event that kills relays ends dead); while active it reaps
+//! rows whose lease expired every half lease. See ARCHITECTURE.md, "Mapped layouts".
+//!
+//! # Memory
+//! What the table has no column for (attempts, the next attempt time, a lease, handles for
+//! UUID ids) is kept in [`Memory`]. A retry blocks its key in memory only once the table has
+//! recorded it, so a table-side `available_at` is never later than the memory block.
+//!
+//! Every statement comes from the layout's [`Sql`]; values are bound through [`Params`].
+
+use std::collections::HashSet;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use outbox_core::store::{
+    Backlog, ClaimRequest, Claimed, DeadLetter, DeadRecord, DeadSelector, DestinationStats,
+    Incarnation, NodeRecord, NodeRegistry, OnChange, Operations, Problem, Registration, RetryLater,
+    StoreResult,
+};
+use outbox_core::time::{from_micros, micros, millis};
+use outbox_core::{Fence, NewEvent, NodeId, OutboxStore, SequenceId, StoreError, StoreErrorKind};
+use uuid::Uuid;
+
+use crate::memory::{decode, derived_event_id, Memory, RawRow, RowId};
+use crate::params::Params;
+use crate::sql::Sql;
+use crate::{DeadState, Dialect, IdType, Mapping};
+
+/// How often a standby relay tries to become the active one.
+pub const LEADER_RETRY: Duration = Duration::from_secs(1);
+
+/// What [`MappedDb::open`] builds: the database part and the table it runs.
+pub struct Opened<D> {
+    pub db: D,
+    pub mapping: Mapping,
+    /// The layout's name, for logs and fixes.
+    pub layout: String,
+    /// Where the table has no attempt limit of its own.
+    pub max_attempts: u32,
+}
+
+/// A claim for [`MappedDb::claim`].
+pub struct Claim {
+    /// Claimable rows that are not blocked, over alias `o`.
+    pub condition: String,
+    /// The condition's values; the claim's own placeholders number on from them
+    /// ([`Params::after`]).
+    pub params: Params,
+    pub limit: i64,
+    /// The node and lease (ms) to mark the rows with; `None` when the table has nothing to
+    /// mark (the active relay then excludes the ids it holds in `condition`).
+    pub mark: Option<(String, i64)>,
+}
+
+/// The database part of a mapped store: what differs between PostgreSQL and MySQL.
+///
+/// # Contract
+/// - **Statements** come from the [`Sql`] builder and values from [`Params`] in the same
+///   dialect; the part binds the values in order (arrays as the driver's arrays on
+///   PostgreSQL, named `:pn` values on MySQL) and maps every driver error to a
+///   [`StoreErrorKind`] by the server's error code, never its text, naming `context`.
+/// - **[`execute_each`](MappedDb::execute_each)** runs one statement once per parameter set
+///   in one transaction and returns the rows affected in total: all or nothing.
+/// - **[`claim`](MappedDb::claim)** selects up to `limit` rows matching the condition in
+///   publish order, skipping rows other transactions hold locked, and (with `mark`) marks
+///   them as [`Sql::claim_set`] says, in one transaction: no row is returned that another
+///   claim also returned while the mark lives. Rows come back in `select_list` order of
+///   columns and publish order of rows.
+/// - **The lock** is the active-relay lock: session-level, on a dedicated connection that
+///   only the lock uses, named after the table (server-wide names include the database), so
+///   it dies with that connection. [`take_lock`](MappedDb::take_lock) never waits for it:
+///   `None` means another session holds it. [`lock_alive`](MappedDb::lock_alive) says
+///   whether the session still holds it; it runs at most every
+///   [`LOCK_CHECK_INTERVAL`](MappedDb::LOCK_CHECK_INTERVAL).
+/// - **Rows** decode in [`raw_row`](MappedDb::raw_row) to plain values; a column that cannot
+///   be read is a [`StoreErrorKind::SchemaMismatch`] naming it. [`int`](MappedDb::int) and
+///   [`text`](MappedDb::text) read the statements' other (already cast) columns.
+///
+/// Methods return futures that are `Send`: the store runs them inside `'static` futures.
+pub trait MappedDb: Send + Sync + Sized + 'static {
+    type Options;
+    /// A row as the driver returns it.
+    type Row: Send + Sync;
+    /// The session holding the active-relay lock.
+    type Lock: Send;
+    const DIALECT: Dialect;
+    /// Shown by `describe` ("postgres", "mysql").
+    const NAME: &'static str;
+    /// How often the lock's session is checked: at every claim where the check is free, less
+    /// often where it is a round trip.
+    const LOCK_CHECK_INTERVAL: Duration;
+
+    /// Builds the connection pool (no connection is opened until first use).
+    fn open(options: Self::Options) -> StoreResult<Opened<Self>>;
+
+    fn take_lock(
+        &self,
+        mapping: &Mapping,
+    ) -> impl Future<Output = StoreResult<Option<Self::Lock>>> + Send;
+
+    fn lock_alive(&self, lock: &mut Self::Lock) -> impl Future<Output = bool> + Send;
+
+    fn query(
+        &self,
+        context: &'static str,
+        statement: String,
+        params: Params,
+    ) -> impl Future<Output = StoreResult<Vec<Self::Row>>> + Send;
+
+    /// Runs a statement; the rows it affected.
+    fn execute(
+        &self,
+        context: &'static str,
+        statement: String,
+        params: Params,
+    ) -> impl Future<Output = StoreResult<u64>> + Send;
+
+    fn execute_each(
+        &self,
+        context: &'static str,
+        statement: String,
+        rows: Vec<Params>,
+    ) -> impl Future<Output = StoreResult<u64>> + Send;
+
+    fn claim(
+        &self,
+        sql: &Sql,
+        claim: Claim,
+    ) -> impl Future<Output = StoreResult<Vec<Self::Row>>> + Send;
+
+    /// Inserts one row with [`Sql::insert`], converting each text value to its column's
+    /// type; the new row's integer id (0 for UUID ids).
+    fn insert(
+        &self,
+        statement: String,
+        values: Vec<Option<String>>,
+    ) -> impl Future<Output = StoreResult<SequenceId>> + Send;
+
+    fn raw_row(row: &Self::Row, mapping: &Mapping) -> StoreResult<RawRow>;
+    fn int(row: &Self::Row, index: usize) -> Option<i64>;
+    fn text(row: &Self::Row, index: usize) -> Option<String>;
+
+    fn ping(&self) -> impl Future<Output = StoreResult<()>> + Send;
+
+    /// Refuses a database the relay cannot run on at all (`check` and `run` stop on it).
+    fn refuse_unusable(&self) -> impl Future<Output = StoreResult<()>> + Send {
+        async { Ok(()) }
+    }
+
+    /// `check`'s problems beyond the mapped columns (privileges, triggers, side tables).
+    fn verify_access(
+        &self,
+        sql: &Sql,
+        layout: &str,
+    ) -> impl Future<Output = StoreResult<Vec<Problem>>> + Send;
+
+    /// What `migrate` creates; `None` when there is nothing.
+    fn ddl(&self, sql: &Sql) -> Option<String>;
+    fn grants(&self, sql: &Sql, layout: &str, role: &str) -> String;
+    fn migrate(&self, sql: &Sql) -> impl Future<Output = StoreResult<()>> + Send;
+    /// Runs arbitrary SQL, several statements allowed (for tests and tools).
+    fn batch_execute(&self, sql: &str) -> impl Future<Output = StoreResult<()>> + Send;
+
+    /// The nodes table of layouts that have one; without it one active relay per table is
+    /// the whole of the coordination, and nodes are not listed.
+    fn nodes(&self) -> Option<&dyn NodeRegistry>;
+
+    /// The table's change signal, where the database has one (see [`OutboxStore::subscribe`]).
+    fn subscribe(&self, _on_change: OnChange) -> Option<BoxFuture<'static, ()>> {
+        None
+    }
+
+    fn set_waiting(&self, _waiting: bool) {}
+}
+
+struct Leader<L> {
+    lock: Option<L>,
+    last_try: Option<Instant>,
+    last_check: Option<Instant>,
+    last_reap: Option<Instant>,
+}
+
+struct Inner<D: MappedDb> {
+    db: D,
+    sql: Sql,
+    layout: String,
+    default_max_attempts: i64,
+    memory: Mutex<Memory>,
+    leader: tokio::sync::Mutex<Leader<D::Lock>>,
+}
+
+/// A store over a mapped table. Cheap to clone.
+pub struct MappedStore<D: MappedDb> {
+    inner: Arc<Inner<D>>,
+}
+
+impl<D: MappedDb> Clone for MappedStore<D> {
+    fn clone(&self) -> Self {
+        MappedStore {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl<D: MappedDb> MappedStore<D> {
+    /// Validates the mapping and builds the pool. No connection is opened until first use.
+    pub fn new(options: D::Options) -> StoreResult<Self> {
+        let opened = D::open(options)?;
+        Ok(MappedStore {
+            inner: Arc::new(Inner {
+                sql: Sql::new(opened.mapping, D::DIALECT)?,
+                db: opened.db,
+                layout: opened.layout,
+                default_max_attempts: opened.max_attempts as i64,
+                memory: Mutex::new(Memory::default()),
+                leader: tokio::sync::Mutex::new(Leader {
+                    lock: None,
+                    last_try: None,
+                    last_check: None,
+                    last_reap: None,
+                }),
+            }),
+        })
+    }
+
+    pub fn sql(&self) -> &Sql {
+        &self.inner.sql
+    }
+
+    pub fn db(&self) -> &D {
+        &self.inner.db
+    }
+
+    /// Whether this layout keeps a seed's own table (for `check`).
+    pub fn seed(&self) -> Option<crate::Seed> {
+        self.inner.sql.mapping.seed
+    }
+
+    /// What `migrate` creates; `None` when there is nothing (a custom mapping on MySQL).
+    pub fn ddl(&self) -> Option<String> {
+        self.inner.db.ddl(&self.inner.sql)
+    }
+
+    /// The relay's least privileges at run time, as SQL.
+    pub fn grants(&self, role: &str) -> String {
+        self.inner
+            .db
+            .grants(&self.inner.sql, &self.inner.layout, role)
+    }
+
+    pub async fn migrate(&self) -> StoreResult<()> {
+        self.inner.db.migrate(&self.inner.sql).await
+    }
+
+    /// Runs arbitrary SQL, several statements allowed (for tests and tools).
+    pub async fn batch_execute(&self, sql: &str) -> StoreResult<()> {
+        self.inner.db.batch_execute(sql).await
+    }
+
+    /// True when this process is the table's active relay (for tests and `stats`).
+    pub async fn is_active(&self) -> bool {
+        let mut leader = self.inner.leader.lock().await;
+        match leader.lock.as_mut() {
+            Some(lock) => self.inner.db.lock_alive(lock).await,
+            None => false,
+        }
+    }
+
+    fn table_name(&self) -> String {
+        let m = &self.inner.sql.mapping;
+        match &m.schema {
+            Some(s) => format!("{s}.{}", m.table),
+            None => m.table.clone(),
+        }
+    }
+
+    fn params(&self) -> Params {
+        Params::new(D::DIALECT)
+    }
+
+    fn memory(&self) -> std::sync::MutexGuard<'_, Memory> {
+        // Memory's methods do not panic, so the lock is never poisoned.
+        self.inner
+            .memory
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Database ids for engine handles: the integer ids themselves, or the UUIDs memory holds.
+    fn row_ids(&self, handles: &[SequenceId]) -> Vec<RowId> {
+        match self.inner.sql.mapping.id_type {
+            IdType::Integer => handles.iter().map(|h| RowId::Integer(*h)).collect(),
+            IdType::Uuid => {
+                let memory = self.memory();
+                handles
+                    .iter()
+                    .filter_map(|h| memory.uuid(*h).map(RowId::Uuid))
+                    .collect()
+            }
+        }
+    }
+
+    fn unsupported(&self, what: &str) -> StoreError {
+        StoreError::new(
+            StoreErrorKind::Config,
+            format!("the {} layout {what}", self.inner.layout),
+        )
+    }
+
+    /// Becomes (or stays) the active relay; false when another relay is active.
+    async fn ensure_active(&self, lease: Duration) -> StoreResult<bool> {
+        let inner = &self.inner;
+        let mut leader = inner.leader.lock().await;
+        let check_due = leader
+            .last_check
+            .is_none_or(|t| t.elapsed() >= D::LOCK_CHECK_INTERVAL);
+        if let (Some(lock), true) = (leader.lock.as_mut(), check_due) {
+            let alive = inner.db.lock_alive(lock).await;
+            leader.last_check = Some(Instant::now());
+            if !alive {
+                tracing::warn!(layout = %inner.layout, "lost the connection holding the active-relay lock; claiming stops until it is taken again");
+                leader.lock = None;
+            }
+        }
+        if leader.lock.is_none() {
+            if leader.last_try.is_some_and(|t| t.elapsed() < LEADER_RETRY) {
+                return Ok(false);
+            }
+            leader.last_try = Some(Instant::now());
+            let Some(lock) = inner.db.take_lock(&inner.sql.mapping).await? else {
+                return Ok(false);
+            };
+            leader.lock = Some(lock);
+            leader.last_check = Some(Instant::now());
+            *self.memory() = Memory::default();
+            let reaped = self.reap(true, lease).await?;
+            leader.last_reap = Some(Instant::now());
+            tracing::info!(layout = %inner.layout, table = %self.table_name(), reaped, "this relay is now the table's active relay");
+        } else if leader.last_reap.is_none_or(|t| t.elapsed() >= lease / 2) {
+            leader.last_reap = Some(Instant::now());
+            let reaped = self.reap(false, lease).await?;
+            if reaped > 0 {
+                tracing::warn!(layout = %inner.layout, reaped, "returned rows with expired leases to pending");
+            }
+        }
+        Ok(true)
+    }
+
+    /// Returns rows held by a gone relay (`all`, at takeover) or whose lease expired to
+    /// pending, or marks them dead on their last attempt.
+    async fn reap(&self, all: bool, lease: Duration) -> StoreResult<u64> {
+        let sql = &self.inner.sql;
+        let mut total = 0;
+        for to_dead in [true, false] {
+            let mut p = self.params();
+            let (max, all, lease) = (
+                p.int(self.inner.default_max_attempts),
+                p.bool(all),
+                p.int(millis(lease)),
+            );
+            if let Some(statement) = sql.reap(to_dead, &max, &all, &lease) {
+                total += self.inner.db.execute("reap", statement, p).await?;
+            }
+        }
+        Ok(total)
+    }
+
+    /// Runs a statement over the held rows `handles` name: `statement` gets the ids'
+    /// membership test (after the id column) and their parameters; none known, nothing runs.
+    async fn on_rows(
+        &self,
+        context: &'static str,
+        handles: &[SequenceId],
+        statement: impl FnOnce(&str, &mut Params) -> Option<String>,
+    ) -> StoreResult<Option<u64>> {
+        let ids = self.row_ids(handles);
+        let mut p = self.params();
+        let membership = p.in_ids(&ids, self.inner.sql.mapping.id_type);
+        match statement(&membership, &mut p) {
+            Some(_) if ids.is_empty() => Ok(Some(0)),
+            Some(s) => self.inner.db.execute(context, s, p).await.map(Some),
+            None => Ok(None),
+        }
+    }
+
+    async fn first_int(
+        &self,
+        context: &'static str,
+        statement: String,
+        p: Params,
+    ) -> StoreResult<u64> {
+        let rows = self.inner.db.query(context, statement, p).await?;
+        Ok(rows.first().and_then(|r| D::int(r, 0)).unwrap_or(0).max(0) as u64)
+    }
+
+    /// Ids of up to `limit` rows matching `condition`, in id order.
+    async fn pick(&self, condition: &str, mut p: Params, limit: u32) -> StoreResult<Vec<RowId>> {
+        let sql = &self.inner.sql;
+        let statement = sql.pick(condition, &p.int(limit as i64));
+        let rows = self.inner.db.query("select rows", statement, p).await?;
+        Ok(rows
+            .iter()
+            .filter_map(|r| D::text(r, 0))
+            .filter_map(|t| match sql.mapping.id_type {
+                IdType::Integer => t.parse().ok().map(RowId::Integer),
+                IdType::Uuid => Uuid::parse_str(&t).ok().map(RowId::Uuid),
+            })
+            .collect())
+    }
+
+    /// Deletes rows by id, and their side-table records.
+    async fn delete_ids(&self, ids: &[RowId]) -> StoreResult<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let sql = &self.inner.sql;
+        let id_type = sql.mapping.id_type;
+        let mut p = self.params();
+        let statement = sql.delete(&p.in_ids(ids, id_type));
+        let n = self.inner.db.execute("delete", statement, p).await?;
+        if sql.mapping.dead_state() == DeadState::SideTable {
+            let mut p = self.params();
+            let statement = sql.delete_dead_records(&p.in_ids(ids, id_type));
+            self.inner.db.execute("delete", statement, p).await?;
+        }
+        Ok(n)
+    }
+
+    /// A dead-row selector as a condition over alias `o`, with its parameters.
+    fn selector(&self, selector: &DeadSelector) -> StoreResult<(String, Params)> {
+        let sql = &self.inner.sql;
+        let mut p = self.params();
+        let condition = match selector {
+            DeadSelector::Ids(ids) => {
+                if sql.mapping.id_type != IdType::Integer {
+                    return Err(self.unsupported(
+                        "has UUID row ids: select dead events with --destination or --all",
+                    ));
+                }
+                let ids: Vec<RowId> = ids.iter().map(|i| RowId::Integer(*i)).collect();
+                format!("{} {}", sql.id_column(), p.in_ids(&ids, IdType::Integer))
+            }
+            DeadSelector::Destination(d) => sql.destination_is(&p.text(d.clone())),
+            DeadSelector::All => "1 = 1".into(),
+        };
+        Ok((condition, p))
+    }
+
+    /// Dead rows matching a selector's condition.
+    fn dead_where(&self, condition: &str) -> String {
+        format!("({}) AND {condition}", self.inner.sql.dead())
+    }
+
+    /// Delivered rows created in `[since, until)`, of `destination` if given.
+    fn replay_condition(
+        &self,
+        since: SystemTime,
+        until: SystemTime,
+        destination: Option<String>,
+    ) -> StoreResult<(String, Params)> {
+        let sql = &self.inner.sql;
+        if sql.delivered().is_none() {
+            return Err(self.unsupported("deletes delivered rows: there is nothing to replay"));
+        }
+        if sql.created_at().is_none() {
+            return Err(
+                self.unsupported("has no creation time column: replay cannot select by time")
+            );
+        }
+        if sql.mapping.id_type != IdType::Integer {
+            return Err(self.unsupported("has UUID row ids: replay it with SQL, e.g. UPDATE ... SET status = 'PENDING' WHERE created_at >= ..."));
+        }
+        let mut p = self.params();
+        let (since, until) = (p.int(micros(since)), p.int(micros(until)));
+        let mut condition = sql
+            .delivered_between(&since, &until)
+            .expect("checked above");
+        if let Some(d) = destination {
+            condition = format!("{condition} AND {}", sql.destination_is(&p.text(d)));
+        }
+        Ok((condition, p))
+    }
+
+    /// `prune`'s condition (delivered or dead rows older than `before`) and its parameters.
+    fn prune_condition(&self, dead: bool, before: SystemTime) -> Option<(String, Params)> {
+        let sql = &self.inner.sql;
+        let mut p = self.params();
+        let before = p.int(micros(before));
+        let condition = if dead {
+            sql.dead_before(&before)
+        } else {
+            sql.delivered_before(&before)
+        }?;
+        Some((condition, p))
+    }
+
+    async fn prune(&self, dead: bool, before: SystemTime, batch: u32) -> StoreResult<u64> {
+        let Some((condition, p)) = self.prune_condition(dead, before) else {
+            return Ok(0);
+        };
+        let ids = self.pick(&condition, p, batch).await?;
+        self.delete_ids(&ids).await
+    }
+
+    async fn insert_events(&self, events: Vec<NewEvent>) -> StoreResult<Vec<SequenceId>> {
+        let m = &self.inner.sql.mapping;
+        let mut ids = Vec::with_capacity(events.len());
+        for event in events {
+            let event_id = event.event_id.unwrap_or_else(Uuid::new_v4);
+            let mut columns: Vec<&str> = vec![&m.destination, &m.payload];
+            let mut values = vec![Some(event.destination.clone()), event.payload.clone()];
+            let optional = [
+                (&m.key, event.partition_key.clone()),
+                (&m.event_type, Some(event.event_type.clone())),
+                (
+                    &m.headers,
+                    Some(serde_json::to_string(&event.headers).unwrap_or_else(|_| "{}".into())),
+                ),
+                (
+                    &m.mutation_id,
+                    Some(event.mutation_id.unwrap_or_else(|| event_id.to_string())),
+                ),
+                (&m.event_id, Some(event_id.to_string())),
+            ];
+            for (column, value) in optional {
+                // A column mapped twice (the MySQL seed's `type`) is written once.
+                if let Some(c) = column.as_deref().filter(|c| *c != m.destination) {
+                    columns.push(c);
+                    values.push(value);
+                }
+            }
+            let statement = self.inner.sql.insert(&columns);
+            ids.push(self.inner.db.insert(statement, values).await?);
+        }
+        Ok(ids)
+    }
+
+    async fn verify(&self) -> StoreResult<Vec<Problem>> {
+        let (db, sql, layout) = (&self.inner.db, &self.inner.sql, &self.inner.layout);
+        db.refuse_unusable().await?;
+        let m = &sql.mapping;
+        let fix = if m.seed.is_some() {
+            format!(
+                "run `outbox-relay migrate --layout {layout}` (or apply `outbox-relay migrate --layout {layout} --print`)"
+            )
+        } else {
+            "check the [mapping] section of the configuration against the table".to_string()
+        };
+        let mut p = self.params();
+        let statement = sql.columns_query(&mut p);
+        let present: HashSet<String> = db
+            .query("verify", statement, p)
+            .await?
+            .iter()
+            .filter_map(|r| D::text(r, 0))
+            .collect();
+        let table = self.table_name();
+        if present.is_empty() {
+            return Ok(vec![Problem {
+                what: format!("table {table} does not exist (or the relay's role cannot see it)"),
+                fix,
+            }]);
+        }
+        let mut problems: Vec<Problem> = m
+            .columns()
+            .into_iter()
+            .filter(|column| !present.contains(*column))
+            .map(|column| Problem {
+                what: format!(
+                    "table {table} has no column {column:?}, which the {layout} layout maps"
+                ),
+                fix: fix.clone(),
+            })
+            .collect();
+        problems.extend(db.verify_access(sql, layout).await?);
+        Ok(problems)
+    }
+}
+
+impl<D: MappedDb> OutboxStore for MappedStore<D> {
+    fn describe(&self) -> String {
+        format!(
+            "{} {} ({} layout)",
+            D::NAME,
+            self.table_name(),
+            self.inner.layout
+        )
+    }
+
+    fn claim(&self, request: ClaimRequest) -> BoxFuture<'static, StoreResult<Vec<Claimed>>> {
+        let store = self.clone();
+        async move {
+            if !store.ensure_active(request.lease).await? {
+                return Ok(Vec::new());
+            }
+            let sql = &store.inner.sql;
+            let (blocked, held) = {
+                let mut memory = store.memory();
+                (memory.blocked_keys(&request.node.0), memory.held())
+            };
+            let mut params = store.params();
+            let mut condition = sql.claimable();
+            if !blocked.is_empty() {
+                let not_blocked = params.not_in_texts(&sql.key_expr(), blocked);
+                condition = format!("{condition} AND {not_blocked}");
+            }
+            let marks = sql.mapping.marks_claims();
+            if !marks && !held.is_empty() {
+                let held =
+                    params.not_in_ids(&sql.id_column(), &store.row_ids(&held), sql.mapping.id_type);
+                condition = format!("{condition} AND {held}");
+            }
+            let claim = Claim {
+                condition,
+                params,
+                limit: request.limit as i64,
+                mark: marks.then(|| (request.node.0.clone(), millis(request.lease))),
+            };
+            let rows = store.inner.db.claim(sql, claim).await?;
+            let raw = rows
+                .iter()
+                .map(|r| D::raw_row(r, &sql.mapping))
+                .collect::<StoreResult<Vec<_>>>()?;
+            let mut memory = store.memory();
+            Ok(raw
+                .into_iter()
+                .map(|raw| {
+                    decode(
+                        &sql.mapping,
+                        raw,
+                        &mut memory,
+                        &request.node.0,
+                        request.lease,
+                    )
+                })
+                .collect())
+        }
+        .boxed()
+    }
+
+    fn ack(
+        &self,
+        node: NodeId,
+        _fence: Option<Arc<Fence>>,
+        ids: Vec<SequenceId>,
+    ) -> BoxFuture<'static, StoreResult<u64>> {
+        let store = self.clone();
+        async move {
+            let n = store
+                .on_rows("ack", &ids, |ids, p| {
+                    Some(store.inner.sql.ack(ids, &p.text(node.0)))
+                })
+                .await?
+                .unwrap_or(0);
+            store.memory().settled(&ids, true);
+            Ok(n)
+        }
+        .boxed()
+    }
+
+    fn retry_later(
+        &self,
+        node: NodeId,
+        _fence: Option<Arc<Fence>>,
+        retries: Vec<RetryLater>,
+    ) -> BoxFuture<'static, StoreResult<u64>> {
+        let store = self.clone();
+        async move {
+            let sql = &store.inner.sql;
+            let mut statement = None;
+            let mut rows = Vec::new();
+            for r in &retries {
+                let Some(id) = store.row_ids(&[r.sequence_id]).pop() else {
+                    continue;
+                };
+                let mut p = store.params();
+                statement = sql.retry(
+                    &p.id(&id),
+                    &p.text(node.0.clone()),
+                    &p.int(r.attempts as i64),
+                    &p.text(r.error.clone()),
+                    &p.int(millis(r.delay)),
+                );
+                rows.push(p);
+            }
+            let n = match statement {
+                Some(statement) => {
+                    store
+                        .inner
+                        .db
+                        .execute_each("retry", statement, rows)
+                        .await?
+                }
+                // Nothing to record in the table: memory holds the attempt and the backoff.
+                None => retries.len() as u64,
+            };
+            // After the table recorded it: the key unblocks here no sooner than there.
+            store.memory().retried(&retries);
+            Ok(n)
+        }
+        .boxed()
+    }
+
+    fn dead_letter(
+        &self,
+        node: NodeId,
+        _fence: Option<Arc<Fence>>,
+        entries: Vec<DeadLetter>,
+    ) -> BoxFuture<'static, StoreResult<u64>> {
+        let store = self.clone();
+        async move {
+            let sql = &store.inner.sql;
+            let mut statement = None;
+            let mut rows = Vec::new();
+            for e in &entries {
+                let Some(id) = store.row_ids(&[e.sequence_id]).pop() else {
+                    continue;
+                };
+                let mut p = store.params();
+                statement = Some(sql.dead_letter(
+                    &p.id(&id),
+                    &p.text(node.0.clone()),
+                    &p.int(e.attempts as i64),
+                    &p.text(e.error.clone()),
+                ));
+                rows.push(p);
+            }
+            let n = match statement {
+                Some(statement) => {
+                    store
+                        .inner
+                        .db
+                        .execute_each("dead-letter", statement, rows)
+                        .await?
+                }
+                None => 0,
+            };
+            let handles: Vec<SequenceId> = entries.iter().map(|e| e.sequence_id).collect();
+            store.memory().settled(&handles, true);
+            Ok(n)
+        }
+        .boxed()
+    }
+
+    fn release(&self, node: NodeId, ids: Vec<SequenceId>) -> BoxFuture<'static, StoreResult<u64>> {
+        let store = self.clone();
+        async move {
+            let n = store
+                .on_rows("release", &ids, |ids, p| {
+                    store.inner.sql.release(ids, &p.text(node.0))
+                })
+                .await?
+                // Nothing to undo in the table: the row leaves memory only.
+                .unwrap_or(ids.len() as u64);
+            store.memory().settled(&ids, false);
+            Ok(n)
+        }
+        .boxed()
+    }
+
+    fn extend_leases(
+        &self,
+        node: NodeId,
+        ids: Vec<SequenceId>,
+        lease: Duration,
+    ) -> BoxFuture<'static, StoreResult<u64>> {
+        let store = self.clone();
+        async move {
+            store.memory().extend(&ids, lease);
+            Ok(store
+                .on_rows("extend leases", &ids, |ids, p| {
+                    let (node, lease) = (p.text(node.0), p.int(millis(lease)));
+                    store.inner.sql.extend(ids, &node, &lease)
+                })
+                .await?
+                .unwrap_or(ids.len() as u64))
+        }
+        .boxed()
+    }
+
+    fn backlog(&self) -> BoxFuture<'static, StoreResult<Backlog>> {
+        let store = self.clone();
+        async move {
+            let statement = store.inner.sql.stats(false);
+            let rows = store
+                .inner
+                .db
+                .query("backlog", statement, store.params())
+                .await?;
+            let row = rows.first().ok_or_else(|| {
+                StoreError::new(StoreErrorKind::Query, "backlog: no row returned")
+            })?;
+            let n = |i| D::int(row, i).unwrap_or(0).max(0) as u64;
+            Ok(Backlog {
+                pending: n(0),
+                retrying: n(1),
+                dead: n(2),
+                oldest_pending_age: D::int(row, 3)
+                    .map(|ms| Duration::from_millis(ms.max(0) as u64)),
+            })
+        }
+        .boxed()
+    }
+
+    fn insert(&self, events: Vec<NewEvent>) -> BoxFuture<'static, StoreResult<Vec<SequenceId>>> {
+        let store = self.clone();
+        async move { store.insert_events(events).await }.boxed()
+    }
+
+    fn ping(&self) -> BoxFuture<'static, StoreResult<()>> {
+        let store = self.clone();
+        async move { store.inner.db.ping().await }.boxed()
+    }
+
+    fn verify(&self) -> BoxFuture<'static, StoreResult<Vec<Problem>>> {
+        let store = self.clone();
+        async move { store.verify().await }.boxed()
+    }
+
+    fn subscribe(&self, on_change: OnChange) -> Option<BoxFuture<'static, ()>> {
+        self.inner.db.subscribe(on_change)
+    }
+
+    fn set_waiting(&self, waiting: bool) {
+        self.inner.db.set_waiting(waiting);
+    }
+}
+
+/// Layouts without a nodes table keep no membership: one active relay holds the table's lock.
+impl<D: MappedDb> NodeRegistry for MappedStore<D> {
+    fn register(
+        &self,
+        node: NodeId,
+        ttl: Duration,
+    ) -> BoxFuture<'static, StoreResult<Registration>> {
+        match self.inner.db.nodes() {
+            Some(nodes) => nodes.register(node, ttl),
+            None => futures::future::ready(Ok(Registration::Registered(Incarnation(0)))).boxed(),
+        }
+    }
+
+    fn heartbeat(
+        &self,
+        node: NodeId,
+        last: Incarnation,
+        ttl: Duration,
+    ) -> BoxFuture<'static, StoreResult<Option<Incarnation>>> {
+        match self.inner.db.nodes() {
+            Some(nodes) => nodes.heartbeat(node, last, ttl),
+            None => futures::future::ready(Ok(Some(last))).boxed(),
+        }
+    }
+
+    fn remove_expired(&self) -> BoxFuture<'static, StoreResult<u64>> {
+        match self.inner.db.nodes() {
+            Some(nodes) => nodes.remove_expired(),
+            None => futures::future::ready(Ok(0)).boxed(),
+        }
+    }
+
+    fn deregister(&self, node: NodeId, last: Incarnation) -> BoxFuture<'static, StoreResult<()>> {
+        match self.inner.db.nodes() {
+            Some(nodes) => nodes.deregister(node, last),
+            None => futures::future::ready(Ok(())).boxed(),
+        }
+    }
+
+    fn live_nodes(&self) -> BoxFuture<'static, StoreResult<Vec<NodeRecord>>> {
+        match self.inner.db.nodes() {
+            Some(nodes) => nodes.live_nodes(),
+            None => futures::future::ready(Ok(Vec::new())).boxed(),
+        }
+    }
+}
+
+impl<D: MappedDb> Operations for MappedStore<D> {
+    fn destination_stats(&self) -> BoxFuture<'static, StoreResult<Vec<DestinationStats>>> {
+        let store = self.clone();
+        async move {
+            let statement = store.inner.sql.stats(true);
+            let rows = store
+                .inner
+                .db
+                .query("stats", statement, store.params())
+                .await?;
+            Ok(rows
+                .iter()
+                .map(|r| {
+                    let n = |i| D::int(r, i).unwrap_or(0).max(0) as u64;
+                    DestinationStats {
+                        destination: D::text(r, 0).unwrap_or_default(),
+                        pending: n(1),
+                        retrying: n(2),
+                        dead: n(3),
+                        oldest_pending_age: D::int(r, 4)
+                            .map(|ms| Duration::from_millis(ms.max(0) as u64)),
+                    }
+                })
+                .collect())
+        }
+        .boxed()
+    }
+
+    fn dead_list(
+        &self,
+        destination: Option<String>,
+        limit: u32,
+    ) -> BoxFuture<'static, StoreResult<Vec<DeadRecord>>> {
+        let store = self.clone();
+        async move {
+            let sql = &store.inner.sql;
+            let mut p = store.params();
+            let destination = destination.map(|d| p.text(d));
+            let statement = sql.dead_list(destination.as_deref(), &p.int(limit as i64));
+            let rows = store.inner.db.query("dead list", statement, p).await?;
+            Ok(rows
+                .iter()
+                .map(|r| {
+                    let id = D::text(r, 0).unwrap_or_default();
+                    DeadRecord {
+                        sequence_id: id.parse().unwrap_or(0),
+                        event_id: D::text(r, 1)
+                            .and_then(|t| Uuid::parse_str(&t).ok())
+                            .unwrap_or_else(|| derived_event_id(&sql.mapping, &id)),
+                        destination: D::text(r, 2).unwrap_or_default(),
+                        event_type: D::text(r, 3).unwrap_or_default(),
+                        attempts: D::int(r, 4).unwrap_or(0).max(0) as u32,
+                        last_error: D::text(r, 5).unwrap_or_else(|| {
+                            "(this layout has no column for the error: see the relay's log)".into()
+                        }),
+                        dead_at: D::int(r, 6).map_or(UNIX_EPOCH, from_micros),
+                    }
+                })
+                .collect())
+        }
+        .boxed()
+    }
+
+    fn dead_retry(&self, selector: DeadSelector) -> BoxFuture<'static, StoreResult<u64>> {
+        let store = self.clone();
+        async move {
+            let (condition, p) = store.selector(&selector)?;
+            let sql = &store.inner.sql;
+            if let Some(statement) = sql.dead_retry(&condition) {
+                return store.inner.db.execute("dead retry", statement, p).await;
+            }
+            // The side table: the rows are left as they were, so forgetting their records
+            // makes them pending again.
+            let ids = store
+                .pick(&store.dead_where(&condition), p, u32::MAX)
+                .await?;
+            if ids.is_empty() {
+                return Ok(0);
+            }
+            let mut p = store.params();
+            let statement = sql.delete_dead_records(&p.in_ids(&ids, sql.mapping.id_type));
+            store.inner.db.execute("dead retry", statement, p).await
+        }
+        .boxed()
+    }
+
+    fn dead_purge(&self, selector: DeadSelector) -> BoxFuture<'static, StoreResult<u64>> {
+        let store = self.clone();
+        async move {
+            let (condition, p) = store.selector(&selector)?;
+            let ids = store
+                .pick(&store.dead_where(&condition), p, u32::MAX)
+                .await?;
+            store.delete_ids(&ids).await
+        }
+        .boxed()
+    }
+
+    fn count_replayable(
+        &self,
+        since: SystemTime,
+        until: SystemTime,
+        destination: Option<String>,
+    ) -> BoxFuture<'static, StoreResult<u64>> {
+        let store = self.clone();
+        async move {
+            let (condition, p) = store.replay_condition(since, until, destination)?;
+            let statement = store.inner.sql.count(&condition);
+            store.first_int("replay", statement, p).await
+        }
+        .boxed()
+    }
+
+    fn replay_batch(
+        &self,
+        since: SystemTime,
+        until: SystemTime,
+        destination: Option<String>,
+        after: SequenceId,
+        batch: u32,
+    ) -> BoxFuture<'static, StoreResult<(u64, SequenceId)>> {
+        let store = self.clone();
+        async move {
+            let sql = &store.inner.sql;
+            let (condition, mut p) = store.replay_condition(since, until, destination)?;
+            let condition = format!("{condition} AND {} > {}", sql.id_column(), p.int(after));
+            let ids = store.pick(&condition, p, batch).await?;
+            let last = ids
+                .iter()
+                .filter_map(|id| match id {
+                    RowId::Integer(i) => Some(*i),
+                    RowId::Uuid(_) => None,
+                })
+                .max()
+                .unwrap_or(after);
+            if ids.is_empty() {
+                return Ok((0, after));
+            }
+            let mut p = store.params();
+            let membership = p.in_ids(&ids, IdType::Integer);
+            let statement = sql.update(
+                &sql.replay_set(),
+                &format!("{} {membership}", sql.id_column()),
+            );
+            let n = store.inner.db.execute("replay", statement, p).await?;
+            Ok((n, last))
+        }
+        .boxed()
+    }
+
+    fn count_prunable(
+        &self,
+        delivered_before: Option<SystemTime>,
+        dead_before: Option<SystemTime>,
+    ) -> BoxFuture<'static, StoreResult<(u64, u64)>> {
+        let store = self.clone();
+        async move {
+            let mut counts = [0, 0];
+            for (count, dead, before) in [(0, false, delivered_before), (1, true, dead_before)] {
+                if let Some((condition, p)) = before.and_then(|b| store.prune_condition(dead, b)) {
+                    let statement = store.inner.sql.count(&condition);
+                    counts[count] = store.first_int("prune", statement, p).await?;
+                }
+            }
+            Ok((counts[0], counts[1]))
+        }
+        .boxed()
+    }
+
+    fn prune_delivered(
+        &self,
+        before: SystemTime,
+        batch: u32,
+    ) -> BoxFuture<'static, StoreResult<u64>> {
+        let store = self.clone();
+        async move { store.prune(false, before, batch).await }.boxed()
+    }
+
+    fn prune_dead(&self, before: SystemTime, batch: u32) -> BoxFuture<'static, StoreResult<u64>> {
+        let store = self.clone();
+        async move { store.prune(true, before, batch).await }.boxed()
+    }
+}

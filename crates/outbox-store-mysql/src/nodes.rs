@@ -1,0 +1,232 @@
+//! The nodes table of the native layout on MySQL/MariaDB: membership for `status` and the
+//! node id's uniqueness, as the PostgreSQL store keeps it.
+
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use mysql_async::prelude::Queryable;
+use mysql_async::{Conn, Params, Pool, Row, Value};
+use outbox_core::store::{Incarnation, NodeRecord, NodeRegistry, Registration, StoreResult};
+use outbox_core::time::{from_micros, millis};
+use outbox_core::NodeId;
+
+use crate::{col, db_error, int, text};
+
+/// The nodes table, quoted and qualified, on the store's pool. Cheap to clone.
+#[derive(Clone)]
+pub(crate) struct Nodes {
+    pool: Pool,
+    table: String,
+}
+
+fn named(pairs: Vec<(&str, Value)>) -> Params {
+    Params::Named(
+        pairs
+            .into_iter()
+            .map(|(k, v)| (k.as_bytes().to_vec(), v))
+            .collect(),
+    )
+}
+
+impl Nodes {
+    /// `table` in `database` (the connection's own when `None`).
+    pub(crate) fn new(pool: Pool, database: Option<&str>, table: &str) -> Self {
+        let table = match database {
+            Some(d) => format!("`{d}`.`{table}`"),
+            None => format!("`{table}`"),
+        };
+        Nodes { pool, table }
+    }
+
+    pub(crate) fn ddl(&self) -> String {
+        format!(
+            "CREATE TABLE IF NOT EXISTS {} (\n    id varchar(64) PRIMARY KEY,\n    expiry datetime(6) NOT NULL\n) ENGINE=InnoDB;\n",
+            self.table
+        )
+    }
+
+    pub(crate) fn grants(&self, role: &str) -> String {
+        format!(
+            "GRANT SELECT, INSERT, UPDATE, DELETE ON {} TO '{role}'@'%';\n",
+            self.table
+        )
+    }
+
+    async fn conn(&self, context: &str) -> StoreResult<Conn> {
+        self.pool.get_conn().await.map_err(|e| db_error(context, e))
+    }
+
+    async fn exec(&self, context: &str, statement: &str, params: Params) -> StoreResult<u64> {
+        let mut conn = self.conn(context).await?;
+        conn.exec_drop(statement, params)
+            .await
+            .map_err(|e| db_error(context, e))?;
+        Ok(conn.affected_rows())
+    }
+
+    async fn rows(&self, context: &str, statement: &str, params: Params) -> StoreResult<Vec<Row>> {
+        let mut conn = self.conn(context).await?;
+        conn.exec(statement, params)
+            .await
+            .map_err(|e| db_error(context, e))
+    }
+
+    /// In one transaction: reads the node's row (its expiry in microseconds since the epoch,
+    /// counted without the session's time zone, and whether it is live), and writes `now +
+    /// ttl` if `may_write` accepts what it read. Returns what was read and what was written.
+    async fn write_node_expiry(
+        &self,
+        context: &'static str,
+        nodes: &str,
+        node: &NodeId,
+        ttl: Duration,
+        may_write: impl FnOnce(Option<(i64, bool)>) -> bool,
+    ) -> StoreResult<(Option<i64>, Option<i64>)> {
+        let micros = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', expiry)";
+        let id = || named(vec![("id", Value::from(node.0.as_str()))]);
+        let mut conn = self.conn(context).await?;
+        let mut tx = conn
+            .start_transaction(mysql_async::TxOpts::default())
+            .await
+            .map_err(|e| db_error(context, e))?;
+        let read: Option<Row> = tx
+            .exec_first(
+                format!(
+                    "SELECT {micros}, expiry >= UTC_TIMESTAMP(6) FROM {nodes} WHERE id = :id FOR UPDATE"
+                ),
+                id(),
+            )
+            .await
+            .map_err(|e| db_error(context, e))?;
+        let current = read.map(|r| {
+            (
+                int(col(&r, 0)).unwrap_or(0),
+                int(col(&r, 1)).unwrap_or(0) != 0,
+            )
+        });
+        if !may_write(current) {
+            tx.rollback().await.map_err(|e| db_error(context, e))?;
+            return Ok((current.map(|c| c.0), None));
+        }
+        tx.exec_drop(
+            format!(
+                "INSERT INTO {nodes} (id, expiry) VALUES (:id, UTC_TIMESTAMP(6) + INTERVAL (:ttl * 1000) MICROSECOND)
+                 ON DUPLICATE KEY UPDATE expiry = VALUES(expiry)"
+            ),
+            named(vec![
+                ("id", Value::from(node.0.as_str())),
+                ("ttl", Value::from(millis(ttl))),
+            ]),
+        )
+        .await
+        .map_err(|e| db_error(context, e))?;
+        let written: Option<Row> = tx
+            .exec_first(format!("SELECT {micros} FROM {nodes} WHERE id = :id"), id())
+            .await
+            .map_err(|e| db_error(context, e))?;
+        tx.commit().await.map_err(|e| db_error(context, e))?;
+        Ok((current.map(|c| c.0), written.and_then(|r| int(col(&r, 0)))))
+    }
+}
+
+impl NodeRegistry for Nodes {
+    fn register(
+        &self,
+        node: NodeId,
+        ttl: Duration,
+    ) -> BoxFuture<'static, StoreResult<Registration>> {
+        let store = self.clone();
+        async move {
+            let nodes = store.table.clone();
+            let (current, written) = store
+                .write_node_expiry("register", &nodes, &node, ttl, |row| {
+                    !row.is_some_and(|(_, live)| live)
+                })
+                .await?;
+            Ok(match (written, current) {
+                (Some(w), _) => Registration::Registered(Incarnation(w)),
+                (None, c) => Registration::Taken(Incarnation(c.unwrap_or(0))),
+            })
+        }
+        .boxed()
+    }
+
+    fn heartbeat(
+        &self,
+        node: NodeId,
+        last: Incarnation,
+        ttl: Duration,
+    ) -> BoxFuture<'static, StoreResult<Option<Incarnation>>> {
+        let store = self.clone();
+        async move {
+            let nodes = store.table.clone();
+            let (_, written) = store
+                .write_node_expiry("heartbeat", &nodes, &node, ttl, |row| {
+                    row.is_none_or(|(expiry, _)| expiry == last.0)
+                })
+                .await?;
+            Ok(written.map(Incarnation))
+        }
+        .boxed()
+    }
+
+    fn remove_expired(&self) -> BoxFuture<'static, StoreResult<u64>> {
+        let store = self.clone();
+        async move {
+            let nodes = &store.table;
+            store
+                .exec(
+                    "remove expired nodes",
+                    &format!("DELETE FROM {nodes} WHERE expiry < UTC_TIMESTAMP(6)"),
+                    Params::Empty,
+                )
+                .await
+        }
+        .boxed()
+    }
+
+    fn deregister(&self, node: NodeId, last: Incarnation) -> BoxFuture<'static, StoreResult<()>> {
+        let store = self.clone();
+        async move {
+            let nodes = &store.table;
+            store
+                .exec(
+                    "deregister",
+                    &format!(
+                        "DELETE FROM {nodes}
+                          WHERE id = :id AND TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', expiry) = :last"
+                    ),
+                    named(vec![("id", Value::from(node.0)), ("last", Value::from(last.0))]),
+                )
+                .await
+                .map(|_| ())
+        }
+        .boxed()
+    }
+
+    fn live_nodes(&self) -> BoxFuture<'static, StoreResult<Vec<NodeRecord>>> {
+        let store = self.clone();
+        async move {
+            let nodes = &store.table;
+            let rows = store
+                .rows(
+                    "list nodes",
+                    &format!(
+                        "SELECT id, CAST(UNIX_TIMESTAMP(expiry) * 1000000 AS SIGNED) FROM {nodes}
+                          WHERE expiry >= UTC_TIMESTAMP(6) ORDER BY id"
+                    ),
+                    Params::Empty,
+                )
+                .await?;
+            Ok(rows
+                .into_iter()
+                .map(|r| NodeRecord {
+                    id: text(col(&r, 0)).unwrap_or_default(),
+                    expiry: from_micros(int(col(&r, 1)).unwrap_or(0)),
+                })
+                .collect())
+        }
+        .boxed()
+    }
+}
