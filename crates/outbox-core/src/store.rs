@@ -126,29 +126,53 @@ pub struct Backlog {
     pub oldest_pending_age: Option<Duration>,
 }
 
-/// One finding of [`OutboxStore::verify`]: what is wrong and how to fix it.
+/// How much a [`Problem`] stops.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Severity {
+    /// The relay cannot work correctly: `run` refuses to start, `check` fails.
+    Blocking,
+    /// The relay works at a cost the problem names (polling only, rows sent to the dead
+    /// letters, a slower claim): `run` warns and starts, `check` fails.
+    Degraded,
+}
+
+/// One finding of [`OutboxStore::verify`]: what is wrong, how to fix it, and whether the
+/// relay can run with it. Made only by [`Problem::blocking`] and [`Problem::degraded`], so
+/// callers decide by [`Problem::severity`], never by the text.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Problem {
     pub what: String,
     pub fix: String,
+    severity: Severity,
 }
 
 impl Problem {
-    /// The mark [`Problem::degraded`] leaves on `what`.
-    const DEGRADED: &'static str = " (the relay runs with this)";
-
-    /// A problem the relay can run with, at some cost it names (polling only, rows sent to
-    /// the dead letters): `run` warns, `check` fails.
-    pub fn degraded(what: impl Into<String>, fix: impl Into<String>) -> Self {
+    /// A problem the relay cannot run with.
+    pub fn blocking(what: impl Into<String>, fix: impl Into<String>) -> Self {
         Problem {
-            what: format!("{}{}", what.into(), Self::DEGRADED),
+            what: what.into(),
             fix: fix.into(),
+            severity: Severity::Blocking,
         }
     }
 
-    /// Whether `run` may start despite this problem (a missing wake-up trigger is one too).
+    /// A problem the relay can run with, at some cost `what` names. `what` says so to the
+    /// reader too.
+    pub fn degraded(what: impl Into<String>, fix: impl Into<String>) -> Self {
+        Problem {
+            what: format!("{} (the relay runs with this)", what.into()),
+            fix: fix.into(),
+            severity: Severity::Degraded,
+        }
+    }
+
+    pub fn severity(&self) -> Severity {
+        self.severity
+    }
+
+    /// Whether `run` may start despite this problem.
     pub fn is_degraded(&self) -> bool {
-        self.what.ends_with(Self::DEGRADED) || self.what.contains("trigger")
+        self.severity == Severity::Degraded
     }
 }
 

@@ -568,20 +568,22 @@ impl<D: MappedDb> MappedStore<D> {
             .collect();
         let table = self.table_name();
         if present.is_empty() {
-            return Ok(vec![Problem {
-                what: format!("table {table} does not exist (or the relay's role cannot see it)"),
+            return Ok(vec![Problem::blocking(
+                format!("table {table} does not exist (or the relay's role cannot see it)"),
                 fix,
-            }]);
+            )]);
         }
         let mut problems: Vec<Problem> = m
             .columns()
             .into_iter()
             .filter(|column| !present.contains(*column))
-            .map(|column| Problem {
-                what: format!(
-                    "table {table} has no column {column:?}, which the {layout} layout maps"
-                ),
-                fix: fix.clone(),
+            .map(|column| {
+                Problem::blocking(
+                    format!(
+                        "table {table} has no column {column:?}, which the {layout} layout maps"
+                    ),
+                    fix.clone(),
+                )
             })
             .collect();
         problems.extend(db.verify_access(sql, layout).await?);

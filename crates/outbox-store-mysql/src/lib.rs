@@ -366,12 +366,9 @@ impl MappedDb for MySql {
                 .query("verify", probe, Params::new(Dialect::MySql))
                 .await
             {
-                problems.push(Problem {
-                    what: format!("the dead-letter side table: {e}"),
-                    fix: format!(
+                problems.push(Problem::blocking(format!("the dead-letter side table: {e}"), format!(
                         "run `outbox-relay migrate --layout {layout}` (or apply `outbox-relay migrate --layout {layout} --print`)"
-                    ),
-                });
+                    )));
             }
         }
         Ok(problems)

@@ -931,10 +931,10 @@ async fn verify(inner: &Inner) -> StoreResult<Vec<Problem>> {
         )
         .await?;
         if !rows[0].get::<_, bool>(0) {
-            problems.push(Problem {
-                what: format!("table {table} does not exist"),
-                fix: migrate_fix.into(),
-            });
+            problems.push(Problem::blocking(
+                format!("table {table} does not exist"),
+                migrate_fix,
+            ));
             continue;
         }
         for privilege in privileges.split(", ") {
@@ -946,10 +946,7 @@ async fn verify(inner: &Inner) -> StoreResult<Vec<Problem>> {
             )
             .await?;
             if !rows[0].get::<_, bool>(0) {
-                problems.push(Problem {
-                    what: format!("the current role lacks {privilege} on {table}"),
-                    fix: format!("GRANT {privilege} ON {name} TO <relay role>; (see `outbox-relay migrate --print`)"),
-                });
+                problems.push(Problem::blocking(format!("the current role lacks {privilege} on {table}"), format!("GRANT {privilege} ON {name} TO <relay role>; (see `outbox-relay migrate --print`)")));
             }
         }
     }
@@ -977,9 +974,11 @@ pub(crate) async fn missing_trigger(
         &[&trigger, &table],
     )
     .await?;
-    Ok((rows[0].get::<_, i64>(0) == 0).then(|| Problem {
-        what: format!("trigger {trigger} on {shown} is missing: the relay is not woken on insert and falls back to polling"),
-        fix: fix.into(),
+    Ok((rows[0].get::<_, i64>(0) == 0).then(|| {
+        Problem::degraded(
+            format!("trigger {trigger} on {shown} is missing: the relay is not woken on insert and falls back to polling"),
+            fix,
+        )
     }))
 }
 
@@ -1031,12 +1030,12 @@ async fn index_problems(
             fix,
         ));
     } else if !present {
-        problems.push(Problem {
-            what: format!(
+        problems.push(Problem::blocking(
+            format!(
                 "index {index} is missing: every claim looks for each key's earlier rows without it"
             ),
-            fix: fix.into(),
-        });
+            fix,
+        ));
     }
     Ok(())
 }
@@ -1101,21 +1100,17 @@ async fn verify_outbox_columns(inner: &Inner) -> StoreResult<Vec<Problem>> {
                     "ALTER TABLE {name} ADD COLUMN {column} {ty}; (see `outbox-relay migrate --print` for its default), or rename the column that holds it back to {column}"
                 ),
             };
-            problems.push(Problem {
-                what: format!(
-                    "column {column} of {t} is missing: the relay reads it in every claim"
-                ),
+            problems.push(Problem::blocking(
+                format!("column {column} of {t} is missing: the relay reads it in every claim"),
                 fix,
-            });
+            ));
             continue;
         };
         if found_ty != ty && !also.contains(&found_ty.as_str()) {
-            problems.push(Problem {
-                what: format!("column {column} of {t} has type {found_ty}; the relay reads {ty}"),
-                fix: format!(
-                    "ALTER TABLE {name} ALTER COLUMN {column} TYPE {ty} USING {column}::{ty};"
-                ),
-            });
+            problems.push(Problem::blocking(
+                format!("column {column} of {t} has type {found_ty}; the relay reads {ty}"),
+                format!("ALTER TABLE {name} ALTER COLUMN {column} TYPE {ty} USING {column}::{ty};"),
+            ));
         } else if not_null && !found_not_null {
             problems.push(Problem::degraded(
                 format!("column {column} of {t} allows NULL: rows with NULL there cannot be published and go to the dead letters"),

@@ -337,12 +337,9 @@ impl MappedDb for MappedPg {
             )
             .await?;
             if !rows[0].get::<_, bool>(0) {
-                problems.push(Problem {
-                    what: format!("the current role lacks {privilege} on {table}"),
-                    fix: format!(
+                problems.push(Problem::blocking(format!("the current role lacks {privilege} on {table}"), format!(
                         "GRANT {privilege} ON {table} TO <relay role>; (see `outbox-relay migrate --layout {layout} --print`)"
-                    ),
-                });
+                    )));
             }
         }
         // Every layout's table wakes the relay through the same trigger as the native one.

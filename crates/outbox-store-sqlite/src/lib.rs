@@ -600,10 +600,10 @@ impl OutboxStore for SqliteStore {
                     .optional()
                     .map_err(|e| sql_error("verify", e))?;
                 if found.is_none() {
-                    problems.push(Problem {
-                        what: format!("table {table} does not exist"),
-                        fix: "run `outbox-relay migrate` (or `run --auto-migrate`)".into(),
-                    });
+                    problems.push(Problem::blocking(
+                        format!("table {table} does not exist"),
+                        "run `outbox-relay migrate` (or `run --auto-migrate`)",
+                    ));
                 } else if table == "outbox" {
                     problems.extend(verify_outbox_columns(conn)?);
                 }
@@ -652,12 +652,9 @@ fn verify_outbox_columns(conn: &Connection) -> StoreResult<Vec<Problem>> {
     let mut problems = Vec::new();
     for (column, ty, not_null) in OUTBOX_COLUMNS {
         match found.iter().find(|(c, ..)| c == column) {
-            None => problems.push(Problem {
-                what: format!("column {column} of table outbox is missing: the relay reads it in every claim"),
-                fix: format!(
+            None => problems.push(Problem::blocking(format!("column {column} of table outbox is missing: the relay reads it in every claim"), format!(
                     "ALTER TABLE outbox RENAME COLUMN <its current name> TO {column}; or ALTER TABLE outbox ADD COLUMN {column} {ty} (see `outbox-relay migrate --print`)"
-                ),
-            }),
+                ))),
             Some((_, found_ty, found_not_null)) => {
                 if !found_ty.eq_ignore_ascii_case(ty) {
                     problems.push(Problem::degraded(
