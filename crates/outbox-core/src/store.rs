@@ -379,6 +379,15 @@ pub struct DeadRecord {
     pub dead_at: SystemTime,
 }
 
+/// Which retained delivered events `replay` publishes again: those created in
+/// `[since, until)`, of `destination` when one is given.
+#[derive(Clone, Debug)]
+pub struct ReplaySelector {
+    pub since: SystemTime,
+    pub until: SystemTime,
+    pub destination: Option<String>,
+}
+
 /// Which dead letters an operator command touches.
 #[derive(Clone, Debug, PartialEq)]
 pub enum DeadSelector {
@@ -404,22 +413,14 @@ pub trait Operations: Send + Sync + 'static {
 
     fn dead_purge(&self, selector: DeadSelector) -> BoxFuture<'static, StoreResult<u64>>;
 
-    /// Retained delivered events created in `[since, until)` (and of `destination`) after
-    /// `after`: how many there are.
-    fn count_replayable(
-        &self,
-        since: SystemTime,
-        until: SystemTime,
-        destination: Option<String>,
-    ) -> BoxFuture<'static, StoreResult<u64>>;
+    /// The retained delivered events `selector` chooses: how many there are.
+    fn count_replayable(&self, selector: ReplaySelector) -> BoxFuture<'static, StoreResult<u64>>;
 
     /// Marks up to `batch` of them pending again, in sequence order after `after`; returns
     /// how many and the last sequence id (the next call's `after`).
     fn replay_batch(
         &self,
-        since: SystemTime,
-        until: SystemTime,
-        destination: Option<String>,
+        selector: ReplaySelector,
         after: SequenceId,
         batch: u32,
     ) -> BoxFuture<'static, StoreResult<(u64, SequenceId)>>;

@@ -26,8 +26,8 @@ use futures::future::BoxFuture;
 use futures::FutureExt;
 use outbox_core::store::{
     Backlog, ClaimRequest, Claimed, DeadLetter, DeadRecord, DeadSelector, DestinationStats,
-    Incarnation, NodeRecord, NodeRegistry, OnChange, Operations, Problem, Registration, RetryLater,
-    StoreResult,
+    Incarnation, NodeRecord, NodeRegistry, OnChange, Operations, Problem, Registration,
+    ReplaySelector, RetryLater, StoreResult,
 };
 use outbox_core::time::{from_micros, micros, millis};
 use outbox_core::{Fence, NewEvent, NodeId, OutboxStore, SequenceId, StoreError, StoreErrorKind};
@@ -985,12 +985,12 @@ impl<D: MappedDb> Operations for MappedStore<D> {
         .boxed()
     }
 
-    fn count_replayable(
-        &self,
-        since: SystemTime,
-        until: SystemTime,
-        destination: Option<String>,
-    ) -> BoxFuture<'static, StoreResult<u64>> {
+    fn count_replayable(&self, selector: ReplaySelector) -> BoxFuture<'static, StoreResult<u64>> {
+        let ReplaySelector {
+            since,
+            until,
+            destination,
+        } = selector;
         let store = self.clone();
         async move {
             let (condition, p) = store.replay_condition(since, until, destination)?;
@@ -1002,12 +1002,15 @@ impl<D: MappedDb> Operations for MappedStore<D> {
 
     fn replay_batch(
         &self,
-        since: SystemTime,
-        until: SystemTime,
-        destination: Option<String>,
+        selector: ReplaySelector,
         after: SequenceId,
         batch: u32,
     ) -> BoxFuture<'static, StoreResult<(u64, SequenceId)>> {
+        let ReplaySelector {
+            since,
+            until,
+            destination,
+        } = selector;
         let store = self.clone();
         async move {
             let sql = &store.inner.sql;

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::SystemTime;
 
 use anyhow::{bail, Context};
-use outbox_core::store::{DeadSelector, Operations};
+use outbox_core::store::{DeadSelector, Operations, ReplaySelector};
 
 use crate::cli::{DeadCommand, DeadSelectArgs, PruneArgs, ReplayArgs};
 use crate::commands::ready_store;
@@ -106,9 +106,14 @@ pub async fn replay(config: Config, args: ReplayArgs) -> anyhow::Result<ExitCode
     if since >= until {
         bail!("--since must be before --until");
     }
+    let selector = ReplaySelector {
+        since,
+        until,
+        destination: args.destination.clone(),
+    };
     let ops = operations(&config).await?;
     let total = ops
-        .count_replayable(since, until, args.destination.clone())
+        .count_replayable(selector.clone())
         .await
         .map_err(store_error)?;
     if total == 0 {
@@ -119,7 +124,7 @@ pub async fn replay(config: Config, args: ReplayArgs) -> anyhow::Result<ExitCode
     let mut after = 0;
     loop {
         let (n, last) = ops
-            .replay_batch(since, until, args.destination.clone(), after, 1000)
+            .replay_batch(selector.clone(), after, 1000)
             .await
             .map_err(store_error)?;
         if n == 0 {

@@ -5,7 +5,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures::future::BoxFuture;
 use futures::FutureExt;
-use outbox_core::store::{DeadRecord, DeadSelector, DestinationStats, Operations, StoreResult};
+use outbox_core::store::{
+    DeadRecord, DeadSelector, DestinationStats, Operations, ReplaySelector, StoreResult,
+};
 use outbox_core::SequenceId;
 use tokio_postgres::types::ToSql;
 
@@ -53,14 +55,7 @@ impl Operations for PgStore {
             .await?;
             let mut by: BTreeMap<String, DestinationStats> = BTreeMap::new();
             for r in pending {
-                // NULL when an operator dropped NOT NULL; such rows are dead-lettered by the relay.
-                let d: String = r
-                    .try_get::<_, Option<String>>(0)
-                    .ok()
-                    .flatten()
-                    .unwrap_or_default();
-                let s = by.entry(d.clone()).or_default();
-                s.destination = d;
+                let s = stats_of(&mut by, &r);
                 s.pending = r.get::<_, i64>(1) as u64;
                 s.retrying = r.get::<_, i64>(2) as u64;
                 s.oldest_pending_age = r
@@ -68,14 +63,7 @@ impl Operations for PgStore {
                     .map(|ms| Duration::from_millis(ms.max(0) as u64));
             }
             for r in dead {
-                // NULL when an operator dropped NOT NULL; such rows are dead-lettered by the relay.
-                let d: String = r
-                    .try_get::<_, Option<String>>(0)
-                    .ok()
-                    .flatten()
-                    .unwrap_or_default();
-                let s = by.entry(d.clone()).or_default();
-                s.destination = d;
+                let s = stats_of(&mut by, &r);
                 s.dead = r.get::<_, i64>(1) as u64;
             }
             Ok(by.into_values().collect())
@@ -165,12 +153,12 @@ impl Operations for PgStore {
         .boxed()
     }
 
-    fn count_replayable(
-        &self,
-        since: SystemTime,
-        until: SystemTime,
-        destination: Option<String>,
-    ) -> BoxFuture<'static, StoreResult<u64>> {
+    fn count_replayable(&self, selector: ReplaySelector) -> BoxFuture<'static, StoreResult<u64>> {
+        let ReplaySelector {
+            since,
+            until,
+            destination,
+        } = selector;
         let inner = self.inner.clone();
         async move {
             let t = inner.tables.outbox.quoted();
@@ -192,12 +180,15 @@ impl Operations for PgStore {
 
     fn replay_batch(
         &self,
-        since: SystemTime,
-        until: SystemTime,
-        destination: Option<String>,
+        selector: ReplaySelector,
         after: SequenceId,
         batch: u32,
     ) -> BoxFuture<'static, StoreResult<(u64, SequenceId)>> {
+        let ReplaySelector {
+            since,
+            until,
+            destination,
+        } = selector;
         let inner = self.inner.clone();
         async move {
             let t = inner.tables.outbox.quoted();
@@ -300,4 +291,20 @@ fn prune(
         .await
     }
     .boxed()
+}
+
+/// The entry of the destination in column 0 of `row`. A NULL there (an operator dropped NOT
+/// NULL; the relay dead-letters such rows) counts as "".
+fn stats_of<'a>(
+    by: &'a mut BTreeMap<String, DestinationStats>,
+    row: &tokio_postgres::Row,
+) -> &'a mut DestinationStats {
+    let destination: String = row
+        .try_get::<_, Option<String>>(0)
+        .ok()
+        .flatten()
+        .unwrap_or_default();
+    let stats = by.entry(destination.clone()).or_default();
+    stats.destination = destination;
+    stats
 }

@@ -4,7 +4,9 @@ use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures::future::BoxFuture;
-use outbox_core::store::{DeadRecord, DeadSelector, DestinationStats, Operations, StoreResult};
+use outbox_core::store::{
+    DeadRecord, DeadSelector, DestinationStats, Operations, ReplaySelector, StoreResult,
+};
 use outbox_core::SequenceId;
 use rusqlite::{params, types::Value};
 
@@ -127,12 +129,12 @@ impl Operations for SqliteStore {
         })
     }
 
-    fn count_replayable(
-        &self,
-        since: SystemTime,
-        until: SystemTime,
-        destination: Option<String>,
-    ) -> BoxFuture<'static, StoreResult<u64>> {
+    fn count_replayable(&self, selector: ReplaySelector) -> BoxFuture<'static, StoreResult<u64>> {
+        let ReplaySelector {
+            since,
+            until,
+            destination,
+        } = selector;
         self.with_conn(move |conn| {
             conn.query_row(
                 "SELECT count(*) FROM outbox WHERE delivered_at IS NOT NULL AND created_at >= ?1
@@ -147,12 +149,15 @@ impl Operations for SqliteStore {
 
     fn replay_batch(
         &self,
-        since: SystemTime,
-        until: SystemTime,
-        destination: Option<String>,
+        selector: ReplaySelector,
         after: SequenceId,
         batch: u32,
     ) -> BoxFuture<'static, StoreResult<(u64, SequenceId)>> {
+        let ReplaySelector {
+            since,
+            until,
+            destination,
+        } = selector;
         self.in_tx("replay", move |tx| {
             let mut stmt = tx.prepare(
                 "UPDATE outbox SET delivered_at = NULL, attempts = 0, last_error = NULL,

@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use outbox_core::store::{
-    ClaimRequest, DeadLetter, DeadSelector, NodeRegistry, Operations, Registration, RetryLater,
+    ClaimRequest, DeadLetter, DeadSelector, NodeRegistry, Operations, Registration, ReplaySelector,
+    RetryLater,
 };
 use outbox_core::{
     Claimed, NewEvent, NodeId, OutboxStore, PublishErrorKind, RetryPolicy, SequenceId,
@@ -82,6 +83,18 @@ fn event(destination: &str, key: Option<&str>, event_type: &str, n: usize) -> Ne
     }
 }
 
+/// Inserts `event(destination, key, type, n)` for each tuple, in order; returns their ids.
+async fn insert(
+    store: &dyn OutboxStore,
+    rows: &[(&str, Option<&str>, &str, usize)],
+) -> Vec<SequenceId> {
+    let events = rows
+        .iter()
+        .map(|(d, k, t, n)| event(d, *k, t, *n))
+        .collect();
+    store.insert(events).await.unwrap()
+}
+
 fn request(node: &NodeId, limit: usize) -> ClaimRequest {
     ClaimRequest::new(node.clone(), limit, Duration::from_secs(30))
 }
@@ -113,15 +126,16 @@ pub async fn exclusive_claims(h: &dyn Harness) {
 
 pub async fn per_key_order_across_nodes(h: &dyn Harness) {
     let store = h.store();
-    let seq = store
-        .insert(vec![
-            event("d", Some("a"), "t", 1),
-            event("d", Some("b"), "t", 2),
-            event("d", Some("a"), "t", 3),
-            event("d", None, "t", 4),
-        ])
-        .await
-        .unwrap();
+    let seq = insert(
+        &*store,
+        &[
+            ("d", Some("a"), "t", 1),
+            ("d", Some("b"), "t", 2),
+            ("d", Some("a"), "t", 3),
+            ("d", None, "t", 4),
+        ],
+    )
+    .await;
     let (a, b) = (NodeId::random(), NodeId::random());
     let first = store.claim(request(&a, 1)).await.unwrap();
     assert_eq!(ids(&first), vec![seq[0]]);
@@ -144,14 +158,15 @@ pub async fn per_key_order_across_nodes(h: &dyn Harness) {
 
 pub async fn retry_scheduling(h: &dyn Harness) {
     let store = h.store();
-    let seq = store
-        .insert(vec![
-            event("d", Some("a"), "t", 1),
-            event("d", Some("a"), "t", 2),
-            event("d", Some("b"), "t", 3),
-        ])
-        .await
-        .unwrap();
+    let seq = insert(
+        &*store,
+        &[
+            ("d", Some("a"), "t", 1),
+            ("d", Some("a"), "t", 2),
+            ("d", Some("b"), "t", 3),
+        ],
+    )
+    .await;
     let node = NodeId::random();
     let claimed = store.claim(request(&node, 1)).await.unwrap();
     assert_eq!(ids(&claimed), vec![seq[0]]);
@@ -195,13 +210,11 @@ pub async fn retry_scheduling(h: &dyn Harness) {
 
 pub async fn dead_lettering_keeps_the_whole_event(h: &dyn Harness) {
     let store = h.store();
-    let seq = store
-        .insert(vec![
-            event("d", Some("a"), "t", 1),
-            event("d", Some("a"), "t", 2),
-        ])
-        .await
-        .unwrap();
+    let seq = insert(
+        &*store,
+        &[("d", Some("a"), "t", 1), ("d", Some("a"), "t", 2)],
+    )
+    .await;
     let node = NodeId::random();
     store.claim(request(&node, 1)).await.unwrap();
     let dead = DeadLetter {
@@ -346,13 +359,11 @@ pub async fn undecodable_rows_are_claimed_for_dead_lettering(h: &dyn Harness) {
 pub async fn ack_deletes_or_retains(h: &dyn Harness) {
     let store = h.store();
     let retaining = h.retaining_store();
-    let seq = store
-        .insert(vec![
-            event("d", Some("a"), "t", 1),
-            event("d", Some("b"), "t", 2),
-        ])
-        .await
-        .unwrap();
+    let seq = insert(
+        &*store,
+        &[("d", Some("a"), "t", 1), ("d", Some("b"), "t", 2)],
+    )
+    .await;
     let node = NodeId::random();
     store.claim(request(&node, 10)).await.unwrap();
     assert_eq!(
@@ -378,13 +389,11 @@ pub async fn ack_deletes_or_retains(h: &dyn Harness) {
 
 pub async fn release_makes_rows_claimable(h: &dyn Harness) {
     let store = h.store();
-    let seq = store
-        .insert(vec![
-            event("d", Some("a"), "t", 1),
-            event("d", Some("a"), "t", 2),
-        ])
-        .await
-        .unwrap();
+    let seq = insert(
+        &*store,
+        &[("d", Some("a"), "t", 1), ("d", Some("a"), "t", 2)],
+    )
+    .await;
     let node = NodeId::random();
     store.claim(request(&node, 10)).await.unwrap();
     assert_eq!(store.release(node, seq.clone()).await.unwrap(), 2);
@@ -668,14 +677,15 @@ pub async fn engine_unordered_retries_and_dead_letters_go_out_again(h: &dyn Harn
 
 pub async fn engine_dead_letters_after_max_attempts_and_moves_on(h: &dyn Harness) {
     let store = h.store();
-    let seq = store
-        .insert(vec![
-            event("d", Some("a"), "doomed", 0),
-            event("d", Some("a"), "t", 1),
-            event("d", Some("b"), "fragile", 2),
-        ])
-        .await
-        .unwrap();
+    let seq = insert(
+        &*store,
+        &[
+            ("d", Some("a"), "doomed", 0),
+            ("d", Some("a"), "t", 1),
+            ("d", Some("b"), "fragile", 2),
+        ],
+    )
+    .await;
     let publisher = RecordingPublisher::new();
     publisher.fail("doomed", 100, PublishErrorKind::Unavailable);
     publisher.fail("fragile", 100, PublishErrorKind::Timeout);
@@ -738,14 +748,15 @@ pub async fn engine_dead_letters_permanent_errors_and_undecodable_rows(h: &dyn H
 pub async fn operator_lists_retries_and_purges_dead_letters(h: &dyn Harness) {
     let store = h.store();
     let ops = h.operations();
-    let seq = store
-        .insert(vec![
-            event("a", Some("k1"), "t", 1),
-            event("a", Some("k2"), "t", 2),
-            event("b", None, "u", 3),
-        ])
-        .await
-        .unwrap();
+    let seq = insert(
+        &*store,
+        &[
+            ("a", Some("k1"), "t", 1),
+            ("a", Some("k2"), "t", 2),
+            ("b", None, "u", 3),
+        ],
+    )
+    .await;
     let node = NodeId::random();
     store.claim(request(&node, 10)).await.unwrap();
     let dead = seq
@@ -822,20 +833,20 @@ pub async fn operator_replays_and_prunes_in_batches(h: &dyn Harness) {
         std::time::SystemTime::now() - Duration::from_secs(60),
         std::time::SystemTime::now() + Duration::from_secs(60),
     );
-    assert_eq!(ops.count_replayable(since, until, None).await.unwrap(), 5);
+    let selector = |destination: Option<&str>| ReplaySelector {
+        since,
+        until,
+        destination: destination.map(String::from),
+    };
+    assert_eq!(ops.count_replayable(selector(None)).await.unwrap(), 5);
     assert_eq!(
-        ops.count_replayable(since, until, Some("other".into()))
-            .await
-            .unwrap(),
+        ops.count_replayable(selector(Some("other"))).await.unwrap(),
         0
     );
     let mut after = 0;
     let mut batches = Vec::new();
     loop {
-        let (n, last) = ops
-            .replay_batch(since, until, None, after, 2)
-            .await
-            .unwrap();
+        let (n, last) = ops.replay_batch(selector(None), after, 2).await.unwrap();
         if n == 0 {
             break;
         }
