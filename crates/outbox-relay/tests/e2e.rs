@@ -652,6 +652,35 @@ async fn zero_config_sqlite_relays_events_sent_from_another_process() {
     assert!(status.success());
 }
 
+/// `verify-ca` verifies the chain but not the host name, `verify-full` both: reached under a
+/// name its certificate does not carry (`hostaddr` gives the address), the server passes the
+/// first and fails the second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_ca_checks_the_chain_but_not_the_host_name() {
+    let url = fresh_pg_database().await;
+    let ca = std::env::var("OUTBOX_TEST_PG_CA").expect("OUTBOX_TEST_PG_CA from scripts/servers.sh");
+    assert!(relay_cmd(&url, &["migrate"]).status.success());
+    let renamed = url.replacen("@127.0.0.1:", "@db.invalid:", 1);
+    assert_ne!(renamed, url, "the test database URL names 127.0.0.1: {url}");
+    let check = |sslmode: &str| {
+        let url = format!("{renamed}?hostaddr=127.0.0.1&sslmode={sslmode}");
+        relay_cmd(&url, &["check", "--database-ca-file", &ca])
+    };
+    let chain_only = check("verify-ca");
+    assert!(
+        chain_only.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&chain_only.stdout),
+        String::from_utf8_lossy(&chain_only.stderr)
+    );
+    let full = check("verify-full");
+    let report = String::from_utf8_lossy(&full.stdout);
+    assert!(
+        !full.status.success() && report.contains("not valid for name"),
+        "the name is not the certificate's: {report}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn database_tls_is_verified_against_the_configured_ca() {
     let url = fresh_pg_database().await;
