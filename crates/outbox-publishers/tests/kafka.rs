@@ -19,7 +19,9 @@ use rdkafka::ClientConfig;
 /// API is thread-safe (each call takes the cluster's lock). Tests only call it through
 /// `&self`, from any thread.
 struct Cluster(MockCluster<'static, DefaultProducerContext>);
+#[allow(unsafe_code)] // the one unsafe in the workspace, for a test's mock broker (above)
 unsafe impl Send for Cluster {}
+#[allow(unsafe_code)]
 unsafe impl Sync for Cluster {}
 
 const BROKERS: i32 = 3;

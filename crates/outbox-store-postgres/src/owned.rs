@@ -276,7 +276,7 @@ impl OwnedClaims {
         node: &str,
         plan: &ClaimPlan,
         ids: &[SequenceId],
-        seen: Option<Observation>,
+        seen: Option<Observation<'_>>,
     ) {
         let mut nodes = self.nodes.lock().expect("owned claims lock");
         let claims = nodes.entry(node.to_string()).or_default();
