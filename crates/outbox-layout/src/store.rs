@@ -463,13 +463,8 @@ impl<D: MappedDb> MappedStore<D> {
         format!("({}) AND {condition}", self.inner.sql.dead())
     }
 
-    /// Delivered rows created in `[since, until)`, of `destination` if given.
-    fn replay_condition(
-        &self,
-        since: SystemTime,
-        until: SystemTime,
-        destination: Option<String>,
-    ) -> StoreResult<(String, Params)> {
+    /// The delivered rows `selector` chooses.
+    fn replay_condition(&self, selector: ReplaySelector) -> StoreResult<(String, Params)> {
         let sql = &self.inner.sql;
         if sql.delivered().is_none() {
             return Err(self.unsupported("deletes delivered rows: there is nothing to replay"));
@@ -483,11 +478,11 @@ impl<D: MappedDb> MappedStore<D> {
             return Err(self.unsupported("has UUID row ids: replay it with SQL, e.g. UPDATE ... SET status = 'PENDING' WHERE created_at >= ..."));
         }
         let mut p = self.params();
-        let (since, until) = (p.int(micros(since)), p.int(micros(until)));
+        let (since, until) = (p.int(micros(selector.since)), p.int(micros(selector.until)));
         let mut condition = sql
             .delivered_between(&since, &until)
             .expect("checked above");
-        if let Some(d) = destination {
+        if let Some(d) = selector.destination {
             condition = format!("{condition} AND {}", sql.destination_is(&p.text(d)));
         }
         Ok((condition, p))
@@ -986,14 +981,9 @@ impl<D: MappedDb> Operations for MappedStore<D> {
     }
 
     fn count_replayable(&self, selector: ReplaySelector) -> BoxFuture<'static, StoreResult<u64>> {
-        let ReplaySelector {
-            since,
-            until,
-            destination,
-        } = selector;
         let store = self.clone();
         async move {
-            let (condition, p) = store.replay_condition(since, until, destination)?;
+            let (condition, p) = store.replay_condition(selector)?;
             let statement = store.inner.sql.count(&condition);
             store.first_int("replay", statement, p).await
         }
@@ -1006,15 +996,10 @@ impl<D: MappedDb> Operations for MappedStore<D> {
         after: SequenceId,
         batch: u32,
     ) -> BoxFuture<'static, StoreResult<(u64, SequenceId)>> {
-        let ReplaySelector {
-            since,
-            until,
-            destination,
-        } = selector;
         let store = self.clone();
         async move {
             let sql = &store.inner.sql;
-            let (condition, mut p) = store.replay_condition(since, until, destination)?;
+            let (condition, mut p) = store.replay_condition(selector)?;
             let condition = format!("{condition} AND {} > {}", sql.id_column(), p.int(after));
             let ids = store.pick(&condition, p, batch).await?;
             let last = ids

@@ -154,11 +154,6 @@ impl Operations for PgStore {
     }
 
     fn count_replayable(&self, selector: ReplaySelector) -> BoxFuture<'static, StoreResult<u64>> {
-        let ReplaySelector {
-            since,
-            until,
-            destination,
-        } = selector;
         let inner = self.inner.clone();
         async move {
             let t = inner.tables.outbox.quoted();
@@ -170,7 +165,7 @@ impl Operations for PgStore {
                       WHERE delivered_at IS NOT NULL AND created_at >= to_timestamp($1)
                         AND created_at < to_timestamp($2) AND ($3::text IS NULL OR destination = $3)"
                 ),
-                &[&seconds(since), &seconds(until), &destination],
+                &[&seconds(selector.since), &seconds(selector.until), &selector.destination],
             )
             .await?;
             Ok(rows[0].get::<_, i64>(0) as u64)
@@ -184,11 +179,6 @@ impl Operations for PgStore {
         after: SequenceId,
         batch: u32,
     ) -> BoxFuture<'static, StoreResult<(u64, SequenceId)>> {
-        let ReplaySelector {
-            since,
-            until,
-            destination,
-        } = selector;
         let inner = self.inner.clone();
         async move {
             let t = inner.tables.outbox.quoted();
@@ -208,7 +198,13 @@ impl Operations for PgStore {
                        FROM b WHERE o.sequence_id = b.sequence_id
                      RETURNING o.sequence_id"
                 ),
-                &[&seconds(since), &seconds(until), &destination, &after, &batch],
+                &[
+                    &seconds(selector.since),
+                    &seconds(selector.until),
+                    &selector.destination,
+                    &after,
+                    &batch,
+                ],
             )
             .await?;
             let last = rows.iter().map(|r| r.get::<_, i64>(0)).max().unwrap_or(after);

@@ -130,16 +130,11 @@ impl Operations for SqliteStore {
     }
 
     fn count_replayable(&self, selector: ReplaySelector) -> BoxFuture<'static, StoreResult<u64>> {
-        let ReplaySelector {
-            since,
-            until,
-            destination,
-        } = selector;
         self.with_conn(move |conn| {
             conn.query_row(
                 "SELECT count(*) FROM outbox WHERE delivered_at IS NOT NULL AND created_at >= ?1
                     AND created_at < ?2 AND (?3 IS NULL OR destination = ?3)",
-                params![ms(since), ms(until), destination],
+                params![ms(selector.since), ms(selector.until), selector.destination],
                 |r| r.get::<_, i64>(0),
             )
             .map(|n| n as u64)
@@ -153,11 +148,6 @@ impl Operations for SqliteStore {
         after: SequenceId,
         batch: u32,
     ) -> BoxFuture<'static, StoreResult<(u64, SequenceId)>> {
-        let ReplaySelector {
-            since,
-            until,
-            destination,
-        } = selector;
         self.in_tx("replay", move |tx| {
             let mut stmt = tx.prepare(
                 "UPDATE outbox SET delivered_at = NULL, attempts = 0, last_error = NULL,
@@ -171,7 +161,14 @@ impl Operations for SqliteStore {
             )?;
             let ids = stmt
                 .query_map(
-                    params![ms(since), ms(until), destination, after, batch, now_ms()],
+                    params![
+                        ms(selector.since),
+                        ms(selector.until),
+                        selector.destination,
+                        after,
+                        batch,
+                        now_ms()
+                    ],
                     |r| r.get::<_, i64>(0),
                 )?
                 .collect::<rusqlite::Result<Vec<_>>>()?;
