@@ -4,15 +4,23 @@ use std::sync::Arc;
 
 use futures::future::BoxFuture;
 use futures::FutureExt;
-use outbox_core::store::NodeRegistry;
+use outbox_core::store::{NodeRegistry, Operations};
 use outbox_core::{OutboxStore, SequenceId};
 use outbox_store_postgres::{PgOptions, PgStore, Tables};
 use outbox_testkit::conformance::{DeadRow, Harness};
 
-struct PgHarness {
-    store: PgStore,
-    retaining: PgStore,
+/// The suite's harness for both PostgreSQL stores: the native one, and the mapped one over an
+/// application's table (below). Only the tables differ.
+struct PgHarness<S> {
+    store: S,
+    retaining: S,
     client: tokio_postgres::Client,
+    /// The outbox table.
+    table: &'static str,
+    /// Which of its rows are still queued (a mapped table keeps dead rows, marked).
+    queued: &'static str,
+    /// Where the dead rows are: a table, with the condition that picks them.
+    dead: &'static str,
 }
 
 pub fn options(url: &str, retain_delivered: bool) -> PgOptions {
@@ -27,22 +35,32 @@ pub fn options(url: &str, retain_delivered: bool) -> PgOptions {
     }
 }
 
-async fn new_harness() -> PgHarness {
-    let url = outbox_testkit::fresh_pg_database().await;
-    let store = PgStore::new(options(&url, false)).unwrap();
-    store.migrate().await.unwrap();
-    let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+async fn connect(url: &str) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
         .await
         .unwrap();
     tokio::spawn(connection);
+    client
+}
+
+async fn new_harness() -> PgHarness<PgStore> {
+    let url = outbox_testkit::fresh_pg_database().await;
+    let store = PgStore::new(options(&url, false)).unwrap();
+    store.migrate().await.unwrap();
     PgHarness {
         retaining: PgStore::new(options(&url, true)).unwrap(),
         store,
-        client,
+        client: connect(&url).await,
+        table: "outbox",
+        queued: "true",
+        dead: "outbox_dead_letters",
     }
 }
 
-impl Harness for PgHarness {
+impl<S> Harness for PgHarness<S>
+where
+    S: OutboxStore + NodeRegistry + Operations + Clone,
+{
     fn store(&self) -> Arc<dyn OutboxStore> {
         Arc::new(self.store.clone())
     }
@@ -55,41 +73,41 @@ impl Harness for PgHarness {
         Arc::new(self.store.clone())
     }
 
-    fn operations(&self) -> Arc<dyn outbox_core::store::Operations> {
+    fn operations(&self) -> Arc<dyn Operations> {
         Arc::new(self.store.clone())
     }
 
     fn insert_rolled_back(&self, destination: &str) -> BoxFuture<'_, ()> {
         let sql = format!(
-            "BEGIN; INSERT INTO outbox (destination, event_type, payload) VALUES ('{destination}', 't', '1'); ROLLBACK;"
+            "BEGIN; INSERT INTO {} (destination, event_type, payload) VALUES ('{destination}', 't', '1'); ROLLBACK;",
+            self.table
         );
         async move { self.client.batch_execute(&sql).await.unwrap() }.boxed()
     }
 
     fn insert_undecodable(&self, destination: &str) -> BoxFuture<'_, SequenceId> {
         let destination = destination.to_string();
+        let sql = format!(
+            "INSERT INTO {} (destination, event_type, payload, headers)
+             VALUES ($1, 't', '{{}}', '[\"not\", \"an object\"]') RETURNING sequence_id",
+            self.table
+        );
         async move {
-            let row = self
-                .client
-                .query_one(
-                    "INSERT INTO outbox (destination, event_type, payload, headers)
-                     VALUES ($1, 't', '{}', '[\"not\", \"an object\"]') RETURNING sequence_id",
-                    &[&destination],
-                )
-                .await
-                .unwrap();
+            let row = self.client.query_one(&sql, &[&destination]).await.unwrap();
             row.get(0)
         }
         .boxed()
     }
 
     fn row_state(&self, id: SequenceId) -> BoxFuture<'_, Option<(i64, Option<String>, bool)>> {
+        let sql = format!(
+            "SELECT attempts::int8, last_error, delivered_at IS NOT NULL FROM {}
+              WHERE sequence_id = $1 AND {}",
+            self.table, self.queued
+        );
         async move {
             self.client
-                .query_opt(
-                    "SELECT attempts::int8, last_error, delivered_at IS NOT NULL FROM outbox WHERE sequence_id = $1",
-                    &[&id],
-                )
+                .query_opt(&sql, &[&id])
                 .await
                 .unwrap()
                 .map(|r| (r.get(0), r.get(1), r.get(2)))
@@ -98,12 +116,13 @@ impl Harness for PgHarness {
     }
 
     fn dead_rows(&self) -> BoxFuture<'_, Vec<DeadRow>> {
+        let sql = format!(
+            "SELECT sequence_id, attempts::int8, last_error, payload::text FROM {} ORDER BY sequence_id",
+            self.dead
+        );
         async move {
             self.client
-                .query(
-                    "SELECT sequence_id, attempts::int8, last_error, payload::text FROM outbox_dead_letters ORDER BY sequence_id",
-                    &[],
-                )
+                .query(&sql, &[])
                 .await
                 .unwrap()
                 .iter()
@@ -150,12 +169,6 @@ mod mapped {
             dead_at      timestamptz
         )";
 
-    pub struct MappedHarness {
-        store: MappedPgStore,
-        retaining: MappedPgStore,
-        client: tokio_postgres::Client,
-    }
-
     fn store(url: &str, retain: bool) -> MappedPgStore {
         let mapping = Mapping {
             seed: None,
@@ -171,99 +184,20 @@ mod mapped {
         .unwrap()
     }
 
-    pub async fn new_harness() -> MappedHarness {
+    async fn new_harness() -> PgHarness<MappedPgStore> {
         let url = outbox_testkit::fresh_pg_database().await;
-        let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-            .await
-            .unwrap();
-        tokio::spawn(connection);
+        let client = connect(&url).await;
         client.batch_execute(TABLE).await.unwrap();
         let store = store(&url, false);
         store.migrate().await.unwrap();
-        MappedHarness {
+        PgHarness {
             retaining: self::store(&url, true),
             store,
             client,
-        }
-    }
-
-    impl Harness for MappedHarness {
-        fn store(&self) -> Arc<dyn OutboxStore> {
-            Arc::new(self.store.clone())
-        }
-
-        fn retaining_store(&self) -> Arc<dyn OutboxStore> {
-            Arc::new(self.retaining.clone())
-        }
-
-        fn registry(&self) -> Arc<dyn NodeRegistry> {
-            Arc::new(self.store.clone())
-        }
-
-        fn operations(&self) -> Arc<dyn outbox_core::store::Operations> {
-            Arc::new(self.store.clone())
-        }
-
-        fn insert_rolled_back(&self, destination: &str) -> BoxFuture<'_, ()> {
-            let sql = format!(
-                "BEGIN; INSERT INTO events (destination, event_type, payload) VALUES ('{destination}', 't', '1'); ROLLBACK;"
-            );
-            async move { self.client.batch_execute(&sql).await.unwrap() }.boxed()
-        }
-
-        fn insert_undecodable(&self, destination: &str) -> BoxFuture<'_, SequenceId> {
-            let destination = destination.to_string();
-            async move {
-                let row = self
-                    .client
-                    .query_one(
-                        "INSERT INTO events (destination, event_type, payload, headers)
-                         VALUES ($1, 't', '{}', '[\"not\", \"an object\"]') RETURNING sequence_id",
-                        &[&destination],
-                    )
-                    .await
-                    .unwrap();
-                row.get(0)
-            }
-            .boxed()
-        }
-
-        fn row_state(&self, id: SequenceId) -> BoxFuture<'_, Option<(i64, Option<String>, bool)>> {
-            async move {
-                // Dead rows stay in the table (dead_at set) but are out of the queue.
-                self.client
-                    .query_opt(
-                        "SELECT attempts::int8, last_error, delivered_at IS NOT NULL FROM events
-                          WHERE sequence_id = $1 AND dead_at IS NULL",
-                        &[&id],
-                    )
-                    .await
-                    .unwrap()
-                    .map(|r| (r.get(0), r.get(1), r.get(2)))
-            }
-            .boxed()
-        }
-
-        fn dead_rows(&self) -> BoxFuture<'_, Vec<DeadRow>> {
-            async move {
-                self.client
-                    .query(
-                        "SELECT sequence_id, attempts::int8, last_error, payload::text FROM events
-                          WHERE dead_at IS NOT NULL ORDER BY sequence_id",
-                        &[],
-                    )
-                    .await
-                    .unwrap()
-                    .iter()
-                    .map(|r| DeadRow {
-                        sequence_id: r.get(0),
-                        attempts: r.get(1),
-                        last_error: r.get(2),
-                        payload: r.get(3),
-                    })
-                    .collect()
-            }
-            .boxed()
+            table: "events",
+            // Dead rows stay in the table (dead_at set) but are out of the queue.
+            queued: "dead_at IS NULL",
+            dead: "events WHERE dead_at IS NOT NULL",
         }
     }
 
