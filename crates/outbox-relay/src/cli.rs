@@ -14,7 +14,7 @@ use figment::value::{Dict, Value};
 use figment::{Figment, Metadata, Profile, Provider};
 use serde::Serialize;
 
-use crate::config::{Config, LogFormat, OrderingMode, WakeupMode};
+use crate::config::{CaptureMode, Config, LogFormat, OrderingMode, WakeupMode};
 
 /// Publishes transactional-outbox rows to brokers: at least once, in order per key,
 /// de-duplicable by event id.
@@ -59,6 +59,19 @@ pub struct GlobalArgs {
     /// `migrate` installs the matching trigger function.
     #[arg(long, global = true, value_enum, value_name = "MODE")]
     pub wakeup: Option<WakeupMode>,
+    /// How the relay reads events on PostgreSQL: poll (claims rows from the outbox table) or
+    /// wal (reads committed INSERTs and outbox_emit() messages from a logical replication
+    /// slot, in commit order, at no cost to writers; needs wal_level = logical, a role with
+    /// REPLICATION, and `migrate --capture wal`).
+    #[arg(long, global = true, value_enum, value_name = "MODE")]
+    pub capture: Option<CaptureMode>,
+    /// The logical replication slot of --capture wal, created on first run. One active relay
+    /// streams from it; others wait as standbys.
+    #[arg(long, global = true, value_name = "NAME")]
+    pub slot: Option<String>,
+    /// The publication of --capture wal (created by `migrate --capture wal`).
+    #[arg(long, global = true, value_name = "NAME")]
+    pub publication: Option<String>,
     /// Schema of the outbox table.
     #[arg(long, global = true, value_name = "NAME")]
     pub outbox_schema: Option<String>,
@@ -91,6 +104,10 @@ pub enum Command {
     Check(CheckArgs),
     /// Insert one event into the outbox, as an application would.
     Send(SendArgs),
+    /// Drop the logical replication slot of --capture wal (waits for an active relay to
+    /// let go of it). The server then frees the WAL it kept; events not yet relayed from it
+    /// are not relayed.
+    DropSlot,
     /// Show the backlog per destination, the live nodes and which partitions each owns.
     Stats(StatsArgs),
     /// Inspect, resend or delete dead-lettered events.
@@ -323,6 +340,7 @@ impl Cli {
             Command::Check(args) => flags.merge(Given(args)),
             Command::Migrate(args) => flags.merge(Given(args)),
             Command::Send(_)
+            | Command::DropSlot
             | Command::Stats(_)
             | Command::Dead(_)
             | Command::Replay(_)

@@ -159,7 +159,7 @@ async fn prepare_store(
     if create || store.creates_tables_implicitly() {
         store.migrate().await?;
     }
-    outbox.verify().await
+    store.verify().await
 }
 
 async fn publisher(
@@ -191,7 +191,16 @@ pub async fn run(mut config: Config, drain: bool) -> anyhow::Result<ExitCode> {
         health,
     } = config.resolve(node.clone(), drain)?;
     let store = ready_store(&config, config.auto_migrate, !drain).await?;
-    let outbox = store.outbox();
+    let capture = match &store {
+        AnyStore::PostgresWal(pg, capture) => {
+            Some(start_capture(&config, pg, capture, &node, drain))
+        }
+        _ => None,
+    };
+    let outbox: Arc<dyn outbox_core::OutboxStore> = match &capture {
+        Some(wal) => Arc::new(wal.clone()),
+        None => store.outbox(),
+    };
     let sink = publisher(&sinks, &routes).await?;
     tracing::info!(
         node = %node,
@@ -268,6 +277,15 @@ pub async fn run(mut config: Config, drain: bool) -> anyhow::Result<ExitCode> {
         None => tokio::time::Instant::now() + shutdown_timeout,
     };
     coordinator.stop(deadline).await;
+    if let Some(wal) = capture {
+        // The last confirmation goes to the server before the slot is let go.
+        wal.close(
+            deadline
+                .saturating_duration_since(tokio::time::Instant::now())
+                .max(Duration::from_secs(1)),
+        )
+        .await;
+    }
     monitor.abort();
     if let Some(http) = http {
         http.abort();
@@ -289,6 +307,56 @@ pub async fn run(mut config: Config, drain: bool) -> anyhow::Result<ExitCode> {
     );
     if drain {
         drain_verdict(&summary)?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Starts the replication reader of `--capture wal`.
+fn start_capture(
+    config: &Config,
+    pg: &outbox_store_postgres::PgStore,
+    capture: &crate::store::Capture,
+    node: &NodeId,
+    drain: bool,
+) -> outbox_wal::WalStore {
+    let mut wal = outbox_wal::WalConfig::new(
+        config.database_url.clone(),
+        capture.slot.clone(),
+        capture.publication.as_str(),
+        pg.tables().outbox.clone(),
+    );
+    wal.application_name = format!("outbox-relay {node}");
+    wal.read_ahead = config.max_in_flight.max(1024);
+    outbox_wal::WalStore::start(
+        pg.clone(),
+        outbox_wal::WalStoreOptions {
+            wal,
+            publication: capture.publication.clone(),
+            drain,
+        },
+    )
+}
+
+/// `drop-slot`: drops the replication slot of `--capture wal`.
+pub async fn drop_slot(config: Config) -> anyhow::Result<ExitCode> {
+    let store = AnyStore::open(&config)?;
+    let AnyStore::PostgresWal(pg, capture) = &store else {
+        return Err(anyhow::Error::new(ConfigError(
+            "drop-slot drops the replication slot of WAL capture: add --capture wal (with \
+             --slot if it is not the default)"
+                .into(),
+        )));
+    };
+    let wal = outbox_wal::WalConfig::new(
+        config.database_url.clone(),
+        capture.slot.clone(),
+        capture.publication.as_str(),
+        pg.tables().outbox.clone(),
+    );
+    match outbox_wal::drop_slot(&wal).await {
+        Ok(true) => println!("dropped the replication slot {}", capture.slot),
+        Ok(false) => println!("there is no replication slot {}", capture.slot),
+        Err(e) => bail!("cannot drop the replication slot {}: {e}", capture.slot),
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -400,7 +468,7 @@ pub async fn check(config: Config) -> anyhow::Result<ExitCode> {
             return Ok(ExitCode::FAILURE);
         }
     }
-    match outbox.verify().await {
+    match store.verify().await {
         Ok(problems) if problems.is_empty() => println!("ok: tables, trigger and privileges"),
         Ok(problems) => {
             failed = true;

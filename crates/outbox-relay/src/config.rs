@@ -35,6 +35,8 @@ pub const DEFAULT_CONFIG_FILE: &str = "outbox-relay.toml";
 /// The schema of the outbox and nodes tables (on MySQL: the URL's database).
 const DEFAULT_SCHEMA: &str = "public";
 const DEFAULT_NODES_TABLE: &str = "outbox_nodes";
+const DEFAULT_SLOT: &str = "outbox_relay";
+const DEFAULT_PUBLICATION: &str = "outbox_relay";
 
 /// Durations are written with units: `500ms`, `2s`, `5m`, `7d`.
 pub use outbox_core::time::duration_text as duration;
@@ -63,6 +65,17 @@ pub enum WakeupMode {
     /// poll_fixed_rate). For applications that use two-phase commit: PostgreSQL refuses to
     /// PREPARE a transaction that has sent a NOTIFY.
     Poll,
+}
+
+/// How the relay reads events (PostgreSQL).
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum CaptureMode {
+    /// Claim rows from the outbox table (every store).
+    Poll,
+    /// Read committed INSERTs and `outbox_emit` messages from a logical replication slot,
+    /// in commit order (PostgreSQL, native layout; `migrate --capture wal` first).
+    Wal,
 }
 
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, clap::ValueEnum)]
@@ -123,6 +136,12 @@ pub struct Config {
     pub mapping: Option<outbox_layout::Mapping>,
     /// How writers wake the relay: `notify` or `gated`; `migrate` installs the matching trigger.
     pub wakeup: WakeupMode,
+    /// How events are read: `poll` (the table) or `wal` (logical replication).
+    pub capture: CaptureMode,
+    /// The logical replication slot of `capture = "wal"`.
+    pub slot: String,
+    /// The publication of `capture = "wal"`.
+    pub publication: String,
 }
 
 impl Default for Config {
@@ -160,6 +179,9 @@ impl Default for Config {
             layout: LayoutKind::Native,
             mapping: None,
             wakeup: WakeupMode::Notify,
+            capture: CaptureMode::Poll,
+            slot: DEFAULT_SLOT.into(),
+            publication: DEFAULT_PUBLICATION.into(),
         }
     }
 }
@@ -401,11 +423,52 @@ impl Config {
                  poll to poll at a fixed rate, or drop --poll-fixed-rate"
             );
         }
+        if self.capture == CaptureMode::Wal {
+            self.refuse_settings_without_effect_on_wal(&database)?;
+        } else if self.slot != DEFAULT_SLOT || self.publication != DEFAULT_PUBLICATION {
+            bail!(
+                "slot and publication apply to WAL capture only: add --capture wal \
+                 (capture = \"wal\"), or remove them"
+            );
+        }
         if self.sink.is_some() && (!self.routes.is_empty() || !self.sinks.is_empty()) {
             bail!(
                 "sink (--sink, OUTBOX_RELAY_SINK) replaces every [sinks.NAME] and [[routes]], \
                  which would be ignored: give either sink or [sinks] with [[routes]], not both"
             );
+        }
+        Ok(())
+    }
+
+    fn refuse_settings_without_effect_on_wal(&self, database: &DatabaseKind) -> anyhow::Result<()> {
+        if *database != DatabaseKind::Postgres {
+            bail!("capture = \"wal\" reads PostgreSQL's logical replication: use a postgres:// URL, or --capture poll");
+        }
+        if self.layout != LayoutKind::Native {
+            bail!(
+                "capture = \"wal\" reads the native outbox table (and outbox_emit messages); \
+                 layout = \"{}\" is polled: use --capture poll with it",
+                self.layout
+            );
+        }
+        let refused = [
+            (self.retain_delivered, "retain_delivered (--retain-delivered): WAL capture deletes a delivered row; replay has nothing to read"),
+            (self.ordering == OrderingMode::None, "ordering = \"none\" (--ordering none): WAL capture relays each key in commit order"),
+            (self.wakeup != WakeupMode::Notify, "wakeup (--wakeup): the replication stream wakes the relay, writers never notify"),
+            (self.poll_fixed_rate, "poll_fixed_rate (--poll-fixed-rate): the replication stream wakes the relay"),
+        ];
+        if let Some((_, what)) = refused.iter().find(|(set, _)| *set) {
+            bail!("{what}; remove it, or use --capture poll");
+        }
+        for (name, what) in [(&self.slot, "slot"), (&self.publication, "publication")] {
+            let valid = !name.is_empty()
+                && name.len() <= 63
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+            if !valid {
+                bail!("invalid {what} name {name:?}: use 1-63 lowercase ASCII letters, digits or underscores");
+            }
         }
         Ok(())
     }
@@ -426,6 +489,7 @@ impl Config {
     pub fn wake_description(&self) -> &'static str {
         let fixed = self.poll_fixed_rate || self.wakeup == WakeupMode::Poll;
         match self.database_kind() {
+            _ if self.capture == CaptureMode::Wal => "logical replication stream",
             _ if fixed => "fixed-rate polling",
             Ok(DatabaseKind::Sqlite(_)) => "data_version watch + safety poll",
             Ok(DatabaseKind::MySql) => "polling (MySQL has no NOTIFY)",
@@ -552,6 +616,11 @@ impl Config {
         engine.drain_patience =
             self.lease.max(self.heartbeat_timeout) + self.heartbeat_interval * 2;
         engine.ordered = self.ordering == OrderingMode::Key;
+        if self.capture == CaptureMode::Wal {
+            // The stream wakes the engine; nothing waits out another node's leases.
+            engine.wake = WakeMode::Notify;
+            engine.drain_patience = self.lease;
+        }
         engine.health = health.clone();
         let cluster = ClusterConfig {
             node,

@@ -76,6 +76,7 @@ fn main() -> ExitCode {
             Command::Migrate(args) => commands::migrate(config, args).await,
             Command::Check(_) => commands::check(config).await,
             Command::Send(args) => commands::send(config, args).await,
+            Command::DropSlot => commands::drop_slot(config).await,
             Command::Stats(args) => commands::stats(config, args.json).await,
             Command::Dead(command) => operator::dead(config, command).await,
             Command::Replay(args) => operator::replay(config, args).await,

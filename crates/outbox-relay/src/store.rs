@@ -10,12 +10,21 @@ use outbox_store_postgres::mapped::MappedPgOptions;
 use outbox_store_postgres::{MappedPgStore, PgOptions, PgStore, Tables};
 use outbox_store_sqlite::SqliteStore;
 
-use crate::config::{Config, DatabaseKind};
+use crate::config::{CaptureMode, Config, DatabaseKind};
+
+/// The replication slot and publication of `--capture wal`.
+#[derive(Clone, Debug)]
+pub struct Capture {
+    pub slot: String,
+    pub publication: outbox_core::ident::Ident,
+}
 
 /// One of the stores, with the operations only the CLI needs (DDL, migration).
 #[derive(Clone)]
 pub enum AnyStore {
     Postgres(PgStore),
+    /// The native table on PostgreSQL, read through logical replication (`--capture wal`).
+    PostgresWal(PgStore, Capture),
     /// A seed's table or a custom mapping on PostgreSQL.
     MappedPostgres(MappedPgStore),
     /// MySQL 8 / MariaDB: the native layout or a mapped table.
@@ -30,7 +39,9 @@ impl AnyStore {
                 let mut tables = pg_tables(config)?;
                 tables.partition_count = config.partitions;
                 tables.gated_wakeup = config.wakeup == crate::config::WakeupMode::Gated;
-                tables.poll_wakeup = config.wakeup == crate::config::WakeupMode::Poll;
+                // WAL capture needs no NOTIFY: the stream wakes the relay.
+                tables.poll_wakeup = config.wakeup == crate::config::WakeupMode::Poll
+                    || config.capture == CaptureMode::Wal;
                 let options = PgOptions {
                     url: config.database_url.clone(),
                     tables,
@@ -56,6 +67,16 @@ impl AnyStore {
                 }
                 let store =
                     PgStore::new(options).map_err(|e| crate::commands::failure(e.report(), &e))?;
+                if config.capture == CaptureMode::Wal {
+                    let publication =
+                        outbox_core::ident::Ident::new(&config.publication, "publication name")
+                            .map_err(|e| crate::commands::failure(e.report(), &e))?;
+                    let capture = Capture {
+                        slot: config.slot.clone(),
+                        publication,
+                    };
+                    return Ok(AnyStore::PostgresWal(store, capture));
+                }
                 Ok(AnyStore::Postgres(store))
             }
             DatabaseKind::MySql => {
@@ -87,7 +108,7 @@ impl AnyStore {
 
     pub fn outbox(&self) -> Arc<dyn OutboxStore> {
         match self {
-            AnyStore::Postgres(s) => Arc::new(s.clone()),
+            AnyStore::Postgres(s) | AnyStore::PostgresWal(s, _) => Arc::new(s.clone()),
             AnyStore::MappedPostgres(s) => Arc::new(s.clone()),
             AnyStore::MySql(s) => Arc::new(s.clone()),
             AnyStore::Sqlite(s) => Arc::new(s.clone()),
@@ -98,14 +119,18 @@ impl AnyStore {
     pub fn partition_registry(&self) -> Option<Arc<dyn outbox_core::store::PartitionRegistry>> {
         match self {
             AnyStore::Postgres(s) => Some(Arc::new(s.clone())),
-            // Mapped layouts run one active relay per table (see MappedPgStore).
-            AnyStore::MappedPostgres(_) | AnyStore::MySql(_) | AnyStore::Sqlite(_) => None,
+            // Mapped layouts run one active relay per table (see MappedPgStore); WAL capture
+            // one active consumer per slot.
+            AnyStore::PostgresWal(..)
+            | AnyStore::MappedPostgres(_)
+            | AnyStore::MySql(_)
+            | AnyStore::Sqlite(_) => None,
         }
     }
 
     pub fn operations(&self) -> Arc<dyn outbox_core::store::Operations> {
         match self {
-            AnyStore::Postgres(s) => Arc::new(s.clone()),
+            AnyStore::Postgres(s) | AnyStore::PostgresWal(s, _) => Arc::new(s.clone()),
             AnyStore::MappedPostgres(s) => Arc::new(s.clone()),
             AnyStore::MySql(s) => Arc::new(s.clone()),
             AnyStore::Sqlite(s) => Arc::new(s.clone()),
@@ -114,7 +139,7 @@ impl AnyStore {
 
     pub fn registry(&self) -> Arc<dyn NodeRegistry> {
         match self {
-            AnyStore::Postgres(s) => Arc::new(s.clone()),
+            AnyStore::Postgres(s) | AnyStore::PostgresWal(s, _) => Arc::new(s.clone()),
             AnyStore::MappedPostgres(s) => Arc::new(s.clone()),
             AnyStore::MySql(s) => Arc::new(s.clone()),
             AnyStore::Sqlite(s) => Arc::new(s.clone()),
@@ -129,6 +154,10 @@ impl AnyStore {
     pub async fn migrate(&self) -> Result<(), outbox_core::StoreError> {
         match self {
             AnyStore::Postgres(s) => s.migrate().await,
+            AnyStore::PostgresWal(s, capture) => {
+                s.migrate().await?;
+                s.migrate_extra(&capture.tables(s).ddl()).await
+            }
             AnyStore::MappedPostgres(s) => s.migrate().await,
             AnyStore::MySql(s) => s.migrate().await,
             AnyStore::Sqlite(s) => s.migrate().await,
@@ -140,6 +169,16 @@ impl AnyStore {
         match self {
             AnyStore::Postgres(s) => {
                 format!("{}\n{}", s.tables().ddl(), s.tables().grants(role))
+            }
+            AnyStore::PostgresWal(s, capture) => {
+                let wal = capture.tables(s);
+                format!(
+                    "{}\n{}\n{}\n{}",
+                    s.tables().ddl(),
+                    wal.ddl(),
+                    s.tables().grants(role),
+                    wal.grants(role)
+                )
             }
             AnyStore::MappedPostgres(s) => {
                 format!("{}\n{}", s.ddl().unwrap_or_default(), s.grants(role))
@@ -154,6 +193,26 @@ impl AnyStore {
                 SqliteStore::ddl()
             ),
         }
+    }
+}
+
+impl AnyStore {
+    /// What keeps the store from working, each with its fix.
+    pub async fn verify(
+        &self,
+    ) -> Result<Vec<outbox_core::store::Problem>, outbox_core::StoreError> {
+        match self {
+            AnyStore::PostgresWal(s, capture) => {
+                outbox_wal::verify_capture(s, &capture.publication, &capture.slot).await
+            }
+            other => other.outbox().verify().await,
+        }
+    }
+}
+
+impl Capture {
+    fn tables(&self, store: &PgStore) -> outbox_wal::schema::CaptureTables {
+        outbox_wal::capture::capture_tables(store.tables(), &self.publication)
     }
 }
 

@@ -4,6 +4,7 @@
 //! [`schema::Statements`]). Wake-ups come from LISTEN on a dedicated connection; the
 //! statement-level trigger created by [`PgStore::migrate`] sends them.
 
+mod access;
 mod error;
 mod listen;
 pub mod mapped;
@@ -31,6 +32,7 @@ use tokio_postgres::types::ToSql;
 use tokio_postgres::Row;
 use tokio_postgres_rustls::MakeRustlsConnect;
 
+pub use access::Step;
 pub use error::classify;
 pub use mapped::MappedPgStore;
 pub(crate) use outbox_core::time::{from_micros, millis};

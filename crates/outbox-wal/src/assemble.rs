@@ -181,6 +181,11 @@ impl Assembler {
                     self.stats.other_messages += 1;
                     return Ok(None);
                 }
+                if !message.transactional && message.content == emit::DRAIN_MARKER {
+                    // `run --drain` wrote it between transactions: everything committed
+                    // before it has been sent.
+                    return Ok(self.keepalive(message.lsn));
+                }
                 if !message.transactional {
                     self.stats.skipped += 1;
                     return Ok(Some(Output::Skipped {

@@ -35,6 +35,10 @@ pub struct WalConfig {
     pub stop_at: Option<Lsn>,
     /// Shown in `pg_stat_replication`.
     pub application_name: String,
+    /// Create the slot when it is missing (the first run). A relay that already streamed
+    /// from it sets this to `false`: a slot that vanished since (dropped by hand) may have
+    /// taken events with it, which a new slot would skip without a word.
+    pub create_slot: bool,
 }
 
 impl WalConfig {
@@ -54,6 +58,7 @@ impl WalConfig {
             read_ahead: 8192,
             stop_at: None,
             application_name: "outbox-relay".into(),
+            create_slot: true,
         }
     }
 }
@@ -70,6 +75,7 @@ impl std::fmt::Debug for WalConfig {
             .field("read_ahead", &self.read_ahead)
             .field("stop_at", &self.stop_at)
             .field("application_name", &self.application_name)
+            .field("create_slot", &self.create_slot)
             .finish()
     }
 }
@@ -177,7 +183,7 @@ impl WalStream {
         if publication.is_empty() {
             return Err(WalError::MissingPublication(config.publication.clone()));
         }
-        let slot = ensure_slot(&mut client, &config.slot).await?;
+        let slot = ensure_slot(&mut client, &config.slot, config.create_slot).await?;
         // The worker's first status update would otherwise report the start position (0/0
         // means "the slot's"): report the slot's own, so the position never goes back.
         drop(client);
@@ -380,8 +386,12 @@ fn replication_config(config: &WalConfig) -> Result<ReplicationConfig, WalError>
     Ok(replication)
 }
 
-/// Reads the slot, creating it (pgoutput) when missing.
-async fn ensure_slot(client: &mut ReplicationClient, slot: &str) -> Result<SlotState, WalError> {
+/// Reads the slot, creating it (pgoutput) when missing and `create` allows.
+async fn ensure_slot(
+    client: &mut ReplicationClient,
+    slot: &str,
+    create: bool,
+) -> Result<SlotState, WalError> {
     let slot_error = |reason: String| WalError::Slot {
         slot: slot.to_string(),
         reason,
@@ -392,6 +402,14 @@ async fn ensure_slot(client: &mut ReplicationClient, slot: &str) -> Result<SlotS
     );
     let mut created = false;
     let mut rows = client.simple_query(&read).await?;
+    if rows.is_empty() && !create {
+        return Err(slot_error(
+            "it no longer exists (dropped while this relay streamed from it); events committed \
+             after its last confirmed position may not have been relayed: check them, then \
+             restart the relay, which creates the slot anew"
+                .into(),
+        ));
+    }
     if rows.is_empty() {
         let create = format!("CREATE_REPLICATION_SLOT {slot} LOGICAL pgoutput NOEXPORT_SNAPSHOT");
         match client.simple_query(&create).await {

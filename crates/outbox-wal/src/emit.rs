@@ -52,6 +52,10 @@ use crate::lsn::Lsn;
 /// The logical decoding message prefix of outbox events.
 pub const EMIT_PREFIX: &str = "outbox";
 
+/// The content of the non-transactional outbox message `run --drain` writes at start-up: its
+/// position marks "everything committed before the drain started" (it is not an event).
+pub const DRAIN_MARKER: &[u8] = b"outbox-relay drain marker";
+
 /// The SQL function that writes an outbox message.
 pub const EMIT_FUNCTION: &str = "outbox_emit";
 

@@ -18,6 +18,7 @@
 
 pub mod ack;
 pub mod assemble;
+pub mod capture;
 pub mod client;
 pub mod decode;
 pub mod emit;
@@ -28,6 +29,7 @@ pub mod table;
 
 pub use ack::{AckError, Acknowledgements};
 pub use assemble::{AssembleError, Assembler, AssemblerStats, Output};
+pub use capture::{verify_capture, CaptureStatus, WalStore, WalStoreOptions};
 pub use client::{drop_slot, SlotState, WalConfig, WalError, WalStream};
 pub use decode::{decode, DecodeError, LogicalMessage};
 pub use emit::{emit_function_ddl, EMIT_FUNCTION, EMIT_PREFIX};

@@ -1,7 +1,10 @@
 //! What `migrate --capture wal` creates besides the outbox: the publication WAL capture
-//! reads, and the function that writes table-less events ([`crate::emit_function_ddl`]).
+//! reads, the parked table, and the function that writes table-less events
+//! ([`crate::emit_function_ddl`]); and every statement WAL capture runs on them.
 
 use outbox_core::ident::{Ident, TableName};
+
+use crate::emit::{emit_function_ddl, DRAIN_MARKER, EMIT_PREFIX};
 
 /// Creates the publication `publication` of `table`'s INSERTs, if no publication of that
 /// name exists. INSERTs only: the relay's own deletes of delivered rows, and any updates,
@@ -20,6 +23,198 @@ BEGIN
 END
 $outbox_publication$;"#
     )
+}
+
+/// The tables WAL capture works with.
+#[derive(Clone, Debug)]
+pub struct CaptureTables {
+    pub outbox: TableName,
+    /// `<outbox>_parked`: events that must wait (a retry's backoff, a scheduled time, the
+    /// later events of a key that waits). Outside the publication, so the slot moves past
+    /// them; the same columns and indexes as the outbox, so the polling claim serves it.
+    pub parked: TableName,
+    pub dead_letters: TableName,
+    pub publication: Ident,
+}
+
+impl CaptureTables {
+    pub fn new(outbox: TableName, dead_letters: TableName, publication: Ident) -> Self {
+        let parked = TableName {
+            schema: outbox.schema.clone(),
+            name: Ident::new(&format!("{}_parked", outbox.name), "table name")
+                .unwrap_or_else(|_| outbox.name.clone()),
+        };
+        CaptureTables {
+            outbox,
+            parked,
+            dead_letters,
+            publication,
+        }
+    }
+
+    /// What `migrate --capture wal` adds to the outbox's DDL. Idempotent.
+    pub fn ddl(&self) -> String {
+        let outbox = self.outbox.quoted();
+        let parked = self.parked.quoted();
+        format!(
+            r#"
+-- WAL capture (`--capture wal`): the publication the relay's replication slot reads.
+{publication}
+
+-- Events that wait (retry backoff, a scheduled available_at, later events of a waiting key),
+-- parked outside the publication so the slot never waits for one key. LIKE copies the columns,
+-- the sequence default (parked rows draw their ids in parking order) and the indexes the
+-- claim uses; no trigger.
+CREATE TABLE IF NOT EXISTS {parked} (LIKE {outbox} INCLUDING DEFAULTS INCLUDING INDEXES);
+
+-- Table-less events: SELECT {schema}.outbox_emit('orders', 'order-42', 'OrderPlaced', '{{"id": 42}}');
+{emit}
+"#,
+            publication = publication_ddl(&self.publication, &self.outbox),
+            schema = self.outbox.schema.quoted(),
+            emit = emit_function_ddl(&self.outbox.schema),
+        )
+    }
+
+    /// Grants the relay's role needs for WAL capture, and what the server needs, as SQL
+    /// comments where an administrator must act.
+    pub fn grants(&self, role: &str) -> String {
+        let role = format!("\"{}\"", role.replace('"', "\"\""));
+        let parked = self.parked.quoted();
+        let outbox = self.outbox.quoted();
+        format!(
+            r#"
+-- WAL capture needs, besides the grants above:
+GRANT SELECT, INSERT, UPDATE, DELETE ON {parked} TO {role};
+GRANT USAGE ON SEQUENCE {sequence} TO {role};
+GRANT DELETE ON {outbox} TO {role};
+-- The role must be allowed to replicate (a superuser runs this once):
+--   ALTER ROLE {role} REPLICATION;
+-- and pg_hba.conf must let it connect to this database (a `host` line for the database, as
+-- for any client; logical replication does not use the `replication` pseudo-database).
+-- The server needs (postgresql.conf, then a restart):
+--   wal_level = logical
+--   max_replication_slots >= 1 per relay deployment (default 10)
+--   max_wal_senders >= 1 per running relay (default 10)
+--   max_slot_wal_keep_size = '10GB'   -- or another bound: a relay that stays off then
+--                                       loses its slot instead of filling the disk
+-- Table-less events need only EXECUTE on {schema}.outbox_emit for the writers.
+"#,
+            sequence = self.outbox.sibling("_sequence_id_seq"),
+            schema = self.outbox.schema.quoted(),
+        )
+    }
+}
+
+/// Every statement WAL capture runs, built once.
+#[derive(Clone, Debug)]
+pub struct CaptureStatements {
+    /// Parks events (in order; an event already parked is skipped by its event id).
+    /// `$1` event ids, `$2` destinations, `$3` keys, `$4` types, `$5` payloads (JSON text),
+    /// `$6` headers (JSON text), `$7` mutation ids, `$8` created_at, `$9` delays (ms),
+    /// `$10` not-before times, `$11` attempts, `$12` last errors.
+    pub park: String,
+    /// Writes dead letters from decoded events. `$1` sequence ids, then as `park` without
+    /// the times: `$2`..`$8`, `$9` created_at, `$10` attempts, `$11` errors.
+    pub dead_letter: String,
+    /// Deletes delivered or parked rows of the outbox. `$1` sequence ids.
+    pub delete_rows: String,
+    /// Moves every pending row of the outbox table into the parked table, under its own
+    /// sequence id (in that order): run when the slot is created, since rows committed
+    /// before it (written while no slot existed, or by an earlier polling relay) are not in
+    /// its stream. Rows committed after it are in both places: delivered twice, never lost.
+    pub adopt: String,
+    /// The keys that have parked events.
+    pub parked_keys: String,
+    /// Which of `$1` still have parked events.
+    pub still_parked: String,
+    /// The slot: active, wal_status, retained bytes, lag bytes (NULL when the server is a
+    /// standby). `$1` slot name.
+    pub slot: String,
+    /// A non-transactional outbox message, whose position marks "everything committed up
+    /// to now" (`run --drain`): returns its LSN as text.
+    pub drain_marker: String,
+    /// The server's `wal_level`.
+    pub wal_level: String,
+    /// Whether the publication exists and covers the outbox. `$1` publication name.
+    pub publication: String,
+    /// Whether the current role may replicate.
+    pub replication_role: String,
+}
+
+impl CaptureStatements {
+    pub fn new(tables: &CaptureTables) -> Self {
+        let parked = tables.parked.quoted();
+        let outbox = tables.outbox.quoted();
+        let dl = tables.dead_letters.quoted();
+        let key = "coalesce(partition_key, destination)";
+        let marker = String::from_utf8_lossy(DRAIN_MARKER);
+        CaptureStatements {
+            park: format!(
+                "INSERT INTO {parked} (event_id, destination, partition_key, event_type, payload,
+                        headers, mutation_id, created_at, available_at, attempts, last_error)
+                 SELECT e, d, k, t, p::jsonb, h::jsonb, m, c,
+                        greatest(now() + w * interval '1 millisecond', coalesce(a, '-infinity')),
+                        n, err
+                   FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[],
+                               $6::text[], $7::text[], $8::timestamptz[], $9::int8[],
+                               $10::timestamptz[], $11::int4[], $12::text[])
+                        WITH ORDINALITY AS u(e, d, k, t, p, h, m, c, w, a, n, err, i)
+                  ORDER BY i
+                 ON CONFLICT (event_id) DO NOTHING"
+            ),
+            dead_letter: format!(
+                "INSERT INTO {dl} (sequence_id, event_id, destination, partition_key, event_type,
+                        payload, headers, mutation_id, created_at, attempts, last_error)
+                 SELECT s, e, d, k, t, p::jsonb, h::jsonb, m, c, n, err
+                   FROM unnest($1::int8[], $2::uuid[], $3::text[], $4::text[], $5::text[],
+                               $6::text[], $7::text[], $8::text[], $9::timestamptz[],
+                               $10::int4[], $11::text[])
+                        AS u(s, e, d, k, t, p, h, m, c, n, err)
+                 ON CONFLICT (sequence_id) DO NOTHING"
+            ),
+            delete_rows: format!("DELETE FROM {outbox} WHERE sequence_id = ANY($1)"),
+            adopt: format!(
+                "WITH moved AS (DELETE FROM {outbox} WHERE delivered_at IS NULL RETURNING *)
+                 INSERT INTO {parked} (sequence_id, event_id, destination, partition_key,
+                        event_type, payload, headers, mutation_id, rejected, created_at,
+                        available_at, attempts, last_error)
+                 SELECT sequence_id, event_id, destination, partition_key, event_type, payload,
+                        headers, mutation_id, rejected, created_at, available_at, attempts,
+                        last_error
+                   FROM moved ORDER BY sequence_id
+                 ON CONFLICT DO NOTHING"
+            ),
+            parked_keys: format!(
+                "SELECT DISTINCT {key} FROM {parked} WHERE delivered_at IS NULL"
+            ),
+            still_parked: format!(
+                "SELECT DISTINCT {key} FROM {parked}
+                  WHERE delivered_at IS NULL AND {key} = ANY($1::text[])"
+            ),
+            slot: "SELECT active, wal_status,
+                          CASE WHEN pg_is_in_recovery() THEN NULL
+                               ELSE pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::int8 END,
+                          CASE WHEN pg_is_in_recovery() THEN NULL
+                               ELSE pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::int8 END
+                     FROM pg_catalog.pg_replication_slots WHERE slot_name = $1"
+                .into(),
+            drain_marker: format!(
+                "SELECT pg_logical_emit_message(false, '{EMIT_PREFIX}', '{marker}')::text"
+            ),
+            wal_level: "SELECT current_setting('wal_level')".into(),
+            publication: format!(
+                "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_publication_tables
+                                 WHERE pubname = $1 AND schemaname = '{schema}'
+                                   AND tablename = '{table}')",
+                schema = tables.outbox.schema.as_str().replace('\'', "''"),
+                table = tables.outbox.name.as_str().replace('\'', "''"),
+            ),
+            replication_role: "SELECT rolreplication OR rolsuper FROM pg_catalog.pg_roles
+                                WHERE rolname = current_user"
+                .into(),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,87 @@
+//! What stores built on this one (WAL capture) need beyond the [`OutboxStore`] contract:
+//! the same pool under other table names, and their own statements with the same
+//! timeouts, statement cache and error classification.
+//!
+//! [`OutboxStore`]: outbox_core::OutboxStore
+
+use std::sync::Arc;
+
+use outbox_core::store::StoreResult;
+use tokio_postgres::types::ToSql;
+use tokio_postgres::Row;
+
+use crate::error::{db_error, pool_error};
+use crate::{bounded, schema, Inner, PgStore, Tables};
+
+/// One statement of [`PgStore::transaction`].
+pub type Step<'a> = (&'a str, &'a [&'a (dyn ToSql + Sync)]);
+
+impl PgStore {
+    /// A store over other tables (`tables.outbox` may be any table with the outbox's columns
+    /// and indexes), sharing this store's connection pool and settings.
+    pub fn with_tables(&self, tables: Tables) -> PgStore {
+        let inner = &self.inner;
+        PgStore {
+            inner: Arc::new(Inner {
+                pool: inner.pool.clone(),
+                config: inner.config.clone(),
+                tls: inner.tls.clone(),
+                sql: schema::Statements::new(&tables),
+                tables,
+                retain_delivered: inner.retain_delivered,
+                operation_timeout: inner.operation_timeout,
+                waiting: tokio::sync::watch::channel(false).0,
+                owned: Default::default(),
+                floor: Default::default(),
+            }),
+        }
+    }
+
+    /// Runs one query through the statement cache, bounded by the operation timeout.
+    pub async fn query_rows(
+        &self,
+        context: &'static str,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> StoreResult<Vec<Row>> {
+        Self::query(&self.inner, context, sql, params).await
+    }
+
+    /// Runs statements in one transaction, bounded by the operation timeout; returns each
+    /// one's row count.
+    pub async fn transaction(
+        &self,
+        context: &'static str,
+        steps: &[Step<'_>],
+    ) -> StoreResult<Vec<u64>> {
+        let inner = &self.inner;
+        bounded(inner, context, async {
+            let mut client = inner.pool.get().await.map_err(|e| pool_error(context, e))?;
+            let tx = client
+                .transaction()
+                .await
+                .map_err(|e| db_error(context, e))?;
+            let mut counts = Vec::with_capacity(steps.len());
+            for (sql, params) in steps {
+                let statement = tx
+                    .prepare_cached(sql)
+                    .await
+                    .map_err(|e| db_error(context, e))?;
+                counts.push(
+                    tx.execute(&statement, params)
+                        .await
+                        .map_err(|e| Self::statement_error(inner, context, e))?,
+                );
+            }
+            tx.commit().await.map_err(|e| db_error(context, e))?;
+            Ok(counts)
+        })
+        .await
+    }
+
+    /// Runs idempotent DDL in one transaction, serialized against concurrent migrations
+    /// (the same lock as [`PgStore::migrate`]).
+    pub async fn migrate_extra(&self, ddl: &str) -> StoreResult<()> {
+        self.apply_ddl(ddl).await
+    }
+}

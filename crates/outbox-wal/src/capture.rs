@@ -1,0 +1,1356 @@
+//! WAL capture as an [`OutboxStore`]: the engine claims, acks, retries and dead-letters
+//! events read from the replication slot exactly as it does rows of the polled table, so the
+//! sinks, routes, retries, dead letters, metrics and shutdown are the polling relay's.
+//!
+//! # Where each event is until it is settled
+//! - **In the stream.** The reader task runs the replication session and hands the
+//!   assembler's outputs over a bounded channel (its capacity bounds memory whatever the
+//!   transaction size). Claims take events from it in commit order.
+//! - **Held.** A handed-out event is remembered (by its id) until the engine settles it.
+//!   Its id is the row's `sequence_id` (table form) or minus the message's WAL position
+//!   (table-less form): both stay the same when a new session sends the event again.
+//! - **Parked.** An event that must wait (its retry's backoff, an `available_at` in the
+//!   future, or an earlier event of its key that waits) is written to `<outbox>_parked`,
+//!   outside the publication, and then counts as settled: the slot moves on, and no key
+//!   waits for another. Every later event of a parked key is parked behind it, in commit
+//!   order (the parked table draws ids in parking order), until the key has nothing parked
+//!   left. Parked rows are claimed, retried and dead-lettered by the polling store's own
+//!   statements; only the active consumer claims them.
+//! - **Settled.** Confirmed by the sink (its outbox row deleted, in the table form), parked,
+//!   or dead-lettered. The slot's confirmed position moves to the end of the settled,
+//!   committed prefix ([`Acknowledgements`]), and never past an unsettled event: a crash
+//!   at any point means redelivery from the slot, never loss.
+//!
+//! # One active consumer
+//! A slot streams to one session at a time. A relay that finds the slot held waits as a
+//! standby, trying again every second, and continues from the slot's confirmed position
+//! once the holder is gone (PostgreSQL frees the slot when its session dies).
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use outbox_core::store::{
+    Backlog, ClaimRequest, Claimed, DeadLetter, OnChange, Problem, RetryLater, StoreResult,
+};
+use outbox_core::{
+    Backoff, Event, Fence, NewEvent, NodeId, OutboxStore, Payload, SequenceId, StoreError,
+    StoreErrorKind,
+};
+use outbox_store_postgres::{PgStore, Tables};
+use tokio::sync::{mpsc, watch};
+
+use crate::ack::Acknowledgements;
+use crate::assemble::Output;
+use crate::client::{WalConfig, WalError, WalStream};
+use crate::event::{EventPosition, EventSource, Undecodable, WalEvent};
+use crate::lsn::Lsn;
+use crate::schema::{CaptureStatements, CaptureTables};
+
+/// Metric names of WAL capture.
+pub mod metric {
+    /// WAL the slot keeps on the server's disk (bytes from its restart position).
+    pub const SLOT_RETAINED_BYTES: &str = "outbox_wal_slot_retained_bytes";
+    /// WAL written since the slot's confirmed position (bytes).
+    pub const SLOT_LAG_BYTES: &str = "outbox_wal_slot_lag_bytes";
+    /// 1 while this relay streams from the slot, 0 as a standby or while reconnecting.
+    pub const STREAMING: &str = "outbox_wal_streaming";
+}
+
+/// How WAL capture runs.
+#[derive(Clone, Debug)]
+pub struct WalStoreOptions {
+    pub wal: WalConfig,
+    pub publication: outbox_core::ident::Ident,
+    /// `run --drain`: relay what committed before start-up, then report nothing left.
+    pub drain: bool,
+}
+
+/// Where the replication session stands, for claims and `/readyz`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CaptureStatus {
+    Starting,
+    Streaming,
+    /// Another relay holds the slot.
+    Standby,
+    /// The session broke; a new one is being started.
+    Reconnecting(String),
+    /// The session cannot start until an operator acts (a lost or missing slot, a missing
+    /// publication, a privilege): claims fail with this message.
+    Failed(String),
+}
+
+/// What the reader hands to claims, in stream order.
+enum Item {
+    /// A new session: the slot's confirmed position it starts from, and the keys with
+    /// parked events (loaded before any event of the session is handed out).
+    Session {
+        session: u64,
+        start: Lsn,
+        parked_keys: Vec<String>,
+    },
+    /// `--drain`: the position of the marker written at start-up.
+    DrainUntil(Lsn),
+    Output(Output),
+}
+
+enum Body {
+    Event(Event),
+    Undecodable(Box<Undecodable>),
+}
+
+struct HeldWal {
+    session: u64,
+    position: EventPosition,
+    /// The outbox row to delete once settled (table form).
+    row: Option<SequenceId>,
+    key: String,
+    body: Body,
+}
+
+enum Held {
+    Wal(Box<HeldWal>),
+    /// A row of the parked table, by its key.
+    Parked(String),
+}
+
+/// An event to park and how.
+struct Park {
+    id: SequenceId,
+    attempts: u32,
+    error: Option<String>,
+    delay: Duration,
+    not_before: Option<SystemTime>,
+}
+
+struct State {
+    session: u64,
+    acks: Acknowledgements,
+    held: HashMap<SequenceId, Held>,
+    /// Held stream events the engine released: handed out again by the next claim.
+    redeliver: VecDeque<SequenceId>,
+    /// Keys with events in the parked table or in `to_park`.
+    parked_keys: HashSet<String>,
+    /// Held stream events to park; written by the next park statement.
+    to_park: Vec<Park>,
+    drain_until: Option<Lsn>,
+    /// `--drain`: everything committed before the marker has been handed out.
+    drained: bool,
+}
+
+struct Inner {
+    main: PgStore,
+    parked: PgStore,
+    sql: CaptureStatements,
+    slot: String,
+    publication: outbox_core::ident::Ident,
+    drain: bool,
+    state: Mutex<State>,
+    /// Serializes "is this key parked?" with parking and with un-parking, so a key is never
+    /// let through while a parked event of it remains.
+    parking: tokio::sync::Mutex<()>,
+    outputs: tokio::sync::Mutex<mpsc::Receiver<Item>>,
+    confirm: watch::Sender<Lsn>,
+    status: watch::Receiver<CaptureStatus>,
+    on_change: Arc<Mutex<Option<OnChange>>>,
+    close: watch::Sender<bool>,
+    reader: Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+/// The outbox read from the WAL. Cheap to clone.
+#[derive(Clone)]
+pub struct WalStore {
+    inner: Arc<Inner>,
+}
+
+impl WalStore {
+    /// Starts the replication reader (it creates the slot on first use) over `main`, the
+    /// native PostgreSQL store of the outbox, whose pool serves every statement.
+    pub fn start(main: PgStore, options: WalStoreOptions) -> Self {
+        let tables = capture_tables(main.tables(), &options.publication);
+        let parked = main.with_tables(Tables {
+            outbox: tables.parked.clone(),
+            ..main.tables().clone()
+        });
+        let sql = CaptureStatements::new(&tables);
+        let (tx, rx) = mpsc::channel(options.wal.read_ahead.max(16));
+        let (confirm, confirm_rx) = watch::channel(Lsn::default());
+        let (status_tx, status) = watch::channel(CaptureStatus::Starting);
+        let (close, close_rx) = watch::channel(false);
+        let on_change: Arc<Mutex<Option<OnChange>>> = Arc::default();
+        let reader = Reader {
+            config: options.wal.clone(),
+            main: main.clone(),
+            sql: sql.clone(),
+            drain: options.drain,
+            tx,
+            confirm: confirm_rx,
+            close: close_rx,
+            status: status_tx,
+            on_change: on_change.clone(),
+        };
+        let handle = tokio::spawn(reader.run());
+        WalStore {
+            inner: Arc::new(Inner {
+                main,
+                parked,
+                sql,
+                slot: options.wal.slot.clone(),
+                publication: options.publication.clone(),
+                drain: options.drain,
+                state: Mutex::new(State {
+                    session: 0,
+                    acks: Acknowledgements::new(Lsn::default()),
+                    held: HashMap::new(),
+                    redeliver: VecDeque::new(),
+                    parked_keys: HashSet::new(),
+                    to_park: Vec::new(),
+                    drain_until: None,
+                    drained: false,
+                }),
+                parking: tokio::sync::Mutex::new(()),
+                outputs: tokio::sync::Mutex::new(rx),
+                confirm,
+                status,
+                on_change,
+                close,
+                reader: Mutex::new(Some(handle)),
+            }),
+        }
+    }
+
+    pub fn status(&self) -> CaptureStatus {
+        self.inner.status.borrow().clone()
+    }
+
+    /// Waits until the session streams (or cannot start, or `timeout` passes).
+    pub async fn wait_streaming(&self, timeout: Duration) -> CaptureStatus {
+        let mut status = self.inner.status.clone();
+        let _ = tokio::time::timeout(
+            timeout,
+            status.wait_for(|s| matches!(s, CaptureStatus::Streaming | CaptureStatus::Failed(_))),
+        )
+        .await;
+        self.status()
+    }
+
+    /// Ends the session after reporting the last confirmed position (within `wait`), which
+    /// frees the slot for a standby. Call it after the engine stopped.
+    pub async fn close(&self, wait: Duration) {
+        let _ = self.inner.close.send(true);
+        let handle = self.inner.reader.lock().ok().and_then(|mut h| h.take());
+        if let Some(handle) = handle {
+            if tokio::time::timeout(wait, handle).await.is_err() {
+                tracing::warn!(
+                    "the replication session did not end in time; the slot is freed when the \
+                     process exits, and what was not confirmed is sent again"
+                );
+            }
+        }
+    }
+}
+
+/// The parked table and its neighbours, from the outbox's tables.
+pub fn capture_tables(tables: &Tables, publication: &outbox_core::ident::Ident) -> CaptureTables {
+    CaptureTables::new(
+        tables.outbox.clone(),
+        tables.dead_letters.clone(),
+        publication.clone(),
+    )
+}
+
+fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
+    // A panic while holding it would be a bug; its data is still the best there is.
+    state.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Inner {
+    /// Tells the reader what may be confirmed now.
+    fn publish_confirmable(&self, state: &mut State) {
+        let confirmable = state.acks.confirmable();
+        self.confirm.send_if_modified(|current| {
+            let moved = confirmable > *current;
+            if moved {
+                *current = confirmable;
+            }
+            moved
+        });
+    }
+
+    /// Settles held stream events of the current session and forgets them.
+    fn settle(&self, state: &mut State, ids: impl IntoIterator<Item = SequenceId>) {
+        for id in ids {
+            if let Some(Held::Wal(held)) = state.held.remove(&id) {
+                if held.session == state.session {
+                    if let Err(e) = state.acks.settle(held.position) {
+                        tracing::error!(error = %e, "WAL acknowledgement out of step (a bug): the slot stays where it is");
+                    }
+                }
+            }
+        }
+        self.publish_confirmable(state);
+    }
+
+    /// One reader item, in stream order; events to hand out go to `out`.
+    fn accept(&self, state: &mut State, item: Item, out: &mut Vec<Claimed>) {
+        match item {
+            Item::Session {
+                session,
+                start,
+                parked_keys,
+            } => {
+                state.session = session;
+                state.acks = Acknowledgements::new(start);
+                // Released or unparked events of the old session come again in this one.
+                let old: Vec<SequenceId> = state
+                    .redeliver
+                    .drain(..)
+                    .chain(state.to_park.drain(..).map(|p| p.id))
+                    .collect();
+                for id in old {
+                    state.held.remove(&id);
+                }
+                state.parked_keys = parked_keys.into_iter().collect();
+            }
+            Item::DrainUntil(lsn) => state.drain_until = Some(lsn),
+            Item::Output(output) => {
+                if state.drained {
+                    return;
+                }
+                match &output {
+                    Output::Skipped { lsn, reason } => {
+                        tracing::warn!(%lsn, reason, "outbox message not relayed");
+                    }
+                    // The drain marker arrives as one.
+                    Output::Idle { wal_end } => {
+                        if state.drain_until.is_some_and(|until| *wal_end >= until) {
+                            state.drained = true;
+                        }
+                    }
+                    Output::Event { .. } | Output::Committed { .. } => {}
+                }
+                state.acks.observe(&output);
+                if let Output::Event { position, event } = output {
+                    self.hand_out(state, position, event, out);
+                }
+                self.publish_confirmable(state);
+            }
+        }
+    }
+
+    fn hand_out(
+        &self,
+        state: &mut State,
+        position: EventPosition,
+        event: Result<WalEvent, Box<Undecodable>>,
+        out: &mut Vec<Claimed>,
+    ) {
+        let session = state.session;
+        match event {
+            Ok(event) => {
+                let (id, row) = event_id_of(event.source, position);
+                let key = event.ordering_key().to_string();
+                let not_before = event.available_at.filter(|at| *at > SystemTime::now());
+                let core = event.into_core(id);
+                let wait = not_before.is_some() || state.parked_keys.contains(&key);
+                if !wait {
+                    out.push(Claimed::Event(core.clone()));
+                }
+                state.held.insert(
+                    id,
+                    Held::Wal(Box::new(HeldWal {
+                        session,
+                        position,
+                        row,
+                        key: key.clone(),
+                        body: Body::Event(core),
+                    })),
+                );
+                if wait {
+                    state.parked_keys.insert(key);
+                    state.to_park.push(Park {
+                        id,
+                        attempts: 0,
+                        error: None,
+                        delay: Duration::ZERO,
+                        not_before,
+                    });
+                }
+            }
+            Err(undecodable) => {
+                let (id, row) = event_id_of(undecodable.source, position);
+                let destination = undecodable.destination.clone().unwrap_or_default();
+                let key = undecodable
+                    .partition_key
+                    .clone()
+                    .unwrap_or_else(|| destination.clone());
+                out.push(Claimed::Undecodable {
+                    sequence_id: id,
+                    ordering_key: key.clone(),
+                    destination,
+                    attempts: 0,
+                    reason: undecodable.reason.clone(),
+                });
+                state.held.insert(
+                    id,
+                    Held::Wal(Box::new(HeldWal {
+                        session,
+                        position,
+                        row,
+                        key,
+                        body: Body::Undecodable(undecodable),
+                    })),
+                );
+            }
+        }
+    }
+
+    /// Writes `to_park` to the parked table (and deletes their outbox rows) in one
+    /// transaction, then settles them. Call it holding `parking`.
+    async fn flush_parks(&self) -> StoreResult<u64> {
+        let (parks, columns, rows) = {
+            let mut state = lock(&self.state);
+            let parks = std::mem::take(&mut state.to_park);
+            let mut columns = EventColumns::default();
+            let mut rows = Vec::new();
+            for park in &parks {
+                if let Some(Held::Wal(held)) = state.held.get(&park.id) {
+                    if let Body::Event(event) = &held.body {
+                        columns.push(event);
+                        columns.parking.push(park);
+                        rows.extend(held.row);
+                    }
+                }
+            }
+            (parks, columns, rows)
+        };
+        if parks.is_empty() {
+            return Ok(0);
+        }
+        let p = &columns;
+        let result = self
+            .main
+            .transaction(
+                "park",
+                &[
+                    (
+                        &self.sql.park,
+                        &[
+                            &p.event_ids,
+                            &p.destinations,
+                            &p.keys,
+                            &p.types,
+                            &p.payloads,
+                            &p.headers,
+                            &p.mutations,
+                            &p.created,
+                            &p.parking.delays,
+                            &p.parking.not_before,
+                            &p.parking.attempts,
+                            &p.parking.errors,
+                        ],
+                    ),
+                    (&self.sql.delete_rows, &[&rows]),
+                ],
+            )
+            .await;
+        let mut state = lock(&self.state);
+        match result {
+            Ok(_) => {
+                let n = parks.len() as u64;
+                self.settle(&mut state, parks.into_iter().map(|p| p.id));
+                Ok(n)
+            }
+            Err(e) => {
+                // Kept, in order, ahead of anything parked since: the next claim tries again.
+                let later = std::mem::replace(&mut state.to_park, parks);
+                state.to_park.extend(later);
+                Err(e)
+            }
+        }
+    }
+
+    /// After parked rows were settled: the keys among `keys` with nothing parked left are
+    /// let through again.
+    async fn unpark_keys(&self, keys: Vec<String>) -> StoreResult<()> {
+        if keys.is_empty() {
+            return Ok(());
+        }
+        let _parking = self.parking.lock().await;
+        let rows = self
+            .main
+            .query_rows("parked keys", &self.sql.still_parked, &[&keys])
+            .await?;
+        let still: HashSet<String> = rows.iter().map(|r| r.get(0)).collect();
+        let mut state = lock(&self.state);
+        let waiting: HashSet<String> = state
+            .to_park
+            .iter()
+            .filter_map(|p| match state.held.get(&p.id) {
+                Some(Held::Wal(held)) => Some(held.key.clone()),
+                _ => None,
+            })
+            .collect();
+        for key in keys {
+            if !still.contains(&key) && !waiting.contains(&key) {
+                state.parked_keys.remove(&key);
+            }
+        }
+        Ok(())
+    }
+
+    /// Splits ids into parked rows (with their keys) and held stream events.
+    fn split(&self, ids: &[SequenceId]) -> (Vec<SequenceId>, Vec<String>, Vec<SequenceId>) {
+        let state = lock(&self.state);
+        let (mut parked, mut keys, mut stream) = (Vec::new(), Vec::new(), Vec::new());
+        for id in ids {
+            match state.held.get(id) {
+                Some(Held::Parked(key)) => {
+                    parked.push(*id);
+                    keys.push(key.clone());
+                }
+                Some(Held::Wal(_)) => stream.push(*id),
+                None => {}
+            }
+        }
+        (parked, keys, stream)
+    }
+
+    fn forget(&self, ids: &[SequenceId]) {
+        let mut state = lock(&self.state);
+        for id in ids {
+            state.held.remove(id);
+        }
+    }
+
+    async fn claim(&self, request: ClaimRequest) -> StoreResult<Vec<Claimed>> {
+        let status = self.status.borrow().clone();
+        if let CaptureStatus::Failed(reason) = &status {
+            return Err(StoreError::new(StoreErrorKind::Connection, reason.clone()));
+        }
+        let _parking = self.parking.lock().await;
+        // Parks that failed last time go first: later events of their keys wait for them.
+        self.flush_parks().await?;
+        let mut out = Vec::new();
+        let has_parked = !lock(&self.state).parked_keys.is_empty();
+        if status == CaptureStatus::Streaming && has_parked {
+            let rows = self.parked.claim(ClaimRequest {
+                fence: None,
+                ..request.clone()
+            });
+            let rows = rows.await?;
+            let mut state = lock(&self.state);
+            for row in rows {
+                state.held.insert(
+                    row.sequence_id(),
+                    Held::Parked(row.ordering_key().to_string()),
+                );
+                out.push(row);
+            }
+        }
+        {
+            let mut state = lock(&self.state);
+            while out.len() < request.limit {
+                let Some(id) = state.redeliver.pop_front() else {
+                    break;
+                };
+                let Some(Held::Wal(held)) = state.held.get(&id) else {
+                    continue;
+                };
+                if state.parked_keys.contains(&held.key) {
+                    state.to_park.push(Park {
+                        id,
+                        attempts: 0,
+                        error: None,
+                        delay: Duration::ZERO,
+                        not_before: None,
+                    });
+                } else {
+                    out.push(claimed_of(id, held));
+                }
+            }
+        }
+        let mut outputs = self.outputs.lock().await;
+        let mut received = 0;
+        while out.len() < request.limit && received < request.limit * 4 {
+            match outputs.try_recv() {
+                Ok(item) => {
+                    received += 1;
+                    self.accept(&mut lock(&self.state), item, &mut out);
+                }
+                Err(_) => break,
+            }
+        }
+        if self.drain && received == 0 && out.is_empty() && !lock(&self.state).drained {
+            // Nothing yet, and the marker not reached: wait a little for the stream rather
+            // than let the engine conclude that the drain is over.
+            if let Ok(Some(item)) =
+                tokio::time::timeout(Duration::from_secs(1), outputs.recv()).await
+            {
+                self.accept(&mut lock(&self.state), item, &mut out);
+            }
+        }
+        drop(outputs);
+        if let Err(e) = self.flush_parks().await {
+            tracing::warn!(error = %e.report(), "parking events failed; trying again with the next claim");
+        }
+        Ok(out)
+    }
+
+    async fn backlog(&self) -> StoreResult<Backlog> {
+        let mut backlog = self.parked.backlog().await?;
+        self.report_slot().await;
+        let state = lock(&self.state);
+        let mut oldest: Option<SystemTime> = None;
+        let mut stream_events = 0u64;
+        for held in state.held.values() {
+            if let Held::Wal(held) = held {
+                stream_events += 1;
+                if let Body::Event(e) = &held.body {
+                    oldest = Some(oldest.map_or(e.created_at, |o| o.min(e.created_at)));
+                }
+            }
+        }
+        backlog.pending += stream_events;
+        if let Some(age) = oldest.and_then(|o| o.elapsed().ok()) {
+            backlog.oldest_pending_age =
+                Some(backlog.oldest_pending_age.map_or(age, |a| a.max(age)));
+        }
+        if self.drain && !state.drained {
+            // Events the stream has not handed over yet.
+            backlog.pending += 1;
+        }
+        Ok(backlog)
+    }
+
+    /// Sets the slot gauges (errors only logged: metrics must not stop the relay).
+    async fn report_slot(&self) {
+        let streaming = *self.status.borrow() == CaptureStatus::Streaming;
+        ::metrics::gauge!(metric::STREAMING).set(if streaming { 1.0 } else { 0.0 });
+        match self
+            .main
+            .query_rows("slot", &self.sql.slot, &[&self.slot])
+            .await
+        {
+            Ok(rows) => {
+                if let Some(row) = rows.first() {
+                    if let Some(retained) = row.get::<_, Option<i64>>(2) {
+                        ::metrics::gauge!(metric::SLOT_RETAINED_BYTES).set(retained as f64);
+                    }
+                    if let Some(lag) = row.get::<_, Option<i64>>(3) {
+                        ::metrics::gauge!(metric::SLOT_LAG_BYTES).set(lag as f64);
+                    }
+                }
+            }
+            Err(e) => tracing::debug!(error = %e.report(), "cannot read the slot's position"),
+        }
+    }
+}
+
+/// What keeps WAL capture from working on this database, each with its fix: `check` and
+/// `run` call it before any session starts. The polling store's findings about the NOTIFY
+/// trigger do not apply (the stream wakes the relay) and are left out.
+pub async fn verify_capture(
+    main: &PgStore,
+    publication: &outbox_core::ident::Ident,
+    slot: &str,
+) -> StoreResult<Vec<Problem>> {
+    let mut problems: Vec<Problem> = main
+        .verify()
+        .await?
+        .into_iter()
+        .filter(|p| !p.what.contains("trigger"))
+        .collect();
+    let tables = capture_tables(main.tables(), publication);
+    let sql = CaptureStatements::new(&tables);
+    let level: String = main.query_rows("wal_level", &sql.wal_level, &[]).await?[0].get(0);
+    if level != "logical" {
+        problems.push(Problem::blocking(
+            format!("the server runs with wal_level = {level}; WAL capture needs logical"),
+            "set wal_level = logical in postgresql.conf and restart PostgreSQL (or use --capture poll)",
+        ));
+    }
+    let replicates: Option<bool> = main
+        .query_rows("role", &sql.replication_role, &[])
+        .await?
+        .first()
+        .map(|r| r.get(0));
+    if replicates != Some(true) {
+        problems.push(Problem::blocking(
+            "the relay's role may not replicate (no REPLICATION attribute)",
+            "as a superuser: ALTER ROLE <relay role> REPLICATION",
+        ));
+    }
+    let name = publication.as_str();
+    let published: bool = main
+        .query_rows("publication", &sql.publication, &[&name])
+        .await?[0]
+        .get(0);
+    if !published {
+        problems.push(Problem::blocking(
+            format!(
+                "the publication {name:?} of {} does not exist",
+                tables.outbox
+            ),
+            "run `outbox-relay migrate --capture wal` (or apply `migrate --capture wal --print`)",
+        ));
+    }
+    let parked = main.with_tables(Tables {
+        outbox: tables.parked.clone(),
+        ..main.tables().clone()
+    });
+    if let Err(e) = parked.backlog().await {
+        problems.push(Problem::blocking(
+            format!(
+                "the parked table {} cannot be read: {}",
+                tables.parked,
+                e.report()
+            ),
+            "run `outbox-relay migrate --capture wal`",
+        ));
+    }
+    let rows = main.query_rows("slot", &sql.slot, &[&slot]).await?;
+    if let Some(row) = rows.first() {
+        let active: bool = row.get(0);
+        let wal_status: Option<String> = row.get(1);
+        let retained: Option<i64> = row.get(2);
+        if wal_status.as_deref() == Some("lost") {
+            problems.push(Problem::blocking(
+                format!("the replication slot {slot:?} is invalidated (wal_status = lost): the WAL it needed was removed"),
+                "events written while it fell behind cannot be read from the WAL: recover them from the application, then `outbox-relay drop-slot` and run the relay again",
+            ));
+        } else if wal_status.as_deref() == Some("unreserved") {
+            problems.push(Problem::degraded(
+                format!("the replication slot {slot:?} is about to lose WAL it needs (wal_status = unreserved)"),
+                "start the relay now, or raise max_slot_wal_keep_size",
+            ));
+        } else if !active && retained.is_some_and(|r| r > SLOT_RETAINED_WARNING) {
+            problems.push(Problem::degraded(
+                format!(
+                    "no relay streams from the replication slot {slot:?}, which keeps {} MiB of WAL on the server's disk, growing with every write",
+                    retained.unwrap_or_default() / (1024 * 1024)
+                ),
+                "start the relay, or drop the slot (`outbox-relay drop-slot`) if WAL capture is no longer used; bound it with max_slot_wal_keep_size",
+            ));
+        }
+    }
+    Ok(problems)
+}
+
+/// An idle slot keeping more WAL than this makes `check` warn.
+pub const SLOT_RETAINED_WARNING: i64 = 256 * 1024 * 1024;
+
+/// The engine's id of an event, and its outbox row.
+fn event_id_of(source: EventSource, position: EventPosition) -> (SequenceId, Option<SequenceId>) {
+    match source {
+        EventSource::Table {
+            sequence_id: Some(id),
+        } => (id, Some(id)),
+        // Not in the native table; a row without an id cannot be deleted either.
+        EventSource::Table { sequence_id: None } => (
+            -(position.commit_lsn.0 as i64) - position.ordinal as i64,
+            None,
+        ),
+        EventSource::Message { lsn } => (-(lsn.0 as i64), None),
+    }
+}
+
+fn claimed_of(id: SequenceId, held: &HeldWal) -> Claimed {
+    match &held.body {
+        Body::Event(event) => Claimed::Event(event.clone()),
+        Body::Undecodable(u) => Claimed::Undecodable {
+            sequence_id: id,
+            ordering_key: held.key.clone(),
+            destination: u.destination.clone().unwrap_or_default(),
+            attempts: 0,
+            reason: u.reason.clone(),
+        },
+    }
+}
+
+/// Events as the array parameters of the park and dead-letter statements.
+#[derive(Default)]
+struct EventColumns {
+    event_ids: Vec<uuid::Uuid>,
+    destinations: Vec<String>,
+    keys: Vec<Option<String>>,
+    types: Vec<String>,
+    payloads: Vec<Option<String>>,
+    headers: Vec<String>,
+    mutations: Vec<Option<String>>,
+    created: Vec<SystemTime>,
+    parking: ParkColumns,
+}
+
+#[derive(Default)]
+struct ParkColumns {
+    delays: Vec<i64>,
+    not_before: Vec<Option<SystemTime>>,
+    attempts: Vec<i32>,
+    errors: Vec<Option<String>>,
+}
+
+impl ParkColumns {
+    fn push(&mut self, park: &Park) {
+        self.delays
+            .push(i64::try_from(park.delay.as_millis()).unwrap_or(i64::MAX));
+        self.not_before.push(park.not_before);
+        self.attempts
+            .push(i32::try_from(park.attempts).unwrap_or(i32::MAX));
+        self.errors.push(park.error.clone());
+    }
+}
+
+impl EventColumns {
+    fn push(&mut self, event: &Event) {
+        self.event_ids.push(event.event_id);
+        self.destinations.push(event.destination.clone());
+        self.keys.push(event.partition_key.clone());
+        self.types.push(event.event_type.clone());
+        self.payloads.push(payload_json(&event.payload));
+        self.headers
+            .push(serde_json::to_string(&event.headers).unwrap_or_else(|_| "{}".into()));
+        self.mutations.push(event.mutation_id.clone());
+        self.created.push(event.created_at);
+    }
+
+    fn push_undecodable(&mut self, u: &Undecodable, position: EventPosition) {
+        self.event_ids
+            .push(u.event_id.unwrap_or_else(|| position.derived_event_id()));
+        self.destinations
+            .push(u.destination.clone().unwrap_or_default());
+        self.keys.push(u.partition_key.clone());
+        self.types.push("(undecodable)".into());
+        self.payloads.push(serde_json::to_string(&u.raw).ok());
+        self.headers.push("{}".into());
+        self.mutations.push(None);
+        self.created.push(SystemTime::now());
+    }
+}
+
+/// A payload as JSON text for a jsonb column (bytes as a JSON string).
+fn payload_json(payload: &Payload) -> Option<String> {
+    match payload {
+        Payload::Null => None,
+        Payload::Json(raw) => Some(raw.get().to_string()),
+        Payload::Bytes(bytes) => serde_json::to_string(&String::from_utf8_lossy(bytes)).ok(),
+    }
+}
+
+impl OutboxStore for WalStore {
+    fn describe(&self) -> String {
+        format!(
+            "postgres {} (WAL capture, slot {})",
+            self.inner.main.tables().outbox,
+            self.inner.slot
+        )
+    }
+
+    fn claim(&self, request: ClaimRequest) -> BoxFuture<'static, StoreResult<Vec<Claimed>>> {
+        let inner = self.inner.clone();
+        async move { inner.claim(request).await }.boxed()
+    }
+
+    fn ack(
+        &self,
+        node: NodeId,
+        _fence: Option<Arc<Fence>>,
+        ids: Vec<SequenceId>,
+    ) -> BoxFuture<'static, StoreResult<u64>> {
+        let inner = self.inner.clone();
+        async move {
+            let (parked, keys, stream) = inner.split(&ids);
+            let mut acked = 0;
+            if !parked.is_empty() {
+                acked += inner.parked.ack(node, None, parked.clone()).await?;
+                inner.forget(&parked);
+                inner.unpark_keys(keys).await?;
+            }
+            if !stream.is_empty() {
+                let rows: Vec<SequenceId> = {
+                    let state = lock(&inner.state);
+                    stream
+                        .iter()
+                        .filter_map(|id| match state.held.get(id) {
+                            Some(Held::Wal(held)) => held.row,
+                            _ => None,
+                        })
+                        .collect()
+                };
+                if !rows.is_empty() {
+                    inner
+                        .main
+                        .transaction("ack", &[(&inner.sql.delete_rows, &[&rows])])
+                        .await?;
+                }
+                acked += stream.len() as u64;
+                inner.settle(&mut lock(&inner.state), stream);
+            }
+            Ok(acked)
+        }
+        .boxed()
+    }
+
+    fn retry_later(
+        &self,
+        node: NodeId,
+        _fence: Option<Arc<Fence>>,
+        retries: Vec<RetryLater>,
+    ) -> BoxFuture<'static, StoreResult<u64>> {
+        let inner = self.inner.clone();
+        async move {
+            let ids: Vec<SequenceId> = retries.iter().map(|r| r.sequence_id).collect();
+            let (parked, _, stream) = inner.split(&ids);
+            let mut recorded = 0;
+            if !parked.is_empty() {
+                let these = retries
+                    .iter()
+                    .filter(|r| parked.contains(&r.sequence_id))
+                    .cloned()
+                    .collect();
+                recorded += inner.parked.retry_later(node, None, these).await?;
+                inner.forget(&parked);
+            }
+            if !stream.is_empty() {
+                let _parking = inner.parking.lock().await;
+                {
+                    let mut state = lock(&inner.state);
+                    for retry in retries.iter().filter(|r| stream.contains(&r.sequence_id)) {
+                        let key = match state.held.get(&retry.sequence_id) {
+                            Some(Held::Wal(held)) => held.key.clone(),
+                            _ => continue,
+                        };
+                        if state.to_park.iter().any(|p| p.id == retry.sequence_id) {
+                            continue;
+                        }
+                        state.parked_keys.insert(key);
+                        state.to_park.push(Park {
+                            id: retry.sequence_id,
+                            attempts: retry.attempts,
+                            error: Some(retry.error.clone()),
+                            delay: retry.delay,
+                            not_before: None,
+                        });
+                    }
+                }
+                recorded += inner.flush_parks().await?;
+            }
+            Ok(recorded)
+        }
+        .boxed()
+    }
+
+    fn dead_letter(
+        &self,
+        node: NodeId,
+        _fence: Option<Arc<Fence>>,
+        entries: Vec<DeadLetter>,
+    ) -> BoxFuture<'static, StoreResult<u64>> {
+        let inner = self.inner.clone();
+        async move {
+            let ids: Vec<SequenceId> = entries.iter().map(|e| e.sequence_id).collect();
+            let (parked, keys, stream) = inner.split(&ids);
+            let mut moved = 0;
+            if !parked.is_empty() {
+                let these = entries
+                    .iter()
+                    .filter(|e| parked.contains(&e.sequence_id))
+                    .cloned()
+                    .collect();
+                moved += inner.parked.dead_letter(node, None, these).await?;
+                inner.forget(&parked);
+                inner.unpark_keys(keys).await?;
+            }
+            if !stream.is_empty() {
+                let mut columns = EventColumns::default();
+                let mut sequence_ids = Vec::new();
+                let mut attempts = Vec::new();
+                let mut errors = Vec::new();
+                let mut rows = Vec::new();
+                {
+                    let state = lock(&inner.state);
+                    for entry in entries.iter().filter(|e| stream.contains(&e.sequence_id)) {
+                        let Some(Held::Wal(held)) = state.held.get(&entry.sequence_id) else {
+                            continue;
+                        };
+                        match &held.body {
+                            Body::Event(event) => columns.push(event),
+                            Body::Undecodable(u) => columns.push_undecodable(u, held.position),
+                        }
+                        sequence_ids.push(entry.sequence_id);
+                        attempts.push(i32::try_from(entry.attempts).unwrap_or(i32::MAX));
+                        errors.push(entry.error.clone());
+                        rows.extend(held.row);
+                    }
+                }
+                let c = &columns;
+                inner
+                    .main
+                    .transaction(
+                        "dead-letter",
+                        &[
+                            (
+                                &inner.sql.dead_letter,
+                                &[
+                                    &sequence_ids,
+                                    &c.event_ids,
+                                    &c.destinations,
+                                    &c.keys,
+                                    &c.types,
+                                    &c.payloads,
+                                    &c.headers,
+                                    &c.mutations,
+                                    &c.created,
+                                    &attempts,
+                                    &errors,
+                                ],
+                            ),
+                            (&inner.sql.delete_rows, &[&rows]),
+                        ],
+                    )
+                    .await?;
+                moved += sequence_ids.len() as u64;
+                inner.settle(&mut lock(&inner.state), sequence_ids);
+            }
+            Ok(moved)
+        }
+        .boxed()
+    }
+
+    fn release(&self, node: NodeId, ids: Vec<SequenceId>) -> BoxFuture<'static, StoreResult<u64>> {
+        let inner = self.inner.clone();
+        async move {
+            let (parked, _, stream) = inner.split(&ids);
+            let mut released = 0;
+            if !parked.is_empty() {
+                released += inner.parked.release(node, parked.clone()).await?;
+                inner.forget(&parked);
+            }
+            if !stream.is_empty() {
+                let _parking = inner.parking.lock().await;
+                {
+                    let mut state = lock(&inner.state);
+                    for id in &stream {
+                        let parked_key = match state.held.get(id) {
+                            Some(Held::Wal(held)) => state.parked_keys.contains(&held.key),
+                            _ => continue,
+                        };
+                        if parked_key {
+                            state.to_park.push(Park {
+                                id: *id,
+                                attempts: 0,
+                                error: None,
+                                delay: Duration::ZERO,
+                                not_before: None,
+                            });
+                        } else {
+                            state.redeliver.push_back(*id);
+                        }
+                    }
+                }
+                released += stream.len() as u64;
+                if let Err(e) = inner.flush_parks().await {
+                    tracing::warn!(error = %e.report(), "parking released events failed; trying again with the next claim");
+                }
+            }
+            Ok(released)
+        }
+        .boxed()
+    }
+
+    fn extend_leases(
+        &self,
+        node: NodeId,
+        ids: Vec<SequenceId>,
+        lease: Duration,
+    ) -> BoxFuture<'static, StoreResult<u64>> {
+        let inner = self.inner.clone();
+        async move {
+            let (parked, _, stream) = inner.split(&ids);
+            let mut extended = stream.len() as u64;
+            if !parked.is_empty() {
+                extended += inner.parked.extend_leases(node, parked, lease).await?;
+            }
+            Ok(extended)
+        }
+        .boxed()
+    }
+
+    fn backlog(&self) -> BoxFuture<'static, StoreResult<Backlog>> {
+        let inner = self.inner.clone();
+        async move { inner.backlog().await }.boxed()
+    }
+
+    fn insert(&self, events: Vec<NewEvent>) -> BoxFuture<'static, StoreResult<Vec<SequenceId>>> {
+        self.inner.main.insert(events)
+    }
+
+    fn ping(&self) -> BoxFuture<'static, StoreResult<()>> {
+        self.inner.main.ping()
+    }
+
+    fn verify(&self) -> BoxFuture<'static, StoreResult<Vec<Problem>>> {
+        let inner = self.inner.clone();
+        async move { verify_capture(&inner.main, &inner.publication, &inner.slot).await }.boxed()
+    }
+
+    fn subscribe(&self, on_change: OnChange) -> Option<BoxFuture<'static, ()>> {
+        if let Ok(mut slot) = self.inner.on_change.lock() {
+            *slot = Some(on_change);
+        }
+        // The reader calls it; nothing to run here.
+        Some(futures::future::pending().boxed())
+    }
+}
+
+/// The replication session's task: starts sessions (waiting as a standby while another
+/// relay holds the slot), forwards outputs to claims and confirmations to the server.
+struct Reader {
+    config: WalConfig,
+    main: PgStore,
+    sql: CaptureStatements,
+    drain: bool,
+    tx: mpsc::Sender<Item>,
+    confirm: watch::Receiver<Lsn>,
+    close: watch::Receiver<bool>,
+    status: watch::Sender<CaptureStatus>,
+    on_change: Arc<Mutex<Option<OnChange>>>,
+}
+
+/// How a session ended.
+enum SessionEnd {
+    Closed,
+    Broken(String),
+}
+
+impl Reader {
+    async fn run(mut self) {
+        let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
+        let mut session = 0;
+        let mut streamed = false;
+        let mut marker_written = false;
+        let mut adopt = false;
+        loop {
+            if *self.close.borrow() {
+                return;
+            }
+            let mut config = self.config.clone();
+            config.create_slot = !streamed;
+            let started = tokio::select! {
+                started = WalStream::start(&config) => started,
+                _ = self.close.changed() => return,
+            };
+            let wait = match started {
+                Ok(mut stream) => {
+                    streamed = true;
+                    backoff.reset();
+                    session += 1;
+                    adopt |= stream.slot().created;
+                    let end = self
+                        .stream(&mut stream, session, &mut marker_written, &mut adopt)
+                        .await;
+                    match end {
+                        SessionEnd::Closed => {
+                            stream.confirm(*self.confirm.borrow());
+                            if let Err(e) = stream.stop(Duration::from_secs(5)).await {
+                                tracing::debug!(error = %e, "closing the replication session");
+                            }
+                            return;
+                        }
+                        SessionEnd::Broken(reason) => {
+                            tracing::warn!(error = %reason, "the replication session broke; starting a new one from the slot's confirmed position");
+                            self.set_status(CaptureStatus::Reconnecting(reason));
+                            backoff.next_delay()
+                        }
+                    }
+                }
+                Err(e) if e.is_slot_in_use() => {
+                    if *self.status.borrow() != CaptureStatus::Standby {
+                        tracing::info!(slot = %config.slot, "another relay streams from the slot; waiting as a standby");
+                    }
+                    self.set_status(CaptureStatus::Standby);
+                    Duration::from_secs(1)
+                }
+                Err(e) if e.is_retryable() => {
+                    tracing::warn!(error = %e, "cannot start the replication session; retrying");
+                    self.set_status(CaptureStatus::Reconnecting(e.to_string()));
+                    backoff.next_delay()
+                }
+                Err(e) => {
+                    let reason = describe(&e);
+                    if *self.status.borrow() != CaptureStatus::Failed(reason.clone()) {
+                        tracing::error!(error = %reason, "WAL capture cannot start; retrying until fixed");
+                    }
+                    self.set_status(CaptureStatus::Failed(reason));
+                    backoff.next_delay()
+                }
+            };
+            tokio::select! {
+                () = tokio::time::sleep(wait) => {}
+                _ = self.close.changed() => return,
+            }
+        }
+    }
+
+    fn set_status(&self, status: CaptureStatus) {
+        ::metrics::gauge!(metric::STREAMING).set(if status == CaptureStatus::Streaming {
+            1.0
+        } else {
+            0.0
+        });
+        self.status.send_replace(status);
+    }
+
+    fn notify(&self) {
+        let on_change = self.on_change.lock().ok().and_then(|o| o.clone());
+        if let Some(on_change) = on_change {
+            on_change();
+        }
+    }
+
+    async fn send(&self, item: Item) -> bool {
+        let sent = self.tx.send(item).await.is_ok();
+        self.notify();
+        sent
+    }
+
+    /// One session: announce it, then forward until it breaks or the store closes.
+    async fn stream(
+        &mut self,
+        stream: &mut WalStream,
+        session: u64,
+        marker_written: &mut bool,
+        adopt: &mut bool,
+    ) -> SessionEnd {
+        if *adopt {
+            match self
+                .main
+                .transaction("adopt", &[(&self.sql.adopt, &[])])
+                .await
+            {
+                Ok(moved) => {
+                    *adopt = false;
+                    tracing::info!(
+                        rows = moved[0],
+                        "the replication slot is new: pending rows of the outbox table, which \
+                         its stream does not carry, were moved to the parked table to be relayed \
+                         first"
+                    );
+                }
+                Err(e) => {
+                    return SessionEnd::Broken(format!(
+                        "moving the rows that predate the slot to the parked table: {}",
+                        e.report()
+                    ))
+                }
+            }
+        }
+        let parked_keys = match self
+            .main
+            .query_rows("parked keys", &self.sql.parked_keys, &[])
+            .await
+        {
+            Ok(rows) => rows.iter().map(|r| r.get(0)).collect(),
+            Err(e) => {
+                return SessionEnd::Broken(format!("reading the parked keys: {}", e.report()))
+            }
+        };
+        let start = stream.slot().confirmed_flush;
+        tracing::info!(slot = %self.config.slot, %start, created = stream.slot().created, "streaming from the replication slot");
+        if !self
+            .send(Item::Session {
+                session,
+                start,
+                parked_keys,
+            })
+            .await
+        {
+            return SessionEnd::Closed;
+        }
+        self.set_status(CaptureStatus::Streaming);
+        if self.drain && !*marker_written {
+            match self
+                .main
+                .query_rows("drain marker", &self.sql.drain_marker, &[])
+                .await
+            {
+                Ok(rows) => {
+                    let lsn: String = rows[0].get(0);
+                    match lsn.parse::<Lsn>() {
+                        Ok(lsn) => {
+                            *marker_written = true;
+                            if !self.send(Item::DrainUntil(lsn)).await {
+                                return SessionEnd::Closed;
+                            }
+                        }
+                        Err(e) => {
+                            return SessionEnd::Broken(format!("the drain marker's position: {e}"))
+                        }
+                    }
+                }
+                Err(e) => {
+                    return SessionEnd::Broken(format!("writing the drain marker: {}", e.report()))
+                }
+            }
+        }
+        loop {
+            let permit = tokio::select! {
+                biased;
+                _ = self.close.changed() => return SessionEnd::Closed,
+                changed = self.confirm.changed() => {
+                    if changed.is_err() {
+                        return SessionEnd::Closed;
+                    }
+                    stream.confirm(*self.confirm.borrow_and_update());
+                    continue;
+                }
+                permit = self.tx.reserve() => match permit {
+                    Ok(permit) => permit,
+                    Err(_) => return SessionEnd::Closed,
+                },
+            };
+            let next = tokio::select! {
+                biased;
+                _ = self.close.changed() => return SessionEnd::Closed,
+                changed = self.confirm.changed() => {
+                    if changed.is_err() {
+                        return SessionEnd::Closed;
+                    }
+                    stream.confirm(*self.confirm.borrow_and_update());
+                    continue;
+                }
+                next = stream.next() => next,
+            };
+            match next {
+                Ok(Some(output)) => {
+                    permit.send(Item::Output(output));
+                    self.notify();
+                }
+                Ok(None) => return SessionEnd::Broken("the server ended the stream".into()),
+                Err(e) => return SessionEnd::Broken(describe(&e)),
+            }
+        }
+    }
+}
+
+/// A replication error with the fix where one is known.
+fn describe(error: &WalError) -> String {
+    let text = error.to_string();
+    if text.contains("SQLSTATE 42501") || text.contains("must be superuser or replication role") {
+        format!("{text}: grant the relay's role REPLICATION (ALTER ROLE <role> REPLICATION)")
+    } else if text.contains("wal_level") {
+        format!("{text}: set wal_level = logical and restart PostgreSQL")
+    } else {
+        text
+    }
+}
+
+impl std::fmt::Debug for WalStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WalStore")
+            .field("slot", &self.inner.slot)
+            .finish()
+    }
+}
