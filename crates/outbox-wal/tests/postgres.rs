@@ -644,3 +644,257 @@ async fn one_consumer_holds_the_slot_and_a_standby_takes_over_when_it_goes() {
     };
     assert!(ended.is_retryable(), "{ended}");
 }
+
+/// The relay's engine over [`WalStore`], in-process, with a recording publisher.
+mod through_the_engine {
+    use std::sync::Arc;
+
+    use outbox_core::{NodeId, PublishErrorKind, RetryPolicy};
+    use outbox_engine::EngineConfig;
+    use outbox_store_postgres::{PgOptions, PgStore};
+    use outbox_testkit::eventually;
+    use outbox_testkit::recording::RecordingPublisher;
+    use outbox_wal::{WalStore, WalStoreOptions};
+
+    use super::*;
+
+    /// A relay: the store, the engine task, and the switch that stops it.
+    struct Relay {
+        store: WalStore,
+        stop: Option<tokio::sync::oneshot::Sender<()>>,
+        engine: tokio::task::JoinHandle<outbox_engine::Summary>,
+    }
+
+    impl Relay {
+        async fn start(fixture: &Fixture, publisher: &RecordingPublisher) -> Relay {
+            let main = PgStore::new(PgOptions::new(&fixture.url, Tables::standard())).unwrap();
+            let publication = Ident::new(PUBLICATION, "publication").unwrap();
+            let capture = outbox_wal::capture::capture_tables(main.tables(), &publication);
+            main.migrate_extra(&capture.ddl()).await.unwrap();
+            let store = WalStore::start(
+                main,
+                WalStoreOptions {
+                    wal: fixture.config.clone(),
+                    publication,
+                    drain: false,
+                },
+            );
+            let mut config = EngineConfig::new(NodeId("wal-test".into()));
+            config.retry = RetryPolicy {
+                base_delay: Duration::from_millis(50),
+                max_delay: Duration::from_millis(200),
+                max_attempts: 1000,
+                ..RetryPolicy::default()
+            };
+            config.poll_interval = Duration::from_millis(100);
+            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+            let engine = tokio::spawn(outbox_engine::run(
+                Arc::new(store.clone()),
+                Arc::new(publisher.clone()),
+                config,
+                async move {
+                    let _ = stopped.await;
+                },
+            ));
+            let engine = tokio::spawn(async move { engine.await.unwrap().unwrap() });
+            Relay {
+                store,
+                stop: Some(stop),
+                engine,
+            }
+        }
+
+        async fn stop(mut self) {
+            let _ = self.stop.take().unwrap().send(());
+            self.engine.await.unwrap();
+            self.store.close(Duration::from_secs(10)).await;
+        }
+    }
+
+    async fn confirmed(db: &Client, slot: &str) -> Lsn {
+        let text: String = db
+            .query_one(
+                "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+                &[&slot],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        text.parse().unwrap()
+    }
+
+    async fn current_lsn(db: &Client) -> Lsn {
+        let text: String = db
+            .query_one("SELECT pg_current_wal_lsn()::text", &[])
+            .await
+            .unwrap()
+            .get(0);
+        text.parse().unwrap()
+    }
+
+    async fn insert_typed(db: &Client, key: &str, event_type: &str, n: i32) {
+        db.execute(
+            "INSERT INTO outbox (destination, partition_key, event_type, payload)
+             VALUES ('orders', $1, $2, jsonb_build_object('n', $3::int4))",
+            &[&key, &event_type, &n],
+        )
+        .await
+        .unwrap();
+    }
+
+    fn delivered_n(publisher: &RecordingPublisher, key: &str) -> Vec<i64> {
+        publisher
+            .delivered()
+            .iter()
+            .filter(|e| e.ordering_key() == key)
+            .map(|e| {
+                serde_json::from_slice::<serde_json::Value>(e.payload.as_bytes()).unwrap()["n"]
+                    .as_i64()
+                    .unwrap()
+            })
+            .collect()
+    }
+
+    async fn count(db: &Client, table: &str) -> i64 {
+        db.query_one(&format!("SELECT count(*) FROM {table}"), &[])
+            .await
+            .unwrap()
+            .get(0)
+    }
+
+    /// A key whose head keeps failing is parked: the other keys go on, the slot moves past
+    /// every transaction (the parked ones are durable elsewhere), and once the sink accepts
+    /// it again the key's events follow in commit order.
+    #[tokio::test]
+    async fn a_failing_key_is_parked_and_holds_back_neither_the_slot_nor_other_keys() {
+        let fixture = Fixture::new().await;
+        let db = connect(&fixture.url).await;
+        let publisher = RecordingPublisher::new();
+        publisher.fail("Stuck", usize::MAX, PublishErrorKind::Unavailable);
+        let relay = Relay::start(&fixture, &publisher).await;
+        relay.store.wait_streaming(Duration::from_secs(30)).await;
+        insert_typed(&db, "a", "Stuck", 1).await;
+        insert_typed(&db, "a", "Placed", 2).await;
+        insert_typed(&db, "b", "Placed", 3).await;
+        insert_typed(&db, "a", "Placed", 4).await;
+        insert_typed(&db, "b", "Placed", 5).await;
+        let written = current_lsn(&db).await;
+        eventually("key b delivered", Duration::from_secs(30), || async {
+            (delivered_n(&publisher, "b") == [3, 5]).then_some(())
+        })
+        .await;
+        eventually(
+            "the slot confirmed past the parked key's transactions",
+            Duration::from_secs(30),
+            || async { (confirmed(&db, &fixture.config.slot).await >= written).then_some(()) },
+        )
+        .await;
+        assert!(delivered_n(&publisher, "a").is_empty());
+        assert_eq!(
+            count(&db, "outbox_parked").await,
+            3,
+            "a's three events wait there"
+        );
+        assert_eq!(
+            count(&db, "outbox").await,
+            0,
+            "settled rows leave the outbox"
+        );
+        // A new event of the parked key queues behind it.
+        insert_typed(&db, "a", "Placed", 6).await;
+        eventually(
+            "the new event of a parked too",
+            Duration::from_secs(30),
+            || async { (count(&db, "outbox_parked").await == 4).then_some(()) },
+        )
+        .await;
+        publisher.fail("Stuck", 0, PublishErrorKind::Unavailable);
+        eventually("key a delivered", Duration::from_secs(30), || async {
+            (delivered_n(&publisher, "a").len() == 4).then_some(())
+        })
+        .await;
+        assert_eq!(delivered_n(&publisher, "a"), [1, 2, 4, 6]);
+        // Once the key has nothing parked, its events flow from the stream again.
+        insert_typed(&db, "a", "Placed", 7).await;
+        eventually("a flows again", Duration::from_secs(30), || async {
+            (delivered_n(&publisher, "a").len() == 5).then_some(())
+        })
+        .await;
+        assert_eq!(delivered_n(&publisher, "a"), [1, 2, 4, 6, 7]);
+        assert_eq!(count(&db, "outbox_parked").await, 0);
+        relay.stop().await;
+    }
+
+    /// What is parked survives the relay: a new one finds the parked keys before it hands
+    /// out anything, so a later event of such a key still waits behind the parked one.
+    #[tokio::test]
+    async fn parked_keys_survive_a_restart() {
+        let fixture = Fixture::new().await;
+        let db = connect(&fixture.url).await;
+        let publisher = RecordingPublisher::new();
+        publisher.fail("Stuck", usize::MAX, PublishErrorKind::Unavailable);
+        let relay = Relay::start(&fixture, &publisher).await;
+        relay.store.wait_streaming(Duration::from_secs(30)).await;
+        insert_typed(&db, "a", "Stuck", 1).await;
+        eventually("a parked", Duration::from_secs(30), || async {
+            (count(&db, "outbox_parked").await == 1).then_some(())
+        })
+        .await;
+        relay.stop().await;
+        // Written while no relay runs; the next one must not let it overtake 1.
+        insert_typed(&db, "a", "Placed", 2).await;
+        let publisher = RecordingPublisher::new();
+        let relay = Relay::start(&fixture, &publisher).await;
+        eventually("a delivered", Duration::from_secs(30), || async {
+            (delivered_n(&publisher, "a").len() == 2).then_some(())
+        })
+        .await;
+        assert_eq!(delivered_n(&publisher, "a"), [1, 2]);
+        relay.stop().await;
+    }
+
+    /// A message that is not the documented format becomes a dead letter with the reason,
+    /// and the slot moves past it.
+    #[tokio::test]
+    async fn an_undecodable_message_is_dead_lettered_and_settled() {
+        let fixture = Fixture::new().await;
+        let db = connect(&fixture.url).await;
+        let publisher = RecordingPublisher::new();
+        let relay = Relay::start(&fixture, &publisher).await;
+        relay.store.wait_streaming(Duration::from_secs(30)).await;
+        db.batch_execute(
+            "BEGIN; SELECT pg_logical_emit_message(true, 'outbox', 'not json'); COMMIT;",
+        )
+        .await
+        .unwrap();
+        db.batch_execute("SELECT outbox_emit('orders', 'k', 'Placed', '{\"n\": 1}')")
+            .await
+            .unwrap();
+        let written = current_lsn(&db).await;
+        eventually("the good event", Duration::from_secs(30), || async {
+            (delivered_n(&publisher, "k") == [1]).then_some(())
+        })
+        .await;
+        let dead = eventually("the dead letter", Duration::from_secs(30), || async {
+            db.query_opt(
+                "SELECT sequence_id, last_error, payload #>> '{}' FROM outbox_dead_letters",
+                &[],
+            )
+            .await
+            .unwrap()
+        })
+        .await;
+        let (id, error, raw): (i64, String, String) = (dead.get(0), dead.get(1), dead.get(2));
+        assert!(
+            id < 0,
+            "a table-less event's id is minus its position: {id}"
+        );
+        assert!(!error.is_empty());
+        assert_eq!(raw, "not json");
+        eventually("the slot past both", Duration::from_secs(30), || async {
+            (confirmed(&db, &fixture.config.slot).await >= written).then_some(())
+        })
+        .await;
+        relay.stop().await;
+    }
+}
