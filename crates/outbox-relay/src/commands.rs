@@ -14,7 +14,7 @@ use outbox_publishers::{RouteConfig, SinkConfig};
 
 use crate::cli::{MigrateArgs, SendArgs};
 use crate::config::{Config, RunParts};
-use crate::store::AnyStore;
+use crate::store::{AnyStore, StoreSettings};
 
 /// A failure only the operator's configuration can fix: the binary exits 2 for it.
 #[derive(Debug)]
@@ -95,10 +95,11 @@ async fn shutdown_signal() {
 /// pass; problems only an operator can fix fail at once, with the fix.
 pub(crate) async fn ready_store(
     config: &Config,
+    settings: StoreSettings,
     create: bool,
     wait: bool,
 ) -> anyhow::Result<AnyStore> {
-    let store = AnyStore::open(config)?;
+    let store = AnyStore::open(settings)?;
     let problems = retry_transient("checking the database", wait, || {
         prepare_store(&store, create)
     })
@@ -183,6 +184,7 @@ pub async fn run(mut config: Config, drain: bool) -> anyhow::Result<ExitCode> {
     // Chosen before the store opens: its sessions carry it in their application_name.
     let node = NodeId(config.node_id.get_or_insert_with(default_node_id).clone());
     let RunParts {
+        store,
         mut engine,
         cluster,
         sinks,
@@ -190,7 +192,7 @@ pub async fn run(mut config: Config, drain: bool) -> anyhow::Result<ExitCode> {
         http_addr,
         health,
     } = config.resolve(node.clone(), drain)?;
-    let store = ready_store(&config, config.auto_migrate, !drain).await?;
+    let store = ready_store(&config, store, config.auto_migrate, !drain).await?;
     let capture = match &store {
         AnyStore::PostgresWal(pg, capture) => {
             Some(start_capture(&config, pg, capture, &node, drain))
@@ -339,7 +341,7 @@ fn start_capture(
 
 /// `drop-slot`: drops the replication slot of `--capture wal`.
 pub async fn drop_slot(config: Config) -> anyhow::Result<ExitCode> {
-    let store = AnyStore::open(&config)?;
+    let store = AnyStore::open(config.store_settings()?)?;
     let AnyStore::PostgresWal(pg, capture) = &store else {
         return Err(anyhow::Error::new(ConfigError(
             "drop-slot drops the replication slot of WAL capture: add --capture wal (with \
@@ -437,7 +439,7 @@ fn drain_verdict(summary: &Summary) -> anyhow::Result<()> {
 }
 
 pub async fn migrate(config: Config, args: MigrateArgs) -> anyhow::Result<ExitCode> {
-    let store = AnyStore::open(&config)?;
+    let store = AnyStore::open(config.store_settings()?)?;
     if args.print {
         outbox_core::ident::Ident::new(&args.role, "role name")
             .map_err(|e| anyhow::Error::new(ConfigError(format!("--role: {}", e.report()))))?;
@@ -455,7 +457,7 @@ pub async fn migrate(config: Config, args: MigrateArgs) -> anyhow::Result<ExitCo
 pub async fn check(config: Config) -> anyhow::Result<ExitCode> {
     let mut failed = false;
     println!("ok: configuration is valid ({config:?})");
-    let store = AnyStore::open(&config)?;
+    let store = AnyStore::open(config.store_settings()?)?;
     let outbox = store.outbox();
     match outbox.ping().await {
         Ok(()) => println!("ok: connected to {}", redact_url(&config.database_url)),
@@ -508,7 +510,7 @@ pub async fn send(config: Config, args: SendArgs) -> anyhow::Result<ExitCode> {
             "the payload is not valid JSON ({e}); quote text as JSON, e.g. '\"hello\"', or send an object like '{{\"id\": 1}}'"
         );
     }
-    let store = ready_store(&config, false, false).await?;
+    let store = ready_store(&config, config.store_settings()?, false, false).await?;
     let event = NewEvent {
         event_id: args.event_id,
         destination: args.destination,
@@ -529,7 +531,7 @@ pub async fn send(config: Config, args: SendArgs) -> anyhow::Result<ExitCode> {
 
 /// `stats`: backlog, live nodes and partition owners.
 pub async fn stats(config: Config, json: bool) -> anyhow::Result<ExitCode> {
-    let store = ready_store(&config, false, false).await?;
+    let store = ready_store(&config, config.store_settings()?, false, false).await?;
     let report = |e: outbox_core::StoreError| anyhow::anyhow!(e.report());
     let backlog = store.outbox().backlog().await.map_err(report)?;
     let destinations = store

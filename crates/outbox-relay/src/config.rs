@@ -22,6 +22,8 @@ use outbox_core::{Health, NodeId, RetryPolicy};
 use outbox_engine::{EngineConfig, WakeMode};
 use outbox_layout::{Dialect, LayoutKind};
 use outbox_publishers::{RouteConfig, SinkConfig};
+
+use crate::store::StoreSettings;
 use serde::{Deserialize, Serialize};
 
 /// The zero-configuration database: a SQLite file in the working directory.
@@ -590,8 +592,79 @@ impl Config {
         }
     }
 
-    /// What `run` hands to the engine, the cluster coordinator, the sinks and the HTTP server,
-    /// for the node `node` (the store opens from the `Config` itself). With `drain`, the engine
+    /// Which store the settings name, and its options.
+    pub fn store_settings(&self) -> anyhow::Result<StoreSettings> {
+        let report = |e: outbox_core::StoreError| crate::commands::failure(e.report(), &e);
+        let tables = self.layout_tables();
+        let mapping = self.layout_mapping()?;
+        Ok(match self.database_kind()? {
+            DatabaseKind::Postgres => {
+                let mut pg_tables = outbox_store_postgres::Tables::new(
+                    &tables.outbox_schema,
+                    &tables.outbox_table,
+                    &tables.nodes_schema,
+                    &tables.nodes_table,
+                    &tables.notify_channel,
+                )
+                .map_err(report)?;
+                pg_tables.partition_count = self.partitions;
+                pg_tables.gated_wakeup = self.wakeup == WakeupMode::Gated;
+                // WAL capture needs no NOTIFY: the stream wakes the relay.
+                pg_tables.poll_wakeup =
+                    self.wakeup == WakeupMode::Poll || self.capture == CaptureMode::Wal;
+                let capture = match self.capture {
+                    CaptureMode::Poll => None,
+                    CaptureMode::Wal => Some(crate::store::Capture {
+                        slot: self.slot.clone(),
+                        publication: outbox_core::ident::Ident::new(
+                            &self.publication,
+                            "publication name",
+                        )
+                        .map_err(report)?,
+                    }),
+                };
+                StoreSettings::Postgres(Box::new(crate::store::PostgresSettings {
+                    options: outbox_store_postgres::PgOptions {
+                        url: self.database_url.clone(),
+                        tables: pg_tables,
+                        retain_delivered: self.retain_delivered,
+                        ca_file: self.database_ca_file.clone(),
+                        pool_size: self.pool_size,
+                        application_name: Some(match &self.node_id {
+                            Some(node) => format!("outbox-relay {node}"),
+                            None => "outbox-relay".into(),
+                        }),
+                        operation_timeout: None,
+                    },
+                    mapped: mapping.map(|m| (m, self.layout.to_string())),
+                    max_attempts: self.retry.max_attempts,
+                    capture,
+                }))
+            }
+            DatabaseKind::MySql => {
+                // PostgreSQL-only layouts were refused by `validate`.
+                let Some(mapping) = mapping else {
+                    bail!("every MySQL layout is a mapping");
+                };
+                StoreSettings::MySql(Box::new(outbox_store_mysql::MySqlOptions {
+                    url: self.database_url.clone(),
+                    mapping,
+                    layout: self.layout.to_string(),
+                    max_attempts: self.retry.max_attempts,
+                    pool_size: self.pool_size,
+                    nodes_table: (self.layout == LayoutKind::Native).then_some(tables.nodes_table),
+                }))
+            }
+            // Other layouts and table names were refused by `validate`.
+            DatabaseKind::Sqlite(path) => StoreSettings::Sqlite {
+                path,
+                retain_delivered: self.retain_delivered,
+            },
+        })
+    }
+
+    /// What `run` hands to the store, the engine, the cluster coordinator, the sinks and the
+    /// HTTP server, for the node `node`. With `drain`, the engine
     /// delivers what is deliverable now and returns. The engine's `ownership` is left for
     /// `run` to set, once the store says how many partitions there are.
     pub fn resolve(&self, node: NodeId, drain: bool) -> anyhow::Result<RunParts> {
@@ -630,6 +703,7 @@ impl Config {
         };
         let (sinks, routes) = self.sink_setup();
         Ok(RunParts {
+            store: self.store_settings()?,
             engine,
             cluster,
             sinks,
@@ -642,6 +716,7 @@ impl Config {
 
 /// The parts `run` starts, resolved from the settings in one place.
 pub struct RunParts {
+    pub store: StoreSettings,
     pub engine: EngineConfig,
     pub cluster: ClusterConfig,
     pub sinks: BTreeMap<String, SinkConfig>,
@@ -1003,6 +1078,84 @@ mod tests {
         assert!(Arc::ptr_eq(&parts.engine.health, &parts.cluster.health));
         assert_eq!(parts.sinks["default"].uri(), "file:out.jsonl");
         assert!(parts.routes.is_empty() && parts.http_addr.is_none());
+    }
+
+    #[test]
+    fn wal_capture_settings_that_cannot_apply_are_refused() {
+        let pg = "postgres://relay@db/app".to_string();
+        let wal = |c: Config| Config {
+            capture: CaptureMode::Wal,
+            ..c
+        };
+        let refused = |c: Config| c.validate().unwrap_err().to_string();
+        let err = refused(wal(Config::default()));
+        assert!(err.contains("postgres://"), "{err}");
+        for (config, named) in [
+            (
+                Config {
+                    database_url: pg.clone(),
+                    layout: LayoutKind::Adbc,
+                    ..Config::default()
+                },
+                "layout",
+            ),
+            (
+                Config {
+                    database_url: pg.clone(),
+                    retain_delivered: true,
+                    ..Config::default()
+                },
+                "retain_delivered",
+            ),
+            (
+                Config {
+                    database_url: pg.clone(),
+                    ordering: OrderingMode::None,
+                    ..Config::default()
+                },
+                "ordering",
+            ),
+            (
+                Config {
+                    database_url: pg.clone(),
+                    wakeup: WakeupMode::Gated,
+                    ..Config::default()
+                },
+                "wakeup",
+            ),
+            (
+                Config {
+                    database_url: pg.clone(),
+                    slot: "Bad-Name".into(),
+                    ..Config::default()
+                },
+                "slot",
+            ),
+        ] {
+            let err = refused(wal(config));
+            assert!(err.contains(named), "{named}: {err}");
+        }
+        // A slot without WAL capture would be silently ignored.
+        let err = refused(Config {
+            database_url: pg.clone(),
+            slot: "mine".into(),
+            ..Config::default()
+        });
+        assert!(err.contains("--capture wal"), "{err}");
+        // Resolved: the native store with its slot, and writers that notify nobody.
+        let config = wal(Config {
+            database_url: pg,
+            slot: "mine".into(),
+            ..Config::default()
+        });
+        config.validate().unwrap();
+        let parts = config.resolve(NodeId("n1".into()), false).unwrap();
+        let crate::store::StoreSettings::Postgres(settings) = parts.store else {
+            panic!("not PostgreSQL");
+        };
+        assert_eq!(settings.capture.as_ref().unwrap().slot, "mine");
+        assert!(settings.options.tables.poll_wakeup && settings.mapped.is_none());
+        assert_eq!(parts.engine.wake, WakeMode::Notify);
     }
 
     #[test]

@@ -13,7 +13,9 @@ use crate::config::{duration, Config};
 use crate::progress::Progress;
 
 async fn operations(config: &Config) -> anyhow::Result<Arc<dyn Operations>> {
-    Ok(ready_store(config, false, false).await?.operations())
+    Ok(ready_store(config, config.store_settings()?, false, false)
+        .await?
+        .operations())
 }
 
 fn store_error(e: outbox_core::StoreError) -> anyhow::Error {

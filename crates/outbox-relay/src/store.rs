@@ -7,10 +7,8 @@ use outbox_core::store::NodeRegistry;
 use outbox_core::OutboxStore;
 use outbox_store_mysql::{MySqlOptions, MySqlStore};
 use outbox_store_postgres::mapped::MappedPgOptions;
-use outbox_store_postgres::{MappedPgStore, PgOptions, PgStore, Tables};
+use outbox_store_postgres::{MappedPgStore, PgOptions, PgStore};
 use outbox_store_sqlite::SqliteStore;
-
-use crate::config::{CaptureMode, Config, DatabaseKind};
 
 /// The replication slot and publication of `--capture wal`.
 #[derive(Clone, Debug)]
@@ -32,74 +30,65 @@ pub enum AnyStore {
     Sqlite(SqliteStore),
 }
 
+/// Which store to open and how, resolved from the settings by [`Config::store_settings`].
+#[derive(Clone, Debug)]
+pub enum StoreSettings {
+    Postgres(Box<PostgresSettings>),
+    MySql(Box<MySqlOptions>),
+    Sqlite {
+        path: std::path::PathBuf,
+        retain_delivered: bool,
+    },
+}
+
+/// The PostgreSQL part of [`StoreSettings`].
+#[derive(Clone, Debug)]
+pub struct PostgresSettings {
+    pub options: PgOptions,
+    /// A seed's table or a custom mapping, and the layout's name; `None`: the native layout.
+    pub mapped: Option<(outbox_layout::Mapping, String)>,
+    pub max_attempts: u32,
+    /// `--capture wal` (native layout only).
+    pub capture: Option<Capture>,
+}
+
 impl AnyStore {
-    pub fn open(config: &Config) -> anyhow::Result<Self> {
-        match config.database_kind()? {
-            DatabaseKind::Postgres => {
-                let mut tables = pg_tables(config)?;
-                tables.partition_count = config.partitions;
-                tables.gated_wakeup = config.wakeup == crate::config::WakeupMode::Gated;
-                // WAL capture needs no NOTIFY: the stream wakes the relay.
-                tables.poll_wakeup = config.wakeup == crate::config::WakeupMode::Poll
-                    || config.capture == CaptureMode::Wal;
-                let options = PgOptions {
-                    url: config.database_url.clone(),
-                    tables,
-                    retain_delivered: config.retain_delivered,
-                    ca_file: config.database_ca_file.clone(),
-                    pool_size: config.pool_size,
-                    application_name: Some(match &config.node_id {
-                        Some(node) => format!("outbox-relay {node}"),
-                        None => "outbox-relay".into(),
-                    }),
-                    operation_timeout: None,
-                };
-                if let Some(mapping) = config.layout_mapping()? {
+    pub fn open(settings: StoreSettings) -> anyhow::Result<Self> {
+        let report = |e: outbox_core::StoreError| crate::commands::failure(e.report(), &e);
+        match settings {
+            StoreSettings::Postgres(pg) => {
+                let PostgresSettings {
+                    options,
+                    mapped,
+                    max_attempts,
+                    capture,
+                } = *pg;
+                if let Some((mapping, layout)) = mapped {
                     // Every layout wakes on the channel in `options` (the seed's own for adbc).
                     let store = MappedPgStore::new(MappedPgOptions {
                         pg: options,
                         mapping,
-                        layout: config.layout.to_string(),
-                        max_attempts: config.retry.max_attempts,
+                        layout,
+                        max_attempts,
                     })
-                    .map_err(|e| crate::commands::failure(e.report(), &e))?;
+                    .map_err(report)?;
                     return Ok(AnyStore::MappedPostgres(store));
                 }
-                let store =
-                    PgStore::new(options).map_err(|e| crate::commands::failure(e.report(), &e))?;
-                if config.capture == CaptureMode::Wal {
-                    let publication =
-                        outbox_core::ident::Ident::new(&config.publication, "publication name")
-                            .map_err(|e| crate::commands::failure(e.report(), &e))?;
-                    let capture = Capture {
-                        slot: config.slot.clone(),
-                        publication,
-                    };
-                    return Ok(AnyStore::PostgresWal(store, capture));
-                }
-                Ok(AnyStore::Postgres(store))
-            }
-            DatabaseKind::MySql => {
-                // PostgreSQL-only layouts were refused with the configuration (`validate`).
-                let Some(mapping) = config.layout_mapping()? else {
-                    anyhow::bail!("every MySQL layout is a mapping");
-                };
-                let store = MySqlStore::new(MySqlOptions {
-                    url: config.database_url.clone(),
-                    mapping,
-                    layout: config.layout.to_string(),
-                    max_attempts: config.retry.max_attempts,
-                    pool_size: config.pool_size,
-                    nodes_table: (config.layout == outbox_layout::LayoutKind::Native)
-                        .then(|| config.layout_tables().nodes_table),
+                let store = PgStore::new(options).map_err(report)?;
+                Ok(match capture {
+                    Some(capture) => AnyStore::PostgresWal(store, capture),
+                    None => AnyStore::Postgres(store),
                 })
-                .map_err(|e| crate::commands::failure(e.report(), &e))?;
-                Ok(AnyStore::MySql(store))
             }
-            DatabaseKind::Sqlite(path) => {
-                // Other layouts and table names were refused with the configuration (`validate`).
-                let store = SqliteStore::open(&path, config.retain_delivered)
-                    .map_err(|e| crate::commands::failure(e.report(), &e))
+            StoreSettings::MySql(options) => {
+                Ok(AnyStore::MySql(MySqlStore::new(*options).map_err(report)?))
+            }
+            StoreSettings::Sqlite {
+                path,
+                retain_delivered,
+            } => {
+                let store = SqliteStore::open(&path, retain_delivered)
+                    .map_err(report)
                     .with_context(|| format!("opening {}", path.display()))?;
                 Ok(AnyStore::Sqlite(store))
             }
@@ -214,16 +203,4 @@ impl Capture {
     fn tables(&self, store: &PgStore) -> outbox_wal::schema::CaptureTables {
         outbox_wal::capture::capture_tables(store.tables(), &self.publication)
     }
-}
-
-fn pg_tables(config: &Config) -> anyhow::Result<Tables> {
-    let t = config.layout_tables();
-    Tables::new(
-        &t.outbox_schema,
-        &t.outbox_table,
-        &t.nodes_schema,
-        &t.nodes_table,
-        &t.notify_channel,
-    )
-    .map_err(|e| crate::commands::failure(e.report(), &e))
 }
