@@ -28,6 +28,9 @@ use crate::lsn::Lsn;
 use crate::table::{MissingColumn, OutboxColumns};
 
 /// What the assembler hands out, in stream order.
+// Nearly every output is an event: boxing it would cost an allocation per event to save
+// space in the rare markers.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug)]
 pub enum Output {
     /// An event of the open (committed) transaction; `Err` when the row or message cannot

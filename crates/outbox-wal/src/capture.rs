@@ -83,6 +83,8 @@ pub enum CaptureStatus {
 }
 
 /// What the reader hands to claims, in stream order.
+// Nearly every item is an output: see `Output`.
+#[allow(clippy::large_enum_variant)]
 enum Item {
     /// A new session: the slot's confirmed position it starts from, and the keys with
     /// parked events (loaded before any event of the session is handed out).

@@ -42,7 +42,7 @@
 use std::time::SystemTime;
 
 use outbox_core::ident::Ident;
-use outbox_core::{EventId, Headers, Payload};
+use outbox_core::{Event, EventId, Headers, Payload};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
@@ -152,16 +152,21 @@ pub fn decode_message(
         Some(value) => outbox_core::event::headers_from_json(value).map_err(&fail)?,
     };
     Ok(WalEvent {
-        event_id: message
-            .event_id
-            .unwrap_or_else(|| position.derived_event_id()),
-        destination: message.destination,
-        partition_key: message.key,
-        event_type: message.event_type,
-        payload: message.payload.map_or(Payload::Null, Payload::Json),
-        headers,
-        mutation_id: message.mutation_id,
-        created_at: commit_time,
+        event: Event {
+            partition_key: message.key,
+            headers,
+            mutation_id: message.mutation_id,
+            created_at: commit_time,
+            ..Event::new(
+                0,
+                message
+                    .event_id
+                    .unwrap_or_else(|| position.derived_event_id()),
+                message.destination,
+                message.event_type,
+                message.payload.map_or(Payload::Null, Payload::Json),
+            )
+        },
         available_at: None,
         source,
     })

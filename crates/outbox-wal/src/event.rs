@@ -2,7 +2,7 @@
 
 use std::time::SystemTime;
 
-use outbox_core::{Event, EventId, Headers, Payload, SequenceId};
+use outbox_core::{Event, EventId, SequenceId};
 
 use crate::lsn::Lsn;
 
@@ -42,48 +42,35 @@ pub enum EventSource {
     Message { lsn: Lsn },
 }
 
-/// One event decoded from the WAL: the fields of [`outbox_core::Event`] the WAL carries.
+/// One event decoded from the WAL: the engine's [`Event`] (as yet without a sequence id, see
+/// [`WalEvent::into_core`]), with what only the WAL knows of it. Reads as its `Event`.
 #[derive(Clone, Debug)]
 pub struct WalEvent {
-    pub event_id: EventId,
-    /// The channel, topic or subject.
-    pub destination: String,
-    /// The ordering key as written; `None` means the destination orders the event.
-    pub partition_key: Option<String>,
-    pub event_type: String,
-    pub payload: Payload,
-    pub headers: Headers,
-    pub mutation_id: Option<String>,
-    /// The row's `created_at`; for a message, its transaction's commit time.
-    pub created_at: SystemTime,
+    /// `sequence_id` is 0 until [`WalEvent::into_core`]; `created_at` is the row's, or for a
+    /// message its transaction's commit time.
+    pub event: Event,
     /// The row's `available_at`, when the table has the column: a time in the future asks
     /// for delayed delivery, which WAL capture has to honour by parking the event.
     pub available_at: Option<SystemTime>,
     pub source: EventSource,
 }
 
-impl WalEvent {
-    /// The key whose events are published in commit order.
-    pub fn ordering_key(&self) -> &str {
-        self.partition_key.as_deref().unwrap_or(&self.destination)
-    }
+impl std::ops::Deref for WalEvent {
+    type Target = Event;
 
+    fn deref(&self) -> &Event {
+        &self.event
+    }
+}
+
+impl WalEvent {
     /// The engine's event. `sequence_id` is the caller's: WAL events have no table sequence
-    /// in the message form, so the caller numbers events in commit order (for example a
-    /// counter per process), and that number is what orders a key's lane.
+    /// in the message form, so the caller names them (WAL capture uses the row's id, or minus
+    /// the message's position), and that is the id the engine settles by.
     pub fn into_core(self, sequence_id: SequenceId) -> Event {
         Event {
-            partition_key: self.partition_key,
-            headers: self.headers,
-            mutation_id: self.mutation_id,
-            created_at: self.created_at,
-            ..Event::new(
-                sequence_id,
-                self.event_id,
-                self.destination,
-                self.event_type,
-                self.payload,
-            )
+            sequence_id,
+            ..self.event
         }
     }
 }

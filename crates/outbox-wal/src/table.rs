@@ -5,7 +5,7 @@
 use std::time::SystemTime;
 
 use outbox_core::ident::TableName;
-use outbox_core::{Headers, Payload};
+use outbox_core::{Event, Headers, Payload};
 
 use crate::decode::{ColumnValue, Relation, TupleData};
 use crate::event::{EventSource, Undecodable, WalEvent};
@@ -147,14 +147,19 @@ impl OutboxColumns {
             return Err(undecodable(format!("created_at {problem}")));
         }
         Ok(WalEvent {
-            event_id,
-            destination: required(self.destination, "destination")?.to_string(),
-            partition_key: optional(self.partition_key, "partition_key")?.map(String::from),
-            event_type: required(self.event_type, "event_type")?.to_string(),
-            payload,
-            headers,
-            mutation_id: optional(self.mutation_id, "mutation_id")?.map(String::from),
-            created_at,
+            event: Event {
+                partition_key: optional(self.partition_key, "partition_key")?.map(String::from),
+                headers,
+                mutation_id: optional(self.mutation_id, "mutation_id")?.map(String::from),
+                created_at,
+                ..Event::new(
+                    0,
+                    event_id,
+                    required(self.destination, "destination")?,
+                    required(self.event_type, "event_type")?,
+                    payload,
+                )
+            },
             // `infinity` (never) is kept as unreadable rather than guessed.
             available_at: timestamp(self.available_at, "available_at")?,
             source,
