@@ -12,7 +12,7 @@ mod ops;
 mod owned;
 mod registry;
 pub mod schema;
-mod tls;
+pub mod tls;
 
 use std::path::PathBuf;
 use std::sync::Arc;

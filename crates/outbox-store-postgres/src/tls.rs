@@ -61,8 +61,9 @@ pub fn prepare(
     Ok((config, connector(verify, ca_file.as_deref())?))
 }
 
-/// Removes `sslmode` and `sslrootcert` from a URL's query, returning them.
-fn split_tls_params(url: &str) -> (String, Option<String>, Option<PathBuf>) {
+/// Removes `sslmode` and `sslrootcert` from a URL's query, returning them (for other
+/// clients of the same URL, such as WAL capture's replication connection).
+pub fn split_tls_params(url: &str) -> (String, Option<String>, Option<PathBuf>) {
     let Some((base, query)) = url.split_once('?') else {
         return (url.to_string(), None, None);
     };

@@ -35,6 +35,9 @@ pub struct WalConfig {
     pub stop_at: Option<Lsn>,
     /// Shown in `pg_stat_replication`.
     pub application_name: String,
+    /// Extra CA certificates (PEM) for TLS (`--database-ca-file`); `sslrootcert=` in the URL
+    /// wins, as for the store's connections.
+    pub ca_file: Option<std::path::PathBuf>,
     /// Create the slot when it is missing (the first run). A relay that already streamed
     /// from it sets this to `false`: a slot that vanished since (dropped by hand) may have
     /// taken events with it, which a new slot would skip without a word.
@@ -58,6 +61,7 @@ impl WalConfig {
             read_ahead: 8192,
             stop_at: None,
             application_name: "outbox-relay".into(),
+            ca_file: None,
             create_slot: true,
         }
     }
@@ -75,6 +79,7 @@ impl std::fmt::Debug for WalConfig {
             .field("read_ahead", &self.read_ahead)
             .field("stop_at", &self.stop_at)
             .field("application_name", &self.application_name)
+            .field("ca_file", &self.ca_file)
             .field("create_slot", &self.create_slot)
             .finish()
     }
@@ -326,8 +331,11 @@ fn check_name(name: &str, what: &str) -> Result<(), WalError> {
 }
 
 fn replication_config(config: &WalConfig) -> Result<ReplicationConfig, WalError> {
-    let url: tokio_postgres::Config = config
-        .url
+    // libpq's TLS parameters, which tokio-postgres's parser does not all know, come out
+    // first, and mean what they mean to the store's own connections.
+    let (url, sslmode, rootcert) = outbox_store_postgres::tls::split_tls_params(&config.url);
+    let ca_file = rootcert.or_else(|| config.ca_file.clone());
+    let url: tokio_postgres::Config = url
         .parse()
         .map_err(|e| WalError::Config(format!("the database URL cannot be parsed: {e}")))?;
     let host = match url.get_hosts().first() {
@@ -345,25 +353,7 @@ fn replication_config(config: &WalConfig) -> Result<ReplicationConfig, WalError>
         .map(|p| String::from_utf8_lossy(p).into_owned())
         .unwrap_or_default();
     let database = url.get_dbname().unwrap_or(user);
-    let tls = match url.get_ssl_mode() {
-        tokio_postgres::config::SslMode::Disable => pgwire_replication::TlsConfig::disabled(),
-        // Without TLS support, "prefer" falls back to what it prefers over failing.
-        tokio_postgres::config::SslMode::Prefer if cfg!(not(feature = "tls")) => {
-            pgwire_replication::TlsConfig::disabled()
-        }
-        tokio_postgres::config::SslMode::Prefer => pgwire_replication::TlsConfig {
-            mode: pgwire_replication::SslMode::Prefer,
-            ..pgwire_replication::TlsConfig::disabled()
-        },
-        _ if cfg!(not(feature = "tls")) => {
-            return Err(WalError::Config(
-                "the database URL asks for TLS, and this build of WAL capture has none: \
-                 build outbox-wal with its `tls` feature"
-                    .into(),
-            ))
-        }
-        _ => pgwire_replication::TlsConfig::require(),
-    };
+    let tls = tls_config(sslmode.as_deref().unwrap_or("prefer"), ca_file, &host)?;
     let mut replication = ReplicationConfig::new(
         host,
         user,
@@ -384,6 +374,41 @@ fn replication_config(config: &WalConfig) -> Result<ReplicationConfig, WalError>
         replication = replication.with_stop_lsn(stop.into());
     }
     Ok(replication)
+}
+
+/// The replication connection's TLS for a libpq `sslmode`: the same meanings as the store's
+/// connections (a CA file makes `require` check the certificate and its name).
+fn tls_config(
+    sslmode: &str,
+    ca_file: Option<std::path::PathBuf>,
+    host: &str,
+) -> Result<pgwire_replication::TlsConfig, WalError> {
+    use pgwire_replication::{SslMode, TlsConfig};
+    let tls = match sslmode {
+        "disable" | "allow" => return Ok(TlsConfig::disabled()),
+        // Without TLS support, "prefer" falls back to what it prefers over failing.
+        "prefer" if cfg!(not(feature = "tls")) => return Ok(TlsConfig::disabled()),
+        "prefer" => TlsConfig {
+            mode: SslMode::Prefer,
+            ..TlsConfig::disabled()
+        },
+        "require" | "verify-ca" | "verify-full" if cfg!(not(feature = "tls")) => {
+            return Err(WalError::Config(
+                "the database URL asks for TLS, and this build of WAL capture has none: \
+                 build outbox-wal with its `tls` feature"
+                    .into(),
+            ))
+        }
+        "require" if ca_file.is_none() => TlsConfig::require(),
+        "require" | "verify-full" => TlsConfig::verify_full(ca_file),
+        "verify-ca" => TlsConfig::verify_ca(ca_file),
+        other => {
+            return Err(WalError::Config(format!(
+                "invalid sslmode {other:?}: use disable, prefer, require, verify-ca or verify-full"
+            )))
+        }
+    };
+    Ok(tls.with_sni_hostname(host))
 }
 
 /// Reads the slot, creating it (pgoutput) when missing and `create` allows.
