@@ -23,7 +23,7 @@ use futures::future::BoxFuture;
 use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt};
 use outbox_core::health::Check;
-use outbox_core::store::{Backlog, ClaimRequest, DeadLetter, RetryLater, StoreResult};
+use outbox_core::store::{Backlog, ClaimRequest, DeadLetter, RetryLater, StoreFuture, StoreResult};
 use outbox_core::{
     Backoff, Event, Fence, Health, NodeId, OutboxStore, Ownership, PublishError, PublishErrorKind,
     Publisher, RetryDecision, RetryPolicy, SequenceId, StoreError,
@@ -187,7 +187,7 @@ impl Default for OwnershipSeen {
 /// a row whose ack is lost would be published again, one whose retry is lost could reorder.
 async fn persist<F>(health: Arc<Health>, what: &'static str, mut op: F) -> StoreResult<u64>
 where
-    F: FnMut() -> BoxFuture<'static, StoreResult<u64>>,
+    F: FnMut() -> StoreFuture<u64>,
 {
     let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(5));
     loop {
