@@ -395,6 +395,37 @@ impl<D: MappedDb> MappedStore<D> {
         }
     }
 
+    /// One execution per row, all in one transaction: `statement` binds the row's values and
+    /// returns the statement (the same text for every row). `None` when the layout records
+    /// nothing in the table (memory alone keeps it); rows the table no longer has are skipped.
+    async fn statement_per_row<T>(
+        &self,
+        context: &'static str,
+        rows: &[T],
+        handle: impl Fn(&T) -> SequenceId,
+        statement: impl Fn(&T, &RowId, &mut Params) -> Option<String>,
+    ) -> StoreResult<Option<u64>> {
+        let mut text = None;
+        let mut bound = Vec::new();
+        for row in rows {
+            let Some(id) = self.row_ids(&[handle(row)]).pop() else {
+                continue;
+            };
+            let mut p = self.params();
+            text = statement(row, &id, &mut p);
+            bound.push(p);
+        }
+        match text {
+            Some(text) => self
+                .inner
+                .db
+                .execute_each(context, text, bound)
+                .await
+                .map(Some),
+            None => Ok(None),
+        }
+    }
+
     async fn first_int(
         &self,
         context: &'static str,
@@ -676,33 +707,24 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
         let store = self.clone();
         async move {
             let sql = &store.inner.sql;
-            let mut statement = None;
-            let mut rows = Vec::new();
-            for r in &retries {
-                let Some(id) = store.row_ids(&[r.sequence_id]).pop() else {
-                    continue;
-                };
-                let mut p = store.params();
-                statement = sql.retry(
-                    &p.id(&id),
-                    &p.text(node.0.clone()),
-                    &p.int(r.attempts as i64),
-                    &p.text(r.error.clone()),
-                    &p.int(millis(r.delay)),
-                );
-                rows.push(p);
-            }
-            let n = match statement {
-                Some(statement) => {
-                    store
-                        .inner
-                        .db
-                        .execute_each("retry", statement, rows)
-                        .await?
-                }
+            let n = store
+                .statement_per_row(
+                    "retry",
+                    &retries,
+                    |r| r.sequence_id,
+                    |r, id, p| {
+                        sql.retry(
+                            &p.id(id),
+                            &p.text(node.0.clone()),
+                            &p.int(r.attempts as i64),
+                            &p.text(r.error.clone()),
+                            &p.int(millis(r.delay)),
+                        )
+                    },
+                )
+                .await?
                 // Nothing to record in the table: memory holds the attempt and the backoff.
-                None => retries.len() as u64,
-            };
+                .unwrap_or(retries.len() as u64);
             // After the table recorded it: the key unblocks here no sooner than there.
             store.memory().retried(&retries);
             Ok(n)
@@ -719,31 +741,22 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
         let store = self.clone();
         async move {
             let sql = &store.inner.sql;
-            let mut statement = None;
-            let mut rows = Vec::new();
-            for e in &entries {
-                let Some(id) = store.row_ids(&[e.sequence_id]).pop() else {
-                    continue;
-                };
-                let mut p = store.params();
-                statement = Some(sql.dead_letter(
-                    &p.id(&id),
-                    &p.text(node.0.clone()),
-                    &p.int(e.attempts as i64),
-                    &p.text(e.error.clone()),
-                ));
-                rows.push(p);
-            }
-            let n = match statement {
-                Some(statement) => {
-                    store
-                        .inner
-                        .db
-                        .execute_each("dead-letter", statement, rows)
-                        .await?
-                }
-                None => 0,
-            };
+            let n = store
+                .statement_per_row(
+                    "dead-letter",
+                    &entries,
+                    |e| e.sequence_id,
+                    |e, id, p| {
+                        Some(sql.dead_letter(
+                            &p.id(id),
+                            &p.text(node.0.clone()),
+                            &p.int(e.attempts as i64),
+                            &p.text(e.error.clone()),
+                        ))
+                    },
+                )
+                .await?
+                .unwrap_or(0);
             let handles: Vec<SequenceId> = entries.iter().map(|e| e.sequence_id).collect();
             store.memory().settled(&handles, true);
             Ok(n)
