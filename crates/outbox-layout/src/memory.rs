@@ -19,6 +19,22 @@ pub enum RowId {
     Uuid(Uuid),
 }
 
+impl RowId {
+    pub fn integer(&self) -> Option<i64> {
+        match self {
+            RowId::Integer(i) => Some(*i),
+            RowId::Uuid(_) => None,
+        }
+    }
+
+    pub fn uuid(&self) -> Option<Uuid> {
+        match self {
+            RowId::Uuid(u) => Some(*u),
+            RowId::Integer(_) => None,
+        }
+    }
+}
+
 /// A selected row, in [`crate::sql::Sql::select_list`] order, as plain values.
 #[derive(Clone, Debug)]
 pub struct RawRow {

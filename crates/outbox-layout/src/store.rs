@@ -1007,14 +1007,7 @@ impl<D: MappedDb> Operations for MappedStore<D> {
             let (condition, mut p) = store.replay_condition(selector)?;
             let condition = format!("{condition} AND {} > {}", sql.id_column(), p.int(after));
             let ids = store.pick(&condition, p, batch).await?;
-            let last = ids
-                .iter()
-                .filter_map(|id| match id {
-                    RowId::Integer(i) => Some(*i),
-                    RowId::Uuid(_) => None,
-                })
-                .max()
-                .unwrap_or(after);
+            let last = ids.iter().filter_map(RowId::integer).max().unwrap_or(after);
             if ids.is_empty() {
                 return Ok((0, after));
             }
