@@ -31,18 +31,23 @@ pub fn payload(seq: u64) -> String {
 /// Commit times by sequence number.
 pub type Commits = Arc<Mutex<Vec<(u64, Instant)>>>;
 
+/// The columns an insert into `table` names, and the `event_type` value it writes (with its
+/// trailing comma) where the table has that column: the relay's own `outbox` table does, the
+/// mapped tables the benchmark compares with do not.
+pub fn insert_columns(table: &str) -> (&'static str, &'static str) {
+    if table == "outbox" {
+        (
+            "destination, partition_key, event_type, payload",
+            "'order.created', ",
+        )
+    } else {
+        ("destination, partition_key, payload", "")
+    }
+}
+
 /// Inserts `n` rows in one statement (one transaction, one statement-level trigger call).
 fn multi_insert_sql(table: &str) -> String {
-    let columns = if table == "outbox" {
-        "destination, partition_key, event_type, payload"
-    } else {
-        "destination, partition_key, payload"
-    };
-    let event_type = if table == "outbox" {
-        "'order.created', "
-    } else {
-        ""
-    };
+    let (columns, event_type) = insert_columns(table);
     format!(
         "INSERT INTO {table} ({columns})
          SELECT $1, k, {event_type}p::jsonb FROM unnest($2::text[], $3::text[]) AS u(k, p)"

@@ -257,16 +257,7 @@ impl Bench {
         n: u64,
         analyze: bool,
     ) -> Result<()> {
-        let columns = if table == "outbox" {
-            "destination, partition_key, event_type, payload"
-        } else {
-            "destination, partition_key, payload"
-        };
-        let event_type = if table == "outbox" {
-            "'order.created', "
-        } else {
-            ""
-        };
+        let (columns, event_type) = load::insert_columns(table);
         db.batch_execute(&format!(
             "INSERT INTO {table} ({columns})
              SELECT '{SUBJECT}', 'customer-' || (i % 1000), {event_type}

@@ -5,7 +5,6 @@
 //! nowhere else: see [`PublishErrorKind::disposition`] and [`StoreErrorKind::is_retryable`].
 
 use std::error::Error as StdError;
-use std::fmt;
 use std::time::Duration;
 
 type Source = Box<dyn StdError + Send + Sync + 'static>;
@@ -78,7 +77,8 @@ impl PublishErrorKind {
 }
 
 /// A failed publish of one event.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
+#[error("{}: {message}", kind.as_str())]
 pub struct PublishError {
     kind: PublishErrorKind,
     message: String,
@@ -124,20 +124,6 @@ impl PublishError {
     /// The message with its chain of causes, as stored in `last_error`.
     pub fn report(&self) -> String {
         report(self)
-    }
-}
-
-impl fmt::Display for PublishError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}", self.kind.as_str(), self.message)
-    }
-}
-
-impl StdError for PublishError {
-    fn source(&self) -> Option<&(dyn StdError + 'static)> {
-        self.source
-            .as_deref()
-            .map(|s| s as &(dyn StdError + 'static))
     }
 }
 
@@ -189,7 +175,8 @@ impl StoreErrorKind {
 }
 
 /// A failed database operation.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
 pub struct StoreError {
     kind: StoreErrorKind,
     message: String,
@@ -236,20 +223,6 @@ impl StoreError {
     /// The message with its causes and the operator hint.
     pub fn report(&self) -> String {
         format!("{} (fix: {})", report(self), self.hint())
-    }
-}
-
-impl fmt::Display for StoreError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.message)
-    }
-}
-
-impl StdError for StoreError {
-    fn source(&self) -> Option<&(dyn StdError + 'static)> {
-        self.source
-            .as_deref()
-            .map(|s| s as &(dyn StdError + 'static))
     }
 }
 

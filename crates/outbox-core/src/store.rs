@@ -35,6 +35,10 @@ use crate::partition::Fence;
 
 pub type StoreResult<T> = Result<T, StoreError>;
 
+/// What every store method returns: a `'static` future (see the module docs), boxed so the
+/// traits stay object safe.
+pub type StoreFuture<T> = BoxFuture<'static, StoreResult<T>>;
+
 /// A request to lease claimable rows to a node.
 #[derive(Clone, Debug)]
 pub struct ClaimRequest {
@@ -185,7 +189,7 @@ pub trait OutboxStore: Send + Sync + 'static {
     fn describe(&self) -> String;
 
     /// Leases up to `limit` claimable rows to `node`, ordered by `sequence_id`.
-    fn claim(&self, request: ClaimRequest) -> BoxFuture<'static, StoreResult<Vec<Claimed>>>;
+    fn claim(&self, request: ClaimRequest) -> StoreFuture<Vec<Claimed>>;
 
     /// Marks rows delivered: deletes them, or (when the store retains delivered rows) sets
     /// `delivered_at`. Only rows still leased by `node` and, with a `fence`, of partitions
@@ -195,7 +199,7 @@ pub trait OutboxStore: Send + Sync + 'static {
         node: NodeId,
         fence: Option<Arc<Fence>>,
         ids: Vec<SequenceId>,
-    ) -> BoxFuture<'static, StoreResult<u64>>;
+    ) -> StoreFuture<u64>;
 
     /// Records failed attempts and releases the rows until their delay has passed (fenced
     /// like [`OutboxStore::ack`]).
@@ -204,7 +208,7 @@ pub trait OutboxStore: Send + Sync + 'static {
         node: NodeId,
         fence: Option<Arc<Fence>>,
         retries: Vec<RetryLater>,
-    ) -> BoxFuture<'static, StoreResult<u64>>;
+    ) -> StoreFuture<u64>;
 
     /// Moves rows to the dead letters in one transaction (fenced like [`OutboxStore::ack`]).
     fn dead_letter(
@@ -212,11 +216,11 @@ pub trait OutboxStore: Send + Sync + 'static {
         node: NodeId,
         fence: Option<Arc<Fence>>,
         entries: Vec<DeadLetter>,
-    ) -> BoxFuture<'static, StoreResult<u64>>;
+    ) -> StoreFuture<u64>;
 
     /// Returns leased rows to claimable at once, without counting an attempt
     /// (graceful shutdown, or later rows of a key whose earlier row must retry).
-    fn release(&self, node: NodeId, ids: Vec<SequenceId>) -> BoxFuture<'static, StoreResult<u64>>;
+    fn release(&self, node: NodeId, ids: Vec<SequenceId>) -> StoreFuture<u64>;
 
     /// Pushes the lease of these rows, still held by `node`, to `now + lease`.
     fn extend_leases(
@@ -224,19 +228,19 @@ pub trait OutboxStore: Send + Sync + 'static {
         node: NodeId,
         ids: Vec<SequenceId>,
         lease: Duration,
-    ) -> BoxFuture<'static, StoreResult<u64>>;
+    ) -> StoreFuture<u64>;
 
     /// Backlog counts for metrics.
-    fn backlog(&self) -> BoxFuture<'static, StoreResult<Backlog>>;
+    fn backlog(&self) -> StoreFuture<Backlog>;
 
     /// Inserts events the way an application does (used by `outbox-relay send` and tests).
-    fn insert(&self, events: Vec<NewEvent>) -> BoxFuture<'static, StoreResult<Vec<SequenceId>>>;
+    fn insert(&self, events: Vec<NewEvent>) -> StoreFuture<Vec<SequenceId>>;
 
     /// Checks connectivity with the cheapest possible statement.
-    fn ping(&self) -> BoxFuture<'static, StoreResult<()>>;
+    fn ping(&self) -> StoreFuture<()>;
 
     /// Verifies tables, trigger and privileges; every problem comes with its fix.
-    fn verify(&self) -> BoxFuture<'static, StoreResult<Vec<Problem>>>;
+    fn verify(&self) -> StoreFuture<Vec<Problem>>;
 
     /// A task that calls `on_change` whenever rows may have been committed (PostgreSQL
     /// NOTIFY, SQLite's data version), and once after each reconnect, for as long as it is
@@ -285,11 +289,7 @@ pub enum Registration {
 pub trait NodeRegistry: Send + Sync + 'static {
     /// Inserts this node's row with `expiry = now + ttl` if it is absent, or takes it over if
     /// its expiry has passed; otherwise leaves it and reports its expiry.
-    fn register(
-        &self,
-        node: NodeId,
-        ttl: Duration,
-    ) -> BoxFuture<'static, StoreResult<Registration>>;
+    fn register(&self, node: NodeId, ttl: Duration) -> StoreFuture<Registration>;
 
     /// Pushes this node's expiry to `now + ttl` if the row still shows `last`, or inserts it
     /// again if it is gone (expired and removed by another node). Returns the new expiry, or
@@ -300,16 +300,16 @@ pub trait NodeRegistry: Send + Sync + 'static {
         node: NodeId,
         last: Incarnation,
         ttl: Duration,
-    ) -> BoxFuture<'static, StoreResult<Option<Incarnation>>>;
+    ) -> StoreFuture<Option<Incarnation>>;
 
     /// Deletes rows whose expiry has passed; returns how many.
-    fn remove_expired(&self) -> BoxFuture<'static, StoreResult<u64>>;
+    fn remove_expired(&self) -> StoreFuture<u64>;
 
     /// Deletes this node's row (graceful shutdown) if it still shows `last`.
-    fn deregister(&self, node: NodeId, last: Incarnation) -> BoxFuture<'static, StoreResult<()>>;
+    fn deregister(&self, node: NodeId, last: Incarnation) -> StoreFuture<()>;
 
     /// The nodes whose expiry has not passed.
-    fn live_nodes(&self) -> BoxFuture<'static, StoreResult<Vec<NodeRecord>>>;
+    fn live_nodes(&self) -> StoreFuture<Vec<NodeRecord>>;
 }
 
 /// A partition's lease as stored.
@@ -327,7 +327,7 @@ pub struct PartitionRecord {
 /// increments the epoch; renewing and releasing apply only to the holder at its epoch.
 pub trait PartitionRegistry: Send + Sync + 'static {
     /// The outbox's partition count (fixed when it was migrated).
-    fn partition_count(&self) -> BoxFuture<'static, StoreResult<u32>>;
+    fn partition_count(&self) -> StoreFuture<u32>;
 
     /// Takes the free or expired ones of `partitions`; returns those taken with their new
     /// epochs.
@@ -336,25 +336,16 @@ pub trait PartitionRegistry: Send + Sync + 'static {
         node: NodeId,
         partitions: Vec<i32>,
         ttl: Duration,
-    ) -> BoxFuture<'static, StoreResult<Vec<(i32, i64)>>>;
+    ) -> StoreFuture<Vec<(i32, i64)>>;
 
     /// Extends the leases `node` still holds at these epochs; returns the partitions renewed.
-    fn renew(
-        &self,
-        node: NodeId,
-        held: Vec<(i32, i64)>,
-        ttl: Duration,
-    ) -> BoxFuture<'static, StoreResult<Vec<i32>>>;
+    fn renew(&self, node: NodeId, held: Vec<(i32, i64)>, ttl: Duration) -> StoreFuture<Vec<i32>>;
 
     /// Gives partitions up (after their work is settled).
-    fn release_partitions(
-        &self,
-        node: NodeId,
-        partitions: Vec<i32>,
-    ) -> BoxFuture<'static, StoreResult<u64>>;
+    fn release_partitions(&self, node: NodeId, partitions: Vec<i32>) -> StoreFuture<u64>;
 
     /// Every partition's lease.
-    fn partitions(&self) -> BoxFuture<'static, StoreResult<Vec<PartitionRecord>>>;
+    fn partitions(&self) -> StoreFuture<Vec<PartitionRecord>>;
 }
 
 /// Backlog of one destination, for `stats`.
@@ -399,22 +390,18 @@ pub enum DeadSelector {
 /// Operator commands. Bulk changes go in bounded batches (the callers loop), so no statement
 /// holds locks on many rows for long.
 pub trait Operations: Send + Sync + 'static {
-    fn destination_stats(&self) -> BoxFuture<'static, StoreResult<Vec<DestinationStats>>>;
+    fn destination_stats(&self) -> StoreFuture<Vec<DestinationStats>>;
 
-    fn dead_list(
-        &self,
-        destination: Option<String>,
-        limit: u32,
-    ) -> BoxFuture<'static, StoreResult<Vec<DeadRecord>>>;
+    fn dead_list(&self, destination: Option<String>, limit: u32) -> StoreFuture<Vec<DeadRecord>>;
 
     /// Moves dead letters back into the outbox, under their old sequence ids, with attempts
     /// reset: the relay publishes them again.
-    fn dead_retry(&self, selector: DeadSelector) -> BoxFuture<'static, StoreResult<u64>>;
+    fn dead_retry(&self, selector: DeadSelector) -> StoreFuture<u64>;
 
-    fn dead_purge(&self, selector: DeadSelector) -> BoxFuture<'static, StoreResult<u64>>;
+    fn dead_purge(&self, selector: DeadSelector) -> StoreFuture<u64>;
 
     /// The retained delivered events `selector` chooses: how many there are.
-    fn count_replayable(&self, selector: ReplaySelector) -> BoxFuture<'static, StoreResult<u64>>;
+    fn count_replayable(&self, selector: ReplaySelector) -> StoreFuture<u64>;
 
     /// Marks up to `batch` of them pending again, in sequence order after `after`; returns
     /// how many and the last sequence id (the next call's `after`).
@@ -423,7 +410,7 @@ pub trait Operations: Send + Sync + 'static {
         selector: ReplaySelector,
         after: SequenceId,
         batch: u32,
-    ) -> BoxFuture<'static, StoreResult<(u64, SequenceId)>>;
+    ) -> StoreFuture<(u64, SequenceId)>;
 
     /// Delivered (retained) rows older than `delivered_before`, and dead letters older than
     /// `dead_before`: how many there are.
@@ -431,15 +418,11 @@ pub trait Operations: Send + Sync + 'static {
         &self,
         delivered_before: Option<SystemTime>,
         dead_before: Option<SystemTime>,
-    ) -> BoxFuture<'static, StoreResult<(u64, u64)>>;
+    ) -> StoreFuture<(u64, u64)>;
 
     /// Deletes up to `batch` delivered rows older than `before`; returns how many.
-    fn prune_delivered(
-        &self,
-        before: SystemTime,
-        batch: u32,
-    ) -> BoxFuture<'static, StoreResult<u64>>;
+    fn prune_delivered(&self, before: SystemTime, batch: u32) -> StoreFuture<u64>;
 
     /// Deletes up to `batch` dead letters older than `before`; returns how many.
-    fn prune_dead(&self, before: SystemTime, batch: u32) -> BoxFuture<'static, StoreResult<u64>>;
+    fn prune_dead(&self, before: SystemTime, batch: u32) -> StoreFuture<u64>;
 }

@@ -23,7 +23,7 @@ use futures::future::BoxFuture;
 use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt};
 use outbox_core::health::Check;
-use outbox_core::store::{Backlog, ClaimRequest, DeadLetter, RetryLater, StoreResult};
+use outbox_core::store::{Backlog, ClaimRequest, DeadLetter, RetryLater, StoreFuture, StoreResult};
 use outbox_core::{
     Backoff, Event, Fence, Health, NodeId, OutboxStore, Ownership, PublishError, PublishErrorKind,
     Publisher, RetryDecision, RetryPolicy, SequenceId, StoreError,
@@ -187,7 +187,7 @@ impl Default for OwnershipSeen {
 /// a row whose ack is lost would be published again, one whose retry is lost could reorder.
 async fn persist<F>(health: Arc<Health>, what: &'static str, mut op: F) -> StoreResult<u64>
 where
-    F: FnMut() -> BoxFuture<'static, StoreResult<u64>>,
+    F: FnMut() -> StoreFuture<u64>,
 {
     let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(5));
     loop {
@@ -247,6 +247,9 @@ pub fn shutdown_cleanup_reserve(shutdown_timeout: Duration) -> Duration {
     (shutdown_timeout / 4).min(SHUTDOWN_CLEANUP_RESERVE)
 }
 
+/// One of the store's settles that a fence guards: ack, retry later, dead-letter.
+type FencedSettle<T> = fn(&dyn OutboxStore, NodeId, Option<Arc<Fence>>, T) -> StoreFuture<u64>;
+
 impl Engine {
     /// The fence settles carry: the held partitions at their epochs.
     fn settle_fence(&self) -> Option<Arc<Fence>> {
@@ -258,6 +261,31 @@ impl Engine {
 
     fn spawn_settle(&mut self, settle: BoxFuture<'static, Settled>) {
         self.settling.push(settle);
+    }
+
+    /// Persists a fenced settle of `rows` (ack, retry, dead-letter) in the background, retried
+    /// while the database is away (see [`persist`]); `settled` makes the loop's event of it.
+    fn spawn_fenced_settle<T: Clone + Send + Sync + 'static>(
+        &mut self,
+        what: &'static str,
+        rows: T,
+        op: FencedSettle<T>,
+        settled: impl FnOnce(StoreResult<u64>) -> Settled + Send + 'static,
+    ) {
+        let store = self.store.clone();
+        let node = self.config.node.clone();
+        let health = self.config.health.clone();
+        let fence = self.settle_fence();
+        self.spawn_settle(
+            async move {
+                let result = persist(health, what, || {
+                    op(&*store, node.clone(), fence.clone(), rows.clone())
+                })
+                .await;
+                settled(result)
+            }
+            .boxed(),
+        );
     }
 
     fn release(&mut self, ids: Vec<SequenceId>) {
@@ -377,9 +405,6 @@ impl Engine {
         if entries.is_empty() {
             return;
         }
-        let store = self.store.clone();
-        let node = self.config.node.clone();
-        let health = self.config.health.clone();
         let mut keys = Vec::with_capacity(entries.len());
         let mut rows = Vec::with_capacity(entries.len());
         for (key, destination, row) in entries {
@@ -387,16 +412,11 @@ impl Engine {
             rows.push(row);
         }
         let ids: Vec<SequenceId> = rows.iter().map(|r| r.sequence_id).collect();
-        let fence = self.settle_fence();
-        self.spawn_settle(
-            async move {
-                let result = persist(health, "dead-letter", || {
-                    store.dead_letter(node.clone(), fence.clone(), rows.clone())
-                })
-                .await;
-                Settled::DeadLettered(keys, ids, result)
-            }
-            .boxed(),
+        self.spawn_fenced_settle(
+            "dead-letter",
+            rows,
+            |store, node, fence, rows| store.dead_letter(node, fence, rows),
+            |result| Settled::DeadLettered(keys, ids, result),
         );
     }
 
@@ -499,20 +519,12 @@ impl Engine {
         if acked.is_empty() {
             return;
         }
-        let store = self.store.clone();
-        let node = self.config.node.clone();
-        let health = self.config.health.clone();
         let ids: Vec<SequenceId> = acked.iter().map(|a| a.sequence_id).collect();
-        let fence = self.settle_fence();
-        self.spawn_settle(
-            async move {
-                let result = persist(health, "ack", || {
-                    store.ack(node.clone(), fence.clone(), ids.clone())
-                })
-                .await;
-                Settled::Acked(acked, result)
-            }
-            .boxed(),
+        self.spawn_fenced_settle(
+            "ack",
+            ids,
+            |store, node, fence, ids| store.ack(node, fence, ids),
+            |result| Settled::Acked(acked, result),
         );
     }
 
@@ -520,23 +532,15 @@ impl Engine {
         if retries.is_empty() {
             return;
         }
-        let store = self.store.clone();
-        let node = self.config.node.clone();
-        let health = self.config.health.clone();
         let ids: Vec<SequenceId> = retries.iter().map(|r| r.sequence_id).collect();
         // A retry statement releases its rows: a claim may take them again (once due)
         // before this reports back.
         self.lanes.releasing(&ids);
-        let fence = self.settle_fence();
-        self.spawn_settle(
-            async move {
-                let result = persist(health, "retry", || {
-                    store.retry_later(node.clone(), fence.clone(), retries.clone())
-                })
-                .await;
-                Settled::Retried(keys, ids, result)
-            }
-            .boxed(),
+        self.spawn_fenced_settle(
+            "retry",
+            retries,
+            |store, node, fence, retries| store.retry_later(node, fence, retries),
+            |result| Settled::Retried(keys, ids, result),
         );
     }
 
@@ -611,9 +615,14 @@ impl Engine {
 /// The claim step and the loop's bookkeeping, beside `dispatch`, `on_published` and
 /// `on_settled` above.
 impl Engine {
-    /// Publishes, settles and the lanes are all empty: nothing of ours is in flight.
+    /// No publish and no settle is in flight.
     fn nothing_pending(&self) -> bool {
         self.publishing.is_empty() && self.settling.is_empty()
+    }
+
+    /// Nothing in flight and no row held: the engine has no work of its own left.
+    fn idle(&self) -> bool {
+        self.nothing_pending() && self.lanes.held() == 0
     }
 
     /// Acts on a changed ownership, or on a lease that ran out by our clock: the work of
@@ -653,10 +662,7 @@ impl Engine {
     /// its gated wake-up. A claim in flight does not count, so the claim a gated store asks
     /// for after taking its lock does not flip this back.
     fn report_waiting(&mut self) {
-        let waiting = self.nothing_pending()
-            && self.lanes.held() == 0
-            && !self.claims.backlog
-            && self.stopping.is_none();
+        let waiting = self.idle() && !self.claims.backlog && self.stopping.is_none();
         if waiting != self.reported_waiting {
             self.store.set_waiting(waiting);
             self.reported_waiting = waiting;
@@ -781,8 +787,11 @@ impl Engine {
     /// With a drain, once nothing more is claimed: whether what is still pending lets the
     /// drain end (and how, in `summary.drain`). Checked once per claim.
     async fn drain_finished(&mut self) -> bool {
-        let idle = self.claims.settled_empty() && self.nothing_pending() && self.lanes.held() == 0;
-        if !self.config.drain || !idle || self.drain_checked == self.claims.started {
+        if !self.config.drain
+            || !self.claims.settled_empty()
+            || !self.idle()
+            || self.drain_checked == self.claims.started
+        {
             return false;
         }
         self.drain_checked = self.claims.started;

@@ -19,6 +19,22 @@ pub enum RowId {
     Uuid(Uuid),
 }
 
+impl RowId {
+    pub fn integer(&self) -> Option<i64> {
+        match self {
+            RowId::Integer(i) => Some(*i),
+            RowId::Uuid(_) => None,
+        }
+    }
+
+    pub fn uuid(&self) -> Option<Uuid> {
+        match self {
+            RowId::Uuid(u) => Some(*u),
+            RowId::Integer(_) => None,
+        }
+    }
+}
+
 /// A selected row, in [`crate::sql::Sql::select_list`] order, as plain values.
 #[derive(Clone, Debug)]
 pub struct RawRow {
@@ -166,31 +182,6 @@ pub fn decode(
     node: &str,
     lease: Duration,
 ) -> Claimed {
-    let created_at_problem = raw
-        .created_micros
-        .and_then(outbox_core::time::created_at_problem);
-    match (
-        decode_columns(mapping, raw, memory, node, lease),
-        created_at_problem,
-    ) {
-        (Claimed::Event(event), Some(reason)) => Claimed::Undecodable {
-            sequence_id: event.sequence_id,
-            ordering_key: event.ordering_key().to_string(),
-            destination: event.destination,
-            attempts: event.attempts,
-            reason,
-        },
-        (claimed, _) => claimed,
-    }
-}
-
-fn decode_columns(
-    mapping: &Mapping,
-    raw: RawRow,
-    memory: &mut Memory,
-    node: &str,
-    lease: Duration,
-) -> Claimed {
     let handle = memory.handle(&raw.id);
     let id_text = match &raw.id {
         RowId::Integer(i) => i.to_string(),
@@ -232,7 +223,16 @@ fn decode_columns(
         Some(text) => Uuid::parse_str(text.trim()).map_err(|e| format!("event id {text:?}: {e}")),
         None => Ok(derived_event_id(mapping, &id_text)),
     };
-    let decoded = payload.and_then(|p| headers.and_then(|h| event_id.map(|id| (p, h, id))));
+    let created_at = match raw
+        .created_micros
+        .and_then(outbox_core::time::created_at_problem)
+    {
+        Some(reason) => Err(reason),
+        None => Ok(()),
+    };
+    let decoded = payload.and_then(|p| {
+        headers.and_then(|h| event_id.and_then(|id| created_at.map(|()| (p, h, id))))
+    });
     match decoded {
         Ok((payload, headers, event_id)) => Claimed::Event(Event {
             sequence_id: handle,

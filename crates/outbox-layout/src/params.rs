@@ -105,23 +105,11 @@ impl Params {
         match self.dialect {
             Dialect::Postgres => match id_type {
                 IdType::Integer => {
-                    let ids = ids
-                        .iter()
-                        .filter_map(|id| match id {
-                            RowId::Integer(i) => Some(*i),
-                            RowId::Uuid(_) => None,
-                        })
-                        .collect();
+                    let ids = ids.iter().filter_map(RowId::integer).collect();
                     format!("= ANY({})", self.push(Value::Ints(ids), "int8[]"))
                 }
                 IdType::Uuid => {
-                    let ids = ids
-                        .iter()
-                        .filter_map(|id| match id {
-                            RowId::Uuid(u) => Some(*u),
-                            RowId::Integer(_) => None,
-                        })
-                        .collect();
+                    let ids = ids.iter().filter_map(RowId::uuid).collect();
                     format!("= ANY({})", self.push(Value::Uuids(ids), "uuid[]"))
                 }
             },

@@ -27,7 +27,7 @@ use futures::FutureExt;
 use outbox_core::store::{
     Backlog, ClaimRequest, Claimed, DeadLetter, DeadRecord, DeadSelector, DestinationStats,
     Incarnation, NodeRecord, NodeRegistry, OnChange, Operations, Problem, Registration,
-    ReplaySelector, RetryLater, StoreResult,
+    ReplaySelector, RetryLater, StoreFuture, StoreResult,
 };
 use outbox_core::time::{from_micros, micros, millis};
 use outbox_core::{Fence, NewEvent, NodeId, OutboxStore, SequenceId, StoreError, StoreErrorKind};
@@ -395,6 +395,37 @@ impl<D: MappedDb> MappedStore<D> {
         }
     }
 
+    /// One execution per row, all in one transaction: `statement` binds the row's values and
+    /// returns the statement (the same text for every row). `None` when the layout records
+    /// nothing in the table (memory alone keeps it); rows the table no longer has are skipped.
+    async fn statement_per_row<T>(
+        &self,
+        context: &'static str,
+        rows: &[T],
+        handle: impl Fn(&T) -> SequenceId,
+        statement: impl Fn(&T, &RowId, &mut Params) -> Option<String>,
+    ) -> StoreResult<Option<u64>> {
+        let mut text = None;
+        let mut bound = Vec::new();
+        for row in rows {
+            let Some(id) = self.row_ids(&[handle(row)]).pop() else {
+                continue;
+            };
+            let mut p = self.params();
+            text = statement(row, &id, &mut p);
+            bound.push(p);
+        }
+        match text {
+            Some(text) => self
+                .inner
+                .db
+                .execute_each(context, text, bound)
+                .await
+                .map(Some),
+            None => Ok(None),
+        }
+    }
+
     async fn first_int(
         &self,
         context: &'static str,
@@ -596,7 +627,7 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
         )
     }
 
-    fn claim(&self, request: ClaimRequest) -> BoxFuture<'static, StoreResult<Vec<Claimed>>> {
+    fn claim(&self, request: ClaimRequest) -> StoreFuture<Vec<Claimed>> {
         let store = self.clone();
         async move {
             if !store.ensure_active(request.lease).await? {
@@ -652,7 +683,7 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
         node: NodeId,
         _fence: Option<Arc<Fence>>,
         ids: Vec<SequenceId>,
-    ) -> BoxFuture<'static, StoreResult<u64>> {
+    ) -> StoreFuture<u64> {
         let store = self.clone();
         async move {
             let n = store
@@ -672,37 +703,28 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
         node: NodeId,
         _fence: Option<Arc<Fence>>,
         retries: Vec<RetryLater>,
-    ) -> BoxFuture<'static, StoreResult<u64>> {
+    ) -> StoreFuture<u64> {
         let store = self.clone();
         async move {
             let sql = &store.inner.sql;
-            let mut statement = None;
-            let mut rows = Vec::new();
-            for r in &retries {
-                let Some(id) = store.row_ids(&[r.sequence_id]).pop() else {
-                    continue;
-                };
-                let mut p = store.params();
-                statement = sql.retry(
-                    &p.id(&id),
-                    &p.text(node.0.clone()),
-                    &p.int(r.attempts as i64),
-                    &p.text(r.error.clone()),
-                    &p.int(millis(r.delay)),
-                );
-                rows.push(p);
-            }
-            let n = match statement {
-                Some(statement) => {
-                    store
-                        .inner
-                        .db
-                        .execute_each("retry", statement, rows)
-                        .await?
-                }
+            let n = store
+                .statement_per_row(
+                    "retry",
+                    &retries,
+                    |r| r.sequence_id,
+                    |r, id, p| {
+                        sql.retry(
+                            &p.id(id),
+                            &p.text(node.0.clone()),
+                            &p.int(r.attempts as i64),
+                            &p.text(r.error.clone()),
+                            &p.int(millis(r.delay)),
+                        )
+                    },
+                )
+                .await?
                 // Nothing to record in the table: memory holds the attempt and the backoff.
-                None => retries.len() as u64,
-            };
+                .unwrap_or(retries.len() as u64);
             // After the table recorded it: the key unblocks here no sooner than there.
             store.memory().retried(&retries);
             Ok(n)
@@ -715,35 +737,26 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
         node: NodeId,
         _fence: Option<Arc<Fence>>,
         entries: Vec<DeadLetter>,
-    ) -> BoxFuture<'static, StoreResult<u64>> {
+    ) -> StoreFuture<u64> {
         let store = self.clone();
         async move {
             let sql = &store.inner.sql;
-            let mut statement = None;
-            let mut rows = Vec::new();
-            for e in &entries {
-                let Some(id) = store.row_ids(&[e.sequence_id]).pop() else {
-                    continue;
-                };
-                let mut p = store.params();
-                statement = Some(sql.dead_letter(
-                    &p.id(&id),
-                    &p.text(node.0.clone()),
-                    &p.int(e.attempts as i64),
-                    &p.text(e.error.clone()),
-                ));
-                rows.push(p);
-            }
-            let n = match statement {
-                Some(statement) => {
-                    store
-                        .inner
-                        .db
-                        .execute_each("dead-letter", statement, rows)
-                        .await?
-                }
-                None => 0,
-            };
+            let n = store
+                .statement_per_row(
+                    "dead-letter",
+                    &entries,
+                    |e| e.sequence_id,
+                    |e, id, p| {
+                        Some(sql.dead_letter(
+                            &p.id(id),
+                            &p.text(node.0.clone()),
+                            &p.int(e.attempts as i64),
+                            &p.text(e.error.clone()),
+                        ))
+                    },
+                )
+                .await?
+                .unwrap_or(0);
             let handles: Vec<SequenceId> = entries.iter().map(|e| e.sequence_id).collect();
             store.memory().settled(&handles, true);
             Ok(n)
@@ -751,7 +764,7 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
         .boxed()
     }
 
-    fn release(&self, node: NodeId, ids: Vec<SequenceId>) -> BoxFuture<'static, StoreResult<u64>> {
+    fn release(&self, node: NodeId, ids: Vec<SequenceId>) -> StoreFuture<u64> {
         let store = self.clone();
         async move {
             let n = store
@@ -772,7 +785,7 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
         node: NodeId,
         ids: Vec<SequenceId>,
         lease: Duration,
-    ) -> BoxFuture<'static, StoreResult<u64>> {
+    ) -> StoreFuture<u64> {
         let store = self.clone();
         async move {
             store.memory().extend(&ids, lease);
@@ -787,7 +800,7 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
         .boxed()
     }
 
-    fn backlog(&self) -> BoxFuture<'static, StoreResult<Backlog>> {
+    fn backlog(&self) -> StoreFuture<Backlog> {
         let store = self.clone();
         async move {
             let statement = store.inner.sql.stats(false);
@@ -811,17 +824,17 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
         .boxed()
     }
 
-    fn insert(&self, events: Vec<NewEvent>) -> BoxFuture<'static, StoreResult<Vec<SequenceId>>> {
+    fn insert(&self, events: Vec<NewEvent>) -> StoreFuture<Vec<SequenceId>> {
         let store = self.clone();
         async move { store.insert_events(events).await }.boxed()
     }
 
-    fn ping(&self) -> BoxFuture<'static, StoreResult<()>> {
+    fn ping(&self) -> StoreFuture<()> {
         let store = self.clone();
         async move { store.inner.db.ping().await }.boxed()
     }
 
-    fn verify(&self) -> BoxFuture<'static, StoreResult<Vec<Problem>>> {
+    fn verify(&self) -> StoreFuture<Vec<Problem>> {
         let store = self.clone();
         async move { store.verify().await }.boxed()
     }
@@ -837,11 +850,7 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
 
 /// Layouts without a nodes table keep no membership: one active relay holds the table's lock.
 impl<D: MappedDb> NodeRegistry for MappedStore<D> {
-    fn register(
-        &self,
-        node: NodeId,
-        ttl: Duration,
-    ) -> BoxFuture<'static, StoreResult<Registration>> {
+    fn register(&self, node: NodeId, ttl: Duration) -> StoreFuture<Registration> {
         match self.inner.db.nodes() {
             Some(nodes) => nodes.register(node, ttl),
             None => futures::future::ready(Ok(Registration::Registered(Incarnation(0)))).boxed(),
@@ -853,28 +862,28 @@ impl<D: MappedDb> NodeRegistry for MappedStore<D> {
         node: NodeId,
         last: Incarnation,
         ttl: Duration,
-    ) -> BoxFuture<'static, StoreResult<Option<Incarnation>>> {
+    ) -> StoreFuture<Option<Incarnation>> {
         match self.inner.db.nodes() {
             Some(nodes) => nodes.heartbeat(node, last, ttl),
             None => futures::future::ready(Ok(Some(last))).boxed(),
         }
     }
 
-    fn remove_expired(&self) -> BoxFuture<'static, StoreResult<u64>> {
+    fn remove_expired(&self) -> StoreFuture<u64> {
         match self.inner.db.nodes() {
             Some(nodes) => nodes.remove_expired(),
             None => futures::future::ready(Ok(0)).boxed(),
         }
     }
 
-    fn deregister(&self, node: NodeId, last: Incarnation) -> BoxFuture<'static, StoreResult<()>> {
+    fn deregister(&self, node: NodeId, last: Incarnation) -> StoreFuture<()> {
         match self.inner.db.nodes() {
             Some(nodes) => nodes.deregister(node, last),
             None => futures::future::ready(Ok(())).boxed(),
         }
     }
 
-    fn live_nodes(&self) -> BoxFuture<'static, StoreResult<Vec<NodeRecord>>> {
+    fn live_nodes(&self) -> StoreFuture<Vec<NodeRecord>> {
         match self.inner.db.nodes() {
             Some(nodes) => nodes.live_nodes(),
             None => futures::future::ready(Ok(Vec::new())).boxed(),
@@ -883,7 +892,7 @@ impl<D: MappedDb> NodeRegistry for MappedStore<D> {
 }
 
 impl<D: MappedDb> Operations for MappedStore<D> {
-    fn destination_stats(&self) -> BoxFuture<'static, StoreResult<Vec<DestinationStats>>> {
+    fn destination_stats(&self) -> StoreFuture<Vec<DestinationStats>> {
         let store = self.clone();
         async move {
             let statement = store.inner.sql.stats(true);
@@ -910,11 +919,7 @@ impl<D: MappedDb> Operations for MappedStore<D> {
         .boxed()
     }
 
-    fn dead_list(
-        &self,
-        destination: Option<String>,
-        limit: u32,
-    ) -> BoxFuture<'static, StoreResult<Vec<DeadRecord>>> {
+    fn dead_list(&self, destination: Option<String>, limit: u32) -> StoreFuture<Vec<DeadRecord>> {
         let store = self.clone();
         async move {
             let sql = &store.inner.sql;
@@ -945,7 +950,7 @@ impl<D: MappedDb> Operations for MappedStore<D> {
         .boxed()
     }
 
-    fn dead_retry(&self, selector: DeadSelector) -> BoxFuture<'static, StoreResult<u64>> {
+    fn dead_retry(&self, selector: DeadSelector) -> StoreFuture<u64> {
         let store = self.clone();
         async move {
             let (condition, p) = store.selector(&selector)?;
@@ -968,7 +973,7 @@ impl<D: MappedDb> Operations for MappedStore<D> {
         .boxed()
     }
 
-    fn dead_purge(&self, selector: DeadSelector) -> BoxFuture<'static, StoreResult<u64>> {
+    fn dead_purge(&self, selector: DeadSelector) -> StoreFuture<u64> {
         let store = self.clone();
         async move {
             let (condition, p) = store.selector(&selector)?;
@@ -980,7 +985,7 @@ impl<D: MappedDb> Operations for MappedStore<D> {
         .boxed()
     }
 
-    fn count_replayable(&self, selector: ReplaySelector) -> BoxFuture<'static, StoreResult<u64>> {
+    fn count_replayable(&self, selector: ReplaySelector) -> StoreFuture<u64> {
         let store = self.clone();
         async move {
             let (condition, p) = store.replay_condition(selector)?;
@@ -995,21 +1000,14 @@ impl<D: MappedDb> Operations for MappedStore<D> {
         selector: ReplaySelector,
         after: SequenceId,
         batch: u32,
-    ) -> BoxFuture<'static, StoreResult<(u64, SequenceId)>> {
+    ) -> StoreFuture<(u64, SequenceId)> {
         let store = self.clone();
         async move {
             let sql = &store.inner.sql;
             let (condition, mut p) = store.replay_condition(selector)?;
             let condition = format!("{condition} AND {} > {}", sql.id_column(), p.int(after));
             let ids = store.pick(&condition, p, batch).await?;
-            let last = ids
-                .iter()
-                .filter_map(|id| match id {
-                    RowId::Integer(i) => Some(*i),
-                    RowId::Uuid(_) => None,
-                })
-                .max()
-                .unwrap_or(after);
+            let last = ids.iter().filter_map(RowId::integer).max().unwrap_or(after);
             if ids.is_empty() {
                 return Ok((0, after));
             }
@@ -1029,7 +1027,7 @@ impl<D: MappedDb> Operations for MappedStore<D> {
         &self,
         delivered_before: Option<SystemTime>,
         dead_before: Option<SystemTime>,
-    ) -> BoxFuture<'static, StoreResult<(u64, u64)>> {
+    ) -> StoreFuture<(u64, u64)> {
         let store = self.clone();
         async move {
             let mut counts = [0, 0];
@@ -1044,16 +1042,12 @@ impl<D: MappedDb> Operations for MappedStore<D> {
         .boxed()
     }
 
-    fn prune_delivered(
-        &self,
-        before: SystemTime,
-        batch: u32,
-    ) -> BoxFuture<'static, StoreResult<u64>> {
+    fn prune_delivered(&self, before: SystemTime, batch: u32) -> StoreFuture<u64> {
         let store = self.clone();
         async move { store.prune(false, before, batch).await }.boxed()
     }
 
-    fn prune_dead(&self, before: SystemTime, batch: u32) -> BoxFuture<'static, StoreResult<u64>> {
+    fn prune_dead(&self, before: SystemTime, batch: u32) -> StoreFuture<u64> {
         let store = self.clone();
         async move { store.prune(true, before, batch).await }.boxed()
     }

@@ -7,7 +7,6 @@
 //! configuration can fix it.
 
 use std::error::Error as StdError;
-use std::fmt;
 
 type Source = Box<dyn StdError + Send + Sync + 'static>;
 
@@ -34,7 +33,8 @@ impl SinkSetupKind {
 }
 
 /// A sink that could not be set up.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
 pub struct SinkSetupError {
     kind: SinkSetupKind,
     message: String,
@@ -72,19 +72,5 @@ impl SinkSetupError {
     /// The message with its chain of causes.
     pub fn report(&self) -> String {
         outbox_core::error::report(self)
-    }
-}
-
-impl fmt::Display for SinkSetupError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.message)
-    }
-}
-
-impl StdError for SinkSetupError {
-    fn source(&self) -> Option<&(dyn StdError + 'static)> {
-        self.source
-            .as_deref()
-            .map(|s| s as &(dyn StdError + 'static))
     }
 }

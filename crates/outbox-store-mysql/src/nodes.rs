@@ -3,11 +3,12 @@
 
 use std::time::Duration;
 
-use futures::future::BoxFuture;
 use futures::FutureExt;
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, Params, Pool, Row, Value};
-use outbox_core::store::{Incarnation, NodeRecord, NodeRegistry, Registration, StoreResult};
+use outbox_core::store::{
+    Incarnation, NodeRecord, NodeRegistry, Registration, StoreFuture, StoreResult,
+};
 use outbox_core::time::{from_micros, millis};
 use outbox_core::NodeId;
 
@@ -131,11 +132,7 @@ impl Nodes {
 }
 
 impl NodeRegistry for Nodes {
-    fn register(
-        &self,
-        node: NodeId,
-        ttl: Duration,
-    ) -> BoxFuture<'static, StoreResult<Registration>> {
+    fn register(&self, node: NodeId, ttl: Duration) -> StoreFuture<Registration> {
         let store = self.clone();
         async move {
             let nodes = store.table.clone();
@@ -157,7 +154,7 @@ impl NodeRegistry for Nodes {
         node: NodeId,
         last: Incarnation,
         ttl: Duration,
-    ) -> BoxFuture<'static, StoreResult<Option<Incarnation>>> {
+    ) -> StoreFuture<Option<Incarnation>> {
         let store = self.clone();
         async move {
             let nodes = store.table.clone();
@@ -171,7 +168,7 @@ impl NodeRegistry for Nodes {
         .boxed()
     }
 
-    fn remove_expired(&self) -> BoxFuture<'static, StoreResult<u64>> {
+    fn remove_expired(&self) -> StoreFuture<u64> {
         let store = self.clone();
         async move {
             let nodes = &store.table;
@@ -186,7 +183,7 @@ impl NodeRegistry for Nodes {
         .boxed()
     }
 
-    fn deregister(&self, node: NodeId, last: Incarnation) -> BoxFuture<'static, StoreResult<()>> {
+    fn deregister(&self, node: NodeId, last: Incarnation) -> StoreFuture<()> {
         let store = self.clone();
         async move {
             let nodes = &store.table;
@@ -205,7 +202,7 @@ impl NodeRegistry for Nodes {
         .boxed()
     }
 
-    fn live_nodes(&self) -> BoxFuture<'static, StoreResult<Vec<NodeRecord>>> {
+    fn live_nodes(&self) -> StoreFuture<Vec<NodeRecord>> {
         let store = self.clone();
         async move {
             let nodes = &store.table;

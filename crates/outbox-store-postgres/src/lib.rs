@@ -23,7 +23,8 @@ use futures::future::BoxFuture;
 use futures::FutureExt;
 use outbox_core::event::headers_from_json_text;
 use outbox_core::store::{
-    Backlog, ClaimRequest, Claimed, DeadLetter, OnChange, Problem, RetryLater, StoreResult,
+    Backlog, ClaimRequest, Claimed, DeadLetter, OnChange, Problem, RetryLater, StoreFuture,
+    StoreResult,
 };
 use outbox_core::{
     Event, Fence, NewEvent, NodeId, OutboxStore, Payload, SequenceId, StoreError, StoreErrorKind,
@@ -657,7 +658,7 @@ impl OutboxStore for PgStore {
         format!("postgres {}", self.inner.tables.outbox)
     }
 
-    fn claim(&self, request: ClaimRequest) -> BoxFuture<'static, StoreResult<Vec<Claimed>>> {
+    fn claim(&self, request: ClaimRequest) -> StoreFuture<Vec<Claimed>> {
         let inner = self.inner.clone();
         async move {
             let limit = request.limit as i64;
@@ -698,7 +699,7 @@ impl OutboxStore for PgStore {
         node: NodeId,
         fence: Option<Arc<Fence>>,
         ids: Vec<SequenceId>,
-    ) -> BoxFuture<'static, StoreResult<u64>> {
+    ) -> StoreFuture<u64> {
         let inner = self.inner.clone();
         async move {
             let sql = if inner.retain_delivered {
@@ -718,7 +719,7 @@ impl OutboxStore for PgStore {
         node: NodeId,
         fence: Option<Arc<Fence>>,
         retries: Vec<RetryLater>,
-    ) -> BoxFuture<'static, StoreResult<u64>> {
+    ) -> StoreFuture<u64> {
         let inner = self.inner.clone();
         async move {
             let ids: Vec<i64> = retries.iter().map(|r| r.sequence_id).collect();
@@ -747,7 +748,7 @@ impl OutboxStore for PgStore {
         node: NodeId,
         fence: Option<Arc<Fence>>,
         entries: Vec<DeadLetter>,
-    ) -> BoxFuture<'static, StoreResult<u64>> {
+    ) -> StoreFuture<u64> {
         let inner = self.inner.clone();
         async move {
             let ids: Vec<i64> = entries.iter().map(|e| e.sequence_id).collect();
@@ -770,7 +771,7 @@ impl OutboxStore for PgStore {
         .boxed()
     }
 
-    fn release(&self, node: NodeId, ids: Vec<SequenceId>) -> BoxFuture<'static, StoreResult<u64>> {
+    fn release(&self, node: NodeId, ids: Vec<SequenceId>) -> StoreFuture<u64> {
         let inner = self.inner.clone();
         async move {
             // Owned-claim rows hold no lease: forgetting them makes them claimable.
@@ -795,7 +796,7 @@ impl OutboxStore for PgStore {
         node: NodeId,
         ids: Vec<SequenceId>,
         lease: Duration,
-    ) -> BoxFuture<'static, StoreResult<u64>> {
+    ) -> StoreFuture<u64> {
         let inner = self.inner.clone();
         async move {
             let leased: Vec<i64> = ids
@@ -820,7 +821,7 @@ impl OutboxStore for PgStore {
         .boxed()
     }
 
-    fn backlog(&self) -> BoxFuture<'static, StoreResult<Backlog>> {
+    fn backlog(&self) -> StoreFuture<Backlog> {
         let inner = self.inner.clone();
         async move {
             let rows = Self::query(&inner, "backlog", &inner.sql.backlog, &[]).await?;
@@ -837,7 +838,7 @@ impl OutboxStore for PgStore {
         .boxed()
     }
 
-    fn insert(&self, events: Vec<NewEvent>) -> BoxFuture<'static, StoreResult<Vec<SequenceId>>> {
+    fn insert(&self, events: Vec<NewEvent>) -> StoreFuture<Vec<SequenceId>> {
         let inner = self.inner.clone();
         async move {
             let ids: Vec<Option<uuid::Uuid>> = events.iter().map(|e| e.event_id).collect();
@@ -872,7 +873,7 @@ impl OutboxStore for PgStore {
         .boxed()
     }
 
-    fn ping(&self) -> BoxFuture<'static, StoreResult<()>> {
+    fn ping(&self) -> StoreFuture<()> {
         let inner = self.inner.clone();
         async move {
             Self::execute(&inner, "ping", "SELECT 1", &[])
@@ -882,7 +883,7 @@ impl OutboxStore for PgStore {
         .boxed()
     }
 
-    fn verify(&self) -> BoxFuture<'static, StoreResult<Vec<Problem>>> {
+    fn verify(&self) -> StoreFuture<Vec<Problem>> {
         let inner = self.inner.clone();
         async move { verify(&inner).await }.boxed()
     }

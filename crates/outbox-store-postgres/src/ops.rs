@@ -3,10 +3,9 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use futures::future::BoxFuture;
 use futures::FutureExt;
 use outbox_core::store::{
-    DeadRecord, DeadSelector, DestinationStats, Operations, ReplaySelector, StoreResult,
+    DeadRecord, DeadSelector, DestinationStats, Operations, ReplaySelector, StoreFuture,
 };
 use outbox_core::SequenceId;
 use tokio_postgres::types::ToSql;
@@ -30,7 +29,7 @@ fn selector(s: &DeadSelector) -> (&'static str, Box<dyn ToSql + Sync + Send>) {
 }
 
 impl Operations for PgStore {
-    fn destination_stats(&self) -> BoxFuture<'static, StoreResult<Vec<DestinationStats>>> {
+    fn destination_stats(&self) -> StoreFuture<Vec<DestinationStats>> {
         let inner = self.inner.clone();
         async move {
             let t = inner.tables.outbox.quoted();
@@ -71,11 +70,7 @@ impl Operations for PgStore {
         .boxed()
     }
 
-    fn dead_list(
-        &self,
-        destination: Option<String>,
-        limit: u32,
-    ) -> BoxFuture<'static, StoreResult<Vec<DeadRecord>>> {
+    fn dead_list(&self, destination: Option<String>, limit: u32) -> StoreFuture<Vec<DeadRecord>> {
         let inner = self.inner.clone();
         async move {
             let dl = inner.tables.dead_letters.quoted();
@@ -109,7 +104,7 @@ impl Operations for PgStore {
         .boxed()
     }
 
-    fn dead_retry(&self, which: DeadSelector) -> BoxFuture<'static, StoreResult<u64>> {
+    fn dead_retry(&self, which: DeadSelector) -> StoreFuture<u64> {
         let inner = self.inner.clone();
         async move {
             let (t, dl) = (
@@ -136,7 +131,7 @@ impl Operations for PgStore {
         .boxed()
     }
 
-    fn dead_purge(&self, which: DeadSelector) -> BoxFuture<'static, StoreResult<u64>> {
+    fn dead_purge(&self, which: DeadSelector) -> StoreFuture<u64> {
         let inner = self.inner.clone();
         async move {
             let dl = inner.tables.dead_letters.quoted();
@@ -153,7 +148,7 @@ impl Operations for PgStore {
         .boxed()
     }
 
-    fn count_replayable(&self, selector: ReplaySelector) -> BoxFuture<'static, StoreResult<u64>> {
+    fn count_replayable(&self, selector: ReplaySelector) -> StoreFuture<u64> {
         let inner = self.inner.clone();
         async move {
             let t = inner.tables.outbox.quoted();
@@ -178,7 +173,7 @@ impl Operations for PgStore {
         selector: ReplaySelector,
         after: SequenceId,
         batch: u32,
-    ) -> BoxFuture<'static, StoreResult<(u64, SequenceId)>> {
+    ) -> StoreFuture<(u64, SequenceId)> {
         let inner = self.inner.clone();
         async move {
             let t = inner.tables.outbox.quoted();
@@ -222,7 +217,7 @@ impl Operations for PgStore {
         &self,
         delivered_before: Option<SystemTime>,
         dead_before: Option<SystemTime>,
-    ) -> BoxFuture<'static, StoreResult<(u64, u64)>> {
+    ) -> StoreFuture<(u64, u64)> {
         let inner = self.inner.clone();
         async move {
             let (t, dl) = (
@@ -247,16 +242,12 @@ impl Operations for PgStore {
         .boxed()
     }
 
-    fn prune_delivered(
-        &self,
-        before: SystemTime,
-        batch: u32,
-    ) -> BoxFuture<'static, StoreResult<u64>> {
+    fn prune_delivered(&self, before: SystemTime, batch: u32) -> StoreFuture<u64> {
         let table = self.inner.tables.outbox.quoted();
         prune(self, table, "delivered_at", before, batch)
     }
 
-    fn prune_dead(&self, before: SystemTime, batch: u32) -> BoxFuture<'static, StoreResult<u64>> {
+    fn prune_dead(&self, before: SystemTime, batch: u32) -> StoreFuture<u64> {
         let table = self.inner.tables.dead_letters.quoted();
         prune(self, table, "dead_at", before, batch)
     }
@@ -270,7 +261,7 @@ fn prune(
     column: &'static str,
     before: SystemTime,
     batch: u32,
-) -> BoxFuture<'static, StoreResult<u64>> {
+) -> StoreFuture<u64> {
     let inner = store.inner.clone();
     async move {
         let sql = format!(

@@ -3,22 +3,17 @@
 
 use std::time::Duration;
 
-use futures::future::BoxFuture;
 use futures::FutureExt;
 use outbox_core::store::{
     Incarnation, NodeRecord, NodeRegistry, PartitionRecord, PartitionRegistry, Registration,
-    StoreResult,
+    StoreFuture,
 };
 use outbox_core::{NodeId, StoreError, StoreErrorKind};
 
 use crate::{from_micros, millis, PgStore};
 
 impl NodeRegistry for PgStore {
-    fn register(
-        &self,
-        node: NodeId,
-        ttl: Duration,
-    ) -> BoxFuture<'static, StoreResult<Registration>> {
+    fn register(&self, node: NodeId, ttl: Duration) -> StoreFuture<Registration> {
         let inner = self.inner.clone();
         async move {
             let ttl = millis(ttl);
@@ -46,7 +41,7 @@ impl NodeRegistry for PgStore {
         node: NodeId,
         last: Incarnation,
         ttl: Duration,
-    ) -> BoxFuture<'static, StoreResult<Option<Incarnation>>> {
+    ) -> StoreFuture<Option<Incarnation>> {
         let inner = self.inner.clone();
         async move {
             let ttl = millis(ttl);
@@ -62,7 +57,7 @@ impl NodeRegistry for PgStore {
         .boxed()
     }
 
-    fn remove_expired(&self) -> BoxFuture<'static, StoreResult<u64>> {
+    fn remove_expired(&self) -> StoreFuture<u64> {
         let inner = self.inner.clone();
         async move {
             Self::execute(
@@ -76,7 +71,7 @@ impl NodeRegistry for PgStore {
         .boxed()
     }
 
-    fn deregister(&self, node: NodeId, last: Incarnation) -> BoxFuture<'static, StoreResult<()>> {
+    fn deregister(&self, node: NodeId, last: Incarnation) -> StoreFuture<()> {
         let inner = self.inner.clone();
         async move {
             Self::execute(
@@ -91,7 +86,7 @@ impl NodeRegistry for PgStore {
         .boxed()
     }
 
-    fn live_nodes(&self) -> BoxFuture<'static, StoreResult<Vec<NodeRecord>>> {
+    fn live_nodes(&self) -> StoreFuture<Vec<NodeRecord>> {
         let inner = self.inner.clone();
         async move {
             let rows = Self::query(&inner, "list nodes", &inner.sql.live_nodes, &[]).await?;
@@ -108,7 +103,7 @@ impl NodeRegistry for PgStore {
 }
 
 impl PartitionRegistry for PgStore {
-    fn partition_count(&self) -> BoxFuture<'static, StoreResult<u32>> {
+    fn partition_count(&self) -> StoreFuture<u32> {
         let inner = self.inner.clone();
         async move {
             let rows =
@@ -123,7 +118,7 @@ impl PartitionRegistry for PgStore {
         node: NodeId,
         partitions: Vec<i32>,
         ttl: Duration,
-    ) -> BoxFuture<'static, StoreResult<Vec<(i32, i64)>>> {
+    ) -> StoreFuture<Vec<(i32, i64)>> {
         let inner = self.inner.clone();
         async move {
             let ttl = millis(ttl);
@@ -139,12 +134,7 @@ impl PartitionRegistry for PgStore {
         .boxed()
     }
 
-    fn renew(
-        &self,
-        node: NodeId,
-        held: Vec<(i32, i64)>,
-        ttl: Duration,
-    ) -> BoxFuture<'static, StoreResult<Vec<i32>>> {
+    fn renew(&self, node: NodeId, held: Vec<(i32, i64)>, ttl: Duration) -> StoreFuture<Vec<i32>> {
         let inner = self.inner.clone();
         async move {
             let (partitions, epochs): (Vec<i32>, Vec<i64>) = held.into_iter().unzip();
@@ -161,11 +151,7 @@ impl PartitionRegistry for PgStore {
         .boxed()
     }
 
-    fn release_partitions(
-        &self,
-        node: NodeId,
-        partitions: Vec<i32>,
-    ) -> BoxFuture<'static, StoreResult<u64>> {
+    fn release_partitions(&self, node: NodeId, partitions: Vec<i32>) -> StoreFuture<u64> {
         let inner = self.inner.clone();
         async move {
             Self::execute(
@@ -179,7 +165,7 @@ impl PartitionRegistry for PgStore {
         .boxed()
     }
 
-    fn partitions(&self) -> BoxFuture<'static, StoreResult<Vec<PartitionRecord>>> {
+    fn partitions(&self) -> StoreFuture<Vec<PartitionRecord>> {
         let inner = self.inner.clone();
         async move {
             let rows = Self::query(&inner, "list partitions", &inner.sql.partitions, &[]).await?;

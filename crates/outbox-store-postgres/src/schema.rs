@@ -422,19 +422,30 @@ impl Statements {
               RETURNING {RETURNED}"
             )
         };
-        Statements {
-            // $1 node, $2 limit, $3 lease in ms. See outbox_core::store for the contract.
-            claim: claim(
-                &format!(
-                    "AND (o.locked_until IS NULL OR o.locked_until < now())
-                 AND NOT EXISTS (
+        // No earlier pending row of the same key blocks `o`: one that `blocks` says is blocking,
+        // among those leased or failed before (the blocking index's predicate).
+        let unblocked = |blocks: &str| {
+            format!(
+                "NOT EXISTS (
                     SELECT 1 FROM {t} p
                     WHERE {same_key}
                       AND p.sequence_id < o.sequence_id
                       AND p.delivered_at IS NULL
                       AND (p.locked_by IS NOT NULL OR p.attempts > 0)
-                      AND (p.available_at > now()
-                           OR (p.locked_until > now() AND p.locked_by <> $1)))"
+                      AND ({blocks}))"
+            )
+        };
+        // Row leases: a row waiting to retry blocks, and so does one another node leases.
+        let no_lease_or_retry_blocks =
+            unblocked("p.available_at > now() OR (p.locked_until > now() AND p.locked_by <> $1)");
+        // Owned partitions: only a row waiting to retry blocks (ownership replaces leases).
+        let no_retry_blocks = unblocked("p.attempts > 0 AND p.available_at > now()");
+        Statements {
+            // $1 node, $2 limit, $3 lease in ms. See outbox_core::store for the contract.
+            claim: claim(
+                &format!(
+                    "AND (o.locked_until IS NULL OR o.locked_until < now())
+                     AND {no_lease_or_retry_blocks}"
                 ),
                 "FOR UPDATE SKIP LOCKED",
             ),
@@ -454,13 +465,7 @@ impl Statements {
                     AND o.available_at <= now()
                     AND o.sequence_id NOT IN (SELECT unnest($3::int8[]))
                     AND (cardinality({held}) = $4 OR {func}({key_o}, $4) = ANY({held}))
-                    AND NOT EXISTS (
-                       SELECT 1 FROM {t} p
-                       WHERE {same_key}
-                         AND p.sequence_id < o.sequence_id
-                         AND p.delivered_at IS NULL
-                         AND (p.locked_by IS NOT NULL OR p.attempts > 0)
-                         AND p.attempts > 0 AND p.available_at > now())
+                    AND {no_retry_blocks}
                     AND $1::text IS NOT NULL
                     AND o.sequence_id >= $7
                     AND ($7 = 0 OR $8::int8 IS NULL OR now() < to_timestamp($8::int8 / 1000000.0))

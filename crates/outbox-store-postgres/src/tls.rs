@@ -153,6 +153,13 @@ struct Lenient {
     provider: Arc<CryptoProvider>,
 }
 
+impl Lenient {
+    /// The provider's signature algorithms, which every signature check here uses.
+    fn algorithms(&self) -> &rustls::crypto::WebPkiSupportedAlgorithms {
+        &self.provider.signature_verification_algorithms
+    }
+}
+
 impl ServerCertVerifier for Lenient {
     fn verify_server_cert(
         &self,
@@ -179,8 +186,7 @@ impl ServerCertVerifier for Lenient {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        let algorithms = &self.provider.signature_verification_algorithms;
-        rustls::crypto::verify_tls12_signature(message, cert, dss, algorithms)
+        rustls::crypto::verify_tls12_signature(message, cert, dss, self.algorithms())
     }
 
     fn verify_tls13_signature(
@@ -189,14 +195,11 @@ impl ServerCertVerifier for Lenient {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        let algorithms = &self.provider.signature_verification_algorithms;
-        rustls::crypto::verify_tls13_signature(message, cert, dss, algorithms)
+        rustls::crypto::verify_tls13_signature(message, cert, dss, self.algorithms())
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.provider
-            .signature_verification_algorithms
-            .supported_schemes()
+        self.algorithms().supported_schemes()
     }
 }
 

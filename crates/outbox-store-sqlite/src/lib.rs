@@ -16,7 +16,7 @@ use futures::FutureExt;
 use outbox_core::event::headers_from_json_text;
 use outbox_core::store::{
     Backlog, ClaimRequest, Claimed, DeadLetter, Incarnation, NodeRecord, NodeRegistry, OnChange,
-    Problem, Registration, RetryLater, StoreResult,
+    Problem, Registration, RetryLater, StoreFuture, StoreResult,
 };
 use outbox_core::{
     Event, Fence, NewEvent, NodeId, OutboxStore, Payload, SequenceId, StoreError, StoreErrorKind,
@@ -248,7 +248,7 @@ impl SqliteStore {
     fn with_conn<T: Send + 'static>(
         &self,
         f: impl FnOnce(&mut Connection) -> StoreResult<T> + Send + 'static,
-    ) -> BoxFuture<'static, StoreResult<T>> {
+    ) -> StoreFuture<T> {
         let conn = self.conn.clone();
         async move {
             tokio::task::spawn_blocking(move || {
@@ -268,7 +268,7 @@ impl SqliteStore {
         &self,
         context: &'static str,
         f: impl FnOnce(&rusqlite::Transaction<'_>) -> rusqlite::Result<T> + Send + 'static,
-    ) -> BoxFuture<'static, StoreResult<T>> {
+    ) -> StoreFuture<T> {
         self.with_conn(move |conn| {
             let tx = conn
                 .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
@@ -400,7 +400,7 @@ impl OutboxStore for SqliteStore {
         format!("sqlite {}", self.path.display())
     }
 
-    fn claim(&self, request: ClaimRequest) -> BoxFuture<'static, StoreResult<Vec<Claimed>>> {
+    fn claim(&self, request: ClaimRequest) -> StoreFuture<Vec<Claimed>> {
         self.in_tx("claim", move |tx| {
             let mut stmt = tx.prepare_cached(if request.ordered {
                 CLAIM
@@ -427,7 +427,7 @@ impl OutboxStore for SqliteStore {
         node: NodeId,
         _fence: Option<Arc<Fence>>,
         ids: Vec<SequenceId>,
-    ) -> BoxFuture<'static, StoreResult<u64>> {
+    ) -> StoreFuture<u64> {
         let retain = self.retain_delivered;
         self.in_tx("ack", move |tx| {
             let n = if retain {
@@ -451,7 +451,7 @@ impl OutboxStore for SqliteStore {
         node: NodeId,
         _fence: Option<Arc<Fence>>,
         retries: Vec<RetryLater>,
-    ) -> BoxFuture<'static, StoreResult<u64>> {
+    ) -> StoreFuture<u64> {
         self.in_tx("retry", move |tx| {
             let now = now_ms();
             let mut stmt = tx.prepare_cached(
@@ -478,7 +478,7 @@ impl OutboxStore for SqliteStore {
         node: NodeId,
         _fence: Option<Arc<Fence>>,
         entries: Vec<DeadLetter>,
-    ) -> BoxFuture<'static, StoreResult<u64>> {
+    ) -> StoreFuture<u64> {
         self.in_tx("dead-letter", move |tx| {
             let now = now_ms();
             let mut copy = tx.prepare_cached(
@@ -500,7 +500,7 @@ impl OutboxStore for SqliteStore {
         })
     }
 
-    fn release(&self, node: NodeId, ids: Vec<SequenceId>) -> BoxFuture<'static, StoreResult<u64>> {
+    fn release(&self, node: NodeId, ids: Vec<SequenceId>) -> StoreFuture<u64> {
         self.in_tx("release", move |tx| {
             let n = tx
                 .prepare_cached(&format!(
@@ -517,7 +517,7 @@ impl OutboxStore for SqliteStore {
         node: NodeId,
         ids: Vec<SequenceId>,
         lease: Duration,
-    ) -> BoxFuture<'static, StoreResult<u64>> {
+    ) -> StoreFuture<u64> {
         self.in_tx("extend leases", move |tx| {
             let n = tx
                 .prepare_cached(&format!(
@@ -528,7 +528,7 @@ impl OutboxStore for SqliteStore {
         })
     }
 
-    fn backlog(&self) -> BoxFuture<'static, StoreResult<Backlog>> {
+    fn backlog(&self) -> StoreFuture<Backlog> {
         self.with_conn(|conn| {
             let (pending, retrying, oldest): (i64, i64, Option<i64>) = conn
                 .query_row(
@@ -551,7 +551,7 @@ impl OutboxStore for SqliteStore {
         })
     }
 
-    fn insert(&self, events: Vec<NewEvent>) -> BoxFuture<'static, StoreResult<Vec<SequenceId>>> {
+    fn insert(&self, events: Vec<NewEvent>) -> StoreFuture<Vec<SequenceId>> {
         self.in_tx("insert", move |tx| {
             let mut stmt = tx.prepare_cached(
                 "INSERT INTO outbox (event_id, destination, partition_key, event_type, payload,
@@ -580,14 +580,14 @@ impl OutboxStore for SqliteStore {
         })
     }
 
-    fn ping(&self) -> BoxFuture<'static, StoreResult<()>> {
+    fn ping(&self) -> StoreFuture<()> {
         self.with_conn(|conn| {
             conn.query_row("SELECT 1", [], |_| Ok(()))
                 .map_err(|e| sql_error("ping", e))
         })
     }
 
-    fn verify(&self) -> BoxFuture<'static, StoreResult<Vec<Problem>>> {
+    fn verify(&self) -> StoreFuture<Vec<Problem>> {
         self.with_conn(|conn| {
             let mut problems = Vec::new();
             for table in ["outbox", "outbox_dead_letters", "outbox_nodes"] {
@@ -706,11 +706,7 @@ async fn watch_data_version(path: PathBuf, on_change: OnChange) {
 /// Expiries are milliseconds since the Unix epoch; the immediate transaction serialises the
 /// read and the write, so each check-then-write below is atomic.
 impl NodeRegistry for SqliteStore {
-    fn register(
-        &self,
-        node: NodeId,
-        ttl: Duration,
-    ) -> BoxFuture<'static, StoreResult<Registration>> {
+    fn register(&self, node: NodeId, ttl: Duration) -> StoreFuture<Registration> {
         self.in_tx("register", move |tx| {
             let now = now_ms();
             let current: Option<i64> = tx
@@ -738,7 +734,7 @@ impl NodeRegistry for SqliteStore {
         node: NodeId,
         last: Incarnation,
         ttl: Duration,
-    ) -> BoxFuture<'static, StoreResult<Option<Incarnation>>> {
+    ) -> StoreFuture<Option<Incarnation>> {
         self.in_tx("heartbeat", move |tx| {
             let current: Option<i64> = tx
                 .query_row(
@@ -760,14 +756,14 @@ impl NodeRegistry for SqliteStore {
         })
     }
 
-    fn remove_expired(&self) -> BoxFuture<'static, StoreResult<u64>> {
+    fn remove_expired(&self) -> StoreFuture<u64> {
         self.in_tx("remove expired nodes", |tx| {
             tx.execute("DELETE FROM outbox_nodes WHERE expiry < ?1", [now_ms()])
                 .map(|n| n as u64)
         })
     }
 
-    fn deregister(&self, node: NodeId, last: Incarnation) -> BoxFuture<'static, StoreResult<()>> {
+    fn deregister(&self, node: NodeId, last: Incarnation) -> StoreFuture<()> {
         self.in_tx("deregister", move |tx| {
             tx.execute(
                 "DELETE FROM outbox_nodes WHERE id = ?1 AND expiry = ?2",
@@ -777,7 +773,7 @@ impl NodeRegistry for SqliteStore {
         })
     }
 
-    fn live_nodes(&self) -> BoxFuture<'static, StoreResult<Vec<NodeRecord>>> {
+    fn live_nodes(&self) -> StoreFuture<Vec<NodeRecord>> {
         self.with_conn(|conn| {
             let mut stmt = conn
                 .prepare("SELECT id, expiry FROM outbox_nodes WHERE expiry >= ?1 ORDER BY id")

@@ -3,9 +3,9 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use futures::future::BoxFuture;
 use outbox_core::store::{
-    DeadRecord, DeadSelector, DestinationStats, Operations, ReplaySelector, StoreResult,
+    DeadRecord, DeadSelector, DestinationStats, Operations, ReplaySelector, StoreFuture,
+    StoreResult,
 };
 use outbox_core::SequenceId;
 use rusqlite::{params, types::Value};
@@ -32,7 +32,7 @@ fn selector(s: &DeadSelector) -> (&'static str, Value) {
 }
 
 impl Operations for SqliteStore {
-    fn destination_stats(&self) -> BoxFuture<'static, StoreResult<Vec<DestinationStats>>> {
+    fn destination_stats(&self) -> StoreFuture<Vec<DestinationStats>> {
         self.with_conn(|conn| {
             let mut by: BTreeMap<String, DestinationStats> = BTreeMap::new();
             let now = now_ms();
@@ -69,11 +69,7 @@ impl Operations for SqliteStore {
         })
     }
 
-    fn dead_list(
-        &self,
-        destination: Option<String>,
-        limit: u32,
-    ) -> BoxFuture<'static, StoreResult<Vec<DeadRecord>>> {
+    fn dead_list(&self, destination: Option<String>, limit: u32) -> StoreFuture<Vec<DeadRecord>> {
         self.with_conn(move |conn| {
             let mut stmt = conn
                 .prepare(
@@ -100,7 +96,7 @@ impl Operations for SqliteStore {
         })
     }
 
-    fn dead_retry(&self, which: DeadSelector) -> BoxFuture<'static, StoreResult<u64>> {
+    fn dead_retry(&self, which: DeadSelector) -> StoreFuture<u64> {
         self.in_tx("dead retry", move |tx| {
             let (condition, param) = selector(&which);
             tx.execute(
@@ -118,7 +114,7 @@ impl Operations for SqliteStore {
         })
     }
 
-    fn dead_purge(&self, which: DeadSelector) -> BoxFuture<'static, StoreResult<u64>> {
+    fn dead_purge(&self, which: DeadSelector) -> StoreFuture<u64> {
         self.in_tx("dead purge", move |tx| {
             let (condition, param) = selector(&which);
             let n = tx.execute(
@@ -129,7 +125,7 @@ impl Operations for SqliteStore {
         })
     }
 
-    fn count_replayable(&self, selector: ReplaySelector) -> BoxFuture<'static, StoreResult<u64>> {
+    fn count_replayable(&self, selector: ReplaySelector) -> StoreFuture<u64> {
         self.with_conn(move |conn| {
             conn.query_row(
                 "SELECT count(*) FROM outbox WHERE delivered_at IS NOT NULL AND created_at >= ?1
@@ -147,7 +143,7 @@ impl Operations for SqliteStore {
         selector: ReplaySelector,
         after: SequenceId,
         batch: u32,
-    ) -> BoxFuture<'static, StoreResult<(u64, SequenceId)>> {
+    ) -> StoreFuture<(u64, SequenceId)> {
         self.in_tx("replay", move |tx| {
             let mut stmt = tx.prepare(
                 "UPDATE outbox SET delivered_at = NULL, attempts = 0, last_error = NULL,
@@ -180,7 +176,7 @@ impl Operations for SqliteStore {
         &self,
         delivered_before: Option<SystemTime>,
         dead_before: Option<SystemTime>,
-    ) -> BoxFuture<'static, StoreResult<(u64, u64)>> {
+    ) -> StoreFuture<(u64, u64)> {
         self.with_conn(move |conn| {
             let count = |sql: &str, before: Option<SystemTime>| -> StoreResult<u64> {
                 match before {
@@ -204,15 +200,11 @@ impl Operations for SqliteStore {
         })
     }
 
-    fn prune_delivered(
-        &self,
-        before: SystemTime,
-        batch: u32,
-    ) -> BoxFuture<'static, StoreResult<u64>> {
+    fn prune_delivered(&self, before: SystemTime, batch: u32) -> StoreFuture<u64> {
         prune(self, "outbox", "delivered_at", before, batch)
     }
 
-    fn prune_dead(&self, before: SystemTime, batch: u32) -> BoxFuture<'static, StoreResult<u64>> {
+    fn prune_dead(&self, before: SystemTime, batch: u32) -> StoreFuture<u64> {
         prune(self, "outbox_dead_letters", "dead_at", before, batch)
     }
 }
@@ -224,7 +216,7 @@ fn prune(
     column: &'static str,
     before: SystemTime,
     batch: u32,
-) -> BoxFuture<'static, StoreResult<u64>> {
+) -> StoreFuture<u64> {
     store.in_tx("prune", move |tx| {
         tx.execute(
             &format!(
