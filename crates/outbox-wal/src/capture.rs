@@ -33,7 +33,8 @@ use std::time::{Duration, SystemTime};
 use futures::future::BoxFuture;
 use futures::FutureExt;
 use outbox_core::store::{
-    Backlog, ClaimRequest, Claimed, DeadLetter, OnChange, Problem, RetryLater, StoreResult,
+    Backlog, ClaimRequest, Claimed, DeadLetter, OnChange, Problem, RetryLater, StoreFuture,
+    StoreResult,
 };
 use outbox_core::{
     Backoff, Event, Fence, NewEvent, NodeId, OutboxStore, Payload, SequenceId, StoreError,
@@ -858,7 +859,7 @@ impl OutboxStore for WalStore {
         )
     }
 
-    fn claim(&self, request: ClaimRequest) -> BoxFuture<'static, StoreResult<Vec<Claimed>>> {
+    fn claim(&self, request: ClaimRequest) -> StoreFuture<Vec<Claimed>> {
         let inner = self.inner.clone();
         async move { inner.claim(request).await }.boxed()
     }
@@ -868,7 +869,7 @@ impl OutboxStore for WalStore {
         node: NodeId,
         _fence: Option<Arc<Fence>>,
         ids: Vec<SequenceId>,
-    ) -> BoxFuture<'static, StoreResult<u64>> {
+    ) -> StoreFuture<u64> {
         let inner = self.inner.clone();
         async move {
             let (parked, keys, stream) = inner.split(&ids);
@@ -908,7 +909,7 @@ impl OutboxStore for WalStore {
         node: NodeId,
         _fence: Option<Arc<Fence>>,
         retries: Vec<RetryLater>,
-    ) -> BoxFuture<'static, StoreResult<u64>> {
+    ) -> StoreFuture<u64> {
         let inner = self.inner.clone();
         async move {
             let ids: Vec<SequenceId> = retries.iter().map(|r| r.sequence_id).collect();
@@ -957,7 +958,7 @@ impl OutboxStore for WalStore {
         node: NodeId,
         _fence: Option<Arc<Fence>>,
         entries: Vec<DeadLetter>,
-    ) -> BoxFuture<'static, StoreResult<u64>> {
+    ) -> StoreFuture<u64> {
         let inner = self.inner.clone();
         async move {
             let ids: Vec<SequenceId> = entries.iter().map(|e| e.sequence_id).collect();
@@ -1029,7 +1030,7 @@ impl OutboxStore for WalStore {
         .boxed()
     }
 
-    fn release(&self, node: NodeId, ids: Vec<SequenceId>) -> BoxFuture<'static, StoreResult<u64>> {
+    fn release(&self, node: NodeId, ids: Vec<SequenceId>) -> StoreFuture<u64> {
         let inner = self.inner.clone();
         async move {
             let (parked, _, stream) = inner.split(&ids);
@@ -1075,7 +1076,7 @@ impl OutboxStore for WalStore {
         node: NodeId,
         ids: Vec<SequenceId>,
         lease: Duration,
-    ) -> BoxFuture<'static, StoreResult<u64>> {
+    ) -> StoreFuture<u64> {
         let inner = self.inner.clone();
         async move {
             let (parked, _, stream) = inner.split(&ids);
@@ -1088,20 +1089,20 @@ impl OutboxStore for WalStore {
         .boxed()
     }
 
-    fn backlog(&self) -> BoxFuture<'static, StoreResult<Backlog>> {
+    fn backlog(&self) -> StoreFuture<Backlog> {
         let inner = self.inner.clone();
         async move { inner.backlog().await }.boxed()
     }
 
-    fn insert(&self, events: Vec<NewEvent>) -> BoxFuture<'static, StoreResult<Vec<SequenceId>>> {
+    fn insert(&self, events: Vec<NewEvent>) -> StoreFuture<Vec<SequenceId>> {
         self.inner.main.insert(events)
     }
 
-    fn ping(&self) -> BoxFuture<'static, StoreResult<()>> {
+    fn ping(&self) -> StoreFuture<()> {
         self.inner.main.ping()
     }
 
-    fn verify(&self) -> BoxFuture<'static, StoreResult<Vec<Problem>>> {
+    fn verify(&self) -> StoreFuture<Vec<Problem>> {
         let inner = self.inner.clone();
         async move { verify_capture(&inner.main, &inner.publication, &inner.slot).await }.boxed()
     }
