@@ -128,6 +128,26 @@ struct Park {
     not_before: Option<SystemTime>,
 }
 
+impl Park {
+    /// An event that waits for its key, with nothing against it.
+    fn behind_its_key(id: SequenceId) -> Self {
+        Park {
+            id,
+            attempts: 0,
+            error: None,
+            delay: Duration::ZERO,
+            not_before: None,
+        }
+    }
+}
+
+/// What the engine settles, by where it is.
+struct Split<T> {
+    parked: Vec<T>,
+    keys: Vec<String>,
+    stream: Vec<T>,
+}
+
 struct State {
     session: u64,
     acks: Acknowledgements,
@@ -382,11 +402,8 @@ impl Inner {
                 if wait {
                     state.parked_keys.insert(key);
                     state.to_park.push(Park {
-                        id,
-                        attempts: 0,
-                        error: None,
-                        delay: Duration::ZERO,
                         not_before,
+                        ..Park::behind_its_key(id)
                     });
                 }
             }
@@ -512,21 +529,144 @@ impl Inner {
         Ok(())
     }
 
-    /// Splits ids into parked rows (with their keys) and held stream events.
-    fn split(&self, ids: &[SequenceId]) -> (Vec<SequenceId>, Vec<String>, Vec<SequenceId>) {
+    /// Splits what the engine settles into rows of the parked table (with their keys) and
+    /// held stream events; what is held no more is left out.
+    fn split<T>(&self, items: Vec<T>, id: fn(&T) -> SequenceId) -> Split<T> {
         let state = lock(&self.state);
-        let (mut parked, mut keys, mut stream) = (Vec::new(), Vec::new(), Vec::new());
-        for id in ids {
-            match state.held.get(id) {
+        let mut split = Split {
+            parked: Vec::new(),
+            keys: Vec::new(),
+            stream: Vec::new(),
+        };
+        for item in items {
+            match state.held.get(&id(&item)) {
                 Some(Held::Parked(key)) => {
-                    parked.push(*id);
-                    keys.push(key.clone());
+                    split.keys.push(key.clone());
+                    split.parked.push(item);
                 }
-                Some(Held::Wal(_)) => stream.push(*id),
+                Some(Held::Wal(_)) => split.stream.push(item),
                 None => {}
             }
         }
-        (parked, keys, stream)
+        split
+    }
+
+    /// Settles rows of the parked table with the polling store's own `statement`, then
+    /// forgets them; with `unpark` (they left the table) their keys may flow again.
+    async fn settle_parked<T>(
+        &self,
+        items: Vec<T>,
+        keys: Vec<String>,
+        id: fn(&T) -> SequenceId,
+        statement: impl FnOnce(&PgStore, Vec<T>) -> StoreFuture<u64>,
+        unpark: bool,
+    ) -> StoreResult<u64> {
+        if items.is_empty() {
+            return Ok(0);
+        }
+        let ids: Vec<SequenceId> = items.iter().map(id).collect();
+        let settled = statement(&self.parked, items).await?;
+        self.forget(&ids);
+        if unpark {
+            self.unpark_keys(keys).await?;
+        }
+        Ok(settled)
+    }
+
+    /// Queues held stream events for the next park statement (each once).
+    fn queue_parks(&self, parks: impl IntoIterator<Item = Park>) {
+        let mut state = lock(&self.state);
+        for park in parks {
+            let key = match state.held.get(&park.id) {
+                Some(Held::Wal(held)) => held.key.clone(),
+                _ => continue,
+            };
+            if state.to_park.iter().all(|p| p.id != park.id) {
+                state.parked_keys.insert(key);
+                state.to_park.push(park);
+            }
+        }
+    }
+
+    /// Acks held stream events: their outbox rows are deleted, then their positions settle.
+    async fn ack_stream(&self, ids: Vec<SequenceId>) -> StoreResult<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let rows: Vec<SequenceId> = {
+            let state = lock(&self.state);
+            ids.iter()
+                .filter_map(|id| match state.held.get(id) {
+                    Some(Held::Wal(held)) => held.row,
+                    _ => None,
+                })
+                .collect()
+        };
+        if !rows.is_empty() {
+            self.main
+                .transaction("ack", &[(&self.sql.delete_rows, &[&rows])])
+                .await?;
+        }
+        let acked = ids.len() as u64;
+        self.settle(&mut lock(&self.state), ids);
+        Ok(acked)
+    }
+
+    /// Writes held stream events to the dead letters (and deletes their outbox rows) in one
+    /// transaction, then settles them.
+    async fn dead_letter_stream(&self, entries: Vec<DeadLetter>) -> StoreResult<u64> {
+        if entries.is_empty() {
+            return Ok(0);
+        }
+        let mut columns = EventColumns::default();
+        let mut sequence_ids = Vec::new();
+        let mut attempts = Vec::new();
+        let mut errors = Vec::new();
+        let mut rows = Vec::new();
+        {
+            let state = lock(&self.state);
+            for entry in entries {
+                let Some(Held::Wal(held)) = state.held.get(&entry.sequence_id) else {
+                    continue;
+                };
+                match &held.body {
+                    Body::Event(event) => columns.push(event),
+                    Body::Undecodable(u) => columns.push_undecodable(u, held.position),
+                }
+                sequence_ids.push(entry.sequence_id);
+                attempts.push(i32::try_from(entry.attempts).unwrap_or(i32::MAX));
+                errors.push(entry.error);
+                rows.extend(held.row);
+            }
+        }
+        let c = &columns;
+        self.main
+            .transaction(
+                "dead-letter",
+                &[
+                    (
+                        &self.sql.dead_letter,
+                        &[
+                            &sequence_ids,
+                            &c.event_ids,
+                            &c.destinations,
+                            &c.keys,
+                            &c.types,
+                            &c.payloads,
+                            &c.headers,
+                            &c.mutations,
+                            &c.created,
+                            &attempts,
+                            &errors,
+                        ],
+                    ),
+                    (&self.sql.delete_rows, &[&rows]),
+                ],
+            )
+            .await?;
+        let moved = sequence_ids.len() as u64;
+        self.settle(&mut lock(&self.state), sequence_ids);
+        Ok(moved)
     }
 
     fn forget(&self, ids: &[SequenceId]) {
@@ -575,13 +715,7 @@ impl Inner {
                     continue;
                 };
                 if state.parked_keys.contains(&held.key) {
-                    state.to_park.push(Park {
-                        id,
-                        attempts: 0,
-                        error: None,
-                        delay: Duration::ZERO,
-                        not_before: None,
-                    });
+                    state.to_park.push(Park::behind_its_key(id));
                 } else {
                     out.push(claimed_of(id, held));
                 }
@@ -872,34 +1006,16 @@ impl OutboxStore for WalStore {
     ) -> StoreFuture<u64> {
         let inner = self.inner.clone();
         async move {
-            let (parked, keys, stream) = inner.split(&ids);
-            let mut acked = 0;
-            if !parked.is_empty() {
-                acked += inner.parked.ack(node, None, parked.clone()).await?;
-                inner.forget(&parked);
-                inner.unpark_keys(keys).await?;
-            }
-            if !stream.is_empty() {
-                let rows: Vec<SequenceId> = {
-                    let state = lock(&inner.state);
-                    stream
-                        .iter()
-                        .filter_map(|id| match state.held.get(id) {
-                            Some(Held::Wal(held)) => held.row,
-                            _ => None,
-                        })
-                        .collect()
-                };
-                if !rows.is_empty() {
-                    inner
-                        .main
-                        .transaction("ack", &[(&inner.sql.delete_rows, &[&rows])])
-                        .await?;
-                }
-                acked += stream.len() as u64;
-                inner.settle(&mut lock(&inner.state), stream);
-            }
-            Ok(acked)
+            let split = inner.split(ids, |id| *id);
+            let parked = inner.settle_parked(
+                split.parked,
+                split.keys,
+                |id| *id,
+                |p, ids| p.ack(node, None, ids),
+                true,
+            );
+            let acked = parked.await?;
+            Ok(acked + inner.ack_stream(split.stream).await?)
         }
         .boxed()
     }
@@ -912,43 +1028,26 @@ impl OutboxStore for WalStore {
     ) -> StoreFuture<u64> {
         let inner = self.inner.clone();
         async move {
-            let ids: Vec<SequenceId> = retries.iter().map(|r| r.sequence_id).collect();
-            let (parked, _, stream) = inner.split(&ids);
-            let mut recorded = 0;
-            if !parked.is_empty() {
-                let these = retries
-                    .iter()
-                    .filter(|r| parked.contains(&r.sequence_id))
-                    .cloned()
-                    .collect();
-                recorded += inner.parked.retry_later(node, None, these).await?;
-                inner.forget(&parked);
+            let split = inner.split(retries, |r| r.sequence_id);
+            let parked = inner.settle_parked(
+                split.parked,
+                split.keys,
+                |r| r.sequence_id,
+                |p, rs| p.retry_later(node, None, rs),
+                false,
+            );
+            let recorded = parked.await?;
+            if split.stream.is_empty() {
+                return Ok(recorded);
             }
-            if !stream.is_empty() {
-                let _parking = inner.parking.lock().await;
-                {
-                    let mut state = lock(&inner.state);
-                    for retry in retries.iter().filter(|r| stream.contains(&r.sequence_id)) {
-                        let key = match state.held.get(&retry.sequence_id) {
-                            Some(Held::Wal(held)) => held.key.clone(),
-                            _ => continue,
-                        };
-                        if state.to_park.iter().any(|p| p.id == retry.sequence_id) {
-                            continue;
-                        }
-                        state.parked_keys.insert(key);
-                        state.to_park.push(Park {
-                            id: retry.sequence_id,
-                            attempts: retry.attempts,
-                            error: Some(retry.error.clone()),
-                            delay: retry.delay,
-                            not_before: None,
-                        });
-                    }
-                }
-                recorded += inner.flush_parks().await?;
-            }
-            Ok(recorded)
+            let _parking = inner.parking.lock().await;
+            inner.queue_parks(split.stream.into_iter().map(|retry| Park {
+                attempts: retry.attempts,
+                error: Some(retry.error),
+                delay: retry.delay,
+                ..Park::behind_its_key(retry.sequence_id)
+            }));
+            Ok(recorded + inner.flush_parks().await?)
         }
         .boxed()
     }
@@ -961,71 +1060,16 @@ impl OutboxStore for WalStore {
     ) -> StoreFuture<u64> {
         let inner = self.inner.clone();
         async move {
-            let ids: Vec<SequenceId> = entries.iter().map(|e| e.sequence_id).collect();
-            let (parked, keys, stream) = inner.split(&ids);
-            let mut moved = 0;
-            if !parked.is_empty() {
-                let these = entries
-                    .iter()
-                    .filter(|e| parked.contains(&e.sequence_id))
-                    .cloned()
-                    .collect();
-                moved += inner.parked.dead_letter(node, None, these).await?;
-                inner.forget(&parked);
-                inner.unpark_keys(keys).await?;
-            }
-            if !stream.is_empty() {
-                let mut columns = EventColumns::default();
-                let mut sequence_ids = Vec::new();
-                let mut attempts = Vec::new();
-                let mut errors = Vec::new();
-                let mut rows = Vec::new();
-                {
-                    let state = lock(&inner.state);
-                    for entry in entries.iter().filter(|e| stream.contains(&e.sequence_id)) {
-                        let Some(Held::Wal(held)) = state.held.get(&entry.sequence_id) else {
-                            continue;
-                        };
-                        match &held.body {
-                            Body::Event(event) => columns.push(event),
-                            Body::Undecodable(u) => columns.push_undecodable(u, held.position),
-                        }
-                        sequence_ids.push(entry.sequence_id);
-                        attempts.push(i32::try_from(entry.attempts).unwrap_or(i32::MAX));
-                        errors.push(entry.error.clone());
-                        rows.extend(held.row);
-                    }
-                }
-                let c = &columns;
-                inner
-                    .main
-                    .transaction(
-                        "dead-letter",
-                        &[
-                            (
-                                &inner.sql.dead_letter,
-                                &[
-                                    &sequence_ids,
-                                    &c.event_ids,
-                                    &c.destinations,
-                                    &c.keys,
-                                    &c.types,
-                                    &c.payloads,
-                                    &c.headers,
-                                    &c.mutations,
-                                    &c.created,
-                                    &attempts,
-                                    &errors,
-                                ],
-                            ),
-                            (&inner.sql.delete_rows, &[&rows]),
-                        ],
-                    )
-                    .await?;
-                moved += sequence_ids.len() as u64;
-                inner.settle(&mut lock(&inner.state), sequence_ids);
-            }
-            Ok(moved)
+            let split = inner.split(entries, |e| e.sequence_id);
+            let parked = inner.settle_parked(
+                split.parked,
+                split.keys,
+                |e| e.sequence_id,
+                |p, es| p.dead_letter(node, None, es),
+                true,
+            );
+            let moved = parked.await?;
+            Ok(moved + inner.dead_letter_stream(split.stream).await?)
         }
         .boxed()
     }
@@ -1033,40 +1077,29 @@ impl OutboxStore for WalStore {
     fn release(&self, node: NodeId, ids: Vec<SequenceId>) -> StoreFuture<u64> {
         let inner = self.inner.clone();
         async move {
-            let (parked, _, stream) = inner.split(&ids);
-            let mut released = 0;
-            if !parked.is_empty() {
-                released += inner.parked.release(node, parked.clone()).await?;
-                inner.forget(&parked);
+            let split = inner.split(ids, |id| *id);
+            let parked = inner.settle_parked(split.parked, split.keys, |id| *id, |p, ids| p.release(node, ids), false);
+            let released = parked.await?;
+            if split.stream.is_empty() {
+                return Ok(released);
             }
-            if !stream.is_empty() {
-                let _parking = inner.parking.lock().await;
-                {
-                    let mut state = lock(&inner.state);
-                    for id in &stream {
-                        let parked_key = match state.held.get(id) {
-                            Some(Held::Wal(held)) => state.parked_keys.contains(&held.key),
-                            _ => continue,
-                        };
-                        if parked_key {
-                            state.to_park.push(Park {
-                                id: *id,
-                                attempts: 0,
-                                error: None,
-                                delay: Duration::ZERO,
-                                not_before: None,
-                            });
-                        } else {
-                            state.redeliver.push_back(*id);
-                        }
-                    }
-                }
-                released += stream.len() as u64;
-                if let Err(e) = inner.flush_parks().await {
-                    tracing::warn!(error = %e.report(), "parking released events failed; trying again with the next claim");
-                }
+            let _parking = inner.parking.lock().await;
+            // Behind a parked key they are parked; otherwise the next claim hands them out.
+            let behind: Vec<SequenceId> = {
+                let mut state = lock(&inner.state);
+                let (behind, free): (Vec<SequenceId>, Vec<SequenceId>) =
+                    split.stream.iter().partition(|id| match state.held.get(id) {
+                        Some(Held::Wal(held)) => state.parked_keys.contains(&held.key),
+                        _ => false,
+                    });
+                state.redeliver.extend(free);
+                behind
+            };
+            inner.queue_parks(behind.into_iter().map(Park::behind_its_key));
+            if let Err(e) = inner.flush_parks().await {
+                tracing::warn!(error = %e.report(), "parking released events failed; trying again with the next claim");
             }
-            Ok(released)
+            Ok(released + split.stream.len() as u64)
         }
         .boxed()
     }
@@ -1079,10 +1112,14 @@ impl OutboxStore for WalStore {
     ) -> StoreFuture<u64> {
         let inner = self.inner.clone();
         async move {
-            let (parked, _, stream) = inner.split(&ids);
-            let mut extended = stream.len() as u64;
-            if !parked.is_empty() {
-                extended += inner.parked.extend_leases(node, parked, lease).await?;
+            // Stream events have no lease: nobody else can take them while the slot is ours.
+            let split = inner.split(ids, |id| *id);
+            let mut extended = split.stream.len() as u64;
+            if !split.parked.is_empty() {
+                extended += inner
+                    .parked
+                    .extend_leases(node, split.parked, lease)
+                    .await?;
             }
             Ok(extended)
         }
