@@ -533,12 +533,41 @@ pub async fn send(config: Config, args: SendArgs) -> anyhow::Result<ExitCode> {
 pub async fn stats(config: Config, json: bool) -> anyhow::Result<ExitCode> {
     let store = ready_store(&config, config.store_settings()?, false, false).await?;
     let report = |e: outbox_core::StoreError| anyhow::anyhow!(e.report());
-    let backlog = store.outbox().backlog().await.map_err(report)?;
-    let destinations = store
+    let mut backlog = store.outbox().backlog().await.map_err(report)?;
+    let mut destinations = store
         .operations()
         .destination_stats()
         .await
         .map_err(report)?;
+    let mut slot = None;
+    if let AnyStore::PostgresWal(pg, capture) = &store {
+        // What waits in the parked table is pending too; dead letters are counted once.
+        for parked in capture.parked_stats(pg).await.map_err(report)? {
+            match destinations
+                .iter_mut()
+                .find(|d| d.destination == parked.destination)
+            {
+                Some(d) => {
+                    d.pending += parked.pending;
+                    d.retrying += parked.retrying;
+                    d.oldest_pending_age = d.oldest_pending_age.max(parked.oldest_pending_age);
+                }
+                None => {
+                    destinations.push(outbox_core::store::DestinationStats { dead: 0, ..parked })
+                }
+            }
+        }
+        backlog.pending = destinations.iter().map(|d| d.pending).sum();
+        backlog.retrying = destinations.iter().map(|d| d.retrying).sum();
+        backlog.oldest_pending_age = destinations
+            .iter()
+            .filter_map(|d| d.oldest_pending_age)
+            .max();
+        let status = outbox_wal::slot_status(pg, &capture.slot)
+            .await
+            .map_err(report)?;
+        slot = Some((capture.slot.clone(), status));
+    }
     let nodes = store.registry().live_nodes().await.map_err(report)?;
     let partitions = match store.partition_registry() {
         Some(r) => r.partitions().await.map_err(report)?,
@@ -580,6 +609,14 @@ pub async fn stats(config: Config, json: bool) -> anyhow::Result<ExitCode> {
             })).collect::<Vec<_>>(),
             "partitions": partitions.len(),
             "unowned_partitions": unowned,
+            "slot": slot.as_ref().map(|(name, status)| serde_json::json!({
+                "name": name,
+                "exists": status.is_some(),
+                "active": status.as_ref().map(|s| s.active),
+                "wal_status": status.as_ref().and_then(|s| s.wal_status.clone()),
+                "retained_bytes": status.as_ref().and_then(|s| s.retained_bytes),
+                "lag_bytes": status.as_ref().and_then(|s| s.lag_bytes),
+            })),
         });
         println!("{}", serde_json::to_string_pretty(&value)?);
         return Ok(ExitCode::SUCCESS);
@@ -614,6 +651,25 @@ pub async fn stats(config: Config, json: bool) -> anyhow::Result<ExitCode> {
                 "  {:<32} {:>9} {:>9} {:>7}  {oldest}",
                 d.destination, d.pending, d.retrying, d.dead
             );
+        }
+    }
+    if let Some((name, status)) = &slot {
+        let mib = |b: Option<i64>| b.map_or("-".into(), |b| format!("{} MiB", b / (1024 * 1024)));
+        match status {
+            Some(s) => println!(
+                "replication slot {name}: {}, wal_status {}, retains {}, lag {}",
+                if s.active {
+                    "streaming"
+                } else {
+                    "no relay streams from it"
+                },
+                s.wal_status.as_deref().unwrap_or("-"),
+                mib(s.retained_bytes),
+                mib(s.lag_bytes)
+            ),
+            None => println!(
+                "replication slot {name}: not created yet (the relay's first run creates it)"
+            ),
         }
     }
     println!("nodes ({} live):", nodes.len());

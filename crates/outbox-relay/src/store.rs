@@ -203,4 +203,17 @@ impl Capture {
     fn tables(&self, store: &PgStore) -> outbox_wal::schema::CaptureTables {
         outbox_wal::capture::capture_tables(store.tables(), &self.publication)
     }
+
+    /// The parked table's backlog per destination, for `stats`.
+    pub async fn parked_stats(
+        &self,
+        store: &PgStore,
+    ) -> Result<Vec<outbox_core::store::DestinationStats>, outbox_core::StoreError> {
+        use outbox_core::store::Operations;
+        let parked = store.with_tables(outbox_store_postgres::Tables {
+            outbox: self.tables(store).parked,
+            ..store.tables().clone()
+        });
+        parked.destination_stats().await
+    }
 }

@@ -778,19 +778,19 @@ impl Inner {
     async fn report_slot(&self) {
         let streaming = *self.status.borrow() == CaptureStatus::Streaming;
         ::metrics::gauge!(metric::STREAMING).set(if streaming { 1.0 } else { 0.0 });
-        match self
-            .main
-            .query_rows("slot", &self.sql.slot, &[&self.slot])
-            .await
-        {
-            Ok(rows) => {
-                if let Some(row) = rows.first() {
-                    if let Some(retained) = row.get::<_, Option<i64>>(2) {
-                        ::metrics::gauge!(metric::SLOT_RETAINED_BYTES).set(retained as f64);
-                    }
-                    if let Some(lag) = row.get::<_, Option<i64>>(3) {
-                        ::metrics::gauge!(metric::SLOT_LAG_BYTES).set(lag as f64);
-                    }
+        match slot_status(&self.main, &self.slot).await {
+            Ok(status) => {
+                let status = status.unwrap_or(SlotStatus {
+                    active: false,
+                    wal_status: None,
+                    retained_bytes: None,
+                    lag_bytes: None,
+                });
+                if let Some(retained) = status.retained_bytes {
+                    ::metrics::gauge!(metric::SLOT_RETAINED_BYTES).set(retained as f64);
+                }
+                if let Some(lag) = status.lag_bytes {
+                    ::metrics::gauge!(metric::SLOT_LAG_BYTES).set(lag as f64);
                 }
             }
             Err(e) => tracing::debug!(error = %e.report(), "cannot read the slot's position"),
@@ -856,32 +856,57 @@ pub async fn verify_capture(
             "run `outbox-relay migrate --capture wal`",
         ));
     }
-    let rows = main.query_rows("slot", &sql.slot, &[&slot]).await?;
-    if let Some(row) = rows.first() {
-        let active: bool = row.get(0);
-        let wal_status: Option<String> = row.get(1);
-        let retained: Option<i64> = row.get(2);
-        if wal_status.as_deref() == Some("lost") {
+    if let Some(status) = slot_status(main, slot).await? {
+        let wal_status = status.wal_status.as_deref();
+        if wal_status == Some("lost") {
             problems.push(Problem::blocking(
                 format!("the replication slot {slot:?} is invalidated (wal_status = lost): the WAL it needed was removed"),
                 "events written while it fell behind cannot be read from the WAL: recover them from the application, then `outbox-relay drop-slot` and run the relay again",
             ));
-        } else if wal_status.as_deref() == Some("unreserved") {
+        } else if wal_status == Some("unreserved") {
             problems.push(Problem::degraded(
                 format!("the replication slot {slot:?} is about to lose WAL it needs (wal_status = unreserved)"),
                 "start the relay now, or raise max_slot_wal_keep_size",
             ));
-        } else if !active && retained.is_some_and(|r| r > SLOT_RETAINED_WARNING) {
+        } else if let Some(retained) = status
+            .retained_bytes
+            .filter(|r| !status.active && *r > SLOT_RETAINED_WARNING)
+        {
             problems.push(Problem::degraded(
                 format!(
                     "no relay streams from the replication slot {slot:?}, which keeps {} MiB of WAL on the server's disk, growing with every write",
-                    retained.unwrap_or_default() / (1024 * 1024)
+                    retained / (1024 * 1024)
                 ),
                 "start the relay, or drop the slot (`outbox-relay drop-slot`) if WAL capture is no longer used; bound it with max_slot_wal_keep_size",
             ));
         }
     }
     Ok(problems)
+}
+
+/// The slot as `pg_replication_slots` shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SlotStatus {
+    /// A session streams from it.
+    pub active: bool,
+    /// `reserved`, `extended`, `unreserved` (about to lose WAL it needs) or `lost`.
+    pub wal_status: Option<String>,
+    /// WAL it keeps on the server's disk, in bytes (`None` on a standby server).
+    pub retained_bytes: Option<i64>,
+    /// WAL written since its confirmed position, in bytes.
+    pub lag_bytes: Option<i64>,
+}
+
+/// The slot named `slot`, if it exists.
+pub async fn slot_status(main: &PgStore, slot: &str) -> StoreResult<Option<SlotStatus>> {
+    let sql = CaptureStatements::slot_query();
+    let rows = main.query_rows("slot", sql, &[&slot]).await?;
+    Ok(rows.first().map(|row| SlotStatus {
+        active: row.get(0),
+        wal_status: row.get(1),
+        retained_bytes: row.get(2),
+        lag_bytes: row.get(3),
+    }))
 }
 
 /// An idle slot keeping more WAL than this makes `check` warn.

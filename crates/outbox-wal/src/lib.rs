@@ -29,7 +29,9 @@ pub mod table;
 
 pub use ack::{AckError, Acknowledgements};
 pub use assemble::{AssembleError, Assembler, AssemblerStats, Output};
-pub use capture::{verify_capture, CaptureStatus, WalStore, WalStoreOptions};
+pub use capture::{
+    slot_status, verify_capture, CaptureStatus, SlotStatus, WalStore, WalStoreOptions,
+};
 pub use client::{drop_slot, SlotState, WalConfig, WalError, WalStream};
 pub use decode::{decode, DecodeError, LogicalMessage};
 pub use emit::{emit_function_ddl, EMIT_FUNCTION, EMIT_PREFIX};

@@ -106,6 +106,19 @@ GRANT DELETE ON {outbox} TO {role};
     }
 }
 
+impl CaptureStatements {
+    /// The slot: active, wal_status, retained bytes, lag bytes (NULL when the server is a
+    /// standby). `$1` slot name.
+    pub fn slot_query() -> &'static str {
+        "SELECT active, wal_status,
+                CASE WHEN pg_is_in_recovery() THEN NULL
+                     ELSE pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::int8 END,
+                CASE WHEN pg_is_in_recovery() THEN NULL
+                     ELSE pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::int8 END
+           FROM pg_catalog.pg_replication_slots WHERE slot_name = $1"
+    }
+}
+
 /// Every statement WAL capture runs, built once.
 #[derive(Clone, Debug)]
 pub struct CaptureStatements {
@@ -128,9 +141,6 @@ pub struct CaptureStatements {
     pub parked_keys: String,
     /// Which of `$1` still have parked events.
     pub still_parked: String,
-    /// The slot: active, wal_status, retained bytes, lag bytes (NULL when the server is a
-    /// standby). `$1` slot name.
-    pub slot: String,
     /// A non-transactional outbox message, whose position marks "everything committed up
     /// to now" (`run --drain`): returns its LSN as text.
     pub drain_marker: String,
@@ -185,20 +195,11 @@ impl CaptureStatements {
                    FROM moved ORDER BY sequence_id
                  ON CONFLICT DO NOTHING"
             ),
-            parked_keys: format!(
-                "SELECT DISTINCT {key} FROM {parked} WHERE delivered_at IS NULL"
-            ),
+            parked_keys: format!("SELECT DISTINCT {key} FROM {parked} WHERE delivered_at IS NULL"),
             still_parked: format!(
                 "SELECT DISTINCT {key} FROM {parked}
                   WHERE delivered_at IS NULL AND {key} = ANY($1::text[])"
             ),
-            slot: "SELECT active, wal_status,
-                          CASE WHEN pg_is_in_recovery() THEN NULL
-                               ELSE pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::int8 END,
-                          CASE WHEN pg_is_in_recovery() THEN NULL
-                               ELSE pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::int8 END
-                     FROM pg_catalog.pg_replication_slots WHERE slot_name = $1"
-                .into(),
             drain_marker: format!(
                 "SELECT pg_logical_emit_message(false, '{EMIT_PREFIX}', '{marker}')::text"
             ),
