@@ -156,6 +156,8 @@ struct State {
     redeliver: VecDeque<SequenceId>,
     /// Keys with events in the parked table or in `to_park`.
     parked_keys: HashSet<String>,
+    /// Keys to check against the parked table at the next claim.
+    recheck: Vec<String>,
     /// Held stream events to park; written by the next park statement.
     to_park: Vec<Park>,
     drain_until: Option<Lsn>,
@@ -229,6 +231,7 @@ impl WalStore {
                     held: HashMap::new(),
                     redeliver: VecDeque::new(),
                     parked_keys: HashSet::new(),
+                    recheck: Vec::new(),
                     to_park: Vec::new(),
                     drain_until: None,
                     drained: false,
@@ -335,7 +338,11 @@ impl Inner {
                 for id in old {
                     state.held.remove(&id);
                 }
-                state.parked_keys = parked_keys.into_iter().collect();
+                // The loaded keys may predate parks this process made while the session
+                // started: keep ours too, and check those against the table at the next claim.
+                let loaded: HashSet<String> = parked_keys.into_iter().collect();
+                state.recheck = state.parked_keys.difference(&loaded).cloned().collect();
+                state.parked_keys.extend(loaded);
             }
             Item::DrainUntil(lsn) => state.drain_until = Some(lsn),
             Item::Output(output) => {
@@ -507,6 +514,11 @@ impl Inner {
             return Ok(());
         }
         let _parking = self.parking.lock().await;
+        self.unpark_keys_locked(keys).await
+    }
+
+    /// [`Inner::unpark_keys`] for a caller that holds `parking`.
+    async fn unpark_keys_locked(&self, keys: Vec<String>) -> StoreResult<()> {
         let rows = self
             .main
             .query_rows("parked keys", &self.sql.still_parked, &[&keys])
@@ -742,6 +754,13 @@ impl Inner {
             }
         }
         drop(outputs);
+        let recheck = std::mem::take(&mut lock(&self.state).recheck);
+        if !recheck.is_empty() {
+            if let Err(e) = self.unpark_keys_locked(recheck.clone()).await {
+                lock(&self.state).recheck = recheck;
+                tracing::debug!(error = %e.report(), "checking parked keys; again with the next claim");
+            }
+        }
         if let Err(e) = self.flush_parks().await {
             tracing::warn!(error = %e.report(), "parking events failed; trying again with the next claim");
         }

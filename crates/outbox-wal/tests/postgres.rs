@@ -789,7 +789,12 @@ mod through_the_engine {
             || async { (confirmed(&db, &fixture.config.slot).await >= written).then_some(()) },
         )
         .await;
-        assert!(delivered_n(&publisher, "a").is_empty());
+        assert!(
+            delivered_n(&publisher, "a").is_empty(),
+            "a overtook its stuck head: delivered {:?}, attempts by id {:?}",
+            delivered_n(&publisher, "a"),
+            publisher.attempts()
+        );
         assert_eq!(
             count(&db, "outbox_parked").await,
             3,
