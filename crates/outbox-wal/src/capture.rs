@@ -494,6 +494,7 @@ impl Inner {
         let mut state = lock(&self.state);
         match result {
             Ok(_) => {
+                tracing::debug!(ids = ?parks.iter().map(|p| p.id).collect::<Vec<_>>(), "parked");
                 let n = parks.len() as u64;
                 self.settle(&mut state, parks.into_iter().map(|p| p.id));
                 Ok(n)
@@ -708,13 +709,40 @@ impl Inner {
                 ..request.clone()
             });
             let rows = rows.await?;
-            let mut state = lock(&self.state);
-            for row in rows {
-                state.held.insert(
-                    row.sequence_id(),
-                    Held::Parked(row.ordering_key().to_string()),
-                );
-                out.push(row);
+            // The polling claim lets rows this node leases not block later rows of their key
+            // (its engine holds them in order). An earlier parked row held here may be on its
+            // way back to the table (the engine is releasing it), so a later row of that key
+            // is put back rather than handed out ahead of it.
+            let mut put_back = Vec::new();
+            {
+                let mut state = lock(&self.state);
+                let waiting: HashSet<String> = state
+                    .held
+                    .values()
+                    .filter_map(|h| match h {
+                        Held::Parked(key) => Some(key.clone()),
+                        Held::Wal(_) => None,
+                    })
+                    .collect();
+                for row in rows {
+                    if waiting.contains(row.ordering_key()) {
+                        put_back.push(row.sequence_id());
+                        continue;
+                    }
+                    state.held.insert(
+                        row.sequence_id(),
+                        Held::Parked(row.ordering_key().to_string()),
+                    );
+                    out.push(row);
+                }
+            }
+            tracing::debug!(
+                claimed = ?out.iter().map(Claimed::sequence_id).collect::<Vec<_>>(),
+                ?put_back,
+                "claimed parked rows"
+            );
+            if !put_back.is_empty() {
+                self.parked.release(request.node.clone(), put_back).await?;
             }
         }
         {
@@ -1136,6 +1164,7 @@ impl OutboxStore for WalStore {
                         Some(Held::Wal(held)) => state.parked_keys.contains(&held.key),
                         _ => false,
                     });
+                tracing::debug!(?behind, ?free, "released stream events");
                 state.redeliver.extend(free);
                 behind
             };

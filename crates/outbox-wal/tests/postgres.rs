@@ -767,6 +767,10 @@ mod through_the_engine {
     /// it again the key's events follow in commit order.
     #[tokio::test]
     async fn a_failing_key_is_parked_and_holds_back_neither_the_slot_nor_other_keys() {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter("outbox_wal=debug,outbox_engine=debug")
+            .with_test_writer()
+            .try_init();
         let fixture = Fixture::new().await;
         let db = connect(&fixture.url).await;
         let publisher = RecordingPublisher::new();
@@ -789,12 +793,24 @@ mod through_the_engine {
             || async { (confirmed(&db, &fixture.config.slot).await >= written).then_some(()) },
         )
         .await;
-        assert!(
-            delivered_n(&publisher, "a").is_empty(),
-            "a overtook its stuck head: delivered {:?}, attempts by id {:?}",
-            delivered_n(&publisher, "a"),
-            publisher.attempts()
-        );
+        if !delivered_n(&publisher, "a").is_empty() {
+            let rows = db
+                .query(
+                    "SELECT sequence_id, attempts, (available_at > now())::text, locked_by, payload::text FROM outbox_parked ORDER BY 1",
+                    &[],
+                )
+                .await
+                .unwrap();
+            let rows: Vec<(i64, i32, String, Option<String>, String)> = rows
+                .iter()
+                .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4)))
+                .collect();
+            panic!(
+                "a overtook its stuck head: delivered {:?}, attempts by id {:?}, parked {rows:?}",
+                delivered_n(&publisher, "a"),
+                publisher.attempts()
+            );
+        }
         assert_eq!(
             count(&db, "outbox_parked").await,
             3,
