@@ -69,8 +69,13 @@ impl RelayProcess {
     }
 
     pub async fn wait_exit(&mut self) -> ExitStatus {
+        self.wait_exit_within(Duration::from_secs(30)).await
+    }
+
+    /// Waits for the exit; fails the test if it takes longer than `within`.
+    pub async fn wait_exit_within(&mut self, within: Duration) -> ExitStatus {
         let child = self.child.as_mut().expect("running");
-        let status = eventually("the relay to exit", Duration::from_secs(30), || {
+        let status = eventually("the relay to exit", within, || {
             let s = child.try_wait().unwrap();
             async move { s }
         })
@@ -83,6 +88,12 @@ impl RelayProcess {
     pub async fn terminate(&mut self) -> ExitStatus {
         self.signal("-TERM");
         self.wait_exit().await
+    }
+
+    /// SIGTERM, then wait for the exit; fails the test if it takes longer than `within`.
+    pub async fn terminate_within(&mut self, within: Duration) -> ExitStatus {
+        self.signal("-TERM");
+        self.wait_exit_within(within).await
     }
 
     pub fn logs(&self) -> String {
