@@ -528,7 +528,13 @@ impl Inner {
     async fn claim(&self, request: ClaimRequest) -> StoreResult<Vec<Claimed>> {
         let status = self.status.borrow().clone();
         if let CaptureStatus::Failed(reason) = &status {
-            return Err(StoreError::new(StoreErrorKind::Connection, reason.clone()));
+            // Retried like a lost connection, but the fix is the one the reason names.
+            return Err(
+                StoreError::new(StoreErrorKind::Connection, reason.clone()).with_hint(
+                    "WAL capture cannot start until the cause above is fixed (the relay keeps \
+                     trying); `outbox-relay check --capture wal` lists what it finds",
+                ),
+            );
         }
         let _parking = self.parking.lock().await;
         // Parks that failed last time go first: later events of their keys wait for them.
