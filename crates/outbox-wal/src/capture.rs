@@ -408,11 +408,14 @@ impl Inner {
     }
 
     /// Writes `to_park` to the parked table (and deletes their outbox rows) in one
-    /// transaction, then settles them. Call it holding `parking`.
+    /// transaction, then settles them; parks that must wait ([`parking_order`]) stay in
+    /// `to_park`. Call it holding `parking`.
     async fn flush_parks(&self) -> StoreResult<u64> {
         let (parks, columns, rows) = {
             let mut state = lock(&self.state);
-            let parks = std::mem::take(&mut state.to_park);
+            let to_park = std::mem::take(&mut state.to_park);
+            let (parks, waiting) = parking_order(&state, to_park);
+            state.to_park = waiting;
             let mut columns = EventColumns::default();
             let mut rows = Vec::new();
             for park in &parks {
@@ -743,6 +746,43 @@ pub async fn verify_capture(
         }
     }
     Ok(problems)
+}
+
+/// Splits `to_park` into the parks to write now, in commit order, and those that wait.
+/// Parked rows are claimed in parking order, so per key it must be commit order: an event
+/// the engine still has (in a lane or publishing) may yet come back to be parked, as a retry
+/// or a release, and every later event of its key waits for it. (Released and retried
+/// events would otherwise be parked after later events of their key that the stream handed
+/// over meanwhile, and be delivered after them.)
+fn parking_order(state: &State, mut to_park: Vec<Park>) -> (Vec<Park>, Vec<Park>) {
+    if to_park.is_empty() {
+        return (to_park, Vec::new());
+    }
+    let position = |id: &SequenceId| match state.held.get(id) {
+        Some(Held::Wal(held)) => Some(held.position),
+        _ => None,
+    };
+    to_park.sort_by_key(|p| position(&p.id));
+    let parking: HashSet<SequenceId> = to_park.iter().map(|p| p.id).collect();
+    // Per key, the first position of an event still with the engine.
+    let mut out: HashMap<&str, EventPosition> = HashMap::new();
+    for (id, held) in &state.held {
+        if let Held::Wal(held) = held {
+            if !parking.contains(id) {
+                out.entry(held.key.as_str())
+                    .and_modify(|first| *first = (*first).min(held.position))
+                    .or_insert(held.position);
+            }
+        }
+    }
+    to_park
+        .into_iter()
+        .partition(|park| match state.held.get(&park.id) {
+            Some(Held::Wal(held)) => out
+                .get(held.key.as_str())
+                .is_none_or(|first| *first > held.position),
+            _ => true,
+        })
 }
 
 /// An idle slot keeping more WAL than this makes `check` warn.
