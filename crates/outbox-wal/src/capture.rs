@@ -136,6 +136,13 @@ struct State {
     /// Held stream events to park; written by the next park statement.
     to_park: Vec<Park>,
     drain_until: Option<Lsn>,
+    /// Parked rows the engine gave back, with their keys and, once their release statement
+    /// returned, the number of claims started by then. Locked by this node until it commits,
+    /// they do not hold back later rows of their key in a parked claim running meanwhile,
+    /// which must not hand those out ahead of them.
+    releasing: HashMap<SequenceId, (String, Option<u64>)>,
+    /// Claims started (they run one at a time, under `parking`).
+    claims: u64,
     /// `--drain`: everything committed before the marker has been handed out.
     drained: bool,
 }
@@ -208,6 +215,8 @@ impl WalStore {
                     parked_keys: HashSet::new(),
                     to_park: Vec::new(),
                     drain_until: None,
+                    releasing: HashMap::new(),
+                    claims: 0,
                     drained: false,
                 }),
                 parking: tokio::sync::Mutex::new(()),
@@ -521,6 +530,26 @@ impl Inner {
         (parked, keys, stream)
     }
 
+    /// Forgets parked rows before the statement that releases them (or records their
+    /// retry): once it commits, a claim may take a row again, and the entry that claim
+    /// makes must not be forgotten after it (the engine's settle of it would then be
+    /// ignored, leaving the row locked, and later rows of its key claimable ahead of it).
+    /// [`Inner::restore`] gives them back if the statement fails: the rows are still this
+    /// node's then, so no claim took them meanwhile.
+    fn take(&self, ids: &[SequenceId]) -> Vec<(SequenceId, Held)> {
+        let mut state = lock(&self.state);
+        ids.iter()
+            .filter_map(|id| state.held.remove(id).map(|held| (*id, held)))
+            .collect()
+    }
+
+    fn restore(&self, taken: Vec<(SequenceId, Held)>) {
+        let mut state = lock(&self.state);
+        for (id, held) in taken {
+            state.held.entry(id).or_insert(held);
+        }
+    }
+
     fn forget(&self, ids: &[SequenceId]) {
         let mut state = lock(&self.state);
         for id in ids {
@@ -549,7 +578,36 @@ impl Inner {
                 fence: None,
                 ..request.clone()
             });
-            let rows = rows.await?;
+            let claim_no = {
+                let mut state = lock(&self.state);
+                state.claims += 1;
+                let claim_no = state.claims;
+                // Releases that ended before this claim began cannot have raced it.
+                state
+                    .releasing
+                    .retain(|_, (_, done)| done.is_none_or(|n| n >= claim_no));
+                claim_no
+            };
+            let mut rows = rows.await?;
+            // Rows behind a row whose release ran during this claim wait for it: they go
+            // back at once.
+            let behind: Vec<SequenceId> = {
+                let state = lock(&self.state);
+                rows.iter()
+                    .filter(|row| {
+                        state.releasing.iter().any(|(id, (key, done))| {
+                            *id < row.sequence_id()
+                                && key.as_str() == row.ordering_key()
+                                && done.is_none_or(|n| n >= claim_no)
+                        })
+                    })
+                    .map(Claimed::sequence_id)
+                    .collect()
+            };
+            if !behind.is_empty() {
+                rows.retain(|row| !behind.contains(&row.sequence_id()));
+                self.parked.release(request.node.clone(), behind).await?;
+            }
             let mut state = lock(&self.state);
             for row in rows {
                 state.held.insert(
@@ -956,8 +1014,14 @@ impl OutboxStore for WalStore {
                     .filter(|r| parked.contains(&r.sequence_id))
                     .cloned()
                     .collect();
-                recorded += inner.parked.retry_later(node, None, these).await?;
-                inner.forget(&parked);
+                let taken = inner.take(&parked);
+                match inner.parked.retry_later(node, None, these).await {
+                    Ok(n) => recorded += n,
+                    Err(e) => {
+                        inner.restore(taken);
+                        return Err(e);
+                    }
+                }
             }
             if !stream.is_empty() {
                 let _parking = inner.parking.lock().await;
@@ -1071,8 +1135,30 @@ impl OutboxStore for WalStore {
             let (parked, _, stream) = inner.split(&ids);
             let mut released = 0;
             if !parked.is_empty() {
-                released += inner.parked.release(node, parked.clone()).await?;
-                inner.forget(&parked);
+                let taken = inner.take(&parked);
+                lock(&inner.state)
+                    .releasing
+                    .extend(taken.iter().filter_map(|(id, held)| match held {
+                        Held::Parked(key) => Some((*id, (key.clone(), None))),
+                        Held::Wal(_) => None,
+                    }));
+                let result = inner.parked.release(node, parked.clone()).await;
+                {
+                    let mut state = lock(&inner.state);
+                    let claims = state.claims;
+                    for id in &parked {
+                        if let Some((_, done)) = state.releasing.get_mut(id) {
+                            *done = Some(claims);
+                        }
+                    }
+                }
+                match result {
+                    Ok(n) => released += n,
+                    Err(e) => {
+                        inner.restore(taken);
+                        return Err(e);
+                    }
+                }
             }
             if !stream.is_empty() {
                 let _parking = inner.parking.lock().await;
