@@ -500,6 +500,12 @@ fn running_as_root() -> bool {
 
 /// Runs a PostgreSQL tool as the postgres user when root (initdb and pg_ctl refuse root).
 pub fn as_postgres(program: &str, args: &[&str]) {
+    if let Err(e) = run_as_postgres(program, args) {
+        panic!("{e}");
+    }
+}
+
+fn run_as_postgres(program: &str, args: &[&str]) -> Result<(), String> {
     let program = format!("{PG_BIN}/{program}");
     let mut command = if running_as_root() {
         let mut c = Command::new("runuser");
@@ -509,11 +515,14 @@ pub fn as_postgres(program: &str, args: &[&str]) {
         Command::new(&program)
     };
     let out = command.args(args).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{program} {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{program} {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
 }
 
 /// A PostgreSQL server of a test's own, for tests that change its settings or restart it
@@ -564,8 +573,29 @@ impl OwnPostgres {
         self.resume();
     }
 
+    /// Stops the server as a crash would (`-m immediate`: connections reset, nothing
+    /// said) and starts it again.
+    pub fn crash_and_restart(&self) {
+        self.stop("immediate");
+        // The old server's processes may hold its shared memory for a moment after the
+        // stop returns: then the start is refused, and tried again.
+        for _ in 0..50 {
+            if self.try_resume().is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        self.resume();
+    }
+
     /// Starts it again with the options of the last [`start`](Self::start).
     pub fn resume(&self) {
+        if let Err(e) = self.try_resume() {
+            panic!("{e}");
+        }
+    }
+
+    fn try_resume(&self) -> Result<(), String> {
         let options = format!(
             "-c listen_addresses=127.0.0.1 -p {} -k {} {}",
             self.port,
@@ -574,7 +604,7 @@ impl OwnPostgres {
         );
         let log = self.dir.path().join("log");
         let data = self.data();
-        as_postgres(
+        let started = run_as_postgres(
             "pg_ctl",
             &[
                 "-D",
@@ -587,6 +617,11 @@ impl OwnPostgres {
                 &options,
             ],
         );
+        started.map_err(|e| {
+            let log = std::fs::read_to_string(&log).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(10).collect();
+            format!("{e}\nserver log:\n{}", tail.into_iter().rev().collect::<Vec<_>>().join("\n"))
+        })
     }
 
     /// Stops the server in `mode` (`immediate`: a crash, as far as its clients can tell).
