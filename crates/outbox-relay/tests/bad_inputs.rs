@@ -621,7 +621,6 @@ fn a_bad_sslmode_is_a_configuration_error_naming_the_modes() {
     );
 }
 
-
 /// The fix part of a `check` problem line: the text after "(fix: ".
 fn fix_of(report: &str) -> &str {
     report.split("(fix: ").nth(1).unwrap_or_default()

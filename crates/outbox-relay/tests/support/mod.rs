@@ -620,7 +620,10 @@ impl OwnPostgres {
         started.map_err(|e| {
             let log = std::fs::read_to_string(&log).unwrap_or_default();
             let tail: Vec<&str> = log.lines().rev().take(10).collect();
-            format!("{e}\nserver log:\n{}", tail.into_iter().rev().collect::<Vec<_>>().join("\n"))
+            format!(
+                "{e}\nserver log:\n{}",
+                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+            )
         })
     }
 
