@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use outbox_testkit::{eventually_explained, fresh_pg_database};
 
-use support::{pg, read_lines, wait_for_lines, RelayProcess, BIN};
+use support::{pg, read_lines, wait_for_lines, OwnPostgres, RelayProcess, BIN};
 
 /// Runs `outbox-relay <args>` in `dir`, output captured, no database URL inherited.
 fn relay(dir: &Path, args: &[&str]) -> Output {
@@ -619,131 +619,6 @@ fn a_bad_sslmode_is_a_configuration_error_naming_the_modes() {
             && stderr.contains("use disable, prefer, require, verify-ca or verify-full"),
         "{stderr}"
     );
-}
-
-const PG_BIN: &str = "/usr/lib/postgresql/15/bin";
-
-fn running_as_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .is_ok_and(|o| o.stdout.starts_with(b"0\n"))
-}
-
-/// Runs a PostgreSQL tool as the postgres user when root (initdb and pg_ctl refuse root).
-fn as_postgres(program: &str, args: &[&str]) {
-    let program = format!("{PG_BIN}/{program}");
-    let mut command = if running_as_root() {
-        let mut c = Command::new("runuser");
-        c.args(["-u", "postgres", "--", &program]);
-        c
-    } else {
-        Command::new(&program)
-    };
-    let out = command.args(args).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{program} {args:?}: {}",
-        text(&out.stderr)
-    );
-}
-
-/// A PostgreSQL server of this test's own, whose TLS settings it changes; stopped on drop.
-struct OwnPostgres {
-    dir: tempfile::TempDir,
-    port: u16,
-}
-
-impl OwnPostgres {
-    fn init() -> Self {
-        let dir = tempfile::Builder::new()
-            .prefix("tls-modes")
-            .tempdir()
-            .unwrap();
-        // The postgres user must reach the directory.
-        std::fs::set_permissions(
-            dir.path(),
-            std::os::unix::fs::PermissionsExt::from_mode(0o777),
-        )
-        .unwrap();
-        let data = dir.path().join("data");
-        as_postgres(
-            "initdb",
-            &[
-                "-D",
-                data.to_str().unwrap(),
-                "-U",
-                "postgres",
-                "--auth=trust",
-            ],
-        );
-        OwnPostgres {
-            dir,
-            port: outbox_testkit::server::free_port(),
-        }
-    }
-
-    fn data(&self) -> String {
-        self.dir.path().join("data").display().to_string()
-    }
-
-    fn start(&self, options: &str) {
-        let options = format!(
-            "-c listen_addresses=127.0.0.1 -p {} -k {} {options}",
-            self.port,
-            self.dir.path().display()
-        );
-        let log = self.dir.path().join("log");
-        let data = self.data();
-        as_postgres(
-            "pg_ctl",
-            &[
-                "-D",
-                &data,
-                "-l",
-                log.to_str().unwrap(),
-                "-w",
-                "start",
-                "-o",
-                &options,
-            ],
-        );
-    }
-
-    fn url(&self, sslmode: &str) -> String {
-        format!(
-            "postgres://postgres@127.0.0.1:{}/postgres?sslmode={sslmode}",
-            self.port
-        )
-    }
-
-    /// Writes `name` in the server's directory, owned by the user the server runs as.
-    fn write(&self, name: &str, contents: &[u8], mode: u32) -> String {
-        let path = self.dir.path().join(name);
-        std::fs::write(&path, contents).unwrap();
-        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(mode))
-            .unwrap();
-        if running_as_root() {
-            let uid = |flag: &str| -> u32 {
-                let out = Command::new("id")
-                    .args([flag, "postgres"])
-                    .output()
-                    .unwrap();
-                text(&out.stdout).trim().parse().unwrap()
-            };
-            std::os::unix::fs::chown(&path, Some(uid("-u")), Some(uid("-g"))).unwrap();
-        }
-        path.display().to_string()
-    }
-}
-
-impl Drop for OwnPostgres {
-    fn drop(&mut self) {
-        let data = self.data();
-        let _ = std::panic::catch_unwind(|| {
-            as_postgres("pg_ctl", &["-D", &data, "-m", "immediate", "-w", "stop"])
-        });
-    }
 }
 
 /// The fix part of a `check` problem line: the text after "(fix: ".

@@ -161,6 +161,13 @@ struct State {
     /// Held stream events to park; written by the next park statement.
     to_park: Vec<Park>,
     drain_until: Option<Lsn>,
+    /// Parked rows the engine gave back, with their keys and, once their release statement
+    /// returned, the number of claims started by then. Locked by this node until it commits,
+    /// they do not hold back later rows of their key in a parked claim running meanwhile,
+    /// which must not hand those out ahead of them.
+    releasing: HashMap<SequenceId, (String, Option<u64>)>,
+    /// Claims started (they run one at a time, under `parking`).
+    claims: u64,
     /// `--drain`: everything committed before the marker has been handed out.
     drained: bool,
 }
@@ -234,6 +241,8 @@ impl WalStore {
                     recheck: Vec::new(),
                     to_park: Vec::new(),
                     drain_until: None,
+                    releasing: HashMap::new(),
+                    claims: 0,
                     drained: false,
                 }),
                 parking: tokio::sync::Mutex::new(()),
@@ -443,11 +452,14 @@ impl Inner {
     }
 
     /// Writes `to_park` to the parked table (and deletes their outbox rows) in one
-    /// transaction, then settles them. Call it holding `parking`.
+    /// transaction, then settles them; parks that must wait ([`parking_order`]) stay in
+    /// `to_park`. Call it holding `parking`.
     async fn flush_parks(&self) -> StoreResult<u64> {
         let (parks, columns, rows) = {
             let mut state = lock(&self.state);
-            let parks = std::mem::take(&mut state.to_park);
+            let to_park = std::mem::take(&mut state.to_park);
+            let (parks, waiting) = parking_order(&state, to_park);
+            state.to_park = waiting;
             let mut columns = EventColumns::default();
             let mut rows = Vec::new();
             for park in &parks {
@@ -564,8 +576,9 @@ impl Inner {
         split
     }
 
-    /// Settles rows of the parked table with the polling store's own `statement`, then
-    /// forgets them; with `unpark` (they left the table) their keys may flow again.
+    /// Settles rows of the parked table with the polling store's own `statement`; with
+    /// `unpark` they left the table and their keys may flow again, without it they go back
+    /// to it (a retry or a release).
     async fn settle_parked<T>(
         &self,
         items: Vec<T>,
@@ -578,8 +591,38 @@ impl Inner {
             return Ok(0);
         }
         let ids: Vec<SequenceId> = items.iter().map(id).collect();
-        let settled = statement(&self.parked, items).await?;
-        self.forget(&ids);
+        // Forgotten before the statement: once it commits a claim may take a row again, and
+        // the entry that claim makes must not be forgotten after it.
+        let taken = self.take(&ids);
+        let releasing = !unpark;
+        if releasing {
+            // Until it commits the row stays locked by this node, which does not hold back
+            // later rows of its key in a parked claim meanwhile (see `claim`).
+            lock(&self.state)
+                .releasing
+                .extend(taken.iter().filter_map(|(id, held)| match held {
+                    Held::Parked(key) => Some((*id, (key.clone(), None))),
+                    Held::Wal(_) => None,
+                }));
+        }
+        let result = statement(&self.parked, items).await;
+        if releasing {
+            let mut state = lock(&self.state);
+            let claims = state.claims;
+            for id in &ids {
+                if let Some((_, done)) = state.releasing.get_mut(id) {
+                    *done = Some(claims);
+                }
+            }
+        }
+        let settled = match result {
+            Ok(n) => n,
+            Err(e) => {
+                // Still this node's rows: no claim took them meanwhile.
+                self.restore(taken);
+                return Err(e);
+            }
+        };
         if unpark {
             self.unpark_keys(keys).await?;
         }
@@ -682,20 +725,38 @@ impl Inner {
         Ok(moved)
     }
 
-    fn forget(&self, ids: &[SequenceId]) {
+    /// Forgets parked rows before the statement that releases them (or records their
+    /// retry): once it commits, a claim may take a row again, and the entry that claim
+    /// makes must not be forgotten after it (the engine's settle of it would then be
+    /// ignored, leaving the row locked, and later rows of its key claimable ahead of it).
+    /// [`Inner::restore`] gives them back if the statement fails: the rows are still this
+    /// node's then, so no claim took them meanwhile.
+    fn take(&self, ids: &[SequenceId]) -> Vec<(SequenceId, Held)> {
         let mut state = lock(&self.state);
-        for id in ids {
-            state.held.remove(id);
+        ids.iter()
+            .filter_map(|id| state.held.remove(id).map(|held| (*id, held)))
+            .collect()
+    }
+
+    fn restore(&self, taken: Vec<(SequenceId, Held)>) {
+        let mut state = lock(&self.state);
+        for (id, held) in taken {
+            state.held.entry(id).or_insert(held);
         }
     }
 
     async fn claim(&self, request: ClaimRequest) -> StoreResult<Vec<Claimed>> {
         let status = self.status.borrow().clone();
-        // Claims fail while the stream is down, so that `/readyz` and the logs say why.
+        // Claims fail while the stream is down, so that `/readyz` and the logs say why; they
+        // are retried like a lost connection, but the fix is the one the reason names.
         if let CaptureStatus::Failed(reason) | CaptureStatus::Reconnecting(reason) = &status {
             return Err(StoreError::new(
                 StoreErrorKind::Connection,
                 format!("WAL capture: {reason}"),
+            )
+            .with_hint(
+                "WAL capture cannot stream until the cause above is fixed (the relay keeps \
+                 trying); `outbox-relay check --capture wal` lists what it finds",
             ));
         }
         let _parking = self.parking.lock().await;
@@ -708,41 +769,50 @@ impl Inner {
                 fence: None,
                 ..request.clone()
             });
-            let rows = rows.await?;
-            // The polling claim lets rows this node leases not block later rows of their key
-            // (its engine holds them in order). An earlier parked row held here may be on its
-            // way back to the table (the engine is releasing it), so a later row of that key
-            // is put back rather than handed out ahead of it.
-            let mut put_back = Vec::new();
-            {
+            let claim_no = {
                 let mut state = lock(&self.state);
-                let waiting: HashSet<String> = state
-                    .held
-                    .values()
-                    .filter_map(|h| match h {
-                        Held::Parked(key) => Some(key.clone()),
-                        Held::Wal(_) => None,
+                state.claims += 1;
+                let claim_no = state.claims;
+                // Releases that ended before this claim began cannot have raced it.
+                state
+                    .releasing
+                    .retain(|_, (_, done)| done.is_none_or(|n| n >= claim_no));
+                claim_no
+            };
+            let mut rows = rows.await?;
+            // Rows behind a row whose release ran during this claim wait for it: they go
+            // back at once.
+            let behind: Vec<SequenceId> = {
+                let state = lock(&self.state);
+                rows.iter()
+                    .filter(|row| {
+                        state.releasing.iter().any(|(id, (key, done))| {
+                            *id < row.sequence_id()
+                                && key.as_str() == row.ordering_key()
+                                && done.is_none_or(|n| n >= claim_no)
+                        })
                     })
-                    .collect();
-                for row in rows {
-                    if waiting.contains(row.ordering_key()) {
-                        put_back.push(row.sequence_id());
-                        continue;
-                    }
-                    state.held.insert(
-                        row.sequence_id(),
-                        Held::Parked(row.ordering_key().to_string()),
-                    );
-                    out.push(row);
-                }
+                    .map(Claimed::sequence_id)
+                    .collect()
+            };
+            if !behind.is_empty() {
+                rows.retain(|row| !behind.contains(&row.sequence_id()));
+                self.parked
+                    .release(request.node.clone(), behind.clone())
+                    .await?;
             }
             tracing::debug!(
-                claimed = ?out.iter().map(Claimed::sequence_id).collect::<Vec<_>>(),
-                ?put_back,
+                claimed = ?rows.iter().map(Claimed::sequence_id).collect::<Vec<_>>(),
+                put_back = ?behind,
                 "claimed parked rows"
             );
-            if !put_back.is_empty() {
-                self.parked.release(request.node.clone(), put_back).await?;
+            let mut state = lock(&self.state);
+            for row in rows {
+                state.held.insert(
+                    row.sequence_id(),
+                    Held::Parked(row.ordering_key().to_string()),
+                );
+                out.push(row);
             }
         }
         {
@@ -956,6 +1026,43 @@ pub async fn slot_status(main: &PgStore, slot: &str) -> StoreResult<Option<SlotS
     }))
 }
 
+/// Splits `to_park` into the parks to write now, in commit order, and those that wait.
+/// Parked rows are claimed in parking order, so per key it must be commit order: an event
+/// the engine still has (in a lane or publishing) may yet come back to be parked, as a retry
+/// or a release, and every later event of its key waits for it. (Released and retried
+/// events would otherwise be parked after later events of their key that the stream handed
+/// over meanwhile, and be delivered after them.)
+fn parking_order(state: &State, mut to_park: Vec<Park>) -> (Vec<Park>, Vec<Park>) {
+    if to_park.is_empty() {
+        return (to_park, Vec::new());
+    }
+    let position = |id: &SequenceId| match state.held.get(id) {
+        Some(Held::Wal(held)) => Some(held.position),
+        _ => None,
+    };
+    to_park.sort_by_key(|p| position(&p.id));
+    let parking: HashSet<SequenceId> = to_park.iter().map(|p| p.id).collect();
+    // Per key, the first position of an event still with the engine.
+    let mut out: HashMap<&str, EventPosition> = HashMap::new();
+    for (id, held) in &state.held {
+        if let Held::Wal(held) = held {
+            if !parking.contains(id) {
+                out.entry(held.key.as_str())
+                    .and_modify(|first| *first = (*first).min(held.position))
+                    .or_insert(held.position);
+            }
+        }
+    }
+    to_park
+        .into_iter()
+        .partition(|park| match state.held.get(&park.id) {
+            Some(Held::Wal(held)) => out
+                .get(held.key.as_str())
+                .is_none_or(|first| *first > held.position),
+            _ => true,
+        })
+}
+
 /// An idle slot keeping more WAL than this makes `check` warn.
 pub const SLOT_RETAINED_WARNING: i64 = 256 * 1024 * 1024;
 
@@ -1150,7 +1257,13 @@ impl OutboxStore for WalStore {
         let inner = self.inner.clone();
         async move {
             let split = inner.split(ids, |id| *id);
-            let parked = inner.settle_parked(split.parked, split.keys, |id| *id, |p, ids| p.release(node, ids), false);
+            let parked = inner.settle_parked(
+                split.parked,
+                split.keys,
+                |id| *id,
+                |p, ids| p.release(node, ids),
+                false,
+            );
             let released = parked.await?;
             if split.stream.is_empty() {
                 return Ok(released);

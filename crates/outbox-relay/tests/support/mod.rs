@@ -69,8 +69,13 @@ impl RelayProcess {
     }
 
     pub async fn wait_exit(&mut self) -> ExitStatus {
+        self.wait_exit_within(Duration::from_secs(30)).await
+    }
+
+    /// Waits for the exit; fails the test if it takes longer than `within`.
+    pub async fn wait_exit_within(&mut self, within: Duration) -> ExitStatus {
         let child = self.child.as_mut().expect("running");
-        let status = eventually("the relay to exit", Duration::from_secs(30), || {
+        let status = eventually("the relay to exit", within, || {
             let s = child.try_wait().unwrap();
             async move { s }
         })
@@ -83,6 +88,12 @@ impl RelayProcess {
     pub async fn terminate(&mut self) -> ExitStatus {
         self.signal("-TERM");
         self.wait_exit().await
+    }
+
+    /// SIGTERM, then wait for the exit; fails the test if it takes longer than `within`.
+    pub async fn terminate_within(&mut self, within: Duration) -> ExitStatus {
+        self.signal("-TERM");
+        self.wait_exit_within(within).await
     }
 
     pub fn logs(&self) -> String {
@@ -130,11 +141,13 @@ impl Drop for RelayProcess {
 }
 
 pub async fn pg(url: &str) -> tokio_postgres::Client {
-    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
+    try_pg(url).await.unwrap()
+}
+
+pub async fn try_pg(url: &str) -> Result<tokio_postgres::Client, tokio_postgres::Error> {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls).await?;
     tokio::spawn(connection);
-    client
+    Ok(client)
 }
 
 /// JSON lines of a sink file; a torn line (from a kill -9 mid-write) is skipped.
@@ -201,7 +214,14 @@ impl Writers {
                     let mut t = 0;
                     while !stop.load(Ordering::Relaxed) {
                         if client.is_closed() {
-                            client = pg(&url).await;
+                            // The server may be restarting: try again after the pause.
+                            match try_pg(&url).await {
+                                Ok(c) => client = c,
+                                Err(_) => {
+                                    tokio::time::sleep(pace.max(Duration::from_millis(50))).await;
+                                    continue;
+                                }
+                            }
                         }
                         let outcome = write_transaction(&mut client, &mut rng, w, t).await;
                         {
@@ -465,4 +485,185 @@ pub fn metric_value(metrics: &str, name: &str) -> Option<f64> {
         .find(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
+}
+
+// ---- A PostgreSQL server of a test's own ----
+
+const PG_BIN: &str = "/usr/lib/postgresql/15/bin";
+
+fn running_as_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| o.stdout.starts_with(b"0\n"))
+}
+
+/// Runs a PostgreSQL tool as the postgres user when root (initdb and pg_ctl refuse root).
+pub fn as_postgres(program: &str, args: &[&str]) {
+    if let Err(e) = run_as_postgres(program, args) {
+        panic!("{e}");
+    }
+}
+
+fn run_as_postgres(program: &str, args: &[&str]) -> Result<(), String> {
+    let program = format!("{PG_BIN}/{program}");
+    let mut command = if running_as_root() {
+        let mut c = Command::new("runuser");
+        c.args(["-u", "postgres", "--", &program]);
+        c
+    } else {
+        Command::new(&program)
+    };
+    let out = command.args(args).output().unwrap();
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{program} {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
+}
+
+/// A PostgreSQL server of a test's own, for tests that change its settings or restart it
+/// (the shared test servers are never restarted); stopped on drop.
+pub struct OwnPostgres {
+    dir: tempfile::TempDir,
+    pub port: u16,
+    options: Mutex<String>,
+}
+
+impl OwnPostgres {
+    pub fn init() -> Self {
+        let dir = tempfile::Builder::new()
+            .prefix("own-postgres")
+            .tempdir()
+            .unwrap();
+        // The postgres user must reach the directory.
+        std::fs::set_permissions(
+            dir.path(),
+            std::os::unix::fs::PermissionsExt::from_mode(0o777),
+        )
+        .unwrap();
+        let data = dir.path().join("data");
+        as_postgres(
+            "initdb",
+            &[
+                "-D",
+                data.to_str().unwrap(),
+                "-U",
+                "postgres",
+                "--auth=trust",
+            ],
+        );
+        OwnPostgres {
+            dir,
+            port: outbox_testkit::server::free_port(),
+            options: Mutex::new(String::new()),
+        }
+    }
+
+    fn data(&self) -> String {
+        self.dir.path().join("data").display().to_string()
+    }
+
+    /// Starts the server with `options` (`-c name=value ...`) and waits until it answers.
+    pub fn start(&self, options: &str) {
+        *self.options.lock().unwrap() = options.to_string();
+        self.resume();
+    }
+
+    /// Stops the server as a crash would (`-m immediate`: connections reset, nothing
+    /// said) and starts it again.
+    pub fn crash_and_restart(&self) {
+        self.stop("immediate");
+        // The old server's processes may hold its shared memory for a moment after the
+        // stop returns: then the start is refused, and tried again.
+        for _ in 0..50 {
+            if self.try_resume().is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        self.resume();
+    }
+
+    /// Starts it again with the options of the last [`start`](Self::start).
+    pub fn resume(&self) {
+        if let Err(e) = self.try_resume() {
+            panic!("{e}");
+        }
+    }
+
+    fn try_resume(&self) -> Result<(), String> {
+        let options = format!(
+            "-c listen_addresses=127.0.0.1 -p {} -k {} {}",
+            self.port,
+            self.dir.path().display(),
+            self.options.lock().unwrap()
+        );
+        let log = self.dir.path().join("log");
+        let data = self.data();
+        let started = run_as_postgres(
+            "pg_ctl",
+            &[
+                "-D",
+                &data,
+                "-l",
+                log.to_str().unwrap(),
+                "-w",
+                "start",
+                "-o",
+                &options,
+            ],
+        );
+        started.map_err(|e| {
+            let log = std::fs::read_to_string(&log).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(10).collect();
+            format!(
+                "{e}\nserver log:\n{}",
+                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+            )
+        })
+    }
+
+    /// Stops the server in `mode` (`immediate`: a crash, as far as its clients can tell).
+    pub fn stop(&self, mode: &str) {
+        as_postgres("pg_ctl", &["-D", &self.data(), "-m", mode, "-w", "stop"]);
+    }
+
+    pub fn url(&self, sslmode: &str) -> String {
+        format!(
+            "postgres://postgres@127.0.0.1:{}/postgres?sslmode={sslmode}",
+            self.port
+        )
+    }
+
+    /// Writes `name` in the server's directory, owned by the user the server runs as.
+    pub fn write(&self, name: &str, contents: &[u8], mode: u32) -> String {
+        let path = self.dir.path().join(name);
+        std::fs::write(&path, contents).unwrap();
+        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(mode))
+            .unwrap();
+        if running_as_root() {
+            let uid = |flag: &str| -> u32 {
+                let out = Command::new("id")
+                    .args([flag, "postgres"])
+                    .output()
+                    .unwrap();
+                String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
+            };
+            std::os::unix::fs::chown(&path, Some(uid("-u")), Some(uid("-g"))).unwrap();
+        }
+        path.display().to_string()
+    }
+}
+
+impl Drop for OwnPostgres {
+    fn drop(&mut self) {
+        let data = self.data();
+        let _ = std::panic::catch_unwind(|| {
+            as_postgres("pg_ctl", &["-D", &data, "-m", "immediate", "-w", "stop"])
+        });
+    }
 }
