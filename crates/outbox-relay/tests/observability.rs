@@ -423,6 +423,14 @@ impl Prometheus {
         value["data"].clone()
     }
 
+    /// The series an instant query returns.
+    async fn query(&self, promql: &str) -> Vec<serde_json::Value> {
+        self.api(&format!("query?query={}", encode(promql))).await["result"]
+            .as_array()
+            .unwrap()
+            .clone()
+    }
+
     /// Every metric name Prometheus holds.
     async fn names(&self) -> BTreeSet<String> {
         self.api("label/__name__/values")
@@ -683,31 +691,6 @@ async fn a_real_prometheus_scraping_relays_has_every_metric_the_dashboard_and_th
     );
     let wal_addr = http_addr(&wal).await;
 
-    // Traffic, so that every series exists: deliveries, a failing sink (a retry, then a dead
-    // letter), and a failed database operation.
-    insert_events(&url, 5).await;
-    wait_for_lines(
-        "the polling relay's deliveries",
-        &events,
-        Duration::from_secs(30),
-        |n| n == 5,
-    )
-    .await;
-    std::fs::remove_dir_all(&out_dir).unwrap();
-    insert_events(&url, 1).await;
-    wait_for_metric(&polling, &polling_addr, "outbox_events_dead_lettered_total").await;
-    std::fs::create_dir(&out_dir).unwrap();
-    cause_store_error(&url, &polling, &polling_addr).await;
-    insert_events(&wal_url, 3).await;
-    wait_for_lines(
-        "the WAL relay's deliveries",
-        &wal_events,
-        Duration::from_secs(30),
-        |n| n == 3,
-    )
-    .await;
-    wait_for_metric(&wal, &wal_addr, "outbox_wal_slot_lag_bytes").await;
-
     let prom_dir = d.join("prometheus");
     std::fs::create_dir(&prom_dir).unwrap();
     let mut prometheus =
@@ -733,6 +716,50 @@ async fn a_real_prometheus_scraping_relays_has_every_metric_the_dashboard_and_th
         },
     )
     .await;
+
+    // Prometheus has seen the outbox without dead letters, so that the one made below is
+    // growth an alert sees.
+    eventually_explained(
+        "Prometheus to see no dead letters yet",
+        Duration::from_secs(60),
+        || prometheus.logs(),
+        || {
+            let prometheus = &prometheus;
+            async move {
+                (!prometheus
+                    .query("outbox_dead_letter_events == 0")
+                    .await
+                    .is_empty())
+                .then_some(())
+            }
+        },
+    )
+    .await;
+
+    // Traffic, so that every series exists: deliveries, a failing sink (a retry, then a dead
+    // letter), and a failed database operation.
+    insert_events(&url, 5).await;
+    wait_for_lines(
+        "the polling relay's deliveries",
+        &events,
+        Duration::from_secs(30),
+        |n| n == 5,
+    )
+    .await;
+    std::fs::remove_dir_all(&out_dir).unwrap();
+    insert_events(&url, 1).await;
+    wait_for_metric(&polling, &polling_addr, "outbox_events_dead_lettered_total").await;
+    std::fs::create_dir(&out_dir).unwrap();
+    cause_store_error(&url, &polling, &polling_addr).await;
+    insert_events(&wal_url, 3).await;
+    wait_for_lines(
+        "the WAL relay's deliveries",
+        &wal_events,
+        Duration::from_secs(30),
+        |n| n == 3,
+    )
+    .await;
+    wait_for_metric(&wal, &wal_addr, "outbox_wal_slot_lag_bytes").await;
 
     // The shipped rules are loaded and evaluate without error.
     let rules_file = std::fs::read_to_string(alerts_file()).unwrap();
@@ -773,6 +800,65 @@ async fn a_real_prometheus_scraping_relays_has_every_metric_the_dashboard_and_th
         },
     )
     .await;
+
+    // On the relays' real series: the dead letter fires its alert; both relays count as live
+    // nodes and every partition has an owner, so those alerts are not even pending.
+    let firing = eventually_explained(
+        "OutboxDeadLettersGrowing to fire",
+        Duration::from_secs(60),
+        || prometheus.logs(),
+        || {
+            let prometheus = &prometheus;
+            async move {
+                let alerts = prometheus.api("alerts").await;
+                alerts["alerts"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .find(|a| {
+                        a["labels"]["alertname"] == "OutboxDeadLettersGrowing"
+                            && a["state"] == "firing"
+                    })
+                    .cloned()
+            }
+        },
+    )
+    .await;
+    assert_eq!(firing["labels"]["job"], "outbox-relay", "{firing}");
+    assert_eq!(
+        firing["value"].as_str().map(|v| v.parse::<f64>().unwrap()),
+        Some(1.0),
+        "{firing}"
+    );
+    let live = prometheus
+        .query(r#"timestamp(outbox_last_success_timestamp_seconds{check="heartbeat"}) - outbox_last_success_timestamp_seconds{check="heartbeat"} < 60"#)
+        .await;
+    assert_eq!(
+        live.len(),
+        2,
+        "relays counted live by OutboxNoLiveRelay: {live:?}"
+    );
+    let partitions = prometheus
+        .query(&format!(r#"outbox_partitions{{instance="{polling_addr}"}} == 4 and on() outbox_unowned_partitions{{instance="{polling_addr}"}} == 0"#))
+        .await;
+    assert_eq!(
+        partitions.len(),
+        1,
+        "4 partitions, none unowned: {partitions:?}"
+    );
+    let alerts = prometheus.api("alerts").await;
+    for alert in alerts["alerts"].as_array().unwrap() {
+        assert!(
+            ![
+                "OutboxNoLiveRelay",
+                "OutboxPartitionsUnowned",
+                "OutboxWalNotStreaming"
+            ]
+            .iter()
+            .any(|name| alert["labels"]["alertname"] == *name),
+            "{alert}"
+        );
+    }
 
     // The dashboard's queries are valid PromQL (with Grafana's variables filled in).
     let dashboard: serde_json::Value =
