@@ -316,10 +316,14 @@ async fn run(
             }
             if let Some(count) = count {
                 handing_over = balance(p, &config, count, &live).await;
-                // Once per heartbeat interval, not on every quick look of a hand-over.
+                // Once per heartbeat interval, not on every quick look of a hand-over; a stop
+                // does not wait for it.
                 if counted.is_none_or(|at| at.elapsed() >= config.heartbeat_interval) {
                     counted = Some(Instant::now());
-                    count_unowned(p, count, config.heartbeat_interval).await;
+                    tokio::select! {
+                        () = count_unowned(p, count, config.heartbeat_interval) => {}
+                        _ = stopped.changed() => return,
+                    }
                 }
             }
         }
