@@ -307,6 +307,62 @@ fn dashboard_queries(dashboard: &serde_json::Value) -> (Vec<String>, BTreeSet<St
     (exprs, variables)
 }
 
+/// What Grafana needs to import the dashboard and lay it out: an id per panel, a query per
+/// panel through the data source variable, and panels that fit the 24-column grid without
+/// overlapping. (The queries themselves are checked against a real Prometheus below.)
+#[test]
+fn the_dashboard_is_well_formed() {
+    let dashboard: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dashboard_file()).unwrap()).unwrap();
+    assert_eq!(dashboard["uid"], "outbox-relay");
+    assert!(dashboard["schemaVersion"].as_u64().is_some());
+    let variables: Vec<&str> = dashboard["templating"]["list"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(variables, ["datasource", "job"]);
+    let panels = dashboard["panels"].as_array().unwrap();
+    let mut ids = BTreeSet::new();
+    let mut cells: BTreeMap<(u64, u64), String> = BTreeMap::new();
+    for panel in panels {
+        let title = panel["title"].as_str().unwrap().to_string();
+        assert!(
+            ids.insert(panel["id"].as_u64().unwrap()),
+            "duplicate id: {title}"
+        );
+        let grid = &panel["gridPos"];
+        let [x, y, w, h] = ["x", "y", "w", "h"].map(|k| grid[k].as_u64().unwrap());
+        assert!(
+            x + w <= 24 && w > 0 && h > 0,
+            "{title} does not fit the grid"
+        );
+        for cell in (x..x + w).flat_map(|cx| (y..y + h).map(move |cy| (cx, cy))) {
+            if let Some(other) = cells.insert(cell, title.clone()) {
+                panic!("{title} overlaps {other}");
+            }
+        }
+        if panel["type"] == "row" {
+            continue;
+        }
+        assert_eq!(panel["datasource"]["uid"], "${datasource}", "{title}");
+        let targets = panel["targets"].as_array().unwrap();
+        assert!(!targets.is_empty(), "{title} has no query");
+        let refs: BTreeSet<&str> = targets
+            .iter()
+            .map(|t| t["refId"].as_str().unwrap())
+            .collect();
+        assert_eq!(refs.len(), targets.len(), "{title}: refIds repeat");
+        for target in targets {
+            assert!(
+                target["expr"].as_str().is_some_and(|e| e.contains("$job")),
+                "{title}: every query selects the chosen jobs: {target}"
+            );
+        }
+    }
+}
+
 // ---- A real Prometheus ----
 
 /// GET `path` from `addr` over HTTP/1.0 (so the answer is not chunked); the status and body.
