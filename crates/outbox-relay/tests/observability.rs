@@ -2,7 +2,8 @@
 //! Debian's `prometheus` package: `promtool check rules`, `promtool test rules` (every alert
 //! fires and resolves), and a real Prometheus that scrapes running relays (one polling, one
 //! with `--capture wal`) and is asked, through its HTTP API, for every metric name the
-//! dashboard and the alerts use: a misspelt or vanished name fails here.
+//! dashboard and the alerts use: a misspelt or vanished name fails here. On the relays' real
+//! series a dead letter fires its alert, and the liveness and partition alerts stay quiet.
 //!
 //! Without `promtool` and `prometheus` (`scripts/servers.sh install` installs them) the tests
 //! fail under `CI=true` and are skipped, saying so, elsewhere.
