@@ -36,6 +36,9 @@ install_packages() {
   [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || missing+=(rabbitmq-server)
   # MariaDB stands in for MySQL 8, which Debian does not package.
   [ -x /usr/sbin/mariadbd ] || missing+=(mariadb-server)
+  # The observability tests check the alert rules with promtool and scrape a relay with a
+  # Prometheus of their own (the package's service is not used).
+  command -v promtool >/dev/null || missing+=(prometheus)
   # Build prerequisites of librdkafka (the Kafka sink); its libcurl is built from source
   # (rdkafka's curl-static feature), so no libcurl headers are needed.
   command -v cmake >/dev/null || missing+=(cmake)

@@ -33,6 +33,10 @@ pub const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(10);
 pub const CLUSTER_NODES: &str = "outbox_cluster_nodes";
 pub const OWNED_PARTITIONS: &str = "outbox_owned_partitions";
 pub const REBALANCES: &str = "outbox_partition_changes_total";
+/// The outbox's partition count (ordered mode).
+pub const PARTITIONS: &str = "outbox_partitions";
+/// Partitions no node holds a valid lease on, as the partitions table says (ordered mode).
+pub const UNOWNED_PARTITIONS: &str = "outbox_unowned_partitions";
 
 #[derive(Clone, Debug)]
 pub struct ClusterConfig {
@@ -84,6 +88,15 @@ impl Coordinator {
         metrics::describe_counter!(
             REBALANCES,
             "Partition leases acquired, released or lost by this node."
+        );
+        metrics::describe_gauge!(
+            PARTITIONS,
+            "Partitions of the outbox (ordered mode); every one should have an owner."
+        );
+        metrics::describe_gauge!(
+            UNOWNED_PARTITIONS,
+            "Partitions without a valid lease in the partitions table (no owner, or the lease ran out): \
+             their events wait until a node takes them. Brief during a hand-over; lasting, no node can take them."
         );
         let (stop, stopped) = watch::channel(false);
         let (written, incarnation_rx) = watch::channel(Some(incarnation));
@@ -242,6 +255,8 @@ async fn run(
     written: watch::Sender<Option<Incarnation>>,
 ) {
     let mut count: Option<u32> = None;
+    // When the partitions table was last counted for the gauges.
+    let mut counted: Option<Instant> = None;
     // The last heartbeat failed without an answer: it may have written the row all the same.
     let mut unanswered = false;
     loop {
@@ -301,6 +316,15 @@ async fn run(
             }
             if let Some(count) = count {
                 handing_over = balance(p, &config, count, &live).await;
+                // Once per heartbeat interval, not on every quick look of a hand-over; a stop
+                // does not wait for it.
+                if counted.is_none_or(|at| at.elapsed() >= config.heartbeat_interval) {
+                    counted = Some(Instant::now());
+                    tokio::select! {
+                        () = count_unowned(p, count, config.heartbeat_interval) => {}
+                        _ = stopped.changed() => return,
+                    }
+                }
             }
         }
         // While a hand-over waits for the engine, look again soon.
@@ -383,6 +407,32 @@ async fn balance(p: &Partitions, config: &ClusterConfig, count: u32, live: &[Str
     let owned = p.ownership.publishable(Instant::now()).0.len();
     metrics::gauge!(OWNED_PARTITIONS).set(owned as f64);
     waiting
+}
+
+/// Sets the partition gauges from the partitions table: every node reports the whole
+/// outbox's count, so the gauges do not depend on scraping every node. A lease counts as
+/// valid until its expiry by this node's clock, as `stats` counts it. Waits at most `within`,
+/// so that a slow answer does not hold back the next heartbeat.
+async fn count_unowned(p: &Partitions, count: u32, within: Duration) {
+    metrics::gauge!(PARTITIONS).set(f64::from(count));
+    match tokio::time::timeout(within, p.registry.partitions()).await {
+        Ok(Ok(partitions)) => {
+            let now = std::time::SystemTime::now();
+            // Those without a row (none, since migrate writes them all) count as unowned.
+            let held = partitions
+                .iter()
+                .filter(|p| p.owner.is_some() && p.lease_until.is_some_and(|t| t > now))
+                .count();
+            let unowned = (count as usize).saturating_sub(held);
+            metrics::gauge!(UNOWNED_PARTITIONS).set(unowned as f64);
+        }
+        // The gauge keeps its last value; a failing database shows in the health checks and
+        // in the heartbeat's last success.
+        Ok(Err(e)) => {
+            tracing::debug!(error = %e.report(), "could not list partitions for the gauges")
+        }
+        Err(_) => tracing::debug!("no answer listing partitions for the gauges"),
+    }
 }
 
 /// Renews, hands over and takes leases. Returns whether a hand-over is still waiting, and the
