@@ -158,6 +158,8 @@ struct State {
     parked_keys: HashSet<String>,
     /// Keys to check against the parked table at the next claim.
     recheck: Vec<String>,
+    /// Delivered stream events whose outbox row was not found yet, and since when.
+    undeleted: Vec<(SequenceId, std::time::Instant)>,
     /// Held stream events to park; written by the next park statement.
     to_park: Vec<Park>,
     drain_until: Option<Lsn>,
@@ -239,6 +241,7 @@ impl WalStore {
                     redeliver: VecDeque::new(),
                     parked_keys: HashSet::new(),
                     recheck: Vec::new(),
+                    undeleted: Vec::new(),
                     to_park: Vec::new(),
                     drain_until: None,
                     releasing: HashMap::new(),
@@ -649,23 +652,54 @@ impl Inner {
         if ids.is_empty() {
             return Ok(0);
         }
+        let acked = ids.len() as u64;
+        let now = std::time::Instant::now();
+        self.delete_delivered(ids.into_iter().map(|id| (id, now)).collect())
+            .await?;
+        Ok(acked)
+    }
+
+    /// Deletes the outbox rows of delivered stream events and settles the events. The
+    /// stream can carry a transaction a moment before other sessions see its rows (its
+    /// commit record is in the WAL before it is visible), so a row the delete does not find
+    /// is tried again with the next claims, its event unsettled (the slot waits for it), for
+    /// up to [`UNDELETED_PATIENCE`]; a row still missing then was deleted already (the
+    /// event was sent again after a reconnect).
+    async fn delete_delivered(
+        &self,
+        events: Vec<(SequenceId, std::time::Instant)>,
+    ) -> StoreResult<()> {
         let rows: Vec<SequenceId> = {
             let state = lock(&self.state);
-            ids.iter()
-                .filter_map(|id| match state.held.get(id) {
+            events
+                .iter()
+                .filter_map(|(id, _)| match state.held.get(id) {
                     Some(Held::Wal(held)) => held.row,
                     _ => None,
                 })
                 .collect()
         };
-        if !rows.is_empty() {
+        let deleted: HashSet<SequenceId> = if rows.is_empty() {
+            HashSet::new()
+        } else {
             self.main
-                .transaction("ack", &[(&self.sql.delete_rows, &[&rows])])
-                .await?;
-        }
-        let acked = ids.len() as u64;
-        self.settle(&mut lock(&self.state), ids);
-        Ok(acked)
+                .query_rows("ack", &self.sql.delete_delivered, &[&rows])
+                .await?
+                .iter()
+                .map(|r| r.get(0))
+                .collect()
+        };
+        let mut state = lock(&self.state);
+        let (done, wait): (Vec<_>, Vec<_>) = events.into_iter().partition(|(id, since)| {
+            let row = match state.held.get(id) {
+                Some(Held::Wal(held)) => held.row,
+                _ => None,
+            };
+            row.is_none_or(|row| deleted.contains(&row)) || since.elapsed() >= UNDELETED_PATIENCE
+        });
+        state.undeleted.extend(wait);
+        self.settle(&mut state, done.into_iter().map(|(id, _)| id));
+        Ok(())
     }
 
     /// Writes held stream events to the dead letters (and deletes their outbox rows) in one
@@ -758,6 +792,13 @@ impl Inner {
                 "WAL capture cannot stream until the cause above is fixed (the relay keeps \
                  trying); `outbox-relay check --capture wal` lists what it finds",
             ));
+        }
+        let undeleted = std::mem::take(&mut lock(&self.state).undeleted);
+        if !undeleted.is_empty() {
+            if let Err(e) = self.delete_delivered(undeleted.clone()).await {
+                lock(&self.state).undeleted.extend(undeleted);
+                return Err(e);
+            }
         }
         let _parking = self.parking.lock().await;
         // Parks that failed last time go first: later events of their keys wait for them.
@@ -1062,6 +1103,9 @@ fn parking_order(state: &State, mut to_park: Vec<Park>) -> (Vec<Park>, Vec<Park>
             _ => true,
         })
 }
+
+/// How long a delivered event's outbox row is looked for (see `Inner::delete_delivered`).
+pub const UNDELETED_PATIENCE: Duration = Duration::from_secs(5);
 
 /// An idle slot keeping more WAL than this makes `check` warn.
 pub const SLOT_RETAINED_WARNING: i64 = 256 * 1024 * 1024;

@@ -132,6 +132,8 @@ pub struct CaptureStatements {
     pub dead_letter: String,
     /// Deletes delivered or parked rows of the outbox. `$1` sequence ids.
     pub delete_rows: String,
+    /// `delete_rows`, returning the ids of the rows it deleted.
+    pub delete_delivered: String,
     /// Moves every pending row of the outbox table into the parked table, under its own
     /// sequence id (in that order): run when the slot is created, since rows committed
     /// before it (written while no slot existed, or by an earlier polling relay) are not in
@@ -184,6 +186,9 @@ impl CaptureStatements {
                  ON CONFLICT (sequence_id) DO NOTHING"
             ),
             delete_rows: format!("DELETE FROM {outbox} WHERE sequence_id = ANY($1)"),
+            delete_delivered: format!(
+                "DELETE FROM {outbox} WHERE sequence_id = ANY($1) RETURNING sequence_id"
+            ),
             adopt: format!(
                 "WITH moved AS (DELETE FROM {outbox} WHERE delivered_at IS NULL RETURNING *)
                  INSERT INTO {parked} (sequence_id, event_id, destination, partition_key,
