@@ -8,27 +8,12 @@
 mod support;
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 use std::time::Duration;
 
 use outbox_testkit::{eventually_explained, fresh_pg_database};
 
-use support::{pg, read_lines, wait_for_lines, OwnPostgres, RelayProcess, BIN};
-
-/// Runs `outbox-relay <args>` in `dir`, output captured, no database URL inherited.
-fn relay(dir: &Path, args: &[&str]) -> Output {
-    Command::new(BIN)
-        .args(args)
-        .current_dir(dir)
-        .env_remove("DATABASE_URL")
-        .env_remove("OUTBOX_RELAY_DATABASE_URL")
-        .output()
-        .expect("run outbox-relay")
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
-}
+use support::{pg, read_lines, relay, text, wait_for_lines, OwnPostgres, RelayProcess};
 
 /// A migrated SQLite outbox in `dir`; its URL.
 fn sqlite_outbox(dir: &Path) -> String {

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use outbox_testkit::{eventually, eventually_explained, fresh_pg_database};
 
-use support::{http_addr, http_get, metric_value, pg, wait_for_lines, RelayProcess, BIN};
+use support::{http_addr, http_get, metric_value, pg, relay, text, wait_for_lines, RelayProcess};
 
 fn deploy() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy")
@@ -46,10 +46,6 @@ fn require(tool: &str) -> Option<PathBuf> {
         eprintln!("SKIPPED: {message}");
     }
     found
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
 }
 
 #[track_caller]
@@ -537,64 +533,6 @@ impl Drop for Prometheus {
 
 /// A replication slot dropped when the test ends, passed or not: a slot left behind pins WAL
 /// for everyone on the server.
-struct Slot {
-    url: String,
-    name: String,
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        let (url, name) = (self.url.clone(), self.name.clone());
-        // Drop cannot await: a runtime and a thread of our own; the slot's consumer, if any,
-        // is ended rather than waited for.
-        let dropped = std::thread::spawn(move || {
-            tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap()
-                .block_on(async move {
-                    let db = pg(&url).await;
-                    for _ in 0..100 {
-                        let result = db
-                            .batch_execute(&format!(
-                                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots
-                                  WHERE slot_name = '{name}' AND active_pid IS NOT NULL;
-                                 SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots
-                                  WHERE slot_name = '{name}';"
-                            ))
-                            .await;
-                        match result {
-                            Ok(()) => return Ok(()),
-                            Err(e)
-                                if e.code()
-                                    == Some(&tokio_postgres::error::SqlState::OBJECT_IN_USE) =>
-                            {
-                                tokio::time::sleep(Duration::from_millis(50)).await
-                            }
-                            Err(e) => return Err(e.to_string()),
-                        }
-                    }
-                    Err("the slot stayed active".to_string())
-                })
-        })
-        .join();
-        if !matches!(dropped, Ok(Ok(()))) {
-            eprintln!("could not drop slot {}: {dropped:?}", self.name);
-        }
-    }
-}
-
-/// `outbox-relay <args>` in `dir`, output captured.
-fn relay(dir: &Path, args: &[&str]) -> Output {
-    Command::new(BIN)
-        .args(args)
-        .current_dir(dir)
-        .env_remove("DATABASE_URL")
-        .env_remove("OUTBOX_RELAY_DATABASE_URL")
-        .output()
-        .expect("run outbox-relay")
-}
-
 async fn insert_events(url: &str, n: usize) {
     let db = pg(url).await;
     for i in 0..n {
@@ -713,9 +651,9 @@ async fn a_real_prometheus_scraping_relays_has_every_metric_the_dashboard_and_th
 
     // A relay reading the WAL of a database of its own, through a slot of its own.
     let wal_url = fresh_pg_database().await;
-    let slot = Slot {
+    let slot = outbox_testkit::SlotGuard {
         url: wal_url.clone(),
-        name: format!("t_{}", uuid::Uuid::new_v4().simple()),
+        slot: format!("t_{}", uuid::Uuid::new_v4().simple()),
     };
     succeeded(
         "migrate --capture wal",
@@ -736,7 +674,7 @@ async fn a_real_prometheus_scraping_relays_has_every_metric_the_dashboard_and_th
             "--capture",
             "wal",
             "--slot",
-            &slot.name,
+            &slot.slot,
             "--sink",
             &wal_sink,
             "--http-addr",

@@ -4,30 +4,20 @@
 //! answering or a privilege taken away shows in the logs, the metrics and `/readyz`.
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Command;
 use std::time::Duration;
 
 use outbox_testkit::{eventually_explained, fresh_pg_database, FaultProxy};
 
 mod support;
 
-use support::{http_addr, http_get, metric_value, pg, read_lines, RelayProcess, BIN};
-
-fn relay_cmd(dir: &Path, args: &[&str]) -> Output {
-    Command::new(BIN)
-        .args(args)
-        .current_dir(dir)
-        .env_remove("DATABASE_URL")
-        .env_remove("OUTBOX_RELAY_DATABASE_URL")
-        .output()
-        .expect("run outbox-relay")
-}
+use support::{http_addr, http_get, metric_value, pg, read_lines, relay, RelayProcess, BIN};
 
 /// A migrated SQLite outbox in `dir` holding `events` events over 50 keys; its URL.
 fn sqlite_outbox(dir: &Path, events: u32) -> String {
     let db = dir.join("outbox.db");
     let url = format!("sqlite:{}", db.display());
-    let migrated = relay_cmd(dir, &["migrate", "--database-url", &url]);
+    let migrated = relay(dir, &["migrate", "--database-url", &url]);
     assert!(
         migrated.status.success(),
         "{}",
@@ -122,7 +112,7 @@ async fn sigterm_ends_the_relay_within_its_shutdown_timeout_while_nats_is_unreac
 async fn drain_exits_1_naming_what_is_left_when_the_sink_cannot_write() {
     let dir = tempfile::tempdir().unwrap();
     let url = sqlite_outbox(dir.path(), 3);
-    let full = relay_cmd(
+    let full = relay(
         dir.path(),
         &[
             "run",
@@ -168,7 +158,7 @@ async fn drain_exits_1_naming_what_is_left_when_the_sink_cannot_write() {
     )
     .await;
     let out = dir.path().join("events.jsonl");
-    let ok = relay_cmd(
+    let ok = relay(
         dir.path(),
         &[
             "run",
@@ -243,7 +233,7 @@ async fn a_drain_after_a_drain_killed_mid_way_delivers_everything_or_fails() {
 
     let second_args = args(&[]);
     let second_args: Vec<&str> = second_args.iter().map(String::as_str).collect();
-    let second = relay_cmd(dir.path(), &second_args);
+    let second = relay(dir.path(), &second_args);
     let stderr = String::from_utf8_lossy(&second.stderr);
     let pending = sqlite_pending(dir.path());
     assert_eq!(

@@ -17,7 +17,7 @@ mod support;
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 use std::time::Duration;
 
 use outbox_testkit::eventually_explained;
@@ -25,8 +25,8 @@ use serde_json::Value;
 use tokio_postgres::{Client, GenericClient};
 
 use support::{
-    http_addr, http_get, metric_value, pg, read_lines, wait_for_lines, Deliveries, Delivery,
-    Figures, Ledger, OwnPostgres, RelayProcess, Writers, BIN,
+    http_addr, http_get, metric_value, pg, read_lines, relay, text, wait_for_lines, Deliveries,
+    Delivery, Figures, Ledger, OwnPostgres, RelayProcess, Writers,
 };
 
 /// The log line of a relay whose replication session streams.
@@ -41,6 +41,8 @@ struct WalDb {
     slot: String,
     dir: tempfile::TempDir,
     db: Client,
+    /// Drops the slot at the end, passed or failed.
+    _guard: outbox_testkit::SlotGuard,
 }
 
 impl WalDb {
@@ -64,6 +66,10 @@ impl WalDb {
         assert!(migrated.status.success(), "{}", text(&migrated.stderr));
         WalDb {
             db: pg(&url).await,
+            _guard: outbox_testkit::SlotGuard {
+                url: url.clone(),
+                slot: slot.clone(),
+            },
             url,
             slot,
             dir,
@@ -195,73 +201,6 @@ impl WalDb {
             .get::<_, i64>(0)
             == 1
     }
-}
-
-impl Drop for WalDb {
-    fn drop(&mut self) {
-        let (url, slot) = (self.url.clone(), self.slot.clone());
-        // Drop cannot await, and the test's runtime may be the one this would block: a
-        // thread and a runtime of our own.
-        let dropped = std::thread::spawn(move || {
-            tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .map_err(|e| e.to_string())?
-                .block_on(force_drop_slot(&url, &slot))
-        })
-        .join();
-        if !matches!(dropped, Ok(Ok(()))) {
-            eprintln!("could not drop slot {}: {dropped:?}", self.slot);
-        }
-    }
-}
-
-/// Ends the slot's consumer, if any, and drops the slot: retried while the ended consumer
-/// has not released it yet (object_in_use).
-async fn force_drop_slot(url: &str, slot: &str) -> Result<(), String> {
-    let db = support::try_pg(url).await.map_err(|e| e.to_string())?;
-    for _ in 0..200 {
-        let result = db
-            .execute(
-                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots
-                  WHERE slot_name = $1 AND active_pid IS NOT NULL",
-                &[&slot],
-            )
-            .await;
-        if let Err(e) = result {
-            return Err(e.to_string());
-        }
-        let result = db
-            .execute(
-                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots
-                  WHERE slot_name = $1",
-                &[&slot],
-            )
-            .await;
-        match result {
-            Ok(_) => return Ok(()),
-            Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::OBJECT_IN_USE) => {
-                tokio::time::sleep(Duration::from_millis(10)).await
-            }
-            Err(e) => return Err(e.to_string()),
-        }
-    }
-    Err("the slot stayed active".into())
-}
-
-/// Runs `outbox-relay <args>` in `dir`, output captured, no database URL inherited.
-fn relay(dir: &Path, args: &[&str]) -> Output {
-    Command::new(BIN)
-        .args(args)
-        .current_dir(dir)
-        .env_remove("DATABASE_URL")
-        .env_remove("OUTBOX_RELAY_DATABASE_URL")
-        .output()
-        .expect("run outbox-relay")
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
 }
 
 fn assert_success(what: &str, out: &Output) {
@@ -886,7 +825,9 @@ async fn readyz_says_when_the_slot_is_gone_and_the_relay_does_not_recreate_it() 
     assert_eq!(ready.as_ref().map(|r| r.0), Some(200), "{ready:?}");
 
     // The slot dropped under the running relay, between its sessions.
-    force_drop_slot(&w.url, &w.slot).await.unwrap();
+    outbox_testkit::force_drop_slot(&w.url, &w.slot)
+        .await
+        .unwrap();
     let body = eventually_explained(
         "/readyz to fail",
         Duration::from_secs(30),

@@ -22,6 +22,7 @@ const PUBLICATION: &str = "outbox_wal_test";
 struct Fixture {
     url: String,
     config: WalConfig,
+    _slot: outbox_testkit::SlotGuard,
 }
 
 impl Fixture {
@@ -47,7 +48,14 @@ impl Fixture {
             TableName::new("public", "outbox").unwrap(),
         );
         config.status_interval = Duration::from_millis(50);
-        Fixture { url, config }
+        Fixture {
+            _slot: outbox_testkit::SlotGuard {
+                url: url.clone(),
+                slot: config.slot.clone(),
+            },
+            url,
+            config,
+        }
     }
 
     async fn start(&self) -> WalStream {
@@ -71,49 +79,6 @@ async fn start(config: &WalConfig) -> WalStream {
             Err(e) => panic!("start WAL capture: {e}"),
         }
     }
-}
-
-impl Drop for Fixture {
-    fn drop(&mut self) {
-        let (url, slot) = (self.url.clone(), self.config.slot.clone());
-        // Drop cannot await, and the test's runtime may be the one this blocks (its
-        // session may still hold the slot): a runtime and a thread of our own, and the
-        // slot's consumer, if any, is ended rather than waited for.
-        let dropped = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .map_err(|e| e.to_string())?;
-            rt.block_on(force_drop_slot(&url, &slot))
-        })
-        .join();
-        if !matches!(dropped, Ok(Ok(()))) {
-            eprintln!("could not drop slot {}: {dropped:?}", self.config.slot);
-        }
-    }
-}
-
-async fn force_drop_slot(url: &str, slot: &str) -> Result<(), String> {
-    let db = connect(url).await;
-    for _ in 0..100 {
-        let result = db
-            .batch_execute(&format!(
-                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots
-                  WHERE slot_name = '{slot}' AND active_pid IS NOT NULL;
-                 SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots
-                  WHERE slot_name = '{slot}';"
-            ))
-            .await;
-        match result {
-            Ok(()) => return Ok(()),
-            // object_in_use: the ended consumer has not released it yet.
-            Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::OBJECT_IN_USE) => {
-                tokio::time::sleep(Duration::from_millis(50)).await
-            }
-            Err(e) => return Err(e.to_string()),
-        }
-    }
-    Err("the slot stayed active".into())
 }
 
 async fn connect(url: &str) -> Client {

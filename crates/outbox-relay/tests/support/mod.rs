@@ -10,6 +10,22 @@ use outbox_testkit::eventually;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
 
+/// Runs `outbox-relay <args>` in `dir`, output captured, no database URL inherited.
+pub fn relay(dir: &Path, args: &[&str]) -> std::process::Output {
+    Command::new(BIN)
+        .args(args)
+        .current_dir(dir)
+        .env_remove("DATABASE_URL")
+        .env_remove("OUTBOX_RELAY_DATABASE_URL")
+        .output()
+        .expect("run outbox-relay")
+}
+
+/// Process output as text.
+pub fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
 /// A relay process whose stderr (its logs) goes to `<dir>/<name>.log`.
 pub struct RelayProcess {
     pub name: String,
