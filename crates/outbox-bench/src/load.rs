@@ -9,8 +9,14 @@ use anyhow::Result;
 
 use crate::SUBJECT;
 
+/// Stands for the table in the writers' functions: the writers call `outbox_emit` (WAL
+/// capture's table-less events) instead of inserting rows.
+pub const EMIT: &str = "outbox_emit()";
+
 fn insert_sql(table: &str) -> String {
-    if table == "outbox" {
+    if table == EMIT {
+        "SELECT outbox_emit($1, $2, 'order.created', $3::text::jsonb)".into()
+    } else if table == "outbox" {
         "INSERT INTO outbox (destination, partition_key, event_type, payload)
          VALUES ($1, $2, 'order.created', $3::text::jsonb)"
             .into()
@@ -47,6 +53,11 @@ pub fn insert_columns(table: &str) -> (&'static str, &'static str) {
 
 /// Inserts `n` rows in one statement (one transaction, one statement-level trigger call).
 fn multi_insert_sql(table: &str) -> String {
+    if table == EMIT {
+        return "SELECT count(outbox_emit($1, k, 'order.created', p::jsonb))
+                  FROM unnest($2::text[], $3::text[]) AS u(k, p)"
+            .into();
+    }
     let (columns, event_type) = insert_columns(table);
     format!(
         "INSERT INTO {table} ({columns})

@@ -11,6 +11,7 @@
 mod baseline;
 mod load;
 mod measure;
+mod wal;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -21,6 +22,11 @@ use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
 pub const SUBJECT: &str = "bench.orders";
+
+/// The drains' payload for row `i` of `generate_series`: about 200 bytes of JSON.
+pub const PAYLOAD_SQL: &str =
+    "jsonb_build_object('seq', i, 'customer', 'customer-' || (i % 1000), \
+     'total', 99.95, 'currency', 'EUR', 'items', 3, 'note', repeat('x', 100))";
 
 /// Where `scripts/servers.sh` keeps the bench servers' data, sockets and pids.
 const STATE_DIR: &str = "/tmp/outbox-relay-bench";
@@ -42,6 +48,9 @@ pub struct Settings {
     pub latency_plan: Vec<(u64, u64, String)>,
     /// `OUTBOX_BENCH_RELAY_LOG`: the latency relays' log filter; when set, their logs are kept.
     pub relay_log: Option<String>,
+    /// Events per transaction of the WAL drains' backlog (a user's backlog is many
+    /// transactions; one huge one is decoded only after its commit, spilled to disk).
+    pub wal_events_per_transaction: u64,
 }
 
 fn settings() -> Result<Settings> {
@@ -56,6 +65,7 @@ fn settings() -> Result<Settings> {
         relay_args: Vec::new(),
         latency_plan: Vec::new(),
         relay_log: std::env::var("OUTBOX_BENCH_RELAY_LOG").ok(),
+        wal_events_per_transaction: 1_000,
     };
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
@@ -72,6 +82,9 @@ fn settings() -> Result<Settings> {
                 s.relay_args = value()?.split_whitespace().map(str::to_string).collect()
             }
             "--latency-plan" => s.latency_plan = parse_latency_plan(&value()?)?,
+            "--wal-events-per-transaction" => {
+                s.wal_events_per_transaction = value()?.parse::<u64>()?.max(1)
+            }
             "--quick" => {
                 s.events = 100_000;
                 s.baseline_events = 10_000;
@@ -79,9 +92,10 @@ fn settings() -> Result<Settings> {
                 s.scaling_events = 50_000;
             }
             "--help" | "-h" => {
-                println!("outbox-bench [--events N] [--baseline-events N] [--latency-seconds S] [--scaling-events N] [--quick] [--only drain|latency|keepup|writers|scaling] [--out DIR]");
+                println!("outbox-bench [--events N] [--baseline-events N] [--latency-seconds S] [--scaling-events N] [--quick] [--only drain|latency|keepup|writers|scaling|wal] [--out DIR]");
                 println!("  drain sweeps: [--sinks file,nats] [--relay-args \"--batch-size 2000\"]; --baseline-events 0 skips the baseline and the PostgreSQL floor");
-                println!("  latency subsets: [--latency-plan 10000x10:notify+gated,1000x1:poll] (events/s x events per transaction : modes notify|gated|poll|baseline)");
+                println!("  latency subsets: [--latency-plan 10000x10:notify+gated,1000x1:poll] (events/s x events per transaction : modes notify|gated|poll|baseline|wal|wal-emit)");
+                println!("  --only wal: the WAL capture drains (table form and outbox_emit), WAL latency runs and WAL writer cost only; [--wal-events-per-transaction N] sizes the drains' backlog transactions (default 1000)");
                 println!("  environment: OUTBOX_BENCH_RELAY_LOG=<filter> keeps the latency relays' JSON logs; OUTBOX_BENCH_RELAY_BIN=<path> measures that relay binary instead of building one");
                 std::process::exit(0);
             }
@@ -100,8 +114,8 @@ fn parse_latency_plan(text: &str) -> Result<Vec<(u64, u64, String)>> {
             .with_context(|| format!("latency plan item {item:?}: expected RATExPER:MODES"))?;
         let (rate, per) = rate.split_once('x').unwrap_or((rate, "1"));
         for mode in modes.split('+') {
-            if !["notify", "gated", "poll", "baseline"].contains(&mode) {
-                bail!("latency plan item {item:?}: unknown mode {mode:?} (notify, gated, poll, baseline)");
+            if !["notify", "gated", "poll", "baseline", "wal", "wal-emit"].contains(&mode) {
+                bail!("latency plan item {item:?}: unknown mode {mode:?} (notify, gated, poll, baseline, wal, wal-emit)");
             }
             plan.push((rate.parse()?, per.parse()?, mode.to_string()));
         }
@@ -201,6 +215,8 @@ impl Bench {
     /// A fresh `bench` database with the relay's tables (and pg_stat_statements).
     pub async fn reset(&self) -> Result<tokio_postgres::Client> {
         let admin = connect(&self.servers.admin_url).await?;
+        // A replication slot keeps its database from being dropped (and WAL on disk).
+        wal::drop_slots(&admin).await?;
         admin
             .batch_execute("DROP DATABASE IF EXISTS bench WITH (FORCE)")
             .await?;
@@ -260,9 +276,7 @@ impl Bench {
         let (columns, event_type) = load::insert_columns(table);
         db.batch_execute(&format!(
             "INSERT INTO {table} ({columns})
-             SELECT '{SUBJECT}', 'customer-' || (i % 1000), {event_type}
-                    jsonb_build_object('seq', i, 'customer', 'customer-' || (i % 1000), 'total', 99.95,
-                                       'currency', 'EUR', 'items', 3, 'note', repeat('x', 100))
+             SELECT '{SUBJECT}', 'customer-' || (i % 1000), {event_type} {PAYLOAD_SQL}
                FROM generate_series(1, {n}) i"
         ))
         .await?;
@@ -382,9 +396,19 @@ async fn main() -> Result<()> {
     if wanted("drain") {
         results["drain"] = measure::drain(&bench).await?;
         write_results(&settings.out, &results)?;
+        results["wal_drain"] = wal::drain(&bench).await?;
+        write_results(&settings.out, &results)?;
+    }
+    if settings.only.as_deref() == Some("wal") {
+        results["wal_drain"] = wal::drain(&bench).await?;
+        write_results(&settings.out, &results)?;
+        results["latency"] = measure::latency(&bench, wal::LATENCY_PLAN).await?;
+        write_results(&settings.out, &results)?;
+        results["writer_cost"] = measure::writer_cost(&bench, wal::WRITER_VARIANTS).await?;
+        write_results(&settings.out, &results)?;
     }
     if wanted("latency") {
-        results["latency"] = measure::latency(&bench).await?;
+        results["latency"] = measure::latency(&bench, measure::LATENCY_PLAN).await?;
         write_results(&settings.out, &results)?;
     }
     if wanted("keepup") {
@@ -392,12 +416,14 @@ async fn main() -> Result<()> {
         write_results(&settings.out, &results)?;
     }
     if wanted("writers") {
-        results["writer_cost"] = measure::writer_cost(&bench).await?;
+        results["writer_cost"] = measure::writer_cost(&bench, measure::WRITER_VARIANTS).await?;
         write_results(&settings.out, &results)?;
     }
     if wanted("scaling") {
         results["scaling"] = measure::scaling(&bench).await?;
     }
+    // No slot outlives the run (it would keep WAL on the bench server's disk).
+    wal::drop_slots(&connect(&bench.servers.admin_url).await?).await?;
     results["duration_s"] = json!(started.elapsed().as_secs());
     write_results(&settings.out, &results)?;
     if settings.relay_log.is_none() {

@@ -10,7 +10,7 @@ use anyhow::{bail, Context, Result};
 use futures::StreamExt;
 use serde_json::{json, Value};
 
-use crate::{baseline, connect, load, wait_child, Bench, SUBJECT};
+use crate::{baseline, connect, load, wait_child, wal, Bench, SUBJECT};
 
 const TICKS: f64 = 100.0;
 
@@ -61,13 +61,13 @@ fn nats_cpu(b: &Bench) -> f64 {
 }
 
 /// CPU seconds the two servers use from `start` on.
-struct ServerCpu {
+pub(crate) struct ServerCpu {
     postgres: f64,
     nats: f64,
 }
 
 impl ServerCpu {
-    fn start(b: &Bench) -> ServerCpu {
+    pub(crate) fn start(b: &Bench) -> ServerCpu {
         ServerCpu {
             postgres: pg_cpu(b),
             nats: nats_cpu(b),
@@ -75,7 +75,7 @@ impl ServerCpu {
     }
 
     /// (PostgreSQL, nats-server) CPU seconds since `start`.
-    fn used(&self, b: &Bench) -> (f64, f64) {
+    pub(crate) fn used(&self, b: &Bench) -> (f64, f64) {
         (pg_cpu(b) - self.postgres, nats_cpu(b) - self.nats)
     }
 }
@@ -84,7 +84,7 @@ fn self_cpu() -> f64 {
     proc_cpu("self").map_or(0.0, |(own, _, _)| own)
 }
 
-async fn statements(db: &tokio_postgres::Client) -> Result<i64> {
+pub(crate) async fn statements(db: &tokio_postgres::Client) -> Result<i64> {
     Ok(db
         .query_one(
             "SELECT coalesce(sum(calls), 0)::int8 FROM pg_stat_statements
@@ -96,7 +96,7 @@ async fn statements(db: &tokio_postgres::Client) -> Result<i64> {
 }
 
 /// `/usr/bin/time` output: wall, user, system, peak RSS KiB.
-fn timed(b: &Bench, args: &[&str]) -> Result<(f64, f64, f64, u64)> {
+pub(crate) fn timed(b: &Bench, args: &[&str]) -> Result<(f64, f64, f64, u64)> {
     let out = b.work.join("time.txt");
     let status = Command::new("/usr/bin/time")
         .args(["-f", "%e %U %S %M", "-o"])
@@ -120,7 +120,7 @@ fn timed(b: &Bench, args: &[&str]) -> Result<(f64, f64, f64, u64)> {
     Ok((v[0], v[1], v[2], v[3] as u64))
 }
 
-async fn stream_count(js: &async_nats::jetstream::Context) -> Result<u64> {
+pub(crate) async fn stream_count(js: &async_nats::jetstream::Context) -> Result<u64> {
     Ok(js.get_stream("BENCH").await?.info().await?.state.messages)
 }
 
@@ -269,7 +269,7 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[i]
 }
 
-fn signal(child: &std::process::Child, sig: &str) {
+pub(crate) fn signal(child: &std::process::Child, sig: &str) {
     let _ = Command::new("kill")
         .args([sig, &child.id().to_string()])
         .status();
@@ -284,6 +284,12 @@ async fn latency_run(b: &Bench, rate: u64, per_commit: u64, mode: &str) -> Resul
         "baseline_outbox"
     } else {
         "outbox"
+    };
+    // Where the writers write: the table, or (`wal-emit`) table-less events.
+    let writes_to = if mode == "wal-emit" {
+        load::EMIT
+    } else {
+        table
     };
     let received: Arc<Mutex<HashMap<u64, Instant>>> = Arc::default();
     let nats = async_nats::connect(&b.servers.nats_url).await?;
@@ -317,6 +323,12 @@ async fn latency_run(b: &Bench, rate: u64, per_commit: u64, mode: &str) -> Resul
                     args.extend(["--wakeup", "gated"]);
                 }
                 "poll" => args.extend(["--poll-fixed-rate", "--poll-interval", "50ms"]),
+                "wal" | "wal-emit" => {
+                    // The slot exists before the relay starts, as in production: nothing
+                    // is adopted into the parked table.
+                    wal::prepare(b, &db).await?;
+                    args.extend(wal::RELAY_ARGS);
+                }
                 _ => {}
             }
             args.extend(b.settings.relay_args.iter().map(String::as_str));
@@ -339,7 +351,7 @@ async fn latency_run(b: &Bench, rate: u64, per_commit: u64, mode: &str) -> Resul
     }
     let writers = if rate >= 5000 { 16 } else { 4 };
     let seconds = b.settings.latency_seconds;
-    let commits = load::fixed_rate(&b.url(), table, rate, seconds, writers, per_commit).await?;
+    let commits = load::fixed_rate(&b.url(), writes_to, rate, seconds, writers, per_commit).await?;
     let commits: Vec<(u64, Instant)> = commits.lock().unwrap().clone();
     let wait = Instant::now();
     while received.lock().unwrap().len() < commits.len() + 1
@@ -374,17 +386,42 @@ async fn latency_run(b: &Bench, rate: u64, per_commit: u64, mode: &str) -> Resul
     }))
 }
 
+/// Latency runs as (events/s, events per transaction, mode).
+pub type LatencyPlan<'a> = &'a [(u64, u64, &'a str)];
+
 /// Latency (2.) at 1,000/s and 10,000/s: NOTIFY, the gated wake-up, fixed-rate polling
-/// (50 ms), and the baseline, with single-row transactions; then 10,000/s as transactions of
-/// 10 events (1,000 commits/s), which this machine's writers can reach with a trigger.
-pub async fn latency(b: &Bench) -> Result<Value> {
+/// (50 ms), the baseline and WAL capture (rows, and `outbox_emit`), with single-row
+/// transactions; then 10,000/s as transactions of 10 events (1,000 commits/s), which this
+/// machine's writers can reach with a trigger.
+pub const LATENCY_PLAN: LatencyPlan<'static> = &[
+    (1_000, 1, "notify"),
+    (1_000, 1, "gated"),
+    (1_000, 1, "poll"),
+    (1_000, 1, "baseline"),
+    (1_000, 1, "wal"),
+    (1_000, 1, "wal-emit"),
+    (10_000, 1, "notify"),
+    (10_000, 1, "gated"),
+    (10_000, 1, "poll"),
+    (10_000, 1, "baseline"),
+    (10_000, 1, "wal"),
+    (10_000, 1, "wal-emit"),
+    (10_000, 10, "notify"),
+    (10_000, 10, "gated"),
+    (10_000, 10, "poll"),
+    (10_000, 10, "baseline"),
+    (10_000, 10, "wal"),
+    (10_000, 10, "wal-emit"),
+];
+
+/// The latency runs of `--latency-plan`, or else `default`.
+pub async fn latency(b: &Bench, default: LatencyPlan<'_>) -> Result<Value> {
     let mut plan = b.settings.latency_plan.clone();
     if plan.is_empty() {
-        for (rate, per_commit) in [(1_000u64, 1u64), (10_000, 1), (10_000, 10)] {
-            for mode in ["notify", "gated", "poll", "baseline"] {
-                plan.push((rate, per_commit, mode.to_string()));
-            }
-        }
+        plan = default
+            .iter()
+            .map(|(rate, per, mode)| (*rate, *per, mode.to_string()))
+            .collect();
     }
     let mut runs = Vec::new();
     for (rate, per_commit, mode) in plan {
@@ -465,27 +502,42 @@ async fn keep_up_with(b: &Bench, wakeup: &str) -> Result<Value> {
 /// The advisory lock a waiting relay holds under `wakeup = "gated"` (see the PostgreSQL store).
 const GATE_KEY: &str = "SELECT pg_advisory_lock(hashtext('outbox-relay wake-up public.outbox'))";
 
-/// 5. Writer cost of the wake-up mechanism at 1, 4 and 16 writers.
-pub async fn writer_cost(b: &Bench) -> Result<Value> {
+/// The writer-cost variants of the full suite.
+pub const WRITER_VARIANTS: &[&str] = &[
+    "no trigger",
+    "NOTIFY trigger",
+    "gated, relay idle",
+    "gated, relay busy",
+    wal::WRITERS_SLOT,
+    wal::WRITERS_RELAY,
+    wal::WRITERS_EMIT,
+];
+
+/// 5. Writer cost of the wake-up mechanism (and of WAL capture) at 1, 4 and 16 writers.
+pub async fn writer_cost(b: &Bench, variants: &[&str]) -> Result<Value> {
     let seconds = (b.settings.latency_seconds as f64 / 2.0).max(3.0);
     let mut rows = Vec::new();
-    for variant in [
-        "no trigger",
-        "NOTIFY trigger",
-        "gated, relay idle",
-        "gated, relay busy",
-    ] {
+    for variant in variants.iter().copied() {
         let db = b.reset().await?;
         // A listener, as the relay would be.
         let listener = connect(&b.url()).await?;
         listener.batch_execute("LISTEN outbox_relay").await?;
         let holder = connect(&b.url()).await?;
+        let mut relay = None;
+        let mut writes_to = "outbox";
         match variant {
             "no trigger" => {
                 db.batch_execute("DROP TRIGGER outbox_trigger ON outbox")
                     .await?
             }
             "NOTIFY trigger" => {}
+            wal::WRITERS_SLOT => wal::prepare(b, &db).await?,
+            wal::WRITERS_RELAY | wal::WRITERS_EMIT => {
+                relay = Some(wal::start_relay(b, &db, "writers").await?);
+                if variant == wal::WRITERS_EMIT {
+                    writes_to = load::EMIT;
+                }
+            }
             _ => {
                 b.relay_cli(&["migrate", "--wakeup", "gated"])?;
                 if variant == "gated, relay idle" {
@@ -497,8 +549,12 @@ pub async fn writer_cost(b: &Bench) -> Result<Value> {
         for writers in [1u64, 4, 16] {
             eprintln!("writer cost: {variant}, {writers} writers");
             db.batch_execute("TRUNCATE outbox").await?;
-            let rate = load::flat_out(&b.url(), "outbox", writers, seconds).await?;
+            let rate = load::flat_out(&b.url(), writes_to, writers, seconds).await?;
             rates.insert(writers.to_string(), json!(rate));
+        }
+        if let Some(mut relay) = relay {
+            signal(&relay, "-TERM");
+            wait_child(&mut relay, Duration::from_secs(60))?;
         }
         rows.push(json!({ "variant": variant, "inserts_per_s": rates }));
     }
@@ -555,7 +611,7 @@ pub async fn scaling(b: &Bench) -> Result<Value> {
     Ok(Value::Array(runs))
 }
 
-fn f(v: &Value) -> String {
+pub(crate) fn f(v: &Value) -> String {
     match v.as_f64() {
         Some(x) if x >= 100.0 => format!("{x:.0}"),
         Some(x) if x >= 10.0 => format!("{x:.1}"),
@@ -575,7 +631,9 @@ pub fn markdown(r: &Value) -> String {
         r["postgres"].as_str().unwrap_or(""),
         r["machine"]["kernel"].as_str().unwrap_or(""),
     );
-    if let Some(d) = r.get("drain") {
+    let null = Value::Null;
+    let d = r.get("drain").unwrap_or(&null);
+    if !d.is_null() || r.get("wal_drain").is_some() {
         s.push_str("### Drain\n\n| sink | relay | events | events/s | CPU s per 1M | peak RSS MB | statements/event | Postgres CPU s | nats-server CPU s | ratio to baseline |\n|---|---|---|---|---|---|---|---|---|---|\n");
         for sink in ["file", "nats"] {
             let x = &d[sink];
@@ -611,6 +669,7 @@ pub fn markdown(r: &Value) -> String {
                     ratio,
                 ));
             }
+            s.push_str(&wal::drain_rows(r, sink));
         }
         let floor = &d["postgres_floor_events_per_s"];
         if !floor.is_null() {
@@ -619,6 +678,8 @@ pub fn markdown(r: &Value) -> String {
             f(&floor["delete_only"]), f(&floor["lease_then_delete"])
         ));
         }
+        s.push_str(&wal::drain_note(r));
+        s.push('\n');
     }
     if let Some(Value::Array(runs)) = r.get("latency") {
         s.push_str("### Latency, commit to confirmation (ms)\n\n| target rate | events per transaction | achieved | mode | p50 | p99 | p99.9 | max | missing |\n|---|---|---|---|---|---|---|---|---|\n");

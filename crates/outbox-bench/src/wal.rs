@@ -1,0 +1,286 @@
+//! WAL capture (`--capture wal`, issue 16), measured in the same run as the polling relay:
+//! the drain of a backlog written while the relay was off (as rows, and as `outbox_emit`
+//! messages), the latency modes `wal` and `wal-emit`, and the writer-cost variants below.
+//!
+//! The slot is always created (with pgoutput) before the first event is written: rows that
+//! predate a new slot are adopted into the parked table and relayed by polling, which is
+//! not what these figures are about.
+
+use std::process::Child;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Result};
+use serde_json::{json, Value};
+
+use crate::measure::{self, LatencyPlan, ServerCpu};
+use crate::{Bench, PAYLOAD_SQL, SUBJECT};
+
+/// The bench relays' replication slot.
+pub const SLOT: &str = "outbox_bench";
+
+/// What makes `outbox-relay run` capture from the WAL.
+pub const RELAY_ARGS: [&str; 4] = ["--capture", "wal", "--slot", SLOT];
+
+/// Writer cost: the slot exists (and keeps the WAL), no relay reads it.
+pub const WRITERS_SLOT: &str = "WAL capture, slot, no relay";
+/// Writer cost: a WAL-capture relay streams from the slot and relays to the file sink.
+pub const WRITERS_RELAY: &str = "WAL capture, relay running";
+/// Writer cost: as [`WRITERS_RELAY`], the writers calling `outbox_emit` instead of inserting.
+pub const WRITERS_EMIT: &str = "WAL capture, outbox_emit, relay running";
+
+/// `--only wal`: the latency runs.
+pub const LATENCY_PLAN: LatencyPlan<'static> = &[
+    (1_000, 1, "wal"),
+    (1_000, 1, "wal-emit"),
+    (10_000, 1, "wal"),
+    (10_000, 10, "wal"),
+    (10_000, 10, "wal-emit"),
+];
+
+/// `--only wal`: the writer-cost variants (with the no-trigger row they are compared with).
+pub const WRITER_VARIANTS: &[&str] = &["no trigger", WRITERS_SLOT, WRITERS_RELAY, WRITERS_EMIT];
+
+/// Drops the replication slots of the `bench` database, ending the session that holds one
+/// (a relay just stopped may still be leaving). A slot keeps its database from being
+/// dropped, and its WAL on the server's disk.
+pub async fn drop_slots(admin: &tokio_postgres::Client) -> Result<()> {
+    for _ in 0..100 {
+        let rows = admin
+            .query(
+                "SELECT slot_name::text, active_pid FROM pg_catalog.pg_replication_slots
+                  WHERE database = 'bench'",
+                &[],
+            )
+            .await?;
+        if rows.is_empty() {
+            return Ok(());
+        }
+        for row in rows {
+            let (name, pid): (String, Option<i32>) = (row.get(0), row.get(1));
+            match pid {
+                Some(pid) => {
+                    admin
+                        .execute("SELECT pg_terminate_backend($1)", &[&pid])
+                        .await?;
+                }
+                // It may become active again meanwhile: then the next round ends it.
+                None => {
+                    let _ = admin
+                        .execute("SELECT pg_drop_replication_slot($1)", &[&name])
+                        .await;
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    bail!("the replication slots of the bench database could not be dropped")
+}
+
+/// `migrate --capture wal` (the publication, the parked table, `outbox_emit`, and the
+/// trigger that notifies no one), then the slot, before any event is written.
+pub async fn prepare(b: &Bench, db: &tokio_postgres::Client) -> Result<()> {
+    b.relay_cli(&["migrate", "--capture", "wal"])?;
+    db.execute(
+        "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+        &[&SLOT],
+    )
+    .await?;
+    Ok(())
+}
+
+/// A WAL-capture relay publishing to a file, once it relays (a probe row is gone).
+pub async fn start_relay(b: &Bench, db: &tokio_postgres::Client, name: &str) -> Result<Child> {
+    prepare(b, db).await?;
+    let sink = format!("file:{}", b.work.join(format!("{name}.jsonl")).display());
+    let mut args = vec!["--sink", sink.as_str()];
+    args.extend(RELAY_ARGS);
+    let relay = b.spawn_relay(name, &args)?;
+    db.batch_execute(&format!(
+        "INSERT INTO outbox (destination, partition_key, event_type, payload)
+         VALUES ('{SUBJECT}', 'probe', 'probe', '{{\"seq\": 0}}')"
+    ))
+    .await?;
+    let start = Instant::now();
+    while db
+        .query_one("SELECT count(*)::int8 FROM outbox", &[])
+        .await?
+        .get::<_, i64>(0)
+        > 0
+    {
+        if start.elapsed() > Duration::from_secs(30) {
+            bail!("the WAL-capture relay did not relay a probe row within 30 s");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(relay)
+}
+
+/// Writes `n` events in transactions of `per` (a backlog written while the relay is off):
+/// rows of the outbox (`table`), or `outbox_emit` messages (`emit`). Same payloads and keys
+/// as the polling drain's.
+async fn prefill(db: &tokio_postgres::Client, form: &str, n: u64, per: u64) -> Result<()> {
+    let write = match form {
+        "table" => format!(
+            "INSERT INTO outbox (destination, partition_key, event_type, payload)
+             SELECT '{SUBJECT}', 'customer-' || (i % 1000), 'order.created', {PAYLOAD_SQL}"
+        ),
+        _ => format!(
+            "PERFORM outbox_emit('{SUBJECT}', 'customer-' || (i % 1000), 'order.created', {PAYLOAD_SQL})"
+        ),
+    };
+    // One DO block, a COMMIT after each `per` events.
+    db.batch_execute(&format!(
+        "DO $prefill$
+         BEGIN
+             FOR c IN 0..{last} LOOP
+                 {write}
+                   FROM generate_series(c * {per}::int8 + 1, least((c + 1) * {per}::int8, {n})) i;
+                 COMMIT;
+             END LOOP;
+         END
+         $prefill$",
+        last = n.div_ceil(per).saturating_sub(1),
+    ))
+    .await?;
+    Ok(())
+}
+
+/// The WAL drains: each sink, each form.
+pub async fn drain(b: &Bench) -> Result<Value> {
+    let mut out = json!({ "events_per_transaction": b.settings.wal_events_per_transaction });
+    for sink in b.settings.sinks.iter().map(String::as_str) {
+        for form in ["table", "emit"] {
+            out[sink][form] = drain_once(b, sink, form).await?;
+        }
+    }
+    Ok(out)
+}
+
+/// One `run --capture wal --drain` of a prefilled backlog to `sink`.
+async fn drain_once(b: &Bench, sink: &str, form: &str) -> Result<Value> {
+    let (n, per) = (b.settings.events, b.settings.wal_events_per_transaction);
+    eprintln!("drain: WAL capture, {n} events ({form}, {per} per transaction) to {sink}");
+    let db = b.reset().await?;
+    prepare(b, &db).await?;
+    prefill(&db, form, n, per).await?;
+    let wal_bytes: i64 = db
+        .query_one(
+            "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::int8
+               FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
+            &[&SLOT],
+        )
+        .await?
+        .get(0);
+    let js = b.nats_stream().await?;
+    let file = b.work.join("wal-drain.jsonl");
+    let target = match sink {
+        "file" => format!("file:{}", file.display()),
+        _ => b.servers.nats_url.clone(),
+    };
+    db.batch_execute("SELECT pg_stat_statements_reset()")
+        .await?;
+    let servers = ServerCpu::start(b);
+    let url = b.url();
+    let mut args = vec![
+        "run",
+        "--drain",
+        "--database-url",
+        &url,
+        "--sink",
+        &target,
+        "--http-addr",
+        "",
+        "--log-level",
+        "warn",
+    ];
+    args.extend(RELAY_ARGS);
+    args.extend(b.settings.relay_args.iter().map(String::as_str));
+    let (wall, user, sys, rss) = measure::timed(b, &args)?;
+    let (pg, nats) = servers.used(b);
+    let calls = measure::statements(&db).await?;
+    let delivered = match sink {
+        "file" => std::fs::read_to_string(&file)?.lines().count() as u64,
+        _ => measure::stream_count(&js).await?,
+    };
+    let _ = std::fs::remove_file(&file);
+    let left: i64 = db
+        .query_one(
+            "SELECT (SELECT count(*) FROM outbox) + (SELECT count(*) FROM outbox_parked)",
+            &[],
+        )
+        .await?
+        .get(0);
+    Ok(json!({
+        "form": form, "events": n, "delivered": delivered, "wall_s": wall,
+        "events_per_s": n as f64 / wall,
+        "relay_cpu_s_per_million": (user + sys) * 1e6 / n as f64,
+        "peak_rss_mb": rss as f64 / 1024.0,
+        "statements_per_event": calls as f64 / n as f64,
+        "postgres_cpu_s": pg,
+        "nats_server_cpu_s": nats,
+        "backlog_wal_mb": wal_bytes as f64 / 1_048_576.0,
+        "rows_left": left,
+    }))
+}
+
+/// The WAL rows of the drain table for `sink`.
+pub fn drain_rows(r: &Value, sink: &str) -> String {
+    let mut s = String::new();
+    let baseline = r["drain"][sink]["baseline"]["events_per_s"].as_f64();
+    for (form, label) in [
+        ("table", "WAL capture, rows"),
+        ("emit", "WAL capture, outbox_emit"),
+    ] {
+        let y = &r["wal_drain"][sink][form];
+        if y.is_null() {
+            continue;
+        }
+        let ratio = match (y["events_per_s"].as_f64(), baseline) {
+            (Some(x), Some(base)) => format!("{}×", measure::f(&json!(x / base))),
+            _ => "-".into(),
+        };
+        s.push_str(&format!(
+            "| {sink} | {label} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            y["events"],
+            measure::f(&y["events_per_s"]),
+            measure::f(&y["relay_cpu_s_per_million"]),
+            measure::f(&y["peak_rss_mb"]),
+            measure::f(&y["statements_per_event"]),
+            measure::f(&y["postgres_cpu_s"]),
+            measure::f(&y["nats_server_cpu_s"]),
+            ratio,
+        ));
+    }
+    s
+}
+
+/// The note under the drain table.
+pub fn drain_note(r: &Value) -> String {
+    let w = &r["wal_drain"];
+    if w.is_null() {
+        return String::new();
+    }
+    let mut missing = Vec::new();
+    for sink in ["file", "nats"] {
+        for form in ["table", "emit"] {
+            let y = &w[sink][form];
+            if !y.is_null() && (y["delivered"] != y["events"] || y["rows_left"] != json!(0)) {
+                missing.push(format!(
+                    "{sink}/{form}: {} of {} delivered, {} rows left",
+                    y["delivered"], y["events"], y["rows_left"]
+                ));
+            }
+        }
+    }
+    format!(
+        "\nWAL capture: `run --capture wal --drain` from a slot created before the backlog was written in transactions of {} events ({} MB of WAL for the rows, {} MB for outbox_emit, file sink's runs). {}\n",
+        w["events_per_transaction"],
+        measure::f(&w["file"]["table"]["backlog_wal_mb"]),
+        measure::f(&w["file"]["emit"]["backlog_wal_mb"]),
+        if missing.is_empty() {
+            "Every event delivered, no row left.".to_string()
+        } else {
+            format!("Not all delivered: {}.", missing.join("; "))
+        }
+    )
+}
