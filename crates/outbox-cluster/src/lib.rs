@@ -255,8 +255,9 @@ async fn run(
     written: watch::Sender<Option<Incarnation>>,
 ) {
     let mut count: Option<u32> = None;
-    // When the partitions table was last counted for the gauges.
+    // When the partitions table was last counted for the gauges, and the count running.
     let mut counted: Option<Instant> = None;
+    let mut counting: Option<tokio::task::JoinHandle<()>> = None;
     // The last heartbeat failed without an answer: it may have written the row all the same.
     let mut unanswered = false;
     loop {
@@ -318,12 +319,16 @@ async fn run(
                 handing_over = balance(p, &config, count, &live).await;
                 // Once per heartbeat interval, not on every quick look of a hand-over; a stop
                 // does not wait for it.
-                if counted.is_none_or(|at| at.elapsed() >= config.heartbeat_interval) {
+                // Never in the heartbeat's way: renewals and the notice of a lost lease
+                // must not wait for a slow database to answer a count.
+                let idle = counting.as_ref().is_none_or(|c| c.is_finished());
+                if idle && counted.is_none_or(|at| at.elapsed() >= config.heartbeat_interval) {
                     counted = Some(Instant::now());
-                    tokio::select! {
-                        () = count_unowned(p, count, config.heartbeat_interval) => {}
-                        _ = stopped.changed() => return,
-                    }
+                    let p = p.clone();
+                    let within = config.heartbeat_interval;
+                    counting = Some(tokio::spawn(async move {
+                        count_unowned(&p, count, within).await
+                    }));
                 }
             }
         }

@@ -829,14 +829,16 @@ async fn readyz_says_when_the_slot_is_gone_and_the_relay_does_not_recreate_it() 
         .await
         .unwrap();
     let body = eventually_explained(
-        "/readyz to fail",
+        "/readyz to fail, naming the dropped slot",
         Duration::from_secs(30),
         || relay.logs(),
         || {
             let addr = addr.clone();
             async move {
+                // First it may say the session broke (the drop ended it), then why it
+                // cannot start a new one.
                 let (status, body) = http_get(&addr, "/readyz").await?;
-                (status == 503).then_some(body)
+                (status == 503 && body.contains("no longer exists")).then_some(body)
             }
         },
     )

@@ -557,15 +557,23 @@ async fn idle_keepalives_move_the_slot_past_other_writes() {
     assert!(confirmable >= written);
     stream.confirm(confirmable);
     stream.stop(Duration::from_secs(10)).await.unwrap();
-    let confirmed: String = db
-        .query_one(
-            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
-            &[&fixture.config.slot],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    assert!(confirmed.parse::<Lsn>().unwrap() >= written);
+    // The server applies a status update after it arrives: look until it has.
+    outbox_testkit::eventually(
+        "the slot confirmed past the other writes",
+        Duration::from_secs(10),
+        || async {
+            let confirmed: String = db
+            .query_one(
+                "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+                &[&fixture.config.slot],
+            )
+            .await
+            .unwrap()
+            .get(0);
+            (confirmed.parse::<Lsn>().unwrap() >= written).then_some(())
+        },
+    )
+    .await;
 }
 
 #[tokio::test]
