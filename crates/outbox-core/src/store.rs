@@ -370,6 +370,62 @@ pub struct DeadRecord {
     pub dead_at: SystemTime,
 }
 
+/// Which dead letters [`Operations::dead_list`] returns: those matching every filter given,
+/// in `sequence_id` order, starting after `after`, at most `limit` of them. A page ends at
+/// its last row's `sequence_id`; passing it as the next query's `after` gives the next page
+/// (the admin API's `after=`), and an empty page means there are no more.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct DeadQuery {
+    pub destination: Option<String>,
+    pub event_type: Option<String>,
+    /// Only rows with a larger `sequence_id` (0: from the start).
+    pub after: SequenceId,
+    pub limit: u32,
+}
+
+/// Where an event is in its lifecycle (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventState {
+    /// Not yet delivered nor dead (waiting, leased, or waiting to retry: see `attempts`).
+    Pending,
+    /// Delivered and retained (`--retain-delivered`).
+    Delivered,
+    /// In the dead letters.
+    Dead,
+}
+
+impl EventState {
+    pub fn name(self) -> &'static str {
+        match self {
+            EventState::Pending => "pending",
+            EventState::Delivered => "delivered",
+            EventState::Dead => "dead",
+        }
+    }
+}
+
+/// One event with its payload, for the admin API's `GET /api/v1/events/{id}`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EventRecord {
+    pub sequence_id: SequenceId,
+    pub event_id: crate::event::EventId,
+    pub destination: String,
+    pub event_type: String,
+    pub ordering_key: Option<String>,
+    /// The payload as the row holds it (JSON text, kept verbatim; bytes shown lossily).
+    pub payload: Option<String>,
+    /// The headers as the row holds them (a JSON object's text), if the layout has them.
+    pub headers: Option<String>,
+    pub state: EventState,
+    /// Failed attempts so far (of the dead letter: those that led to it).
+    pub attempts: u32,
+    /// The last failure, if any and if the layout keeps it.
+    pub last_error: Option<String>,
+    pub created_at: Option<SystemTime>,
+    /// When it was dead-lettered (dead events, where the layout records it).
+    pub dead_at: Option<SystemTime>,
+}
+
 /// Which retained delivered events `replay` publishes again: those created in
 /// `[since, until)`, of `destination` when one is given.
 #[derive(Clone, Debug)]
@@ -392,7 +448,13 @@ pub enum DeadSelector {
 pub trait Operations: Send + Sync + 'static {
     fn destination_stats(&self) -> StoreFuture<Vec<DestinationStats>>;
 
-    fn dead_list(&self, destination: Option<String>, limit: u32) -> StoreFuture<Vec<DeadRecord>>;
+    /// The dead letters `query` selects, oldest `sequence_id` first (see [`DeadQuery`]).
+    fn dead_list(&self, query: DeadQuery) -> StoreFuture<Vec<DeadRecord>>;
+
+    /// The event with this `sequence_id`, wherever it is: pending, delivered and retained,
+    /// or dead. `None` when there is no such row (acked and deleted, purged, never
+    /// existed). A store whose rows have no integer ids answers `None`, never another row.
+    fn event(&self, id: SequenceId) -> StoreFuture<Option<EventRecord>>;
 
     /// Moves dead letters back into the outbox, under their old sequence ids, with attempts
     /// reset: the relay publishes them again.

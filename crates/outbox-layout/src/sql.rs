@@ -745,9 +745,9 @@ impl Sql {
         }
     }
 
-    /// Dead rows: id, event id, destination, type, attempts, last error, dead at (µs).
-    /// `destination` is a placeholder or `None`; `limit` a placeholder.
-    pub fn dead_list(&self, destination: Option<&str>, limit: &str) -> String {
+    /// A dead row's attempts and last error (the side table's, where the layout keeps them
+    /// there), as an int and a text expression over alias `o`.
+    fn attempts_and_error(&self) -> (String, String) {
         let m = &self.mapping;
         let side = m.dead_state() == DeadState::SideTable;
         let side_col = |c: &str| {
@@ -771,20 +771,53 @@ impl Sql {
                 .map(|c| self.text(&c))
                 .unwrap_or_else(|| self.null_text().into())
         };
-        let event_type = m.event_type.as_ref().unwrap_or(&m.destination);
+        (attempts, error)
+    }
+
+    /// The event type as text (the destination where the layout has no type).
+    pub fn event_type_text(&self) -> String {
+        let m = &self.mapping;
+        self.text(&self.col(m.event_type.as_ref().unwrap_or(&m.destination)))
+    }
+
+    /// Dead rows: id, event id, destination, type, attempts, last error, dead at (µs).
+    /// `filter` is more conditions over alias `o` (each starting with ` AND `), `limit` a
+    /// placeholder. Rows come in id order when ids are integers (so a page can continue
+    /// after the last id), else in publish order.
+    pub fn dead_list(&self, filter: &str, limit: &str) -> String {
+        let m = &self.mapping;
+        let (attempts, error) = self.attempts_and_error();
         let dest = self.text(&self.col(&m.destination));
-        let filter = destination
-            .map(|d| format!(" AND {dest} = {d}"))
-            .unwrap_or_default();
+        let order = match m.id_type {
+            IdType::Integer => self.id(),
+            IdType::Uuid => self.order_by(),
+        };
         format!(
-            "SELECT {}, {}, {dest}, {}, {attempts}, {error}, {} FROM {} o WHERE {}{filter} ORDER BY {} LIMIT {limit}",
+            "SELECT {}, {}, {dest}, {}, {attempts}, {error}, {} FROM {} o WHERE {}{filter} ORDER BY {order} LIMIT {limit}",
             self.text(&self.id()),
             self.opt(&m.event_id).map(|c| self.text(&c)).unwrap_or_else(|| self.null_text().into()),
-            self.text(&self.col(event_type)),
+            self.event_type_text(),
             self.dead_at(),
             self.table(),
             self.dead(),
-            self.order_by(),
+        )
+    }
+
+    /// The rows matching `condition` (over alias `o`): the `select_list` columns, then the
+    /// state (0 pending, 1 delivered, 2 dead), attempts and last error as a dead row has
+    /// them, and the dead-at time (µs), from [`Sql::claim_order_column`] on.
+    pub fn event(&self, condition: &str) -> String {
+        let (attempts, error) = self.attempts_and_error();
+        let delivered = self.delivered().unwrap_or_else(|| "1 = 0".into());
+        let state = self.int(&format!(
+            "(CASE WHEN {} THEN 2 WHEN {delivered} THEN 1 ELSE 0 END)",
+            self.dead()
+        ));
+        format!(
+            "SELECT {}, {state}, {attempts}, {error}, {} FROM {} o WHERE {condition}",
+            self.select_list(),
+            self.dead_at(),
+            self.table(),
         )
     }
 

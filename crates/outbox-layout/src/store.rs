@@ -25,9 +25,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use futures::future::BoxFuture;
 use futures::FutureExt;
 use outbox_core::store::{
-    Backlog, ClaimRequest, Claimed, DeadLetter, DeadRecord, DeadSelector, DestinationStats,
-    Incarnation, NodeRecord, NodeRegistry, OnChange, Operations, Problem, Registration,
-    ReplaySelector, RetryLater, StoreFuture, StoreResult,
+    Backlog, ClaimRequest, Claimed, DeadLetter, DeadQuery, DeadRecord, DeadSelector,
+    DestinationStats, EventRecord, EventState, Incarnation, NodeRecord, NodeRegistry, OnChange,
+    Operations, Problem, Registration, ReplaySelector, RetryLater, StoreFuture, StoreResult,
 };
 use outbox_core::time::{from_micros, micros, millis};
 use outbox_core::{Fence, NewEvent, NodeId, OutboxStore, SequenceId, StoreError, StoreErrorKind};
@@ -919,13 +919,27 @@ impl<D: MappedDb> Operations for MappedStore<D> {
         .boxed()
     }
 
-    fn dead_list(&self, destination: Option<String>, limit: u32) -> StoreFuture<Vec<DeadRecord>> {
+    fn dead_list(&self, query: DeadQuery) -> StoreFuture<Vec<DeadRecord>> {
         let store = self.clone();
         async move {
             let sql = &store.inner.sql;
             let mut p = store.params();
-            let destination = destination.map(|d| p.text(d));
-            let statement = sql.dead_list(destination.as_deref(), &p.int(limit as i64));
+            let mut filter = String::new();
+            if let Some(d) = query.destination {
+                filter.push_str(&format!(" AND {}", sql.destination_is(&p.text(d))));
+            }
+            if let Some(t) = query.event_type {
+                filter.push_str(&format!(" AND {} = {}", sql.event_type_text(), p.text(t)));
+            }
+            if query.after > 0 {
+                if sql.mapping.id_type != IdType::Integer {
+                    return Err(store.unsupported(
+                        "has UUID row ids: a page of dead letters cannot continue after an id; ask for a larger limit",
+                    ));
+                }
+                filter.push_str(&format!(" AND {} > {}", sql.id_column(), p.int(query.after)));
+            }
+            let statement = sql.dead_list(&filter, &p.int(query.limit as i64));
             let rows = store.inner.db.query("dead list", statement, p).await?;
             Ok(rows
                 .iter()
@@ -946,6 +960,69 @@ impl<D: MappedDb> Operations for MappedStore<D> {
                     }
                 })
                 .collect())
+        }
+        .boxed()
+    }
+
+    fn event(&self, id: SequenceId) -> StoreFuture<Option<EventRecord>> {
+        let store = self.clone();
+        async move {
+            let sql = &store.inner.sql;
+            // Sequence ids are the rows' own integer ids; UUID rows have none to look up.
+            if sql.mapping.id_type != IdType::Integer {
+                return Ok(None);
+            }
+            let mut p = store.params();
+            let condition = format!(
+                "{} {}",
+                sql.id_column(),
+                p.in_ids(&[RowId::Integer(id)], IdType::Integer)
+            );
+            let rows = store
+                .inner
+                .db
+                .query("event", sql.event(&condition), p)
+                .await?;
+            let Some(row) = rows.first() else {
+                return Ok(None);
+            };
+            let raw = D::raw_row(row, &sql.mapping)?;
+            let n = sql.claim_order_column();
+            let state = match D::int(row, n) {
+                Some(2) => EventState::Dead,
+                Some(1) => EventState::Delivered,
+                _ => EventState::Pending,
+            };
+            let dead = state == EventState::Dead;
+            let destination = raw.destination.clone().unwrap_or_default();
+            Ok(Some(EventRecord {
+                sequence_id: id,
+                event_id: raw
+                    .event_id
+                    .as_deref()
+                    .and_then(|t| Uuid::parse_str(t).ok())
+                    .unwrap_or_else(|| derived_event_id(&sql.mapping, &id.to_string())),
+                event_type: raw
+                    .event_type
+                    .clone()
+                    .unwrap_or_else(|| destination.clone()),
+                destination,
+                ordering_key: raw.key.clone(),
+                payload: raw
+                    .payload
+                    .as_deref()
+                    .map(|b| String::from_utf8_lossy(b).into_owned()),
+                headers: raw.headers.clone(),
+                state,
+                attempts: D::int(row, n + 1).or(raw.attempts).unwrap_or(0).max(0) as u32,
+                last_error: D::text(row, n + 2),
+                created_at: raw.created_micros.map(from_micros),
+                dead_at: if dead {
+                    D::int(row, n + 3).map(from_micros)
+                } else {
+                    None
+                },
+            }))
         }
         .boxed()
     }

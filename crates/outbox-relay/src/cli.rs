@@ -127,6 +127,12 @@ pub enum DeadCommand {
         /// Only this destination.
         #[arg(long, value_name = "D")]
         destination: Option<String>,
+        /// Only this event type.
+        #[arg(long = "type", value_name = "T")]
+        event_type: Option<String>,
+        /// Only those after this sequence id (the last one of the previous page).
+        #[arg(long, default_value_t = 0, value_name = "ID")]
+        after: i64,
         /// At most this many [default: 50].
         #[arg(long, default_value_t = 50, value_name = "N")]
         limit: u32,

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::SystemTime;
 
 use anyhow::{bail, Context};
-use outbox_core::store::{DeadSelector, Operations, ReplaySelector};
+use outbox_core::store::{DeadQuery, DeadSelector, Operations, ReplaySelector};
 
 use crate::cli::{DeadCommand, DeadSelectArgs, PruneArgs, ReplayArgs};
 use crate::commands::ready_store;
@@ -35,13 +35,18 @@ pub async fn dead(config: Config, command: DeadCommand) -> anyhow::Result<ExitCo
     match command {
         DeadCommand::List {
             destination,
+            event_type,
+            after,
             limit,
             json,
         } => {
-            let rows = ops
-                .dead_list(destination, limit)
-                .await
-                .map_err(store_error)?;
+            let query = DeadQuery {
+                destination,
+                event_type,
+                after,
+                limit,
+            };
+            let rows = ops.dead_list(query).await.map_err(store_error)?;
             for r in &rows {
                 let dead_at = humantime::format_rfc3339_seconds(r.dead_at);
                 if json {
@@ -74,15 +79,29 @@ pub async fn dead(config: Config, command: DeadCommand) -> anyhow::Result<ExitCo
         }
         DeadCommand::Retry(args) => {
             let n = ops.dead_retry(selector(args)).await.map_err(store_error)?;
-            println!("moved {n} dead letters back to the outbox; the relay publishes them again");
+            println!("{}", retried_text(n));
         }
         DeadCommand::Purge(args) => {
             let n = ops.dead_purge(selector(args)).await.map_err(store_error)?;
-            println!("deleted {n} dead letters");
+            println!("{}", purged_text(n));
         }
     }
     Ok(ExitCode::SUCCESS)
 }
+
+/// What `dead retry` did, as the CLI and the admin API say it.
+pub(crate) fn retried_text(n: u64) -> String {
+    format!("moved {n} dead letters back to the outbox; the relay publishes them again")
+}
+
+/// What `dead purge` did, as the CLI and the admin API say it.
+pub(crate) fn purged_text(n: u64) -> String {
+    format!("deleted {n} dead letters")
+}
+
+/// Why `replay` found nothing to do.
+pub(crate) const NOTHING_TO_REPLAY: &str =
+    "no retained delivered events in that window (replay needs rows kept with --retain-delivered)";
 
 /// A time given as RFC 3339 or as an age (`2h` means two hours ago).
 fn parse_time(text: &str) -> anyhow::Result<SystemTime> {
@@ -97,44 +116,62 @@ fn parse_time(text: &str) -> anyhow::Result<SystemTime> {
     Ok(SystemTime::now() - age)
 }
 
-pub async fn replay(config: Config, args: ReplayArgs) -> anyhow::Result<ExitCode> {
-    let since = parse_time(&args.since)?;
-    let until = args
-        .until
-        .as_deref()
+/// The events `replay` chooses: `since` and `until` as RFC 3339 or ages (`until` defaults to
+/// now), of `destination` when given.
+pub(crate) fn replay_selector(
+    since: &str,
+    until: Option<&str>,
+    destination: Option<String>,
+) -> anyhow::Result<ReplaySelector> {
+    let since = parse_time(since)?;
+    let until = until
         .map(parse_time)
         .transpose()?
         .unwrap_or_else(SystemTime::now);
     if since >= until {
         bail!("--since must be before --until");
     }
-    let selector = ReplaySelector {
+    Ok(ReplaySelector {
         since,
         until,
-        destination: args.destination.clone(),
-    };
+        destination,
+    })
+}
+
+/// Marks the chosen events pending again, in batches, calling `on_batch` with each batch's
+/// count; returns the total.
+pub(crate) async fn replay_all(
+    ops: &dyn Operations,
+    selector: ReplaySelector,
+    mut on_batch: impl FnMut(u64),
+) -> Result<u64, outbox_core::StoreError> {
+    let (mut after, mut total) = (0, 0);
+    loop {
+        let (n, last) = ops.replay_batch(selector.clone(), after, 1000).await?;
+        if n == 0 {
+            return Ok(total);
+        }
+        on_batch(n);
+        total += n;
+        after = last;
+    }
+}
+
+pub async fn replay(config: Config, args: ReplayArgs) -> anyhow::Result<ExitCode> {
+    let selector = replay_selector(&args.since, args.until.as_deref(), args.destination.clone())?;
     let ops = operations(&config).await?;
     let total = ops
         .count_replayable(selector.clone())
         .await
         .map_err(store_error)?;
     if total == 0 {
-        println!("no retained delivered events in that window (replay needs rows kept with --retain-delivered)");
+        println!("{NOTHING_TO_REPLAY}");
         return Ok(ExitCode::SUCCESS);
     }
     let mut progress = Progress::new("replaying", total);
-    let mut after = 0;
-    loop {
-        let (n, last) = ops
-            .replay_batch(selector.clone(), after, 1000)
-            .await
-            .map_err(store_error)?;
-        if n == 0 {
-            break;
-        }
-        progress.add(n);
-        after = last;
-    }
+    replay_all(&*ops, selector, |n| progress.add(n))
+        .await
+        .map_err(store_error)?;
     progress.finish();
     Ok(ExitCode::SUCCESS)
 }

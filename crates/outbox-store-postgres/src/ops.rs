@@ -5,7 +5,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures::FutureExt;
 use outbox_core::store::{
-    DeadRecord, DeadSelector, DestinationStats, Operations, ReplaySelector, StoreFuture,
+    DeadQuery, DeadRecord, DeadSelector, DestinationStats, EventRecord, EventState, Operations,
+    ReplaySelector, StoreFuture,
 };
 use outbox_core::SequenceId;
 use tokio_postgres::types::ToSql;
@@ -70,21 +71,23 @@ impl Operations for PgStore {
         .boxed()
     }
 
-    fn dead_list(&self, destination: Option<String>, limit: u32) -> StoreFuture<Vec<DeadRecord>> {
+    fn dead_list(&self, query: DeadQuery) -> StoreFuture<Vec<DeadRecord>> {
         let inner = self.inner.clone();
         async move {
             let dl = inner.tables.dead_letters.quoted();
-            let limit = i64::from(limit);
+            let limit = i64::from(query.limit);
             let rows = Self::query(
                 &inner,
                 "dead list",
                 &format!(
                     "SELECT sequence_id, event_id, destination, event_type, attempts::int8, last_error,
                             (extract(epoch from dead_at) * 1000000)::int8
-                       FROM {dl} WHERE ($1::text IS NULL OR destination = $1)
-                      ORDER BY sequence_id LIMIT $2"
+                       FROM {dl}
+                      WHERE ($1::text IS NULL OR destination = $1)
+                        AND ($2::text IS NULL OR event_type = $2) AND sequence_id > $3
+                      ORDER BY sequence_id LIMIT $4"
                 ),
-                &[&destination, &limit],
+                &[&query.destination, &query.event_type, &query.after, &limit],
             )
             .await?;
             Ok(rows
@@ -100,6 +103,60 @@ impl Operations for PgStore {
                     dead_at: from_micros(r.get(6)),
                 })
                 .collect())
+        }
+        .boxed()
+    }
+
+    fn event(&self, id: SequenceId) -> StoreFuture<Option<EventRecord>> {
+        let inner = self.inner.clone();
+        async move {
+            let (t, dl) = (
+                inner.tables.outbox.quoted(),
+                inner.tables.dead_letters.quoted(),
+            );
+            let micros = |c: &str| {
+                format!(
+                    "CASE WHEN isfinite({c}) THEN (extract(epoch from {c}) * 1000000)::int8 END"
+                )
+            };
+            // A row is in one of the two tables at a time.
+            let rows = Self::query(
+                &inner,
+                "event",
+                &format!(
+                    "SELECT sequence_id, event_id, destination, event_type, partition_key,
+                            payload::text, headers::text, attempts::int8, last_error, {created},
+                            delivered_at IS NOT NULL, false, NULL::int8
+                       FROM {t} WHERE sequence_id = $1
+                     UNION ALL
+                     SELECT sequence_id, event_id, destination, event_type, partition_key,
+                            payload::text, headers::text, attempts::int8, last_error, {created},
+                            false, true, {dead_at}
+                       FROM {dl} WHERE sequence_id = $1",
+                    created = micros("created_at"),
+                    dead_at = micros("dead_at"),
+                ),
+                &[&id],
+            )
+            .await?;
+            Ok(rows.first().map(|r| EventRecord {
+                sequence_id: r.get(0),
+                event_id: r.try_get(1).unwrap_or_default(),
+                destination: r.try_get(2).unwrap_or_default(),
+                event_type: r.try_get(3).unwrap_or_default(),
+                ordering_key: r.try_get(4).unwrap_or_default(),
+                payload: r.get(5),
+                headers: r.get(6),
+                state: match (r.get::<_, bool>(11), r.get::<_, bool>(10)) {
+                    (true, _) => EventState::Dead,
+                    (false, true) => EventState::Delivered,
+                    (false, false) => EventState::Pending,
+                },
+                attempts: r.get::<_, i64>(7).max(0) as u32,
+                last_error: r.get(8),
+                created_at: r.get::<_, Option<i64>>(9).map(from_micros),
+                dead_at: r.get::<_, Option<i64>>(12).map(from_micros),
+            }))
         }
         .boxed()
     }

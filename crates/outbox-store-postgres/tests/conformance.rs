@@ -214,5 +214,6 @@ mod mapped {
         engine_dead_letters_after_max_attempts_and_moves_on,
         engine_dead_letters_permanent_errors_and_undecodable_rows,
         engine_unordered_retries_and_dead_letters_go_out_again,
-        operator_lists_retries_and_purges_dead_letters, operator_replays_and_prunes_in_batches);
+        operator_lists_retries_and_purges_dead_letters, operator_replays_and_prunes_in_batches,
+        operator_pages_dead_letters_and_shows_one_event);
 }

@@ -4,13 +4,17 @@ use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use outbox_core::store::{
-    DeadRecord, DeadSelector, DestinationStats, Operations, ReplaySelector, StoreFuture,
-    StoreResult,
+    DeadQuery, DeadRecord, DeadSelector, DestinationStats, EventRecord, EventState, Operations,
+    ReplaySelector, StoreFuture, StoreResult,
 };
 use outbox_core::SequenceId;
 use rusqlite::{params, types::Value};
 
 use crate::{now_ms, sql_error, SqliteStore};
+
+fn at_ms(ms: i64) -> SystemTime {
+    UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64)
+}
 
 fn ms(t: SystemTime) -> i64 {
     match t.duration_since(UNIX_EPOCH) {
@@ -69,30 +73,80 @@ impl Operations for SqliteStore {
         })
     }
 
-    fn dead_list(&self, destination: Option<String>, limit: u32) -> StoreFuture<Vec<DeadRecord>> {
+    fn dead_list(&self, query: DeadQuery) -> StoreFuture<Vec<DeadRecord>> {
         self.with_conn(move |conn| {
             let mut stmt = conn
                 .prepare(
                     "SELECT sequence_id, event_id, destination, event_type, attempts, last_error, dead_at
-                       FROM outbox_dead_letters WHERE (?1 IS NULL OR destination = ?1)
-                      ORDER BY sequence_id LIMIT ?2",
+                       FROM outbox_dead_letters
+                      WHERE (?1 IS NULL OR destination = ?1) AND (?2 IS NULL OR event_type = ?2)
+                        AND sequence_id > ?3
+                      ORDER BY sequence_id LIMIT ?4",
                 )
                 .map_err(|e| sql_error("dead list", e))?;
             let rows = stmt
-                .query_map(params![destination, limit], |r| {
-                    let id: String = r.get(1)?;
-                    Ok(DeadRecord {
-                        sequence_id: r.get(0)?,
-                        event_id: uuid::Uuid::parse_str(&id).unwrap_or_default(),
-                        destination: r.get(2)?,
-                        event_type: r.get(3)?,
-                        attempts: r.get::<_, i64>(4)?.max(0) as u32,
-                        last_error: r.get(5)?,
-                        dead_at: UNIX_EPOCH + Duration::from_millis(r.get::<_, i64>(6)?.max(0) as u64),
-                    })
-                })
+                .query_map(
+                    params![query.destination, query.event_type, query.after, query.limit],
+                    |r| {
+                        let id: String = r.get(1)?;
+                        Ok(DeadRecord {
+                            sequence_id: r.get(0)?,
+                            event_id: uuid::Uuid::parse_str(&id).unwrap_or_default(),
+                            destination: r.get(2)?,
+                            event_type: r.get(3)?,
+                            attempts: r.get::<_, i64>(4)?.max(0) as u32,
+                            last_error: r.get(5)?,
+                            dead_at: at_ms(r.get(6)?),
+                        })
+                    },
+                )
                 .map_err(|e| sql_error("dead list", e))?;
             rows.collect::<rusqlite::Result<Vec<_>>>().map_err(|e| sql_error("dead list", e))
+        })
+    }
+
+    fn event(&self, id: SequenceId) -> StoreFuture<Option<EventRecord>> {
+        self.with_conn(move |conn| {
+            // The outbox first, then the dead letters: a row is in one of them at a time.
+            let found = conn
+                .query_row(
+                    "SELECT sequence_id, event_id, destination, event_type, partition_key, payload,
+                            headers, attempts, last_error, created_at, delivered_at, NULL
+                       FROM outbox WHERE sequence_id = ?1
+                     UNION ALL
+                     SELECT sequence_id, event_id, destination, event_type, partition_key, payload,
+                            headers, attempts, last_error, created_at, NULL, dead_at
+                       FROM outbox_dead_letters WHERE sequence_id = ?1",
+                    [id],
+                    |r| {
+                        let event_id: String = r.get(1)?;
+                        let delivered: Option<i64> = r.get(10)?;
+                        let dead_at: Option<i64> = r.get(11)?;
+                        Ok(EventRecord {
+                            sequence_id: r.get(0)?,
+                            event_id: uuid::Uuid::parse_str(&event_id).unwrap_or_default(),
+                            destination: r.get(2)?,
+                            event_type: r.get(3)?,
+                            ordering_key: r.get(4)?,
+                            payload: r.get(5)?,
+                            headers: r.get(6)?,
+                            state: match (dead_at, delivered) {
+                                (Some(_), _) => EventState::Dead,
+                                (None, Some(_)) => EventState::Delivered,
+                                (None, None) => EventState::Pending,
+                            },
+                            attempts: r.get::<_, i64>(7)?.max(0) as u32,
+                            last_error: r.get(8)?,
+                            created_at: Some(at_ms(r.get(9)?)),
+                            dead_at: dead_at.map(at_ms),
+                        })
+                    },
+                )
+                .map(Some);
+            match found {
+                Err(rusqlite::Error::QueryReturnedNoRows) => Ok(None),
+                other => other.map_err(|e| sql_error("event", e)),
+            }
         })
     }
 

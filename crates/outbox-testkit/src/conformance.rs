@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use outbox_core::store::{
-    ClaimRequest, DeadLetter, DeadSelector, NodeRegistry, Operations, Registration, ReplaySelector,
-    RetryLater,
+    ClaimRequest, DeadLetter, DeadQuery, DeadSelector, EventState, NodeRegistry, Operations,
+    Registration, ReplaySelector, RetryLater,
 };
 use outbox_core::{
     Claimed, NewEvent, NodeId, OutboxStore, PublishErrorKind, RetryPolicy, SequenceId,
@@ -60,7 +60,8 @@ macro_rules! store_conformance {
             engine_delivers_in_order_per_key, engine_retry_blocks_only_its_key,
             engine_dead_letters_after_max_attempts_and_moves_on,
             engine_dead_letters_permanent_errors_and_undecodable_rows,
-            engine_unordered_retries_and_dead_letters_go_out_again, operator_lists_retries_and_purges_dead_letters, operator_replays_and_prunes_in_batches);
+            engine_unordered_retries_and_dead_letters_go_out_again, operator_lists_retries_and_purges_dead_letters, operator_replays_and_prunes_in_batches,
+            operator_pages_dead_letters_and_shows_one_event);
     };
     (@tests $new_harness:path; $($name:ident),* $(,)?) => {
         $(
@@ -777,14 +778,20 @@ pub async fn operator_lists_retries_and_purges_dead_letters(h: &dyn Harness) {
         .collect();
     assert_eq!(store.dead_letter(node, None, dead).await.unwrap(), 3);
 
-    let all = ops.dead_list(None, 100).await.unwrap();
+    let all = ops.dead_list(dead_query(None, 100)).await.unwrap();
     assert_eq!(all.iter().map(|d| d.sequence_id).collect::<Vec<_>>(), seq);
     assert_eq!(all[2].destination, "b");
     assert_eq!(all[2].event_type, "u");
     assert_eq!(all[2].attempts, 4);
     assert_eq!(all[2].last_error, format!("boom {}", seq[2]));
-    assert_eq!(ops.dead_list(Some("a".into()), 100).await.unwrap().len(), 2);
-    assert_eq!(ops.dead_list(None, 1).await.unwrap().len(), 1);
+    assert_eq!(
+        ops.dead_list(dead_query(Some("a"), 100))
+            .await
+            .unwrap()
+            .len(),
+        2
+    );
+    assert_eq!(ops.dead_list(dead_query(None, 1)).await.unwrap().len(), 1);
     let stats = ops.destination_stats().await.unwrap();
     assert_eq!(
         stats
@@ -817,10 +824,120 @@ pub async fn operator_lists_retries_and_purges_dead_letters(h: &dyn Harness) {
         1
     );
     assert_eq!(ops.dead_purge(DeadSelector::All).await.unwrap(), 1);
-    assert!(ops.dead_list(None, 100).await.unwrap().is_empty());
+    assert!(ops
+        .dead_list(dead_query(None, 100))
+        .await
+        .unwrap()
+        .is_empty());
     let stats = ops.destination_stats().await.unwrap();
     let a = stats.iter().find(|s| s.destination == "a").unwrap();
     assert_eq!((a.pending, a.dead), (2, 0));
+}
+
+fn dead_query(destination: Option<&str>, limit: u32) -> DeadQuery {
+    DeadQuery {
+        destination: destination.map(String::from),
+        limit,
+        ..DeadQuery::default()
+    }
+}
+
+/// `dead_list` filters by destination and type and pages with `after`; `event` finds one
+/// event, with its payload and state, wherever it is.
+pub async fn operator_pages_dead_letters_and_shows_one_event(h: &dyn Harness) {
+    let store = h.store();
+    let ops = h.operations();
+    let seq = insert(
+        &*store,
+        &[
+            ("a", Some("k1"), "created", 1),
+            ("a", Some("k2"), "deleted", 2),
+            ("b", Some("k3"), "created", 3),
+            ("b", Some("k4"), "created", 4),
+            ("c", Some("k5"), "created", 5),
+        ],
+    )
+    .await;
+    let node = NodeId::random();
+    let claimed = store.claim(request(&node, 10)).await.unwrap();
+    assert_eq!(ids(&claimed), seq);
+    let dead = seq[..4]
+        .iter()
+        .map(|s| DeadLetter {
+            sequence_id: *s,
+            attempts: 3,
+            error: format!("broker said no to {s}"),
+        })
+        .collect();
+    assert_eq!(
+        store.dead_letter(node.clone(), None, dead).await.unwrap(),
+        4
+    );
+    assert_eq!(store.release(node, vec![seq[4]]).await.unwrap(), 1);
+
+    let page = |q: DeadQuery| {
+        let ops = ops.clone();
+        async move {
+            ops.dead_list(q)
+                .await
+                .unwrap()
+                .iter()
+                .map(|d| d.sequence_id)
+                .collect::<Vec<_>>()
+        }
+    };
+    let created = |after, limit| DeadQuery {
+        event_type: Some("created".into()),
+        after,
+        limit,
+        ..DeadQuery::default()
+    };
+    assert_eq!(page(created(0, 10)).await, vec![seq[0], seq[2], seq[3]]);
+    // Pages of two: the second starts after the first's last id; then an empty page.
+    assert_eq!(page(created(0, 2)).await, vec![seq[0], seq[2]]);
+    assert_eq!(page(created(seq[2], 2)).await, vec![seq[3]]);
+    assert!(page(created(seq[3], 2)).await.is_empty());
+    let both = DeadQuery {
+        destination: Some("a".into()),
+        ..created(0, 10)
+    };
+    assert_eq!(page(both).await, vec![seq[0]]);
+    assert!(page(dead_query(Some("nowhere"), 10)).await.is_empty());
+
+    let dead = ops.event(seq[1]).await.unwrap().expect("the dead event");
+    assert_eq!(dead.state, EventState::Dead);
+    assert_eq!(
+        (dead.destination.as_str(), dead.event_type.as_str()),
+        ("a", "deleted")
+    );
+    assert_eq!(dead.ordering_key.as_deref(), Some("k2"));
+    let payload: serde_json::Value =
+        serde_json::from_str(dead.payload.as_deref().expect("a payload")).unwrap();
+    assert_eq!(payload, serde_json::json!({"n": 2}));
+    assert_eq!(dead.attempts, 3);
+    assert_eq!(
+        dead.last_error.as_deref(),
+        Some(format!("broker said no to {}", seq[1]).as_str())
+    );
+    let listed = ops.dead_list(dead_query(None, 10)).await.unwrap();
+    assert_eq!(dead.event_id, listed[1].event_id);
+
+    let pending = ops.event(seq[4]).await.unwrap().expect("the pending event");
+    assert_eq!(pending.state, EventState::Pending);
+    assert_eq!(pending.destination, "c");
+    assert!(pending.dead_at.is_none());
+    let payload: serde_json::Value =
+        serde_json::from_str(pending.payload.as_deref().expect("a payload")).unwrap();
+    assert_eq!(payload, serde_json::json!({"n": 5}));
+
+    assert!(ops.event(seq[4] + 1000).await.unwrap().is_none());
+    // Retried, it is pending again under the same id.
+    ops.dead_retry(DeadSelector::Ids(vec![seq[1]]))
+        .await
+        .unwrap();
+    let back = ops.event(seq[1]).await.unwrap().expect("the retried event");
+    assert_eq!(back.state, EventState::Pending);
+    assert_eq!(back.event_id, dead.event_id);
 }
 
 pub async fn operator_replays_and_prunes_in_batches(h: &dyn Harness) {
