@@ -246,10 +246,15 @@ pub struct RunArgs {
     /// How long a silent node stays listed.
     #[arg(long, value_name = "DURATION")]
     pub heartbeat_timeout: Option<String>,
-    /// Address for /healthz, /readyz and /metrics; 127.0.0.1:0 picks a free port, an empty
-    /// value turns it off.
+    /// Address for /healthz, /readyz, /metrics, the admin API (/api/v1/) and the dashboard
+    /// (/); 127.0.0.1:0 picks a free port, an empty value turns it off. A non-loopback
+    /// address needs an admin token.
     #[arg(long, value_name = "HOST:PORT")]
     pub http_addr: Option<String>,
+    /// A file holding the admin API's bearer token (or set OUTBOX_RELAY_ADMIN_TOKEN).
+    /// Without a token the admin API is read-only.
+    #[arg(long, value_name = "FILE")]
+    pub admin_token_file: Option<std::path::PathBuf>,
     /// This node's id in the nodes table [default: <hostname>-<random>].
     #[arg(long, value_name = "ID")]
     pub node_id: Option<String>,

@@ -190,6 +190,7 @@ pub async fn run(mut config: Config, drain: bool) -> anyhow::Result<ExitCode> {
         sinks,
         routes,
         http_addr,
+        admin_token,
         health,
     } = config.resolve(node.clone(), drain)?;
     let store = ready_store(&config, store, config.auto_migrate, !drain).await?;
@@ -215,10 +216,30 @@ pub async fn run(mut config: Config, drain: bool) -> anyhow::Result<ExitCode> {
     );
     let http = match http_addr {
         Some(addr) => {
-            let (bound, task) =
-                crate::http::serve(addr, outbox.clone(), sink.clone(), metrics, health.clone())
-                    .await?;
-            tracing::info!(addr = %bound, "HTTP endpoints: /healthz /readyz /metrics");
+            let console = Arc::new(crate::admin::Console {
+                outbox: outbox.clone(),
+                ops: store.operations(),
+                registry: store.registry(),
+                partitions: store.partition_registry(),
+                node: node.0.clone(),
+                settings: crate::admin::redacted_settings(&config),
+                token: admin_token,
+                metrics: metrics.clone(),
+                history: Default::default(),
+            });
+            let (bound, task) = crate::http::serve(
+                addr,
+                outbox.clone(),
+                sink.clone(),
+                metrics,
+                health.clone(),
+                console,
+            )
+            .await?;
+            tracing::info!(
+                addr = %bound,
+                "HTTP endpoints: /healthz /readyz /metrics /api/v1/ and the dashboard at /"
+            );
             Some(task)
         }
         None => None,

@@ -121,8 +121,13 @@ pub struct Config {
     pub heartbeat_interval: Duration,
     #[serde(with = "duration")]
     pub heartbeat_timeout: Duration,
-    /// `host:port` for /healthz, /readyz and /metrics; empty turns the server off.
+    /// `host:port` for /healthz, /readyz, /metrics, the admin API and the dashboard; empty
+    /// turns the server off.
     pub http_addr: String,
+    /// The admin API's bearer token (`OUTBOX_RELAY_ADMIN_TOKEN`); never shown.
+    pub admin_token: Option<String>,
+    /// A file holding the admin API's bearer token (`--admin-token-file`).
+    pub admin_token_file: Option<PathBuf>,
     pub node_id: Option<String>,
     pub ordering: OrderingMode,
     /// Partitions a new outbox is created with (`migrate`); fixed afterwards.
@@ -171,6 +176,8 @@ impl Default for Config {
             heartbeat_interval: outbox_cluster::DEFAULT_HEARTBEAT_INTERVAL,
             heartbeat_timeout: outbox_cluster::DEFAULT_HEARTBEAT_TIMEOUT,
             http_addr: DEFAULT_HTTP_ADDR.into(),
+            admin_token: None,
+            admin_token_file: None,
             node_id: None,
             ordering: OrderingMode::Key,
             partitions: outbox_core::partition::DEFAULT_PARTITIONS,
@@ -209,6 +216,10 @@ impl std::fmt::Debug for Config {
             .field("batch_size", &self.batch_size)
             .field("lease", &self.lease)
             .field("http_addr", &self.http_addr)
+            .field(
+                "admin_token",
+                &(self.admin_token.is_some() || self.admin_token_file.is_some()).then_some("***"),
+            )
             .finish_non_exhaustive()
     }
 }
@@ -583,6 +594,41 @@ impl Config {
         })
     }
 
+    /// The admin API's token: `admin_token` (`OUTBOX_RELAY_ADMIN_TOKEN`) or the first line
+    /// of `admin_token_file`; `None` leaves the API read-only.
+    pub fn admin_token(&self) -> anyhow::Result<Option<String>> {
+        let config_error = |m: String| anyhow::Error::new(crate::commands::ConfigError(m));
+        let token = match (&self.admin_token, &self.admin_token_file) {
+            (Some(_), Some(_)) => {
+                return Err(config_error(
+                    "both OUTBOX_RELAY_ADMIN_TOKEN (admin_token) and --admin-token-file                      (admin_token_file) are set: keep one"
+                        .into(),
+                ))
+            }
+            (Some(token), None) => token.trim().to_string(),
+            (None, Some(path)) => std::fs::read_to_string(path)
+                .map_err(|e| {
+                    config_error(format!(
+                        "cannot read the admin token file {}: {e} (check --admin-token-file)",
+                        path.display()
+                    ))
+                })?
+                .lines()
+                .next()
+                .unwrap_or_default()
+                .trim()
+                .to_string(),
+            (None, None) => return Ok(None),
+        };
+        if token.len() < 16 {
+            return Err(config_error(
+                "the admin token must be at least 16 characters (e.g. `openssl rand -hex 32`)"
+                    .into(),
+            ));
+        }
+        Ok(Some(token))
+    }
+
     /// The sinks and routes in effect: `sink` alone, `[sinks]` with `[[routes]]`, or stdout.
     pub fn sink_setup(&self) -> (BTreeMap<String, SinkConfig>, Vec<RouteConfig>) {
         match (&self.sink, self.sinks.is_empty()) {
@@ -702,13 +748,23 @@ impl Config {
             health: health.clone(),
         };
         let (sinks, routes) = self.sink_setup();
+        let http_addr = self.http_socket_addr()?;
+        let admin_token = self.admin_token()?;
+        if let Some(addr) = http_addr {
+            if !addr.ip().is_loopback() && admin_token.is_none() {
+                return Err(anyhow::Error::new(crate::commands::ConfigError(format!(
+                    "http_addr {addr} is not a loopback address, and the admin API there would                      have no token: set OUTBOX_RELAY_ADMIN_TOKEN or --admin-token-file FILE, or                      listen on 127.0.0.1"
+                ))));
+            }
+        }
         Ok(RunParts {
             store: self.store_settings()?,
             engine,
             cluster,
             sinks,
             routes,
-            http_addr: self.http_socket_addr()?,
+            http_addr,
+            admin_token,
             health,
         })
     }
@@ -723,6 +779,8 @@ pub struct RunParts {
     pub routes: Vec<RouteConfig>,
     /// Where /healthz, /readyz and /metrics listen; `None`: no HTTP server.
     pub http_addr: Option<SocketAddr>,
+    /// The admin API's bearer token; `None`: its mutating endpoints answer 403.
+    pub admin_token: Option<String>,
     /// What the engine and the coordinator report to, and /readyz shows.
     pub health: Arc<Health>,
 }

@@ -1,4 +1,4 @@
-//! /healthz, /readyz and /metrics.
+//! /healthz, /readyz and /metrics, with the admin API and the dashboard (`admin.rs`).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -29,6 +29,7 @@ pub async fn serve(
     publisher: Arc<dyn Publisher>,
     metrics: PrometheusHandle,
     health: Arc<Health>,
+    console: Arc<crate::admin::Console>,
 ) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
     let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| {
         format!("cannot listen on {addr}: choose another --http-addr (127.0.0.1:0 picks a free port, an empty value turns it off)")
@@ -43,10 +44,16 @@ pub async fn serve(
             publisher,
             metrics,
             health,
-        });
+        })
+        .merge(crate::admin::routes(console.clone()));
     let task = tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
-            tracing::error!(error = %e, "HTTP server failed");
+        tokio::select! {
+            served = axum::serve(listener, app) => {
+                if let Err(e) = served {
+                    tracing::error!(error = %e, "HTTP server failed");
+                }
+            }
+            () = crate::admin::keep_history(console) => {}
         }
     });
     Ok((bound, task))

@@ -1,5 +1,6 @@
 //! The `outbox-relay` binary: a thin layer of commands over the engine, stores and sinks.
 
+mod admin;
 mod cli;
 mod commands;
 mod config;

@@ -1,0 +1,818 @@
+//! The admin API under `/api/v1/` and the dashboard at `/`.
+//!
+//! Every operation goes through the store's [`Operations`], as the CLI's operator commands
+//! do (`operator.rs`), with the same messages. Reads are open to whoever reaches the HTTP
+//! server (loopback unless the operator says otherwise, and then only with a token); the
+//! mutating endpoints need `Authorization: Bearer <token>`, compared in constant time, and
+//! answer 403 while no token is configured. Each mutating call is logged at info level with
+//! what it did, never with the token.
+//!
+//! Backlog and lag over time come from [`History`]: the engine's own backlog gauges, read
+//! from the metrics recorder every [`SAMPLE_EVERY`] and kept for [`HISTORY_SPAN`], so the
+//! dashboard costs the database nothing beyond the queries of `/api/v1/status`.
+
+// A handler's refusal is its `Response`, built once per request: boxing it buys nothing.
+#![allow(clippy::result_large_err)]
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::{Path, RawQuery, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use metrics_exporter_prometheus::PrometheusHandle;
+use outbox_core::store::{
+    DeadQuery, DeadSelector, NodeRegistry, Operations, PartitionRegistry, StoreResult,
+};
+use outbox_core::{OutboxStore, StoreError, StoreErrorKind};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::operator::{purged_text, replay_all, replay_selector, retried_text, NOTHING_TO_REPLAY};
+
+/// How often [`History`] samples the gauges.
+pub const SAMPLE_EVERY: Duration = Duration::from_secs(5);
+/// How far back [`History`] reaches.
+pub const HISTORY_SPAN: Duration = Duration::from_secs(3600);
+/// The rates in `/api/v1/status` are averaged over this window.
+const RATE_WINDOW: Duration = Duration::from_secs(60);
+/// A store call the API makes gives up after this long (503).
+const STORE_PATIENCE: Duration = Duration::from_secs(5);
+/// The largest page of dead letters.
+const MAX_PAGE: u32 = 1000;
+
+const INDEX_HTML: &str = include_str!("dashboard/index.html");
+const APP_JS: &str = include_str!("dashboard/app.js");
+const APP_CSS: &str = include_str!("dashboard/app.css");
+
+/// What the admin API reads and acts on: the running relay's store and settings.
+pub struct Console {
+    pub outbox: Arc<dyn OutboxStore>,
+    pub ops: Arc<dyn Operations>,
+    pub registry: Arc<dyn NodeRegistry>,
+    pub partitions: Option<Arc<dyn PartitionRegistry>>,
+    /// This relay's node id.
+    pub node: String,
+    /// The settings in effect, secrets redacted ([`redacted_settings`]).
+    pub settings: Value,
+    /// `None`: the mutating endpoints answer 403.
+    pub token: Option<String>,
+    pub metrics: PrometheusHandle,
+    pub history: Mutex<History>,
+}
+
+/// One sample of the engine's gauges and counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Sample {
+    /// Unix milliseconds.
+    pub at: u64,
+    pub pending: f64,
+    pub retrying: f64,
+    pub dead: f64,
+    pub oldest_age_seconds: f64,
+    pub published: f64,
+    pub retried: f64,
+    pub dead_lettered: f64,
+    pub store_errors: f64,
+}
+
+/// The last [`HISTORY_SPAN`] of samples, oldest first.
+#[derive(Default)]
+pub struct History {
+    samples: VecDeque<Sample>,
+}
+
+impl History {
+    pub fn push(&mut self, sample: Sample) {
+        let keep = (HISTORY_SPAN.as_millis() / SAMPLE_EVERY.as_millis()) as usize + 1;
+        while self.samples.len() >= keep {
+            self.samples.pop_front();
+        }
+        self.samples.push_back(sample);
+    }
+
+    /// Samples taken after `after` (Unix ms).
+    pub fn since(&self, after: u64) -> Vec<Sample> {
+        self.samples
+            .iter()
+            .filter(|s| s.at > after)
+            .copied()
+            .collect()
+    }
+
+    /// Per-second rates of the counters over the last `window`: published, retried,
+    /// dead-lettered, store errors; `None` before two samples exist.
+    pub fn rates(&self, window: Duration) -> Option<[f64; 4]> {
+        let last = self.samples.back()?;
+        let from = last.at.saturating_sub(window.as_millis() as u64);
+        let first = self.samples.iter().find(|s| s.at >= from)?;
+        let seconds = (last.at.checked_sub(first.at)? as f64) / 1000.0;
+        if seconds <= 0.0 {
+            return None;
+        }
+        // A counter never goes down; a drop would be a restart of the recorder.
+        let rate = |a: f64, b: f64| ((b - a).max(0.0)) / seconds;
+        Some([
+            rate(first.published, last.published),
+            rate(first.retried, last.retried),
+            rate(first.dead_lettered, last.dead_lettered),
+            rate(first.store_errors, last.store_errors),
+        ])
+    }
+}
+
+/// The sum of every series of `name` in Prometheus text (0 when absent).
+fn metric_sum(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .filter(|v| v.is_finite())
+        .sum()
+}
+
+fn unix_ms(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64
+}
+
+/// Reads the engine's metrics into a [`Sample`].
+pub fn sample(metrics: &PrometheusHandle) -> Sample {
+    use outbox_engine::metrics as m;
+    let text = metrics.render();
+    Sample {
+        at: unix_ms(SystemTime::now()),
+        pending: metric_sum(&text, m::BACKLOG),
+        retrying: metric_sum(&text, m::RETRYING),
+        dead: metric_sum(&text, m::DEAD),
+        oldest_age_seconds: metric_sum(&text, m::OLDEST_AGE),
+        published: metric_sum(&text, m::PUBLISHED),
+        retried: metric_sum(&text, m::RETRIED),
+        dead_lettered: metric_sum(&text, m::DEAD_LETTERED),
+        store_errors: metric_sum(&text, m::STORE_ERRORS),
+    }
+}
+
+/// Samples into `console.history` every [`SAMPLE_EVERY`], until aborted.
+pub async fn keep_history(console: Arc<Console>) {
+    let mut ticker = tokio::time::interval(SAMPLE_EVERY);
+    loop {
+        ticker.tick().await;
+        let s = sample(&console.metrics);
+        lock(&console.history).push(s);
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Settings names whose values are secrets.
+const SECRET_SETTINGS: &[&str] = &["token", "secret", "password", "key", "credential", "auth"];
+
+/// The settings as JSON with every secret replaced by `***`: values of settings whose name
+/// looks secret, and the secret parts of every URL (through the one redactor).
+pub fn redacted_settings(config: &crate::config::Config) -> Value {
+    fn walk(name: &str, value: Value) -> Value {
+        let lower = name.to_ascii_lowercase();
+        let secret = SECRET_SETTINGS.iter().any(|s| lower.contains(s));
+        match value {
+            Value::Null => Value::Null,
+            _ if secret => Value::String("***".into()),
+            Value::String(s) => Value::String(outbox_core::redact::redact_url(&s)),
+            Value::Array(items) => Value::Array(items.into_iter().map(|v| walk(name, v)).collect()),
+            Value::Object(map) => Value::Object(
+                map.into_iter()
+                    .map(|(k, v)| {
+                        let v = walk(&k, v);
+                        (k, v)
+                    })
+                    .collect(),
+            ),
+            other => other,
+        }
+    }
+    walk("", serde_json::to_value(config).unwrap_or_default())
+}
+
+/// The console's routes (the caller adds `/healthz`, `/readyz` and `/metrics`).
+pub fn routes(console: Arc<Console>) -> Router {
+    Router::new()
+        .route(
+            "/",
+            get(|| async { asset("text/html; charset=utf-8", INDEX_HTML) }),
+        )
+        .route(
+            "/assets/app.js",
+            get(|| async { asset("text/javascript; charset=utf-8", APP_JS) }),
+        )
+        .route(
+            "/assets/app.css",
+            get(|| async { asset("text/css; charset=utf-8", APP_CSS) }),
+        )
+        .route("/api/v1/status", get(status))
+        .route("/api/v1/history", get(history))
+        .route("/api/v1/dead-letters", get(dead_letters))
+        .route("/api/v1/events/{id}", get(event))
+        .route("/api/v1/dead-letters/retry", post(dead_retry))
+        .route("/api/v1/dead-letters/purge", post(dead_purge))
+        .route("/api/v1/replay", post(replay))
+        .fallback(|| async { failure(StatusCode::NOT_FOUND, "no such endpoint".into()) })
+        .with_state(console)
+}
+
+fn asset(content_type: &'static str, body: &'static str) -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, content_type),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        body,
+    )
+        .into_response()
+}
+
+fn reply(status: StatusCode, body: Value) -> Response {
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+fn failure(status: StatusCode, message: String) -> Response {
+    reply(status, json!({ "error": message }))
+}
+
+/// A store failure as the CLI words it; unsupported operations (a configuration matter for
+/// the layout) are 501, an unreachable database 503.
+fn store_failure(e: StoreError) -> Response {
+    let status = match e.kind() {
+        StoreErrorKind::Config => StatusCode::NOT_IMPLEMENTED,
+        StoreErrorKind::Connection | StoreErrorKind::Conflict => StatusCode::SERVICE_UNAVAILABLE,
+        _ => StatusCode::INTERNAL_SERVER_ERROR,
+    };
+    failure(status, e.report())
+}
+
+/// Runs a store call with [`STORE_PATIENCE`].
+async fn patiently<T>(
+    what: &str,
+    call: impl std::future::Future<Output = StoreResult<T>>,
+) -> Result<T, Response> {
+    match tokio::time::timeout(STORE_PATIENCE, call).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(store_failure(e)),
+        Err(_) => Err(failure(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "{what}: the database did not answer within {}s",
+                STORE_PATIENCE.as_secs()
+            ),
+        )),
+    }
+}
+
+fn seconds(d: Option<Duration>) -> Value {
+    d.map_or(Value::Null, |d| json!(d.as_secs_f64()))
+}
+
+fn time_text(t: SystemTime) -> String {
+    humantime::format_rfc3339_millis(t).to_string()
+}
+
+async fn status(State(c): State<Arc<Console>>) -> Response {
+    match status_body(&c).await {
+        Ok(body) => reply(StatusCode::OK, body),
+        Err(r) => r,
+    }
+}
+
+async fn status_body(c: &Console) -> Result<Value, Response> {
+    let backlog = patiently("backlog", c.outbox.backlog()).await?;
+    let destinations = patiently("destinations", c.ops.destination_stats()).await?;
+    let nodes = patiently("nodes", c.registry.live_nodes()).await?;
+    let partitions = match &c.partitions {
+        Some(r) => Some(patiently("partitions", r.partitions()).await?),
+        None => None,
+    };
+    let now = SystemTime::now();
+    let live = |p: &outbox_core::store::PartitionRecord| {
+        p.owner.is_some() && p.lease_until.is_some_and(|t| t > now)
+    };
+    let owned_by = |id: &str| -> Vec<i32> {
+        partitions
+            .iter()
+            .flatten()
+            .filter(|p| live(p) && p.owner.as_deref() == Some(id))
+            .map(|p| p.partition)
+            .collect()
+    };
+    let rates = lock(&c.history).rates(RATE_WINDOW);
+    // The counters now, not as of the last sample.
+    let totals = sample(&c.metrics);
+    let rate = |i: usize| rates.map_or(Value::Null, |r| json!(r[i]));
+    Ok(json!({
+        "version": env!("CARGO_PKG_VERSION"),
+        "node": c.node,
+        "outbox": c.outbox.describe(),
+        "now": time_text(now),
+        "backlog": {
+            "pending": backlog.pending,
+            "retrying": backlog.retrying,
+            "dead": backlog.dead,
+            "oldest_pending_age_seconds": seconds(backlog.oldest_pending_age),
+        },
+        "destinations": destinations.iter().map(|d| json!({
+            "destination": d.destination,
+            "pending": d.pending,
+            "retrying": d.retrying,
+            "dead": d.dead,
+            "oldest_pending_age_seconds": seconds(d.oldest_pending_age),
+        })).collect::<Vec<_>>(),
+        "nodes": nodes.iter().map(|n| json!({
+            "id": n.id,
+            "this_node": n.id == c.node,
+            "expiry": time_text(n.expiry),
+            "heartbeat_due_in_seconds": n.expiry.duration_since(now).unwrap_or_default().as_secs_f64(),
+            "partitions": owned_by(&n.id),
+        })).collect::<Vec<_>>(),
+        "partitions": partitions.as_ref().map(|ps| json!({
+            "count": ps.len(),
+            "unowned": ps.iter().filter(|p| !live(p)).map(|p| p.partition).collect::<Vec<_>>(),
+            "leases": ps.iter().map(|p| json!({
+                "partition": p.partition,
+                "owner": if live(p) { json!(p.owner) } else { Value::Null },
+                "epoch": p.epoch,
+                "lease_until": p.lease_until.map(time_text),
+            })).collect::<Vec<_>>(),
+        })),
+        "rates": {
+            "window_seconds": RATE_WINDOW.as_secs(),
+            "published_per_second": rate(0),
+            "retried_per_second": rate(1),
+            "dead_lettered_per_second": rate(2),
+            "store_errors_per_second": rate(3),
+        },
+        "totals": {
+            "published": totals.published,
+            "retried": totals.retried,
+            "dead_lettered": totals.dead_lettered,
+            "store_errors": totals.store_errors,
+        },
+        "admin": { "token_configured": c.token.is_some() },
+        "settings": c.settings,
+    }))
+}
+
+/// Query parameters, percent-decoded; unknown names are refused so a typo is not ignored.
+fn query_params(raw: Option<String>, known: &[&str]) -> Result<Vec<(String, String)>, Response> {
+    let mut out = Vec::new();
+    for pair in raw.unwrap_or_default().split('&').filter(|p| !p.is_empty()) {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        let (k, v) = (percent_decode(k)?, percent_decode(v)?);
+        if !known.contains(&k.as_str()) {
+            return Err(failure(
+                StatusCode::BAD_REQUEST,
+                format!("unknown query parameter {k:?}; known: {}", known.join(", ")),
+            ));
+        }
+        out.push((k, v));
+    }
+    Ok(out)
+}
+
+fn percent_decode(text: &str) -> Result<String, Response> {
+    let bad = || {
+        failure(
+            StatusCode::BAD_REQUEST,
+            format!("malformed percent-encoding in the query: {text:?}"),
+        )
+    };
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'+' => out.push(b' '),
+            b'%' => {
+                let hex = text.get(i + 1..i + 3).ok_or_else(bad)?;
+                out.push(u8::from_str_radix(hex, 16).map_err(|_| bad())?);
+                i += 2;
+            }
+            b => out.push(b),
+        }
+        i += 1;
+    }
+    String::from_utf8(out).map_err(|_| bad())
+}
+
+async fn history(State(c): State<Arc<Console>>, RawQuery(raw): RawQuery) -> Response {
+    let params = match query_params(raw, &["after"]) {
+        Ok(p) => p,
+        Err(r) => return r,
+    };
+    let mut after = 0;
+    for (_, v) in params {
+        match v.parse::<u64>() {
+            Ok(a) => after = a,
+            Err(_) => {
+                return failure(
+                    StatusCode::BAD_REQUEST,
+                    format!("after must be Unix milliseconds (a sample's `at`), got {v:?}"),
+                )
+            }
+        }
+    }
+    let samples = lock(&c.history).since(after);
+    reply(
+        StatusCode::OK,
+        json!({
+            "interval_seconds": SAMPLE_EVERY.as_secs(),
+            "span_seconds": HISTORY_SPAN.as_secs(),
+            "samples": samples.iter().map(|s| json!({
+                "at": s.at,
+                "pending": s.pending,
+                "retrying": s.retrying,
+                "dead": s.dead,
+                "oldest_age_seconds": s.oldest_age_seconds,
+                "published": s.published,
+                "retried": s.retried,
+                "dead_lettered": s.dead_lettered,
+                "store_errors": s.store_errors,
+            })).collect::<Vec<_>>(),
+        }),
+    )
+}
+
+/// Refuses a destination no pending event or dead letter carries (a typo, most likely).
+async fn known_destination(c: &Console, destination: &str) -> Result<(), Response> {
+    let stats = patiently("destinations", c.ops.destination_stats()).await?;
+    if stats.iter().any(|d| d.destination == destination) {
+        return Ok(());
+    }
+    Err(failure(
+        StatusCode::BAD_REQUEST,
+        format!(
+            "unknown destination {destination:?}: no pending event or dead letter carries it \
+             (see /api/v1/status for the destinations)"
+        ),
+    ))
+}
+
+async fn dead_letters(State(c): State<Arc<Console>>, RawQuery(raw): RawQuery) -> Response {
+    let params = match query_params(raw, &["destination", "type", "limit", "after"]) {
+        Ok(p) => p,
+        Err(r) => return r,
+    };
+    let mut query = DeadQuery {
+        limit: 50,
+        ..DeadQuery::default()
+    };
+    for (k, v) in params {
+        let number = |what: &str| {
+            failure(
+                StatusCode::BAD_REQUEST,
+                format!("{k} must be {what}, got {v:?}"),
+            )
+        };
+        match k.as_str() {
+            "destination" if !v.is_empty() => query.destination = Some(v),
+            "type" if !v.is_empty() => query.event_type = Some(v),
+            "limit" => match v.parse::<u32>() {
+                Ok(n) if (1..=MAX_PAGE).contains(&n) => query.limit = n,
+                _ => return number(&format!("a number from 1 to {MAX_PAGE}")),
+            },
+            "after" => match v.parse::<i64>() {
+                Ok(n) if n >= 0 => query.after = n,
+                _ => return number("a sequence id (0 or more)"),
+            },
+            _ => {}
+        }
+    }
+    if let Some(d) = &query.destination {
+        if let Err(r) = known_destination(&c, d).await {
+            return r;
+        }
+    }
+    let limit = query.limit as usize;
+    let rows = match patiently("dead letters", c.ops.dead_list(query)).await {
+        Ok(rows) => rows,
+        Err(r) => return r,
+    };
+    // A full page may have more after it.
+    let next_after = (rows.len() == limit)
+        .then(|| rows.last().map(|r| r.sequence_id))
+        .flatten();
+    reply(
+        StatusCode::OK,
+        json!({
+            "dead_letters": rows.iter().map(|r| json!({
+                "sequence_id": r.sequence_id,
+                "event_id": r.event_id,
+                "destination": r.destination,
+                "event_type": r.event_type,
+                "attempts": r.attempts,
+                "last_error": r.last_error,
+                "dead_at": time_text(r.dead_at),
+            })).collect::<Vec<_>>(),
+            "next_after": next_after,
+        }),
+    )
+}
+
+/// JSON text as JSON, anything else as a string.
+fn as_json(text: Option<String>) -> Value {
+    match text {
+        None => Value::Null,
+        Some(t) => serde_json::from_str(&t).unwrap_or(Value::String(t)),
+    }
+}
+
+async fn event(State(c): State<Arc<Console>>, Path(id): Path<String>) -> Response {
+    let id = match id.parse::<i64>() {
+        Ok(id) if id > 0 => id,
+        _ => {
+            return failure(
+                StatusCode::BAD_REQUEST,
+                format!("event id must be a sequence id (a positive integer), got {id:?}"),
+            )
+        }
+    };
+    match patiently("event", c.ops.event(id)).await {
+        Ok(Some(e)) => reply(
+            StatusCode::OK,
+            json!({
+                "sequence_id": e.sequence_id,
+                "event_id": e.event_id,
+                "destination": e.destination,
+                "event_type": e.event_type,
+                "ordering_key": e.ordering_key,
+                "state": e.state.name(),
+                "attempts": e.attempts,
+                "last_error": e.last_error,
+                "created_at": e.created_at.map(time_text),
+                "dead_at": e.dead_at.map(time_text),
+                "payload": as_json(e.payload),
+                "headers": as_json(e.headers),
+            }),
+        ),
+        Ok(None) => failure(
+            StatusCode::NOT_FOUND,
+            format!("no event {id}: it was delivered and deleted, purged, or never existed"),
+        ),
+        Err(r) => r,
+    }
+}
+
+/// Constant-time equality: the time taken depends on the lengths only.
+fn same_secret(given: &[u8], expected: &[u8]) -> bool {
+    let mut diff = u8::from(given.len() != expected.len());
+    for (i, e) in expected.iter().enumerate() {
+        diff |= e ^ given.get(i).copied().unwrap_or(0);
+    }
+    std::hint::black_box(diff) == 0
+}
+
+/// Lets a mutating call through only with the configured token.
+fn authorize(c: &Console, headers: &HeaderMap) -> Result<(), Response> {
+    let Some(token) = &c.token else {
+        return Err(failure(
+            StatusCode::FORBIDDEN,
+            "the admin API is read-only: no admin token is configured; set \
+             OUTBOX_RELAY_ADMIN_TOKEN or --admin-token-file FILE and restart the relay"
+                .into(),
+        ));
+    };
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    match given {
+        Some(given) if same_secret(given.trim().as_bytes(), token.as_bytes()) => Ok(()),
+        _ => {
+            let mut r = failure(
+                StatusCode::UNAUTHORIZED,
+                "this endpoint needs the header `Authorization: Bearer <admin token>` with the \
+                 relay's admin token"
+                    .into(),
+            );
+            r.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                header::HeaderValue::from_static("Bearer"),
+            );
+            Err(r)
+        }
+    }
+}
+
+fn parse_body<T: serde::de::DeserializeOwned>(body: &Bytes, example: &str) -> Result<T, Response> {
+    serde_json::from_slice(body).map_err(|e| {
+        failure(
+            StatusCode::BAD_REQUEST,
+            format!("invalid request body: {e}; send JSON such as {example}"),
+        )
+    })
+}
+
+/// Which dead letters a retry or purge touches: exactly one of the three.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DeadBody {
+    ids: Option<Vec<i64>>,
+    destination: Option<String>,
+    #[serde(default)]
+    all: bool,
+}
+
+const DEAD_BODY: &str = r#"{"ids": [12, 13]}, {"destination": "orders"} or {"all": true}"#;
+
+async fn dead_selector(c: &Console, body: &Bytes) -> Result<DeadSelector, Response> {
+    let b: DeadBody = parse_body(body, DEAD_BODY)?;
+    let bad = |m: &str| failure(StatusCode::BAD_REQUEST, format!("{m}; send {DEAD_BODY}"));
+    match (b.ids, b.destination, b.all) {
+        (Some(ids), None, false) => {
+            if ids.is_empty() || ids.iter().any(|i| *i <= 0) {
+                return Err(bad("ids must be a non-empty list of sequence ids"));
+            }
+            Ok(DeadSelector::Ids(ids))
+        }
+        (None, Some(d), false) => {
+            known_destination(c, &d).await?;
+            Ok(DeadSelector::Destination(d))
+        }
+        (None, None, true) => Ok(DeadSelector::All),
+        _ => Err(bad("give exactly one of ids, destination or all")),
+    }
+}
+
+async fn dead_retry(State(c): State<Arc<Console>>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Err(r) = authorize(&c, &headers) {
+        return r;
+    }
+    let selector = match dead_selector(&c, &body).await {
+        Ok(s) => s,
+        Err(r) => return r,
+    };
+    match patiently("dead retry", c.ops.dead_retry(selector.clone())).await {
+        Ok(n) => {
+            tracing::info!(?selector, count = n, "admin API: dead letters retried");
+            reply(
+                StatusCode::OK,
+                json!({ "retried": n, "message": retried_text(n) }),
+            )
+        }
+        Err(r) => r,
+    }
+}
+
+async fn dead_purge(State(c): State<Arc<Console>>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Err(r) = authorize(&c, &headers) {
+        return r;
+    }
+    let selector = match dead_selector(&c, &body).await {
+        Ok(s) => s,
+        Err(r) => return r,
+    };
+    match patiently("dead purge", c.ops.dead_purge(selector.clone())).await {
+        Ok(n) => {
+            tracing::info!(?selector, count = n, "admin API: dead letters purged");
+            reply(
+                StatusCode::OK,
+                json!({ "purged": n, "message": purged_text(n) }),
+            )
+        }
+        Err(r) => r,
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ReplayBody {
+    since: String,
+    until: Option<String>,
+    destination: Option<String>,
+}
+
+async fn replay(State(c): State<Arc<Console>>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Err(r) = authorize(&c, &headers) {
+        return r;
+    }
+    let b: ReplayBody = match parse_body(
+        &body,
+        r#"{"since": "2h"} or {"since": "2026-11-20T10:00:00Z", "until": "1h", "destination": "orders"}"#,
+    ) {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    let selector = match replay_selector(&b.since, b.until.as_deref(), b.destination) {
+        Ok(s) => s,
+        Err(e) => {
+            return failure(
+                StatusCode::BAD_REQUEST,
+                format!("{e:#}")
+                    .replace("--since", "since")
+                    .replace("--until", "until"),
+            )
+        }
+    };
+    let total = match patiently("replay", c.ops.count_replayable(selector.clone())).await {
+        Ok(n) => n,
+        Err(r) => return r,
+    };
+    if total == 0 {
+        return reply(
+            StatusCode::OK,
+            json!({ "replayed": 0, "message": NOTHING_TO_REPLAY }),
+        );
+    }
+    // Batches commit one by one; the whole may take longer than one store call's patience.
+    match replay_all(&*c.ops, selector.clone(), |_| {}).await {
+        Ok(n) => {
+            tracing::info!(
+                since = %time_text(selector.since),
+                until = %time_text(selector.until),
+                destination = ?selector.destination,
+                count = n,
+                "admin API: delivered events replayed"
+            );
+            reply(
+                StatusCode::OK,
+                json!({ "replayed": n, "message": format!("replayed {n} events") }),
+            )
+        }
+        Err(e) => store_failure(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secrets_compare_equal_only_when_equal() {
+        assert!(same_secret(b"0123456789abcdef", b"0123456789abcdef"));
+        assert!(!same_secret(b"0123456789abcdeX", b"0123456789abcdef"));
+        assert!(!same_secret(b"0123456789abcde", b"0123456789abcdef"));
+        assert!(!same_secret(b"0123456789abcdef0", b"0123456789abcdef"));
+        assert!(!same_secret(b"", b"0123456789abcdef"));
+    }
+
+    #[test]
+    fn metric_sums_add_every_series_of_the_name_only() {
+        let text = "# HELP outbox_events_published_total x\n\
+                    outbox_events_published_total{destination=\"a\"} 3\n\
+                    outbox_events_published_total{destination=\"b\"} 4\n\
+                    outbox_events_published_total_other 100\n\
+                    outbox_backlog_events 7\n";
+        assert_eq!(metric_sum(text, "outbox_events_published_total"), 7.0);
+        assert_eq!(metric_sum(text, "outbox_backlog_events"), 7.0);
+        assert_eq!(metric_sum(text, "outbox_dead_letter_events"), 0.0);
+    }
+
+    #[test]
+    fn history_keeps_an_hour_and_rates_span_the_window() {
+        let mut h = History::default();
+        for i in 0..1000u64 {
+            h.push(Sample {
+                at: i * 5000,
+                published: (i * 50) as f64,
+                ..Sample::default()
+            });
+        }
+        assert_eq!(h.samples.len(), 721);
+        assert_eq!(h.since(999 * 5000 - 1).len(), 1);
+        let rates = h.rates(Duration::from_secs(60)).unwrap();
+        assert!((rates[0] - 10.0).abs() < 1e-9, "{rates:?}");
+    }
+
+    #[test]
+    fn settings_never_show_secrets() {
+        let config = crate::config::Config {
+            database_url: "postgres://relay:hunter2@db/app".into(),
+            admin_token: Some("0123456789abcdef0123".into()),
+            sink: Some("nats://user:pw@broker:4222".into()),
+            ..crate::config::Config::default()
+        };
+        let shown = redacted_settings(&config).to_string();
+        for secret in ["hunter2", "0123456789abcdef0123", ":pw@"] {
+            assert!(!shown.contains(secret), "{secret} in {shown}");
+        }
+        assert!(shown.contains("postgres://relay:***@db/app"), "{shown}");
+    }
+
+    #[test]
+    fn percent_decoding_handles_plus_and_escapes_and_refuses_junk() {
+        assert_eq!(percent_decode("a%2Fb+c").unwrap(), "a/b c");
+        assert!(percent_decode("%zz").is_err());
+        assert!(percent_decode("%4").is_err());
+        assert!(percent_decode("%ff").is_err());
+    }
+}
