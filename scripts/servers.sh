@@ -39,6 +39,9 @@ install_packages() {
   # The observability tests check the alert rules with promtool and scrape a relay with a
   # Prometheus of their own (the package's service is not used).
   command -v promtool >/dev/null || missing+=(prometheus)
+  # The console tests drive a real headless browser through WebDriver.
+  command -v chromium >/dev/null || missing+=(chromium)
+  command -v chromedriver >/dev/null || missing+=(chromium-driver)
   # Build prerequisites of librdkafka (the Kafka sink); its libcurl is built from source
   # (rdkafka's curl-static feature), so no libcurl headers are needed.
   command -v cmake >/dev/null || missing+=(cmake)

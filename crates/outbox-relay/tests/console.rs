@@ -1,0 +1,705 @@
+//! The operator console: the admin API (`/api/v1/`) and the dashboard (`/`) of a running
+//! relay, against real PostgreSQL and NATS JetStream (and the zero-config SQLite store), and
+//! the dashboard in a real headless Chromium driven through chromedriver.
+//!
+//! Screenshots go to `target/console-screenshots/` (not committed).
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use outbox_testkit::{eventually, eventually_explained};
+use serde_json::{json, Value};
+
+#[path = "support/admin.rs"]
+mod admin;
+mod support;
+#[path = "support/webdriver.rs"]
+mod webdriver;
+
+use admin::Admin;
+use support::{http_addr, pg, relay, stream_deliveries, text, Deliveries, RelayProcess, BIN};
+
+const TOKEN: &str = "console-test-token-0123456789";
+const PATIENCE: Duration = Duration::from_secs(30);
+
+fn screenshots() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/console-screenshots")
+}
+
+/// An inserted event: its sequence id, event id and payload.
+#[derive(Clone, Debug)]
+struct Row {
+    seq: i64,
+    event_id: String,
+    payload: Value,
+}
+
+/// A migrated PostgreSQL database, a JetStream stream for `<prefix>.ok` and none yet for
+/// `<prefix>.late` (so its events are dead-lettered), with events of both inserted, and a
+/// relay publishing them with the admin API on a free loopback port.
+struct World {
+    _dir: tempfile::TempDir,
+    database_url: String,
+    nats: async_nats::Client,
+    js: async_nats::jetstream::Context,
+    prefix: String,
+    ok: Vec<Row>,
+    late: Vec<Row>,
+    relay: RelayProcess,
+    api: Admin,
+}
+
+impl World {
+    async fn start(token: Option<&str>) -> World {
+        outbox_testkit::install_crypto();
+        let nats_url = std::env::var("OUTBOX_TEST_NATS_URL")
+            .expect("OUTBOX_TEST_NATS_URL is not set: source /tmp/servers.env");
+        let nats = async_nats::connect(&nats_url).await.unwrap();
+        let js = async_nats::jetstream::new(nats.clone());
+        let prefix = format!(
+            "console{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..10]
+        );
+        js.create_stream(async_nats::jetstream::stream::Config {
+            name: format!("{}_OK", prefix.to_uppercase()),
+            subjects: vec![format!("{prefix}.ok")],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        let database_url = outbox_testkit::fresh_pg_database().await;
+        let migrated = std::process::Command::new(BIN)
+            .args(["migrate", "--database-url", &database_url])
+            .output()
+            .unwrap();
+        assert!(migrated.status.success(), "{}", text(&migrated.stderr));
+        let client = pg(&database_url).await;
+        let mut ok = Vec::new();
+        for n in 1..=3 {
+            ok.push(
+                insert(
+                    &client,
+                    format!("{prefix}.ok"),
+                    &format!("k{n}"),
+                    "created",
+                    n,
+                )
+                .await,
+            );
+        }
+        let late = vec![
+            insert(&client, format!("{prefix}.late"), "l1", "created", 10).await,
+            insert(&client, format!("{prefix}.late"), "l2", "deleted", 11).await,
+        ];
+        let dir = tempfile::tempdir().unwrap();
+        let args = [
+            "run",
+            "--database-url",
+            &database_url,
+            "--sink",
+            &nats_url,
+            "--http-addr",
+            "127.0.0.1:0",
+            "--log-format",
+            "json",
+            "--retain-delivered",
+            "--max-attempts",
+            "2",
+            "--retry-base-delay",
+            "10ms",
+            "--retry-max-delay",
+            "20ms",
+        ];
+        let env: Vec<(&str, &str)> = token
+            .map(|t| vec![("OUTBOX_RELAY_ADMIN_TOKEN", t)])
+            .unwrap_or_default();
+        let relay = RelayProcess::spawn(dir.path(), "console-relay", &args, &env);
+        let api = Admin::new(&http_addr(&relay).await);
+        let world = World {
+            _dir: dir,
+            database_url,
+            nats,
+            js,
+            prefix,
+            ok,
+            late,
+            relay,
+            api,
+        };
+        // The `.ok` events are delivered, the `.late` ones dead after two attempts.
+        world
+            .until("the .ok events delivered and the .late ones dead", |s| {
+                s["backlog"]["dead"] == 2 && s["backlog"]["pending"] == 0
+            })
+            .await;
+        world
+    }
+
+    fn late_destination(&self) -> String {
+        format!("{}.late", self.prefix)
+    }
+
+    /// Waits until `/api/v1/status` satisfies `check`; returns that status.
+    async fn until(&self, what: &str, check: impl Fn(&Value) -> bool) -> Value {
+        eventually_explained(
+            what,
+            PATIENCE,
+            || self.relay.logs(),
+            || async {
+                let (code, s) = self.api.get("/api/v1/status").await;
+                (code == 200 && check(&s)).then_some(s)
+            },
+        )
+        .await
+    }
+
+    /// Creates the stream the `.late` events need.
+    async fn open_late_stream(&self) -> String {
+        let name = format!("{}_LATE", self.prefix.to_uppercase());
+        self.js
+            .create_stream(async_nats::jetstream::stream::Config {
+                name: name.clone(),
+                subjects: vec![self.late_destination()],
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        name
+    }
+
+    /// Waits until the stream holds the event with this sequence id.
+    async fn wait_delivered(&self, stream: &str, seq: i64) {
+        eventually_explained(
+            &format!("event {seq} in stream {stream}"),
+            PATIENCE,
+            || self.relay.logs(),
+            || async {
+                stream_deliveries(&self.js, stream)
+                    .await
+                    .iter()
+                    .any(|d| d.seq == seq)
+                    .then_some(())
+            },
+        )
+        .await
+    }
+
+    async fn close(mut self) {
+        for suffix in ["OK", "LATE"] {
+            let _ = self
+                .js
+                .delete_stream(format!("{}_{suffix}", self.prefix.to_uppercase()))
+                .await;
+        }
+        assert!(self.relay.terminate().await.success());
+        let logs = self.relay.logs();
+        assert!(!logs.contains(TOKEN), "the token was logged");
+    }
+}
+
+/// Inserts an event as an application does.
+async fn insert(
+    client: &tokio_postgres::Client,
+    destination: String,
+    key: &str,
+    event_type: &str,
+    n: i64,
+) -> Row {
+    let payload = json!({"order": n, "note": format!("<b>order {n}</b>")});
+    let row = client
+        .query_one(
+            "INSERT INTO outbox (destination, partition_key, event_type, payload)
+             VALUES ($1, $2, $3, $4::text::jsonb) RETURNING sequence_id, event_id::text",
+            &[&destination, &key, &event_type, &payload.to_string()],
+        )
+        .await
+        .unwrap();
+    Row {
+        seq: row.get(0),
+        event_id: row.get(1),
+        payload,
+    }
+}
+
+/// A number as the page shows it.
+fn as_text(v: &Value) -> Value {
+    Value::String(v.to_string())
+}
+
+fn ids(page: &Value) -> Vec<i64> {
+    page["dead_letters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["sequence_id"].as_i64().unwrap())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_api_reports_and_acts_on_postgres_and_nats() {
+    let w = World::start(Some(TOKEN)).await;
+    let api = &w.api;
+    let late = w.late_destination();
+
+    // Status: backlog per destination, this node with its partitions, settings redacted.
+    let s = api.status().await;
+    assert_eq!(s["version"], env!("CARGO_PKG_VERSION"));
+    let destinations = s["destinations"].as_array().unwrap();
+    let of = |d: &str| destinations.iter().find(|x| x["destination"] == d).cloned();
+    let l = of(&late).expect("the .late destination");
+    assert_eq!(
+        (l["pending"].as_u64(), l["dead"].as_u64()),
+        (Some(0), Some(2))
+    );
+    // Delivered and retained rows are no backlog.
+    assert!(of(&format!("{}.ok", w.prefix)).is_none(), "{s}");
+    let nodes = s["nodes"].as_array().unwrap();
+    assert_eq!(nodes.len(), 1, "{s}");
+    assert_eq!(nodes[0]["this_node"], true);
+    let partitions = &s["partitions"];
+    assert_eq!(partitions["count"], 64);
+    let owned = w
+        .until("the node to hold every partition", |s| {
+            s["partitions"]["unowned"]
+                .as_array()
+                .is_some_and(|u| u.is_empty())
+        })
+        .await;
+    assert_eq!(
+        owned["nodes"][0]["partitions"].as_array().unwrap().len(),
+        64
+    );
+    let lease = &owned["partitions"]["leases"][0];
+    assert!(lease["epoch"].as_i64().unwrap() >= 1, "{lease}");
+    assert_eq!(lease["owner"], owned["node"]);
+    assert_eq!(s["settings"]["admin_token"], "***");
+    assert_eq!(s["admin"]["token_configured"], true);
+    let (_, raw_status) = api.get_text("/api/v1/status").await;
+    assert!(!raw_status.contains(TOKEN));
+    assert_eq!(
+        s["settings"]["database_url"],
+        outbox_core::redact::redact_url(&w.database_url)
+    );
+    // Rates appear once the history has two samples.
+    let rated = w
+        .until("publish rates", |s| {
+            s["rates"]["published_per_second"].is_number()
+        })
+        .await;
+    assert!(
+        rated["totals"]["published"].as_f64().unwrap() >= 3.0,
+        "{rated}"
+    );
+    let (code, history) = api.get("/api/v1/history").await;
+    assert_eq!(code, 200);
+    let samples = history["samples"].as_array().unwrap();
+    assert!(samples.len() >= 2);
+    let last_at = samples.last().unwrap()["at"].as_u64().unwrap();
+    let (_, newer) = api.get(&format!("/api/v1/history?after={last_at}")).await;
+    assert!(newer["samples"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|s| s["at"].as_u64().unwrap() > last_at));
+
+    // Dead letters: filters and pages.
+    let path = |q: &str| format!("/api/v1/dead-letters?{q}");
+    let (code, all) = api.get(&path(&format!("destination={late}"))).await;
+    assert_eq!(code, 200, "{all}");
+    assert_eq!(ids(&all), vec![w.late[0].seq, w.late[1].seq]);
+    assert_eq!(all["dead_letters"][0]["attempts"], 2);
+    assert!(all["dead_letters"][0]["last_error"]
+        .as_str()
+        .unwrap()
+        .contains("no JetStream stream"));
+    assert!(all["next_after"].is_null());
+    let (_, deleted) = api.get(&path("type=deleted")).await;
+    assert_eq!(ids(&deleted), vec![w.late[1].seq]);
+    let (_, first) = api.get(&path("limit=1")).await;
+    assert_eq!(ids(&first), vec![w.late[0].seq]);
+    assert_eq!(first["next_after"], w.late[0].seq);
+    let (_, second) = api
+        .get(&path(&format!("limit=1&after={}", w.late[0].seq)))
+        .await;
+    assert_eq!(ids(&second), vec![w.late[1].seq]);
+
+    // One event, with its payload and headers.
+    let (code, e) = api.get(&format!("/api/v1/events/{}", w.late[1].seq)).await;
+    assert_eq!(code, 200, "{e}");
+    assert_eq!(e["state"], "dead");
+    assert_eq!(e["event_id"], w.late[1].event_id);
+    assert_eq!(e["event_type"], "deleted");
+    assert_eq!(e["ordering_key"], "l2");
+    assert_eq!(e["payload"], w.late[1].payload);
+    let (_, delivered) = api.get(&format!("/api/v1/events/{}", w.ok[0].seq)).await;
+    assert_eq!(delivered["state"], "delivered");
+
+    // Bad input is a 400 (or 404) with a message, never a panic.
+    for (path, expected) in [
+        ("/api/v1/events/abc", 400),
+        ("/api/v1/events/-1", 400),
+        ("/api/v1/events/99999999", 404),
+        ("/api/v1/dead-letters?limit=0", 400),
+        ("/api/v1/dead-letters?limit=x", 400),
+        ("/api/v1/dead-letters?after=-3", 400),
+        ("/api/v1/dead-letters?colour=red", 400),
+        ("/api/v1/dead-letters?destination=%zz", 400),
+        ("/api/v1/dead-letters?destination=nowhere", 400),
+        ("/api/v1/history?after=soon", 400),
+        ("/api/v1/nothing", 404),
+    ] {
+        let (code, body) = api.get(path).await;
+        assert_eq!(code, expected, "{path}: {body}");
+        assert!(
+            body["error"].as_str().is_some_and(|m| !m.is_empty()),
+            "{path}: {body}"
+        );
+    }
+
+    // Mutations need the token.
+    let retry = "/api/v1/dead-letters/retry";
+    let one = json!({ "ids": [w.late[0].seq] }).to_string();
+    let (code, body) = api.post(retry, &one, None).await;
+    assert_eq!(code, 401, "{body}");
+    let (code, _) = api
+        .post(retry, &one, Some("console-test-token-0123456780"))
+        .await;
+    assert_eq!(code, 401);
+    let (code, _) = api.post(retry, &one, Some("short")).await;
+    assert_eq!(code, 401);
+    for (body, what) in [
+        ("{", "bad JSON"),
+        ("[]", "not an object"),
+        (r#"{"ids": []}"#, "no ids"),
+        (r#"{"ids": [1], "all": true}"#, "two selectors"),
+        (r#"{"destination": "nowhere"}"#, "unknown destination"),
+        (r#"{"everything": true}"#, "unknown field"),
+    ] {
+        let (code, reply) = api.post(retry, body, Some(TOKEN)).await;
+        assert_eq!(code, 400, "{what}: {reply}");
+        assert!(reply["error"].is_string(), "{what}: {reply}");
+    }
+    // Nothing was retried by any of that.
+    assert_eq!(api.status().await["backlog"]["dead"], 2);
+
+    // Retry one: once its stream exists, it reaches the broker.
+    let stream = w.open_late_stream().await;
+    let (code, body) = api.post(retry, &one, Some(TOKEN)).await;
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(body["retried"], 1);
+    assert_eq!(
+        body["message"],
+        "moved 1 dead letters back to the outbox; the relay publishes them again"
+    );
+    w.wait_delivered(&stream, w.late[0].seq).await;
+    let (_, e) = api.get(&format!("/api/v1/events/{}", w.late[0].seq)).await;
+    assert_eq!(e["state"], "delivered");
+
+    // Purge the other, by destination.
+    let purge = "/api/v1/dead-letters/purge";
+    let (code, body) = api
+        .post(
+            purge,
+            &json!({ "destination": late }).to_string(),
+            Some(TOKEN),
+        )
+        .await;
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(body["purged"], 1);
+    let (_, empty) = api.get("/api/v1/dead-letters").await;
+    assert!(ids(&empty).is_empty());
+    let (code, _) = api.get(&format!("/api/v1/events/{}", w.late[1].seq)).await;
+    assert_eq!(code, 404);
+
+    // Replay the retained .ok events: the broker sees them again.
+    let subject = format!("{}.ok", w.prefix);
+    let seen = Deliveries::record(&w.nats, &subject).await;
+    let body = json!({ "since": "1h", "destination": subject }).to_string();
+    let (code, _) = api.post("/api/v1/replay", &body, None).await;
+    assert_eq!(code, 401);
+    let (code, bad) = api
+        .post("/api/v1/replay", r#"{"since": "tomorrow"}"#, Some(TOKEN))
+        .await;
+    assert_eq!(code, 400, "{bad}");
+    let (code, reply) = api.post("/api/v1/replay", &body, Some(TOKEN)).await;
+    assert_eq!(code, 200, "{reply}");
+    assert_eq!(reply["replayed"], 3);
+    let want: Vec<i64> = w.ok.iter().map(|r| r.seq).collect();
+    eventually("the replayed events on the broker", PATIENCE, || {
+        let mut got: Vec<i64> = seen.snapshot().iter().map(|d| d.seq).collect();
+        got.sort();
+        got.dedup();
+        let done = got == want;
+        async move { done.then_some(()) }
+    })
+    .await;
+
+    // Every mutation was logged with what it did.
+    let logs = w.relay.logs();
+    for what in [
+        "admin API: dead letters retried",
+        "admin API: dead letters purged",
+        "admin API: delivered events replayed",
+    ] {
+        assert!(logs.contains(what), "{what} not logged");
+    }
+    w.close().await;
+}
+
+/// The zero-config default: SQLite, a file sink, no token. The API reads; mutations are
+/// refused with how to enable them; a non-loopback address is refused without a token.
+#[tokio::test]
+async fn without_a_token_the_api_is_read_only_and_stays_on_loopback() {
+    outbox_testkit::install_crypto();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let refused = relay(d, &["run", "--http-addr", "0.0.0.0:0"]);
+    assert_eq!(refused.status.code(), Some(2), "{}", text(&refused.stderr));
+    let message = text(&refused.stderr);
+    assert!(
+        message.contains("not a loopback address") && message.contains("OUTBOX_RELAY_ADMIN_TOKEN"),
+        "{message}"
+    );
+
+    std::fs::write(
+        d.join("outbox-relay.toml"),
+        r#"
+retain_delivered = true
+[retry]
+base_delay = "10ms"
+max_delay = "20ms"
+max_attempts = 2
+[sinks.out]
+uri = "file:out.jsonl"
+[[routes]]
+destinations = "orders"
+sink = "out"
+"#,
+    )
+    .unwrap();
+    for (destination, key) in [("orders", "a"), ("nowhere", "b")] {
+        let sent = relay(
+            d,
+            &[
+                "send",
+                "--destination",
+                destination,
+                "--key",
+                key,
+                r#"{"n": 1}"#,
+            ],
+        );
+        assert!(sent.status.success(), "{}", text(&sent.stderr));
+    }
+    let mut relay_process = RelayProcess::spawn(
+        d,
+        "sqlite-relay",
+        &["run", "--http-addr", "127.0.0.1:0", "--log-format", "json"],
+        &[],
+    );
+    let api = Admin::new(&http_addr(&relay_process).await);
+    let s = eventually("the unrouted event dead", PATIENCE, || async {
+        let s = api.status().await;
+        (s["backlog"]["dead"] == 1 && s["backlog"]["pending"] == 0).then_some(s)
+    })
+    .await;
+    assert!(s["partitions"].is_null(), "{s}");
+    assert_eq!(s["admin"]["token_configured"], false);
+    assert_eq!(s["settings"]["database_url"], "sqlite:outbox.db");
+    assert_eq!(s["nodes"].as_array().unwrap().len(), 1);
+    let (code, page) = api.get("/api/v1/dead-letters?destination=nowhere").await;
+    assert_eq!(code, 200, "{page}");
+    let id = ids(&page)[0];
+    let (_, e) = api.get(&format!("/api/v1/events/{id}")).await;
+    assert_eq!(
+        (e["state"].as_str(), &e["payload"]),
+        (Some("dead"), &json!({"n": 1}))
+    );
+    assert!(
+        e["last_error"].as_str().unwrap().contains("no route"),
+        "{e}"
+    );
+
+    for path in [
+        "/api/v1/dead-letters/retry",
+        "/api/v1/dead-letters/purge",
+        "/api/v1/replay",
+    ] {
+        let (code, body) = api.post(path, r#"{"all": true}"#, Some(TOKEN)).await;
+        assert_eq!(code, 403, "{path}: {body}");
+        let m = body["error"].as_str().unwrap();
+        assert!(
+            m.contains("OUTBOX_RELAY_ADMIN_TOKEN") && m.contains("--admin-token-file"),
+            "{m}"
+        );
+    }
+    assert_eq!(api.status().await["backlog"]["dead"], 1);
+    // The dashboard is served from the binary.
+    let (code, html) = api.get_text("/").await;
+    assert_eq!(code, 200);
+    assert!(html.contains("/assets/app.js"));
+    let (code, js) = api.get_text("/assets/app.js").await;
+    assert_eq!(code, 200);
+    assert!(js.contains("/api/v1/status"));
+    assert!(relay_process.terminate().await.success());
+}
+
+/// The dashboard in a real browser: the figures it shows are the API's, and a dead letter
+/// retried from the page reaches the broker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_shows_the_api_figures_and_retries_from_the_page() {
+    let w = World::start(Some(TOKEN)).await;
+    let shots = screenshots();
+    let browser = webdriver::Browser::start().await;
+    browser.goto(&w.api.base).await;
+    browser
+        .wait_for(&shots, "#destinations tbody tr[data-destination]")
+        .await;
+
+    // The figures shown equal the API's (nothing changes meanwhile: the backlog is settled).
+    let s = w
+        .until("a settled status with rates", |s| {
+            s["rates"]["published_per_second"].is_number()
+                && s["partitions"]["unowned"]
+                    .as_array()
+                    .is_some_and(|u| u.is_empty())
+        })
+        .await;
+    let shown_script = r#"
+        const text = (id) => document.getElementById(id).textContent;
+        const rows = [...document.querySelectorAll('#destinations tbody tr[data-destination]')]
+            .map((tr) => [...tr.cells].map((c) => c.textContent));
+        const nodes = [...document.querySelectorAll('#nodes tbody tr[data-node]')]
+            .map((tr) => tr.dataset.node);
+        const dead = [...document.querySelectorAll('#dead-letters tbody tr[data-id]')]
+            .map((tr) => Number(tr.dataset.id));
+        return { pending: text('fig-pending'), retrying: text('fig-retrying'),
+                 dead: text('fig-dead'), published: text('fig-published'), rows, nodes, dead_ids: dead,
+                 partitions: document.querySelectorAll('#partitions span').length,
+                 unowned: document.querySelectorAll('#partitions span.unowned').length,
+                 chart_paths: document.querySelectorAll('#chart-backlog path').length };
+    "#;
+    let expected_rows: Vec<Value> = s["destinations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| {
+            json!([
+                d["destination"],
+                d["pending"].to_string(),
+                d["retrying"].to_string(),
+                d["dead"].to_string()
+            ])
+        })
+        .collect();
+    let shown = eventually("the page to show the API's figures", PATIENCE, || async {
+        let shown = browser.execute(shown_script, json!([])).await;
+        let rows: Vec<Value> = shown["rows"]
+            .as_array()?
+            .iter()
+            .map(|r| Value::Array(r.as_array().unwrap()[..4].to_vec()))
+            .collect();
+        let same = shown["pending"] == as_text(&s["backlog"]["pending"])
+            && shown["retrying"] == as_text(&s["backlog"]["retrying"])
+            && shown["dead"] == as_text(&s["backlog"]["dead"])
+            && rows == expected_rows
+            && shown["unowned"] == 0
+            && shown["chart_paths"].as_u64() >= Some(3);
+        same.then_some(shown)
+    })
+    .await;
+    assert_eq!(shown["nodes"], json!([s["node"]]));
+    assert_eq!(shown["partitions"], 64);
+    assert_eq!(shown["dead_ids"], json!([w.late[0].seq, w.late[1].seq]));
+    browser.screenshot(&shots.join("1-overview.png")).await;
+
+    // View a dead letter: its payload and last error.
+    let view = browser
+        .wait_for(
+            &shots,
+            &format!(
+                "#dead-letters tr[data-id='{}'] button[data-action='view']",
+                w.late[1].seq
+            ),
+        )
+        .await;
+    browser.click(&view).await;
+    let detail = eventually("the event's detail", PATIENCE, || async {
+        let d = browser
+            .execute(
+                "const p = document.getElementById('detail-payload'); \
+                 const e = document.getElementById('detail-error'); \
+                 return p && e ? [p.textContent, e.textContent] : null;",
+                json!([]),
+            )
+            .await;
+        d.as_array().cloned()
+    })
+    .await;
+    let payload: Value = serde_json::from_str(detail[0].as_str().unwrap()).unwrap();
+    assert_eq!(payload, w.late[1].payload);
+    assert!(detail[1].as_str().unwrap().contains("no JetStream stream"));
+    browser.screenshot(&shots.join("2-dead-letter.png")).await;
+
+    // Retrying without a token says what to do; then the token, typed once, is used.
+    let stream = w.open_late_stream().await;
+    let retry_css = format!(
+        "#dead-letters tr[data-id='{}'] button[data-action='retry']",
+        w.late[0].seq
+    );
+    let retry = browser.wait_for(&shots, &retry_css).await;
+    browser.click(&retry).await;
+    let message = "return document.getElementById('message').textContent;";
+    eventually("the page to ask for the token", PATIENCE, || async {
+        let m = browser.execute(message, json!([])).await;
+        m.as_str()?.contains("admin token").then_some(())
+    })
+    .await;
+    let field = browser.wait_for(&shots, "#token").await;
+    browser.type_into(&field, TOKEN).await;
+    browser
+        .click(&browser.wait_for(&shots, "#token-save").await)
+        .await;
+    let retry = browser.wait_for(&shots, &retry_css).await;
+    browser.click(&retry).await;
+    eventually("the page to report the retry", PATIENCE, || async {
+        let m = browser.execute(message, json!([])).await;
+        m.as_str()?.contains("moved 1 dead letters").then_some(())
+    })
+    .await;
+    w.wait_delivered(&stream, w.late[0].seq).await;
+    // The page follows without a reload.
+    eventually(
+        "the page to show the retried event delivered",
+        PATIENCE,
+        || async {
+            let shown = browser.execute(shown_script, json!([])).await;
+            (shown["dead"] == "1"
+                && shown["pending"] == "0"
+                && shown["dead_ids"] == json!([w.late[1].seq]))
+            .then_some(())
+        },
+    )
+    .await;
+    let stored = browser
+        .execute(
+            "return sessionStorage.getItem('outbox-relay-admin-token');",
+            json!([]),
+        )
+        .await;
+    assert_eq!(stored, TOKEN);
+
+    // Usable without a mouse: every control takes the focus.
+    let unfocusable = browser
+        .execute(
+            "return [...document.querySelectorAll('button, input, select')] \
+               .filter((e) => { e.focus(); return document.activeElement !== e && !e.disabled; }) \
+               .map((e) => e.id || e.textContent);",
+            json!([]),
+        )
+        .await;
+    assert_eq!(unfocusable, json!([]));
+    browser.screenshot(&shots.join("3-after-retry.png")).await;
+    drop(browser);
+    w.close().await;
+}
