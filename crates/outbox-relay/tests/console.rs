@@ -392,8 +392,13 @@ async fn the_admin_api_reports_and_acts_on_postgres_and_nats() {
         "moved 1 dead letters back to the outbox; the relay publishes them again"
     );
     w.wait_delivered(&stream, w.late[0].seq).await;
-    let (_, e) = api.get(&format!("/api/v1/events/{}", w.late[0].seq)).await;
-    assert_eq!(e["state"], "delivered");
+    // The broker confirms before the row is marked: the state follows.
+    let retried = format!("/api/v1/events/{}", w.late[0].seq);
+    eventually("the retried event marked delivered", PATIENCE, || async {
+        let (_, e) = api.get(&retried).await;
+        (e["state"] == "delivered").then_some(())
+    })
+    .await;
 
     // Purge the other, by destination.
     let purge = "/api/v1/dead-letters/purge";
@@ -614,16 +619,11 @@ async fn the_dashboard_shows_the_api_figures_and_retries_from_the_page() {
     browser.screenshot(&shots.join("1-overview.png")).await;
 
     // View a dead letter: its payload and last error.
-    let view = browser
-        .wait_for(
-            &shots,
-            &format!(
-                "#dead-letters tr[data-id='{}'] button[data-action='view']",
-                w.late[1].seq
-            ),
-        )
-        .await;
-    browser.click(&view).await;
+    let view_css = format!(
+        "#dead-letters tr[data-id='{}'] button[data-action='view']",
+        w.late[1].seq
+    );
+    browser.click(&shots, &view_css).await;
     let detail = eventually("the event's detail", PATIENCE, || async {
         let d = browser
             .execute(
@@ -647,8 +647,7 @@ async fn the_dashboard_shows_the_api_figures_and_retries_from_the_page() {
         "#dead-letters tr[data-id='{}'] button[data-action='retry']",
         w.late[0].seq
     );
-    let retry = browser.wait_for(&shots, &retry_css).await;
-    browser.click(&retry).await;
+    browser.click(&shots, &retry_css).await;
     let message = "return document.getElementById('message').textContent;";
     eventually("the page to ask for the token", PATIENCE, || async {
         let m = browser.execute(message, json!([])).await;
@@ -657,11 +656,8 @@ async fn the_dashboard_shows_the_api_figures_and_retries_from_the_page() {
     .await;
     let field = browser.wait_for(&shots, "#token").await;
     browser.type_into(&field, TOKEN).await;
-    browser
-        .click(&browser.wait_for(&shots, "#token-save").await)
-        .await;
-    let retry = browser.wait_for(&shots, &retry_css).await;
-    browser.click(&retry).await;
+    browser.click(&shots, "#token-save").await;
+    browser.click(&shots, &retry_css).await;
     eventually("the page to report the retry", PATIENCE, || async {
         let m = browser.execute(message, json!([])).await;
         m.as_str()?.contains("moved 1 dead letters").then_some(())
@@ -699,6 +695,24 @@ async fn the_dashboard_shows_the_api_figures_and_retries_from_the_page() {
         )
         .await;
     assert_eq!(unfocusable, json!([]));
+    // A focused button keeps the focus while the page updates around it.
+    let before = browser
+        .execute(
+            "document.querySelector(arguments[0]).focus(); return document.body.dataset.updated;",
+            json!([view_css]),
+        )
+        .await;
+    let focused = eventually("the page's next update", PATIENCE, || async {
+        let now = browser
+            .execute(
+                "return [document.body.dataset.updated,                          document.activeElement.matches(arguments[0])];",
+                json!([view_css]),
+            )
+            .await;
+        (now[0] != before).then(|| now[1].clone())
+    })
+    .await;
+    assert_eq!(focused, true, "the focus was lost by an update");
     browser.screenshot(&shots.join("3-after-retry.png")).await;
     drop(browser);
     w.close().await;

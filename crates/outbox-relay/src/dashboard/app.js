@@ -13,6 +13,7 @@ const state = {
   deadAfter: 0,         // the page of dead letters shown starts after this id
   nextAfter: null,      // the next page's `after`, when there is one
   selected: null,       // the sequence id shown in the detail panel
+  deadKey: null,        // the dead-letter page shown, as JSON
 };
 
 function el(tag, attrs, ...children) {
@@ -196,9 +197,11 @@ function renderStatus(st) {
   const chosen = select.value;
   const names = st.destinations.filter((d) => d.dead > 0).map((d) => d.destination);
   if (chosen && !names.includes(chosen)) names.push(chosen);
-  select.replaceChildren(el("option", { value: "" }, "all"),
-    ...names.map((n) => el("option", { value: n }, n)));
-  select.value = chosen;
+  const options = ["", ...names];
+  if ([...select.options].map((o) => o.value).join("\n") !== options.join("\n")) {
+    select.replaceChildren(...options.map((n) => el("option", { value: n }, n || "all")));
+    select.value = chosen;
+  }
 
   const nodes = st.nodes.map((n) => el("tr", { "data-node": n.id },
     cell(n.id + (n.this_node ? " (this page's relay)" : "")),
@@ -263,6 +266,10 @@ function deadQuery() {
 }
 
 function renderDead(page) {
+  // Rebuilt only when it changed, so a focused button keeps the focus between polls.
+  const key = JSON.stringify(page);
+  if (key === state.deadKey) return;
+  state.deadKey = key;
   state.nextAfter = page.next_after;
   $("dead-next").disabled = page.next_after === null;
   const rows = page.dead_letters.map((d) => el("tr", {

@@ -167,10 +167,29 @@ impl Browser {
         }
     }
 
-    /// A real click, as a user's.
-    pub async fn click(&self, element: &str) {
-        self.post(&format!("/element/{element}/click"), json!({}))
-            .await;
+    /// A real click, as a user's, on the element matching `css`. The page redraws parts of
+    /// itself as it polls, so an element found may be replaced before the click lands
+    /// ("stale element reference"): it is found again and clicked again.
+    pub async fn click(&self, shots: &Path, css: &str) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let element = self.wait_for(shots, css).await;
+            let path = format!("/element/{element}/click");
+            let response = self
+                .request(reqwest::Method::POST, &path, &json!({}))
+                .send()
+                .await
+                .unwrap_or_else(|e| panic!("WebDriver {path}: {e}"));
+            let status = response.status();
+            let body = response.text().await.unwrap_or_default();
+            if status.is_success() {
+                return;
+            }
+            assert!(
+                body.contains("stale element") && tokio::time::Instant::now() < deadline,
+                "clicking {css}: {status} {body}"
+            );
+        }
     }
 
     /// Types into an element, as a user's keyboard does.
