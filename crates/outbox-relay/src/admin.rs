@@ -25,10 +25,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use metrics_exporter_prometheus::PrometheusHandle;
-use outbox_core::store::{
-    DeadQuery, DeadSelector, NodeRegistry, Operations, PartitionRegistry, StoreResult,
-};
-use outbox_core::{OutboxStore, StoreError, StoreErrorKind};
+use outbox_core::store::{DeadQuery, DeadSelector, StoreResult};
+use outbox_core::{StoreError, StoreErrorKind};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -51,10 +49,10 @@ const APP_CSS: &str = include_str!("dashboard/app.css");
 
 /// What the admin API reads and acts on: the running relay's store and settings.
 pub struct Console {
-    pub outbox: Arc<dyn OutboxStore>,
-    pub ops: Arc<dyn Operations>,
-    pub registry: Arc<dyn NodeRegistry>,
-    pub partitions: Option<Arc<dyn PartitionRegistry>>,
+    /// The running relay's store (the CLI's `stats` reads the same).
+    pub store: crate::store::AnyStore,
+    /// What the relay reads events from, for the header (the WAL stream with `--capture wal`).
+    pub describe: String,
     /// This relay's node id.
     pub node: String,
     /// The settings in effect, secrets redacted ([`redacted_settings`]).
@@ -296,10 +294,10 @@ async fn status(State(c): State<Arc<Console>>) -> Response {
 }
 
 async fn status_body(c: &Console) -> Result<Value, Response> {
-    let backlog = patiently("backlog", c.outbox.backlog()).await?;
-    let destinations = patiently("destinations", c.ops.destination_stats()).await?;
-    let nodes = patiently("nodes", c.registry.live_nodes()).await?;
-    let partitions = match &c.partitions {
+    let (backlog, destinations) =
+        patiently("backlog", crate::commands::backlog_report(&c.store)).await?;
+    let nodes = patiently("nodes", c.store.registry().live_nodes()).await?;
+    let partitions = match &c.store.partition_registry() {
         Some(r) => Some(patiently("partitions", r.partitions()).await?),
         None => None,
     };
@@ -322,7 +320,7 @@ async fn status_body(c: &Console) -> Result<Value, Response> {
     Ok(json!({
         "version": env!("CARGO_PKG_VERSION"),
         "node": c.node,
-        "outbox": c.outbox.describe(),
+        "outbox": c.describe,
         "now": time_text(now),
         "backlog": {
             "pending": backlog.pending,
@@ -454,7 +452,7 @@ async fn history(State(c): State<Arc<Console>>, RawQuery(raw): RawQuery) -> Resp
 
 /// Refuses a destination no pending event or dead letter carries (a typo, most likely).
 async fn known_destination(c: &Console, destination: &str) -> Result<(), Response> {
-    let stats = patiently("destinations", c.ops.destination_stats()).await?;
+    let stats = patiently("destinations", c.store.operations().destination_stats()).await?;
     if stats.iter().any(|d| d.destination == destination) {
         return Ok(());
     }
@@ -503,7 +501,7 @@ async fn dead_letters(State(c): State<Arc<Console>>, RawQuery(raw): RawQuery) ->
         }
     }
     let limit = query.limit as usize;
-    let rows = match patiently("dead letters", c.ops.dead_list(query)).await {
+    let rows = match patiently("dead letters", c.store.operations().dead_list(query)).await {
         Ok(rows) => rows,
         Err(r) => return r,
     };
@@ -546,7 +544,7 @@ async fn event(State(c): State<Arc<Console>>, Path(id): Path<String>) -> Respons
             )
         }
     };
-    match patiently("event", c.ops.event(id)).await {
+    match patiently("event", c.store.operations().event(id)).await {
         Ok(Some(e)) => reply(
             StatusCode::OK,
             json!({
@@ -661,7 +659,12 @@ async fn dead_retry(State(c): State<Arc<Console>>, headers: HeaderMap, body: Byt
         Ok(s) => s,
         Err(r) => return r,
     };
-    match patiently("dead retry", c.ops.dead_retry(selector.clone())).await {
+    match patiently(
+        "dead retry",
+        c.store.operations().dead_retry(selector.clone()),
+    )
+    .await
+    {
         Ok(n) => {
             tracing::info!(?selector, count = n, "admin API: dead letters retried");
             reply(
@@ -681,7 +684,12 @@ async fn dead_purge(State(c): State<Arc<Console>>, headers: HeaderMap, body: Byt
         Ok(s) => s,
         Err(r) => return r,
     };
-    match patiently("dead purge", c.ops.dead_purge(selector.clone())).await {
+    match patiently(
+        "dead purge",
+        c.store.operations().dead_purge(selector.clone()),
+    )
+    .await
+    {
         Ok(n) => {
             tracing::info!(?selector, count = n, "admin API: dead letters purged");
             reply(
@@ -723,7 +731,12 @@ async fn replay(State(c): State<Arc<Console>>, headers: HeaderMap, body: Bytes) 
             )
         }
     };
-    let total = match patiently("replay", c.ops.count_replayable(selector.clone())).await {
+    let total = match patiently(
+        "replay",
+        c.store.operations().count_replayable(selector.clone()),
+    )
+    .await
+    {
         Ok(n) => n,
         Err(r) => return r,
     };
@@ -734,7 +747,7 @@ async fn replay(State(c): State<Arc<Console>>, headers: HeaderMap, body: Bytes) 
         );
     }
     // Batches commit one by one; the whole may take longer than one store call's patience.
-    match replay_all(&*c.ops, selector.clone(), |_| {}).await {
+    match replay_all(&*c.store.operations(), selector.clone(), |_| {}).await {
         Ok(n) => {
             tracing::info!(
                 since = %time_text(selector.since),

@@ -217,10 +217,8 @@ pub async fn run(mut config: Config, drain: bool) -> anyhow::Result<ExitCode> {
     let http = match http_addr {
         Some(addr) => {
             let console = Arc::new(crate::admin::Console {
-                outbox: outbox.clone(),
-                ops: store.operations(),
-                registry: store.registry(),
-                partitions: store.partition_registry(),
+                store: store.clone(),
+                describe: outbox.describe(),
                 node: node.0.clone(),
                 settings: crate::admin::redacted_settings(&config),
                 token: admin_token,
@@ -550,20 +548,21 @@ pub async fn send(config: Config, args: SendArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// `stats`: backlog, live nodes and partition owners.
-pub async fn stats(config: Config, json: bool) -> anyhow::Result<ExitCode> {
-    let store = ready_store(&config, config.store_settings()?, false, false).await?;
-    let report = |e: outbox_core::StoreError| anyhow::anyhow!(e.report());
-    let mut backlog = store.outbox().backlog().await.map_err(report)?;
-    let mut destinations = store
-        .operations()
-        .destination_stats()
-        .await
-        .map_err(report)?;
-    let mut slot = None;
-    if let AnyStore::PostgresWal(pg, capture) = &store {
-        // What waits in the parked table is pending too; dead letters are counted once.
-        for parked in capture.parked_stats(pg).await.map_err(report)? {
+/// The backlog in total and per destination, as `stats` and the admin API show it: with WAL
+/// capture, what waits in the parked table is pending too (dead letters counted once).
+pub(crate) async fn backlog_report(
+    store: &AnyStore,
+) -> Result<
+    (
+        outbox_core::store::Backlog,
+        Vec<outbox_core::store::DestinationStats>,
+    ),
+    outbox_core::StoreError,
+> {
+    let mut backlog = store.outbox().backlog().await?;
+    let mut destinations = store.operations().destination_stats().await?;
+    if let AnyStore::PostgresWal(pg, capture) = store {
+        for parked in capture.parked_stats(pg).await? {
             match destinations
                 .iter_mut()
                 .find(|d| d.destination == parked.destination)
@@ -584,6 +583,17 @@ pub async fn stats(config: Config, json: bool) -> anyhow::Result<ExitCode> {
             .iter()
             .filter_map(|d| d.oldest_pending_age)
             .max();
+    }
+    Ok((backlog, destinations))
+}
+
+/// `stats`: backlog, live nodes and partition owners.
+pub async fn stats(config: Config, json: bool) -> anyhow::Result<ExitCode> {
+    let store = ready_store(&config, config.store_settings()?, false, false).await?;
+    let report = |e: outbox_core::StoreError| anyhow::anyhow!(e.report());
+    let (backlog, destinations) = backlog_report(&store).await.map_err(report)?;
+    let mut slot = None;
+    if let AnyStore::PostgresWal(pg, capture) = &store {
         let status = outbox_wal::slot_status(pg, &capture.slot)
             .await
             .map_err(report)?;
