@@ -218,9 +218,24 @@ async fn drain_relay(b: &Bench, sink: &str, n: u64, analyze: bool) -> Result<Val
     eprintln!("drain: relay, {n} events to {sink}, {statistics}");
     let db = b.reset().await?;
     b.prefill(&db, "outbox", n, analyze).await?;
+    run_drain(b, &db, sink, &b.work.join("drain.jsonl"), n, &[]).await
+}
+
+/// One `outbox-relay run --drain` (with `extra_args`) of the `n` events waiting in the
+/// database to `sink` (the file sink writes `file`, removed afterwards): its wall and CPU
+/// time, peak memory, statements per event, the servers' CPU and what arrived. The polling
+/// and the WAL-capture drains are measured alike through it.
+pub(crate) async fn run_drain(
+    b: &Bench,
+    db: &tokio_postgres::Client,
+    sink: &str,
+    file: &std::path::Path,
+    n: u64,
+    extra_args: &[&str],
+) -> Result<Value> {
     let js = b.nats_stream().await?;
     let target = match sink {
-        "file" => format!("file:{}", b.work.join("drain.jsonl").display()),
+        "file" => format!("file:{}", file.display()),
         _ => b.servers.nats_url.clone(),
     };
     db.batch_execute("SELECT pg_stat_statements_reset()")
@@ -239,17 +254,16 @@ async fn drain_relay(b: &Bench, sink: &str, n: u64, analyze: bool) -> Result<Val
         "--log-level",
         "warn",
     ];
+    args.extend(extra_args);
     args.extend(b.settings.relay_args.iter().map(String::as_str));
     let (wall, user, sys, rss) = timed(b, &args)?;
     let (pg, nats) = servers.used(b);
-    let calls = statements(&db).await?;
+    let calls = statements(db).await?;
     let delivered = match sink {
-        "file" => std::fs::read_to_string(b.work.join("drain.jsonl"))?
-            .lines()
-            .count() as u64,
+        "file" => std::fs::read_to_string(file)?.lines().count() as u64,
         _ => stream_count(&js).await?,
     };
-    let _ = std::fs::remove_file(b.work.join("drain.jsonl"));
+    let _ = std::fs::remove_file(file);
     Ok(json!({
         "events": n, "delivered": delivered, "wall_s": wall,
         "events_per_s": n as f64 / wall,
