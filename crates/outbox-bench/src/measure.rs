@@ -218,9 +218,24 @@ async fn drain_relay(b: &Bench, sink: &str, n: u64, analyze: bool) -> Result<Val
     eprintln!("drain: relay, {n} events to {sink}, {statistics}");
     let db = b.reset().await?;
     b.prefill(&db, "outbox", n, analyze).await?;
+    run_drain(b, &db, sink, &b.work.join("drain.jsonl"), n, &[]).await
+}
+
+/// One `outbox-relay run --drain` (with `extra_args`) of the `n` events waiting in the
+/// database to `sink` (the file sink writes `file`, removed afterwards): its wall and CPU
+/// time, peak memory, statements per event, the servers' CPU and what arrived. The polling
+/// and the WAL-capture drains are measured alike through it.
+pub(crate) async fn run_drain(
+    b: &Bench,
+    db: &tokio_postgres::Client,
+    sink: &str,
+    file: &std::path::Path,
+    n: u64,
+    extra_args: &[&str],
+) -> Result<Value> {
     let js = b.nats_stream().await?;
     let target = match sink {
-        "file" => format!("file:{}", b.work.join("drain.jsonl").display()),
+        "file" => format!("file:{}", file.display()),
         _ => b.servers.nats_url.clone(),
     };
     db.batch_execute("SELECT pg_stat_statements_reset()")
@@ -239,17 +254,16 @@ async fn drain_relay(b: &Bench, sink: &str, n: u64, analyze: bool) -> Result<Val
         "--log-level",
         "warn",
     ];
+    args.extend(extra_args);
     args.extend(b.settings.relay_args.iter().map(String::as_str));
     let (wall, user, sys, rss) = timed(b, &args)?;
     let (pg, nats) = servers.used(b);
-    let calls = statements(&db).await?;
+    let calls = statements(db).await?;
     let delivered = match sink {
-        "file" => std::fs::read_to_string(b.work.join("drain.jsonl"))?
-            .lines()
-            .count() as u64,
+        "file" => std::fs::read_to_string(file)?.lines().count() as u64,
         _ => stream_count(&js).await?,
     };
-    let _ = std::fs::remove_file(b.work.join("drain.jsonl"));
+    let _ = std::fs::remove_file(file);
     Ok(json!({
         "events": n, "delivered": delivered, "wall_s": wall,
         "events_per_s": n as f64 / wall,
@@ -682,21 +696,34 @@ pub fn markdown(r: &Value) -> String {
         s.push('\n');
     }
     if let Some(Value::Array(runs)) = r.get("latency") {
-        s.push_str("### Latency, commit to confirmation (ms)\n\n| target rate | events per transaction | achieved | mode | p50 | p99 | p99.9 | max | missing |\n|---|---|---|---|---|---|---|---|---|\n");
-        for x in runs {
-            s.push_str(&format!(
-                "| {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
-                x["target_rate"],
-                x["events_per_commit"],
-                f(&x["achieved_rate"]),
-                x["mode"].as_str().unwrap_or(""),
-                f(&x["p50_ms"]),
-                f(&x["p99_ms"]),
-                f(&x["p999_ms"]),
-                f(&x["max_ms"]),
-                x["missing"],
-            ));
-        }
+        s.push_str("### Latency, commit to confirmation (ms)\n\n");
+        s.push_str(&table(
+            &[
+                "target rate",
+                "events per transaction",
+                "achieved",
+                "mode",
+                "p50",
+                "p99",
+                "p99.9",
+                "max",
+                "missing",
+            ],
+            runs,
+            |x| {
+                vec![
+                    x["target_rate"].to_string(),
+                    x["events_per_commit"].to_string(),
+                    f(&x["achieved_rate"]),
+                    x["mode"].as_str().unwrap_or("").to_string(),
+                    f(&x["p50_ms"]),
+                    f(&x["p99_ms"]),
+                    f(&x["p999_ms"]),
+                    f(&x["max_ms"]),
+                    x["missing"].to_string(),
+                ]
+            },
+        ));
         s.push('\n');
     }
     if let Some(keep) = r.get("keep_up") {
@@ -716,34 +743,48 @@ pub fn markdown(r: &Value) -> String {
             .first()
             .map(|x| x["inserts_per_s"].clone())
             .unwrap_or_default();
-        s.push_str("### Writer cost (single-row inserts/s; change against no trigger)\n\n| wake-up | 1 writer | 4 writers | 16 writers |\n|---|---|---|---|\n");
-        for x in rows {
-            let cell = |w: &str| {
-                let v = x["inserts_per_s"][w].as_f64().unwrap_or(0.0);
-                let b = base[w].as_f64().unwrap_or(1.0);
-                format!("{v:.0} ({:+.0}%)", (v / b - 1.0) * 100.0)
-            };
-            s.push_str(&format!(
-                "| {} | {} | {} | {} |\n",
-                x["variant"].as_str().unwrap_or(""),
-                cell("1"),
-                cell("4"),
-                cell("16")
-            ));
-        }
+        s.push_str("### Writer cost (single-row inserts/s; change against no trigger)\n\n");
+        s.push_str(&table(
+            &["wake-up", "1 writer", "4 writers", "16 writers"],
+            rows,
+            |x| {
+                let cell = |w: &str| {
+                    let v = x["inserts_per_s"][w].as_f64().unwrap_or(0.0);
+                    let b = base[w].as_f64().unwrap_or(1.0);
+                    format!("{v:.0} ({:+.0}%)", (v / b - 1.0) * 100.0)
+                };
+                let variant = x["variant"].as_str().unwrap_or("").to_string();
+                vec![variant, cell("1"), cell("4"), cell("16")]
+            },
+        ));
         s.push('\n');
     }
     if let Some(Value::Array(runs)) = r.get("scaling") {
-        s.push_str("### Scaling (drain to per-node file sinks, wall time including start-up)\n\n| ordering | nodes | events | events/s |\n|---|---|---|---|\n");
-        for x in runs {
-            s.push_str(&format!(
-                "| {} | {} | {} | {} |\n",
-                x["ordering"].as_str().unwrap_or(""),
-                x["nodes"],
-                x["events"],
-                f(&x["events_per_s"])
-            ));
-        }
+        s.push_str("### Scaling (drain to per-node file sinks, wall time including start-up)\n\n");
+        s.push_str(&table(
+            &["ordering", "nodes", "events", "events/s"],
+            runs,
+            |x| {
+                vec![
+                    x["ordering"].as_str().unwrap_or("").to_string(),
+                    x["nodes"].to_string(),
+                    x["events"].to_string(),
+                    f(&x["events_per_s"]),
+                ]
+            },
+        ));
     }
     s
+}
+
+/// A markdown table: the header row, its rule, then one row of `cells(x)` for each result.
+fn table(header: &[&str], results: &[Value], cells: impl Fn(&Value) -> Vec<String>) -> String {
+    let row = |cells: &[String]| format!("| {} |\n", cells.join(" | "));
+    let header: Vec<String> = header.iter().map(|h| h.to_string()).collect();
+    let mut out = row(&header);
+    out.push_str(&format!("|{}\n", "---|".repeat(header.len())));
+    for x in results {
+        out.push_str(&row(&cells(x)));
+    }
+    out
 }

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Result};
 use serde_json::{json, Value};
 
-use crate::measure::{self, LatencyPlan, ServerCpu};
+use crate::measure::{self, LatencyPlan};
 use crate::{Bench, PAYLOAD_SQL, SUBJECT};
 
 /// The bench relays' replication slot.
@@ -171,38 +171,15 @@ async fn drain_once(b: &Bench, sink: &str, form: &str) -> Result<Value> {
         )
         .await?
         .get(0);
-    let js = b.nats_stream().await?;
-    let file = b.work.join("wal-drain.jsonl");
-    let target = match sink {
-        "file" => format!("file:{}", file.display()),
-        _ => b.servers.nats_url.clone(),
-    };
-    db.batch_execute("SELECT pg_stat_statements_reset()")
-        .await?;
-    let servers = ServerCpu::start(b);
-    let url = b.url();
-    let mut args = vec![
-        "run",
-        "--drain",
-        "--database-url",
-        &url,
-        "--sink",
-        &target,
-        "--http-addr",
-        "",
-        "--log-level",
-        "warn",
-    ];
-    args.extend(RELAY_ARGS);
-    args.extend(b.settings.relay_args.iter().map(String::as_str));
-    let (wall, user, sys, rss) = measure::timed(b, &args)?;
-    let (pg, nats) = servers.used(b);
-    let calls = measure::statements(&db).await?;
-    let delivered = match sink {
-        "file" => std::fs::read_to_string(&file)?.lines().count() as u64,
-        _ => measure::stream_count(&js).await?,
-    };
-    let _ = std::fs::remove_file(&file);
+    let mut drained = measure::run_drain(
+        b,
+        &db,
+        sink,
+        &b.work.join("wal-drain.jsonl"),
+        n,
+        &RELAY_ARGS,
+    )
+    .await?;
     let left: i64 = db
         .query_one(
             "SELECT (SELECT count(*) FROM outbox) + (SELECT count(*) FROM outbox_parked)",
@@ -210,17 +187,10 @@ async fn drain_once(b: &Bench, sink: &str, form: &str) -> Result<Value> {
         )
         .await?
         .get(0);
-    Ok(json!({
-        "form": form, "events": n, "delivered": delivered, "wall_s": wall,
-        "events_per_s": n as f64 / wall,
-        "relay_cpu_s_per_million": (user + sys) * 1e6 / n as f64,
-        "peak_rss_mb": rss as f64 / 1024.0,
-        "statements_per_event": calls as f64 / n as f64,
-        "postgres_cpu_s": pg,
-        "nats_server_cpu_s": nats,
-        "backlog_wal_mb": wal_bytes as f64 / 1_048_576.0,
-        "rows_left": left,
-    }))
+    drained["form"] = json!(form);
+    drained["backlog_wal_mb"] = json!(wal_bytes as f64 / 1_048_576.0);
+    drained["rows_left"] = json!(left);
+    Ok(drained)
 }
 
 /// The WAL rows of the drain table for `sink`.

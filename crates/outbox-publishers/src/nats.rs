@@ -1,10 +1,11 @@
 //! NATS JetStream: `Nats-Msg-Id` = event id, so the stream's duplicate window drops
 //! redeliveries; each event is confirmed by its PubAck.
 
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::str::FromStr;
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream::context::PublishErrorKind as JsKind;
 use async_nats::jetstream::message::PublishMessage;
@@ -42,10 +43,16 @@ pub struct NatsConfig {
     pub token: Option<Secret>,
 }
 
+/// How long a subject found without a stream fails at once, without a publish, before the
+/// next event to it is published again (a stream created meanwhile is then found).
+pub const MISSING_STREAM_RECHECK: Duration = Duration::from_secs(1);
+
 pub struct NatsSink {
     client: async_nats::Client,
     jetstream: async_nats::jetstream::Context,
     shown: String,
+    /// Subjects whose last publish found no stream, and when.
+    missing_streams: Arc<Mutex<HashMap<String, Instant>>>,
 }
 
 impl NatsSink {
@@ -99,11 +106,37 @@ impl NatsSink {
             .max_ack_inflight(20_000)
             .backpressure_on_inflight(true)
             .build(client.clone());
+        // A server without JetStream refuses every event the same way: said once, here.
+        // (A server not reached yet is left to the publishes, which retry.)
+        if connected_within(&client, Duration::from_secs(2)).await {
+            if let Err(e) = jetstream.query_account().await {
+                if jetstream_disabled(&e) {
+                    return Err(SinkSetupError::config(format!(
+                        "{shown} has no JetStream for the relay's account, and the NATS sink \
+                         publishes to JetStream streams: start nats-server with -js (or enable \
+                         JetStream for the account)"
+                    ))
+                    .with_source(e));
+                }
+            }
+        }
         Ok(NatsSink {
             client,
             jetstream,
             shown,
+            missing_streams: Arc::default(),
         })
+    }
+}
+
+/// Whether the server answered that JetStream is off (no responders on its API, or the
+/// account's 503 "JetStream not enabled"), not merely slow.
+fn jetstream_disabled(error: &async_nats::jetstream::context::AccountError) -> bool {
+    use async_nats::jetstream::context::AccountErrorKind as K;
+    match error.kind() {
+        K::JetStreamUnavailable => true,
+        K::JetStream(e) => e.code() == 503,
+        _ => false,
     }
 }
 
@@ -207,23 +240,44 @@ async fn connected_within(client: &async_nats::Client, limit: Duration) -> bool 
     }
 }
 
+/// The failure of an event whose subject no JetStream stream captures (retried: the stream
+/// may be created later).
+fn no_stream(subject: &str) -> PublishError {
+    PublishError::new(
+        PublishErrorKind::MissingTarget,
+        format!("no JetStream stream captures subject {subject:?}; create a stream for it (e.g. `nats stream add --subjects '{subject}'`)"),
+    )
+}
+
 /// The one place NATS errors become publish outcomes.
 fn classify(error: async_nats::jetstream::context::PublishError, subject: &str) -> PublishError {
     let (kind, message) = match error.kind() {
-        JsKind::StreamNotFound => (
-            PublishErrorKind::MissingTarget,
-            format!("no JetStream stream captures subject {subject:?}; create a stream for it (e.g. `nats stream add --subjects '{subject}'`)"),
+        JsKind::StreamNotFound => return no_stream(subject).with_source(error),
+        JsKind::MaxPayloadExceeded => (
+            PublishErrorKind::TooLarge,
+            format!("message for {subject:?} exceeds the server's max_payload"),
         ),
-        JsKind::MaxPayloadExceeded => (PublishErrorKind::TooLarge, format!("message for {subject:?} exceeds the server's max_payload")),
-        JsKind::TimedOut => (PublishErrorKind::Timeout, format!("no PubAck for {subject:?} in time")),
-        JsKind::BrokenPipe => (PublishErrorKind::Unavailable, "connection to NATS lost".to_string()),
-        JsKind::MaxAckPending => (PublishErrorKind::Throttled, "too many unconfirmed publishes".to_string()),
+        JsKind::TimedOut => (
+            PublishErrorKind::Timeout,
+            format!("no PubAck for {subject:?} in time"),
+        ),
+        JsKind::BrokenPipe => (
+            PublishErrorKind::Unavailable,
+            "connection to NATS lost".to_string(),
+        ),
+        JsKind::MaxAckPending => (
+            PublishErrorKind::Throttled,
+            "too many unconfirmed publishes".to_string(),
+        ),
         // JetStream's own refusals carry an HTTP-like status: 401/403 are permissions.
         _ if matches!(jetstream_status(&error), Some(401 | 403)) => (
             PublishErrorKind::Unauthorized,
             format!("not allowed to publish to {subject:?}"),
         ),
-        _ => (PublishErrorKind::BrokerFailure, format!("publish to {subject:?} failed")),
+        _ => (
+            PublishErrorKind::BrokerFailure,
+            format!("publish to {subject:?} failed"),
+        ),
     };
     PublishError::new(kind, message).with_source(error)
 }
@@ -243,6 +297,7 @@ impl Sink for NatsSink {
     fn send(&self, batch: Vec<Routed>) -> BoxFuture<'static, Vec<Outcome>> {
         let jetstream = self.jetstream.clone();
         let client = self.client.clone();
+        let missing_streams = self.missing_streams.clone();
         async move {
             if !connected_within(&client, Duration::from_secs(2)).await {
                 return batch
@@ -255,9 +310,19 @@ impl Sink for NatsSink {
                     })
                     .collect();
             }
+            // Subjects found without a stream a moment ago fail at once, not once per event.
+            let known_missing: HashSet<String> = {
+                let mut missing = missing_streams.lock().expect("not poisoned");
+                missing.retain(|_, found| found.elapsed() < MISSING_STREAM_RECHECK);
+                missing.keys().cloned().collect()
+            };
             // Send every message first, then await the acks: the whole batch is in flight.
             let mut pending = Vec::with_capacity(batch.len());
             for routed in &batch {
+                if known_missing.contains(&routed.target) {
+                    pending.push(Err(no_stream(&routed.target)));
+                    continue;
+                }
                 if let Some(problem) = subject_problem(&routed.target) {
                     pending.push(Err(problem));
                     continue;
@@ -289,7 +354,18 @@ impl Sink for NatsSink {
                         Ok(Err(e)) => Err(classify(e, &routed.target)),
                     }
                 });
-            join_all(acks).await
+            let outcomes = join_all(acks).await;
+            let now = Instant::now();
+            let mut missing = missing_streams.lock().expect("not poisoned");
+            for (outcome, routed) in outcomes.iter().zip(&batch) {
+                let no_stream = outcome
+                    .as_ref()
+                    .is_err_and(|e| e.kind() == PublishErrorKind::MissingTarget);
+                if no_stream && !known_missing.contains(&routed.target) {
+                    missing.insert(routed.target.clone(), now);
+                }
+            }
+            outcomes
         }
         .boxed()
     }

@@ -27,9 +27,28 @@ use crate::template::Template;
 /// the broker's refusal.
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 128 * 1024 * 1024;
 
-/// Marks messages that failed only because another message of their batch made the broker
-/// close the channel; they are published once more on a fresh channel.
-const COLLATERAL: &str = "channel closed after another message was refused as too large";
+/// Why one message of a batch failed on its channel.
+enum Failure {
+    /// Its own failure, as the relay reports it.
+    Own(PublishError),
+    /// Only another message of its batch, refused as too large, made the broker close the
+    /// channel: it is published once more on a fresh channel.
+    Collateral(PublishError),
+}
+
+impl Failure {
+    fn error(&self) -> &PublishError {
+        match self {
+            Failure::Own(e) | Failure::Collateral(e) => e,
+        }
+    }
+
+    fn into_error(self) -> PublishError {
+        match self {
+            Failure::Own(e) | Failure::Collateral(e) => e,
+        }
+    }
+}
 
 /// What RabbitMQ's unroutable (returned) messages become.
 #[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
@@ -123,14 +142,15 @@ impl Inner {
                     format!("{}: connection timed out", self.shown),
                 )
             })?
-            .map_err(|e| self.classify(e, 0))?;
+            // Opening a channel sends no message, so its failure is never collateral.
+            .map_err(|e| self.classify(e, 0).into_error())?;
         *session = Some((connection, channel.clone()));
         Ok(channel)
     }
 
     /// The one place RabbitMQ errors become publish outcomes. `size` is the message's size,
     /// to tell the oversized message apart from the others on a channel the broker closed.
-    fn classify(&self, error: lapin::Error, size: usize) -> PublishError {
+    fn classify(&self, error: lapin::Error, size: usize) -> Failure {
         let (kind, message) = match error.kind() {
             ErrorKind::ProtocolError(amqp) => {
                 let text = amqp.get_message().to_string();
@@ -149,10 +169,14 @@ impl Inner {
                         {
                             self.max_message_bytes.store(limit, Ordering::Relaxed);
                             if size <= limit {
-                                return PublishError::new(
+                                return Failure::Collateral(PublishError::new(
                                     PublishErrorKind::Unavailable,
-                                    format!("{}: {COLLATERAL}", self.shown),
-                                );
+                                    format!(
+                                        "{}: channel closed after another message was refused \
+                                         as too large",
+                                        self.shown
+                                    ),
+                                ));
                             }
                         }
                         (PublishErrorKind::TooLarge, text)
@@ -184,7 +208,45 @@ impl Inner {
                 "publish failed".to_string(),
             ),
         };
-        PublishError::new(kind, format!("{}: {message}", self.shown)).with_source(error)
+        Failure::Own(
+            PublishError::new(kind, format!("{}: {message}", self.shown)).with_source(error),
+        )
+    }
+
+    /// What the broker's confirmation of one message means for its event.
+    fn confirmed(
+        &self,
+        confirmation: Confirmation,
+        exchange: &str,
+        routed: &Routed,
+    ) -> Result<(), PublishError> {
+        match confirmation {
+            Confirmation::Ack(None) => Ok(()),
+            Confirmation::Ack(Some(returned)) | Confirmation::Nack(Some(returned)) => {
+                let kind = match self.unroutable {
+                    Unroutable::Retry => PublishErrorKind::NoRoute,
+                    Unroutable::DeadLetter => PublishErrorKind::Rejected,
+                };
+                Err(PublishError::new(
+                    kind,
+                    format!(
+                        "{}: unroutable ({}): no queue is bound to exchange {:?} with routing key {:?}",
+                        self.shown, returned.reply_text, exchange, routed.target
+                    ),
+                ))
+            }
+            Confirmation::Nack(None) => Err(PublishError::new(
+                PublishErrorKind::BrokerFailure,
+                format!(
+                    "{}: the broker refused to store the message (nack)",
+                    self.shown
+                ),
+            )),
+            Confirmation::NotRequested => Err(PublishError::new(
+                PublishErrorKind::BrokerFailure,
+                "publisher confirms are not enabled",
+            )),
+        }
     }
 
     fn properties(routed: &Routed) -> BasicProperties {
@@ -234,16 +296,15 @@ impl Sink for RabbitSink {
             // batch with it; those go once more on a fresh channel.
             let refused = outcomes.iter().any(|o| {
                 o.as_ref()
-                    .is_err_and(|e| e.kind() == PublishErrorKind::TooLarge)
+                    .is_err_and(|e| e.error().kind() == PublishErrorKind::TooLarge)
             });
             let collateral: Vec<usize> = outcomes
                 .iter()
                 .enumerate()
-                .filter(|(_, o)| {
-                    o.as_ref().is_err_and(|e| {
-                        e.to_string().contains(COLLATERAL)
-                            || (refused && e.kind() == PublishErrorKind::Unavailable)
-                    })
+                .filter(|(_, o)| match o {
+                    Err(Failure::Collateral(_)) => true,
+                    Err(Failure::Own(e)) => refused && e.kind() == PublishErrorKind::Unavailable,
+                    Ok(()) => false,
                 })
                 .map(|(i, _)| i)
                 .collect();
@@ -257,6 +318,9 @@ impl Sink for RabbitSink {
                 }
             }
             outcomes
+                .into_iter()
+                .map(|o| o.map_err(Failure::into_error))
+                .collect()
         }
         .boxed()
     }
@@ -272,11 +336,16 @@ impl Sink for RabbitSink {
 }
 
 /// Publishes a batch on the confirm channel and awaits every confirm.
-async fn publish_batch(inner: &Arc<Inner>, batch: &[Routed]) -> Vec<Outcome> {
+async fn publish_batch(inner: &Arc<Inner>, batch: &[Routed]) -> Vec<Result<(), Failure>> {
     {
         let channel = match inner.channel().await {
             Ok(c) => c,
-            Err(e) => return fail_all(batch, &e),
+            Err(e) => {
+                return fail_all(batch, &e)
+                    .into_iter()
+                    .map(|o| o.map_err(Failure::Own))
+                    .collect()
+            }
         };
         // Publish the whole batch, then await every confirm.
         let mut confirms = Vec::with_capacity(batch.len());
@@ -296,30 +365,24 @@ async fn publish_batch(inner: &Arc<Inner>, batch: &[Routed]) -> Vec<Outcome> {
                 .await;
             confirms.push((published, exchange));
         }
-        let outcomes = confirms.into_iter().zip(batch).map(|((published, exchange), routed)| async move {
-                let size = routed.event.payload.len();
-                let confirm = published.map_err(|e| inner.classify(e, size))?;
-                match tokio::time::timeout(inner.timeout, confirm).await {
-                    Err(_) => Err(PublishError::new(PublishErrorKind::Timeout, format!("{}: no confirm in time", inner.shown))),
-                    Ok(Err(e)) => Err(inner.classify(e, size)),
-                    Ok(Ok(Confirmation::Ack(None))) => Ok(()),
-                    Ok(Ok(Confirmation::Ack(Some(returned)))) | Ok(Ok(Confirmation::Nack(Some(returned)))) => {
-                        let kind = match inner.unroutable {
-                            Unroutable::Retry => PublishErrorKind::NoRoute,
-                            Unroutable::DeadLetter => PublishErrorKind::Rejected,
-                        };
-                        Err(PublishError::new(
-                            kind,
-                            format!(
-                                "{}: unroutable ({}): no queue is bound to exchange {:?} with routing key {:?}",
-                                inner.shown, returned.reply_text, exchange, routed.target
-                            ),
-                        ))
+        let outcomes =
+            confirms
+                .into_iter()
+                .zip(batch)
+                .map(|((published, exchange), routed)| async move {
+                    let size = routed.event.payload.len();
+                    let confirm = published.map_err(|e| inner.classify(e, size))?;
+                    match tokio::time::timeout(inner.timeout, confirm).await {
+                        Err(_) => Err(Failure::Own(PublishError::new(
+                            PublishErrorKind::Timeout,
+                            format!("{}: no confirm in time", inner.shown),
+                        ))),
+                        Ok(Err(e)) => Err(inner.classify(e, size)),
+                        Ok(Ok(confirmation)) => inner
+                            .confirmed(confirmation, &exchange, routed)
+                            .map_err(Failure::Own),
                     }
-                    Ok(Ok(Confirmation::Nack(None))) => Err(PublishError::new(PublishErrorKind::BrokerFailure, format!("{}: the broker refused to store the message (nack)", inner.shown))),
-                    Ok(Ok(Confirmation::NotRequested)) => Err(PublishError::new(PublishErrorKind::BrokerFailure, "publisher confirms are not enabled")),
-                }
-            });
+                });
         join_all(outcomes).await
     }
 }

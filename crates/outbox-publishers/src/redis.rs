@@ -9,7 +9,7 @@ use futures::future::{join_all, BoxFuture};
 use futures::FutureExt;
 use outbox_core::{Outcome, PublishError, PublishErrorKind};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{ErrorKind, RedisError, Script};
+use redis::{ErrorKind, RedisError, Script, ServerErrorKind};
 use tokio::sync::Mutex;
 
 use serde::{Deserialize, Serialize};
@@ -134,26 +134,28 @@ impl Inner {
     }
 }
 
-/// The one place Redis errors become publish outcomes.
+/// The one place Redis errors become publish outcomes, by the client's kind and, for the
+/// server's replies the client has no kind for, by the reply's error code (its first word,
+/// `WRONGTYPE`), never by the message text.
 fn classify(error: RedisError, what: &str) -> PublishError {
     let kind = match error.kind() {
-        ErrorKind::AuthenticationFailed => PublishErrorKind::Unauthorized,
+        ErrorKind::AuthenticationFailed | ErrorKind::Server(ServerErrorKind::NoPerm) => {
+            PublishErrorKind::Unauthorized
+        }
         ErrorKind::Io => PublishErrorKind::Unavailable,
         _ if error.is_timeout() => PublishErrorKind::Timeout,
         _ if error.is_connection_dropped() || error.is_connection_refusal() => {
             PublishErrorKind::Unavailable
         }
-        _ => {
-            let text = error.to_string();
-            if text.contains("NOPERM") || text.contains("NOAUTH") {
-                PublishErrorKind::Unauthorized
-            } else if text.contains("WRONGTYPE") {
-                PublishErrorKind::Rejected
-            } else {
-                // OOM, LOADING, BUSY and the rest: the server may recover.
-                PublishErrorKind::BrokerFailure
-            }
-        }
+        ErrorKind::Extension => match error.code() {
+            // A password the server requires and the URI does not give.
+            Some("NOAUTH") => PublishErrorKind::Unauthorized,
+            // The target key holds something other than a stream.
+            Some("WRONGTYPE") => PublishErrorKind::Rejected,
+            _ => PublishErrorKind::BrokerFailure,
+        },
+        // OOM, LOADING, BUSY and the rest: the server may recover.
+        _ => PublishErrorKind::BrokerFailure,
     };
     PublishError::new(kind, format!("redis {what}")).with_source(error)
 }

@@ -236,3 +236,45 @@ async fn tls_is_verified_against_the_configured_ca() {
         "an untrusted server must not get the event"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_without_jetstream_is_a_setup_error() {
+    let server = ServerProcess::start("nats-server", &["-a", "127.0.0.1", "-p", "{port}"]);
+    let err = match outbox_publishers::build_sink("nats", &SinkConfig::new(url(&server))).await {
+        Ok(_) => panic!("a server without JetStream cannot take the relay's events"),
+        Err(e) => e,
+    };
+    assert!(err.kind().is_config(), "{err}");
+    assert!(
+        err.to_string().contains("start nats-server with -js"),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subject_without_a_stream_fails_at_once_until_it_is_checked_again() {
+    let harness = new_harness().await;
+    let send = |seq: i64| {
+        let event = outbox_testkit::publisher::event(seq, "k", b"{}".to_vec());
+        harness.sink.send(vec![outbox_publishers::Routed {
+            event,
+            target: "later.subject".into(),
+        }])
+    };
+    let kind = |mut outcomes: Vec<outbox_core::Outcome>| outcomes.remove(0).map_err(|e| e.kind());
+    let missing = Err(outbox_core::PublishErrorKind::MissingTarget);
+    assert_eq!(kind(send(1).await), missing);
+    let client = async_nats::connect(url(&harness.server)).await.unwrap();
+    async_nats::jetstream::new(client)
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: "LATER".into(),
+            subjects: vec!["later.subject".into()],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    // Found missing a moment ago: not published again yet.
+    assert_eq!(kind(send(2).await), missing);
+    tokio::time::sleep(outbox_publishers::nats::MISSING_STREAM_RECHECK).await;
+    assert_eq!(kind(send(3).await), Ok(()));
+}

@@ -223,3 +223,70 @@ async fn tls_is_verified_against_the_configured_ca() {
         "an untrusted server must not get the event"
     );
 }
+
+/// The server's refusals become publish outcomes by their error code: a key of another type
+/// is refused for good (WRONGTYPE), a missing permission (NOPERM) or password (NOAUTH) is
+/// unauthorized.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_are_classified_by_the_servers_error_code() {
+    use outbox_core::PublishErrorKind;
+    let server = ServerProcess::start(
+        "redis-server",
+        &["--bind", "127.0.0.1", "--port", "{port}", "--save", ""],
+    );
+    let mut admin = redis::Client::open(url(&server))
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let send_one = |uri: String, target: &'static str| async move {
+        let sink = outbox_publishers::build_sink("redis", &SinkConfig::new(uri))
+            .await
+            .unwrap();
+        let event = outbox_testkit::publisher::event(1, "k", b"{}".to_vec());
+        let mut outcomes = sink
+            .send(vec![outbox_publishers::Routed {
+                event,
+                target: target.into(),
+            }])
+            .await;
+        outcomes.remove(0).expect_err("the server refuses it")
+    };
+
+    let _: () = admin.set("a-string", "not a stream").await.unwrap();
+    let err = send_one(url(&server), "a-string").await;
+    assert_eq!(err.kind(), PublishErrorKind::Rejected, "{err}");
+
+    let _: () = redis::cmd("ACL")
+        .arg(&[
+            "SETUSER",
+            "no-scripts",
+            "on",
+            ">pw",
+            "~*",
+            "+@all",
+            "-@scripting",
+        ])
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let limited = format!("redis://no-scripts:pw@127.0.0.1:{}", server.port);
+    let err = send_one(limited, "s").await;
+    assert_eq!(err.kind(), PublishErrorKind::Unauthorized, "{err}");
+
+    let _: () = redis::cmd("CONFIG")
+        .arg(&["SET", "requirepass", "sekrit"])
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    // Redis closes an unauthenticated connection that sends a script's many arguments
+    // ("Protocol error"), so the missing password shows in the health check's PING.
+    let sink = outbox_publishers::build_sink("redis", &SinkConfig::new(url(&server)))
+        .await
+        .unwrap();
+    let err = sink
+        .health()
+        .await
+        .expect_err("the server requires a password");
+    assert_eq!(err.kind(), PublishErrorKind::Unauthorized, "{err}");
+}

@@ -52,6 +52,19 @@ pub struct PostgresSettings {
     pub capture: Option<Capture>,
 }
 
+/// The store behind `any` as the trait object the calling method returns: every store is
+/// an `OutboxStore`, a `NodeRegistry` and an `Operations`, so one match serves all three.
+macro_rules! shared_store {
+    ($any:expr) => {
+        match $any {
+            AnyStore::Postgres(s) | AnyStore::PostgresWal(s, _) => Arc::new(s.clone()),
+            AnyStore::MappedPostgres(s) => Arc::new(s.clone()),
+            AnyStore::MySql(s) => Arc::new(s.clone()),
+            AnyStore::Sqlite(s) => Arc::new(s.clone()),
+        }
+    };
+}
+
 impl AnyStore {
     pub fn open(settings: StoreSettings) -> anyhow::Result<Self> {
         let report = |e: outbox_core::StoreError| crate::commands::failure(e.report(), &e);
@@ -96,12 +109,7 @@ impl AnyStore {
     }
 
     pub fn outbox(&self) -> Arc<dyn OutboxStore> {
-        match self {
-            AnyStore::Postgres(s) | AnyStore::PostgresWal(s, _) => Arc::new(s.clone()),
-            AnyStore::MappedPostgres(s) => Arc::new(s.clone()),
-            AnyStore::MySql(s) => Arc::new(s.clone()),
-            AnyStore::Sqlite(s) => Arc::new(s.clone()),
-        }
+        shared_store!(self)
     }
 
     /// Partition leases: PostgreSQL only (SQLite is the single-node store).
@@ -118,21 +126,11 @@ impl AnyStore {
     }
 
     pub fn operations(&self) -> Arc<dyn outbox_core::store::Operations> {
-        match self {
-            AnyStore::Postgres(s) | AnyStore::PostgresWal(s, _) => Arc::new(s.clone()),
-            AnyStore::MappedPostgres(s) => Arc::new(s.clone()),
-            AnyStore::MySql(s) => Arc::new(s.clone()),
-            AnyStore::Sqlite(s) => Arc::new(s.clone()),
-        }
+        shared_store!(self)
     }
 
     pub fn registry(&self) -> Arc<dyn NodeRegistry> {
-        match self {
-            AnyStore::Postgres(s) | AnyStore::PostgresWal(s, _) => Arc::new(s.clone()),
-            AnyStore::MappedPostgres(s) => Arc::new(s.clone()),
-            AnyStore::MySql(s) => Arc::new(s.clone()),
-            AnyStore::Sqlite(s) => Arc::new(s.clone()),
-        }
+        shared_store!(self)
     }
 
     /// SQLite is the embedded default: it always creates its own tables.

@@ -58,6 +58,21 @@ impl Nodes {
         self.pool.get_conn().await.map_err(|e| db_error(context, e))
     }
 
+    /// Deletes the rows of the nodes table that `condition` selects; the number deleted.
+    fn delete_where(
+        &self,
+        context: &'static str,
+        condition: &'static str,
+        params: Params,
+    ) -> StoreFuture<u64> {
+        let store = self.clone();
+        async move {
+            let statement = format!("DELETE FROM {} WHERE {condition}", store.table);
+            store.exec(context, &statement, params).await
+        }
+        .boxed()
+    }
+
     async fn exec(&self, context: &str, statement: &str, params: Params) -> StoreResult<u64> {
         let mut conn = self.conn(context).await?;
         conn.exec_drop(statement, params)
@@ -169,36 +184,23 @@ impl NodeRegistry for Nodes {
     }
 
     fn remove_expired(&self) -> StoreFuture<u64> {
-        let store = self.clone();
-        async move {
-            let nodes = &store.table;
-            store
-                .exec(
-                    "remove expired nodes",
-                    &format!("DELETE FROM {nodes} WHERE expiry < UTC_TIMESTAMP(6)"),
-                    Params::Empty,
-                )
-                .await
-        }
-        .boxed()
+        self.delete_where(
+            "remove expired nodes",
+            "expiry < UTC_TIMESTAMP(6)",
+            Params::Empty,
+        )
     }
 
     fn deregister(&self, node: NodeId, last: Incarnation) -> StoreFuture<()> {
-        let store = self.clone();
-        async move {
-            let nodes = &store.table;
-            store
-                .exec(
-                    "deregister",
-                    &format!(
-                        "DELETE FROM {nodes}
-                          WHERE id = :id AND TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', expiry) = :last"
-                    ),
-                    named(vec![("id", Value::from(node.0)), ("last", Value::from(last.0))]),
-                )
-                .await
-                .map(|_| ())
-        }
+        self.delete_where(
+            "deregister",
+            "id = :id AND TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', expiry) = :last",
+            named(vec![
+                ("id", Value::from(node.0)),
+                ("last", Value::from(last.0)),
+            ]),
+        )
+        .map(|deleted| deleted.map(|_| ()))
         .boxed()
     }
 

@@ -448,6 +448,20 @@ async fn claim_owned_once(
     Ok(Some(rows))
 }
 
+/// The arrays a failed attempt's statement binds (retry and dead-letter alike): the ids,
+/// the attempts (saturated to the int4 column) and the errors.
+fn failed_columns<'a>(
+    rows: impl Iterator<Item = (SequenceId, u32, &'a str)>,
+) -> (Vec<i64>, Vec<i32>, Vec<&'a str>) {
+    let (mut ids, mut attempts, mut errors) = (Vec::new(), Vec::new(), Vec::new());
+    for (id, tries, error) in rows {
+        ids.push(id);
+        attempts.push(i32::try_from(tries).unwrap_or(i32::MAX));
+        errors.push(error);
+    }
+    (ids, attempts, errors)
+}
+
 /// Runs a settle statement, with the partition fence's parameters appended when there is one.
 async fn settle(
     inner: &Inner,
@@ -722,12 +736,11 @@ impl OutboxStore for PgStore {
     ) -> StoreFuture<u64> {
         let inner = self.inner.clone();
         async move {
-            let ids: Vec<i64> = retries.iter().map(|r| r.sequence_id).collect();
-            let attempts: Vec<i32> = retries
-                .iter()
-                .map(|r| i32::try_from(r.attempts).unwrap_or(i32::MAX))
-                .collect();
-            let errors: Vec<&str> = retries.iter().map(|r| r.error.as_str()).collect();
+            let (ids, attempts, errors) = failed_columns(
+                retries
+                    .iter()
+                    .map(|r| (r.sequence_id, r.attempts, r.error.as_str())),
+            );
             let delays: Vec<i64> = retries.iter().map(|r| millis(r.delay)).collect();
             let n = settle(
                 &inner,
@@ -751,12 +764,11 @@ impl OutboxStore for PgStore {
     ) -> StoreFuture<u64> {
         let inner = self.inner.clone();
         async move {
-            let ids: Vec<i64> = entries.iter().map(|e| e.sequence_id).collect();
-            let attempts: Vec<i32> = entries
-                .iter()
-                .map(|e| i32::try_from(e.attempts).unwrap_or(i32::MAX))
-                .collect();
-            let errors: Vec<&str> = entries.iter().map(|e| e.error.as_str()).collect();
+            let (ids, attempts, errors) = failed_columns(
+                entries
+                    .iter()
+                    .map(|e| (e.sequence_id, e.attempts, e.error.as_str())),
+            );
             let n = settle(
                 &inner,
                 "dead-letter",

@@ -703,28 +703,41 @@ async fn watch_data_version(path: PathBuf, on_change: OnChange) {
     }
 }
 
+/// The expiry the node's row holds, if it has a row.
+fn node_expiry(tx: &rusqlite::Transaction<'_>, node: &NodeId) -> rusqlite::Result<Option<i64>> {
+    tx.query_row(
+        "SELECT expiry FROM outbox_nodes WHERE id = ?1",
+        [&node.0],
+        |r| r.get(0),
+    )
+    .optional()
+}
+
+/// Writes the node's row (made if missing) with `expiry`.
+fn set_node_expiry(
+    tx: &rusqlite::Transaction<'_>,
+    node: &NodeId,
+    expiry: i64,
+) -> rusqlite::Result<()> {
+    tx.execute(
+        "INSERT INTO outbox_nodes (id, expiry) VALUES (?1, ?2)
+         ON CONFLICT (id) DO UPDATE SET expiry = excluded.expiry",
+        params![node.0, expiry],
+    )
+    .map(|_| ())
+}
+
 /// Expiries are milliseconds since the Unix epoch; the immediate transaction serialises the
 /// read and the write, so each check-then-write below is atomic.
 impl NodeRegistry for SqliteStore {
     fn register(&self, node: NodeId, ttl: Duration) -> StoreFuture<Registration> {
         self.in_tx("register", move |tx| {
             let now = now_ms();
-            let current: Option<i64> = tx
-                .query_row(
-                    "SELECT expiry FROM outbox_nodes WHERE id = ?1",
-                    [&node.0],
-                    |r| r.get(0),
-                )
-                .optional()?;
-            if let Some(expiry) = current.filter(|e| *e >= now) {
+            if let Some(expiry) = node_expiry(tx, &node)?.filter(|e| *e >= now) {
                 return Ok(Registration::Taken(Incarnation(expiry)));
             }
             let expiry = now + millis(ttl);
-            tx.execute(
-                "INSERT INTO outbox_nodes (id, expiry) VALUES (?1, ?2)
-                 ON CONFLICT (id) DO UPDATE SET expiry = excluded.expiry",
-                params![node.0, expiry],
-            )?;
+            set_node_expiry(tx, &node, expiry)?;
             Ok(Registration::Registered(Incarnation(expiry)))
         })
     }
@@ -736,22 +749,11 @@ impl NodeRegistry for SqliteStore {
         ttl: Duration,
     ) -> StoreFuture<Option<Incarnation>> {
         self.in_tx("heartbeat", move |tx| {
-            let current: Option<i64> = tx
-                .query_row(
-                    "SELECT expiry FROM outbox_nodes WHERE id = ?1",
-                    [&node.0],
-                    |r| r.get(0),
-                )
-                .optional()?;
-            if current.is_some_and(|e| e != last.0) {
+            if node_expiry(tx, &node)?.is_some_and(|e| e != last.0) {
                 return Ok(None);
             }
             let expiry = now_ms() + millis(ttl);
-            tx.execute(
-                "INSERT INTO outbox_nodes (id, expiry) VALUES (?1, ?2)
-                 ON CONFLICT (id) DO UPDATE SET expiry = excluded.expiry",
-                params![node.0, expiry],
-            )?;
+            set_node_expiry(tx, &node, expiry)?;
             Ok(Some(Incarnation(expiry)))
         })
     }

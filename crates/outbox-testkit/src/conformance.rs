@@ -8,13 +8,13 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use outbox_core::store::{
-    ClaimRequest, DeadLetter, DeadQuery, DeadSelector, EventState, NodeRegistry, Operations,
-    Registration, ReplaySelector, RetryLater,
+    ClaimRequest, DeadLetter, DeadQuery, DeadSelector, EventState, Incarnation, NodeRegistry,
+    Operations, Registration, ReplaySelector, RetryLater,
 };
 use outbox_core::{
     Claimed, NewEvent, NodeId, OutboxStore, PublishErrorKind, RetryPolicy, SequenceId,
 };
-use outbox_engine::{EngineConfig, WakeMode};
+use outbox_engine::{EngineConfig, Summary, WakeMode};
 
 use crate::eventually;
 use crate::recording::RecordingPublisher;
@@ -422,16 +422,8 @@ pub async fn node_registry(h: &dyn Harness) {
     let registry = h.registry();
     let (a, b) = (NodeId::random(), NodeId::random());
     let long = Duration::from_secs(30);
-    let Registration::Registered(a1) = registry.register(a.clone(), long).await.unwrap() else {
-        panic!("a fresh id registers");
-    };
-    let Registration::Registered(b1) = registry
-        .register(b.clone(), Duration::from_millis(200))
-        .await
-        .unwrap()
-    else {
-        panic!("a fresh id registers");
-    };
+    let a1 = registered(&*registry, &a, long).await;
+    let b1 = registered(&*registry, &b, Duration::from_millis(200)).await;
     // A second process with a's id finds the row live, with the expiry a wrote.
     assert_eq!(
         registry.register(a.clone(), long).await.unwrap(),
@@ -446,14 +438,10 @@ pub async fn node_registry(h: &dyn Harness) {
     assert_ne!(a1, a2);
     // A heartbeat conditioned on an expiry the row no longer shows is another process's.
     assert_eq!(registry.heartbeat(a.clone(), a1, long).await.unwrap(), None);
-    let live: HashSet<String> = registry
-        .live_nodes()
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|n| n.id)
-        .collect();
-    assert_eq!(live, HashSet::from([a.0.clone(), b.0.clone()]));
+    assert_eq!(
+        live_ids(&*registry).await,
+        HashSet::from([a.0.clone(), b.0.clone()])
+    );
     let removed = eventually("node b to expire", Duration::from_secs(10), || async {
         let n = registry.remove_expired().await.unwrap();
         (n > 0).then_some(n)
@@ -468,13 +456,7 @@ pub async fn node_registry(h: &dyn Harness) {
         .is_some());
     // An expired row is taken over by a restarted process at once.
     let c = NodeId::random();
-    let Registration::Registered(_) = registry
-        .register(c.clone(), Duration::from_millis(1))
-        .await
-        .unwrap()
-    else {
-        panic!("a fresh id registers");
-    };
+    registered(&*registry, &c, Duration::from_millis(1)).await;
     eventually(
         "node c's row to be taken over",
         Duration::from_secs(10),
@@ -495,18 +477,39 @@ pub async fn node_registry(h: &dyn Harness) {
     assert_eq!(registry.live_nodes().await.unwrap().len(), 3);
     registry.deregister(a, a2).await.unwrap();
     registry.deregister(b, b1).await.unwrap();
-    let left: Vec<String> = registry
-        .live_nodes()
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|n| n.id)
-        .collect();
+    let left = live_ids(&*registry).await;
     assert_eq!(
         left.len(),
         2,
         "b's stale deregister left its new row: {left:?}"
     );
+}
+
+/// Registers `node`, whose id no live row holds.
+async fn registered(registry: &dyn NodeRegistry, node: &NodeId, ttl: Duration) -> Incarnation {
+    match registry.register(node.clone(), ttl).await.unwrap() {
+        Registration::Registered(incarnation) => incarnation,
+        Registration::Taken(_) => panic!("a fresh id registers"),
+    }
+}
+
+/// The ids of the live nodes.
+async fn live_ids(registry: &dyn NodeRegistry) -> HashSet<String> {
+    let live = registry.live_nodes().await.unwrap();
+    live.into_iter().map(|n| n.id).collect()
+}
+
+/// Runs the engine with `engine_config(true)` until it has drained the outbox.
+async fn drained(store: Arc<dyn OutboxStore>, publisher: &RecordingPublisher) -> Summary {
+    let publisher = Arc::new(publisher.clone());
+    outbox_engine::run(
+        store,
+        publisher,
+        engine_config(true),
+        std::future::pending(),
+    )
+    .await
+    .unwrap()
 }
 
 fn engine_config(drain: bool) -> EngineConfig {
@@ -591,14 +594,7 @@ pub async fn engine_delivers_in_order_per_key(h: &dyn Harness) {
         .collect();
     let seq = store.insert(events).await.unwrap();
     let publisher = RecordingPublisher::new();
-    let summary = outbox_engine::run(
-        store,
-        Arc::new(publisher.clone()),
-        engine_config(true),
-        std::future::pending(),
-    )
-    .await
-    .unwrap();
+    let summary = drained(store, &publisher).await;
     assert_eq!(summary.published, 200);
     let delivered = publisher.delivered();
     let mut got: Vec<_> = delivered.iter().map(|e| e.sequence_id).collect();
@@ -734,14 +730,7 @@ pub async fn engine_dead_letters_permanent_errors_and_undecodable_rows(h: &dyn H
         .unwrap();
     let publisher = RecordingPublisher::new();
     publisher.fail("huge", 1, PublishErrorKind::TooLarge);
-    let summary = outbox_engine::run(
-        store,
-        Arc::new(publisher.clone()),
-        engine_config(true),
-        std::future::pending(),
-    )
-    .await
-    .unwrap();
+    let summary = drained(store, &publisher).await;
     assert_eq!(summary.dead_lettered, 2);
     assert_eq!(summary.retried, 0, "permanent errors are not retried");
     let dead: HashSet<_> = h.dead_rows().await.iter().map(|d| d.sequence_id).collect();

@@ -213,6 +213,23 @@ pub async fn oversized_messages_fail_permanently(h: &dyn BrokerHarness) {
     );
 }
 
+/// Waits until the store's backlog meets `condition`.
+async fn backlog_until(
+    store: &Arc<outbox_store_sqlite::SqliteStore>,
+    what: &str,
+    limit: Duration,
+    condition: fn(&outbox_core::store::Backlog) -> bool,
+) {
+    eventually(what, limit, || {
+        let store = store.clone();
+        async move {
+            let b = outbox_core::OutboxStore::backlog(&*store).await.unwrap();
+            condition(&b).then_some(())
+        }
+    })
+    .await
+}
+
 pub async fn broker_restart_mid_stream_loses_nothing(h: &dyn BrokerHarness) {
     let dir = tempfile::tempdir().unwrap();
     let store =
@@ -261,29 +278,19 @@ pub async fn broker_restart_mid_stream_loses_nothing(h: &dyn BrokerHarness) {
     h.stop_broker().await;
     insert(100).await;
     // Give the engine time to hit the dead broker and back off.
-    eventually(
+    backlog_until(
+        &store,
         "publishes to fail while the broker is down",
         Duration::from_secs(30),
-        || {
-            let store = store.clone();
-            async move {
-                let b = outbox_core::OutboxStore::backlog(&*store).await.unwrap();
-                (b.retrying > 0).then_some(())
-            }
-        },
+        |b| b.retrying > 0,
     )
     .await;
     h.start_broker().await;
-    eventually(
+    backlog_until(
+        &store,
         "the backlog to drain after the restart",
         Duration::from_secs(60),
-        || {
-            let store = store.clone();
-            async move {
-                let b = outbox_core::OutboxStore::backlog(&*store).await.unwrap();
-                (b.pending == 0).then_some(())
-            }
-        },
+        |b| b.pending == 0,
     )
     .await;
     stop.send(()).unwrap();
