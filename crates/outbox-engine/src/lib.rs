@@ -669,10 +669,14 @@ impl Engine {
         }
     }
 
-    /// Starts a claim if one is due and there is room for more rows.
+    /// Starts a claim if one is due and there is room for more rows: half a batch, unless
+    /// nothing is held. A claim for a handful of rows while thousands are in flight costs a
+    /// round trip, and the sink a batch, for little.
     fn start_claim(&mut self) {
-        let capacity = self.config.max_in_flight.saturating_sub(self.lanes.held());
-        if !self.claims.due(capacity) {
+        let held = self.lanes.held();
+        let capacity = self.config.max_in_flight.saturating_sub(held);
+        let worth_a_claim = (self.config.batch_size.min(self.config.max_in_flight) / 2).max(1);
+        if (held > 0 && capacity < worth_a_claim) || !self.claims.due(capacity) {
             return;
         }
         let fence = self

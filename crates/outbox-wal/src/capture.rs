@@ -84,8 +84,6 @@ pub enum CaptureStatus {
 }
 
 /// What the reader hands to claims, in stream order.
-// Nearly every item is an output: see `Output`.
-#[allow(clippy::large_enum_variant)]
 enum Item {
     /// A new session: the slot's confirmed position it starts from, and the keys with
     /// parked events (loaded before any event of the session is handed out).
@@ -96,7 +94,9 @@ enum Item {
     },
     /// `--drain`: the position of the marker written at start-up.
     DrainUntil(Lsn),
-    Output(Output),
+    /// The outputs the stream had ready, in order: one hand-over (and one wake-up of the
+    /// engine) per burst rather than per event.
+    Outputs(Vec<Output>),
 }
 
 enum Body {
@@ -148,6 +148,44 @@ struct Split<T> {
     stream: Vec<T>,
 }
 
+/// One delete of delivered rows, shared by the acks it carries.
+#[derive(Default)]
+struct AckRound {
+    outcome: std::sync::OnceLock<AckOutcome>,
+}
+
+/// A delete's outcome, as each ack it carried returns it.
+enum AckOutcome {
+    Deleted,
+    Failed {
+        kind: StoreErrorKind,
+        report: String,
+        hint: &'static str,
+    },
+}
+
+impl AckOutcome {
+    fn of(result: &StoreResult<()>) -> Self {
+        match result {
+            Ok(()) => AckOutcome::Deleted,
+            Err(e) => AckOutcome::Failed {
+                kind: e.kind(),
+                report: e.report(),
+                hint: e.hint(),
+            },
+        }
+    }
+
+    fn to_result(&self) -> StoreResult<()> {
+        match self {
+            AckOutcome::Deleted => Ok(()),
+            AckOutcome::Failed { kind, report, hint } => {
+                Err(StoreError::new(*kind, report.clone()).with_hint(hint))
+            }
+        }
+    }
+}
+
 struct State {
     session: u64,
     acks: Acknowledgements,
@@ -170,6 +208,12 @@ struct State {
     releasing: HashMap<SequenceId, (String, Option<u64>)>,
     /// Claims started (they run one at a time, under `parking`).
     claims: u64,
+    /// Outputs received from the reader and not yet accepted by a claim (a claim stops
+    /// at its limit, possibly within a burst).
+    unaccepted: VecDeque<Output>,
+    /// Delivered stream events waiting for the next delete, and the round they belong to.
+    ack_queue: Vec<(SequenceId, std::time::Instant)>,
+    ack_round: Arc<AckRound>,
     /// `--drain`: everything committed before the marker has been handed out.
     drained: bool,
 }
@@ -185,6 +229,8 @@ struct Inner {
     /// Serializes "is this key parked?" with parking and with un-parking, so a key is never
     /// let through while a parked event of it remains.
     parking: tokio::sync::Mutex<()>,
+    /// Deletes of delivered rows run one at a time; see [`Inner::ack_stream`].
+    deleting: tokio::sync::Mutex<()>,
     outputs: tokio::sync::Mutex<mpsc::Receiver<Item>>,
     confirm: watch::Sender<Lsn>,
     status: watch::Receiver<CaptureStatus>,
@@ -246,9 +292,13 @@ impl WalStore {
                     drain_until: None,
                     releasing: HashMap::new(),
                     claims: 0,
+                    unaccepted: VecDeque::new(),
+                    ack_queue: Vec::new(),
+                    ack_round: Arc::default(),
                     drained: false,
                 }),
                 parking: tokio::sync::Mutex::new(()),
+                deleting: tokio::sync::Mutex::new(()),
                 outputs: tokio::sync::Mutex::new(rx),
                 confirm,
                 status,
@@ -332,7 +382,7 @@ impl Inner {
     }
 
     /// One reader item, in stream order; events to hand out go to `out`.
-    fn accept(&self, state: &mut State, item: Item, out: &mut Vec<Claimed>) {
+    fn accept(&self, state: &mut State, item: Item) {
         match item {
             Item::Session {
                 session,
@@ -357,29 +407,51 @@ impl Inner {
                 state.parked_keys.extend(loaded);
             }
             Item::DrainUntil(lsn) => state.drain_until = Some(lsn),
-            Item::Output(output) => {
-                if state.drained {
-                    return;
-                }
-                match &output {
-                    Output::Skipped { lsn, reason } => {
-                        tracing::warn!(%lsn, reason, "outbox message not relayed");
-                    }
-                    // The drain marker arrives as one.
-                    Output::Idle { wal_end } => {
-                        if state.drain_until.is_some_and(|until| *wal_end >= until) {
-                            state.drained = true;
-                        }
-                    }
-                    Output::Event { .. } | Output::Committed { .. } => {}
-                }
-                state.acks.observe(&output);
-                if let Output::Event { position, event } = output {
-                    self.hand_out(state, position, event, out);
-                }
-                self.publish_confirmable(state);
-            }
+            Item::Outputs(outputs) => state.unaccepted.extend(outputs),
         }
+    }
+
+    /// Accepts outputs received and not yet accepted, until `out` holds `limit` events or
+    /// `budget` outputs were accepted; returns how many were.
+    fn accept_outputs(
+        &self,
+        state: &mut State,
+        out: &mut Vec<Claimed>,
+        limit: usize,
+        budget: usize,
+    ) -> usize {
+        let mut accepted = 0;
+        while out.len() < limit && accepted < budget {
+            let Some(output) = state.unaccepted.pop_front() else {
+                break;
+            };
+            accepted += 1;
+            self.accept_output(state, output, out);
+        }
+        accepted
+    }
+
+    fn accept_output(&self, state: &mut State, output: Output, out: &mut Vec<Claimed>) {
+        if state.drained {
+            return;
+        }
+        match &output {
+            Output::Skipped { lsn, reason } => {
+                tracing::warn!(%lsn, reason, "outbox message not relayed");
+            }
+            // The drain marker arrives as one.
+            Output::Idle { wal_end } => {
+                if state.drain_until.is_some_and(|until| *wal_end >= until) {
+                    state.drained = true;
+                }
+            }
+            Output::Event { .. } | Output::Committed { .. } => {}
+        }
+        state.acks.observe(&output);
+        if let Output::Event { position, event } = output {
+            self.hand_out(state, position, event, out);
+        }
+        self.publish_confirmable(state);
     }
 
     fn hand_out(
@@ -648,15 +720,35 @@ impl Inner {
     }
 
     /// Acks held stream events: their outbox rows are deleted, then their positions settle.
+    ///
+    /// A fast sink confirms many small batches at once, and one delete transaction each
+    /// would cost a commit (and a WAL flush) per batch. So deletes run one at a time, and
+    /// each takes every ack queued while the one before it ran (a group commit): an ack
+    /// returns once the delete that carried its rows has, with that delete's outcome.
     async fn ack_stream(&self, ids: Vec<SequenceId>) -> StoreResult<u64> {
         if ids.is_empty() {
             return Ok(0);
         }
         let acked = ids.len() as u64;
         let now = std::time::Instant::now();
-        self.delete_delivered(ids.into_iter().map(|id| (id, now)).collect())
-            .await?;
-        Ok(acked)
+        let round = {
+            let mut state = lock(&self.state);
+            state.ack_queue.extend(ids.into_iter().map(|id| (id, now)));
+            state.ack_round.clone()
+        };
+        let _turn = self.deleting.lock().await;
+        if let Some(outcome) = round.outcome.get() {
+            return outcome.to_result().map(|()| acked);
+        }
+        // This round is still open: close it (later acks open the next one) and run it.
+        let events = {
+            let mut state = lock(&self.state);
+            state.ack_round = Arc::default();
+            std::mem::take(&mut state.ack_queue)
+        };
+        let result = self.delete_delivered(events).await;
+        let _ = round.outcome.set(AckOutcome::of(&result));
+        result.map(|()| acked)
     }
 
     /// Deletes the outbox rows of delivered stream events and settles the events. The
@@ -873,13 +965,20 @@ impl Inner {
             }
         }
         let mut outputs = self.outputs.lock().await;
+        let (limit, budget) = (request.limit, request.limit * 4);
         let mut received = 0;
-        while out.len() < request.limit && received < request.limit * 4 {
+        loop {
+            received += self.accept_outputs(
+                &mut lock(&self.state),
+                &mut out,
+                limit,
+                budget - received,
+            );
+            if out.len() >= limit || received >= budget {
+                break;
+            }
             match outputs.try_recv() {
-                Ok(item) => {
-                    received += 1;
-                    self.accept(&mut lock(&self.state), item, &mut out);
-                }
+                Ok(item) => self.accept(&mut lock(&self.state), item),
                 Err(_) => break,
             }
         }
@@ -889,7 +988,9 @@ impl Inner {
             if let Ok(Some(item)) =
                 tokio::time::timeout(Duration::from_secs(1), outputs.recv()).await
             {
-                self.accept(&mut lock(&self.state), item, &mut out);
+                let mut state = lock(&self.state);
+                self.accept(&mut state, item);
+                self.accept_outputs(&mut state, &mut out, limit, budget);
             }
         }
         drop(outputs);
@@ -1103,6 +1204,14 @@ fn parking_order(state: &State, mut to_park: Vec<Park>) -> (Vec<Park>, Vec<Park>
             _ => true,
         })
 }
+
+/// The most outputs the reader hands over in one item.
+const READ_BURST: usize = 1024;
+
+/// How far behind the server the reader must be before it waits for a fuller burst, and
+/// how long it waits (once per burst).
+const LINGER_WHEN_BEHIND: u64 = 1 << 20;
+const READ_LINGER: Duration = Duration::from_millis(1);
 
 /// How long a delivered event's outbox row is looked for (see `Inner::delete_delivered`).
 pub const UNDELETED_PATIENCE: Duration = Duration::from_secs(5);
@@ -1601,13 +1710,36 @@ impl Reader {
                 }
                 next = stream.next() => next,
             };
-            match next {
-                Ok(Some(output)) => {
-                    permit.send(Item::Output(output));
-                    self.notify();
+            let mut burst = Vec::new();
+            let mut next = Some(next);
+            let mut lingered = false;
+            // What the stream has ready goes over in one item. Taking it without waiting is
+            // safe: `next` holds nothing across an await once it has taken a message.
+            while let Some(Ok(Some(output))) = next {
+                burst.push(output);
+                next = None;
+                if burst.len() >= READ_BURST {
+                    break;
                 }
-                Ok(None) => return SessionEnd::Broken("the server ended the stream".into()),
-                Err(e) => return SessionEnd::Broken(describe(&e)),
+                next = stream.next().now_or_never();
+                // Far behind the server, one short wait lets the client read on without a
+                // wake-up per message, for a fuller burst; caught up, nothing waits.
+                if next.is_none() && !lingered && stream.behind() > LINGER_WHEN_BEHIND {
+                    lingered = true;
+                    tokio::time::sleep(READ_LINGER).await;
+                    next = stream.next().now_or_never();
+                }
+            }
+            if !burst.is_empty() {
+                permit.send(Item::Outputs(burst));
+                self.notify();
+            }
+            match next {
+                None | Some(Ok(Some(_))) => {}
+                Some(Ok(None)) => {
+                    return SessionEnd::Broken("the server ended the stream".into())
+                }
+                Some(Err(e)) => return SessionEnd::Broken(describe(&e)),
             }
         }
     }
