@@ -117,6 +117,8 @@ impl Publisher for Router {
                     continue;
                 }
             }
+            // Only for its report: a malformed traceparent is said once, whatever the sink.
+            let _ = crate::trace::trace_context(&event);
             let target = route.target.render(&event);
             let group = groups.entry(route.sink.as_str()).or_default();
             group.0.push(i);

@@ -406,15 +406,44 @@ async fn without_otel_variables_nothing_is_exported_and_nothing_listens() {
     );
     let url = fresh_pg_database().await;
     migrate(&url);
-    insert(&url, "orders", &[("k", Some(PARENT), Some(STATE))]).await;
+    insert(
+        &url,
+        "orders",
+        &[
+            ("k", Some(PARENT), Some(STATE)),
+            ("bad", Some(MALFORMED), None),
+            ("bad-too", Some("x"), None),
+        ],
+    )
+    .await;
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("events.jsonl");
     let mut relay = start_relay(dir.path(), &url, &format!("file:{}", out.display()), &[]);
-    support::wait_for_lines("the event", &out, Duration::from_secs(30), |n| n >= 1).await;
+    support::wait_for_lines("the events", &out, Duration::from_secs(30), |n| n >= 3).await;
     let lines = support::read_lines(&out);
+    let line = |key: &str| {
+        lines
+            .iter()
+            .find(|l| l["partition_key"] == key)
+            .unwrap()
+            .clone()
+    };
     assert_eq!(
-        lines[0]["headers"]["traceparent"], PARENT,
+        line("k")["headers"]["traceparent"],
+        PARENT,
         "the file sink keeps the headers"
+    );
+    assert_eq!(
+        line("bad")["headers"]["traceparent"],
+        MALFORMED,
+        "delivered as written"
+    );
+    // Reported once, with export off too.
+    let logs = relay.logs();
+    assert_eq!(
+        logs.matches("traceparent is malformed").count(),
+        1,
+        "{logs}"
     );
     let pid = relay.pid();
     let names = threads(&pid);
