@@ -7,7 +7,8 @@
 //! - [`store`]: the [`OutboxStore`](store::OutboxStore) contract (claim → ack / retry / dead-letter);
 //! - [`publisher`]: the [`Publisher`](publisher::Publisher) contract (a batch in, one outcome per event);
 //! - [`ident`]: validated, quoted SQL identifiers for configurable schema and table names;
-//! - [`redact`]: secrets out of URLs and the messages that quote them.
+//! - [`redact`]: secrets out of URLs and the messages that quote them;
+//! - [`trace`]: W3C trace context in event headers, and the [`Telemetry`](trace::Telemetry) contract.
 
 pub mod error;
 pub mod event;
@@ -20,12 +21,14 @@ pub mod redact;
 pub mod retry;
 pub mod store;
 pub mod time;
+pub mod trace;
 
 pub use error::{Disposition, PublishError, PublishErrorKind, StoreError, StoreErrorKind};
 pub use event::{Event, EventId, Headers, NewEvent, NodeId, Payload, SequenceId};
 pub use health::Health;
 pub use ownership::Ownership;
 pub use partition::{partition_of, Fence};
-pub use publisher::{Outcome, Publisher};
+pub use publisher::{MessagingDestination, Outcome, Publisher};
 pub use retry::{Backoff, RetryDecision, RetryPolicy};
 pub use store::{Claimed, OutboxStore};
+pub use trace::{Telemetry, TraceContext, TraceParent};

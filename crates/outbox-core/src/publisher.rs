@@ -40,4 +40,21 @@ pub trait Publisher: Send + Sync + 'static {
     fn close(&self) -> BoxFuture<'static, ()> {
         Box::pin(async {})
     }
+
+    /// Where `event` goes, for telemetry only (span attributes): the messaging system and
+    /// the destination's name there (subject, topic, routing key, stream, URL). `None` when
+    /// the publisher cannot say (no route). Called only while telemetry is on.
+    fn messaging_destination(&self, event: &Event) -> Option<MessagingDestination> {
+        let _ = event;
+        None
+    }
+}
+
+/// A destination as the messaging semantic conventions name it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct MessagingDestination {
+    /// `messaging.system`: `kafka`, `rabbitmq`, `nats`, `redis`, `webhook`, `ably`, `file`.
+    pub system: &'static str,
+    /// `messaging.destination.name`.
+    pub name: String,
 }

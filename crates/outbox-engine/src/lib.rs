@@ -24,9 +24,10 @@ use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt};
 use outbox_core::health::Check;
 use outbox_core::store::{Backlog, ClaimRequest, DeadLetter, RetryLater, StoreFuture, StoreResult};
+use outbox_core::trace::{SettleKind, Span};
 use outbox_core::{
     Backoff, Event, Fence, Health, NodeId, OutboxStore, Ownership, PublishError, PublishErrorKind,
-    Publisher, RetryDecision, RetryPolicy, SequenceId, StoreError,
+    Publisher, RetryDecision, RetryPolicy, SequenceId, StoreError, Telemetry,
 };
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -94,6 +95,9 @@ pub struct EngineConfig {
     /// The partitions this node holds, kept by the cluster coordinator. `None`: a single
     /// node that claims every partition.
     pub ownership: Option<Arc<Ownership>>,
+    /// Where claims, publishes and settles are reported as spans. `None` (the default): no
+    /// timestamp is taken and nothing is collected.
+    pub telemetry: Option<Arc<dyn Telemetry>>,
 }
 
 impl EngineConfig {
@@ -114,6 +118,7 @@ impl EngineConfig {
             health: Health::new(),
             ordered: true,
             ownership: None,
+            telemetry: None,
         }
     }
 }
@@ -268,6 +273,7 @@ impl Engine {
     fn spawn_fenced_settle<T: Clone + Send + Sync + 'static>(
         &mut self,
         what: &'static str,
+        (kind, count): (SettleKind, usize),
         rows: T,
         op: FencedSettle<T>,
         settled: impl FnOnce(StoreResult<u64>) -> Settled + Send + 'static,
@@ -276,12 +282,17 @@ impl Engine {
         let node = self.config.node.clone();
         let health = self.config.health.clone();
         let fence = self.settle_fence();
+        let telemetry = self.config.telemetry.clone();
         self.spawn_settle(
             async move {
+                let start = telemetry.as_ref().map(|_| SystemTime::now());
                 let result = persist(health, what, || {
                     op(&*store, node.clone(), fence.clone(), rows.clone())
                 })
                 .await;
+                if let (Some(telemetry), Some(start)) = (telemetry, start) {
+                    telemetry.settled(Span::since(start), kind, count, result.as_ref().copied());
+                }
                 settled(result)
             }
             .boxed(),
@@ -345,6 +356,10 @@ impl Engine {
             if !batch.is_empty() {
                 ::metrics::histogram!(metrics::PUBLISH_BATCH).record(batch.len() as f64);
                 let lease_lost = self.lease_lost(&batch);
+                let telemetry = self.config.telemetry.clone().map(|t| {
+                    // The publisher names each event's system and destination for the spans.
+                    (t, self.publisher.clone(), SystemTime::now())
+                });
                 let publish = self.publisher.publish(batch.clone());
                 let timeout = self.config.publish_timeout;
                 self.publishing.push(
@@ -369,6 +384,9 @@ impl Engine {
                                 "no confirmation before this node's partition lease ran out".into(),
                             ),
                         };
+                        if let Some((telemetry, publisher, start)) = telemetry {
+                            telemetry.published(Span::since(start), &*publisher, &batch, &outcomes);
+                        }
                         (batch, outcomes)
                     }
                     .boxed(),
@@ -414,6 +432,7 @@ impl Engine {
         let ids: Vec<SequenceId> = rows.iter().map(|r| r.sequence_id).collect();
         self.spawn_fenced_settle(
             "dead-letter",
+            (SettleKind::DeadLetter, rows.len()),
             rows,
             |store, node, fence, rows| store.dead_letter(node, fence, rows),
             |result| Settled::DeadLettered(keys, ids, result),
@@ -522,6 +541,7 @@ impl Engine {
         let ids: Vec<SequenceId> = acked.iter().map(|a| a.sequence_id).collect();
         self.spawn_fenced_settle(
             "ack",
+            (SettleKind::Ack, ids.len()),
             ids,
             |store, node, fence, ids| store.ack(node, fence, ids),
             |result| Settled::Acked(acked, result),
@@ -538,6 +558,7 @@ impl Engine {
         self.lanes.releasing(&ids);
         self.spawn_fenced_settle(
             "retry",
+            (SettleKind::Retry, retries.len()),
             retries,
             |store, node, fence, retries| store.retry_later(node, fence, retries),
             |result| Settled::Retried(keys, ids, result),
@@ -699,9 +720,17 @@ impl Engine {
         });
         let attempt = self.config.health.begin(Check::Claim);
         let claim_no = self.claims.started + 1;
+        let telemetry = self
+            .config
+            .telemetry
+            .clone()
+            .map(|t| (t, SystemTime::now()));
         self.claims.start(
             async move {
                 let result = claim.await;
+                if let Some((telemetry, start)) = telemetry {
+                    telemetry.claimed(Span::since(start), result.as_ref().map(Vec::len));
+                }
                 match &result {
                     Ok(_) => attempt.succeeded(),
                     Err(e) => {

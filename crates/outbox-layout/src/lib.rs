@@ -150,6 +150,15 @@ pub struct Mapping {
     #[serde(default)]
     pub payload_format: PayloadFormat,
     pub headers: Option<String>,
+    /// A text column with the W3C `traceparent` of the producing span, for tables that keep
+    /// trace context in a column of its own rather than in `headers`: carried to the broker
+    /// as the `traceparent` header when valid (a `traceparent` in `headers` wins). A Debezium
+    /// style `tracingspancontext` column would be a third field beside these two.
+    #[serde(default)]
+    pub traceparent: Option<String>,
+    /// A text column with the W3C `tracestate`, carried with a valid `traceparent`.
+    #[serde(default)]
+    pub tracestate: Option<String>,
     pub mutation_id: Option<String>,
     pub rejected: Option<String>,
     pub created_at: Option<String>,
@@ -383,6 +392,8 @@ impl Mapping {
             payload: String::new(),
             payload_format: PayloadFormat::Json,
             headers: None,
+            traceparent: None,
+            tracestate: None,
             mutation_id: None,
             rejected: None,
             created_at: None,
@@ -416,6 +427,8 @@ impl Mapping {
             &self.key,
             &self.event_type,
             &self.headers,
+            &self.traceparent,
+            &self.tracestate,
             &self.mutation_id,
             &self.rejected,
             &self.created_at,
@@ -488,6 +501,8 @@ impl Mapping {
             ("key", &self.key),
             ("event_type", &self.event_type),
             ("headers", &self.headers),
+            ("traceparent", &self.traceparent),
+            ("tracestate", &self.tracestate),
             ("mutation_id", &self.mutation_id),
             ("rejected", &self.rejected),
             ("created_at", &self.created_at),

@@ -50,6 +50,8 @@ pub struct RawRow {
     pub attempts: Option<i64>,
     pub created_micros: Option<i64>,
     pub max_attempts: Option<i64>,
+    pub traceparent: Option<String>,
+    pub tracestate: Option<String>,
 }
 
 /// The active relay's memory of a mapped table. Engine handles are the integer ids
@@ -218,7 +220,8 @@ pub fn decode(
     let headers = match raw.headers {
         None => Ok(Default::default()),
         Some(text) => headers_from_json_text(&text),
-    };
+    }
+    .map(|h| with_trace_columns(h, raw.traceparent, raw.tracestate, &id_text));
     let event_id = match raw.event_id {
         Some(text) => Uuid::parse_str(text.trim()).map_err(|e| format!("event id {text:?}: {e}")),
         None => Ok(derived_event_id(mapping, &id_text)),
@@ -258,6 +261,51 @@ pub fn decode(
     }
 }
 
+/// Adds a row's trace-context columns to its headers, as the header-carrying tables have
+/// them: a valid `traceparent` (with `tracestate`, if any) becomes the `traceparent` header,
+/// unless the headers already hold one. A malformed value is left out and reported once.
+fn with_trace_columns(
+    mut headers: outbox_core::Headers,
+    traceparent: Option<String>,
+    tracestate: Option<String>,
+    row: &str,
+) -> outbox_core::Headers {
+    use outbox_core::trace::{TraceParent, TRACEPARENT, TRACESTATE};
+    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    let Some(traceparent) = traceparent
+        .map(|t| t.trim().to_string())
+        .filter(|t| !t.is_empty())
+    else {
+        return headers;
+    };
+    if headers.keys().any(|k| k.eq_ignore_ascii_case(TRACEPARENT)) {
+        return headers;
+    }
+    match TraceParent::parse(&traceparent) {
+        Ok(parent) => {
+            headers.insert(TRACEPARENT.into(), parent.to_string());
+            if let Some(state) = tracestate
+                .map(|s| s.trim().to_string())
+                .filter(|s| !s.is_empty())
+            {
+                headers.insert(TRACESTATE.into(), state);
+            }
+        }
+        Err(e) => {
+            if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                tracing::warn!(
+                    row,
+                    error = %e,
+                    "the traceparent column holds a malformed value (W3C Trace Context); the \
+                     event is delivered without trace context. Later malformed values are not \
+                     reported"
+                );
+            }
+        }
+    }
+    headers
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -278,7 +326,42 @@ mod tests {
             attempts: None,
             created_micros: None,
             max_attempts: None,
+            traceparent: None,
+            tracestate: None,
         }
+    }
+
+    #[test]
+    fn trace_columns_become_headers_when_valid() {
+        const TP: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let mut m = Mapping::open_outbox("public", "e");
+        m.traceparent = Some("traceparent".into());
+        m.tracestate = Some("tracestate".into());
+        let mut memory = Memory::default();
+        let decoded = |raw: RawRow, memory: &mut Memory| match decode(&m, raw, memory, "n", LEASE) {
+            Claimed::Event(e) => e.headers,
+            other => panic!("{other:?}"),
+        };
+        let valid = RawRow {
+            traceparent: Some(TP.into()),
+            tracestate: Some("congo=t61rcWkgMzE".into()),
+            ..raw(RowId::Uuid(Uuid::new_v4()))
+        };
+        let h = decoded(valid, &mut memory);
+        assert_eq!(h["traceparent"], TP);
+        assert_eq!(h["tracestate"], "congo=t61rcWkgMzE");
+        let malformed = RawRow {
+            traceparent: Some("00-nope".into()),
+            tracestate: Some("congo=t61rcWkgMzE".into()),
+            ..raw(RowId::Uuid(Uuid::new_v4()))
+        };
+        assert!(decoded(malformed, &mut memory).is_empty());
+        let in_headers = RawRow {
+            headers: Some(r#"{"traceparent":"mine"}"#.into()),
+            traceparent: Some(TP.into()),
+            ..raw(RowId::Uuid(Uuid::new_v4()))
+        };
+        assert_eq!(decoded(in_headers, &mut memory)["traceparent"], "mine");
     }
 
     #[test]

@@ -4,7 +4,8 @@
 //! fragments (`$n` for PostgreSQL, `?` for MySQL), so the executor decides how id lists are
 //! bound: PostgreSQL arrays, or MySQL lists of integers it formats itself. Every claimed row
 //! is selected as [`Sql::select_list`] in this order: id, event id, destination, key, type,
-//! payload, headers, mutation id, rejected, attempts, created_at (µs), max attempts.
+//! payload, headers, mutation id, rejected, attempts, created_at (µs), max attempts,
+//! traceparent, tracestate.
 
 use crate::params::Params;
 use crate::{
@@ -209,6 +210,8 @@ impl Sql {
             int_or_null(&m.attempts),
             created,
             max_attempts,
+            text_or_null(&m.traceparent),
+            text_or_null(&m.tracestate),
         ]
         .into()
     }

@@ -142,6 +142,10 @@ impl AblySink {
 }
 
 impl Sink for AblySink {
+    fn messaging_system(&self) -> Option<&'static str> {
+        Some("ably")
+    }
+
     fn describe(&self) -> String {
         format!("ably {}", self.rest_url)
     }

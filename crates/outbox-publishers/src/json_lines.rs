@@ -106,6 +106,10 @@ impl StdoutSink {
 }
 
 impl Sink for StdoutSink {
+    fn messaging_system(&self) -> Option<&'static str> {
+        Some("stdout")
+    }
+
     fn describe(&self) -> String {
         "stdout".into()
     }
@@ -347,6 +351,10 @@ impl OpenFile {
 }
 
 impl Sink for FileSink {
+    fn messaging_system(&self) -> Option<&'static str> {
+        Some("file")
+    }
+
     fn describe(&self) -> String {
         format!("file:{}", self.path.display())
     }

@@ -149,6 +149,10 @@ fn classify(error: KafkaError, topic: &str) -> PublishError {
 }
 
 impl Sink for KafkaSink {
+    fn messaging_system(&self) -> Option<&'static str> {
+        Some("kafka")
+    }
+
     fn describe(&self) -> String {
         self.shown.clone()
     }

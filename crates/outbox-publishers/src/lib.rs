@@ -19,6 +19,7 @@ pub mod redis;
 pub mod router;
 pub mod sink;
 pub mod template;
+pub mod trace;
 #[cfg(feature = "webhook")]
 pub mod webhook;
 

@@ -290,6 +290,10 @@ fn jetstream_status(error: &async_nats::jetstream::context::PublishError) -> Opt
 }
 
 impl Sink for NatsSink {
+    fn messaging_system(&self) -> Option<&'static str> {
+        Some("nats")
+    }
+
     fn describe(&self) -> String {
         self.shown.clone()
     }

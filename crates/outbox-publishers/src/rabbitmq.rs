@@ -284,6 +284,10 @@ impl Inner {
 }
 
 impl Sink for RabbitSink {
+    fn messaging_system(&self) -> Option<&'static str> {
+        Some("rabbitmq")
+    }
+
     fn describe(&self) -> String {
         self.inner.shown.clone()
     }

@@ -161,6 +161,10 @@ fn classify(error: RedisError, what: &str) -> PublishError {
 }
 
 impl Sink for RedisSink {
+    fn messaging_system(&self) -> Option<&'static str> {
+        Some("redis")
+    }
+
     fn describe(&self) -> String {
         self.inner.shown.clone()
     }
@@ -201,6 +205,9 @@ impl Sink for RedisSink {
                     .arg(event.payload.as_bytes());
                 if let Some(m) = &event.mutation_id {
                     invocation.arg("mutation_id").arg(m);
+                }
+                for (name, value) in crate::trace::trace_fields(event) {
+                    invocation.arg(name).arg(value);
                 }
                 async move {
                     invocation

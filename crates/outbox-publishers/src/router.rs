@@ -7,7 +7,9 @@ use std::sync::Arc;
 use futures::future::{join_all, BoxFuture};
 use futures::FutureExt;
 use globset::{Glob, GlobMatcher};
-use outbox_core::{Event, Outcome, PublishError, PublishErrorKind, Publisher};
+use outbox_core::{
+    Event, MessagingDestination, Outcome, PublishError, PublishErrorKind, Publisher,
+};
 
 use crate::sink::{Routed, Sink};
 use crate::template::Template;
@@ -72,6 +74,14 @@ impl Router {
 }
 
 impl Publisher for Router {
+    fn messaging_destination(&self, event: &Event) -> Option<MessagingDestination> {
+        let route = self.route(event)?;
+        Some(MessagingDestination {
+            system: self.sinks[&route.sink].messaging_system()?,
+            name: route.target.render(event),
+        })
+    }
+
     fn describe(&self) -> String {
         let mut names: Vec<String> = self.sinks.values().map(|s| s.describe()).collect();
         names.sort();
@@ -107,6 +117,8 @@ impl Publisher for Router {
                     continue;
                 }
             }
+            // Only for its report: a malformed traceparent is said once, whatever the sink.
+            let _ = crate::trace::trace_context(&event);
             let target = route.target.render(&event);
             let group = groups.entry(route.sink.as_str()).or_default();
             group.0.push(i);

@@ -31,6 +31,11 @@ pub trait Sink: Send + Sync + 'static {
     fn close(&self) -> BoxFuture<'static, ()> {
         Box::pin(async {})
     }
+
+    /// The `messaging.system` of the semantic conventions, for telemetry.
+    fn messaging_system(&self) -> Option<&'static str> {
+        None
+    }
 }
 
 /// The same error for every event of a batch (the connection itself failed).
@@ -67,5 +72,9 @@ impl Sink for Limited {
 
     fn close(&self) -> BoxFuture<'static, ()> {
         self.inner.close()
+    }
+
+    fn messaging_system(&self) -> Option<&'static str> {
+        self.inner.messaging_system()
     }
 }

@@ -109,6 +109,10 @@ impl WebhookSink {
 }
 
 impl Sink for WebhookSink {
+    fn messaging_system(&self) -> Option<&'static str> {
+        Some("webhook")
+    }
+
     fn describe(&self) -> String {
         self.shown.clone()
     }
@@ -139,6 +143,9 @@ impl Sink for WebhookSink {
                         .header("content-type", "application/json")
                         .header("webhook-id", &id)
                         .header("webhook-timestamp", timestamp.to_string());
+                    for (name, value) in crate::trace::trace_fields(&routed.event) {
+                        request = request.header(name, value);
+                    }
                     if let Some(key) = &key {
                         request =
                             request.header("webhook-signature", sign(key, &id, timestamp, &body));

@@ -218,6 +218,14 @@ impl BrokerHarness for WebhookHarness {
                         event_id: body["event_id"].as_str().unwrap().to_string(),
                         ordering_key: body["partition_key"].as_str().map(String::from),
                         payload: body_payload(&body["payload"]),
+                        traceparent: r
+                            .headers
+                            .get("traceparent")
+                            .map(|v| v.to_str().unwrap().to_string()),
+                        tracestate: r
+                            .headers
+                            .get("tracestate")
+                            .map(|v| v.to_str().unwrap().to_string()),
                     }
                 })
                 .collect()
@@ -404,6 +412,12 @@ impl BrokerHarness for AblyHarness {
                         event_id: id[..id.len() - 2].to_string(),
                         ordering_key: None,
                         payload: m["data"].as_str().unwrap_or_default().as_bytes().to_vec(),
+                        traceparent: m["extras"]["headers"]["traceparent"]
+                            .as_str()
+                            .map(String::from),
+                        tracestate: m["extras"]["headers"]["tracestate"]
+                            .as_str()
+                            .map(String::from),
                     }
                 })
                 .collect()

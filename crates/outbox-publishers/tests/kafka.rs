@@ -96,6 +96,8 @@ impl BrokerHarness for KafkaHarness {
                         .key()
                         .map(|k| String::from_utf8_lossy(k).to_string()),
                     payload: message.payload().unwrap_or_default().to_vec(),
+                    traceparent: header("traceparent"),
+                    tracestate: header("tracestate"),
                 });
             }
             self.received.lock().unwrap().clone()

@@ -89,6 +89,8 @@ impl BrokerHarness for NatsHarness {
                     event_id: header("Nats-Msg-Id"),
                     ordering_key: Some(header("Outbox-Partition-Key")),
                     payload: message.payload.to_vec(),
+                    traceparent: message.headers.get("traceparent").map(|v| v.to_string()),
+                    tracestate: message.headers.get("tracestate").map(|v| v.to_string()),
                 });
             }
             out

@@ -87,14 +87,17 @@ impl BrokerHarness for RabbitHarness {
                     .await
                 {
                     let props = &message.delivery.properties;
-                    let key = props
-                        .headers()
-                        .as_ref()
-                        .and_then(|h| h.inner().get("outbox-partition-key").cloned())
-                        .and_then(|v| match v {
-                            AMQPValue::LongString(s) => Some(s.to_string()),
-                            _ => None,
-                        });
+                    let header = |name: &str| {
+                        props
+                            .headers()
+                            .as_ref()
+                            .and_then(|h| h.inner().get(name).cloned())
+                            .and_then(|v| match v {
+                                AMQPValue::LongString(s) => Some(s.to_string()),
+                                _ => None,
+                            })
+                    };
+                    let key = header("outbox-partition-key");
                     self.received.lock().unwrap().push(Received {
                         event_id: props
                             .message_id()
@@ -103,6 +106,8 @@ impl BrokerHarness for RabbitHarness {
                             .unwrap_or_default(),
                         ordering_key: key,
                         payload: message.delivery.data.clone(),
+                        traceparent: header("traceparent"),
+                        tracestate: header("tracestate"),
                     });
                 }
                 let _ = connection.close(200, "done".into()).await;

@@ -82,6 +82,8 @@ impl BrokerHarness for RedisHarness {
                         event_id: text("event_id"),
                         ordering_key: Some(text("key")),
                         payload: entry.get::<Vec<u8>>("payload").unwrap_or_default(),
+                        traceparent: entry.get::<String>("traceparent"),
+                        tracestate: entry.get::<String>("tracestate"),
                     }
                 })
                 .collect()

@@ -205,6 +205,13 @@ pub async fn run(mut config: Config, drain: bool) -> anyhow::Result<ExitCode> {
         None => store.outbox(),
     };
     let sink = publisher(&sinks, &routes).await?;
+    let otel = crate::otel::Otel::from_env(
+        &node.0,
+        &config.layout_tables().outbox_table,
+        engine.batch_size,
+    )
+    .map_err(anyhow::Error::new)?;
+    engine.telemetry = otel.as_ref().map(|o| o.telemetry());
     tracing::info!(
         node = %node,
         store = %outbox.describe(),
@@ -306,6 +313,13 @@ pub async fn run(mut config: Config, drain: bool) -> anyhow::Result<ExitCode> {
                 .max(Duration::from_secs(1)),
         )
         .await;
+    }
+    if let Some(otel) = otel {
+        // The spans of the shutdown's settles are in the queue: send them, within what is
+        // left of the shutdown's budget (at least a second, at most five).
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        otel.shutdown(left.clamp(Duration::from_secs(1), Duration::from_secs(5)))
+            .await;
     }
     monitor.abort();
     if let Some(http) = http {

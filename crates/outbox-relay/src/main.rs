@@ -6,6 +6,11 @@ mod commands;
 mod config;
 mod http;
 mod operator;
+#[cfg(feature = "otel")]
+mod otel;
+#[cfg(not(feature = "otel"))]
+#[path = "otel_off.rs"]
+mod otel;
 mod progress;
 mod store;
 

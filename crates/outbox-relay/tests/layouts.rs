@@ -680,7 +680,8 @@ async fn a_custom_mapping_relays_an_applications_own_table() {
              kind text NOT NULL,
              body bytea NOT NULL,
              created_at timestamptz NOT NULL DEFAULT now(),
-             sent_at timestamptz
+             sent_at timestamptz,
+             trace_parent text
          );",
     )
     .await;
@@ -701,6 +702,7 @@ payload = "body"
 payload_format = "bytes"
 created_at = "created_at"
 delivered_at = "sent_at"
+traceparent = "trace_parent"
 on_success = "mark"
 state = { kind = "rows" }
 
@@ -712,10 +714,11 @@ state = { kind = "rows" }
     h.cli(&["migrate"]);
     h.pg()
         .batch_execute(
-            "INSERT INTO app_events (topic, aggregate_id, kind, body) VALUES
-             ('billing.invoice', 'acct-1', 'created', 'raw-1'),
-             ('billing.invoice', 'acct-1', 'paid', 'raw-2'),
-             ('shipping', NULL, 'sent', 'raw-3');",
+            "INSERT INTO app_events (topic, aggregate_id, kind, body, trace_parent) VALUES
+             ('billing.invoice', 'acct-1', 'created', 'raw-1',
+              '00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01'),
+             ('billing.invoice', 'acct-1', 'paid', 'raw-2', 'not-a-traceparent'),
+             ('shipping', NULL, 'sent', 'raw-3', NULL);",
         )
         .await
         .unwrap();
@@ -724,6 +727,12 @@ state = { kind = "rows" }
     assert_eq!(messages[0].payload, "raw-1");
     assert_eq!(messages[1].payload, "raw-2");
     assert_eq!(messages[1].header["Outbox-Event-Type"], "paid");
+    // The trace column becomes the W3C header when valid, and nothing otherwise.
+    assert_eq!(
+        messages[0].header["traceparent"],
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    );
+    assert!(!messages[1].header.contains_key("traceparent"));
     h.wait_count(
         "delivered rows marked",
         "SELECT count(*) FROM app_events WHERE sent_at IS NOT NULL",

@@ -342,6 +342,8 @@ impl MappedDb for MySql {
             attempts: int(col(row, 9)),
             created_micros: int(col(row, 10)),
             max_attempts: int(col(row, 11)),
+            traceparent: text(col(row, 12)),
+            tracestate: text(col(row, 13)),
         })
     }
 

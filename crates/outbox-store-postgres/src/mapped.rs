@@ -301,6 +301,8 @@ impl MappedDb for MappedPg {
             attempts: int(9)?,
             created_micros: int(10)?,
             max_attempts: int(11)?,
+            traceparent: text(12)?,
+            tracestate: text(13)?,
         })
     }
 

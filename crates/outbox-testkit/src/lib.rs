@@ -3,6 +3,7 @@
 
 pub mod conformance;
 pub mod faultproxy;
+pub mod otlp;
 pub mod publisher;
 pub mod recording;
 pub mod server;

@@ -20,6 +20,9 @@ pub struct Received {
     /// The ordering key, where the broker's message carries it.
     pub ordering_key: Option<String>,
     pub payload: Vec<u8>,
+    /// The W3C trace context headers the consumer sees, under the broker's convention.
+    pub traceparent: Option<String>,
+    pub tracestate: Option<String>,
 }
 
 pub trait BrokerHarness: Send + Sync {
@@ -49,6 +52,7 @@ macro_rules! publisher_conformance {
         $crate::publisher_conformance!(@tests $new_harness;
             delivers_every_event_in_order_per_key,
             redelivery_after_a_crash_is_deduplicated,
+            trace_context_arrives,
             oversized_messages_fail_permanently);
         $crate::publisher_conformance!(@tests $restartable; broker_restart_mid_stream_loses_nothing);
     };
@@ -189,6 +193,53 @@ pub async fn redelivery_after_a_crash_is_deduplicated(h: &dyn BrokerHarness) {
             "the broker dropped the redelivered copies"
         );
     }
+}
+
+/// A `traceparent` and `tracestate` written with an event arrive where the broker's consumers
+/// look for them (headers, properties, fields); a malformed `traceparent` is delivered as
+/// written or not at all, never as something else, and does not fail the publish.
+pub async fn trace_context_arrives(h: &dyn BrokerHarness) {
+    const PARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    const OTHER: &str = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00";
+    const STATE: &str = "rojo=00f067aa0ba902b7,congo=t61rcWkgMzE";
+    const MALFORMED: &str = "00-not-a-trace-01";
+    let with = |seq: i64, headers: &[(&str, &str)]| {
+        let mut e = (*event(seq, &format!("trace-{seq}"), b"{}".to_vec())).clone();
+        for (k, v) in headers {
+            e.headers.insert(k.to_string(), v.to_string());
+        }
+        Arc::new(e)
+    };
+    let batch = vec![
+        with(1, &[("traceparent", PARENT), ("tracestate", STATE)]),
+        with(2, &[("traceparent", OTHER)]),
+        with(3, &[("traceparent", MALFORMED)]),
+        with(4, &[]),
+    ];
+    let outcomes = h.sink().send(routed(h, &batch)).await;
+    assert!(outcomes.iter().all(|o| o.is_ok()), "{outcomes:?}");
+    let received = wait_for(h, batch.len()).await;
+    let of = |e: &Arc<Event>| {
+        received
+            .iter()
+            .find(|r| r.event_id == e.event_id.to_string())
+            .unwrap_or_else(|| panic!("event {} arrived", e.sequence_id))
+            .clone()
+    };
+    let first = of(&batch[0]);
+    assert_eq!(first.traceparent.as_deref(), Some(PARENT));
+    assert_eq!(first.tracestate.as_deref(), Some(STATE));
+    let second = of(&batch[1]);
+    assert_eq!(second.traceparent.as_deref(), Some(OTHER));
+    assert_eq!(second.tracestate, None);
+    let malformed = of(&batch[2]);
+    assert!(
+        malformed.traceparent.is_none() || malformed.traceparent.as_deref() == Some(MALFORMED),
+        "a malformed traceparent is passed on as written or not at all: {:?}",
+        malformed.traceparent
+    );
+    let none = of(&batch[3]);
+    assert_eq!((none.traceparent, none.tracestate), (None, None));
 }
 
 pub async fn oversized_messages_fail_permanently(h: &dyn BrokerHarness) {
