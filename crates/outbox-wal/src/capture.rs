@@ -968,12 +968,8 @@ impl Inner {
         let (limit, budget) = (request.limit, request.limit * 4);
         let mut received = 0;
         loop {
-            received += self.accept_outputs(
-                &mut lock(&self.state),
-                &mut out,
-                limit,
-                budget - received,
-            );
+            received +=
+                self.accept_outputs(&mut lock(&self.state), &mut out, limit, budget - received);
             if out.len() >= limit || received >= budget {
                 break;
             }
@@ -1736,9 +1732,7 @@ impl Reader {
             }
             match next {
                 None | Some(Ok(Some(_))) => {}
-                Some(Ok(None)) => {
-                    return SessionEnd::Broken("the server ended the stream".into())
-                }
+                Some(Ok(None)) => return SessionEnd::Broken("the server ended the stream".into()),
                 Some(Err(e)) => return SessionEnd::Broken(describe(&e)),
             }
         }

@@ -222,7 +222,9 @@ impl WalStream {
                 return Ok(None);
             };
             let output = match event {
-                ReplicationEvent::XLogData { data, wal_start, .. } => {
+                ReplicationEvent::XLogData {
+                    data, wal_start, ..
+                } => {
                     self.received = wal_start.into();
                     self.assembler.push_bytes(&data)?
                 }
