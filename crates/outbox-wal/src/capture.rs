@@ -255,7 +255,9 @@ impl WalStore {
             ..main.tables().clone()
         });
         let sql = CaptureStatements::new(&tables);
-        let (tx, rx) = mpsc::channel(options.wal.read_ahead.max(16));
+        // Items carry bursts of up to `READ_BURST` outputs: the channel holds about
+        // `read_ahead` outputs, not that many bursts, so memory stays bounded.
+        let (tx, rx) = mpsc::channel((options.wal.read_ahead / READ_BURST).max(2));
         let (confirm, confirm_rx) = watch::channel(Lsn::default());
         let (status_tx, status) = watch::channel(CaptureStatus::Starting);
         let (close, close_rx) = watch::channel(false);
@@ -948,6 +950,7 @@ impl Inner {
                 out.push(row);
             }
         }
+        let parked = out.len();
         {
             let mut state = lock(&self.state);
             while out.len() < request.limit {
@@ -964,6 +967,7 @@ impl Inner {
                 }
             }
         }
+        let redelivered = out.len();
         let mut outputs = self.outputs.lock().await;
         let (limit, budget) = (request.limit, request.limit * 4);
         let mut received = 0;
@@ -990,6 +994,15 @@ impl Inner {
             }
         }
         drop(outputs);
+        if !out.is_empty() {
+            tracing::trace!(
+                parked,
+                redelivered = redelivered - parked,
+                from_stream = out.len() - redelivered,
+                outputs = received,
+                "claimed"
+            );
+        }
         let recheck = std::mem::take(&mut lock(&self.state).recheck);
         if !recheck.is_empty() {
             if let Err(e) = self.unpark_keys_locked(recheck.clone()).await {
