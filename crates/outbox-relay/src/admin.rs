@@ -30,7 +30,9 @@ use outbox_core::{StoreError, StoreErrorKind};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::operator::{purged_text, replay_all, replay_selector, retried_text, NOTHING_TO_REPLAY};
+use crate::operator::{
+    dead_record_json, purged_text, replay_all, replay_selector, retried_text, NOTHING_TO_REPLAY,
+};
 
 /// How often [`History`] samples the gauges.
 pub const SAMPLE_EVERY: Duration = Duration::from_secs(5);
@@ -512,15 +514,7 @@ async fn dead_letters(State(c): State<Arc<Console>>, RawQuery(raw): RawQuery) ->
     reply(
         StatusCode::OK,
         json!({
-            "dead_letters": rows.iter().map(|r| json!({
-                "sequence_id": r.sequence_id,
-                "event_id": r.event_id,
-                "destination": r.destination,
-                "event_type": r.event_type,
-                "attempts": r.attempts,
-                "last_error": r.last_error,
-                "dead_at": time_text(r.dead_at),
-            })).collect::<Vec<_>>(),
+            "dead_letters": rows.iter().map(dead_record_json).collect::<Vec<_>>(),
             "next_after": next_after,
         }),
     )
@@ -652,53 +646,53 @@ async fn dead_selector(c: &Console, body: &Bytes) -> Result<DeadSelector, Respon
 }
 
 async fn dead_retry(State(c): State<Arc<Console>>, headers: HeaderMap, body: Bytes) -> Response {
-    if let Err(r) = authorize(&c, &headers) {
-        return r;
-    }
-    let selector = match dead_selector(&c, &body).await {
-        Ok(s) => s,
-        Err(r) => return r,
-    };
-    match patiently(
-        "dead retry",
-        c.store.operations().dead_retry(selector.clone()),
-    )
-    .await
-    {
-        Ok(n) => {
-            tracing::info!(?selector, count = n, "admin API: dead letters retried");
-            reply(
-                StatusCode::OK,
-                json!({ "retried": n, "message": retried_text(n) }),
-            )
-        }
-        Err(r) => r,
-    }
+    dead_action(&c, &headers, &body, DeadAction::Retry).await
 }
 
 async fn dead_purge(State(c): State<Arc<Console>>, headers: HeaderMap, body: Bytes) -> Response {
-    if let Err(r) = authorize(&c, &headers) {
+    dead_action(&c, &headers, &body, DeadAction::Purge).await
+}
+
+#[derive(Clone, Copy)]
+enum DeadAction {
+    Retry,
+    Purge,
+}
+
+/// Retries or purges the dead letters the body selects, as `dead retry` / `dead purge` do.
+async fn dead_action(
+    c: &Console,
+    headers: &HeaderMap,
+    body: &Bytes,
+    action: DeadAction,
+) -> Response {
+    if let Err(r) = authorize(c, headers) {
         return r;
     }
-    let selector = match dead_selector(&c, &body).await {
+    let selector = match dead_selector(c, body).await {
         Ok(s) => s,
         Err(r) => return r,
     };
-    match patiently(
-        "dead purge",
-        c.store.operations().dead_purge(selector.clone()),
-    )
-    .await
-    {
-        Ok(n) => {
-            tracing::info!(?selector, count = n, "admin API: dead letters purged");
-            reply(
-                StatusCode::OK,
-                json!({ "purged": n, "message": purged_text(n) }),
-            )
+    let ops = c.store.operations();
+    let done = match action {
+        DeadAction::Retry => patiently("dead retry", ops.dead_retry(selector.clone())).await,
+        DeadAction::Purge => patiently("dead purge", ops.dead_purge(selector.clone())).await,
+    };
+    let n = match done {
+        Ok(n) => n,
+        Err(r) => return r,
+    };
+    let (field, message) = match action {
+        DeadAction::Retry => {
+            tracing::info!(?selector, count = n, "admin API: dead letters retried");
+            ("retried", retried_text(n))
         }
-        Err(r) => r,
-    }
+        DeadAction::Purge => {
+            tracing::info!(?selector, count = n, "admin API: dead letters purged");
+            ("purged", purged_text(n))
+        }
+    };
+    reply(StatusCode::OK, json!({ field: n, "message": message }))
 }
 
 #[derive(Deserialize)]

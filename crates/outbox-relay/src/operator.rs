@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::SystemTime;
 
 use anyhow::{bail, Context};
-use outbox_core::store::{DeadQuery, DeadSelector, Operations, ReplaySelector};
+use outbox_core::store::{DeadQuery, DeadRecord, DeadSelector, Operations, ReplaySelector};
 
 use crate::cli::{DeadCommand, DeadSelectArgs, PruneArgs, ReplayArgs};
 use crate::commands::ready_store;
@@ -50,16 +50,7 @@ pub async fn dead(config: Config, command: DeadCommand) -> anyhow::Result<ExitCo
             for r in &rows {
                 let dead_at = humantime::format_rfc3339_seconds(r.dead_at);
                 if json {
-                    let line = serde_json::json!({
-                        "sequence_id": r.sequence_id,
-                        "event_id": r.event_id,
-                        "destination": r.destination,
-                        "event_type": r.event_type,
-                        "attempts": r.attempts,
-                        "last_error": r.last_error,
-                        "dead_at": dead_at.to_string(),
-                    });
-                    println!("{line}");
+                    println!("{}", dead_record_json(r));
                 } else {
                     println!(
                         "{}\t{}\t{}\t{}\tattempts={}\t{}\t{}",
@@ -87,6 +78,19 @@ pub async fn dead(config: Config, command: DeadCommand) -> anyhow::Result<ExitCo
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// One dead letter as `dead list --json` and the admin API show it.
+pub(crate) fn dead_record_json(r: &DeadRecord) -> serde_json::Value {
+    serde_json::json!({
+        "sequence_id": r.sequence_id,
+        "event_id": r.event_id,
+        "destination": r.destination,
+        "event_type": r.event_type,
+        "attempts": r.attempts,
+        "last_error": r.last_error,
+        "dead_at": humantime::format_rfc3339_millis(r.dead_at).to_string(),
+    })
 }
 
 /// What `dead retry` did, as the CLI and the admin API say it.
