@@ -430,6 +430,8 @@ impl Inner {
             accepted += 1;
             self.accept_output(state, output, out);
         }
+        // Once per burst, not per output: the position only moves forward.
+        self.publish_confirmable(state);
         accepted
     }
 
@@ -453,7 +455,6 @@ impl Inner {
         if let Output::Event { position, event } = output {
             self.hand_out(state, position, event, out);
         }
-        self.publish_confirmable(state);
     }
 
     fn hand_out(
