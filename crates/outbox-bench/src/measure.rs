@@ -390,6 +390,20 @@ async fn latency_run(b: &Bench, rate: u64, per_commit: u64, mode: &str) -> Resul
                 .map(|r| r.saturating_duration_since(*at).as_secs_f64() * 1000.0)
         })
         .collect();
+    if let Ok(path) = std::env::var("OUTBOX_BENCH_LATENCY_TRACE") {
+        let start = commits.first().map(|(_, at)| *at);
+        let mut lines = String::new();
+        for (seq, at) in &commits {
+            if let (Some(r), Some(start)) = (got.get(seq), start) {
+                lines.push_str(&format!(
+                    "{:.1} {:.2}\n",
+                    at.duration_since(start).as_secs_f64() * 1000.0,
+                    r.saturating_duration_since(*at).as_secs_f64() * 1000.0
+                ));
+            }
+        }
+        std::fs::write(format!("{path}-{mode}-{rate}x{per_commit}"), lines)?;
+    }
     ms.sort_by(|a, b| a.total_cmp(b));
     Ok(json!({
         "mode": mode, "target_rate": rate, "events_per_commit": per_commit,

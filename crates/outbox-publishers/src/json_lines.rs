@@ -155,9 +155,20 @@ const WRITES_PER_BATCH: usize = 3;
 /// reopened by path and created again, and a batch written into a file that left the path
 /// meanwhile is written again. A removed directory is not recreated: batches fail (and are
 /// retried) and [`Sink::health`] fails, naming the directory, until it is back.
+///
+/// Batches sent while a write is under way wait, and the next write takes all of them with
+/// one `fdatasync` (group commit): the engine keeps many small batches in flight, and a
+/// flush per batch would make the disk's flush rate the relay's event rate.
 pub struct FileSink {
     path: PathBuf,
     state: Arc<Mutex<OpenFile>>,
+    waiting: Arc<Mutex<Vec<WaitingBatch>>>,
+}
+
+/// An encoded batch and where its write's result goes.
+struct WaitingBatch {
+    buffer: Vec<u8>,
+    written: tokio::sync::oneshot::Sender<Result<(), String>>,
 }
 
 struct OpenFile {
@@ -168,6 +179,8 @@ struct OpenFile {
     last_failure: Option<String>,
     /// A failed write left part of a line that could not be cut off.
     maybe_torn: bool,
+    /// Writes (each with its `fdatasync`) so far.
+    writes: u64,
 }
 
 impl FileSink {
@@ -183,12 +196,33 @@ impl FileSink {
                 file,
                 last_failure: None,
                 maybe_torn: false,
+                writes: 0,
             })),
+            waiting: Arc::default(),
         })
     }
 }
 
-/// Opens `path` for appending, creating it with `mode`, and ends a torn last line.
+/// Writes every waiting batch, in the order they were sent, with one write and one
+/// `fdatasync`, and tells each its result. Runs once per batch sent: a run that finds
+/// nothing waiting (an earlier run took its batch along) does nothing.
+fn write_waiting(state: &Mutex<OpenFile>, waiting: &Mutex<Vec<WaitingBatch>>, path: &Path) {
+    let mut open = state.lock().unwrap_or_else(|p| p.into_inner());
+    let batches = std::mem::take(&mut *waiting.lock().unwrap_or_else(|p| p.into_inner()));
+    let result = match batches.as_slice() {
+        [] => return,
+        [one] => open.write_batch(&one.buffer, path),
+        many => {
+            let buffers: Vec<&[u8]> = many.iter().map(|b| b.buffer.as_slice()).collect();
+            open.write_batch(&buffers.concat(), path)
+        }
+    };
+    for batch in batches {
+        // A sender that went away (its publish was cancelled at shutdown) needs no answer.
+        let _ = batch.written.send(result.clone());
+    }
+}
+
 fn open_appending(path: &Path, mode: u32) -> std::io::Result<File> {
     use std::os::unix::fs::OpenOptionsExt;
     let mut file = OpenOptions::new()
@@ -319,6 +353,7 @@ impl OpenFile {
             self.maybe_torn = false;
         }
         let before = self.file.metadata().map(|m| m.len());
+        self.writes += 1;
         let written = self
             .file
             .write_all(buffer)
@@ -361,15 +396,25 @@ impl Sink for FileSink {
 
     fn send(&self, batch: Vec<Routed>) -> BoxFuture<'static, Vec<Outcome>> {
         let state = self.state.clone();
+        let waiting = self.waiting.clone();
         let path = self.path.clone();
         async move {
             let (buffer, errors) = encode_batch(&batch);
-            let written = tokio::task::spawn_blocking(move || {
-                let mut open = state.lock().unwrap_or_else(|p| p.into_inner());
-                open.write_batch(&buffer, &path)
-            })
-            .await
-            .unwrap_or_else(|e| Err(format!("the sink file's writer failed: {e}")));
+            let (written, result) = tokio::sync::oneshot::channel();
+            waiting
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(WaitingBatch { buffer, written });
+            let writer =
+                tokio::task::spawn_blocking(move || write_waiting(&state, &waiting, &path));
+            let written = match result.await {
+                Ok(written) => written,
+                // The batch was taken by no write: the writer panicked.
+                Err(_) => Err(match writer.await {
+                    Err(e) => format!("the sink file's writer failed: {e}"),
+                    Ok(()) => "the sink file's writer failed".to_string(),
+                }),
+            };
             outcomes(errors, &written)
         }
         .boxed()
@@ -485,6 +530,45 @@ mod tests {
             })
             .collect();
         assert_eq!(seqs, vec![1, 2, 3]);
+    }
+
+    #[tokio::test]
+    async fn batches_sent_during_a_write_share_the_next_write_and_its_fdatasync() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("events.jsonl");
+        let sink = Arc::new(FileSink::open(&path).unwrap());
+        // A write under way (a thread holds the file) while three batches are sent.
+        let (release, hold) = std::sync::mpsc::channel::<()>();
+        let (held, busy) = std::sync::mpsc::channel();
+        let state = sink.state.clone();
+        let writer = std::thread::spawn(move || {
+            let _file = state.lock().unwrap();
+            held.send(()).unwrap();
+            hold.recv().unwrap();
+        });
+        busy.recv().unwrap();
+        let sends: Vec<_> = (1..=3)
+            .map(|seq| tokio::spawn(sink.send(vec![event(seq, "1")])))
+            .collect();
+        while sink.waiting.lock().unwrap().len() < 3 {
+            tokio::task::yield_now().await;
+        }
+        release.send(()).unwrap();
+        writer.join().unwrap();
+        for send in sends {
+            let outcomes = send.await.unwrap();
+            assert!(outcomes.iter().all(|o| o.is_ok()), "{outcomes:?}");
+        }
+        assert_eq!(
+            sink.state.lock().unwrap().writes,
+            1,
+            "one write for the three"
+        );
+        assert_eq!(
+            sequence_ids(&path),
+            vec![1, 2, 3],
+            "in the order they were sent"
+        );
     }
 
     fn mode_of(path: &Path) -> u32 {
