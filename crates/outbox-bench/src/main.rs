@@ -96,7 +96,7 @@ fn settings() -> Result<Settings> {
                 println!("  drain sweeps: [--sinks file,nats] [--relay-args \"--batch-size 2000\"]; --baseline-events 0 skips the baseline and the PostgreSQL floor");
                 println!("  latency subsets: [--latency-plan 10000x10:notify+gated,1000x1:poll] (events/s x events per transaction : modes notify|gated|poll|baseline|wal|wal-emit)");
                 println!("  --only wal: the WAL capture drains (table form and outbox_emit), WAL latency runs and WAL writer cost only; [--wal-events-per-transaction N] sizes the drains' backlog transactions (default 1000)");
-                println!("  environment: OUTBOX_BENCH_RELAY_LOG=<filter> keeps the latency relays' JSON logs; OUTBOX_BENCH_RELAY_BIN=<path> measures that relay binary instead of building one");
+                println!("  environment: OUTBOX_BENCH_RELAY_LOG=<filter> keeps the latency relays' JSON logs; OUTBOX_BENCH_LATENCY_TRACE=<path> writes each latency run's events as \"ms since the first commit, latency ms\" lines to <path>-<mode>-<rate>x<per transaction>; OUTBOX_BENCH_RELAY_BIN=<path> measures that relay binary instead of building one");
                 std::process::exit(0);
             }
             other => bail!("unknown argument {other:?}; see --help"),

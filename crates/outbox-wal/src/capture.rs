@@ -995,12 +995,22 @@ impl Inner {
             }
         }
         drop(outputs);
-        if !out.is_empty() {
+        if !out.is_empty() && tracing::enabled!(tracing::Level::TRACE) {
+            // How long the stream took to bring them: from the writer's clock to the claim.
+            let oldest_ms = out[redelivered..]
+                .iter()
+                .filter_map(|row| match row {
+                    Claimed::Event(e) => SystemTime::now().duration_since(e.created_at).ok(),
+                    Claimed::Undecodable { .. } => None,
+                })
+                .max()
+                .map(|age| age.as_secs_f64() * 1000.0);
             tracing::trace!(
                 parked,
                 redelivered = redelivered - parked,
                 from_stream = out.len() - redelivered,
                 outputs = received,
+                oldest_ms,
                 "claimed"
             );
         }
