@@ -20,7 +20,7 @@ REDIS_PORT=${OUTBOX_TEST_REDIS_PORT:-54379}
 RABBIT_PORT=${OUTBOX_TEST_RABBIT_PORT:-54672}
 MARIADB_PORT=${OUTBOX_TEST_MARIADB_PORT:-54306}
 # Which servers `start` starts (the tests that own a private server start only theirs).
-SERVERS=${OUTBOX_TEST_SERVERS:-postgres nats redis rabbitmq mariadb}
+SERVERS=${OUTBOX_TEST_SERVERS:-postgres nats redis rabbitmq mariadb python}
 
 log() { echo "servers.sh: $*" >&2; }
 
@@ -48,6 +48,9 @@ install_packages() {
   command -v g++ >/dev/null || missing+=(g++)
   [ -f /usr/include/openssl/ssl.h ] || missing+=(libssl-dev)
   [ -f /usr/include/zlib.h ] || missing+=(zlib1g-dev)
+  # The CloudEvents tests read what the relay sent with the PyPI `cloudevents` SDK, in a venv.
+  command -v python3 >/dev/null || missing+=(python3)
+  python3 -c 'import ensurepip' 2>/dev/null || missing+=(python3-venv)
   if [ ${#missing[@]} -gt 0 ]; then
     log "installing ${missing[*]}"
     as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2
@@ -230,6 +233,20 @@ stop_mariadb() {
   for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
 }
 
+# Not a server: a Python venv with the CloudEvents SDK (a consumer library to check the
+# relay's CloudEvents against), made once under the state directory.
+start_python() {
+  local dir=$STATE/python
+  if ! "$dir/bin/python" -c 'import cloudevents' 2>/dev/null; then
+    python3 -m venv "$dir" >&2
+    "$dir/bin/pip" install -q 'cloudevents==2.2.0' >&2
+  fi
+  log "python with the cloudevents SDK ready in $dir"
+  echo "export OUTBOX_TEST_PYTHON=$dir/bin/python"
+}
+
+stop_python() { :; }
+
 case "${1:-}" in
   install)
     install_packages
@@ -247,7 +264,7 @@ case "${1:-}" in
   stop)
     for server in $SERVERS; do "stop_$server"; done
     ;;
-  restart-postgres | restart-nats | restart-redis | restart-rabbitmq | restart-mariadb)
+  restart-postgres | restart-nats | restart-redis | restart-rabbitmq | restart-mariadb | restart-python)
     server=${1#restart-}
     "stop_$server"
     "start_$server" >/dev/null

@@ -407,6 +407,38 @@ pub struct RouteConfig {
     pub sink: String,
     /// The target template [default: "{destination}"].
     pub target: Option<String>,
+    /// Send the route's events as CloudEvents 1.0: `binary` (attributes in the protocol's
+    /// headers, the payload as the body) or `structured` (the JSON event format as the body)
+    /// [default: neither, the relay's own message format].
+    #[serde(default)]
+    pub cloudevents: Option<crate::cloudevents::ContentMode>,
+    /// The CloudEvents `source` attribute, a template like `target`
+    /// [default: "/outbox/{destination}"]. Only with `cloudevents`.
+    #[serde(default)]
+    pub cloudevents_source: Option<String>,
+}
+
+impl RouteConfig {
+    /// The route's CloudEvents setting; `cloudevents_source` without `cloudevents` is refused
+    /// (it would have no effect).
+    pub fn cloudevents(&self) -> Result<Option<crate::cloudevents::CloudEvents>, String> {
+        match (self.cloudevents, &self.cloudevents_source) {
+            (None, None) => Ok(None),
+            (None, Some(_)) => Err(format!(
+                "route {:?}: cloudevents_source has no effect without cloudevents = \"binary\" or \"structured\"",
+                self.destinations
+            )),
+            (Some(mode), source) => Ok(Some(crate::cloudevents::CloudEvents {
+                mode,
+                source: crate::Template::parse(
+                    source
+                        .as_deref()
+                        .unwrap_or(crate::cloudevents::DEFAULT_SOURCE),
+                )
+                .map_err(|e| format!("route {:?}: cloudevents_source: {e}", self.destinations))?,
+            })),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -416,6 +448,38 @@ mod tests {
 
     fn read(table: Value) -> Result<SinkConfig, String> {
         serde_json::from_value(table).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn cloudevents_settings_are_read_and_a_source_alone_is_refused() {
+        let route = |v: Value| serde_json::from_value::<RouteConfig>(v).unwrap();
+        let plain = route(json!({"destinations": "*", "sink": "s"}));
+        assert_eq!(plain.cloudevents(), Ok(None));
+        let binary = route(json!({"destinations": "*", "sink": "s", "cloudevents": "binary"}))
+            .cloudevents()
+            .unwrap()
+            .unwrap();
+        assert_eq!(binary.mode, crate::cloudevents::ContentMode::Binary);
+        let err = route(json!({"destinations": "o.*", "sink": "s", "cloudevents_source": "/x"}))
+            .cloudevents()
+            .unwrap_err();
+        assert!(err.contains("cloudevents_source has no effect"), "{err}");
+        let err = route(json!({"destinations": "*", "sink": "s", "cloudevents": "structured", "cloudevents_source": "/{topic}"}))
+            .cloudevents()
+            .unwrap_err();
+        assert!(
+            err.contains("cloudevents_source") && err.contains("{destination}"),
+            "{err}"
+        );
+        let err = serde_json::from_value::<RouteConfig>(
+            json!({"destinations": "*", "sink": "s", "cloudevents": "envelope"}),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("binary") && err.contains("structured"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -450,6 +450,7 @@ mod tests {
 
     fn event(seq: i64, payload: &str) -> Routed {
         Routed {
+            cloudevents: None,
             target: String::new(),
             event: Arc::new(Event {
                 sequence_id: seq,

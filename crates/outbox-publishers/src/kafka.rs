@@ -153,6 +153,10 @@ impl Sink for KafkaSink {
         Some("kafka")
     }
 
+    fn cloudevents_binding(&self) -> Option<crate::cloudevents::Binding> {
+        Some(crate::cloudevents::Binding::Kafka)
+    }
+
     fn describe(&self) -> String {
         self.shown.clone()
     }

@@ -3,6 +3,7 @@
 
 #[cfg(feature = "ably")]
 pub mod ably;
+pub mod cloudevents;
 pub mod config;
 pub mod error;
 #[cfg(any(feature = "webhook", feature = "ably"))]
@@ -105,9 +106,12 @@ pub async fn build_router(
             Some(t) => Template::parse(t).map_err(SinkSetupError::config)?,
             None => Template::destination(),
         };
-        parsed.push(
-            Route::new(&route.destinations, &route.sink, target).map_err(SinkSetupError::config)?,
-        );
+        let mut parsed_route =
+            Route::new(&route.destinations, &route.sink, target).map_err(SinkSetupError::config)?;
+        if let Some(cloudevents) = route.cloudevents().map_err(SinkSetupError::config)? {
+            parsed_route = parsed_route.with_cloudevents(cloudevents);
+        }
+        parsed.push(parsed_route);
     }
     if parsed.is_empty() {
         if built.len() != 1 {

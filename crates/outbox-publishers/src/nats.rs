@@ -294,6 +294,10 @@ impl Sink for NatsSink {
         Some("nats")
     }
 
+    fn cloudevents_binding(&self) -> Option<crate::cloudevents::Binding> {
+        Some(crate::cloudevents::Binding::Nats)
+    }
+
     fn describe(&self) -> String {
         self.shown.clone()
     }

@@ -252,7 +252,12 @@ impl Inner {
     fn properties(routed: &Routed) -> BasicProperties {
         let event = &routed.event;
         let mut headers = FieldTable::default();
+        // The RabbitMQ binding carries a CloudEvent's content type in the content-type property.
+        let content_type = event.headers.get(crate::cloudevents::CONTENT_TYPE_HEADER);
         for (k, v) in &event.headers {
+            if k == crate::cloudevents::CONTENT_TYPE_HEADER && routed.cloudevents.is_some() {
+                continue;
+            }
             headers.insert(
                 ShortString::from(k.as_str()),
                 AMQPValue::LongString(LongString::from(v.as_str())),
@@ -276,8 +281,14 @@ impl Inner {
         if let Ok(created) = event.created_at.duration_since(std::time::UNIX_EPOCH) {
             properties = properties.with_timestamp(created.as_secs());
         }
-        if matches!(event.payload, Payload::Json(_)) {
-            properties = properties.with_content_type("application/json".into());
+        match content_type {
+            Some(content_type) if routed.cloudevents.is_some() => {
+                properties = properties.with_content_type(content_type.as_str().into());
+            }
+            _ if matches!(event.payload, Payload::Json(_)) => {
+                properties = properties.with_content_type("application/json".into());
+            }
+            _ => {}
         }
         properties
     }
@@ -286,6 +297,10 @@ impl Inner {
 impl Sink for RabbitSink {
     fn messaging_system(&self) -> Option<&'static str> {
         Some("rabbitmq")
+    }
+
+    fn cloudevents_binding(&self) -> Option<crate::cloudevents::Binding> {
+        Some(crate::cloudevents::Binding::RabbitMq)
     }
 
     fn describe(&self) -> String {

@@ -11,15 +11,18 @@ use outbox_core::{
     Event, MessagingDestination, Outcome, PublishError, PublishErrorKind, Publisher,
 };
 
+use crate::cloudevents::{CloudEvents, ContentMode};
 use crate::sink::{Routed, Sink};
 use crate::template::Template;
 
-/// One route: destinations matching `glob` go to `sink`, at `target`.
+/// One route: destinations matching `glob` go to `sink`, at `target`, as CloudEvents when
+/// `cloudevents` says so.
 pub struct Route {
     pub pattern: String,
     matcher: GlobMatcher,
     pub sink: String,
     pub target: Template,
+    pub cloudevents: Option<CloudEvents>,
 }
 
 impl Route {
@@ -32,7 +35,16 @@ impl Route {
             matcher,
             sink: sink.to_string(),
             target,
+            cloudevents: None,
         })
+    }
+
+    /// The same route, its events sent as CloudEvents.
+    pub fn with_cloudevents(self, cloudevents: CloudEvents) -> Self {
+        Route {
+            cloudevents: Some(cloudevents),
+            ..self
+        }
     }
 }
 
@@ -46,7 +58,7 @@ impl Router {
     pub fn new(sinks: Vec<(String, Arc<dyn Sink>)>, routes: Vec<Route>) -> Result<Self, String> {
         let sinks: HashMap<String, Arc<dyn Sink>> = sinks.into_iter().collect();
         for route in &routes {
-            if !sinks.contains_key(&route.sink) {
+            let Some(sink) = sinks.get(&route.sink) else {
                 let mut names: Vec<_> = sinks.keys().cloned().collect();
                 names.sort();
                 return Err(format!(
@@ -54,6 +66,20 @@ impl Router {
                     route.pattern,
                     route.sink,
                     names.join(", ")
+                ));
+            };
+            let binary = route
+                .cloudevents
+                .as_ref()
+                .is_some_and(|c| c.mode == ContentMode::Binary);
+            if binary && sink.cloudevents_binding().is_none() {
+                return Err(format!(
+                    "route {:?} asks for CloudEvents in binary mode, but sink {:?} ({}) has no \
+                     CloudEvents binding for binary mode (Kafka, NATS, RabbitMQ and webhooks do): \
+                     use cloudevents = \"structured\"",
+                    route.pattern,
+                    route.sink,
+                    sink.describe()
                 ));
             }
         }
@@ -103,7 +129,20 @@ impl Publisher for Router {
                 )));
                 continue;
             };
-            if let Some(limit) = self.sinks[&route.sink].max_message_bytes() {
+            let sink = &self.sinks[&route.sink];
+            let (event, cloudevents) = match &route.cloudevents {
+                None => (event, None),
+                Some(settings) => {
+                    match crate::cloudevents::shape(&event, settings, sink.cloudevents_binding()) {
+                        Ok(shaped) => (shaped, Some(settings.mode)),
+                        Err(e) => {
+                            outcomes[i] = Some(Err(e));
+                            continue;
+                        }
+                    }
+                }
+            };
+            if let Some(limit) = sink.max_message_bytes() {
                 if event.payload.len() > limit {
                     outcomes[i] = Some(Err(PublishError::new(
                         PublishErrorKind::TooLarge,
@@ -122,7 +161,11 @@ impl Publisher for Router {
             let target = route.target.render(&event);
             let group = groups.entry(route.sink.as_str()).or_default();
             group.0.push(i);
-            group.1.push(Routed { event, target });
+            group.1.push(Routed {
+                event,
+                target,
+                cloudevents,
+            });
         }
         let sends: Vec<_> = groups
             .into_iter()
@@ -270,5 +313,32 @@ mod tests {
             err.contains("names sink \"nope\", which is not configured"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn binary_cloudevents_need_a_sink_with_a_binding() {
+        let route = |mode| {
+            Route::new("*", "file", Template::destination())
+                .unwrap()
+                .with_cloudevents(CloudEvents {
+                    mode,
+                    source: Template::destination(),
+                })
+        };
+        let sinks = || {
+            vec![(
+                "file".to_string(),
+                Arc::new(Recorder::default()) as Arc<dyn Sink>,
+            )]
+        };
+        let err = Router::new(sinks(), vec![route(ContentMode::Binary)])
+            .err()
+            .unwrap();
+        assert!(
+            err.contains("has no CloudEvents binding for binary mode")
+                && err.contains("cloudevents = \"structured\""),
+            "{err}"
+        );
+        assert!(Router::new(sinks(), vec![route(ContentMode::Structured)]).is_ok());
     }
 }

@@ -11,6 +11,10 @@ use outbox_core::{Event, Outcome, PublishError};
 pub struct Routed {
     pub event: Arc<Event>,
     pub target: String,
+    /// The CloudEvents content mode the router shaped the event in, if its route asks for
+    /// one: the event's headers (binary) or payload (structured) already carry it, and a
+    /// sink whose normal body wraps the payload (webhooks) sends the payload alone.
+    pub cloudevents: Option<crate::cloudevents::ContentMode>,
 }
 
 /// One configured broker connection. The contract is [`outbox_core::Publisher`]'s: one
@@ -34,6 +38,13 @@ pub trait Sink: Send + Sync + 'static {
 
     /// The `messaging.system` of the semantic conventions, for telemetry.
     fn messaging_system(&self) -> Option<&'static str> {
+        None
+    }
+
+    /// How the protocol carries CloudEvents attributes in binary mode: `None` when no
+    /// CloudEvents protocol binding exists for it (routes may then ask for structured mode
+    /// only). A sink that returns a binding sends every event header as a protocol header.
+    fn cloudevents_binding(&self) -> Option<crate::cloudevents::Binding> {
         None
     }
 }
@@ -76,5 +87,9 @@ impl Sink for Limited {
 
     fn messaging_system(&self) -> Option<&'static str> {
         self.inner.messaging_system()
+    }
+
+    fn cloudevents_binding(&self) -> Option<crate::cloudevents::Binding> {
+        self.inner.cloudevents_binding()
     }
 }

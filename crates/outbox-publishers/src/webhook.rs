@@ -113,6 +113,10 @@ impl Sink for WebhookSink {
         Some("webhook")
     }
 
+    fn cloudevents_binding(&self) -> Option<crate::cloudevents::Binding> {
+        Some(crate::cloudevents::Binding::Http)
+    }
+
     fn describe(&self) -> String {
         self.shown.clone()
     }
@@ -130,19 +134,42 @@ impl Sink for WebhookSink {
                         .acquire_owned()
                         .await
                         .expect("semaphore is never closed");
-                    let mut body = Vec::with_capacity(256);
-                    crate::json_lines::encode_line(&routed.event, &mut body)?;
-                    body.pop(); // the trailing newline
+                    // A CloudEvent is the payload itself (binary mode) or its envelope
+                    // (structured, already the payload); otherwise the relay's JSON line.
+                    let body = match routed.cloudevents {
+                        Some(_) => routed.event.payload.as_bytes().to_vec(),
+                        None => {
+                            let mut body = Vec::with_capacity(256);
+                            crate::json_lines::encode_line(&routed.event, &mut body)?;
+                            body.pop(); // the trailing newline
+                            body
+                        }
+                    };
                     let id = routed.event.event_id.hyphenated().to_string();
                     let timestamp = SystemTime::now()
                         .duration_since(UNIX_EPOCH)
                         .unwrap_or(Duration::ZERO)
                         .as_secs();
+                    let content_type = match routed.cloudevents {
+                        Some(_) => routed
+                            .event
+                            .headers
+                            .get(crate::cloudevents::CONTENT_TYPE_HEADER)
+                            .map_or("application/json", String::as_str),
+                        None => "application/json",
+                    };
                     let mut request = client
                         .post(&url)
-                        .header("content-type", "application/json")
+                        .header("content-type", content_type)
                         .header("webhook-id", &id)
                         .header("webhook-timestamp", timestamp.to_string());
+                    if routed.cloudevents.is_some() {
+                        for (name, value) in &routed.event.headers {
+                            if name.starts_with("ce-") {
+                                request = request.header(name, value);
+                            }
+                        }
+                    }
                     for (name, value) in crate::trace::trace_fields(&routed.event) {
                         request = request.header(name, value);
                     }

@@ -98,6 +98,20 @@ impl BrokerHarness for KafkaHarness {
                     payload: message.payload().unwrap_or_default().to_vec(),
                     traceparent: header("traceparent"),
                     tracestate: header("tracestate"),
+                    headers: message
+                        .headers()
+                        .map(|h| {
+                            h.iter()
+                                .map(|x| {
+                                    let value = x.value.unwrap_or_default();
+                                    (
+                                        x.key.to_string(),
+                                        String::from_utf8_lossy(value).to_string(),
+                                    )
+                                })
+                                .collect()
+                        })
+                        .unwrap_or_default(),
                 });
             }
             self.received.lock().unwrap().clone()
@@ -147,6 +161,7 @@ async fn messages_carry_the_key_and_event_headers() {
     let h = new_harness().await;
     let e = outbox_testkit::publisher::event(4, "customer-4", b"{}".to_vec());
     let routed = outbox_publishers::Routed {
+        cloudevents: None,
         event: e.clone(),
         target: h.topic.clone(),
     };

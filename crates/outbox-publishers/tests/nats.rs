@@ -91,6 +91,15 @@ impl BrokerHarness for NatsHarness {
                     payload: message.payload.to_vec(),
                     traceparent: message.headers.get("traceparent").map(|v| v.to_string()),
                     tracestate: message.headers.get("tracestate").map(|v| v.to_string()),
+                    headers: message
+                        .headers
+                        .iter()
+                        .flat_map(|(name, values)| {
+                            values
+                                .iter()
+                                .map(move |v| (name.to_string(), v.as_str().to_string()))
+                        })
+                        .collect(),
                 });
             }
             out
@@ -124,6 +133,7 @@ async fn missing_stream_is_a_retryable_error_naming_the_subject() {
     let outcomes = harness
         .sink
         .send(vec![outbox_publishers::Routed {
+            cloudevents: None,
             event,
             target: "nowhere.subject".into(),
         }])
@@ -142,6 +152,7 @@ async fn event_headers_type_and_key_travel_as_nats_headers() {
     let event = outbox_testkit::publisher::event(7, "customer-7", b"{\"a\":1}".to_vec());
     let id = event.event_id.to_string();
     let routed = outbox_publishers::Routed {
+        cloudevents: None,
         event,
         target: harness.subject.clone(),
     };
@@ -216,6 +227,7 @@ async fn tls_is_verified_against_the_configured_ca() {
     let event = outbox_testkit::publisher::event(1, "k", b"{}".to_vec());
     let outcomes = sink
         .send(vec![outbox_publishers::Routed {
+            cloudevents: None,
             event,
             target: "secure".into(),
         }])
@@ -229,6 +241,7 @@ async fn tls_is_verified_against_the_configured_ca() {
     let event = outbox_testkit::publisher::event(2, "k", b"{}".to_vec());
     let outcomes = sink
         .send(vec![outbox_publishers::Routed {
+            cloudevents: None,
             event,
             target: "secure".into(),
         }])
@@ -259,6 +272,7 @@ async fn a_subject_without_a_stream_fails_at_once_until_it_is_checked_again() {
     let send = |seq: i64| {
         let event = outbox_testkit::publisher::event(seq, "k", b"{}".to_vec());
         harness.sink.send(vec![outbox_publishers::Routed {
+            cloudevents: None,
             event,
             target: "later.subject".into(),
         }])

@@ -108,6 +108,29 @@ impl BrokerHarness for RabbitHarness {
                         payload: message.delivery.data.clone(),
                         traceparent: header("traceparent"),
                         tracestate: header("tracestate"),
+                        headers: props
+                            .headers()
+                            .as_ref()
+                            .map(|h| {
+                                h.inner()
+                                    .iter()
+                                    .filter_map(|(k, v)| match v {
+                                        AMQPValue::LongString(s) => {
+                                            Some((k.to_string(), s.to_string()))
+                                        }
+                                        _ => None,
+                                    })
+                                    .collect::<Vec<_>>()
+                            })
+                            .unwrap_or_default()
+                            .into_iter()
+                            .chain(
+                                props
+                                    .content_type()
+                                    .as_ref()
+                                    .map(|c| ("content-type".to_string(), c.to_string())),
+                            )
+                            .collect(),
                     });
                 }
                 let _ = connection.close(200, "done".into()).await;
@@ -164,6 +187,7 @@ async fn unroutable_messages_retry_or_dead_letter_as_configured() {
             .await
             .unwrap();
         let routed = Routed {
+            cloudevents: None,
             event: event(1, "k", b"{}".to_vec()),
             target: "no-such-queue".into(),
         };
@@ -189,6 +213,7 @@ async fn messages_are_persistent_with_id_type_and_headers() {
     assert!(h
         .sink
         .send(vec![Routed {
+            cloudevents: None,
             event: e.clone(),
             target: h.queue.clone()
         }])

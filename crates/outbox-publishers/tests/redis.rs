@@ -84,6 +84,13 @@ impl BrokerHarness for RedisHarness {
                         payload: entry.get::<Vec<u8>>("payload").unwrap_or_default(),
                         traceparent: entry.get::<String>("traceparent"),
                         tracestate: entry.get::<String>("tracestate"),
+                        headers:
+                            serde_json::from_str::<std::collections::BTreeMap<String, String>>(
+                                &text("headers"),
+                            )
+                            .unwrap_or_default()
+                            .into_iter()
+                            .collect(),
                     }
                 })
                 .collect()
@@ -127,6 +134,7 @@ async fn entries_carry_every_field_and_maxlen_trims() {
         events
             .iter()
             .map(|e| outbox_publishers::Routed {
+                cloudevents: None,
                 event: e.clone(),
                 target: "s".into(),
             })
@@ -204,6 +212,7 @@ async fn tls_is_verified_against_the_configured_ca() {
     let event = outbox_testkit::publisher::event(1, "k", b"{}".to_vec());
     let outcomes = sink
         .send(vec![outbox_publishers::Routed {
+            cloudevents: None,
             event,
             target: "secure".into(),
         }])
@@ -216,6 +225,7 @@ async fn tls_is_verified_against_the_configured_ca() {
     let event = outbox_testkit::publisher::event(2, "k", b"{}".to_vec());
     let outcomes = sink
         .send(vec![outbox_publishers::Routed {
+            cloudevents: None,
             event,
             target: "secure".into(),
         }])
@@ -248,6 +258,7 @@ async fn refusals_are_classified_by_the_servers_error_code() {
         let event = outbox_testkit::publisher::event(1, "k", b"{}".to_vec());
         let mut outcomes = sink
             .send(vec![outbox_publishers::Routed {
+                cloudevents: None,
                 event,
                 target: target.into(),
             }])

@@ -450,6 +450,9 @@ impl Config {
                  which would be ignored: give either sink or [sinks] with [[routes]], not both"
             );
         }
+        for route in &self.routes {
+            route.cloudevents().map_err(anyhow::Error::msg)?;
+        }
         Ok(())
     }
 
@@ -995,6 +998,8 @@ mod tests {
             destinations: "*".into(),
             sink: "main".into(),
             target: None,
+            cloudevents: None,
+            cloudevents_source: None,
         };
         let err = refused(Config {
             sink: Some("stdout".into()),

@@ -23,6 +23,19 @@ pub struct Received {
     /// The W3C trace context headers the consumer sees, under the broker's convention.
     pub traceparent: Option<String>,
     pub tracestate: Option<String>,
+    /// Every header (or property, or field) the consumer sees, with the content type under
+    /// `content-type` where the protocol has one; for the CloudEvents checks.
+    pub headers: Vec<(String, String)>,
+}
+
+impl Received {
+    /// The header `name`, compared without case (HTTP and NATS header names have none).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
 }
 
 pub trait BrokerHarness: Send + Sync {
@@ -53,6 +66,7 @@ macro_rules! publisher_conformance {
             delivers_every_event_in_order_per_key,
             redelivery_after_a_crash_is_deduplicated,
             trace_context_arrives,
+            cloudevents_arrive,
             oversized_messages_fail_permanently);
         $crate::publisher_conformance!(@tests $restartable; broker_restart_mid_stream_loses_nothing);
     };
@@ -89,6 +103,7 @@ fn routed(h: &dyn BrokerHarness, events: &[Arc<Event>]) -> Vec<Routed> {
     events
         .iter()
         .map(|e| Routed {
+            cloudevents: None,
             event: e.clone(),
             target: h.target(),
         })
@@ -240,6 +255,72 @@ pub async fn trace_context_arrives(h: &dyn BrokerHarness) {
     );
     let none = of(&batch[3]);
     assert_eq!((none.traceparent, none.tracestate), (None, None));
+}
+
+/// A route with `cloudevents` delivers CloudEvents 1.0 that the PyPI `cloudevents` SDK (a
+/// consumer library, run from the venv `scripts/servers.sh` makes) reads back with the
+/// right attributes and data: binary mode where the sink has a binding, structured mode on
+/// every sink; binary mode on a sink without a binding is refused when the router is built.
+pub async fn cloudevents_arrive(h: &dyn BrokerHarness) {
+    use outbox_publishers::cloudevents::{CloudEvents, ContentMode};
+    use outbox_publishers::{Route, Template};
+    let sink = h.sink();
+    let binding = sink.cloudevents_binding();
+    let router = |mode| {
+        let route = Route::new("*", "s", Template::parse(&h.target()).expect("a target"))
+            .expect("a route")
+            .with_cloudevents(CloudEvents {
+                mode,
+                source: Template::parse("/shop/{destination}").expect("a template"),
+            });
+        Router::new(vec![("s".to_string(), sink.clone())], vec![route])
+    };
+    let mut modes = vec![ContentMode::Structured];
+    match binding {
+        Some(_) => modes.push(ContentMode::Binary),
+        None => {
+            let refused = router(ContentMode::Binary)
+                .err()
+                .expect("binary mode is refused");
+            assert!(refused.contains("structured"), "{refused}");
+        }
+    }
+    for (n, mode) in modes.into_iter().enumerate() {
+        let seq = 10 * n as i64;
+        let mut e = (*event(seq, "customer 7", br#"{"total": 12.5}"#.to_vec())).clone();
+        e.payload = Payload::from_json_text(r#"{"total": 12.5}"#.into()).expect("JSON");
+        let e = Arc::new(e);
+        let router = router(mode).expect("the router");
+        let outcomes = router.publish(vec![e.clone()]).await;
+        assert!(outcomes.iter().all(|o| o.is_ok()), "{mode:?}: {outcomes:?}");
+        let id = e.event_id.to_string();
+        let received = eventually(
+            &format!("the {mode:?} CloudEvent at the broker"),
+            Duration::from_secs(30),
+            || async { h.received().await.into_iter().find(|r| r.event_id == id) },
+        )
+        .await;
+        let read = crate::cloudevents_sdk::read(binding, mode, &received);
+        assert_eq!(read["specversion"], "1.0", "{mode:?}: {read}");
+        assert_eq!(read["id"], id.as_str(), "{mode:?}: {read}");
+        assert_eq!(read["source"], "/shop/orders", "{mode:?}: {read}");
+        assert_eq!(read["type"], "order.created", "{mode:?}: {read}");
+        assert_eq!(read["subject"], "customer 7", "{mode:?}: {read}");
+        assert_eq!(read["partitionkey"], "customer 7", "{mode:?}: {read}");
+        assert_eq!(
+            read["datacontenttype"], "application/json",
+            "{mode:?}: {read}"
+        );
+        assert!(
+            read["time"].as_str().is_some_and(|t| !t.is_empty()),
+            "{read}"
+        );
+        assert_eq!(
+            read["data"],
+            serde_json::json!({"total": 12.5}),
+            "{mode:?}: {read}"
+        );
+    }
 }
 
 pub async fn oversized_messages_fail_permanently(h: &dyn BrokerHarness) {
