@@ -1228,10 +1228,26 @@ fn parking_order(state: &State, mut to_park: Vec<Park>) -> (Vec<Park>, Vec<Park>
 /// The most outputs the reader hands over in one item.
 const READ_BURST: usize = 1024;
 
-/// How far behind the server the reader must be before it waits for a fuller burst, and
-/// how long it waits (once per burst).
-const LINGER_WHEN_BEHIND: u64 = 1 << 20;
+/// How long ago the transactions a burst carries must have committed before the reader
+/// waits for a fuller burst, and how long it waits (once per burst). The age is the signal
+/// because pgoutput gives no server WAL end while streaming: its XLogData header carries the
+/// record's own position (or 0) there. A relay clock ahead of the server's by more than this
+/// costs at most one wait per burst.
+const LINGER_WHEN_LAGGING: Duration = Duration::from_millis(20);
 const READ_LINGER: Duration = Duration::from_millis(1);
+
+/// Whether the last transaction in `burst` committed more than [`LINGER_WHEN_LAGGING`] ago.
+fn lagging(burst: &[Output]) -> bool {
+    burst
+        .iter()
+        .rev()
+        .find_map(|output| match output {
+            Output::Committed { commit_time, .. } => Some(*commit_time),
+            _ => None,
+        })
+        .and_then(|committed| SystemTime::now().duration_since(committed).ok())
+        .is_some_and(|age| age > LINGER_WHEN_LAGGING)
+}
 
 /// How long a delivered event's outbox row is looked for (see `Inner::delete_delivered`).
 pub const UNDELETED_PATIENCE: Duration = Duration::from_secs(5);
@@ -1742,9 +1758,9 @@ impl Reader {
                     break;
                 }
                 next = stream.next().now_or_never();
-                // Far behind the server, one short wait lets the client read on without a
+                // Behind the writers, one short wait lets the client read on without a
                 // wake-up per message, for a fuller burst; caught up, nothing waits.
-                if next.is_none() && !lingered && stream.behind() > LINGER_WHEN_BEHIND {
+                if next.is_none() && !lingered && lagging(&burst) {
                     lingered = true;
                     tokio::time::sleep(READ_LINGER).await;
                     next = stream.next().now_or_never();
@@ -1780,5 +1796,27 @@ impl std::fmt::Debug for WalStore {
         f.debug_struct("WalStore")
             .field("slot", &self.inner.slot)
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_burst_is_lagging_when_its_last_transaction_committed_over_20_ms_ago() {
+        let committed = |ago: Duration| Output::Committed {
+            commit_lsn: Lsn(1),
+            end_lsn: Lsn(2),
+            events: 1,
+            commit_time: SystemTime::now() - ago,
+        };
+        assert!(lagging(&[committed(Duration::from_millis(50))]));
+        assert!(!lagging(&[committed(Duration::ZERO)]));
+        assert!(
+            !lagging(&[committed(Duration::from_secs(1)), committed(Duration::ZERO)]),
+            "the last transaction counts"
+        );
+        assert!(!lagging(&[]), "nothing committed yet says nothing");
     }
 }

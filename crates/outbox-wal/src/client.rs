@@ -169,8 +169,6 @@ pub struct WalStream {
     slot: SlotState,
     confirmed: Lsn,
     stop_at: Option<Lsn>,
-    /// The position of the last message received.
-    received: Lsn,
 }
 
 impl WalStream {
@@ -205,7 +203,6 @@ impl WalStream {
             slot,
             confirmed: slot.confirmed_flush,
             stop_at: config.stop_at,
-            received: slot.confirmed_flush,
         })
     }
 
@@ -222,25 +219,17 @@ impl WalStream {
                 return Ok(None);
             };
             let output = match event {
-                ReplicationEvent::XLogData {
-                    data, wal_start, ..
-                } => {
-                    self.received = wal_start.into();
-                    self.assembler.push_bytes(&data)?
-                }
+                ReplicationEvent::XLogData { data, .. } => self.assembler.push_bytes(&data)?,
                 // The client decodes these three itself and hands them over parsed.
                 ReplicationEvent::Begin {
                     final_lsn,
                     xid,
                     commit_time_micros,
-                } => {
-                    self.received = final_lsn.into();
-                    self.assembler.push(LogicalMessage::Begin(Begin {
-                        final_lsn: final_lsn.into(),
-                        commit_time: commit_time_micros,
-                        xid,
-                    }))?
-                }
+                } => self.assembler.push(LogicalMessage::Begin(Begin {
+                    final_lsn: final_lsn.into(),
+                    commit_time: commit_time_micros,
+                    xid,
+                }))?,
                 ReplicationEvent::Commit {
                     lsn,
                     end_lsn,
@@ -293,14 +282,6 @@ impl WalStream {
             self.confirmed = lsn;
             self.client.update_applied_lsn(lsn.into());
         }
-    }
-
-    /// How far the server's WAL runs ahead of what this session has received, in bytes, as
-    /// of the server's last message: a session that is behind can take its time to gather
-    /// larger bursts.
-    pub fn behind(&self) -> u64 {
-        let server_end: Lsn = self.client.metrics().last_wal_end().into();
-        server_end.0.saturating_sub(self.received.0)
     }
 
     /// The last position passed to [`confirm`](Self::confirm) (or the slot's at start).
