@@ -209,20 +209,15 @@ impl MappedDb for MappedPg {
 
     /// One statement: the rows are selected, locked and marked together.
     async fn claim(&self, sql: &Sql, claim: Claim) -> StoreResult<Vec<Row>> {
-        let Claim {
-            condition,
-            mut params,
-            limit,
-            mark,
-        } = claim;
-        let limit = params.int(limit);
-        let Some((node, lease)) = mark else {
+        let mut params = claim.params;
+        let limit = params.int(claim.limit);
+        let Some((node, lease)) = claim.mark else {
             // Nothing to mark: the active relay excludes what it holds, nobody else claims.
-            let statement = sql.claim_select(&condition, &limit, false);
+            let statement = sql.claim_select(&claim.condition, &limit, false);
             return self.query("claim", statement, params).await;
         };
         let (node, lease) = (params.text(node), params.int(lease));
-        let statement = sql.claim_and_mark(&condition, &limit, &node, &lease);
+        let statement = sql.claim_and_mark(&claim.condition, &limit, &node, &lease);
         let mut rows = self.query("claim", statement, params).await?;
         let order = sql.claim_order_column();
         rows.sort_by_key(|row| Self::int(row, order));
@@ -279,31 +274,20 @@ impl MappedDb for MappedPg {
             IdType::Uuid => row.try_get::<_, Uuid>(0).map(RowId::Uuid),
         }
         .map_err(|e| read_error(0, e))?;
-        let text = |index: usize| -> StoreResult<Option<String>> {
-            row.try_get(index).map_err(|e| read_error(index, e))
-        };
-        let int = |index: usize| -> StoreResult<Option<i64>> {
-            row.try_get(index).map_err(|e| read_error(index, e))
-        };
-        Ok(RawRow {
+        RawRow::read(
             id,
-            event_id: text(1)?,
-            destination: text(2)?,
-            key: text(3)?,
-            event_type: text(4)?,
-            payload: match mapping.payload_format {
-                PayloadFormat::Bytes => row.try_get(5).map_err(|e| read_error(5, e))?,
-                _ => text(5)?.map(String::into_bytes),
+            |i| row.try_get(i).map_err(|e| read_error(i, e)),
+            |i| row.try_get(i).map_err(|e| read_error(i, e)),
+            |i| {
+                match mapping.payload_format {
+                    PayloadFormat::Bytes => row.try_get(i),
+                    _ => row
+                        .try_get::<_, Option<String>>(i)
+                        .map(|text| text.map(String::into_bytes)),
+                }
+                .map_err(|e| read_error(i, e))
             },
-            headers: text(6)?,
-            mutation_id: text(7)?,
-            rejected: int(8)?,
-            attempts: int(9)?,
-            created_micros: int(10)?,
-            max_attempts: int(11)?,
-            traceparent: text(12)?,
-            tracestate: text(13)?,
-        })
+        )
     }
 
     fn int(row: &Row, index: usize) -> Option<i64> {
