@@ -1115,10 +1115,7 @@ async fn verify_outbox_columns(inner: &Inner) -> StoreResult<Vec<Problem>> {
                     "ALTER TABLE {name} ADD COLUMN {column} {ty}; (see `outbox-relay migrate --print` for its default), or rename the column that holds it back to {column}"
                 ),
             };
-            problems.push(Problem::blocking(
-                format!("column {column} of {t} is missing: the relay reads it in every claim"),
-                fix,
-            ));
+            problems.push(Problem::missing_column(column, t, fix));
             continue;
         };
         if found_ty != ty && !also.contains(&found_ty.as_str()) {
@@ -1127,8 +1124,9 @@ async fn verify_outbox_columns(inner: &Inner) -> StoreResult<Vec<Problem>> {
                 format!("ALTER TABLE {name} ALTER COLUMN {column} TYPE {ty} USING {column}::{ty};"),
             ));
         } else if not_null && !found_not_null {
-            problems.push(Problem::degraded(
-                format!("column {column} of {t} allows NULL: rows with NULL there cannot be published and go to the dead letters"),
+            problems.push(Problem::nullable_column(
+                column,
+                t,
                 format!("ALTER TABLE {name} ALTER COLUMN {column} SET NOT NULL; (after setting {column} on the rows where it is NULL)"),
             ));
         }
