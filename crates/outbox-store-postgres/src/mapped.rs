@@ -307,27 +307,15 @@ impl MappedDb for MappedPg {
     }
 
     async fn verify_access(&self, sql: &Sql, layout: &str) -> StoreResult<Vec<Problem>> {
-        let mut problems = Vec::new();
         let needed = if sql.mapping.retains_delivered() {
             "SELECT, UPDATE"
         } else {
             "SELECT, UPDATE, DELETE"
         };
         let table = sql.table();
-        for privilege in needed.split(", ") {
-            let rows = PgStore::query(
-                self.inner(),
-                "verify",
-                "SELECT has_table_privilege(current_user, $1, $2)",
-                &[&table, &privilege],
-            )
-            .await?;
-            if !rows[0].get::<_, bool>(0) {
-                problems.push(Problem::blocking(format!("the current role lacks {privilege} on {table}"), format!(
-                        "GRANT {privilege} ON {table} TO <relay role>; (see `outbox-relay migrate --layout {layout} --print`)"
-                    )));
-            }
-        }
+        let print = format!("outbox-relay migrate --layout {layout} --print");
+        let mut problems =
+            crate::missing_privileges(self.inner(), &table, &table, needed, &print).await?;
         // Every layout's table wakes the relay through the same trigger as the native one.
         let trigger = format!("{}_trigger", sql.mapping.table);
         let fix = format!(
