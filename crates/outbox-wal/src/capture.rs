@@ -465,8 +465,7 @@ impl Inner {
         event: Result<WalEvent, Box<Undecodable>>,
         out: &mut Vec<Claimed>,
     ) {
-        let session = state.session;
-        match event {
+        let (id, row, key, body) = match event {
             Ok(event) => {
                 let (id, row) = event_id_of(event.source, position);
                 if matches!(state.held.get(&id), Some(Held::Parked(_))) {
@@ -480,27 +479,16 @@ impl Inner {
                 let key = event.ordering_key().to_string();
                 let not_before = event.available_at.filter(|at| *at > SystemTime::now());
                 let core = event.into_core(id);
-                let wait = not_before.is_some() || state.parked_keys.contains(&key);
-                if !wait {
-                    out.push(Claimed::Event(core.clone()));
-                }
-                state.held.insert(
-                    id,
-                    Held::Wal(Box::new(HeldWal {
-                        session,
-                        position,
-                        row,
-                        key: key.clone(),
-                        body: Body::Event(core),
-                    })),
-                );
-                if wait {
-                    state.parked_keys.insert(key);
+                if not_before.is_some() || state.parked_keys.contains(&key) {
+                    state.parked_keys.insert(key.clone());
                     state.to_park.push(Park {
                         not_before,
                         ..Park::behind_its_key(id)
                     });
+                } else {
+                    out.push(Claimed::Event(core.clone()));
                 }
+                (id, row, key, Body::Event(core))
             }
             Err(undecodable) => {
                 let (id, row) = event_id_of(undecodable.source, position);
@@ -516,18 +504,17 @@ impl Inner {
                     attempts: 0,
                     reason: undecodable.reason.clone(),
                 });
-                state.held.insert(
-                    id,
-                    Held::Wal(Box::new(HeldWal {
-                        session,
-                        position,
-                        row,
-                        key,
-                        body: Body::Undecodable(undecodable),
-                    })),
-                );
+                (id, row, key, Body::Undecodable(undecodable))
             }
-        }
+        };
+        let held = HeldWal {
+            session: state.session,
+            position,
+            row,
+            key,
+            body,
+        };
+        state.held.insert(id, Held::Wal(Box::new(held)));
     }
 
     /// Writes `to_park` to the parked table (and deletes their outbox rows) in one
