@@ -24,6 +24,7 @@
 //! All methods return `'static` futures, so the engine can run many at once; each is one
 //! statement (or one transaction) per call, whatever the number of rows.
 
+use std::fmt::Display;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -170,6 +171,23 @@ impl Problem {
         }
     }
 
+    /// Column `column` of `table`, which every claim reads, is missing: claims fail.
+    pub fn missing_column(column: &str, table: impl Display, fix: impl Into<String>) -> Self {
+        Problem::blocking(
+            format!("column {column} of {table} is missing: the relay reads it in every claim"),
+            fix,
+        )
+    }
+
+    /// Column `column` of `table` allows NULL where the relay needs a value: only the rows
+    /// with NULL there fail, to the dead letters.
+    pub fn nullable_column(column: &str, table: impl Display, fix: impl Into<String>) -> Self {
+        Problem::degraded(
+            format!("column {column} of {table} allows NULL: rows with NULL there cannot be published and go to the dead letters"),
+            fix,
+        )
+    }
+
     pub fn severity(&self) -> Severity {
         self.severity
     }
@@ -277,6 +295,27 @@ pub enum Registration {
     /// A row with this id has not expired: another live process, or one that died without
     /// deregistering. Its current expiry, to tell the two apart: a live process moves it.
     Taken(Incarnation),
+}
+
+/// A node's row as a store that reads it before writing sees it (in the same transaction).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NodeRow {
+    pub expiry: Incarnation,
+    /// The expiry has not passed.
+    pub live: bool,
+}
+
+impl NodeRow {
+    /// Whether [`NodeRegistry::register`] may write the row: it is absent or expired.
+    pub fn may_register(row: Option<NodeRow>) -> bool {
+        !row.is_some_and(|r| r.live)
+    }
+
+    /// Whether [`NodeRegistry::heartbeat`] may write the row: it still shows `last`, or it
+    /// is gone (expired and removed by another node).
+    pub fn may_heartbeat(row: Option<NodeRow>, last: Incarnation) -> bool {
+        row.is_none_or(|r| r.expiry == last)
+    }
 }
 
 /// Membership in the nodes table (`id`, `expiry`), as the Ably connector keeps it.

@@ -54,6 +54,35 @@ pub struct RawRow {
     pub tracestate: Option<String>,
 }
 
+impl RawRow {
+    /// Reads the columns after the id, in [`crate::sql::Sql::select_list`] order: `payload`
+    /// reads the payload column (bytes or text, as the mapping keeps it), `text` and `int`
+    /// the others, which the statement casts to text or an integer.
+    pub fn read<E>(
+        id: RowId,
+        text: impl Fn(usize) -> Result<Option<String>, E>,
+        int: impl Fn(usize) -> Result<Option<i64>, E>,
+        payload: impl FnOnce(usize) -> Result<Option<Vec<u8>>, E>,
+    ) -> Result<RawRow, E> {
+        Ok(RawRow {
+            id,
+            event_id: text(1)?,
+            destination: text(2)?,
+            key: text(3)?,
+            event_type: text(4)?,
+            payload: payload(5)?,
+            headers: text(6)?,
+            mutation_id: text(7)?,
+            rejected: int(8)?,
+            attempts: int(9)?,
+            created_micros: int(10)?,
+            max_attempts: int(11)?,
+            traceparent: text(12)?,
+            tracestate: text(13)?,
+        })
+    }
+}
+
 /// The active relay's memory of a mapped table. Engine handles are the integer ids
 /// themselves; UUID ids get process-local numbers in claim order (so per-key order holds),
 /// kept until the row settles.

@@ -20,6 +20,16 @@ pub struct Sql {
     pub dialect: Dialect,
 }
 
+/// The placeholders of a statement on one failed row ([`Sql::retry`], [`Sql::dead_letter`]):
+/// the row, the node that must still hold it, its attempts so far and its last error.
+#[derive(Clone, Debug)]
+pub struct Failure {
+    pub id: String,
+    pub node: String,
+    pub attempts: String,
+    pub error: String,
+}
+
 /// The message every reaped row gets as its last error.
 pub const REAPED: &str =
     "the relay holding this event stopped before settling it (lease expired); counted as an attempt";
@@ -1134,36 +1144,23 @@ impl Sql {
     }
 
     /// Records one failed attempt of a held row; `None` when the table has nothing to record.
-    pub fn retry(
-        &self,
-        id: &str,
-        node: &str,
-        attempts: &str,
-        error: &str,
-        delay_ms: &str,
-    ) -> Option<String> {
-        let set = self.retry_set(attempts, error, delay_ms);
+    pub fn retry(&self, failure: &Failure, delay_ms: &str) -> Option<String> {
+        let set = self.retry_set(&failure.attempts, &failure.error, delay_ms);
         (!set.is_empty()).then(|| {
-            self.update(
-                &set,
-                &format!(
-                    "{} = {id} AND {} AND {attempts} >= 0 AND {error} IS NOT NULL AND {delay_ms} >= 0",
-                    self.id(),
-                    self.fence(node)
-                ),
-            )
+            let row = self.failed_row(failure);
+            self.update(&set, &format!("{row} AND {delay_ms} >= 0"))
         })
     }
 
     /// Makes one held row dead: marks it, or records it in the side table.
-    pub fn dead_letter(&self, id: &str, node: &str, attempts: &str, error: &str) -> String {
-        let held = format!("{} = {id} AND {}", self.id(), self.fence(node));
+    pub fn dead_letter(&self, failure: &Failure) -> String {
+        let Failure {
+            attempts, error, ..
+        } = failure;
         if self.mapping.dead_state() != DeadState::SideTable {
-            return self.update(
-                &self.dead_set(attempts, error),
-                &format!("{held} AND {attempts} >= 0 AND {error} IS NOT NULL"),
-            );
+            return self.update(&self.dead_set(attempts, error), &self.failed_row(failure));
         }
+        let held = self.held_row(failure);
         let (dl, id_column, t) = (self.dead_table(), self.id(), self.table());
         match self.dialect {
             Dialect::Postgres => format!(
@@ -1176,6 +1173,26 @@ impl Sql {
                  SELECT {id_column}, {attempts}, {error}, UTC_TIMESTAMP(6) FROM {t} o WHERE {held}"
             ),
         }
+    }
+
+    /// The row a failure names, while its node still holds it.
+    fn held_row(&self, failure: &Failure) -> String {
+        format!(
+            "{} = {} AND {}",
+            self.id(),
+            failure.id,
+            self.fence(&failure.node)
+        )
+    }
+
+    /// [`Sql::held_row`], with conditions on the attempts and error that always hold, so
+    /// their placeholders appear even where no column takes them.
+    fn failed_row(&self, failure: &Failure) -> String {
+        let Failure {
+            attempts, error, ..
+        } = failure;
+        let held = self.held_row(failure);
+        format!("{held} AND {attempts} >= 0 AND {error} IS NOT NULL")
     }
 
     /// The names of the table's columns (for `check`).

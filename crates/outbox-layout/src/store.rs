@@ -35,7 +35,7 @@ use uuid::Uuid;
 
 use crate::memory::{decode, derived_event_id, Memory, RawRow, RowId};
 use crate::params::Params;
-use crate::sql::Sql;
+use crate::sql::{Failure, Sql};
 use crate::{DeadState, Dialect, IdType, Mapping};
 
 /// How often a standby relay tries to become the active one.
@@ -617,6 +617,16 @@ impl<D: MappedDb> MappedStore<D> {
     }
 }
 
+/// Binds a failed row's values for [`Sql::retry`] and [`Sql::dead_letter`].
+fn failure(p: &mut Params, id: &RowId, node: &NodeId, attempts: u32, error: &str) -> Failure {
+    Failure {
+        id: p.id(id),
+        node: p.text(node.0.clone()),
+        attempts: p.int(i64::from(attempts)),
+        error: p.text(error.to_string()),
+    }
+}
+
 impl<D: MappedDb> OutboxStore for MappedStore<D> {
     fn describe(&self) -> String {
         format!(
@@ -713,13 +723,8 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
                     &retries,
                     |r| r.sequence_id,
                     |r, id, p| {
-                        sql.retry(
-                            &p.id(id),
-                            &p.text(node.0.clone()),
-                            &p.int(r.attempts as i64),
-                            &p.text(r.error.clone()),
-                            &p.int(millis(r.delay)),
-                        )
+                        let failure = failure(p, id, &node, r.attempts, &r.error);
+                        sql.retry(&failure, &p.int(millis(r.delay)))
                     },
                 )
                 .await?
@@ -746,14 +751,7 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
                     "dead-letter",
                     &entries,
                     |e| e.sequence_id,
-                    |e, id, p| {
-                        Some(sql.dead_letter(
-                            &p.id(id),
-                            &p.text(node.0.clone()),
-                            &p.int(e.attempts as i64),
-                            &p.text(e.error.clone()),
-                        ))
-                    },
+                    |e, id, p| Some(sql.dead_letter(&failure(p, id, &node, e.attempts, &e.error))),
                 )
                 .await?
                 .unwrap_or(0);

@@ -273,13 +273,8 @@ impl MappedDb for MySql {
 
     /// One transaction: the rows are selected and locked, then marked by id.
     async fn claim(&self, sql: &Sql, claim: Claim) -> StoreResult<Vec<Row>> {
-        let Claim {
-            condition,
-            mut params,
-            limit,
-            mark,
-        } = claim;
-        let select = sql.claim_select(&condition, &params.int(limit), true);
+        let mut params = claim.params;
+        let select = sql.claim_select(&claim.condition, &params.int(claim.limit), true);
         let mut conn = self.conn("claim").await?;
         let mut tx = conn
             .start_transaction(mysql_async::TxOpts::default())
@@ -290,7 +285,7 @@ impl MappedDb for MySql {
             .exec(&select, bind(params))
             .await
             .map_err(|e| db_error("claim", e))?;
-        if let (Some((node, lease)), false) = (mark, rows.is_empty()) {
+        if let (Some((node, lease)), false) = (claim.mark, rows.is_empty()) {
             let set = sql.claim_set(&update.text(node), &update.int(lease));
             let ids: Vec<RowId> = rows
                 .iter()
@@ -326,25 +321,16 @@ impl MappedDb for MySql {
 
     fn raw_row(row: &Row, mapping: &Mapping) -> StoreResult<RawRow> {
         let id_text = text(col(row, 0)).unwrap_or_default();
-        Ok(RawRow {
-            id: match mapping.id_type {
-                IdType::Integer => RowId::Integer(id_text.parse().unwrap_or(0)),
-                IdType::Uuid => RowId::Uuid(uuid::Uuid::parse_str(&id_text).unwrap_or_default()),
-            },
-            event_id: text(col(row, 1)),
-            destination: text(col(row, 2)),
-            key: text(col(row, 3)),
-            event_type: text(col(row, 4)),
-            payload: bytes(col(row, 5)),
-            headers: text(col(row, 6)),
-            mutation_id: text(col(row, 7)),
-            rejected: int(col(row, 8)),
-            attempts: int(col(row, 9)),
-            created_micros: int(col(row, 10)),
-            max_attempts: int(col(row, 11)),
-            traceparent: text(col(row, 12)),
-            tracestate: text(col(row, 13)),
-        })
+        let id = match mapping.id_type {
+            IdType::Integer => RowId::Integer(id_text.parse().unwrap_or(0)),
+            IdType::Uuid => RowId::Uuid(uuid::Uuid::parse_str(&id_text).unwrap_or_default()),
+        };
+        RawRow::read(
+            id,
+            |i| Ok(text(col(row, i))),
+            |i| Ok(int(col(row, i))),
+            |i| Ok(bytes(col(row, i))),
+        )
     }
 
     fn int(row: &Row, index: usize) -> Option<i64> {
@@ -387,14 +373,12 @@ impl MappedDb for MySql {
     }
 
     fn grants(&self, sql: &Sql, layout: &str, role: &str) -> String {
-        let mut out = format!(
-            "-- The relay's run-time account for the {layout} layout (MySQL/MariaDB).\n-- CREATE USER '{role}'@'%' IDENTIFIED BY '...';\n{}",
-            sql.grants(role)
-        );
-        if let Some(nodes) = &self.nodes {
-            out.push_str(&nodes.grants(role));
-        }
-        out
+        let nodes = self.nodes.as_ref().map(|n| n.grants(role));
+        format!(
+            "-- The relay's run-time account for the {layout} layout (MySQL/MariaDB).\n-- CREATE USER '{role}'@'%' IDENTIFIED BY '...';\n{}{}",
+            sql.grants(role),
+            nodes.unwrap_or_default()
+        )
     }
 
     async fn migrate(&self, sql: &Sql) -> StoreResult<()> {

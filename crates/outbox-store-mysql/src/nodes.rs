@@ -7,7 +7,7 @@ use futures::FutureExt;
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, Params, Pool, Row, Value};
 use outbox_core::store::{
-    Incarnation, NodeRecord, NodeRegistry, Registration, StoreFuture, StoreResult,
+    Incarnation, NodeRecord, NodeRegistry, NodeRow, Registration, StoreFuture, StoreResult,
 };
 use outbox_core::time::{from_micros, millis};
 use outbox_core::NodeId;
@@ -90,14 +90,14 @@ impl Nodes {
 
     /// In one transaction: reads the node's row (its expiry in microseconds since the epoch,
     /// counted without the session's time zone, and whether it is live), and writes `now +
-    /// ttl` if `may_write` accepts what it read. Returns what was read and what was written.
+    /// ttl` if `may_write` accepts what it read. Returns the expiry read and the one written.
     async fn write_node_expiry(
         &self,
         context: &'static str,
         nodes: &str,
         node: &NodeId,
         ttl: Duration,
-        may_write: impl FnOnce(Option<(i64, bool)>) -> bool,
+        may_write: impl FnOnce(Option<NodeRow>) -> bool,
     ) -> StoreResult<(Option<i64>, Option<i64>)> {
         let micros = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', expiry)";
         let id = || named(vec![("id", Value::from(node.0.as_str()))]);
@@ -115,15 +115,13 @@ impl Nodes {
             )
             .await
             .map_err(|e| db_error(context, e))?;
-        let current = read.map(|r| {
-            (
-                int(col(&r, 0)).unwrap_or(0),
-                int(col(&r, 1)).unwrap_or(0) != 0,
-            )
+        let current = read.map(|r| NodeRow {
+            expiry: Incarnation(int(col(&r, 0)).unwrap_or(0)),
+            live: int(col(&r, 1)).unwrap_or(0) != 0,
         });
         if !may_write(current) {
             tx.rollback().await.map_err(|e| db_error(context, e))?;
-            return Ok((current.map(|c| c.0), None));
+            return Ok((current.map(|c| c.expiry.0), None));
         }
         tx.exec_drop(
             format!(
@@ -142,7 +140,10 @@ impl Nodes {
             .await
             .map_err(|e| db_error(context, e))?;
         tx.commit().await.map_err(|e| db_error(context, e))?;
-        Ok((current.map(|c| c.0), written.and_then(|r| int(col(&r, 0)))))
+        Ok((
+            current.map(|c| c.expiry.0),
+            written.and_then(|r| int(col(&r, 0))),
+        ))
     }
 }
 
@@ -152,9 +153,7 @@ impl NodeRegistry for Nodes {
         async move {
             let nodes = store.table.clone();
             let (current, written) = store
-                .write_node_expiry("register", &nodes, &node, ttl, |row| {
-                    !row.is_some_and(|(_, live)| live)
-                })
+                .write_node_expiry("register", &nodes, &node, ttl, NodeRow::may_register)
                 .await?;
             Ok(match (written, current) {
                 (Some(w), _) => Registration::Registered(Incarnation(w)),
@@ -175,7 +174,7 @@ impl NodeRegistry for Nodes {
             let nodes = store.table.clone();
             let (_, written) = store
                 .write_node_expiry("heartbeat", &nodes, &node, ttl, |row| {
-                    row.is_none_or(|(expiry, _)| expiry == last.0)
+                    NodeRow::may_heartbeat(row, last)
                 })
                 .await?;
             Ok(written.map(Incarnation))

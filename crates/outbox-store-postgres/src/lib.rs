@@ -952,18 +952,10 @@ async fn verify(inner: &Inner) -> StoreResult<Vec<Problem>> {
             ));
             continue;
         }
-        for privilege in privileges.split(", ") {
-            let rows = PgStore::query(
-                inner,
-                "verify",
-                "SELECT has_table_privilege(current_user, $1, $2)",
-                &[&name, &privilege],
-            )
-            .await?;
-            if !rows[0].get::<_, bool>(0) {
-                problems.push(Problem::blocking(format!("the current role lacks {privilege} on {table}"), format!("GRANT {privilege} ON {name} TO <relay role>; (see `outbox-relay migrate --print`)")));
-            }
-        }
+        let shown = table.to_string();
+        let print = "outbox-relay migrate --print";
+        let missing = missing_privileges(inner, &name, &shown, privileges, print).await?;
+        problems.extend(missing);
     }
     problems.extend(verify_outbox_columns(inner).await?);
     let (trigger, table) = t.trigger_exists_sql();
@@ -971,6 +963,35 @@ async fn verify(inner: &Inner) -> StoreResult<Vec<Problem>> {
         missing_trigger(inner, &trigger, &table, &t.outbox.to_string(), migrate_fix).await?,
     );
     index_problems(inner, &mut problems, migrate_fix).await?;
+    Ok(problems)
+}
+
+/// A problem for each of `privileges` (as in "SELECT, UPDATE") that the current role lacks
+/// on `table` (quoted; `shown` as the message names it); the fix points at `print`, the
+/// command that prints every grant.
+pub(crate) async fn missing_privileges(
+    inner: &Inner,
+    table: &str,
+    shown: &str,
+    privileges: &str,
+    print: &str,
+) -> StoreResult<Vec<Problem>> {
+    let mut problems = Vec::new();
+    for privilege in privileges.split(", ") {
+        let rows = PgStore::query(
+            inner,
+            "verify",
+            "SELECT has_table_privilege(current_user, $1, $2)",
+            &[&table, &privilege],
+        )
+        .await?;
+        if !rows[0].get::<_, bool>(0) {
+            problems.push(Problem::blocking(
+                format!("the current role lacks {privilege} on {shown}"),
+                format!("GRANT {privilege} ON {table} TO <relay role>; (see `{print}`)"),
+            ));
+        }
+    }
     Ok(problems)
 }
 
@@ -1115,10 +1136,7 @@ async fn verify_outbox_columns(inner: &Inner) -> StoreResult<Vec<Problem>> {
                     "ALTER TABLE {name} ADD COLUMN {column} {ty}; (see `outbox-relay migrate --print` for its default), or rename the column that holds it back to {column}"
                 ),
             };
-            problems.push(Problem::blocking(
-                format!("column {column} of {t} is missing: the relay reads it in every claim"),
-                fix,
-            ));
+            problems.push(Problem::missing_column(column, t, fix));
             continue;
         };
         if found_ty != ty && !also.contains(&found_ty.as_str()) {
@@ -1127,8 +1145,9 @@ async fn verify_outbox_columns(inner: &Inner) -> StoreResult<Vec<Problem>> {
                 format!("ALTER TABLE {name} ALTER COLUMN {column} TYPE {ty} USING {column}::{ty};"),
             ));
         } else if not_null && !found_not_null {
-            problems.push(Problem::degraded(
-                format!("column {column} of {t} allows NULL: rows with NULL there cannot be published and go to the dead letters"),
+            problems.push(Problem::nullable_column(
+                column,
+                t,
                 format!("ALTER TABLE {name} ALTER COLUMN {column} SET NOT NULL; (after setting {column} on the rows where it is NULL)"),
             ));
         }

@@ -209,20 +209,15 @@ impl MappedDb for MappedPg {
 
     /// One statement: the rows are selected, locked and marked together.
     async fn claim(&self, sql: &Sql, claim: Claim) -> StoreResult<Vec<Row>> {
-        let Claim {
-            condition,
-            mut params,
-            limit,
-            mark,
-        } = claim;
-        let limit = params.int(limit);
-        let Some((node, lease)) = mark else {
+        let mut params = claim.params;
+        let limit = params.int(claim.limit);
+        let Some((node, lease)) = claim.mark else {
             // Nothing to mark: the active relay excludes what it holds, nobody else claims.
-            let statement = sql.claim_select(&condition, &limit, false);
+            let statement = sql.claim_select(&claim.condition, &limit, false);
             return self.query("claim", statement, params).await;
         };
         let (node, lease) = (params.text(node), params.int(lease));
-        let statement = sql.claim_and_mark(&condition, &limit, &node, &lease);
+        let statement = sql.claim_and_mark(&claim.condition, &limit, &node, &lease);
         let mut rows = self.query("claim", statement, params).await?;
         let order = sql.claim_order_column();
         rows.sort_by_key(|row| Self::int(row, order));
@@ -279,31 +274,20 @@ impl MappedDb for MappedPg {
             IdType::Uuid => row.try_get::<_, Uuid>(0).map(RowId::Uuid),
         }
         .map_err(|e| read_error(0, e))?;
-        let text = |index: usize| -> StoreResult<Option<String>> {
-            row.try_get(index).map_err(|e| read_error(index, e))
-        };
-        let int = |index: usize| -> StoreResult<Option<i64>> {
-            row.try_get(index).map_err(|e| read_error(index, e))
-        };
-        Ok(RawRow {
+        RawRow::read(
             id,
-            event_id: text(1)?,
-            destination: text(2)?,
-            key: text(3)?,
-            event_type: text(4)?,
-            payload: match mapping.payload_format {
-                PayloadFormat::Bytes => row.try_get(5).map_err(|e| read_error(5, e))?,
-                _ => text(5)?.map(String::into_bytes),
+            |i| row.try_get(i).map_err(|e| read_error(i, e)),
+            |i| row.try_get(i).map_err(|e| read_error(i, e)),
+            |i| {
+                match mapping.payload_format {
+                    PayloadFormat::Bytes => row.try_get(i),
+                    _ => row
+                        .try_get::<_, Option<String>>(i)
+                        .map(|text| text.map(String::into_bytes)),
+                }
+                .map_err(|e| read_error(i, e))
             },
-            headers: text(6)?,
-            mutation_id: text(7)?,
-            rejected: int(8)?,
-            attempts: int(9)?,
-            created_micros: int(10)?,
-            max_attempts: int(11)?,
-            traceparent: text(12)?,
-            tracestate: text(13)?,
-        })
+        )
     }
 
     fn int(row: &Row, index: usize) -> Option<i64> {
@@ -323,27 +307,15 @@ impl MappedDb for MappedPg {
     }
 
     async fn verify_access(&self, sql: &Sql, layout: &str) -> StoreResult<Vec<Problem>> {
-        let mut problems = Vec::new();
         let needed = if sql.mapping.retains_delivered() {
             "SELECT, UPDATE"
         } else {
             "SELECT, UPDATE, DELETE"
         };
         let table = sql.table();
-        for privilege in needed.split(", ") {
-            let rows = PgStore::query(
-                self.inner(),
-                "verify",
-                "SELECT has_table_privilege(current_user, $1, $2)",
-                &[&table, &privilege],
-            )
-            .await?;
-            if !rows[0].get::<_, bool>(0) {
-                problems.push(Problem::blocking(format!("the current role lacks {privilege} on {table}"), format!(
-                        "GRANT {privilege} ON {table} TO <relay role>; (see `outbox-relay migrate --layout {layout} --print`)"
-                    )));
-            }
-        }
+        let print = format!("outbox-relay migrate --layout {layout} --print");
+        let mut problems =
+            crate::missing_privileges(self.inner(), &table, &table, needed, &print).await?;
         // Every layout's table wakes the relay through the same trigger as the native one.
         let trigger = format!("{}_trigger", sql.mapping.table);
         let fix = format!(

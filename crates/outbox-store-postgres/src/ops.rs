@@ -29,6 +29,28 @@ fn selector(s: &DeadSelector) -> (&'static str, Box<dyn ToSql + Sync + Send>) {
     }
 }
 
+impl PgStore {
+    /// Runs a statement on the dead letters `which` selects: `statement` gets the outbox and
+    /// dead-letter tables (quoted) and the selector's condition (over parameter `$1`).
+    fn on_dead_letters(
+        &self,
+        context: &'static str,
+        which: DeadSelector,
+        statement: impl FnOnce(String, String, &str) -> String,
+    ) -> StoreFuture<u64> {
+        let inner = self.inner.clone();
+        let (condition, param) = selector(&which);
+        let tables = &inner.tables;
+        let sql = statement(
+            tables.outbox.quoted(),
+            tables.dead_letters.quoted(),
+            condition,
+        );
+        async move { Self::execute(&inner, context, &sql, &[&*param as &(dyn ToSql + Sync)]).await }
+            .boxed()
+    }
+}
+
 impl Operations for PgStore {
     fn destination_stats(&self) -> StoreFuture<Vec<DestinationStats>> {
         let inner = self.inner.clone();
@@ -162,47 +184,22 @@ impl Operations for PgStore {
     }
 
     fn dead_retry(&self, which: DeadSelector) -> StoreFuture<u64> {
-        let inner = self.inner.clone();
-        async move {
-            let (t, dl) = (
-                inner.tables.outbox.quoted(),
-                inner.tables.dead_letters.quoted(),
-            );
-            let (condition, param) = selector(&which);
-            // The INSERT fires the outbox trigger, so relays wake up at once.
-            let sql = format!(
+        // The INSERT fires the outbox trigger, so relays wake up at once.
+        self.on_dead_letters("dead retry", which, |t, dl, condition| {
+            format!(
                 "WITH moved AS (DELETE FROM {dl} WHERE {condition} RETURNING *)
                  INSERT INTO {t} (sequence_id, event_id, destination, partition_key, event_type,
                                   payload, headers, mutation_id, rejected, created_at)
                  SELECT sequence_id, event_id, destination, partition_key, event_type,
                         payload, headers, mutation_id, rejected, created_at FROM moved"
-            );
-            Self::execute(
-                &inner,
-                "dead retry",
-                &sql,
-                &[&*param as &(dyn ToSql + Sync)],
             )
-            .await
-        }
-        .boxed()
+        })
     }
 
     fn dead_purge(&self, which: DeadSelector) -> StoreFuture<u64> {
-        let inner = self.inner.clone();
-        async move {
-            let dl = inner.tables.dead_letters.quoted();
-            let (condition, param) = selector(&which);
-            let sql = format!("DELETE FROM {dl} WHERE {condition}");
-            Self::execute(
-                &inner,
-                "dead purge",
-                &sql,
-                &[&*param as &(dyn ToSql + Sync)],
-            )
-            .await
-        }
-        .boxed()
+        self.on_dead_letters("dead purge", which, |_, dl, condition| {
+            format!("DELETE FROM {dl} WHERE {condition}")
+        })
     }
 
     fn count_replayable(&self, selector: ReplaySelector) -> StoreFuture<u64> {

@@ -15,8 +15,8 @@ use futures::future::BoxFuture;
 use futures::FutureExt;
 use outbox_core::event::headers_from_json_text;
 use outbox_core::store::{
-    Backlog, ClaimRequest, Claimed, DeadLetter, Incarnation, NodeRecord, NodeRegistry, OnChange,
-    Problem, Registration, RetryLater, StoreFuture, StoreResult,
+    Backlog, ClaimRequest, Claimed, DeadLetter, Incarnation, NodeRecord, NodeRegistry, NodeRow,
+    OnChange, Problem, Registration, RetryLater, StoreFuture, StoreResult,
 };
 use outbox_core::{
     Event, Fence, NewEvent, NodeId, OutboxStore, Payload, SequenceId, StoreError, StoreErrorKind,
@@ -77,38 +77,42 @@ CREATE TABLE IF NOT EXISTS outbox_nodes (
 );
 "#;
 
-/// Unordered claims (`--ordering none`) leave out the per-key blocking.
-const CLAIM_UNORDERED: &str = "
+/// A claim statement: leases up to `?3` pending, unleased rows to node `?1` for `?4` ms
+/// (`?2` is now), those that `$blocking` (a condition on `o`) lets through.
+macro_rules! claim_sql {
+    ($blocking:literal) => {
+        concat!(
+            "
 UPDATE outbox SET locked_by = ?1, locked_until = ?2 + ?4
  WHERE sequence_id IN (
     SELECT o.sequence_id FROM outbox o
      WHERE o.delivered_at IS NULL
        AND o.available_at <= ?2
-       AND (o.locked_until IS NULL OR o.locked_until < ?2)
+       AND (o.locked_until IS NULL OR o.locked_until < ?2)",
+            $blocking,
+            "
      ORDER BY o.sequence_id
      LIMIT ?3)
 RETURNING sequence_id, event_id, destination, partition_key, event_type, payload, headers,
-          mutation_id, rejected, attempts, created_at";
+          mutation_id, rejected, attempts, created_at"
+        )
+    };
+}
+
+/// Unordered claims (`--ordering none`) leave out the per-key blocking.
+const CLAIM_UNORDERED: &str = claim_sql!("");
 
 /// SQLite is the single-node store: claims ignore partition fences.
-const CLAIM: &str = "
-UPDATE outbox SET locked_by = ?1, locked_until = ?2 + ?4
- WHERE sequence_id IN (
-    SELECT o.sequence_id FROM outbox o
-     WHERE o.delivered_at IS NULL
-       AND o.available_at <= ?2
-       AND (o.locked_until IS NULL OR o.locked_until < ?2)
+const CLAIM: &str = claim_sql!(
+    "
        AND NOT EXISTS (
            SELECT 1 FROM outbox p
             WHERE coalesce(p.partition_key, p.destination) = coalesce(o.partition_key, o.destination)
               AND p.sequence_id < o.sequence_id
               AND p.delivered_at IS NULL
               AND (p.locked_by IS NOT NULL OR p.attempts > 0)
-              AND (p.available_at > ?2 OR (p.locked_until > ?2 AND p.locked_by <> ?1)))
-     ORDER BY o.sequence_id
-     LIMIT ?3)
-RETURNING sequence_id, event_id, destination, partition_key, event_type, payload, headers,
-          mutation_id, rejected, attempts, created_at";
+              AND (p.available_at > ?2 OR (p.locked_until > ?2 AND p.locked_by <> ?1)))"
+);
 
 /// The SQLite store. Cheap to clone.
 #[derive(Clone)]
@@ -618,52 +622,42 @@ impl OutboxStore for SqliteStore {
     }
 }
 
-/// The outbox table's columns as [`DDL`] declares them: name, declared type, NOT NULL.
-const OUTBOX_COLUMNS: [(&str, &str, bool); 16] = [
-    ("sequence_id", "INTEGER", false), // the rowid: never NULL
-    ("event_id", "TEXT", true),
-    ("destination", "TEXT", true),
-    ("partition_key", "TEXT", false),
-    ("event_type", "TEXT", true),
-    ("payload", "TEXT", false),
-    ("headers", "TEXT", true),
-    ("mutation_id", "TEXT", false),
-    ("rejected", "INTEGER", true),
-    ("created_at", "INTEGER", true),
-    ("available_at", "INTEGER", true),
-    ("attempts", "INTEGER", true),
-    ("last_error", "TEXT", false),
-    ("locked_by", "TEXT", false),
-    ("locked_until", "INTEGER", false),
-    ("delivered_at", "INTEGER", false),
-];
+/// The outbox table's columns in `conn`: name, declared type, NOT NULL.
+fn outbox_columns(conn: &Connection) -> rusqlite::Result<Vec<(String, String, bool)>> {
+    let mut stmt =
+        conn.prepare("SELECT name, type, \"notnull\" FROM pragma_table_info('outbox')")?;
+    let columns = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get::<_, i64>(2)? != 0)))?;
+    columns.collect()
+}
 
-/// Compares the outbox table's columns with [`OUTBOX_COLUMNS`]. SQLite reads any value from
-/// any column, so only a missing (renamed) column stops claims; a different declared type or
-/// a missing NOT NULL lets through rows that go to the dead letters.
+/// Compares the outbox table's columns with those [`DDL`] declares, read back from a scratch
+/// in-memory database (so the two cannot drift). SQLite reads any value from any column, so
+/// only a missing (renamed) column stops claims; a different declared type or a missing NOT
+/// NULL lets through rows that go to the dead letters.
 fn verify_outbox_columns(conn: &Connection) -> StoreResult<Vec<Problem>> {
-    let found: Vec<(String, String, bool)> = conn
-        .prepare("SELECT name, type, \"notnull\" FROM pragma_table_info('outbox')")
-        .and_then(|mut stmt| {
-            stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get::<_, i64>(2)? != 0)))?
-                .collect()
+    let declared = Connection::open_in_memory()
+        .and_then(|scratch| {
+            scratch.execute_batch(DDL)?;
+            outbox_columns(&scratch)
         })
         .map_err(|e| sql_error("verify", e))?;
+    let found = outbox_columns(conn).map_err(|e| sql_error("verify", e))?;
     let mut problems = Vec::new();
-    for (column, ty, not_null) in OUTBOX_COLUMNS {
-        match found.iter().find(|(c, ..)| c == column) {
-            None => problems.push(Problem::blocking(format!("column {column} of table outbox is missing: the relay reads it in every claim"), format!(
+    for (column, ty, not_null) in declared {
+        match found.iter().find(|(c, ..)| *c == column) {
+            None => problems.push(Problem::missing_column(&column, "table outbox", format!(
                     "ALTER TABLE outbox RENAME COLUMN <its current name> TO {column}; or ALTER TABLE outbox ADD COLUMN {column} {ty} (see `outbox-relay migrate --print`)"
                 ))),
             Some((_, found_ty, found_not_null)) => {
-                if !found_ty.eq_ignore_ascii_case(ty) {
+                if !found_ty.eq_ignore_ascii_case(&ty) {
                     problems.push(Problem::degraded(
                         format!("column {column} of table outbox is declared {found_ty}, not {ty}: rows whose {column} the relay cannot read go to the dead letters"),
                         format!("rebuild the table with {column} {ty} (see `outbox-relay migrate --print`)"),
                     ));
                 } else if not_null && !found_not_null {
-                    problems.push(Problem::degraded(
-                        format!("column {column} of table outbox allows NULL: rows with NULL there cannot be published and go to the dead letters"),
+                    problems.push(Problem::nullable_column(
+                        &column,
+                        "table outbox",
                         format!("rebuild the table with {column} NOT NULL (see `outbox-relay migrate --print`)"),
                     ));
                 }
@@ -703,14 +697,23 @@ async fn watch_data_version(path: PathBuf, on_change: OnChange) {
     }
 }
 
-/// The expiry the node's row holds, if it has a row.
-fn node_expiry(tx: &rusqlite::Transaction<'_>, node: &NodeId) -> rusqlite::Result<Option<i64>> {
-    tx.query_row(
-        "SELECT expiry FROM outbox_nodes WHERE id = ?1",
-        [&node.0],
-        |r| r.get(0),
-    )
-    .optional()
+/// The node's row, if it has one, live when its expiry is `now` or later.
+fn node_row(
+    tx: &rusqlite::Transaction<'_>,
+    node: &NodeId,
+    now: i64,
+) -> rusqlite::Result<Option<NodeRow>> {
+    let expiry: Option<i64> = tx
+        .query_row(
+            "SELECT expiry FROM outbox_nodes WHERE id = ?1",
+            [&node.0],
+            |r| r.get(0),
+        )
+        .optional()?;
+    Ok(expiry.map(|expiry| NodeRow {
+        expiry: Incarnation(expiry),
+        live: expiry >= now,
+    }))
 }
 
 /// Writes the node's row (made if missing) with `expiry`.
@@ -733,8 +736,11 @@ impl NodeRegistry for SqliteStore {
     fn register(&self, node: NodeId, ttl: Duration) -> StoreFuture<Registration> {
         self.in_tx("register", move |tx| {
             let now = now_ms();
-            if let Some(expiry) = node_expiry(tx, &node)?.filter(|e| *e >= now) {
-                return Ok(Registration::Taken(Incarnation(expiry)));
+            match node_row(tx, &node, now)? {
+                Some(row) if !NodeRow::may_register(Some(row)) => {
+                    return Ok(Registration::Taken(row.expiry))
+                }
+                _ => {}
             }
             let expiry = now + millis(ttl);
             set_node_expiry(tx, &node, expiry)?;
@@ -749,10 +755,11 @@ impl NodeRegistry for SqliteStore {
         ttl: Duration,
     ) -> StoreFuture<Option<Incarnation>> {
         self.in_tx("heartbeat", move |tx| {
-            if node_expiry(tx, &node)?.is_some_and(|e| e != last.0) {
+            let now = now_ms();
+            if !NodeRow::may_heartbeat(node_row(tx, &node, now)?, last) {
                 return Ok(None);
             }
-            let expiry = now_ms() + millis(ttl);
+            let expiry = now + millis(ttl);
             set_node_expiry(tx, &node, expiry)?;
             Ok(Some(Incarnation(expiry)))
         })

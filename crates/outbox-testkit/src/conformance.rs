@@ -84,6 +84,16 @@ fn event(destination: &str, key: Option<&str>, event_type: &str, n: usize) -> Ne
     }
 }
 
+/// The harness's store holding `rows` (see [`insert`]), and their ids.
+async fn store_with(
+    h: &dyn Harness,
+    rows: &[(&str, Option<&str>, &str, usize)],
+) -> (Arc<dyn OutboxStore>, Vec<SequenceId>) {
+    let store = h.store();
+    let seq = insert(&*store, rows).await;
+    (store, seq)
+}
+
 /// Inserts `event(destination, key, type, n)` for each tuple, in order; returns their ids.
 async fn insert(
     store: &dyn OutboxStore,
@@ -102,6 +112,50 @@ fn request(node: &NodeId, limit: usize) -> ClaimRequest {
 
 fn ids(claimed: &[Claimed]) -> Vec<SequenceId> {
     claimed.iter().map(Claimed::sequence_id).collect()
+}
+
+/// Claims for `node` until something comes back (a backoff or a lease running out).
+async fn claimed_eventually(store: &dyn OutboxStore, node: &NodeId, what: &str) -> Vec<Claimed> {
+    eventually(what, Duration::from_secs(10), || async {
+        let c = store.claim(request(node, 10)).await.unwrap();
+        (!c.is_empty()).then_some(c)
+    })
+    .await
+}
+
+/// Dead letters for `ids`, each with `attempts` and the error `error` names it by.
+fn dead_letters(
+    ids: &[SequenceId],
+    attempts: u32,
+    error: impl Fn(SequenceId) -> String,
+) -> Vec<DeadLetter> {
+    ids.iter()
+        .map(|&sequence_id| DeadLetter {
+            sequence_id,
+            attempts,
+            error: error(sequence_id),
+        })
+        .collect()
+}
+
+/// Asserts that a payload (JSON text) is `{"n": n}`, as [`event`] wrote it.
+fn assert_payload(payload: Option<&str>, n: usize) {
+    let payload: serde_json::Value = serde_json::from_str(payload.expect("a payload")).unwrap();
+    assert_eq!(payload, serde_json::json!({ "n": n }));
+}
+
+/// The ids the publisher delivered, in delivery order.
+fn delivered_ids(publisher: &RecordingPublisher) -> Vec<SequenceId> {
+    publisher
+        .delivered()
+        .iter()
+        .map(|e| e.sequence_id)
+        .collect()
+}
+
+/// How often the publisher was handed `id`.
+fn attempts_of(publisher: &RecordingPublisher, id: SequenceId) -> usize {
+    publisher.attempts().iter().filter(|s| **s == id).count()
 }
 
 pub async fn exclusive_claims(h: &dyn Harness) {
@@ -134,9 +188,8 @@ pub async fn exclusive_claims(h: &dyn Harness) {
 }
 
 pub async fn per_key_order_across_nodes(h: &dyn Harness) {
-    let store = h.store();
-    let seq = insert(
-        &*store,
+    let (store, seq) = store_with(
+        h,
         &[
             ("d", Some("a"), "t", 1),
             ("d", Some("b"), "t", 2),
@@ -166,9 +219,8 @@ pub async fn per_key_order_across_nodes(h: &dyn Harness) {
 }
 
 pub async fn retry_scheduling(h: &dyn Harness) {
-    let store = h.store();
-    let seq = insert(
-        &*store,
+    let (store, seq) = store_with(
+        h,
         &[
             ("d", Some("a"), "t", 1),
             ("d", Some("a"), "t", 2),
@@ -185,13 +237,7 @@ pub async fn retry_scheduling(h: &dyn Harness) {
         error: "unavailable: broker down".into(),
         delay: Duration::from_millis(400),
     };
-    assert_eq!(
-        store
-            .retry_later(node.clone(), None, vec![retry])
-            .await
-            .unwrap(),
-        1
-    );
+    assert_eq!(store.retry_later(node, None, vec![retry]).await.unwrap(), 1);
     assert_eq!(
         h.row_state(seq[0]).await,
         Some((1, Some("unavailable: broker down".into()), false))
@@ -205,11 +251,7 @@ pub async fn retry_scheduling(h: &dyn Harness) {
         "only key b is claimable during a's backoff"
     );
     // After the delay, a's rows come back in order, attempts intact.
-    let later = eventually("the retry to come due", Duration::from_secs(10), || async {
-        let c = store.claim(request(&other, 10)).await.unwrap();
-        (!c.is_empty()).then_some(c)
-    })
-    .await;
+    let later = claimed_eventually(&*store, &other, "the retry to come due").await;
     assert_eq!(ids(&later), vec![seq[0], seq[1]]);
     match &later[0] {
         Claimed::Event(e) => assert_eq!(e.attempts, 1),
@@ -218,12 +260,7 @@ pub async fn retry_scheduling(h: &dyn Harness) {
 }
 
 pub async fn dead_lettering_keeps_the_whole_event(h: &dyn Harness) {
-    let store = h.store();
-    let seq = insert(
-        &*store,
-        &[("d", Some("a"), "t", 1), ("d", Some("a"), "t", 2)],
-    )
-    .await;
+    let (store, seq) = store_with(h, &[("d", Some("a"), "t", 1), ("d", Some("a"), "t", 2)]).await;
     let node = NodeId::random();
     store.claim(request(&node, 1)).await.unwrap();
     let dead = DeadLetter {
@@ -231,22 +268,14 @@ pub async fn dead_lettering_keeps_the_whole_event(h: &dyn Harness) {
         attempts: 3,
         error: "too_large: 2 MiB > 1 MiB".into(),
     };
-    assert_eq!(
-        store
-            .dead_letter(node.clone(), None, vec![dead])
-            .await
-            .unwrap(),
-        1
-    );
+    assert_eq!(store.dead_letter(node, None, vec![dead]).await.unwrap(), 1);
     assert_eq!(h.row_state(seq[0]).await, None, "moved out of the outbox");
     let rows = h.dead_rows().await;
     assert_eq!(rows.len(), 1);
     assert_eq!(rows[0].sequence_id, seq[0]);
     assert_eq!(rows[0].attempts, 3);
     assert_eq!(rows[0].last_error, "too_large: 2 MiB > 1 MiB");
-    let payload: serde_json::Value =
-        serde_json::from_str(rows[0].payload.as_deref().unwrap()).unwrap();
-    assert_eq!(payload, serde_json::json!({"n": 1}));
+    assert_payload(rows[0].payload.as_deref(), 1);
     // The key carries on.
     let next = store.claim(request(&NodeId::random(), 10)).await.unwrap();
     assert_eq!(ids(&next), vec![seq[1]]);
@@ -254,11 +283,7 @@ pub async fn dead_lettering_keeps_the_whole_event(h: &dyn Harness) {
 }
 
 pub async fn lease_expiry(h: &dyn Harness) {
-    let store = h.store();
-    let seq = store
-        .insert(vec![event("d", Some("a"), "t", 1)])
-        .await
-        .unwrap();
+    let (store, seq) = store_with(h, &[("d", Some("a"), "t", 1)]).await;
     let crashed = NodeId::random();
     let short = ClaimRequest::new(crashed.clone(), 10, Duration::from_millis(300));
     assert_eq!(ids(&store.claim(short).await.unwrap()), seq);
@@ -268,11 +293,7 @@ pub async fn lease_expiry(h: &dyn Harness) {
         .await
         .unwrap()
         .is_empty());
-    let reclaimed = eventually("the lease to expire", Duration::from_secs(10), || async {
-        let c = store.claim(request(&survivor, 10)).await.unwrap();
-        (!c.is_empty()).then_some(c)
-    })
-    .await;
+    let reclaimed = claimed_eventually(&*store, &survivor, "the lease to expire").await;
     assert_eq!(ids(&reclaimed), seq);
     // Extending keeps a live lease alive.
     assert_eq!(
@@ -293,11 +314,7 @@ pub async fn lease_expiry(h: &dyn Harness) {
 }
 
 pub async fn crash_between_publish_and_ack_redelivers(h: &dyn Harness) {
-    let store = h.store();
-    let seq = store
-        .insert(vec![event("d", Some("a"), "t", 1)])
-        .await
-        .unwrap();
+    let (store, seq) = store_with(h, &[("d", Some("a"), "t", 1)]).await;
     let first = NodeId::random();
     let lease = ClaimRequest::new(first.clone(), 10, Duration::from_millis(300));
     let published = store.claim(lease).await.unwrap();
@@ -306,15 +323,7 @@ pub async fn crash_between_publish_and_ack_redelivers(h: &dyn Harness) {
     };
     // ... the sink confirmed, and the node died before its ack.
     let second = NodeId::random();
-    let again = eventually(
-        "redelivery after the lease",
-        Duration::from_secs(10),
-        || async {
-            let c = store.claim(request(&second, 10)).await.unwrap();
-            (!c.is_empty()).then_some(c)
-        },
-    )
-    .await;
+    let again = claimed_eventually(&*store, &second, "redelivery after the lease").await;
     let Claimed::Event(again) = &again[0] else {
         panic!("expected an event")
     };
@@ -397,12 +406,7 @@ pub async fn ack_deletes_or_retains(h: &dyn Harness) {
 }
 
 pub async fn release_makes_rows_claimable(h: &dyn Harness) {
-    let store = h.store();
-    let seq = insert(
-        &*store,
-        &[("d", Some("a"), "t", 1), ("d", Some("a"), "t", 2)],
-    )
-    .await;
+    let (store, seq) = store_with(h, &[("d", Some("a"), "t", 1), ("d", Some("a"), "t", 2)]).await;
     let node = NodeId::random();
     store.claim(request(&node, 10)).await.unwrap();
     assert_eq!(store.release(node, seq.clone()).await.unwrap(), 2);
@@ -597,7 +601,7 @@ pub async fn engine_delivers_in_order_per_key(h: &dyn Harness) {
     let summary = drained(store, &publisher).await;
     assert_eq!(summary.published, 200);
     let delivered = publisher.delivered();
-    let mut got: Vec<_> = delivered.iter().map(|e| e.sequence_id).collect();
+    let mut got = delivered_ids(&publisher);
     got.sort();
     assert_eq!(got, seq);
     assert_per_key_order(&delivered);
@@ -643,14 +647,7 @@ pub async fn engine_retry_blocks_only_its_key(h: &dyn Harness) {
         fast_done < head_at,
         "fast key waited for the slow key's retries"
     );
-    assert_eq!(
-        publisher
-            .attempts()
-            .iter()
-            .filter(|s| **s == seq[0])
-            .count(),
-        3
-    );
+    assert_eq!(attempts_of(&publisher, seq[0]), 3);
 }
 
 /// `--ordering none`: a retried event comes back to the same node (the only one here) and
@@ -676,14 +673,12 @@ pub async fn engine_unordered_retries_and_dead_letters_go_out_again(h: &dyn Harn
         "flaky twice, doomed until its third attempt"
     );
     assert_eq!(summary.dead_lettered, 1);
-    let attempts = publisher.attempts();
-    assert_eq!(attempts.iter().filter(|s| **s == seq[0]).count(), 3);
+    assert_eq!(attempts_of(&publisher, seq[0]), 3);
 }
 
 pub async fn engine_dead_letters_after_max_attempts_and_moves_on(h: &dyn Harness) {
-    let store = h.store();
-    let seq = insert(
-        &*store,
+    let (_, seq) = store_with(
+        h,
         &[
             ("d", Some("a"), "doomed", 0),
             ("d", Some("a"), "t", 1),
@@ -705,13 +700,8 @@ pub async fn engine_dead_letters_after_max_attempts_and_moves_on(h: &dyn Harness
         by_id[&seq[0]].last_error
     );
     assert_eq!(by_id[&seq[2]].attempts, 1, "per-type max attempts");
-    let delivered: Vec<_> = publisher
-        .delivered()
-        .iter()
-        .map(|e| e.sequence_id)
-        .collect();
     assert_eq!(
-        delivered,
+        delivered_ids(&publisher),
         vec![seq[1]],
         "the key carried on after its dead head"
     );
@@ -735,19 +725,12 @@ pub async fn engine_dead_letters_permanent_errors_and_undecodable_rows(h: &dyn H
     assert_eq!(summary.retried, 0, "permanent errors are not retried");
     let dead: HashSet<_> = h.dead_rows().await.iter().map(|d| d.sequence_id).collect();
     assert_eq!(dead, HashSet::from([first[0], bad]));
-    let delivered: Vec<_> = publisher
-        .delivered()
-        .iter()
-        .map(|e| e.sequence_id)
-        .collect();
-    assert_eq!(delivered, rest);
+    assert_eq!(delivered_ids(&publisher), rest);
 }
 
 pub async fn operator_lists_retries_and_purges_dead_letters(h: &dyn Harness) {
-    let store = h.store();
-    let ops = h.operations();
-    let seq = insert(
-        &*store,
+    let (store, seq) = store_with(
+        h,
         &[
             ("a", Some("k1"), "t", 1),
             ("a", Some("k2"), "t", 2),
@@ -755,16 +738,10 @@ pub async fn operator_lists_retries_and_purges_dead_letters(h: &dyn Harness) {
         ],
     )
     .await;
+    let ops = h.operations();
     let node = NodeId::random();
     store.claim(request(&node, 10)).await.unwrap();
-    let dead = seq
-        .iter()
-        .map(|s| DeadLetter {
-            sequence_id: *s,
-            attempts: 4,
-            error: format!("boom {s}"),
-        })
-        .collect();
+    let dead = dead_letters(&seq, 4, |s| format!("boom {s}"));
     assert_eq!(store.dead_letter(node, None, dead).await.unwrap(), 3);
 
     let all = ops.dead_list(dead_query(None, 100)).await.unwrap();
@@ -834,10 +811,8 @@ fn dead_query(destination: Option<&str>, limit: u32) -> DeadQuery {
 /// `dead_list` filters by destination and type and pages with `after`; `event` finds one
 /// event, with its payload and state, wherever it is.
 pub async fn operator_pages_dead_letters_and_shows_one_event(h: &dyn Harness) {
-    let store = h.store();
-    let ops = h.operations();
-    let seq = insert(
-        &*store,
+    let (store, seq) = store_with(
+        h,
         &[
             ("a", Some("k1"), "created", 1),
             ("a", Some("k2"), "deleted", 2),
@@ -847,17 +822,11 @@ pub async fn operator_pages_dead_letters_and_shows_one_event(h: &dyn Harness) {
         ],
     )
     .await;
+    let ops = h.operations();
     let node = NodeId::random();
     let claimed = store.claim(request(&node, 10)).await.unwrap();
     assert_eq!(ids(&claimed), seq);
-    let dead = seq[..4]
-        .iter()
-        .map(|s| DeadLetter {
-            sequence_id: *s,
-            attempts: 3,
-            error: format!("broker said no to {s}"),
-        })
-        .collect();
+    let dead = dead_letters(&seq[..4], 3, |s| format!("broker said no to {s}"));
     assert_eq!(
         store.dead_letter(node.clone(), None, dead).await.unwrap(),
         4
@@ -900,9 +869,7 @@ pub async fn operator_pages_dead_letters_and_shows_one_event(h: &dyn Harness) {
         ("a", "deleted")
     );
     assert_eq!(dead.ordering_key.as_deref(), Some("k2"));
-    let payload: serde_json::Value =
-        serde_json::from_str(dead.payload.as_deref().expect("a payload")).unwrap();
-    assert_eq!(payload, serde_json::json!({"n": 2}));
+    assert_payload(dead.payload.as_deref(), 2);
     assert_eq!(dead.attempts, 3);
     assert_eq!(
         dead.last_error.as_deref(),
@@ -915,9 +882,7 @@ pub async fn operator_pages_dead_letters_and_shows_one_event(h: &dyn Harness) {
     assert_eq!(pending.state, EventState::Pending);
     assert_eq!(pending.destination, "c");
     assert!(pending.dead_at.is_none());
-    let payload: serde_json::Value =
-        serde_json::from_str(pending.payload.as_deref().expect("a payload")).unwrap();
-    assert_eq!(payload, serde_json::json!({"n": 5}));
+    assert_payload(pending.payload.as_deref(), 5);
 
     assert!(ops.event(seq[4] + 1000).await.unwrap().is_none());
     // Retried, it is pending again under the same id.
@@ -981,11 +946,7 @@ pub async fn operator_replays_and_prunes_in_batches(h: &dyn Harness) {
     let extra = store.insert(vec![event("d", None, "t", 9)]).await.unwrap();
     let node = NodeId::random();
     store.claim(request(&node, 10)).await.unwrap();
-    let dead = vec![DeadLetter {
-        sequence_id: extra[0],
-        attempts: 1,
-        error: "x".into(),
-    }];
+    let dead = dead_letters(&extra, 1, |_| "x".into());
     assert_eq!(store.dead_letter(node, None, dead).await.unwrap(), 1);
     let later = std::time::SystemTime::now() + Duration::from_secs(60);
     assert_eq!(

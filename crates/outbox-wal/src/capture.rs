@@ -42,6 +42,7 @@ use outbox_core::{
 };
 use outbox_store_postgres::{PgStore, Tables};
 use tokio::sync::{mpsc, watch};
+use tokio_postgres::types::ToSql;
 
 use crate::ack::Acknowledgements;
 use crate::assemble::Output;
@@ -464,8 +465,7 @@ impl Inner {
         event: Result<WalEvent, Box<Undecodable>>,
         out: &mut Vec<Claimed>,
     ) {
-        let session = state.session;
-        match event {
+        let (id, row, key, body) = match event {
             Ok(event) => {
                 let (id, row) = event_id_of(event.source, position);
                 if matches!(state.held.get(&id), Some(Held::Parked(_))) {
@@ -479,27 +479,16 @@ impl Inner {
                 let key = event.ordering_key().to_string();
                 let not_before = event.available_at.filter(|at| *at > SystemTime::now());
                 let core = event.into_core(id);
-                let wait = not_before.is_some() || state.parked_keys.contains(&key);
-                if !wait {
-                    out.push(Claimed::Event(core.clone()));
-                }
-                state.held.insert(
-                    id,
-                    Held::Wal(Box::new(HeldWal {
-                        session,
-                        position,
-                        row,
-                        key: key.clone(),
-                        body: Body::Event(core),
-                    })),
-                );
-                if wait {
-                    state.parked_keys.insert(key);
+                if not_before.is_some() || state.parked_keys.contains(&key) {
+                    state.parked_keys.insert(key.clone());
                     state.to_park.push(Park {
                         not_before,
                         ..Park::behind_its_key(id)
                     });
+                } else {
+                    out.push(Claimed::Event(core.clone()));
                 }
+                (id, row, key, Body::Event(core))
             }
             Err(undecodable) => {
                 let (id, row) = event_id_of(undecodable.source, position);
@@ -515,18 +504,17 @@ impl Inner {
                     attempts: 0,
                     reason: undecodable.reason.clone(),
                 });
-                state.held.insert(
-                    id,
-                    Held::Wal(Box::new(HeldWal {
-                        session,
-                        position,
-                        row,
-                        key,
-                        body: Body::Undecodable(undecodable),
-                    })),
-                );
+                (id, row, key, Body::Undecodable(undecodable))
             }
-        }
+        };
+        let held = HeldWal {
+            session: state.session,
+            position,
+            row,
+            key,
+            body,
+        };
+        state.held.insert(id, Held::Wal(Box::new(held)));
     }
 
     /// Writes `to_park` to the parked table (and deletes their outbox rows) in one
@@ -554,31 +542,13 @@ impl Inner {
         if parks.is_empty() {
             return Ok(0);
         }
-        let p = &columns;
+        let p = &columns.parking;
+        let park = columns.params(&[], &[&p.delays, &p.not_before, &p.attempts, &p.errors]);
         let result = self
             .main
             .transaction(
                 "park",
-                &[
-                    (
-                        &self.sql.park,
-                        &[
-                            &p.event_ids,
-                            &p.destinations,
-                            &p.keys,
-                            &p.types,
-                            &p.payloads,
-                            &p.headers,
-                            &p.mutations,
-                            &p.created,
-                            &p.parking.delays,
-                            &p.parking.not_before,
-                            &p.parking.attempts,
-                            &p.parking.errors,
-                        ],
-                    ),
-                    (&self.sql.delete_rows, &[&rows]),
-                ],
+                &[(&self.sql.park, &park), (&self.sql.delete_rows, &[&rows])],
             )
             .await;
         let mut state = lock(&self.state);
@@ -654,19 +624,24 @@ impl Inner {
         split
     }
 
-    /// Settles rows of the parked table with the polling store's own `statement`; with
-    /// `unpark` they left the table and their keys may flow again, without it they go back
-    /// to it (a retry or a release).
+    /// Settles the rows of the parked table among `items` with the polling store's own
+    /// `statement`; with `unpark` they left the table and their keys may flow again, without
+    /// it they go back to it (a retry or a release). Returns how many rows it settled and the
+    /// held stream events among `items`, for the caller to settle.
     async fn settle_parked<T>(
         &self,
         items: Vec<T>,
-        keys: Vec<String>,
         id: fn(&T) -> SequenceId,
         statement: impl FnOnce(&PgStore, Vec<T>) -> StoreFuture<u64>,
         unpark: bool,
-    ) -> StoreResult<u64> {
+    ) -> StoreResult<(u64, Vec<T>)> {
+        let Split {
+            parked: items,
+            keys,
+            stream,
+        } = self.split(items, id);
         if items.is_empty() {
-            return Ok(0);
+            return Ok((0, stream));
         }
         let ids: Vec<SequenceId> = items.iter().map(id).collect();
         // Forgotten before the statement: once it commits a claim may take a row again, and
@@ -704,7 +679,16 @@ impl Inner {
         if unpark {
             self.unpark_keys(keys).await?;
         }
-        Ok(settled)
+        Ok((settled, stream))
+    }
+
+    /// Parks held stream events (retries, and releases behind a parked key): `parks` picks
+    /// them under `parking`, so no claim runs in between, then every queued park is written.
+    async fn park_stream(&self, parks: impl FnOnce(&mut State) -> Vec<Park>) -> StoreResult<u64> {
+        let _parking = self.parking.lock().await;
+        let parks = parks(&mut lock(&self.state));
+        self.queue_parks(parks);
+        self.flush_parks().await
     }
 
     /// Queues held stream events for the next park statement (each once).
@@ -824,27 +808,12 @@ impl Inner {
                 rows.extend(held.row);
             }
         }
-        let c = &columns;
+        let dead = columns.params(&[&sequence_ids], &[&attempts, &errors]);
         self.main
             .transaction(
                 "dead-letter",
                 &[
-                    (
-                        &self.sql.dead_letter,
-                        &[
-                            &sequence_ids,
-                            &c.event_ids,
-                            &c.destinations,
-                            &c.keys,
-                            &c.types,
-                            &c.payloads,
-                            &c.headers,
-                            &c.mutations,
-                            &c.created,
-                            &attempts,
-                            &errors,
-                        ],
-                    ),
+                    (&self.sql.dead_letter, &dead),
                     (&self.sql.delete_rows, &[&rows]),
                 ],
             )
@@ -1317,6 +1286,26 @@ impl ParkColumns {
 }
 
 impl EventColumns {
+    /// A statement's parameters: `before`, the event columns in the order the park and
+    /// dead-letter statements both take them, then `after`.
+    fn params<'a>(
+        &'a self,
+        before: &[&'a (dyn ToSql + Sync)],
+        after: &[&'a (dyn ToSql + Sync)],
+    ) -> Vec<&'a (dyn ToSql + Sync)> {
+        let columns: [&'a (dyn ToSql + Sync); 8] = [
+            &self.event_ids,
+            &self.destinations,
+            &self.keys,
+            &self.types,
+            &self.payloads,
+            &self.headers,
+            &self.mutations,
+            &self.created,
+        ];
+        [before, &columns, after].concat()
+    }
+
     fn push(&mut self, event: &Event) {
         self.event_ids.push(event.event_id);
         self.destinations.push(event.destination.clone());
@@ -1374,16 +1363,10 @@ impl OutboxStore for WalStore {
     ) -> StoreFuture<u64> {
         let inner = self.inner.clone();
         async move {
-            let split = inner.split(ids, |id| *id);
-            let parked = inner.settle_parked(
-                split.parked,
-                split.keys,
-                |id| *id,
-                |p, ids| p.ack(node, None, ids),
-                true,
-            );
-            let acked = parked.await?;
-            Ok(acked + inner.ack_stream(split.stream).await?)
+            let (acked, stream) = inner
+                .settle_parked(ids, |id| *id, |p, ids| p.ack(node, None, ids), true)
+                .await?;
+            Ok(acked + inner.ack_stream(stream).await?)
         }
         .boxed()
     }
@@ -1396,26 +1379,29 @@ impl OutboxStore for WalStore {
     ) -> StoreFuture<u64> {
         let inner = self.inner.clone();
         async move {
-            let split = inner.split(retries, |r| r.sequence_id);
-            let parked = inner.settle_parked(
-                split.parked,
-                split.keys,
-                |r| r.sequence_id,
-                |p, rs| p.retry_later(node, None, rs),
-                false,
-            );
-            let recorded = parked.await?;
-            if split.stream.is_empty() {
+            let (recorded, stream) = inner
+                .settle_parked(
+                    retries,
+                    |r| r.sequence_id,
+                    |p, rs| p.retry_later(node, None, rs),
+                    false,
+                )
+                .await?;
+            if stream.is_empty() {
                 return Ok(recorded);
             }
-            let _parking = inner.parking.lock().await;
-            inner.queue_parks(split.stream.into_iter().map(|retry| Park {
-                attempts: retry.attempts,
-                error: Some(retry.error),
-                delay: retry.delay,
-                ..Park::behind_its_key(retry.sequence_id)
-            }));
-            Ok(recorded + inner.flush_parks().await?)
+            let retries = |_: &mut State| {
+                stream
+                    .into_iter()
+                    .map(|retry| Park {
+                        attempts: retry.attempts,
+                        error: Some(retry.error),
+                        delay: retry.delay,
+                        ..Park::behind_its_key(retry.sequence_id)
+                    })
+                    .collect()
+            };
+            Ok(recorded + inner.park_stream(retries).await?)
         }
         .boxed()
     }
@@ -1428,16 +1414,15 @@ impl OutboxStore for WalStore {
     ) -> StoreFuture<u64> {
         let inner = self.inner.clone();
         async move {
-            let split = inner.split(entries, |e| e.sequence_id);
-            let parked = inner.settle_parked(
-                split.parked,
-                split.keys,
-                |e| e.sequence_id,
-                |p, es| p.dead_letter(node, None, es),
-                true,
-            );
-            let moved = parked.await?;
-            Ok(moved + inner.dead_letter_stream(split.stream).await?)
+            let (moved, stream) = inner
+                .settle_parked(
+                    entries,
+                    |e| e.sequence_id,
+                    |p, es| p.dead_letter(node, None, es),
+                    true,
+                )
+                .await?;
+            Ok(moved + inner.dead_letter_stream(stream).await?)
         }
         .boxed()
     }
@@ -1445,36 +1430,28 @@ impl OutboxStore for WalStore {
     fn release(&self, node: NodeId, ids: Vec<SequenceId>) -> StoreFuture<u64> {
         let inner = self.inner.clone();
         async move {
-            let split = inner.split(ids, |id| *id);
-            let parked = inner.settle_parked(
-                split.parked,
-                split.keys,
-                |id| *id,
-                |p, ids| p.release(node, ids),
-                false,
-            );
-            let released = parked.await?;
-            if split.stream.is_empty() {
+            let (released, stream) = inner
+                .settle_parked(ids, |id| *id, |p, ids| p.release(node, ids), false)
+                .await?;
+            if stream.is_empty() {
                 return Ok(released);
             }
-            let _parking = inner.parking.lock().await;
+            let n = stream.len() as u64;
             // Behind a parked key they are parked; otherwise the next claim hands them out.
-            let behind: Vec<SequenceId> = {
-                let mut state = lock(&inner.state);
+            let behind = |state: &mut State| {
                 let (behind, free): (Vec<SequenceId>, Vec<SequenceId>) =
-                    split.stream.iter().partition(|id| match state.held.get(id) {
+                    stream.into_iter().partition(|id| match state.held.get(id) {
                         Some(Held::Wal(held)) => state.parked_keys.contains(&held.key),
                         _ => false,
                     });
                 tracing::debug!(?behind, ?free, "released stream events");
                 state.redeliver.extend(free);
-                behind
+                behind.into_iter().map(Park::behind_its_key).collect()
             };
-            inner.queue_parks(behind.into_iter().map(Park::behind_its_key));
-            if let Err(e) = inner.flush_parks().await {
+            if let Err(e) = inner.park_stream(behind).await {
                 tracing::warn!(error = %e.report(), "parking released events failed; trying again with the next claim");
             }
-            Ok(released + split.stream.len() as u64)
+            Ok(released + n)
         }
         .boxed()
     }
