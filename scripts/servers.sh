@@ -237,8 +237,9 @@ stop_mariadb() {
 # relay's CloudEvents against), made once under the state directory.
 start_python() {
   local dir=$STATE/python
-  if ! "$dir/bin/python" -c 'import cloudevents' 2>/dev/null; then
-    python3 -m venv "$dir" >&2
+  # The 2.x SDK is the one with protocol bindings (cloudevents.core.bindings).
+  if ! "$dir/bin/python" -c 'import cloudevents.core.bindings.rabbitmq' 2>/dev/null; then
+    python3 -m venv --clear "$dir" >&2
     "$dir/bin/pip" install -q 'cloudevents==2.2.0' >&2
   fi
   log "python with the cloudevents SDK ready in $dir"

@@ -91,17 +91,40 @@ fn data_content_type(payload: &Payload) -> &'static str {
 /// The context attributes of `event`, in the order the spec lists them.
 fn attributes(event: &Event, source: &Template) -> Result<Vec<(&'static str, String)>, String> {
     let time = outbox_core::time::rfc3339_micros(event.created_at)?;
-    let key = event.ordering_key().to_string();
-    Ok(vec![
+    let mut attributes = vec![
         ("specversion", "1.0".to_string()),
         ("id", event.event_id.hyphenated().to_string()),
         ("source", source.render(event)),
         ("type", event.event_type.clone()),
         ("datacontenttype", data_content_type(&event.payload).into()),
-        ("subject", key.clone()),
         ("time", time),
-        ("partitionkey", key),
-    ])
+    ];
+    // The spec forbids empty values: an empty key is no subject.
+    let key = event.ordering_key();
+    if !key.is_empty() {
+        attributes.push(("subject", key.to_string()));
+        attributes.push(("partitionkey", key.to_string()));
+    }
+    Ok(attributes)
+}
+
+/// The binary-mode header names under `binding`, for the attributes [`shape`] writes as
+/// headers (a sink forwarding only those, like webhooks, never sends a stray `ce-` header
+/// of the event's own).
+pub fn attribute_headers(binding: Binding) -> impl Iterator<Item = String> {
+    [
+        "specversion",
+        "id",
+        "source",
+        "type",
+        "datacontenttype",
+        "time",
+        "subject",
+        "partitionkey",
+    ]
+    .into_iter()
+    .filter(move |name| !(*name == "datacontenttype" && binding.content_type_is_native()))
+    .map(move |name| format!("{}{name}", binding.prefix()))
 }
 
 /// The HTTP and NATS bindings' rule: space, `"`, `%` and everything outside printable ASCII
@@ -132,14 +155,15 @@ pub fn shape(
     match (settings.mode, binding) {
         (ContentMode::Binary, Some(binding)) => {
             for (name, value) in attributes {
-                let value = if binding.percent_encodes() {
-                    percent_encode(&value)
-                } else {
-                    value
-                };
                 if name == "datacontenttype" && binding.content_type_is_native() {
+                    // The protocol's own content type: a media type, never percent-encoded.
                     shaped.headers.insert(CONTENT_TYPE_HEADER.into(), value);
                 } else {
+                    let value = if binding.percent_encodes() {
+                        percent_encode(&value)
+                    } else {
+                        value
+                    };
                     shaped
                         .headers
                         .insert(format!("{}{name}", binding.prefix()), value);
@@ -298,6 +322,19 @@ mod tests {
             "Euro%20%E2%82%AC%20%F0%9F%98%80"
         );
         assert_eq!(percent_encode("/outbox/orders"), "/outbox/orders");
+    }
+
+    #[test]
+    fn an_empty_ordering_key_is_no_subject() {
+        let mut e = event(Payload::Null);
+        e.partition_key = Some(String::new());
+        e.destination = String::new();
+        let shaped = shape(&e, &settings(ContentMode::Binary), Some(Binding::Kafka)).unwrap();
+        assert!(!shaped.headers.contains_key("ce_subject"));
+        assert!(!shaped.headers.contains_key("ce_partitionkey"));
+        let names: Vec<String> = attribute_headers(Binding::Http).collect();
+        assert!(names.contains(&"ce-id".to_string()));
+        assert!(!names.iter().any(|n| n.ends_with("datacontenttype")));
     }
 
     #[test]

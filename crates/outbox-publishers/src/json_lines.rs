@@ -70,12 +70,22 @@ fn encode_batch(batch: &[Routed]) -> (Vec<u8>, Vec<Option<PublishError>>) {
     let mut buffer = Vec::with_capacity(batch.len() * 256);
     let errors = batch
         .iter()
-        .map(|Routed { event, .. }| {
-            let mark = buffer.len();
-            encode_line(event, &mut buffer)
-                .err()
-                .inspect(|_| buffer.truncate(mark))
-        })
+        .map(
+            |Routed {
+                 event, cloudevents, ..
+             }| {
+                if *cloudevents == Some(crate::cloudevents::ContentMode::Structured) {
+                    // A structured CloudEvent is the whole line: its envelope is the payload.
+                    buffer.extend_from_slice(event.payload.as_bytes());
+                    buffer.push(b'\n');
+                    return None;
+                }
+                let mark = buffer.len();
+                encode_line(event, &mut buffer)
+                    .err()
+                    .inspect(|_| buffer.truncate(mark))
+            },
+        )
         .collect();
     (buffer, errors)
 }
@@ -570,6 +580,27 @@ mod tests {
             vec![1, 2, 3],
             "in the order they were sent"
         );
+    }
+
+    #[test]
+    fn a_structured_cloudevent_is_the_whole_line() {
+        let mut routed = event(1, "1");
+        routed.event = crate::cloudevents::shape(
+            &routed.event,
+            &crate::cloudevents::CloudEvents {
+                mode: crate::cloudevents::ContentMode::Structured,
+                source: crate::Template::destination(),
+            },
+            None,
+        )
+        .unwrap();
+        routed.cloudevents = Some(crate::cloudevents::ContentMode::Structured);
+        let (buffer, errors) = encode_batch(&[routed]);
+        assert!(errors[0].is_none());
+        let v: serde_json::Value = serde_json::from_slice(&buffer).unwrap();
+        assert_eq!(v["specversion"], "1.0");
+        assert_eq!(v["data"], 1);
+        assert!(v.get("sequence_id").is_none(), "not the relay's line: {v}");
     }
 
     fn mode_of(path: &Path) -> u32 {

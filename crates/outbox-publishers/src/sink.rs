@@ -43,7 +43,8 @@ pub trait Sink: Send + Sync + 'static {
 
     /// How the protocol carries CloudEvents attributes in binary mode: `None` when no
     /// CloudEvents protocol binding exists for it (routes may then ask for structured mode
-    /// only). A sink that returns a binding sends every event header as a protocol header.
+    /// only). A sink that returns a binding sends the attribute headers the router adds as
+    /// protocol headers, and the `content-type` header as the protocol's content type.
     fn cloudevents_binding(&self) -> Option<crate::cloudevents::Binding> {
         None
     }

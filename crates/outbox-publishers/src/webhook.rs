@@ -16,6 +16,7 @@ use tokio::sync::Semaphore;
 
 use serde::{Deserialize, Serialize};
 
+use crate::cloudevents::{Binding, ContentMode};
 use crate::config::{ConfirmTimeout, Secret, TlsFiles};
 use crate::error::SinkSetupError;
 use crate::sink::{Routed, Sink};
@@ -113,8 +114,8 @@ impl Sink for WebhookSink {
         Some("webhook")
     }
 
-    fn cloudevents_binding(&self) -> Option<crate::cloudevents::Binding> {
-        Some(crate::cloudevents::Binding::Http)
+    fn cloudevents_binding(&self) -> Option<Binding> {
+        Some(Binding::Http)
     }
 
     fn describe(&self) -> String {
@@ -163,9 +164,9 @@ impl Sink for WebhookSink {
                         .header("content-type", content_type)
                         .header("webhook-id", &id)
                         .header("webhook-timestamp", timestamp.to_string());
-                    if routed.cloudevents.is_some() {
-                        for (name, value) in &routed.event.headers {
-                            if name.starts_with("ce-") {
+                    if routed.cloudevents == Some(ContentMode::Binary) {
+                        for name in crate::cloudevents::attribute_headers(Binding::Http) {
+                            if let Some(value) = routed.event.headers.get(&name) {
                                 request = request.header(name, value);
                             }
                         }

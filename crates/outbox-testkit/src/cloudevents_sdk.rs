@@ -34,7 +34,8 @@ else:
     event = fmt.read(None, body)
 out = {k: (v.isoformat() if hasattr(v, "isoformat") else v) for k, v in event.get_attributes().items()}
 data = event.get_data()
-out["data"] = json.loads(data) if isinstance(data, (bytes, str)) else data
+# Bytes are JSON the SDK left undecoded; a str would be JSON encoded twice, and stays a str.
+out["data"] = json.loads(data) if isinstance(data, bytes) else data
 print(json.dumps(out))
 "#;
 
