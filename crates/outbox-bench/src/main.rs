@@ -9,6 +9,7 @@
 //! `--out` (default `bench-results`). See BENCHMARKS.md for the method.
 
 mod baseline;
+mod dashboard;
 mod load;
 mod measure;
 mod wal;
@@ -94,6 +95,7 @@ fn settings() -> Result<Settings> {
             "--help" | "-h" => {
                 println!("outbox-bench [--events N] [--baseline-events N] [--latency-seconds S] [--scaling-events N] [--quick] [--only drain|latency|keepup|writers|scaling|wal] [--out DIR]");
                 println!("  drain sweeps: [--sinks file,nats] [--relay-args \"--batch-size 2000\"]; --baseline-events 0 skips the baseline and the PostgreSQL floor");
+                println!("  --only drain ends with the dashboard run: the drain to the first sink, once without and once with headless `chromium` open on the relay's dashboard (skipped without chromium)");
                 println!("  latency subsets: [--latency-plan 10000x10:notify+gated,1000x1:poll] (events/s x events per transaction : modes notify|gated|poll|baseline|wal|wal-emit)");
                 println!("  --only wal: the WAL capture drains (table form and outbox_emit), WAL latency runs and WAL writer cost only; [--wal-events-per-transaction N] sizes the drains' backlog transactions (default 1000)");
                 println!("  environment: OUTBOX_BENCH_RELAY_LOG=<filter> keeps the latency relays' JSON logs; OUTBOX_BENCH_LATENCY_TRACE=<path> writes each latency run's events as \"ms since the first commit, latency ms\" lines to <path>-<mode>-<rate>x<per transaction>; OUTBOX_BENCH_RELAY_BIN=<path> measures that relay binary instead of building one");

@@ -10,7 +10,7 @@ use anyhow::{bail, Context, Result};
 use futures::StreamExt;
 use serde_json::{json, Value};
 
-use crate::{baseline, connect, load, wait_child, wal, Bench, SUBJECT};
+use crate::{baseline, connect, dashboard, load, wait_child, wal, Bench, SUBJECT};
 
 const TICKS: f64 = 100.0;
 
@@ -209,6 +209,9 @@ pub async fn drain(b: &Bench) -> Result<Value> {
         out[sink] =
             json!({ "relay": relay, "relay_analyzed": analyzed, "baseline": base, "ratio": ratio });
     }
+    if let Some(sink) = b.settings.sinks.first() {
+        out["dashboard"] = dashboard::drain(b, sink).await?;
+    }
     Ok(out)
 }
 
@@ -224,7 +227,8 @@ async fn drain_relay(b: &Bench, sink: &str, n: u64, analyze: bool) -> Result<Val
 /// One `outbox-relay run --drain` (with `extra_args`) of the `n` events waiting in the
 /// database to `sink` (the file sink writes `file`, removed afterwards): its wall and CPU
 /// time, peak memory, statements per event, the servers' CPU and what arrived. The polling
-/// and the WAL-capture drains are measured alike through it.
+/// and the WAL-capture drains are measured alike through it. The HTTP server is off unless
+/// `extra_args` gives an `--http-addr`.
 pub(crate) async fn run_drain(
     b: &Bench,
     db: &tokio_postgres::Client,
@@ -249,14 +253,16 @@ pub(crate) async fn run_drain(
         &url,
         "--sink",
         &target,
-        "--http-addr",
-        "",
         "--log-level",
         "warn",
     ];
+    if !extra_args.contains(&"--http-addr") {
+        args.extend(["--http-addr", ""]);
+    }
     args.extend(extra_args);
     args.extend(b.settings.relay_args.iter().map(String::as_str));
-    let (wall, user, sys, rss) = timed(b, &args)?;
+    // Off the runtime's worker: the dashboard run's proxy serves the browser meanwhile.
+    let (wall, user, sys, rss) = tokio::task::block_in_place(|| timed(b, &args))?;
     let (pg, nats) = servers.used(b);
     let calls = statements(db).await?;
     let delivered = match sink {
@@ -708,6 +714,7 @@ pub fn markdown(r: &Value) -> String {
         }
         s.push_str(&wal::drain_note(r));
         s.push('\n');
+        s.push_str(&dashboard::markdown(r));
     }
     if let Some(Value::Array(runs)) = r.get("latency") {
         s.push_str("### Latency, commit to confirmation (ms)\n\n");

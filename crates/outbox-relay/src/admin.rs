@@ -8,13 +8,16 @@
 //! what it did, never with the token.
 //!
 //! Backlog and lag over time come from [`History`]: the engine's own backlog gauges, read
-//! from the metrics recorder every [`SAMPLE_EVERY`] and kept for [`HISTORY_SPAN`], so the
-//! dashboard costs the database nothing beyond the queries of `/api/v1/status`.
+//! from the metrics recorder every [`SAMPLE_EVERY`] and kept for [`HISTORY_SPAN`]. What
+//! `/api/v1/status` reads from the database (backlog per destination, nodes, partitions)
+//! comes from [`StoreFigures`]: read at most once per interval and shared by every client, so
+//! any number of open dashboards costs the database one read per interval.
 
 // A handler's refusal is its `Response`, built once per request: boxing it buys nothing.
 #![allow(clippy::result_large_err)]
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -25,7 +28,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use metrics_exporter_prometheus::PrometheusHandle;
-use outbox_core::store::{DeadQuery, DeadSelector, StoreResult};
+use outbox_core::store::{
+    Backlog, DeadQuery, DeadSelector, DestinationStats, NodeRecord, PartitionRecord, StoreResult,
+};
 use outbox_core::{StoreError, StoreErrorKind};
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -44,6 +49,11 @@ const RATE_WINDOW: Duration = Duration::from_secs(60);
 const STORE_PATIENCE: Duration = Duration::from_secs(5);
 /// The largest page of dead letters.
 const MAX_PAGE: u32 = 1000;
+/// Counts `/api/v1/status` requests.
+pub const STATUS_REQUESTS: &str = "outbox_console_status_requests_total";
+/// Counts the store reads behind them ([`StoreFigures`]): at most one per interval, however
+/// many clients poll.
+pub const STORE_READS: &str = "outbox_console_store_reads_total";
 
 const INDEX_HTML: &str = include_str!("dashboard/index.html");
 const APP_JS: &str = include_str!("dashboard/app.js");
@@ -63,6 +73,86 @@ pub struct Console {
     pub token: Option<String>,
     pub metrics: PrometheusHandle,
     pub history: Mutex<History>,
+    /// The store figures `/api/v1/status` shows, shared by every client.
+    pub figures: StoreFigures,
+}
+
+/// What `/api/v1/status` reads from the store, in one go.
+pub struct StoreRead {
+    /// When the read began: the figures are at least this recent.
+    pub as_of: SystemTime,
+    pub backlog: Backlog,
+    pub destinations: Vec<DestinationStats>,
+    pub nodes: Vec<NodeRecord>,
+    /// `None` for stores without partition leases.
+    pub partitions: Option<Vec<PartitionRecord>>,
+}
+
+/// The last [`StoreRead`], read again only once it is `every` old (or a change made through
+/// the API marked it stale). One request reads at a time and the others wait for its result
+/// (single flight), so N browsers polling cost one read per interval, not N.
+pub struct StoreFigures {
+    every: Duration,
+    /// The last read and when it finished (the interval counts from there, so a slow read
+    /// cannot run back to back).
+    last: tokio::sync::Mutex<Option<(tokio::time::Instant, Arc<StoreRead>)>>,
+    stale: AtomicBool,
+}
+
+impl StoreFigures {
+    /// Figures read at most once per `every` (the engine's backlog interval).
+    pub fn new(every: Duration) -> StoreFigures {
+        StoreFigures {
+            every,
+            last: tokio::sync::Mutex::new(None),
+            stale: AtomicBool::new(false),
+        }
+    }
+
+    pub fn every(&self) -> Duration {
+        self.every
+    }
+
+    /// The next request reads again (after a retry, purge or replay, so the operator sees
+    /// its effect at once).
+    pub fn mark_stale(&self) {
+        self.stale.store(true, Ordering::SeqCst);
+    }
+
+    /// The current figures: the last read while it is younger than the interval, otherwise
+    /// a new one. Cancel-safe: a request dropped while reading releases the lock, and the
+    /// next waiter reads.
+    async fn current(&self, store: &crate::store::AnyStore) -> StoreResult<Arc<StoreRead>> {
+        let mut last = self.last.lock().await;
+        if let Some((at, read)) = &*last {
+            if at.elapsed() < self.every && !self.stale.load(Ordering::SeqCst) {
+                return Ok(read.clone());
+            }
+        }
+        // Cleared before reading: a change made during the read marks the figures stale again.
+        self.stale.store(false, Ordering::SeqCst);
+        ::metrics::counter!(STORE_READS).increment(1);
+        let read = Arc::new(read_store(store).await?);
+        *last = Some((tokio::time::Instant::now(), read.clone()));
+        Ok(read)
+    }
+}
+
+async fn read_store(store: &crate::store::AnyStore) -> StoreResult<StoreRead> {
+    let as_of = SystemTime::now();
+    let (backlog, destinations) = crate::commands::backlog_report(store).await?;
+    let nodes = store.registry().live_nodes().await?;
+    let partitions = match &store.partition_registry() {
+        Some(r) => Some(r.partitions().await?),
+        None => None,
+    };
+    Ok(StoreRead {
+        as_of,
+        backlog,
+        destinations,
+        nodes,
+        partitions,
+    })
 }
 
 /// One sample of the engine's gauges and counters.
@@ -289,6 +379,7 @@ fn time_text(t: SystemTime) -> String {
 }
 
 async fn status(State(c): State<Arc<Console>>) -> Response {
+    ::metrics::counter!(STATUS_REQUESTS).increment(1);
     match status_body(&c).await {
         Ok(body) => reply(StatusCode::OK, body),
         Err(r) => r,
@@ -296,17 +387,17 @@ async fn status(State(c): State<Arc<Console>>) -> Response {
 }
 
 async fn status_body(c: &Console) -> Result<Value, Response> {
-    let (backlog, destinations) =
-        patiently("backlog", crate::commands::backlog_report(&c.store)).await?;
-    let nodes = patiently("nodes", c.store.registry().live_nodes()).await?;
-    let partitions = match &c.store.partition_registry() {
-        Some(r) => Some(patiently("partitions", r.partitions()).await?),
-        None => None,
-    };
+    let read = patiently("backlog, nodes and partitions", c.figures.current(&c.store)).await?;
+    let StoreRead {
+        as_of,
+        backlog,
+        destinations,
+        nodes,
+        partitions,
+    } = &*read;
     let now = SystemTime::now();
-    let live = |p: &outbox_core::store::PartitionRecord| {
-        p.owner.is_some() && p.lease_until.is_some_and(|t| t > now)
-    };
+    // Leases as they stood when they were read.
+    let live = |p: &PartitionRecord| p.owner.is_some() && p.lease_until.is_some_and(|t| t > *as_of);
     let owned_by = |id: &str| -> Vec<i32> {
         partitions
             .iter()
@@ -329,6 +420,9 @@ async fn status_body(c: &Console) -> Result<Value, Response> {
             "retrying": backlog.retrying,
             "dead": backlog.dead,
             "oldest_pending_age_seconds": seconds(backlog.oldest_pending_age),
+            // Destinations, nodes and partitions come from the same read.
+            "as_of": time_text(*as_of),
+            "refresh_seconds": c.figures.every().as_secs_f64(),
         },
         "destinations": destinations.iter().map(|d| json!({
             "destination": d.destination,
@@ -453,7 +547,17 @@ async fn history(State(c): State<Arc<Console>>, RawQuery(raw): RawQuery) -> Resp
 }
 
 /// Refuses a destination no pending event or dead letter carries (a typo, most likely).
+/// The shared figures answer for the destinations the dashboard offers; only a name they
+/// lack (new since the last read, or a typo) costs a query of its own.
 async fn known_destination(c: &Console, destination: &str) -> Result<(), Response> {
+    let read = patiently("destinations", c.figures.current(&c.store)).await?;
+    if read
+        .destinations
+        .iter()
+        .any(|d| d.destination == destination)
+    {
+        return Ok(());
+    }
     let stats = patiently("destinations", c.store.operations().destination_stats()).await?;
     if stats.iter().any(|d| d.destination == destination) {
         return Ok(());
@@ -682,6 +786,7 @@ async fn dead_action(
         Ok(n) => n,
         Err(r) => return r,
     };
+    c.figures.mark_stale();
     let (field, message) = match action {
         DeadAction::Retry => {
             tracing::info!(?selector, count = n, "admin API: dead letters retried");
@@ -741,7 +846,9 @@ async fn replay(State(c): State<Arc<Console>>, headers: HeaderMap, body: Bytes) 
         );
     }
     // Batches commit one by one; the whole may take longer than one store call's patience.
-    match replay_all(&*c.store.operations(), selector.clone(), |_| {}).await {
+    let replayed = replay_all(&*c.store.operations(), selector.clone(), |_| {}).await;
+    c.figures.mark_stale();
+    match replayed {
         Ok(n) => {
             tracing::info!(
                 since = %time_text(selector.since),

@@ -231,6 +231,7 @@ pub async fn run(mut config: Config, drain: bool) -> anyhow::Result<ExitCode> {
                 token: admin_token,
                 metrics: metrics.clone(),
                 history: Default::default(),
+                figures: crate::admin::StoreFigures::new(engine.backlog_interval),
             });
             let (bound, task) = crate::http::serve(
                 addr,

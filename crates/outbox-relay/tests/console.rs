@@ -4,7 +4,9 @@
 //!
 //! Screenshots go to `target/console-screenshots/` (not committed).
 
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_testkit::{eventually, eventually_explained};
@@ -17,7 +19,9 @@ mod support;
 mod webdriver;
 
 use admin::Admin;
-use support::{http_addr, pg, relay, stream_deliveries, text, Deliveries, RelayProcess, BIN};
+use support::{
+    http_addr, metric_value, pg, relay, stream_deliveries, text, Deliveries, RelayProcess, BIN,
+};
 
 const TOKEN: &str = "console-test-token-0123456789";
 const PATIENCE: Duration = Duration::from_secs(30);
@@ -716,4 +720,123 @@ async fn the_dashboard_shows_the_api_figures_and_retries_from_the_page() {
     browser.screenshot(&shots.join("3-after-retry.png")).await;
     drop(browser);
     w.close().await;
+}
+
+/// The console's counters: (store reads behind `/api/v1/status`, status requests).
+async fn console_counters(api: &Admin) -> (u64, u64) {
+    let (code, metrics) = api.get_text("/metrics").await;
+    assert_eq!(code, 200);
+    let value = |name: &str| {
+        metric_value(&metrics, name).unwrap_or_else(|| panic!("no {name} in /metrics"))
+    };
+    (
+        value("outbox_console_store_reads_total") as u64,
+        value("outbox_console_status_requests_total") as u64,
+    )
+}
+
+/// However many clients poll `/api/v1/status`, the relay reads the store at most once per
+/// interval: requests that arrive while a read is under way wait for it and share its
+/// result, and a change shows up once the interval has passed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_status_requests_share_one_store_read() {
+    outbox_testkit::install_crypto();
+    let database_url = outbox_testkit::fresh_pg_database().await;
+    let migrated = std::process::Command::new(BIN)
+        .args(["migrate", "--database-url", &database_url])
+        .output()
+        .unwrap();
+    assert!(migrated.status.success(), "{}", text(&migrated.stderr));
+    let dir = tempfile::tempdir().unwrap();
+    let mut relay_process = RelayProcess::spawn(
+        dir.path(),
+        "figures-relay",
+        &[
+            "run",
+            "--database-url",
+            &database_url,
+            "--sink",
+            "file:out.jsonl",
+            "--http-addr",
+            "127.0.0.1:0",
+            "--log-format",
+            "json",
+        ],
+        &[],
+    );
+    let api = Arc::new(Admin::new(&http_addr(&relay_process).await));
+    let first = api.status().await;
+    let first_as_of = first["backlog"]["as_of"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no backlog.as_of in {first}"))
+        .to_string();
+    assert_eq!(first["backlog"]["refresh_seconds"], 5.0, "{first}");
+    let (reads, requests) = console_counters(&api).await;
+    let ask = || {
+        let api = api.clone();
+        tokio::spawn(async move { api.get("/api/v1/status").await })
+    };
+
+    // Every read of the backlog counts the dead letters: hold them until released.
+    let blocker = pg(&database_url).await;
+    blocker
+        .batch_execute("BEGIN; LOCK TABLE outbox_dead_letters IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    // Ask until the figures are due again and a request has begun the next read.
+    let mut waiting = Vec::new();
+    eventually("a store read under way", PATIENCE, || {
+        waiting.push(ask());
+        let api = api.clone();
+        async move { (console_counters(&api).await.0 == reads + 1).then_some(()) }
+    })
+    .await;
+    // A burst of requests while that read waits: all reach the relay, none reads again.
+    let burst: Vec<_> = (0..16).map(|_| ask()).collect();
+    let asked = requests + (waiting.len() + burst.len()) as u64;
+    eventually("every request at the relay", PATIENCE, || async {
+        (console_counters(&api).await.1 >= asked).then_some(())
+    })
+    .await;
+    assert_eq!(
+        console_counters(&api).await.0,
+        reads + 1,
+        "requests that arrived during a read began reads of their own"
+    );
+    blocker.batch_execute("COMMIT").await.unwrap();
+
+    let mut shared = BTreeSet::new();
+    for request in burst {
+        let (code, s) = request.await.unwrap();
+        assert_eq!(code, 200, "{s}");
+        shared.insert(s["backlog"]["as_of"].as_str().unwrap().to_string());
+    }
+    assert_eq!(shared.len(), 1, "the burst saw different reads: {shared:?}");
+    let shared = shared.pop_first().unwrap();
+    assert_ne!(shared, first_as_of);
+    for request in waiting {
+        let (code, s) = request.await.unwrap();
+        assert_eq!(code, 200, "{s}");
+        let as_of = s["backlog"]["as_of"].as_str().unwrap();
+        assert!(as_of == first_as_of || as_of == shared, "{as_of}");
+    }
+    assert_eq!(console_counters(&api).await.0, reads + 1);
+
+    // A new event shows once the figures are read again.
+    blocker
+        .execute(
+            "INSERT INTO outbox (destination, event_type, payload, available_at)
+             VALUES ('later', 'scheduled', '{}', now() + interval '1 hour')",
+            &[],
+        )
+        .await
+        .unwrap();
+    let fresh = eventually("the scheduled event in the status", PATIENCE, || async {
+        let s = api.status().await;
+        (s["backlog"]["pending"] == 1).then_some(s)
+    })
+    .await;
+    assert_ne!(fresh["backlog"]["as_of"], shared.as_str());
+    assert_eq!(fresh["destinations"][0]["destination"], "later");
+    assert!(relay_process.terminate().await.success());
 }

@@ -185,6 +185,8 @@ function renderStatus(st) {
     : r.retried_per_second + r.dead_lettered_per_second + r.store_errors_per_second;
   $("fig-errors").textContent = rate(errors);
   $("fig-published").textContent = st.totals.published;
+  // The relay reads these from the database at most once per interval, for every viewer.
+  $("as-of").textContent = `Backlog, destinations, nodes and partitions as of ${new Date(st.backlog.as_of).toLocaleTimeString()} (read at most every ${st.backlog.refresh_seconds} s)`;
   showTokenState(st.admin.token_configured);
 
   const rows = st.destinations.map((d) => el("tr", { "data-destination": d.destination },
