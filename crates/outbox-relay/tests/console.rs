@@ -20,7 +20,8 @@ mod webdriver;
 
 use admin::Admin;
 use support::{
-    http_addr, metric_value, pg, relay, stream_deliveries, text, Deliveries, RelayProcess, BIN,
+    http_addr, metric_value, migrated_pg_database, pg, relay, stream_deliveries, text, Deliveries,
+    RelayProcess,
 };
 
 const TOKEN: &str = "console-test-token-0123456789";
@@ -71,12 +72,7 @@ impl World {
         })
         .await
         .unwrap();
-        let database_url = outbox_testkit::fresh_pg_database().await;
-        let migrated = std::process::Command::new(BIN)
-            .args(["migrate", "--database-url", &database_url])
-            .output()
-            .unwrap();
-        assert!(migrated.status.success(), "{}", text(&migrated.stderr));
+        let database_url = migrated_pg_database().await;
         let client = pg(&database_url).await;
         let mut ok = Vec::new();
         for n in 1..=3 {
@@ -741,12 +737,7 @@ async fn console_counters(api: &Admin) -> (u64, u64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_status_requests_share_one_store_read() {
     outbox_testkit::install_crypto();
-    let database_url = outbox_testkit::fresh_pg_database().await;
-    let migrated = std::process::Command::new(BIN)
-        .args(["migrate", "--database-url", &database_url])
-        .output()
-        .unwrap();
-    assert!(migrated.status.success(), "{}", text(&migrated.stderr));
+    let database_url = migrated_pg_database().await;
     let dir = tempfile::tempdir().unwrap();
     let mut relay_process = RelayProcess::spawn(
         dir.path(),

@@ -21,6 +21,17 @@ pub fn relay(dir: &Path, args: &[&str]) -> std::process::Output {
         .expect("run outbox-relay")
 }
 
+/// A fresh PostgreSQL database with the relay's tables (`migrate`); its URL.
+pub async fn migrated_pg_database() -> String {
+    let url = outbox_testkit::fresh_pg_database().await;
+    let migrated = Command::new(BIN)
+        .args(["migrate", "--database-url", &url])
+        .output()
+        .expect("run outbox-relay migrate");
+    assert!(migrated.status.success(), "{}", text(&migrated.stderr));
+    url
+}
+
 /// Process output as text.
 pub fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
