@@ -280,6 +280,41 @@ mod webhook {
     outbox_testkit::publisher_conformance!(webhook_harness);
 }
 
+/// In binary mode a webhook carries the attribute headers the router made, and none of the
+/// event's own `ce-` headers: a stray one would make a consumer read a different event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn binary_cloudevents_on_webhooks_carry_only_the_attribute_headers() {
+    use outbox_core::Publisher;
+    use outbox_publishers::cloudevents::{CloudEvents, ContentMode};
+    use outbox_publishers::{Route, Router, Template};
+    outbox_testkit::install_crypto();
+    let h = webhook_harness().await;
+    let mut e = (*event(1, "k", b"{}".to_vec())).clone();
+    e.headers.insert("ce-id".into(), "forged".into());
+    e.headers.insert("ce-stray".into(), "x".into());
+    let e = Arc::new(e);
+    let route = Route::new("*", "hooks", Template::parse(&h.target()).unwrap())
+        .unwrap()
+        .with_cloudevents(CloudEvents {
+            mode: ContentMode::Binary,
+            source: Template::destination(),
+        });
+    let router = Router::new(vec![("hooks".to_string(), h.sink.clone())], vec![route]).unwrap();
+    let outcomes = router.publish(vec![e.clone()]).await;
+    assert!(outcomes.iter().all(|o| o.is_ok()), "{outcomes:?}");
+    let requests = h.receiver.requests();
+    let request = requests.last().expect("one request");
+    assert_eq!(
+        request.headers["ce-id"].to_str().unwrap(),
+        e.event_id.to_string()
+    );
+    assert!(
+        !request.headers.contains_key("ce-stray"),
+        "{:?}",
+        request.headers
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn webhook_statuses_map_to_outcomes_and_urls_are_templated() {
     outbox_testkit::install_crypto();
