@@ -19,8 +19,9 @@ NATS_PORT=${OUTBOX_TEST_NATS_PORT:-54222}
 REDIS_PORT=${OUTBOX_TEST_REDIS_PORT:-54379}
 RABBIT_PORT=${OUTBOX_TEST_RABBIT_PORT:-54672}
 MARIADB_PORT=${OUTBOX_TEST_MARIADB_PORT:-54306}
+MOTO_PORT=${OUTBOX_TEST_MOTO_PORT:-54500}
 # Which servers `start` starts (the tests that own a private server start only theirs).
-SERVERS=${OUTBOX_TEST_SERVERS:-postgres nats redis rabbitmq mariadb python}
+SERVERS=${OUTBOX_TEST_SERVERS:-postgres nats redis rabbitmq mariadb python moto}
 
 log() { echo "servers.sh: $*" >&2; }
 
@@ -248,6 +249,33 @@ start_python() {
 
 stop_python() { :; }
 
+# moto in server mode, the AWS stand-in the SQS, SNS, Kinesis and EventBridge sinks are
+# tested against (no AWS service runs locally), from PyPI into the same venv.
+start_moto() {
+  local dir=$STATE/python
+  [ -x "$dir/bin/python" ] || start_python >/dev/null
+  if ! "$dir/bin/python" -c 'import moto.server, flask_cors' 2>/dev/null; then
+    "$dir/bin/pip" install -q 'moto[server]==5.2.1' >&2
+  fi
+  if ! (echo >"/dev/tcp/127.0.0.1/$MOTO_PORT") 2>/dev/null; then
+    setsid "$dir/bin/moto_server" -H 127.0.0.1 -p "$MOTO_PORT" </dev/null >"$STATE/moto.log" 2>&1 &
+    echo $! >"$STATE/moto.pid"
+    for _ in $(seq 300); do
+      (echo >"/dev/tcp/127.0.0.1/$MOTO_PORT") 2>/dev/null && break
+      sleep 0.1
+    done
+  fi
+  log "moto (AWS stand-in) ready on 127.0.0.1:$MOTO_PORT"
+  echo "export OUTBOX_TEST_AWS_ENDPOINT=http://127.0.0.1:$MOTO_PORT"
+}
+
+stop_moto() {
+  local pid
+  pid=$(cat "$STATE/moto.pid" 2>/dev/null) || return 0
+  kill "$pid" 2>/dev/null || true
+  rm -f "$STATE/moto.pid"
+}
+
 case "${1:-}" in
   install)
     install_packages
@@ -265,7 +293,7 @@ case "${1:-}" in
   stop)
     for server in $SERVERS; do "stop_$server"; done
     ;;
-  restart-postgres | restart-nats | restart-redis | restart-rabbitmq | restart-mariadb | restart-python)
+  restart-postgres | restart-nats | restart-redis | restart-rabbitmq | restart-mariadb | restart-python | restart-moto)
     server=${1#restart-}
     "stop_$server"
     "start_$server" >/dev/null

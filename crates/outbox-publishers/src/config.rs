@@ -71,10 +71,14 @@ pub enum SinkKind {
     Redis,
     Webhook,
     Ably,
+    Sqs,
+    Sns,
+    Kinesis,
+    EventBridge,
 }
 
 impl SinkKind {
-    pub const ALL: [SinkKind; 8] = [
+    pub const ALL: [SinkKind; 12] = [
         SinkKind::Stdout,
         SinkKind::File,
         SinkKind::Nats,
@@ -83,6 +87,10 @@ impl SinkKind {
         SinkKind::Redis,
         SinkKind::Webhook,
         SinkKind::Ably,
+        SinkKind::Sqs,
+        SinkKind::Sns,
+        SinkKind::Kinesis,
+        SinkKind::EventBridge,
     ];
 
     /// The URI schemes that choose this sink.
@@ -96,6 +104,10 @@ impl SinkKind {
             SinkKind::Redis => &["redis", "rediss"],
             SinkKind::Webhook => &["http", "https"],
             SinkKind::Ably => &["ably"],
+            SinkKind::Sqs => &["sqs"],
+            SinkKind::Sns => &["sns"],
+            SinkKind::Kinesis => &["kinesis"],
+            SinkKind::EventBridge => &["eventbridge"],
         }
     }
 
@@ -110,6 +122,10 @@ impl SinkKind {
             SinkKind::Redis => ("Redis", Some("redis")),
             SinkKind::Webhook => ("webhook", Some("webhook")),
             SinkKind::Ably => ("Ably", Some("ably")),
+            SinkKind::Sqs => ("SQS", Some("aws")),
+            SinkKind::Sns => ("SNS", Some("aws")),
+            SinkKind::Kinesis => ("Kinesis", Some("aws")),
+            SinkKind::EventBridge => ("EventBridge", Some("aws")),
         }
     }
 
@@ -123,6 +139,9 @@ impl SinkKind {
             SinkKind::Redis => cfg!(feature = "redis"),
             SinkKind::Webhook => cfg!(feature = "webhook"),
             SinkKind::Ably => cfg!(feature = "ably"),
+            SinkKind::Sqs | SinkKind::Sns | SinkKind::Kinesis | SinkKind::EventBridge => {
+                cfg!(feature = "aws")
+            }
         }
     }
 
@@ -134,7 +153,7 @@ impl SinkKind {
             .find(|kind| kind.schemes().contains(&scheme))
             .ok_or_else(|| {
                 SinkSetupError::config(format!(
-                    "unknown URI scheme {scheme:?}: use stdout, file:PATH, nats://, kafka://, amqp://, redis://, http(s):// or ably:"
+                    "unknown URI scheme {scheme:?}: use stdout, file:PATH, nats://, kafka://, amqp://, redis://, http(s)://, ably:, sqs:, sns:, kinesis: or eventbridge:"
                 ))
             })
     }
@@ -160,7 +179,8 @@ fn scheme_of(uri: &str) -> &str {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct SinkConfig {
     /// `stdout`, `file:PATH`, `nats://`, `kafka://`, `amqp://`/`amqps://`,
-    /// `redis://`/`rediss://`, `http://`/`https://` (a URL template), `ably:`.
+    /// `redis://`/`rediss://`, `http://`/`https://` (a URL template), `ably:`, `sqs:`, `sns:`,
+    /// `kinesis:`, `eventbridge:` (`eventbridge://BUS`).
     uri: String,
     /// Payloads larger than this are dead-lettered at once [default: the broker's limit].
     max_message_bytes: Option<usize>,
@@ -186,6 +206,14 @@ pub enum SinkSettings {
     Webhook(crate::webhook::WebhookConfig),
     #[cfg(feature = "ably")]
     Ably(crate::ably::AblyConfig),
+    #[cfg(feature = "aws")]
+    Sqs(crate::aws::AwsConfig),
+    #[cfg(feature = "aws")]
+    Sns(crate::aws::AwsConfig),
+    #[cfg(feature = "aws")]
+    Kinesis(crate::aws::AwsConfig),
+    #[cfg(feature = "aws")]
+    EventBridge(crate::aws::eventbridge::EventBridgeConfig),
 }
 
 /// What stdout and file sinks read beyond the common settings: nothing.
@@ -286,6 +314,14 @@ fn read_settings(
         SinkKind::Webhook => read(uri, table).map(SinkSettings::Webhook),
         #[cfg(feature = "ably")]
         SinkKind::Ably => read(uri, table).map(SinkSettings::Ably),
+        #[cfg(feature = "aws")]
+        SinkKind::Sqs => read(uri, table).map(SinkSettings::Sqs),
+        #[cfg(feature = "aws")]
+        SinkKind::Sns => read(uri, table).map(SinkSettings::Sns),
+        #[cfg(feature = "aws")]
+        SinkKind::Kinesis => read(uri, table).map(SinkSettings::Kinesis),
+        #[cfg(feature = "aws")]
+        SinkKind::EventBridge => read(uri, table).map(SinkSettings::EventBridge),
         // A sink this build leaves out has no settings type to check against; building it
         // names the feature that brings it (commands that never build sinks still work).
         #[allow(unreachable_patterns)]

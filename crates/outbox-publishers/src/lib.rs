@@ -3,10 +3,12 @@
 
 #[cfg(feature = "ably")]
 pub mod ably;
+#[cfg(feature = "aws")]
+pub mod aws;
 pub mod cloudevents;
 pub mod config;
 pub mod error;
-#[cfg(any(feature = "webhook", feature = "ably"))]
+#[cfg(any(feature = "webhook", feature = "ably", feature = "aws"))]
 mod http;
 pub mod json_lines;
 #[cfg(feature = "kafka")]
@@ -62,6 +64,11 @@ async fn connect_sink(name: &str, config: &SinkConfig) -> Result<Arc<dyn Sink>, 
         SinkSettings::Webhook(settings) => webhook::sink(uri, settings),
         #[cfg(feature = "ably")]
         SinkSettings::Ably(settings) => ably::sink(uri, settings),
+        #[cfg(feature = "aws")]
+        SinkSettings::Sqs(_)
+        | SinkSettings::Sns(_)
+        | SinkSettings::Kinesis(_)
+        | SinkSettings::EventBridge(_) => aws::sink(config, &|name| std::env::var(name).ok()),
         // Every sink with settings of its own is matched above, so the rest is stdout, a
         // file, or a sink this build leaves out (or an unknown scheme, from `--sink`).
         SinkSettings::None => {

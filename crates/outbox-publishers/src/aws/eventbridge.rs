@@ -1,0 +1,162 @@
+//! Amazon EventBridge (`eventbridge:` for the default bus, `eventbridge://BUS` for another,
+//! by name or ARN): `PutEvents`.
+//!
+//! `Source` = the route's target (a template, `{destination}` by default), `DetailType` =
+//! the `detail_type` template (`{event_type}` by default). `Detail` must be a JSON object:
+//! by default it is the relay's envelope (the file sink's line), which carries the event id
+//! for consumers to drop repeats, because EventBridge gives every entry an id of its own;
+//! with `detail = "payload"` it is the payload itself (then a JSON object, or the event is
+//! refused for good). A route with `cloudevents = "structured"` sends the CloudEvent.
+
+use std::sync::Arc;
+
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use outbox_core::{Outcome, PublishError, PublishErrorKind};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+use super::credentials::Env;
+use super::{AwsClient, AwsConfig, BatchApi, Service};
+use crate::error::SinkSetupError;
+use crate::sink::{Routed, Sink};
+use crate::template::Template;
+
+/// The largest entry, and the largest request, as EventBridge counts them.
+pub const MAX_ENTRY_BYTES: usize = 262_144;
+
+/// What `Detail` holds.
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum DetailForm {
+    /// The relay's envelope, with the event id.
+    #[default]
+    Envelope,
+    /// The payload alone (a JSON object).
+    Payload,
+}
+
+/// An EventBridge sink's own settings (unknown keys are refused as for [`AwsConfig`]).
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(default)]
+pub struct EventBridgeConfig {
+    #[serde(flatten)]
+    pub aws: AwsConfig,
+    /// The `DetailType` template [default: "{event_type}"].
+    pub detail_type: Option<String>,
+    /// `envelope` (the relay's JSON with the event id) or `payload` [default: envelope].
+    pub detail: Option<DetailForm>,
+}
+
+pub struct EventBridge {
+    client: AwsClient,
+    bus: Option<String>,
+    detail_type: Template,
+    detail: DetailForm,
+}
+
+impl BatchApi for EventBridge {
+    const MAX_ENTRIES: usize = 10;
+    const MAX_BATCH_BYTES: usize = MAX_ENTRY_BYTES;
+    const SYSTEM: &'static str = "aws_eventbridge";
+    const MAX_MESSAGE_BYTES: usize = MAX_ENTRY_BYTES;
+    type Entry = Value;
+
+    fn client(&self) -> &AwsClient {
+        &self.client
+    }
+
+    fn entry(&self, routed: &Routed) -> Result<(Value, usize), PublishError> {
+        let detail = match (self.detail, routed.cloudevents) {
+            (DetailForm::Payload, None) => routed.event.payload.as_bytes().to_vec(),
+            _ => super::kinesis::envelope(routed)?,
+        };
+        let detail = String::from_utf8(detail)
+            .ok()
+            .filter(|text| text.trim_start().starts_with('{'))
+            .ok_or_else(|| {
+                PublishError::new(
+                    PublishErrorKind::Rejected,
+                    "an EventBridge detail must be a JSON object, and this payload is not one: \
+                     use the sink's default `detail = \"envelope\"`, or write JSON objects",
+                )
+            })?;
+        let detail_type = self.detail_type.render(&routed.event);
+        let size = routed.target.len() + detail_type.len() + detail.len();
+        if size > MAX_ENTRY_BYTES {
+            return Err(PublishError::new(
+                PublishErrorKind::TooLarge,
+                format!("the EventBridge entry would be {size} bytes; EventBridge takes at most {MAX_ENTRY_BYTES}"),
+            ));
+        }
+        let mut entry = json!({
+            "Source": routed.target,
+            "DetailType": detail_type,
+            "Detail": detail,
+        });
+        if let Some(bus) = &self.bus {
+            entry["EventBusName"] = bus.clone().into();
+        }
+        Ok((entry, size))
+    }
+
+    /// The target is each entry's `Source`, already in it.
+    fn send_entries(
+        self: Arc<Self>,
+        _source: String,
+        entries: Vec<Value>,
+    ) -> BoxFuture<'static, Vec<Outcome>> {
+        async move {
+            let count = entries.len();
+            let what = self.client.what("PutEvents");
+            match self
+                .client
+                .json(
+                    "AWSEvents",
+                    "PutEvents",
+                    "1.1",
+                    &json!({ "Entries": entries }),
+                )
+                .await
+            {
+                // The answer lists every entry, in the request's order.
+                Ok(answer) => (0..count)
+                    .map(|i| {
+                        let entry = &answer["Entries"][i];
+                        match (entry["EventId"].as_str(), entry["ErrorCode"].as_str()) {
+                            (Some(_), _) => Ok(()),
+                            (None, Some(code)) => Err(super::entry_error(
+                                code,
+                                entry["ErrorMessage"].as_str().unwrap_or_default(),
+                                None,
+                                &what,
+                            )),
+                            (None, None) => Err(PublishError::new(
+                                PublishErrorKind::BrokerFailure,
+                                format!("{what} answered without this entry"),
+                            )),
+                        }
+                    })
+                    .collect(),
+                Err(error) => super::fail_entries(count, &error),
+            }
+        }
+        .boxed()
+    }
+}
+
+pub fn sink(
+    uri: &str,
+    config: &EventBridgeConfig,
+    env: Env<'_>,
+) -> Result<Arc<dyn Sink>, SinkSetupError> {
+    let bus = super::uri_rest(uri, "eventbridge");
+    let detail_type = Template::parse(config.detail_type.as_deref().unwrap_or("{event_type}"))
+        .map_err(|e| SinkSetupError::config(format!("`detail_type`: {e}")))?;
+    Ok(Arc::new(super::AwsSink::new(EventBridge {
+        client: AwsClient::new(Service::EventBridge, &config.aws, env)?,
+        bus: (!bus.is_empty()).then(|| bus.to_string()),
+        detail_type,
+        detail: config.detail.unwrap_or_default(),
+    })))
+}

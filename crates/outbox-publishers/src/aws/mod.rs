@@ -1,0 +1,912 @@
+//! AWS sinks: SQS, SNS, Kinesis Data Streams and EventBridge, through each service's batch
+//! API (`SendMessageBatch`, `PublishBatch`, `PutRecords`, `PutEvents`).
+//!
+//! One small client serves all four: SigV4-signed `POST`s over the reqwest client the HTTP
+//! sinks already use, the JSON protocol for SQS, Kinesis and EventBridge and the query
+//! protocol for SNS. The official SDK (aws-config with the four service crates) would add
+//! minutes of build time and megabytes of binary for four calls; BENCHMARKS.md has the
+//! measured figures.
+//!
+//! What every AWS sink shares is here: the settings ([`AwsConfig`]), the endpoint and region
+//! rules, the request ([`AwsClient`]), the one place AWS errors become publish outcomes
+//! ([`classify`]), and the batching ([`send_batched`]): events are grouped by target, cut
+//! into the service's batches by count and bytes, the batches sent concurrently, and each
+//! event's outcome taken from its own entry, so only the failed entries are retried.
+
+pub mod credentials;
+pub mod eventbridge;
+pub mod kinesis;
+pub mod sigv4;
+pub mod sns;
+pub mod sqs;
+pub mod xml;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use futures::future::{join_all, BoxFuture};
+use futures::FutureExt;
+use outbox_core::{Outcome, PublishError, PublishErrorKind};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use tokio::sync::Semaphore;
+
+use crate::config::{ConfirmTimeout, SinkConfig, SinkSettings, TlsFiles};
+use crate::error::SinkSetupError;
+use crate::sink::{Routed, Sink};
+use credentials::{Env, Provider};
+
+/// Requests in flight at once per sink.
+pub const DEFAULT_CONCURRENCY: usize = 16;
+
+/// The settings every AWS sink reads (`[sinks.NAME]` with `sqs:`, `sns:`, `kinesis:` or
+/// `eventbridge:`). Unknown keys are refused when the table is read (`config::read`): this
+/// struct is also flattened into EventBridge's, so it cannot deny them itself.
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(default)]
+pub struct AwsConfig {
+    #[serde(flatten)]
+    pub timeout: ConfirmTimeout,
+    #[serde(flatten)]
+    pub tls: TlsFiles,
+    /// The region [default: AWS_REGION, AWS_DEFAULT_REGION, then the profile's `region`].
+    pub region: Option<String>,
+    /// The service endpoint, for a VPC endpoint or a local stand-in [default:
+    /// AWS_ENDPOINT_URL_<SERVICE>, AWS_ENDPOINT_URL, then the region's public endpoint].
+    pub endpoint: Option<String>,
+    /// The profile in ~/.aws/config and ~/.aws/credentials [default: AWS_PROFILE, then
+    /// `default`]. Environment credentials, then a web identity, come first.
+    pub profile: Option<String>,
+    /// Batch requests in flight at once [default: 16].
+    pub concurrency: Option<usize>,
+}
+
+/// The AWS services the sinks call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Service {
+    Sqs,
+    Sns,
+    Kinesis,
+    EventBridge,
+    Sts,
+}
+
+impl Service {
+    /// The name in signatures and in public endpoints' host names.
+    fn signing_name(self) -> &'static str {
+        match self {
+            Service::Sqs => "sqs",
+            Service::Sns => "sns",
+            Service::Kinesis => "kinesis",
+            Service::EventBridge => "events",
+            Service::Sts => "sts",
+        }
+    }
+
+    /// The SDKs' per-service endpoint variable.
+    fn endpoint_env(self) -> &'static str {
+        match self {
+            Service::Sqs => "AWS_ENDPOINT_URL_SQS",
+            Service::Sns => "AWS_ENDPOINT_URL_SNS",
+            Service::Kinesis => "AWS_ENDPOINT_URL_KINESIS",
+            Service::EventBridge => "AWS_ENDPOINT_URL_EVENTBRIDGE",
+            Service::Sts => "AWS_ENDPOINT_URL_STS",
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Service::Sqs => "SQS",
+            Service::Sns => "SNS",
+            Service::Kinesis => "Kinesis",
+            Service::EventBridge => "EventBridge",
+            Service::Sts => "STS",
+        }
+    }
+}
+
+/// The domain of a region's public endpoints.
+fn dns_suffix(region: &str) -> &'static str {
+    if region.starts_with("cn-") {
+        "amazonaws.com.cn"
+    } else {
+        "amazonaws.com"
+    }
+}
+
+/// The partition of ARNs in a region.
+pub fn partition(region: &str) -> &'static str {
+    if region.starts_with("cn-") {
+        "aws-cn"
+    } else if region.starts_with("us-gov-") {
+        "aws-us-gov"
+    } else {
+        "aws"
+    }
+}
+
+/// What the sink URI holds after its scheme. It carries nothing else (but EventBridge's
+/// bus): the target comes from the route, the region and endpoint from the settings.
+fn uri_rest<'a>(uri: &'a str, scheme: &str) -> &'a str {
+    let rest = uri.trim().strip_prefix(scheme).unwrap_or_default();
+    let rest = rest.strip_prefix(':').unwrap_or(rest);
+    rest.strip_prefix("//").unwrap_or(rest)
+}
+
+/// Refuses a URI with more than its scheme, saying where that part belongs.
+fn no_uri_rest(uri: &str, scheme: &str, target: &str) -> Result<(), SinkSetupError> {
+    match uri_rest(uri, scheme) {
+        "" => Ok(()),
+        rest => Err(SinkSetupError::config(format!(
+            "the sink URI is just `{scheme}:`, not {uri:?}: {target}, and `region` and \
+             `endpoint` are settings of the sink (found {rest:?} after the scheme)"
+        ))),
+    }
+}
+
+/// Builds the AWS sink `config` names, reading credentials, region and endpoints from `env`
+/// where its settings leave them out (the relay gives the process environment).
+pub fn sink(config: &SinkConfig, env: Env<'_>) -> Result<Arc<dyn crate::Sink>, SinkSetupError> {
+    let uri = config.uri().trim();
+    match config.settings() {
+        SinkSettings::Sqs(settings) => sqs::sink(uri, settings, env),
+        SinkSettings::Sns(settings) => sns::sink(uri, settings, env),
+        SinkSettings::Kinesis(settings) => kinesis::sink(uri, settings, env),
+        SinkSettings::EventBridge(settings) => eventbridge::sink(uri, settings, env),
+        _ => Err(SinkSetupError::config(format!("{uri:?} names no AWS sink"))),
+    }
+}
+
+/// An AWS sink: one [`BatchApi`] behind the [`Sink`] contract.
+pub struct AwsSink<A: BatchApi>(Arc<A>);
+
+impl<A: BatchApi> AwsSink<A> {
+    pub fn new(api: A) -> Self {
+        AwsSink(Arc::new(api))
+    }
+}
+
+impl<A: BatchApi> Sink for AwsSink<A> {
+    fn describe(&self) -> String {
+        let client = self.0.client();
+        format!(
+            "{} at {} ({}, credentials from {})",
+            client.service.name(),
+            client.endpoint(),
+            client.region(),
+            client.credentials_origin()
+        )
+    }
+
+    fn send(&self, batch: Vec<Routed>) -> BoxFuture<'static, Vec<Outcome>> {
+        send_batched(self.0.clone(), batch)
+    }
+
+    /// Whether credentials can be had (a web identity asks STS when they near expiry); a
+    /// service that refuses them shows in the events' outcomes.
+    fn health(&self) -> BoxFuture<'static, Result<(), PublishError>> {
+        let api = self.0.clone();
+        async move { api.client().credentials.get().await.map(|_| ()) }.boxed()
+    }
+
+    fn max_message_bytes(&self) -> Option<usize> {
+        Some(A::MAX_MESSAGE_BYTES)
+    }
+
+    fn messaging_system(&self) -> Option<&'static str> {
+        Some(A::SYSTEM)
+    }
+}
+
+/// Outcomes from an answer that lists `Successful` and `Failed` entries by their `Id` (the
+/// entry's index), as SQS and SNS answer. An entry in neither list is not confirmed.
+fn outcomes_by_id(
+    count: usize,
+    successful: &[EntryAnswer],
+    failed: &[EntryAnswer],
+    what: &str,
+) -> Vec<Outcome> {
+    let mut outcomes: Vec<Option<Outcome>> = (0..count).map(|_| None).collect();
+    for answer in successful {
+        if let Some(slot) = answer.id.and_then(|id| outcomes.get_mut(id)) {
+            *slot = Some(Ok(()));
+        }
+    }
+    for answer in failed {
+        if let Some(slot) = answer.id.and_then(|id| outcomes.get_mut(id)) {
+            *slot = Some(Err(entry_error(
+                &answer.code,
+                &answer.message,
+                answer.sender_fault,
+                what,
+            )));
+        }
+    }
+    outcomes
+        .into_iter()
+        .map(|o| {
+            o.unwrap_or_else(|| {
+                Err(PublishError::new(
+                    PublishErrorKind::BrokerFailure,
+                    format!("{what} answered without this entry"),
+                ))
+            })
+        })
+        .collect()
+}
+
+/// One entry of a batch answer.
+#[derive(Default)]
+struct EntryAnswer {
+    id: Option<usize>,
+    code: String,
+    message: String,
+    sender_fault: Option<bool>,
+}
+
+impl EntryAnswer {
+    /// The entries of a JSON answer's list.
+    fn from_json(list: &Value) -> Vec<EntryAnswer> {
+        let text = |v: &Value, k: &str| v[k].as_str().unwrap_or_default().to_string();
+        list.as_array()
+            .map(|entries| {
+                entries
+                    .iter()
+                    .map(|e| EntryAnswer {
+                        id: e["Id"].as_str().and_then(|id| id.parse().ok()),
+                        code: text(e, "Code"),
+                        message: text(e, "Message"),
+                        sender_fault: e["SenderFault"].as_bool(),
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// The `<member>`s of a query answer's list.
+    fn from_xml(document: &str, list: &str) -> Vec<EntryAnswer> {
+        xml::members(document, list)
+            .into_iter()
+            .map(|m| EntryAnswer {
+                id: xml::text(m, "Id").and_then(|id| id.parse().ok()),
+                code: xml::text(m, "Code").unwrap_or_default(),
+                message: xml::text(m, "Message").unwrap_or_default(),
+                sender_fault: xml::text(m, "SenderFault").map(|f| f == "true"),
+            })
+            .collect()
+    }
+}
+
+/// A signed client for one AWS service.
+pub struct AwsClient {
+    http: reqwest::Client,
+    service: Service,
+    region: String,
+    endpoint: String,
+    /// The `Host` header the signature covers.
+    host: String,
+    path: String,
+    credentials: Arc<Provider>,
+    requests: Arc<Semaphore>,
+}
+
+impl AwsClient {
+    /// A client whose credentials, region and endpoint come from `config`, then from `env`
+    /// (the process environment; tests give their own).
+    pub fn new(service: Service, config: &AwsConfig, env: Env<'_>) -> Result<Self, SinkSetupError> {
+        let http = crate::http::client(&config.tls, config.timeout.get())?;
+        let found = Provider::from_chain(env, config.profile.as_deref(), http.clone())?;
+        let set = |name: &str| env(name).filter(|v| !v.trim().is_empty());
+        let region = config
+            .region
+            .clone()
+            .or_else(|| set("AWS_REGION"))
+            .or_else(|| set("AWS_DEFAULT_REGION"))
+            .or(found.profile_region)
+            .ok_or_else(|| {
+                SinkSetupError::config(format!(
+                    "no AWS region for the {} sink: set `region` in its settings, or AWS_REGION",
+                    service.name()
+                ))
+            })?;
+        let endpoint = config
+            .endpoint
+            .clone()
+            .or_else(|| set(service.endpoint_env()))
+            .or_else(|| set("AWS_ENDPOINT_URL"))
+            .unwrap_or_else(|| {
+                format!(
+                    "https://{}.{region}.{}",
+                    service.signing_name(),
+                    dns_suffix(&region)
+                )
+            });
+        let url = reqwest::Url::parse(&endpoint).map_err(|e| {
+            SinkSetupError::config(format!(
+                "the {} endpoint {endpoint:?} is not a URL ({e}): write it like \
+                 https://sqs.eu-west-1.amazonaws.com",
+                service.name()
+            ))
+        })?;
+        let host = match (url.host_str(), url.port()) {
+            (Some(host), Some(port)) => format!("{host}:{port}"),
+            (Some(host), None) => host.to_string(),
+            (None, _) => {
+                return Err(SinkSetupError::config(format!(
+                    "the {} endpoint {endpoint:?} has no host",
+                    service.name()
+                )))
+            }
+        };
+        Ok(AwsClient {
+            http,
+            service,
+            region,
+            path: url.path().to_string(),
+            endpoint,
+            host,
+            credentials: Arc::new(found.provider),
+            requests: Arc::new(Semaphore::new(
+                config.concurrency.unwrap_or(DEFAULT_CONCURRENCY).max(1),
+            )),
+        })
+    }
+
+    /// A client for another service with the same credentials and region (SNS asks STS
+    /// for the account of a topic named without its ARN).
+    fn sibling(&self, service: Service, env: Env<'_>) -> AwsClient {
+        // A custom endpoint outside AWS is a stand-in (LocalStack, moto) serving every
+        // service; a VPC endpoint is one service's.
+        let stand_in = (!self.endpoint.contains(".amazonaws.com")).then(|| self.endpoint.clone());
+        let endpoint = env(service.endpoint_env())
+            .or_else(|| env("AWS_ENDPOINT_URL"))
+            .or(stand_in)
+            .unwrap_or_else(|| {
+                format!(
+                    "https://{}.{}.{}",
+                    service.signing_name(),
+                    self.region,
+                    dns_suffix(&self.region)
+                )
+            });
+        let url = reqwest::Url::parse(&endpoint).ok();
+        AwsClient {
+            http: self.http.clone(),
+            service,
+            region: self.region.clone(),
+            host: url
+                .as_ref()
+                .and_then(|u| {
+                    Some(format!(
+                        "{}{}",
+                        u.host_str()?,
+                        u.port().map(|p| format!(":{p}")).unwrap_or_default()
+                    ))
+                })
+                .unwrap_or_default(),
+            path: url
+                .map(|u| u.path().to_string())
+                .unwrap_or_else(|| "/".into()),
+            endpoint,
+            credentials: self.credentials.clone(),
+            requests: self.requests.clone(),
+        }
+    }
+
+    pub fn region(&self) -> &str {
+        &self.region
+    }
+
+    /// The endpoint, for `describe`.
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// Where the credentials come from.
+    pub fn credentials_origin(&self) -> &str {
+        self.credentials.origin()
+    }
+
+    pub(crate) fn what(&self, action: &str) -> String {
+        format!("{} {action} at {}", self.service.name(), self.endpoint)
+    }
+
+    /// One signed POST; the response's status and body.
+    async fn post(
+        &self,
+        headers: &[(&str, &str)],
+        body: Vec<u8>,
+        action: &str,
+    ) -> Result<(u16, Option<String>, String), PublishError> {
+        let _permit = self
+            .requests
+            .acquire()
+            .await
+            .expect("the semaphore is never closed");
+        let credentials = self.credentials.get().await?;
+        let signed = sigv4::sign(
+            &sigv4::Request {
+                host: &self.host,
+                path: &self.path,
+                headers,
+                body: &body,
+            },
+            &sigv4::Scope {
+                service: self.service.signing_name(),
+                region: &self.region,
+            },
+            &credentials,
+            SystemTime::now(),
+        );
+        let mut request = self.http.post(&self.endpoint);
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        for (name, value) in signed {
+            request = request.header(name, value);
+        }
+        let what = self.what(action);
+        let response = request
+            .body(body)
+            .send()
+            .await
+            .map_err(|e| crate::http::transport_error(e, &what))?;
+        let status = response.status().as_u16();
+        let query_error = response
+            .headers()
+            .get("x-amzn-query-error")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        let text = response
+            .text()
+            .await
+            .map_err(|e| crate::http::transport_error(e, &what))?;
+        Ok((status, query_error, text))
+    }
+
+    /// A JSON-protocol call (`X-Amz-Target: {prefix}.{action}`); the response document.
+    pub async fn json(
+        &self,
+        target_prefix: &str,
+        action: &str,
+        json_version: &str,
+        body: &Value,
+    ) -> Result<Value, PublishError> {
+        let target = format!("{target_prefix}.{action}");
+        let content_type = format!("application/x-amz-json-{json_version}");
+        let body = serde_json::to_vec(body).map_err(|e| {
+            PublishError::new(PublishErrorKind::Encoding, "cannot encode the request")
+                .with_source(e)
+        })?;
+        let (status, query_error, text) = self
+            .post(
+                &[("content-type", &content_type), ("x-amz-target", &target)],
+                body,
+                action,
+            )
+            .await?;
+        let document: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
+        if (200..300).contains(&status) {
+            return Ok(document);
+        }
+        // SQS names its query-protocol code in a header too: the one its docs list.
+        let code = query_error
+            .as_deref()
+            .and_then(|h| h.split(';').next())
+            .or_else(|| document["__type"].as_str())
+            .or_else(|| document["code"].as_str())
+            .unwrap_or_default();
+        let message = document["message"]
+            .as_str()
+            .or_else(|| document["Message"].as_str())
+            .unwrap_or(&text);
+        let error = classify(Some(status), code, message, &self.what(action));
+        self.on_refusal(&error, code).await;
+        Err(error)
+    }
+
+    /// A query-protocol call (form parameters, an XML answer).
+    pub async fn query(&self, params: &[(&str, &str)]) -> Result<String, PublishError> {
+        let action = params
+            .iter()
+            .find(|(k, _)| *k == "Action")
+            .map_or("", |(_, v)| *v);
+        let body = form_encode(params);
+        let (status, _, text) = self
+            .post(
+                &[(
+                    "content-type",
+                    "application/x-www-form-urlencoded; charset=utf-8",
+                )],
+                body.into_bytes(),
+                action,
+            )
+            .await?;
+        if (200..300).contains(&status) {
+            return Ok(text);
+        }
+        let error = query_error(status, &text, &self.what(action));
+        self.on_refusal(&error, &xml::text(&text, "Code").unwrap_or_default())
+            .await;
+        Err(error)
+    }
+
+    /// Expired temporary credentials are fetched again for the next attempt.
+    async fn on_refusal(&self, _error: &PublishError, code: &str) {
+        if matches!(
+            short_code(code),
+            "ExpiredToken" | "ExpiredTokenException" | "RequestExpired"
+        ) {
+            self.credentials.forget().await;
+        }
+    }
+}
+
+/// `application/x-www-form-urlencoded`, with the encoding SigV4 and AWS expect.
+pub(crate) fn form_encode(params: &[(&str, &str)]) -> String {
+    const UNRESERVED: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+        .remove(b'-')
+        .remove(b'_')
+        .remove(b'.')
+        .remove(b'~');
+    params
+        .iter()
+        .map(|(k, v)| {
+            format!(
+                "{}={}",
+                percent_encoding::utf8_percent_encode(k, UNRESERVED),
+                percent_encoding::utf8_percent_encode(v, UNRESERVED)
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("&")
+}
+
+/// The error of a query-protocol (XML) answer.
+fn query_error(status: u16, body: &str, what: &str) -> PublishError {
+    let code = xml::text(body, "Code").unwrap_or_default();
+    let message = xml::text(body, "Message").unwrap_or_else(|| body.chars().take(300).collect());
+    classify(Some(status), &code, &message, what)
+}
+
+/// The code without its namespace: `com.amazonaws.kinesis#ResourceNotFoundException` and
+/// `AWS.SimpleQueueService.NonExistentQueue` become their last part.
+fn short_code(code: &str) -> &str {
+    let code = code.rsplit('#').next().unwrap_or(code);
+    code.strip_prefix("AWS.SimpleQueueService.").unwrap_or(code)
+}
+
+/// The one place an AWS error becomes a publish outcome, by its error code first and its
+/// HTTP status (none for one entry of a batch) second: throttling and service failures are
+/// retried, a missing queue, topic, stream or bus is retried (it may be created), expired
+/// temporary credentials are retried with fresh ones, a refused signature or permission is
+/// unauthorised, and any other validation error is permanent.
+pub fn classify(status: Option<u16>, code: &str, message: &str, what: &str) -> PublishError {
+    use PublishErrorKind::*;
+    let short = short_code(code);
+    let kind = match short {
+        "Throttling"
+        | "ThrottlingException"
+        | "ThrottledException"
+        | "RequestThrottled"
+        | "RequestThrottledException"
+        | "TooManyRequestsException"
+        | "ProvisionedThroughputExceededException"
+        | "RequestLimitExceeded"
+        | "LimitExceededException"
+        | "KMSThrottlingException"
+        | "SlowDown" => Throttled,
+        "InternalFailure"
+        | "InternalError"
+        | "InternalServerError"
+        | "ServiceUnavailable"
+        | "ServiceUnavailableException"
+        | "KMSInternalException" => BrokerFailure,
+        "ExpiredToken" | "ExpiredTokenException" | "RequestExpired" => Unavailable,
+        "QueueDoesNotExist"
+        | "NonExistentQueue"
+        | "NotFound"
+        | "NotFoundException"
+        | "ResourceNotFoundException" => MissingTarget,
+        "BatchRequestTooLong" | "RequestEntityTooLarge" | "RequestEntityTooLargeException" => {
+            TooLarge
+        }
+        "AccessDenied"
+        | "AccessDeniedException"
+        | "AuthorizationError"
+        | "UnrecognizedClientException"
+        | "InvalidClientTokenId"
+        | "SignatureDoesNotMatch"
+        | "InvalidSignatureException"
+        | "IncompleteSignature"
+        | "MissingAuthenticationToken"
+        | "InvalidIdentityToken"
+        | "KMSAccessDeniedException" => Unauthorized,
+        _ => match status {
+            Some(429) => Throttled,
+            Some(413) => TooLarge,
+            Some(401 | 403) => Unauthorized,
+            Some(500..=599) => BrokerFailure,
+            _ => Rejected,
+        },
+    };
+    let shown = if short.is_empty() {
+        status.map(|s| format!("HTTP {s}")).unwrap_or_default()
+    } else {
+        short.to_string()
+    };
+    let detail: String = message.chars().take(300).collect();
+    let hint = match kind {
+        MissingTarget => ": create it, or fix the route's target",
+        Unauthorized => ": check the relay's credentials and its IAM policy",
+        _ => "",
+    };
+    PublishError::new(kind, format!("{what} refused: {shown}: {detail}{hint}"))
+}
+
+/// The failure of one entry of a batch: `sender_fault` false (the service's side) is
+/// retried whatever the code.
+pub fn entry_error(
+    code: &str,
+    message: &str,
+    sender_fault: Option<bool>,
+    what: &str,
+) -> PublishError {
+    let error = classify(None, code, message, what);
+    match sender_fault {
+        Some(false) if error.disposition() == outbox_core::Disposition::Permanent => {
+            PublishError::new(PublishErrorKind::BrokerFailure, error.to_string())
+        }
+        _ => error,
+    }
+}
+
+/// One AWS batch API: how an event becomes an entry, and how a batch of entries to one
+/// target is sent. [`send_batched`] does the rest.
+pub trait BatchApi: Send + Sync + 'static {
+    /// The `messaging.system` of the semantic conventions.
+    const SYSTEM: &'static str;
+    /// The largest payload the service takes (the entry checks the whole message).
+    const MAX_MESSAGE_BYTES: usize;
+    /// Most entries in one request.
+    const MAX_ENTRIES: usize;
+    /// Most bytes of entries in one request, as the service counts them.
+    const MAX_BATCH_BYTES: usize;
+    type Entry: Send + 'static;
+
+    fn client(&self) -> &AwsClient;
+
+    /// The entry for one event and its size as the service counts it; an event the service
+    /// would refuse (too large, not encodable) fails here alone, never its batch.
+    fn entry(&self, routed: &Routed) -> Result<(Self::Entry, usize), PublishError>;
+
+    /// Sends entries (at most `MAX_ENTRIES`, `MAX_BATCH_BYTES`) to `target`: one outcome
+    /// per entry, in order.
+    fn send_entries(
+        self: Arc<Self>,
+        target: String,
+        entries: Vec<Self::Entry>,
+    ) -> BoxFuture<'static, Vec<Outcome>>;
+}
+
+/// Sends a batch through `api`: by target, cut to the service's limits, concurrently.
+pub fn send_batched<A: BatchApi>(
+    api: Arc<A>,
+    batch: Vec<Routed>,
+) -> BoxFuture<'static, Vec<Outcome>> {
+    let mut outcomes: Vec<Option<Outcome>> = Vec::with_capacity(batch.len());
+    // target -> (position in the batch, entry, size), in batch order.
+    let mut by_target: BTreeMap<String, Vec<(usize, A::Entry, usize)>> = BTreeMap::new();
+    for (position, routed) in batch.iter().enumerate() {
+        match api.entry(routed) {
+            Ok((entry, size)) => {
+                outcomes.push(None);
+                by_target
+                    .entry(routed.target.clone())
+                    .or_default()
+                    .push((position, entry, size));
+            }
+            Err(error) => outcomes.push(Some(Err(error))),
+        }
+    }
+    let mut requests = Vec::new();
+    for (target, entries) in by_target {
+        let mut chunk: Vec<(usize, A::Entry)> = Vec::new();
+        let mut bytes = 0;
+        for (position, entry, size) in entries {
+            if !chunk.is_empty()
+                && (chunk.len() == A::MAX_ENTRIES || bytes + size > A::MAX_BATCH_BYTES)
+            {
+                requests.push((target.clone(), std::mem::take(&mut chunk)));
+                bytes = 0;
+            }
+            bytes += size;
+            chunk.push((position, entry));
+        }
+        if !chunk.is_empty() {
+            requests.push((target, chunk));
+        }
+    }
+    let sent: Vec<_> = requests
+        .into_iter()
+        .map(|(target, chunk)| {
+            let (positions, entries): (Vec<usize>, Vec<A::Entry>) = chunk.into_iter().unzip();
+            let api = api.clone();
+            async move {
+                let results = api.send_entries(target, entries).await;
+                positions.into_iter().zip(results).collect::<Vec<_>>()
+            }
+        })
+        .collect();
+    async move {
+        for (position, outcome) in join_all(sent).await.into_iter().flatten() {
+            outcomes[position] = Some(outcome);
+        }
+        outcomes
+            .into_iter()
+            .map(|o| {
+                o.unwrap_or_else(|| {
+                    Err(PublishError::new(
+                        PublishErrorKind::BrokerFailure,
+                        "the service's answer did not mention this entry",
+                    ))
+                })
+            })
+            .collect()
+    }
+    .boxed()
+}
+
+/// The event's attributes as SQS and SNS carry them (at most 10 per message, so the
+/// event's own headers travel as one JSON attribute): the event id, type, ordering key,
+/// sequence and mutation ids, the valid trace context, the headers.
+pub fn message_attributes(routed: &Routed) -> Vec<(&'static str, String)> {
+    let event = &routed.event;
+    let mut attributes = vec![
+        (ATTRIBUTE_EVENT_ID, event.event_id.hyphenated().to_string()),
+        (ATTRIBUTE_EVENT_TYPE, event.event_type.clone()),
+        (ATTRIBUTE_KEY, event.ordering_key().to_string()),
+        (ATTRIBUTE_SEQUENCE_ID, event.sequence_id.to_string()),
+    ];
+    if let Some(mutation) = &event.mutation_id {
+        attributes.push((ATTRIBUTE_MUTATION_ID, mutation.clone()));
+    }
+    attributes.extend(crate::trace::trace_fields(event));
+    if !event.headers.is_empty() {
+        if let Ok(headers) = serde_json::to_string(&event.headers) {
+            attributes.push((ATTRIBUTE_HEADERS, headers));
+        }
+    }
+    attributes.retain(|(_, value)| !value.is_empty());
+    attributes
+}
+
+pub const ATTRIBUTE_EVENT_ID: &str = "outbox-event-id";
+pub const ATTRIBUTE_EVENT_TYPE: &str = "outbox-event-type";
+pub const ATTRIBUTE_KEY: &str = "outbox-key";
+pub const ATTRIBUTE_SEQUENCE_ID: &str = "outbox-sequence-id";
+pub const ATTRIBUTE_MUTATION_ID: &str = "outbox-mutation-id";
+pub const ATTRIBUTE_HEADERS: &str = "outbox-headers";
+/// Set to `base64` when the body had to be encoded (see [`message_body`]).
+pub const ATTRIBUTE_ENCODING: &str = "outbox-content-transfer-encoding";
+
+/// The message body SQS and SNS accept: the payload when it is text of the characters they
+/// allow (XML's), else its base64 and `true` (the attribute
+/// [`ATTRIBUTE_ENCODING`] then says so).
+pub fn message_body(payload: &[u8]) -> (String, bool) {
+    let allowed = |c: char| {
+        matches!(c, '\u{9}' | '\u{a}' | '\u{d}' | '\u{20}'..='\u{d7ff}' | '\u{e000}'..='\u{fffd}')
+            || c >= '\u{10000}'
+    };
+    match std::str::from_utf8(payload) {
+        Ok(text) if !text.is_empty() && text.chars().all(allowed) => (text.to_string(), false),
+        _ => {
+            use base64::Engine;
+            (
+                base64::engine::general_purpose::STANDARD.encode(payload),
+                true,
+            )
+        }
+    }
+}
+
+/// The FIFO message group for an ordering key: the key itself when SQS and SNS accept it
+/// (1–128 letters, digits and ASCII punctuation), else a digest of it, so every event of
+/// one key still lands in one group (the key itself travels in `outbox-key`).
+pub fn message_group(key: &str) -> String {
+    let valid = !key.is_empty()
+        && key.len() <= 128
+        && key
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b.is_ascii_punctuation());
+    if valid {
+        return key.to_string();
+    }
+    use sha2::Digest;
+    let digest = sha2::Sha256::digest(key.as_bytes());
+    let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+    format!("sha256-{hex}")
+}
+
+/// Retry a batch-level failure for each of its entries.
+pub fn fail_entries(count: usize, error: &PublishError) -> Vec<Outcome> {
+    let report = error.report();
+    (0..count)
+        .map(|_| Err(PublishError::new(error.kind(), report.clone())))
+        .collect()
+}
+
+/// How long a sink waits for a health check's answer.
+pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(5);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use outbox_core::Disposition;
+
+    #[test]
+    fn errors_are_classified_by_code_then_status() {
+        let kind = |status, code| classify(status, code, "m", "x").kind();
+        assert_eq!(
+            kind(
+                Some(400),
+                "com.amazonaws.kinesis#ProvisionedThroughputExceededException"
+            ),
+            PublishErrorKind::Throttled
+        );
+        assert_eq!(
+            kind(Some(400), "AWS.SimpleQueueService.NonExistentQueue"),
+            PublishErrorKind::MissingTarget
+        );
+        assert_eq!(
+            kind(Some(400), "ValidationException"),
+            PublishErrorKind::Rejected
+        );
+        assert_eq!(
+            kind(Some(403), "AccessDeniedException"),
+            PublishErrorKind::Unauthorized
+        );
+        assert_eq!(
+            kind(Some(400), "ExpiredTokenException"),
+            PublishErrorKind::Unavailable
+        );
+        assert_eq!(kind(Some(503), ""), PublishErrorKind::BrokerFailure);
+        assert_eq!(kind(Some(429), ""), PublishErrorKind::Throttled);
+        assert_eq!(kind(None, "MalformedDetail"), PublishErrorKind::Rejected);
+        assert_eq!(
+            entry_error("Whatever", "m", Some(false), "x").disposition(),
+            Disposition::Retry { after: None },
+            "a failure on the service's side is retried"
+        );
+        assert_eq!(
+            entry_error("InvalidParameterValue", "m", Some(true), "x").disposition(),
+            Disposition::Permanent
+        );
+        let missing = classify(Some(400), "QueueDoesNotExist", "gone", "SQS x").to_string();
+        assert!(
+            missing.contains("create it, or fix the route's target"),
+            "{missing}"
+        );
+    }
+
+    #[test]
+    fn bodies_and_groups_are_what_sqs_and_sns_accept() {
+        assert_eq!(message_body(b"{\"a\":1}"), ("{\"a\":1}".to_string(), false));
+        assert_eq!(message_body(&[0xff, 0x00]), ("/wA=".to_string(), true));
+        assert_eq!(message_body(b"nul\0"), ("bnVsAA==".to_string(), true));
+        assert_eq!(message_group("customer-7/eu"), "customer-7/eu");
+        let hashed = message_group("customer 7");
+        assert!(
+            hashed.starts_with("sha256-") && hashed.len() <= 128,
+            "{hashed}"
+        );
+        assert_eq!(hashed, message_group("customer 7"), "one key, one group");
+        assert_ne!(hashed, message_group("customer 8"));
+    }
+
+    #[test]
+    fn form_encoding_escapes_like_sigv4() {
+        assert_eq!(form_encode(&[("A b", "x/y~z=1")]), "A%20b=x%2Fy~z%3D1");
+    }
+}

@@ -1,0 +1,165 @@
+//! Amazon SQS (`sqs:`): `SendMessageBatch`, the route's target naming the queue (its name,
+//! or its URL).
+//!
+//! A FIFO queue (`.fifo`) gets `MessageGroupId` = the ordering key and
+//! `MessageDeduplicationId` = the event id, so per-key order and de-duplication are the
+//! queue's own. A standard queue keeps neither: SQS may reorder and repeat, and consumers
+//! drop repeats by the `outbox-event-id` attribute. The body is the payload; the event's
+//! fields travel as message attributes ([`super::message_attributes`]).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use outbox_core::{Outcome, PublishError, PublishErrorKind};
+use serde_json::{json, Map, Value};
+
+use super::credentials::Env;
+use super::{AwsClient, AwsConfig, BatchApi, Service};
+use crate::error::SinkSetupError;
+use crate::sink::{Routed, Sink};
+
+/// SQS's largest message (body and attributes), and its largest batch request.
+pub const MAX_MESSAGE_BYTES: usize = 1_048_576;
+
+pub struct Sqs {
+    client: AwsClient,
+    /// Queue name -> URL, as `GetQueueUrl` answered.
+    urls: Mutex<HashMap<String, String>>,
+}
+
+impl Sqs {
+    /// The queue's URL: the target itself when it is one, else looked up once by name.
+    async fn queue_url(&self, target: &str) -> Result<String, PublishError> {
+        if target.starts_with("https://") || target.starts_with("http://") {
+            return Ok(target.to_string());
+        }
+        if let Some(url) = self
+            .urls
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(target)
+        {
+            return Ok(url.clone());
+        }
+        let answer = self
+            .client
+            .json(
+                "AmazonSQS",
+                "GetQueueUrl",
+                "1.0",
+                &json!({ "QueueName": target }),
+            )
+            .await?;
+        let url = answer["QueueUrl"].as_str().ok_or_else(|| {
+            PublishError::new(
+                PublishErrorKind::BrokerFailure,
+                format!("SQS GetQueueUrl answered without a QueueUrl for {target:?}"),
+            )
+        })?;
+        self.urls
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(target.to_string(), url.to_string());
+        Ok(url.to_string())
+    }
+}
+
+impl BatchApi for Sqs {
+    const MAX_ENTRIES: usize = 10;
+    const MAX_BATCH_BYTES: usize = MAX_MESSAGE_BYTES;
+    const SYSTEM: &'static str = "aws_sqs";
+    const MAX_MESSAGE_BYTES: usize = MAX_MESSAGE_BYTES;
+    type Entry = Map<String, Value>;
+
+    fn client(&self) -> &AwsClient {
+        &self.client
+    }
+
+    fn entry(&self, routed: &Routed) -> Result<(Self::Entry, usize), PublishError> {
+        let (body, encoded) = super::message_body(routed.event.payload.as_bytes());
+        let mut attributes = super::message_attributes(routed);
+        if encoded {
+            attributes.push((super::ATTRIBUTE_ENCODING, "base64".into()));
+        }
+        // SQS counts the body and each attribute's name, type and value.
+        let size = body.len()
+            + attributes
+                .iter()
+                .map(|(name, value)| name.len() + "String".len() + value.len())
+                .sum::<usize>();
+        if size > MAX_MESSAGE_BYTES {
+            return Err(PublishError::new(
+                PublishErrorKind::TooLarge,
+                format!(
+                    "the SQS message would be {size} bytes; SQS takes at most {MAX_MESSAGE_BYTES}"
+                ),
+            ));
+        }
+        let mut entry = Map::new();
+        entry.insert("MessageBody".into(), body.into());
+        let attributes: Map<String, Value> = attributes
+            .into_iter()
+            .map(|(name, value)| {
+                (
+                    name.to_string(),
+                    json!({ "DataType": "String", "StringValue": value }),
+                )
+            })
+            .collect();
+        entry.insert("MessageAttributes".into(), attributes.into());
+        if routed.target.ends_with(".fifo") {
+            let group = super::message_group(routed.event.ordering_key());
+            entry.insert("MessageGroupId".into(), group.into());
+            let id = routed.event.event_id.hyphenated().to_string();
+            entry.insert("MessageDeduplicationId".into(), id.into());
+        }
+        Ok((entry, size))
+    }
+
+    fn send_entries(
+        self: Arc<Self>,
+        target: String,
+        entries: Vec<Self::Entry>,
+    ) -> BoxFuture<'static, Vec<Outcome>> {
+        async move {
+            let count = entries.len();
+            let url = match self.queue_url(&target).await {
+                Ok(url) => url,
+                Err(error) => return super::fail_entries(count, &error),
+            };
+            let entries: Vec<Value> = entries
+                .into_iter()
+                .enumerate()
+                .map(|(id, mut entry)| {
+                    entry.insert("Id".into(), id.to_string().into());
+                    Value::Object(entry)
+                })
+                .collect();
+            let request = json!({ "QueueUrl": url, "Entries": entries });
+            match self
+                .client
+                .json("AmazonSQS", "SendMessageBatch", "1.0", &request)
+                .await
+            {
+                Ok(answer) => super::outcomes_by_id(
+                    count,
+                    &super::EntryAnswer::from_json(&answer["Successful"]),
+                    &super::EntryAnswer::from_json(&answer["Failed"]),
+                    &self.client.what("SendMessageBatch"),
+                ),
+                Err(error) => super::fail_entries(count, &error),
+            }
+        }
+        .boxed()
+    }
+}
+
+pub fn sink(uri: &str, config: &AwsConfig, env: Env<'_>) -> Result<Arc<dyn Sink>, SinkSetupError> {
+    super::no_uri_rest(uri, "sqs", "the queue is the route's target")?;
+    Ok(Arc::new(super::AwsSink::new(Sqs {
+        client: AwsClient::new(Service::Sqs, config, env)?,
+        urls: Mutex::default(),
+    })))
+}
