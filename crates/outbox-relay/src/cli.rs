@@ -200,7 +200,8 @@ pub struct StatsArgs {
 #[derive(Args, Debug, Serialize)]
 pub struct RunArgs {
     /// Where every event goes: stdout, file:PATH, nats://, kafka://, amqp://, redis://,
-    /// http(s)://URL-template or ably: [default: the config's [sinks]/[[routes]], else stdout].
+    /// http(s)://URL-template, ably:, sqs:, sns:, kinesis: or eventbridge: [default: the
+    /// config's [sinks]/[[routes]], else stdout].
     #[arg(long, value_name = "URI")]
     pub sink: Option<String>,
     /// Create missing tables and trigger at start (needs CREATE privileges).
