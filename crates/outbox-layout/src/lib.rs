@@ -152,10 +152,18 @@ pub struct Mapping {
     pub headers: Option<String>,
     /// A text column with the W3C `traceparent` of the producing span, for tables that keep
     /// trace context in a column of its own rather than in `headers`: carried to the broker
-    /// as the `traceparent` header when valid (a `traceparent` in `headers` wins). A Debezium
-    /// style `tracingspancontext` column would be a third field beside these two.
+    /// as the `traceparent` header when valid (a `traceparent` in `headers` wins).
     #[serde(default)]
     pub traceparent: Option<String>,
+    /// A text column holding the span context as Java properties (`key=value` lines), as
+    /// Debezium's `tracingspancontext` does: its `traceparent` and `tracestate` entries are
+    /// read as the two columns above would be. Not with `traceparent`.
+    #[serde(default)]
+    pub span_context: Option<String>,
+    /// A header that carries the event id with every message (Debezium's event router sets
+    /// `id`), besides the sink's own de-duplication field.
+    #[serde(default)]
+    pub event_id_header: Option<String>,
     /// A text column with the W3C `tracestate`, carried with a valid `traceparent`.
     #[serde(default)]
     pub tracestate: Option<String>,
@@ -188,6 +196,9 @@ pub struct Mapping {
     pub seed: Option<Seed>,
 }
 
+/// The column `migrate --layout debezium` adds to order Debezium's outbox table.
+pub const DEBEZIUM_SEQUENCE: &str = "relay_sequence";
+
 /// The seed a preset comes from: its DDL is what `migrate` creates.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Seed {
@@ -196,6 +207,7 @@ pub enum Seed {
     Export,
     MysqlOutboxEvents,
     NativeMysql,
+    Debezium,
 }
 
 /// Where a dead row goes.
@@ -377,6 +389,38 @@ impl Mapping {
         }
     }
 
+    /// The table Debezium's outbox event router reads (`id` uuid, `aggregatetype`,
+    /// `aggregateid`, `type`, `payload`, `timestamp`, `tracingspancontext`), so applications
+    /// written for Debezium keep their inserts: `aggregatetype` is the destination,
+    /// `aggregateid` the ordering key, `type` the event type, `id` the event id (also sent as
+    /// the `id` header, as the router does), and delivered rows are deleted.
+    ///
+    /// The table has nothing that orders its rows (Debezium reads them in WAL order; its
+    /// `id` is random and `timestamp` ties within a transaction), so `migrate` adds a
+    /// `relay_sequence bigserial` column that the applications' inserts fill by default; the
+    /// relay orders, claims and deletes by it.
+    pub fn debezium(schema: &str, table: &str) -> Self {
+        Mapping {
+            schema: Some(schema.into()),
+            table: table.into(),
+            id: DEBEZIUM_SEQUENCE.into(),
+            event_id: Some("id".into()),
+            destination: "aggregatetype".into(),
+            key: Some("aggregateid".into()),
+            event_type: Some("type".into()),
+            payload: "payload".into(),
+            span_context: Some("tracingspancontext".into()),
+            event_id_header: Some("id".into()),
+            created_at: Some("timestamp".into()),
+            utc_timestamps: true,
+            state: State::Rows,
+            on_success: OnSuccess::Delete,
+            insert_defaults: vec![("id".into(), "gen_random_uuid()".into())],
+            seed: Some(Seed::Debezium),
+            ..Mapping::empty()
+        }
+    }
+
     fn empty() -> Self {
         Mapping {
             schema: None,
@@ -394,6 +438,8 @@ impl Mapping {
             headers: None,
             traceparent: None,
             tracestate: None,
+            span_context: None,
+            event_id_header: None,
             mutation_id: None,
             rejected: None,
             created_at: None,
@@ -429,6 +475,7 @@ impl Mapping {
             &self.headers,
             &self.traceparent,
             &self.tracestate,
+            &self.span_context,
             &self.mutation_id,
             &self.rejected,
             &self.created_at,
@@ -503,6 +550,7 @@ impl Mapping {
             ("headers", &self.headers),
             ("traceparent", &self.traceparent),
             ("tracestate", &self.tracestate),
+            ("span_context", &self.span_context),
             ("mutation_id", &self.mutation_id),
             ("rejected", &self.rejected),
             ("created_at", &self.created_at),
@@ -563,6 +611,21 @@ impl Mapping {
                 }
             }
         }
+        if self.span_context.is_some() && (self.traceparent.is_some() || self.tracestate.is_some())
+        {
+            return Err(config(
+                "mapping: span_context holds traceparent and tracestate itself; map it, or the \
+                 traceparent and tracestate columns, not both"
+                    .into(),
+            ));
+        }
+        if let Some(header) = &self.event_id_header {
+            if header.is_empty() || header.contains(|c: char| c.is_control() || c == ':') {
+                return Err(config(format!(
+                    "mapping: event_id_header {header:?} is not a header name"
+                )));
+            }
+        }
         if self.locked_until.is_some() != self.locked_by.is_some() && self.locked_until.is_some() {
             return Err(config(
                 "mapping: locked_until needs locked_by (the lease's owner) as well".into(),
@@ -614,6 +677,8 @@ pub enum LayoutKind {
     Export,
     /// The MySQL 8 seed's `outbox_events`.
     MysqlOutboxEvents,
+    /// The table Debezium's outbox event router reads.
+    Debezium,
     /// A column mapping from the configuration (`[mapping]`).
     Custom,
 }
@@ -626,6 +691,16 @@ impl LayoutKind {
             LayoutKind::OpenOutbox => "openoutbox_events",
             LayoutKind::Export => "event",
             LayoutKind::MysqlOutboxEvents => "outbox_events",
+            LayoutKind::Debezium => "outboxevent",
+        }
+    }
+
+    /// The target of a route that names none (and of `--sink`): the destination itself, or
+    /// Debezium's topic `outbox.event.<aggregatetype>`.
+    pub fn default_target(self) -> &'static str {
+        match self {
+            LayoutKind::Debezium => "outbox.event.{destination}",
+            _ => "{destination}",
         }
     }
 
@@ -643,9 +718,10 @@ impl LayoutKind {
     /// (adbc, open-outbox, export) are defined for PostgreSQL only.
     pub fn runs_on(self, dialect: Dialect) -> bool {
         match self {
-            LayoutKind::Adbc | LayoutKind::OpenOutbox | LayoutKind::Export => {
-                dialect == Dialect::Postgres
-            }
+            LayoutKind::Adbc
+            | LayoutKind::OpenOutbox
+            | LayoutKind::Export
+            | LayoutKind::Debezium => dialect == Dialect::Postgres,
             LayoutKind::Native | LayoutKind::MysqlOutboxEvents | LayoutKind::Custom => true,
         }
     }
@@ -659,6 +735,7 @@ impl fmt::Display for LayoutKind {
             LayoutKind::OpenOutbox => "open-outbox",
             LayoutKind::Export => "export",
             LayoutKind::MysqlOutboxEvents => "mysql-outbox-events",
+            LayoutKind::Debezium => "debezium",
             LayoutKind::Custom => "custom",
         })
     }
@@ -673,10 +750,11 @@ impl std::str::FromStr for LayoutKind {
             "open-outbox" => LayoutKind::OpenOutbox,
             "export" => LayoutKind::Export,
             "mysql-outbox-events" => LayoutKind::MysqlOutboxEvents,
+            "debezium" => LayoutKind::Debezium,
             "custom" => LayoutKind::Custom,
             other => {
                 return Err(format!(
-                    "unknown layout {other:?}: use native, adbc, open-outbox, export, mysql-outbox-events or custom"
+                    "unknown layout {other:?}: use native, adbc, open-outbox, export, mysql-outbox-events, debezium or custom"
                 ))
             }
         })
@@ -698,6 +776,9 @@ mod tests {
             .validate()
             .unwrap();
         Mapping::native_mysql(None, "outbox", false)
+            .validate()
+            .unwrap();
+        Mapping::debezium("public", "outboxevent")
             .validate()
             .unwrap();
     }

@@ -250,7 +250,13 @@ pub fn decode(
         None => Ok(Default::default()),
         Some(text) => headers_from_json_text(&text),
     }
-    .map(|h| with_trace_columns(h, raw.traceparent, raw.tracestate, &id_text));
+    .map(|h| {
+        let (traceparent, tracestate) = match &mapping.span_context {
+            Some(_) => span_context_entries(raw.traceparent.as_deref()),
+            None => (raw.traceparent, raw.tracestate),
+        };
+        with_trace_columns(h, traceparent, tracestate, &id_text)
+    });
     let event_id = match raw.event_id {
         Some(text) => Uuid::parse_str(text.trim()).map_err(|e| format!("event id {text:?}: {e}")),
         None => Ok(derived_event_id(mapping, &id_text)),
@@ -266,14 +272,19 @@ pub fn decode(
         headers.and_then(|h| event_id.and_then(|id| created_at.map(|()| (p, h, id))))
     });
     match decoded {
-        Ok((payload, headers, event_id)) => Claimed::Event(Event {
+        Ok((payload, mut headers, event_id)) => Claimed::Event(Event {
             sequence_id: handle,
             event_id,
             event_type: raw.event_type.unwrap_or_else(|| destination.clone()),
             destination,
             partition_key: Some(key),
             payload,
-            headers,
+            headers: {
+                if let Some(name) = &mapping.event_id_header {
+                    headers.insert(name.clone(), event_id.hyphenated().to_string());
+                }
+                headers
+            },
             mutation_id: raw.mutation_id,
             rejected: raw.rejected.unwrap_or(0) != 0,
             attempts,
@@ -288,6 +299,31 @@ pub fn decode(
             reason,
         },
     }
+}
+
+/// The `traceparent` and `tracestate` entries of a span context written as Java properties
+/// (`key=value` or `key:value` lines, `#` comments), as Debezium's `tracingspancontext` holds
+/// it. Escapes beyond `\:` and `\=` do not occur in these values.
+fn span_context_entries(text: Option<&str>) -> (Option<String>, Option<String>) {
+    let mut found = (None, None);
+    for line in text.unwrap_or_default().lines().map(str::trim) {
+        if line.starts_with('#') || line.starts_with('!') {
+            continue;
+        }
+        let Some(split) = line.find(['=', ':']) else {
+            continue;
+        };
+        let value = line[split + 1..]
+            .trim()
+            .replace("\\:", ":")
+            .replace("\\=", "=");
+        match line[..split].trim() {
+            "traceparent" => found.0 = Some(value),
+            "tracestate" => found.1 = Some(value),
+            _ => {}
+        }
+    }
+    found
 }
 
 /// Adds a row's trace-context columns to its headers, as the header-carrying tables have
@@ -391,6 +427,42 @@ mod tests {
             ..raw(RowId::Uuid(Uuid::new_v4()))
         };
         assert_eq!(decoded(in_headers, &mut memory)["traceparent"], "mine");
+    }
+
+    /// Debezium's `tracingspancontext` is Java properties, as `Properties.store` writes it
+    /// (a date comment first); its entries become the trace headers, and the event id travels
+    /// as the `id` header too.
+    #[test]
+    fn a_debezium_row_reads_its_span_context_and_carries_its_id_header() {
+        const TP: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let m = Mapping::debezium("public", "outboxevent");
+        let id = Uuid::new_v4();
+        let row = RawRow {
+            event_id: Some(id.to_string()),
+            key: Some("order-1".into()),
+            traceparent: Some(format!(
+                "#Thu Nov 26 03:20:00 UTC 2026\ntraceparent={TP}\ntracestate=congo\\=t61rcWkgMzE\n"
+            )),
+            ..raw(RowId::Integer(7))
+        };
+        let event = match decode(&m, row, &mut Memory::default(), "n", LEASE) {
+            Claimed::Event(e) => e,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(event.headers["traceparent"], TP);
+        assert_eq!(event.headers["tracestate"], "congo=t61rcWkgMzE");
+        assert_eq!(event.headers["id"], id.to_string());
+        assert_eq!(event.event_id, id);
+        assert_eq!(event.partition_key.as_deref(), Some("order-1"));
+        let without = RawRow {
+            event_id: Some(id.to_string()),
+            traceparent: Some("uber-trace-id=abc:def:0:1\n".into()),
+            ..raw(RowId::Integer(8))
+        };
+        match decode(&m, without, &mut Memory::default(), "n", LEASE) {
+            Claimed::Event(e) => assert!(!e.headers.contains_key("traceparent")),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

@@ -220,7 +220,13 @@ impl Sql {
             int_or_null(&m.attempts),
             created,
             max_attempts,
-            text_or_null(&m.traceparent),
+            // A span-context column (Java properties) stands in the traceparent slot; the
+            // decoder reads its entries.
+            text_or_null(if m.span_context.is_some() {
+                &m.span_context
+            } else {
+                &m.traceparent
+            }),
             text_or_null(&m.tracestate),
         ]
         .into()
@@ -975,6 +981,7 @@ impl Sql {
             Some(Seed::Export) => export_ddl(m),
             Some(Seed::MysqlOutboxEvents) => mysql_outbox_events_ddl(m),
             Some(Seed::NativeMysql) => native_mysql_ddl(m),
+            Some(Seed::Debezium) => debezium_ddl(m),
             // A custom mapping's table is the application's own.
             None => String::new(),
         };
@@ -1256,6 +1263,48 @@ BEGIN
     END IF;
 END
 $$;
+"#
+    )
+}
+
+/// Debezium's outbox table as its outbox extension creates it, and what the relay adds to a
+/// table that exists already: the optional `timestamp` and `tracingspancontext` columns, and
+/// the `relay_sequence` the relay orders by (its default fills it for inserts that name
+/// their columns, as Debezium's applications' do; a table's existing rows are numbered in
+/// `timestamp` order where they have one).
+pub fn debezium_ddl(m: &Mapping) -> String {
+    let schema = m.schema.as_deref().unwrap_or("public");
+    let t = format!("\"{schema}\".\"{}\"", m.table);
+    let n = &m.table;
+    let seq = crate::DEBEZIUM_SEQUENCE;
+    format!(
+        r#"CREATE SCHEMA IF NOT EXISTS "{schema}";
+CREATE TABLE IF NOT EXISTS {t} (
+    id uuid NOT NULL PRIMARY KEY,
+    aggregatetype varchar(255) NOT NULL,
+    aggregateid varchar(255) NOT NULL,
+    type varchar(255) NOT NULL,
+    "timestamp" timestamp NOT NULL DEFAULT (now() AT TIME ZONE 'utc'),
+    payload jsonb,
+    tracingspancontext varchar(256)
+);
+ALTER TABLE {t} ADD COLUMN IF NOT EXISTS "timestamp" timestamp NOT NULL DEFAULT (now() AT TIME ZONE 'utc');
+ALTER TABLE {t} ADD COLUMN IF NOT EXISTS tracingspancontext varchar(256);
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM information_schema.columns WHERE table_schema = '{schema}' AND table_name = '{n}' AND column_name = '{seq}') THEN
+        CREATE SEQUENCE IF NOT EXISTS "{schema}"."{n}_{seq}_seq" OWNED BY NONE;
+        ALTER TABLE {t} ADD COLUMN {seq} bigint;
+        UPDATE {t} o SET {seq} = numbered.n
+          FROM (SELECT id, nextval('"{schema}"."{n}_{seq}_seq"') AS n FROM (SELECT id FROM {t} ORDER BY "timestamp", id) ordered) numbered
+         WHERE o.id = numbered.id;
+        ALTER TABLE {t} ALTER COLUMN {seq} SET DEFAULT nextval('"{schema}"."{n}_{seq}_seq"');
+        ALTER TABLE {t} ALTER COLUMN {seq} SET NOT NULL;
+        ALTER SEQUENCE "{schema}"."{n}_{seq}_seq" OWNED BY {t}.{seq};
+    END IF;
+END
+$$;
+CREATE UNIQUE INDEX IF NOT EXISTS "{n}_{seq}_key" ON {t} ({seq});
 "#
     )
 }

@@ -98,10 +98,12 @@ pub async fn from_uri(uri: &str) -> Result<Arc<dyn outbox_core::Publisher>, Sink
 }
 
 /// A router over configured sinks and routes. Without routes, a single sink takes every
-/// destination.
+/// destination. A route without a `target` (and the single sink) renders `default_target`:
+/// the destination itself, or the layout's convention (Debezium's `outbox.event.{destination}`).
 pub async fn build_router(
     sinks: &BTreeMap<String, SinkConfig>,
     routes: &[RouteConfig],
+    default_target: Template,
 ) -> Result<Arc<dyn outbox_core::Publisher>, SinkSetupError> {
     let mut built = Vec::new();
     for (name, config) in sinks {
@@ -111,7 +113,7 @@ pub async fn build_router(
     for route in routes {
         let target = match &route.target {
             Some(t) => Template::parse(t).map_err(SinkSetupError::config)?,
-            None => Template::destination(),
+            None => default_target.clone(),
         };
         let mut parsed_route =
             Route::new(&route.destinations, &route.sink, target).map_err(SinkSetupError::config)?;
@@ -126,10 +128,7 @@ pub async fn build_router(
                 "several sinks are configured but no [[routes]]: add routes that map destinations to sinks",
             ));
         }
-        parsed.push(
-            Route::new("*", &built[0].0, Template::destination())
-                .map_err(SinkSetupError::config)?,
-        );
+        parsed.push(Route::new("*", &built[0].0, default_target).map_err(SinkSetupError::config)?);
     }
     Ok(Arc::new(
         Router::new(built, parsed).map_err(SinkSetupError::config)?,

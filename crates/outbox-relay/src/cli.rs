@@ -48,7 +48,8 @@ pub struct GlobalArgs {
     pub database_ca_file: Option<PathBuf>,
     /// The outbox table's layout: native (the relay's own tables), adbc (Ably Database
     /// Connector), open-outbox (Open Outbox Relay), export (event + event_type),
-    /// mysql-outbox-events (the MySQL 8 seed), or custom (a [mapping] in the config file).
+    /// mysql-outbox-events (the MySQL 8 seed), debezium (Debezium's outboxevent table), or
+    /// custom (a [mapping] in the config file).
     /// Each seed layout defaults to its own table name.
     #[arg(long, global = true, value_name = "LAYOUT")]
     pub layout: Option<String>,

@@ -166,8 +166,11 @@ async fn prepare_store(
 async fn publisher(
     sinks: &std::collections::BTreeMap<String, SinkConfig>,
     routes: &[RouteConfig],
+    layout: outbox_layout::LayoutKind,
 ) -> anyhow::Result<Arc<dyn Publisher>> {
-    outbox_publishers::build_router(sinks, routes)
+    let default_target =
+        outbox_publishers::Template::parse(layout.default_target()).expect("a valid template");
+    outbox_publishers::build_router(sinks, routes, default_target)
         .await
         .map_err(|e| {
             let message = redact_url(&e.report());
@@ -204,7 +207,7 @@ pub async fn run(mut config: Config, drain: bool) -> anyhow::Result<ExitCode> {
         Some(wal) => Arc::new(wal.clone()),
         None => store.outbox(),
     };
-    let sink = publisher(&sinks, &routes).await?;
+    let sink = publisher(&sinks, &routes, config.layout).await?;
     let otel = crate::otel::Otel::from_env(
         &node.0,
         &config.layout_tables().outbox_table,
@@ -518,7 +521,7 @@ pub async fn check(config: Config) -> anyhow::Result<ExitCode> {
         }
     }
     let (sinks, routes) = config.sink_setup();
-    match publisher(&sinks, &routes).await {
+    match publisher(&sinks, &routes, config.layout).await {
         Ok(sink) => match sink.health().await {
             Ok(()) => println!("ok: sink {} is reachable", sink.describe()),
             Err(e) => {

@@ -575,6 +575,7 @@ impl Config {
             L::OpenOutbox => Mapping::open_outbox(&t.outbox_schema, &t.outbox_table),
             L::Export => Mapping::export(&t.outbox_schema, &t.outbox_table),
             L::MysqlOutboxEvents => Mapping::mysql_outbox_events(database, &t.outbox_table),
+            L::Debezium => Mapping::debezium(&t.outbox_schema, &t.outbox_table),
             L::Custom => self.mapping.clone().ok_or_else(|| {
                 anyhow::anyhow!("layout = \"custom\" needs a [mapping] section naming the table and its columns (see the README, \"Layouts\")")
             })?,

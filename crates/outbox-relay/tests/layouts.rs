@@ -853,3 +853,119 @@ async fn an_infinite_created_at_on_a_seed_table_dead_letters_its_row_and_the_res
     .await;
     relay.terminate().await;
 }
+
+/// Debezium's outbox table, as an application written for Debezium fills it: `migrate
+/// --layout debezium` adds the relay's order column (numbering the rows already there) and
+/// the optional columns; the application's inserts stay as they were. Events go to
+/// Debezium's default topic `outbox.event.<aggregatetype>`, keyed by `aggregateid`, with the
+/// `id` header, the trace context from `tracingspancontext`, in order per aggregate (also
+/// within one transaction, where `timestamp` ties), and delivered rows are deleted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_debezium_outbox_table_keeps_its_inserts_and_goes_to_debeziums_topics() {
+    const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let h = Harness::new(include_str!("fixtures/seeds/debezium.sql")).await;
+    h.js.create_stream(async_nats::jetstream::stream::Config {
+        name: "DEBEZIUM".into(),
+        subjects: vec!["outbox.event.>".into()],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    // Written before the relay's migration: numbered in the order they were found.
+    h.pg()
+        .batch_execute(
+            "INSERT INTO outboxevent (id, aggregatetype, aggregateid, type, payload)
+                  VALUES ('00000000-0000-4000-8000-000000000001', 'Order', 'order-1', 'OrderCreated', '{\"n\": 1}');",
+        )
+        .await
+        .unwrap();
+    std::fs::write(
+        h.dir.path().join("outbox-relay.toml"),
+        format!(
+            "database_url = \"{}\"\nlayout = \"debezium\"\nhttp_addr = \"\"\npoll_interval = \"100ms\"\n[sinks.nats]\nuri = \"{}\"\n",
+            h.url, h.nats_url
+        ),
+    )
+    .unwrap();
+    let printed = h.cli(&["migrate", "--print"]);
+    assert!(printed.contains("ADD COLUMN relay_sequence"), "{printed}");
+    h.cli(&["migrate"]);
+    // The application's own inserts, unchanged: three events of one aggregate in one
+    // transaction (one `timestamp`), and a traced one.
+    h.pg()
+        .batch_execute(&format!(
+            "BEGIN;
+             INSERT INTO outboxevent (id, aggregatetype, aggregateid, type, payload)
+                  VALUES ('00000000-0000-4000-8000-00000000000f', 'Order', 'order-2', 'OrderCreated', '{{\"n\": 2}}');
+             INSERT INTO outboxevent (id, aggregatetype, aggregateid, type, payload)
+                  VALUES ('00000000-0000-4000-8000-00000000000e', 'Order', 'order-2', 'OrderPaid', '{{\"n\": 3}}');
+             INSERT INTO outboxevent (id, aggregatetype, aggregateid, type, payload)
+                  VALUES ('00000000-0000-4000-8000-00000000000d', 'Order', 'order-2', 'OrderShipped', '{{\"n\": 4}}');
+             INSERT INTO outboxevent (id, aggregatetype, aggregateid, type, timestamp, payload, tracingspancontext)
+                  VALUES ('00000000-0000-4000-8000-000000000002', 'Customer', 'customer-7', 'CustomerRenamed', now(), '{{\"n\": 5}}',
+                          E'#Thu Nov 26 03:20:00 UTC 2026\\ntraceparent={TRACEPARENT}\\n');
+             COMMIT;"
+        ))
+        .await
+        .unwrap();
+    let mut relay = h.relay("debezium");
+    let messages = eventually("5 messages on Debezium's topics", WAIT, || async {
+        let mut stream = h.js.get_stream("DEBEZIUM").await.unwrap();
+        let last = stream.info().await.unwrap().state.last_sequence;
+        let mut out = Vec::new();
+        for seq in 1..=last {
+            out.push(stream.get_raw_message(seq).await.unwrap());
+        }
+        (out.len() >= 5).then_some(out)
+    })
+    .await;
+    assert_eq!(messages.len(), 5);
+    let header = |m: &async_nats::jetstream::message::StreamMessage, name: &str| {
+        m.headers.get(name).map(|v| v.to_string())
+    };
+    let orders: Vec<_> = messages
+        .iter()
+        .filter(|m| m.subject.as_str() == "outbox.event.Order")
+        .collect();
+    let payloads: Vec<String> = orders
+        .iter()
+        .map(|m| String::from_utf8_lossy(&m.payload).to_string())
+        .collect();
+    assert_eq!(
+        payloads,
+        [r#"{"n": 1}"#, r#"{"n": 2}"#, r#"{"n": 3}"#, r#"{"n": 4}"#],
+        "in order per aggregate, also within one transaction"
+    );
+    assert_eq!(
+        header(orders[1], "id").as_deref(),
+        Some("00000000-0000-4000-8000-00000000000f"),
+        "the id header, as Debezium's router sets it"
+    );
+    assert_eq!(
+        header(orders[1], "Nats-Msg-Id").as_deref(),
+        Some("00000000-0000-4000-8000-00000000000f")
+    );
+    assert_eq!(
+        header(orders[1], "Outbox-Partition-Key").as_deref(),
+        Some("order-2")
+    );
+    assert_eq!(
+        header(orders[2], "Outbox-Event-Type").as_deref(),
+        Some("OrderPaid")
+    );
+    let customer = messages
+        .iter()
+        .find(|m| m.subject.as_str() == "outbox.event.Customer")
+        .expect("the customer event");
+    assert_eq!(
+        header(customer, "traceparent").as_deref(),
+        Some(TRACEPARENT)
+    );
+    h.wait_count(
+        "delivered rows deleted",
+        "SELECT count(*) FROM outboxevent",
+        0,
+    )
+    .await;
+    relay.terminate().await;
+}
