@@ -123,6 +123,32 @@ fn decode_hex(text: &[u8], out: &mut [u8]) -> Option<()> {
     Some(())
 }
 
+/// The `traceparent` and `tracestate` entries of a span context written as Java properties
+/// (`key=value` or `key:value` lines, `#` and `!` comments), as Debezium's
+/// `tracingspancontext` column holds it. Escapes beyond `\:` and `\=` do not occur in these
+/// values. The values are returned as written: [`TraceParent::parse`] checks them.
+pub fn from_java_properties(text: &str) -> (Option<String>, Option<String>) {
+    let mut found = (None, None);
+    for line in text.lines().map(str::trim) {
+        if line.starts_with('#') || line.starts_with('!') {
+            continue;
+        }
+        let Some(split) = line.find(['=', ':']) else {
+            continue;
+        };
+        let value = line[split + 1..]
+            .trim()
+            .replace("\\:", ":")
+            .replace("\\=", "=");
+        match line[..split].trim() {
+            TRACEPARENT => found.0 = Some(value),
+            TRACESTATE => found.1 = Some(value),
+            _ => {}
+        }
+    }
+    found
+}
+
 /// An event's trace context as the application wrote it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TraceContext {

@@ -252,7 +252,9 @@ pub fn decode(
     }
     .map(|h| {
         let (traceparent, tracestate) = match &mapping.span_context {
-            Some(_) => span_context_entries(raw.traceparent.as_deref()),
+            Some(_) => outbox_core::trace::from_java_properties(
+                raw.traceparent.as_deref().unwrap_or_default(),
+            ),
             None => (raw.traceparent, raw.tracestate),
         };
         with_trace_columns(h, traceparent, tracestate, &id_text)
@@ -299,31 +301,6 @@ pub fn decode(
             reason,
         },
     }
-}
-
-/// The `traceparent` and `tracestate` entries of a span context written as Java properties
-/// (`key=value` or `key:value` lines, `#` comments), as Debezium's `tracingspancontext` holds
-/// it. Escapes beyond `\:` and `\=` do not occur in these values.
-fn span_context_entries(text: Option<&str>) -> (Option<String>, Option<String>) {
-    let mut found = (None, None);
-    for line in text.unwrap_or_default().lines().map(str::trim) {
-        if line.starts_with('#') || line.starts_with('!') {
-            continue;
-        }
-        let Some(split) = line.find(['=', ':']) else {
-            continue;
-        };
-        let value = line[split + 1..]
-            .trim()
-            .replace("\\:", ":")
-            .replace("\\=", "=");
-        match line[..split].trim() {
-            "traceparent" => found.0 = Some(value),
-            "tracestate" => found.1 = Some(value),
-            _ => {}
-        }
-    }
-    found
 }
 
 /// Adds a row's trace-context columns to its headers, as the header-carrying tables have

@@ -358,12 +358,14 @@ fn start_capture(
     node: &NodeId,
     drain: bool,
 ) -> outbox_wal::WalStore {
+    let (table, columns) = capture.source_table(pg);
     let mut wal = outbox_wal::WalConfig::new(
         config.database_url.clone(),
         capture.slot.clone(),
         capture.publication.as_str(),
-        pg.tables().outbox.clone(),
+        table,
     );
+    wal.columns = columns;
     wal.application_name = format!("outbox-relay {node}");
     wal.read_ahead = config.max_in_flight.max(1024);
     outbox_wal::WalStore::start(

@@ -460,10 +460,11 @@ impl Config {
         if *database != DatabaseKind::Postgres {
             bail!("capture = \"wal\" reads PostgreSQL's logical replication: use a postgres:// URL, or --capture poll");
         }
-        if self.layout != LayoutKind::Native {
+        if !matches!(self.layout, LayoutKind::Native | LayoutKind::Debezium) {
             bail!(
-                "capture = \"wal\" reads the native outbox table (and outbox_emit messages); \
-                 layout = \"{}\" is polled: use --capture poll with it",
+                "capture = \"wal\" reads the native outbox table, Debezium's outbox table \
+                 (layout = \"debezium\") and outbox_emit messages; layout = \"{}\" is polled: \
+                 use --capture poll with it",
                 self.layout
             );
         }
@@ -646,12 +647,22 @@ impl Config {
     pub fn store_settings(&self) -> anyhow::Result<StoreSettings> {
         let report = |e: outbox_core::StoreError| crate::commands::failure(e.report(), &e);
         let tables = self.layout_tables();
-        let mapping = self.layout_mapping()?;
+        let mut mapping = self.layout_mapping()?;
         Ok(match self.database_kind()? {
             DatabaseKind::Postgres => {
+                // WAL capture of a mapped table (Debezium's) reads it from the stream and keeps
+                // parked events and dead letters in native tables of its own, `<table>_relay`.
+                let captured = match self.capture {
+                    CaptureMode::Wal => mapping.take(),
+                    CaptureMode::Poll => None,
+                };
+                let native_table = match &captured {
+                    Some(_) => format!("{}_relay", tables.outbox_table),
+                    None => tables.outbox_table.clone(),
+                };
                 let mut pg_tables = outbox_store_postgres::Tables::new(
                     &tables.outbox_schema,
-                    &tables.outbox_table,
+                    &native_table,
                     &tables.nodes_schema,
                     &tables.nodes_table,
                     &tables.notify_channel,
@@ -671,6 +682,10 @@ impl Config {
                             "publication name",
                         )
                         .map_err(report)?,
+                        source: captured
+                            .map(crate::store::CapturedTable::of)
+                            .transpose()
+                            .map_err(report)?,
                     }),
                 };
                 StoreSettings::Postgres(Box::new(crate::store::PostgresSettings {

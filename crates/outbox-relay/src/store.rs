@@ -15,6 +15,76 @@ use outbox_store_sqlite::SqliteStore;
 pub struct Capture {
     pub slot: String,
     pub publication: outbox_core::ident::Ident,
+    /// A mapped table captured instead of the native outbox (Debezium's).
+    pub source: Option<CapturedTable>,
+}
+
+/// A mapped table read from the WAL: its layout's mapping, and its columns by name.
+#[derive(Clone, Debug)]
+pub struct CapturedTable {
+    pub mapping: outbox_layout::Mapping,
+    pub table: outbox_core::ident::TableName,
+    pub columns: outbox_wal::ColumnNames,
+}
+
+impl CapturedTable {
+    /// What WAL capture reads of a mapped table: an integer row id to delete by, and an
+    /// event id column (a row's WAL position is not stable enough to derive one from).
+    pub fn of(mapping: outbox_layout::Mapping) -> Result<Self, outbox_core::StoreError> {
+        use outbox_core::{StoreError, StoreErrorKind};
+        let refuse = |what: &str| {
+            StoreError::new(
+                StoreErrorKind::Config,
+                format!("WAL capture of the table {} needs {what}", mapping.table),
+            )
+        };
+        if mapping.id_type != outbox_layout::IdType::Integer {
+            return Err(refuse("an integer row id"));
+        }
+        let event_id = mapping
+            .event_id
+            .clone()
+            .ok_or_else(|| refuse("an event id column"))?;
+        let table = outbox_core::ident::TableName::new(
+            mapping.schema.as_deref().unwrap_or("public"),
+            &mapping.table,
+        )?;
+        let columns = outbox_wal::ColumnNames {
+            event_id,
+            destination: mapping.destination.clone(),
+            event_type: mapping
+                .event_type
+                .clone()
+                .unwrap_or_else(|| mapping.destination.clone()),
+            sequence_id: mapping.id.clone(),
+            partition_key: mapping.key.clone(),
+            payload: Some(mapping.payload.clone()),
+            headers: mapping.headers.clone(),
+            mutation_id: mapping.mutation_id.clone(),
+            created_at: mapping.created_at.clone(),
+            available_at: mapping.available_at.clone(),
+            span_context: mapping.span_context.clone(),
+            event_id_header: mapping.event_id_header.clone(),
+            utc_timestamps: mapping.utc_timestamps,
+        };
+        Ok(CapturedTable {
+            mapping,
+            table,
+            columns,
+        })
+    }
+
+    fn source(&self) -> (outbox_core::ident::TableName, outbox_wal::ColumnNames) {
+        (self.table.clone(), self.columns.clone())
+    }
+
+    /// The mapped table's own DDL (Debezium's table, and the relay's order column).
+    fn ddl(&self) -> String {
+        match self.mapping.seed {
+            Some(outbox_layout::Seed::Debezium) => outbox_layout::sql::debezium_ddl(&self.mapping),
+            _ => String::new(),
+        }
+    }
 }
 
 /// One of the stores, with the operations only the CLI needs (DDL, migration).
@@ -142,6 +212,9 @@ impl AnyStore {
         match self {
             AnyStore::Postgres(s) => s.migrate().await,
             AnyStore::PostgresWal(s, capture) => {
+                if let Some(source) = &capture.source {
+                    s.migrate_extra(&source.ddl()).await?;
+                }
                 s.migrate().await?;
                 s.migrate_extra(&capture.tables(s).ddl()).await
             }
@@ -159,8 +232,10 @@ impl AnyStore {
             }
             AnyStore::PostgresWal(s, capture) => {
                 let wal = capture.tables(s);
+                let source = capture.source.as_ref().map(CapturedTable::ddl);
                 format!(
-                    "{}\n{}\n{}\n{}",
+                    "{}{}\n{}\n{}\n{}",
+                    source.unwrap_or_default(),
                     s.tables().ddl(),
                     wal.ddl(),
                     s.tables().grants(role),
@@ -190,7 +265,8 @@ impl AnyStore {
     ) -> Result<Vec<outbox_core::store::Problem>, outbox_core::StoreError> {
         match self {
             AnyStore::PostgresWal(s, capture) => {
-                outbox_wal::verify_capture(s, &capture.publication, &capture.slot).await
+                let source = capture.source.as_ref().map(CapturedTable::source);
+                outbox_wal::verify_capture(s, &capture.publication, &capture.slot, source).await
             }
             other => other.outbox().verify().await,
         }
@@ -199,7 +275,22 @@ impl AnyStore {
 
 impl Capture {
     fn tables(&self, store: &PgStore) -> outbox_wal::schema::CaptureTables {
-        outbox_wal::capture::capture_tables(store.tables(), &self.publication)
+        let source = self.source.as_ref().map(CapturedTable::source);
+        outbox_wal::capture::capture_tables(store.tables(), &self.publication, source)
+    }
+
+    /// The table the stream is read from, and its column names.
+    pub fn source_table(
+        &self,
+        store: &PgStore,
+    ) -> (outbox_core::ident::TableName, outbox_wal::ColumnNames) {
+        match &self.source {
+            Some(source) => source.source(),
+            None => (
+                store.tables().outbox.clone(),
+                outbox_wal::ColumnNames::native(),
+            ),
+        }
     }
 
     /// The parked table's backlog per destination, for `stats`.

@@ -485,6 +485,134 @@ async fn same_key_transactions_are_delivered_in_commit_order() {
     assert_eq!(counters["messages"], [2, 1], "B committed first: {lines:?}");
 }
 
+/// Debezium's outbox table (`layout = "debezium"`) read from the WAL, as Debezium reads it:
+/// an application that inserts its event and deletes it in the same transaction (the
+/// pattern Debezium's documentation suggests) leaves nothing in the table, and the event is
+/// relayed all the same; the rows it keeps are relayed and deleted; same-aggregate
+/// transactions go in commit order, not in the order of their `relay_sequence`; and a row
+/// written before the slot existed is adopted. The event id travels as the `id` header, the
+/// trace context comes from `tracingspancontext`.
+#[tokio::test]
+async fn debeziums_table_is_read_from_the_wal_even_when_rows_are_deleted_at_once() {
+    const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let url = outbox_testkit::fresh_pg_database().await;
+    let slot = format!("{}_slot", url.rsplit('/').next().unwrap());
+    let _guard = outbox_testkit::SlotGuard {
+        url: url.clone(),
+        slot: slot.clone(),
+    };
+    let db = pg(&url).await;
+    db.batch_execute(include_str!("fixtures/seeds/debezium.sql"))
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let flags = [
+        "--layout",
+        "debezium",
+        "--capture",
+        "wal",
+        "--database-url",
+        &url,
+        "--slot",
+        &slot,
+    ];
+    let migrate: Vec<&str> = ["migrate"].iter().chain(&flags).copied().collect();
+    assert_success("migrate", &relay(dir.path(), &migrate));
+    let insert = "INSERT INTO outboxevent (id, aggregatetype, aggregateid, type, payload)
+                  VALUES ($1::text::uuid, 'Order', $2, 'OrderEvent', jsonb_build_object('n', $3::int4))";
+    let write = |key: &'static str, n: i32| {
+        let db = &db;
+        async move {
+            let id = uuid::Uuid::new_v4().to_string();
+            db.execute(insert, &[&id, &key, &n]).await.unwrap();
+            id
+        }
+    };
+    // Before the slot: adopted by the first run.
+    write("order-1", 0).await;
+    let out = dir.path().join("events.jsonl");
+    let sink = format!("file:{}", out.display());
+    let drain: Vec<&str> = ["run"]
+        .iter()
+        .chain(&flags)
+        .chain(&["--sink", &sink, "--http-addr", "", "--drain"])
+        .copied()
+        .collect();
+    assert_success(
+        "the drain that creates the slot",
+        &relay(dir.path(), &drain),
+    );
+
+    // Inserted and deleted in one transaction: never visible to a poller.
+    let mut app = pg(&url).await;
+    let tx = app.transaction().await.unwrap();
+    let gone = uuid::Uuid::new_v4().to_string();
+    tx.execute(insert, &[&gone, &"order-1", &1i32])
+        .await
+        .unwrap();
+    tx.execute(
+        "DELETE FROM outboxevent WHERE id = $1::text::uuid",
+        &[&gone],
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    // Two transactions of one aggregate, committed against their relay_sequence order.
+    let mut other = pg(&url).await;
+    let first = app.transaction().await.unwrap();
+    first
+        .execute(
+            insert,
+            &[&uuid::Uuid::new_v4().to_string(), &"order-2", &2i32],
+        )
+        .await
+        .unwrap();
+    let second = other.transaction().await.unwrap();
+    second
+        .execute(
+            insert,
+            &[&uuid::Uuid::new_v4().to_string(), &"order-2", &1i32],
+        )
+        .await
+        .unwrap();
+    second.commit().await.unwrap();
+    first.commit().await.unwrap();
+    // Kept in the table, with a span context.
+    let traced = uuid::Uuid::new_v4().to_string();
+    let span = format!("#Thu Nov 26 03:20:00 UTC 2026\ntraceparent={TRACEPARENT}\n");
+    db.execute(
+        "INSERT INTO outboxevent (id, aggregatetype, aggregateid, type, payload, tracingspancontext)
+         VALUES ($1::text::uuid, 'Order', 'order-1', 'OrderEvent', '{\"n\": 2}', $2)",
+        &[&traced, &span],
+    )
+    .await
+    .unwrap();
+    assert_success("the drain", &relay(dir.path(), &drain));
+
+    let lines = read_lines(&out);
+    assert_eq!(lines.len(), 5, "each event once: {lines:?}");
+    let counters = counters_by_key(&lines);
+    assert_eq!(counters["order-1"], [0, 1, 2], "{lines:?}");
+    assert_eq!(counters["order-2"], [1, 2], "commit order: {lines:?}");
+    let deleted_at_once = lines
+        .iter()
+        .find(|l| l["event_id"] == gone.as_str())
+        .expect("the event whose row was deleted in its own transaction");
+    assert_eq!(deleted_at_once["headers"]["id"], gone.as_str());
+    assert_eq!(deleted_at_once["destination"], "Order");
+    let traced = lines
+        .iter()
+        .find(|l| l["event_id"] == traced.as_str())
+        .unwrap();
+    assert_eq!(traced["headers"]["traceparent"], TRACEPARENT);
+    let left: i64 = db
+        .query_one("SELECT count(*) FROM outboxevent", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(left, 0, "delivered rows are deleted");
+}
+
 // ---- 3, 4. kill -9 and SIGTERM mid-stream ----
 
 enum Interruption {

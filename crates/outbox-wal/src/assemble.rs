@@ -25,7 +25,7 @@ use crate::decode::{self, Begin, DecodeError, LogicalMessage};
 use crate::emit;
 use crate::event::{EventPosition, Undecodable, WalEvent};
 use crate::lsn::Lsn;
-use crate::table::{MissingColumn, OutboxColumns};
+use crate::table::{ColumnNames, MissingColumn, OutboxColumns};
 
 /// What the assembler hands out, in stream order.
 // Nearly every output is an event: boxing it would cost an allocation per event to save
@@ -92,6 +92,7 @@ struct OpenTransaction {
 /// Turns one session's decoded messages into [`Output`]s.
 pub struct Assembler {
     table: TableName,
+    columns: ColumnNames,
     prefix: String,
     /// Relation OID → the outbox's columns, or `None` for another table.
     relations: HashMap<u32, Option<OutboxColumns>>,
@@ -100,11 +101,13 @@ pub struct Assembler {
 }
 
 impl Assembler {
-    /// Events are rows inserted into `table` and transactional messages with `prefix`
-    /// ([`emit::EMIT_PREFIX`] unless configured otherwise).
-    pub fn new(table: TableName, prefix: impl Into<String>) -> Self {
+    /// Events are rows inserted into `table` (its columns named as `columns` says) and
+    /// transactional messages with `prefix` ([`emit::EMIT_PREFIX`] unless configured
+    /// otherwise).
+    pub fn new(table: TableName, columns: ColumnNames, prefix: impl Into<String>) -> Self {
         Assembler {
             table,
+            columns,
             prefix: prefix.into(),
             relations: HashMap::new(),
             open: None,
@@ -157,7 +160,7 @@ impl Assembler {
             }
             LogicalMessage::Relation(relation) => {
                 let columns = if OutboxColumns::is_outbox(&relation, &self.table) {
-                    Some(OutboxColumns::resolve(&relation)?)
+                    Some(OutboxColumns::resolve(&relation, &self.columns)?)
                 } else {
                     None
                 };
@@ -284,6 +287,7 @@ mod tests {
     fn assembler() -> Assembler {
         Assembler::new(
             TableName::new("public", "outbox").unwrap(),
+            ColumnNames::native(),
             emit::EMIT_PREFIX,
         )
     }

@@ -225,6 +225,8 @@ struct Inner {
     sql: CaptureStatements,
     slot: String,
     publication: outbox_core::ident::Ident,
+    /// The captured table and its column names.
+    source: (outbox_core::ident::TableName, crate::table::ColumnNames),
     drain: bool,
     state: Mutex<State>,
     /// Serializes "is this key parked?" with parking and with un-parking, so a key is never
@@ -250,7 +252,11 @@ impl WalStore {
     /// Starts the replication reader (it creates the slot on first use) over `main`, the
     /// native PostgreSQL store of the outbox, whose pool serves every statement.
     pub fn start(main: PgStore, options: WalStoreOptions) -> Self {
-        let tables = capture_tables(main.tables(), &options.publication);
+        let source = (
+            options.wal.outbox_table.clone(),
+            options.wal.columns.clone(),
+        );
+        let tables = capture_tables(main.tables(), &options.publication, Some(source.clone()));
         let parked = main.with_tables(Tables {
             outbox: tables.parked.clone(),
             ..main.tables().clone()
@@ -282,6 +288,7 @@ impl WalStore {
                 sql,
                 slot: options.wal.slot.clone(),
                 publication: options.publication.clone(),
+                source,
                 drain: options.drain,
                 state: Mutex::new(State {
                     session: 0,
@@ -344,8 +351,18 @@ impl WalStore {
 }
 
 /// The parked table and its neighbours, from the outbox's tables.
-pub fn capture_tables(tables: &Tables, publication: &outbox_core::ident::Ident) -> CaptureTables {
-    CaptureTables::new(
+/// The tables of capturing `source` (a table and its column names; `None`: the native
+/// outbox of `tables`), with `tables` keeping parked events and dead letters.
+pub fn capture_tables(
+    tables: &Tables,
+    publication: &outbox_core::ident::Ident,
+    source: Option<(outbox_core::ident::TableName, crate::table::ColumnNames)>,
+) -> CaptureTables {
+    let (source, columns) =
+        source.unwrap_or_else(|| (tables.outbox.clone(), crate::table::ColumnNames::native()));
+    CaptureTables::with_source(
+        source,
+        columns,
         tables.outbox.clone(),
         tables.dead_letters.clone(),
         publication.clone(),
@@ -1052,11 +1069,12 @@ pub async fn verify_capture(
     main: &PgStore,
     publication: &outbox_core::ident::Ident,
     slot: &str,
+    source: Option<(outbox_core::ident::TableName, crate::table::ColumnNames)>,
 ) -> StoreResult<Vec<Problem>> {
     // `migrate --capture wal` installs the trigger that notifies nobody, and `main` expects
     // that one (its tables say `poll_wakeup`).
     let mut problems = main.verify().await?;
-    let tables = capture_tables(main.tables(), publication);
+    let tables = capture_tables(main.tables(), publication, source);
     let sql = CaptureStatements::new(&tables);
     let level: String = main.query_rows("wal_level", &sql.wal_level, &[]).await?[0].get(0);
     if level != "logical" {
@@ -1493,7 +1511,11 @@ impl OutboxStore for WalStore {
 
     fn verify(&self) -> StoreFuture<Vec<Problem>> {
         let inner = self.inner.clone();
-        async move { verify_capture(&inner.main, &inner.publication, &inner.slot).await }.boxed()
+        async move {
+            let source = Some(inner.source.clone());
+            verify_capture(&inner.main, &inner.publication, &inner.slot, source).await
+        }
+        .boxed()
     }
 
     fn subscribe(&self, on_change: OnChange) -> Option<BoxFuture<'static, ()>> {

@@ -23,6 +23,8 @@ pub struct WalConfig {
     /// The publication of the outbox's INSERTs (`migrate --capture wal` creates it).
     pub publication: String,
     pub outbox_table: TableName,
+    /// What the outbox table's columns are named: the native table's, or a mapped one's.
+    pub columns: crate::table::ColumnNames,
     /// The prefix of outbox messages ([`EMIT_PREFIX`]).
     pub message_prefix: String,
     /// How often the confirmed position is reported when it moved (and at most how long a
@@ -56,6 +58,7 @@ impl WalConfig {
             slot: slot.into(),
             publication: publication.into(),
             outbox_table,
+            columns: crate::table::ColumnNames::native(),
             message_prefix: EMIT_PREFIX.to_string(),
             status_interval: Duration::from_secs(1),
             read_ahead: 8192,
@@ -199,7 +202,11 @@ impl WalStream {
         client.wait_started().await?;
         Ok(WalStream {
             client,
-            assembler: Assembler::new(config.outbox_table.clone(), config.message_prefix.clone()),
+            assembler: Assembler::new(
+                config.outbox_table.clone(),
+                config.columns.clone(),
+                config.message_prefix.clone(),
+            ),
             slot,
             confirmed: slot.confirmed_flush,
             stop_at: config.stop_at,

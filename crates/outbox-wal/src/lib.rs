@@ -38,3 +38,4 @@ pub use emit::{emit_function_ddl, EMIT_FUNCTION, EMIT_PREFIX};
 pub use event::{EventPosition, EventSource, Undecodable, WalEvent};
 pub use lsn::Lsn;
 pub use schema::publication_ddl;
+pub use table::ColumnNames;

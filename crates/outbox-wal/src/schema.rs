@@ -5,6 +5,7 @@
 use outbox_core::ident::{Ident, TableName};
 
 use crate::emit::{emit_function_ddl, DRAIN_MARKER, EMIT_PREFIX};
+use crate::table::ColumnNames;
 
 /// Creates the publication `publication` of `table`'s INSERTs, if no publication of that
 /// name exists. INSERTs only: the relay's own deletes of delivered rows, and any updates,
@@ -28,7 +29,12 @@ $outbox_publication$;"#
 /// The tables WAL capture works with.
 #[derive(Clone, Debug)]
 pub struct CaptureTables {
+    /// The native outbox table: the parked table is made like it.
     pub outbox: TableName,
+    /// The table whose INSERTs are captured, and deleted once delivered: the native outbox,
+    /// or a mapped table (Debezium's `outboxevent`).
+    pub source: TableName,
+    pub columns: ColumnNames,
     /// `<outbox>_parked`: events that must wait (a retry's backoff, a scheduled time, the
     /// later events of a key that waits). Outside the publication, so the slot moves past
     /// them; the same columns and indexes as the outbox, so the polling claim serves it.
@@ -38,7 +44,26 @@ pub struct CaptureTables {
 }
 
 impl CaptureTables {
+    /// The tables of capturing the native outbox itself.
     pub fn new(outbox: TableName, dead_letters: TableName, publication: Ident) -> Self {
+        Self::with_source(
+            outbox.clone(),
+            ColumnNames::native(),
+            outbox,
+            dead_letters,
+            publication,
+        )
+    }
+
+    /// The tables of capturing `source` (its columns named as `columns` says), with the
+    /// native `outbox` tables keeping parked events and dead letters.
+    pub fn with_source(
+        source: TableName,
+        columns: ColumnNames,
+        outbox: TableName,
+        dead_letters: TableName,
+        publication: Ident,
+    ) -> Self {
         let parked = TableName {
             schema: outbox.schema.clone(),
             name: Ident::new(&format!("{}_parked", outbox.name), "table name")
@@ -46,6 +71,8 @@ impl CaptureTables {
         };
         CaptureTables {
             outbox,
+            source,
+            columns,
             parked,
             dead_letters,
             publication,
@@ -70,7 +97,7 @@ CREATE TABLE IF NOT EXISTS {parked} (LIKE {outbox} INCLUDING DEFAULTS INCLUDING 
 -- Table-less events: SELECT {schema}.outbox_emit('orders', 'order-42', 'OrderPlaced', '{{"id": 42}}');
 {emit}
 "#,
-            publication = publication_ddl(&self.publication, &self.outbox),
+            publication = publication_ddl(&self.publication, &self.source),
             schema = self.outbox.schema.quoted(),
             emit = emit_function_ddl(&self.outbox.schema),
         )
@@ -81,7 +108,7 @@ CREATE TABLE IF NOT EXISTS {parked} (LIKE {outbox} INCLUDING DEFAULTS INCLUDING 
     pub fn grants(&self, role: &str) -> String {
         let role = format!("\"{}\"", role.replace('"', "\"\""));
         let parked = self.parked.quoted();
-        let outbox = self.outbox.quoted();
+        let outbox = self.source.quoted();
         format!(
             r#"
 -- WAL capture needs, besides the grants above:
@@ -157,8 +184,9 @@ pub struct CaptureStatements {
 impl CaptureStatements {
     pub fn new(tables: &CaptureTables) -> Self {
         let parked = tables.parked.quoted();
-        let outbox = tables.outbox.quoted();
+        let source = tables.source.quoted();
         let dl = tables.dead_letters.quoted();
+        let row_id = quote(&tables.columns.sequence_id);
         let key = "coalesce(partition_key, destination)";
         let marker = String::from_utf8_lossy(DRAIN_MARKER);
         CaptureStatements {
@@ -185,21 +213,11 @@ impl CaptureStatements {
                         AS u(s, e, d, k, t, p, h, m, c, n, err)
                  ON CONFLICT (sequence_id) DO NOTHING"
             ),
-            delete_rows: format!("DELETE FROM {outbox} WHERE sequence_id = ANY($1)"),
+            delete_rows: format!("DELETE FROM {source} WHERE {row_id} = ANY($1)"),
             delete_delivered: format!(
-                "DELETE FROM {outbox} WHERE sequence_id = ANY($1) RETURNING sequence_id"
+                "DELETE FROM {source} WHERE {row_id} = ANY($1) RETURNING {row_id}"
             ),
-            adopt: format!(
-                "WITH moved AS (DELETE FROM {outbox} WHERE delivered_at IS NULL RETURNING *)
-                 INSERT INTO {parked} (sequence_id, event_id, destination, partition_key,
-                        event_type, payload, headers, mutation_id, rejected, created_at,
-                        available_at, attempts, last_error)
-                 SELECT sequence_id, event_id, destination, partition_key, event_type, payload,
-                        headers, mutation_id, rejected, created_at, available_at, attempts,
-                        last_error
-                   FROM moved ORDER BY sequence_id
-                 ON CONFLICT DO NOTHING"
-            ),
+            adopt: adopt(tables),
             parked_keys: format!("SELECT DISTINCT {key} FROM {parked} WHERE delivered_at IS NULL"),
             still_parked: format!(
                 "SELECT DISTINCT {key} FROM {parked}
@@ -213,14 +231,76 @@ impl CaptureStatements {
                 "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_publication_tables
                                  WHERE pubname = $1 AND schemaname = '{schema}'
                                    AND tablename = '{table}')",
-                schema = tables.outbox.schema.as_str().replace('\'', "''"),
-                table = tables.outbox.name.as_str().replace('\'', "''"),
+                schema = tables.source.schema.as_str().replace('\'', "''"),
+                table = tables.source.name.as_str().replace('\'', "''"),
             ),
             replication_role: "SELECT rolreplication OR rolsuper FROM pg_catalog.pg_roles
                                 WHERE rolname = current_user"
                 .into(),
         }
     }
+}
+
+fn quote(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+/// Moves every pending row of the captured table into the parked table. The native table's
+/// rows keep their sequence ids (parked rows draw theirs from the same sequence); a mapped
+/// table's get new ones, drawn in its rows' order, since its ids are its own.
+fn adopt(tables: &CaptureTables) -> String {
+    let parked = tables.parked.quoted();
+    let source = tables.source.quoted();
+    let c = &tables.columns;
+    if *c == ColumnNames::native() {
+        return format!(
+            "WITH moved AS (DELETE FROM {source} WHERE delivered_at IS NULL RETURNING *)
+             INSERT INTO {parked} (sequence_id, event_id, destination, partition_key,
+                    event_type, payload, headers, mutation_id, rejected, created_at,
+                    available_at, attempts, last_error)
+             SELECT sequence_id, event_id, destination, partition_key, event_type, payload,
+                    headers, mutation_id, rejected, created_at, available_at, attempts,
+                    last_error
+               FROM moved ORDER BY sequence_id
+             ON CONFLICT DO NOTHING"
+        );
+    }
+    let or_null = |column: &Option<String>, cast: &str| match column {
+        Some(column) => format!("{}::{cast}", quote(column)),
+        None => "NULL".into(),
+    };
+    let mut headers = match &c.headers {
+        Some(column) => format!("coalesce({}::jsonb, '{{}}'::jsonb)", quote(column)),
+        None => "'{}'::jsonb".into(),
+    };
+    if let Some(name) = &c.event_id_header {
+        headers = format!(
+            "{headers} || jsonb_build_object('{}', {}::text)",
+            name.replace('\'', "''"),
+            quote(&c.event_id)
+        );
+    }
+    let created_at = match (&c.created_at, c.utc_timestamps) {
+        (Some(column), true) => format!("{} AT TIME ZONE 'utc'", quote(column)),
+        (Some(column), false) => quote(column),
+        (None, _) => "now()".into(),
+    };
+    format!(
+        "WITH moved AS (DELETE FROM {source} RETURNING *)
+         INSERT INTO {parked} (event_id, destination, partition_key, event_type, payload,
+                headers, mutation_id, created_at)
+         SELECT {event_id}::uuid, {destination}::text, {key}, {event_type}::text, {payload},
+                {headers}, {mutation}, {created_at}
+           FROM moved ORDER BY {row_id}
+         ON CONFLICT DO NOTHING",
+        event_id = quote(&c.event_id),
+        destination = quote(&c.destination),
+        key = or_null(&c.partition_key, "text"),
+        event_type = quote(&c.event_type),
+        payload = or_null(&c.payload, "jsonb"),
+        mutation = or_null(&c.mutation_id, "text"),
+        row_id = quote(&c.sequence_id),
+    )
 }
 
 #[cfg(test)]

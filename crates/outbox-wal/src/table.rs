@@ -1,6 +1,7 @@
-//! Rows of the native outbox table, as INSERTs in the WAL, mapped to events by column *name*
-//! from the table's Relation message, so column order, added columns and dropped columns
-//! never matter.
+//! Rows of the captured outbox table, as INSERTs in the WAL, mapped to events by column
+//! *name* from the table's Relation message, so column order, added columns and dropped
+//! columns never matter. The names are the native table's, or a mapped table's
+//! ([`ColumnNames`]: Debezium's `outboxevent`).
 
 use std::time::SystemTime;
 
@@ -9,6 +10,51 @@ use outbox_core::{Event, Headers, Payload};
 
 use crate::decode::{ColumnValue, Relation, TupleData};
 use crate::event::{EventSource, Undecodable, WalEvent};
+
+/// Which column of the captured table holds what, by name.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ColumnNames {
+    pub event_id: String,
+    pub destination: String,
+    pub event_type: String,
+    /// The row's integer id: the engine's sequence id, and what delivered rows are deleted by.
+    pub sequence_id: String,
+    pub partition_key: Option<String>,
+    pub payload: Option<String>,
+    /// A JSON object of headers.
+    pub headers: Option<String>,
+    pub mutation_id: Option<String>,
+    pub created_at: Option<String>,
+    pub available_at: Option<String>,
+    /// A span context in Java properties (Debezium's `tracingspancontext`): its
+    /// `traceparent` and `tracestate` become headers.
+    pub span_context: Option<String>,
+    /// A header that carries the event id (Debezium's `id`).
+    pub event_id_header: Option<String>,
+    /// Timestamps are `timestamp without time zone` holding UTC.
+    pub utc_timestamps: bool,
+}
+
+impl ColumnNames {
+    /// The native outbox table's.
+    pub fn native() -> Self {
+        ColumnNames {
+            event_id: "event_id".into(),
+            destination: "destination".into(),
+            event_type: "event_type".into(),
+            sequence_id: "sequence_id".into(),
+            partition_key: Some("partition_key".into()),
+            payload: Some("payload".into()),
+            headers: Some("headers".into()),
+            mutation_id: Some("mutation_id".into()),
+            created_at: Some("created_at".into()),
+            available_at: Some("available_at".into()),
+            span_context: None,
+            event_id_header: None,
+            utc_timestamps: false,
+        }
+    }
+}
 
 /// The outbox table as the WAL describes it: where each column the relay reads sits in
 /// its rows. Built from a Relation message; valid until the next one for the table.
@@ -24,6 +70,9 @@ pub struct OutboxColumns {
     mutation_id: Option<usize>,
     created_at: Option<usize>,
     available_at: Option<usize>,
+    span_context: Option<usize>,
+    event_id_header: Option<String>,
+    utc_timestamps: bool,
     /// Every column's name, in row order, for the dead letters' `raw`.
     names: Vec<String>,
 }
@@ -36,7 +85,7 @@ pub struct OutboxColumns {
 )]
 pub struct MissingColumn {
     pub table: String,
-    pub column: &'static str,
+    pub column: String,
 }
 
 impl OutboxColumns {
@@ -46,27 +95,36 @@ impl OutboxColumns {
         relation.namespace == table.schema.as_str() && relation.name == table.name.as_str()
     }
 
-    /// Finds the columns by name. `event_id`, `destination` and `event_type` are required
-    /// (they are NOT NULL in the native table); the others are read when present.
-    pub fn resolve(relation: &Relation<'_>) -> Result<Self, MissingColumn> {
+    /// Finds the columns by name. The event id, destination and event type are required
+    /// (NOT NULL in the native table); the sequence id too in a mapped table, which is
+    /// deleted by it; the others are read when present.
+    pub fn resolve(relation: &Relation<'_>, names: &ColumnNames) -> Result<Self, MissingColumn> {
         let find = |name: &str| relation.columns.iter().position(|c| c.name == name);
-        let required = |column: &'static str| {
+        let optional = |name: &Option<String>| name.as_deref().and_then(find);
+        let required = |column: &str| {
             find(column).ok_or_else(|| MissingColumn {
                 table: format!("{}.{}", relation.namespace, relation.name),
-                column,
+                column: column.to_string(),
             })
         };
+        let sequence_id = match names == &ColumnNames::native() {
+            true => find(&names.sequence_id),
+            false => Some(required(&names.sequence_id)?),
+        };
         Ok(OutboxColumns {
-            event_id: required("event_id")?,
-            destination: required("destination")?,
-            event_type: required("event_type")?,
-            sequence_id: find("sequence_id"),
-            partition_key: find("partition_key"),
-            payload: find("payload"),
-            headers: find("headers"),
-            mutation_id: find("mutation_id"),
-            created_at: find("created_at"),
-            available_at: find("available_at"),
+            event_id: required(&names.event_id)?,
+            destination: required(&names.destination)?,
+            event_type: required(&names.event_type)?,
+            sequence_id,
+            partition_key: optional(&names.partition_key),
+            payload: optional(&names.payload),
+            headers: optional(&names.headers),
+            mutation_id: optional(&names.mutation_id),
+            created_at: optional(&names.created_at),
+            available_at: optional(&names.available_at),
+            span_context: optional(&names.span_context),
+            event_id_header: names.event_id_header.clone(),
+            utc_timestamps: names.utc_timestamps,
             names: relation
                 .columns
                 .iter()
@@ -120,23 +178,29 @@ impl OutboxColumns {
             Some(Ok(Some(value))) => Ok(Some(value)),
             Some(Err(e)) => Err(undecodable(format!("{name}: {e}"))),
         };
-        let event_id = required(self.event_id, "event_id")?
+        let event_id: outbox_core::EventId = required(self.event_id, "event_id")?
             .parse()
             .map_err(|e| undecodable(format!("event_id is not a UUID: {e}")))?;
         let payload = match optional(self.payload, "payload")? {
             None => Payload::Null,
             Some(json) => Payload::from_json_text(json.to_string()).map_err(&undecodable)?,
         };
-        let headers = match optional(self.headers, "headers")? {
+        let mut headers = match optional(self.headers, "headers")? {
             None => Headers::new(),
             Some(json) => serde_json::from_str(json)
                 .map_err(|e| format!("headers are not JSON: {e}"))
                 .and_then(|value| outbox_core::event::headers_from_json(&value))
                 .map_err(&undecodable)?,
         };
+        if let Some(text) = optional(self.span_context, "span context")? {
+            add_span_context(&mut headers, text);
+        }
+        if let Some(name) = &self.event_id_header {
+            headers.insert(name.clone(), event_id.to_string());
+        }
         let timestamp = |i: Option<usize>, name: &str| match optional(i, name)? {
             None => Ok(None),
-            Some(text) => parse_timestamptz(text)
+            Some(text) => parse_timestamp(text, self.utc_timestamps)
                 .map(Some)
                 .map_err(|e| undecodable(format!("{name}: {e}"))),
         };
@@ -180,6 +244,37 @@ impl OutboxColumns {
             out.push_str(&format!("{name}={value}\n"));
         }
         out
+    }
+}
+
+/// A span context's valid trace context as headers (a `traceparent` in the headers wins).
+/// A malformed one is left out: the event still goes, without trace context.
+fn add_span_context(headers: &mut Headers, text: &str) {
+    use outbox_core::trace::{TraceParent, TRACEPARENT, TRACESTATE};
+    if headers.keys().any(|k| k.eq_ignore_ascii_case(TRACEPARENT)) {
+        return;
+    }
+    let (parent, state) = outbox_core::trace::from_java_properties(text);
+    if let Some(Ok(parent)) = parent.as_deref().map(TraceParent::parse) {
+        headers.insert(TRACEPARENT.into(), parent.to_string());
+        if let Some(state) = state.filter(|s| !s.is_empty()) {
+            headers.insert(TRACESTATE.into(), state);
+        }
+    }
+}
+
+/// A timestamp column's text: [`parse_timestamptz`], or with `utc_without_offset` also a
+/// `timestamp without time zone` (no offset), read as UTC.
+fn parse_timestamp(text: &str, utc_without_offset: bool) -> Result<SystemTime, String> {
+    let has_offset = text
+        .split_once(' ')
+        .is_some_and(|(_, time)| time.contains(['+', '-']));
+    match (utc_without_offset, has_offset) {
+        (true, false) => match text.strip_suffix(" BC") {
+            Some(date_time) => parse_timestamptz(&format!("{date_time}+00 BC")),
+            None => parse_timestamptz(&format!("{text}+00")),
+        },
+        _ => parse_timestamptz(text),
     }
 }
 
@@ -358,7 +453,7 @@ mod tests {
         };
         let table = TableName::new("public", "outbox").unwrap();
         assert!(OutboxColumns::is_outbox(&relation, &table));
-        let columns = OutboxColumns::resolve(&relation).unwrap();
+        let columns = OutboxColumns::resolve(&relation, &ColumnNames::native()).unwrap();
         let insert = wire::insert(
             9,
             &[
@@ -391,13 +486,92 @@ mod tests {
         );
     }
 
+    /// Debezium's `outboxevent`, by its own names: the row id the relay added, the id header,
+    /// the trace context from the span context's properties, a `timestamp` without zone.
+    #[test]
+    fn a_mapped_table_is_read_by_its_column_names() {
+        const TP: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let relation_bytes = wire::relation(
+            12,
+            "public",
+            "outboxevent",
+            &[
+                ("id", 2950),
+                ("aggregatetype", 1043),
+                ("aggregateid", 1043),
+                ("type", 1043),
+                ("payload", 3802),
+                ("timestamp", 1114),
+                ("tracingspancontext", 1043),
+                ("relay_sequence", 20),
+            ],
+        );
+        let LogicalMessage::Relation(relation) = decode(&relation_bytes).unwrap() else {
+            panic!()
+        };
+        let names = ColumnNames {
+            event_id: "id".into(),
+            destination: "aggregatetype".into(),
+            event_type: "type".into(),
+            sequence_id: "relay_sequence".into(),
+            partition_key: Some("aggregateid".into()),
+            payload: Some("payload".into()),
+            headers: None,
+            mutation_id: None,
+            created_at: Some("timestamp".into()),
+            available_at: None,
+            span_context: Some("tracingspancontext".into()),
+            event_id_header: Some("id".into()),
+            utc_timestamps: true,
+        };
+        let columns = OutboxColumns::resolve(&relation, &names).unwrap();
+        let span = format!("#Thu Nov 26 UTC 2026\ntraceparent={TP}\n");
+        let insert = wire::insert(
+            12,
+            &[
+                Some("6f1c9f3e-8d3a-4c1e-9a51-3c2b1d0e9f10"),
+                Some("Order"),
+                Some("order-7"),
+                Some("OrderPaid"),
+                Some(r#"{"n": 1}"#),
+                Some("1970-01-01 00:00:02.5"),
+                Some(&span),
+                Some("41"),
+            ],
+        );
+        let LogicalMessage::Insert(insert) = decode(&insert).unwrap() else {
+            panic!()
+        };
+        let event = columns.event(&insert.new, SystemTime::UNIX_EPOCH).unwrap();
+        assert_eq!(event.destination, "Order");
+        assert_eq!(event.partition_key.as_deref(), Some("order-7"));
+        assert_eq!(event.event_type, "OrderPaid");
+        assert_eq!(event.headers["id"], "6f1c9f3e-8d3a-4c1e-9a51-3c2b1d0e9f10");
+        assert_eq!(event.headers["traceparent"], TP);
+        assert_eq!(
+            micros(event.created_at),
+            2_500_000,
+            "a zone-less timestamp is UTC"
+        );
+        assert_eq!(
+            event.source,
+            EventSource::Table {
+                sequence_id: Some(41)
+            }
+        );
+        let mut without_sequence = names.clone();
+        without_sequence.sequence_id = "nope".into();
+        let missing = OutboxColumns::resolve(&relation, &without_sequence).unwrap_err();
+        assert_eq!(missing.column, "nope");
+    }
+
     #[test]
     fn a_bad_row_is_undecodable_with_what_could_be_read() {
         let relation_bytes = outbox_relation();
         let LogicalMessage::Relation(relation) = decode(&relation_bytes).unwrap() else {
             panic!()
         };
-        let columns = OutboxColumns::resolve(&relation).unwrap();
+        let columns = OutboxColumns::resolve(&relation, &ColumnNames::native()).unwrap();
         let insert = wire::insert(
             9,
             &[
@@ -435,7 +609,7 @@ mod tests {
         let LogicalMessage::Relation(relation) = decode(&bytes).unwrap() else {
             panic!()
         };
-        let error = OutboxColumns::resolve(&relation).unwrap_err();
+        let error = OutboxColumns::resolve(&relation, &ColumnNames::native()).unwrap_err();
         assert_eq!(error.column, "event_id");
         assert!(error
             .to_string()
