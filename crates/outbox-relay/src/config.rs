@@ -1214,6 +1214,21 @@ mod tests {
             let err = refused(wal(config));
             assert!(err.contains(named), "{named}: {err}");
         }
+        // Debezium's table is captured, with native tables of the relay's own beside it.
+        let debezium = wal(Config {
+            database_url: pg.clone(),
+            layout: LayoutKind::Debezium,
+            ..Config::default()
+        });
+        debezium.validate().unwrap();
+        let StoreSettings::Postgres(settings) = debezium.store_settings().unwrap() else {
+            panic!("PostgreSQL")
+        };
+        assert!(settings.mapped.is_none(), "read from the WAL, not polled");
+        assert_eq!(settings.options.tables.outbox.name.as_str(), "outboxevent_relay");
+        let source = settings.capture.unwrap().source.expect("a captured table");
+        assert_eq!(source.table.name.as_str(), "outboxevent");
+        assert_eq!(source.columns.sequence_id, "relay_sequence");
         // A slot without WAL capture would be silently ignored.
         let err = refused(Config {
             database_url: pg.clone(),
