@@ -685,7 +685,8 @@ impl Config {
                         source: captured
                             .map(crate::store::CapturedTable::of)
                             .transpose()
-                            .map_err(report)?,
+                            .map_err(report)?
+                            .map(Box::new),
                     }),
                 };
                 StoreSettings::Postgres(Box::new(crate::store::PostgresSettings {
@@ -1225,7 +1226,10 @@ mod tests {
             panic!("PostgreSQL")
         };
         assert!(settings.mapped.is_none(), "read from the WAL, not polled");
-        assert_eq!(settings.options.tables.outbox.name.as_str(), "outboxevent_relay");
+        assert_eq!(
+            settings.options.tables.outbox.name.as_str(),
+            "outboxevent_relay"
+        );
         let source = settings.capture.unwrap().source.expect("a captured table");
         assert_eq!(source.table.name.as_str(), "outboxevent");
         assert_eq!(source.columns.sequence_id, "relay_sequence");

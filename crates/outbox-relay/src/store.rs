@@ -15,8 +15,9 @@ use outbox_store_sqlite::SqliteStore;
 pub struct Capture {
     pub slot: String,
     pub publication: outbox_core::ident::Ident,
-    /// A mapped table captured instead of the native outbox (Debezium's).
-    pub source: Option<CapturedTable>,
+    /// A mapped table captured instead of the native outbox (Debezium's); boxed, since its
+    /// mapping is large and most captures read the native table.
+    pub source: Option<Box<CapturedTable>>,
 }
 
 /// A mapped table read from the WAL: its layout's mapping, and its columns by name.
@@ -232,7 +233,7 @@ impl AnyStore {
             }
             AnyStore::PostgresWal(s, capture) => {
                 let wal = capture.tables(s);
-                let source = capture.source.as_ref().map(CapturedTable::ddl);
+                let source = capture.source.as_deref().map(CapturedTable::ddl);
                 format!(
                     "{}{}\n{}\n{}\n{}",
                     source.unwrap_or_default(),
@@ -265,7 +266,7 @@ impl AnyStore {
     ) -> Result<Vec<outbox_core::store::Problem>, outbox_core::StoreError> {
         match self {
             AnyStore::PostgresWal(s, capture) => {
-                let source = capture.source.as_ref().map(CapturedTable::source);
+                let source = capture.source.as_deref().map(CapturedTable::source);
                 outbox_wal::verify_capture(s, &capture.publication, &capture.slot, source).await
             }
             other => other.outbox().verify().await,
@@ -275,7 +276,7 @@ impl AnyStore {
 
 impl Capture {
     fn tables(&self, store: &PgStore) -> outbox_wal::schema::CaptureTables {
-        let source = self.source.as_ref().map(CapturedTable::source);
+        let source = self.source.as_deref().map(CapturedTable::source);
         outbox_wal::capture::capture_tables(store.tables(), &self.publication, source)
     }
 

@@ -649,7 +649,7 @@ mod through_the_engine {
         async fn start(fixture: &Fixture, publisher: &RecordingPublisher) -> Relay {
             let main = PgStore::new(PgOptions::new(&fixture.url, Tables::standard())).unwrap();
             let publication = Ident::new(PUBLICATION, "publication").unwrap();
-            let capture = outbox_wal::capture::capture_tables(main.tables(), &publication);
+            let capture = outbox_wal::capture::capture_tables(main.tables(), &publication, None);
             main.migrate_extra(&capture.ddl()).await.unwrap();
             let store = WalStore::start(
                 main,
