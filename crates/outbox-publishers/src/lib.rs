@@ -103,8 +103,30 @@ pub async fn from_uri(uri: &str) -> Result<Arc<dyn outbox_core::Publisher>, Sink
 pub async fn build_router(
     sinks: &BTreeMap<String, SinkConfig>,
     routes: &[RouteConfig],
-    default_target: Template,
+    default_target: &str,
 ) -> Result<Arc<dyn outbox_core::Publisher>, SinkSetupError> {
+    let parsed_default = Template::parse(default_target).map_err(SinkSetupError::config)?;
+    // SQS queue and SNS topic names have no dots (but `.fifo`): a default target with dots
+    // (Debezium's `outbox.event.{destination}`) could never name one.
+    let check_default = |sink: &str| -> Result<(), SinkSetupError> {
+        let kind = sinks.get(sink).and_then(|c| SinkKind::of(c.uri()).ok());
+        if matches!(kind, Some(SinkKind::Sqs | SinkKind::Sns)) && default_target.contains('.') {
+            return Err(SinkSetupError::config(format!(
+                "sink {sink} sends to the queue or topic its route's target names, and the \
+                 layout's default target {default_target:?} has dots, which SQS and SNS names \
+                 cannot have: give the route a target, e.g. target = \"outbox-event-{{destination}}\""
+            )));
+        }
+        Ok(())
+    };
+    let default_target = parsed_default;
+    // Checked before any sink connects, so the fix is named first.
+    for route in routes.iter().filter(|r| r.target.is_none()) {
+        check_default(&route.sink)?;
+    }
+    if routes.is_empty() && sinks.len() == 1 {
+        sinks.keys().try_for_each(|sink| check_default(sink))?;
+    }
     let mut built = Vec::new();
     for (name, config) in sinks {
         built.push((name.clone(), build_sink(name, config).await?));
@@ -138,6 +160,30 @@ pub async fn build_router(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Debezium's default topic, `outbox.event.{destination}`, cannot name an SQS queue or
+    /// an SNS topic: a route to one without a target is refused, with the fix.
+    #[tokio::test]
+    async fn a_default_target_with_dots_is_refused_for_sqs_and_sns() {
+        let sinks = BTreeMap::from([("q".to_string(), SinkConfig::new("sqs:"))]);
+        for routes in [
+            vec![],
+            vec![RouteConfig {
+                destinations: "*".into(),
+                sink: "q".into(),
+                target: None,
+                cloudevents: None,
+                cloudevents_source: None,
+            }],
+        ] {
+            let err = build_router(&sinks, &routes, "outbox.event.{destination}")
+                .await
+                .err()
+                .expect("refused")
+                .to_string();
+            assert!(err.contains("give the route a target"), "{err}");
+        }
+    }
 
     /// Meaningful in a build without some sink (`cargo test -p outbox-publishers
     /// --no-default-features --lib`): each left-out scheme names the feature that brings it.

@@ -168,9 +168,7 @@ async fn publisher(
     routes: &[RouteConfig],
     layout: outbox_layout::LayoutKind,
 ) -> anyhow::Result<Arc<dyn Publisher>> {
-    let default_target =
-        outbox_publishers::Template::parse(layout.default_target()).expect("a valid template");
-    outbox_publishers::build_router(sinks, routes, default_target)
+    outbox_publishers::build_router(sinks, routes, layout.default_target())
         .await
         .map_err(|e| {
             let message = redact_url(&e.report());

@@ -69,11 +69,13 @@ fn non_empty(env: Env<'_>, name: &str) -> Option<String> {
 }
 
 impl Provider {
-    /// Walks the chain. `profile` is the sink's `profile` setting; `region` the one the sink
-    /// resolved so far (for the STS endpoint).
+    /// Walks the chain. `profile` is the sink's `profile` setting: named explicitly, it is
+    /// read first (as the SDKs do with a profile given in code), not shadowed by the
+    /// environment. `region` is the sink's `region` setting, for the STS endpoint.
     pub fn from_chain(
         env: Env<'_>,
         profile: Option<&str>,
+        sink_region: Option<&str>,
         http: reqwest::Client,
     ) -> Result<Found, SinkSetupError> {
         let found = |source, origin: String, profile_region| Found {
@@ -85,7 +87,8 @@ impl Provider {
             },
             profile_region,
         };
-        if let Some(access_key_id) = non_empty(env, "AWS_ACCESS_KEY_ID") {
+        let from_env = profile.is_none();
+        if let Some(access_key_id) = non_empty(env, "AWS_ACCESS_KEY_ID").filter(|_| from_env) {
             let secret = non_empty(env, "AWS_SECRET_ACCESS_KEY").ok_or_else(|| {
                 SinkSetupError::config(
                     "AWS_ACCESS_KEY_ID is set but AWS_SECRET_ACCESS_KEY is not: set both",
@@ -103,14 +106,15 @@ impl Provider {
                 None,
             ));
         }
-        if let Some(token_file) = non_empty(env, "AWS_WEB_IDENTITY_TOKEN_FILE") {
+        if let Some(token_file) = non_empty(env, "AWS_WEB_IDENTITY_TOKEN_FILE").filter(|_| from_env)
+        {
             let role_arn = non_empty(env, "AWS_ROLE_ARN").ok_or_else(|| {
                 SinkSetupError::config(
                     "AWS_WEB_IDENTITY_TOKEN_FILE is set but AWS_ROLE_ARN is not: set the role \
                      to assume",
                 )
             })?;
-            let source = web_identity(env, role_arn.clone(), token_file.into(), None);
+            let source = web_identity(env, sink_region, role_arn.clone(), token_file.into(), None);
             return Ok(found(
                 source,
                 format!("web identity (role {role_arn})"),
@@ -147,6 +151,7 @@ impl Provider {
         ) {
             let source = web_identity(
                 env,
+                sink_region.or(region.as_deref()),
                 role_arn.clone(),
                 token_file.into(),
                 profile.get("role_session_name").cloned(),
@@ -209,10 +214,42 @@ impl Provider {
                 return Ok(credentials.clone());
             }
         }
+        match self
+            .assume_role(role_arn, token_file, session_name, sts_endpoint)
+            .await
+        {
+            Ok(credentials) => {
+                *cached = Some(credentials.clone());
+                Ok(credentials)
+            }
+            // Refreshed early: credentials that still work are used until they expire.
+            Err(error) => match cached.as_ref() {
+                Some(still) if still.expires.is_some_and(|at| at > SystemTime::now()) => {
+                    tracing::warn!(
+                        error = %error.report(),
+                        origin = %self.origin,
+                        "could not refresh AWS credentials; using the current ones until they expire"
+                    );
+                    Ok(still.clone())
+                }
+                _ => Err(error),
+            },
+        }
+    }
+
+    /// Exchanges the web identity token at STS.
+    async fn assume_role(
+        &self,
+        role_arn: &str,
+        token_file: &std::path::Path,
+        session_name: &str,
+        sts_endpoint: &str,
+    ) -> Result<Credentials, PublishError> {
         // Read each time: Kubernetes rotates the projected token file.
+        // Retried: Kubernetes may be rotating the projected file.
         let token = std::fs::read_to_string(token_file).map_err(|e| {
             PublishError::new(
-                PublishErrorKind::Unauthorized,
+                PublishErrorKind::Unavailable,
                 format!(
                     "cannot read the web identity token file {}: {e}",
                     token_file.display()
@@ -222,8 +259,8 @@ impl Provider {
         let form = [
             ("Action", "AssumeRoleWithWebIdentity"),
             ("Version", "2011-06-15"),
-            ("RoleArn", role_arn.as_str()),
-            ("RoleSessionName", session_name.as_str()),
+            ("RoleArn", role_arn),
+            ("RoleSessionName", session_name),
             ("WebIdentityToken", token.trim()),
         ];
         let what = format!("STS at {sts_endpoint} (AssumeRoleWithWebIdentity)");
@@ -257,18 +294,21 @@ impl Provider {
             // Unreadable: treated as not expiring soon, and fetched again on a refusal.
             expires: humantime::parse_rfc3339(expires.trim()).ok(),
         };
-        *cached = Some(credentials.clone());
         Ok(credentials)
     }
 }
 
 fn web_identity(
     env: Env<'_>,
+    region: Option<&str>,
     role_arn: String,
     token_file: PathBuf,
     session_name: Option<String>,
 ) -> Source {
-    let region = non_empty(env, "AWS_REGION").or_else(|| non_empty(env, "AWS_DEFAULT_REGION"));
+    let region = region
+        .map(str::to_string)
+        .or_else(|| non_empty(env, "AWS_REGION"))
+        .or_else(|| non_empty(env, "AWS_DEFAULT_REGION"));
     let sts_endpoint = non_empty(env, "AWS_ENDPOINT_URL_STS")
         .or_else(|| non_empty(env, "AWS_ENDPOINT_URL"))
         .unwrap_or_else(|| match region {
@@ -361,7 +401,7 @@ mod tests {
 
     fn chain(vars: &[(&str, &str)], profile: Option<&str>) -> Result<Found, SinkSetupError> {
         outbox_testkit::install_crypto();
-        Provider::from_chain(&env_of(vars), profile, reqwest::Client::new())
+        Provider::from_chain(&env_of(vars), profile, None, reqwest::Client::new())
     }
 
     #[tokio::test]
@@ -389,9 +429,12 @@ mod tests {
             ("AWS_ACCESS_KEY_ID", "AKENV"),
             ("AWS_SECRET_ACCESS_KEY", "s0"),
         ]);
-        let found = chain(&vars, Some("ci")).unwrap();
+        let found = chain(&vars, None).unwrap();
         assert_eq!(found.provider.get().await.unwrap().access_key_id, "AKENV");
         assert_eq!(found.provider.origin(), "the environment");
+        // A profile named in the sink's settings is not shadowed by the environment.
+        let found = chain(&vars, Some("ci")).unwrap();
+        assert_eq!(found.provider.get().await.unwrap().access_key_id, "AKCI");
 
         let found = chain(&files, None).unwrap();
         assert_eq!(

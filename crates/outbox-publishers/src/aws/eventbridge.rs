@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use super::credentials::Env;
-use super::{AwsClient, AwsConfig, BatchApi, Service};
+use super::{AwsClient, AwsConfig, BatchApi, Probe, Service};
 use crate::error::SinkSetupError;
 use crate::sink::{Routed, Sink};
 use crate::template::Template;
@@ -56,6 +56,12 @@ pub struct EventBridge {
 }
 
 impl BatchApi for EventBridge {
+    const PROBE: Probe = Probe::Json {
+        prefix: "AWSEvents",
+        action: "ListEventBuses",
+        version: "1.1",
+        body: r#"{"Limit": 1}"#,
+    };
     const MAX_ENTRIES: usize = 10;
     const MAX_BATCH_BYTES: usize = MAX_ENTRY_BYTES;
     const SYSTEM: &'static str = "aws_eventbridge";
@@ -105,7 +111,7 @@ impl BatchApi for EventBridge {
         self: Arc<Self>,
         _source: String,
         entries: Vec<Value>,
-    ) -> BoxFuture<'static, Vec<Outcome>> {
+    ) -> BoxFuture<'static, Result<Vec<Outcome>, PublishError>> {
         async move {
             let count = entries.len();
             let what = self.client.what("PutEvents");
@@ -120,7 +126,7 @@ impl BatchApi for EventBridge {
                 .await
             {
                 // The answer lists every entry, in the request's order.
-                Ok(answer) => (0..count)
+                Ok(answer) => Ok((0..count)
                     .map(|i| {
                         let entry = &answer["Entries"][i];
                         match (entry["EventId"].as_str(), entry["ErrorCode"].as_str()) {
@@ -137,8 +143,8 @@ impl BatchApi for EventBridge {
                             )),
                         }
                     })
-                    .collect(),
-                Err(error) => super::fail_entries(count, &error),
+                    .collect()),
+                Err(error) => Err(error),
             }
         }
         .boxed()

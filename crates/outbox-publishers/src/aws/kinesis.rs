@@ -16,7 +16,7 @@ use outbox_core::{Outcome, PublishError, PublishErrorKind};
 use serde_json::{json, Value};
 
 use super::credentials::Env;
-use super::{AwsClient, AwsConfig, BatchApi, Service};
+use super::{AwsClient, AwsConfig, BatchApi, Probe, Service};
 use crate::error::SinkSetupError;
 use crate::sink::{Routed, Sink};
 
@@ -55,6 +55,12 @@ pub(crate) fn envelope(routed: &Routed) -> Result<Vec<u8>, PublishError> {
 }
 
 impl BatchApi for Kinesis {
+    const PROBE: Probe = Probe::Json {
+        prefix: "Kinesis_20131202",
+        action: "ListStreams",
+        version: "1.1",
+        body: r#"{"Limit": 1}"#,
+    };
     const MAX_ENTRIES: usize = 500;
     const MAX_BATCH_BYTES: usize = MAX_REQUEST_BYTES;
     const SYSTEM: &'static str = "aws_kinesis";
@@ -83,7 +89,7 @@ impl BatchApi for Kinesis {
         self: Arc<Self>,
         target: String,
         records: Vec<Value>,
-    ) -> BoxFuture<'static, Vec<Outcome>> {
+    ) -> BoxFuture<'static, Result<Vec<Outcome>, PublishError>> {
         async move {
             let count = records.len();
             let stream = if target.starts_with("arn:") {
@@ -99,7 +105,7 @@ impl BatchApi for Kinesis {
                 .await
             {
                 // The answer lists every record, in the request's order.
-                Ok(answer) => (0..count)
+                Ok(answer) => Ok((0..count)
                     .map(|i| {
                         let record = &answer["Records"][i];
                         match (
@@ -119,8 +125,8 @@ impl BatchApi for Kinesis {
                             )),
                         }
                     })
-                    .collect(),
-                Err(error) => super::fail_entries(count, &error),
+                    .collect()),
+                Err(error) => Err(error),
             }
         }
         .boxed()

@@ -183,11 +183,10 @@ impl<A: BatchApi> Sink for AwsSink<A> {
         send_batched(self.0.clone(), batch)
     }
 
-    /// Whether credentials can be had (a web identity asks STS when they near expiry); a
-    /// service that refuses them shows in the events' outcomes.
+    /// Whether the service answers a signed call and takes the credentials.
     fn health(&self) -> BoxFuture<'static, Result<(), PublishError>> {
         let api = self.0.clone();
-        async move { api.client().credentials.get().await.map(|_| ()) }.boxed()
+        async move { api.client().probe(A::PROBE).await }.boxed()
     }
 
     fn max_message_bytes(&self) -> Option<usize> {
@@ -296,7 +295,17 @@ impl AwsClient {
     /// (the process environment; tests give their own).
     pub fn new(service: Service, config: &AwsConfig, env: Env<'_>) -> Result<Self, SinkSetupError> {
         let http = crate::http::client(&config.tls, config.timeout.get())?;
-        let found = Provider::from_chain(env, config.profile.as_deref(), http.clone())?;
+        if config.concurrency == Some(0) {
+            return Err(SinkSetupError::config(
+                "`concurrency` = 0 would never send a request: use 1 or more (default 16)",
+            ));
+        }
+        let found = Provider::from_chain(
+            env,
+            config.profile.as_deref(),
+            config.region.as_deref(),
+            http.clone(),
+        )?;
         let set = |name: &str| env(name).filter(|v| !v.trim().is_empty());
         let region = config
             .region
@@ -348,7 +357,7 @@ impl AwsClient {
             host,
             credentials: Arc::new(found.provider),
             requests: Arc::new(Semaphore::new(
-                config.concurrency.unwrap_or(DEFAULT_CONCURRENCY).max(1),
+                config.concurrency.unwrap_or(DEFAULT_CONCURRENCY),
             )),
         })
     }
@@ -473,6 +482,63 @@ impl AwsClient {
         json_version: &str,
         body: &Value,
     ) -> Result<Value, PublishError> {
+        let answer = self
+            .json_answer(target_prefix, action, json_version, body)
+            .await?;
+        self.accepted(answer, action).await
+    }
+
+    /// A query-protocol call (form parameters, an XML answer).
+    pub async fn query(&self, params: &[(&str, &str)]) -> Result<String, PublishError> {
+        let action = params
+            .iter()
+            .find(|(k, _)| *k == "Action")
+            .map_or("", |(_, v)| *v);
+        let answer = self.query_answer(params).await?;
+        self.accepted(answer, action).await
+    }
+
+    /// Whether the service answers and takes the credentials: a listing call the relay's
+    /// role need not be allowed (a refused permission proves both as well as a listing).
+    pub async fn probe(&self, probe: Probe) -> Result<(), PublishError> {
+        let (answer, action) = match probe {
+            Probe::Json {
+                prefix,
+                action,
+                version,
+                body,
+            } => {
+                let body: Value = serde_json::from_str(body).unwrap_or(Value::Null);
+                let answer = self.json_answer(prefix, action, version, &body).await?;
+                (answer.map(|_| String::new()), action)
+            }
+            Probe::Query { action, version } => {
+                let answer = self
+                    .query_answer(&[("Action", action), ("Version", version)])
+                    .await?;
+                (answer, action)
+            }
+        };
+        match answer {
+            Answer::Refused { code, .. }
+                if matches!(
+                    short_code(&code),
+                    "AccessDenied" | "AccessDeniedException" | "AuthorizationError"
+                ) =>
+            {
+                Ok(())
+            }
+            answer => self.accepted(answer, action).await.map(|_| ()),
+        }
+    }
+
+    async fn json_answer(
+        &self,
+        target_prefix: &str,
+        action: &str,
+        json_version: &str,
+        body: &Value,
+    ) -> Result<Answer<Value>, PublishError> {
         let target = format!("{target_prefix}.{action}");
         let content_type = format!("application/x-amz-json-{json_version}");
         let body = serde_json::to_vec(body).map_err(|e| {
@@ -488,7 +554,7 @@ impl AwsClient {
             .await?;
         let document: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
         if (200..300).contains(&status) {
-            return Ok(document);
+            return Ok(Answer::Ok(document));
         }
         // SQS names its query-protocol code in a header too: the one its docs list.
         let code = query_error
@@ -496,18 +562,21 @@ impl AwsClient {
             .and_then(|h| h.split(';').next())
             .or_else(|| document["__type"].as_str())
             .or_else(|| document["code"].as_str())
-            .unwrap_or_default();
+            .unwrap_or_default()
+            .to_string();
         let message = document["message"]
             .as_str()
             .or_else(|| document["Message"].as_str())
-            .unwrap_or(&text);
-        let error = classify(Some(status), code, message, &self.what(action));
-        self.on_refusal(&error, code).await;
-        Err(error)
+            .unwrap_or(&text)
+            .to_string();
+        Ok(Answer::Refused {
+            status,
+            code,
+            message,
+        })
     }
 
-    /// A query-protocol call (form parameters, an XML answer).
-    pub async fn query(&self, params: &[(&str, &str)]) -> Result<String, PublishError> {
+    async fn query_answer(&self, params: &[(&str, &str)]) -> Result<Answer<String>, PublishError> {
         let action = params
             .iter()
             .find(|(k, _)| *k == "Action")
@@ -524,12 +593,30 @@ impl AwsClient {
             )
             .await?;
         if (200..300).contains(&status) {
-            return Ok(text);
+            return Ok(Answer::Ok(text));
         }
-        let error = query_error(status, &text, &self.what(action));
-        self.on_refusal(&error, &xml::text(&text, "Code").unwrap_or_default())
-            .await;
-        Err(error)
+        Ok(Answer::Refused {
+            status,
+            code: xml::text(&text, "Code").unwrap_or_default(),
+            message: xml::text(&text, "Message")
+                .unwrap_or_else(|| text.chars().take(300).collect()),
+        })
+    }
+
+    /// The answer's document, or its refusal classified.
+    async fn accepted<T>(&self, answer: Answer<T>, action: &str) -> Result<T, PublishError> {
+        match answer {
+            Answer::Ok(document) => Ok(document),
+            Answer::Refused {
+                status,
+                code,
+                message,
+            } => {
+                let error = classify(Some(status), &code, &message, &self.what(action));
+                self.on_refusal(&error, &code).await;
+                Err(error)
+            }
+        }
     }
 
     /// Expired temporary credentials are fetched again for the next attempt.
@@ -541,6 +628,47 @@ impl AwsClient {
             self.credentials.forget().await;
         }
     }
+}
+
+/// A service's answer: accepted, or refused with its error code.
+enum Answer<T> {
+    Ok(T),
+    Refused {
+        status: u16,
+        code: String,
+        message: String,
+    },
+}
+
+impl<T> Answer<T> {
+    fn map<U>(self, f: impl FnOnce(T) -> U) -> Answer<U> {
+        match self {
+            Answer::Ok(t) => Answer::Ok(f(t)),
+            Answer::Refused {
+                status,
+                code,
+                message,
+            } => Answer::Refused {
+                status,
+                code,
+                message,
+            },
+        }
+    }
+}
+
+/// The cheap call a sink's health check makes (see [`AwsClient::probe`]).
+pub enum Probe {
+    Json {
+        prefix: &'static str,
+        action: &'static str,
+        version: &'static str,
+        body: &'static str,
+    },
+    Query {
+        action: &'static str,
+        version: &'static str,
+    },
 }
 
 /// `application/x-www-form-urlencoded`, with the encoding SigV4 and AWS expect.
@@ -574,7 +702,9 @@ fn query_error(status: u16, body: &str, what: &str) -> PublishError {
 /// `AWS.SimpleQueueService.NonExistentQueue` become their last part.
 fn short_code(code: &str) -> &str {
     let code = code.rsplit('#').next().unwrap_or(code);
-    code.strip_prefix("AWS.SimpleQueueService.").unwrap_or(code)
+    let code = code.strip_prefix("AWS.SimpleQueueService.").unwrap_or(code);
+    // SQS names KMS's errors `KMS.ThrottlingException` and the like.
+    code.strip_prefix("KMS.").unwrap_or(code)
 }
 
 /// The one place an AWS error becomes a publish outcome, by its error code first and its
@@ -596,14 +726,27 @@ pub fn classify(status: Option<u16>, code: &str, message: &str, what: &str) -> P
         | "RequestLimitExceeded"
         | "LimitExceededException"
         | "KMSThrottlingException"
+        | "KMSThrottling"
         | "SlowDown" => Throttled,
+        "RequestTimeout" | "RequestTimeoutException" => Timeout,
         "InternalFailure"
         | "InternalError"
         | "InternalServerError"
         | "ServiceUnavailable"
         | "ServiceUnavailableException"
         | "KMSInternalException" => BrokerFailure,
-        "ExpiredToken" | "ExpiredTokenException" | "RequestExpired" => Unavailable,
+        // Expired temporary credentials, a clock that drifted, an identity provider STS
+        // could not reach: fixed by the next attempt (fresh credentials) or by time.
+        "ExpiredToken"
+        | "ExpiredTokenException"
+        | "RequestExpired"
+        | "RequestTimeTooSkewed"
+        | "IDPCommunicationError" => Unavailable,
+        "InvalidSignatureException" | "SignatureDoesNotMatch"
+            if message.contains("Signature expired") =>
+        {
+            Unavailable
+        }
         "QueueDoesNotExist"
         | "NonExistentQueue"
         | "NotFound"
@@ -673,7 +816,10 @@ pub trait BatchApi: Send + Sync + 'static {
     const MAX_ENTRIES: usize;
     /// Most bytes of entries in one request, as the service counts them.
     const MAX_BATCH_BYTES: usize;
-    type Entry: Send + 'static;
+    /// The health check's call.
+    const PROBE: Probe;
+    /// Cloned only to send an entry again on its own (see [`send_batched`]).
+    type Entry: Clone + Send + 'static;
 
     fn client(&self) -> &AwsClient;
 
@@ -682,12 +828,12 @@ pub trait BatchApi: Send + Sync + 'static {
     fn entry(&self, routed: &Routed) -> Result<(Self::Entry, usize), PublishError>;
 
     /// Sends entries (at most `MAX_ENTRIES`, `MAX_BATCH_BYTES`) to `target`: one outcome
-    /// per entry, in order.
+    /// per entry, in order, or the error of the request as a whole.
     fn send_entries(
         self: Arc<Self>,
         target: String,
         entries: Vec<Self::Entry>,
-    ) -> BoxFuture<'static, Vec<Outcome>>;
+    ) -> BoxFuture<'static, Result<Vec<Outcome>, PublishError>>;
 }
 
 /// Sends a batch through `api`: by target, cut to the service's limits, concurrently.
@@ -734,7 +880,7 @@ pub fn send_batched<A: BatchApi>(
             let (positions, entries): (Vec<usize>, Vec<A::Entry>) = chunk.into_iter().unzip();
             let api = api.clone();
             async move {
-                let results = api.send_entries(target, entries).await;
+                let results = send_chunk(api, target, entries).await;
                 positions.into_iter().zip(results).collect::<Vec<_>>()
             }
         })
@@ -756,6 +902,46 @@ pub fn send_batched<A: BatchApi>(
             .collect()
     }
     .boxed()
+}
+
+/// Sends one chunk. A request refused as a whole for good (a validation error, too large)
+/// may be one entry's fault: its entries are then sent one by one, so only that entry
+/// fails and the others are delivered. Refused credentials fail them all (each would be
+/// refused alike), and a retryable failure fails them all, to be retried.
+async fn send_chunk<A: BatchApi>(
+    api: Arc<A>,
+    target: String,
+    entries: Vec<A::Entry>,
+) -> Vec<Outcome> {
+    let count = entries.len();
+    let error = match api
+        .clone()
+        .send_entries(target.clone(), entries.clone())
+        .await
+    {
+        Ok(outcomes) => return outcomes,
+        Err(error) => error,
+    };
+    let permanent = error.disposition() == outbox_core::Disposition::Permanent;
+    if !permanent || error.kind() == PublishErrorKind::Unauthorized || count == 1 {
+        return fail_entries(count, &error);
+    }
+    let alone = entries.into_iter().map(|entry| {
+        let api = api.clone();
+        let target = target.clone();
+        async move {
+            match api.send_entries(target, vec![entry]).await {
+                Ok(mut outcomes) => outcomes.pop().unwrap_or_else(|| {
+                    Err(PublishError::new(
+                        PublishErrorKind::BrokerFailure,
+                        "the service's answer did not mention this entry",
+                    ))
+                }),
+                Err(error) => Err(error),
+            }
+        }
+    });
+    join_all(alone).await
 }
 
 /// The event's attributes as SQS and SNS carry them (at most 10 per message, so the
@@ -875,6 +1061,26 @@ mod tests {
         assert_eq!(kind(Some(429), ""), PublishErrorKind::Throttled);
         assert_eq!(kind(None, "MalformedDetail"), PublishErrorKind::Rejected);
         assert_eq!(
+            kind(Some(400), "KMS.ThrottlingException"),
+            PublishErrorKind::Throttled
+        );
+        assert_eq!(
+            kind(Some(400), "KMSThrottling"),
+            PublishErrorKind::Throttled
+        );
+        assert_eq!(
+            kind(Some(400), "IDPCommunicationError"),
+            PublishErrorKind::Unavailable
+        );
+        assert_eq!(kind(Some(400), "RequestTimeout"), PublishErrorKind::Timeout);
+        let skewed = classify(
+            Some(400),
+            "InvalidSignatureException",
+            "Signature expired: 20261126T031500Z is now earlier than 20261126T032000Z",
+            "x",
+        );
+        assert_eq!(skewed.kind(), PublishErrorKind::Unavailable);
+        assert_eq!(
             entry_error("Whatever", "m", Some(false), "x").disposition(),
             Disposition::Retry { after: None },
             "a failure on the service's side is retried"
@@ -903,6 +1109,89 @@ mod tests {
         );
         assert_eq!(hashed, message_group("customer 7"), "one key, one group");
         assert_ne!(hashed, message_group("customer 8"));
+    }
+
+    /// A service that refuses a whole request for one bad entry (as SQS does for an
+    /// attribute value it cannot take), and answers per entry otherwise.
+    struct RefusesWholeRequests {
+        client: AwsClient,
+        requests: std::sync::Mutex<Vec<usize>>,
+    }
+
+    impl BatchApi for RefusesWholeRequests {
+        const SYSTEM: &'static str = "test";
+        const PROBE: Probe = Probe::Query {
+            action: "X",
+            version: "1",
+        };
+        const MAX_MESSAGE_BYTES: usize = 1_000;
+        const MAX_ENTRIES: usize = 10;
+        const MAX_BATCH_BYTES: usize = 1_000;
+        type Entry = bool;
+
+        fn client(&self) -> &AwsClient {
+            &self.client
+        }
+
+        fn entry(&self, routed: &Routed) -> Result<(bool, usize), PublishError> {
+            Ok((routed.event.payload.as_bytes() == b"bad", 1))
+        }
+
+        fn send_entries(
+            self: Arc<Self>,
+            _target: String,
+            entries: Vec<bool>,
+        ) -> BoxFuture<'static, Result<Vec<Outcome>, PublishError>> {
+            self.requests.lock().unwrap().push(entries.len());
+            let refused = entries.iter().any(|bad| *bad);
+            async move {
+                match refused {
+                    true => Err(classify(Some(400), "InvalidParameterValue", "bad", "x")),
+                    false => Ok(entries.iter().map(|_| Ok(())).collect()),
+                }
+            }
+            .boxed()
+        }
+    }
+
+    /// One entry that gets a whole request refused fails alone: the others of its request
+    /// are sent again one by one and delivered. A retryable refusal is not split.
+    #[tokio::test]
+    async fn a_request_refused_for_one_entry_is_split_so_only_that_entry_fails() {
+        let env = |name: &str| match name {
+            "AWS_ACCESS_KEY_ID" => Some("AK".to_string()),
+            "AWS_SECRET_ACCESS_KEY" => Some("s".to_string()),
+            "AWS_REGION" => Some("us-east-1".to_string()),
+            _ => None,
+        };
+        outbox_testkit::install_crypto();
+        let api = Arc::new(RefusesWholeRequests {
+            client: AwsClient::new(Service::Sqs, &AwsConfig::default(), &env).unwrap(),
+            requests: Default::default(),
+        });
+        let batch: Vec<Routed> = ["ok", "bad", "ok"]
+            .iter()
+            .enumerate()
+            .map(|(i, payload)| {
+                let event = outbox_core::Event::new(
+                    i as i64,
+                    uuid::Uuid::new_v4(),
+                    "d",
+                    "t",
+                    outbox_core::Payload::Bytes(payload.as_bytes().to_vec()),
+                );
+                Routed {
+                    event: Arc::new(event),
+                    target: "q".into(),
+                    cloudevents: None,
+                }
+            })
+            .collect();
+        let outcomes = send_batched(api.clone(), batch).await;
+        assert!(outcomes[0].is_ok() && outcomes[2].is_ok(), "{outcomes:?}");
+        let refused = outcomes[1].as_ref().unwrap_err();
+        assert_eq!(refused.disposition(), Disposition::Permanent, "{refused}");
+        assert_eq!(*api.requests.lock().unwrap(), [3, 1, 1, 1]);
     }
 
     #[test]

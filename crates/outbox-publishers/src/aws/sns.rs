@@ -15,7 +15,7 @@ use outbox_core::{Outcome, PublishError, PublishErrorKind};
 use tokio::sync::OnceCell;
 
 use super::credentials::Env;
-use super::{AwsClient, AwsConfig, BatchApi, Service};
+use super::{AwsClient, AwsConfig, BatchApi, Probe, Service};
 use crate::error::SinkSetupError;
 use crate::sink::{Routed, Sink};
 
@@ -61,6 +61,10 @@ impl Sns {
 }
 
 impl BatchApi for Sns {
+    const PROBE: Probe = Probe::Query {
+        action: "ListTopics",
+        version: "2010-03-31",
+    };
     const MAX_ENTRIES: usize = 10;
     const MAX_BATCH_BYTES: usize = MAX_MESSAGE_BYTES;
     const SYSTEM: &'static str = "aws.sns";
@@ -110,12 +114,12 @@ impl BatchApi for Sns {
         self: Arc<Self>,
         target: String,
         entries: Vec<Params>,
-    ) -> BoxFuture<'static, Vec<Outcome>> {
+    ) -> BoxFuture<'static, Result<Vec<Outcome>, PublishError>> {
         async move {
             let count = entries.len();
             let topic = match self.topic_arn(&target).await {
                 Ok(topic) => topic,
-                Err(error) => return super::fail_entries(count, &error),
+                Err(error) => return Err(error),
             };
             let mut params = vec![
                 ("Action".to_string(), "PublishBatch".to_string()),
@@ -132,13 +136,13 @@ impl BatchApi for Sns {
                 .map(|(k, v)| (k.as_str(), v.as_str()))
                 .collect();
             match self.client.query(&params).await {
-                Ok(answer) => super::outcomes_by_id(
+                Ok(answer) => Ok(super::outcomes_by_id(
                     count,
                     &super::EntryAnswer::from_xml(&answer, "Successful"),
                     &super::EntryAnswer::from_xml(&answer, "Failed"),
                     &self.client.what("PublishBatch"),
-                ),
-                Err(error) => super::fail_entries(count, &error),
+                )),
+                Err(error) => Err(error),
             }
         }
         .boxed()

@@ -16,7 +16,7 @@ use outbox_core::{Outcome, PublishError, PublishErrorKind};
 use serde_json::{json, Map, Value};
 
 use super::credentials::Env;
-use super::{AwsClient, AwsConfig, BatchApi, Service};
+use super::{AwsClient, AwsConfig, BatchApi, Probe, Service};
 use crate::error::SinkSetupError;
 use crate::sink::{Routed, Sink};
 
@@ -67,6 +67,12 @@ impl Sqs {
 }
 
 impl BatchApi for Sqs {
+    const PROBE: Probe = Probe::Json {
+        prefix: "AmazonSQS",
+        action: "ListQueues",
+        version: "1.0",
+        body: r#"{"MaxResults": 1}"#,
+    };
     const MAX_ENTRIES: usize = 10;
     const MAX_BATCH_BYTES: usize = MAX_MESSAGE_BYTES;
     const SYSTEM: &'static str = "aws_sqs";
@@ -122,12 +128,12 @@ impl BatchApi for Sqs {
         self: Arc<Self>,
         target: String,
         entries: Vec<Self::Entry>,
-    ) -> BoxFuture<'static, Vec<Outcome>> {
+    ) -> BoxFuture<'static, Result<Vec<Outcome>, PublishError>> {
         async move {
             let count = entries.len();
             let url = match self.queue_url(&target).await {
                 Ok(url) => url,
-                Err(error) => return super::fail_entries(count, &error),
+                Err(error) => return Err(error),
             };
             let entries: Vec<Value> = entries
                 .into_iter()
@@ -143,13 +149,13 @@ impl BatchApi for Sqs {
                 .json("AmazonSQS", "SendMessageBatch", "1.0", &request)
                 .await
             {
-                Ok(answer) => super::outcomes_by_id(
+                Ok(answer) => Ok(super::outcomes_by_id(
                     count,
                     &super::EntryAnswer::from_json(&answer["Successful"]),
                     &super::EntryAnswer::from_json(&answer["Failed"]),
                     &self.client.what("SendMessageBatch"),
-                ),
-                Err(error) => super::fail_entries(count, &error),
+                )),
+                Err(error) => Err(error),
             }
         }
         .boxed()
