@@ -1270,8 +1270,9 @@ $$;
 /// Debezium's outbox table as its outbox extension creates it, and what the relay adds to a
 /// table that exists already: the optional `timestamp` and `tracingspancontext` columns, and
 /// the `relay_sequence` the relay orders by (its default fills it for inserts that name
-/// their columns, as Debezium's applications' do; a table's existing rows are numbered in
-/// `timestamp` order where they have one).
+/// their columns, as Debezium's applications' do). A table that holds rows is refused: they
+/// are most likely published by Debezium already, and nothing orders them (the error says
+/// how to relay them anyway).
 pub fn debezium_ddl(m: &Mapping) -> String {
     let schema = m.schema.as_deref().unwrap_or("public");
     let t = format!("\"{schema}\".\"{}\"", m.table);
@@ -1293,14 +1294,10 @@ ALTER TABLE {t} ADD COLUMN IF NOT EXISTS tracingspancontext varchar(256);
 DO $$
 BEGIN
     IF NOT EXISTS (SELECT 1 FROM information_schema.columns WHERE table_schema = '{schema}' AND table_name = '{n}' AND column_name = '{seq}') THEN
-        CREATE SEQUENCE IF NOT EXISTS "{schema}"."{n}_{seq}_seq" OWNED BY NONE;
-        ALTER TABLE {t} ADD COLUMN {seq} bigint;
-        UPDATE {t} o SET {seq} = numbered.n
-          FROM (SELECT id, nextval('"{schema}"."{n}_{seq}_seq"') AS n FROM (SELECT id FROM {t} ORDER BY "timestamp", id) ordered) numbered
-         WHERE o.id = numbered.id;
-        ALTER TABLE {t} ALTER COLUMN {seq} SET DEFAULT nextval('"{schema}"."{n}_{seq}_seq"');
-        ALTER TABLE {t} ALTER COLUMN {seq} SET NOT NULL;
-        ALTER SEQUENCE "{schema}"."{n}_{seq}_seq" OWNED BY {t}.{seq};
+        IF EXISTS (SELECT 1 FROM {t}) THEN
+            RAISE EXCEPTION '{n} holds rows, and Debezium never deletes the rows it relays, so these were most likely published already; relayed again they would go out twice, in an order the table cannot give (its id is random, its timestamp ties). Stop Debezium once it has caught up, delete them (DELETE FROM {t}), and run migrate again; to relay them anyway, add the column first (ALTER TABLE {t} ADD COLUMN {seq} bigserial), which numbers them in the table''s physical order';
+        END IF;
+        ALTER TABLE {t} ADD COLUMN {seq} bigserial;
     END IF;
 END
 $$;

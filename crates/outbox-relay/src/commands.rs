@@ -364,6 +364,9 @@ fn start_capture(
         table,
     );
     wal.columns = columns;
+    // Beside a mapped table, the native outbox is captured too: `dead retry` and `send`
+    // write there.
+    wal.native_outbox = capture.source.is_some().then(|| pg.tables().outbox.clone());
     wal.application_name = format!("outbox-relay {node}");
     wal.read_ahead = config.max_in_flight.max(1024);
     outbox_wal::WalStore::start(

@@ -871,7 +871,7 @@ async fn a_debezium_outbox_table_keeps_its_inserts_and_goes_to_debeziums_topics(
     })
     .await
     .unwrap();
-    // Written before the relay's migration: numbered in the order they were found.
+    // Written before the relay's migration.
     h.pg()
         .batch_execute(
             "INSERT INTO outboxevent (id, aggregatetype, aggregateid, type, payload)
@@ -889,6 +889,19 @@ async fn a_debezium_outbox_table_keeps_its_inserts_and_goes_to_debeziums_topics(
     .unwrap();
     let printed = h.cli(&["migrate", "--print"]);
     assert!(printed.contains("ADD COLUMN relay_sequence"), "{printed}");
+    // A row already there was most likely published by Debezium: refused, with the fix.
+    let refused = command(h.dir.path(), &["migrate"]);
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("most likely published already") && stderr.contains("ADD COLUMN relay_sequence bigserial"),
+        "{stderr}"
+    );
+    // The operator chooses to relay it: numbering it is theirs.
+    h.pg()
+        .batch_execute("ALTER TABLE outboxevent ADD COLUMN relay_sequence bigserial")
+        .await
+        .unwrap();
     h.cli(&["migrate"]);
     // The application's own inserts, unchanged: three events of one aggregate in one
     // transaction (one `timestamp`), and a traced one.

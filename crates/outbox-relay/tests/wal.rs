@@ -611,6 +611,42 @@ async fn debeziums_table_is_read_from_the_wal_even_when_rows_are_deleted_at_once
         .unwrap()
         .get(0);
     assert_eq!(left, 0, "delivered rows are deleted");
+
+    // The relay's own tables draw their ids from the Debezium table's sequence, so a parked
+    // or re-sent event never shares an id with a streamed one.
+    for table in ["outboxevent_relay", "outboxevent_relay_parked"] {
+        let default: String = db
+            .query_one(
+                "SELECT pg_get_expr(d.adbin, d.adrelid) FROM pg_attrdef d
+                   JOIN pg_attribute a ON a.attrelid = d.adrelid AND a.attnum = d.adnum
+                  WHERE d.adrelid = $1::text::regclass AND a.attname = 'sequence_id'",
+                &[&table],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert!(default.contains("outboxevent_relay_sequence_seq"), "{table}: {default}");
+    }
+    // `send` (and `dead retry`) write to the relay's own outbox, which is captured too.
+    let send: Vec<&str> = ["send"]
+        .iter()
+        .chain(&flags)
+        .chain(&["--destination", "Order", "--key", "order-3", "--type", "Sent", r#"{"n": 7}"#])
+        .copied()
+        .collect();
+    assert_success("send", &relay(dir.path(), &send));
+    assert_success("the drain after send", &relay(dir.path(), &drain));
+    let lines = read_lines(&out);
+    assert_eq!(counters_by_key(&lines)["order-3"], [7], "{lines:?}");
+    let left: i64 = db
+        .query_one(
+            "SELECT (SELECT count(*) FROM outboxevent_relay) + (SELECT count(*) FROM outboxevent_relay_parked)",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(left, 0, "the sent event's row is deleted too");
 }
 
 // ---- 3, 4. kill -9 and SIGTERM mid-stream ----

@@ -93,6 +93,9 @@ struct OpenTransaction {
 pub struct Assembler {
     table: TableName,
     columns: ColumnNames,
+    /// Another captured table, with its names: the native outbox beside a mapped table
+    /// (`dead retry` and `send` write there).
+    also: Option<(TableName, ColumnNames)>,
     prefix: String,
     /// Relation OID → the outbox's columns, or `None` for another table.
     relations: HashMap<u32, Option<OutboxColumns>>,
@@ -108,11 +111,18 @@ impl Assembler {
         Assembler {
             table,
             columns,
+            also: None,
             prefix: prefix.into(),
             relations: HashMap::new(),
             open: None,
             stats: AssemblerStats::default(),
         }
+    }
+
+    /// Captures the rows inserted into `table` too, its columns named as `columns` says.
+    pub fn also(mut self, table: TableName, columns: ColumnNames) -> Self {
+        self.also = Some((table, columns));
+        self
     }
 
     /// Decodes and assembles one `XLogData` payload.
@@ -162,7 +172,12 @@ impl Assembler {
                 let columns = if OutboxColumns::is_outbox(&relation, &self.table) {
                     Some(OutboxColumns::resolve(&relation, &self.columns)?)
                 } else {
-                    None
+                    match &self.also {
+                        Some((table, columns)) if OutboxColumns::is_outbox(&relation, table) => {
+                            Some(OutboxColumns::resolve(&relation, columns)?)
+                        }
+                        _ => None,
+                    }
                 };
                 self.relations.insert(relation.oid, columns);
                 Ok(None)

@@ -25,6 +25,8 @@ pub struct WalConfig {
     pub outbox_table: TableName,
     /// What the outbox table's columns are named: the native table's, or a mapped one's.
     pub columns: crate::table::ColumnNames,
+    /// The native outbox, captured beside a mapped `outbox_table`.
+    pub native_outbox: Option<TableName>,
     /// The prefix of outbox messages ([`EMIT_PREFIX`]).
     pub message_prefix: String,
     /// How often the confirmed position is reported when it moved (and at most how long a
@@ -59,6 +61,7 @@ impl WalConfig {
             publication: publication.into(),
             outbox_table,
             columns: crate::table::ColumnNames::native(),
+            native_outbox: None,
             message_prefix: EMIT_PREFIX.to_string(),
             status_interval: Duration::from_secs(1),
             read_ahead: 8192,
@@ -202,11 +205,17 @@ impl WalStream {
         client.wait_started().await?;
         Ok(WalStream {
             client,
-            assembler: Assembler::new(
-                config.outbox_table.clone(),
-                config.columns.clone(),
-                config.message_prefix.clone(),
-            ),
+            assembler: {
+                let assembler = Assembler::new(
+                    config.outbox_table.clone(),
+                    config.columns.clone(),
+                    config.message_prefix.clone(),
+                );
+                match &config.native_outbox {
+                    Some(native) => assembler.also(native.clone(), crate::table::ColumnNames::native()),
+                    None => assembler,
+                }
+            },
             slot,
             confirmed: slot.confirmed_flush,
             stop_at: config.stop_at,

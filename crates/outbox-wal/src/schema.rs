@@ -12,9 +12,18 @@ use crate::table::ColumnNames;
 /// stay out of the stream. Needs the table's owner (or a superuser). An existing
 /// publication of the same name is left as it is.
 pub fn publication_ddl(publication: &Ident, table: &TableName) -> String {
+    publication_of(publication, &[table])
+}
+
+/// [`publication_ddl`] over several tables.
+fn publication_of(publication: &Ident, tables: &[&TableName]) -> String {
     let name = publication.as_str();
     let quoted = publication.quoted();
-    let table = table.quoted();
+    let table = tables
+        .iter()
+        .map(|t| t.quoted())
+        .collect::<Vec<_>>()
+        .join(", ");
     format!(
         r#"DO $outbox_publication$
 BEGIN
@@ -96,10 +105,61 @@ CREATE TABLE IF NOT EXISTS {parked} (LIKE {outbox} INCLUDING DEFAULTS INCLUDING 
 
 -- Table-less events: SELECT {schema}.outbox_emit('orders', 'order-42', 'OrderPlaced', '{{"id": 42}}');
 {emit}
-"#,
-            publication = publication_ddl(&self.publication, &self.source),
+{shared_ids}"#,
+            publication = match self.is_mapped() {
+                // The native outbox too: `dead retry` and `send` write there.
+                true => publication_of(&self.publication, &[&self.source, &self.outbox]),
+                false => publication_ddl(&self.publication, &self.source),
+            },
+            shared_ids = self.shared_ids_ddl(),
             schema = self.outbox.schema.quoted(),
             emit = emit_function_ddl(&self.outbox.schema),
+        )
+    }
+
+    /// Whether a mapped table is captured (beside the native outbox).
+    pub fn is_mapped(&self) -> bool {
+        self.source != self.outbox
+    }
+
+    /// The source's row id sequence, by the name `bigserial` gives it.
+    fn source_sequence(&self) -> TableName {
+        TableName {
+            schema: self.source.schema.clone(),
+            name: Ident::new(
+                &format!("{}_{}_seq", self.source.name, self.columns.sequence_id),
+                "sequence name",
+            )
+            .unwrap_or_else(|_| self.source.name.clone()),
+        }
+    }
+
+    /// A mapped table's events are held, parked and dead-lettered by its row ids: the
+    /// native outbox and the parked table draw theirs from the same sequence, so no two
+    /// events anywhere share one.
+    fn shared_ids_ddl(&self) -> String {
+        if !self.is_mapped() {
+            return String::new();
+        }
+        let source = self.source.quoted().replace('\'', "''");
+        let column = self.columns.sequence_id.replace('\'', "''");
+        format!(
+            r#"
+-- A mapped table's row ids are the events' ids: the relay's own tables draw from its sequence.
+DO $outbox_ids$
+DECLARE
+    ids text := pg_get_serial_sequence('{source}', '{column}');
+BEGIN
+    IF ids IS NULL THEN
+        RAISE EXCEPTION 'the column {column} of {source} has no sequence of its own: WAL capture of this table needs it to be a bigserial';
+    END IF;
+    EXECUTE format('ALTER TABLE {outbox} ALTER COLUMN sequence_id SET DEFAULT nextval(%L::regclass)', ids);
+    EXECUTE format('ALTER TABLE {parked} ALTER COLUMN sequence_id SET DEFAULT nextval(%L::regclass)', ids);
+END
+$outbox_ids$;
+"#,
+            outbox = self.outbox.quoted(),
+            parked = self.parked.quoted(),
         )
     }
 
@@ -109,12 +169,19 @@ CREATE TABLE IF NOT EXISTS {parked} (LIKE {outbox} INCLUDING DEFAULTS INCLUDING 
         let role = format!("\"{}\"", role.replace('"', "\"\""));
         let parked = self.parked.quoted();
         let outbox = self.source.quoted();
+        let source_sequence = match self.is_mapped() {
+            true => format!(
+                "\nGRANT USAGE ON SEQUENCE {} TO {role};",
+                self.source_sequence().quoted()
+            ),
+            false => String::new(),
+        };
         format!(
             r#"
 -- WAL capture needs, besides the grants above:
 GRANT SELECT, INSERT, UPDATE, DELETE ON {parked} TO {role};
 GRANT USAGE ON SEQUENCE {sequence} TO {role};
-GRANT DELETE ON {outbox} TO {role};
+GRANT DELETE ON {outbox} TO {role};{source_sequence}
 -- The role must be allowed to replicate (a superuser runs this once):
 --   ALTER ROLE {role} REPLICATION;
 -- and pg_hba.conf must let it connect to this database (a `host` line for the database, as
@@ -184,9 +251,7 @@ pub struct CaptureStatements {
 impl CaptureStatements {
     pub fn new(tables: &CaptureTables) -> Self {
         let parked = tables.parked.quoted();
-        let source = tables.source.quoted();
         let dl = tables.dead_letters.quoted();
-        let row_id = quote(&tables.columns.sequence_id);
         let key = "coalesce(partition_key, destination)";
         let marker = String::from_utf8_lossy(DRAIN_MARKER);
         CaptureStatements {
@@ -213,10 +278,8 @@ impl CaptureStatements {
                         AS u(s, e, d, k, t, p, h, m, c, n, err)
                  ON CONFLICT (sequence_id) DO NOTHING"
             ),
-            delete_rows: format!("DELETE FROM {source} WHERE {row_id} = ANY($1)"),
-            delete_delivered: format!(
-                "DELETE FROM {source} WHERE {row_id} = ANY($1) RETURNING {row_id}"
-            ),
+            delete_rows: format!("{} SELECT count(*) FROM deleted", deletes(tables)),
+            delete_delivered: format!("{} SELECT id FROM deleted", deletes(tables)),
             adopt: adopt(tables),
             parked_keys: format!("SELECT DISTINCT {key} FROM {parked} WHERE delivered_at IS NULL"),
             still_parked: format!(
@@ -239,6 +302,24 @@ impl CaptureStatements {
                 .into(),
         }
     }
+}
+
+/// A `WITH` clause deleting the rows of ids `$1` from the captured tables, as `deleted(id)`.
+fn deletes(tables: &CaptureTables) -> String {
+    let source = tables.source.quoted();
+    let row_id = quote(&tables.columns.sequence_id);
+    let mut with = format!(
+        "WITH deleted AS (DELETE FROM {source} WHERE {row_id} = ANY($1) RETURNING {row_id} AS id)"
+    );
+    if tables.is_mapped() {
+        with = format!(
+            "WITH from_source AS (DELETE FROM {source} WHERE {row_id} = ANY($1) RETURNING {row_id} AS id),
+                  from_outbox AS (DELETE FROM {outbox} WHERE sequence_id = ANY($1) RETURNING sequence_id AS id),
+                  deleted AS (SELECT id FROM from_source UNION ALL SELECT id FROM from_outbox)",
+            outbox = tables.outbox.quoted()
+        );
+    }
+    with
 }
 
 fn quote(name: &str) -> String {
@@ -285,14 +366,26 @@ fn adopt(tables: &CaptureTables) -> String {
         (Some(column), false) => quote(column),
         (None, _) => "now()".into(),
     };
+    // The ids are kept (they come from one sequence, see `shared_ids_ddl`); the native
+    // outbox's rows (`dead retry`, `send`) are moved as the native form moves them.
     format!(
-        "WITH moved AS (DELETE FROM {source} RETURNING *)
-         INSERT INTO {parked} (event_id, destination, partition_key, event_type, payload,
-                headers, mutation_id, created_at)
-         SELECT {event_id}::uuid, {destination}::text, {key}, {event_type}::text, {payload},
-                {headers}, {mutation}, {created_at}
-           FROM moved ORDER BY {row_id}
+        "WITH moved AS (DELETE FROM {source} RETURNING *),
+              moved_outbox AS (DELETE FROM {outbox} WHERE delivered_at IS NULL RETURNING *),
+              adopted AS (
+                INSERT INTO {parked} (sequence_id, event_id, destination, partition_key,
+                       event_type, payload, headers, mutation_id, created_at)
+                SELECT {row_id}, {event_id}::uuid, {destination}::text, {key},
+                       {event_type}::text, {payload}, {headers}, {mutation}, {created_at}
+                  FROM moved ORDER BY {row_id}
+                ON CONFLICT DO NOTHING RETURNING 1)
+         INSERT INTO {parked} (sequence_id, event_id, destination, partition_key, event_type,
+                payload, headers, mutation_id, rejected, created_at, available_at, attempts,
+                last_error)
+         SELECT sequence_id, event_id, destination, partition_key, event_type, payload,
+                headers, mutation_id, rejected, created_at, available_at, attempts, last_error
+           FROM moved_outbox ORDER BY sequence_id
          ON CONFLICT DO NOTHING",
+        outbox = tables.outbox.quoted(),
         event_id = quote(&c.event_id),
         destination = quote(&c.destination),
         key = or_null(&c.partition_key, "text"),
