@@ -59,7 +59,8 @@ for crate in sdk ours; do
     /usr/bin/time -f "%U %S" -o time.txt cargo build --release -q
     read -r user sys <time.txt
     cp "target/release/$crate-measure" stripped && strip stripped
-    printf '%s: %s crates, %.0f s CPU, %s bytes stripped\n' "$crate" \
-      "$(grep -c '^name = ' Cargo.lock)" "$(echo "$user + $sys" | bc)" "$(stat -c %s stripped)"
+    printf '%s: %s crates, %s s CPU, %s bytes stripped\n' "$crate" \
+      "$(grep -c '^name = ' Cargo.lock)" "$(awk -v u="$user" -v s="$sys" 'BEGIN { printf "%.0f", u + s }')" \
+      "$(stat -c %s stripped)"
   )
 done
