@@ -894,7 +894,8 @@ async fn a_debezium_outbox_table_keeps_its_inserts_and_goes_to_debeziums_topics(
     let stderr = String::from_utf8_lossy(&refused.stderr);
     assert!(!refused.status.success(), "{stderr}");
     assert!(
-        stderr.contains("most likely published already") && stderr.contains("ADD COLUMN relay_sequence bigserial"),
+        stderr.contains("most likely published already")
+            && stderr.contains("ADD COLUMN relay_sequence bigserial"),
         "{stderr}"
     );
     // The operator chooses to relay it: numbering it is theirs.

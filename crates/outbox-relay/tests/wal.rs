@@ -625,13 +625,24 @@ async fn debeziums_table_is_read_from_the_wal_even_when_rows_are_deleted_at_once
             .await
             .unwrap()
             .get(0);
-        assert!(default.contains("outboxevent_relay_sequence_seq"), "{table}: {default}");
+        assert!(
+            default.contains("outboxevent_relay_sequence_seq"),
+            "{table}: {default}"
+        );
     }
     // `send` (and `dead retry`) write to the relay's own outbox, which is captured too.
     let send: Vec<&str> = ["send"]
         .iter()
         .chain(&flags)
-        .chain(&["--destination", "Order", "--key", "order-3", "--type", "Sent", r#"{"n": 7}"#])
+        .chain(&[
+            "--destination",
+            "Order",
+            "--key",
+            "order-3",
+            "--type",
+            "Sent",
+            r#"{"n": 7}"#,
+        ])
         .copied()
         .collect();
     assert_success("send", &relay(dir.path(), &send));

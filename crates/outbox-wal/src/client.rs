@@ -212,7 +212,9 @@ impl WalStream {
                     config.message_prefix.clone(),
                 );
                 match &config.native_outbox {
-                    Some(native) => assembler.also(native.clone(), crate::table::ColumnNames::native()),
+                    Some(native) => {
+                        assembler.also(native.clone(), crate::table::ColumnNames::native())
+                    }
                     None => assembler,
                 }
             },

@@ -126,24 +126,12 @@ impl BatchApi for EventBridge {
                 .await
             {
                 // The answer lists every entry, in the request's order.
-                Ok(answer) => Ok((0..count)
-                    .map(|i| {
-                        let entry = &answer["Entries"][i];
-                        match (entry["EventId"].as_str(), entry["ErrorCode"].as_str()) {
-                            (Some(_), _) => Ok(()),
-                            (None, Some(code)) => Err(super::entry_error(
-                                code,
-                                entry["ErrorMessage"].as_str().unwrap_or_default(),
-                                None,
-                                &what,
-                            )),
-                            (None, None) => Err(PublishError::new(
-                                PublishErrorKind::BrokerFailure,
-                                format!("{what} answered without this entry"),
-                            )),
-                        }
-                    })
-                    .collect()),
+                Ok(answer) => Ok(super::outcomes_in_order(
+                    count,
+                    &answer["Entries"],
+                    "EventId",
+                    &what,
+                )),
                 Err(error) => Err(error),
             }
         }

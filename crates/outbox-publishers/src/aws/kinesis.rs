@@ -105,27 +105,12 @@ impl BatchApi for Kinesis {
                 .await
             {
                 // The answer lists every record, in the request's order.
-                Ok(answer) => Ok((0..count)
-                    .map(|i| {
-                        let record = &answer["Records"][i];
-                        match (
-                            record["SequenceNumber"].as_str(),
-                            record["ErrorCode"].as_str(),
-                        ) {
-                            (Some(_), _) => Ok(()),
-                            (None, Some(code)) => Err(super::entry_error(
-                                code,
-                                record["ErrorMessage"].as_str().unwrap_or_default(),
-                                None,
-                                &what,
-                            )),
-                            (None, None) => Err(PublishError::new(
-                                PublishErrorKind::BrokerFailure,
-                                format!("{what} answered without this record"),
-                            )),
-                        }
-                    })
-                    .collect()),
+                Ok(answer) => Ok(super::outcomes_in_order(
+                    count,
+                    &answer["Records"],
+                    "SequenceNumber",
+                    &what,
+                )),
                 Err(error) => Err(error),
             }
         }

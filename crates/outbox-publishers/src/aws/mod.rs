@@ -977,6 +977,64 @@ pub const ATTRIBUTE_HEADERS: &str = "outbox-headers";
 /// Set to `base64` when the body had to be encoded (see [`message_body`]).
 pub const ATTRIBUTE_ENCODING: &str = "outbox-content-transfer-encoding";
 
+/// An SQS or SNS message.
+pub struct Message {
+    pub body: String,
+    pub attributes: Vec<(&'static str, String)>,
+    /// As the service counts it: the body and each attribute's name, type and value.
+    pub size: usize,
+}
+
+/// The SQS or SNS message for the event; an event larger than `max` fails alone, naming
+/// `service`.
+pub fn message(routed: &Routed, service: &str, max: usize) -> Result<Message, PublishError> {
+    let (body, encoded) = message_body(routed.event.payload.as_bytes());
+    let mut attributes = message_attributes(routed);
+    if encoded {
+        attributes.push((ATTRIBUTE_ENCODING, "base64".into()));
+    }
+    let size = body.len()
+        + attributes
+            .iter()
+            .map(|(name, value)| name.len() + "String".len() + value.len())
+            .sum::<usize>();
+    if size > max {
+        return Err(PublishError::new(
+            PublishErrorKind::TooLarge,
+            format!("the {service} message would be {size} bytes; {service} takes at most {max}"),
+        ));
+    }
+    Ok(Message {
+        body,
+        attributes,
+        size,
+    })
+}
+
+/// Outcomes from an answer that lists every entry in the request's order (Kinesis'
+/// `Records`, EventBridge's `Entries`): an entry with `ok_field` was taken, one with an
+/// `ErrorCode` was refused, one with neither (or missing) is not confirmed.
+fn outcomes_in_order(count: usize, entries: &Value, ok_field: &str, what: &str) -> Vec<Outcome> {
+    (0..count)
+        .map(|i| {
+            let entry = &entries[i];
+            match (entry[ok_field].as_str(), entry["ErrorCode"].as_str()) {
+                (Some(_), _) => Ok(()),
+                (None, Some(code)) => Err(entry_error(
+                    code,
+                    entry["ErrorMessage"].as_str().unwrap_or_default(),
+                    None,
+                    what,
+                )),
+                (None, None) => Err(PublishError::new(
+                    PublishErrorKind::BrokerFailure,
+                    format!("{what} answered without this entry"),
+                )),
+            }
+        })
+        .collect()
+}
+
 /// The message body SQS and SNS accept: the payload when it is text of the characters they
 /// allow (XML's), else its base64 and `true` (the attribute
 /// [`ATTRIBUTE_ENCODING`] then says so).
@@ -1034,45 +1092,46 @@ mod tests {
     #[test]
     fn errors_are_classified_by_code_then_status() {
         let kind = |status, code| classify(status, code, "m", "x").kind();
-        assert_eq!(
-            kind(
+        for (status, code, expected) in [
+            (
                 Some(400),
-                "com.amazonaws.kinesis#ProvisionedThroughputExceededException"
+                "com.amazonaws.kinesis#ProvisionedThroughputExceededException",
+                PublishErrorKind::Throttled,
             ),
-            PublishErrorKind::Throttled
-        );
-        assert_eq!(
-            kind(Some(400), "AWS.SimpleQueueService.NonExistentQueue"),
-            PublishErrorKind::MissingTarget
-        );
-        assert_eq!(
-            kind(Some(400), "ValidationException"),
-            PublishErrorKind::Rejected
-        );
-        assert_eq!(
-            kind(Some(403), "AccessDeniedException"),
-            PublishErrorKind::Unauthorized
-        );
-        assert_eq!(
-            kind(Some(400), "ExpiredTokenException"),
-            PublishErrorKind::Unavailable
-        );
-        assert_eq!(kind(Some(503), ""), PublishErrorKind::BrokerFailure);
-        assert_eq!(kind(Some(429), ""), PublishErrorKind::Throttled);
-        assert_eq!(kind(None, "MalformedDetail"), PublishErrorKind::Rejected);
-        assert_eq!(
-            kind(Some(400), "KMS.ThrottlingException"),
-            PublishErrorKind::Throttled
-        );
-        assert_eq!(
-            kind(Some(400), "KMSThrottling"),
-            PublishErrorKind::Throttled
-        );
-        assert_eq!(
-            kind(Some(400), "IDPCommunicationError"),
-            PublishErrorKind::Unavailable
-        );
-        assert_eq!(kind(Some(400), "RequestTimeout"), PublishErrorKind::Timeout);
+            (
+                Some(400),
+                "AWS.SimpleQueueService.NonExistentQueue",
+                PublishErrorKind::MissingTarget,
+            ),
+            (Some(400), "ValidationException", PublishErrorKind::Rejected),
+            (
+                Some(403),
+                "AccessDeniedException",
+                PublishErrorKind::Unauthorized,
+            ),
+            (
+                Some(400),
+                "ExpiredTokenException",
+                PublishErrorKind::Unavailable,
+            ),
+            (Some(503), "", PublishErrorKind::BrokerFailure),
+            (Some(429), "", PublishErrorKind::Throttled),
+            (None, "MalformedDetail", PublishErrorKind::Rejected),
+            (
+                Some(400),
+                "KMS.ThrottlingException",
+                PublishErrorKind::Throttled,
+            ),
+            (Some(400), "KMSThrottling", PublishErrorKind::Throttled),
+            (
+                Some(400),
+                "IDPCommunicationError",
+                PublishErrorKind::Unavailable,
+            ),
+            (Some(400), "RequestTimeout", PublishErrorKind::Timeout),
+        ] {
+            assert_eq!(kind(status, code), expected, "{status:?} {code}");
+        }
         let skewed = classify(
             Some(400),
             "InvalidSignatureException",

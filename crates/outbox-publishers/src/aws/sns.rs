@@ -76,24 +76,11 @@ impl BatchApi for Sns {
     }
 
     fn entry(&self, routed: &Routed) -> Result<(Params, usize), PublishError> {
-        let (body, encoded) = super::message_body(routed.event.payload.as_bytes());
-        let mut attributes = super::message_attributes(routed);
-        if encoded {
-            attributes.push((super::ATTRIBUTE_ENCODING, "base64".into()));
-        }
-        let size = body.len()
-            + attributes
-                .iter()
-                .map(|(name, value)| name.len() + "String".len() + value.len())
-                .sum::<usize>();
-        if size > MAX_MESSAGE_BYTES {
-            return Err(PublishError::new(
-                PublishErrorKind::TooLarge,
-                format!(
-                    "the SNS message would be {size} bytes; SNS takes at most {MAX_MESSAGE_BYTES}"
-                ),
-            ));
-        }
+        let super::Message {
+            body,
+            attributes,
+            size,
+        } = super::message(routed, "SNS", MAX_MESSAGE_BYTES)?;
         let mut params = vec![("Message".to_string(), body)];
         for (n, (name, value)) in attributes.into_iter().enumerate() {
             let at = format!("MessageAttributes.entry.{}", n + 1);

@@ -84,25 +84,11 @@ impl BatchApi for Sqs {
     }
 
     fn entry(&self, routed: &Routed) -> Result<(Self::Entry, usize), PublishError> {
-        let (body, encoded) = super::message_body(routed.event.payload.as_bytes());
-        let mut attributes = super::message_attributes(routed);
-        if encoded {
-            attributes.push((super::ATTRIBUTE_ENCODING, "base64".into()));
-        }
-        // SQS counts the body and each attribute's name, type and value.
-        let size = body.len()
-            + attributes
-                .iter()
-                .map(|(name, value)| name.len() + "String".len() + value.len())
-                .sum::<usize>();
-        if size > MAX_MESSAGE_BYTES {
-            return Err(PublishError::new(
-                PublishErrorKind::TooLarge,
-                format!(
-                    "the SQS message would be {size} bytes; SQS takes at most {MAX_MESSAGE_BYTES}"
-                ),
-            ));
-        }
+        let super::Message {
+            body,
+            attributes,
+            size,
+        } = super::message(routed, "SQS", MAX_MESSAGE_BYTES)?;
         let mut entry = Map::new();
         entry.insert("MessageBody".into(), body.into());
         let attributes: Map<String, Value> = attributes
