@@ -224,15 +224,16 @@ fn outcomes_by_id(
     }
     outcomes
         .into_iter()
-        .map(|o| {
-            o.unwrap_or_else(|| {
-                Err(PublishError::new(
-                    PublishErrorKind::BrokerFailure,
-                    format!("{what} answered without this entry"),
-                ))
-            })
-        })
+        .map(|o| o.unwrap_or_else(|| Err(unconfirmed(what))))
         .collect()
+}
+
+/// The failure of an entry the service's answer did not mention: not confirmed, retried.
+fn unconfirmed(what: &str) -> PublishError {
+    PublishError::new(
+        PublishErrorKind::BrokerFailure,
+        format!("{what} answered without this entry"),
+    )
 }
 
 /// One entry of a batch answer.
@@ -891,14 +892,7 @@ pub fn send_batched<A: BatchApi>(
         }
         outcomes
             .into_iter()
-            .map(|o| {
-                o.unwrap_or_else(|| {
-                    Err(PublishError::new(
-                        PublishErrorKind::BrokerFailure,
-                        "the service's answer did not mention this entry",
-                    ))
-                })
-            })
+            .map(|o| o.unwrap_or_else(|| Err(unconfirmed("the service"))))
             .collect()
     }
     .boxed()
@@ -931,12 +925,9 @@ async fn send_chunk<A: BatchApi>(
         let target = target.clone();
         async move {
             match api.send_entries(target, vec![entry]).await {
-                Ok(mut outcomes) => outcomes.pop().unwrap_or_else(|| {
-                    Err(PublishError::new(
-                        PublishErrorKind::BrokerFailure,
-                        "the service's answer did not mention this entry",
-                    ))
-                }),
+                Ok(mut outcomes) => outcomes
+                    .pop()
+                    .unwrap_or_else(|| Err(unconfirmed("the service"))),
                 Err(error) => Err(error),
             }
         }
@@ -1026,10 +1017,7 @@ fn outcomes_in_order(count: usize, entries: &Value, ok_field: &str, what: &str) 
                     None,
                     what,
                 )),
-                (None, None) => Err(PublishError::new(
-                    PublishErrorKind::BrokerFailure,
-                    format!("{what} answered without this entry"),
-                )),
+                (None, None) => Err(unconfirmed(what)),
             }
         })
         .collect()
