@@ -198,17 +198,20 @@ impl Default for Config {
 /// Debug output never shows the database password.
 impl std::fmt::Debug for Config {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let tables = self.layout_tables();
         f.debug_struct("Config")
             .field("database_url", &redact_url(&self.database_url))
             .field("sink", &self.sink.as_deref().map(redact_url))
             .field("sinks", &self.sinks.keys().collect::<Vec<_>>())
+            .field("layout", &self.layout.to_string())
+            // The tables in effect: a layout's own names where none are configured.
             .field(
                 "outbox",
-                &format!("{}.{}", self.outbox_schema, self.outbox_table),
+                &format!("{}.{}", tables.outbox_schema, tables.outbox_table),
             )
             .field(
                 "nodes",
-                &format!("{}.{}", self.nodes_schema, self.nodes_table),
+                &format!("{}.{}", tables.nodes_schema, tables.nodes_table),
             )
             .field("poll_interval", &self.poll_interval)
             .field("poll_fixed_rate", &self.poll_fixed_rate)
@@ -1158,6 +1161,20 @@ mod tests {
         assert!(Arc::ptr_eq(&parts.engine.health, &parts.cluster.health));
         assert_eq!(parts.sinks["default"].uri(), "file:out.jsonl");
         assert!(parts.routes.is_empty() && parts.http_addr.is_none());
+    }
+
+    /// `check` prints the configuration: the tables it names are the layout's own.
+    #[test]
+    fn the_shown_configuration_names_the_layouts_tables() {
+        let config = Config {
+            database_url: "postgres://relay:secret@db/app".into(),
+            layout: LayoutKind::Debezium,
+            ..Config::default()
+        };
+        let shown = format!("{config:?}");
+        assert!(shown.contains(r#"outbox: "public.outboxevent""#), "{shown}");
+        assert!(shown.contains(r#"layout: "debezium""#), "{shown}");
+        assert!(!shown.contains("secret"), "{shown}");
     }
 
     #[test]
