@@ -643,6 +643,8 @@ fn settings_that_cannot_apply_are_refused() {
         .contains("`maxlen` has no effect on a kinesis sink"));
     assert!(err(json!({ "uri": "sqs:", "detail": "payload" })).contains("`detail` has no effect"));
     assert!(err(json!({ "uri": "eventbridge:", "detail_type": "{nope}" })).contains("detail_type"));
+    assert!(err(json!({ "uri": "sqs:", "concurrency": 0 })).contains("`concurrency` = 0"));
+    assert!(err(json!({ "uri": "sqs:", "endpoint": "not a url" })).contains("is not a URL"));
     let no_region = |name: &str| match name {
         "AWS_REGION" => None,
         other => env(other),
