@@ -52,9 +52,13 @@ pub trait Sink: Send + Sync + 'static {
 
 /// The same error for every event of a batch (the connection itself failed).
 pub fn fail_all(batch: &[Routed], error: &PublishError) -> Vec<Outcome> {
+    fail_n(batch.len(), error)
+}
+
+/// [`fail_all`] for `count` events.
+pub fn fail_n(count: usize, error: &PublishError) -> Vec<Outcome> {
     let report = error.report();
-    batch
-        .iter()
+    (0..count)
         .map(|_| Err(PublishError::new(error.kind(), report.clone())))
         .collect()
 }

@@ -110,7 +110,7 @@ impl BatchApi for EventBridge {
     fn send_entries(
         self: Arc<Self>,
         _source: String,
-        entries: Vec<Value>,
+        entries: Arc<[Value]>,
     ) -> BoxFuture<'static, Result<Vec<Outcome>, PublishError>> {
         async move {
             let count = entries.len();
@@ -121,7 +121,7 @@ impl BatchApi for EventBridge {
                     "AWSEvents",
                     "PutEvents",
                     "1.1",
-                    &json!({ "Entries": entries }),
+                    &PutEvents { entries: &entries },
                 )
                 .await
             {
@@ -137,6 +137,13 @@ impl BatchApi for EventBridge {
         }
         .boxed()
     }
+}
+
+/// A `PutEvents` request, encoded from the entries without copying them.
+#[derive(Serialize)]
+struct PutEvents<'a> {
+    #[serde(rename = "Entries")]
+    entries: &'a [Value],
 }
 
 pub fn sink(

@@ -88,16 +88,16 @@ impl BatchApi for Kinesis {
     fn send_entries(
         self: Arc<Self>,
         target: String,
-        records: Vec<Value>,
+        records: Arc<[Value]>,
     ) -> BoxFuture<'static, Result<Vec<Outcome>, PublishError>> {
         async move {
             let count = records.len();
-            let stream = if target.starts_with("arn:") {
-                "StreamARN"
-            } else {
-                "StreamName"
+            let arn = target.starts_with("arn:");
+            let request = PutRecords {
+                stream_name: (!arn).then_some(target.as_str()),
+                stream_arn: arn.then_some(target.as_str()),
+                records: &records,
             };
-            let request = json!({ stream: target, "Records": records });
             let what = self.client.what("PutRecords");
             match self
                 .client
@@ -116,6 +116,17 @@ impl BatchApi for Kinesis {
         }
         .boxed()
     }
+}
+
+/// A `PutRecords` request, encoded from the records without copying them.
+#[derive(serde::Serialize)]
+struct PutRecords<'a> {
+    #[serde(rename = "StreamName", skip_serializing_if = "Option::is_none")]
+    stream_name: Option<&'a str>,
+    #[serde(rename = "StreamARN", skip_serializing_if = "Option::is_none")]
+    stream_arn: Option<&'a str>,
+    #[serde(rename = "Records")]
+    records: &'a [Value],
 }
 
 pub fn sink(uri: &str, config: &AwsConfig, env: Env<'_>) -> Result<Arc<dyn Sink>, SinkSetupError> {

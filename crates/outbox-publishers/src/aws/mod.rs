@@ -278,6 +278,52 @@ impl EntryAnswer {
     }
 }
 
+/// Where a service's requests go, and the `Host` and path its signatures cover.
+struct Endpoint {
+    url: String,
+    host: String,
+    path: String,
+}
+
+impl Endpoint {
+    /// `explicit` (a setting or variable), else the region's public endpoint.
+    fn resolve(
+        service: Service,
+        region: &str,
+        explicit: Option<String>,
+    ) -> Result<Endpoint, SinkSetupError> {
+        let url = explicit.unwrap_or_else(|| {
+            format!(
+                "https://{}.{region}.{}",
+                service.signing_name(),
+                dns_suffix(region)
+            )
+        });
+        let parsed = reqwest::Url::parse(&url).map_err(|e| {
+            SinkSetupError::config(format!(
+                "the {} endpoint {url:?} is not a URL ({e}): write it like \
+                 https://sqs.eu-west-1.amazonaws.com",
+                service.name()
+            ))
+        })?;
+        let host = match (parsed.host_str(), parsed.port()) {
+            (Some(host), Some(port)) => format!("{host}:{port}"),
+            (Some(host), None) => host.to_string(),
+            (None, _) => {
+                return Err(SinkSetupError::config(format!(
+                    "the {} endpoint {url:?} has no host",
+                    service.name()
+                )))
+            }
+        };
+        Ok(Endpoint {
+            path: parsed.path().to_string(),
+            host,
+            url,
+        })
+    }
+}
+
 /// A signed client for one AWS service.
 pub struct AwsClient {
     http: reqwest::Client,
@@ -320,40 +366,21 @@ impl AwsClient {
                     service.name()
                 ))
             })?;
-        let endpoint = config
+        let explicit = config
             .endpoint
             .clone()
             .or_else(|| set(service.endpoint_env()))
-            .or_else(|| set("AWS_ENDPOINT_URL"))
-            .unwrap_or_else(|| {
-                format!(
-                    "https://{}.{region}.{}",
-                    service.signing_name(),
-                    dns_suffix(&region)
-                )
-            });
-        let url = reqwest::Url::parse(&endpoint).map_err(|e| {
-            SinkSetupError::config(format!(
-                "the {} endpoint {endpoint:?} is not a URL ({e}): write it like \
-                 https://sqs.eu-west-1.amazonaws.com",
-                service.name()
-            ))
-        })?;
-        let host = match (url.host_str(), url.port()) {
-            (Some(host), Some(port)) => format!("{host}:{port}"),
-            (Some(host), None) => host.to_string(),
-            (None, _) => {
-                return Err(SinkSetupError::config(format!(
-                    "the {} endpoint {endpoint:?} has no host",
-                    service.name()
-                )))
-            }
-        };
+            .or_else(|| set("AWS_ENDPOINT_URL"));
+        let Endpoint {
+            url: endpoint,
+            host,
+            path,
+        } = Endpoint::resolve(service, &region, explicit)?;
         Ok(AwsClient {
             http,
             service,
             region,
-            path: url.path().to_string(),
+            path,
             endpoint,
             host,
             credentials: Arc::new(found.provider),
@@ -365,43 +392,24 @@ impl AwsClient {
 
     /// A client for another service with the same credentials and region (SNS asks STS
     /// for the account of a topic named without its ARN).
-    fn sibling(&self, service: Service, env: Env<'_>) -> AwsClient {
+    fn sibling(&self, service: Service, env: Env<'_>) -> Result<AwsClient, SinkSetupError> {
         // A custom endpoint outside AWS is a stand-in (LocalStack, moto) serving every
         // service; a VPC endpoint is one service's.
         let stand_in = (!self.endpoint.contains(".amazonaws.com")).then(|| self.endpoint.clone());
-        let endpoint = env(service.endpoint_env())
+        let explicit = env(service.endpoint_env())
             .or_else(|| env("AWS_ENDPOINT_URL"))
-            .or(stand_in)
-            .unwrap_or_else(|| {
-                format!(
-                    "https://{}.{}.{}",
-                    service.signing_name(),
-                    self.region,
-                    dns_suffix(&self.region)
-                )
-            });
-        let url = reqwest::Url::parse(&endpoint).ok();
-        AwsClient {
+            .or(stand_in);
+        let Endpoint { url, host, path } = Endpoint::resolve(service, &self.region, explicit)?;
+        Ok(AwsClient {
             http: self.http.clone(),
             service,
             region: self.region.clone(),
-            host: url
-                .as_ref()
-                .and_then(|u| {
-                    Some(format!(
-                        "{}{}",
-                        u.host_str()?,
-                        u.port().map(|p| format!(":{p}")).unwrap_or_default()
-                    ))
-                })
-                .unwrap_or_default(),
-            path: url
-                .map(|u| u.path().to_string())
-                .unwrap_or_else(|| "/".into()),
-            endpoint,
+            host,
+            path,
+            endpoint: url,
             credentials: self.credentials.clone(),
             requests: self.requests.clone(),
-        }
+        })
     }
 
     pub fn region(&self) -> &str {
@@ -481,7 +489,7 @@ impl AwsClient {
         target_prefix: &str,
         action: &str,
         json_version: &str,
-        body: &Value,
+        body: &(impl Serialize + ?Sized),
     ) -> Result<Value, PublishError> {
         let answer = self
             .json_answer(target_prefix, action, json_version, body)
@@ -538,7 +546,7 @@ impl AwsClient {
         target_prefix: &str,
         action: &str,
         json_version: &str,
-        body: &Value,
+        body: &(impl Serialize + ?Sized),
     ) -> Result<Answer<Value>, PublishError> {
         let target = format!("{target_prefix}.{action}");
         let content_type = format!("application/x-amz-json-{json_version}");
@@ -820,7 +828,7 @@ pub trait BatchApi: Send + Sync + 'static {
     /// The health check's call.
     const PROBE: Probe;
     /// Cloned only to send an entry again on its own (see [`send_batched`]).
-    type Entry: Clone + Send + 'static;
+    type Entry: Clone + Send + Sync + 'static;
 
     fn client(&self) -> &AwsClient;
 
@@ -829,11 +837,12 @@ pub trait BatchApi: Send + Sync + 'static {
     fn entry(&self, routed: &Routed) -> Result<(Self::Entry, usize), PublishError>;
 
     /// Sends entries (at most `MAX_ENTRIES`, `MAX_BATCH_BYTES`) to `target`: one outcome
-    /// per entry, in order, or the error of the request as a whole.
+    /// per entry, in order, or the error of the request as a whole. The request is encoded
+    /// from the shared entries, which are not copied on the way.
     fn send_entries(
         self: Arc<Self>,
         target: String,
-        entries: Vec<Self::Entry>,
+        entries: Arc<[Self::Entry]>,
     ) -> BoxFuture<'static, Result<Vec<Outcome>, PublishError>>;
 }
 
@@ -908,6 +917,7 @@ async fn send_chunk<A: BatchApi>(
     entries: Vec<A::Entry>,
 ) -> Vec<Outcome> {
     let count = entries.len();
+    let entries: Arc<[A::Entry]> = entries.into();
     let error = match api
         .clone()
         .send_entries(target.clone(), entries.clone())
@@ -918,13 +928,14 @@ async fn send_chunk<A: BatchApi>(
     };
     let permanent = error.disposition() == outbox_core::Disposition::Permanent;
     if !permanent || error.kind() == PublishErrorKind::Unauthorized || count == 1 {
-        return fail_entries(count, &error);
+        return crate::sink::fail_n(count, &error);
     }
-    let alone = entries.into_iter().map(|entry| {
+    let alone = entries.iter().map(|entry| {
         let api = api.clone();
         let target = target.clone();
+        let entry: Arc<[A::Entry]> = Arc::new([entry.clone()]);
         async move {
-            match api.send_entries(target, vec![entry]).await {
+            match api.send_entries(target, entry).await {
                 Ok(mut outcomes) => outcomes
                     .pop()
                     .unwrap_or_else(|| Err(unconfirmed("the service"))),
@@ -1061,14 +1072,6 @@ pub fn message_group(key: &str) -> String {
     format!("sha256-{hex}")
 }
 
-/// Retry a batch-level failure for each of its entries.
-pub fn fail_entries(count: usize, error: &PublishError) -> Vec<Outcome> {
-    let report = error.report();
-    (0..count)
-        .map(|_| Err(PublishError::new(error.kind(), report.clone())))
-        .collect()
-}
-
 /// How long a sink waits for a health check's answer.
 pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -1187,7 +1190,7 @@ mod tests {
         fn send_entries(
             self: Arc<Self>,
             _target: String,
-            entries: Vec<bool>,
+            entries: Arc<[bool]>,
         ) -> BoxFuture<'static, Result<Vec<Outcome>, PublishError>> {
             self.requests.lock().unwrap().push(entries.len());
             let refused = entries.iter().any(|bad| *bad);

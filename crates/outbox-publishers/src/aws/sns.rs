@@ -100,7 +100,7 @@ impl BatchApi for Sns {
     fn send_entries(
         self: Arc<Self>,
         target: String,
-        entries: Vec<Params>,
+        entries: Arc<[Params]>,
     ) -> BoxFuture<'static, Result<Vec<Outcome>, PublishError>> {
         async move {
             let count = entries.len();
@@ -108,20 +108,19 @@ impl BatchApi for Sns {
                 Ok(topic) => topic,
                 Err(error) => return Err(error),
             };
-            let mut params = vec![
-                ("Action".to_string(), "PublishBatch".to_string()),
-                ("Version".into(), "2010-03-31".into()),
-                ("TopicArn".into(), topic),
+            let ids: Vec<String> = (0..count).map(|id| id.to_string()).collect();
+            // Names are made per request; values are the entries' own, not copied.
+            let mut params: Vec<(String, &str)> = vec![
+                ("Action".into(), "PublishBatch"),
+                ("Version".into(), "2010-03-31"),
+                ("TopicArn".into(), &topic),
             ];
-            for (id, entry) in entries.into_iter().enumerate() {
+            for (id, entry) in entries.iter().enumerate() {
                 let at = format!("PublishBatchRequestEntries.member.{}", id + 1);
-                params.push((format!("{at}.Id"), id.to_string()));
-                params.extend(entry.into_iter().map(|(k, v)| (format!("{at}.{k}"), v)));
+                params.push((format!("{at}.Id"), &ids[id]));
+                params.extend(entry.iter().map(|(k, v)| (format!("{at}.{k}"), v.as_str())));
             }
-            let params: Vec<(&str, &str)> = params
-                .iter()
-                .map(|(k, v)| (k.as_str(), v.as_str()))
-                .collect();
+            let params: Vec<(&str, &str)> = params.iter().map(|(k, v)| (k.as_str(), *v)).collect();
             match self.client.query(&params).await {
                 Ok(answer) => Ok(super::outcomes_by_id(
                     count,
@@ -139,7 +138,7 @@ impl BatchApi for Sns {
 pub fn sink(uri: &str, config: &AwsConfig, env: Env<'_>) -> Result<Arc<dyn Sink>, SinkSetupError> {
     super::no_uri_rest(uri, "sns", "the topic is the route's target")?;
     let client = AwsClient::new(Service::Sns, config, env)?;
-    let sts = client.sibling(Service::Sts, env);
+    let sts = client.sibling(Service::Sts, env)?;
     Ok(Arc::new(super::AwsSink::new(Sns {
         client,
         sts,

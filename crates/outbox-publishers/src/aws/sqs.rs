@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex};
 use futures::future::BoxFuture;
 use futures::FutureExt;
 use outbox_core::{Outcome, PublishError, PublishErrorKind};
+use serde::Serialize;
 use serde_json::{json, Map, Value};
 
 use super::credentials::Env;
@@ -113,7 +114,7 @@ impl BatchApi for Sqs {
     fn send_entries(
         self: Arc<Self>,
         target: String,
-        entries: Vec<Self::Entry>,
+        entries: Arc<[Self::Entry]>,
     ) -> BoxFuture<'static, Result<Vec<Outcome>, PublishError>> {
         async move {
             let count = entries.len();
@@ -121,15 +122,17 @@ impl BatchApi for Sqs {
                 Ok(url) => url,
                 Err(error) => return Err(error),
             };
-            let entries: Vec<Value> = entries
-                .into_iter()
-                .enumerate()
-                .map(|(id, mut entry)| {
-                    entry.insert("Id".into(), id.to_string().into());
-                    Value::Object(entry)
-                })
-                .collect();
-            let request = json!({ "QueueUrl": url, "Entries": entries });
+            let request = Batch {
+                queue_url: &url,
+                entries: entries
+                    .iter()
+                    .enumerate()
+                    .map(|(id, entry)| WithId {
+                        id: id.to_string(),
+                        entry,
+                    })
+                    .collect(),
+            };
             match self
                 .client
                 .json("AmazonSQS", "SendMessageBatch", "1.0", &request)
@@ -146,6 +149,24 @@ impl BatchApi for Sqs {
         }
         .boxed()
     }
+}
+
+/// A `SendMessageBatch` request, encoded from the entries without copying them.
+#[derive(Serialize)]
+struct Batch<'a> {
+    #[serde(rename = "QueueUrl")]
+    queue_url: &'a str,
+    #[serde(rename = "Entries")]
+    entries: Vec<WithId<'a>>,
+}
+
+/// An entry with its `Id` in the request (its index).
+#[derive(Serialize)]
+struct WithId<'a> {
+    #[serde(rename = "Id")]
+    id: String,
+    #[serde(flatten)]
+    entry: &'a Map<String, Value>,
 }
 
 pub fn sink(uri: &str, config: &AwsConfig, env: Env<'_>) -> Result<Arc<dyn Sink>, SinkSetupError> {
