@@ -604,11 +604,11 @@ impl AwsClient {
         if (200..300).contains(&status) {
             return Ok(Answer::Ok(text));
         }
+        let (code, message) = xml_code_and_message(&text);
         Ok(Answer::Refused {
             status,
-            code: xml::text(&text, "Code").unwrap_or_default(),
-            message: xml::text(&text, "Message")
-                .unwrap_or_else(|| text.chars().take(300).collect()),
+            code,
+            message,
         })
     }
 
@@ -702,9 +702,15 @@ pub(crate) fn form_encode(params: &[(&str, &str)]) -> String {
 
 /// The error of a query-protocol (XML) answer.
 fn query_error(status: u16, body: &str, what: &str) -> PublishError {
+    let (code, message) = xml_code_and_message(body);
+    classify(Some(status), &code, &message, what)
+}
+
+/// A query-protocol refusal's `<Code>` and `<Message>`.
+fn xml_code_and_message(body: &str) -> (String, String) {
     let code = xml::text(body, "Code").unwrap_or_default();
     let message = xml::text(body, "Message").unwrap_or_else(|| body.chars().take(300).collect());
-    classify(Some(status), &code, &message, what)
+    (code, message)
 }
 
 /// The code without its namespace: `com.amazonaws.kinesis#ResourceNotFoundException` and
