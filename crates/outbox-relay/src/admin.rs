@@ -75,6 +75,8 @@ pub struct Console {
     pub history: Mutex<History>,
     /// The store figures `/api/v1/status` shows, shared by every client.
     pub figures: StoreFigures,
+    /// The outbox's name under `[[outboxes]]`: its history reads only its own series.
+    pub outbox: Option<String>,
 }
 
 /// What `/api/v1/status` reads from the store, in one go.
@@ -215,13 +217,20 @@ impl History {
     }
 }
 
-/// The sum of every series of `name` in Prometheus text (0 when absent).
-fn metric_sum(text: &str, name: &str) -> f64 {
+/// The sum of every series of `name` in Prometheus text (0 when absent); with `outbox`,
+/// only that outbox's series.
+fn metric_sum(text: &str, name: &str, outbox: Option<&str>) -> f64 {
+    let label = outbox.map(|o| format!("outbox=\"{o}\""));
     text.lines()
         .filter(|l| !l.starts_with('#'))
         .filter(|l| {
             l.strip_prefix(name)
                 .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
+        })
+        .filter(|l| {
+            label
+                .as_ref()
+                .is_none_or(|label| l.contains(label.as_str()))
         })
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .filter(|v| v.is_finite())
@@ -232,20 +241,21 @@ fn unix_ms(t: SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64
 }
 
-/// Reads the engine's metrics into a [`Sample`].
-pub fn sample(metrics: &PrometheusHandle) -> Sample {
+/// Reads the engine's metrics (of `outbox` only, when given) into a [`Sample`].
+pub fn sample(metrics: &PrometheusHandle, outbox: Option<&str>) -> Sample {
     use outbox_engine::metrics as m;
     let text = metrics.render();
+    let sum = |name: &str| metric_sum(&text, name, outbox);
     Sample {
         at: unix_ms(SystemTime::now()),
-        pending: metric_sum(&text, m::BACKLOG),
-        retrying: metric_sum(&text, m::RETRYING),
-        dead: metric_sum(&text, m::DEAD),
-        oldest_age_seconds: metric_sum(&text, m::OLDEST_AGE),
-        published: metric_sum(&text, m::PUBLISHED),
-        retried: metric_sum(&text, m::RETRIED),
-        dead_lettered: metric_sum(&text, m::DEAD_LETTERED),
-        store_errors: metric_sum(&text, m::STORE_ERRORS),
+        pending: sum(m::BACKLOG),
+        retrying: sum(m::RETRYING),
+        dead: sum(m::DEAD),
+        oldest_age_seconds: sum(m::OLDEST_AGE),
+        published: sum(m::PUBLISHED),
+        retried: sum(m::RETRIED),
+        dead_lettered: sum(m::DEAD_LETTERED),
+        store_errors: sum(m::STORE_ERRORS),
     }
 }
 
@@ -254,7 +264,7 @@ pub async fn keep_history(console: Arc<Console>) {
     let mut ticker = tokio::time::interval(SAMPLE_EVERY);
     loop {
         ticker.tick().await;
-        let s = sample(&console.metrics);
+        let s = sample(&console.metrics, console.outbox.as_deref());
         lock(&console.history).push(s);
     }
 }
@@ -291,12 +301,24 @@ pub fn redacted_settings(config: &crate::config::Config) -> Value {
     walk("", serde_json::to_value(config).unwrap_or_default())
 }
 
-/// The console's routes (the caller adds `/healthz`, `/readyz` and `/metrics`).
-pub fn routes(console: Arc<Console>) -> Router {
+/// The console's routes (the caller adds `/healthz`, `/readyz` and `/metrics`). `base` is
+/// the path the browser sees them under (`/`, or `/outboxes/NAME/` on a shared server):
+/// the page's links and API calls are relative to it.
+pub fn routes(console: Arc<Console>, base: &str) -> Router {
+    let index = INDEX_HTML.replace("<base href=\"/\">", &format!("<base href=\"{base}\">"));
     Router::new()
         .route(
             "/",
-            get(|| async { asset("text/html; charset=utf-8", INDEX_HTML) }),
+            get(move || async move {
+                (
+                    [
+                        (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+                        (header::CACHE_CONTROL, "no-cache"),
+                    ],
+                    index,
+                )
+                    .into_response()
+            }),
         )
         .route(
             "/assets/app.js",
@@ -328,7 +350,7 @@ fn asset(content_type: &'static str, body: &'static str) -> Response {
         .into_response()
 }
 
-fn reply(status: StatusCode, body: Value) -> Response {
+pub(crate) fn reply(status: StatusCode, body: Value) -> Response {
     (
         status,
         [(header::CONTENT_TYPE, "application/json")],
@@ -337,7 +359,7 @@ fn reply(status: StatusCode, body: Value) -> Response {
         .into_response()
 }
 
-fn failure(status: StatusCode, message: String) -> Response {
+pub(crate) fn failure(status: StatusCode, message: String) -> Response {
     reply(status, json!({ "error": message }))
 }
 
@@ -408,7 +430,7 @@ async fn status_body(c: &Console) -> Result<Value, Response> {
     };
     let rates = lock(&c.history).rates(RATE_WINDOW);
     // The counters now, not as of the last sample.
-    let totals = sample(&c.metrics);
+    let totals = sample(&c.metrics, c.outbox.as_deref());
     let rate = |i: usize| rates.map_or(Value::Null, |r| json!(r[i]));
     Ok(json!({
         "version": env!("CARGO_PKG_VERSION"),

@@ -31,12 +31,17 @@ pub struct Cli {
     pub command: Command,
 }
 
-#[derive(Args, Debug, Serialize)]
+#[derive(Args, Clone, Debug, Serialize)]
 pub struct GlobalArgs {
     /// TOML configuration file [default: ./outbox-relay.toml when present].
     #[arg(long, global = true, value_name = "FILE")]
     #[serde(skip)]
     pub config: Option<PathBuf>,
+    /// With [[outboxes]] in the config file: the outbox to act on. Without it, run, migrate,
+    /// check and stats act on every outbox; the other commands need it.
+    #[arg(long, global = true, value_name = "NAME")]
+    #[serde(skip)]
+    pub outbox: Option<String>,
     /// Database URL: postgres://user:pass@host:port/db[?sslmode=require],
     /// mysql://user:pass@host:port/db[?require_ssl=true] (MySQL 8, MariaDB >= 10.6) or
     /// sqlite:PATH. Also OUTBOX_RELAY_DATABASE_URL or DATABASE_URL.
@@ -93,7 +98,7 @@ pub struct GlobalArgs {
     pub log_level: Option<String>,
 }
 
-#[derive(Subcommand, Debug)]
+#[derive(Subcommand, Clone, Debug)]
 pub enum Command {
     /// Relay events from the outbox to the sink until SIGTERM/SIGINT (or, with --drain, until
     /// nothing deliverable is left).
@@ -121,7 +126,7 @@ pub enum Command {
     Prune(PruneArgs),
 }
 
-#[derive(Subcommand, Debug)]
+#[derive(Subcommand, Clone, Debug)]
 pub enum DeadCommand {
     /// List dead letters: id, destination, type, attempts and last error.
     List {
@@ -147,7 +152,7 @@ pub enum DeadCommand {
     Purge(DeadSelectArgs),
 }
 
-#[derive(Args, Debug)]
+#[derive(Args, Clone, Debug)]
 #[group(required = true, multiple = false)]
 pub struct DeadSelectArgs {
     /// These sequence ids (repeatable).
@@ -161,7 +166,7 @@ pub struct DeadSelectArgs {
     pub all: bool,
 }
 
-#[derive(Args, Debug)]
+#[derive(Args, Clone, Debug)]
 pub struct ReplayArgs {
     /// Events created at or after this time (RFC 3339, e.g. 2026-11-20T10:00:00Z) or this
     /// long ago (e.g. 2h).
@@ -175,7 +180,7 @@ pub struct ReplayArgs {
     pub destination: Option<String>,
 }
 
-#[derive(Args, Debug)]
+#[derive(Args, Clone, Debug)]
 pub struct PruneArgs {
     /// Delete delivered (retained) rows delivered longer ago than this, e.g. 7d.
     #[arg(long, value_name = "AGE")]
@@ -191,14 +196,14 @@ pub struct PruneArgs {
     pub batch_size: u32,
 }
 
-#[derive(Args, Debug)]
+#[derive(Args, Clone, Debug)]
 pub struct StatsArgs {
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,
 }
 
-#[derive(Args, Debug, Serialize)]
+#[derive(Args, Clone, Debug, Serialize)]
 pub struct RunArgs {
     /// Where every event goes: stdout, file:PATH, nats://, kafka://, amqp://, redis://,
     /// http(s)://URL-template, ably:, sqs:, sns:, kinesis: or eventbridge: [default: the
@@ -268,7 +273,7 @@ pub struct RunArgs {
 }
 
 /// The `[retry]` settings' flags.
-#[derive(Args, Debug, Serialize)]
+#[derive(Args, Clone, Debug, Serialize)]
 pub struct RetryArgs {
     /// First retry delay; each retry doubles it, with jitter.
     #[arg(
@@ -290,7 +295,7 @@ pub struct RetryArgs {
     pub max_attempts: Option<u32>,
 }
 
-#[derive(Args, Debug, Serialize)]
+#[derive(Args, Clone, Debug, Serialize)]
 pub struct MigrateArgs {
     /// Print the DDL and the least-privilege GRANTs instead of applying them.
     #[arg(long)]
@@ -305,14 +310,14 @@ pub struct MigrateArgs {
     pub partitions: Option<u32>,
 }
 
-#[derive(Args, Debug, Serialize)]
+#[derive(Args, Clone, Debug, Serialize)]
 pub struct CheckArgs {
     /// The sink to check as well [default: the configured sink].
     #[arg(long, value_name = "URI")]
     pub sink: Option<String>,
 }
 
-#[derive(Args, Debug)]
+#[derive(Args, Clone, Debug)]
 pub struct SendArgs {
     /// The channel, topic or subject.
     #[arg(long, value_name = "DESTINATION")]

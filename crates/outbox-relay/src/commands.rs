@@ -4,7 +4,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use outbox_cluster::{Coordinator, Partitions};
 use outbox_core::redact::redact_url;
@@ -37,7 +37,7 @@ pub(crate) fn failure(message: String, e: &outbox_core::StoreError) -> anyhow::E
     }
 }
 
-fn default_node_id() -> String {
+pub(crate) fn default_node_id() -> String {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
         .ok()
         .map(|h| h.trim().to_string())
@@ -54,14 +54,16 @@ fn install_metrics() -> anyhow::Result<PrometheusHandle> {
     let sizes = [
         1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 5000.0,
     ];
-    let handle = PrometheusBuilder::new()
+    let recorder = PrometheusBuilder::new()
         .set_buckets_for_metric(
             Matcher::Full(outbox_engine::metrics::COMMIT_TO_CONFIRM.into()),
             &latency,
         )?
         .set_buckets_for_metric(Matcher::Suffix("_batch_size".into()), &sizes)?
-        .install_recorder()
-        .context("installing the metrics recorder")?;
+        .build_recorder();
+    let handle = recorder.handle();
+    metrics::set_global_recorder(crate::outboxes::OutboxLabel(recorder))
+        .map_err(|e| anyhow::anyhow!("installing the metrics recorder: {e}"))?;
     let upkeep = handle.clone();
     tokio::spawn(async move {
         let mut ticker = tokio::time::interval(Duration::from_secs(5));
@@ -74,7 +76,7 @@ fn install_metrics() -> anyhow::Result<PrometheusHandle> {
 }
 
 /// Resolves on SIGTERM or SIGINT.
-async fn shutdown_signal() {
+pub(crate) async fn shutdown_signal() {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = match signal(SignalKind::terminate()) {
         Ok(s) => s,
@@ -180,8 +182,26 @@ async fn publisher(
         })
 }
 
-pub async fn run(mut config: Config, drain: bool) -> anyhow::Result<ExitCode> {
+pub async fn run(config: Config, drain: bool) -> anyhow::Result<ExitCode> {
     let metrics = install_metrics()?;
+    if !config.outboxes.is_empty() {
+        return crate::outboxes::run(config, drain, metrics).await;
+    }
+    relay_outbox(config, drain, metrics, None, shutdown_signal()).await?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// One outbox from start to stop: its store, capture, sinks, cluster membership and engine,
+/// until `stop` resolves (or, with `drain`, until nothing deliverable is left). Its HTTP
+/// endpoints are a server of its own (`http_addr`), or its `slot` on the shared server of
+/// `[[outboxes]]`.
+pub(crate) async fn relay_outbox(
+    mut config: Config,
+    drain: bool,
+    metrics: PrometheusHandle,
+    slot: Option<Arc<crate::http::OutboxSlot>>,
+    stop: impl std::future::Future<Output = ()> + Send,
+) -> anyhow::Result<()> {
     // Chosen before the store opens: its sessions carry it in their application_name.
     let node = NodeId(config.node_id.get_or_insert_with(default_node_id).clone());
     let RunParts {
@@ -222,34 +242,45 @@ pub async fn run(mut config: Config, drain: bool) -> anyhow::Result<ExitCode> {
         drain,
         "outbox-relay starting"
     );
-    let http = match http_addr {
-        Some(addr) => {
-            let console = Arc::new(crate::admin::Console {
-                store: store.clone(),
-                describe: outbox.describe(),
-                node: node.0.clone(),
-                settings: crate::admin::redacted_settings(&config),
-                token: admin_token,
-                metrics: metrics.clone(),
-                history: Default::default(),
-                figures: crate::admin::StoreFigures::new(engine.backlog_interval),
+    let console = (http_addr.is_some() || slot.is_some()).then(|| {
+        Arc::new(crate::admin::Console {
+            store: store.clone(),
+            describe: outbox.describe(),
+            node: node.0.clone(),
+            settings: crate::admin::redacted_settings(&config),
+            token: admin_token,
+            metrics: metrics.clone(),
+            history: Default::default(),
+            figures: crate::admin::StoreFigures::new(engine.backlog_interval),
+            outbox: slot.as_ref().map(|s| s.name.clone()),
+        })
+    });
+    let probes = crate::http::Probes {
+        store: outbox.clone(),
+        publisher: sink.clone(),
+        health: health.clone(),
+    };
+    let http = match (console, &slot, http_addr) {
+        (Some(console), Some(slot), _) => {
+            slot.fill(crate::http::Served {
+                probes,
+                console: crate::admin::routes(
+                    console.clone(),
+                    &format!("/outboxes/{}/", slot.name),
+                ),
+                runtime: tokio::runtime::Handle::current(),
             });
-            let (bound, task) = crate::http::serve(
-                addr,
-                outbox.clone(),
-                sink.clone(),
-                metrics,
-                health.clone(),
-                console,
-            )
-            .await?;
+            Some(tokio::spawn(crate::admin::keep_history(console)))
+        }
+        (Some(console), None, Some(addr)) => {
+            let (bound, task) = crate::http::serve(addr, probes, metrics, console).await?;
             tracing::info!(
                 addr = %bound,
                 "HTTP endpoints: /healthz /readyz /metrics /api/v1/ and the dashboard at /"
             );
             Some(task)
         }
-        None => None,
+        _ => None,
     };
     // Ordered PostgreSQL nodes keep partition leases; SQLite is single-node, and unordered
     // nodes share every row through SKIP LOCKED.
@@ -291,7 +322,7 @@ pub async fn run(mut config: Config, drain: bool) -> anyhow::Result<ExitCode> {
         let stopping_since = stopping_since.clone();
         async move {
             tokio::select! {
-                () = shutdown_signal() => {}
+                () = stop => {}
                 () = displaced => {}
             }
             let _ = stopping_since.set(tokio::time::Instant::now());
@@ -345,7 +376,7 @@ pub async fn run(mut config: Config, drain: bool) -> anyhow::Result<ExitCode> {
     if drain {
         drain_verdict(&summary)?;
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(())
 }
 
 /// Starts the replication reader of `--capture wal`.

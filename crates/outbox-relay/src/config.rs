@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use figment::providers::{Env, Format, Serialized, Toml};
+use figment::value::{Dict, Value};
 use figment::{Figment, Provider};
 use outbox_cluster::ClusterConfig;
 use outbox_core::redact::redact_url;
@@ -149,6 +150,9 @@ pub struct Config {
     pub slot: String,
     /// The publication of `capture = "wal"`.
     pub publication: String,
+    /// `[[outboxes]]`: several outboxes in one process, each a table of settings that
+    /// replace the top-level ones ([`Config::outboxes`]).
+    pub outboxes: Vec<Dict>,
 }
 
 impl Default for Config {
@@ -191,6 +195,7 @@ impl Default for Config {
             capture: CaptureMode::Poll,
             slot: DEFAULT_SLOT.into(),
             publication: DEFAULT_PUBLICATION.into(),
+            outboxes: Vec::new(),
         }
     }
 }
@@ -609,7 +614,8 @@ impl Config {
         let token = match (&self.admin_token, &self.admin_token_file) {
             (Some(_), Some(_)) => {
                 return Err(config_error(
-                    "both OUTBOX_RELAY_ADMIN_TOKEN (admin_token) and --admin-token-file                      (admin_token_file) are set: keep one"
+                    "both OUTBOX_RELAY_ADMIN_TOKEN (admin_token) and --admin-token-file \
+                     (admin_token_file) are set: keep one"
                         .into(),
                 ))
             }
@@ -635,6 +641,23 @@ impl Config {
             ));
         }
         Ok(Some(token))
+    }
+
+    /// Where the HTTP server listens (`None`: nowhere) and the admin API's token. A server
+    /// beyond loopback needs the token.
+    pub fn http_settings(&self) -> anyhow::Result<(Option<SocketAddr>, Option<String>)> {
+        let http_addr = self.http_socket_addr()?;
+        let admin_token = self.admin_token()?;
+        if let Some(addr) = http_addr {
+            if !addr.ip().is_loopback() && admin_token.is_none() {
+                return Err(anyhow::Error::new(crate::commands::ConfigError(format!(
+                    "http_addr {addr} is not a loopback address, and the admin API there would \
+                     have no token: set OUTBOX_RELAY_ADMIN_TOKEN or --admin-token-file FILE, or \
+                     listen on 127.0.0.1"
+                ))));
+            }
+        }
+        Ok((http_addr, admin_token))
     }
 
     /// The sinks and routes in effect: `sink` alone, `[sinks]` with `[[routes]]`, or stdout.
@@ -771,15 +794,7 @@ impl Config {
             health: health.clone(),
         };
         let (sinks, routes) = self.sink_setup();
-        let http_addr = self.http_socket_addr()?;
-        let admin_token = self.admin_token()?;
-        if let Some(addr) = http_addr {
-            if !addr.ip().is_loopback() && admin_token.is_none() {
-                return Err(anyhow::Error::new(crate::commands::ConfigError(format!(
-                    "http_addr {addr} is not a loopback address, and the admin API there would                      have no token: set OUTBOX_RELAY_ADMIN_TOKEN or --admin-token-file FILE, or                      listen on 127.0.0.1"
-                ))));
-            }
-        }
+        let (http_addr, admin_token) = self.http_settings()?;
         Ok(RunParts {
             store: self.store_settings()?,
             engine,
@@ -791,6 +806,207 @@ impl Config {
             health,
         })
     }
+}
+
+/// Settings that belong to the process, not to one outbox: an `[[outboxes]]` entry that sets
+/// one is refused.
+const PROCESS_SETTINGS: &[&str] = &[
+    "http_addr",
+    "admin_token",
+    "admin_token_file",
+    "log_format",
+    "log_level",
+    "node_id",
+    "outboxes",
+];
+
+/// Where events go: an entry that sets any of these replaces all three, so that a top-level
+/// `sink` never shadows an entry's `[sinks]` (or the other way round).
+const SINK_SETTINGS: &[&str] = &["sink", "sinks", "routes"];
+
+/// One outbox of `[[outboxes]]`: its name (the `outbox` label of its metrics, its path under
+/// `/outboxes/`, and `--outbox NAME`) and its settings in effect.
+#[derive(Clone, Debug)]
+pub struct NamedOutbox {
+    pub name: String,
+    pub config: Config,
+}
+
+impl Config {
+    /// The outboxes of `[[outboxes]]`, in file order; empty for a single-outbox config.
+    ///
+    /// An entry inherits every top-level setting it does not set (from the file, the
+    /// environment or a flag alike); a setting it names replaces the top-level one whole (a
+    /// table too: an entry's `retry` replaces `[retry]`). Each result is validated as a
+    /// configuration of its own, and outboxes that would get in each other's way are refused:
+    /// the same table, the same nodes table (its members would share out each other's
+    /// partitions), the same replication slot or publication.
+    pub fn outboxes(&self) -> anyhow::Result<Vec<NamedOutbox>> {
+        let config_error = |m: String| anyhow::Error::new(crate::commands::ConfigError(m));
+        let mut base = self.clone();
+        base.outboxes.clear();
+        let base = match Value::serialize(&base) {
+            Ok(Value::Dict(_, dict)) => dict,
+            _ => bail!("cannot read the top-level settings as a table"),
+        };
+        let mut outboxes: Vec<NamedOutbox> = Vec::new();
+        for (i, entry) in self.outboxes.iter().enumerate() {
+            let name = match entry.get("name") {
+                Some(Value::String(_, name)) => name.clone(),
+                _ => {
+                    return Err(config_error(format!(
+                        "[[outboxes]] entry {} has no name: give each one name = \"...\" (its \
+                         metrics label, its path under /outboxes/, and --outbox NAME)",
+                        i + 1
+                    )))
+                }
+            };
+            let valid = !name.is_empty()
+                && name.len() <= 32
+                && name.bytes().all(|b| {
+                    b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-'
+                });
+            if !valid {
+                return Err(config_error(format!(
+                    "invalid [[outboxes]] name {name:?}: use 1-32 lowercase ASCII letters, \
+                     digits, '-' or '_'"
+                )));
+            }
+            if outboxes.iter().any(|o| o.name == name) {
+                return Err(config_error(format!(
+                    "two [[outboxes]] entries are named {name:?}: give each its own name"
+                )));
+            }
+            if let Some(key) = entry
+                .keys()
+                .find(|k| PROCESS_SETTINGS.contains(&k.as_str()))
+            {
+                return Err(config_error(format!(
+                    "[[outboxes]] `{name}` sets `{key}`, which belongs to the whole process: \
+                     set it once at the top level of the file"
+                )));
+            }
+            let mut settings = base.clone();
+            if SINK_SETTINGS.iter().any(|k| entry.contains_key(*k)) {
+                for key in SINK_SETTINGS {
+                    settings.remove(*key);
+                }
+            }
+            for (key, value) in entry.iter().filter(|(k, _)| k.as_str() != "name") {
+                settings.insert(key.clone(), value.clone());
+            }
+            let config: Config = Figment::from(Serialized::defaults(settings))
+                .extract()
+                .map_err(|e| {
+                    config_error(format!(
+                        "invalid [[outboxes]] `{name}`: {}",
+                        describe_entry_error(e)
+                    ))
+                })?;
+            config
+                .validate()
+                .map_err(|e| config_error(format!("invalid [[outboxes]] `{name}`: {e:#}")))?;
+            outboxes.push(NamedOutbox { name, config });
+        }
+        refuse_shared_resources(&outboxes).map_err(config_error)?;
+        Ok(outboxes)
+    }
+}
+
+/// Errors in an `[[outboxes]]` entry name the setting as the file spells it.
+fn describe_entry_error(error: figment::Error) -> String {
+    error
+        .into_iter()
+        .map(|e| {
+            let key = e.path.join(".");
+            let what = e
+                .kind
+                .to_string()
+                .replace("unknown field", "unknown setting");
+            if key.is_empty() {
+                what
+            } else {
+                format!("setting `{key}`: {what}")
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// The database a URL reaches, without credentials or parameters: two URLs that differ only
+/// there reach the same tables.
+fn database_identity(config: &Config) -> String {
+    match config.database_kind() {
+        Ok(DatabaseKind::Sqlite(path)) => format!("sqlite:{}", path.display()),
+        _ => {
+            let url = config.database_url.trim();
+            let url = url.split(['?', '#']).next().unwrap_or(url);
+            match url.split_once("://") {
+                Some((scheme, rest)) => {
+                    let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+                    let host = authority.rsplit('@').next().unwrap_or(authority);
+                    let scheme = if scheme == "postgresql" {
+                        "postgres"
+                    } else {
+                        scheme
+                    };
+                    let scheme = if scheme == "mariadb" { "mysql" } else { scheme };
+                    format!("{scheme}://{host}{path}")
+                }
+                None => url.to_string(),
+            }
+        }
+    }
+}
+
+/// Outboxes in one process must not share what only one of them can own.
+fn refuse_shared_resources(outboxes: &[NamedOutbox]) -> Result<(), String> {
+    for (i, a) in outboxes.iter().enumerate() {
+        for b in &outboxes[i + 1..] {
+            let database = database_identity(&a.config);
+            if database != database_identity(&b.config) {
+                continue;
+            }
+            let (ta, tb) = (a.config.layout_tables(), b.config.layout_tables());
+            let pair = format!("[[outboxes]] `{}` and `{}`", a.name, b.name);
+            let shown = redact_url(&database);
+            if (&ta.outbox_schema, &ta.outbox_table) == (&tb.outbox_schema, &tb.outbox_table) {
+                return Err(format!(
+                    "{pair} both relay {}.{} of {shown}: each table is one outbox; remove one, \
+                     or give it its own outbox_table (or outbox_schema)",
+                    ta.outbox_schema, ta.outbox_table
+                ));
+            }
+            let sqlite = matches!(a.config.database_kind(), Ok(DatabaseKind::Sqlite(_)));
+            if !sqlite && (&ta.nodes_schema, &ta.nodes_table) == (&tb.nodes_schema, &tb.nodes_table)
+            {
+                return Err(format!(
+                    "{pair} share the nodes table {}.{} of {shown}: the nodes of one would be \
+                     counted as members of the other, and given partitions they never relay; \
+                     give one its own nodes_table (or nodes_schema)",
+                    ta.nodes_schema, ta.nodes_table
+                ));
+            }
+            let wal = |c: &Config| c.capture == CaptureMode::Wal;
+            if wal(&a.config) && wal(&b.config) {
+                if a.config.slot == b.config.slot {
+                    return Err(format!(
+                        "{pair} both stream from the replication slot {} of {shown}: a slot has \
+                         one reader; give one its own slot",
+                        a.config.slot
+                    ));
+                }
+                if a.config.publication == b.config.publication {
+                    return Err(format!(
+                        "{pair} both use the publication {} of {shown}: a publication names \
+                         its outbox's tables; give one its own publication",
+                        a.config.publication
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The parts `run` starts, resolved from the settings in one place.

@@ -1,51 +1,59 @@
-//! /healthz, /readyz and /metrics, with the admin API and the dashboard (`admin.rs`).
+//! /healthz, /readyz and /metrics, with the admin API and the dashboard (`admin.rs`): for one
+//! outbox ([`serve`]), or for the outboxes of `[[outboxes]]` ([`serve_outboxes`]), each under
+//! `/outboxes/NAME/` and served on its own runtime.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use anyhow::Context;
-use axum::extract::State;
-use axum::http::StatusCode;
-use axum::routing::get;
+use axum::extract::{Path, Request, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::routing::{any, get};
 use axum::Router;
 use metrics_exporter_prometheus::PrometheusHandle;
 use outbox_core::health::{Check, DEFAULT_STALL};
 use outbox_core::{Health, OutboxStore, Publisher};
+use tower::ServiceExt;
+
+/// What `/readyz` and `/metrics` read of one running outbox.
+#[derive(Clone)]
+pub struct Probes {
+    pub store: Arc<dyn OutboxStore>,
+    pub publisher: Arc<dyn Publisher>,
+    pub health: Arc<Health>,
+}
 
 #[derive(Clone)]
 struct AppState {
-    store: Arc<dyn OutboxStore>,
-    publisher: Arc<dyn Publisher>,
+    probes: Probes,
     metrics: PrometheusHandle,
-    health: Arc<Health>,
+}
+
+async fn listen(addr: SocketAddr) -> anyhow::Result<(tokio::net::TcpListener, SocketAddr)> {
+    let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| {
+        format!("cannot listen on {addr}: choose another --http-addr (127.0.0.1:0 picks a free port, an empty value turns it off)")
+    })?;
+    let bound = listener.local_addr()?;
+    Ok((listener, bound))
 }
 
 /// Binds `addr` and serves until the returned task is aborted. Returns the bound address
 /// (useful with port 0).
 pub async fn serve(
     addr: SocketAddr,
-    store: Arc<dyn OutboxStore>,
-    publisher: Arc<dyn Publisher>,
+    probes: Probes,
     metrics: PrometheusHandle,
-    health: Arc<Health>,
     console: Arc<crate::admin::Console>,
 ) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
-    let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| {
-        format!("cannot listen on {addr}: choose another --http-addr (127.0.0.1:0 picks a free port, an empty value turns it off)")
-    })?;
-    let bound = listener.local_addr()?;
+    let (listener, bound) = listen(addr).await?;
     let app = Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_text))
-        .with_state(AppState {
-            store,
-            publisher,
-            metrics,
-            health,
-        })
-        .merge(crate::admin::routes(console.clone()));
+        .with_state(AppState { probes, metrics })
+        .merge(crate::admin::routes(console.clone(), "/"));
     let task = tokio::spawn(async move {
         tokio::select! {
             served = axum::serve(listener, app) => {
@@ -60,36 +68,10 @@ pub async fn serve(
 }
 
 async fn readyz(State(state): State<AppState>) -> (StatusCode, String) {
-    let limit = Duration::from_secs(3);
-    let db = match tokio::time::timeout(limit, state.store.ping()).await {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) => Err(format!("database: {}", e.report())),
-        Err(_) => Err("database: no answer within 3s".into()),
-    };
-    let sink = match tokio::time::timeout(limit, state.publisher.health()).await {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) => Err(format!(
-            "sink {}: {}",
-            state.publisher.describe(),
-            e.report()
-        )),
-        Err(_) => Err(format!(
-            "sink {}: no answer within 3s",
-            state.publisher.describe()
-        )),
-    };
-    // What the node's own work says: a ping can pass while claims, settles or lease renewals
-    // fail (a revoked privilege) or hang.
-    let troubles = state
-        .health
-        .troubles(std::time::Instant::now(), DEFAULT_STALL)
-        .into_iter()
-        .map(|t| t.to_string());
-    let reasons: Vec<String> = [db.err(), sink.err()]
-        .into_iter()
-        .flatten()
-        .chain(troubles)
-        .collect();
+    verdict(readiness(&state.probes).await)
+}
+
+fn verdict(reasons: Vec<String>) -> (StatusCode, String) {
     if reasons.is_empty() {
         (StatusCode::OK, "ready\n".into())
     } else {
@@ -98,6 +80,40 @@ async fn readyz(State(state): State<AppState>) -> (StatusCode, String) {
             format!("not ready: {}\n", reasons.join("; ")),
         )
     }
+}
+
+/// Why an outbox is not ready; empty when it is.
+async fn readiness(probes: &Probes) -> Vec<String> {
+    let limit = Duration::from_secs(3);
+    let db = match tokio::time::timeout(limit, probes.store.ping()).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(format!("database: {}", e.report())),
+        Err(_) => Err("database: no answer within 3s".into()),
+    };
+    let sink = match tokio::time::timeout(limit, probes.publisher.health()).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(format!(
+            "sink {}: {}",
+            probes.publisher.describe(),
+            e.report()
+        )),
+        Err(_) => Err(format!(
+            "sink {}: no answer within 3s",
+            probes.publisher.describe()
+        )),
+    };
+    // What the node's own work says: a ping can pass while claims, settles or lease renewals
+    // fail (a revoked privilege) or hang.
+    let troubles = probes
+        .health
+        .troubles(std::time::Instant::now(), DEFAULT_STALL)
+        .into_iter()
+        .map(|t| t.to_string());
+    [db.err(), sink.err()]
+        .into_iter()
+        .flatten()
+        .chain(troubles)
+        .collect()
 }
 
 /// Gauges computed at scrape time, so they are true even while the tasks that would update
@@ -122,8 +138,246 @@ fn refresh_health_gauges(health: &Health) {
 }
 
 async fn metrics_text(State(state): State<AppState>) -> String {
-    refresh_health_gauges(&state.health);
+    refresh_health_gauges(&state.probes.health);
     state.metrics.render()
+}
+
+// ---- Many outboxes on one server ----
+
+/// A started outbox as the shared server sees it: its probes, its console's routes, and the
+/// runtime its requests run on (so that its metrics carry its label, and a slow outbox
+/// holds up only its own requests).
+pub struct Served {
+    pub probes: Probes,
+    pub console: Router,
+    pub runtime: tokio::runtime::Handle,
+}
+
+/// One outbox's place on the shared server: empty until the outbox has started (its
+/// database answered and its sinks were built).
+pub struct OutboxSlot {
+    pub name: String,
+    served: OnceLock<Served>,
+}
+
+impl OutboxSlot {
+    pub fn new(name: String) -> Arc<OutboxSlot> {
+        Arc::new(OutboxSlot {
+            name,
+            served: OnceLock::new(),
+        })
+    }
+
+    /// Called once, by the outbox, when it has started.
+    pub fn fill(&self, served: Served) {
+        let _ = self.served.set(served);
+    }
+
+    fn served(&self) -> Option<&Served> {
+        self.served.get()
+    }
+}
+
+#[derive(Clone)]
+struct SharedState {
+    slots: Arc<[Arc<OutboxSlot>]>,
+    metrics: PrometheusHandle,
+}
+
+impl SharedState {
+    fn slot(&self, name: &str) -> Option<&Arc<OutboxSlot>> {
+        self.slots.iter().find(|s| s.name == name)
+    }
+}
+
+/// The one server of `[[outboxes]]`: `/healthz`; `/readyz` ready only when every outbox
+/// is, naming the ones that are not; `/metrics` with an `outbox` label on every series; an
+/// index of the outboxes at `/` and `/api/v1/outboxes`; and each outbox's dashboard and
+/// admin API under `/outboxes/NAME/`. Starts at once: an outbox still waiting for its
+/// database shows as starting.
+pub async fn serve_outboxes(
+    addr: SocketAddr,
+    slots: Vec<Arc<OutboxSlot>>,
+    metrics: PrometheusHandle,
+) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
+    let (listener, bound) = listen(addr).await?;
+    let state = SharedState {
+        slots: slots.into(),
+        metrics,
+    };
+    let app = Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(shared_readyz))
+        .route("/metrics", get(shared_metrics))
+        .route("/", get(index))
+        .route("/api/v1/outboxes", get(outbox_list))
+        .route(
+            "/outboxes/{name}",
+            get(|Path(name): Path<String>| async move {
+                Redirect::permanent(&format!("/outboxes/{name}/"))
+            }),
+        )
+        .route("/outboxes/{name}/", any(forward_root))
+        .route("/outboxes/{name}/{*rest}", any(forward))
+        .with_state(state);
+    let task = tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::error!(error = %e, "HTTP server failed");
+        }
+    });
+    Ok((bound, task))
+}
+
+/// How long the shared server waits for an outbox's runtime to answer a probe.
+const OUTBOX_PATIENCE: Duration = Duration::from_secs(5);
+
+async fn shared_readyz(State(state): State<SharedState>) -> (StatusCode, String) {
+    let checks = state.slots.iter().map(|slot| async move {
+        let Some(served) = slot.served() else {
+            return vec![format!(
+                "outbox {}: starting (waiting for its database or sinks; see the log)",
+                slot.name
+            )];
+        };
+        let probes = served.probes.clone();
+        let asked = served
+            .runtime
+            .spawn(async move { readiness(&probes).await });
+        let reasons = match tokio::time::timeout(OUTBOX_PATIENCE, asked).await {
+            Ok(Ok(reasons)) => reasons,
+            Ok(Err(_)) => vec!["its runtime has stopped".to_string()],
+            Err(_) => vec![format!("no answer within {OUTBOX_PATIENCE:?}")],
+        };
+        reasons
+            .into_iter()
+            .map(|r| format!("outbox {}: {r}", slot.name))
+            .collect()
+    });
+    let reasons = futures::future::join_all(checks).await.concat();
+    verdict(reasons)
+}
+
+async fn shared_metrics(State(state): State<SharedState>) -> String {
+    for slot in state.slots.iter() {
+        if let Some(served) = slot.served() {
+            crate::outboxes::labelled(&slot.name, || refresh_health_gauges(&served.probes.health));
+        }
+    }
+    state.metrics.render()
+}
+
+async fn outbox_list(State(state): State<SharedState>) -> Response {
+    let list: Vec<serde_json::Value> = state
+        .slots
+        .iter()
+        .map(|slot| {
+            serde_json::json!({
+                "name": slot.name,
+                "started": slot.served().is_some(),
+                "store": slot.served().map(|s| s.probes.store.describe()),
+                "path": format!("/outboxes/{}/", slot.name),
+            })
+        })
+        .collect();
+    crate::admin::reply(StatusCode::OK, serde_json::json!({ "outboxes": list }))
+}
+
+async fn index(State(state): State<SharedState>) -> Response {
+    let items: String = state
+        .slots
+        .iter()
+        .map(|slot| {
+            // Names are [a-z0-9_-] (validated), safe in HTML as they are.
+            let what = match slot.served() {
+                Some(s) => html_text(&s.probes.store.describe()),
+                None => "starting".into(),
+            };
+            format!(
+                "<li><a href=\"/outboxes/{0}/\">{0}</a> <span class=\"muted\">{what}</span></li>",
+                slot.name
+            )
+        })
+        .collect();
+    let page = format!(
+        "<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>outbox-relay</title>\
+         <link rel=\"stylesheet\" href=\"/outboxes/{first}/assets/app.css\"></head><body><header>\
+         <h1>outbox-relay</h1></header><main><h2>Outboxes</h2><ul id=\"outboxes\">{items}</ul>\
+         </main></body></html>",
+        first = state.slots.first().map(|s| s.name.as_str()).unwrap_or_default()
+    );
+    (
+        [
+            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        page,
+    )
+        .into_response()
+}
+
+fn html_text(text: &str) -> String {
+    text.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+async fn forward_root(
+    State(state): State<SharedState>,
+    Path(name): Path<String>,
+    request: Request,
+) -> Response {
+    forward_to(&state, &name, "", request).await
+}
+
+async fn forward(
+    State(state): State<SharedState>,
+    Path((name, rest)): Path<(String, String)>,
+    request: Request,
+) -> Response {
+    forward_to(&state, &name, &rest, request).await
+}
+
+/// Hands a request under `/outboxes/NAME/` to that outbox's console, on its runtime.
+async fn forward_to(state: &SharedState, name: &str, rest: &str, request: Request) -> Response {
+    let refuse = crate::admin::failure;
+    let Some(slot) = state.slot(name) else {
+        let names: Vec<&str> = state.slots.iter().map(|s| s.name.as_str()).collect();
+        return refuse(
+            StatusCode::NOT_FOUND,
+            format!(
+                "no outbox named {name:?}; the outboxes are {}",
+                names.join(", ")
+            ),
+        );
+    };
+    let Some(served) = slot.served() else {
+        return refuse(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("outbox {name} is starting (waiting for its database or sinks; see the log)"),
+        );
+    };
+    let (mut parts, body) = request.into_parts();
+    let query = parts
+        .uri
+        .query()
+        .map(|q| format!("?{q}"))
+        .unwrap_or_default();
+    parts.uri = match format!("/{rest}{query}").parse() {
+        Ok(uri) => uri,
+        Err(_) => return refuse(StatusCode::BAD_REQUEST, "invalid path".into()),
+    };
+    let console = served.console.clone();
+    let answered = served
+        .runtime
+        .spawn(async move { console.oneshot(Request::from_parts(parts, body)).await });
+    match answered.await {
+        Ok(Ok(response)) => response,
+        Ok(Err(never)) => match never {},
+        Err(_) => refuse(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("outbox {name} has stopped"),
+        ),
+    }
 }
 
 /// How long a problem lasts before it is logged at error level: transient failures (a

@@ -11,6 +11,7 @@ mod otel;
 #[cfg(not(feature = "otel"))]
 #[path = "otel_off.rs"]
 mod otel;
+mod outboxes;
 mod progress;
 mod store;
 
@@ -48,6 +49,78 @@ fn init_logging(config: &Config) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Runs `command` on the configuration's one outbox, or, with `[[outboxes]]`, on the one
+/// `--outbox` names or on each in turn (`run` runs them all at once).
+async fn dispatch(
+    command: Command,
+    config: Config,
+    outbox: Option<String>,
+) -> anyhow::Result<ExitCode> {
+    let config_error = |m: String| anyhow::Error::new(commands::ConfigError(m));
+    if config.outboxes.is_empty() {
+        if let Some(name) = outbox {
+            return Err(config_error(format!(
+                "--outbox {name}: the configuration has no [[outboxes]]; remove --outbox, or \
+                 list the outboxes in the config file (see the README, \"Many outboxes\")"
+            )));
+        }
+        return run_command(command, config).await;
+    }
+    let outboxes = config.outboxes()?;
+    let names = || {
+        outboxes
+            .iter()
+            .map(|o| o.name.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    if let Some(name) = outbox {
+        let Some(chosen) = outboxes.iter().find(|o| o.name == name) else {
+            return Err(config_error(format!(
+                "--outbox {name}: there is no such outbox; the outboxes are {}",
+                names()
+            )));
+        };
+        return run_command(command, chosen.config.clone()).await;
+    }
+    let heading = match &command {
+        Command::Run(args) => return commands::run(config, args.drain).await,
+        Command::Migrate(_) => "--",
+        Command::Check(_) | Command::Stats(cli::StatsArgs { json: false }) => "==",
+        _ => {
+            return Err(config_error(format!(
+                "this command acts on one outbox: choose one with --outbox NAME (the outboxes \
+                 are {})",
+                names()
+            )))
+        }
+    };
+    let mut worst = ExitCode::SUCCESS;
+    for outbox in &outboxes {
+        let closing = if heading == "==" { " ==" } else { "" };
+        println!("{heading} outbox {}{closing}", outbox.name);
+        let code = run_command(command.clone(), outbox.config.clone()).await?;
+        if code != ExitCode::SUCCESS {
+            worst = code;
+        }
+    }
+    Ok(worst)
+}
+
+async fn run_command(command: Command, config: Config) -> anyhow::Result<ExitCode> {
+    match command {
+        Command::Run(args) => commands::run(config, args.drain).await,
+        Command::Migrate(args) => commands::migrate(config, args).await,
+        Command::Check(_) => commands::check(config).await,
+        Command::Send(args) => commands::send(config, args).await,
+        Command::DropSlot => commands::drop_slot(config).await,
+        Command::Stats(args) => commands::stats(config, args.json).await,
+        Command::Dead(command) => operator::dead(config, command).await,
+        Command::Replay(args) => operator::replay(config, args).await,
+        Command::Prune(args) => operator::prune(config, args).await,
+    }
+}
+
 fn main() -> ExitCode {
     let cli = match Cli::from_arg_matches(&cli::command().get_matches()) {
         Ok(cli) => cli,
@@ -76,19 +149,8 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let result = runtime.block_on(async move {
-        match cli.command {
-            Command::Run(args) => commands::run(config, args.drain).await,
-            Command::Migrate(args) => commands::migrate(config, args).await,
-            Command::Check(_) => commands::check(config).await,
-            Command::Send(args) => commands::send(config, args).await,
-            Command::DropSlot => commands::drop_slot(config).await,
-            Command::Stats(args) => commands::stats(config, args.json).await,
-            Command::Dead(command) => operator::dead(config, command).await,
-            Command::Replay(args) => operator::replay(config, args).await,
-            Command::Prune(args) => operator::prune(config, args).await,
-        }
-    });
+    let outbox = cli.global.outbox.clone();
+    let result = runtime.block_on(dispatch(cli.command, config, outbox));
     match result {
         Ok(code) => code,
         Err(e) => {

@@ -41,7 +41,8 @@ function rate(value) {
 }
 
 async function api(path, options) {
-  const response = await fetch(path, options);
+  // Relative to the page's <base>: `/` alone, `/outboxes/NAME/` among several outboxes.
+  const response = await fetch(path.replace(/^\//, ""), options);
   let body = null;
   try { body = await response.json(); } catch (_) { body = null; }
   if (!response.ok) {

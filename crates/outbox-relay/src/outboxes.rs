@@ -1,0 +1,240 @@
+//! Many outboxes in one process (`[[outboxes]]`).
+//!
+//! Each outbox runs on a tokio runtime of its own, on threads of its own: a database that
+//! hangs a driver call, or a sink that keeps an outbox busy, holds up only that outbox's
+//! threads. The runtime's threads carry the outbox's name ([`OutboxLabel`]), so every metric
+//! recorded on them, by the engine, the stores, the sinks or the console, gets an `outbox`
+//! label without any of them knowing. The one HTTP server (`http::serve_outboxes`) hands
+//! each outbox's requests to its runtime for the same reason.
+
+use std::cell::RefCell;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use metrics::{
+    Counter, Gauge, Histogram, Key, KeyName, Label, Metadata, Recorder, SharedString, Unit,
+};
+use metrics_exporter_prometheus::PrometheusHandle;
+
+use crate::commands::ConfigError;
+use crate::config::{Config, NamedOutbox};
+use crate::http::OutboxSlot;
+
+thread_local! {
+    /// The outbox whose runtime this thread belongs to.
+    static OUTBOX: RefCell<Option<Arc<str>>> = const { RefCell::new(None) };
+}
+
+/// The metrics label naming an outbox.
+pub const OUTBOX_LABEL: &str = "outbox";
+
+/// A recorder that adds `outbox="NAME"` to every metric registered on a thread of that
+/// outbox's runtime. Threads of no outbox (the single-outbox relay) record as they are.
+pub struct OutboxLabel<R>(pub R);
+
+fn with_outbox_label(key: &Key) -> Option<Key> {
+    OUTBOX.with(|outbox| {
+        outbox
+            .borrow()
+            .as_ref()
+            .map(|name| key.with_extra_labels(vec![Label::new(OUTBOX_LABEL, name.to_string())]))
+    })
+}
+
+impl<R: Recorder> Recorder for OutboxLabel<R> {
+    fn describe_counter(&self, key: KeyName, unit: Option<Unit>, description: SharedString) {
+        self.0.describe_counter(key, unit, description)
+    }
+
+    fn describe_gauge(&self, key: KeyName, unit: Option<Unit>, description: SharedString) {
+        self.0.describe_gauge(key, unit, description)
+    }
+
+    fn describe_histogram(&self, key: KeyName, unit: Option<Unit>, description: SharedString) {
+        self.0.describe_histogram(key, unit, description)
+    }
+
+    fn register_counter(&self, key: &Key, metadata: &Metadata<'_>) -> Counter {
+        match with_outbox_label(key) {
+            Some(key) => self.0.register_counter(&key, metadata),
+            None => self.0.register_counter(key, metadata),
+        }
+    }
+
+    fn register_gauge(&self, key: &Key, metadata: &Metadata<'_>) -> Gauge {
+        match with_outbox_label(key) {
+            Some(key) => self.0.register_gauge(&key, metadata),
+            None => self.0.register_gauge(key, metadata),
+        }
+    }
+
+    fn register_histogram(&self, key: &Key, metadata: &Metadata<'_>) -> Histogram {
+        match with_outbox_label(key) {
+            Some(key) => self.0.register_histogram(&key, metadata),
+            None => self.0.register_histogram(key, metadata),
+        }
+    }
+}
+
+/// Runs `f` with this thread's metrics labelled as outbox `name` (for the few metrics the
+/// shared HTTP server records on an outbox's behalf).
+pub fn labelled<T>(name: &str, f: impl FnOnce() -> T) -> T {
+    let before = OUTBOX.with(|o| o.replace(Some(Arc::from(name))));
+    let result = f();
+    OUTBOX.with(|o| *o.borrow_mut() = before);
+    result
+}
+
+/// `run` with `[[outboxes]]`: every outbox on its own runtime, one HTTP server for all.
+///
+/// SIGTERM or SIGINT stops them all. Without `--drain`, an outbox that stops by itself (a
+/// fatal error, or its node row taken over) stops the others too, and the process exits
+/// with its error: a process that relays only some of its outboxes would look alive while
+/// the rest waits. With `--drain`, each outbox drains on its own, and the process exits 0
+/// only when every one of them did.
+pub async fn run(
+    config: Config,
+    drain: bool,
+    metrics: PrometheusHandle,
+) -> anyhow::Result<ExitCode> {
+    let outboxes = config.outboxes()?;
+    let (http_addr, _token) = config.http_settings()?;
+    let node = config
+        .node_id
+        .clone()
+        .unwrap_or_else(crate::commands::default_node_id);
+    let slots: Vec<Arc<OutboxSlot>> = outboxes
+        .iter()
+        .map(|o| OutboxSlot::new(o.name.clone()))
+        .collect();
+    let http = match http_addr {
+        Some(addr) => {
+            let (bound, task) =
+                crate::http::serve_outboxes(addr, slots.clone(), metrics.clone()).await?;
+            tracing::info!(
+                addr = %bound,
+                outboxes = %slots.iter().map(|s| s.name.as_str()).collect::<Vec<_>>().join(","),
+                "HTTP endpoints: /healthz /readyz /metrics, and each outbox's dashboard and /api/v1/ under /outboxes/NAME/"
+            );
+            Some(task)
+        }
+        None => None,
+    };
+    let (stop, stopping) = tokio::sync::watch::channel(false);
+    let mut running = Vec::new();
+    for (outbox, slot) in outboxes.into_iter().zip(slots) {
+        let name = outbox.name.clone();
+        let slot = http_addr.is_some().then_some(slot);
+        let ended = start(
+            outbox,
+            node.clone(),
+            drain,
+            metrics.clone(),
+            slot,
+            stopping.clone(),
+        )?;
+        running.push((name, ended));
+    }
+    let mut results: Vec<(String, anyhow::Result<()>)> = Vec::new();
+    let mut pending: futures::stream::FuturesUnordered<_> = running
+        .into_iter()
+        .map(|(name, ended)| async move {
+            let result = ended
+                .await
+                .unwrap_or_else(|_| Err(anyhow::anyhow!("its thread ended without a result")));
+            (name, result)
+        })
+        .collect();
+    let signal = crate::commands::shutdown_signal();
+    tokio::pin!(signal);
+    use futures::StreamExt;
+    loop {
+        tokio::select! {
+            () = &mut signal, if !*stop.borrow() => {
+                let _ = stop.send(true);
+            }
+            next = pending.next() => {
+                let Some((name, result)) = next else { break };
+                if !drain && !*stop.borrow() {
+                    match &result {
+                        Ok(()) => tracing::error!(outbox = %name, "outbox stopped by itself; stopping the others"),
+                        Err(e) => tracing::error!(outbox = %name, error = %format!("{e:#}"), "outbox failed; stopping the others"),
+                    }
+                    let _ = stop.send(true);
+                }
+                results.push((name, result));
+            }
+        }
+    }
+    if let Some(http) = http {
+        http.abort();
+    }
+    let failed: Vec<&(String, anyhow::Result<()>)> =
+        results.iter().filter(|(_, r)| r.is_err()).collect();
+    if failed.is_empty() {
+        return Ok(ExitCode::SUCCESS);
+    }
+    let config_error = failed.iter().any(|(_, r)| {
+        r.as_ref()
+            .err()
+            .is_some_and(|e| e.downcast_ref::<ConfigError>().is_some())
+    });
+    let message = failed
+        .iter()
+        .filter_map(|(name, r)| r.as_ref().err().map(|e| format!("outbox {name}: {e:#}")))
+        .collect::<Vec<_>>()
+        .join("\n");
+    if config_error {
+        Err(anyhow::Error::new(ConfigError(message)))
+    } else {
+        Err(anyhow::anyhow!(message))
+    }
+}
+
+/// Starts one outbox on a runtime of its own; the receiver gets its result.
+fn start(
+    outbox: NamedOutbox,
+    node: String,
+    drain: bool,
+    metrics: PrometheusHandle,
+    slot: Option<Arc<OutboxSlot>>,
+    mut stopping: tokio::sync::watch::Receiver<bool>,
+) -> anyhow::Result<tokio::sync::oneshot::Receiver<anyhow::Result<()>>> {
+    let NamedOutbox { name, mut config } = outbox;
+    config.node_id = Some(node);
+    // The shared server serves this outbox: it starts none of its own.
+    config.http_addr = String::new();
+    let label: Arc<str> = Arc::from(name.as_str());
+    let (done, ended) = tokio::sync::oneshot::channel();
+    let thread_label = label.clone();
+    std::thread::Builder::new()
+        .name(format!("outbox-{name}"))
+        .spawn(move || {
+            let worker_label = thread_label.clone();
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .thread_name(format!("outbox-{name}"))
+                .on_thread_start(move || {
+                    OUTBOX.with(|o| *o.borrow_mut() = Some(worker_label.clone()))
+                })
+                .enable_all()
+                .build();
+            let result = match runtime {
+                Ok(runtime) => {
+                    OUTBOX.with(|o| *o.borrow_mut() = Some(thread_label));
+                    let stop = async move {
+                        let _ = stopping.wait_for(|stop| *stop).await;
+                    };
+                    let span = tracing::info_span!("outbox", outbox = %name);
+                    runtime.block_on(tracing::Instrument::instrument(
+                        crate::commands::relay_outbox(config, drain, metrics, slot, stop),
+                        span,
+                    ))
+                }
+                Err(e) => Err(anyhow::anyhow!("cannot start its runtime: {e}")),
+            };
+            let _ = done.send(result);
+        })
+        .map_err(|e| anyhow::anyhow!("cannot start a thread for outbox {label}: {e}"))?;
+    Ok(ended)
+}
