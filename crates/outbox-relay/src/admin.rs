@@ -908,9 +908,21 @@ mod tests {
                     outbox_events_published_total{destination=\"b\"} 4\n\
                     outbox_events_published_total_other 100\n\
                     outbox_backlog_events 7\n";
-        assert_eq!(metric_sum(text, "outbox_events_published_total"), 7.0);
-        assert_eq!(metric_sum(text, "outbox_backlog_events"), 7.0);
-        assert_eq!(metric_sum(text, "outbox_dead_letter_events"), 0.0);
+        assert_eq!(metric_sum(text, "outbox_events_published_total", None), 7.0);
+        assert_eq!(metric_sum(text, "outbox_backlog_events", None), 7.0);
+        assert_eq!(metric_sum(text, "outbox_dead_letter_events", None), 0.0);
+    }
+
+    /// Among several outboxes, a console's history is its own outbox's.
+    #[test]
+    fn metric_sums_of_one_outbox_read_only_its_series() {
+        let text = "outbox_events_published_total{destination=\"a\",outbox=\"orders\"} 3\n\
+                    outbox_events_published_total{destination=\"a\",outbox=\"billing\"} 4\n\
+                    outbox_events_published_total{destination=\"b\",outbox=\"orders\"} 5\n";
+        let sum = |outbox| metric_sum(text, "outbox_events_published_total", outbox);
+        assert_eq!(sum(Some("orders")), 8.0);
+        assert_eq!(sum(Some("billing")), 4.0);
+        assert_eq!(sum(None), 12.0);
     }
 
     #[test]

@@ -1518,4 +1518,141 @@ mod tests {
         };
         assert_eq!(named.layout_tables().outbox_table, "events");
     }
+
+    /// `[[outboxes]]` from a file and flags: each outbox's settings in effect, or the error.
+    fn outboxes_of(toml: &str, args: &[&str]) -> Result<Vec<NamedOutbox>, String> {
+        let mut result = Err(String::new());
+        figment::Jail::expect_with(|jail| {
+            jail.create_file("relay.toml", toml)?;
+            result = Config::load(Some(Path::new("relay.toml")), flags(args))
+                .and_then(|c| c.outboxes())
+                .map_err(|e| format!("{e:#}"));
+            Ok(())
+        });
+        result
+    }
+
+    #[test]
+    fn an_outbox_inherits_what_it_does_not_set_and_replaces_what_it_does() {
+        let outboxes = outboxes_of(
+            r#"
+            batch_size = 100
+            sink = "stdout"
+            [retry]
+            max_attempts = 7
+            base_delay = "1s"
+            [[outboxes]]
+            name = "orders"
+            database_url = "postgres://relay@db/orders"
+            [[outboxes]]
+            name = "billing"
+            database_url = "postgres://relay@db/billing"
+            retry = { max_attempts = 2 }
+            [outboxes.sinks.main]
+            uri = "nats://nats:4222"
+            [[outboxes.routes]]
+            destinations = "*"
+            sink = "main"
+            "#,
+            &["outbox-relay", "run", "--lease", "45s"],
+        )
+        .unwrap();
+        let [orders, billing] = &outboxes[..] else {
+            panic!("{outboxes:?}")
+        };
+        assert_eq!(orders.name, "orders");
+        assert_eq!(orders.config.database_url, "postgres://relay@db/orders");
+        assert_eq!(orders.config.batch_size, 100, "from the top level");
+        assert_eq!(orders.config.lease, Duration::from_secs(45), "from a flag");
+        assert_eq!(orders.config.sink.as_deref(), Some("stdout"));
+        assert_eq!(orders.config.retry.max_attempts, 7);
+        // An entry's table replaces the top-level one whole; its sinks replace `sink`.
+        assert_eq!(billing.config.retry.max_attempts, 2);
+        assert_eq!(
+            billing.config.retry.base_delay,
+            RetryPolicy::default().base_delay
+        );
+        assert_eq!(billing.config.sink, None);
+        assert_eq!(billing.config.sinks.keys().collect::<Vec<_>>(), ["main"]);
+        assert_eq!(billing.config.routes.len(), 1);
+        assert!(billing.config.outboxes.is_empty());
+        // Without [[outboxes]], nothing changes.
+        assert!(outboxes_of("batch_size = 100\n", &["outbox-relay", "run"])
+            .unwrap()
+            .is_empty());
+    }
+
+    #[test]
+    fn outboxes_that_cannot_share_a_process_are_refused_with_the_fix() {
+        let refused = |toml: &str| outboxes_of(toml, &["outbox-relay", "run"]).unwrap_err();
+        let two = |a: &str, b: &str| {
+            format!("[[outboxes]]\nname = \"a\"\n{a}\n[[outboxes]]\nname = \"b\"\n{b}\n")
+        };
+        let pg = "database_url = \"postgres://relay:secret@db:5432/app\"";
+        let pg_other_user = "database_url = \"postgres://other@db:5432/app?sslmode=require\"";
+        let err = refused(&two(pg, pg_other_user));
+        assert!(err.contains("both relay public.outbox"), "{err}");
+        assert!(!err.contains("secret"), "{err}");
+        let err = refused(&two(
+            pg,
+            &format!("{pg_other_user}\noutbox_table = \"billing\""),
+        ));
+        assert!(
+            err.contains("share the nodes table public.outbox_nodes")
+                && err.contains("nodes_table"),
+            "{err}"
+        );
+        // Their own tables: accepted.
+        outboxes_of(
+            &two(
+                pg,
+                &format!("{pg}\noutbox_table = \"billing\"\nnodes_table = \"billing_nodes\""),
+            ),
+            &["outbox-relay", "run"],
+        )
+        .unwrap();
+        let err = refused(&two(
+            &format!("{pg}\ncapture = \"wal\""),
+            &format!("{pg}\ncapture = \"wal\"\noutbox_table = \"b\"\nnodes_table = \"bn\""),
+        ));
+        assert!(err.contains("replication slot outbox_relay"), "{err}");
+        let err = refused(&two("", ""));
+        assert!(
+            err.contains("both relay public.outbox of sqlite:outbox.db"),
+            "{err}"
+        );
+        let err = refused(&two(
+            pg,
+            "database_url = \"sqlite:b.db\"\nhttp_addr = \"127.0.0.1:1\"",
+        ));
+        assert!(
+            err.contains("`b` sets `http_addr`, which belongs to the whole process"),
+            "{err}"
+        );
+        let err = refused(&two(pg, "database_url = \"sqlite:b.db\"\nbatch_sise = 5"));
+        assert!(
+            err.contains("[[outboxes]] `b`: setting `batch_sise`: unknown setting"),
+            "{err}"
+        );
+        let err = refused(&two(pg, "database_url = \"sqlite:b.db\"\nbatch_size = 0"));
+        assert!(
+            err.contains("[[outboxes]] `b`: batch_size must be"),
+            "{err}"
+        );
+        let err = refused("[[outboxes]]\ndatabase_url = \"sqlite:b.db\"\n");
+        assert!(err.contains("entry 1 has no name"), "{err}");
+        let err = refused("[[outboxes]]\nname = \"Orders!\"\n");
+        assert!(err.contains("invalid [[outboxes]] name"), "{err}");
+        let err = refused(
+            &two(
+                "database_url = \"sqlite:a.db\"",
+                "database_url = \"sqlite:b.db\"",
+            )
+            .replace("\"b\"", "\"a\""),
+        );
+        assert!(
+            err.contains("two [[outboxes]] entries are named \"a\""),
+            "{err}"
+        );
+    }
 }

@@ -1,0 +1,401 @@
+//! `[[outboxes]]`: several outboxes in one process, against real PostgreSQL, MariaDB, SQLite
+//! and nats-server.
+
+use std::path::Path;
+use std::time::Duration;
+
+use outbox_testkit::eventually;
+use outbox_testkit::faultproxy::FaultProxy;
+
+mod support;
+
+use support::{http_addr, http_get, read_lines, relay, text, RelayProcess};
+
+/// Lines in a file sink's output (0 while it does not exist).
+fn lines_in(path: &Path) -> usize {
+    std::fs::read_to_string(path)
+        .map(|t| t.lines().count())
+        .unwrap_or(0)
+}
+
+async fn wait_for_lines_in(path: &Path, n: usize) {
+    eventually(
+        &format!("{n} events in {}", path.display()),
+        Duration::from_secs(30),
+        || {
+            let done = lines_in(path) >= n;
+            async move { done.then_some(()) }
+        },
+    )
+    .await;
+}
+
+fn send(dir: &Path, outbox: &str, destination: &str, key: &str, payload: &str) {
+    let sent = relay(
+        dir,
+        &[
+            "--outbox",
+            outbox,
+            "send",
+            "--destination",
+            destination,
+            "--key",
+            key,
+            payload,
+        ],
+    );
+    assert!(sent.status.success(), "{}", text(&sent.stderr));
+}
+
+/// The value of one series of `/metrics`, found by its name and labels in any order.
+fn series(metrics: &str, name: &str, labels: &[&str]) -> Option<f64> {
+    metrics
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| l.starts_with(&format!("{name}{{")))
+        .find(|l| labels.iter().all(|label| l.contains(label)))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outboxes_on_three_databases_relay_side_by_side_each_with_its_own_label_and_console() {
+    outbox_testkit::install_crypto();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let postgres = outbox_testkit::fresh_pg_database().await;
+    let mariadb = outbox_testkit::fresh_mysql_database().await;
+    // Each outbox its own database, layout, tables, sinks and routes; `batch_size` is
+    // inherited from the top level, `retry` replaced whole for one outbox.
+    let config = format!(
+        r#"
+http_addr = "127.0.0.1:0"
+log_format = "json"
+batch_size = 50
+
+[[outboxes]]
+name = "orders"
+database_url = "{postgres}"
+outbox_table = "orders_outbox"
+nodes_table = "orders_nodes"
+sink = "file:orders.jsonl"
+
+[[outboxes]]
+name = "billing"
+database_url = "{mariadb}"
+outbox_table = "billing_events"
+retry = {{ max_attempts = 3 }}
+[outboxes.sinks.ledger]
+uri = "file:ledger.jsonl"
+[outboxes.sinks.rest]
+uri = "file:billing-rest.jsonl"
+[[outboxes.routes]]
+destinations = "ledger.*"
+sink = "ledger"
+[[outboxes.routes]]
+destinations = "*"
+sink = "rest"
+
+[[outboxes]]
+name = "local"
+database_url = "sqlite:local.db"
+sink = "file:local.jsonl"
+"#
+    );
+    std::fs::write(d.join("outbox-relay.toml"), config).unwrap();
+
+    // `migrate` without --outbox migrates each, under a heading of its name.
+    let migrated = relay(d, &["migrate"]);
+    assert!(migrated.status.success(), "{}", text(&migrated.stderr));
+    let out = text(&migrated.stdout);
+    for name in ["orders", "billing", "local"] {
+        assert!(out.contains(&format!("-- outbox {name}")), "{out}");
+    }
+    // The custom table names are the ones created.
+    let pg = support::pg(&postgres).await;
+    pg.query_one("SELECT count(*) FROM public.orders_outbox", &[])
+        .await
+        .unwrap();
+
+    for i in 0..3 {
+        send(d, "orders", "orders.created", &format!("o{i}"), "{\"n\":1}");
+        send(d, "local", "local.events", "k", &format!("{{\"n\":{i}}}"));
+    }
+    send(d, "billing", "ledger.entries", "acct-1", "{\"cents\":100}");
+    send(d, "billing", "ledger.entries", "acct-1", "{\"cents\":200}");
+    send(d, "billing", "invoices", "inv-1", "{\"total\":3}");
+
+    // A command that acts on one outbox needs --outbox, and says which exist.
+    let ambiguous = relay(d, &["dead", "list"]);
+    assert_eq!(ambiguous.status.code(), Some(2));
+    assert!(
+        text(&ambiguous.stderr).contains("--outbox NAME (the outboxes are orders, billing, local)"),
+        "{}",
+        text(&ambiguous.stderr)
+    );
+    let unknown = relay(d, &["--outbox", "shipping", "stats"]);
+    assert_eq!(unknown.status.code(), Some(2));
+    assert!(
+        text(&unknown.stderr)
+            .contains("there is no such outbox; the outboxes are orders, billing, local"),
+        "{}",
+        text(&unknown.stderr)
+    );
+    let stats = relay(d, &["stats"]);
+    assert!(stats.status.success(), "{}", text(&stats.stderr));
+    let stats = text(&stats.stdout);
+    assert!(stats.contains("== outbox billing =="), "{stats}");
+    assert!(stats.contains("ledger.entries"), "{stats}");
+
+    let mut process = RelayProcess::spawn(d, "relay", &["run"], &[]);
+    wait_for_lines_in(&d.join("orders.jsonl"), 3).await;
+    wait_for_lines_in(&d.join("local.jsonl"), 3).await;
+    wait_for_lines_in(&d.join("ledger.jsonl"), 2).await;
+    wait_for_lines_in(&d.join("billing-rest.jsonl"), 1).await;
+    // Per-key order holds within each outbox.
+    let ledger: Vec<i64> = read_lines(&d.join("ledger.jsonl"))
+        .iter()
+        .map(|l| l["payload"]["cents"].as_i64().unwrap())
+        .collect();
+    assert_eq!(ledger, [100, 200]);
+
+    let addr = http_addr(&process).await;
+    let ready = http_get(&addr, "/readyz").await.unwrap();
+    assert_eq!(ready, (200, "ready\n".to_string()));
+    // One metrics endpoint; every outbox's series carry its name.
+    let metrics = http_get(&addr, "/metrics").await.unwrap().1;
+    let published = |outbox: &str, destination: &str| {
+        series(
+            &metrics,
+            "outbox_events_published_total",
+            &[
+                &format!("outbox=\"{outbox}\""),
+                &format!("destination=\"{destination}\""),
+            ],
+        )
+    };
+    assert_eq!(
+        published("orders", "orders.created"),
+        Some(3.0),
+        "{metrics}"
+    );
+    assert_eq!(published("local", "local.events"), Some(3.0), "{metrics}");
+    assert_eq!(
+        published("billing", "ledger.entries"),
+        Some(2.0),
+        "{metrics}"
+    );
+    assert_eq!(published("billing", "invoices"), Some(1.0), "{metrics}");
+    // Scrape-time gauges are labelled too, and no engine series goes unlabelled.
+    for outbox in ["orders", "billing", "local"] {
+        assert!(
+            series(
+                &metrics,
+                "outbox_health_problems",
+                &[&format!("outbox=\"{outbox}\"")]
+            )
+            .is_some(),
+            "{metrics}"
+        );
+    }
+    let unlabelled: Vec<&str> = metrics
+        .lines()
+        .filter(|l| l.starts_with("outbox_") && !l.contains("outbox=\""))
+        .collect();
+    assert!(unlabelled.is_empty(), "{unlabelled:?}");
+
+    // The index lists them, and each console is under its name.
+    let list: serde_json::Value =
+        serde_json::from_str(&http_get(&addr, "/api/v1/outboxes").await.unwrap().1).unwrap();
+    let names: Vec<&str> = list["outboxes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| o["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["orders", "billing", "local"]);
+    let (code, body) = http_get(&addr, "/outboxes/billing/api/v1/status")
+        .await
+        .unwrap();
+    assert_eq!(code, 200, "{body}");
+    let status: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert!(
+        status["outbox"]
+            .as_str()
+            .unwrap()
+            .contains("billing_events"),
+        "{status}"
+    );
+    let (code, page) = http_get(&addr, "/outboxes/local/").await.unwrap();
+    assert_eq!(code, 200);
+    assert!(page.contains("<base href=\"/outboxes/local/\">"), "{page}");
+    let (code, body) = http_get(&addr, "/outboxes/shipping/api/v1/status")
+        .await
+        .unwrap();
+    assert_eq!(code, 404, "{body}");
+
+    let status = process.terminate().await;
+    assert!(status.success(), "{}", process.logs());
+}
+
+/// One outbox whose database does not answer, and one whose broker link is cut, hold up
+/// nobody else: the third delivers everything sent to it meanwhile, `/metrics` answers, and
+/// `/readyz` names the two. Once healed, they deliver what waited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_database_or_a_cut_broker_stalls_only_its_own_outbox() {
+    outbox_testkit::install_crypto();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let nats_url = std::env::var("OUTBOX_TEST_NATS_URL")
+        .expect("OUTBOX_TEST_NATS_URL is not set: source /tmp/servers.env");
+    let js = async_nats::jetstream::new(async_nats::connect(&nats_url).await.unwrap());
+    let subject = format!("iso{}", uuid::Uuid::new_v4().simple());
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: subject.clone(),
+        subjects: vec![format!("{subject}.>")],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let stream_len = || async {
+        js.get_stream(&subject)
+            .await
+            .unwrap()
+            .info()
+            .await
+            .unwrap()
+            .state
+            .messages
+    };
+
+    let hung_db = support::migrated_pg_database().await;
+    let cut_db = support::migrated_pg_database().await;
+    let healthy_db = support::migrated_pg_database().await;
+    let (db_proxy, hung_db_via_proxy) = FaultProxy::start_for_url(&hung_db).await.unwrap();
+    let (nats_proxy, nats_via_proxy) = FaultProxy::start_for_url(&nats_url).await.unwrap();
+    // The hung database accepts connections and never answers, from the start.
+    db_proxy.handle().blackhole();
+    let config = format!(
+        r#"
+http_addr = "127.0.0.1:0"
+log_format = "json"
+
+[[outboxes]]
+name = "hung"
+database_url = "{hung_db_via_proxy}"
+sink = "file:hung.jsonl"
+
+[[outboxes]]
+name = "cut"
+database_url = "{cut_db}"
+sink = "{nats_via_proxy}"
+
+[[outboxes]]
+name = "healthy"
+database_url = "{healthy_db}"
+sink = "file:healthy.jsonl"
+"#
+    );
+    std::fs::write(d.join("outbox-relay.toml"), config).unwrap();
+    // Events wait in the hung outbox before the relay starts (sent past the proxy).
+    let hung = support::pg(&hung_db).await;
+    for i in 0..5 {
+        hung.execute(
+            "INSERT INTO outbox (destination, partition_key, event_type, payload) VALUES ('h', 'k', 't', $1::text::jsonb)",
+            &[&format!("{{\"n\":{i}}}")],
+        )
+        .await
+        .unwrap();
+    }
+
+    let mut process = RelayProcess::spawn(d, "relay", &["run"], &[]);
+    let addr = http_addr(&process).await;
+    // The cut outbox delivers once, then its broker link is reset and refused.
+    send(d, "cut", &format!("{subject}.a"), "k", "{\"n\":0}");
+    eventually(
+        "the first event through the broker",
+        Duration::from_secs(30),
+        || async { (stream_len().await == 1).then_some(()) },
+    )
+    .await;
+    nats_proxy.handle().cut();
+    for i in 1..4 {
+        send(
+            d,
+            "cut",
+            &format!("{subject}.a"),
+            "k",
+            &format!("{{\"n\":{i}}}"),
+        );
+    }
+
+    // Meanwhile the healthy outbox delivers everything sent to it.
+    let pg = support::pg(&healthy_db).await;
+    for i in 0..200 {
+        pg.execute(
+            "INSERT INTO outbox (destination, partition_key, event_type, payload) VALUES ('ok', $1, 't', '{}')",
+            &[&format!("k{}", i % 10)],
+        )
+        .await
+        .unwrap();
+    }
+    wait_for_lines_in(&d.join("healthy.jsonl"), 200).await;
+    assert_eq!(lines_in(&d.join("hung.jsonl")), 0);
+    assert_eq!(stream_len().await, 1);
+
+    // /readyz names both stalled outboxes, not the healthy one; /metrics still answers.
+    let (code, body) = eventually(
+        "/readyz to name the hung and the cut outbox",
+        Duration::from_secs(60),
+        || {
+            let addr = addr.clone();
+            async move {
+                http_get(&addr, "/readyz")
+                    .await
+                    .filter(|(_, b)| b.contains("outbox hung:") && b.contains("outbox cut:"))
+            }
+        },
+    )
+    .await;
+    assert_eq!(code, 503, "{body}");
+    assert!(!body.contains("outbox healthy"), "{body}");
+    let metrics = http_get(&addr, "/metrics").await.unwrap().1;
+    assert_eq!(
+        series(
+            &metrics,
+            "outbox_events_published_total",
+            &["outbox=\"healthy\""]
+        ),
+        Some(200.0),
+        "{metrics}"
+    );
+
+    db_proxy.handle().heal();
+    nats_proxy.handle().heal();
+    wait_for_lines_in(&d.join("hung.jsonl"), 5).await;
+    eventually(
+        "the cut outbox's events after the heal",
+        Duration::from_secs(60),
+        || async { (stream_len().await >= 4).then_some(()) },
+    )
+    .await;
+    eventually("/readyz to recover", Duration::from_secs(60), || {
+        let addr = addr.clone();
+        async move { http_get(&addr, "/readyz").await.filter(|(c, _)| *c == 200) }
+    })
+    .await;
+    let status = process.terminate().await;
+    assert!(status.success(), "{}", process.logs());
+}
+
+#[test]
+fn outbox_is_refused_where_the_configuration_has_no_outboxes() {
+    let dir = tempfile::tempdir().unwrap();
+    let refused = relay(dir.path(), &["--outbox", "orders", "stats"]);
+    assert_eq!(refused.status.code(), Some(2));
+    assert!(
+        text(&refused.stderr).contains("--outbox orders: the configuration has no [[outboxes]]"),
+        "{}",
+        text(&refused.stderr)
+    );
+}
