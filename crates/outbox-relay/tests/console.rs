@@ -542,7 +542,8 @@ sink = "out"
     // The dashboard is served from the binary.
     let (code, html) = api.get_text("/").await;
     assert_eq!(code, 200);
-    assert!(html.contains("/assets/app.js"));
+    // Its links are relative to its <base>: `/` here, `/outboxes/NAME/` among outboxes.
+    assert!(html.contains("<base href=\"/\">") && html.contains("src=\"assets/app.js\""));
     let (code, js) = api.get_text("/assets/app.js").await;
     assert_eq!(code, 200);
     assert!(js.contains("/api/v1/status"));

@@ -8,6 +8,9 @@ use outbox_testkit::eventually;
 use outbox_testkit::faultproxy::FaultProxy;
 
 mod support;
+#[allow(dead_code)] // the console's tests use the rest
+#[path = "support/webdriver.rs"]
+mod webdriver;
 
 use support::{http_addr, http_get, read_lines, relay, text, RelayProcess};
 
@@ -162,8 +165,28 @@ sink = "file:local.jsonl"
     let addr = http_addr(&process).await;
     let ready = http_get(&addr, "/readyz").await.unwrap();
     assert_eq!(ready, (200, "ready\n".to_string()));
-    // One metrics endpoint; every outbox's series carry its name.
-    let metrics = http_get(&addr, "/metrics").await.unwrap().1;
+    // One metrics endpoint; every outbox's series carry its name. (A sink's write lands
+    // before the engine counts it: wait for the last count.)
+    let metrics = eventually(
+        "every outbox's events counted",
+        Duration::from_secs(30),
+        || {
+            let addr = addr.clone();
+            async move {
+                let metrics = http_get(&addr, "/metrics").await?.1;
+                let counted = [
+                    "destination=\"orders.created\",outbox=\"orders\"} 3",
+                    "destination=\"local.events\",outbox=\"local\"} 3",
+                    "destination=\"invoices\",outbox=\"billing\"} 1",
+                    "destination=\"ledger.entries\",outbox=\"billing\"} 2",
+                ]
+                .iter()
+                .all(|s| metrics.contains(s));
+                counted.then_some(metrics)
+            }
+        },
+    )
+    .await;
     let published = |outbox: &str, destination: &str| {
         series(
             &metrics,
@@ -233,6 +256,35 @@ sink = "file:local.jsonl"
         .await
         .unwrap();
     assert_eq!(code, 404, "{body}");
+
+    // In a real browser, the dashboard under /outboxes/billing/ reads billing's API: its
+    // page, script and calls all resolve under that path.
+    let browser = webdriver::Browser::start().await;
+    browser
+        .goto(&format!("http://{addr}/outboxes/billing/"))
+        .await;
+    let shots = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/console-screenshots");
+    browser.wait_for(&shots, "#nodes tbody tr[data-node]").await;
+    let identity = browser
+        .execute(
+            "return document.getElementById('identity').textContent;",
+            serde_json::json!([]),
+        )
+        .await;
+    assert!(
+        identity.as_str().unwrap().contains("billing_events"),
+        "{identity}"
+    );
+    let published = browser
+        .execute(
+            "return document.getElementById('fig-published').textContent;",
+            serde_json::json!([]),
+        )
+        .await;
+    assert_eq!(published, "3", "billing's own count, not the process's");
+    browser
+        .screenshot(&shots.join("outboxes-billing.png"))
+        .await;
 
     let status = process.terminate().await;
     assert!(status.success(), "{}", process.logs());
@@ -359,16 +411,20 @@ sink = "file:healthy.jsonl"
     .await;
     assert_eq!(code, 503, "{body}");
     assert!(!body.contains("outbox healthy"), "{body}");
-    let metrics = http_get(&addr, "/metrics").await.unwrap().1;
-    assert_eq!(
-        series(
-            &metrics,
-            "outbox_events_published_total",
-            &["outbox=\"healthy\""]
-        ),
-        Some(200.0),
-        "{metrics}"
-    );
+    eventually(
+        "/metrics to count the healthy outbox's 200",
+        Duration::from_secs(30),
+        || {
+            let addr = addr.clone();
+            async move {
+                let metrics = http_get(&addr, "/metrics").await?.1;
+                let healthy = ["outbox=\"healthy\""];
+                (series(&metrics, "outbox_events_published_total", &healthy) == Some(200.0))
+                    .then_some(())
+            }
+        },
+    )
+    .await;
 
     db_proxy.handle().heal();
     nats_proxy.handle().heal();
