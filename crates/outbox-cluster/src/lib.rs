@@ -100,13 +100,13 @@ impl Coordinator {
         );
         let (stop, stopped) = watch::channel(false);
         let (written, incarnation_rx) = watch::channel(Some(incarnation));
-        let task = tokio::spawn(run(
+        let task = tokio::spawn(tracing::Instrument::in_current_span(run(
             registry.clone(),
             partitions.clone(),
             config.clone(),
             stopped,
             written,
-        ));
+        )));
         Ok(Coordinator {
             registry,
             partitions,

@@ -31,6 +31,7 @@ use outbox_core::{
 };
 use tokio::sync::Notify;
 use tokio::time::Instant;
+use tracing::Instrument;
 
 use crate::lanes::{Head, LaneKey, Lanes};
 use crate::metrics::{DestinationLabels, DEFAULT_DESTINATION_LABELS};
@@ -879,7 +880,7 @@ pub async fn run(
             let wake = wake.clone();
             store
                 .subscribe(Arc::new(move || wake.notify_one()))
-                .map(tokio::spawn)
+                .map(|subscription| tokio::spawn(subscription.in_current_span()))
         }
         WakeMode::FixedRate => None,
     };
@@ -887,11 +888,14 @@ pub async fn run(
         let wake = wake.clone();
         ownership.on_change(move || wake.notify_one());
     }
-    let backlog_reporter = tokio::spawn(report_backlog(
-        store.clone(),
-        config.backlog_interval,
-        config.health.clone(),
-    ));
+    let backlog_reporter = tokio::spawn(
+        report_backlog(
+            store.clone(),
+            config.backlog_interval,
+            config.health.clone(),
+        )
+        .in_current_span(),
+    );
     let lanes = Lanes::new(config.ordered, config.ownership.as_ref().map(|o| o.count()));
     let mut engine = Engine {
         store,

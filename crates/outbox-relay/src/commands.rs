@@ -314,7 +314,9 @@ pub(crate) async fn relay_outbox(
         failure(message, &e)
     })?;
 
-    let monitor = tokio::spawn(crate::http::watch_health(health));
+    let monitor = tokio::spawn(tracing::Instrument::in_current_span(
+        crate::http::watch_health(health),
+    ));
     let displaced = coordinator.displaced();
     let shutdown_timeout = engine.shutdown_timeout;
     let stopping_since = Arc::new(std::sync::OnceLock::new());

@@ -52,7 +52,7 @@ async fn listen_once(inner: &Inner, channel: &str, on_change: &OnChange) -> Stor
             }
         }
     };
-    let driver = tokio::spawn(driver);
+    let driver = tokio::spawn(tracing::Instrument::in_current_span(driver));
     let listen = format!("LISTEN \"{channel}\"");
     if let Err(e) = client.batch_execute(&listen).await {
         driver.abort();

@@ -280,7 +280,8 @@ impl WalStore {
             status: status_tx,
             on_change: on_change.clone(),
         };
-        let handle = tokio::spawn(reader.run());
+        // Its logs stay in the caller's span (an outbox's, among several).
+        let handle = tokio::spawn(tracing::Instrument::in_current_span(reader.run()));
         WalStore {
             inner: Arc::new(Inner {
                 main,
