@@ -49,6 +49,14 @@ install_packages() {
   command -v g++ >/dev/null || missing+=(g++)
   [ -f /usr/include/openssl/ssl.h ] || missing+=(libssl-dev)
   [ -f /usr/include/zlib.h ] || missing+=(zlib1g-dev)
+  # The packaging tests: the image (buildah, FROM scratch: strip), the Debian package's unit
+  # (systemd-analyze) and the Kubernetes manifests (kubectl kustomize).
+  command -v buildah >/dev/null || missing+=(buildah)
+  command -v podman >/dev/null || missing+=(podman)
+  command -v strip >/dev/null || missing+=(binutils)
+  command -v systemd-analyze >/dev/null || missing+=(systemd)
+  command -v kubectl >/dev/null || missing+=(kubernetes-client)
+  [ -r /etc/ssl/certs/ca-certificates.crt ] || missing+=(ca-certificates)
   # The CloudEvents tests read what the relay sent with the PyPI `cloudevents` SDK, in a venv.
   command -v python3 >/dev/null || missing+=(python3)
   python3 -c 'import ensurepip' 2>/dev/null || missing+=(python3-venv)
@@ -235,13 +243,17 @@ stop_mariadb() {
 }
 
 # Not a server: a Python venv with the CloudEvents SDK (a consumer library to check the
-# relay's CloudEvents against), made once under the state directory.
+# relay's CloudEvents against) and kubernetes-validate (the Kubernetes API's schemas, for
+# the manifests), made once under the state directory.
 start_python() {
   local dir=$STATE/python
   # The 2.x SDK is the one with protocol bindings (cloudevents.core.bindings).
   if ! "$dir/bin/python" -c 'import cloudevents.core.bindings.rabbitmq' 2>/dev/null; then
     python3 -m venv --clear "$dir" >&2
     "$dir/bin/pip" install -q 'cloudevents==2.2.0' >&2
+  fi
+  if ! "$dir/bin/python" -c 'import kubernetes_validate' 2>/dev/null; then
+    "$dir/bin/pip" install -q 'kubernetes-validate==1.31.0' >&2
   fi
   log "python with the cloudevents SDK ready in $dir"
   echo "export OUTBOX_TEST_PYTHON=$dir/bin/python"

@@ -433,7 +433,7 @@ async fn status_body(c: &Console) -> Result<Value, Response> {
     let totals = sample(&c.metrics, c.outbox.as_deref());
     let rate = |i: usize| rates.map_or(Value::Null, |r| json!(r[i]));
     Ok(json!({
-        "version": env!("CARGO_PKG_VERSION"),
+        "version": crate::VERSION,
         "node": c.node,
         "outbox": c.describe,
         "now": time_text(now),

@@ -23,7 +23,7 @@ use crate::config::{CaptureMode, Config, LogFormat, OrderingMode, WakeupMode};
 /// with --database-url (or DATABASE_URL). Settings come from defaults, then a TOML file
 /// (--config, or ./outbox-relay.toml), then OUTBOX_RELAY_* environment variables, then flags.
 #[derive(Parser, Debug)]
-#[command(name = "outbox-relay", version, propagate_version = true)]
+#[command(name = "outbox-relay", version = crate::VERSION, propagate_version = true)]
 pub struct Cli {
     #[command(flatten)]
     pub global: GlobalArgs,
@@ -33,8 +33,9 @@ pub struct Cli {
 
 #[derive(Args, Clone, Debug, Serialize)]
 pub struct GlobalArgs {
-    /// TOML configuration file [default: ./outbox-relay.toml when present].
-    #[arg(long, global = true, value_name = "FILE")]
+    /// TOML configuration file [default: ./outbox-relay.toml when present]. Also
+    /// OUTBOX_RELAY_CONFIG.
+    #[arg(long, global = true, value_name = "FILE", env = "OUTBOX_RELAY_CONFIG")]
     #[serde(skip)]
     pub config: Option<PathBuf>,
     /// With [[outboxes]] in the config file: the outbox to act on. Without it, run, migrate,
@@ -116,6 +117,9 @@ pub enum Command {
     DropSlot,
     /// Show the backlog per destination, the live nodes and which partitions each owns.
     Stats(StatsArgs),
+    /// Ask the running relay's HTTP server (http_addr) whether it is up (/healthz) or ready
+    /// (/readyz): exit 0 if so, 1 if not. For container health checks, where no curl is.
+    Health(HealthArgs),
     /// Inspect, resend or delete dead-lettered events.
     #[command(subcommand)]
     Dead(DeadCommand),
@@ -194,6 +198,17 @@ pub struct PruneArgs {
     /// Rows per delete statement [default: 1000].
     #[arg(long, default_value_t = 1000, value_name = "N")]
     pub batch_size: u32,
+}
+
+#[derive(Args, Clone, Debug, Serialize)]
+pub struct HealthArgs {
+    /// Ask /readyz (database, sinks and the node's own work) instead of /healthz.
+    #[arg(long)]
+    #[serde(skip)]
+    pub ready: bool,
+    /// The relay's HTTP address (a wildcard address is asked on loopback).
+    #[arg(long, value_name = "HOST:PORT")]
+    pub http_addr: Option<String>,
 }
 
 #[derive(Args, Clone, Debug)]
@@ -357,6 +372,7 @@ impl Cli {
             Command::Run(args) => flags.merge(Given(args)),
             Command::Check(args) => flags.merge(Given(args)),
             Command::Migrate(args) => flags.merge(Given(args)),
+            Command::Health(args) => flags.merge(Given(args)),
             Command::Send(_)
             | Command::DropSlot
             | Command::Stats(_)

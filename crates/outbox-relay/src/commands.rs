@@ -412,6 +412,49 @@ fn start_capture(
     )
 }
 
+/// `health`: asks the running relay's HTTP server for /healthz (or /readyz): exit 0 on 200,
+/// 1 otherwise, printing what it answered. A wildcard listen address is asked on loopback.
+pub async fn health(config: Config, ready: bool) -> anyhow::Result<ExitCode> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Some(mut addr) = config.http_socket_addr()? else {
+        return Err(anyhow::Error::new(ConfigError(
+            "health asks the relay's HTTP server, which is off (http_addr is empty): set \
+             http_addr, or check the process some other way"
+                .into(),
+        )));
+    };
+    if addr.ip().is_unspecified() {
+        addr.set_ip(match addr {
+            std::net::SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+            std::net::SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+        });
+    }
+    let path = if ready { "/readyz" } else { "/healthz" };
+    let ask = async {
+        let mut stream = tokio::net::TcpStream::connect(addr).await?;
+        let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+        stream.write_all(request.as_bytes()).await?;
+        let mut response = Vec::new();
+        stream.read_to_end(&mut response).await?;
+        Ok::<_, std::io::Error>(String::from_utf8_lossy(&response).into_owned())
+    };
+    let response = match tokio::time::timeout(Duration::from_secs(5), ask).await {
+        Ok(Ok(response)) => response,
+        Ok(Err(e)) => {
+            bail!("http://{addr}{path}: {e} (is the relay running, with http_addr {addr}?)")
+        }
+        Err(_) => bail!("http://{addr}{path}: no answer within 5s"),
+    };
+    let status = response.split_whitespace().nth(1).unwrap_or_default();
+    let body = response.split("\r\n\r\n").nth(1).unwrap_or_default().trim();
+    if status == "200" {
+        println!("{body}");
+        Ok(ExitCode::SUCCESS)
+    } else {
+        bail!("http://{addr}{path} answered {status}: {body}")
+    }
+}
+
 /// `drop-slot`: drops the replication slot of `--capture wal`.
 pub async fn drop_slot(config: Config) -> anyhow::Result<ExitCode> {
     let store = AnyStore::open(config.store_settings()?)?;

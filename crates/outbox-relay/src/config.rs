@@ -272,7 +272,7 @@ impl Config {
             Some(path) => {
                 if !path.exists() {
                     bail!(
-                        "config file {} does not exist (check --config)",
+                        "config file {} does not exist (check --config or OUTBOX_RELAY_CONFIG)",
                         path.display()
                     );
                 }
@@ -285,7 +285,8 @@ impl Config {
         }
         let env = Env::prefixed("OUTBOX_RELAY_")
             .split("__")
-            .ignore(&["webhook_secret"]);
+            // OUTBOX_RELAY_CONFIG names the file (`--config`); it is no setting.
+            .ignore(&["webhook_secret", "config"]);
         let layout: LayoutKind = figment
             .clone()
             .merge(env.clone())

@@ -20,6 +20,15 @@ use std::process::ExitCode;
 
 use clap::FromArgMatches;
 
+/// The version `--version` and the admin API show: the crate's, and the commit it was built
+/// from (`build.rs`).
+pub const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (",
+    env!("OUTBOX_BUILD_COMMIT"),
+    ")"
+);
+
 use crate::cli::{Cli, Command};
 use crate::config::{Config, LogFormat};
 
@@ -57,6 +66,10 @@ async fn dispatch(
     outbox: Option<String>,
 ) -> anyhow::Result<ExitCode> {
     let config_error = |m: String| anyhow::Error::new(commands::ConfigError(m));
+    if let Command::Health(args) = &command {
+        // The process's HTTP server: one for every outbox.
+        return commands::health(config, args.ready).await;
+    }
     if config.outboxes.is_empty() {
         if let Some(name) = outbox {
             return Err(config_error(format!(
@@ -115,6 +128,7 @@ async fn run_command(command: Command, config: Config) -> anyhow::Result<ExitCod
         Command::Send(args) => commands::send(config, args).await,
         Command::DropSlot => commands::drop_slot(config).await,
         Command::Stats(args) => commands::stats(config, args.json).await,
+        Command::Health(args) => commands::health(config, args.ready).await,
         Command::Dead(command) => operator::dead(config, command).await,
         Command::Replay(args) => operator::replay(config, args).await,
         Command::Prune(args) => operator::prune(config, args).await,
