@@ -916,22 +916,7 @@ impl Config {
 
 /// Errors in an `[[outboxes]]` entry name the setting as the file spells it.
 fn describe_entry_error(error: figment::Error) -> String {
-    error
-        .into_iter()
-        .map(|e| {
-            let key = e.path.join(".");
-            let what = e
-                .kind
-                .to_string()
-                .replace("unknown field", "unknown setting");
-            if key.is_empty() {
-                what
-            } else {
-                format!("setting `{key}`: {what}")
-            }
-        })
-        .collect::<Vec<_>>()
-        .join("; ")
+    describe_errors(error, |_, key| format!("setting `{key}`"))
 }
 
 /// The database a URL reaches, without credentials or parameters: two URLs that differ only
@@ -1029,6 +1014,35 @@ pub struct RunParts {
 /// value came from (a file, an environment variable, a flag); never the source-code location
 /// that figment gives for values set in code (the flags).
 fn describe_figment_error(error: figment::Error) -> String {
+    describe_errors(error, |e, key| {
+        let source = e.metadata.as_ref().and_then(|md| md.source.as_ref());
+        match (source, &e.metadata, &e.profile) {
+            (Some(figment::Source::File(path)), _, _) => {
+                format!("setting `{key}` in {}", path.display())
+            }
+            // The flags (and the built-in defaults) are values set in code.
+            (Some(figment::Source::Code(_)), _, _) => {
+                format!("--{}", key.replace(['.', '_'], "-"))
+            }
+            // Figment names these variables without their prefix.
+            (None, Some(md), _) if md.name.contains("OUTBOX_RELAY_") => format!(
+                "environment variable OUTBOX_RELAY_{}",
+                e.path.join("__").to_uppercase()
+            ),
+            (None, Some(md), Some(profile)) if md.name.contains("environment") => {
+                format!("environment variable {}", md.interpolate(profile, &e.path))
+            }
+            _ => format!("setting `{key}`"),
+        }
+    })
+}
+
+/// Each of figment's errors as `<origin>: <what>`, the origin told by `origin` from the
+/// error and its setting's dotted key.
+fn describe_errors(
+    error: figment::Error,
+    origin: impl Fn(&figment::Error, &str) -> String,
+) -> String {
     error
         .into_iter()
         .map(|e| {
@@ -1037,29 +1051,10 @@ fn describe_figment_error(error: figment::Error) -> String {
                 .to_string()
                 .replace("unknown field", "unknown setting");
             let key = e.path.join(".");
-            let source = e.metadata.as_ref().and_then(|md| md.source.as_ref());
-            let origin = match (source, &e.metadata, &e.profile) {
-                (Some(figment::Source::File(path)), _, _) => {
-                    format!("setting `{key}` in {}", path.display())
-                }
-                // The flags (and the built-in defaults) are values set in code.
-                (Some(figment::Source::Code(_)), _, _) => {
-                    format!("--{}", key.replace(['.', '_'], "-"))
-                }
-                // Figment names these variables without their prefix.
-                (None, Some(md), _) if md.name.contains("OUTBOX_RELAY_") => format!(
-                    "environment variable OUTBOX_RELAY_{}",
-                    e.path.join("__").to_uppercase()
-                ),
-                (None, Some(md), Some(profile)) if md.name.contains("environment") => {
-                    format!("environment variable {}", md.interpolate(profile, &e.path))
-                }
-                _ => format!("setting `{key}`"),
-            };
             if key.is_empty() {
                 what
             } else {
-                format!("{origin}: {what}")
+                format!("{}: {what}", origin(&e, &key))
             }
         })
         .collect::<Vec<_>>()

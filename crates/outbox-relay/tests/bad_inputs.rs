@@ -13,6 +13,8 @@ use std::time::Duration;
 
 use outbox_testkit::{eventually_explained, fresh_pg_database};
 
+#[cfg(feature = "nats")]
+use support::{nats_stream, stream_len};
 use support::{pg, read_lines, relay, text, wait_for_lines, OwnPostgres, RelayProcess};
 
 /// A migrated SQLite outbox in `dir`; its URL.
@@ -218,36 +220,6 @@ async fn odd_destination_characters_reach_the_file_sink_verbatim() {
         .map(|l| l["destination"].as_str().unwrap())
         .collect();
     assert_eq!(delivered, odd);
-}
-
-/// A JetStream stream capturing `<prefix>.>`; the prefix.
-#[cfg(feature = "nats")]
-async fn nats_stream() -> (async_nats::jetstream::Context, String) {
-    let url = std::env::var("OUTBOX_TEST_NATS_URL")
-        .expect("OUTBOX_TEST_NATS_URL is not set: source /tmp/servers.env");
-    let client = async_nats::connect(url).await.unwrap();
-    let js = async_nats::jetstream::new(client);
-    let prefix = format!("bad{}", uuid::Uuid::new_v4().simple());
-    js.create_stream(async_nats::jetstream::stream::Config {
-        name: prefix.clone(),
-        subjects: vec![format!("{prefix}.>")],
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    (js, prefix)
-}
-
-#[cfg(feature = "nats")]
-async fn stream_len(js: &async_nats::jetstream::Context, name: &str) -> u64 {
-    js.get_stream(name)
-        .await
-        .unwrap()
-        .info()
-        .await
-        .unwrap()
-        .state
-        .messages
 }
 
 #[cfg(feature = "nats")]

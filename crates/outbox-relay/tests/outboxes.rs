@@ -300,25 +300,8 @@ async fn a_hung_database_or_a_cut_broker_stalls_only_its_own_outbox() {
     let d = dir.path();
     let nats_url = std::env::var("OUTBOX_TEST_NATS_URL")
         .expect("OUTBOX_TEST_NATS_URL is not set: source /tmp/servers.env");
-    let js = async_nats::jetstream::new(async_nats::connect(&nats_url).await.unwrap());
-    let subject = format!("iso{}", uuid::Uuid::new_v4().simple());
-    js.create_stream(async_nats::jetstream::stream::Config {
-        name: subject.clone(),
-        subjects: vec![format!("{subject}.>")],
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    let stream_len = || async {
-        js.get_stream(&subject)
-            .await
-            .unwrap()
-            .info()
-            .await
-            .unwrap()
-            .state
-            .messages
-    };
+    let (js, subject) = support::nats_stream().await;
+    let stream_len = || support::stream_len(&js, &subject);
 
     let hung_db = support::migrated_pg_database().await;
     let cut_db = support::migrated_pg_database().await;

@@ -39,19 +39,6 @@ fn succeeded(program: &str, args: &[&str]) -> String {
     text(&out.stdout)
 }
 
-/// A JetStream stream capturing `<prefix>.>`; the prefix.
-async fn nats_stream(js: &async_nats::jetstream::Context) -> String {
-    let prefix = format!("pkg{}", uuid::Uuid::new_v4().simple());
-    js.create_stream(async_nats::jetstream::stream::Config {
-        name: prefix.clone(),
-        subjects: vec![format!("{prefix}.>")],
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    prefix
-}
-
 /// An image built with buildah, removed (with its containers) when dropped.
 struct Image {
     tag: String,
@@ -147,8 +134,7 @@ async fn the_image_runs_its_entrypoint_from_its_own_filesystem_and_relays_events
     let database = outbox_testkit::fresh_pg_database().await;
     let nats_url = std::env::var("OUTBOX_TEST_NATS_URL")
         .expect("OUTBOX_TEST_NATS_URL is not set: source /tmp/servers.env");
-    let js = async_nats::jetstream::new(async_nats::connect(&nats_url).await.unwrap());
-    let prefix = nats_stream(&js).await;
+    let (js, prefix) = support::nats_stream().await;
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -200,16 +186,7 @@ async fn the_image_runs_its_entrypoint_from_its_own_filesystem_and_relays_events
         .await
         .unwrap();
     }
-    let delivered = || async {
-        js.get_stream(&prefix)
-            .await
-            .unwrap()
-            .info()
-            .await
-            .unwrap()
-            .state
-            .messages
-    };
+    let delivered = || support::stream_len(&js, &prefix);
     let logs = || std::fs::read_to_string(log.path()).unwrap_or_default();
     outbox_testkit::eventually_explained(
         "the image's relay to deliver 20 events",

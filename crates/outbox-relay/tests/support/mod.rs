@@ -694,3 +694,34 @@ impl Drop for OwnPostgres {
         });
     }
 }
+
+// ---- NATS JetStream ----
+
+/// A JetStream stream on the shared test server (`OUTBOX_TEST_NATS_URL`) capturing
+/// `<prefix>.>`, where the prefix (also the stream's name) is new: the context and prefix.
+pub async fn nats_stream() -> (async_nats::jetstream::Context, String) {
+    let url = std::env::var("OUTBOX_TEST_NATS_URL")
+        .expect("OUTBOX_TEST_NATS_URL is not set: source /tmp/servers.env");
+    let js = async_nats::jetstream::new(async_nats::connect(url).await.unwrap());
+    let prefix = format!("t{}", uuid::Uuid::new_v4().simple());
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: prefix.clone(),
+        subjects: vec![format!("{prefix}.>")],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    (js, prefix)
+}
+
+/// How many messages the stream `name` holds.
+pub async fn stream_len(js: &async_nats::jetstream::Context, name: &str) -> u64 {
+    js.get_stream(name)
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .state
+        .messages
+}
