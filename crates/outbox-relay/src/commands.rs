@@ -331,7 +331,12 @@ pub(crate) async fn relay_outbox(
             shutdown_backstop(shutdown_timeout);
         }
     };
-    let result = outbox_engine::run(outbox, sink, engine, stop).await;
+    let mut result = outbox_engine::run(outbox, sink, engine, stop).await;
+    if let (Ok(summary), Some(wal)) = (&mut result, &capture) {
+        // Rows the slot's first run could not adopt as events were dead-lettered outside the
+        // engine: a drain must not call itself clean over them.
+        summary.dead_lettered += wal.dead_lettered_on_adoption();
+    }
     let displaced = coordinator.is_displaced();
     // The engine has released its rows; now the partitions and the node row go, by the same
     // deadline as the rest of the shutdown.

@@ -660,6 +660,105 @@ async fn debeziums_table_is_read_from_the_wal_even_when_rows_are_deleted_at_once
     assert_eq!(left, 0, "the sent event's row is deleted too");
 }
 
+/// A Debezium table whose columns are text (ids that need not be UUIDs, payloads that need
+/// not be JSON): rows written before the slot existed that cannot be read as events are
+/// dead-lettered with the reason when the slot's first run adopts the table, and the other
+/// rows, of the same key and of others, are relayed. Before, one such row failed the
+/// adoption as a whole, and the relay relayed nothing.
+#[tokio::test]
+async fn odd_rows_of_a_debezium_table_that_predate_the_slot_are_dead_lettered_not_blocking() {
+    let url = outbox_testkit::fresh_pg_database().await;
+    let slot = format!("{}_slot", url.rsplit('/').next().unwrap());
+    let _guard = outbox_testkit::SlotGuard {
+        url: url.clone(),
+        slot: slot.clone(),
+    };
+    let db = pg(&url).await;
+    db.batch_execute(
+        "CREATE TABLE outboxevent (
+             id varchar(64) NOT NULL PRIMARY KEY,
+             aggregatetype varchar(255) NOT NULL,
+             aggregateid varchar(255) NOT NULL,
+             type varchar(255) NOT NULL,
+             payload text)",
+    )
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let flags = [
+        "--layout",
+        "debezium",
+        "--capture",
+        "wal",
+        "--database-url",
+        &url,
+        "--slot",
+        &slot,
+    ];
+    let migrate: Vec<&str> = ["migrate"].iter().chain(&flags).copied().collect();
+    assert_success("migrate", &relay(dir.path(), &migrate));
+    let good = |n: i32| (uuid::Uuid::new_v4().to_string(), format!("{{\"n\": {n}}}"));
+    let rows = [
+        (good(0), "order-1"),
+        (
+            ("not-a-uuid".to_string(), "{\"n\": 9}".to_string()),
+            "order-1",
+        ),
+        (
+            (uuid::Uuid::new_v4().to_string(), "<order n=9/>".to_string()),
+            "order-2",
+        ),
+        (good(1), "order-1"),
+        (good(2), "order-2"),
+    ];
+    for ((id, payload), key) in &rows {
+        db.execute(
+            "INSERT INTO outboxevent (id, aggregatetype, aggregateid, type, payload)
+             VALUES ($1, 'Order', $2, 'OrderEvent', $3)",
+            &[id, key, payload],
+        )
+        .await
+        .unwrap();
+    }
+    let out = dir.path().join("events.jsonl");
+    let sink = format!("file:{}", out.display());
+    let drain: Vec<&str> = ["run"]
+        .iter()
+        .chain(&flags)
+        .chain(&["--sink", &sink, "--http-addr", "", "--drain"])
+        .copied()
+        .collect();
+    // The drain says events were dead-lettered (exit 1); the rest was delivered.
+    let drained = relay(dir.path(), &drain);
+    assert_eq!(drained.status.code(), Some(1), "{}", text(&drained.stderr));
+    assert!(
+        text(&drained.stderr).contains("2 events were dead-lettered"),
+        "{}",
+        text(&drained.stderr)
+    );
+    let lines = read_lines(&out);
+    let counters = counters_by_key(&lines);
+    assert_eq!(counters["order-1"], [0, 1], "{lines:?}");
+    assert_eq!(counters["order-2"], [2], "{lines:?}");
+    let dead: Vec<(String, String)> = db
+        .query(
+            "SELECT payload::text, last_error FROM outboxevent_relay_dead_letters ORDER BY sequence_id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(dead.len(), 2, "{dead:?}");
+    assert_eq!(dead[0].1, "event_id is not a UUID: not-a-uuid");
+    assert_eq!(
+        dead[1].0, "\"<order n=9/>\"",
+        "the payload kept as a JSON string"
+    );
+    assert!(dead[1].1.contains("payload is not valid JSON"), "{dead:?}");
+}
+
 // ---- 3, 4. kill -9 and SIGTERM mid-stream ----
 
 enum Interruption {

@@ -240,6 +240,8 @@ struct Inner {
     on_change: Arc<Mutex<Option<OnChange>>>,
     close: watch::Sender<bool>,
     reader: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// Rows the slot's first run dead-lettered when adopting the table (see `Adoption`).
+    adoption_dead_letters: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// The outbox read from the WAL. Cheap to clone.
@@ -269,7 +271,9 @@ impl WalStore {
         let (status_tx, status) = watch::channel(CaptureStatus::Starting);
         let (close, close_rx) = watch::channel(false);
         let on_change: Arc<Mutex<Option<OnChange>>> = Arc::default();
+        let adoption_dead_letters = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let reader = Reader {
+            adoption_dead_letters: adoption_dead_letters.clone(),
             config: options.wal.clone(),
             main: main.clone(),
             sql: sql.clone(),
@@ -316,6 +320,7 @@ impl WalStore {
                 on_change,
                 close,
                 reader: Mutex::new(Some(handle)),
+                adoption_dead_letters,
             }),
         }
     }
@@ -333,6 +338,15 @@ impl WalStore {
         )
         .await;
         self.status()
+    }
+
+    /// How many rows the slot's first run moved to the dead letters when adopting the
+    /// table, because they could not be read as events (they are no engine dead letters:
+    /// `run --drain` counts them itself).
+    pub fn dead_lettered_on_adoption(&self) -> u64 {
+        self.inner
+            .adoption_dead_letters
+            .load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Ends the session after reporting the last confirmed position (within `wait`), which
@@ -1540,6 +1554,7 @@ struct Reader {
     close: watch::Receiver<bool>,
     status: watch::Sender<CaptureStatus>,
     on_change: Arc<Mutex<Option<OnChange>>>,
+    adoption_dead_letters: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// How a session ended.
@@ -1648,19 +1663,37 @@ impl Reader {
         adopt: &mut bool,
     ) -> SessionEnd {
         if *adopt {
-            match self
-                .main
-                .transaction("adopt", &[(&self.sql.adopt, &[])])
-                .await
-            {
-                Ok(moved) => {
+            let steps: Vec<_> = self
+                .sql
+                .adopt
+                .steps
+                .iter()
+                .map(|sql| {
+                    (
+                        sql.as_str(),
+                        &[] as &[&(dyn tokio_postgres::types::ToSql + Sync)],
+                    )
+                })
+                .collect();
+            match self.main.transaction("adopt", &steps).await {
+                Ok(counts) => {
                     *adopt = false;
                     tracing::info!(
-                        rows = moved[0],
                         "the replication slot is new: pending rows of the outbox table, which \
                          its stream does not carry, were moved to the parked table to be relayed \
                          first"
                     );
+                    let dead = counts.last().copied().unwrap_or_default();
+                    if self.sql.adopt.counts_dead_letters && dead > 0 {
+                        self.adoption_dead_letters
+                            .fetch_add(dead, std::sync::atomic::Ordering::SeqCst);
+                        tracing::warn!(
+                            rows = dead,
+                            "rows of the outbox table that could not be read as events (an id \
+                             that is no UUID, a payload that is no JSON) were moved to the dead \
+                             letters with the reason: `outbox-relay dead list` shows them"
+                        );
+                    }
                 }
                 Err(e) => {
                     return SessionEnd::Broken(format!(

@@ -232,7 +232,7 @@ pub struct CaptureStatements {
     /// sequence id (in that order): run when the slot is created, since rows committed
     /// before it (written while no slot existed, or by an earlier polling relay) are not in
     /// its stream. Rows committed after it are in both places: delivered twice, never lost.
-    pub adopt: String,
+    pub adopt: Adoption,
     /// The keys that have parked events.
     pub parked_keys: String,
     /// Which of `$1` still have parked events.
@@ -326,15 +326,24 @@ fn quote(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
 }
 
+/// The statements that adopt the rows that predate the slot, run in one transaction.
+#[derive(Clone, Debug)]
+pub struct Adoption {
+    pub steps: Vec<String>,
+    /// Whether the last step's row count is the rows dead-lettered for not decoding (a
+    /// mapped table's); the native table's typed rows always decode.
+    pub counts_dead_letters: bool,
+}
+
 /// Moves every pending row of the captured table into the parked table. The native table's
 /// rows keep their sequence ids (parked rows draw theirs from the same sequence); a mapped
 /// table's get new ones, drawn in its rows' order, since its ids are its own.
-fn adopt(tables: &CaptureTables) -> String {
+fn adopt(tables: &CaptureTables) -> Adoption {
     let parked = tables.parked.quoted();
     let source = tables.source.quoted();
     let c = &tables.columns;
     if *c == ColumnNames::native() {
-        return format!(
+        let moved = format!(
             "WITH moved AS (DELETE FROM {source} WHERE delivered_at IS NULL RETURNING *)
              INSERT INTO {parked} (sequence_id, event_id, destination, partition_key,
                     event_type, payload, headers, mutation_id, rejected, created_at,
@@ -345,6 +354,10 @@ fn adopt(tables: &CaptureTables) -> String {
                FROM moved ORDER BY sequence_id
              ON CONFLICT DO NOTHING"
         );
+        return Adoption {
+            steps: vec![moved],
+            counts_dead_letters: false,
+        };
     }
     let or_null = |column: &Option<String>, cast: &str| match column {
         Some(column) => format!("{}::{cast}", quote(column)),
@@ -366,34 +379,80 @@ fn adopt(tables: &CaptureTables) -> String {
         (Some(column), false) => quote(column),
         (None, _) => "now()".into(),
     };
+    // A mapped table's columns are the application's types: an id that is no UUID, or a
+    // payload that is no JSON (a text column), fails its cast. Such a row is moved to the
+    // dead letters with the reason, as the stream would, instead of failing the statement
+    // and, with it, every other row.
+    let (payload_text, payload_ok) = match &c.payload {
+        Some(column) => (
+            format!("{}::text", quote(column)),
+            format!("({} IS NULL OR relay_payload IS NOT NULL)", quote(column)),
+        ),
+        None => ("NULL::text".into(), "true".into()),
+    };
+    let decodable = format!("relay_id IS NOT NULL AND {payload_ok}");
     // The ids are kept (they come from one sequence, see `shared_ids_ddl`); the native
     // outbox's rows (`dead retry`, `send`) are moved as the native form moves them.
-    format!(
-        "WITH moved AS (DELETE FROM {source} RETURNING *),
+    // The last statement's count is the rows dead-lettered.
+    let moved = format!(
+        "WITH deleted AS (DELETE FROM {source} RETURNING *),
+              moved AS (
+                SELECT d.*, pg_temp.outbox_relay_uuid({event_id}::text) AS relay_id,
+                       pg_temp.outbox_relay_jsonb({payload_text}) AS relay_payload
+                  FROM deleted d),
               moved_outbox AS (DELETE FROM {outbox} WHERE delivered_at IS NULL RETURNING *),
               adopted AS (
                 INSERT INTO {parked} (sequence_id, event_id, destination, partition_key,
                        event_type, payload, headers, mutation_id, created_at)
-                SELECT {row_id}, {event_id}::uuid, {destination}::text, {key},
-                       {event_type}::text, {payload}, {headers}, {mutation}, {created_at}
-                  FROM moved ORDER BY {row_id}
+                SELECT {row_id}, relay_id, {destination}::text, {key},
+                       {event_type}::text, relay_payload, {headers}, {mutation}, {created_at}
+                  FROM moved WHERE {decodable} ORDER BY {row_id}
+                ON CONFLICT DO NOTHING RETURNING 1),
+              native AS (
+                INSERT INTO {parked} (sequence_id, event_id, destination, partition_key,
+                       event_type, payload, headers, mutation_id, rejected, created_at,
+                       available_at, attempts, last_error)
+                SELECT sequence_id, event_id, destination, partition_key, event_type, payload,
+                       headers, mutation_id, rejected, created_at, available_at, attempts,
+                       last_error
+                  FROM moved_outbox ORDER BY sequence_id
                 ON CONFLICT DO NOTHING RETURNING 1)
-         INSERT INTO {parked} (sequence_id, event_id, destination, partition_key, event_type,
-                payload, headers, mutation_id, rejected, created_at, available_at, attempts,
-                last_error)
-         SELECT sequence_id, event_id, destination, partition_key, event_type, payload,
-                headers, mutation_id, rejected, created_at, available_at, attempts, last_error
-           FROM moved_outbox ORDER BY sequence_id
+         INSERT INTO {dead} (sequence_id, event_id, destination, partition_key, event_type,
+                payload, headers, mutation_id, created_at, attempts, last_error)
+         SELECT {row_id}, coalesce(relay_id, gen_random_uuid()), {destination}::text, {key},
+                {event_type}::text, to_jsonb({payload_text}), '{{}}'::jsonb, {mutation},
+                {created_at}, 0,
+                CASE WHEN relay_id IS NULL
+                     THEN 'event_id is not a UUID: ' || left({event_id}::text, 200)
+                     ELSE 'payload is not valid JSON (kept here as a JSON string)'
+                END
+           FROM moved WHERE NOT ({decodable})
          ON CONFLICT DO NOTHING",
         outbox = tables.outbox.quoted(),
+        dead = tables.dead_letters.quoted(),
         event_id = quote(&c.event_id),
         destination = quote(&c.destination),
         key = or_null(&c.partition_key, "text"),
         event_type = quote(&c.event_type),
-        payload = or_null(&c.payload, "jsonb"),
         mutation = or_null(&c.mutation_id, "text"),
         row_id = quote(&c.sequence_id),
-    )
+    );
+    // Casts that answer NULL instead of failing, for this session only: nothing to migrate.
+    let tolerant = |name: &str, kind: &str| {
+        format!(
+            "CREATE OR REPLACE FUNCTION pg_temp.{name}(value text) RETURNS {kind}
+               LANGUAGE plpgsql IMMUTABLE AS $$
+               BEGIN RETURN value::{kind}; EXCEPTION WHEN others THEN RETURN NULL; END $$"
+        )
+    };
+    Adoption {
+        steps: vec![
+            tolerant("outbox_relay_uuid", "uuid"),
+            tolerant("outbox_relay_jsonb", "jsonb"),
+            moved,
+        ],
+        counts_dead_letters: true,
+    }
 }
 
 #[cfg(test)]
