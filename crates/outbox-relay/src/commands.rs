@@ -202,6 +202,8 @@ pub(crate) async fn relay_outbox(
     slot: Option<Arc<crate::http::OutboxSlot>>,
     stop: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
+    // Heeded from the start: a relay still waiting for its database stops on SIGTERM too.
+    let mut stop = Box::pin(stop);
     // Chosen before the store opens: its sessions carry it in their application_name.
     let node = NodeId(config.node_id.get_or_insert_with(default_node_id).clone());
     let RunParts {
@@ -214,7 +216,11 @@ pub(crate) async fn relay_outbox(
         admin_token,
         health,
     } = config.resolve(node.clone(), drain)?;
-    let store = ready_store(&config, store, config.auto_migrate, !drain).await?;
+    let ready = ready_store(&config, store, config.auto_migrate, !drain);
+    let Some(store) = unless_stopped(&mut stop, ready).await else {
+        return Ok(());
+    };
+    let store = store?;
     let capture = match &store {
         AnyStore::PostgresWal(pg, capture) => {
             Some(start_capture(&config, pg, capture, &node, drain))
@@ -225,7 +231,11 @@ pub(crate) async fn relay_outbox(
         Some(wal) => Arc::new(wal.clone()),
         None => store.outbox(),
     };
-    let sink = publisher(&sinks, &routes, config.layout).await?;
+    let Some(sink) = unless_stopped(&mut stop, publisher(&sinks, &routes, config.layout)).await
+    else {
+        return Ok(());
+    };
+    let sink = sink?;
     let otel = crate::otel::Otel::from_env(
         &node.0,
         &config.layout_tables().outbox_table,
@@ -288,9 +298,12 @@ pub(crate) async fn relay_outbox(
         (Some(registry), true) => {
             let count = retry_transient("reading the partition count", !drain, || {
                 registry.partition_count()
-            })
-            .await
-            .map_err(|e| anyhow::anyhow!("cannot read the partitions table: {}", e.report()))?;
+            });
+            let Some(count) = unless_stopped(&mut stop, count).await else {
+                return Ok(());
+            };
+            let count = count
+                .map_err(|e| anyhow::anyhow!("cannot read the partitions table: {}", e.report()))?;
             if count == 0 {
                 bail!("the partitions table is empty: run `outbox-relay migrate`");
             }
@@ -305,11 +318,13 @@ pub(crate) async fn relay_outbox(
     if let Some(ownership) = &engine.ownership {
         health.watch_ownership(ownership.clone());
     }
-    let coordinator = retry_transient("registering in the nodes table", !drain, || {
+    let registered = retry_transient("registering in the nodes table", !drain, || {
         Coordinator::start(store.registry(), partitions.clone(), cluster.clone())
-    })
-    .await
-    .map_err(|e| {
+    });
+    let Some(coordinator) = unless_stopped(&mut stop, registered).await else {
+        return Ok(());
+    };
+    let coordinator = coordinator.map_err(|e| {
         let message = format!("cannot register in the nodes table: {}", e.report());
         failure(message, &e)
     })?;
@@ -384,6 +399,21 @@ pub(crate) async fn relay_outbox(
         drain_verdict(&summary)?;
     }
     Ok(())
+}
+
+/// `work`, unless `stop` resolves first (`None`, logged): start-up steps that wait for a
+/// database or a broker give way to a shutdown.
+async fn unless_stopped<T>(
+    stop: &mut (impl std::future::Future<Output = ()> + Unpin),
+    work: impl std::future::Future<Output = T>,
+) -> Option<T> {
+    tokio::select! {
+        value = work => Some(value),
+        () = stop => {
+            tracing::info!("stopped while starting: nothing was relayed yet");
+            None
+        }
+    }
 }
 
 /// Starts the replication reader of `--capture wal`.

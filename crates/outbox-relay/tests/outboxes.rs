@@ -438,3 +438,68 @@ fn outbox_is_refused_where_the_configuration_has_no_outboxes() {
         text(&refused.stderr)
     );
 }
+
+/// SIGTERM reaches an outbox still waiting for its database: the process exits 0 at once,
+/// with several outboxes (where the process handles SIGTERM from the start) and with one.
+/// Before, the waiting outbox never heard of it, and the process hung until SIGKILL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_stops_an_outbox_still_waiting_for_its_database() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let database = outbox_testkit::fresh_pg_database().await;
+    let (proxy, hung) = FaultProxy::start_for_url(&database).await.unwrap();
+    proxy.handle().blackhole();
+    std::fs::write(
+        d.join("outbox-relay.toml"),
+        format!(
+            r#"
+http_addr = "127.0.0.1:0"
+log_format = "json"
+[[outboxes]]
+name = "hung"
+database_url = "{hung}"
+sink = "file:hung.jsonl"
+[[outboxes]]
+name = "local"
+database_url = "sqlite:local.db"
+sink = "file:local.jsonl"
+"#
+        ),
+    )
+    .unwrap();
+    let mut several = RelayProcess::spawn(d, "several", &["run"], &[]);
+    several
+        .wait_for_log(
+            "the local outbox to start",
+            Duration::from_secs(30),
+            "outbox-relay starting",
+        )
+        .await;
+    several.signal("-TERM");
+    let status = several.wait_exit_within(Duration::from_secs(30)).await;
+    assert!(status.success(), "{status:?}\n{}", several.logs());
+
+    let mut one = RelayProcess::spawn(
+        d,
+        "one",
+        &[
+            "--config",
+            "/dev/null",
+            "run",
+            "--database-url",
+            &hung,
+            "--http-addr",
+            "",
+        ],
+        &[],
+    );
+    one.wait_for_log(
+        "the relay to wait for its database",
+        Duration::from_secs(60),
+        "waiting for the database",
+    )
+    .await;
+    one.signal("-TERM");
+    let status = one.wait_exit_within(Duration::from_secs(30)).await;
+    assert!(status.success(), "{status:?}\n{}", one.logs());
+}
