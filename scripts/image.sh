@@ -32,7 +32,8 @@ rm -rf "$root"
 mkdir -p "$root"/{usr/local/bin,etc/ssl/certs,etc/outbox-relay,var/lib/outbox-relay,tmp}
 strip -o "$root/usr/local/bin/outbox-relay" "$binary"
 # Every library the binary loads, and the loader, at the paths ldd resolved.
-ldd "$binary" | awk '/=> \//{print $3} /^\s*\/.*ld-linux/{print $1}' | while read -r lib; do
+# (POSIX awk: Debian's default mawk has no \s.)
+ldd "$binary" | awk '/=> \// {print $3} $1 ~ /^\// {print $1}' | while read -r lib; do
   mkdir -p "$root$(dirname "$lib")"
   cp -L "$lib" "$root$lib"
 done

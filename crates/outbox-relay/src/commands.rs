@@ -184,11 +184,27 @@ async fn publisher(
 
 pub async fn run(config: Config, drain: bool) -> anyhow::Result<ExitCode> {
     let metrics = install_metrics()?;
-    if !config.outboxes.is_empty() {
-        return crate::outboxes::run(config, drain, metrics).await;
-    }
-    relay_outbox(config, drain, metrics, None, shutdown_signal()).await?;
+    relay_outbox(config, drain, metrics, Place::Alone, shutdown_signal()).await?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// `run` with `[[outboxes]]`: see `outboxes::run`.
+pub async fn run_outboxes(
+    config: Config,
+    outboxes: Vec<crate::config::NamedOutbox>,
+    drain: bool,
+) -> anyhow::Result<ExitCode> {
+    let metrics = install_metrics()?;
+    crate::outboxes::run(config, outboxes, drain, metrics).await
+}
+
+/// Where an outbox runs.
+pub(crate) enum Place {
+    /// The process's only outbox: its own HTTP server (`http_addr`) and shutdown backstop.
+    Alone,
+    /// One of `[[outboxes]]`: its endpoints in its `slot` of the shared server (none when
+    /// HTTP is off); the process keeps the one backstop.
+    Among(Option<Arc<crate::http::OutboxSlot>>),
 }
 
 /// One outbox from start to stop: its store, capture, sinks, cluster membership and engine,
@@ -199,9 +215,13 @@ pub(crate) async fn relay_outbox(
     mut config: Config,
     drain: bool,
     metrics: PrometheusHandle,
-    slot: Option<Arc<crate::http::OutboxSlot>>,
+    place: Place,
     stop: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
+    let (slot, backstop) = match place {
+        Place::Alone => (None, true),
+        Place::Among(slot) => (slot, false),
+    };
     // Heeded from the start: a relay still waiting for its database stops on SIGTERM too.
     let mut stop = Box::pin(stop);
     // Chosen before the store opens: its sessions carry it in their application_name.
@@ -218,7 +238,7 @@ pub(crate) async fn relay_outbox(
     } = config.resolve(node.clone(), drain)?;
     let ready = ready_store(&config, store, config.auto_migrate, !drain);
     let Some(store) = unless_stopped(&mut stop, ready).await else {
-        return Ok(());
+        return stopped_while_starting(drain, None).await;
     };
     let store = store?;
     let capture = match &store {
@@ -233,7 +253,7 @@ pub(crate) async fn relay_outbox(
     };
     let Some(sink) = unless_stopped(&mut stop, publisher(&sinks, &routes, config.layout)).await
     else {
-        return Ok(());
+        return stopped_while_starting(drain, capture.as_ref()).await;
     };
     let sink = sink?;
     let otel = crate::otel::Otel::from_env(
@@ -300,7 +320,7 @@ pub(crate) async fn relay_outbox(
                 registry.partition_count()
             });
             let Some(count) = unless_stopped(&mut stop, count).await else {
-                return Ok(());
+                return stopped_while_starting(drain, capture.as_ref()).await;
             };
             let count = count
                 .map_err(|e| anyhow::anyhow!("cannot read the partitions table: {}", e.report()))?;
@@ -322,7 +342,7 @@ pub(crate) async fn relay_outbox(
         Coordinator::start(store.registry(), partitions.clone(), cluster.clone())
     });
     let Some(coordinator) = unless_stopped(&mut stop, registered).await else {
-        return Ok(());
+        return stopped_while_starting(drain, capture.as_ref()).await;
     };
     let coordinator = coordinator.map_err(|e| {
         let message = format!("cannot register in the nodes table: {}", e.report());
@@ -343,7 +363,9 @@ pub(crate) async fn relay_outbox(
                 () = displaced => {}
             }
             let _ = stopping_since.set(tokio::time::Instant::now());
-            shutdown_backstop(shutdown_timeout);
+            if backstop {
+                shutdown_backstop(shutdown_timeout);
+            }
         }
     };
     let mut result = outbox_engine::run(outbox, sink, engine, stop).await;
@@ -414,6 +436,21 @@ async fn unless_stopped<T>(
             None
         }
     }
+}
+
+/// A stop before the relay started: the WAL capture, if started, lets go of its slot; a
+/// drain that never began is no success.
+async fn stopped_while_starting(
+    drain: bool,
+    capture: Option<&outbox_wal::WalStore>,
+) -> anyhow::Result<()> {
+    if let Some(wal) = capture {
+        wal.close(Duration::from_secs(1)).await;
+    }
+    if drain {
+        bail!("drain incomplete: stopped before it began, nothing was relayed");
+    }
+    Ok(())
 }
 
 /// Starts the replication reader of `--capture wal`.
@@ -520,7 +557,7 @@ const SHUTDOWN_BACKSTOP_GRACE: Duration = Duration::from_secs(2);
 
 /// Every step of the shutdown is bounded by `shutdown_timeout`; should something block a
 /// thread regardless, this ends the process (exit 1) shortly after, saying so.
-fn shutdown_backstop(shutdown_timeout: Duration) {
+pub(crate) fn shutdown_backstop(shutdown_timeout: Duration) {
     let spawned = std::thread::Builder::new()
         .name("shutdown-backstop".into())
         .spawn(move || {

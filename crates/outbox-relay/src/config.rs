@@ -311,7 +311,13 @@ impl Config {
         let config: Config = figment
             .extract()
             .map_err(|e| anyhow::anyhow!("invalid configuration: {}", describe_figment_error(e)))?;
-        config.validate()?;
+        if config.outboxes.is_empty() {
+            config.validate()?;
+        } else {
+            // The top level only lends its settings to the outboxes, each validated whole
+            // (`outboxes`); what belongs to the process is checked here.
+            config.http_socket_addr()?;
+        }
         Ok(config)
     }
 
@@ -836,13 +842,14 @@ pub struct NamedOutbox {
 impl Config {
     /// The outboxes of `[[outboxes]]`, in file order; empty for a single-outbox config.
     ///
-    /// An entry inherits every top-level setting it does not set (from the file, the
-    /// environment or a flag alike); a setting it names replaces the top-level one whole (a
-    /// table too: an entry's `retry` replaces `[retry]`). Each result is validated as a
-    /// configuration of its own, and outboxes that would get in each other's way are refused:
-    /// the same table, the same nodes table (its members would share out each other's
-    /// partitions), the same replication slot or publication.
-    pub fn outboxes(&self) -> anyhow::Result<Vec<NamedOutbox>> {
+    /// An entry inherits every top-level setting it does not set (from the file or the
+    /// environment); a setting it names replaces the top-level one whole (a table too: an
+    /// entry's `retry` replaces `[retry]`). The command line's `flags` win over both, as
+    /// everywhere. Each result is validated as a configuration of its own, and outboxes that
+    /// would get in each other's way are refused: the same table, the same nodes table (its
+    /// members would share out each other's partitions), the same replication slot (on one
+    /// server) or publication.
+    pub fn outboxes(&self, flags: &Figment) -> anyhow::Result<Vec<NamedOutbox>> {
         let config_error = |m: String| anyhow::Error::new(crate::commands::ConfigError(m));
         let mut base = self.clone();
         base.outboxes.clear();
@@ -897,6 +904,7 @@ impl Config {
                 settings.insert(key.clone(), value.clone());
             }
             let config: Config = Figment::from(Serialized::defaults(settings))
+                .merge(flags.clone())
                 .extract()
                 .map_err(|e| {
                     config_error(format!(
@@ -919,42 +927,60 @@ fn describe_entry_error(error: figment::Error) -> String {
     describe_errors(error, |_, key| format!("setting `{key}`"))
 }
 
-/// The database a URL reaches, without credentials or parameters: two URLs that differ only
-/// there reach the same tables.
-fn database_identity(config: &Config) -> String {
-    match config.database_kind() {
-        Ok(DatabaseKind::Sqlite(path)) => format!("sqlite:{}", path.display()),
-        _ => {
-            let url = config.database_url.trim();
-            let url = url.split(['?', '#']).next().unwrap_or(url);
-            match url.split_once("://") {
-                Some((scheme, rest)) => {
-                    let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
-                    let host = authority.rsplit('@').next().unwrap_or(authority);
-                    let scheme = if scheme == "postgresql" {
-                        "postgres"
-                    } else {
-                        scheme
-                    };
-                    let scheme = if scheme == "mariadb" { "mysql" } else { scheme };
-                    format!("{scheme}://{host}{path}")
-                }
-                None => url.to_string(),
-            }
-        }
+/// The server and the database a URL reaches, without credentials or parameters: two URLs
+/// that differ only there reach the same tables. A default port is spelled out.
+fn database_identity(config: &Config) -> (String, String) {
+    if let Ok(DatabaseKind::Sqlite(path)) = config.database_kind() {
+        let file = format!("sqlite:{}", path.display());
+        return (file.clone(), file);
     }
+    let url = config.database_url.trim();
+    let url = url.split(['?', '#']).next().unwrap_or(url);
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return (url.to_string(), url.to_string());
+    };
+    let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    let host = authority.rsplit('@').next().unwrap_or(authority);
+    let (scheme, port) = match scheme {
+        "postgres" | "postgresql" => ("postgres", "5432"),
+        _ => ("mysql", "3306"),
+    };
+    // `host:port`, `[v6]:port` carry a port; `host`, `[v6]` get the default.
+    let has_port = host.rsplit_once(':').is_some_and(|(_, p)| !p.contains(']'));
+    let server = if has_port {
+        format!("{scheme}://{host}")
+    } else {
+        format!("{scheme}://{host}:{port}")
+    };
+    let database = format!("{server}{path}");
+    (server, database)
 }
 
 /// Outboxes in one process must not share what only one of them can own.
 fn refuse_shared_resources(outboxes: &[NamedOutbox]) -> Result<(), String> {
     for (i, a) in outboxes.iter().enumerate() {
         for b in &outboxes[i + 1..] {
-            let database = database_identity(&a.config);
-            if database != database_identity(&b.config) {
+            let (server, database) = database_identity(&a.config);
+            let (other_server, other_database) = database_identity(&b.config);
+            let pair = format!("[[outboxes]] `{}` and `{}`", a.name, b.name);
+            let wal = |c: &Config| c.capture == CaptureMode::Wal;
+            // Replication slots are named per server, not per database.
+            if server == other_server
+                && wal(&a.config)
+                && wal(&b.config)
+                && a.config.slot == b.config.slot
+            {
+                return Err(format!(
+                    "{pair} both stream from the replication slot {} of {}: slot names are \
+                     the server's, and a slot has one reader; give one its own slot",
+                    a.config.slot,
+                    redact_url(&server)
+                ));
+            }
+            if database != other_database {
                 continue;
             }
             let (ta, tb) = (a.config.layout_tables(), b.config.layout_tables());
-            let pair = format!("[[outboxes]] `{}` and `{}`", a.name, b.name);
             let shown = redact_url(&database);
             if (&ta.outbox_schema, &ta.outbox_table) == (&tb.outbox_schema, &tb.outbox_table) {
                 return Err(format!(
@@ -973,15 +999,7 @@ fn refuse_shared_resources(outboxes: &[NamedOutbox]) -> Result<(), String> {
                     ta.nodes_schema, ta.nodes_table
                 ));
             }
-            let wal = |c: &Config| c.capture == CaptureMode::Wal;
             if wal(&a.config) && wal(&b.config) {
-                if a.config.slot == b.config.slot {
-                    return Err(format!(
-                        "{pair} both stream from the replication slot {} of {shown}: a slot has \
-                         one reader; give one its own slot",
-                        a.config.slot
-                    ));
-                }
                 if a.config.publication == b.config.publication {
                     return Err(format!(
                         "{pair} both use the publication {} of {shown}: a publication names \
@@ -1520,8 +1538,9 @@ mod tests {
         let mut result = Err(String::new());
         figment::Jail::expect_with(|jail| {
             jail.create_file("relay.toml", toml)?;
-            result = Config::load(Some(Path::new("relay.toml")), flags(args))
-                .and_then(|c| c.outboxes())
+            let flags = flags(args);
+            result = Config::load(Some(Path::new("relay.toml")), flags.clone())
+                .and_then(|c| c.outboxes(&flags))
                 .map_err(|e| format!("{e:#}"));
             Ok(())
         });
@@ -1572,6 +1591,22 @@ mod tests {
         assert_eq!(billing.config.sinks.keys().collect::<Vec<_>>(), ["main"]);
         assert_eq!(billing.config.routes.len(), 1);
         assert!(billing.config.outboxes.is_empty());
+        // A flag wins over an entry, as over the file.
+        let flagged = outboxes_of(
+            "[[outboxes]]\nname = \"a\"\nbatch_size = 5\n",
+            &["outbox-relay", "run", "--batch-size", "9"],
+        )
+        .unwrap();
+        assert_eq!(flagged[0].config.batch_size, 9);
+        // The top level only lends settings: what would not apply to it alone (a
+        // PostgreSQL-only setting over the default SQLite URL) is judged in each outbox.
+        let lent = outboxes_of(
+            "wakeup = \"gated\"\n[[outboxes]]\nname = \"a\"\n\
+             database_url = \"postgres://relay@db/app\"\n",
+            &["outbox-relay", "run"],
+        )
+        .unwrap();
+        assert_eq!(lent[0].config.wakeup, WakeupMode::Gated);
         // Without [[outboxes]], nothing changes.
         assert!(outboxes_of("batch_size = 100\n", &["outbox-relay", "run"])
             .unwrap()
@@ -1612,6 +1647,16 @@ mod tests {
             &format!("{pg}\ncapture = \"wal\"\noutbox_table = \"b\"\nnodes_table = \"bn\""),
         ));
         assert!(err.contains("replication slot outbox_relay"), "{err}");
+        // Slot names are the server's: two databases of one server (one URL with the
+        // default port spelled out) cannot both use the default slot.
+        let err = refused(&two(
+            "database_url = \"postgres://relay@db/one\"\ncapture = \"wal\"",
+            "database_url = \"postgres://relay@db:5432/two\"\ncapture = \"wal\"",
+        ));
+        assert!(
+            err.contains("replication slot outbox_relay of postgres://db:5432"),
+            "{err}"
+        );
         let err = refused(&two("", ""));
         assert!(
             err.contains("both relay public.outbox of sqlite:outbox.db"),

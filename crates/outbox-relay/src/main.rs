@@ -63,6 +63,7 @@ fn init_logging(config: &Config) -> anyhow::Result<()> {
 async fn dispatch(
     command: Command,
     config: Config,
+    flags: figment::Figment,
     outbox: Option<String>,
 ) -> anyhow::Result<ExitCode> {
     let config_error = |m: String| anyhow::Error::new(commands::ConfigError(m));
@@ -79,7 +80,7 @@ async fn dispatch(
         }
         return run_command(command, config).await;
     }
-    let outboxes = config.outboxes()?;
+    let outboxes = config.outboxes(&flags)?;
     let names = || {
         outboxes
             .iter()
@@ -97,7 +98,7 @@ async fn dispatch(
         return run_command(command, chosen.config.clone()).await;
     }
     let heading = match &command {
-        Command::Run(args) => return commands::run(config, args.drain).await,
+        Command::Run(args) => return commands::run_outboxes(config, outboxes, args.drain).await,
         Command::Migrate(_) => "--",
         Command::Check(_) | Command::Stats(cli::StatsArgs { json: false }) => "==",
         _ => {
@@ -108,16 +109,37 @@ async fn dispatch(
             )))
         }
     };
+    // Each outbox in turn, all of them even when one fails; the worst result is the
+    // process's (a configuration error, exit 2, before a runtime failure).
     let mut worst = ExitCode::SUCCESS;
+    let mut failures: Vec<anyhow::Error> = Vec::new();
     for outbox in &outboxes {
         let closing = if heading == "==" { " ==" } else { "" };
         println!("{heading} outbox {}{closing}", outbox.name);
-        let code = run_command(command.clone(), outbox.config.clone()).await?;
-        if code != ExitCode::SUCCESS {
-            worst = code;
+        match run_command(command.clone(), outbox.config.clone()).await {
+            Ok(code) if code != ExitCode::SUCCESS => worst = code,
+            Ok(_) => {}
+            Err(e) => {
+                eprintln!("error: outbox {}: {e:#}", outbox.name);
+                failures.push(e.context(format!("outbox {}", outbox.name)));
+            }
         }
     }
-    Ok(worst)
+    match failures.len() {
+        0 => Ok(worst),
+        1 => Err(failures.remove(0)),
+        n => {
+            let config = failures
+                .iter()
+                .any(|e| e.downcast_ref::<commands::ConfigError>().is_some());
+            let message = format!("{n} outboxes failed (see above)");
+            Err(if config {
+                anyhow::Error::new(commands::ConfigError(message))
+            } else {
+                anyhow::anyhow!(message)
+            })
+        }
+    }
 }
 
 async fn run_command(command: Command, config: Config) -> anyhow::Result<ExitCode> {
@@ -164,7 +186,8 @@ fn main() -> ExitCode {
         }
     };
     let outbox = cli.global.outbox.clone();
-    let result = runtime.block_on(dispatch(cli.command, config, outbox));
+    let flags = cli.flags();
+    let result = runtime.block_on(dispatch(cli.command, config, flags, outbox));
     match result {
         Ok(code) => code,
         Err(e) => {

@@ -94,11 +94,17 @@ pub fn labelled<T>(name: &str, f: impl FnOnce() -> T) -> T {
 /// only when every one of them did.
 pub async fn run(
     config: Config,
+    outboxes: Vec<NamedOutbox>,
     drain: bool,
     metrics: PrometheusHandle,
 ) -> anyhow::Result<ExitCode> {
-    let outboxes = config.outboxes()?;
     let (http_addr, _token) = config.http_settings()?;
+    // One backstop for the process, by the longest shutdown_timeout of its outboxes.
+    let shutdown_timeout = outboxes
+        .iter()
+        .map(|o| o.config.shutdown_timeout)
+        .max()
+        .unwrap_or_default();
     let node = config
         .node_id
         .clone()
@@ -152,6 +158,7 @@ pub async fn run(
         tokio::select! {
             () = &mut signal, if !*stop.borrow() => {
                 let _ = stop.send(true);
+                crate::commands::shutdown_backstop(shutdown_timeout);
             }
             next = pending.next() => {
                 let Some((name, result)) = next else { break };
@@ -161,6 +168,7 @@ pub async fn run(
                         Err(e) => tracing::error!(outbox = %name, error = %format!("{e:#}"), "outbox failed; stopping the others"),
                     }
                     let _ = stop.send(true);
+                crate::commands::shutdown_backstop(shutdown_timeout);
                 }
                 results.push((name, result));
             }
@@ -219,21 +227,27 @@ fn start(
                 })
                 .enable_all()
                 .build();
-            let result = match runtime {
-                Ok(runtime) => {
-                    OUTBOX.with(|o| *o.borrow_mut() = Some(thread_label));
-                    let stop = async move {
-                        let _ = stopping.wait_for(|stop| *stop).await;
-                    };
-                    let span = tracing::info_span!("outbox", outbox = %name);
-                    runtime.block_on(tracing::Instrument::instrument(
-                        crate::commands::relay_outbox(config, drain, metrics, slot, stop),
-                        span,
-                    ))
+            let runtime = match runtime {
+                Ok(runtime) => runtime,
+                Err(e) => {
+                    let _ = done.send(Err(anyhow::anyhow!("cannot start its runtime: {e}")));
+                    return;
                 }
-                Err(e) => Err(anyhow::anyhow!("cannot start its runtime: {e}")),
             };
+            OUTBOX.with(|o| *o.borrow_mut() = Some(thread_label));
+            let stop = async move {
+                let _ = stopping.wait_for(|stop| *stop).await;
+            };
+            let span = tracing::info_span!("outbox", outbox = %name);
+            let place = crate::commands::Place::Among(slot);
+            let result = runtime.block_on(tracing::Instrument::instrument(
+                crate::commands::relay_outbox(config, drain, metrics, place, stop),
+                span,
+            ));
+            // The result first: a blocking task that outlives the relay (a file sink's
+            // write, a SQLite call) must not hold it up.
             let _ = done.send(result);
+            runtime.shutdown_timeout(std::time::Duration::from_secs(1));
         })
         .map_err(|e| anyhow::anyhow!("cannot start a thread for outbox {label}: {e}"))?;
     Ok(ended)

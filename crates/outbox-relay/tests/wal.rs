@@ -677,7 +677,7 @@ async fn odd_rows_of_a_debezium_table_that_predate_the_slot_are_dead_lettered_no
     db.batch_execute(
         "CREATE TABLE outboxevent (
              id varchar(64) NOT NULL PRIMARY KEY,
-             aggregatetype varchar(255) NOT NULL,
+             aggregatetype varchar(255),
              aggregateid varchar(255) NOT NULL,
              type varchar(255) NOT NULL,
              payload text)",
@@ -698,24 +698,23 @@ async fn odd_rows_of_a_debezium_table_that_predate_the_slot_are_dead_lettered_no
     let migrate: Vec<&str> = ["migrate"].iter().chain(&flags).copied().collect();
     assert_success("migrate", &relay(dir.path(), &migrate));
     let good = |n: i32| (uuid::Uuid::new_v4().to_string(), format!("{{\"n\": {n}}}"));
+    // Every form of UUID PostgreSQL reads is one: braces, capitals, hyphens anywhere.
+    let braced = format!("{{{}}}", uuid::Uuid::new_v4().simple()).to_uppercase();
+    let odd_id = ("not-a-uuid".to_string(), "{\"n\": 9}".to_string());
+    let odd_payload = (uuid::Uuid::new_v4().to_string(), "<order n=9/>".to_string());
     let rows = [
-        (good(0), "order-1"),
-        (
-            ("not-a-uuid".to_string(), "{\"n\": 9}".to_string()),
-            "order-1",
-        ),
-        (
-            (uuid::Uuid::new_v4().to_string(), "<order n=9/>".to_string()),
-            "order-2",
-        ),
-        (good(1), "order-1"),
-        (good(2), "order-2"),
+        (good(0), "order-1", Some("Order")),
+        (odd_id, "order-1", Some("Order")),
+        (odd_payload, "order-2", Some("Order")),
+        (good(9), "order-2", None),
+        (good(1), "order-1", Some("Order")),
+        ((braced, "{\"n\": 2}".to_string()), "order-2", Some("Order")),
     ];
-    for ((id, payload), key) in &rows {
+    for ((id, payload), key, destination) in &rows {
         db.execute(
             "INSERT INTO outboxevent (id, aggregatetype, aggregateid, type, payload)
-             VALUES ($1, 'Order', $2, 'OrderEvent', $3)",
-            &[id, key, payload],
+             VALUES ($1, $4, $2, 'OrderEvent', $3)",
+            &[id, key, payload, destination],
         )
         .await
         .unwrap();
@@ -732,7 +731,7 @@ async fn odd_rows_of_a_debezium_table_that_predate_the_slot_are_dead_lettered_no
     let drained = relay(dir.path(), &drain);
     assert_eq!(drained.status.code(), Some(1), "{}", text(&drained.stderr));
     assert!(
-        text(&drained.stderr).contains("2 events were dead-lettered"),
+        text(&drained.stderr).contains("3 events were dead-lettered"),
         "{}",
         text(&drained.stderr)
     );
@@ -750,13 +749,14 @@ async fn odd_rows_of_a_debezium_table_that_predate_the_slot_are_dead_lettered_no
         .iter()
         .map(|r| (r.get(0), r.get(1)))
         .collect();
-    assert_eq!(dead.len(), 2, "{dead:?}");
+    assert_eq!(dead.len(), 3, "{dead:?}");
     assert_eq!(dead[0].1, "event_id is not a UUID: not-a-uuid");
     assert_eq!(
         dead[1].0, "\"<order n=9/>\"",
         "the payload kept as a JSON string"
     );
     assert!(dead[1].1.contains("payload is not valid JSON"), "{dead:?}");
+    assert_eq!(dead[2].1, "destination is NULL");
 }
 
 // ---- 3, 4. kill -9 and SIGTERM mid-stream ----

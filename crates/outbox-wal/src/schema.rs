@@ -379,10 +379,10 @@ fn adopt(tables: &CaptureTables) -> Adoption {
         (Some(column), false) => quote(column),
         (None, _) => "now()".into(),
     };
-    // A mapped table's columns are the application's types: an id that is no UUID, or a
-    // payload that is no JSON (a text column), fails its cast. Such a row is moved to the
-    // dead letters with the reason, as the stream would, instead of failing the statement
-    // and, with it, every other row.
+    // A mapped table's columns are the application's types: an id that is no UUID, a
+    // payload that is no JSON (a text column), a NULL destination or type cannot be an
+    // event. Such a row is moved to the dead letters with the reason, as the stream would,
+    // instead of failing the statement and, with it, every other row.
     let (payload_text, payload_ok) = match &c.payload {
         Some(column) => (
             format!("{}::text", quote(column)),
@@ -390,14 +390,24 @@ fn adopt(tables: &CaptureTables) -> Adoption {
         ),
         None => ("NULL::text".into(), "true".into()),
     };
-    let decodable = format!("relay_id IS NOT NULL AND {payload_ok}");
+    let (event_id, destination, event_type) = (
+        quote(&c.event_id),
+        quote(&c.destination),
+        quote(&c.event_type),
+    );
+    let decodable = format!(
+        "relay_id IS NOT NULL AND {destination} IS NOT NULL AND {event_type} IS NOT NULL \
+         AND {payload_ok}"
+    );
     // The ids are kept (they come from one sequence, see `shared_ids_ddl`); the native
     // outbox's rows (`dead retry`, `send`) are moved as the native form moves them.
     // The last statement's count is the rows dead-lettered.
     let moved = format!(
         "WITH deleted AS (DELETE FROM {source} RETURNING *),
               moved AS (
-                SELECT d.*, pg_temp.outbox_relay_uuid({event_id}::text) AS relay_id,
+                SELECT d.*,
+                       CASE WHEN {event_id}::text ~ '{UUID_TEXT}' THEN {event_id}::text::uuid
+                       END AS relay_id,
                        pg_temp.outbox_relay_jsonb({payload_text}) AS relay_payload
                   FROM deleted d),
               moved_outbox AS (DELETE FROM {outbox} WHERE delivered_at IS NULL RETURNING *),
@@ -419,41 +429,39 @@ fn adopt(tables: &CaptureTables) -> Adoption {
                 ON CONFLICT DO NOTHING RETURNING 1)
          INSERT INTO {dead} (sequence_id, event_id, destination, partition_key, event_type,
                 payload, headers, mutation_id, created_at, attempts, last_error)
-         SELECT {row_id}, coalesce(relay_id, gen_random_uuid()), {destination}::text, {key},
-                {event_type}::text, to_jsonb({payload_text}), '{{}}'::jsonb, {mutation},
-                {created_at}, 0,
+         SELECT {row_id}, coalesce(relay_id, gen_random_uuid()),
+                coalesce({destination}::text, ''), {key}, coalesce({event_type}::text, ''),
+                to_jsonb({payload_text}), '{{}}'::jsonb, {mutation}, {created_at}, 0,
                 CASE WHEN relay_id IS NULL
-                     THEN 'event_id is not a UUID: ' || left({event_id}::text, 200)
+                       THEN 'event_id is not a UUID: ' || coalesce(left({event_id}::text, 200), 'NULL')
+                     WHEN {destination} IS NULL THEN 'destination is NULL'
+                     WHEN {event_type} IS NULL THEN 'event_type is NULL'
                      ELSE 'payload is not valid JSON (kept here as a JSON string)'
                 END
            FROM moved WHERE NOT ({decodable})
          ON CONFLICT DO NOTHING",
         outbox = tables.outbox.quoted(),
         dead = tables.dead_letters.quoted(),
-        event_id = quote(&c.event_id),
-        destination = quote(&c.destination),
         key = or_null(&c.partition_key, "text"),
-        event_type = quote(&c.event_type),
         mutation = or_null(&c.mutation_id, "text"),
         row_id = quote(&c.sequence_id),
     );
-    // Casts that answer NULL instead of failing, for this session only: nothing to migrate.
-    let tolerant = |name: &str, kind: &str| {
-        format!(
-            "CREATE OR REPLACE FUNCTION pg_temp.{name}(value text) RETURNS {kind}
-               LANGUAGE plpgsql IMMUTABLE AS $$
-               BEGIN RETURN value::{kind}; EXCEPTION WHEN others THEN RETURN NULL; END $$"
-        )
-    };
+    // JSON can only be checked by casting; a cast that answers NULL instead of failing is
+    // a function, made for this session only (PUBLIC's default TEMPORARY privilege), so
+    // nothing is migrated for it.
+    let tolerant_jsonb = "CREATE OR REPLACE FUNCTION pg_temp.outbox_relay_jsonb(value text)
+           RETURNS jsonb LANGUAGE plpgsql IMMUTABLE AS $$
+           BEGIN RETURN value::jsonb; EXCEPTION WHEN others THEN RETURN NULL; END $$"
+        .to_string();
     Adoption {
-        steps: vec![
-            tolerant("outbox_relay_uuid", "uuid"),
-            tolerant("outbox_relay_jsonb", "jsonb"),
-            moved,
-        ],
+        steps: vec![tolerant_jsonb, moved],
         counts_dead_letters: true,
     }
 }
+
+/// What PostgreSQL's uuid input accepts: 32 hex digits, a hyphen allowed after any group of
+/// four, in optional braces.
+const UUID_TEXT: &str = r"^\{?[0-9A-Fa-f]{4}(-?[0-9A-Fa-f]{4}){7}\}?$";
 
 #[cfg(test)]
 mod tests {
