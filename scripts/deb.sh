@@ -40,10 +40,17 @@ install -m 644 README.md "$root/usr/share/doc/outbox-relay/"
 install -m 644 LICENSE "$root/usr/share/doc/outbox-relay/copyright"
 gzip -9n -c CHANGELOG.md > "$root/usr/share/doc/outbox-relay/changelog.gz"
 
-# The packages that hold the libraries the binary loads.
-depends=$(ldd "$binary" | awk '/=> \//{print $3}' | while read -r lib; do
-  dpkg -S "$(readlink -f "$lib")" 2>/dev/null || dpkg -S "$lib" 2>/dev/null
-done | cut -d: -f1 | sort -u | paste -sd, | sed 's/,/, /g')
+# The packages (and versions) the binary's libraries need, as dpkg-shlibdeps reads them
+# from the binary's symbols: a glibc too old for it refuses the package.
+depends=$(
+  cd "$stage" && mkdir -p debian &&
+    printf 'Source: outbox-relay\n\nPackage: outbox-relay\nArchitecture: any\n' > debian/control &&
+    dpkg-shlibdeps -O "$root/usr/bin/outbox-relay" 2>/dev/null | sed -n 's/^shlibs:Depends=//p'
+)
+if [[ -z $depends ]]; then
+  echo "deb.sh: dpkg-shlibdeps found no dependencies for $binary (apt-get install dpkg-dev)" >&2
+  exit 1
+fi
 size=$(du -sk "$root" | cut -f1)
 cat > "$root/DEBIAN/control" <<CONTROL
 Package: outbox-relay
@@ -65,7 +72,13 @@ printf '/etc/outbox-relay/outbox-relay.toml\n/etc/outbox-relay/outbox-relay.env\
 cat > "$root/DEBIAN/postinst" <<'SCRIPT'
 #!/bin/sh
 set -e
-if [ -d /run/systemd/system ]; then systemctl daemon-reload >/dev/null || true; fi
+if [ -d /run/systemd/system ]; then
+  systemctl daemon-reload >/dev/null || true
+  # An upgrade restarts a running relay on the new binary (SIGTERM drains it first).
+  if [ "$1" = configure ] && [ -n "$2" ]; then
+    systemctl try-restart outbox-relay.service >/dev/null || true
+  fi
+fi
 SCRIPT
 cat > "$root/DEBIAN/prerm" <<'SCRIPT'
 #!/bin/sh

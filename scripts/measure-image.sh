@@ -12,7 +12,8 @@ binary=${1:-target/release/outbox-relay}
 tag=localhost/outbox-relay:measure
 scripts/image.sh "$binary" "$tag" >/dev/null
 ctr=$(buildah from "$tag")
-trap 'buildah umount "$ctr" >/dev/null; buildah rm "$ctr" >/dev/null; buildah rmi -f "$tag" >/dev/null' EXIT
+pid=
+trap '[[ -n $pid ]] && kill "$pid" 2>/dev/null; buildah umount "$ctr" >/dev/null; buildah rm "$ctr" >/dev/null; buildah rmi -f "$tag" >/dev/null' EXIT
 root=$(buildah mount "$ctr")
 
 stored=$(buildah inspect --type image --format '{{.FromImageID}}' "$tag" >/dev/null; buildah images --format '{{.Size}}' "$tag")
@@ -39,9 +40,13 @@ for _ in 1 2 3 4 5; do
   start=$(date +%s%N)
   "${in_image[@]}" run 2>/dev/null &
   pid=$!
-  until "${in_image[@]}" health --ready >/dev/null 2>&1; do sleep 0.005; done
+  until "${in_image[@]}" health --ready >/dev/null 2>&1; do
+    kill -0 "$pid" 2>/dev/null || { echo "measure-image.sh: the relay exited before it was ready" >&2; exit 1; }
+    sleep 0.005
+  done
   times+=($(( ($(date +%s%N) - start) / 1000000 )))
   kill -TERM "$pid"; wait "$pid" || true
+  pid=
 done
 sorted=$(printf '%s\n' "${times[@]}" | sort -n | paste -sd' ')
 echo "  start to /readyz 200:   ${sorted} ms (5 runs; median $(printf '%s\n' "${times[@]}" | sort -n | sed -n 3p) ms)"

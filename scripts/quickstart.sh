@@ -32,9 +32,11 @@ if [[ ! -x $relay ]]; then
 fi
 
 pids=()
+subscriber=$(mktemp)
 cleanup() {
   for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
   wait 2>/dev/null || true
+  rm -f "$subscriber"
   scripts/servers.sh stop >/dev/null 2>&1 || true
 }
 trap cleanup EXIT
@@ -53,7 +55,6 @@ say "migrating: the outbox, its dead letters, the nodes and partitions tables, t
 # A stream that keeps demo.* (the relay publishes with JetStream, and waits for its ack),
 # and a subscriber that prints every message as it arrives: NATS's own protocol, spoken
 # by Python's standard library, so nothing more is installed.
-subscriber=$(mktemp)
 cat > "$subscriber" <<'PY'
 import json, socket, sys
 host, port, want = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -98,9 +99,14 @@ pids+=("$sub")
 say "starting the relay: $relay run --sink $OUTBOX_TEST_NATS_URL (log in $OUTBOX_TEST_STATE/relay.log)"
 "$relay" run --database-url "$database" --sink "$OUTBOX_TEST_NATS_URL" --http-addr "$http" \
   2>"$OUTBOX_TEST_STATE/relay.log" &
-pids+=("$!")
-for _ in $(seq 100); do
-  "$relay" health --http-addr "$http" >/dev/null 2>&1 && break
+relay_pid=$!
+pids+=("$relay_pid")
+until "$relay" health --http-addr "$http" >/dev/null 2>&1; do
+  if ! kill -0 "$relay_pid" 2>/dev/null; then
+    say "the relay stopped; its log:"
+    tail -20 "$OUTBOX_TEST_STATE/relay.log" >&2
+    exit 1
+  fi
   sleep 0.1
 done
 say "dashboard and metrics: http://$http/  (http://$http/metrics)"

@@ -54,6 +54,7 @@ install_packages() {
   command -v buildah >/dev/null || missing+=(buildah)
   command -v podman >/dev/null || missing+=(podman)
   command -v strip >/dev/null || missing+=(binutils)
+  command -v dpkg-shlibdeps >/dev/null || missing+=(dpkg-dev)
   command -v systemd-analyze >/dev/null || missing+=(systemd)
   command -v kubectl >/dev/null || missing+=(kubernetes-client)
   [ -r /etc/ssl/certs/ca-certificates.crt ] || missing+=(ca-certificates)

@@ -25,10 +25,15 @@ fn git_commit() -> Option<String> {
             .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
     };
     // Built again when HEAD moves (a commit, a checkout), not on every change to the tree.
-    if let Some(dir) = git(&["rev-parse", "--git-dir"]) {
-        println!("cargo:rerun-if-changed={dir}/HEAD");
-        println!("cargo:rerun-if-changed={dir}/refs/heads");
-        println!("cargo:rerun-if-changed={dir}/packed-refs");
+    // (Only paths that exist: cargo runs the script again on every build for one that
+    // does not.)
+    if let Some(dir) = git(&["rev-parse", "--absolute-git-dir"]) {
+        for path in ["HEAD", "refs/heads", "packed-refs"] {
+            let path = std::path::Path::new(&dir).join(path);
+            if path.exists() {
+                println!("cargo:rerun-if-changed={}", path.display());
+            }
+        }
     }
     git(&["rev-parse", "--short=12", "HEAD"])
 }

@@ -532,6 +532,9 @@ impl Config {
 
     pub fn database_kind(&self) -> anyhow::Result<DatabaseKind> {
         let url = self.database_url.trim();
+        if url.is_empty() {
+            bail!("the database URL is empty: set DATABASE_URL (or --database-url, OUTBOX_RELAY_DATABASE_URL, database_url)");
+        }
         if url.starts_with("postgres://") || url.starts_with("postgresql://") {
             return Ok(DatabaseKind::Postgres);
         }
