@@ -342,17 +342,24 @@ fn adopt(tables: &CaptureTables) -> Adoption {
     let parked = tables.parked.quoted();
     let source = tables.source.quoted();
     let c = &tables.columns;
-    if *c == ColumnNames::native() {
-        let moved = format!(
-            "WITH moved AS (DELETE FROM {source} WHERE delivered_at IS NULL RETURNING *)
-             INSERT INTO {parked} (sequence_id, event_id, destination, partition_key,
+    // A native table's rows, as they are, from the CTE `from`.
+    let native_rows = |from: &str| {
+        format!(
+            "INSERT INTO {parked} (sequence_id, event_id, destination, partition_key,
                     event_type, payload, headers, mutation_id, rejected, created_at,
                     available_at, attempts, last_error)
              SELECT sequence_id, event_id, destination, partition_key, event_type, payload,
                     headers, mutation_id, rejected, created_at, available_at, attempts,
                     last_error
-               FROM moved ORDER BY sequence_id
+               FROM {from} ORDER BY sequence_id
              ON CONFLICT DO NOTHING"
+        )
+    };
+    if *c == ColumnNames::native() {
+        let moved = format!(
+            "WITH moved AS (DELETE FROM {source} WHERE delivered_at IS NULL RETURNING *)
+             {}",
+            native_rows("moved")
         );
         return Adoption {
             steps: vec![moved],
@@ -418,15 +425,7 @@ fn adopt(tables: &CaptureTables) -> Adoption {
                        {event_type}::text, relay_payload, {headers}, {mutation}, {created_at}
                   FROM moved WHERE {decodable} ORDER BY {row_id}
                 ON CONFLICT DO NOTHING RETURNING 1),
-              native AS (
-                INSERT INTO {parked} (sequence_id, event_id, destination, partition_key,
-                       event_type, payload, headers, mutation_id, rejected, created_at,
-                       available_at, attempts, last_error)
-                SELECT sequence_id, event_id, destination, partition_key, event_type, payload,
-                       headers, mutation_id, rejected, created_at, available_at, attempts,
-                       last_error
-                  FROM moved_outbox ORDER BY sequence_id
-                ON CONFLICT DO NOTHING RETURNING 1)
+              native AS ({native} RETURNING 1)
          INSERT INTO {dead} (sequence_id, event_id, destination, partition_key, event_type,
                 payload, headers, mutation_id, created_at, attempts, last_error)
          SELECT {row_id}, coalesce(relay_id, gen_random_uuid()),
@@ -442,6 +441,7 @@ fn adopt(tables: &CaptureTables) -> Adoption {
          ON CONFLICT DO NOTHING",
         outbox = tables.outbox.quoted(),
         dead = tables.dead_letters.quoted(),
+        native = native_rows("moved_outbox"),
         key = or_null(&c.partition_key, "text"),
         mutation = or_null(&c.mutation_id, "text"),
         row_id = quote(&c.sequence_id),
