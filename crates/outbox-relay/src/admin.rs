@@ -433,7 +433,8 @@ async fn status_body(c: &Console) -> Result<Value, Response> {
     let totals = sample(&c.metrics, c.outbox.as_deref());
     let rate = |i: usize| rates.map_or(Value::Null, |r| json!(r[i]));
     Ok(json!({
-        "version": crate::VERSION,
+        "version": env!("CARGO_PKG_VERSION"),
+        "commit": env!("OUTBOX_BUILD_COMMIT"),
         "node": c.node,
         "outbox": c.describe,
         "now": time_text(now),

@@ -244,6 +244,13 @@ async fn the_admin_api_reports_and_acts_on_postgres_and_nats() {
     // Status: backlog per destination, this node with its partitions, settings redacted.
     let s = api.status().await;
     assert_eq!(s["version"], env!("CARGO_PKG_VERSION"));
+    // The commit the binary was built from (build.rs), as `--version` shows it.
+    let version = text(&relay(Path::new("."), &["--version"]).stdout);
+    let commit = s["commit"].as_str().unwrap();
+    assert!(
+        version.contains(&format!("({commit})")),
+        "{version} / {commit}"
+    );
     let destinations = s["destinations"].as_array().unwrap();
     let of = |d: &str| destinations.iter().find(|x| x["destination"] == d).cloned();
     let l = of(&late).expect("the .late destination");

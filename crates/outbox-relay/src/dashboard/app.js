@@ -174,7 +174,7 @@ function drawCharts() {
 function cell(text, cls) { return el("td", cls ? { class: cls } : {}, text); }
 
 function renderStatus(st) {
-  $("identity").textContent = `v${st.version} · node ${st.node} · ${st.outbox}`;
+  $("identity").textContent = `v${st.version} (${st.commit}) · node ${st.node} · ${st.outbox}`;
   $("fig-pending").textContent = st.backlog.pending;
   $("fig-retrying").textContent = st.backlog.retrying;
   $("fig-dead").textContent = st.backlog.dead;
