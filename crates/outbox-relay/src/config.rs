@@ -1002,14 +1002,12 @@ fn refuse_shared_resources(outboxes: &[NamedOutbox]) -> Result<(), String> {
                     ta.nodes_schema, ta.nodes_table
                 ));
             }
-            if wal(&a.config) && wal(&b.config) {
-                if a.config.publication == b.config.publication {
-                    return Err(format!(
-                        "{pair} both use the publication {} of {shown}: a publication names \
-                         its outbox's tables; give one its own publication",
-                        a.config.publication
-                    ));
-                }
+            if wal(&a.config) && wal(&b.config) && a.config.publication == b.config.publication {
+                return Err(format!(
+                    "{pair} both use the publication {} of {shown}: a publication names its \
+                     outbox's tables; give one its own publication",
+                    a.config.publication
+                ));
             }
         }
     }
