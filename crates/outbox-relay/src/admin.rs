@@ -324,10 +324,7 @@ pub fn routes(console: Arc<Console>, base: &str) -> Router {
             "/assets/app.js",
             get(|| async { asset("text/javascript; charset=utf-8", APP_JS) }),
         )
-        .route(
-            "/assets/app.css",
-            get(|| async { asset("text/css; charset=utf-8", APP_CSS) }),
-        )
+        .route("/assets/app.css", get(|| async { stylesheet() }))
         .route("/api/v1/status", get(status))
         .route("/api/v1/history", get(history))
         .route("/api/v1/dead-letters", get(dead_letters))
@@ -337,6 +334,11 @@ pub fn routes(console: Arc<Console>, base: &str) -> Router {
         .route("/api/v1/replay", post(replay))
         .fallback(|| async { failure(StatusCode::NOT_FOUND, "no such endpoint".into()) })
         .with_state(console)
+}
+
+/// The dashboard's stylesheet (the shared server's index uses it too).
+pub(crate) fn stylesheet() -> Response {
+    asset("text/css; charset=utf-8", APP_CSS)
 }
 
 fn asset(content_type: &'static str, body: &'static str) -> Response {

@@ -207,6 +207,14 @@ pub(crate) enum Place {
     Among(Option<Arc<crate::http::OutboxSlot>>),
 }
 
+/// Where an outbox's HTTP endpoints are served.
+enum Endpoints {
+    /// A server of its own, at `http_addr`.
+    Own(std::net::SocketAddr),
+    /// Its slot on the shared server of `[[outboxes]]`.
+    Shared(Arc<crate::http::OutboxSlot>),
+}
+
 /// One outbox from start to stop: its store, capture, sinks, cluster membership and engine,
 /// until `stop` resolves (or, with `drain`, until nothing deliverable is left). Its HTTP
 /// endpoints are a server of its own (`http_addr`), or its `slot` on the shared server of
@@ -218,10 +226,7 @@ pub(crate) async fn relay_outbox(
     place: Place,
     stop: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
-    let (slot, backstop) = match place {
-        Place::Alone => (None, true),
-        Place::Among(slot) => (slot, false),
-    };
+    let backstop = matches!(place, Place::Alone);
     // Heeded from the start: a relay still waiting for its database stops on SIGTERM too.
     let mut stop = Box::pin(stop);
     // Chosen before the store opens: its sessions carry it in their application_name.
@@ -236,6 +241,11 @@ pub(crate) async fn relay_outbox(
         admin_token,
         health,
     } = config.resolve(node.clone(), drain)?;
+    // Where this outbox's endpoints go: a server of its own only when alone.
+    let endpoints = match place {
+        Place::Alone => http_addr.map(Endpoints::Own),
+        Place::Among(slot) => slot.map(Endpoints::Shared),
+    };
     let ready = ready_store(&config, store, config.auto_migrate, !drain);
     let Some(store) = unless_stopped(&mut stop, ready).await else {
         return stopped_while_starting(drain, None).await;
@@ -272,7 +282,7 @@ pub(crate) async fn relay_outbox(
         drain,
         "outbox-relay starting"
     );
-    let console = (http_addr.is_some() || slot.is_some()).then(|| {
+    let console = endpoints.is_some().then(|| {
         Arc::new(crate::admin::Console {
             store: store.clone(),
             describe: outbox.describe(),
@@ -282,7 +292,10 @@ pub(crate) async fn relay_outbox(
             metrics: metrics.clone(),
             history: Default::default(),
             figures: crate::admin::StoreFigures::new(engine.backlog_interval),
-            outbox: slot.as_ref().map(|s| s.name.clone()),
+            outbox: match &endpoints {
+                Some(Endpoints::Shared(slot)) => Some(slot.name.clone()),
+                _ => None,
+            },
         })
     });
     let probes = crate::http::Probes {
@@ -290,8 +303,8 @@ pub(crate) async fn relay_outbox(
         publisher: sink.clone(),
         health: health.clone(),
     };
-    let http = match (console, &slot, http_addr) {
-        (Some(console), Some(slot), _) => {
+    let http = match (console, endpoints) {
+        (Some(console), Some(Endpoints::Shared(slot))) => {
             slot.fill(crate::http::Served {
                 probes,
                 console: crate::admin::routes(
@@ -302,7 +315,7 @@ pub(crate) async fn relay_outbox(
             });
             Some(tokio::spawn(crate::admin::keep_history(console)))
         }
-        (Some(console), None, Some(addr)) => {
+        (Some(console), Some(Endpoints::Own(addr))) => {
             let (bound, task) = crate::http::serve(addr, probes, metrics, console).await?;
             tracing::info!(
                 addr = %bound,

@@ -210,6 +210,10 @@ pub async fn serve_outboxes(
         .route("/readyz", get(shared_readyz))
         .route("/metrics", get(shared_metrics))
         .route("/", get(index))
+        .route(
+            "/assets/app.css",
+            get(|| async { crate::admin::stylesheet() }),
+        )
         .route("/api/v1/outboxes", get(outbox_list))
         .route(
             "/outboxes/{name}",
@@ -300,10 +304,9 @@ async fn index(State(state): State<SharedState>) -> Response {
         .collect();
     let page = format!(
         "<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>outbox-relay</title>\
-         <link rel=\"stylesheet\" href=\"/outboxes/{first}/assets/app.css\"></head><body><header>\
+         <link rel=\"stylesheet\" href=\"/assets/app.css\"></head><body><header>\
          <h1>outbox-relay</h1></header><main><h2>Outboxes</h2><ul id=\"outboxes\">{items}</ul>\
-         </main></body></html>",
-        first = state.slots.first().map(|s| s.name.as_str()).unwrap_or_default()
+         </main></body></html>"
     );
     (
         [

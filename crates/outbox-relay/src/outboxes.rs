@@ -210,8 +210,6 @@ fn start(
 ) -> anyhow::Result<tokio::sync::oneshot::Receiver<anyhow::Result<()>>> {
     let NamedOutbox { name, mut config } = outbox;
     config.node_id = Some(node);
-    // The shared server serves this outbox: it starts none of its own.
-    config.http_addr = String::new();
     let label: Arc<str> = Arc::from(name.as_str());
     let (done, ended) = tokio::sync::oneshot::channel();
     let thread_label = label.clone();

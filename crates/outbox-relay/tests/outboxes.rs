@@ -14,21 +14,13 @@ mod webdriver;
 
 use support::{http_addr, http_get, read_lines, relay, text, RelayProcess};
 
-/// Lines in a file sink's output (0 while it does not exist).
-fn lines_in(path: &Path) -> usize {
-    std::fs::read_to_string(path)
-        .map(|t| t.lines().count())
-        .unwrap_or(0)
-}
-
+/// Waits until the file sink at `path` holds at least `n` events.
 async fn wait_for_lines_in(path: &Path, n: usize) {
-    eventually(
+    support::wait_for_lines(
         &format!("{n} events in {}", path.display()),
+        path,
         Duration::from_secs(30),
-        || {
-            let done = lines_in(path) >= n;
-            async move { done.then_some(()) }
-        },
+        |have| have >= n,
     )
     .await;
 }
@@ -375,7 +367,7 @@ sink = "file:healthy.jsonl"
         .unwrap();
     }
     wait_for_lines_in(&d.join("healthy.jsonl"), 200).await;
-    assert_eq!(lines_in(&d.join("hung.jsonl")), 0);
+    assert_eq!(read_lines(&d.join("hung.jsonl")).len(), 0);
     assert_eq!(stream_len().await, 1);
 
     // /readyz names both stalled outboxes, not the healthy one; /metrics still answers.

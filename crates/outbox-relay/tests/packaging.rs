@@ -143,11 +143,7 @@ async fn the_image_runs_its_entrypoint_from_its_own_filesystem_and_relays_events
     let nats_url = std::env::var("OUTBOX_TEST_NATS_URL")
         .expect("OUTBOX_TEST_NATS_URL is not set: source /tmp/servers.env");
     let (js, prefix) = support::nats_stream().await;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = outbox_testkit::server::free_port();
     // The settings file, where a volume would mount it (read-only to the relay's user);
     // the secrets in the environment.
     std::fs::write(
@@ -441,11 +437,7 @@ print("ok")
 #[test]
 fn the_quickstart_shows_events_flowing_and_stops_what_it_started() {
     let state = tempfile::tempdir().unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = outbox_testkit::server::free_port();
     let out = Command::new("scripts/quickstart.sh")
         .args(["--events", "6"])
         .env("OUTBOX_QUICKSTART_BIN", BIN)

@@ -485,6 +485,69 @@ async fn same_key_transactions_are_delivered_in_commit_order() {
     assert_eq!(counters["messages"], [2, 1], "B committed first: {lines:?}");
 }
 
+/// A fresh database holding a Debezium outbox table (`ddl`), migrated for `--layout
+/// debezium --capture wal` with a slot of its own (dropped at the end), and a file sink.
+struct DebeziumWal {
+    url: String,
+    slot: String,
+    _guard: outbox_testkit::SlotGuard,
+    db: Client,
+    dir: tempfile::TempDir,
+    /// The file sink's output.
+    out: PathBuf,
+}
+
+impl DebeziumWal {
+    async fn migrated(ddl: &str) -> DebeziumWal {
+        let url = outbox_testkit::fresh_pg_database().await;
+        let slot = format!("{}_slot", url.rsplit('/').next().unwrap());
+        let _guard = outbox_testkit::SlotGuard {
+            url: url.clone(),
+            slot: slot.clone(),
+        };
+        let db = pg(&url).await;
+        db.batch_execute(ddl).await.unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("events.jsonl");
+        let w = DebeziumWal {
+            url,
+            slot,
+            _guard,
+            db,
+            dir,
+            out,
+        };
+        assert_success("migrate", &w.relay("migrate", &[]));
+        w
+    }
+
+    /// `outbox-relay <command>` with the layout's flags, then `args`.
+    fn relay(&self, command: &str, args: &[&str]) -> Output {
+        let flags = [
+            "--layout",
+            "debezium",
+            "--capture",
+            "wal",
+            "--database-url",
+            &self.url,
+            "--slot",
+            &self.slot,
+        ];
+        let all: Vec<&str> = [command]
+            .into_iter()
+            .chain(flags)
+            .chain(args.iter().copied())
+            .collect();
+        relay(self.dir.path(), &all)
+    }
+
+    /// `run --drain` to the file sink.
+    fn drain(&self) -> Output {
+        let sink = format!("file:{}", self.out.display());
+        self.relay("run", &["--sink", &sink, "--http-addr", "", "--drain"])
+    }
+}
+
 /// Debezium's outbox table (`layout = "debezium"`) read from the WAL, as Debezium reads it:
 /// an application that inserts its event and deletes it in the same transaction (the
 /// pattern Debezium's documentation suggests) leaves nothing in the table, and the event is
@@ -495,29 +558,8 @@ async fn same_key_transactions_are_delivered_in_commit_order() {
 #[tokio::test]
 async fn debeziums_table_is_read_from_the_wal_even_when_rows_are_deleted_at_once() {
     const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
-    let url = outbox_testkit::fresh_pg_database().await;
-    let slot = format!("{}_slot", url.rsplit('/').next().unwrap());
-    let _guard = outbox_testkit::SlotGuard {
-        url: url.clone(),
-        slot: slot.clone(),
-    };
-    let db = pg(&url).await;
-    db.batch_execute(include_str!("fixtures/seeds/debezium.sql"))
-        .await
-        .unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let flags = [
-        "--layout",
-        "debezium",
-        "--capture",
-        "wal",
-        "--database-url",
-        &url,
-        "--slot",
-        &slot,
-    ];
-    let migrate: Vec<&str> = ["migrate"].iter().chain(&flags).copied().collect();
-    assert_success("migrate", &relay(dir.path(), &migrate));
+    let w = DebeziumWal::migrated(include_str!("fixtures/seeds/debezium.sql")).await;
+    let (url, db) = (&w.url, &w.db);
     let insert = "INSERT INTO outboxevent (id, aggregatetype, aggregateid, type, payload)
                   VALUES ($1::text::uuid, 'Order', $2, 'OrderEvent', jsonb_build_object('n', $3::int4))";
     let write = |key: &'static str, n: i32| {
@@ -530,21 +572,10 @@ async fn debeziums_table_is_read_from_the_wal_even_when_rows_are_deleted_at_once
     };
     // Before the slot: adopted by the first run.
     write("order-1", 0).await;
-    let out = dir.path().join("events.jsonl");
-    let sink = format!("file:{}", out.display());
-    let drain: Vec<&str> = ["run"]
-        .iter()
-        .chain(&flags)
-        .chain(&["--sink", &sink, "--http-addr", "", "--drain"])
-        .copied()
-        .collect();
-    assert_success(
-        "the drain that creates the slot",
-        &relay(dir.path(), &drain),
-    );
+    assert_success("the drain that creates the slot", &w.drain());
 
     // Inserted and deleted in one transaction: never visible to a poller.
-    let mut app = pg(&url).await;
+    let mut app = pg(url).await;
     let tx = app.transaction().await.unwrap();
     let gone = uuid::Uuid::new_v4().to_string();
     tx.execute(insert, &[&gone, &"order-1", &1i32])
@@ -558,7 +589,7 @@ async fn debeziums_table_is_read_from_the_wal_even_when_rows_are_deleted_at_once
     .unwrap();
     tx.commit().await.unwrap();
     // Two transactions of one aggregate, committed against their relay_sequence order.
-    let mut other = pg(&url).await;
+    let mut other = pg(url).await;
     let first = app.transaction().await.unwrap();
     first
         .execute(
@@ -587,9 +618,9 @@ async fn debeziums_table_is_read_from_the_wal_even_when_rows_are_deleted_at_once
     )
     .await
     .unwrap();
-    assert_success("the drain", &relay(dir.path(), &drain));
+    assert_success("the drain", &w.drain());
 
-    let lines = read_lines(&out);
+    let lines = read_lines(&w.out);
     assert_eq!(lines.len(), 5, "each event once: {lines:?}");
     let counters = counters_by_key(&lines);
     assert_eq!(counters["order-1"], [0, 1, 2], "{lines:?}");
@@ -631,10 +662,9 @@ async fn debeziums_table_is_read_from_the_wal_even_when_rows_are_deleted_at_once
         );
     }
     // `send` (and `dead retry`) write to the relay's own outbox, which is captured too.
-    let send: Vec<&str> = ["send"]
-        .iter()
-        .chain(&flags)
-        .chain(&[
+    let send = w.relay(
+        "send",
+        &[
             "--destination",
             "Order",
             "--key",
@@ -642,12 +672,11 @@ async fn debeziums_table_is_read_from_the_wal_even_when_rows_are_deleted_at_once
             "--type",
             "Sent",
             r#"{"n": 7}"#,
-        ])
-        .copied()
-        .collect();
-    assert_success("send", &relay(dir.path(), &send));
-    assert_success("the drain after send", &relay(dir.path(), &drain));
-    let lines = read_lines(&out);
+        ],
+    );
+    assert_success("send", &send);
+    assert_success("the drain after send", &w.drain());
+    let lines = read_lines(&w.out);
     assert_eq!(counters_by_key(&lines)["order-3"], [7], "{lines:?}");
     let left: i64 = db
         .query_one(
@@ -667,14 +696,7 @@ async fn debeziums_table_is_read_from_the_wal_even_when_rows_are_deleted_at_once
 /// adoption as a whole, and the relay relayed nothing.
 #[tokio::test]
 async fn odd_rows_of_a_debezium_table_that_predate_the_slot_are_dead_lettered_not_blocking() {
-    let url = outbox_testkit::fresh_pg_database().await;
-    let slot = format!("{}_slot", url.rsplit('/').next().unwrap());
-    let _guard = outbox_testkit::SlotGuard {
-        url: url.clone(),
-        slot: slot.clone(),
-    };
-    let db = pg(&url).await;
-    db.batch_execute(
+    let w = DebeziumWal::migrated(
         "CREATE TABLE outboxevent (
              id varchar(64) NOT NULL PRIMARY KEY,
              aggregatetype varchar(255),
@@ -682,21 +704,8 @@ async fn odd_rows_of_a_debezium_table_that_predate_the_slot_are_dead_lettered_no
              type varchar(255) NOT NULL,
              payload text)",
     )
-    .await
-    .unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let flags = [
-        "--layout",
-        "debezium",
-        "--capture",
-        "wal",
-        "--database-url",
-        &url,
-        "--slot",
-        &slot,
-    ];
-    let migrate: Vec<&str> = ["migrate"].iter().chain(&flags).copied().collect();
-    assert_success("migrate", &relay(dir.path(), &migrate));
+    .await;
+    let db = &w.db;
     let good = |n: i32| (uuid::Uuid::new_v4().to_string(), format!("{{\"n\": {n}}}"));
     // Every form of UUID PostgreSQL reads is one: braces, capitals, hyphens anywhere.
     let braced = format!("{{{}}}", uuid::Uuid::new_v4().simple()).to_uppercase();
@@ -719,23 +728,15 @@ async fn odd_rows_of_a_debezium_table_that_predate_the_slot_are_dead_lettered_no
         .await
         .unwrap();
     }
-    let out = dir.path().join("events.jsonl");
-    let sink = format!("file:{}", out.display());
-    let drain: Vec<&str> = ["run"]
-        .iter()
-        .chain(&flags)
-        .chain(&["--sink", &sink, "--http-addr", "", "--drain"])
-        .copied()
-        .collect();
     // The drain says events were dead-lettered (exit 1); the rest was delivered.
-    let drained = relay(dir.path(), &drain);
+    let drained = w.drain();
     assert_eq!(drained.status.code(), Some(1), "{}", text(&drained.stderr));
     assert!(
         text(&drained.stderr).contains("3 events were dead-lettered"),
         "{}",
         text(&drained.stderr)
     );
-    let lines = read_lines(&out);
+    let lines = read_lines(&w.out);
     let counters = counters_by_key(&lines);
     assert_eq!(counters["order-1"], [0, 1], "{lines:?}");
     assert_eq!(counters["order-2"], [2], "{lines:?}");
