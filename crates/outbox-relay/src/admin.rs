@@ -309,16 +309,7 @@ pub fn routes(console: Arc<Console>, base: &str) -> Router {
     Router::new()
         .route(
             "/",
-            get(move || async move {
-                (
-                    [
-                        (header::CONTENT_TYPE, "text/html; charset=utf-8"),
-                        (header::CACHE_CONTROL, "no-cache"),
-                    ],
-                    index,
-                )
-                    .into_response()
-            }),
+            get(move || async move { asset("text/html; charset=utf-8", index) }),
         )
         .route(
             "/assets/app.js",
@@ -341,7 +332,9 @@ pub(crate) fn stylesheet() -> Response {
     asset("text/css; charset=utf-8", APP_CSS)
 }
 
-fn asset(content_type: &'static str, body: &'static str) -> Response {
+/// A page or file of the dashboard, fetched again on each visit (no stale script after an
+/// upgrade).
+pub(crate) fn asset(content_type: &'static str, body: impl IntoResponse) -> Response {
     (
         [
             (header::CONTENT_TYPE, content_type),

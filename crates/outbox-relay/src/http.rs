@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use axum::extract::{Path, Request, State};
-use axum::http::{header, StatusCode};
-use axum::response::{IntoResponse, Redirect, Response};
+use axum::http::StatusCode;
+use axum::response::{Redirect, Response};
 use axum::routing::{any, get};
 use axum::Router;
 use metrics_exporter_prometheus::PrometheusHandle;
@@ -308,14 +308,7 @@ async fn index(State(state): State<SharedState>) -> Response {
          <h1>outbox-relay</h1></header><main><h2>Outboxes</h2><ul id=\"outboxes\">{items}</ul>\
          </main></body></html>"
     );
-    (
-        [
-            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
-            (header::CACHE_CONTROL, "no-cache"),
-        ],
-        page,
-    )
-        .into_response()
+    crate::admin::asset("text/html; charset=utf-8", page)
 }
 
 fn html_text(text: &str) -> String {

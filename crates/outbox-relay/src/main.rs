@@ -112,33 +112,20 @@ async fn dispatch(
     // Each outbox in turn, all of them even when one fails; the worst result is the
     // process's (a configuration error, exit 2, before a runtime failure).
     let mut worst = ExitCode::SUCCESS;
-    let mut failures: Vec<anyhow::Error> = Vec::new();
+    let mut failures = Vec::new();
     for outbox in &outboxes {
         let closing = if heading == "==" { " ==" } else { "" };
         println!("{heading} outbox {}{closing}", outbox.name);
         match run_command(command.clone(), outbox.config.clone()).await {
             Ok(code) if code != ExitCode::SUCCESS => worst = code,
             Ok(_) => {}
-            Err(e) => {
-                eprintln!("error: outbox {}: {e:#}", outbox.name);
-                failures.push(e.context(format!("outbox {}", outbox.name)));
-            }
+            Err(e) => failures.push((outbox.name.clone(), e)),
         }
     }
-    match failures.len() {
-        0 => Ok(worst),
-        1 => Err(failures.remove(0)),
-        n => {
-            let config = failures
-                .iter()
-                .any(|e| e.downcast_ref::<commands::ConfigError>().is_some());
-            let message = format!("{n} outboxes failed (see above)");
-            Err(if config {
-                anyhow::Error::new(commands::ConfigError(message))
-            } else {
-                anyhow::anyhow!(message)
-            })
-        }
+    if failures.is_empty() {
+        Ok(worst)
+    } else {
+        Err(outboxes::failed(failures))
     }
 }
 

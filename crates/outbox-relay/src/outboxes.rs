@@ -151,15 +151,16 @@ pub async fn run(
             (name, result)
         })
         .collect();
+    let stop_all = || {
+        let _ = stop.send(true);
+        crate::commands::shutdown_backstop(shutdown_timeout);
+    };
     let signal = crate::commands::shutdown_signal();
     tokio::pin!(signal);
     use futures::StreamExt;
     loop {
         tokio::select! {
-            () = &mut signal, if !*stop.borrow() => {
-                let _ = stop.send(true);
-                crate::commands::shutdown_backstop(shutdown_timeout);
-            }
+            () = &mut signal, if !*stop.borrow() => stop_all(),
             next = pending.next() => {
                 let Some((name, result)) = next else { break };
                 if !drain && !*stop.borrow() {
@@ -167,8 +168,7 @@ pub async fn run(
                         Ok(()) => tracing::error!(outbox = %name, "outbox stopped by itself; stopping the others"),
                         Err(e) => tracing::error!(outbox = %name, error = %format!("{e:#}"), "outbox failed; stopping the others"),
                     }
-                    let _ = stop.send(true);
-                crate::commands::shutdown_backstop(shutdown_timeout);
+                    stop_all();
                 }
                 results.push((name, result));
             }
@@ -177,25 +177,32 @@ pub async fn run(
     if let Some(http) = http {
         http.abort();
     }
-    let failed: Vec<&(String, anyhow::Result<()>)> =
-        results.iter().filter(|(_, r)| r.is_err()).collect();
-    if failed.is_empty() {
-        return Ok(ExitCode::SUCCESS);
+    let failures: Vec<(String, anyhow::Error)> = results
+        .into_iter()
+        .filter_map(|(name, r)| r.err().map(|e| (name, e)))
+        .collect();
+    if failures.is_empty() {
+        Ok(ExitCode::SUCCESS)
+    } else {
+        Err(failed(failures))
     }
-    let config_error = failed.iter().any(|(_, r)| {
-        r.as_ref()
-            .err()
-            .is_some_and(|e| e.downcast_ref::<ConfigError>().is_some())
-    });
-    let message = failed
+}
+
+/// The failures of several outboxes as one error, each named: a configuration error (exit
+/// 2) if any of them is one.
+pub fn failed(failures: Vec<(String, anyhow::Error)>) -> anyhow::Error {
+    let config = failures
         .iter()
-        .filter_map(|(name, r)| r.as_ref().err().map(|e| format!("outbox {name}: {e:#}")))
+        .any(|(_, e)| e.downcast_ref::<ConfigError>().is_some());
+    let message = failures
+        .iter()
+        .map(|(name, e)| format!("outbox {name}: {e:#}"))
         .collect::<Vec<_>>()
         .join("\n");
-    if config_error {
-        Err(anyhow::Error::new(ConfigError(message)))
+    if config {
+        anyhow::Error::new(ConfigError(message))
     } else {
-        Err(anyhow::anyhow!(message))
+        anyhow::anyhow!(message)
     }
 }
 
