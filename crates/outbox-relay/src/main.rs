@@ -69,6 +69,13 @@ async fn dispatch(
     let config_error = |m: String| anyhow::Error::new(commands::ConfigError(m));
     if let Command::Health(args) = &command {
         // The process's HTTP server: one for every outbox.
+        if outbox.is_some() {
+            return Err(config_error(
+                "health asks the process's one HTTP server, which serves every outbox: \
+                 remove --outbox (GET /outboxes/NAME/api/v1/status shows one outbox)"
+                    .into(),
+            ));
+        }
         return commands::health(config, args.ready).await;
     }
     if config.outboxes.is_empty() {

@@ -429,6 +429,14 @@ fn outbox_is_refused_where_the_configuration_has_no_outboxes() {
         "{}",
         text(&refused.stderr)
     );
+    // `health` asks the process, never one outbox: --outbox there is refused, not ignored.
+    let refused = relay(dir.path(), &["--outbox", "orders", "health"]);
+    assert_eq!(refused.status.code(), Some(2));
+    assert!(
+        text(&refused.stderr).contains("remove --outbox"),
+        "{}",
+        text(&refused.stderr)
+    );
 }
 
 /// SIGTERM reaches an outbox still waiting for its database: the process exits 0 at once,
