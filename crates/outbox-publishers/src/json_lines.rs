@@ -3,13 +3,14 @@
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use futures::future::BoxFuture;
 use futures::FutureExt;
 use outbox_core::{Event, Outcome, PublishError, PublishErrorKind};
 
 use crate::error::SinkSetupError;
+use crate::group_write::GroupWriter;
 use crate::sink::{Routed, Sink};
 use serde::Serialize;
 
@@ -103,10 +104,24 @@ fn outcomes(errors: Vec<Option<PublishError>>, written: &Result<(), String>) -> 
         .collect()
 }
 
-/// Writes JSON lines to standard output and flushes after each batch.
-#[derive(Default)]
+/// Writes JSON lines to standard output and flushes after each write; batches sent while
+/// one is written go out together with the next (see [`GroupWriter`]).
+#[derive(Clone)]
 pub struct StdoutSink {
-    lock: Arc<Mutex<()>>,
+    writer: GroupWriter<()>,
+}
+
+impl Default for StdoutSink {
+    fn default() -> Self {
+        StdoutSink {
+            writer: GroupWriter::new((), |(), buffer| {
+                let mut out = std::io::stdout().lock();
+                out.write_all(buffer)
+                    .and_then(|()| out.flush())
+                    .map_err(|e| format!("writing to stdout: {e}"))
+            }),
+        }
+    }
 }
 
 impl StdoutSink {
@@ -125,18 +140,10 @@ impl Sink for StdoutSink {
     }
 
     fn send(&self, batch: Vec<Routed>) -> BoxFuture<'static, Vec<Outcome>> {
-        let lock = self.lock.clone();
+        let writer = self.writer.clone();
         async move {
             let (buffer, errors) = encode_batch(&batch);
-            let written = tokio::task::spawn_blocking(move || {
-                let _guard = lock.lock().unwrap_or_else(|p| p.into_inner());
-                let mut out = std::io::stdout().lock();
-                out.write_all(&buffer)?;
-                out.flush()
-            })
-            .await
-            .unwrap_or_else(|e| Err(std::io::Error::other(e)))
-            .map_err(|e| format!("writing to stdout: {e}"));
+            let written = writer.write(buffer).await;
             outcomes(errors, &written)
         }
         .boxed()
@@ -167,18 +174,11 @@ const WRITES_PER_BATCH: usize = 3;
 /// retried) and [`Sink::health`] fails, naming the directory, until it is back.
 ///
 /// Batches sent while a write is under way wait, and the next write takes all of them with
-/// one `fdatasync` (group commit): the engine keeps many small batches in flight, and a
-/// flush per batch would make the disk's flush rate the relay's event rate.
+/// one `fdatasync` (group commit, see [`GroupWriter`]): the engine keeps many small batches
+/// in flight, and a flush per batch would make the disk's flush rate the relay's event rate.
 pub struct FileSink {
     path: PathBuf,
-    state: Arc<Mutex<OpenFile>>,
-    waiting: Arc<Mutex<Vec<WaitingBatch>>>,
-}
-
-/// An encoded batch and where its write's result goes.
-struct WaitingBatch {
-    buffer: Vec<u8>,
-    written: tokio::sync::oneshot::Sender<Result<(), String>>,
+    writer: GroupWriter<OpenFile>,
 }
 
 struct OpenFile {
@@ -200,36 +200,19 @@ impl FileSink {
         let path = path.as_ref().to_path_buf();
         let file = open_appending(&path, FILE_MODE)
             .map_err(|e| SinkSetupError::config(io_report("cannot open", &path, &e)))?;
+        let open = OpenFile {
+            file,
+            last_failure: None,
+            maybe_torn: false,
+            writes: 0,
+        };
+        let at = path.clone();
         Ok(FileSink {
             path,
-            state: Arc::new(Mutex::new(OpenFile {
-                file,
-                last_failure: None,
-                maybe_torn: false,
-                writes: 0,
-            })),
-            waiting: Arc::default(),
+            writer: GroupWriter::new(open, move |open: &mut OpenFile, buffer| {
+                open.write_batch(buffer, &at)
+            }),
         })
-    }
-}
-
-/// Writes every waiting batch, in the order they were sent, with one write and one
-/// `fdatasync`, and tells each its result. Runs once per batch sent: a run that finds
-/// nothing waiting (an earlier run took its batch along) does nothing.
-fn write_waiting(state: &Mutex<OpenFile>, waiting: &Mutex<Vec<WaitingBatch>>, path: &Path) {
-    let mut open = state.lock().unwrap_or_else(|p| p.into_inner());
-    let batches = std::mem::take(&mut *waiting.lock().unwrap_or_else(|p| p.into_inner()));
-    let result = match batches.as_slice() {
-        [] => return,
-        [one] => open.write_batch(&one.buffer, path),
-        many => {
-            let buffers: Vec<&[u8]> = many.iter().map(|b| b.buffer.as_slice()).collect();
-            open.write_batch(&buffers.concat(), path)
-        }
-    };
-    for batch in batches {
-        // A sender that went away (its publish was cancelled at shutdown) needs no answer.
-        let _ = batch.written.send(result.clone());
     }
 }
 
@@ -405,26 +388,10 @@ impl Sink for FileSink {
     }
 
     fn send(&self, batch: Vec<Routed>) -> BoxFuture<'static, Vec<Outcome>> {
-        let state = self.state.clone();
-        let waiting = self.waiting.clone();
-        let path = self.path.clone();
+        let writer = self.writer.clone();
         async move {
             let (buffer, errors) = encode_batch(&batch);
-            let (written, result) = tokio::sync::oneshot::channel();
-            waiting
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push(WaitingBatch { buffer, written });
-            let writer =
-                tokio::task::spawn_blocking(move || write_waiting(&state, &waiting, &path));
-            let written = match result.await {
-                Ok(written) => written,
-                // The batch was taken by no write: the writer panicked.
-                Err(_) => Err(match writer.await {
-                    Err(e) => format!("the sink file's writer failed: {e}"),
-                    Ok(()) => "the sink file's writer failed".to_string(),
-                }),
-            };
+            let written = writer.write(buffer).await;
             outcomes(errors, &written)
         }
         .boxed()
@@ -433,7 +400,7 @@ impl Sink for FileSink {
     /// Fails while the file cannot be written at its path: its directory is gone, it cannot
     /// be recreated, or the last write failed (a full disk) and none has succeeded since.
     fn health(&self) -> BoxFuture<'static, Result<(), PublishError>> {
-        let state = self.state.clone();
+        let state = self.writer.target().clone();
         let path = self.path.clone();
         async move {
             tokio::task::spawn_blocking(move || {
@@ -551,7 +518,7 @@ mod tests {
         // A write under way (a thread holds the file) while three batches are sent.
         let (release, hold) = std::sync::mpsc::channel::<()>();
         let (held, busy) = std::sync::mpsc::channel();
-        let state = sink.state.clone();
+        let state = sink.writer.target().clone();
         let writer = std::thread::spawn(move || {
             let _file = state.lock().unwrap();
             held.send(()).unwrap();
@@ -561,7 +528,7 @@ mod tests {
         let sends: Vec<_> = (1..=3)
             .map(|seq| tokio::spawn(sink.send(vec![event(seq, "1")])))
             .collect();
-        while sink.waiting.lock().unwrap().len() < 3 {
+        while sink.writer.queued() < 3 {
             tokio::task::yield_now().await;
         }
         release.send(()).unwrap();
@@ -571,7 +538,7 @@ mod tests {
             assert!(outcomes.iter().all(|o| o.is_ok()), "{outcomes:?}");
         }
         assert_eq!(
-            sink.state.lock().unwrap().writes,
+            sink.writer.target().lock().unwrap().writes,
             1,
             "one write for the three"
         );

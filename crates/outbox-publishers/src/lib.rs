@@ -8,6 +8,7 @@ pub mod aws;
 pub mod cloudevents;
 pub mod config;
 pub mod error;
+mod group_write;
 #[cfg(any(feature = "webhook", feature = "ably", feature = "aws"))]
 mod http;
 pub mod json_lines;
