@@ -3,7 +3,6 @@
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use futures::future::BoxFuture;
 use futures::FutureExt;
@@ -423,6 +422,7 @@ impl Sink for FileSink {
 mod tests {
     use super::*;
     use outbox_core::{Headers, Payload};
+    use std::sync::Arc;
     use std::time::{Duration, UNIX_EPOCH};
 
     fn event(seq: i64, payload: &str) -> Routed {
