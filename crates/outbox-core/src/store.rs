@@ -68,10 +68,11 @@ impl ClaimRequest {
     }
 }
 
-/// One claimed row.
+/// One claimed row. Its event is shared, not copied, by the lane that queues it and the
+/// publish that sends it.
 #[derive(Clone, Debug)]
 pub enum Claimed {
-    Event(Event),
+    Event(std::sync::Arc<Event>),
     /// A row the store could not decode. It is leased like any other and must be
     /// dead-lettered with `reason`; it never stops the relay.
     Undecodable {

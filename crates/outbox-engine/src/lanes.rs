@@ -192,7 +192,7 @@ impl Lanes {
             };
             lane.busy = true;
             heads.push(match front {
-                Claimed::Event(e) => Head::Publish(Arc::new(e.clone())),
+                Claimed::Event(e) => Head::Publish(e.clone()),
                 Claimed::Undecodable {
                     sequence_id,
                     destination,
@@ -299,10 +299,10 @@ mod tests {
     use outbox_core::Payload;
 
     fn row(seq: i64, key: &str) -> Claimed {
-        Claimed::Event(Event {
+        Claimed::Event(Arc::new(Event {
             partition_key: Some(key.into()),
             ..Event::new(seq, uuid::Uuid::nil(), "d", "t", Payload::Null)
-        })
+        }))
     }
 
     fn seqs(heads: &[Head]) -> Vec<i64> {

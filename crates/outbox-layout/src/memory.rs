@@ -274,7 +274,7 @@ pub fn decode(
         headers.and_then(|h| event_id.and_then(|id| created_at.map(|()| (p, h, id))))
     });
     match decoded {
-        Ok((payload, mut headers, event_id)) => Claimed::Event(Event {
+        Ok((payload, mut headers, event_id)) => Claimed::Event(std::sync::Arc::new(Event {
             sequence_id: handle,
             event_id,
             event_type: raw.event_type.unwrap_or_else(|| destination.clone()),
@@ -292,7 +292,7 @@ pub fn decode(
             attempts,
             max_attempts: raw.max_attempts.map(|n| n.max(1) as u32),
             created_at: raw.created_micros.map_or_else(SystemTime::now, from_micros),
-        }),
+        })),
         Err(reason) => Claimed::Undecodable {
             sequence_id: handle,
             ordering_key: key,
@@ -381,7 +381,7 @@ mod tests {
         m.tracestate = Some("tracestate".into());
         let mut memory = Memory::default();
         let decoded = |raw: RawRow, memory: &mut Memory| match decode(&m, raw, memory, "n", LEASE) {
-            Claimed::Event(e) => e.headers,
+            Claimed::Event(e) => e.headers.clone(),
             other => panic!("{other:?}"),
         };
         let valid = RawRow {

@@ -642,7 +642,7 @@ fn row_to_claimed(sequence_id: i64, row: &Row) -> Claimed {
         })
     })();
     match decoded {
-        Ok(event) => Claimed::Event(event),
+        Ok(event) => Claimed::Event(event.into()),
         Err(reason) => Claimed::Undecodable {
             sequence_id,
             // As the claim statement keys it; a row with neither is keyed by "".

@@ -380,7 +380,7 @@ fn row_to_claimed(row: &Row<'_>) -> rusqlite::Result<Claimed> {
         })
     })();
     Ok(match decoded {
-        Ok(event) => Claimed::Event(event),
+        Ok(event) => Claimed::Event(event.into()),
         Err(reason) => Claimed::Undecodable {
             sequence_id,
             ordering_key: lossy_key.unwrap_or_else(|| lossy_destination.clone()),

@@ -31,7 +31,7 @@ async fn claim_and_settle(store: &SqliteStore) -> (Vec<(String, SystemTime)>, Ve
     let mut dead = Vec::new();
     for c in claimed {
         match c {
-            Claimed::Event(e) => events.push((e.destination, e.created_at)),
+            Claimed::Event(e) => events.push((e.destination.clone(), e.created_at)),
             Claimed::Undecodable {
                 sequence_id,
                 reason,

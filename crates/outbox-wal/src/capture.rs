@@ -101,7 +101,7 @@ enum Item {
 }
 
 enum Body {
-    Event(Event),
+    Event(Arc<Event>),
     Undecodable(Box<Undecodable>),
 }
 
@@ -510,7 +510,7 @@ impl Inner {
                 }
                 let key = event.ordering_key().to_string();
                 let not_before = event.available_at.filter(|at| *at > SystemTime::now());
-                let core = event.into_core(id);
+                let core = Arc::new(event.into_core(id));
                 if not_before.is_some() || state.parked_keys.contains(&key) {
                     state.parked_keys.insert(key.clone());
                     state.to_park.push(Park {
