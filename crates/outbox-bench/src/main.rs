@@ -52,6 +52,10 @@ pub struct Settings {
     /// Events per transaction of the WAL drains' backlog (a user's backlog is many
     /// transactions; one huge one is decoded only after its commit, spilled to disk).
     pub wal_events_per_transaction: u64,
+    /// `--relay-sslmode`: how the measured relay connects to PostgreSQL (libpq's `sslmode`;
+    /// unset: the relay's default, `prefer`, which uses the server's TLS). The bench's own
+    /// writers and readers never use TLS.
+    pub relay_sslmode: Option<String>,
 }
 
 fn settings() -> Result<Settings> {
@@ -67,6 +71,7 @@ fn settings() -> Result<Settings> {
         latency_plan: Vec::new(),
         relay_log: std::env::var("OUTBOX_BENCH_RELAY_LOG").ok(),
         wal_events_per_transaction: 1_000,
+        relay_sslmode: None,
     };
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
@@ -86,6 +91,7 @@ fn settings() -> Result<Settings> {
             "--wal-events-per-transaction" => {
                 s.wal_events_per_transaction = value()?.parse::<u64>()?.max(1)
             }
+            "--relay-sslmode" => s.relay_sslmode = Some(value()?),
             "--quick" => {
                 s.events = 100_000;
                 s.baseline_events = 10_000;
@@ -98,6 +104,7 @@ fn settings() -> Result<Settings> {
                 println!("  --only drain ends with the dashboard run: the drain to the first sink, once without and once with headless `chromium` open on the relay's dashboard (skipped without chromium)");
                 println!("  latency subsets: [--latency-plan 10000x10:notify+gated,1000x1:poll] (events/s x events per transaction : modes notify|gated|poll|baseline|wal|wal-emit)");
                 println!("  --only wal: the WAL capture drains (table form and outbox_emit), WAL latency runs and WAL writer cost only; [--wal-events-per-transaction N] sizes the drains' backlog transactions (default 1000)");
+                println!("  --relay-sslmode disable|prefer|require: how the measured relay connects to PostgreSQL (default: the relay's own, prefer, which uses the server's TLS)");
                 println!("  environment: OUTBOX_BENCH_RELAY_LOG=<filter> keeps the latency relays' JSON logs; OUTBOX_BENCH_LATENCY_TRACE=<path> writes each latency run's events as \"ms since the first commit, latency ms\" lines to <path>-<mode>-<rate>x<per transaction>; OUTBOX_BENCH_RELAY_BIN=<path> measures that relay binary instead of building one");
                 std::process::exit(0);
             }
@@ -214,6 +221,14 @@ impl Bench {
         self.servers.db_url("bench")
     }
 
+    /// The URL the measured relay connects with (see [`Settings::relay_sslmode`]).
+    pub fn relay_url(&self) -> String {
+        match &self.settings.relay_sslmode {
+            Some(mode) => format!("{}?sslmode={mode}", self.url()),
+            None => self.url(),
+        }
+    }
+
     /// A fresh `bench` database with the relay's tables (and pg_stat_statements).
     pub async fn reset(&self) -> Result<tokio_postgres::Client> {
         let admin = connect(&self.servers.admin_url).await?;
@@ -233,7 +248,7 @@ impl Bench {
     pub fn relay_cli(&self, args: &[&str]) -> Result<()> {
         let status = Command::new(&self.bin)
             .args(args)
-            .args(["--database-url", &self.url()])
+            .args(["--database-url", &self.relay_url()])
             .stdout(Stdio::null())
             .status()?;
         if !status.success() {
@@ -251,7 +266,7 @@ impl Bench {
             .arg("run")
             .args([
                 "--database-url",
-                &self.url(),
+                &self.relay_url(),
                 "--http-addr",
                 "",
                 "--log-level",
@@ -391,6 +406,7 @@ async fn main() -> Result<()> {
             "baseline_events": settings.baseline_events,
             "latency_seconds": settings.latency_seconds,
             "scaling_events": settings.scaling_events,
+            "relay_sslmode": settings.relay_sslmode.as_deref().unwrap_or("prefer (the relay's default)"),
         },
     });
     let wanted = |name: &str| settings.only.as_deref().is_none_or(|o| o == name);

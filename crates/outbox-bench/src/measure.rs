@@ -245,7 +245,7 @@ pub(crate) async fn run_drain(
     db.batch_execute("SELECT pg_stat_statements_reset()")
         .await?;
     let servers = ServerCpu::start(b);
-    let url = b.url();
+    let url = b.relay_url();
     let mut args = vec![
         "run",
         "--drain",
@@ -665,6 +665,11 @@ pub fn markdown(r: &Value) -> String {
         r["postgres"].as_str().unwrap_or(""),
         r["machine"]["kernel"].as_str().unwrap_or(""),
     );
+    if let Some(mode) = r["settings"]["relay_sslmode"].as_str() {
+        s.push_str(&format!(
+            "The relay connected to PostgreSQL with `sslmode` {mode}.\n\n"
+        ));
+    }
     let null = Value::Null;
     let d = r.get("drain").unwrap_or(&null);
     if !d.is_null() || r.get("wal_drain").is_some() {
