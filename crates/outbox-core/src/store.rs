@@ -72,7 +72,7 @@ impl ClaimRequest {
 /// publish that sends it.
 #[derive(Clone, Debug)]
 pub enum Claimed {
-    Event(std::sync::Arc<Event>),
+    Event(Arc<Event>),
     /// A row the store could not decode. It is leased like any other and must be
     /// dead-lettered with `reason`; it never stops the relay.
     Undecodable {

@@ -3,6 +3,7 @@
 //! decoding of a selected row into an event, shared by the PostgreSQL and MySQL executors.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use outbox_core::event::headers_from_json_text;
@@ -274,7 +275,7 @@ pub fn decode(
         headers.and_then(|h| event_id.and_then(|id| created_at.map(|()| (p, h, id))))
     });
     match decoded {
-        Ok((payload, mut headers, event_id)) => Claimed::Event(std::sync::Arc::new(Event {
+        Ok((payload, mut headers, event_id)) => Claimed::Event(Arc::new(Event {
             sequence_id: handle,
             event_id,
             event_type: raw.event_type.unwrap_or_else(|| destination.clone()),

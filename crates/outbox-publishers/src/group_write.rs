@@ -48,8 +48,8 @@ struct Waiting {
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic while holding it is reported to the senders (see `StopWriting`); the data is
-    // still the best there is.
+    // Writes run with panics caught (`write_caught`), so neither lock is poisoned by them;
+    // should one be, its data is still the best there is.
     mutex
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -82,12 +82,23 @@ impl<T: Send + 'static> GroupWriter<T> {
             !std::mem::replace(&mut queue.writing, true)
         };
         if start_writer {
-            let writer = self.clone();
-            tokio::task::spawn_blocking(move || writer.write_queued());
+            let writer = Writer {
+                group: self.clone(),
+                finished: false,
+            };
+            // Without a thread to run on (a thread limit), the writer is dropped unrun and
+            // says so to the queued senders; the next buffer tries again.
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                tokio::task::spawn_blocking(move || writer.run())
+            }));
         }
         async move {
             outcome.await.unwrap_or_else(|_| {
-                Err("the writer thread failed (a bug); the batch is retried".to_string())
+                Err(
+                    "the writer thread could not run (a thread limit, or the runtime is \
+                     stopping); the batch is retried"
+                        .to_string(),
+                )
             })
         }
     }
@@ -97,62 +108,78 @@ impl<T: Send + 'static> GroupWriter<T> {
     pub fn queued(&self) -> usize {
         lock(&self.queue).waiting.len()
     }
+}
 
-    fn write_queued(&self) {
-        let _stop = StopWriting(self);
+/// The one blocking task that writes: it writes until the queue is empty.
+struct Writer<T: Send + 'static> {
+    group: GroupWriter<T>,
+    finished: bool,
+}
+
+impl<T: Send + 'static> Writer<T> {
+    fn run(mut self) {
+        let group = &self.group;
         loop {
             // The target first, then the queue: what was queued while an earlier write (or a
             // health check) held the target goes out in this one write.
-            let mut target = lock(&self.target);
-            let taken = {
-                let mut queue = lock(&self.queue);
+            let mut target = lock(&group.target);
+            let taken: Vec<Waiting> = {
+                let mut queue = lock(&group.queue);
                 if queue.waiting.is_empty() {
                     queue.writing = false;
+                    self.finished = true;
                     return;
                 }
                 std::mem::take(&mut queue.waiting)
             };
+            // A sender that went away (its publish timed out, or was cancelled at shutdown)
+            // can never be acked: its buffer is not written, so that a stuck disk does not
+            // collect one copy of a batch per retry.
+            let taken: Vec<Waiting> = taken
+                .into_iter()
+                .filter(|w| !w.written.is_closed())
+                .collect();
             let outcome = match taken.as_slice() {
-                [one] => (self.write)(&mut target, &one.buffer),
+                [] => continue,
+                [one] => write_caught(&*group.write, &mut target, &one.buffer),
                 many => {
                     let buffers: Vec<&[u8]> = many.iter().map(|w| w.buffer.as_slice()).collect();
-                    (self.write)(&mut target, &buffers.concat())
+                    write_caught(&*group.write, &mut target, &buffers.concat())
                 }
             };
             drop(target);
             for waiting in taken {
-                // A sender that went away (its publish was cancelled at shutdown) needs no
-                // answer.
                 let _ = waiting.written.send(outcome.clone());
             }
         }
     }
 }
 
-/// Should a write panic, its senders hear of it (their channels close as the taken buffers
-/// drop), and the buffers queued meanwhile get a new writer rather than wait for one that is
-/// gone.
-struct StopWriting<'a, T: Send + 'static>(&'a GroupWriter<T>);
-
-impl<T: Send + 'static> Drop for StopWriting<'_, T> {
+/// A writer dropped before it emptied the queue (never run, because the runtime is stopping
+/// or no thread could start) lets the next buffer start another, and closes the channels of
+/// the buffers it leaves, rather than have every later send wait for it.
+impl<T: Send + 'static> Drop for Writer<T> {
     fn drop(&mut self) {
-        if !std::thread::panicking() {
-            return;
-        }
-        let mut queue = lock(&self.0.queue);
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) if !queue.waiting.is_empty() => {
-                let writer = self.0.clone();
-                runtime.spawn_blocking(move || writer.write_queued());
-            }
-            // No buffer is queued (the next one starts a writer), or no runtime is left to
-            // run one: the queued senders' channels close.
-            _ => {
-                queue.writing = false;
-                queue.waiting.clear();
-            }
+        if !self.finished {
+            let mut queue = lock(&self.group.queue);
+            queue.writing = false;
+            queue.waiting.clear();
         }
     }
+}
+
+/// Runs one write; a panic in it (a bug) fails that write's buffers alone, with its message.
+fn write_caught<T>(write: &WriteFn<T>, target: &mut T, buffer: &[u8]) -> Result<(), String> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| write(target, buffer))).unwrap_or_else(
+        |panic| {
+            let message = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            Err(format!("the writer panicked (a bug): {message}"))
+        },
+    )
 }
 
 #[cfg(test)]
@@ -160,12 +187,12 @@ mod tests {
     use super::*;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
-    /// A runtime with one worker that counts the threads it starts (the blocking pool's too).
+    /// A current-thread runtime (its one worker is the caller) that counts the threads its
+    /// blocking pool starts.
     fn counting_runtime() -> (tokio::runtime::Runtime, Arc<AtomicUsize>) {
         let started = Arc::new(AtomicUsize::new(0));
         let count = started.clone();
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
+        let runtime = tokio::runtime::Builder::new_current_thread()
             .on_thread_start(move || {
                 count.fetch_add(1, Ordering::SeqCst);
             })
@@ -175,10 +202,10 @@ mod tests {
         (runtime, started)
     }
 
-    /// Holds the target's lock on a thread of its own (a slow `fdatasync`) until the returned
+    /// Holds `target`'s lock on a thread of its own (a slow `fdatasync`) until the returned
     /// sender is used or dropped.
-    fn hold(
-        target: Arc<Mutex<Vec<Vec<u8>>>>,
+    fn hold<T: Send + 'static>(
+        target: Arc<Mutex<T>>,
     ) -> (std::sync::mpsc::Sender<()>, std::thread::JoinHandle<()>) {
         let (release, wait) = std::sync::mpsc::channel::<()>();
         let (held, is_held) = std::sync::mpsc::channel();
@@ -191,34 +218,34 @@ mod tests {
         (release, holder)
     }
 
+    fn recording() -> GroupWriter<Vec<Vec<u8>>> {
+        GroupWriter::new(Vec::new(), |writes: &mut Vec<Vec<u8>>, buffer| {
+            writes.push(buffer.to_vec());
+            Ok(())
+        })
+    }
+
     #[test]
     fn buffers_waiting_for_a_slow_write_hold_no_thread_and_share_the_next_write() {
         let (runtime, started) = counting_runtime();
-        let writer = GroupWriter::new(Vec::<Vec<u8>>::new(), |writes, buffer| {
-            writes.push(buffer.to_vec());
-            Ok(())
-        });
+        let writer = recording();
         let (release, holder) = hold(writer.target().clone());
         runtime.block_on(async {
-            let before = started.load(Ordering::SeqCst);
             let sends: Vec<_> = (0..50u8)
                 .map(|i| tokio::spawn(writer.write(vec![i])))
                 .collect();
-            // The first buffer's writer waits for the target; every buffer queues meanwhile.
-            while writer.queued() < 50 {
-                tokio::task::yield_now().await;
-            }
-            assert!(
-                started.load(Ordering::SeqCst) - before <= 1,
-                "one writer thread, not one per waiting buffer: {} started",
-                started.load(Ordering::SeqCst) - before
-            );
             release.send(()).unwrap();
             for send in sends {
                 assert_eq!(send.await.unwrap(), Ok(()));
             }
         });
         holder.join().unwrap();
+        // Every writer thread counted itself before it answered anyone.
+        assert_eq!(
+            started.load(Ordering::SeqCst),
+            1,
+            "one writer thread, not one per waiting buffer"
+        );
         let writes = writer.target().lock().unwrap().clone();
         assert_eq!(writes.len(), 1, "one write for the 50");
         assert_eq!(
@@ -229,16 +256,61 @@ mod tests {
     }
 
     #[test]
-    fn a_write_that_panics_fails_its_senders_and_the_next_buffer_gets_a_new_writer() {
+    fn a_write_that_panics_fails_its_buffers_alone_and_the_writer_goes_on() {
         let (runtime, _) = counting_runtime();
         let writer = GroupWriter::new((), |_, buffer| {
             assert_ne!(buffer, b"boom", "a writer bug");
             Ok(())
         });
         runtime.block_on(async {
-            let failed = writer.write(b"boom".to_vec()).await;
-            assert!(failed.unwrap_err().contains("writer thread failed"));
+            let failed = writer.write(b"boom".to_vec()).await.unwrap_err();
+            assert!(failed.contains("panicked (a bug): "), "{failed}");
+            assert!(
+                failed.contains("a writer bug"),
+                "the panic's message: {failed}"
+            );
             assert_eq!(writer.write(b"fine".to_vec()).await, Ok(()));
         });
+    }
+
+    #[test]
+    fn a_writer_dropped_unrun_by_a_stopped_runtime_lets_the_next_buffer_start_another() {
+        let writer = recording();
+        // A runtime that has stopped drops the blocking task it is given without running it.
+        let stopped = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let handle = stopped.handle().clone();
+        stopped.shutdown_background();
+        let lost = {
+            let _context = handle.enter();
+            writer.write(b"lost".to_vec())
+        };
+        let (runtime, _) = counting_runtime();
+        runtime.block_on(async {
+            // Bounded, so that a writer that never tells fails the test instead of hanging it.
+            let lost = tokio::time::timeout(std::time::Duration::from_secs(30), lost)
+                .await
+                .expect("the senders of a writer dropped unrun are told")
+                .unwrap_err();
+            assert!(lost.contains("could not run"), "{lost}");
+            assert_eq!(writer.write(b"next".to_vec()).await, Ok(()));
+        });
+        assert_eq!(*writer.target().lock().unwrap(), vec![b"next".to_vec()]);
+    }
+
+    #[test]
+    fn a_buffer_whose_sender_went_away_is_not_written() {
+        let (runtime, _) = counting_runtime();
+        let writer = recording();
+        let (release, holder) = hold(writer.target().clone());
+        runtime.block_on(async {
+            drop(writer.write(b"abandoned".to_vec()));
+            let kept = writer.write(b"kept".to_vec());
+            release.send(()).unwrap();
+            assert_eq!(kept.await, Ok(()));
+        });
+        holder.join().unwrap();
+        assert_eq!(*writer.target().lock().unwrap(), vec![b"kept".to_vec()]);
     }
 }

@@ -105,7 +105,6 @@ fn outcomes(errors: Vec<Option<PublishError>>, written: &Result<(), String>) -> 
 
 /// Writes JSON lines to standard output and flushes after each write; batches sent while
 /// one is written go out together with the next (see [`GroupWriter`]).
-#[derive(Clone)]
 pub struct StdoutSink {
     writer: GroupWriter<()>,
 }

@@ -741,6 +741,22 @@ async fn a_real_prometheus_scraping_relays_has_every_metric_the_dashboard_and_th
         |n| n == 5,
     )
     .await;
+    // Acked too: lines are in the file before their write's outcome is known (the sink
+    // checks that the file is still at its path after the fsync), and a directory removed
+    // in between fails that write, which would add the five to the dead letters below.
+    let db = pg(&url).await;
+    eventually("the five deliveries acked", Duration::from_secs(30), || {
+        let db = &db;
+        async move {
+            let left: i64 = db
+                .query_one("SELECT count(*) FROM outbox", &[])
+                .await
+                .unwrap()
+                .get(0);
+            (left == 0).then_some(())
+        }
+    })
+    .await;
     std::fs::remove_dir_all(&out_dir).unwrap();
     insert_events(&url, 1).await;
     wait_for_metric(&polling, &polling_addr, "outbox_events_dead_lettered_total").await;

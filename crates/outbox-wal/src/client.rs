@@ -65,7 +65,8 @@ impl WalConfig {
             message_prefix: EMIT_PREFIX.to_string(),
             // A stop waits for the last confirmation to be reported (the client has no way
             // to send it at once): at 1 s, every `run --drain` ended on the next whole
-            // second of its session. A status message is 34 bytes.
+            // second of its session. A status message is 34 bytes; an idle stream sends one
+            // per interval too (the client's wake-up interval is this one).
             status_interval: Duration::from_millis(250),
             read_ahead: 8192,
             stop_at: None,
