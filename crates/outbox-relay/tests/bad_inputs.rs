@@ -15,7 +15,9 @@ use outbox_testkit::{eventually_explained, fresh_pg_database};
 
 #[cfg(feature = "nats")]
 use support::{nats_stream, stream_len};
-use support::{pg, read_lines, relay, text, wait_for_lines, OwnPostgres, RelayProcess};
+use support::{
+    pg, read_lines, relay, text, wait_for_count, wait_for_lines, OwnPostgres, RelayProcess,
+};
 
 /// A migrated SQLite outbox in `dir`; its URL.
 fn sqlite_outbox(dir: &Path) -> String {
@@ -425,18 +427,13 @@ async fn truncating_the_outbox_under_a_running_relay_loses_nothing_written_after
     payloads.sort_unstable();
     assert_eq!(payloads, [101, 102, 103, 104, 105], "{lines:?}");
     // The ack follows the write: the new rows are acked, none is left behind.
-    eventually_explained(
-        "the new rows to be acked",
+    let outbox = "SELECT count(*) FROM outbox";
+    wait_for_count(
+        "the new rows acked",
+        &client,
+        outbox,
+        0,
         Duration::from_secs(30),
-        || relay_process.logs(),
-        || async {
-            let left: i64 = client
-                .query_one("SELECT count(*) FROM outbox", &[])
-                .await
-                .unwrap()
-                .get(0);
-            (left == 0).then_some(())
-        },
     )
     .await;
     assert!(relay_process.is_running());

@@ -17,7 +17,10 @@ use std::time::Duration;
 
 use outbox_testkit::{eventually, eventually_explained, fresh_pg_database};
 
-use support::{http_addr, http_get, metric_value, pg, relay, text, wait_for_lines, RelayProcess};
+use support::{
+    http_addr, http_get, metric_value, pg, relay, text, wait_for_count, wait_for_lines,
+    RelayProcess,
+};
 
 fn deploy() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy")
@@ -745,18 +748,8 @@ async fn a_real_prometheus_scraping_relays_has_every_metric_the_dashboard_and_th
     // checks that the file is still at its path after the fsync), and a directory removed
     // in between fails that write, which would add the five to the dead letters below.
     let db = pg(&url).await;
-    eventually("the five deliveries acked", Duration::from_secs(30), || {
-        let db = &db;
-        async move {
-            let left: i64 = db
-                .query_one("SELECT count(*) FROM outbox", &[])
-                .await
-                .unwrap()
-                .get(0);
-            (left == 0).then_some(())
-        }
-    })
-    .await;
+    let outbox = "SELECT count(*) FROM outbox";
+    wait_for_count("the five acked", &db, outbox, 0, Duration::from_secs(30)).await;
     std::fs::remove_dir_all(&out_dir).unwrap();
     insert_events(&url, 1).await;
     wait_for_metric(&polling, &polling_addr, "outbox_events_dead_lettered_total").await;
