@@ -90,6 +90,20 @@ fn encode_batch(batch: &[Routed]) -> (Vec<u8>, Vec<Option<PublishError>>) {
     (buffer, errors)
 }
 
+/// Encodes `batch` and writes it with `writer`: one outcome per event.
+fn encode_and_write<T: Send + 'static>(
+    writer: &GroupWriter<T>,
+    batch: Vec<Routed>,
+) -> BoxFuture<'static, Vec<Outcome>> {
+    let writer = writer.clone();
+    async move {
+        let (buffer, errors) = encode_batch(&batch);
+        let written = writer.write(buffer).await;
+        outcomes(errors, &written)
+    }
+    .boxed()
+}
+
 /// Turns the result of one write of the whole batch (a failure is its complete report)
 /// into one outcome per event.
 fn outcomes(errors: Vec<Option<PublishError>>, written: &Result<(), String>) -> Vec<Outcome> {
@@ -138,13 +152,7 @@ impl Sink for StdoutSink {
     }
 
     fn send(&self, batch: Vec<Routed>) -> BoxFuture<'static, Vec<Outcome>> {
-        let writer = self.writer.clone();
-        async move {
-            let (buffer, errors) = encode_batch(&batch);
-            let written = writer.write(buffer).await;
-            outcomes(errors, &written)
-        }
-        .boxed()
+        encode_and_write(&self.writer, batch)
     }
 
     fn health(&self) -> BoxFuture<'static, Result<(), PublishError>> {
@@ -386,13 +394,7 @@ impl Sink for FileSink {
     }
 
     fn send(&self, batch: Vec<Routed>) -> BoxFuture<'static, Vec<Outcome>> {
-        let writer = self.writer.clone();
-        async move {
-            let (buffer, errors) = encode_batch(&batch);
-            let written = writer.write(buffer).await;
-            outcomes(errors, &written)
-        }
-        .boxed()
+        encode_and_write(&self.writer, batch)
     }
 
     /// Fails while the file cannot be written at its path: its directory is gone, it cannot
