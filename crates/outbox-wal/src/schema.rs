@@ -171,7 +171,11 @@ $outbox_ids$;
         let outbox = self.source.quoted();
         let source_sequence = match self.is_mapped() {
             true => format!(
-                "\nGRANT USAGE ON SEQUENCE {} TO {role};",
+                "\nGRANT USAGE ON SEQUENCE {} TO {role};\n\
+                 -- Adopting the rows the table holds when the slot is created checks their JSON\n\
+                 -- with a function made for that session (in pg_temp): the role needs TEMPORARY\n\
+                 -- on the database, which PUBLIC has unless it was revoked:\n\
+                 --   GRANT TEMPORARY ON DATABASE <this database> TO {role};",
                 self.source_sequence().quoted()
             ),
             false => String::new(),
@@ -466,6 +470,28 @@ const UUID_TEXT: &str = r"^\{?[0-9A-Fa-f]{4}(-?[0-9A-Fa-f]{4}){7}\}?$";
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_mapped_tables_grants_name_the_temporary_privilege_its_adoption_needs() {
+        let table = |name: &str| TableName::new("public", name).unwrap();
+        let publication = Ident::new("outbox_pub", "publication").unwrap();
+        let native = CaptureTables::new(
+            table("outbox"),
+            table("outbox_dead_letters"),
+            publication.clone(),
+        );
+        assert!(!native.grants("relay").contains("TEMPORARY"));
+        let mapped = CaptureTables::with_source(
+            table("outboxevent"),
+            ColumnNames::native(),
+            table("outbox"),
+            table("outbox_dead_letters"),
+            publication,
+        );
+        assert!(mapped
+            .grants("relay")
+            .contains(r#"GRANT TEMPORARY ON DATABASE <this database> TO "relay";"#));
+    }
 
     #[test]
     fn the_publication_covers_the_outbox_inserts_only() {
