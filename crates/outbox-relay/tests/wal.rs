@@ -34,6 +34,11 @@ const STREAMING: &str = "streaming from the replication slot";
 /// The log line of a relay that waits for the slot's holder to go.
 const STANDBY: &str = "waiting as a standby";
 
+/// The flags of capturing `url`'s WAL through `slot`.
+fn capture_flags<'a>(url: &'a str, slot: &'a str) -> [&'a str; 6] {
+    ["--capture", "wal", "--database-url", url, "--slot", slot]
+}
+
 /// A database migrated with `--capture wal`, a slot name of its own (dropped on drop), and
 /// a directory for the relays' logs and sink files.
 struct WalDb {
@@ -82,21 +87,12 @@ impl WalDb {
 
     /// `run --capture wal` on this database and slot, to `sink`, with `extra` flags.
     fn run_args(&self, sink: &str, extra: &[&str]) -> Vec<String> {
-        let mut args: Vec<String> = [
-            "run",
-            "--capture",
-            "wal",
-            "--database-url",
-            &self.url,
-            "--slot",
-            &self.slot,
-            "--sink",
-            sink,
-            "--shutdown-timeout",
-            "5s",
-        ]
-        .map(String::from)
-        .to_vec();
+        let mut args: Vec<String> = ["run"]
+            .into_iter()
+            .chain(capture_flags(&self.url, &self.slot))
+            .chain(["--sink", sink, "--shutdown-timeout", "5s"])
+            .map(String::from)
+            .collect();
         args.extend(extra.iter().map(|s| s.to_string()));
         if !extra.contains(&"--http-addr") {
             args.extend(["--http-addr".to_string(), String::new()]);
@@ -523,19 +519,9 @@ impl DebeziumWal {
 
     /// `outbox-relay <command>` with the layout's flags, then `args`.
     fn relay(&self, command: &str, args: &[&str]) -> Output {
-        let flags = [
-            "--layout",
-            "debezium",
-            "--capture",
-            "wal",
-            "--database-url",
-            &self.url,
-            "--slot",
-            &self.slot,
-        ];
-        let all: Vec<&str> = [command]
+        let all: Vec<&str> = [command, "--layout", "debezium"]
             .into_iter()
-            .chain(flags)
+            .chain(capture_flags(&self.url, &self.slot))
             .chain(args.iter().copied())
             .collect();
         relay(self.dir.path(), &all)
