@@ -193,7 +193,14 @@ start_rabbitmq() {
   (
     rabbit_env
     if ! /usr/lib/rabbitmq/bin/rabbitmqctl -q status >/dev/null 2>&1; then
+      # A pid file left by a stopped broker names a dead process; and `rabbitmqctl wait`
+      # fails (garbage_in_pid_file) if it reads the new one before the pid is in it.
+      rm -f "$dir/rabbit.pid"
       setsid /usr/lib/rabbitmq/bin/rabbitmq-server </dev/null >"$dir/log/console.log" 2>&1 &
+      for _ in $(seq 1 1200); do
+        grep -qE '^[0-9]+$' "$dir/rabbit.pid" 2>/dev/null && break
+        sleep 0.1
+      done
       /usr/lib/rabbitmq/bin/rabbitmqctl -q wait --timeout 120 "$dir/rabbit.pid" >/dev/null
     fi
   )
