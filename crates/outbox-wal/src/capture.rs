@@ -233,7 +233,8 @@ struct Inner {
     /// let through while a parked event of it remains.
     parking: tokio::sync::Mutex<()>,
     /// Deletes of delivered rows run one at a time; see [`Inner::ack_stream`].
-    deleting: tokio::sync::Mutex<()>,
+    /// It holds when the last delete started.
+    deleting: tokio::sync::Mutex<Option<std::time::Instant>>,
     outputs: tokio::sync::Mutex<mpsc::Receiver<Item>>,
     confirm: watch::Sender<Lsn>,
     status: watch::Receiver<CaptureStatus>,
@@ -313,7 +314,7 @@ impl WalStore {
                     drained: false,
                 }),
                 parking: tokio::sync::Mutex::new(()),
-                deleting: tokio::sync::Mutex::new(()),
+                deleting: tokio::sync::Mutex::new(None),
                 outputs: tokio::sync::Mutex::new(rx),
                 confirm,
                 status,
@@ -741,9 +742,11 @@ impl Inner {
     /// Acks held stream events: their outbox rows are deleted, then their positions settle.
     ///
     /// A fast sink confirms many small batches at once, and one delete transaction each
-    /// would cost a commit (and a WAL flush) per batch. So deletes run one at a time, and
-    /// each takes every ack queued while the one before it ran (a group commit): an ack
-    /// returns once the delete that carried its rows has, with that delete's outcome.
+    /// would cost a commit (and a WAL flush) per batch, which the writers' commits then
+    /// queue behind. So deletes run one at a time, at most one per [`DELETE_SPACING`], and
+    /// each takes every ack queued until it starts (a group commit): an ack returns once the
+    /// delete that carried its rows has, with that delete's outcome. The wait delays only
+    /// the slot's confirmation: a key's next event goes out when this one is published.
     async fn ack_stream(&self, ids: Vec<SequenceId>) -> StoreResult<u64> {
         if ids.is_empty() {
             return Ok(0);
@@ -755,11 +758,17 @@ impl Inner {
             state.ack_queue.extend(ids.into_iter().map(|id| (id, now)));
             state.ack_round.clone()
         };
-        let _turn = self.deleting.lock().await;
+        let mut last_delete = self.deleting.lock().await;
         if let Some(outcome) = round.outcome.get() {
             return outcome.to_result().map(|()| acked);
         }
-        // This round is still open: close it (later acks open the next one) and run it.
+        // This round is still open. Acks queued while it waits its turn join it.
+        let wait = last_delete.and_then(|at| DELETE_SPACING.checked_sub(at.elapsed()));
+        if let Some(wait) = wait.filter(|_| self.ack_queue_has_rows()) {
+            tokio::time::sleep(wait).await;
+        }
+        *last_delete = Some(std::time::Instant::now());
+        // Close it (later acks open the next one) and run it.
         let events = {
             let mut state = lock(&self.state);
             state.ack_round = Arc::default();
@@ -768,6 +777,15 @@ impl Inner {
         let result = self.delete_delivered(events).await;
         let _ = round.outcome.set(AckOutcome::of(&result));
         result.map(|()| acked)
+    }
+
+    /// Whether a queued ack has an outbox row to delete (an `outbox_emit` event has none,
+    /// and settles without a statement).
+    fn ack_queue_has_rows(&self) -> bool {
+        let state = lock(&self.state);
+        state.ack_queue.iter().any(
+            |(id, _)| matches!(state.held.get(id), Some(Held::Wal(held)) if held.row.is_some()),
+        )
     }
 
     /// Deletes the outbox rows of delivered stream events and settles the events. The
@@ -1250,6 +1268,10 @@ fn lagging(burst: &[Output]) -> bool {
         .and_then(|committed| SystemTime::now().duration_since(committed).ok())
         .is_some_and(|age| age > LINGER_WHEN_LAGGING)
 }
+
+/// The least time between two deletes of delivered rows (see `Inner::ack_stream`): at most
+/// 50 delete transactions a second, however many small batches the sink confirms.
+const DELETE_SPACING: Duration = Duration::from_millis(20);
 
 /// How long a delivered event's outbox row is looked for (see `Inner::delete_delivered`).
 pub const UNDELETED_PATIENCE: Duration = Duration::from_secs(5);

@@ -826,6 +826,58 @@ mod through_the_engine {
         relay.stop().await;
     }
 
+    /// Acks of many small batches share few deletes: one delete transaction (and WAL
+    /// flush) per confirmed batch would put the relay's commits between the writers'. The
+    /// contract is a delete per `DELETE_SPACING` (20 ms) at most, so a statement trigger
+    /// logs each delete, and their count must fit the span they ran over. Without the
+    /// spacing, a delete ran as soon as the last one ended: one per event here.
+    #[tokio::test]
+    async fn acks_of_a_trickle_of_small_transactions_share_spaced_deletes() {
+        let fixture = Fixture::new().await;
+        let db = connect(&fixture.url).await;
+        db.batch_execute(
+            "CREATE TABLE delete_log (at timestamptz NOT NULL);
+             CREATE FUNCTION log_delete() RETURNS trigger LANGUAGE plpgsql AS
+               $$ BEGIN INSERT INTO delete_log VALUES (clock_timestamp()); RETURN NULL; END $$;
+             CREATE TRIGGER log_delete AFTER DELETE ON outbox
+               FOR EACH STATEMENT EXECUTE FUNCTION log_delete();",
+        )
+        .await
+        .unwrap();
+        let publisher = RecordingPublisher::new();
+        let relay = Relay::start(&fixture, &publisher).await;
+        relay.store.wait_streaming(Duration::from_secs(30)).await;
+        // One transaction at a time, as a busy application's would commit.
+        const EVENTS: i32 = 300;
+        for n in 1..=EVENTS {
+            insert_typed(&db, &format!("k{}", n % 10), "Placed", n).await;
+        }
+        eventually(
+            "every row delivered and deleted",
+            Duration::from_secs(60),
+            || async { (count(&db, "outbox").await == 0).then_some(()) },
+        )
+        .await;
+        relay.stop().await;
+        assert_eq!(publisher.delivered().len(), EVENTS as usize);
+        let log = db
+            .query_one(
+                "SELECT count(*), (extract(epoch FROM max(at) - min(at)) * 1000)::float8
+                   FROM delete_log",
+                &[],
+            )
+            .await
+            .unwrap();
+        let (deletes, span_ms): (i64, f64) = (log.get(0), log.get(1));
+        // A delete's own duration may shorten the gap between two logged ends: hence the slack.
+        let allowed = (span_ms / 20.0).floor() as i64 + 3;
+        assert!(
+            deletes <= allowed,
+            "{deletes} deletes over {span_ms:.0} ms for {EVENTS} events; at most {allowed} fit \
+             one per 20 ms"
+        );
+    }
+
     /// What is parked survives the relay: a new one finds the parked keys before it hands
     /// out anything, so a later event of such a key still waits behind the parked one.
     #[tokio::test]
