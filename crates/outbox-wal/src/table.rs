@@ -266,16 +266,7 @@ fn add_span_context(headers: &mut Headers, text: &str) {
 /// A timestamp column's text: [`parse_timestamptz`], or with `utc_without_offset` also a
 /// `timestamp without time zone` (no offset), read as UTC.
 fn parse_timestamp(text: &str, utc_without_offset: bool) -> Result<SystemTime, String> {
-    let has_offset = text
-        .split_once(' ')
-        .is_some_and(|(_, time)| time.contains(['+', '-']));
-    match (utc_without_offset, has_offset) {
-        (true, false) => match text.strip_suffix(" BC") {
-            Some(date_time) => parse_timestamptz(&format!("{date_time}+00 BC")),
-            None => parse_timestamptz(&format!("{text}+00")),
-        },
-        _ => parse_timestamptz(text),
-    }
+    parse_iso(text, utc_without_offset)
 }
 
 /// A column's text, `None` for NULL.
@@ -297,6 +288,12 @@ fn text<'a>(row: &TupleData<'a>, i: usize) -> Result<Option<&'a str>, String> {
 /// client sets): `2026-11-23 12:38:36.123456+00`, offsets as `+05:30` or `-03:00:15`,
 /// years past 9999, ` BC`. `infinity` and `-infinity` are refused: no instant fits them.
 pub fn parse_timestamptz(text: &str) -> Result<SystemTime, String> {
+    parse_iso(text, false)
+}
+
+/// [`parse_timestamptz`], where `offset_optional` reads a missing offset as UTC. Every
+/// event of a captured table has a timestamp, so this allocates nothing unless it fails.
+fn parse_iso(text: &str, offset_optional: bool) -> Result<SystemTime, String> {
     let bad = || format!("{text:?} is not an ISO timestamp with time zone");
     let (text_ad, bc) = match text.strip_suffix(" BC") {
         Some(rest) => (rest, true),
@@ -315,8 +312,11 @@ pub fn parse_timestamptz(text: &str) -> Result<SystemTime, String> {
     let month = number(2)?;
     let day = number(2)?;
     // The offset starts at the first sign after the time.
-    let sign_at = rest.find(['+', '-']).ok_or_else(bad)?;
-    let (time, offset) = rest.split_at(sign_at);
+    let (time, offset) = match rest.find(['+', '-']) {
+        Some(sign_at) => rest.split_at(sign_at),
+        None if offset_optional => (rest, ""),
+        None => return Err(bad()),
+    };
     let (hms, fraction) = match time.split_once('.') {
         Some((hms, fraction)) => (hms, fraction),
         None => (time, ""),
@@ -331,8 +331,8 @@ pub fn parse_timestamptz(text: &str) -> Result<SystemTime, String> {
         }
         Ok(v)
     };
-    let hms: Vec<&str> = hms.split(':').collect();
-    let [h, m, s] = hms.as_slice() else {
+    let mut hms = hms.split(':');
+    let (Some(h), Some(m), Some(s), None) = (hms.next(), hms.next(), hms.next(), hms.next()) else {
         return Err(bad());
     };
     // 24:00:00 is valid PostgreSQL input and output.
@@ -343,20 +343,25 @@ pub fn parse_timestamptz(text: &str) -> Result<SystemTime, String> {
     let micros_fraction: i64 = if fraction.is_empty() {
         0
     } else {
-        format!("{fraction:0<6}").parse().map_err(|_| bad())?
+        // `.5` is 500,000 microseconds.
+        let digits: i64 = fraction.parse().map_err(|_| bad())?;
+        digits * 10_i64.pow(6 - fraction.len() as u32)
     };
-    let (sign, offset) = offset.split_at(1);
-    let offset_parts: Vec<&str> = offset.split(':').collect();
-    if offset_parts.is_empty() || offset_parts.len() > 3 {
-        return Err(bad());
-    }
-    let mut offset_seconds = 0;
-    for (i, part) in offset_parts.iter().enumerate() {
-        offset_seconds += field(part, 59)? * [3600, 60, 1][i];
-    }
-    if sign == "-" {
-        offset_seconds = -offset_seconds;
-    }
+    let offset_seconds = match offset.split_at_checked(1) {
+        None => 0,
+        Some((sign, offset)) => {
+            let mut seconds = 0;
+            for (i, part) in offset.split(':').enumerate() {
+                let unit = [3600, 60, 1].get(i).ok_or_else(bad)?;
+                seconds += field(part, 59)? * unit;
+            }
+            if sign == "-" {
+                -seconds
+            } else {
+                seconds
+            }
+        }
+    };
     if !(1..=12).contains(&month) || day < 1 || day > days_in_month(year, month, bc) {
         return Err(bad());
     }
@@ -422,6 +427,24 @@ mod tests {
             "",
         ] {
             assert!(parse_timestamptz(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn timestamps_without_offset_are_utc_where_the_mapping_says_so() {
+        let utc = |t: &str| micros(parse_timestamp(t, true).unwrap());
+        assert_eq!(utc("2026-11-23 12:38:36.5"), 1_795_437_516_500_000);
+        assert_eq!(utc("2026-11-23 14:08:36.5+01:30"), 1_795_437_516_500_000);
+        assert_eq!(utc("0001-12-31 00:00:00 BC"), -62_135_683_200_000_000);
+        assert_eq!(utc("1970-01-01 00:00:00.000001"), 1);
+        assert!(parse_timestamp("2026-11-23 12:38:36", false).is_err());
+        for bad in [
+            "2026-11-23 12:38",
+            "2026-11-23 12:38:36:01",
+            "2026-11-23 12:38:36+01:00:00:00",
+            "2026-11-23 12:38:36+",
+        ] {
+            assert!(parse_timestamp(bad, true).is_err(), "{bad}");
         }
     }
 
