@@ -1,7 +1,7 @@
 //! The six measurements and the Markdown report.
 
 use std::collections::HashMap;
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -306,7 +306,7 @@ async fn latency_run(b: &Bench, rate: u64, per_commit: u64, mode: &str) -> Resul
         "outbox"
     };
     // Where the writers write: the table, or (`wal-emit`) table-less events.
-    let writes_to = if mode == "wal-emit" {
+    let writes_to = if mode.ends_with("-emit") {
         load::EMIT
     } else {
         table
@@ -327,8 +327,16 @@ async fn latency_run(b: &Bench, rate: u64, per_commit: u64, mode: &str) -> Resul
     });
     let stop = Arc::new(AtomicBool::new(false));
     let mut relay = None;
+    let mut floor = None;
     let mut base_task = None;
     match mode {
+        _ if wal::FLOOR_MODES.contains(&mode) => {
+            wal::prepare(b, &db).await?;
+            let mut child = wal::spawn_recvlogical(b, &db, Stdio::piped()).await?;
+            let output = child.stdout.take().context("pg_recvlogical's output")?;
+            wal::stamp_arrivals(output, received.clone());
+            floor = Some(child);
+        }
         "baseline" => {
             let (url, stop, js) = (b.url(), stop.clone(), js.clone());
             base_task = Some(tokio::spawn(async move {
@@ -380,9 +388,9 @@ async fn latency_run(b: &Bench, rate: u64, per_commit: u64, mode: &str) -> Resul
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     stop.store(true, Ordering::Relaxed);
-    if let Some(mut r) = relay {
-        signal(&r, "-TERM");
-        wait_child(&mut r, Duration::from_secs(30))?;
+    for mut child in relay.into_iter().chain(floor) {
+        signal(&child, "-TERM");
+        wait_child(&mut child, Duration::from_secs(30))?;
     }
     if let Some(t) = base_task {
         let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
@@ -444,7 +452,9 @@ pub const LATENCY_PLAN: LatencyPlan<'static> = &[
     (10_000, 10, "gated"),
     (10_000, 10, "poll"),
     (10_000, 10, "baseline"),
+    (10_000, 10, "recvlogical"),
     (10_000, 10, "wal"),
+    (10_000, 10, "recvlogical-emit"),
     (10_000, 10, "wal-emit"),
 ];
 
@@ -543,6 +553,7 @@ pub const WRITER_VARIANTS: &[&str] = &[
     "gated, relay idle",
     "gated, relay busy",
     wal::WRITERS_SLOT,
+    wal::WRITERS_FLOOR,
     wal::WRITERS_RELAY,
     wal::WRITERS_EMIT,
 ];
@@ -566,6 +577,10 @@ pub async fn writer_cost(b: &Bench, variants: &[&str]) -> Result<Value> {
             }
             "NOTIFY trigger" => {}
             wal::WRITERS_SLOT => wal::prepare(b, &db).await?,
+            wal::WRITERS_FLOOR => {
+                wal::prepare(b, &db).await?;
+                relay = Some(wal::spawn_recvlogical(b, &db, Stdio::null()).await?);
+            }
             wal::WRITERS_RELAY | wal::WRITERS_EMIT => {
                 relay = Some(wal::start_relay(b, &db, "writers").await?);
                 if variant == wal::WRITERS_EMIT {

@@ -2,14 +2,22 @@
 //! the drain of a backlog written while the relay was off (as rows, and as `outbox_emit`
 //! messages), the latency modes `wal` and `wal-emit`, and the writer-cost variants below.
 //!
+//! Each comes with PostgreSQL's own client, `pg_recvlogical`, reading a slot the same way
+//! (pgoutput, the publication, messages) and doing nothing with what it reads: the drain's,
+//! the latency's and the writer cost's floor on this host, measured in the same run. Where
+//! the relay's figure is near it, the server, not the relay, sets the figure.
+//!
 //! The slot is always created (with pgoutput) before the first event is written: rows that
 //! predate a new slot are adopted into the parked table and relayed by polling, which is
 //! not what these figures are about.
 
-use std::process::Child;
+use std::collections::HashMap;
+use std::io::Read;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
 use crate::measure::{self, LatencyPlan};
@@ -27,18 +35,38 @@ pub const WRITERS_SLOT: &str = "WAL capture, slot, no relay";
 pub const WRITERS_RELAY: &str = "WAL capture, relay running";
 /// Writer cost: as [`WRITERS_RELAY`], the writers calling `outbox_emit` instead of inserting.
 pub const WRITERS_EMIT: &str = "WAL capture, outbox_emit, relay running";
+/// Writer cost: PostgreSQL's own `pg_recvlogical` streams the slot (pgoutput) to
+/// `/dev/null`: what the host allows a WAL consumer that does nothing with the events.
+pub const WRITERS_FLOOR: &str = "WAL, pg_recvlogical to /dev/null, no relay";
+
+/// The latency modes that measure the host's floor instead of the relay: `pg_recvlogical`
+/// reads the slot (pgoutput, as the relay does) and an event counts as confirmed when its
+/// bytes reach the bench through a pipe. Nothing is published, so what is left of the
+/// latency is the walsender's: the time from a commit to its decoded transaction.
+pub const FLOOR_MODES: [&str; 2] = ["recvlogical", "recvlogical-emit"];
+
+/// `pg_recvlogical`, from the same PostgreSQL installation as the bench's server.
+const PG_RECVLOGICAL: &str = "/usr/lib/postgresql/15/bin/pg_recvlogical";
 
 /// `--only wal`: the latency runs.
 pub const LATENCY_PLAN: LatencyPlan<'static> = &[
     (1_000, 1, "wal"),
     (1_000, 1, "wal-emit"),
     (10_000, 1, "wal"),
+    (10_000, 10, "recvlogical"),
     (10_000, 10, "wal"),
+    (10_000, 10, "recvlogical-emit"),
     (10_000, 10, "wal-emit"),
 ];
 
 /// `--only wal`: the writer-cost variants (with the no-trigger row they are compared with).
-pub const WRITER_VARIANTS: &[&str] = &["no trigger", WRITERS_SLOT, WRITERS_RELAY, WRITERS_EMIT];
+pub const WRITER_VARIANTS: &[&str] = &[
+    "no trigger",
+    WRITERS_SLOT,
+    WRITERS_FLOOR,
+    WRITERS_RELAY,
+    WRITERS_EMIT,
+];
 
 /// Drops the replication slots of the `bench` database, ending the session that holds one
 /// (a relay just stopped may still be leaving). A slot keeps its database from being
@@ -86,6 +114,138 @@ pub async fn prepare(b: &Bench, db: &tokio_postgres::Client) -> Result<()> {
     )
     .await?;
     Ok(())
+}
+
+/// `pg_recvlogical` reading `slot` as the relay would: pgoutput, the relay's publication,
+/// messages too, and the relay's `sslmode`.
+async fn recvlogical(b: &Bench, db: &tokio_postgres::Client, slot: &str) -> Result<Command> {
+    let publication: String = db
+        .query_one("SELECT pubname::text FROM pg_catalog.pg_publication", &[])
+        .await?
+        .get(0);
+    let mut command = Command::new(PG_RECVLOGICAL);
+    command
+        .args([
+            "--dbname",
+            &b.relay_url(),
+            "--slot",
+            slot,
+            "--start",
+            "--file",
+            "-",
+        ])
+        .args(["--option", "proto_version=1", "--option", "messages=true"])
+        .args(["--option", &format!("publication_names={publication}")])
+        .stderr(Stdio::inherit());
+    Ok(command)
+}
+
+/// `pg_recvlogical` streaming [`SLOT`] (made by [`prepare`]) to `stdout`, once it streams.
+pub async fn spawn_recvlogical(
+    b: &Bench,
+    db: &tokio_postgres::Client,
+    stdout: Stdio,
+) -> Result<Child> {
+    let child = recvlogical(b, db, SLOT)
+        .await?
+        .stdout(stdout)
+        .spawn()
+        .with_context(|| format!("starting {PG_RECVLOGICAL}"))?;
+    // Writes before the slot is active would still be read, but the writer-cost variant
+    // must not measure a start-up.
+    let start = Instant::now();
+    while !db
+        .query_one(
+            "SELECT active FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
+            &[&SLOT],
+        )
+        .await?
+        .get::<_, bool>(0)
+    {
+        if start.elapsed() > Duration::from_secs(30) {
+            bail!("pg_recvlogical did not start streaming within 30 s");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(child)
+}
+
+/// The slot the drains' floor reads, made beside [`SLOT`] before the backlog is written.
+const FLOOR_SLOT: &str = "outbox_bench_floor";
+
+/// The drain's floor: `pg_recvlogical` reads [`FLOOR_SLOT`] up to the current position, to
+/// `/dev/null`, and exits; its wall time, start-up and exit included as in the relay's.
+async fn floor_drain(b: &Bench, db: &tokio_postgres::Client, n: u64) -> Result<Value> {
+    let end: String = db
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await?
+        .get(0);
+    let mut command = recvlogical(b, db, FLOOR_SLOT).await?;
+    command.arg(format!("--endpos={end}")).stdout(Stdio::null());
+    let start = Instant::now();
+    let status = tokio::task::block_in_place(|| command.status())?;
+    let wall = start.elapsed().as_secs_f64();
+    if !status.success() {
+        bail!("pg_recvlogical --endpos {end} failed: {status}");
+    }
+    db.execute("SELECT pg_drop_replication_slot($1)", &[&FLOOR_SLOT])
+        .await?;
+    Ok(json!({ "events": n, "wall_s": wall, "events_per_s": n as f64 / wall }))
+}
+
+/// Stamps each `"seq": N` that `pg_recvlogical`'s output carries with the time its bytes
+/// arrived, on a thread of its own until the output ends. The bytes are pgoutput's
+/// (binary, unframed), but a row's payload and an `outbox_emit` message's content are
+/// jsonb text, where each event's sequence number stands as `"seq": N`.
+pub fn stamp_arrivals(
+    mut output: impl Read + Send + 'static,
+    received: Arc<Mutex<HashMap<u64, Instant>>>,
+) {
+    std::thread::spawn(move || {
+        const MARK: &[u8] = b"\"seq\": ";
+        let mut buffer = vec![0u8; 1 << 16];
+        // The tail of the last read, which may hold the start of a split mark.
+        let mut carried = Vec::new();
+        loop {
+            let n = match output.read(&mut buffer) {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            let at = Instant::now();
+            carried.extend_from_slice(&buffer[..n]);
+            let mut seen = Vec::new();
+            let (mut from, mut unfinished) = (0, None);
+            while let Some(i) = find(&carried[from..], MARK) {
+                let digits_at = from + i + MARK.len();
+                let digits = carried[digits_at..]
+                    .iter()
+                    .take_while(|b| b.is_ascii_digit())
+                    .count();
+                if digits_at + digits == carried.len() {
+                    // The number may go on in the next read.
+                    unfinished = Some(from + i);
+                    break;
+                }
+                let number = std::str::from_utf8(&carried[digits_at..digits_at + digits]);
+                if let Some(seq) = number.ok().and_then(|n| n.parse().ok()) {
+                    seen.push(seq);
+                }
+                from = digits_at + digits;
+            }
+            // Keep an unfinished mark, or what could be the start of one.
+            let keep_from = unfinished
+                .unwrap_or_else(|| carried.len().saturating_sub(MARK.len() - 1).max(from));
+            carried.drain(..keep_from);
+            let mut received = received.lock().unwrap();
+            for seq in seen {
+                received.entry(seq).or_insert(at);
+            }
+        }
+    });
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
 }
 
 /// A WAL-capture relay publishing to a file, once it relays (a probe row is gone).
@@ -147,7 +307,10 @@ async fn prefill(db: &tokio_postgres::Client, form: &str, n: u64, per: u64) -> R
 
 /// The WAL drains: each sink, each form.
 pub async fn drain(b: &Bench) -> Result<Value> {
-    let mut out = json!({ "events_per_transaction": b.settings.wal_events_per_transaction });
+    let mut out = json!({
+        "events_per_transaction": b.settings.wal_events_per_transaction,
+        "sinks": b.settings.sinks,
+    });
     for sink in b.settings.sinks.iter().map(String::as_str) {
         for form in ["table", "emit"] {
             out[sink][form] = drain_once(b, sink, form).await?;
@@ -162,7 +325,13 @@ async fn drain_once(b: &Bench, sink: &str, form: &str) -> Result<Value> {
     eprintln!("drain: WAL capture, {n} events ({form}, {per} per transaction) to {sink}");
     let db = b.reset().await?;
     prepare(b, &db).await?;
+    db.execute(
+        "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+        &[&FLOOR_SLOT],
+    )
+    .await?;
     prefill(&db, form, n, per).await?;
+    let floor = floor_drain(b, &db, n).await?;
     let wal_bytes: i64 = db
         .query_one(
             "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::int8
@@ -188,6 +357,7 @@ async fn drain_once(b: &Bench, sink: &str, form: &str) -> Result<Value> {
         .await?
         .get(0);
     drained["form"] = json!(form);
+    drained["floor"] = floor;
     drained["backlog_wal_mb"] = json!(wal_bytes as f64 / 1_048_576.0);
     drained["rows_left"] = json!(left);
     Ok(drained)
@@ -204,6 +374,14 @@ pub fn drain_rows(r: &Value, sink: &str) -> String {
         let y = &r["wal_drain"][sink][form];
         if y.is_null() {
             continue;
+        }
+        // The floor has no sink: shown once, under the first sink's rows.
+        if r["wal_drain"]["sinks"][0] == json!(sink) {
+            s.push_str(&format!(
+                "| none | {label}: pg_recvlogical to /dev/null, no sink (the floor) | {} | {} | - | - | - | - | - | - |\n",
+                y["floor"]["events"],
+                measure::f(&y["floor"]["events_per_s"]),
+            ));
         }
         let ratio = match (y["events_per_s"].as_f64(), baseline) {
             (Some(x), Some(base)) => format!("{}×", measure::f(&json!(x / base))),
