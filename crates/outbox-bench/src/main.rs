@@ -482,7 +482,7 @@ pub fn wait_child(child: &mut Child, timeout: Duration) -> Result<std::process::
         }
         if Instant::now() > deadline {
             let _ = child.kill();
-            bail!("a relay did not finish within {timeout:?}");
+            bail!("process {} did not finish within {timeout:?}", child.id());
         }
         std::thread::sleep(Duration::from_millis(20));
     }

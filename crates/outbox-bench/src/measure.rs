@@ -333,7 +333,7 @@ async fn latency_run(b: &Bench, rate: u64, per_commit: u64, mode: &str) -> Resul
         _ if wal::FLOOR_MODES.contains(&mode) => {
             wal::prepare(b, &db).await?;
             let mut child = wal::spawn_recvlogical(b, &db, Stdio::piped()).await?;
-            let output = child.stdout.take().context("pg_recvlogical's output")?;
+            let output = child.output().context("pg_recvlogical's output")?;
             wal::stamp_arrivals(output, received.clone());
             floor = Some(child);
         }
@@ -388,10 +388,11 @@ async fn latency_run(b: &Bench, rate: u64, per_commit: u64, mode: &str) -> Resul
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     stop.store(true, Ordering::Relaxed);
-    for mut child in relay.into_iter().chain(floor) {
-        signal(&child, "-TERM");
-        wait_child(&mut child, Duration::from_secs(30))?;
+    if let Some(mut r) = relay {
+        signal(&r, "-TERM");
+        wait_child(&mut r, Duration::from_secs(30))?;
     }
+    drop(floor);
     if let Some(t) = base_task {
         let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
     }
@@ -569,6 +570,8 @@ pub async fn writer_cost(b: &Bench, variants: &[&str]) -> Result<Value> {
         listener.batch_execute("LISTEN outbox_relay").await?;
         let holder = connect(&b.url()).await?;
         let mut relay = None;
+        // `pg_recvlogical` for the floor variant; ended when the variant is.
+        let mut floor = None;
         let mut writes_to = "outbox";
         match variant {
             "no trigger" => {
@@ -579,7 +582,7 @@ pub async fn writer_cost(b: &Bench, variants: &[&str]) -> Result<Value> {
             wal::WRITERS_SLOT => wal::prepare(b, &db).await?,
             wal::WRITERS_FLOOR => {
                 wal::prepare(b, &db).await?;
-                relay = Some(wal::spawn_recvlogical(b, &db, Stdio::null()).await?);
+                floor = Some(wal::spawn_recvlogical(b, &db, Stdio::null()).await?);
             }
             wal::WRITERS_RELAY | wal::WRITERS_EMIT => {
                 relay = Some(wal::start_relay(b, &db, "writers").await?);
@@ -605,6 +608,7 @@ pub async fn writer_cost(b: &Bench, variants: &[&str]) -> Result<Value> {
             signal(&relay, "-TERM");
             wait_child(&mut relay, Duration::from_secs(60))?;
         }
+        drop(floor);
         rows.push(json!({ "variant": variant, "inserts_per_s": rates }));
     }
     Ok(Value::Array(rows))

@@ -21,7 +21,7 @@ use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
 use crate::measure::{self, LatencyPlan};
-use crate::{Bench, PAYLOAD_SQL, SUBJECT};
+use crate::{wait_child, Bench, PAYLOAD_SQL, SUBJECT};
 
 /// The bench relays' replication slot.
 pub const SLOT: &str = "outbox_bench";
@@ -131,6 +131,8 @@ async fn recvlogical(b: &Bench, db: &tokio_postgres::Client, slot: &str) -> Resu
             "--slot",
             slot,
             "--start",
+            // An error ends it, instead of a silent reconnection the figures would hide.
+            "--no-loop",
             "--file",
             "-",
         ])
@@ -140,17 +142,36 @@ async fn recvlogical(b: &Bench, db: &tokio_postgres::Client, slot: &str) -> Resu
     Ok(command)
 }
 
+/// A running `pg_recvlogical`, ended (killed) when dropped, whatever the run's outcome:
+/// it must not outlive the measurement that started it.
+pub struct Recvlogical(Child);
+
+impl Recvlogical {
+    pub fn output(&mut self) -> Option<std::process::ChildStdout> {
+        self.0.stdout.take()
+    }
+}
+
+impl Drop for Recvlogical {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// `pg_recvlogical` streaming [`SLOT`] (made by [`prepare`]) to `stdout`, once it streams.
 pub async fn spawn_recvlogical(
     b: &Bench,
     db: &tokio_postgres::Client,
     stdout: Stdio,
-) -> Result<Child> {
-    let child = recvlogical(b, db, SLOT)
-        .await?
-        .stdout(stdout)
-        .spawn()
-        .with_context(|| format!("starting {PG_RECVLOGICAL}"))?;
+) -> Result<Recvlogical> {
+    let child = Recvlogical(
+        recvlogical(b, db, SLOT)
+            .await?
+            .stdout(stdout)
+            .spawn()
+            .with_context(|| format!("starting {PG_RECVLOGICAL}"))?,
+    );
     // Writes before the slot is active would still be read, but the writer-cost variant
     // must not measure a start-up.
     let start = Instant::now();
@@ -183,7 +204,9 @@ async fn floor_drain(b: &Bench, db: &tokio_postgres::Client, n: u64) -> Result<V
     let mut command = recvlogical(b, db, FLOOR_SLOT).await?;
     command.arg(format!("--endpos={end}")).stdout(Stdio::null());
     let start = Instant::now();
-    let status = tokio::task::block_in_place(|| command.status())?;
+    let mut child = Recvlogical(command.spawn()?);
+    let status =
+        tokio::task::block_in_place(|| wait_child(&mut child.0, Duration::from_secs(300)))?;
     let wall = start.elapsed().as_secs_f64();
     if !status.success() {
         bail!("pg_recvlogical --endpos {end} failed: {status}");

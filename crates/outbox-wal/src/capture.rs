@@ -233,7 +233,7 @@ struct Inner {
     /// let through while a parked event of it remains.
     parking: tokio::sync::Mutex<()>,
     /// Deletes of delivered rows run one at a time; see [`Inner::ack_stream`].
-    /// It holds when the last delete started.
+    /// It holds when the last delete of outbox rows started.
     deleting: tokio::sync::Mutex<Option<std::time::Instant>>,
     outputs: tokio::sync::Mutex<mpsc::Receiver<Item>>,
     confirm: watch::Sender<Lsn>,
@@ -743,10 +743,12 @@ impl Inner {
     ///
     /// A fast sink confirms many small batches at once, and one delete transaction each
     /// would cost a commit (and a WAL flush) per batch, which the writers' commits then
-    /// queue behind. So deletes run one at a time, at most one per [`DELETE_SPACING`], and
-    /// each takes every ack queued until it starts (a group commit): an ack returns once the
-    /// delete that carried its rows has, with that delete's outcome. The wait delays only
-    /// the slot's confirmation: a key's next event goes out when this one is published.
+    /// queue behind. So deletes run one at a time, at most one per [`DELETE_SPACING`] unless
+    /// [`DELETE_GROUP_ENOUGH`] acks already wait, and each takes every ack queued until it
+    /// starts (a group commit): an ack returns once the delete that carried its rows has,
+    /// with that delete's outcome. A key's next event goes out when this one is published,
+    /// so the wait does not hold keys back; it delays the slot's confirmation and the
+    /// engine's count of events in flight (`max_in_flight`) by up to the spacing.
     async fn ack_stream(&self, ids: Vec<SequenceId>) -> StoreResult<u64> {
         if ids.is_empty() {
             return Ok(0);
@@ -762,12 +764,16 @@ impl Inner {
         if let Some(outcome) = round.outcome.get() {
             return outcome.to_result().map(|()| acked);
         }
-        // This round is still open. Acks queued while it waits its turn join it.
-        let wait = last_delete.and_then(|at| DELETE_SPACING.checked_sub(at.elapsed()));
-        if let Some(wait) = wait.filter(|_| self.ack_queue_has_rows()) {
-            tokio::time::sleep(wait).await;
+        // This round is still open. Acks queued while it waits its turn join it; a round of
+        // `outbox_emit` events alone runs no statement, so it neither waits nor counts.
+        let (has_rows, queued) = self.queued_acks();
+        if has_rows {
+            let wait = last_delete.and_then(|at| DELETE_SPACING.checked_sub(at.elapsed()));
+            if let Some(wait) = wait.filter(|_| queued < DELETE_GROUP_ENOUGH) {
+                tokio::time::sleep(wait).await;
+            }
+            *last_delete = Some(std::time::Instant::now());
         }
-        *last_delete = Some(std::time::Instant::now());
         // Close it (later acks open the next one) and run it.
         let events = {
             let mut state = lock(&self.state);
@@ -780,12 +786,13 @@ impl Inner {
     }
 
     /// Whether a queued ack has an outbox row to delete (an `outbox_emit` event has none,
-    /// and settles without a statement).
-    fn ack_queue_has_rows(&self) -> bool {
+    /// and settles without a statement), and how many acks are queued.
+    fn queued_acks(&self) -> (bool, usize) {
         let state = lock(&self.state);
-        state.ack_queue.iter().any(
+        let has_rows = state.ack_queue.iter().any(
             |(id, _)| matches!(state.held.get(id), Some(Held::Wal(held)) if held.row.is_some()),
-        )
+        );
+        (has_rows, state.ack_queue.len())
     }
 
     /// Deletes the outbox rows of delivered stream events and settles the events. The
@@ -1269,9 +1276,14 @@ fn lagging(burst: &[Output]) -> bool {
         .is_some_and(|age| age > LINGER_WHEN_LAGGING)
 }
 
-/// The least time between two deletes of delivered rows (see `Inner::ack_stream`): at most
-/// 50 delete transactions a second, however many small batches the sink confirms.
+/// The least time between the starts of two deletes of delivered rows (see
+/// `Inner::ack_stream`): at most 50 a second, however many small batches the sink confirms.
+/// (A row not yet visible to the delete is looked for again with the next claim.)
 const DELETE_SPACING: Duration = Duration::from_millis(20);
+
+/// Acks enough for a delete to start without waiting for [`DELETE_SPACING`]: grouping them
+/// has done its work, and a drain should not wait with that many events counted in flight.
+const DELETE_GROUP_ENOUGH: usize = 1_000;
 
 /// How long a delivered event's outbox row is looked for (see `Inner::delete_delivered`).
 pub const UNDELETED_PATIENCE: Duration = Duration::from_secs(5);
