@@ -691,6 +691,17 @@ mod through_the_engine {
         }
     }
 
+    /// A fresh fixture, a connection to its database, and a relay streaming from its slot
+    /// to a recording publisher that accepts everything.
+    async fn streaming_relay() -> (Fixture, Client, RecordingPublisher, Relay) {
+        let fixture = Fixture::new().await;
+        let db = connect(&fixture.url).await;
+        let publisher = RecordingPublisher::new();
+        let relay = Relay::start(&fixture, &publisher).await;
+        relay.store.wait_streaming(Duration::from_secs(30)).await;
+        (fixture, db, publisher, relay)
+    }
+
     async fn confirmed(db: &Client, slot: &str) -> Lsn {
         let text: String = db
             .query_one(
@@ -834,11 +845,7 @@ mod through_the_engine {
     /// event here, since the events come 2 ms apart.
     #[tokio::test]
     async fn acks_of_a_trickle_of_small_transactions_share_spaced_deletes() {
-        let fixture = Fixture::new().await;
-        let db = connect(&fixture.url).await;
-        let publisher = RecordingPublisher::new();
-        let relay = Relay::start(&fixture, &publisher).await;
-        relay.store.wait_streaming(Duration::from_secs(30)).await;
+        let (_fixture, db, publisher, relay) = streaming_relay().await;
         // After the slot's first run, whose adoption of earlier rows is a delete too.
         db.batch_execute(
             "CREATE TABLE delete_log (at timestamptz NOT NULL);
@@ -922,11 +929,7 @@ mod through_the_engine {
     /// and the slot moves past it.
     #[tokio::test]
     async fn an_undecodable_message_is_dead_lettered_and_settled() {
-        let fixture = Fixture::new().await;
-        let db = connect(&fixture.url).await;
-        let publisher = RecordingPublisher::new();
-        let relay = Relay::start(&fixture, &publisher).await;
-        relay.store.wait_streaming(Duration::from_secs(30)).await;
+        let (fixture, db, publisher, relay) = streaming_relay().await;
         db.batch_execute(
             "BEGIN; SELECT pg_logical_emit_message(true, 'outbox', 'not json'); COMMIT;",
         )
