@@ -123,7 +123,7 @@ impl<T: Send + 'static> Writer<T> {
             // The target first, then the queue: what was queued while an earlier write (or a
             // health check) held the target goes out in this one write.
             let mut target = lock(&group.target);
-            let taken: Vec<Waiting> = {
+            let mut taken: Vec<Waiting> = {
                 let mut queue = lock(&group.queue);
                 if queue.waiting.is_empty() {
                     queue.writing = false;
@@ -135,10 +135,7 @@ impl<T: Send + 'static> Writer<T> {
             // A sender that went away (its publish timed out, or was cancelled at shutdown)
             // can never be acked: its buffer is not written, so that a stuck disk does not
             // collect one copy of a batch per retry.
-            let taken: Vec<Waiting> = taken
-                .into_iter()
-                .filter(|w| !w.written.is_closed())
-                .collect();
+            taken.retain(|w| !w.written.is_closed());
             let outcome = match taken.as_slice() {
                 [] => continue,
                 [one] => write_caught(&*group.write, &mut target, &one.buffer),
