@@ -115,6 +115,9 @@ fn settings() -> Result<Settings> {
 }
 
 /// `RATExPER:MODE+MODE,...`, for example `10000x10:notify+gated,1000x1:baseline`.
+/// The latency modes that measure a relay (the floor's are [`wal::FLOOR_MODES`]).
+const RELAY_LATENCY_MODES: [&str; 6] = ["notify", "gated", "poll", "baseline", "wal", "wal-emit"];
+
 fn parse_latency_plan(text: &str) -> Result<Vec<(u64, u64, String)>> {
     let mut plan = Vec::new();
     for item in text.split(',') {
@@ -123,10 +126,13 @@ fn parse_latency_plan(text: &str) -> Result<Vec<(u64, u64, String)>> {
             .with_context(|| format!("latency plan item {item:?}: expected RATExPER:MODES"))?;
         let (rate, per) = rate.split_once('x').unwrap_or((rate, "1"));
         for mode in modes.split('+') {
-            if !["notify", "gated", "poll", "baseline", "wal", "wal-emit"].contains(&mode)
-                && !wal::FLOOR_MODES.contains(&mode)
-            {
-                bail!("latency plan item {item:?}: unknown mode {mode:?} (notify, gated, poll, baseline, wal, wal-emit, recvlogical, recvlogical-emit)");
+            let modes = RELAY_LATENCY_MODES.iter().chain(&wal::FLOOR_MODES);
+            if !modes.clone().any(|known| *known == mode) {
+                let known: Vec<&str> = modes.copied().collect();
+                bail!(
+                    "latency plan item {item:?}: unknown mode {mode:?} ({})",
+                    known.join(", ")
+                );
             }
             plan.push((rate.parse()?, per.parse()?, mode.to_string()));
         }

@@ -263,12 +263,6 @@ fn add_span_context(headers: &mut Headers, text: &str) {
     }
 }
 
-/// A timestamp column's text: [`parse_timestamptz`], or with `utc_without_offset` also a
-/// `timestamp without time zone` (no offset), read as UTC.
-fn parse_timestamp(text: &str, utc_without_offset: bool) -> Result<SystemTime, String> {
-    parse_iso(text, utc_without_offset)
-}
-
 /// A column's text, `None` for NULL.
 fn text<'a>(row: &TupleData<'a>, i: usize) -> Result<Option<&'a str>, String> {
     match row.columns.get(i) {
@@ -288,12 +282,13 @@ fn text<'a>(row: &TupleData<'a>, i: usize) -> Result<Option<&'a str>, String> {
 /// client sets): `2026-11-23 12:38:36.123456+00`, offsets as `+05:30` or `-03:00:15`,
 /// years past 9999, ` BC`. `infinity` and `-infinity` are refused: no instant fits them.
 pub fn parse_timestamptz(text: &str) -> Result<SystemTime, String> {
-    parse_iso(text, false)
+    parse_timestamp(text, false)
 }
 
-/// [`parse_timestamptz`], where `offset_optional` reads a missing offset as UTC. Every
-/// event of a captured table has a timestamp, so this allocates nothing unless it fails.
-fn parse_iso(text: &str, offset_optional: bool) -> Result<SystemTime, String> {
+/// A timestamp column's text: [`parse_timestamptz`], or with `utc_without_offset` also a
+/// `timestamp without time zone` (no offset), read as UTC. Every event of a captured table
+/// has a timestamp, so this allocates nothing unless it fails.
+fn parse_timestamp(text: &str, utc_without_offset: bool) -> Result<SystemTime, String> {
     let bad = || format!("{text:?} is not an ISO timestamp with time zone");
     let (text_ad, bc) = match text.strip_suffix(" BC") {
         Some(rest) => (rest, true),
@@ -314,7 +309,7 @@ fn parse_iso(text: &str, offset_optional: bool) -> Result<SystemTime, String> {
     // The offset starts at the first sign after the time.
     let (time, offset) = match rest.find(['+', '-']) {
         Some(sign_at) => rest.split_at(sign_at),
-        None if offset_optional => (rest, ""),
+        None if utc_without_offset => (rest, ""),
         None => return Err(bad()),
     };
     let (hms, fraction) = match time.split_once('.') {
