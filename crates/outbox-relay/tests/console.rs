@@ -43,7 +43,6 @@ struct Row {
 /// `<prefix>.late` (so its events are dead-lettered), with events of both inserted, and a
 /// relay publishing them with the admin API on a free loopback port.
 struct World {
-    _dir: tempfile::TempDir,
     database_url: String,
     nats: async_nats::Client,
     js: async_nats::jetstream::Context,
@@ -52,6 +51,8 @@ struct World {
     late: Vec<Row>,
     relay: RelayProcess,
     api: Admin,
+    /// Last, so that it outlives the relay: a failing test prints its log from it.
+    _dir: tempfile::TempDir,
 }
 
 impl World {

@@ -71,7 +71,6 @@ struct Node {
 /// The servers, the relays, a recorder of every message on the broker and the writers'
 /// database URL.
 struct Rig {
-    dir: tempfile::TempDir,
     _nats: outbox_testkit::server::ServerProcess,
     nats_url: String,
     database_url: String,
@@ -81,6 +80,8 @@ struct Rig {
     nodes: Vec<Node>,
     publish_timeout: String,
     started: Instant,
+    /// Last, so that it outlives the nodes: a failing test prints their logs from it.
+    dir: tempfile::TempDir,
 }
 
 impl Rig {

@@ -599,7 +599,9 @@ impl Statements {
             // $1 node, $2 ttl in ms, $3 the expiry this process last wrote (microseconds,
             // compared exactly: timestamps are integers of microseconds). The row is pushed
             // only while it shows our value, or inserted again if it is gone; no row back
-            // means another process wrote it.
+            // means another process wrote it. "Gone" is the unique index's word, not the
+            // snapshot's: a removal of the expired row that commits while the UPDATE waits
+            // for its lock is still a row in this statement's snapshot.
             heartbeat: format!(
                 "WITH pushed AS (
                     UPDATE {nodes}
@@ -610,7 +612,7 @@ impl Statements {
                  ), inserted AS (
                     INSERT INTO {nodes} (id, expiry)
                     SELECT $1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond'
-                     WHERE NOT EXISTS (SELECT 1 FROM {nodes} WHERE id = $1)
+                     WHERE NOT EXISTS (SELECT 1 FROM pushed)
                         ON CONFLICT (id) DO NOTHING
                  RETURNING expiry
                  )

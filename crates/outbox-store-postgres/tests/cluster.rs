@@ -845,3 +845,85 @@ async fn a_database_migrated_before_the_scheduled_index_is_slower_not_refused() 
     let claimed = store.claim(owned(&node, fence, 10)).await.unwrap();
     assert_eq!(ids(&claimed), seq);
 }
+
+/// Race: a node's heartbeat comes in (a stalled link healed) while another node is removing
+/// its expired row. The heartbeat's UPDATE waits for the DELETE's lock and then finds no row;
+/// a re-insert that looks for the row in the statement's snapshot, taken before the DELETE
+/// committed, still sees it and inserts nothing. The node then took itself for displaced by
+/// another process and stopped with exit 2 (`faults::database_blackholed`, CI on ea6855f).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn race_a_heartbeat_waiting_on_the_removal_of_its_expired_row_registers_it_again() {
+    use outbox_core::store::{NodeRegistry, Registration};
+    let (store, url) = store(4).await;
+    let node = NodeId("stalled".into());
+    let Registration::Registered(last) = store
+        .register(node.clone(), Duration::from_millis(1))
+        .await
+        .unwrap()
+    else {
+        panic!("a fresh table has no row for the node");
+    };
+    // Another node's removal of expired rows, held open before it commits.
+    let remover = session(&url).await;
+    eventually("the row to expire", Duration::from_secs(10), || async {
+        let expired: bool = remover
+            .query_one(
+                "SELECT expiry < (now() AT TIME ZONE 'UTC') FROM outbox_nodes WHERE id = 'stalled'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        expired.then_some(())
+    })
+    .await;
+    remover.batch_execute("BEGIN").await.unwrap();
+    let removed = remover
+        .execute(
+            "DELETE FROM outbox_nodes WHERE expiry < (now() AT TIME ZONE 'UTC')",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(removed, 1);
+
+    let heartbeat = tokio::spawn({
+        let store = store.clone();
+        let node = node.clone();
+        async move { store.heartbeat(node, last, Duration::from_secs(30)).await }
+    });
+    let watcher = session(&url).await;
+    eventually(
+        "the heartbeat to wait for the removal's lock",
+        Duration::from_secs(10),
+        || async {
+            let waiting: i64 = watcher
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity
+                      WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            (waiting > 0).then_some(())
+        },
+    )
+    .await;
+    remover.batch_execute("COMMIT").await.unwrap();
+
+    let beat = heartbeat.await.unwrap().unwrap();
+    assert!(
+        beat.is_some(),
+        "a heartbeat that finds its row removed registers it again; none came back, which \
+         the node takes for another process under its id"
+    );
+    let live: Vec<String> = store
+        .live_nodes()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|n| n.id)
+        .collect();
+    assert_eq!(live, vec!["stalled".to_string()]);
+}
