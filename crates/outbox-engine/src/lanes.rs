@@ -6,6 +6,11 @@
 //! released back to the store, where the head's future `available_at` blocks them, and the
 //! key is *blocked* here until the retry is recorded and every claim that could have read
 //! the rows before that is back (so a racing claim cannot slip a later row past the head).
+//!
+//! A row handed to a release (or retry) statement that has not reported back is out of every
+//! lane but still this node's in the store, and the node's own rows never hold back its
+//! claims of later rows of their key. So until that statement reports, a later row of the
+//! key that a claim returns goes back too: it would otherwise overtake the released one.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -47,20 +52,37 @@ enum Block {
     RecordedAfterClaim(u64),
 }
 
+/// A row this node leases and has not settled.
+struct Held {
+    partition: i32,
+    lane: LaneKey,
+}
+
+/// A held row handed to release (or retry) statements that have not all reported back.
+struct Releasing {
+    /// Statements in flight that release the row: a row can be released, claimed again
+    /// (one of them committed) and released again before either reports.
+    statements: u32,
+    /// A claim took the row again since it was last released: it is in a lane, and the
+    /// reports must not forget it.
+    claimed_again: bool,
+}
+
 #[derive(Default)]
 pub struct Lanes {
     lanes: HashMap<LaneKey, Lane>,
     ready: VecDeque<LaneKey>,
     blocked: HashMap<LaneKey, Block>,
     /// Every row this node leases and has not settled (for lease extension and release),
-    /// with its partition.
-    held: HashMap<SequenceId, i32>,
+    /// with its partition and lane.
+    held: HashMap<SequenceId, Held>,
     /// Held rows per partition, when the node holds partitions.
     busy: HashMap<i32, usize>,
-    /// Held rows handed to a release statement that has not reported back. A claim may
-    /// re-take such a row (the release committed first): it is queued again, and the
-    /// release's report must not forget it.
-    releasing: std::collections::HashSet<SequenceId>,
+    /// Held rows handed to a release statement that has not reported back.
+    releasing: HashMap<SequenceId, Releasing>,
+    /// The rows of `releasing` in no lane, by lane: a claimed row of the lane above the
+    /// lowest of them must go back as well.
+    released_by_lane: HashMap<LaneKey, std::collections::BTreeSet<SequenceId>>,
     /// `Some(count)` when rows are spread over partitions (a cluster).
     partition_count: Option<u32>,
     /// `false` for `--ordering none`: every row is its own lane.
@@ -136,22 +158,39 @@ impl Lanes {
             let partition = self
                 .partition_count
                 .map_or(0, |n| outbox_core::partition_of(row.ordering_key(), n));
-            match self.held.entry(seq) {
-                std::collections::hash_map::Entry::Occupied(_) => {
-                    if !self.releasing.remove(&seq) {
-                        // Still in a lane or in flight: the claim only renewed an expired lease.
-                        continue;
+            let key = self.lane_of(seq, row.ordering_key());
+            if self.held.contains_key(&seq) {
+                match self.releasing.get_mut(&seq) {
+                    Some(r) if !r.claimed_again => {
+                        // Released, and claimed again before the release reported back: a
+                        // new row.
+                        r.claimed_again = true;
+                        self.unmark_released(&key, seq);
                     }
-                    // Released, and claimed again before the release reported back: a new row.
+                    // Still in a lane or in flight: the claim only renewed an expired lease.
+                    _ => continue,
                 }
-                std::collections::hash_map::Entry::Vacant(slot) => {
-                    slot.insert(partition);
-                    if self.partition_count.is_some() {
-                        *self.busy.entry(partition).or_default() += 1;
-                    }
+            } else {
+                self.held.insert(
+                    seq,
+                    Held {
+                        partition,
+                        lane: key.clone(),
+                    },
+                );
+                if self.partition_count.is_some() {
+                    *self.busy.entry(partition).or_default() += 1;
                 }
             }
-            let key = self.lane_of(seq, row.ordering_key());
+            let overtakes_a_release = self
+                .released_by_lane
+                .get(&key)
+                .and_then(|ids| ids.first())
+                .is_some_and(|earliest| *earliest < seq);
+            if overtakes_a_release {
+                release.push(seq);
+                continue;
+            }
             match self.blocked.get(&key) {
                 Some(Block::Unrecorded) => {
                     release.push(seq);
@@ -251,29 +290,64 @@ impl Lanes {
         });
     }
 
-    /// These held rows are being released.
+    /// These held rows are being released (or retried) by a statement: each must be
+    /// reported back once through [`Lanes::forget_released`].
     pub fn releasing(&mut self, ids: &[SequenceId]) {
-        self.releasing.extend(ids.iter().copied());
+        for &id in ids {
+            let Some(lane) = self.held.get(&id).map(|h| h.lane.clone()) else {
+                continue;
+            };
+            let entry = self.releasing.entry(id).or_insert(Releasing {
+                statements: 0,
+                claimed_again: false,
+            });
+            entry.statements += 1;
+            entry.claimed_again = false;
+            self.released_by_lane.entry(lane).or_default().insert(id);
+        }
     }
 
-    /// A release reported back: forget the rows no claim has taken again since.
+    /// A release reported back: forget the rows no claim has taken again since, once no
+    /// other release of them is in flight.
     pub fn forget_released(&mut self, ids: &[SequenceId]) {
-        let gone: Vec<SequenceId> = ids
-            .iter()
-            .copied()
-            .filter(|id| self.releasing.remove(id))
-            .collect();
+        let mut gone = Vec::new();
+        for &id in ids {
+            let Some(entry) = self.releasing.get_mut(&id) else {
+                continue;
+            };
+            entry.statements -= 1;
+            if entry.statements > 0 {
+                continue;
+            }
+            let claimed_again = entry.claimed_again;
+            self.releasing.remove(&id);
+            if !claimed_again {
+                if let Some(lane) = self.held.get(&id).map(|h| h.lane.clone()) {
+                    self.unmark_released(&lane, id);
+                }
+                gone.push(id);
+            }
+        }
         self.forget(&gone);
+    }
+
+    fn unmark_released(&mut self, lane: &LaneKey, id: SequenceId) {
+        if let Some(ids) = self.released_by_lane.get_mut(lane) {
+            ids.remove(&id);
+            if ids.is_empty() {
+                self.released_by_lane.remove(lane);
+            }
+        }
     }
 
     /// Rows whose settle statement succeeded are no longer held.
     pub fn forget(&mut self, ids: &[SequenceId]) {
         for id in ids {
-            if let Some(partition) = self.held.remove(id) {
-                if let Some(n) = self.busy.get_mut(&partition) {
+            if let Some(held) = self.held.remove(id) {
+                if let Some(n) = self.busy.get_mut(&held.partition) {
                     *n -= 1;
                     if *n == 0 {
-                        self.busy.remove(&partition);
+                        self.busy.remove(&held.partition);
                     }
                 }
             }
@@ -441,6 +515,75 @@ mod tests {
             keep,
             "only the kept partition still has rows"
         );
+    }
+
+    /// Race: a claim that began before a retry was recorded returns the retrying head once
+    /// it came due; the head goes back (the claim is stale). The release of the rows behind
+    /// it reports first, and the next claim, begun after the retry was recorded, runs before
+    /// the head's second release has: the head is still this node's in the store, so it
+    /// holds nothing back, and the claim returns the rows behind it. They must wait for the
+    /// head, not overtake it (`faults::broker_link_delayed_while_database_link_cut`).
+    #[test]
+    fn race_rows_claimed_while_an_earlier_row_of_their_key_is_released_go_back_too() {
+        let mut lanes = Lanes::new(true, None);
+        lanes.accept(1, vec![row(1, "a"), row(2, "a"), row(3, "a")]);
+        assert_eq!(seqs(&lanes.take_ready(10)), vec![1]);
+        let a = lanes.lane_of(0, "a");
+        let behind = lanes.block(&a);
+        lanes.releasing(&behind); // the release of rows 2 and 3
+        lanes.releasing(&[1]); // the head's retry statement, which releases it too
+                               // The retry reports; claim 2 had started by then.
+        lanes.retry_recorded(&a, 2);
+        lanes.forget_released(&[1]);
+        // Claim 2 ran once the head was due, before the release of 2 and 3 committed.
+        let stale = lanes.accept(2, vec![row(1, "a")]);
+        assert_eq!(stale, vec![1], "a stale claim's row goes back");
+        lanes.releasing(&stale);
+        lanes.expire_blocks(2);
+        lanes.forget_released(&behind);
+        // Claim 3 began after the retry was recorded; row 1's second release is in flight.
+        assert_eq!(
+            lanes.accept(3, vec![row(2, "a"), row(3, "a")]),
+            vec![2, 3],
+            "rows behind a row being released go back"
+        );
+        lanes.releasing(&[2, 3]);
+        lanes.expire_blocks(3);
+        assert!(lanes.take_ready(10).is_empty(), "nothing overtakes row 1");
+        // Row 1's release reports; a claim takes it first, then the rest.
+        lanes.forget_released(&[1]);
+        assert!(lanes.accept(4, vec![row(1, "a")]).is_empty());
+        lanes.forget_released(&[2, 3]);
+        assert!(lanes.accept(5, vec![row(2, "a"), row(3, "a")]).is_empty());
+        assert_eq!(seqs(&lanes.take_ready(10)), vec![1]);
+        lanes.advance(&a);
+        assert_eq!(seqs(&lanes.take_ready(10)), vec![2]);
+    }
+
+    /// Race: a row is released, claimed again once that release committed, and released
+    /// again before either release reports. The first report must not end the second.
+    #[test]
+    fn race_a_row_released_twice_is_held_until_both_releases_report() {
+        let mut lanes = Lanes::new(true, None);
+        lanes.accept(1, vec![row(1, "a")]);
+        let unstarted = lanes.take_unstarted();
+        lanes.releasing(&unstarted);
+        assert!(
+            lanes.accept(2, vec![row(1, "a")]).is_empty(),
+            "claimed again"
+        );
+        let unstarted = lanes.take_unstarted();
+        assert_eq!(unstarted, vec![1]);
+        lanes.releasing(&unstarted);
+        lanes.forget_released(&[1]);
+        assert_eq!(lanes.held(), 1, "its second release is in flight");
+        assert_eq!(
+            lanes.accept(3, vec![row(2, "a")]),
+            vec![2],
+            "row 2 waits for row 1's second release"
+        );
+        lanes.forget_released(&[1]);
+        assert_eq!(lanes.held(), 1, "only row 2, going back, is held");
     }
 
     #[test]
