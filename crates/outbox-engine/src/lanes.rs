@@ -159,7 +159,21 @@ impl Lanes {
                 .partition_count
                 .map_or(0, |n| outbox_core::partition_of(row.ordering_key(), n));
             let key = self.lane_of(seq, row.ordering_key());
-            if self.held.contains_key(&seq) {
+            let newly_held = match self.held.entry(seq) {
+                std::collections::hash_map::Entry::Occupied(_) => false,
+                std::collections::hash_map::Entry::Vacant(slot) => {
+                    slot.insert(Held {
+                        partition,
+                        lane: key.clone(),
+                    });
+                    true
+                }
+            };
+            if newly_held {
+                if self.partition_count.is_some() {
+                    *self.busy.entry(partition).or_default() += 1;
+                }
+            } else {
                 match self.releasing.get_mut(&seq) {
                     Some(r) if !r.claimed_again => {
                         // Released, and claimed again before the release reported back: a
@@ -169,17 +183,6 @@ impl Lanes {
                     }
                     // Still in a lane or in flight: the claim only renewed an expired lease.
                     _ => continue,
-                }
-            } else {
-                self.held.insert(
-                    seq,
-                    Held {
-                        partition,
-                        lane: key.clone(),
-                    },
-                );
-                if self.partition_count.is_some() {
-                    *self.busy.entry(partition).or_default() += 1;
                 }
             }
             let overtakes_a_release = self
