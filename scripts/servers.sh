@@ -150,7 +150,10 @@ stop_nats() {
   local pid
   pid=$(cat "$STATE/nats/nats.pid" 2>/dev/null) || return 0
   kill "$pid" 2>/dev/null || true
-  for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+  for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.1; done
+  # Still flushing JetStream after 5 s on a loaded host: what was started is stopped.
+  kill -9 "$pid" 2>/dev/null || true
+  for _ in $(seq 20); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.1; done
 }
 
 start_redis() {
