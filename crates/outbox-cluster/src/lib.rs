@@ -217,10 +217,18 @@ async fn register(
     loop {
         let standing = match registry
             .register(node.clone(), config.heartbeat_timeout)
-            .await?
+            .await
         {
-            Registration::Registered(incarnation) => return Ok(incarnation),
-            Registration::Taken(standing) => standing,
+            Ok(Registration::Registered(incarnation)) => return Ok(incarnation),
+            Ok(Registration::Taken(standing)) => standing,
+            // Another process wrote the row while this statement ran (two started under one
+            // id at once): look again, and the row it wrote decides as above.
+            Err(e) if e.kind() == StoreErrorKind::Conflict => {
+                tracing::debug!(error = %e.report(), "the node's row changed during registration; looking again");
+                tokio::time::sleep(config.heartbeat_interval / 4).await;
+                continue;
+            }
+            Err(e) => return Err(e),
         };
         match first_seen {
             None => {

@@ -927,3 +927,71 @@ async fn race_a_heartbeat_waiting_on_the_removal_of_its_expired_row_registers_it
         .collect();
     assert_eq!(live, vec!["stalled".to_string()]);
 }
+
+/// Race: two processes start under one node id at once. The second's registration waits for
+/// the first's uncommitted insert of the row, and then finds the row live but not in its
+/// statement's snapshot: the store reports a conflict. Registration must look again, and
+/// then wait out (or be refused by) the row that stands, not fail the start on the
+/// conflict.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn race_a_registration_that_meets_a_concurrent_insert_of_its_row_looks_again() {
+    let (store, url) = store(4).await;
+    // The first process's registration, held open before it commits; its row expires in 2 s,
+    // as a process killed right after starting would leave it.
+    let first = session(&url).await;
+    first.batch_execute("BEGIN").await.unwrap();
+    first
+        .execute(
+            "INSERT INTO outbox_nodes (id, expiry)
+             VALUES ('twin', (now() AT TIME ZONE 'UTC') + interval '2 seconds')",
+            &[],
+        )
+        .await
+        .unwrap();
+    let second = tokio::spawn({
+        let store = store.clone();
+        async move {
+            outbox_cluster::Coordinator::start(
+                Arc::new(store),
+                None,
+                outbox_cluster::ClusterConfig {
+                    node: NodeId("twin".into()),
+                    heartbeat_interval: Duration::from_millis(200),
+                    heartbeat_timeout: Duration::from_secs(30),
+                    health: outbox_core::Health::new(),
+                },
+            )
+            .await
+        }
+    });
+    let watcher = session(&url).await;
+    eventually(
+        "the second registration to wait for the first's insert",
+        Duration::from_secs(10),
+        || async {
+            let waiting: i64 = watcher
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity
+                      WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            (waiting > 0).then_some(())
+        },
+    )
+    .await;
+    first.batch_execute("COMMIT").await.unwrap();
+    // The first process never heartbeats: once its row expires, the second takes it over.
+    let started = tokio::time::timeout(Duration::from_secs(20), second)
+        .await
+        .expect("registration ends once the first row expires")
+        .unwrap();
+    let coordinator = started.unwrap_or_else(|e| {
+        panic!("a conflict during registration is looked at again, not fatal: {e}")
+    });
+    coordinator
+        .stop(tokio::time::Instant::now() + Duration::from_secs(5))
+        .await;
+}
