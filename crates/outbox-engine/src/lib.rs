@@ -606,7 +606,7 @@ impl Engine {
                         .increment(1);
                 }
                 self.summary.retried += ids.len() as u64;
-                self.lanes.forget_released(&ids);
+                self.lanes.forget_released(&ids, self.claims.started);
             }
             Settled::DeadLettered(keys, ids, result) => {
                 let n = result?;
@@ -621,7 +621,7 @@ impl Engine {
             }
             Settled::Released(ids, result) => {
                 result?;
-                self.lanes.forget_released(&ids);
+                self.lanes.forget_released(&ids, self.claims.started);
             }
             Settled::Extended(result) => {
                 if let Err(e) = result {
