@@ -419,14 +419,14 @@ mod tests {
     use super::*;
     use outbox_core::Payload;
 
-    fn row(seq: i64, key: &str) -> Claimed {
+    pub(super) fn row(seq: i64, key: &str) -> Claimed {
         Claimed::Event(Arc::new(Event {
             partition_key: Some(key.into()),
             ..Event::new(seq, uuid::Uuid::nil(), "d", "t", Payload::Null)
         }))
     }
 
-    fn seqs(heads: &[Head]) -> Vec<i64> {
+    pub(super) fn seqs(heads: &[Head]) -> Vec<i64> {
         heads
             .iter()
             .map(|h| match h {
@@ -696,8 +696,8 @@ mod tests {
 /// of its key was published, and end with nothing held.
 #[cfg(test)]
 mod interleavings {
+    use super::tests::{row, seqs};
     use super::*;
-    use outbox_core::Payload;
     use std::collections::{BTreeMap, HashSet};
 
     /// xorshift: reproducible from the seed the failure names.
@@ -743,13 +743,6 @@ mod interleavings {
         no: u64,
         limit: usize,
         read: Option<Vec<SequenceId>>,
-    }
-
-    fn claimed(seq: SequenceId, key: &str) -> Claimed {
-        Claimed::Event(Arc::new(Event {
-            partition_key: Some(key.into()),
-            ..Event::new(seq, uuid::Uuid::nil(), "d", "t", Payload::Null)
-        }))
     }
 
     fn run(seed: u64, ordered: bool) -> Result<(), String> {
@@ -858,8 +851,8 @@ mod interleavings {
                     Some(rows) => {
                         let no = c.no;
                         claim = None;
-                        let back = lanes
-                            .accept(no, rows.iter().map(|s| claimed(*s, &key_of[s])).collect());
+                        let back =
+                            lanes.accept(no, rows.iter().map(|s| row(*s, &key_of[s])).collect());
                         lanes.expire_blocks(no);
                         log.push(format!("t{now} claim {no} reports {rows:?}, back {back:?}"));
                         if !back.is_empty() {
@@ -979,16 +972,6 @@ mod interleavings {
             }
         }
         fail("no end".into(), &log[log.len().saturating_sub(60)..])
-    }
-
-    fn seqs(heads: &[Head]) -> Vec<SequenceId> {
-        heads
-            .iter()
-            .map(|h| match h {
-                Head::Publish(e) => e.sequence_id,
-                Head::DeadLetter { sequence_id, .. } => *sequence_id,
-            })
-            .collect()
     }
 
     #[test]

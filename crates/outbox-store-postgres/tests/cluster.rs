@@ -846,6 +846,25 @@ async fn a_database_migrated_before_the_scheduled_index_is_slower_not_refused() 
     assert_eq!(ids(&claimed), seq);
 }
 
+/// Waits until a session of the test database waits for a row lock: the statement a race
+/// test holds back has reached it.
+async fn until_a_session_waits_for_a_lock(url: &str, what: &str) {
+    let watcher = session(url).await;
+    eventually(what, Duration::from_secs(10), || async {
+        let waiting: i64 = watcher
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity
+                  WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        (waiting > 0).then_some(())
+    })
+    .await;
+}
+
 /// Race: a node's heartbeat comes in (a stalled link healed) while another node is removing
 /// its expired row. The heartbeat's UPDATE waits for the DELETE's lock and then finds no row;
 /// a re-insert that looks for the row in the statement's snapshot, taken before the DELETE
@@ -892,24 +911,7 @@ async fn race_a_heartbeat_waiting_on_the_removal_of_its_expired_row_registers_it
         let node = node.clone();
         async move { store.heartbeat(node, last, Duration::from_secs(30)).await }
     });
-    let watcher = session(&url).await;
-    eventually(
-        "the heartbeat to wait for the removal's lock",
-        Duration::from_secs(10),
-        || async {
-            let waiting: i64 = watcher
-                .query_one(
-                    "SELECT count(*) FROM pg_stat_activity
-                      WHERE datname = current_database() AND wait_event_type = 'Lock'",
-                    &[],
-                )
-                .await
-                .unwrap()
-                .get(0);
-            (waiting > 0).then_some(())
-        },
-    )
-    .await;
+    until_a_session_waits_for_a_lock(&url, "the heartbeat to wait for the removal's lock").await;
     remover.batch_execute("COMMIT").await.unwrap();
 
     let beat = heartbeat.await.unwrap().unwrap();
@@ -964,22 +966,9 @@ async fn race_a_registration_that_meets_a_concurrent_insert_of_its_row_looks_aga
             .await
         }
     });
-    let watcher = session(&url).await;
-    eventually(
+    until_a_session_waits_for_a_lock(
+        &url,
         "the second registration to wait for the first's insert",
-        Duration::from_secs(10),
-        || async {
-            let waiting: i64 = watcher
-                .query_one(
-                    "SELECT count(*) FROM pg_stat_activity
-                      WHERE datname = current_database() AND wait_event_type = 'Lock'",
-                    &[],
-                )
-                .await
-                .unwrap()
-                .get(0);
-            (waiting > 0).then_some(())
-        },
     )
     .await;
     first.batch_execute("COMMIT").await.unwrap();
