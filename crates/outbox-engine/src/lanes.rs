@@ -692,8 +692,9 @@ mod tests {
 /// Random interleavings of the engine's calls against a model of the store: claims (one at
 /// a time, numbered) that skip the node's own rows without being held back by them and stop
 /// at a key whose row waits to retry, and ack, retry and release statements that commit and
-/// report at separate moments. Every run must hand each row out only after every earlier row
-/// of its key was published, and end with nothing held.
+/// report at separate moments; in some runs partitions are lost and taken again, or the
+/// engine stops part-way. Every run must hand each row out only after every earlier row of
+/// its key was published, and end with nothing held.
 #[cfg(test)]
 mod interleavings {
     use super::tests::{row, seqs};
@@ -745,7 +746,22 @@ mod interleavings {
         read: Option<Vec<SequenceId>>,
     }
 
-    fn run(seed: u64, ordered: bool) -> Result<(), String> {
+    /// What a run varies besides the seed.
+    #[derive(Clone, Copy, Debug)]
+    struct Variant {
+        ordered: bool,
+        /// Two partitions, one of them now and then lost and taken again.
+        churn: bool,
+        /// The step at which the engine stops (releasing what it has not handed out).
+        stop_at: Option<u64>,
+    }
+
+    fn run(seed: u64, variant: Variant) -> Result<(), String> {
+        let Variant {
+            ordered,
+            churn,
+            stop_at,
+        } = variant;
         let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
         let keys = 1 + rng.below(3);
         let mut store: BTreeMap<SequenceId, StoredRow> = (1..=4 + rng.below(10) as i64)
@@ -764,7 +780,11 @@ mod interleavings {
             .collect();
         let key_of: BTreeMap<SequenceId, String> =
             store.iter().map(|(s, r)| (*s, r.key.clone())).collect();
-        let mut lanes = Lanes::new(ordered, None);
+        const PARTITIONS: u32 = 2;
+        let partition = |seq: &SequenceId| outbox_core::partition_of(&key_of[seq], PARTITIONS);
+        let mut lanes = Lanes::new(ordered, churn.then_some(PARTITIONS));
+        let mut owned: std::collections::BTreeSet<i32> = (0..PARTITIONS as i32).collect();
+        let mut stopping = false;
         let (mut now, mut claims_started) = (0u64, 0u64);
         let mut claim: Option<Claim> = None;
         let mut statements: Vec<Statement> = Vec::new();
@@ -773,15 +793,40 @@ mod interleavings {
         let mut log = Vec::new();
         let fail = |what: String, log: &[String]| {
             Err(format!(
-                "seed {seed}, ordered {ordered}: {what}\n{}",
+                "seed {seed}, {variant:?}: {what}\n{}",
                 log.join("\n")
             ))
         };
-        for _ in 0..100_000 {
+        for step in 0..100_000 {
             if rng.below(3) == 0 {
                 now += 1;
             }
-            let heads = seqs(&lanes.take_ready(1 + rng.below(4) as usize));
+            let mut back = Vec::new();
+            if stop_at == Some(step) {
+                stopping = true;
+                back = lanes.take_unstarted();
+                log.push(format!("t{now} stop: release {back:?}"));
+            } else if churn && !stopping && rng.below(40) == 0 {
+                if owned.len() == PARTITIONS as usize {
+                    owned.remove(&(rng.below(u64::from(PARTITIONS)) as i32));
+                    back = lanes.keep_only_partitions(&owned);
+                } else {
+                    owned = (0..PARTITIONS as i32).collect();
+                }
+                log.push(format!("t{now} partitions {owned:?}, release {back:?}"));
+            }
+            if !back.is_empty() {
+                lanes.releasing(&back);
+                statements.push(Statement::Release {
+                    ids: back,
+                    committed: false,
+                });
+            }
+            let heads = if stopping {
+                Vec::new()
+            } else {
+                seqs(&lanes.take_ready(1 + rng.below(4) as usize))
+            };
             for &seq in &heads {
                 let earlier_unpublished = key_of
                     .range(..seq)
@@ -797,7 +842,7 @@ mod interleavings {
                 log.push(format!("t{now} publish {heads:?}"));
                 statements.push(Statement::Publish(heads));
             }
-            if claim.is_none() && rng.below(2) == 0 {
+            if claim.is_none() && !stopping && rng.below(2) == 0 {
                 claims_started += 1;
                 let limit = 1 + rng.below(5) as usize;
                 claim = Some(Claim {
@@ -808,6 +853,12 @@ mod interleavings {
             }
             let choices = statements.len() + usize::from(claim.is_some());
             if choices == 0 {
+                if stopping {
+                    if lanes.held() > 0 || !lanes.releasing.is_empty() {
+                        return fail("rows left held after the engine stopped".into(), &log);
+                    }
+                    return Ok(());
+                }
                 if !store.values().all(|r| r.gone) {
                     continue;
                 }
@@ -830,7 +881,8 @@ mod interleavings {
                         let mut rows = Vec::new();
                         let mut waiting_keys = HashSet::new();
                         for (seq, r) in store.iter_mut() {
-                            if r.gone || r.held || waiting_keys.contains(&r.key) {
+                            let not_owned = !owned.contains(&partition(seq));
+                            if r.gone || r.held || not_owned || waiting_keys.contains(&r.key) {
                                 continue;
                             }
                             if r.available_at > now {
@@ -855,6 +907,13 @@ mod interleavings {
                             lanes.accept(no, rows.iter().map(|s| row(*s, &key_of[s])).collect());
                         lanes.expire_blocks(no);
                         log.push(format!("t{now} claim {no} reports {rows:?}, back {back:?}"));
+                        // Rows of partitions lost while it ran, and everything once stopping.
+                        let mut back = back;
+                        if stopping {
+                            back.extend(lanes.take_unstarted());
+                        } else if churn {
+                            back.extend(lanes.keep_only_partitions(&owned));
+                        }
                         if !back.is_empty() {
                             lanes.releasing(&back);
                             statements.push(Statement::Release {
@@ -976,9 +1035,16 @@ mod interleavings {
 
     #[test]
     fn random_interleavings_keep_each_keys_order_and_leave_nothing_held() {
-        for seed in 0..10_000 {
-            run(seed, true).unwrap();
-            run(seed, false).unwrap();
+        for seed in 0..5_000 {
+            for (ordered, churn) in [(true, false), (false, false), (true, true)] {
+                let stop_at = (seed % 4 == 0).then_some(seed % 64);
+                let variant = Variant {
+                    ordered,
+                    churn,
+                    stop_at,
+                };
+                run(seed, variant).unwrap();
+            }
         }
     }
 }
