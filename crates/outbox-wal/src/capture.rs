@@ -202,13 +202,6 @@ struct State {
     /// Held stream events to park; written by the next park statement.
     to_park: Vec<Park>,
     drain_until: Option<Lsn>,
-    /// Parked rows the engine gave back, with their keys and, once their release statement
-    /// returned, the number of claims started by then. Locked by this node until it commits,
-    /// they do not hold back later rows of their key in a parked claim running meanwhile,
-    /// which must not hand those out ahead of them.
-    releasing: HashMap<SequenceId, (String, Option<u64>)>,
-    /// Claims started (they run one at a time, under `parking`).
-    claims: u64,
     /// Outputs received from the reader and not yet accepted by a claim (a claim stops
     /// at its limit, possibly within a burst).
     unaccepted: VecDeque<Output>,
@@ -306,8 +299,6 @@ impl WalStore {
                     undeleted: Vec::new(),
                     to_park: Vec::new(),
                     drain_until: None,
-                    releasing: HashMap::new(),
-                    claims: 0,
                     unaccepted: VecDeque::new(),
                     ack_queue: Vec::new(),
                     ack_round: Arc::default(),
@@ -679,28 +670,11 @@ impl Inner {
         let ids: Vec<SequenceId> = items.iter().map(id).collect();
         // Forgotten before the statement: once it commits a claim may take a row again, and
         // the entry that claim makes must not be forgotten after it.
+        // Until a release commits, its rows stay locked by this node and do not hold back
+        // later rows of their keys in a parked claim meanwhile: the engine's lanes send
+        // such rows back (see `Lanes::releasing`).
         let taken = self.take(&ids);
-        let releasing = !unpark;
-        if releasing {
-            // Until it commits the row stays locked by this node, which does not hold back
-            // later rows of its key in a parked claim meanwhile (see `claim`).
-            lock(&self.state)
-                .releasing
-                .extend(taken.iter().filter_map(|(id, held)| match held {
-                    Held::Parked(key) => Some((*id, (key.clone(), None))),
-                    Held::Wal(_) => None,
-                }));
-        }
         let result = statement(&self.parked, items).await;
-        if releasing {
-            let mut state = lock(&self.state);
-            let claims = state.claims;
-            for id in &ids {
-                if let Some((_, done)) = state.releasing.get_mut(id) {
-                    *done = Some(claims);
-                }
-            }
-        }
         let settled = match result {
             Ok(n) => n,
             Err(e) => {
@@ -931,41 +905,9 @@ impl Inner {
                 fence: None,
                 ..request.clone()
             });
-            let claim_no = {
-                let mut state = lock(&self.state);
-                state.claims += 1;
-                let claim_no = state.claims;
-                // Releases that ended before this claim began cannot have raced it.
-                state
-                    .releasing
-                    .retain(|_, (_, done)| done.is_none_or(|n| n >= claim_no));
-                claim_no
-            };
-            let mut rows = rows.await?;
-            // Rows behind a row whose release ran during this claim wait for it: they go
-            // back at once.
-            let behind: Vec<SequenceId> = {
-                let state = lock(&self.state);
-                rows.iter()
-                    .filter(|row| {
-                        state.releasing.iter().any(|(id, (key, done))| {
-                            *id < row.sequence_id()
-                                && key.as_str() == row.ordering_key()
-                                && done.is_none_or(|n| n >= claim_no)
-                        })
-                    })
-                    .map(Claimed::sequence_id)
-                    .collect()
-            };
-            if !behind.is_empty() {
-                rows.retain(|row| !behind.contains(&row.sequence_id()));
-                self.parked
-                    .release(request.node.clone(), behind.clone())
-                    .await?;
-            }
+            let rows = rows.await?;
             tracing::debug!(
                 claimed = ?rows.iter().map(Claimed::sequence_id).collect::<Vec<_>>(),
-                put_back = ?behind,
                 "claimed parked rows"
             );
             let mut state = lock(&self.state);
