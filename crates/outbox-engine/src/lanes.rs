@@ -209,11 +209,13 @@ impl Lanes {
                     _ => continue,
                 }
             }
-            let overtakes_a_release = self.released_by_lane.get(&key).is_some_and(|marks| {
-                marks
-                    .range(..seq)
-                    .any(|(_, released)| released.may_be_unseen_by(claim_no))
-            });
+            // Most claims meet no released row: no lookup then, on the path of every row.
+            let overtakes_a_release = !self.released_by_lane.is_empty()
+                && self.released_by_lane.get(&key).is_some_and(|marks| {
+                    marks
+                        .range(..seq)
+                        .any(|(_, released)| released.may_be_unseen_by(claim_no))
+                });
             if overtakes_a_release {
                 release.push(seq);
                 continue;
@@ -379,6 +381,9 @@ impl Lanes {
     }
 
     fn unmark_released(&mut self, lane: &LaneKey, id: SequenceId) {
+        if self.released_by_lane.is_empty() {
+            return;
+        }
         if let Some(marks) = self.released_by_lane.get_mut(lane) {
             marks.remove(&id);
             if marks.is_empty() {
