@@ -332,6 +332,12 @@ impl WalStore {
         self.status()
     }
 
+    /// How many keys have events waiting in the parked table (or about to be written
+    /// there): while a key has one, its new events from the stream are parked behind it.
+    pub fn parked_keys(&self) -> usize {
+        lock(&self.inner.state).parked_keys.len()
+    }
+
     /// How many rows the slot's first run moved to the dead letters when adopting the
     /// table, because they could not be read as events (they are no engine dead letters:
     /// `run --drain` counts them itself).
