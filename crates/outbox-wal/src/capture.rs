@@ -1782,6 +1782,18 @@ impl Reader {
                 }
             }
             if !burst.is_empty() {
+                if tracing::enabled!(tracing::Level::TRACE) {
+                    // With the claim's `oldest_ms`: whether events reach the relay late, or
+                    // wait in it.
+                    let first_commit = burst.iter().find_map(|output| match output {
+                        Output::Committed { commit_time, .. } => Some(*commit_time),
+                        _ => None,
+                    });
+                    let age = first_commit
+                        .and_then(|at| SystemTime::now().duration_since(at).ok())
+                        .map(|age| age.as_secs_f64() * 1000.0);
+                    tracing::trace!(outputs = burst.len(), first_commit_ms = ?age, "read");
+                }
                 permit.send(Item::Outputs(burst));
                 self.notify();
             }
