@@ -34,8 +34,8 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use crate::lanes::{Head, LaneKey, Lanes};
-use crate::metrics::{DestinationLabels, DEFAULT_DESTINATION_LABELS};
 use crate::scheduler::{Claim, ClaimScheduler};
+use outbox_core::metric_labels::DestinationLabels;
 
 /// Rows claimed per statement by default: the fastest drain of the sizes measured
 /// (BENCHMARKS.md, "What each change bought").
@@ -223,7 +223,7 @@ struct Engine {
     publisher: Arc<dyn Publisher>,
     config: EngineConfig,
     lanes: Lanes,
-    labels: DestinationLabels,
+    labels: &'static DestinationLabels,
     publishing: FuturesUnordered<BoxFuture<'static, Published>>,
     settling: FuturesUnordered<BoxFuture<'static, Settled>>,
     summary: Summary,
@@ -900,7 +900,7 @@ pub async fn run(
     let mut engine = Engine {
         store,
         publisher,
-        labels: DestinationLabels::new(DEFAULT_DESTINATION_LABELS),
+        labels: DestinationLabels::shared(),
         config,
         lanes,
         publishing: FuturesUnordered::new(),

@@ -1,11 +1,9 @@
-//! Metric names and the destination label guard.
-
-use std::collections::HashSet;
-use std::sync::Mutex;
+//! Metric names (the destination label guard, shared with WAL capture, is in
+//! `outbox_core::metric_labels`).
 
 pub const PUBLISHED: &str = "outbox_events_published_total";
 pub const RETRIED: &str = "outbox_events_retried_total";
-pub const DEAD_LETTERED: &str = "outbox_events_dead_lettered_total";
+pub use outbox_core::metric_labels::DEAD_LETTERED;
 pub const COMMIT_TO_CONFIRM: &str = "outbox_commit_to_confirm_seconds";
 pub const CLAIM_BATCH: &str = "outbox_claim_batch_size";
 pub const PUBLISH_BATCH: &str = "outbox_publish_batch_size";
@@ -64,49 +62,4 @@ pub fn describe() {
         TROUBLES,
         "Problems /readyz reports right now (failing checks, database waits past 10 s, assigned partitions not held)."
     );
-}
-
-/// Caps the number of distinct destination label values, so a destination per entity
-/// (`posts:123`) cannot blow up the metrics; the rest are counted as `other`.
-pub struct DestinationLabels {
-    seen: Mutex<HashSet<String>>,
-    limit: usize,
-}
-
-/// Distinct destinations labelled before the rest become `other`.
-pub const DEFAULT_DESTINATION_LABELS: usize = 500;
-
-impl DestinationLabels {
-    pub fn new(limit: usize) -> Self {
-        DestinationLabels {
-            seen: Mutex::new(HashSet::new()),
-            limit,
-        }
-    }
-
-    pub fn label(&self, destination: &str) -> String {
-        let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
-        if seen.contains(destination) {
-            return destination.to_string();
-        }
-        if seen.len() < self.limit {
-            seen.insert(destination.to_string());
-            return destination.to_string();
-        }
-        "other".to_string()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn destinations_beyond_the_limit_become_other() {
-        let labels = DestinationLabels::new(2);
-        assert_eq!(labels.label("a"), "a");
-        assert_eq!(labels.label("b"), "b");
-        assert_eq!(labels.label("c"), "other");
-        assert_eq!(labels.label("a"), "a");
-    }
 }

@@ -532,6 +532,38 @@ impl DebeziumWal {
         let sink = format!("file:{}", self.out.display());
         self.relay("run", &["--sink", &sink, "--http-addr", "", "--drain"])
     }
+
+    /// A relay running until stopped, to the file sink, its endpoints on a free port.
+    fn spawn(&self, name: &str) -> RelayProcess {
+        let sink = format!("file:{}", self.out.display());
+        let args: Vec<&str> = ["run", "--layout", "debezium"]
+            .into_iter()
+            .chain(capture_flags(&self.url, &self.slot))
+            .chain(["--sink", &sink, "--node-id", name])
+            .chain(["--http-addr", "127.0.0.1:0", "--log-format", "json"])
+            .collect();
+        RelayProcess::spawn(self.dir.path(), name, &args, &[])
+    }
+}
+
+/// The outboxevent table of the Debezium tests whose columns are text, so that a row need
+/// not be an event.
+const DEBEZIUM_TEXT_TABLE: &str = "CREATE TABLE outboxevent (
+    id varchar(64) NOT NULL PRIMARY KEY,
+    aggregatetype varchar(255),
+    aggregateid varchar(255) NOT NULL,
+    type varchar(255) NOT NULL,
+    payload text)";
+
+/// Inserts a row of [`DEBEZIUM_TEXT_TABLE`].
+async fn insert_debezium_row(db: &Client, id: &str, key: &str, payload: &str, to: Option<&str>) {
+    db.execute(
+        "INSERT INTO outboxevent (id, aggregatetype, aggregateid, type, payload)
+         VALUES ($1, $4, $2, 'OrderEvent', $3)",
+        &[&id, &key, &payload, &to],
+    )
+    .await
+    .unwrap();
 }
 
 /// Debezium's outbox table (`layout = "debezium"`) read from the WAL, as Debezium reads it:
@@ -682,15 +714,7 @@ async fn debeziums_table_is_read_from_the_wal_even_when_rows_are_deleted_at_once
 /// adoption as a whole, and the relay relayed nothing.
 #[tokio::test]
 async fn odd_rows_of_a_debezium_table_that_predate_the_slot_are_dead_lettered_not_blocking() {
-    let w = DebeziumWal::migrated(
-        "CREATE TABLE outboxevent (
-             id varchar(64) NOT NULL PRIMARY KEY,
-             aggregatetype varchar(255),
-             aggregateid varchar(255) NOT NULL,
-             type varchar(255) NOT NULL,
-             payload text)",
-    )
-    .await;
+    let w = DebeziumWal::migrated(DEBEZIUM_TEXT_TABLE).await;
     let db = &w.db;
     let good = |n: i32| (uuid::Uuid::new_v4().to_string(), format!("{{\"n\": {n}}}"));
     // Every form of UUID PostgreSQL reads is one: braces, capitals, hyphens anywhere.
@@ -706,13 +730,7 @@ async fn odd_rows_of_a_debezium_table_that_predate_the_slot_are_dead_lettered_no
         ((braced, "{\"n\": 2}".to_string()), "order-2", Some("Order")),
     ];
     for ((id, payload), key, destination) in &rows {
-        db.execute(
-            "INSERT INTO outboxevent (id, aggregatetype, aggregateid, type, payload)
-             VALUES ($1, $4, $2, 'OrderEvent', $3)",
-            &[id, key, payload, destination],
-        )
-        .await
-        .unwrap();
+        insert_debezium_row(db, id, key, payload, *destination).await;
     }
     // The drain says events were dead-lettered (exit 1); the rest was delivered.
     let drained = w.drain();
@@ -744,6 +762,39 @@ async fn odd_rows_of_a_debezium_table_that_predate_the_slot_are_dead_lettered_no
     );
     assert!(dead[1].1.contains("payload is not valid JSON"), "{dead:?}");
     assert_eq!(dead[2].1, "destination is NULL");
+}
+
+/// The rows a table's adoption dead-letters count in `outbox_events_dead_lettered_total`,
+/// by destination, as the engine's own dead letters do. Before, only `run --drain`'s
+/// summary counted them, and a running relay's metrics said nothing had been dead-lettered.
+#[tokio::test]
+async fn rows_dead_lettered_while_adopting_a_table_count_in_the_dead_letter_metric() {
+    let w = DebeziumWal::migrated(DEBEZIUM_TEXT_TABLE).await;
+    let id = || uuid::Uuid::new_v4().to_string();
+    insert_debezium_row(&w.db, &id(), "order-1", "{}", Some("Order")).await;
+    insert_debezium_row(&w.db, "not-a-uuid", "order-1", "{}", Some("Order")).await;
+    insert_debezium_row(&w.db, &id(), "order-2", "<order/>", Some("Order")).await;
+    insert_debezium_row(&w.db, &id(), "order-3", "{}", None).await;
+    let relay = w.spawn("relay");
+    let addr = http_addr(&relay).await;
+    let order = r#"outbox_events_dead_lettered_total{destination="Order"}"#;
+    let no_destination = r#"outbox_events_dead_lettered_total{destination=""}"#;
+    let metrics = eventually_explained(
+        "the adoption's dead letters in the metrics",
+        Duration::from_secs(60),
+        || relay.logs(),
+        || {
+            let addr = addr.clone();
+            async move {
+                let (_, metrics) = http_get(&addr, "/metrics").await?;
+                metric_value(&metrics, no_destination).map(|_| metrics)
+            }
+        },
+    )
+    .await;
+    assert_eq!(metric_value(&metrics, order), Some(2.0), "{metrics}");
+    assert_eq!(metric_value(&metrics, no_destination), Some(1.0));
+    wait_for_lines("the good row", &w.out, Duration::from_secs(30), |n| n == 1).await;
 }
 
 // ---- 3, 4. kill -9 and SIGTERM mid-stream ----

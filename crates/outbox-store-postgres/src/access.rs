@@ -54,6 +54,17 @@ impl PgStore {
         context: &'static str,
         steps: &[Step<'_>],
     ) -> StoreResult<Vec<u64>> {
+        Ok(self.transaction_then_query(context, steps, None).await?.0)
+    }
+
+    /// [`PgStore::transaction`], then `query` in the same transaction (before it commits):
+    /// the steps' row counts and the query's rows (none without a query).
+    pub async fn transaction_then_query(
+        &self,
+        context: &'static str,
+        steps: &[Step<'_>],
+        query: Option<Step<'_>>,
+    ) -> StoreResult<(Vec<u64>, Vec<Row>)> {
         let inner = &self.inner;
         bounded(inner, context, async {
             let mut client = inner.pool.get().await.map_err(|e| pool_error(context, e))?;
@@ -73,8 +84,19 @@ impl PgStore {
                         .map_err(|e| Self::statement_error(inner, context, e))?,
                 );
             }
+            let mut rows = Vec::new();
+            if let Some((sql, params)) = query {
+                let statement = tx
+                    .prepare_cached(sql)
+                    .await
+                    .map_err(|e| db_error(context, e))?;
+                rows = tx
+                    .query(&statement, params)
+                    .await
+                    .map_err(|e| Self::statement_error(inner, context, e))?;
+            }
             tx.commit().await.map_err(|e| db_error(context, e))?;
-            Ok(counts)
+            Ok((counts, rows))
         })
         .await
     }

@@ -1636,6 +1636,35 @@ impl Reader {
         sent
     }
 
+    /// Counts the rows a mapped table's adoption dead-lettered (`destination, count`): in
+    /// `outbox_events_dead_lettered_total`, as the engine counts its own, and for
+    /// `run --drain`'s summary.
+    fn count_adoption_dead_letters(&self, dead_by_destination: &[tokio_postgres::Row]) {
+        let labels = outbox_core::metric_labels::DestinationLabels::shared();
+        let mut dead = 0;
+        for row in dead_by_destination {
+            let destination: Option<String> = row.try_get(0).ok().flatten();
+            let n = row.try_get::<_, i64>(1).map_or(0, |n| n.max(0) as u64);
+            let destination = destination.unwrap_or_default();
+            ::metrics::counter!(
+                outbox_core::metric_labels::DEAD_LETTERED,
+                "destination" => labels.label(&destination)
+            )
+            .increment(n);
+            dead += n;
+        }
+        if dead > 0 {
+            self.adoption_dead_letters
+                .fetch_add(dead, std::sync::atomic::Ordering::SeqCst);
+            tracing::warn!(
+                rows = dead,
+                "rows of the outbox table that could not be read as events (an id that is no \
+                 UUID, a payload that is no JSON) were moved to the dead letters with the \
+                 reason: `outbox-relay dead list` shows them"
+            );
+        }
+    }
+
     /// One session: announce it, then forward until it breaks or the store closes.
     async fn stream(
         &mut self,
@@ -1645,37 +1674,27 @@ impl Reader {
         adopt: &mut bool,
     ) -> SessionEnd {
         if *adopt {
-            let steps: Vec<_> = self
-                .sql
-                .adopt
+            let no_params = &[] as &[&(dyn tokio_postgres::types::ToSql + Sync)];
+            let adoption = &self.sql.adopt;
+            let steps: Vec<_> = adoption
                 .steps
                 .iter()
-                .map(|sql| {
-                    (
-                        sql.as_str(),
-                        &[] as &[&(dyn tokio_postgres::types::ToSql + Sync)],
-                    )
-                })
+                .map(|sql| (sql.as_str(), no_params))
                 .collect();
-            match self.main.transaction("adopt", &steps).await {
-                Ok(counts) => {
+            let dead_letters = adoption.dead_letters.as_deref().map(|sql| (sql, no_params));
+            match self
+                .main
+                .transaction_then_query("adopt", &steps, dead_letters)
+                .await
+            {
+                Ok((_, dead_by_destination)) => {
                     *adopt = false;
                     tracing::info!(
                         "the replication slot is new: pending rows of the outbox table, which \
                          its stream does not carry, were moved to the parked table to be relayed \
                          first"
                     );
-                    let dead = counts.last().copied().unwrap_or_default();
-                    if self.sql.adopt.counts_dead_letters && dead > 0 {
-                        self.adoption_dead_letters
-                            .fetch_add(dead, std::sync::atomic::Ordering::SeqCst);
-                        tracing::warn!(
-                            rows = dead,
-                            "rows of the outbox table that could not be read as events (an id \
-                             that is no UUID, a payload that is no JSON) were moved to the dead \
-                             letters with the reason: `outbox-relay dead list` shows them"
-                        );
-                    }
+                    self.count_adoption_dead_letters(&dead_by_destination);
                 }
                 Err(e) => {
                     return SessionEnd::Broken(format!(

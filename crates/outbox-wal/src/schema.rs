@@ -334,9 +334,10 @@ fn quote(name: &str) -> String {
 #[derive(Clone, Debug)]
 pub struct Adoption {
     pub steps: Vec<String>,
-    /// Whether the last step's row count is the rows dead-lettered for not decoding (a
-    /// mapped table's); the native table's typed rows always decode.
-    pub counts_dead_letters: bool,
+    /// A mapped table's last statement, a query: it dead-letters the rows that do not
+    /// decode, and returns `destination, count` of them. The native table's typed rows
+    /// always decode.
+    pub dead_letters: Option<String>,
 }
 
 /// Moves every pending row of the captured table into the parked table. The native table's
@@ -367,7 +368,7 @@ fn adopt(tables: &CaptureTables) -> Adoption {
         );
         return Adoption {
             steps: vec![moved],
-            counts_dead_letters: false,
+            dead_letters: None,
         };
     }
     let or_null = |column: &Option<String>, cast: &str| match column {
@@ -412,7 +413,7 @@ fn adopt(tables: &CaptureTables) -> Adoption {
     );
     // The ids are kept (they come from one sequence, see `shared_ids_ddl`); the native
     // outbox's rows (`dead retry`, `send`) are moved as the native form moves them.
-    // The last statement's count is the rows dead-lettered.
+    // It returns the rows dead-lettered, by destination, for the metric.
     let moved = format!(
         "WITH deleted AS (DELETE FROM {source} RETURNING *),
               moved AS (
@@ -429,7 +430,8 @@ fn adopt(tables: &CaptureTables) -> Adoption {
                        {event_type}::text, relay_payload, {headers}, {mutation}, {created_at}
                   FROM moved WHERE {decodable} ORDER BY {row_id}
                 ON CONFLICT DO NOTHING RETURNING 1),
-              native AS ({native} RETURNING 1)
+              native AS ({native} RETURNING 1),
+              dead AS (
          INSERT INTO {dead} (sequence_id, event_id, destination, partition_key, event_type,
                 payload, headers, mutation_id, created_at, attempts, last_error)
          SELECT {row_id}, coalesce(relay_id, gen_random_uuid()),
@@ -442,7 +444,8 @@ fn adopt(tables: &CaptureTables) -> Adoption {
                      ELSE 'payload is not valid JSON (kept here as a JSON string)'
                 END
            FROM moved WHERE NOT ({decodable})
-         ON CONFLICT DO NOTHING",
+         ON CONFLICT DO NOTHING RETURNING destination)
+         SELECT destination, count(*) FROM dead GROUP BY destination",
         outbox = tables.outbox.quoted(),
         dead = tables.dead_letters.quoted(),
         native = native_rows("moved_outbox"),
@@ -458,8 +461,8 @@ fn adopt(tables: &CaptureTables) -> Adoption {
            BEGIN RETURN value::jsonb; EXCEPTION WHEN others THEN RETURN NULL; END $$"
         .to_string();
     Adoption {
-        steps: vec![tolerant_jsonb, moved],
-        counts_dead_letters: true,
+        steps: vec![tolerant_jsonb],
+        dead_letters: Some(moved),
     }
 }
 

@@ -1,0 +1,64 @@
+//! What more than one crate records under the same metric: its name, and the label guard
+//! that keeps its destinations few.
+//!
+//! The engine counts dead letters as it settles them; WAL capture counts the rows its
+//! slot's first run dead-letters while adopting a table, which never reach the engine.
+//! Both go through [`DestinationLabels::shared`], since the metrics registry they record
+//! into is the process's.
+
+use std::collections::HashSet;
+use std::sync::{Mutex, OnceLock};
+
+/// Events moved to the dead letters, by destination.
+pub const DEAD_LETTERED: &str = "outbox_events_dead_lettered_total";
+
+/// Distinct destinations labelled before the rest become `other`.
+pub const DEFAULT_DESTINATION_LABELS: usize = 500;
+
+/// Caps the number of distinct destination label values, so a destination per entity
+/// (`posts:123`) cannot blow up the metrics; the rest are counted as `other`.
+pub struct DestinationLabels {
+    seen: Mutex<HashSet<String>>,
+    limit: usize,
+}
+
+impl DestinationLabels {
+    pub fn new(limit: usize) -> Self {
+        DestinationLabels {
+            seen: Mutex::new(HashSet::new()),
+            limit,
+        }
+    }
+
+    /// The guard of this process's metrics, with [`DEFAULT_DESTINATION_LABELS`].
+    pub fn shared() -> &'static DestinationLabels {
+        static SHARED: OnceLock<DestinationLabels> = OnceLock::new();
+        SHARED.get_or_init(|| DestinationLabels::new(DEFAULT_DESTINATION_LABELS))
+    }
+
+    pub fn label(&self, destination: &str) -> String {
+        let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        if seen.contains(destination) {
+            return destination.to_string();
+        }
+        if seen.len() < self.limit {
+            seen.insert(destination.to_string());
+            return destination.to_string();
+        }
+        "other".to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn destinations_beyond_the_limit_become_other() {
+        let labels = DestinationLabels::new(2);
+        assert_eq!(labels.label("a"), "a");
+        assert_eq!(labels.label("b"), "b");
+        assert_eq!(labels.label("c"), "other");
+        assert_eq!(labels.label("a"), "a");
+    }
+}
