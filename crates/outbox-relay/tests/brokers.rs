@@ -211,15 +211,17 @@ sink = "audit"
         async move { get(&addr, "/readyz").await.filter(|(s, _)| *s == 200) }
     })
     .await;
-    let metrics = get(&addr, "/metrics").await.unwrap().1;
-    assert!(
-        metrics.contains("outbox_events_published_total{destination=\"orders.eu\"} 2"),
-        "{metrics}"
-    );
-    assert!(
-        metrics.contains("outbox_events_dead_lettered_total{destination=\"invoices\"} 1"),
-        "{metrics}"
-    );
+    // The counters move when the settle statements commit, after the sinks received.
+    let published = "outbox_events_published_total{destination=\"orders.eu\"} 2";
+    let dead = "outbox_events_dead_lettered_total{destination=\"invoices\"} 1";
+    eventually("the counters in /metrics", Duration::from_secs(30), || {
+        let addr = addr.clone();
+        async move {
+            let metrics = get(&addr, "/metrics").await?.1;
+            (metrics.contains(published) && metrics.contains(dead)).then_some(())
+        }
+    })
+    .await;
 
     let status = relay_process.terminate().await;
     assert!(status.success());
