@@ -3,11 +3,10 @@
 //!
 //! The engine counts dead letters as it settles them; WAL capture counts the rows its
 //! slot's first run dead-letters while adopting a table, which never reach the engine.
-//! Both go through [`DestinationLabels::shared`], since the metrics registry they record
-//! into is the process's.
+//! Both go through the same outbox's [`DestinationLabels`], so its cap is one count.
 
 use std::collections::HashSet;
-use std::sync::{Mutex, OnceLock};
+use std::sync::Mutex;
 
 /// Events moved to the dead letters, by destination.
 pub const DEAD_LETTERED: &str = "outbox_events_dead_lettered_total";
@@ -15,11 +14,19 @@ pub const DEAD_LETTERED: &str = "outbox_events_dead_lettered_total";
 /// Distinct destinations labelled before the rest become `other`.
 pub const DEFAULT_DESTINATION_LABELS: usize = 500;
 
-/// Caps the number of distinct destination label values, so a destination per entity
-/// (`posts:123`) cannot blow up the metrics; the rest are counted as `other`.
+/// Caps the number of distinct destination label values of one outbox, so a destination
+/// per entity (`posts:123`) cannot blow up the metrics; the rest are counted as `other`.
+/// One per outbox: another outbox's destinations do not use up its cap.
+#[derive(Debug)]
 pub struct DestinationLabels {
     seen: Mutex<HashSet<String>>,
     limit: usize,
+}
+
+impl Default for DestinationLabels {
+    fn default() -> Self {
+        DestinationLabels::new(DEFAULT_DESTINATION_LABELS)
+    }
 }
 
 impl DestinationLabels {
@@ -28,12 +35,6 @@ impl DestinationLabels {
             seen: Mutex::new(HashSet::new()),
             limit,
         }
-    }
-
-    /// The guard of this process's metrics, with [`DEFAULT_DESTINATION_LABELS`].
-    pub fn shared() -> &'static DestinationLabels {
-        static SHARED: OnceLock<DestinationLabels> = OnceLock::new();
-        SHARED.get_or_init(|| DestinationLabels::new(DEFAULT_DESTINATION_LABELS))
     }
 
     pub fn label(&self, destination: &str) -> String {

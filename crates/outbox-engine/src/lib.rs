@@ -99,6 +99,9 @@ pub struct EngineConfig {
     /// Where claims, publishes and settles are reported as spans. `None` (the default): no
     /// timestamp is taken and nothing is collected.
     pub telemetry: Option<Arc<dyn Telemetry>>,
+    /// The outbox's destination label guard, shared with whatever else counts its events
+    /// (WAL capture's adoption).
+    pub labels: Arc<DestinationLabels>,
 }
 
 impl EngineConfig {
@@ -120,6 +123,7 @@ impl EngineConfig {
             ordered: true,
             ownership: None,
             telemetry: None,
+            labels: Arc::default(),
         }
     }
 }
@@ -223,7 +227,7 @@ struct Engine {
     publisher: Arc<dyn Publisher>,
     config: EngineConfig,
     lanes: Lanes,
-    labels: &'static DestinationLabels,
+    labels: Arc<DestinationLabels>,
     publishing: FuturesUnordered<BoxFuture<'static, Published>>,
     settling: FuturesUnordered<BoxFuture<'static, Settled>>,
     summary: Summary,
@@ -900,7 +904,7 @@ pub async fn run(
     let mut engine = Engine {
         store,
         publisher,
-        labels: DestinationLabels::shared(),
+        labels: config.labels.clone(),
         config,
         lanes,
         publishing: FuturesUnordered::new(),

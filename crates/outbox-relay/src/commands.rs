@@ -253,7 +253,8 @@ pub(crate) async fn relay_outbox(
     let store = store?;
     let capture = match &store {
         AnyStore::PostgresWal(pg, capture) => {
-            Some(start_capture(&config, pg, capture, &node, drain))
+            let labels = engine.labels.clone();
+            Some(start_capture(&config, pg, capture, &node, drain, labels))
         }
         _ => None,
     };
@@ -473,6 +474,7 @@ fn start_capture(
     capture: &crate::store::Capture,
     node: &NodeId,
     drain: bool,
+    labels: Arc<outbox_core::metric_labels::DestinationLabels>,
 ) -> outbox_wal::WalStore {
     let (table, columns) = capture.source_table(pg);
     let mut wal = outbox_wal::WalConfig::new(
@@ -493,6 +495,7 @@ fn start_capture(
             wal,
             publication: capture.publication.clone(),
             drain,
+            labels,
         },
     )
 }

@@ -68,6 +68,9 @@ pub struct WalStoreOptions {
     pub publication: outbox_core::ident::Ident,
     /// `run --drain`: relay what committed before start-up, then report nothing left.
     pub drain: bool,
+    /// The outbox's destination label guard (the engine's), for the adoption's dead
+    /// letters.
+    pub labels: Arc<outbox_core::metric_labels::DestinationLabels>,
 }
 
 /// Where the replication session stands, for claims and `/readyz`.
@@ -268,6 +271,7 @@ impl WalStore {
         let adoption_dead_letters = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let reader = Reader {
             adoption_dead_letters: adoption_dead_letters.clone(),
+            labels: options.labels.clone(),
             config: options.wal.clone(),
             main: main.clone(),
             sql: sql.clone(),
@@ -1537,6 +1541,7 @@ struct Reader {
     status: watch::Sender<CaptureStatus>,
     on_change: Arc<Mutex<Option<OnChange>>>,
     adoption_dead_letters: Arc<std::sync::atomic::AtomicU64>,
+    labels: Arc<outbox_core::metric_labels::DestinationLabels>,
 }
 
 /// How a session ended.
@@ -1640,15 +1645,14 @@ impl Reader {
     /// `outbox_events_dead_lettered_total`, as the engine counts its own, and for
     /// `run --drain`'s summary.
     fn count_adoption_dead_letters(&self, dead_by_destination: &[tokio_postgres::Row]) {
-        let labels = outbox_core::metric_labels::DestinationLabels::shared();
         let mut dead = 0;
         for row in dead_by_destination {
-            let destination: Option<String> = row.try_get(0).ok().flatten();
-            let n = row.try_get::<_, i64>(1).map_or(0, |n| n.max(0) as u64);
-            let destination = destination.unwrap_or_default();
+            // `destination` is the dead-letter table's (NOT NULL), `count(*)` a bigint.
+            let (destination, n): (String, i64) = (row.get(0), row.get(1));
+            let n = n.max(0) as u64;
             ::metrics::counter!(
                 outbox_core::metric_labels::DEAD_LETTERED,
-                "destination" => labels.label(&destination)
+                "destination" => self.labels.label(&destination)
             )
             .increment(n);
             dead += n;
@@ -1811,7 +1815,9 @@ impl Reader {
                     let age = first_commit
                         .and_then(|at| SystemTime::now().duration_since(at).ok())
                         .map(|age| age.as_secs_f64() * 1000.0);
-                    tracing::trace!(outputs = burst.len(), first_commit_ms = ?age, "read");
+                    if let Some(age) = age {
+                        tracing::trace!(outputs = burst.len(), first_commit_age_ms = age, "read");
+                    }
                 }
                 permit.send(Item::Outputs(burst));
                 self.notify();

@@ -657,6 +657,7 @@ mod through_the_engine {
                     wal: fixture.config.clone(),
                     publication,
                     drain: false,
+                    labels: Default::default(),
                 },
             );
             let mut config = EngineConfig::new(NodeId("wal-test".into()));
@@ -820,7 +821,17 @@ mod through_the_engine {
             || async { (count(&db, "outbox_parked").await == 4).then_some(()) },
         )
         .await;
-        db.batch_execute("CREATE FUNCTION slow_del() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(0.3); RETURN OLD; END $$; CREATE TRIGGER slow_del BEFORE DELETE ON outbox_parked FOR EACH STATEMENT EXECUTE FUNCTION slow_del();").await.unwrap();
+        // Each delete from the parked table (a delivered row's ack) takes 0.3 s: the checks
+        // below must wait for what the relay writes after a publish, not race it (CI once
+        // saw a delivered row still parked).
+        db.batch_execute(
+            "CREATE FUNCTION slow_delete() RETURNS trigger LANGUAGE plpgsql AS
+               $$ BEGIN PERFORM pg_sleep(0.3); RETURN NULL; END $$;
+             CREATE TRIGGER slow_delete BEFORE DELETE ON outbox_parked
+               FOR EACH STATEMENT EXECUTE FUNCTION slow_delete();",
+        )
+        .await
+        .unwrap();
         publisher.fail("Stuck", 0, PublishErrorKind::Unavailable);
         eventually("key a delivered", Duration::from_secs(30), || async {
             (delivered_n(&publisher, "a").len() == 4).then_some(())
