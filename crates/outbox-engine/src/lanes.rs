@@ -45,13 +45,32 @@ struct Lane {
     partition: i32,
 }
 
-/// The block on a key whose head is waiting to retry.
+/// How long claims may carry rows read before a statement about a key committed: a
+/// retry's record (the key is blocked meanwhile) or a row's release (later rows of its
+/// lane go back meanwhile). Claims are numbered as they start.
 #[derive(Clone, Copy, Debug)]
-enum Block {
-    /// The retry is not recorded yet: release anything claimed for this key.
-    Unrecorded,
-    /// Recorded once `n` claims had started: claims numbered `<= n` may still carry stale rows.
-    RecordedAfterClaim(u64),
+enum Unseen {
+    /// The statement has not reported back: any claim may have read before it.
+    Running,
+    /// It reported once `n` claims had started: claims numbered `<= n` may have.
+    ReportedAfterClaim(u64),
+}
+
+impl Unseen {
+    fn by_claim(self, claim_no: u64) -> bool {
+        match self {
+            Unseen::Running => true,
+            Unseen::ReportedAfterClaim(n) => claim_no <= n,
+        }
+    }
+
+    /// Whether a claim still out (numbered above `claims_finished`) may have read before it.
+    fn by_a_claim_still_out(self, claims_finished: u64) -> bool {
+        match self {
+            Unseen::Running => true,
+            Unseen::ReportedAfterClaim(n) => n >= claims_finished,
+        }
+    }
 }
 
 /// A row this node leases and has not settled.
@@ -71,29 +90,11 @@ struct Releasing {
     claimed_again: bool,
 }
 
-/// Whether a claim may have read the store while a released row was still this node's.
-#[derive(Clone, Copy, Debug)]
-enum Released {
-    /// The release has not reported back: any claim may have.
-    Running,
-    /// The release reported once `n` claims had started: claims numbered `<= n` may have.
-    ReportedAfterClaim(u64),
-}
-
-impl Released {
-    fn may_be_unseen_by(self, claim_no: u64) -> bool {
-        match self {
-            Released::Running => true,
-            Released::ReportedAfterClaim(n) => claim_no <= n,
-        }
-    }
-}
-
 #[derive(Default)]
 pub struct Lanes {
     lanes: HashMap<LaneKey, Lane>,
     ready: VecDeque<LaneKey>,
-    blocked: HashMap<LaneKey, Block>,
+    blocked: HashMap<LaneKey, Unseen>,
     /// Every row this node leases and has not settled (for lease extension and release),
     /// with its partition and lane.
     held: HashMap<SequenceId, Held>,
@@ -103,7 +104,7 @@ pub struct Lanes {
     releasing: HashMap<SequenceId, Releasing>,
     /// Released rows in no lane, by lane, that a claim may not have seen go back: a
     /// claimed row of the lane above one of them goes back as well.
-    released_by_lane: HashMap<LaneKey, BTreeMap<SequenceId, Released>>,
+    released_by_lane: HashMap<LaneKey, BTreeMap<SequenceId, Unseen>>,
     /// `Some(count)` when rows are spread over partitions (a cluster).
     partition_count: Option<u32>,
     /// `false` for `--ordering none`: every row is its own lane.
@@ -214,18 +215,14 @@ impl Lanes {
                 && self.released_by_lane.get(&key).is_some_and(|marks| {
                     marks
                         .range(..seq)
-                        .any(|(_, released)| released.may_be_unseen_by(claim_no))
+                        .any(|(_, released)| released.by_claim(claim_no))
                 });
             if overtakes_a_release {
                 release.push(seq);
                 continue;
             }
             match self.blocked.get(&key) {
-                Some(Block::Unrecorded) => {
-                    release.push(seq);
-                    continue;
-                }
-                Some(Block::RecordedAfterClaim(n)) if claim_no <= *n => {
+                Some(block) if block.by_claim(claim_no) => {
                     release.push(seq);
                     continue;
                 }
@@ -296,7 +293,7 @@ impl Lanes {
     /// The head of `key` must retry: drops the lane and blocks the key until
     /// [`Lanes::retry_recorded`]. Returns the rows behind the head, to release.
     pub fn block(&mut self, key: &LaneKey) -> Vec<SequenceId> {
-        self.blocked.insert(key.clone(), Block::Unrecorded);
+        self.blocked.insert(key.clone(), Unseen::Running);
         let Some(mut lane) = self.lanes.remove(key) else {
             return Vec::new();
         };
@@ -307,21 +304,16 @@ impl Lanes {
     /// The retry of `key`'s head is recorded; `claims_started` claims had begun by then.
     pub fn retry_recorded(&mut self, key: &LaneKey, claims_started: u64) {
         if let Some(block) = self.blocked.get_mut(key) {
-            *block = Block::RecordedAfterClaim(claims_started);
+            *block = Unseen::ReportedAfterClaim(claims_started);
         }
     }
 
     /// Drops blocks, and marks of released rows, that no claim can be affected by any more.
     pub fn expire_blocks(&mut self, claims_finished: u64) {
-        self.blocked.retain(|_, block| match block {
-            Block::Unrecorded => true,
-            Block::RecordedAfterClaim(n) => *n >= claims_finished,
-        });
+        self.blocked
+            .retain(|_, block| block.by_a_claim_still_out(claims_finished));
         self.released_by_lane.retain(|_, marks| {
-            marks.retain(|_, released| match released {
-                Released::Running => true,
-                Released::ReportedAfterClaim(n) => *n >= claims_finished,
-            });
+            marks.retain(|_, released| released.by_a_claim_still_out(claims_finished));
             !marks.is_empty()
         });
     }
@@ -343,7 +335,7 @@ impl Lanes {
             self.released_by_lane
                 .entry(lane)
                 .or_default()
-                .insert(id, Released::Running);
+                .insert(id, Unseen::Running);
         }
     }
 
@@ -372,7 +364,7 @@ impl Lanes {
                     .get_mut(&lane)
                     .and_then(|marks| marks.get_mut(&id))
                 {
-                    *mark = Released::ReportedAfterClaim(claims_started);
+                    *mark = Unseen::ReportedAfterClaim(claims_started);
                 }
                 gone.push(id);
             }

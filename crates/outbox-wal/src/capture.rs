@@ -1217,15 +1217,16 @@ const READ_LINGER: Duration = Duration::from_millis(1);
 
 /// Whether the last transaction in `burst` committed more than [`LINGER_WHEN_LAGGING`] ago.
 fn lagging(burst: &[Output]) -> bool {
-    burst
-        .iter()
-        .rev()
-        .find_map(|output| match output {
-            Output::Committed { commit_time, .. } => Some(*commit_time),
-            _ => None,
-        })
-        .and_then(|committed| SystemTime::now().duration_since(committed).ok())
-        .is_some_and(|age| age > LINGER_WHEN_LAGGING)
+    commit_age(burst.iter().rev()).is_some_and(|age| age > LINGER_WHEN_LAGGING)
+}
+
+/// How long ago the first transaction of `outputs` committed.
+fn commit_age<'a>(outputs: impl IntoIterator<Item = &'a Output>) -> Option<Duration> {
+    let committed = outputs.into_iter().find_map(|output| match output {
+        Output::Committed { commit_time, .. } => Some(*commit_time),
+        _ => None,
+    })?;
+    SystemTime::now().duration_since(committed).ok()
 }
 
 /// The least time between the starts of two deletes of delivered rows (see
@@ -1808,15 +1809,13 @@ impl Reader {
                 if tracing::enabled!(tracing::Level::TRACE) {
                     // With the claim's `oldest_ms`: whether events reach the relay late, or
                     // wait in it.
-                    let first_commit = burst.iter().find_map(|output| match output {
-                        Output::Committed { commit_time, .. } => Some(*commit_time),
-                        _ => None,
-                    });
-                    let age = first_commit
-                        .and_then(|at| SystemTime::now().duration_since(at).ok())
-                        .map(|age| age.as_secs_f64() * 1000.0);
-                    if let Some(age) = age {
-                        tracing::trace!(outputs = burst.len(), first_commit_age_ms = age, "read");
+                    if let Some(age) = commit_age(&burst) {
+                        let age_ms = age.as_secs_f64() * 1000.0;
+                        tracing::trace!(
+                            outputs = burst.len(),
+                            first_commit_age_ms = age_ms,
+                            "read"
+                        );
                     }
                 }
                 permit.send(Item::Outputs(burst));
