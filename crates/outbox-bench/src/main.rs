@@ -102,7 +102,7 @@ fn settings() -> Result<Settings> {
                 println!("outbox-bench [--events N] [--baseline-events N] [--latency-seconds S] [--scaling-events N] [--quick] [--only drain|latency|keepup|writers|scaling|wal] [--out DIR]");
                 println!("  drain sweeps: [--sinks file,nats] [--relay-args \"--batch-size 2000\"]; --baseline-events 0 skips the baseline and the PostgreSQL floor");
                 println!("  --only drain ends with the dashboard run: the drain to the first sink, once without and once with headless `chromium` open on the relay's dashboard (skipped without chromium)");
-                println!("  latency subsets: [--latency-plan 10000x10:notify+gated,1000x1:poll] (events/s x events per transaction : modes notify|gated|poll|baseline|wal|wal-emit, and the host's WAL floor recvlogical|recvlogical-emit: pg_recvlogical reading the slot, no relay)");
+                println!("  latency subsets: [--latency-plan 10000x10:notify+gated,1000x1:poll] (events/s x events per transaction : modes notify|gated|poll|baseline|wal|wal-emit; wal-stdout|wal-emit-stdout: the WAL relay's stdout sink piped into the bench, no broker; and the host's WAL floor recvlogical|recvlogical-emit: pg_recvlogical reading the slot, no relay)");
                 println!("  --only wal: the WAL capture drains (table form and outbox_emit), WAL latency runs and WAL writer cost only; [--wal-events-per-transaction N] sizes the drains' backlog transactions (default 1000)");
                 println!("  --relay-sslmode disable|prefer|require: how the measured relay connects to PostgreSQL (default: the relay's own, prefer, which uses the server's TLS)");
                 println!("  environment: OUTBOX_BENCH_RELAY_LOG=<filter> keeps the latency relays' JSON logs; OUTBOX_BENCH_LATENCY_TRACE=<path> writes each latency run's events as \"ms since the first commit, latency ms\" lines to <path>-<mode>-<rate>x<per transaction>; OUTBOX_BENCH_RELAY_BIN=<path> measures that relay binary instead of building one");
@@ -126,7 +126,10 @@ fn parse_latency_plan(text: &str) -> Result<Vec<(u64, u64, String)>> {
             .with_context(|| format!("latency plan item {item:?}: expected RATExPER:MODES"))?;
         let (rate, per) = rate.split_once('x').unwrap_or((rate, "1"));
         for mode in modes.split('+') {
-            let modes = RELAY_LATENCY_MODES.iter().chain(&wal::FLOOR_MODES);
+            let modes = RELAY_LATENCY_MODES
+                .iter()
+                .chain(&wal::PIPED_MODES)
+                .chain(&wal::FLOOR_MODES);
             if !modes.clone().any(|known| *known == mode) {
                 let known: Vec<&str> = modes.copied().collect();
                 bail!(
@@ -267,6 +270,16 @@ impl Bench {
 
     /// `outbox-relay run` with `args`, logs to `<work>/<name>.log`.
     pub fn spawn_relay(&self, name: &str, args: &[&str]) -> Result<Child> {
+        self.spawn_relay_with_stdout(name, args, Stdio::null())
+    }
+
+    /// As [`Bench::spawn_relay`], with the relay's standard output going to `stdout`.
+    pub fn spawn_relay_with_stdout(
+        &self,
+        name: &str,
+        args: &[&str],
+        stdout: Stdio,
+    ) -> Result<Child> {
         let log = std::fs::File::create(self.work.join(format!("{name}.log")))?;
         // OUTBOX_BENCH_RELAY_LOG=trace records every claim in the relay's log.
         let level = self.settings.relay_log.as_deref().unwrap_or("warn");
@@ -283,7 +296,7 @@ impl Bench {
                 "json",
             ])
             .args(args)
-            .stdout(Stdio::null())
+            .stdout(stdout)
             .stderr(log)
             .spawn()?)
     }

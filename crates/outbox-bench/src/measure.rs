@@ -306,7 +306,7 @@ async fn latency_run(b: &Bench, rate: u64, per_commit: u64, mode: &str) -> Resul
         "outbox"
     };
     // Where the writers write: the table, or (`wal-emit`) table-less events.
-    let writes_to = if mode.ends_with("-emit") {
+    let writes_to = if mode.contains("-emit") {
         load::EMIT
     } else {
         table
@@ -342,6 +342,18 @@ async fn latency_run(b: &Bench, rate: u64, per_commit: u64, mode: &str) -> Resul
             base_task = Some(tokio::spawn(async move {
                 baseline::run(&url, baseline::Sink::Nats(Box::new(js)), stop, false).await
             }));
+        }
+        _ if wal::PIPED_MODES.contains(&mode) => {
+            // The relay's own pipeline, measured as the floor is: its stdout sink into a
+            // pipe, no broker.
+            wal::prepare(b, &db).await?;
+            let mut args = vec!["--sink", "stdout"];
+            args.extend(wal::RELAY_ARGS);
+            args.extend(b.settings.relay_args.iter().map(String::as_str));
+            let mut child = b.spawn_relay_with_stdout("latency", &args, Stdio::piped())?;
+            let output = child.stdout.take().context("the relay's stdout")?;
+            wal::stamp_arrivals(output, received.clone());
+            relay = Some(child);
         }
         _ => {
             let mut args = vec!["--sink", b.servers.nats_url.as_str()];

@@ -45,6 +45,10 @@ pub const WRITERS_FLOOR: &str = "WAL, pg_recvlogical to /dev/null, no relay";
 /// latency is the walsender's: the time from a commit to its decoded transaction.
 pub const FLOOR_MODES: [&str; 2] = ["recvlogical", "recvlogical-emit"];
 
+/// The latency modes that measure a WAL-capture relay as the floor is measured: its stdout
+/// sink into a pipe to the bench, so the broker's cost is left out.
+pub const PIPED_MODES: [&str; 2] = ["wal-stdout", "wal-emit-stdout"];
+
 /// `pg_recvlogical`, from the same PostgreSQL installation as the bench's server.
 const PG_RECVLOGICAL: &str = "/usr/lib/postgresql/15/bin/pg_recvlogical";
 
@@ -219,13 +223,14 @@ async fn floor_drain(b: &Bench, db: &tokio_postgres::Client, n: u64) -> Result<V
 /// Stamps each `"seq": N` that `pg_recvlogical`'s output carries with the time its bytes
 /// arrived, on a thread of its own until the output ends. The bytes are pgoutput's
 /// (binary, unframed), but a row's payload and an `outbox_emit` message's content are
-/// jsonb text, where each event's sequence number stands as `"seq": N`.
+/// jsonb text, where each event's sequence number stands as `"seq": N` (`"seq":N` in the
+/// relay's compact JSON lines).
 pub fn stamp_arrivals(
     mut output: impl Read + Send + 'static,
     received: Arc<Mutex<HashMap<u64, Instant>>>,
 ) {
     std::thread::spawn(move || {
-        const MARK: &[u8] = b"\"seq\": ";
+        const MARK: &[u8] = b"\"seq\":";
         let mut buffer = vec![0u8; 1 << 16];
         // The tail of the last read, which may hold the start of a split mark.
         let mut carried = Vec::new();
@@ -239,7 +244,11 @@ pub fn stamp_arrivals(
             let mut seen = Vec::new();
             let (mut from, mut unfinished) = (0, None);
             while let Some(i) = find(&carried[from..], MARK) {
-                let digits_at = from + i + MARK.len();
+                let mut digits_at = from + i + MARK.len();
+                digits_at += carried[digits_at..]
+                    .iter()
+                    .take_while(|b| **b == b' ')
+                    .count();
                 let digits = carried[digits_at..]
                     .iter()
                     .take_while(|b| b.is_ascii_digit())

@@ -46,6 +46,7 @@ use tokio_postgres::types::ToSql;
 
 use crate::ack::Acknowledgements;
 use crate::assemble::Output;
+use crate::burst::{commit_age, read_burst, BurstEnd, READ_BURST};
 use crate::client::{WalConfig, WalError, WalStream};
 use crate::event::{EventPosition, EventSource, Undecodable, WalEvent};
 use crate::lsn::Lsn;
@@ -1204,31 +1205,6 @@ fn parking_order(state: &State, mut to_park: Vec<Park>) -> (Vec<Park>, Vec<Park>
         })
 }
 
-/// The most outputs the reader hands over in one item.
-const READ_BURST: usize = 1024;
-
-/// How long ago the transactions a burst carries must have committed before the reader
-/// waits for a fuller burst, and how long it waits (once per burst). The age is the signal
-/// because pgoutput gives no server WAL end while streaming: its XLogData header carries the
-/// record's own position (or 0) there. A relay clock ahead of the server's by more than this
-/// costs at most one wait per burst.
-const LINGER_WHEN_LAGGING: Duration = Duration::from_millis(20);
-const READ_LINGER: Duration = Duration::from_millis(1);
-
-/// Whether the last transaction in `burst` committed more than [`LINGER_WHEN_LAGGING`] ago.
-fn lagging(burst: &[Output]) -> bool {
-    commit_age(burst.iter().rev()).is_some_and(|age| age > LINGER_WHEN_LAGGING)
-}
-
-/// How long ago the first transaction of `outputs` committed.
-fn commit_age<'a>(outputs: impl IntoIterator<Item = &'a Output>) -> Option<Duration> {
-    let committed = outputs.into_iter().find_map(|output| match output {
-        Output::Committed { commit_time, .. } => Some(*commit_time),
-        _ => None,
-    })?;
-    SystemTime::now().duration_since(committed).ok()
-}
-
 /// The least time between the starts of two deletes of delivered rows (see
 /// `Inner::ack_stream`): at most 50 a second, however many small batches the sink confirms.
 /// (A row not yet visible to the delete is looked for again with the next claim.)
@@ -1785,46 +1761,26 @@ impl Reader {
                 }
                 next = stream.next() => next,
             };
-            let mut burst = Vec::new();
-            let mut next = Some(next);
-            let mut lingered = false;
-            // What the stream has ready goes over in one item. Taking it without waiting is
-            // safe: `next` holds nothing across an await once it has taken a message.
-            while let Some(Ok(Some(output))) = next {
-                burst.push(output);
-                next = None;
-                if burst.len() >= READ_BURST {
-                    break;
-                }
-                next = stream.next().now_or_never();
-                // Behind the writers, one short wait lets the client read on without a
-                // wake-up per message, for a fuller burst; caught up, nothing waits.
-                if next.is_none() && !lingered && lagging(&burst) {
-                    lingered = true;
-                    tokio::time::sleep(READ_LINGER).await;
-                    next = stream.next().now_or_never();
+            let first = match next {
+                Ok(Some(output)) => output,
+                Ok(None) => return SessionEnd::Broken("the server ended the stream".into()),
+                Err(e) => return SessionEnd::Broken(describe(&e)),
+            };
+            let (burst, end) = read_burst(stream, first).await;
+            if tracing::enabled!(tracing::Level::TRACE) {
+                // With the claim's `oldest_ms`: whether events reach the relay late, or wait
+                // in it.
+                if let Some(age) = commit_age(&burst) {
+                    let age_ms = age.as_secs_f64() * 1000.0;
+                    tracing::trace!(outputs = burst.len(), first_commit_age_ms = age_ms, "read");
                 }
             }
-            if !burst.is_empty() {
-                if tracing::enabled!(tracing::Level::TRACE) {
-                    // With the claim's `oldest_ms`: whether events reach the relay late, or
-                    // wait in it.
-                    if let Some(age) = commit_age(&burst) {
-                        let age_ms = age.as_secs_f64() * 1000.0;
-                        tracing::trace!(
-                            outputs = burst.len(),
-                            first_commit_age_ms = age_ms,
-                            "read"
-                        );
-                    }
-                }
-                permit.send(Item::Outputs(burst));
-                self.notify();
-            }
-            match next {
-                None | Some(Ok(Some(_))) => {}
-                Some(Ok(None)) => return SessionEnd::Broken("the server ended the stream".into()),
-                Some(Err(e)) => return SessionEnd::Broken(describe(&e)),
+            permit.send(Item::Outputs(burst));
+            self.notify();
+            match end {
+                BurstEnd::More => {}
+                BurstEnd::Ended => return SessionEnd::Broken("the server ended the stream".into()),
+                BurstEnd::Failed(e) => return SessionEnd::Broken(describe(&e)),
             }
         }
     }
@@ -1847,27 +1803,5 @@ impl std::fmt::Debug for WalStore {
         f.debug_struct("WalStore")
             .field("slot", &self.inner.slot)
             .finish()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_burst_is_lagging_when_its_last_transaction_committed_over_20_ms_ago() {
-        let committed = |ago: Duration| Output::Committed {
-            commit_lsn: Lsn(1),
-            end_lsn: Lsn(2),
-            events: 1,
-            commit_time: SystemTime::now() - ago,
-        };
-        assert!(lagging(&[committed(Duration::from_millis(50))]));
-        assert!(!lagging(&[committed(Duration::ZERO)]));
-        assert!(
-            !lagging(&[committed(Duration::from_secs(1)), committed(Duration::ZERO)]),
-            "the last transaction counts"
-        );
-        assert!(!lagging(&[]), "nothing committed yet says nothing");
     }
 }

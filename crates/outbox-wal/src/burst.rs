@@ -1,0 +1,206 @@
+//! How the reader cuts the stream into bursts: each burst goes to the engine as one item,
+//! and one item is one wake-up, one claim and one publish. A burst cut too small makes the
+//! relay pay that round per event; one held too long delays what it carries.
+
+use std::future::Future;
+use std::time::{Duration, SystemTime};
+
+use futures::FutureExt;
+
+use crate::assemble::Output;
+use crate::client::{WalError, WalStream};
+
+/// The most outputs the reader hands over in one item.
+pub(crate) const READ_BURST: usize = 1024;
+
+/// How long ago the transactions a burst carries must have committed before the reader
+/// waits for a fuller burst, and how long it waits (once per burst). The age is the signal
+/// because pgoutput gives no server WAL end while streaming: its XLogData header carries the
+/// record's own position (or 0) there. A relay clock ahead of the server's by more than this
+/// costs at most one wait per burst.
+const LINGER_WHEN_LAGGING: Duration = Duration::from_millis(20);
+const READ_LINGER: Duration = Duration::from_millis(1);
+
+/// How long the reader waits for the next message of a transaction it has begun before it
+/// hands over what it has. pgoutput sends a transaction only once it has committed, all of
+/// it at once, so the rest is on its way: without this wait a reader quicker than the
+/// replication client cut a transaction of ten events into ten bursts, and at 10,000
+/// events/s the relay fell behind doing a claim and a publish per event. The bound is for a
+/// walsender that stalls mid-transaction (one decoding a large transaction spilled to disk).
+const REST_OF_TRANSACTION: Duration = Duration::from_millis(5);
+
+/// What a burst is read from: the replication stream, or a test's script.
+pub(crate) trait OutputSource {
+    /// The next output; `Ok(None)` when the stream ended. Dropping the future before it is
+    /// ready loses nothing.
+    fn next_output(&mut self) -> impl Future<Output = Result<Option<Output>, WalError>> + Send;
+}
+
+impl OutputSource for WalStream {
+    fn next_output(&mut self) -> impl Future<Output = Result<Option<Output>, WalError>> + Send {
+        self.next()
+    }
+}
+
+/// Why a burst ended, besides being full or having nothing more ready.
+pub(crate) enum BurstEnd {
+    /// Nothing more is ready now (or the burst is full): read on.
+    More,
+    /// The server ended the stream.
+    Ended,
+    Failed(WalError),
+}
+
+/// Reads one burst, starting with `first`: everything the stream has ready, the rest of a
+/// transaction it has begun (up to [`REST_OF_TRANSACTION`] for each message), and, when the
+/// burst's transactions committed long ago, one short wait for more. At most
+/// [`READ_BURST`] outputs.
+pub(crate) async fn read_burst(
+    stream: &mut impl OutputSource,
+    first: Output,
+) -> (Vec<Output>, BurstEnd) {
+    let mut burst = vec![first];
+    let mut lingered = false;
+    while burst.len() < READ_BURST {
+        let mut next = stream.next_output().now_or_never();
+        if next.is_none() && mid_transaction(&burst) {
+            next = tokio::time::timeout(REST_OF_TRANSACTION, stream.next_output())
+                .await
+                .ok();
+        }
+        // Behind the writers, one short wait lets the client read on without a wake-up per
+        // message, for a fuller burst; caught up, nothing waits.
+        if next.is_none() && !lingered && lagging(&burst) {
+            lingered = true;
+            tokio::time::sleep(READ_LINGER).await;
+            next = stream.next_output().now_or_never();
+        }
+        match next {
+            None => break,
+            Some(Ok(Some(output))) => burst.push(output),
+            Some(Ok(None)) => return (burst, BurstEnd::Ended),
+            Some(Err(e)) => return (burst, BurstEnd::Failed(e)),
+        }
+    }
+    (burst, BurstEnd::More)
+}
+
+/// The burst ends inside a transaction: its last output is one of the transaction's events.
+fn mid_transaction(burst: &[Output]) -> bool {
+    matches!(burst.last(), Some(Output::Event { .. }))
+}
+
+/// Whether the last transaction in `burst` committed more than [`LINGER_WHEN_LAGGING`] ago.
+fn lagging(burst: &[Output]) -> bool {
+    commit_age(burst.iter().rev()).is_some_and(|age| age > LINGER_WHEN_LAGGING)
+}
+
+/// How long ago the first transaction of `outputs` committed.
+pub(crate) fn commit_age<'a>(outputs: impl IntoIterator<Item = &'a Output>) -> Option<Duration> {
+    let committed = outputs.into_iter().find_map(|output| match output {
+        Output::Committed { commit_time, .. } => Some(*commit_time),
+        _ => None,
+    })?;
+    SystemTime::now().duration_since(committed).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::VecDeque;
+
+    use super::*;
+    use crate::event::{EventPosition, EventSource, Undecodable};
+    use crate::lsn::Lsn;
+
+    fn committed(ago: Duration) -> Output {
+        Output::Committed {
+            commit_lsn: Lsn(1),
+            end_lsn: Lsn(2),
+            events: 1,
+            commit_time: SystemTime::now() - ago,
+        }
+    }
+
+    fn event(n: u64) -> Output {
+        Output::Event {
+            position: EventPosition {
+                commit_lsn: Lsn(100),
+                ordinal: n,
+            },
+            event: Err(Box::new(Undecodable {
+                reason: "a test's".into(),
+                source: EventSource::Message { lsn: Lsn(100 + n) },
+                event_id: None,
+                destination: None,
+                partition_key: None,
+                raw: String::new(),
+            })),
+        }
+    }
+
+    /// A stream whose outputs come as the replication client's do: each one 200 µs after
+    /// it is first asked for, so none is ready when the reader asks without waiting. A
+    /// future dropped before then loses nothing, as the trait asks.
+    struct Trickle {
+        outputs: VecDeque<Output>,
+        due: Option<tokio::time::Instant>,
+    }
+
+    impl OutputSource for Trickle {
+        async fn next_output(&mut self) -> Result<Option<Output>, WalError> {
+            let due = *self
+                .due
+                .get_or_insert_with(|| tokio::time::Instant::now() + Duration::from_micros(200));
+            tokio::time::sleep_until(due).await;
+            self.due = None;
+            Ok(self.outputs.pop_front())
+        }
+    }
+
+    #[test]
+    fn a_burst_is_lagging_when_its_last_transaction_committed_over_20_ms_ago() {
+        assert!(lagging(&[committed(Duration::from_millis(50))]));
+        assert!(!lagging(&[committed(Duration::ZERO)]));
+        assert!(
+            !lagging(&[committed(Duration::from_secs(1)), committed(Duration::ZERO)]),
+            "the last transaction counts"
+        );
+        assert!(!lagging(&[]), "nothing committed yet says nothing");
+    }
+
+    #[tokio::test]
+    async fn a_transaction_whose_messages_trickle_in_is_one_burst() {
+        let rest: VecDeque<Output> = (1..10)
+            .map(event)
+            .chain([committed(Duration::ZERO), event(0)])
+            .collect();
+        let mut stream = Trickle {
+            outputs: rest,
+            due: None,
+        };
+        let (burst, end) = read_burst(&mut stream, event(0)).await;
+        assert!(matches!(end, BurstEnd::More));
+        assert_eq!(burst.len(), 11, "ten events and their commit, in one burst");
+        assert!(matches!(burst.last(), Some(Output::Committed { .. })));
+        assert_eq!(
+            stream.outputs.len(),
+            1,
+            "caught up after a commit, the reader does not wait for the next transaction"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_transaction_that_stalls_goes_over_with_what_has_come() {
+        struct Stalled;
+        impl OutputSource for Stalled {
+            fn next_output(
+                &mut self,
+            ) -> impl Future<Output = Result<Option<Output>, WalError>> + Send {
+                futures::future::pending()
+            }
+        }
+        let (burst, end) = read_burst(&mut Stalled, event(0)).await;
+        assert!(matches!(end, BurstEnd::More));
+        assert_eq!(burst.len(), 1);
+    }
+}
