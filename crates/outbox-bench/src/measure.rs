@@ -295,6 +295,54 @@ pub(crate) fn signal(child: &std::process::Child, sig: &str) {
         .status();
 }
 
+/// Stamps each event's arrival at a NATS subscriber, on a thread and runtime of its own:
+/// on the bench's runtime the stamp waited for the 16 writers' tasks, and a broker's
+/// delivery measured later than `pg_recvlogical`'s pipe, which a thread of its own reads.
+/// Dropping the returned sender stops it.
+async fn subscribe_on_own_thread(
+    url: &str,
+    received: Arc<Mutex<HashMap<u64, Instant>>>,
+) -> Result<tokio::sync::oneshot::Sender<()>> {
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let (ready_tx, ready) = tokio::sync::oneshot::channel();
+    let url = url.to_string();
+    std::thread::spawn(move || {
+        let runtime = match tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        {
+            Ok(runtime) => runtime,
+            Err(e) => return drop(ready_tx.send(Err(anyhow::Error::from(e)))),
+        };
+        runtime.block_on(async move {
+            let mut sub = match async_nats::connect(&url).await {
+                Ok(nats) => match nats.subscribe("bench.>").await {
+                    Ok(sub) => sub,
+                    Err(e) => return drop(ready_tx.send(Err(e.into()))),
+                },
+                Err(e) => return drop(ready_tx.send(Err(e.into()))),
+            };
+            let _ = ready_tx.send(Ok(()));
+            tokio::pin!(stopped);
+            loop {
+                let m = tokio::select! {
+                    m = sub.next() => m,
+                    _ = &mut stopped => return,
+                };
+                let Some(m) = m else { return };
+                let at = Instant::now();
+                if let Ok(v) = serde_json::from_slice::<Value>(&m.payload) {
+                    if let Some(seq) = v["seq"].as_u64() {
+                        received.lock().unwrap().entry(seq).or_insert(at);
+                    }
+                }
+            }
+        });
+    });
+    ready.await.context("the NATS subscriber's thread")??;
+    Ok(stop)
+}
+
 /// Commit-to-confirmation latency of one configuration at `rate` events/s.
 async fn latency_run(b: &Bench, rate: u64, per_commit: u64, mode: &str) -> Result<Value> {
     let db = b.reset().await?;
@@ -312,19 +360,7 @@ async fn latency_run(b: &Bench, rate: u64, per_commit: u64, mode: &str) -> Resul
         table
     };
     let received: Arc<Mutex<HashMap<u64, Instant>>> = Arc::default();
-    let nats = async_nats::connect(&b.servers.nats_url).await?;
-    let mut sub = nats.subscribe("bench.>").await?;
-    let sink_received = received.clone();
-    let collector = tokio::spawn(async move {
-        while let Some(m) = sub.next().await {
-            let at = Instant::now();
-            if let Ok(v) = serde_json::from_slice::<Value>(&m.payload) {
-                if let Some(seq) = v["seq"].as_u64() {
-                    sink_received.lock().unwrap().entry(seq).or_insert(at);
-                }
-            }
-        }
-    });
+    let collector = subscribe_on_own_thread(&b.servers.nats_url, received.clone()).await?;
     let stop = Arc::new(AtomicBool::new(false));
     let mut relay = None;
     let mut floor = None;
@@ -408,7 +444,7 @@ async fn latency_run(b: &Bench, rate: u64, per_commit: u64, mode: &str) -> Resul
     if let Some(t) = base_task {
         let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
     }
-    collector.abort();
+    drop(collector);
     let got = received.lock().unwrap();
     let mut ms: Vec<f64> = commits
         .iter()
