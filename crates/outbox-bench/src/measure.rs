@@ -1,7 +1,7 @@
 //! The six measurements and the Markdown report.
 
 use std::collections::HashMap;
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -425,6 +425,13 @@ async fn latency_run(b: &Bench, rate: u64, per_commit: u64, mode: &str) -> Resul
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    // The CPU the consumer (the relay, or `pg_recvlogical`) and nats-server spend on the
+    // measured events, from here to the last delivery.
+    let consumer = (relay.as_ref().map(Child::id))
+        .or(floor.as_ref().map(wal::Recvlogical::id))
+        .map(|pid| pid.to_string());
+    let consumer_cpu = || consumer.as_deref().and_then(proc_cpu).map_or(0.0, |c| c.0);
+    let cpu_at_start = (consumer_cpu(), nats_cpu(b));
     let writers = if rate >= 5000 { 16 } else { 4 };
     let seconds = b.settings.latency_seconds;
     let commits = load::fixed_rate(&b.url(), writes_to, rate, seconds, writers, per_commit).await?;
@@ -435,6 +442,11 @@ async fn latency_run(b: &Bench, rate: u64, per_commit: u64, mode: &str) -> Resul
     {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    let per_event_us = |cpu_s: f64| cpu_s / commits.len().max(1) as f64 * 1e6;
+    let consumer_us = consumer
+        .is_some()
+        .then(|| per_event_us(consumer_cpu() - cpu_at_start.0));
+    let nats_us = per_event_us(nats_cpu(b) - cpu_at_start.1);
     stop.store(true, Ordering::Relaxed);
     if let Some(mut r) = relay {
         signal(&r, "-TERM");
@@ -474,6 +486,7 @@ async fn latency_run(b: &Bench, rate: u64, per_commit: u64, mode: &str) -> Resul
         "events": commits.len(), "missing": commits.len() - ms.len(),
         "p50_ms": percentile(&ms, 0.5), "p99_ms": percentile(&ms, 0.99),
         "p999_ms": percentile(&ms, 0.999), "max_ms": ms.last().copied().unwrap_or(f64::NAN),
+        "consumer_cpu_us_per_event": consumer_us, "nats_cpu_us_per_event": nats_us,
     }))
 }
 
@@ -801,6 +814,8 @@ pub fn markdown(r: &Value) -> String {
                 "p99.9",
                 "max",
                 "missing",
+                "relay (or pg_recvlogical) CPU µs/event",
+                "nats-server CPU µs/event",
             ],
             runs,
             |x| {
@@ -814,6 +829,8 @@ pub fn markdown(r: &Value) -> String {
                     f(&x["p999_ms"]),
                     f(&x["max_ms"]),
                     x["missing"].to_string(),
+                    f(&x["consumer_cpu_us_per_event"]),
+                    f(&x["nats_cpu_us_per_event"]),
                 ]
             },
         ));

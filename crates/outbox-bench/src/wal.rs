@@ -58,8 +58,10 @@ pub const LATENCY_PLAN: LatencyPlan<'static> = &[
     (1_000, 1, "wal-emit"),
     (10_000, 1, "wal"),
     (10_000, 10, "recvlogical"),
+    (10_000, 10, "wal-stdout"),
     (10_000, 10, "wal"),
     (10_000, 10, "recvlogical-emit"),
+    (10_000, 10, "wal-emit-stdout"),
     (10_000, 10, "wal-emit"),
 ];
 
@@ -153,6 +155,10 @@ pub struct Recvlogical(Child);
 impl Recvlogical {
     pub fn output(&mut self) -> Option<std::process::ChildStdout> {
         self.0.stdout.take()
+    }
+
+    pub fn id(&self) -> u32 {
+        self.0.id()
     }
 }
 
