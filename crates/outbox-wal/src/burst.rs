@@ -21,12 +21,13 @@ pub(crate) const READ_BURST: usize = 1024;
 const LINGER_WHEN_LAGGING: Duration = Duration::from_millis(20);
 const READ_LINGER: Duration = Duration::from_millis(1);
 
-/// How long the reader waits for the next message of a transaction it has begun before it
-/// hands over what it has. pgoutput sends a transaction only once it has committed, all of
-/// it at once, so the rest is on its way: without this wait a reader quicker than the
-/// replication client cut a transaction of ten events into ten bursts, and at 10,000
-/// events/s the relay fell behind doing a claim and a publish per event. The bound is for a
-/// walsender that stalls mid-transaction (one decoding a large transaction spilled to disk).
+/// How long, from a burst's first message, the reader waits for the rest of a transaction
+/// it has begun before it hands over what it has. pgoutput sends a transaction only once it
+/// has committed, all of it at once, so the rest is on its way: without this wait a reader
+/// quicker than the replication client cut a transaction of ten events into ten bursts, and
+/// at 10,000 events/s the relay fell behind doing a claim and a publish per event. The bound
+/// is for a walsender that sends slowly mid-transaction (one decoding a large transaction
+/// spilled to disk): it holds no burst longer than this, however slowly messages come.
 const REST_OF_TRANSACTION: Duration = Duration::from_millis(5);
 
 /// What a burst is read from: the replication stream, or a test's script.
@@ -52,19 +53,20 @@ pub(crate) enum BurstEnd {
 }
 
 /// Reads one burst, starting with `first`: everything the stream has ready, the rest of a
-/// transaction it has begun (up to [`REST_OF_TRANSACTION`] for each message), and, when the
+/// transaction it has begun (until [`REST_OF_TRANSACTION`] after `first`), and, when the
 /// burst's transactions committed long ago, one short wait for more. At most
 /// [`READ_BURST`] outputs.
 pub(crate) async fn read_burst(
     stream: &mut impl OutputSource,
     first: Output,
 ) -> (Vec<Output>, BurstEnd) {
+    let rest_until = tokio::time::Instant::now() + REST_OF_TRANSACTION;
     let mut burst = vec![first];
     let mut lingered = false;
     while burst.len() < READ_BURST {
         let mut next = stream.next_output().now_or_never();
         if next.is_none() && mid_transaction(&burst) {
-            next = tokio::time::timeout(REST_OF_TRANSACTION, stream.next_output())
+            next = tokio::time::timeout_at(rest_until, stream.next_output())
                 .await
                 .ok();
         }
@@ -138,21 +140,28 @@ mod tests {
         }
     }
 
-    /// A stream whose outputs come as the replication client's do: each one 200 µs after
-    /// it is first asked for, so none is ready when the reader asks without waiting. A
-    /// future dropped before then loses nothing, as the trait asks.
+    /// A stream whose outputs come as the replication client's do: none is ready when the
+    /// reader asks without waiting. With no `pace`, each comes on the next poll (a moment
+    /// later, no timer); with one, `pace` after it is first asked for. A future dropped
+    /// before then loses nothing, as the trait asks.
     struct Trickle {
         outputs: VecDeque<Output>,
+        pace: Option<Duration>,
         due: Option<tokio::time::Instant>,
     }
 
     impl OutputSource for Trickle {
         async fn next_output(&mut self) -> Result<Option<Output>, WalError> {
-            let due = *self
-                .due
-                .get_or_insert_with(|| tokio::time::Instant::now() + Duration::from_micros(200));
-            tokio::time::sleep_until(due).await;
-            self.due = None;
+            match self.pace {
+                None => tokio::task::yield_now().await,
+                Some(pace) => {
+                    let due = *self
+                        .due
+                        .get_or_insert_with(|| tokio::time::Instant::now() + pace);
+                    tokio::time::sleep_until(due).await;
+                    self.due = None;
+                }
+            }
             Ok(self.outputs.pop_front())
         }
     }
@@ -176,6 +185,7 @@ mod tests {
             .collect();
         let mut stream = Trickle {
             outputs: rest,
+            pace: None,
             due: None,
         };
         let (burst, end) = read_burst(&mut stream, event(0)).await;
@@ -186,6 +196,23 @@ mod tests {
             stream.outputs.len(),
             1,
             "caught up after a commit, the reader does not wait for the next transaction"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_transaction_that_comes_slowly_is_handed_over_in_parts() {
+        // 2 ms a message: each within the wait, but the whole transaction far beyond it.
+        let mut stream = Trickle {
+            outputs: (1..100).map(event).collect(),
+            pace: Some(Duration::from_millis(2)),
+            due: None,
+        };
+        let (burst, end) = read_burst(&mut stream, event(0)).await;
+        assert!(matches!(end, BurstEnd::More));
+        assert!(
+            burst.len() < 10,
+            "a burst is held at most 5 ms, not 2 ms per message: {} outputs",
+            burst.len()
         );
     }
 
