@@ -27,7 +27,8 @@ const READ_LINGER: Duration = Duration::from_millis(1);
 /// quicker than the replication client cut a transaction of ten events into ten bursts, and
 /// at 10,000 events/s the relay fell behind doing a claim and a publish per event. The bound
 /// is for a walsender that sends slowly mid-transaction (one decoding a large transaction
-/// spilled to disk): it holds no burst longer than this, however slowly messages come.
+/// spilled to disk): however slowly messages come, a burst waits for them this long at most
+/// (and [`READ_LINGER`] more when lagging).
 const REST_OF_TRANSACTION: Duration = Duration::from_millis(5);
 
 /// What a burst is read from: the replication stream, or a test's script.
@@ -177,7 +178,7 @@ mod tests {
         assert!(!lagging(&[]), "nothing committed yet says nothing");
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn a_transaction_whose_messages_trickle_in_is_one_burst() {
         let rest: VecDeque<Output> = (1..10)
             .map(event)
@@ -199,7 +200,7 @@ mod tests {
         );
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn a_transaction_that_comes_slowly_is_handed_over_in_parts() {
         // 2 ms a message: each within the wait, but the whole transaction far beyond it.
         let mut stream = Trickle {
@@ -209,14 +210,14 @@ mod tests {
         };
         let (burst, end) = read_burst(&mut stream, event(0)).await;
         assert!(matches!(end, BurstEnd::More));
-        assert!(
-            burst.len() < 10,
-            "a burst is held at most 5 ms, not 2 ms per message: {} outputs",
-            burst.len()
+        assert_eq!(
+            burst.len(),
+            3,
+            "the messages of the first 5 ms (at 0, 2 and 4 ms), not 2 ms per message for all"
         );
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn a_transaction_that_stalls_goes_over_with_what_has_come() {
         struct Stalled;
         impl OutputSource for Stalled {
@@ -226,8 +227,24 @@ mod tests {
                 futures::future::pending()
             }
         }
-        let (burst, end) = read_burst(&mut Stalled, event(0)).await;
+        let mut stream = Stalled;
+        let read = read_burst(&mut stream, event(0));
+        let (burst, end) = tokio::time::timeout(Duration::from_secs(1), read)
+            .await
+            .expect("a stalled transaction is handed over, not waited for");
         assert!(matches!(end, BurstEnd::More));
         assert_eq!(burst.len(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stream_that_ends_mid_burst_hands_over_what_it_read_and_says_so() {
+        let mut stream = Trickle {
+            outputs: VecDeque::from([event(1)]),
+            pace: None,
+            due: None,
+        };
+        let (burst, end) = read_burst(&mut stream, event(0)).await;
+        assert_eq!(burst.len(), 2);
+        assert!(matches!(end, BurstEnd::Ended));
     }
 }
