@@ -315,12 +315,13 @@ async fn subscribe_on_own_thread(
             Err(e) => return drop(ready_tx.send(Err(anyhow::Error::from(e)))),
         };
         runtime.block_on(async move {
-            let mut sub = match async_nats::connect(&url).await {
-                Ok(nats) => match nats.subscribe("bench.>").await {
-                    Ok(sub) => sub,
-                    Err(e) => return drop(ready_tx.send(Err(e.into()))),
-                },
-                Err(e) => return drop(ready_tx.send(Err(e.into()))),
+            let subscribed = async {
+                let nats = async_nats::connect(&url).await?;
+                anyhow::Ok(nats.subscribe("bench.>").await?)
+            };
+            let mut sub = match subscribed.await {
+                Ok(sub) => sub,
+                Err(e) => return drop(ready_tx.send(Err(e))),
             };
             let _ = ready_tx.send(Ok(()));
             tokio::pin!(stopped);
@@ -379,27 +380,23 @@ async fn latency_run(b: &Bench, rate: u64, per_commit: u64, mode: &str) -> Resul
                 baseline::run(&url, baseline::Sink::Nats(Box::new(js)), stop, false).await
             }));
         }
-        _ if wal::PIPED_MODES.contains(&mode) => {
-            // The relay's own pipeline, measured as the floor is: its stdout sink into a
-            // pipe, no broker.
-            wal::prepare(b, &db).await?;
-            let mut args = vec!["--sink", "stdout"];
-            args.extend(wal::RELAY_ARGS);
-            args.extend(b.settings.relay_args.iter().map(String::as_str));
-            let mut child = b.spawn_relay_with_stdout("latency", &args, Stdio::piped())?;
-            let output = child.stdout.take().context("the relay's stdout")?;
-            wal::stamp_arrivals(output, received.clone());
-            relay = Some(child);
-        }
         _ => {
-            let mut args = vec!["--sink", b.servers.nats_url.as_str()];
+            // A piped mode measures the relay's own pipeline as the floor is measured: its
+            // stdout sink into a pipe, no broker.
+            let piped = wal::PIPED_MODES.contains(&mode);
+            let sink = if piped {
+                "stdout"
+            } else {
+                b.servers.nats_url.as_str()
+            };
+            let mut args = vec!["--sink", sink];
             match mode {
                 "gated" => {
                     b.relay_cli(&["migrate", "--wakeup", "gated"])?;
                     args.extend(["--wakeup", "gated"]);
                 }
                 "poll" => args.extend(["--poll-fixed-rate", "--poll-interval", "50ms"]),
-                "wal" | "wal-emit" => {
+                _ if mode.starts_with("wal") => {
                     // The slot exists before the relay starts, as in production: nothing
                     // is adopted into the parked table.
                     wal::prepare(b, &db).await?;
@@ -408,7 +405,13 @@ async fn latency_run(b: &Bench, rate: u64, per_commit: u64, mode: &str) -> Resul
                 _ => {}
             }
             args.extend(b.settings.relay_args.iter().map(String::as_str));
-            relay = Some(b.spawn_relay("latency", &args)?);
+            let stdout = if piped { Stdio::piped() } else { Stdio::null() };
+            let mut child = b.spawn_relay_with_stdout("latency", &args, stdout)?;
+            if piped {
+                let output = child.stdout.take().context("the relay's stdout")?;
+                wal::stamp_arrivals(output, received.clone());
+            }
+            relay = Some(child);
         }
     }
     // Ready when a probe event (seq 0) comes through.
