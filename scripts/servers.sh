@@ -102,8 +102,11 @@ start_postgres() {
     # fsync=off only speeds the tests up; OUTBOX_PG_DURABLE=1 (the benchmarks) keeps the defaults.
     local speed="-c fsync=off -c full_page_writes=off"
     [ "${OUTBOX_PG_DURABLE:-0}" = 1 ] && speed=""
+    # A replication slot left behind (a killed run, a hand experiment) holds WAL forever: once
+    # 22 GB of it filled the disk the next CI build needed. Past 4 GB such a slot is dropped
+    # from WAL retention (wal_status = lost) instead.
     as_pg "$PG_BIN/pg_ctl" -D "$dir/data" -l "$dir/log" -w start -o \
-      "-c listen_addresses=127.0.0.1 -p $PG_PORT -k $dir $speed ${OUTBOX_PG_EXTRA:-} -c max_connections=400 -c max_prepared_transactions=10 -c wal_level=logical -c ssl=on -c ssl_cert_file=$dir/tls/server.pem -c ssl_key_file=$dir/tls/server.key" >/dev/null
+      "-c listen_addresses=127.0.0.1 -p $PG_PORT -k $dir $speed ${OUTBOX_PG_EXTRA:-} -c max_slot_wal_keep_size=4GB -c max_connections=400 -c max_prepared_transactions=10 -c wal_level=logical -c ssl=on -c ssl_cert_file=$dir/tls/server.pem -c ssl_key_file=$dir/tls/server.key" >/dev/null
   fi
   drop_test_databases
   log "postgres ready on 127.0.0.1:$PG_PORT"
@@ -112,13 +115,14 @@ start_postgres() {
   echo "export OUTBOX_TEST_PG_CA=$dir/tls/ca.pem"
 }
 
-# Each test creates its own database (t_<uuid>); drop what earlier runs left, ~8 MB apiece.
+# Each test creates its own database (t_<uuid>); drop what earlier runs left, ~8 MB apiece
+# (DROP DATABASE also drops the inactive replication slots in it).
 drop_test_databases() {
   local psql=("$PG_BIN/psql" -h 127.0.0.1 -p "$PG_PORT" -U postgres -d postgres -qAt)
   local names
   names=$("${psql[@]}" -c "SELECT datname FROM pg_database WHERE datname ~ '^t_[0-9a-f]{32}$'")
   [ -z "$names" ] && return
-  log "dropping $(wc -l <<<"$names") test databases left by earlier runs"
+  log "dropping $(wc -l <<<"$names") test databases (t_<uuid>)"
   while read -r name; do
     "${psql[@]}" -c "DROP DATABASE IF EXISTS $name WITH (FORCE)" >/dev/null
   done <<<"$names"
@@ -127,6 +131,8 @@ drop_test_databases() {
 stop_postgres() {
   local dir=$STATE/pg
   if [ -f "$dir/data/postmaster.pid" ]; then
+    # A full run leaves ~500 test databases (GBs); the machine's next build needs that disk.
+    drop_test_databases || true
     as_pg "$PG_BIN/pg_ctl" -D "$dir/data" -m fast -w stop >/dev/null 2>&1 || true
   fi
 }
