@@ -11,13 +11,11 @@ use std::path::Path;
 use std::process::Output;
 use std::time::Duration;
 
-use outbox_testkit::{eventually_explained, fresh_pg_database};
+use outbox_testkit::{eventually_explained, fresh_pg_database, query_count, wait_for_count};
 
 #[cfg(feature = "nats")]
 use support::{nats_stream, stream_len};
-use support::{
-    pg, read_lines, relay, text, wait_for_count, wait_for_lines, OwnPostgres, RelayProcess,
-};
+use support::{pg, read_lines, relay, text, wait_for_lines, OwnPostgres, RelayProcess};
 
 /// A migrated SQLite outbox in `dir`; its URL.
 fn sqlite_outbox(dir: &Path) -> String {
@@ -391,11 +389,13 @@ async fn truncating_the_outbox_under_a_running_relay_loses_nothing_written_after
         Duration::from_secs(30),
         || relay_process.logs(),
         || async {
-            let retrying: i64 = client
-                .query_one("SELECT count(*) FROM outbox WHERE attempts > 0", &[])
-                .await
-                .unwrap()
-                .get(0);
+            let retrying = query_count(
+                &client,
+                "SELECT count(*) FROM outbox WHERE attempts > 0",
+                &[],
+            )
+            .await
+            .unwrap();
             (retrying == 5).then_some(())
         },
     )

@@ -7,8 +7,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use outbox_testkit::eventually;
 use outbox_testkit::server::{ScriptedServer, ServerProcess};
+use outbox_testkit::{eventually, query_count};
 use uuid::Uuid;
 
 mod support;
@@ -280,15 +280,8 @@ async fn scenario(ordering: &'static str, faults: Faults) {
                 eventually("relay-3's partitions to be taken over", Duration::from_secs(30), || {
                     let (admin, frozen) = (&admin, &frozen);
                     async move {
-                        let n: i64 = admin
-                            .query_one(
-                                "SELECT count(*) FROM outbox_partitions
-                                  WHERE partition = ANY($1) AND owner IS NOT NULL AND owner <> 'relay-3' AND lease_until > now()",
-                                &[frozen],
-                            )
-                            .await
-                            .unwrap()
-                            .get(0);
+                        let n = query_count(admin, "SELECT count(*) FROM outbox_partitions
+                                  WHERE partition = ANY($1) AND owner IS NOT NULL AND owner <> 'relay-3' AND lease_until > now()", &[frozen]).await.unwrap();
                         (n as usize == frozen.len()).then_some(())
                     }
                 })
@@ -331,23 +324,18 @@ async fn scenario(ordering: &'static str, faults: Faults) {
             eventually("relay-4 to connect", Duration::from_secs(30), || {
                 let admin = &admin;
                 async move {
-                    let n: i64 = admin
-                        .query_one("SELECT count(*) FROM pg_stat_activity WHERE application_name = 'relay-4'", &[])
-                        .await
-                        .unwrap()
-                        .get(0);
+                    let n = query_count(
+                        admin,
+                        "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'relay-4'",
+                        &[],
+                    )
+                    .await
+                    .unwrap();
                     (n > 0).then_some(())
                 }
             })
             .await;
-            let killed: i64 = admin
-                .query_one(
-                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = 'relay-4'",
-                    &[],
-                )
-                .await
-                .unwrap()
-                .get(0);
+            let killed = query_count(&admin, "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = 'relay-4'", &[]).await.unwrap();
             assert!(killed > 0, "relay-4 had connections to kill");
         }
         Faults::DatabaseRestart(server) => {
@@ -378,11 +366,9 @@ async fn scenario(ordering: &'static str, faults: Faults) {
         || {
             let (js, admin, committed) = (&js, &admin, &committed);
             async move {
-                let left: i64 = admin
-                    .query_one("SELECT count(*) FROM outbox", &[])
+                let left = query_count(admin, "SELECT count(*) FROM outbox", &[])
                     .await
-                    .ok()?
-                    .get(0);
+                    .ok()?;
                 let seen: HashSet<String> = stream_contents(js)
                     .await
                     .into_iter()

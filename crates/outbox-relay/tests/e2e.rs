@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use outbox_testkit::{eventually, fresh_pg_database};
+use outbox_testkit::{eventually, fresh_pg_database, query_count, wait_for_count};
 use uuid::Uuid;
 
 mod support;
@@ -198,14 +198,13 @@ async fn kill_9_mid_stream_loses_nothing_and_keeps_per_key_order() {
     // A row the killed relay published but never acked is in the file already; the second
     // relay acks it once it takes the row over (after the killed relay's lease).
     let client = pg(&url).await;
-    eventually("every row acked", Duration::from_secs(60), || async {
-        let left: i64 = client
-            .query_one("SELECT count(*) FROM outbox", &[])
-            .await
-            .unwrap()
-            .get(0);
-        (left == 0).then_some(())
-    })
+    wait_for_count(
+        "every row acked",
+        &client,
+        "SELECT count(*) FROM outbox",
+        0,
+        Duration::from_secs(60),
+    )
     .await;
 
     let status = second.terminate().await;
@@ -221,11 +220,9 @@ async fn kill_9_mid_stream_loses_nothing_and_keeps_per_key_order() {
         duplicates
     );
 
-    let nodes: i64 = client
-        .query_one("SELECT count(*) FROM outbox_nodes", &[])
+    let nodes = query_count(&client, "SELECT count(*) FROM outbox_nodes", &[])
         .await
-        .unwrap()
-        .get(0);
+        .unwrap();
     assert!(
         nodes <= 1,
         "only the killed node's row may remain until it expires"
@@ -264,23 +261,20 @@ async fn sigterm_releases_leases_and_exits_zero() {
     .await;
     let status = relay.terminate().await;
     assert!(status.success(), "{}", relay.logs());
-    let leased: i64 = client
-        .query_one(
-            "SELECT count(*) FROM outbox WHERE locked_by IS NOT NULL",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let leased = query_count(
+        &client,
+        "SELECT count(*) FROM outbox WHERE locked_by IS NOT NULL",
+        &[],
+    )
+    .await
+    .unwrap();
     assert_eq!(
         leased, 0,
         "a graceful stop releases every lease (the lease here is 1h)"
     );
-    let nodes: i64 = client
-        .query_one("SELECT count(*) FROM outbox_nodes", &[])
+    let nodes = query_count(&client, "SELECT count(*) FROM outbox_nodes", &[])
         .await
-        .unwrap()
-        .get(0);
+        .unwrap();
     assert_eq!(nodes, 0, "a graceful stop deregisters");
     // A new relay picks the rest up at once and delivers everything exactly once overall
     // (nothing was lost or left leased).
@@ -450,11 +444,9 @@ async fn least_privileged_role_from_migrate_print_is_enough() {
         !log.contains("scan the pending rows from the start"),
         "the granted role can use the scan floor: {log}"
     );
-    let dead: i64 = client
-        .query_one("SELECT count(*) FROM outbox_dead_letters", &[])
+    let dead = query_count(&client, "SELECT count(*) FROM outbox_dead_letters", &[])
         .await
-        .unwrap()
-        .get(0);
+        .unwrap();
     assert_eq!(
         dead, 1,
         "the undecodable row was dead-lettered by the minimal role"

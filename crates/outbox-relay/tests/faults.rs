@@ -31,7 +31,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use async_nats::jetstream;
-use outbox_testkit::{eventually_explained, Direction, FaultProxy};
+use outbox_testkit::{eventually_explained, query_count, Direction, FaultProxy};
 use tokio::time::Instant;
 
 mod support;
@@ -261,15 +261,14 @@ impl Rig {
             Duration::from_secs(60),
             || self.nodes[node].relay.logs(),
             || async move {
-                let n: i64 = admin
-                    .query_one(
-                        "SELECT count(*) FROM outbox_partitions
+                let n = query_count(
+                    admin,
+                    "SELECT count(*) FROM outbox_partitions
                           WHERE partition = ANY($1) AND owner <> $2 AND lease_until > now()",
-                        &[&partitions, name],
-                    )
-                    .await
-                    .ok()?
-                    .get(0);
+                    &[&partitions, name],
+                )
+                .await
+                .ok()?;
                 (n as usize == partitions.len()).then_some(())
             },
         )
@@ -330,22 +329,18 @@ impl Rig {
                 format!("{missing} committed events missing\n{}", self.tails())
             },
             || async move {
-                let left: i64 = admin
-                    .query_one("SELECT count(*) FROM outbox", &[])
+                let left = query_count(admin, "SELECT count(*) FROM outbox", &[])
                     .await
-                    .ok()?
-                    .get(0);
+                    .ok()?;
                 let seen: HashSet<String> =
                     deliveries.snapshot().into_iter().map(|d| d.id).collect();
                 (left == 0 && committed.keys().all(|id| seen.contains(id))).then_some(())
             },
         )
         .await;
-        let dead: i64 = admin
-            .query_one("SELECT count(*) FROM outbox_dead_letters", &[])
+        let dead = query_count(admin, "SELECT count(*) FROM outbox_dead_letters", &[])
             .await
-            .unwrap()
-            .get(0);
+            .unwrap();
         assert_eq!(dead, 0, "nothing is dead-lettered");
 
         let messages = self.deliveries.snapshot();
@@ -572,15 +567,14 @@ async fn database_flows_blackholed_for_good() {
         || node.relay.logs(),
         || async move {
             let recovered = node.relay.logs().contains("\"message\":\"recovered\"");
-            let n: i64 = admin
-                .query_one(
-                    "SELECT count(*) FROM outbox_partitions
+            let n = query_count(
+                admin,
+                "SELECT count(*) FROM outbox_partitions
                       WHERE partition = ANY($1) AND owner <> $2 AND lease_until > now()",
-                    &[held, name],
-                )
-                .await
-                .ok()?
-                .get(0);
+                &[held, name],
+            )
+            .await
+            .ok()?;
             (recovered || n as usize == held.len()).then_some(())
         },
     )
@@ -592,14 +586,13 @@ async fn database_flows_blackholed_for_good() {
         recovery,
         || rig.tails(),
         || async move {
-            let n: i64 = admin
-                .query_one(
-                    "SELECT count(*) FROM outbox_partitions WHERE owner = $1 AND lease_until > now()",
-                    &[name],
-                )
-                .await
-                .ok()?
-                .get(0);
+            let n = query_count(
+                admin,
+                "SELECT count(*) FROM outbox_partitions WHERE owner = $1 AND lease_until > now()",
+                &[name],
+            )
+            .await
+            .ok()?;
             (n > 0).then_some(())
         },
     )

@@ -5,7 +5,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::time::Duration;
 
-use outbox_testkit::{eventually, eventually_explained, fresh_pg_database};
+use outbox_testkit::{eventually, eventually_explained, fresh_pg_database, query_count};
 
 mod support;
 
@@ -68,11 +68,9 @@ async fn delivered_to_path(
             let numbers = numbers_in(path);
             let expected = expected.clone();
             async move {
-                let left: i64 = client
-                    .query_one("SELECT count(*) FROM outbox", &[])
+                let left = query_count(client, "SELECT count(*) FROM outbox", &[])
                     .await
-                    .unwrap()
-                    .get(0);
+                    .unwrap();
                 (numbers == expected && left == 0).then_some(())
             }
         },

@@ -15,12 +15,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::Duration;
 
-use outbox_testkit::{eventually, eventually_explained, fresh_pg_database};
-
-use support::{
-    http_addr, http_get, metric_value, pg, relay, text, wait_for_count, wait_for_lines,
-    RelayProcess,
+use outbox_testkit::{
+    eventually, eventually_explained, fresh_pg_database, query_count, wait_for_count,
 };
+
+use support::{http_addr, http_get, metric_value, pg, relay, text, wait_for_lines, RelayProcess};
 
 fn deploy() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy")
@@ -584,11 +583,9 @@ async fn cause_store_error(url: &str, relay: &RelayProcess, addr: &str) {
                     "a relay statement to wait on the lock",
                     Duration::from_secs(10),
                     || async move {
-                        let n: i64 = admin
-                            .query_one(&format!("SELECT count(*) {waiting}"), &[])
+                        let n = query_count(admin, &format!("SELECT count(*) {waiting}"), &[])
                             .await
-                            .unwrap()
-                            .get(0);
+                            .unwrap();
                         (n > 0).then_some(())
                     },
                 )

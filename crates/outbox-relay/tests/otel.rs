@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use outbox_testkit::otlp::{attribute, hex, OtlpReceiver, ReceivedSpan};
 use outbox_testkit::server::ServerProcess;
-use outbox_testkit::{eventually, fresh_pg_database};
+use outbox_testkit::{eventually, fresh_pg_database, wait_for_count};
 
 mod support;
 
@@ -276,14 +276,13 @@ async fn trace_context_reaches_nats_and_the_relays_spans_link_to_it() {
 
     // The ack of the batch is recorded before the shutdown flushes the spans.
     let client = pg(&url).await;
-    eventually("the outbox to empty", Duration::from_secs(30), || async {
-        let n: i64 = client
-            .query_one("SELECT count(*) FROM outbox", &[])
-            .await
-            .unwrap()
-            .get(0);
-        (n == 0).then_some(())
-    })
+    wait_for_count(
+        "the outbox to empty",
+        &client,
+        "SELECT count(*) FROM outbox",
+        0,
+        Duration::from_secs(30),
+    )
     .await;
     assert!(
         collector.received().is_empty(),

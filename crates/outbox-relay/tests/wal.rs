@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::process::Output;
 use std::time::Duration;
 
-use outbox_testkit::eventually_explained;
+use outbox_testkit::{eventually_explained, query_count};
 use serde_json::Value;
 use tokio_postgres::{Client, GenericClient};
 
@@ -654,11 +654,9 @@ async fn debeziums_table_is_read_from_the_wal_even_when_rows_are_deleted_at_once
         .find(|l| l["event_id"] == traced.as_str())
         .unwrap();
     assert_eq!(traced["headers"]["traceparent"], TRACEPARENT);
-    let left: i64 = db
-        .query_one("SELECT count(*) FROM outboxevent", &[])
+    let left = query_count(db, "SELECT count(*) FROM outboxevent", &[])
         .await
-        .unwrap()
-        .get(0);
+        .unwrap();
     assert_eq!(left, 0, "delivered rows are deleted");
 
     // The relay's own tables draw their ids from the Debezium table's sequence, so a parked
@@ -696,14 +694,7 @@ async fn debeziums_table_is_read_from_the_wal_even_when_rows_are_deleted_at_once
     assert_success("the drain after send", &w.drain());
     let lines = read_lines(&w.out);
     assert_eq!(counters_by_key(&lines)["order-3"], [7], "{lines:?}");
-    let left: i64 = db
-        .query_one(
-            "SELECT (SELECT count(*) FROM outboxevent_relay) + (SELECT count(*) FROM outboxevent_relay_parked)",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let left = query_count(db, "SELECT (SELECT count(*) FROM outboxevent_relay) + (SELECT count(*) FROM outboxevent_relay_parked)", &[]).await.unwrap();
     assert_eq!(left, 0, "the sent event's row is deleted too");
 }
 
@@ -1071,11 +1062,9 @@ async fn a_100000_event_transaction_is_relayed_in_bounded_memory() {
         || relay.logs(),
         || async move {
             tokio::time::sleep(Duration::from_millis(500)).await;
-            let left: i64 = db
-                .query_one("SELECT count(*) FROM outbox", &[])
+            let left = query_count(db, "SELECT count(*) FROM outbox", &[])
                 .await
-                .ok()?
-                .get(0);
+                .ok()?;
             (left == 0).then_some(())
         },
     )

@@ -6,7 +6,7 @@ use std::time::Duration;
 use outbox_core::store::{ClaimRequest, PartitionRegistry};
 use outbox_core::{partition_of, Claimed, Fence, NewEvent, NodeId, OutboxStore};
 use outbox_store_postgres::{PgOptions, PgStore, Tables, DEFAULT_NOTIFY_CHANNEL};
-use outbox_testkit::eventually;
+use outbox_testkit::{eventually, query_count};
 
 async fn store(partitions: u32) -> (PgStore, String) {
     let url = outbox_testkit::fresh_pg_database().await;
@@ -851,15 +851,14 @@ async fn a_database_migrated_before_the_scheduled_index_is_slower_not_refused() 
 async fn until_a_session_waits_for_a_lock(url: &str, what: &str) {
     let watcher = session(url).await;
     eventually(what, Duration::from_secs(10), || async {
-        let waiting: i64 = watcher
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity
+        let waiting = query_count(
+            &watcher,
+            "SELECT count(*) FROM pg_stat_activity
                   WHERE datname = current_database() AND wait_event_type = 'Lock'",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get(0);
+            &[],
+        )
+        .await
+        .unwrap();
         (waiting > 0).then_some(())
     })
     .await;

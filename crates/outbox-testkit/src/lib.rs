@@ -110,6 +110,32 @@ where
     }
 }
 
+/// The number a `SELECT count(*) …` (or any one-row, `bigint`-first query) returns. A wait
+/// that must ride out a dropped connection takes the error with `.ok()?`; others unwrap it.
+pub async fn query_count(
+    db: &tokio_postgres::Client,
+    sql: &str,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) -> Result<i64, tokio_postgres::Error> {
+    Ok(db.query_one(sql, params).await?.get(0))
+}
+
+/// Waits until `count_sql` (a `SELECT count(*) …`) counts `want` rows on `db`; a failed
+/// query is tried again, as a wait through a fault must.
+pub async fn wait_for_count(
+    what: &str,
+    db: &tokio_postgres::Client,
+    count_sql: &str,
+    want: i64,
+    timeout: Duration,
+) {
+    eventually(what, timeout, || async move {
+        let n = query_count(db, count_sql, &[]).await.ok()?;
+        (n == want).then_some(())
+    })
+    .await
+}
+
 /// Ends the replication slot's consumer, if any, and drops the slot; retried while the
 /// ended consumer has not released it yet (object_in_use). A slot left behind pins WAL for
 /// every test on the server.

@@ -201,21 +201,6 @@ pub async fn wait_for_lines(
     .await
 }
 
-/// Waits until `count_sql` (a `SELECT count(*) …`) counts `want` rows on `db`.
-pub async fn wait_for_count(
-    what: &str,
-    db: &tokio_postgres::Client,
-    count_sql: &str,
-    want: i64,
-    timeout: Duration,
-) {
-    eventually(what, timeout, || async move {
-        let n: i64 = db.query_one(count_sql, &[]).await.ok()?.get(0);
-        (n == want).then_some(())
-    })
-    .await
-}
-
 // ---- Writers, and what reached the broker: for the chaos tests (`faults.rs`) ----
 
 use std::collections::{HashMap, HashSet};
