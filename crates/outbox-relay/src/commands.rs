@@ -655,6 +655,19 @@ pub async fn migrate(config: Config, args: MigrateArgs) -> anyhow::Result<ExitCo
         .await
         .map_err(|e| anyhow::anyhow!("migration failed: {}", e.report()))?;
     println!("migrated: {}", store.outbox().describe());
+    // What a migration cannot do itself (a server setting, a role attribute) is said now,
+    // not at the first `run`. The migration did apply, so this is no failure; and it is
+    // checked as the role that migrated, which may not be the one the relay runs as.
+    match store.verify().await {
+        Ok(problems) if problems.is_empty() => {}
+        Ok(problems) => {
+            println!("not ready to run yet (what `check` finds, as this role):");
+            for p in problems {
+                println!("problem: {}\n    fix: {}", p.what, p.fix);
+            }
+        }
+        Err(e) => println!("could not check the result (run `check`): {}", e.report()),
+    }
     Ok(ExitCode::SUCCESS)
 }
 

@@ -181,11 +181,15 @@ fn main() -> ExitCode {
     };
     let outbox = cli.global.outbox.clone();
     let flags = cli.flags();
+    let log_format = config.log_format;
     let result = runtime.block_on(dispatch(cli.command, config, flags, outbox));
     match result {
         Ok(code) => code,
         Err(e) => {
-            tracing::error!(error = %format!("{e:#}"), "outbox-relay failed");
+            // A text log is for people, and the `error:` line below says it to them: once.
+            if log_format == LogFormat::Json {
+                tracing::error!(error = %format!("{e:#}"), "outbox-relay failed");
+            }
             eprintln!("error: {e:#}");
             if e.downcast_ref::<commands::ConfigError>().is_some() {
                 ExitCode::from(2)

@@ -234,6 +234,49 @@ fn a_read_only_sqlite_database_is_told_to_make_the_file_writable() {
     );
 }
 
+/// A failure is said once to a person reading a text log (it was said twice: as a log
+/// line, then as the `error:` line), and a JSON log also gets it as a structured line.
+#[test]
+fn a_runtime_failure_is_said_once_in_a_text_log_and_as_a_json_line_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    assert!(relay(d, &["migrate"], &[]).status.success());
+    let send = |format: &str| {
+        let args = [
+            "send",
+            "--log-format",
+            format,
+            "--database-url",
+            "sqlite:file:outbox.db?mode=ro",
+            "--destination",
+            "orders",
+            "{}",
+        ];
+        let out = relay(d, &args, &[]);
+        assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+        stderr(&out)
+    };
+    let text = send("text");
+    assert_eq!(
+        text.matches("read-only for the relay's user").count(),
+        1,
+        "{text}"
+    );
+    assert!(text.starts_with("error: "), "{text}");
+    let json = send("json");
+    let logged: Vec<serde_json::Value> = json
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .filter(|l: &serde_json::Value| l["level"] == "ERROR")
+        .collect();
+    assert_eq!(logged.len(), 1, "{json}");
+    assert!(
+        logged[0]["error"].as_str().unwrap().contains("read-only"),
+        "{json}"
+    );
+    assert!(json.lines().any(|l| l.starts_with("error: ")), "{json}");
+}
+
 #[test]
 fn a_failed_tls_handshake_is_told_about_tls_not_about_the_host() {
     let url = std::env::var("OUTBOX_TEST_DATABASE_URL")

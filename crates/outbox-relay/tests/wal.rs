@@ -1182,3 +1182,36 @@ async fn check_names_what_wal_capture_lacks() {
     );
     assert!(report.contains("parked"), "{report}");
 }
+
+/// A server without `wal_level = logical` is named, with the fix, by each command: `migrate`
+/// (which did its part, so exit 0, but said nothing of it before), `check`, and `run`.
+#[tokio::test]
+async fn a_server_without_logical_wal_is_named_by_migrate_check_and_run() {
+    let server = OwnPostgres::init();
+    server.start("-c wal_level=replica");
+    let url = server.url("disable");
+    let dir = tempfile::tempdir().unwrap();
+    let level = "the server runs with wal_level = replica; WAL capture needs logical";
+    let fix = "fix: set wal_level = logical in postgresql.conf and restart PostgreSQL";
+    let flags = ["--capture", "wal", "--database-url", &url];
+
+    let migrate = relay(dir.path(), &[&["migrate"][..], &flags].concat());
+    assert_success("migrate", &migrate);
+    let said = text(&migrate.stdout);
+    assert!(said.contains("not ready to run yet"), "{said}");
+    assert!(said.contains(level) && said.contains(fix), "{said}");
+
+    let check = relay(dir.path(), &[&["check"][..], &flags].concat());
+    let report = text(&check.stdout);
+    assert_eq!(check.status.code(), Some(1), "{report}");
+    assert!(report.contains(level) && report.contains(fix), "{report}");
+
+    let run = relay(
+        dir.path(),
+        &[&["run", "--drain", "--http-addr", ""][..], &flags].concat(),
+    );
+    let err = text(&run.stderr);
+    assert_eq!(run.status.code(), Some(1), "{err}");
+    assert_eq!(err.matches(level).count(), 1, "said once: {err}");
+    assert!(err.contains(fix), "{err}");
+}
