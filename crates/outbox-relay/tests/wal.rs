@@ -1215,3 +1215,73 @@ async fn a_server_without_logical_wal_is_named_by_migrate_check_and_run() {
     assert_eq!(err.matches(level).count(), 1, "said once: {err}");
     assert!(err.contains(fix), "{err}");
 }
+
+/// A server whose replication slots or WAL senders are all taken: `check` names the setting
+/// and the fix (before, it said all was well), a drain that would have to create its slot
+/// refuses to start, and a running relay says on `/readyz` which limit holds it.
+#[tokio::test]
+async fn a_server_out_of_slots_or_wal_senders_is_named_with_the_fix() {
+    let server = OwnPostgres::init();
+    server.start("-c wal_level=logical -c max_replication_slots=2 -c max_wal_senders=1");
+    let url = server.url("disable");
+    let a = WalDb::on(url.clone(), "relay_a".into()).await;
+    let b = WalDb::on(url.clone(), "relay_b".into()).await;
+    a.db.query_one(
+        "SELECT pg_create_logical_replication_slot('other', 'pgoutput')",
+        &[],
+    )
+    .await
+    .unwrap();
+    // Relay a takes the second slot and the one WAL sender.
+    let relay_a = a.spawn("a", &a.path("events.jsonl"), &[]);
+    relay_a
+        .wait_for_log("relay a streaming", Duration::from_secs(60), STREAMING)
+        .await;
+
+    let check = relay(
+        b.dir.path(),
+        &[&["check"][..], &capture_flags(&url, &b.slot)].concat(),
+    );
+    let report = text(&check.stdout);
+    assert_eq!(check.status.code(), Some(1), "{report}");
+    assert!(
+        report.contains("slots are all taken (max_replication_slots = 2)")
+            && report.contains("fix: raise max_replication_slots"),
+        "{report}"
+    );
+    assert!(
+        report.contains("WAL senders are all busy (max_wal_senders = 1)")
+            && report.contains("fix: raise max_wal_senders"),
+        "{report}"
+    );
+    let drain = b.drain(&b.path("events.jsonl"));
+    let err = text(&drain.stderr);
+    assert_eq!(drain.status.code(), Some(1), "{err}");
+    assert!(err.contains("max_replication_slots = 2"), "{err}");
+
+    // A free slot, but still no free sender: relay b runs, and says what holds it.
+    a.db.query_one("SELECT pg_drop_replication_slot('other')", &[])
+        .await
+        .unwrap();
+    let relay_b = b.spawn(
+        "b",
+        &b.path("events.jsonl"),
+        &["--http-addr", "127.0.0.1:0", "--log-format", "json"],
+    );
+    let addr = http_addr(&relay_b).await;
+    let body = eventually_explained(
+        "/readyz to name max_wal_senders",
+        Duration::from_secs(30),
+        || relay_b.logs(),
+        || {
+            let addr = addr.clone();
+            async move {
+                let (status, body) = http_get(&addr, "/readyz").await?;
+                (status == 503 && body.contains("max_wal_senders")).then_some(body)
+            }
+        },
+    )
+    .await;
+    assert!(body.contains("raise max_wal_senders"), "{body}");
+    drop(relay_a);
+}

@@ -1115,7 +1115,31 @@ pub async fn verify_capture(
             "run `outbox-relay migrate --capture wal`",
         ));
     }
-    if let Some(status) = slot_status(main, slot).await? {
+    let status = slot_status(main, slot).await?;
+    let capacity = &main
+        .query_rows("replication capacity", &sql.replication_capacity, &[])
+        .await?[0];
+    let (slots, max_slots, senders, max_senders): (i64, i64, i64, i64) = (
+        capacity.get(0),
+        capacity.get(1),
+        capacity.get(2),
+        capacity.get(3),
+    );
+    if status.is_none() && slots >= max_slots {
+        problems.push(Problem::blocking(
+            format!("the replication slot {slot:?} does not exist yet, and the server's slots are all taken (max_replication_slots = {max_slots}): the relay cannot create it"),
+            "raise max_replication_slots in postgresql.conf and restart PostgreSQL, or drop a slot that is no longer used (SELECT slot_name, active FROM pg_replication_slots; then SELECT pg_drop_replication_slot('<name>'))",
+        ));
+    }
+    // Degraded, not blocking: a sender is often busy only for a while (a base backup, a
+    // replica reconnecting), and the relay's session retries until one is free.
+    if !status.as_ref().is_some_and(|s| s.active) && senders >= max_senders {
+        problems.push(Problem::degraded(
+            format!("the server's WAL senders are all busy (max_wal_senders = {max_senders}): the relay cannot start a replication session until one is free"),
+            "raise max_wal_senders in postgresql.conf and restart PostgreSQL, or stop a replication client that is no longer needed (SELECT application_name, client_addr FROM pg_stat_replication)",
+        ));
+    }
+    if let Some(status) = status {
         let wal_status = status.wal_status.as_deref();
         if wal_status == Some("lost") {
             problems.push(Problem::blocking(
@@ -1576,8 +1600,9 @@ impl Reader {
                     Duration::from_secs(1)
                 }
                 Err(e) if e.is_retryable() => {
-                    tracing::warn!(error = %e, "cannot start the replication session; retrying");
-                    self.set_status(CaptureStatus::Reconnecting(e.to_string()));
+                    let reason = describe(&e);
+                    tracing::warn!(error = %reason, "cannot start the replication session; retrying");
+                    self.set_status(CaptureStatus::Reconnecting(reason));
                     backoff.next_delay()
                 }
                 Err(e) => {
@@ -1793,6 +1818,10 @@ fn describe(error: &WalError) -> String {
         format!("{text}: grant the relay's role REPLICATION (ALTER ROLE <role> REPLICATION)")
     } else if text.contains("wal_level") {
         format!("{text}: set wal_level = logical and restart PostgreSQL")
+    } else if text.contains("SQLSTATE 53400") || text.contains("replication slots are in use") {
+        format!("{text}: raise max_replication_slots and restart PostgreSQL, or drop a slot no longer used (pg_replication_slots)")
+    } else if text.contains("max_wal_senders") {
+        format!("{text}: raise max_wal_senders and restart PostgreSQL, or stop a replication client no longer needed (pg_stat_replication)")
     } else {
         text
     }

@@ -250,6 +250,9 @@ pub struct CaptureStatements {
     pub publication: String,
     /// Whether the current role may replicate.
     pub replication_role: String,
+    /// Replication slots taken and allowed, WAL senders busy and allowed: a slot the first
+    /// run must create, and a session it must start, each need one free.
+    pub replication_capacity: String,
 }
 
 impl CaptureStatements {
@@ -303,6 +306,11 @@ impl CaptureStatements {
             ),
             replication_role: "SELECT rolreplication OR rolsuper FROM pg_catalog.pg_roles
                                 WHERE rolname = current_user"
+                .into(),
+            replication_capacity: "SELECT (SELECT count(*) FROM pg_catalog.pg_replication_slots),
+                                          current_setting('max_replication_slots')::int8,
+                                          (SELECT count(*) FROM pg_catalog.pg_stat_replication),
+                                          current_setting('max_wal_senders')::int8"
                 .into(),
         }
     }
