@@ -1285,3 +1285,53 @@ async fn a_server_out_of_slots_or_wal_senders_is_named_with_the_fix() {
     assert!(body.contains("raise max_wal_senders"), "{body}");
     drop(relay_a);
 }
+
+/// A slot of the relay's name that cannot serve it (another plugin, another database) is
+/// named by `check`, which said all was well, and stops `run` at once; before, a drain
+/// retried it without end.
+#[tokio::test]
+async fn a_slot_of_another_plugin_or_database_is_refused_by_check_and_run() {
+    let w = WalDb::new().await;
+    let check = || {
+        let out = relay(
+            w.dir.path(),
+            &[&["check"][..], &capture_flags(&w.url, &w.slot)].concat(),
+        );
+        assert_eq!(out.status.code(), Some(1), "{}", text(&out.stdout));
+        text(&out.stdout)
+    };
+    w.db.query_one(
+        "SELECT pg_create_logical_replication_slot($1, 'test_decoding')",
+        &[&w.slot],
+    )
+    .await
+    .unwrap();
+    let report = check();
+    assert!(
+        report.contains("uses the plugin \"test_decoding\", not pgoutput")
+            && report.contains("fix: drop it (`outbox-relay drop-slot`)"),
+        "{report}"
+    );
+    let drain = w.drain(&w.path("events.jsonl"));
+    let err = text(&drain.stderr);
+    assert_eq!(drain.status.code(), Some(1), "{err}");
+    assert!(err.contains("test_decoding"), "{err}");
+
+    outbox_testkit::force_drop_slot(&w.url, &w.slot)
+        .await
+        .unwrap();
+    pg(&outbox_testkit::with_database(&w.url, "postgres"))
+        .await
+        .query_one(
+            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+            &[&w.slot],
+        )
+        .await
+        .unwrap();
+    let report = check();
+    assert!(
+        report.contains("it belongs to another database")
+            && report.contains("fix: choose another slot name"),
+        "{report}"
+    );
+}

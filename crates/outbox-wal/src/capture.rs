@@ -1038,12 +1038,7 @@ impl Inner {
         ::metrics::gauge!(metric::STREAMING).set(if streaming { 1.0 } else { 0.0 });
         match slot_status(&self.main, &self.slot).await {
             Ok(status) => {
-                let status = status.unwrap_or(SlotStatus {
-                    active: false,
-                    wal_status: None,
-                    retained_bytes: None,
-                    lag_bytes: None,
-                });
+                let status = status.unwrap_or_default();
                 if let Some(retained) = status.retained_bytes {
                     ::metrics::gauge!(metric::SLOT_RETAINED_BYTES).set(retained as f64);
                 }
@@ -1141,7 +1136,14 @@ pub async fn verify_capture(
     }
     if let Some(status) = status {
         let wal_status = status.wal_status.as_deref();
-        if wal_status == Some("lost") {
+        if let Some((cause, fix)) =
+            crate::client::unusable_slot(status.plugin.as_deref(), status.in_this_database)
+        {
+            problems.push(Problem::blocking(
+                format!("the replication slot {slot:?} cannot be used: {cause}"),
+                fix,
+            ));
+        } else if wal_status == Some("lost") {
             problems.push(Problem::blocking(
                 format!("the replication slot {slot:?} is invalidated (wal_status = lost): the WAL it needed was removed"),
                 "events written while it fell behind cannot be read from the WAL: recover them from the application, then `outbox-relay drop-slot` and run the relay again",
@@ -1168,7 +1170,7 @@ pub async fn verify_capture(
 }
 
 /// The slot as `pg_replication_slots` shows it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SlotStatus {
     /// A session streams from it.
     pub active: bool,
@@ -1178,6 +1180,10 @@ pub struct SlotStatus {
     pub retained_bytes: Option<i64>,
     /// WAL written since its confirmed position, in bytes.
     pub lag_bytes: Option<i64>,
+    /// Its output plugin (`None` for a physical slot).
+    pub plugin: Option<String>,
+    /// It is a slot of the database the relay connects to.
+    pub in_this_database: bool,
 }
 
 /// The slot named `slot`, if it exists.
@@ -1189,6 +1195,8 @@ pub async fn slot_status(main: &PgStore, slot: &str) -> StoreResult<Option<SlotS
         wal_status: row.get(1),
         retained_bytes: row.get(2),
         lag_bytes: row.get(3),
+        plugin: row.get(4),
+        in_this_database: row.get(5),
     }))
 }
 

@@ -433,6 +433,30 @@ fn tls_config(
     Ok(tls.with_sni_hostname(host))
 }
 
+/// Why an existing slot cannot serve WAL capture, and the fix, if it cannot: it must be a
+/// logical slot of pgoutput (a physical slot has no plugin) in the relay's database.
+pub(crate) fn unusable_slot(
+    plugin: Option<&str>,
+    in_this_database: bool,
+) -> Option<(String, &'static str)> {
+    if plugin != Some("pgoutput") {
+        Some((
+            format!(
+                "it uses the plugin {:?}, not pgoutput (or is a physical slot)",
+                plugin.unwrap_or_default()
+            ),
+            "drop it (`outbox-relay drop-slot`) if nothing else reads it, or choose another slot name (--slot)",
+        ))
+    } else if !in_this_database {
+        Some((
+            "it belongs to another database".into(),
+            "choose another slot name (--slot)",
+        ))
+    } else {
+        None
+    }
+}
+
 /// Reads the slot, creating it (pgoutput) when missing and `create` allows.
 async fn ensure_slot(
     client: &mut ReplicationClient,
@@ -475,16 +499,8 @@ async fn ensure_slot(
             .and_then(|v| v.as_ref())
             .map(|v| String::from_utf8_lossy(v).into_owned())
     };
-    if text(0).as_deref() != Some("pgoutput") {
-        return Err(slot_error(format!(
-            "it uses the plugin {:?}, not pgoutput (or is a physical slot): drop it or choose another slot name",
-            text(0).unwrap_or_default()
-        )));
-    }
-    if text(1).as_deref() != Some("t") {
-        return Err(slot_error(
-            "it belongs to another database: choose another slot name".into(),
-        ));
+    if let Some((cause, fix)) = unusable_slot(text(0).as_deref(), text(1).as_deref() == Some("t")) {
+        return Err(slot_error(format!("{cause}: {fix}")));
     }
     if text(3).as_deref() == Some("lost") {
         return Err(slot_error(

@@ -212,7 +212,8 @@ impl CaptureStatements {
                 CASE WHEN pg_is_in_recovery() THEN NULL
                      ELSE pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::int8 END,
                 CASE WHEN pg_is_in_recovery() THEN NULL
-                     ELSE pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::int8 END
+                     ELSE pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::int8 END,
+                plugin, database IS NOT DISTINCT FROM current_database()
            FROM pg_catalog.pg_replication_slots WHERE slot_name = $1"
     }
 }
