@@ -248,6 +248,9 @@ struct Engine {
     /// rows no claim returns have been waited for.
     drain_checked: u64,
     drain_waiting_since: Option<Instant>,
+    /// Since when every claim has failed, and the last failure: a drain gives up after its
+    /// patience, where a long-running relay keeps trying.
+    claims_failing: Option<(Instant, String)>,
     /// When the run began: a drain leaves rows inserted after this to the next run.
     started: Instant,
 }
@@ -754,6 +757,7 @@ impl Engine {
             Ok(rows) => {
                 ::metrics::histogram!(metrics::CLAIM_BATCH).record(rows.len() as f64);
                 self.claims.succeeded(rows.len(), limit);
+                self.claims_failing = None;
                 let release = self.lanes.accept(claim_no, rows);
                 self.lanes.expire_blocks(claim_no);
                 // The claim may carry rows of partitions revoked or lost while it ran: check
@@ -771,6 +775,11 @@ impl Engine {
                 let retry_in = self.claims.failed();
                 ::metrics::counter!(metrics::STORE_ERRORS, "operation" => "claim").increment(1);
                 tracing::warn!(error = %e.report(), ?retry_in, "claim failed");
+                let since = self
+                    .claims_failing
+                    .take()
+                    .map_or_else(Instant::now, |(t, _)| t);
+                self.claims_failing = Some((since, e.report().to_string()));
                 Ok(())
             }
             Err(e) => Err(e),
@@ -825,10 +834,21 @@ impl Engine {
     /// With a drain, once nothing more is claimed: whether what is still pending lets the
     /// drain end (and how, in `summary.drain`). Checked once per claim.
     async fn drain_finished(&mut self) -> bool {
-        if !self.config.drain
-            || !self.claims.settled_empty()
-            || !self.idle()
-            || self.drain_checked == self.claims.started
+        if !self.config.drain {
+            return false;
+        }
+        // No claim has come back since the store began failing: nothing can be said of the
+        // outbox, and a drain (a job someone waits on) must end rather than hang.
+        if let Some((since, error)) = &self.claims_failing {
+            if since.elapsed() >= self.config.drain_patience {
+                self.summary.drain = Some(DrainEnd::Unknown(format!(
+                    "every claim failed for {}s; the last: {error}",
+                    since.elapsed().as_secs()
+                )));
+                return true;
+            }
+        }
+        if !self.claims.settled_empty() || !self.idle() || self.drain_checked == self.claims.started
         {
             return false;
         }
@@ -919,6 +939,7 @@ pub async fn run(
         reported_waiting: false,
         drain_checked: 0,
         drain_waiting_since: None,
+        claims_failing: None,
         started: Instant::now(),
     };
     let result = event_loop(&mut engine, wake, shutdown).await;

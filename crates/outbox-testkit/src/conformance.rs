@@ -8,13 +8,15 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use outbox_core::store::{
-    ClaimRequest, DeadLetter, DeadQuery, DeadSelector, EventState, Incarnation, NodeRegistry,
-    Operations, Registration, ReplaySelector, RetryLater,
+    Backlog, ClaimRequest, DeadLetter, DeadQuery, DeadSelector, EventState, Incarnation,
+    NodeRegistry, OnChange, Operations, Problem, Registration, ReplaySelector, RetryLater,
+    StoreFuture,
 };
 use outbox_core::{
-    Claimed, NewEvent, NodeId, OutboxStore, PublishErrorKind, RetryPolicy, SequenceId,
+    Claimed, Fence, NewEvent, NodeId, OutboxStore, PublishErrorKind, RetryPolicy, SequenceId,
+    StoreError, StoreErrorKind,
 };
-use outbox_engine::{EngineConfig, Summary, WakeMode};
+use outbox_engine::{DrainEnd, EngineConfig, Summary, WakeMode};
 
 use crate::eventually;
 use crate::recording::RecordingPublisher;
@@ -60,7 +62,9 @@ macro_rules! store_conformance {
             engine_delivers_in_order_per_key, engine_retry_blocks_only_its_key,
             engine_dead_letters_after_max_attempts_and_moves_on,
             engine_dead_letters_permanent_errors_and_undecodable_rows,
-            engine_unordered_retries_and_dead_letters_go_out_again, operator_lists_retries_and_purges_dead_letters, operator_replays_and_prunes_in_batches,
+            engine_unordered_retries_and_dead_letters_go_out_again,
+            engine_drain_ends_when_every_claim_keeps_failing,
+            operator_lists_retries_and_purges_dead_letters, operator_replays_and_prunes_in_batches,
             operator_pages_dead_letters_and_shows_one_event);
     };
     (@tests $new_harness:path; $($name:ident),* $(,)?) => {
@@ -674,6 +678,104 @@ pub async fn engine_unordered_retries_and_dead_letters_go_out_again(h: &dyn Harn
     );
     assert_eq!(summary.dead_lettered, 1);
     assert_eq!(attempts_of(&publisher, seq[0]), 3);
+}
+
+/// A drain whose claims all fail (the database went away after the drain began) ends after
+/// its patience, saying it cannot tell what is left, where it used to wait for a claim to
+/// succeed without end. Nothing is acked.
+pub async fn engine_drain_ends_when_every_claim_keeps_failing(h: &dyn Harness) {
+    let (store, _) = store_with(h, &[("d", Some("a"), "t", 0)]).await;
+    let mut config = engine_config(true);
+    config.drain_patience = Duration::from_millis(300);
+    let drain = outbox_engine::run(
+        Arc::new(ClaimsFail(store.clone())),
+        Arc::new(RecordingPublisher::new()),
+        config,
+        std::future::pending(),
+    );
+    // A bound on a hang, not on speed: the claims back off to seconds between tries.
+    let summary = tokio::time::timeout(Duration::from_secs(60), drain)
+        .await
+        .expect("the drain waited for a claim to succeed, without end")
+        .unwrap();
+    match summary.drain {
+        Some(DrainEnd::Unknown(e)) => assert!(
+            e.contains("every claim failed") && e.contains(ClaimsFail::ERROR),
+            "{e}"
+        ),
+        other => panic!("the drain must end unable to vouch for the outbox: {other:?}"),
+    }
+    assert_eq!(
+        store.backlog().await.unwrap().pending,
+        1,
+        "nothing was acked"
+    );
+}
+
+/// The store, but every claim fails as one to a database that went away does (retryable).
+struct ClaimsFail(Arc<dyn OutboxStore>);
+
+impl ClaimsFail {
+    const ERROR: &'static str = "the database went away (a fault of the test)";
+}
+
+impl OutboxStore for ClaimsFail {
+    fn describe(&self) -> String {
+        self.0.describe()
+    }
+    fn claim(&self, _request: ClaimRequest) -> StoreFuture<Vec<Claimed>> {
+        Box::pin(async { Err(StoreError::new(StoreErrorKind::Connection, Self::ERROR)) })
+    }
+    fn ack(
+        &self,
+        node: NodeId,
+        fence: Option<Arc<Fence>>,
+        ids: Vec<SequenceId>,
+    ) -> StoreFuture<u64> {
+        self.0.ack(node, fence, ids)
+    }
+    fn retry_later(
+        &self,
+        node: NodeId,
+        fence: Option<Arc<Fence>>,
+        retries: Vec<RetryLater>,
+    ) -> StoreFuture<u64> {
+        self.0.retry_later(node, fence, retries)
+    }
+    fn dead_letter(
+        &self,
+        node: NodeId,
+        fence: Option<Arc<Fence>>,
+        entries: Vec<DeadLetter>,
+    ) -> StoreFuture<u64> {
+        self.0.dead_letter(node, fence, entries)
+    }
+    fn release(&self, node: NodeId, ids: Vec<SequenceId>) -> StoreFuture<u64> {
+        self.0.release(node, ids)
+    }
+    fn extend_leases(
+        &self,
+        node: NodeId,
+        ids: Vec<SequenceId>,
+        lease: Duration,
+    ) -> StoreFuture<u64> {
+        self.0.extend_leases(node, ids, lease)
+    }
+    fn backlog(&self) -> StoreFuture<Backlog> {
+        self.0.backlog()
+    }
+    fn insert(&self, events: Vec<NewEvent>) -> StoreFuture<Vec<SequenceId>> {
+        self.0.insert(events)
+    }
+    fn ping(&self) -> StoreFuture<()> {
+        self.0.ping()
+    }
+    fn verify(&self) -> StoreFuture<Vec<Problem>> {
+        self.0.verify()
+    }
+    fn subscribe(&self, on_change: OnChange) -> Option<BoxFuture<'static, ()>> {
+        self.0.subscribe(on_change)
+    }
 }
 
 pub async fn engine_dead_letters_after_max_attempts_and_moves_on(h: &dyn Harness) {
