@@ -248,9 +248,8 @@ struct Engine {
     /// rows no claim returns have been waited for.
     drain_checked: u64,
     drain_waiting_since: Option<Instant>,
-    /// Since when every claim has failed, and the last failure: a drain gives up after its
-    /// patience, where a long-running relay keeps trying.
-    claims_failing: Option<(Instant, String)>,
+    /// Since when every claim has failed: a drain gives up after its patience.
+    claims_failing: Option<Instant>,
     /// When the run began: a drain leaves rows inserted after this to the next run.
     started: Instant,
 }
@@ -775,11 +774,23 @@ impl Engine {
                 let retry_in = self.claims.failed();
                 ::metrics::counter!(metrics::STORE_ERRORS, "operation" => "claim").increment(1);
                 tracing::warn!(error = %e.report(), ?retry_in, "claim failed");
-                let since = self
-                    .claims_failing
-                    .take()
-                    .map_or_else(Instant::now, |(t, _)| t);
-                self.claims_failing = Some((since, e.report().to_string()));
+                let since = *self.claims_failing.get_or_insert_with(Instant::now);
+                // Decided here, on a claim that failed, never on a pause in claiming (full
+                // lanes, no partitions): a drain is a job someone waits on, so it ends rather
+                // than hang where a long-running relay keeps trying. It stops as on a signal,
+                // settling what is in flight.
+                if self.config.drain
+                    && self.stopping.is_none()
+                    && since.elapsed() >= self.config.drain_patience
+                {
+                    let failed_for = since.elapsed();
+                    tracing::warn!(?failed_for, patience = ?self.config.drain_patience, "drain: every claim failed for longer than the drain's patience; stopping");
+                    self.summary.drain = Some(DrainEnd::Unknown(format!(
+                        "every claim failed for {failed_for:.1?}; the last: {}",
+                        e.report()
+                    )));
+                    self.begin_shutdown();
+                }
                 Ok(())
             }
             Err(e) => Err(e),
@@ -834,21 +845,10 @@ impl Engine {
     /// With a drain, once nothing more is claimed: whether what is still pending lets the
     /// drain end (and how, in `summary.drain`). Checked once per claim.
     async fn drain_finished(&mut self) -> bool {
-        if !self.config.drain {
-            return false;
-        }
-        // No claim has come back since the store began failing: nothing can be said of the
-        // outbox, and a drain (a job someone waits on) must end rather than hang.
-        if let Some((since, error)) = &self.claims_failing {
-            if since.elapsed() >= self.config.drain_patience {
-                self.summary.drain = Some(DrainEnd::Unknown(format!(
-                    "every claim failed for {}s; the last: {error}",
-                    since.elapsed().as_secs()
-                )));
-                return true;
-            }
-        }
-        if !self.claims.settled_empty() || !self.idle() || self.drain_checked == self.claims.started
+        if !self.config.drain
+            || !self.claims.settled_empty()
+            || !self.idle()
+            || self.drain_checked == self.claims.started
         {
             return false;
         }

@@ -682,22 +682,13 @@ pub async fn engine_unordered_retries_and_dead_letters_go_out_again(h: &dyn Harn
 
 /// A drain whose claims all fail (the database went away after the drain began) ends after
 /// its patience, saying it cannot tell what is left, where it used to wait for a claim to
-/// succeed without end. Nothing is acked.
+/// succeed without end. Nothing is acked. Claims that fail for less than the patience are
+/// ridden out.
 pub async fn engine_drain_ends_when_every_claim_keeps_failing(h: &dyn Harness) {
     let (store, _) = store_with(h, &[("d", Some("a"), "t", 0)]).await;
     let mut config = engine_config(true);
     config.drain_patience = Duration::from_millis(300);
-    let drain = outbox_engine::run(
-        Arc::new(ClaimsFail(store.clone())),
-        Arc::new(RecordingPublisher::new()),
-        config,
-        std::future::pending(),
-    );
-    // A bound on a hang, not on speed: the claims back off to seconds between tries.
-    let summary = tokio::time::timeout(Duration::from_secs(60), drain)
-        .await
-        .expect("the drain waited for a claim to succeed, without end")
-        .unwrap();
+    let summary = drain_through(ClaimsFail::new(store.clone(), usize::MAX), config).await;
     match summary.drain {
         Some(DrainEnd::Unknown(e)) => assert!(
             e.contains("every claim failed") && e.contains(ClaimsFail::ERROR),
@@ -710,21 +701,63 @@ pub async fn engine_drain_ends_when_every_claim_keeps_failing(h: &dyn Harness) {
         1,
         "nothing was acked"
     );
+
+    let mut config = engine_config(true);
+    config.drain_patience = Duration::from_secs(30);
+    let summary = drain_through(ClaimsFail::new(store.clone(), 2), config).await;
+    assert_eq!(summary.drain, Some(DrainEnd::Clean { arrived: 0 }));
+    assert_eq!(summary.published, 1);
 }
 
-/// The store, but every claim fails as one to a database that went away does (retryable).
-struct ClaimsFail(Arc<dyn OutboxStore>);
+/// Runs a drain on `store`, failing the test if it does not end.
+async fn drain_through(store: ClaimsFail, config: EngineConfig) -> Summary {
+    let drain = outbox_engine::run(
+        Arc::new(store),
+        Arc::new(RecordingPublisher::new()),
+        config,
+        std::future::pending(),
+    );
+    // A bound on a hang, not on speed: failed claims back off to seconds between tries.
+    tokio::time::timeout(Duration::from_secs(60), drain)
+        .await
+        .expect("the drain waited for a claim to succeed, without end")
+        .unwrap()
+}
+
+/// The store, but its first `failures` claims fail as claims to a database that went away
+/// do (retryable).
+struct ClaimsFail {
+    store: Arc<dyn OutboxStore>,
+    failures: std::sync::atomic::AtomicUsize,
+}
 
 impl ClaimsFail {
     const ERROR: &'static str = "the database went away (a fault of the test)";
+
+    fn new(store: Arc<dyn OutboxStore>, failures: usize) -> Self {
+        ClaimsFail {
+            store,
+            failures: failures.into(),
+        }
+    }
 }
 
 impl OutboxStore for ClaimsFail {
     fn describe(&self) -> String {
-        self.0.describe()
+        self.store.describe()
     }
-    fn claim(&self, _request: ClaimRequest) -> StoreFuture<Vec<Claimed>> {
-        Box::pin(async { Err(StoreError::new(StoreErrorKind::Connection, Self::ERROR)) })
+    fn claim(&self, request: ClaimRequest) -> StoreFuture<Vec<Claimed>> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let failing = self
+            .failures
+            .fetch_update(Relaxed, Relaxed, |n| n.checked_sub(1))
+            .is_ok();
+        if failing {
+            return Box::pin(async {
+                Err(StoreError::new(StoreErrorKind::Connection, Self::ERROR))
+            });
+        }
+        self.store.claim(request)
     }
     fn ack(
         &self,
@@ -732,7 +765,7 @@ impl OutboxStore for ClaimsFail {
         fence: Option<Arc<Fence>>,
         ids: Vec<SequenceId>,
     ) -> StoreFuture<u64> {
-        self.0.ack(node, fence, ids)
+        self.store.ack(node, fence, ids)
     }
     fn retry_later(
         &self,
@@ -740,7 +773,7 @@ impl OutboxStore for ClaimsFail {
         fence: Option<Arc<Fence>>,
         retries: Vec<RetryLater>,
     ) -> StoreFuture<u64> {
-        self.0.retry_later(node, fence, retries)
+        self.store.retry_later(node, fence, retries)
     }
     fn dead_letter(
         &self,
@@ -748,10 +781,10 @@ impl OutboxStore for ClaimsFail {
         fence: Option<Arc<Fence>>,
         entries: Vec<DeadLetter>,
     ) -> StoreFuture<u64> {
-        self.0.dead_letter(node, fence, entries)
+        self.store.dead_letter(node, fence, entries)
     }
     fn release(&self, node: NodeId, ids: Vec<SequenceId>) -> StoreFuture<u64> {
-        self.0.release(node, ids)
+        self.store.release(node, ids)
     }
     fn extend_leases(
         &self,
@@ -759,22 +792,25 @@ impl OutboxStore for ClaimsFail {
         ids: Vec<SequenceId>,
         lease: Duration,
     ) -> StoreFuture<u64> {
-        self.0.extend_leases(node, ids, lease)
+        self.store.extend_leases(node, ids, lease)
     }
     fn backlog(&self) -> StoreFuture<Backlog> {
-        self.0.backlog()
+        self.store.backlog()
     }
     fn insert(&self, events: Vec<NewEvent>) -> StoreFuture<Vec<SequenceId>> {
-        self.0.insert(events)
+        self.store.insert(events)
     }
     fn ping(&self) -> StoreFuture<()> {
-        self.0.ping()
+        self.store.ping()
     }
     fn verify(&self) -> StoreFuture<Vec<Problem>> {
-        self.0.verify()
+        self.store.verify()
     }
     fn subscribe(&self, on_change: OnChange) -> Option<BoxFuture<'static, ()>> {
-        self.0.subscribe(on_change)
+        self.store.subscribe(on_change)
+    }
+    fn set_waiting(&self, waiting: bool) {
+        self.store.set_waiting(waiting)
     }
 }
 
