@@ -661,7 +661,13 @@ pub async fn migrate(config: Config, args: MigrateArgs) -> anyhow::Result<ExitCo
     match store.verify().await {
         Ok(problems) if problems.is_empty() => {}
         Ok(problems) => {
-            println!("not ready to run yet (what `check` finds, as this role):");
+            let blocked = problems.iter().any(|p| !p.is_degraded());
+            let verdict = if blocked {
+                "not ready to run yet"
+            } else {
+                "ready to run"
+            };
+            println!("{verdict}; what `check` finds, as this role:");
             for p in problems {
                 println!("problem: {}\n    fix: {}", p.what, p.fix);
             }

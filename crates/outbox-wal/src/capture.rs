@@ -1071,15 +1071,16 @@ pub async fn verify_capture(
             "set wal_level = logical in postgresql.conf and restart PostgreSQL (or use --capture poll)",
         ));
     }
-    let replicates: Option<bool> = main
-        .query_rows("role", &sql.replication_role, &[])
-        .await?
-        .first()
-        .map(|r| r.get(0));
-    if replicates != Some(true) {
+    // Checked for the role connected now: in `migrate`, that may not be the relay's.
+    let role = main.query_rows("role", &sql.replication_role, &[]).await?;
+    if let Some(row) = role.first().filter(|r| !r.get::<_, bool>(0)) {
+        let name: String = row.get(1);
         problems.push(Problem::blocking(
-            "the relay's role may not replicate (no REPLICATION attribute)",
-            "as a superuser: ALTER ROLE <relay role> REPLICATION",
+            format!("the role {name:?} may not replicate (no REPLICATION attribute)"),
+            format!(
+                "as a superuser: ALTER ROLE \"{}\" REPLICATION (for the role the relay runs as)",
+                name.replace('"', "\"\"")
+            ),
         ));
     }
     let name = publication.as_str();

@@ -439,21 +439,21 @@ pub(crate) fn unusable_slot(
     plugin: Option<&str>,
     in_this_database: bool,
 ) -> Option<(String, &'static str)> {
-    if plugin != Some("pgoutput") {
-        Some((
-            format!(
-                "it uses the plugin {:?}, not pgoutput (or is a physical slot)",
-                plugin.unwrap_or_default()
-            ),
+    match (plugin, in_this_database) {
+        // A replica may stream from it: never suggest dropping it.
+        (None, _) => Some((
+            "it is a physical replication slot (a replica's?)".into(),
+            "choose another slot name (--slot)",
+        )),
+        (Some(plugin), _) if plugin != "pgoutput" => Some((
+            format!("it uses the plugin {plugin:?}, not pgoutput"),
             "drop it (`outbox-relay drop-slot`) if nothing else reads it, or choose another slot name (--slot)",
-        ))
-    } else if !in_this_database {
-        Some((
+        )),
+        (_, false) => Some((
             "it belongs to another database".into(),
             "choose another slot name (--slot)",
-        ))
-    } else {
-        None
+        )),
+        _ => None,
     }
 }
 

@@ -249,7 +249,7 @@ pub struct CaptureStatements {
     pub wal_level: String,
     /// Whether the publication exists and covers the outbox. `$1` publication name.
     pub publication: String,
-    /// Whether the current role may replicate.
+    /// Whether the current role may replicate, and its name.
     pub replication_role: String,
     /// Replication slots taken and allowed, WAL senders busy and allowed: a slot the first
     /// run must create, and a session it must start, each need one free.
@@ -305,8 +305,8 @@ impl CaptureStatements {
                 schema = tables.source.schema.as_str().replace('\'', "''"),
                 table = tables.source.name.as_str().replace('\'', "''"),
             ),
-            replication_role: "SELECT rolreplication OR rolsuper FROM pg_catalog.pg_roles
-                                WHERE rolname = current_user"
+            replication_role: "SELECT rolreplication OR rolsuper, current_user::text
+                                 FROM pg_catalog.pg_roles WHERE rolname = current_user"
                 .into(),
             replication_capacity: "SELECT (SELECT count(*) FROM pg_catalog.pg_replication_slots),
                                           current_setting('max_replication_slots')::int8,
