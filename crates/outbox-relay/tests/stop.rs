@@ -11,7 +11,9 @@ use outbox_testkit::{eventually_explained, fresh_pg_database, FaultProxy};
 
 mod support;
 
-use support::{http_addr, http_get, metric_value, pg, read_lines, relay, RelayProcess, BIN};
+use support::{
+    http_addr, http_get, metric_value, pg, read_lines, readyz, relay, RelayProcess, BIN,
+};
 
 /// A migrated SQLite outbox in `dir` holding `events` events over 50 keys; its URL.
 fn sqlite_outbox(dir: &Path, events: u32) -> String {
@@ -268,25 +270,6 @@ fn pg_relay(dir: &Path, name: &str, url: &str, extra: &[&str]) -> RelayProcess {
     RelayProcess::spawn(dir, name, &args, &[("DATABASE_URL", url)])
 }
 
-/// Waits for `/readyz` to answer `status`; returns its body.
-async fn readyz(relay: &RelayProcess, addr: &str, status: u16, within: Duration) -> String {
-    eventually_explained(
-        &format!("/readyz {status}"),
-        within,
-        || relay.logs(),
-        || {
-            let addr = addr.to_string();
-            async move {
-                http_get(&addr, "/readyz")
-                    .await
-                    .filter(|(s, _)| *s == status)
-                    .map(|(_, body)| body)
-            }
-        },
-    )
-    .await
-}
-
 /// Waits for a metric in `/metrics` to satisfy `ok`.
 async fn metric(relay: &RelayProcess, addr: &str, name: &str, ok: impl Fn(f64) -> bool) {
     eventually_explained(
@@ -341,28 +324,22 @@ async fn a_blackholed_database_shows_in_the_logs_the_metrics_and_readyz_and_sigt
         &["--shutdown-timeout", "5s"],
     );
     let addr = http_addr(&relay).await;
-    readyz(&relay, &addr, 200, Duration::from_secs(60)).await;
+    readyz(&relay, &addr, 200, "", Duration::from_secs(60)).await;
     metric(&relay, &addr, "outbox_owned_partitions", |v| v == 64.0).await;
 
     proxy.blackhole();
     // Within the bounds ARCHITECTURE.md states; the test's own deadlines are generous.
-    let body = readyz(&relay, &addr, 503, Duration::from_secs(60)).await;
+    let body = readyz(&relay, &addr, 503, "", Duration::from_secs(60)).await;
     assert!(body.contains("database"), "{body}");
-    let stalled = eventually_explained(
-        "/readyz to name the operation the database does not answer",
+    // It names the operation the database does not answer.
+    readyz(
+        &relay,
+        &addr,
+        503,
+        "no answer from the database for",
         Duration::from_secs(60),
-        || relay.logs(),
-        || {
-            let addr = addr.clone();
-            async move {
-                http_get(&addr, "/readyz")
-                    .await
-                    .filter(|(_, b)| b.contains("no answer from the database for"))
-            }
-        },
     )
     .await;
-    assert_eq!(stalled.0, 503);
     let line = error_logged(&relay, "no answer from the database").await;
     assert!(line.contains("blackholed"), "{line}");
     metric(&relay, &addr, "outbox_owned_partitions", |v| v == 0.0).await;
@@ -402,26 +379,19 @@ async fn revoking_update_on_the_partitions_table_shows_in_the_logs_the_metrics_a
     let dir = tempfile::tempdir().unwrap();
     let mut relay = pg_relay(dir.path(), "revoked", &role_url, &[]);
     let addr = http_addr(&relay).await;
-    readyz(&relay, &addr, 200, Duration::from_secs(60)).await;
+    readyz(&relay, &addr, 200, "", Duration::from_secs(60)).await;
     metric(&relay, &addr, "outbox_owned_partitions", |v| v == 64.0).await;
 
     client
         .batch_execute(&format!("REVOKE UPDATE ON outbox_partitions FROM {role}"))
         .await
         .unwrap();
-    let body = eventually_explained(
-        "/readyz to name the partition leases",
+    let body = readyz(
+        &relay,
+        &addr,
+        503,
+        "partition leases",
         Duration::from_secs(60),
-        || relay.logs(),
-        || {
-            let addr = addr.clone();
-            async move {
-                http_get(&addr, "/readyz")
-                    .await
-                    .filter(|(s, b)| *s == 503 && b.contains("partition leases"))
-                    .map(|(_, b)| b)
-            }
-        },
     )
     .await;
     assert!(body.contains("permission denied"), "{body}");
@@ -429,7 +399,7 @@ async fn revoking_update_on_the_partitions_table_shows_in_the_logs_the_metrics_a
     let line = error_logged(&relay, "outbox_partitions").await;
     assert!(line.contains("grant"), "{line}");
     metric(&relay, &addr, "outbox_owned_partitions", |v| v == 0.0).await;
-    let body = readyz(&relay, &addr, 503, Duration::from_secs(60)).await;
+    let body = readyz(&relay, &addr, 503, "", Duration::from_secs(60)).await;
     assert!(body.contains("holds none of the 64 partitions"), "{body}");
 
     // Restored, the node takes its partitions again and turns ready.
@@ -437,7 +407,7 @@ async fn revoking_update_on_the_partitions_table_shows_in_the_logs_the_metrics_a
         .batch_execute(&format!("GRANT UPDATE ON outbox_partitions TO {role}"))
         .await
         .unwrap();
-    readyz(&relay, &addr, 200, Duration::from_secs(60)).await;
+    readyz(&relay, &addr, 200, "", Duration::from_secs(60)).await;
     metric(&relay, &addr, "outbox_owned_partitions", |v| v == 64.0).await;
     let status = relay.terminate().await;
     assert_eq!(status.code(), Some(0), "{}", relay.logs());

@@ -25,8 +25,8 @@ use serde_json::Value;
 use tokio_postgres::{Client, GenericClient};
 
 use support::{
-    http_addr, http_get, metric_value, pg, read_lines, relay, text, wait_for_lines, Deliveries,
-    Delivery, Figures, Ledger, OwnPostgres, RelayProcess, Writers,
+    http_addr, http_get, metric_value, pg, read_lines, readyz, relay, text, wait_for_lines,
+    Deliveries, Delivery, Figures, Ledger, OwnPostgres, RelayProcess, Writers,
 };
 
 /// The log line of a relay whose replication session streams.
@@ -117,6 +117,14 @@ impl WalDb {
         args.push("--drain".into());
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         relay(self.dir.path(), &args)
+    }
+
+    /// [`drain`](Self::drain), which must fail (exit 1) saying `cause`.
+    fn drain_fails_saying(&self, cause: &str) {
+        let drain = self.drain(&self.path("events.jsonl"));
+        let err = text(&drain.stderr);
+        assert_eq!(drain.status.code(), Some(1), "{err}");
+        assert!(err.contains(cause), "{err}");
     }
 
     /// Fails, listing them, when rows are left in the outbox or the parked table.
@@ -1129,19 +1137,14 @@ async fn readyz_says_when_the_slot_is_gone_and_the_relay_does_not_recreate_it() 
     outbox_testkit::force_drop_slot(&w.url, &w.slot)
         .await
         .unwrap();
-    let body = eventually_explained(
-        "/readyz to fail, naming the dropped slot",
+    // First it may say the session broke (the drop ended it), then why it cannot start a
+    // new one.
+    let body = readyz(
+        &relay,
+        &addr,
+        503,
+        "no longer exists",
         Duration::from_secs(30),
-        || relay.logs(),
-        || {
-            let addr = addr.clone();
-            async move {
-                // First it may say the session broke (the drop ended it), then why it
-                // cannot start a new one.
-                let (status, body) = http_get(&addr, "/readyz").await?;
-                (status == 503 && body.contains("no longer exists")).then_some(body)
-            }
-        },
     )
     .await;
     assert!(
@@ -1226,12 +1229,7 @@ async fn a_server_out_of_slots_or_wal_senders_is_named_with_the_fix() {
     let url = server.url("disable");
     let a = WalDb::on(url.clone(), "relay_a".into()).await;
     let b = WalDb::on(url.clone(), "relay_b".into()).await;
-    a.db.query_one(
-        "SELECT pg_create_logical_replication_slot('other', 'pgoutput')",
-        &[],
-    )
-    .await
-    .unwrap();
+    create_slot(&a.db, "other", "pgoutput").await;
     // Relay a takes the second slot and the one WAL sender.
     let relay_a = a.spawn("a", &a.path("events.jsonl"), &[]);
     relay_a
@@ -1254,10 +1252,7 @@ async fn a_server_out_of_slots_or_wal_senders_is_named_with_the_fix() {
             && report.contains("fix: raise max_wal_senders"),
         "{report}"
     );
-    let drain = b.drain(&b.path("events.jsonl"));
-    let err = text(&drain.stderr);
-    assert_eq!(drain.status.code(), Some(1), "{err}");
-    assert!(err.contains("max_replication_slots = 2"), "{err}");
+    b.drain_fails_saying("max_replication_slots = 2");
 
     // A free slot, but still no free sender: relay b runs, and says what holds it.
     a.db.query_one("SELECT pg_drop_replication_slot('other')", &[])
@@ -1269,17 +1264,12 @@ async fn a_server_out_of_slots_or_wal_senders_is_named_with_the_fix() {
         &["--http-addr", "127.0.0.1:0", "--log-format", "json"],
     );
     let addr = http_addr(&relay_b).await;
-    let body = eventually_explained(
-        "/readyz to name max_wal_senders",
+    let body = readyz(
+        &relay_b,
+        &addr,
+        503,
+        "max_wal_senders",
         Duration::from_secs(30),
-        || relay_b.logs(),
-        || {
-            let addr = addr.clone();
-            async move {
-                let (status, body) = http_get(&addr, "/readyz").await?;
-                (status == 503 && body.contains("max_wal_senders")).then_some(body)
-            }
-        },
     )
     .await;
     assert!(body.contains("raise max_wal_senders"), "{body}");
@@ -1300,38 +1290,51 @@ async fn a_slot_of_another_plugin_or_database_is_refused_by_check_and_run() {
         assert_eq!(out.status.code(), Some(1), "{}", text(&out.stdout));
         text(&out.stdout)
     };
-    w.db.query_one(
-        "SELECT pg_create_logical_replication_slot($1, 'test_decoding')",
-        &[&w.slot],
-    )
-    .await
-    .unwrap();
+    create_slot(&w.db, &w.slot, "test_decoding").await;
     let report = check();
     assert!(
         report.contains("uses the plugin \"test_decoding\", not pgoutput")
             && report.contains("fix: drop it (`outbox-relay drop-slot`)"),
         "{report}"
     );
-    let drain = w.drain(&w.path("events.jsonl"));
-    let err = text(&drain.stderr);
-    assert_eq!(drain.status.code(), Some(1), "{err}");
-    assert!(err.contains("test_decoding"), "{err}");
+    w.drain_fails_saying("test_decoding");
+
+    // A physical slot (a replica's, perhaps): not to be dropped on the relay's word.
+    outbox_testkit::force_drop_slot(&w.url, &w.slot)
+        .await
+        .unwrap();
+    w.db.query_one("SELECT pg_create_physical_replication_slot($1)", &[&w.slot])
+        .await
+        .unwrap();
+    let report = check();
+    assert!(
+        report.contains("it is a physical replication slot")
+            && report.contains("fix: choose another slot name"),
+        "{report}"
+    );
+    assert!(!report.contains("drop it"), "{report}");
 
     outbox_testkit::force_drop_slot(&w.url, &w.slot)
         .await
         .unwrap();
-    pg(&outbox_testkit::with_database(&w.url, "postgres"))
-        .await
-        .query_one(
-            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
-            &[&w.slot],
-        )
-        .await
-        .unwrap();
+    // In a test database of its own: one that servers.sh drops, with its slot, should the
+    // test be killed before its guard drops the slot.
+    let other_database = pg(&outbox_testkit::fresh_pg_database().await).await;
+    create_slot(&other_database, &w.slot, "pgoutput").await;
     let report = check();
     assert!(
         report.contains("it belongs to another database")
             && report.contains("fix: choose another slot name"),
         "{report}"
     );
+}
+
+/// Creates the logical replication slot `slot` of `plugin` in `db`'s database.
+async fn create_slot(db: &Client, slot: &str, plugin: &str) {
+    db.query_one(
+        "SELECT pg_create_logical_replication_slot($1, $2)",
+        &[&slot, &plugin],
+    )
+    .await
+    .unwrap();
 }

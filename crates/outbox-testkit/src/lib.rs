@@ -120,8 +120,9 @@ pub async fn query_count(
     Ok(db.query_one(sql, params).await?.get(0))
 }
 
-/// Waits until `count_sql` (a `SELECT count(*) …`) counts `want` rows on `db`; a failed
-/// query is tried again, as a wait through a fault must.
+/// Waits until `count_sql` (a `SELECT count(*) …`) counts `want` rows on `db`. A failed
+/// query is tried again, as a wait through a fault must; on timeout, the panic shows the
+/// last count or error.
 pub async fn wait_for_count(
     what: &str,
     db: &tokio_postgres::Client,
@@ -129,10 +130,21 @@ pub async fn wait_for_count(
     want: i64,
     timeout: Duration,
 ) {
-    eventually(what, timeout, || async move {
-        let n = query_count(db, count_sql, &[]).await.ok()?;
-        (n == want).then_some(())
-    })
+    let last = std::sync::Mutex::new(String::from("no answer yet"));
+    let last = &last;
+    eventually_explained(
+        what,
+        timeout,
+        || format!("the last count: {}", last.lock().unwrap()),
+        || async move {
+            let counted = query_count(db, count_sql, &[]).await;
+            *last.lock().unwrap() = match &counted {
+                Ok(n) => n.to_string(),
+                Err(e) => format!("failed: {e}"),
+            };
+            (counted.ok()? == want).then_some(())
+        },
+    )
     .await
 }
 

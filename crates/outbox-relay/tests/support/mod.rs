@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::Duration;
 
-use outbox_testkit::eventually;
+use outbox_testkit::{eventually, eventually_explained};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
 
@@ -482,6 +482,32 @@ pub async fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
     let status = response.split_whitespace().nth(1)?.parse().ok()?;
     let body = response.split("\r\n\r\n").nth(1).unwrap_or_default();
     Some((status, body.to_string()))
+}
+
+/// Waits until `/readyz` answers `status` with a body that contains `saying` (`""`: any);
+/// returns the body.
+pub async fn readyz(
+    relay: &RelayProcess,
+    addr: &str,
+    status: u16,
+    saying: &str,
+    within: Duration,
+) -> String {
+    eventually_explained(
+        &format!("/readyz {status} saying {saying:?}"),
+        within,
+        || relay.logs(),
+        || {
+            let addr = addr.to_string();
+            async move {
+                http_get(&addr, "/readyz")
+                    .await
+                    .filter(|(s, body)| *s == status && body.contains(saying))
+                    .map(|(_, body)| body)
+            }
+        },
+    )
+    .await
 }
 
 /// The address the relay's HTTP server bound, from its JSON start-up log line (run it with
