@@ -106,7 +106,7 @@ start_postgres() {
     # 22 GB of it filled the disk the next CI build needed. Past 4 GB such a slot is dropped
     # from WAL retention (wal_status = lost) instead.
     as_pg "$PG_BIN/pg_ctl" -D "$dir/data" -l "$dir/log" -w start -o \
-      "-c listen_addresses=127.0.0.1 -p $PG_PORT -k $dir $speed ${OUTBOX_PG_EXTRA:-} -c max_slot_wal_keep_size=4GB -c max_connections=400 -c max_prepared_transactions=10 -c wal_level=logical -c ssl=on -c ssl_cert_file=$dir/tls/server.pem -c ssl_key_file=$dir/tls/server.key" >/dev/null
+      "-c listen_addresses=127.0.0.1 -p $PG_PORT -k $dir $speed -c max_slot_wal_keep_size=4GB ${OUTBOX_PG_EXTRA:-} -c max_connections=400 -c max_prepared_transactions=10 -c wal_level=logical -c ssl=on -c ssl_cert_file=$dir/tls/server.pem -c ssl_key_file=$dir/tls/server.key" >/dev/null
   fi
   drop_test_databases
   log "postgres ready on 127.0.0.1:$PG_PORT"
@@ -131,8 +131,6 @@ drop_test_databases() {
 stop_postgres() {
   local dir=$STATE/pg
   if [ -f "$dir/data/postmaster.pid" ]; then
-    # A full run leaves ~500 test databases (GBs); the machine's next build needs that disk.
-    drop_test_databases || true
     as_pg "$PG_BIN/pg_ctl" -D "$dir/data" -m fast -w stop >/dev/null 2>&1 || true
   fi
 }
@@ -320,6 +318,10 @@ case "${1:-}" in
     for server in $SERVERS; do "start_$server"; done
     ;;
   stop)
+    # A full run leaves ~500 test databases (GBs); the machine's next build needs that disk.
+    if [[ " $SERVERS " == *" postgres "* ]] && [ -f "$STATE/pg/data/postmaster.pid" ]; then
+      drop_test_databases || true
+    fi
     for server in $SERVERS; do "stop_$server"; done
     ;;
   restart-postgres | restart-nats | restart-redis | restart-rabbitmq | restart-mariadb | restart-python | restart-moto)
