@@ -1276,9 +1276,10 @@ async fn a_server_out_of_slots_or_wal_senders_is_named_with_the_fix() {
     drop(relay_a);
 }
 
-/// A slot of the relay's name that cannot serve it (another plugin, another database) is
-/// named by `check`, which said all was well, and stops `run` at once; before, a drain
-/// retried it without end.
+/// A slot of the relay's name that cannot serve it (another plugin, a physical slot, another
+/// database's) is named by `check`, which said all was well, and stops `run` at once (before,
+/// a drain retried it without end). `drop-slot` leaves such a slot alone: it dropped it, and
+/// for an active replica's it would have waited.
 #[tokio::test]
 async fn a_slot_of_another_plugin_or_database_is_refused_by_check_and_run() {
     let w = WalDb::new().await;
@@ -1290,16 +1291,41 @@ async fn a_slot_of_another_plugin_or_database_is_refused_by_check_and_run() {
         assert_eq!(out.status.code(), Some(1), "{}", text(&out.stdout));
         text(&out.stdout)
     };
+    let drop_slot_refuses = |cause: &str| {
+        let out = relay(
+            w.dir.path(),
+            &[&["drop-slot"][..], &capture_flags(&w.url, &w.slot)].concat(),
+        );
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert!(
+            err.contains(cause) && err.contains("is left alone"),
+            "{err}"
+        );
+    };
+    let slot_exists = || async {
+        let n = query_count(
+            &w.db,
+            "SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1",
+            &[&w.slot],
+        )
+        .await
+        .unwrap();
+        n == 1
+    };
+
     create_slot(&w.db, &w.slot, "test_decoding").await;
     let report = check();
     assert!(
         report.contains("uses the plugin \"test_decoding\", not pgoutput")
-            && report.contains("fix: drop it (`outbox-relay drop-slot`)"),
+            && report.contains("fix: choose another slot name (--slot), or drop it if nothing reads it any more (SELECT pg_drop_replication_slot("),
         "{report}"
     );
     w.drain_fails_saying("test_decoding");
+    drop_slot_refuses("test_decoding");
+    assert!(slot_exists().await);
 
-    // A physical slot (a replica's, perhaps): not to be dropped on the relay's word.
+    // A physical slot (a replica's, perhaps): never to be dropped on the relay's word.
     outbox_testkit::force_drop_slot(&w.url, &w.slot)
         .await
         .unwrap();
@@ -1313,6 +1339,8 @@ async fn a_slot_of_another_plugin_or_database_is_refused_by_check_and_run() {
         "{report}"
     );
     assert!(!report.contains("drop it"), "{report}");
+    drop_slot_refuses("physical replication slot");
+    assert!(slot_exists().await);
 
     outbox_testkit::force_drop_slot(&w.url, &w.slot)
         .await
@@ -1327,6 +1355,8 @@ async fn a_slot_of_another_plugin_or_database_is_refused_by_check_and_run() {
             && report.contains("fix: choose another slot name"),
         "{report}"
     );
+    drop_slot_refuses("another database");
+    assert!(slot_exists().await);
 }
 
 /// Creates the logical replication slot `slot` of `plugin` in `db`'s database.

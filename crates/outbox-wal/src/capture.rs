@@ -1138,7 +1138,7 @@ pub async fn verify_capture(
     if let Some(status) = status {
         let wal_status = status.wal_status.as_deref();
         if let Some((cause, fix)) =
-            crate::client::unusable_slot(status.plugin.as_deref(), status.in_this_database)
+            crate::client::unusable_slot(slot, status.plugin.as_deref(), status.in_this_database)
         {
             problems.push(Problem::blocking(
                 format!("the replication slot {slot:?} cannot be used: {cause}"),

@@ -434,27 +434,64 @@ fn tls_config(
 }
 
 /// Why an existing slot cannot serve WAL capture, and the fix, if it cannot: it must be a
-/// logical slot of pgoutput (a physical slot has no plugin) in the relay's database.
+/// logical slot of pgoutput (a physical slot has no plugin) in the relay's database. Such a
+/// slot is none of the relay's, so `drop-slot` leaves it alone too.
 pub(crate) fn unusable_slot(
+    slot: &str,
     plugin: Option<&str>,
     in_this_database: bool,
-) -> Option<(String, &'static str)> {
+) -> Option<(String, String)> {
+    let elsewhere = "choose another slot name (--slot)".to_string();
     match (plugin, in_this_database) {
         // A replica may stream from it: never suggest dropping it.
         (None, _) => Some((
             "it is a physical replication slot (a replica's?)".into(),
-            "choose another slot name (--slot)",
+            elsewhere,
         )),
         (Some(plugin), _) if plugin != "pgoutput" => Some((
             format!("it uses the plugin {plugin:?}, not pgoutput"),
-            "drop it (`outbox-relay drop-slot`) if nothing else reads it, or choose another slot name (--slot)",
+            format!(
+                "{elsewhere}, or drop it if nothing reads it any more \
+                 (SELECT pg_drop_replication_slot('{slot}'))"
+            ),
         )),
-        (_, false) => Some((
-            "it belongs to another database".into(),
-            "choose another slot name (--slot)",
-        )),
+        (_, false) => Some(("it belongs to another database".into(), elsewhere)),
         _ => None,
     }
+}
+
+/// A slot as the replication connection reads it from `pg_replication_slots`.
+struct SlotRow {
+    plugin: Option<String>,
+    in_this_database: bool,
+    confirmed_flush: Option<String>,
+    wal_status: Option<String>,
+}
+
+/// The slot named `slot`, if there is one.
+async fn read_slot(
+    client: &mut ReplicationClient,
+    slot: &str,
+) -> Result<Option<SlotRow>, WalError> {
+    let rows = client
+        .simple_query(&format!(
+            "SELECT plugin, database = current_database(), confirmed_flush_lsn::text, wal_status
+               FROM pg_catalog.pg_replication_slots WHERE slot_name = '{slot}'"
+        ))
+        .await?;
+    Ok(rows.first().map(|row| {
+        let text = |i: usize| {
+            row.get(i)
+                .and_then(|v| v.as_ref())
+                .map(|v| String::from_utf8_lossy(v).into_owned())
+        };
+        SlotRow {
+            plugin: text(0),
+            in_this_database: text(1).as_deref() == Some("t"),
+            confirmed_flush: text(2),
+            wal_status: text(3),
+        }
+    }))
 }
 
 /// Reads the slot, creating it (pgoutput) when missing and `create` allows.
@@ -467,13 +504,9 @@ async fn ensure_slot(
         slot: slot.to_string(),
         reason,
     };
-    let read = format!(
-        "SELECT plugin, database = current_database(), confirmed_flush_lsn::text, wal_status
-           FROM pg_catalog.pg_replication_slots WHERE slot_name = '{slot}'"
-    );
     let mut created = false;
-    let mut rows = client.simple_query(&read).await?;
-    if rows.is_empty() && !create {
+    let mut found = read_slot(client, slot).await?;
+    if found.is_none() && !create {
         return Err(slot_error(
             "it no longer exists (dropped while this relay streamed from it); events committed \
              after its last confirmed position may not have been relayed: check them, then \
@@ -481,7 +514,7 @@ async fn ensure_slot(
                 .into(),
         ));
     }
-    if rows.is_empty() {
+    if found.is_none() {
         let create = format!("CREATE_REPLICATION_SLOT {slot} LOGICAL pgoutput NOEXPORT_SNAPSHOT");
         match client.simple_query(&create).await {
             Ok(_) => created = true,
@@ -489,20 +522,13 @@ async fn ensure_slot(
             Err(PgWireError::Server(message)) if sqlstate(&message) == Some("42710") => {}
             Err(e) => return Err(e.into()),
         }
-        rows = client.simple_query(&read).await?;
+        found = read_slot(client, slot).await?;
     }
-    let row = rows
-        .first()
-        .ok_or_else(|| slot_error("it vanished right after it was created".into()))?;
-    let text = |i: usize| {
-        row.get(i)
-            .and_then(|v| v.as_ref())
-            .map(|v| String::from_utf8_lossy(v).into_owned())
-    };
-    if let Some((cause, fix)) = unusable_slot(text(0).as_deref(), text(1).as_deref() == Some("t")) {
+    let row = found.ok_or_else(|| slot_error("it vanished right after it was created".into()))?;
+    if let Some((cause, fix)) = unusable_slot(slot, row.plugin.as_deref(), row.in_this_database) {
         return Err(slot_error(format!("{cause}: {fix}")));
     }
-    if text(3).as_deref() == Some("lost") {
+    if row.wal_status.as_deref() == Some("lost") {
         return Err(slot_error(
             "it is invalidated (wal_status = lost: the WAL it needed was removed, see \
              max_slot_wal_keep_size); events written since it fell behind cannot be read \
@@ -510,7 +536,8 @@ async fn ensure_slot(
                 .into(),
         ));
     }
-    let confirmed_flush = text(2)
+    let confirmed_flush = row
+        .confirmed_flush
         .ok_or_else(|| slot_error("it has no confirmed position".into()))?
         .parse()
         .map_err(|e| slot_error(format!("{e}")))?;
@@ -526,8 +553,20 @@ async fn ensure_slot(
 pub async fn drop_slot(config: &WalConfig) -> Result<bool, WalError> {
     check_name(&config.slot, "slot")?;
     let mut client = ReplicationClient::connect_gated(replication_config(config)?).await?;
+    let slot = &config.slot;
+    let Some(row) = read_slot(&mut client, slot).await? else {
+        return Ok(false);
+    };
+    // Only a slot the relay could have made: a replica's physical slot, or another tool's,
+    // is not dropped (nor waited for, as WAIT would) on the relay's word.
+    if let Some((cause, fix)) = unusable_slot(slot, row.plugin.as_deref(), row.in_this_database) {
+        return Err(WalError::Slot {
+            slot: slot.clone(),
+            reason: format!("{cause}, so it is not this relay's and is left alone: {fix}"),
+        });
+    }
     match client
-        .simple_query(&format!("DROP_REPLICATION_SLOT {} WAIT", config.slot))
+        .simple_query(&format!("DROP_REPLICATION_SLOT {slot} WAIT"))
         .await
     {
         Ok(_) => Ok(true),
