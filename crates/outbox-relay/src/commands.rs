@@ -668,13 +668,18 @@ pub async fn migrate(config: Config, args: MigrateArgs) -> anyhow::Result<ExitCo
                 "ready to run"
             };
             println!("{verdict}; what `check` finds, as this role:");
-            for p in problems {
-                println!("problem: {}\n    fix: {}", p.what, p.fix);
-            }
+            print_problems(&problems);
         }
         Err(e) => println!("could not check the result (run `check`): {}", e.report()),
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Each problem `verify` found, with its fix, as `check` and `migrate` print them.
+fn print_problems(problems: &[outbox_core::store::Problem]) {
+    for p in problems {
+        println!("problem: {}\n    fix: {}", p.what, p.fix);
+    }
 }
 
 pub async fn check(config: Config) -> anyhow::Result<ExitCode> {
@@ -697,9 +702,7 @@ pub async fn check(config: Config) -> anyhow::Result<ExitCode> {
         Ok(problems) if problems.is_empty() => println!("ok: tables, trigger and privileges"),
         Ok(problems) => {
             failed = true;
-            for p in problems {
-                println!("problem: {}\n    fix: {}", p.what, p.fix);
-            }
+            print_problems(&problems);
         }
         Err(e) => {
             failed = true;
