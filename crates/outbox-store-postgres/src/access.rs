@@ -13,6 +13,11 @@ use tokio_postgres::Row;
 use crate::error::{db_error, pool_error};
 use crate::{bounded, schema, Inner, PgStore, Tables};
 
+/// Makes the transaction's commit wait for the local WAL flush when the session would not
+/// (`synchronous_commit = off`); a stronger setting (`on`, `remote_apply`, ...) is kept.
+const DURABLE_COMMIT: &str = "SELECT set_config('synchronous_commit', 'local', true) \
+     WHERE current_setting('synchronous_commit') = 'off'";
+
 /// One statement of [`PgStore::transaction`].
 pub type Step<'a> = (&'a str, &'a [&'a (dyn ToSql + Sync)]);
 
@@ -48,7 +53,9 @@ impl PgStore {
     }
 
     /// Runs statements in one transaction, bounded by the operation timeout; returns each
-    /// one's row count.
+    /// one's row count. The commit is durable (flushed to disk) even where the server or
+    /// role runs with `synchronous_commit = off`: WAL capture confirms the slot past what
+    /// these transactions wrote, and a crash must not take the writes back after that.
     pub async fn transaction(
         &self,
         context: &'static str,
@@ -70,6 +77,9 @@ impl PgStore {
             let mut client = inner.pool.get().await.map_err(|e| pool_error(context, e))?;
             let tx = client
                 .transaction()
+                .await
+                .map_err(|e| db_error(context, e))?;
+            tx.batch_execute(DURABLE_COMMIT)
                 .await
                 .map_err(|e| db_error(context, e))?;
             let mut counts = Vec::with_capacity(steps.len());
