@@ -386,7 +386,7 @@ pub(crate) async fn relay_outbox(
     if let (Ok(summary), Some(wal)) = (&mut result, &capture) {
         // Rows the slot's first run could not adopt as events were dead-lettered outside the
         // engine: a drain must not call itself clean over them.
-        summary.dead_lettered += wal.dead_lettered_on_adoption();
+        summary.dead_lettered += wal.dead_lettered_by_capture();
     }
     let displaced = coordinator.is_displaced();
     // The engine has released its rows; now the partitions and the node row go, by the same
@@ -563,6 +563,16 @@ pub async fn drop_slot(config: Config) -> anyhow::Result<ExitCode> {
         Ok(true) => println!("dropped the replication slot {}", capture.slot),
         Ok(false) => println!("there is no replication slot {}", capture.slot),
         Err(e) => bail!("cannot drop the replication slot {}: {e}", capture.slot),
+    }
+    // A slot made again by this name must adopt the rows that predate it.
+    if let Err(e) = outbox_wal::forget_adoption(pg, &capture.publication, &capture.slot).await {
+        bail!(
+            "dropped the slot, but cannot forget that it adopted the outbox's rows: {}; \
+             run `DELETE FROM {} WHERE slot = '{}'` before a relay makes the slot again",
+            e.report(),
+            pg.tables().outbox.sibling("_adopted"),
+            capture.slot
+        );
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -31,6 +31,8 @@ use support::{
 
 /// The log line of a relay whose replication session streams.
 const STREAMING: &str = "streaming from the replication slot";
+/// The log line of a session that adopted the rows that predate its slot.
+const ADOPTED: &str = "the slot's rows are adopted";
 /// The log line of a relay that waits for the slot's holder to go.
 const STANDBY: &str = "waiting as a standby";
 
@@ -897,41 +899,9 @@ async fn a_postgresql_restart_mid_stream_loses_nothing() {
 
 #[tokio::test]
 async fn a_broker_outage_mid_stream_loses_nothing_and_keeps_order() {
-    use async_nats::jetstream;
-    outbox_testkit::install_crypto();
-    let nats = outbox_testkit::server::ServerProcess::start(
-        "nats-server",
-        &["-a", "127.0.0.1", "-p", "{port}", "-js", "-sd", "{dir}/js"],
-    );
-    let nats_url = format!("nats://127.0.0.1:{}", nats.port);
-    let client = async_nats::connect(&nats_url).await.unwrap();
-    jetstream::new(client.clone())
-        .create_stream(jetstream::stream::Config {
-            name: "ORDERS".into(),
-            subjects: vec!["orders".into()],
-            duplicate_window: Duration::from_secs(3600),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    let deliveries = Deliveries::record(&client, "orders").await;
-    let (proxy, broker_url) = outbox_testkit::FaultProxy::start_for_url(&nats_url)
-        .await
-        .unwrap();
+    let (_nats, deliveries, proxy, broker_url) = nats_behind_a_proxy().await;
     let w = WalDb::new().await;
-    let args = w.run_args(
-        &broker_url,
-        &[
-            "--publish-timeout",
-            "2s",
-            "--retry-base-delay",
-            "50ms",
-            "--retry-max-delay",
-            "500ms",
-            "--max-attempts",
-            "100000",
-        ],
-    );
+    let args = w.run_args(&broker_url, &RETRY_AN_OUTAGE);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let mut relay = RelayProcess::spawn(w.dir.path(), "relay", &args, &[]);
     relay
@@ -967,6 +937,264 @@ async fn a_broker_outage_mid_stream_loses_nothing_and_keeps_order() {
     eprintln!("{} committed, {figures:?}", ledger.committed.len());
     w.assert_empty_after(&relay.logs(), &deliveries.snapshot(), &ledger)
         .await;
+}
+
+/// A NATS JetStream server of the test's own with the stream `ORDERS` (subject `orders`), a
+/// recorder of what is published on it, and a fault proxy in front of it: the relay's URL.
+async fn nats_behind_a_proxy() -> (
+    outbox_testkit::server::ServerProcess,
+    Deliveries,
+    outbox_testkit::FaultProxy,
+    String,
+) {
+    use async_nats::jetstream;
+    outbox_testkit::install_crypto();
+    let nats = outbox_testkit::server::ServerProcess::start(
+        "nats-server",
+        &["-a", "127.0.0.1", "-p", "{port}", "-js", "-sd", "{dir}/js"],
+    );
+    let nats_url = format!("nats://127.0.0.1:{}", nats.port);
+    let client = async_nats::connect(&nats_url).await.unwrap();
+    jetstream::new(client.clone())
+        .create_stream(jetstream::stream::Config {
+            name: "ORDERS".into(),
+            subjects: vec!["orders".into()],
+            duplicate_window: Duration::from_secs(3600),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let deliveries = Deliveries::record(&client, "orders").await;
+    let (proxy, broker_url) = outbox_testkit::FaultProxy::start_for_url(&nats_url)
+        .await
+        .unwrap();
+    (nats, deliveries, proxy, broker_url)
+}
+
+/// Flags that keep retrying a broker that is away, quickly.
+const RETRY_AN_OUTAGE: [&str; 8] = [
+    "--publish-timeout",
+    "2s",
+    "--retry-base-delay",
+    "50ms",
+    "--retry-max-delay",
+    "500ms",
+    "--max-attempts",
+    "100000",
+];
+
+#[tokio::test]
+async fn a_fast_shutdown_of_postgresql_is_not_held_by_a_relay_with_unsettled_events() {
+    // Never the shared server: this one is stopped.
+    let server = OwnPostgres::init();
+    server.start("-c wal_level=logical");
+    let w = WalDb::on(server.url("disable"), "shutdown_slot".into()).await;
+    let (_nats, deliveries, proxy, broker_url) = nats_behind_a_proxy().await;
+    let args = w.run_args(&broker_url, &RETRY_AN_OUTAGE);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut relay = RelayProcess::spawn(w.dir.path(), "relay", &args, &[]);
+    relay
+        .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
+        .await;
+    let handle = proxy.handle();
+    handle.cut();
+    for n in 0..20 {
+        insert(&w.db, &format!("k{}", n % 4), n).await;
+    }
+    let ids: HashSet<String> =
+        w.db.query("SELECT event_id::text FROM outbox", &[])
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+    assert_eq!(ids.len(), 20);
+    // The broker is away: the relay holds events it cannot settle but by parking them.
+    eventually_explained(
+        "events parked",
+        Duration::from_secs(60),
+        || relay.logs(),
+        || async {
+            let parked = query_count(&w.db, "SELECT count(*) FROM outbox_parked", &[]).await;
+            parked.is_ok_and(|n| n > 0).then_some(())
+        },
+    )
+    .await;
+    // A fast shutdown ends the SQL sessions, then waits for each walsender's client to
+    // confirm the WAL it was sent: a relay that cannot park kept it waiting for good.
+    let stopped = server.try_stop("fast", Duration::from_secs(20));
+    assert!(
+        stopped.is_ok(),
+        "the shutdown waited for the relay: {stopped:?}\n{}",
+        relay.logs()
+    );
+    server.resume();
+    handle.heal();
+    eventually_explained(
+        "every event delivered after the restart",
+        Duration::from_secs(60),
+        || relay.logs(),
+        || {
+            let seen: HashSet<String> = deliveries.snapshot().into_iter().map(|d| d.id).collect();
+            let done = ids.iter().all(|id| seen.contains(id));
+            async move { done.then_some(()) }
+        },
+    )
+    .await;
+    assert!(relay.is_running(), "{}", relay.logs());
+    let status = relay.terminate().await;
+    assert!(status.success(), "{status:?}");
+    w.assert_empty(&relay.logs()).await;
+}
+
+#[tokio::test]
+async fn parks_and_deletes_are_durable_under_synchronous_commit_off() {
+    let w = WalDb::new().await;
+    // A server crash keeps what asynchronous commits wrote only once the WAL writer flushed
+    // it, while the slot's confirmation may already be on disk: each write the slot confirms
+    // past must have flushed. A trigger records the setting each write ran under.
+    w.db.batch_execute(&format!(
+        "ALTER DATABASE {} SET synchronous_commit = off;
+         CREATE TABLE commit_modes (write text, mode text);
+         CREATE FUNCTION record_commit_mode() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+           INSERT INTO commit_modes VALUES (TG_ARGV[0], current_setting('synchronous_commit'));
+           RETURN NULL;
+         END $$;
+         CREATE TRIGGER park AFTER INSERT ON outbox_parked
+           FOR EACH STATEMENT EXECUTE FUNCTION record_commit_mode('park');
+         CREATE TRIGGER ack AFTER DELETE ON outbox
+           FOR EACH STATEMENT EXECUTE FUNCTION record_commit_mode('delete');",
+        w.url.rsplit('/').next().unwrap()
+    ))
+    .await
+    .unwrap();
+    let out = w.path("events.jsonl");
+    let mut relay = w.spawn("relay", &out, &[]);
+    relay
+        .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
+        .await;
+    // One now, and one scheduled a little later: parked until then.
+    insert(&w.db, "now", 1).await;
+    w.db.execute(
+        "INSERT INTO outbox (destination, partition_key, event_type, payload, available_at)
+         VALUES ('orders', 'later', 'Inserted', '{}', now() + interval '2 seconds')",
+        &[],
+    )
+    .await
+    .unwrap();
+    wait_for_lines("both delivered", &out, Duration::from_secs(60), |n| n >= 2).await;
+    let modes: Vec<(String, String)> =
+        w.db.query(
+            "SELECT DISTINCT write, mode FROM commit_modes ORDER BY 1, 2",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    let writes: HashSet<&str> = modes.iter().map(|(w, _)| w.as_str()).collect();
+    assert_eq!(writes, HashSet::from(["park", "delete"]), "{modes:?}");
+    assert!(
+        modes.iter().all(|(_, mode)| mode != "off"),
+        "a write the slot confirms past committed asynchronously: {modes:?}"
+    );
+    let status = relay.terminate().await;
+    assert!(status.success(), "{status:?}");
+}
+
+#[tokio::test]
+async fn rows_that_predate_a_slot_made_by_hand_are_adopted_once_and_drop_slot_forgets_it() {
+    let w = WalDb::new().await;
+    for n in 0..10 {
+        insert(&w.db, "k", n).await;
+    }
+    // Made by hand (as the README tells PostgreSQL 17 users to), or by a relay that died
+    // before it adopted: the first session that streams must adopt.
+    create_slot(&w.db, &w.slot, "pgoutput").await;
+    for n in 10..15 {
+        insert(&w.db, "k", n).await;
+    }
+    let out = w.path("events.jsonl");
+    let first = w.drain(&out);
+    assert_success("the drain", &first);
+    assert!(
+        text(&first.stderr).contains(ADOPTED),
+        "{}",
+        text(&first.stderr)
+    );
+    let adopted = "SELECT count(*) FROM outbox_adopted WHERE slot = $1";
+    assert_eq!(query_count(&w.db, adopted, &[&w.slot]).await.unwrap(), 1);
+    // Those written after the slot may come twice (parked and streamed), never out of order.
+    let order = counters_by_key(&read_lines(&out));
+    assert_eq!(order["k"], (0..15).collect::<Vec<i64>>(), "{order:?}");
+    w.assert_empty("").await;
+    // Adopted once: rows written while no relay runs are the stream's, not moved again.
+    insert(&w.db, "k", 15).await;
+    let second = w.drain(&out);
+    assert_success("the second drain", &second);
+    assert!(
+        !text(&second.stderr).contains(ADOPTED),
+        "{}",
+        text(&second.stderr)
+    );
+    let order = counters_by_key(&read_lines(&out));
+    assert_eq!(order["k"], (0..16).collect::<Vec<i64>>(), "{order:?}");
+    let dropped = relay(
+        w.dir.path(),
+        &[&["drop-slot"][..], &capture_flags(&w.url, &w.slot)].concat(),
+    );
+    assert_success("drop-slot", &dropped);
+    assert_eq!(query_count(&w.db, adopted, &[&w.slot]).await.unwrap(), 0);
+}
+
+#[tokio::test]
+async fn an_undecodable_event_behind_a_retrying_head_is_dead_lettered_not_dropped() {
+    let (_nats, deliveries, proxy, broker_url) = nats_behind_a_proxy().await;
+    let w = WalDb::new().await;
+    let args = w.run_args(&broker_url, &RETRY_AN_OUTAGE);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut relay = RelayProcess::spawn(w.dir.path(), "relay", &args, &[]);
+    relay
+        .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
+        .await;
+    let handle = proxy.handle();
+    handle.cut();
+    // One transaction, one claim: the head cannot be published, so the lane releases what
+    // is behind it, an event whose headers are no JSON object, to be parked behind it.
+    w.db.batch_execute(
+        "BEGIN;
+         INSERT INTO outbox (destination, partition_key, event_type, payload)
+           VALUES ('orders', 'k', 'Head', '{}');
+         INSERT INTO outbox (destination, partition_key, event_type, payload, headers)
+           VALUES ('orders', 'k', 'Odd', '{}', '[]');
+         COMMIT;",
+    )
+    .await
+    .unwrap();
+    let dead = "SELECT count(*) FROM outbox_dead_letters WHERE event_type = '(undecodable)'";
+    eventually_explained(
+        "the undecodable event dead-lettered",
+        Duration::from_secs(60),
+        || relay.logs(),
+        || async { (query_count(&w.db, dead, &[]).await.ok() == Some(1)).then_some(()) },
+    )
+    .await;
+    handle.heal();
+    eventually_explained(
+        "the head delivered",
+        Duration::from_secs(60),
+        || relay.logs(),
+        || {
+            let done = !deliveries.snapshot().is_empty();
+            async move { done.then_some(()) }
+        },
+    )
+    .await;
+    let status = relay.terminate().await;
+    assert!(status.success(), "{status:?}");
+    w.assert_empty(&relay.logs()).await;
 }
 
 // ---- 7. Standby takeover ----

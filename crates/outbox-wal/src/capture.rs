@@ -238,8 +238,26 @@ struct Inner {
     on_change: Arc<Mutex<Option<OnChange>>>,
     close: watch::Sender<bool>,
     reader: Mutex<Option<tokio::task::JoinHandle<()>>>,
-    /// Rows the slot's first run dead-lettered when adopting the table (see `Adoption`).
-    adoption_dead_letters: Arc<std::sync::atomic::AtomicU64>,
+    dead_letters: Arc<CaptureDeadLetters>,
+}
+
+/// Dead letters that capture writes itself, not the engine: rows the adoption cannot read
+/// as events, and undecodable events behind a waiting key. Counted in the engine's metric,
+/// and for `run --drain`'s verdict.
+struct CaptureDeadLetters {
+    labels: Arc<outbox_core::metric_labels::DestinationLabels>,
+    count: std::sync::atomic::AtomicU64,
+}
+
+impl CaptureDeadLetters {
+    fn add(&self, destination: &str, n: u64) {
+        ::metrics::counter!(
+            outbox_core::metric_labels::DEAD_LETTERED,
+            "destination" => self.labels.label(destination)
+        )
+        .increment(n);
+        self.count.fetch_add(n, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 /// The outbox read from the WAL. Cheap to clone.
@@ -269,10 +287,12 @@ impl WalStore {
         let (status_tx, status) = watch::channel(CaptureStatus::Starting);
         let (close, close_rx) = watch::channel(false);
         let on_change: Arc<Mutex<Option<OnChange>>> = Arc::default();
-        let adoption_dead_letters = Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let reader = Reader {
-            adoption_dead_letters: adoption_dead_letters.clone(),
+        let dead_letters = Arc::new(CaptureDeadLetters {
             labels: options.labels.clone(),
+            count: Default::default(),
+        });
+        let reader = Reader {
+            dead_letters: dead_letters.clone(),
             config: options.wal.clone(),
             main: main.clone(),
             sql: sql.clone(),
@@ -317,7 +337,7 @@ impl WalStore {
                 on_change,
                 close,
                 reader: Mutex::new(Some(handle)),
-                adoption_dead_letters,
+                dead_letters,
             }),
         }
     }
@@ -343,12 +363,13 @@ impl WalStore {
         lock(&self.inner.state).parked_keys.len()
     }
 
-    /// How many rows the slot's first run moved to the dead letters when adopting the
-    /// table, because they could not be read as events (they are no engine dead letters:
-    /// `run --drain` counts them itself).
-    pub fn dead_lettered_on_adoption(&self) -> u64 {
+    /// How many events capture moved to the dead letters itself, because they could not be
+    /// read as events: rows found when adopting the table, and undecodable events behind a
+    /// waiting key (they are no engine dead letters: `run --drain` counts them itself).
+    pub fn dead_lettered_by_capture(&self) -> u64 {
         self.inner
-            .adoption_dead_letters
+            .dead_letters
+            .count
             .load(std::sync::atomic::Ordering::SeqCst)
     }
 
@@ -556,36 +577,53 @@ impl Inner {
     /// transaction, then settles them; parks that must wait ([`parking_order`]) stay in
     /// `to_park`. Call it holding `parking`.
     async fn flush_parks(&self) -> StoreResult<u64> {
-        let (parks, columns, rows) = {
+        let (parks, columns, dead, rows) = {
             let mut state = lock(&self.state);
             let to_park = std::mem::take(&mut state.to_park);
             let (parks, waiting) = parking_order(&state, to_park);
             state.to_park = waiting;
             let mut columns = EventColumns::default();
+            // An undecodable event has nothing to park: the polling claim could not read
+            // it back. Behind a waiting key (released while its head retries) it is
+            // dead-lettered in the same transaction, as the engine would have.
+            let mut dead = DeadColumns::default();
             let mut rows = Vec::new();
             for park in &parks {
                 if let Some(Held::Wal(held)) = state.held.get(&park.id) {
-                    if let Body::Event(event) = &held.body {
-                        columns.push(event);
-                        columns.parking.push(park);
-                        rows.extend(held.row);
+                    match &held.body {
+                        Body::Event(event) => {
+                            columns.push(event);
+                            columns.parking.push(park);
+                        }
+                        Body::Undecodable(u) => dead.push(park.id, held.position, u),
                     }
+                    rows.extend(held.row);
                 }
             }
-            (parks, columns, rows)
+            (parks, columns, dead, rows)
         };
         if parks.is_empty() {
             return Ok(0);
         }
         let p = &columns.parking;
         let park = columns.params(&[], &[&p.delays, &p.not_before, &p.attempts, &p.errors]);
-        let result = self
-            .main
-            .transaction(
-                "park",
-                &[(&self.sql.park, &park), (&self.sql.delete_rows, &[&rows])],
-            )
-            .await;
+        let dead_letter = dead.params();
+        let delete: &[&(dyn ToSql + Sync)] = &[&rows];
+        let mut steps: Vec<(&str, &[&(dyn ToSql + Sync)])> =
+            vec![(&self.sql.park, &park), (&self.sql.delete_rows, delete)];
+        if !dead.ids.is_empty() {
+            steps.push((&self.sql.dead_letter, &dead_letter));
+        }
+        let result = self.main.transaction("park", &steps).await;
+        if result.is_ok() && !dead.ids.is_empty() {
+            tracing::warn!(
+                ids = ?dead.ids,
+                "undecodable events behind a waiting key were dead-lettered: `outbox-relay dead list` shows them with the reason"
+            );
+            for destination in &dead.columns.destinations {
+                self.dead_letters.add(destination, 1);
+            }
+        }
         let mut state = lock(&self.state);
         match result {
             Ok(_) => {
@@ -803,9 +841,13 @@ impl Inner {
         let deleted: HashSet<SequenceId> = if rows.is_empty() {
             HashSet::new()
         } else {
+            // In a transaction of its own: its commit is made durable before the slot
+            // confirms past these events (see `PgStore::transaction`).
+            let delete: &[&(dyn ToSql + Sync)] = &[&rows];
             self.main
-                .query_rows("ack", &self.sql.delete_delivered, &[&rows])
+                .transaction_then_query("ack", &[], Some((&self.sql.delete_delivered, delete)))
                 .await?
+                .1
                 .iter()
                 .map(|r| r.get(0))
                 .collect()
@@ -890,6 +932,7 @@ impl Inner {
         // Claims fail while the stream is down, so that `/readyz` and the logs say why; they
         // are retried like a lost connection, but the fix is the one the reason names.
         if let CaptureStatus::Failed(reason) | CaptureStatus::Reconnecting(reason) = &status {
+            self.discard_broken_session().await;
             return Err(StoreError::new(
                 StoreErrorKind::Connection,
                 format!("WAL capture: {reason}"),
@@ -1006,6 +1049,26 @@ impl Inner {
         Ok(out)
     }
 
+    /// While no session streams, drops what the broken one left unclaimed, up to the next
+    /// session's announcement: its events come again from the slot in that session. (Left
+    /// queued, they filled the channel while claims failed, and the reader, blocked on
+    /// announcing the new session, never set the status that lets claims through.)
+    async fn discard_broken_session(&self) {
+        let mut outputs = self.outputs.lock().await;
+        let mut state = lock(&self.state);
+        state.unaccepted.clear();
+        while let Ok(item) = outputs.try_recv() {
+            match item {
+                Item::Outputs(_) => {}
+                Item::Session { .. } => {
+                    self.accept(&mut state, item);
+                    break;
+                }
+                Item::DrainUntil(_) => self.accept(&mut state, item),
+            }
+        }
+    }
+
     async fn backlog(&self) -> StoreResult<Backlog> {
         let mut backlog = self.parked.backlog().await?;
         self.report_slot().await;
@@ -1111,6 +1174,18 @@ pub async fn verify_capture(
             "run `outbox-relay migrate --capture wal`",
         ));
     }
+    if let Err(e) = main.query_rows("adopted", &sql.adopted, &[&slot]).await {
+        problems.push(Problem::blocking(
+            format!(
+                "the table {} cannot be read: {} (the relay records there that a slot's \
+                 session adopted the rows that predate the slot)",
+                tables.adopted,
+                e.report()
+            ),
+            "run `outbox-relay migrate --capture wal` (a relay of an earlier version made the \
+             other tables; migrate adds what is missing)",
+        ));
+    }
     let status = slot_status(main, slot).await?;
     let capacity = &main
         .query_rows("replication capacity", &sql.replication_capacity, &[])
@@ -1168,6 +1243,24 @@ pub async fn verify_capture(
         }
     }
     Ok(problems)
+}
+
+/// Forgets that `slot` adopted the outbox's rows, once the slot is dropped: a slot made
+/// again by that name starts after rows its predecessor never brought, and must adopt them.
+pub async fn forget_adoption(
+    main: &PgStore,
+    publication: &outbox_core::ident::Ident,
+    slot: &str,
+) -> StoreResult<()> {
+    let sql = CaptureStatements::new(&capture_tables(main.tables(), publication, None));
+    match main
+        .query_rows("forget adoption", &sql.forget_adoption, &[&slot])
+        .await
+    {
+        // A database migrated by an earlier version: nothing recorded, nothing to forget.
+        Err(e) if e.kind() == StoreErrorKind::MissingSchema => Ok(()),
+        result => result.map(drop),
+    }
 }
 
 /// The slot as `pg_replication_slots` shows it.
@@ -1278,6 +1371,30 @@ fn claimed_of(id: SequenceId, held: &HeldWal) -> Claimed {
             attempts: 0,
             reason: u.reason.clone(),
         },
+    }
+}
+
+/// Undecodable events as the parameters of the dead-letter statement, with no attempt
+/// made.
+#[derive(Default)]
+struct DeadColumns {
+    ids: Vec<SequenceId>,
+    columns: EventColumns,
+    attempts: Vec<i32>,
+    errors: Vec<String>,
+}
+
+impl DeadColumns {
+    fn push(&mut self, id: SequenceId, position: EventPosition, u: &Undecodable) {
+        self.ids.push(id);
+        self.columns.push_undecodable(u, position);
+        self.attempts.push(0);
+        self.errors.push(u.reason.clone());
+    }
+
+    fn params(&self) -> Vec<&(dyn ToSql + Sync)> {
+        self.columns
+            .params(&[&self.ids], &[&self.attempts, &self.errors])
     }
 }
 
@@ -1550,8 +1667,7 @@ struct Reader {
     close: watch::Receiver<bool>,
     status: watch::Sender<CaptureStatus>,
     on_change: Arc<Mutex<Option<OnChange>>>,
-    adoption_dead_letters: Arc<std::sync::atomic::AtomicU64>,
-    labels: Arc<outbox_core::metric_labels::DestinationLabels>,
+    dead_letters: Arc<CaptureDeadLetters>,
 }
 
 /// How a session ended.
@@ -1566,7 +1682,6 @@ impl Reader {
         let mut session = 0;
         let mut streamed = false;
         let mut marker_written = false;
-        let mut adopt = false;
         loop {
             if *self.close.borrow() {
                 return;
@@ -1582,10 +1697,7 @@ impl Reader {
                     streamed = true;
                     backoff.reset();
                     session += 1;
-                    adopt |= stream.slot().created;
-                    let end = self
-                        .stream(&mut stream, session, &mut marker_written, &mut adopt)
-                        .await;
+                    let end = self.stream(&mut stream, session, &mut marker_written).await;
                     match end {
                         SessionEnd::Closed => {
                             stream.confirm(*self.confirm.borrow());
@@ -1661,16 +1773,10 @@ impl Reader {
             // `destination` is the dead-letter table's (NOT NULL), `count(*)` a bigint.
             let (destination, n): (String, i64) = (row.get(0), row.get(1));
             let n = n.max(0) as u64;
-            ::metrics::counter!(
-                outbox_core::metric_labels::DEAD_LETTERED,
-                "destination" => self.labels.label(&destination)
-            )
-            .increment(n);
+            self.dead_letters.add(&destination, n);
             dead += n;
         }
         if dead > 0 {
-            self.adoption_dead_letters
-                .fetch_add(dead, std::sync::atomic::Ordering::SeqCst);
             tracing::warn!(
                 rows = dead,
                 "rows of the outbox table that could not be read as events (an id that is no \
@@ -1680,44 +1786,56 @@ impl Reader {
         }
     }
 
+    /// Moves the rows that predate the slot to the parked table, unless the slot's adoption
+    /// is recorded as done: its stream does not carry them. Run at every session start, by
+    /// whichever relay streams (and so holds the slot: no other adopts meanwhile), until it
+    /// has committed once; the record is written in the same transaction as the move, so a
+    /// crash leaves either both or neither. A slot made by hand, or by a relay that died
+    /// before adopting, is adopted by the next session.
+    async fn adopt(&self) -> StoreResult<()> {
+        let slot = &self.config.slot;
+        let adopted = self
+            .main
+            .query_rows("adopted", &self.sql.adopted, &[slot])
+            .await?;
+        if adopted.first().is_some_and(|row| row.get::<_, bool>(0)) {
+            return Ok(());
+        }
+        let no_params = &[] as &[&(dyn ToSql + Sync)];
+        let record: &[&(dyn ToSql + Sync)] = &[slot];
+        let adoption = &self.sql.adopt;
+        let steps: Vec<_> = adoption
+            .steps
+            .iter()
+            .map(|sql| (sql.as_str(), no_params))
+            .chain([(self.sql.record_adoption.as_str(), record)])
+            .collect();
+        let dead_letters = adoption.dead_letters.as_deref().map(|sql| (sql, no_params));
+        let (_, dead_by_destination) = self
+            .main
+            .transaction_then_query("adopt", &steps, dead_letters)
+            .await?;
+        tracing::info!(
+            %slot,
+            "the slot's rows are adopted: pending rows of the outbox table, which its stream \
+             does not carry, were moved to the parked table to be relayed first"
+        );
+        self.count_adoption_dead_letters(&dead_by_destination);
+        Ok(())
+    }
+
     /// One session: announce it, then forward until it breaks or the store closes.
     async fn stream(
         &mut self,
         stream: &mut WalStream,
         session: u64,
         marker_written: &mut bool,
-        adopt: &mut bool,
     ) -> SessionEnd {
-        if *adopt {
-            let no_params = &[] as &[&(dyn tokio_postgres::types::ToSql + Sync)];
-            let adoption = &self.sql.adopt;
-            let steps: Vec<_> = adoption
-                .steps
-                .iter()
-                .map(|sql| (sql.as_str(), no_params))
-                .collect();
-            let dead_letters = adoption.dead_letters.as_deref().map(|sql| (sql, no_params));
-            match self
-                .main
-                .transaction_then_query("adopt", &steps, dead_letters)
-                .await
-            {
-                Ok((_, dead_by_destination)) => {
-                    *adopt = false;
-                    tracing::info!(
-                        "the replication slot is new: pending rows of the outbox table, which \
-                         its stream does not carry, were moved to the parked table to be relayed \
-                         first"
-                    );
-                    self.count_adoption_dead_letters(&dead_by_destination);
-                }
-                Err(e) => {
-                    return SessionEnd::Broken(format!(
-                        "moving the rows that predate the slot to the parked table: {}",
-                        e.report()
-                    ))
-                }
-            }
+        if let Err(e) = self.adopt().await {
+            return SessionEnd::Broken(format!(
+                "moving the rows that predate the slot to the parked table: {}",
+                e.report()
+            ));
         }
         let parked_keys = match self
             .main
@@ -1767,6 +1885,7 @@ impl Reader {
                 }
             }
         }
+        let mut liveness = SqlLiveness::new();
         loop {
             let permit = tokio::select! {
                 biased;
@@ -1776,6 +1895,12 @@ impl Reader {
                         return SessionEnd::Closed;
                     }
                     stream.confirm(*self.confirm.borrow_and_update());
+                    continue;
+                }
+                _ = liveness.tick() => {
+                    if let Some(reason) = liveness.check(&self.main).await {
+                        return SessionEnd::Broken(reason);
+                    }
                     continue;
                 }
                 permit = self.tx.reserve() => match permit {
@@ -1791,6 +1916,12 @@ impl Reader {
                         return SessionEnd::Closed;
                     }
                     stream.confirm(*self.confirm.borrow_and_update());
+                    continue;
+                }
+                _ = liveness.tick() => {
+                    if let Some(reason) = liveness.check(&self.main).await {
+                        return SessionEnd::Broken(reason);
+                    }
                     continue;
                 }
                 next = stream.next() => next,
@@ -1817,6 +1948,62 @@ impl Reader {
                 BurstEnd::Failed(e) => return SessionEnd::Broken(describe(&e)),
             }
         }
+    }
+}
+
+/// Whether the database still answers over SQL, asked every [`SqlLiveness::EVERY`] while
+/// a session streams.
+///
+/// A relay that cannot write to the database cannot settle what it holds, so it cannot
+/// confirm the slot up to the end of the WAL sent. PostgreSQL's fast shutdown ends the SQL
+/// sessions first, then waits for every walsender's client to confirm the end of the WAL
+/// before it completes: a relay that kept its replication session then would hold the
+/// shutdown (and a restart, a failover) for as long as it runs. So when the SQL side fails
+/// [`SqlLiveness::FAILURES`] times in a row, the session is let go. Nothing is lost: the
+/// slot stays where it was confirmed, and the events come again, with the same ids, in the
+/// next session.
+struct SqlLiveness {
+    ticks: tokio::time::Interval,
+    failures: u32,
+}
+
+impl SqlLiveness {
+    const EVERY: Duration = Duration::from_secs(1);
+    /// Two, so that one lost connection the pool replaces costs no session.
+    const FAILURES: u32 = 2;
+    /// A ping that takes longer counts as failed (a server that no longer answers).
+    const PATIENCE: Duration = Duration::from_secs(3);
+
+    fn new() -> Self {
+        let mut ticks =
+            tokio::time::interval_at(tokio::time::Instant::now() + Self::EVERY, Self::EVERY);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        SqlLiveness { ticks, failures: 0 }
+    }
+
+    async fn tick(&mut self) {
+        self.ticks.tick().await;
+    }
+
+    /// Pings the database; the reason to let the session go, once it has failed enough.
+    async fn check(&mut self, main: &PgStore) -> Option<String> {
+        let failure = match tokio::time::timeout(Self::PATIENCE, main.ping()).await {
+            Ok(Ok(())) => {
+                self.failures = 0;
+                return None;
+            }
+            Ok(Err(e)) => e.report(),
+            Err(_) => format!("no answer within {:?}", Self::PATIENCE),
+        };
+        self.failures += 1;
+        tracing::debug!(error = %failure, failures = self.failures, "the database did not answer over SQL");
+        (self.failures >= Self::FAILURES).then(|| {
+            format!(
+                "the database does not answer over SQL ({failure}), so nothing the relay holds \
+                 can be settled: the replication session is let go, so that a server shutting \
+                 down does not wait for it (its events come again from the slot)"
+            )
+        })
     }
 }
 

@@ -50,6 +50,10 @@ pub struct CaptureTables {
     pub parked: TableName,
     pub dead_letters: TableName,
     pub publication: Ident,
+    /// `<outbox>_adopted`: the slots whose session has adopted the rows that predate them
+    /// (see [`CaptureStatements::adopt`]), so that whichever relay first streams from a slot
+    /// adopts, once, and a crash or a standby's takeover in between cannot skip it.
+    pub adopted: TableName,
 }
 
 impl CaptureTables {
@@ -73,11 +77,8 @@ impl CaptureTables {
         dead_letters: TableName,
         publication: Ident,
     ) -> Self {
-        let parked = TableName {
-            schema: outbox.schema.clone(),
-            name: Ident::new(&format!("{}_parked", outbox.name), "table name")
-                .unwrap_or_else(|_| outbox.name.clone()),
-        };
+        let parked = sibling(&outbox, "_parked");
+        let adopted = sibling(&outbox, "_adopted");
         CaptureTables {
             outbox,
             source,
@@ -85,6 +86,7 @@ impl CaptureTables {
             parked,
             dead_letters,
             publication,
+            adopted,
         }
     }
 
@@ -103,6 +105,14 @@ impl CaptureTables {
 -- claim uses; no trigger.
 CREATE TABLE IF NOT EXISTS {parked} (LIKE {outbox} INCLUDING DEFAULTS INCLUDING INDEXES);
 
+-- The slots whose first session moved the rows that predate them to the parked table (the
+-- slot's stream does not carry those): recorded in the same transaction as the move, so it
+-- happens once per slot, whichever relay streams first, and again after a crash mid-way.
+CREATE TABLE IF NOT EXISTS {adopted} (
+    slot        text PRIMARY KEY,
+    adopted_at  timestamptz NOT NULL DEFAULT now()
+);
+
 -- Table-less events: SELECT {schema}.outbox_emit('orders', 'order-42', 'OrderPlaced', '{{"id": 42}}');
 {emit}
 {shared_ids}"#,
@@ -112,6 +122,7 @@ CREATE TABLE IF NOT EXISTS {parked} (LIKE {outbox} INCLUDING DEFAULTS INCLUDING 
                 false => publication_ddl(&self.publication, &self.source),
             },
             shared_ids = self.shared_ids_ddl(),
+            adopted = self.adopted.quoted(),
             schema = self.outbox.schema.quoted(),
             emit = emit_function_ddl(&self.outbox.schema),
         )
@@ -184,6 +195,7 @@ $outbox_ids$;
             r#"
 -- WAL capture needs, besides the grants above:
 GRANT SELECT, INSERT, UPDATE, DELETE ON {parked} TO {role};
+GRANT SELECT, INSERT, DELETE ON {adopted} TO {role};
 GRANT USAGE ON SEQUENCE {sequence} TO {role};
 GRANT DELETE ON {outbox} TO {role};{source_sequence}
 -- The role must be allowed to replicate (a superuser runs this once):
@@ -199,6 +211,7 @@ GRANT DELETE ON {outbox} TO {role};{source_sequence}
 -- Table-less events need only EXECUTE on {schema}.outbox_emit for the writers.
 "#,
             sequence = self.outbox.sibling("_sequence_id_seq"),
+            adopted = self.adopted.quoted(),
             schema = self.outbox.schema.quoted(),
         )
     }
@@ -238,6 +251,12 @@ pub struct CaptureStatements {
     /// before it (written while no slot existed, or by an earlier polling relay) are not in
     /// its stream. Rows committed after it are in both places: delivered twice, never lost.
     pub adopt: Adoption,
+    /// Whether the slot `$1` has adopted the table's rows.
+    pub adopted: String,
+    /// Records that the slot `$1` adopted them: a step of the adoption's transaction.
+    pub record_adoption: String,
+    /// Forgets the slot `$1`'s adoption (its slot was dropped: a new one must adopt again).
+    pub forget_adoption: String,
     /// The keys that have parked events.
     pub parked_keys: String,
     /// Which of `$1` still have parked events.
@@ -289,6 +308,15 @@ impl CaptureStatements {
             delete_rows: format!("{} SELECT count(*) FROM deleted", deletes(tables)),
             delete_delivered: format!("{} SELECT id FROM deleted", deletes(tables)),
             adopt: adopt(tables),
+            adopted: format!(
+                "SELECT EXISTS (SELECT 1 FROM {} WHERE slot = $1)",
+                tables.adopted.quoted()
+            ),
+            record_adoption: format!(
+                "INSERT INTO {} (slot) VALUES ($1) ON CONFLICT DO NOTHING",
+                tables.adopted.quoted()
+            ),
+            forget_adoption: format!("DELETE FROM {} WHERE slot = $1", tables.adopted.quoted()),
             parked_keys: format!("SELECT DISTINCT {key} FROM {parked} WHERE delivered_at IS NULL"),
             still_parked: format!(
                 "SELECT DISTINCT {key} FROM {parked}
@@ -333,6 +361,15 @@ fn deletes(tables: &CaptureTables) -> String {
         );
     }
     with
+}
+
+/// The table `<outbox><suffix>` beside `outbox`.
+fn sibling(outbox: &TableName, suffix: &str) -> TableName {
+    TableName {
+        schema: outbox.schema.clone(),
+        name: Ident::new(&format!("{}{suffix}", outbox.name), "table name")
+            .unwrap_or_else(|_| outbox.name.clone()),
+    }
 }
 
 fn quote(name: &str) -> String {

@@ -685,6 +685,17 @@ impl OwnPostgres {
         as_postgres("pg_ctl", &["-D", &self.data(), "-m", mode, "-w", "stop"]);
     }
 
+    /// Stops the server in `mode`, failing when it is still up after `within` (pg_ctl's own
+    /// wait: a server held by a client is left running then).
+    pub fn try_stop(&self, mode: &str, within: Duration) -> Result<(), String> {
+        let seconds = within.as_secs().max(1).to_string();
+        let data = self.data();
+        run_as_postgres(
+            "pg_ctl",
+            &["-D", &data, "-m", mode, "-t", &seconds, "-w", "stop"],
+        )
+    }
+
     pub fn url(&self, sslmode: &str) -> String {
         format!(
             "postgres://postgres@127.0.0.1:{}/postgres?sslmode={sslmode}",
