@@ -115,7 +115,7 @@ impl World {
             .map(|t| vec![("OUTBOX_RELAY_ADMIN_TOKEN", t)])
             .unwrap_or_default();
         let relay = RelayProcess::spawn(dir.path(), "console-relay", &args, &env);
-        let api = Admin::new(&http_addr(&relay).await);
+        let api = Admin::with_token(&http_addr(&relay).await, token);
         let world = World {
             _dir: dir,
             database_url,
@@ -566,6 +566,16 @@ async fn the_dashboard_shows_the_api_figures_and_retries_from_the_page() {
     let shots = screenshots();
     let browser = webdriver::Browser::start().await;
     browser.goto(&w.api.base).await;
+    // The API answers nothing without the token: the page asks for it, and uses it once typed.
+    let live = "return document.getElementById('live').textContent;";
+    eventually("the page to ask for the token", PATIENCE, || async {
+        let m = browser.execute(live, json!([])).await;
+        m.as_str()?.contains("admin token").then_some(())
+    })
+    .await;
+    let field = browser.wait_for(&shots, "#token").await;
+    browser.type_into(&field, TOKEN).await;
+    browser.click(&shots, "#token-save").await;
     browser
         .wait_for(&shots, "#destinations tbody tr[data-destination]")
         .await;
@@ -650,22 +660,13 @@ async fn the_dashboard_shows_the_api_figures_and_retries_from_the_page() {
     assert!(detail[1].as_str().unwrap().contains("no JetStream stream"));
     browser.screenshot(&shots.join("2-dead-letter.png")).await;
 
-    // Retrying without a token says what to do; then the token, typed once, is used.
+    // The token typed once is used for changes too.
     let stream = w.open_late_stream().await;
     let retry_css = format!(
         "#dead-letters tr[data-id='{}'] button[data-action='retry']",
         w.late[0].seq
     );
-    browser.click(&shots, &retry_css).await;
     let message = "return document.getElementById('message').textContent;";
-    eventually("the page to ask for the token", PATIENCE, || async {
-        let m = browser.execute(message, json!([])).await;
-        m.as_str()?.contains("admin token").then_some(())
-    })
-    .await;
-    let field = browser.wait_for(&shots, "#token").await;
-    browser.type_into(&field, TOKEN).await;
-    browser.click(&shots, "#token-save").await;
     browser.click(&shots, &retry_css).await;
     eventually("the page to report the retry", PATIENCE, || async {
         let m = browser.execute(message, json!([])).await;
@@ -839,4 +840,139 @@ async fn concurrent_status_requests_share_one_store_read() {
     assert_ne!(fresh["backlog"]["as_of"], shared.as_str());
     assert_eq!(fresh["destinations"][0]["destination"], "later");
     assert!(relay_process.terminate().await.success());
+}
+
+// ---- The operator surface, safe to expose ----
+
+/// A zero-config relay (SQLite, stdout) holding one event, its HTTP server on a free
+/// loopback port, with the admin token and `args` added.
+async fn relay_with_token(dir: &Path, args: &[&str]) -> (RelayProcess, String) {
+    outbox_testkit::install_crypto();
+    let sent = relay(dir, &["send", "--destination", "orders", r#"{"n": 1}"#]);
+    assert!(sent.status.success(), "{}", text(&sent.stderr));
+    let mut all = vec![
+        "run",
+        "--http-addr",
+        "127.0.0.1:0",
+        "--log-format",
+        "json",
+        "--retain-delivered",
+    ];
+    all.extend_from_slice(args);
+    let process = RelayProcess::spawn(
+        dir,
+        "token-relay",
+        &all,
+        &[("OUTBOX_RELAY_ADMIN_TOKEN", TOKEN)],
+    );
+    let addr = http_addr(&process).await;
+    (process, addr)
+}
+
+/// A request of `method` for `path` with a `Host` and more header lines, that closes.
+fn request(method: &str, path: &str, host: &str, headers: &str) -> String {
+    format!("{method} {path} HTTP/1.1\r\nHost: {host}\r\n{headers}Connection: close\r\n\r\n")
+}
+
+/// With a token configured, every API call needs it (reads show payloads); the probes and
+/// the dashboard's files do not.
+#[tokio::test]
+async fn with_a_token_every_api_call_needs_it_but_not_the_probes_or_the_page() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut process, addr) = relay_with_token(dir.path(), &[]).await;
+    let api = Admin::new(&addr);
+    let with_token = format!("Bearer {TOKEN}");
+    for path in [
+        "/api/v1/status",
+        "/api/v1/history",
+        "/api/v1/dead-letters",
+        "/api/v1/events/1",
+        "/api/v1/nothing",
+    ] {
+        for refused in [
+            None,
+            Some("Bearer console-test-token-0123456780"),
+            Some(TOKEN),
+        ] {
+            let (code, body) = api.get_authorized(path, refused).await;
+            assert_eq!(code, 401, "{path} with {refused:?}: {body}");
+            let m = body["error"].as_str().unwrap_or_default();
+            assert!(m.contains("Authorization: Bearer"), "{path}: {m}");
+        }
+        let (code, body) = api.get_authorized(path, Some(&with_token)).await;
+        assert_ne!(code, 401, "{path}: {body}");
+    }
+    let (code, e) = api
+        .get_authorized("/api/v1/events/1", Some(&with_token))
+        .await;
+    assert_eq!((code, &e["payload"]), (200, &json!({"n": 1})), "{e}");
+    let (code, body) = api
+        .post("/api/v1/dead-letters/retry", r#"{"all": true}"#, None)
+        .await;
+    assert_eq!(code, 401, "{body}");
+    support::readyz(&process, &addr, 200, "ready", PATIENCE).await;
+    for path in [
+        "/healthz",
+        "/metrics",
+        "/",
+        "/assets/app.js",
+        "/assets/app.css",
+    ] {
+        let (code, body) = api.get_text(path).await;
+        assert_eq!(code, 200, "{path}: {body}");
+    }
+    assert!(process.terminate().await.success());
+}
+
+/// `Authorization: bearer ...` is `Bearer`: the scheme's case does not matter (RFC 6750).
+#[tokio::test]
+async fn the_bearer_scheme_is_matched_in_any_case() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut process, addr) = relay_with_token(dir.path(), &[]).await;
+    let api = Admin::new(&addr);
+    for scheme in ["bearer", "BEARER", "beaRer"] {
+        let (code, body) = api
+            .get_authorized("/api/v1/history", Some(&format!("{scheme} {TOKEN}")))
+            .await;
+        assert_eq!(code, 200, "{scheme}: {body}");
+    }
+    assert!(process.terminate().await.success());
+}
+
+/// The token is checked before any body is read: a 3 MB POST without it is refused as such
+/// (401), not for its size; with it, a body announced over 64 KiB is refused unread.
+#[tokio::test]
+async fn a_refused_request_is_answered_before_its_body_is_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut process, addr) = relay_with_token(dir.path(), &[]).await;
+    let retry = "/api/v1/dead-letters/retry";
+    // Only the head is sent: a server that waited for the body would not answer.
+    let big = "Content-Type: application/json\r\nContent-Length: 3000000\r\n";
+    for authorization in [
+        "",
+        "Authorization: Bearer console-test-token-0123456780\r\n",
+    ] {
+        let head = request("POST", retry, &addr, &format!("{authorization}{big}"));
+        let (code, body) = support::http_exchange(&addr, &head).await;
+        assert_eq!(code, 401, "{authorization:?}: {body}");
+    }
+    let authorized = format!("Authorization: Bearer {TOKEN}\r\n");
+    let head = request("POST", retry, &addr, &format!("{authorized}{big}"));
+    let (code, body) = support::http_exchange(&addr, &head).await;
+    assert_eq!(code, 413, "{body}");
+    assert!(body.contains("64 KiB"), "{body}");
+    // A small one is read.
+    let json = r#"{"all": true}"#;
+    let head = request(
+        "POST",
+        retry,
+        &addr,
+        &format!(
+            "{authorized}Content-Type: application/json\r\nContent-Length: {}\r\n",
+            json.len()
+        ),
+    );
+    let (code, body) = support::http_exchange(&addr, &format!("{head}{json}")).await;
+    assert_eq!(code, 200, "{body}");
+    assert!(process.terminate().await.success());
 }
