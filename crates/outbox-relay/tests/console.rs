@@ -976,3 +976,140 @@ async fn a_refused_request_is_answered_before_its_body_is_read() {
     assert_eq!(code, 200, "{body}");
     assert!(process.terminate().await.success());
 }
+
+/// DNS rebinding: a page whose name resolves to the relay's address reaches it with its own
+/// name as `Host`. Only IP addresses, localhost and the names in `allowed_hosts` are
+/// answered (the probes excepted).
+#[tokio::test]
+async fn hosts_other_than_addresses_localhost_and_allowed_names_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut process, addr) = relay_with_token(
+        dir.path(),
+        &["--allowed-hosts", "relay.internal,Other.Example"],
+    )
+    .await;
+    let authorized = format!("Authorization: Bearer {TOKEN}\r\n");
+    let ask = |path: &str, host: &str| {
+        let head = request("GET", path, host, &authorized);
+        let addr = addr.clone();
+        async move { support::http_exchange(&addr, &head).await }
+    };
+    for host in [
+        "evil.example",
+        "evil.example:2259",
+        "relay.internal.evil.example",
+        "localhost.evil.example",
+    ] {
+        for path in ["/api/v1/status", "/", "/assets/app.js"] {
+            let (code, body) = ask(path, host).await;
+            assert_eq!(code, 421, "{host}{path}: {body}");
+            assert!(
+                body.contains("allowed_hosts") && body.contains("OUTBOX_RELAY_ALLOWED_HOSTS"),
+                "{body}"
+            );
+        }
+        for path in ["/healthz", "/metrics"] {
+            assert_eq!(ask(path, host).await.0, 200, "{host}{path}");
+        }
+    }
+    for host in [
+        addr.as_str(),
+        "127.0.0.1",
+        "[::1]:2259",
+        "localhost",
+        "LocalHost:8080",
+        "relay.internal",
+        "RELAY.internal:443",
+        "other.example",
+    ] {
+        let (code, body) = ask("/api/v1/status", host).await;
+        assert_eq!(code, 200, "{host}: {body}");
+    }
+    assert!(process.terminate().await.success());
+}
+
+/// Slowloris: a client that never finishes its headers is closed, and so is one that keeps an
+/// idle connection open after its answer.
+#[tokio::test]
+async fn slow_and_idle_connections_are_closed() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir().unwrap();
+    let (mut process, addr) = relay_with_token(dir.path(), &[]).await;
+    let closed = |mut stream: tokio::net::TcpStream| async move {
+        let mut rest = Vec::new();
+        // Generous: the server's own bound is far shorter; this only keeps a failure finite.
+        tokio::time::timeout(Duration::from_secs(90), stream.read_to_end(&mut rest))
+            .await
+            .map(|_| String::from_utf8_lossy(&rest).into_owned())
+    };
+    let mut slow = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    slow.write_all(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        .await
+        .unwrap();
+    let mut idle = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    idle.write_all(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        .await
+        .unwrap();
+    let (slow, idle) = tokio::join!(closed(slow), closed(idle));
+    assert!(
+        slow.is_ok(),
+        "a client that never finished its headers is still connected"
+    );
+    let idle = idle.expect("an idle keep-alive connection is still open");
+    assert!(
+        idle.starts_with("HTTP/1.1 200") && idle.ends_with("ok\n"),
+        "{idle:?}"
+    );
+    assert!(process.terminate().await.success());
+}
+
+/// At most 256 connections are served at once: one more waits until another closes, while
+/// the connected clients keep being answered.
+#[tokio::test]
+async fn a_connection_beyond_the_cap_waits_until_another_closes() {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+    const CAP: usize = 256; // outbox-relay's http::MAX_CONNECTIONS
+    let dir = tempfile::tempdir().unwrap();
+    let (mut process, addr) = relay_with_token(dir.path(), &[]).await;
+    let healthz = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
+    // One answer of /healthz on a kept-alive connection: its head, then "ok\n".
+    async fn answer(stream: &mut BufReader<tokio::net::TcpStream>) -> String {
+        let mut head = String::new();
+        loop {
+            let mut line = String::new();
+            assert!(
+                stream.read_line(&mut line).await.unwrap() > 0,
+                "closed: {head}"
+            );
+            head.push_str(&line);
+            if line == "\r\n" {
+                break;
+            }
+        }
+        let mut body = [0u8; 3];
+        stream.read_exact(&mut body).await.unwrap();
+        head + std::str::from_utf8(&body).unwrap()
+    }
+    let mut served = Vec::new();
+    for _ in 0..CAP {
+        let mut stream = BufReader::new(tokio::net::TcpStream::connect(&addr).await.unwrap());
+        stream.get_mut().write_all(healthz).await.unwrap();
+        assert!(answer(&mut stream).await.starts_with("HTTP/1.1 200"));
+        served.push(stream);
+    }
+    // The kernel accepts the connection; the relay does not serve it while the cap is full.
+    let mut extra = BufReader::new(tokio::net::TcpStream::connect(&addr).await.unwrap());
+    extra.get_mut().write_all(healthz).await.unwrap();
+    let first = &mut served[0];
+    first.get_mut().write_all(healthz).await.unwrap();
+    assert!(answer(first).await.starts_with("HTTP/1.1 200"));
+    let waited = tokio::time::timeout(Duration::from_secs(1), answer(&mut extra)).await;
+    assert!(waited.is_err(), "served beyond the cap: {waited:?}");
+    drop(served.pop());
+    let late = tokio::time::timeout(PATIENCE, answer(&mut extra))
+        .await
+        .expect("the waiting connection served once another closed");
+    assert!(late.starts_with("HTTP/1.1 200"), "{late}");
+    drop(served);
+    assert!(process.terminate().await.success());
+}
