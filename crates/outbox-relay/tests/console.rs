@@ -567,10 +567,11 @@ async fn the_dashboard_shows_the_api_figures_and_retries_from_the_page() {
     let browser = webdriver::Browser::start().await;
     browser.goto(&w.api.base).await;
     // The API answers nothing without the token: the page asks for it, and uses it once typed.
-    let live = "return document.getElementById('live').textContent;";
+    let asked = "return [document.getElementById('token-state').textContent, \
+                 document.activeElement.id];";
     eventually("the page to ask for the token", PATIENCE, || async {
-        let m = browser.execute(live, json!([])).await;
-        m.as_str()?.contains("admin token").then_some(())
+        let asked = browser.execute(asked, json!([])).await;
+        (asked == json!(["token needed", "token"])).then_some(())
     })
     .await;
     let field = browser.wait_for(&shots, "#token").await;
