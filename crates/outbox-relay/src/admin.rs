@@ -1,11 +1,13 @@
 //! The admin API under `/api/v1/` and the dashboard at `/`.
 //!
 //! Every operation goes through the store's [`Operations`], as the CLI's operator commands
-//! do (`operator.rs`), with the same messages. Reads are open to whoever reaches the HTTP
-//! server (loopback unless the operator says otherwise, and then only with a token); the
-//! mutating endpoints need `Authorization: Bearer <token>`, compared in constant time, and
-//! answer 403 while no token is configured. Each mutating call is logged at info level with
-//! what it did, never with the token.
+//! do (`operator.rs`), with the same messages. With an admin token configured, every API
+//! call needs `Authorization: Bearer <token>` (reads too: they show payloads), compared in
+//! constant time; only the dashboard's own files are open, so that the page can load and ask
+//! for the token. Without a token the server stays on loopback, reads are open there, and
+//! changes answer 403. The check ([`gate`]) looks at the request line and headers only,
+//! before any body is read. Each mutating call is logged at info level with what it did,
+//! never with the token.
 //!
 //! Backlog and lag over time come from [`History`]: the engine's own backlog gauges, read
 //! from the metrics recorder every [`SAMPLE_EVERY`] and kept for [`HISTORY_SPAN`]. What
@@ -22,8 +24,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
-use axum::extract::{Path, RawQuery, State};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::extract::{DefaultBodyLimit, Path, RawQuery, Request, State};
+use axum::http::{header, HeaderMap, Method, StatusCode};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
@@ -49,6 +52,9 @@ const RATE_WINDOW: Duration = Duration::from_secs(60);
 const STORE_PATIENCE: Duration = Duration::from_secs(5);
 /// The largest page of dead letters.
 const MAX_PAGE: u32 = 1000;
+/// The largest request body read: a selector is a few hundred bytes, a list of ids a few
+/// thousand.
+pub const MAX_BODY: usize = 64 * 1024;
 /// Counts `/api/v1/status` requests.
 pub const STATUS_REQUESTS: &str = "outbox_console_status_requests_total";
 /// Counts the store reads behind them ([`StoreFigures`]): at most one per interval, however
@@ -69,7 +75,7 @@ pub struct Console {
     pub node: String,
     /// The settings in effect, secrets redacted ([`redacted_settings`]).
     pub settings: Value,
-    /// `None`: the mutating endpoints answer 403.
+    /// `None`: reads are open (on loopback), changes answer 403.
     pub token: Option<String>,
     pub metrics: PrometheusHandle,
     pub history: Mutex<History>,
@@ -324,7 +330,61 @@ pub fn routes(console: Arc<Console>, base: &str) -> Router {
         .route("/api/v1/dead-letters/purge", post(dead_purge))
         .route("/api/v1/replay", post(replay))
         .fallback(|| async { failure(StatusCode::NOT_FOUND, "no such endpoint".into()) })
+        .layer(DefaultBodyLimit::max(MAX_BODY))
+        .layer(axum::middleware::from_fn_with_state(
+            Gate::new(console.token.clone(), dashboard_file),
+            gate,
+        ))
         .with_state(console)
+}
+
+/// The dashboard's own files, open without the token: the page loads, then asks for it.
+fn dashboard_file(path: &str) -> bool {
+    matches!(path, "/" | "/assets/app.js" | "/assets/app.css")
+}
+
+/// Who may ask for what: the admin token, and the paths open without it.
+#[derive(Clone)]
+pub(crate) struct Gate {
+    token: Option<Arc<str>>,
+    open: fn(&str) -> bool,
+}
+
+impl Gate {
+    pub(crate) fn new(token: Option<String>, open: fn(&str) -> bool) -> Gate {
+        Gate {
+            token: token.map(Arc::from),
+            open,
+        }
+    }
+}
+
+/// Lets a request through to a path that is not open only as [`authorize`] says, looking at
+/// its method and headers alone: a refused request's body is never read.
+pub(crate) async fn gate(State(gate): State<Gate>, request: Request, next: Next) -> Response {
+    if (gate.open)(request.uri().path()) {
+        return next.run(request).await;
+    }
+    if let Err(r) = authorize(gate.token.as_deref(), request.method(), request.headers()) {
+        return r;
+    }
+    // A body announced too large is refused before it is sent (DefaultBodyLimit still
+    // stops one that does not say its length).
+    let declared = request
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > MAX_BODY as u64) {
+        return failure(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!(
+                "request bodies are limited to {} KiB; select dead letters by destination or \
+                 {{\"all\": true}} rather than by a long list of ids",
+                MAX_BODY / 1024
+            ),
+        );
+    }
+    next.run(request).await
 }
 
 /// The dashboard's stylesheet (the shared server's index uses it too).
@@ -695,9 +755,13 @@ fn same_secret(given: &[u8], expected: &[u8]) -> bool {
     std::hint::black_box(diff) == 0
 }
 
-/// Lets a mutating call through only with the configured token.
-fn authorize(c: &Console, headers: &HeaderMap) -> Result<(), Response> {
-    let Some(token) = &c.token else {
+/// With a token, every call needs it; without one, reads pass (the server is on loopback)
+/// and changes are refused.
+fn authorize(token: Option<&str>, method: &Method, headers: &HeaderMap) -> Result<(), Response> {
+    let Some(token) = token else {
+        if method == Method::GET || method == Method::HEAD {
+            return Ok(());
+        }
         return Err(failure(
             StatusCode::FORBIDDEN,
             "the admin API is read-only: no admin token is configured; set \
@@ -708,14 +772,14 @@ fn authorize(c: &Console, headers: &HeaderMap) -> Result<(), Response> {
     let given = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
+        .and_then(bearer);
     match given {
-        Some(given) if same_secret(given.trim().as_bytes(), token.as_bytes()) => Ok(()),
+        Some(given) if same_secret(given.as_bytes(), token.as_bytes()) => Ok(()),
         _ => {
             let mut r = failure(
                 StatusCode::UNAUTHORIZED,
-                "this endpoint needs the header `Authorization: Bearer <admin token>` with the \
-                 relay's admin token"
+                "the admin API needs the header `Authorization: Bearer <admin token>` with the \
+                 relay's admin token, for reads too (they show event payloads)"
                     .into(),
             );
             r.headers_mut().insert(
@@ -725,6 +789,15 @@ fn authorize(c: &Console, headers: &HeaderMap) -> Result<(), Response> {
             Err(r)
         }
     }
+}
+
+/// The token of an `Authorization: Bearer <token>` header. The scheme is matched in any case
+/// (RFC 6750 after RFC 9110: `bearer` and `BEARER` are `Bearer`).
+fn bearer(value: &str) -> Option<&str> {
+    let (scheme, token) = value.trim().split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| token.trim_start())
 }
 
 fn parse_body<T: serde::de::DeserializeOwned>(body: &Bytes, example: &str) -> Result<T, Response> {
@@ -767,12 +840,12 @@ async fn dead_selector(c: &Console, body: &Bytes) -> Result<DeadSelector, Respon
     }
 }
 
-async fn dead_retry(State(c): State<Arc<Console>>, headers: HeaderMap, body: Bytes) -> Response {
-    dead_action(&c, &headers, &body, DeadAction::Retry).await
+async fn dead_retry(State(c): State<Arc<Console>>, body: Bytes) -> Response {
+    dead_action(&c, &body, DeadAction::Retry).await
 }
 
-async fn dead_purge(State(c): State<Arc<Console>>, headers: HeaderMap, body: Bytes) -> Response {
-    dead_action(&c, &headers, &body, DeadAction::Purge).await
+async fn dead_purge(State(c): State<Arc<Console>>, body: Bytes) -> Response {
+    dead_action(&c, &body, DeadAction::Purge).await
 }
 
 #[derive(Clone, Copy)]
@@ -782,15 +855,7 @@ enum DeadAction {
 }
 
 /// Retries or purges the dead letters the body selects, as `dead retry` / `dead purge` do.
-async fn dead_action(
-    c: &Console,
-    headers: &HeaderMap,
-    body: &Bytes,
-    action: DeadAction,
-) -> Response {
-    if let Err(r) = authorize(c, headers) {
-        return r;
-    }
+async fn dead_action(c: &Console, body: &Bytes, action: DeadAction) -> Response {
     let selector = match dead_selector(c, body).await {
         Ok(s) => s,
         Err(r) => return r,
@@ -826,10 +891,7 @@ struct ReplayBody {
     destination: Option<String>,
 }
 
-async fn replay(State(c): State<Arc<Console>>, headers: HeaderMap, body: Bytes) -> Response {
-    if let Err(r) = authorize(&c, &headers) {
-        return r;
-    }
+async fn replay(State(c): State<Arc<Console>>, body: Bytes) -> Response {
     let b: ReplayBody = match parse_body(
         &body,
         r#"{"since": "2h"} or {"since": "2026-11-20T10:00:00Z", "until": "1h", "destination": "orders"}"#,
@@ -863,11 +925,15 @@ async fn replay(State(c): State<Arc<Console>>, headers: HeaderMap, body: Bytes) 
             json!({ "replayed": 0, "message": NOTHING_TO_REPLAY }),
         );
     }
-    // Batches commit one by one; the whole may take longer than one store call's patience.
-    let replayed = replay_all(&*c.store.operations(), selector.clone(), |_| {}).await;
-    c.figures.mark_stale();
-    match replayed {
-        Ok(n) => {
+    // Batches commit one by one; the whole may take longer than one store call's patience,
+    // or than the request's: on a task of its own, it finishes (and is logged) even if the
+    // request times out.
+    let ops = c.store.operations();
+    let console = c.clone();
+    let replayed = tokio::spawn(async move {
+        let replayed = replay_all(&*ops, selector.clone(), |_| {}).await;
+        console.figures.mark_stale();
+        if let Ok(n) = replayed {
             tracing::info!(
                 since = %time_text(selector.since),
                 until = %time_text(selector.until),
@@ -875,18 +941,35 @@ async fn replay(State(c): State<Arc<Console>>, headers: HeaderMap, body: Bytes) 
                 count = n,
                 "admin API: delivered events replayed"
             );
-            reply(
-                StatusCode::OK,
-                json!({ "replayed": n, "message": format!("replayed {n} events") }),
-            )
         }
-        Err(e) => store_failure(e),
+        replayed
+    });
+    match replayed.await {
+        Ok(Ok(n)) => reply(
+            StatusCode::OK,
+            json!({ "replayed": n, "message": format!("replayed {n} events") }),
+        ),
+        Ok(Err(e)) => store_failure(e),
+        Err(e) => failure(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("the replay failed: {e}; see the relay's log"),
+        ),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_bearer_scheme_is_matched_in_any_case() {
+        for value in ["Bearer abc", "bearer abc", "BEARER abc", " bEaReR   abc "] {
+            assert_eq!(bearer(value), Some("abc"), "{value}");
+        }
+        for value in ["Basic abc", "Bearerabc", "Bearer", "Token abc"] {
+            assert_eq!(bearer(value), None, "{value}");
+        }
+    }
 
     #[test]
     fn secrets_compare_equal_only_when_equal() {

@@ -277,6 +277,12 @@ pub struct RunArgs {
     /// Without a token the admin API is read-only.
     #[arg(long, value_name = "FILE")]
     pub admin_token_file: Option<std::path::PathBuf>,
+    /// Host names the server answers to besides IP addresses and localhost (the names a
+    /// browser or proxy uses for it), comma-separated; requests for any other Host are
+    /// refused, against DNS rebinding.
+    #[arg(long, value_name = "NAME,...", value_delimiter = ',')]
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub allowed_hosts: Vec<String>,
     /// This node's id in the nodes table [default: <hostname>-<random>].
     #[arg(long, value_name = "ID")]
     pub node_id: Option<String>,

@@ -239,6 +239,7 @@ pub(crate) async fn relay_outbox(
         routes,
         http_addr,
         admin_token,
+        allowed_hosts,
         health,
     } = config.resolve(node.clone(), drain)?;
     // Where this outbox's endpoints go: a server of its own only when alone.
@@ -317,7 +318,14 @@ pub(crate) async fn relay_outbox(
             Some(tokio::spawn(crate::admin::keep_history(console)))
         }
         (Some(console), Some(Endpoints::Own(addr))) => {
-            let (bound, task) = crate::http::serve(addr, probes, metrics, console).await?;
+            let (bound, task) = crate::http::serve(
+                addr,
+                probes,
+                metrics,
+                console,
+                crate::http::AllowedHosts::new(allowed_hosts),
+            )
+            .await?;
             tracing::info!(
                 addr = %bound,
                 "HTTP endpoints: /healthz /readyz /metrics /api/v1/ and the dashboard at /"

@@ -129,6 +129,10 @@ pub struct Config {
     pub admin_token: Option<String>,
     /// A file holding the admin API's bearer token (`--admin-token-file`).
     pub admin_token_file: Option<PathBuf>,
+    /// Host names the HTTP server answers to besides IP addresses and `localhost`: the
+    /// names a browser or proxy reaches it by. Any other `Host` is refused (DNS rebinding).
+    #[serde(deserialize_with = "host_names")]
+    pub allowed_hosts: Vec<String>,
     pub node_id: Option<String>,
     pub ordering: OrderingMode,
     /// Partitions a new outbox is created with (`migrate`); fixed afterwards.
@@ -182,6 +186,7 @@ impl Default for Config {
             http_addr: DEFAULT_HTTP_ADDR.into(),
             admin_token: None,
             admin_token_file: None,
+            allowed_hosts: Vec::new(),
             node_id: None,
             ordering: OrderingMode::Key,
             partitions: outbox_core::partition::DEFAULT_PARTITIONS,
@@ -317,12 +322,14 @@ impl Config {
             // The top level only lends its settings to the outboxes, each validated whole
             // (`outboxes`); what belongs to the process is checked here.
             config.http_socket_addr()?;
+            config.allowed_host_names()?;
         }
         Ok(config)
     }
 
     pub fn validate(&self) -> anyhow::Result<()> {
         self.database_kind()?;
+        self.allowed_host_names()?;
         if self.batch_size == 0 || self.batch_size > 50_000 {
             bail!(
                 "batch_size must be between 1 and 50000 (got {})",
@@ -670,6 +677,29 @@ impl Config {
         Ok((http_addr, admin_token))
     }
 
+    /// `allowed_hosts`, lowercased: bare host names, refused with the fix when one carries a
+    /// port, a scheme or a path (the check ignores the port a client sends).
+    pub fn allowed_host_names(&self) -> anyhow::Result<Vec<String>> {
+        self.allowed_hosts
+            .iter()
+            .map(|name| {
+                let bare = name.trim().trim_end_matches('.').to_ascii_lowercase();
+                let fine = !bare.is_empty()
+                    && bare
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.');
+                if fine {
+                    Ok(bare)
+                } else {
+                    Err(anyhow::Error::new(crate::commands::ConfigError(format!(
+                        "allowed_hosts: {name:?} is not a host name; give names only, without \
+                         scheme or port, e.g. relay.internal"
+                    ))))
+                }
+            })
+            .collect()
+    }
+
     /// The sinks and routes in effect: `sink` alone, `[sinks]` with `[[routes]]`, or stdout.
     pub fn sink_setup(&self) -> (BTreeMap<String, SinkConfig>, Vec<RouteConfig>) {
         match (&self.sink, self.sinks.is_empty()) {
@@ -813,6 +843,7 @@ impl Config {
             routes,
             http_addr,
             admin_token,
+            allowed_hosts: self.allowed_host_names()?,
             health,
         })
     }
@@ -824,6 +855,7 @@ const PROCESS_SETTINGS: &[&str] = &[
     "http_addr",
     "admin_token",
     "admin_token_file",
+    "allowed_hosts",
     "log_format",
     "log_level",
     "node_id",
@@ -1025,6 +1057,8 @@ pub struct RunParts {
     pub http_addr: Option<SocketAddr>,
     /// The admin API's bearer token; `None`: its mutating endpoints answer 403.
     pub admin_token: Option<String>,
+    /// The host names the HTTP server answers to besides IP addresses and `localhost`.
+    pub allowed_hosts: Vec<String>,
     /// What the engine and the coordinator report to, and /readyz shows.
     pub health: Arc<Health>,
 }
@@ -1078,6 +1112,26 @@ fn describe_errors(
         })
         .collect::<Vec<_>>()
         .join("; ")
+}
+
+/// A list of names from TOML's array, or from one string separated by commas (what
+/// `OUTBOX_RELAY_ALLOWED_HOSTS=a,b` gives).
+fn host_names<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Names {
+        One(String),
+        Many(Vec<String>),
+    }
+    Ok(match Names::deserialize(d)? {
+        Names::One(text) => text
+            .split(',')
+            .map(str::trim)
+            .filter(|n| !n.is_empty())
+            .map(String::from)
+            .collect(),
+        Names::Many(names) => names,
+    })
 }
 
 fn single_sink(uri: &str) -> BTreeMap<String, SinkConfig> {
@@ -1165,6 +1219,34 @@ mod tests {
             assert_eq!(c.database_url, "postgres://from-env/db");
             assert_eq!(c.retry.max_attempts, 7);
             assert_eq!(c.retry.max_attempts_by_type["order.created"], 2);
+            Ok(())
+        });
+    }
+
+    /// `allowed_hosts` from a TOML list, one comma-separated variable, or a repeated-or-
+    /// comma-separated flag; a name with a port or scheme is refused with the fix.
+    #[test]
+    fn allowed_hosts_come_from_a_list_a_variable_or_a_flag() {
+        figment::Jail::expect_with(|jail| {
+            jail.create_file("relay.toml", r#"allowed_hosts = ["Relay.Internal"]"#)?;
+            let load = |args: &[&str]| {
+                Config::load(Some(Path::new("relay.toml")), flags(args)).map_err(|e| e.to_string())
+            };
+            let c = load(&["outbox-relay", "run"])?;
+            assert_eq!(c.allowed_host_names().unwrap(), ["relay.internal"]);
+            jail.set_env("OUTBOX_RELAY_ALLOWED_HOSTS", "a.example, b.example");
+            let c = load(&["outbox-relay", "run"])?;
+            assert_eq!(c.allowed_hosts, ["a.example", "b.example"]);
+            let c = load(&[
+                "outbox-relay",
+                "run",
+                "--allowed-hosts",
+                "c.example,d.example",
+            ])?;
+            assert_eq!(c.allowed_hosts, ["c.example", "d.example"]);
+            jail.set_env("OUTBOX_RELAY_ALLOWED_HOSTS", "https://relay.example:8443");
+            let err = load(&["outbox-relay", "run"]).unwrap_err();
+            assert!(err.contains("without scheme or port"), "{err}");
             Ok(())
         });
     }

@@ -8,8 +8,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use axum::extract::{Path, Request, State};
-use axum::http::StatusCode;
-use axum::response::{Redirect, Response};
+use axum::http::{header, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{any, get};
 use axum::Router;
 use metrics_exporter_prometheus::PrometheusHandle;
@@ -39,6 +40,115 @@ async fn listen(addr: SocketAddr) -> anyhow::Result<(tokio::net::TcpListener, So
     Ok((listener, bound))
 }
 
+/// A client has this long to send a request's headers. hyper starts the clock when the
+/// connection waits for a request, so it also closes idle keep-alive connections.
+pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+/// A request (its body included) is answered within this, or gets 408.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
+/// Connections served at once; further ones wait in the listen backlog until one closes.
+pub const MAX_CONNECTIONS: usize = 256;
+/// Paths every client may ask for whatever its `Host`: probes and scrapers name the relay
+/// as they like, and these show no event.
+const PROBES: [&str; 3] = ["/healthz", "/readyz", "/metrics"];
+
+/// Serves `app` on `listener` with the bounds above, HTTP/1.1 only, until aborted.
+async fn serve_bounded(listener: tokio::net::TcpListener, app: Router) {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    let app = app.layer(tower_http::timeout::TimeoutLayer::with_status_code(
+        StatusCode::REQUEST_TIMEOUT,
+        REQUEST_TIMEOUT,
+    ));
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(HEADER_TIMEOUT);
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    loop {
+        let Ok(slot) = slots.clone().acquire_owned().await else {
+            return;
+        };
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // Out of file descriptors, say: pause rather than spin.
+                if !matches!(
+                    e.kind(),
+                    std::io::ErrorKind::ConnectionAborted | std::io::ErrorKind::ConnectionReset
+                ) {
+                    tracing::warn!(error = %e, "HTTP server cannot accept a connection");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        let connection = http.serve_connection(TokioIo::new(stream), service);
+        tokio::spawn(async move {
+            // A client that goes away or times out is no news.
+            let _ = connection.await;
+            drop(slot);
+        });
+    }
+}
+
+/// The host names a server answers to besides IP addresses and `localhost`
+/// (`allowed_hosts`, lowercased).
+#[derive(Clone, Default)]
+pub struct AllowedHosts(Arc<[String]>);
+
+impl AllowedHosts {
+    pub fn new(names: Vec<String>) -> AllowedHosts {
+        AllowedHosts(names.into())
+    }
+
+    /// Whether a `Host` header's value names this relay: an IP address (a browser that
+    /// asked for an address is not being rebound), `localhost`, or a configured name; any
+    /// port.
+    fn allows(&self, host: &str) -> bool {
+        let name = if let Some(rest) = host.strip_prefix('[') {
+            // [v6]:port
+            return rest
+                .split_once(']')
+                .is_some_and(|(ip, _)| ip.parse::<std::net::Ipv6Addr>().is_ok());
+        } else {
+            match host.rsplit_once(':') {
+                Some((name, port)) if port.bytes().all(|b| b.is_ascii_digit()) => name,
+                _ => host,
+            }
+        };
+        let name = name.strip_suffix('.').unwrap_or(name).to_ascii_lowercase();
+        name.parse::<std::net::Ipv4Addr>().is_ok() || name == "localhost" || self.0.contains(&name)
+    }
+}
+
+/// Refuses a request whose `Host` is not this relay's (DNS rebinding: a page elsewhere
+/// whose name now resolves to this address), before anything else reads it.
+async fn check_host(State(hosts): State<AllowedHosts>, request: Request, next: Next) -> Response {
+    if PROBES.contains(&request.uri().path()) {
+        return next.run(request).await;
+    }
+    let host = request
+        .headers()
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .or_else(|| request.uri().authority().map(|a| a.as_str()));
+    match host {
+        Some(host) if hosts.allows(host) => next.run(request).await,
+        _ => {
+            let shown = host.map_or("none".into(), |h| format!("{h:?}"));
+            (
+                StatusCode::MISDIRECTED_REQUEST,
+                format!(
+                    "this relay answers to IP addresses, localhost and the names in allowed_hosts, \
+                     not to the host {shown}: if that is its name, add it to allowed_hosts \
+                     (OUTBOX_RELAY_ALLOWED_HOSTS or --allowed-hosts)\n"
+                ),
+            )
+                .into_response()
+        }
+    }
+}
+
 /// Binds `addr` and serves until the returned task is aborted. Returns the bound address
 /// (useful with port 0).
 pub async fn serve(
@@ -46,6 +156,7 @@ pub async fn serve(
     probes: Probes,
     metrics: PrometheusHandle,
     console: Arc<crate::admin::Console>,
+    hosts: AllowedHosts,
 ) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
     let (listener, bound) = listen(addr).await?;
     let app = Router::new()
@@ -53,14 +164,11 @@ pub async fn serve(
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_text))
         .with_state(AppState { probes, metrics })
-        .merge(crate::admin::routes(console.clone(), "/"));
+        .merge(crate::admin::routes(console.clone(), "/"))
+        .layer(axum::middleware::from_fn_with_state(hosts, check_host));
     let task = tokio::spawn(async move {
         tokio::select! {
-            served = axum::serve(listener, app) => {
-                if let Err(e) = served {
-                    tracing::error!(error = %e, "HTTP server failed");
-                }
-            }
+            () = serve_bounded(listener, app) => {}
             () = crate::admin::keep_history(console) => {}
         }
     });
@@ -184,6 +292,15 @@ struct SharedState {
     metrics: PrometheusHandle,
 }
 
+/// What the shared server shows without the admin token: the probes, the index page and
+/// its stylesheet; each outbox's console (under `/outboxes/`) checks the token itself.
+fn shared_open(path: &str) -> bool {
+    PROBES.contains(&path)
+        || path == "/"
+        || path == "/assets/app.css"
+        || path.starts_with("/outboxes/")
+}
+
 impl SharedState {
     fn slot(&self, name: &str) -> Option<&Arc<OutboxSlot>> {
         self.slots.iter().find(|s| s.name == name)
@@ -199,6 +316,8 @@ pub async fn serve_outboxes(
     addr: SocketAddr,
     slots: Vec<Arc<OutboxSlot>>,
     metrics: PrometheusHandle,
+    token: Option<String>,
+    hosts: AllowedHosts,
 ) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
     let (listener, bound) = listen(addr).await?;
     let state = SharedState {
@@ -223,12 +342,13 @@ pub async fn serve_outboxes(
         )
         .route("/outboxes/{name}/", any(forward_root))
         .route("/outboxes/{name}/{*rest}", any(forward))
-        .with_state(state);
-    let task = tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
-            tracing::error!(error = %e, "HTTP server failed");
-        }
-    });
+        .with_state(state)
+        .layer(axum::middleware::from_fn_with_state(
+            crate::admin::Gate::new(token, shared_open),
+            crate::admin::gate,
+        ))
+        .layer(axum::middleware::from_fn_with_state(hosts, check_host));
+    let task = tokio::spawn(serve_bounded(listener, app));
     Ok((bound, task))
 }
 
@@ -353,6 +473,9 @@ async fn forward_to(state: &SharedState, name: &str, rest: &str, request: Reques
         );
     };
     let (mut parts, body) = request.into_parts();
+    // The console routes afresh: this router's path parameters (name, rest) would otherwise
+    // reach its `Path` extractors (`/api/v1/events/{id}` answered 500).
+    parts.extensions = axum::http::Extensions::new();
     let query = parts
         .uri
         .query()

@@ -98,7 +98,8 @@ pub async fn run(
     drain: bool,
     metrics: PrometheusHandle,
 ) -> anyhow::Result<ExitCode> {
-    let (http_addr, _token) = config.http_settings()?;
+    let (http_addr, token) = config.http_settings()?;
+    let hosts = crate::http::AllowedHosts::new(config.allowed_host_names()?);
     // One backstop for the process, by the longest shutdown_timeout of its outboxes.
     let shutdown_timeout = outboxes
         .iter()
@@ -116,7 +117,8 @@ pub async fn run(
     let http = match http_addr {
         Some(addr) => {
             let (bound, task) =
-                crate::http::serve_outboxes(addr, slots.clone(), metrics.clone()).await?;
+                crate::http::serve_outboxes(addr, slots.clone(), metrics.clone(), token, hosts)
+                    .await?;
             tracing::info!(
                 addr = %bound,
                 outboxes = %slots.iter().map(|s| s.name.as_str()).collect::<Vec<_>>().join(","),

@@ -115,7 +115,7 @@ impl World {
             .map(|t| vec![("OUTBOX_RELAY_ADMIN_TOKEN", t)])
             .unwrap_or_default();
         let relay = RelayProcess::spawn(dir.path(), "console-relay", &args, &env);
-        let api = Admin::new(&http_addr(&relay).await);
+        let api = Admin::with_token(&http_addr(&relay).await, token);
         let world = World {
             _dir: dir,
             database_url,
@@ -566,6 +566,17 @@ async fn the_dashboard_shows_the_api_figures_and_retries_from_the_page() {
     let shots = screenshots();
     let browser = webdriver::Browser::start().await;
     browser.goto(&w.api.base).await;
+    // The API answers nothing without the token: the page asks for it, and uses it once typed.
+    let asked = "return [document.getElementById('token-state').textContent, \
+                 document.activeElement.id];";
+    eventually("the page to ask for the token", PATIENCE, || async {
+        let asked = browser.execute(asked, json!([])).await;
+        (asked == json!(["token needed", "token"])).then_some(())
+    })
+    .await;
+    let field = browser.wait_for(&shots, "#token").await;
+    browser.type_into(&field, TOKEN).await;
+    browser.click(&shots, "#token-save").await;
     browser
         .wait_for(&shots, "#destinations tbody tr[data-destination]")
         .await;
@@ -650,22 +661,13 @@ async fn the_dashboard_shows_the_api_figures_and_retries_from_the_page() {
     assert!(detail[1].as_str().unwrap().contains("no JetStream stream"));
     browser.screenshot(&shots.join("2-dead-letter.png")).await;
 
-    // Retrying without a token says what to do; then the token, typed once, is used.
+    // The token typed once is used for changes too.
     let stream = w.open_late_stream().await;
     let retry_css = format!(
         "#dead-letters tr[data-id='{}'] button[data-action='retry']",
         w.late[0].seq
     );
-    browser.click(&shots, &retry_css).await;
     let message = "return document.getElementById('message').textContent;";
-    eventually("the page to ask for the token", PATIENCE, || async {
-        let m = browser.execute(message, json!([])).await;
-        m.as_str()?.contains("admin token").then_some(())
-    })
-    .await;
-    let field = browser.wait_for(&shots, "#token").await;
-    browser.type_into(&field, TOKEN).await;
-    browser.click(&shots, "#token-save").await;
     browser.click(&shots, &retry_css).await;
     eventually("the page to report the retry", PATIENCE, || async {
         let m = browser.execute(message, json!([])).await;
@@ -839,4 +841,276 @@ async fn concurrent_status_requests_share_one_store_read() {
     assert_ne!(fresh["backlog"]["as_of"], shared.as_str());
     assert_eq!(fresh["destinations"][0]["destination"], "later");
     assert!(relay_process.terminate().await.success());
+}
+
+// ---- The operator surface, safe to expose ----
+
+/// A zero-config relay (SQLite, stdout) holding one event, its HTTP server on a free
+/// loopback port, with the admin token and `args` added.
+async fn relay_with_token(dir: &Path, args: &[&str]) -> (RelayProcess, String) {
+    outbox_testkit::install_crypto();
+    let sent = relay(dir, &["send", "--destination", "orders", r#"{"n": 1}"#]);
+    assert!(sent.status.success(), "{}", text(&sent.stderr));
+    let mut all = vec![
+        "run",
+        "--http-addr",
+        "127.0.0.1:0",
+        "--log-format",
+        "json",
+        "--retain-delivered",
+    ];
+    all.extend_from_slice(args);
+    let process = RelayProcess::spawn(
+        dir,
+        "token-relay",
+        &all,
+        &[("OUTBOX_RELAY_ADMIN_TOKEN", TOKEN)],
+    );
+    let addr = http_addr(&process).await;
+    (process, addr)
+}
+
+/// A request of `method` for `path` with a `Host` and more header lines, that closes.
+fn request(method: &str, path: &str, host: &str, headers: &str) -> String {
+    format!("{method} {path} HTTP/1.1\r\nHost: {host}\r\n{headers}Connection: close\r\n\r\n")
+}
+
+/// With a token configured, every API call needs it (reads show payloads); the probes and
+/// the dashboard's files do not.
+#[tokio::test]
+async fn with_a_token_every_api_call_needs_it_but_not_the_probes_or_the_page() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut process, addr) = relay_with_token(dir.path(), &[]).await;
+    let api = Admin::new(&addr);
+    let with_token = format!("Bearer {TOKEN}");
+    for path in [
+        "/api/v1/status",
+        "/api/v1/history",
+        "/api/v1/dead-letters",
+        "/api/v1/events/1",
+        "/api/v1/nothing",
+    ] {
+        for refused in [
+            None,
+            Some("Bearer console-test-token-0123456780"),
+            Some(TOKEN),
+        ] {
+            let (code, body) = api.get_authorized(path, refused).await;
+            assert_eq!(code, 401, "{path} with {refused:?}: {body}");
+            let m = body["error"].as_str().unwrap_or_default();
+            assert!(m.contains("Authorization: Bearer"), "{path}: {m}");
+        }
+        let (code, body) = api.get_authorized(path, Some(&with_token)).await;
+        assert_ne!(code, 401, "{path}: {body}");
+    }
+    let (code, e) = api
+        .get_authorized("/api/v1/events/1", Some(&with_token))
+        .await;
+    assert_eq!((code, &e["payload"]), (200, &json!({"n": 1})), "{e}");
+    let (code, body) = api
+        .post("/api/v1/dead-letters/retry", r#"{"all": true}"#, None)
+        .await;
+    assert_eq!(code, 401, "{body}");
+    support::readyz(&process, &addr, 200, "ready", PATIENCE).await;
+    for path in [
+        "/healthz",
+        "/metrics",
+        "/",
+        "/assets/app.js",
+        "/assets/app.css",
+    ] {
+        let (code, body) = api.get_text(path).await;
+        assert_eq!(code, 200, "{path}: {body}");
+    }
+    assert!(process.terminate().await.success());
+}
+
+/// `Authorization: bearer ...` is `Bearer`: the scheme's case does not matter (RFC 6750).
+#[tokio::test]
+async fn the_bearer_scheme_is_matched_in_any_case() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut process, addr) = relay_with_token(dir.path(), &[]).await;
+    let api = Admin::new(&addr);
+    for scheme in ["bearer", "BEARER", "beaRer"] {
+        let (code, body) = api
+            .get_authorized("/api/v1/history", Some(&format!("{scheme} {TOKEN}")))
+            .await;
+        assert_eq!(code, 200, "{scheme}: {body}");
+    }
+    assert!(process.terminate().await.success());
+}
+
+/// The token is checked before any body is read: a 3 MB POST without it is refused as such
+/// (401), not for its size; with it, a body announced over 64 KiB is refused unread.
+#[tokio::test]
+async fn a_refused_request_is_answered_before_its_body_is_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut process, addr) = relay_with_token(dir.path(), &[]).await;
+    let retry = "/api/v1/dead-letters/retry";
+    // Only the head is sent: a server that waited for the body would not answer.
+    let big = "Content-Type: application/json\r\nContent-Length: 3000000\r\n";
+    for authorization in [
+        "",
+        "Authorization: Bearer console-test-token-0123456780\r\n",
+    ] {
+        let head = request("POST", retry, &addr, &format!("{authorization}{big}"));
+        let (code, body) = support::http_exchange(&addr, &head).await;
+        assert_eq!(code, 401, "{authorization:?}: {body}");
+    }
+    let authorized = format!("Authorization: Bearer {TOKEN}\r\n");
+    let head = request("POST", retry, &addr, &format!("{authorized}{big}"));
+    let (code, body) = support::http_exchange(&addr, &head).await;
+    assert_eq!(code, 413, "{body}");
+    assert!(body.contains("64 KiB"), "{body}");
+    // A small one is read.
+    let json = r#"{"all": true}"#;
+    let head = request(
+        "POST",
+        retry,
+        &addr,
+        &format!(
+            "{authorized}Content-Type: application/json\r\nContent-Length: {}\r\n",
+            json.len()
+        ),
+    );
+    let (code, body) = support::http_exchange(&addr, &format!("{head}{json}")).await;
+    assert_eq!(code, 200, "{body}");
+    assert!(process.terminate().await.success());
+}
+
+/// DNS rebinding: a page whose name resolves to the relay's address reaches it with its own
+/// name as `Host`. Only IP addresses, localhost and the names in `allowed_hosts` are
+/// answered (the probes excepted).
+#[tokio::test]
+async fn hosts_other_than_addresses_localhost_and_allowed_names_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut process, addr) = relay_with_token(
+        dir.path(),
+        &["--allowed-hosts", "relay.internal,Other.Example"],
+    )
+    .await;
+    let authorized = format!("Authorization: Bearer {TOKEN}\r\n");
+    let ask = |path: &str, host: &str| {
+        let head = request("GET", path, host, &authorized);
+        let addr = addr.clone();
+        async move { support::http_exchange(&addr, &head).await }
+    };
+    for host in [
+        "evil.example",
+        "evil.example:2259",
+        "relay.internal.evil.example",
+        "localhost.evil.example",
+    ] {
+        for path in ["/api/v1/status", "/", "/assets/app.js"] {
+            let (code, body) = ask(path, host).await;
+            assert_eq!(code, 421, "{host}{path}: {body}");
+            assert!(
+                body.contains("allowed_hosts") && body.contains("OUTBOX_RELAY_ALLOWED_HOSTS"),
+                "{body}"
+            );
+        }
+        for path in ["/healthz", "/metrics"] {
+            assert_eq!(ask(path, host).await.0, 200, "{host}{path}");
+        }
+    }
+    for host in [
+        addr.as_str(),
+        "127.0.0.1",
+        "[::1]:2259",
+        "localhost",
+        "LocalHost:8080",
+        "relay.internal",
+        "RELAY.internal:443",
+        "other.example",
+    ] {
+        let (code, body) = ask("/api/v1/status", host).await;
+        assert_eq!(code, 200, "{host}: {body}");
+    }
+    assert!(process.terminate().await.success());
+}
+
+/// Slowloris: a client that never finishes its headers is closed, and so is one that keeps an
+/// idle connection open after its answer.
+#[tokio::test]
+async fn slow_and_idle_connections_are_closed() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir().unwrap();
+    let (mut process, addr) = relay_with_token(dir.path(), &[]).await;
+    let closed = |mut stream: tokio::net::TcpStream| async move {
+        let mut rest = Vec::new();
+        // Generous: the server's own bound is far shorter; this only keeps a failure finite.
+        tokio::time::timeout(Duration::from_secs(90), stream.read_to_end(&mut rest))
+            .await
+            .map(|_| String::from_utf8_lossy(&rest).into_owned())
+    };
+    let mut slow = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    slow.write_all(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        .await
+        .unwrap();
+    let mut idle = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    idle.write_all(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        .await
+        .unwrap();
+    let (slow, idle) = tokio::join!(closed(slow), closed(idle));
+    assert!(
+        slow.is_ok(),
+        "a client that never finished its headers is still connected"
+    );
+    let idle = idle.expect("an idle keep-alive connection is still open");
+    assert!(
+        idle.starts_with("HTTP/1.1 200") && idle.ends_with("ok\n"),
+        "{idle:?}"
+    );
+    assert!(process.terminate().await.success());
+}
+
+/// At most 256 connections are served at once: one more waits until another closes, while
+/// the connected clients keep being answered.
+#[tokio::test]
+async fn a_connection_beyond_the_cap_waits_until_another_closes() {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+    const CAP: usize = 256; // outbox-relay's http::MAX_CONNECTIONS
+    let dir = tempfile::tempdir().unwrap();
+    let (mut process, addr) = relay_with_token(dir.path(), &[]).await;
+    let healthz = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
+    // One answer of /healthz on a kept-alive connection: its head, then "ok\n".
+    async fn answer(stream: &mut BufReader<tokio::net::TcpStream>) -> String {
+        let mut head = String::new();
+        loop {
+            let mut line = String::new();
+            assert!(
+                stream.read_line(&mut line).await.unwrap() > 0,
+                "closed: {head}"
+            );
+            head.push_str(&line);
+            if line == "\r\n" {
+                break;
+            }
+        }
+        let mut body = [0u8; 3];
+        stream.read_exact(&mut body).await.unwrap();
+        head + std::str::from_utf8(&body).unwrap()
+    }
+    let mut served = Vec::new();
+    for _ in 0..CAP {
+        let mut stream = BufReader::new(tokio::net::TcpStream::connect(&addr).await.unwrap());
+        stream.get_mut().write_all(healthz).await.unwrap();
+        assert!(answer(&mut stream).await.starts_with("HTTP/1.1 200"));
+        served.push(stream);
+    }
+    // The kernel accepts the connection; the relay does not serve it while the cap is full.
+    let mut extra = BufReader::new(tokio::net::TcpStream::connect(&addr).await.unwrap());
+    extra.get_mut().write_all(healthz).await.unwrap();
+    let first = &mut served[0];
+    first.get_mut().write_all(healthz).await.unwrap();
+    assert!(answer(first).await.starts_with("HTTP/1.1 200"));
+    let waited = tokio::time::timeout(Duration::from_secs(1), answer(&mut extra)).await;
+    assert!(waited.is_err(), "served beyond the cap: {waited:?}");
+    drop(served.pop());
+    let late = tokio::time::timeout(PATIENCE, answer(&mut extra))
+        .await
+        .expect("the waiting connection served once another closed");
+    assert!(late.starts_with("HTTP/1.1 200"), "{late}");
+    drop(served);
+    assert!(process.terminate().await.success());
 }

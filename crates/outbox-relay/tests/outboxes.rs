@@ -503,3 +503,105 @@ sink = "file:local.jsonl"
     let status = one.wait_exit_within(Duration::from_secs(30)).await;
     assert!(status.success(), "{status:?}\n{}", one.logs());
 }
+
+/// The shared server guards like one outbox's: with the process's admin token, the index of
+/// outboxes and each outbox's API answer only with it (before reading any body), while the
+/// probes and pages do not need it; and only IP addresses, localhost and `allowed_hosts`
+/// (here from the file) are answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shared_server_needs_the_token_for_every_api_call_and_a_known_host() {
+    outbox_testkit::install_crypto();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let token = "outboxes-test-token-0123456789";
+    std::fs::write(
+        d.join("outbox-relay.toml"),
+        r#"
+http_addr = "127.0.0.1:0"
+log_format = "json"
+allowed_hosts = ["relay.internal"]
+
+[[outboxes]]
+name = "orders"
+database_url = "sqlite:orders.db"
+sink = "file:orders.jsonl"
+
+[[outboxes]]
+name = "billing"
+database_url = "sqlite:billing.db"
+sink = "file:billing.jsonl"
+"#,
+    )
+    .unwrap();
+    let migrated = relay(d, &["migrate"]);
+    assert!(migrated.status.success(), "{}", text(&migrated.stderr));
+    let mut process =
+        RelayProcess::spawn(d, "relay", &["run"], &[("OUTBOX_RELAY_ADMIN_TOKEN", token)]);
+    let addr = http_addr(&process).await;
+    support::readyz(&process, &addr, 200, "ready", Duration::from_secs(30)).await;
+    let ask = |method: &str, path: &str, host: &str, headers: &str| {
+        let head = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {host}\r\n{headers}Connection: close\r\n\r\n"
+        );
+        let addr = addr.clone();
+        async move { support::http_exchange(&addr, &head).await }
+    };
+    let bearer = format!("Authorization: bearer {token}\r\n");
+    let api = [
+        "/api/v1/outboxes",
+        "/outboxes/orders/api/v1/status",
+        "/outboxes/billing/api/v1/dead-letters",
+        "/outboxes/billing/api/v1/events/1",
+        // Decoded on the way to the outbox: still the API.
+        "/outboxes/orders/%61pi/v1/status",
+    ];
+    for path in api {
+        let (code, body) = ask("GET", path, &addr, "").await;
+        assert_eq!(code, 401, "{path}: {body}");
+        let (code, body) = ask("GET", path, &addr, &bearer).await;
+        assert!(code == 200 || code == 404, "{path}: {code} {body}");
+    }
+    let (code, list) = ask("GET", "/api/v1/outboxes", &addr, &bearer).await;
+    assert_eq!(code, 200);
+    assert!(list.contains("\"billing\""), "{list}");
+    let big = "Content-Type: application/json\r\nContent-Length: 3000000\r\n";
+    let (code, body) = ask(
+        "POST",
+        "/outboxes/orders/api/v1/dead-letters/retry",
+        &addr,
+        big,
+    )
+    .await;
+    assert_eq!(code, 401, "{body}");
+    for path in [
+        "/healthz",
+        "/readyz",
+        "/metrics",
+        "/",
+        "/assets/app.css",
+        "/outboxes/orders/",
+        "/outboxes/orders/assets/app.js",
+    ] {
+        let (code, body) = ask("GET", path, &addr, "").await;
+        assert_eq!(code, 200, "{path}: {body}");
+    }
+
+    for host in ["evil.example", "evil.example:80"] {
+        for path in [
+            "/",
+            "/api/v1/outboxes",
+            "/outboxes/orders/",
+            "/outboxes/orders/api/v1/status",
+        ] {
+            let (code, body) = ask("GET", path, host, &bearer).await;
+            assert_eq!(code, 421, "{host}{path}: {body}");
+            assert!(body.contains("allowed_hosts"), "{body}");
+        }
+        assert_eq!(ask("GET", "/metrics", host, "").await.0, 200);
+    }
+    for host in ["relay.internal:2259", "localhost", "127.0.0.1"] {
+        let (code, body) = ask("GET", "/outboxes/billing/api/v1/status", host, &bearer).await;
+        assert_eq!(code, 200, "{host}: {body}");
+    }
+    assert!(process.terminate().await.success(), "{}", process.logs());
+}

@@ -284,6 +284,8 @@ fn the_debian_package_installs_a_hardened_unit_and_purges_cleanly() {
         "NoNewPrivileges=yes",
         "Restart=on-failure",
         "EnvironmentFile=-/etc/outbox-relay/outbox-relay.env",
+        // Room for up to 256 HTTP clients beside the database and broker connections.
+        "LimitNOFILE=65536",
     ] {
         assert!(unit_text.contains(setting), "{setting} missing");
     }

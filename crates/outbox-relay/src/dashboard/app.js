@@ -41,8 +41,12 @@ function rate(value) {
 }
 
 async function api(path, options) {
+  // With a token configured, the relay answers every call only with it.
+  const t = token();
+  const opts = Object.assign({}, options);
+  if (t) opts.headers = Object.assign({}, opts.headers, { Authorization: "Bearer " + t });
   // Relative to the page's <base>: `/` alone, `/outboxes/NAME/` among several outboxes.
-  const response = await fetch(path.replace(/^\//, ""), options);
+  const response = await fetch(path.replace(/^\//, ""), opts);
   let body = null;
   try { body = await response.json(); } catch (_) { body = null; }
   if (!response.ok) {
@@ -63,12 +67,34 @@ function showTokenState(configured) {
     : (t ? "token set" : "no token");
 }
 
+// The relay answered 401: it shows nothing without the token. Ask once per refusal, not on
+// every poll (the focus would jump while the operator types).
+let asked = false;
+function askForToken() {
+  const refused = token() !== "";
+  const text = refused
+    ? "The relay refused this admin token: enter the right one (top right)."
+    : "This relay needs its admin token to show anything: enter it (top right).";
+  $("live").textContent = text;
+  $("live").classList.add("stale");
+  $("token-state").textContent = refused ? "token refused" : "token needed";
+  $("token").placeholder = "needed to read and change";
+  if (!asked) {
+    asked = true;
+    message(text, false);
+    $("token").focus();
+  }
+}
+
 $("token-form").addEventListener("submit", (e) => {
   e.preventDefault();
   const value = $("token").value.trim();
   if (value) sessionStorage.setItem(TOKEN_KEY, value);
   $("token").value = "";
   showTokenState();
+  asked = false;
+  message("", true);
+  refresh();
 });
 $("token-forget").addEventListener("click", () => {
   sessionStorage.removeItem(TOKEN_KEY);
@@ -250,7 +276,7 @@ async function mutate(path, body) {
   try {
     const r = await api(path, {
       method: "POST",
-      headers: { "Content-Type": "application/json", Authorization: "Bearer " + t },
+      headers: { "Content-Type": "application/json" },
       body: JSON.stringify(body),
     });
     message(r.message, true);
@@ -357,8 +383,12 @@ async function refresh() {
     $("live").classList.remove("stale");
     document.body.dataset.updated = String(Date.now());
   } catch (e) {
-    $("live").textContent = "cannot reach the relay: " + e.message;
-    $("live").classList.add("stale");
+    if (e.status === 401) {
+      askForToken();
+    } else {
+      $("live").textContent = "cannot reach the relay: " + e.message;
+      $("live").classList.add("stale");
+    }
   } finally {
     busy = false;
   }

@@ -5,6 +5,8 @@ use serde_json::Value;
 pub struct Admin {
     http: reqwest::Client,
     pub base: String,
+    /// Sent with every read (`post` takes its own).
+    token: Option<String>,
 }
 
 /// A reply: the status and the body as JSON (`Value::Null` when it is not JSON).
@@ -16,6 +18,23 @@ impl Admin {
         Admin {
             http: reqwest::Client::new(),
             base: format!("http://{addr}"),
+            token: None,
+        }
+    }
+
+    /// The same, reading with the admin token.
+    pub fn with_token(addr: &str, token: Option<&str>) -> Admin {
+        Admin {
+            token: token.map(String::from),
+            ..Admin::new(addr)
+        }
+    }
+
+    fn read(&self, path: &str) -> reqwest::RequestBuilder {
+        let request = self.http.get(format!("{}{path}", self.base));
+        match &self.token {
+            Some(token) => request.header("authorization", format!("Bearer {token}")),
+            None => request,
         }
     }
 
@@ -30,18 +49,21 @@ impl Admin {
     }
 
     pub async fn get(&self, path: &str) -> Reply {
-        self.send(self.http.get(format!("{}{path}", self.base)))
-            .await
+        self.send(self.read(path)).await
+    }
+
+    /// `GET path` with exactly this `Authorization` header (none with `None`).
+    pub async fn get_authorized(&self, path: &str, authorization: Option<&str>) -> Reply {
+        let mut request = self.http.get(format!("{}{path}", self.base));
+        if let Some(value) = authorization {
+            request = request.header("authorization", value);
+        }
+        self.send(request).await
     }
 
     /// The body as text, whatever it is.
     pub async fn get_text(&self, path: &str) -> (u16, String) {
-        let response = self
-            .http
-            .get(format!("{}{path}", self.base))
-            .send()
-            .await
-            .expect("the relay answers");
+        let response = self.read(path).send().await.expect("the relay answers");
         let status = response.status().as_u16();
         (status, response.text().await.expect("a body"))
     }
