@@ -1197,6 +1197,70 @@ async fn an_undecodable_event_behind_a_retrying_head_is_dead_lettered_not_droppe
     w.assert_empty(&relay.logs()).await;
 }
 
+#[tokio::test]
+async fn poison_messages_are_dead_lettered_and_hold_no_key_back() {
+    let (_nats, deliveries, proxy, broker_url) = nats_behind_a_proxy().await;
+    let w = WalDb::new().await;
+    let args = w.run_args(&broker_url, &RETRY_AN_OUTAGE);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut relay = RelayProcess::spawn(w.dir.path(), "relay", &args, &[]);
+    relay
+        .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
+        .await;
+    let handle = proxy.handle();
+    handle.cut();
+    // A NUL byte, no JSON at all: its dead letter was refused as jsonb, and retried for good.
+    w.db.execute(
+        "SELECT pg_logical_emit_message(true, 'outbox', '\\x00'::bytea)",
+        &[],
+    )
+    .await
+    .unwrap();
+    // Valid JSON holding \u0000, which jsonb refuses, and a sink that fails once: it could
+    // not be parked, and every later claim failed on that park first.
+    let nul = r#"{"destination": "orders", "key": "nul", "type": "T", "payload": {"a": "\u0000"}}"#;
+    w.db.execute(
+        "SELECT pg_logical_emit_message(true, 'outbox', $1::text)",
+        &[&nul],
+    )
+    .await
+    .unwrap();
+    let dead = "SELECT count(*) FROM outbox_dead_letters";
+    eventually_explained(
+        "both dead-lettered",
+        Duration::from_secs(60),
+        || relay.logs(),
+        || async { (query_count(&w.db, dead, &[]).await.ok() == Some(2)).then_some(()) },
+    )
+    .await;
+    handle.heal();
+    emit(&w.db, "nul", 1).await;
+    insert(&w.db, "other", 2).await;
+    eventually_explained(
+        "the keys' next events delivered",
+        Duration::from_secs(60),
+        || relay.logs(),
+        || {
+            let keys: HashSet<String> = deliveries.snapshot().into_iter().map(|d| d.key).collect();
+            let done = keys.contains("nul") && keys.contains("other");
+            async move { done.then_some(()) }
+        },
+    )
+    .await;
+    // The event is kept whole: its payload as its JSON text, in a string.
+    let kept: Value =
+        w.db.query_one(
+            "SELECT payload FROM outbox_dead_letters WHERE partition_key = 'nul'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(kept, Value::String(r#"{"a": "\u0000"}"#.into()));
+    let status = relay.terminate().await;
+    assert!(status.success(), "{status:?}");
+}
+
 // ---- 7. Standby takeover ----
 
 #[tokio::test]

@@ -591,10 +591,15 @@ impl Inner {
             for park in &parks {
                 if let Some(Held::Wal(held)) = state.held.get(&park.id) {
                     match &held.body {
-                        Body::Event(event) => {
-                            columns.push(event);
-                            columns.parking.push(park);
-                        }
+                        Body::Event(event) => match unstorable(event) {
+                            // The parked copy is what would be delivered: it cannot be one
+                            // that differs, so the event goes to the dead letters instead.
+                            Some(what) => dead.push_event(park.id, event, what),
+                            None => {
+                                columns.push(event);
+                                columns.parking.push(park);
+                            }
+                        },
                         Body::Undecodable(u) => dead.push(park.id, held.position, u),
                     }
                     rows.extend(held.row);
@@ -618,7 +623,7 @@ impl Inner {
         if result.is_ok() && !dead.ids.is_empty() {
             tracing::warn!(
                 ids = ?dead.ids,
-                "undecodable events behind a waiting key were dead-lettered: `outbox-relay dead list` shows them with the reason"
+                "events that could not be parked (undecodable, or holding what PostgreSQL cannot store) were dead-lettered: `outbox-relay dead list` shows them with the reason"
             );
             for destination in &dead.columns.destinations {
                 self.dead_letters.add(destination, 1);
@@ -1392,6 +1397,18 @@ impl DeadColumns {
         self.errors.push(u.reason.clone());
     }
 
+    /// An event that cannot be parked as it is, because of `what`.
+    fn push_event(&mut self, id: SequenceId, event: &Event, what: &str) {
+        self.ids.push(id);
+        self.columns.push(event);
+        self.attempts.push(0);
+        self.errors.push(format!(
+            "{what}, which PostgreSQL cannot store: it could not wait in the parked table, so it \
+             was dead-lettered, NULs shown as \\0 in text and a payload or headers holding \\u0000 \
+             kept as their JSON text in a string"
+        ));
+    }
+
     fn params(&self) -> Vec<&(dyn ToSql + Sync)> {
         self.columns
             .params(&[&self.ids], &[&self.attempts, &self.errors])
@@ -1452,15 +1469,20 @@ impl EventColumns {
         [before, &columns, after].concat()
     }
 
+    /// An event's columns, made storable: what PostgreSQL refuses ([`unstorable`]) is made
+    /// visible instead (only dead letters get such an event; parks check first).
     fn push(&mut self, event: &Event) {
         self.event_ids.push(event.event_id);
-        self.destinations.push(event.destination.clone());
-        self.keys.push(event.partition_key.clone());
-        self.types.push(event.event_type.clone());
-        self.payloads.push(payload_json(&event.payload));
-        self.headers
-            .push(serde_json::to_string(&event.headers).unwrap_or_else(|_| "{}".into()));
-        self.mutations.push(event.mutation_id.clone());
+        self.destinations.push(visible_nul(&event.destination));
+        self.keys
+            .push(event.partition_key.as_deref().map(visible_nul));
+        self.types.push(visible_nul(&event.event_type));
+        self.payloads
+            .push(payload_json(&event.payload).map(|p| storable_json(&p)));
+        let headers = serde_json::to_string(&event.headers).unwrap_or_else(|_| "{}".into());
+        self.headers.push(storable_json(&headers));
+        self.mutations
+            .push(event.mutation_id.as_deref().map(visible_nul));
         self.created.push(event.created_at);
     }
 
@@ -1468,14 +1490,68 @@ impl EventColumns {
         self.event_ids
             .push(u.event_id.unwrap_or_else(|| position.derived_event_id()));
         self.destinations
-            .push(u.destination.clone().unwrap_or_default());
-        self.keys.push(u.partition_key.clone());
+            .push(visible_nul(u.destination.as_deref().unwrap_or_default()));
+        self.keys.push(u.partition_key.as_deref().map(visible_nul));
         self.types.push("(undecodable)".into());
-        self.payloads.push(serde_json::to_string(&u.raw).ok());
+        // A message's bytes as (lossy) text: NULs shown, as jsonb stores no \u0000.
+        self.payloads
+            .push(serde_json::to_string(&visible_nul(&u.raw)).ok());
         self.headers.push("{}".into());
         self.mutations.push(None);
         self.created.push(SystemTime::now());
     }
+}
+
+/// What of `event` PostgreSQL cannot store as it is: a NUL byte in a text column, or
+/// `\u0000` in JSON (jsonb refuses it).
+fn unstorable(event: &Event) -> Option<&'static str> {
+    let text = [
+        Some(event.destination.as_str()),
+        event.partition_key.as_deref(),
+        Some(event.event_type.as_str()),
+        event.mutation_id.as_deref(),
+    ];
+    if text.into_iter().flatten().any(|t| t.contains('\0')) {
+        return Some("a NUL byte in its destination, key, type or mutation id");
+    }
+    if payload_json(&event.payload).is_some_and(|p| holds_nul_escape(&p)) {
+        return Some("\\u0000 in its payload");
+    }
+    let headers = serde_json::to_string(&event.headers).unwrap_or_default();
+    holds_nul_escape(&headers).then_some("\\u0000 in its headers")
+}
+
+/// `text` with each NUL shown as `\0`.
+fn visible_nul(text: &str) -> String {
+    text.replace('\0', "\\0")
+}
+
+/// JSON text jsonb accepts: as it is, or (holding `\u0000`) as a JSON string of itself.
+fn storable_json(json: &str) -> String {
+    if holds_nul_escape(json) {
+        serde_json::to_string(json).unwrap_or_else(|_| "null".into())
+    } else {
+        json.to_string()
+    }
+}
+
+/// Whether JSON text holds the escape `\u0000` (an escaped backslash followed by `u0000`
+/// is no such escape).
+fn holds_nul_escape(json: &str) -> bool {
+    let bytes = json.as_bytes();
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'\\' {
+            if bytes[i + 1..].starts_with(b"u0000") {
+                return true;
+            }
+            // Skip the escaped character (a backslash among them).
+            i += 2;
+        } else {
+            i += 1;
+        }
+    }
+    false
 }
 
 /// A payload as JSON text for a jsonb column (bytes as a JSON string).
@@ -2028,5 +2104,52 @@ impl std::fmt::Debug for WalStore {
         f.debug_struct("WalStore")
             .field("slot", &self.inner.slot)
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_an_unescaped_u0000_is_the_escape_jsonb_refuses() {
+        assert!(holds_nul_escape(r#"{"a":"\u0000"}"#));
+        assert!(
+            holds_nul_escape(r#"["x\\\u0000"]"#),
+            "an escaped backslash, then the escape"
+        );
+        assert!(
+            !holds_nul_escape(r#"{"a":"\\u0000"}"#),
+            "a backslash, then text"
+        );
+        assert!(!holds_nul_escape(r#"{"a":"\u0001"}"#));
+        assert!(!holds_nul_escape(r#"{"a":"ends with a backslash\"#));
+    }
+
+    #[test]
+    fn json_jsonb_refuses_is_kept_as_a_string_of_itself() {
+        let json = r#"{"a":"\u0000"}"#;
+        let stored = storable_json(json);
+        assert!(!holds_nul_escape(&stored), "{stored}");
+        let back: String = serde_json::from_str(&stored).unwrap();
+        assert_eq!(back, json, "the text is kept whole");
+        assert_eq!(storable_json(r#"{"a":1}"#), r#"{"a":1}"#);
+    }
+
+    #[test]
+    fn an_event_with_a_nul_anywhere_cannot_be_parked() {
+        let event = |destination: &str, payload: &str| {
+            let payload = serde_json::value::RawValue::from_string(payload.into()).unwrap();
+            Event::new(
+                1,
+                uuid::Uuid::nil(),
+                destination,
+                "T",
+                Payload::Json(payload.into()),
+            )
+        };
+        assert_eq!(unstorable(&event("orders", "{}")), None);
+        assert!(unstorable(&event("ord\0ers", "{}")).is_some());
+        assert!(unstorable(&event("orders", r#"{"a":"\u0000"}"#)).is_some());
     }
 }
