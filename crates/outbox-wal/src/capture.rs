@@ -2145,7 +2145,7 @@ mod tests {
                 uuid::Uuid::nil(),
                 destination,
                 "T",
-                Payload::Json(payload.into()),
+                Payload::Json(payload),
             )
         };
         assert_eq!(unstorable(&event("orders", "{}")), None);
