@@ -1261,6 +1261,91 @@ async fn poison_messages_are_dead_lettered_and_hold_no_key_back() {
     assert!(status.success(), "{status:?}");
 }
 
+#[tokio::test]
+async fn a_publication_that_stops_publishing_inserts_is_named_and_loses_no_row() {
+    let w = WalDb::new().await;
+    let out = w.path("events.jsonl");
+    let mut relay = w.spawn("relay", &out, &[]);
+    relay
+        .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
+        .await;
+    insert(&w.db, "k", 0).await;
+    wait_for_lines("the first event", &out, Duration::from_secs(60), |n| n >= 1).await;
+    // A DBA's change: pgoutput then sends no INSERT, and keepalives move the slot past them.
+    w.db.batch_execute("ALTER PUBLICATION outbox_relay SET (publish = 'update, delete')")
+        .await
+        .unwrap();
+    for n in 1..4 {
+        insert(&w.db, "k", n).await;
+    }
+    relay
+        .wait_for_log(
+            "the relay naming the publication",
+            Duration::from_secs(60),
+            "publishes no INSERTs",
+        )
+        .await;
+    let check = relay_check(&w);
+    assert_eq!(check.0, Some(1), "{}", check.1);
+    assert!(check.1.contains("publishes no INSERTs"), "{}", check.1);
+    w.db.batch_execute("ALTER PUBLICATION outbox_relay SET (publish = 'insert')")
+        .await
+        .unwrap();
+    insert(&w.db, "k", 4).await;
+    wait_for_lines("every event", &out, Duration::from_secs(60), |n| n >= 5).await;
+    let order = counters_by_key(&read_lines(&out));
+    assert_eq!(order["k"], vec![0, 1, 2, 3, 4], "{order:?}");
+    let status = relay.terminate().await;
+    assert!(status.success(), "{status:?}");
+    w.assert_empty(&relay.logs()).await;
+}
+
+#[tokio::test]
+async fn a_publication_made_again_after_the_slot_is_named_with_the_way_out() {
+    let w = WalDb::new().await;
+    let out = w.path("events.jsonl");
+    assert_success("the first drain", &w.drain(&out));
+    // Decoding reads the publication as of each change: for the WAL between the drop and
+    // the new one it does not exist, however long the relay retries.
+    w.db.batch_execute(
+        "DROP PUBLICATION outbox_relay;
+         INSERT INTO outbox (destination, partition_key, event_type, payload)
+           VALUES ('orders', 'k', 'Between', '{\"n\": 0}');
+         CREATE PUBLICATION outbox_relay FOR TABLE outbox WITH (publish = 'insert');",
+    )
+    .await
+    .unwrap();
+    insert(&w.db, "k", 1).await;
+    let sink = format!("file:{}", out.display());
+    let quick = ["--drain", "--lease", "5s", "--publish-timeout", "2s"];
+    let args = w.run_args(&sink, &quick);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let stuck = relay(w.dir.path(), &args);
+    let err = text(&stuck.stderr);
+    assert_eq!(stuck.status.code(), Some(1), "{err}");
+    assert!(err.contains("dropped and made again"), "{err}");
+    assert!(err.contains("drop-slot"), "{err}");
+    let dropped = relay(
+        w.dir.path(),
+        &[&["drop-slot"][..], &capture_flags(&w.url, &w.slot)].concat(),
+    );
+    assert_success("drop-slot", &dropped);
+    assert_success("the drain after the way out", &w.drain(&out));
+    let order = counters_by_key(&read_lines(&out));
+    assert_eq!(order["k"], vec![0, 1], "{order:?}");
+    w.assert_empty("").await;
+}
+
+/// `check --capture wal` on `w`: its exit code and what it printed.
+fn relay_check(w: &WalDb) -> (Option<i32>, String) {
+    let check = relay(
+        w.dir.path(),
+        &[&["check"][..], &capture_flags(&w.url, &w.slot)].concat(),
+    );
+    let report = format!("{}{}", text(&check.stdout), text(&check.stderr));
+    (check.status.code(), report)
+}
+
 // ---- 7. Standby takeover ----
 
 #[tokio::test]

@@ -292,6 +292,8 @@ impl WalStore {
             count: Default::default(),
         });
         let reader = Reader {
+            tables: tables.clone(),
+            publication: options.publication.clone(),
             dead_letters: dead_letters.clone(),
             config: options.wal.clone(),
             main: main.clone(),
@@ -1151,20 +1153,7 @@ pub async fn verify_capture(
             ),
         ));
     }
-    let name = publication.as_str();
-    let published: bool = main
-        .query_rows("publication", &sql.publication, &[&name])
-        .await?[0]
-        .get(0);
-    if !published {
-        problems.push(Problem::blocking(
-            format!(
-                "the publication {name:?} of {} does not exist",
-                tables.outbox
-            ),
-            "run `outbox-relay migrate --capture wal` (or apply `migrate --capture wal --print`)",
-        ));
-    }
+    problems.extend(publication_problems(main, &sql, &tables, publication).await?);
     let parked = main.with_tables(Tables {
         outbox: tables.parked.clone(),
         ..main.tables().clone()
@@ -1246,6 +1235,61 @@ pub async fn verify_capture(
                 "start the relay, or drop the slot (`outbox-relay drop-slot`) if WAL capture is no longer used; bound it with max_slot_wal_keep_size",
             ));
         }
+    }
+    Ok(problems)
+}
+
+/// What keeps the publication from carrying every INSERT of the captured table, whole:
+/// missing, not covering the table, not publishing INSERTs, a row filter, a column list.
+/// Each makes pgoutput leave rows out of the stream while the slot moves past them.
+async fn publication_problems(
+    main: &PgStore,
+    sql: &CaptureStatements,
+    tables: &CaptureTables,
+    publication: &outbox_core::ident::Ident,
+) -> StoreResult<Vec<Problem>> {
+    let name = publication.as_str();
+    let rows = main
+        .query_rows("publication", &sql.publication, &[&name])
+        .await?;
+    let table = &tables.source;
+    let set_table = format!(
+        "ALTER PUBLICATION {} SET TABLE {}; ALTER PUBLICATION {} SET (publish = 'insert')",
+        publication.quoted(),
+        table.quoted(),
+        publication.quoted()
+    );
+    let Some(row) = rows.first() else {
+        return Ok(vec![Problem::blocking(
+            format!("the publication {name:?} does not exist or does not cover {table}"),
+            "run `outbox-relay migrate --capture wal` (or apply `migrate --capture wal --print`)",
+        )]);
+    };
+    let (inserts, filter, left_out): (bool, Option<String>, Vec<String>) =
+        (row.get(0), row.get(1), row.get(2));
+    let mut problems = Vec::new();
+    let drift = "rows written meanwhile are not in the stream: once it is fixed, the relay's \
+                 next session moves the rows still in the table to the parked table";
+    if !inserts {
+        problems.push(Problem::blocking(
+            format!("the publication {name:?} publishes no INSERTs of {table}: {drift}"),
+            set_table.clone(),
+        ));
+    }
+    if let Some(filter) = filter {
+        problems.push(Problem::blocking(
+            format!("the publication {name:?} has a row filter on {table} (WHERE {filter}): rows it filters out are never relayed; {drift}"),
+            set_table.clone(),
+        ));
+    }
+    if !left_out.is_empty() {
+        problems.push(Problem::blocking(
+            format!(
+                "the publication {name:?} has a column list that leaves out {} of {table}: events would be read without them; {drift}",
+                left_out.join(", ")
+            ),
+            set_table,
+        ));
     }
     Ok(problems)
 }
@@ -1735,6 +1779,8 @@ impl OutboxStore for WalStore {
 /// relay holds the slot), forwards outputs to claims and confirmations to the server.
 struct Reader {
     config: WalConfig,
+    tables: CaptureTables,
+    publication: outbox_core::ident::Ident,
     main: PgStore,
     sql: CaptureStatements,
     drain: bool,
@@ -1750,6 +1796,8 @@ struct Reader {
 enum SessionEnd {
     Closed,
     Broken(String),
+    /// It cannot go on until an operator acts (the reason says how).
+    Failed(String),
 }
 
 impl Reader {
@@ -1787,6 +1835,7 @@ impl Reader {
                             self.set_status(CaptureStatus::Reconnecting(reason));
                             backoff.next_delay()
                         }
+                        SessionEnd::Failed(reason) => self.failed(reason, &mut backoff),
                     }
                 }
                 Err(e) if e.is_slot_in_use() => {
@@ -1802,20 +1851,65 @@ impl Reader {
                     self.set_status(CaptureStatus::Reconnecting(reason));
                     backoff.next_delay()
                 }
-                Err(e) => {
-                    let reason = describe(&e);
-                    if *self.status.borrow() != CaptureStatus::Failed(reason.clone()) {
-                        tracing::error!(error = %reason, "WAL capture cannot start; retrying until fixed");
-                    }
-                    self.set_status(CaptureStatus::Failed(reason));
-                    backoff.next_delay()
-                }
+                Err(e) => self.failed(describe(&e), &mut backoff),
             };
             tokio::select! {
                 () = tokio::time::sleep(wait) => {}
                 _ = self.close.changed() => return,
             }
         }
+    }
+
+    /// Capture cannot go on until an operator acts: said once (not at every retry), and
+    /// by claims and `/readyz` meanwhile. The delay before trying again.
+    fn failed(&self, reason: String, backoff: &mut Backoff) -> Duration {
+        if *self.status.borrow() != CaptureStatus::Failed(reason.clone()) {
+            tracing::error!(error = %reason, "WAL capture cannot start; retrying until fixed");
+        }
+        self.set_status(CaptureStatus::Failed(reason));
+        backoff.next_delay()
+    }
+
+    /// Whether the publication carries every INSERT of the table, whole. While it does not,
+    /// no session streams (its keepalives would move the slot past the rows left out), and
+    /// the slot's adoption is forgotten: the next session, once it is fixed, moves the rows
+    /// still in the table (those left out among them) to the parked table.
+    async fn publication_drift(&self) -> Option<SessionEnd> {
+        let problems = match publication_problems(
+            &self.main,
+            &self.sql,
+            &self.tables,
+            &self.publication,
+        )
+        .await
+        {
+            Ok(problems) => problems,
+            Err(e) => {
+                return Some(SessionEnd::Broken(format!(
+                    "reading the publication: {}",
+                    e.report()
+                )))
+            }
+        };
+        if problems.is_empty() {
+            return None;
+        }
+        let slot = &self.config.slot;
+        if let Err(e) = self
+            .main
+            .query_rows("forget adoption", &self.sql.forget_adoption, &[slot])
+            .await
+        {
+            return Some(SessionEnd::Broken(format!(
+                "the publication is wrong, and the slot's adoption cannot be forgotten: {}",
+                e.report()
+            )));
+        }
+        let said: Vec<String> = problems
+            .iter()
+            .map(|p| format!("{} (fix: {})", p.what, p.fix))
+            .collect();
+        Some(SessionEnd::Failed(said.join("; ")))
     }
 
     fn set_status(&self, status: CaptureStatus) {
@@ -1907,6 +2001,9 @@ impl Reader {
         session: u64,
         marker_written: &mut bool,
     ) -> SessionEnd {
+        if let Some(end) = self.publication_drift().await {
+            return end;
+        }
         if let Err(e) = self.adopt().await {
             return SessionEnd::Broken(format!(
                 "moving the rows that predate the slot to the parked table: {}",
@@ -1977,6 +2074,11 @@ impl Reader {
                     if let Some(reason) = liveness.check(&self.main).await {
                         return SessionEnd::Broken(reason);
                     }
+                    if liveness.publication_due() {
+                        if let Some(end) = self.publication_drift().await {
+                            return end;
+                        }
+                    }
                     continue;
                 }
                 permit = self.tx.reserve() => match permit {
@@ -1997,6 +2099,11 @@ impl Reader {
                 _ = liveness.tick() => {
                     if let Some(reason) = liveness.check(&self.main).await {
                         return SessionEnd::Broken(reason);
+                    }
+                    if liveness.publication_due() {
+                        if let Some(end) = self.publication_drift().await {
+                            return end;
+                        }
                     }
                     continue;
                 }
@@ -2038,9 +2145,13 @@ impl Reader {
 /// [`SqlLiveness::FAILURES`] times in a row, the session is let go. Nothing is lost: the
 /// slot stays where it was confirmed, and the events come again, with the same ids, in the
 /// next session.
+///
+/// Every [`SqlLiveness::PUBLICATION_EVERY`] answered ping, the publication is checked too
+/// ([`Reader::publication_drift`]).
 struct SqlLiveness {
     ticks: tokio::time::Interval,
     failures: u32,
+    answered: u32,
 }
 
 impl SqlLiveness {
@@ -2049,12 +2160,23 @@ impl SqlLiveness {
     const FAILURES: u32 = 2;
     /// A ping that takes longer counts as failed (a server that no longer answers).
     const PATIENCE: Duration = Duration::from_secs(3);
+    const PUBLICATION_EVERY: u32 = 5;
 
     fn new() -> Self {
         let mut ticks =
             tokio::time::interval_at(tokio::time::Instant::now() + Self::EVERY, Self::EVERY);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        SqlLiveness { ticks, failures: 0 }
+        SqlLiveness {
+            ticks,
+            failures: 0,
+            answered: 0,
+        }
+    }
+
+    /// After an answered ping: whether it is the publication's turn.
+    fn publication_due(&mut self) -> bool {
+        self.answered += 1;
+        self.answered.is_multiple_of(Self::PUBLICATION_EVERY)
     }
 
     async fn tick(&mut self) {
@@ -2092,6 +2214,16 @@ fn describe(error: &WalError) -> String {
         format!("{text}: set wal_level = logical and restart PostgreSQL")
     } else if text.contains("SQLSTATE 53400") || text.contains("replication slots are in use") {
         format!("{text}: raise max_replication_slots and restart PostgreSQL, or drop a slot no longer used (pg_replication_slots)")
+    } else if text.contains("publication") && text.contains("does not exist") {
+        // Decoding reads the publication as it was at each change's position: one dropped
+        // and made again after the slot's position is missing for the WAL in between, for
+        // good. (A publication missing today is refused before streaming, with its own fix.)
+        format!(
+            "{text}: the publication was dropped and made again after the slot's position, and \
+             PostgreSQL cannot decode the WAL written in between; run `outbox-relay drop-slot`, \
+             then start the relay: the new slot's first session moves the rows still in the table \
+             to the parked table (outbox_emit events written in between are not in any table)"
+        )
     } else if text.contains("max_wal_senders") {
         format!("{text}: raise max_wal_senders and restart PostgreSQL, or stop a replication client no longer needed (pg_stat_replication)")
     } else {

@@ -266,7 +266,8 @@ pub struct CaptureStatements {
     pub drain_marker: String,
     /// The server's `wal_level`.
     pub wal_level: String,
-    /// Whether the publication exists and covers the outbox. `$1` publication name.
+    /// What the publication `$1` publishes of the captured table: whether INSERTs, its row
+    /// filter, and the table's columns it leaves out. No row: it does not cover the table.
     pub publication: String,
     /// Whether the current role may replicate, and its name.
     pub replication_role: String,
@@ -327,9 +328,19 @@ impl CaptureStatements {
             ),
             wal_level: "SELECT current_setting('wal_level')".into(),
             publication: format!(
-                "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_publication_tables
-                                 WHERE pubname = $1 AND schemaname = '{schema}'
-                                   AND tablename = '{table}')",
+                "SELECT p.pubinsert, pt.rowfilter,
+                        ARRAY(SELECT a.attname::text FROM pg_catalog.pg_attribute a
+                               WHERE a.attrelid = c.oid AND a.attnum > 0
+                                 AND NOT a.attisdropped AND a.attgenerated = ''
+                                 AND a.attname <> ALL (pt.attnames)
+                               ORDER BY a.attnum)
+                   FROM pg_catalog.pg_publication p
+                   JOIN pg_catalog.pg_publication_tables pt ON pt.pubname = p.pubname
+                   JOIN pg_catalog.pg_namespace n ON n.nspname = pt.schemaname
+                   JOIN pg_catalog.pg_class c
+                     ON c.relnamespace = n.oid AND c.relname = pt.tablename
+                  WHERE p.pubname = $1 AND pt.schemaname = '{schema}'
+                    AND pt.tablename = '{table}'",
                 schema = tables.source.schema.as_str().replace('\'', "''"),
                 table = tables.source.name.as_str().replace('\'', "''"),
             ),
