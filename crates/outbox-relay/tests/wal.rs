@@ -1346,6 +1346,99 @@ fn relay_check(w: &WalDb) -> (Option<i32>, String) {
     (check.status.code(), report)
 }
 
+#[tokio::test]
+async fn a_paused_relay_that_lost_the_slot_writes_no_stale_park() {
+    let (nats, deliveries, proxy, proxied_url) = nats_behind_a_proxy().await;
+    let w = WalDb::new().await;
+    // A reaches the broker through the proxy; B, the standby, directly.
+    let args = w.run_args(
+        &proxied_url,
+        &[
+            "--publish-timeout",
+            "5s",
+            "--http-addr",
+            "127.0.0.1:0",
+            "--log-format",
+            "json",
+            "--node-id",
+            "relay-a",
+        ],
+    );
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut a = RelayProcess::spawn(w.dir.path(), "relay-a", &args, &[]);
+    let addr = http_addr(&a).await;
+    a.wait_for_log("relay a streaming", Duration::from_secs(60), STREAMING)
+        .await;
+    let direct = format!("nats://127.0.0.1:{}", nats.port);
+    let args = w.run_args(&direct, &["--node-id", "relay-b"]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut b = RelayProcess::spawn(w.dir.path(), "relay-b", &args, &[]);
+    b.wait_for_log("relay b standing by", Duration::from_secs(60), STANDBY)
+        .await;
+    // A's publishes hang until their timeout: it holds the events, unsettled.
+    proxy.handle().blackhole();
+    for n in 0..10 {
+        insert(&w.db, &format!("k{}", n % 5), n).await;
+    }
+    eventually_explained(
+        "relay a holding every event",
+        Duration::from_secs(60),
+        || a.logs(),
+        || {
+            let addr = addr.clone();
+            async move {
+                let (_, metrics) = http_get(&addr, "/metrics").await?;
+                let held = metric_value(&metrics, "outbox_in_flight_events")?;
+                (held >= 10.0).then_some(())
+            }
+        },
+    )
+    .await;
+    // Paused past its session's end: B takes the slot over, and delivers everything.
+    a.signal("-STOP");
+    w.db.execute(
+        "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = $1",
+        &[&w.slot],
+    )
+    .await
+    .unwrap();
+    b.wait_for_log("relay b taking over", Duration::from_secs(60), STREAMING)
+        .await;
+    eventually_explained(
+        "relay b delivering every event",
+        Duration::from_secs(60),
+        || b.logs(),
+        || {
+            let done = deliveries.len() >= 10;
+            async move { done.then_some(()) }
+        },
+    )
+    .await;
+    // A wakes up: its publishes time out, and it would park them for a retry.
+    a.signal("-CONT");
+    let parked = "SELECT count(*) FROM outbox_parked";
+    eventually_explained(
+        "relay a leaving its events to b, or parking them",
+        Duration::from_secs(60),
+        || a.logs(),
+        || async {
+            let stale = query_count(&w.db, parked, &[]).await.ok()? > 0;
+            (stale || a.logs().contains("left to it")).then_some(())
+        },
+    )
+    .await;
+    assert_eq!(
+        query_count(&w.db, parked, &[]).await.unwrap(),
+        0,
+        "stale parks, delivered again later: {}",
+        a.logs()
+    );
+    for relay in [&mut a, &mut b] {
+        let status = relay.terminate().await;
+        assert!(status.success(), "{status:?}");
+    }
+}
+
 // ---- 7. Standby takeover ----
 
 #[tokio::test]

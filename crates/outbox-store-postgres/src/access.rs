@@ -72,6 +72,35 @@ impl PgStore {
         steps: &[Step<'_>],
         query: Option<Step<'_>>,
     ) -> StoreResult<(Vec<u64>, Vec<Row>)> {
+        let done = self
+            .guarded_transaction(context, None, steps, query)
+            .await?;
+        // Without a guard it always runs.
+        Ok(done.unwrap_or_default())
+    }
+
+    /// [`PgStore::transaction`], run only if the query `guard`, run first in the same
+    /// transaction, returns a row; `Ok(None)` (nothing written) when it returns none. A
+    /// guard that locks what it reads fences the steps against a concurrent change of it.
+    pub async fn transaction_if(
+        &self,
+        context: &'static str,
+        guard: Step<'_>,
+        steps: &[Step<'_>],
+    ) -> StoreResult<Option<Vec<u64>>> {
+        let done = self
+            .guarded_transaction(context, Some(guard), steps, None)
+            .await?;
+        Ok(done.map(|(counts, _)| counts))
+    }
+
+    async fn guarded_transaction(
+        &self,
+        context: &'static str,
+        guard: Option<Step<'_>>,
+        steps: &[Step<'_>],
+        query: Option<Step<'_>>,
+    ) -> StoreResult<Option<(Vec<u64>, Vec<Row>)>> {
         let inner = &self.inner;
         bounded(inner, context, async {
             let mut client = inner.pool.get().await.map_err(|e| pool_error(context, e))?;
@@ -79,6 +108,20 @@ impl PgStore {
                 .transaction()
                 .await
                 .map_err(|e| db_error(context, e))?;
+            if let Some((sql, params)) = guard {
+                let statement = tx
+                    .prepare_cached(sql)
+                    .await
+                    .map_err(|e| db_error(context, e))?;
+                let allowed = tx
+                    .query(&statement, params)
+                    .await
+                    .map_err(|e| Self::statement_error(inner, context, e))?;
+                if allowed.is_empty() {
+                    // Dropped unfinished: rolled back.
+                    return Ok(None);
+                }
+            }
             tx.batch_execute(DURABLE_COMMIT)
                 .await
                 .map_err(|e| db_error(context, e))?;
@@ -106,7 +149,7 @@ impl PgStore {
                     .map_err(|e| Self::statement_error(inner, context, e))?;
             }
             tx.commit().await.map_err(|e| db_error(context, e))?;
-            Ok((counts, rows))
+            Ok(Some((counts, rows)))
         })
         .await
     }

@@ -96,6 +96,8 @@ enum Item {
         session: u64,
         start: Lsn,
         parked_keys: Vec<String>,
+        /// The session's `application_name`, by which writes check it still holds the slot.
+        owner: String,
     },
     /// `--drain`: the position of the marker written at start-up.
     DrainUntil(Lsn),
@@ -193,6 +195,8 @@ impl AckOutcome {
 
 struct State {
     session: u64,
+    /// The current session's `application_name` ([`CaptureStatements::owns_slot`]).
+    owner: String,
     acks: Acknowledgements,
     held: HashMap<SequenceId, Held>,
     /// Held stream events the engine released: handed out again by the next claim.
@@ -292,6 +296,7 @@ impl WalStore {
             count: Default::default(),
         });
         let reader = Reader {
+            session_name: String::new(),
             tables: tables.clone(),
             publication: options.publication.clone(),
             dead_letters: dead_letters.clone(),
@@ -318,6 +323,7 @@ impl WalStore {
                 drain: options.drain,
                 state: Mutex::new(State {
                     session: 0,
+                    owner: String::new(),
                     acks: Acknowledgements::new(Lsn::default()),
                     held: HashMap::new(),
                     redeliver: VecDeque::new(),
@@ -449,8 +455,10 @@ impl Inner {
                 session,
                 start,
                 parked_keys,
+                owner,
             } => {
                 state.session = session;
+                state.owner = owner;
                 state.acks = Acknowledgements::new(start);
                 // Released or unparked events of the old session come again in this one.
                 let old: Vec<SequenceId> = state
@@ -621,7 +629,20 @@ impl Inner {
         if !dead.ids.is_empty() {
             steps.push((&self.sql.dead_letter, &dead_letter));
         }
-        let result = self.main.transaction("park", &steps).await;
+        let owner = lock(&self.state).owner.clone();
+        let guard: &[&(dyn ToSql + Sync)] = &[&self.slot, &owner];
+        let result = self
+            .main
+            .transaction_if("park", (&self.sql.owns_slot, guard), &steps)
+            .await;
+        let result = match result {
+            Ok(Some(counts)) => Ok(counts),
+            Ok(None) => {
+                self.leave_to_slot_holder(parks.iter().map(|p| p.id));
+                return Ok(0);
+            }
+            Err(e) => Err(e),
+        };
         if result.is_ok() && !dead.ids.is_empty() {
             tracing::warn!(
                 ids = ?dead.ids,
@@ -646,6 +667,22 @@ impl Inner {
                 Err(e)
             }
         }
+    }
+
+    /// Forgets stream events this relay may no longer write for: the slot streams to another
+    /// session (a relay that took over while this one was paused past its session's end),
+    /// which is sent them again from the slot's confirmed position, before which they lie.
+    fn leave_to_slot_holder(&self, ids: impl IntoIterator<Item = SequenceId>) {
+        let mut state = lock(&self.state);
+        let ids: Vec<SequenceId> = ids.into_iter().collect();
+        for id in &ids {
+            state.held.remove(id);
+        }
+        tracing::warn!(
+            ?ids,
+            "the replication slot streams to another session now: these events are left to it, \
+             unwritten (it is sent them again)"
+        );
     }
 
     /// After parked rows were settled: the keys among `keys` with nothing parked left are
@@ -900,15 +937,24 @@ impl Inner {
             }
         }
         let dead = columns.params(&[&sequence_ids], &[&attempts, &errors]);
-        self.main
-            .transaction(
+        let owner = lock(&self.state).owner.clone();
+        let guard: &[&(dyn ToSql + Sync)] = &[&self.slot, &owner];
+        let delete: &[&(dyn ToSql + Sync)] = &[&rows];
+        let written = self
+            .main
+            .transaction_if(
                 "dead-letter",
+                (&self.sql.owns_slot, guard),
                 &[
                     (&self.sql.dead_letter, &dead),
-                    (&self.sql.delete_rows, &[&rows]),
+                    (&self.sql.delete_rows, delete),
                 ],
             )
             .await?;
+        if written.is_none() {
+            self.leave_to_slot_holder(sequence_ids);
+            return Ok(0);
+        }
         let moved = sequence_ids.len() as u64;
         self.settle(&mut lock(&self.state), sequence_ids);
         Ok(moved)
@@ -1779,6 +1825,8 @@ impl OutboxStore for WalStore {
 /// relay holds the slot), forwards outputs to claims and confirmations to the server.
 struct Reader {
     config: WalConfig,
+    /// The current session's `application_name`: the configured one and a token of its own.
+    session_name: String,
     tables: CaptureTables,
     publication: outbox_core::ident::Ident,
     main: PgStore,
@@ -1812,6 +1860,8 @@ impl Reader {
             }
             let mut config = self.config.clone();
             config.create_slot = !streamed;
+            self.session_name = session_name(&self.config.application_name);
+            config.application_name = self.session_name.clone();
             let started = tokio::select! {
                 started = WalStream::start(&config) => started,
                 _ = self.close.changed() => return,
@@ -2027,6 +2077,7 @@ impl Reader {
                 session,
                 start,
                 parked_keys,
+                owner: self.session_name.clone(),
             })
             .await
         {
@@ -2132,6 +2183,16 @@ impl Reader {
             }
         }
     }
+}
+
+/// `base` and a token no other session has (an `application_name`: at most 63 bytes).
+fn session_name(base: &str) -> String {
+    let token = uuid::Uuid::new_v4().simple().to_string();
+    let mut base = base.to_string();
+    while base.len() > 63 - 1 - 12 {
+        base.pop();
+    }
+    format!("{base} {}", &token[..12])
 }
 
 /// Whether the database still answers over SQL, asked every [`SqlLiveness::EVERY`] while

@@ -257,6 +257,11 @@ pub struct CaptureStatements {
     pub record_adoption: String,
     /// Forgets the slot `$1`'s adoption (its slot was dropped: a new one must adopt again).
     pub forget_adoption: String,
+    /// A row while the slot `$1` streams to the session named `$2` (its
+    /// `application_name`, unique per session): the guard of every write a session's events
+    /// make, so a relay that lost the slot (paused past its session's end, while another
+    /// took over) writes nothing for events the new holder is sent again.
+    pub owns_slot: String,
     /// The keys that have parked events.
     pub parked_keys: String,
     /// Which of `$1` still have parked events.
@@ -309,6 +314,10 @@ impl CaptureStatements {
             delete_rows: format!("{} SELECT count(*) FROM deleted", deletes(tables)),
             delete_delivered: format!("{} SELECT id FROM deleted", deletes(tables)),
             adopt: adopt(tables),
+            owns_slot: "SELECT 1 FROM pg_catalog.pg_replication_slots s
+                          JOIN pg_catalog.pg_stat_activity a ON a.pid = s.active_pid
+                         WHERE s.slot_name = $1 AND a.application_name = $2"
+                .into(),
             adopted: format!(
                 "SELECT EXISTS (SELECT 1 FROM {} WHERE slot = $1)",
                 tables.adopted.quoted()
