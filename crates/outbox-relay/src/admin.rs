@@ -31,6 +31,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use metrics_exporter_prometheus::PrometheusHandle;
+use outbox_core::redact::Secret;
 use outbox_core::store::{
     Backlog, DeadQuery, DeadSelector, DestinationStats, NodeRecord, PartitionRecord, StoreResult,
 };
@@ -76,7 +77,7 @@ pub struct Console {
     /// The settings in effect, secrets redacted ([`redacted_settings`]).
     pub settings: Value,
     /// `None`: reads are open (on loopback), changes answer 403.
-    pub token: Option<String>,
+    pub token: Option<Secret>,
     pub metrics: PrometheusHandle,
     pub history: Mutex<History>,
     /// The store figures `/api/v1/status` shows, shared by every client.
@@ -279,32 +280,22 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Settings names whose values are secrets.
-const SECRET_SETTINGS: &[&str] = &["token", "secret", "password", "key", "credential", "auth"];
-
-/// The settings as JSON with every secret replaced by `***`: values of settings whose name
-/// looks secret, and the secret parts of every URL (through the one redactor).
+/// The settings as JSON with every secret replaced by `***`: each [`Secret`] setting, and
+/// the secret parts of every URL (through the one redactor).
 pub fn redacted_settings(config: &crate::config::Config) -> Value {
-    fn walk(name: &str, value: Value) -> Value {
-        let lower = name.to_ascii_lowercase();
-        let secret = SECRET_SETTINGS.iter().any(|s| lower.contains(s));
+    fn walk(value: Value) -> Value {
         match value {
-            Value::Null => Value::Null,
-            _ if secret => Value::String("***".into()),
             Value::String(s) => Value::String(outbox_core::redact::redact_url(&s)),
-            Value::Array(items) => Value::Array(items.into_iter().map(|v| walk(name, v)).collect()),
-            Value::Object(map) => Value::Object(
-                map.into_iter()
-                    .map(|(k, v)| {
-                        let v = walk(&k, v);
-                        (k, v)
-                    })
-                    .collect(),
-            ),
+            Value::Array(items) => Value::Array(items.into_iter().map(walk).collect()),
+            Value::Object(map) => {
+                Value::Object(map.into_iter().map(|(k, v)| (k, walk(v))).collect())
+            }
             other => other,
         }
     }
-    walk("", serde_json::to_value(config).unwrap_or_default())
+    walk(outbox_core::redact::redacted(|| {
+        serde_json::to_value(config).unwrap_or_default()
+    }))
 }
 
 /// The console's routes (the caller adds `/healthz`, `/readyz` and `/metrics`). `base` is
@@ -346,16 +337,13 @@ fn dashboard_file(path: &str) -> bool {
 /// Who may ask for what: the admin token, and the paths open without it.
 #[derive(Clone)]
 pub(crate) struct Gate {
-    token: Option<Arc<str>>,
+    token: Option<Secret>,
     open: fn(&str) -> bool,
 }
 
 impl Gate {
-    pub(crate) fn new(token: Option<String>, open: fn(&str) -> bool) -> Gate {
-        Gate {
-            token: token.map(Arc::from),
-            open,
-        }
+    pub(crate) fn new(token: Option<Secret>, open: fn(&str) -> bool) -> Gate {
+        Gate { token, open }
     }
 }
 
@@ -365,7 +353,8 @@ pub(crate) async fn gate(State(gate): State<Gate>, request: Request, next: Next)
     if (gate.open)(request.uri().path()) {
         return next.run(request).await;
     }
-    if let Err(r) = authorize(gate.token.as_deref(), request.method(), request.headers()) {
+    let token = gate.token.as_ref().map(Secret::expose);
+    if let Err(r) = authorize(token, request.method(), request.headers()) {
         return r;
     }
     // A body announced too large is refused before it is sent (DefaultBodyLimit still
@@ -1024,7 +1013,7 @@ mod tests {
     fn settings_never_show_secrets() {
         let config = crate::config::Config {
             database_url: "postgres://relay:hunter2@db/app".into(),
-            admin_token: Some("0123456789abcdef0123".into()),
+            admin_token: Some(Secret::new("0123456789abcdef0123")),
             sink: Some("nats://user:pw@broker:4222".into()),
             ..crate::config::Config::default()
         };

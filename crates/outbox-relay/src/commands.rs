@@ -702,6 +702,8 @@ fn print_problems(problems: &[outbox_core::store::Problem]) {
 
 pub async fn check(config: Config) -> anyhow::Result<ExitCode> {
     let mut failed = false;
+    // The HTTP settings (the admin token among them) are checked as `run` checks them.
+    config.http_settings()?;
     println!("ok: configuration is valid ({config:?})");
     let store = AnyStore::open(config.store_settings()?)?;
     let outbox = store.outbox();
