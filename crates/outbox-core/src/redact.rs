@@ -1,5 +1,5 @@
 //! Secrets: the one type that holds them, and the one redactor for URLs and the messages
-//! that quote them.
+//! that quote them; and untrusted text made safe to print ([`escape_controls`]).
 //!
 //! A secret setting (the admin token, a webhook's signing secret, a broker password) is a
 //! [`Secret`]: it never shows in `Debug` or `Display`, and serializes as `***` inside
@@ -105,6 +105,25 @@ impl<'de> serde::Deserialize<'de> for Secret {
         }
         deserializer.deserialize_any(Text)
     }
+}
+
+/// `text` with every control character written as an escape (`\n`, `\u{1b}`): a
+/// destination, key, type or a receiver's answer is untrusted, and printed raw it could
+/// forge a log line or drive the operator's terminal.
+pub fn escape_controls(text: &str) -> std::borrow::Cow<'_, str> {
+    let unsafe_char = |c: char| c.is_control() || matches!(c, '\u{2028}' | '\u{2029}');
+    if !text.chars().any(unsafe_char) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        if unsafe_char(c) {
+            out.extend(c.escape_debug());
+        } else {
+            out.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(out)
 }
 
 /// Query and connection-string parameters whose values are secrets, matched by substring of
@@ -378,6 +397,16 @@ mod tests {
         );
         let b: super::Secret = serde_json::from_str("true").unwrap();
         assert_eq!(b.expose(), "true");
+    }
+
+    #[test]
+    fn control_characters_are_escaped_visibly() {
+        use super::escape_controls;
+        assert_eq!(escape_controls("orders.créées"), "orders.créées");
+        assert_eq!(
+            escape_controls("a\nERROR forged\u{1b}[2J\tb"),
+            "a\\nERROR forged\\u{1b}[2J\\tb"
+        );
     }
 
     #[test]

@@ -325,3 +325,79 @@ sink = "chatty"
     assert!(cut.contains(&"x".repeat(200)), "{cut}");
     assert!(!cut.contains(&"x".repeat(201)), "{cut}");
 }
+
+/// A newline and an escape sequence in a destination and in a receiver's answer forge no
+/// line of the default text log, and `dead list` and `stats` show them escaped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn untrusted_text_forges_no_log_line_and_drives_no_terminal() {
+    let url = migrated_pg_database().await;
+    let dir = tempfile::tempdir().unwrap();
+    let receiver = Receiver::start(answer(
+        "400 Bad Request",
+        "",
+        "no\nERROR forged from the body\u{1b}[2J",
+    ))
+    .await;
+    let destination = "orders\n2026-01-01T00:00:00Z ERROR forged\u{1b}[31m";
+    let db = pg(&url).await;
+    db.execute(
+        "INSERT INTO outbox (destination, partition_key, event_type, payload)
+         VALUES ($1, 'k', 't', '{}')",
+        &[&destination],
+    )
+    .await
+    .unwrap();
+    let sink = format!("http://{}/in", receiver.addr);
+    let args = [
+        "run",
+        "--database-url",
+        &url,
+        "--sink",
+        &sink,
+        "--http-addr",
+        "",
+        "--max-attempts",
+        "1",
+    ];
+    let mut relay = RelayProcess::spawn(dir.path(), "relay", &args, &[]);
+    eventually_explained(
+        "the event dead-lettered",
+        Duration::from_secs(30),
+        || relay.logs(),
+        || {
+            let db = &db;
+            async move {
+                let dead = query_count(db, "SELECT count(*) FROM outbox_dead_letters", &[])
+                    .await
+                    .unwrap();
+                (dead == 1).then_some(())
+            }
+        },
+    )
+    .await;
+    assert!(relay.terminate().await.success(), "{}", relay.logs());
+    let logs = relay.logs();
+    assert!(logs.contains("dead-lettering"), "{logs}");
+    assert!(!logs.contains('\u{1b}'), "{logs}");
+    for line in logs.lines() {
+        assert!(
+            line.starts_with("20") && !line.starts_with("2026-01-01"),
+            "a forged line: {line:?}\n{logs}"
+        );
+    }
+    for command in [&["dead", "list"][..], &["stats"][..]] {
+        let out = std::process::Command::new(BIN)
+            .args(command)
+            .args(["--database-url", &url])
+            .output()
+            .unwrap();
+        let shown = text(&out.stdout);
+        assert!(out.status.success(), "{command:?}: {}", text(&out.stderr));
+        assert!(!shown.contains('\u{1b}'), "{command:?}: {shown}");
+        assert!(shown.contains("\\u{1b}[31m"), "{command:?}: {shown}");
+        assert!(
+            !shown.lines().any(|l| l.starts_with("2026-01-01")),
+            "{command:?}: {shown}"
+        );
+    }
+}
