@@ -61,6 +61,10 @@ pub const STATUS_REQUESTS: &str = "outbox_console_status_requests_total";
 /// Counts the store reads behind them ([`StoreFigures`]): at most one per interval, however
 /// many clients poll.
 pub const STORE_READS: &str = "outbox_console_store_reads_total";
+/// Counts requests refused for a missing or wrong admin token.
+pub const AUTH_FAILURES: &str = "outbox_admin_auth_failures_total";
+/// Failed authentications are logged at most once per this interval, with their count.
+const AUTH_FAILURE_LOG_EVERY: Duration = Duration::from_secs(10);
 
 const INDEX_HTML: &str = include_str!("dashboard/index.html");
 const APP_JS: &str = include_str!("dashboard/app.js");
@@ -339,11 +343,36 @@ fn dashboard_file(path: &str) -> bool {
 pub(crate) struct Gate {
     token: Option<Secret>,
     open: fn(&str) -> bool,
+    /// When failures were last logged, and how many came since.
+    failures: Arc<Mutex<(Option<std::time::Instant>, u64)>>,
 }
 
 impl Gate {
     pub(crate) fn new(token: Option<Secret>, open: fn(&str) -> bool) -> Gate {
-        Gate { token, open }
+        Gate {
+            token,
+            open,
+            failures: Arc::default(),
+        }
+    }
+
+    /// Counts a refused token, and logs the failures since the last line at most once per
+    /// [`AUTH_FAILURE_LOG_EVERY`]: a guessing client must not flood the log.
+    fn failed(&self, request: &Request) {
+        ::metrics::counter!(AUTH_FAILURES).increment(1);
+        let mut failures = lock(&self.failures);
+        failures.1 += 1;
+        if failures
+            .0
+            .is_none_or(|at| at.elapsed() >= AUTH_FAILURE_LOG_EVERY)
+        {
+            tracing::warn!(
+                failures = failures.1,
+                path = %outbox_core::redact::escape_controls(request.uri().path()),
+                "admin API: requests refused for a missing or wrong admin token"
+            );
+            *failures = (Some(std::time::Instant::now()), 0);
+        }
     }
 }
 
@@ -355,6 +384,9 @@ pub(crate) async fn gate(State(gate): State<Gate>, request: Request, next: Next)
     }
     let token = gate.token.as_ref().map(Secret::expose);
     if let Err(r) = authorize(token, request.method(), request.headers()) {
+        if r.status() == StatusCode::UNAUTHORIZED {
+            gate.failed(&request);
+        }
         return r;
     }
     // A body announced too large is refused before it is sent (DefaultBodyLimit still

@@ -442,3 +442,53 @@ async fn an_unknown_destination_costs_the_database_nothing() {
     lock.rollback().await.unwrap();
     assert!(relay.terminate().await.success(), "{}", relay.logs());
 }
+
+/// Refused tokens are counted and logged, a line per 10 s at most with the count; and
+/// `check` refuses a token that `run` refuses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_authentications_are_counted_and_logged_sparingly() {
+    outbox_testkit::install_crypto();
+    let url = migrated_pg_database().await;
+    let dir = tempfile::tempdir().unwrap();
+    let token = "a-good-admin-token-0123456789";
+    let args = [
+        "run",
+        "--database-url",
+        &url,
+        "--sink",
+        "stdout",
+        "--http-addr",
+        "127.0.0.1:0",
+        "--log-format",
+        "json",
+    ];
+    let env = [("OUTBOX_RELAY_ADMIN_TOKEN", token)];
+    let mut relay = RelayProcess::spawn(dir.path(), "relay", &args, &env);
+    let addr = http_addr(&relay).await;
+    let guesser = Admin::with_token(&addr, Some("a-wrong-guess-0123456789"));
+    for _ in 0..30 {
+        assert_eq!(guesser.get("/api/v1/status").await.0, 401);
+    }
+    let (_, metrics) = Admin::new(&addr).get_text("/metrics").await;
+    assert_eq!(
+        support::metric_value(&metrics, "outbox_admin_auth_failures_total"),
+        Some(30.0),
+        "{metrics}"
+    );
+    assert!(relay.terminate().await.success(), "{}", relay.logs());
+    let logs = relay.logs();
+    let lines = logs
+        .lines()
+        .filter(|l| l.contains("refused for a missing or wrong admin token"))
+        .count();
+    assert!((1..30).contains(&lines), "{lines} lines: {logs}");
+    assert!(!logs.contains("a-wrong-guess"), "{logs}");
+
+    let check = std::process::Command::new(BIN)
+        .args(["check", "--database-url", &url])
+        .env("OUTBOX_RELAY_ADMIN_TOKEN", "short")
+        .output()
+        .unwrap();
+    assert_eq!(check.status.code(), Some(2), "{}", text(&check.stdout));
+    assert!(text(&check.stderr).contains("at least 16 characters"));
+}
