@@ -121,9 +121,10 @@ impl PublishError {
         }
     }
 
-    /// The message with its chain of causes, as stored in `last_error`.
+    /// The message with its chain of causes, as stored in `last_error` (which the API
+    /// serves): through the one redactor, so that no cause's URL carries a secret there.
     pub fn report(&self) -> String {
-        report(self)
+        crate::redact::redact_url(&report(self))
     }
 }
 
@@ -220,9 +221,10 @@ impl StoreError {
         self.kind.is_retryable()
     }
 
-    /// The message with its causes and the operator hint.
+    /// The message with its causes and the operator hint, through the one redactor (a
+    /// driver's error may quote the URL it failed on).
     pub fn report(&self) -> String {
-        format!("{} (fix: {})", report(self), self.hint())
+        crate::redact::redact_url(&format!("{} (fix: {})", report(self), self.hint()))
     }
 }
 

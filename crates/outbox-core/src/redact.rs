@@ -1,8 +1,130 @@
-//! Secrets out of URLs and the messages that quote them.
+//! Secrets: the one type that holds them, and the one redactor for URLs and the messages
+//! that quote them; and untrusted text made safe to print ([`escape_controls`]).
 //!
-//! Every URL the relay shows (logs, `check`, errors, a sink's description) goes through
-//! [`redact_url`] first. It works on free text too, since driver and broker errors quote the
-//! URL they failed on, sometimes more than one.
+//! A secret setting (the admin token, a webhook's signing secret, a broker password) is a
+//! [`Secret`]: it never shows in `Debug` or `Display`, and serializes as `***` inside
+//! [`redacted`] (what `/api/v1/status` and `check` show). Every URL the relay shows (logs,
+//! `check`, errors, a sink's description) goes through [`redact_url`] first. It works on free
+//! text too, since driver and broker errors quote the URL they failed on, sometimes more than
+//! one.
+
+use std::cell::Cell;
+
+/// A secret value. It reads from any scalar (a token of digits arrives from the environment
+/// as a number), never shows in `Debug`, `Display` or an error about its value, and
+/// serializes as `***` inside [`redacted`] (and as itself otherwise, so that settings survive
+/// being layered).
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: impl Into<String>) -> Self {
+        Secret(value.into())
+    }
+
+    /// The value, for the one place that uses it (a signature, a connection, a comparison).
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("\"***\"")
+    }
+}
+
+impl std::fmt::Display for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("***")
+    }
+}
+
+thread_local! {
+    static REDACTING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f` (a serialization) with every [`Secret`] serialized as `***`.
+pub fn redacted<T>(f: impl FnOnce() -> T) -> T {
+    struct Reset(bool);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            REDACTING.with(|r| r.set(self.0));
+        }
+    }
+    let _reset = Reset(REDACTING.with(|r| r.replace(true)));
+    f()
+}
+
+impl serde::Serialize for Secret {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        if REDACTING.with(Cell::get) {
+            serializer.serialize_str("***")
+        } else {
+            serializer.serialize_str(&self.0)
+        }
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Secret {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Text;
+        // serde's "invalid type" errors quote the value: every scalar is taken as text.
+        impl serde::de::Visitor<'_> for Text {
+            type Value = Secret;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a secret string")
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Secret, E> {
+                Ok(Secret(v.to_string()))
+            }
+            fn visit_string<E>(self, v: String) -> Result<Secret, E> {
+                Ok(Secret(v))
+            }
+            fn visit_bool<E>(self, v: bool) -> Result<Secret, E> {
+                Ok(Secret(v.to_string()))
+            }
+            fn visit_i64<E>(self, v: i64) -> Result<Secret, E> {
+                Ok(Secret(v.to_string()))
+            }
+            fn visit_u64<E>(self, v: u64) -> Result<Secret, E> {
+                Ok(Secret(v.to_string()))
+            }
+            fn visit_i128<E>(self, v: i128) -> Result<Secret, E> {
+                Ok(Secret(v.to_string()))
+            }
+            fn visit_u128<E>(self, v: u128) -> Result<Secret, E> {
+                Ok(Secret(v.to_string()))
+            }
+            fn visit_f64<E>(self, v: f64) -> Result<Secret, E> {
+                Ok(Secret(v.to_string()))
+            }
+            fn visit_char<E>(self, v: char) -> Result<Secret, E> {
+                Ok(Secret(v.to_string()))
+            }
+        }
+        deserializer.deserialize_any(Text)
+    }
+}
+
+/// `text` with every control character written as an escape (`\n`, `\u{1b}`): a
+/// destination, key, type or a receiver's answer is untrusted, and printed raw it could
+/// forge a log line or drive the operator's terminal.
+pub fn escape_controls(text: &str) -> std::borrow::Cow<'_, str> {
+    let unsafe_char = |c: char| c.is_control() || matches!(c, '\u{2028}' | '\u{2029}');
+    if !text.chars().any(unsafe_char) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        if unsafe_char(c) {
+            out.extend(c.escape_debug());
+        } else {
+            out.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
 
 /// Query and connection-string parameters whose values are secrets, matched by substring of
 /// the lower-cased name: `password`, `sslpassword`, `access_token`, `api_key`, `apikey`,
@@ -23,11 +145,34 @@ fn ends_url(c: char) -> bool {
     c.is_whitespace() || matches!(c, '"' | '\'' | '`' | '<' | '>')
 }
 
+/// Hosts whose webhook URLs carry their secret in the path (capability URLs).
+const CAPABILITY_HOSTS: &[&str] = &[
+    "hooks.slack.com",
+    "discord.com",
+    "discordapp.com",
+    "webhook.office.com",
+    "hooks.zapier.com",
+];
+
+/// A value that looks generated rather than written: long, of URL-safe characters, with
+/// letters and digits (API keys, signed tokens, the last part of a capability URL).
+fn looks_like_token(value: &str) -> bool {
+    value.len() >= 16
+        && value.chars().all(|c| {
+            c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '~' | '+' | '/' | '%' | '=')
+        })
+        && value.chars().any(|c| c.is_ascii_digit())
+        && value.chars().any(|c| c.is_ascii_alphabetic())
+}
+
 /// Replaces every secret in `text` with `***`:
 /// - the password of a URL's user info (`user:***@host`), or the whole user info when it has
 ///   no password, since a lone user-info part is often a token (`https://***@host`);
+/// - the path of a capability URL, whose path is the secret (`https://hooks.slack.com/***`):
+///   a known webhook host's, or one with a segment that looks like a token;
 /// - the value of every parameter whose name looks secret (`?password=***`,
-///   `&access_token=***`, and `password=***` in a key-value connection string).
+///   `&access_token=***`, and `password=***` in a key-value connection string), and of every
+///   query parameter whose value looks like a token (`?code=***`).
 ///
 /// Text without secrets comes back unchanged.
 pub fn redact_url(text: &str) -> String {
@@ -44,7 +189,7 @@ fn redact_user_info(text: &str) -> String {
             .find(|c: char| matches!(c, '/' | '?' | '#') || ends_url(c))
             .unwrap_or(tail.len());
         // The last `@` of the authority: a password may itself contain an unescaped `@`.
-        match tail[..authority_end].rfind('@') {
+        let host_start = match tail[..authority_end].rfind('@') {
             Some(at) => {
                 match tail[..at].split_once(':') {
                     Some((user, _)) => {
@@ -53,9 +198,29 @@ fn redact_user_info(text: &str) -> String {
                     }
                     None => out.push_str("***"),
                 }
-                rest = &tail[at..];
+                at
             }
-            None => rest = tail,
+            None => 0,
+        };
+        out.push_str(&tail[host_start..authority_end]);
+        rest = &tail[authority_end..];
+        let path_end = rest
+            .find(|c: char| matches!(c, '?' | '#') || ends_url(c))
+            .unwrap_or(rest.len());
+        let host = tail[host_start..authority_end]
+            .trim_start_matches('@')
+            .split(':')
+            .next()
+            .unwrap_or_default()
+            .to_ascii_lowercase();
+        let path = &rest[..path_end];
+        let capability = CAPABILITY_HOSTS
+            .iter()
+            .any(|h| host == *h || host.ends_with(&format!(".{h}")))
+            || path.split('/').any(looks_like_token);
+        if capability && path.len() > 1 {
+            out.push_str("/***");
+            rest = &rest[path_end..];
         }
     }
     out.push_str(rest);
@@ -70,12 +235,14 @@ fn redact_parameters(text: &str) -> String {
             .rfind(|c: char| matches!(c, '?' | '&' | ';') || ends_url(c))
             .map_or(0, |i| i + 1);
         let name = rest[name_start..eq].to_ascii_lowercase();
+        let in_query = matches!(rest[..name_start].chars().last(), Some('?' | '&'));
         out.push_str(&rest[..=eq]);
         rest = &rest[eq + 1..];
-        if !name.is_empty() && SECRET_NAMES.iter().any(|s| name.contains(s)) {
-            let value_end = rest
-                .find(|c: char| matches!(c, '&' | '#' | ';') || ends_url(c))
-                .unwrap_or(rest.len());
+        let value_end = rest
+            .find(|c: char| matches!(c, '&' | '#' | ';') || ends_url(c))
+            .unwrap_or(rest.len());
+        let secret_name = !name.is_empty() && SECRET_NAMES.iter().any(|s| name.contains(s));
+        if secret_name || (in_query && looks_like_token(&rest[..value_end])) {
             if value_end > 0 {
                 out.push_str("***");
             }
@@ -176,6 +343,70 @@ mod tests {
         for (input, _binary, _sinks, now) in cases {
             assert_eq!(redact_url(input), now, "{input}");
         }
+    }
+
+    #[test]
+    fn capability_urls_show_their_host_only() {
+        assert_eq!(
+            redact_url("https://hooks.slack.com/services/T000/B000/XXXXXXXXXXXXXXXXXXXXXXXX"),
+            "https://hooks.slack.com/***"
+        );
+        assert_eq!(
+            redact_url("webhook https://discord.com/api/webhooks/123/abc-DEF (refused)"),
+            "webhook https://discord.com/*** (refused)"
+        );
+        // Any host, when a path segment looks generated.
+        assert_eq!(
+            redact_url("https://h.example/in/8f14e45fceea167a5a36dedd4bea2543?x=1"),
+            "https://h.example/***?x=1"
+        );
+        // A template's placeholders and ordinary names stay.
+        assert_eq!(
+            redact_url("https://h.example/events/{destination}"),
+            "https://h.example/events/{destination}"
+        );
+    }
+
+    #[test]
+    fn query_values_that_look_like_tokens_are_hidden() {
+        assert_eq!(
+            redact_url("https://f.example/api/hook?code=Zm9vYmFyYmF6cXV4MTIzNDU2&name=orders"),
+            "https://f.example/api/hook?code=***&name=orders"
+        );
+        // Outside a query string, a `name=value` is left alone unless its name is secret.
+        assert_eq!(
+            redact_url("event_id=0191f2c4a7b87c3d9e1f"),
+            "event_id=0191f2c4a7b87c3d9e1f"
+        );
+    }
+
+    #[test]
+    fn secrets_never_show_and_read_from_any_scalar() {
+        let s: super::Secret = serde_json::from_str("12345678901234567890").unwrap();
+        assert_eq!(s.expose(), "12345678901234567890");
+        assert_eq!(format!("{s:?} {s}"), "\"***\" ***");
+        assert_eq!(
+            serde_json::to_string(&s).unwrap(),
+            "\"12345678901234567890\""
+        );
+        let shown = super::redacted(|| serde_json::to_string(&s).unwrap());
+        assert_eq!(shown, "\"***\"");
+        assert_eq!(
+            serde_json::to_string(&s).unwrap(),
+            "\"12345678901234567890\""
+        );
+        let b: super::Secret = serde_json::from_str("true").unwrap();
+        assert_eq!(b.expose(), "true");
+    }
+
+    #[test]
+    fn control_characters_are_escaped_visibly() {
+        use super::escape_controls;
+        assert_eq!(escape_controls("orders.créées"), "orders.créées");
+        assert_eq!(
+            escape_controls("a\nERROR forged\u{1b}[2J\tb"),
+            "a\\nERROR forged\\u{1b}[2J\\tb"
+        );
     }
 
     #[test]

@@ -200,7 +200,7 @@ impl Sink for AblySink {
                 .send()
                 .await
                 .map_err(|e| crate::http::transport_error(e, &what))?;
-            crate::http::outcome(response.status(), None, "", &what)
+            crate::http::outcome(response.status(), None, None, "", &what)
         }
         .boxed()
     }

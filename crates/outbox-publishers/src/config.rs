@@ -18,17 +18,6 @@ use serde_json::{Map, Value};
 use crate::error::SinkSetupError;
 use outbox_core::redact::redact_url;
 
-/// A secret value: it deserializes like a string and never shows in `Debug` output.
-#[derive(Clone, Default, Deserialize, Serialize, PartialEq)]
-#[serde(transparent)]
-pub struct Secret(pub String);
-
-impl std::fmt::Debug for Secret {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("\"***\"")
-    }
-}
-
 /// How long a broker has to confirm before the event is retried.
 pub const DEFAULT_SINK_TIMEOUT: Duration = Duration::from_secs(10);
 

@@ -14,6 +14,9 @@ pub fn client(tls: &TlsFiles, timeout: Duration) -> Result<reqwest::Client, Sink
         .timeout(timeout)
         .connect_timeout(Duration::from_secs(5))
         .pool_max_idle_per_host(64)
+        // A receiver must not send the relay (and a signed body) anywhere else: a redirect is
+        // an answer like any other ([`outcome`]).
+        .redirect(reqwest::redirect::Policy::none())
         .user_agent(concat!("outbox-relay/", env!("CARGO_PKG_VERSION")));
     if let Some(path) = &tls.ca_file {
         let pem = std::fs::read(path)
@@ -39,12 +42,18 @@ pub fn client(tls: &TlsFiles, timeout: Duration) -> Result<reqwest::Client, Sink
         .map_err(|e| setup(format!("HTTP client setup failed: {e}")))
 }
 
+/// The most of a receiver's body kept in an error (and so in `last_error`, which the API
+/// serves): enough to say why, too little to carry another service's page.
+pub const BODY_EXCERPT_CHARS: usize = 200;
+
 /// The one place an HTTP response status becomes an outcome: 2xx delivered; 408, 429
-/// (honouring Retry-After), 5xx retryable; 413 too large; 401/403 unauthorised; other 4xx
-/// permanent.
+/// (honouring Retry-After), 5xx retryable; 413 too large; 401/403 unauthorised; a redirect
+/// (followed never) and other 4xx permanent. `location` is a redirect's target: only its
+/// host is named.
 pub fn outcome(
     status: reqwest::StatusCode,
     retry_after: Option<&str>,
+    location: Option<&str>,
     body: &str,
     what: &str,
 ) -> Result<(), PublishError> {
@@ -52,7 +61,23 @@ pub fn outcome(
         return Ok(());
     }
     let code = status.as_u16();
-    let detail: String = body.chars().take(300).collect();
+    if status.is_redirection() {
+        let host = location
+            .and_then(|l| reqwest::Url::parse(l).ok())
+            .and_then(|u| u.host_str().map(str::to_string))
+            .unwrap_or_else(|| "its own host".into());
+        return Err(PublishError::new(
+            PublishErrorKind::Rejected,
+            format!(
+                "{what} answered {status}, a redirect to {host}: the relay follows no \
+                 redirects; set the sink's URL to where the receiver is"
+            ),
+        ));
+    }
+    let mut detail: String = body.chars().take(BODY_EXCERPT_CHARS).collect();
+    if body.chars().nth(BODY_EXCERPT_CHARS).is_some() {
+        detail.push('…');
+    }
     let message = format!("{what} answered {status}: {detail}");
     let kind = match code {
         408 => PublishErrorKind::Timeout,
@@ -84,11 +109,22 @@ pub async fn response_outcome(
         .get("retry-after")
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
+    let location = response
+        .headers()
+        .get("location")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
     let body = response.text().await.unwrap_or_default();
     if let Some(error) = special(&body) {
         return Err(error);
     }
-    outcome(status, retry_after.as_deref(), &body, what)
+    outcome(
+        status,
+        retry_after.as_deref(),
+        location.as_deref(),
+        &body,
+        what,
+    )
 }
 
 /// Retry-After in seconds or as an HTTP date.
@@ -128,7 +164,9 @@ pub fn transport_error(error: reqwest::Error, what: &str) -> PublishError {
     } else {
         PublishErrorKind::Unavailable
     };
-    PublishError::new(kind, format!("{what}: request failed")).with_source(error)
+    // reqwest's text names the whole URL, query-string tokens included; `what` names it
+    // redacted.
+    PublishError::new(kind, format!("{what}: request failed")).with_source(error.without_url())
 }
 
 #[cfg(test)]
@@ -139,7 +177,7 @@ mod tests {
 
     #[test]
     fn statuses_map_to_the_documented_outcomes() {
-        assert!(outcome(StatusCode::NO_CONTENT, None, "", "x").is_ok());
+        assert!(outcome(StatusCode::NO_CONTENT, None, None, "", "x").is_ok());
         for (code, retry) in [
             (408, true),
             (429, true),
@@ -151,14 +189,14 @@ mod tests {
             (413, false),
             (401, false),
         ] {
-            let e = outcome(StatusCode::from_u16(code).unwrap(), None, "", "x").unwrap_err();
+            let e = outcome(StatusCode::from_u16(code).unwrap(), None, None, "", "x").unwrap_err();
             assert_eq!(
                 matches!(e.disposition(), Disposition::Retry { .. }),
                 retry,
                 "{code}"
             );
         }
-        let e = outcome(StatusCode::TOO_MANY_REQUESTS, Some("7"), "", "x").unwrap_err();
+        let e = outcome(StatusCode::TOO_MANY_REQUESTS, Some("7"), None, "", "x").unwrap_err();
         assert_eq!(
             e.disposition(),
             Disposition::Retry {

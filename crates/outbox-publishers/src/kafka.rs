@@ -18,9 +18,10 @@ use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{ConfirmTimeout, Secret, TlsFiles};
+use crate::config::{ConfirmTimeout, TlsFiles};
 use crate::error::SinkSetupError;
 use crate::sink::{Routed, Sink};
+use outbox_core::redact::Secret;
 
 /// The producer's default `message.max.bytes`.
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 1_000_000;
@@ -42,8 +43,32 @@ pub struct KafkaConfig {
     pub sasl_mechanism: Option<String>,
     pub sasl_username: Option<String>,
     pub sasl_password: Option<Secret>,
-    /// Extra librdkafka properties.
+    /// Extra librdkafka properties (the secret ones shown as `***`, like every `Secret`).
+    #[serde(serialize_with = "properties")]
     pub kafka: BTreeMap<String, String>,
+}
+
+/// librdkafka's properties whose values are secrets (its CONFIGURATION.md marks them).
+fn is_secret_property(name: &str) -> bool {
+    name.ends_with(".password")
+        || name.ends_with(".secret")
+        || matches!(name, "ssl.key.pem" | "sasl.oauthbearer.config")
+}
+
+fn properties<S: serde::Serializer>(
+    map: &BTreeMap<String, String>,
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    use serde::ser::SerializeMap;
+    let mut out = serializer.serialize_map(Some(map.len()))?;
+    for (name, value) in map {
+        if is_secret_property(name) {
+            out.serialize_entry(name, &Secret::new(value.clone()))?;
+        } else {
+            out.serialize_entry(name, value)?;
+        }
+    }
+    out.end()
 }
 
 pub struct KafkaSink {
@@ -100,7 +125,7 @@ pub fn client_config(uri: &str, config: &KafkaConfig) -> Result<ClientConfig, Si
             c.set("sasl.username", user);
         }
         if let Some(password) = &config.sasl_password {
-            c.set("sasl.password", &password.0);
+            c.set("sasl.password", password.expose());
         }
     }
     for (k, v) in &config.kafka {
@@ -123,7 +148,7 @@ impl KafkaSink {
         })?;
         Ok(KafkaSink {
             producer,
-            shown: uri.to_string(),
+            shown: outbox_core::redact::redact_url(uri),
             max_message_bytes,
         })
     }
@@ -265,7 +290,7 @@ mod tests {
         let config = KafkaConfig {
             sasl_mechanism: Some("SCRAM-SHA-512".into()),
             sasl_username: Some("relay".into()),
-            sasl_password: Some(crate::Secret("pw".into())),
+            sasl_password: Some(Secret::new("pw")),
             ..KafkaConfig::default()
         };
         let c = client_config("kafkas://b1:9093,b2:9093", &config).unwrap();

@@ -30,7 +30,7 @@ pub mod webhook;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-pub use config::{RouteConfig, Secret, SinkConfig, SinkKind, SinkSettings};
+pub use config::{RouteConfig, SinkConfig, SinkKind, SinkSettings};
 pub use error::{SinkSetupError, SinkSetupKind};
 pub use json_lines::{FileSink, StdoutSink};
 pub use router::{Route, Router};

@@ -17,9 +17,10 @@ use outbox_core::{Outcome, PublishError, PublishErrorKind};
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{ConfirmTimeout, Secret, TlsFiles};
+use crate::config::{ConfirmTimeout, TlsFiles};
 use crate::error::SinkSetupError;
 use crate::sink::{Routed, Sink};
+use outbox_core::redact::Secret;
 
 /// Header names the relay sets besides `Nats-Msg-Id` and the event's own headers.
 pub const HEADER_EVENT_TYPE: &str = "Outbox-Event-Type";
@@ -80,7 +81,9 @@ impl NatsSink {
                 })?;
                 async_nats::ConnectOptions::with_nkey(seed.trim().to_string())
             }
-            (None, None, Some(token)) => async_nats::ConnectOptions::with_token(token.0.clone()),
+            (None, None, Some(token)) => {
+                async_nats::ConnectOptions::with_token(token.expose().to_string())
+            }
             (None, None, None) => async_nats::ConnectOptions::new(),
         };
         if let Some(ca) = &config.tls.ca_file {

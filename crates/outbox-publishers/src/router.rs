@@ -109,7 +109,12 @@ impl Publisher for Router {
     }
 
     fn describe(&self) -> String {
-        let mut names: Vec<String> = self.sinks.values().map(|s| s.describe()).collect();
+        // Each sink describes itself through the one redactor; this is the last guard.
+        let mut names: Vec<String> = self
+            .sinks
+            .values()
+            .map(|s| outbox_core::redact::redact_url(&s.describe()))
+            .collect();
         names.sort();
         names.join(", ")
     }

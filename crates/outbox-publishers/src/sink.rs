@@ -21,6 +21,8 @@ pub struct Routed {
 /// outcome per event, in batch order, `Ok` only after the broker's confirmation, many
 /// events in flight, the event id in the broker's de-duplication field.
 pub trait Sink: Send + Sync + 'static {
+    /// What logs, `check` and errors call the sink: its URI through
+    /// [`outbox_core::redact::redact_url`], never a secret.
     fn describe(&self) -> String;
 
     fn send(&self, batch: Vec<Routed>) -> BoxFuture<'static, Vec<Outcome>>;

@@ -17,10 +17,11 @@ use tokio::sync::Semaphore;
 use serde::{Deserialize, Serialize};
 
 use crate::cloudevents::{Binding, ContentMode};
-use crate::config::{ConfirmTimeout, Secret, TlsFiles};
+use crate::config::{ConfirmTimeout, TlsFiles};
 use crate::error::SinkSetupError;
 use crate::sink::{Routed, Sink};
 use crate::template::Template;
+use outbox_core::redact::Secret;
 
 /// The environment variable that holds the signing secret when the config file does not.
 pub const SECRET_ENV: &str = "OUTBOX_RELAY_WEBHOOK_SECRET";
@@ -83,7 +84,7 @@ impl WebhookSink {
     pub fn new(uri: &str, config: &WebhookConfig) -> Result<Self, SinkSetupError> {
         let url = Template::parse(uri).map_err(SinkSetupError::config)?;
         let secret = match &config.secret {
-            Some(s) => Some(s.0.clone()),
+            Some(s) => Some(s.expose().to_string()),
             None => std::env::var(SECRET_ENV).ok().filter(|s| !s.is_empty()),
         };
         let key = secret
@@ -93,7 +94,7 @@ impl WebhookSink {
         Ok(WebhookSink {
             client: crate::http::client(&config.tls, config.timeout.get())?,
             url: Arc::new(url),
-            shown: uri.split('?').next().unwrap_or_default().to_string(),
+            shown: outbox_core::redact::redact_url(uri),
             key,
             per_destination: config.concurrency.unwrap_or(DEFAULT_CONCURRENCY).max(1),
             limits: Arc::default(),
@@ -178,7 +179,7 @@ impl Sink for WebhookSink {
                         request =
                             request.header("webhook-signature", sign(key, &id, timestamp, &body));
                     }
-                    let what = format!("webhook {}", url.split('?').next().unwrap_or_default());
+                    let what = format!("webhook {}", outbox_core::redact::redact_url(&url));
                     let response = request
                         .body(body)
                         .send()

@@ -31,6 +31,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use metrics_exporter_prometheus::PrometheusHandle;
+use outbox_core::redact::Secret;
 use outbox_core::store::{
     Backlog, DeadQuery, DeadSelector, DestinationStats, NodeRecord, PartitionRecord, StoreResult,
 };
@@ -60,6 +61,10 @@ pub const STATUS_REQUESTS: &str = "outbox_console_status_requests_total";
 /// Counts the store reads behind them ([`StoreFigures`]): at most one per interval, however
 /// many clients poll.
 pub const STORE_READS: &str = "outbox_console_store_reads_total";
+/// Counts requests refused for a missing or wrong admin token.
+pub const AUTH_FAILURES: &str = "outbox_admin_auth_failures_total";
+/// Failed authentications are logged at most once per this interval, with their count.
+const AUTH_FAILURE_LOG_EVERY: Duration = Duration::from_secs(10);
 
 const INDEX_HTML: &str = include_str!("dashboard/index.html");
 const APP_JS: &str = include_str!("dashboard/app.js");
@@ -76,7 +81,7 @@ pub struct Console {
     /// The settings in effect, secrets redacted ([`redacted_settings`]).
     pub settings: Value,
     /// `None`: reads are open (on loopback), changes answer 403.
-    pub token: Option<String>,
+    pub token: Option<Secret>,
     pub metrics: PrometheusHandle,
     pub history: Mutex<History>,
     /// The store figures `/api/v1/status` shows, shared by every client.
@@ -279,32 +284,22 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Settings names whose values are secrets.
-const SECRET_SETTINGS: &[&str] = &["token", "secret", "password", "key", "credential", "auth"];
-
-/// The settings as JSON with every secret replaced by `***`: values of settings whose name
-/// looks secret, and the secret parts of every URL (through the one redactor).
+/// The settings as JSON with every secret replaced by `***`: each [`Secret`] setting, and
+/// the secret parts of every URL (through the one redactor).
 pub fn redacted_settings(config: &crate::config::Config) -> Value {
-    fn walk(name: &str, value: Value) -> Value {
-        let lower = name.to_ascii_lowercase();
-        let secret = SECRET_SETTINGS.iter().any(|s| lower.contains(s));
+    fn walk(value: Value) -> Value {
         match value {
-            Value::Null => Value::Null,
-            _ if secret => Value::String("***".into()),
             Value::String(s) => Value::String(outbox_core::redact::redact_url(&s)),
-            Value::Array(items) => Value::Array(items.into_iter().map(|v| walk(name, v)).collect()),
-            Value::Object(map) => Value::Object(
-                map.into_iter()
-                    .map(|(k, v)| {
-                        let v = walk(&k, v);
-                        (k, v)
-                    })
-                    .collect(),
-            ),
+            Value::Array(items) => Value::Array(items.into_iter().map(walk).collect()),
+            Value::Object(map) => {
+                Value::Object(map.into_iter().map(|(k, v)| (k, walk(v))).collect())
+            }
             other => other,
         }
     }
-    walk("", serde_json::to_value(config).unwrap_or_default())
+    walk(outbox_core::redact::redacted(|| {
+        serde_json::to_value(config).unwrap_or_default()
+    }))
 }
 
 /// The console's routes (the caller adds `/healthz`, `/readyz` and `/metrics`). `base` is
@@ -346,15 +341,37 @@ fn dashboard_file(path: &str) -> bool {
 /// Who may ask for what: the admin token, and the paths open without it.
 #[derive(Clone)]
 pub(crate) struct Gate {
-    token: Option<Arc<str>>,
+    token: Option<Secret>,
     open: fn(&str) -> bool,
+    /// When failures were last logged, and how many came since.
+    failures: Arc<Mutex<(Option<std::time::Instant>, u64)>>,
 }
 
 impl Gate {
-    pub(crate) fn new(token: Option<String>, open: fn(&str) -> bool) -> Gate {
+    pub(crate) fn new(token: Option<Secret>, open: fn(&str) -> bool) -> Gate {
         Gate {
-            token: token.map(Arc::from),
+            token,
             open,
+            failures: Arc::default(),
+        }
+    }
+
+    /// Counts a refused token, and logs the failures since the last line at most once per
+    /// [`AUTH_FAILURE_LOG_EVERY`]: a guessing client must not flood the log.
+    fn failed(&self, request: &Request) {
+        ::metrics::counter!(AUTH_FAILURES).increment(1);
+        let mut failures = lock(&self.failures);
+        failures.1 += 1;
+        if failures
+            .0
+            .is_none_or(|at| at.elapsed() >= AUTH_FAILURE_LOG_EVERY)
+        {
+            tracing::warn!(
+                failures = failures.1,
+                path = %outbox_core::redact::escape_controls(request.uri().path()),
+                "admin API: requests refused for a missing or wrong admin token"
+            );
+            *failures = (Some(std::time::Instant::now()), 0);
         }
     }
 }
@@ -365,7 +382,11 @@ pub(crate) async fn gate(State(gate): State<Gate>, request: Request, next: Next)
     if (gate.open)(request.uri().path()) {
         return next.run(request).await;
     }
-    if let Err(r) = authorize(gate.token.as_deref(), request.method(), request.headers()) {
+    let token = gate.token.as_ref().map(Secret::expose);
+    if let Err(r) = authorize(token, request.method(), request.headers()) {
+        if r.status() == StatusCode::UNAUTHORIZED {
+            gate.failed(&request);
+        }
         return r;
     }
     // A body announced too large is refused before it is sent (DefaultBodyLimit still
@@ -627,6 +648,9 @@ async fn history(State(c): State<Arc<Console>>, RawQuery(raw): RawQuery) -> Resp
 /// Refuses a destination no pending event or dead letter carries (a typo, most likely).
 /// The shared figures answer for the destinations the dashboard offers; only a name they
 /// lack (new since the last read, or a typo) costs a query of its own.
+/// Whether `destination` is one the status figures know. Answered from those figures alone
+/// (read at most once per interval, shared by every client): a request naming a destination
+/// nobody uses must not cost the database a scan of its own.
 async fn known_destination(c: &Console, destination: &str) -> Result<(), Response> {
     let read = patiently("destinations", c.figures.current(&c.store)).await?;
     if read
@@ -636,15 +660,13 @@ async fn known_destination(c: &Console, destination: &str) -> Result<(), Respons
     {
         return Ok(());
     }
-    let stats = patiently("destinations", c.store.operations().destination_stats()).await?;
-    if stats.iter().any(|d| d.destination == destination) {
-        return Ok(());
-    }
     Err(failure(
         StatusCode::BAD_REQUEST,
         format!(
-            "unknown destination {destination:?}: no pending event or dead letter carries it \
-             (see /api/v1/status for the destinations)"
+            "unknown destination {destination:?}: no pending event or dead letter carried it \
+             when the figures were last read (every {}; see /api/v1/status for the \
+             destinations)",
+            humantime::format_duration(c.figures.every())
         ),
     ))
 }
@@ -1024,7 +1046,7 @@ mod tests {
     fn settings_never_show_secrets() {
         let config = crate::config::Config {
             database_url: "postgres://relay:hunter2@db/app".into(),
-            admin_token: Some("0123456789abcdef0123".into()),
+            admin_token: Some(Secret::new("0123456789abcdef0123")),
             sink: Some("nats://user:pw@broker:4222".into()),
             ..crate::config::Config::default()
         };

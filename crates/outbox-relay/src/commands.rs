@@ -702,6 +702,8 @@ fn print_problems(problems: &[outbox_core::store::Problem]) {
 
 pub async fn check(config: Config) -> anyhow::Result<ExitCode> {
     let mut failed = false;
+    // The HTTP settings (the admin token among them) are checked as `run` checks them.
+    config.http_settings()?;
     println!("ok: configuration is valid ({config:?})");
     let store = AnyStore::open(config.store_settings()?)?;
     let outbox = store.outbox();
@@ -905,7 +907,11 @@ pub async fn stats(config: Config, json: bool) -> anyhow::Result<ExitCode> {
                 .unwrap_or_else(|| "-".into());
             println!(
                 "  {:<32} {:>9} {:>9} {:>7}  {oldest}",
-                d.destination, d.pending, d.retrying, d.dead
+                // Untrusted text: no forged row, no escape sequence to the terminal.
+                outbox_core::redact::escape_controls(&d.destination),
+                d.pending,
+                d.retrying,
+                d.dead
             );
         }
     }
@@ -939,7 +945,7 @@ pub async fn stats(config: Config, json: bool) -> anyhow::Result<ExitCode> {
         };
         println!(
             "  {}  heartbeat due within {}{owned_text}",
-            n.id,
+            outbox_core::redact::escape_controls(&n.id),
             humantime::format_duration(Duration::from_secs(left.as_secs()))
         );
     }

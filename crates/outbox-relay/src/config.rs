@@ -18,7 +18,7 @@ use figment::providers::{Env, Format, Serialized, Toml};
 use figment::value::{Dict, Value};
 use figment::{Figment, Provider};
 use outbox_cluster::ClusterConfig;
-use outbox_core::redact::redact_url;
+use outbox_core::redact::{redact_url, Secret};
 use outbox_core::{Health, NodeId, RetryPolicy};
 use outbox_engine::{EngineConfig, WakeMode};
 use outbox_layout::{Dialect, LayoutKind};
@@ -126,7 +126,7 @@ pub struct Config {
     /// turns the server off.
     pub http_addr: String,
     /// The admin API's bearer token (`OUTBOX_RELAY_ADMIN_TOKEN`); never shown.
-    pub admin_token: Option<String>,
+    pub admin_token: Option<Secret>,
     /// A file holding the admin API's bearer token (`--admin-token-file`).
     pub admin_token_file: Option<PathBuf>,
     /// Host names the HTTP server answers to besides IP addresses and `localhost`: the
@@ -290,8 +290,9 @@ impl Config {
         }
         let env = Env::prefixed("OUTBOX_RELAY_")
             .split("__")
-            // OUTBOX_RELAY_CONFIG names the file (`--config`); it is no setting.
-            .ignore(&["webhook_secret", "config"]);
+            // OUTBOX_RELAY_CONFIG names the file (`--config`); it is no setting. The admin
+            // token is read verbatim below: figment would read `0123…` as a number.
+            .ignore(&["webhook_secret", "config", "admin_token"]);
         let layout: LayoutKind = figment
             .clone()
             .merge(env.clone())
@@ -312,7 +313,11 @@ impl Config {
                     .map(|(_, ours)| (*ours).into())
             }));
         }
-        figment = figment.merge(env).merge(flags);
+        figment = figment.merge(env);
+        if let Ok(token) = std::env::var("OUTBOX_RELAY_ADMIN_TOKEN") {
+            figment = figment.merge(Serialized::default("admin_token", Secret::new(token)));
+        }
+        figment = figment.merge(flags);
         let config: Config = figment
             .extract()
             .map_err(|e| anyhow::anyhow!("invalid configuration: {}", describe_figment_error(e)))?;
@@ -626,7 +631,7 @@ impl Config {
 
     /// The admin API's token: `admin_token` (`OUTBOX_RELAY_ADMIN_TOKEN`) or the first line
     /// of `admin_token_file`; `None` leaves the API read-only.
-    pub fn admin_token(&self) -> anyhow::Result<Option<String>> {
+    pub fn admin_token(&self) -> anyhow::Result<Option<Secret>> {
         let config_error = |m: String| anyhow::Error::new(crate::commands::ConfigError(m));
         let token = match (&self.admin_token, &self.admin_token_file) {
             (Some(_), Some(_)) => {
@@ -636,7 +641,7 @@ impl Config {
                         .into(),
                 ))
             }
-            (Some(token), None) => token.trim().to_string(),
+            (Some(token), None) => token.expose().trim().to_string(),
             (None, Some(path)) => std::fs::read_to_string(path)
                 .map_err(|e| {
                     config_error(format!(
@@ -657,12 +662,12 @@ impl Config {
                     .into(),
             ));
         }
-        Ok(Some(token))
+        Ok(Some(Secret::new(token)))
     }
 
     /// Where the HTTP server listens (`None`: nowhere) and the admin API's token. A server
     /// beyond loopback needs the token.
-    pub fn http_settings(&self) -> anyhow::Result<(Option<SocketAddr>, Option<String>)> {
+    pub fn http_settings(&self) -> anyhow::Result<(Option<SocketAddr>, Option<Secret>)> {
         let http_addr = self.http_socket_addr()?;
         let admin_token = self.admin_token()?;
         if let Some(addr) = http_addr {
@@ -1056,7 +1061,7 @@ pub struct RunParts {
     /// Where /healthz, /readyz and /metrics listen; `None`: no HTTP server.
     pub http_addr: Option<SocketAddr>,
     /// The admin API's bearer token; `None`: its mutating endpoints answer 403.
-    pub admin_token: Option<String>,
+    pub admin_token: Option<Secret>,
     /// The host names the HTTP server answers to besides IP addresses and `localhost`.
     pub allowed_hosts: Vec<String>,
     /// What the engine and the coordinator report to, and /readyz shows.

@@ -316,7 +316,7 @@ pub async fn serve_outboxes(
     addr: SocketAddr,
     slots: Vec<Arc<OutboxSlot>>,
     metrics: PrometheusHandle,
-    token: Option<String>,
+    token: Option<outbox_core::redact::Secret>,
     hosts: AllowedHosts,
 ) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
     let (listener, bound) = listen(addr).await?;

@@ -32,6 +32,22 @@ pub const VERSION: &str = concat!(
 use crate::cli::{Cli, Command};
 use crate::config::{Config, LogFormat};
 
+/// The text log's fields with control characters escaped: a newline or an escape sequence
+/// in a destination, a key or a receiver's answer must not forge a line or drive a terminal.
+/// (JSON escapes them itself.)
+fn escaped_fields() -> impl for<'w> tracing_subscriber::fmt::FormatFields<'w> {
+    use tracing_subscriber::field::MakeExt;
+    tracing_subscriber::fmt::format::debug_fn(|w, field, value| {
+        let text = format!("{value:?}");
+        let text = outbox_core::redact::escape_controls(&text);
+        match field.name() {
+            "message" => write!(w, "{text}"),
+            name => write!(w, "{name}={text}"),
+        }
+    })
+    .delimited(" ")
+}
+
 // glibc's malloc took a fifth of the relay's CPU publishing to JetStream, much of it waiting
 // on arena locks between runtime threads (perf; BENCHMARKS.md). Built without transparent huge
 // pages (`no_thp`): with them, peak RSS doubled.
@@ -61,7 +77,7 @@ fn init_logging(config: &Config) -> anyhow::Result<()> {
         .with_writer(std::io::stderr);
     match config.log_format {
         LogFormat::Json => builder.json().flatten_event(true).init(),
-        LogFormat::Text => builder.init(),
+        LogFormat::Text => builder.fmt_fields(escaped_fields()).init(),
     }
     Ok(())
 }

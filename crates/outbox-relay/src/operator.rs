@@ -52,15 +52,17 @@ pub async fn dead(config: Config, command: DeadCommand) -> anyhow::Result<ExitCo
                 if json {
                     println!("{}", dead_record_json(r));
                 } else {
+                    // Untrusted text: one row per line, no escape sequence reaches the terminal.
+                    use outbox_core::redact::escape_controls as shown;
                     println!(
                         "{}\t{}\t{}\t{}\tattempts={}\t{}\t{}",
                         r.sequence_id,
                         r.event_id,
-                        r.destination,
-                        r.event_type,
+                        shown(&r.destination),
+                        shown(&r.event_type),
                         r.attempts,
                         dead_at,
-                        r.last_error
+                        shown(&r.last_error)
                     );
                 }
             }

@@ -137,7 +137,9 @@ impl Otel {
         let provider = builder.build();
         let tracer = provider.tracer("outbox-relay");
         tracing::info!(
-            endpoint = %var(ENDPOINT_VARS[0]).or_else(|| var(ENDPOINT_VARS[1])).unwrap_or_default(),
+            endpoint = %outbox_core::redact::redact_url(
+                &var(ENDPOINT_VARS[0]).or_else(|| var(ENDPOINT_VARS[1])).unwrap_or_default()
+            ),
             "exporting the relay's spans over OTLP (http/protobuf)"
         );
         Ok(Some(Otel {
@@ -187,12 +189,19 @@ impl HttpClient for OnRuntime {
         let client = self.client.clone();
         let request = reqwest::Request::try_from(request.map(reqwest::Body::from))?;
         let exchange = self.runtime.spawn(async move {
-            let response = client.execute(request).await?;
+            // reqwest's errors name the URL, and the endpoint's user info is a password.
+            let response = client
+                .execute(request)
+                .await
+                .map_err(reqwest::Error::without_url)?;
             let mut answer = Response::builder().status(response.status());
             if let Some(headers) = answer.headers_mut() {
                 *headers = response.headers().clone();
             }
-            let body = response.bytes().await?;
+            let body = response
+                .bytes()
+                .await
+                .map_err(reqwest::Error::without_url)?;
             Ok::<_, HttpError>(answer.body(body)?)
         });
         exchange.await?

@@ -19,8 +19,8 @@ use std::time::{Duration, SystemTime};
 use outbox_core::{PublishError, PublishErrorKind};
 use tokio::sync::Mutex;
 
-use crate::config::Secret;
 use crate::error::SinkSetupError;
+use outbox_core::redact::Secret;
 
 /// The process environment, or a test's stand-in for it.
 pub type Env<'a> = &'a dyn Fn(&str) -> Option<String>;
@@ -96,8 +96,8 @@ impl Provider {
             })?;
             let credentials = Credentials {
                 access_key_id,
-                secret_access_key: Secret(secret),
-                session_token: non_empty(env, "AWS_SESSION_TOKEN").map(Secret),
+                secret_access_key: Secret::new(secret),
+                session_token: non_empty(env, "AWS_SESSION_TOKEN").map(Secret::new),
                 expires: None,
             };
             return Ok(found(
@@ -135,8 +135,8 @@ impl Provider {
             })?;
             let credentials = Credentials {
                 access_key_id: access_key_id.clone(),
-                secret_access_key: Secret(secret.clone()),
-                session_token: profile.get("aws_session_token").cloned().map(Secret),
+                secret_access_key: Secret::new(secret.clone()),
+                session_token: profile.get("aws_session_token").cloned().map(Secret::new),
                 expires: None,
             };
             return Ok(found(
@@ -289,8 +289,8 @@ impl Provider {
         let expires = field("Expiration")?;
         let credentials = Credentials {
             access_key_id: field("AccessKeyId")?,
-            secret_access_key: Secret(field("SecretAccessKey")?),
-            session_token: Some(Secret(field("SessionToken")?)),
+            secret_access_key: Secret::new(field("SecretAccessKey")?),
+            session_token: Some(Secret::new(field("SessionToken")?)),
             // Unreadable: treated as not expiring soon, and fetched again on a refusal.
             expires: humantime::parse_rfc3339(expires.trim()).ok(),
         };
@@ -447,7 +447,7 @@ mod tests {
         let found = chain(&vars, None).unwrap();
         let got = found.provider.get().await.unwrap();
         assert_eq!(got.access_key_id, "AKCI");
-        assert_eq!(got.session_token, Some(Secret("t2".into())));
+        assert_eq!(got.session_token, Some(Secret::new("t2")));
         assert_eq!(found.profile_region.as_deref(), Some("eu-west-1"));
 
         let err = chain(&files, Some("sso")).err().unwrap().to_string();
@@ -470,8 +470,8 @@ mod tests {
     fn secrets_stay_out_of_debug_output() {
         let credentials = Credentials {
             access_key_id: "AKID".into(),
-            secret_access_key: Secret("very-secret".into()),
-            session_token: Some(Secret("token-secret".into())),
+            secret_access_key: Secret::new("very-secret"),
+            session_token: Some(Secret::new("token-secret")),
             expires: None,
         };
         let shown = format!("{credentials:?}");

@@ -170,13 +170,13 @@ impl<A: BatchApi> AwsSink<A> {
 impl<A: BatchApi> Sink for AwsSink<A> {
     fn describe(&self) -> String {
         let client = self.0.client();
-        format!(
+        outbox_core::redact::redact_url(&format!(
             "{} at {} ({}, credentials from {})",
             client.service.name(),
             client.endpoint(),
             client.region(),
             client.credentials_origin()
-        )
+        ))
     }
 
     fn send(&self, batch: Vec<Routed>) -> BoxFuture<'static, Vec<Outcome>> {

@@ -44,7 +44,7 @@ pub fn sign(
     headers.push(("host".into(), request.host.to_string()));
     headers.push(("x-amz-date".into(), stamp.clone()));
     if let Some(token) = &credentials.session_token {
-        headers.push(("x-amz-security-token".into(), token.0.clone()));
+        headers.push(("x-amz-security-token".into(), token.expose().to_string()));
     }
     headers.sort();
     let signed_headers = headers
@@ -69,13 +69,13 @@ pub fn sign(
     let key = [date, scope.region, scope.service, "aws4_request"]
         .iter()
         .fold(
-            format!("AWS4{}", credentials.secret_access_key.0).into_bytes(),
+            format!("AWS4{}", credentials.secret_access_key.expose()).into_bytes(),
             |key, part| hmac(&key, part.as_bytes()),
         );
     let signature = hex(&hmac(&key, string_to_sign.as_bytes()));
     let mut added = vec![("x-amz-date", stamp)];
     if let Some(token) = &credentials.session_token {
-        added.push(("x-amz-security-token", token.0.clone()));
+        added.push(("x-amz-security-token", token.expose().to_string()));
     }
     added.push((
         "authorization",
@@ -110,7 +110,7 @@ fn amz_date(now: SystemTime) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Secret;
+    use outbox_core::redact::Secret;
     use std::time::{Duration, UNIX_EPOCH};
 
     /// The signature botocore 1.43 (`SigV4Auth.add_auth`, its clock fixed at
@@ -120,8 +120,8 @@ mod tests {
     fn signature_matches_botocore() {
         let credentials = Credentials {
             access_key_id: "AKIDEXAMPLE".into(),
-            secret_access_key: Secret("wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY".into()),
-            session_token: Some(Secret("session-token-example".into())),
+            secret_access_key: Secret::new("wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY"),
+            session_token: Some(Secret::new("session-token-example")),
             expires: None,
         };
         let body = br#"{"QueueUrl":"https://sqs.eu-west-1.amazonaws.com/123456789012/orders.fifo","Entries":[]}"#;
