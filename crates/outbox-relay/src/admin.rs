@@ -646,8 +646,6 @@ async fn history(State(c): State<Arc<Console>>, RawQuery(raw): RawQuery) -> Resp
 }
 
 /// Refuses a destination no pending event or dead letter carries (a typo, most likely).
-/// The shared figures answer for the destinations the dashboard offers; only a name they
-/// lack (new since the last read, or a typo) costs a query of its own.
 /// Whether `destination` is one the status figures know. Answered from those figures alone
 /// (read at most once per interval, shared by every client): a request naming a destination
 /// nobody uses must not cost the database a scan of its own.
