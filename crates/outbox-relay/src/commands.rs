@@ -495,6 +495,8 @@ fn start_capture(
     // Beside a mapped table, the native outbox is captured too: `dead retry` and `send`
     // write there.
     wal.native_outbox = capture.source.is_some().then(|| pg.tables().outbox.clone());
+    // The emit function writes for the native outbox, whatever table is captured.
+    wal.message_prefix = outbox_wal::emit_prefix(&pg.tables().outbox);
     wal.application_name = format!("outbox-relay {node}");
     wal.read_ahead = config.max_in_flight.max(1024);
     outbox_wal::WalStore::start(

@@ -1336,6 +1336,70 @@ async fn a_publication_made_again_after_the_slot_is_named_with_the_way_out() {
     w.assert_empty("").await;
 }
 
+#[tokio::test]
+async fn two_outboxes_of_one_database_relay_only_their_own_messages() {
+    let w = WalDb::new().await;
+    // A second outbox beside `outbox`, with a slot and publication of its own.
+    let orders = [
+        "--outbox-table",
+        "orders_outbox",
+        "--publication",
+        "orders_pub",
+    ];
+    let migrated = relay(
+        w.dir.path(),
+        &[
+            &["migrate", "--capture", "wal", "--database-url", &w.url][..],
+            &orders,
+        ]
+        .concat(),
+    );
+    assert_success("migrate the second outbox", &migrated);
+    let orders_slot = format!("{}_orders", w.slot);
+    let _guard = outbox_testkit::SlotGuard {
+        url: w.url.clone(),
+        slot: orders_slot.clone(),
+    };
+    let first = w.path("first.jsonl");
+    let second = w.path("second.jsonl");
+    let sink = format!("file:{}", second.display());
+    let mut args = vec![
+        "run",
+        "--capture",
+        "wal",
+        "--database-url",
+        &w.url,
+        "--slot",
+        &orders_slot,
+        "--sink",
+        &sink,
+        "--drain",
+        "--http-addr",
+        "",
+    ];
+    args.extend(orders);
+    // Their slots first: a message is in the streams of the slots that exist when it is
+    // written.
+    assert_success("the first outbox's slot", &w.drain(&first));
+    assert_success("the second outbox's slot", &relay(w.dir.path(), &args));
+    w.db.batch_execute(
+        "SELECT outbox_emit('orders', 'k', 'ToTheFirst', '{}');
+         SELECT orders_outbox_emit('orders', 'k', 'ToTheSecond', '{}');",
+    )
+    .await
+    .unwrap();
+    assert_success("the first outbox's drain", &w.drain(&first));
+    assert_success("the second outbox's drain", &relay(w.dir.path(), &args));
+    let types = |path: &Path| -> Vec<String> {
+        read_lines(path)
+            .iter()
+            .map(|l| l["event_type"].as_str().unwrap_or_default().to_string())
+            .collect()
+    };
+    assert_eq!(types(&first), ["ToTheFirst"]);
+    assert_eq!(types(&second), ["ToTheSecond"]);
+}
+
 /// `check --capture wal` on `w`: its exit code and what it printed.
 fn relay_check(w: &WalDb) -> (Option<i32>, String) {
     let check = relay(

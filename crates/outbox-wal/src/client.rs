@@ -8,7 +8,7 @@ use pgwire_replication::{PgWireError, ReplicationClient, ReplicationConfig, Repl
 
 use crate::assemble::{AssembleError, Assembler, Output};
 use crate::decode::{Begin, Commit, EmittedMessage, LogicalMessage};
-use crate::emit::EMIT_PREFIX;
+use crate::emit::emit_prefix;
 use crate::lsn::Lsn;
 
 /// Where and how to replicate. Its `Debug` leaves the URL out: it may hold a password.
@@ -27,7 +27,8 @@ pub struct WalConfig {
     pub columns: crate::table::ColumnNames,
     /// The native outbox, captured beside a mapped `outbox_table`.
     pub native_outbox: Option<TableName>,
-    /// The prefix of outbox messages ([`EMIT_PREFIX`]).
+    /// The prefix of outbox messages ([`emit_prefix`] of the outbox the emit function
+    /// writes for: the native one).
     pub message_prefix: String,
     /// How often the confirmed position is reported when it moved (and at most how long a
     /// confirmation waits to be reported).
@@ -59,10 +60,10 @@ impl WalConfig {
             url: url.into(),
             slot: slot.into(),
             publication: publication.into(),
+            message_prefix: emit_prefix(&outbox_table),
             outbox_table,
             columns: crate::table::ColumnNames::native(),
             native_outbox: None,
-            message_prefix: EMIT_PREFIX.to_string(),
             // A stop waits for the last confirmation to be reported (the client has no way
             // to send it at once): at 1 s, every `run --drain` ended on the next whole
             // second of its session. A status message is 34 bytes; an idle stream sends one

@@ -41,7 +41,7 @@
 
 use std::time::SystemTime;
 
-use outbox_core::ident::Ident;
+use outbox_core::ident::TableName;
 use outbox_core::{Event, EventId, Headers, Payload};
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -49,8 +49,26 @@ use serde_json::value::RawValue;
 use crate::event::{EventPosition, EventSource, Undecodable, WalEvent};
 use crate::lsn::Lsn;
 
-/// The logical decoding message prefix of outbox events.
+/// The logical decoding message prefix of the default outbox's events (`public.outbox`).
 pub const EMIT_PREFIX: &str = "outbox";
+
+/// The message prefix of `outbox`'s events: [`EMIT_PREFIX`] for `public.outbox` (as it
+/// always was), `outbox:<schema>.<table>` for any other. pgoutput sends every message of the
+/// database to every slot, so the prefix is what keeps two outboxes of one database from
+/// relaying each other's events.
+pub fn emit_prefix(outbox: &TableName) -> String {
+    if outbox.schema.as_str() == "public" && outbox.name.as_str() == "outbox" {
+        EMIT_PREFIX.to_string()
+    } else {
+        format!("{EMIT_PREFIX}:{}.{}", outbox.schema, outbox.name)
+    }
+}
+
+/// `outbox`'s emit function, quoted: `<schema>."<table>_emit"` (`outbox_emit` for a table
+/// named `outbox`).
+pub fn emit_function(outbox: &TableName) -> String {
+    format!("{}.\"{}_emit\"", outbox.schema.quoted(), outbox.name)
+}
 
 /// The content of the non-transactional outbox message `run --drain` writes at start-up: its
 /// position marks "everything committed before the drain started" (it is not an event).
@@ -66,10 +84,11 @@ pub const EMIT_FUNCTION: &str = "outbox_emit";
 /// `pg_logical_emit_message` is executable by PUBLIC. A NULL destination or type raises an
 /// error in the writer's transaction, where it can still be fixed, rather than becoming a
 /// dead letter later; a NULL event_id gets a fresh one.
-pub fn emit_function_ddl(schema: &Ident) -> String {
-    let schema = schema.quoted();
+pub fn emit_function_ddl(outbox: &TableName) -> String {
+    let function = emit_function(outbox);
+    let prefix = emit_prefix(outbox).replace('\'', "''");
     format!(
-        r#"CREATE OR REPLACE FUNCTION {schema}.{EMIT_FUNCTION}(
+        r#"CREATE OR REPLACE FUNCTION {function}(
     destination text, key text, type text, payload jsonb,
     headers jsonb DEFAULT '{{}}', event_id uuid DEFAULT gen_random_uuid())
 RETURNS uuid
@@ -80,15 +99,16 @@ DECLARE
     id uuid := coalesce($6, gen_random_uuid());
 BEGIN
     IF $1 IS NULL OR $3 IS NULL THEN
-        RAISE EXCEPTION '{EMIT_FUNCTION}: destination and type must not be NULL'
+        RAISE EXCEPTION '{name}: destination and type must not be NULL'
             USING ERRCODE = 'null_value_not_allowed';
     END IF;
-    PERFORM pg_logical_emit_message(true, '{EMIT_PREFIX}', json_build_object(
+    PERFORM pg_logical_emit_message(true, '{prefix}', json_build_object(
         'v', 1, 'event_id', id, 'destination', $1, 'key', $2, 'type', $3,
         'payload', $4, 'headers', coalesce($5, '{{}}'::jsonb))::text);
     RETURN id;
 END
-$outbox_emit$;"#
+$outbox_emit$;"#,
+        name = format!("{}_emit", outbox.name),
     )
 }
 
@@ -249,8 +269,19 @@ mod tests {
 
     #[test]
     fn the_function_quotes_its_schema_and_uses_the_prefix() {
-        let ddl = emit_function_ddl(&Ident::new("app", "schema").unwrap());
-        assert!(ddl.starts_with("CREATE OR REPLACE FUNCTION \"app\".outbox_emit("));
+        let ddl = emit_function_ddl(&TableName::new("public", "outbox").unwrap());
+        assert!(ddl.starts_with("CREATE OR REPLACE FUNCTION \"public\".\"outbox_emit\"("));
         assert!(ddl.contains("pg_logical_emit_message(true, 'outbox',"));
+    }
+
+    #[test]
+    fn every_other_outbox_has_a_prefix_and_a_function_of_its_own() {
+        let orders = TableName::new("app", "orders_outbox").unwrap();
+        let other_schema = TableName::new("app", "outbox").unwrap();
+        assert_eq!(emit_prefix(&orders), "outbox:app.orders_outbox");
+        assert_eq!(emit_prefix(&other_schema), "outbox:app.outbox");
+        let ddl = emit_function_ddl(&orders);
+        assert!(ddl.starts_with("CREATE OR REPLACE FUNCTION \"app\".\"orders_outbox_emit\"("));
+        assert!(ddl.contains("pg_logical_emit_message(true, 'outbox:app.orders_outbox',"));
     }
 }

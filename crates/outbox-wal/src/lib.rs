@@ -37,7 +37,7 @@ pub use capture::{
 };
 pub use client::{drop_slot, SlotState, WalConfig, WalError, WalStream};
 pub use decode::{decode, DecodeError, LogicalMessage};
-pub use emit::{emit_function_ddl, EMIT_FUNCTION, EMIT_PREFIX};
+pub use emit::{emit_function, emit_function_ddl, emit_prefix, EMIT_FUNCTION, EMIT_PREFIX};
 pub use event::{EventPosition, EventSource, Undecodable, WalEvent};
 pub use lsn::Lsn;
 pub use schema::publication_ddl;

@@ -4,7 +4,7 @@
 
 use outbox_core::ident::{Ident, TableName};
 
-use crate::emit::{emit_function_ddl, DRAIN_MARKER, EMIT_PREFIX};
+use crate::emit::{emit_function, emit_function_ddl, emit_prefix, DRAIN_MARKER};
 use crate::table::ColumnNames;
 
 /// Creates the publication `publication` of `table`'s INSERTs, if no publication of that
@@ -113,7 +113,7 @@ CREATE TABLE IF NOT EXISTS {adopted} (
     adopted_at  timestamptz NOT NULL DEFAULT now()
 );
 
--- Table-less events: SELECT {schema}.outbox_emit('orders', 'order-42', 'OrderPlaced', '{{"id": 42}}');
+-- Table-less events: SELECT {function}('orders', 'order-42', 'OrderPlaced', '{{"id": 42}}');
 {emit}
 {shared_ids}"#,
             publication = match self.is_mapped() {
@@ -123,8 +123,8 @@ CREATE TABLE IF NOT EXISTS {adopted} (
             },
             shared_ids = self.shared_ids_ddl(),
             adopted = self.adopted.quoted(),
-            schema = self.outbox.schema.quoted(),
-            emit = emit_function_ddl(&self.outbox.schema),
+            function = emit_function(&self.outbox),
+            emit = emit_function_ddl(&self.outbox),
         )
     }
 
@@ -208,11 +208,11 @@ GRANT DELETE ON {outbox} TO {role};{source_sequence}
 --   max_wal_senders >= 1 per running relay (default 10)
 --   max_slot_wal_keep_size = '10GB'   -- or another bound: a relay that stays off then
 --                                       loses its slot instead of filling the disk
--- Table-less events need only EXECUTE on {schema}.outbox_emit for the writers.
+-- Table-less events need only EXECUTE on {function} for the writers.
 "#,
             sequence = self.outbox.sibling("_sequence_id_seq"),
             adopted = self.adopted.quoted(),
-            schema = self.outbox.schema.quoted(),
+            function = emit_function(&self.outbox),
         )
     }
 }
@@ -333,7 +333,8 @@ impl CaptureStatements {
                   WHERE delivered_at IS NULL AND {key} = ANY($1::text[])"
             ),
             drain_marker: format!(
-                "SELECT pg_logical_emit_message(false, '{EMIT_PREFIX}', '{marker}')::text"
+                "SELECT pg_logical_emit_message(false, '{prefix}', '{marker}')::text",
+                prefix = emit_prefix(&tables.outbox).replace('\'', "''")
             ),
             wal_level: "SELECT current_setting('wal_level')".into(),
             publication: format!(

@@ -30,9 +30,11 @@ impl Fixture {
         let url = outbox_testkit::fresh_pg_database().await;
         let db = connect(&url).await;
         db.batch_execute(&Tables::standard().ddl()).await.unwrap();
-        db.batch_execute(&emit_function_ddl(&Ident::new("public", "schema").unwrap()))
-            .await
-            .unwrap();
+        db.batch_execute(&emit_function_ddl(
+            &outbox_core::ident::TableName::new("public", "outbox").unwrap(),
+        ))
+        .await
+        .unwrap();
         let publication = publication_ddl(
             &Ident::new(PUBLICATION, "publication").unwrap(),
             &TableName::new("public", "outbox").unwrap(),
