@@ -87,6 +87,7 @@ pub const EMIT_FUNCTION: &str = "outbox_emit";
 pub fn emit_function_ddl(outbox: &TableName) -> String {
     let function = emit_function(outbox);
     let prefix = emit_prefix(outbox).replace('\'', "''");
+    let name = format!("{}_emit", outbox.name);
     format!(
         r#"CREATE OR REPLACE FUNCTION {function}(
     destination text, key text, type text, payload jsonb,
@@ -107,8 +108,7 @@ BEGIN
         'payload', $4, 'headers', coalesce($5, '{{}}'::jsonb))::text);
     RETURN id;
 END
-$outbox_emit$;"#,
-        name = format!("{}_emit", outbox.name),
+$outbox_emit$;"#
     )
 }
 

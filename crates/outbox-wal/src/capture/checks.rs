@@ -1,0 +1,226 @@
+//! What keeps WAL capture from working on a database (`check`, and `run` before any
+//! session), the slot as the server shows it, and the adoption record `drop-slot` forgets.
+
+use super::*;
+
+/// What keeps WAL capture from working on this database, each with its fix, besides what
+/// the polling store finds: `check` and `run` call it before any session starts.
+pub async fn verify_capture(
+    main: &PgStore,
+    publication: &outbox_core::ident::Ident,
+    slot: &str,
+    source: Option<(outbox_core::ident::TableName, crate::table::ColumnNames)>,
+) -> StoreResult<Vec<Problem>> {
+    // `migrate --capture wal` installs the trigger that notifies nobody, and `main` expects
+    // that one (its tables say `poll_wakeup`).
+    let mut problems = main.verify().await?;
+    let tables = capture_tables(main.tables(), publication, source);
+    let sql = CaptureStatements::new(&tables);
+    let level: String = main.query_rows("wal_level", &sql.wal_level, &[]).await?[0].get(0);
+    if level != "logical" {
+        problems.push(Problem::blocking(
+            format!("the server runs with wal_level = {level}; WAL capture needs logical"),
+            "set wal_level = logical in postgresql.conf and restart PostgreSQL (or use --capture poll)",
+        ));
+    }
+    // Checked for the role connected now: in `migrate`, that may not be the relay's.
+    let role = main.query_rows("role", &sql.replication_role, &[]).await?;
+    if let Some(row) = role.first().filter(|r| !r.get::<_, bool>(0)) {
+        let name: String = row.get(1);
+        problems.push(Problem::blocking(
+            format!("the role {name:?} may not replicate (no REPLICATION attribute)"),
+            format!(
+                "as a superuser: ALTER ROLE \"{}\" REPLICATION (for the role the relay runs as)",
+                name.replace('"', "\"\"")
+            ),
+        ));
+    }
+    problems.extend(publication_problems(main, &sql, &tables, publication).await?);
+    let parked = main.with_tables(Tables {
+        outbox: tables.parked.clone(),
+        ..main.tables().clone()
+    });
+    if let Err(e) = parked.backlog().await {
+        problems.push(Problem::blocking(
+            format!(
+                "the parked table {} cannot be read: {}",
+                tables.parked,
+                e.report()
+            ),
+            "run `outbox-relay migrate --capture wal`",
+        ));
+    }
+    if let Err(e) = main.query_rows("adopted", &sql.adopted, &[&slot]).await {
+        problems.push(Problem::blocking(
+            format!(
+                "the table {} cannot be read: {} (the relay records there that a slot's \
+                 session adopted the rows that predate the slot)",
+                tables.adopted,
+                e.report()
+            ),
+            "run `outbox-relay migrate --capture wal` (a relay of an earlier version made the \
+             other tables; migrate adds what is missing)",
+        ));
+    }
+    let status = slot_status(main, slot).await?;
+    let capacity = &main
+        .query_rows("replication capacity", &sql.replication_capacity, &[])
+        .await?[0];
+    let (slots, max_slots, senders, max_senders): (i64, i64, i64, i64) = (
+        capacity.get(0),
+        capacity.get(1),
+        capacity.get(2),
+        capacity.get(3),
+    );
+    if status.is_none() && slots >= max_slots {
+        problems.push(Problem::blocking(
+            format!("the replication slot {slot:?} does not exist yet, and the server's slots are all taken (max_replication_slots = {max_slots}): the relay cannot create it"),
+            "raise max_replication_slots in postgresql.conf and restart PostgreSQL, or drop a slot that is no longer used (SELECT slot_name, active FROM pg_replication_slots; then SELECT pg_drop_replication_slot('<name>'))",
+        ));
+    }
+    // Degraded, not blocking: a sender is often busy only for a while (a base backup, a
+    // replica reconnecting), and the relay's session retries until one is free.
+    if !status.as_ref().is_some_and(|s| s.active) && senders >= max_senders {
+        problems.push(Problem::degraded(
+            format!("the server's WAL senders are all busy (max_wal_senders = {max_senders}): the relay cannot start a replication session until one is free"),
+            "raise max_wal_senders in postgresql.conf and restart PostgreSQL, or stop a replication client that is no longer needed (SELECT application_name, client_addr FROM pg_stat_replication)",
+        ));
+    }
+    if let Some(status) = status {
+        let wal_status = status.wal_status.as_deref();
+        if let Some((cause, fix)) =
+            crate::client::unusable_slot(slot, status.plugin.as_deref(), status.in_this_database)
+        {
+            problems.push(Problem::blocking(
+                format!("the replication slot {slot:?} cannot be used: {cause}"),
+                fix,
+            ));
+        } else if wal_status == Some("lost") {
+            problems.push(Problem::blocking(
+                format!("the replication slot {slot:?} is invalidated (wal_status = lost): the WAL it needed was removed"),
+                "events written while it fell behind cannot be read from the WAL: recover them from the application, then `outbox-relay drop-slot` and run the relay again",
+            ));
+        } else if wal_status == Some("unreserved") {
+            problems.push(Problem::degraded(
+                format!("the replication slot {slot:?} is about to lose WAL it needs (wal_status = unreserved)"),
+                "start the relay now, or raise max_slot_wal_keep_size",
+            ));
+        } else if let Some(retained) = status
+            .retained_bytes
+            .filter(|r| !status.active && *r > SLOT_RETAINED_WARNING)
+        {
+            problems.push(Problem::degraded(
+                format!(
+                    "no relay streams from the replication slot {slot:?}, which keeps {} MiB of WAL on the server's disk, growing with every write",
+                    retained / (1024 * 1024)
+                ),
+                "start the relay, or drop the slot (`outbox-relay drop-slot`) if WAL capture is no longer used; bound it with max_slot_wal_keep_size",
+            ));
+        }
+    }
+    Ok(problems)
+}
+
+/// What keeps the publication from carrying every INSERT of the captured table, whole:
+/// missing, not covering the table, not publishing INSERTs, a row filter, a column list.
+/// Each makes pgoutput leave rows out of the stream while the slot moves past them.
+pub(super) async fn publication_problems(
+    main: &PgStore,
+    sql: &CaptureStatements,
+    tables: &CaptureTables,
+    publication: &outbox_core::ident::Ident,
+) -> StoreResult<Vec<Problem>> {
+    let name = publication.as_str();
+    let rows = main
+        .query_rows("publication", &sql.publication, &[&name])
+        .await?;
+    let table = &tables.source;
+    let set_table = format!(
+        "ALTER PUBLICATION {} SET TABLE {}; ALTER PUBLICATION {} SET (publish = 'insert')",
+        publication.quoted(),
+        table.quoted(),
+        publication.quoted()
+    );
+    let Some(row) = rows.first() else {
+        return Ok(vec![Problem::blocking(
+            format!("the publication {name:?} does not exist or does not cover {table}"),
+            "run `outbox-relay migrate --capture wal` (or apply `migrate --capture wal --print`)",
+        )]);
+    };
+    let (inserts, filter, left_out): (bool, Option<String>, Vec<String>) =
+        (row.get(0), row.get(1), row.get(2));
+    let mut problems = Vec::new();
+    let drift = "rows written meanwhile are not in the stream: once it is fixed, the relay's \
+                 next session moves the rows still in the table to the parked table";
+    if !inserts {
+        problems.push(Problem::blocking(
+            format!("the publication {name:?} publishes no INSERTs of {table}: {drift}"),
+            set_table.clone(),
+        ));
+    }
+    if let Some(filter) = filter {
+        problems.push(Problem::blocking(
+            format!("the publication {name:?} has a row filter on {table} (WHERE {filter}): rows it filters out are never relayed; {drift}"),
+            set_table.clone(),
+        ));
+    }
+    if !left_out.is_empty() {
+        problems.push(Problem::blocking(
+            format!(
+                "the publication {name:?} has a column list that leaves out {} of {table}: events would be read without them; {drift}",
+                left_out.join(", ")
+            ),
+            set_table,
+        ));
+    }
+    Ok(problems)
+}
+
+/// Forgets that `slot` adopted the outbox's rows, once the slot is dropped: a slot made
+/// again by that name starts after rows its predecessor never brought, and must adopt them.
+pub async fn forget_adoption(
+    main: &PgStore,
+    publication: &outbox_core::ident::Ident,
+    slot: &str,
+) -> StoreResult<()> {
+    let sql = CaptureStatements::new(&capture_tables(main.tables(), publication, None));
+    match main
+        .query_rows("forget adoption", &sql.forget_adoption, &[&slot])
+        .await
+    {
+        // A database migrated by an earlier version: nothing recorded, nothing to forget.
+        Err(e) if e.kind() == StoreErrorKind::MissingSchema => Ok(()),
+        result => result.map(drop),
+    }
+}
+
+/// The slot as `pg_replication_slots` shows it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SlotStatus {
+    /// A session streams from it.
+    pub active: bool,
+    /// `reserved`, `extended`, `unreserved` (about to lose WAL it needs) or `lost`.
+    pub wal_status: Option<String>,
+    /// WAL it keeps on the server's disk, in bytes (`None` on a standby server).
+    pub retained_bytes: Option<i64>,
+    /// WAL written since its confirmed position, in bytes.
+    pub lag_bytes: Option<i64>,
+    /// Its output plugin (`None` for a physical slot).
+    pub plugin: Option<String>,
+    /// It is a slot of the database the relay connects to.
+    pub in_this_database: bool,
+}
+
+/// The slot named `slot`, if it exists.
+pub async fn slot_status(main: &PgStore, slot: &str) -> StoreResult<Option<SlotStatus>> {
+    let sql = CaptureStatements::slot_query();
+    let rows = main.query_rows("slot", sql, &[&slot]).await?;
+    Ok(rows.first().map(|row| SlotStatus {
+        active: row.get(0),
+        wal_status: row.get(1),
+        retained_bytes: row.get(2),
+        lag_bytes: row.get(3),
+        plugin: row.get(4),
+        in_this_database: row.get(5),
+    }))
+}

@@ -1,0 +1,1044 @@
+//! WAL capture as an [`OutboxStore`]: the engine claims, acks, retries and dead-letters
+//! events read from the replication slot exactly as it does rows of the polled table, so the
+//! sinks, routes, retries, dead letters, metrics and shutdown are the polling relay's.
+//!
+//! # Where each event is until it is settled
+//! - **In the stream.** The reader task runs the replication session and hands the
+//!   assembler's outputs over a bounded channel (its capacity bounds memory whatever the
+//!   transaction size). Claims take events from it in commit order.
+//! - **Held.** A handed-out event is remembered (by its id) until the engine settles it.
+//!   Its id is the row's `sequence_id` (table form) or minus the message's WAL position
+//!   (table-less form): both stay the same when a new session sends the event again.
+//! - **Parked.** An event that must wait (its retry's backoff, an `available_at` in the
+//!   future, or an earlier event of its key that waits) is written to `<outbox>_parked`,
+//!   outside the publication, and then counts as settled: the slot moves on, and no key
+//!   waits for another. Every later event of a parked key is parked behind it, in commit
+//!   order (the parked table draws ids in parking order), until the key has nothing parked
+//!   left. Parked rows are claimed, retried and dead-lettered by the polling store's own
+//!   statements; only the active consumer claims them.
+//! - **Settled.** Confirmed by the sink (its outbox row deleted, in the table form), parked,
+//!   or dead-lettered. The slot's confirmed position moves to the end of the settled,
+//!   committed prefix ([`Acknowledgements`]), and never past an unsettled event: a crash
+//!   at any point means redelivery from the slot, never loss.
+//!
+//! # One active consumer
+//! A slot streams to one session at a time. A relay that finds the slot held waits as a
+//! standby, trying again every second, and continues from the slot's confirmed position
+//! once the holder is gone (PostgreSQL frees the slot when its session dies).
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use outbox_core::store::{
+    Backlog, ClaimRequest, Claimed, DeadLetter, OnChange, Problem, RetryLater, StoreFuture,
+    StoreResult,
+};
+use outbox_core::{
+    Backoff, Event, Fence, NewEvent, NodeId, OutboxStore, Payload, SequenceId, StoreError,
+    StoreErrorKind,
+};
+use outbox_store_postgres::{PgStore, Tables};
+use tokio::sync::{mpsc, watch};
+use tokio_postgres::types::ToSql;
+
+use crate::ack::Acknowledgements;
+use crate::assemble::Output;
+use crate::burst::{commit_age, read_burst, BurstEnd, READ_BURST};
+use crate::client::{WalConfig, WalError, WalStream};
+use crate::event::{EventPosition, EventSource, Undecodable, WalEvent};
+use crate::lsn::Lsn;
+use crate::schema::{CaptureStatements, CaptureTables};
+
+mod checks;
+mod columns;
+mod reader;
+mod state;
+
+use checks::publication_problems;
+pub use checks::{forget_adoption, slot_status, verify_capture, SlotStatus};
+use columns::{unstorable, DeadColumns, EventColumns};
+use reader::Reader;
+use state::*;
+
+/// Metric names of WAL capture.
+pub mod metric {
+    /// WAL the slot keeps on the server's disk (bytes from its restart position).
+    pub const SLOT_RETAINED_BYTES: &str = "outbox_wal_slot_retained_bytes";
+    /// WAL written since the slot's confirmed position (bytes).
+    pub const SLOT_LAG_BYTES: &str = "outbox_wal_slot_lag_bytes";
+    /// 1 while this relay streams from the slot, 0 as a standby or while reconnecting.
+    pub const STREAMING: &str = "outbox_wal_streaming";
+}
+
+/// How WAL capture runs.
+#[derive(Clone, Debug)]
+pub struct WalStoreOptions {
+    pub wal: WalConfig,
+    pub publication: outbox_core::ident::Ident,
+    /// `run --drain`: relay what committed before start-up, then report nothing left.
+    pub drain: bool,
+    /// The outbox's destination label guard (the engine's), for the adoption's dead
+    /// letters.
+    pub labels: Arc<outbox_core::metric_labels::DestinationLabels>,
+}
+
+/// Where the replication session stands, for claims and `/readyz`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CaptureStatus {
+    Starting,
+    Streaming,
+    /// Another relay holds the slot.
+    Standby,
+    /// The session broke; a new one is being started.
+    Reconnecting(String),
+    /// The session cannot start until an operator acts (a lost or missing slot, a missing
+    /// publication, a privilege): claims fail with this message.
+    Failed(String),
+}
+
+/// One delete of delivered rows, shared by the acks it carries.
+#[derive(Default)]
+struct AckRound {
+    outcome: std::sync::OnceLock<AckOutcome>,
+}
+
+/// A delete's outcome, as each ack it carried returns it.
+enum AckOutcome {
+    Deleted,
+    Failed {
+        kind: StoreErrorKind,
+        report: String,
+        hint: &'static str,
+    },
+}
+
+impl AckOutcome {
+    fn of(result: &StoreResult<()>) -> Self {
+        match result {
+            Ok(()) => AckOutcome::Deleted,
+            Err(e) => AckOutcome::Failed {
+                kind: e.kind(),
+                report: e.report(),
+                hint: e.hint(),
+            },
+        }
+    }
+
+    fn to_result(&self) -> StoreResult<()> {
+        match self {
+            AckOutcome::Deleted => Ok(()),
+            AckOutcome::Failed { kind, report, hint } => {
+                Err(StoreError::new(*kind, report.clone()).with_hint(hint))
+            }
+        }
+    }
+}
+
+struct Inner {
+    main: PgStore,
+    parked: PgStore,
+    sql: CaptureStatements,
+    slot: String,
+    publication: outbox_core::ident::Ident,
+    /// The captured table and its column names.
+    source: (outbox_core::ident::TableName, crate::table::ColumnNames),
+    drain: bool,
+    state: Mutex<State>,
+    /// Serializes "is this key parked?" with parking and with un-parking, so a key is never
+    /// let through while a parked event of it remains.
+    parking: tokio::sync::Mutex<()>,
+    /// Deletes of delivered rows run one at a time; see [`Inner::ack_stream`].
+    /// It holds when the last delete of outbox rows started.
+    deleting: tokio::sync::Mutex<Option<std::time::Instant>>,
+    outputs: tokio::sync::Mutex<mpsc::Receiver<Item>>,
+    confirm: watch::Sender<Lsn>,
+    status: watch::Receiver<CaptureStatus>,
+    on_change: Arc<Mutex<Option<OnChange>>>,
+    close: watch::Sender<bool>,
+    reader: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    dead_letters: Arc<CaptureDeadLetters>,
+}
+
+/// Dead letters that capture writes itself, not the engine: rows the adoption cannot read
+/// as events, and undecodable events behind a waiting key. Counted in the engine's metric,
+/// and for `run --drain`'s verdict.
+struct CaptureDeadLetters {
+    labels: Arc<outbox_core::metric_labels::DestinationLabels>,
+    count: std::sync::atomic::AtomicU64,
+}
+
+impl CaptureDeadLetters {
+    fn add(&self, destination: &str, n: u64) {
+        ::metrics::counter!(
+            outbox_core::metric_labels::DEAD_LETTERED,
+            "destination" => self.labels.label(destination)
+        )
+        .increment(n);
+        self.count.fetch_add(n, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// The outbox read from the WAL. Cheap to clone.
+#[derive(Clone)]
+pub struct WalStore {
+    inner: Arc<Inner>,
+}
+
+impl WalStore {
+    /// Starts the replication reader (it creates the slot on first use) over `main`, the
+    /// native PostgreSQL store of the outbox, whose pool serves every statement.
+    pub fn start(main: PgStore, options: WalStoreOptions) -> Self {
+        let source = (
+            options.wal.outbox_table.clone(),
+            options.wal.columns.clone(),
+        );
+        let tables = capture_tables(main.tables(), &options.publication, Some(source.clone()));
+        let parked = main.with_tables(Tables {
+            outbox: tables.parked.clone(),
+            ..main.tables().clone()
+        });
+        let sql = CaptureStatements::new(&tables);
+        // Items carry bursts of up to `READ_BURST` outputs: the channel holds about
+        // `read_ahead` outputs, not that many bursts, so memory stays bounded.
+        let (tx, rx) = mpsc::channel((options.wal.read_ahead / READ_BURST).max(2));
+        let (confirm, confirm_rx) = watch::channel(Lsn::default());
+        let (status_tx, status) = watch::channel(CaptureStatus::Starting);
+        let (close, close_rx) = watch::channel(false);
+        let on_change: Arc<Mutex<Option<OnChange>>> = Arc::default();
+        let dead_letters = Arc::new(CaptureDeadLetters {
+            labels: options.labels.clone(),
+            count: Default::default(),
+        });
+        let reader = Reader {
+            session_name: String::new(),
+            tables: tables.clone(),
+            publication: options.publication.clone(),
+            dead_letters: dead_letters.clone(),
+            config: options.wal.clone(),
+            main: main.clone(),
+            sql: sql.clone(),
+            drain: options.drain,
+            tx,
+            confirm: confirm_rx,
+            close: close_rx,
+            status: status_tx,
+            on_change: on_change.clone(),
+        };
+        // Its logs stay in the caller's span (an outbox's, among several).
+        let handle = tokio::spawn(tracing::Instrument::in_current_span(reader.run()));
+        WalStore {
+            inner: Arc::new(Inner {
+                main,
+                parked,
+                sql,
+                slot: options.wal.slot.clone(),
+                publication: options.publication.clone(),
+                source,
+                drain: options.drain,
+                state: Mutex::new(State::new()),
+                parking: tokio::sync::Mutex::new(()),
+                deleting: tokio::sync::Mutex::new(None),
+                outputs: tokio::sync::Mutex::new(rx),
+                confirm,
+                status,
+                on_change,
+                close,
+                reader: Mutex::new(Some(handle)),
+                dead_letters,
+            }),
+        }
+    }
+
+    pub fn status(&self) -> CaptureStatus {
+        self.inner.status.borrow().clone()
+    }
+
+    /// Waits until the session streams (or cannot start, or `timeout` passes).
+    pub async fn wait_streaming(&self, timeout: Duration) -> CaptureStatus {
+        let mut status = self.inner.status.clone();
+        let _ = tokio::time::timeout(
+            timeout,
+            status.wait_for(|s| matches!(s, CaptureStatus::Streaming | CaptureStatus::Failed(_))),
+        )
+        .await;
+        self.status()
+    }
+
+    /// How many keys have events waiting in the parked table (or about to be written
+    /// there): while a key has one, its new events from the stream are parked behind it.
+    pub fn parked_keys(&self) -> usize {
+        lock(&self.inner.state).parked_keys.len()
+    }
+
+    /// How many events capture moved to the dead letters itself, because they could not be
+    /// read as events: rows found when adopting the table, and undecodable events behind a
+    /// waiting key (they are no engine dead letters: `run --drain` counts them itself).
+    pub fn dead_lettered_by_capture(&self) -> u64 {
+        self.inner
+            .dead_letters
+            .count
+            .load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Ends the session after reporting the last confirmed position (within `wait`), which
+    /// frees the slot for a standby. Call it after the engine stopped.
+    pub async fn close(&self, wait: Duration) {
+        let _ = self.inner.close.send(true);
+        let handle = self.inner.reader.lock().ok().and_then(|mut h| h.take());
+        if let Some(handle) = handle {
+            if tokio::time::timeout(wait, handle).await.is_err() {
+                tracing::warn!(
+                    "the replication session did not end in time; the slot is freed when the \
+                     process exits, and what was not confirmed is sent again"
+                );
+            }
+        }
+    }
+}
+
+/// The parked table and its neighbours, from the outbox's tables.
+/// The tables of capturing `source` (a table and its column names; `None`: the native
+/// outbox of `tables`), with `tables` keeping parked events and dead letters.
+pub fn capture_tables(
+    tables: &Tables,
+    publication: &outbox_core::ident::Ident,
+    source: Option<(outbox_core::ident::TableName, crate::table::ColumnNames)>,
+) -> CaptureTables {
+    let (source, columns) =
+        source.unwrap_or_else(|| (tables.outbox.clone(), crate::table::ColumnNames::native()));
+    CaptureTables::with_source(
+        source,
+        columns,
+        tables.outbox.clone(),
+        tables.dead_letters.clone(),
+        publication.clone(),
+    )
+}
+
+fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
+    // A panic while holding it would be a bug; its data is still the best there is.
+    state.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Inner {
+    /// Tells the reader what may be confirmed now.
+    fn publish_confirmable(&self, state: &mut State) {
+        let confirmable = state.acks.confirmable();
+        self.confirm.send_if_modified(|current| {
+            let moved = confirmable > *current;
+            if moved {
+                *current = confirmable;
+            }
+            moved
+        });
+    }
+
+    /// Settles held stream events of the current session and forgets them.
+    fn settle(&self, state: &mut State, ids: impl IntoIterator<Item = SequenceId>) {
+        state.settle(ids);
+        self.publish_confirmable(state);
+    }
+
+    /// [`State::accept_outputs`], then tells the reader what may be confirmed: once per
+    /// burst, not per output (the position only moves forward).
+    fn accept_outputs(
+        &self,
+        state: &mut State,
+        out: &mut Vec<Claimed>,
+        limit: usize,
+        budget: usize,
+    ) -> usize {
+        let accepted = state.accept_outputs(out, limit, budget);
+        self.publish_confirmable(state);
+        accepted
+    }
+
+    /// Writes `to_park` to the parked table (and deletes their outbox rows) in one
+    /// transaction, then settles them; parks that must wait ([`parking_order`]) stay in
+    /// `to_park`. Call it holding `parking`.
+    async fn flush_parks(&self) -> StoreResult<u64> {
+        let (parks, columns, dead, rows) = {
+            let mut state = lock(&self.state);
+            let parks = state.take_parks();
+            let mut columns = EventColumns::default();
+            // An undecodable event has nothing to park: the polling claim could not read
+            // it back. Behind a waiting key (released while its head retries) it is
+            // dead-lettered in the same transaction, as the engine would have.
+            let mut dead = DeadColumns::default();
+            let mut rows = Vec::new();
+            for park in &parks {
+                if let Some(Held::Wal(held)) = state.held.get(&park.id) {
+                    match &held.body {
+                        Body::Event(event) => match unstorable(event) {
+                            // The parked copy is what would be delivered: it cannot be one
+                            // that differs, so the event goes to the dead letters instead.
+                            Some(what) => dead.push_event(park.id, event, what),
+                            None => {
+                                columns.push(event);
+                                columns.parking.push(park);
+                            }
+                        },
+                        Body::Undecodable(u) => dead.push(park.id, held.position, u),
+                    }
+                    rows.extend(held.row);
+                }
+            }
+            (parks, columns, dead, rows)
+        };
+        if parks.is_empty() {
+            return Ok(0);
+        }
+        let p = &columns.parking;
+        let park = columns.params(&[], &[&p.delays, &p.not_before, &p.attempts, &p.errors]);
+        let dead_letter = dead.params();
+        let delete: &[&(dyn ToSql + Sync)] = &[&rows];
+        let mut steps: Vec<(&str, &[&(dyn ToSql + Sync)])> =
+            vec![(&self.sql.park, &park), (&self.sql.delete_rows, delete)];
+        if !dead.ids.is_empty() {
+            steps.push((&self.sql.dead_letter, &dead_letter));
+        }
+        let owner = lock(&self.state).owner.clone();
+        let guard: &[&(dyn ToSql + Sync)] = &[&self.slot, &owner];
+        let result = self
+            .main
+            .transaction_if("park", (&self.sql.owns_slot, guard), &steps)
+            .await;
+        let result = match result {
+            Ok(Some(counts)) => Ok(counts),
+            Ok(None) => {
+                lock(&self.state).leave_to_slot_holder(parks.iter().map(|p| p.id));
+                return Ok(0);
+            }
+            Err(e) => Err(e),
+        };
+        if result.is_ok() && !dead.ids.is_empty() {
+            tracing::warn!(
+                ids = ?dead.ids,
+                "events that could not be parked (undecodable, or holding what PostgreSQL cannot store) were dead-lettered: `outbox-relay dead list` shows them with the reason"
+            );
+            for destination in &dead.columns.destinations {
+                self.dead_letters.add(destination, 1);
+            }
+        }
+        let mut state = lock(&self.state);
+        match result {
+            Ok(_) => {
+                tracing::debug!(ids = ?parks.iter().map(|p| p.id).collect::<Vec<_>>(), "parked");
+                let n = parks.len() as u64;
+                self.settle(&mut state, parks.into_iter().map(|p| p.id));
+                Ok(n)
+            }
+            Err(e) => {
+                // Kept, in order, ahead of anything parked since: the next claim tries again.
+                let later = std::mem::replace(&mut state.to_park, parks);
+                state.to_park.extend(later);
+                Err(e)
+            }
+        }
+    }
+
+    /// After parked rows were settled: the keys among `keys` with nothing parked left are
+    /// let through again.
+    async fn unpark_keys(&self, keys: Vec<String>) -> StoreResult<()> {
+        if keys.is_empty() {
+            return Ok(());
+        }
+        let _parking = self.parking.lock().await;
+        self.unpark_keys_locked(keys).await
+    }
+
+    /// [`Inner::unpark_keys`] for a caller that holds `parking`.
+    async fn unpark_keys_locked(&self, keys: Vec<String>) -> StoreResult<()> {
+        let rows = self
+            .main
+            .query_rows("parked keys", &self.sql.still_parked, &[&keys])
+            .await?;
+        let still: HashSet<String> = rows.iter().map(|r| r.get(0)).collect();
+        lock(&self.state).unpark(keys, &still);
+        Ok(())
+    }
+
+    /// Settles the rows of the parked table among `items` with the polling store's own
+    /// `statement`; with `unpark` they left the table and their keys may flow again, without
+    /// it they go back to it (a retry or a release). Returns how many rows it settled and the
+    /// held stream events among `items`, for the caller to settle.
+    async fn settle_parked<T>(
+        &self,
+        items: Vec<T>,
+        id: fn(&T) -> SequenceId,
+        statement: impl FnOnce(&PgStore, Vec<T>) -> StoreFuture<u64>,
+        unpark: bool,
+    ) -> StoreResult<(u64, Vec<T>)> {
+        let Split {
+            parked: items,
+            keys,
+            stream,
+        } = lock(&self.state).split(items, id);
+        if items.is_empty() {
+            return Ok((0, stream));
+        }
+        let ids: Vec<SequenceId> = items.iter().map(id).collect();
+        // Forgotten before the statement: once it commits a claim may take a row again, and
+        // the entry that claim makes must not be forgotten after it.
+        // Until a release commits, its rows stay locked by this node and do not hold back
+        // later rows of their keys in a parked claim meanwhile: the engine's lanes send
+        // such rows back (see `Lanes::releasing`).
+        let taken = lock(&self.state).take(&ids);
+        let result = statement(&self.parked, items).await;
+        let settled = match result {
+            Ok(n) => n,
+            Err(e) => {
+                // Still this node's rows: no claim took them meanwhile.
+                lock(&self.state).restore(taken);
+                return Err(e);
+            }
+        };
+        if unpark {
+            self.unpark_keys(keys).await?;
+        }
+        Ok((settled, stream))
+    }
+
+    /// Parks held stream events (retries, and releases behind a parked key): `parks` picks
+    /// them under `parking`, so no claim runs in between, then every queued park is written.
+    async fn park_stream(&self, parks: impl FnOnce(&mut State) -> Vec<Park>) -> StoreResult<u64> {
+        let _parking = self.parking.lock().await;
+        let parks = parks(&mut lock(&self.state));
+        lock(&self.state).queue_parks(parks);
+        self.flush_parks().await
+    }
+
+    /// Acks held stream events: their outbox rows are deleted, then their positions settle.
+    ///
+    /// A fast sink confirms many small batches at once, and one delete transaction each
+    /// would cost a commit (and a WAL flush) per batch, which the writers' commits then
+    /// queue behind. So deletes run one at a time, at most one per [`DELETE_SPACING`] unless
+    /// [`DELETE_GROUP_ENOUGH`] acks already wait, and each takes every ack queued until it
+    /// starts (a group commit): an ack returns once the delete that carried its rows has,
+    /// with that delete's outcome. A key's next event goes out when this one is published,
+    /// so the wait does not hold keys back; it delays the slot's confirmation and the
+    /// engine's count of events in flight (`max_in_flight`) by up to the spacing.
+    async fn ack_stream(&self, ids: Vec<SequenceId>) -> StoreResult<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let acked = ids.len() as u64;
+        let now = std::time::Instant::now();
+        let round = {
+            let mut state = lock(&self.state);
+            state.ack_queue.extend(ids.into_iter().map(|id| (id, now)));
+            state.ack_round.clone()
+        };
+        let mut last_delete = self.deleting.lock().await;
+        if let Some(outcome) = round.outcome.get() {
+            return outcome.to_result().map(|()| acked);
+        }
+        // This round is still open. Acks queued while it waits its turn join it; a round of
+        // `outbox_emit` events alone runs no statement, so it neither waits nor counts.
+        let (has_rows, queued) = self.queued_acks();
+        if has_rows {
+            let wait = last_delete.and_then(|at| DELETE_SPACING.checked_sub(at.elapsed()));
+            if let Some(wait) = wait.filter(|_| queued < DELETE_GROUP_ENOUGH) {
+                tokio::time::sleep(wait).await;
+            }
+            *last_delete = Some(std::time::Instant::now());
+        }
+        // Close it (later acks open the next one) and run it.
+        let events = {
+            let mut state = lock(&self.state);
+            state.ack_round = Arc::default();
+            std::mem::take(&mut state.ack_queue)
+        };
+        let result = self.delete_delivered(events).await;
+        let _ = round.outcome.set(AckOutcome::of(&result));
+        result.map(|()| acked)
+    }
+
+    /// Whether a queued ack has an outbox row to delete (an `outbox_emit` event has none,
+    /// and settles without a statement), and how many acks are queued.
+    fn queued_acks(&self) -> (bool, usize) {
+        let state = lock(&self.state);
+        let has_rows = state.ack_queue.iter().any(
+            |(id, _)| matches!(state.held.get(id), Some(Held::Wal(held)) if held.row.is_some()),
+        );
+        (has_rows, state.ack_queue.len())
+    }
+
+    /// Deletes the outbox rows of delivered stream events and settles the events. The
+    /// stream can carry a transaction a moment before other sessions see its rows (its
+    /// commit record is in the WAL before it is visible), so a row the delete does not find
+    /// is tried again with the next claims, its event unsettled (the slot waits for it), for
+    /// up to [`UNDELETED_PATIENCE`]; a row still missing then was deleted already (the
+    /// event was sent again after a reconnect).
+    async fn delete_delivered(
+        &self,
+        events: Vec<(SequenceId, std::time::Instant)>,
+    ) -> StoreResult<()> {
+        let rows: Vec<SequenceId> = {
+            let state = lock(&self.state);
+            events
+                .iter()
+                .filter_map(|(id, _)| match state.held.get(id) {
+                    Some(Held::Wal(held)) => held.row,
+                    _ => None,
+                })
+                .collect()
+        };
+        let deleted: HashSet<SequenceId> = if rows.is_empty() {
+            HashSet::new()
+        } else {
+            // In a transaction of its own: its commit is made durable before the slot
+            // confirms past these events (see `PgStore::transaction`).
+            let delete: &[&(dyn ToSql + Sync)] = &[&rows];
+            self.main
+                .transaction_then_query("ack", &[], Some((&self.sql.delete_delivered, delete)))
+                .await?
+                .1
+                .iter()
+                .map(|r| r.get(0))
+                .collect()
+        };
+        let mut state = lock(&self.state);
+        let (done, wait): (Vec<_>, Vec<_>) = events.into_iter().partition(|(id, since)| {
+            let row = match state.held.get(id) {
+                Some(Held::Wal(held)) => held.row,
+                _ => None,
+            };
+            row.is_none_or(|row| deleted.contains(&row)) || since.elapsed() >= UNDELETED_PATIENCE
+        });
+        state.undeleted.extend(wait);
+        self.settle(&mut state, done.into_iter().map(|(id, _)| id));
+        Ok(())
+    }
+
+    /// Writes held stream events to the dead letters (and deletes their outbox rows) in one
+    /// transaction, then settles them.
+    async fn dead_letter_stream(&self, entries: Vec<DeadLetter>) -> StoreResult<u64> {
+        if entries.is_empty() {
+            return Ok(0);
+        }
+        let mut columns = EventColumns::default();
+        let mut sequence_ids = Vec::new();
+        let mut attempts = Vec::new();
+        let mut errors = Vec::new();
+        let mut rows = Vec::new();
+        {
+            let state = lock(&self.state);
+            for entry in entries {
+                let Some(Held::Wal(held)) = state.held.get(&entry.sequence_id) else {
+                    continue;
+                };
+                match &held.body {
+                    Body::Event(event) => columns.push(event),
+                    Body::Undecodable(u) => columns.push_undecodable(u, held.position),
+                }
+                sequence_ids.push(entry.sequence_id);
+                attempts.push(i32::try_from(entry.attempts).unwrap_or(i32::MAX));
+                errors.push(entry.error);
+                rows.extend(held.row);
+            }
+        }
+        let dead = columns.params(&[&sequence_ids], &[&attempts, &errors]);
+        let owner = lock(&self.state).owner.clone();
+        let guard: &[&(dyn ToSql + Sync)] = &[&self.slot, &owner];
+        let delete: &[&(dyn ToSql + Sync)] = &[&rows];
+        let written = self
+            .main
+            .transaction_if(
+                "dead-letter",
+                (&self.sql.owns_slot, guard),
+                &[
+                    (&self.sql.dead_letter, &dead),
+                    (&self.sql.delete_rows, delete),
+                ],
+            )
+            .await?;
+        if written.is_none() {
+            lock(&self.state).leave_to_slot_holder(sequence_ids);
+            return Ok(0);
+        }
+        let moved = sequence_ids.len() as u64;
+        self.settle(&mut lock(&self.state), sequence_ids);
+        Ok(moved)
+    }
+
+    async fn claim(&self, request: ClaimRequest) -> StoreResult<Vec<Claimed>> {
+        let status = self.status.borrow().clone();
+        // Claims fail while the stream is down, so that `/readyz` and the logs say why; they
+        // are retried like a lost connection, but the fix is the one the reason names.
+        if let CaptureStatus::Failed(reason) | CaptureStatus::Reconnecting(reason) = &status {
+            self.discard_broken_session().await;
+            return Err(StoreError::new(
+                StoreErrorKind::Connection,
+                format!("WAL capture: {reason}"),
+            )
+            .with_hint(
+                "WAL capture cannot stream until the cause above is fixed (the relay keeps \
+                 trying); `outbox-relay check --capture wal` lists what it finds",
+            ));
+        }
+        let undeleted = std::mem::take(&mut lock(&self.state).undeleted);
+        if !undeleted.is_empty() {
+            if let Err(e) = self.delete_delivered(undeleted.clone()).await {
+                lock(&self.state).undeleted.extend(undeleted);
+                return Err(e);
+            }
+        }
+        let _parking = self.parking.lock().await;
+        // Parks that failed last time go first: later events of their keys wait for them.
+        self.flush_parks().await?;
+        let mut out = Vec::new();
+        let has_parked = !lock(&self.state).parked_keys.is_empty();
+        if status == CaptureStatus::Streaming && has_parked {
+            let rows = self.parked.claim(ClaimRequest {
+                fence: None,
+                ..request.clone()
+            });
+            let rows = rows.await?;
+            tracing::debug!(
+                claimed = ?rows.iter().map(Claimed::sequence_id).collect::<Vec<_>>(),
+                "claimed parked rows"
+            );
+            let mut state = lock(&self.state);
+            for row in rows {
+                state.held.insert(
+                    row.sequence_id(),
+                    Held::Parked(row.ordering_key().to_string()),
+                );
+                out.push(row);
+            }
+        }
+        let parked = out.len();
+        {
+            let mut state = lock(&self.state);
+            while out.len() < request.limit {
+                let Some(id) = state.redeliver.pop_front() else {
+                    break;
+                };
+                let Some(Held::Wal(held)) = state.held.get(&id) else {
+                    continue;
+                };
+                if state.parked_keys.contains(&held.key) {
+                    state.to_park.push(Park::behind_its_key(id));
+                } else {
+                    out.push(claimed_of(id, held));
+                }
+            }
+        }
+        let redelivered = out.len();
+        let mut outputs = self.outputs.lock().await;
+        let (limit, budget) = (request.limit, request.limit * 4);
+        let mut received = 0;
+        loop {
+            received +=
+                self.accept_outputs(&mut lock(&self.state), &mut out, limit, budget - received);
+            if out.len() >= limit || received >= budget {
+                break;
+            }
+            match outputs.try_recv() {
+                Ok(item) => lock(&self.state).accept(item),
+                Err(_) => break,
+            }
+        }
+        if self.drain && received == 0 && out.is_empty() && !lock(&self.state).drained {
+            // Nothing yet, and the marker not reached: wait a little for the stream rather
+            // than let the engine conclude that the drain is over.
+            if let Ok(Some(item)) =
+                tokio::time::timeout(Duration::from_secs(1), outputs.recv()).await
+            {
+                let mut state = lock(&self.state);
+                state.accept(item);
+                self.accept_outputs(&mut state, &mut out, limit, budget);
+            }
+        }
+        drop(outputs);
+        if !out.is_empty() && tracing::enabled!(tracing::Level::TRACE) {
+            // How long the stream took to bring them: from the writer's clock to the claim.
+            let oldest_ms = out[redelivered..]
+                .iter()
+                .filter_map(|row| match row {
+                    Claimed::Event(e) => SystemTime::now().duration_since(e.created_at).ok(),
+                    Claimed::Undecodable { .. } => None,
+                })
+                .max()
+                .map(|age| age.as_secs_f64() * 1000.0);
+            tracing::trace!(
+                parked,
+                redelivered = redelivered - parked,
+                from_stream = out.len() - redelivered,
+                outputs = received,
+                oldest_ms,
+                "claimed"
+            );
+        }
+        let recheck = std::mem::take(&mut lock(&self.state).recheck);
+        if !recheck.is_empty() {
+            if let Err(e) = self.unpark_keys_locked(recheck.clone()).await {
+                lock(&self.state).recheck = recheck;
+                tracing::debug!(error = %e.report(), "checking parked keys; again with the next claim");
+            }
+        }
+        if let Err(e) = self.flush_parks().await {
+            tracing::warn!(error = %e.report(), "parking events failed; trying again with the next claim");
+        }
+        Ok(out)
+    }
+
+    /// While no session streams, drops what the broken one left unclaimed, up to the next
+    /// session's announcement: its events come again from the slot in that session. (Left
+    /// queued, they filled the channel while claims failed, and the reader, blocked on
+    /// announcing the new session, never set the status that lets claims through.)
+    async fn discard_broken_session(&self) {
+        let mut outputs = self.outputs.lock().await;
+        let mut state = lock(&self.state);
+        state.unaccepted.clear();
+        while let Ok(item) = outputs.try_recv() {
+            match item {
+                Item::Outputs(_) => {}
+                Item::Session { .. } => {
+                    state.accept(item);
+                    break;
+                }
+                Item::DrainUntil(_) => state.accept(item),
+            }
+        }
+    }
+
+    async fn backlog(&self) -> StoreResult<Backlog> {
+        let mut backlog = self.parked.backlog().await?;
+        self.report_slot().await;
+        let state = lock(&self.state);
+        let mut oldest: Option<SystemTime> = None;
+        let mut stream_events = 0u64;
+        for held in state.held.values() {
+            if let Held::Wal(held) = held {
+                stream_events += 1;
+                if let Body::Event(e) = &held.body {
+                    oldest = Some(oldest.map_or(e.created_at, |o| o.min(e.created_at)));
+                }
+            }
+        }
+        backlog.pending += stream_events;
+        if let Some(age) = oldest.and_then(|o| o.elapsed().ok()) {
+            backlog.oldest_pending_age =
+                Some(backlog.oldest_pending_age.map_or(age, |a| a.max(age)));
+        }
+        if self.drain && !state.drained {
+            // Events the stream has not handed over yet.
+            backlog.pending += 1;
+        }
+        Ok(backlog)
+    }
+
+    /// Sets the slot gauges (errors only logged: metrics must not stop the relay).
+    async fn report_slot(&self) {
+        let streaming = *self.status.borrow() == CaptureStatus::Streaming;
+        ::metrics::gauge!(metric::STREAMING).set(if streaming { 1.0 } else { 0.0 });
+        match slot_status(&self.main, &self.slot).await {
+            Ok(status) => {
+                let status = status.unwrap_or_default();
+                if let Some(retained) = status.retained_bytes {
+                    ::metrics::gauge!(metric::SLOT_RETAINED_BYTES).set(retained as f64);
+                }
+                if let Some(lag) = status.lag_bytes {
+                    ::metrics::gauge!(metric::SLOT_LAG_BYTES).set(lag as f64);
+                }
+            }
+            Err(e) => tracing::debug!(error = %e.report(), "cannot read the slot's position"),
+        }
+    }
+}
+
+/// The least time between the starts of two deletes of delivered rows (see
+/// `Inner::ack_stream`): at most 50 a second, however many small batches the sink confirms.
+/// (A row not yet visible to the delete is looked for again with the next claim.)
+const DELETE_SPACING: Duration = Duration::from_millis(20);
+
+/// Acks enough for a delete to start without waiting for [`DELETE_SPACING`]: grouping them
+/// has done its work, and a drain should not wait with that many events counted in flight.
+const DELETE_GROUP_ENOUGH: usize = 1_000;
+
+/// How long a delivered event's outbox row is looked for (see `Inner::delete_delivered`).
+pub const UNDELETED_PATIENCE: Duration = Duration::from_secs(5);
+
+/// An idle slot keeping more WAL than this makes `check` warn.
+pub const SLOT_RETAINED_WARNING: i64 = 256 * 1024 * 1024;
+
+impl OutboxStore for WalStore {
+    fn describe(&self) -> String {
+        format!(
+            "postgres {} (WAL capture, slot {})",
+            self.inner.main.tables().outbox,
+            self.inner.slot
+        )
+    }
+
+    fn claim(&self, request: ClaimRequest) -> StoreFuture<Vec<Claimed>> {
+        let inner = self.inner.clone();
+        async move { inner.claim(request).await }.boxed()
+    }
+
+    fn ack(
+        &self,
+        node: NodeId,
+        _fence: Option<Arc<Fence>>,
+        ids: Vec<SequenceId>,
+    ) -> StoreFuture<u64> {
+        let inner = self.inner.clone();
+        async move {
+            let (acked, stream) = inner
+                .settle_parked(ids, |id| *id, |p, ids| p.ack(node, None, ids), true)
+                .await?;
+            Ok(acked + inner.ack_stream(stream).await?)
+        }
+        .boxed()
+    }
+
+    fn retry_later(
+        &self,
+        node: NodeId,
+        _fence: Option<Arc<Fence>>,
+        retries: Vec<RetryLater>,
+    ) -> StoreFuture<u64> {
+        let inner = self.inner.clone();
+        async move {
+            let (recorded, stream) = inner
+                .settle_parked(
+                    retries,
+                    |r| r.sequence_id,
+                    |p, rs| p.retry_later(node, None, rs),
+                    false,
+                )
+                .await?;
+            if stream.is_empty() {
+                return Ok(recorded);
+            }
+            let retries = |_: &mut State| {
+                stream
+                    .into_iter()
+                    .map(|retry| Park {
+                        attempts: retry.attempts,
+                        error: Some(retry.error),
+                        delay: retry.delay,
+                        ..Park::behind_its_key(retry.sequence_id)
+                    })
+                    .collect()
+            };
+            Ok(recorded + inner.park_stream(retries).await?)
+        }
+        .boxed()
+    }
+
+    fn dead_letter(
+        &self,
+        node: NodeId,
+        _fence: Option<Arc<Fence>>,
+        entries: Vec<DeadLetter>,
+    ) -> StoreFuture<u64> {
+        let inner = self.inner.clone();
+        async move {
+            let (moved, stream) = inner
+                .settle_parked(
+                    entries,
+                    |e| e.sequence_id,
+                    |p, es| p.dead_letter(node, None, es),
+                    true,
+                )
+                .await?;
+            Ok(moved + inner.dead_letter_stream(stream).await?)
+        }
+        .boxed()
+    }
+
+    fn release(&self, node: NodeId, ids: Vec<SequenceId>) -> StoreFuture<u64> {
+        let inner = self.inner.clone();
+        async move {
+            let (released, stream) = inner
+                .settle_parked(ids, |id| *id, |p, ids| p.release(node, ids), false)
+                .await?;
+            if stream.is_empty() {
+                return Ok(released);
+            }
+            let n = stream.len() as u64;
+            // Behind a parked key they are parked; otherwise the next claim hands them out.
+            let behind = |state: &mut State| {
+                let (behind, free): (Vec<SequenceId>, Vec<SequenceId>) =
+                    stream.into_iter().partition(|id| match state.held.get(id) {
+                        Some(Held::Wal(held)) => state.parked_keys.contains(&held.key),
+                        _ => false,
+                    });
+                tracing::debug!(?behind, ?free, "released stream events");
+                state.redeliver.extend(free);
+                behind.into_iter().map(Park::behind_its_key).collect()
+            };
+            if let Err(e) = inner.park_stream(behind).await {
+                tracing::warn!(error = %e.report(), "parking released events failed; trying again with the next claim");
+            }
+            Ok(released + n)
+        }
+        .boxed()
+    }
+
+    fn extend_leases(
+        &self,
+        node: NodeId,
+        ids: Vec<SequenceId>,
+        lease: Duration,
+    ) -> StoreFuture<u64> {
+        let inner = self.inner.clone();
+        async move {
+            // Stream events have no lease: nobody else can take them while the slot is ours.
+            let split = lock(&inner.state).split(ids, |id| *id);
+            let mut extended = split.stream.len() as u64;
+            if !split.parked.is_empty() {
+                extended += inner
+                    .parked
+                    .extend_leases(node, split.parked, lease)
+                    .await?;
+            }
+            Ok(extended)
+        }
+        .boxed()
+    }
+
+    fn backlog(&self) -> StoreFuture<Backlog> {
+        let inner = self.inner.clone();
+        async move { inner.backlog().await }.boxed()
+    }
+
+    fn insert(&self, events: Vec<NewEvent>) -> StoreFuture<Vec<SequenceId>> {
+        self.inner.main.insert(events)
+    }
+
+    fn ping(&self) -> StoreFuture<()> {
+        self.inner.main.ping()
+    }
+
+    fn verify(&self) -> StoreFuture<Vec<Problem>> {
+        let inner = self.inner.clone();
+        async move {
+            let source = Some(inner.source.clone());
+            verify_capture(&inner.main, &inner.publication, &inner.slot, source).await
+        }
+        .boxed()
+    }
+
+    fn subscribe(&self, on_change: OnChange) -> Option<BoxFuture<'static, ()>> {
+        if let Ok(mut slot) = self.inner.on_change.lock() {
+            *slot = Some(on_change);
+        }
+        // The reader calls it; nothing to run here.
+        Some(futures::future::pending().boxed())
+    }
+}
+
+impl std::fmt::Debug for WalStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WalStore")
+            .field("slot", &self.inner.slot)
+            .finish()
+    }
+}

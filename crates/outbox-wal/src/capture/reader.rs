@@ -1,0 +1,477 @@
+//! The replication session's task: starts sessions (waiting as a standby while another
+//! relay holds the slot), adopts the rows that predate the slot, checks the publication and
+//! the database's answer while streaming, and forwards outputs to claims and confirmations
+//! to the server.
+
+use super::*;
+
+/// The replication session's task: starts sessions (waiting as a standby while another
+/// relay holds the slot), forwards outputs to claims and confirmations to the server.
+pub(super) struct Reader {
+    pub(super) config: WalConfig,
+    /// The current session's `application_name`: the configured one and a token of its own.
+    pub(super) session_name: String,
+    pub(super) tables: CaptureTables,
+    pub(super) publication: outbox_core::ident::Ident,
+    pub(super) main: PgStore,
+    pub(super) sql: CaptureStatements,
+    pub(super) drain: bool,
+    pub(super) tx: mpsc::Sender<Item>,
+    pub(super) confirm: watch::Receiver<Lsn>,
+    pub(super) close: watch::Receiver<bool>,
+    pub(super) status: watch::Sender<CaptureStatus>,
+    pub(super) on_change: Arc<Mutex<Option<OnChange>>>,
+    pub(super) dead_letters: Arc<CaptureDeadLetters>,
+}
+
+/// How a session ended.
+pub(super) enum SessionEnd {
+    Closed,
+    Broken(String),
+    /// It cannot go on until an operator acts (the reason says how).
+    Failed(String),
+}
+
+impl Reader {
+    pub(super) async fn run(mut self) {
+        let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
+        let mut session = 0;
+        let mut streamed = false;
+        let mut marker_written = false;
+        loop {
+            if *self.close.borrow() {
+                return;
+            }
+            let mut config = self.config.clone();
+            config.create_slot = !streamed;
+            self.session_name = session_name(&self.config.application_name);
+            config.application_name = self.session_name.clone();
+            let started = tokio::select! {
+                started = WalStream::start(&config) => started,
+                _ = self.close.changed() => return,
+            };
+            let wait = match started {
+                Ok(mut stream) => {
+                    streamed = true;
+                    backoff.reset();
+                    session += 1;
+                    let end = self.stream(&mut stream, session, &mut marker_written).await;
+                    match end {
+                        SessionEnd::Closed => {
+                            stream.confirm(*self.confirm.borrow());
+                            if let Err(e) = stream.stop(Duration::from_secs(5)).await {
+                                tracing::debug!(error = %e, "closing the replication session");
+                            }
+                            return;
+                        }
+                        SessionEnd::Broken(reason) => {
+                            tracing::warn!(error = %reason, "the replication session broke; starting a new one from the slot's confirmed position");
+                            self.set_status(CaptureStatus::Reconnecting(reason));
+                            backoff.next_delay()
+                        }
+                        SessionEnd::Failed(reason) => self.failed(reason, &mut backoff),
+                    }
+                }
+                Err(e) if e.is_slot_in_use() => {
+                    if *self.status.borrow() != CaptureStatus::Standby {
+                        tracing::info!(slot = %config.slot, "another relay streams from the slot; waiting as a standby");
+                    }
+                    self.set_status(CaptureStatus::Standby);
+                    Duration::from_secs(1)
+                }
+                Err(e) if e.is_retryable() => {
+                    let reason = describe(&e);
+                    tracing::warn!(error = %reason, "cannot start the replication session; retrying");
+                    self.set_status(CaptureStatus::Reconnecting(reason));
+                    backoff.next_delay()
+                }
+                Err(e) => self.failed(describe(&e), &mut backoff),
+            };
+            tokio::select! {
+                () = tokio::time::sleep(wait) => {}
+                _ = self.close.changed() => return,
+            }
+        }
+    }
+
+    /// Capture cannot go on until an operator acts: said once (not at every retry), and
+    /// by claims and `/readyz` meanwhile. The delay before trying again.
+    pub(super) fn failed(&self, reason: String, backoff: &mut Backoff) -> Duration {
+        if *self.status.borrow() != CaptureStatus::Failed(reason.clone()) {
+            tracing::error!(error = %reason, "WAL capture cannot start; retrying until fixed");
+        }
+        self.set_status(CaptureStatus::Failed(reason));
+        backoff.next_delay()
+    }
+
+    /// Whether the publication carries every INSERT of the table, whole. While it does not,
+    /// no session streams (its keepalives would move the slot past the rows left out), and
+    /// the slot's adoption is forgotten: the next session, once it is fixed, moves the rows
+    /// still in the table (those left out among them) to the parked table.
+    pub(super) async fn publication_drift(&self) -> Option<SessionEnd> {
+        let problems = match publication_problems(
+            &self.main,
+            &self.sql,
+            &self.tables,
+            &self.publication,
+        )
+        .await
+        {
+            Ok(problems) => problems,
+            Err(e) => {
+                return Some(SessionEnd::Broken(format!(
+                    "reading the publication: {}",
+                    e.report()
+                )))
+            }
+        };
+        if problems.is_empty() {
+            return None;
+        }
+        let slot = &self.config.slot;
+        if let Err(e) = self
+            .main
+            .query_rows("forget adoption", &self.sql.forget_adoption, &[slot])
+            .await
+        {
+            return Some(SessionEnd::Broken(format!(
+                "the publication is wrong, and the slot's adoption cannot be forgotten: {}",
+                e.report()
+            )));
+        }
+        let said: Vec<String> = problems
+            .iter()
+            .map(|p| format!("{} (fix: {})", p.what, p.fix))
+            .collect();
+        Some(SessionEnd::Failed(said.join("; ")))
+    }
+
+    pub(super) fn set_status(&self, status: CaptureStatus) {
+        ::metrics::gauge!(metric::STREAMING).set(if status == CaptureStatus::Streaming {
+            1.0
+        } else {
+            0.0
+        });
+        self.status.send_replace(status);
+    }
+
+    pub(super) fn notify(&self) {
+        let on_change = self.on_change.lock().ok().and_then(|o| o.clone());
+        if let Some(on_change) = on_change {
+            on_change();
+        }
+    }
+
+    pub(super) async fn send(&self, item: Item) -> bool {
+        let sent = self.tx.send(item).await.is_ok();
+        self.notify();
+        sent
+    }
+
+    /// Counts the rows a mapped table's adoption dead-lettered (`destination, count`): in
+    /// `outbox_events_dead_lettered_total`, as the engine counts its own, and for
+    /// `run --drain`'s summary.
+    pub(super) fn count_adoption_dead_letters(&self, dead_by_destination: &[tokio_postgres::Row]) {
+        let mut dead = 0;
+        for row in dead_by_destination {
+            // `destination` is the dead-letter table's (NOT NULL), `count(*)` a bigint.
+            let (destination, n): (String, i64) = (row.get(0), row.get(1));
+            let n = n.max(0) as u64;
+            self.dead_letters.add(&destination, n);
+            dead += n;
+        }
+        if dead > 0 {
+            tracing::warn!(
+                rows = dead,
+                "rows of the outbox table that could not be read as events (an id that is no \
+                 UUID, a payload that is no JSON) were moved to the dead letters with the \
+                 reason: `outbox-relay dead list` shows them"
+            );
+        }
+    }
+
+    /// Moves the rows that predate the slot to the parked table, unless the slot's adoption
+    /// is recorded as done: its stream does not carry them. Run at every session start, by
+    /// whichever relay streams (and so holds the slot: no other adopts meanwhile), until it
+    /// has committed once; the record is written in the same transaction as the move, so a
+    /// crash leaves either both or neither. A slot made by hand, or by a relay that died
+    /// before adopting, is adopted by the next session.
+    pub(super) async fn adopt(&self) -> StoreResult<()> {
+        let slot = &self.config.slot;
+        let adopted = self
+            .main
+            .query_rows("adopted", &self.sql.adopted, &[slot])
+            .await?;
+        if adopted.first().is_some_and(|row| row.get::<_, bool>(0)) {
+            return Ok(());
+        }
+        let no_params = &[] as &[&(dyn ToSql + Sync)];
+        let record: &[&(dyn ToSql + Sync)] = &[slot];
+        let adoption = &self.sql.adopt;
+        let steps: Vec<_> = adoption
+            .steps
+            .iter()
+            .map(|sql| (sql.as_str(), no_params))
+            .chain([(self.sql.record_adoption.as_str(), record)])
+            .collect();
+        let dead_letters = adoption.dead_letters.as_deref().map(|sql| (sql, no_params));
+        let (_, dead_by_destination) = self
+            .main
+            .transaction_then_query("adopt", &steps, dead_letters)
+            .await?;
+        tracing::info!(
+            %slot,
+            "the slot's rows are adopted: pending rows of the outbox table, which its stream \
+             does not carry, were moved to the parked table to be relayed first"
+        );
+        self.count_adoption_dead_letters(&dead_by_destination);
+        Ok(())
+    }
+
+    /// One session: announce it, then forward until it breaks or the store closes.
+    pub(super) async fn stream(
+        &mut self,
+        stream: &mut WalStream,
+        session: u64,
+        marker_written: &mut bool,
+    ) -> SessionEnd {
+        if let Some(end) = self.publication_drift().await {
+            return end;
+        }
+        if let Err(e) = self.adopt().await {
+            return SessionEnd::Broken(format!(
+                "moving the rows that predate the slot to the parked table: {}",
+                e.report()
+            ));
+        }
+        let parked_keys = match self
+            .main
+            .query_rows("parked keys", &self.sql.parked_keys, &[])
+            .await
+        {
+            Ok(rows) => rows.iter().map(|r| r.get(0)).collect(),
+            Err(e) => {
+                return SessionEnd::Broken(format!("reading the parked keys: {}", e.report()))
+            }
+        };
+        let start = stream.slot().confirmed_flush;
+        tracing::info!(slot = %self.config.slot, %start, created = stream.slot().created, "streaming from the replication slot");
+        if !self
+            .send(Item::Session {
+                session,
+                start,
+                parked_keys,
+                owner: self.session_name.clone(),
+            })
+            .await
+        {
+            return SessionEnd::Closed;
+        }
+        self.set_status(CaptureStatus::Streaming);
+        if self.drain && !*marker_written {
+            match self
+                .main
+                .query_rows("drain marker", &self.sql.drain_marker, &[])
+                .await
+            {
+                Ok(rows) => {
+                    let lsn: String = rows[0].get(0);
+                    match lsn.parse::<Lsn>() {
+                        Ok(lsn) => {
+                            *marker_written = true;
+                            if !self.send(Item::DrainUntil(lsn)).await {
+                                return SessionEnd::Closed;
+                            }
+                        }
+                        Err(e) => {
+                            return SessionEnd::Broken(format!("the drain marker's position: {e}"))
+                        }
+                    }
+                }
+                Err(e) => {
+                    return SessionEnd::Broken(format!("writing the drain marker: {}", e.report()))
+                }
+            }
+        }
+        let mut liveness = SqlLiveness::new();
+        loop {
+            let permit = tokio::select! {
+                biased;
+                _ = self.close.changed() => return SessionEnd::Closed,
+                changed = self.confirm.changed() => {
+                    if changed.is_err() {
+                        return SessionEnd::Closed;
+                    }
+                    stream.confirm(*self.confirm.borrow_and_update());
+                    continue;
+                }
+                _ = liveness.tick() => {
+                    if let Some(reason) = liveness.check(&self.main).await {
+                        return SessionEnd::Broken(reason);
+                    }
+                    if liveness.publication_due() {
+                        if let Some(end) = self.publication_drift().await {
+                            return end;
+                        }
+                    }
+                    continue;
+                }
+                permit = self.tx.reserve() => match permit {
+                    Ok(permit) => permit,
+                    Err(_) => return SessionEnd::Closed,
+                },
+            };
+            let next = tokio::select! {
+                biased;
+                _ = self.close.changed() => return SessionEnd::Closed,
+                changed = self.confirm.changed() => {
+                    if changed.is_err() {
+                        return SessionEnd::Closed;
+                    }
+                    stream.confirm(*self.confirm.borrow_and_update());
+                    continue;
+                }
+                _ = liveness.tick() => {
+                    if let Some(reason) = liveness.check(&self.main).await {
+                        return SessionEnd::Broken(reason);
+                    }
+                    if liveness.publication_due() {
+                        if let Some(end) = self.publication_drift().await {
+                            return end;
+                        }
+                    }
+                    continue;
+                }
+                next = stream.next() => next,
+            };
+            let first = match next {
+                Ok(Some(output)) => output,
+                Ok(None) => return SessionEnd::Broken("the server ended the stream".into()),
+                Err(e) => return SessionEnd::Broken(describe(&e)),
+            };
+            let (burst, end) = read_burst(stream, first).await;
+            if tracing::enabled!(tracing::Level::TRACE) {
+                // With the claim's `oldest_ms`: whether events reach the relay late, or wait
+                // in it.
+                if let Some(age) = commit_age(&burst) {
+                    let age_ms = age.as_secs_f64() * 1000.0;
+                    tracing::trace!(outputs = burst.len(), first_commit_age_ms = age_ms, "read");
+                }
+            }
+            permit.send(Item::Outputs(burst));
+            self.notify();
+            match end {
+                BurstEnd::More => {}
+                BurstEnd::Ended => return SessionEnd::Broken("the server ended the stream".into()),
+                BurstEnd::Failed(e) => return SessionEnd::Broken(describe(&e)),
+            }
+        }
+    }
+}
+
+/// `base` and a token no other session has (an `application_name`: at most 63 bytes).
+pub(super) fn session_name(base: &str) -> String {
+    let token = uuid::Uuid::new_v4().simple().to_string();
+    let mut base = base.to_string();
+    while base.len() > 63 - 1 - 12 {
+        base.pop();
+    }
+    format!("{base} {}", &token[..12])
+}
+
+/// Whether the database still answers over SQL, asked every [`SqlLiveness::EVERY`] while
+/// a session streams.
+///
+/// A relay that cannot write to the database cannot settle what it holds, so it cannot
+/// confirm the slot up to the end of the WAL sent. PostgreSQL's fast shutdown ends the SQL
+/// sessions first, then waits for every walsender's client to confirm the end of the WAL
+/// before it completes: a relay that kept its replication session then would hold the
+/// shutdown (and a restart, a failover) for as long as it runs. So when the SQL side fails
+/// [`SqlLiveness::FAILURES`] times in a row, the session is let go. Nothing is lost: the
+/// slot stays where it was confirmed, and the events come again, with the same ids, in the
+/// next session.
+///
+/// Every [`SqlLiveness::PUBLICATION_EVERY`] answered ping, the publication is checked too
+/// ([`Reader::publication_drift`]).
+pub(super) struct SqlLiveness {
+    pub(super) ticks: tokio::time::Interval,
+    pub(super) failures: u32,
+    pub(super) answered: u32,
+}
+
+impl SqlLiveness {
+    const EVERY: Duration = Duration::from_secs(1);
+    /// Two, so that one lost connection the pool replaces costs no session.
+    const FAILURES: u32 = 2;
+    /// A ping that takes longer counts as failed (a server that no longer answers).
+    const PATIENCE: Duration = Duration::from_secs(3);
+    const PUBLICATION_EVERY: u32 = 5;
+
+    pub(super) fn new() -> Self {
+        let mut ticks =
+            tokio::time::interval_at(tokio::time::Instant::now() + Self::EVERY, Self::EVERY);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        SqlLiveness {
+            ticks,
+            failures: 0,
+            answered: 0,
+        }
+    }
+
+    /// After an answered ping: whether it is the publication's turn.
+    pub(super) fn publication_due(&mut self) -> bool {
+        self.answered += 1;
+        self.answered.is_multiple_of(Self::PUBLICATION_EVERY)
+    }
+
+    pub(super) async fn tick(&mut self) {
+        self.ticks.tick().await;
+    }
+
+    /// Pings the database; the reason to let the session go, once it has failed enough.
+    pub(super) async fn check(&mut self, main: &PgStore) -> Option<String> {
+        let failure = match tokio::time::timeout(Self::PATIENCE, main.ping()).await {
+            Ok(Ok(())) => {
+                self.failures = 0;
+                return None;
+            }
+            Ok(Err(e)) => e.report(),
+            Err(_) => format!("no answer within {:?}", Self::PATIENCE),
+        };
+        self.failures += 1;
+        tracing::debug!(error = %failure, failures = self.failures, "the database did not answer over SQL");
+        (self.failures >= Self::FAILURES).then(|| {
+            format!(
+                "the database does not answer over SQL ({failure}), so nothing the relay holds \
+                 can be settled: the replication session is let go, so that a server shutting \
+                 down does not wait for it (its events come again from the slot)"
+            )
+        })
+    }
+}
+
+/// A replication error with the fix where one is known.
+pub(super) fn describe(error: &WalError) -> String {
+    let text = error.to_string();
+    if text.contains("SQLSTATE 42501") || text.contains("must be superuser or replication role") {
+        format!("{text}: grant the relay's role REPLICATION (ALTER ROLE <role> REPLICATION)")
+    } else if text.contains("wal_level") {
+        format!("{text}: set wal_level = logical and restart PostgreSQL")
+    } else if text.contains("SQLSTATE 53400") || text.contains("replication slots are in use") {
+        format!("{text}: raise max_replication_slots and restart PostgreSQL, or drop a slot no longer used (pg_replication_slots)")
+    } else if text.contains("publication") && text.contains("does not exist") {
+        // Decoding reads the publication as it was at each change's position: one dropped
+        // and made again after the slot's position is missing for the WAL in between, for
+        // good. (A publication missing today is refused before streaming, with its own fix.)
+        format!(
+            "{text}: the publication was dropped and made again after the slot's position, and \
+             PostgreSQL cannot decode the WAL written in between; run `outbox-relay drop-slot`, \
+             then start the relay: the new slot's first session moves the rows still in the table \
+             to the parked table (outbox_emit events written in between are not in any table)"
+        )
+    } else if text.contains("max_wal_senders") {
+        format!("{text}: raise max_wal_senders and restart PostgreSQL, or stop a replication client no longer needed (pg_stat_replication)")
+    } else {
+        text
+    }
+}
