@@ -140,10 +140,15 @@ pub enum Severity {
     /// The relay works at a cost the problem names (polling only, rows sent to the dead
     /// letters, a slower claim): `run` warns and starts, `check` fails.
     Degraded,
+    /// A risk the relay cannot remove itself and many servers run with (a privilege only a
+    /// superuser may change): `run` warns and starts, `check` prints it as a warning and
+    /// passes.
+    Advisory,
 }
 
 /// One finding of [`OutboxStore::verify`]: what is wrong, how to fix it, and whether the
-/// relay can run with it. Made only by [`Problem::blocking`] and [`Problem::degraded`], so
+/// relay can run with it. Made only by [`Problem::blocking`], [`Problem::degraded`] and
+/// [`Problem::advisory`], so
 /// callers decide by [`Problem::severity`], never by the text.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Problem {
@@ -172,6 +177,15 @@ impl Problem {
         }
     }
 
+    /// A risk to know of, which the relay cannot remove ([`Severity::Advisory`]).
+    pub fn advisory(what: impl Into<String>, fix: impl Into<String>) -> Self {
+        Problem {
+            what: what.into(),
+            fix: fix.into(),
+            severity: Severity::Advisory,
+        }
+    }
+
     /// Column `column` of `table`, which every claim reads, is missing: claims fail.
     pub fn missing_column(column: &str, table: impl Display, fix: impl Into<String>) -> Self {
         Problem::blocking(
@@ -195,7 +209,12 @@ impl Problem {
 
     /// Whether `run` may start despite this problem.
     pub fn is_degraded(&self) -> bool {
-        self.severity == Severity::Degraded
+        self.severity != Severity::Blocking
+    }
+
+    /// Whether `check` fails on it.
+    pub fn fails_check(&self) -> bool {
+        self.severity != Severity::Advisory
     }
 }
 

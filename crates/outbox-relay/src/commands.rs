@@ -698,7 +698,12 @@ pub async fn migrate(config: Config, args: MigrateArgs) -> anyhow::Result<ExitCo
 /// Each problem `verify` found, with its fix, as `check` and `migrate` print them.
 fn print_problems(problems: &[outbox_core::store::Problem]) {
     for p in problems {
-        println!("problem: {}\n    fix: {}", p.what, p.fix);
+        let label = if p.fails_check() {
+            "problem"
+        } else {
+            "warning"
+        };
+        println!("{label}: {}\n    fix: {}", p.what, p.fix);
     }
 }
 
@@ -723,7 +728,7 @@ pub async fn check(config: Config) -> anyhow::Result<ExitCode> {
     match store.verify().await {
         Ok(problems) if problems.is_empty() => println!("ok: tables, trigger and privileges"),
         Ok(problems) => {
-            failed = true;
+            failed |= problems.iter().any(|p| p.fails_check());
             print_problems(&problems);
         }
         Err(e) => {

@@ -1400,6 +1400,56 @@ async fn two_outboxes_of_one_database_relay_only_their_own_messages() {
     assert_eq!(types(&second), ["ToTheSecond"]);
 }
 
+#[tokio::test]
+async fn check_warns_while_any_role_may_emit_outbox_messages_and_the_fix_makes_the_function_the_gate(
+) {
+    let w = WalDb::new().await;
+    let (code, said) = relay_check(&w);
+    assert_eq!(code, Some(0), "a warning: {said}");
+    assert!(said.contains("may write outbox events"), "{said}");
+    let database = w.url.rsplit('/').next().unwrap().to_string();
+    let writer = format!("writer_{}", &database[2..14]);
+    // The fix check names, as a superuser would apply it (privileges on functions are the
+    // database's own: no other test sees them).
+    w.db.batch_execute(&format!(
+        "REVOKE EXECUTE ON FUNCTION pg_logical_emit_message(boolean, text, text),
+                pg_logical_emit_message(boolean, text, bytea) FROM PUBLIC;
+         ALTER FUNCTION outbox_emit(text, text, text, jsonb, jsonb, uuid) SECURITY DEFINER;
+         REVOKE EXECUTE ON FUNCTION outbox_emit(text, text, text, jsonb, jsonb, uuid) FROM PUBLIC;
+         CREATE ROLE {writer} LOGIN;
+         GRANT EXECUTE ON FUNCTION outbox_emit(text, text, text, jsonb, jsonb, uuid) TO {writer};"
+    ))
+    .await
+    .unwrap();
+    let (code, said) = relay_check(&w);
+    assert_eq!(code, Some(0), "{said}");
+    assert!(!said.contains("may write outbox events"), "{said}");
+    let out = w.path("events.jsonl");
+    assert_success("the slot", &w.drain(&out));
+    let as_writer = pg(&w.url.replacen("postgres@", &format!("{writer}@"), 1)).await;
+    let forged = as_writer
+        .execute(
+            "SELECT pg_logical_emit_message(true, 'outbox', '{\"destination\": \"d\", \"type\": \"Forged\"}')",
+            &[],
+        )
+        .await;
+    assert!(forged.is_err(), "the writer emitted without the gate");
+    emit(&as_writer, "k", 1).await;
+    drop(as_writer);
+    assert_success("the drain", &w.drain(&out));
+    let types: Vec<Value> = read_lines(&out)
+        .iter()
+        .map(|l| l["event_type"].clone())
+        .collect();
+    assert_eq!(types, [Value::from("Emitted")]);
+    w.db.batch_execute(&format!(
+        "REVOKE ALL ON FUNCTION outbox_emit(text, text, text, jsonb, jsonb, uuid) FROM {writer};
+         DROP ROLE {writer};"
+    ))
+    .await
+    .unwrap();
+}
+
 /// `check --capture wal` on `w`: its exit code and what it printed.
 fn relay_check(w: &WalDb) -> (Option<i32>, String) {
     let check = relay(

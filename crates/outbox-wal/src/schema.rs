@@ -262,6 +262,8 @@ pub struct CaptureStatements {
     /// make, so a relay that lost the slot (paused past its session's end, while another
     /// took over) writes nothing for events the new holder is sent again.
     pub owns_slot: String,
+    /// The overloads of `pg_logical_emit_message` that PUBLIC may execute.
+    pub public_emit: String,
     /// The keys that have parked events.
     pub parked_keys: String,
     /// Which of `$1` still have parked events.
@@ -314,6 +316,15 @@ impl CaptureStatements {
             delete_rows: format!("{} SELECT count(*) FROM deleted", deletes(tables)),
             delete_delivered: format!("{} SELECT id FROM deleted", deletes(tables)),
             adopt: adopt(tables),
+            public_emit: "SELECT p.oid::regprocedure::text FROM pg_catalog.pg_proc p
+                           WHERE p.proname = 'pg_logical_emit_message'
+                             AND p.pronamespace = 'pg_catalog'::regnamespace
+                             AND EXISTS (
+                                 SELECT 1 FROM aclexplode(coalesce(p.proacl,
+                                                 acldefault('f', p.proowner))) a
+                                  WHERE a.grantee = 0 AND a.privilege_type = 'EXECUTE')
+                           ORDER BY 1"
+                .into(),
             owns_slot: "SELECT 1 FROM pg_catalog.pg_replication_slots s
                           JOIN pg_catalog.pg_stat_activity a ON a.pid = s.active_pid
                          WHERE s.slot_name = $1 AND a.application_name = $2"

@@ -62,6 +62,7 @@ pub async fn verify_capture(
              other tables; migrate adds what is missing)",
         ));
     }
+    problems.extend(public_emit(main, &sql, &tables).await?);
     let status = slot_status(main, slot).await?;
     let capacity = &main
         .query_rows("replication capacity", &sql.replication_capacity, &[])
@@ -223,4 +224,51 @@ pub async fn slot_status(main: &PgStore, slot: &str) -> StoreResult<Option<SlotS
         plugin: row.get(4),
         in_this_database: row.get(5),
     }))
+}
+
+/// A warning while every role that can connect may write outbox events (and forge their
+/// ids) with `pg_logical_emit_message`, which PostgreSQL lets PUBLIC execute; the fix makes
+/// the outbox's emit function the gate. Only a superuser can revoke it, and other tools of
+/// the database may use it, so the relay says so rather than doing it.
+async fn public_emit(
+    main: &PgStore,
+    sql: &CaptureStatements,
+    tables: &CaptureTables,
+) -> StoreResult<Vec<Problem>> {
+    let rows = main
+        .query_rows("emit privilege", &sql.public_emit, &[])
+        .await?;
+    if rows.is_empty() {
+        return Ok(Vec::new());
+    }
+    let functions: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
+    let emit = crate::emit::emit_function(&tables.outbox);
+    let role = main_role(main).await;
+    Ok(vec![Problem::advisory(
+        format!(
+            "every role that can connect may write outbox events, and forge their ids, with {} \
+             (PostgreSQL lets PUBLIC execute it)",
+            functions.join(" and ")
+        ),
+        format!(
+            "as a superuser, make {emit} the gate: REVOKE EXECUTE ON FUNCTION {all} FROM PUBLIC; \
+             GRANT EXECUTE ON FUNCTION {all} TO \"{role}\" (the relay writes its drain marker with \
+             it), <the owner of {emit}>; ALTER FUNCTION {emit} SECURITY DEFINER; REVOKE EXECUTE \
+             ON FUNCTION {emit} FROM PUBLIC; GRANT EXECUTE ON FUNCTION {emit} TO <each writer's \
+             role> (first check that no other tool of this database emits messages itself)",
+            all = functions.join(", "),
+            role = role.replace('"', "\"\""),
+        ),
+    )])
+}
+
+/// The role the store connects as, for the fixes that name it.
+async fn main_role(main: &PgStore) -> String {
+    match main
+        .query_rows("role", "SELECT current_user::text", &[])
+        .await
+    {
+        Ok(rows) => rows.first().map(|r| r.get(0)).unwrap_or_default(),
+        Err(_) => "<the relay's role>".into(),
+    }
 }
