@@ -289,6 +289,22 @@ fn the_debian_package_installs_a_hardened_unit_and_purges_cleanly() {
     ] {
         assert!(unit_text.contains(setting), "{setting} missing");
     }
+    // The database URL and the admin token as credentials, each with a default so that a
+    // missing file does not fail the unit; the environment file's lines (commented out
+    // until the files exist) name where systemd puts them.
+    let env_file = std::fs::read_to_string("/etc/outbox-relay/outbox-relay.env").unwrap();
+    let credentials = Path::new("/run/credentials/outbox-relay.service");
+    for (id, variable) in [
+        ("database-url", "OUTBOX_RELAY_DATABASE_URL_FILE"),
+        ("admin-token", "OUTBOX_RELAY_ADMIN_TOKEN_FILE"),
+    ] {
+        let load = format!("LoadCredential={id}:/etc/outbox-relay/{id}");
+        let default = format!("SetCredential={id}:\\n");
+        assert!(unit_text.lines().any(|l| l == load), "{load} missing");
+        assert!(unit_text.lines().any(|l| l == default), "{default} missing");
+        let line = format!("# {variable}={}", credentials.join(id).display());
+        assert!(env_file.lines().any(|l| l == line), "{line} missing");
+    }
     // Secrets go in the environment file: root's alone.
     use std::os::unix::fs::PermissionsExt;
     let mode = std::fs::metadata("/etc/outbox-relay/outbox-relay.env")
@@ -313,6 +329,38 @@ fn the_debian_package_installs_a_hardened_unit_and_purges_cleanly() {
             .output()
             .unwrap()
     };
+    // The credentials as the unit hands them over: the URL from its file; the default (a
+    // lone newline, when no file was written) refused by name.
+    let creds = tempfile::tempdir().unwrap();
+    let url_file = creds.path().join("database-url");
+    std::fs::write(&url_file, "sqlite:from-credential.db\n").unwrap();
+    let with_credential = Command::new("/usr/bin/outbox-relay")
+        .args(["--config", "/etc/outbox-relay/outbox-relay.toml", "migrate"])
+        .current_dir(state.path())
+        .env_remove("DATABASE_URL")
+        .env("OUTBOX_RELAY_DATABASE_URL_FILE", &url_file)
+        .output()
+        .unwrap();
+    assert!(
+        with_credential.status.success(),
+        "{}",
+        text(&with_credential.stderr)
+    );
+    assert!(state.path().join("from-credential.db").exists());
+    std::fs::write(&url_file, "\n").unwrap();
+    let unwritten = Command::new("/usr/bin/outbox-relay")
+        .args(["--config", "/etc/outbox-relay/outbox-relay.toml", "run"])
+        .current_dir(state.path())
+        .env_remove("DATABASE_URL")
+        .env("OUTBOX_RELAY_DATABASE_URL_FILE", &url_file)
+        .output()
+        .unwrap();
+    assert_eq!(unwritten.status.code(), Some(2));
+    assert!(
+        text(&unwritten.stderr).contains("database-url is empty"),
+        "{}",
+        text(&unwritten.stderr)
+    );
     let sent = as_unit(&["send", "--destination", "packaged", "{\"hello\":1}"]);
     assert!(sent.status.success(), "{}", text(&sent.stderr));
     let drained = as_unit(&["run", "--drain", "--http-addr", ""]);
