@@ -48,6 +48,11 @@ pub struct GlobalArgs {
     /// sqlite:PATH. Also OUTBOX_RELAY_DATABASE_URL or DATABASE_URL.
     #[arg(long, global = true, value_name = "URL")]
     pub database_url: Option<String>,
+    /// A file whose first line is the database URL, read once at start instead of
+    /// --database-url: a systemd credential or a mounted Kubernetes Secret, so that the
+    /// password is in no environment. Also OUTBOX_RELAY_DATABASE_URL_FILE.
+    #[arg(long, global = true, value_name = "FILE")]
+    pub database_url_file: Option<PathBuf>,
     /// Extra CA certificates (PEM) for database TLS (verify-ca, verify-full; with them,
     /// sslmode=require verifies the server too).
     #[arg(long, global = true, value_name = "FILE")]

@@ -92,6 +92,10 @@ pub enum LogFormat {
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
     pub database_url: String,
+    /// A file holding the database URL (`--database-url-file`), read once at start in place
+    /// of `database_url`: for systemd credentials and Kubernetes secret volumes, since the
+    /// URL carries the password.
+    pub database_url_file: Option<PathBuf>,
     /// Extra CA certificates (PEM) for database TLS.
     pub database_ca_file: Option<PathBuf>,
     /// One sink for every destination; when set it replaces `[sinks]` and `[[routes]]`.
@@ -163,6 +167,7 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             database_url: DEFAULT_DATABASE_URL.into(),
+            database_url_file: None,
             database_ca_file: None,
             sink: None,
             sinks: Default::default(),
@@ -209,8 +214,16 @@ impl Default for Config {
 impl std::fmt::Debug for Config {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let tables = self.layout_tables();
+        let database_url = match &self.database_url_file {
+            Some(file) => format!(
+                "{} (from {})",
+                redact_url(&self.database_url),
+                file.display()
+            ),
+            None => redact_url(&self.database_url),
+        };
         f.debug_struct("Config")
-            .field("database_url", &redact_url(&self.database_url))
+            .field("database_url", &database_url)
             .field("sink", &self.sink.as_deref().map(redact_url))
             .field("sinks", &self.sinks.keys().collect::<Vec<_>>())
             .field("layout", &self.layout.to_string())
@@ -272,7 +285,9 @@ impl Config {
     /// Layers the sources. `file` is `--config`; without it `outbox-relay.toml` is read if
     /// present. `flags` is the command line's layer (`Cli::flags`).
     pub fn load(file: Option<&Path>, flags: impl Provider + Clone) -> anyhow::Result<Config> {
-        let mut figment = Figment::from(Serialized::defaults(Config::default()));
+        // The layers above the defaults, kept apart so that a database URL given anywhere
+        // can be told from the default one (`database_url_file` refuses the former).
+        let mut figment = Figment::new();
         match file {
             Some(path) => {
                 if !path.exists() {
@@ -318,9 +333,12 @@ impl Config {
             figment = figment.merge(Serialized::default("admin_token", Secret::new(token)));
         }
         figment = figment.merge(flags);
-        let config: Config = figment
+        let url_given = figment.contains("database_url");
+        let mut config: Config = Figment::from(Serialized::defaults(Config::default()))
+            .merge(figment)
             .extract()
             .map_err(|e| anyhow::anyhow!("invalid configuration: {}", describe_figment_error(e)))?;
+        config.read_database_url_file(url_given)?;
         if config.outboxes.is_empty() {
             config.validate()?;
         } else {
@@ -642,17 +660,8 @@ impl Config {
                 ))
             }
             (Some(token), None) => token.expose().trim().to_string(),
-            (None, Some(path)) => std::fs::read_to_string(path)
-                .map_err(|e| {
-                    config_error(format!(
-                        "cannot read the admin token file {}: {e} (check --admin-token-file)",
-                        path.display()
-                    ))
-                })?
-                .lines()
-                .next()
-                .unwrap_or_default()
-                .trim()
+            (None, Some(path)) => read_secret_file(path, "admin token", "--admin-token-file")?
+                .expose()
                 .to_string(),
             (None, None) => return Ok(None),
         };
@@ -663,6 +672,26 @@ impl Config {
             ));
         }
         Ok(Some(Secret::new(token)))
+    }
+
+    /// With `database_url_file`, the URL from that file in place of `database_url`;
+    /// `url_given` says a source other than the defaults set `database_url`, which is then
+    /// refused: one of the two would be ignored.
+    fn read_database_url_file(&mut self, url_given: bool) -> anyhow::Result<()> {
+        let Some(path) = &self.database_url_file else {
+            return Ok(());
+        };
+        if url_given {
+            return Err(anyhow::Error::new(crate::commands::ConfigError(
+                "both a database URL (DATABASE_URL, OUTBOX_RELAY_DATABASE_URL, --database-url or \
+                 database_url) and --database-url-file (OUTBOX_RELAY_DATABASE_URL_FILE, \
+                 database_url_file) are set: keep one"
+                    .into(),
+            )));
+        }
+        let url = read_secret_file(path, "database URL", "--database-url-file")?;
+        self.database_url = url.expose().to_string();
+        Ok(())
     }
 
     /// Where the HTTP server listens (`None`: nowhere) and the admin API's token. A server
@@ -871,6 +900,10 @@ const PROCESS_SETTINGS: &[&str] = &[
 /// `sink` never shadows an entry's `[sinks]` (or the other way round).
 const SINK_SETTINGS: &[&str] = &["sink", "sinks", "routes"];
 
+/// The database: an entry that sets either replaces both, so that an entry's own URL is not
+/// refused for the top level's URL file (or the other way round).
+const DATABASE_SETTINGS: &[&str] = &["database_url", "database_url_file"];
+
 /// One outbox of `[[outboxes]]`: its name (the `outbox` label of its metrics, its path under
 /// `/outboxes/`, and `--outbox NAME`) and its settings in effect.
 #[derive(Clone, Debug)]
@@ -934,16 +967,32 @@ impl Config {
                      set it once at the top level of the file"
                 )));
             }
+            if DATABASE_SETTINGS.iter().all(|k| entry.contains_key(*k)) {
+                return Err(config_error(format!(
+                    "[[outboxes]] `{name}` sets both database_url and database_url_file: keep \
+                     one"
+                )));
+            }
+            // A URL (or URL file) on the command line is every outbox's, as any flag is; the
+            // top level holds it, read already.
+            let flag_database = DATABASE_SETTINGS.iter().any(|k| flags.contains(k));
+            let own_database =
+                !flag_database && DATABASE_SETTINGS.iter().any(|k| entry.contains_key(*k));
             let mut settings = base.clone();
-            if SINK_SETTINGS.iter().any(|k| entry.contains_key(*k)) {
-                for key in SINK_SETTINGS {
-                    settings.remove(*key);
+            for (group, replaced) in [(SINK_SETTINGS, true), (DATABASE_SETTINGS, own_database)] {
+                if replaced && group.iter().any(|k| entry.contains_key(*k)) {
+                    for key in group {
+                        settings.remove(*key);
+                    }
                 }
             }
             for (key, value) in entry.iter().filter(|(k, _)| k.as_str() != "name") {
+                if flag_database && DATABASE_SETTINGS.contains(&key.as_str()) {
+                    continue;
+                }
                 settings.insert(key.clone(), value.clone());
             }
-            let config: Config = Figment::from(Serialized::defaults(settings))
+            let mut config: Config = Figment::from(Serialized::defaults(settings))
                 .merge(flags.clone())
                 .extract()
                 .map_err(|e| {
@@ -952,6 +1001,11 @@ impl Config {
                         describe_entry_error(e)
                     ))
                 })?;
+            if own_database {
+                config
+                    .read_database_url_file(false)
+                    .map_err(|e| config_error(format!("[[outboxes]] `{name}`: {e:#}")))?;
+            }
             config
                 .validate()
                 .map_err(|e| config_error(format!("invalid [[outboxes]] `{name}`: {e:#}")))?;
@@ -1137,6 +1191,29 @@ fn host_names<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D::
             .collect(),
         Names::Many(names) => names,
     })
+}
+
+/// The secret `what` from the first line of the file at `path`, trimmed (an editor's or
+/// `echo`'s newline is no part of it). A file that cannot be read or holds nothing is a
+/// configuration error naming the file and `flag`; the error never quotes the content.
+fn read_secret_file(path: &Path, what: &str, flag: &str) -> anyhow::Result<Secret> {
+    let config_error = |m: String| anyhow::Error::new(crate::commands::ConfigError(m));
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        config_error(format!(
+            "cannot read the {what} file {}: {e} (check {flag}, and that the relay's user may \
+             read the file)",
+            path.display()
+        ))
+    })?;
+    let value = Secret::new(text.lines().next().unwrap_or_default().trim());
+    if value.expose().is_empty() {
+        return Err(config_error(format!(
+            "the {what} file {} is empty: put the {what} on its first line (or point {flag} \
+             at the file that holds it)",
+            path.display()
+        )));
+    }
+    Ok(value)
 }
 
 fn single_sink(uri: &str) -> BTreeMap<String, SinkConfig> {
@@ -1782,6 +1859,211 @@ mod tests {
         assert!(
             err.contains("two [[outboxes]] entries are named \"a\""),
             "{err}"
+        );
+    }
+
+    /// `Config::load` with `args` in a jail holding `files`: the config, or the error as the
+    /// binary prints it and whether it is a configuration error (exit 2).
+    fn load_with_files(
+        files: &[(&str, &str)],
+        env: &[(&str, &str)],
+        args: &[&str],
+    ) -> Result<Config, (String, bool)> {
+        let mut result = Err((String::new(), false));
+        figment::Jail::expect_with(|jail| {
+            for (name, content) in files {
+                jail.create_file(name, content)?;
+            }
+            for (k, v) in env {
+                jail.set_env(k, v);
+            }
+            let toml = files.iter().any(|(n, _)| *n == "relay.toml");
+            let file = toml.then_some(Path::new("relay.toml"));
+            result = Config::load(file, flags(args)).map_err(|e| {
+                let config = e.downcast_ref::<crate::commands::ConfigError>().is_some();
+                (format!("{e:#}"), config)
+            });
+            Ok(())
+        });
+        result
+    }
+
+    const URL_WITH_PASSWORD: &str = "postgres://relay:pw-in-file-7f3a@db.internal/app";
+
+    #[test]
+    fn the_database_url_is_read_from_a_file_given_by_flag_variable_or_setting() {
+        let file = ("db-url", &*format!("{URL_WITH_PASSWORD}\n"));
+        let by_flag = load_with_files(
+            &[file],
+            &[],
+            &["outbox-relay", "check", "--database-url-file", "db-url"],
+        )
+        .unwrap();
+        assert_eq!(
+            by_flag.database_url, URL_WITH_PASSWORD,
+            "the newline trimmed"
+        );
+        assert_eq!(by_flag.database_kind().unwrap(), DatabaseKind::Postgres);
+        let shown = format!("{by_flag:?}");
+        assert!(
+            !shown.contains("pw-in-file") && shown.contains("(from db-url)"),
+            "{shown}"
+        );
+        let by_env = load_with_files(
+            &[file],
+            &[("OUTBOX_RELAY_DATABASE_URL_FILE", "db-url")],
+            &["outbox-relay", "migrate"],
+        )
+        .unwrap();
+        assert_eq!(by_env.database_url, URL_WITH_PASSWORD);
+        let by_setting = load_with_files(
+            &[file, ("relay.toml", "database_url_file = \"db-url\"\n")],
+            &[],
+            &["outbox-relay", "stats"],
+        )
+        .unwrap();
+        assert_eq!(by_setting.database_url, URL_WITH_PASSWORD);
+    }
+
+    #[test]
+    fn a_database_url_file_that_cannot_serve_is_a_configuration_error_naming_it() {
+        let flag = ["outbox-relay", "check", "--database-url-file", "db-url"];
+        let refused = |files: &[(&str, &str)], env: &[(&str, &str)], args: &[&str]| {
+            let (err, config) = load_with_files(files, env, args).unwrap_err();
+            assert!(config, "a configuration error (exit 2): {err}");
+            assert!(!err.contains("pw-in-file"), "{err}");
+            err
+        };
+        let missing = refused(&[], &[], &flag);
+        assert!(
+            missing.contains("cannot read the database URL file db-url")
+                && missing.contains("--database-url-file"),
+            "{missing}"
+        );
+        let empty = refused(&[("db-url", "\n")], &[], &flag);
+        assert!(
+            empty.contains("the database URL file db-url is empty")
+                && empty.contains("put the database URL on its first line"),
+            "{empty}"
+        );
+        // A URL beside the file, from any source: one of them would be ignored.
+        let file = ("db-url", URL_WITH_PASSWORD);
+        for env in [
+            ("DATABASE_URL", "postgres://other/db"),
+            ("OUTBOX_RELAY_DATABASE_URL", "postgres://other/db"),
+        ] {
+            let both = refused(&[file], &[env], &flag);
+            assert!(both.contains("keep one"), "{both}");
+        }
+        let both = refused(
+            &[file, ("relay.toml", "database_url = \"sqlite:x.db\"\n")],
+            &[("OUTBOX_RELAY_DATABASE_URL_FILE", "db-url")],
+            &["outbox-relay", "run"],
+        );
+        assert!(both.contains("--database-url-file"), "{both}");
+        // A URL the file holds that is no database URL is refused without its password.
+        // (`main` exits 2 for every error of `load`.)
+        let (bad, _) = load_with_files(
+            &[("db-url", "oracle://relay:pw-in-file-7f3a@db/app")],
+            &[],
+            &flag,
+        )
+        .unwrap_err();
+        assert!(
+            bad.contains("unsupported database URL") && !bad.contains("pw-in-file"),
+            "{bad}"
+        );
+    }
+
+    #[test]
+    fn an_outbox_has_its_own_database_url_file_or_inherits_the_top_level_one() {
+        let toml = r#"
+            database_url_file = "top-url"
+            [[outboxes]]
+            name = "inherits"
+            [[outboxes]]
+            name = "own-url"
+            database_url = "postgres://relay@db/own"
+            [[outboxes]]
+            name = "own-file"
+            database_url_file = "own-url"
+            outbox_table = "own_outbox"
+            nodes_table = "own_nodes"
+            "#;
+        let files = [
+            ("relay.toml", toml),
+            ("top-url", "postgres://relay:pw-top@db/top\n"),
+            ("own-url", "postgres://relay:pw-own@db/top\n"),
+        ];
+        let outboxes_with = |files: &[(&str, &str)], args: &[&str]| {
+            let mut result = Err(String::new());
+            figment::Jail::expect_with(|jail| {
+                for (name, content) in files {
+                    jail.create_file(name, content)?;
+                }
+                let flags = flags(args);
+                result = Config::load(Some(Path::new("relay.toml")), flags.clone())
+                    .and_then(|c| c.outboxes(&flags))
+                    .map_err(|e| format!("{e:#}"));
+                Ok(())
+            });
+            result
+        };
+        let outboxes = outboxes_with(&files, &["outbox-relay", "check"]).unwrap();
+        let urls: Vec<&str> = outboxes
+            .iter()
+            .map(|o| o.config.database_url.as_str())
+            .collect();
+        assert_eq!(
+            urls,
+            [
+                "postgres://relay:pw-top@db/top",
+                "postgres://relay@db/own",
+                "postgres://relay:pw-own@db/top"
+            ]
+        );
+        // A flag is every outbox's, as everywhere.
+        let outboxes = outboxes_with(
+            &[
+                files[0],
+                files[1],
+                files[2],
+                ("flag-url", "postgres://relay@db/flag"),
+            ],
+            &["outbox-relay", "check", "--database-url-file", "flag-url"],
+        );
+        // Two outboxes of one database and table: refused, which shows the flag's URL
+        // replaced the top level's and the entry's own.
+        let err = outboxes.unwrap_err();
+        assert!(
+            err.contains("`inherits` and `own-url` both relay public.outbox of")
+                && err.contains("db:5432/flag"),
+            "{err}"
+        );
+        let both = outboxes_with(
+            &[(
+                "relay.toml",
+                "[[outboxes]]\nname = \"a\"\ndatabase_url = \"sqlite:a.db\"\n\
+                 database_url_file = \"a-url\"\n",
+            )],
+            &["outbox-relay", "check"],
+        )
+        .unwrap_err();
+        assert!(
+            both.contains("`a` sets both database_url and database_url_file"),
+            "{both}"
+        );
+        let missing = outboxes_with(
+            &[(
+                "relay.toml",
+                "[[outboxes]]\nname = \"a\"\ndatabase_url_file = \"a-url\"\n",
+            )],
+            &["outbox-relay", "check"],
+        )
+        .unwrap_err();
+        assert!(
+            missing.contains("`a`") && missing.contains("database URL file a-url"),
+            "{missing}"
         );
     }
 }

@@ -406,3 +406,93 @@ fn a_setting_of_another_sink_is_refused_naming_the_setting_the_sink_and_the_fix(
         "needs a path",
     );
 }
+
+/// The database URL from a file, as a systemd credential or a Kubernetes Secret's volume
+/// gives it: `migrate`, `send`, `check`, `run` and `stats` use it (the file's newline
+/// trimmed), and its password shows in none of their output, not even at debug level. A
+/// missing or empty file, or a URL beside it, exits 2 naming the file or both settings.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_url_file_serves_every_command_and_its_password_shows_nowhere() {
+    let password = "pw-from-file-91c2e";
+    let url = outbox_testkit::fresh_pg_database().await;
+    // The test server trusts local connections: the password is carried, never checked.
+    let url = url.replacen("://postgres@", &format!("://postgres:{password}@"), 1);
+    assert!(url.contains(password), "{url}");
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let file = d.join("database-url");
+    std::fs::write(&file, format!("{url}\n")).unwrap();
+    let file = file.to_str().unwrap();
+    let sink = format!("file:{}", d.join("events.jsonl").display());
+    let with_file = |args: &[&str]| {
+        let mut all = vec!["--database-url-file", file, "--log-level", "debug"];
+        all.extend_from_slice(args);
+        relay(d, &all, &[])
+    };
+    for args in [
+        &["migrate"][..],
+        &["send", "--destination", "d", "{}"],
+        &["check"],
+        &["run", "--drain", "--sink", &sink, "--http-addr", ""],
+        &["stats"],
+        &["dead", "list"],
+    ] {
+        let out = with_file(args);
+        let shown = format!("{}{}", String::from_utf8_lossy(&out.stdout), stderr(&out));
+        assert!(out.status.success(), "{args:?}: {shown}");
+        assert!(
+            !shown.contains(password),
+            "{args:?} shows the password: {shown}"
+        );
+        if args[0] == "check" {
+            assert!(
+                shown.contains("ok: connected to") && shown.contains(&format!("(from {file})")),
+                "{shown}"
+            );
+        }
+    }
+    assert_eq!(support::read_lines(&d.join("events.jsonl")).len(), 1);
+    // The environment's way, as the systemd unit's environment file sets it.
+    let out = relay(d, &["check"], &[("OUTBOX_RELAY_DATABASE_URL_FILE", file)]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    // A server that does not answer: the error names it without the password.
+    let port = outbox_testkit::server::free_port();
+    let closed = format!("postgres://postgres:{password}@127.0.0.1:{port}/app");
+    let closed_file = d.join("closed-url");
+    std::fs::write(&closed_file, &closed).unwrap();
+    let out = relay(
+        d,
+        &[
+            "check",
+            "--database-url-file",
+            closed_file.to_str().unwrap(),
+        ],
+        &[],
+    );
+    let shown = format!("{}{}", String::from_utf8_lossy(&out.stdout), stderr(&out));
+    assert!(shown.contains("cannot connect to"), "{shown}");
+    assert!(!shown.contains(password), "{shown}");
+
+    let missing = d.join("no-such-file");
+    let missing = missing.to_str().unwrap();
+    for command in ["run", "check", "migrate"] {
+        refused(
+            relay(d, &[command, "--database-url-file", missing], &[]),
+            &format!("cannot read the database URL file {missing}"),
+            "--database-url-file",
+        );
+    }
+    std::fs::write(d.join("empty"), "\n").unwrap();
+    refused(
+        relay(d, &["check", "--database-url-file", "empty"], &[]),
+        "the database URL file empty is empty",
+        "put the database URL on its first line",
+    );
+    let both = relay(
+        d,
+        &["check", "--database-url-file", file],
+        &[("DATABASE_URL", &url)],
+    );
+    assert!(!stderr(&both).contains(password), "{}", stderr(&both));
+    refused(both, "--database-url-file", "keep one");
+}

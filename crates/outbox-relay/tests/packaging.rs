@@ -289,6 +289,22 @@ fn the_debian_package_installs_a_hardened_unit_and_purges_cleanly() {
     ] {
         assert!(unit_text.contains(setting), "{setting} missing");
     }
+    // The database URL and the admin token as credentials, each with a default so that a
+    // missing file does not fail the unit; the environment file's lines (commented out
+    // until the files exist) name where systemd puts them.
+    let env_file = std::fs::read_to_string("/etc/outbox-relay/outbox-relay.env").unwrap();
+    let credentials = Path::new("/run/credentials/outbox-relay.service");
+    for (id, variable) in [
+        ("database-url", "OUTBOX_RELAY_DATABASE_URL_FILE"),
+        ("admin-token", "OUTBOX_RELAY_ADMIN_TOKEN_FILE"),
+    ] {
+        let load = format!("LoadCredential={id}:/etc/outbox-relay/{id}");
+        let default = format!("SetCredential={id}:\\n");
+        assert!(unit_text.lines().any(|l| l == load), "{load} missing");
+        assert!(unit_text.lines().any(|l| l == default), "{default} missing");
+        let line = format!("# {variable}={}", credentials.join(id).display());
+        assert!(env_file.lines().any(|l| l == line), "{line} missing");
+    }
     // Secrets go in the environment file: root's alone.
     use std::os::unix::fs::PermissionsExt;
     let mode = std::fs::metadata("/etc/outbox-relay/outbox-relay.env")
@@ -313,6 +329,38 @@ fn the_debian_package_installs_a_hardened_unit_and_purges_cleanly() {
             .output()
             .unwrap()
     };
+    // The credentials as the unit hands them over: the URL from its file; the default (a
+    // lone newline, when no file was written) refused by name.
+    let creds = tempfile::tempdir().unwrap();
+    let url_file = creds.path().join("database-url");
+    std::fs::write(&url_file, "sqlite:from-credential.db\n").unwrap();
+    let with_credential = Command::new("/usr/bin/outbox-relay")
+        .args(["--config", "/etc/outbox-relay/outbox-relay.toml", "migrate"])
+        .current_dir(state.path())
+        .env_remove("DATABASE_URL")
+        .env("OUTBOX_RELAY_DATABASE_URL_FILE", &url_file)
+        .output()
+        .unwrap();
+    assert!(
+        with_credential.status.success(),
+        "{}",
+        text(&with_credential.stderr)
+    );
+    assert!(state.path().join("from-credential.db").exists());
+    std::fs::write(&url_file, "\n").unwrap();
+    let unwritten = Command::new("/usr/bin/outbox-relay")
+        .args(["--config", "/etc/outbox-relay/outbox-relay.toml", "run"])
+        .current_dir(state.path())
+        .env_remove("DATABASE_URL")
+        .env("OUTBOX_RELAY_DATABASE_URL_FILE", &url_file)
+        .output()
+        .unwrap();
+    assert_eq!(unwritten.status.code(), Some(2));
+    assert!(
+        text(&unwritten.stderr).contains("database-url is empty"),
+        "{}",
+        text(&unwritten.stderr)
+    );
     let sent = as_unit(&["send", "--destination", "packaged", "{\"hello\":1}"]);
     assert!(sent.status.success(), "{}", text(&sent.stderr));
     let drained = as_unit(&["run", "--drain", "--http-addr", ""]);
@@ -365,7 +413,9 @@ fn the_kubernetes_manifests_build_and_validate_against_the_api_schemas() {
             "poddisruptionbudget/outbox-relay",
             "service/outbox-relay",
             "secret/outbox-relay",
+            "secret/outbox-relay-env",
             "configmap/outbox-relay-config",
+            "networkpolicy/outbox-relay",
         ] {
             assert!(
                 said.contains(&format!("passed for resource {resource}")),
@@ -416,11 +466,48 @@ ports = {p["name"] for p in svc["spec"]["ports"]}
 config = by_kind["ConfigMap"][0]["data"]["outbox-relay.toml"]
 timeout = int(re.search(r'shutdown_timeout = "(\d+)s"', config).group(1))
 assert deploy["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= timeout + 2 + 5
-secret = by_kind["Secret"][0]["stringData"]
-env = {e["name"] for e in c["env"]}
-assert "OUTBOX_RELAY_ADMIN_TOKEN" in secret and "DATABASE_URL" in secret
-assert c["envFrom"][0]["secretRef"]["name"] == by_kind["Secret"][0]["metadata"]["name"]
+secrets = {s["metadata"]["name"]: s for s in by_kind["Secret"]}
+env = {e["name"]: e.get("value") for e in c["env"]}
 assert "OUTBOX_RELAY_NODE_ID" in env
+# The database URL and the admin token are files of a Secret's volume, read through
+# *_FILE settings; neither is in the environment.
+mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+files = [v for v in volumes.values() if "secret" in v]
+assert len(files) == 1, volumes
+secret_volume = files[0]
+secret = secrets[secret_volume["secret"]["secretName"]]["stringData"]
+directory = mounts[secret_volume["name"]]
+assert env["OUTBOX_RELAY_DATABASE_URL_FILE"] == directory + "/database-url", env
+assert env["OUTBOX_RELAY_ADMIN_TOKEN_FILE"] == directory + "/admin-token", env
+assert "database-url" in secret and "admin-token" in secret, secret
+for s in secrets.values():
+    for key in s["stringData"]:
+        assert key not in ("DATABASE_URL", "OUTBOX_RELAY_DATABASE_URL", "OUTBOX_RELAY_ADMIN_TOKEN"), key
+for source in c["envFrom"]:
+    assert source["secretRef"]["name"] in secrets, source
+    assert source["secretRef"]["name"] != secret_volume["secret"]["secretName"]
+# Room for what the bounded HTTP server can hold (about 105 MB of header buffers from 256
+# connections, 22 MB of admin bodies) beside the relay's own 41 MB peak and its in-flight
+# events: at least 512 MiB.
+limit = c["resources"]["limits"]["memory"]
+assert limit.endswith("Mi") and int(limit[:-2]) >= 512, limit
+# The NetworkPolicy: the relay's pods, ingress to the HTTP port only, egress to DNS, the
+# database and the broker only; its peers select Prometheus and DNS, not the relay.
+policy = by_kind["NetworkPolicy"][0]["spec"]
+assert all(labels.get(k) == v for k, v in policy["podSelector"]["matchLabels"].items())
+assert policy["podSelector"]["matchLabels"], policy
+assert sorted(policy["policyTypes"]) == ["Egress", "Ingress"]
+http = [p for p in c["ports"] if p["name"] == "http"][0]
+for rule in policy["ingress"]:
+    assert [p["port"] for p in rule["ports"]] in (["http"], [http["containerPort"]]), rule
+    for peer in rule["from"]:
+        assert "ipBlock" not in peer, peer
+        assert peer["podSelector"]["matchLabels"].get("app.kubernetes.io/name") == "prometheus", peer
+egress_ports = sorted(p["port"] for rule in policy["egress"] for p in rule["ports"])
+assert egress_ports == [53, 53, 4222, 5432], egress_ports
+dns = [r for r in policy["egress"] if any(p["port"] == 53 for p in r["ports"])][0]
+assert dns["to"][0]["podSelector"]["matchLabels"] == {"k8s-app": "kube-dns"}, dns
 if overlay == "production":
     assert deploy["spec"]["replicas"] == 3
     assert c["image"].startswith("registry.example.com/outbox-relay:"), c["image"]
