@@ -64,6 +64,7 @@ impl CapturedTable {
             mutation_id: mapping.mutation_id.clone(),
             created_at: mapping.created_at.clone(),
             available_at: mapping.available_at.clone(),
+            rejected: mapping.rejected.clone(),
             span_context: mapping.span_context.clone(),
             event_id_header: mapping.event_id_header.clone(),
             utc_timestamps: mapping.utc_timestamps,

@@ -1450,6 +1450,87 @@ async fn check_warns_while_any_role_may_emit_outbox_messages_and_the_fix_makes_t
     .unwrap();
 }
 
+#[tokio::test]
+async fn the_rejected_flag_reaches_the_sink_as_polling_passes_it_parked_or_not() {
+    let w = WalDb::new().await;
+    let out = w.path("events.jsonl");
+    assert_success("the slot", &w.drain(&out));
+    // One straight from the stream, one through the parked table (scheduled).
+    w.db.batch_execute(
+        "INSERT INTO outbox (destination, partition_key, event_type, payload, rejected)
+           VALUES ('orders', 'now', 'Rejected', '{}', true);
+         INSERT INTO outbox (destination, partition_key, event_type, payload, rejected,
+                             available_at)
+           VALUES ('orders', 'later', 'Rejected', '{}', true, now() + interval '1 second');",
+    )
+    .await
+    .unwrap();
+    let mut relay = w.spawn("relay", &out, &[]);
+    wait_for_lines("both delivered", &out, Duration::from_secs(60), |n| n >= 2).await;
+    let flags: Vec<(String, Value)> = read_lines(&out)
+        .iter()
+        .map(|l| {
+            (
+                l["partition_key"].as_str().unwrap().to_string(),
+                l["rejected"].clone(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        flags,
+        [
+            ("now".to_string(), Value::Bool(true)),
+            ("later".to_string(), Value::Bool(true))
+        ]
+    );
+    let status = relay.terminate().await;
+    assert!(status.success(), "{status:?}");
+}
+
+#[tokio::test]
+async fn a_non_transactional_outbox_message_is_counted_and_named_not_dropped_silently() {
+    let w = WalDb::new().await;
+    let out = w.path("events.jsonl");
+    let relay = w.spawn(
+        "relay",
+        &out,
+        &["--http-addr", "127.0.0.1:0", "--log-format", "json"],
+    );
+    let addr = http_addr(&relay).await;
+    relay
+        .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
+        .await;
+    // Sent whether or not its writer commits: an outbox must not relay it.
+    w.db.execute(
+        "SELECT pg_logical_emit_message(false, 'outbox', '{\"destination\": \"d\", \"type\": \"T\"}')",
+        &[],
+    )
+    .await
+    .unwrap();
+    relay
+        .wait_for_log(
+            "the skip named",
+            Duration::from_secs(60),
+            "pg_logical_emit_message(true, ...) or outbox_emit(...)",
+        )
+        .await;
+    eventually_explained(
+        "the skip counted",
+        Duration::from_secs(30),
+        || relay.logs(),
+        || {
+            let addr = addr.clone();
+            async move {
+                let (_, metrics) = http_get(&addr, "/metrics").await?;
+                let skipped = metric_value(&metrics, "outbox_wal_messages_skipped_total")?;
+                (skipped == 1.0).then_some(())
+            }
+        },
+    )
+    .await;
+    assert!(read_lines(&out).is_empty(), "not relayed");
+}
+
 /// `check --capture wal` on `w`: its exit code and what it printed.
 fn relay_check(w: &WalDb) -> (Option<i32>, String) {
     let check = relay(

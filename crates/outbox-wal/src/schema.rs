@@ -236,11 +236,11 @@ impl CaptureStatements {
 pub struct CaptureStatements {
     /// Parks events (in order; an event already parked is skipped by its event id).
     /// `$1` event ids, `$2` destinations, `$3` keys, `$4` types, `$5` payloads (JSON text),
-    /// `$6` headers (JSON text), `$7` mutation ids, `$8` created_at, `$9` delays (ms),
-    /// `$10` not-before times, `$11` attempts, `$12` last errors.
+    /// `$6` headers (JSON text), `$7` mutation ids, `$8` rejected, `$9` created_at, `$10`
+    /// delays (ms), `$11` not-before times, `$12` attempts, `$13` last errors.
     pub park: String,
     /// Writes dead letters from decoded events. `$1` sequence ids, then as `park` without
-    /// the times: `$2`..`$8`, `$9` created_at, `$10` attempts, `$11` errors.
+    /// the times: `$2`..`$9`, `$10` created_at, `$11` attempts, `$12` errors.
     pub dead_letter: String,
     /// Deletes delivered or parked rows of the outbox. `$1` sequence ids.
     pub delete_rows: String,
@@ -292,25 +292,26 @@ impl CaptureStatements {
         CaptureStatements {
             park: format!(
                 "INSERT INTO {parked} (event_id, destination, partition_key, event_type, payload,
-                        headers, mutation_id, created_at, available_at, attempts, last_error)
-                 SELECT e, d, k, t, p::jsonb, h::jsonb, m, c,
+                        headers, mutation_id, rejected, created_at, available_at, attempts,
+                        last_error)
+                 SELECT e, d, k, t, p::jsonb, h::jsonb, m, r, c,
                         greatest(now() + w * interval '1 millisecond', coalesce(a, '-infinity')),
                         n, err
                    FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[],
-                               $6::text[], $7::text[], $8::timestamptz[], $9::int8[],
-                               $10::timestamptz[], $11::int4[], $12::text[])
-                        WITH ORDINALITY AS u(e, d, k, t, p, h, m, c, w, a, n, err, i)
+                               $6::text[], $7::text[], $8::bool[], $9::timestamptz[],
+                               $10::int8[], $11::timestamptz[], $12::int4[], $13::text[])
+                        WITH ORDINALITY AS u(e, d, k, t, p, h, m, r, c, w, a, n, err, i)
                   ORDER BY i
                  ON CONFLICT (event_id) DO NOTHING"
             ),
             dead_letter: format!(
                 "INSERT INTO {dl} (sequence_id, event_id, destination, partition_key, event_type,
-                        payload, headers, mutation_id, created_at, attempts, last_error)
-                 SELECT s, e, d, k, t, p::jsonb, h::jsonb, m, c, n, err
+                        payload, headers, mutation_id, rejected, created_at, attempts, last_error)
+                 SELECT s, e, d, k, t, p::jsonb, h::jsonb, m, r, c, n, err
                    FROM unnest($1::int8[], $2::uuid[], $3::text[], $4::text[], $5::text[],
-                               $6::text[], $7::text[], $8::text[], $9::timestamptz[],
-                               $10::int4[], $11::text[])
-                        AS u(s, e, d, k, t, p, h, m, c, n, err)
+                               $6::text[], $7::text[], $8::text[], $9::bool[],
+                               $10::timestamptz[], $11::int4[], $12::text[])
+                        AS u(s, e, d, k, t, p, h, m, r, c, n, err)
                  ON CONFLICT (sequence_id) DO NOTHING"
             ),
             delete_rows: format!("{} SELECT count(*) FROM deleted", deletes(tables)),

@@ -26,6 +26,9 @@ pub struct ColumnNames {
     pub mutation_id: Option<String>,
     pub created_at: Option<String>,
     pub available_at: Option<String>,
+    /// A boolean the application sets on an event it rejects (Ably's connector's flag),
+    /// passed on to the sink as the polling relay does.
+    pub rejected: Option<String>,
     /// A span context in Java properties (Debezium's `tracingspancontext`): its
     /// `traceparent` and `tracestate` become headers.
     pub span_context: Option<String>,
@@ -49,6 +52,7 @@ impl ColumnNames {
             mutation_id: Some("mutation_id".into()),
             created_at: Some("created_at".into()),
             available_at: Some("available_at".into()),
+            rejected: Some("rejected".into()),
             span_context: None,
             event_id_header: None,
             utc_timestamps: false,
@@ -70,6 +74,7 @@ pub struct OutboxColumns {
     mutation_id: Option<usize>,
     created_at: Option<usize>,
     available_at: Option<usize>,
+    rejected: Option<usize>,
     span_context: Option<usize>,
     event_id_header: Option<String>,
     utc_timestamps: bool,
@@ -122,6 +127,7 @@ impl OutboxColumns {
             mutation_id: optional(&names.mutation_id),
             created_at: optional(&names.created_at),
             available_at: optional(&names.available_at),
+            rejected: optional(&names.rejected),
             span_context: optional(&names.span_context),
             event_id_header: names.event_id_header.clone(),
             utc_timestamps: names.utc_timestamps,
@@ -215,6 +221,8 @@ impl OutboxColumns {
                 partition_key: optional(self.partition_key, "partition_key")?.map(String::from),
                 headers,
                 mutation_id: optional(self.mutation_id, "mutation_id")?.map(String::from),
+                // pgoutput's text form of a boolean.
+                rejected: optional(self.rejected, "rejected")? == Some("t"),
                 created_at,
                 ..Event::new(
                     0,
@@ -538,6 +546,7 @@ mod tests {
             mutation_id: None,
             created_at: Some("timestamp".into()),
             available_at: None,
+            rejected: None,
             span_context: Some("tracingspancontext".into()),
             event_id_header: Some("id".into()),
             utc_timestamps: true,

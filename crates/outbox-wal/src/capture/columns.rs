@@ -50,6 +50,7 @@ pub(super) struct EventColumns {
     pub(super) payloads: Vec<Option<String>>,
     pub(super) headers: Vec<String>,
     pub(super) mutations: Vec<Option<String>>,
+    pub(super) rejected: Vec<bool>,
     pub(super) created: Vec<SystemTime>,
     pub(super) parking: ParkColumns,
 }
@@ -81,7 +82,7 @@ impl EventColumns {
         before: &[&'a (dyn ToSql + Sync)],
         after: &[&'a (dyn ToSql + Sync)],
     ) -> Vec<&'a (dyn ToSql + Sync)> {
-        let columns: [&'a (dyn ToSql + Sync); 8] = [
+        let columns: [&'a (dyn ToSql + Sync); 9] = [
             &self.event_ids,
             &self.destinations,
             &self.keys,
@@ -89,6 +90,7 @@ impl EventColumns {
             &self.payloads,
             &self.headers,
             &self.mutations,
+            &self.rejected,
             &self.created,
         ];
         [before, &columns, after].concat()
@@ -108,6 +110,7 @@ impl EventColumns {
         self.headers.push(storable_json(&headers));
         self.mutations
             .push(event.mutation_id.as_deref().map(visible_nul));
+        self.rejected.push(event.rejected);
         self.created.push(event.created_at);
     }
 
@@ -123,6 +126,7 @@ impl EventColumns {
             .push(serde_json::to_string(&visible_nul(&u.raw)).ok());
         self.headers.push("{}".into());
         self.mutations.push(None);
+        self.rejected.push(false);
         self.created.push(SystemTime::now());
     }
 }

@@ -71,6 +71,9 @@ pub mod metric {
     pub const SLOT_LAG_BYTES: &str = "outbox_wal_slot_lag_bytes";
     /// 1 while this relay streams from the slot, 0 as a standby or while reconnecting.
     pub const STREAMING: &str = "outbox_wal_streaming";
+    /// Outbox messages not relayed because they were written non-transactionally (sent
+    /// whether or not their writer committed): each is also a WARN line naming the fix.
+    pub const SKIPPED_MESSAGES: &str = "outbox_wal_messages_skipped_total";
 }
 
 /// How WAL capture runs.

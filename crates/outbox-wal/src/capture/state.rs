@@ -267,6 +267,7 @@ impl State {
         match &output {
             Output::Skipped { lsn, reason } => {
                 tracing::warn!(%lsn, reason, "outbox message not relayed");
+                ::metrics::counter!(metric::SKIPPED_MESSAGES).increment(1);
             }
             // The drain marker arrives as one.
             Output::Idle { wal_end } => {
