@@ -569,8 +569,20 @@ pub async fn drop_slot(config: Config) -> anyhow::Result<ExitCode> {
         capture.publication.as_str(),
         pg.tables().outbox.clone(),
     );
+    // What it held back, said once it is gone (read before: a dropped slot shows nothing).
+    let held = outbox_wal::slot_status(pg, &capture.slot)
+        .await
+        .ok()
+        .flatten()
+        .map(|s| s.holds_back());
     match outbox_wal::drop_slot(&wal).await {
-        Ok(true) => println!("dropped the replication slot {}", capture.slot),
+        Ok(true) => match held {
+            Some(held) => println!(
+                "dropped the replication slot {}, which held back {held}",
+                capture.slot
+            ),
+            None => println!("dropped the replication slot {}", capture.slot),
+        },
         Ok(false) => println!("there is no replication slot {}", capture.slot),
         Err(e) => bail!("cannot drop the replication slot {}: {e}", capture.slot),
     }

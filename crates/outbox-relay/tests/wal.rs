@@ -1146,6 +1146,11 @@ async fn rows_that_predate_a_slot_made_by_hand_are_adopted_once_and_drop_slot_fo
         &[&["drop-slot"][..], &capture_flags(&w.url, &w.slot)].concat(),
     );
     assert_success("drop-slot", &dropped);
+    let said = text(&dropped.stdout);
+    assert!(
+        said.contains("held back") && said.contains("since its catalog_xmin"),
+        "drop-slot names what the slot held back: {said}"
+    );
     assert_eq!(query_count(&w.db, adopted, &[&w.slot]).await.unwrap(), 0);
 }
 
@@ -1787,6 +1792,7 @@ async fn readyz_says_when_the_slot_is_gone_and_the_relay_does_not_recreate_it() 
                 [
                     "outbox_wal_slot_retained_bytes",
                     "outbox_wal_slot_lag_bytes",
+                    "outbox_wal_slot_catalog_xmin_age",
                     "outbox_wal_streaming",
                 ]
                 .iter()

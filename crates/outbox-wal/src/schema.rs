@@ -219,14 +219,16 @@ GRANT DELETE ON {outbox} TO {role};{source_sequence}
 
 impl CaptureStatements {
     /// The slot: active, wal_status, retained bytes, lag bytes (NULL when the server is a
-    /// standby). `$1` slot name.
+    /// standby), plugin, whether in this database, its catalog_xmin's age in transactions.
+    /// `$1` slot name.
     pub fn slot_query() -> &'static str {
         "SELECT active, wal_status,
                 CASE WHEN pg_is_in_recovery() THEN NULL
                      ELSE pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::int8 END,
                 CASE WHEN pg_is_in_recovery() THEN NULL
                      ELSE pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::int8 END,
-                plugin, database IS NOT DISTINCT FROM current_database()
+                plugin, database IS NOT DISTINCT FROM current_database(),
+                age(catalog_xmin)::int8
            FROM pg_catalog.pg_replication_slots WHERE slot_name = $1"
     }
 }

@@ -106,14 +106,14 @@ pub async fn verify_capture(
                 format!("the replication slot {slot:?} is about to lose WAL it needs (wal_status = unreserved)"),
                 "start the relay now, or raise max_slot_wal_keep_size",
             ));
-        } else if let Some(retained) = status
-            .retained_bytes
-            .filter(|r| !status.active && *r > SLOT_RETAINED_WARNING)
+        } else if !status.active
+            && (status.retained_bytes.unwrap_or_default() > SLOT_RETAINED_WARNING
+                || status.catalog_xmin_age.unwrap_or_default() > SLOT_XMIN_AGE_WARNING)
         {
             problems.push(Problem::degraded(
                 format!(
-                    "no relay streams from the replication slot {slot:?}, which keeps {} MiB of WAL on the server's disk, growing with every write",
-                    retained / (1024 * 1024)
+                    "no relay streams from the replication slot {slot:?}, which holds back {}, growing with every write",
+                    status.holds_back()
                 ),
                 "start the relay, or drop the slot (`outbox-relay drop-slot`) if WAL capture is no longer used; bound it with max_slot_wal_keep_size",
             ));
@@ -210,6 +210,29 @@ pub struct SlotStatus {
     pub plugin: Option<String>,
     /// It is a slot of the database the relay connects to.
     pub in_this_database: bool,
+    /// Transactions since its `catalog_xmin`: how far it holds back the server's vacuum of
+    /// catalog rows and, on PostgreSQL 15, the recycling of emptied btree pages in every
+    /// table of the server (an outbox's indexes grow by the rows it relays meanwhile).
+    pub catalog_xmin_age: Option<i64>,
+}
+
+impl SlotStatus {
+    /// What an idle slot holds back, in words, for `check` and `drop-slot`.
+    pub fn holds_back(&self) -> String {
+        let wal = self
+            .retained_bytes
+            .map(|r| format!("{} MiB of WAL on the server's disk", r / (1024 * 1024)));
+        let xmin = self.catalog_xmin_age.map(|age| {
+            format!(
+                "the server's vacuum of catalog rows and the recycling of emptied index pages \
+                 in every table, for the {age} transactions since its catalog_xmin"
+            )
+        });
+        match [wal, xmin].into_iter().flatten().collect::<Vec<_>>() {
+            held if held.is_empty() => "nothing yet".into(),
+            held => held.join(", and "),
+        }
+    }
 }
 
 /// The slot named `slot`, if it exists.
@@ -223,6 +246,7 @@ pub async fn slot_status(main: &PgStore, slot: &str) -> StoreResult<Option<SlotS
         lag_bytes: row.get(3),
         plugin: row.get(4),
         in_this_database: row.get(5),
+        catalog_xmin_age: row.get(6),
     }))
 }
 
@@ -270,5 +294,24 @@ async fn main_role(main: &PgStore) -> String {
     {
         Ok(rows) => rows.first().map(|r| r.get(0)).unwrap_or_default(),
         Err(_) => "<the relay's role>".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_idle_slot_says_what_it_holds_back() {
+        let slot = SlotStatus {
+            retained_bytes: Some(300 * 1024 * 1024),
+            catalog_xmin_age: Some(2_000_000),
+            ..SlotStatus::default()
+        };
+        let said = slot.holds_back();
+        assert!(said.contains("300 MiB of WAL"), "{said}");
+        assert!(said.contains("recycling of emptied index pages"), "{said}");
+        assert!(said.contains("2000000 transactions"), "{said}");
+        assert_eq!(SlotStatus::default().holds_back(), "nothing yet");
     }
 }

@@ -69,6 +69,9 @@ pub mod metric {
     pub const SLOT_RETAINED_BYTES: &str = "outbox_wal_slot_retained_bytes";
     /// WAL written since the slot's confirmed position (bytes).
     pub const SLOT_LAG_BYTES: &str = "outbox_wal_slot_lag_bytes";
+    /// Transactions since the slot's catalog_xmin: what it holds back of the server's
+    /// vacuum (and, on PostgreSQL 15, of index page recycling).
+    pub const SLOT_XMIN_AGE: &str = "outbox_wal_slot_catalog_xmin_age";
     /// 1 while this relay streams from the slot, 0 as a standby or while reconnecting.
     pub const STREAMING: &str = "outbox_wal_streaming";
     /// Outbox messages not relayed because they were written non-transactionally (sent
@@ -849,6 +852,9 @@ impl Inner {
                 if let Some(lag) = status.lag_bytes {
                     ::metrics::gauge!(metric::SLOT_LAG_BYTES).set(lag as f64);
                 }
+                if let Some(age) = status.catalog_xmin_age {
+                    ::metrics::gauge!(metric::SLOT_XMIN_AGE).set(age as f64);
+                }
             }
             Err(e) => tracing::debug!(error = %e.report(), "cannot read the slot's position"),
         }
@@ -869,6 +875,10 @@ pub const UNDELETED_PATIENCE: Duration = Duration::from_secs(5);
 
 /// An idle slot keeping more WAL than this makes `check` warn.
 pub const SLOT_RETAINED_WARNING: i64 = 256 * 1024 * 1024;
+
+/// An idle slot whose catalog_xmin is this many transactions old makes `check` warn: a
+/// relay keeps it within seconds of the present.
+pub const SLOT_XMIN_AGE_WARNING: i64 = 1_000_000;
 
 impl OutboxStore for WalStore {
     fn describe(&self) -> String {
