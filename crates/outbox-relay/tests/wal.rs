@@ -1536,6 +1536,47 @@ async fn a_non_transactional_outbox_message_is_counted_and_named_not_dropped_sil
     assert!(read_lines(&out).is_empty(), "not relayed");
 }
 
+#[tokio::test]
+async fn two_relays_starting_together_adopt_the_rows_that_predate_the_slot_once() {
+    // The slot's maker used to be the only one to adopt (an in-memory flag): when the other
+    // relay won the session, every existing row was skipped (4 runs in 15).
+    for round in 0..3 {
+        let w = WalDb::new().await;
+        for n in 0..20 {
+            insert(&w.db, &format!("k{}", n % 4), n).await;
+        }
+        let (out_a, out_b) = (w.path("a.jsonl"), w.path("b.jsonl"));
+        let mut a = w.spawn("relay-a", &out_a, &[]);
+        let mut b = w.spawn("relay-b", &out_b, &[]);
+        let both = || [read_lines(&out_a), read_lines(&out_b)].concat();
+        eventually_explained(
+            "every row delivered by one relay or the other",
+            Duration::from_secs(60),
+            || format!("round {round}\na: {}\nb: {}", a.logs(), b.logs()),
+            || {
+                let done = counters_by_key(&both())
+                    .values()
+                    .map(Vec::len)
+                    .sum::<usize>()
+                    >= 20;
+                async move { done.then_some(()) }
+            },
+        )
+        .await;
+        let order = counters_by_key(&both());
+        for (key, counters) in &order {
+            let mut sorted = counters.clone();
+            sorted.sort();
+            assert_eq!(counters, &sorted, "round {round}: key {key} out of order");
+        }
+        for relay in [&mut a, &mut b] {
+            let status = relay.terminate().await;
+            assert!(status.success(), "{status:?}");
+        }
+        w.assert_empty("").await;
+    }
+}
+
 /// `check --capture wal` on `w`: its exit code and what it printed.
 fn relay_check(w: &WalDb) -> (Option<i32>, String) {
     let check = relay(
