@@ -78,7 +78,9 @@ pub struct GlobalArgs {
     #[arg(long, global = true, value_enum, value_name = "MODE")]
     pub capture: Option<CaptureMode>,
     /// The logical replication slot of --capture wal, created on first run. One active relay
-    /// streams from it; others wait as standbys.
+    /// streams from it; others wait as standbys. Default: outbox_relay_<database>, with
+    /// _<schema> and _<table> when they are not public and outbox (a slot made by an earlier
+    /// version under the old default, outbox_relay, is kept).
     #[arg(long, global = true, value_name = "NAME")]
     pub slot: Option<String>,
     /// The publication of --capture wal (created by `migrate --capture wal`).

@@ -101,7 +101,8 @@ pub(crate) async fn ready_store(
     create: bool,
     wait: bool,
 ) -> anyhow::Result<AnyStore> {
-    let store = AnyStore::open(settings)?;
+    let mut store = AnyStore::open(settings)?;
+    store.keep_legacy_slot().await;
     let problems = retry_transient("checking the database", wait, || {
         prepare_store(&store, create)
     })
@@ -555,7 +556,8 @@ pub async fn health(config: Config, ready: bool) -> anyhow::Result<ExitCode> {
 
 /// `drop-slot`: drops the replication slot of `--capture wal`.
 pub async fn drop_slot(config: Config) -> anyhow::Result<ExitCode> {
-    let store = AnyStore::open(config.store_settings()?)?;
+    let mut store = AnyStore::open(config.store_settings()?)?;
+    store.keep_legacy_slot().await;
     let AnyStore::PostgresWal(pg, capture) = &store else {
         return Err(anyhow::Error::new(ConfigError(
             "drop-slot drops the replication slot of WAL capture: add --capture wal (with \
@@ -675,7 +677,8 @@ fn drain_verdict(summary: &Summary) -> anyhow::Result<()> {
 }
 
 pub async fn migrate(config: Config, args: MigrateArgs) -> anyhow::Result<ExitCode> {
-    let store = AnyStore::open(config.store_settings()?)?;
+    let mut store = AnyStore::open(config.store_settings()?)?;
+    store.keep_legacy_slot().await;
     if args.print {
         outbox_core::ident::Ident::new(&args.role, "role name")
             .map_err(|e| anyhow::Error::new(ConfigError(format!("--role: {}", e.report()))))?;
@@ -724,7 +727,8 @@ pub async fn check(config: Config) -> anyhow::Result<ExitCode> {
     // The HTTP settings (the admin token among them) are checked as `run` checks them.
     config.http_settings()?;
     println!("ok: configuration is valid ({config:?})");
-    let store = AnyStore::open(config.store_settings()?)?;
+    let mut store = AnyStore::open(config.store_settings()?)?;
+    store.keep_legacy_slot().await;
     let outbox = store.outbox();
     match outbox.ping().await {
         Ok(()) => println!("ok: connected to {}", redact_url(&config.database_url)),

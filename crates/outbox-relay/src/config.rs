@@ -38,6 +38,8 @@ pub const DEFAULT_CONFIG_FILE: &str = "outbox-relay.toml";
 /// The schema of the outbox and nodes tables (on MySQL: the URL's database).
 const DEFAULT_SCHEMA: &str = "public";
 const DEFAULT_NODES_TABLE: &str = "outbox_nodes";
+/// The name every slot had by default before names were derived ([`Config::slot_name`]), and
+/// the start of those names.
 const DEFAULT_SLOT: &str = "outbox_relay";
 const DEFAULT_PUBLICATION: &str = "outbox_relay";
 
@@ -154,7 +156,8 @@ pub struct Config {
     pub wakeup: WakeupMode,
     /// How events are read: `poll` (the table) or `wal` (logical replication).
     pub capture: CaptureMode,
-    /// The logical replication slot of `capture = "wal"`.
+    /// The logical replication slot of `capture = "wal"`; empty: named after the database
+    /// and table ([`Config::slot_name`]).
     pub slot: String,
     /// The publication of `capture = "wal"`.
     pub publication: String,
@@ -203,7 +206,8 @@ impl Default for Config {
             mapping: None,
             wakeup: WakeupMode::Notify,
             capture: CaptureMode::Poll,
-            slot: DEFAULT_SLOT.into(),
+            // Empty: named after the database and table ([`Config::slot_name`]).
+            slot: String::new(),
             publication: DEFAULT_PUBLICATION.into(),
             outboxes: Vec::new(),
         }
@@ -483,7 +487,7 @@ impl Config {
         }
         if self.capture == CaptureMode::Wal {
             self.refuse_settings_without_effect_on_wal(&database)?;
-        } else if self.slot != DEFAULT_SLOT || self.publication != DEFAULT_PUBLICATION {
+        } else if !self.slot.is_empty() || self.publication != DEFAULT_PUBLICATION {
             bail!(
                 "slot and publication apply to WAL capture only: add --capture wal \
                  (capture = \"wal\"), or remove them"
@@ -522,7 +526,10 @@ impl Config {
         if let Some((_, what)) = refused.iter().find(|(set, _)| *set) {
             bail!("{what}; remove it, or use --capture poll");
         }
-        for (name, what) in [(&self.slot, "slot"), (&self.publication, "publication")] {
+        for (name, what) in [
+            (&self.slot_name(), "slot"),
+            (&self.publication, "publication"),
+        ] {
             let valid = !name.is_empty()
                 && name.len() <= 63
                 && name
@@ -545,6 +552,45 @@ impl Config {
         outbox_core::ident::Ident::new(&t.notify_channel, "notify channel").map_err(report)?;
         self.layout_mapping()?;
         Ok(())
+    }
+
+    /// The replication slot of WAL capture: the one configured, or by default one named
+    /// after the database and the outbox table (`outbox_relay_<database>[_<schema>][_<table>]`,
+    /// the schema and table left out when they are `public` and `outbox`), since a slot's
+    /// name is the server's: a fixed default made a second database on one server refuse
+    /// to start. Too long, or not `[a-z0-9_]`, it ends with a hash of the whole instead.
+    pub fn slot_name(&self) -> String {
+        if !self.slot.is_empty() {
+            return self.slot.clone();
+        }
+        let (_, database) = database_identity(self);
+        let database = database.rsplit('/').next().unwrap_or_default().to_string();
+        let t = self.layout_tables();
+        let mut parts = vec![DEFAULT_SLOT.to_string(), database];
+        if t.outbox_schema != "public" {
+            parts.push(t.outbox_schema.clone());
+        }
+        if t.outbox_table != "outbox" {
+            parts.push(t.outbox_table.clone());
+        }
+        let whole = parts.join("_");
+        let name: String = whole
+            .chars()
+            .map(|c| match c.to_ascii_lowercase() {
+                c @ ('a'..='z' | '0'..='9' | '_') => c,
+                _ => '_',
+            })
+            .collect();
+        if name == whole && name.len() <= 63 {
+            return name;
+        }
+        // FNV-1a: stable across builds and platforms, unlike std's hasher.
+        let hash = whole.bytes().fold(0x811c_9dc5_u32, |h, b| {
+            (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+        });
+        let mut name = name;
+        name.truncate(63 - 9);
+        format!("{name}_{hash:08x}")
     }
 
     /// How the relay learns of new rows, for its start-up line.
@@ -776,7 +822,8 @@ impl Config {
                 let capture = match self.capture {
                     CaptureMode::Poll => None,
                     CaptureMode::Wal => Some(crate::store::Capture {
-                        slot: self.slot.clone(),
+                        slot: self.slot_name(),
+                        legacy_slot: self.slot.is_empty().then(|| DEFAULT_SLOT.into()),
                         publication: outbox_core::ident::Ident::new(
                             &self.publication,
                             "publication name",
@@ -1062,12 +1109,12 @@ fn refuse_shared_resources(outboxes: &[NamedOutbox]) -> Result<(), String> {
             if server == other_server
                 && wal(&a.config)
                 && wal(&b.config)
-                && a.config.slot == b.config.slot
+                && a.config.slot_name() == b.config.slot_name()
             {
                 return Err(format!(
                     "{pair} both stream from the replication slot {} of {}: slot names are \
                      the server's, and a slot has one reader; give one its own slot",
-                    a.config.slot,
+                    a.config.slot_name(),
                     redact_url(&server)
                 ));
             }
@@ -1811,15 +1858,20 @@ mod tests {
             &format!("{pg}\ncapture = \"wal\""),
             &format!("{pg}\ncapture = \"wal\"\noutbox_table = \"b\"\nnodes_table = \"bn\""),
         ));
-        assert!(err.contains("replication slot outbox_relay"), "{err}");
+        // Their default slots differ (named after their tables); the publication is shared.
+        assert!(err.contains("publication outbox_relay"), "{err}");
         // Slot names are the server's: two databases of one server (one URL with the
-        // default port spelled out) cannot both use the default slot.
+        // default port spelled out) cannot both use one slot; by default their slots are
+        // named after their databases.
+        let one = "database_url = \"postgres://relay@db/one\"\ncapture = \"wal\"";
+        let two_db = "database_url = \"postgres://relay@db:5432/two\"\ncapture = \"wal\"";
+        outboxes_of(&two(one, two_db), &["outbox-relay", "run"]).unwrap();
         let err = refused(&two(
-            "database_url = \"postgres://relay@db/one\"\ncapture = \"wal\"",
-            "database_url = \"postgres://relay@db:5432/two\"\ncapture = \"wal\"",
+            &format!("{one}\nslot = \"shared\""),
+            &format!("{two_db}\nslot = \"shared\""),
         ));
         assert!(
-            err.contains("replication slot outbox_relay of postgres://db:5432"),
+            err.contains("replication slot shared of postgres://db:5432"),
             "{err}"
         );
         let err = refused(&two("", ""));
@@ -2064,6 +2116,38 @@ mod tests {
         assert!(
             missing.contains("`a`") && missing.contains("database URL file a-url"),
             "{missing}"
+        );
+    }
+
+    #[test]
+    fn a_slot_is_named_after_its_database_and_table_unless_one_is_configured() {
+        let named = |url: &str, table: Option<&str>, slot: &str| {
+            Config {
+                database_url: url.into(),
+                outbox_table: table.unwrap_or("outbox").into(),
+                slot: slot.into(),
+                ..Config::default()
+            }
+            .slot_name()
+        };
+        let url = "postgres://relay@db:5432/shop";
+        assert_eq!(named(url, None, ""), "outbox_relay_shop");
+        assert_eq!(named(url, Some("orders"), ""), "outbox_relay_shop_orders");
+        assert_eq!(named(url, None, "mine"), "mine");
+        assert_eq!(
+            named(url, None, "outbox_relay"),
+            "outbox_relay",
+            "an explicit old name"
+        );
+        // Not [a-z0-9_], or too long: a stable hash of the whole keeps names apart.
+        let odd = named("postgres://relay@db/Shop-EU", None, "");
+        assert!(odd.starts_with("outbox_relay_shop_eu_"), "{odd}");
+        assert_ne!(odd, named("postgres://relay@db/shop_eu", None, ""));
+        let long = named(&format!("postgres://relay@db/{}", "d".repeat(80)), None, "");
+        assert_eq!(long.len(), 63, "{long}");
+        assert_eq!(
+            long,
+            named(&format!("postgres://relay@db/{}", "d".repeat(80)), None, "")
         );
     }
 }

@@ -14,6 +14,10 @@ use outbox_store_sqlite::SqliteStore;
 #[derive(Clone, Debug)]
 pub struct Capture {
     pub slot: String,
+    /// The name earlier versions gave every slot by default (`outbox_relay`), when no slot
+    /// was configured: a relay upgraded onto a database that has it keeps streaming from it
+    /// ([`AnyStore::keep_legacy_slot`]).
+    pub legacy_slot: Option<String>,
     pub publication: outbox_core::ident::Ident,
     /// A mapped table captured instead of the native outbox (Debezium's); boxed, since its
     /// mapping is large and most captures read the native table.
@@ -261,6 +265,36 @@ impl AnyStore {
 }
 
 impl AnyStore {
+    /// Streams from the slot earlier versions named by default (`outbox_relay`), when no
+    /// slot was configured and this database has that slot (pgoutput): an upgraded relay
+    /// must not start a new slot, which would skip what the old one still holds. When the
+    /// database cannot say (unreachable), the old name is kept too: the relay starts no
+    /// slot of a new name on a guess.
+    pub async fn keep_legacy_slot(&mut self) {
+        let AnyStore::PostgresWal(pg, capture) = self else {
+            return;
+        };
+        let Some(legacy) = capture.legacy_slot.take() else {
+            return;
+        };
+        let keep = match outbox_wal::slot_status(pg, &legacy).await {
+            Ok(status) => status
+                .is_some_and(|s| s.in_this_database && s.plugin.as_deref() == Some("pgoutput")),
+            Err(e) => {
+                tracing::warn!(error = %e.report(), slot = %legacy, "cannot tell whether this database has the slot earlier versions made; keeping that name");
+                true
+            }
+        };
+        if keep {
+            tracing::info!(
+                slot = %legacy,
+                "streaming from the slot an earlier version made (its default name); new \
+                 installations name their slot after the database and table"
+            );
+            capture.slot = legacy;
+        }
+    }
+
     /// What keeps the store from working, each with its fix.
     pub async fn verify(
         &self,

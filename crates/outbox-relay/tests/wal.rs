@@ -1577,6 +1577,84 @@ async fn two_relays_starting_together_adopt_the_rows_that_predate_the_slot_once(
     }
 }
 
+#[tokio::test]
+async fn default_slots_are_named_per_database_and_an_upgraded_relay_keeps_its_old_one() {
+    // Two databases of one server, neither naming a slot: the old default, one name for the
+    // whole server, made the second refuse to start.
+    let dir = tempfile::tempdir().unwrap();
+    let mut guards = Vec::new();
+    for _ in 0..2 {
+        let url = outbox_testkit::fresh_pg_database().await;
+        let database = url.rsplit('/').next().unwrap().to_string();
+        guards.push(outbox_testkit::SlotGuard {
+            url: url.clone(),
+            slot: format!("outbox_relay_{database}"),
+        });
+        let migrated = relay(
+            dir.path(),
+            &["migrate", "--capture", "wal", "--database-url", &url],
+        );
+        assert_success("migrate", &migrated);
+        insert(&pg(&url).await, "k", 1).await;
+        let out = dir.path().join(format!("{database}.jsonl"));
+        let sink = format!("file:{}", out.display());
+        let drained = relay(
+            dir.path(),
+            &[
+                "run",
+                "--capture",
+                "wal",
+                "--database-url",
+                &url,
+                "--sink",
+                &sink,
+                "--drain",
+                "--http-addr",
+                "",
+            ],
+        );
+        assert_success("the drain", &drained);
+        assert_eq!(read_lines(&out).len(), 1);
+        let db = pg(&url).await;
+        let named = "SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1";
+        let slot = format!("outbox_relay_{database}");
+        assert_eq!(query_count(&db, named, &[&slot]).await.unwrap(), 1);
+    }
+    // A database where an earlier version made its slot under the old default name: the
+    // upgraded relay streams from it, not from a new one that would skip what it holds.
+    let w = WalDb::new().await;
+    let _legacy = outbox_testkit::SlotGuard {
+        url: w.url.clone(),
+        slot: "outbox_relay".into(),
+    };
+    create_slot(&w.db, "outbox_relay", "pgoutput").await;
+    emit(&w.db, "k", 1).await;
+    let out = w.path("events.jsonl");
+    let sink = format!("file:{}", out.display());
+    let drained = relay(
+        w.dir.path(),
+        &[
+            "run",
+            "--capture",
+            "wal",
+            "--database-url",
+            &w.url,
+            "--sink",
+            &sink,
+            "--drain",
+            "--http-addr",
+            "",
+        ],
+    );
+    assert_success("the upgraded relay's drain", &drained);
+    assert!(
+        text(&drained.stderr).contains("the slot an earlier version made"),
+        "{}",
+        text(&drained.stderr)
+    );
+    assert_eq!(read_lines(&out).len(), 1, "the event the old slot held");
+}
+
 /// `check --capture wal` on `w`: its exit code and what it printed.
 fn relay_check(w: &WalDb) -> (Option<i32>, String) {
     let check = relay(
