@@ -102,6 +102,18 @@ impl WalDb {
         args
     }
 
+    /// A relay named `relay` running until stopped, publishing to `sink` with `extra`
+    /// flags, once its session streams.
+    async fn streaming_to(&self, sink: &str, extra: &[&str]) -> RelayProcess {
+        let args = self.run_args(sink, extra);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let relay = RelayProcess::spawn(self.dir.path(), "relay", &args, &[]);
+        relay
+            .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
+            .await;
+        relay
+    }
+
     /// A relay running until stopped, writing to the file `out`.
     fn spawn(&self, name: &str, out: &Path, extra: &[&str]) -> RelayProcess {
         let sink = format!("file:{}", out.display());
@@ -901,12 +913,7 @@ async fn a_postgresql_restart_mid_stream_loses_nothing() {
 async fn a_broker_outage_mid_stream_loses_nothing_and_keeps_order() {
     let (_nats, deliveries, proxy, broker_url) = nats_behind_a_proxy().await;
     let w = WalDb::new().await;
-    let args = w.run_args(&broker_url, &RETRY_AN_OUTAGE);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let mut relay = RelayProcess::spawn(w.dir.path(), "relay", &args, &[]);
-    relay
-        .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
-        .await;
+    let mut relay = w.streaming_to(&broker_url, &RETRY_AN_OUTAGE).await;
     let writers = Writers::start(&w.url, 3, Duration::from_millis(10));
     let wait_delivered = |n: usize| {
         let (deliveries, relay) = (&deliveries, &relay);
@@ -990,12 +997,7 @@ async fn a_fast_shutdown_of_postgresql_is_not_held_by_a_relay_with_unsettled_eve
     server.start("-c wal_level=logical");
     let w = WalDb::on(server.url("disable"), "shutdown_slot".into()).await;
     let (_nats, deliveries, proxy, broker_url) = nats_behind_a_proxy().await;
-    let args = w.run_args(&broker_url, &RETRY_AN_OUTAGE);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let mut relay = RelayProcess::spawn(w.dir.path(), "relay", &args, &[]);
-    relay
-        .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
-        .await;
+    let mut relay = w.streaming_to(&broker_url, &RETRY_AN_OUTAGE).await;
     let handle = proxy.handle();
     handle.cut();
     for n in 0..20 {
@@ -1158,12 +1160,7 @@ async fn rows_that_predate_a_slot_made_by_hand_are_adopted_once_and_drop_slot_fo
 async fn an_undecodable_event_behind_a_retrying_head_is_dead_lettered_not_dropped() {
     let (_nats, deliveries, proxy, broker_url) = nats_behind_a_proxy().await;
     let w = WalDb::new().await;
-    let args = w.run_args(&broker_url, &RETRY_AN_OUTAGE);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let mut relay = RelayProcess::spawn(w.dir.path(), "relay", &args, &[]);
-    relay
-        .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
-        .await;
+    let mut relay = w.streaming_to(&broker_url, &RETRY_AN_OUTAGE).await;
     let handle = proxy.handle();
     handle.cut();
     // One transaction, one claim: the head cannot be published, so the lane releases what
@@ -1179,11 +1176,12 @@ async fn an_undecodable_event_behind_a_retrying_head_is_dead_lettered_not_droppe
     .await
     .unwrap();
     let dead = "SELECT count(*) FROM outbox_dead_letters WHERE event_type = '(undecodable)'";
-    eventually_explained(
+    wait_for_rows(
+        &relay,
         "the undecodable event dead-lettered",
-        Duration::from_secs(60),
-        || relay.logs(),
-        || async { (query_count(&w.db, dead, &[]).await.ok() == Some(1)).then_some(()) },
+        &w.db,
+        dead,
+        1,
     )
     .await;
     handle.heal();
@@ -1206,12 +1204,7 @@ async fn an_undecodable_event_behind_a_retrying_head_is_dead_lettered_not_droppe
 async fn poison_messages_are_dead_lettered_and_hold_no_key_back() {
     let (_nats, deliveries, proxy, broker_url) = nats_behind_a_proxy().await;
     let w = WalDb::new().await;
-    let args = w.run_args(&broker_url, &RETRY_AN_OUTAGE);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let mut relay = RelayProcess::spawn(w.dir.path(), "relay", &args, &[]);
-    relay
-        .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
-        .await;
+    let mut relay = w.streaming_to(&broker_url, &RETRY_AN_OUTAGE).await;
     let handle = proxy.handle();
     handle.cut();
     // A NUL byte, no JSON at all: its dead letter was refused as jsonb, and retried for good.
@@ -1231,13 +1224,7 @@ async fn poison_messages_are_dead_lettered_and_hold_no_key_back() {
     .await
     .unwrap();
     let dead = "SELECT count(*) FROM outbox_dead_letters";
-    eventually_explained(
-        "both dead-lettered",
-        Duration::from_secs(60),
-        || relay.logs(),
-        || async { (query_count(&w.db, dead, &[]).await.ok() == Some(2)).then_some(()) },
-    )
-    .await;
+    wait_for_rows(&relay, "both dead-lettered", &w.db, dead, 2).await;
     handle.heal();
     emit(&w.db, "nul", 1).await;
     insert(&w.db, "other", 2).await;
@@ -1653,6 +1640,18 @@ async fn default_slots_are_named_per_database_and_an_upgraded_relay_keeps_its_ol
         text(&drained.stderr)
     );
     assert_eq!(read_lines(&out).len(), 1, "the event the old slot held");
+}
+
+/// Waits until `count_sql` (a `SELECT count(*) …`) counts `want` rows on `db`, showing
+/// `relay`'s logs if it does not within a minute.
+async fn wait_for_rows(relay: &RelayProcess, what: &str, db: &Client, count_sql: &str, want: i64) {
+    eventually_explained(
+        what,
+        Duration::from_secs(60),
+        || relay.logs(),
+        || async { (query_count(db, count_sql, &[]).await.ok() == Some(want)).then_some(()) },
+    )
+    .await;
 }
 
 /// `check --capture wal` on `w`: its exit code and what it printed.

@@ -294,33 +294,10 @@ impl Reader {
             }
         }
         let mut liveness = SqlLiveness::new();
+        // A slot in the channel is reserved before the stream is read, so a burst read is
+        // never held back by a full channel while the session has other duties.
+        let mut permit = None;
         loop {
-            let permit = tokio::select! {
-                biased;
-                _ = self.close.changed() => return SessionEnd::Closed,
-                changed = self.confirm.changed() => {
-                    if changed.is_err() {
-                        return SessionEnd::Closed;
-                    }
-                    stream.confirm(*self.confirm.borrow_and_update());
-                    continue;
-                }
-                _ = liveness.tick() => {
-                    if let Some(reason) = liveness.check(&self.main).await {
-                        return SessionEnd::Broken(reason);
-                    }
-                    if liveness.publication_due() {
-                        if let Some(end) = self.publication_drift().await {
-                            return end;
-                        }
-                    }
-                    continue;
-                }
-                permit = self.tx.reserve() => match permit {
-                    Ok(permit) => permit,
-                    Err(_) => return SessionEnd::Closed,
-                },
-            };
             let next = tokio::select! {
                 biased;
                 _ = self.close.changed() => return SessionEnd::Closed,
@@ -342,7 +319,17 @@ impl Reader {
                     }
                     continue;
                 }
-                next = stream.next() => next,
+                reserved = self.tx.reserve(), if permit.is_none() => match reserved {
+                    Ok(reserved) => {
+                        permit = Some(reserved);
+                        continue;
+                    }
+                    Err(_) => return SessionEnd::Closed,
+                },
+                next = stream.next(), if permit.is_some() => next,
+            };
+            let Some(permit) = permit.take() else {
+                continue;
             };
             let first = match next {
                 Ok(Some(output)) => output,
