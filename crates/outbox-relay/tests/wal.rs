@@ -1645,6 +1645,59 @@ async fn default_slots_are_named_per_database_and_an_upgraded_relay_keeps_its_ol
     assert_eq!(read_lines(&out).len(), 1, "the event the old slot held");
 }
 
+#[tokio::test]
+async fn a_relay_killed_while_adopting_leaves_the_adoption_to_the_next_session() {
+    let w = WalDb::new().await;
+    for n in 0..100 {
+        insert(&w.db, &format!("k{}", n % 5), n).await;
+    }
+    // The adoption's move held up (a trigger on the parked table), to be caught in the act;
+    // a server that checks its clients while it waits ends the killed relay's transaction.
+    let database = w.url.rsplit('/').next().unwrap().to_string();
+    w.db.batch_execute(&format!(
+        "ALTER DATABASE {database} SET client_connection_check_interval = '100ms';
+         CREATE FUNCTION hold_up() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN PERFORM pg_sleep(60); RETURN NULL; END $$;
+         CREATE TRIGGER hold_up AFTER INSERT ON outbox_parked
+           FOR EACH STATEMENT EXECUTE FUNCTION hold_up();"
+    ))
+    .await
+    .unwrap();
+    let out = w.path("events.jsonl");
+    let mut relay = w.spawn("relay", &out, &[]);
+    let moving = "SELECT count(*) FROM pg_stat_activity
+                   WHERE state = 'active' AND query LIKE '%INSERT INTO%outbox_parked%'
+                     AND pid <> pg_backend_pid()";
+    eventually_explained(
+        "the adoption under way",
+        Duration::from_secs(60),
+        || relay.logs(),
+        || async { (query_count(&w.db, moving, &[]).await.ok()? > 0).then_some(()) },
+    )
+    .await;
+    relay.kill9();
+    // Its transaction never commits: neither the move nor the record stays.
+    wait_for_rows(
+        &relay,
+        "the killed relay's transaction ended",
+        &w.db,
+        moving,
+        0,
+    )
+    .await;
+    w.db.batch_execute("DROP TRIGGER hold_up ON outbox_parked")
+        .await
+        .unwrap();
+    let adopted = "SELECT count(*) FROM outbox_adopted";
+    assert_eq!(query_count(&w.db, adopted, &[]).await.unwrap(), 0);
+    assert_success("the next relay's drain", &w.drain(&out));
+    assert_eq!(query_count(&w.db, adopted, &[]).await.unwrap(), 1);
+    let order = counters_by_key(&read_lines(&out));
+    let delivered: usize = order.values().map(Vec::len).sum();
+    assert_eq!(delivered, 100, "{order:?}");
+    w.assert_empty("").await;
+}
+
 /// Waits until `count_sql` (a `SELECT count(*) …`) counts `want` rows on `db`, showing
 /// `relay`'s logs if it does not within a minute.
 async fn wait_for_rows(relay: &RelayProcess, what: &str, db: &Client, count_sql: &str, want: i64) {
