@@ -169,9 +169,20 @@ pub mod duration_text {
         parse(&text).map_err(serde::de::Error::custom)
     }
 
+    /// The longest duration a setting takes. Longer ones are typing errors, and added to a
+    /// clock, or counted in milliseconds by a database, they would overflow.
+    pub const MAX: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
+
     pub fn parse(text: &str) -> Result<Duration, String> {
-        humantime::parse_duration(text.trim()).map_err(|e| {
+        let d = humantime::parse_duration(text.trim()).map_err(|e| {
             format!("invalid duration {text:?} ({e}); write it with a unit, e.g. 500ms, 2s, 5m")
-        })
+        })?;
+        if d > MAX {
+            return Err(format!(
+                "duration {text:?} is longer than any setting takes: write one of at most 100 \
+                 years (36500d)"
+            ));
+        }
+        Ok(d)
     }
 }

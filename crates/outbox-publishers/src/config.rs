@@ -390,11 +390,7 @@ pub mod duration {
 
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
         let text = String::deserialize(d)?;
-        humantime::parse_duration(&text).map_err(|e| {
-            serde::de::Error::custom(format!(
-                "invalid duration {text:?} ({e}); write it with a unit, e.g. 500ms, 2s, 24h"
-            ))
-        })
+        outbox_core::time::duration_text::parse(&text).map_err(serde::de::Error::custom)
     }
 }
 
@@ -412,11 +408,7 @@ mod opt_duration {
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
         Option::<String>::deserialize(d)?
             .map(|text| {
-                humantime::parse_duration(&text).map_err(|e| {
-                    serde::de::Error::custom(format!(
-                        "invalid duration {text:?} ({e}); write it with a unit, e.g. 5s"
-                    ))
-                })
+                outbox_core::time::duration_text::parse(&text).map_err(serde::de::Error::custom)
             })
             .transpose()
     }

@@ -154,6 +154,12 @@ impl KafkaSink {
     }
 }
 
+/// Kafka's own topics (`__consumer_offsets`, `__transaction_state`, Connect's and
+/// Streams' internals) start with `__`: a record there corrupts what they hold.
+fn internal_topic(topic: &str) -> Option<&'static str> {
+    topic.starts_with("__").then_some("a Kafka internal topic")
+}
+
 /// The one place Kafka errors become publish outcomes.
 fn classify(error: KafkaError, topic: &str) -> PublishError {
     use RDKafkaErrorCode as C;
@@ -176,6 +182,10 @@ fn classify(error: KafkaError, topic: &str) -> PublishError {
 impl Sink for KafkaSink {
     fn messaging_system(&self) -> Option<&'static str> {
         Some("kafka")
+    }
+
+    fn reserved_target(&self, target: &str) -> Option<&'static str> {
+        internal_topic(target)
     }
 
     fn cloudevents_binding(&self) -> Option<crate::cloudevents::Binding> {
@@ -284,6 +294,20 @@ pub fn sink(uri: &str, config: &KafkaConfig) -> Result<Arc<dyn Sink>, SinkSetupE
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn topics_starting_with_two_underscores_are_kafkas_own() {
+        for topic in ["__consumer_offsets", "__transaction_state", "__x"] {
+            assert_eq!(
+                internal_topic(topic),
+                Some("a Kafka internal topic"),
+                "{topic}"
+            );
+        }
+        for topic in ["orders", "_orders", "orders__x", ""] {
+            assert_eq!(internal_topic(topic), None, "{topic}");
+        }
+    }
 
     #[test]
     fn uri_and_settings_become_librdkafka_properties() {

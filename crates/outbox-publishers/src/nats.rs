@@ -228,6 +228,23 @@ fn subject_problem(subject: &str) -> Option<PublishError> {
     })
 }
 
+/// What a subject addresses when it is one of the server's own: JetStream's API
+/// (`$JS.API.STREAM.DELETE.X` deletes a stream), the system account's, key-value and
+/// object stores' (`$KV.`, `$O.`: a write to a bucket), or a client's reply inbox.
+fn api_subject(subject: &str) -> Option<&'static str> {
+    const RESERVED: [(&str, &str); 5] = [
+        ("$JS.", "NATS's JetStream API"),
+        ("$SYS.", "NATS's system account"),
+        ("$KV.", "a NATS key-value bucket"),
+        ("$O.", "a NATS object store"),
+        ("_INBOX.", "a NATS client's reply inbox"),
+    ];
+    RESERVED
+        .iter()
+        .find(|(prefix, _)| subject.starts_with(prefix))
+        .map(|(_, what)| *what)
+}
+
 /// Waits up to `limit` for the connection (at start-up, or while reconnecting), so a batch
 /// fails fast when NATS is down instead of waiting out every ack timeout.
 async fn connected_within(client: &async_nats::Client, limit: Duration) -> bool {
@@ -295,6 +312,10 @@ fn jetstream_status(error: &async_nats::jetstream::context::PublishError) -> Opt
 impl Sink for NatsSink {
     fn messaging_system(&self) -> Option<&'static str> {
         Some("nats")
+    }
+
+    fn reserved_target(&self, target: &str) -> Option<&'static str> {
+        api_subject(target)
     }
 
     fn cloudevents_binding(&self) -> Option<crate::cloudevents::Binding> {
@@ -425,6 +446,29 @@ mod tests {
     use super::*;
     use async_nats::jetstream::context::PublishError as JsError;
     use async_nats::ConnectErrorKind as K;
+
+    #[test]
+    fn the_servers_own_subjects_are_named() {
+        for (subject, what) in [
+            ("$JS.API.STREAM.DELETE.X", "JetStream"),
+            ("$SYS.REQ.SERVER.PING", "system account"),
+            ("$KV.config.key", "key-value"),
+            ("$O.files.C.x", "object store"),
+            ("_INBOX.abc", "reply inbox"),
+        ] {
+            let said = api_subject(subject).unwrap_or_default();
+            assert!(said.contains(what), "{subject}: {said:?}");
+        }
+        for subject in [
+            "orders.created",
+            "JS.API.x",
+            "x.$JS.API",
+            "$JSorders",
+            "_INBOXES.x",
+        ] {
+            assert_eq!(api_subject(subject), None, "{subject}");
+        }
+    }
 
     #[test]
     fn connect_errors_are_classified_by_their_kind() {

@@ -39,6 +39,14 @@ impl Route {
         })
     }
 
+    /// Whether the configuration itself names `target`: the route's target has no
+    /// placeholder, or its pattern is exactly `destination` (no glob). Only then may an
+    /// event reach a broker's own API.
+    fn names_literally(&self, destination: &str, target: &str) -> bool {
+        let glob = self.pattern.contains(['*', '?', '[', '{', '\\']);
+        self.target.literal() == Some(target) || (!glob && self.pattern == destination)
+    }
+
     /// The same route, its events sent as CloudEvents.
     pub fn with_cloudevents(self, cloudevents: CloudEvents) -> Self {
         Route {
@@ -46,6 +54,20 @@ impl Route {
             ..self
         }
     }
+}
+
+/// The refusal of an event whose target is a broker's own API (an event's author could
+/// otherwise delete a stream with the relay's credentials): permanent, so it is dead-lettered.
+fn reserved(destination: &str, target: &str, what: &str) -> PublishError {
+    PublishError::new(
+        PublishErrorKind::Rejected,
+        format!(
+            "destination {destination:?} would be published to {target:?}, which is {what}, \
+             not a place for events: refused unless configured; if it is meant, add a \
+             [[routes]] entry whose destinations is exactly {destination:?} (or whose target \
+             is exactly {target:?})"
+        ),
+    )
 }
 
 /// The publisher the engine sees.
@@ -164,6 +186,12 @@ impl Publisher for Router {
             // Only for its report: a malformed traceparent is said once, whatever the sink.
             let _ = crate::trace::trace_context(&event);
             let target = route.target.render(&event);
+            if let Some(what) = sink.reserved_target(&target) {
+                if !route.names_literally(&event.destination, &target) {
+                    outcomes[i] = Some(Err(reserved(&event.destination, &target, what)));
+                    continue;
+                }
+            }
             let group = groups.entry(route.sink.as_str()).or_default();
             group.0.push(i);
             group.1.push(Routed {
@@ -251,6 +279,9 @@ mod tests {
         fn max_message_bytes(&self) -> Option<usize> {
             Some(10)
         }
+        fn reserved_target(&self, target: &str) -> Option<&'static str> {
+            target.starts_with("$API.").then_some("the API")
+        }
     }
 
     fn event(seq: i64, destination: &str, payload: &str) -> Arc<Event> {
@@ -304,6 +335,49 @@ mod tests {
             vec![("events.orders.eu.created".to_string(), 1)]
         );
         assert_eq!(*b.0.lock().unwrap(), vec![("posts:7".to_string(), 2)]);
+    }
+
+    /// A target that is the broker's own API is dead-lettered with the fix, unless a route
+    /// names it: by an exact destination, or by a target without placeholders.
+    #[tokio::test]
+    async fn a_brokers_own_api_is_reached_only_through_a_route_that_names_it() {
+        let sink = Arc::new(Recorder::default());
+        let router = Router::new(
+            vec![("s".into(), sink.clone() as Arc<dyn Sink>)],
+            vec![
+                Route::new("$API.exact", "s", Template::destination()).unwrap(),
+                Route::new("fixed", "s", Template::parse("$API.fixed").unwrap()).unwrap(),
+                Route::new("via.*", "s", Template::parse("$API.{event_type}").unwrap()).unwrap(),
+                Route::new("*", "s", Template::destination()).unwrap(),
+            ],
+        )
+        .unwrap();
+        let outcomes = router
+            .publish(vec![
+                event(1, "$API.delete", "1"),
+                event(2, "via.x", "2"),
+                event(3, "$API.exact", "3"),
+                event(4, "fixed", "4"),
+                event(5, "orders", "5"),
+            ])
+            .await;
+        for (i, (destination, target)) in
+            [("$API.delete", "$API.delete"), ("via.x", "$API.created")]
+                .into_iter()
+                .enumerate()
+        {
+            let e = outcomes[i].as_ref().unwrap_err();
+            assert_eq!(e.disposition(), Disposition::Permanent);
+            let m = e.to_string();
+            assert!(
+                m.contains(&format!("{target:?}, which is the API"))
+                    && m.contains(&format!("destinations is exactly {destination:?}")),
+                "{m}"
+            );
+        }
+        assert!(outcomes[2..].iter().all(|o| o.is_ok()), "{outcomes:?}");
+        let sent: Vec<_> = sink.0.lock().unwrap().iter().map(|s| s.0.clone()).collect();
+        assert_eq!(sent, ["$API.exact", "$API.fixed", "orders"]);
     }
 
     #[test]

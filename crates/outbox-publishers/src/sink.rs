@@ -50,6 +50,13 @@ pub trait Sink: Send + Sync + 'static {
     fn cloudevents_binding(&self) -> Option<crate::cloudevents::Binding> {
         None
     }
+
+    /// What `target` addresses instead of events, when it names the broker's own API
+    /// (NATS's `$JS.`, Kafka's `__consumer_offsets`): publishing there would act with the
+    /// relay's credentials, so the router refuses it unless a route names it literally.
+    fn reserved_target(&self, _target: &str) -> Option<&'static str> {
+        None
+    }
 }
 
 /// The same error for every event of a batch (the connection itself failed).
@@ -98,5 +105,9 @@ impl Sink for Limited {
 
     fn cloudevents_binding(&self) -> Option<crate::cloudevents::Binding> {
         self.inner.cloudevents_binding()
+    }
+
+    fn reserved_target(&self, target: &str) -> Option<&'static str> {
+        self.inner.reserved_target(target)
     }
 }

@@ -48,6 +48,14 @@ impl Template {
         Ok(Template { parts })
     }
 
+    /// The text itself when the template has no placeholder (it names one target).
+    pub fn literal(&self) -> Option<&str> {
+        match self.parts.as_slice() {
+            [Part::Text(text)] => Some(text),
+            _ => None,
+        }
+    }
+
     /// The identity template: the destination itself.
     pub fn destination() -> Self {
         Template {

@@ -279,6 +279,57 @@ async fn a_destination_that_is_no_nats_subject_is_dead_lettered_at_once_naming_t
     );
 }
 
+/// A destination naming JetStream's API would be a call made with the relay's credentials
+/// (here: delete the stream): it is dead-lettered at once with the fix, and the stream stays.
+#[cfg(feature = "nats")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_destination_addressing_the_jetstream_api_is_dead_lettered_and_not_called() {
+    let (js, stream) = nats_stream().await;
+    let nats = std::env::var("OUTBOX_TEST_NATS_URL").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let url = sqlite_outbox(d);
+    let conn = sqlite(d);
+    for (key, destination) in [
+        ("a", format!("$JS.API.STREAM.DELETE.{stream}")),
+        ("b", format!("{stream}.orders")),
+    ] {
+        conn.execute(
+            "INSERT INTO outbox (destination, partition_key, event_type, payload)
+             VALUES (?1, ?2, 't', '{}')",
+            [destination.as_str(), key],
+        )
+        .unwrap();
+    }
+    let run = relay(
+        d,
+        &[
+            "run",
+            "--drain",
+            "--database-url",
+            &url,
+            "--sink",
+            &nats,
+            "--http-addr",
+            "",
+        ],
+    );
+    dead_lettered_drain(&run, 1);
+    assert_eq!(
+        stream_len(&js, &stream).await,
+        1,
+        "the stream is still there"
+    );
+    let dead = dead_letters(d, &url);
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    let reason = dead[0]["last_error"].as_str().unwrap();
+    assert_eq!(dead[0]["attempts"], 1, "refused for good: {reason}");
+    assert!(
+        reason.contains("JetStream API") && reason.contains("[[routes]]"),
+        "names the problem and the fix: {reason}"
+    );
+}
+
 #[cfg(feature = "nats")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn header_text_nats_cannot_carry_dead_letters_its_event_and_never_crashes_the_relay() {

@@ -178,6 +178,44 @@ fn bad_values_and_names_exit_2_naming_where_they_came_from() {
     );
 }
 
+/// A duration no setting can use (it would overflow a clock or a database's milliseconds)
+/// is refused like any bad value, from every source, never accepted or a panic.
+#[test]
+fn absurd_durations_exit_2_naming_the_setting_and_the_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    for (flag, value) in [
+        ("--lease", "100000000000000s"),
+        ("--poll-interval", "584542046090y"),
+        ("--retry-max-delay", "101y"),
+    ] {
+        refused(
+            relay(d, &["run", "--drain", "--http-addr", "", flag, value], &[]),
+            flag,
+            "at most 100 years",
+        );
+    }
+    refused(
+        relay(
+            d,
+            &["run", "--drain", "--http-addr", ""],
+            &[("OUTBOX_RELAY_LEASE", "100000000000000s")],
+        ),
+        "environment variable OUTBOX_RELAY_LEASE",
+        "at most 100 years",
+    );
+    std::fs::write(
+        d.join("sink.toml"),
+        "[sinks.hooks]\nuri = \"https://127.0.0.1:1/\"\ntimeout = \"584542046090y\"\n",
+    )
+    .unwrap();
+    refused(
+        relay(d, &["--config", "sink.toml", "check"], &[]),
+        "setting `sinks.hooks`",
+        "at most 100 years",
+    );
+}
+
 #[test]
 fn a_redirected_log_has_no_colour_codes_and_sqlite_says_how_it_wakes() {
     let dir = tempfile::tempdir().unwrap();

@@ -978,6 +978,46 @@ async fn a_refused_request_is_answered_before_its_body_is_read() {
     assert!(process.terminate().await.success());
 }
 
+/// Every response, the page's and the API's, refusals and probes included, tells browsers not
+/// to sniff types, frame the page, send referrers, or load anything from elsewhere.
+#[tokio::test]
+async fn every_response_carries_the_browser_hardening_headers() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut process, addr) = relay_with_token(dir.path(), &[]).await;
+    let authorized = format!("Authorization: Bearer {TOKEN}\r\n");
+    let asks = [
+        ("/", addr.as_str(), "", 200),
+        ("/assets/app.js", addr.as_str(), "", 200),
+        ("/api/v1/status", addr.as_str(), authorized.as_str(), 200),
+        ("/api/v1/status", addr.as_str(), "", 401),
+        ("/api/v1/nothing", addr.as_str(), authorized.as_str(), 404),
+        ("/", "evil.example", "", 421),
+        ("/healthz", addr.as_str(), "", 200),
+        ("/metrics", addr.as_str(), "", 200),
+    ];
+    for (path, host, headers, status) in asks {
+        let reply = support::http_response(&addr, &request("GET", path, host, headers)).await;
+        let head = reply.split("\r\n\r\n").next().unwrap().to_ascii_lowercase();
+        assert!(
+            head.starts_with(&format!("http/1.1 {status}")),
+            "{path}: {head}"
+        );
+        for line in [
+            "x-content-type-options: nosniff",
+            "x-frame-options: deny",
+            "referrer-policy: no-referrer",
+            "content-security-policy: default-src 'self'; base-uri 'self'; \
+             form-action 'self'; frame-ancestors 'none'",
+        ] {
+            assert!(
+                head.contains(&format!("\r\n{line}\r\n")),
+                "{path} lacks {line}: {head}"
+            );
+        }
+    }
+    assert!(process.terminate().await.success());
+}
+
 /// DNS rebinding: a page whose name resolves to the relay's address reaches it with its own
 /// name as `Host`. Only IP addresses, localhost and the names in `allowed_hosts` are
 /// answered (the probes excepted).

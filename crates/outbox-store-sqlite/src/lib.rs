@@ -166,16 +166,68 @@ pub const DATABASE_FILE_MODE: u32 = 0o600;
 /// to SQLite's own open, which reports it.
 fn create_private(path: &Path) {
     use std::os::unix::fs::OpenOptionsExt;
-    // In-memory databases and SQLite URIs name no file of that name.
     let name = path.to_string_lossy();
-    if name.is_empty() || name == ":memory:" || name.starts_with("file:") {
+    let file = if name.starts_with("file:") {
+        match uri_file(&name) {
+            Some(file) => file,
+            None => return,
+        }
+    } else if name.is_empty() || name == ":memory:" {
         return;
-    }
+    } else {
+        path.to_path_buf()
+    };
     let _ = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
         .mode(DATABASE_FILE_MODE)
-        .open(path);
+        .open(file);
+}
+
+/// The file an SQLite URI (`file:outbox.db?mode=rwc`, `file:///var/lib/outbox%20a.db`) makes
+/// SQLite create, if any: none for in-memory or read-only ones, or a remote authority
+/// (which SQLite refuses itself).
+fn uri_file(uri: &str) -> Option<PathBuf> {
+    let rest = uri.strip_prefix("file:")?;
+    let rest = rest.split('#').next().unwrap_or(rest);
+    let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
+    let creates = query
+        .split('&')
+        .all(|p| p != "mode=ro" && p != "mode=memory");
+    let path = match path.strip_prefix("//") {
+        Some(after) => {
+            let slash = after.find('/').unwrap_or(after.len());
+            let authority = &after[..slash];
+            if !(authority.is_empty() || authority == "localhost") {
+                return None;
+            }
+            &after[slash..]
+        }
+        None => path,
+    };
+    let path = percent_decode(path)?;
+    (creates && !path.is_empty() && path != ":memory:").then(|| PathBuf::from(path))
+}
+
+/// `%HH` escapes decoded, as SQLite decodes a URI's path; `None` for one it would not open.
+fn percent_decode(text: &str) -> Option<String> {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = bytes.get(i + 1..i + 3)?;
+            if !hex.iter().all(u8::is_ascii_hexdigit) {
+                return None;
+            }
+            out.push(u8::from_str_radix(std::str::from_utf8(hex).ok()?, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
 }
 
 fn open(path: &Path) -> StoreResult<Connection> {

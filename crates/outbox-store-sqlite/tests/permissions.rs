@@ -28,6 +28,29 @@ async fn a_new_database_and_its_wal_and_shm_files_are_readable_by_the_owner_only
     }
 }
 
+/// `sqlite:file:...` URLs reach the store as SQLite URIs: the file they name is private too.
+#[tokio::test]
+async fn a_database_named_by_a_file_uri_is_readable_by_the_owner_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    for (uri, file) in [
+        (format!("file:{d}/plain.db?mode=rwc"), "plain.db"),
+        (
+            format!("file://localhost{d}/with%20space.db"),
+            "with space.db",
+        ),
+        (format!("file://{d}/abs.db?cache=private#x"), "abs.db"),
+    ] {
+        let store = SqliteStore::open(&uri, false).unwrap();
+        store.migrate().await.unwrap();
+        let path = dir.path().join(file);
+        assert!(path.exists(), "{uri} creates {file}");
+        for file in [path.clone(), dir.path().join(format!("{file}-wal"))] {
+            assert_eq!(mode_of(&file), 0o600, "{uri}: {}", file.display());
+        }
+    }
+}
+
 #[tokio::test]
 async fn an_existing_database_keeps_its_mode() {
     let dir = tempfile::tempdir().unwrap();

@@ -487,6 +487,19 @@ pub async fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
 /// Sends `request` (raw HTTP/1.1, which should say `Connection: close`) to `addr` and reads
 /// the reply to its end: the status and the body. Panics when no reply comes within 30 s.
 pub async fn http_exchange(addr: &str, request: &str) -> (u16, String) {
+    let response = http_response(addr, request).await;
+    let status = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("not an HTTP reply: {response:?}"));
+    let body = response.split("\r\n\r\n").nth(1).unwrap_or_default();
+    (status, body.to_string())
+}
+
+/// Sends `request` (which must close the connection) to `addr`; returns the whole reply,
+/// status line and headers included.
+pub async fn http_response(addr: &str, request: &str) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let exchange = async {
         let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
@@ -495,16 +508,9 @@ pub async fn http_exchange(addr: &str, request: &str) -> (u16, String) {
         stream.read_to_end(&mut response).await.unwrap();
         String::from_utf8_lossy(&response).into_owned()
     };
-    let response = tokio::time::timeout(Duration::from_secs(30), exchange)
+    tokio::time::timeout(Duration::from_secs(30), exchange)
         .await
-        .unwrap_or_else(|_| panic!("no reply within 30 s to {request:?}"));
-    let status = response
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("not an HTTP reply: {response:?}"));
-    let body = response.split("\r\n\r\n").nth(1).unwrap_or_default();
-    (status, body.to_string())
+        .unwrap_or_else(|_| panic!("no reply within 30 s to {request:?}"))
 }
 
 /// Waits until `/readyz` answers `status` with a body that contains `saying` (`""`: any);
