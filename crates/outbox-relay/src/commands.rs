@@ -577,6 +577,15 @@ pub async fn drop_slot(config: Config) -> anyhow::Result<ExitCode> {
         .ok()
         .flatten()
         .map(|s| s.holds_back());
+    // Forgotten first: should the drop then fail, the worst is a slot that adopts the
+    // table's rows once more (duplicates), never one that skips them.
+    if let Err(e) = outbox_wal::forget_adoption(pg, &capture.publication, &capture.slot).await {
+        bail!(
+            "cannot forget that the slot {} adopted the outbox's rows, so it is not dropped: {}",
+            capture.slot,
+            e.report()
+        );
+    }
     match outbox_wal::drop_slot(&wal).await {
         Ok(true) => match held {
             Some(held) => println!(
@@ -587,16 +596,6 @@ pub async fn drop_slot(config: Config) -> anyhow::Result<ExitCode> {
         },
         Ok(false) => println!("there is no replication slot {}", capture.slot),
         Err(e) => bail!("cannot drop the replication slot {}: {e}", capture.slot),
-    }
-    // A slot made again by this name must adopt the rows that predate it.
-    if let Err(e) = outbox_wal::forget_adoption(pg, &capture.publication, &capture.slot).await {
-        bail!(
-            "dropped the slot, but cannot forget that it adopted the outbox's rows: {}; \
-             run `DELETE FROM {} WHERE slot = '{}'` before a relay makes the slot again",
-            e.report(),
-            pg.tables().outbox.sibling("_adopted"),
-            capture.slot
-        );
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -823,7 +823,15 @@ impl Config {
                     CaptureMode::Poll => None,
                     CaptureMode::Wal => Some(crate::store::Capture {
                         slot: self.slot_name(),
-                        legacy_slot: self.slot.is_empty().then(|| DEFAULT_SLOT.into()),
+                        // Only the README's default outbox: a second outbox of that database,
+                        // added later, must not take over the slot of the first.
+                        legacy_slot: (self.slot.is_empty()
+                            && self.publication == DEFAULT_PUBLICATION
+                            && (
+                                self.layout_tables().outbox_schema.as_str(),
+                                self.layout_tables().outbox_table.as_str(),
+                            ) == ("public", "outbox"))
+                            .then(|| DEFAULT_SLOT.into()),
                         publication: outbox_core::ident::Ident::new(
                             &self.publication,
                             "publication name",

@@ -1698,6 +1698,48 @@ async fn a_relay_killed_while_adopting_leaves_the_adoption_to_the_next_session()
     w.assert_empty("").await;
 }
 
+#[tokio::test]
+async fn an_earlier_versions_emit_function_beside_another_outbox_is_named_with_the_switch() {
+    // An outbox of another name than `outbox`, migrated when every outbox's function was
+    // `<schema>.outbox_emit` writing the one prefix `outbox`; its prefix is its own now.
+    let url = outbox_testkit::fresh_pg_database().await;
+    let dir = tempfile::tempdir().unwrap();
+    let orders = [
+        "--capture",
+        "wal",
+        "--database-url",
+        &url,
+        "--outbox-table",
+        "orders_outbox",
+    ];
+    assert_success(
+        "migrate",
+        &relay(dir.path(), &[&["migrate"][..], &orders].concat()),
+    );
+    let db = pg(&url).await;
+    db.batch_execute(
+        "CREATE FUNCTION public.outbox_emit(destination text, key text, type text, payload jsonb,
+             headers jsonb DEFAULT '{}', event_id uuid DEFAULT gen_random_uuid())
+         RETURNS uuid LANGUAGE sql AS $$ SELECT $6 $$",
+    )
+    .await
+    .unwrap();
+    let check = relay(dir.path(), &[&["check"][..], &orders].concat());
+    let said = format!("{}{}", text(&check.stdout), text(&check.stderr));
+    assert_eq!(check.status.code(), Some(1), "{said}");
+    assert!(
+        said.contains("\"public\".outbox_emit, made by an earlier version")
+            && said.contains("\"public\".\"orders_outbox_emit\""),
+        "{said}"
+    );
+    db.batch_execute("DROP FUNCTION public.outbox_emit(text, text, text, jsonb, jsonb, uuid)")
+        .await
+        .unwrap();
+    let check = relay(dir.path(), &[&["check"][..], &orders].concat());
+    let said = format!("{}{}", text(&check.stdout), text(&check.stderr));
+    assert!(!said.contains("earlier version"), "{said}");
+}
+
 /// Waits until `count_sql` (a `SELECT count(*) …`) counts `want` rows on `db`, showing
 /// `relay`'s logs if it does not within a minute.
 async fn wait_for_rows(relay: &RelayProcess, what: &str, db: &Client, count_sql: &str, want: i64) {

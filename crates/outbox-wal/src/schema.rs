@@ -264,6 +264,9 @@ pub struct CaptureStatements {
     /// make, so a relay that lost the slot (paused past its session's end, while another
     /// took over) writes nothing for events the new holder is sent again.
     pub owns_slot: String,
+    /// Whether schema `$1` has an earlier version's `outbox_emit` and no `outbox` table (so
+    /// the function was another outbox's).
+    pub legacy_emit: String,
     /// The overloads of `pg_logical_emit_message` that PUBLIC may execute.
     pub public_emit: String,
     /// The keys that have parked events.
@@ -319,6 +322,13 @@ impl CaptureStatements {
             delete_rows: format!("{} SELECT count(*) FROM deleted", deletes(tables)),
             delete_delivered: format!("{} SELECT id FROM deleted", deletes(tables)),
             adopt: adopt(tables),
+            legacy_emit: "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_proc p
+                                   JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace
+                                  WHERE n.nspname = $1 AND p.proname = 'outbox_emit')
+                              AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_class c
+                                   JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+                                  WHERE n.nspname = $1 AND c.relname = 'outbox')"
+                .into(),
             public_emit: "SELECT p.oid::regprocedure::text FROM pg_catalog.pg_proc p
                            WHERE p.proname = 'pg_logical_emit_message'
                              AND p.pronamespace = 'pg_catalog'::regnamespace

@@ -63,6 +63,7 @@ pub async fn verify_capture(
         ));
     }
     problems.extend(public_emit(main, &sql, &tables).await?);
+    problems.extend(legacy_emit(main, &sql, &tables).await?);
     let status = slot_status(main, slot).await?;
     let capacity = &main
         .query_rows("replication capacity", &sql.replication_capacity, &[])
@@ -282,6 +283,42 @@ async fn public_emit(
              role> (first check that no other tool of this database emits messages itself)",
             all = functions.join(", "),
             role = role.replace('"', "\"\""),
+        ),
+    )])
+}
+
+/// A leftover of an earlier version: `<schema>.outbox_emit` beside an outbox of another
+/// name, in a schema with no `outbox` table. It wrote every outbox's messages under the one
+/// prefix `outbox`, which this outbox no longer reads (its own is `outbox:<schema>.<table>`,
+/// written by `<schema>.<table>_emit`): writers still calling it would lose their events.
+async fn legacy_emit(
+    main: &PgStore,
+    sql: &CaptureStatements,
+    tables: &CaptureTables,
+) -> StoreResult<Vec<Problem>> {
+    if tables.outbox.name.as_str() == "outbox" {
+        return Ok(Vec::new());
+    }
+    let schema = tables.outbox.schema.as_str();
+    let rows = main
+        .query_rows("legacy emit function", &sql.legacy_emit, &[&schema])
+        .await?;
+    if !rows.first().is_some_and(|r| r.get::<_, bool>(0)) {
+        return Ok(Vec::new());
+    }
+    let old = format!("{}.outbox_emit", tables.outbox.schema.quoted());
+    let new = crate::emit::emit_function(&tables.outbox);
+    Ok(vec![Problem::blocking(
+        format!(
+            "{old}, made by an earlier version, writes events under the message prefix `outbox`, \
+             which this outbox no longer reads (its prefix is `{}`, written by {new}): events \
+             written with it would be lost",
+            crate::emit::emit_prefix(&tables.outbox)
+        ),
+        format!(
+            "switch the writers to {new} (same arguments), let the last events written with \
+             {old} be relayed (an earlier version's `run --drain`), then DROP FUNCTION {old}(text, \
+             text, text, jsonb, jsonb, uuid)"
         ),
     )])
 }

@@ -359,7 +359,15 @@ impl Reader {
 /// `base` and a token no other session has (an `application_name`: at most 63 bytes).
 pub(super) fn session_name(base: &str) -> String {
     let token = uuid::Uuid::new_v4().simple().to_string();
-    let mut base = base.to_string();
+    // PostgreSQL stores non-ASCII bytes of an application_name as `?`: the ownership guard
+    // compares names, so the base keeps to what is stored as written.
+    let mut base: String = base
+        .chars()
+        .map(|c| match c {
+            'A'..='Z' | 'a'..='z' | '0'..='9' | ' ' | '_' | '.' | '-' => c,
+            _ => '_',
+        })
+        .collect();
     while base.len() > 63 - 1 - 12 {
         base.pop();
     }
@@ -407,6 +415,10 @@ impl SqlLiveness {
 
     /// After an answered ping: whether it is the publication's turn.
     pub(super) fn publication_due(&mut self) -> bool {
+        // A failed ping is the liveness check's to judge; no second query on top of it.
+        if self.failures > 0 {
+            return false;
+        }
         self.answered += 1;
         self.answered.is_multiple_of(Self::PUBLICATION_EVERY)
     }
@@ -460,5 +472,21 @@ pub(super) fn describe(error: &WalError) -> String {
         format!("{text}: raise max_wal_senders and restart PostgreSQL, or stop a replication client no longer needed (pg_stat_replication)")
     } else {
         text
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_session_name_is_stored_as_written_so_the_ownership_guard_can_match_it() {
+        // PostgreSQL stores a non-ASCII byte of an application_name as `?`.
+        let name = session_name("outbox-relay nœud-1 ümlaut");
+        assert!(name.is_ascii(), "{name}");
+        assert!(name.starts_with("outbox-relay n_ud-1 _mlaut "), "{name}");
+        let long = session_name(&"x".repeat(100));
+        assert!(long.len() <= 63, "{}", long.len());
+        assert_ne!(session_name("a"), session_name("a"), "a token of its own");
     }
 }
