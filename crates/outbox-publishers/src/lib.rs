@@ -128,6 +128,8 @@ pub async fn build_router(
     if routes.is_empty() && sinks.len() == 1 {
         sinks.keys().try_for_each(|sink| check_default(sink))?;
     }
+    #[cfg(feature = "webhook")]
+    webhook::refuse_a_shared_secret(sinks)?;
     let mut built = Vec::new();
     for (name, config) in sinks {
         built.push((name.clone(), build_sink(name, config).await?));

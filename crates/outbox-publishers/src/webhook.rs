@@ -198,6 +198,33 @@ impl Sink for WebhookSink {
     }
 }
 
+/// Refuses [`SECRET_ENV`] as the secret of more than one webhook sink: each receiver holds
+/// the key it verifies with, so with one key for all, any of them could sign messages that
+/// another receiver would take as the relay's.
+pub fn refuse_a_shared_secret(
+    sinks: &std::collections::BTreeMap<String, crate::config::SinkConfig>,
+) -> Result<(), SinkSetupError> {
+    if std::env::var(SECRET_ENV).map_or(true, |s| s.is_empty()) {
+        return Ok(());
+    }
+    let sharing: Vec<&str> = sinks
+        .iter()
+        .filter(|(_, c)| {
+            matches!(c.settings(), crate::config::SinkSettings::Webhook(w) if w.secret.is_none())
+        })
+        .map(|(name, _)| name.as_str())
+        .collect();
+    if sharing.len() < 2 {
+        return Ok(());
+    }
+    Err(SinkSetupError::config(format!(
+        "{SECRET_ENV} would sign for every webhook sink without a secret of its own ({}): each \
+         receiver could then sign messages the others take as the relay's; give each \
+         [sinks.NAME] its own secret = \"whsec_...\"",
+        sharing.join(", ")
+    )))
+}
+
 pub fn sink(uri: &str, config: &WebhookConfig) -> Result<Arc<dyn Sink>, SinkSetupError> {
     Ok(Arc::new(WebhookSink::new(uri, config)?))
 }

@@ -42,6 +42,44 @@ fn refused(out: Output, setting: &str, fix: &str) {
 const PG: &str = "postgres://relay@127.0.0.1:1/app";
 
 #[test]
+fn one_webhook_secret_for_several_receivers_is_refused_naming_each_sink() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let two = "[sinks.billing]\nuri = \"https://127.0.0.1:1/billing\"\n\
+               [sinks.partner]\nuri = \"https://127.0.0.1:1/partner\"\n\
+               [[routes]]\ndestinations = \"billing.*\"\nsink = \"billing\"\n\
+               [[routes]]\ndestinations = \"*\"\nsink = \"partner\"\n";
+    std::fs::write(d.join("relay.toml"), two).unwrap();
+    let secret = (
+        "OUTBOX_RELAY_WEBHOOK_SECRET",
+        "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw",
+    );
+    let run = [
+        "--config",
+        "relay.toml",
+        "run",
+        "--drain",
+        "--http-addr",
+        "",
+    ];
+    refused(
+        relay(d, &run, &[secret]),
+        "billing, partner",
+        "its own secret",
+    );
+    // Each with a secret of its own: the shared one signs for nobody, and nothing is refused
+    // for it (the drain goes on to the empty SQLite outbox).
+    let own = two.replace(
+        "/partner\"\n",
+        "/partner\"\nsecret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"\n",
+    );
+    std::fs::write(d.join("relay.toml"), own).unwrap();
+    let out = relay(d, &run, &[secret]);
+    assert!(!stderr(&out).contains("its own secret"), "{}", stderr(&out));
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+}
+
+#[test]
 fn a_setting_that_has_no_effect_is_refused_with_exit_2_naming_it() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
