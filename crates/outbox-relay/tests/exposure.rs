@@ -121,15 +121,19 @@ async fn no_secret_reaches_a_log_check_a_stored_error_the_cli_or_the_api() {
         "D0wnS1gnature5ecretValue",
         "OtelPassw0rd-s3cr3t",
         "d2ViaG9vay1zaWduaW5nLXMzY3IzdA",
+        "QmFzaWNTaW5rU2lnbmluZ0tleTE",
+        "Q2FwYWJpbGl0eVNpZ25pbmdLZXky",
         token,
     ];
     let config = format!(
         r#"
 [sinks.basic]
 uri = "http://relay:BasicPassw0rd-s3cr3t@{busy}/in?access_token=QueryTok3n-s3cr3t&code=C0deLooksGenerated7x9&channel=orders"
+secret = "whsec_QmFzaWNTaW5rU2lnbmluZ0tleTE="
 
 [sinks.capability]
 uri = "http://{busy}/services/T0AAAA/B0BBBB/Xk3sZ9sLack5ecretPath8"
+secret = "whsec_Q2FwYWJpbGl0eVNpZ25pbmdLZXky"
 
 [sinks.down]
 uri = "http://127.0.0.1:{closed}/hook?sig=D0wnS1gnature5ecretValue"
@@ -151,6 +155,7 @@ sink = "down"
     std::fs::write(dir.path().join("relay.toml"), config).unwrap();
     let env = [
         ("OUTBOX_RELAY_ADMIN_TOKEN", token),
+        // The `down` sink's: the others have their own (one shared secret is refused).
         (
             "OUTBOX_RELAY_WEBHOOK_SECRET",
             "whsec_d2ViaG9vay1zaWduaW5nLXMzY3IzdA==",
