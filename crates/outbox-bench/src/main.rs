@@ -99,10 +99,11 @@ fn settings() -> Result<Settings> {
                 s.scaling_events = 50_000;
             }
             "--help" | "-h" => {
-                println!("outbox-bench [--events N] [--baseline-events N] [--latency-seconds S] [--scaling-events N] [--quick] [--only drain|latency|keepup|writers|scaling|wal] [--out DIR]");
+                println!("outbox-bench [--events N] [--baseline-events N] [--latency-seconds S] [--scaling-events N] [--quick] [--only drain|latency|keepup|writers|scaling|wal|wal-memory] [--out DIR]");
                 println!("  drain sweeps: [--sinks file,nats] [--relay-args \"--batch-size 2000\"]; --baseline-events 0 skips the baseline and the PostgreSQL floor");
                 println!("  --only drain ends with the dashboard run: the drain to the first sink, once without and once with headless `chromium` open on the relay's dashboard (skipped without chromium)");
                 println!("  latency subsets: [--latency-plan 10000x10:notify+gated,1000x1:poll] (events/s x events per transaction : modes notify|gated|poll|baseline|wal|wal-emit; wal-stdout|wal-emit-stdout: the WAL relay's stdout sink piped into the bench, no broker; and the host's WAL floor recvlogical|recvlogical-emit: pg_recvlogical reading the slot, no relay)");
+                println!("  --only wal-memory: WAL capture's drain of 256 events of 1 MiB to a webhook answering each after 50 ms, with the relay's peak RSS (also part of --only wal)");
                 println!("  --only wal: the WAL capture drains (table form and outbox_emit), WAL latency runs and WAL writer cost only; [--wal-events-per-transaction N] sizes the drains' backlog transactions (default 1000)");
                 println!("  --relay-sslmode disable|prefer|require: how the measured relay connects to PostgreSQL (default: the relay's own, prefer, which uses the server's TLS)");
                 println!("  environment: OUTBOX_BENCH_RELAY_LOG=<filter> keeps the latency relays' JSON logs; OUTBOX_BENCH_LATENCY_TRACE=<path> writes each latency run's events as \"ms since the first commit, latency ms\" lines to <path>-<mode>-<rate>x<per transaction>; OUTBOX_BENCH_RELAY_BIN=<path> measures that relay binary instead of building one");
@@ -441,9 +442,15 @@ async fn main() -> Result<()> {
     if settings.only.as_deref() == Some("wal") {
         results["wal_drain"] = wal::drain(&bench).await?;
         write_results(&settings.out, &results)?;
+        results["wal_memory"] = wal::large_events(&bench).await?;
+        write_results(&settings.out, &results)?;
         results["latency"] = measure::latency(&bench, wal::LATENCY_PLAN).await?;
         write_results(&settings.out, &results)?;
         results["writer_cost"] = measure::writer_cost(&bench, wal::WRITER_VARIANTS).await?;
+        write_results(&settings.out, &results)?;
+    }
+    if settings.only.as_deref() == Some("wal-memory") {
+        results["wal_memory"] = wal::large_events(&bench).await?;
         write_results(&settings.out, &results)?;
     }
     if wanted("latency") {

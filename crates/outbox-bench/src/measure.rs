@@ -806,6 +806,7 @@ pub fn markdown(r: &Value) -> String {
         s.push('\n');
         s.push_str(&dashboard::markdown(r));
     }
+    s.push_str(&wal::large_events_note(r));
     if let Some(Value::Array(runs)) = r.get("latency") {
         s.push_str("### Latency, commit to confirmation (ms)\n\n");
         s.push_str(&table(

@@ -470,3 +470,159 @@ pub fn drain_note(r: &Value) -> String {
         }
     )
 }
+
+/// Events of [`LARGE_EVENT_MIB`] each in the large-event drain.
+pub const LARGE_EVENTS: u64 = 256;
+/// The payload of each event in the large-event drain, in MiB.
+const LARGE_EVENT_MIB: u64 = 1;
+/// How long the large-event drain's webhook takes to answer each event.
+const SLOW_SINK_PACE: Duration = Duration::from_millis(50);
+
+/// `--only wal-memory` (and part of `--only wal`): `run --capture wal --drain` of
+/// [`LARGE_EVENTS`] events of 1 MiB, from a slot created before they were written, to a
+/// webhook that answers each after [`SLOW_SINK_PACE`]. The stream brings them far faster
+/// than the sink takes them, so what the relay reads ahead in the meantime shows in its peak
+/// RSS (the issue's target: 128 MB).
+pub async fn large_events(b: &Bench) -> Result<Value> {
+    let n = LARGE_EVENTS;
+    eprintln!("drain: WAL capture, {n} events of {LARGE_EVENT_MIB} MiB to a slow webhook");
+    let db = b.reset().await?;
+    prepare(b, &db).await?;
+    db.batch_execute(&format!(
+        "DO $prefill$
+         BEGIN
+             FOR c IN 0..{last} LOOP
+                 INSERT INTO outbox (destination, partition_key, event_type, payload)
+                 SELECT '{SUBJECT}', 'customer-' || (i % 64), 'order.created',
+                        jsonb_build_object('seq', i, 'pad', repeat('x', {bytes}))
+                   FROM generate_series(c * 8 + 1, least((c + 1) * 8, {n})) i;
+                 COMMIT;
+             END LOOP;
+         END
+         $prefill$",
+        last = n.div_ceil(8) - 1,
+        bytes = LARGE_EVENT_MIB * 1024 * 1024,
+    ))
+    .await?;
+    let receiver = SlowWebhook::start(SLOW_SINK_PACE).await?;
+    let sink = format!("http://{}/hooks/{{destination}}", receiver.addr);
+    let url = b.relay_url();
+    let mut args = vec![
+        "run",
+        "--drain",
+        "--database-url",
+        &url,
+        "--sink",
+        &sink,
+        "--http-addr",
+        "",
+        "--log-level",
+        "warn",
+    ];
+    args.extend(RELAY_ARGS);
+    args.extend(b.settings.relay_args.iter().map(String::as_str));
+    // Off this worker: the receiver answers on the other one meanwhile.
+    let (wall, user, sys, rss) = tokio::task::block_in_place(|| measure::timed(b, &args))?;
+    let delivered = receiver.received();
+    if delivered < n {
+        bail!("the large-event drain delivered {delivered} of {n} events");
+    }
+    Ok(json!({
+        "events": n, "delivered": delivered, "event_mib": LARGE_EVENT_MIB,
+        "sink_pace_ms": SLOW_SINK_PACE.as_millis() as u64,
+        "wall_s": wall, "events_per_s": n as f64 / wall,
+        "relay_cpu_s": user + sys,
+        "peak_rss_mb": rss as f64 / 1024.0,
+    }))
+}
+
+/// The large-event drain's line in the report.
+pub fn large_events_note(r: &Value) -> String {
+    let y = &r["wal_memory"];
+    if y.is_null() {
+        return String::new();
+    }
+    format!(
+        "\nWAL capture, {} events of {} MiB drained to a webhook answering each after {} ms: peak RSS {} MB (target ≤ 128 MB), {} events/s, {} of {} delivered.\n",
+        y["events"],
+        y["event_mib"],
+        y["sink_pace_ms"],
+        measure::f(&y["peak_rss_mb"]),
+        measure::f(&y["events_per_s"]),
+        y["delivered"],
+        y["events"],
+    )
+}
+
+/// A webhook receiver that answers each request after a pace (HTTP/1.1, one request at a
+/// time per connection), counting the distinct `webhook-id`s it received.
+struct SlowWebhook {
+    addr: std::net::SocketAddr,
+    ids: Arc<Mutex<std::collections::HashSet<String>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl SlowWebhook {
+    async fn start(pace: Duration) -> Result<SlowWebhook> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let ids: Arc<Mutex<std::collections::HashSet<String>>> = Arc::default();
+        let recorded = ids.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((socket, _)) = listener.accept().await {
+                tokio::spawn(answer_slowly(socket, pace, recorded.clone()));
+            }
+        });
+        Ok(SlowWebhook { addr, ids, task })
+    }
+
+    fn received(&self) -> u64 {
+        self.ids.lock().map(|ids| ids.len() as u64).unwrap_or(0)
+    }
+}
+
+impl Drop for SlowWebhook {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Serves one connection of [`SlowWebhook`] until it closes.
+async fn answer_slowly(
+    socket: tokio::net::TcpStream,
+    pace: Duration,
+    ids: Arc<Mutex<std::collections::HashSet<String>>>,
+) {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+    let mut socket = BufReader::new(socket);
+    loop {
+        let (mut length, mut id) = (0usize, None);
+        loop {
+            let mut line = String::new();
+            if socket.read_line(&mut line).await.unwrap_or(0) == 0 {
+                return;
+            }
+            let line = line.trim_end().to_ascii_lowercase();
+            if line.is_empty() {
+                break;
+            }
+            if let Some(v) = line.strip_prefix("content-length:") {
+                length = v.trim().parse().unwrap_or(0);
+            } else if let Some(v) = line.strip_prefix("webhook-id:") {
+                id = Some(v.trim().to_string());
+            }
+        }
+        let mut body = vec![0; length];
+        if socket.read_exact(&mut body).await.is_err() {
+            return;
+        }
+        tokio::time::sleep(pace).await;
+        if let (Ok(mut ids), Some(id)) = (ids.lock(), id) {
+            ids.insert(id);
+        }
+        let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n";
+        if socket.get_mut().write_all(ok).await.is_err() {
+            return;
+        }
+    }
+}

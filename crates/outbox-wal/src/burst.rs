@@ -3,11 +3,13 @@
 //! relay pay that round per event; one held too long delays what it carries.
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use futures::FutureExt;
 
 use crate::assemble::Output;
+use crate::budget::{output_bytes, Charge, MemoryBudget};
 use crate::client::{WalError, WalStream};
 
 /// The most outputs the reader hands over in one item.
@@ -44,6 +46,19 @@ impl OutputSource for WalStream {
     }
 }
 
+/// An output and the memory it holds ([`crate::budget`]) until capture lets go of it.
+pub(crate) struct ChargedOutput {
+    pub(crate) output: Output,
+    pub(crate) memory: Charge,
+}
+
+impl ChargedOutput {
+    fn new(output: Output, memory: &Arc<MemoryBudget>) -> Self {
+        let memory = memory.charge(output_bytes(&output));
+        ChargedOutput { output, memory }
+    }
+}
+
 /// Why a burst ended, besides being full or having nothing more ready.
 pub(crate) enum BurstEnd {
     /// Nothing more is ready now (or the burst is full): read on.
@@ -56,15 +71,17 @@ pub(crate) enum BurstEnd {
 /// Reads one burst, starting with `first`: everything the stream has ready, the rest of a
 /// transaction it has begun (until [`REST_OF_TRANSACTION`] after `first`), and, when the
 /// burst's transactions committed long ago, one short wait for more. At most
-/// [`READ_BURST`] outputs.
+/// [`READ_BURST`] outputs, and none once `memory` is full: each output is charged to it as
+/// it is read.
 pub(crate) async fn read_burst(
     stream: &mut impl OutputSource,
     first: Output,
-) -> (Vec<Output>, BurstEnd) {
+    memory: &Arc<MemoryBudget>,
+) -> (Vec<ChargedOutput>, BurstEnd) {
     let rest_until = tokio::time::Instant::now() + REST_OF_TRANSACTION;
-    let mut burst = vec![first];
+    let mut burst = vec![ChargedOutput::new(first, memory)];
     let mut lingered = false;
-    while burst.len() < READ_BURST {
+    while burst.len() < READ_BURST && memory.room() > 0 {
         let mut next = stream.next_output().now_or_never();
         if next.is_none() && mid_transaction(&burst) {
             next = tokio::time::timeout_at(rest_until, stream.next_output())
@@ -80,7 +97,7 @@ pub(crate) async fn read_burst(
         }
         match next {
             None => break,
-            Some(Ok(Some(output))) => burst.push(output),
+            Some(Ok(Some(output))) => burst.push(ChargedOutput::new(output, memory)),
             Some(Ok(None)) => return (burst, BurstEnd::Ended),
             Some(Err(e)) => return (burst, BurstEnd::Failed(e)),
         }
@@ -89,13 +106,19 @@ pub(crate) async fn read_burst(
 }
 
 /// The burst ends inside a transaction: its last output is one of the transaction's events.
-fn mid_transaction(burst: &[Output]) -> bool {
-    matches!(burst.last(), Some(Output::Event { .. }))
+fn mid_transaction(burst: &[ChargedOutput]) -> bool {
+    matches!(
+        burst.last(),
+        Some(ChargedOutput {
+            output: Output::Event { .. },
+            ..
+        })
+    )
 }
 
 /// Whether the last transaction in `burst` committed more than [`LINGER_WHEN_LAGGING`] ago.
-fn lagging(burst: &[Output]) -> bool {
-    commit_age(burst.iter().rev()).is_some_and(|age| age > LINGER_WHEN_LAGGING)
+fn lagging(burst: &[ChargedOutput]) -> bool {
+    commit_age(burst.iter().rev().map(|c| &c.output)).is_some_and(|age| age > LINGER_WHEN_LAGGING)
 }
 
 /// How long ago the first transaction of `outputs` committed.
@@ -122,6 +145,20 @@ mod tests {
             events: 1,
             commit_time: SystemTime::now() - ago,
         }
+    }
+
+    fn uncharged(outputs: Vec<Output>) -> Vec<ChargedOutput> {
+        outputs
+            .into_iter()
+            .map(|output| ChargedOutput {
+                output,
+                memory: Charge::none(),
+            })
+            .collect()
+    }
+
+    fn unbounded() -> Arc<MemoryBudget> {
+        MemoryBudget::new(usize::MAX)
     }
 
     fn event(n: u64) -> Output {
@@ -169,13 +206,17 @@ mod tests {
 
     #[test]
     fn a_burst_is_lagging_when_its_last_transaction_committed_over_20_ms_ago() {
-        assert!(lagging(&[committed(Duration::from_millis(50))]));
-        assert!(!lagging(&[committed(Duration::ZERO)]));
+        let lagging = |outputs: Vec<Output>| lagging(&uncharged(outputs));
+        assert!(lagging(vec![committed(Duration::from_millis(50))]));
+        assert!(!lagging(vec![committed(Duration::ZERO)]));
         assert!(
-            !lagging(&[committed(Duration::from_secs(1)), committed(Duration::ZERO)]),
+            !lagging(vec![
+                committed(Duration::from_secs(1)),
+                committed(Duration::ZERO)
+            ]),
             "the last transaction counts"
         );
-        assert!(!lagging(&[]), "nothing committed yet says nothing");
+        assert!(!lagging(vec![]), "nothing committed yet says nothing");
     }
 
     #[tokio::test(start_paused = true)]
@@ -189,10 +230,13 @@ mod tests {
             pace: None,
             due: None,
         };
-        let (burst, end) = read_burst(&mut stream, event(0)).await;
+        let (burst, end) = read_burst(&mut stream, event(0), &unbounded()).await;
         assert!(matches!(end, BurstEnd::More));
         assert_eq!(burst.len(), 11, "ten events and their commit, in one burst");
-        assert!(matches!(burst.last(), Some(Output::Committed { .. })));
+        assert!(matches!(
+            burst.last().map(|c| &c.output),
+            Some(Output::Committed { .. })
+        ));
         assert_eq!(
             stream.outputs.len(),
             1,
@@ -208,7 +252,7 @@ mod tests {
             pace: Some(Duration::from_millis(2)),
             due: None,
         };
-        let (burst, end) = read_burst(&mut stream, event(0)).await;
+        let (burst, end) = read_burst(&mut stream, event(0), &unbounded()).await;
         assert!(matches!(end, BurstEnd::More));
         assert_eq!(
             burst.len(),
@@ -228,7 +272,8 @@ mod tests {
             }
         }
         let mut stream = Stalled;
-        let read = read_burst(&mut stream, event(0));
+        let memory = unbounded();
+        let read = read_burst(&mut stream, event(0), &memory);
         let (burst, end) = tokio::time::timeout(Duration::from_secs(1), read)
             .await
             .expect("a stalled transaction is handed over, not waited for");
@@ -243,8 +288,25 @@ mod tests {
             pace: None,
             due: None,
         };
-        let (burst, end) = read_burst(&mut stream, event(0)).await;
+        let (burst, end) = read_burst(&mut stream, event(0), &unbounded()).await;
         assert_eq!(burst.len(), 2);
         assert!(matches!(end, BurstEnd::Ended));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_burst_ends_once_the_memory_budget_is_full_and_charges_what_it_read() {
+        let mut stream = Trickle {
+            outputs: (1..100).map(event).collect(),
+            pace: None,
+            due: None,
+        };
+        let each = output_bytes(&event(0));
+        let memory = MemoryBudget::new(each * 3);
+        let (burst, end) = read_burst(&mut stream, event(0), &memory).await;
+        assert!(matches!(end, BurstEnd::More));
+        assert_eq!(burst.len(), 3, "mid-transaction, but the budget is full");
+        assert_eq!(memory.held(), each * 3);
+        drop(burst);
+        assert_eq!(memory.held(), 0, "dropping the burst gives its bytes back");
     }
 }

@@ -33,8 +33,12 @@ pub struct WalConfig {
     /// How often the confirmed position is reported when it moved (and at most how long a
     /// confirmation waits to be reported).
     pub status_interval: Duration,
-    /// Replication messages read ahead of the caller (bounds memory with the sink's pace).
+    /// Outputs read ahead of the caller, at most (a count; [`WalConfig::memory_budget`]
+    /// bounds their bytes).
     pub read_ahead: usize,
+    /// Bytes of events capture may hold, read ahead and in flight together
+    /// ([`crate::budget`]).
+    pub memory_budget: usize,
     /// End the stream once a transaction that commits at or after this position begins,
     /// or a keepalive reaches it (`run --drain`).
     pub stop_at: Option<Lsn>,
@@ -70,6 +74,7 @@ impl WalConfig {
             // per interval too (the client's wake-up interval is this one).
             status_interval: Duration::from_millis(250),
             read_ahead: 8192,
+            memory_budget: crate::budget::DEFAULT_MEMORY_BUDGET,
             stop_at: None,
             application_name: "outbox-relay".into(),
             ca_file: None,
@@ -88,6 +93,7 @@ impl std::fmt::Debug for WalConfig {
             .field("message_prefix", &self.message_prefix)
             .field("status_interval", &self.status_interval)
             .field("read_ahead", &self.read_ahead)
+            .field("memory_budget", &self.memory_budget)
             .field("stop_at", &self.stop_at)
             .field("application_name", &self.application_name)
             .field("ca_file", &self.ca_file)
@@ -389,7 +395,7 @@ fn replication_config(config: &WalConfig) -> Result<ReplicationConfig, WalError>
     .with_tls(tls)
     .with_status_interval(config.status_interval)
     .with_wakeup_interval(config.status_interval)
-    .with_buffer_size(config.read_ahead.max(1))
+    .with_buffer_size(CLIENT_BUFFER)
     .with_application_name(config.application_name.clone())
     // Timestamps are parsed from their text: fix the style they are written in.
     .with_options("-c DateStyle=ISO -c TimeZone=UTC");
@@ -398,6 +404,11 @@ fn replication_config(config: &WalConfig) -> Result<ReplicationConfig, WalError>
     }
     Ok(replication)
 }
+
+/// Replication messages the client parses ahead of the reader. A count, not bytes, so it
+/// is kept small: 32 events of 1 MiB beside the memory budget, while a burst of small ones
+/// still finds a queue to take at once.
+const CLIENT_BUFFER: usize = 32;
 
 /// The replication connection's TLS for a libpq `sslmode`: the same meanings as the store's
 /// connections (a CA file makes `require` check the certificate and its name).

@@ -7,6 +7,7 @@
 //!   the `outbox` prefix (the format and the `outbox_emit` SQL function are in [`emit`]).
 //! - [`assemble`]: decoded messages → events of committed transactions, in commit order,
 //!   each handed out as it arrives, and a `Committed` marker per transaction.
+//! - [`budget`]: the bytes of events capture may hold, read ahead and in flight.
 //! - [`burst`]: how the reader cuts the stream into the items the engine claims from.
 //! - [`ack`]: which position the slot may be confirmed at, given which events are settled.
 //! - [`schema`]: the publication `migrate --capture wal` creates.
@@ -19,6 +20,7 @@
 
 pub mod ack;
 pub mod assemble;
+pub mod budget;
 mod burst;
 pub mod capture;
 pub mod client;

@@ -132,7 +132,7 @@ impl EventColumns {
 }
 
 /// What of `event` PostgreSQL cannot store as it is: a NUL byte in a text column, or
-/// `\u0000` in JSON (jsonb refuses it).
+/// JSON jsonb refuses (`\u0000`, or half of a surrogate pair).
 pub(super) fn unstorable(event: &Event) -> Option<&'static str> {
     let text = [
         Some(event.destination.as_str()),
@@ -143,11 +143,11 @@ pub(super) fn unstorable(event: &Event) -> Option<&'static str> {
     if text.into_iter().flatten().any(|t| t.contains('\0')) {
         return Some("a NUL byte in its destination, key, type or mutation id");
     }
-    if payload_json(&event.payload).is_some_and(|p| holds_nul_escape(&p)) {
-        return Some("\\u0000 in its payload");
+    if payload_json(&event.payload).is_some_and(|p| jsonb_refuses(&p)) {
+        return Some("\\u0000 or a lone surrogate escape in its payload");
     }
     let headers = serde_json::to_string(&event.headers).unwrap_or_default();
-    holds_nul_escape(&headers).then_some("\\u0000 in its headers")
+    jsonb_refuses(&headers).then_some("\\u0000 or a lone surrogate escape in its headers")
 }
 
 /// `text` with each NUL shown as `\0`.
@@ -155,29 +155,44 @@ pub(super) fn visible_nul(text: &str) -> String {
     text.replace('\0', "\\0")
 }
 
-/// JSON text jsonb accepts: as it is, or (holding `\u0000`) as a JSON string of itself.
+/// JSON text jsonb accepts: as it is, or (holding an escape jsonb refuses) as a JSON string
+/// of itself.
 pub(super) fn storable_json(json: &str) -> String {
-    if holds_nul_escape(json) {
+    if jsonb_refuses(json) {
         serde_json::to_string(json).unwrap_or_else(|_| "null".into())
     } else {
         json.to_string()
     }
 }
 
-/// Whether JSON text holds the escape `\u0000` (an escaped backslash followed by `u0000`
-/// is no such escape).
-pub(super) fn holds_nul_escape(json: &str) -> bool {
+/// Whether JSON text holds an escape jsonb refuses: `\u0000`, or a `\uD800`-`\uDFFF` that is
+/// not part of a high-then-low surrogate pair. (An escaped backslash followed by `u0000` is
+/// no such escape.) The `json` type and the message form keep such text, jsonb does not.
+pub(super) fn jsonb_refuses(json: &str) -> bool {
     let bytes = json.as_bytes();
+    let unicode_escape = |at: usize| -> Option<u16> {
+        let hex = bytes.get(at..at + 6)?;
+        if !hex.starts_with(b"\\u") {
+            return None;
+        }
+        u16::from_str_radix(std::str::from_utf8(&hex[2..]).ok()?, 16).ok()
+    };
     let mut i = 0;
     while i < bytes.len() {
-        if bytes[i] == b'\\' {
-            if bytes[i + 1..].starts_with(b"u0000") {
-                return true;
-            }
-            // Skip the escaped character (a backslash among them).
-            i += 2;
-        } else {
+        if bytes[i] != b'\\' {
             i += 1;
+            continue;
+        }
+        match unicode_escape(i) {
+            Some(0) => return true,
+            Some(0xD800..=0xDBFF) => match unicode_escape(i + 6) {
+                Some(0xDC00..=0xDFFF) => i += 12,
+                _ => return true,
+            },
+            Some(0xDC00..=0xDFFF) => return true,
+            Some(_) => i += 6,
+            // Skip the escaped character (a backslash among them).
+            None => i += 2,
         }
     }
     false
@@ -198,24 +213,44 @@ mod tests {
 
     #[test]
     fn only_an_unescaped_u0000_is_the_escape_jsonb_refuses() {
-        assert!(holds_nul_escape(r#"{"a":"\u0000"}"#));
+        assert!(jsonb_refuses(r#"{"a":"\u0000"}"#));
         assert!(
-            holds_nul_escape(r#"["x\\\u0000"]"#),
+            jsonb_refuses(r#"["x\\\u0000"]"#),
             "an escaped backslash, then the escape"
         );
         assert!(
-            !holds_nul_escape(r#"{"a":"\\u0000"}"#),
+            !jsonb_refuses(r#"{"a":"\\u0000"}"#),
             "a backslash, then text"
         );
-        assert!(!holds_nul_escape(r#"{"a":"\u0001"}"#));
-        assert!(!holds_nul_escape(r#"{"a":"ends with a backslash\"#));
+        assert!(!jsonb_refuses(r#"{"a":"\u0001"}"#));
+        assert!(!jsonb_refuses(r#"{"a":"ends with a backslash\"#));
+    }
+
+    #[test]
+    fn half_a_surrogate_pair_is_refused_and_a_whole_pair_is_not() {
+        assert!(!jsonb_refuses(r#"["\ud83d\ude00"]"#), "a pair: 😀");
+        assert!(!jsonb_refuses(r#"["\uD83D\uDE00 and \u00e9"]"#));
+        assert!(jsonb_refuses(r#"["\ud800"]"#), "a high one alone");
+        assert!(jsonb_refuses(r#"["\ud800x"]"#), "a high one before text");
+        assert!(
+            jsonb_refuses(r#"["\ud800\u0041"]"#),
+            "a high one before no low one"
+        );
+        assert!(jsonb_refuses(r#"["\udc00"]"#), "a low one alone");
+        assert!(
+            jsonb_refuses(r#"["\ud83d\ude00\udc00"]"#),
+            "a pair, then a low one"
+        );
+        assert!(!jsonb_refuses(r#"["\\ud800"]"#), "a backslash, then text");
+        let stored = storable_json(r#"["\ud800"]"#);
+        assert!(!jsonb_refuses(&stored), "{stored}");
     }
 
     #[test]
     fn json_jsonb_refuses_is_kept_as_a_string_of_itself() {
         let json = r#"{"a":"\u0000"}"#;
         let stored = storable_json(json);
-        assert!(!holds_nul_escape(&stored), "{stored}");
+        assert!(!jsonb_refuses(&stored), "{stored}");
         let back: String = serde_json::from_str(&stored).unwrap();
         assert_eq!(back, json, "the text is kept whole");
         assert_eq!(storable_json(r#"{"a":1}"#), r#"{"a":1}"#);

@@ -46,7 +46,8 @@ use tokio_postgres::types::ToSql;
 
 use crate::ack::Acknowledgements;
 use crate::assemble::Output;
-use crate::burst::{commit_age, read_burst, BurstEnd, READ_BURST};
+use crate::budget::{event_bytes, Charge, MemoryBudget};
+use crate::burst::{commit_age, read_burst, BurstEnd, ChargedOutput, READ_BURST};
 use crate::client::{WalConfig, WalError, WalStream};
 use crate::event::{EventPosition, EventSource, Undecodable, WalEvent};
 use crate::lsn::Lsn;
@@ -72,6 +73,11 @@ pub mod metric {
     /// Transactions since the slot's catalog_xmin: what it holds back of the server's
     /// vacuum (and, on PostgreSQL 15, of index page recycling).
     pub const SLOT_XMIN_AGE: &str = "outbox_wal_slot_catalog_xmin_age";
+    /// Bytes of events capture holds: read ahead of the engine and in flight
+    /// ([`crate::budget`]).
+    pub const MEMORY_HELD: &str = "outbox_wal_memory_held_bytes";
+    /// The most bytes of events capture held at once since it started.
+    pub const MEMORY_PEAK: &str = "outbox_wal_memory_peak_bytes";
     /// 1 while this relay streams from the slot, 0 as a standby or while reconnecting.
     pub const STREAMING: &str = "outbox_wal_streaming";
     /// Outbox messages not relayed because they were written non-transactionally (sent
@@ -166,6 +172,8 @@ struct Inner {
     close: watch::Sender<bool>,
     reader: Mutex<Option<tokio::task::JoinHandle<()>>>,
     dead_letters: Arc<CaptureDeadLetters>,
+    /// The bytes of events held, read ahead and in flight.
+    memory: Arc<MemoryBudget>,
 }
 
 /// Dead letters that capture writes itself, not the engine: rows the adoption cannot read
@@ -218,7 +226,9 @@ impl WalStore {
             labels: options.labels.clone(),
             count: Default::default(),
         });
+        let memory = MemoryBudget::new(options.wal.memory_budget);
         let reader = Reader {
+            memory: memory.clone(),
             session_name: String::new(),
             tables: tables.clone(),
             publication: options.publication.clone(),
@@ -254,6 +264,7 @@ impl WalStore {
                 close,
                 reader: Mutex::new(Some(handle)),
                 dead_letters,
+                memory,
             }),
         }
     }
@@ -699,8 +710,12 @@ impl Inner {
         let mut out = Vec::new();
         let has_parked = !lock(&self.state).parked_keys.is_empty();
         if status == CaptureStatus::Streaming && has_parked {
+            // As many rows as the memory left holds, at the size of the largest event seen
+            // (at least one: a full budget slows parked rows down, never stops them).
+            let fits = self.memory.room() / self.memory.largest_event().max(1);
             let rows = self.parked.claim(ClaimRequest {
                 fence: None,
+                limit: request.limit.min(fits).max(1),
                 ..request.clone()
             });
             let rows = rows.await?;
@@ -710,9 +725,17 @@ impl Inner {
             );
             let mut state = lock(&self.state);
             for row in rows {
+                let memory = match &row {
+                    Claimed::Event(event) => self.memory.charge(event_bytes(event)),
+                    Claimed::Undecodable { .. } => Charge::none(),
+                };
+                let key = row.ordering_key().to_string();
                 state.held.insert(
                     row.sequence_id(),
-                    Held::Parked(row.ordering_key().to_string()),
+                    Held::Parked {
+                        key,
+                        _memory: memory,
+                    },
                 );
                 out.push(row);
             }
@@ -816,6 +839,8 @@ impl Inner {
     async fn backlog(&self) -> StoreResult<Backlog> {
         let mut backlog = self.parked.backlog().await?;
         self.report_slot().await;
+        ::metrics::gauge!(metric::MEMORY_HELD).set(self.memory.held() as f64);
+        ::metrics::gauge!(metric::MEMORY_PEAK).set(self.memory.peak() as f64);
         let state = lock(&self.state);
         let mut oldest: Option<SystemTime> = None;
         let mut stream_events = 0u64;

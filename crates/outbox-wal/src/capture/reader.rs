@@ -22,6 +22,8 @@ pub(super) struct Reader {
     pub(super) status: watch::Sender<CaptureStatus>,
     pub(super) on_change: Arc<Mutex<Option<OnChange>>>,
     pub(super) dead_letters: Arc<CaptureDeadLetters>,
+    /// Charged for every output read; the stream is read only while it has room.
+    pub(super) memory: Arc<MemoryBudget>,
 }
 
 /// How a session ended.
@@ -295,9 +297,12 @@ impl Reader {
         }
         let mut liveness = SqlLiveness::new();
         // A slot in the channel is reserved before the stream is read, so a burst read is
-        // never held back by a full channel while the session has other duties.
+        // never held back by a full channel while the session has other duties. Nor is
+        // the stream read while the memory budget is full: what is unread waits in the
+        // server's WAL (and the client's small buffer), not in this process.
         let mut permit = None;
         loop {
+            let memory_full = self.memory.room() == 0;
             let next = tokio::select! {
                 biased;
                 _ = self.close.changed() => return SessionEnd::Closed,
@@ -326,7 +331,8 @@ impl Reader {
                     }
                     Err(_) => return SessionEnd::Closed,
                 },
-                next = stream.next(), if permit.is_some() => next,
+                () = self.memory.has_room(), if permit.is_some() && memory_full => continue,
+                next = stream.next(), if permit.is_some() && !memory_full => next,
             };
             let Some(permit) = permit.take() else {
                 continue;
@@ -336,11 +342,11 @@ impl Reader {
                 Ok(None) => return SessionEnd::Broken("the server ended the stream".into()),
                 Err(e) => return SessionEnd::Broken(describe(&e)),
             };
-            let (burst, end) = read_burst(stream, first).await;
+            let (burst, end) = read_burst(stream, first, &self.memory).await;
             if tracing::enabled!(tracing::Level::TRACE) {
                 // With the claim's `oldest_ms`: whether events reach the relay late, or wait
                 // in it.
-                if let Some(age) = commit_age(&burst) {
+                if let Some(age) = commit_age(burst.iter().map(|c| &c.output)) {
                     let age_ms = age.as_secs_f64() * 1000.0;
                     tracing::trace!(outputs = burst.len(), first_commit_age_ms = age_ms, "read");
                 }

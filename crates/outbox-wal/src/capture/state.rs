@@ -20,7 +20,7 @@ pub(super) enum Item {
     DrainUntil(Lsn),
     /// The outputs the stream had ready, in order: one hand-over (and one wake-up of the
     /// engine) per burst rather than per event.
-    Outputs(Vec<Output>),
+    Outputs(Vec<ChargedOutput>),
 }
 
 pub(super) enum Body {
@@ -35,12 +35,17 @@ pub(super) struct HeldWal {
     pub(super) row: Option<SequenceId>,
     pub(super) key: String,
     pub(super) body: Body,
+    /// Its bytes in the memory budget, given back when it is let go of.
+    pub(super) _memory: Charge,
 }
 
 pub(super) enum Held {
     Wal(Box<HeldWal>),
     /// A row of the parked table, by its key.
-    Parked(String),
+    Parked {
+        key: String,
+        _memory: Charge,
+    },
 }
 
 /// An event to park and how.
@@ -91,7 +96,7 @@ pub(super) struct State {
     pub(super) drain_until: Option<Lsn>,
     /// Outputs received from the reader and not yet accepted by a claim (a claim stops
     /// at its limit, possibly within a burst).
-    pub(super) unaccepted: VecDeque<Output>,
+    pub(super) unaccepted: VecDeque<ChargedOutput>,
     /// Delivered stream events waiting for the next delete, and the round they belong to.
     pub(super) ack_queue: Vec<(SequenceId, std::time::Instant)>,
     pub(super) ack_round: Arc<AckRound>,
@@ -251,16 +256,17 @@ impl State {
     ) -> usize {
         let mut accepted = 0;
         while out.len() < limit && accepted < budget {
-            let Some(output) = self.unaccepted.pop_front() else {
+            let Some(charged) = self.unaccepted.pop_front() else {
                 break;
             };
             accepted += 1;
-            self.accept_output(output, out);
+            self.accept_output(charged, out);
         }
         accepted
     }
 
-    pub(super) fn accept_output(&mut self, output: Output, out: &mut Vec<Claimed>) {
+    pub(super) fn accept_output(&mut self, charged: ChargedOutput, out: &mut Vec<Claimed>) {
+        let ChargedOutput { output, memory } = charged;
         if self.drained {
             return;
         }
@@ -279,7 +285,7 @@ impl State {
         }
         self.acks.observe(&output);
         if let Output::Event { position, event } = output {
-            self.hand_out(position, event, out);
+            self.hand_out(position, event, memory, out);
         }
     }
 
@@ -287,12 +293,13 @@ impl State {
         &mut self,
         position: EventPosition,
         event: Result<WalEvent, Box<Undecodable>>,
+        memory: Charge,
         out: &mut Vec<Claimed>,
     ) {
         let (id, row, key, body) = match event {
             Ok(event) => {
                 let (id, row) = event_id_of(event.source, position);
-                if matches!(self.held.get(&id), Some(Held::Parked(_))) {
+                if matches!(self.held.get(&id), Some(Held::Parked { .. })) {
                     // Adopted into the parked table when the slot was created, and committed
                     // after it: the parked copy is being delivered; this one is settled.
                     if let Err(e) = self.acks.settle(position) {
@@ -337,6 +344,7 @@ impl State {
             row,
             key,
             body,
+            _memory: memory,
         };
         self.held.insert(id, Held::Wal(Box::new(held)));
     }
@@ -369,7 +377,7 @@ impl State {
         };
         for item in items {
             match self.held.get(&id(&item)) {
-                Some(Held::Parked(key)) => {
+                Some(Held::Parked { key, .. }) => {
                     split.keys.push(key.clone());
                     split.parked.push(item);
                 }
@@ -483,7 +491,23 @@ mod tests {
 
     /// What a claim hands the engine of `outputs`, by id.
     fn claim(state: &mut State, outputs: Vec<Output>) -> Vec<SequenceId> {
-        state.accept(Item::Outputs(outputs));
+        claim_charged(state, outputs, &MemoryBudget::new(usize::MAX))
+    }
+
+    /// [`claim`], charging each output to `memory`.
+    fn claim_charged(
+        state: &mut State,
+        outputs: Vec<Output>,
+        memory: &Arc<MemoryBudget>,
+    ) -> Vec<SequenceId> {
+        let charged = outputs
+            .into_iter()
+            .map(|output| ChargedOutput {
+                memory: memory.charge(crate::budget::output_bytes(&output)),
+                output,
+            })
+            .collect();
+        state.accept(Item::Outputs(charged));
         let mut out = Vec::new();
         state.accept_outputs(&mut out, 100, 1_000);
         out.iter().map(Claimed::sequence_id).collect()
@@ -580,10 +604,53 @@ mod tests {
     }
 
     #[test]
+    fn every_way_of_letting_go_of_an_event_gives_its_memory_back() {
+        let memory = MemoryBudget::new(usize::MAX);
+        let mut state = State::new();
+        state.accept(session(1, &[]));
+        let three = vec![
+            event(1, "a", 200, 0),
+            committed(200, 1),
+            event(2, "b", 300, 0),
+            committed(300, 1),
+            event(3, "c", 400, 0),
+            committed(400, 1),
+        ];
+        assert_eq!(claim_charged(&mut state, three, &memory), [1, 2, 3]);
+        let each = memory.held() / 3;
+        assert!(each > 0);
+        state.settle([1]);
+        assert_eq!(memory.held(), 2 * each, "settled");
+        state.leave_to_slot_holder([2]);
+        assert_eq!(memory.held(), each, "left to the slot's new holder");
+        // Read, not yet accepted by a claim, when the session breaks.
+        let unaccepted = vec![event(4, "d", 500, 0), committed(500, 1)];
+        let charged: Vec<ChargedOutput> = unaccepted
+            .into_iter()
+            .map(|output| ChargedOutput {
+                memory: memory.charge(crate::budget::output_bytes(&output)),
+                output,
+            })
+            .collect();
+        state.accept(Item::Outputs(charged));
+        assert_eq!(memory.held(), 2 * each);
+        state.unaccepted.clear();
+        state.redeliver.push_back(3);
+        state.accept(session(2, &[]));
+        assert_eq!(memory.held(), 0, "the new session sends them again");
+    }
+
+    #[test]
     fn the_stream_copy_of_an_adopted_row_being_delivered_settles_at_once() {
         let mut state = State::new();
         state.accept(session(1, &[]));
-        state.held.insert(1, Held::Parked("a".into()));
+        state.held.insert(
+            1,
+            Held::Parked {
+                key: "a".into(),
+                _memory: Charge::none(),
+            },
+        );
         assert!(claim(&mut state, vec![event(1, "a", 200, 0), committed(200, 1)]).is_empty());
         assert_eq!(state.acks.confirmable(), Lsn(210));
     }
