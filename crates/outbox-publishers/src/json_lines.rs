@@ -199,6 +199,14 @@ struct OpenFile {
     writes: u64,
 }
 
+/// Whether `file` is a regular file. Anything else (`/dev/null`, a FIFO, a terminal) has
+/// nothing to make durable and no length to cut back to: `fdatasync` on a character device
+/// fails with EINVAL, so a sink to `/dev/null` once failed every batch and retried for good
+/// while `check` called it reachable.
+fn is_regular(file: &File) -> bool {
+    file.metadata().is_ok_and(|m| m.file_type().is_file())
+}
+
 impl FileSink {
     /// Opens (or creates) the file. A file that cannot be opened at start-up (a missing
     /// directory, no permission) is the configuration's to fix.
@@ -334,6 +342,18 @@ impl OpenFile {
     /// Appends `buffer` and fsyncs; on failure cuts off what part of it reached the file,
     /// so that the retry starts on a line of its own.
     fn append(&mut self, buffer: &[u8], path: &Path) -> Result<(), String> {
+        if !is_regular(&self.file) {
+            // Written is all there is to it: discarded (`/dev/null`), or in the reader's
+            // hands (a FIFO).
+            self.writes += 1;
+            let result = self
+                .file
+                .write_all(buffer)
+                .and_then(|()| self.file.flush())
+                .map_err(|e| retried_report("cannot write to", path, &e));
+            self.last_failure = result.as_ref().err().cloned();
+            return result;
+        }
         // Another writer of the file (a second relay, or an old process during a restart)
         // waits while this batch is written: a failed write is cut back to the length it
         // started from, which must not take that writer's confirmed lines with it.

@@ -169,3 +169,84 @@ async fn events_are_acked_only_into_the_file_at_the_path_after_removal_rotation_
     delivered_to_path(&relay, &client, &path, 31, 40).await;
     readyz_becomes(&addr, 200).await;
 }
+
+/// `/dev/null` and a FIFO are no regular files: `fdatasync` on a character device fails
+/// with EINVAL, so a sink to `/dev/null` failed every batch and retried for good, while
+/// `check` called it reachable. Each is written without one now, and a drain to either ends
+/// with every event acked.
+#[tokio::test]
+async fn a_sink_path_that_is_no_regular_file_is_written_without_fsync() {
+    let url = support::migrated_pg_database().await;
+    let root = tempfile::tempdir().unwrap();
+    let client = pg(&url).await;
+    let drain = |sink: &str| {
+        support::relay(
+            root.path(),
+            &[
+                "run",
+                "--drain",
+                "--database-url",
+                &url,
+                "--sink",
+                sink,
+                "--http-addr",
+                "",
+                "--max-attempts",
+                "3",
+                "--retry-base-delay",
+                "10ms",
+            ],
+        )
+    };
+    let check = support::relay(
+        root.path(),
+        &["check", "--database-url", &url, "--sink", "file:/dev/null"],
+    );
+    assert!(check.status.success(), "{}", support::text(&check.stderr));
+
+    insert(&client, 1, 5).await;
+    let drained = drain("file:/dev/null");
+    assert!(
+        drained.status.success(),
+        "{}",
+        support::text(&drained.stderr)
+    );
+    let left = query_count(&client, "SELECT count(*) FROM outbox", &[]).await;
+    assert_eq!(left.unwrap(), 0, "every event acked, none dead");
+    let dead = query_count(&client, "SELECT count(*) FROM outbox_dead_letters", &[]).await;
+    assert_eq!(dead.unwrap(), 0);
+
+    // A FIFO: what its reader gets is what was acked.
+    let fifo = root.path().join("events.fifo");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let reader = {
+        let fifo = fifo.clone();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            let pipe = std::io::BufReader::new(std::fs::File::open(&fifo).unwrap());
+            pipe.lines().take(5).map(Result::unwrap).collect::<Vec<_>>()
+        })
+    };
+    insert(&client, 6, 10).await;
+    let drained = drain(&format!("file:{}", fifo.display()));
+    assert!(
+        drained.status.success(),
+        "{}",
+        support::text(&drained.stderr)
+    );
+    let lines = reader.join().unwrap();
+    let mut numbers: Vec<i64> = lines
+        .iter()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["payload"]["i"]
+                .as_i64()
+                .unwrap()
+        })
+        .collect();
+    numbers.sort();
+    assert_eq!(numbers, (6..=10).collect::<Vec<_>>());
+}
