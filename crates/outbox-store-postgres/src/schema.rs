@@ -724,6 +724,73 @@ mod tests {
         }
     }
 
+    /// Every statement and all DDL of the native table, held to `snapshots/statements.sql`
+    /// (see `outbox_testkit::snapshot`): the default names, and others in another schema.
+    #[test]
+    fn every_statement_and_ddl() {
+        use std::fmt::Write;
+        let mut out = String::new();
+        for mut tables in [Tables::standard(), tables()] {
+            let name = tables.outbox.to_string();
+            let s = Statements::new(&tables);
+            let settles = [
+                ("ack_delete", &s.ack_delete),
+                ("ack_retain", &s.ack_retain),
+                ("retry_later", &s.retry_later),
+                ("dead_letter", &s.dead_letter),
+            ];
+            let mut all: Vec<(String, &str)> = settles
+                .iter()
+                .flat_map(|(n, f)| {
+                    [
+                        (format!("{n} (row lease)"), f.plain.as_str()),
+                        (format!("{n} (partition fence)"), f.fenced.as_str()),
+                    ]
+                })
+                .collect();
+            let plain = [
+                ("claim", &s.claim),
+                ("claim_owned", &s.claim_owned),
+                ("floor_sequence", &s.floor_sequence),
+                ("floor_writers", &s.floor_writers),
+                ("floor_due", &s.floor_due),
+                ("floor_after", &s.floor_after),
+                ("claim_unordered", &s.claim_unordered),
+                ("release", &s.release),
+                ("extend_leases", &s.extend_leases),
+                ("backlog", &s.backlog),
+                ("dead_count", &s.dead_count),
+                ("insert", &s.insert),
+                ("heartbeat", &s.heartbeat),
+                ("remove_expired", &s.remove_expired),
+                ("deregister", &s.deregister),
+                ("live_nodes", &s.live_nodes),
+                ("partition_count", &s.partition_count),
+                ("acquire", &s.acquire),
+                ("renew", &s.renew),
+                ("release_partitions", &s.release_partitions),
+                ("partitions", &s.partitions),
+                ("register", &s.register),
+            ];
+            all.extend(plain.iter().map(|(n, t)| (n.to_string(), t.as_str())));
+            for (statement, text) in all {
+                writeln!(out, "-- {name}: {statement}\n{text}\n").unwrap();
+            }
+            let ddl = tables.ddl();
+            let grants = tables.grants("relay");
+            writeln!(out, "-- {name}: ddl\n{ddl}\n-- {name}: grants\n{grants}").unwrap();
+            tables.gated_wakeup = true;
+            writeln!(out, "-- {name}: gated wake-up\n{}", tables.wakeup_ddl()).unwrap();
+            tables.poll_wakeup = true;
+            writeln!(out, "-- {name}: poll wake-up\n{}", tables.wakeup_ddl()).unwrap();
+        }
+        outbox_testkit::snapshot::assert_snapshot(
+            env!("CARGO_MANIFEST_DIR"),
+            "statements.sql",
+            &out,
+        );
+    }
+
     #[test]
     fn grants_are_least_privilege() {
         let g = tables().grants("relay");
