@@ -4,10 +4,10 @@
 use std::path::Path;
 
 /// Compares `actual` with `<manifest_dir>/snapshots/<name>` (pass `env!("CARGO_MANIFEST_DIR")`),
-/// or rewrites that file when `OUTBOX_UPDATE_SNAPSHOTS` is set.
+/// or rewrites that file when `OUTBOX_UPDATE_SNAPSHOTS=1`.
 pub fn assert_snapshot(manifest_dir: &str, name: &str, actual: &str) {
     let path = Path::new(manifest_dir).join("snapshots").join(name);
-    if std::env::var_os("OUTBOX_UPDATE_SNAPSHOTS").is_some() {
+    if std::env::var("OUTBOX_UPDATE_SNAPSHOTS").is_ok_and(|v| v == "1") {
         std::fs::create_dir_all(path.parent().expect("a directory")).unwrap();
         std::fs::write(&path, actual).unwrap();
         return;
