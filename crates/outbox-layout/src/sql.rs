@@ -191,17 +191,8 @@ impl Sql {
             Some(c) => self.micros(&c),
             None => self.null_int().to_string(),
         };
-        let max_attempts = match &m.max_attempts_from {
-            Some(from) => {
-                let plus = if from.counts_retries { " + 1" } else { "" };
-                self.int(&format!(
-                    "(SELECT mx.{col}{plus} FROM {table} mx WHERE mx.{key} = {join})",
-                    col = self.quote(&from.column),
-                    table = self.qualified(&from.table),
-                    key = self.quote(&from.key_column),
-                    join = self.col(&from.join_column),
-                ))
-            }
+        let max_attempts = match self.max_attempts_of_row() {
+            Some(max) => self.int(&max),
             None => self.null_int().to_string(),
         };
         [
@@ -230,6 +221,19 @@ impl Sql {
             text_or_null(&m.tracestate),
         ]
         .into()
+    }
+
+    /// The row's attempt limit, read from the table the mapping names for it.
+    fn max_attempts_of_row(&self) -> Option<String> {
+        let from = self.mapping.max_attempts_from.as_ref()?;
+        let plus = if from.counts_retries { " + 1" } else { "" };
+        Some(format!(
+            "(SELECT mx.{col}{plus} FROM {table} mx WHERE mx.{key} = {join})",
+            col = self.quote(&from.column),
+            table = self.qualified(&from.table),
+            key = self.quote(&from.key_column),
+            join = self.col(&from.join_column),
+        ))
     }
 
     fn state_literal(&self, value: &str) -> String {
@@ -519,16 +523,23 @@ impl Sql {
         format!("UPDATE {} o SET {set} WHERE {condition}", self.table())
     }
 
+    /// `SET` items recording the attempts and last error, where the table has the columns.
+    fn failure_set(&self, attempts: &str, error: &str) -> Vec<String> {
+        let m = &self.mapping;
+        let attempts = m.attempts.as_ref().map(|c| (c, attempts));
+        let error = m.last_error.as_ref().map(|c| (c, error));
+        [attempts, error]
+            .into_iter()
+            .flatten()
+            .map(|(column, value)| format!("{} = {value}", self.quote(column)))
+            .collect()
+    }
+
     /// `SET` items recording a failed attempt; placeholders for attempts, error and delay.
     pub fn retry_set(&self, attempts: &str, error: &str, delay_ms: &str) -> Vec<String> {
         let m = &self.mapping;
         let mut set = self.back_to_pending();
-        if let Some(c) = &m.attempts {
-            set.push(format!("{} = {attempts}", self.quote(c)));
-        }
-        if let Some(c) = &m.last_error {
-            set.push(format!("{} = {error}", self.quote(c)));
-        }
+        set.extend(self.failure_set(attempts, error));
         if let Some(c) = &m.available_at {
             set.push(format!("{} = {}", self.quote(c), self.now_plus(delay_ms)));
         }
@@ -536,31 +547,30 @@ impl Sql {
         set
     }
 
-    /// `SET` items for a dead row (not for the side table).
-    pub fn dead_set(&self, attempts: &str, error: &str) -> Vec<String> {
+    /// The `SET` item that makes a row dead: its dead state or time (none for the side table).
+    fn dead_mark(&self) -> Option<String> {
         let m = &self.mapping;
-        let mut set = Vec::new();
         match m.dead_state() {
             DeadState::Status(v) | DeadState::Flag(v) => {
                 let column = match &m.state {
                     State::Status { column, .. } | State::Flag { column, .. } => column,
                     State::Rows => unreachable!("a dead value needs a state column"),
                 };
-                set.push(format!(
+                Some(format!(
                     "{} = {}",
                     self.quote(column),
                     self.state_literal(&v)
-                ));
+                ))
             }
-            DeadState::Timestamp(c) => set.push(format!("{} = {}", self.quote(&c), self.now())),
-            DeadState::SideTable => {}
+            DeadState::Timestamp(c) => Some(format!("{} = {}", self.quote(&c), self.now())),
+            DeadState::SideTable => None,
         }
-        if let Some(c) = &m.attempts {
-            set.push(format!("{} = {attempts}", self.quote(c)));
-        }
-        if let Some(c) = &m.last_error {
-            set.push(format!("{} = {error}", self.quote(c)));
-        }
+    }
+
+    /// `SET` items for a dead row (not for the side table).
+    pub fn dead_set(&self, attempts: &str, error: &str) -> Vec<String> {
+        let mut set: Vec<String> = self.dead_mark().into_iter().collect();
+        set.extend(self.failure_set(attempts, error));
         set.extend(self.unlock());
         self.touch(&mut set);
         set
@@ -653,39 +663,23 @@ impl Sql {
         if to_dead && !counts {
             return None;
         }
-        let max_expr = match &m.max_attempts_from {
-            Some(from) => {
-                let plus = if from.counts_retries { " + 1" } else { "" };
-                format!(
-                    "coalesce((SELECT mx.{col}{plus} FROM {table} mx WHERE mx.{key} = {join}), {max})",
-                    col = self.quote(&from.column),
-                    table = self.qualified(&from.table),
-                    key = self.quote(&from.key_column),
-                    join = self.col(&from.join_column),
-                )
-            }
+        let max_expr = match self.max_attempts_of_row() {
+            Some(of_row) => format!("coalesce({of_row}, {max})"),
             None => max.to_string(),
         };
         let mut condition = stale;
         let mut set = if to_dead {
-            self.dead_set("", "")
-                .into_iter()
-                .filter(|s| !s.ends_with("= "))
-                .collect()
+            let mut set: Vec<String> = self.dead_mark().into_iter().collect();
+            set.extend(self.unlock());
+            set
         } else {
             self.back_to_pending()
         };
         if counts {
             let attempts = self.col(m.attempts.as_deref().unwrap_or_default());
-            let column = self.quote(m.attempts.as_deref().unwrap_or_default());
-            set.retain(|s| !s.starts_with(&format!("{column} =")));
-            set.push(format!("{column} = {attempts} + 1"));
+            set.extend(self.failure_set(&format!("{attempts} + 1"), &format!("'{REAPED}'")));
             let cmp = if to_dead { ">=" } else { "<" };
             condition = format!("{condition} AND {attempts} + 1 {cmp} {max_expr}");
-            if let Some(c) = &m.last_error {
-                set.retain(|s| !s.starts_with(&format!("{} =", self.quote(c))));
-                set.push(format!("{} = '{REAPED}'", self.quote(c)));
-            }
         } else {
             condition = format!("{condition} AND {max} IS NOT NULL");
         }
@@ -704,14 +698,10 @@ impl Sql {
                 "coalesce(sum(CASE WHEN {cond} THEN 1 ELSE 0 END), 0)"
             ))
         };
-        let retrying = match self.opt(&m.attempts) {
-            Some(a) => format!("({}) AND {a} > 0", self.pending()),
-            None => "false".into(),
-        };
-        let retrying = if self.dialect == Dialect::MySql && retrying == "false" {
-            "1 = 0".to_string()
-        } else {
-            retrying
+        let retrying = match (self.opt(&m.attempts), self.dialect) {
+            (Some(a), _) => format!("({}) AND {a} > 0", self.pending()),
+            (None, Dialect::Postgres) => "false".into(),
+            (None, Dialect::MySql) => "1 = 0".into(),
         };
         let age = match self.opt(&m.created_at) {
             Some(c) => match self.dialect {
