@@ -266,6 +266,99 @@ WITH taken AS (
                  SELECT false, (extract(epoch from expiry) * 1000000)::int8 FROM "public"."outbox_nodes"
                   WHERE id = $1 AND NOT EXISTS (SELECT 1 FROM taken)
 
+-- public.outbox: dead_retry (ids)
+WITH moved AS (DELETE FROM "public"."outbox_dead_letters" WHERE sequence_id = ANY($1::int8[]) RETURNING *)
+                 INSERT INTO "public"."outbox" (sequence_id, event_id, destination, partition_key, event_type,
+                                  payload, headers, mutation_id, rejected, created_at)
+                 SELECT sequence_id, event_id, destination, partition_key, event_type,
+                        payload, headers, mutation_id, rejected, created_at FROM moved
+
+-- public.outbox: dead_retry (destination)
+WITH moved AS (DELETE FROM "public"."outbox_dead_letters" WHERE destination = $1 RETURNING *)
+                 INSERT INTO "public"."outbox" (sequence_id, event_id, destination, partition_key, event_type,
+                                  payload, headers, mutation_id, rejected, created_at)
+                 SELECT sequence_id, event_id, destination, partition_key, event_type,
+                        payload, headers, mutation_id, rejected, created_at FROM moved
+
+-- public.outbox: dead_retry (all)
+WITH moved AS (DELETE FROM "public"."outbox_dead_letters" WHERE $1::bool RETURNING *)
+                 INSERT INTO "public"."outbox" (sequence_id, event_id, destination, partition_key, event_type,
+                                  payload, headers, mutation_id, rejected, created_at)
+                 SELECT sequence_id, event_id, destination, partition_key, event_type,
+                        payload, headers, mutation_id, rejected, created_at FROM moved
+
+-- public.outbox: dead_purge (ids)
+DELETE FROM "public"."outbox_dead_letters" WHERE sequence_id = ANY($1::int8[])
+
+-- public.outbox: dead_purge (destination)
+DELETE FROM "public"."outbox_dead_letters" WHERE destination = $1
+
+-- public.outbox: dead_purge (all)
+DELETE FROM "public"."outbox_dead_letters" WHERE $1::bool
+
+-- public.outbox: stats_pending
+SELECT destination, count(*)::int8, count(*) FILTER (WHERE attempts > 0)::int8,
+                            (extract(epoch from now() - min(created_at) FILTER (WHERE isfinite(created_at))) * 1000)::int8
+                       FROM "public"."outbox" WHERE delivered_at IS NULL GROUP BY destination
+
+-- public.outbox: stats_dead
+SELECT destination, count(*)::int8 FROM "public"."outbox_dead_letters" GROUP BY destination
+
+-- public.outbox: dead_list
+SELECT sequence_id, event_id, destination, event_type, attempts::int8, last_error,
+                            (extract(epoch from dead_at) * 1000000)::int8
+                       FROM "public"."outbox_dead_letters"
+                      WHERE ($1::text IS NULL OR destination = $1)
+                        AND ($2::text IS NULL OR event_type = $2) AND sequence_id > $3
+                      ORDER BY sequence_id LIMIT $4
+
+-- public.outbox: event
+SELECT sequence_id, event_id, destination, event_type, partition_key,
+                            payload::text, headers::text, attempts::int8, last_error, CASE WHEN isfinite(created_at) THEN (extract(epoch from created_at) * 1000000)::int8 END,
+                            delivered_at IS NOT NULL, false, NULL::int8
+                       FROM "public"."outbox" WHERE sequence_id = $1
+                     UNION ALL
+                     SELECT sequence_id, event_id, destination, event_type, partition_key,
+                            payload::text, headers::text, attempts::int8, last_error, CASE WHEN isfinite(created_at) THEN (extract(epoch from created_at) * 1000000)::int8 END,
+                            false, true, CASE WHEN isfinite(dead_at) THEN (extract(epoch from dead_at) * 1000000)::int8 END
+                       FROM "public"."outbox_dead_letters" WHERE sequence_id = $1
+
+-- public.outbox: count_replayable
+SELECT count(*)::int8 FROM "public"."outbox"
+                      WHERE delivered_at IS NOT NULL AND created_at >= to_timestamp($1)
+                        AND created_at < to_timestamp($2) AND ($3::text IS NULL OR destination = $3)
+
+-- public.outbox: replay_batch
+WITH b AS (
+                        SELECT sequence_id FROM "public"."outbox"
+                         WHERE delivered_at IS NOT NULL AND created_at >= to_timestamp($1)
+                           AND created_at < to_timestamp($2) AND ($3::text IS NULL OR destination = $3)
+                           AND sequence_id > $4
+                         ORDER BY sequence_id LIMIT $5 FOR UPDATE)
+                     UPDATE "public"."outbox" o SET delivered_at = NULL, attempts = 0, last_error = NULL,
+                            available_at = now(), locked_by = NULL, locked_until = NULL
+                       FROM b WHERE o.sequence_id = b.sequence_id
+                     RETURNING o.sequence_id
+
+-- public.outbox: wake_relays
+SELECT pg_notify($1, '')
+
+-- public.outbox: count_delivered_before
+SELECT count(*)::int8 FROM "public"."outbox" WHERE delivered_at < to_timestamp($1)
+
+-- public.outbox: count_dead_before
+SELECT count(*)::int8 FROM "public"."outbox_dead_letters" WHERE dead_at < to_timestamp($1)
+
+-- public.outbox: prune_delivered
+DELETE FROM "public"."outbox" WHERE sequence_id IN (
+                SELECT sequence_id FROM "public"."outbox" WHERE delivered_at < to_timestamp($1)
+                 ORDER BY sequence_id LIMIT $2 FOR UPDATE SKIP LOCKED)
+
+-- public.outbox: prune_dead
+DELETE FROM "public"."outbox_dead_letters" WHERE sequence_id IN (
+                SELECT sequence_id FROM "public"."outbox_dead_letters" WHERE dead_at < to_timestamp($1)
+                 ORDER BY sequence_id LIMIT $2 FOR UPDATE SKIP LOCKED)
+
 -- public.outbox: ddl
 CREATE SCHEMA IF NOT EXISTS "public";
 CREATE SCHEMA IF NOT EXISTS "public";
@@ -703,6 +796,99 @@ WITH taken AS (
                  UNION ALL
                  SELECT false, (extract(epoch from expiry) * 1000000)::int8 FROM "app"."relay_nodes"
                   WHERE id = $1 AND NOT EXISTS (SELECT 1 FROM taken)
+
+-- app.events: dead_retry (ids)
+WITH moved AS (DELETE FROM "app"."events_dead_letters" WHERE sequence_id = ANY($1::int8[]) RETURNING *)
+                 INSERT INTO "app"."events" (sequence_id, event_id, destination, partition_key, event_type,
+                                  payload, headers, mutation_id, rejected, created_at)
+                 SELECT sequence_id, event_id, destination, partition_key, event_type,
+                        payload, headers, mutation_id, rejected, created_at FROM moved
+
+-- app.events: dead_retry (destination)
+WITH moved AS (DELETE FROM "app"."events_dead_letters" WHERE destination = $1 RETURNING *)
+                 INSERT INTO "app"."events" (sequence_id, event_id, destination, partition_key, event_type,
+                                  payload, headers, mutation_id, rejected, created_at)
+                 SELECT sequence_id, event_id, destination, partition_key, event_type,
+                        payload, headers, mutation_id, rejected, created_at FROM moved
+
+-- app.events: dead_retry (all)
+WITH moved AS (DELETE FROM "app"."events_dead_letters" WHERE $1::bool RETURNING *)
+                 INSERT INTO "app"."events" (sequence_id, event_id, destination, partition_key, event_type,
+                                  payload, headers, mutation_id, rejected, created_at)
+                 SELECT sequence_id, event_id, destination, partition_key, event_type,
+                        payload, headers, mutation_id, rejected, created_at FROM moved
+
+-- app.events: dead_purge (ids)
+DELETE FROM "app"."events_dead_letters" WHERE sequence_id = ANY($1::int8[])
+
+-- app.events: dead_purge (destination)
+DELETE FROM "app"."events_dead_letters" WHERE destination = $1
+
+-- app.events: dead_purge (all)
+DELETE FROM "app"."events_dead_letters" WHERE $1::bool
+
+-- app.events: stats_pending
+SELECT destination, count(*)::int8, count(*) FILTER (WHERE attempts > 0)::int8,
+                            (extract(epoch from now() - min(created_at) FILTER (WHERE isfinite(created_at))) * 1000)::int8
+                       FROM "app"."events" WHERE delivered_at IS NULL GROUP BY destination
+
+-- app.events: stats_dead
+SELECT destination, count(*)::int8 FROM "app"."events_dead_letters" GROUP BY destination
+
+-- app.events: dead_list
+SELECT sequence_id, event_id, destination, event_type, attempts::int8, last_error,
+                            (extract(epoch from dead_at) * 1000000)::int8
+                       FROM "app"."events_dead_letters"
+                      WHERE ($1::text IS NULL OR destination = $1)
+                        AND ($2::text IS NULL OR event_type = $2) AND sequence_id > $3
+                      ORDER BY sequence_id LIMIT $4
+
+-- app.events: event
+SELECT sequence_id, event_id, destination, event_type, partition_key,
+                            payload::text, headers::text, attempts::int8, last_error, CASE WHEN isfinite(created_at) THEN (extract(epoch from created_at) * 1000000)::int8 END,
+                            delivered_at IS NOT NULL, false, NULL::int8
+                       FROM "app"."events" WHERE sequence_id = $1
+                     UNION ALL
+                     SELECT sequence_id, event_id, destination, event_type, partition_key,
+                            payload::text, headers::text, attempts::int8, last_error, CASE WHEN isfinite(created_at) THEN (extract(epoch from created_at) * 1000000)::int8 END,
+                            false, true, CASE WHEN isfinite(dead_at) THEN (extract(epoch from dead_at) * 1000000)::int8 END
+                       FROM "app"."events_dead_letters" WHERE sequence_id = $1
+
+-- app.events: count_replayable
+SELECT count(*)::int8 FROM "app"."events"
+                      WHERE delivered_at IS NOT NULL AND created_at >= to_timestamp($1)
+                        AND created_at < to_timestamp($2) AND ($3::text IS NULL OR destination = $3)
+
+-- app.events: replay_batch
+WITH b AS (
+                        SELECT sequence_id FROM "app"."events"
+                         WHERE delivered_at IS NOT NULL AND created_at >= to_timestamp($1)
+                           AND created_at < to_timestamp($2) AND ($3::text IS NULL OR destination = $3)
+                           AND sequence_id > $4
+                         ORDER BY sequence_id LIMIT $5 FOR UPDATE)
+                     UPDATE "app"."events" o SET delivered_at = NULL, attempts = 0, last_error = NULL,
+                            available_at = now(), locked_by = NULL, locked_until = NULL
+                       FROM b WHERE o.sequence_id = b.sequence_id
+                     RETURNING o.sequence_id
+
+-- app.events: wake_relays
+SELECT pg_notify($1, '')
+
+-- app.events: count_delivered_before
+SELECT count(*)::int8 FROM "app"."events" WHERE delivered_at < to_timestamp($1)
+
+-- app.events: count_dead_before
+SELECT count(*)::int8 FROM "app"."events_dead_letters" WHERE dead_at < to_timestamp($1)
+
+-- app.events: prune_delivered
+DELETE FROM "app"."events" WHERE sequence_id IN (
+                SELECT sequence_id FROM "app"."events" WHERE delivered_at < to_timestamp($1)
+                 ORDER BY sequence_id LIMIT $2 FOR UPDATE SKIP LOCKED)
+
+-- app.events: prune_dead
+DELETE FROM "app"."events_dead_letters" WHERE sequence_id IN (
+                SELECT sequence_id FROM "app"."events_dead_letters" WHERE dead_at < to_timestamp($1)
+                 ORDER BY sequence_id LIMIT $2 FOR UPDATE SKIP LOCKED)
 
 -- app.events: ddl
 CREATE SCHEMA IF NOT EXISTS "app";

@@ -1,6 +1,7 @@
 //! DDL, grants and statement texts, built from validated table names.
 
 use outbox_core::ident::{Ident, TableName};
+use outbox_core::store::DeadSelector;
 use outbox_core::StoreError;
 
 /// The blocking index's name after the outbox's. It differs from the obsolete one right after
@@ -343,6 +344,7 @@ pub struct Statements {
     pub partitions: String,
     /// Registration in the nodes table: takes the node's row only if absent or expired.
     pub register: String,
+    pub ops: OperatorStatements,
 }
 
 /// A settle statement in its two forms: under row leases (the node must still lease the row)
@@ -397,6 +399,7 @@ impl Statements {
             release_partitions: native.release_partitions(),
             partitions: native.partitions(),
             register: native.register(),
+            ops: native.operator_statements(),
         }
     }
 }
@@ -836,6 +839,146 @@ impl Native {
     }
 }
 
+/// The operator commands' statements (`ops.rs`), over the outbox and its dead letters.
+#[derive(Debug)]
+pub struct OperatorStatements {
+    /// Per destination: pending, retrying, the oldest pending row's age in ms.
+    pub stats_pending: String,
+    /// Per destination: dead letters.
+    pub stats_dead: String,
+    /// $1 destination or NULL, $2 event type or NULL, $3 after this id, $4 limit.
+    pub dead_list: String,
+    /// $1 the id: the row in whichever of the two tables holds it.
+    pub event: String,
+    /// Moves dead letters back into the outbox; the INSERT fires the outbox trigger, so
+    /// relays wake up at once.
+    pub dead_retry: BySelector,
+    pub dead_purge: BySelector,
+    /// $1 since, $2 until (seconds), $3 destination or NULL.
+    pub count_replayable: String,
+    /// As `count_replayable`, then $4 after this id, $5 batch: makes delivered rows pending.
+    pub replay_batch: String,
+    /// An UPDATE fires no insert trigger: $1 the channel to wake the relays on.
+    pub wake_relays: String,
+    /// $1 before (seconds).
+    pub count_delivered_before: String,
+    pub count_dead_before: String,
+    /// $1 before (seconds), $2 batch.
+    pub prune_delivered: String,
+    pub prune_dead: String,
+}
+
+/// A statement on the dead letters a `DeadSelector` picks, one text per kind of selector;
+/// `$1` is the selector's value.
+#[derive(Debug)]
+pub struct BySelector {
+    pub ids: String,
+    pub destination: String,
+    pub all: String,
+}
+
+impl BySelector {
+    /// `statement` writes the text around the selector's condition.
+    fn new(statement: impl Fn(&str) -> String) -> Self {
+        BySelector {
+            ids: statement("sequence_id = ANY($1::int8[])"),
+            destination: statement("destination = $1"),
+            all: statement("$1::bool"),
+        }
+    }
+
+    pub fn for_selector(&self, selector: &DeadSelector) -> &str {
+        match selector {
+            DeadSelector::Ids(_) => &self.ids,
+            DeadSelector::Destination(_) => &self.destination,
+            DeadSelector::All => &self.all,
+        }
+    }
+}
+
+impl Native {
+    fn operator_statements(&self) -> OperatorStatements {
+        let Native { t, dl, .. } = self;
+        let micros = |c: &str| {
+            format!("CASE WHEN isfinite({c}) THEN (extract(epoch from {c}) * 1000000)::int8 END")
+        };
+        // Deletes up to a batch of rows older than the time, skipping rows other
+        // transactions hold, so a prune never waits on or blocks the relay for long.
+        let prune = |table: &str, column: &str| {
+            format!(
+                "DELETE FROM {table} WHERE sequence_id IN (
+                SELECT sequence_id FROM {table} WHERE {column} < to_timestamp($1)
+                 ORDER BY sequence_id LIMIT $2 FOR UPDATE SKIP LOCKED)"
+            )
+        };
+        let count_before = |table: &str, column: &str| {
+            format!("SELECT count(*)::int8 FROM {table} WHERE {column} < to_timestamp($1)")
+        };
+        OperatorStatements {
+            stats_pending: format!(
+                    "SELECT destination, count(*)::int8, count(*) FILTER (WHERE attempts > 0)::int8,
+                            (extract(epoch from now() - min(created_at) FILTER (WHERE isfinite(created_at))) * 1000)::int8
+                       FROM {t} WHERE delivered_at IS NULL GROUP BY destination"
+            ),
+            stats_dead: format!("SELECT destination, count(*)::int8 FROM {dl} GROUP BY destination"),
+            dead_list: format!(
+                    "SELECT sequence_id, event_id, destination, event_type, attempts::int8, last_error,
+                            (extract(epoch from dead_at) * 1000000)::int8
+                       FROM {dl}
+                      WHERE ($1::text IS NULL OR destination = $1)
+                        AND ($2::text IS NULL OR event_type = $2) AND sequence_id > $3
+                      ORDER BY sequence_id LIMIT $4"
+            ),
+            // A row is in one of the two tables at a time.
+            event: format!(
+                    "SELECT sequence_id, event_id, destination, event_type, partition_key,
+                            payload::text, headers::text, attempts::int8, last_error, {created},
+                            delivered_at IS NOT NULL, false, NULL::int8
+                       FROM {t} WHERE sequence_id = $1
+                     UNION ALL
+                     SELECT sequence_id, event_id, destination, event_type, partition_key,
+                            payload::text, headers::text, attempts::int8, last_error, {created},
+                            false, true, {dead_at}
+                       FROM {dl} WHERE sequence_id = $1",
+                created = micros("created_at"),
+                dead_at = micros("dead_at"),
+            ),
+            dead_retry: BySelector::new(|condition| {
+                format!(
+                "WITH moved AS (DELETE FROM {dl} WHERE {condition} RETURNING *)
+                 INSERT INTO {t} (sequence_id, event_id, destination, partition_key, event_type,
+                                  payload, headers, mutation_id, rejected, created_at)
+                 SELECT sequence_id, event_id, destination, partition_key, event_type,
+                        payload, headers, mutation_id, rejected, created_at FROM moved"
+                )
+            }),
+            dead_purge: BySelector::new(|condition| format!("DELETE FROM {dl} WHERE {condition}")),
+            count_replayable: format!(
+                    "SELECT count(*)::int8 FROM {t}
+                      WHERE delivered_at IS NOT NULL AND created_at >= to_timestamp($1)
+                        AND created_at < to_timestamp($2) AND ($3::text IS NULL OR destination = $3)"
+            ),
+            replay_batch: format!(
+                    "WITH b AS (
+                        SELECT sequence_id FROM {t}
+                         WHERE delivered_at IS NOT NULL AND created_at >= to_timestamp($1)
+                           AND created_at < to_timestamp($2) AND ($3::text IS NULL OR destination = $3)
+                           AND sequence_id > $4
+                         ORDER BY sequence_id LIMIT $5 FOR UPDATE)
+                     UPDATE {t} o SET delivered_at = NULL, attempts = 0, last_error = NULL,
+                            available_at = now(), locked_by = NULL, locked_until = NULL
+                       FROM b WHERE o.sequence_id = b.sequence_id
+                     RETURNING o.sequence_id"
+            ),
+            wake_relays: "SELECT pg_notify($1, '')".into(),
+            count_delivered_before: count_before(t, "delivered_at"),
+            count_dead_before: count_before(dl, "dead_at"),
+            prune_delivered: prune(t, "delivered_at"),
+            prune_dead: prune(dl, "dead_at"),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -931,6 +1074,30 @@ mod tests {
                 ("register", &s.register),
             ];
             all.extend(plain.iter().map(|(n, t)| (n.to_string(), t.as_str())));
+            let ops = &s.ops;
+            let by_selector = [
+                ("dead_retry", &ops.dead_retry),
+                ("dead_purge", &ops.dead_purge),
+            ];
+            for (n, b) in by_selector {
+                all.push((format!("{n} (ids)"), b.ids.as_str()));
+                all.push((format!("{n} (destination)"), b.destination.as_str()));
+                all.push((format!("{n} (all)"), b.all.as_str()));
+            }
+            let operator = [
+                ("stats_pending", &ops.stats_pending),
+                ("stats_dead", &ops.stats_dead),
+                ("dead_list", &ops.dead_list),
+                ("event", &ops.event),
+                ("count_replayable", &ops.count_replayable),
+                ("replay_batch", &ops.replay_batch),
+                ("wake_relays", &ops.wake_relays),
+                ("count_delivered_before", &ops.count_delivered_before),
+                ("count_dead_before", &ops.count_dead_before),
+                ("prune_delivered", &ops.prune_delivered),
+                ("prune_dead", &ops.prune_dead),
+            ];
+            all.extend(operator.iter().map(|(n, t)| (n.to_string(), t.as_str())));
             for (statement, text) in all {
                 writeln!(out, "-- {name}: {statement}\n{text}\n").unwrap();
             }
