@@ -563,7 +563,7 @@ impl Native {
     fn floor_sequence(&self) -> String {
         let Native { t, scheduled, .. } = self;
         format!(
-                "SELECT coalesce(pg_sequence_last_value(q.s), 0)::int8, q.s IS NOT NULL,
+            "SELECT coalesce(pg_sequence_last_value(q.s), 0)::int8, q.s IS NOT NULL,
                         (SELECT seqcache FROM pg_catalog.pg_sequence WHERE seqrelid = q.s)::int8,
                         (SELECT seqincrement FROM pg_catalog.pg_sequence WHERE seqrelid = q.s)::int8,
                         to_regclass('{scheduled}') IS NOT NULL
@@ -579,7 +579,7 @@ impl Native {
     fn floor_writers(&self) -> String {
         let t = &self.t;
         format!(
-                "SELECT coalesce(array_agg(l.virtualtransaction), '{{}}') FROM pg_catalog.pg_locks l
+            "SELECT coalesce(array_agg(l.virtualtransaction), '{{}}') FROM pg_catalog.pg_locks l
                   WHERE l.locktype = 'relation'
                     AND l.relation IN ('{t}'::regclass, pg_get_serial_sequence('{t}', 'sequence_id')::regclass)
                     AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())
@@ -595,7 +595,7 @@ impl Native {
     fn floor_due(&self) -> String {
         let Native { t, func, .. } = self;
         format!(
-                "SELECT CASE WHEN isfinite(m) THEN (extract(epoch from m) * 1000000)::int8 END
+            "SELECT CASE WHEN isfinite(m) THEN (extract(epoch from m) * 1000000)::int8 END
                    FROM (SELECT min(o.available_at) AS m FROM {t} o
                           WHERE o.delivered_at IS NULL AND o.available_at > o.created_at
                             AND o.available_at > now()
@@ -610,7 +610,7 @@ impl Native {
     fn floor_after(&self) -> String {
         let parts = &self.parts;
         format!(
-                "SELECT (SELECT count(*) FROM {parts} pp
+            "SELECT (SELECT count(*) FROM {parts} pp
                            JOIN unnest($2::int4[], $3::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
                           WHERE pp.owner = $1 AND pp.epoch = h.epoch AND pp.lease_until > now())
                         = cardinality($2::int4[]),
@@ -658,7 +658,7 @@ impl Native {
         let Native { t, dl, .. } = self;
         self.settle(5, |guard| {
             format!(
-                        "WITH moved AS (
+                "WITH moved AS (
                             DELETE FROM {t} o
                              USING unnest($2::int8[], $3::int4[], $4::text[]) AS u(sequence_id, attempts, error)
                              WHERE o.sequence_id = u.sequence_id{guard}
@@ -696,7 +696,7 @@ impl Native {
     fn backlog(&self) -> String {
         let t = &self.t;
         format!(
-                "SELECT count(*)::int8,
+            "SELECT count(*)::int8,
                         count(*) FILTER (WHERE attempts > 0)::int8,
                         (extract(epoch from now() - min(created_at) FILTER (WHERE isfinite(created_at))) * 1000)::int8
                    FROM {t} WHERE delivered_at IS NULL"
@@ -759,7 +759,7 @@ impl Native {
     fn deregister(&self) -> String {
         let nodes = &self.nodes;
         format!(
-                "DELETE FROM {nodes}
+            "DELETE FROM {nodes}
                   WHERE id = $1 AND expiry = 'epoch'::timestamp + $2::int8 * interval '1 microsecond'"
         )
     }
@@ -916,13 +916,13 @@ impl Native {
         };
         OperatorStatements {
             stats_pending: format!(
-                    "SELECT destination, count(*)::int8, count(*) FILTER (WHERE attempts > 0)::int8,
+                "SELECT destination, count(*)::int8, count(*) FILTER (WHERE attempts > 0)::int8,
                             (extract(epoch from now() - min(created_at) FILTER (WHERE isfinite(created_at))) * 1000)::int8
                        FROM {t} WHERE delivered_at IS NULL GROUP BY destination"
             ),
             stats_dead: format!("SELECT destination, count(*)::int8 FROM {dl} GROUP BY destination"),
             dead_list: format!(
-                    "SELECT sequence_id, event_id, destination, event_type, attempts::int8, last_error,
+                "SELECT sequence_id, event_id, destination, event_type, attempts::int8, last_error,
                             (extract(epoch from dead_at) * 1000000)::int8
                        FROM {dl}
                       WHERE ($1::text IS NULL OR destination = $1)
@@ -931,7 +931,7 @@ impl Native {
             ),
             // A row is in one of the two tables at a time.
             event: format!(
-                    "SELECT sequence_id, event_id, destination, event_type, partition_key,
+                "SELECT sequence_id, event_id, destination, event_type, partition_key,
                             payload::text, headers::text, attempts::int8, last_error, {created},
                             delivered_at IS NOT NULL, false, NULL::int8
                        FROM {t} WHERE sequence_id = $1
@@ -945,7 +945,7 @@ impl Native {
             ),
             dead_retry: BySelector::new(|condition| {
                 format!(
-                "WITH moved AS (DELETE FROM {dl} WHERE {condition} RETURNING *)
+                    "WITH moved AS (DELETE FROM {dl} WHERE {condition} RETURNING *)
                  INSERT INTO {t} (sequence_id, event_id, destination, partition_key, event_type,
                                   payload, headers, mutation_id, rejected, created_at)
                  SELECT sequence_id, event_id, destination, partition_key, event_type,
@@ -954,12 +954,12 @@ impl Native {
             }),
             dead_purge: BySelector::new(|condition| format!("DELETE FROM {dl} WHERE {condition}")),
             count_replayable: format!(
-                    "SELECT count(*)::int8 FROM {t}
+                "SELECT count(*)::int8 FROM {t}
                       WHERE delivered_at IS NOT NULL AND created_at >= to_timestamp($1)
                         AND created_at < to_timestamp($2) AND ($3::text IS NULL OR destination = $3)"
             ),
             replay_batch: format!(
-                    "WITH b AS (
+                "WITH b AS (
                         SELECT sequence_id FROM {t}
                          WHERE delivered_at IS NOT NULL AND created_at >= to_timestamp($1)
                            AND created_at < to_timestamp($2) AND ($3::text IS NULL OR destination = $3)
