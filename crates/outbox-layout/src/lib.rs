@@ -15,6 +15,8 @@
 
 pub mod memory;
 pub mod params;
+#[cfg(test)]
+mod snapshot;
 pub mod sql;
 pub mod store;
 

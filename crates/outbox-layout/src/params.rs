@@ -103,16 +103,7 @@ impl Params {
     /// their own). An empty list matches nothing.
     pub fn in_ids(&mut self, ids: &[RowId], id_type: IdType) -> String {
         match self.dialect {
-            Dialect::Postgres => match id_type {
-                IdType::Integer => {
-                    let ids = ids.iter().filter_map(RowId::integer).collect();
-                    format!("= ANY({})", self.push(Value::Ints(ids), "int8[]"))
-                }
-                IdType::Uuid => {
-                    let ids = ids.iter().filter_map(RowId::uuid).collect();
-                    format!("= ANY({})", self.push(Value::Uuids(ids), "uuid[]"))
-                }
-            },
+            Dialect::Postgres => format!("= ANY({})", self.id_array(ids, id_type)),
             Dialect::MySql if ids.is_empty() => "IN (NULL)".into(),
             Dialect::MySql => {
                 let list: Vec<String> = ids
@@ -127,14 +118,27 @@ impl Params {
         }
     }
 
+    /// PostgreSQL: the row ids as one array placeholder of the id column's type.
+    fn id_array(&mut self, ids: &[RowId], id_type: IdType) -> String {
+        match id_type {
+            IdType::Integer => {
+                let ids = ids.iter().filter_map(RowId::integer).collect();
+                self.push(Value::Ints(ids), "int8[]")
+            }
+            IdType::Uuid => {
+                let ids = ids.iter().filter_map(RowId::uuid).collect();
+                self.push(Value::Uuids(ids), "uuid[]")
+            }
+        }
+    }
+
     /// `expr` is none of the row ids `ids` (not empty: leave the condition out instead).
     pub fn not_in_ids(&mut self, expr: &str, ids: &[RowId], id_type: IdType) -> String {
         match self.dialect {
-            Dialect::Postgres => {
-                let array = self.in_ids(ids, id_type);
-                let array = array.trim_start_matches("= ANY(").trim_end_matches(')');
-                format!("{expr} NOT IN (SELECT unnest({array}))")
-            }
+            Dialect::Postgres => format!(
+                "{expr} NOT IN (SELECT unnest({}))",
+                self.id_array(ids, id_type)
+            ),
             Dialect::MySql => format!("{expr} NOT {}", self.in_ids(ids, id_type)),
         }
     }

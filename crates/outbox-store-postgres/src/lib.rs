@@ -466,19 +466,19 @@ fn failed_columns<'a>(
 async fn settle(
     inner: &Inner,
     context: &'static str,
-    sql: &schema::Fenced,
+    sql: &schema::Guarded,
     fence: Option<&Fence>,
     params: &[&(dyn ToSql + Sync)],
 ) -> StoreResult<u64> {
     match fence {
-        None => PgStore::execute(inner, context, &sql.plain, params).await,
+        None => PgStore::execute(inner, context, &sql.row_lease, params).await,
         Some(fence) => {
             let count = fence.count as i32;
             let mut all: Vec<&(dyn ToSql + Sync)> = params.to_vec();
             all.push(&fence.partitions);
             all.push(&fence.epochs);
             all.push(&count);
-            PgStore::execute(inner, context, &sql.fenced, &all).await
+            PgStore::execute(inner, context, &sql.partition_fence, &all).await
         }
     }
 }

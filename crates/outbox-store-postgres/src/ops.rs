@@ -1,4 +1,5 @@
 //! Operator commands on PostgreSQL: per-destination stats, dead letters, replay, prune.
+//! Their statements are written with the others, in `schema.rs` (`OperatorStatements`).
 
 use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -11,6 +12,7 @@ use outbox_core::store::{
 use outbox_core::SequenceId;
 use tokio_postgres::types::ToSql;
 
+use crate::schema::{BySelector, OperatorStatements};
 use crate::{from_micros, PgStore};
 
 fn seconds(t: SystemTime) -> f64 {
@@ -20,34 +22,30 @@ fn seconds(t: SystemTime) -> f64 {
     }
 }
 
-/// The WHERE clause and its parameter for a selector (parameter `$1`).
-fn selector(s: &DeadSelector) -> (&'static str, Box<dyn ToSql + Sync + Send>) {
+/// The selector's value: parameter `$1` of its condition (see `BySelector`).
+fn selector_value(s: &DeadSelector) -> Box<dyn ToSql + Sync + Send> {
     match s {
-        DeadSelector::Ids(ids) => ("sequence_id = ANY($1::int8[])", Box::new(ids.clone())),
-        DeadSelector::Destination(d) => ("destination = $1", Box::new(d.clone())),
-        DeadSelector::All => ("$1::bool", Box::new(true)),
+        DeadSelector::Ids(ids) => Box::new(ids.clone()),
+        DeadSelector::Destination(d) => Box::new(d.clone()),
+        DeadSelector::All => Box::new(true),
     }
 }
 
 impl PgStore {
-    /// Runs a statement on the dead letters `which` selects: `statement` gets the outbox and
-    /// dead-letter tables (quoted) and the selector's condition (over parameter `$1`).
+    /// Runs `statement` on the dead letters `which` selects.
     fn on_dead_letters(
         &self,
         context: &'static str,
         which: DeadSelector,
-        statement: impl FnOnce(String, String, &str) -> String,
+        statement: fn(&OperatorStatements) -> &BySelector,
     ) -> StoreFuture<u64> {
         let inner = self.inner.clone();
-        let (condition, param) = selector(&which);
-        let tables = &inner.tables;
-        let sql = statement(
-            tables.outbox.quoted(),
-            tables.dead_letters.quoted(),
-            condition,
-        );
-        async move { Self::execute(&inner, context, &sql, &[&*param as &(dyn ToSql + Sync)]).await }
-            .boxed()
+        let param = selector_value(&which);
+        async move {
+            let sql = statement(&inner.sql.ops).for_selector(&which);
+            Self::execute(&inner, context, sql, &[&*param as &(dyn ToSql + Sync)]).await
+        }
+        .boxed()
     }
 }
 
@@ -55,26 +53,9 @@ impl Operations for PgStore {
     fn destination_stats(&self) -> StoreFuture<Vec<DestinationStats>> {
         let inner = self.inner.clone();
         async move {
-            let t = inner.tables.outbox.quoted();
-            let dl = inner.tables.dead_letters.quoted();
-            let pending = Self::query(
-                &inner,
-                "stats",
-                &format!(
-                    "SELECT destination, count(*)::int8, count(*) FILTER (WHERE attempts > 0)::int8,
-                            (extract(epoch from now() - min(created_at) FILTER (WHERE isfinite(created_at))) * 1000)::int8
-                       FROM {t} WHERE delivered_at IS NULL GROUP BY destination"
-                ),
-                &[],
-            )
-            .await?;
-            let dead = Self::query(
-                &inner,
-                "stats",
-                &format!("SELECT destination, count(*)::int8 FROM {dl} GROUP BY destination"),
-                &[],
-            )
-            .await?;
+            let ops = &inner.sql.ops;
+            let pending = Self::query(&inner, "stats", &ops.stats_pending, &[]).await?;
+            let dead = Self::query(&inner, "stats", &ops.stats_dead, &[]).await?;
             let mut by: BTreeMap<String, DestinationStats> = BTreeMap::new();
             for r in pending {
                 let s = stats_of(&mut by, &r);
@@ -96,19 +77,11 @@ impl Operations for PgStore {
     fn dead_list(&self, query: DeadQuery) -> StoreFuture<Vec<DeadRecord>> {
         let inner = self.inner.clone();
         async move {
-            let dl = inner.tables.dead_letters.quoted();
             let limit = i64::from(query.limit);
             let rows = Self::query(
                 &inner,
                 "dead list",
-                &format!(
-                    "SELECT sequence_id, event_id, destination, event_type, attempts::int8, last_error,
-                            (extract(epoch from dead_at) * 1000000)::int8
-                       FROM {dl}
-                      WHERE ($1::text IS NULL OR destination = $1)
-                        AND ($2::text IS NULL OR event_type = $2) AND sequence_id > $3
-                      ORDER BY sequence_id LIMIT $4"
-                ),
+                &inner.sql.ops.dead_list,
                 &[&query.destination, &query.event_type, &query.after, &limit],
             )
             .await?;
@@ -132,35 +105,7 @@ impl Operations for PgStore {
     fn event(&self, id: SequenceId) -> StoreFuture<Option<EventRecord>> {
         let inner = self.inner.clone();
         async move {
-            let (t, dl) = (
-                inner.tables.outbox.quoted(),
-                inner.tables.dead_letters.quoted(),
-            );
-            let micros = |c: &str| {
-                format!(
-                    "CASE WHEN isfinite({c}) THEN (extract(epoch from {c}) * 1000000)::int8 END"
-                )
-            };
-            // A row is in one of the two tables at a time.
-            let rows = Self::query(
-                &inner,
-                "event",
-                &format!(
-                    "SELECT sequence_id, event_id, destination, event_type, partition_key,
-                            payload::text, headers::text, attempts::int8, last_error, {created},
-                            delivered_at IS NOT NULL, false, NULL::int8
-                       FROM {t} WHERE sequence_id = $1
-                     UNION ALL
-                     SELECT sequence_id, event_id, destination, event_type, partition_key,
-                            payload::text, headers::text, attempts::int8, last_error, {created},
-                            false, true, {dead_at}
-                       FROM {dl} WHERE sequence_id = $1",
-                    created = micros("created_at"),
-                    dead_at = micros("dead_at"),
-                ),
-                &[&id],
-            )
-            .await?;
+            let rows = Self::query(&inner, "event", &inner.sql.ops.event, &[&id]).await?;
             Ok(rows.first().map(|r| EventRecord {
                 sequence_id: r.get(0),
                 event_id: r.try_get(1).unwrap_or_default(),
@@ -184,37 +129,25 @@ impl Operations for PgStore {
     }
 
     fn dead_retry(&self, which: DeadSelector) -> StoreFuture<u64> {
-        // The INSERT fires the outbox trigger, so relays wake up at once.
-        self.on_dead_letters("dead retry", which, |t, dl, condition| {
-            format!(
-                "WITH moved AS (DELETE FROM {dl} WHERE {condition} RETURNING *)
-                 INSERT INTO {t} (sequence_id, event_id, destination, partition_key, event_type,
-                                  payload, headers, mutation_id, rejected, created_at)
-                 SELECT sequence_id, event_id, destination, partition_key, event_type,
-                        payload, headers, mutation_id, rejected, created_at FROM moved"
-            )
-        })
+        self.on_dead_letters("dead retry", which, |ops| &ops.dead_retry)
     }
 
     fn dead_purge(&self, which: DeadSelector) -> StoreFuture<u64> {
-        self.on_dead_letters("dead purge", which, |_, dl, condition| {
-            format!("DELETE FROM {dl} WHERE {condition}")
-        })
+        self.on_dead_letters("dead purge", which, |ops| &ops.dead_purge)
     }
 
     fn count_replayable(&self, selector: ReplaySelector) -> StoreFuture<u64> {
         let inner = self.inner.clone();
         async move {
-            let t = inner.tables.outbox.quoted();
             let rows = Self::query(
                 &inner,
                 "replay",
-                &format!(
-                    "SELECT count(*)::int8 FROM {t}
-                      WHERE delivered_at IS NOT NULL AND created_at >= to_timestamp($1)
-                        AND created_at < to_timestamp($2) AND ($3::text IS NULL OR destination = $3)"
-                ),
-                &[&seconds(selector.since), &seconds(selector.until), &selector.destination],
+                &inner.sql.ops.count_replayable,
+                &[
+                    &seconds(selector.since),
+                    &seconds(selector.until),
+                    &selector.destination,
+                ],
             )
             .await?;
             Ok(rows[0].get::<_, i64>(0) as u64)
@@ -230,23 +163,11 @@ impl Operations for PgStore {
     ) -> StoreFuture<(u64, SequenceId)> {
         let inner = self.inner.clone();
         async move {
-            let t = inner.tables.outbox.quoted();
             let batch = i64::from(batch);
             let rows = Self::query(
                 &inner,
                 "replay",
-                &format!(
-                    "WITH b AS (
-                        SELECT sequence_id FROM {t}
-                         WHERE delivered_at IS NOT NULL AND created_at >= to_timestamp($1)
-                           AND created_at < to_timestamp($2) AND ($3::text IS NULL OR destination = $3)
-                           AND sequence_id > $4
-                         ORDER BY sequence_id LIMIT $5 FOR UPDATE)
-                     UPDATE {t} o SET delivered_at = NULL, attempts = 0, last_error = NULL,
-                            available_at = now(), locked_by = NULL, locked_until = NULL
-                       FROM b WHERE o.sequence_id = b.sequence_id
-                     RETURNING o.sequence_id"
-                ),
+                &inner.sql.ops.replay_batch,
                 &[
                     &seconds(selector.since),
                     &seconds(selector.until),
@@ -256,11 +177,16 @@ impl Operations for PgStore {
                 ],
             )
             .await?;
-            let last = rows.iter().map(|r| r.get::<_, i64>(0)).max().unwrap_or(after);
+            let last = rows
+                .iter()
+                .map(|r| r.get::<_, i64>(0))
+                .max()
+                .unwrap_or(after);
             if !rows.is_empty() {
                 // An UPDATE fires no insert trigger: wake the relays ourselves.
                 let channel = inner.tables.notify_channel.as_str().to_string();
-                Self::execute(&inner, "replay", "SELECT pg_notify($1, '')", &[&channel]).await?;
+                let wake = &inner.sql.ops.wake_relays;
+                Self::execute(&inner, "replay", wake, &[&channel]).await?;
             }
             Ok((rows.len() as u64, last))
         }
@@ -274,62 +200,43 @@ impl Operations for PgStore {
     ) -> StoreFuture<(u64, u64)> {
         let inner = self.inner.clone();
         async move {
-            let (t, dl) = (
-                inner.tables.outbox.quoted(),
-                inner.tables.dead_letters.quoted(),
-            );
-            let count = |table: String, column: &'static str, before: Option<SystemTime>| {
+            let count = |statement: fn(&OperatorStatements) -> &String,
+                         before: Option<SystemTime>| {
                 let inner = inner.clone();
                 async move {
                     let Some(before) = before else { return Ok(0) };
-                    let sql = format!(
-                        "SELECT count(*)::int8 FROM {table} WHERE {column} < to_timestamp($1)"
-                    );
-                    let rows = Self::query(&inner, "prune", &sql, &[&seconds(before)]).await?;
+                    let sql = statement(&inner.sql.ops);
+                    let rows = Self::query(&inner, "prune", sql, &[&seconds(before)]).await?;
                     Ok::<u64, outbox_core::StoreError>(rows[0].get::<_, i64>(0) as u64)
                 }
             };
-            let delivered = count(t, "delivered_at", delivered_before).await?;
-            let dead = count(dl, "dead_at", dead_before).await?;
+            let delivered = count(|ops| &ops.count_delivered_before, delivered_before).await?;
+            let dead = count(|ops| &ops.count_dead_before, dead_before).await?;
             Ok((delivered, dead))
         }
         .boxed()
     }
 
     fn prune_delivered(&self, before: SystemTime, batch: u32) -> StoreFuture<u64> {
-        let table = self.inner.tables.outbox.quoted();
-        prune(self, table, "delivered_at", before, batch)
+        prune(self, |ops| &ops.prune_delivered, before, batch)
     }
 
     fn prune_dead(&self, before: SystemTime, batch: u32) -> StoreFuture<u64> {
-        let table = self.inner.tables.dead_letters.quoted();
-        prune(self, table, "dead_at", before, batch)
+        prune(self, |ops| &ops.prune_dead, before, batch)
     }
 }
 
-/// Deletes up to `batch` rows of `table` whose `column` is older than `before`, skipping
-/// rows other transactions hold, so a prune never waits on or blocks the relay for long.
+/// Runs a prune `statement`: deletes up to `batch` rows older than `before`.
 fn prune(
     store: &PgStore,
-    table: String,
-    column: &'static str,
+    statement: fn(&OperatorStatements) -> &String,
     before: SystemTime,
     batch: u32,
 ) -> StoreFuture<u64> {
     let inner = store.inner.clone();
     async move {
-        let sql = format!(
-            "DELETE FROM {table} WHERE sequence_id IN (
-                SELECT sequence_id FROM {table} WHERE {column} < to_timestamp($1)
-                 ORDER BY sequence_id LIMIT $2 FOR UPDATE SKIP LOCKED)"
-        );
-        PgStore::execute(
-            &inner,
-            "prune",
-            &sql,
-            &[&seconds(before), &i64::from(batch)],
-        )
-        .await
+        let sql = statement(&inner.sql.ops);
+        PgStore::execute(&inner, "prune", sql, &[&seconds(before), &i64::from(batch)]).await
     }
     .boxed()
 }

@@ -1,6 +1,7 @@
 //! DDL, grants and statement texts, built from validated table names.
 
 use outbox_core::ident::{Ident, TableName};
+use outbox_core::store::DeadSelector;
 use outbox_core::StoreError;
 
 /// The blocking index's name after the outbox's. It differs from the obsolete one right after
@@ -323,10 +324,10 @@ pub struct Statements {
     pub floor_after: String,
     /// Any ready rows (`--ordering none`).
     pub claim_unordered: String,
-    pub ack_delete: Fenced,
-    pub ack_retain: Fenced,
-    pub retry_later: Fenced,
-    pub dead_letter: Fenced,
+    pub ack_delete: Guarded,
+    pub ack_retain: Guarded,
+    pub retry_later: Guarded,
+    pub dead_letter: Guarded,
     pub release: String,
     pub extend_leases: String,
     pub backlog: String,
@@ -343,71 +344,144 @@ pub struct Statements {
     pub partitions: String,
     /// Registration in the nodes table: takes the node's row only if absent or expired.
     pub register: String,
+    pub ops: OperatorStatements,
 }
 
-/// A settle statement, plain and with the partition fence appended.
+/// A settle statement in its two forms: under row leases (the node must still lease the row)
+/// and under partition ownership (the row's partition must still be the node's, at the epoch
+/// it holds). Both are composed from one text with the guard in its place.
 #[derive(Debug)]
-pub struct Fenced {
-    pub plain: String,
-    pub fenced: String,
+pub struct Guarded {
+    /// The node still leases the row: `o.locked_by = $1`.
+    pub row_lease: String,
+    /// The partition fence, whose parameters follow the statement's own.
+    pub partition_fence: String,
 }
 
 /// Columns returned for each claimed row, decoded by `row_to_claimed`.
 const RETURNED: &str = "o.sequence_id, o.event_id, o.destination, o.partition_key, o.event_type, \
      o.payload::text, o.headers::text, o.mutation_id, o.rejected, o.attempts, o.created_at";
 
+/// The row-lease guard of a settle: the node ($1) still leases the row.
+const ROW_LEASE: &str = " AND o.locked_by = $1";
+
+/// The ordering key of the claimed or settled row (`o`) and of an earlier row (`p`).
+const KEY_O: &str = "coalesce(o.partition_key, o.destination)";
+const KEY_P: &str = "coalesce(p.partition_key, p.destination)";
+
 impl Statements {
     pub fn new(tables: &Tables) -> Self {
-        let t = tables.outbox.quoted();
-        let dl = tables.dead_letters.quoted();
-        let nodes = tables.nodes.quoted();
-        let parts = tables.partitions.quoted();
-        let func = tables.partition_function();
-        let scheduled = tables.scheduled_index();
-        let key_o = "coalesce(o.partition_key, o.destination)";
-        let key_p = "coalesce(p.partition_key, p.destination)";
-        // An earlier row of the same key: the hash finds it in the blocking index, the key
-        // itself rules out a collision. (Against a database migrated before the hash index,
-        // the key comparison finds the old index instead.)
-        let same_key = format!(
-            "hashtextextended({key_p}, 0) = hashtextextended({key_o}, 0) AND {key_p} = {key_o}"
-        );
-        // The fence: the row's partition is held by the node ($1) at the epoch it holds.
-        // `$P`, `$E`, `$N` are the partitions, epochs and partition count parameters. The
-        // confirmed partitions are computed once per statement (an InitPlan); a node holding
-        // every partition then skips the per-row hash altogether.
-        let fence = |first: usize| {
-            let (p, e, n) = (first, first + 1, first + 2);
-            let confirmed = format!(
-                "CAST((SELECT coalesce(array_agg(pp.partition), '{{}}') FROM {parts} pp
+        let native = Native::new(tables);
+        Statements {
+            claim: native.claim(),
+            claim_owned: native.claim_owned(),
+            floor_sequence: native.floor_sequence(),
+            floor_writers: native.floor_writers(),
+            floor_due: native.floor_due(),
+            floor_after: native.floor_after(),
+            claim_unordered: native.claim_unordered(),
+            ack_delete: native.ack_delete(),
+            ack_retain: native.ack_retain(),
+            retry_later: native.retry_later(),
+            dead_letter: native.dead_letter(),
+            release: native.release(),
+            extend_leases: native.extend_leases(),
+            backlog: native.backlog(),
+            dead_count: native.dead_count(),
+            insert: native.insert(),
+            heartbeat: native.heartbeat(),
+            remove_expired: native.remove_expired(),
+            deregister: native.deregister(),
+            live_nodes: native.live_nodes(),
+            partition_count: native.partition_count(),
+            acquire: native.acquire(),
+            renew: native.renew(),
+            release_partitions: native.release_partitions(),
+            partitions: native.partitions(),
+            register: native.register(),
+            ops: native.operator_statements(),
+        }
+    }
+}
+
+/// The native tables' names, quoted, from which each statement is written.
+struct Native {
+    t: String,
+    dl: String,
+    nodes: String,
+    parts: String,
+    func: String,
+    scheduled: String,
+}
+
+impl Native {
+    fn new(tables: &Tables) -> Self {
+        Native {
+            t: tables.outbox.quoted(),
+            dl: tables.dead_letters.quoted(),
+            nodes: tables.nodes.quoted(),
+            parts: tables.partitions.quoted(),
+            func: tables.partition_function(),
+            scheduled: tables.scheduled_index(),
+        }
+    }
+
+    /// The partition fence: the row's partition is held by the node ($1) at the epoch it
+    /// holds. `first` numbers the partitions, epochs and partition count parameters. The
+    /// confirmed partitions are computed once per statement (an InitPlan); a node holding
+    /// every partition then skips the per-row hash altogether.
+    fn partition_fence(&self, first: usize) -> String {
+        let Native { parts, func, .. } = self;
+        let (p, e, n) = (first, first + 1, first + 2);
+        let confirmed = format!(
+            "CAST((SELECT coalesce(array_agg(pp.partition), '{{}}') FROM {parts} pp
                          JOIN unnest(${p}::int4[], ${e}::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
                         WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])"
-            );
-            format!(
-                " AND (cardinality({confirmed}) = ${n} OR {func}({key_o}, ${n}) = ANY({confirmed}))"
-            )
-        };
-        // Fenced settles (owned partitions) hold no row lease: the fence replaces it.
-        let fenced = |plain: String, first: usize| Fenced {
-            fenced: format!(
-                "{}{}",
-                plain.replace(" AND o.locked_by = $1", ""),
-                fence(first)
-            ),
-            plain,
-        };
-        // The partitions the database confirms as held (owner, epoch, live lease), computed
-        // once per claim (an InitPlan): rows are then filtered against an array while the
-        // pending index is walked in order, and a node holding every partition skips the
-        // per-row hash altogether.
-        let held = format!(
-            "CAST((SELECT coalesce(array_agg(pp.partition), '{{}}') FROM {parts} pp
-                     JOIN unnest($5::int4[], $6::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
-                    WHERE pp.owner = $1 AND pp.epoch = h.epoch AND pp.lease_until > now()) AS int4[])"
         );
-        let claim = |candidates: &str, locking: &str| {
-            format!(
-                "WITH claimable AS (
+        format!(
+            " AND (cardinality({confirmed}) = ${n} OR {func}({KEY_O}, ${n}) = ANY({confirmed}))"
+        )
+    }
+
+    /// A settle statement under each guard: `statement` writes the text around the guard, and
+    /// the fence's parameters are numbered from `first_fence_param` on. Fenced settles (owned
+    /// partitions) hold no row lease: the fence takes the lease's place.
+    fn settle(&self, first_fence_param: usize, statement: impl Fn(&str) -> String) -> Guarded {
+        Guarded {
+            row_lease: statement(ROW_LEASE),
+            partition_fence: statement(&self.partition_fence(first_fence_param)),
+        }
+    }
+
+    /// An earlier row of the same key: the hash finds it in the blocking index, the key
+    /// itself rules out a collision. (Against a database migrated before the hash index,
+    /// the key comparison finds the old index instead.)
+    fn same_key() -> String {
+        format!("hashtextextended({KEY_P}, 0) = hashtextextended({KEY_O}, 0) AND {KEY_P} = {KEY_O}")
+    }
+
+    /// No earlier pending row of the same key blocks `o`: one that `blocks` says is blocking,
+    /// among those leased or failed before (the blocking index's predicate).
+    fn unblocked(&self, blocks: &str) -> String {
+        let t = &self.t;
+        let same_key = Self::same_key();
+        format!(
+            "NOT EXISTS (
+                    SELECT 1 FROM {t} p
+                    WHERE {same_key}
+                      AND p.sequence_id < o.sequence_id
+                      AND p.delivered_at IS NULL
+                      AND (p.locked_by IS NOT NULL OR p.attempts > 0)
+                      AND ({blocks}))"
+        )
+    }
+
+    /// A claim under row leases: up to $2 rows that pass `candidates`, leased to the node
+    /// ($1) for $3 ms.
+    fn leasing_claim(&self, candidates: &str, locking: &str) -> String {
+        let t = &self.t;
+        format!(
+            "WITH claimable AS (
                     SELECT o.sequence_id FROM {t} o
                     WHERE o.delivered_at IS NULL
                       AND o.available_at <= now()
@@ -420,137 +494,174 @@ impl Statements {
                    FROM claimable c
                   WHERE o.sequence_id = c.sequence_id
               RETURNING {RETURNED}"
-            )
-        };
-        // No earlier pending row of the same key blocks `o`: one that `blocks` says is blocking,
-        // among those leased or failed before (the blocking index's predicate).
-        let unblocked = |blocks: &str| {
-            format!(
-                "NOT EXISTS (
-                    SELECT 1 FROM {t} p
-                    WHERE {same_key}
-                      AND p.sequence_id < o.sequence_id
-                      AND p.delivered_at IS NULL
-                      AND (p.locked_by IS NOT NULL OR p.attempts > 0)
-                      AND ({blocks}))"
-            )
-        };
-        // Row leases: a row waiting to retry blocks, and so does one another node leases.
-        let no_lease_or_retry_blocks =
-            unblocked("p.available_at > now() OR (p.locked_until > now() AND p.locked_by <> $1)");
-        // Owned partitions: only a row waiting to retry blocks (ownership replaces leases).
-        let no_retry_blocks = unblocked("p.attempts > 0 AND p.available_at > now()");
-        Statements {
-            // $1 node, $2 limit, $3 lease in ms. See outbox_core::store for the contract.
-            claim: claim(
-                &format!(
-                    "AND (o.locked_until IS NULL OR o.locked_until < now())
+        )
+    }
+
+    /// $1 node, $2 limit, $3 lease in ms. See outbox_core::store for the contract. A row
+    /// waiting to retry blocks its key, and so does one another node leases.
+    fn claim(&self) -> String {
+        let no_lease_or_retry_blocks = self
+            .unblocked("p.available_at > now() OR (p.locked_until > now() AND p.locked_by <> $1)");
+        self.leasing_claim(
+            &format!(
+                "AND (o.locked_until IS NULL OR o.locked_until < now())
                      AND {no_lease_or_retry_blocks}"
-                ),
-                "FOR UPDATE SKIP LOCKED",
             ),
-            // Owned partitions: $1 node, $2 limit, $3 the rows this node already holds, $4 the
-            // partition count, $5 its partitions, $6 their epochs, $7 the scan floor (rows held
-            // in $3 are only those at or above it), $8 when a row the floor passed comes due
-            // (microseconds since the epoch): from then on a claim above zero returns nothing,
-            // and the store claims again from zero. A plain SELECT: ownership
-            // (checked here against the live leases, and fencing every settle) replaces the row
-            // lease, so rows are neither updated nor locked at claim time. See ARCHITECTURE.md.
-            // `NOT IN (SELECT unnest(..))` is a hashed subplan; `NOT (.. = ANY($3))` compares
-            // every scanned row with every held id (BENCHMARKS.md, "What each change bought").
-            // The array never holds NULL, so NOT IN means what it says.
-            claim_owned: format!(
-                "SELECT {RETURNED} FROM {t} o
+            "FOR UPDATE SKIP LOCKED",
+        )
+    }
+
+    /// Any ready rows (`--ordering none`).
+    fn claim_unordered(&self) -> String {
+        self.leasing_claim(
+            "AND (o.locked_until IS NULL OR o.locked_until < now())",
+            "FOR UPDATE SKIP LOCKED",
+        )
+    }
+
+    /// Owned partitions: $1 node, $2 limit, $3 the rows this node already holds, $4 the
+    /// partition count, $5 its partitions, $6 their epochs, $7 the scan floor (rows held
+    /// in $3 are only those at or above it), $8 when a row the floor passed comes due
+    /// (microseconds since the epoch): from then on a claim above zero returns nothing,
+    /// and the store claims again from zero. A plain SELECT: ownership
+    /// (checked here against the live leases, and fencing every settle) replaces the row
+    /// lease, so rows are neither updated nor locked at claim time. See ARCHITECTURE.md.
+    /// `NOT IN (SELECT unnest(..))` is a hashed subplan; `NOT (.. = ANY($3))` compares
+    /// every scanned row with every held id (BENCHMARKS.md, "What each change bought").
+    /// The array never holds NULL, so NOT IN means what it says. Only a row waiting to
+    /// retry blocks its key (ownership replaces leases).
+    fn claim_owned(&self) -> String {
+        let Native { t, parts, func, .. } = self;
+        // The partitions the database confirms as held (owner, epoch, live lease), computed
+        // once per claim (an InitPlan): rows are then filtered against an array while the
+        // pending index is walked in order, and a node holding every partition skips the
+        // per-row hash altogether.
+        let held = format!(
+            "CAST((SELECT coalesce(array_agg(pp.partition), '{{}}') FROM {parts} pp
+                     JOIN unnest($5::int4[], $6::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                    WHERE pp.owner = $1 AND pp.epoch = h.epoch AND pp.lease_until > now()) AS int4[])"
+        );
+        let no_retry_blocks = self.unblocked("p.attempts > 0 AND p.available_at > now()");
+        format!(
+            "SELECT {RETURNED} FROM {t} o
                   WHERE o.delivered_at IS NULL
                     AND o.available_at <= now()
                     AND o.sequence_id NOT IN (SELECT unnest($3::int8[]))
-                    AND (cardinality({held}) = $4 OR {func}({key_o}, $4) = ANY({held}))
+                    AND (cardinality({held}) = $4 OR {func}({KEY_O}, $4) = ANY({held}))
                     AND {no_retry_blocks}
                     AND $1::text IS NOT NULL
                     AND o.sequence_id >= $7
                     AND ($7 = 0 OR $8::int8 IS NULL OR now() < to_timestamp($8::int8 / 1000000.0))
                   ORDER BY o.sequence_id
                   LIMIT $2"
-            ),
-            // The sequence's last value, whether it exists, whether it hands out ids one by
-            // one (INCREMENT 1, CACHE 1: otherwise a session can insert an id drawn earlier,
-            // holding no lock in between), and whether the scheduled index exists.
-            floor_sequence: format!(
-                "SELECT coalesce(pg_sequence_last_value(q.s), 0)::int8, q.s IS NOT NULL,
+        )
+    }
+
+    /// The sequence's last value, whether it exists, whether it hands out ids one by
+    /// one (INCREMENT 1, CACHE 1: otherwise a session can insert an id drawn earlier,
+    /// holding no lock in between), and whether the scheduled index exists.
+    fn floor_sequence(&self) -> String {
+        let Native { t, scheduled, .. } = self;
+        format!(
+            "SELECT coalesce(pg_sequence_last_value(q.s), 0)::int8, q.s IS NOT NULL,
                         (SELECT seqcache FROM pg_catalog.pg_sequence WHERE seqrelid = q.s)::int8,
                         (SELECT seqincrement FROM pg_catalog.pg_sequence WHERE seqrelid = q.s)::int8,
                         to_regclass('{scheduled}') IS NOT NULL
                    FROM (SELECT pg_get_serial_sequence('{t}', 'sequence_id')::regclass AS s) q"
-            ),
-            // Sessions that may still insert an id at or below the sequence's last value: those
-            // holding the outbox's insert lock, and those that drew from the sequence in their
-            // open transaction (`nextval` holds the sequence's lock until the transaction ends:
-            // ORMs draw the id before the INSERT). Every mode an insert or a draw takes or
-            // implies; not the vacuum's.
-            floor_writers: format!(
-                "SELECT coalesce(array_agg(l.virtualtransaction), '{{}}') FROM pg_catalog.pg_locks l
+        )
+    }
+
+    /// Sessions that may still insert an id at or below the sequence's last value: those
+    /// holding the outbox's insert lock, and those that drew from the sequence in their
+    /// open transaction (`nextval` holds the sequence's lock until the transaction ends:
+    /// ORMs draw the id before the INSERT). Every mode an insert or a draw takes or
+    /// implies; not the vacuum's.
+    fn floor_writers(&self) -> String {
+        let t = &self.t;
+        format!(
+            "SELECT coalesce(array_agg(l.virtualtransaction), '{{}}') FROM pg_catalog.pg_locks l
                   WHERE l.locktype = 'relation'
                     AND l.relation IN ('{t}'::regclass, pg_get_serial_sequence('{t}', 'sequence_id')::regclass)
                     AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())
                     AND l.mode IN ('RowExclusiveLock', 'ShareRowExclusiveLock', 'ExclusiveLock', 'AccessExclusiveLock')"
-            ),
-            // Before the claim: when the first row of the node's partitions that is not
-            // available yet comes due ($1 node, $2 partitions, $3 partition count), in
-            // microseconds since the epoch; NULL when there is none (or only `infinity`). The
-            // floor may pass such rows only until then. `available_at > created_at` matches
-            // the scheduled index's predicate, so the read is one index probe.
-            floor_due: format!(
-                "SELECT CASE WHEN isfinite(m) THEN (extract(epoch from m) * 1000000)::int8 END
+        )
+    }
+
+    /// Before the claim: when the first row of the node's partitions that is not
+    /// available yet comes due ($1 node, $2 partitions, $3 partition count), in
+    /// microseconds since the epoch; NULL when there is none (or only `infinity`). The
+    /// floor may pass such rows only until then. `available_at > created_at` matches
+    /// the scheduled index's predicate, so the read is one index probe.
+    fn floor_due(&self) -> String {
+        let Native { t, func, .. } = self;
+        format!(
+            "SELECT CASE WHEN isfinite(m) THEN (extract(epoch from m) * 1000000)::int8 END
                    FROM (SELECT min(o.available_at) AS m FROM {t} o
                           WHERE o.delivered_at IS NULL AND o.available_at > o.created_at
                             AND o.available_at > now()
-                            AND (cardinality($2::int4[]) = $3 OR {func}({key_o}, $3) = ANY($2::int4[]))
+                            AND (cardinality($2::int4[]) = $3 OR {func}({KEY_O}, $3) = ANY($2::int4[]))
                             AND $1::text IS NOT NULL) d"
-            ),
-            // After the claim ($1 node, $2 partitions, $3 epochs, $4 the floor's due time):
-            // whether every partition of the fence was still held, lease unbroken, and whether
-            // the floor's due time has passed.
-            floor_after: format!(
-                "SELECT (SELECT count(*) FROM {parts} pp
+        )
+    }
+
+    /// After the claim ($1 node, $2 partitions, $3 epochs, $4 the floor's due time):
+    /// whether every partition of the fence was still held, lease unbroken, and whether
+    /// the floor's due time has passed.
+    fn floor_after(&self) -> String {
+        let parts = &self.parts;
+        format!(
+            "SELECT (SELECT count(*) FROM {parts} pp
                            JOIN unnest($2::int4[], $3::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
                           WHERE pp.owner = $1 AND pp.epoch = h.epoch AND pp.lease_until > now())
                         = cardinality($2::int4[]),
                         coalesce(now() >= to_timestamp($4::int8 / 1000000.0), false)"
-            ),
-            claim_unordered: claim(
-                "AND (o.locked_until IS NULL OR o.locked_until < now())",
-                "FOR UPDATE SKIP LOCKED",
-            ),
-            ack_delete: fenced(
-                format!("DELETE FROM {t} o WHERE o.sequence_id = ANY($2) AND o.locked_by = $1"),
-                3,
-            ),
-            ack_retain: fenced(
-                format!(
-                    "UPDATE {t} o SET delivered_at = now(), locked_by = NULL, locked_until = NULL
-                      WHERE o.sequence_id = ANY($2) AND o.locked_by = $1"
-                ),
-                3,
-            ),
-            retry_later: fenced(
-                format!(
-                    "UPDATE {t} o
+        )
+    }
+
+    /// $1 node, $2 ids.
+    fn ack_delete(&self) -> Guarded {
+        let t = &self.t;
+        self.settle(3, |guard| {
+            format!("DELETE FROM {t} o WHERE o.sequence_id = ANY($2){guard}")
+        })
+    }
+
+    /// $1 node, $2 ids (`--retain-delivered`).
+    fn ack_retain(&self) -> Guarded {
+        let t = &self.t;
+        self.settle(3, |guard| {
+            format!(
+                "UPDATE {t} o SET delivered_at = now(), locked_by = NULL, locked_until = NULL
+                      WHERE o.sequence_id = ANY($2){guard}"
+            )
+        })
+    }
+
+    /// $1 node, $2 ids, $3 attempts, $4 errors, $5 delays in ms.
+    fn retry_later(&self) -> Guarded {
+        let t = &self.t;
+        self.settle(6, |guard| {
+            format!(
+                "UPDATE {t} o
                         SET attempts = u.attempts, last_error = u.error,
                             available_at = now() + u.delay_ms * interval '1 millisecond',
                             locked_by = NULL, locked_until = NULL
                        FROM unnest($2::int8[], $3::int4[], $4::text[], $5::int8[])
                             AS u(sequence_id, attempts, error, delay_ms)
-                      WHERE o.sequence_id = u.sequence_id AND o.locked_by = $1"
-                ),
-                6,
-            ),
-            dead_letter: {
-                let moved = |condition: String| {
-                    format!(
-                        "WITH moved AS (
+                      WHERE o.sequence_id = u.sequence_id{guard}"
+            )
+        })
+    }
+
+    /// $1 node, $2 ids, $3 attempts, $4 errors: moves each row whole into the dead letters.
+    fn dead_letter(&self) -> Guarded {
+        let Native { t, dl, .. } = self;
+        self.settle(5, |guard| {
+            format!(
+                "WITH moved AS (
                             DELETE FROM {t} o
                              USING unnest($2::int8[], $3::int4[], $4::text[]) AS u(sequence_id, attempts, error)
-                             WHERE o.sequence_id = u.sequence_id AND o.locked_by = $1{condition}
+                             WHERE o.sequence_id = u.sequence_id{guard}
                          RETURNING o.*, u.attempts AS final_attempts, u.error AS final_error)
                          INSERT INTO {dl} (sequence_id, event_id, destination, partition_key, event_type,
                                            payload, headers, mutation_id, rejected, created_at,
@@ -562,30 +673,44 @@ impl Statements {
                                 payload, coalesce(headers, '{{}}'), mutation_id, coalesce(rejected, false),
                                 coalesce(created_at, now()), final_attempts, final_error
                            FROM moved"
-                    )
-                };
-                Fenced {
-                    plain: moved(String::new()),
-                    fenced: moved(fence(5)).replace(" AND o.locked_by = $1", ""),
-                }
-            },
-            release: format!(
-                "UPDATE {t} SET locked_by = NULL, locked_until = NULL
+            )
+        })
+    }
+
+    fn release(&self) -> String {
+        let t = &self.t;
+        format!(
+            "UPDATE {t} SET locked_by = NULL, locked_until = NULL
                   WHERE sequence_id = ANY($2) AND locked_by = $1"
-            ),
-            extend_leases: format!(
-                "UPDATE {t} SET locked_until = now() + $3::int8 * interval '1 millisecond'
+        )
+    }
+
+    fn extend_leases(&self) -> String {
+        let t = &self.t;
+        format!(
+            "UPDATE {t} SET locked_until = now() + $3::int8 * interval '1 millisecond'
                   WHERE sequence_id = ANY($2) AND locked_by = $1"
-            ),
-            backlog: format!(
-                "SELECT count(*)::int8,
+        )
+    }
+
+    fn backlog(&self) -> String {
+        let t = &self.t;
+        format!(
+            "SELECT count(*)::int8,
                         count(*) FILTER (WHERE attempts > 0)::int8,
                         (extract(epoch from now() - min(created_at) FILTER (WHERE isfinite(created_at))) * 1000)::int8
                    FROM {t} WHERE delivered_at IS NULL"
-            ),
-            dead_count: format!("SELECT count(*)::int8 FROM {dl}"),
-            insert: format!(
-                "INSERT INTO {t} (event_id, destination, partition_key, event_type, payload,
+        )
+    }
+
+    fn dead_count(&self) -> String {
+        format!("SELECT count(*)::int8 FROM {}", self.dl)
+    }
+
+    fn insert(&self) -> String {
+        let t = &self.t;
+        format!(
+            "INSERT INTO {t} (event_id, destination, partition_key, event_type, payload,
                                   headers, mutation_id)
                  SELECT coalesce(u.event_id, gen_random_uuid()), u.destination, u.partition_key,
                         u.event_type, u.payload::jsonb, u.headers::jsonb, u.mutation_id
@@ -595,15 +720,19 @@ impl Statements {
                                              payload, headers, mutation_id, n)
                   ORDER BY u.n
               RETURNING sequence_id"
-            ),
-            // $1 node, $2 ttl in ms, $3 the expiry this process last wrote (microseconds,
-            // compared exactly: timestamps are integers of microseconds). The row is pushed
-            // only while it shows our value, or inserted again if it is gone; no row back
-            // means another process wrote it. "Gone" is the unique index's word, not the
-            // snapshot's: a removal of the expired row that commits while the UPDATE waits
-            // for its lock is still a row in this statement's snapshot.
-            heartbeat: format!(
-                "WITH pushed AS (
+        )
+    }
+
+    /// $1 node, $2 ttl in ms, $3 the expiry this process last wrote (microseconds,
+    /// compared exactly: timestamps are integers of microseconds). The row is pushed
+    /// only while it shows our value, or inserted again if it is gone; no row back
+    /// means another process wrote it. "Gone" is the unique index's word, not the
+    /// snapshot's: a removal of the expired row that commits while the UPDATE waits
+    /// for its lock is still a row in this statement's snapshot.
+    fn heartbeat(&self) -> String {
+        let nodes = &self.nodes;
+        format!(
+            "WITH pushed AS (
                     UPDATE {nodes}
                        SET expiry = (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond'
                      WHERE id = $1
@@ -619,50 +748,83 @@ impl Statements {
                  SELECT (extract(epoch from expiry) * 1000000)::int8 FROM pushed
                  UNION ALL
                  SELECT (extract(epoch from expiry) * 1000000)::int8 FROM inserted"
-            ),
-            remove_expired: format!(
-                "DELETE FROM {nodes} WHERE expiry < (now() AT TIME ZONE 'UTC')"
-            ),
-            deregister: format!(
-                "DELETE FROM {nodes}
+        )
+    }
+
+    fn remove_expired(&self) -> String {
+        let nodes = &self.nodes;
+        format!("DELETE FROM {nodes} WHERE expiry < (now() AT TIME ZONE 'UTC')")
+    }
+
+    fn deregister(&self) -> String {
+        let nodes = &self.nodes;
+        format!(
+            "DELETE FROM {nodes}
                   WHERE id = $1 AND expiry = 'epoch'::timestamp + $2::int8 * interval '1 microsecond'"
-            ),
-            live_nodes: format!(
-                "SELECT id, (extract(epoch from expiry) * 1000000)::int8 FROM {nodes}
+        )
+    }
+
+    fn live_nodes(&self) -> String {
+        let nodes = &self.nodes;
+        format!(
+            "SELECT id, (extract(epoch from expiry) * 1000000)::int8 FROM {nodes}
                   WHERE expiry >= (now() AT TIME ZONE 'UTC') ORDER BY id"
-            ),
-            partition_count: format!("SELECT count(*)::int8 FROM {parts}"),
-            // $1 node, $2 partitions, $3 ttl in ms.
-            acquire: format!(
-                "UPDATE {parts}
+        )
+    }
+
+    fn partition_count(&self) -> String {
+        format!("SELECT count(*)::int8 FROM {}", self.parts)
+    }
+
+    /// $1 node, $2 partitions, $3 ttl in ms.
+    fn acquire(&self) -> String {
+        let parts = &self.parts;
+        format!(
+            "UPDATE {parts}
                     SET owner = $1, epoch = epoch + 1,
                         lease_until = now() + $3::int8 * interval '1 millisecond'
                   WHERE partition = ANY($2::int4[])
                     AND (owner IS NULL OR lease_until IS NULL OR lease_until < now())
               RETURNING partition, epoch"
-            ),
-            // $1 node, $2 partitions, $3 epochs, $4 ttl in ms. A lease that ran out is not
-            // renewed (it is taken again, at a new epoch): a lease of one epoch is then unbroken,
-            // which the scan floor relies on.
-            renew: format!(
-                "UPDATE {parts} p SET lease_until = now() + $4::int8 * interval '1 millisecond'
+        )
+    }
+
+    /// $1 node, $2 partitions, $3 epochs, $4 ttl in ms. A lease that ran out is not
+    /// renewed (it is taken again, at a new epoch): a lease of one epoch is then unbroken,
+    /// which the scan floor relies on.
+    fn renew(&self) -> String {
+        let parts = &self.parts;
+        format!(
+            "UPDATE {parts} p SET lease_until = now() + $4::int8 * interval '1 millisecond'
                    FROM unnest($2::int4[], $3::int8[]) AS h(partition, epoch)
                   WHERE p.partition = h.partition AND p.owner = $1 AND p.epoch = h.epoch
                     AND p.lease_until > now()
               RETURNING p.partition"
-            ),
-            release_partitions: format!(
-                "UPDATE {parts} SET owner = NULL, lease_until = NULL
+        )
+    }
+
+    fn release_partitions(&self) -> String {
+        let parts = &self.parts;
+        format!(
+            "UPDATE {parts} SET owner = NULL, lease_until = NULL
                   WHERE partition = ANY($2::int4[]) AND owner = $1"
-            ),
-            partitions: format!(
-                "SELECT partition, owner, epoch, (extract(epoch from lease_until) * 1000000)::int8
+        )
+    }
+
+    fn partitions(&self) -> String {
+        let parts = &self.parts;
+        format!(
+            "SELECT partition, owner, epoch, (extract(epoch from lease_until) * 1000000)::int8
                    FROM {parts} ORDER BY partition"
-            ),
-            // $1 node, $2 ttl in ms. Takes the row only if absent or expired; otherwise the
-            // second branch reports the expiry that stands.
-            register: format!(
-                "WITH taken AS (
+        )
+    }
+
+    /// $1 node, $2 ttl in ms. Takes the row only if absent or expired; otherwise the
+    /// second branch reports the expiry that stands.
+    fn register(&self) -> String {
+        let nodes = &self.nodes;
+        format!(
+            "WITH taken AS (
                     INSERT INTO {nodes} (id, expiry)
                     VALUES ($1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond')
                         ON CONFLICT (id) DO UPDATE SET expiry = EXCLUDED.expiry
@@ -673,7 +835,146 @@ impl Statements {
                  UNION ALL
                  SELECT false, (extract(epoch from expiry) * 1000000)::int8 FROM {nodes}
                   WHERE id = $1 AND NOT EXISTS (SELECT 1 FROM taken)"
+        )
+    }
+}
+
+/// The operator commands' statements (`ops.rs`), over the outbox and its dead letters.
+#[derive(Debug)]
+pub struct OperatorStatements {
+    /// Per destination: pending, retrying, the oldest pending row's age in ms.
+    pub stats_pending: String,
+    /// Per destination: dead letters.
+    pub stats_dead: String,
+    /// $1 destination or NULL, $2 event type or NULL, $3 after this id, $4 limit.
+    pub dead_list: String,
+    /// $1 the id: the row in whichever of the two tables holds it.
+    pub event: String,
+    /// Moves dead letters back into the outbox; the INSERT fires the outbox trigger, so
+    /// relays wake up at once.
+    pub dead_retry: BySelector,
+    pub dead_purge: BySelector,
+    /// $1 since, $2 until (seconds), $3 destination or NULL.
+    pub count_replayable: String,
+    /// As `count_replayable`, then $4 after this id, $5 batch: makes delivered rows pending.
+    pub replay_batch: String,
+    /// An UPDATE fires no insert trigger: $1 the channel to wake the relays on.
+    pub wake_relays: String,
+    /// $1 before (seconds).
+    pub count_delivered_before: String,
+    pub count_dead_before: String,
+    /// $1 before (seconds), $2 batch.
+    pub prune_delivered: String,
+    pub prune_dead: String,
+}
+
+/// A statement on the dead letters a `DeadSelector` picks, one text per kind of selector;
+/// `$1` is the selector's value.
+#[derive(Debug)]
+pub struct BySelector {
+    pub ids: String,
+    pub destination: String,
+    pub all: String,
+}
+
+impl BySelector {
+    /// `statement` writes the text around the selector's condition.
+    fn new(statement: impl Fn(&str) -> String) -> Self {
+        BySelector {
+            ids: statement("sequence_id = ANY($1::int8[])"),
+            destination: statement("destination = $1"),
+            all: statement("$1::bool"),
+        }
+    }
+
+    pub fn for_selector(&self, selector: &DeadSelector) -> &str {
+        match selector {
+            DeadSelector::Ids(_) => &self.ids,
+            DeadSelector::Destination(_) => &self.destination,
+            DeadSelector::All => &self.all,
+        }
+    }
+}
+
+impl Native {
+    fn operator_statements(&self) -> OperatorStatements {
+        let Native { t, dl, .. } = self;
+        let micros = |c: &str| {
+            format!("CASE WHEN isfinite({c}) THEN (extract(epoch from {c}) * 1000000)::int8 END")
+        };
+        // Deletes up to a batch of rows older than the time, skipping rows other
+        // transactions hold, so a prune never waits on or blocks the relay for long.
+        let prune = |table: &str, column: &str| {
+            format!(
+                "DELETE FROM {table} WHERE sequence_id IN (
+                SELECT sequence_id FROM {table} WHERE {column} < to_timestamp($1)
+                 ORDER BY sequence_id LIMIT $2 FOR UPDATE SKIP LOCKED)"
+            )
+        };
+        let count_before = |table: &str, column: &str| {
+            format!("SELECT count(*)::int8 FROM {table} WHERE {column} < to_timestamp($1)")
+        };
+        OperatorStatements {
+            stats_pending: format!(
+                "SELECT destination, count(*)::int8, count(*) FILTER (WHERE attempts > 0)::int8,
+                            (extract(epoch from now() - min(created_at) FILTER (WHERE isfinite(created_at))) * 1000)::int8
+                       FROM {t} WHERE delivered_at IS NULL GROUP BY destination"
             ),
+            stats_dead: format!("SELECT destination, count(*)::int8 FROM {dl} GROUP BY destination"),
+            dead_list: format!(
+                "SELECT sequence_id, event_id, destination, event_type, attempts::int8, last_error,
+                            (extract(epoch from dead_at) * 1000000)::int8
+                       FROM {dl}
+                      WHERE ($1::text IS NULL OR destination = $1)
+                        AND ($2::text IS NULL OR event_type = $2) AND sequence_id > $3
+                      ORDER BY sequence_id LIMIT $4"
+            ),
+            // A row is in one of the two tables at a time.
+            event: format!(
+                "SELECT sequence_id, event_id, destination, event_type, partition_key,
+                            payload::text, headers::text, attempts::int8, last_error, {created},
+                            delivered_at IS NOT NULL, false, NULL::int8
+                       FROM {t} WHERE sequence_id = $1
+                     UNION ALL
+                     SELECT sequence_id, event_id, destination, event_type, partition_key,
+                            payload::text, headers::text, attempts::int8, last_error, {created},
+                            false, true, {dead_at}
+                       FROM {dl} WHERE sequence_id = $1",
+                created = micros("created_at"),
+                dead_at = micros("dead_at"),
+            ),
+            dead_retry: BySelector::new(|condition| {
+                format!(
+                    "WITH moved AS (DELETE FROM {dl} WHERE {condition} RETURNING *)
+                 INSERT INTO {t} (sequence_id, event_id, destination, partition_key, event_type,
+                                  payload, headers, mutation_id, rejected, created_at)
+                 SELECT sequence_id, event_id, destination, partition_key, event_type,
+                        payload, headers, mutation_id, rejected, created_at FROM moved"
+                )
+            }),
+            dead_purge: BySelector::new(|condition| format!("DELETE FROM {dl} WHERE {condition}")),
+            count_replayable: format!(
+                "SELECT count(*)::int8 FROM {t}
+                      WHERE delivered_at IS NOT NULL AND created_at >= to_timestamp($1)
+                        AND created_at < to_timestamp($2) AND ($3::text IS NULL OR destination = $3)"
+            ),
+            replay_batch: format!(
+                "WITH b AS (
+                        SELECT sequence_id FROM {t}
+                         WHERE delivered_at IS NOT NULL AND created_at >= to_timestamp($1)
+                           AND created_at < to_timestamp($2) AND ($3::text IS NULL OR destination = $3)
+                           AND sequence_id > $4
+                         ORDER BY sequence_id LIMIT $5 FOR UPDATE)
+                     UPDATE {t} o SET delivered_at = NULL, attempts = 0, last_error = NULL,
+                            available_at = now(), locked_by = NULL, locked_until = NULL
+                       FROM b WHERE o.sequence_id = b.sequence_id
+                     RETURNING o.sequence_id"
+            ),
+            wake_relays: "SELECT pg_notify($1, '')".into(),
+            count_delivered_before: count_before(t, "delivered_at"),
+            count_dead_before: count_before(dl, "dead_at"),
+            prune_delivered: prune(t, "delivered_at"),
+            prune_dead: prune(dl, "dead_at"),
         }
     }
 }
@@ -722,6 +1023,97 @@ mod tests {
             // The hash finds the index; the key rules out collisions.
             assert!(claim.contains("hashtextextended(coalesce(p.partition_key, p.destination), 0) = hashtextextended(coalesce(o.partition_key, o.destination), 0) AND coalesce(p.partition_key, p.destination) = coalesce(o.partition_key, o.destination)"), "{claim}");
         }
+    }
+
+    /// Every statement and all DDL of the native table, held to `snapshots/statements.sql`
+    /// (see `outbox_testkit::snapshot`): the default names, and others in another schema.
+    #[test]
+    fn every_statement_and_ddl() {
+        use std::fmt::Write;
+        let mut out = String::new();
+        for mut tables in [Tables::standard(), tables()] {
+            let name = tables.outbox.to_string();
+            let s = Statements::new(&tables);
+            let settles = [
+                ("ack_delete", &s.ack_delete),
+                ("ack_retain", &s.ack_retain),
+                ("retry_later", &s.retry_later),
+                ("dead_letter", &s.dead_letter),
+            ];
+            let mut all: Vec<(String, &str)> = settles
+                .iter()
+                .flat_map(|(n, f)| {
+                    [
+                        (format!("{n} (row lease)"), f.row_lease.as_str()),
+                        (format!("{n} (partition fence)"), f.partition_fence.as_str()),
+                    ]
+                })
+                .collect();
+            let plain = [
+                ("claim", &s.claim),
+                ("claim_owned", &s.claim_owned),
+                ("floor_sequence", &s.floor_sequence),
+                ("floor_writers", &s.floor_writers),
+                ("floor_due", &s.floor_due),
+                ("floor_after", &s.floor_after),
+                ("claim_unordered", &s.claim_unordered),
+                ("release", &s.release),
+                ("extend_leases", &s.extend_leases),
+                ("backlog", &s.backlog),
+                ("dead_count", &s.dead_count),
+                ("insert", &s.insert),
+                ("heartbeat", &s.heartbeat),
+                ("remove_expired", &s.remove_expired),
+                ("deregister", &s.deregister),
+                ("live_nodes", &s.live_nodes),
+                ("partition_count", &s.partition_count),
+                ("acquire", &s.acquire),
+                ("renew", &s.renew),
+                ("release_partitions", &s.release_partitions),
+                ("partitions", &s.partitions),
+                ("register", &s.register),
+            ];
+            all.extend(plain.iter().map(|(n, t)| (n.to_string(), t.as_str())));
+            let ops = &s.ops;
+            let by_selector = [
+                ("dead_retry", &ops.dead_retry),
+                ("dead_purge", &ops.dead_purge),
+            ];
+            for (n, b) in by_selector {
+                all.push((format!("{n} (ids)"), b.ids.as_str()));
+                all.push((format!("{n} (destination)"), b.destination.as_str()));
+                all.push((format!("{n} (all)"), b.all.as_str()));
+            }
+            let operator = [
+                ("stats_pending", &ops.stats_pending),
+                ("stats_dead", &ops.stats_dead),
+                ("dead_list", &ops.dead_list),
+                ("event", &ops.event),
+                ("count_replayable", &ops.count_replayable),
+                ("replay_batch", &ops.replay_batch),
+                ("wake_relays", &ops.wake_relays),
+                ("count_delivered_before", &ops.count_delivered_before),
+                ("count_dead_before", &ops.count_dead_before),
+                ("prune_delivered", &ops.prune_delivered),
+                ("prune_dead", &ops.prune_dead),
+            ];
+            all.extend(operator.iter().map(|(n, t)| (n.to_string(), t.as_str())));
+            for (statement, text) in all {
+                writeln!(out, "-- {name}: {statement}\n{text}\n").unwrap();
+            }
+            let ddl = tables.ddl();
+            let grants = tables.grants("relay");
+            writeln!(out, "-- {name}: ddl\n{ddl}\n-- {name}: grants\n{grants}").unwrap();
+            tables.gated_wakeup = true;
+            writeln!(out, "-- {name}: gated wake-up\n{}", tables.wakeup_ddl()).unwrap();
+            tables.poll_wakeup = true;
+            writeln!(out, "-- {name}: poll wake-up\n{}", tables.wakeup_ddl()).unwrap();
+        }
+        outbox_testkit::snapshot::assert_snapshot(
+            env!("CARGO_MANIFEST_DIR"),
+            "statements.sql",
+            &out,
+        );
     }
 
     #[test]

@@ -8,6 +8,7 @@ pub mod otlp;
 pub mod publisher;
 pub mod recording;
 pub mod server;
+pub mod snapshot;
 
 pub use faultproxy::{Direction, FaultHandle, FaultProxy};
 

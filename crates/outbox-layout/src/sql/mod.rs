@@ -6,11 +6,21 @@
 //! is selected as [`Sql::select_list`] in this order: id, event id, destination, key, type,
 //! payload, headers, mutation id, rejected, attempts, created_at (µs), max attempts,
 //! traceparent, tracestate.
+//!
+//! This module holds the expressions every statement is written from and the lifecycle's
+//! statements (claim, ack, retry, dead-letter, release, extend, reap); `operator.rs` holds
+//! what operators and checks run, `ddl.rs` what `migrate` creates and the grants.
 
-use crate::params::Params;
+mod ddl;
+mod operator;
+
+pub use ddl::{
+    adbc_outbox_ddl, debezium_ddl, export_ddl, mysql_outbox_events_ddl, native_mysql_ddl,
+    open_outbox_ddl,
+};
+
 use crate::{
-    literal, DeadState, Dialect, IdType, KeyFallback, Mapping, OnSuccess, PayloadFormat, Seed,
-    State,
+    literal, DeadState, Dialect, IdType, KeyFallback, Mapping, OnSuccess, PayloadFormat, State,
 };
 
 /// A validated mapping rendered for one dialect.
@@ -191,17 +201,8 @@ impl Sql {
             Some(c) => self.micros(&c),
             None => self.null_int().to_string(),
         };
-        let max_attempts = match &m.max_attempts_from {
-            Some(from) => {
-                let plus = if from.counts_retries { " + 1" } else { "" };
-                self.int(&format!(
-                    "(SELECT mx.{col}{plus} FROM {table} mx WHERE mx.{key} = {join})",
-                    col = self.quote(&from.column),
-                    table = self.qualified(&from.table),
-                    key = self.quote(&from.key_column),
-                    join = self.col(&from.join_column),
-                ))
-            }
+        let max_attempts = match self.max_attempts_of_row() {
+            Some(max) => self.int(&max),
             None => self.null_int().to_string(),
         };
         [
@@ -230,6 +231,19 @@ impl Sql {
             text_or_null(&m.tracestate),
         ]
         .into()
+    }
+
+    /// The row's attempt limit, read from the table the mapping names for it.
+    fn max_attempts_of_row(&self) -> Option<String> {
+        let from = self.mapping.max_attempts_from.as_ref()?;
+        let plus = if from.counts_retries { " + 1" } else { "" };
+        Some(format!(
+            "(SELECT mx.{col}{plus} FROM {table} mx WHERE mx.{key} = {join})",
+            col = self.quote(&from.column),
+            table = self.qualified(&from.table),
+            key = self.quote(&from.key_column),
+            join = self.col(&from.join_column),
+        ))
     }
 
     fn state_literal(&self, value: &str) -> String {
@@ -519,16 +533,23 @@ impl Sql {
         format!("UPDATE {} o SET {set} WHERE {condition}", self.table())
     }
 
+    /// `SET` items recording the attempts and last error, where the table has the columns.
+    fn failure_set(&self, attempts: &str, error: &str) -> Vec<String> {
+        let m = &self.mapping;
+        let attempts = m.attempts.as_ref().map(|c| (c, attempts));
+        let error = m.last_error.as_ref().map(|c| (c, error));
+        [attempts, error]
+            .into_iter()
+            .flatten()
+            .map(|(column, value)| format!("{} = {value}", self.quote(column)))
+            .collect()
+    }
+
     /// `SET` items recording a failed attempt; placeholders for attempts, error and delay.
     pub fn retry_set(&self, attempts: &str, error: &str, delay_ms: &str) -> Vec<String> {
         let m = &self.mapping;
         let mut set = self.back_to_pending();
-        if let Some(c) = &m.attempts {
-            set.push(format!("{} = {attempts}", self.quote(c)));
-        }
-        if let Some(c) = &m.last_error {
-            set.push(format!("{} = {error}", self.quote(c)));
-        }
+        set.extend(self.failure_set(attempts, error));
         if let Some(c) = &m.available_at {
             set.push(format!("{} = {}", self.quote(c), self.now_plus(delay_ms)));
         }
@@ -536,31 +557,30 @@ impl Sql {
         set
     }
 
-    /// `SET` items for a dead row (not for the side table).
-    pub fn dead_set(&self, attempts: &str, error: &str) -> Vec<String> {
+    /// The `SET` item that makes a row dead: its dead state or time (none for the side table).
+    fn dead_mark(&self) -> Option<String> {
         let m = &self.mapping;
-        let mut set = Vec::new();
         match m.dead_state() {
             DeadState::Status(v) | DeadState::Flag(v) => {
                 let column = match &m.state {
                     State::Status { column, .. } | State::Flag { column, .. } => column,
                     State::Rows => unreachable!("a dead value needs a state column"),
                 };
-                set.push(format!(
+                Some(format!(
                     "{} = {}",
                     self.quote(column),
                     self.state_literal(&v)
-                ));
+                ))
             }
-            DeadState::Timestamp(c) => set.push(format!("{} = {}", self.quote(&c), self.now())),
-            DeadState::SideTable => {}
+            DeadState::Timestamp(c) => Some(format!("{} = {}", self.quote(&c), self.now())),
+            DeadState::SideTable => None,
         }
-        if let Some(c) = &m.attempts {
-            set.push(format!("{} = {attempts}", self.quote(c)));
-        }
-        if let Some(c) = &m.last_error {
-            set.push(format!("{} = {error}", self.quote(c)));
-        }
+    }
+
+    /// `SET` items for a dead row (not for the side table).
+    pub fn dead_set(&self, attempts: &str, error: &str) -> Vec<String> {
+        let mut set: Vec<String> = self.dead_mark().into_iter().collect();
+        set.extend(self.failure_set(attempts, error));
         set.extend(self.unlock());
         self.touch(&mut set);
         set
@@ -653,39 +673,23 @@ impl Sql {
         if to_dead && !counts {
             return None;
         }
-        let max_expr = match &m.max_attempts_from {
-            Some(from) => {
-                let plus = if from.counts_retries { " + 1" } else { "" };
-                format!(
-                    "coalesce((SELECT mx.{col}{plus} FROM {table} mx WHERE mx.{key} = {join}), {max})",
-                    col = self.quote(&from.column),
-                    table = self.qualified(&from.table),
-                    key = self.quote(&from.key_column),
-                    join = self.col(&from.join_column),
-                )
-            }
+        let max_expr = match self.max_attempts_of_row() {
+            Some(of_row) => format!("coalesce({of_row}, {max})"),
             None => max.to_string(),
         };
         let mut condition = stale;
         let mut set = if to_dead {
-            self.dead_set("", "")
-                .into_iter()
-                .filter(|s| !s.ends_with("= "))
-                .collect()
+            let mut set: Vec<String> = self.dead_mark().into_iter().collect();
+            set.extend(self.unlock());
+            set
         } else {
             self.back_to_pending()
         };
         if counts {
             let attempts = self.col(m.attempts.as_deref().unwrap_or_default());
-            let column = self.quote(m.attempts.as_deref().unwrap_or_default());
-            set.retain(|s| !s.starts_with(&format!("{column} =")));
-            set.push(format!("{column} = {attempts} + 1"));
+            set.extend(self.failure_set(&format!("{attempts} + 1"), &format!("'{REAPED}'")));
             let cmp = if to_dead { ">=" } else { "<" };
             condition = format!("{condition} AND {attempts} + 1 {cmp} {max_expr}");
-            if let Some(c) = &m.last_error {
-                set.retain(|s| !s.starts_with(&format!("{} =", self.quote(c))));
-                set.push(format!("{} = '{REAPED}'", self.quote(c)));
-            }
         } else {
             condition = format!("{condition} AND {max} IS NOT NULL");
         }
@@ -695,336 +699,16 @@ impl Sql {
         Some(self.update(&set, &condition))
     }
 
-    /// `(pending, retrying, dead, oldest pending age ms)` per destination (or in total when
-    /// `by_destination` is false).
-    pub fn stats(&self, by_destination: bool) -> String {
-        let m = &self.mapping;
-        let sum = |cond: &str| {
-            self.int(&format!(
-                "coalesce(sum(CASE WHEN {cond} THEN 1 ELSE 0 END), 0)"
-            ))
-        };
-        let retrying = match self.opt(&m.attempts) {
-            Some(a) => format!("({}) AND {a} > 0", self.pending()),
-            None => "false".into(),
-        };
-        let retrying = if self.dialect == Dialect::MySql && retrying == "false" {
-            "1 = 0".to_string()
-        } else {
-            retrying
-        };
-        let age = match self.opt(&m.created_at) {
-            Some(c) => match self.dialect {
-                Dialect::Postgres => format!(
-                    "(extract(epoch from {} - min(CASE WHEN {} AND isfinite({c}) THEN {c} END)) * 1000)::int8",
-                    self.now(),
-                    self.pending()
-                ),
-                Dialect::MySql => format!(
-                    "CAST(TIMESTAMPDIFF(MICROSECOND, min(CASE WHEN {} THEN {c} END), {}) / 1000 AS SIGNED)",
-                    self.pending(),
-                    self.now()
-                ),
-            },
-            None => self.null_int().into(),
-        };
-        let dest = self.text(&self.col(&m.destination));
-        let (select_dest, group) = if by_destination {
-            (
-                format!("{dest}, "),
-                format!(" GROUP BY {dest} ORDER BY {dest}"),
-            )
-        } else {
-            (String::new(), String::new())
-        };
-        format!(
-            "SELECT {select_dest}{}, {}, {}, {age} FROM {} o WHERE ({}) OR ({}){group}",
-            sum(&self.pending()),
-            sum(&retrying),
-            sum(&self.dead()),
-            self.table(),
-            self.pending(),
-            self.dead(),
-        )
-    }
-
-    fn dead_at(&self) -> String {
-        let m = &self.mapping;
-        match m.dead_state() {
-            DeadState::Timestamp(c) => self.micros(&self.col(&c)),
-            DeadState::SideTable => self.micros(&format!(
-                "(SELECT dl.dead_at FROM {} dl WHERE dl.id = {})",
-                self.dead_table(),
-                self.id()
-            )),
-            _ => match self.opt(&m.updated_at) {
-                Some(c) => self.micros(&c),
-                None => self.null_int().into(),
-            },
-        }
-    }
-
-    /// A dead row's attempts and last error (the side table's, where the layout keeps them
-    /// there), as an int and a text expression over alias `o`.
-    fn attempts_and_error(&self) -> (String, String) {
-        let m = &self.mapping;
-        let side = m.dead_state() == DeadState::SideTable;
-        let side_col = |c: &str| {
-            format!(
-                "(SELECT dl.{c} FROM {} dl WHERE dl.id = {})",
-                self.dead_table(),
-                self.id()
-            )
-        };
-        let attempts = if side {
-            self.int(&side_col("attempts"))
-        } else {
-            self.opt(&m.attempts)
-                .map(|a| self.int(&a))
-                .unwrap_or_else(|| self.null_int().into())
-        };
-        let error = if side {
-            self.text(&side_col("last_error"))
-        } else {
-            self.opt(&m.last_error)
-                .map(|c| self.text(&c))
-                .unwrap_or_else(|| self.null_text().into())
-        };
-        (attempts, error)
-    }
-
-    /// The event type as text (the destination where the layout has no type).
-    pub fn event_type_text(&self) -> String {
-        let m = &self.mapping;
-        self.text(&self.col(m.event_type.as_ref().unwrap_or(&m.destination)))
-    }
-
-    /// Dead rows: id, event id, destination, type, attempts, last error, dead at (µs).
-    /// `filter` is more conditions over alias `o` (each starting with ` AND `), `limit` a
-    /// placeholder. Rows come in id order when ids are integers (so a page can continue
-    /// after the last id), else in publish order.
-    pub fn dead_list(&self, filter: &str, limit: &str) -> String {
-        let m = &self.mapping;
-        let (attempts, error) = self.attempts_and_error();
-        let dest = self.text(&self.col(&m.destination));
-        let order = match m.id_type {
-            IdType::Integer => self.id(),
-            IdType::Uuid => self.order_by(),
-        };
-        format!(
-            "SELECT {}, {}, {dest}, {}, {attempts}, {error}, {} FROM {} o WHERE {}{filter} ORDER BY {order} LIMIT {limit}",
-            self.text(&self.id()),
-            self.opt(&m.event_id).map(|c| self.text(&c)).unwrap_or_else(|| self.null_text().into()),
-            self.event_type_text(),
-            self.dead_at(),
-            self.table(),
-            self.dead(),
-        )
-    }
-
-    /// The rows matching `condition` (over alias `o`): the `select_list` columns, then the
-    /// state (0 pending, 1 delivered, 2 dead), attempts and last error as a dead row has
-    /// them, and the dead-at time (µs), from [`Sql::claim_order_column`] on.
-    pub fn event(&self, condition: &str) -> String {
-        let (attempts, error) = self.attempts_and_error();
-        let delivered = self.delivered().unwrap_or_else(|| "1 = 0".into());
-        let state = self.int(&format!(
-            "(CASE WHEN {} THEN 2 WHEN {delivered} THEN 1 ELSE 0 END)",
-            self.dead()
-        ));
-        format!(
-            "SELECT {}, {state}, {attempts}, {error}, {} FROM {} o WHERE {condition}",
-            self.select_list(),
-            self.dead_at(),
-            self.table(),
-        )
-    }
-
-    /// Returns dead rows (selected by `condition`, over alias `o`) to pending with their
-    /// attempts reset; `None` for the side table (the executor deletes its rows instead).
-    pub fn dead_retry(&self, condition: &str) -> Option<String> {
-        let m = &self.mapping;
-        let mut set = Vec::new();
-        match (&m.state, m.dead_state()) {
-            (_, DeadState::SideTable) => return None,
-            (
-                State::Status {
-                    column, pending, ..
-                },
-                _,
-            )
-            | (
-                State::Flag {
-                    column, pending, ..
-                },
-                _,
-            ) => set.push(format!(
-                "{} = {}",
-                self.quote(column),
-                self.state_literal(pending)
-            )),
-            (State::Rows, _) => {}
-        }
-        if let DeadState::Timestamp(c) = m.dead_state() {
-            set.push(format!("{} = NULL", self.quote(&c)));
-        }
-        if let Some(c) = &m.attempts {
-            set.push(format!("{} = 0", self.quote(c)));
-        }
-        if let Some(c) = &m.last_error {
-            set.push(format!("{} = NULL", self.quote(c)));
-        }
-        if let Some(c) = &m.available_at {
-            set.push(format!("{} = {}", self.quote(c), self.now()));
-        }
-        set.extend(self.unlock());
-        self.touch(&mut set);
-        Some(self.update(&set, &format!("({}) AND {condition}", self.dead())))
-    }
-
-    /// The destination as text, over alias `o`.
-    pub fn destination_text(&self) -> String {
-        self.text(&self.col(&self.mapping.destination))
-    }
-
     /// The id column over alias `o`.
     pub fn id_column(&self) -> String {
         self.id()
     }
-
-    /// The timestamp a delivered row is aged by for `prune`.
-    pub fn delivered_time(&self) -> Option<String> {
-        let m = &self.mapping;
-        self.opt(&m.delivered_at)
-            .or_else(|| self.opt(&m.updated_at))
-            .or_else(|| self.opt(&m.created_at))
-    }
-
-    /// The timestamp a dead row is aged by for `prune`.
-    pub fn dead_time(&self) -> Option<String> {
-        let m = &self.mapping;
-        match m.dead_state() {
-            DeadState::Timestamp(c) => Some(self.col(&c)),
-            DeadState::SideTable => Some(format!(
-                "(SELECT dl.dead_at FROM {} dl WHERE dl.id = {})",
-                self.dead_table(),
-                self.id()
-            )),
-            _ => self.opt(&m.updated_at).or_else(|| self.opt(&m.created_at)),
-        }
-    }
-
-    /// `created_at` over alias `o`, when mapped.
-    pub fn created_at(&self) -> Option<String> {
-        self.opt(&self.mapping.created_at)
-    }
-
-    /// Sets delivered rows back to pending for `replay`.
-    pub fn replay_set(&self) -> Vec<String> {
-        let m = &self.mapping;
-        let mut set = Vec::new();
-        match &m.state {
-            State::Status {
-                column, pending, ..
-            }
-            | State::Flag {
-                column, pending, ..
-            } => set.push(format!(
-                "{} = {}",
-                self.quote(column),
-                self.state_literal(pending)
-            )),
-            State::Rows => {}
-        }
-        if let Some(c) = &m.delivered_at {
-            set.push(format!("{} = NULL", self.quote(c)));
-        }
-        if let Some(c) = &m.attempts {
-            set.push(format!("{} = 0", self.quote(c)));
-        }
-        if let Some(c) = &m.available_at {
-            set.push(format!("{} = {}", self.quote(c), self.now()));
-        }
-        self.touch(&mut set);
-        set
-    }
-
-    /// The side table for dead rows (created by `migrate` when the layout needs it).
-    pub fn dead_table_ddl(&self) -> Option<String> {
-        if self.mapping.dead_state() != DeadState::SideTable {
-            return None;
-        }
-        let id_type = match (self.dialect, self.mapping.id_type) {
-            (Dialect::Postgres, IdType::Integer) => "bigint",
-            (Dialect::Postgres, IdType::Uuid) => "uuid",
-            (Dialect::MySql, IdType::Integer) => "bigint unsigned",
-            (Dialect::MySql, IdType::Uuid) => "char(36)",
-        };
-        let time = match self.dialect {
-            Dialect::Postgres => "timestamptz NOT NULL DEFAULT now()",
-            Dialect::MySql => "datetime(6) NOT NULL",
-        };
-        Some(format!(
-            "-- Dead events of a layout that cannot mark them; the outbox row itself is left as it is.\n\
-             CREATE TABLE IF NOT EXISTS {} (\n    id {id_type} PRIMARY KEY,\n    attempts integer NOT NULL,\n    last_error text NOT NULL,\n    dead_at {time}\n);\n",
-            self.dead_table()
-        ))
-    }
-
-    /// The objects `migrate` creates: the seed's DDL (presets), and the side table if any;
-    /// `None` when there is nothing to create (a custom mapping that marks dead rows itself).
-    pub fn ddl(&self) -> Option<String> {
-        let m = &self.mapping;
-        let mut ddl = match m.seed {
-            Some(Seed::Adbc) => adbc_outbox_ddl(m),
-            Some(Seed::OpenOutbox) => open_outbox_ddl(m),
-            Some(Seed::Export) => export_ddl(m),
-            Some(Seed::MysqlOutboxEvents) => mysql_outbox_events_ddl(m),
-            Some(Seed::NativeMysql) => native_mysql_ddl(m),
-            Some(Seed::Debezium) => debezium_ddl(m),
-            // A custom mapping's table is the application's own.
-            None => String::new(),
-        };
-        if let Some(side) = self.dead_table_ddl() {
-            ddl.push_str(&side);
-        }
-        (!ddl.is_empty()).then_some(ddl)
-    }
-
-    /// The least privileges at run time.
-    pub fn grants(&self, role: &str) -> String {
-        let t = self.table();
-        let write = match self.mapping.on_success {
-            OnSuccess::Delete => "SELECT, UPDATE, DELETE",
-            OnSuccess::Mark => "SELECT, UPDATE",
-        };
-        let role = match self.dialect {
-            Dialect::Postgres => format!("\"{role}\""),
-            Dialect::MySql => format!("'{role}'@'%'"),
-        };
-        let mut out = format!("GRANT {write} ON {t} TO {role};\n");
-        if let Some(from) = &self.mapping.max_attempts_from {
-            out.push_str(&format!(
-                "GRANT SELECT ON {} TO {role};\n",
-                self.qualified(&from.table)
-            ));
-        }
-        if self.dead_table_ddl().is_some() {
-            out.push_str(&format!(
-                "GRANT SELECT, INSERT, DELETE ON {} TO {role};\n",
-                self.dead_table()
-            ));
-        }
-        out.push_str(&format!(
-            "-- Operators (`dead purge`, `prune`) also need DELETE on {t}.\n"
-        ));
-        out
-    }
 }
 
-/// The statements [`crate::store::MappedStore`] runs, beyond the state changes above.
-/// Placeholders come from [`Params`]; a statement that may not use every value it is handed
-/// says so with a guard (`AND $n IS NOT NULL`), because PostgreSQL counts parameters.
+/// The claims, retries and dead-letterings [`crate::store::MappedStore`] runs. Placeholders
+/// come from [`crate::params::Params`]; a statement that may not use every value it is handed
+/// says so with a guard (`AND $n IS NOT NULL`), because PostgreSQL counts parameters (so do
+/// those in `operator.rs`).
 impl Sql {
     /// Up to `limit` rows matching `condition` in publish order (`select_list` columns);
     /// `lock` takes their row locks, skipping rows other transactions hold.
@@ -1066,88 +750,6 @@ impl Sql {
     /// The column of [`Sql::claim_and_mark`]'s rows that gives their order.
     pub fn claim_order_column(&self) -> usize {
         self.select_items().len()
-    }
-
-    /// A timestamp placeholder holding microseconds since the epoch, as the table's
-    /// timestamp columns hold it.
-    pub fn at_micros(&self, micros: &str) -> String {
-        match (self.dialect, self.mapping.utc_timestamps) {
-            (Dialect::Postgres, false) => format!("to_timestamp({micros}::float8 / 1e6)"),
-            (Dialect::Postgres, true) => {
-                format!("(to_timestamp({micros}::float8 / 1e6) AT TIME ZONE 'UTC')")
-            }
-            // The session's time zone is UTC (see the MySQL store).
-            (Dialect::MySql, _) => format!("FROM_UNIXTIME({micros} / 1000000)"),
-        }
-    }
-
-    /// The destination equals a placeholder.
-    pub fn destination_is(&self, destination: &str) -> String {
-        format!("{} = {destination}", self.destination_text())
-    }
-
-    /// Delivered rows created in `[since, until)` (placeholders in µs), for `replay`; `None`
-    /// when the table keeps no delivered rows or no creation time.
-    pub fn delivered_between(&self, since: &str, until: &str) -> Option<String> {
-        let (delivered, created) = (self.delivered()?, self.created_at()?);
-        Some(format!(
-            "({delivered}) AND {created} >= {} AND {created} < {}",
-            self.at_micros(since),
-            self.at_micros(until)
-        ))
-    }
-
-    /// Delivered rows older than `before` (µs), for `prune`.
-    pub fn delivered_before(&self, before: &str) -> Option<String> {
-        Some(format!(
-            "({}) AND {} < {}",
-            self.delivered()?,
-            self.delivered_time()?,
-            self.at_micros(before)
-        ))
-    }
-
-    /// Dead rows older than `before` (µs), for `prune`.
-    pub fn dead_before(&self, before: &str) -> Option<String> {
-        Some(format!(
-            "({}) AND {} < {}",
-            self.dead(),
-            self.dead_time()?,
-            self.at_micros(before)
-        ))
-    }
-
-    /// How many rows match `condition`.
-    pub fn count(&self, condition: &str) -> String {
-        format!(
-            "SELECT {} FROM {} o WHERE {condition}",
-            self.int("count(*)"),
-            self.table()
-        )
-    }
-
-    /// The ids (as text) of up to `limit` rows matching `condition`, in id order.
-    pub fn pick(&self, condition: &str, limit: &str) -> String {
-        format!(
-            "SELECT {} FROM {} o WHERE {condition} ORDER BY {} LIMIT {limit}",
-            self.text(&self.id()),
-            self.table(),
-            self.id()
-        )
-    }
-
-    /// Deletes rows by id (`ids` as [`Params::in_ids`] writes it).
-    pub fn delete(&self, ids: &str) -> String {
-        format!(
-            "DELETE FROM {} WHERE {} {ids}",
-            self.table(),
-            self.quote(&self.mapping.id)
-        )
-    }
-
-    /// Deletes the side table's records of rows by id.
-    pub fn delete_dead_records(&self, ids: &str) -> String {
-        format!("DELETE FROM {} WHERE id {ids}", self.dead_table())
     }
 
     /// Records one failed attempt of a held row; `None` when the table has nothing to record.
@@ -1201,221 +803,6 @@ impl Sql {
         let held = self.held_row(failure);
         format!("{held} AND {attempts} >= 0 AND {error} IS NOT NULL")
     }
-
-    /// The names of the table's columns (for `check`).
-    pub fn columns_query(&self, params: &mut Params) -> String {
-        let schema = match (self.dialect, &self.mapping.schema) {
-            (_, Some(schema)) => params.text(schema.clone()),
-            (Dialect::Postgres, None) => params.text("public".to_string()),
-            (Dialect::MySql, None) => "DATABASE()".into(),
-        };
-        let table = params.text(self.mapping.table.clone());
-        format!(
-            "SELECT {} FROM information_schema.columns WHERE table_schema = {schema} AND table_name = {table}",
-            self.text("column_name")
-        )
-    }
-
-    /// Inserts one row as an application would: `columns` take one untyped placeholder each
-    /// (`$n` or `?`, converted to the column's type by the executor), the mapping's insert
-    /// defaults fill the columns left out, and PostgreSQL returns the row id.
-    pub fn insert(&self, columns: &[&str]) -> String {
-        let mut names: Vec<String> = columns.iter().map(|c| self.quote(c)).collect();
-        let mut values: Vec<String> = (1..=columns.len())
-            .map(|i| match self.dialect {
-                Dialect::Postgres => format!("${i}"),
-                Dialect::MySql => "?".into(),
-            })
-            .collect();
-        for (column, expression) in &self.mapping.insert_defaults {
-            if !columns.contains(&column.as_str()) {
-                names.push(self.quote(column));
-                values.push(expression.clone());
-            }
-        }
-        let returning = match self.dialect {
-            Dialect::Postgres => format!(" RETURNING {}", self.quote(&self.mapping.id)),
-            Dialect::MySql => String::new(),
-        };
-        format!(
-            "INSERT INTO {} ({}) VALUES ({}){returning}",
-            self.table(),
-            names.join(", "),
-            values.join(", ")
-        )
-    }
-}
-
-/// The Ably connector's outbox table, function and trigger, exactly as its documentation
-/// gives them (names substituted).
-pub fn adbc_outbox_ddl(m: &Mapping) -> String {
-    let schema = m.schema.as_deref().unwrap_or("public");
-    let table = &m.table;
-    format!(
-        r#"CREATE SCHEMA IF NOT EXISTS "{schema}";
-CREATE TABLE IF NOT EXISTS "{schema}"."{table}" ( sequence_id serial PRIMARY KEY, mutation_id TEXT NOT NULL, channel TEXT NOT NULL, name TEXT NOT NULL, rejected boolean NOT NULL DEFAULT false, data JSONB, headers JSONB, locked_by TEXT, lock_expiry TIMESTAMP WITHOUT TIME ZONE, processed BOOLEAN NOT NULL DEFAULT false );
-CREATE OR REPLACE FUNCTION "{schema}"."{table}_notify"() RETURNS trigger AS $$ BEGIN PERFORM pg_notify('ably_adbc'::text, ''::text); RETURN NULL; EXCEPTION -- ensure this function can never throw an uncaught exception
- WHEN others THEN RAISE WARNING 'unexpected error in %s: %%', SQLERRM; RETURN NULL; END; $$ LANGUAGE plpgsql;
-DO $$
-BEGIN
-    IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = '{table}_trigger' AND tgrelid = '"{schema}"."{table}"'::regclass) THEN
-        CREATE TRIGGER "{table}_trigger" AFTER INSERT ON "{schema}"."{table}" FOR EACH STATEMENT EXECUTE PROCEDURE "{schema}"."{table}_notify"();
-    END IF;
-END
-$$;
-"#
-    )
-}
-
-/// Debezium's outbox table as its outbox extension creates it, and what the relay adds to a
-/// table that exists already: the optional `timestamp` and `tracingspancontext` columns, and
-/// the `relay_sequence` the relay orders by (its default fills it for inserts that name
-/// their columns, as Debezium's applications' do). A table that holds rows is refused: they
-/// are most likely published by Debezium already, and nothing orders them (the error says
-/// how to relay them anyway).
-pub fn debezium_ddl(m: &Mapping) -> String {
-    let schema = m.schema.as_deref().unwrap_or("public");
-    let t = format!("\"{schema}\".\"{}\"", m.table);
-    let n = &m.table;
-    let seq = crate::DEBEZIUM_SEQUENCE;
-    format!(
-        r#"CREATE SCHEMA IF NOT EXISTS "{schema}";
-CREATE TABLE IF NOT EXISTS {t} (
-    id uuid NOT NULL PRIMARY KEY,
-    aggregatetype varchar(255) NOT NULL,
-    aggregateid varchar(255) NOT NULL,
-    type varchar(255) NOT NULL,
-    "timestamp" timestamp NOT NULL DEFAULT (now() AT TIME ZONE 'utc'),
-    payload jsonb,
-    tracingspancontext varchar(256)
-);
-ALTER TABLE {t} ADD COLUMN IF NOT EXISTS "timestamp" timestamp NOT NULL DEFAULT (now() AT TIME ZONE 'utc');
-ALTER TABLE {t} ADD COLUMN IF NOT EXISTS tracingspancontext varchar(256);
-DO $$
-BEGIN
-    IF NOT EXISTS (SELECT 1 FROM information_schema.columns WHERE table_schema = '{schema}' AND table_name = '{n}' AND column_name = '{seq}') THEN
-        IF EXISTS (SELECT 1 FROM {t}) THEN
-            RAISE EXCEPTION '{n} holds rows, and Debezium never deletes the rows it relays, so these were most likely published already; relayed again they would go out twice, in an order the table cannot give (its id is random, its timestamp ties). Stop Debezium once it has caught up, delete them (DELETE FROM {t}), and run migrate again; to relay them anyway, add the column first (ALTER TABLE {t} ADD COLUMN {seq} bigserial), which numbers them in the table''s physical order';
-        END IF;
-        ALTER TABLE {t} ADD COLUMN {seq} bigserial;
-    END IF;
-END
-$$;
-CREATE UNIQUE INDEX IF NOT EXISTS "{n}_{seq}_key" ON {t} ({seq});
-"#
-    )
-}
-
-/// Open Outbox Relay's table and indexes, as its documentation gives them (without the
-/// development-only `DROP TABLE`).
-pub fn open_outbox_ddl(m: &Mapping) -> String {
-    let schema = m.schema.as_deref().unwrap_or("public");
-    let t = format!("\"{schema}\".\"{}\"", m.table);
-    let n = &m.table;
-    format!(
-        r#"CREATE SCHEMA IF NOT EXISTS "{schema}";
-CREATE TABLE IF NOT EXISTS {t} (
-    event_id UUID PRIMARY KEY,
-    event_type TEXT NOT NULL,
-    partition_key TEXT,
-    payload BYTEA NOT NULL,
-    headers JSONB NOT NULL DEFAULT '{{}}',
-    status TEXT NOT NULL DEFAULT 'PENDING',
-    attempts INT NOT NULL DEFAULT 0,
-    last_error TEXT,
-    available_at TIMESTAMPTZ NOT NULL DEFAULT NOW(),
-    locked_by TEXT,
-    locked_at TIMESTAMPTZ,
-    delivered_at TIMESTAMPTZ,
-    created_at TIMESTAMPTZ NOT NULL DEFAULT NOW(),
-    updated_at TIMESTAMPTZ NOT NULL DEFAULT NOW(),
-    CONSTRAINT check_valid_status CHECK ( status IN ('PENDING', 'DELIVERING', 'DELIVERED', 'DEAD') ));
-CREATE INDEX IF NOT EXISTS idx_{n}_processing_queue ON {t} (available_at ASC, created_at ASC) WHERE status = 'PENDING';
-CREATE INDEX IF NOT EXISTS idx_{n}_stuck_leases ON {t} (locked_at ASC) WHERE status = 'DELIVERING';
-CREATE INDEX IF NOT EXISTS idx_{n}_metrics_count ON {t} (status) INCLUDE (attempts) WHERE status = 'PENDING';
-CREATE INDEX IF NOT EXISTS idx_{n}_metrics_lag ON {t} (status, created_at ASC) WHERE status = 'PENDING';
-CREATE INDEX IF NOT EXISTS idx_{n}_prune_delivered ON {t} (delivered_at) WHERE status = 'DELIVERED';
-CREATE INDEX IF NOT EXISTS idx_{n}_prune_dead ON {t} (updated_at) WHERE status = 'DEAD';
-"#
-    )
-}
-
-/// The export seed's tables. Its article gives the queries, not the DDL: these are the columns
-/// those queries use (`id`, `type_code`, `payload`, `status`, `processing_retries_count`,
-/// `updated_at`), plus `created_at`.
-pub fn export_ddl(m: &Mapping) -> String {
-    let schema = m.schema.as_deref().unwrap_or("public");
-    let t = format!("\"{schema}\".\"{}\"", m.table);
-    let types = format!("\"{schema}\".\"event_type\"");
-    format!(
-        r#"CREATE SCHEMA IF NOT EXISTS "{schema}";
-CREATE TABLE IF NOT EXISTS {types} (
-    code text PRIMARY KEY,
-    max_retry_count integer NOT NULL
-);
-CREATE TABLE IF NOT EXISTS {t} (
-    id bigserial PRIMARY KEY,
-    type_code text NOT NULL REFERENCES {types} (code),
-    payload jsonb NOT NULL,
-    status text NOT NULL DEFAULT 'NEW',
-    processing_retries_count integer NOT NULL DEFAULT 0,
-    created_at timestamptz NOT NULL DEFAULT clock_timestamp(),
-    updated_at timestamptz NOT NULL DEFAULT clock_timestamp()
-);
-CREATE INDEX IF NOT EXISTS "{n}_new_idx" ON {t} (id) WHERE status = 'NEW';
-CREATE INDEX IF NOT EXISTS "{n}_processing_idx" ON {t} (updated_at) WHERE status = 'PROCESSING';
-"#,
-        n = m.table
-    )
-}
-
-/// The MySQL seed's `outbox_events`, as its `SHOW CREATE TABLE` gives it (the collation
-/// is MySQL 8's; MariaDB gets its own default).
-pub fn mysql_outbox_events_ddl(m: &Mapping) -> String {
-    format!(
-        "CREATE TABLE IF NOT EXISTS `{}` (
-`id` bigint unsigned NOT NULL AUTO_INCREMENT,
-`type` tinyint unsigned NOT NULL,
-`message` mediumtext NOT NULL,
-`isConsumed` tinyint(1) NOT NULL DEFAULT '0',
-`createdAt` datetime NOT NULL,
-`updatedAt` datetime NOT NULL,
-PRIMARY KEY (`id`),
-KEY `outbox_events_is_consumed_created_at` (`isConsumed`,`createdAt`),
-KEY `createdAt` (`createdAt`)
-) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4;
-",
-        m.table
-    )
-}
-
-/// The native layout on MySQL/MariaDB.
-pub fn native_mysql_ddl(m: &Mapping) -> String {
-    let t = &m.table;
-    format!(
-        "CREATE TABLE IF NOT EXISTS `{t}` (
-    sequence_id   bigint unsigned NOT NULL AUTO_INCREMENT PRIMARY KEY,
-    event_id      char(36) NOT NULL DEFAULT (UUID()),
-    destination   varchar(255) NOT NULL,
-    partition_key varchar(255) NULL,
-    event_type    varchar(255) NOT NULL,
-    payload       json NULL,
-    headers       json NULL,
-    mutation_id   varchar(255) NULL,
-    rejected      boolean NOT NULL DEFAULT false,
-    created_at    datetime(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
-    available_at  datetime(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
-    attempts      integer NOT NULL DEFAULT 0,
-    last_error    text NULL,
-    locked_by     varchar(64) NULL,
-    locked_until  datetime(6) NULL,
-    delivered_at  datetime(6) NULL,
-    dead_at       datetime(6) NULL,
-    UNIQUE KEY `{t}_event_id` (event_id),
-    KEY `{t}_pending` (delivered_at, dead_at, sequence_id)
-) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4;
-"
-    )
 }
 
 #[cfg(test)]

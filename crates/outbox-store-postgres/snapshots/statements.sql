@@ -1,0 +1,1062 @@
+-- public.outbox: ack_delete (row lease)
+DELETE FROM "public"."outbox" o WHERE o.sequence_id = ANY($2) AND o.locked_by = $1
+
+-- public.outbox: ack_delete (partition fence)
+DELETE FROM "public"."outbox" o WHERE o.sequence_id = ANY($2) AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "public"."outbox_partitions" pp
+                         JOIN unnest($3::int4[], $4::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])) = $5 OR "public"."outbox_partition"(coalesce(o.partition_key, o.destination), $5) = ANY(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "public"."outbox_partitions" pp
+                         JOIN unnest($3::int4[], $4::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])))
+
+-- public.outbox: ack_retain (row lease)
+UPDATE "public"."outbox" o SET delivered_at = now(), locked_by = NULL, locked_until = NULL
+                      WHERE o.sequence_id = ANY($2) AND o.locked_by = $1
+
+-- public.outbox: ack_retain (partition fence)
+UPDATE "public"."outbox" o SET delivered_at = now(), locked_by = NULL, locked_until = NULL
+                      WHERE o.sequence_id = ANY($2) AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "public"."outbox_partitions" pp
+                         JOIN unnest($3::int4[], $4::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])) = $5 OR "public"."outbox_partition"(coalesce(o.partition_key, o.destination), $5) = ANY(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "public"."outbox_partitions" pp
+                         JOIN unnest($3::int4[], $4::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])))
+
+-- public.outbox: retry_later (row lease)
+UPDATE "public"."outbox" o
+                        SET attempts = u.attempts, last_error = u.error,
+                            available_at = now() + u.delay_ms * interval '1 millisecond',
+                            locked_by = NULL, locked_until = NULL
+                       FROM unnest($2::int8[], $3::int4[], $4::text[], $5::int8[])
+                            AS u(sequence_id, attempts, error, delay_ms)
+                      WHERE o.sequence_id = u.sequence_id AND o.locked_by = $1
+
+-- public.outbox: retry_later (partition fence)
+UPDATE "public"."outbox" o
+                        SET attempts = u.attempts, last_error = u.error,
+                            available_at = now() + u.delay_ms * interval '1 millisecond',
+                            locked_by = NULL, locked_until = NULL
+                       FROM unnest($2::int8[], $3::int4[], $4::text[], $5::int8[])
+                            AS u(sequence_id, attempts, error, delay_ms)
+                      WHERE o.sequence_id = u.sequence_id AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "public"."outbox_partitions" pp
+                         JOIN unnest($6::int4[], $7::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])) = $8 OR "public"."outbox_partition"(coalesce(o.partition_key, o.destination), $8) = ANY(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "public"."outbox_partitions" pp
+                         JOIN unnest($6::int4[], $7::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])))
+
+-- public.outbox: dead_letter (row lease)
+WITH moved AS (
+                            DELETE FROM "public"."outbox" o
+                             USING unnest($2::int8[], $3::int4[], $4::text[]) AS u(sequence_id, attempts, error)
+                             WHERE o.sequence_id = u.sequence_id AND o.locked_by = $1
+                         RETURNING o.*, u.attempts AS final_attempts, u.error AS final_error)
+                         INSERT INTO "public"."outbox_dead_letters" (sequence_id, event_id, destination, partition_key, event_type,
+                                           payload, headers, mutation_id, rejected, created_at,
+                                           attempts, last_error)
+                         -- Undecodable rows too: a NULL where the dead letters allow none is
+                         -- kept as an empty value (last_error says which it was).
+                         SELECT sequence_id, coalesce(event_id, '00000000-0000-0000-0000-000000000000'),
+                                coalesce(destination, ''), partition_key, coalesce(event_type, ''),
+                                payload, coalesce(headers, '{}'), mutation_id, coalesce(rejected, false),
+                                coalesce(created_at, now()), final_attempts, final_error
+                           FROM moved
+
+-- public.outbox: dead_letter (partition fence)
+WITH moved AS (
+                            DELETE FROM "public"."outbox" o
+                             USING unnest($2::int8[], $3::int4[], $4::text[]) AS u(sequence_id, attempts, error)
+                             WHERE o.sequence_id = u.sequence_id AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "public"."outbox_partitions" pp
+                         JOIN unnest($5::int4[], $6::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])) = $7 OR "public"."outbox_partition"(coalesce(o.partition_key, o.destination), $7) = ANY(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "public"."outbox_partitions" pp
+                         JOIN unnest($5::int4[], $6::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])))
+                         RETURNING o.*, u.attempts AS final_attempts, u.error AS final_error)
+                         INSERT INTO "public"."outbox_dead_letters" (sequence_id, event_id, destination, partition_key, event_type,
+                                           payload, headers, mutation_id, rejected, created_at,
+                                           attempts, last_error)
+                         -- Undecodable rows too: a NULL where the dead letters allow none is
+                         -- kept as an empty value (last_error says which it was).
+                         SELECT sequence_id, coalesce(event_id, '00000000-0000-0000-0000-000000000000'),
+                                coalesce(destination, ''), partition_key, coalesce(event_type, ''),
+                                payload, coalesce(headers, '{}'), mutation_id, coalesce(rejected, false),
+                                coalesce(created_at, now()), final_attempts, final_error
+                           FROM moved
+
+-- public.outbox: claim
+WITH claimable AS (
+                    SELECT o.sequence_id FROM "public"."outbox" o
+                    WHERE o.delivered_at IS NULL
+                      AND o.available_at <= now()
+                      AND (o.locked_until IS NULL OR o.locked_until < now())
+                     AND NOT EXISTS (
+                    SELECT 1 FROM "public"."outbox" p
+                    WHERE hashtextextended(coalesce(p.partition_key, p.destination), 0) = hashtextextended(coalesce(o.partition_key, o.destination), 0) AND coalesce(p.partition_key, p.destination) = coalesce(o.partition_key, o.destination)
+                      AND p.sequence_id < o.sequence_id
+                      AND p.delivered_at IS NULL
+                      AND (p.locked_by IS NOT NULL OR p.attempts > 0)
+                      AND (p.available_at > now() OR (p.locked_until > now() AND p.locked_by <> $1)))
+                    ORDER BY o.sequence_id
+                    LIMIT $2
+                    FOR UPDATE SKIP LOCKED)
+                 UPDATE "public"."outbox" o
+                    SET locked_by = $1, locked_until = now() + $3::int8 * interval '1 millisecond'
+                   FROM claimable c
+                  WHERE o.sequence_id = c.sequence_id
+              RETURNING o.sequence_id, o.event_id, o.destination, o.partition_key, o.event_type, o.payload::text, o.headers::text, o.mutation_id, o.rejected, o.attempts, o.created_at
+
+-- public.outbox: claim_owned
+SELECT o.sequence_id, o.event_id, o.destination, o.partition_key, o.event_type, o.payload::text, o.headers::text, o.mutation_id, o.rejected, o.attempts, o.created_at FROM "public"."outbox" o
+                  WHERE o.delivered_at IS NULL
+                    AND o.available_at <= now()
+                    AND o.sequence_id NOT IN (SELECT unnest($3::int8[]))
+                    AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "public"."outbox_partitions" pp
+                     JOIN unnest($5::int4[], $6::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                    WHERE pp.owner = $1 AND pp.epoch = h.epoch AND pp.lease_until > now()) AS int4[])) = $4 OR "public"."outbox_partition"(coalesce(o.partition_key, o.destination), $4) = ANY(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "public"."outbox_partitions" pp
+                     JOIN unnest($5::int4[], $6::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                    WHERE pp.owner = $1 AND pp.epoch = h.epoch AND pp.lease_until > now()) AS int4[])))
+                    AND NOT EXISTS (
+                    SELECT 1 FROM "public"."outbox" p
+                    WHERE hashtextextended(coalesce(p.partition_key, p.destination), 0) = hashtextextended(coalesce(o.partition_key, o.destination), 0) AND coalesce(p.partition_key, p.destination) = coalesce(o.partition_key, o.destination)
+                      AND p.sequence_id < o.sequence_id
+                      AND p.delivered_at IS NULL
+                      AND (p.locked_by IS NOT NULL OR p.attempts > 0)
+                      AND (p.attempts > 0 AND p.available_at > now()))
+                    AND $1::text IS NOT NULL
+                    AND o.sequence_id >= $7
+                    AND ($7 = 0 OR $8::int8 IS NULL OR now() < to_timestamp($8::int8 / 1000000.0))
+                  ORDER BY o.sequence_id
+                  LIMIT $2
+
+-- public.outbox: floor_sequence
+SELECT coalesce(pg_sequence_last_value(q.s), 0)::int8, q.s IS NOT NULL,
+                        (SELECT seqcache FROM pg_catalog.pg_sequence WHERE seqrelid = q.s)::int8,
+                        (SELECT seqincrement FROM pg_catalog.pg_sequence WHERE seqrelid = q.s)::int8,
+                        to_regclass('"public"."outbox_scheduled_idx"') IS NOT NULL
+                   FROM (SELECT pg_get_serial_sequence('"public"."outbox"', 'sequence_id')::regclass AS s) q
+
+-- public.outbox: floor_writers
+SELECT coalesce(array_agg(l.virtualtransaction), '{}') FROM pg_catalog.pg_locks l
+                  WHERE l.locktype = 'relation'
+                    AND l.relation IN ('"public"."outbox"'::regclass, pg_get_serial_sequence('"public"."outbox"', 'sequence_id')::regclass)
+                    AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())
+                    AND l.mode IN ('RowExclusiveLock', 'ShareRowExclusiveLock', 'ExclusiveLock', 'AccessExclusiveLock')
+
+-- public.outbox: floor_due
+SELECT CASE WHEN isfinite(m) THEN (extract(epoch from m) * 1000000)::int8 END
+                   FROM (SELECT min(o.available_at) AS m FROM "public"."outbox" o
+                          WHERE o.delivered_at IS NULL AND o.available_at > o.created_at
+                            AND o.available_at > now()
+                            AND (cardinality($2::int4[]) = $3 OR "public"."outbox_partition"(coalesce(o.partition_key, o.destination), $3) = ANY($2::int4[]))
+                            AND $1::text IS NOT NULL) d
+
+-- public.outbox: floor_after
+SELECT (SELECT count(*) FROM "public"."outbox_partitions" pp
+                           JOIN unnest($2::int4[], $3::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                          WHERE pp.owner = $1 AND pp.epoch = h.epoch AND pp.lease_until > now())
+                        = cardinality($2::int4[]),
+                        coalesce(now() >= to_timestamp($4::int8 / 1000000.0), false)
+
+-- public.outbox: claim_unordered
+WITH claimable AS (
+                    SELECT o.sequence_id FROM "public"."outbox" o
+                    WHERE o.delivered_at IS NULL
+                      AND o.available_at <= now()
+                      AND (o.locked_until IS NULL OR o.locked_until < now())
+                    ORDER BY o.sequence_id
+                    LIMIT $2
+                    FOR UPDATE SKIP LOCKED)
+                 UPDATE "public"."outbox" o
+                    SET locked_by = $1, locked_until = now() + $3::int8 * interval '1 millisecond'
+                   FROM claimable c
+                  WHERE o.sequence_id = c.sequence_id
+              RETURNING o.sequence_id, o.event_id, o.destination, o.partition_key, o.event_type, o.payload::text, o.headers::text, o.mutation_id, o.rejected, o.attempts, o.created_at
+
+-- public.outbox: release
+UPDATE "public"."outbox" SET locked_by = NULL, locked_until = NULL
+                  WHERE sequence_id = ANY($2) AND locked_by = $1
+
+-- public.outbox: extend_leases
+UPDATE "public"."outbox" SET locked_until = now() + $3::int8 * interval '1 millisecond'
+                  WHERE sequence_id = ANY($2) AND locked_by = $1
+
+-- public.outbox: backlog
+SELECT count(*)::int8,
+                        count(*) FILTER (WHERE attempts > 0)::int8,
+                        (extract(epoch from now() - min(created_at) FILTER (WHERE isfinite(created_at))) * 1000)::int8
+                   FROM "public"."outbox" WHERE delivered_at IS NULL
+
+-- public.outbox: dead_count
+SELECT count(*)::int8 FROM "public"."outbox_dead_letters"
+
+-- public.outbox: insert
+INSERT INTO "public"."outbox" (event_id, destination, partition_key, event_type, payload,
+                                  headers, mutation_id)
+                 SELECT coalesce(u.event_id, gen_random_uuid()), u.destination, u.partition_key,
+                        u.event_type, u.payload::jsonb, u.headers::jsonb, u.mutation_id
+                   FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[],
+                               $6::text[], $7::text[])
+                        WITH ORDINALITY AS u(event_id, destination, partition_key, event_type,
+                                             payload, headers, mutation_id, n)
+                  ORDER BY u.n
+              RETURNING sequence_id
+
+-- public.outbox: heartbeat
+WITH pushed AS (
+                    UPDATE "public"."outbox_nodes"
+                       SET expiry = (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond'
+                     WHERE id = $1
+                       AND expiry = 'epoch'::timestamp + $3::int8 * interval '1 microsecond'
+                 RETURNING expiry
+                 ), inserted AS (
+                    INSERT INTO "public"."outbox_nodes" (id, expiry)
+                    SELECT $1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond'
+                     WHERE NOT EXISTS (SELECT 1 FROM pushed)
+                        ON CONFLICT (id) DO NOTHING
+                 RETURNING expiry
+                 )
+                 SELECT (extract(epoch from expiry) * 1000000)::int8 FROM pushed
+                 UNION ALL
+                 SELECT (extract(epoch from expiry) * 1000000)::int8 FROM inserted
+
+-- public.outbox: remove_expired
+DELETE FROM "public"."outbox_nodes" WHERE expiry < (now() AT TIME ZONE 'UTC')
+
+-- public.outbox: deregister
+DELETE FROM "public"."outbox_nodes"
+                  WHERE id = $1 AND expiry = 'epoch'::timestamp + $2::int8 * interval '1 microsecond'
+
+-- public.outbox: live_nodes
+SELECT id, (extract(epoch from expiry) * 1000000)::int8 FROM "public"."outbox_nodes"
+                  WHERE expiry >= (now() AT TIME ZONE 'UTC') ORDER BY id
+
+-- public.outbox: partition_count
+SELECT count(*)::int8 FROM "public"."outbox_partitions"
+
+-- public.outbox: acquire
+UPDATE "public"."outbox_partitions"
+                    SET owner = $1, epoch = epoch + 1,
+                        lease_until = now() + $3::int8 * interval '1 millisecond'
+                  WHERE partition = ANY($2::int4[])
+                    AND (owner IS NULL OR lease_until IS NULL OR lease_until < now())
+              RETURNING partition, epoch
+
+-- public.outbox: renew
+UPDATE "public"."outbox_partitions" p SET lease_until = now() + $4::int8 * interval '1 millisecond'
+                   FROM unnest($2::int4[], $3::int8[]) AS h(partition, epoch)
+                  WHERE p.partition = h.partition AND p.owner = $1 AND p.epoch = h.epoch
+                    AND p.lease_until > now()
+              RETURNING p.partition
+
+-- public.outbox: release_partitions
+UPDATE "public"."outbox_partitions" SET owner = NULL, lease_until = NULL
+                  WHERE partition = ANY($2::int4[]) AND owner = $1
+
+-- public.outbox: partitions
+SELECT partition, owner, epoch, (extract(epoch from lease_until) * 1000000)::int8
+                   FROM "public"."outbox_partitions" ORDER BY partition
+
+-- public.outbox: register
+WITH taken AS (
+                    INSERT INTO "public"."outbox_nodes" (id, expiry)
+                    VALUES ($1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond')
+                        ON CONFLICT (id) DO UPDATE SET expiry = EXCLUDED.expiry
+                     WHERE "public"."outbox_nodes".expiry < (now() AT TIME ZONE 'UTC')
+                 RETURNING expiry
+                 )
+                 SELECT true, (extract(epoch from expiry) * 1000000)::int8 FROM taken
+                 UNION ALL
+                 SELECT false, (extract(epoch from expiry) * 1000000)::int8 FROM "public"."outbox_nodes"
+                  WHERE id = $1 AND NOT EXISTS (SELECT 1 FROM taken)
+
+-- public.outbox: dead_retry (ids)
+WITH moved AS (DELETE FROM "public"."outbox_dead_letters" WHERE sequence_id = ANY($1::int8[]) RETURNING *)
+                 INSERT INTO "public"."outbox" (sequence_id, event_id, destination, partition_key, event_type,
+                                  payload, headers, mutation_id, rejected, created_at)
+                 SELECT sequence_id, event_id, destination, partition_key, event_type,
+                        payload, headers, mutation_id, rejected, created_at FROM moved
+
+-- public.outbox: dead_retry (destination)
+WITH moved AS (DELETE FROM "public"."outbox_dead_letters" WHERE destination = $1 RETURNING *)
+                 INSERT INTO "public"."outbox" (sequence_id, event_id, destination, partition_key, event_type,
+                                  payload, headers, mutation_id, rejected, created_at)
+                 SELECT sequence_id, event_id, destination, partition_key, event_type,
+                        payload, headers, mutation_id, rejected, created_at FROM moved
+
+-- public.outbox: dead_retry (all)
+WITH moved AS (DELETE FROM "public"."outbox_dead_letters" WHERE $1::bool RETURNING *)
+                 INSERT INTO "public"."outbox" (sequence_id, event_id, destination, partition_key, event_type,
+                                  payload, headers, mutation_id, rejected, created_at)
+                 SELECT sequence_id, event_id, destination, partition_key, event_type,
+                        payload, headers, mutation_id, rejected, created_at FROM moved
+
+-- public.outbox: dead_purge (ids)
+DELETE FROM "public"."outbox_dead_letters" WHERE sequence_id = ANY($1::int8[])
+
+-- public.outbox: dead_purge (destination)
+DELETE FROM "public"."outbox_dead_letters" WHERE destination = $1
+
+-- public.outbox: dead_purge (all)
+DELETE FROM "public"."outbox_dead_letters" WHERE $1::bool
+
+-- public.outbox: stats_pending
+SELECT destination, count(*)::int8, count(*) FILTER (WHERE attempts > 0)::int8,
+                            (extract(epoch from now() - min(created_at) FILTER (WHERE isfinite(created_at))) * 1000)::int8
+                       FROM "public"."outbox" WHERE delivered_at IS NULL GROUP BY destination
+
+-- public.outbox: stats_dead
+SELECT destination, count(*)::int8 FROM "public"."outbox_dead_letters" GROUP BY destination
+
+-- public.outbox: dead_list
+SELECT sequence_id, event_id, destination, event_type, attempts::int8, last_error,
+                            (extract(epoch from dead_at) * 1000000)::int8
+                       FROM "public"."outbox_dead_letters"
+                      WHERE ($1::text IS NULL OR destination = $1)
+                        AND ($2::text IS NULL OR event_type = $2) AND sequence_id > $3
+                      ORDER BY sequence_id LIMIT $4
+
+-- public.outbox: event
+SELECT sequence_id, event_id, destination, event_type, partition_key,
+                            payload::text, headers::text, attempts::int8, last_error, CASE WHEN isfinite(created_at) THEN (extract(epoch from created_at) * 1000000)::int8 END,
+                            delivered_at IS NOT NULL, false, NULL::int8
+                       FROM "public"."outbox" WHERE sequence_id = $1
+                     UNION ALL
+                     SELECT sequence_id, event_id, destination, event_type, partition_key,
+                            payload::text, headers::text, attempts::int8, last_error, CASE WHEN isfinite(created_at) THEN (extract(epoch from created_at) * 1000000)::int8 END,
+                            false, true, CASE WHEN isfinite(dead_at) THEN (extract(epoch from dead_at) * 1000000)::int8 END
+                       FROM "public"."outbox_dead_letters" WHERE sequence_id = $1
+
+-- public.outbox: count_replayable
+SELECT count(*)::int8 FROM "public"."outbox"
+                      WHERE delivered_at IS NOT NULL AND created_at >= to_timestamp($1)
+                        AND created_at < to_timestamp($2) AND ($3::text IS NULL OR destination = $3)
+
+-- public.outbox: replay_batch
+WITH b AS (
+                        SELECT sequence_id FROM "public"."outbox"
+                         WHERE delivered_at IS NOT NULL AND created_at >= to_timestamp($1)
+                           AND created_at < to_timestamp($2) AND ($3::text IS NULL OR destination = $3)
+                           AND sequence_id > $4
+                         ORDER BY sequence_id LIMIT $5 FOR UPDATE)
+                     UPDATE "public"."outbox" o SET delivered_at = NULL, attempts = 0, last_error = NULL,
+                            available_at = now(), locked_by = NULL, locked_until = NULL
+                       FROM b WHERE o.sequence_id = b.sequence_id
+                     RETURNING o.sequence_id
+
+-- public.outbox: wake_relays
+SELECT pg_notify($1, '')
+
+-- public.outbox: count_delivered_before
+SELECT count(*)::int8 FROM "public"."outbox" WHERE delivered_at < to_timestamp($1)
+
+-- public.outbox: count_dead_before
+SELECT count(*)::int8 FROM "public"."outbox_dead_letters" WHERE dead_at < to_timestamp($1)
+
+-- public.outbox: prune_delivered
+DELETE FROM "public"."outbox" WHERE sequence_id IN (
+                SELECT sequence_id FROM "public"."outbox" WHERE delivered_at < to_timestamp($1)
+                 ORDER BY sequence_id LIMIT $2 FOR UPDATE SKIP LOCKED)
+
+-- public.outbox: prune_dead
+DELETE FROM "public"."outbox_dead_letters" WHERE sequence_id IN (
+                SELECT sequence_id FROM "public"."outbox_dead_letters" WHERE dead_at < to_timestamp($1)
+                 ORDER BY sequence_id LIMIT $2 FOR UPDATE SKIP LOCKED)
+
+-- public.outbox: ddl
+CREATE SCHEMA IF NOT EXISTS "public";
+CREATE SCHEMA IF NOT EXISTS "public";
+
+-- Applications insert here, in the same transaction as their data change.
+CREATE TABLE IF NOT EXISTS "public"."outbox" (
+    sequence_id   bigserial PRIMARY KEY,          -- publish order
+    event_id      uuid NOT NULL UNIQUE DEFAULT gen_random_uuid(), -- idempotency key sent to brokers
+    destination   text NOT NULL,                  -- channel, topic or subject
+    partition_key text,                           -- ordering key; NULL means the destination
+    event_type    text NOT NULL,                  -- message name
+    payload       jsonb,
+    headers       jsonb NOT NULL DEFAULT '{}',
+    mutation_id   text,
+    rejected      boolean NOT NULL DEFAULT false,
+    created_at    timestamptz NOT NULL DEFAULT clock_timestamp(),
+    -- relay bookkeeping: applications leave these alone (available_at may schedule delivery)
+    available_at  timestamptz NOT NULL DEFAULT now(),
+    attempts      integer NOT NULL DEFAULT 0,
+    last_error    text,
+    locked_by     text,
+    locked_until  timestamptz,
+    delivered_at  timestamptz                     -- set only with --retain-delivered
+);
+
+-- Pending rows in publish order (the claim scan).
+CREATE INDEX IF NOT EXISTS "outbox_pending_idx" ON "public"."outbox" (sequence_id) WHERE delivered_at IS NULL;
+
+-- Rows that can hold back later rows of their key: leased, or waiting to retry. Small by design.
+-- Over the key's hash: a btree row cannot hold a key longer than about 2.7 kB.
+CREATE INDEX IF NOT EXISTS "outbox_key_blockers_idx" ON "public"."outbox" ((hashtextextended(coalesce(partition_key, destination), 0)), sequence_id)
+    WHERE delivered_at IS NULL AND (locked_by IS NOT NULL OR attempts > 0);
+-- Its predecessor, over the key itself, failed every claim that leased a longer key.
+DROP INDEX IF EXISTS "public"."outbox_blocking_idx";
+
+-- Rows that become available later than they were written: scheduled by the application, or
+-- waiting to retry. Small by design; the scan floor reads when the next one comes due.
+CREATE INDEX IF NOT EXISTS "outbox_scheduled_idx" ON "public"."outbox" (available_at)
+    WHERE delivered_at IS NULL AND available_at > created_at;
+
+-- Events that can never be delivered, whole, with their attempts and last error.
+CREATE TABLE IF NOT EXISTS "public"."outbox_dead_letters" (
+    sequence_id   bigint PRIMARY KEY,
+    event_id      uuid NOT NULL,
+    destination   text NOT NULL,
+    partition_key text,
+    event_type    text NOT NULL,
+    payload       jsonb,
+    headers       jsonb NOT NULL DEFAULT '{}',
+    mutation_id   text,
+    rejected      boolean NOT NULL DEFAULT false,
+    created_at    timestamptz NOT NULL,
+    attempts      integer NOT NULL,
+    last_error    text NOT NULL,
+    dead_at       timestamptz NOT NULL DEFAULT now()
+);
+
+-- A key's partition: the first 4 bytes of md5(key), sign bit cleared, modulo the count.
+CREATE OR REPLACE FUNCTION "public"."outbox_partition"(key text, partitions integer) RETURNS integer
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    AS $$ SELECT ((('x' || substr(md5(key), 1, 8))::bit(32)::integer) & 2147483647) % partitions $$;
+
+-- Partition leases: one owner at a time, a fencing epoch that grows with every takeover.
+CREATE TABLE IF NOT EXISTS "public"."outbox_partitions" (
+    partition   integer PRIMARY KEY,
+    owner       text,
+    epoch       bigint NOT NULL DEFAULT 0,
+    lease_until timestamptz
+);
+INSERT INTO "public"."outbox_partitions" (partition)
+    SELECT generate_series(0, 64 - 1)
+    WHERE NOT EXISTS (SELECT 1 FROM "public"."outbox_partitions");
+
+-- Relay nodes and their heartbeats (the Ably connector's nodes table).
+CREATE TABLE IF NOT EXISTS "public"."outbox_nodes" (
+    id     text PRIMARY KEY,
+    expiry timestamp without time zone NOT NULL
+);
+
+-- Wakes the relay after each inserting statement; never fails the application's insert.
+CREATE OR REPLACE FUNCTION "public"."outbox_notify"() RETURNS trigger AS $$
+BEGIN
+    PERFORM pg_notify('outbox_relay', '');
+    RETURN NULL;
+EXCEPTION
+    WHEN others THEN
+        RAISE WARNING 'unexpected error in %: %', TG_NAME, SQLERRM;
+        RETURN NULL;
+END;
+$$ LANGUAGE plpgsql;
+
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = 'outbox_trigger' AND tgrelid = '"public"."outbox"'::regclass) THEN
+        CREATE TRIGGER "outbox_trigger" AFTER INSERT ON "public"."outbox"
+            FOR EACH STATEMENT EXECUTE FUNCTION "public"."outbox_notify"();
+    END IF;
+END
+$$;
+
+-- public.outbox: grants
+-- The relay's run-time role: no DDL, no access beyond these tables.
+-- CREATE ROLE "relay" LOGIN PASSWORD '...';
+GRANT USAGE ON SCHEMA "public" TO "relay";
+GRANT SELECT, UPDATE, DELETE ON "public"."outbox" TO "relay";
+-- To read how far ids have been handed out (claims then skip what they have been through).
+-- The sequence's name is PostgreSQL's (it shortens long names its own way): ask for it.
+DO $grant$ BEGIN
+    EXECUTE format('GRANT SELECT ON SEQUENCE %s TO %s',
+                   pg_get_serial_sequence('"public"."outbox"', 'sequence_id'), '"relay"');
+END $grant$;
+GRANT SELECT, INSERT ON "public"."outbox_dead_letters" TO "relay";
+GRANT SELECT, INSERT, UPDATE, DELETE ON "public"."outbox_nodes" TO "relay";
+GRANT SELECT, UPDATE ON "public"."outbox_partitions" TO "relay";
+GRANT EXECUTE ON FUNCTION "public"."outbox_partition"(text, integer) TO "relay";
+-- Applications (and `outbox-relay send`) also need:
+--   GRANT INSERT ON "public"."outbox" TO app_role;
+--   GRANT USAGE ON SEQUENCE <SELECT pg_get_serial_sequence('"public"."outbox"', 'sequence_id')> TO app_role;
+-- Operators (`dead retry`, `dead purge`, `prune`) also need:
+--   GRANT INSERT ON "public"."outbox" TO operator_role;
+--   GRANT DELETE ON "public"."outbox_dead_letters" TO operator_role;
+
+-- public.outbox: gated wake-up
+-- Wakes the relay after each inserting statement; never fails the application's insert.
+CREATE OR REPLACE FUNCTION "public"."outbox_notify"() RETURNS trigger AS $$
+BEGIN
+    -- Gated: only while a relay waits (it then holds this lock); a relay at work polls.
+    IF NOT pg_try_advisory_xact_lock_shared(hashtext('outbox-relay wake-up public.outbox')) THEN
+        PERFORM pg_notify('outbox_relay', '');
+    END IF;
+    RETURN NULL;
+EXCEPTION
+    WHEN others THEN
+        RAISE WARNING 'unexpected error in %: %', TG_NAME, SQLERRM;
+        RETURN NULL;
+END;
+$$ LANGUAGE plpgsql;
+
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = 'outbox_trigger' AND tgrelid = '"public"."outbox"'::regclass) THEN
+        CREATE TRIGGER "outbox_trigger" AFTER INSERT ON "public"."outbox"
+            FOR EACH STATEMENT EXECUTE FUNCTION "public"."outbox_notify"();
+    END IF;
+END
+$$;
+
+-- public.outbox: poll wake-up
+-- Wakes the relay after each inserting statement; never fails the application's insert.
+CREATE OR REPLACE FUNCTION "public"."outbox_notify"() RETURNS trigger AS $$
+BEGIN
+    -- --wakeup poll: no NOTIFY, so inserting transactions can PREPARE TRANSACTION.
+    NULL;
+    RETURN NULL;
+EXCEPTION
+    WHEN others THEN
+        RAISE WARNING 'unexpected error in %: %', TG_NAME, SQLERRM;
+        RETURN NULL;
+END;
+$$ LANGUAGE plpgsql;
+
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = 'outbox_trigger' AND tgrelid = '"public"."outbox"'::regclass) THEN
+        CREATE TRIGGER "outbox_trigger" AFTER INSERT ON "public"."outbox"
+            FOR EACH STATEMENT EXECUTE FUNCTION "public"."outbox_notify"();
+    END IF;
+END
+$$;
+
+-- app.events: ack_delete (row lease)
+DELETE FROM "app"."events" o WHERE o.sequence_id = ANY($2) AND o.locked_by = $1
+
+-- app.events: ack_delete (partition fence)
+DELETE FROM "app"."events" o WHERE o.sequence_id = ANY($2) AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "app"."events_partitions" pp
+                         JOIN unnest($3::int4[], $4::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])) = $5 OR "app"."events_partition"(coalesce(o.partition_key, o.destination), $5) = ANY(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "app"."events_partitions" pp
+                         JOIN unnest($3::int4[], $4::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])))
+
+-- app.events: ack_retain (row lease)
+UPDATE "app"."events" o SET delivered_at = now(), locked_by = NULL, locked_until = NULL
+                      WHERE o.sequence_id = ANY($2) AND o.locked_by = $1
+
+-- app.events: ack_retain (partition fence)
+UPDATE "app"."events" o SET delivered_at = now(), locked_by = NULL, locked_until = NULL
+                      WHERE o.sequence_id = ANY($2) AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "app"."events_partitions" pp
+                         JOIN unnest($3::int4[], $4::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])) = $5 OR "app"."events_partition"(coalesce(o.partition_key, o.destination), $5) = ANY(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "app"."events_partitions" pp
+                         JOIN unnest($3::int4[], $4::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])))
+
+-- app.events: retry_later (row lease)
+UPDATE "app"."events" o
+                        SET attempts = u.attempts, last_error = u.error,
+                            available_at = now() + u.delay_ms * interval '1 millisecond',
+                            locked_by = NULL, locked_until = NULL
+                       FROM unnest($2::int8[], $3::int4[], $4::text[], $5::int8[])
+                            AS u(sequence_id, attempts, error, delay_ms)
+                      WHERE o.sequence_id = u.sequence_id AND o.locked_by = $1
+
+-- app.events: retry_later (partition fence)
+UPDATE "app"."events" o
+                        SET attempts = u.attempts, last_error = u.error,
+                            available_at = now() + u.delay_ms * interval '1 millisecond',
+                            locked_by = NULL, locked_until = NULL
+                       FROM unnest($2::int8[], $3::int4[], $4::text[], $5::int8[])
+                            AS u(sequence_id, attempts, error, delay_ms)
+                      WHERE o.sequence_id = u.sequence_id AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "app"."events_partitions" pp
+                         JOIN unnest($6::int4[], $7::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])) = $8 OR "app"."events_partition"(coalesce(o.partition_key, o.destination), $8) = ANY(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "app"."events_partitions" pp
+                         JOIN unnest($6::int4[], $7::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])))
+
+-- app.events: dead_letter (row lease)
+WITH moved AS (
+                            DELETE FROM "app"."events" o
+                             USING unnest($2::int8[], $3::int4[], $4::text[]) AS u(sequence_id, attempts, error)
+                             WHERE o.sequence_id = u.sequence_id AND o.locked_by = $1
+                         RETURNING o.*, u.attempts AS final_attempts, u.error AS final_error)
+                         INSERT INTO "app"."events_dead_letters" (sequence_id, event_id, destination, partition_key, event_type,
+                                           payload, headers, mutation_id, rejected, created_at,
+                                           attempts, last_error)
+                         -- Undecodable rows too: a NULL where the dead letters allow none is
+                         -- kept as an empty value (last_error says which it was).
+                         SELECT sequence_id, coalesce(event_id, '00000000-0000-0000-0000-000000000000'),
+                                coalesce(destination, ''), partition_key, coalesce(event_type, ''),
+                                payload, coalesce(headers, '{}'), mutation_id, coalesce(rejected, false),
+                                coalesce(created_at, now()), final_attempts, final_error
+                           FROM moved
+
+-- app.events: dead_letter (partition fence)
+WITH moved AS (
+                            DELETE FROM "app"."events" o
+                             USING unnest($2::int8[], $3::int4[], $4::text[]) AS u(sequence_id, attempts, error)
+                             WHERE o.sequence_id = u.sequence_id AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "app"."events_partitions" pp
+                         JOIN unnest($5::int4[], $6::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])) = $7 OR "app"."events_partition"(coalesce(o.partition_key, o.destination), $7) = ANY(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "app"."events_partitions" pp
+                         JOIN unnest($5::int4[], $6::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                        WHERE pp.owner = $1 AND pp.epoch = h.epoch) AS int4[])))
+                         RETURNING o.*, u.attempts AS final_attempts, u.error AS final_error)
+                         INSERT INTO "app"."events_dead_letters" (sequence_id, event_id, destination, partition_key, event_type,
+                                           payload, headers, mutation_id, rejected, created_at,
+                                           attempts, last_error)
+                         -- Undecodable rows too: a NULL where the dead letters allow none is
+                         -- kept as an empty value (last_error says which it was).
+                         SELECT sequence_id, coalesce(event_id, '00000000-0000-0000-0000-000000000000'),
+                                coalesce(destination, ''), partition_key, coalesce(event_type, ''),
+                                payload, coalesce(headers, '{}'), mutation_id, coalesce(rejected, false),
+                                coalesce(created_at, now()), final_attempts, final_error
+                           FROM moved
+
+-- app.events: claim
+WITH claimable AS (
+                    SELECT o.sequence_id FROM "app"."events" o
+                    WHERE o.delivered_at IS NULL
+                      AND o.available_at <= now()
+                      AND (o.locked_until IS NULL OR o.locked_until < now())
+                     AND NOT EXISTS (
+                    SELECT 1 FROM "app"."events" p
+                    WHERE hashtextextended(coalesce(p.partition_key, p.destination), 0) = hashtextextended(coalesce(o.partition_key, o.destination), 0) AND coalesce(p.partition_key, p.destination) = coalesce(o.partition_key, o.destination)
+                      AND p.sequence_id < o.sequence_id
+                      AND p.delivered_at IS NULL
+                      AND (p.locked_by IS NOT NULL OR p.attempts > 0)
+                      AND (p.available_at > now() OR (p.locked_until > now() AND p.locked_by <> $1)))
+                    ORDER BY o.sequence_id
+                    LIMIT $2
+                    FOR UPDATE SKIP LOCKED)
+                 UPDATE "app"."events" o
+                    SET locked_by = $1, locked_until = now() + $3::int8 * interval '1 millisecond'
+                   FROM claimable c
+                  WHERE o.sequence_id = c.sequence_id
+              RETURNING o.sequence_id, o.event_id, o.destination, o.partition_key, o.event_type, o.payload::text, o.headers::text, o.mutation_id, o.rejected, o.attempts, o.created_at
+
+-- app.events: claim_owned
+SELECT o.sequence_id, o.event_id, o.destination, o.partition_key, o.event_type, o.payload::text, o.headers::text, o.mutation_id, o.rejected, o.attempts, o.created_at FROM "app"."events" o
+                  WHERE o.delivered_at IS NULL
+                    AND o.available_at <= now()
+                    AND o.sequence_id NOT IN (SELECT unnest($3::int8[]))
+                    AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "app"."events_partitions" pp
+                     JOIN unnest($5::int4[], $6::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                    WHERE pp.owner = $1 AND pp.epoch = h.epoch AND pp.lease_until > now()) AS int4[])) = $4 OR "app"."events_partition"(coalesce(o.partition_key, o.destination), $4) = ANY(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "app"."events_partitions" pp
+                     JOIN unnest($5::int4[], $6::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                    WHERE pp.owner = $1 AND pp.epoch = h.epoch AND pp.lease_until > now()) AS int4[])))
+                    AND NOT EXISTS (
+                    SELECT 1 FROM "app"."events" p
+                    WHERE hashtextextended(coalesce(p.partition_key, p.destination), 0) = hashtextextended(coalesce(o.partition_key, o.destination), 0) AND coalesce(p.partition_key, p.destination) = coalesce(o.partition_key, o.destination)
+                      AND p.sequence_id < o.sequence_id
+                      AND p.delivered_at IS NULL
+                      AND (p.locked_by IS NOT NULL OR p.attempts > 0)
+                      AND (p.attempts > 0 AND p.available_at > now()))
+                    AND $1::text IS NOT NULL
+                    AND o.sequence_id >= $7
+                    AND ($7 = 0 OR $8::int8 IS NULL OR now() < to_timestamp($8::int8 / 1000000.0))
+                  ORDER BY o.sequence_id
+                  LIMIT $2
+
+-- app.events: floor_sequence
+SELECT coalesce(pg_sequence_last_value(q.s), 0)::int8, q.s IS NOT NULL,
+                        (SELECT seqcache FROM pg_catalog.pg_sequence WHERE seqrelid = q.s)::int8,
+                        (SELECT seqincrement FROM pg_catalog.pg_sequence WHERE seqrelid = q.s)::int8,
+                        to_regclass('"app"."events_scheduled_idx"') IS NOT NULL
+                   FROM (SELECT pg_get_serial_sequence('"app"."events"', 'sequence_id')::regclass AS s) q
+
+-- app.events: floor_writers
+SELECT coalesce(array_agg(l.virtualtransaction), '{}') FROM pg_catalog.pg_locks l
+                  WHERE l.locktype = 'relation'
+                    AND l.relation IN ('"app"."events"'::regclass, pg_get_serial_sequence('"app"."events"', 'sequence_id')::regclass)
+                    AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())
+                    AND l.mode IN ('RowExclusiveLock', 'ShareRowExclusiveLock', 'ExclusiveLock', 'AccessExclusiveLock')
+
+-- app.events: floor_due
+SELECT CASE WHEN isfinite(m) THEN (extract(epoch from m) * 1000000)::int8 END
+                   FROM (SELECT min(o.available_at) AS m FROM "app"."events" o
+                          WHERE o.delivered_at IS NULL AND o.available_at > o.created_at
+                            AND o.available_at > now()
+                            AND (cardinality($2::int4[]) = $3 OR "app"."events_partition"(coalesce(o.partition_key, o.destination), $3) = ANY($2::int4[]))
+                            AND $1::text IS NOT NULL) d
+
+-- app.events: floor_after
+SELECT (SELECT count(*) FROM "app"."events_partitions" pp
+                           JOIN unnest($2::int4[], $3::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                          WHERE pp.owner = $1 AND pp.epoch = h.epoch AND pp.lease_until > now())
+                        = cardinality($2::int4[]),
+                        coalesce(now() >= to_timestamp($4::int8 / 1000000.0), false)
+
+-- app.events: claim_unordered
+WITH claimable AS (
+                    SELECT o.sequence_id FROM "app"."events" o
+                    WHERE o.delivered_at IS NULL
+                      AND o.available_at <= now()
+                      AND (o.locked_until IS NULL OR o.locked_until < now())
+                    ORDER BY o.sequence_id
+                    LIMIT $2
+                    FOR UPDATE SKIP LOCKED)
+                 UPDATE "app"."events" o
+                    SET locked_by = $1, locked_until = now() + $3::int8 * interval '1 millisecond'
+                   FROM claimable c
+                  WHERE o.sequence_id = c.sequence_id
+              RETURNING o.sequence_id, o.event_id, o.destination, o.partition_key, o.event_type, o.payload::text, o.headers::text, o.mutation_id, o.rejected, o.attempts, o.created_at
+
+-- app.events: release
+UPDATE "app"."events" SET locked_by = NULL, locked_until = NULL
+                  WHERE sequence_id = ANY($2) AND locked_by = $1
+
+-- app.events: extend_leases
+UPDATE "app"."events" SET locked_until = now() + $3::int8 * interval '1 millisecond'
+                  WHERE sequence_id = ANY($2) AND locked_by = $1
+
+-- app.events: backlog
+SELECT count(*)::int8,
+                        count(*) FILTER (WHERE attempts > 0)::int8,
+                        (extract(epoch from now() - min(created_at) FILTER (WHERE isfinite(created_at))) * 1000)::int8
+                   FROM "app"."events" WHERE delivered_at IS NULL
+
+-- app.events: dead_count
+SELECT count(*)::int8 FROM "app"."events_dead_letters"
+
+-- app.events: insert
+INSERT INTO "app"."events" (event_id, destination, partition_key, event_type, payload,
+                                  headers, mutation_id)
+                 SELECT coalesce(u.event_id, gen_random_uuid()), u.destination, u.partition_key,
+                        u.event_type, u.payload::jsonb, u.headers::jsonb, u.mutation_id
+                   FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[],
+                               $6::text[], $7::text[])
+                        WITH ORDINALITY AS u(event_id, destination, partition_key, event_type,
+                                             payload, headers, mutation_id, n)
+                  ORDER BY u.n
+              RETURNING sequence_id
+
+-- app.events: heartbeat
+WITH pushed AS (
+                    UPDATE "app"."relay_nodes"
+                       SET expiry = (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond'
+                     WHERE id = $1
+                       AND expiry = 'epoch'::timestamp + $3::int8 * interval '1 microsecond'
+                 RETURNING expiry
+                 ), inserted AS (
+                    INSERT INTO "app"."relay_nodes" (id, expiry)
+                    SELECT $1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond'
+                     WHERE NOT EXISTS (SELECT 1 FROM pushed)
+                        ON CONFLICT (id) DO NOTHING
+                 RETURNING expiry
+                 )
+                 SELECT (extract(epoch from expiry) * 1000000)::int8 FROM pushed
+                 UNION ALL
+                 SELECT (extract(epoch from expiry) * 1000000)::int8 FROM inserted
+
+-- app.events: remove_expired
+DELETE FROM "app"."relay_nodes" WHERE expiry < (now() AT TIME ZONE 'UTC')
+
+-- app.events: deregister
+DELETE FROM "app"."relay_nodes"
+                  WHERE id = $1 AND expiry = 'epoch'::timestamp + $2::int8 * interval '1 microsecond'
+
+-- app.events: live_nodes
+SELECT id, (extract(epoch from expiry) * 1000000)::int8 FROM "app"."relay_nodes"
+                  WHERE expiry >= (now() AT TIME ZONE 'UTC') ORDER BY id
+
+-- app.events: partition_count
+SELECT count(*)::int8 FROM "app"."events_partitions"
+
+-- app.events: acquire
+UPDATE "app"."events_partitions"
+                    SET owner = $1, epoch = epoch + 1,
+                        lease_until = now() + $3::int8 * interval '1 millisecond'
+                  WHERE partition = ANY($2::int4[])
+                    AND (owner IS NULL OR lease_until IS NULL OR lease_until < now())
+              RETURNING partition, epoch
+
+-- app.events: renew
+UPDATE "app"."events_partitions" p SET lease_until = now() + $4::int8 * interval '1 millisecond'
+                   FROM unnest($2::int4[], $3::int8[]) AS h(partition, epoch)
+                  WHERE p.partition = h.partition AND p.owner = $1 AND p.epoch = h.epoch
+                    AND p.lease_until > now()
+              RETURNING p.partition
+
+-- app.events: release_partitions
+UPDATE "app"."events_partitions" SET owner = NULL, lease_until = NULL
+                  WHERE partition = ANY($2::int4[]) AND owner = $1
+
+-- app.events: partitions
+SELECT partition, owner, epoch, (extract(epoch from lease_until) * 1000000)::int8
+                   FROM "app"."events_partitions" ORDER BY partition
+
+-- app.events: register
+WITH taken AS (
+                    INSERT INTO "app"."relay_nodes" (id, expiry)
+                    VALUES ($1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond')
+                        ON CONFLICT (id) DO UPDATE SET expiry = EXCLUDED.expiry
+                     WHERE "app"."relay_nodes".expiry < (now() AT TIME ZONE 'UTC')
+                 RETURNING expiry
+                 )
+                 SELECT true, (extract(epoch from expiry) * 1000000)::int8 FROM taken
+                 UNION ALL
+                 SELECT false, (extract(epoch from expiry) * 1000000)::int8 FROM "app"."relay_nodes"
+                  WHERE id = $1 AND NOT EXISTS (SELECT 1 FROM taken)
+
+-- app.events: dead_retry (ids)
+WITH moved AS (DELETE FROM "app"."events_dead_letters" WHERE sequence_id = ANY($1::int8[]) RETURNING *)
+                 INSERT INTO "app"."events" (sequence_id, event_id, destination, partition_key, event_type,
+                                  payload, headers, mutation_id, rejected, created_at)
+                 SELECT sequence_id, event_id, destination, partition_key, event_type,
+                        payload, headers, mutation_id, rejected, created_at FROM moved
+
+-- app.events: dead_retry (destination)
+WITH moved AS (DELETE FROM "app"."events_dead_letters" WHERE destination = $1 RETURNING *)
+                 INSERT INTO "app"."events" (sequence_id, event_id, destination, partition_key, event_type,
+                                  payload, headers, mutation_id, rejected, created_at)
+                 SELECT sequence_id, event_id, destination, partition_key, event_type,
+                        payload, headers, mutation_id, rejected, created_at FROM moved
+
+-- app.events: dead_retry (all)
+WITH moved AS (DELETE FROM "app"."events_dead_letters" WHERE $1::bool RETURNING *)
+                 INSERT INTO "app"."events" (sequence_id, event_id, destination, partition_key, event_type,
+                                  payload, headers, mutation_id, rejected, created_at)
+                 SELECT sequence_id, event_id, destination, partition_key, event_type,
+                        payload, headers, mutation_id, rejected, created_at FROM moved
+
+-- app.events: dead_purge (ids)
+DELETE FROM "app"."events_dead_letters" WHERE sequence_id = ANY($1::int8[])
+
+-- app.events: dead_purge (destination)
+DELETE FROM "app"."events_dead_letters" WHERE destination = $1
+
+-- app.events: dead_purge (all)
+DELETE FROM "app"."events_dead_letters" WHERE $1::bool
+
+-- app.events: stats_pending
+SELECT destination, count(*)::int8, count(*) FILTER (WHERE attempts > 0)::int8,
+                            (extract(epoch from now() - min(created_at) FILTER (WHERE isfinite(created_at))) * 1000)::int8
+                       FROM "app"."events" WHERE delivered_at IS NULL GROUP BY destination
+
+-- app.events: stats_dead
+SELECT destination, count(*)::int8 FROM "app"."events_dead_letters" GROUP BY destination
+
+-- app.events: dead_list
+SELECT sequence_id, event_id, destination, event_type, attempts::int8, last_error,
+                            (extract(epoch from dead_at) * 1000000)::int8
+                       FROM "app"."events_dead_letters"
+                      WHERE ($1::text IS NULL OR destination = $1)
+                        AND ($2::text IS NULL OR event_type = $2) AND sequence_id > $3
+                      ORDER BY sequence_id LIMIT $4
+
+-- app.events: event
+SELECT sequence_id, event_id, destination, event_type, partition_key,
+                            payload::text, headers::text, attempts::int8, last_error, CASE WHEN isfinite(created_at) THEN (extract(epoch from created_at) * 1000000)::int8 END,
+                            delivered_at IS NOT NULL, false, NULL::int8
+                       FROM "app"."events" WHERE sequence_id = $1
+                     UNION ALL
+                     SELECT sequence_id, event_id, destination, event_type, partition_key,
+                            payload::text, headers::text, attempts::int8, last_error, CASE WHEN isfinite(created_at) THEN (extract(epoch from created_at) * 1000000)::int8 END,
+                            false, true, CASE WHEN isfinite(dead_at) THEN (extract(epoch from dead_at) * 1000000)::int8 END
+                       FROM "app"."events_dead_letters" WHERE sequence_id = $1
+
+-- app.events: count_replayable
+SELECT count(*)::int8 FROM "app"."events"
+                      WHERE delivered_at IS NOT NULL AND created_at >= to_timestamp($1)
+                        AND created_at < to_timestamp($2) AND ($3::text IS NULL OR destination = $3)
+
+-- app.events: replay_batch
+WITH b AS (
+                        SELECT sequence_id FROM "app"."events"
+                         WHERE delivered_at IS NOT NULL AND created_at >= to_timestamp($1)
+                           AND created_at < to_timestamp($2) AND ($3::text IS NULL OR destination = $3)
+                           AND sequence_id > $4
+                         ORDER BY sequence_id LIMIT $5 FOR UPDATE)
+                     UPDATE "app"."events" o SET delivered_at = NULL, attempts = 0, last_error = NULL,
+                            available_at = now(), locked_by = NULL, locked_until = NULL
+                       FROM b WHERE o.sequence_id = b.sequence_id
+                     RETURNING o.sequence_id
+
+-- app.events: wake_relays
+SELECT pg_notify($1, '')
+
+-- app.events: count_delivered_before
+SELECT count(*)::int8 FROM "app"."events" WHERE delivered_at < to_timestamp($1)
+
+-- app.events: count_dead_before
+SELECT count(*)::int8 FROM "app"."events_dead_letters" WHERE dead_at < to_timestamp($1)
+
+-- app.events: prune_delivered
+DELETE FROM "app"."events" WHERE sequence_id IN (
+                SELECT sequence_id FROM "app"."events" WHERE delivered_at < to_timestamp($1)
+                 ORDER BY sequence_id LIMIT $2 FOR UPDATE SKIP LOCKED)
+
+-- app.events: prune_dead
+DELETE FROM "app"."events_dead_letters" WHERE sequence_id IN (
+                SELECT sequence_id FROM "app"."events_dead_letters" WHERE dead_at < to_timestamp($1)
+                 ORDER BY sequence_id LIMIT $2 FOR UPDATE SKIP LOCKED)
+
+-- app.events: ddl
+CREATE SCHEMA IF NOT EXISTS "app";
+CREATE SCHEMA IF NOT EXISTS "app";
+
+-- Applications insert here, in the same transaction as their data change.
+CREATE TABLE IF NOT EXISTS "app"."events" (
+    sequence_id   bigserial PRIMARY KEY,          -- publish order
+    event_id      uuid NOT NULL UNIQUE DEFAULT gen_random_uuid(), -- idempotency key sent to brokers
+    destination   text NOT NULL,                  -- channel, topic or subject
+    partition_key text,                           -- ordering key; NULL means the destination
+    event_type    text NOT NULL,                  -- message name
+    payload       jsonb,
+    headers       jsonb NOT NULL DEFAULT '{}',
+    mutation_id   text,
+    rejected      boolean NOT NULL DEFAULT false,
+    created_at    timestamptz NOT NULL DEFAULT clock_timestamp(),
+    -- relay bookkeeping: applications leave these alone (available_at may schedule delivery)
+    available_at  timestamptz NOT NULL DEFAULT now(),
+    attempts      integer NOT NULL DEFAULT 0,
+    last_error    text,
+    locked_by     text,
+    locked_until  timestamptz,
+    delivered_at  timestamptz                     -- set only with --retain-delivered
+);
+
+-- Pending rows in publish order (the claim scan).
+CREATE INDEX IF NOT EXISTS "events_pending_idx" ON "app"."events" (sequence_id) WHERE delivered_at IS NULL;
+
+-- Rows that can hold back later rows of their key: leased, or waiting to retry. Small by design.
+-- Over the key's hash: a btree row cannot hold a key longer than about 2.7 kB.
+CREATE INDEX IF NOT EXISTS "events_key_blockers_idx" ON "app"."events" ((hashtextextended(coalesce(partition_key, destination), 0)), sequence_id)
+    WHERE delivered_at IS NULL AND (locked_by IS NOT NULL OR attempts > 0);
+-- Its predecessor, over the key itself, failed every claim that leased a longer key.
+DROP INDEX IF EXISTS "app"."events_blocking_idx";
+
+-- Rows that become available later than they were written: scheduled by the application, or
+-- waiting to retry. Small by design; the scan floor reads when the next one comes due.
+CREATE INDEX IF NOT EXISTS "events_scheduled_idx" ON "app"."events" (available_at)
+    WHERE delivered_at IS NULL AND available_at > created_at;
+
+-- Events that can never be delivered, whole, with their attempts and last error.
+CREATE TABLE IF NOT EXISTS "app"."events_dead_letters" (
+    sequence_id   bigint PRIMARY KEY,
+    event_id      uuid NOT NULL,
+    destination   text NOT NULL,
+    partition_key text,
+    event_type    text NOT NULL,
+    payload       jsonb,
+    headers       jsonb NOT NULL DEFAULT '{}',
+    mutation_id   text,
+    rejected      boolean NOT NULL DEFAULT false,
+    created_at    timestamptz NOT NULL,
+    attempts      integer NOT NULL,
+    last_error    text NOT NULL,
+    dead_at       timestamptz NOT NULL DEFAULT now()
+);
+
+-- A key's partition: the first 4 bytes of md5(key), sign bit cleared, modulo the count.
+CREATE OR REPLACE FUNCTION "app"."events_partition"(key text, partitions integer) RETURNS integer
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    AS $$ SELECT ((('x' || substr(md5(key), 1, 8))::bit(32)::integer) & 2147483647) % partitions $$;
+
+-- Partition leases: one owner at a time, a fencing epoch that grows with every takeover.
+CREATE TABLE IF NOT EXISTS "app"."events_partitions" (
+    partition   integer PRIMARY KEY,
+    owner       text,
+    epoch       bigint NOT NULL DEFAULT 0,
+    lease_until timestamptz
+);
+INSERT INTO "app"."events_partitions" (partition)
+    SELECT generate_series(0, 64 - 1)
+    WHERE NOT EXISTS (SELECT 1 FROM "app"."events_partitions");
+
+-- Relay nodes and their heartbeats (the Ably connector's nodes table).
+CREATE TABLE IF NOT EXISTS "app"."relay_nodes" (
+    id     text PRIMARY KEY,
+    expiry timestamp without time zone NOT NULL
+);
+
+-- Wakes the relay after each inserting statement; never fails the application's insert.
+CREATE OR REPLACE FUNCTION "app"."events_notify"() RETURNS trigger AS $$
+BEGIN
+    PERFORM pg_notify('outbox_relay', '');
+    RETURN NULL;
+EXCEPTION
+    WHEN others THEN
+        RAISE WARNING 'unexpected error in %: %', TG_NAME, SQLERRM;
+        RETURN NULL;
+END;
+$$ LANGUAGE plpgsql;
+
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = 'events_trigger' AND tgrelid = '"app"."events"'::regclass) THEN
+        CREATE TRIGGER "events_trigger" AFTER INSERT ON "app"."events"
+            FOR EACH STATEMENT EXECUTE FUNCTION "app"."events_notify"();
+    END IF;
+END
+$$;
+
+-- app.events: grants
+-- The relay's run-time role: no DDL, no access beyond these tables.
+-- CREATE ROLE "relay" LOGIN PASSWORD '...';
+GRANT USAGE ON SCHEMA "app" TO "relay";
+GRANT SELECT, UPDATE, DELETE ON "app"."events" TO "relay";
+-- To read how far ids have been handed out (claims then skip what they have been through).
+-- The sequence's name is PostgreSQL's (it shortens long names its own way): ask for it.
+DO $grant$ BEGIN
+    EXECUTE format('GRANT SELECT ON SEQUENCE %s TO %s',
+                   pg_get_serial_sequence('"app"."events"', 'sequence_id'), '"relay"');
+END $grant$;
+GRANT SELECT, INSERT ON "app"."events_dead_letters" TO "relay";
+GRANT SELECT, INSERT, UPDATE, DELETE ON "app"."relay_nodes" TO "relay";
+GRANT SELECT, UPDATE ON "app"."events_partitions" TO "relay";
+GRANT EXECUTE ON FUNCTION "app"."events_partition"(text, integer) TO "relay";
+-- Applications (and `outbox-relay send`) also need:
+--   GRANT INSERT ON "app"."events" TO app_role;
+--   GRANT USAGE ON SEQUENCE <SELECT pg_get_serial_sequence('"app"."events"', 'sequence_id')> TO app_role;
+-- Operators (`dead retry`, `dead purge`, `prune`) also need:
+--   GRANT INSERT ON "app"."events" TO operator_role;
+--   GRANT DELETE ON "app"."events_dead_letters" TO operator_role;
+
+-- app.events: gated wake-up
+-- Wakes the relay after each inserting statement; never fails the application's insert.
+CREATE OR REPLACE FUNCTION "app"."events_notify"() RETURNS trigger AS $$
+BEGIN
+    -- Gated: only while a relay waits (it then holds this lock); a relay at work polls.
+    IF NOT pg_try_advisory_xact_lock_shared(hashtext('outbox-relay wake-up app.events')) THEN
+        PERFORM pg_notify('outbox_relay', '');
+    END IF;
+    RETURN NULL;
+EXCEPTION
+    WHEN others THEN
+        RAISE WARNING 'unexpected error in %: %', TG_NAME, SQLERRM;
+        RETURN NULL;
+END;
+$$ LANGUAGE plpgsql;
+
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = 'events_trigger' AND tgrelid = '"app"."events"'::regclass) THEN
+        CREATE TRIGGER "events_trigger" AFTER INSERT ON "app"."events"
+            FOR EACH STATEMENT EXECUTE FUNCTION "app"."events_notify"();
+    END IF;
+END
+$$;
+
+-- app.events: poll wake-up
+-- Wakes the relay after each inserting statement; never fails the application's insert.
+CREATE OR REPLACE FUNCTION "app"."events_notify"() RETURNS trigger AS $$
+BEGIN
+    -- --wakeup poll: no NOTIFY, so inserting transactions can PREPARE TRANSACTION.
+    NULL;
+    RETURN NULL;
+EXCEPTION
+    WHEN others THEN
+        RAISE WARNING 'unexpected error in %: %', TG_NAME, SQLERRM;
+        RETURN NULL;
+END;
+$$ LANGUAGE plpgsql;
+
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = 'events_trigger' AND tgrelid = '"app"."events"'::regclass) THEN
+        CREATE TRIGGER "events_trigger" AFTER INSERT ON "app"."events"
+            FOR EACH STATEMENT EXECUTE FUNCTION "app"."events_notify"();
+    END IF;
+END
+$$;
+
