@@ -670,12 +670,21 @@ async fn keep_up_with(b: &Bench, wakeup: &str) -> Result<Value> {
 /// The advisory lock a waiting relay holds under `wakeup = "gated"` (see the PostgreSQL store).
 const GATE_KEY: &str = "SELECT pg_advisory_lock(hashtext('outbox-relay wake-up public.outbox'))";
 
+/// Writer cost under the gated trigger while a connection of the bench holds the gate, as a
+/// waiting relay does (every commit notifies). No relay runs: a real one would wake at the
+/// first insert and let the gate go.
+pub const WRITERS_GATE_HELD: &str = "gated, gate held (no relay)";
+/// Writer cost under the gated trigger with nobody holding the gate, as writers find it
+/// while a relay works (no commit notifies). No relay runs, so none of a relay's claims and
+/// deletes compete with the writers for the cores.
+pub const WRITERS_GATE_FREE: &str = "gated, gate free (no relay)";
+
 /// The writer-cost variants of the full suite.
 pub const WRITER_VARIANTS: &[&str] = &[
     "no trigger",
     "NOTIFY trigger",
-    "gated, relay idle",
-    "gated, relay busy",
+    WRITERS_GATE_HELD,
+    WRITERS_GATE_FREE,
     wal::WRITERS_SLOT,
     wal::WRITERS_FLOOR,
     wal::WRITERS_RELAY,
@@ -715,7 +724,7 @@ pub async fn writer_cost(b: &Bench, variants: &[&str]) -> Result<Value> {
             }
             _ => {
                 b.relay_cli(&["migrate", "--wakeup", "gated"])?;
-                if variant == "gated, relay idle" {
+                if variant == WRITERS_GATE_HELD {
                     holder.batch_execute(GATE_KEY).await?;
                 }
             }
