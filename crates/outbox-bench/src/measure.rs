@@ -194,6 +194,7 @@ pub async fn drain(b: &Bench) -> Result<Value> {
         let published =
             baseline::run(&b.url(), sink_impl, Arc::new(AtomicBool::new(false)), true).await?;
         let wall = start.elapsed().as_secs_f64();
+        all_arrived(&format!("drain: baseline to {sink}"), bn, published)?;
         let ((pg, nats), own) = (servers.used(b), self_cpu() - self0);
         let calls = statements(&db).await?;
         let base = json!({
@@ -265,11 +266,18 @@ pub(crate) async fn run_drain(
     let (wall, user, sys, rss) = tokio::task::block_in_place(|| timed(b, &args))?;
     let (pg, nats) = servers.used(b);
     let calls = statements(db).await?;
+    // The stream drops a repeated event id within its duplicate window (2 minutes); the file
+    // keeps every line, so its ids are counted once each.
     let delivered = match sink {
-        "file" => std::fs::read_to_string(file)?.lines().count() as u64,
+        "file" => distinct_event_ids(&[file])?,
         _ => stream_count(&js).await?,
     };
     let _ = std::fs::remove_file(file);
+    all_arrived(
+        &format!("drain to {sink} ({})", extra_args.join(" ")),
+        n,
+        delivered,
+    )?;
     Ok(json!({
         "events": n, "delivered": delivered, "wall_s": wall,
         "events_per_s": n as f64 / wall,
@@ -279,6 +287,40 @@ pub(crate) async fn run_drain(
         "postgres_cpu_s": pg,
         "nats_server_cpu_s": nats,
     }))
+}
+
+/// How many different event ids the file sink wrote to `files`, all together.
+fn distinct_event_ids(files: &[&std::path::Path]) -> Result<u64> {
+    let mut ids = std::collections::HashSet::new();
+    for file in files {
+        let text = std::fs::read_to_string(file)
+            .with_context(|| format!("the file sink's {}", file.display()))?;
+        for line in text.lines() {
+            let event: Value = serde_json::from_str(line)
+                .with_context(|| format!("a line of {}: {line}", file.display()))?;
+            let id = event["event_id"]
+                .as_str()
+                .with_context(|| format!("no event_id in a line of {}", file.display()))?;
+            ids.insert(id.to_string());
+        }
+    }
+    Ok(ids.len() as u64)
+}
+
+/// Fails the run when fewer events arrived than were sent: a figure over events that never
+/// arrived would be a speed the relay did not reach. More than were sent (repeats past the
+/// stream's duplicate window) is said, not fatal.
+fn all_arrived(run: &str, sent: u64, arrived: u64) -> Result<()> {
+    if arrived < sent {
+        bail!(
+            "{run}: {} of {sent} events never arrived ({arrived} did)",
+            sent - arrived
+        );
+    }
+    if arrived > sent {
+        eprintln!("{run}: {arrived} distinct messages arrived for {sent} events sent");
+    }
+    Ok(())
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -549,8 +591,9 @@ async fn backlog(db: &tokio_postgres::Client) -> Result<i64> {
         .get(0))
 }
 
-/// Keep-up (3.): the insert rate with the relay off, then whether the backlog stays bounded
-/// with it on while the writers go flat out, with each wake-up.
+/// Keep-up (3.): the insert rate with the relay off for `--latency-seconds` (at least 5 s),
+/// then whether the backlog stays bounded for twice as long with it on while the writers go
+/// flat out, with each wake-up.
 pub async fn keep_up(b: &Bench) -> Result<Value> {
     let mut out = json!({});
     for wakeup in ["notify", "gated"] {
@@ -558,6 +601,10 @@ pub async fn keep_up(b: &Bench) -> Result<Value> {
     }
     Ok(out)
 }
+
+/// How long the relay may take to empty the outbox once keep-up's writers stop; the run
+/// fails past it.
+const KEEP_UP_DRAIN_LIMIT: Duration = Duration::from_secs(120);
 
 async fn keep_up_with(b: &Bench, wakeup: &str) -> Result<Value> {
     let seconds = b.settings.latency_seconds.max(5) as f64;
@@ -591,15 +638,25 @@ async fn keep_up_with(b: &Bench, wakeup: &str) -> Result<Value> {
     sampler.abort();
     let at_end = backlog(&db).await?;
     let start = Instant::now();
-    while backlog(&db).await? > 0 && start.elapsed() < Duration::from_secs(120) {
+    let mut left = at_end;
+    while left > 0 && start.elapsed() < KEEP_UP_DRAIN_LIMIT {
         tokio::time::sleep(Duration::from_millis(50)).await;
+        left = backlog(&db).await?;
     }
     let drain_after = start.elapsed().as_secs_f64();
     signal(&relay, "-TERM");
     wait_child(&mut relay, Duration::from_secs(30))?;
+    if left > 0 {
+        bail!(
+            "keep-up ({wakeup}): {left} of the {at_end} events left when the writers stopped \
+             were still in the outbox {KEEP_UP_DRAIN_LIMIT:?} later: the relay did not drain"
+        );
+    }
     let samples = samples.lock().unwrap().clone();
     let max = samples.iter().copied().max().unwrap_or(0).max(at_end);
     Ok(json!({
+        "seconds_relay_off": seconds,
+        "seconds_relay_on": seconds * 2.0,
         "insert_rate_relay_off": off,
         "insert_rate_relay_on": on,
         "backlog_samples": samples,
@@ -613,12 +670,21 @@ async fn keep_up_with(b: &Bench, wakeup: &str) -> Result<Value> {
 /// The advisory lock a waiting relay holds under `wakeup = "gated"` (see the PostgreSQL store).
 const GATE_KEY: &str = "SELECT pg_advisory_lock(hashtext('outbox-relay wake-up public.outbox'))";
 
+/// Writer cost under the gated trigger while a connection of the bench holds the gate, as a
+/// waiting relay does (every commit notifies). No relay runs: a real one would wake at the
+/// first insert and let the gate go.
+pub const WRITERS_GATE_HELD: &str = "gated, gate held (no relay)";
+/// Writer cost under the gated trigger with nobody holding the gate, as writers find it
+/// while a relay works (no commit notifies). No relay runs, so none of a relay's claims and
+/// deletes compete with the writers for the cores.
+pub const WRITERS_GATE_FREE: &str = "gated, gate free (no relay)";
+
 /// The writer-cost variants of the full suite.
 pub const WRITER_VARIANTS: &[&str] = &[
     "no trigger",
     "NOTIFY trigger",
-    "gated, relay idle",
-    "gated, relay busy",
+    WRITERS_GATE_HELD,
+    WRITERS_GATE_FREE,
     wal::WRITERS_SLOT,
     wal::WRITERS_FLOOR,
     wal::WRITERS_RELAY,
@@ -658,7 +724,7 @@ pub async fn writer_cost(b: &Bench, variants: &[&str]) -> Result<Value> {
             }
             _ => {
                 b.relay_cli(&["migrate", "--wakeup", "gated"])?;
-                if variant == "gated, relay idle" {
+                if variant == WRITERS_GATE_HELD {
                     holder.batch_execute(GATE_KEY).await?;
                 }
             }
@@ -718,12 +784,22 @@ pub async fn scaling(b: &Bench) -> Result<Value> {
             for mut c in children {
                 wait_child(&mut c, Duration::from_secs(60))?;
             }
-            for i in 0..nodes {
-                let _ = std::fs::remove_file(b.work.join(format!("scale-{i}.jsonl")));
+            let files: Vec<_> = (0..nodes)
+                .map(|i| b.work.join(format!("scale-{i}.jsonl")))
+                .collect();
+            let paths: Vec<&std::path::Path> = files.iter().map(|f| f.as_path()).collect();
+            let delivered = distinct_event_ids(&paths)?;
+            for file in &files {
+                let _ = std::fs::remove_file(file);
             }
+            all_arrived(
+                &format!("scaling: {nodes} node(s), ordering {ordering}"),
+                n,
+                delivered,
+            )?;
             runs.push(json!({
-                "ordering": ordering, "nodes": nodes, "events": n, "wall_s": wall,
-                "events_per_s": n as f64 / wall,
+                "ordering": ordering, "nodes": nodes, "events": n, "delivered": delivered,
+                "wall_s": wall, "events_per_s": n as f64 / wall,
             }));
         }
     }
@@ -847,8 +923,9 @@ pub fn markdown(r: &Value) -> String {
         for wakeup in ["notify", "gated"] {
             let k = &keep[wakeup];
             s.push_str(&format!(
-                "- **{wakeup}**: {} inserts/s with the relay off, {} with it on. Backlog each second: {}; max {}, {} when the writers stopped, drained {} s later. Bounded: {}.\n",
-                f(&k["insert_rate_relay_off"]), f(&k["insert_rate_relay_on"]), k["backlog_samples"],
+                "- **{wakeup}**: {} inserts/s with the relay off ({} s), {} with it on ({} s). Backlog each second: {}; max {}, {} when the writers stopped, drained {} s later. Bounded: {}.\n",
+                f(&k["insert_rate_relay_off"]), f(&k["seconds_relay_off"]),
+                f(&k["insert_rate_relay_on"]), f(&k["seconds_relay_on"]), k["backlog_samples"],
                 k["backlog_max"], k["backlog_at_end"], f(&k["drained_after_s"]), k["bounded"],
             ));
         }
@@ -903,4 +980,35 @@ fn table(header: &[&str], results: &[Value], cells: impl Fn(&Value) -> Vec<Strin
         out.push_str(&row(&cells(x)));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_event_fails_the_run_and_a_repeated_one_counts_once() {
+        let file = std::env::temp_dir().join(format!("outbox-bench-ids-{}", std::process::id()));
+        std::fs::write(
+            &file,
+            "{\"event_id\":\"a\",\"sequence_id\":1}\n\
+             {\"event_id\":\"b\",\"sequence_id\":2}\n\
+             {\"event_id\":\"a\",\"sequence_id\":1}\n",
+        )
+        .unwrap();
+        let delivered = distinct_event_ids(&[file.as_path()]);
+        std::fs::remove_file(&file).unwrap();
+        assert_eq!(delivered.unwrap(), 2);
+
+        let missing = all_arrived("drain to file ()", 3, 2).unwrap_err();
+        assert_eq!(
+            missing.to_string(),
+            "drain to file (): 1 of 3 events never arrived (2 did)"
+        );
+        assert!(all_arrived("drain to file ()", 2, 2).is_ok());
+        assert!(
+            all_arrived("drain to nats ()", 2, 3).is_ok(),
+            "repeats are said, not fatal"
+        );
+    }
 }

@@ -246,6 +246,6 @@ mod tansu {
     #[ignore = "needs tansu on the PATH (scripts/install-tansu.sh); scripts/test.sh runs it when present"]
     async fn tansu_redelivery_carries_the_same_event_id() {
         let (_server, harness) = tansu_harness().await;
-        outbox_testkit::publisher::redelivery_after_a_crash_is_deduplicated(&harness).await;
+        outbox_testkit::publisher::redelivery_carries_the_same_event_id(&harness).await;
     }
 }

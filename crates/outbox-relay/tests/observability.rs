@@ -6,7 +6,7 @@
 //! series a dead letter fires its alert, and the liveness and partition alerts stay quiet.
 //!
 //! Without `promtool` and `prometheus` (`scripts/servers.sh install` installs them) the tests
-//! fail under `CI=true` and are skipped, saying so, elsewhere.
+//! fail, as the console's do without Chromium.
 
 mod support;
 
@@ -19,7 +19,9 @@ use outbox_testkit::{
     eventually, eventually_explained, fresh_pg_database, query_count, wait_for_count,
 };
 
-use support::{http_addr, http_get, metric_value, pg, relay, text, wait_for_lines, RelayProcess};
+use support::{
+    http_addr, http_get, installed, metric_value, pg, relay, text, wait_for_lines, RelayProcess,
+};
 
 fn deploy() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy")
@@ -33,22 +35,8 @@ fn dashboard_file() -> PathBuf {
     deploy().join("grafana/outbox-relay.json")
 }
 
-/// The path of `tool` on PATH. Missing: a failure under CI, a skip (said on stderr) elsewhere.
-fn require(tool: &str) -> Option<PathBuf> {
-    let found = std::env::var_os("PATH").and_then(|paths| {
-        std::env::split_paths(&paths)
-            .map(|dir| dir.join(tool))
-            .find(|p| p.is_file())
-    });
-    if found.is_none() {
-        let message = format!(
-            "{tool} is not installed: `scripts/servers.sh install` installs Debian's prometheus package"
-        );
-        assert!(std::env::var("CI").as_deref() != Ok("true"), "{message}");
-        eprintln!("SKIPPED: {message}");
-    }
-    found
-}
+/// Debian's package with `promtool` and `prometheus`.
+const PROMETHEUS_PACKAGE: &str = "Debian's prometheus package";
 
 #[track_caller]
 fn succeeded(what: &str, out: &Output) -> String {
@@ -66,9 +54,7 @@ fn succeeded(what: &str, out: &Output) -> String {
 
 #[test]
 fn promtool_checks_the_alert_rules() {
-    let Some(promtool) = require("promtool") else {
-        return;
-    };
+    let promtool = installed("promtool", PROMETHEUS_PACKAGE);
     let out = Command::new(promtool)
         .args(["check", "rules"])
         .arg(alerts_file())
@@ -93,9 +79,7 @@ fn alert_names(rules: &str) -> Vec<String> {
 
 #[test]
 fn promtool_unit_tests_fire_and_resolve_every_alert() {
-    let Some(promtool) = require("promtool") else {
-        return;
-    };
+    let promtool = installed("promtool", PROMETHEUS_PACKAGE);
     let tests = deploy().join("prometheus/alerts_test.yml");
     let out = Command::new(promtool)
         .args(["test", "rules"])
@@ -605,9 +589,7 @@ async fn cause_store_error(url: &str, relay: &RelayProcess, addr: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_real_prometheus_scraping_relays_has_every_metric_the_dashboard_and_the_alerts_use() {
-    let (Some(_), Some(prometheus_bin)) = (require("promtool"), require("prometheus")) else {
-        return;
-    };
+    let prometheus_bin = installed("prometheus", PROMETHEUS_PACKAGE);
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
 

@@ -32,6 +32,22 @@ pub async fn migrated_pg_database() -> String {
     url
 }
 
+/// The path of `program` on PATH. A missing tool fails the test, naming the package
+/// `scripts/servers.sh install` installs it from: a test that cannot run must not pass.
+#[track_caller]
+pub fn installed(program: &str, package: &str) -> PathBuf {
+    let found = std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|dir| dir.join(program))
+            .find(|path| path.is_file())
+    });
+    // Not in a closure: the panic names the test's line (`track_caller`).
+    let Some(path) = found else {
+        panic!("{program} is missing: run `scripts/servers.sh install` ({package})");
+    };
+    path
+}
+
 /// Process output as text.
 pub fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()

@@ -30,15 +30,7 @@ impl Browser {
     pub async fn start() -> Browser {
         outbox_testkit::install_crypto();
         for program in ["chromium", "chromedriver"] {
-            let found = Command::new("sh")
-                .args(["-c", &format!("command -v {program}")])
-                .output()
-                .map(|o| o.status.success())
-                .unwrap_or(false);
-            assert!(
-                found,
-                "{program} is missing: run `scripts/servers.sh install` (Debian's chromium and chromium-driver)"
-            );
+            crate::support::installed(program, "Debian's chromium and chromium-driver");
         }
         let port = free_port();
         let driver = Command::new("chromedriver")
