@@ -499,16 +499,24 @@ mod tests {
                 "--{flag}: {help}"
             );
         };
-        shown(&["run"], "batch-size", d.batch_size.to_string());
+        shown(&["run"], "batch-size", d.engine.batch_size.to_string());
         shown(&["run"], "lease", "30s".into());
         shown(&["run"], "retry-base-delay", "500ms".into());
         shown(&["run"], "retry-max-delay", "5m".into());
-        shown(&["run"], "max-attempts", d.retry.max_attempts.to_string());
-        shown(&["run"], "http-addr", d.http_addr.clone());
+        shown(
+            &["run"],
+            "max-attempts",
+            d.engine.retry.max_attempts.to_string(),
+        );
+        shown(&["run"], "http-addr", d.http.http_addr.clone());
         shown(&["run"], "ordering", "key".into());
-        shown(&["migrate"], "partitions", d.partitions.to_string());
-        shown(&[], "database-url", d.database_url.clone());
-        shown(&[], "nodes-table", d.nodes_table.clone());
+        shown(
+            &["migrate"],
+            "partitions",
+            d.database.partitions.to_string(),
+        );
+        shown(&[], "database-url", d.database.database_url.clone());
+        shown(&[], "nodes-table", d.database.nodes_table.clone());
         shown(&[], "wakeup", "notify".into());
         // Not a setting: its help is its own.
         assert_eq!(
