@@ -24,7 +24,7 @@ use figment::value::{Dict, Value};
 use figment::{Figment, Provider};
 use outbox_cluster::{ClusterConfig, ClusterSettings};
 use outbox_core::redact::{redact_url, Secret};
-use outbox_core::settings::Documented;
+use outbox_core::settings::{Documented, SettingDoc};
 use outbox_core::{Health, NodeId};
 use outbox_engine::{EngineConfig, EngineSettings, WakeMode};
 use outbox_layout::{Dialect, LayoutKind};
@@ -122,6 +122,31 @@ pub struct Config {
     pub http: HttpSettings,
     #[serde(flatten)]
     pub relay: RelaySettings,
+}
+
+/// Every setting's documentation, part by part, as the reference and the flags' help show
+/// it; a table's keys (`retry.max_attempts`) follow the table's own.
+pub fn reference() -> &'static [(String, &'static str)] {
+    static REFERENCE: OnceLock<Vec<(String, &'static str)>> = OnceLock::new();
+    REFERENCE.get_or_init(|| {
+        let parts: [&[SettingDoc]; 6] = [
+            DatabaseSettings::DOCS,
+            EngineSettings::DOCS,
+            ClusterSettings::DOCS,
+            WalSettings::DOCS,
+            HttpSettings::DOCS,
+            RelaySettings::DOCS,
+        ];
+        let tables: [(&str, &[SettingDoc]); 1] = [("retry", outbox_core::RetryPolicy::DOCS)];
+        let mut all = Vec::new();
+        for doc in parts.into_iter().flatten() {
+            all.push((doc.key.to_string(), doc.doc));
+            if let Some((table, keys)) = tables.iter().find(|(t, _)| *t == doc.key) {
+                all.extend(keys.iter().map(|k| (format!("{table}.{}", k.key), k.doc)));
+            }
+        }
+        all
+    })
 }
 
 /// The top-level keys, as serde's "expected one of" lists them.

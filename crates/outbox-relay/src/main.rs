@@ -173,6 +173,10 @@ async fn run_command(command: Command, config: Config) -> anyhow::Result<ExitCod
         Command::Dead(command) => operator::dead(config, command).await,
         Command::Replay(args) => operator::replay(config, args).await,
         Command::Prune(args) => operator::prune(config, args).await,
+        Command::Settings => {
+            print!("{}", cli::reference_text());
+            Ok(ExitCode::SUCCESS)
+        }
     }
 }
 
@@ -181,6 +185,11 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => e.exit(),
     };
+    if let Command::Settings = cli.command {
+        // The reference needs no configuration, and is shown whatever the configuration holds.
+        print!("{}", cli::reference_text());
+        return ExitCode::SUCCESS;
+    }
     let config = match Config::load(cli.global.config.as_deref(), cli.flags()) {
         Ok(config) => config,
         Err(e) => {
