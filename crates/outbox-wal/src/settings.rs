@@ -99,3 +99,41 @@ impl WalSettings {
             .then(|| DEFAULT_SLOT.into())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_postgresql_would_change_are_refused() {
+        WalSettings::default().validate().unwrap();
+        for (slot, publication) in [("Bad-Name", DEFAULT_PUBLICATION), ("", "pub lication")] {
+            let settings = WalSettings {
+                slot: slot.into(),
+                publication: publication.into(),
+            };
+            let err = settings.validate().unwrap_err();
+            assert!(err.contains("lowercase ASCII"), "{err}");
+        }
+    }
+
+    #[test]
+    fn the_old_default_slot_is_kept_only_for_the_default_outbox() {
+        let default = WalSettings::default();
+        assert_eq!(
+            default.legacy_slot("public", "outbox").as_deref(),
+            Some(DEFAULT_SLOT)
+        );
+        assert_eq!(default.legacy_slot("public", "orders"), None);
+        let named = WalSettings {
+            slot: "mine".into(),
+            ..WalSettings::default()
+        };
+        assert_eq!(named.legacy_slot("public", "outbox"), None);
+        assert_eq!(named.slot_name("shop", "public", "outbox"), "mine");
+        assert_eq!(
+            default.slot_name("shop", "sales", "orders"),
+            "outbox_relay_shop_sales_orders"
+        );
+    }
+}
