@@ -106,7 +106,7 @@ impl std::fmt::Debug for RelaySettings {
     }
 }
 
-/// Every setting, each part's under its own keys.
+/// Every setting: each part's struct flattened, so that its fields are top-level keys.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
@@ -124,22 +124,24 @@ pub struct Config {
     pub relay: RelaySettings,
 }
 
+/// The parts' declarations, in `Config`'s order.
+const PARTS: [&[SettingDoc]; 6] = [
+    DatabaseSettings::DOCS,
+    EngineSettings::DOCS,
+    ClusterSettings::DOCS,
+    WalSettings::DOCS,
+    HttpSettings::DOCS,
+    RelaySettings::DOCS,
+];
+
 /// Every setting's documentation, part by part, as the reference and the flags' help show
 /// it; a table's keys (`retry.max_attempts`) follow the table's own.
 pub fn reference() -> &'static [(String, &'static str)] {
     static REFERENCE: OnceLock<Vec<(String, &'static str)>> = OnceLock::new();
     REFERENCE.get_or_init(|| {
-        let parts: [&[SettingDoc]; 6] = [
-            DatabaseSettings::DOCS,
-            EngineSettings::DOCS,
-            ClusterSettings::DOCS,
-            WalSettings::DOCS,
-            HttpSettings::DOCS,
-            RelaySettings::DOCS,
-        ];
         let tables: [(&str, &[SettingDoc]); 1] = [("retry", outbox_core::RetryPolicy::DOCS)];
         let mut all = Vec::new();
-        for doc in parts.into_iter().flatten() {
+        for doc in PARTS.into_iter().flatten() {
             all.push((doc.key.to_string(), doc.doc));
             if let Some((table, keys)) = tables.iter().find(|(t, _)| *t == doc.key) {
                 all.extend(keys.iter().map(|k| (format!("{table}.{}", k.key), k.doc)));
@@ -152,20 +154,7 @@ pub fn reference() -> &'static [(String, &'static str)] {
 /// The top-level keys, as serde's "expected one of" lists them.
 fn top_level_keys() -> &'static [&'static str] {
     static KEYS: OnceLock<Vec<&'static str>> = OnceLock::new();
-    KEYS.get_or_init(|| {
-        [
-            DatabaseSettings::DOCS,
-            EngineSettings::DOCS,
-            ClusterSettings::DOCS,
-            WalSettings::DOCS,
-            HttpSettings::DOCS,
-            RelaySettings::DOCS,
-        ]
-        .into_iter()
-        .flatten()
-        .map(|doc| doc.key)
-        .collect()
-    })
+    KEYS.get_or_init(|| PARTS.into_iter().flatten().map(|doc| doc.key).collect())
 }
 
 /// The Ably connector's environment variables and the settings they set (`layout = "adbc"`).
