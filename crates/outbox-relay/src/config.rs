@@ -816,23 +816,6 @@ mod tests {
     }
 
     #[test]
-    fn database_urls_pick_the_store() {
-        let mut c = Config::default();
-        assert_eq!(
-            c.database.database_kind().unwrap(),
-            DatabaseKind::Sqlite("outbox.db".into())
-        );
-        c.database.database_url = "postgresql://h/db".into();
-        assert_eq!(c.database.database_kind().unwrap(), DatabaseKind::Postgres);
-        c.database.database_url = "oracle://x:pw@h".into();
-        let err = c.database.database_kind().unwrap_err().to_string();
-        assert!(
-            err.contains("use postgres://") && !err.contains("pw"),
-            "{err}"
-        );
-    }
-
-    #[test]
     fn durations_need_units() {
         assert_eq!(
             duration::parse("250ms").unwrap(),
@@ -1264,39 +1247,6 @@ mod tests {
         assert_eq!(settings.capture.as_ref().unwrap().slot, "mine");
         assert!(settings.options.tables.poll_wakeup && settings.mapped.is_none());
         assert_eq!(parts.engine.wake, WakeMode::Notify);
-    }
-
-    #[test]
-    fn a_seed_layout_brings_its_own_table_names() {
-        let adbc = {
-            let mut c = Config::default();
-            c.database.layout = LayoutKind::Adbc;
-            c
-        };
-        let t = adbc.database.layout_tables();
-        assert_eq!(
-            (t.outbox_table.as_str(), t.nodes_table.as_str()),
-            ("outbox", "nodes")
-        );
-        assert_eq!(t.notify_channel, "ably_adbc");
-        let export = {
-            let mut c = Config::default();
-            c.database.layout = LayoutKind::Export;
-            c.database.nodes_table = "my_nodes".into();
-            c
-        };
-        let t = export.database.layout_tables();
-        assert_eq!(
-            (t.outbox_table.as_str(), t.nodes_table.as_str()),
-            ("event", "my_nodes")
-        );
-        let named = {
-            let mut c = Config::default();
-            c.database.layout = LayoutKind::OpenOutbox;
-            c.database.outbox_table = "events".into();
-            c
-        };
-        assert_eq!(named.database.layout_tables().outbox_table, "events");
     }
 
     /// `[[outboxes]]` from a file and flags: each outbox's settings in effect, or the error.

@@ -379,3 +379,80 @@ impl DatabaseSettings {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn database_urls_pick_the_store() {
+        let with_url = |url: &str| DatabaseSettings {
+            database_url: url.into(),
+            ..DatabaseSettings::default()
+        };
+        assert_eq!(
+            DatabaseSettings::default().database_kind().unwrap(),
+            DatabaseKind::Sqlite("outbox.db".into())
+        );
+        let pg = with_url("postgresql://h/db");
+        assert_eq!(pg.database_kind().unwrap(), DatabaseKind::Postgres);
+        let err = with_url("oracle://x:pw@h")
+            .database_kind()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("use postgres://") && !err.contains("pw"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_seed_layout_brings_its_own_table_names() {
+        let adbc = DatabaseSettings {
+            layout: LayoutKind::Adbc,
+            ..DatabaseSettings::default()
+        };
+        let t = adbc.layout_tables();
+        assert_eq!(
+            (t.outbox_table.as_str(), t.nodes_table.as_str()),
+            ("outbox", "nodes")
+        );
+        assert_eq!(t.notify_channel, "ably_adbc");
+        let export = DatabaseSettings {
+            layout: LayoutKind::Export,
+            nodes_table: "my_nodes".into(),
+            ..DatabaseSettings::default()
+        };
+        let t = export.layout_tables();
+        assert_eq!(
+            (t.outbox_table.as_str(), t.nodes_table.as_str()),
+            ("event", "my_nodes")
+        );
+        let named = DatabaseSettings {
+            layout: LayoutKind::OpenOutbox,
+            outbox_table: "events".into(),
+            ..DatabaseSettings::default()
+        };
+        assert_eq!(named.layout_tables().outbox_table, "events");
+    }
+
+    /// Two URLs that differ only in credentials, parameters or a spelled-out default port
+    /// reach the same database.
+    #[test]
+    fn a_url_identity_leaves_out_credentials_and_spells_out_the_port() {
+        let identity = |url: &str| {
+            DatabaseSettings {
+                database_url: url.into(),
+                ..DatabaseSettings::default()
+            }
+            .identity()
+        };
+        let shown = identity("postgres://relay:secret@db/app?sslmode=require");
+        assert_eq!(
+            shown,
+            ("postgres://db:5432".into(), "postgres://db:5432/app".into())
+        );
+        assert_eq!(identity("postgresql://other@db:5432/app"), shown);
+        assert_eq!(identity("mysql://relay@db/app").1, "mysql://db:3306/app");
+    }
+}
