@@ -13,6 +13,9 @@
 //! another process drops its partitions and reports itself [displaced](Coordinator::displaced).
 
 pub mod assign;
+pub mod settings;
+
+pub use settings::{ClusterSettings, DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT};
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -23,12 +26,6 @@ use outbox_core::store::{Incarnation, NodeRegistry, PartitionRegistry, Registrat
 use outbox_core::{Health, NodeId, Ownership, StoreError, StoreErrorKind};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-
-/// How often a node pushes its expiry forward and renews its partition leases.
-pub const DEFAULT_HEARTBEAT_INTERVAL: Duration = Duration::from_secs(2);
-/// How long a silent node stays listed, and how long a partition lease lasts: five missed
-/// beats. A dead node's partitions are taken over within this time.
-pub const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(10);
 
 pub const CLUSTER_NODES: &str = "outbox_cluster_nodes";
 pub const OWNED_PARTITIONS: &str = "outbox_owned_partitions";
@@ -41,8 +38,8 @@ pub const UNOWNED_PARTITIONS: &str = "outbox_unowned_partitions";
 #[derive(Clone, Debug)]
 pub struct ClusterConfig {
     pub node: NodeId,
-    pub heartbeat_interval: Duration,
-    pub heartbeat_timeout: Duration,
+    /// What the operator set.
+    pub settings: ClusterSettings,
     /// Where heartbeats and lease keeping report success, failure and waits.
     pub health: Arc<Health>,
 }
@@ -216,7 +213,7 @@ async fn register(
     let mut first_seen = None;
     loop {
         let standing = match registry
-            .register(node.clone(), config.heartbeat_timeout)
+            .register(node.clone(), config.settings.heartbeat_timeout)
             .await
         {
             Ok(Registration::Registered(incarnation)) => return Ok(incarnation),
@@ -225,7 +222,7 @@ async fn register(
             // id at once): look again, and the row it wrote decides as above.
             Err(e) if e.kind() == StoreErrorKind::Conflict => {
                 tracing::debug!(error = %e.report(), "the node's row changed during registration; looking again");
-                tokio::time::sleep(config.heartbeat_interval / 4).await;
+                tokio::time::sleep(config.settings.heartbeat_interval / 4).await;
                 continue;
             }
             Err(e) => return Err(e),
@@ -251,7 +248,7 @@ async fn register(
             Some(_) => {}
         }
         // A live process beats every heartbeat interval; look a few times per interval.
-        tokio::time::sleep(config.heartbeat_interval / 4).await;
+        tokio::time::sleep(config.settings.heartbeat_interval / 4).await;
     }
 }
 
@@ -289,7 +286,7 @@ async fn run(
                 // that beat, answered, finds it so.
                 unanswered = false;
                 match registry
-                    .register(config.node.clone(), config.heartbeat_timeout)
+                    .register(config.node.clone(), config.settings.heartbeat_timeout)
                     .await
                 {
                     Ok(Registration::Taken(current) | Registration::Registered(current)) => {
@@ -330,10 +327,12 @@ async fn run(
                 // Never in the heartbeat's way: renewals and the notice of a lost lease
                 // must not wait for a slow database to answer a count.
                 let idle = counting.as_ref().is_none_or(|c| c.is_finished());
-                if idle && counted.is_none_or(|at| at.elapsed() >= config.heartbeat_interval) {
+                if idle
+                    && counted.is_none_or(|at| at.elapsed() >= config.settings.heartbeat_interval)
+                {
                     counted = Some(Instant::now());
                     let p = p.clone();
-                    let within = config.heartbeat_interval;
+                    let within = config.settings.heartbeat_interval;
                     counting = Some(tokio::spawn(async move {
                         count_unowned(&p, count, within).await
                     }));
@@ -342,9 +341,9 @@ async fn run(
         }
         // While a hand-over waits for the engine, look again soon.
         let pause = if handing_over {
-            Duration::from_millis(100).min(config.heartbeat_interval)
+            Duration::from_millis(100).min(config.settings.heartbeat_interval)
         } else {
-            config.heartbeat_interval
+            config.settings.heartbeat_interval
         };
         tokio::select! {
             _ = tokio::time::sleep(pause) => {}
@@ -365,7 +364,7 @@ enum Beat {
 async fn beat(registry: &dyn NodeRegistry, config: &ClusterConfig, last: Incarnation) -> Beat {
     let attempt = config.health.begin(Check::Heartbeat);
     let incarnation = match registry
-        .heartbeat(config.node.clone(), last, config.heartbeat_timeout)
+        .heartbeat(config.node.clone(), last, config.settings.heartbeat_timeout)
         .await
     {
         Ok(Some(incarnation)) => {
@@ -457,7 +456,7 @@ async fn keep_leases(
     live: &[String],
 ) -> (bool, Option<StoreError>) {
     let mut failure = None;
-    let ttl = config.heartbeat_timeout;
+    let ttl = config.settings.heartbeat_timeout;
     // Our own view of a lease ends a quarter early, counted from before the statement.
     let valid_for = ttl.mul_f64(0.75);
     let node = &config.node;

@@ -21,6 +21,7 @@ pub mod partition;
 pub mod publisher;
 pub mod redact;
 pub mod retry;
+pub mod settings;
 pub mod store;
 pub mod time;
 pub mod trace;

@@ -4,8 +4,6 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
-
 use crate::error::{Disposition, PublishError};
 
 /// Default first retry delay: long enough for a broker blip to pass, short enough not to be noticed.
@@ -15,27 +13,35 @@ pub const DEFAULT_MAX_DELAY: Duration = Duration::from_secs(300);
 /// Default attempts before an event is dead-lettered (about an hour of retries at the defaults).
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 20;
 
-/// How failed publishes are retried. Deserialized as the relay's `[retry]` settings.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct RetryPolicy {
-    #[serde(with = "crate::time::duration_text")]
-    pub base_delay: Duration,
-    #[serde(with = "crate::time::duration_text")]
-    pub max_delay: Duration,
-    pub max_attempts: u32,
-    /// Overrides of `max_attempts` by event type (the export seed's `event_type.max_retry_count`).
-    pub max_attempts_by_type: HashMap<String, u32>,
+crate::settings! {
+    /// How failed publishes are retried. Deserialized as the relay's `[retry]` settings.
+    #[derive(Clone, Debug, PartialEq)]
+    #[serde(deny_unknown_fields)]
+    pub struct RetryPolicy {
+        /// First retry delay; each retry doubles it, with jitter.
+        #[serde(with = "crate::time::duration_text")]
+        pub base_delay: Duration = DEFAULT_BASE_DELAY,
+        /// Longest retry delay.
+        #[serde(with = "crate::time::duration_text")]
+        pub max_delay: Duration = DEFAULT_MAX_DELAY,
+        /// Attempts before an event is dead-lettered; per event type in the config file's
+        /// [retry.max_attempts_by_type].
+        pub max_attempts: u32 = DEFAULT_MAX_ATTEMPTS,
+        /// Overrides of `max_attempts` by event type (the export seed's `event_type.max_retry_count`).
+        pub max_attempts_by_type: HashMap<String, u32> = HashMap::new(),
+    }
 }
 
-impl Default for RetryPolicy {
-    fn default() -> Self {
-        RetryPolicy {
-            base_delay: DEFAULT_BASE_DELAY,
-            max_delay: DEFAULT_MAX_DELAY,
-            max_attempts: DEFAULT_MAX_ATTEMPTS,
-            max_attempts_by_type: HashMap::new(),
+impl RetryPolicy {
+    /// Refuses a policy that could never deliver or whose delays contradict each other.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.max_attempts == 0 {
+            return Err("retry.max_attempts must be at least 1".into());
         }
+        if self.base_delay > self.max_delay {
+            return Err("retry.base_delay must not exceed retry.max_delay".into());
+        }
+        Ok(())
     }
 }
 

@@ -14,6 +14,12 @@
 pub mod lanes;
 pub mod metrics;
 mod scheduler;
+pub mod settings;
+
+pub use settings::{
+    EngineSettings, DEFAULT_BATCH_SIZE, DEFAULT_LEASE, DEFAULT_MAX_IN_FLIGHT,
+    DEFAULT_POLL_INTERVAL, DEFAULT_PUBLISH_TIMEOUT, DEFAULT_SHUTDOWN_TIMEOUT,
+};
 
 use std::future::Future;
 use std::sync::Arc;
@@ -27,7 +33,7 @@ use outbox_core::store::{Backlog, ClaimRequest, DeadLetter, RetryLater, StoreFut
 use outbox_core::trace::{SettleKind, Span};
 use outbox_core::{
     Backoff, Event, Fence, Health, NodeId, OutboxStore, Ownership, PublishError, PublishErrorKind,
-    Publisher, RetryDecision, RetryPolicy, SequenceId, StoreError, Telemetry,
+    Publisher, RetryDecision, SequenceId, StoreError, Telemetry,
 };
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -37,22 +43,6 @@ use crate::lanes::{Head, LaneKey, Lanes};
 use crate::scheduler::{Claim, ClaimScheduler};
 use outbox_core::metric_labels::DestinationLabels;
 
-/// Rows claimed per statement by default: the fastest drain of the sizes measured
-/// (BENCHMARKS.md, "What each change bought").
-pub const DEFAULT_BATCH_SIZE: usize = 1000;
-/// Rows one node holds at most (claimed, not yet settled).
-pub const DEFAULT_MAX_IN_FLIGHT: usize = 10_000;
-/// How long a claim's lease lives; a crashed node's rows come back after this.
-pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
-/// The safety poll with LISTEN, or the polling period in fixed-rate mode.
-pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_secs(1);
-/// How long a sink may take to confirm a batch before its events are retried; shorter than
-/// the row lease, which must outlive every publish of its row. Partition leases bound each
-/// publish by themselves (`Engine::lease_lost`).
-pub const DEFAULT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(20);
-/// How long a graceful shutdown may take in all: waiting for in-flight publishes, then
-/// releasing rows, closing the sinks, giving up partitions and deregistering.
-pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(15);
 /// How much of the shutdown timeout is kept for the clean-up after the wait for in-flight
 /// publishes (a quarter of it, at most this), so an unreachable broker or database cannot
 /// stretch the shutdown past the timeout.
@@ -72,27 +62,31 @@ pub enum WakeMode {
     FixedRate,
 }
 
+/// One run of the engine: the operator's [`EngineSettings`], what the binary decides for this
+/// run, and the live objects the engine shares with the rest of the process.
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
+    /// What the operator set.
+    pub settings: EngineSettings,
     pub node: NodeId,
-    pub batch_size: usize,
-    pub max_in_flight: usize,
-    pub lease: Duration,
-    pub poll_interval: Duration,
     pub wake: WakeMode,
-    pub retry: RetryPolicy,
-    pub publish_timeout: Duration,
-    pub shutdown_timeout: Duration,
     pub backlog_interval: Duration,
     /// Deliver what is deliverable now, then return.
     pub drain: bool,
     /// With `drain`: how long to wait for pending rows that no claim returns yet (another
     /// node's leases or partitions run out) before reporting them as left.
     pub drain_patience: Duration,
-    /// Where claims and settles report success, failure and waits that last too long.
-    pub health: Arc<Health>,
     /// Per-key order (the default); `false` publishes any ready rows (`--ordering none`).
     pub ordered: bool,
+    /// What the engine reports to and reads from while it runs.
+    pub shared: Shared,
+}
+
+/// The live objects an engine shares with the rest of the process.
+#[derive(Clone, Debug, Default)]
+pub struct Shared {
+    /// Where claims and settles report success, failure and waits that last too long.
+    pub health: Arc<Health>,
     /// The partitions this node holds, kept by the cluster coordinator. `None`: a single
     /// node that claims every partition.
     pub ownership: Option<Arc<Ownership>>,
@@ -107,23 +101,14 @@ pub struct EngineConfig {
 impl EngineConfig {
     pub fn new(node: NodeId) -> Self {
         EngineConfig {
+            settings: EngineSettings::default(),
             node,
-            batch_size: DEFAULT_BATCH_SIZE,
-            max_in_flight: DEFAULT_MAX_IN_FLIGHT,
-            lease: DEFAULT_LEASE,
-            poll_interval: DEFAULT_POLL_INTERVAL,
             wake: WakeMode::Notify,
-            retry: RetryPolicy::default(),
-            publish_timeout: DEFAULT_PUBLISH_TIMEOUT,
-            shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
             backlog_interval: DEFAULT_BACKLOG_INTERVAL,
             drain: false,
             drain_patience: DEFAULT_DRAIN_PATIENCE,
-            health: Health::new(),
             ordered: true,
-            ownership: None,
-            telemetry: None,
-            labels: Arc::default(),
+            shared: Shared::default(),
         }
     }
 }
@@ -266,6 +251,7 @@ impl Engine {
     /// The fence settles carry: the held partitions at their epochs.
     fn settle_fence(&self) -> Option<Arc<Fence>> {
         self.config
+            .shared
             .ownership
             .as_ref()
             .map(|o| Arc::new(o.settle_fence()))
@@ -287,9 +273,9 @@ impl Engine {
     ) {
         let store = self.store.clone();
         let node = self.config.node.clone();
-        let health = self.config.health.clone();
+        let health = self.config.shared.health.clone();
         let fence = self.settle_fence();
-        let telemetry = self.config.telemetry.clone();
+        let telemetry = self.config.shared.telemetry.clone();
         self.spawn_settle(
             async move {
                 let start = telemetry.as_ref().map(|_| SystemTime::now());
@@ -313,7 +299,7 @@ impl Engine {
         self.lanes.releasing(&ids);
         let store = self.store.clone();
         let node = self.config.node.clone();
-        let health = self.config.health.clone();
+        let health = self.config.shared.health.clone();
         self.spawn_settle(
             async move {
                 let result = persist(health, "release", || {
@@ -330,7 +316,7 @@ impl Engine {
     /// dead letters.
     fn dispatch(&mut self) {
         loop {
-            let heads = self.lanes.take_ready(self.config.batch_size);
+            let heads = self.lanes.take_ready(self.config.settings.batch_size);
             if heads.is_empty() {
                 return;
             }
@@ -363,12 +349,12 @@ impl Engine {
             if !batch.is_empty() {
                 ::metrics::histogram!(metrics::PUBLISH_BATCH).record(batch.len() as f64);
                 let lease_lost = self.lease_lost(&batch);
-                let telemetry = self.config.telemetry.clone().map(|t| {
+                let telemetry = self.config.shared.telemetry.clone().map(|t| {
                     // The publisher names each event's system and destination for the spans.
                     (t, self.publisher.clone(), SystemTime::now())
                 });
                 let publish = self.publisher.publish(batch.clone());
-                let timeout = self.config.publish_timeout;
+                let timeout = self.config.settings.publish_timeout;
                 self.publishing.push(
                     async move {
                         let n = batch.len();
@@ -407,7 +393,7 @@ impl Engine {
     /// renewed. A confirmation after that could follow the new owner's publishes of the same
     /// keys. Pending forever without partition ownership.
     fn lease_lost(&self, batch: &[Arc<Event>]) -> BoxFuture<'static, ()> {
-        let Some(ownership) = self.config.ownership.clone() else {
+        let Some(ownership) = self.config.shared.ownership.clone() else {
             return futures::future::pending().boxed();
         };
         let partitions: std::collections::BTreeSet<i32> = batch
@@ -489,10 +475,18 @@ impl Engine {
                     let attempts = event.attempts + 1;
                     let report = error.report();
                     self.summary.last_failure = Some(report.clone());
-                    let limit = event
-                        .max_attempts
-                        .unwrap_or_else(|| self.config.retry.max_attempts_for(&event.event_type));
-                    match self.config.retry.decide_with_limit(limit, attempts, &error) {
+                    let limit = event.max_attempts.unwrap_or_else(|| {
+                        self.config
+                            .settings
+                            .retry
+                            .max_attempts_for(&event.event_type)
+                    });
+                    match self
+                        .config
+                        .settings
+                        .retry
+                        .decide_with_limit(limit, attempts, &error)
+                    {
                         RetryDecision::RetryAfter(delay) => {
                             match &mut first_failure {
                                 Some((_, n)) => *n += 1,
@@ -656,7 +650,7 @@ impl Engine {
     /// Acts on a changed ownership, or on a lease that ran out by our clock: the work of
     /// partitions this node may no longer publish goes back, unpublished.
     fn follow_ownership(&mut self) {
-        let Some(ownership) = self.config.ownership.clone() else {
+        let Some(ownership) = self.config.shared.ownership.clone() else {
             return;
         };
         let now = std::time::Instant::now();
@@ -674,7 +668,7 @@ impl Engine {
     /// acted on: it releases a revoked partition only on a report that postdates the
     /// revocation.
     fn report_busy_partitions(&mut self) {
-        let Some(ownership) = &self.config.ownership else {
+        let Some(ownership) = &self.config.shared.ownership else {
             return;
         };
         let busy = self.lanes.busy_partitions();
@@ -702,13 +696,20 @@ impl Engine {
     /// round trip, and the sink a batch, for little.
     fn start_claim(&mut self) {
         let held = self.lanes.held();
-        let capacity = self.config.max_in_flight.saturating_sub(held);
-        let worth_a_claim = (self.config.batch_size.min(self.config.max_in_flight) / 2).max(1);
+        let capacity = self.config.settings.max_in_flight.saturating_sub(held);
+        let worth_a_claim = (self
+            .config
+            .settings
+            .batch_size
+            .min(self.config.settings.max_in_flight)
+            / 2)
+        .max(1);
         if (held > 0 && capacity < worth_a_claim) || !self.claims.due(capacity) {
             return;
         }
         let fence = self
             .config
+            .shared
             .ownership
             .as_ref()
             .map(|o| Arc::new(o.claim_fence(std::time::Instant::now())));
@@ -717,18 +718,19 @@ impl Engine {
         if fence.as_ref().is_some_and(|f| f.partitions.is_empty()) {
             return;
         }
-        let limit = capacity.min(self.config.batch_size);
+        let limit = capacity.min(self.config.settings.batch_size);
         let claim = self.store.claim(ClaimRequest {
             node: self.config.node.clone(),
             limit,
-            lease: self.config.lease,
+            lease: self.config.settings.lease,
             fence,
             ordered: self.config.ordered,
         });
-        let attempt = self.config.health.begin(Check::Claim);
+        let attempt = self.config.shared.health.begin(Check::Claim);
         let claim_no = self.claims.started + 1;
         let telemetry = self
             .config
+            .shared
             .telemetry
             .clone()
             .map(|t| (t, SystemTime::now()));
@@ -803,8 +805,8 @@ impl Engine {
         let ids = self.lanes.held_ids();
         let store = self.store.clone();
         let node = self.config.node.clone();
-        let lease = self.config.lease;
-        let attempt = self.config.health.begin(Check::Settle);
+        let lease = self.config.settings.lease;
+        let attempt = self.config.shared.health.begin(Check::Settle);
         self.spawn_settle(
             async move {
                 let result = store.extend_leases(node, ids, lease).await;
@@ -822,7 +824,7 @@ impl Engine {
     /// The shutdown signal: no more claims or dispatches; rows not handed out go back.
     fn begin_shutdown(&mut self) {
         let now = Instant::now();
-        let timeout = self.config.shutdown_timeout;
+        let timeout = self.config.settings.shutdown_timeout;
         tracing::info!(shutdown_timeout = ?timeout, "shutting down: settling in-flight events");
         self.shutdown_deadline = Some(now + timeout);
         self.stopping = Some(now + timeout - shutdown_cleanup_reserve(timeout));
@@ -908,7 +910,7 @@ pub async fn run(
         }
         WakeMode::FixedRate => None,
     };
-    if let Some(ownership) = &config.ownership {
+    if let Some(ownership) = &config.shared.ownership {
         let wake = wake.clone();
         ownership.on_change(move || wake.notify_one());
     }
@@ -916,15 +918,18 @@ pub async fn run(
         report_backlog(
             store.clone(),
             config.backlog_interval,
-            config.health.clone(),
+            config.shared.health.clone(),
         )
         .in_current_span(),
     );
-    let lanes = Lanes::new(config.ordered, config.ownership.as_ref().map(|o| o.count()));
+    let lanes = Lanes::new(
+        config.ordered,
+        config.shared.ownership.as_ref().map(|o| o.count()),
+    );
     let mut engine = Engine {
         store,
         publisher,
-        labels: config.labels.clone(),
+        labels: config.shared.labels.clone(),
         config,
         lanes,
         publishing: FuturesUnordered::new(),
@@ -951,7 +956,7 @@ pub async fn run(
     // not answer costs the rest of the shutdown budget, never more.
     let deadline = engine
         .shutdown_deadline
-        .unwrap_or_else(|| Instant::now() + engine.config.shutdown_timeout);
+        .unwrap_or_else(|| Instant::now() + engine.config.settings.shutdown_timeout);
     // Whatever is still leased goes back at once rather than after the lease.
     let leftover = engine.lanes.held_ids();
     if !leftover.is_empty() {
@@ -1037,9 +1042,9 @@ async fn event_loop(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), StoreError> {
     tokio::pin!(shutdown);
-    let mut poll = tokio::time::interval(engine.config.poll_interval);
+    let mut poll = tokio::time::interval(engine.config.settings.poll_interval);
     poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut extend = tokio::time::interval(engine.config.lease / 3);
+    let mut extend = tokio::time::interval(engine.config.settings.lease / 3);
     extend.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     extend.reset();
     loop {

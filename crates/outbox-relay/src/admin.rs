@@ -1042,12 +1042,10 @@ mod tests {
 
     #[test]
     fn settings_never_show_secrets() {
-        let config = crate::config::Config {
-            database_url: "postgres://relay:hunter2@db/app".into(),
-            admin_token: Some(Secret::new("0123456789abcdef0123")),
-            sink: Some("nats://user:pw@broker:4222".into()),
-            ..crate::config::Config::default()
-        };
+        let mut config = crate::config::Config::default();
+        config.database.database_url = "postgres://relay:hunter2@db/app".into();
+        config.http.admin_token = Some(Secret::new("0123456789abcdef0123"));
+        config.relay.sink = Some("nats://user:pw@broker:4222".into());
         let shown = redacted_settings(&config).to_string();
         for secret in ["hunter2", "0123456789abcdef0123", ":pw@"] {
             assert!(!shown.contains(secret), "{secret} in {shown}");

@@ -2,9 +2,12 @@
 //!
 //! A flag that sets a setting is a field named after the setting's key (its clap id is the
 //! key, `retry.max_attempts` for `--max-attempts`), so that the flags serialize straight into
-//! the configuration's highest layer ([`Cli::flags`]) and their help shows the setting's
-//! default from `Config::default()` ([`command`]). Fields that are no setting (`--config`,
-//! `--drain`, `--print`) are `#[serde(skip)]`.
+//! the configuration's highest layer ([`Cli::flags`]). It has no doc comment: its help is the
+//! setting's own documentation, where the setting is declared, and ends with the setting's
+//! default from `Config::default()` ([`command`]); `outbox-relay settings` prints the same
+//! declarations as the configuration reference ([`reference_text`]). A flag with a doc
+//! comment of its own says what the setting means for its command (`check --sink`). Fields
+//! that are no setting (`--config`, `--drain`, `--print`) are `#[serde(skip)]`.
 
 use std::path::PathBuf;
 
@@ -43,65 +46,32 @@ pub struct GlobalArgs {
     #[arg(long, global = true, value_name = "NAME")]
     #[serde(skip)]
     pub outbox: Option<String>,
-    /// Database URL: postgres://user:pass@host:port/db[?sslmode=require],
-    /// mysql://user:pass@host:port/db[?require_ssl=true] (MySQL 8, MariaDB >= 10.6) or
-    /// sqlite:PATH. Also OUTBOX_RELAY_DATABASE_URL or DATABASE_URL.
     #[arg(long, global = true, value_name = "URL")]
     pub database_url: Option<String>,
-    /// A file whose first line is the database URL, read once at start instead of
-    /// --database-url: a systemd credential or a mounted Kubernetes Secret, so that the
-    /// password is in no environment. Also OUTBOX_RELAY_DATABASE_URL_FILE.
     #[arg(long, global = true, value_name = "FILE")]
     pub database_url_file: Option<PathBuf>,
-    /// Extra CA certificates (PEM) for database TLS (verify-ca, verify-full; with them,
-    /// sslmode=require verifies the server too).
     #[arg(long, global = true, value_name = "FILE")]
     pub database_ca_file: Option<PathBuf>,
-    /// The outbox table's layout: native (the relay's own tables), adbc (Ably Database
-    /// Connector), open-outbox (Open Outbox Relay), export (event + event_type),
-    /// mysql-outbox-events (the MySQL 8 seed), debezium (Debezium's outboxevent table), or
-    /// custom (a [mapping] in the config file).
-    /// Each seed layout defaults to its own table name.
     #[arg(long, global = true, value_name = "LAYOUT")]
     pub layout: Option<String>,
-    /// How writers wake the relay on PostgreSQL: notify (every inserting statement NOTIFYs),
-    /// gated (only while the relay waits for rows; cheaper for writers under load) or poll
-    /// (never: the relay polls every --poll-interval; for applications that use two-phase
-    /// commit, since a transaction that sent a NOTIFY cannot PREPARE TRANSACTION).
-    /// `migrate` installs the matching trigger function.
     #[arg(long, global = true, value_enum, value_name = "MODE")]
     pub wakeup: Option<WakeupMode>,
-    /// How the relay reads events on PostgreSQL: poll (claims rows from the outbox table) or
-    /// wal (reads committed INSERTs and outbox_emit() messages from a logical replication
-    /// slot, in commit order, at no cost to writers; needs wal_level = logical, a role with
-    /// REPLICATION, and `migrate --capture wal`).
     #[arg(long, global = true, value_enum, value_name = "MODE")]
     pub capture: Option<CaptureMode>,
-    /// The logical replication slot of --capture wal, created on first run. One active relay
-    /// streams from it; others wait as standbys. Default: outbox_relay_<database>, with
-    /// _<schema> and _<table> when they are not public and outbox (a slot made by an earlier
-    /// version under the old default, outbox_relay, is kept).
     #[arg(long, global = true, value_name = "NAME")]
     pub slot: Option<String>,
-    /// The publication of --capture wal (created by `migrate --capture wal`).
     #[arg(long, global = true, value_name = "NAME")]
     pub publication: Option<String>,
-    /// Schema of the outbox table.
     #[arg(long, global = true, value_name = "NAME")]
     pub outbox_schema: Option<String>,
-    /// Name of the outbox table; dead letters go to <name>_dead_letters.
     #[arg(long, global = true, value_name = "NAME")]
     pub outbox_table: Option<String>,
-    /// Schema of the nodes table.
     #[arg(long, global = true, value_name = "NAME")]
     pub nodes_schema: Option<String>,
-    /// Name of the nodes table.
     #[arg(long, global = true, value_name = "NAME")]
     pub nodes_table: Option<String>,
-    /// Log format.
     #[arg(long, global = true, value_enum, value_name = "FORMAT")]
     pub log_format: Option<LogFormat>,
-    /// Log level or filter, e.g. info, debug, outbox_engine=debug.
     #[arg(long, global = true, value_name = "FILTER")]
     pub log_level: Option<String>,
 }
@@ -122,6 +92,9 @@ pub enum Command {
     /// let go of it). The server then frees the WAL it kept; events not yet relayed from it
     /// are not relayed.
     DropSlot,
+    /// Print every setting: its key in the config file, its environment variable, the flag
+    /// that sets it, its default, and what it does.
+    Settings,
     /// Show the backlog per destination, the live nodes and which partitions each owns.
     Stats(StatsArgs),
     /// Ask the running relay's HTTP server (http_addr) whether it is up (/healthz) or ready
@@ -227,12 +200,8 @@ pub struct StatsArgs {
 
 #[derive(Args, Clone, Debug, Serialize)]
 pub struct RunArgs {
-    /// Where every event goes: stdout, file:PATH, nats://, kafka://, amqp://, redis://,
-    /// http(s)://URL-template, ably:, sqs:, sns:, kinesis: or eventbridge: [default: the
-    /// config's [sinks]/[[routes]], else stdout].
     #[arg(long, value_name = "URI")]
     pub sink: Option<String>,
-    /// Create missing tables and trigger at start (needs CREATE privileges).
     #[arg(long)]
     pub auto_migrate: bool,
     /// Deliver everything deliverable now, then exit (for cron jobs and tests): 0 when
@@ -242,60 +211,37 @@ pub struct RunArgs {
     #[arg(long)]
     #[serde(skip)]
     pub drain: bool,
-    /// Keep delivered rows, marked with delivered_at, instead of deleting them.
     #[arg(long)]
     pub retain_delivered: bool,
-    /// Safety-poll period while LISTENing, or the polling period with --poll-fixed-rate.
     #[arg(long, value_name = "DURATION")]
     pub poll_interval: Option<String>,
-    /// Do not LISTEN for notifications; poll every --poll-interval instead.
     #[arg(long)]
     pub poll_fixed_rate: bool,
-    /// Rows claimed per statement.
     #[arg(long, value_name = "N")]
     pub batch_size: Option<usize>,
-    /// Rows one node holds at most while publishing.
     #[arg(long, value_name = "N")]
     pub max_in_flight: Option<usize>,
-    /// Lease on claimed rows; a crashed node's rows return after it.
     #[arg(long, value_name = "DURATION")]
     pub lease: Option<String>,
-    /// Time a sink has to confirm a batch before it is retried; shorter than --lease, and cut
-    /// short when the node's partition lease runs out.
     #[arg(long, value_name = "DURATION")]
     pub publish_timeout: Option<String>,
-    /// Time a graceful shutdown waits for in-flight events.
     #[arg(long, value_name = "DURATION")]
     pub shutdown_timeout: Option<String>,
     #[command(flatten)]
     pub retry: RetryArgs,
-    /// How often this node heartbeats in the nodes table.
     #[arg(long, value_name = "DURATION")]
     pub heartbeat_interval: Option<String>,
-    /// How long a silent node stays listed.
     #[arg(long, value_name = "DURATION")]
     pub heartbeat_timeout: Option<String>,
-    /// Address for /healthz, /readyz, /metrics, the admin API (/api/v1/) and the dashboard
-    /// (/); 127.0.0.1:0 picks a free port, an empty value turns it off. A non-loopback
-    /// address needs an admin token.
     #[arg(long, value_name = "HOST:PORT")]
     pub http_addr: Option<String>,
-    /// A file holding the admin API's bearer token (or set OUTBOX_RELAY_ADMIN_TOKEN).
-    /// Without a token the admin API is read-only.
     #[arg(long, value_name = "FILE")]
     pub admin_token_file: Option<std::path::PathBuf>,
-    /// Host names the server answers to besides IP addresses and localhost (the names a
-    /// browser or proxy uses for it), comma-separated; requests for any other Host are
-    /// refused, against DNS rebinding.
     #[arg(long, value_name = "NAME,...", value_delimiter = ',')]
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub allowed_hosts: Vec<String>,
-    /// This node's id in the nodes table [default: <hostname>-<random>].
     #[arg(long, value_name = "ID")]
     pub node_id: Option<String>,
-    /// key: per-key order across the cluster, through partition ownership (PostgreSQL);
-    /// none: every node claims any ready rows, for maximum throughput. All nodes of a cluster
-    /// must use the same mode.
     #[arg(long, value_enum, value_name = "MODE")]
     pub ordering: Option<OrderingMode>,
 }
@@ -303,22 +249,18 @@ pub struct RunArgs {
 /// The `[retry]` settings' flags.
 #[derive(Args, Clone, Debug, Serialize)]
 pub struct RetryArgs {
-    /// First retry delay; each retry doubles it, with jitter.
     #[arg(
         long = "retry-base-delay",
         id = "retry.base_delay",
         value_name = "DURATION"
     )]
     pub base_delay: Option<String>,
-    /// Longest retry delay.
     #[arg(
         long = "retry-max-delay",
         id = "retry.max_delay",
         value_name = "DURATION"
     )]
     pub max_delay: Option<String>,
-    /// Attempts before an event is dead-lettered; per event type in the config file's
-    /// [retry.max_attempts_by_type].
     #[arg(long = "max-attempts", id = "retry.max_attempts", value_name = "N")]
     pub max_attempts: Option<u32>,
 }
@@ -333,7 +275,6 @@ pub struct MigrateArgs {
     #[arg(long, default_value = "outbox_relay", value_name = "ROLE")]
     #[serde(skip)]
     pub role: String,
-    /// Partitions to spread ordering keys over, fixed when the outbox is created.
     #[arg(long, value_name = "N")]
     pub partitions: Option<u32>,
 }
@@ -388,6 +329,7 @@ impl Cli {
             Command::Health(args) => flags.merge(Given(args)),
             Command::Send(_)
             | Command::DropSlot
+            | Command::Settings
             | Command::Stats(_)
             | Command::Dead(_)
             | Command::Replay(_)
@@ -421,31 +363,72 @@ impl<T: Serialize> Provider for Given<T> {
     }
 }
 
-/// The command line, each setting flag's help ending in the default from `Config::default()`.
+/// The command line: each setting flag's help is the setting's documentation, ending in the
+/// default from `Config::default()`.
 pub fn command() -> clap::Command {
     let defaults = serde_json::to_value(Config::default()).unwrap_or_default();
-    with_defaults(Cli::command(), &defaults)
+    with_settings(Cli::command(), &defaults)
 }
 
-fn with_defaults(mut command: clap::Command, defaults: &serde_json::Value) -> clap::Command {
-    let shown: Vec<(String, String)> = command
+/// A setting's documentation as clap's derive would make a doc comment into help: the first
+/// paragraph, without its final period, and the whole when there are several paragraphs.
+fn flag_help(doc: &str) -> (String, Option<String>) {
+    let mut paragraphs: Vec<String> = Vec::new();
+    let mut current: Vec<&str> = Vec::new();
+    for line in doc.lines().map(str::trim) {
+        if line.is_empty() {
+            if !current.is_empty() {
+                paragraphs.push(current.join(" "));
+                current.clear();
+            }
+        } else {
+            current.push(line);
+        }
+    }
+    if !current.is_empty() {
+        paragraphs.push(current.join(" "));
+    }
+    let mut short = paragraphs.first().cloned().unwrap_or_default();
+    if short.ends_with('.') && !short.ends_with("..") {
+        short.pop();
+    }
+    let long = (paragraphs.len() > 1).then(|| paragraphs.join("\n\n"));
+    (short, long)
+}
+
+/// The default of setting `key` as `--help` shows it; `None` for switches and settings
+/// without a value by default.
+fn shown_default(defaults: &serde_json::Value, key: &str) -> Option<String> {
+    match defaults.pointer(&format!("/{}", key.replace('.', "/")))? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Number(n) => Some(n.to_string()),
+        _ => None,
+    }
+}
+
+fn with_settings(mut command: clap::Command, defaults: &serde_json::Value) -> clap::Command {
+    let settings = crate::config::reference();
+    let ids: Vec<String> = command
         .get_arguments()
         // An argument with a clap default is no setting (`prune --batch-size`).
         .filter(|arg| arg.get_default_values().is_empty())
-        .filter_map(|arg| {
-            let id = arg.get_id().as_str();
-            let pointer = format!("/{}", id.replace('.', "/"));
-            let value = match defaults.pointer(&pointer)? {
-                serde_json::Value::String(s) => s.clone(),
-                serde_json::Value::Number(n) => n.to_string(),
-                // Switches default to off; `None` has no value to show.
-                _ => return None,
-            };
-            Some((id.to_string(), value))
-        })
+        .map(|arg| arg.get_id().to_string())
         .collect();
-    for (id, value) in shown {
-        command = command.mut_arg(id, |arg| {
+    for id in ids {
+        let Some((_, doc)) = settings.iter().find(|(key, _)| *key == id) else {
+            continue;
+        };
+        let default = shown_default(defaults, &id);
+        command = command.mut_arg(&id, |mut arg| {
+            // A flag without help of its own shows the setting's.
+            if arg.get_help().is_none() {
+                let (help, long_help) = flag_help(doc);
+                arg = arg.help(help);
+                if let Some(long_help) = long_help {
+                    arg = arg.long_help(long_help);
+                }
+            }
+            let Some(value) = default else { return arg };
             let help = arg.get_help().map(|h| format!("{h} [default: {value}]"));
             let long_help = arg
                 .get_long_help()
@@ -465,9 +448,78 @@ fn with_defaults(mut command: clap::Command, defaults: &serde_json::Value) -> cl
         .map(|s| s.get_name().to_string())
         .collect();
     for name in subcommands {
-        command = command.mut_subcommand(name, |sub| with_defaults(sub, defaults));
+        command = command.mut_subcommand(name, |sub| with_settings(sub, defaults));
     }
     command
+}
+
+/// The configuration reference (`outbox-relay settings`): every setting in declaration order,
+/// with its key and default as the config file writes them, its environment variable, the
+/// flags that set it and the commands that take them, and its documentation.
+pub fn reference_text() -> String {
+    use std::fmt::Write;
+    let defaults = serde_json::to_value(Config::default()).unwrap_or_default();
+    let mut command = command();
+    command.build();
+    let mut flags: Vec<(String, String, String)> = Vec::new();
+    collect_flags(&command, "every command", &mut flags);
+    let mut text = String::new();
+    for (key, doc) in crate::config::reference() {
+        let table = format!("{key}.");
+        let default = match defaults.pointer(&format!("/{}", key.replace('.', "/"))) {
+            Some(serde_json::Value::Null) | None => "(not set)".to_string(),
+            _ if crate::config::reference()
+                .iter()
+                .any(|(k, _)| k.starts_with(&table)) =>
+            {
+                "(the table whose keys follow)".to_string()
+            }
+            Some(value) => value.to_string(),
+        };
+        let _ = writeln!(text, "{key} = {default}");
+        let variable = format!("OUTBOX_RELAY_{}", key.replace('.', "__").to_uppercase());
+        let mut set_by = vec![variable];
+        let mut given: Vec<(&str, Vec<&str>)> = Vec::new();
+        for (id, long, place) in &flags {
+            if id != key {
+                continue;
+            }
+            match given.iter_mut().find(|(l, _)| *l == long.as_str()) {
+                Some((_, places)) => places.push(place),
+                None => given.push((long, vec![place])),
+            }
+        }
+        set_by.extend(
+            given
+                .into_iter()
+                .map(|(long, places)| format!("--{long} ({})", places.join(", "))),
+        );
+        let _ = writeln!(text, "    {}", set_by.join(", "));
+        for line in doc.lines() {
+            let _ = writeln!(text, "    {}", line.trim());
+        }
+        text.push('\n');
+    }
+    text
+}
+
+/// Every flag under `command`: its id, its long name, and the command that takes it (a
+/// global flag is every command's).
+fn collect_flags(command: &clap::Command, place: &str, flags: &mut Vec<(String, String, String)>) {
+    for arg in command.get_arguments() {
+        let Some(long) = arg.get_long() else { continue };
+        if arg.is_global_set() && place != "every command" {
+            continue;
+        }
+        flags.push((
+            arg.get_id().to_string(),
+            long.to_string(),
+            place.to_string(),
+        ));
+    }
+    for sub in command.get_subcommands() {
+        collect_flags(sub, sub.get_name(), flags);
+    }
 }
 
 #[cfg(test)]
@@ -499,16 +551,24 @@ mod tests {
                 "--{flag}: {help}"
             );
         };
-        shown(&["run"], "batch-size", d.batch_size.to_string());
+        shown(&["run"], "batch-size", d.engine.batch_size.to_string());
         shown(&["run"], "lease", "30s".into());
         shown(&["run"], "retry-base-delay", "500ms".into());
         shown(&["run"], "retry-max-delay", "5m".into());
-        shown(&["run"], "max-attempts", d.retry.max_attempts.to_string());
-        shown(&["run"], "http-addr", d.http_addr.clone());
+        shown(
+            &["run"],
+            "max-attempts",
+            d.engine.retry.max_attempts.to_string(),
+        );
+        shown(&["run"], "http-addr", d.http.http_addr.clone());
         shown(&["run"], "ordering", "key".into());
-        shown(&["migrate"], "partitions", d.partitions.to_string());
-        shown(&[], "database-url", d.database_url.clone());
-        shown(&[], "nodes-table", d.nodes_table.clone());
+        shown(
+            &["migrate"],
+            "partitions",
+            d.database.partitions.to_string(),
+        );
+        shown(&[], "database-url", d.database.database_url.clone());
+        shown(&[], "nodes-table", d.database.nodes_table.clone());
         shown(&[], "wakeup", "notify".into());
         // Not a setting: its help is its own.
         assert_eq!(
@@ -518,5 +578,96 @@ mod tests {
             1
         );
         assert!(!help_of(&["run"], "auto-migrate").contains("[default"));
+    }
+
+    /// Every argument under `command`, with the path of commands that takes it.
+    fn arguments(command: &clap::Command) -> Vec<(String, clap::Arg)> {
+        let mut all: Vec<(String, clap::Arg)> = command
+            .get_arguments()
+            .map(|a| (command.get_name().to_string(), a.clone()))
+            .collect();
+        for sub in command.get_subcommands() {
+            all.extend(arguments(sub));
+        }
+        all
+    }
+
+    /// `--help` and the configuration reference (`outbox-relay settings`) come from the same
+    /// declarations: a flag without help of its own is a declared setting and shows that
+    /// setting's documentation; every setting flag is in the reference under its key, beside
+    /// its environment variable; and the README's example file uses declared keys only.
+    #[test]
+    fn the_help_and_the_reference_come_from_the_same_declarations() {
+        let settings = crate::config::reference();
+        let declared = |id: &str| settings.iter().find(|(key, _)| key == id);
+        let reference = reference_text();
+        let mut raw = Cli::command();
+        raw.build();
+        let mut shown = command();
+        shown.build();
+        let helped: Vec<_> = arguments(&shown);
+        let mut setting_flags = 0;
+        for (place, arg) in arguments(&raw) {
+            let (Some(long), id) = (arg.get_long(), arg.get_id().as_str()) else {
+                continue;
+            };
+            let with_help = helped
+                .iter()
+                .find(|(p, a)| *p == place && a.get_id() == id)
+                .map(|(_, a)| a.get_help().map(|h| h.to_string()).unwrap_or_default())
+                .unwrap();
+            if arg.get_help().is_some() {
+                // Its own words: what the flag means for its command (or no setting at all).
+                continue;
+            }
+            let Some((key, doc)) = declared(id) else {
+                panic!("{place} --{long} has no help and sets no declared setting ({id})");
+            };
+            setting_flags += 1;
+            let (help, _) = flag_help(doc);
+            assert!(
+                with_help.starts_with(&help),
+                "{place} --{long}: {with_help:?} is not the documentation of {key}: {help:?}"
+            );
+            let entry = reference
+                .split("\n\n")
+                .find(|entry| entry.starts_with(&format!("{key} = ")))
+                .unwrap_or_else(|| panic!("{key} is not in the reference"));
+            let variable = format!("OUTBOX_RELAY_{}", key.replace('.', "__").to_uppercase());
+            assert!(
+                entry.contains(&format!("--{long} (")) && entry.contains(&variable),
+                "{key}: {entry}"
+            );
+        }
+        assert!(setting_flags > 30, "{setting_flags} setting flags");
+        for (key, _) in settings {
+            assert!(
+                reference.contains(&format!("\n{key} = ")) || reference.starts_with(key.as_str()),
+                "{key} is missing from the reference"
+            );
+        }
+        // The README's example file: every key is one the relay reads.
+        let readme = include_str!("../../../README.md");
+        let example = readme
+            .split("## Configuration\n")
+            .nth(1)
+            .and_then(|section| section.split("```toml\n").nth(1))
+            .and_then(|block| block.split("```").next())
+            .expect("the README's example configuration");
+        let mut table = String::new();
+        for line in example.lines().map(str::trim) {
+            if let Some(name) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+                table = format!("{name}.");
+                continue;
+            }
+            let Some((key, _)) = line.split_once(" = ") else {
+                continue;
+            };
+            if table == "retry.max_attempts_by_type." {
+                continue; // event types, not keys
+            }
+            let key = format!("{table}{key}");
+            assert!(declared(&key).is_some(), "README's {key} is no setting");
+        }
     }
 }

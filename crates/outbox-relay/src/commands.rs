@@ -110,7 +110,7 @@ pub(crate) async fn ready_store(
     .map_err(|e| {
         let message = format!(
             "cannot use {}: {}",
-            redact_url(&config.database_url),
+            redact_url(&config.database.database_url),
             e.report()
         );
         failure(message, &e)
@@ -231,7 +231,13 @@ pub(crate) async fn relay_outbox(
     // Heeded from the start: a relay still waiting for its database stops on SIGTERM too.
     let mut stop = Box::pin(stop);
     // Chosen before the store opens: its sessions carry it in their application_name.
-    let node = NodeId(config.node_id.get_or_insert_with(default_node_id).clone());
+    let node = NodeId(
+        config
+            .relay
+            .node_id
+            .get_or_insert_with(default_node_id)
+            .clone(),
+    );
     let RunParts {
         store,
         mut engine,
@@ -248,14 +254,14 @@ pub(crate) async fn relay_outbox(
         Place::Alone => http_addr.map(Endpoints::Own),
         Place::Among(slot) => slot.map(Endpoints::Shared),
     };
-    let ready = ready_store(&config, store, config.auto_migrate, !drain);
+    let ready = ready_store(&config, store, config.database.auto_migrate, !drain);
     let Some(store) = unless_stopped(&mut stop, ready).await else {
         return stopped_while_starting(drain, None).await;
     };
     let store = store?;
     let capture = match &store {
         AnyStore::PostgresWal(pg, capture) => {
-            let labels = engine.labels.clone();
+            let labels = engine.shared.labels.clone();
             Some(start_capture(&config, pg, capture, &node, drain, labels))
         }
         _ => None,
@@ -264,24 +270,28 @@ pub(crate) async fn relay_outbox(
         Some(wal) => Arc::new(wal.clone()),
         None => store.outbox(),
     };
-    let Some(sink) = unless_stopped(&mut stop, publisher(&sinks, &routes, config.layout)).await
+    let Some(sink) = unless_stopped(
+        &mut stop,
+        publisher(&sinks, &routes, config.database.layout),
+    )
+    .await
     else {
         return stopped_while_starting(drain, capture.as_ref()).await;
     };
     let sink = sink?;
     let otel = crate::otel::Otel::from_env(
         &node.0,
-        &config.layout_tables().outbox_table,
-        engine.batch_size,
+        &config.database.layout_tables().outbox_table,
+        engine.settings.batch_size,
     )
     .map_err(anyhow::Error::new)?;
-    engine.telemetry = otel.as_ref().map(|o| o.telemetry());
+    engine.shared.telemetry = otel.as_ref().map(|o| o.telemetry());
     tracing::info!(
         node = %node,
         store = %outbox.describe(),
         sink = %sink.describe(),
         mode = config.wake_description(),
-        poll_interval = ?config.poll_interval,
+        poll_interval = ?config.engine.poll_interval,
         drain,
         "outbox-relay starting"
     );
@@ -357,8 +367,8 @@ pub(crate) async fn relay_outbox(
         }
         _ => None,
     };
-    engine.ownership = partitions.as_ref().map(|p| p.ownership.clone());
-    if let Some(ownership) = &engine.ownership {
+    engine.shared.ownership = partitions.as_ref().map(|p| p.ownership.clone());
+    if let Some(ownership) = &engine.shared.ownership {
         health.watch_ownership(ownership.clone());
     }
     let registered = retry_transient("registering in the nodes table", !drain, || {
@@ -376,7 +386,7 @@ pub(crate) async fn relay_outbox(
         crate::http::watch_health(health),
     ));
     let displaced = coordinator.displaced();
-    let shutdown_timeout = engine.shutdown_timeout;
+    let shutdown_timeout = engine.settings.shutdown_timeout;
     let stopping_since = Arc::new(std::sync::OnceLock::new());
     let stop = {
         let stopping_since = stopping_since.clone();
@@ -487,7 +497,7 @@ fn start_capture(
 ) -> outbox_wal::WalStore {
     let (table, columns) = capture.source_table(pg);
     let mut wal = outbox_wal::WalConfig::new(
-        config.database_url.clone(),
+        config.database.database_url.clone(),
         capture.slot.clone(),
         capture.publication.as_str(),
         table,
@@ -499,7 +509,7 @@ fn start_capture(
     // The emit function writes for the native outbox, whatever table is captured.
     wal.message_prefix = outbox_wal::emit_prefix(&pg.tables().outbox);
     wal.application_name = format!("outbox-relay {node}");
-    wal.read_ahead = config.max_in_flight.max(1024);
+    wal.read_ahead = config.engine.max_in_flight.max(1024);
     outbox_wal::WalStore::start(
         pg.clone(),
         outbox_wal::WalStoreOptions {
@@ -515,7 +525,7 @@ fn start_capture(
 /// 1 otherwise, printing what it answered. A wildcard listen address is asked on loopback.
 pub async fn health(config: Config, ready: bool) -> anyhow::Result<ExitCode> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let Some(mut addr) = config.http_socket_addr()? else {
+    let Some(mut addr) = config.http.socket_addr()? else {
         return Err(anyhow::Error::new(ConfigError(
             "health asks the relay's HTTP server, which is off (http_addr is empty): set \
              http_addr, or check the process some other way"
@@ -566,7 +576,7 @@ pub async fn drop_slot(config: Config) -> anyhow::Result<ExitCode> {
         )));
     };
     let wal = outbox_wal::WalConfig::new(
-        config.database_url.clone(),
+        config.database.database_url.clone(),
         capture.slot.clone(),
         capture.publication.as_str(),
         pg.tables().outbox.clone(),
@@ -724,17 +734,20 @@ fn print_problems(problems: &[outbox_core::store::Problem]) {
 pub async fn check(config: Config) -> anyhow::Result<ExitCode> {
     let mut failed = false;
     // The HTTP settings (the admin token among them) are checked as `run` checks them.
-    config.http_settings()?;
+    config.http.listen()?;
     println!("ok: configuration is valid ({config:?})");
     let mut store = AnyStore::open(config.store_settings()?)?;
     store.keep_legacy_slot().await;
     let outbox = store.outbox();
     match outbox.ping().await {
-        Ok(()) => println!("ok: connected to {}", redact_url(&config.database_url)),
+        Ok(()) => println!(
+            "ok: connected to {}",
+            redact_url(&config.database.database_url)
+        ),
         Err(e) => {
             println!(
                 "problem: cannot connect to {}: {}",
-                redact_url(&config.database_url),
+                redact_url(&config.database.database_url),
                 e.report()
             );
             return Ok(ExitCode::FAILURE);
@@ -752,7 +765,7 @@ pub async fn check(config: Config) -> anyhow::Result<ExitCode> {
         }
     }
     let (sinks, routes) = config.sink_setup();
-    match publisher(&sinks, &routes, config.layout).await {
+    match publisher(&sinks, &routes, config.database.layout).await {
         Ok(sink) => match sink.health().await {
             Ok(()) => println!("ok: sink {} is reachable", sink.describe()),
             Err(e) => {

@@ -1,47 +1,48 @@
 //! Configuration: defaults, then a TOML file, then `OUTBOX_RELAY_*` environment variables
 //! (and `DATABASE_URL`), then command-line flags. Later sources win.
 //!
-//! [`Config`] declares every setting: its key (in the file, and as `OUTBOX_RELAY_<KEY>`), its
-//! type and its default (`Config::default`). A setting that has a flag is a field of the same
-//! name in `cli.rs`, serialized as it is into the flags' layer; the flag's help shows the
-//! default from here. [`Config::resolve`] turns the result into what `run` hands to the
-//! engine, the cluster coordinator, the sinks and the HTTP server.
+//! Each part of the relay owns its settings, declared once beside the code that reads them
+//! with `outbox_core::settings!`: [`EngineSettings`] (outbox-engine), [`ClusterSettings`]
+//! (outbox-cluster), [`WalSettings`] (outbox-wal), [`DatabaseSettings`] (`store/settings.rs`),
+//! [`HttpSettings`] (`http/settings.rs`) and [`RelaySettings`] (here: sinks, the node, logging
+//! and `[[outboxes]]`). [`Config`] `#[serde(flatten)]`s them, so a key is a field's name in
+//! the file and, upper-cased, in `OUTBOX_RELAY_<KEY>`. A setting that has a flag is a field
+//! of the same name in `cli.rs`, serialized as it is into the flags' layer; the flag's help
+//! is the setting's documentation and default ([`reference`]), which `outbox-relay settings`
+//! prints whole. [`Config::validate`] runs each part's own checks and the rules between
+//! parts; [`Config::resolve`] turns the result into what `run` hands to the engine, the
+//! cluster coordinator, the sinks and the HTTP server.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::time::Duration;
+use std::path::Path;
+use std::sync::{Arc, OnceLock};
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use figment::providers::{Env, Format, Serialized, Toml};
 use figment::value::{Dict, Value};
 use figment::{Figment, Provider};
-use outbox_cluster::ClusterConfig;
+use outbox_cluster::{ClusterConfig, ClusterSettings};
 use outbox_core::redact::{redact_url, Secret};
-use outbox_core::{Health, NodeId, RetryPolicy};
-use outbox_engine::{EngineConfig, WakeMode};
+use outbox_core::settings::{Documented, SettingDoc};
+use outbox_core::{Health, NodeId};
+use outbox_engine::{EngineConfig, EngineSettings, WakeMode};
 use outbox_layout::{Dialect, LayoutKind};
 use outbox_publishers::{RouteConfig, SinkConfig};
-
-use crate::store::StoreSettings;
+use outbox_wal::WalSettings;
 use serde::{Deserialize, Serialize};
 
-/// The zero-configuration database: a SQLite file in the working directory.
-pub const DEFAULT_DATABASE_URL: &str = "sqlite:outbox.db";
+pub use crate::http::settings::HttpSettings;
+use crate::store::settings::DEFAULT_SCHEMA;
+pub use crate::store::settings::{CaptureMode, DatabaseKind, DatabaseSettings, WakeupMode};
+use crate::store::StoreSettings;
+
 /// The zero-configuration sink.
 pub const DEFAULT_SINK: &str = "stdout";
-/// Loopback only: metrics and health are not for the outside world unless asked.
-pub const DEFAULT_HTTP_ADDR: &str = "127.0.0.1:2259";
 /// The file read from the working directory when `--config` is not given.
 pub const DEFAULT_CONFIG_FILE: &str = "outbox-relay.toml";
-/// The schema of the outbox and nodes tables (on MySQL: the URL's database).
-const DEFAULT_SCHEMA: &str = "public";
-const DEFAULT_NODES_TABLE: &str = "outbox_nodes";
-/// The name every slot had by default before names were derived ([`Config::slot_name`]), and
-/// the start of those names.
-const DEFAULT_SLOT: &str = "outbox_relay";
-const DEFAULT_PUBLICATION: &str = "outbox_relay";
+/// Events, errors and start-up lines; `debug` is for one crate at a time.
+const DEFAULT_LOG_LEVEL: &str = "info";
 
 /// Durations are written with units: `500ms`, `2s`, `5m`, `7d`.
 pub use outbox_core::time::duration_text as duration;
@@ -56,33 +57,6 @@ pub enum OrderingMode {
     None,
 }
 
-/// How writers wake the relay (PostgreSQL).
-#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum WakeupMode {
-    /// Every inserting statement NOTIFYs (simple; NOTIFY serialises commits under load).
-    Notify,
-    /// Writers NOTIFY only while a relay waits for rows; a relay at work polls every few
-    /// milliseconds instead. Cheaper for writers; one waiting node per table gets the
-    /// notifications, other cluster nodes rely on poll_interval.
-    Gated,
-    /// Writers never NOTIFY and the relay polls every poll_interval (as with
-    /// poll_fixed_rate). For applications that use two-phase commit: PostgreSQL refuses to
-    /// PREPARE a transaction that has sent a NOTIFY.
-    Poll,
-}
-
-/// How the relay reads events (PostgreSQL).
-#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum CaptureMode {
-    /// Claim rows from the outbox table (every store).
-    Poll,
-    /// Read committed INSERTs and `outbox_emit` messages from a logical replication slot,
-    /// in commit order (PostgreSQL, native layout; `migrate --capture wal` first).
-    Wal,
-}
-
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum LogFormat {
@@ -90,168 +64,97 @@ pub enum LogFormat {
     Json,
 }
 
-#[derive(Clone, Serialize, Deserialize, PartialEq)]
-#[serde(default, deny_unknown_fields)]
-pub struct Config {
-    pub database_url: String,
-    /// A file holding the database URL (`--database-url-file`), read once at start in place
-    /// of `database_url`: for systemd credentials and Kubernetes secret volumes, since the
-    /// URL carries the password.
-    pub database_url_file: Option<PathBuf>,
-    /// Extra CA certificates (PEM) for database TLS.
-    pub database_ca_file: Option<PathBuf>,
-    /// One sink for every destination; when set it replaces `[sinks]` and `[[routes]]`.
-    pub sink: Option<String>,
-    /// Named sinks (`[sinks.NAME]`), used with `[[routes]]`.
-    pub sinks: BTreeMap<String, SinkConfig>,
-    /// Destination globs to sinks and target templates, first match wins.
-    pub routes: Vec<RouteConfig>,
-    pub outbox_schema: String,
-    pub outbox_table: String,
-    pub nodes_schema: String,
-    pub nodes_table: String,
-    pub notify_channel: String,
-    pub retain_delivered: bool,
-    pub auto_migrate: bool,
-    #[serde(with = "duration")]
-    pub poll_interval: Duration,
-    pub poll_fixed_rate: bool,
-    pub batch_size: usize,
-    pub max_in_flight: usize,
-    #[serde(with = "duration")]
-    pub lease: Duration,
-    #[serde(with = "duration")]
-    pub publish_timeout: Duration,
-    #[serde(with = "duration")]
-    pub shutdown_timeout: Duration,
-    #[serde(with = "duration")]
-    pub heartbeat_interval: Duration,
-    #[serde(with = "duration")]
-    pub heartbeat_timeout: Duration,
-    /// `host:port` for /healthz, /readyz, /metrics, the admin API and the dashboard; empty
-    /// turns the server off.
-    pub http_addr: String,
-    /// The admin API's bearer token (`OUTBOX_RELAY_ADMIN_TOKEN`); never shown.
-    pub admin_token: Option<Secret>,
-    /// A file holding the admin API's bearer token (`--admin-token-file`).
-    pub admin_token_file: Option<PathBuf>,
-    /// Host names the HTTP server answers to besides IP addresses and `localhost`: the
-    /// names a browser or proxy reaches it by. Any other `Host` is refused (DNS rebinding).
-    #[serde(deserialize_with = "host_names")]
-    pub allowed_hosts: Vec<String>,
-    pub node_id: Option<String>,
-    pub ordering: OrderingMode,
-    /// Partitions a new outbox is created with (`migrate`); fixed afterwards.
-    pub partitions: u32,
-    pub pool_size: usize,
-    pub log_format: LogFormat,
-    pub log_level: String,
-    /// `[retry]`: base_delay, max_delay, max_attempts, max_attempts_by_type.
-    pub retry: RetryPolicy,
-    /// The outbox table's layout: the relay's own (`native`), a seed's, or `custom`.
-    pub layout: LayoutKind,
-    /// The column mapping of `layout = "custom"` (`[mapping]`).
-    pub mapping: Option<outbox_layout::Mapping>,
-    /// How writers wake the relay: `notify` or `gated`; `migrate` installs the matching trigger.
-    pub wakeup: WakeupMode,
-    /// How events are read: `poll` (the table) or `wal` (logical replication).
-    pub capture: CaptureMode,
-    /// The logical replication slot of `capture = "wal"`; empty: named after the database
-    /// and table ([`Config::slot_name`]).
-    pub slot: String,
-    /// The publication of `capture = "wal"`.
-    pub publication: String,
-    /// `[[outboxes]]`: several outboxes in one process, each a table of settings that
-    /// replace the top-level ones ([`Config::outboxes`]).
-    pub outboxes: Vec<Dict>,
-}
-
-impl Default for Config {
-    fn default() -> Self {
-        Config {
-            database_url: DEFAULT_DATABASE_URL.into(),
-            database_url_file: None,
-            database_ca_file: None,
-            sink: None,
-            sinks: Default::default(),
-            routes: Vec::new(),
-            outbox_schema: DEFAULT_SCHEMA.into(),
-            outbox_table: LayoutKind::Native.default_outbox_table().into(),
-            nodes_schema: DEFAULT_SCHEMA.into(),
-            nodes_table: DEFAULT_NODES_TABLE.into(),
-            notify_channel: outbox_store_postgres::DEFAULT_NOTIFY_CHANNEL.into(),
-            retain_delivered: false,
-            auto_migrate: false,
-            poll_interval: outbox_engine::DEFAULT_POLL_INTERVAL,
-            poll_fixed_rate: false,
-            batch_size: outbox_engine::DEFAULT_BATCH_SIZE,
-            max_in_flight: outbox_engine::DEFAULT_MAX_IN_FLIGHT,
-            lease: outbox_engine::DEFAULT_LEASE,
-            publish_timeout: outbox_engine::DEFAULT_PUBLISH_TIMEOUT,
-            shutdown_timeout: outbox_engine::DEFAULT_SHUTDOWN_TIMEOUT,
-            heartbeat_interval: outbox_cluster::DEFAULT_HEARTBEAT_INTERVAL,
-            heartbeat_timeout: outbox_cluster::DEFAULT_HEARTBEAT_TIMEOUT,
-            http_addr: DEFAULT_HTTP_ADDR.into(),
-            admin_token: None,
-            admin_token_file: None,
-            allowed_hosts: Vec::new(),
-            node_id: None,
-            ordering: OrderingMode::Key,
-            partitions: outbox_core::partition::DEFAULT_PARTITIONS,
-            pool_size: 8,
-            log_format: LogFormat::Text,
-            log_level: "info".into(),
-            retry: RetryPolicy::default(),
-            layout: LayoutKind::Native,
-            mapping: None,
-            wakeup: WakeupMode::Notify,
-            capture: CaptureMode::Poll,
-            // Empty: named after the database and table ([`Config::slot_name`]).
-            slot: String::new(),
-            publication: DEFAULT_PUBLICATION.into(),
-            outboxes: Vec::new(),
-        }
+outbox_core::settings! {
+    /// The binary's own settings: where events go, the node, how the parts fit together
+    /// (ordering), logging, and `[[outboxes]]`.
+    #[derive(Clone, PartialEq)]
+    pub struct RelaySettings {
+        /// Where every event goes: stdout, file:PATH, nats://, kafka://, amqp://, redis://,
+        /// http(s)://URL-template, ably:, sqs:, sns:, kinesis: or eventbridge: [default: the
+        /// config's [sinks]/[[routes]], else stdout].
+        pub sink: Option<String> = None,
+        /// Named sinks ([sinks.NAME]), used with [[routes]]; each reads the settings of its
+        /// URI's scheme.
+        pub sinks: BTreeMap<String, SinkConfig> = BTreeMap::new(),
+        /// Destination globs to sinks and target templates ([[routes]]), first match wins.
+        pub routes: Vec<RouteConfig> = Vec::new(),
+        /// This node's id in the nodes table [default: <hostname>-<random>].
+        pub node_id: Option<String> = None,
+        /// key: per-key order across the cluster, through partition ownership (PostgreSQL);
+        /// none: every node claims any ready rows, for maximum throughput. All nodes of a cluster
+        /// must use the same mode.
+        pub ordering: OrderingMode = OrderingMode::Key,
+        /// Log format.
+        pub log_format: LogFormat = LogFormat::Text,
+        /// Log level or filter, e.g. info, debug, outbox_engine=debug.
+        pub log_level: String = DEFAULT_LOG_LEVEL.into(),
+        /// Several outboxes in one process ([[outboxes]]), each a table of settings that replace
+        /// the top-level ones, with a name.
+        pub outboxes: Vec<Dict> = Vec::new(),
     }
 }
 
-/// Debug output never shows the database password.
-impl std::fmt::Debug for Config {
+/// Sinks are listed by name only: their URIs and settings may hold credentials.
+impl std::fmt::Debug for RelaySettings {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let tables = self.layout_tables();
-        let database_url = match &self.database_url_file {
-            Some(file) => format!(
-                "{} (from {})",
-                redact_url(&self.database_url),
-                file.display()
-            ),
-            None => redact_url(&self.database_url),
-        };
-        f.debug_struct("Config")
-            .field("database_url", &database_url)
+        f.debug_struct("RelaySettings")
             .field("sink", &self.sink.as_deref().map(redact_url))
             .field("sinks", &self.sinks.keys().collect::<Vec<_>>())
-            .field("layout", &self.layout.to_string())
-            // The tables in effect: a layout's own names where none are configured.
-            .field(
-                "outbox",
-                &format!("{}.{}", tables.outbox_schema, tables.outbox_table),
-            )
-            .field(
-                "nodes",
-                &format!("{}.{}", tables.nodes_schema, tables.nodes_table),
-            )
-            .field("poll_interval", &self.poll_interval)
-            .field("poll_fixed_rate", &self.poll_fixed_rate)
-            .field("retain_delivered", &self.retain_delivered)
-            .field("batch_size", &self.batch_size)
-            .field("lease", &self.lease)
-            .field("http_addr", &self.http_addr)
-            .field(
-                "admin_token",
-                &(self.admin_token.is_some() || self.admin_token_file.is_some()).then_some("***"),
-            )
+            .field("node_id", &self.node_id)
+            .field("ordering", &self.ordering)
             .finish_non_exhaustive()
     }
+}
+
+/// Every setting: each part's struct flattened, so that its fields are top-level keys.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    #[serde(flatten)]
+    pub database: DatabaseSettings,
+    #[serde(flatten)]
+    pub engine: EngineSettings,
+    #[serde(flatten)]
+    pub cluster: ClusterSettings,
+    #[serde(flatten)]
+    pub wal: WalSettings,
+    #[serde(flatten)]
+    pub http: HttpSettings,
+    #[serde(flatten)]
+    pub relay: RelaySettings,
+}
+
+/// The parts' declarations, in `Config`'s order.
+const PARTS: [&[SettingDoc]; 6] = [
+    DatabaseSettings::DOCS,
+    EngineSettings::DOCS,
+    ClusterSettings::DOCS,
+    WalSettings::DOCS,
+    HttpSettings::DOCS,
+    RelaySettings::DOCS,
+];
+
+/// Every setting's documentation, part by part, as the reference and the flags' help show
+/// it; a table's keys (`retry.max_attempts`) follow the table's own.
+pub fn reference() -> &'static [(String, &'static str)] {
+    static REFERENCE: OnceLock<Vec<(String, &'static str)>> = OnceLock::new();
+    REFERENCE.get_or_init(|| {
+        let tables: [(&str, &[SettingDoc]); 1] = [("retry", outbox_core::RetryPolicy::DOCS)];
+        let mut all = Vec::new();
+        for doc in PARTS.into_iter().flatten() {
+            all.push((doc.key.to_string(), doc.doc));
+            if let Some((table, keys)) = tables.iter().find(|(t, _)| *t == doc.key) {
+                all.extend(keys.iter().map(|k| (format!("{table}.{}", k.key), k.doc)));
+            }
+        }
+        all
+    })
+}
+
+/// The top-level keys, as serde's "expected one of" lists them.
+fn top_level_keys() -> &'static [&'static str] {
+    static KEYS: OnceLock<Vec<&'static str>> = OnceLock::new();
+    KEYS.get_or_init(|| PARTS.into_iter().flatten().map(|doc| doc.key).collect())
 }
 
 /// The Ably connector's environment variables and the settings they set (`layout = "adbc"`).
@@ -267,25 +170,25 @@ pub const ADBC_ALIASES: &[(&str, &str)] = &[
     ("ADBC_HEARTBEAT_TIMEOUT", "heartbeat_timeout"),
 ];
 
-/// Table names after the layout's defaults: a seed's table name replaces the native default.
-#[derive(Clone, Debug, PartialEq)]
-pub struct LayoutTables {
-    pub outbox_schema: String,
-    pub outbox_table: String,
-    pub nodes_schema: String,
-    pub nodes_table: String,
-    pub notify_channel: String,
-}
-
-/// Which database a URL names.
-#[derive(Clone, Debug, PartialEq)]
-pub enum DatabaseKind {
-    Postgres,
-    MySql,
-    Sqlite(PathBuf),
-}
-
 impl Config {
+    /// The settings `figment` holds. serde's flatten hands each part its values without
+    /// figment's record of where they came from (Figment#80), so a failure is diagnosed
+    /// again with each part extracted on its own, where figment names the setting and its
+    /// source (a file, a variable, a flag).
+    #[allow(clippy::result_large_err)] // figment's own error, handed on as figment made it
+    pub fn extract(figment: &Figment) -> Result<Config, figment::Error> {
+        figment.extract::<Config>().map_err(|flattened| {
+            unknown_setting(figment)
+                .or_else(|| figment.extract::<DatabaseSettings>().err())
+                .or_else(|| figment.extract::<EngineSettings>().err())
+                .or_else(|| figment.extract::<ClusterSettings>().err())
+                .or_else(|| figment.extract::<WalSettings>().err())
+                .or_else(|| figment.extract::<HttpSettings>().err())
+                .or_else(|| figment.extract::<RelaySettings>().err())
+                .unwrap_or(flattened)
+        })
+    }
+
     /// Layers the sources. `file` is `--config`; without it `outbox-relay.toml` is read if
     /// present. `flags` is the command line's layer (`Cli::flags`).
     pub fn load(file: Option<&Path>, flags: impl Provider + Clone) -> anyhow::Result<Config> {
@@ -338,109 +241,49 @@ impl Config {
         }
         figment = figment.merge(flags);
         let url_given = figment.contains("database_url");
-        let mut config: Config = Figment::from(Serialized::defaults(Config::default()))
-            .merge(figment)
-            .extract()
+        let defaults = Figment::from(Serialized::defaults(Config::default()));
+        let mut config = Config::extract(&defaults.merge(figment))
             .map_err(|e| anyhow::anyhow!("invalid configuration: {}", describe_figment_error(e)))?;
         config.read_database_url_file(url_given)?;
-        if config.outboxes.is_empty() {
+        if config.relay.outboxes.is_empty() {
             config.validate()?;
         } else {
             // The top level only lends its settings to the outboxes, each validated whole
             // (`outboxes`); what belongs to the process is checked here.
-            config.http_socket_addr()?;
-            config.allowed_host_names()?;
+            config.http.validate()?;
         }
         Ok(config)
     }
 
     pub fn validate(&self) -> anyhow::Result<()> {
-        self.database_kind()?;
-        self.allowed_host_names()?;
-        if self.batch_size == 0 || self.batch_size > 50_000 {
-            bail!(
-                "batch_size must be between 1 and 50000 (got {})",
-                self.batch_size
-            );
-        }
-        if self.max_in_flight < self.batch_size {
-            bail!(
-                "max_in_flight ({}) must be at least batch_size ({})",
-                self.max_in_flight,
-                self.batch_size
-            );
-        }
-        if self.lease < Duration::from_millis(300) {
-            bail!("lease must be at least 300ms (got {:?})", self.lease);
-        }
-        if self.poll_interval.is_zero() {
-            bail!("poll_interval must be greater than zero");
-        }
-        // A node stops publishing a partition at 3/4 of its lease (heartbeat_timeout) after
-        // the last renewal; with fewer than three renewals in that time, one slow heartbeat
-        // statement hands every partition over.
-        if self.heartbeat_timeout < self.heartbeat_interval * 3 {
-            bail!(
-                "heartbeat_timeout ({:?}) must be at least 3 x heartbeat_interval ({:?}): leases \
-                 are renewed every interval, and one late renewal must not lose them",
-                self.heartbeat_timeout,
-                self.heartbeat_interval
-            );
-        }
-        // Below this, every publish times out and is sent again, duplicating every event.
-        if self.publish_timeout < Duration::from_millis(100) {
-            bail!(
-                "publish_timeout must be at least 100ms (got {:?}): every publish would time out \
-                 and be sent again",
-                self.publish_timeout
-            );
-        }
-        // A row lease stops guarding its row when it runs out: a publish still waiting then
-        // can be confirmed after another node took the row and published the key's next
-        // events. (Partition leases bound each publish by themselves, see the engine.)
-        if self.publish_timeout >= self.lease {
-            bail!(
-                "publish_timeout ({:?}) must be shorter than lease ({:?}): a publish must not \
-                 outlive the lease on its row",
-                self.publish_timeout,
-                self.lease
-            );
-        }
-        if self.partitions == 0 || self.partitions > 4096 {
+        let database = self.database.database_kind()?;
+        self.http.allowed_host_names()?;
+        self.engine.validate().map_err(anyhow::Error::msg)?;
+        self.cluster.validate().map_err(anyhow::Error::msg)?;
+        if self.database.partitions == 0 || self.database.partitions > 4096 {
             bail!(
                 "partitions must be between 1 and 4096 (got {})",
-                self.partitions
+                self.database.partitions
             );
         }
-        if self.retry.max_attempts == 0 {
-            bail!("retry.max_attempts must be at least 1");
-        }
-        if self.retry.base_delay > self.retry.max_delay {
-            bail!("retry.base_delay must not exceed retry.max_delay");
-        }
-        self.http_socket_addr()?;
-        self.refuse_settings_without_effect()?;
-        self.check_names()?;
+        self.http.socket_addr()?;
+        self.refuse_settings_without_effect(&database)?;
+        self.database.check_names()?;
         Ok(())
     }
 
     /// A setting that cannot apply to this configuration is an error, never silently ignored.
-    fn refuse_settings_without_effect(&self) -> anyhow::Result<()> {
-        let database = self.database_kind()?;
-        let store = match database {
-            DatabaseKind::Postgres => None,
-            DatabaseKind::MySql => Some("MySQL/MariaDB"),
-            DatabaseKind::Sqlite(_) => Some("SQLite"),
-        };
-        if let Some(store) = store {
-            if self.notify_channel != outbox_store_postgres::DEFAULT_NOTIFY_CHANNEL {
+    fn refuse_settings_without_effect(&self, database: &DatabaseKind) -> anyhow::Result<()> {
+        let db = &self.database;
+        if let Some(store) = database.other_than_postgres() {
+            if db.notify_channel != outbox_store_postgres::DEFAULT_NOTIFY_CHANNEL {
                 bail!(
                     "notify_channel has no effect on {store}, which has no NOTIFY (the relay \
                      {}): remove the setting",
                     self.wake_description()
                 );
             }
-            if self.wakeup == WakeupMode::Gated {
+            if db.wakeup == WakeupMode::Gated {
                 bail!(
                     "wakeup = \"gated\" (--wakeup gated) gates PostgreSQL's NOTIFY, which {store} \
                      does not have: remove it (or use --wakeup poll to poll at a fixed rate)"
@@ -448,15 +291,15 @@ impl Config {
             }
         }
         if let DatabaseKind::Sqlite(_) = database {
-            if self.layout != LayoutKind::Native {
+            if db.layout != LayoutKind::Native {
                 bail!(
                     "layout = \"{}\" runs on PostgreSQL or MySQL/MariaDB; SQLite supports the \
                      native layout only: remove --layout (or use a PostgreSQL or MySQL URL)",
-                    self.layout
+                    db.layout
                 );
             }
-            if self.outbox_table != LayoutKind::Native.default_outbox_table()
-                || self.outbox_schema != DEFAULT_SCHEMA
+            if db.outbox_table != LayoutKind::Native.default_outbox_table()
+                || db.outbox_schema != DEFAULT_SCHEMA
             {
                 bail!(
                     "outbox_table and outbox_schema have no effect on SQLite, whose store uses \
@@ -464,42 +307,43 @@ impl Config {
                 );
             }
         }
-        if database == DatabaseKind::MySql && !self.layout.runs_on(Dialect::MySql) {
+        if *database == DatabaseKind::MySql && !db.layout.runs_on(Dialect::MySql) {
             bail!(
                 "layout = \"{}\" is a PostgreSQL table (its seed defines it for PostgreSQL); on \
                  MySQL/MariaDB use the native or mysql-outbox-events layout, or a custom mapping",
-                self.layout
+                db.layout
             );
         }
-        if self.layout != LayoutKind::Custom && self.mapping.is_some() {
+        if db.layout != LayoutKind::Custom && db.mapping.is_some() {
             bail!(
                 "a [mapping] section has no effect with layout = \"{}\": set layout = \"custom\" \
                  to use it, or remove it",
-                self.layout
+                db.layout
             );
         }
-        if self.poll_fixed_rate && self.wakeup == WakeupMode::Gated {
+        if self.engine.poll_fixed_rate && db.wakeup == WakeupMode::Gated {
             bail!(
                 "poll_fixed_rate (--poll-fixed-rate) and wakeup = \"gated\" contradict each other: \
                  a fixed-rate relay never listens, so the gate would wake nobody; use --wakeup \
                  poll to poll at a fixed rate, or drop --poll-fixed-rate"
             );
         }
-        if self.capture == CaptureMode::Wal {
-            self.refuse_settings_without_effect_on_wal(&database)?;
-        } else if !self.slot.is_empty() || self.publication != DEFAULT_PUBLICATION {
+        if db.capture == CaptureMode::Wal {
+            self.refuse_settings_without_effect_on_wal(database)?;
+        } else if self.wal.is_set() {
             bail!(
                 "slot and publication apply to WAL capture only: add --capture wal \
                  (capture = \"wal\"), or remove them"
             );
         }
-        if self.sink.is_some() && (!self.routes.is_empty() || !self.sinks.is_empty()) {
+        let relay = &self.relay;
+        if relay.sink.is_some() && (!relay.routes.is_empty() || !relay.sinks.is_empty()) {
             bail!(
                 "sink (--sink, OUTBOX_RELAY_SINK) replaces every [sinks.NAME] and [[routes]], \
                  which would be ignored: give either sink or [sinks] with [[routes]], not both"
             );
         }
-        for route in &self.routes {
+        for route in &relay.routes {
             route.cloudevents().map_err(anyhow::Error::msg)?;
         }
         Ok(())
@@ -509,222 +353,51 @@ impl Config {
         if *database != DatabaseKind::Postgres {
             bail!("capture = \"wal\" reads PostgreSQL's logical replication: use a postgres:// URL, or --capture poll");
         }
-        if !matches!(self.layout, LayoutKind::Native | LayoutKind::Debezium) {
+        let db = &self.database;
+        if !matches!(db.layout, LayoutKind::Native | LayoutKind::Debezium) {
             bail!(
                 "capture = \"wal\" reads the native outbox table, Debezium's outbox table \
                  (layout = \"debezium\") and outbox_emit messages; layout = \"{}\" is polled: \
                  use --capture poll with it",
-                self.layout
+                db.layout
             );
         }
         let refused = [
-            (self.retain_delivered, "retain_delivered (--retain-delivered): WAL capture deletes a delivered row; replay has nothing to read"),
-            (self.ordering == OrderingMode::None, "ordering = \"none\" (--ordering none): WAL capture relays each key in commit order"),
-            (self.wakeup != WakeupMode::Notify, "wakeup (--wakeup): the replication stream wakes the relay, writers never notify"),
-            (self.poll_fixed_rate, "poll_fixed_rate (--poll-fixed-rate): the replication stream wakes the relay"),
+            (db.retain_delivered, "retain_delivered (--retain-delivered): WAL capture deletes a delivered row; replay has nothing to read"),
+            (self.relay.ordering == OrderingMode::None, "ordering = \"none\" (--ordering none): WAL capture relays each key in commit order"),
+            (db.wakeup != WakeupMode::Notify, "wakeup (--wakeup): the replication stream wakes the relay, writers never notify"),
+            (self.engine.poll_fixed_rate, "poll_fixed_rate (--poll-fixed-rate): the replication stream wakes the relay"),
         ];
         if let Some((_, what)) = refused.iter().find(|(set, _)| *set) {
             bail!("{what}; remove it, or use --capture poll");
         }
-        for (name, what) in [
-            (&self.slot_name(), "slot"),
-            (&self.publication, "publication"),
-        ] {
-            let valid = !name.is_empty()
-                && name.len() <= 63
-                && name
-                    .bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
-            if !valid {
-                bail!("invalid {what} name {name:?}: use 1-63 lowercase ASCII letters, digits or underscores");
-            }
-        }
-        Ok(())
+        self.wal.validate().map_err(anyhow::Error::msg)
     }
 
-    /// Table, schema and channel names are SQL identifiers: refused here, before any store
-    /// opens, so that a bad name is a configuration error like any other bad value.
-    fn check_names(&self) -> anyhow::Result<()> {
-        let t = self.layout_tables();
-        let report = |e: outbox_core::StoreError| anyhow::anyhow!(e.report());
-        outbox_core::ident::TableName::new(&t.outbox_schema, &t.outbox_table).map_err(report)?;
-        outbox_core::ident::TableName::new(&t.nodes_schema, &t.nodes_table).map_err(report)?;
-        outbox_core::ident::Ident::new(&t.notify_channel, "notify channel").map_err(report)?;
-        self.layout_mapping()?;
-        Ok(())
-    }
-
-    /// The replication slot of WAL capture: the one configured, or by default one named
-    /// after the database and the outbox table (`outbox_relay_<database>[_<schema>][_<table>]`,
-    /// the schema and table left out when they are `public` and `outbox`), since a slot's
-    /// name is the server's: a fixed default made a second database on one server refuse
-    /// to start. Too long, or not `[a-z0-9_]`, it ends with a hash of the whole instead.
+    /// The replication slot of WAL capture (see [`WalSettings::slot_name`]).
     pub fn slot_name(&self) -> String {
-        if !self.slot.is_empty() {
-            return self.slot.clone();
-        }
-        let (_, database) = database_identity(self);
-        let database = database.rsplit('/').next().unwrap_or_default().to_string();
-        let t = self.layout_tables();
-        let mut parts = vec![DEFAULT_SLOT.to_string(), database];
-        if t.outbox_schema != "public" {
-            parts.push(t.outbox_schema.clone());
-        }
-        if t.outbox_table != "outbox" {
-            parts.push(t.outbox_table.clone());
-        }
-        let whole = parts.join("_");
-        let name: String = whole
-            .chars()
-            .map(|c| match c.to_ascii_lowercase() {
-                c @ ('a'..='z' | '0'..='9' | '_') => c,
-                _ => '_',
-            })
-            .collect();
-        if name == whole && name.len() <= 63 {
-            return name;
-        }
-        // FNV-1a: stable across builds and platforms, unlike std's hasher.
-        let hash = whole.bytes().fold(0x811c_9dc5_u32, |h, b| {
-            (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
-        });
-        let mut name = name;
-        name.truncate(63 - 9);
-        format!("{name}_{hash:08x}")
+        self.database.slot_name(&self.wal)
     }
 
     /// How the relay learns of new rows, for its start-up line.
     pub fn wake_description(&self) -> &'static str {
-        let fixed = self.poll_fixed_rate || self.wakeup == WakeupMode::Poll;
-        match self.database_kind() {
-            _ if self.capture == CaptureMode::Wal => "logical replication stream",
+        let db = &self.database;
+        let fixed = self.engine.poll_fixed_rate || db.wakeup == WakeupMode::Poll;
+        match db.database_kind() {
+            _ if db.capture == CaptureMode::Wal => "logical replication stream",
             _ if fixed => "fixed-rate polling",
             Ok(DatabaseKind::Sqlite(_)) => "data_version watch + safety poll",
             Ok(DatabaseKind::MySql) => "polling (MySQL has no NOTIFY)",
-            _ if self.wakeup == WakeupMode::Gated => "gated notify + safety poll",
+            _ if db.wakeup == WakeupMode::Gated => "gated notify + safety poll",
             _ => "notify + safety poll",
         }
-    }
-
-    pub fn database_kind(&self) -> anyhow::Result<DatabaseKind> {
-        let url = self.database_url.trim();
-        if url.is_empty() {
-            bail!("the database URL is empty: set DATABASE_URL (or --database-url, OUTBOX_RELAY_DATABASE_URL, database_url)");
-        }
-        if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-            return Ok(DatabaseKind::Postgres);
-        }
-        if let Some(path) = url.strip_prefix("sqlite:") {
-            let path = path.strip_prefix("//").unwrap_or(path);
-            if path.is_empty() {
-                bail!("database URL `sqlite:` needs a file path, e.g. sqlite:outbox.db");
-            }
-            return Ok(DatabaseKind::Sqlite(PathBuf::from(path)));
-        }
-        let shown = redact_url(url);
-        if url.starts_with("mysql://") || url.starts_with("mariadb://") {
-            return Ok(DatabaseKind::MySql);
-        }
-        bail!("unsupported database URL {shown}: use postgres://user@host:port/db, mysql://user@host:port/db or sqlite:PATH")
-    }
-
-    /// The table names in effect for the layout: a name left at its default becomes the
-    /// layout's own (a seed's table, the Ably connector's nodes table and channel).
-    pub fn layout_tables(&self) -> LayoutTables {
-        let native = LayoutKind::Native;
-        let layout_default = |set: &str, default: &str, own: Option<&str>| match own {
-            Some(own) if set == default => own.to_string(),
-            _ => set.to_string(),
-        };
-        LayoutTables {
-            outbox_schema: self.outbox_schema.clone(),
-            outbox_table: layout_default(
-                &self.outbox_table,
-                native.default_outbox_table(),
-                Some(self.layout.default_outbox_table()),
-            ),
-            nodes_schema: self.nodes_schema.clone(),
-            nodes_table: layout_default(
-                &self.nodes_table,
-                DEFAULT_NODES_TABLE,
-                self.layout.default_nodes_table(),
-            ),
-            notify_channel: layout_default(
-                &self.notify_channel,
-                outbox_store_postgres::DEFAULT_NOTIFY_CHANNEL,
-                self.layout.default_notify_channel(),
-            ),
-        }
-    }
-
-    /// The column mapping of a non-native layout.
-    pub fn layout_mapping(&self) -> anyhow::Result<Option<outbox_layout::Mapping>> {
-        use outbox_layout::{LayoutKind as L, Mapping};
-        let t = self.layout_tables();
-        let mysql = self.database_kind()? == DatabaseKind::MySql;
-        let database = (t.outbox_schema != DEFAULT_SCHEMA).then_some(t.outbox_schema.as_str());
-        let mapping = match self.layout {
-            L::Native if mysql => Mapping::native_mysql(database, &t.outbox_table, self.retain_delivered),
-            L::Native => return Ok(None),
-            L::Adbc => Mapping::adbc(&t.outbox_schema, &t.outbox_table),
-            L::OpenOutbox => Mapping::open_outbox(&t.outbox_schema, &t.outbox_table),
-            L::Export => Mapping::export(&t.outbox_schema, &t.outbox_table),
-            L::MysqlOutboxEvents => Mapping::mysql_outbox_events(database, &t.outbox_table),
-            L::Debezium => Mapping::debezium(&t.outbox_schema, &t.outbox_table),
-            L::Custom => self.mapping.clone().ok_or_else(|| {
-                anyhow::anyhow!("layout = \"custom\" needs a [mapping] section naming the table and its columns (see the README, \"Layouts\")")
-            })?,
-        };
-        mapping
-            .validate()
-            .map_err(|e| anyhow::anyhow!(e.report()))?;
-        Ok(Some(mapping))
-    }
-
-    pub fn http_socket_addr(&self) -> anyhow::Result<Option<SocketAddr>> {
-        if self.http_addr.trim().is_empty() {
-            return Ok(None);
-        }
-        self.http_addr.parse().map(Some).with_context(|| {
-            format!(
-                "invalid http_addr {:?}: use host:port, e.g. 127.0.0.1:2259",
-                self.http_addr
-            )
-        })
-    }
-
-    /// The admin API's token: `admin_token` (`OUTBOX_RELAY_ADMIN_TOKEN`) or the first line
-    /// of `admin_token_file`; `None` leaves the API read-only.
-    pub fn admin_token(&self) -> anyhow::Result<Option<Secret>> {
-        let config_error = |m: String| anyhow::Error::new(crate::commands::ConfigError(m));
-        let token = match (&self.admin_token, &self.admin_token_file) {
-            (Some(_), Some(_)) => {
-                return Err(config_error(
-                    "both OUTBOX_RELAY_ADMIN_TOKEN (admin_token) and --admin-token-file \
-                     (admin_token_file) are set: keep one"
-                        .into(),
-                ))
-            }
-            (Some(token), None) => token.expose().trim().to_string(),
-            (None, Some(path)) => read_secret_file(path, "admin token", "--admin-token-file")?
-                .expose()
-                .to_string(),
-            (None, None) => return Ok(None),
-        };
-        if token.len() < 16 {
-            return Err(config_error(
-                "the admin token must be at least 16 characters (e.g. `openssl rand -hex 32`)"
-                    .into(),
-            ));
-        }
-        Ok(Some(Secret::new(token)))
     }
 
     /// With `database_url_file`, the URL from that file in place of `database_url`;
     /// `url_given` says a source other than the defaults set `database_url`, which is then
     /// refused: one of the two would be ignored.
     fn read_database_url_file(&mut self, url_given: bool) -> anyhow::Result<()> {
-        let Some(path) = &self.database_url_file else {
+        let Some(path) = &self.database.database_url_file else {
             return Ok(());
         };
         if url_given {
@@ -736,152 +409,27 @@ impl Config {
             )));
         }
         let url = read_secret_file(path, "database URL", "--database-url-file")?;
-        self.database_url = url.expose().to_string();
+        self.database.database_url = url.expose().to_string();
         Ok(())
-    }
-
-    /// Where the HTTP server listens (`None`: nowhere) and the admin API's token. A server
-    /// beyond loopback needs the token.
-    pub fn http_settings(&self) -> anyhow::Result<(Option<SocketAddr>, Option<Secret>)> {
-        let http_addr = self.http_socket_addr()?;
-        let admin_token = self.admin_token()?;
-        if let Some(addr) = http_addr {
-            if !addr.ip().is_loopback() && admin_token.is_none() {
-                return Err(anyhow::Error::new(crate::commands::ConfigError(format!(
-                    "http_addr {addr} is not a loopback address, and the admin API there would \
-                     have no token: set OUTBOX_RELAY_ADMIN_TOKEN or --admin-token-file FILE, or \
-                     listen on 127.0.0.1"
-                ))));
-            }
-        }
-        Ok((http_addr, admin_token))
-    }
-
-    /// `allowed_hosts`, lowercased: bare host names, refused with the fix when one carries a
-    /// port, a scheme or a path (the check ignores the port a client sends).
-    pub fn allowed_host_names(&self) -> anyhow::Result<Vec<String>> {
-        self.allowed_hosts
-            .iter()
-            .map(|name| {
-                let bare = name.trim().trim_end_matches('.').to_ascii_lowercase();
-                let fine = !bare.is_empty()
-                    && bare
-                        .chars()
-                        .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.');
-                if fine {
-                    Ok(bare)
-                } else {
-                    Err(anyhow::Error::new(crate::commands::ConfigError(format!(
-                        "allowed_hosts: {name:?} is not a host name; give names only, without \
-                         scheme or port, e.g. relay.internal"
-                    ))))
-                }
-            })
-            .collect()
     }
 
     /// The sinks and routes in effect: `sink` alone, `[sinks]` with `[[routes]]`, or stdout.
     pub fn sink_setup(&self) -> (BTreeMap<String, SinkConfig>, Vec<RouteConfig>) {
-        match (&self.sink, self.sinks.is_empty()) {
+        let relay = &self.relay;
+        match (&relay.sink, relay.sinks.is_empty()) {
             (Some(uri), _) => (single_sink(uri), Vec::new()),
             (None, true) => (single_sink(DEFAULT_SINK), Vec::new()),
-            (None, false) => (self.sinks.clone(), self.routes.clone()),
+            (None, false) => (relay.sinks.clone(), relay.routes.clone()),
         }
     }
 
     /// Which store the settings name, and its options.
     pub fn store_settings(&self) -> anyhow::Result<StoreSettings> {
-        let report = |e: outbox_core::StoreError| crate::commands::failure(e.report(), &e);
-        let tables = self.layout_tables();
-        let mut mapping = self.layout_mapping()?;
-        Ok(match self.database_kind()? {
-            DatabaseKind::Postgres => {
-                // WAL capture of a mapped table (Debezium's) reads it from the stream and keeps
-                // parked events and dead letters in native tables of its own, `<table>_relay`.
-                let captured = match self.capture {
-                    CaptureMode::Wal => mapping.take(),
-                    CaptureMode::Poll => None,
-                };
-                let native_table = match &captured {
-                    Some(_) => format!("{}_relay", tables.outbox_table),
-                    None => tables.outbox_table.clone(),
-                };
-                let mut pg_tables = outbox_store_postgres::Tables::new(
-                    &tables.outbox_schema,
-                    &native_table,
-                    &tables.nodes_schema,
-                    &tables.nodes_table,
-                    &tables.notify_channel,
-                )
-                .map_err(report)?;
-                pg_tables.partition_count = self.partitions;
-                pg_tables.gated_wakeup = self.wakeup == WakeupMode::Gated;
-                // WAL capture needs no NOTIFY: the stream wakes the relay.
-                pg_tables.poll_wakeup =
-                    self.wakeup == WakeupMode::Poll || self.capture == CaptureMode::Wal;
-                let capture = match self.capture {
-                    CaptureMode::Poll => None,
-                    CaptureMode::Wal => Some(crate::store::Capture {
-                        slot: self.slot_name(),
-                        // Only the README's default outbox: a second outbox of that database,
-                        // added later, must not take over the slot of the first.
-                        legacy_slot: (self.slot.is_empty()
-                            && self.publication == DEFAULT_PUBLICATION
-                            && (
-                                self.layout_tables().outbox_schema.as_str(),
-                                self.layout_tables().outbox_table.as_str(),
-                            ) == ("public", "outbox"))
-                            .then(|| DEFAULT_SLOT.into()),
-                        publication: outbox_core::ident::Ident::new(
-                            &self.publication,
-                            "publication name",
-                        )
-                        .map_err(report)?,
-                        source: captured
-                            .map(crate::store::CapturedTable::of)
-                            .transpose()
-                            .map_err(report)?
-                            .map(Box::new),
-                    }),
-                };
-                StoreSettings::Postgres(Box::new(crate::store::PostgresSettings {
-                    options: outbox_store_postgres::PgOptions {
-                        url: self.database_url.clone(),
-                        tables: pg_tables,
-                        retain_delivered: self.retain_delivered,
-                        ca_file: self.database_ca_file.clone(),
-                        pool_size: self.pool_size,
-                        application_name: Some(match &self.node_id {
-                            Some(node) => format!("outbox-relay {node}"),
-                            None => "outbox-relay".into(),
-                        }),
-                        operation_timeout: None,
-                    },
-                    mapped: mapping.map(|m| (m, self.layout.to_string())),
-                    max_attempts: self.retry.max_attempts,
-                    capture,
-                }))
-            }
-            DatabaseKind::MySql => {
-                // PostgreSQL-only layouts were refused by `validate`.
-                let Some(mapping) = mapping else {
-                    bail!("every MySQL layout is a mapping");
-                };
-                StoreSettings::MySql(Box::new(outbox_store_mysql::MySqlOptions {
-                    url: self.database_url.clone(),
-                    mapping,
-                    layout: self.layout.to_string(),
-                    max_attempts: self.retry.max_attempts,
-                    pool_size: self.pool_size,
-                    nodes_table: (self.layout == LayoutKind::Native).then_some(tables.nodes_table),
-                }))
-            }
-            // Other layouts and table names were refused by `validate`.
-            DatabaseKind::Sqlite(path) => StoreSettings::Sqlite {
-                path,
-                retain_delivered: self.retain_delivered,
-            },
-        })
+        self.database.store_settings(
+            &self.wal,
+            self.engine.retry.max_attempts,
+            self.relay.node_id.as_deref(),
+        )
     }
 
     /// What `run` hands to the store, the engine, the cluster coordinator, the sinks and the
@@ -890,40 +438,36 @@ impl Config {
     /// `run` to set, once the store says how many partitions there are.
     pub fn resolve(&self, node: NodeId, drain: bool) -> anyhow::Result<RunParts> {
         let health = Health::new();
+        let wal_capture = self.database.capture == CaptureMode::Wal;
         let mut engine = EngineConfig::new(node.clone());
-        engine.batch_size = self.batch_size;
-        engine.max_in_flight = self.max_in_flight;
-        engine.lease = self.lease;
-        engine.poll_interval = self.poll_interval;
+        engine.settings = self.engine.clone();
         // Nothing notifies under `--wakeup poll`: listening would only cost a connection.
-        engine.wake = if self.poll_fixed_rate || self.wakeup == WakeupMode::Poll {
+        // WAL capture's stream wakes the engine whatever else is set.
+        let fixed_rate = self.engine.poll_fixed_rate || self.database.wakeup == WakeupMode::Poll;
+        engine.wake = if fixed_rate && !wal_capture {
             WakeMode::FixedRate
         } else {
             WakeMode::Notify
         };
-        engine.retry = self.retry.clone();
-        engine.publish_timeout = self.publish_timeout;
-        engine.shutdown_timeout = self.shutdown_timeout;
         engine.drain = drain;
         // Rows leased by a node that died come back after their lease; its partitions, once
-        // its heartbeat expired and the next beat takes them.
-        engine.drain_patience =
-            self.lease.max(self.heartbeat_timeout) + self.heartbeat_interval * 2;
-        engine.ordered = self.ordering == OrderingMode::Key;
-        if self.capture == CaptureMode::Wal {
-            // The stream wakes the engine; nothing waits out another node's leases.
-            engine.wake = WakeMode::Notify;
-            engine.drain_patience = self.lease;
-        }
-        engine.health = health.clone();
+        // its heartbeat expired and the next beat takes them. Under WAL capture nothing
+        // waits out another node's leases.
+        engine.drain_patience = if wal_capture {
+            self.engine.lease
+        } else {
+            self.engine.lease.max(self.cluster.heartbeat_timeout)
+                + self.cluster.heartbeat_interval * 2
+        };
+        engine.ordered = self.relay.ordering == OrderingMode::Key;
+        engine.shared.health = health.clone();
         let cluster = ClusterConfig {
             node,
-            heartbeat_interval: self.heartbeat_interval,
-            heartbeat_timeout: self.heartbeat_timeout,
+            settings: self.cluster.clone(),
             health: health.clone(),
         };
         let (sinks, routes) = self.sink_setup();
-        let (http_addr, admin_token) = self.http_settings()?;
+        let (http_addr, admin_token) = self.http.listen()?;
         Ok(RunParts {
             store: self.store_settings()?,
             engine,
@@ -932,24 +476,37 @@ impl Config {
             routes,
             http_addr,
             admin_token,
-            allowed_hosts: self.allowed_host_names()?,
+            allowed_hosts: self.http.allowed_host_names()?,
             health,
         })
     }
 }
 
+/// A key no part declares, as figment reports an unknown field: with the key and where it
+/// was set.
+fn unknown_setting(figment: &Figment) -> Option<figment::Error> {
+    let given = figment.extract::<Dict>().ok()?;
+    let key = given
+        .keys()
+        .find(|key| !top_level_keys().contains(&key.as_str()))?;
+    let mut error = figment::Error::from(figment::error::Kind::UnknownField(
+        key.clone(),
+        top_level_keys(),
+    ))
+    .with_path(key);
+    error.metadata = figment.find_metadata(key).cloned();
+    error.profile = Some(figment.profile().clone());
+    Some(error)
+}
+
 /// Settings that belong to the process, not to one outbox: an `[[outboxes]]` entry that sets
 /// one is refused.
-const PROCESS_SETTINGS: &[&str] = &[
-    "http_addr",
-    "admin_token",
-    "admin_token_file",
-    "allowed_hosts",
-    "log_format",
-    "log_level",
-    "node_id",
-    "outboxes",
-];
+/// Every HTTP setting is one (one server for the process), and these.
+const PROCESS_SETTINGS: &[&str] = &["log_format", "log_level", "node_id", "outboxes"];
+
+fn is_process_setting(key: &str) -> bool {
+    PROCESS_SETTINGS.contains(&key) || HttpSettings::DOCS.iter().any(|doc| doc.key == key)
+}
 
 /// Where events go: an entry that sets any of these replaces all three, so that a top-level
 /// `sink` never shadows an entry's `[sinks]` (or the other way round).
@@ -980,13 +537,13 @@ impl Config {
     pub fn outboxes(&self, flags: &Figment) -> anyhow::Result<Vec<NamedOutbox>> {
         let config_error = |m: String| anyhow::Error::new(crate::commands::ConfigError(m));
         let mut base = self.clone();
-        base.outboxes.clear();
+        base.relay.outboxes.clear();
         let base = match Value::serialize(&base) {
             Ok(Value::Dict(_, dict)) => dict,
             _ => bail!("cannot read the top-level settings as a table"),
         };
         let mut outboxes: Vec<NamedOutbox> = Vec::new();
-        for (i, entry) in self.outboxes.iter().enumerate() {
+        for (i, entry) in self.relay.outboxes.iter().enumerate() {
             let name = match entry.get("name") {
                 Some(Value::String(_, name)) => name.clone(),
                 _ => {
@@ -1013,10 +570,7 @@ impl Config {
                     "two [[outboxes]] entries are named {name:?}: give each its own name"
                 )));
             }
-            if let Some(key) = entry
-                .keys()
-                .find(|k| PROCESS_SETTINGS.contains(&k.as_str()))
-            {
+            if let Some(key) = entry.keys().find(|k| is_process_setting(k)) {
                 return Err(config_error(format!(
                     "[[outboxes]] `{name}` sets `{key}`, which belongs to the whole process: \
                      set it once at the top level of the file"
@@ -1047,15 +601,13 @@ impl Config {
                 }
                 settings.insert(key.clone(), value.clone());
             }
-            let mut config: Config = Figment::from(Serialized::defaults(settings))
-                .merge(flags.clone())
-                .extract()
-                .map_err(|e| {
-                    config_error(format!(
-                        "invalid [[outboxes]] `{name}`: {}",
-                        describe_entry_error(e)
-                    ))
-                })?;
+            let entry_figment = Figment::from(Serialized::defaults(settings)).merge(flags.clone());
+            let mut config = Config::extract(&entry_figment).map_err(|e| {
+                config_error(format!(
+                    "invalid [[outboxes]] `{name}`: {}",
+                    describe_entry_error(e)
+                ))
+            })?;
             if own_database {
                 config
                     .read_database_url_file(false)
@@ -1076,43 +628,14 @@ fn describe_entry_error(error: figment::Error) -> String {
     describe_errors(error, |_, key| format!("setting `{key}`"))
 }
 
-/// The server and the database a URL reaches, without credentials or parameters: two URLs
-/// that differ only there reach the same tables. A default port is spelled out.
-fn database_identity(config: &Config) -> (String, String) {
-    if let Ok(DatabaseKind::Sqlite(path)) = config.database_kind() {
-        let file = format!("sqlite:{}", path.display());
-        return (file.clone(), file);
-    }
-    let url = config.database_url.trim();
-    let url = url.split(['?', '#']).next().unwrap_or(url);
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return (url.to_string(), url.to_string());
-    };
-    let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
-    let host = authority.rsplit('@').next().unwrap_or(authority);
-    let (scheme, port) = match scheme {
-        "postgres" | "postgresql" => ("postgres", "5432"),
-        _ => ("mysql", "3306"),
-    };
-    // `host:port`, `[v6]:port` carry a port; `host`, `[v6]` get the default.
-    let has_port = host.rsplit_once(':').is_some_and(|(_, p)| !p.contains(']'));
-    let server = if has_port {
-        format!("{scheme}://{host}")
-    } else {
-        format!("{scheme}://{host}:{port}")
-    };
-    let database = format!("{server}{path}");
-    (server, database)
-}
-
 /// Outboxes in one process must not share what only one of them can own.
 fn refuse_shared_resources(outboxes: &[NamedOutbox]) -> Result<(), String> {
     for (i, a) in outboxes.iter().enumerate() {
         for b in &outboxes[i + 1..] {
-            let (server, database) = database_identity(&a.config);
-            let (other_server, other_database) = database_identity(&b.config);
+            let (server, database) = a.config.database.identity();
+            let (other_server, other_database) = b.config.database.identity();
             let pair = format!("[[outboxes]] `{}` and `{}`", a.name, b.name);
-            let wal = |c: &Config| c.capture == CaptureMode::Wal;
+            let wal = |c: &Config| c.database.capture == CaptureMode::Wal;
             // Replication slots are named per server, not per database.
             if server == other_server
                 && wal(&a.config)
@@ -1129,7 +652,10 @@ fn refuse_shared_resources(outboxes: &[NamedOutbox]) -> Result<(), String> {
             if database != other_database {
                 continue;
             }
-            let (ta, tb) = (a.config.layout_tables(), b.config.layout_tables());
+            let (ta, tb) = (
+                a.config.database.layout_tables(),
+                b.config.database.layout_tables(),
+            );
             let shown = redact_url(&database);
             if (&ta.outbox_schema, &ta.outbox_table) == (&tb.outbox_schema, &tb.outbox_table) {
                 return Err(format!(
@@ -1138,7 +664,10 @@ fn refuse_shared_resources(outboxes: &[NamedOutbox]) -> Result<(), String> {
                     ta.outbox_schema, ta.outbox_table
                 ));
             }
-            let sqlite = matches!(a.config.database_kind(), Ok(DatabaseKind::Sqlite(_)));
+            let sqlite = matches!(
+                a.config.database.database_kind(),
+                Ok(DatabaseKind::Sqlite(_))
+            );
             if !sqlite && (&ta.nodes_schema, &ta.nodes_table) == (&tb.nodes_schema, &tb.nodes_table)
             {
                 return Err(format!(
@@ -1148,11 +677,14 @@ fn refuse_shared_resources(outboxes: &[NamedOutbox]) -> Result<(), String> {
                     ta.nodes_schema, ta.nodes_table
                 ));
             }
-            if wal(&a.config) && wal(&b.config) && a.config.publication == b.config.publication {
+            if wal(&a.config)
+                && wal(&b.config)
+                && a.config.wal.publication == b.config.wal.publication
+            {
                 return Err(format!(
                     "{pair} both use the publication {} of {shown}: a publication names its \
                      outbox's tables; give one its own publication",
-                    a.config.publication
+                    a.config.wal.publication
                 ));
             }
         }
@@ -1228,30 +760,10 @@ fn describe_errors(
         .join("; ")
 }
 
-/// A list of names from TOML's array, or from one string separated by commas (what
-/// `OUTBOX_RELAY_ALLOWED_HOSTS=a,b` gives).
-fn host_names<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Names {
-        One(String),
-        Many(Vec<String>),
-    }
-    Ok(match Names::deserialize(d)? {
-        Names::One(text) => text
-            .split(',')
-            .map(str::trim)
-            .filter(|n| !n.is_empty())
-            .map(String::from)
-            .collect(),
-        Names::Many(names) => names,
-    })
-}
-
 /// The secret `what` from the first line of the file at `path`, trimmed (an editor's or
 /// `echo`'s newline is no part of it). A file that cannot be read or holds nothing is a
 /// configuration error naming the file and `flag`; the error never quotes the content.
-fn read_secret_file(path: &Path, what: &str, flag: &str) -> anyhow::Result<Secret> {
+pub(crate) fn read_secret_file(path: &Path, what: &str, flag: &str) -> anyhow::Result<Secret> {
     let config_error = |m: String| anyhow::Error::new(crate::commands::ConfigError(m));
     let text = std::fs::read_to_string(path).map_err(|e| {
         config_error(format!(
@@ -1279,6 +791,8 @@ fn single_sink(uri: &str) -> BTreeMap<String, SinkConfig> {
 #[allow(clippy::result_large_err)] // figment::Jail's closure signature
 mod tests {
     use super::*;
+    use outbox_core::RetryPolicy;
+    use std::time::Duration;
 
     /// The command line's layer, as `main` builds it.
     fn flags(args: &[&str]) -> Figment {
@@ -1293,28 +807,12 @@ mod tests {
 
     #[test]
     fn debug_output_hides_the_password() {
-        let config = Config {
-            database_url: "postgres://u:topsecret@h/db".into(),
-            ..Config::default()
+        let config = {
+            let mut c = Config::default();
+            c.database.database_url = "postgres://u:topsecret@h/db".into();
+            c
         };
         assert!(!format!("{config:?}").contains("topsecret"));
-    }
-
-    #[test]
-    fn database_urls_pick_the_store() {
-        let mut c = Config::default();
-        assert_eq!(
-            c.database_kind().unwrap(),
-            DatabaseKind::Sqlite("outbox.db".into())
-        );
-        c.database_url = "postgresql://h/db".into();
-        assert_eq!(c.database_kind().unwrap(), DatabaseKind::Postgres);
-        c.database_url = "oracle://x:pw@h".into();
-        let err = c.database_kind().unwrap_err().to_string();
-        assert!(
-            err.contains("use postgres://") && !err.contains("pw"),
-            "{err}"
-        );
     }
 
     #[test]
@@ -1350,12 +848,12 @@ mod tests {
             let flags = flags(&["outbox-relay", "run", "--batch-size", "300"]);
             let c =
                 Config::load(Some(Path::new("relay.toml")), flags).map_err(|e| e.to_string())?;
-            assert_eq!(c.sink.as_deref(), Some("file:/tmp/from-file.jsonl"));
-            assert_eq!(c.batch_size, 300);
-            assert_eq!(c.poll_interval, Duration::from_millis(250));
-            assert_eq!(c.database_url, "postgres://from-env/db");
-            assert_eq!(c.retry.max_attempts, 7);
-            assert_eq!(c.retry.max_attempts_by_type["order.created"], 2);
+            assert_eq!(c.relay.sink.as_deref(), Some("file:/tmp/from-file.jsonl"));
+            assert_eq!(c.engine.batch_size, 300);
+            assert_eq!(c.engine.poll_interval, Duration::from_millis(250));
+            assert_eq!(c.database.database_url, "postgres://from-env/db");
+            assert_eq!(c.engine.retry.max_attempts, 7);
+            assert_eq!(c.engine.retry.max_attempts_by_type["order.created"], 2);
             Ok(())
         });
     }
@@ -1370,17 +868,17 @@ mod tests {
                 Config::load(Some(Path::new("relay.toml")), flags(args)).map_err(|e| e.to_string())
             };
             let c = load(&["outbox-relay", "run"])?;
-            assert_eq!(c.allowed_host_names().unwrap(), ["relay.internal"]);
+            assert_eq!(c.http.allowed_host_names().unwrap(), ["relay.internal"]);
             jail.set_env("OUTBOX_RELAY_ALLOWED_HOSTS", "a.example, b.example");
             let c = load(&["outbox-relay", "run"])?;
-            assert_eq!(c.allowed_hosts, ["a.example", "b.example"]);
+            assert_eq!(c.http.allowed_hosts, ["a.example", "b.example"]);
             let c = load(&[
                 "outbox-relay",
                 "run",
                 "--allowed-hosts",
                 "c.example,d.example",
             ])?;
-            assert_eq!(c.allowed_hosts, ["c.example", "d.example"]);
+            assert_eq!(c.http.allowed_hosts, ["c.example", "d.example"]);
             jail.set_env("OUTBOX_RELAY_ALLOWED_HOSTS", "https://relay.example:8443");
             let err = load(&["outbox-relay", "run"]).unwrap_err();
             assert!(err.contains("without scheme or port"), "{err}");
@@ -1393,22 +891,25 @@ mod tests {
         let base = Config::default();
         base.validate().expect("the defaults are consistent");
         let refused = |c: Config| c.validate().unwrap_err().to_string();
-        let err = refused(Config {
-            publish_timeout: Duration::from_nanos(1),
-            ..Config::default()
+        let err = refused({
+            let mut c = Config::default();
+            c.engine.publish_timeout = Duration::from_nanos(1);
+            c
         });
         assert!(
             err.contains("publish_timeout must be at least 100ms"),
             "{err}"
         );
-        let err = refused(Config {
-            publish_timeout: Duration::from_secs(45),
-            ..Config::default()
+        let err = refused({
+            let mut c = Config::default();
+            c.engine.publish_timeout = Duration::from_secs(45);
+            c
         });
         assert!(err.contains("shorter than lease"), "{err}");
-        let err = refused(Config {
-            heartbeat_interval: Duration::from_secs(4),
-            ..Config::default()
+        let err = refused({
+            let mut c = Config::default();
+            c.cluster.heartbeat_interval = Duration::from_secs(4);
+            c
         });
         assert!(err.contains("at least 3 x heartbeat_interval"), "{err}");
     }
@@ -1435,33 +936,37 @@ mod tests {
     fn settings_without_effect_are_refused_by_name() {
         let pg = "postgres://relay@db/app".to_string();
         let refused = |c: Config| c.validate().unwrap_err().to_string();
-        let err = refused(Config {
-            wakeup: WakeupMode::Gated,
-            ..Config::default()
+        let err = refused({
+            let mut c = Config::default();
+            c.database.wakeup = WakeupMode::Gated;
+            c
         });
         assert!(
             err.contains("--wakeup gated") && err.contains("SQLite"),
             "{err}"
         );
-        let err = refused(Config {
-            database_url: "mysql://relay@db/app".into(),
-            wakeup: WakeupMode::Gated,
-            ..Config::default()
+        let err = refused({
+            let mut c = Config::default();
+            c.database.database_url = "mysql://relay@db/app".into();
+            c.database.wakeup = WakeupMode::Gated;
+            c
         });
         assert!(err.contains("MySQL/MariaDB"), "{err}");
         for url in ["sqlite:outbox.db", "mysql://relay@db/app"] {
-            let err = refused(Config {
-                database_url: url.into(),
-                notify_channel: "events".into(),
-                ..Config::default()
+            let err = refused({
+                let mut c = Config::default();
+                c.database.database_url = url.into();
+                c.database.notify_channel = "events".into();
+                c
             });
             assert!(err.contains("notify_channel has no effect"), "{url}: {err}");
         }
-        let err = refused(Config {
-            database_url: pg.clone(),
-            poll_fixed_rate: true,
-            wakeup: WakeupMode::Gated,
-            ..Config::default()
+        let err = refused({
+            let mut c = Config::default();
+            c.database.database_url = pg.clone();
+            c.engine.poll_fixed_rate = true;
+            c.database.wakeup = WakeupMode::Gated;
+            c
         });
         assert!(err.contains("poll_fixed_rate"), "{err}");
         let route = outbox_publishers::RouteConfig {
@@ -1471,40 +976,45 @@ mod tests {
             cloudevents: None,
             cloudevents_source: None,
         };
-        let err = refused(Config {
-            sink: Some("stdout".into()),
-            sinks: [("main".to_string(), single_sink("stdout")["default"].clone())].into(),
-            routes: vec![route],
-            ..Config::default()
+        let err = refused({
+            let mut c = Config::default();
+            c.relay.sink = Some("stdout".into());
+            c.relay.sinks = [("main".to_string(), single_sink("stdout")["default"].clone())].into();
+            c.relay.routes = vec![route];
+            c
         });
         assert!(err.contains("--sink") && err.contains("not both"), "{err}");
-        let err = refused(Config {
-            layout: outbox_layout::LayoutKind::OpenOutbox,
-            ..Config::default()
+        let err = refused({
+            let mut c = Config::default();
+            c.database.layout = outbox_layout::LayoutKind::OpenOutbox;
+            c
         });
         assert!(
             err.contains("SQLite supports the native layout only"),
             "{err}"
         );
-        let err = refused(Config {
-            database_url: pg.clone(),
-            mapping: Some(outbox_layout::Mapping::open_outbox("public", "events")),
-            ..Config::default()
+        let err = refused({
+            let mut c = Config::default();
+            c.database.database_url = pg.clone();
+            c.database.mapping = Some(outbox_layout::Mapping::open_outbox("public", "events"));
+            c
         });
         assert!(err.contains("[mapping] section has no effect"), "{err}");
         // What does apply passes: notify_channel and gated on PostgreSQL, on any layout.
-        Config {
-            database_url: pg.clone(),
-            layout: outbox_layout::LayoutKind::OpenOutbox,
-            notify_channel: "events".into(),
-            wakeup: WakeupMode::Gated,
-            ..Config::default()
+        {
+            let mut c = Config::default();
+            c.database.database_url = pg.clone();
+            c.database.layout = outbox_layout::LayoutKind::OpenOutbox;
+            c.database.notify_channel = "events".into();
+            c.database.wakeup = WakeupMode::Gated;
+            c
         }
         .validate()
         .expect("notify_channel and gated apply to every PostgreSQL layout");
-        Config {
-            wakeup: WakeupMode::Poll,
-            ..Config::default()
+        {
+            let mut c = Config::default();
+            c.database.wakeup = WakeupMode::Poll;
+            c
         }
         .validate()
         .expect("poll applies to SQLite: no data_version watch");
@@ -1512,10 +1022,11 @@ mod tests {
 
     #[test]
     fn bad_names_are_configuration_errors() {
-        let err = Config {
-            database_url: "postgres://relay@db/app".into(),
-            nodes_table: "nodes; drop".into(),
-            ..Config::default()
+        let err = {
+            let mut c = Config::default();
+            c.database.database_url = "postgres://relay@db/app".into();
+            c.database.nodes_table = "nodes; drop".into();
+            c
         }
         .validate()
         .unwrap_err()
@@ -1525,10 +1036,11 @@ mod tests {
 
     #[test]
     fn the_start_up_line_says_how_each_store_wakes() {
-        let with = |url: &str, wakeup: WakeupMode| Config {
-            database_url: url.into(),
-            wakeup,
-            ..Config::default()
+        let with = |url: &str, wakeup: WakeupMode| {
+            let mut c = Config::default();
+            c.database.database_url = url.into();
+            c.database.wakeup = wakeup;
+            c
         };
         let sqlite = with("sqlite:outbox.db", WakeupMode::Notify);
         assert_eq!(
@@ -1582,33 +1094,37 @@ mod tests {
             let flags = flags(&["outbox-relay", "run", "--retry-max-delay", "1m"]);
             let c =
                 Config::load(Some(Path::new("relay.toml")), flags).map_err(|e| e.to_string())?;
-            assert!(c.auto_migrate);
-            assert_eq!(c.retry.max_attempts, 7);
-            assert_eq!(c.retry.max_delay, Duration::from_secs(60));
-            assert_eq!(c.retry.base_delay, RetryPolicy::default().base_delay);
+            assert!(c.database.auto_migrate);
+            assert_eq!(c.engine.retry.max_attempts, 7);
+            assert_eq!(c.engine.retry.max_delay, Duration::from_secs(60));
+            assert_eq!(c.engine.retry.base_delay, RetryPolicy::default().base_delay);
             Ok(())
         });
     }
 
     #[test]
     fn resolve_hands_each_part_its_settings() {
-        let config = Config {
-            batch_size: 10,
-            lease: Duration::from_secs(40),
-            poll_fixed_rate: true,
-            ordering: OrderingMode::None,
-            http_addr: String::new(),
-            sink: Some("file:out.jsonl".into()),
-            ..Config::default()
+        let config = {
+            let mut c = Config::default();
+            c.engine.batch_size = 10;
+            c.engine.lease = Duration::from_secs(40);
+            c.engine.poll_fixed_rate = true;
+            c.relay.ordering = OrderingMode::None;
+            c.http.http_addr = String::new();
+            c.relay.sink = Some("file:out.jsonl".into());
+            c
         };
         let parts = config.resolve(NodeId("n1".into()), true).unwrap();
-        assert_eq!(parts.engine.batch_size, 10);
+        assert_eq!(parts.engine.settings.batch_size, 10);
         assert_eq!(parts.engine.wake, WakeMode::FixedRate);
         assert!(parts.engine.drain && !parts.engine.ordered);
         assert_eq!(parts.engine.drain_patience, Duration::from_secs(44));
         assert_eq!(parts.cluster.node.0, "n1");
-        assert_eq!(parts.cluster.heartbeat_timeout, config.heartbeat_timeout);
-        assert!(Arc::ptr_eq(&parts.engine.health, &parts.cluster.health));
+        assert_eq!(parts.cluster.settings, config.cluster);
+        assert!(Arc::ptr_eq(
+            &parts.engine.shared.health,
+            &parts.cluster.health
+        ));
         assert_eq!(parts.sinks["default"].uri(), "file:out.jsonl");
         assert!(parts.routes.is_empty() && parts.http_addr.is_none());
     }
@@ -1616,10 +1132,11 @@ mod tests {
     /// `check` prints the configuration: the tables it names are the layout's own.
     #[test]
     fn the_shown_configuration_names_the_layouts_tables() {
-        let config = Config {
-            database_url: "postgres://relay:secret@db/app".into(),
-            layout: LayoutKind::Debezium,
-            ..Config::default()
+        let config = {
+            let mut c = Config::default();
+            c.database.database_url = "postgres://relay:secret@db/app".into();
+            c.database.layout = LayoutKind::Debezium;
+            c
         };
         let shown = format!("{config:?}");
         assert!(shown.contains(r#"outbox: "public.outboxevent""#), "{shown}");
@@ -1630,51 +1147,57 @@ mod tests {
     #[test]
     fn wal_capture_settings_that_cannot_apply_are_refused() {
         let pg = "postgres://relay@db/app".to_string();
-        let wal = |c: Config| Config {
-            capture: CaptureMode::Wal,
-            ..c
+        let wal = |c: Config| {
+            let mut c = c;
+            c.database.capture = CaptureMode::Wal;
+            c
         };
         let refused = |c: Config| c.validate().unwrap_err().to_string();
         let err = refused(wal(Config::default()));
         assert!(err.contains("postgres://"), "{err}");
         for (config, named) in [
             (
-                Config {
-                    database_url: pg.clone(),
-                    layout: LayoutKind::Adbc,
-                    ..Config::default()
+                {
+                    let mut c = Config::default();
+                    c.database.database_url = pg.clone();
+                    c.database.layout = LayoutKind::Adbc;
+                    c
                 },
                 "layout",
             ),
             (
-                Config {
-                    database_url: pg.clone(),
-                    retain_delivered: true,
-                    ..Config::default()
+                {
+                    let mut c = Config::default();
+                    c.database.database_url = pg.clone();
+                    c.database.retain_delivered = true;
+                    c
                 },
                 "retain_delivered",
             ),
             (
-                Config {
-                    database_url: pg.clone(),
-                    ordering: OrderingMode::None,
-                    ..Config::default()
+                {
+                    let mut c = Config::default();
+                    c.database.database_url = pg.clone();
+                    c.relay.ordering = OrderingMode::None;
+                    c
                 },
                 "ordering",
             ),
             (
-                Config {
-                    database_url: pg.clone(),
-                    wakeup: WakeupMode::Gated,
-                    ..Config::default()
+                {
+                    let mut c = Config::default();
+                    c.database.database_url = pg.clone();
+                    c.database.wakeup = WakeupMode::Gated;
+                    c
                 },
                 "wakeup",
             ),
             (
-                Config {
-                    database_url: pg.clone(),
-                    slot: "Bad-Name".into(),
-                    ..Config::default()
+                {
+                    let mut c = Config::default();
+                    c.database.database_url = pg.clone();
+                    c.wal.slot = "Bad-Name".into();
+                    c
                 },
                 "slot",
             ),
@@ -1683,10 +1206,11 @@ mod tests {
             assert!(err.contains(named), "{named}: {err}");
         }
         // Debezium's table is captured, with native tables of the relay's own beside it.
-        let debezium = wal(Config {
-            database_url: pg.clone(),
-            layout: LayoutKind::Debezium,
-            ..Config::default()
+        let debezium = wal({
+            let mut c = Config::default();
+            c.database.database_url = pg.clone();
+            c.database.layout = LayoutKind::Debezium;
+            c
         });
         debezium.validate().unwrap();
         let StoreSettings::Postgres(settings) = debezium.store_settings().unwrap() else {
@@ -1701,17 +1225,19 @@ mod tests {
         assert_eq!(source.table.name.as_str(), "outboxevent");
         assert_eq!(source.columns.sequence_id, "relay_sequence");
         // A slot without WAL capture would be silently ignored.
-        let err = refused(Config {
-            database_url: pg.clone(),
-            slot: "mine".into(),
-            ..Config::default()
+        let err = refused({
+            let mut c = Config::default();
+            c.database.database_url = pg.clone();
+            c.wal.slot = "mine".into();
+            c
         });
         assert!(err.contains("--capture wal"), "{err}");
         // Resolved: the native store with its slot, and writers that notify nobody.
-        let config = wal(Config {
-            database_url: pg,
-            slot: "mine".into(),
-            ..Config::default()
+        let config = wal({
+            let mut c = Config::default();
+            c.database.database_url = pg;
+            c.wal.slot = "mine".into();
+            c
         });
         config.validate().unwrap();
         let parts = config.resolve(NodeId("n1".into()), false).unwrap();
@@ -1721,36 +1247,6 @@ mod tests {
         assert_eq!(settings.capture.as_ref().unwrap().slot, "mine");
         assert!(settings.options.tables.poll_wakeup && settings.mapped.is_none());
         assert_eq!(parts.engine.wake, WakeMode::Notify);
-    }
-
-    #[test]
-    fn a_seed_layout_brings_its_own_table_names() {
-        let adbc = Config {
-            layout: LayoutKind::Adbc,
-            ..Config::default()
-        };
-        let t = adbc.layout_tables();
-        assert_eq!(
-            (t.outbox_table.as_str(), t.nodes_table.as_str()),
-            ("outbox", "nodes")
-        );
-        assert_eq!(t.notify_channel, "ably_adbc");
-        let export = Config {
-            layout: LayoutKind::Export,
-            nodes_table: "my_nodes".into(),
-            ..Config::default()
-        };
-        let t = export.layout_tables();
-        assert_eq!(
-            (t.outbox_table.as_str(), t.nodes_table.as_str()),
-            ("event", "my_nodes")
-        );
-        let named = Config {
-            layout: LayoutKind::OpenOutbox,
-            outbox_table: "events".into(),
-            ..Config::default()
-        };
-        assert_eq!(named.layout_tables().outbox_table, "events");
     }
 
     /// `[[outboxes]]` from a file and flags: each outbox's settings in effect, or the error.
@@ -1796,28 +1292,38 @@ mod tests {
             panic!("{outboxes:?}")
         };
         assert_eq!(orders.name, "orders");
-        assert_eq!(orders.config.database_url, "postgres://relay@db/orders");
-        assert_eq!(orders.config.batch_size, 100, "from the top level");
-        assert_eq!(orders.config.lease, Duration::from_secs(45), "from a flag");
-        assert_eq!(orders.config.sink.as_deref(), Some("stdout"));
-        assert_eq!(orders.config.retry.max_attempts, 7);
-        // An entry's table replaces the top-level one whole; its sinks replace `sink`.
-        assert_eq!(billing.config.retry.max_attempts, 2);
         assert_eq!(
-            billing.config.retry.base_delay,
+            orders.config.database.database_url,
+            "postgres://relay@db/orders"
+        );
+        assert_eq!(orders.config.engine.batch_size, 100, "from the top level");
+        assert_eq!(
+            orders.config.engine.lease,
+            Duration::from_secs(45),
+            "from a flag"
+        );
+        assert_eq!(orders.config.relay.sink.as_deref(), Some("stdout"));
+        assert_eq!(orders.config.engine.retry.max_attempts, 7);
+        // An entry's table replaces the top-level one whole; its sinks replace `sink`.
+        assert_eq!(billing.config.engine.retry.max_attempts, 2);
+        assert_eq!(
+            billing.config.engine.retry.base_delay,
             RetryPolicy::default().base_delay
         );
-        assert_eq!(billing.config.sink, None);
-        assert_eq!(billing.config.sinks.keys().collect::<Vec<_>>(), ["main"]);
-        assert_eq!(billing.config.routes.len(), 1);
-        assert!(billing.config.outboxes.is_empty());
+        assert_eq!(billing.config.relay.sink, None);
+        assert_eq!(
+            billing.config.relay.sinks.keys().collect::<Vec<_>>(),
+            ["main"]
+        );
+        assert_eq!(billing.config.relay.routes.len(), 1);
+        assert!(billing.config.relay.outboxes.is_empty());
         // A flag wins over an entry, as over the file.
         let flagged = outboxes_of(
             "[[outboxes]]\nname = \"a\"\nbatch_size = 5\n",
             &["outbox-relay", "run", "--batch-size", "9"],
         )
         .unwrap();
-        assert_eq!(flagged[0].config.batch_size, 9);
+        assert_eq!(flagged[0].config.engine.batch_size, 9);
         // The top level only lends settings: what would not apply to it alone (a
         // PostgreSQL-only setting over the default SQLite URL) is judged in each outbox.
         let lent = outboxes_of(
@@ -1826,7 +1332,7 @@ mod tests {
             &["outbox-relay", "run"],
         )
         .unwrap();
-        assert_eq!(lent[0].config.wakeup, WakeupMode::Gated);
+        assert_eq!(lent[0].config.database.wakeup, WakeupMode::Gated);
         // Without [[outboxes]], nothing changes.
         assert!(outboxes_of("batch_size = 100\n", &["outbox-relay", "run"])
             .unwrap()
@@ -1960,10 +1466,13 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            by_flag.database_url, URL_WITH_PASSWORD,
+            by_flag.database.database_url, URL_WITH_PASSWORD,
             "the newline trimmed"
         );
-        assert_eq!(by_flag.database_kind().unwrap(), DatabaseKind::Postgres);
+        assert_eq!(
+            by_flag.database.database_kind().unwrap(),
+            DatabaseKind::Postgres
+        );
         let shown = format!("{by_flag:?}");
         assert!(
             !shown.contains("pw-in-file") && shown.contains("(from db-url)"),
@@ -1975,14 +1484,14 @@ mod tests {
             &["outbox-relay", "migrate"],
         )
         .unwrap();
-        assert_eq!(by_env.database_url, URL_WITH_PASSWORD);
+        assert_eq!(by_env.database.database_url, URL_WITH_PASSWORD);
         let by_setting = load_with_files(
             &[file, ("relay.toml", "database_url_file = \"db-url\"\n")],
             &[],
             &["outbox-relay", "stats"],
         )
         .unwrap();
-        assert_eq!(by_setting.database_url, URL_WITH_PASSWORD);
+        assert_eq!(by_setting.database.database_url, URL_WITH_PASSWORD);
     }
 
     #[test]
@@ -2072,7 +1581,7 @@ mod tests {
         let outboxes = outboxes_with(&files, &["outbox-relay", "check"]).unwrap();
         let urls: Vec<&str> = outboxes
             .iter()
-            .map(|o| o.config.database_url.as_str())
+            .map(|o| o.config.database.database_url.as_str())
             .collect();
         assert_eq!(
             urls,
@@ -2130,11 +1639,12 @@ mod tests {
     #[test]
     fn a_slot_is_named_after_its_database_and_table_unless_one_is_configured() {
         let named = |url: &str, table: Option<&str>, slot: &str| {
-            Config {
-                database_url: url.into(),
-                outbox_table: table.unwrap_or("outbox").into(),
-                slot: slot.into(),
-                ..Config::default()
+            {
+                let mut c = Config::default();
+                c.database.database_url = url.into();
+                c.database.outbox_table = table.unwrap_or("outbox").into();
+                c.wal.slot = slot.into();
+                c
             }
             .slot_name()
         };

@@ -18,6 +18,8 @@ use outbox_core::health::{Check, DEFAULT_STALL};
 use outbox_core::{Health, OutboxStore, Publisher};
 use tower::ServiceExt;
 
+pub mod settings;
+
 /// What `/readyz` and `/metrics` read of one running outbox.
 #[derive(Clone)]
 pub struct Probes {

@@ -55,16 +55,17 @@ fn escaped_fields() -> impl for<'w> tracing_subscriber::fmt::FormatFields<'w> {
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn init_logging(config: &Config) -> anyhow::Result<()> {
-    let mut filter = tracing_subscriber::EnvFilter::try_new(&config.log_level).map_err(|e| {
-        anyhow::anyhow!(
-            "invalid log level {:?}: {e}; use e.g. info, debug or outbox_engine=debug",
-            config.log_level
-        )
-    })?;
+    let mut filter =
+        tracing_subscriber::EnvFilter::try_new(&config.relay.log_level).map_err(|e| {
+            anyhow::anyhow!(
+                "invalid log level {:?}: {e}; use e.g. info, debug or outbox_engine=debug",
+                config.relay.log_level
+            )
+        })?;
     // The replication client logs each session that ends at ERROR, a standby's "slot in use"
     // every second among them. It also returns the error, which the WAL reader logs at the
     // level its cause deserves; so the client's own line is left out unless asked for.
-    if !config.log_level.contains("pgwire_replication") {
+    if !config.relay.log_level.contains("pgwire_replication") {
         if let Ok(quiet) = "pgwire_replication::client=off".parse() {
             filter = filter.add_directive(quiet);
         }
@@ -75,7 +76,7 @@ fn init_logging(config: &Config) -> anyhow::Result<()> {
         .with_env_filter(filter)
         .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
-    match config.log_format {
+    match config.relay.log_format {
         LogFormat::Json => builder.json().flatten_event(true).init(),
         LogFormat::Text => builder.fmt_fields(escaped_fields()).init(),
     }
@@ -102,7 +103,7 @@ async fn dispatch(
         }
         return commands::health(config, args.ready).await;
     }
-    if config.outboxes.is_empty() {
+    if config.relay.outboxes.is_empty() {
         if let Some(name) = outbox {
             return Err(config_error(format!(
                 "--outbox {name}: the configuration has no [[outboxes]]; remove --outbox, or \
@@ -172,6 +173,10 @@ async fn run_command(command: Command, config: Config) -> anyhow::Result<ExitCod
         Command::Dead(command) => operator::dead(config, command).await,
         Command::Replay(args) => operator::replay(config, args).await,
         Command::Prune(args) => operator::prune(config, args).await,
+        Command::Settings => {
+            print!("{}", cli::reference_text());
+            Ok(ExitCode::SUCCESS)
+        }
     }
 }
 
@@ -180,6 +185,11 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => e.exit(),
     };
+    if let Command::Settings = cli.command {
+        // The reference needs no configuration, and is shown whatever the configuration holds.
+        print!("{}", cli::reference_text());
+        return ExitCode::SUCCESS;
+    }
     let config = match Config::load(cli.global.config.as_deref(), cli.flags()) {
         Ok(config) => config,
         Err(e) => {
@@ -205,7 +215,7 @@ fn main() -> ExitCode {
     };
     let outbox = cli.global.outbox.clone();
     let flags = cli.flags();
-    let log_format = config.log_format;
+    let log_format = config.relay.log_format;
     let result = runtime.block_on(dispatch(cli.command, config, flags, outbox));
     match result {
         Ok(code) => code,

@@ -98,15 +98,16 @@ pub async fn run(
     drain: bool,
     metrics: PrometheusHandle,
 ) -> anyhow::Result<ExitCode> {
-    let (http_addr, token) = config.http_settings()?;
-    let hosts = crate::http::AllowedHosts::new(config.allowed_host_names()?);
+    let (http_addr, token) = config.http.listen()?;
+    let hosts = crate::http::AllowedHosts::new(config.http.allowed_host_names()?);
     // One backstop for the process, by the longest shutdown_timeout of its outboxes.
     let shutdown_timeout = outboxes
         .iter()
-        .map(|o| o.config.shutdown_timeout)
+        .map(|o| o.config.engine.shutdown_timeout)
         .max()
         .unwrap_or_default();
     let node = config
+        .relay
         .node_id
         .clone()
         .unwrap_or_else(crate::commands::default_node_id);
@@ -218,7 +219,7 @@ fn start(
     mut stopping: tokio::sync::watch::Receiver<bool>,
 ) -> anyhow::Result<tokio::sync::oneshot::Receiver<anyhow::Result<()>>> {
     let NamedOutbox { name, mut config } = outbox;
-    config.node_id = Some(node);
+    config.relay.node_id = Some(node);
     let label: Arc<str> = Arc::from(name.as_str());
     let (done, ended) = tokio::sync::oneshot::channel();
     let thread_label = label.clone();

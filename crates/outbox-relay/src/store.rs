@@ -10,6 +10,8 @@ use outbox_store_postgres::mapped::MappedPgOptions;
 use outbox_store_postgres::{MappedPgStore, PgOptions, PgStore};
 use outbox_store_sqlite::SqliteStore;
 
+pub mod settings;
+
 /// The replication slot and publication of `--capture wal`.
 #[derive(Clone, Debug)]
 pub struct Capture {

@@ -585,8 +585,8 @@ async fn a_publish_is_abandoned_when_the_partition_lease_runs_out() {
     }
     let seq = store.insert(vec![event("k", 0)]).await.unwrap();
     let mut config = outbox_engine::EngineConfig::new(node);
-    config.ownership = Some(ownership);
-    config.publish_timeout = Duration::from_secs(3600);
+    config.shared.ownership = Some(ownership);
+    config.settings.publish_timeout = Duration::from_secs(3600);
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let engine = tokio::spawn(outbox_engine::run(
         Arc::new(store),
@@ -795,8 +795,10 @@ async fn a_heartbeat_whose_answer_was_lost_does_not_make_the_node_think_it_was_d
         None,
         outbox_cluster::ClusterConfig {
             node: NodeId("n1".into()),
-            heartbeat_interval: Duration::from_millis(50),
-            heartbeat_timeout: Duration::from_secs(5),
+            settings: outbox_cluster::ClusterSettings {
+                heartbeat_interval: Duration::from_millis(50),
+                heartbeat_timeout: Duration::from_secs(5),
+            },
             health: outbox_core::Health::new(),
         },
     )
@@ -957,8 +959,10 @@ async fn race_a_registration_that_meets_a_concurrent_insert_of_its_row_looks_aga
                 None,
                 outbox_cluster::ClusterConfig {
                     node: NodeId("twin".into()),
-                    heartbeat_interval: Duration::from_millis(200),
-                    heartbeat_timeout: Duration::from_secs(30),
+                    settings: outbox_cluster::ClusterSettings {
+                        heartbeat_interval: Duration::from_millis(200),
+                        heartbeat_timeout: Duration::from_secs(30),
+                    },
                     health: outbox_core::Health::new(),
                 },
             )

@@ -523,10 +523,10 @@ async fn drained(store: Arc<dyn OutboxStore>, publisher: &RecordingPublisher) ->
 fn engine_config(drain: bool) -> EngineConfig {
     let mut config = EngineConfig::new(NodeId::random());
     config.drain = drain;
-    config.batch_size = 7; // small, so ordering crosses claim boundaries
+    config.settings.batch_size = 7; // small, so ordering crosses claim boundaries
     config.wake = WakeMode::FixedRate;
-    config.poll_interval = Duration::from_millis(20);
-    config.retry = RetryPolicy {
+    config.settings.poll_interval = Duration::from_millis(20);
+    config.settings.retry = RetryPolicy {
         base_delay: Duration::from_millis(20),
         max_delay: Duration::from_millis(100),
         max_attempts: 3,
@@ -631,8 +631,8 @@ pub async fn engine_retry_blocks_only_its_key(h: &dyn Harness) {
     // The slow key's two retries take at least 100 + 200 ms: ample time for the fast key's
     // fifteen events, however loaded the machine.
     let mut config = engine_config(false);
-    config.retry.base_delay = Duration::from_millis(200);
-    config.retry.max_delay = Duration::from_millis(400);
+    config.settings.retry.base_delay = Duration::from_millis(200);
+    config.settings.retry.max_delay = Duration::from_millis(400);
     let summary = run_until_settled(h, &publisher, config, &seq).await;
     assert_eq!(summary.published, 30);
     assert_eq!(summary.retried, 2);

@@ -434,9 +434,9 @@ pub async fn broker_restart_mid_stream_loses_nothing(h: &dyn BrokerHarness) {
     };
     let mut config = EngineConfig::new(NodeId::random());
     config.wake = WakeMode::Notify;
-    config.poll_interval = Duration::from_millis(50);
-    config.publish_timeout = Duration::from_secs(5);
-    config.retry = RetryPolicy {
+    config.settings.poll_interval = Duration::from_millis(50);
+    config.settings.publish_timeout = Duration::from_secs(5);
+    config.settings.retry = RetryPolicy {
         base_delay: Duration::from_millis(50),
         max_delay: Duration::from_millis(500),
         max_attempts: 10_000,

@@ -11,6 +11,7 @@
 //! - [`burst`]: how the reader cuts the stream into the items the engine claims from.
 //! - [`ack`]: which position the slot may be confirmed at, given which events are settled.
 //! - [`schema`]: the publication `migrate --capture wal` creates.
+//! - [`settings`]: the slot and the publication, as the operator sets them.
 //! - [`client`]: the replication session (slot creation, START_REPLICATION, status
 //!   updates) over `pgwire-replication`.
 //!
@@ -29,6 +30,7 @@ pub mod emit;
 pub mod event;
 pub mod lsn;
 pub mod schema;
+pub mod settings;
 pub mod table;
 
 pub use ack::{AckError, Acknowledgements};
@@ -43,4 +45,5 @@ pub use emit::{emit_function, emit_function_ddl, emit_prefix, EMIT_FUNCTION, EMI
 pub use event::{EventPosition, EventSource, Undecodable, WalEvent};
 pub use lsn::Lsn;
 pub use schema::publication_ddl;
+pub use settings::WalSettings;
 pub use table::ColumnNames;

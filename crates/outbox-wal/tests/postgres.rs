@@ -663,13 +663,13 @@ mod through_the_engine {
                 },
             );
             let mut config = EngineConfig::new(NodeId("wal-test".into()));
-            config.retry = RetryPolicy {
+            config.settings.retry = RetryPolicy {
                 base_delay: Duration::from_millis(50),
                 max_delay: Duration::from_millis(200),
                 max_attempts: 1000,
                 ..RetryPolicy::default()
             };
-            config.poll_interval = Duration::from_millis(100);
+            config.settings.poll_interval = Duration::from_millis(100);
             let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
             let engine = tokio::spawn(outbox_engine::run(
                 Arc::new(store.clone()),

@@ -1,0 +1,143 @@
+//! The engine's settings: what an operator tunes about claiming, publishing and settling.
+
+use std::time::Duration;
+
+use outbox_core::RetryPolicy;
+
+/// Rows claimed per statement: the fastest drain of the sizes measured (BENCHMARKS.md, "What
+/// each change bought").
+pub const DEFAULT_BATCH_SIZE: usize = 1000;
+/// Rows one node holds at most (claimed, not yet settled): ten claims' worth keeps a hot
+/// node's lanes full while bounding what a crash hands back to other nodes.
+pub const DEFAULT_MAX_IN_FLIGHT: usize = 10_000;
+/// How long a claim's lease lives; a crashed node's rows come back after this. Long enough to
+/// outlive the default publish timeout, short enough that a crash delays its rows by seconds.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+/// The safety poll with LISTEN (a lost notification costs at most this), or the polling period
+/// in fixed-rate mode.
+pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_secs(1);
+/// How long a sink may take to confirm a batch before its events are retried; shorter than
+/// the row lease, which must outlive every publish of its row. Partition leases bound each
+/// publish by themselves (`Engine::lease_lost`).
+pub const DEFAULT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long a graceful shutdown may take in all: waiting for in-flight publishes, then
+/// releasing rows, closing the sinks, giving up partitions and deregistering. Within the
+/// 30 s grace period that Kubernetes and systemd give before killing.
+pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// The largest claim: one statement's rows are held in memory and settled together.
+const MAX_BATCH_SIZE: usize = 50_000;
+/// The shortest lease: leases are extended every third of it, and shorter ones expire between
+/// two extensions on a loaded database.
+const MIN_LEASE: Duration = Duration::from_millis(300);
+/// The shortest publish timeout: below it, every publish times out and is sent again,
+/// duplicating every event.
+const MIN_PUBLISH_TIMEOUT: Duration = Duration::from_millis(100);
+
+outbox_core::settings! {
+    /// What the operator sets about the engine (the keys of the same names).
+    #[derive(Clone, Debug, PartialEq)]
+    pub struct EngineSettings {
+        /// Rows claimed per statement.
+        pub batch_size: usize = DEFAULT_BATCH_SIZE,
+        /// Rows one node holds at most while publishing.
+        pub max_in_flight: usize = DEFAULT_MAX_IN_FLIGHT,
+        /// Lease on claimed rows; a crashed node's rows return after it.
+        #[serde(with = "outbox_core::time::duration_text")]
+        pub lease: Duration = DEFAULT_LEASE,
+        /// Safety-poll period while LISTENing, or the polling period with --poll-fixed-rate.
+        #[serde(with = "outbox_core::time::duration_text")]
+        pub poll_interval: Duration = DEFAULT_POLL_INTERVAL,
+        /// Do not LISTEN for notifications; poll every --poll-interval instead.
+        pub poll_fixed_rate: bool = false,
+        /// Time a sink has to confirm a batch before it is retried; shorter than --lease, and cut
+        /// short when the node's partition lease runs out.
+        #[serde(with = "outbox_core::time::duration_text")]
+        pub publish_timeout: Duration = DEFAULT_PUBLISH_TIMEOUT,
+        /// Time a graceful shutdown waits for in-flight events.
+        #[serde(with = "outbox_core::time::duration_text")]
+        pub shutdown_timeout: Duration = DEFAULT_SHUTDOWN_TIMEOUT,
+        /// How failed publishes are retried ([retry]): base_delay, max_delay, max_attempts,
+        /// max_attempts_by_type.
+        pub retry: RetryPolicy = RetryPolicy::default(),
+    }
+}
+
+impl EngineSettings {
+    /// Refuses values the engine cannot work with, naming the setting and the fix.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.batch_size == 0 || self.batch_size > MAX_BATCH_SIZE {
+            return Err(format!(
+                "batch_size must be between 1 and {MAX_BATCH_SIZE} (got {})",
+                self.batch_size
+            ));
+        }
+        if self.max_in_flight < self.batch_size {
+            return Err(format!(
+                "max_in_flight ({}) must be at least batch_size ({})",
+                self.max_in_flight, self.batch_size
+            ));
+        }
+        if self.lease < MIN_LEASE {
+            return Err(format!(
+                "lease must be at least 300ms (got {:?})",
+                self.lease
+            ));
+        }
+        if self.poll_interval.is_zero() {
+            return Err("poll_interval must be greater than zero".into());
+        }
+        if self.publish_timeout < MIN_PUBLISH_TIMEOUT {
+            return Err(format!(
+                "publish_timeout must be at least 100ms (got {:?}): every publish would time out \
+                 and be sent again",
+                self.publish_timeout
+            ));
+        }
+        // A row lease stops guarding its row when it runs out: a publish still waiting then
+        // can be confirmed after another node took the row and published the key's next
+        // events. (Partition leases bound each publish by themselves, see the engine.)
+        if self.publish_timeout >= self.lease {
+            return Err(format!(
+                "publish_timeout ({:?}) must be shorter than lease ({:?}): a publish must not \
+                 outlive the lease on its row",
+                self.publish_timeout, self.lease
+            ));
+        }
+        self.retry.validate()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_defaults_are_consistent() {
+        EngineSettings::default().validate().unwrap();
+    }
+
+    #[test]
+    fn impossible_timings_are_refused_by_name() {
+        let refused = |s: EngineSettings| s.validate().unwrap_err();
+        let err = refused(EngineSettings {
+            publish_timeout: Duration::from_nanos(1),
+            ..EngineSettings::default()
+        });
+        assert!(
+            err.contains("publish_timeout must be at least 100ms"),
+            "{err}"
+        );
+        let err = refused(EngineSettings {
+            publish_timeout: Duration::from_secs(45),
+            ..EngineSettings::default()
+        });
+        assert!(err.contains("shorter than lease"), "{err}");
+        let err = refused(EngineSettings {
+            batch_size: 2000,
+            max_in_flight: 1000,
+            ..EngineSettings::default()
+        });
+        assert!(err.contains("max_in_flight (1000)"), "{err}");
+    }
+}

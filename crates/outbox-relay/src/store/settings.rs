@@ -1,0 +1,458 @@
+//! The database's settings: which database, which tables and layout, and how the relay learns
+//! of new rows. Read by the store factory ([`DatabaseSettings::store_settings`]).
+
+use std::path::PathBuf;
+
+use anyhow::bail;
+use outbox_core::redact::redact_url;
+use outbox_layout::LayoutKind;
+use outbox_wal::WalSettings;
+use serde::{Deserialize, Serialize};
+
+use super::{Capture, CapturedTable, PostgresSettings, StoreSettings};
+
+/// The zero-configuration database: a SQLite file in the working directory.
+pub const DEFAULT_DATABASE_URL: &str = "sqlite:outbox.db";
+/// The schema of the outbox and nodes tables (on MySQL: the URL's database).
+pub const DEFAULT_SCHEMA: &str = "public";
+/// The nodes table of the native layout (a seed's layout may bring its own).
+pub const DEFAULT_NODES_TABLE: &str = "outbox_nodes";
+/// Connections per store: enough for claims, settles, lease extension and the console's reads
+/// at once, few enough for a database that serves many relays.
+pub const DEFAULT_POOL_SIZE: usize = 8;
+
+/// How writers wake the relay (PostgreSQL).
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum WakeupMode {
+    /// Every inserting statement NOTIFYs (simple; NOTIFY serialises commits under load).
+    Notify,
+    /// Writers NOTIFY only while a relay waits for rows; a relay at work polls every few
+    /// milliseconds instead. Cheaper for writers; one waiting node per table gets the
+    /// notifications, other cluster nodes rely on poll_interval.
+    Gated,
+    /// Writers never NOTIFY and the relay polls every poll_interval (as with
+    /// poll_fixed_rate). For applications that use two-phase commit: PostgreSQL refuses to
+    /// PREPARE a transaction that has sent a NOTIFY.
+    Poll,
+}
+
+/// How the relay reads events (PostgreSQL).
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum CaptureMode {
+    /// Claim rows from the outbox table (every store).
+    Poll,
+    /// Read committed INSERTs and `outbox_emit` messages from a logical replication slot,
+    /// in commit order (PostgreSQL, native layout; `migrate --capture wal` first).
+    Wal,
+}
+
+outbox_core::settings! {
+    /// What the operator sets about the database (the keys of the same names).
+    #[derive(Clone, PartialEq)]
+    pub struct DatabaseSettings {
+        /// Database URL: postgres://user:pass@host:port/db[?sslmode=require],
+        /// mysql://user:pass@host:port/db[?require_ssl=true] (MySQL 8, MariaDB >= 10.6) or
+        /// sqlite:PATH. Also OUTBOX_RELAY_DATABASE_URL or DATABASE_URL.
+        pub database_url: String = DEFAULT_DATABASE_URL.into(),
+        /// A file whose first line is the database URL, read once at start instead of
+        /// --database-url: a systemd credential or a mounted Kubernetes Secret, so that the
+        /// password is in no environment. Also OUTBOX_RELAY_DATABASE_URL_FILE.
+        pub database_url_file: Option<PathBuf> = None,
+        /// Extra CA certificates (PEM) for database TLS (verify-ca, verify-full; with them,
+        /// sslmode=require verifies the server too).
+        pub database_ca_file: Option<PathBuf> = None,
+        /// The outbox table's layout: native (the relay's own tables), adbc (Ably Database
+        /// Connector), open-outbox (Open Outbox Relay), export (event + event_type),
+        /// mysql-outbox-events (the MySQL 8 seed), debezium (Debezium's outboxevent table), or
+        /// custom (a [mapping] in the config file).
+        /// Each seed layout defaults to its own table name.
+        pub layout: LayoutKind = LayoutKind::Native,
+        /// The column mapping of layout = "custom" ([mapping]): the table and its columns.
+        pub mapping: Option<outbox_layout::Mapping> = None,
+        /// How writers wake the relay on PostgreSQL: notify (every inserting statement NOTIFYs),
+        /// gated (only while the relay waits for rows; cheaper for writers under load) or poll
+        /// (never: the relay polls every --poll-interval; for applications that use two-phase
+        /// commit, since a transaction that sent a NOTIFY cannot PREPARE TRANSACTION).
+        /// `migrate` installs the matching trigger function.
+        pub wakeup: WakeupMode = WakeupMode::Notify,
+        /// How the relay reads events on PostgreSQL: poll (claims rows from the outbox table) or
+        /// wal (reads committed INSERTs and outbox_emit() messages from a logical replication
+        /// slot, in commit order, at no cost to writers; needs wal_level = logical, a role with
+        /// REPLICATION, and `migrate --capture wal`).
+        pub capture: CaptureMode = CaptureMode::Poll,
+        /// Schema of the outbox table.
+        pub outbox_schema: String = DEFAULT_SCHEMA.into(),
+        /// Name of the outbox table; dead letters go to <name>_dead_letters.
+        pub outbox_table: String = LayoutKind::Native.default_outbox_table().into(),
+        /// Schema of the nodes table.
+        pub nodes_schema: String = DEFAULT_SCHEMA.into(),
+        /// Name of the nodes table.
+        pub nodes_table: String = DEFAULT_NODES_TABLE.into(),
+        /// The channel writers NOTIFY and the relay LISTENs on (PostgreSQL).
+        pub notify_channel: String = outbox_store_postgres::DEFAULT_NOTIFY_CHANNEL.into(),
+        /// Keep delivered rows, marked with delivered_at, instead of deleting them.
+        pub retain_delivered: bool = false,
+        /// Create missing tables and trigger at start (needs CREATE privileges).
+        pub auto_migrate: bool = false,
+        /// Partitions to spread ordering keys over, fixed when the outbox is created.
+        pub partitions: u32 = outbox_core::partition::DEFAULT_PARTITIONS,
+        /// Database connections the store keeps open.
+        pub pool_size: usize = DEFAULT_POOL_SIZE,
+    }
+}
+
+/// The password never shows: the URL goes through the one redactor, with the file it came
+/// from.
+impl std::fmt::Debug for DatabaseSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let url = redact_url(&self.database_url);
+        let database_url = match &self.database_url_file {
+            Some(file) => format!("{url} (from {})", file.display()),
+            None => url,
+        };
+        let tables = self.layout_tables();
+        f.debug_struct("DatabaseSettings")
+            .field("database_url", &database_url)
+            .field("layout", &self.layout.to_string())
+            // The tables in effect: a layout's own names where none are configured.
+            .field(
+                "outbox",
+                &format!("{}.{}", tables.outbox_schema, tables.outbox_table),
+            )
+            .field(
+                "nodes",
+                &format!("{}.{}", tables.nodes_schema, tables.nodes_table),
+            )
+            .field("retain_delivered", &self.retain_delivered)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Table names after the layout's defaults: a seed's table name replaces the native default.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LayoutTables {
+    pub outbox_schema: String,
+    pub outbox_table: String,
+    pub nodes_schema: String,
+    pub nodes_table: String,
+    pub notify_channel: String,
+}
+
+/// Which database a URL names.
+#[derive(Clone, Debug, PartialEq)]
+pub enum DatabaseKind {
+    Postgres,
+    MySql,
+    Sqlite(PathBuf),
+}
+
+impl DatabaseKind {
+    /// The store's name where a setting does not apply to it; `None` for PostgreSQL, where
+    /// every setting does.
+    pub fn other_than_postgres(&self) -> Option<&'static str> {
+        match self {
+            DatabaseKind::Postgres => None,
+            DatabaseKind::MySql => Some("MySQL/MariaDB"),
+            DatabaseKind::Sqlite(_) => Some("SQLite"),
+        }
+    }
+}
+
+impl DatabaseSettings {
+    pub fn database_kind(&self) -> anyhow::Result<DatabaseKind> {
+        let url = self.database_url.trim();
+        if url.is_empty() {
+            bail!("the database URL is empty: set DATABASE_URL (or --database-url, OUTBOX_RELAY_DATABASE_URL, database_url)");
+        }
+        if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            return Ok(DatabaseKind::Postgres);
+        }
+        if let Some(path) = url.strip_prefix("sqlite:") {
+            let path = path.strip_prefix("//").unwrap_or(path);
+            if path.is_empty() {
+                bail!("database URL `sqlite:` needs a file path, e.g. sqlite:outbox.db");
+            }
+            return Ok(DatabaseKind::Sqlite(PathBuf::from(path)));
+        }
+        let shown = redact_url(url);
+        if url.starts_with("mysql://") || url.starts_with("mariadb://") {
+            return Ok(DatabaseKind::MySql);
+        }
+        bail!("unsupported database URL {shown}: use postgres://user@host:port/db, mysql://user@host:port/db or sqlite:PATH")
+    }
+
+    /// The table names in effect for the layout: a name left at its default becomes the
+    /// layout's own (a seed's table, the Ably connector's nodes table and channel).
+    pub fn layout_tables(&self) -> LayoutTables {
+        let native = LayoutKind::Native;
+        let layout_default = |set: &str, default: &str, own: Option<&str>| match own {
+            Some(own) if set == default => own.to_string(),
+            _ => set.to_string(),
+        };
+        LayoutTables {
+            outbox_schema: self.outbox_schema.clone(),
+            outbox_table: layout_default(
+                &self.outbox_table,
+                native.default_outbox_table(),
+                Some(self.layout.default_outbox_table()),
+            ),
+            nodes_schema: self.nodes_schema.clone(),
+            nodes_table: layout_default(
+                &self.nodes_table,
+                DEFAULT_NODES_TABLE,
+                self.layout.default_nodes_table(),
+            ),
+            notify_channel: layout_default(
+                &self.notify_channel,
+                outbox_store_postgres::DEFAULT_NOTIFY_CHANNEL,
+                self.layout.default_notify_channel(),
+            ),
+        }
+    }
+
+    /// The column mapping of a non-native layout.
+    pub fn layout_mapping(&self) -> anyhow::Result<Option<outbox_layout::Mapping>> {
+        use outbox_layout::{LayoutKind as L, Mapping};
+        let t = self.layout_tables();
+        let mysql = self.database_kind()? == DatabaseKind::MySql;
+        let database = (t.outbox_schema != DEFAULT_SCHEMA).then_some(t.outbox_schema.as_str());
+        let mapping = match self.layout {
+            L::Native if mysql => Mapping::native_mysql(database, &t.outbox_table, self.retain_delivered),
+            L::Native => return Ok(None),
+            L::Adbc => Mapping::adbc(&t.outbox_schema, &t.outbox_table),
+            L::OpenOutbox => Mapping::open_outbox(&t.outbox_schema, &t.outbox_table),
+            L::Export => Mapping::export(&t.outbox_schema, &t.outbox_table),
+            L::MysqlOutboxEvents => Mapping::mysql_outbox_events(database, &t.outbox_table),
+            L::Debezium => Mapping::debezium(&t.outbox_schema, &t.outbox_table),
+            L::Custom => self.mapping.clone().ok_or_else(|| {
+                anyhow::anyhow!("layout = \"custom\" needs a [mapping] section naming the table and its columns (see the README, \"Layouts\")")
+            })?,
+        };
+        mapping
+            .validate()
+            .map_err(|e| anyhow::anyhow!(e.report()))?;
+        Ok(Some(mapping))
+    }
+
+    /// Table, schema and channel names are SQL identifiers: refused here, before any store
+    /// opens, so that a bad name is a configuration error like any other bad value.
+    pub fn check_names(&self) -> anyhow::Result<()> {
+        let t = self.layout_tables();
+        let report = |e: outbox_core::StoreError| anyhow::anyhow!(e.report());
+        outbox_core::ident::TableName::new(&t.outbox_schema, &t.outbox_table).map_err(report)?;
+        outbox_core::ident::TableName::new(&t.nodes_schema, &t.nodes_table).map_err(report)?;
+        outbox_core::ident::Ident::new(&t.notify_channel, "notify channel").map_err(report)?;
+        self.layout_mapping()?;
+        Ok(())
+    }
+
+    /// The server and the database the URL reaches, without credentials or parameters: two
+    /// URLs that differ only there reach the same tables. A default port is spelled out.
+    pub fn identity(&self) -> (String, String) {
+        if let Ok(DatabaseKind::Sqlite(path)) = self.database_kind() {
+            let file = format!("sqlite:{}", path.display());
+            return (file.clone(), file);
+        }
+        let url = self.database_url.trim();
+        let url = url.split(['?', '#']).next().unwrap_or(url);
+        let Some((scheme, rest)) = url.split_once("://") else {
+            return (url.to_string(), url.to_string());
+        };
+        let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+        let host = authority.rsplit('@').next().unwrap_or(authority);
+        let (scheme, port) = match scheme {
+            "postgres" | "postgresql" => ("postgres", "5432"),
+            _ => ("mysql", "3306"),
+        };
+        // `host:port`, `[v6]:port` carry a port; `host`, `[v6]` get the default.
+        let has_port = host.rsplit_once(':').is_some_and(|(_, p)| !p.contains(']'));
+        let server = if has_port {
+            format!("{scheme}://{host}")
+        } else {
+            format!("{scheme}://{host}:{port}")
+        };
+        let database = format!("{server}{path}");
+        (server, database)
+    }
+
+    /// The replication slot of WAL capture (see [`WalSettings::slot_name`]).
+    pub fn slot_name(&self, wal: &WalSettings) -> String {
+        let t = self.layout_tables();
+        let (_, database) = self.identity();
+        let database = database.rsplit('/').next().unwrap_or_default();
+        wal.slot_name(database, &t.outbox_schema, &t.outbox_table)
+    }
+
+    /// Which store the settings name, and its options: `wal` for `capture = "wal"`,
+    /// `max_attempts` for the mapped stores' dead-letter rule, `node_id` for the sessions'
+    /// application_name.
+    pub fn store_settings(
+        &self,
+        wal: &WalSettings,
+        max_attempts: u32,
+        node_id: Option<&str>,
+    ) -> anyhow::Result<StoreSettings> {
+        let report = |e: outbox_core::StoreError| crate::commands::failure(e.report(), &e);
+        let tables = self.layout_tables();
+        let mut mapping = self.layout_mapping()?;
+        Ok(match self.database_kind()? {
+            DatabaseKind::Postgres => {
+                // WAL capture of a mapped table (Debezium's) reads it from the stream and keeps
+                // parked events and dead letters in native tables of its own, `<table>_relay`.
+                let captured = match self.capture {
+                    CaptureMode::Wal => mapping.take(),
+                    CaptureMode::Poll => None,
+                };
+                let native_table = match &captured {
+                    Some(_) => format!("{}_relay", tables.outbox_table),
+                    None => tables.outbox_table.clone(),
+                };
+                let mut pg_tables = outbox_store_postgres::Tables::new(
+                    &tables.outbox_schema,
+                    &native_table,
+                    &tables.nodes_schema,
+                    &tables.nodes_table,
+                    &tables.notify_channel,
+                )
+                .map_err(report)?;
+                pg_tables.partition_count = self.partitions;
+                pg_tables.gated_wakeup = self.wakeup == WakeupMode::Gated;
+                // WAL capture needs no NOTIFY: the stream wakes the relay.
+                pg_tables.poll_wakeup =
+                    self.wakeup == WakeupMode::Poll || self.capture == CaptureMode::Wal;
+                let capture = match self.capture {
+                    CaptureMode::Poll => None,
+                    CaptureMode::Wal => Some(Capture {
+                        slot: self.slot_name(wal),
+                        legacy_slot: wal.legacy_slot(&tables.outbox_schema, &tables.outbox_table),
+                        publication: outbox_core::ident::Ident::new(
+                            &wal.publication,
+                            "publication name",
+                        )
+                        .map_err(report)?,
+                        source: captured
+                            .map(CapturedTable::of)
+                            .transpose()
+                            .map_err(report)?
+                            .map(Box::new),
+                    }),
+                };
+                StoreSettings::Postgres(Box::new(PostgresSettings {
+                    options: outbox_store_postgres::PgOptions {
+                        url: self.database_url.clone(),
+                        tables: pg_tables,
+                        retain_delivered: self.retain_delivered,
+                        ca_file: self.database_ca_file.clone(),
+                        pool_size: self.pool_size,
+                        application_name: Some(match node_id {
+                            Some(node) => format!("outbox-relay {node}"),
+                            None => "outbox-relay".into(),
+                        }),
+                        operation_timeout: None,
+                    },
+                    mapped: mapping.map(|m| (m, self.layout.to_string())),
+                    max_attempts,
+                    capture,
+                }))
+            }
+            DatabaseKind::MySql => {
+                // PostgreSQL-only layouts were refused by `validate`.
+                let Some(mapping) = mapping else {
+                    bail!("every MySQL layout is a mapping");
+                };
+                StoreSettings::MySql(Box::new(outbox_store_mysql::MySqlOptions {
+                    url: self.database_url.clone(),
+                    mapping,
+                    layout: self.layout.to_string(),
+                    max_attempts,
+                    pool_size: self.pool_size,
+                    nodes_table: (self.layout == LayoutKind::Native).then_some(tables.nodes_table),
+                }))
+            }
+            // Other layouts and table names were refused by `validate`.
+            DatabaseKind::Sqlite(path) => StoreSettings::Sqlite {
+                path,
+                retain_delivered: self.retain_delivered,
+            },
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn database_urls_pick_the_store() {
+        let with_url = |url: &str| DatabaseSettings {
+            database_url: url.into(),
+            ..DatabaseSettings::default()
+        };
+        assert_eq!(
+            DatabaseSettings::default().database_kind().unwrap(),
+            DatabaseKind::Sqlite("outbox.db".into())
+        );
+        let pg = with_url("postgresql://h/db");
+        assert_eq!(pg.database_kind().unwrap(), DatabaseKind::Postgres);
+        let err = with_url("oracle://x:pw@h")
+            .database_kind()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("use postgres://") && !err.contains("pw"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_seed_layout_brings_its_own_table_names() {
+        let adbc = DatabaseSettings {
+            layout: LayoutKind::Adbc,
+            ..DatabaseSettings::default()
+        };
+        let t = adbc.layout_tables();
+        assert_eq!(
+            (t.outbox_table.as_str(), t.nodes_table.as_str()),
+            ("outbox", "nodes")
+        );
+        assert_eq!(t.notify_channel, "ably_adbc");
+        let export = DatabaseSettings {
+            layout: LayoutKind::Export,
+            nodes_table: "my_nodes".into(),
+            ..DatabaseSettings::default()
+        };
+        let t = export.layout_tables();
+        assert_eq!(
+            (t.outbox_table.as_str(), t.nodes_table.as_str()),
+            ("event", "my_nodes")
+        );
+        let named = DatabaseSettings {
+            layout: LayoutKind::OpenOutbox,
+            outbox_table: "events".into(),
+            ..DatabaseSettings::default()
+        };
+        assert_eq!(named.layout_tables().outbox_table, "events");
+    }
+
+    /// Two URLs that differ only in credentials, parameters or a spelled-out default port
+    /// reach the same database.
+    #[test]
+    fn a_url_identity_leaves_out_credentials_and_spells_out_the_port() {
+        let identity = |url: &str| {
+            DatabaseSettings {
+                database_url: url.into(),
+                ..DatabaseSettings::default()
+            }
+            .identity()
+        };
+        let shown = identity("postgres://relay:secret@db/app?sslmode=require");
+        assert_eq!(
+            shown,
+            ("postgres://db:5432".into(), "postgres://db:5432/app".into())
+        );
+        assert_eq!(identity("postgresql://other@db:5432/app"), shown);
+        assert_eq!(identity("mysql://relay@db/app").1, "mysql://db:3306/app");
+    }
+}

@@ -1,0 +1,139 @@
+//! WAL capture's settings: the replication slot it streams from and the publication that
+//! names the captured tables.
+
+/// The name every slot had by default before names were derived ([`WalSettings::slot_name`]),
+/// and the start of those names.
+pub const DEFAULT_SLOT: &str = "outbox_relay";
+/// The publication `migrate --capture wal` creates: one per database is enough for one outbox.
+pub const DEFAULT_PUBLICATION: &str = "outbox_relay";
+
+/// PostgreSQL's longest identifier (NAMEDATALEN - 1): a longer slot name is refused.
+const MAX_NAME_LEN: usize = 63;
+
+outbox_core::settings! {
+    /// What the operator sets about WAL capture (the keys of the same names).
+    #[derive(Clone, Debug, PartialEq)]
+    pub struct WalSettings {
+        /// The logical replication slot of --capture wal, created on first run. One active relay
+        /// streams from it; others wait as standbys. Default: outbox_relay_<database>, with
+        /// _<schema> and _<table> when they are not public and outbox (a slot made by an earlier
+        /// version under the old default, outbox_relay, is kept).
+        pub slot: String = String::new(),
+        /// The publication of --capture wal (created by `migrate --capture wal`).
+        pub publication: String = DEFAULT_PUBLICATION.into(),
+    }
+}
+
+impl WalSettings {
+    /// Whether either setting differs from its default: both apply to WAL capture only.
+    pub fn is_set(&self) -> bool {
+        *self != WalSettings::default()
+    }
+
+    /// Refuses slot and publication names PostgreSQL would not take as given.
+    pub fn validate(&self) -> Result<(), String> {
+        let explicit_slot = (!self.slot.is_empty()).then_some(self.slot.as_str());
+        for (name, what) in [
+            (explicit_slot, "slot"),
+            (Some(&*self.publication), "publication"),
+        ] {
+            let Some(name) = name else { continue };
+            let valid = !name.is_empty()
+                && name.len() <= MAX_NAME_LEN
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+            if !valid {
+                return Err(format!(
+                    "invalid {what} name {name:?}: use 1-63 lowercase ASCII letters, digits or \
+                     underscores"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The replication slot: the one configured, or by default one named after the database
+    /// and the outbox table (`outbox_relay_<database>[_<schema>][_<table>]`, the schema and
+    /// table left out when they are `public` and `outbox`), since a slot's name is the
+    /// server's: a fixed default made a second database on one server refuse to start. Too
+    /// long, or not `[a-z0-9_]`, it ends with a hash of the whole instead.
+    pub fn slot_name(&self, database: &str, schema: &str, table: &str) -> String {
+        if !self.slot.is_empty() {
+            return self.slot.clone();
+        }
+        let mut parts = vec![DEFAULT_SLOT, database];
+        if schema != "public" {
+            parts.push(schema);
+        }
+        if table != "outbox" {
+            parts.push(table);
+        }
+        let whole = parts.join("_");
+        let name: String = whole
+            .chars()
+            .map(|c| match c.to_ascii_lowercase() {
+                c @ ('a'..='z' | '0'..='9' | '_') => c,
+                _ => '_',
+            })
+            .collect();
+        if name == whole && name.len() <= MAX_NAME_LEN {
+            return name;
+        }
+        // FNV-1a: stable across builds and platforms, unlike std's hasher.
+        let hash = whole.bytes().fold(0x811c_9dc5_u32, |h, b| {
+            (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+        });
+        let mut name = name;
+        name.truncate(MAX_NAME_LEN - 9);
+        format!("{name}_{hash:08x}")
+    }
+
+    /// The slot an earlier version used for the README's default outbox (`public.outbox`),
+    /// kept when nothing names another: a second outbox of that database, added later, must
+    /// not take over the slot of the first.
+    pub fn legacy_slot(&self, schema: &str, table: &str) -> Option<String> {
+        (self.slot.is_empty()
+            && self.publication == DEFAULT_PUBLICATION
+            && (schema, table) == ("public", "outbox"))
+            .then(|| DEFAULT_SLOT.into())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_postgresql_would_change_are_refused() {
+        WalSettings::default().validate().unwrap();
+        for (slot, publication) in [("Bad-Name", DEFAULT_PUBLICATION), ("", "pub lication")] {
+            let settings = WalSettings {
+                slot: slot.into(),
+                publication: publication.into(),
+            };
+            let err = settings.validate().unwrap_err();
+            assert!(err.contains("lowercase ASCII"), "{err}");
+        }
+    }
+
+    #[test]
+    fn the_old_default_slot_is_kept_only_for_the_default_outbox() {
+        let default = WalSettings::default();
+        assert_eq!(
+            default.legacy_slot("public", "outbox").as_deref(),
+            Some(DEFAULT_SLOT)
+        );
+        assert_eq!(default.legacy_slot("public", "orders"), None);
+        let named = WalSettings {
+            slot: "mine".into(),
+            ..WalSettings::default()
+        };
+        assert_eq!(named.legacy_slot("public", "outbox"), None);
+        assert_eq!(named.slot_name("shop", "public", "outbox"), "mine");
+        assert_eq!(
+            default.slot_name("shop", "sales", "orders"),
+            "outbox_relay_shop_sales_orders"
+        );
+    }
+}
