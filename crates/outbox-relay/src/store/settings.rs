@@ -280,9 +280,33 @@ impl DatabaseSettings {
     /// The replication slot of WAL capture (see [`WalSettings::slot_name`]).
     pub fn slot_name(&self, wal: &WalSettings) -> String {
         let t = self.layout_tables();
-        let (_, database) = self.identity();
-        let database = database.rsplit('/').next().unwrap_or_default();
-        wal.slot_name(database, &t.outbox_schema, &t.outbox_table)
+        wal.slot_name(&self.postgres_database(), &t.outbox_schema, &t.outbox_table)
+    }
+
+    /// The database a PostgreSQL URL connects to, as libpq picks it: `dbname=`, the path,
+    /// or else the user's name. (A URL without a path once named the default slot
+    /// `outbox_relay_`, the same for every database of the server.)
+    fn postgres_database(&self) -> String {
+        let url = self.database_url.trim();
+        let (base, query) = url.split_once('?').unwrap_or((url, ""));
+        let param = |name: &str| {
+            query
+                .split('&')
+                .find_map(|pair| pair.strip_prefix(name)?.strip_prefix('='))
+                .filter(|v| !v.is_empty())
+                .map(str::to_string)
+        };
+        let rest = base.split_once("://").map_or(base, |(_, rest)| rest);
+        let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+        let path = path.trim_start_matches('/');
+        let user = authority
+            .rsplit_once('@')
+            .map(|(credentials, _)| credentials.split(':').next().unwrap_or_default());
+        param("dbname")
+            .or_else(|| (!path.is_empty()).then(|| path.to_string()))
+            .or_else(|| param("user"))
+            .or_else(|| user.filter(|u| !u.is_empty()).map(str::to_string))
+            .unwrap_or_else(|| "postgres".into())
     }
 
     /// Which store the settings name, and its options: `wal` for `capture = "wal"`,
@@ -434,6 +458,34 @@ mod tests {
             ..DatabaseSettings::default()
         };
         assert_eq!(named.layout_tables().outbox_table, "events");
+    }
+
+    #[test]
+    fn the_default_slot_is_named_after_the_database_libpq_would_connect_to() {
+        let slot = |url: &str| {
+            DatabaseSettings {
+                database_url: url.into(),
+                ..DatabaseSettings::default()
+            }
+            .slot_name(&WalSettings::default())
+        };
+        assert_eq!(slot("postgres://relay:pw@db:5432/app"), "outbox_relay_app");
+        assert_eq!(
+            slot("postgres://relay:pw@db/app?sslmode=require"),
+            "outbox_relay_app"
+        );
+        assert_eq!(
+            slot("postgres://relay:pw@db"),
+            "outbox_relay_relay",
+            "the user's name"
+        );
+        assert_eq!(slot("postgres://relay@db/"), "outbox_relay_relay");
+        assert_eq!(
+            slot("postgres://db?dbname=shop&user=x"),
+            "outbox_relay_shop"
+        );
+        assert_eq!(slot("postgres://db?user=billing"), "outbox_relay_billing");
+        assert_eq!(slot("postgres://db"), "outbox_relay_postgres");
     }
 
     /// Two URLs that differ only in credentials, parameters or a spelled-out default port
