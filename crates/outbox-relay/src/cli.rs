@@ -62,6 +62,8 @@ pub struct GlobalArgs {
     pub slot: Option<String>,
     #[arg(long, global = true, value_name = "NAME")]
     pub publication: Option<String>,
+    #[arg(long, global = true, value_name = "MIB")]
+    pub wal_memory_mib: Option<u64>,
     #[arg(long, global = true, value_name = "NAME")]
     pub outbox_schema: Option<String>,
     #[arg(long, global = true, value_name = "NAME")]

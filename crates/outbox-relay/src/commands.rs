@@ -510,6 +510,7 @@ fn start_capture(
     wal.message_prefix = outbox_wal::emit_prefix(&pg.tables().outbox);
     wal.application_name = format!("outbox-relay {node}");
     wal.read_ahead = config.engine.max_in_flight.max(1024);
+    wal.memory_budget = config.wal.memory_budget();
     outbox_wal::WalStore::start(
         pg.clone(),
         outbox_wal::WalStoreOptions {

@@ -332,8 +332,8 @@ impl Config {
             self.refuse_settings_without_effect_on_wal(database)?;
         } else if self.wal.is_set() {
             bail!(
-                "slot and publication apply to WAL capture only: add --capture wal \
-                 (capture = \"wal\"), or remove them"
+                "slot, publication and wal_memory_mib apply to WAL capture only: add --capture \
+                 wal (capture = \"wal\"), or remove them"
             );
         }
         let relay = &self.relay;

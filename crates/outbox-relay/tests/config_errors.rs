@@ -214,6 +214,30 @@ fn bad_values_and_names_exit_2_naming_where_they_came_from() {
         "--role: invalid role name",
         "ASCII letters, digits or underscores",
     );
+    // WAL capture's memory budget: none at all would never read the stream.
+    refused(
+        relay(
+            d,
+            &[
+                "run",
+                "--drain",
+                "--database-url",
+                PG,
+                "--capture",
+                "wal",
+                "--wal-memory-mib",
+                "0",
+            ],
+            &[],
+        ),
+        "wal_memory_mib must be between 1 and 65536",
+        "MiB of events WAL capture may hold",
+    );
+    refused(
+        relay(d, &["run", "--drain", "--wal-memory-mib", "64"], &[]),
+        "wal_memory_mib apply to WAL capture only",
+        "add --capture wal",
+    );
 }
 
 /// A duration no setting can use (it would overflow a clock or a database's milliseconds)

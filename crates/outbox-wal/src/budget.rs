@@ -24,7 +24,7 @@ use crate::assemble::Output;
 /// What WAL capture holds by default: events read ahead of the engine and events in flight
 /// together. 32 MiB is some 100,000 events of a typical few hundred bytes, more than the
 /// engine keeps in flight (10,000), so small events never wait for it; 32 events of 1 MiB.
-pub const DEFAULT_MEMORY_BUDGET: usize = 32 * 1024 * 1024;
+pub const DEFAULT_MEMORY_BUDGET: usize = crate::settings::DEFAULT_MEMORY_MIB as usize * 1024 * 1024;
 
 /// What an event costs beyond its strings: the event's own fields, its place in the
 /// capture's maps, and the allocator's rounding.

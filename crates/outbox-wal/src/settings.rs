@@ -7,6 +7,11 @@ pub const DEFAULT_SLOT: &str = "outbox_relay";
 /// The publication `migrate --capture wal` creates: one per database is enough for one outbox.
 pub const DEFAULT_PUBLICATION: &str = "outbox_relay";
 
+/// What WAL capture holds in memory by default, in MiB ([`crate::budget`]).
+pub const DEFAULT_MEMORY_MIB: u64 = 32;
+/// The most `wal_memory_mib` may be (64 GiB): more is a typo, not a plan.
+const MAX_MEMORY_MIB: u64 = 65_536;
+
 /// PostgreSQL's longest identifier (NAMEDATALEN - 1): a longer slot name is refused.
 const MAX_NAME_LEN: usize = 63;
 
@@ -21,6 +26,11 @@ outbox_core::settings! {
         pub slot: String = String::new(),
         /// The publication of --capture wal (created by `migrate --capture wal`).
         pub publication: String = DEFAULT_PUBLICATION.into(),
+        /// The most --capture wal holds in memory, in MiB: events read from the slot ahead of
+        /// the sink and events in flight together, counted by their size. The stream is read
+        /// only while there is room (what is unread waits in the server's WAL); one event
+        /// larger than this still passes, alone.
+        pub wal_memory_mib: u64 = DEFAULT_MEMORY_MIB,
     }
 }
 
@@ -30,8 +40,21 @@ impl WalSettings {
         *self != WalSettings::default()
     }
 
-    /// Refuses slot and publication names PostgreSQL would not take as given.
+    /// The memory budget in bytes.
+    pub fn memory_budget(&self) -> usize {
+        usize::try_from(self.wal_memory_mib.saturating_mul(1024 * 1024)).unwrap_or(usize::MAX)
+    }
+
+    /// Refuses slot and publication names PostgreSQL would not take as given, and a memory
+    /// budget of nothing (or of more than 64 GiB).
     pub fn validate(&self) -> Result<(), String> {
+        if !(1..=MAX_MEMORY_MIB).contains(&self.wal_memory_mib) {
+            return Err(format!(
+                "wal_memory_mib must be between 1 and {MAX_MEMORY_MIB} (got {}): it is the MiB of \
+                 events WAL capture may hold",
+                self.wal_memory_mib
+            ));
+        }
         let explicit_slot = (!self.slot.is_empty()).then_some(self.slot.as_str());
         for (name, what) in [
             (explicit_slot, "slot"),
