@@ -119,6 +119,15 @@ pub async fn prepare(b: &Bench, db: &tokio_postgres::Client) -> Result<()> {
         &[&SLOT],
     )
     .await?;
+    // The table is empty: what a relay that made the slot itself records. Unrecorded, the
+    // relay's first session would adopt every row written meanwhile into the parked table
+    // (a slot made by hand may predate rows its stream does not carry), and the drain would
+    // measure the parked table's polling instead of the stream.
+    db.execute(
+        "INSERT INTO outbox_adopted (slot) VALUES ($1) ON CONFLICT DO NOTHING",
+        &[&SLOT],
+    )
+    .await?;
     Ok(())
 }
 

@@ -94,6 +94,21 @@ impl MemoryBudget {
         }
     }
 
+    /// Counts `bytes` as held for what is about to be read (a claim's rows, whose sizes are
+    /// known only once they arrive), so that nothing else takes the room meanwhile. The
+    /// rows then [`Charge::take`] their share of it.
+    pub fn reserve(self: &Arc<Self>, bytes: usize) -> Charge {
+        if bytes == 0 {
+            return Charge::none();
+        }
+        let held = self.held.fetch_add(bytes, Ordering::AcqRel) + bytes;
+        self.peak.fetch_max(held, Ordering::Relaxed);
+        Charge {
+            budget: Some(self.clone()),
+            bytes,
+        }
+    }
+
     /// Waits until something is free. Cancel-safe: a release between the check and the
     /// wait leaves a permit in `freed`, so the wait cannot miss it.
     pub async fn has_room(&self) {
@@ -130,6 +145,26 @@ impl Charge {
 
     pub fn bytes(&self) -> usize {
         self.bytes
+    }
+
+    /// One event's charge of `bytes`, taken out of this reservation as far as it goes and
+    /// charged to `budget` beyond it: what is held stays counted throughout, never twice.
+    pub fn take(&mut self, bytes: usize, budget: &Arc<MemoryBudget>) -> Charge {
+        if bytes == 0 {
+            return Charge::none();
+        }
+        let from_reservation = bytes.min(self.bytes);
+        self.bytes -= from_reservation;
+        let beyond = bytes - from_reservation;
+        if beyond > 0 {
+            let held = budget.held.fetch_add(beyond, Ordering::AcqRel) + beyond;
+            budget.peak.fetch_max(held, Ordering::Relaxed);
+        }
+        budget.largest.fetch_max(bytes, Ordering::Relaxed);
+        Charge {
+            budget: Some(budget.clone()),
+            bytes,
+        }
     }
 }
 
@@ -204,6 +239,35 @@ mod tests {
         assert_eq!(budget.room(), 0);
         drop(big);
         assert_eq!(budget.room(), 1000);
+    }
+
+    #[test]
+    fn race_a_reservation_keeps_the_room_of_rows_still_on_their_way() {
+        let budget = MemoryBudget::new(1000);
+        // A claim reserves room for its rows before it asks for them...
+        let mut reservation = budget.reserve(600);
+        // ...so the reader, meanwhile, finds only the rest.
+        assert_eq!(budget.room(), 400);
+        let reader = budget.charge(400);
+        assert_eq!(budget.room(), 0);
+        // The rows arrive: 250 and 500 bytes. Each takes from the reservation what it can.
+        let first = reservation.take(250, &budget);
+        let second = reservation.take(500, &budget);
+        assert_eq!(
+            budget.held(),
+            1150,
+            "50 over: the second row was larger than reserved"
+        );
+        drop(reservation);
+        assert_eq!(budget.held(), 1150, "nothing was left of the reservation");
+        assert_eq!(budget.largest_event(), 500, "a reservation is no event");
+        drop((first, second, reader));
+        assert_eq!(budget.held(), 0);
+        // An unused reservation gives back all it held.
+        let unused = budget.reserve(300);
+        drop(unused);
+        assert_eq!(budget.held(), 0);
+        assert_eq!(budget.peak(), 1150);
     }
 
     #[test]

@@ -134,6 +134,7 @@ mod tests {
             let settings = WalSettings {
                 slot: slot.into(),
                 publication: publication.into(),
+                ..WalSettings::default()
             };
             let err = settings.validate().unwrap_err();
             assert!(err.contains("lowercase ASCII"), "{err}");

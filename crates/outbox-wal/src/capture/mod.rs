@@ -709,13 +709,32 @@ impl Inner {
         self.flush_parks().await?;
         let mut out = Vec::new();
         let has_parked = !lock(&self.state).parked_keys.is_empty();
-        if status == CaptureStatus::Streaming && has_parked {
-            // As many rows as the memory left holds, at the size of the largest event seen
-            // (at least one: a full budget slows parked rows down, never stops them).
-            let fits = self.memory.room() / self.memory.largest_event().max(1);
+        // As many parked rows as the memory left holds, at the size of the largest event
+        // seen, or of a large one before any was. One at least while none is out, so that a
+        // busy stream that keeps the budget full never starves the parked rows, and one row
+        // larger than the whole budget still goes.
+        let per_row = match self.memory.largest_event() {
+            0 => UNSEEN_EVENT_BYTES,
+            largest => largest,
+        };
+        let parked_limit = {
+            let fits = request.limit.min(self.memory.room() / per_row);
+            let none_out = !lock(&self.state)
+                .held
+                .values()
+                .any(|held| matches!(held, Held::Parked { .. }));
+            if fits == 0 && none_out {
+                1
+            } else {
+                fits
+            }
+        };
+        if status == CaptureStatus::Streaming && has_parked && parked_limit > 0 {
+            // Reserved before the query, so the reader does not fill the room meanwhile.
+            let mut reservation = self.memory.reserve(parked_limit * per_row);
             let rows = self.parked.claim(ClaimRequest {
                 fence: None,
-                limit: request.limit.min(fits).max(1),
+                limit: parked_limit,
                 ..request.clone()
             });
             let rows = rows.await?;
@@ -726,7 +745,7 @@ impl Inner {
             let mut state = lock(&self.state);
             for row in rows {
                 let memory = match &row {
-                    Claimed::Event(event) => self.memory.charge(event_bytes(event)),
+                    Claimed::Event(event) => reservation.take(event_bytes(event), &self.memory),
                     Claimed::Undecodable { .. } => Charge::none(),
                 };
                 let key = row.ordering_key().to_string();
@@ -894,6 +913,12 @@ const DELETE_SPACING: Duration = Duration::from_millis(20);
 /// Acks enough for a delete to start without waiting for [`DELETE_SPACING`]: grouping them
 /// has done its work, and a drain should not wait with that many events counted in flight.
 const DELETE_GROUP_ENOUGH: usize = 1_000;
+
+/// What a parked row is taken to cost before any event was seen: a large one, so that a
+/// relay whose first work is a backlog of 1 MiB events adopted into the parked table claims
+/// a budget's worth of them, not a batch (1,000 MiB). Small events lift the limit from the
+/// second claim on.
+const UNSEEN_EVENT_BYTES: usize = 1024 * 1024;
 
 /// How long a delivered event's outbox row is looked for (see `Inner::delete_delivered`).
 pub const UNDELETED_PATIENCE: Duration = Duration::from_secs(5);
