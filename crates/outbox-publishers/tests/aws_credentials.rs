@@ -15,6 +15,7 @@ use axum::http::{HeaderMap, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get, put};
 use axum::Router;
+use futures::FutureExt;
 use outbox_core::{Disposition, PublishErrorKind};
 use outbox_publishers::aws::credentials::{Found, Provider};
 use outbox_publishers::aws::{self, AwsClient, AwsConfig, Service};
@@ -234,20 +235,22 @@ async fn credentials_are_refreshed_before_they_expire_without_holding_requests()
     let provider = found.provider;
     assert_eq!(provider.get().await.unwrap().access_key_id, "ASIAIMDS1");
 
-    // This request starts the refresh, which the fake IMDS holds, and goes on at once.
+    // This request starts the refresh, which the fake IMDS holds, and goes on at once:
+    // its future is ready on its first poll, without waiting for anything.
     let second_fetch = imds.fetched.notified();
     tokio::pin!(second_fetch);
     second_fetch.as_mut().enable();
-    let during = tokio::time::timeout(Duration::from_secs(5), provider.get())
-        .await
-        .expect("a request waited for the refresh");
+    let during = provider.get().now_or_never();
+    let during = during.expect("a request waited for the refresh");
     assert_eq!(during.unwrap().access_key_id, "ASIAIMDS1");
     tokio::time::timeout(Duration::from_secs(5), second_fetch)
         .await
         .expect("no refresh started");
     // Requests meanwhile start no second refresh, and wait for none.
     for _ in 0..10 {
-        assert_eq!(provider.get().await.unwrap().access_key_id, "ASIAIMDS1");
+        let meanwhile = provider.get().now_or_never();
+        let meanwhile = meanwhile.expect("a request waited for the refresh");
+        assert_eq!(meanwhile.unwrap().access_key_id, "ASIAIMDS1");
     }
     assert_eq!(imds.fetches.load(Ordering::SeqCst), 2);
 
@@ -285,7 +288,9 @@ async fn a_failed_refresh_keeps_valid_credentials_then_fails_retryably_once_expi
     tokio::pin!(failed_refresh);
     failed_refresh.as_mut().enable();
     assert_eq!(provider.get().await.unwrap().access_key_id, "ASIAIMDS1");
-    failed_refresh.await;
+    tokio::time::timeout(Duration::from_secs(5), failed_refresh)
+        .await
+        .expect("no refresh started");
     provider.idle().await;
     // The refresh failed: the current credentials still sign, and the requests meanwhile
     // do not each ask again.
