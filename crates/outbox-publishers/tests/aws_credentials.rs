@@ -347,6 +347,25 @@ async fn a_token_put_without_an_answer_names_the_hop_limit_fix() {
     );
 }
 
+/// Off EC2 nothing answers at the metadata address: the error, retried, names what else
+/// the relay could be given.
+#[tokio::test]
+async fn instance_metadata_out_of_reach_names_the_other_steps() {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = format!("http://{}", closed.local_addr().unwrap());
+    drop(closed);
+    let found = chain(&[("AWS_EC2_METADATA_SERVICE_ENDPOINT", &endpoint)]).unwrap();
+    let error = found.provider.get().await.unwrap_err();
+    assert_eq!(error.kind(), PublishErrorKind::Unavailable, "{error}");
+    let message = error.to_string();
+    assert!(
+        message.contains("cannot be reached")
+            && message.contains("AWS_ACCESS_KEY_ID")
+            && message.contains("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI"),
+        "{message}"
+    );
+}
+
 /// The fake container endpoint (ECS, EKS Pod Identity): the one token it takes in
 /// `Authorization`, and the tokens it was sent.
 #[derive(Default)]
@@ -510,6 +529,13 @@ fn the_chain_ends_with_the_container_then_instance_metadata() {
     assert_eq!(
         origin(&[("AWS_EC2_METADATA_SERVICE_ENDPOINT_MODE", "IPv6")]),
         "instance metadata at http://[fd00:ec2::254]"
+    );
+    let error = chain(&[("AWS_EC2_METADATA_SERVICE_ENDPOINT", "169.254.169.254")])
+        .err()
+        .unwrap();
+    assert!(
+        error.kind().is_config() && error.to_string().contains("is not an http URL"),
+        "{error}"
     );
     let error = chain(&[imds, ("AWS_EC2_METADATA_DISABLED", "true")])
         .err()

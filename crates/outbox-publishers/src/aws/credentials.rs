@@ -7,14 +7,13 @@
 //! 3. A profile (`profile` setting, `AWS_PROFILE`, else `default`) in `~/.aws/credentials`
 //!    and `~/.aws/config` (`AWS_SHARED_CREDENTIALS_FILE`, `AWS_CONFIG_FILE`): static keys,
 //!    or a `web_identity_token_file` with a `role_arn`.
-//!
 //! 4. The container endpoint (ECS, EKS Pod Identity): `AWS_CONTAINER_CREDENTIALS_RELATIVE_URI`
 //!    (on 169.254.170.2) or `AWS_CONTAINER_CREDENTIALS_FULL_URI`, with the token of
 //!    `AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE` or `AWS_CONTAINER_AUTHORIZATION_TOKEN`.
 //! 5. EC2 instance metadata (IMDSv2), unless `AWS_EC2_METADATA_DISABLED=true`; its address
 //!    from `AWS_EC2_METADATA_SERVICE_ENDPOINT`. Whether the relay is on EC2 is known only by
 //!    asking, so, as with the SDKs, a relay with nothing else set learns it at its first
-//!    request, and that request's error names every step of the chain.
+//!    request, whose error names the other steps it could use instead.
 //!
 //! What this chain does not read is refused by name rather than skipped: a profile that
 //! uses `credential_process`, SSO or `source_profile` role chaining.
@@ -228,7 +227,7 @@ impl Provider {
             let endpoint = Imds::endpoint(
                 non_empty(env, "AWS_EC2_METADATA_SERVICE_ENDPOINT"),
                 non_empty(env, "AWS_EC2_METADATA_SERVICE_ENDPOINT_MODE"),
-            );
+            )?;
             let origin = format!("instance metadata at {endpoint}");
             let imds = Imds {
                 endpoint,

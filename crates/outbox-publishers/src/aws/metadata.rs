@@ -103,13 +103,28 @@ pub struct Imds {
 
 impl Imds {
     /// `AWS_EC2_METADATA_SERVICE_ENDPOINT`, else the address `_ENDPOINT_MODE` picks.
-    pub fn endpoint(explicit: Option<String>, mode: Option<String>) -> String {
-        match (explicit, mode) {
-            (Some(endpoint), _) => endpoint.trim().trim_end_matches('/').to_string(),
-            (None, Some(mode)) if mode.trim().eq_ignore_ascii_case("ipv6") => {
-                IMDS_ENDPOINT_IPV6.into()
+    pub fn endpoint(
+        explicit: Option<String>,
+        mode: Option<String>,
+    ) -> Result<String, SinkSetupError> {
+        let Some(explicit) = explicit else {
+            let ipv6 = mode.is_some_and(|m| m.trim().eq_ignore_ascii_case("ipv6"));
+            return Ok(if ipv6 {
+                IMDS_ENDPOINT_IPV6
+            } else {
+                IMDS_ENDPOINT
             }
-            _ => IMDS_ENDPOINT.into(),
+            .into());
+        };
+        let endpoint = explicit.trim().trim_end_matches('/').to_string();
+        match reqwest::Url::parse(&endpoint) {
+            Ok(url) if matches!(url.scheme(), "http" | "https") && url.host().is_some() => {
+                Ok(endpoint)
+            }
+            _ => Err(SinkSetupError::config(format!(
+                "AWS_EC2_METADATA_SERVICE_ENDPOINT {explicit:?} is not an http URL: write it \
+                 like http://169.254.169.254, or unset it"
+            ))),
         }
     }
 
@@ -158,10 +173,11 @@ impl Imds {
             .map_err(|e| {
                 let why = if e.is_connect() {
                     format!(
-                        "{what} cannot be reached: the relay is not on EC2, or the instance's \
-                         metadata endpoint is off; give it credentials another way (see the \
-                         README's AWS credential chain), or set AWS_EC2_METADATA_DISABLED=true \
-                         to skip it"
+                        "{what} cannot be reached (the relay is not on EC2, or the instance's \
+                         metadata endpoint is off), and no other AWS credentials are set: set \
+                         AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_WEB_IDENTITY_TOKEN_FILE \
+                         and AWS_ROLE_ARN, AWS_PROFILE with keys in ~/.aws/credentials, or \
+                         AWS_CONTAINER_CREDENTIALS_RELATIVE_URI or _FULL_URI"
                     )
                 } else if e.is_timeout() {
                     // IMDS drops the PUT's answer past its hop limit: a container on the
