@@ -628,4 +628,54 @@ mod tests {
         assert!(!shown.contains("very-secret"), "{shown}");
         assert!(!shown.contains("token-secret"), "{shown}");
     }
+
+    /// Counts the warnings logged on this thread.
+    #[derive(Default)]
+    struct Warnings(std::sync::atomic::AtomicUsize);
+
+    impl tracing::Subscriber for Warnings {
+        fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+            true
+        }
+        fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+            tracing::span::Id::from_u64(1)
+        }
+        fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+        fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+        fn event(&self, event: &tracing::Event<'_>) {
+            if *event.metadata().level() == tracing::Level::WARN {
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        fn enter(&self, _: &tracing::span::Id) {}
+        fn exit(&self, _: &tracing::span::Id) {}
+    }
+
+    /// Refreshes that keep failing while the credentials are valid are logged once, not once
+    /// per attempt.
+    #[tokio::test]
+    async fn a_failing_refresh_is_logged_once() {
+        let warnings = Arc::new(Warnings::default());
+        let _logging = tracing::subscriber::set_default(warnings.clone());
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}/creds", closed.local_addr().unwrap());
+        drop(closed);
+        let found = chain(&[("AWS_CONTAINER_CREDENTIALS_FULL_URI", &url)], None).unwrap();
+        let provider = found.provider;
+        let valid = Credentials {
+            access_key_id: "ASIAVALID".into(),
+            secret_access_key: Secret::new("s"),
+            session_token: None,
+            expires: Some(SystemTime::now() + Duration::from_secs(60)),
+        };
+        *provider.cached.lock().unwrap() = Some(valid);
+        for _ in 0..3 {
+            assert_eq!(provider.get().await.unwrap().access_key_id, "ASIAVALID");
+            provider.idle().await;
+            // The next request may try again at once, instead of 10 s later.
+            let tried = provider.failed_at.lock().unwrap().take();
+            assert!(tried.is_some(), "no refresh was tried");
+        }
+        assert_eq!(warnings.0.load(Ordering::SeqCst), 1);
+    }
 }
