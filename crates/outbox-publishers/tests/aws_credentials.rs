@@ -226,8 +226,8 @@ async fn a_get_without_the_session_token_is_refused_and_the_client_sends_it() {
 #[tokio::test]
 async fn credentials_are_refreshed_before_they_expire_without_holding_requests() {
     let imds = Arc::new(Imds::default());
-    // The first set is inside the refresh window (5 minutes) but valid for 4 more.
-    *imds.expires_in.lock().unwrap() = vec![240];
+    // Both sets are inside the refresh window (5 minutes) but valid for 4 more.
+    *imds.expires_in.lock().unwrap() = vec![240, 240];
     let gate = Arc::new(Notify::new());
     *imds.hold.lock().unwrap() = Some((2, gate.clone()));
     let endpoint = fake_imds(imds.clone()).await;
@@ -267,8 +267,11 @@ async fn credentials_are_refreshed_before_they_expire_without_holding_requests()
     .await
     .expect("the refreshed credentials were never used");
     assert_eq!(refreshed.access_key_id, "ASIAIMDS2");
-    // The new set is good for hours: no further fetch.
-    provider.get().await.unwrap();
+    // The new set is inside the window too: requests do not each fetch again.
+    for _ in 0..5 {
+        assert_eq!(provider.get().await.unwrap().access_key_id, "ASIAIMDS2");
+        provider.idle().await;
+    }
     assert_eq!(imds.fetches.load(Ordering::SeqCst), 2);
 }
 
@@ -296,6 +299,7 @@ async fn a_failed_refresh_keeps_valid_credentials_then_fails_retryably_once_expi
     // do not each ask again.
     for _ in 0..5 {
         assert_eq!(provider.get().await.unwrap().access_key_id, "ASIAIMDS1");
+        provider.idle().await;
     }
     assert_eq!(imds.fetches.load(Ordering::SeqCst), 2);
 

@@ -40,9 +40,10 @@ pub type Env<'a> = &'a dyn Fn(&str) -> Option<String>;
 
 /// Credentials are fetched again this long before they expire.
 pub const REFRESH_BEFORE_EXPIRY: Duration = Duration::from_secs(300);
-/// After a failed background refresh, the next waits this long: the requests signing
-/// meanwhile must not each ask the endpoint again.
-const REFRESH_RETRY: Duration = Duration::from_secs(10);
+/// A background refresh waits this long after the last: when one fails, or the endpoint
+/// hands out credentials already inside the refresh window, the requests signing meanwhile
+/// must not each ask it again.
+const REFRESH_SPACING: Duration = Duration::from_secs(10);
 
 /// One set of credentials.
 #[derive(Clone, Debug, PartialEq)]
@@ -77,8 +78,8 @@ pub struct Provider {
     cached: Mutex<Option<Credentials>>,
     /// Held while fetching, so a sink fetches once however many requests need credentials.
     fetching: Arc<tokio::sync::Mutex<()>>,
-    /// When a background refresh last failed, to space the next.
-    failed_at: Mutex<Option<Instant>>,
+    /// When a background refresh last started, to space the next.
+    refreshed_at: Mutex<Option<Instant>>,
     /// Whether the current run of failed refreshes was logged: once per run.
     warned: AtomicBool,
 }
@@ -110,7 +111,7 @@ impl Provider {
                 http: http.clone(),
                 cached: Mutex::new(None),
                 fetching: Arc::default(),
-                failed_at: Mutex::new(None),
+                refreshed_at: Mutex::new(None),
                 warned: AtomicBool::new(false),
             }),
             profile_region,
@@ -321,7 +322,6 @@ impl Provider {
 
     fn store(&self, credentials: &Credentials) {
         *self.cached.lock().expect("never poisoned") = Some(credentials.clone());
-        *self.failed_at.lock().expect("never poisoned") = None;
         if self.warned.swap(false, Ordering::Relaxed) {
             tracing::info!(origin = %self.origin, "AWS credentials refreshed again");
         }
@@ -332,27 +332,25 @@ impl Provider {
         );
     }
 
-    /// Starts one refresh unless one is running or the last failed moments ago; requests
+    /// Starts one refresh unless one is running or the last started moments ago; requests
     /// keep the current credentials meanwhile.
     fn refresh_in_background(self: &Arc<Self>) {
-        let spaced = self
-            .failed_at
-            .lock()
-            .expect("never poisoned")
-            .is_none_or(|at| at.elapsed() >= REFRESH_RETRY);
-        if !spaced {
-            return;
-        }
         let Ok(fetching) = self.fetching.clone().try_lock_owned() else {
             return;
         };
+        {
+            let mut refreshed_at = self.refreshed_at.lock().expect("never poisoned");
+            if refreshed_at.is_some_and(|at| at.elapsed() < REFRESH_SPACING) {
+                return;
+            }
+            *refreshed_at = Some(Instant::now());
+        }
         let provider = self.clone();
         tokio::spawn(async move {
             let _fetching = fetching;
             match provider.fetch().await {
                 Ok(credentials) => provider.store(&credentials),
                 Err(error) => {
-                    *provider.failed_at.lock().expect("never poisoned") = Some(Instant::now());
                     if !provider.warned.swap(true, Ordering::Relaxed) {
                         let expires = provider.valid().and_then(|c| c.expires);
                         tracing::warn!(
@@ -673,7 +671,7 @@ mod tests {
             assert_eq!(provider.get().await.unwrap().access_key_id, "ASIAVALID");
             provider.idle().await;
             // The next request may try again at once, instead of 10 s later.
-            let tried = provider.failed_at.lock().unwrap().take();
+            let tried = provider.refreshed_at.lock().unwrap().take();
             assert!(tried.is_some(), "no refresh was tried");
         }
         assert_eq!(warnings.0.load(Ordering::SeqCst), 1);
