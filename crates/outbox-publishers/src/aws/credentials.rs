@@ -7,17 +7,30 @@
 //! 3. A profile (`profile` setting, `AWS_PROFILE`, else `default`) in `~/.aws/credentials`
 //!    and `~/.aws/config` (`AWS_SHARED_CREDENTIALS_FILE`, `AWS_CONFIG_FILE`): static keys,
 //!    or a `web_identity_token_file` with a `role_arn`.
+//! 4. The container endpoint (ECS, EKS Pod Identity): `AWS_CONTAINER_CREDENTIALS_RELATIVE_URI`
+//!    (on 169.254.170.2) or `AWS_CONTAINER_CREDENTIALS_FULL_URI`, with the token of
+//!    `AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE` or `AWS_CONTAINER_AUTHORIZATION_TOKEN`.
+//! 5. EC2 instance metadata (IMDSv2), unless `AWS_EC2_METADATA_DISABLED=true`; its address
+//!    from `AWS_EC2_METADATA_SERVICE_ENDPOINT`. Whether the relay is on EC2 is known only by
+//!    asking, so, as with the SDKs, a relay with nothing else set learns it at its first
+//!    request, whose error names the other steps it could use instead.
 //!
 //! What this chain does not read is refused by name rather than skipped: a profile that
-//! uses `credential_process`, SSO or `source_profile` role chaining. Instance metadata
-//! (EC2 IMDS) and the ECS container endpoint are not read either.
+//! uses `credential_process`, SSO or `source_profile` role chaining.
+//!
+//! Temporary credentials are fetched again [`REFRESH_BEFORE_EXPIRY`] before they expire, by
+//! one background task per sink while requests go on signing with the current ones; only a
+//! sink with no valid credentials waits for a fetch (and all its requests share that one).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::time::{Duration, SystemTime};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
 
 use outbox_core::{PublishError, PublishErrorKind};
-use tokio::sync::Mutex;
+
+use super::metadata::{self, AuthToken, Container, Imds};
 
 use crate::error::SinkSetupError;
 use outbox_core::redact::Secret;
@@ -26,7 +39,11 @@ use outbox_core::redact::Secret;
 pub type Env<'a> = &'a dyn Fn(&str) -> Option<String>;
 
 /// Credentials are fetched again this long before they expire.
-const REFRESH_BEFORE_EXPIRY: Duration = Duration::from_secs(300);
+pub const REFRESH_BEFORE_EXPIRY: Duration = Duration::from_secs(300);
+/// A background refresh waits this long after the last: when one fails, or the endpoint
+/// hands out credentials already inside the refresh window, the requests signing meanwhile
+/// must not each ask it again.
+const REFRESH_SPACING: Duration = Duration::from_secs(10);
 
 /// One set of credentials.
 #[derive(Clone, Debug, PartialEq)]
@@ -47,6 +64,8 @@ enum Source {
         session_name: String,
         sts_endpoint: String,
     },
+    Container(Container),
+    Imds(Imds),
 }
 
 /// The credentials the chain found, fetched again when temporary ones near their expiry.
@@ -55,12 +74,19 @@ pub struct Provider {
     /// Where they came from, for logs and errors: never a secret.
     origin: String,
     http: reqwest::Client,
+    /// What requests sign with; locked only to read or replace it, never across a fetch.
     cached: Mutex<Option<Credentials>>,
+    /// Held while fetching, so a sink fetches once however many requests need credentials.
+    fetching: Arc<tokio::sync::Mutex<()>>,
+    /// When a background refresh last started, to space the next.
+    refreshed_at: Mutex<Option<Instant>>,
+    /// Whether the current run of failed refreshes was logged: once per run.
+    warned: AtomicBool,
 }
 
 /// What the chain found besides credentials: the profile's region, if it names one.
 pub struct Found {
-    pub provider: Provider,
+    pub provider: Arc<Provider>,
     pub profile_region: Option<String>,
 }
 
@@ -79,12 +105,15 @@ impl Provider {
         http: reqwest::Client,
     ) -> Result<Found, SinkSetupError> {
         let found = |source, origin: String, profile_region| Found {
-            provider: Provider {
+            provider: Arc::new(Provider {
                 source,
                 origin,
                 http: http.clone(),
                 cached: Mutex::new(None),
-            },
+                fetching: Arc::default(),
+                refreshed_at: Mutex::new(None),
+                warned: AtomicBool::new(false),
+            }),
             profile_region,
         };
         let from_env = profile.is_none();
@@ -176,10 +205,43 @@ impl Provider {
                 )));
             }
         }
+        let relative = non_empty(env, "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI");
+        let full = non_empty(env, "AWS_CONTAINER_CREDENTIALS_FULL_URI");
+        if relative.is_some() || full.is_some() {
+            let url = Container::url(relative, full)?;
+            let token = match non_empty(env, "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE") {
+                Some(file) => Some(AuthToken::File(file.trim().into())),
+                None => non_empty(env, "AWS_CONTAINER_AUTHORIZATION_TOKEN")
+                    .map(|token| AuthToken::Value(Secret::new(token))),
+            };
+            let origin = format!("the container credentials endpoint {url}");
+            let container = Container {
+                url,
+                token,
+                http: metadata::client()?,
+            };
+            return Ok(found(Source::Container(container), origin, region));
+        }
+        let disabled = non_empty(env, "AWS_EC2_METADATA_DISABLED")
+            .is_some_and(|v| v.trim().eq_ignore_ascii_case("true"));
+        if !disabled {
+            let endpoint = Imds::endpoint(
+                non_empty(env, "AWS_EC2_METADATA_SERVICE_ENDPOINT"),
+                non_empty(env, "AWS_EC2_METADATA_SERVICE_ENDPOINT_MODE"),
+            )?;
+            let origin = format!("instance metadata at {endpoint}");
+            let imds = Imds {
+                endpoint,
+                http: metadata::client()?,
+            };
+            return Ok(found(Source::Imds(imds), origin, region));
+        }
         Err(SinkSetupError::config(
-            "no AWS credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, \
-             AWS_WEB_IDENTITY_TOKEN_FILE and AWS_ROLE_ARN (Kubernetes), or AWS_PROFILE with keys \
-             in ~/.aws/credentials",
+            "no AWS credentials found (and AWS_EC2_METADATA_DISABLED=true): set \
+             AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_WEB_IDENTITY_TOKEN_FILE and \
+             AWS_ROLE_ARN (Kubernetes), AWS_PROFILE with keys in ~/.aws/credentials, \
+             AWS_CONTAINER_CREDENTIALS_RELATIVE_URI or _FULL_URI (ECS, EKS Pod Identity), or \
+             let the relay read EC2 instance metadata",
         ))
     }
 
@@ -191,49 +253,134 @@ impl Provider {
     /// Drops fetched credentials the service called expired, so the next request fetches
     /// new ones.
     pub async fn forget(&self) {
-        *self.cached.lock().await = None;
+        *self.cached.lock().expect("never poisoned") = None;
     }
 
-    /// Credentials to sign the next request with.
-    pub async fn get(&self) -> Result<Credentials, PublishError> {
-        let (role_arn, token_file, session_name, sts_endpoint) = match &self.source {
-            Source::Static(credentials) => return Ok(credentials.clone()),
+    /// Credentials to sign the next request with. Valid ones are returned at once (a
+    /// refresh they near runs in the background); only none, or expired ones, wait for a
+    /// fetch.
+    pub async fn get(self: &Arc<Self>) -> Result<Credentials, PublishError> {
+        if let Source::Static(credentials) = &self.source {
+            return Ok(credentials.clone());
+        }
+        let current = self.cached.lock().expect("never poisoned").clone();
+        let now = SystemTime::now();
+        if let Some(credentials) = current {
+            match credentials.expires {
+                None => return Ok(credentials),
+                Some(at) if at > now + REFRESH_BEFORE_EXPIRY => return Ok(credentials),
+                Some(at) if at > now => {
+                    self.refresh_in_background();
+                    return Ok(credentials);
+                }
+                Some(_) => {}
+            }
+        }
+        let _fetching = self.fetching.lock().await;
+        // Another request may have fetched while this one waited.
+        if let Some(credentials) = self.valid() {
+            return Ok(credentials);
+        }
+        // Kept when the fetch fails: the error says when they expired.
+        let expired = self.cached.lock().expect("never poisoned").clone();
+        match self.fetch().await {
+            Ok(credentials) => {
+                self.store(&credentials);
+                Ok(credentials)
+            }
+            Err(error) => Err(match expired.and_then(|c| c.expires) {
+                Some(at) => PublishError::new(
+                    PublishErrorKind::Unavailable,
+                    format!(
+                        "the AWS credentials from {} expired at {} and could not be fetched \
+                         again (the relay keeps asking; the cause below names the fix)",
+                        self.origin,
+                        metadata::expiry(Some(at))
+                    ),
+                )
+                .with_source(error),
+                None => error,
+            }),
+        }
+    }
+
+    /// Returns once no fetch is running: for tests, to see what a background refresh left.
+    #[doc(hidden)]
+    pub async fn idle(&self) {
+        let _fetching = self.fetching.lock().await;
+    }
+
+    /// The cached credentials if they have not expired.
+    fn valid(&self) -> Option<Credentials> {
+        let now = SystemTime::now();
+        self.cached
+            .lock()
+            .expect("never poisoned")
+            .clone()
+            .filter(|c| c.expires.is_none_or(|at| at > now))
+    }
+
+    fn store(&self, credentials: &Credentials) {
+        *self.cached.lock().expect("never poisoned") = Some(credentials.clone());
+        if self.warned.swap(false, Ordering::Relaxed) {
+            tracing::info!(origin = %self.origin, "AWS credentials refreshed again");
+        }
+        tracing::debug!(
+            origin = %self.origin,
+            expires = %metadata::expiry(credentials.expires),
+            "fetched AWS credentials"
+        );
+    }
+
+    /// Starts one refresh unless one is running or the last started moments ago; requests
+    /// keep the current credentials meanwhile.
+    fn refresh_in_background(self: &Arc<Self>) {
+        let Ok(fetching) = self.fetching.clone().try_lock_owned() else {
+            return;
+        };
+        {
+            let mut refreshed_at = self.refreshed_at.lock().expect("never poisoned");
+            if refreshed_at.is_some_and(|at| at.elapsed() < REFRESH_SPACING) {
+                return;
+            }
+            *refreshed_at = Some(Instant::now());
+        }
+        let provider = self.clone();
+        tokio::spawn(async move {
+            let _fetching = fetching;
+            match provider.fetch().await {
+                Ok(credentials) => provider.store(&credentials),
+                Err(error) => {
+                    if !provider.warned.swap(true, Ordering::Relaxed) {
+                        let expires = provider.valid().and_then(|c| c.expires);
+                        tracing::warn!(
+                            error = %error.report(),
+                            origin = %provider.origin,
+                            expires = %metadata::expiry(expires),
+                            "could not refresh AWS credentials; using the current ones until \
+                             they expire"
+                        );
+                    }
+                }
+            }
+        });
+    }
+
+    /// New credentials from the source.
+    async fn fetch(&self) -> Result<Credentials, PublishError> {
+        match &self.source {
+            Source::Static(credentials) => Ok(credentials.clone()),
             Source::WebIdentity {
                 role_arn,
                 token_file,
                 session_name,
                 sts_endpoint,
-            } => (role_arn, token_file, session_name, sts_endpoint),
-        };
-        let mut cached = self.cached.lock().await;
-        if let Some(credentials) = cached.as_ref() {
-            let fresh = credentials
-                .expires
-                .is_none_or(|at| at > SystemTime::now() + REFRESH_BEFORE_EXPIRY);
-            if fresh {
-                return Ok(credentials.clone());
+            } => {
+                self.assume_role(role_arn, token_file, session_name, sts_endpoint)
+                    .await
             }
-        }
-        match self
-            .assume_role(role_arn, token_file, session_name, sts_endpoint)
-            .await
-        {
-            Ok(credentials) => {
-                *cached = Some(credentials.clone());
-                Ok(credentials)
-            }
-            // Refreshed early: credentials that still work are used until they expire.
-            Err(error) => match cached.as_ref() {
-                Some(still) if still.expires.is_some_and(|at| at > SystemTime::now()) => {
-                    tracing::warn!(
-                        error = %error.report(),
-                        origin = %self.origin,
-                        "could not refresh AWS credentials; using the current ones until they expire"
-                    );
-                    Ok(still.clone())
-                }
-                _ => Err(error),
-            },
+            Source::Container(container) => container.fetch().await,
+            Source::Imds(imds) => imds.fetch().await,
         }
     }
 
@@ -454,10 +601,11 @@ mod tests {
         assert!(err.contains("uses sso_session"), "{err}");
         let err = chain(&files, Some("nope")).err().unwrap().to_string();
         assert!(err.contains("\"nope\" is in neither"), "{err}");
-        let err = chain(&[("HOME", "/nonexistent")], None)
-            .err()
-            .unwrap()
-            .to_string();
+        let nothing = [
+            ("HOME", "/nonexistent"),
+            ("AWS_EC2_METADATA_DISABLED", "true"),
+        ];
+        let err = chain(&nothing, None).err().unwrap().to_string();
         assert!(err.contains("no AWS credentials found"), "{err}");
         let err = chain(&[("AWS_ACCESS_KEY_ID", "AK")], None)
             .err()
@@ -477,5 +625,55 @@ mod tests {
         let shown = format!("{credentials:?}");
         assert!(!shown.contains("very-secret"), "{shown}");
         assert!(!shown.contains("token-secret"), "{shown}");
+    }
+
+    /// Counts the warnings logged on this thread.
+    #[derive(Default)]
+    struct Warnings(std::sync::atomic::AtomicUsize);
+
+    impl tracing::Subscriber for Warnings {
+        fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+            true
+        }
+        fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+            tracing::span::Id::from_u64(1)
+        }
+        fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+        fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+        fn event(&self, event: &tracing::Event<'_>) {
+            if *event.metadata().level() == tracing::Level::WARN {
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        fn enter(&self, _: &tracing::span::Id) {}
+        fn exit(&self, _: &tracing::span::Id) {}
+    }
+
+    /// Refreshes that keep failing while the credentials are valid are logged once, not once
+    /// per attempt.
+    #[tokio::test]
+    async fn a_failing_refresh_is_logged_once() {
+        let warnings = Arc::new(Warnings::default());
+        let _logging = tracing::subscriber::set_default(warnings.clone());
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}/creds", closed.local_addr().unwrap());
+        drop(closed);
+        let found = chain(&[("AWS_CONTAINER_CREDENTIALS_FULL_URI", &url)], None).unwrap();
+        let provider = found.provider;
+        let valid = Credentials {
+            access_key_id: "ASIAVALID".into(),
+            secret_access_key: Secret::new("s"),
+            session_token: None,
+            expires: Some(SystemTime::now() + Duration::from_secs(60)),
+        };
+        *provider.cached.lock().unwrap() = Some(valid);
+        for _ in 0..3 {
+            assert_eq!(provider.get().await.unwrap().access_key_id, "ASIAVALID");
+            provider.idle().await;
+            // The next request may try again at once, instead of 10 s later.
+            let tried = provider.refreshed_at.lock().unwrap().take();
+            assert!(tried.is_some(), "no refresh was tried");
+        }
+        assert_eq!(warnings.0.load(Ordering::SeqCst), 1);
     }
 }

@@ -16,6 +16,7 @@
 pub mod credentials;
 pub mod eventbridge;
 pub mod kinesis;
+pub mod metadata;
 pub mod sigv4;
 pub mod sns;
 pub mod sqs;
@@ -383,7 +384,7 @@ impl AwsClient {
             path,
             endpoint,
             host,
-            credentials: Arc::new(found.provider),
+            credentials: found.provider,
             requests: Arc::new(Semaphore::new(
                 config.concurrency.unwrap_or(DEFAULT_CONCURRENCY),
             )),
