@@ -30,7 +30,12 @@ impl std::error::Error for ConfigError {}
 
 /// A store error as the binary reports it: exit 2 when only the configuration can fix it.
 pub(crate) fn failure(message: String, e: &outbox_core::StoreError) -> anyhow::Error {
-    if e.kind() == outbox_core::StoreErrorKind::Config {
+    // A schema older or newer than the relay runs on is fixed by `migrate` or an upgrade,
+    // never by retrying: exit 2 too.
+    if matches!(
+        e.kind(),
+        outbox_core::StoreErrorKind::Config | outbox_core::StoreErrorKind::SchemaVersion
+    ) {
         anyhow::Error::new(ConfigError(message))
     } else {
         anyhow::anyhow!(message)
@@ -162,6 +167,9 @@ async fn prepare_store(
     outbox.ping().await?;
     if create || store.creates_tables_implicitly() {
         store.migrate().await?;
+    }
+    for line in store.schema_versions().await? {
+        tracing::info!("{line}");
     }
     store.verify().await
 }
@@ -681,7 +689,7 @@ pub async fn migrate(config: Config, args: MigrateArgs) -> anyhow::Result<ExitCo
     if args.print {
         outbox_core::ident::Ident::new(&args.role, "role name")
             .map_err(|e| anyhow::Error::new(ConfigError(format!("--role: {}", e.report()))))?;
-        println!("{}", store.printable_ddl(&args.role));
+        println!("{}", store.printable_ddl(&args.role).await);
         return Ok(ExitCode::SUCCESS);
     }
     store
@@ -738,6 +746,13 @@ pub async fn check(config: Config) -> anyhow::Result<ExitCode> {
                 e.report()
             );
             return Ok(ExitCode::FAILURE);
+        }
+    }
+    match store.schema_versions().await {
+        Ok(lines) => lines.iter().for_each(|l| println!("ok: {l}")),
+        Err(e) => {
+            failed = true;
+            println!("problem: {}", e.report());
         }
     }
     match store.verify().await {
