@@ -695,7 +695,7 @@ pub async fn migrate(config: Config, args: MigrateArgs) -> anyhow::Result<ExitCo
     store
         .migrate()
         .await
-        .map_err(|e| anyhow::anyhow!("migration failed: {}", e.report()))?;
+        .map_err(|e| failure(format!("migration failed: {}", e.report()), &e))?;
     println!("migrated: {}", store.outbox().describe());
     // What a migration cannot do itself (a server setting, a role attribute) is said now,
     // not at the first `run`. The migration did apply, so this is no failure; and it is
