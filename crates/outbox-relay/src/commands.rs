@@ -168,8 +168,16 @@ async fn prepare_store(
     if create || store.creates_tables_implicitly() {
         store.migrate().await?;
     }
-    for line in store.schema_versions().await? {
-        tracing::info!("{line}");
+    for (verdict, line) in store.schema_versions().await? {
+        // Only a schema newer than this relay is news at every start.
+        if matches!(
+            verdict,
+            outbox_core::migration::Verdict::NewerReadable { .. }
+        ) {
+            tracing::info!("{line}");
+        } else {
+            tracing::debug!("{line}");
+        }
     }
     store.verify().await
 }
@@ -749,7 +757,7 @@ pub async fn check(config: Config) -> anyhow::Result<ExitCode> {
         }
     }
     match store.schema_versions().await {
-        Ok(lines) => lines.iter().for_each(|l| println!("ok: {l}")),
+        Ok(lines) => lines.iter().for_each(|(_, l)| println!("ok: {l}")),
         Err(e) => {
             failed = true;
             println!("problem: {}", e.report());

@@ -273,19 +273,20 @@ impl AnyStore {
     /// error `run` refuses with (exit 2), naming `migrate` or the upgrade.
     ///
     /// [`StoreErrorKind::SchemaVersion`]: outbox_core::StoreErrorKind::SchemaVersion
-    pub async fn schema_versions(&self) -> Result<Vec<String>, outbox_core::StoreError> {
+    pub async fn schema_versions(&self) -> Result<Vec<(Verdict, String)>, outbox_core::StoreError> {
         let what = self.outbox().describe();
         let mut lines = Vec::new();
         for (steps, found) in self.schema_components().await? {
             let component = steps.component;
             let latest = steps.latest();
-            lines.push(match judge(&steps, found, &what)? {
+            let verdict = judge(&steps, found, &what)?;
+            lines.push((verdict, match verdict {
                 Verdict::Current => format!("{component} schema at version {latest}"),
                 Verdict::Missing => format!("{component} schema not created yet"),
                 Verdict::NewerReadable { version } => format!(
                     "{component} schema at version {version}, newer than this relay's                      {latest}; its later steps leave this relay's statements working"
                 ),
-            });
+            }));
         }
         Ok(lines)
     }
