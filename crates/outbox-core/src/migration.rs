@@ -11,6 +11,16 @@ use std::fmt;
 
 use crate::error::{StoreError, StoreErrorKind};
 
+/// The cluster protocol this build speaks: how nodes share the partitions of an ordered
+/// PostgreSQL cluster, written to the nodes table's `protocol` column. Relays from before
+/// protocol versions leave the column NULL, which counts as protocol 1.
+pub const CLUSTER_PROTOCOL: u32 = 2;
+
+/// The oldest protocol this build shares partitions with. Adjacent protocols work together;
+/// a change that cannot raises this to [`CLUSTER_PROTOCOL`], and a node of this build then
+/// takes no partition while a node of an older protocol is live (`/readyz` says why).
+pub const OLDEST_PEER_PROTOCOL: u32 = 1;
+
 /// How a step affects a busy outbox while it runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Lock {

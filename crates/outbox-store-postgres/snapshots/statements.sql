@@ -227,6 +227,17 @@ DELETE FROM "public"."outbox_nodes"
 SELECT id, (extract(epoch from expiry) * 1000000)::int8 FROM "public"."outbox_nodes"
                   WHERE expiry >= (now() AT TIME ZONE 'UTC') ORDER BY id
 
+-- public.outbox: nodes_behind
+WITH announced AS (
+                    UPDATE "public"."outbox_nodes" SET protocol = $2
+                     WHERE id = $1 AND protocol IS DISTINCT FROM $2
+                 RETURNING id
+                 )
+                 SELECT id, coalesce(protocol, 1) FROM "public"."outbox_nodes"
+                  WHERE id <> $1 AND expiry >= (now() AT TIME ZONE 'UTC')
+                    AND coalesce(protocol, 1) < $3
+                  ORDER BY id
+
 -- public.outbox: partition_count
 SELECT count(*)::int8 FROM "public"."outbox_partitions"
 
@@ -457,6 +468,13 @@ CREATE INDEX CONCURRENTLY IF NOT EXISTS "outbox_scheduled_idx" ON "public"."outb
     WHERE delivered_at IS NULL AND available_at > created_at;
 -- (interrupted? an index it left INVALID must be dropped with DROP INDEX CONCURRENTLY first)
 INSERT INTO "public"."outbox_schema_version" (component, version, readable_from) VALUES ('outbox', 4, 1)
+    ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
+        readable_from = EXCLUDED.readable_from, migrated_at = now();
+
+-- outbox schema step 5: the nodes table's protocol column (rolling upgrades: which cluster protocol each node speaks; NULL for relays from before it) (NOT online: an ACCESS EXCLUSIVE lock on the nodes table (not the outbox) for a catalog change, milliseconds once granted; it waits at most 5 s for it (lock_timeout) and then fails rather than hold heartbeats up: run `migrate` again).
+SET LOCAL lock_timeout = '5s';
+ALTER TABLE "public"."outbox_nodes" ADD COLUMN IF NOT EXISTS protocol integer;
+INSERT INTO "public"."outbox_schema_version" (component, version, readable_from) VALUES ('outbox', 5, 1)
     ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
         readable_from = EXCLUDED.readable_from, migrated_at = now();
 
@@ -782,6 +800,17 @@ DELETE FROM "app"."relay_nodes"
 SELECT id, (extract(epoch from expiry) * 1000000)::int8 FROM "app"."relay_nodes"
                   WHERE expiry >= (now() AT TIME ZONE 'UTC') ORDER BY id
 
+-- app.events: nodes_behind
+WITH announced AS (
+                    UPDATE "app"."relay_nodes" SET protocol = $2
+                     WHERE id = $1 AND protocol IS DISTINCT FROM $2
+                 RETURNING id
+                 )
+                 SELECT id, coalesce(protocol, 1) FROM "app"."relay_nodes"
+                  WHERE id <> $1 AND expiry >= (now() AT TIME ZONE 'UTC')
+                    AND coalesce(protocol, 1) < $3
+                  ORDER BY id
+
 -- app.events: partition_count
 SELECT count(*)::int8 FROM "app"."events_partitions"
 
@@ -1012,6 +1041,13 @@ CREATE INDEX CONCURRENTLY IF NOT EXISTS "events_scheduled_idx" ON "app"."events"
     WHERE delivered_at IS NULL AND available_at > created_at;
 -- (interrupted? an index it left INVALID must be dropped with DROP INDEX CONCURRENTLY first)
 INSERT INTO "app"."events_schema_version" (component, version, readable_from) VALUES ('outbox', 4, 1)
+    ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
+        readable_from = EXCLUDED.readable_from, migrated_at = now();
+
+-- outbox schema step 5: the nodes table's protocol column (rolling upgrades: which cluster protocol each node speaks; NULL for relays from before it) (NOT online: an ACCESS EXCLUSIVE lock on the nodes table (not the outbox) for a catalog change, milliseconds once granted; it waits at most 5 s for it (lock_timeout) and then fails rather than hold heartbeats up: run `migrate` again).
+SET LOCAL lock_timeout = '5s';
+ALTER TABLE "app"."relay_nodes" ADD COLUMN IF NOT EXISTS protocol integer;
+INSERT INTO "app"."events_schema_version" (component, version, readable_from) VALUES ('outbox', 5, 1)
     ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
         readable_from = EXCLUDED.readable_from, migrated_at = now();
 

@@ -293,6 +293,22 @@ CREATE TABLE IF NOT EXISTS {nodes} (
     WHERE delivered_at IS NULL AND available_at > created_at;"
                 ))
             },
+            Step {
+                version: 5,
+                summary: "the nodes table's protocol column (rolling upgrades: which cluster \
+                          protocol each node speaks; NULL for relays from before it)",
+                statements: vec![format!(
+                    "SET LOCAL lock_timeout = '5s';
+ALTER TABLE {nodes} ADD COLUMN IF NOT EXISTS protocol integer;"
+                )],
+                lock: Lock::Locks(
+                    "an ACCESS EXCLUSIVE lock on the nodes table (not the outbox) for a catalog \
+                     change, milliseconds once granted; it waits at most 5 s for it (lock_timeout) \
+                     and then fails rather than hold heartbeats up: run `migrate` again",
+                ),
+                run: Run::InTransaction,
+                older_relays_run: true,
+            },
         ];
         Steps::new("outbox", steps)
     }
@@ -454,6 +470,9 @@ pub struct Statements {
     pub remove_expired: String,
     pub deregister: String,
     pub live_nodes: String,
+    /// Announces this node's cluster protocol and lists the live nodes behind the oldest it
+    /// shares partitions with.
+    pub nodes_behind: String,
     pub partition_count: String,
     pub acquire: String,
     pub renew: String,
@@ -510,6 +529,7 @@ impl Statements {
             remove_expired: native.remove_expired(),
             deregister: native.deregister(),
             live_nodes: native.live_nodes(),
+            nodes_behind: native.nodes_behind(),
             partition_count: native.partition_count(),
             acquire: native.acquire(),
             renew: native.renew(),
@@ -881,6 +901,23 @@ impl Native {
         )
     }
 
+    /// $1 node, $2 its protocol, $3 the oldest it shares partitions with. The UPDATE runs
+    /// whether or not its rows are read; the SELECT leaves this node out.
+    fn nodes_behind(&self) -> String {
+        let nodes = &self.nodes;
+        format!(
+            "WITH announced AS (
+                    UPDATE {nodes} SET protocol = $2
+                     WHERE id = $1 AND protocol IS DISTINCT FROM $2
+                 RETURNING id
+                 )
+                 SELECT id, coalesce(protocol, 1) FROM {nodes}
+                  WHERE id <> $1 AND expiry >= (now() AT TIME ZONE 'UTC')
+                    AND coalesce(protocol, 1) < $3
+                  ORDER BY id"
+        )
+    }
+
     fn live_nodes(&self) -> String {
         let nodes = &self.nodes;
         format!(
@@ -1183,6 +1220,7 @@ mod tests {
                 ("remove_expired", &s.remove_expired),
                 ("deregister", &s.deregister),
                 ("live_nodes", &s.live_nodes),
+                ("nodes_behind", &s.nodes_behind),
                 ("partition_count", &s.partition_count),
                 ("acquire", &s.acquire),
                 ("renew", &s.renew),
