@@ -2,7 +2,7 @@
 //! and `check` judge the version they find.
 //!
 //! Each store declares its steps once, in order ([`Step`]); a schema's version is the
-//! number of the last step applied. `migrate` records it in `<outbox>_schema_version`
+//! number of the last step applied. `migrate` records it in `<outbox>_versions`
 //! (one row per component: `outbox`, and `wal` for WAL capture's objects) after each step,
 //! so an interrupted migration resumes at the step it did not finish. Every step is
 //! idempotent, so the step that was running when it stopped can run again.

@@ -303,7 +303,7 @@ impl AnyStore {
         let (found, note): (Vec<Option<Found>>, String) = match asked {
             Ok(Ok(components)) => (
                 components.iter().map(|(_, f)| Some(*f)).collect(),
-                "-- The steps this database lacks (its version is in the schema_version table).\n"
+                "-- The steps this database lacks (its version is in the versions table).\n"
                     .to_string(),
             ),
             Ok(Err(e)) => (

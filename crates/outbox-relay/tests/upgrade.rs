@@ -317,7 +317,7 @@ async fn a_newer_schema_is_refused_unless_this_relay_can_run_on_it() {
     let client = pg(&url).await;
     let latest: i32 = client
         .query_one(
-            "SELECT version FROM outbox_schema_version WHERE component = 'outbox'",
+            "SELECT version FROM outbox_versions WHERE component = 'outbox'",
             &[],
         )
         .await
@@ -326,7 +326,7 @@ async fn a_newer_schema_is_refused_unless_this_relay_can_run_on_it() {
     let dir = tempfile::tempdir().unwrap();
     client
         .execute(
-            "UPDATE outbox_schema_version SET version = $1 + 1, readable_from = $1 + 1",
+            "UPDATE outbox_versions SET version = $1 + 1, readable_from = $1 + 1",
             &[&latest],
         )
         .await
@@ -349,7 +349,7 @@ async fn a_newer_schema_is_refused_unless_this_relay_can_run_on_it() {
     assert_eq!(migrate.status.code(), Some(2), "{}", text(&migrate.stderr));
 
     client
-        .execute("UPDATE outbox_schema_version SET readable_from = 1", &[])
+        .execute("UPDATE outbox_versions SET readable_from = 1", &[])
         .await
         .unwrap();
     client
@@ -446,9 +446,9 @@ async fn an_interrupted_migration_is_finished_by_migrate_again() {
             "INSERT INTO outbox (destination, event_type, payload)
                  VALUES ('orders', 'Placed', '{\"k\": \"orders\", \"i\": 0}'),
                         ('orders', 'Placed', '{\"k\": \"orders\", \"i\": 1}');
-             CREATE TABLE outbox_schema_version (component text PRIMARY KEY, version integer NOT NULL,
+             CREATE TABLE outbox_versions (component text PRIMARY KEY, version integer NOT NULL,
                  readable_from integer NOT NULL, migrated_at timestamptz NOT NULL DEFAULT now());
-             INSERT INTO outbox_schema_version (component, version, readable_from) VALUES ('outbox', 2, 1);",
+             INSERT INTO outbox_versions (component, version, readable_from) VALUES ('outbox', 2, 1);",
         )
         .await
         .unwrap();

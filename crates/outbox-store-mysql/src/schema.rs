@@ -1,5 +1,5 @@
 //! The versioned schema on MySQL/MariaDB ([`outbox_core::migration`]): the layout's steps,
-//! the version table `<table>_schema_version`, and `migrate`'s runner.
+//! the version table `<table>_versions`, and `migrate`'s runner.
 
 use mysql_async::prelude::Queryable;
 use mysql_async::Conn;
@@ -32,9 +32,9 @@ impl MySql {
         ))
     }
 
-    /// `<table>_schema_version`, quoted, in the table's schema.
+    /// `<table>_versions`, quoted, in the table's schema.
     pub fn versions_table(sql: &Sql) -> String {
-        sql.qualified(&format!("{}_schema_version", sql.mapping.table))
+        sql.qualified(&format!("{}_versions", sql.mapping.table))
     }
 
     fn version_table_ddl(sql: &Sql) -> String {
@@ -153,7 +153,7 @@ async fn read_found(conn: &mut Conn, sql: &Sql) -> StoreResult<Found> {
     let exists = "SELECT COUNT(*) FROM information_schema.tables \
                   WHERE table_schema = COALESCE(?, DATABASE()) AND table_name = ?";
     let context = "reading the schema version";
-    let versions_name = format!("{}_schema_version", sql.mapping.table);
+    let versions_name = format!("{}_versions", sql.mapping.table);
     let has_versions: Option<i64> = conn
         .exec_first(exists, (schema.clone(), versions_name))
         .await

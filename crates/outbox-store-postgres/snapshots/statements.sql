@@ -373,7 +373,7 @@ DELETE FROM "public"."outbox_dead_letters" WHERE sequence_id IN (
 -- public.outbox: ddl
 -- The schema's version per component, advanced after each step (see README, Upgrading).
 CREATE SCHEMA IF NOT EXISTS "public";
-CREATE TABLE IF NOT EXISTS "public"."outbox_schema_version" (
+CREATE TABLE IF NOT EXISTS "public"."outbox_versions" (
     component     text PRIMARY KEY,
     version       integer NOT NULL,
     readable_from integer NOT NULL, -- the oldest schema version a relay must know to run on it
@@ -443,14 +443,14 @@ CREATE TABLE IF NOT EXISTS "public"."outbox_nodes" (
     id     text PRIMARY KEY,
     expiry timestamp without time zone NOT NULL
 );
-INSERT INTO "public"."outbox_schema_version" (component, version, readable_from) VALUES ('outbox', 1, 1)
+INSERT INTO "public"."outbox_versions" (component, version, readable_from) VALUES ('outbox', 1, 1)
     ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
         readable_from = EXCLUDED.readable_from, migrated_at = now();
 
 -- outbox schema step 2: the pending rows' index (the claim scan) (online). Run each statement outside a transaction.
 CREATE INDEX CONCURRENTLY IF NOT EXISTS "outbox_pending_idx" ON "public"."outbox" (sequence_id) WHERE delivered_at IS NULL;
 -- (interrupted? an index it left INVALID must be dropped with DROP INDEX CONCURRENTLY first)
-INSERT INTO "public"."outbox_schema_version" (component, version, readable_from) VALUES ('outbox', 2, 1)
+INSERT INTO "public"."outbox_versions" (component, version, readable_from) VALUES ('outbox', 2, 1)
     ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
         readable_from = EXCLUDED.readable_from, migrated_at = now();
 
@@ -459,7 +459,7 @@ CREATE INDEX CONCURRENTLY IF NOT EXISTS "outbox_key_blockers_idx" ON "public"."o
     WHERE delivered_at IS NULL AND (locked_by IS NOT NULL OR attempts > 0);
 DROP INDEX CONCURRENTLY IF EXISTS "public"."outbox_blocking_idx";
 -- (interrupted? an index it left INVALID must be dropped with DROP INDEX CONCURRENTLY first)
-INSERT INTO "public"."outbox_schema_version" (component, version, readable_from) VALUES ('outbox', 3, 1)
+INSERT INTO "public"."outbox_versions" (component, version, readable_from) VALUES ('outbox', 3, 1)
     ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
         readable_from = EXCLUDED.readable_from, migrated_at = now();
 
@@ -467,14 +467,14 @@ INSERT INTO "public"."outbox_schema_version" (component, version, readable_from)
 CREATE INDEX CONCURRENTLY IF NOT EXISTS "outbox_scheduled_idx" ON "public"."outbox" (available_at)
     WHERE delivered_at IS NULL AND available_at > created_at;
 -- (interrupted? an index it left INVALID must be dropped with DROP INDEX CONCURRENTLY first)
-INSERT INTO "public"."outbox_schema_version" (component, version, readable_from) VALUES ('outbox', 4, 1)
+INSERT INTO "public"."outbox_versions" (component, version, readable_from) VALUES ('outbox', 4, 1)
     ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
         readable_from = EXCLUDED.readable_from, migrated_at = now();
 
 -- outbox schema step 5: the nodes table's protocol column (rolling upgrades: which cluster protocol each node speaks; NULL for relays from before it) (NOT online: an ACCESS EXCLUSIVE lock on the nodes table (not the outbox) for a catalog change, milliseconds once granted; it waits at most 5 s for it (lock_timeout) and then fails rather than hold heartbeats up: run `migrate` again).
 SET LOCAL lock_timeout = '5s';
 ALTER TABLE "public"."outbox_nodes" ADD COLUMN IF NOT EXISTS protocol integer;
-INSERT INTO "public"."outbox_schema_version" (component, version, readable_from) VALUES ('outbox', 5, 1)
+INSERT INTO "public"."outbox_versions" (component, version, readable_from) VALUES ('outbox', 5, 1)
     ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
         readable_from = EXCLUDED.readable_from, migrated_at = now();
 
@@ -515,7 +515,7 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON "public"."outbox_nodes" TO "relay";
 GRANT SELECT, UPDATE ON "public"."outbox_partitions" TO "relay";
 GRANT EXECUTE ON FUNCTION "public"."outbox_partition"(text, integer) TO "relay";
 -- To refuse a schema older or newer than it runs on.
-GRANT SELECT ON "public"."outbox_schema_version" TO "relay";
+GRANT SELECT ON "public"."outbox_versions" TO "relay";
 -- Applications (and `outbox-relay send`) also need:
 --   GRANT INSERT ON "public"."outbox" TO app_role;
 --   GRANT USAGE ON SEQUENCE <SELECT pg_get_serial_sequence('"public"."outbox"', 'sequence_id')> TO app_role;
@@ -946,7 +946,7 @@ DELETE FROM "app"."events_dead_letters" WHERE sequence_id IN (
 -- app.events: ddl
 -- The schema's version per component, advanced after each step (see README, Upgrading).
 CREATE SCHEMA IF NOT EXISTS "app";
-CREATE TABLE IF NOT EXISTS "app"."events_schema_version" (
+CREATE TABLE IF NOT EXISTS "app"."events_versions" (
     component     text PRIMARY KEY,
     version       integer NOT NULL,
     readable_from integer NOT NULL, -- the oldest schema version a relay must know to run on it
@@ -1016,14 +1016,14 @@ CREATE TABLE IF NOT EXISTS "app"."relay_nodes" (
     id     text PRIMARY KEY,
     expiry timestamp without time zone NOT NULL
 );
-INSERT INTO "app"."events_schema_version" (component, version, readable_from) VALUES ('outbox', 1, 1)
+INSERT INTO "app"."events_versions" (component, version, readable_from) VALUES ('outbox', 1, 1)
     ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
         readable_from = EXCLUDED.readable_from, migrated_at = now();
 
 -- outbox schema step 2: the pending rows' index (the claim scan) (online). Run each statement outside a transaction.
 CREATE INDEX CONCURRENTLY IF NOT EXISTS "events_pending_idx" ON "app"."events" (sequence_id) WHERE delivered_at IS NULL;
 -- (interrupted? an index it left INVALID must be dropped with DROP INDEX CONCURRENTLY first)
-INSERT INTO "app"."events_schema_version" (component, version, readable_from) VALUES ('outbox', 2, 1)
+INSERT INTO "app"."events_versions" (component, version, readable_from) VALUES ('outbox', 2, 1)
     ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
         readable_from = EXCLUDED.readable_from, migrated_at = now();
 
@@ -1032,7 +1032,7 @@ CREATE INDEX CONCURRENTLY IF NOT EXISTS "events_key_blockers_idx" ON "app"."even
     WHERE delivered_at IS NULL AND (locked_by IS NOT NULL OR attempts > 0);
 DROP INDEX CONCURRENTLY IF EXISTS "app"."events_blocking_idx";
 -- (interrupted? an index it left INVALID must be dropped with DROP INDEX CONCURRENTLY first)
-INSERT INTO "app"."events_schema_version" (component, version, readable_from) VALUES ('outbox', 3, 1)
+INSERT INTO "app"."events_versions" (component, version, readable_from) VALUES ('outbox', 3, 1)
     ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
         readable_from = EXCLUDED.readable_from, migrated_at = now();
 
@@ -1040,14 +1040,14 @@ INSERT INTO "app"."events_schema_version" (component, version, readable_from) VA
 CREATE INDEX CONCURRENTLY IF NOT EXISTS "events_scheduled_idx" ON "app"."events" (available_at)
     WHERE delivered_at IS NULL AND available_at > created_at;
 -- (interrupted? an index it left INVALID must be dropped with DROP INDEX CONCURRENTLY first)
-INSERT INTO "app"."events_schema_version" (component, version, readable_from) VALUES ('outbox', 4, 1)
+INSERT INTO "app"."events_versions" (component, version, readable_from) VALUES ('outbox', 4, 1)
     ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
         readable_from = EXCLUDED.readable_from, migrated_at = now();
 
 -- outbox schema step 5: the nodes table's protocol column (rolling upgrades: which cluster protocol each node speaks; NULL for relays from before it) (NOT online: an ACCESS EXCLUSIVE lock on the nodes table (not the outbox) for a catalog change, milliseconds once granted; it waits at most 5 s for it (lock_timeout) and then fails rather than hold heartbeats up: run `migrate` again).
 SET LOCAL lock_timeout = '5s';
 ALTER TABLE "app"."relay_nodes" ADD COLUMN IF NOT EXISTS protocol integer;
-INSERT INTO "app"."events_schema_version" (component, version, readable_from) VALUES ('outbox', 5, 1)
+INSERT INTO "app"."events_versions" (component, version, readable_from) VALUES ('outbox', 5, 1)
     ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
         readable_from = EXCLUDED.readable_from, migrated_at = now();
 
@@ -1088,7 +1088,7 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON "app"."relay_nodes" TO "relay";
 GRANT SELECT, UPDATE ON "app"."events_partitions" TO "relay";
 GRANT EXECUTE ON FUNCTION "app"."events_partition"(text, integer) TO "relay";
 -- To refuse a schema older or newer than it runs on.
-GRANT SELECT ON "app"."events_schema_version" TO "relay";
+GRANT SELECT ON "app"."events_versions" TO "relay";
 -- Applications (and `outbox-relay send`) also need:
 --   GRANT INSERT ON "app"."events" TO app_role;
 --   GRANT USAGE ON SEQUENCE <SELECT pg_get_serial_sequence('"app"."events"', 'sequence_id')> TO app_role;

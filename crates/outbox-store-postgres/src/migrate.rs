@@ -1,5 +1,5 @@
 //! `migrate`: the steps a database lacks ([`outbox_core::migration`]), each recorded in
-//! `<outbox>_schema_version` as it completes, on a session of its own that holds the
+//! `<outbox>_versions` as it completes, on a session of its own that holds the
 //! migrate lock.
 
 use std::time::Duration;
@@ -18,7 +18,7 @@ const MIGRATE_UNLOCK: &str = "SELECT pg_advisory_unlock(hashtext('outbox-relay m
 /// One component's steps and where they live.
 pub struct Component<'a> {
     pub steps: &'a Steps,
-    /// The outbox's names: the version table is `<outbox>_schema_version`.
+    /// The outbox's names: the version table is `<outbox>_versions`.
     pub tables: &'a Tables,
     /// A table whose presence without a recorded version means a schema from before
     /// versions.

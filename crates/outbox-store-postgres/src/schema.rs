@@ -22,7 +22,7 @@ pub struct Tables {
     pub nodes: TableName,
     /// Partition leases: `<outbox>_partitions`.
     pub partitions: TableName,
-    /// `<outbox>_schema_version`: the version `migrate` reached, per component (`outbox`,
+    /// `<outbox>_versions`: the version `migrate` reached, per component (`outbox`,
     /// and `wal` for WAL capture's objects).
     pub versions: TableName,
     pub notify_channel: Ident,
@@ -47,7 +47,7 @@ impl Tables {
         let outbox = TableName::new(outbox_schema, outbox_table)?;
         let dead_letters = TableName::new(outbox_schema, &format!("{outbox_table}_dead_letters"))?;
         let partitions = TableName::new(outbox_schema, &format!("{outbox_table}_partitions"))?;
-        let versions = TableName::new(outbox_schema, &format!("{outbox_table}_schema_version"))?;
+        let versions = TableName::new(outbox_schema, &format!("{outbox_table}_versions"))?;
         Ok(Tables {
             outbox,
             dead_letters,

@@ -1,5 +1,5 @@
 //! The versioned schema on SQLite ([`outbox_core::migration`]): the steps, the version
-//! table `outbox_schema_version`, and `migrate`'s runner.
+//! table `outbox_versions`, and `migrate`'s runner.
 
 use outbox_core::migration::{Found, Lock, Run, Step, Steps};
 use outbox_core::store::StoreResult;
@@ -9,7 +9,7 @@ use rusqlite::{Connection, OptionalExtension};
 use crate::{sql_error, DDL};
 
 const VERSION_TABLE_DDL: &str = "-- The schema's version per component, advanced after each step (see README, Upgrading).
-CREATE TABLE IF NOT EXISTS outbox_schema_version (
+CREATE TABLE IF NOT EXISTS outbox_versions (
     component     TEXT PRIMARY KEY,
     version       INTEGER NOT NULL,
     readable_from INTEGER NOT NULL,
@@ -40,7 +40,7 @@ pub fn steps() -> Steps {
 
 fn record_version(component: &str, version: u32, readable_from: u32) -> String {
     format!(
-        "INSERT INTO outbox_schema_version (component, version, readable_from) VALUES ('{component}', {version}, {readable_from})
+        "INSERT INTO outbox_versions (component, version, readable_from) VALUES ('{component}', {version}, {readable_from})
     ON CONFLICT (component) DO UPDATE SET version = excluded.version,
         readable_from = excluded.readable_from,
         migrated_at = CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER);
@@ -120,10 +120,10 @@ pub(crate) fn read_found(conn: &Connection) -> StoreResult<Found> {
         .map(|n| n > 0)
         .map_err(|e| sql_error(context, e))
     };
-    if exists("outbox_schema_version")? {
+    if exists("outbox_versions")? {
         let row: Option<(i64, i64)> = conn
             .query_row(
-                "SELECT version, readable_from FROM outbox_schema_version WHERE component = 'outbox'",
+                "SELECT version, readable_from FROM outbox_versions WHERE component = 'outbox'",
                 [],
                 |r| Ok((r.get(0)?, r.get(1)?)),
             )
@@ -137,7 +137,7 @@ pub(crate) fn read_found(conn: &Connection) -> StoreResult<Found> {
                 }),
                 _ => Err(StoreError::new(
                     StoreErrorKind::SchemaVersion,
-                    "outbox_schema_version holds a negative version",
+                    "outbox_versions holds a negative version",
                 )),
             };
         }

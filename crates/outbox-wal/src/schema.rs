@@ -91,7 +91,7 @@ impl CaptureTables {
         }
     }
 
-    /// WAL capture's steps, the `wal` component of `<outbox>_schema_version`. Its objects
+    /// WAL capture's steps, the `wal` component of `<outbox>_versions`. Its objects
     /// also follow the settings (the publication's tables, a mapped source), so `migrate`
     /// applies [`CaptureTables::ddl`] again after the steps. Add a step at the end for
     /// every change, and keep `crates/outbox-relay/tests/fixtures/` current.
