@@ -608,3 +608,47 @@ async fn a_newer_node_shares_with_an_adjacent_protocol_and_waits_out_an_older_on
     }
     assert_eq!(by_key.values().map(Vec::len).sum::<usize>(), 20);
 }
+
+/// WAL capture's objects (publication, parked and adopted tables, emit function) are the
+/// `wal` component of the version table: recorded by `migrate --capture wal`, judged by
+/// `check` and `run` like the outbox's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_capture_objects_are_a_versioned_component() {
+    let url = outbox_testkit::fresh_pg_database().await;
+    let client = pg(&url).await;
+    let dir = tempfile::tempdir().unwrap();
+    let wal = |args: &[&str]| {
+        let mut all = args.to_vec();
+        all.extend_from_slice(&["--capture", "wal", "--database-url", &url]);
+        relay(dir.path(), &all)
+    };
+    let migrate = wal(&["migrate"]);
+    assert!(migrate.status.success(), "{}", text(&migrate.stderr));
+    let version: i32 = client
+        .query_one(
+            "SELECT version FROM outbox_versions WHERE component = 'wal'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(version, 1);
+    let check = text(&wal(&["check"]).stdout);
+    assert!(check.contains("ok: wal schema at version 1"), "{check}");
+    // The parked table without a recorded version: a capture set up before versions.
+    client
+        .batch_execute("DELETE FROM outbox_versions WHERE component = 'wal'")
+        .await
+        .unwrap();
+    let check = text(&wal(&["check"]).stdout);
+    assert!(
+        check.contains("the wal schema is an unversioned schema"),
+        "{check}"
+    );
+    let printed = text(&wal(&["migrate", "--print"]).stdout);
+    assert!(printed.contains("-- wal schema step 1:"), "{printed}");
+    assert!(!printed.contains("-- outbox schema step"), "{printed}");
+    assert!(wal(&["migrate"]).status.success());
+    let check = text(&wal(&["check"]).stdout);
+    assert!(check.contains("ok: wal schema at version 1"), "{check}");
+}
