@@ -22,6 +22,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use outbox_core::health::Check;
+use outbox_core::migration::{CLUSTER_PROTOCOL, OLDEST_PEER_PROTOCOL};
 use outbox_core::store::{Incarnation, NodeRegistry, PartitionRegistry, Registration};
 use outbox_core::{Health, NodeId, Ownership, StoreError, StoreErrorKind};
 use tokio::sync::watch;
@@ -404,6 +405,15 @@ async fn beat(registry: &dyn NodeRegistry, config: &ClusterConfig, last: Incarna
 /// hand-over is still waiting.
 async fn balance(p: &Partitions, config: &ClusterConfig, count: u32, live: &[String]) -> bool {
     let attempt = config.health.begin(Check::Leases);
+    if let Some(why) = older_nodes_to_wait_for(p, config).await {
+        // The leases it holds are not renewed: they lapse, by its own clock first.
+        if attempt.failed(why.clone()) {
+            tracing::warn!("{why}");
+        }
+        let owned = p.ownership.publishable(Instant::now()).0.len();
+        metrics::gauge!(OWNED_PARTITIONS).set(owned as f64);
+        return false;
+    }
     let (waiting, failure) = keep_leases(p, config, count, live).await;
     match failure {
         None => attempt.succeeded(),
@@ -419,6 +429,37 @@ async fn balance(p: &Partitions, config: &ClusterConfig, count: u32, live: &[Str
     let owned = p.ownership.publishable(Instant::now()).0.len();
     metrics::gauge!(OWNED_PARTITIONS).set(owned as f64);
     waiting
+}
+
+/// Why this node takes no partition now: live nodes of a cluster protocol older than it
+/// shares partitions with ([`OLDEST_PEER_PROTOCOL`]), which must be gone first. Announces
+/// this node's protocol on the way. A failure to ask is logged and does not hold the node
+/// (a database too old to answer is refused at start).
+async fn older_nodes_to_wait_for(p: &Partitions, config: &ClusterConfig) -> Option<String> {
+    match p
+        .registry
+        .nodes_behind(config.node.clone(), CLUSTER_PROTOCOL, OLDEST_PEER_PROTOCOL)
+        .await
+    {
+        Ok(behind) if behind.is_empty() => None,
+        Ok(behind) => {
+            let nodes: Vec<String> = behind
+                .iter()
+                .map(|(id, protocol)| format!("{id} (protocol {protocol})"))
+                .collect();
+            Some(format!(
+                "waiting for nodes of an older cluster protocol to leave before taking \
+                 partitions: {}; this relay speaks protocol {CLUSTER_PROTOCOL} and shares \
+                 partitions with protocol {OLDEST_PEER_PROTOCOL} or later (upgrade or stop \
+                 those nodes: README, Upgrading)",
+                nodes.join(", ")
+            ))
+        }
+        Err(e) => {
+            tracing::warn!(error = %e.report(), "could not read the nodes' cluster protocols");
+            None
+        }
+    }
 }
 
 /// Sets the partition gauges from the partitions table: every node reports the whole

@@ -144,6 +144,9 @@ pub enum StoreErrorKind {
     Config,
     /// A column has a type the relay cannot read (altered after `migrate`).
     SchemaMismatch,
+    /// The schema's recorded version is older than the relay needs, or newer than it knows
+    /// (see [`crate::migration`]): only `migrate` or an upgrade fixes it.
+    SchemaVersion,
     /// The database reports its storage damaged (SQLite's SQLITE_CORRUPT): no retry can
     /// succeed, and each would publish again what it cannot ack.
     Corrupt,
@@ -170,6 +173,7 @@ impl StoreErrorKind {
             StoreErrorKind::Config => "fix the configuration value named in the message",
             StoreErrorKind::Corrupt => "stop writing to the database and recover it (`sqlite3 FILE .recover`, or restore a backup); events published but not acked are sent again once it is sound",
             StoreErrorKind::SchemaMismatch => "restore the column's type as `outbox-relay migrate --print` shows it; `outbox-relay check` lists every column that differs, with the ALTER TABLE that restores it",
+            StoreErrorKind::SchemaVersion => "run `outbox-relay migrate` if the schema is older than the relay needs; upgrade the relay if it is newer",
             StoreErrorKind::Query => "see the database's message; `outbox-relay check` verifies the tables",
         }
     }

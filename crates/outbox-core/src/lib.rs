@@ -8,6 +8,7 @@
 //! - [`publisher`]: the [`Publisher`](publisher::Publisher) contract (a batch in, one outcome per event);
 //! - [`ident`]: validated, quoted SQL identifiers for configurable schema and table names;
 //! - [`redact`]: secrets out of URLs and the messages that quote them;
+//! - [`migration`]: versioned schemas: the steps `migrate` applies and how `run` judges a version;
 //! - [`metric_labels`]: metrics recorded by more than one crate, and their label guard;
 //! - [`trace`]: W3C trace context in event headers, and the [`Telemetry`](trace::Telemetry) contract.
 
@@ -16,6 +17,7 @@ pub mod event;
 pub mod health;
 pub mod ident;
 pub mod metric_labels;
+pub mod migration;
 pub mod ownership;
 pub mod partition;
 pub mod publisher;

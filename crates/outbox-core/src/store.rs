@@ -385,6 +385,15 @@ pub struct PartitionRecord {
 /// A lease is taken only when the partition is free or its lease expired, and taking it
 /// increments the epoch; renewing and releasing apply only to the holder at its epoch.
 pub trait PartitionRegistry: Send + Sync + 'static {
+    /// Writes `protocol` into `node`'s row of the nodes table, and returns the other live
+    /// nodes whose protocol is below `oldest` (a row without one is protocol 1), with theirs.
+    fn nodes_behind(
+        &self,
+        node: NodeId,
+        protocol: u32,
+        oldest: u32,
+    ) -> StoreFuture<Vec<(String, u32)>>;
+
     /// The outbox's partition count (fixed when it was migrated).
     fn partition_count(&self) -> StoreFuture<u32>;
 

@@ -30,7 +30,12 @@ impl std::error::Error for ConfigError {}
 
 /// A store error as the binary reports it: exit 2 when only the configuration can fix it.
 pub(crate) fn failure(message: String, e: &outbox_core::StoreError) -> anyhow::Error {
-    if e.kind() == outbox_core::StoreErrorKind::Config {
+    // A schema older or newer than the relay runs on is fixed by `migrate` or an upgrade,
+    // never by retrying: exit 2 too.
+    if matches!(
+        e.kind(),
+        outbox_core::StoreErrorKind::Config | outbox_core::StoreErrorKind::SchemaVersion
+    ) {
         anyhow::Error::new(ConfigError(message))
     } else {
         anyhow::anyhow!(message)
@@ -162,6 +167,17 @@ async fn prepare_store(
     outbox.ping().await?;
     if create || store.creates_tables_implicitly() {
         store.migrate().await?;
+    }
+    for (verdict, line) in store.schema_versions().await? {
+        // Only a schema newer than this relay is news at every start.
+        if matches!(
+            verdict,
+            outbox_core::migration::Verdict::NewerReadable { .. }
+        ) {
+            tracing::info!("{line}");
+        } else {
+            tracing::debug!("{line}");
+        }
     }
     store.verify().await
 }
@@ -692,13 +708,13 @@ pub async fn migrate(config: Config, args: MigrateArgs) -> anyhow::Result<ExitCo
     if args.print {
         outbox_core::ident::Ident::new(&args.role, "role name")
             .map_err(|e| anyhow::Error::new(ConfigError(format!("--role: {}", e.report()))))?;
-        println!("{}", store.printable_ddl(&args.role));
+        println!("{}", store.printable_ddl(&args.role).await);
         return Ok(ExitCode::SUCCESS);
     }
     store
         .migrate()
         .await
-        .map_err(|e| anyhow::anyhow!("migration failed: {}", e.report()))?;
+        .map_err(|e| failure(format!("migration failed: {}", e.report()), &e))?;
     println!("migrated: {}", store.outbox().describe());
     // What a migration cannot do itself (a server setting, a role attribute) is said now,
     // not at the first `run`. The migration did apply, so this is no failure; and it is
@@ -752,6 +768,13 @@ pub async fn check(config: Config) -> anyhow::Result<ExitCode> {
                 e.report()
             );
             return Ok(ExitCode::FAILURE);
+        }
+    }
+    match store.schema_versions().await {
+        Ok(lines) => lines.iter().for_each(|(_, l)| println!("ok: {l}")),
+        Err(e) => {
+            failed = true;
+            println!("problem: {}", e.report());
         }
     }
     match store.verify().await {

@@ -3,6 +3,7 @@
 use std::sync::Arc;
 
 use anyhow::Context;
+use outbox_core::migration::{judge, Found, Steps, Verdict};
 use outbox_core::store::NodeRegistry;
 use outbox_core::OutboxStore;
 use outbox_store_mysql::{MySqlOptions, MySqlStore};
@@ -216,7 +217,15 @@ impl AnyStore {
         matches!(self, AnyStore::Sqlite(_))
     }
 
+    /// Applies the steps the database lacks, component by component. A schema a newer
+    /// relay migrated, which this one cannot run on, is refused before anything is applied
+    /// (this relay would otherwise put back its own trigger and capture objects).
     pub async fn migrate(&self) -> Result<(), outbox_core::StoreError> {
+        for (steps, found) in self.schema_components().await? {
+            if found.version() > steps.latest() {
+                judge(&steps, found, "migrate")?;
+            }
+        }
         match self {
             AnyStore::Postgres(s) => s.migrate().await,
             AnyStore::PostgresWal(s, capture) => {
@@ -224,7 +233,11 @@ impl AnyStore {
                     s.migrate_extra(&source.ddl()).await?;
                 }
                 s.migrate().await?;
-                s.migrate_extra(&capture.tables(s).ddl()).await
+                let wal = capture.tables(s);
+                s.migrate_component(&wal.steps(), &wal.parked).await?;
+                // The publication's tables and a mapped source follow the settings: applied
+                // again on every migrate (idempotent).
+                s.migrate_extra(&wal.ddl()).await
             }
             AnyStore::MappedPostgres(s) => s.migrate().await,
             AnyStore::MySql(s) => s.migrate().await,
@@ -232,20 +245,109 @@ impl AnyStore {
         }
     }
 
-    /// The DDL and grants `migrate --print` shows.
-    pub fn printable_ddl(&self, role: &str) -> String {
-        match self {
-            AnyStore::Postgres(s) => {
-                format!("{}\n{}", s.tables().ddl(), s.tables().grants(role))
+    /// The versioned components of this store's schema: each one's steps and what the
+    /// database holds of it. Mapped PostgreSQL layouts have none: a seed's table is the
+    /// seed's, and what the relay adds to it is re-applied by every `migrate`.
+    pub async fn schema_components(&self) -> Result<Vec<(Steps, Found)>, outbox_core::StoreError> {
+        Ok(match self {
+            AnyStore::Postgres(s) => vec![(s.tables().steps(), s.schema_found().await?)],
+            AnyStore::PostgresWal(s, capture) => {
+                let wal = capture.tables(s);
+                vec![
+                    (s.tables().steps(), s.schema_found().await?),
+                    (wal.steps(), s.component_found("wal", &wal.parked).await?),
+                ]
             }
+            AnyStore::MappedPostgres(_) => Vec::new(),
+            AnyStore::MySql(s) => match s.db().steps(s.sql()) {
+                Some(steps) => vec![(steps, s.db().schema_found(s.sql()).await?)],
+                None => Vec::new(),
+            },
+            AnyStore::Sqlite(s) => vec![(
+                outbox_store_sqlite::schema::steps(),
+                s.schema_found().await?,
+            )],
+        })
+    }
+
+    /// Judges each component's recorded version: a line for each that this relay runs on
+    /// (`check` prints them, `run` logs them), or the [`StoreErrorKind::SchemaVersion`]
+    /// error `run` refuses with (exit 2), naming `migrate` or the upgrade.
+    ///
+    /// [`StoreErrorKind::SchemaVersion`]: outbox_core::StoreErrorKind::SchemaVersion
+    pub async fn schema_versions(&self) -> Result<Vec<(Verdict, String)>, outbox_core::StoreError> {
+        let what = self.outbox().describe();
+        let mut lines = Vec::new();
+        for (steps, found) in self.schema_components().await? {
+            let component = steps.component;
+            let latest = steps.latest();
+            let verdict = judge(&steps, found, &what)?;
+            lines.push((verdict, match verdict {
+                Verdict::Current => format!("{component} schema at version {latest}"),
+                Verdict::Missing => format!("{component} schema not created yet"),
+                Verdict::NewerReadable { version } => format!(
+                    "{component} schema at version {version}, newer than this relay's                      {latest}; its later steps leave this relay's statements working"
+                ),
+            }));
+        }
+        Ok(lines)
+    }
+
+    /// The DDL and grants `migrate --print` shows: against a database it can ask, only the
+    /// steps that database lacks; otherwise every step.
+    pub async fn printable_ddl(&self, role: &str) -> String {
+        // Bounded: `--print` is also how a schema is reviewed with no database at hand.
+        let asked = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+            self.outbox().ping().await?;
+            self.schema_components().await
+        })
+        .await;
+        let (found, note): (Vec<Option<Found>>, String) = match asked {
+            Ok(Ok(components)) => (
+                components.iter().map(|(_, f)| Some(*f)).collect(),
+                "-- The steps this database lacks (its version is in the versions table).\n"
+                    .to_string(),
+            ),
+            Ok(Err(e)) => (
+                Vec::new(),
+                format!(
+                    "-- The database could not be asked ({}): every step follows, each idempotent.\n",
+                    e.report().replace('\n', " ")
+                ),
+            ),
+            Err(_) => (
+                Vec::new(),
+                "-- The database did not answer within 5 s: every step follows, each idempotent.\n"
+                    .to_string(),
+            ),
+        };
+        let found_at = |i: usize| found.get(i).copied().flatten();
+        match self {
+            AnyStore::Postgres(s) => format!(
+                "{note}{}\n{}\n{}",
+                s.printable_steps(&s.tables().steps(), found_at(0)),
+                s.tables().wakeup_ddl(),
+                s.tables().grants(role)
+            ),
             AnyStore::PostgresWal(s, capture) => {
                 let wal = capture.tables(s);
                 let source = capture.source.as_deref().map(CapturedTable::ddl);
+                let wal_steps = wal.steps();
+                let wal_current = found_at(1).is_some_and(|f| f.version() >= wal_steps.latest());
+                let again = if wal_current {
+                    format!(
+                        "-- Applied again by every migrate (it follows the settings):\n{}",
+                        wal.ddl()
+                    )
+                } else {
+                    String::new()
+                };
                 format!(
-                    "{}{}\n{}\n{}\n{}",
+                    "{note}{}{}\n{}\n{}\n{again}\n{}\n{}",
                     source.unwrap_or_default(),
-                    s.tables().ddl(),
-                    wal.ddl(),
+                    s.printable_steps(&s.tables().steps(), found_at(0)),
+                    s.tables().wakeup_ddl(),
+                    s.printable_steps(&wal_steps, found_at(1)),
                     s.tables().grants(role),
                     wal.grants(role)
                 )
@@ -255,12 +357,18 @@ impl AnyStore {
             }
             AnyStore::MySql(s) => format!(
                 "{}\n{}",
-                s.ddl().unwrap_or_else(|| "-- A custom mapping runs on the application's own table: nothing to create.\n".into()),
+                match s.db().steps(s.sql()) {
+                    Some(steps) => format!(
+                        "{note}{}",
+                        outbox_store_mysql::MySql::printable_steps(s.sql(), &steps, found_at(0))
+                    ),
+                    None => "-- A custom mapping runs on the application's own table: nothing to create.\n".into(),
+                },
                 s.grants(role)
             ),
             AnyStore::Sqlite(_) => format!(
-                "-- SQLite has no roles: the relay needs read/write access to the database file\n-- and its directory (for the WAL).\n{}",
-                SqliteStore::ddl()
+                "-- SQLite has no roles: the relay needs read/write access to the database file\n-- and its directory (for the WAL).\n{note}{}",
+                outbox_store_sqlite::schema::printable_steps(found_at(0))
             ),
         }
     }

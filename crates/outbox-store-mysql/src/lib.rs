@@ -22,6 +22,7 @@ use outbox_layout::store::{Claim, MappedDb, MappedStore, Opened};
 use outbox_layout::{Dialect, IdType, Mapping};
 
 mod nodes;
+mod schema;
 
 /// The MySQL/MariaDB store. Cheap to clone.
 pub type MySqlStore = MappedStore<MySql>;
@@ -374,32 +375,29 @@ impl MappedDb for MySql {
 
     fn grants(&self, sql: &Sql, layout: &str, role: &str) -> String {
         let nodes = self.nodes.as_ref().map(|n| n.grants(role));
+        // Read to refuse a schema older or newer than the relay runs on.
+        let versions = self.steps(sql).map(|_| {
+            format!(
+                "GRANT SELECT ON {} TO '{role}'@'%';\n",
+                Self::versions_table(sql)
+            )
+        });
         format!(
-            "-- The relay's run-time account for the {layout} layout (MySQL/MariaDB).\n-- CREATE USER '{role}'@'%' IDENTIFIED BY '...';\n{}{}",
+            "-- The relay's run-time account for the {layout} layout (MySQL/MariaDB).\n-- CREATE USER '{role}'@'%' IDENTIFIED BY '...';\n{}{}{}",
             sql.grants(role),
-            nodes.unwrap_or_default()
+            nodes.unwrap_or_default(),
+            versions.unwrap_or_default()
         )
     }
 
     async fn migrate(&self, sql: &Sql) -> StoreResult<()> {
-        let Some(ddl) = self.ddl(sql) else {
+        let Some(steps) = self.steps(sql) else {
             return Err(StoreError::new(
                 StoreErrorKind::Config,
                 "this custom mapping runs on the application's existing table and marks dead rows itself: there is nothing to migrate",
             ));
         };
-        let mut conn = self.conn("migrate").await?;
-        conn.query_drop("SELECT GET_LOCK('outbox-relay migrate', 60)")
-            .await
-            .map_err(|e| db_error("migrate", e))?;
-        let result = conn
-            .query_drop(&ddl)
-            .await
-            .map_err(|e| db_error("migrate", e));
-        let _ = conn
-            .query_drop("SELECT RELEASE_LOCK('outbox-relay migrate')")
-            .await;
-        result
+        self.apply_steps(sql, &steps).await
     }
 
     async fn batch_execute(&self, sql: &str) -> StoreResult<()> {

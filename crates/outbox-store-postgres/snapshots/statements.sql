@@ -227,6 +227,17 @@ DELETE FROM "public"."outbox_nodes"
 SELECT id, (extract(epoch from expiry) * 1000000)::int8 FROM "public"."outbox_nodes"
                   WHERE expiry >= (now() AT TIME ZONE 'UTC') ORDER BY id
 
+-- public.outbox: nodes_behind
+WITH announced AS (
+                    UPDATE "public"."outbox_nodes" SET protocol = $2
+                     WHERE id = $1 AND protocol IS DISTINCT FROM $2
+                 RETURNING id
+                 )
+                 SELECT id, coalesce(protocol, 1) FROM "public"."outbox_nodes"
+                  WHERE id <> $1 AND expiry >= (now() AT TIME ZONE 'UTC')
+                    AND coalesce(protocol, 1) < $3
+                  ORDER BY id
+
 -- public.outbox: partition_count
 SELECT count(*)::int8 FROM "public"."outbox_partitions"
 
@@ -360,6 +371,16 @@ DELETE FROM "public"."outbox_dead_letters" WHERE sequence_id IN (
                  ORDER BY sequence_id LIMIT $2 FOR UPDATE SKIP LOCKED)
 
 -- public.outbox: ddl
+-- The schema's version per component, advanced after each step (see README, Upgrading).
+CREATE SCHEMA IF NOT EXISTS "public";
+CREATE TABLE IF NOT EXISTS "public"."outbox_versions" (
+    component     text PRIMARY KEY,
+    version       integer NOT NULL,
+    readable_from integer NOT NULL, -- the oldest schema version a relay must know to run on it
+    migrated_at   timestamptz NOT NULL DEFAULT now()
+);
+
+-- outbox schema step 1: the outbox, dead-letter, partitions and nodes tables and the partition function, where missing (existing tables are not touched) (online).
 CREATE SCHEMA IF NOT EXISTS "public";
 CREATE SCHEMA IF NOT EXISTS "public";
 
@@ -383,21 +404,6 @@ CREATE TABLE IF NOT EXISTS "public"."outbox" (
     locked_until  timestamptz,
     delivered_at  timestamptz                     -- set only with --retain-delivered
 );
-
--- Pending rows in publish order (the claim scan).
-CREATE INDEX IF NOT EXISTS "outbox_pending_idx" ON "public"."outbox" (sequence_id) WHERE delivered_at IS NULL;
-
--- Rows that can hold back later rows of their key: leased, or waiting to retry. Small by design.
--- Over the key's hash: a btree row cannot hold a key longer than about 2.7 kB.
-CREATE INDEX IF NOT EXISTS "outbox_key_blockers_idx" ON "public"."outbox" ((hashtextextended(coalesce(partition_key, destination), 0)), sequence_id)
-    WHERE delivered_at IS NULL AND (locked_by IS NOT NULL OR attempts > 0);
--- Its predecessor, over the key itself, failed every claim that leased a longer key.
-DROP INDEX IF EXISTS "public"."outbox_blocking_idx";
-
--- Rows that become available later than they were written: scheduled by the application, or
--- waiting to retry. Small by design; the scan floor reads when the next one comes due.
-CREATE INDEX IF NOT EXISTS "outbox_scheduled_idx" ON "public"."outbox" (available_at)
-    WHERE delivered_at IS NULL AND available_at > created_at;
 
 -- Events that can never be delivered, whole, with their attempts and last error.
 CREATE TABLE IF NOT EXISTS "public"."outbox_dead_letters" (
@@ -437,6 +443,40 @@ CREATE TABLE IF NOT EXISTS "public"."outbox_nodes" (
     id     text PRIMARY KEY,
     expiry timestamp without time zone NOT NULL
 );
+INSERT INTO "public"."outbox_versions" (component, version, readable_from) VALUES ('outbox', 1, 1)
+    ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
+        readable_from = EXCLUDED.readable_from, migrated_at = now();
+
+-- outbox schema step 2: the pending rows' index (the claim scan) (online). Run each statement outside a transaction.
+CREATE INDEX CONCURRENTLY IF NOT EXISTS "outbox_pending_idx" ON "public"."outbox" (sequence_id) WHERE delivered_at IS NULL;
+-- (interrupted? an index it left INVALID must be dropped with DROP INDEX CONCURRENTLY first)
+INSERT INTO "public"."outbox_versions" (component, version, readable_from) VALUES ('outbox', 2, 1)
+    ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
+        readable_from = EXCLUDED.readable_from, migrated_at = now();
+
+-- outbox schema step 3: the blocking index over the ordering key's hash, replacing the one over the key (a btree row holds at most about 2.7 kB, and a longer key failed every claim that leased it) (online). Run each statement outside a transaction.
+CREATE INDEX CONCURRENTLY IF NOT EXISTS "outbox_key_blockers_idx" ON "public"."outbox" ((hashtextextended(coalesce(partition_key, destination), 0)), sequence_id)
+    WHERE delivered_at IS NULL AND (locked_by IS NOT NULL OR attempts > 0);
+DROP INDEX CONCURRENTLY IF EXISTS "public"."outbox_blocking_idx";
+-- (interrupted? an index it left INVALID must be dropped with DROP INDEX CONCURRENTLY first)
+INSERT INTO "public"."outbox_versions" (component, version, readable_from) VALUES ('outbox', 3, 1)
+    ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
+        readable_from = EXCLUDED.readable_from, migrated_at = now();
+
+-- outbox schema step 4: the scheduled rows' index (rows available later than written: the scan floor reads when the next comes due) (online). Run each statement outside a transaction.
+CREATE INDEX CONCURRENTLY IF NOT EXISTS "outbox_scheduled_idx" ON "public"."outbox" (available_at)
+    WHERE delivered_at IS NULL AND available_at > created_at;
+-- (interrupted? an index it left INVALID must be dropped with DROP INDEX CONCURRENTLY first)
+INSERT INTO "public"."outbox_versions" (component, version, readable_from) VALUES ('outbox', 4, 1)
+    ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
+        readable_from = EXCLUDED.readable_from, migrated_at = now();
+
+-- outbox schema step 5: the nodes table's protocol column (rolling upgrades: which cluster protocol each node speaks; NULL for relays from before it) (NOT online: an ACCESS EXCLUSIVE lock on the nodes table (not the outbox) for a catalog change, milliseconds once granted; it waits at most 5 s for it (lock_timeout) and then fails rather than hold heartbeats up: run `migrate` again).
+SET LOCAL lock_timeout = '5s';
+ALTER TABLE "public"."outbox_nodes" ADD COLUMN IF NOT EXISTS protocol integer;
+INSERT INTO "public"."outbox_versions" (component, version, readable_from) VALUES ('outbox', 5, 1)
+    ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
+        readable_from = EXCLUDED.readable_from, migrated_at = now();
 
 -- Wakes the relay after each inserting statement; never fails the application's insert.
 CREATE OR REPLACE FUNCTION "public"."outbox_notify"() RETURNS trigger AS $$
@@ -474,6 +514,8 @@ GRANT SELECT, INSERT ON "public"."outbox_dead_letters" TO "relay";
 GRANT SELECT, INSERT, UPDATE, DELETE ON "public"."outbox_nodes" TO "relay";
 GRANT SELECT, UPDATE ON "public"."outbox_partitions" TO "relay";
 GRANT EXECUTE ON FUNCTION "public"."outbox_partition"(text, integer) TO "relay";
+-- To refuse a schema older or newer than it runs on.
+GRANT SELECT ON "public"."outbox_versions" TO "relay";
 -- Applications (and `outbox-relay send`) also need:
 --   GRANT INSERT ON "public"."outbox" TO app_role;
 --   GRANT USAGE ON SEQUENCE <SELECT pg_get_serial_sequence('"public"."outbox"', 'sequence_id')> TO app_role;
@@ -758,6 +800,17 @@ DELETE FROM "app"."relay_nodes"
 SELECT id, (extract(epoch from expiry) * 1000000)::int8 FROM "app"."relay_nodes"
                   WHERE expiry >= (now() AT TIME ZONE 'UTC') ORDER BY id
 
+-- app.events: nodes_behind
+WITH announced AS (
+                    UPDATE "app"."relay_nodes" SET protocol = $2
+                     WHERE id = $1 AND protocol IS DISTINCT FROM $2
+                 RETURNING id
+                 )
+                 SELECT id, coalesce(protocol, 1) FROM "app"."relay_nodes"
+                  WHERE id <> $1 AND expiry >= (now() AT TIME ZONE 'UTC')
+                    AND coalesce(protocol, 1) < $3
+                  ORDER BY id
+
 -- app.events: partition_count
 SELECT count(*)::int8 FROM "app"."events_partitions"
 
@@ -891,6 +944,16 @@ DELETE FROM "app"."events_dead_letters" WHERE sequence_id IN (
                  ORDER BY sequence_id LIMIT $2 FOR UPDATE SKIP LOCKED)
 
 -- app.events: ddl
+-- The schema's version per component, advanced after each step (see README, Upgrading).
+CREATE SCHEMA IF NOT EXISTS "app";
+CREATE TABLE IF NOT EXISTS "app"."events_versions" (
+    component     text PRIMARY KEY,
+    version       integer NOT NULL,
+    readable_from integer NOT NULL, -- the oldest schema version a relay must know to run on it
+    migrated_at   timestamptz NOT NULL DEFAULT now()
+);
+
+-- outbox schema step 1: the outbox, dead-letter, partitions and nodes tables and the partition function, where missing (existing tables are not touched) (online).
 CREATE SCHEMA IF NOT EXISTS "app";
 CREATE SCHEMA IF NOT EXISTS "app";
 
@@ -914,21 +977,6 @@ CREATE TABLE IF NOT EXISTS "app"."events" (
     locked_until  timestamptz,
     delivered_at  timestamptz                     -- set only with --retain-delivered
 );
-
--- Pending rows in publish order (the claim scan).
-CREATE INDEX IF NOT EXISTS "events_pending_idx" ON "app"."events" (sequence_id) WHERE delivered_at IS NULL;
-
--- Rows that can hold back later rows of their key: leased, or waiting to retry. Small by design.
--- Over the key's hash: a btree row cannot hold a key longer than about 2.7 kB.
-CREATE INDEX IF NOT EXISTS "events_key_blockers_idx" ON "app"."events" ((hashtextextended(coalesce(partition_key, destination), 0)), sequence_id)
-    WHERE delivered_at IS NULL AND (locked_by IS NOT NULL OR attempts > 0);
--- Its predecessor, over the key itself, failed every claim that leased a longer key.
-DROP INDEX IF EXISTS "app"."events_blocking_idx";
-
--- Rows that become available later than they were written: scheduled by the application, or
--- waiting to retry. Small by design; the scan floor reads when the next one comes due.
-CREATE INDEX IF NOT EXISTS "events_scheduled_idx" ON "app"."events" (available_at)
-    WHERE delivered_at IS NULL AND available_at > created_at;
 
 -- Events that can never be delivered, whole, with their attempts and last error.
 CREATE TABLE IF NOT EXISTS "app"."events_dead_letters" (
@@ -968,6 +1016,40 @@ CREATE TABLE IF NOT EXISTS "app"."relay_nodes" (
     id     text PRIMARY KEY,
     expiry timestamp without time zone NOT NULL
 );
+INSERT INTO "app"."events_versions" (component, version, readable_from) VALUES ('outbox', 1, 1)
+    ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
+        readable_from = EXCLUDED.readable_from, migrated_at = now();
+
+-- outbox schema step 2: the pending rows' index (the claim scan) (online). Run each statement outside a transaction.
+CREATE INDEX CONCURRENTLY IF NOT EXISTS "events_pending_idx" ON "app"."events" (sequence_id) WHERE delivered_at IS NULL;
+-- (interrupted? an index it left INVALID must be dropped with DROP INDEX CONCURRENTLY first)
+INSERT INTO "app"."events_versions" (component, version, readable_from) VALUES ('outbox', 2, 1)
+    ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
+        readable_from = EXCLUDED.readable_from, migrated_at = now();
+
+-- outbox schema step 3: the blocking index over the ordering key's hash, replacing the one over the key (a btree row holds at most about 2.7 kB, and a longer key failed every claim that leased it) (online). Run each statement outside a transaction.
+CREATE INDEX CONCURRENTLY IF NOT EXISTS "events_key_blockers_idx" ON "app"."events" ((hashtextextended(coalesce(partition_key, destination), 0)), sequence_id)
+    WHERE delivered_at IS NULL AND (locked_by IS NOT NULL OR attempts > 0);
+DROP INDEX CONCURRENTLY IF EXISTS "app"."events_blocking_idx";
+-- (interrupted? an index it left INVALID must be dropped with DROP INDEX CONCURRENTLY first)
+INSERT INTO "app"."events_versions" (component, version, readable_from) VALUES ('outbox', 3, 1)
+    ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
+        readable_from = EXCLUDED.readable_from, migrated_at = now();
+
+-- outbox schema step 4: the scheduled rows' index (rows available later than written: the scan floor reads when the next comes due) (online). Run each statement outside a transaction.
+CREATE INDEX CONCURRENTLY IF NOT EXISTS "events_scheduled_idx" ON "app"."events" (available_at)
+    WHERE delivered_at IS NULL AND available_at > created_at;
+-- (interrupted? an index it left INVALID must be dropped with DROP INDEX CONCURRENTLY first)
+INSERT INTO "app"."events_versions" (component, version, readable_from) VALUES ('outbox', 4, 1)
+    ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
+        readable_from = EXCLUDED.readable_from, migrated_at = now();
+
+-- outbox schema step 5: the nodes table's protocol column (rolling upgrades: which cluster protocol each node speaks; NULL for relays from before it) (NOT online: an ACCESS EXCLUSIVE lock on the nodes table (not the outbox) for a catalog change, milliseconds once granted; it waits at most 5 s for it (lock_timeout) and then fails rather than hold heartbeats up: run `migrate` again).
+SET LOCAL lock_timeout = '5s';
+ALTER TABLE "app"."relay_nodes" ADD COLUMN IF NOT EXISTS protocol integer;
+INSERT INTO "app"."events_versions" (component, version, readable_from) VALUES ('outbox', 5, 1)
+    ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
+        readable_from = EXCLUDED.readable_from, migrated_at = now();
 
 -- Wakes the relay after each inserting statement; never fails the application's insert.
 CREATE OR REPLACE FUNCTION "app"."events_notify"() RETURNS trigger AS $$
@@ -1005,6 +1087,8 @@ GRANT SELECT, INSERT ON "app"."events_dead_letters" TO "relay";
 GRANT SELECT, INSERT, UPDATE, DELETE ON "app"."relay_nodes" TO "relay";
 GRANT SELECT, UPDATE ON "app"."events_partitions" TO "relay";
 GRANT EXECUTE ON FUNCTION "app"."events_partition"(text, integer) TO "relay";
+-- To refuse a schema older or newer than it runs on.
+GRANT SELECT ON "app"."events_versions" TO "relay";
 -- Applications (and `outbox-relay send`) also need:
 --   GRANT INSERT ON "app"."events" TO app_role;
 --   GRANT USAGE ON SEQUENCE <SELECT pg_get_serial_sequence('"app"."events"', 'sequence_id')> TO app_role;

@@ -8,6 +8,7 @@ mod access;
 mod error;
 mod listen;
 pub mod mapped;
+mod migrate;
 mod ops;
 mod owned;
 mod registry;
@@ -22,6 +23,8 @@ use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use futures::future::BoxFuture;
 use futures::FutureExt;
 use outbox_core::event::headers_from_json_text;
+use outbox_core::ident::TableName;
+use outbox_core::migration::{Found, Steps};
 use outbox_core::store::{
     Backlog, ClaimRequest, Claimed, DeadLetter, OnChange, Problem, RetryLater, StoreFuture,
     StoreResult,
@@ -200,31 +203,105 @@ impl PgStore {
         &self.inner.tables
     }
 
-    /// Creates every table, index, function and trigger that is missing, in one transaction,
-    /// serialized against concurrent migrations by an advisory lock.
+    /// Applies the native schema's steps the database lacks ([`Tables::steps`]), each
+    /// recorded as it completes, then the wake-up trigger (its body follows the wake-up
+    /// mode, so every `migrate` replaces it). Serialized against concurrent migrations.
     pub async fn migrate(&self) -> StoreResult<()> {
-        self.apply_ddl(&self.inner.tables.ddl()).await
+        let session = migrate::MigrateSession::open(self).await?;
+        let result = async {
+            session
+                .apply(&self.outbox_component(&self.inner.tables.steps()))
+                .await?;
+            session
+                .batch(&format!(
+                    "BEGIN;\n{}COMMIT;",
+                    self.inner.tables.wakeup_ddl()
+                ))
+                .await
+        }
+        .await;
+        session.close().await;
+        result
     }
 
-    /// Runs idempotent DDL in one transaction, serialized against concurrent migrations.
-    pub(crate) async fn apply_ddl(&self, ddl: &str) -> StoreResult<()> {
-        let mut client = self
+    /// The native schema as a versioned component, for the runner.
+    fn outbox_component<'a>(&'a self, steps: &'a Steps) -> migrate::Component<'a> {
+        let t = &self.inner.tables;
+        migrate::Component {
+            steps,
+            tables: t,
+            probe: &t.outbox,
+            concurrent_indexes: t.concurrent_indexes(),
+        }
+    }
+
+    /// Applies `steps`, whose objects `probe` stands for, as a component of this outbox's
+    /// schema (WAL capture's, beside the outbox's).
+    pub async fn migrate_component(&self, steps: &Steps, probe: &TableName) -> StoreResult<()> {
+        let session = migrate::MigrateSession::open(self).await?;
+        let result = session
+            .apply(&migrate::Component {
+                steps,
+                tables: &self.inner.tables,
+                probe,
+                concurrent_indexes: Vec::new(),
+            })
+            .await;
+        session.close().await;
+        result.map(drop)
+    }
+
+    /// What the database holds of the native schema.
+    pub async fn schema_found(&self) -> StoreResult<Found> {
+        let t = &self.inner.tables;
+        self.component_found("outbox", &t.outbox).await
+    }
+
+    /// What the database holds of `component`, whose objects `probe` stands for.
+    pub async fn component_found(&self, component: &str, probe: &TableName) -> StoreResult<Found> {
+        let client = self
             .inner
             .pool
             .get()
             .await
-            .map_err(|e| pool_error("migrate", e))?;
-        let tx = client
-            .transaction()
-            .await
-            .map_err(|e| db_error("migrate", e))?;
-        tx.batch_execute("SET LOCAL client_min_messages = warning; SELECT pg_advisory_xact_lock(hashtext('outbox-relay migrate'))")
-            .await
-            .map_err(|e| db_error("migrate", e))?;
-        tx.batch_execute(ddl)
-            .await
-            .map_err(|e| db_error("migrate", e))?;
-        tx.commit().await.map_err(|e| db_error("migrate", e))
+            .map_err(|e| pool_error("reading the schema version", e))?;
+        migrate::read_found(&client, &self.inner.tables.versions, component, probe).await
+    }
+
+    /// The steps of `steps` that `found` lacks, as `migrate --print` shows them; with
+    /// `found` unknown (no database), every step and the version table.
+    pub fn printable_steps(&self, steps: &Steps, found: Option<Found>) -> String {
+        let t = &self.inner.tables;
+        let from = found.map_or(0, Found::version);
+        let mut out = String::new();
+        if found.is_none_or(|f| !matches!(f, Found::At { .. })) {
+            out.push_str(&t.version_table_ddl());
+        }
+        let mut any = false;
+        for step in steps.after(from) {
+            any = true;
+            out.push('\n');
+            out.push_str(&t.printable_step(steps, step));
+        }
+        if !any {
+            out.push_str(&format!(
+                "-- the {} schema is at version {} here: no step is missing\n",
+                steps.component,
+                from.max(steps.latest())
+            ));
+        }
+        out
+    }
+
+    /// Runs idempotent DDL in one transaction, serialized against concurrent migrations.
+    pub(crate) async fn apply_ddl(&self, ddl: &str) -> StoreResult<()> {
+        let session = migrate::MigrateSession::open(self).await?;
+        let result = session.batch(&format!("BEGIN;\n{ddl}\nCOMMIT;")).await;
+        if result.is_err() {
+            let _ = session.batch("ROLLBACK").await;
+        }
+        session.close().await;
+        result
     }
 
     /// A pooled connection with `sql` prepared on it, through its statement cache.

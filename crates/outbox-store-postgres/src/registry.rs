@@ -103,6 +103,30 @@ impl NodeRegistry for PgStore {
 }
 
 impl PartitionRegistry for PgStore {
+    fn nodes_behind(
+        &self,
+        node: NodeId,
+        protocol: u32,
+        oldest: u32,
+    ) -> StoreFuture<Vec<(String, u32)>> {
+        let inner = self.inner.clone();
+        async move {
+            let (protocol, oldest) = (protocol as i32, oldest as i32);
+            let rows = Self::query(
+                &inner,
+                "nodes of older protocols",
+                &inner.sql.nodes_behind,
+                &[&node.0, &protocol, &oldest],
+            )
+            .await?;
+            Ok(rows
+                .iter()
+                .map(|r| (r.get::<_, String>(0), r.get::<_, i32>(1).max(0) as u32))
+                .collect())
+        }
+        .boxed()
+    }
+
     fn partition_count(&self) -> StoreFuture<u32> {
         let inner = self.inner.clone();
         async move {

@@ -1,6 +1,7 @@
 //! DDL, grants and statement texts, built from validated table names.
 
 use outbox_core::ident::{Ident, TableName};
+use outbox_core::migration::{Lock, Run, Step, Steps};
 use outbox_core::store::DeadSelector;
 use outbox_core::StoreError;
 
@@ -21,6 +22,9 @@ pub struct Tables {
     pub nodes: TableName,
     /// Partition leases: `<outbox>_partitions`.
     pub partitions: TableName,
+    /// `<outbox>_versions`: the version `migrate` reached, per component (`outbox`,
+    /// and `wal` for WAL capture's objects).
+    pub versions: TableName,
     pub notify_channel: Ident,
     /// Partitions a new outbox gets (`migrate --partitions`).
     pub partition_count: u32,
@@ -43,11 +47,13 @@ impl Tables {
         let outbox = TableName::new(outbox_schema, outbox_table)?;
         let dead_letters = TableName::new(outbox_schema, &format!("{outbox_table}_dead_letters"))?;
         let partitions = TableName::new(outbox_schema, &format!("{outbox_table}_partitions"))?;
+        let versions = TableName::new(outbox_schema, &format!("{outbox_table}_versions"))?;
         Ok(Tables {
             outbox,
             dead_letters,
             nodes: TableName::new(nodes_schema, nodes_table)?,
             partitions,
+            versions,
             notify_channel: Ident::new(notify_channel, "notify channel")?,
             partition_count: outbox_core::partition::DEFAULT_PARTITIONS,
             gated_wakeup: false,
@@ -116,8 +122,50 @@ impl Tables {
         format!("{}_trigger", self.outbox.name)
     }
 
-    /// Everything `migrate` creates; each statement is idempotent.
-    pub fn ddl(&self) -> String {
+    /// The version table itself, created before any step (idempotent).
+    pub fn version_table_ddl(&self) -> String {
+        format!(
+            "-- The schema's version per component, advanced after each step (see README, Upgrading).
+CREATE SCHEMA IF NOT EXISTS {schema};
+CREATE TABLE IF NOT EXISTS {table} (
+    component     text PRIMARY KEY,
+    version       integer NOT NULL,
+    readable_from integer NOT NULL, -- the oldest schema version a relay must know to run on it
+    migrated_at   timestamptz NOT NULL DEFAULT now()
+);
+",
+            schema = self.outbox.schema.quoted(),
+            table = self.versions.quoted(),
+        )
+    }
+
+    /// Records that `component` reached `version`: run after its step, in the step's
+    /// transaction when it has one.
+    pub fn record_version(&self, component: &str, version: u32, readable_from: u32) -> String {
+        format!(
+            "INSERT INTO {table} (component, version, readable_from) VALUES ('{component}', {version}, {readable_from})
+    ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
+        readable_from = EXCLUDED.readable_from, migrated_at = now();
+",
+            table = self.versions.quoted(),
+        )
+    }
+
+    /// The indexes the steps build with `CREATE INDEX CONCURRENTLY`: an interrupted build
+    /// leaves its index INVALID, which `IF NOT EXISTS` would then keep, so `migrate` drops
+    /// an invalid one before building it again. Quoted, schema-qualified.
+    pub fn concurrent_indexes(&self) -> Vec<String> {
+        vec![
+            self.outbox.sibling("_pending_idx"),
+            self.blocking_index(),
+            self.scheduled_index(),
+        ]
+    }
+
+    /// The native schema's steps, in order. Add a step at the end for every change (never
+    /// edit one that has shipped: databases have recorded it), and keep
+    /// `crates/outbox-relay/tests/fixtures/` current (see its README).
+    pub fn steps(&self) -> Steps {
         let t = self.outbox.quoted();
         let n = self.outbox.name.as_str();
         let schema = self.outbox.schema.quoted();
@@ -126,11 +174,10 @@ impl Tables {
         let nodes_schema = self.nodes.schema.quoted();
         let key_hash = Self::ORDERING_KEY_HASH;
         let blocking_index = format!("\"{n}{BLOCKING_INDEX_SUFFIX}\""); // in the table's schema
-        let obsolete_blocking_index = self.obsolete_blocking_index();
         let parts = self.partitions.quoted();
         let partition_fn = self.partition_function();
         let partition_count = self.partition_count;
-        format!(
+        let tables = format!(
             r#"CREATE SCHEMA IF NOT EXISTS {schema};
 CREATE SCHEMA IF NOT EXISTS {nodes_schema};
 
@@ -154,21 +201,6 @@ CREATE TABLE IF NOT EXISTS {t} (
     locked_until  timestamptz,
     delivered_at  timestamptz                     -- set only with --retain-delivered
 );
-
--- Pending rows in publish order (the claim scan).
-CREATE INDEX IF NOT EXISTS "{n}_pending_idx" ON {t} (sequence_id) WHERE delivered_at IS NULL;
-
--- Rows that can hold back later rows of their key: leased, or waiting to retry. Small by design.
--- Over the key's hash: a btree row cannot hold a key longer than about 2.7 kB.
-CREATE INDEX IF NOT EXISTS {blocking_index} ON {t} (({key_hash}), sequence_id)
-    WHERE delivered_at IS NULL AND (locked_by IS NOT NULL OR attempts > 0);
--- Its predecessor, over the key itself, failed every claim that leased a longer key.
-DROP INDEX IF EXISTS {obsolete_blocking_index};
-
--- Rows that become available later than they were written: scheduled by the application, or
--- waiting to retry. Small by design; the scan floor reads when the next one comes due.
-CREATE INDEX IF NOT EXISTS "{n}_scheduled_idx" ON {t} (available_at)
-    WHERE delivered_at IS NULL AND available_at > created_at;
 
 -- Events that can never be delivered, whole, with their attempts and last error.
 CREATE TABLE IF NOT EXISTS {dl} (
@@ -208,10 +240,108 @@ CREATE TABLE IF NOT EXISTS {nodes} (
     id     text PRIMARY KEY,
     expiry timestamp without time zone NOT NULL
 );
+"#
+        );
+        let index = |sql: String| Step {
+            version: 0,
+            summary: "",
+            statements: vec![sql],
+            lock: Lock::Online,
+            run: Run::Alone,
+            older_relays_run: true,
+        };
+        let steps = vec![
+            Step {
+                version: 1,
+                summary: "the outbox, dead-letter, partitions and nodes tables and the partition \
+                          function, where missing (existing tables are not touched)",
+                statements: vec![tables],
+                lock: Lock::Online,
+                run: Run::InTransaction,
+                older_relays_run: false,
+            },
+            Step {
+                version: 2,
+                summary: "the pending rows' index (the claim scan)",
+                ..index(format!(
+                    "CREATE INDEX CONCURRENTLY IF NOT EXISTS \"{n}_pending_idx\" ON {t} (sequence_id) WHERE delivered_at IS NULL;"
+                ))
+            },
+            Step {
+                version: 3,
+                summary: "the blocking index over the ordering key's hash, replacing the one over \
+                          the key (a btree row holds at most about 2.7 kB, and a longer key failed \
+                          every claim that leased it)",
+                statements: vec![
+                    format!(
+                        "CREATE INDEX CONCURRENTLY IF NOT EXISTS {blocking_index} ON {t} (({key_hash}), sequence_id)
+    WHERE delivered_at IS NULL AND (locked_by IS NOT NULL OR attempts > 0);"
+                    ),
+                    format!(
+                        "DROP INDEX CONCURRENTLY IF EXISTS {};",
+                        self.obsolete_blocking_index()
+                    ),
+                ],
+                ..index(String::new())
+            },
+            Step {
+                version: 4,
+                summary: "the scheduled rows' index (rows available later than written: the \
+                          scan floor reads when the next comes due)",
+                ..index(format!(
+                    "CREATE INDEX CONCURRENTLY IF NOT EXISTS \"{n}_scheduled_idx\" ON {t} (available_at)
+    WHERE delivered_at IS NULL AND available_at > created_at;"
+                ))
+            },
+            Step {
+                version: 5,
+                summary: "the nodes table's protocol column (rolling upgrades: which cluster \
+                          protocol each node speaks; NULL for relays from before it)",
+                statements: vec![format!(
+                    "SET LOCAL lock_timeout = '5s';
+ALTER TABLE {nodes} ADD COLUMN IF NOT EXISTS protocol integer;"
+                )],
+                lock: Lock::Locks(
+                    "an ACCESS EXCLUSIVE lock on the nodes table (not the outbox) for a catalog \
+                     change, milliseconds once granted; it waits at most 5 s for it (lock_timeout) \
+                     and then fails rather than hold heartbeats up: run `migrate` again",
+                ),
+                run: Run::InTransaction,
+                older_relays_run: true,
+            },
+        ];
+        Steps::new("outbox", steps)
+    }
 
-{wakeup}"#,
-            wakeup = self.wakeup_ddl(),
-        )
+    /// Everything `migrate` creates on a database with none of it, as `migrate --print`
+    /// shows it without a database: the version table, every step (each followed by the
+    /// version it reaches), and the wake-up trigger.
+    pub fn ddl(&self) -> String {
+        let steps = self.steps();
+        let mut out = self.version_table_ddl();
+        for step in &steps.steps {
+            out.push('\n');
+            out.push_str(&self.printable_step(&steps, step));
+        }
+        out.push('\n');
+        out.push_str(&self.wakeup_ddl());
+        out
+    }
+
+    /// A step as `migrate --print` shows it, with the statement that records its version.
+    pub fn printable_step(&self, steps: &Steps, step: &Step) -> String {
+        let mut out = step.printable(steps.component);
+        if step.run == Run::Alone {
+            out.push_str(
+                "-- (interrupted? an index it left INVALID must be dropped with DROP INDEX CONCURRENTLY first)\n",
+            );
+        }
+        out.push_str(&self.record_version(
+            steps.component,
+            step.version,
+            steps.readable_from(step.version),
+        ));
+        out
     }
 
     /// The statement-level trigger that wakes the relay on commit (its body follows the
@@ -271,6 +401,7 @@ $$;
         let nodes = self.nodes.quoted();
         let parts = self.partitions.quoted();
         let partition_fn = self.partition_function();
+        let versions = self.versions.quoted();
         let role = format!("\"{role}\"");
         let mut schemas = vec![self.outbox.schema.quoted()];
         if self.nodes.schema != self.outbox.schema {
@@ -291,6 +422,8 @@ GRANT SELECT, INSERT ON {dl} TO {role};
 GRANT SELECT, INSERT, UPDATE, DELETE ON {nodes} TO {role};
 GRANT SELECT, UPDATE ON {parts} TO {role};
 GRANT EXECUTE ON FUNCTION {partition_fn}(text, integer) TO {role};
+-- To refuse a schema older or newer than it runs on.
+GRANT SELECT ON {versions} TO {role};
 -- Applications (and `outbox-relay send`) also need:
 --   GRANT INSERT ON {t} TO app_role;
 --   GRANT USAGE ON SEQUENCE <SELECT pg_get_serial_sequence('{t}', 'sequence_id')> TO app_role;
@@ -337,6 +470,9 @@ pub struct Statements {
     pub remove_expired: String,
     pub deregister: String,
     pub live_nodes: String,
+    /// Announces this node's cluster protocol and lists the live nodes behind the oldest it
+    /// shares partitions with.
+    pub nodes_behind: String,
     pub partition_count: String,
     pub acquire: String,
     pub renew: String,
@@ -393,6 +529,7 @@ impl Statements {
             remove_expired: native.remove_expired(),
             deregister: native.deregister(),
             live_nodes: native.live_nodes(),
+            nodes_behind: native.nodes_behind(),
             partition_count: native.partition_count(),
             acquire: native.acquire(),
             renew: native.renew(),
@@ -764,6 +901,23 @@ impl Native {
         )
     }
 
+    /// $1 node, $2 its protocol, $3 the oldest it shares partitions with. The UPDATE runs
+    /// whether or not its rows are read; the SELECT leaves this node out.
+    fn nodes_behind(&self) -> String {
+        let nodes = &self.nodes;
+        format!(
+            "WITH announced AS (
+                    UPDATE {nodes} SET protocol = $2
+                     WHERE id = $1 AND protocol IS DISTINCT FROM $2
+                 RETURNING id
+                 )
+                 SELECT id, coalesce(protocol, 1) FROM {nodes}
+                  WHERE id <> $1 AND expiry >= (now() AT TIME ZONE 'UTC')
+                    AND coalesce(protocol, 1) < $3
+                  ORDER BY id"
+        )
+    }
+
     fn live_nodes(&self) -> String {
         let nodes = &self.nodes;
         format!(
@@ -1014,10 +1168,10 @@ mod tests {
         assert!(Tables::ORDERING_KEY_HASH.contains(Tables::ORDERING_KEY));
         let ddl = t.ddl();
         assert!(ddl.contains(&format!(
-            "CREATE INDEX IF NOT EXISTS \"events_key_blockers_idx\" ON \"app\".\"events\" (({}), sequence_id)",
+            "CREATE INDEX CONCURRENTLY IF NOT EXISTS \"events_key_blockers_idx\" ON \"app\".\"events\" (({}), sequence_id)",
             Tables::ORDERING_KEY_HASH
         )));
-        assert!(ddl.contains("DROP INDEX IF EXISTS \"app\".\"events_blocking_idx\";"));
+        assert!(ddl.contains("DROP INDEX CONCURRENTLY IF EXISTS \"app\".\"events_blocking_idx\";"));
         let sql = Statements::new(&t);
         for claim in [&sql.claim, &sql.claim_owned] {
             // The hash finds the index; the key rules out collisions.
@@ -1066,6 +1220,7 @@ mod tests {
                 ("remove_expired", &s.remove_expired),
                 ("deregister", &s.deregister),
                 ("live_nodes", &s.live_nodes),
+                ("nodes_behind", &s.nodes_behind),
                 ("partition_count", &s.partition_count),
                 ("acquire", &s.acquire),
                 ("renew", &s.renew),

@@ -225,10 +225,12 @@ async fn an_outbox_migrated_by_an_earlier_version_keeps_its_key_order_until_migr
         .await
         .unwrap();
     tokio::spawn(conn);
-    // The blocking index as earlier versions created it, over the key itself.
+    // The blocking index as earlier versions created it, over the key itself, in a schema
+    // from before versions (no version recorded).
     client
         .batch_execute(
-            "DROP INDEX outbox_key_blockers_idx;
+            "DROP TABLE outbox_versions;
+             DROP INDEX outbox_key_blockers_idx;
              CREATE INDEX outbox_blocking_idx ON outbox ((coalesce(partition_key, destination)), sequence_id)
                  WHERE delivered_at IS NULL AND (locked_by IS NOT NULL OR attempts > 0);",
         )

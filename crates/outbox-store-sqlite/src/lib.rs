@@ -26,6 +26,7 @@ use rusqlite::{params, Connection, OptionalExtension, Row};
 use uuid::Uuid;
 
 mod ops;
+pub mod schema;
 
 /// How often the wake-up task reads `PRAGMA data_version`.
 pub const DEFAULT_CHANGE_POLL: Duration = Duration::from_millis(10);
@@ -282,13 +283,14 @@ impl SqliteStore {
         DDL
     }
 
-    /// Creates the tables and indexes that are missing.
+    /// Applies the steps the file lacks ([`schema::steps`]), each recorded with its version.
     pub async fn migrate(&self) -> StoreResult<()> {
-        self.with_conn(|conn| {
-            conn.execute_batch(&format!("BEGIN IMMEDIATE; {DDL} COMMIT;"))
-                .map_err(|e| sql_error("migrate", e))
-        })
-        .await
+        self.with_conn(schema::apply).await
+    }
+
+    /// What the file holds of the schema.
+    pub async fn schema_found(&self) -> StoreResult<outbox_core::migration::Found> {
+        self.with_conn(|conn| schema::read_found(conn)).await
     }
 
     /// Runs arbitrary SQL (for tests and tools).

@@ -3,6 +3,7 @@
 //! ([`crate::emit_function_ddl`]); and every statement WAL capture runs on them.
 
 use outbox_core::ident::{Ident, TableName};
+use outbox_core::migration::{Lock, Run, Step, Steps};
 
 use crate::emit::{emit_function, emit_function_ddl, emit_prefix, DRAIN_MARKER};
 use crate::table::ColumnNames;
@@ -88,6 +89,25 @@ impl CaptureTables {
             publication,
             adopted,
         }
+    }
+
+    /// WAL capture's steps, the `wal` component of `<outbox>_versions`. Its objects
+    /// also follow the settings (the publication's tables, a mapped source), so `migrate`
+    /// applies [`CaptureTables::ddl`] again after the steps. Add a step at the end for
+    /// every change, and keep `crates/outbox-relay/tests/fixtures/` current.
+    pub fn steps(&self) -> Steps {
+        Steps::new(
+            "wal",
+            vec![Step {
+                version: 1,
+                summary: "WAL capture: the publication, the parked and adopted tables, the emit \
+                          function (the publication takes no lock that blocks writes)",
+                statements: vec![self.ddl()],
+                lock: Lock::Online,
+                run: Run::InTransaction,
+                older_relays_run: false,
+            }],
+        )
     }
 
     /// What `migrate --capture wal` adds to the outbox's DDL. Idempotent.

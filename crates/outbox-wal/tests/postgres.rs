@@ -29,7 +29,15 @@ impl Fixture {
     async fn new() -> Fixture {
         let url = outbox_testkit::fresh_pg_database().await;
         let db = connect(&url).await;
-        db.batch_execute(&Tables::standard().ddl()).await.unwrap();
+        // The native schema by its steps (some build indexes outside a transaction).
+        outbox_store_postgres::PgStore::new(outbox_store_postgres::PgOptions::new(
+            &url,
+            Tables::standard(),
+        ))
+        .unwrap()
+        .migrate()
+        .await
+        .unwrap();
         db.batch_execute(&emit_function_ddl(
             &outbox_core::ident::TableName::new("public", "outbox").unwrap(),
         ))

@@ -1,0 +1,194 @@
+//! The versioned schema on MySQL/MariaDB ([`outbox_core::migration`]): the layout's steps,
+//! the version table `<table>_versions`, and `migrate`'s runner.
+
+use mysql_async::prelude::Queryable;
+use mysql_async::Conn;
+use outbox_core::migration::{Found, Lock, Run, Step, Steps};
+use outbox_core::store::StoreResult;
+use outbox_core::{StoreError, StoreErrorKind};
+use outbox_layout::sql::Sql;
+use outbox_layout::store::MappedDb;
+
+use crate::{db_error, MySql};
+
+impl MySql {
+    /// The layout's steps, or `None` for a custom mapping (the application owns its
+    /// table). Add a step at the end for every change (never edit one that has shipped:
+    /// databases have recorded it), and keep `crates/outbox-relay/tests/fixtures/` current.
+    pub fn steps(&self, sql: &Sql) -> Option<Steps> {
+        let ddl = self.ddl(sql)?;
+        Some(Steps::new(
+            "outbox",
+            vec![Step {
+                version: 1,
+                summary: "the layout's tables (and the nodes table), where missing; existing \
+                          tables are not touched",
+                statements: vec![ddl],
+                lock: Lock::Online,
+                // MySQL commits DDL as it goes: a transaction would not hold it.
+                run: Run::Alone,
+                older_relays_run: false,
+            }],
+        ))
+    }
+
+    /// `<table>_versions`, quoted, in the table's schema.
+    pub fn versions_table(sql: &Sql) -> String {
+        sql.qualified(&format!("{}_versions", sql.mapping.table))
+    }
+
+    fn version_table_ddl(sql: &Sql) -> String {
+        format!(
+            "-- The schema's version per component, advanced after each step (see README, Upgrading).
+CREATE TABLE IF NOT EXISTS {} (
+    component     varchar(32) PRIMARY KEY,
+    version       integer NOT NULL,
+    readable_from integer NOT NULL,
+    migrated_at   datetime(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)
+) ENGINE=InnoDB;
+",
+            Self::versions_table(sql)
+        )
+    }
+
+    fn record_version(sql: &Sql, component: &str, version: u32, readable_from: u32) -> String {
+        format!(
+            "INSERT INTO {} (component, version, readable_from) VALUES ('{component}', {version}, {readable_from})
+    ON DUPLICATE KEY UPDATE version = VALUES(version), readable_from = VALUES(readable_from),
+        migrated_at = CURRENT_TIMESTAMP(6);
+",
+            Self::versions_table(sql)
+        )
+    }
+
+    /// The steps `found` lacks, as `migrate --print` shows them; every step when the
+    /// database could not be asked (`None`).
+    pub fn printable_steps(sql: &Sql, steps: &Steps, found: Option<Found>) -> String {
+        let from = found.map_or(0, Found::version);
+        let mut out = String::new();
+        if found.is_none_or(|f| !matches!(f, Found::At { .. })) {
+            out.push_str(&Self::version_table_ddl(sql));
+        }
+        let mut any = false;
+        for step in steps.after(from) {
+            any = true;
+            out.push('\n');
+            out.push_str(&step.printable(steps.component));
+            out.push_str(&Self::record_version(
+                sql,
+                steps.component,
+                step.version,
+                steps.readable_from(step.version),
+            ));
+        }
+        if !any {
+            out.push_str(&format!(
+                "-- the {} schema is at version {} here: no step is missing\n",
+                steps.component,
+                from.max(steps.latest())
+            ));
+        }
+        out
+    }
+
+    /// What the database holds of the layout's schema.
+    pub async fn schema_found(&self, sql: &Sql) -> StoreResult<Found> {
+        let mut conn = self.conn("reading the schema version").await?;
+        read_found(&mut conn, sql).await
+    }
+
+    /// Applies the steps the database lacks, each recorded after it, under `lock`.
+    pub(crate) async fn apply_steps(&self, sql: &Sql, steps: &Steps) -> StoreResult<()> {
+        let mut conn = self.conn("migrate").await?;
+        let got: Option<Option<i64>> = conn
+            .query_first("SELECT GET_LOCK('outbox-relay migrate', 600)")
+            .await
+            .map_err(|e| db_error("migrate", e))?;
+        if got.flatten() != Some(1) {
+            return Err(StoreError::new(
+                StoreErrorKind::Conflict,
+                "migrate: another `outbox-relay migrate` held the migrate lock for 10 minutes; run it again when that one ends",
+            ));
+        }
+        let result = async {
+            conn.query_drop(Self::version_table_ddl(sql))
+                .await
+                .map_err(|e| db_error("migrate", e))?;
+            let found = read_found(&mut conn, sql).await?;
+            for step in steps.after(found.version()) {
+                for s in &step.statements {
+                    conn.query_drop(s).await.map_err(|e| {
+                        db_error(
+                            &format!(
+                                "migrate: step {} (the steps before it are recorded; `migrate` again resumes here)",
+                                step.version
+                            ),
+                            e,
+                        )
+                    })?;
+                }
+                let record = Self::record_version(
+                    sql,
+                    steps.component,
+                    step.version,
+                    steps.readable_from(step.version),
+                );
+                conn.query_drop(record)
+                    .await
+                    .map_err(|e| db_error("migrate", e))?;
+            }
+            Ok(())
+        }
+        .await;
+        let _ = conn
+            .query_drop("SELECT RELEASE_LOCK('outbox-relay migrate')")
+            .await;
+        result
+    }
+}
+
+/// The recorded version, or whether the layout's table exists without one.
+async fn read_found(conn: &mut Conn, sql: &Sql) -> StoreResult<Found> {
+    let schema = sql.mapping.schema.clone();
+    let exists = "SELECT COUNT(*) FROM information_schema.tables \
+                  WHERE table_schema = COALESCE(?, DATABASE()) AND table_name = ?";
+    let context = "reading the schema version";
+    let versions_name = format!("{}_versions", sql.mapping.table);
+    let has_versions: Option<i64> = conn
+        .exec_first(exists, (schema.clone(), versions_name))
+        .await
+        .map_err(|e| db_error(context, e))?;
+    if has_versions.unwrap_or(0) > 0 {
+        let row: Option<(i64, i64)> = conn
+            .exec_first(
+                format!(
+                    "SELECT version, readable_from FROM {} WHERE component = ?",
+                    MySql::versions_table(sql)
+                ),
+                ("outbox",),
+            )
+            .await
+            .map_err(|e| db_error(context, e))?;
+        if let Some((version, readable_from)) = row {
+            return match (u32::try_from(version), u32::try_from(readable_from)) {
+                (Ok(version), Ok(readable_from)) => Ok(Found::At {
+                    version,
+                    readable_from,
+                }),
+                _ => Err(StoreError::new(
+                    StoreErrorKind::SchemaVersion,
+                    format!("{} holds a negative version", MySql::versions_table(sql)),
+                )),
+            };
+        }
+    }
+    let has_table: Option<i64> = conn
+        .exec_first(exists, (schema, sql.mapping.table.clone()))
+        .await
+        .map_err(|e| db_error(context, e))?;
+    Ok(if has_table.unwrap_or(0) > 0 {
+        Found::Unversioned
+    } else {
+        Found::Nothing
+    })
+}

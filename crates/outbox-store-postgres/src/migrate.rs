@@ -1,0 +1,228 @@
+//! `migrate`: the steps a database lacks ([`outbox_core::migration`]), each recorded in
+//! `<outbox>_versions` as it completes, on a session of its own that holds the
+//! migrate lock.
+
+use std::time::Duration;
+
+use outbox_core::ident::TableName;
+use outbox_core::migration::{Found, Run, Steps};
+use outbox_core::{Backoff, StoreError, StoreErrorKind};
+
+use crate::error::{db_error, pool_error};
+use crate::{PgStore, StoreResult, Tables};
+
+/// The advisory lock every `migrate` holds, whichever outbox it migrates.
+const MIGRATE_LOCK: &str = "SELECT pg_try_advisory_lock(hashtext('outbox-relay migrate'))";
+const MIGRATE_UNLOCK: &str = "SELECT pg_advisory_unlock(hashtext('outbox-relay migrate'))";
+
+/// One component's steps and where they live.
+pub struct Component<'a> {
+    pub steps: &'a Steps,
+    /// The outbox's names: the version table is `<outbox>_versions`.
+    pub tables: &'a Tables,
+    /// A table whose presence without a recorded version means a schema from before
+    /// versions.
+    pub probe: &'a TableName,
+    /// Indexes built concurrently: an invalid one (an interrupted build) is dropped first.
+    pub concurrent_indexes: Vec<String>,
+}
+
+/// A session of its own, outside the pool: it holds a session-level lock, which must not
+/// outlive `migrate` on a pooled connection; dropping it ends the session and the lock.
+pub(crate) struct MigrateSession(deadpool_postgres::ClientWrapper);
+
+impl MigrateSession {
+    /// Opens the session and takes the migrate lock. The lock is tried, not waited for in
+    /// SQL: a waiting statement holds a snapshot, and `CREATE INDEX CONCURRENTLY` in the
+    /// session holding the lock waits for every older snapshot, so the two would deadlock.
+    pub(crate) async fn open(store: &PgStore) -> StoreResult<Self> {
+        let client = store
+            .inner
+            .pool
+            .get()
+            .await
+            .map_err(|e| pool_error("migrate", e))?;
+        let client = deadpool_postgres::Object::take(client);
+        client
+            .batch_execute("SET client_min_messages = warning")
+            .await
+            .map_err(|e| db_error("migrate", e))?;
+        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
+        let mut said = false;
+        loop {
+            let row = client
+                .query_one(MIGRATE_LOCK, &[])
+                .await
+                .map_err(|e| db_error("migrate", e))?;
+            if row.get::<_, bool>(0) {
+                return Ok(MigrateSession(client));
+            }
+            if !said {
+                tracing::info!(
+                    "waiting for another `outbox-relay migrate` on this database to finish"
+                );
+                said = true;
+            }
+            // Nothing to await: PostgreSQL offers no wait that holds no snapshot.
+            tokio::time::sleep(backoff.next_delay()).await;
+        }
+    }
+
+    pub(crate) async fn batch(&self, sql: &str) -> StoreResult<()> {
+        self.0
+            .batch_execute(sql)
+            .await
+            .map_err(|e| db_error("migrate", e))
+    }
+
+    pub(crate) async fn close(self) {
+        // The session ends on drop anyway; unlocking first is only tidier.
+        let _ = self.0.batch_execute(MIGRATE_UNLOCK).await;
+    }
+
+    /// What the database holds of the component.
+    pub(crate) async fn found(&self, c: &Component<'_>) -> StoreResult<Found> {
+        read_found(&self.0, &c.tables.versions, c.steps.component, c.probe).await
+    }
+
+    /// Applies the steps the database lacks, each recorded as it completes.
+    pub(crate) async fn apply(&self, c: &Component<'_>) -> StoreResult<Found> {
+        self.batch(&c.tables.version_table_ddl()).await?;
+        let found = self.found(c).await?;
+        let latest = c.steps.latest();
+        if let Found::At { version, .. } = found {
+            if version > latest {
+                // A newer relay migrated it: its steps are unknown here, and none is undone.
+                return Ok(found);
+            }
+        }
+        for step in c.steps.after(found.version()) {
+            let record = c.tables.record_version(
+                c.steps.component,
+                step.version,
+                c.steps.readable_from(step.version),
+            );
+            match step.run {
+                Run::InTransaction => {
+                    let mut sql = String::from("BEGIN;\n");
+                    for s in &step.statements {
+                        sql.push_str(s);
+                        sql.push('\n');
+                    }
+                    sql.push_str(&record);
+                    sql.push_str("COMMIT;");
+                    if let Err(e) = self.batch(&sql).await {
+                        let _ = self.0.batch_execute("ROLLBACK").await;
+                        return Err(step_failed(c, step.version, e));
+                    }
+                }
+                Run::Alone => {
+                    self.drop_invalid(&c.concurrent_indexes)
+                        .await
+                        .map_err(|e| step_failed(c, step.version, e))?;
+                    for s in &step.statements {
+                        self.batch(s)
+                            .await
+                            .map_err(|e| step_failed(c, step.version, e))?;
+                    }
+                    self.batch(&record)
+                        .await
+                        .map_err(|e| step_failed(c, step.version, e))?;
+                }
+            }
+            tracing::info!(
+                component = c.steps.component,
+                version = step.version,
+                "schema step applied: {}",
+                step.summary
+            );
+        }
+        Ok(Found::At {
+            version: latest,
+            readable_from: c.steps.readable_from(latest),
+        })
+    }
+
+    /// Drops each of `indexes` that an interrupted concurrent build left invalid, so that
+    /// the step's `IF NOT EXISTS` builds it again instead of keeping a useless one.
+    async fn drop_invalid(&self, indexes: &[String]) -> StoreResult<()> {
+        for index in indexes {
+            let row = self
+                .0
+                .query_one(
+                    "SELECT coalesce((SELECT NOT indisvalid FROM pg_index WHERE indexrelid = to_regclass($1)), false)",
+                    &[index],
+                )
+                .await
+                .map_err(|e| db_error("migrate", e))?;
+            if row.get::<_, bool>(0) {
+                tracing::warn!(%index, "dropping an index an interrupted migration left invalid, to build it again");
+                self.batch(&format!("DROP INDEX CONCURRENTLY IF EXISTS {index}"))
+                    .await?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn step_failed(c: &Component<'_>, version: u32, e: StoreError) -> StoreError {
+    let kind = e.kind();
+    StoreError::new(
+        kind,
+        format!(
+            "{} schema step {version} failed (the steps before it are recorded; `migrate` \
+             again resumes here)",
+            c.steps.component
+        ),
+    )
+    .with_source(e)
+}
+
+/// What the database holds of `component`: its recorded version, or whether `probe` exists
+/// without one.
+pub(crate) async fn read_found(
+    client: &tokio_postgres::Client,
+    versions: &TableName,
+    component: &str,
+    probe: &TableName,
+) -> StoreResult<Found> {
+    let versions_quoted = versions.quoted();
+    let row = client
+        .query_one(
+            "SELECT to_regclass($1) IS NOT NULL, to_regclass($2) IS NOT NULL",
+            &[&versions_quoted, &probe.quoted()],
+        )
+        .await
+        .map_err(|e| db_error("reading the schema version", e))?;
+    let (has_versions, has_probe) = (row.get::<_, bool>(0), row.get::<_, bool>(1));
+    if has_versions {
+        let rows = client
+            .query(
+                &format!(
+                    "SELECT version, readable_from FROM {versions_quoted} WHERE component = $1"
+                ),
+                &[&component],
+            )
+            .await
+            .map_err(|e| db_error("reading the schema version", e))?;
+        if let Some(row) = rows.first() {
+            let version = u32::try_from(row.get::<_, i32>(0));
+            let readable_from = u32::try_from(row.get::<_, i32>(1));
+            return match (version, readable_from) {
+                (Ok(version), Ok(readable_from)) => Ok(Found::At {
+                    version,
+                    readable_from,
+                }),
+                _ => Err(StoreError::new(
+                    StoreErrorKind::SchemaVersion,
+                    format!("{versions} holds a negative version for {component}"),
+                )),
+            };
+        }
+    }
+    Ok(if has_probe {
+        Found::Unversioned
+    } else {
+        Found::Nothing
+    })
+}

@@ -1,0 +1,150 @@
+//! The versioned schema on SQLite ([`outbox_core::migration`]): the steps, the version
+//! table `outbox_versions`, and `migrate`'s runner.
+
+use outbox_core::migration::{Found, Lock, Run, Step, Steps};
+use outbox_core::store::StoreResult;
+use outbox_core::{StoreError, StoreErrorKind};
+use rusqlite::{Connection, OptionalExtension};
+
+use crate::{sql_error, DDL};
+
+const VERSION_TABLE_DDL: &str = "-- The schema's version per component, advanced after each step (see README, Upgrading).
+CREATE TABLE IF NOT EXISTS outbox_versions (
+    component     TEXT PRIMARY KEY,
+    version       INTEGER NOT NULL,
+    readable_from INTEGER NOT NULL,
+    migrated_at   INTEGER NOT NULL DEFAULT (CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER))
+);
+";
+
+/// SQLite's steps. Add a step at the end for every change (never edit one that has
+/// shipped: databases have recorded it), and keep `crates/outbox-relay/tests/fixtures/`
+/// current.
+pub fn steps() -> Steps {
+    Steps::new(
+        "outbox",
+        vec![Step {
+            version: 1,
+            summary: "the outbox, dead-letter and nodes tables and their indexes, where missing",
+            statements: vec![DDL.trim().to_string()],
+            // SQLite has one writer: a step holds the write lock for its whole transaction
+            // (milliseconds on tables that exist, as this one creates only what is missing).
+            lock: Lock::Locks(
+                "holds SQLite's write lock for its transaction (creating what is missing: milliseconds)",
+            ),
+            run: Run::InTransaction,
+            older_relays_run: false,
+        }],
+    )
+}
+
+fn record_version(component: &str, version: u32, readable_from: u32) -> String {
+    format!(
+        "INSERT INTO outbox_versions (component, version, readable_from) VALUES ('{component}', {version}, {readable_from})
+    ON CONFLICT (component) DO UPDATE SET version = excluded.version,
+        readable_from = excluded.readable_from,
+        migrated_at = CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER);
+"
+    )
+}
+
+/// The steps `found` lacks, as `migrate --print` shows them (all of them for `None`).
+pub fn printable_steps(found: Option<Found>) -> String {
+    let steps = steps();
+    let from = found.map_or(0, Found::version);
+    let mut out = String::new();
+    if found.is_none_or(|f| !matches!(f, Found::At { .. })) {
+        out.push_str(VERSION_TABLE_DDL);
+    }
+    let mut any = false;
+    for step in steps.after(from) {
+        any = true;
+        out.push('\n');
+        out.push_str(&step.printable(steps.component));
+        out.push_str(&record_version(
+            steps.component,
+            step.version,
+            steps.readable_from(step.version),
+        ));
+    }
+    if !any {
+        out.push_str(&format!(
+            "-- the outbox schema is at version {} here: no step is missing\n",
+            from.max(steps.latest())
+        ));
+    }
+    out
+}
+
+/// Applies the steps the file lacks, each in an immediate transaction with its version.
+pub(crate) fn apply(conn: &mut Connection) -> StoreResult<()> {
+    let steps = steps();
+    conn.execute_batch(VERSION_TABLE_DDL)
+        .map_err(|e| sql_error("migrate", e))?;
+    let found = read_found(conn)?;
+    for step in steps.after(found.version()) {
+        let mut sql = String::from("BEGIN IMMEDIATE;\n");
+        for s in &step.statements {
+            sql.push_str(s);
+            sql.push('\n');
+        }
+        sql.push_str(&record_version(
+            steps.component,
+            step.version,
+            steps.readable_from(step.version),
+        ));
+        sql.push_str("COMMIT;");
+        if let Err(e) = conn.execute_batch(&sql) {
+            let _ = conn.execute_batch("ROLLBACK");
+            return Err(sql_error(
+                &format!(
+                    "migrate: step {} (`migrate` again resumes here)",
+                    step.version
+                ),
+                e,
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The recorded version, or whether the outbox table exists without one.
+pub(crate) fn read_found(conn: &Connection) -> StoreResult<Found> {
+    let context = "reading the schema version";
+    let exists = |name: &str| -> StoreResult<bool> {
+        conn.query_row(
+            "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?1",
+            [name],
+            |r| r.get::<_, i64>(0),
+        )
+        .map(|n| n > 0)
+        .map_err(|e| sql_error(context, e))
+    };
+    if exists("outbox_versions")? {
+        let row: Option<(i64, i64)> = conn
+            .query_row(
+                "SELECT version, readable_from FROM outbox_versions WHERE component = 'outbox'",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .optional()
+            .map_err(|e| sql_error(context, e))?;
+        if let Some((version, readable_from)) = row {
+            return match (u32::try_from(version), u32::try_from(readable_from)) {
+                (Ok(version), Ok(readable_from)) => Ok(Found::At {
+                    version,
+                    readable_from,
+                }),
+                _ => Err(StoreError::new(
+                    StoreErrorKind::SchemaVersion,
+                    "outbox_versions holds a negative version",
+                )),
+            };
+        }
+    }
+    Ok(if exists("outbox")? {
+        Found::Unversioned
+    } else {
+        Found::Nothing
+    })
+}
