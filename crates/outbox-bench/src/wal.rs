@@ -485,7 +485,7 @@ pub const LARGE_EVENTS: u64 = 256;
 /// The payload of each event in the large-event drain, in MiB.
 const LARGE_EVENT_MIB: u64 = 1;
 /// How long the large-event drain's webhook takes to answer each event.
-const SLOW_SINK_PACE: Duration = Duration::from_millis(50);
+const SLOW_SINK_PACE: Duration = Duration::from_millis(500);
 
 /// `--only wal-memory` (and part of `--only wal`): `run --capture wal --drain` of
 /// [`LARGE_EVENTS`] events of 1 MiB, from a slot created before they were written, to a

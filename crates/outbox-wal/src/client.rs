@@ -406,9 +406,9 @@ fn replication_config(config: &WalConfig) -> Result<ReplicationConfig, WalError>
 }
 
 /// Replication messages the client parses ahead of the reader. A count, not bytes, so it
-/// is kept small: 32 events of 1 MiB beside the memory budget, while a burst of small ones
+/// is kept small: 16 events of 1 MiB beside the memory budget, while a burst of small ones
 /// still finds a queue to take at once.
-const CLIENT_BUFFER: usize = 32;
+const CLIENT_BUFFER: usize = 16;
 
 /// The replication connection's TLS for a libpq `sslmode`: the same meanings as the store's
 /// connections (a CA file makes `require` check the certificate and its name).
