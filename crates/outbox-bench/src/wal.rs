@@ -513,7 +513,7 @@ pub async fn large_events(b: &Bench) -> Result<Value> {
         bytes = LARGE_EVENT_MIB * 1024 * 1024,
     ))
     .await?;
-    let receiver = SlowWebhook::start(SLOW_SINK_PACE).await?;
+    let receiver = outbox_testkit::SlowWebhook::start(SLOW_SINK_PACE).await?;
     let sink = format!("http://{}/hooks/{{destination}}", receiver.addr);
     let url = b.relay_url();
     let mut args = vec![
@@ -532,7 +532,7 @@ pub async fn large_events(b: &Bench) -> Result<Value> {
     args.extend(b.settings.relay_args.iter().map(String::as_str));
     // Off this worker: the receiver answers on the other one meanwhile.
     let (wall, user, sys, rss) = tokio::task::block_in_place(|| measure::timed(b, &args))?;
-    let delivered = receiver.received();
+    let delivered = receiver.received() as u64;
     if delivered < n {
         bail!("the large-event drain delivered {delivered} of {n} events");
     }
@@ -561,77 +561,4 @@ pub fn large_events_note(r: &Value) -> String {
         y["delivered"],
         y["events"],
     )
-}
-
-/// A webhook receiver that answers each request after a pace (HTTP/1.1, one request at a
-/// time per connection), counting the distinct `webhook-id`s it received.
-struct SlowWebhook {
-    addr: std::net::SocketAddr,
-    ids: Arc<Mutex<std::collections::HashSet<String>>>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl SlowWebhook {
-    async fn start(pace: Duration) -> Result<SlowWebhook> {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let addr = listener.local_addr()?;
-        let ids: Arc<Mutex<std::collections::HashSet<String>>> = Arc::default();
-        let recorded = ids.clone();
-        let task = tokio::spawn(async move {
-            while let Ok((socket, _)) = listener.accept().await {
-                tokio::spawn(answer_slowly(socket, pace, recorded.clone()));
-            }
-        });
-        Ok(SlowWebhook { addr, ids, task })
-    }
-
-    fn received(&self) -> u64 {
-        self.ids.lock().map(|ids| ids.len() as u64).unwrap_or(0)
-    }
-}
-
-impl Drop for SlowWebhook {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-/// Serves one connection of [`SlowWebhook`] until it closes.
-async fn answer_slowly(
-    socket: tokio::net::TcpStream,
-    pace: Duration,
-    ids: Arc<Mutex<std::collections::HashSet<String>>>,
-) {
-    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-    let mut socket = BufReader::new(socket);
-    loop {
-        let (mut length, mut id) = (0usize, None);
-        loop {
-            let mut line = String::new();
-            if socket.read_line(&mut line).await.unwrap_or(0) == 0 {
-                return;
-            }
-            let line = line.trim_end().to_ascii_lowercase();
-            if line.is_empty() {
-                break;
-            }
-            if let Some(v) = line.strip_prefix("content-length:") {
-                length = v.trim().parse().unwrap_or(0);
-            } else if let Some(v) = line.strip_prefix("webhook-id:") {
-                id = Some(v.trim().to_string());
-            }
-        }
-        let mut body = vec![0; length];
-        if socket.read_exact(&mut body).await.is_err() {
-            return;
-        }
-        tokio::time::sleep(pace).await;
-        if let (Ok(mut ids), Some(id)) = (ids.lock(), id) {
-            ids.insert(id);
-        }
-        let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n";
-        if socket.get_mut().write_all(ok).await.is_err() {
-            return;
-        }
-    }
 }

@@ -2000,70 +2000,6 @@ async fn a_100000_event_transaction_is_relayed_in_bounded_memory() {
     );
 }
 
-/// A webhook receiver that answers each request after `pace`, one request at a time per
-/// connection (as HTTP/1.1 does), recording the `webhook-id` of each: a slow sink.
-struct SlowReceiver {
-    addr: std::net::SocketAddr,
-    ids: std::sync::Arc<std::sync::Mutex<HashSet<String>>>,
-    _task: tokio::task::JoinHandle<()>,
-}
-
-impl SlowReceiver {
-    async fn start(pace: Duration) -> SlowReceiver {
-        use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let ids: std::sync::Arc<std::sync::Mutex<HashSet<String>>> = Default::default();
-        let recorded = ids.clone();
-        let task = tokio::spawn(async move {
-            while let Ok((socket, _)) = listener.accept().await {
-                let recorded = recorded.clone();
-                tokio::spawn(async move {
-                    let mut socket = BufReader::new(socket);
-                    loop {
-                        let (mut length, mut id) = (0usize, None);
-                        loop {
-                            let mut line = String::new();
-                            if socket.read_line(&mut line).await.unwrap_or(0) == 0 {
-                                return;
-                            }
-                            let line = line.trim_end();
-                            if line.is_empty() {
-                                break;
-                            }
-                            let lower = line.to_ascii_lowercase();
-                            if let Some(v) = lower.strip_prefix("content-length:") {
-                                length = v.trim().parse().unwrap_or(0);
-                            } else if let Some(v) = lower.strip_prefix("webhook-id:") {
-                                id = Some(v.trim().to_string());
-                            }
-                        }
-                        let mut body = vec![0; length];
-                        if socket.read_exact(&mut body).await.is_err() {
-                            return;
-                        }
-                        tokio::time::sleep(pace).await;
-                        recorded.lock().unwrap().extend(id);
-                        let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n";
-                        if socket.get_mut().write_all(ok).await.is_err() {
-                            return;
-                        }
-                    }
-                });
-            }
-        });
-        SlowReceiver {
-            addr,
-            ids,
-            _task: task,
-        }
-    }
-
-    fn received(&self) -> usize {
-        self.ids.lock().unwrap().len()
-    }
-}
-
 #[tokio::test]
 async fn a_backlog_of_1_mib_events_behind_a_slow_sink_is_relayed_within_the_memory_budget() {
     const EVENTS: i64 = 200;
@@ -2089,7 +2025,9 @@ async fn a_backlog_of_1_mib_events_behind_a_slow_sink_is_relayed_within_the_memo
     };
     write(1, EVENTS / 2).await;
     // Each answered after 100 ms, 16 at a time.
-    let receiver = SlowReceiver::start(Duration::from_millis(100)).await;
+    let receiver = outbox_testkit::SlowWebhook::start(Duration::from_millis(100))
+        .await
+        .unwrap();
     let sink = format!("http://{}/hooks/{{destination}}", receiver.addr);
     let mut relay = w
         .streaming_to(

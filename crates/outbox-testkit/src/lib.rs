@@ -8,9 +8,11 @@ pub mod otlp;
 pub mod publisher;
 pub mod recording;
 pub mod server;
+pub mod slow_webhook;
 pub mod snapshot;
 
 pub use faultproxy::{Direction, FaultHandle, FaultProxy};
+pub use slow_webhook::SlowWebhook;
 
 /// Installs the process-wide TLS provider, as the binary does at start-up.
 pub fn install_crypto() {

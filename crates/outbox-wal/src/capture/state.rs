@@ -494,20 +494,24 @@ mod tests {
         claim_charged(state, outputs, &MemoryBudget::new(usize::MAX))
     }
 
+    /// `outputs` as the reader hands them over, each charged to `memory`.
+    fn charged(outputs: Vec<Output>, memory: &Arc<MemoryBudget>) -> Vec<ChargedOutput> {
+        outputs
+            .into_iter()
+            .map(|output| ChargedOutput {
+                memory: memory.charge(crate::budget::output_bytes(&output)),
+                output,
+            })
+            .collect()
+    }
+
     /// [`claim`], charging each output to `memory`.
     fn claim_charged(
         state: &mut State,
         outputs: Vec<Output>,
         memory: &Arc<MemoryBudget>,
     ) -> Vec<SequenceId> {
-        let charged = outputs
-            .into_iter()
-            .map(|output| ChargedOutput {
-                memory: memory.charge(crate::budget::output_bytes(&output)),
-                output,
-            })
-            .collect();
-        state.accept(Item::Outputs(charged));
+        state.accept(Item::Outputs(charged(outputs, memory)));
         let mut out = Vec::new();
         state.accept_outputs(&mut out, 100, 1_000);
         out.iter().map(Claimed::sequence_id).collect()
@@ -625,14 +629,7 @@ mod tests {
         assert_eq!(memory.held(), each, "left to the slot's new holder");
         // Read, not yet accepted by a claim, when the session breaks.
         let unaccepted = vec![event(4, "d", 500, 0), committed(500, 1)];
-        let charged: Vec<ChargedOutput> = unaccepted
-            .into_iter()
-            .map(|output| ChargedOutput {
-                memory: memory.charge(crate::budget::output_bytes(&output)),
-                output,
-            })
-            .collect();
-        state.accept(Item::Outputs(charged));
+        state.accept(Item::Outputs(charged(unaccepted, &memory)));
         assert_eq!(memory.held(), 2 * each);
         state.unaccepted.clear();
         state.redeliver.push_back(3);
