@@ -402,6 +402,8 @@ fn flag_help(doc: &str) -> (String, Option<String>) {
 /// without a value by default.
 fn shown_default(defaults: &serde_json::Value, key: &str) -> Option<String> {
     match defaults.pointer(&format!("/{}", key.replace('.', "/")))? {
+        // An empty default is "none given": the setting's documentation says what applies.
+        serde_json::Value::String(s) if s.is_empty() => None,
         serde_json::Value::String(s) => Some(s.clone()),
         serde_json::Value::Number(n) => Some(n.to_string()),
         _ => None,
@@ -570,7 +572,10 @@ mod tests {
             d.database.partitions.to_string(),
         );
         shown(&[], "database-url", d.database.database_url.clone());
-        shown(&[], "nodes-table", d.database.nodes_table.clone());
+        shown(&[], "outbox-schema", d.database.outbox_schema.clone());
+        // No name by default: the layout's applies, as the documentation says.
+        assert!(!help_of(&[], "nodes-table").contains("[default"));
+        assert!(!help_of(&[], "slot").contains("[default"));
         shown(&[], "wakeup", "notify".into());
         // Not a setting: its help is its own.
         assert_eq!(

@@ -276,7 +276,9 @@ impl Config {
     fn refuse_settings_without_effect(&self, database: &DatabaseKind) -> anyhow::Result<()> {
         let db = &self.database;
         if let Some(store) = database.other_than_postgres() {
-            if db.notify_channel != outbox_store_postgres::DEFAULT_NOTIFY_CHANNEL {
+            if !db.notify_channel.is_empty()
+                && db.notify_channel != outbox_store_postgres::DEFAULT_NOTIFY_CHANNEL
+            {
                 bail!(
                     "notify_channel has no effect on {store}, which has no NOTIFY (the relay \
                      {}): remove the setting",
@@ -298,7 +300,8 @@ impl Config {
                     db.layout
                 );
             }
-            if db.outbox_table != LayoutKind::Native.default_outbox_table()
+            let table = db.outbox_table.as_str();
+            if !(table.is_empty() || table == LayoutKind::Native.default_outbox_table())
                 || db.outbox_schema != DEFAULT_SCHEMA
             {
                 bail!(

@@ -416,7 +416,7 @@ fn the_help_shows_every_setting_default() {
         ("--max-attempts", "20"),
         ("--heartbeat-timeout", "10s"),
         ("--http-addr", "127.0.0.1:2259"),
-        ("--nodes-table", "outbox_nodes"),
+        ("--outbox-schema", "public"),
     ] {
         let text = run
             .split(&format!("      {flag} "))

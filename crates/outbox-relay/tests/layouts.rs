@@ -986,3 +986,66 @@ async fn a_debezium_outbox_table_keeps_its_inserts_and_goes_to_debeziums_topics(
     .await;
     relay.terminate().await;
 }
+
+/// Most Debezium tutorials name the table `outbox`. `--outbox-table outbox` beside
+/// `--layout debezium` was taken for no name (it equals the native default), so `migrate`
+/// made an empty `outboxevent` and `run --drain` exited 0 having relayed nothing.
+#[tokio::test]
+async fn a_table_named_outbox_beside_a_seed_layout_is_the_one_used() {
+    let url = outbox_testkit::fresh_pg_database().await;
+    let dir = tempfile::tempdir().unwrap();
+    let flags = [
+        "--layout",
+        "debezium",
+        "--outbox-table",
+        "outbox",
+        "--database-url",
+        &url,
+    ];
+    let migrate: Vec<&str> = ["migrate"].into_iter().chain(flags).collect();
+    let migrated = command(dir.path(), &migrate);
+    assert!(
+        migrated.status.success(),
+        "{}",
+        String::from_utf8_lossy(&migrated.stderr)
+    );
+    let db = support::pg(&url).await;
+    let tables: Vec<String> = db
+        .query(
+            "SELECT table_name::text FROM information_schema.tables
+              WHERE table_schema = 'public' AND table_name IN ('outbox', 'outboxevent')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(
+        tables,
+        ["outbox"],
+        "the table the user named, not the layout's"
+    );
+    db.execute(
+        "INSERT INTO outbox (id, aggregatetype, aggregateid, type, payload)
+         VALUES (gen_random_uuid(), 'order', 'o-1', 'OrderCreated', '{\"n\": 1}')",
+        &[],
+    )
+    .await
+    .unwrap();
+    let out = dir.path().join("events.jsonl");
+    let sink = format!("file:{}", out.display());
+    let run: Vec<&str> = ["run", "--drain", "--http-addr", "", "--sink", &sink]
+        .into_iter()
+        .chain(flags)
+        .collect();
+    let drained = command(dir.path(), &run);
+    assert!(
+        drained.status.success(),
+        "{}",
+        String::from_utf8_lossy(&drained.stderr)
+    );
+    let lines = support::read_lines(&out);
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert_eq!(lines[0]["event_type"], "OrderCreated");
+}

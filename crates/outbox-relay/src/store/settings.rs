@@ -84,14 +84,18 @@ outbox_core::settings! {
         pub capture: CaptureMode = CaptureMode::Poll,
         /// Schema of the outbox table.
         pub outbox_schema: String = DEFAULT_SCHEMA.into(),
-        /// Name of the outbox table; dead letters go to <name>_dead_letters.
-        pub outbox_table: String = LayoutKind::Native.default_outbox_table().into(),
+        /// Name of the outbox table; dead letters go to <name>_dead_letters. Default: the
+        /// layout's table (outbox for the native layout, outboxevent for debezium, event for
+        /// export); a name given, even `outbox`, wins over the layout's.
+        pub outbox_table: String = String::new(),
         /// Schema of the nodes table.
         pub nodes_schema: String = DEFAULT_SCHEMA.into(),
-        /// Name of the nodes table.
-        pub nodes_table: String = DEFAULT_NODES_TABLE.into(),
-        /// The channel writers NOTIFY and the relay LISTENs on (PostgreSQL).
-        pub notify_channel: String = outbox_store_postgres::DEFAULT_NOTIFY_CHANNEL.into(),
+        /// Name of the nodes table. Default: the layout's (outbox_nodes for the native
+        /// layout); a name given wins.
+        pub nodes_table: String = String::new(),
+        /// The channel writers NOTIFY and the relay LISTENs on (PostgreSQL). Default: the
+        /// layout's (outbox_events for the native layout); a name given wins.
+        pub notify_channel: String = String::new(),
         /// Keep delivered rows, marked with delivered_at, instead of deleting them.
         pub retain_delivered: bool = false,
         /// Create missing tables and trigger at start (needs CREATE privileges).
@@ -187,9 +191,12 @@ impl DatabaseSettings {
     /// layout's own (a seed's table, the Ably connector's nodes table and channel).
     pub fn layout_tables(&self) -> LayoutTables {
         let native = LayoutKind::Native;
-        let layout_default = |set: &str, default: &str, own: Option<&str>| match own {
-            Some(own) if set == default => own.to_string(),
-            _ => set.to_string(),
+        // Empty: not given, so the layout's own name, else the native one. A name given
+        // wins even when it is the native default (`--outbox-table outbox` beside
+        // `--layout debezium` was once taken for no name, and `outboxevent` used).
+        let layout_default = |set: &str, default: &str, own: Option<&str>| match set {
+            "" => own.unwrap_or(default).to_string(),
+            given => given.to_string(),
         };
         LayoutTables {
             outbox_schema: self.outbox_schema.clone(),
@@ -458,6 +465,53 @@ mod tests {
             ..DatabaseSettings::default()
         };
         assert_eq!(named.layout_tables().outbox_table, "events");
+    }
+
+    #[test]
+    fn a_table_name_given_wins_over_the_layouts_even_when_it_is_the_native_default() {
+        let debezium = |outbox_table: &str| DatabaseSettings {
+            layout: LayoutKind::Debezium,
+            outbox_table: outbox_table.into(),
+            ..DatabaseSettings::default()
+        };
+        assert_eq!(debezium("").layout_tables().outbox_table, "outboxevent");
+        assert_eq!(debezium("outbox").layout_tables().outbox_table, "outbox");
+        assert_eq!(
+            debezium("myevents").layout_tables().outbox_table,
+            "myevents"
+        );
+        let native = DatabaseSettings::default().layout_tables();
+        assert_eq!(
+            (native.outbox_table.as_str(), native.nodes_table.as_str()),
+            ("outbox", DEFAULT_NODES_TABLE)
+        );
+        assert_eq!(
+            native.notify_channel,
+            outbox_store_postgres::DEFAULT_NOTIFY_CHANNEL
+        );
+        let adbc = |nodes_table: &str, notify_channel: &str| {
+            DatabaseSettings {
+                layout: LayoutKind::Adbc,
+                nodes_table: nodes_table.into(),
+                notify_channel: notify_channel.into(),
+                ..DatabaseSettings::default()
+            }
+            .layout_tables()
+        };
+        let t = adbc(
+            DEFAULT_NODES_TABLE,
+            outbox_store_postgres::DEFAULT_NOTIFY_CHANNEL,
+        );
+        assert_eq!(t.nodes_table, DEFAULT_NODES_TABLE, "given, so kept");
+        assert_eq!(
+            t.notify_channel,
+            outbox_store_postgres::DEFAULT_NOTIFY_CHANNEL
+        );
+        let t = adbc("", "");
+        assert_eq!(
+            (t.nodes_table.as_str(), t.notify_channel.as_str()),
+            ("nodes", "ably_adbc")
+        );
     }
 
     #[test]
