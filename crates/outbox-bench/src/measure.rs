@@ -247,16 +247,7 @@ pub(crate) async fn run_drain(
         .await?;
     let servers = ServerCpu::start(b);
     let url = b.relay_url();
-    let mut args = vec![
-        "run",
-        "--drain",
-        "--database-url",
-        &url,
-        "--sink",
-        &target,
-        "--log-level",
-        "warn",
-    ];
+    let mut args = drain_args(&url, &target);
     if !extra_args.contains(&"--http-addr") {
         args.extend(["--http-addr", ""]);
     }
@@ -321,6 +312,20 @@ fn all_arrived(run: &str, sent: u64, arrived: u64) -> Result<()> {
         eprintln!("{run}: {arrived} distinct messages arrived for {sent} events sent");
     }
     Ok(())
+}
+
+/// `outbox-relay run --drain` of the database at `url` to `sink`, logging warnings only.
+pub(crate) fn drain_args<'a>(url: &'a str, sink: &'a str) -> Vec<&'a str> {
+    vec![
+        "run",
+        "--drain",
+        "--database-url",
+        url,
+        "--sink",
+        sink,
+        "--log-level",
+        "warn",
+    ]
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {

@@ -516,18 +516,8 @@ pub async fn large_events(b: &Bench) -> Result<Value> {
     let receiver = outbox_testkit::SlowWebhook::start(SLOW_SINK_PACE).await?;
     let sink = format!("http://{}/hooks/{{destination}}", receiver.addr);
     let url = b.relay_url();
-    let mut args = vec![
-        "run",
-        "--drain",
-        "--database-url",
-        &url,
-        "--sink",
-        &sink,
-        "--http-addr",
-        "",
-        "--log-level",
-        "warn",
-    ];
+    let mut args = measure::drain_args(&url, &sink);
+    args.extend(["--http-addr", ""]);
     args.extend(RELAY_ARGS);
     args.extend(b.settings.relay_args.iter().map(String::as_str));
     // Off this worker: the receiver answers on the other one meanwhile.

@@ -713,51 +713,8 @@ impl Inner {
         // seen, or of a large one before any was. One at least while none is out, so that a
         // busy stream that keeps the budget full never starves the parked rows, and one row
         // larger than the whole budget still goes.
-        let per_row = match self.memory.largest_event() {
-            0 => UNSEEN_EVENT_BYTES,
-            largest => largest,
-        };
-        let parked_limit = {
-            let fits = request.limit.min(self.memory.room() / per_row);
-            let none_out = !lock(&self.state)
-                .held
-                .values()
-                .any(|held| matches!(held, Held::Parked { .. }));
-            if fits == 0 && none_out {
-                1
-            } else {
-                fits
-            }
-        };
-        if status == CaptureStatus::Streaming && has_parked && parked_limit > 0 {
-            // Reserved before the query, so the reader does not fill the room meanwhile.
-            let mut reservation = self.memory.reserve(parked_limit * per_row);
-            let rows = self.parked.claim(ClaimRequest {
-                fence: None,
-                limit: parked_limit,
-                ..request.clone()
-            });
-            let rows = rows.await?;
-            tracing::debug!(
-                claimed = ?rows.iter().map(Claimed::sequence_id).collect::<Vec<_>>(),
-                "claimed parked rows"
-            );
-            let mut state = lock(&self.state);
-            for row in rows {
-                let memory = match &row {
-                    Claimed::Event(event) => reservation.take(event_bytes(event), &self.memory),
-                    Claimed::Undecodable { .. } => Charge::none(),
-                };
-                let key = row.ordering_key().to_string();
-                state.held.insert(
-                    row.sequence_id(),
-                    Held::Parked {
-                        key,
-                        _memory: memory,
-                    },
-                );
-                out.push(row);
-            }
+        if status == CaptureStatus::Streaming && has_parked {
+            self.claim_parked(&request, &mut out).await?;
         }
         let parked = out.len();
         {
@@ -833,6 +790,59 @@ impl Inner {
             tracing::warn!(error = %e.report(), "parking events failed; trying again with the next claim");
         }
         Ok(out)
+    }
+
+    /// Claims rows of the parked table into `out`: as many as the memory left holds, at
+    /// the size of the largest event seen, or of a large one before any was. One at least
+    /// while none is out, so that a busy stream that keeps the budget full never starves
+    /// the parked rows, and one row larger than the whole budget still goes.
+    async fn claim_parked(
+        &self,
+        request: &ClaimRequest,
+        out: &mut Vec<Claimed>,
+    ) -> StoreResult<()> {
+        let per_row = match self.memory.largest_event() {
+            0 => UNSEEN_EVENT_BYTES,
+            largest => largest,
+        };
+        let fits = request.limit.min(self.memory.room() / per_row);
+        let none_out = !lock(&self.state)
+            .held
+            .values()
+            .any(|held| matches!(held, Held::Parked { .. }));
+        let limit = if fits == 0 && none_out { 1 } else { fits };
+        if limit == 0 {
+            return Ok(());
+        }
+        // Reserved before the query, so the reader does not fill the room meanwhile.
+        let mut reservation = self.memory.reserve(limit * per_row);
+        let rows = self.parked.claim(ClaimRequest {
+            fence: None,
+            limit,
+            ..request.clone()
+        });
+        let rows = rows.await?;
+        tracing::debug!(
+            claimed = ?rows.iter().map(Claimed::sequence_id).collect::<Vec<_>>(),
+            "claimed parked rows"
+        );
+        let mut state = lock(&self.state);
+        for row in rows {
+            let memory = match &row {
+                Claimed::Event(event) => reservation.take(event_bytes(event), &self.memory),
+                Claimed::Undecodable { .. } => Charge::none(),
+            };
+            let key = row.ordering_key().to_string();
+            state.held.insert(
+                row.sequence_id(),
+                Held::Parked {
+                    key,
+                    _memory: memory,
+                },
+            );
+            out.push(row);
+        }
+        Ok(())
     }
 
     /// While no session streams, drops what the broken one left unclaimed, up to the next
