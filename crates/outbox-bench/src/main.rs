@@ -99,10 +99,11 @@ fn settings() -> Result<Settings> {
                 s.scaling_events = 50_000;
             }
             "--help" | "-h" => {
-                println!("outbox-bench [--events N] [--baseline-events N] [--latency-seconds S] [--scaling-events N] [--quick] [--only drain|latency|keepup|writers|scaling|wal|wal-memory] [--out DIR]");
+                println!("outbox-bench [--events N] [--baseline-events N] [--latency-seconds S] [--scaling-events N] [--quick] [--only drain|latency|keepup|writers|scaling|wal|wal-drain|wal-memory] [--out DIR]");
                 println!("  drain sweeps: [--sinks file,nats] [--relay-args \"--batch-size 2000\"]; --baseline-events 0 skips the baseline and the PostgreSQL floor");
                 println!("  --only drain ends with the dashboard run: the drain to the first sink, once without and once with headless `chromium` open on the relay's dashboard (skipped without chromium)");
                 println!("  latency subsets: [--latency-plan 10000x10:notify+gated,1000x1:poll] (events/s x events per transaction : modes notify|gated|poll|baseline|wal|wal-emit; wal-stdout|wal-emit-stdout: the WAL relay's stdout sink piped into the bench, no broker; and the host's WAL floor recvlogical|recvlogical-emit: pg_recvlogical reading the slot, no relay)");
+                println!("  --only wal-drain: the WAL capture drains alone (table form and outbox_emit, each beside pg_recvlogical's drain of the same backlog)");
                 println!("  --only wal-memory: WAL capture's drain of 256 events of 1 MiB to a webhook answering each after 500 ms, with the relay's peak RSS (also part of --only wal)");
                 println!("  --only wal: the WAL capture drains (table form and outbox_emit), WAL latency runs and WAL writer cost only; [--wal-events-per-transaction N] sizes the drains' backlog transactions (default 1000)");
                 println!("  --relay-sslmode disable|prefer|require: how the measured relay connects to PostgreSQL (default: the relay's own, prefer, which uses the server's TLS)");
@@ -112,8 +113,28 @@ fn settings() -> Result<Settings> {
             other => bail!("unknown argument {other:?}; see --help"),
         }
     }
+    if let Some(only) = s.only.as_deref() {
+        if !ONLY.contains(&only) {
+            bail!(
+                "--only {only:?} names no part of the suite: one of {}",
+                ONLY.join(", ")
+            );
+        }
+    }
     Ok(s)
 }
+
+/// The parts `--only` can pick.
+const ONLY: [&str; 8] = [
+    "drain",
+    "latency",
+    "keepup",
+    "writers",
+    "scaling",
+    "wal",
+    "wal-drain",
+    "wal-memory",
+];
 
 /// `RATExPER:MODE+MODE,...`, for example `10000x10:notify+gated,1000x1:baseline`.
 /// The latency modes that measure a relay (the floor's are [`wal::FLOOR_MODES`]).
@@ -447,6 +468,10 @@ async fn main() -> Result<()> {
         results["latency"] = measure::latency(&bench, wal::LATENCY_PLAN).await?;
         write_results(&settings.out, &results)?;
         results["writer_cost"] = measure::writer_cost(&bench, wal::WRITER_VARIANTS).await?;
+        write_results(&settings.out, &results)?;
+    }
+    if settings.only.as_deref() == Some("wal-drain") {
+        results["wal_drain"] = wal::drain(&bench).await?;
         write_results(&settings.out, &results)?;
     }
     if settings.only.as_deref() == Some("wal-memory") {

@@ -246,6 +246,8 @@ pub struct RunArgs {
     pub node_id: Option<String>,
     #[arg(long, value_enum, value_name = "MODE")]
     pub ordering: Option<OrderingMode>,
+    #[arg(long, value_name = "N")]
+    pub worker_threads: Option<usize>,
 }
 
 /// The `[retry]` settings' flags.

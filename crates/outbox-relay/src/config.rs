@@ -43,6 +43,8 @@ pub const DEFAULT_SINK: &str = "stdout";
 pub const DEFAULT_CONFIG_FILE: &str = "outbox-relay.toml";
 /// Events, errors and start-up lines; `debug` is for one crate at a time.
 const DEFAULT_LOG_LEVEL: &str = "info";
+/// More worker threads than this is a typo, not a host.
+const MAX_WORKER_THREADS: usize = 1024;
 
 /// Durations are written with units: `500ms`, `2s`, `5m`, `7d`.
 pub use outbox_core::time::duration_text as duration;
@@ -88,6 +90,12 @@ outbox_core::settings! {
         pub log_format: LogFormat = LogFormat::Text,
         /// Log level or filter, e.g. info, debug, outbox_engine=debug.
         pub log_level: String = DEFAULT_LOG_LEVEL.into(),
+        /// Threads that run the relay's tasks (each [[outboxes]] entry gets as many). One
+        /// suits most hosts: the work per event is small, and tasks that hand events to each
+        /// other on one thread skip the cross-thread wake-ups that cost a second thread more
+        /// CPU than it adds (BENCHMARKS.md). More may help a host with idle cores and many
+        /// busy destinations.
+        pub worker_threads: usize = 1,
         /// Several outboxes in one process ([[outboxes]]), each a table of settings that replace
         /// the top-level ones, with a name.
         pub outboxes: Vec<Dict> = Vec::new(),
@@ -267,6 +275,12 @@ impl Config {
             );
         }
         self.http.socket_addr()?;
+        if !(1..=MAX_WORKER_THREADS).contains(&self.relay.worker_threads) {
+            bail!(
+                "worker_threads must be between 1 and {MAX_WORKER_THREADS} (got {})",
+                self.relay.worker_threads
+            );
+        }
         self.refuse_settings_without_effect(&database)?;
         self.database.check_names()?;
         Ok(())
@@ -505,7 +519,13 @@ fn unknown_setting(figment: &Figment) -> Option<figment::Error> {
 /// Settings that belong to the process, not to one outbox: an `[[outboxes]]` entry that sets
 /// one is refused.
 /// Every HTTP setting is one (one server for the process), and these.
-const PROCESS_SETTINGS: &[&str] = &["log_format", "log_level", "node_id", "outboxes"];
+const PROCESS_SETTINGS: &[&str] = &[
+    "log_format",
+    "log_level",
+    "node_id",
+    "outboxes",
+    "worker_threads",
+];
 
 fn is_process_setting(key: &str) -> bool {
     PROCESS_SETTINGS.contains(&key) || HttpSettings::DOCS.iter().any(|doc| doc.key == key)
@@ -915,6 +935,15 @@ mod tests {
             c
         });
         assert!(err.contains("at least 3 x heartbeat_interval"), "{err}");
+        let err = refused({
+            let mut c = Config::default();
+            c.relay.worker_threads = 0;
+            c
+        });
+        assert!(
+            err.contains("worker_threads must be between 1 and 1024 (got 0)"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -1402,6 +1431,14 @@ mod tests {
         ));
         assert!(
             err.contains("`b` sets `http_addr`, which belongs to the whole process"),
+            "{err}"
+        );
+        let err = refused(&two(
+            pg,
+            "database_url = \"sqlite:b.db\"\nworker_threads = 4",
+        ));
+        assert!(
+            err.contains("`b` sets `worker_threads`, which belongs to the whole process"),
             "{err}"
         );
         let err = refused(&two(pg, "database_url = \"sqlite:b.db\"\nbatch_sise = 5"));

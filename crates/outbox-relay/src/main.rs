@@ -204,6 +204,7 @@ fn main() -> ExitCode {
     // One TLS crypto provider for every client in the process.
     let _ = rustls::crypto::ring::default_provider().install_default();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(config.relay.worker_threads)
         .enable_all()
         .build()
     {

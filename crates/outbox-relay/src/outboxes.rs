@@ -228,7 +228,7 @@ fn start(
         .spawn(move || {
             let worker_label = thread_label.clone();
             let runtime = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
+                .worker_threads(config.relay.worker_threads)
                 .thread_name(format!("outbox-{name}"))
                 .on_thread_start(move || {
                     OUTBOX.with(|o| *o.borrow_mut() = Some(worker_label.clone()))
