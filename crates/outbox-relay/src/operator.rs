@@ -8,14 +8,12 @@ use anyhow::{bail, Context};
 use outbox_core::store::{DeadQuery, DeadRecord, DeadSelector, Operations, ReplaySelector};
 
 use crate::cli::{DeadCommand, DeadSelectArgs, PruneArgs, ReplayArgs};
-use crate::commands::ready_store;
+use crate::commands::ready_existing_store;
 use crate::config::{duration, Config};
 use crate::progress::Progress;
 
 async fn operations(config: &Config) -> anyhow::Result<Arc<dyn Operations>> {
-    Ok(ready_store(config, config.store_settings()?, false, false)
-        .await?
-        .operations())
+    Ok(ready_existing_store(config).await?.operations())
 }
 
 fn store_error(e: outbox_core::StoreError) -> anyhow::Error {
