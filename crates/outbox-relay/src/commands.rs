@@ -10,15 +10,9 @@ use outbox_core::NewEvent;
 use crate::cli::{MigrateArgs, SendArgs};
 use crate::config::Config;
 use crate::error::{config_error, failure};
+use crate::operator::ready_existing_store;
 use crate::relay::{build_sink, relay_outbox, Place};
-use crate::store::{ready_store, AnyStore, BacklogReport};
-
-/// The store as the one-shot commands use it: its tables must exist already, and a database
-/// that is down fails at once.
-pub(crate) async fn ready_existing_store(config: &Config) -> anyhow::Result<AnyStore> {
-    let settings = config.store_settings()?;
-    ready_store(&config.database.database_url, settings, false, false).await
-}
+use crate::store::{AnyStore, BacklogReport};
 
 pub async fn run(config: Config, drain: bool) -> anyhow::Result<ExitCode> {
     let metrics = crate::recorder::install()?;
