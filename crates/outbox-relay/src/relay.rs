@@ -122,9 +122,9 @@ pub(crate) struct Running {
     http: Option<JoinHandle<()>>,
 }
 
-/// Brings up one outbox: every step that waits on a database or a broker retries transient
-/// failures (unless draining), and gives way to a stop as [`relay_outbox`] runs it. The
-/// capture, once started, is also left in `started_capture`.
+/// Brings up one outbox. The steps that wait for the database retry transient failures
+/// (unless draining); [`relay_outbox`] gives the whole way to a stop. The capture, once
+/// started, is also left in `started_capture`.
 async fn start(
     config: &Config,
     parts: RunParts,
