@@ -253,6 +253,8 @@ async fn register(
     }
 }
 
+/// The background task: a round of heartbeat and lease keeping every heartbeat interval
+/// (sooner while a hand-over waits for the engine), until stopped or displaced.
 async fn run(
     registry: Arc<dyn NodeRegistry>,
     partitions: Option<Partitions>,
@@ -260,95 +262,162 @@ async fn run(
     mut stopped: watch::Receiver<bool>,
     written: watch::Sender<Option<Incarnation>>,
 ) {
-    let mut count: Option<u32> = None;
-    // When the partitions table was last counted for the gauges, and the count running.
-    let mut counted: Option<Instant> = None;
-    let mut counting: Option<tokio::task::JoinHandle<()>> = None;
-    // The last heartbeat failed without an answer: it may have written the row all the same.
-    let mut unanswered = false;
+    let mut keeper = Keeper {
+        registry,
+        partitions,
+        config,
+        written,
+        count: None,
+        counted: None,
+        counting: None,
+        unanswered: false,
+    };
     loop {
-        let Some(last) = *written.borrow() else {
+        let Membership::Held(live) = keeper.heartbeat().await else {
             return;
         };
-        let live = match beat(&*registry, &config, last).await {
+        let handing_over = keeper.keep_partitions(live).await;
+        tokio::select! {
+            _ = tokio::time::sleep(keeper.pause(handing_over)) => {}
+            _ = stopped.changed() => return,
+        }
+    }
+}
+
+/// The background task's state between rounds, with one method per step of a round.
+struct Keeper {
+    registry: Arc<dyn NodeRegistry>,
+    partitions: Option<Partitions>,
+    config: ClusterConfig,
+    /// The expiry this process last wrote; `None` once another process took the row.
+    written: watch::Sender<Option<Incarnation>>,
+    /// The partition count, once read.
+    count: Option<u32>,
+    /// When the partitions table was last counted for the gauges, and the count running.
+    counted: Option<Instant>,
+    counting: Option<JoinHandle<()>>,
+    /// The last heartbeat failed without an answer: it may have written the row all the same.
+    unanswered: bool,
+}
+
+/// Whether this process still holds its node's row after a heartbeat.
+enum Membership {
+    /// It does; the live node ids, if they could be listed.
+    Held(Option<Vec<String>>),
+    /// Another process took the row over: every partition is dropped, and the task ends.
+    Lost,
+}
+
+impl Keeper {
+    /// Heartbeats, and acts on another process found heartbeating under this node's id.
+    async fn heartbeat(&mut self) -> Membership {
+        let Some(last) = *self.written.borrow() else {
+            return Membership::Lost;
+        };
+        match beat(&*self.registry, &self.config, last).await {
             Beat::Live(incarnation, live) => {
-                unanswered = false;
-                written.send_replace(Some(incarnation));
-                live
+                self.unanswered = false;
+                self.written.send_replace(Some(incarnation));
+                Membership::Held(live)
             }
             Beat::Failed => {
-                unanswered = true;
-                None
+                self.unanswered = true;
+                Membership::Held(None)
             }
-            Beat::Displaced if unanswered => {
-                // The expiry we do not recognise is most likely the one our unanswered
-                // heartbeat wrote (a connection lost after the commit). Take it as ours once:
-                // a second process under this id moves it again before our next beat, and
-                // that beat, answered, finds it so.
-                unanswered = false;
-                match registry
-                    .register(config.node.clone(), config.settings.heartbeat_timeout)
-                    .await
-                {
-                    Ok(Registration::Taken(current) | Registration::Registered(current)) => {
-                        tracing::info!(node = %config.node, "the last heartbeat's answer was lost; its write is taken as this process's");
-                        written.send_replace(Some(current));
-                    }
-                    Err(e) => {
-                        unanswered = true;
-                        tracing::warn!(error = %e.report(), "heartbeat failed");
-                    }
-                }
-                None
+            Beat::Displaced if self.unanswered => {
+                self.adopt_unanswered_write().await;
+                Membership::Held(None)
             }
             Beat::Displaced => {
-                tracing::error!(
-                    node = %config.node,
-                    "another process is heartbeating as this node (the same --node-id): \
-                     dropping every partition and stopping; give every relay process its own --node-id"
-                );
-                if let Some(p) = &partitions {
-                    for (partition, _) in p.ownership.held() {
-                        p.ownership.remove(partition);
-                    }
-                }
-                written.send_replace(None);
-                return;
-            }
-        };
-        let mut handing_over = false;
-        if let (Some(p), Some(live)) = (&partitions, live) {
-            if count.is_none() {
-                count = p.registry.partition_count().await.ok().filter(|n| *n > 0);
-            }
-            if let Some(count) = count {
-                handing_over = balance(p, &config, count, &live).await;
-                // Once per heartbeat interval, not on every quick look of a hand-over; a stop
-                // does not wait for it.
-                // Never in the heartbeat's way: renewals and the notice of a lost lease
-                // must not wait for a slow database to answer a count.
-                let idle = counting.as_ref().is_none_or(|c| c.is_finished());
-                if idle
-                    && counted.is_none_or(|at| at.elapsed() >= config.settings.heartbeat_interval)
-                {
-                    counted = Some(Instant::now());
-                    let p = p.clone();
-                    let within = config.settings.heartbeat_interval;
-                    counting = Some(tokio::spawn(async move {
-                        count_unowned(&p, count, within).await
-                    }));
-                }
+                self.drop_everything();
+                Membership::Lost
             }
         }
-        // While a hand-over waits for the engine, look again soon.
-        let pause = if handing_over {
-            Duration::from_millis(100).min(config.settings.heartbeat_interval)
-        } else {
-            config.settings.heartbeat_interval
+    }
+
+    /// The expiry we do not recognise is most likely the one our unanswered heartbeat
+    /// wrote (a connection lost after the commit). Take it as ours once: a second process
+    /// under this id moves it again before our next beat, and that beat, answered, finds
+    /// it so.
+    async fn adopt_unanswered_write(&mut self) {
+        self.unanswered = false;
+        let config = &self.config;
+        match self
+            .registry
+            .register(config.node.clone(), config.settings.heartbeat_timeout)
+            .await
+        {
+            Ok(Registration::Taken(current) | Registration::Registered(current)) => {
+                tracing::info!(node = %config.node, "the last heartbeat's answer was lost; its write is taken as this process's");
+                self.written.send_replace(Some(current));
+            }
+            Err(e) => {
+                self.unanswered = true;
+                tracing::warn!(error = %e.report(), "heartbeat failed");
+            }
+        }
+    }
+
+    /// Another process heartbeats as this node: nothing this one settles is fenced off from
+    /// it, so every partition goes at once.
+    fn drop_everything(&mut self) {
+        tracing::error!(
+            node = %self.config.node,
+            "another process is heartbeating as this node (the same --node-id): \
+             dropping every partition and stopping; give every relay process its own --node-id"
+        );
+        if let Some(p) = &self.partitions {
+            for (partition, _) in p.ownership.held() {
+                p.ownership.remove(partition);
+            }
+        }
+        self.written.send_replace(None);
+    }
+
+    /// One round of lease keeping among the `live` nodes (none: they could not be listed,
+    /// so the leases wait for the next round). Returns whether a hand-over is still waiting.
+    async fn keep_partitions(&mut self, live: Option<Vec<String>>) -> bool {
+        let (Some(p), Some(live)) = (&self.partitions, live) else {
+            return false;
         };
-        tokio::select! {
-            _ = tokio::time::sleep(pause) => {}
-            _ = stopped.changed() => return,
+        if self.count.is_none() {
+            self.count = p.registry.partition_count().await.ok().filter(|n| *n > 0);
+        }
+        let Some(count) = self.count else {
+            return false;
+        };
+        let handing_over = balance(p, &self.config, count, &live).await;
+        self.count_unowned(count);
+        handing_over
+    }
+
+    /// Counts the partitions no node holds, for the gauges: once per heartbeat interval, not
+    /// on every quick look of a hand-over, and never in the heartbeat's way (renewals and the
+    /// notice of a lost lease must not wait for a slow database to answer a count); a stop
+    /// does not wait for it.
+    fn count_unowned(&mut self, count: u32) {
+        let Some(p) = &self.partitions else {
+            return;
+        };
+        let interval = self.config.settings.heartbeat_interval;
+        let idle = self.counting.as_ref().is_none_or(|c| c.is_finished());
+        if idle && self.counted.is_none_or(|at| at.elapsed() >= interval) {
+            self.counted = Some(Instant::now());
+            let p = p.clone();
+            self.counting = Some(tokio::spawn(async move {
+                count_unowned(&p, count, interval).await
+            }));
+        }
+    }
+
+    /// The wait before the next round: while a hand-over waits for the engine, look again
+    /// soon.
+    fn pause(&self, handing_over: bool) -> Duration {
+        let interval = self.config.settings.heartbeat_interval;
+        if handing_over {
+            Duration::from_millis(100).min(interval)
+        } else {
+            interval
         }
     }
 }

@@ -144,10 +144,23 @@ pub enum DrainEnd {
 /// A finished settle statement.
 enum Settled {
     Acked(Vec<Acked>, StoreResult<u64>),
-    Retried(Vec<(LaneKey, String)>, Vec<SequenceId>, StoreResult<u64>),
-    DeadLettered(Vec<(LaneKey, String)>, Vec<SequenceId>, StoreResult<u64>),
+    Retried(SettledRows),
+    DeadLettered(SettledRows),
     Released(Vec<SequenceId>, StoreResult<u64>),
     Extended(StoreResult<u64>),
+}
+
+/// The rows a retry or dead-letter statement settled, and how it went.
+struct SettledRows {
+    lanes: Vec<SettledLane>,
+    ids: Vec<SequenceId>,
+    result: StoreResult<u64>,
+}
+
+/// The lane of a settled row, and its destination (its metrics' label).
+struct SettledLane {
+    key: LaneKey,
+    destination: String,
 }
 
 struct Acked {
@@ -155,7 +168,11 @@ struct Acked {
     destination: String,
 }
 
-type Published = (Vec<Arc<Event>>, Vec<outbox_core::Outcome>);
+/// A batch the sink answered, with one outcome per event (when it keeps its contract).
+struct Published {
+    batch: Vec<Arc<Event>>,
+    outcomes: Vec<outbox_core::Outcome>,
+}
 
 /// Ownership as the engine last acted on it and last reported it.
 struct OwnershipSeen {
@@ -218,25 +235,66 @@ struct Engine {
     summary: Summary,
     claims: ClaimScheduler,
     next_retry: Option<Instant>,
-    /// When the whole shutdown must be over (set on the shutdown signal).
-    shutdown_deadline: Option<Instant>,
-    /// Stopping: until when in-flight publishes and settles are waited for (the shutdown
-    /// deadline less the clean-up reserve).
-    stopping: Option<Instant>,
+    phase: Phase,
     /// A lease extension is running.
     extending: bool,
     /// Ownership as last acted on, and as last reported to the coordinator.
     ownership_seen: OwnershipSeen,
     /// The waiting state last told to the store (for its gated wake-up).
     reported_waiting: bool,
-    /// With a drain: the claim count when the backlog was last checked, and since when
-    /// rows no claim returns have been waited for.
-    drain_checked: u64,
-    drain_waiting_since: Option<Instant>,
-    /// Since when every claim has failed: a drain gives up after its patience.
-    claims_failing: Option<Instant>,
+    drain: DrainProgress,
+}
+
+/// Where the engine's run is.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Phase {
+    /// Claiming, dispatching and settling.
+    Relaying,
+    /// The shutdown signal came (or a drain gave up): no more claims or dispatches.
+    Stopping {
+        /// Until when in-flight publishes and settles are waited for (the deadline less the
+        /// clean-up reserve).
+        settle_by: Instant,
+        /// When the whole shutdown must be over.
+        deadline: Instant,
+    },
+}
+
+impl Phase {
+    fn is_stopping(self) -> bool {
+        matches!(self, Phase::Stopping { .. })
+    }
+
+    /// Until when in-flight work is waited for, once stopping.
+    fn settle_by(self) -> Option<Instant> {
+        match self {
+            Phase::Relaying => None,
+            Phase::Stopping { settle_by, .. } => Some(settle_by),
+        }
+    }
+}
+
+/// What a drain keeps track of to decide when it is done (unused without one).
+struct DrainProgress {
     /// When the run began: a drain leaves rows inserted after this to the next run.
-    started: Instant,
+    began: Instant,
+    /// The claim count when the backlog was last checked.
+    checked_at_claim: u64,
+    /// Since when rows that no claim returns have been waited for.
+    waiting_since: Option<Instant>,
+    /// Since when every claim has failed: a drain gives up after its patience.
+    claims_failing_since: Option<Instant>,
+}
+
+impl DrainProgress {
+    fn new() -> Self {
+        DrainProgress {
+            began: Instant::now(),
+            checked_at_claim: 0,
+            waiting_since: None,
+            claims_failing_since: None,
+        }
+    }
 }
 
 /// The part of `shutdown_timeout` kept for the clean-up after in-flight publishes.
@@ -321,6 +379,7 @@ impl Engine {
                 return;
             }
             let mut batch = Vec::with_capacity(heads.len());
+            let mut undecodable_lanes = Vec::new();
             let mut undecodable = Vec::new();
             for head in heads {
                 match head {
@@ -333,19 +392,19 @@ impl Engine {
                         reason,
                     } => {
                         tracing::error!(sequence_id, %destination, %reason, "undecodable row; dead-lettering it");
-                        undecodable.push((
-                            lane,
+                        undecodable_lanes.push(SettledLane {
+                            key: lane,
                             destination,
-                            DeadLetter {
-                                sequence_id,
-                                attempts,
-                                error: format!("undecodable row: {reason}"),
-                            },
-                        ));
+                        });
+                        undecodable.push(DeadLetter {
+                            sequence_id,
+                            attempts,
+                            error: format!("undecodable row: {reason}"),
+                        });
                     }
                 }
             }
-            self.dead_letter(undecodable);
+            self.dead_letter(undecodable_lanes, undecodable);
             if !batch.is_empty() {
                 ::metrics::histogram!(metrics::PUBLISH_BATCH).record(batch.len() as f64);
                 let lease_lost = self.lease_lost(&batch);
@@ -380,7 +439,7 @@ impl Engine {
                         if let Some((telemetry, publisher, start)) = telemetry {
                             telemetry.published(Span::since(start), &*publisher, &batch, &outcomes);
                         }
-                        (batch, outcomes)
+                        Published { batch, outcomes }
                     }
                     .boxed(),
                 );
@@ -412,15 +471,9 @@ impl Engine {
         .boxed()
     }
 
-    fn dead_letter(&mut self, entries: Vec<(LaneKey, String, DeadLetter)>) {
-        if entries.is_empty() {
+    fn dead_letter(&mut self, lanes: Vec<SettledLane>, rows: Vec<DeadLetter>) {
+        if rows.is_empty() {
             return;
-        }
-        let mut keys = Vec::with_capacity(entries.len());
-        let mut rows = Vec::with_capacity(entries.len());
-        for (key, destination, row) in entries {
-            keys.push((key, destination));
-            rows.push(row);
         }
         let ids: Vec<SequenceId> = rows.iter().map(|r| r.sequence_id).collect();
         self.spawn_fenced_settle(
@@ -428,11 +481,15 @@ impl Engine {
             (SettleKind::DeadLetter, rows.len()),
             rows,
             |store, node, fence, rows| store.dead_letter(node, fence, rows),
-            |result| Settled::DeadLettered(keys, ids, result),
+            |result| Settled::DeadLettered(SettledRows { lanes, ids, result }),
         );
     }
 
-    fn on_published(&mut self, (batch, mut outcomes): Published) {
+    fn on_published(&mut self, published: Published) {
+        let Published {
+            batch,
+            mut outcomes,
+        } = published;
         if outcomes.len() != batch.len() {
             tracing::error!(
                 sink = %self.publisher.describe(),
@@ -453,7 +510,8 @@ impl Engine {
         let now = SystemTime::now();
         let mut acked = Vec::new();
         let mut retries = Vec::new();
-        let mut retry_keys = Vec::new();
+        let mut retry_lanes = Vec::new();
+        let mut dead_lanes = Vec::new();
         let mut dead = Vec::new();
         let mut release = Vec::new();
         let mut first_failure: Option<(String, usize)> = None;
@@ -495,7 +553,10 @@ impl Engine {
                             let due = Instant::now() + delay;
                             self.next_retry = Some(self.next_retry.map_or(due, |d| d.min(due)));
                             release.extend(self.lanes.block(&lane));
-                            retry_keys.push((lane, event.destination.clone()));
+                            retry_lanes.push(SettledLane {
+                                key: lane,
+                                destination: event.destination.clone(),
+                            });
                             retries.push(RetryLater {
                                 sequence_id: event.sequence_id,
                                 attempts,
@@ -512,15 +573,15 @@ impl Engine {
                                 error = %report,
                                 "event cannot be delivered; dead-lettering it"
                             );
-                            dead.push((
-                                lane,
-                                event.destination.clone(),
-                                DeadLetter {
-                                    sequence_id: event.sequence_id,
-                                    attempts,
-                                    error: report,
-                                },
-                            ));
+                            dead_lanes.push(SettledLane {
+                                key: lane,
+                                destination: event.destination.clone(),
+                            });
+                            dead.push(DeadLetter {
+                                sequence_id: event.sequence_id,
+                                attempts,
+                                error: report,
+                            });
                         }
                     }
                 }
@@ -530,8 +591,8 @@ impl Engine {
             tracing::warn!(events = count, %error, sink = %self.publisher.describe(), "publish failed; will retry with backoff");
         }
         self.ack(acked);
-        self.retry_later(retry_keys, retries);
-        self.dead_letter(dead);
+        self.retry_later(retry_lanes, retries);
+        self.dead_letter(dead_lanes, dead);
         self.release(release);
     }
 
@@ -549,7 +610,7 @@ impl Engine {
         );
     }
 
-    fn retry_later(&mut self, keys: Vec<(LaneKey, String)>, retries: Vec<RetryLater>) {
+    fn retry_later(&mut self, lanes: Vec<SettledLane>, retries: Vec<RetryLater>) {
         if retries.is_empty() {
             return;
         }
@@ -562,7 +623,7 @@ impl Engine {
             (SettleKind::Retry, retries.len()),
             retries,
             |store, node, fence, retries| store.retry_later(node, fence, retries),
-            |result| Settled::Retried(keys, ids, result),
+            |result| Settled::Retried(SettledRows { lanes, ids, result }),
         );
     }
 
@@ -597,23 +658,23 @@ impl Engine {
                 let ids: Vec<SequenceId> = acked.iter().map(|a| a.sequence_id).collect();
                 self.lanes.forget(&ids);
             }
-            Settled::Retried(keys, ids, result) => {
+            Settled::Retried(SettledRows { lanes, ids, result }) => {
                 let n = result?;
                 self.fenced("retry", ids.len(), n);
-                for (key, destination) in &keys {
-                    self.lanes.retry_recorded(key, self.claims.started);
-                    ::metrics::counter!(metrics::RETRIED, "destination" => self.labels.label(destination))
+                for lane in &lanes {
+                    self.lanes.retry_recorded(&lane.key, self.claims.started);
+                    ::metrics::counter!(metrics::RETRIED, "destination" => self.labels.label(&lane.destination))
                         .increment(1);
                 }
                 self.summary.retried += ids.len() as u64;
                 self.lanes.forget_released(&ids, self.claims.started);
             }
-            Settled::DeadLettered(keys, ids, result) => {
+            Settled::DeadLettered(SettledRows { lanes, ids, result }) => {
                 let n = result?;
                 self.fenced("dead-letter", ids.len(), n);
-                for (key, destination) in &keys {
-                    self.lanes.advance(key);
-                    ::metrics::counter!(metrics::DEAD_LETTERED, "destination" => self.labels.label(destination))
+                for lane in &lanes {
+                    self.lanes.advance(&lane.key);
+                    ::metrics::counter!(metrics::DEAD_LETTERED, "destination" => self.labels.label(&lane.destination))
                         .increment(1);
                 }
                 self.summary.dead_lettered += ids.len() as u64;
@@ -684,7 +745,7 @@ impl Engine {
     /// its gated wake-up. A claim in flight does not count, so the claim a gated store asks
     /// for after taking its lock does not flip this back.
     fn report_waiting(&mut self) {
-        let waiting = self.idle() && !self.claims.backlog && self.stopping.is_none();
+        let waiting = self.idle() && !self.claims.backlog && !self.phase.is_stopping();
         if waiting != self.reported_waiting {
             self.store.set_waiting(waiting);
             self.reported_waiting = waiting;
@@ -746,26 +807,35 @@ impl Engine {
                         attempt.failed(e.report());
                     }
                 }
-                (claim_no, limit, result)
+                Claim {
+                    number: claim_no,
+                    limit,
+                    result,
+                }
             }
             .boxed(),
         );
     }
 
     /// A claim came back: its rows join their lanes (or go back, if their key is blocked).
-    fn on_claimed(&mut self, (claim_no, limit, result): Claim) -> StoreResult<()> {
+    fn on_claimed(&mut self, claim: Claim) -> StoreResult<()> {
+        let Claim {
+            number: claim_no,
+            limit,
+            result,
+        } = claim;
         match result {
             Ok(rows) => {
                 ::metrics::histogram!(metrics::CLAIM_BATCH).record(rows.len() as f64);
                 self.claims.succeeded(rows.len(), limit);
-                self.claims_failing = None;
+                self.drain.claims_failing_since = None;
                 let release = self.lanes.accept(claim_no, rows);
                 self.lanes.expire_blocks(claim_no);
                 // The claim may carry rows of partitions revoked or lost while it ran: check
                 // again before anything is dispatched.
                 self.ownership_seen.generation = u64::MAX;
                 self.release(release);
-                if self.stopping.is_some() {
+                if self.phase.is_stopping() {
                     let unstarted = self.lanes.take_unstarted();
                     self.release(unstarted);
                 }
@@ -776,13 +846,16 @@ impl Engine {
                 let retry_in = self.claims.failed();
                 ::metrics::counter!(metrics::STORE_ERRORS, "operation" => "claim").increment(1);
                 tracing::warn!(error = %e.report(), ?retry_in, "claim failed");
-                let since = *self.claims_failing.get_or_insert_with(Instant::now);
+                let since = *self
+                    .drain
+                    .claims_failing_since
+                    .get_or_insert_with(Instant::now);
                 // Decided here, on a claim that failed, never on a pause in claiming (full
                 // lanes, no partitions): a drain is a job someone waits on, so it ends rather
                 // than hang where a long-running relay keeps trying. It stops as on a signal,
                 // settling what is in flight.
                 if self.config.drain
-                    && self.stopping.is_none()
+                    && !self.phase.is_stopping()
                     && since.elapsed() >= self.config.drain_patience
                 {
                     let failed_for = since.elapsed();
@@ -826,8 +899,10 @@ impl Engine {
         let now = Instant::now();
         let timeout = self.config.settings.shutdown_timeout;
         tracing::info!(shutdown_timeout = ?timeout, "shutting down: settling in-flight events");
-        self.shutdown_deadline = Some(now + timeout);
-        self.stopping = Some(now + timeout - shutdown_cleanup_reserve(timeout));
+        self.phase = Phase::Stopping {
+            settle_by: now + timeout - shutdown_cleanup_reserve(timeout),
+            deadline: now + timeout,
+        };
         let unstarted = self.lanes.take_unstarted();
         self.release(unstarted);
     }
@@ -850,14 +925,14 @@ impl Engine {
         if !self.config.drain
             || !self.claims.settled_empty()
             || !self.idle()
-            || self.drain_checked == self.claims.started
+            || self.drain.checked_at_claim == self.claims.started
         {
             return false;
         }
-        self.drain_checked = self.claims.started;
-        let waited = self.drain_waiting_since.map(|t| t.elapsed());
+        self.drain.checked_at_claim = self.claims.started;
+        let waited = self.drain.waiting_since.map(|t| t.elapsed());
         let out_of_patience = waited.is_some_and(|w| w >= self.config.drain_patience);
-        match drain_check(self.store.clone(), self.started.elapsed()).await {
+        match drain_check(self.store.clone(), self.drain.began.elapsed()).await {
             DrainCheck::Done(end) => {
                 self.summary.drain = Some(end);
                 return true;
@@ -885,7 +960,7 @@ impl Engine {
                 tracing::warn!(error = %e, "drain: cannot tell what is left; trying again");
             }
         }
-        self.drain_waiting_since.get_or_insert_with(Instant::now);
+        self.drain.waiting_since.get_or_insert_with(Instant::now);
         false
     }
 }
@@ -937,15 +1012,11 @@ pub async fn run(
         summary: Summary::default(),
         claims: ClaimScheduler::default(),
         next_retry: None,
-        shutdown_deadline: None,
-        stopping: None,
+        phase: Phase::Relaying,
         extending: false,
         ownership_seen: OwnershipSeen::default(),
         reported_waiting: false,
-        drain_checked: 0,
-        drain_waiting_since: None,
-        claims_failing: None,
-        started: Instant::now(),
+        drain: DrainProgress::new(),
     };
     let result = event_loop(&mut engine, wake, shutdown).await;
     if let Some(listener) = listener {
@@ -954,9 +1025,10 @@ pub async fn run(
     backlog_reporter.abort();
     // Everything from here on ends by the shutdown deadline: a database or broker that does
     // not answer costs the rest of the shutdown budget, never more.
-    let deadline = engine
-        .shutdown_deadline
-        .unwrap_or_else(|| Instant::now() + engine.config.settings.shutdown_timeout);
+    let deadline = match engine.phase {
+        Phase::Stopping { deadline, .. } => deadline,
+        Phase::Relaying => Instant::now() + engine.config.settings.shutdown_timeout,
+    };
     // Whatever is still leased goes back at once rather than after the lease.
     let leftover = engine.lanes.held_ids();
     if !leftover.is_empty() {
@@ -975,7 +1047,7 @@ pub async fn run(
     }
     if result.is_ok() && engine.config.drain && engine.summary.drain.is_none() {
         // Stopped by a signal mid-drain: say what is left, without waiting for anything.
-        let running_for = engine.started.elapsed();
+        let running_for = engine.drain.began.elapsed();
         engine.summary.drain = Some(
             match tokio::time::timeout_at(deadline, drain_check(engine.store.clone(), running_for))
                 .await
@@ -1049,30 +1121,30 @@ async fn event_loop(
     extend.reset();
     loop {
         engine.follow_ownership();
-        if engine.stopping.is_none() {
+        if !engine.phase.is_stopping() {
             engine.dispatch();
             engine.start_claim();
         }
         engine.report_busy_partitions();
         engine.report_waiting();
-        if engine.stopping.is_some() && engine.claims.running.is_none() && engine.nothing_pending()
+        if engine.phase.is_stopping() && engine.claims.running.is_none() && engine.nothing_pending()
         {
             return Ok(());
         }
         if engine.drain_finished().await {
             return Ok(());
         }
-        let stopping = engine.stopping;
+        let settle_by = engine.phase.settle_by();
         let retry_due = engine.next_retry;
         let backing_off = engine.claims.backing_off_until();
         let may_extend = !engine.extending && engine.lanes.held() > 0;
         tokio::select! {
-            () = &mut shutdown, if stopping.is_none() => engine.begin_shutdown(),
-            () = tokio::time::sleep_until(stopping.unwrap_or_else(Instant::now)), if stopping.is_some() => {
+            () = &mut shutdown, if settle_by.is_none() => engine.begin_shutdown(),
+            () = tokio::time::sleep_until(settle_by.unwrap_or_else(Instant::now)), if settle_by.is_some() => {
                 engine.abandon_unfinished();
                 return Ok(());
             }
-            claim = async { engine.claims.running.as_mut().expect("guarded").await }, if engine.claims.running.is_some() => {
+            claim = engine.claims.finished(), if engine.claims.running.is_some() => {
                 engine.on_claimed(claim)?;
             }
             Some(published) = engine.publishing.next() => engine.on_published(published),

@@ -12,11 +12,17 @@ use outbox_core::store::StoreResult;
 use outbox_core::{Backoff, Claimed};
 use tokio::time::Instant;
 
-/// A claim in progress: its number, its row limit, and its result.
+/// A claim in progress, resolving to its [`Claim`].
 pub type Claiming = BoxFuture<'static, Claim>;
 
-/// A finished claim: its number, its row limit, and its result.
-pub type Claim = (u64, usize, StoreResult<Vec<Claimed>>);
+/// A finished claim.
+pub struct Claim {
+    /// Its number (see [`ClaimScheduler::start`]).
+    pub number: u64,
+    /// The most rows it asked for: a full claim means more are waiting.
+    pub limit: usize,
+    pub result: StoreResult<Vec<Claimed>>,
+}
 
 /// The first wait after a failed claim; it doubles up to [`CLAIM_BACKOFF_CAP`].
 const CLAIM_BACKOFF_FIRST: Duration = Duration::from_millis(100);
@@ -95,6 +101,14 @@ impl ClaimScheduler {
         (self.not_before > Instant::now()).then_some(self.not_before)
     }
 
+    /// Resolves when the running claim finishes; never, while none runs.
+    pub async fn finished(&mut self) -> Claim {
+        match self.running.as_mut() {
+            Some(claim) => claim.await,
+            None => std::future::pending().await,
+        }
+    }
+
     /// Nothing left to claim and nothing asked for: a drain may look at what is left.
     pub fn settled_empty(&self) -> bool {
         self.running.is_none() && self.last_empty && !self.wanted && !self.backlog
@@ -107,7 +121,14 @@ mod tests {
     use futures::FutureExt;
 
     fn claim() -> Claiming {
-        async { (0, 0, Ok(Vec::new())) }.boxed()
+        async {
+            Claim {
+                number: 0,
+                limit: 0,
+                result: Ok(Vec::new()),
+            }
+        }
+        .boxed()
     }
 
     #[test]

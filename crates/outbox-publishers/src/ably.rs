@@ -18,8 +18,8 @@ use serde_json::{json, Map, Value};
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{ConfirmTimeout, TlsFiles};
 use crate::error::SinkSetupError;
+use crate::settings::{ConfirmTimeout, TlsFiles};
 use crate::sink::{Routed, Sink};
 
 pub const DEFAULT_REST_URL: &str = "https://rest.ably.io";

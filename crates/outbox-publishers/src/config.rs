@@ -4,11 +4,8 @@
 //! `max_message_bytes`) is declared here once, in [`SinkConfig`]; each sink module owns a
 //! struct of its own settings (`NatsConfig`, `RedisConfig`, ...) with unknown fields denied,
 //! and the settings several brokers share are declared once too ([`ConfirmTimeout`],
-//! [`TlsFiles`]) and flattened into theirs. So a setting the chosen sink does not read (a
+//! [`TlsFiles`], in `settings.rs`) and flattened into theirs. So a setting the chosen sink does not read (a
 //! Redis `maxlen` on a NATS sink) is a configuration error naming it, never silently ignored.
-
-use std::path::PathBuf;
-use std::time::Duration;
 
 use serde::de::value::MapAccessDeserializer;
 use serde::de::{DeserializeOwned, DeserializeSeed, IntoDeserializer, MapAccess};
@@ -16,38 +13,8 @@ use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::{Map, Value};
 
 use crate::error::SinkSetupError;
+pub use crate::settings::{duration, ConfirmTimeout, TlsFiles, DEFAULT_SINK_TIMEOUT};
 use outbox_core::redact::redact_url;
-
-/// How long a broker has to confirm before the event is retried.
-pub const DEFAULT_SINK_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// `timeout`, read by every broker sink (stdout and files confirm by writing).
-#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq)]
-pub struct ConfirmTimeout {
-    /// Time the broker has to confirm one batch [default: 10s].
-    #[serde(with = "opt_duration", default)]
-    pub timeout: Option<Duration>,
-}
-
-impl ConfirmTimeout {
-    pub fn get(self) -> Duration {
-        self.timeout.unwrap_or(DEFAULT_SINK_TIMEOUT)
-    }
-}
-
-/// `tls_ca_file`, `tls_cert_file`, `tls_key_file`, read by the sinks whose client takes
-/// certificates from files (all brokers but RabbitMQ, which uses the system's roots).
-#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
-pub struct TlsFiles {
-    /// PEM CA certificates to trust, besides the system's roots.
-    #[serde(rename = "tls_ca_file")]
-    pub ca_file: Option<PathBuf>,
-    /// PEM client certificate and key, for brokers that require mutual TLS.
-    #[serde(rename = "tls_cert_file")]
-    pub cert_file: Option<PathBuf>,
-    #[serde(rename = "tls_key_file")]
-    pub key_file: Option<PathBuf>,
-}
 
 /// The sink a URI names, by its scheme.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -196,13 +163,13 @@ pub enum SinkSettings {
     #[cfg(feature = "ably")]
     Ably(crate::ably::AblyConfig),
     #[cfg(feature = "aws")]
-    Sqs(crate::aws::AwsConfig),
+    Sqs(crate::aws::settings::AwsConfig),
     #[cfg(feature = "aws")]
-    Sns(crate::aws::AwsConfig),
+    Sns(crate::aws::settings::AwsConfig),
     #[cfg(feature = "aws")]
-    Kinesis(crate::aws::AwsConfig),
+    Kinesis(crate::aws::settings::AwsConfig),
     #[cfg(feature = "aws")]
-    EventBridge(crate::aws::eventbridge::EventBridgeConfig),
+    EventBridge(crate::aws::settings::EventBridgeConfig),
 }
 
 /// What stdout and file sinks read beyond the common settings: nothing.
@@ -380,40 +347,6 @@ impl<'de> MapAccess<'de> for Entries {
     }
 }
 
-pub mod duration {
-    use serde::{Deserialize, Deserializer, Serializer};
-    use std::time::Duration;
-
-    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&humantime::format_duration(*d).to_string())
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        let text = String::deserialize(d)?;
-        outbox_core::time::duration_text::parse(&text).map_err(serde::de::Error::custom)
-    }
-}
-
-mod opt_duration {
-    use serde::{Deserialize, Deserializer, Serializer};
-    use std::time::Duration;
-
-    pub fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
-        match d {
-            Some(d) => super::duration::serialize(d, s),
-            None => s.serialize_none(),
-        }
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
-        Option::<String>::deserialize(d)?
-            .map(|text| {
-                outbox_core::time::duration_text::parse(&text).map_err(serde::de::Error::custom)
-            })
-            .transpose()
-    }
-}
-
 /// A route as written under `[[routes]]`.
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -550,8 +483,8 @@ mod tests {
             panic!("a redis:// URI chooses the Redis sink: {redis:?}");
         };
         assert_eq!(settings.maxlen, Some(1000));
-        assert_eq!(settings.dedupe_window, Duration::from_secs(60));
-        assert_eq!(settings.timeout.get(), Duration::from_secs(2));
+        assert_eq!(settings.dedupe_window, std::time::Duration::from_secs(60));
+        assert_eq!(settings.timeout.get(), std::time::Duration::from_secs(2));
         assert_eq!(settings.tls.ca_file, Some("/ca.pem".into()));
         let kafka = read(json!({
             "uri": "kafkas://b:9093",

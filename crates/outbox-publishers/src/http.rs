@@ -4,8 +4,8 @@ use std::time::Duration;
 
 use outbox_core::{PublishError, PublishErrorKind};
 
-use crate::config::TlsFiles;
 use crate::error::SinkSetupError;
+use crate::settings::TlsFiles;
 
 /// Builds a client with the sink's TLS files (rustls, the process-wide provider).
 pub fn client(tls: &TlsFiles, timeout: Duration) -> Result<reqwest::Client, SinkSetupError> {

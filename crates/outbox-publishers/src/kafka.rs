@@ -18,8 +18,8 @@ use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{ConfirmTimeout, TlsFiles};
 use crate::error::SinkSetupError;
+use crate::settings::{ConfirmTimeout, TlsFiles};
 use crate::sink::{Routed, Sink};
 use outbox_core::redact::Secret;
 

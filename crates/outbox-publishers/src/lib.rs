@@ -21,6 +21,7 @@ pub mod rabbitmq;
 #[cfg(feature = "redis")]
 pub mod redis;
 pub mod router;
+pub mod settings;
 pub mod sink;
 pub mod template;
 pub mod trace;
@@ -129,7 +130,10 @@ pub async fn build_router(
         sinks.keys().try_for_each(|sink| check_default(sink))?;
     }
     #[cfg(feature = "webhook")]
-    webhook::refuse_a_shared_secret(sinks)?;
+    webhook::refuse_a_shared_secret(sinks.iter().filter_map(|(name, c)| match c.settings() {
+        SinkSettings::Webhook(w) => Some((name.as_str(), w)),
+        _ => None,
+    }))?;
     let mut built = Vec::new();
     for (name, config) in sinks {
         built.push((name.clone(), build_sink(name, config).await?));

@@ -17,8 +17,8 @@ use outbox_core::{Outcome, PublishError, PublishErrorKind};
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{ConfirmTimeout, TlsFiles};
 use crate::error::SinkSetupError;
+use crate::settings::{ConfirmTimeout, TlsFiles};
 use crate::sink::{Routed, Sink};
 use outbox_core::redact::Secret;
 

@@ -18,8 +18,8 @@ use tokio::sync::Mutex;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::ConfirmTimeout;
 use crate::error::SinkSetupError;
+use crate::settings::ConfirmTimeout;
 use crate::sink::{fail_all, Routed, Sink};
 use crate::template::Template;
 

@@ -14,8 +14,8 @@ use tokio::sync::Mutex;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{ConfirmTimeout, TlsFiles};
 use crate::error::SinkSetupError;
+use crate::settings::{ConfirmTimeout, TlsFiles};
 use crate::sink::{fail_all, Routed, Sink};
 
 /// Appends unless the event's id was seen within the window. The id is recorded only after
@@ -49,7 +49,7 @@ pub struct RedisConfig {
     /// Approximate MAXLEN for each stream.
     pub maxlen: Option<usize>,
     /// How long an event id is remembered to drop redeliveries [default: 24h].
-    #[serde(with = "crate::config::duration")]
+    #[serde(with = "crate::settings::duration")]
     pub dedupe_window: Duration,
 }
 

@@ -17,8 +17,8 @@ use tokio::sync::Semaphore;
 use serde::{Deserialize, Serialize};
 
 use crate::cloudevents::{Binding, ContentMode};
-use crate::config::{ConfirmTimeout, TlsFiles};
 use crate::error::SinkSetupError;
+use crate::settings::{ConfirmTimeout, TlsFiles};
 use crate::sink::{Routed, Sink};
 use crate::template::Template;
 use outbox_core::redact::Secret;
@@ -198,21 +198,19 @@ impl Sink for WebhookSink {
     }
 }
 
-/// Refuses [`SECRET_ENV`] as the secret of more than one webhook sink: each receiver holds
+/// Refuses [`SECRET_ENV`] as the secret of more than one of the webhook sinks (by name): each receiver holds
 /// the key it verifies with, so with one key for all, any of them could sign messages that
 /// another receiver would take as the relay's.
-pub fn refuse_a_shared_secret(
-    sinks: &std::collections::BTreeMap<String, crate::config::SinkConfig>,
+pub fn refuse_a_shared_secret<'a>(
+    webhooks: impl IntoIterator<Item = (&'a str, &'a WebhookConfig)>,
 ) -> Result<(), SinkSetupError> {
     if std::env::var(SECRET_ENV).map_or(true, |s| s.is_empty()) {
         return Ok(());
     }
-    let sharing: Vec<&str> = sinks
-        .iter()
-        .filter(|(_, c)| {
-            matches!(c.settings(), crate::config::SinkSettings::Webhook(w) if w.secret.is_none())
-        })
-        .map(|(name, _)| name.as_str())
+    let sharing: Vec<&str> = webhooks
+        .into_iter()
+        .filter(|(_, w)| w.secret.is_none())
+        .map(|(name, _)| name)
         .collect();
     if sharing.len() < 2 {
         return Ok(());

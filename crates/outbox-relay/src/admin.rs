@@ -153,7 +153,10 @@ impl StoreFigures {
 
 async fn read_store(store: &crate::store::AnyStore) -> StoreResult<StoreRead> {
     let as_of = SystemTime::now();
-    let (backlog, destinations) = crate::commands::backlog_report(store).await?;
+    let crate::store::BacklogReport {
+        backlog,
+        destinations,
+    } = store.backlog_report().await?;
     let nodes = store.registry().live_nodes().await?;
     let partitions = match &store.partition_registry() {
         Some(r) => Some(r.partitions().await?),

@@ -1,207 +1,29 @@
 //! The subcommands.
 
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::bail;
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use outbox_cluster::{Coordinator, Partitions};
 use outbox_core::redact::redact_url;
-use outbox_core::{NewEvent, NodeId, Ownership, Publisher};
-use outbox_engine::{DrainEnd, Summary};
-use outbox_publishers::{RouteConfig, SinkConfig};
+use outbox_core::NewEvent;
 
 use crate::cli::{MigrateArgs, SendArgs};
-use crate::config::{Config, RunParts};
-use crate::store::{AnyStore, StoreSettings};
-
-/// A failure only the operator's configuration can fix: the binary exits 2 for it.
-#[derive(Debug)]
-pub struct ConfigError(pub String);
-
-impl std::fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for ConfigError {}
-
-/// A store error as the binary reports it: exit 2 when only the configuration can fix it.
-pub(crate) fn failure(message: String, e: &outbox_core::StoreError) -> anyhow::Error {
-    // A schema older or newer than the relay runs on is fixed by `migrate` or an upgrade,
-    // never by retrying: exit 2 too.
-    if matches!(
-        e.kind(),
-        outbox_core::StoreErrorKind::Config | outbox_core::StoreErrorKind::SchemaVersion
-    ) {
-        anyhow::Error::new(ConfigError(message))
-    } else {
-        anyhow::anyhow!(message)
-    }
-}
-
-pub(crate) fn default_node_id() -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .ok()
-        .map(|h| h.trim().to_string())
-        .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| "relay".into());
-    let suffix = uuid::Uuid::new_v4().simple().to_string();
-    format!("{host}-{}", &suffix[..8])
-}
-
-fn install_metrics() -> anyhow::Result<PrometheusHandle> {
-    let latency = [
-        0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-    ];
-    let sizes = [
-        1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 5000.0,
-    ];
-    let recorder = PrometheusBuilder::new()
-        .set_buckets_for_metric(
-            Matcher::Full(outbox_engine::metrics::COMMIT_TO_CONFIRM.into()),
-            &latency,
-        )?
-        .set_buckets_for_metric(Matcher::Suffix("_batch_size".into()), &sizes)?
-        .build_recorder();
-    let handle = recorder.handle();
-    metrics::set_global_recorder(crate::outboxes::OutboxLabel(recorder))
-        .map_err(|e| anyhow::anyhow!("installing the metrics recorder: {e}"))?;
-    let upkeep = handle.clone();
-    tokio::spawn(async move {
-        let mut ticker = tokio::time::interval(Duration::from_secs(5));
-        loop {
-            ticker.tick().await;
-            upkeep.run_upkeep();
-        }
-    });
-    Ok(handle)
-}
-
-/// Resolves on SIGTERM or SIGINT.
-pub(crate) async fn shutdown_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = match signal(SignalKind::terminate()) {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot watch SIGTERM; only Ctrl-C stops the relay");
-            let _ = tokio::signal::ctrl_c().await;
-            return;
-        }
-    };
-    tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM received"),
-        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received"),
-    }
-}
-
-/// Opens the store and makes sure its tables exist (creating them when allowed). With
-/// `wait`, transient failures (the database is down or restarting) are retried until they
-/// pass; problems only an operator can fix fail at once, with the fix.
-pub(crate) async fn ready_store(
-    config: &Config,
-    settings: StoreSettings,
-    create: bool,
-    wait: bool,
-) -> anyhow::Result<AnyStore> {
-    let mut store = AnyStore::open(settings)?;
-    store.keep_legacy_slot().await;
-    let problems = retry_transient("checking the database", wait, || {
-        prepare_store(&store, create)
-    })
-    .await
-    .map_err(|e| {
-        let message = format!(
-            "cannot use {}: {}",
-            redact_url(&config.database.database_url),
-            e.report()
-        );
-        failure(message, &e)
-    })?;
-    let mut fatal = Vec::new();
-    for p in problems {
-        if p.is_degraded() {
-            tracing::warn!(problem = %p.what, fix = %p.fix, "continuing despite a problem");
-        } else {
-            fatal.push(format!("{} (fix: {})", p.what, p.fix));
-        }
-    }
-    if !fatal.is_empty() {
-        bail!("the database is not ready:\n  - {}", fatal.join("\n  - "));
-    }
-    Ok(store)
-}
-
-/// Runs `op`; with `wait`, transient failures (the database is down, restarting, or killed
-/// our connection) are retried with backoff until they pass. Other failures return at once.
-async fn retry_transient<T, F, Fut>(
-    what: &str,
-    wait: bool,
-    mut op: F,
-) -> Result<T, outbox_core::StoreError>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T, outbox_core::StoreError>>,
-{
-    let mut backoff = outbox_core::Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
-    loop {
-        match op().await {
-            Ok(value) => return Ok(value),
-            Err(e) if wait && e.is_retryable() => {
-                let retry_in = backoff.next_delay();
-                tracing::warn!(error = %e.report(), ?retry_in, "{what}: waiting for the database");
-                tokio::time::sleep(retry_in).await;
-            }
-            Err(e) => return Err(e),
-        }
-    }
-}
-
-async fn prepare_store(
-    store: &AnyStore,
-    create: bool,
-) -> Result<Vec<outbox_core::store::Problem>, outbox_core::StoreError> {
-    let outbox = store.outbox();
-    outbox.ping().await?;
-    if create || store.creates_tables_implicitly() {
-        store.migrate().await?;
-    }
-    for (verdict, line) in store.schema_versions().await? {
-        // Only a schema newer than this relay is news at every start.
-        if matches!(
-            verdict,
-            outbox_core::migration::Verdict::NewerReadable { .. }
-        ) {
-            tracing::info!("{line}");
-        } else {
-            tracing::debug!("{line}");
-        }
-    }
-    store.verify().await
-}
-
-async fn publisher(
-    sinks: &std::collections::BTreeMap<String, SinkConfig>,
-    routes: &[RouteConfig],
-    layout: outbox_layout::LayoutKind,
-) -> anyhow::Result<Arc<dyn Publisher>> {
-    outbox_publishers::build_router(sinks, routes, layout.default_target())
-        .await
-        .map_err(|e| {
-            let message = redact_url(&e.report());
-            if e.kind().is_config() {
-                anyhow::Error::new(ConfigError(message))
-            } else {
-                anyhow::anyhow!(message)
-            }
-        })
-}
+use crate::config::Config;
+use crate::error::{config_error, failure};
+use crate::operator::ready_existing_store;
+use crate::relay::{build_sink, relay_outbox, Place};
+use crate::store::{AnyStore, BacklogReport};
 
 pub async fn run(config: Config, drain: bool) -> anyhow::Result<ExitCode> {
-    let metrics = install_metrics()?;
-    relay_outbox(config, drain, metrics, Place::Alone, shutdown_signal()).await?;
+    let metrics = crate::recorder::install()?;
+    relay_outbox(
+        config,
+        drain,
+        metrics,
+        Place::Alone,
+        crate::shutdown::signal(),
+    )
+    .await?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -211,331 +33,8 @@ pub async fn run_outboxes(
     outboxes: Vec<crate::config::NamedOutbox>,
     drain: bool,
 ) -> anyhow::Result<ExitCode> {
-    let metrics = install_metrics()?;
+    let metrics = crate::recorder::install()?;
     crate::outboxes::run(config, outboxes, drain, metrics).await
-}
-
-/// Where an outbox runs.
-pub(crate) enum Place {
-    /// The process's only outbox: its own HTTP server (`http_addr`) and shutdown backstop.
-    Alone,
-    /// One of `[[outboxes]]`: its endpoints in its `slot` of the shared server (none when
-    /// HTTP is off); the process keeps the one backstop.
-    Among(Option<Arc<crate::http::OutboxSlot>>),
-}
-
-/// Where an outbox's HTTP endpoints are served.
-enum Endpoints {
-    /// A server of its own, at `http_addr`.
-    Own(std::net::SocketAddr),
-    /// Its slot on the shared server of `[[outboxes]]`.
-    Shared(Arc<crate::http::OutboxSlot>),
-}
-
-/// One outbox from start to stop: its store, capture, sinks, cluster membership and engine,
-/// until `stop` resolves (or, with `drain`, until nothing deliverable is left). Its HTTP
-/// endpoints are a server of its own (`http_addr`), or its `slot` on the shared server of
-/// `[[outboxes]]`.
-pub(crate) async fn relay_outbox(
-    mut config: Config,
-    drain: bool,
-    metrics: PrometheusHandle,
-    place: Place,
-    stop: impl std::future::Future<Output = ()> + Send,
-) -> anyhow::Result<()> {
-    let backstop = matches!(place, Place::Alone);
-    // Heeded from the start: a relay still waiting for its database stops on SIGTERM too.
-    let mut stop = Box::pin(stop);
-    // Chosen before the store opens: its sessions carry it in their application_name.
-    let node = NodeId(
-        config
-            .relay
-            .node_id
-            .get_or_insert_with(default_node_id)
-            .clone(),
-    );
-    let RunParts {
-        store,
-        mut engine,
-        cluster,
-        sinks,
-        routes,
-        http_addr,
-        admin_token,
-        allowed_hosts,
-        health,
-    } = config.resolve(node.clone(), drain)?;
-    // Where this outbox's endpoints go: a server of its own only when alone.
-    let endpoints = match place {
-        Place::Alone => http_addr.map(Endpoints::Own),
-        Place::Among(slot) => slot.map(Endpoints::Shared),
-    };
-    let ready = ready_store(&config, store, config.database.auto_migrate, !drain);
-    let Some(store) = unless_stopped(&mut stop, ready).await else {
-        return stopped_while_starting(drain, None).await;
-    };
-    let store = store?;
-    let capture = match &store {
-        AnyStore::PostgresWal(pg, capture) => {
-            let labels = engine.shared.labels.clone();
-            Some(start_capture(&config, pg, capture, &node, drain, labels))
-        }
-        _ => None,
-    };
-    let outbox: Arc<dyn outbox_core::OutboxStore> = match &capture {
-        Some(wal) => Arc::new(wal.clone()),
-        None => store.outbox(),
-    };
-    let Some(sink) = unless_stopped(
-        &mut stop,
-        publisher(&sinks, &routes, config.database.layout),
-    )
-    .await
-    else {
-        return stopped_while_starting(drain, capture.as_ref()).await;
-    };
-    let sink = sink?;
-    let otel = crate::otel::Otel::from_env(
-        &node.0,
-        &config.database.layout_tables().outbox_table,
-        engine.settings.batch_size,
-    )
-    .map_err(anyhow::Error::new)?;
-    engine.shared.telemetry = otel.as_ref().map(|o| o.telemetry());
-    tracing::info!(
-        node = %node,
-        store = %outbox.describe(),
-        sink = %sink.describe(),
-        mode = config.wake_description(),
-        poll_interval = ?config.engine.poll_interval,
-        drain,
-        "outbox-relay starting"
-    );
-    let console = endpoints.is_some().then(|| {
-        Arc::new(crate::admin::Console {
-            store: store.clone(),
-            describe: outbox.describe(),
-            node: node.0.clone(),
-            settings: crate::admin::redacted_settings(&config),
-            token: admin_token,
-            metrics: metrics.clone(),
-            history: Default::default(),
-            figures: crate::admin::StoreFigures::new(engine.backlog_interval),
-            outbox: match &endpoints {
-                Some(Endpoints::Shared(slot)) => Some(slot.name.clone()),
-                _ => None,
-            },
-        })
-    });
-    let probes = crate::http::Probes {
-        store: outbox.clone(),
-        publisher: sink.clone(),
-        health: health.clone(),
-    };
-    let http = match (console, endpoints) {
-        (Some(console), Some(Endpoints::Shared(slot))) => {
-            slot.fill(crate::http::Served {
-                probes,
-                console: crate::admin::routes(
-                    console.clone(),
-                    &format!("/outboxes/{}/", slot.name),
-                ),
-                runtime: tokio::runtime::Handle::current(),
-            });
-            Some(tokio::spawn(crate::admin::keep_history(console)))
-        }
-        (Some(console), Some(Endpoints::Own(addr))) => {
-            let (bound, task) = crate::http::serve(
-                addr,
-                probes,
-                metrics,
-                console,
-                crate::http::AllowedHosts::new(allowed_hosts),
-            )
-            .await?;
-            tracing::info!(
-                addr = %bound,
-                "HTTP endpoints: /healthz /readyz /metrics /api/v1/ and the dashboard at /"
-            );
-            Some(task)
-        }
-        _ => None,
-    };
-    // Ordered PostgreSQL nodes keep partition leases; SQLite is single-node, and unordered
-    // nodes share every row through SKIP LOCKED.
-    let partitions = match (store.partition_registry(), engine.ordered) {
-        (Some(registry), true) => {
-            let count = retry_transient("reading the partition count", !drain, || {
-                registry.partition_count()
-            });
-            let Some(count) = unless_stopped(&mut stop, count).await else {
-                return stopped_while_starting(drain, capture.as_ref()).await;
-            };
-            let count = count
-                .map_err(|e| anyhow::anyhow!("cannot read the partitions table: {}", e.report()))?;
-            if count == 0 {
-                bail!("the partitions table is empty: run `outbox-relay migrate`");
-            }
-            Some(Partitions {
-                registry,
-                ownership: Ownership::new(count),
-            })
-        }
-        _ => None,
-    };
-    engine.shared.ownership = partitions.as_ref().map(|p| p.ownership.clone());
-    if let Some(ownership) = &engine.shared.ownership {
-        health.watch_ownership(ownership.clone());
-    }
-    let registered = retry_transient("registering in the nodes table", !drain, || {
-        Coordinator::start(store.registry(), partitions.clone(), cluster.clone())
-    });
-    let Some(coordinator) = unless_stopped(&mut stop, registered).await else {
-        return stopped_while_starting(drain, capture.as_ref()).await;
-    };
-    let coordinator = coordinator.map_err(|e| {
-        let message = format!("cannot register in the nodes table: {}", e.report());
-        failure(message, &e)
-    })?;
-
-    let monitor = tokio::spawn(tracing::Instrument::in_current_span(
-        crate::http::watch_health(health),
-    ));
-    let displaced = coordinator.displaced();
-    let shutdown_timeout = engine.settings.shutdown_timeout;
-    let stopping_since = Arc::new(std::sync::OnceLock::new());
-    let stop = {
-        let stopping_since = stopping_since.clone();
-        async move {
-            tokio::select! {
-                () = stop => {}
-                () = displaced => {}
-            }
-            let _ = stopping_since.set(tokio::time::Instant::now());
-            if backstop {
-                shutdown_backstop(shutdown_timeout);
-            }
-        }
-    };
-    let mut result = outbox_engine::run(outbox, sink, engine, stop).await;
-    if let (Ok(summary), Some(wal)) = (&mut result, &capture) {
-        // Rows the slot's first run could not adopt as events were dead-lettered outside the
-        // engine: a drain must not call itself clean over them.
-        summary.dead_lettered += wal.dead_lettered_by_capture();
-    }
-    let displaced = coordinator.is_displaced();
-    // The engine has released its rows; now the partitions and the node row go, by the same
-    // deadline as the rest of the shutdown.
-    let deadline = match stopping_since.get() {
-        Some(since) => *since + shutdown_timeout,
-        None => tokio::time::Instant::now() + shutdown_timeout,
-    };
-    coordinator.stop(deadline).await;
-    if let Some(wal) = capture {
-        // The last confirmation goes to the server before the slot is let go.
-        wal.close(
-            deadline
-                .saturating_duration_since(tokio::time::Instant::now())
-                .max(Duration::from_secs(1)),
-        )
-        .await;
-    }
-    if let Some(otel) = otel {
-        // The spans of the shutdown's settles are in the queue: send them, within what is
-        // left of the shutdown's budget (at least a second, at most five).
-        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-        otel.shutdown(left.clamp(Duration::from_secs(1), Duration::from_secs(5)))
-            .await;
-    }
-    monitor.abort();
-    if let Some(http) = http {
-        http.abort();
-    }
-    let summary = result.map_err(|e| anyhow::anyhow!("relay stopped: {}", e.report()))?;
-    if displaced {
-        return Err(anyhow::Error::new(ConfigError(
-            "relay stopped: another process started with the same node id took over this node's \
-             row in the nodes table; give every relay process its own --node-id \
-             (OUTBOX_RELAY_NODE_ID), or leave it unset for a generated one"
-                .into(),
-        )));
-    }
-    tracing::info!(
-        published = summary.published,
-        retried = summary.retried,
-        dead_lettered = summary.dead_lettered,
-        "outbox-relay stopped"
-    );
-    if drain {
-        drain_verdict(&summary)?;
-    }
-    Ok(())
-}
-
-/// `work`, unless `stop` resolves first (`None`, logged): start-up steps that wait for a
-/// database or a broker give way to a shutdown.
-async fn unless_stopped<T>(
-    stop: &mut (impl std::future::Future<Output = ()> + Unpin),
-    work: impl std::future::Future<Output = T>,
-) -> Option<T> {
-    tokio::select! {
-        value = work => Some(value),
-        () = stop => {
-            tracing::info!("stopped while starting: nothing was relayed yet");
-            None
-        }
-    }
-}
-
-/// A stop before the relay started: the WAL capture, if started, lets go of its slot; a
-/// drain that never began is no success.
-async fn stopped_while_starting(
-    drain: bool,
-    capture: Option<&outbox_wal::WalStore>,
-) -> anyhow::Result<()> {
-    if let Some(wal) = capture {
-        wal.close(Duration::from_secs(1)).await;
-    }
-    if drain {
-        bail!("drain incomplete: stopped before it began, nothing was relayed");
-    }
-    Ok(())
-}
-
-/// Starts the replication reader of `--capture wal`.
-fn start_capture(
-    config: &Config,
-    pg: &outbox_store_postgres::PgStore,
-    capture: &crate::store::Capture,
-    node: &NodeId,
-    drain: bool,
-    labels: Arc<outbox_core::metric_labels::DestinationLabels>,
-) -> outbox_wal::WalStore {
-    let (table, columns) = capture.source_table(pg);
-    let mut wal = outbox_wal::WalConfig::new(
-        config.database.database_url.clone(),
-        capture.slot.clone(),
-        capture.publication.as_str(),
-        table,
-    );
-    wal.columns = columns;
-    // Beside a mapped table, the native outbox is captured too: `dead retry` and `send`
-    // write there.
-    wal.native_outbox = capture.source.is_some().then(|| pg.tables().outbox.clone());
-    // The emit function writes for the native outbox, whatever table is captured.
-    wal.message_prefix = outbox_wal::emit_prefix(&pg.tables().outbox);
-    wal.application_name = format!("outbox-relay {node}");
-    wal.read_ahead = config.engine.max_in_flight.max(1024);
-    wal.memory_budget = config.wal.memory_budget();
-    outbox_wal::WalStore::start(
-        pg.clone(),
-        outbox_wal::WalStoreOptions {
-            wal,
-            publication: capture.publication.clone(),
-            drain,
-            labels,
-        },
-    )
 }
 
 /// `health`: asks the running relay's HTTP server for /healthz (or /readyz): exit 0 on 200,
@@ -543,11 +42,11 @@ fn start_capture(
 pub async fn health(config: Config, ready: bool) -> anyhow::Result<ExitCode> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let Some(mut addr) = config.http.socket_addr()? else {
-        return Err(anyhow::Error::new(ConfigError(
+        return Err(config_error(
             "health asks the relay's HTTP server, which is off (http_addr is empty): set \
              http_addr, or check the process some other way"
                 .into(),
-        )));
+        ));
     };
     if addr.ip().is_unspecified() {
         addr.set_ip(match addr {
@@ -586,11 +85,11 @@ pub async fn drop_slot(config: Config) -> anyhow::Result<ExitCode> {
     let mut store = AnyStore::open(config.store_settings()?)?;
     store.keep_legacy_slot().await;
     let AnyStore::PostgresWal(pg, capture) = &store else {
-        return Err(anyhow::Error::new(ConfigError(
+        return Err(config_error(
             "drop-slot drops the replication slot of WAL capture: add --capture wal (with \
              --slot if it is not the default)"
                 .into(),
-        )));
+        ));
     };
     let wal = outbox_wal::WalConfig::new(
         config.database.database_url.clone(),
@@ -627,87 +126,12 @@ pub async fn drop_slot(config: Config) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// How long past `shutdown_timeout` the process may linger (a thread blocked in a driver,
-/// say) before it is ended anyway.
-const SHUTDOWN_BACKSTOP_GRACE: Duration = Duration::from_secs(2);
-
-/// Every step of the shutdown is bounded by `shutdown_timeout`; should something block a
-/// thread regardless, this ends the process (exit 1) shortly after, saying so.
-pub(crate) fn shutdown_backstop(shutdown_timeout: Duration) {
-    let spawned = std::thread::Builder::new()
-        .name("shutdown-backstop".into())
-        .spawn(move || {
-            std::thread::sleep(shutdown_timeout + SHUTDOWN_BACKSTOP_GRACE);
-            tracing::error!(
-                shutdown_timeout = ?shutdown_timeout,
-                "shutdown did not finish in time; exiting anyway (rows still leased come back when their leases run out)"
-            );
-            eprintln!("error: shutdown did not finish within {shutdown_timeout:?}; exiting anyway");
-            std::process::exit(1);
-        });
-    if let Err(e) = spawned {
-        tracing::warn!(error = %e, "cannot start the shutdown backstop");
-    }
-}
-
-/// `run --drain`'s exit: success only when nothing it could have delivered is left.
-///
-/// - exit 0: every pending event was delivered (events inserted after the drain began may be
-///   left for the next run) and none was dead-lettered;
-/// - exit 1: events were dead-lettered, or are left waiting to retry, or stayed pending
-///   past the drain's patience (leased by a node that is still alive, or scheduled for
-///   later), or the backlog could not be read.
-fn drain_verdict(summary: &Summary) -> anyhow::Result<()> {
-    let last_error = summary
-        .last_failure
-        .as_deref()
-        .map(|e| format!("; last error: {e}"))
-        .unwrap_or_default();
-    let dead = if summary.dead_lettered > 0 {
-        format!(
-            "{} events were dead-lettered (see `outbox-relay dead list`); ",
-            summary.dead_lettered
-        )
-    } else {
-        String::new()
-    };
-    match &summary.drain {
-        Some(DrainEnd::Clean { arrived }) if summary.dead_lettered == 0 => {
-            if *arrived > 0 {
-                tracing::info!(
-                    events = arrived,
-                    "drained; events inserted during the drain are left for the next run"
-                );
-            }
-            Ok(())
-        }
-        Some(DrainEnd::Clean { .. }) => {
-            bail!("drain incomplete: {dead}the rest was delivered{last_error}")
-        }
-        Some(DrainEnd::Left(left)) => {
-            let waiting = left.pending - left.retrying;
-            bail!(
-                "drain incomplete: {dead}{} events left undelivered: {} waiting to retry after \
-                 failing, {waiting} more pending (behind a failed event of their key, leased by \
-                 another node, or scheduled for later){last_error}; see `outbox-relay stats`, \
-                 fix the cause and run the drain again",
-                left.pending,
-                left.retrying
-            )
-        }
-        Some(DrainEnd::Unknown(e)) => {
-            bail!("drain incomplete: {dead}cannot tell what is left in the outbox: {e}")
-        }
-        None => bail!("drain incomplete: {dead}the drain did not finish{last_error}"),
-    }
-}
-
 pub async fn migrate(config: Config, args: MigrateArgs) -> anyhow::Result<ExitCode> {
     let mut store = AnyStore::open(config.store_settings()?)?;
     store.keep_legacy_slot().await;
     if args.print {
         outbox_core::ident::Ident::new(&args.role, "role name")
-            .map_err(|e| anyhow::Error::new(ConfigError(format!("--role: {}", e.report()))))?;
+            .map_err(|e| config_error(format!("--role: {}", e.report())))?;
         println!("{}", store.printable_ddl(&args.role).await);
         return Ok(ExitCode::SUCCESS);
     }
@@ -789,7 +213,7 @@ pub async fn check(config: Config) -> anyhow::Result<ExitCode> {
         }
     }
     let (sinks, routes) = config.sink_setup();
-    match publisher(&sinks, &routes, config.database.layout).await {
+    match build_sink(&sinks, &routes, config.database.layout).await {
         Ok(sink) => match sink.health().await {
             Ok(()) => println!("ok: sink {} is reachable", sink.describe()),
             Err(e) => {
@@ -815,7 +239,7 @@ pub async fn send(config: Config, args: SendArgs) -> anyhow::Result<ExitCode> {
             "the payload is not valid JSON ({e}); quote text as JSON, e.g. '\"hello\"', or send an object like '{{\"id\": 1}}'"
         );
     }
-    let store = ready_store(&config, config.store_settings()?, false, false).await?;
+    let store = ready_existing_store(&config).await?;
     let event = NewEvent {
         event_id: args.event_id,
         destination: args.destination,
@@ -834,50 +258,14 @@ pub async fn send(config: Config, args: SendArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// The backlog in total and per destination, as `stats` and the admin API show it: with WAL
-/// capture, what waits in the parked table is pending too (dead letters counted once).
-pub(crate) async fn backlog_report(
-    store: &AnyStore,
-) -> Result<
-    (
-        outbox_core::store::Backlog,
-        Vec<outbox_core::store::DestinationStats>,
-    ),
-    outbox_core::StoreError,
-> {
-    let mut backlog = store.outbox().backlog().await?;
-    let mut destinations = store.operations().destination_stats().await?;
-    if let AnyStore::PostgresWal(pg, capture) = store {
-        for parked in capture.parked_stats(pg).await? {
-            match destinations
-                .iter_mut()
-                .find(|d| d.destination == parked.destination)
-            {
-                Some(d) => {
-                    d.pending += parked.pending;
-                    d.retrying += parked.retrying;
-                    d.oldest_pending_age = d.oldest_pending_age.max(parked.oldest_pending_age);
-                }
-                None => {
-                    destinations.push(outbox_core::store::DestinationStats { dead: 0, ..parked })
-                }
-            }
-        }
-        backlog.pending = destinations.iter().map(|d| d.pending).sum();
-        backlog.retrying = destinations.iter().map(|d| d.retrying).sum();
-        backlog.oldest_pending_age = destinations
-            .iter()
-            .filter_map(|d| d.oldest_pending_age)
-            .max();
-    }
-    Ok((backlog, destinations))
-}
-
 /// `stats`: backlog, live nodes and partition owners.
 pub async fn stats(config: Config, json: bool) -> anyhow::Result<ExitCode> {
-    let store = ready_store(&config, config.store_settings()?, false, false).await?;
+    let store = ready_existing_store(&config).await?;
     let report = |e: outbox_core::StoreError| anyhow::anyhow!(e.report());
-    let (backlog, destinations) = backlog_report(&store).await.map_err(report)?;
+    let BacklogReport {
+        backlog,
+        destinations,
+    } = store.backlog_report().await.map_err(report)?;
     let mut slot = None;
     if let AnyStore::PostgresWal(pg, capture) = &store {
         let status = outbox_wal::slot_status(pg, &capture.slot)

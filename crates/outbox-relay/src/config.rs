@@ -418,14 +418,14 @@ impl Config {
             return Ok(());
         };
         if url_given {
-            return Err(anyhow::Error::new(crate::commands::ConfigError(
+            return Err(anyhow::Error::new(crate::error::ConfigError(
                 "both a database URL (DATABASE_URL, OUTBOX_RELAY_DATABASE_URL, --database-url or \
                  database_url) and --database-url-file (OUTBOX_RELAY_DATABASE_URL_FILE, \
                  database_url_file) are set: keep one"
                     .into(),
             )));
         }
-        let url = read_secret_file(path, "database URL", "--database-url-file")?;
+        let url = crate::secret_file::read(path, "database URL", "--database-url-file")?;
         self.database.database_url = url.expose().to_string();
         Ok(())
     }
@@ -558,7 +558,7 @@ impl Config {
     /// members would share out each other's partitions), the same replication slot (on one
     /// server) or publication.
     pub fn outboxes(&self, flags: &Figment) -> anyhow::Result<Vec<NamedOutbox>> {
-        let config_error = |m: String| anyhow::Error::new(crate::commands::ConfigError(m));
+        let config_error = |m: String| anyhow::Error::new(crate::error::ConfigError(m));
         let mut base = self.clone();
         base.relay.outboxes.clear();
         let base = match Value::serialize(&base) {
@@ -781,29 +781,6 @@ fn describe_errors(
         })
         .collect::<Vec<_>>()
         .join("; ")
-}
-
-/// The secret `what` from the first line of the file at `path`, trimmed (an editor's or
-/// `echo`'s newline is no part of it). A file that cannot be read or holds nothing is a
-/// configuration error naming the file and `flag`; the error never quotes the content.
-pub(crate) fn read_secret_file(path: &Path, what: &str, flag: &str) -> anyhow::Result<Secret> {
-    let config_error = |m: String| anyhow::Error::new(crate::commands::ConfigError(m));
-    let text = std::fs::read_to_string(path).map_err(|e| {
-        config_error(format!(
-            "cannot read the {what} file {}: {e} (check {flag}, and that the relay's user may \
-             read the file)",
-            path.display()
-        ))
-    })?;
-    let value = Secret::new(text.lines().next().unwrap_or_default().trim());
-    if value.expose().is_empty() {
-        return Err(config_error(format!(
-            "the {what} file {} is empty: put the {what} on its first line (or point {flag} \
-             at the file that holds it)",
-            path.display()
-        )));
-    }
-    Ok(value)
 }
 
 fn single_sink(uri: &str) -> BTreeMap<String, SinkConfig> {
@@ -1486,7 +1463,7 @@ mod tests {
             let toml = files.iter().any(|(n, _)| *n == "relay.toml");
             let file = toml.then_some(Path::new("relay.toml"));
             result = Config::load(file, flags(args)).map_err(|e| {
-                let config = e.downcast_ref::<crate::commands::ConfigError>().is_some();
+                let config = e.downcast_ref::<crate::error::ConfigError>().is_some();
                 (format!("{e:#}"), config)
             });
             Ok(())

@@ -412,7 +412,7 @@ async fn shared_readyz(State(state): State<SharedState>) -> (StatusCode, String)
 async fn shared_metrics(State(state): State<SharedState>) -> String {
     for slot in state.slots.iter() {
         if let Some(served) = slot.served() {
-            crate::outboxes::labelled(&slot.name, || refresh_health_gauges(&served.probes.health));
+            crate::recorder::labelled(&slot.name, || refresh_health_gauges(&served.probes.health));
         }
     }
     state.metrics.render()

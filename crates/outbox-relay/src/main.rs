@@ -4,6 +4,7 @@ mod admin;
 mod cli;
 mod commands;
 mod config;
+mod error;
 mod http;
 mod operator;
 #[cfg(feature = "otel")]
@@ -13,6 +14,10 @@ mod otel;
 mod otel;
 mod outboxes;
 mod progress;
+mod recorder;
+mod relay;
+mod secret_file;
+mod shutdown;
 mod store;
 
 use std::io::IsTerminal;
@@ -91,11 +96,10 @@ async fn dispatch(
     flags: figment::Figment,
     outbox: Option<String>,
 ) -> anyhow::Result<ExitCode> {
-    let config_error = |m: String| anyhow::Error::new(commands::ConfigError(m));
     if let Command::Health(args) = &command {
         // The process's HTTP server: one for every outbox.
         if outbox.is_some() {
-            return Err(config_error(
+            return Err(error::config_error(
                 "health asks the process's one HTTP server, which serves every outbox: \
                  remove --outbox (GET /outboxes/NAME/api/v1/status shows one outbox)"
                     .into(),
@@ -105,7 +109,7 @@ async fn dispatch(
     }
     if config.relay.outboxes.is_empty() {
         if let Some(name) = outbox {
-            return Err(config_error(format!(
+            return Err(error::config_error(format!(
                 "--outbox {name}: the configuration has no [[outboxes]]; remove --outbox, or \
                  list the outboxes in the config file (see the README, \"Many outboxes\")"
             )));
@@ -122,7 +126,7 @@ async fn dispatch(
     };
     if let Some(name) = outbox {
         let Some(chosen) = outboxes.iter().find(|o| o.name == name) else {
-            return Err(config_error(format!(
+            return Err(error::config_error(format!(
                 "--outbox {name}: there is no such outbox; the outboxes are {}",
                 names()
             )));
@@ -134,7 +138,7 @@ async fn dispatch(
         Command::Migrate(_) => "--",
         Command::Check(_) | Command::Stats(cli::StatsArgs { json: false }) => "==",
         _ => {
-            return Err(config_error(format!(
+            return Err(error::config_error(format!(
                 "this command acts on one outbox: choose one with --outbox NAME (the outboxes \
                  are {})",
                 names()
@@ -194,12 +198,12 @@ fn main() -> ExitCode {
         Ok(config) => config,
         Err(e) => {
             eprintln!("error: {e:#}");
-            return ExitCode::from(2);
+            return ExitCode::from(error::EXIT_BAD_CONFIGURATION);
         }
     };
     if let Err(e) = init_logging(&config) {
         eprintln!("error: {e:#}");
-        return ExitCode::from(2);
+        return ExitCode::from(error::EXIT_BAD_CONFIGURATION);
     }
     // One TLS crypto provider for every client in the process.
     let _ = rustls::crypto::ring::default_provider().install_default();
@@ -226,11 +230,7 @@ fn main() -> ExitCode {
                 tracing::error!(error = %format!("{e:#}"), "outbox-relay failed");
             }
             eprintln!("error: {e:#}");
-            if e.downcast_ref::<commands::ConfigError>().is_some() {
-                ExitCode::from(2)
-            } else {
-                ExitCode::FAILURE
-            }
+            error::exit_code(&e)
         }
     }
 }

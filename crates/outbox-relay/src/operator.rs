@@ -8,14 +8,19 @@ use anyhow::{bail, Context};
 use outbox_core::store::{DeadQuery, DeadRecord, DeadSelector, Operations, ReplaySelector};
 
 use crate::cli::{DeadCommand, DeadSelectArgs, PruneArgs, ReplayArgs};
-use crate::commands::ready_store;
 use crate::config::{duration, Config};
 use crate::progress::Progress;
+use crate::store::{ready_store, AnyStore};
+
+/// The store as the one-shot commands use it: its tables must exist already, and a database
+/// that is down fails at once.
+pub(crate) async fn ready_existing_store(config: &Config) -> anyhow::Result<AnyStore> {
+    let settings = config.store_settings()?;
+    ready_store(&config.database.database_url, settings, false, false).await
+}
 
 async fn operations(config: &Config) -> anyhow::Result<Arc<dyn Operations>> {
-    Ok(ready_store(config, config.store_settings()?, false, false)
-        .await?
-        .operations())
+    Ok(ready_existing_store(config).await?.operations())
 }
 
 fn store_error(e: outbox_core::StoreError) -> anyhow::Error {

@@ -34,7 +34,7 @@ use opentelemetry_sdk::Resource;
 use outbox_core::trace::{SettleKind, Span, Telemetry};
 use outbox_core::{Event, PublishError, Publisher, StoreError};
 
-use crate::commands::ConfigError;
+use crate::error::ConfigError;
 
 /// The variables that switch export on.
 pub const ENDPOINT_VARS: [&str; 2] = [

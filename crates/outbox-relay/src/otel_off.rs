@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use outbox_core::Telemetry;
 
-use crate::commands::ConfigError;
+use crate::error::ConfigError;
 
 pub enum Otel {}
 

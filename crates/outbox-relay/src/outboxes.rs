@@ -2,88 +2,20 @@
 //!
 //! Each outbox runs on a tokio runtime of its own, on threads of its own: a database that
 //! hangs a driver call, or a sink that keeps an outbox busy, holds up only that outbox's
-//! threads. The runtime's threads carry the outbox's name ([`OutboxLabel`]), so every metric
-//! recorded on them, by the engine, the stores, the sinks or the console, gets an `outbox`
-//! label without any of them knowing. The one HTTP server (`http::serve_outboxes`) hands
-//! each outbox's requests to its runtime for the same reason.
+//! threads. The runtime's threads carry the outbox's name (`recorder::label_thread`), for
+//! the `outbox` label of every metric recorded on them. The one HTTP server
+//! (`http::serve_outboxes`) hands each outbox's requests to its runtime for the same reason.
 
-use std::cell::RefCell;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use metrics::{
-    Counter, Gauge, Histogram, Key, KeyName, Label, Metadata, Recorder, SharedString, Unit,
-};
 use metrics_exporter_prometheus::PrometheusHandle;
 
-use crate::commands::ConfigError;
 use crate::config::{Config, NamedOutbox};
+use crate::error::{config_error, is_config_error};
 use crate::http::OutboxSlot;
-
-thread_local! {
-    /// The outbox whose runtime this thread belongs to.
-    static OUTBOX: RefCell<Option<Arc<str>>> = const { RefCell::new(None) };
-}
-
-/// The metrics label naming an outbox.
-pub const OUTBOX_LABEL: &str = "outbox";
-
-/// A recorder that adds `outbox="NAME"` to every metric registered on a thread of that
-/// outbox's runtime. Threads of no outbox (the single-outbox relay) record as they are.
-pub struct OutboxLabel<R>(pub R);
-
-fn with_outbox_label(key: &Key) -> Option<Key> {
-    OUTBOX.with(|outbox| {
-        outbox
-            .borrow()
-            .as_ref()
-            .map(|name| key.with_extra_labels(vec![Label::new(OUTBOX_LABEL, name.to_string())]))
-    })
-}
-
-impl<R: Recorder> Recorder for OutboxLabel<R> {
-    fn describe_counter(&self, key: KeyName, unit: Option<Unit>, description: SharedString) {
-        self.0.describe_counter(key, unit, description)
-    }
-
-    fn describe_gauge(&self, key: KeyName, unit: Option<Unit>, description: SharedString) {
-        self.0.describe_gauge(key, unit, description)
-    }
-
-    fn describe_histogram(&self, key: KeyName, unit: Option<Unit>, description: SharedString) {
-        self.0.describe_histogram(key, unit, description)
-    }
-
-    fn register_counter(&self, key: &Key, metadata: &Metadata<'_>) -> Counter {
-        match with_outbox_label(key) {
-            Some(key) => self.0.register_counter(&key, metadata),
-            None => self.0.register_counter(key, metadata),
-        }
-    }
-
-    fn register_gauge(&self, key: &Key, metadata: &Metadata<'_>) -> Gauge {
-        match with_outbox_label(key) {
-            Some(key) => self.0.register_gauge(&key, metadata),
-            None => self.0.register_gauge(key, metadata),
-        }
-    }
-
-    fn register_histogram(&self, key: &Key, metadata: &Metadata<'_>) -> Histogram {
-        match with_outbox_label(key) {
-            Some(key) => self.0.register_histogram(&key, metadata),
-            None => self.0.register_histogram(key, metadata),
-        }
-    }
-}
-
-/// Runs `f` with this thread's metrics labelled as outbox `name` (for the few metrics the
-/// shared HTTP server records on an outbox's behalf).
-pub fn labelled<T>(name: &str, f: impl FnOnce() -> T) -> T {
-    let before = OUTBOX.with(|o| o.replace(Some(Arc::from(name))));
-    let result = f();
-    OUTBOX.with(|o| *o.borrow_mut() = before);
-    result
-}
+use crate::recorder::label_thread;
+use crate::relay::{relay_outbox, Place};
 
 /// `run` with `[[outboxes]]`: every outbox on its own runtime, one HTTP server for all.
 ///
@@ -110,7 +42,7 @@ pub async fn run(
         .relay
         .node_id
         .clone()
-        .unwrap_or_else(crate::commands::default_node_id);
+        .unwrap_or_else(crate::relay::default_node_id);
     let slots: Vec<Arc<OutboxSlot>> = outboxes
         .iter()
         .map(|o| OutboxSlot::new(o.name.clone()))
@@ -156,9 +88,9 @@ pub async fn run(
         .collect();
     let stop_all = || {
         let _ = stop.send(true);
-        crate::commands::shutdown_backstop(shutdown_timeout);
+        crate::shutdown::backstop(shutdown_timeout);
     };
-    let signal = crate::commands::shutdown_signal();
+    let signal = crate::shutdown::signal();
     tokio::pin!(signal);
     use futures::StreamExt;
     loop {
@@ -194,16 +126,14 @@ pub async fn run(
 /// The failures of several outboxes as one error, each named: a configuration error (exit
 /// 2) if any of them is one.
 pub fn failed(failures: Vec<(String, anyhow::Error)>) -> anyhow::Error {
-    let config = failures
-        .iter()
-        .any(|(_, e)| e.downcast_ref::<ConfigError>().is_some());
+    let config = failures.iter().any(|(_, e)| is_config_error(e));
     let message = failures
         .iter()
         .map(|(name, e)| format!("outbox {name}: {e:#}"))
         .collect::<Vec<_>>()
         .join("\n");
     if config {
-        anyhow::Error::new(ConfigError(message))
+        config_error(message)
     } else {
         anyhow::anyhow!(message)
     }
@@ -230,9 +160,7 @@ fn start(
             let runtime = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(config.relay.worker_threads)
                 .thread_name(format!("outbox-{name}"))
-                .on_thread_start(move || {
-                    OUTBOX.with(|o| *o.borrow_mut() = Some(worker_label.clone()))
-                })
+                .on_thread_start(move || label_thread(worker_label.clone()))
                 .enable_all()
                 .build();
             let runtime = match runtime {
@@ -242,14 +170,14 @@ fn start(
                     return;
                 }
             };
-            OUTBOX.with(|o| *o.borrow_mut() = Some(thread_label));
+            label_thread(thread_label);
             let stop = async move {
                 let _ = stopping.wait_for(|stop| *stop).await;
             };
             let span = tracing::info_span!("outbox", outbox = %name);
-            let place = crate::commands::Place::Among(slot);
+            let place = Place::Among(slot);
             let result = runtime.block_on(tracing::Instrument::instrument(
-                crate::commands::relay_outbox(config, drain, metrics, place, stop),
+                relay_outbox(config, drain, metrics, place, stop),
                 span,
             ));
             // The result first: a blocking task that outlives the relay (a file sink's

@@ -6,7 +6,8 @@
 use std::time::SystemTime;
 
 use outbox_core::ident::TableName;
-use outbox_core::{Event, Headers, Payload};
+use outbox_core::{Event, Headers, Payload, StoreError, StoreErrorKind};
+use outbox_layout::{IdType, Mapping};
 
 use crate::decode::{ColumnValue, Relation, TupleData};
 use crate::event::{EventSource, Undecodable, WalEvent};
@@ -57,6 +58,44 @@ impl ColumnNames {
             event_id_header: None,
             utc_timestamps: false,
         }
+    }
+
+    /// A mapped table's (a layout's [`Mapping`]), when WAL capture can read it: it needs an
+    /// integer row id to delete by, and an event id column (a row's WAL position is not
+    /// stable enough to derive one from).
+    pub fn of_mapping(mapping: &Mapping) -> Result<Self, StoreError> {
+        let refuse = |what: &str| {
+            StoreError::new(
+                StoreErrorKind::Config,
+                format!("WAL capture of the table {} needs {what}", mapping.table),
+            )
+        };
+        if mapping.id_type != IdType::Integer {
+            return Err(refuse("an integer row id"));
+        }
+        let event_id = mapping
+            .event_id
+            .clone()
+            .ok_or_else(|| refuse("an event id column"))?;
+        Ok(ColumnNames {
+            event_id,
+            destination: mapping.destination.clone(),
+            event_type: mapping
+                .event_type
+                .clone()
+                .unwrap_or_else(|| mapping.destination.clone()),
+            sequence_id: mapping.id.clone(),
+            partition_key: mapping.key.clone(),
+            payload: Some(mapping.payload.clone()),
+            headers: mapping.headers.clone(),
+            mutation_id: mapping.mutation_id.clone(),
+            created_at: mapping.created_at.clone(),
+            available_at: mapping.available_at.clone(),
+            rejected: mapping.rejected.clone(),
+            span_context: mapping.span_context.clone(),
+            event_id_header: mapping.event_id_header.clone(),
+            utc_timestamps: mapping.utc_timestamps,
+        })
     }
 }
 

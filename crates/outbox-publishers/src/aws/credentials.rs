@@ -31,6 +31,7 @@ use std::time::{Duration, Instant, SystemTime};
 use outbox_core::{PublishError, PublishErrorKind};
 
 use super::metadata::{self, AuthToken, Container, Imds};
+pub use super::sigv4::Credentials;
 
 use crate::error::SinkSetupError;
 use outbox_core::redact::Secret;
@@ -44,16 +45,6 @@ pub const REFRESH_BEFORE_EXPIRY: Duration = Duration::from_secs(300);
 /// hands out credentials already inside the refresh window, the requests signing meanwhile
 /// must not each ask it again.
 const REFRESH_SPACING: Duration = Duration::from_secs(10);
-
-/// One set of credentials.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Credentials {
-    pub access_key_id: String,
-    pub secret_access_key: Secret,
-    pub session_token: Option<Secret>,
-    /// When temporary credentials stop working.
-    pub expires: Option<SystemTime>,
-}
 
 /// Where the credentials come from.
 enum Source {

@@ -13,40 +13,18 @@ use std::sync::Arc;
 use futures::future::BoxFuture;
 use futures::FutureExt;
 use outbox_core::{Outcome, PublishError, PublishErrorKind};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use serde_json::{json, Value};
 
 use super::credentials::Env;
-use super::{AwsClient, AwsConfig, BatchApi, Probe, Service};
+pub use super::settings::{DetailForm, EventBridgeConfig};
+use super::{AwsClient, BatchApi, Probe, Service};
 use crate::error::SinkSetupError;
 use crate::sink::{Routed, Sink};
 use crate::template::Template;
 
 /// The largest entry, and the largest request, as EventBridge counts them.
 pub const MAX_ENTRY_BYTES: usize = 262_144;
-
-/// What `Detail` holds.
-#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
-pub enum DetailForm {
-    /// The relay's envelope, with the event id.
-    #[default]
-    Envelope,
-    /// The payload alone (a JSON object).
-    Payload,
-}
-
-/// An EventBridge sink's own settings (unknown keys are refused as for [`AwsConfig`]).
-#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
-#[serde(default)]
-pub struct EventBridgeConfig {
-    #[serde(flatten)]
-    pub aws: AwsConfig,
-    /// The `DetailType` template [default: "{event_type}"].
-    pub detail_type: Option<String>,
-    /// `envelope` (the relay's JSON with the event id) or `payload` [default: envelope].
-    pub detail: Option<DetailForm>,
-}
 
 pub struct EventBridge {
     client: AwsClient,

@@ -12,7 +12,7 @@ use outbox_core::redact::Secret;
 use outbox_core::{PublishError, PublishErrorKind};
 use serde::Deserialize;
 
-use super::credentials::Credentials;
+use super::sigv4::Credentials;
 use crate::error::SinkSetupError;
 
 /// Instance metadata's default address, and the IPv6 one (`AWS_EC2_METADATA_SERVICE_ENDPOINT_MODE`).

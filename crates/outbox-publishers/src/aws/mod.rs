@@ -7,7 +7,7 @@
 //! minutes of build time and megabytes of binary for four calls; BENCHMARKS.md has the
 //! measured figures.
 //!
-//! What every AWS sink shares is here: the settings ([`AwsConfig`]), the endpoint and region
+//! What every AWS sink shares is here: the settings ([`AwsConfig`], in `settings.rs`), the endpoint and region
 //! rules, the request ([`AwsClient`]), the one place AWS errors become publish outcomes
 //! ([`classify`]), and the batching ([`send_batched`]): events are grouped by target, cut
 //! into the service's batches by count and bytes, the batches sent concurrently, and each
@@ -17,6 +17,7 @@ pub mod credentials;
 pub mod eventbridge;
 pub mod kinesis;
 pub mod metadata;
+pub mod settings;
 pub mod sigv4;
 pub mod sns;
 pub mod sqs;
@@ -29,39 +30,18 @@ use std::time::{Duration, SystemTime};
 use futures::future::{join_all, BoxFuture};
 use futures::FutureExt;
 use outbox_core::{Outcome, PublishError, PublishErrorKind};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use serde_json::Value;
 use tokio::sync::Semaphore;
 
-use crate::config::{ConfirmTimeout, SinkConfig, SinkSettings, TlsFiles};
+use crate::config::{SinkConfig, SinkSettings};
 use crate::error::SinkSetupError;
 use crate::sink::{Routed, Sink};
 use credentials::{Env, Provider};
+pub use settings::AwsConfig;
 
 /// Requests in flight at once per sink.
 pub const DEFAULT_CONCURRENCY: usize = 16;
-
-/// The settings every AWS sink reads (`[sinks.NAME]` with `sqs:`, `sns:`, `kinesis:` or
-/// `eventbridge:`). Unknown keys are refused when the table is read (`config::read`): this
-/// struct is also flattened into EventBridge's, so it cannot deny them itself.
-#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
-#[serde(default)]
-pub struct AwsConfig {
-    #[serde(flatten)]
-    pub timeout: ConfirmTimeout,
-    #[serde(flatten)]
-    pub tls: TlsFiles,
-    /// The region [default: AWS_REGION, AWS_DEFAULT_REGION, then the profile's `region`].
-    pub region: Option<String>,
-    /// The service endpoint, for a VPC endpoint or a local stand-in [default:
-    /// AWS_ENDPOINT_URL_<SERVICE>, AWS_ENDPOINT_URL, then the region's public endpoint].
-    pub endpoint: Option<String>,
-    /// The profile in ~/.aws/config and ~/.aws/credentials [default: AWS_PROFILE, then
-    /// `default`]. Environment credentials, then a web identity, come first.
-    pub profile: Option<String>,
-    /// Batch requests in flight at once [default: 16].
-    pub concurrency: Option<usize>,
-}
 
 /// The AWS services the sinks call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

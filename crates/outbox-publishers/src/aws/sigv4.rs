@@ -7,7 +7,17 @@ use std::time::SystemTime;
 use hmac::{Hmac, Mac};
 use sha2::{Digest, Sha256};
 
-use super::credentials::Credentials;
+use outbox_core::redact::Secret;
+
+/// One set of credentials: what a request is signed with.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Credentials {
+    pub access_key_id: String,
+    pub secret_access_key: Secret,
+    pub session_token: Option<Secret>,
+    /// When temporary credentials stop working.
+    pub expires: Option<SystemTime>,
+}
 
 /// The request to sign: what the canonical request is built from.
 pub struct Request<'a> {

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use outbox_core::redact::Secret;
 
-use crate::commands::ConfigError;
+use crate::error::ConfigError;
 
 /// Loopback only: metrics and health are not for the outside world unless asked.
 pub const DEFAULT_HTTP_ADDR: &str = "127.0.0.1:2259";
@@ -73,7 +73,7 @@ impl HttpSettings {
             }
             (Some(token), None) => token.expose().trim().to_string(),
             (None, Some(path)) => {
-                crate::config::read_secret_file(path, "admin token", "--admin-token-file")?
+                crate::secret_file::read(path, "admin token", "--admin-token-file")?
                     .expose()
                     .to_string()
             }

@@ -325,7 +325,7 @@ impl DatabaseSettings {
         max_attempts: u32,
         node_id: Option<&str>,
     ) -> anyhow::Result<StoreSettings> {
-        let report = |e: outbox_core::StoreError| crate::commands::failure(e.report(), &e);
+        let report = |e: outbox_core::StoreError| crate::error::failure(e.report(), &e);
         let tables = self.layout_tables();
         let mut mapping = self.layout_mapping()?;
         Ok(match self.database_kind()? {

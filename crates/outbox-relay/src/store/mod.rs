@@ -1,4 +1,5 @@
-//! Builds the configured store.
+//! The configured store: settings turned into a store and a capture (`settings.rs`,
+//! `capture.rs`), made ready to run on (`ready.rs`), and the operations only the CLI needs.
 
 use std::sync::Arc;
 
@@ -11,89 +12,20 @@ use outbox_store_postgres::mapped::MappedPgOptions;
 use outbox_store_postgres::{MappedPgStore, PgOptions, PgStore};
 use outbox_store_sqlite::SqliteStore;
 
+use crate::error::failure;
+
+mod capture;
+mod ready;
 pub mod settings;
 
-/// The replication slot and publication of `--capture wal`.
-#[derive(Clone, Debug)]
-pub struct Capture {
-    pub slot: String,
-    /// The name earlier versions gave every slot by default (`outbox_relay`), when no slot
-    /// was configured: a relay upgraded onto a database that has it keeps streaming from it
-    /// ([`AnyStore::keep_legacy_slot`]).
-    pub legacy_slot: Option<String>,
-    pub publication: outbox_core::ident::Ident,
-    /// A mapped table captured instead of the native outbox (Debezium's); boxed, since its
-    /// mapping is large and most captures read the native table.
-    pub source: Option<Box<CapturedTable>>,
-}
+pub use capture::{Capture, CaptureRun, CapturedTable};
+pub use ready::{ready_store, retry_transient};
 
-/// A mapped table read from the WAL: its layout's mapping, and its columns by name.
-#[derive(Clone, Debug)]
-pub struct CapturedTable {
-    pub mapping: outbox_layout::Mapping,
-    pub table: outbox_core::ident::TableName,
-    pub columns: outbox_wal::ColumnNames,
-}
-
-impl CapturedTable {
-    /// What WAL capture reads of a mapped table: an integer row id to delete by, and an
-    /// event id column (a row's WAL position is not stable enough to derive one from).
-    pub fn of(mapping: outbox_layout::Mapping) -> Result<Self, outbox_core::StoreError> {
-        use outbox_core::{StoreError, StoreErrorKind};
-        let refuse = |what: &str| {
-            StoreError::new(
-                StoreErrorKind::Config,
-                format!("WAL capture of the table {} needs {what}", mapping.table),
-            )
-        };
-        if mapping.id_type != outbox_layout::IdType::Integer {
-            return Err(refuse("an integer row id"));
-        }
-        let event_id = mapping
-            .event_id
-            .clone()
-            .ok_or_else(|| refuse("an event id column"))?;
-        let table = outbox_core::ident::TableName::new(
-            mapping.schema.as_deref().unwrap_or("public"),
-            &mapping.table,
-        )?;
-        let columns = outbox_wal::ColumnNames {
-            event_id,
-            destination: mapping.destination.clone(),
-            event_type: mapping
-                .event_type
-                .clone()
-                .unwrap_or_else(|| mapping.destination.clone()),
-            sequence_id: mapping.id.clone(),
-            partition_key: mapping.key.clone(),
-            payload: Some(mapping.payload.clone()),
-            headers: mapping.headers.clone(),
-            mutation_id: mapping.mutation_id.clone(),
-            created_at: mapping.created_at.clone(),
-            available_at: mapping.available_at.clone(),
-            rejected: mapping.rejected.clone(),
-            span_context: mapping.span_context.clone(),
-            event_id_header: mapping.event_id_header.clone(),
-            utc_timestamps: mapping.utc_timestamps,
-        };
-        Ok(CapturedTable {
-            mapping,
-            table,
-            columns,
-        })
-    }
-
-    fn source(&self) -> (outbox_core::ident::TableName, outbox_wal::ColumnNames) {
-        (self.table.clone(), self.columns.clone())
-    }
-
-    /// The mapped table's own DDL (Debezium's table, and the relay's order column).
-    fn ddl(&self) -> String {
-        match self.mapping.seed {
-            Some(outbox_layout::Seed::Debezium) => outbox_layout::sql::debezium_ddl(&self.mapping),
-            _ => String::new(),
-        }
-    }
+/// The backlog as `stats` and the admin API show it.
+pub struct BacklogReport {
+    /// In total.
+    pub backlog: outbox_core::store::Backlog,
+    pub destinations: Vec<outbox_core::store::DestinationStats>,
 }
 
 /// One of the stores, with the operations only the CLI needs (DDL, migration).
@@ -146,7 +78,7 @@ macro_rules! shared_store {
 
 impl AnyStore {
     pub fn open(settings: StoreSettings) -> anyhow::Result<Self> {
-        let report = |e: outbox_core::StoreError| crate::commands::failure(e.report(), &e);
+        let report = |e: outbox_core::StoreError| failure(e.report(), &e);
         match settings {
             StoreSettings::Postgres(pg) => {
                 let PostgresSettings {
@@ -405,6 +337,39 @@ impl AnyStore {
         }
     }
 
+    /// The backlog in total and per destination, as `stats` and the admin API show it: with
+    /// WAL capture, what waits in the parked table is pending too (dead letters counted once).
+    pub async fn backlog_report(&self) -> Result<BacklogReport, outbox_core::StoreError> {
+        let mut backlog = self.outbox().backlog().await?;
+        let mut destinations = self.operations().destination_stats().await?;
+        if let AnyStore::PostgresWal(pg, capture) = self {
+            for parked in capture.parked_stats(pg).await? {
+                match destinations
+                    .iter_mut()
+                    .find(|d| d.destination == parked.destination)
+                {
+                    Some(d) => {
+                        d.pending += parked.pending;
+                        d.retrying += parked.retrying;
+                        d.oldest_pending_age = d.oldest_pending_age.max(parked.oldest_pending_age);
+                    }
+                    None => destinations
+                        .push(outbox_core::store::DestinationStats { dead: 0, ..parked }),
+                }
+            }
+            backlog.pending = destinations.iter().map(|d| d.pending).sum();
+            backlog.retrying = destinations.iter().map(|d| d.retrying).sum();
+            backlog.oldest_pending_age = destinations
+                .iter()
+                .filter_map(|d| d.oldest_pending_age)
+                .max();
+        }
+        Ok(BacklogReport {
+            backlog,
+            destinations,
+        })
+    }
+
     /// What keeps the store from working, each with its fix.
     pub async fn verify(
         &self,
@@ -416,39 +381,5 @@ impl AnyStore {
             }
             other => other.outbox().verify().await,
         }
-    }
-}
-
-impl Capture {
-    fn tables(&self, store: &PgStore) -> outbox_wal::schema::CaptureTables {
-        let source = self.source.as_deref().map(CapturedTable::source);
-        outbox_wal::capture::capture_tables(store.tables(), &self.publication, source)
-    }
-
-    /// The table the stream is read from, and its column names.
-    pub fn source_table(
-        &self,
-        store: &PgStore,
-    ) -> (outbox_core::ident::TableName, outbox_wal::ColumnNames) {
-        match &self.source {
-            Some(source) => source.source(),
-            None => (
-                store.tables().outbox.clone(),
-                outbox_wal::ColumnNames::native(),
-            ),
-        }
-    }
-
-    /// The parked table's backlog per destination, for `stats`.
-    pub async fn parked_stats(
-        &self,
-        store: &PgStore,
-    ) -> Result<Vec<outbox_core::store::DestinationStats>, outbox_core::StoreError> {
-        use outbox_core::store::Operations;
-        let parked = store.with_tables(outbox_store_postgres::Tables {
-            outbox: self.tables(store).parked,
-            ..store.tables().clone()
-        });
-        parked.destination_stats().await
     }
 }

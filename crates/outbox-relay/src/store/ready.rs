@@ -1,0 +1,90 @@
+//! A store made ready to run on: reachable, its schema current, its problems said.
+
+use std::time::Duration;
+
+use anyhow::bail;
+use outbox_core::redact::redact_url;
+
+use super::{AnyStore, StoreSettings};
+use crate::error::failure;
+
+/// Opens the store and makes sure its tables exist (creating them when allowed). With
+/// `wait`, transient failures (the database is down or restarting) are retried until they
+/// pass; problems only an operator can fix fail at once, with the fix.
+pub async fn ready_store(
+    database_url: &str,
+    settings: StoreSettings,
+    create: bool,
+    wait: bool,
+) -> anyhow::Result<AnyStore> {
+    let mut store = AnyStore::open(settings)?;
+    store.keep_legacy_slot().await;
+    let problems = retry_transient("checking the database", wait, || {
+        prepare_store(&store, create)
+    })
+    .await
+    .map_err(|e| {
+        let message = format!("cannot use {}: {}", redact_url(database_url), e.report());
+        failure(message, &e)
+    })?;
+    let mut fatal = Vec::new();
+    for p in problems {
+        if p.is_degraded() {
+            tracing::warn!(problem = %p.what, fix = %p.fix, "continuing despite a problem");
+        } else {
+            fatal.push(format!("{} (fix: {})", p.what, p.fix));
+        }
+    }
+    if !fatal.is_empty() {
+        bail!("the database is not ready:\n  - {}", fatal.join("\n  - "));
+    }
+    Ok(store)
+}
+
+/// Runs `op`; with `wait`, transient failures (the database is down, restarting, or killed
+/// our connection) are retried with backoff until they pass. Other failures return at once.
+pub async fn retry_transient<T, F, Fut>(
+    what: &str,
+    wait: bool,
+    mut op: F,
+) -> Result<T, outbox_core::StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, outbox_core::StoreError>>,
+{
+    let mut backoff = outbox_core::Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
+    loop {
+        match op().await {
+            Ok(value) => return Ok(value),
+            Err(e) if wait && e.is_retryable() => {
+                let retry_in = backoff.next_delay();
+                tracing::warn!(error = %e.report(), ?retry_in, "{what}: waiting for the database");
+                tokio::time::sleep(retry_in).await;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+async fn prepare_store(
+    store: &AnyStore,
+    create: bool,
+) -> Result<Vec<outbox_core::store::Problem>, outbox_core::StoreError> {
+    let outbox = store.outbox();
+    outbox.ping().await?;
+    if create || store.creates_tables_implicitly() {
+        store.migrate().await?;
+    }
+    for (verdict, line) in store.schema_versions().await? {
+        // Only a schema newer than this relay is news at every start.
+        if matches!(
+            verdict,
+            outbox_core::migration::Verdict::NewerReadable { .. }
+        ) {
+            tracing::info!("{line}");
+        } else {
+            tracing::debug!("{line}");
+        }
+    }
+    store.verify().await
+}
