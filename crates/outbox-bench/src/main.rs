@@ -9,6 +9,7 @@
 //! `--out` (default `bench-results`). See BENCHMARKS.md for the method.
 
 mod baseline;
+mod curve;
 mod dashboard;
 mod load;
 mod measure;
@@ -56,6 +57,10 @@ pub struct Settings {
     /// unset: the relay's default, `prefer`, which uses the server's TLS). The bench's own
     /// writers and readers never use TLS.
     pub relay_sslmode: Option<String>,
+    /// `--only curve`: the backlogs drained to one destination.
+    pub scale_backlogs: Vec<u64>,
+    /// `--only curve`: the destination counts of the 1M-event spread runs.
+    pub scale_destinations: Vec<u64>,
 }
 
 fn settings() -> Result<Settings> {
@@ -72,6 +77,8 @@ fn settings() -> Result<Settings> {
         relay_log: std::env::var("OUTBOX_BENCH_RELAY_LOG").ok(),
         wal_events_per_transaction: 1_000,
         relay_sslmode: None,
+        scale_backlogs: curve::BACKLOGS.to_vec(),
+        scale_destinations: curve::DESTINATIONS.to_vec(),
     };
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
@@ -81,6 +88,8 @@ fn settings() -> Result<Settings> {
             "--baseline-events" => s.baseline_events = value()?.parse()?,
             "--latency-seconds" => s.latency_seconds = value()?.parse()?,
             "--scaling-events" => s.scaling_events = value()?.parse()?,
+            "--scale-backlogs" => s.scale_backlogs = numbers(&value()?)?,
+            "--scale-destinations" => s.scale_destinations = numbers(&value()?)?,
             "--out" => s.out = PathBuf::from(value()?),
             "--only" => s.only = Some(value()?),
             "--sinks" => s.sinks = value()?.split(',').map(str::to_string).collect(),
@@ -103,6 +112,7 @@ fn settings() -> Result<Settings> {
                 println!("  drain sweeps: [--sinks file,nats] [--relay-args \"--batch-size 2000\"]; --baseline-events 0 skips the baseline and the PostgreSQL floor");
                 println!("  --only drain ends with the dashboard run: the drain to the first sink, once without and once with headless `chromium` open on the relay's dashboard (skipped without chromium)");
                 println!("  latency subsets: [--latency-plan 10000x10:notify+gated,1000x1:poll] (events/s x events per transaction : modes notify|gated|poll|baseline|wal|wal-emit; wal-stdout|wal-emit-stdout: the WAL relay's stdout sink piped into the bench, no broker; and the host's WAL floor recvlogical|recvlogical-emit: pg_recvlogical reading the slot, no relay)");
+                println!("  --only curve: the scale curve, `run --drain` to the file sink of un-analyzed backlogs of [--scale-backlogs 100000,1000000,10000000] rows to one destination, and of 1,000,000 rows over [--scale-destinations 1,8,64] destinations");
                 println!("  --only wal-drain: the WAL capture drains alone (table form and outbox_emit, each beside pg_recvlogical's drain of the same backlog)");
                 println!("  --only wal-memory: WAL capture's drain of 256 events of 1 MiB to a webhook answering each after 500 ms, with the relay's peak RSS (also part of --only wal)");
                 println!("  --only wal: the WAL capture drains (table form and outbox_emit), WAL latency runs and WAL writer cost only; [--wal-events-per-transaction N] sizes the drains' backlog transactions (default 1000)");
@@ -124,8 +134,21 @@ fn settings() -> Result<Settings> {
     Ok(s)
 }
 
+/// A comma-separated list of counts; empty for none.
+fn numbers(list: &str) -> Result<Vec<u64>> {
+    list.split(',')
+        .filter(|n| !n.is_empty())
+        .map(|n| {
+            n.trim()
+                .parse::<u64>()
+                .with_context(|| format!("{n:?} in {list:?} is not a count"))
+        })
+        .collect()
+}
+
 /// The parts `--only` can pick.
-const ONLY: [&str; 8] = [
+const ONLY: [&str; 9] = [
+    "curve",
     "drain",
     "latency",
     "keepup",
@@ -415,7 +438,7 @@ fn write_results(out: &Path, results: &Value) -> Result<()> {
         out.join("results.json"),
         serde_json::to_string_pretty(results)?,
     )?;
-    let md = measure::markdown(results);
+    let md = measure::markdown(results) + &curve::markdown(results);
     std::fs::write(out.join("results.md"), &md)?;
     println!("{md}");
     Ok(())
@@ -468,6 +491,10 @@ async fn main() -> Result<()> {
         results["latency"] = measure::latency(&bench, wal::LATENCY_PLAN).await?;
         write_results(&settings.out, &results)?;
         results["writer_cost"] = measure::writer_cost(&bench, wal::WRITER_VARIANTS).await?;
+        write_results(&settings.out, &results)?;
+    }
+    if settings.only.as_deref() == Some("curve") {
+        results["curve"] = curve::curve(&bench).await?;
         write_results(&settings.out, &results)?;
     }
     if settings.only.as_deref() == Some("wal-drain") {

@@ -280,22 +280,30 @@ pub(crate) async fn run_drain(
     }))
 }
 
-/// How many different event ids the file sink wrote to `files`, all together.
+/// How many different event ids the file sink wrote to `files`, all together. Read line by
+/// line, each id kept as 128 bits: the scale curve's 10M-event file is about 3 GB.
 fn distinct_event_ids(files: &[&std::path::Path]) -> Result<u64> {
+    use std::io::BufRead;
     let mut ids = std::collections::HashSet::new();
     for file in files {
-        let text = std::fs::read_to_string(file)
-            .with_context(|| format!("the file sink's {}", file.display()))?;
-        for line in text.lines() {
-            let event: Value = serde_json::from_str(line)
+        let reader = std::io::BufReader::new(
+            std::fs::File::open(file)
+                .with_context(|| format!("the file sink's {}", file.display()))?,
+        );
+        for line in reader.lines() {
+            let line = line.with_context(|| format!("reading {}", file.display()))?;
+            let event: EventIdOnly = serde_json::from_str(&line)
                 .with_context(|| format!("a line of {}: {line}", file.display()))?;
-            let id = event["event_id"]
-                .as_str()
-                .with_context(|| format!("no event_id in a line of {}", file.display()))?;
-            ids.insert(id.to_string());
+            ids.insert(event.event_id.as_u128());
         }
     }
     Ok(ids.len() as u64)
+}
+
+/// The one field of a file sink's line that the drains count.
+#[derive(serde::Deserialize)]
+struct EventIdOnly {
+    event_id: uuid::Uuid,
 }
 
 /// Fails the run when fewer events arrived than were sent: a figure over events that never
