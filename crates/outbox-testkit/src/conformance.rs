@@ -1,4 +1,4 @@
-//! The store conformance suite. Each store's `tests/conformance.rs` implements [`Harness`]
+//! The store conformance suite. Each store's `tests/it/conformance.rs` implements [`Harness`]
 //! and stamps every test out with [`store_conformance!`](crate::store_conformance), so all
 //! stores are held to the contract in `outbox_core::store`.
 

@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use outbox_testkit::{eventually, eventually_explained, fresh_pg_database, query_count};
 
-mod support;
+use crate::support;
 
-use support::{http_addr, http_get, pg, read_lines, RelayProcess, BIN};
+use crate::support::{http_addr, http_get, pg, read_lines, RelayProcess, BIN};
 
 async fn readyz_becomes(addr: &str, status: u16) -> String {
     eventually(

@@ -3,16 +3,16 @@
 //! Each test checks the success action (deleted / marked / delivered_at set) and the failure
 //! path (dead state, `dead list`, `dead retry`, `dead purge`, `prune`).
 
-mod support;
+use crate::support;
 
 use std::path::Path;
 use std::process::{Command, Output};
 use std::time::Duration;
 
+use crate::support::{pg, RelayProcess, BIN};
 use mysql_async::prelude::Queryable;
 use outbox_testkit::eventually;
 use outbox_testkit::server::ServerProcess;
-use support::{pg, RelayProcess, BIN};
 
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -197,7 +197,7 @@ fn command(dir: &Path, args: &[&str]) -> Output {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn adbc_table_is_relayed_in_channel_order_and_processed_rows_are_deleted() {
-    let h = Harness::new(include_str!("fixtures/seeds/adbc.sql")).await;
+    let h = Harness::new(include_str!("../fixtures/seeds/adbc.sql")).await;
     h.configure("adbc", &["posts:*"]);
     assert!(h
         .check_store()
@@ -374,7 +374,7 @@ async fn adbc_migrate_creates_exactly_the_connectors_objects_and_accepts_its_env
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn open_outbox_events_go_pending_delivering_delivered_or_dead_and_the_reaper_counts_crashes()
 {
-    let h = Harness::new(include_str!("fixtures/seeds/open_outbox.sql")).await;
+    let h = Harness::new(include_str!("../fixtures/seeds/open_outbox.sql")).await;
     h.configure("open-outbox", &["user.*", "order.*"]);
     h.pg().batch_execute(
         "INSERT INTO openoutbox_events (event_id, event_type, partition_key, payload, headers)
@@ -463,7 +463,7 @@ async fn open_outbox_events_go_pending_delivering_delivered_or_dead_and_the_reap
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn export_events_go_new_processing_done_or_error_with_per_type_retry_limits() {
-    let h = Harness::new(include_str!("fixtures/seeds/export.sql")).await;
+    let h = Harness::new(include_str!("../fixtures/seeds/export.sql")).await;
     h.configure("export", &["order_created"]);
     h.pg().batch_execute(
         "INSERT INTO event_type (code, max_retry_count) VALUES ('order_created', 3), ('client_updated', 0);
@@ -527,7 +527,7 @@ async fn export_events_go_new_processing_done_or_error_with_per_type_retry_limit
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_relay_takes_over_a_mapped_table_when_the_active_one_dies() {
-    let h = Harness::new(include_str!("fixtures/seeds/adbc.sql")).await;
+    let h = Harness::new(include_str!("../fixtures/seeds/adbc.sql")).await;
     h.configure("adbc", &["*"]);
     let insert = |n: i32| {
         format!("INSERT INTO outbox (mutation_id, channel, name, data) VALUES ('m{n}', 'c', 'n', '{{\"n\": {n}}}')")
@@ -568,7 +568,7 @@ async fn mysql_seed_outbox_events_are_relayed_fifo_and_marked_consumed_on_mariad
     let h = Harness::on(outbox_testkit::fresh_mysql_database().await).await;
     // The seed's SHOW CREATE TABLE output, verbatim but for MySQL 8's collation
     // utf8mb4_0900_ai_ci, which MariaDB 10.11 does not have.
-    let ddl = include_str!("fixtures/seeds/mysql_outbox_events.sql")
+    let ddl = include_str!("../fixtures/seeds/mysql_outbox_events.sql")
         .replace(" COLLATE=utf8mb4_0900_ai_ci", "");
     h.mysql(&ddl).await;
     h.configure("mysql-outbox-events", &["1"]);
@@ -772,7 +772,7 @@ async fn open_outbox_event_is_delivered_without_polling(h: &Harness, n: usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_seed_table_wakes_the_relay_on_commit_through_the_trigger_migrate_installs() {
-    let h = Harness::new(include_str!("fixtures/seeds/open_outbox.sql")).await;
+    let h = Harness::new(include_str!("../fixtures/seeds/open_outbox.sql")).await;
     h.configure("open-outbox", &["user.*"]);
     let before = command(h.dir.path(), &["check"]);
     let report = String::from_utf8_lossy(&before.stdout);
@@ -813,7 +813,7 @@ async fn a_seed_table_wakes_the_relay_on_commit_through_the_trigger_migrate_inst
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_seed_table_under_the_gated_wakeup_wakes_a_waiting_relay() {
-    let h = Harness::new(include_str!("fixtures/seeds/open_outbox.sql")).await;
+    let h = Harness::new(include_str!("../fixtures/seeds/open_outbox.sql")).await;
     h.configure("open-outbox", &["user.*"]);
     let printed = h.cli(&["migrate", "--wakeup", "gated", "--print"]);
     assert!(
@@ -835,7 +835,7 @@ async fn a_seed_table_under_the_gated_wakeup_wakes_a_waiting_relay() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_infinite_created_at_on_a_seed_table_dead_letters_its_row_and_the_rest_flows() {
-    let h = Harness::new(include_str!("fixtures/seeds/open_outbox.sql")).await;
+    let h = Harness::new(include_str!("../fixtures/seeds/open_outbox.sql")).await;
     h.configure("open-outbox", &["user.*"]);
     h.pg().batch_execute(
         "INSERT INTO openoutbox_events (event_id, event_type, partition_key, payload, created_at)
@@ -866,7 +866,7 @@ async fn an_infinite_created_at_on_a_seed_table_dead_letters_its_row_and_the_res
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_debezium_outbox_table_keeps_its_inserts_and_goes_to_debeziums_topics() {
     const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
-    let h = Harness::new(include_str!("fixtures/seeds/debezium.sql")).await;
+    let h = Harness::new(include_str!("../fixtures/seeds/debezium.sql")).await;
     h.js.create_stream(async_nats::jetstream::stream::Config {
         name: "DEBEZIUM".into(),
         subjects: vec!["outbox.event.>".into()],

@@ -13,8 +13,6 @@
 //! deliveries (by sequence id) check per-key commit order. The tests of both forms and of
 //! out-of-sequence commits carry their own per-key counter in the payload instead.
 
-mod support;
-
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::process::Output;
@@ -24,7 +22,7 @@ use outbox_testkit::{eventually_explained, query_count};
 use serde_json::Value;
 use tokio_postgres::{Client, GenericClient};
 
-use support::{
+use crate::support::{
     http_addr, http_get, metric_value, pg, read_lines, readyz, relay, text, wait_for_lines,
     Deliveries, Delivery, Figures, Ledger, OwnPostgres, RelayProcess, Writers,
 };
@@ -598,7 +596,7 @@ async fn insert_debezium_row(db: &Client, id: &str, key: &str, payload: &str, to
 #[tokio::test]
 async fn debeziums_table_is_read_from_the_wal_even_when_rows_are_deleted_at_once() {
     const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
-    let w = DebeziumWal::migrated(include_str!("fixtures/seeds/debezium.sql")).await;
+    let w = DebeziumWal::migrated(include_str!("../fixtures/seeds/debezium.sql")).await;
     let (url, db) = (&w.url, &w.db);
     let insert = "INSERT INTO outboxevent (id, aggregatetype, aggregateid, type, payload)
                   VALUES ($1::text::uuid, 'Order', $2, 'OrderEvent', jsonb_build_object('n', $3::int4))";

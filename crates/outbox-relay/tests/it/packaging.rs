@@ -9,9 +9,9 @@ use std::time::Duration;
 
 use outbox_testkit::eventually;
 
-mod support;
+use crate::support;
 
-use support::{text, BIN};
+use crate::support::{text, BIN};
 
 fn repository() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")

@@ -9,9 +9,7 @@ use std::time::Duration;
 
 use outbox_testkit::{eventually_explained, fresh_pg_database, FaultProxy};
 
-mod support;
-
-use support::{
+use crate::support::{
     http_addr, http_get, metric_value, pg, read_lines, readyz, relay, RelayProcess, BIN,
 };
 

@@ -1,6 +1,8 @@
 //! What the binary's tests share: starting relay processes, signalling them, reading their
 //! logs (printed, and kept on disk, when a test fails), and database clients.
-#![allow(dead_code)] // each test binary uses its own subset
+
+pub mod admin;
+pub mod webdriver;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};

@@ -1,6 +1,6 @@
 //! The publisher conformance suite against librdkafka's mock cluster: three in-process
 //! brokers that speak the real Kafka protocol (no Kafka broker is packaged for Debian).
-//! `tests/kafka_tansu.rs` repeats the basic checks against Tansu when it is installed.
+//! The `tansu` module below repeats the basic checks against Tansu when it is installed.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

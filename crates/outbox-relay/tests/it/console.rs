@@ -12,17 +12,15 @@ use std::time::Duration;
 use outbox_testkit::{eventually, eventually_explained};
 use serde_json::{json, Value};
 
-#[path = "support/admin.rs"]
-mod admin;
-mod support;
-#[path = "support/webdriver.rs"]
-mod webdriver;
+use crate::support;
+use crate::support::admin;
+use crate::support::webdriver;
 
-use admin::Admin;
-use support::{
+use crate::support::{
     http_addr, metric_value, migrated_pg_database, pg, relay, stream_deliveries, text, Deliveries,
     RelayProcess,
 };
+use admin::Admin;
 
 const TOKEN: &str = "console-test-token-0123456789";
 const PATIENCE: Duration = Duration::from_secs(30);

@@ -8,9 +8,7 @@ use outbox_testkit::eventually;
 use outbox_testkit::server::ServerProcess;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-mod support;
-
-use support::{RelayProcess, BIN};
+use crate::support::{RelayProcess, BIN};
 
 fn relay(dir: &Path, args: &[&str]) -> std::process::Output {
     Command::new(BIN)

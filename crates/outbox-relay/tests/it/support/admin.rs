@@ -1,5 +1,4 @@
 //! A client for the relay's admin API (`/api/v1/`), for the console tests.
-#![allow(dead_code)] // each test binary uses its own subset
 
 use serde_json::Value;
 

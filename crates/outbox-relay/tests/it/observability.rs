@@ -8,8 +8,6 @@
 //! Without `promtool` and `prometheus` (`scripts/servers.sh install` installs them) the tests
 //! fail, as the console's do without Chromium.
 
-mod support;
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -19,7 +17,7 @@ use outbox_testkit::{
     eventually, eventually_explained, fresh_pg_database, query_count, wait_for_count,
 };
 
-use support::{
+use crate::support::{
     http_addr, http_get, installed, metric_value, pg, relay, text, wait_for_lines, RelayProcess,
 };
 

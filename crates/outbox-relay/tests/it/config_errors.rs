@@ -3,12 +3,12 @@
 //! and the fix; runtime failures (exit 1) carry a fix about their own cause. And the logs
 //! tell the truth about how the relay wakes, without colour codes in a redirected file.
 
-mod support;
+use crate::support;
 
 use std::path::Path;
 use std::process::{Command, Output};
 
-use support::BIN;
+use crate::support::BIN;
 
 /// Runs `outbox-relay <args>` in `dir` with `env` set, stdout and stderr captured (so stderr is
 /// not a terminal), and no database URL inherited.

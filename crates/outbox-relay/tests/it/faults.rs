@@ -34,9 +34,7 @@ use async_nats::jetstream;
 use outbox_testkit::{eventually_explained, query_count, Direction, FaultProxy};
 use tokio::time::Instant;
 
-mod support;
-
-use support::{pg, stream_deliveries, Deliveries, Figures, RelayProcess, Writers, BIN};
+use crate::support::{pg, stream_deliveries, Deliveries, Figures, RelayProcess, Writers, BIN};
 
 const PARTITIONS: i64 = 16;
 

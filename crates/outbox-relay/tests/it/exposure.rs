@@ -2,9 +2,8 @@
 //! a log line, `check`, a stored `last_error`, the CLI or the API; no request sent where a
 //! receiver redirects; no forged log line or raw escape sequence from untrusted text.
 
-#[path = "support/admin.rs"]
-mod admin;
-mod support;
+use crate::support;
+use crate::support::admin;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -14,8 +13,8 @@ use std::time::Duration;
 use outbox_testkit::{eventually_explained, query_count};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use crate::support::{http_addr, migrated_pg_database, pg, text, RelayProcess, BIN};
 use admin::Admin;
-use support::{http_addr, migrated_pg_database, pg, text, RelayProcess, BIN};
 
 /// A local HTTP endpoint that answers every request with `answer` (a whole raw response)
 /// and counts the connections it accepted.

@@ -4,14 +4,14 @@
 //! and dead. Today's relay refuses it until `migrate` runs; after `migrate`, `run --drain`
 //! relays every live row once, in each key's order, and the dead stay dead.
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Output;
 use std::time::Duration;
 
-use support::{pg, read_lines, relay, text, RelayProcess};
+use crate::support::{pg, read_lines, relay, text, RelayProcess};
 
 /// Past schemas, oldest first: directories of `tests/fixtures/schemas/`.
 const FIXTURES: &[&str] = &["first-wave"];

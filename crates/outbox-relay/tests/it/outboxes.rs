@@ -7,12 +7,10 @@ use std::time::Duration;
 use outbox_testkit::eventually;
 use outbox_testkit::faultproxy::FaultProxy;
 
-mod support;
-#[allow(dead_code)] // the console's tests use the rest
-#[path = "support/webdriver.rs"]
-mod webdriver;
+use crate::support;
+use crate::support::webdriver;
 
-use support::{http_addr, http_get, read_lines, relay, text, RelayProcess};
+use crate::support::{http_addr, http_get, read_lines, relay, text, RelayProcess};
 
 /// Waits until the file sink at `path` holds at least `n` events.
 async fn wait_for_lines_in(path: &Path, n: usize) {

@@ -10,9 +10,7 @@ use std::time::Duration;
 use outbox_testkit::{eventually, fresh_pg_database, query_count, wait_for_count};
 use uuid::Uuid;
 
-mod support;
-
-use support::{pg, read_lines, wait_for_lines, RelayProcess, BIN};
+use crate::support::{pg, read_lines, wait_for_lines, RelayProcess, BIN};
 
 /// `outbox-relay run` with JSON logs and no HTTP server, against `database_url`.
 fn start_relay(dir: &Path, name: &str, database_url: &str, args: &[&str]) -> RelayProcess {

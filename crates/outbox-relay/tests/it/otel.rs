@@ -14,9 +14,9 @@ use outbox_testkit::otlp::{attribute, hex, OtlpReceiver, ReceivedSpan};
 use outbox_testkit::server::ServerProcess;
 use outbox_testkit::{eventually, fresh_pg_database, wait_for_count};
 
-mod support;
+use crate::support;
 
-use support::{pg, RelayProcess, BIN};
+use crate::support::{pg, RelayProcess, BIN};
 
 /// The spec's example, and a second trace.
 const PARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";

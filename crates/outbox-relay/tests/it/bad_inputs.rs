@@ -5,8 +5,6 @@
 //! answer and TLS modes that cannot work. Each checks what the table promises: the message
 //! names the problem and the fix, the exit code, and the other rows keep flowing.
 
-mod support;
-
 use std::path::Path;
 use std::process::Output;
 use std::time::Duration;
@@ -14,8 +12,8 @@ use std::time::Duration;
 use outbox_testkit::{eventually_explained, fresh_pg_database, query_count, wait_for_count};
 
 #[cfg(feature = "nats")]
-use support::{nats_stream, stream_len};
-use support::{pg, read_lines, relay, text, wait_for_lines, OwnPostgres, RelayProcess};
+use crate::support::{nats_stream, stream_len};
+use crate::support::{pg, read_lines, relay, text, wait_for_lines, OwnPostgres, RelayProcess};
 
 /// A migrated SQLite outbox in `dir`; its URL.
 fn sqlite_outbox(dir: &Path) -> String {

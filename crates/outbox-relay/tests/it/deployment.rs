@@ -8,9 +8,7 @@ use std::time::Duration;
 use outbox_testkit::server::{free_port, ScriptedServer};
 use outbox_testkit::{eventually, eventually_explained};
 
-mod support;
-
-use support::{pg, read_lines, wait_for_lines, RelayProcess, BIN};
+use crate::support::{pg, read_lines, wait_for_lines, RelayProcess, BIN};
 
 fn migrate(url: &str) {
     let out = Command::new(BIN)

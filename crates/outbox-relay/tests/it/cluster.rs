@@ -11,9 +11,7 @@ use outbox_testkit::server::{ScriptedServer, ServerProcess};
 use outbox_testkit::{eventually, query_count};
 use uuid::Uuid;
 
-mod support;
-
-use support::{pg, RelayProcess, BIN};
+use crate::support::{pg, RelayProcess, BIN};
 
 struct Cluster {
     dir: tempfile::TempDir,
