@@ -10,7 +10,9 @@ use outbox_core::store::NodeRegistry;
 use outbox_core::{OutboxStore, SequenceId};
 use outbox_layout::Mapping;
 use outbox_store_mysql::{MySqlOptions, MySqlStore};
-use outbox_testkit::conformance::{DeadRow, Harness};
+use std::time::{Duration, UNIX_EPOCH};
+
+use outbox_testkit::conformance::{DeadRow, Expect, Harness, OddTime, RenamedColumn};
 
 struct MySqlHarness {
     store: MySqlStore,
@@ -107,6 +109,43 @@ impl Harness for MySqlHarness {
         .boxed()
     }
 
+    fn table(&self) -> &str {
+        "outbox"
+    }
+
+    fn execute<'a>(&'a self, sql: &'a str) -> BoxFuture<'a, ()> {
+        async move {
+            let mut conn = self.pool.get_conn().await.unwrap();
+            conn.query_drop(sql).await.unwrap();
+        }
+        .boxed()
+    }
+
+    /// `created_at` is a `datetime(6)`: MariaDB refuses a time outside the years 1000 to 9999
+    /// at insert, so only the early ones are odd here.
+    fn odd_created_at(&self) -> Vec<OddTime> {
+        let moon = UNIX_EPOCH - Duration::from_secs(14_182_940);
+        vec![
+            OddTime {
+                destination: "moon",
+                sql: "'1969-07-20 20:17:40'",
+                expect: Expect::Delivered(Some(moon)),
+            },
+            OddTime {
+                destination: "ok",
+                sql: "NOW(6)",
+                expect: Expect::Delivered(None),
+            },
+        ]
+    }
+
+    fn renamed_column(&self) -> RenamedColumn {
+        RenamedColumn {
+            what: "has no column \"mutation_id\"",
+            fix: "outbox-relay migrate",
+        }
+    }
+
     fn dead_rows(&self) -> BoxFuture<'_, Vec<DeadRow>> {
         async move {
             let mut conn = self.pool.get_conn().await.unwrap();
@@ -126,7 +165,11 @@ impl Harness for MySqlHarness {
     }
 }
 
-outbox_testkit::store_conformance!(new_harness);
+outbox_testkit::store_conformance!(new_harness;
+    long_keys: not_applicable("the native table's partition_key holds 255 characters: a longer key is refused at insert with the fix (a_10kb_key_is_refused_at_insert_with_the_fix below)"),
+    owned_partitions: not_applicable("MySQL has no partition leases: one active relay per table"),
+    created_at: known_bug("a created_at before 1970 is delivered as the time of the claim: UNIX_TIMESTAMP() gives NULL for it, read as no time"),
+    renamed_column: run);
 
 /// Ordering keys longer than the native table's column. The key is not indexed on MySQL
 /// (blocked keys are passed to the claim as values), so no index row limit applies; the

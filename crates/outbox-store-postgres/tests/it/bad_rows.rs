@@ -1,9 +1,10 @@
-//! Rows and columns an operator or application got wrong: each bad row is claimed as
-//! undecodable (to be dead-lettered with its reason) while the rows of other keys flow; a
-//! column the relay cannot read stops claims with an error naming it, and `verify` (what
-//! `check` prints) names every column that differs from `migrate`, with its fix.
+//! Rows and columns an operator or application got wrong, in what only PostgreSQL lets them
+//! be (the cases every store shares, odd `created_at` values and a renamed column, are in the
+//! conformance suite): NULLs where `migrate` made NOT NULL are claimed as undecodable (to be
+//! dead-lettered with their reason) while the rows of other keys flow, and a column type
+//! changed under a running relay stops claims with an error naming it, past the cached plan.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
 use outbox_core::store::{ClaimRequest, Claimed, DeadLetter};
 use outbox_core::{NodeId, OutboxStore, StoreErrorKind};
@@ -55,40 +56,6 @@ async fn claim_and_settle(store: &PgStore) -> (Vec<(String, SystemTime)>, Vec<(i
         .expect("dead-letter the undecodable rows");
     assert_eq!(n as usize, dead.len());
     (events, dead)
-}
-
-#[tokio::test]
-async fn created_at_before_1970_is_delivered_and_beyond_9999_or_infinity_is_dead_lettered() {
-    let (store, client) = store().await;
-    client
-        .batch_execute(
-            "INSERT INTO outbox (destination, partition_key, event_type, created_at) VALUES
-               ('moon', 'a', 't', '1969-07-20 20:17:40+00'),
-               ('ad1', 'b', 't', '0001-01-01 00:00:00+00'),
-               ('far', 'c', 't', '10000-01-01 00:00:00+00'),
-               ('inf', 'd', 't', 'infinity'),
-               ('-inf', 'e', 't', '-infinity'),
-               ('bc', 'f', 't', '0044-03-15 12:00:00+00 BC'),
-               ('ok', 'g', 't', now())",
-        )
-        .await
-        .unwrap();
-    let (events, dead) = claim_and_settle(&store).await;
-    let moon = UNIX_EPOCH - Duration::from_secs(14_182_940);
-    assert!(events.contains(&("moon".to_string(), moon)), "{events:?}");
-    let names: Vec<&str> = events.iter().map(|(d, _)| d.as_str()).collect();
-    assert_eq!(names, ["moon", "ad1", "ok"]);
-    assert_eq!(dead.len(), 4, "{dead:?}");
-    for (_, reason) in &dead {
-        assert!(reason.contains("outside the years 1 to 9999"), "{reason}");
-    }
-    assert!(dead
-        .iter()
-        .any(|(_, r)| r.contains("created_at is infinity")));
-    let kept = query_count(&client, "SELECT count(*) FROM outbox_dead_letters", &[])
-        .await
-        .unwrap();
-    assert_eq!(kept, 4);
 }
 
 #[tokio::test]
@@ -211,32 +178,5 @@ async fn a_column_type_changed_under_a_running_relay_stops_claims_with_its_name_
         "{p:?}"
     );
     assert!(p.fix.contains("TYPE uuid USING event_id::uuid"), "{p:?}");
-    assert!(!p.is_degraded());
-}
-
-#[tokio::test]
-async fn verify_names_a_renamed_column_and_the_rename_that_restores_it() {
-    let (store, client) = store().await;
-    assert_eq!(store.verify().await.unwrap(), vec![]);
-    client
-        .batch_execute(
-            "ALTER TABLE outbox RENAME COLUMN mutation_id TO mut_id;
-             ALTER TABLE outbox ADD COLUMN tenant text",
-        )
-        .await
-        .unwrap();
-    let problems = store.verify().await.unwrap();
-    assert_eq!(problems.len(), 1, "{problems:?}");
-    let p = &problems[0];
-    assert!(
-        p.what
-            .contains("column mutation_id of public.outbox is missing"),
-        "{p:?}"
-    );
-    assert!(
-        p.fix
-            .contains("RENAME COLUMN \"mut_id\" TO mutation_id; (if mut_id is it"),
-        "{p:?}"
-    );
     assert!(!p.is_degraded());
 }

@@ -4,10 +4,12 @@ use std::sync::Arc;
 
 use futures::future::BoxFuture;
 use futures::FutureExt;
-use outbox_core::store::{NodeRegistry, Operations};
+use std::time::{Duration, UNIX_EPOCH};
+
+use outbox_core::store::{NodeRegistry, Operations, PartitionRegistry};
 use outbox_core::{OutboxStore, SequenceId};
 use outbox_store_postgres::{PgOptions, PgStore, Tables};
-use outbox_testkit::conformance::{DeadRow, Harness};
+use outbox_testkit::conformance::{DeadRow, Expect, Harness, OddTime, RenamedColumn};
 
 /// The suite's harness for both PostgreSQL stores: the native one, and the mapped one over an
 /// application's table (below). Only the tables differ.
@@ -21,6 +23,10 @@ struct PgHarness<S> {
     queued: &'static str,
     /// Where the dead rows are: a table, with the condition that picks them.
     dead: &'static str,
+    /// The native store's partition leases (a mapped table has none).
+    partitions: Option<Arc<dyn PartitionRegistry>>,
+    /// How `verify` names the table and the fix of a renamed column.
+    renamed_column: RenamedColumn,
 }
 
 pub fn options(url: &str, retain_delivered: bool) -> PgOptions {
@@ -49,11 +55,16 @@ async fn new_harness() -> PgHarness<PgStore> {
     store.migrate().await.unwrap();
     PgHarness {
         retaining: PgStore::new(options(&url, true)).unwrap(),
-        store,
         client: connect(&url).await,
         table: "outbox",
         queued: "true",
         dead: "outbox_dead_letters",
+        partitions: Some(Arc::new(store.clone())),
+        renamed_column: RenamedColumn {
+            what: "column mutation_id of public.outbox is missing",
+            fix: "RENAME COLUMN \"mut_id\" TO mutation_id; (if mut_id is it",
+        },
+        store,
     }
 }
 
@@ -113,6 +124,57 @@ where
                 .map(|r| (r.get(0), r.get(1), r.get(2)))
         }
         .boxed()
+    }
+
+    fn table(&self) -> &str {
+        self.table
+    }
+
+    fn execute<'a>(&'a self, sql: &'a str) -> BoxFuture<'a, ()> {
+        async move { self.client.batch_execute(sql).await.unwrap() }.boxed()
+    }
+
+    fn partitions(&self) -> Option<Arc<dyn PartitionRegistry>> {
+        self.partitions.clone()
+    }
+
+    fn odd_created_at(&self) -> Vec<OddTime> {
+        const OUTSIDE: &str = "outside the years 1 to 9999";
+        let moon = UNIX_EPOCH - Duration::from_secs(14_182_940);
+        let row = |destination, sql, expect| OddTime {
+            destination,
+            sql,
+            expect,
+        };
+        vec![
+            row(
+                "moon",
+                "'1969-07-20 20:17:40+00'",
+                Expect::Delivered(Some(moon)),
+            ),
+            row("ad1", "'0001-01-01 00:00:00+00'", Expect::Delivered(None)),
+            row(
+                "far",
+                "'10000-01-01 00:00:00+00'",
+                Expect::DeadLettered(&[OUTSIDE]),
+            ),
+            row(
+                "inf",
+                "'infinity'",
+                Expect::DeadLettered(&[OUTSIDE, "created_at is infinity"]),
+            ),
+            row("-inf", "'-infinity'", Expect::DeadLettered(&[OUTSIDE])),
+            row(
+                "bc",
+                "'0044-03-15 12:00:00+00 BC'",
+                Expect::DeadLettered(&[OUTSIDE]),
+            ),
+            row("ok", "now()", Expect::Delivered(None)),
+        ]
+    }
+
+    fn renamed_column(&self) -> RenamedColumn {
+        self.renamed_column.clone()
     }
 
     fn dead_rows(&self) -> BoxFuture<'_, Vec<DeadRow>> {
@@ -198,6 +260,11 @@ mod mapped {
             // Dead rows stay in the table (dead_at set) but are out of the queue.
             queued: "dead_at IS NULL",
             dead: "events WHERE dead_at IS NOT NULL",
+            partitions: None,
+            renamed_column: RenamedColumn {
+                what: "has no column \"mutation_id\"",
+                fix: "check the [mapping] section",
+            },
         }
     }
 
@@ -216,4 +283,9 @@ mod mapped {
         engine_unordered_retries_and_dead_letters_go_out_again,
         operator_lists_retries_and_purges_dead_letters, operator_replays_and_prunes_in_batches,
         operator_pages_dead_letters_and_shows_one_event);
+    outbox_testkit::store_conformance!(@groups new_harness;
+        long_keys: run,
+        owned_partitions: not_applicable("a mapped table has no partition leases: one active relay per table"),
+        created_at: run,
+        renamed_column: run);
 }

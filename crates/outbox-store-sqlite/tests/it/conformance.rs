@@ -7,7 +7,9 @@ use futures::FutureExt;
 use outbox_core::store::NodeRegistry;
 use outbox_core::{OutboxStore, SequenceId};
 use outbox_store_sqlite::SqliteStore;
-use outbox_testkit::conformance::{DeadRow, Harness};
+use std::time::{Duration, UNIX_EPOCH};
+
+use outbox_testkit::conformance::{DeadRow, Expect, Harness, OddTime, RenamedColumn};
 use rusqlite::Connection;
 
 struct SqliteHarness {
@@ -84,6 +86,54 @@ impl Harness for SqliteHarness {
         async move { state }.boxed()
     }
 
+    fn table(&self) -> &str {
+        "outbox"
+    }
+
+    fn execute<'a>(&'a self, sql: &'a str) -> BoxFuture<'a, ()> {
+        self.conn.lock().unwrap().execute_batch(sql).unwrap();
+        async {}.boxed()
+    }
+
+    /// `created_at` is milliseconds since 1970; SQLite holds any integer, or text.
+    fn odd_created_at(&self) -> Vec<OddTime> {
+        const OUTSIDE: &str = "outside the years 1 to 9999";
+        let row = |destination, sql, expect| OddTime {
+            destination,
+            sql,
+            expect,
+        };
+        let moon = UNIX_EPOCH - Duration::from_secs(14_182_940);
+        let ok = UNIX_EPOCH + Duration::from_millis(1_700_000_000_123);
+        vec![
+            row("moon", "-14182940000", Expect::Delivered(Some(moon))),
+            row(
+                "max",
+                "9223372036854775807",
+                Expect::DeadLettered(&[OUTSIDE, "created_at is 9223372036854775807 milliseconds"]),
+            ),
+            row(
+                "min",
+                "-9223372036854775808",
+                Expect::DeadLettered(&[OUTSIDE]),
+            ),
+            row("far", "253402300800000", Expect::DeadLettered(&[OUTSIDE])),
+            row(
+                "text",
+                "'yesterday'",
+                Expect::DeadLettered(&["created_at is Text, not an integer"]),
+            ),
+            row("ok", "1700000000123", Expect::Delivered(Some(ok))),
+        ]
+    }
+
+    fn renamed_column(&self) -> RenamedColumn {
+        RenamedColumn {
+            what: "column mutation_id of table outbox is missing",
+            fix: "RENAME COLUMN",
+        }
+    }
+
     fn dead_rows(&self) -> BoxFuture<'_, Vec<DeadRow>> {
         let conn = self.conn.lock().unwrap();
         let mut stmt = conn
@@ -105,4 +155,8 @@ impl Harness for SqliteHarness {
     }
 }
 
-outbox_testkit::store_conformance!(new_harness);
+outbox_testkit::store_conformance!(new_harness;
+    long_keys: run,
+    owned_partitions: not_applicable("SQLite has no partition leases: the relays sharing a file claim under row leases"),
+    created_at: run,
+    renamed_column: run);

@@ -3,5 +3,4 @@
 
 mod bad_rows;
 mod conformance;
-mod long_keys;
 mod permissions;
