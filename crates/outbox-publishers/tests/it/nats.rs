@@ -6,38 +6,29 @@ use std::sync::Arc;
 use futures::future::BoxFuture;
 use futures::FutureExt;
 use outbox_publishers::{Sink, SinkConfig};
+use outbox_testkit::nats::{stream, PrivateNats};
 use outbox_testkit::publisher::{BrokerHarness, Received};
-use outbox_testkit::server::ServerProcess;
 
 struct NatsHarness {
-    server: ServerProcess,
+    server: PrivateNats,
     sink: Arc<dyn Sink>,
     subject: String,
     stream: String,
 }
 
-fn url(server: &ServerProcess) -> String {
-    format!("nats://127.0.0.1:{}", server.port)
+fn url(server: &PrivateNats) -> String {
+    server.url.clone()
 }
 
 async fn new_harness() -> NatsHarness {
-    let server = ServerProcess::start(
-        "nats-server",
-        &["-a", "127.0.0.1", "-p", "{port}", "-js", "-sd", "{dir}/js"],
-    );
     let id = uuid::Uuid::new_v4().simple().to_string();
     let subject = format!("orders.{id}");
     let stream = format!("S{id}");
-    let client = async_nats::connect(url(&server)).await.unwrap();
-    async_nats::jetstream::new(client)
-        .create_stream(async_nats::jetstream::stream::Config {
-            name: stream.clone(),
-            subjects: vec![subject.clone()],
-            storage: async_nats::jetstream::stream::StorageType::File,
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    let server = PrivateNats::with_stream(async_nats::jetstream::stream::Config {
+        storage: async_nats::jetstream::stream::StorageType::File,
+        ..self::stream(&stream, &[&subject])
+    })
+    .await;
     let config = SinkConfig::new(url(&server));
     let sink = outbox_publishers::build_sink("nats", &config)
         .await
@@ -182,40 +173,10 @@ async fn event_headers_type_and_key_travel_as_nats_headers() {
 async fn tls_is_verified_against_the_configured_ca() {
     outbox_testkit::install_crypto();
     let certs = outbox_testkit::server::test_certs();
-    let path = |f: &str| certs.path().join(f).display().to_string();
-    let server = ServerProcess::start(
-        "nats-server",
-        &[
-            "-a",
-            "127.0.0.1",
-            "-p",
-            "{port}",
-            "-js",
-            "-sd",
-            "{dir}/js",
-            "--tls",
-            "--tlscert",
-            &path("server.pem"),
-            "--tlskey",
-            &path("server.key"),
-        ],
-    );
-    let url = format!("tls://127.0.0.1:{}", server.port);
-    // Create the stream over TLS with a client that trusts the test CA.
-    let client = async_nats::ConnectOptions::new()
-        .add_root_certificates(certs.path().join("ca.pem"))
-        .require_tls(true)
-        .connect(&url)
-        .await
-        .unwrap();
-    async_nats::jetstream::new(client)
-        .create_stream(async_nats::jetstream::stream::Config {
-            name: "TLS".into(),
-            subjects: vec!["secure".into()],
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    let server = PrivateNats::with_tls(certs.path()).await;
+    let url = server.url.clone();
+    // The stream, made over TLS by a client that trusts the test CA.
+    server.add_stream(stream("TLS", &["secure"])).await;
     let config: SinkConfig = serde_json::from_value(serde_json::json!({
         "uri": url,
         "tls_ca_file": certs.path().join("ca.pem"),
@@ -254,7 +215,7 @@ async fn tls_is_verified_against_the_configured_ca() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_without_jetstream_is_a_setup_error() {
-    let server = ServerProcess::start("nats-server", &["-a", "127.0.0.1", "-p", "{port}"]);
+    let server = PrivateNats::without_jetstream().await;
     let err = match outbox_publishers::build_sink("nats", &SinkConfig::new(url(&server))).await {
         Ok(_) => panic!("a server without JetStream cannot take the relay's events"),
         Err(e) => e,
@@ -280,15 +241,10 @@ async fn a_subject_without_a_stream_fails_at_once_until_it_is_checked_again() {
     let kind = |mut outcomes: Vec<outbox_core::Outcome>| outcomes.remove(0).map_err(|e| e.kind());
     let missing = Err(outbox_core::PublishErrorKind::MissingTarget);
     assert_eq!(kind(send(1).await), missing);
-    let client = async_nats::connect(url(&harness.server)).await.unwrap();
-    async_nats::jetstream::new(client)
-        .create_stream(async_nats::jetstream::stream::Config {
-            name: "LATER".into(),
-            subjects: vec!["later.subject".into()],
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    harness
+        .server
+        .add_stream(stream("LATER", &["later.subject"]))
+        .await;
     // Found missing a moment ago: not published again yet.
     assert_eq!(kind(send(2).await), missing);
     tokio::time::sleep(outbox_publishers::nats::MISSING_STREAM_RECHECK).await;

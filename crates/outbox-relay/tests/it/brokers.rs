@@ -5,7 +5,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use outbox_testkit::eventually;
-use outbox_testkit::server::ServerProcess;
+use outbox_testkit::nats::{stream, PrivateNats};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::support::{RelayProcess, BIN};
@@ -40,19 +40,8 @@ async fn get(addr: &str, path: &str) -> Option<(u16, String)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routes_send_each_destination_to_its_sink_and_readyz_follows_the_broker() {
     outbox_testkit::install_crypto();
-    let nats = ServerProcess::start(
-        "nats-server",
-        &["-a", "127.0.0.1", "-p", "{port}", "-js", "-sd", "{dir}/js"],
-    );
-    let nats_url = format!("nats://127.0.0.1:{}", nats.port);
-    let js = async_nats::jetstream::new(async_nats::connect(&nats_url).await.unwrap());
-    js.create_stream(async_nats::jetstream::stream::Config {
-        name: "EVENTS".into(),
-        subjects: vec!["events.>".into()],
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    let nats = PrivateNats::with_stream(stream("EVENTS", &["events.>"])).await;
+    let (nats_url, js) = (nats.url.clone(), nats.js.clone());
 
     let dir = tempfile::tempdir().unwrap();
     let audit = dir.path().join("audit.jsonl");
@@ -228,19 +217,8 @@ sink = "audit"
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_while_publishing_to_jetstream_leaves_no_duplicate_in_the_stream() {
     outbox_testkit::install_crypto();
-    let nats = ServerProcess::start(
-        "nats-server",
-        &["-a", "127.0.0.1", "-p", "{port}", "-js", "-sd", "{dir}/js"],
-    );
-    let nats_url = format!("nats://127.0.0.1:{}", nats.port);
-    let js = async_nats::jetstream::new(async_nats::connect(&nats_url).await.unwrap());
-    js.create_stream(async_nats::jetstream::stream::Config {
-        name: "ORDERS".into(),
-        subjects: vec!["orders".into()],
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    let nats = PrivateNats::with_stream(stream("ORDERS", &["orders"])).await;
+    let (nats_url, js) = (nats.url.clone(), nats.js.clone());
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("o.db");
     let url = format!("sqlite:{}", db.display());

@@ -7,7 +7,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use outbox_testkit::server::{ScriptedServer, ServerProcess};
+use outbox_testkit::nats::{stream, PrivateNats};
+use outbox_testkit::server::ScriptedServer;
 use outbox_testkit::{eventually, query_count};
 use uuid::Uuid;
 
@@ -175,20 +176,12 @@ enum Faults {
 
 async fn scenario(ordering: &'static str, faults: Faults) {
     outbox_testkit::install_crypto();
-    let nats = ServerProcess::start(
-        "nats-server",
-        &["-a", "127.0.0.1", "-p", "{port}", "-js", "-sd", "{dir}/js"],
-    );
-    let nats_url = format!("nats://127.0.0.1:{}", nats.port);
-    let js = async_nats::jetstream::new(async_nats::connect(&nats_url).await.unwrap());
-    js.create_stream(async_nats::jetstream::stream::Config {
-        name: "ORDERS".into(),
-        subjects: vec!["orders".into()],
+    let nats = PrivateNats::with_stream(async_nats::jetstream::stream::Config {
         duplicate_window: Duration::from_secs(600),
-        ..Default::default()
+        ..stream("ORDERS", &["orders"])
     })
-    .await
-    .unwrap();
+    .await;
+    let (nats_url, js) = (nats.url.clone(), nats.js.clone());
     let database_url = match &faults {
         Faults::DatabaseRestart(server) => {
             format!("postgres://postgres@127.0.0.1:{}/postgres", server.port)

@@ -69,7 +69,7 @@ struct Node {
 /// The servers, the relays, a recorder of every message on the broker and the writers'
 /// database URL.
 struct Rig {
-    _nats: outbox_testkit::server::ServerProcess,
+    _nats: outbox_testkit::nats::PrivateNats,
     nats_url: String,
     database_url: String,
     js: jetstream::Context,
@@ -85,22 +85,13 @@ struct Rig {
 impl Rig {
     async fn start(nodes: usize) -> Rig {
         outbox_testkit::install_crypto();
-        let nats = outbox_testkit::server::ServerProcess::start(
-            "nats-server",
-            &["-a", "127.0.0.1", "-p", "{port}", "-js", "-sd", "{dir}/js"],
-        );
-        let nats_url = format!("nats://127.0.0.1:{}", nats.port);
-        let client = async_nats::connect(&nats_url).await.unwrap();
-        let js = jetstream::new(client.clone());
-        js.create_stream(jetstream::stream::Config {
-            name: "ORDERS".into(),
-            subjects: vec!["orders".into()],
+        let nats = outbox_testkit::nats::PrivateNats::with_stream(jetstream::stream::Config {
             duplicate_window: Duration::from_secs(3600),
-            ..Default::default()
+            ..outbox_testkit::nats::stream("ORDERS", &["orders"])
         })
-        .await
-        .unwrap();
-        let deliveries = Deliveries::record(&client, "orders").await;
+        .await;
+        let (nats_url, js) = (nats.url.clone(), nats.js.clone());
+        let deliveries = Deliveries::record(&nats.client, "orders").await;
         let database_url = outbox_testkit::fresh_pg_database().await;
         let migrated = Command::new(BIN)
             .args(["migrate", "--database-url", &database_url])

@@ -12,7 +12,7 @@ use std::time::Duration;
 use crate::support::{pg, RelayProcess, BIN};
 use mysql_async::prelude::Queryable;
 use outbox_testkit::eventually;
-use outbox_testkit::server::ServerProcess;
+use outbox_testkit::nats::{stream, PrivateNats};
 
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -20,7 +20,7 @@ struct Harness {
     dir: tempfile::TempDir,
     url: String,
     db: Option<tokio_postgres::Client>,
-    _nats: ServerProcess,
+    _nats: PrivateNats,
     nats_url: String,
     js: async_nats::jetstream::Context,
 }
@@ -47,19 +47,8 @@ impl Harness {
     /// NATS and a working directory for a relay on the database at `url`.
     async fn on(url: String) -> Harness {
         outbox_testkit::install_crypto();
-        let nats = ServerProcess::start(
-            "nats-server",
-            &["-a", "127.0.0.1", "-p", "{port}", "-js", "-sd", "{dir}/js"],
-        );
-        let nats_url = format!("nats://127.0.0.1:{}", nats.port);
-        let js = async_nats::jetstream::new(async_nats::connect(&nats_url).await.unwrap());
-        js.create_stream(async_nats::jetstream::stream::Config {
-            name: "SEED".into(),
-            subjects: vec!["seed.>".into()],
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+        let nats = PrivateNats::with_stream(stream("SEED", &["seed.>"])).await;
+        let (nats_url, js) = (nats.url.clone(), nats.js.clone());
         Harness {
             dir: tempfile::tempdir().unwrap(),
             url,
@@ -867,13 +856,9 @@ async fn an_infinite_created_at_on_a_seed_table_dead_letters_its_row_and_the_res
 async fn a_debezium_outbox_table_keeps_its_inserts_and_goes_to_debeziums_topics() {
     const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
     let h = Harness::new(include_str!("../fixtures/seeds/debezium.sql")).await;
-    h.js.create_stream(async_nats::jetstream::stream::Config {
-        name: "DEBEZIUM".into(),
-        subjects: vec!["outbox.event.>".into()],
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    h._nats
+        .add_stream(stream("DEBEZIUM", &["outbox.event.>"]))
+        .await;
     // Written before the relay's migration.
     h.pg()
         .batch_execute(

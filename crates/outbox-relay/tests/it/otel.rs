@@ -10,8 +10,8 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use outbox_testkit::nats::{stream, PrivateNats};
 use outbox_testkit::otlp::{attribute, hex, OtlpReceiver, ReceivedSpan};
-use outbox_testkit::server::ServerProcess;
 use outbox_testkit::{eventually, fresh_pg_database, wait_for_count};
 
 use crate::support;
@@ -108,7 +108,7 @@ const BATCH_THREAD: &str = "OpenTelemetry.T"; // "OpenTelemetry.Traces.BatchProc
 
 /// A private nats-server with a stream over `otel.>`, and every message published on it.
 struct Nats {
-    _server: ServerProcess,
+    _server: PrivateNats,
     url: String,
     messages: Arc<Mutex<Vec<async_nats::Message>>>,
     task: tokio::task::JoinHandle<()>,
@@ -116,28 +116,9 @@ struct Nats {
 
 impl Nats {
     async fn start() -> Nats {
-        let server = ServerProcess::start(
-            "nats-server",
-            &["-a", "127.0.0.1", "-p", "{port}", "-js", "-sd", "{dir}/js"],
-        );
-        let url = format!("nats://127.0.0.1:{}", server.port);
-        let client = eventually(
-            "nats-server to accept clients",
-            Duration::from_secs(10),
-            || {
-                let url = url.clone();
-                async move { async_nats::connect(&url).await.ok() }
-            },
-        )
-        .await;
-        let js = async_nats::jetstream::new(client.clone());
-        js.create_stream(async_nats::jetstream::stream::Config {
-            name: "OTEL".into(),
-            subjects: vec!["otel.>".into()],
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+        let server = PrivateNats::with_stream(stream("OTEL", &["otel.>"])).await;
+        let url = server.url.clone();
+        let client = server.client.clone();
         let mut subscriber = client.subscribe("otel.>").await.unwrap();
         client.flush().await.unwrap();
         let messages = Arc::new(Mutex::new(Vec::new()));

@@ -947,29 +947,19 @@ async fn a_broker_outage_mid_stream_loses_nothing_and_keeps_order() {
 /// A NATS JetStream server of the test's own with the stream `ORDERS` (subject `orders`), a
 /// recorder of what is published on it, and a fault proxy in front of it: the relay's URL.
 async fn nats_behind_a_proxy() -> (
-    outbox_testkit::server::ServerProcess,
+    outbox_testkit::nats::PrivateNats,
     Deliveries,
     outbox_testkit::FaultProxy,
     String,
 ) {
-    use async_nats::jetstream;
-    outbox_testkit::install_crypto();
-    let nats = outbox_testkit::server::ServerProcess::start(
-        "nats-server",
-        &["-a", "127.0.0.1", "-p", "{port}", "-js", "-sd", "{dir}/js"],
-    );
-    let nats_url = format!("nats://127.0.0.1:{}", nats.port);
-    let client = async_nats::connect(&nats_url).await.unwrap();
-    jetstream::new(client.clone())
-        .create_stream(jetstream::stream::Config {
-            name: "ORDERS".into(),
-            subjects: vec!["orders".into()],
-            duplicate_window: Duration::from_secs(3600),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    let deliveries = Deliveries::record(&client, "orders").await;
+    use outbox_testkit::nats::{stream, PrivateNats};
+    let nats = PrivateNats::with_stream(async_nats::jetstream::stream::Config {
+        duplicate_window: Duration::from_secs(3600),
+        ..stream("ORDERS", &["orders"])
+    })
+    .await;
+    let nats_url = nats.url.clone();
+    let deliveries = Deliveries::record(&nats.client, "orders").await;
     let (proxy, broker_url) = outbox_testkit::FaultProxy::start_for_url(&nats_url)
         .await
         .unwrap();
