@@ -41,12 +41,27 @@ async fn get(addr: &str, path: &str) -> Option<(u16, String)> {
 async fn routes_send_each_destination_to_its_sink_and_readyz_follows_the_broker() {
     outbox_testkit::install_crypto();
     let nats = PrivateNats::with_stream(stream("EVENTS", &["events.>"])).await;
-    let (nats_url, js) = (nats.url.clone(), nats.js.clone());
-
     let dir = tempfile::tempdir().unwrap();
     let audit = dir.path().join("audit.jsonl");
+    write_routes_to_nats_and_a_file(dir.path(), &nats.url, &audit);
+    send_to_routed_and_unrouted_destinations(dir.path());
+    let log = dir.path().join("relay.log");
+    let mut relay_process = RelayProcess::spawn(dir.path(), "relay", &["run"], &[]);
+
+    each_routed_event_reaches_its_sink(&nats.js, &audit).await;
+    the_unrouted_destination_is_retried_then_dead_lettered(&dir.path().join("o.db")).await;
+    let addr = readyz_follows_the_broker(&log, &nats).await;
+    the_counters_move_once_the_settles_commit(&addr).await;
+
+    let status = relay_process.terminate().await;
+    assert!(status.success());
+}
+
+/// Sinks `nats` and `audit` (a file), routes `orders.*` to NATS under `events.`, `audit` to
+/// the file, and nothing for other destinations.
+fn write_routes_to_nats_and_a_file(dir: &Path, nats_url: &str, audit: &Path) {
     std::fs::write(
-        dir.path().join("outbox-relay.toml"),
+        dir.join("outbox-relay.toml"),
         format!(
             r#"
 database_url = "sqlite:{db}"
@@ -72,11 +87,14 @@ target = "events.{{destination}}"
 destinations = "audit"
 sink = "audit"
 "#,
-            db = dir.path().join("o.db").display(),
+            db = dir.join("o.db").display(),
             audit = audit.display(),
         ),
     )
     .unwrap();
+}
+
+fn send_to_routed_and_unrouted_destinations(dir: &Path) {
     for (destination, key) in [
         ("orders.eu", "c1"),
         ("orders.eu", "c2"),
@@ -85,7 +103,7 @@ sink = "audit"
         ("invoices", "i"),
     ] {
         let out = relay(
-            dir.path(),
+            dir,
             &[
                 "send",
                 "--destination",
@@ -101,9 +119,9 @@ sink = "audit"
             String::from_utf8_lossy(&out.stderr)
         );
     }
-    let log = dir.path().join("relay.log");
-    let mut relay_process = RelayProcess::spawn(dir.path(), "relay", &["run"], &[]);
+}
 
+async fn each_routed_event_reaches_its_sink(js: &async_nats::jetstream::Context, audit: &Path) {
     let mut stream = js.get_stream("EVENTS").await.unwrap();
     eventually(
         "three order events in JetStream",
@@ -142,11 +160,12 @@ sink = "audit"
         },
     )
     .await;
+}
 
-    // The unrouted destination is retried, then dead-lettered with the reason.
-    let db = dir.path().join("o.db");
+/// The unrouted destination is retried, then dead-lettered with the reason.
+async fn the_unrouted_destination_is_retried_then_dead_lettered(db: &Path) {
     let dead = eventually("the unrouted event to be dead-lettered", Duration::from_secs(30), || {
-        let conn = rusqlite::Connection::open(&db).unwrap();
+        let conn = rusqlite::Connection::open(db).unwrap();
         let row: Option<(i64, String)> = conn
             .query_row("SELECT attempts, last_error FROM outbox_dead_letters WHERE destination = 'invoices'", [], |r| {
                 Ok((r.get(0)?, r.get(1)?))
@@ -161,13 +180,15 @@ sink = "audit"
         "{}",
         dead.1
     );
+}
 
-    // /readyz follows the broker.
+/// /readyz follows the broker.
+async fn readyz_follows_the_broker(log: &Path, nats: &PrivateNats) -> String {
     let addr = eventually(
         "the HTTP address in the log",
         Duration::from_secs(10),
         || {
-            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            let text = std::fs::read_to_string(log).unwrap_or_default();
             let addr = text
                 .lines()
                 .find(|l| l.contains("HTTP endpoints"))
@@ -198,20 +219,21 @@ sink = "audit"
         async move { get(&addr, "/readyz").await.filter(|(s, _)| *s == 200) }
     })
     .await;
-    // The counters move when the settle statements commit, after the sinks received.
+    addr
+}
+
+/// The counters move when the settle statements commit, after the sinks received.
+async fn the_counters_move_once_the_settles_commit(addr: &str) {
     let published = "outbox_events_published_total{destination=\"orders.eu\"} 2";
     let dead = "outbox_events_dead_lettered_total{destination=\"invoices\"} 1";
     eventually("the counters in /metrics", Duration::from_secs(30), || {
-        let addr = addr.clone();
+        let addr = addr.to_string();
         async move {
             let metrics = get(&addr, "/metrics").await?.1;
             (metrics.contains(published) && metrics.contains(dead)).then_some(())
         }
     })
     .await;
-
-    let status = relay_process.terminate().await;
-    assert!(status.success());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

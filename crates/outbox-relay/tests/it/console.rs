@@ -237,10 +237,23 @@ fn ids(page: &Value) -> Vec<i64> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_admin_api_reports_and_acts_on_postgres_and_nats() {
     let w = World::start(Some(TOKEN)).await;
+    status_shows_the_backlog_nodes_partitions_and_redacted_settings(&w).await;
+    rates_and_history_follow_the_samples(&w).await;
+    dead_letters_are_filtered_and_paged(&w).await;
+    one_event_shows_its_payload_and_headers(&w).await;
+    bad_input_is_a_400_or_404_with_a_message(&w).await;
+    mutations_need_the_token_and_refuse_bad_input(&w).await;
+    a_retried_dead_letter_reaches_the_broker_once_its_stream_exists(&w).await;
+    the_other_is_purged_by_destination(&w).await;
+    the_retained_events_are_replayed_to_the_broker(&w).await;
+    every_mutation_is_logged(&w).await;
+    w.close().await;
+}
+
+/// Status: backlog per destination, this node with its partitions, settings redacted.
+async fn status_shows_the_backlog_nodes_partitions_and_redacted_settings(w: &World) {
     let api = &w.api;
     let late = w.late_destination();
-
-    // Status: backlog per destination, this node with its partitions, settings redacted.
     let s = api.status().await;
     assert_eq!(s["version"], env!("CARGO_PKG_VERSION"));
     // The commit the binary was built from (build.rs), as `--version` shows it.
@@ -286,7 +299,11 @@ async fn the_admin_api_reports_and_acts_on_postgres_and_nats() {
         s["settings"]["database_url"],
         outbox_core::redact::redact_url(&w.database_url)
     );
-    // Rates appear once the history has two samples.
+}
+
+/// Rates appear once the history has two samples.
+async fn rates_and_history_follow_the_samples(w: &World) {
+    let api = &w.api;
     let rated = w
         .until("publish rates", |s| {
             s["rates"]["published_per_second"].is_number()
@@ -307,8 +324,12 @@ async fn the_admin_api_reports_and_acts_on_postgres_and_nats() {
         .unwrap()
         .iter()
         .all(|s| s["at"].as_u64().unwrap() > last_at));
+}
 
-    // Dead letters: filters and pages.
+/// Dead letters: filters and pages.
+async fn dead_letters_are_filtered_and_paged(w: &World) {
+    let api = &w.api;
+    let late = w.late_destination();
     let path = |q: &str| format!("/api/v1/dead-letters?{q}");
     let (code, all) = api.get(&path(&format!("destination={late}"))).await;
     assert_eq!(code, 200, "{all}");
@@ -328,8 +349,11 @@ async fn the_admin_api_reports_and_acts_on_postgres_and_nats() {
         .get(&path(&format!("limit=1&after={}", w.late[0].seq)))
         .await;
     assert_eq!(ids(&second), vec![w.late[1].seq]);
+}
 
-    // One event, with its payload and headers.
+/// One event, with its payload and headers.
+async fn one_event_shows_its_payload_and_headers(w: &World) {
+    let api = &w.api;
     let (code, e) = api.get(&format!("/api/v1/events/{}", w.late[1].seq)).await;
     assert_eq!(code, 200, "{e}");
     assert_eq!(e["state"], "dead");
@@ -339,8 +363,11 @@ async fn the_admin_api_reports_and_acts_on_postgres_and_nats() {
     assert_eq!(e["payload"], w.late[1].payload);
     let (_, delivered) = api.get(&format!("/api/v1/events/{}", w.ok[0].seq)).await;
     assert_eq!(delivered["state"], "delivered");
+}
 
-    // Bad input is a 400 (or 404) with a message, never a panic.
+/// Bad input is a 400 (or 404) with a message, never a panic.
+async fn bad_input_is_a_400_or_404_with_a_message(w: &World) {
+    let api = &w.api;
     for (path, expected) in [
         ("/api/v1/events/abc", 400),
         ("/api/v1/events/-1", 400),
@@ -361,8 +388,11 @@ async fn the_admin_api_reports_and_acts_on_postgres_and_nats() {
             "{path}: {body}"
         );
     }
+}
 
-    // Mutations need the token.
+/// Mutations need the token.
+async fn mutations_need_the_token_and_refuse_bad_input(w: &World) {
+    let api = &w.api;
     let retry = "/api/v1/dead-letters/retry";
     let one = json!({ "ids": [w.late[0].seq] }).to_string();
     let (code, body) = api.post(retry, &one, None).await;
@@ -387,8 +417,13 @@ async fn the_admin_api_reports_and_acts_on_postgres_and_nats() {
     }
     // Nothing was retried by any of that.
     assert_eq!(api.status().await["backlog"]["dead"], 2);
+}
 
-    // Retry one: once its stream exists, it reaches the broker.
+/// Retry one: once its stream exists, it reaches the broker.
+async fn a_retried_dead_letter_reaches_the_broker_once_its_stream_exists(w: &World) {
+    let api = &w.api;
+    let retry = "/api/v1/dead-letters/retry";
+    let one = json!({ "ids": [w.late[0].seq] }).to_string();
     let stream = w.open_late_stream().await;
     let (code, body) = api.post(retry, &one, Some(TOKEN)).await;
     assert_eq!(code, 200, "{body}");
@@ -405,8 +440,12 @@ async fn the_admin_api_reports_and_acts_on_postgres_and_nats() {
         (e["state"] == "delivered").then_some(())
     })
     .await;
+}
 
-    // Purge the other, by destination.
+/// Purge the other, by destination.
+async fn the_other_is_purged_by_destination(w: &World) {
+    let api = &w.api;
+    let late = w.late_destination();
     let purge = "/api/v1/dead-letters/purge";
     let (code, body) = api
         .post(
@@ -421,8 +460,11 @@ async fn the_admin_api_reports_and_acts_on_postgres_and_nats() {
     assert!(ids(&empty).is_empty());
     let (code, _) = api.get(&format!("/api/v1/events/{}", w.late[1].seq)).await;
     assert_eq!(code, 404);
+}
 
-    // Replay the retained .ok events: the broker sees them again.
+/// Replay the retained .ok events: the broker sees them again.
+async fn the_retained_events_are_replayed_to_the_broker(w: &World) {
+    let api = &w.api;
     let subject = format!("{}.ok", w.prefix);
     let seen = Deliveries::record(&w.nats, &subject).await;
     let body = json!({ "since": "1h", "destination": subject }).to_string();
@@ -444,8 +486,10 @@ async fn the_admin_api_reports_and_acts_on_postgres_and_nats() {
         async move { done.then_some(()) }
     })
     .await;
+}
 
-    // Every mutation was logged with what it did.
+/// Every mutation was logged with what it did.
+async fn every_mutation_is_logged(w: &World) {
     let logs = w.relay.logs();
     for what in [
         "admin API: dead letters retried",
@@ -454,7 +498,6 @@ async fn the_admin_api_reports_and_acts_on_postgres_and_nats() {
     ] {
         assert!(logs.contains(what), "{what} not logged");
     }
-    w.close().await;
 }
 
 /// The zero-config default: SQLite, a file sink, no token. The API reads; mutations are

@@ -590,94 +590,149 @@ async fn a_real_prometheus_scraping_relays_has_every_metric_the_dashboard_and_th
     let prometheus_bin = installed("prometheus", PROMETHEUS_PACKAGE);
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-
-    // A polling relay in ordered mode (partitions, nodes) writing to a file.
-    let url = fresh_pg_database().await;
-    succeeded(
-        "migrate",
-        &relay(d, &["migrate", "--database-url", &url, "--partitions", "4"]),
-    );
-    let out_dir = d.join("out");
-    std::fs::create_dir(&out_dir).unwrap();
-    let events = out_dir.join("events.jsonl");
-    let sink = format!("file:{}", events.display());
-    let mut polling = RelayProcess::spawn(
-        d,
-        "polling",
-        &[
-            "run",
-            "--database-url",
-            &url,
-            "--sink",
-            &sink,
-            "--http-addr",
-            "127.0.0.1:0",
-            "--log-format",
-            "json",
-            "--poll-interval",
-            "100ms",
-            "--heartbeat-interval",
-            "500ms",
-            "--max-attempts",
-            "2",
-            "--retry-base-delay",
-            "50ms",
-            "--retry-max-delay",
-            "100ms",
-        ],
-        &[],
-    );
-    let polling_addr = http_addr(&polling).await;
-
-    // A relay reading the WAL of a database of its own, through a slot of its own.
-    let wal_url = fresh_pg_database().await;
-    let slot = outbox_testkit::SlotGuard {
-        url: wal_url.clone(),
-        slot: format!("t_{}", uuid::Uuid::new_v4().simple()),
-    };
-    succeeded(
-        "migrate --capture wal",
-        &relay(
-            d,
-            &["migrate", "--database-url", &wal_url, "--capture", "wal"],
-        ),
-    );
-    let wal_events = d.join("wal-events.jsonl");
-    let wal_sink = format!("file:{}", wal_events.display());
-    let mut wal = RelayProcess::spawn(
-        d,
-        "wal",
-        &[
-            "run",
-            "--database-url",
-            &wal_url,
-            "--capture",
-            "wal",
-            "--slot",
-            &slot.slot,
-            "--sink",
-            &wal_sink,
-            "--http-addr",
-            "127.0.0.1:0",
-            "--log-format",
-            "json",
-        ],
-        &[],
-    );
-    let wal_addr = http_addr(&wal).await;
-
+    let mut polling = PollingRelay::start(d).await;
+    let mut wal = WalRelay::start(d).await;
     let prom_dir = d.join("prometheus");
     std::fs::create_dir(&prom_dir).unwrap();
     let mut prometheus =
-        Prometheus::start(&prometheus_bin, &prom_dir, &[&polling_addr, &wal_addr]).await;
+        Prometheus::start(&prometheus_bin, &prom_dir, &[&polling.addr, &wal.addr]).await;
 
+    both_relays_are_scraped_with_no_dead_letters_yet(&prometheus).await;
+    traffic_makes_every_series(&polling, &wal).await;
+    let alert_queries = the_shipped_rules_load_and_evaluate(&prometheus).await;
+    the_alerts_follow_the_relays_series(&prometheus, &polling.addr).await;
+    every_metric_the_dashboard_and_the_alerts_use_exists(&prometheus, &alert_queries).await;
+
+    prometheus.stop().await;
+    wal.process.terminate().await;
+    polling.process.terminate().await;
+    drop(wal.slot);
+}
+
+/// A polling relay in ordered mode (partitions, nodes) writing to a file.
+struct PollingRelay {
+    url: String,
+    out_dir: std::path::PathBuf,
+    events: std::path::PathBuf,
+    process: RelayProcess,
+    addr: String,
+}
+
+impl PollingRelay {
+    async fn start(d: &Path) -> PollingRelay {
+        let url = fresh_pg_database().await;
+        succeeded(
+            "migrate",
+            &relay(d, &["migrate", "--database-url", &url, "--partitions", "4"]),
+        );
+        let out_dir = d.join("out");
+        std::fs::create_dir(&out_dir).unwrap();
+        let events = out_dir.join("events.jsonl");
+        let sink = format!("file:{}", events.display());
+        let polling = RelayProcess::spawn(
+            d,
+            "polling",
+            &[
+                "run",
+                "--database-url",
+                &url,
+                "--sink",
+                &sink,
+                "--http-addr",
+                "127.0.0.1:0",
+                "--log-format",
+                "json",
+                "--poll-interval",
+                "100ms",
+                "--heartbeat-interval",
+                "500ms",
+                "--max-attempts",
+                "2",
+                "--retry-base-delay",
+                "50ms",
+                "--retry-max-delay",
+                "100ms",
+            ],
+            &[],
+        );
+        let polling_addr = http_addr(&polling).await;
+
+        PollingRelay {
+            url,
+            out_dir,
+            events,
+            process: polling,
+            addr: polling_addr,
+        }
+    }
+}
+
+/// A relay reading the WAL of a database of its own, through a slot of its own.
+struct WalRelay {
+    url: String,
+    slot: outbox_testkit::SlotGuard,
+    events: std::path::PathBuf,
+    process: RelayProcess,
+    addr: String,
+}
+
+impl WalRelay {
+    async fn start(d: &Path) -> WalRelay {
+        let wal_url = fresh_pg_database().await;
+        let slot = outbox_testkit::SlotGuard {
+            url: wal_url.clone(),
+            slot: format!("t_{}", uuid::Uuid::new_v4().simple()),
+        };
+        succeeded(
+            "migrate --capture wal",
+            &relay(
+                d,
+                &["migrate", "--database-url", &wal_url, "--capture", "wal"],
+            ),
+        );
+        let wal_events = d.join("wal-events.jsonl");
+        let wal_sink = format!("file:{}", wal_events.display());
+        let wal = RelayProcess::spawn(
+            d,
+            "wal",
+            &[
+                "run",
+                "--database-url",
+                &wal_url,
+                "--capture",
+                "wal",
+                "--slot",
+                &slot.slot,
+                "--sink",
+                &wal_sink,
+                "--http-addr",
+                "127.0.0.1:0",
+                "--log-format",
+                "json",
+            ],
+            &[],
+        );
+        let wal_addr = http_addr(&wal).await;
+
+        WalRelay {
+            url: wal_url,
+            slot,
+            events: wal_events,
+            process: wal,
+            addr: wal_addr,
+        }
+    }
+}
+
+/// Both relays are scraped, and Prometheus has seen the outbox without dead letters.
+async fn both_relays_are_scraped_with_no_dead_letters_yet(prometheus: &Prometheus) {
     // Both relays are scraped.
     eventually_explained(
         "Prometheus to scrape both relays",
         Duration::from_secs(60),
         || prometheus.logs(),
         || {
-            let prometheus = &prometheus;
+            let prometheus = &*prometheus;
             async move {
                 let targets = prometheus.api("targets").await;
                 let up = targets["activeTargets"]
@@ -699,7 +754,7 @@ async fn a_real_prometheus_scraping_relays_has_every_metric_the_dashboard_and_th
         Duration::from_secs(60),
         || prometheus.logs(),
         || {
-            let prometheus = &prometheus;
+            let prometheus = &*prometheus;
             async move {
                 (!prometheus
                     .query("outbox_dead_letter_events == 0")
@@ -710,7 +765,14 @@ async fn a_real_prometheus_scraping_relays_has_every_metric_the_dashboard_and_th
         },
     )
     .await;
+}
 
+/// Traffic, so that every series exists.
+async fn traffic_makes_every_series(polling: &PollingRelay, wal: &WalRelay) {
+    let (url, events, out_dir) = (&polling.url, &polling.events, &polling.out_dir);
+    let (polling_addr, polling) = (&polling.addr, &polling.process);
+    let (wal_url, wal_events) = (&wal.url, &wal.events);
+    let (wal_addr, wal) = (&wal.addr, &wal.process);
     // Traffic, so that every series exists: deliveries, a failing sink (a retry, then a dead
     // letter), and a failed database operation.
     insert_events(&url, 5).await;
@@ -741,7 +803,10 @@ async fn a_real_prometheus_scraping_relays_has_every_metric_the_dashboard_and_th
     )
     .await;
     wait_for_metric(&wal, &wal_addr, "outbox_wal_slot_lag_bytes").await;
+}
 
+/// The shipped rules are loaded and evaluate without error; returns their queries.
+async fn the_shipped_rules_load_and_evaluate(prometheus: &Prometheus) -> Vec<String> {
     // The shipped rules are loaded and evaluate without error.
     let rules_file = std::fs::read_to_string(alerts_file()).unwrap();
     let shipped: BTreeSet<String> = alert_names(&rules_file).into_iter().collect();
@@ -750,7 +815,7 @@ async fn a_real_prometheus_scraping_relays_has_every_metric_the_dashboard_and_th
         Duration::from_secs(60),
         || prometheus.logs(),
         || {
-            let (prometheus, shipped) = (&prometheus, &shipped);
+            let (prometheus, shipped) = (&*prometheus, &shipped);
             async move {
                 let groups = prometheus.api("rules").await;
                 let rules: Vec<serde_json::Value> = groups["groups"]
@@ -782,6 +847,11 @@ async fn a_real_prometheus_scraping_relays_has_every_metric_the_dashboard_and_th
     )
     .await;
 
+    alert_queries
+}
+
+/// The dead letter fires its alert; the liveness, ownership and WAL alerts stay quiet.
+async fn the_alerts_follow_the_relays_series(prometheus: &Prometheus, polling_addr: &str) {
     // On the relays' real series: the dead letter fires its alert; both relays count as live
     // nodes and every partition has an owner, so those alerts are not even pending.
     let firing = eventually_explained(
@@ -789,7 +859,7 @@ async fn a_real_prometheus_scraping_relays_has_every_metric_the_dashboard_and_th
         Duration::from_secs(60),
         || prometheus.logs(),
         || {
-            let prometheus = &prometheus;
+            let prometheus = &*prometheus;
             async move {
                 let alerts = prometheus.api("alerts").await;
                 alerts["alerts"]
@@ -840,7 +910,13 @@ async fn a_real_prometheus_scraping_relays_has_every_metric_the_dashboard_and_th
             "{alert}"
         );
     }
+}
 
+/// The dashboard's queries are valid PromQL, and every metric they or the alerts name exists.
+async fn every_metric_the_dashboard_and_the_alerts_use_exists(
+    prometheus: &Prometheus,
+    alert_queries: &[String],
+) {
     // The dashboard's queries are valid PromQL (with Grafana's variables filled in).
     let dashboard: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dashboard_file()).unwrap()).unwrap();
@@ -855,7 +931,7 @@ async fn a_real_prometheus_scraping_relays_has_every_metric_the_dashboard_and_th
 
     // Every metric they name exists in Prometheus.
     let mut wanted: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    for (source, exprs) in [("alert rule", &alert_queries), ("dashboard", &exprs)] {
+    for (source, exprs) in [("alert rule", alert_queries), ("dashboard", &exprs[..])] {
         for expr in exprs {
             for name in metric_names(expr) {
                 wanted
@@ -885,7 +961,7 @@ async fn a_real_prometheus_scraping_relays_has_every_metric_the_dashboard_and_th
     }
     let missing = || {
         let wanted = &wanted;
-        let prometheus = &prometheus;
+        let prometheus = &*prometheus;
         async move {
             let have = prometheus.names().await;
             wanted
@@ -910,9 +986,4 @@ async fn a_real_prometheus_scraping_relays_has_every_metric_the_dashboard_and_th
             missing().await.join("\n")
         );
     }
-
-    prometheus.stop().await;
-    wal.terminate().await;
-    polling.terminate().await;
-    drop(slot);
 }

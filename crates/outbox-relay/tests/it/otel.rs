@@ -217,7 +217,22 @@ async fn trace_context_reaches_nats_and_the_relays_spans_link_to_it() {
         ],
     );
 
-    // The consumer sees the context the row carried, under the W3C names.
+    the_consumer_sees_the_context_each_row_carried(&nats, &relay).await;
+    the_ack_is_recorded_before_the_shutdown_flushes_the_spans(&url, &collector, &mut relay).await;
+    let spans = what_the_exporter_sent_is_what_a_collector_takes(&collector);
+    publish_spans_follow_the_conventions_with_a_link_per_trace(&spans, &ids);
+    claim_and_ack_spans_count_every_event(&spans);
+
+    let logs = relay.logs();
+    assert_eq!(
+        logs.matches("traceparent is malformed").count(),
+        1,
+        "the malformed value is reported once:\n{logs}"
+    );
+}
+
+/// The consumer sees the context the row carried, under the W3C names.
+async fn the_consumer_sees_the_context_each_row_carried(nats: &Nats, relay: &RelayProcess) {
     let messages = nats.wait_for(4).await;
     let by_key: BTreeMap<String, &async_nats::Message> = messages
         .iter()
@@ -254,9 +269,15 @@ async fn trace_context_reaches_nats_and_the_relays_spans_link_to_it() {
         "the exporter runs: {:?}",
         threads(&relay.pid())
     );
+}
 
-    // The ack of the batch is recorded before the shutdown flushes the spans.
-    let client = pg(&url).await;
+/// The ack of the batch is recorded before the shutdown flushes the spans.
+async fn the_ack_is_recorded_before_the_shutdown_flushes_the_spans(
+    url: &str,
+    collector: &OtlpReceiver,
+    relay: &mut RelayProcess,
+) {
+    let client = pg(url).await;
     wait_for_count(
         "the outbox to empty",
         &client,
@@ -271,8 +292,10 @@ async fn trace_context_reaches_nats_and_the_relays_spans_link_to_it() {
     );
     let status = relay.terminate().await;
     assert!(status.success(), "{status:?}\n{}", relay.logs());
+}
 
-    // What the exporter sent is what a collector takes.
+/// What the exporter sent is what a collector takes.
+fn what_the_exporter_sent_is_what_a_collector_takes(collector: &OtlpReceiver) -> Vec<ReceivedSpan> {
     let received = collector.received();
     assert!(!received.is_empty(), "spans were flushed at shutdown");
     for r in &received {
@@ -289,7 +312,14 @@ async fn trace_context_reaches_nats_and_the_relays_spans_link_to_it() {
         .iter()
         .all(|s| s.service.as_deref() == Some("relay-under-test")));
 
-    // Publish spans: the messaging conventions, and a link per producing trace.
+    spans
+}
+
+/// Publish spans: the messaging conventions, and a link per producing trace.
+fn publish_spans_follow_the_conventions_with_a_link_per_trace(
+    spans: &[ReceivedSpan],
+    ids: &BTreeMap<String, String>,
+) {
     let publishes: Vec<&ReceivedSpan> = spans
         .iter()
         .filter(|s| s.name() == "publish otel.orders")
@@ -338,7 +368,10 @@ async fn trace_context_reaches_nats_and_the_relays_spans_link_to_it() {
         linked, expected,
         "one link per valid traceparent, none for the others"
     );
+}
 
+/// Claim and ack spans count every event once.
+fn claim_and_ack_spans_count_every_event(spans: &[ReceivedSpan]) {
     let claimed: usize = spans
         .iter()
         .filter(|s| s.name() == "claim outbox")
@@ -369,13 +402,6 @@ async fn trace_context_reaches_nats_and_the_relays_spans_link_to_it() {
         })
         .sum();
     assert_eq!(acked, 4);
-
-    let logs = relay.logs();
-    assert_eq!(
-        logs.matches("traceparent is malformed").count(),
-        1,
-        "the malformed value is reported once:\n{logs}"
-    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -58,8 +58,25 @@ async fn outboxes_on_three_databases_relay_side_by_side_each_with_its_own_label_
     let d = dir.path();
     let postgres = outbox_testkit::fresh_pg_database().await;
     let mariadb = outbox_testkit::fresh_mysql_database().await;
-    // Each outbox its own database, layout, tables, sinks and routes; `batch_size` is
-    // inherited from the top level, `retry` replaced whole for one outbox.
+    write_three_outboxes(d, &postgres, &mariadb);
+    migrate_migrates_each_under_its_name(d, &postgres).await;
+    send_to_each(d);
+    commands_on_one_outbox_need_its_name(d);
+
+    let mut process = RelayProcess::spawn(d, "relay", &["run"], &[]);
+    each_outbox_delivers_in_key_order(d).await;
+    let addr = http_addr(&process).await;
+    one_endpoint_labels_every_series_with_its_outbox(&addr).await;
+    the_index_lists_them_and_each_console_is_under_its_name(&addr).await;
+    the_billing_dashboard_reads_billings_api_in_a_browser(&addr).await;
+
+    let status = process.terminate().await;
+    assert!(status.success(), "{}", process.logs());
+}
+
+/// Each outbox its own database, layout, tables, sinks and routes; `batch_size` is
+/// inherited from the top level, `retry` replaced whole for one outbox.
+fn write_three_outboxes(d: &Path, postgres: &str, mariadb: &str) {
     let config = format!(
         r#"
 http_addr = "127.0.0.1:0"
@@ -96,8 +113,10 @@ sink = "file:local.jsonl"
 "#
     );
     std::fs::write(d.join("outbox-relay.toml"), config).unwrap();
+}
 
-    // `migrate` without --outbox migrates each, under a heading of its name.
+/// `migrate` without --outbox migrates each, under a heading of its name.
+async fn migrate_migrates_each_under_its_name(d: &Path, postgres: &str) {
     let migrated = relay(d, &["migrate"]);
     assert!(migrated.status.success(), "{}", text(&migrated.stderr));
     let out = text(&migrated.stdout);
@@ -105,11 +124,13 @@ sink = "file:local.jsonl"
         assert!(out.contains(&format!("-- outbox {name}")), "{out}");
     }
     // The custom table names are the ones created.
-    let pg = support::pg(&postgres).await;
+    let pg = support::pg(postgres).await;
     pg.query_one("SELECT count(*) FROM public.orders_outbox", &[])
         .await
         .unwrap();
+}
 
+fn send_to_each(d: &Path) {
     for i in 0..3 {
         send(d, "orders", "orders.created", &format!("o{i}"), "{\"n\":1}");
         send(d, "local", "local.events", "k", &format!("{{\"n\":{i}}}"));
@@ -117,8 +138,10 @@ sink = "file:local.jsonl"
     send(d, "billing", "ledger.entries", "acct-1", "{\"cents\":100}");
     send(d, "billing", "ledger.entries", "acct-1", "{\"cents\":200}");
     send(d, "billing", "invoices", "inv-1", "{\"total\":3}");
+}
 
-    // A command that acts on one outbox needs --outbox, and says which exist.
+/// A command that acts on one outbox needs --outbox, and says which exist.
+fn commands_on_one_outbox_need_its_name(d: &Path) {
     let ambiguous = relay(d, &["dead", "list"]);
     assert_eq!(ambiguous.status.code(), Some(2));
     assert!(
@@ -139,8 +162,9 @@ sink = "file:local.jsonl"
     let stats = text(&stats.stdout);
     assert!(stats.contains("== outbox billing =="), "{stats}");
     assert!(stats.contains("ledger.entries"), "{stats}");
+}
 
-    let mut process = RelayProcess::spawn(d, "relay", &["run"], &[]);
+async fn each_outbox_delivers_in_key_order(d: &Path) {
     wait_for_lines_in(&d.join("orders.jsonl"), 3).await;
     wait_for_lines_in(&d.join("local.jsonl"), 3).await;
     wait_for_lines_in(&d.join("ledger.jsonl"), 2).await;
@@ -151,9 +175,11 @@ sink = "file:local.jsonl"
         .map(|l| l["payload"]["cents"].as_i64().unwrap())
         .collect();
     assert_eq!(ledger, [100, 200]);
+}
 
-    let addr = http_addr(&process).await;
-    let ready = http_get(&addr, "/readyz").await.unwrap();
+/// One metrics endpoint; every outbox's series carry its name.
+async fn one_endpoint_labels_every_series_with_its_outbox(addr: &str) {
+    let ready = http_get(addr, "/readyz").await.unwrap();
     assert_eq!(ready, (200, "ready\n".to_string()));
     // One metrics endpoint; every outbox's series carry its name. (A sink's write lands
     // before the engine counts it: wait for the last count.)
@@ -161,7 +187,7 @@ sink = "file:local.jsonl"
         "every outbox's events counted",
         Duration::from_secs(30),
         || {
-            let addr = addr.clone();
+            let addr = addr.to_string();
             async move {
                 let metrics = http_get(&addr, "/metrics").await?.1;
                 let counted = [
@@ -216,10 +242,12 @@ sink = "file:local.jsonl"
         .filter(|l| l.starts_with("outbox_") && !l.contains("outbox=\""))
         .collect();
     assert!(unlabelled.is_empty(), "{unlabelled:?}");
+}
 
+async fn the_index_lists_them_and_each_console_is_under_its_name(addr: &str) {
     // The index lists them, and each console is under its name.
     let list: serde_json::Value =
-        serde_json::from_str(&http_get(&addr, "/api/v1/outboxes").await.unwrap().1).unwrap();
+        serde_json::from_str(&http_get(addr, "/api/v1/outboxes").await.unwrap().1).unwrap();
     let names: Vec<&str> = list["outboxes"]
         .as_array()
         .unwrap()
@@ -227,7 +255,7 @@ sink = "file:local.jsonl"
         .map(|o| o["name"].as_str().unwrap())
         .collect();
     assert_eq!(names, ["orders", "billing", "local"]);
-    let (code, body) = http_get(&addr, "/outboxes/billing/api/v1/status")
+    let (code, body) = http_get(addr, "/outboxes/billing/api/v1/status")
         .await
         .unwrap();
     assert_eq!(code, 200, "{body}");
@@ -239,16 +267,18 @@ sink = "file:local.jsonl"
             .contains("billing_events"),
         "{status}"
     );
-    let (code, page) = http_get(&addr, "/outboxes/local/").await.unwrap();
+    let (code, page) = http_get(addr, "/outboxes/local/").await.unwrap();
     assert_eq!(code, 200);
     assert!(page.contains("<base href=\"/outboxes/local/\">"), "{page}");
-    let (code, body) = http_get(&addr, "/outboxes/shipping/api/v1/status")
+    let (code, body) = http_get(addr, "/outboxes/shipping/api/v1/status")
         .await
         .unwrap();
     assert_eq!(code, 404, "{body}");
+}
 
-    // In a real browser, the dashboard under /outboxes/billing/ reads billing's API: its
-    // page, script and calls all resolve under that path.
+/// In a real browser, the dashboard under /outboxes/billing/ reads billing's API: its page,
+/// script and calls all resolve under that path.
+async fn the_billing_dashboard_reads_billings_api_in_a_browser(addr: &str) {
     let browser = webdriver::Browser::start().await;
     browser
         .goto(&format!("http://{addr}/outboxes/billing/"))
@@ -275,9 +305,6 @@ sink = "file:local.jsonl"
     browser
         .screenshot(&shots.join("outboxes-billing.png"))
         .await;
-
-    let status = process.terminate().await;
-    assert!(status.success(), "{}", process.logs());
 }
 
 /// One outbox whose database does not answer, and one whose broker link is cut, hold up
