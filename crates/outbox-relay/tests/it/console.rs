@@ -607,31 +607,17 @@ async fn the_dashboard_shows_the_api_figures_and_retries_from_the_page() {
     let shots = screenshots();
     let browser = webdriver::Browser::start().await;
     browser.goto(&w.api.base).await;
-    // The API answers nothing without the token: the page asks for it, and uses it once typed.
-    let asked = "return [document.getElementById('token-state').textContent, \
-                 document.activeElement.id];";
-    eventually("the page to ask for the token", PATIENCE, || async {
-        let asked = browser.execute(asked, json!([])).await;
-        (asked == json!(["token needed", "token"])).then_some(())
-    })
-    .await;
-    let field = browser.wait_for(&shots, "#token").await;
-    browser.type_into(&field, TOKEN).await;
-    browser.click(&shots, "#token-save").await;
-    browser
-        .wait_for(&shots, "#destinations tbody tr[data-destination]")
-        .await;
+    the_page_asks_for_the_token_and_uses_it(&browser, &shots).await;
+    the_figures_shown_equal_the_apis(&w, &browser, &shots).await;
+    a_dead_letter_shows_its_payload_and_last_error(&w, &browser, &shots).await;
+    the_token_typed_once_retries_from_the_page(&w, &browser, &shots).await;
+    every_control_takes_the_focus_and_keeps_it_through_updates(&w, &browser, &shots).await;
+    drop(browser);
+    w.close().await;
+}
 
-    // The figures shown equal the API's (nothing changes meanwhile: the backlog is settled).
-    let s = w
-        .until("a settled status with rates", |s| {
-            s["rates"]["published_per_second"].is_number()
-                && s["partitions"]["unowned"]
-                    .as_array()
-                    .is_some_and(|u| u.is_empty())
-        })
-        .await;
-    let shown_script = r#"
+/// What the dashboard shows: its figures, rows, nodes, dead letters, partitions and charts.
+const SHOWN_SCRIPT: &str = r#"
         const text = (id) => document.getElementById(id).textContent;
         const rows = [...document.querySelectorAll('#destinations tbody tr[data-destination]')]
             .map((tr) => [...tr.cells].map((c) => c.textContent));
@@ -644,7 +630,43 @@ async fn the_dashboard_shows_the_api_figures_and_retries_from_the_page() {
                  partitions: document.querySelectorAll('#partitions span').length,
                  unowned: document.querySelectorAll('#partitions span.unowned').length,
                  chart_paths: document.querySelectorAll('#chart-backlog path').length };
-    "#;
+"#;
+
+/// The button that views the second `.late` dead letter.
+fn view_button(w: &World) -> String {
+    format!(
+        "#dead-letters tr[data-id='{}'] button[data-action='view']",
+        w.late[1].seq
+    )
+}
+
+/// The API answers nothing without the token: the page asks for it, and uses it once typed.
+async fn the_page_asks_for_the_token_and_uses_it(browser: &webdriver::Browser, shots: &Path) {
+    let asked = "return [document.getElementById('token-state').textContent, \
+                 document.activeElement.id];";
+    eventually("the page to ask for the token", PATIENCE, || async {
+        let asked = browser.execute(asked, json!([])).await;
+        (asked == json!(["token needed", "token"])).then_some(())
+    })
+    .await;
+    let field = browser.wait_for(shots, "#token").await;
+    browser.type_into(&field, TOKEN).await;
+    browser.click(shots, "#token-save").await;
+    browser
+        .wait_for(shots, "#destinations tbody tr[data-destination]")
+        .await;
+}
+
+/// The figures shown equal the API's (nothing changes meanwhile: the backlog is settled).
+async fn the_figures_shown_equal_the_apis(w: &World, browser: &webdriver::Browser, shots: &Path) {
+    let s = w
+        .until("a settled status with rates", |s| {
+            s["rates"]["published_per_second"].is_number()
+                && s["partitions"]["unowned"]
+                    .as_array()
+                    .is_some_and(|u| u.is_empty())
+        })
+        .await;
     let expected_rows: Vec<Value> = s["destinations"]
         .as_array()
         .unwrap()
@@ -659,7 +681,7 @@ async fn the_dashboard_shows_the_api_figures_and_retries_from_the_page() {
         })
         .collect();
     let shown = eventually("the page to show the API's figures", PATIENCE, || async {
-        let shown = browser.execute(shown_script, json!([])).await;
+        let shown = browser.execute(SHOWN_SCRIPT, json!([])).await;
         let rows: Vec<Value> = shown["rows"]
             .as_array()?
             .iter()
@@ -678,13 +700,16 @@ async fn the_dashboard_shows_the_api_figures_and_retries_from_the_page() {
     assert_eq!(shown["partitions"], 64);
     assert_eq!(shown["dead_ids"], json!([w.late[0].seq, w.late[1].seq]));
     browser.screenshot(&shots.join("1-overview.png")).await;
+}
 
-    // View a dead letter: its payload and last error.
-    let view_css = format!(
-        "#dead-letters tr[data-id='{}'] button[data-action='view']",
-        w.late[1].seq
-    );
-    browser.click(&shots, &view_css).await;
+/// View a dead letter: its payload and last error.
+async fn a_dead_letter_shows_its_payload_and_last_error(
+    w: &World,
+    browser: &webdriver::Browser,
+    shots: &Path,
+) {
+    let view_css = view_button(w);
+    browser.click(shots, &view_css).await;
     let detail = eventually("the event's detail", PATIENCE, || async {
         let d = browser
             .execute(
@@ -701,15 +726,21 @@ async fn the_dashboard_shows_the_api_figures_and_retries_from_the_page() {
     assert_eq!(payload, w.late[1].payload);
     assert!(detail[1].as_str().unwrap().contains("no JetStream stream"));
     browser.screenshot(&shots.join("2-dead-letter.png")).await;
+}
 
-    // The token typed once is used for changes too.
+/// The token typed once is used for changes too.
+async fn the_token_typed_once_retries_from_the_page(
+    w: &World,
+    browser: &webdriver::Browser,
+    shots: &Path,
+) {
     let stream = w.open_late_stream().await;
     let retry_css = format!(
         "#dead-letters tr[data-id='{}'] button[data-action='retry']",
         w.late[0].seq
     );
     let message = "return document.getElementById('message').textContent;";
-    browser.click(&shots, &retry_css).await;
+    browser.click(shots, &retry_css).await;
     eventually("the page to report the retry", PATIENCE, || async {
         let m = browser.execute(message, json!([])).await;
         m.as_str()?.contains("moved 1 dead letters").then_some(())
@@ -721,7 +752,7 @@ async fn the_dashboard_shows_the_api_figures_and_retries_from_the_page() {
         "the page to show the retried event delivered",
         PATIENCE,
         || async {
-            let shown = browser.execute(shown_script, json!([])).await;
+            let shown = browser.execute(SHOWN_SCRIPT, json!([])).await;
             (shown["dead"] == "1"
                 && shown["pending"] == "0"
                 && shown["dead_ids"] == json!([w.late[1].seq]))
@@ -736,8 +767,15 @@ async fn the_dashboard_shows_the_api_figures_and_retries_from_the_page() {
         )
         .await;
     assert_eq!(stored, TOKEN);
+}
 
-    // Usable without a mouse: every control takes the focus.
+/// Usable without a mouse: every control takes the focus.
+async fn every_control_takes_the_focus_and_keeps_it_through_updates(
+    w: &World,
+    browser: &webdriver::Browser,
+    shots: &Path,
+) {
+    let view_css = view_button(w);
     let unfocusable = browser
         .execute(
             "return [...document.querySelectorAll('button, input, select')] \
@@ -766,8 +804,6 @@ async fn the_dashboard_shows_the_api_figures_and_retries_from_the_page() {
     .await;
     assert_eq!(focused, true, "the focus was lost by an update");
     browser.screenshot(&shots.join("3-after-retry.png")).await;
-    drop(browser);
-    w.close().await;
 }
 
 /// The console's counters: (store reads behind `/api/v1/status`, status requests).

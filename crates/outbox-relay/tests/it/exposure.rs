@@ -6,6 +6,7 @@ use crate::support;
 use crate::support::admin;
 
 use std::net::SocketAddr;
+use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -110,20 +111,96 @@ async fn no_secret_reaches_a_log_check_a_stored_error_the_cli_or_the_api() {
     let dir = tempfile::tempdir().unwrap();
     let busy = Receiver::start(answer("503 Service Unavailable", "", "busy")).await;
     let closed = outbox_testkit::server::free_port();
-    let token = "12345678901234567890";
-    let secrets = [
-        "PgPassw0rd-s3cr3t",
-        "BasicPassw0rd-s3cr3t",
-        "QueryTok3n-s3cr3t",
-        "C0deLooksGenerated7x9",
-        "Xk3sZ9sLack5ecretPath8",
-        "D0wnS1gnature5ecretValue",
-        "OtelPassw0rd-s3cr3t",
-        "d2ViaG9vay1zaWduaW5nLXMzY3IzdA",
-        "QmFzaWNTaW5rU2lnbmluZ0tleTE",
-        "Q2FwYWJpbGl0eVNpZ25pbmdLZXky",
-        token,
+    write_sinks_with_secrets(dir.path(), &busy.addr, closed);
+    check_shows_no_secret(dir.path(), &url);
+    let db = pg(&url).await;
+    db.batch_execute(
+        "INSERT INTO outbox (destination, partition_key, event_type, payload) VALUES
+         ('basic', 'k1', 't', '{}'), ('capability', 'k2', 't', '{}'), ('down', 'k3', 't', '{}')",
+    )
+    .await
+    .unwrap();
+    let args = [
+        "--config",
+        "relay.toml",
+        "run",
+        "--database-url",
+        &url,
+        "--http-addr",
+        "127.0.0.1:0",
+        "--log-format",
+        "json",
+        "--max-attempts",
+        "1",
     ];
+    let mut relay = RelayProcess::spawn(dir.path(), "relay", &args, &secret_env());
+    let addr = http_addr(&relay).await;
+    eventually_explained(
+        "the three events dead-lettered",
+        Duration::from_secs(30),
+        || relay.logs(),
+        || {
+            let db = &db;
+            async move {
+                let dead = query_count(db, "SELECT count(*) FROM outbox_dead_letters", &[])
+                    .await
+                    .unwrap();
+                (dead == 3).then_some(())
+            }
+        },
+    )
+    .await;
+    stored_errors_the_api_and_dead_list_show_no_secret(&db, &addr, dir.path(), &url).await;
+    assert!(relay.terminate().await.success(), "{}", relay.logs());
+    let logs = relay.logs();
+    assert!(logs.contains("dead-lettering"), "{logs}");
+    assert_hidden("the log", &logs);
+    assert!(busy.connections() >= 2);
+}
+
+const TOKEN: &str = "12345678901234567890";
+
+/// What no output may show.
+const SECRETS: [&str; 11] = [
+    "PgPassw0rd-s3cr3t",
+    "BasicPassw0rd-s3cr3t",
+    "QueryTok3n-s3cr3t",
+    "C0deLooksGenerated7x9",
+    "Xk3sZ9sLack5ecretPath8",
+    "D0wnS1gnature5ecretValue",
+    "OtelPassw0rd-s3cr3t",
+    "d2ViaG9vay1zaWduaW5nLXMzY3IzdA",
+    "QmFzaWNTaW5rU2lnbmluZ0tleTE",
+    "Q2FwYWJpbGl0eVNpZ25pbmdLZXky",
+    TOKEN,
+];
+
+fn assert_hidden(what: &str, shown: &str) {
+    for secret in SECRETS {
+        assert!(!shown.contains(secret), "{secret} in {what}: {shown}");
+    }
+}
+
+/// The environment of `check` and `run`: the admin token, one sink's secret, an OTLP URL
+/// with a password.
+fn secret_env() -> [(&'static str, &'static str); 3] {
+    [
+        ("OUTBOX_RELAY_ADMIN_TOKEN", TOKEN),
+        // The `down` sink's: the others have their own (one shared secret is refused).
+        (
+            "OUTBOX_RELAY_WEBHOOK_SECRET",
+            "whsec_d2ViaG9vay1zaWduaW5nLXMzY3IzdA==",
+        ),
+        (
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            "http://otel:OtelPassw0rd-s3cr3t@127.0.0.1:1",
+        ),
+    ]
+}
+
+/// Three webhook sinks, each URL and signing secret with secrets in it: `basic` and
+/// `capability` answer 503, `down` is a closed port.
+fn write_sinks_with_secrets(dir: &Path, busy: &impl std::fmt::Display, closed: u16) {
     let config = format!(
         r#"
 [sinks.basic]
@@ -149,74 +226,28 @@ sink = "capability"
 destinations = "down"
 sink = "down"
 "#,
-        busy = busy.addr,
     );
-    std::fs::write(dir.path().join("relay.toml"), config).unwrap();
-    let env = [
-        ("OUTBOX_RELAY_ADMIN_TOKEN", token),
-        // The `down` sink's: the others have their own (one shared secret is refused).
-        (
-            "OUTBOX_RELAY_WEBHOOK_SECRET",
-            "whsec_d2ViaG9vay1zaWduaW5nLXMzY3IzdA==",
-        ),
-        (
-            "OTEL_EXPORTER_OTLP_ENDPOINT",
-            "http://otel:OtelPassw0rd-s3cr3t@127.0.0.1:1",
-        ),
-    ];
-    let assert_hidden = |what: &str, shown: &str| {
-        for secret in secrets {
-            assert!(!shown.contains(secret), "{secret} in {what}: {shown}");
-        }
-    };
+    std::fs::write(dir.join("relay.toml"), config).unwrap();
+}
 
+fn check_shows_no_secret(dir: &Path, url: &str) {
     let check = std::process::Command::new(BIN)
-        .args(["--config", "relay.toml", "check", "--database-url", &url])
-        .current_dir(dir.path())
-        .envs(env)
+        .args(["--config", "relay.toml", "check", "--database-url", url])
+        .current_dir(dir)
+        .envs(secret_env())
         .output()
         .unwrap();
     let shown = format!("{}{}", text(&check.stdout), text(&check.stderr));
     assert!(shown.contains("configuration is valid"), "{shown}");
     assert_hidden("check", &shown);
+}
 
-    let db = pg(&url).await;
-    db.batch_execute(
-        "INSERT INTO outbox (destination, partition_key, event_type, payload) VALUES
-         ('basic', 'k1', 't', '{}'), ('capability', 'k2', 't', '{}'), ('down', 'k3', 't', '{}')",
-    )
-    .await
-    .unwrap();
-    let args = [
-        "--config",
-        "relay.toml",
-        "run",
-        "--database-url",
-        &url,
-        "--http-addr",
-        "127.0.0.1:0",
-        "--log-format",
-        "json",
-        "--max-attempts",
-        "1",
-    ];
-    let mut relay = RelayProcess::spawn(dir.path(), "relay", &args, &env);
-    let addr = http_addr(&relay).await;
-    eventually_explained(
-        "the three events dead-lettered",
-        Duration::from_secs(30),
-        || relay.logs(),
-        || {
-            let db = &db;
-            async move {
-                let dead = query_count(db, "SELECT count(*) FROM outbox_dead_letters", &[])
-                    .await
-                    .unwrap();
-                (dead == 3).then_some(())
-            }
-        },
-    )
-    .await;
+async fn stored_errors_the_api_and_dead_list_show_no_secret(
+    db: &tokio_postgres::Client,
+    addr: &str,
+    dir: &Path,
+    url: &str,
+) {
     let stored: Vec<String> = db
         .query("SELECT last_error FROM outbox_dead_letters", &[])
         .await
@@ -227,11 +258,11 @@ sink = "down"
     let stored = stored.join("\n");
     assert!(stored.contains("relay:***@"), "{stored}");
     assert_hidden("last_error", &stored);
-    let admin = Admin::with_token(&addr, Some(token));
+    let admin = Admin::with_token(addr, Some(TOKEN));
     assert_hidden("the API", &api_text(&admin).await);
     let dead = std::process::Command::new(BIN)
-        .args(["dead", "list", "--database-url", &url])
-        .current_dir(dir.path())
+        .args(["dead", "list", "--database-url", url])
+        .current_dir(dir)
         .output()
         .unwrap();
     assert!(dead.status.success(), "{}", text(&dead.stderr));
@@ -239,11 +270,6 @@ sink = "down"
         "dead list",
         &format!("{}{}", text(&dead.stdout), text(&dead.stderr)),
     );
-    assert!(relay.terminate().await.success(), "{}", relay.logs());
-    let logs = relay.logs();
-    assert!(logs.contains("dead-lettering"), "{logs}");
-    assert_hidden("the log", &logs);
-    assert!(busy.connections() >= 2);
 }
 
 /// A receiver's redirect is a failure naming the target's host only; the relay never
