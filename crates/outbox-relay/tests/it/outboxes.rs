@@ -318,7 +318,6 @@ async fn a_hung_database_or_a_cut_broker_stalls_only_its_own_outbox() {
     let nats_url = std::env::var("OUTBOX_TEST_NATS_URL")
         .expect("OUTBOX_TEST_NATS_URL is not set: source /tmp/servers.env");
     let (js, subject) = support::nats_stream().await;
-    let stream_len = || support::stream_len(&js, &subject);
 
     let hung_db = support::migrated_pg_database().await;
     let cut_db = support::migrated_pg_database().await;
@@ -327,6 +326,28 @@ async fn a_hung_database_or_a_cut_broker_stalls_only_its_own_outbox() {
     let (nats_proxy, nats_via_proxy) = FaultProxy::start_for_url(&nats_url).await.unwrap();
     // The hung database accepts connections and never answers, from the start.
     db_proxy.handle().blackhole();
+    write_hung_cut_and_healthy(d, &hung_db_via_proxy, &cut_db, &nats_via_proxy, &healthy_db);
+    events_wait_in_the_hung_outbox(&hung_db).await;
+
+    let mut process = RelayProcess::spawn(d, "relay", &["run"], &[]);
+    let addr = http_addr(&process).await;
+    the_cut_outbox_delivers_once_then_loses_its_broker(d, &js, &subject, &nats_proxy).await;
+    the_healthy_outbox_delivers_everything_meanwhile(d, &healthy_db, &js, &subject).await;
+    readyz_names_both_stalled_outboxes_and_metrics_answer(&addr).await;
+    once_healed_they_deliver_what_waited(d, &addr, &js, &subject, &db_proxy, &nats_proxy).await;
+
+    let status = process.terminate().await;
+    assert!(status.success(), "{}", process.logs());
+}
+
+/// Outboxes `hung` (its database behind a proxy), `cut` (its broker behind one) and `healthy`.
+fn write_hung_cut_and_healthy(
+    d: &Path,
+    hung_db_via_proxy: &str,
+    cut_db: &str,
+    nats_via_proxy: &str,
+    healthy_db: &str,
+) {
     let config = format!(
         r#"
 http_addr = "127.0.0.1:0"
@@ -349,8 +370,11 @@ sink = "file:healthy.jsonl"
 "#
     );
     std::fs::write(d.join("outbox-relay.toml"), config).unwrap();
-    // Events wait in the hung outbox before the relay starts (sent past the proxy).
-    let hung = support::pg(&hung_db).await;
+}
+
+/// Events wait in the hung outbox before the relay starts (sent past the proxy).
+async fn events_wait_in_the_hung_outbox(hung_db: &str) {
+    let hung = support::pg(hung_db).await;
     for i in 0..5 {
         hung.execute(
             "INSERT INTO outbox (destination, partition_key, event_type, payload) VALUES ('h', 'k', 't', $1::text::jsonb)",
@@ -359,15 +383,20 @@ sink = "file:healthy.jsonl"
         .await
         .unwrap();
     }
+}
 
-    let mut process = RelayProcess::spawn(d, "relay", &["run"], &[]);
-    let addr = http_addr(&process).await;
-    // The cut outbox delivers once, then its broker link is reset and refused.
+/// The cut outbox delivers once, then its broker link is reset and refused.
+async fn the_cut_outbox_delivers_once_then_loses_its_broker(
+    d: &Path,
+    js: &async_nats::jetstream::Context,
+    subject: &str,
+    nats_proxy: &FaultProxy,
+) {
     send(d, "cut", &format!("{subject}.a"), "k", "{\"n\":0}");
     eventually(
         "the first event through the broker",
         Duration::from_secs(30),
-        || async { (stream_len().await == 1).then_some(()) },
+        || async { (support::stream_len(js, subject).await == 1).then_some(()) },
     )
     .await;
     nats_proxy.handle().cut();
@@ -380,9 +409,16 @@ sink = "file:healthy.jsonl"
             &format!("{{\"n\":{i}}}"),
         );
     }
+}
 
-    // Meanwhile the healthy outbox delivers everything sent to it.
-    let pg = support::pg(&healthy_db).await;
+/// Meanwhile the healthy outbox delivers everything sent to it.
+async fn the_healthy_outbox_delivers_everything_meanwhile(
+    d: &Path,
+    healthy_db: &str,
+    js: &async_nats::jetstream::Context,
+    subject: &str,
+) {
+    let pg = support::pg(healthy_db).await;
     for i in 0..200 {
         pg.execute(
             "INSERT INTO outbox (destination, partition_key, event_type, payload) VALUES ('ok', $1, 't', '{}')",
@@ -393,14 +429,16 @@ sink = "file:healthy.jsonl"
     }
     wait_for_lines_in(&d.join("healthy.jsonl"), 200).await;
     assert_eq!(read_lines(&d.join("hung.jsonl")).len(), 0);
-    assert_eq!(stream_len().await, 1);
+    assert_eq!(support::stream_len(js, subject).await, 1);
+}
 
-    // /readyz names both stalled outboxes, not the healthy one; /metrics still answers.
+/// /readyz names both stalled outboxes, not the healthy one; /metrics still answers.
+async fn readyz_names_both_stalled_outboxes_and_metrics_answer(addr: &str) {
     let (code, body) = eventually(
         "/readyz to name the hung and the cut outbox",
         Duration::from_secs(60),
         || {
-            let addr = addr.clone();
+            let addr = addr.to_string();
             async move {
                 http_get(&addr, "/readyz")
                     .await
@@ -415,7 +453,7 @@ sink = "file:healthy.jsonl"
         "/metrics to count the healthy outbox's 200",
         Duration::from_secs(30),
         || {
-            let addr = addr.clone();
+            let addr = addr.to_string();
             async move {
                 let metrics = http_get(&addr, "/metrics").await?.1;
                 let healthy = ["outbox=\"healthy\""];
@@ -425,23 +463,31 @@ sink = "file:healthy.jsonl"
         },
     )
     .await;
+}
 
+/// Once healed, the hung and the cut outbox deliver what waited, and /readyz recovers.
+async fn once_healed_they_deliver_what_waited(
+    d: &Path,
+    addr: &str,
+    js: &async_nats::jetstream::Context,
+    subject: &str,
+    db_proxy: &FaultProxy,
+    nats_proxy: &FaultProxy,
+) {
     db_proxy.handle().heal();
     nats_proxy.handle().heal();
     wait_for_lines_in(&d.join("hung.jsonl"), 5).await;
     eventually(
         "the cut outbox's events after the heal",
         Duration::from_secs(60),
-        || async { (stream_len().await >= 4).then_some(()) },
+        || async { (support::stream_len(js, subject).await >= 4).then_some(()) },
     )
     .await;
     eventually("/readyz to recover", Duration::from_secs(60), || {
-        let addr = addr.clone();
+        let addr = addr.to_string();
         async move { http_get(&addr, "/readyz").await.filter(|(c, _)| *c == 200) }
     })
     .await;
-    let status = process.terminate().await;
-    assert!(status.success(), "{}", process.logs());
 }
 
 #[test]
