@@ -595,23 +595,34 @@ async fn insert_debezium_row(db: &Client, id: &str, key: &str, payload: &str, to
 /// trace context comes from `tracingspancontext`.
 #[tokio::test]
 async fn debeziums_table_is_read_from_the_wal_even_when_rows_are_deleted_at_once() {
-    const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
     let w = DebeziumWal::migrated(include_str!("../fixtures/seeds/debezium.sql")).await;
-    let (url, db) = (&w.url, &w.db);
-    let insert = "INSERT INTO outboxevent (id, aggregatetype, aggregateid, type, payload)
-                  VALUES ($1::text::uuid, 'Order', $2, 'OrderEvent', jsonb_build_object('n', $3::int4))";
-    let write = |key: &'static str, n: i32| {
-        let db = &db;
-        async move {
-            let id = uuid::Uuid::new_v4().to_string();
-            db.execute(insert, &[&id, &key, &n]).await.unwrap();
-            id
-        }
-    };
     // Before the slot: adopted by the first run.
-    write("order-1", 0).await;
+    debezium_write(&w.db, "order-1", 0).await;
     assert_success("the drain that creates the slot", &w.drain());
+    let (gone, traced) = write_what_debeziums_applications_write(&w).await;
+    assert_success("the drain", &w.drain());
+    each_event_arrives_once_in_commit_order_and_its_row_goes(&w, &gone, &traced).await;
+    the_relays_tables_draw_their_ids_from_debeziums_sequence(&w.db).await;
+    send_writes_to_the_relays_own_outbox_which_is_captured_too(&w).await;
+}
 
+const DEBEZIUM_TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+const DEBEZIUM_INSERT: &str = "INSERT INTO outboxevent (id, aggregatetype, aggregateid, type, payload)
+                  VALUES ($1::text::uuid, 'Order', $2, 'OrderEvent', jsonb_build_object('n', $3::int4))";
+
+/// Inserts an event of aggregate `key` whose payload is `{"n": n}`; returns its id.
+async fn debezium_write(db: &Client, key: &str, n: i32) -> String {
+    let id = uuid::Uuid::new_v4().to_string();
+    db.execute(DEBEZIUM_INSERT, &[&id, &key, &n]).await.unwrap();
+    id
+}
+
+/// A row inserted and deleted in one transaction, two transactions of one aggregate
+/// committed against their relay_sequence order, and a row kept with a span context: the
+/// ids of the first and the last.
+async fn write_what_debeziums_applications_write(w: &DebeziumWal) -> (String, String) {
+    let (url, db) = (&w.url, &w.db);
+    let insert = DEBEZIUM_INSERT;
     // Inserted and deleted in one transaction: never visible to a poller.
     let mut app = pg(url).await;
     let tx = app.transaction().await.unwrap();
@@ -648,7 +659,7 @@ async fn debeziums_table_is_read_from_the_wal_even_when_rows_are_deleted_at_once
     first.commit().await.unwrap();
     // Kept in the table, with a span context.
     let traced = uuid::Uuid::new_v4().to_string();
-    let span = format!("#Thu Nov 26 03:20:00 UTC 2026\ntraceparent={TRACEPARENT}\n");
+    let span = format!("#Thu Nov 26 03:20:00 UTC 2026\ntraceparent={DEBEZIUM_TRACEPARENT}\n");
     db.execute(
         "INSERT INTO outboxevent (id, aggregatetype, aggregateid, type, payload, tracingspancontext)
          VALUES ($1::text::uuid, 'Order', 'order-1', 'OrderEvent', '{\"n\": 2}', $2)",
@@ -656,8 +667,15 @@ async fn debeziums_table_is_read_from_the_wal_even_when_rows_are_deleted_at_once
     )
     .await
     .unwrap();
-    assert_success("the drain", &w.drain());
+    (gone, traced)
+}
 
+async fn each_event_arrives_once_in_commit_order_and_its_row_goes(
+    w: &DebeziumWal,
+    gone: &str,
+    traced: &str,
+) {
+    let db = &w.db;
     let lines = read_lines(&w.out);
     assert_eq!(lines.len(), 5, "each event once: {lines:?}");
     let counters = counters_by_key(&lines);
@@ -665,22 +683,21 @@ async fn debeziums_table_is_read_from_the_wal_even_when_rows_are_deleted_at_once
     assert_eq!(counters["order-2"], [1, 2], "commit order: {lines:?}");
     let deleted_at_once = lines
         .iter()
-        .find(|l| l["event_id"] == gone.as_str())
+        .find(|l| l["event_id"] == gone)
         .expect("the event whose row was deleted in its own transaction");
-    assert_eq!(deleted_at_once["headers"]["id"], gone.as_str());
+    assert_eq!(deleted_at_once["headers"]["id"], gone);
     assert_eq!(deleted_at_once["destination"], "Order");
-    let traced = lines
-        .iter()
-        .find(|l| l["event_id"] == traced.as_str())
-        .unwrap();
-    assert_eq!(traced["headers"]["traceparent"], TRACEPARENT);
+    let traced = lines.iter().find(|l| l["event_id"] == traced).unwrap();
+    assert_eq!(traced["headers"]["traceparent"], DEBEZIUM_TRACEPARENT);
     let left = query_count(db, "SELECT count(*) FROM outboxevent", &[])
         .await
         .unwrap();
     assert_eq!(left, 0, "delivered rows are deleted");
+}
 
-    // The relay's own tables draw their ids from the Debezium table's sequence, so a parked
-    // or re-sent event never shares an id with a streamed one.
+/// The relay's own tables draw their ids from the Debezium table's sequence, so a parked
+/// or re-sent event never shares an id with a streamed one.
+async fn the_relays_tables_draw_their_ids_from_debeziums_sequence(db: &Client) {
     for table in ["outboxevent_relay", "outboxevent_relay_parked"] {
         let default: String = db
             .query_one(
@@ -697,7 +714,11 @@ async fn debeziums_table_is_read_from_the_wal_even_when_rows_are_deleted_at_once
             "{table}: {default}"
         );
     }
-    // `send` (and `dead retry`) write to the relay's own outbox, which is captured too.
+}
+
+/// `send` (and `dead retry`) write to the relay's own outbox, which is captured too.
+async fn send_writes_to_the_relays_own_outbox_which_is_captured_too(w: &DebeziumWal) {
+    let db = &w.db;
     let send = w.relay(
         "send",
         &[
