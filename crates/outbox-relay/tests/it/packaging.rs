@@ -75,9 +75,31 @@ async fn the_image_runs_its_entrypoint_from_its_own_filesystem_and_relays_events
         tag: tag.clone(),
         containers: Vec::new(),
     };
+    let env = the_images_configuration_is_a_scratch_relay(&tag);
+    let podman = run("podman", &["run", "--rm", &tag, "--version"]);
+    let podman_runs = podman.status.success();
+    if !podman_runs {
+        eprintln!(
+            "podman cannot run containers here ({}); running the image's entrypoint under chroot",
+            text(&podman.stderr).lines().last().unwrap_or_default()
+        );
+    }
 
+    let container = succeeded("buildah", &["from", &tag]).trim().to_string();
+    image.containers.push(container.clone());
+    let root = succeeded("buildah", &["mount", &container])
+        .trim()
+        .to_string();
+    let root = Path::new(&root);
+    what_runs_is_the_images_own(root);
+    the_images_relay_delivers_and_passes_its_healthcheck(root, &env).await;
+}
+
+/// Its user, entrypoint, command, port and HEALTHCHECK, over one layer; returns its
+/// environment.
+fn the_images_configuration_is_a_scratch_relay(tag: &str) -> Vec<String> {
     let inspect: serde_json::Value =
-        serde_json::from_str(&succeeded("buildah", &["inspect", "--type", "image", &tag])).unwrap();
+        serde_json::from_str(&succeeded("buildah", &["inspect", "--type", "image", tag])).unwrap();
     let config = &inspect["Docker"]["config"];
     assert_eq!(config["User"], "65532:65532", "{config}");
     assert_eq!(
@@ -100,22 +122,11 @@ async fn the_image_runs_its_entrypoint_from_its_own_filesystem_and_relays_events
         .map(|v| v.as_str().unwrap().to_string())
         .collect();
 
-    let podman = run("podman", &["run", "--rm", &tag, "--version"]);
-    let podman_runs = podman.status.success();
-    if !podman_runs {
-        eprintln!(
-            "podman cannot run containers here ({}); running the image's entrypoint under chroot",
-            text(&podman.stderr).lines().last().unwrap_or_default()
-        );
-    }
+    env
+}
 
-    let container = succeeded("buildah", &["from", &tag]).trim().to_string();
-    image.containers.push(container.clone());
-    let root = succeeded("buildah", &["mount", &container])
-        .trim()
-        .to_string();
-    let root = Path::new(&root);
-    // What runs is the image's: its binary, its loader and libraries, its CA bundle.
+/// What runs is the image's: its binary, its loader and libraries, its CA bundle.
+fn what_runs_is_the_images_own(root: &Path) {
     for file in [
         "usr/local/bin/outbox-relay",
         "etc/ssl/certs/ca-certificates.crt",
@@ -138,7 +149,11 @@ async fn the_image_runs_its_entrypoint_from_its_own_filesystem_and_relays_events
             "{path} is missing from the image"
         );
     }
+}
 
+/// Started as a runtime would start it, the image's relay migrates, delivers from
+/// PostgreSQL to NATS, passes its HEALTHCHECK and readiness, and stops cleanly.
+async fn the_images_relay_delivers_and_passes_its_healthcheck(root: &Path, env: &[String]) {
     let database = outbox_testkit::fresh_pg_database().await;
     let nats_url = std::env::var("OUTBOX_TEST_NATS_URL")
         .expect("OUTBOX_TEST_NATS_URL is not set: source /tmp/servers.env");
@@ -160,7 +175,7 @@ async fn the_image_runs_its_entrypoint_from_its_own_filesystem_and_relays_events
             .arg("/usr/local/bin/outbox-relay")
             .args(args)
             .env_clear();
-        for pair in &env {
+        for pair in env {
             if let Some((k, v)) = pair.split_once('=') {
                 command.env(k, v);
             }
@@ -233,18 +248,7 @@ fn the_debian_package_installs_a_hardened_unit_and_purges_cleanly() {
          it, so remove it first (dpkg -P outbox-relay)"
     );
     let out_dir = tempfile::tempdir().unwrap();
-    let built = Command::new("scripts/deb.sh")
-        .args([BIN, out_dir.path().to_str().unwrap()])
-        .env("OUTBOX_DEB_COMPRESSION", "gzip")
-        .current_dir(repository())
-        .output()
-        .unwrap();
-    assert!(built.status.success(), "{}", text(&built.stderr));
-    let deb = text(&built.stdout).trim().to_string();
-    let info = succeeded("dpkg-deb", &["--info", &deb]);
-    // Versioned, from the binary's symbols (dpkg-shlibdeps).
-    assert!(info.contains("Depends: libc6 (>= "), "{info}");
-
+    let deb = build_the_package(out_dir.path());
     struct Purge;
     impl Drop for Purge {
         fn drop(&mut self) {
@@ -256,6 +260,40 @@ fn the_debian_package_installs_a_hardened_unit_and_purges_cleanly() {
     assert!(installed());
 
     let unit = "/lib/systemd/system/outbox-relay.service";
+    the_unit_verifies_with_an_exposure_of_at_most_2(unit);
+    the_unit_is_hardened_and_takes_its_secrets_as_credentials(unit);
+    the_installed_binary_relays_as_the_unit_runs_it();
+    succeeded("dpkg", &["-r", "outbox-relay"]);
+    assert!(!Path::new("/usr/bin/outbox-relay").exists());
+    assert!(!Path::new(unit).exists());
+    assert!(
+        Path::new("/etc/outbox-relay/outbox-relay.toml").exists(),
+        "remove keeps the configuration"
+    );
+    succeeded("dpkg", &["-P", "outbox-relay"]);
+    assert!(!Path::new("/etc/outbox-relay").exists(), "purge removes it");
+    assert!(!installed());
+}
+
+/// Built from the test build, versioned dependencies from the binary's symbols; the path of
+/// the package.
+fn build_the_package(out_dir: &Path) -> String {
+    let built = Command::new("scripts/deb.sh")
+        .args([BIN, out_dir.to_str().unwrap()])
+        .env("OUTBOX_DEB_COMPRESSION", "gzip")
+        .current_dir(repository())
+        .output()
+        .unwrap();
+    assert!(built.status.success(), "{}", text(&built.stderr));
+    let deb = text(&built.stdout).trim().to_string();
+    let info = succeeded("dpkg-deb", &["--info", &deb]);
+    // Versioned, from the binary's symbols (dpkg-shlibdeps).
+    assert!(info.contains("Depends: libc6 (>= "), "{info}");
+
+    deb
+}
+
+fn the_unit_verifies_with_an_exposure_of_at_most_2(unit: &str) {
     let verify = run("systemd-analyze", &["verify", unit]);
     let said = format!("{}{}", text(&verify.stdout), text(&verify.stderr));
     assert!(
@@ -277,6 +315,9 @@ fn the_debian_package_installs_a_hardened_unit_and_purges_cleanly() {
         .unwrap_or_else(|| panic!("no exposure level in:\n{security}"));
     assert!(exposure <= 2.0, "exposure {exposure}:\n{security}");
     eprintln!("systemd-analyze security --offline=true: exposure {exposure}");
+}
+
+fn the_unit_is_hardened_and_takes_its_secrets_as_credentials(unit: &str) {
     let unit_text = std::fs::read_to_string(unit).unwrap();
     for setting in [
         "DynamicUser=yes",
@@ -312,7 +353,11 @@ fn the_debian_package_installs_a_hardened_unit_and_purges_cleanly() {
         .permissions()
         .mode();
     assert_eq!(mode & 0o777, 0o600);
+}
 
+/// The installed binary, with the packaged configuration in a state directory as the unit
+/// runs it: credentials read from their files, an event sent and drained.
+fn the_installed_binary_relays_as_the_unit_runs_it() {
     let version = succeeded("/usr/bin/outbox-relay", &["--version"]);
     assert!(
         version.contains(env!("CARGO_PKG_VERSION")) && version.contains('('),
@@ -370,17 +415,6 @@ fn the_debian_package_installs_a_hardened_unit_and_purges_cleanly() {
         "{}",
         text(&drained.stdout)
     );
-
-    succeeded("dpkg", &["-r", "outbox-relay"]);
-    assert!(!Path::new("/usr/bin/outbox-relay").exists());
-    assert!(!Path::new(unit).exists());
-    assert!(
-        Path::new("/etc/outbox-relay/outbox-relay.toml").exists(),
-        "remove keeps the configuration"
-    );
-    succeeded("dpkg", &["-P", "outbox-relay"]);
-    assert!(!Path::new("/etc/outbox-relay").exists(), "purge removes it");
-    assert!(!installed());
 }
 
 /// Every overlay builds with kustomize, and validates (strictly) against the Kubernetes
