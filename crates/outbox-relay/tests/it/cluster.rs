@@ -228,109 +228,17 @@ async fn scenario(ordering: &'static str, faults: Faults) {
         })
         .collect();
     let total = writers * per_writer;
-    let reach = |fraction: f64| {
-        let progress = progress.clone();
-        async move {
-            eventually("the writers' progress", Duration::from_secs(120), || {
-                let done = progress.load(Ordering::Relaxed) as f64 >= fraction * total as f64;
-                async move { done.then_some(()) }
-            })
-            .await
-        }
-    };
     let admin = pg(&database_url).await;
 
     match &faults {
         Faults::Nodes => {
-            reach(0.15).await;
-            nodes[0].kill9();
-            reach(0.25).await;
-            nodes[0] = cluster.start_node("relay-1b");
-            reach(0.35).await;
-            nodes[1].signal("-TERM");
-            let status = nodes[1].wait_exit().await;
-            assert!(status.success(), "SIGTERM exits 0: {}", nodes[1].logs());
-            reach(0.45).await;
-            let frozen: Vec<i32> = admin
-                .query(
-                    "SELECT partition FROM outbox_partitions WHERE owner = 'relay-3'",
-                    &[],
-                )
-                .await
-                .unwrap()
-                .iter()
-                .map(|r| r.get(0))
-                .collect();
-            nodes[2].signal("-STOP");
-            if ordering == "key" {
-                assert!(
-                    !frozen.is_empty(),
-                    "relay-3 held partitions before it froze"
-                );
-                // Frozen past its lease: another node takes every partition it had.
-                eventually("relay-3's partitions to be taken over", Duration::from_secs(30), || {
-                    let (admin, frozen) = (&admin, &frozen);
-                    async move {
-                        let n = query_count(admin, "SELECT count(*) FROM outbox_partitions
-                                  WHERE partition = ANY($1) AND owner IS NOT NULL AND owner <> 'relay-3' AND lease_until > now()", &[frozen]).await.unwrap();
-                        (n as usize == frozen.len()).then_some(())
-                    }
-                })
-                .await;
-            } else {
-                tokio::time::sleep(Duration::from_secs(2)).await; // frozen for a while; nothing to observe
-            }
-            nodes[2].signal("-CONT");
-            reach(0.6).await;
-            nodes.push(cluster.start_node("relay-4"));
-            if ordering == "key" {
-                // `stats` shows the rebalanced cluster: every partition owned, fair shares.
-                let url = database_url.clone();
-                eventually(
-                    "a fair share for every node in `stats`",
-                    Duration::from_secs(30),
-                    || {
-                        let out = Command::new(BIN)
-                            .args(["stats", "--json", "--database-url", &url])
-                            .output()
-                            .unwrap();
-                        let stats: serde_json::Value =
-                            serde_json::from_slice(&out.stdout).unwrap_or_default();
-                        let nodes = stats["nodes"].as_array().cloned().unwrap_or_default();
-                        let shares: Vec<usize> = nodes
-                            .iter()
-                            .map(|n| n["partitions"].as_array().map_or(0, |p| p.len()))
-                            .collect();
-                        let fair = 16usize.div_ceil(nodes.len().max(1));
-                        let done = nodes.len() == 3
-                            && nodes.iter().any(|n| n["id"] == "relay-4")
-                            && shares.iter().sum::<usize>() == 16
-                            && shares.iter().all(|s| *s <= fair && *s > 0);
-                        async move { done.then_some(()) }
-                    },
-                )
-                .await;
-            }
-            reach(0.75).await;
-            eventually("relay-4 to connect", Duration::from_secs(30), || {
-                let admin = &admin;
-                async move {
-                    let n = query_count(
-                        admin,
-                        "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'relay-4'",
-                        &[],
-                    )
-                    .await
-                    .unwrap();
-                    (n > 0).then_some(())
-                }
-            })
+            kill_stop_freeze_join_and_cut_nodes(
+                &cluster, &mut nodes, &admin, &progress, total, ordering,
+            )
             .await;
-            let killed = query_count(&admin, "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = 'relay-4'", &[]).await.unwrap();
-            assert!(killed > 0, "relay-4 had connections to kill");
         }
         Faults::DatabaseRestart(server) => {
-            reach(0.4).await;
+            reach(&progress, total, 0.4).await;
             server.script("restart-postgres");
         }
     }
@@ -351,28 +259,164 @@ async fn scenario(ordering: &'static str, faults: Faults) {
         ledger.rolled_back.insert(id); // treated as unknown: neither required nor forbidden
     }
     let committed = ledger.committed;
-    eventually(
-        "every committed event in the stream and the outbox empty",
-        Duration::from_secs(120),
-        || {
-            let (js, admin, committed) = (&js, &admin, &committed);
+    every_committed_event_reaches_the_stream(&js, &admin, &committed).await;
+
+    no_loss_no_duplicate_no_reordering(&js, &admin, &committed, &ledger.rolled_back, ordering)
+        .await;
+    if matches!(faults, Faults::Nodes) && ordering == "key" {
+        assert!(
+            nodes[2].logs().contains("lost partition lease"),
+            "the frozen node noticed it lost its partitions"
+        );
+    }
+    for node in nodes.iter_mut().filter(|n| n.is_running()) {
+        node.signal("-TERM");
+        let status = node.wait_exit().await;
+        assert!(status.success(), "{} exits 0", node.name);
+    }
+}
+
+/// Waits until the writers have written `fraction` of their `total` events.
+async fn reach(progress: &AtomicUsize, total: usize, fraction: f64) {
+    eventually("the writers' progress", Duration::from_secs(120), || {
+        let done = progress.load(Ordering::Relaxed) as f64 >= fraction * total as f64;
+        async move { done.then_some(()) }
+    })
+    .await
+}
+
+/// As the writers go: relay-1 killed (-9) and restarted, relay-2 stopped (SIGTERM), relay-3
+/// frozen past its lease and thawed, relay-4 joining, and relay-4's connections killed.
+async fn kill_stop_freeze_join_and_cut_nodes(
+    cluster: &Cluster,
+    nodes: &mut Vec<RelayProcess>,
+    admin: &tokio_postgres::Client,
+    progress: &AtomicUsize,
+    total: usize,
+    ordering: &str,
+) {
+    reach(progress, total, 0.15).await;
+    nodes[0].kill9();
+    reach(progress, total, 0.25).await;
+    nodes[0] = cluster.start_node("relay-1b");
+    reach(progress, total, 0.35).await;
+    nodes[1].signal("-TERM");
+    let status = nodes[1].wait_exit().await;
+    assert!(status.success(), "SIGTERM exits 0: {}", nodes[1].logs());
+    reach(progress, total, 0.45).await;
+    let frozen: Vec<i32> = admin
+        .query(
+            "SELECT partition FROM outbox_partitions WHERE owner = 'relay-3'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    nodes[2].signal("-STOP");
+    if ordering == "key" {
+        assert!(
+            !frozen.is_empty(),
+            "relay-3 held partitions before it froze"
+        );
+        // Frozen past its lease: another node takes every partition it had.
+        eventually("relay-3's partitions to be taken over", Duration::from_secs(30), || {
+            let (admin, frozen) = (&admin, &frozen);
             async move {
-                let left = query_count(admin, "SELECT count(*) FROM outbox", &[])
-                    .await
-                    .ok()?;
-                let seen: HashSet<String> = stream_contents(js)
-                    .await
-                    .into_iter()
-                    .map(|(id, _, _)| id)
-                    .collect();
-                (left == 0 && committed.keys().all(|id| seen.contains(id))).then_some(())
+                let n = query_count(admin, "SELECT count(*) FROM outbox_partitions
+                          WHERE partition = ANY($1) AND owner IS NOT NULL AND owner <> 'relay-3' AND lease_until > now()", &[frozen]).await.unwrap();
+                (n as usize == frozen.len()).then_some(())
             }
+        })
+        .await;
+    } else {
+        tokio::time::sleep(Duration::from_secs(2)).await; // frozen for a while; nothing to observe
+    }
+    nodes[2].signal("-CONT");
+    reach(progress, total, 0.6).await;
+    nodes.push(cluster.start_node("relay-4"));
+    if ordering == "key" {
+        // `stats` shows the rebalanced cluster: every partition owned, fair shares.
+        let url = cluster.database_url.clone();
+        eventually(
+            "a fair share for every node in `stats`",
+            Duration::from_secs(30),
+            || {
+                let out = Command::new(BIN)
+                    .args(["stats", "--json", "--database-url", &url])
+                    .output()
+                    .unwrap();
+                let stats: serde_json::Value =
+                    serde_json::from_slice(&out.stdout).unwrap_or_default();
+                let nodes = stats["nodes"].as_array().cloned().unwrap_or_default();
+                let shares: Vec<usize> = nodes
+                    .iter()
+                    .map(|n| n["partitions"].as_array().map_or(0, |p| p.len()))
+                    .collect();
+                let fair = 16usize.div_ceil(nodes.len().max(1));
+                let done = nodes.len() == 3
+                    && nodes.iter().any(|n| n["id"] == "relay-4")
+                    && shares.iter().sum::<usize>() == 16
+                    && shares.iter().all(|s| *s <= fair && *s > 0);
+                async move { done.then_some(()) }
+            },
+        )
+        .await;
+    }
+    reach(progress, total, 0.75).await;
+    eventually(
+        "relay-4 to connect",
+        Duration::from_secs(30),
+        || async move {
+            let n = query_count(
+                admin,
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'relay-4'",
+                &[],
+            )
+            .await
+            .unwrap();
+            (n > 0).then_some(())
         },
     )
     .await;
+    let killed = query_count(admin, "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = 'relay-4'", &[]).await.unwrap();
+    assert!(killed > 0, "relay-4 had connections to kill");
+}
 
-    // The checker.
-    let contents = stream_contents(&js).await;
+async fn every_committed_event_reaches_the_stream(
+    js: &async_nats::jetstream::Context,
+    admin: &tokio_postgres::Client,
+    committed: &HashMap<String, (String, i64)>,
+) {
+    eventually(
+        "every committed event in the stream and the outbox empty",
+        Duration::from_secs(120),
+        || async move {
+            let left = query_count(admin, "SELECT count(*) FROM outbox", &[])
+                .await
+                .ok()?;
+            let seen: HashSet<String> = stream_contents(js)
+                .await
+                .into_iter()
+                .map(|(id, _, _)| id)
+                .collect();
+            (left == 0 && committed.keys().all(|id| seen.contains(id))).then_some(())
+        },
+    )
+    .await;
+}
+
+/// The checker: every committed event in the stream, no rolled-back one, no duplicate, and
+/// (ordered) each key's first deliveries in sequence order.
+async fn no_loss_no_duplicate_no_reordering(
+    js: &async_nats::jetstream::Context,
+    admin: &tokio_postgres::Client,
+    committed: &HashMap<String, (String, i64)>,
+    rolled_back: &HashSet<String>,
+    ordering: &str,
+) {
+    let contents = stream_contents(js).await;
     let mut seen = HashSet::new();
     let mut duplicates = 0;
     let mut last: HashMap<String, i64> = HashMap::new();
@@ -393,7 +437,7 @@ async fn scenario(ordering: &'static str, faults: Faults) {
                 .unwrap()
                 .is_some();
             assert!(
-                !unknown_commit || !ledger.rolled_back.contains(id),
+                !unknown_commit || !rolled_back.contains(id),
                 "rolled-back event {id} was published"
             );
         }
@@ -419,17 +463,6 @@ async fn scenario(ordering: &'static str, faults: Faults) {
     );
     for id in committed.keys() {
         assert!(seen.contains(id));
-    }
-    if matches!(faults, Faults::Nodes) && ordering == "key" {
-        assert!(
-            nodes[2].logs().contains("lost partition lease"),
-            "the frozen node noticed it lost its partitions"
-        );
-    }
-    for node in nodes.iter_mut().filter(|n| n.is_running()) {
-        node.signal("-TERM");
-        let status = node.wait_exit().await;
-        assert!(status.success(), "{} exits 0", node.name);
     }
 }
 
