@@ -74,11 +74,11 @@ pub trait Harness: Send + Sync {
     }
     /// Rows with odd `created_at` values, in this database's SQL (the `created_at` case).
     fn odd_created_at(&self) -> Vec<OddTime> {
-        unimplemented!("a store that cannot hold an odd created_at marks created_at not applicable")
+        panic!("a store that cannot hold an odd created_at marks created_at not applicable")
     }
     /// What `verify` says of a renamed column (the `renamed_column` case).
     fn renamed_column(&self) -> RenamedColumn {
-        unimplemented!(
+        panic!(
             "a store whose verify cannot see a renamed column marks renamed_column not applicable"
         )
     }
