@@ -152,7 +152,7 @@ async fn each_routed_event_reaches_its_sink(js: &async_nats::jetstream::Context,
         "the audit event in its file",
         Duration::from_secs(30),
         || {
-            let n = std::fs::read_to_string(&audit)
+            let n = std::fs::read_to_string(audit)
                 .unwrap_or_default()
                 .lines()
                 .count();

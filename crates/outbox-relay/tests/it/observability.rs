@@ -775,10 +775,10 @@ async fn traffic_makes_every_series(polling: &PollingRelay, wal: &WalRelay) {
     let (wal_addr, wal) = (&wal.addr, &wal.process);
     // Traffic, so that every series exists: deliveries, a failing sink (a retry, then a dead
     // letter), and a failed database operation.
-    insert_events(&url, 5).await;
+    insert_events(url, 5).await;
     wait_for_lines(
         "the polling relay's deliveries",
-        &events,
+        events,
         Duration::from_secs(30),
         |n| n == 5,
     )
@@ -786,23 +786,23 @@ async fn traffic_makes_every_series(polling: &PollingRelay, wal: &WalRelay) {
     // Acked too: lines are in the file before their write's outcome is known (the sink
     // checks that the file is still at its path after the fsync), and a directory removed
     // in between fails that write, which would add the five to the dead letters below.
-    let db = pg(&url).await;
+    let db = pg(url).await;
     let outbox = "SELECT count(*) FROM outbox";
     wait_for_count("the five acked", &db, outbox, 0, Duration::from_secs(30)).await;
-    std::fs::remove_dir_all(&out_dir).unwrap();
-    insert_events(&url, 1).await;
-    wait_for_metric(&polling, &polling_addr, "outbox_events_dead_lettered_total").await;
-    std::fs::create_dir(&out_dir).unwrap();
-    cause_store_error(&url, &polling, &polling_addr).await;
-    insert_events(&wal_url, 3).await;
+    std::fs::remove_dir_all(out_dir).unwrap();
+    insert_events(url, 1).await;
+    wait_for_metric(polling, polling_addr, "outbox_events_dead_lettered_total").await;
+    std::fs::create_dir(out_dir).unwrap();
+    cause_store_error(url, polling, polling_addr).await;
+    insert_events(wal_url, 3).await;
     wait_for_lines(
         "the WAL relay's deliveries",
-        &wal_events,
+        wal_events,
         Duration::from_secs(30),
         |n| n == 3,
     )
     .await;
-    wait_for_metric(&wal, &wal_addr, "outbox_wal_slot_lag_bytes").await;
+    wait_for_metric(wal, wal_addr, "outbox_wal_slot_lag_bytes").await;
 }
 
 /// The shipped rules are loaded and evaluate without error; returns their queries.
