@@ -1,5 +1,6 @@
-//! The integration tests of `outbox-publishers`, one module per subject, linked into one test binary
-//! (`it`): `cargo nextest run -p outbox-publishers -E 'binary(it) & test(/^MODULE::/)'` runs one module.
+//! The integration tests of `outbox-publishers`: one module per subject, linked into one test
+//! binary (`it`). One module's tests:
+//! `cargo nextest run -p outbox-publishers -E 'binary(it) & test(/^MODULE::/)'`.
 
 #[cfg(feature = "aws")]
 mod aws;

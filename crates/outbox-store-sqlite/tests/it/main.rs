@@ -1,5 +1,6 @@
-//! The integration tests of `outbox-store-sqlite`, one module per subject, linked into one test binary
-//! (`it`): `cargo nextest run -p outbox-store-sqlite -E 'binary(it) & test(/^MODULE::/)'` runs one module.
+//! The integration tests of `outbox-store-sqlite`: one module per subject, linked into one test
+//! binary (`it`). One module's tests:
+//! `cargo nextest run -p outbox-store-sqlite -E 'binary(it) & test(/^MODULE::/)'`.
 
 mod bad_rows;
 mod conformance;
