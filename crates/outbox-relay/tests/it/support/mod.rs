@@ -783,6 +783,7 @@ impl Drop for OwnPostgres {
 
 /// A JetStream stream on the shared test server (`OUTBOX_TEST_NATS_URL`) capturing
 /// `<prefix>.>`, where the prefix (also the stream's name) is new: the context and prefix.
+#[cfg(feature = "nats")] // used by the tests of NATS sinks only
 pub async fn nats_stream() -> (async_nats::jetstream::Context, String) {
     let url = std::env::var("OUTBOX_TEST_NATS_URL")
         .expect("OUTBOX_TEST_NATS_URL is not set: source /tmp/servers.env");
@@ -799,6 +800,7 @@ pub async fn nats_stream() -> (async_nats::jetstream::Context, String) {
 }
 
 /// How many messages the stream `name` holds.
+#[cfg(feature = "nats")] // used by the tests of NATS sinks only
 pub async fn stream_len(js: &async_nats::jetstream::Context, name: &str) -> u64 {
     js.get_stream(name)
         .await
