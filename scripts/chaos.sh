@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The long variants of the network-fault scenarios (crates/outbox-relay/tests/faults.rs,
+# The long variants of the network-fault scenarios (crates/outbox-relay/tests/it/faults.rs,
 # issue 13 section 4): one node's broker link delayed by 20 s while its database link is cut,
 # the database blackholed for 30 s, the broker link half-open for 30 s, and cluster
 # membership changing every 3 s for 5 minutes. Prints each scenario's figures at the end.
 #
-#   scripts/chaos.sh [test-name filter]
+#   scripts/chaos.sh [the start of a scenario's name]
 #
 # Every OUTBOX_FAULTS_* variable the test file documents can be overridden, e.g.
 #   OUTBOX_FAULTS_CHURN=15m OUTBOX_FAULTS_SEED=7 scripts/chaos.sh membership
@@ -31,7 +31,8 @@ export OUTBOX_FAULTS_FIGURES=$figures
 # cargo test rather than nextest: the CI profile's slow-test limit would stop these.
 # Ignored scenarios (known relay bugs) run too: this is where they are measured.
 status=0
-cargo test -p outbox-relay --test faults -- --test-threads 1 --nocapture --include-ignored "$@" \
+# The crate's tests are one binary (`it`): the filter keeps to the faults module.
+cargo test -p outbox-relay --test it -- "faults::${1:-}" --test-threads 1 --nocapture --include-ignored "${@:2}" \
   || status=$?
 
 echo

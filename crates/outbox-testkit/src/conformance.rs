@@ -1,6 +1,22 @@
-//! The store conformance suite. Each store's `tests/conformance.rs` implements [`Harness`]
+//! The store conformance suite. Each store's `tests/it/conformance.rs` implements [`Harness`]
 //! and stamps every test out with [`store_conformance!`](crate::store_conformance), so all
-//! stores are held to the contract in `outbox_core::store`.
+//! stores are held to the contract in `outbox_core::store`: the claim/ack/retry/dead-letter
+//! lifecycle and the engine over it (this file), 10 kB ordering keys (`long_keys.rs`), and
+//! rows and columns an operator got wrong (`bad_rows.rs`).
+
+mod bad_rows;
+mod long_keys;
+
+pub use bad_rows::{
+    created_at_before_1970_is_delivered_and_beyond_9999_is_dead_lettered,
+    verify_names_a_renamed_column, Expect, OddTime, RenamedColumn,
+};
+pub use long_keys::{
+    a_10kb_key_is_claimed_retried_and_delivered_without_ordering,
+    a_10kb_key_waiting_to_retry_holds_back_only_its_own_key_in_owned_partitions,
+    a_10kb_key_waiting_to_retry_holds_back_only_its_own_key_under_row_leases, keyed_event,
+    long_key, payloads, retry,
+};
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -9,8 +25,8 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use outbox_core::store::{
     Backlog, ClaimRequest, DeadLetter, DeadQuery, DeadSelector, EventState, Incarnation,
-    NodeRegistry, OnChange, Operations, Problem, Registration, ReplaySelector, RetryLater,
-    StoreFuture,
+    NodeRegistry, OnChange, Operations, PartitionRegistry, Problem, Registration, ReplaySelector,
+    RetryLater, StoreFuture,
 };
 use outbox_core::{
     Claimed, Fence, NewEvent, NodeId, OutboxStore, PublishErrorKind, RetryPolicy, SequenceId,
@@ -47,12 +63,43 @@ pub trait Harness: Send + Sync {
     /// `(attempts, last_error, delivered)` of an outbox row, `None` if it is gone.
     fn row_state(&self, id: SequenceId) -> BoxFuture<'_, Option<(i64, Option<String>, bool)>>;
     fn dead_rows(&self) -> BoxFuture<'_, Vec<DeadRow>>;
+
+    /// The outbox table's name in SQL.
+    fn table(&self) -> &str;
+    /// Runs SQL on the database (rows and schema changes the store's API cannot make).
+    fn execute<'a>(&'a self, sql: &'a str) -> BoxFuture<'a, ()>;
+    /// The store's partition leases, for stores that have them (the `owned_partitions` cases).
+    fn partitions(&self) -> Option<Arc<dyn PartitionRegistry>> {
+        None
+    }
+    /// Rows with odd `created_at` values, in this database's SQL (the `created_at` case).
+    fn odd_created_at(&self) -> Vec<OddTime> {
+        panic!("a store that cannot hold an odd created_at marks created_at not applicable")
+    }
+    /// What `verify` says of a renamed column (the `renamed_column` case).
+    fn renamed_column(&self) -> RenamedColumn {
+        panic!(
+            "a store whose verify cannot see a renamed column marks renamed_column not applicable"
+        )
+    }
 }
 
 /// Stamps out one `#[tokio::test]` per conformance test, given an async harness constructor.
+///
+/// - `store_conformance!(new_harness)`: every test.
+/// - `store_conformance!(new_harness; long_keys: M, owned_partitions: M, created_at: M,
+///   renamed_column: M)`: the lifecycle tests, and each group of cases run (`M` = `run`),
+///   left out with the reason it does not apply to the store (`M` = `not_applicable("…")`), or
+///   ignored for a bug of the store's, named (`M` = `known_bug("…")`: `--run-ignored` runs it).
+/// - `store_conformance!(@groups new_harness; …)`: the groups alone, as above.
+/// - `store_conformance!(@tests new_harness; names…)`: the tests named.
 #[macro_export]
 macro_rules! store_conformance {
     ($new_harness:path) => {
+        $crate::store_conformance!($new_harness;
+            long_keys: run, owned_partitions: run, created_at: run, renamed_column: run);
+    };
+    ($new_harness:path; $($groups:tt)*) => {
         $crate::store_conformance!(@tests $new_harness;
             exclusive_claims, per_key_order_across_nodes, retry_scheduling,
             dead_lettering_keeps_the_whole_event, lease_expiry,
@@ -66,6 +113,37 @@ macro_rules! store_conformance {
             engine_drain_ends_when_every_claim_keeps_failing,
             operator_lists_retries_and_purges_dead_letters, operator_replays_and_prunes_in_batches,
             operator_pages_dead_letters_and_shows_one_event);
+        $crate::store_conformance!(@groups $new_harness; $($groups)*);
+    };
+    (@groups $new_harness:path;
+        long_keys: $long_keys:ident $(($long_keys_reason:literal))?,
+        owned_partitions: $owned:ident $(($owned_reason:literal))?,
+        created_at: $created_at:ident $(($created_at_reason:literal))?,
+        renamed_column: $renamed:ident $(($renamed_reason:literal))? $(,)?
+    ) => {
+        $crate::store_conformance!(@group $new_harness; $long_keys $(($long_keys_reason))?;
+            a_10kb_key_is_claimed_retried_and_delivered_without_ordering,
+            a_10kb_key_waiting_to_retry_holds_back_only_its_own_key_under_row_leases);
+        $crate::store_conformance!(@group $new_harness; $owned $(($owned_reason))?;
+            a_10kb_key_waiting_to_retry_holds_back_only_its_own_key_in_owned_partitions);
+        $crate::store_conformance!(@group $new_harness; $created_at $(($created_at_reason))?;
+            created_at_before_1970_is_delivered_and_beyond_9999_is_dead_lettered);
+        $crate::store_conformance!(@group $new_harness; $renamed $(($renamed_reason))?;
+            verify_names_a_renamed_column);
+    };
+    (@group $new_harness:path; run; $($name:ident),*) => {
+        $crate::store_conformance!(@tests $new_harness; $($name),*);
+    };
+    (@group $new_harness:path; not_applicable($reason:literal); $($name:ident),*) => {};
+    (@group $new_harness:path; known_bug($reason:literal); $($name:ident),*) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            #[ignore = $reason]
+            async fn $name() {
+                let harness = $new_harness().await;
+                $crate::conformance::$name(&harness).await;
+            }
+        )*
     };
     (@tests $new_harness:path; $($name:ident),* $(,)?) => {
         $(

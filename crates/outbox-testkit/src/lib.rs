@@ -4,6 +4,7 @@
 pub mod cloudevents_sdk;
 pub mod conformance;
 pub mod faultproxy;
+pub mod nats;
 pub mod otlp;
 pub mod publisher;
 pub mod recording;

@@ -1,0 +1,251 @@
+//! The publisher conformance suite against librdkafka's mock cluster: three in-process
+//! brokers that speak the real Kafka protocol (no Kafka broker is packaged for Debian).
+//! The `tansu` module below repeats the basic checks against Tansu when it is installed.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use outbox_publishers::{Sink, SinkConfig};
+use outbox_testkit::publisher::{BrokerHarness, Received};
+use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::message::{Headers, Message};
+use rdkafka::mocking::MockCluster;
+use rdkafka::producer::DefaultProducerContext;
+use rdkafka::ClientConfig;
+
+/// The mock cluster's handle holds a raw pointer, so Rust cannot see that librdkafka's mock
+/// API is thread-safe (each call takes the cluster's lock). Tests only call it through
+/// `&self`, from any thread.
+struct Cluster(MockCluster<'static, DefaultProducerContext>);
+#[allow(unsafe_code)] // the one unsafe in the workspace, for a test's mock broker (above)
+unsafe impl Send for Cluster {}
+#[allow(unsafe_code)]
+unsafe impl Sync for Cluster {}
+
+const BROKERS: i32 = 3;
+
+struct KafkaHarness {
+    cluster: Option<Cluster>,
+    sink: Arc<dyn Sink>,
+    topic: String,
+    consumer: StreamConsumer,
+    received: Mutex<Vec<Received>>,
+}
+
+async fn new_harness() -> KafkaHarness {
+    let cluster = MockCluster::new(BROKERS).unwrap();
+    let topic = format!("orders-{}", uuid::Uuid::new_v4().simple());
+    cluster.create_topic(&topic, 3, 3).unwrap();
+    let servers = cluster.bootstrap_servers();
+    harness_for(servers, topic, Some(Cluster(cluster))).await
+}
+
+async fn harness_for(servers: String, topic: String, cluster: Option<Cluster>) -> KafkaHarness {
+    let config: SinkConfig = serde_json::from_value(serde_json::json!({
+        "uri": format!("kafka://{servers}"),
+        "timeout": "5s",
+    }))
+    .unwrap();
+    let sink = outbox_publishers::build_sink("kafka", &config)
+        .await
+        .unwrap();
+    let consumer: StreamConsumer = ClientConfig::new()
+        .set("bootstrap.servers", &servers)
+        .set("group.id", format!("g-{topic}"))
+        .set("auto.offset.reset", "earliest")
+        .set("enable.auto.commit", "false")
+        .create()
+        .unwrap();
+    consumer.subscribe(&[&topic]).unwrap();
+    KafkaHarness {
+        cluster,
+        sink,
+        topic,
+        consumer,
+        received: Mutex::default(),
+    }
+}
+
+impl BrokerHarness for KafkaHarness {
+    fn sink(&self) -> Arc<dyn Sink> {
+        self.sink.clone()
+    }
+
+    fn target(&self) -> String {
+        self.topic.clone()
+    }
+
+    fn received(&self) -> BoxFuture<'_, Vec<Received>> {
+        async move {
+            while let Ok(Ok(message)) =
+                tokio::time::timeout(Duration::from_millis(300), self.consumer.recv()).await
+            {
+                let header = |name: &str| {
+                    message.headers().and_then(|h| {
+                        h.iter()
+                            .find(|x| x.key == name)
+                            .and_then(|x| x.value)
+                            .map(|v| String::from_utf8_lossy(v).to_string())
+                    })
+                };
+                self.received.lock().unwrap().push(Received {
+                    event_id: header("outbox-event-id").unwrap_or_default(),
+                    ordering_key: message
+                        .key()
+                        .map(|k| String::from_utf8_lossy(k).to_string()),
+                    payload: message.payload().unwrap_or_default().to_vec(),
+                    traceparent: header("traceparent"),
+                    tracestate: header("tracestate"),
+                    headers: message
+                        .headers()
+                        .map(|h| {
+                            h.iter()
+                                .map(|x| {
+                                    let value = x.value.unwrap_or_default();
+                                    (
+                                        x.key.to_string(),
+                                        String::from_utf8_lossy(value).to_string(),
+                                    )
+                                })
+                                .collect()
+                        })
+                        .unwrap_or_default(),
+                });
+            }
+            self.received.lock().unwrap().clone()
+        }
+        .boxed()
+    }
+
+    fn broker_dedupes(&self) -> bool {
+        false // consumers de-duplicate on the outbox-event-id header
+    }
+
+    fn oversized_bytes(&self) -> usize {
+        2 * 1024 * 1024 // above the producer's 1 MB message.max.bytes
+    }
+
+    fn stop_broker(&self) -> BoxFuture<'_, ()> {
+        async move {
+            let cluster = self
+                .cluster
+                .as_ref()
+                .expect("restart tests use the mock cluster");
+            for id in 1..=BROKERS {
+                cluster.0.broker_down(id).unwrap();
+            }
+        }
+        .boxed()
+    }
+
+    fn start_broker(&self) -> BoxFuture<'_, ()> {
+        async move {
+            let cluster = self
+                .cluster
+                .as_ref()
+                .expect("restart tests use the mock cluster");
+            for id in 1..=BROKERS {
+                cluster.0.broker_up(id).unwrap();
+            }
+        }
+        .boxed()
+    }
+}
+
+outbox_testkit::publisher_conformance!(new_harness);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_carry_the_key_and_event_headers() {
+    let h = new_harness().await;
+    let e = outbox_testkit::publisher::event(4, "customer-4", b"{}".to_vec());
+    let routed = outbox_publishers::Routed {
+        cloudevents: None,
+        event: e.clone(),
+        target: h.topic.clone(),
+    };
+    assert!(h.sink.send(vec![routed]).await[0].is_ok());
+    let message = tokio::time::timeout(Duration::from_secs(20), h.consumer.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(message.key(), Some(&b"customer-4"[..]));
+    let headers: Vec<(String, String)> = message
+        .headers()
+        .unwrap()
+        .iter()
+        .map(|x| {
+            (
+                x.key.to_string(),
+                String::from_utf8_lossy(x.value.unwrap()).to_string(),
+            )
+        })
+        .collect();
+    for (k, v) in [
+        ("outbox-event-id", e.event_id.to_string()),
+        ("outbox-event-type", "order.created".to_string()),
+        ("outbox-sequence-id", "4".to_string()),
+        ("outbox-mutation-id", "m4".to_string()),
+        ("trace-id", "t4".to_string()),
+    ] {
+        assert!(
+            headers.contains(&(k.to_string(), v.clone())),
+            "{k}={v} in {headers:?}"
+        );
+    }
+}
+
+/// Tansu, an independent Kafka-compatible broker (crates.io). Its build takes about 25
+/// minutes, so it is not part of every CI run: `scripts/install-tansu.sh` installs it, and
+/// `scripts/test.sh` runs these tests whenever `tansu` is on the PATH.
+mod tansu {
+    use super::*;
+    use outbox_testkit::server::ServerProcess;
+    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    use rdkafka::client::DefaultClientContext;
+
+    async fn tansu_harness() -> (ServerProcess, KafkaHarness) {
+        let server = ServerProcess::start(
+            "tansu",
+            &[
+                "broker",
+                "--listener-url",
+                "tcp://127.0.0.1:{port}",
+                "--advertised-listener-url",
+                "tcp://127.0.0.1:{port}",
+                "--storage-engine",
+                "memory://tansu/",
+            ],
+        );
+        let servers = format!("127.0.0.1:{}", server.port);
+        let topic = format!("orders-{}", uuid::Uuid::new_v4().simple());
+        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+            .set("bootstrap.servers", &servers)
+            .create()
+            .unwrap();
+        admin
+            .create_topics(
+                &[NewTopic::new(&topic, 3, TopicReplication::Fixed(1))],
+                &AdminOptions::new(),
+            )
+            .await
+            .unwrap();
+        let harness = harness_for(servers, topic, None).await;
+        (server, harness)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[ignore = "needs tansu on the PATH (scripts/install-tansu.sh); scripts/test.sh runs it when present"]
+    async fn tansu_delivers_every_event_in_order_per_key() {
+        let (_server, harness) = tansu_harness().await;
+        outbox_testkit::publisher::delivers_every_event_in_order_per_key(&harness).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[ignore = "needs tansu on the PATH (scripts/install-tansu.sh); scripts/test.sh runs it when present"]
+    async fn tansu_redelivery_carries_the_same_event_id() {
+        let (_server, harness) = tansu_harness().await;
+        outbox_testkit::publisher::redelivery_carries_the_same_event_id(&harness).await;
+    }
+}

@@ -1,0 +1,252 @@
+//! The publisher conformance suite against a real nats-server with JetStream (one private
+//! server per test, so the restart test disturbs nobody).
+
+use std::sync::Arc;
+
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use outbox_publishers::{Sink, SinkConfig};
+use outbox_testkit::nats::{stream, PrivateNats};
+use outbox_testkit::publisher::{BrokerHarness, Received};
+
+struct NatsHarness {
+    server: PrivateNats,
+    sink: Arc<dyn Sink>,
+    subject: String,
+    stream: String,
+}
+
+fn url(server: &PrivateNats) -> String {
+    server.url.clone()
+}
+
+async fn new_harness() -> NatsHarness {
+    let id = uuid::Uuid::new_v4().simple().to_string();
+    let subject = format!("orders.{id}");
+    let stream = format!("S{id}");
+    let server = PrivateNats::with_stream(async_nats::jetstream::stream::Config {
+        storage: async_nats::jetstream::stream::StorageType::File,
+        ..self::stream(&stream, &[&subject])
+    })
+    .await;
+    let config = SinkConfig::new(url(&server));
+    let sink = outbox_publishers::build_sink("nats", &config)
+        .await
+        .unwrap();
+    NatsHarness {
+        server,
+        sink,
+        subject,
+        stream,
+    }
+}
+
+impl BrokerHarness for NatsHarness {
+    fn sink(&self) -> Arc<dyn Sink> {
+        self.sink.clone()
+    }
+
+    fn target(&self) -> String {
+        self.subject.clone()
+    }
+
+    fn received(&self) -> BoxFuture<'_, Vec<Received>> {
+        async move {
+            let Ok(client) = async_nats::connect(url(&self.server)).await else {
+                return Vec::new();
+            };
+            let js = async_nats::jetstream::new(client);
+            let Ok(mut stream) = js.get_stream(&self.stream).await else {
+                return Vec::new();
+            };
+            let Ok(info) = stream.info().await else {
+                return Vec::new();
+            };
+            let (first, last) = (info.state.first_sequence, info.state.last_sequence);
+            let mut out = Vec::new();
+            for seq in first..=last {
+                if last == 0 {
+                    break;
+                }
+                let message = stream.get_raw_message(seq).await.unwrap();
+                let header = |name: &str| {
+                    message
+                        .headers
+                        .get(name)
+                        .map(|v| v.as_str().to_string())
+                        .unwrap_or_default()
+                };
+                out.push(Received {
+                    event_id: header("Nats-Msg-Id"),
+                    ordering_key: Some(header("Outbox-Partition-Key")),
+                    payload: message.payload.to_vec(),
+                    traceparent: message.headers.get("traceparent").map(|v| v.to_string()),
+                    tracestate: message.headers.get("tracestate").map(|v| v.to_string()),
+                    headers: message
+                        .headers
+                        .iter()
+                        .flat_map(|(name, values)| {
+                            values
+                                .iter()
+                                .map(move |v| (name.to_string(), v.as_str().to_string()))
+                        })
+                        .collect(),
+                });
+            }
+            out
+        }
+        .boxed()
+    }
+
+    fn broker_dedupes(&self) -> bool {
+        true
+    }
+
+    fn oversized_bytes(&self) -> usize {
+        2 * 1024 * 1024 // nats-server's default max_payload is 1 MiB
+    }
+
+    fn stop_broker(&self) -> BoxFuture<'_, ()> {
+        async move { self.server.stop() }.boxed()
+    }
+
+    fn start_broker(&self) -> BoxFuture<'_, ()> {
+        async move { self.server.resume() }.boxed()
+    }
+}
+
+outbox_testkit::publisher_conformance!(new_harness);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_stream_is_a_retryable_error_naming_the_subject() {
+    let harness = new_harness().await;
+    let event = outbox_testkit::publisher::event(1, "k", b"{}".to_vec());
+    let outcomes = harness
+        .sink
+        .send(vec![outbox_publishers::Routed {
+            cloudevents: None,
+            event,
+            target: "nowhere.subject".into(),
+        }])
+        .await;
+    let err = outcomes[0].as_ref().unwrap_err();
+    assert!(
+        matches!(err.disposition(), outbox_core::Disposition::Retry { .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("nowhere.subject"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn event_headers_type_and_key_travel_as_nats_headers() {
+    let harness = new_harness().await;
+    let event = outbox_testkit::publisher::event(7, "customer-7", b"{\"a\":1}".to_vec());
+    let id = event.event_id.to_string();
+    let routed = outbox_publishers::Routed {
+        cloudevents: None,
+        event,
+        target: harness.subject.clone(),
+    };
+    assert!(harness.sink.send(vec![routed]).await[0].is_ok());
+    let client = async_nats::connect(url(&harness.server)).await.unwrap();
+    let stream = async_nats::jetstream::new(client)
+        .get_stream(&harness.stream)
+        .await
+        .unwrap();
+    let message = stream.get_raw_message(1).await.unwrap();
+    let h = &message.headers;
+    assert_eq!(h.get("Nats-Msg-Id").unwrap().as_str(), id);
+    assert_eq!(
+        h.get("Outbox-Event-Type").unwrap().as_str(),
+        "order.created"
+    );
+    assert_eq!(
+        h.get("Outbox-Partition-Key").unwrap().as_str(),
+        "customer-7"
+    );
+    assert_eq!(h.get("Outbox-Sequence-Id").unwrap().as_str(), "7");
+    assert_eq!(h.get("Outbox-Mutation-Id").unwrap().as_str(), "m7");
+    assert_eq!(h.get("trace-id").unwrap().as_str(), "t7");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_is_verified_against_the_configured_ca() {
+    outbox_testkit::install_crypto();
+    let certs = outbox_testkit::server::test_certs();
+    let server = PrivateNats::with_tls(certs.path()).await;
+    let url = server.url.clone();
+    // The stream, made over TLS by a client that trusts the test CA.
+    server.add_stream(stream("TLS", &["secure"])).await;
+    let config: SinkConfig = serde_json::from_value(serde_json::json!({
+        "uri": url,
+        "tls_ca_file": certs.path().join("ca.pem"),
+    }))
+    .unwrap();
+    let sink = outbox_publishers::build_sink("nats", &config)
+        .await
+        .unwrap();
+    let event = outbox_testkit::publisher::event(1, "k", b"{}".to_vec());
+    let outcomes = sink
+        .send(vec![outbox_publishers::Routed {
+            cloudevents: None,
+            event,
+            target: "secure".into(),
+        }])
+        .await;
+    assert!(outcomes[0].is_ok(), "{:?}", outcomes[0]);
+    // Without the CA the server is not trusted: nothing is published.
+    let untrusted = SinkConfig::new(url);
+    let sink = outbox_publishers::build_sink("nats", &untrusted)
+        .await
+        .unwrap();
+    let event = outbox_testkit::publisher::event(2, "k", b"{}".to_vec());
+    let outcomes = sink
+        .send(vec![outbox_publishers::Routed {
+            cloudevents: None,
+            event,
+            target: "secure".into(),
+        }])
+        .await;
+    assert!(
+        outcomes[0].is_err(),
+        "an untrusted server must not get the event"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_without_jetstream_is_a_setup_error() {
+    let server = PrivateNats::without_jetstream().await;
+    let err = match outbox_publishers::build_sink("nats", &SinkConfig::new(url(&server))).await {
+        Ok(_) => panic!("a server without JetStream cannot take the relay's events"),
+        Err(e) => e,
+    };
+    assert!(err.kind().is_config(), "{err}");
+    assert!(
+        err.to_string().contains("start nats-server with -js"),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subject_without_a_stream_fails_at_once_until_it_is_checked_again() {
+    let harness = new_harness().await;
+    let send = |seq: i64| {
+        let event = outbox_testkit::publisher::event(seq, "k", b"{}".to_vec());
+        harness.sink.send(vec![outbox_publishers::Routed {
+            cloudevents: None,
+            event,
+            target: "later.subject".into(),
+        }])
+    };
+    let kind = |mut outcomes: Vec<outbox_core::Outcome>| outcomes.remove(0).map_err(|e| e.kind());
+    let missing = Err(outbox_core::PublishErrorKind::MissingTarget);
+    assert_eq!(kind(send(1).await), missing);
+    harness
+        .server
+        .add_stream(stream("LATER", &["later.subject"]))
+        .await;
+    // Found missing a moment ago: not published again yet.
+    assert_eq!(kind(send(2).await), missing);
+    tokio::time::sleep(outbox_publishers::nats::MISSING_STREAM_RECHECK).await;
+    assert_eq!(kind(send(3).await), Ok(()));
+}

@@ -1,0 +1,341 @@
+//! The binary with a config file of several sinks and routes, against a real nats-server.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use outbox_testkit::eventually;
+use outbox_testkit::nats::{stream, PrivateNats};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::support::{RelayProcess, BIN};
+
+fn relay(dir: &Path, args: &[&str]) -> std::process::Output {
+    Command::new(BIN)
+        .args(args)
+        .current_dir(dir)
+        .env_remove("DATABASE_URL")
+        .output()
+        .unwrap()
+}
+
+/// GET on the relay's HTTP server; (status, body).
+async fn get(addr: &str, path: &str) -> Option<(u16, String)> {
+    let mut stream = tokio::net::TcpStream::connect(addr).await.ok()?;
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.ok()?;
+    let status = response.split_whitespace().nth(1)?.parse().ok()?;
+    Some((
+        status,
+        response
+            .split("\r\n\r\n")
+            .nth(1)
+            .unwrap_or_default()
+            .to_string(),
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routes_send_each_destination_to_its_sink_and_readyz_follows_the_broker() {
+    outbox_testkit::install_crypto();
+    let nats = PrivateNats::with_stream(stream("EVENTS", &["events.>"])).await;
+    let dir = tempfile::tempdir().unwrap();
+    let audit = dir.path().join("audit.jsonl");
+    write_routes_to_nats_and_a_file(dir.path(), &nats.url, &audit);
+    send_to_routed_and_unrouted_destinations(dir.path());
+    let log = dir.path().join("relay.log");
+    let mut relay_process = RelayProcess::spawn(dir.path(), "relay", &["run"], &[]);
+
+    each_routed_event_reaches_its_sink(&nats.js, &audit).await;
+    the_unrouted_destination_is_retried_then_dead_lettered(&dir.path().join("o.db")).await;
+    let addr = readyz_follows_the_broker(&log, &nats).await;
+    the_counters_move_once_the_settles_commit(&addr).await;
+
+    let status = relay_process.terminate().await;
+    assert!(status.success());
+}
+
+/// Sinks `nats` and `audit` (a file), routes `orders.*` to NATS under `events.`, `audit` to
+/// the file, and nothing for other destinations.
+fn write_routes_to_nats_and_a_file(dir: &Path, nats_url: &str, audit: &Path) {
+    std::fs::write(
+        dir.join("outbox-relay.toml"),
+        format!(
+            r#"
+database_url = "sqlite:{db}"
+http_addr = "127.0.0.1:0"
+log_format = "json"
+[retry]
+base_delay = "50ms"
+max_delay = "100ms"
+max_attempts = 3
+
+[sinks.nats]
+uri = "{nats_url}"
+
+[sinks.audit]
+uri = "file:{audit}"
+
+[[routes]]
+destinations = "orders.*"
+sink = "nats"
+target = "events.{{destination}}"
+
+[[routes]]
+destinations = "audit"
+sink = "audit"
+"#,
+            db = dir.join("o.db").display(),
+            audit = audit.display(),
+        ),
+    )
+    .unwrap();
+}
+
+fn send_to_routed_and_unrouted_destinations(dir: &Path) {
+    for (destination, key) in [
+        ("orders.eu", "c1"),
+        ("orders.eu", "c2"),
+        ("orders.us", "c1"),
+        ("audit", "a"),
+        ("invoices", "i"),
+    ] {
+        let out = relay(
+            dir,
+            &[
+                "send",
+                "--destination",
+                destination,
+                "--key",
+                key,
+                "{\"ok\":true}",
+            ],
+        );
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+async fn each_routed_event_reaches_its_sink(js: &async_nats::jetstream::Context, audit: &Path) {
+    let mut stream = js.get_stream("EVENTS").await.unwrap();
+    eventually(
+        "three order events in JetStream",
+        Duration::from_secs(30),
+        || {
+            let n = futures::executor::block_on(stream.info())
+                .map(|i| i.state.messages)
+                .unwrap_or(0);
+            async move { (n == 3).then_some(()) }
+        },
+    )
+    .await;
+    let subjects: Vec<String> =
+        futures::future::join_all((1..=3).map(|seq| stream.get_raw_message(seq)))
+            .await
+            .into_iter()
+            .map(|m| m.unwrap().subject.to_string())
+            .collect();
+    assert_eq!(
+        subjects.iter().filter(|s| *s == "events.orders.eu").count(),
+        2
+    );
+    assert_eq!(
+        subjects.iter().filter(|s| *s == "events.orders.us").count(),
+        1
+    );
+    eventually(
+        "the audit event in its file",
+        Duration::from_secs(30),
+        || {
+            let n = std::fs::read_to_string(audit)
+                .unwrap_or_default()
+                .lines()
+                .count();
+            async move { (n == 1).then_some(()) }
+        },
+    )
+    .await;
+}
+
+/// The unrouted destination is retried, then dead-lettered with the reason.
+async fn the_unrouted_destination_is_retried_then_dead_lettered(db: &Path) {
+    let dead = eventually("the unrouted event to be dead-lettered", Duration::from_secs(30), || {
+        let conn = rusqlite::Connection::open(db).unwrap();
+        let row: Option<(i64, String)> = conn
+            .query_row("SELECT attempts, last_error FROM outbox_dead_letters WHERE destination = 'invoices'", [], |r| {
+                Ok((r.get(0)?, r.get(1)?))
+            })
+            .ok();
+        async move { row }
+    })
+    .await;
+    assert_eq!(dead.0, 3, "max_attempts");
+    assert!(
+        dead.1.contains("no route matches destination \"invoices\""),
+        "{}",
+        dead.1
+    );
+}
+
+/// /readyz follows the broker.
+async fn readyz_follows_the_broker(log: &Path, nats: &PrivateNats) -> String {
+    let addr = eventually(
+        "the HTTP address in the log",
+        Duration::from_secs(10),
+        || {
+            let text = std::fs::read_to_string(log).unwrap_or_default();
+            let addr = text
+                .lines()
+                .find(|l| l.contains("HTTP endpoints"))
+                .and_then(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+                .and_then(|v| v["addr"].as_str().map(String::from));
+            async move { addr }
+        },
+    )
+    .await;
+    assert_eq!(get(&addr, "/readyz").await.unwrap().0, 200);
+    nats.stop();
+    let (_, body) = eventually(
+        "/readyz to report the broker down",
+        Duration::from_secs(30),
+        || {
+            let addr = addr.clone();
+            async move { get(&addr, "/readyz").await.filter(|(s, _)| *s == 503) }
+        },
+    )
+    .await;
+    assert!(
+        body.contains(&format!("nats://127.0.0.1:{}", nats.port)),
+        "{body}"
+    );
+    nats.resume();
+    eventually("/readyz to recover", Duration::from_secs(30), || {
+        let addr = addr.clone();
+        async move { get(&addr, "/readyz").await.filter(|(s, _)| *s == 200) }
+    })
+    .await;
+    addr
+}
+
+/// The counters move when the settle statements commit, after the sinks received.
+async fn the_counters_move_once_the_settles_commit(addr: &str) {
+    let published = "outbox_events_published_total{destination=\"orders.eu\"} 2";
+    let dead = "outbox_events_dead_lettered_total{destination=\"invoices\"} 1";
+    eventually("the counters in /metrics", Duration::from_secs(30), || {
+        let addr = addr.to_string();
+        async move {
+            let metrics = get(&addr, "/metrics").await?.1;
+            (metrics.contains(published) && metrics.contains(dead)).then_some(())
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_while_publishing_to_jetstream_leaves_no_duplicate_in_the_stream() {
+    outbox_testkit::install_crypto();
+    let nats = PrivateNats::with_stream(stream("ORDERS", &["orders"])).await;
+    let (nats_url, js) = (nats.url.clone(), nats.js.clone());
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("o.db");
+    let url = format!("sqlite:{}", db.display());
+    assert!(relay(dir.path(), &["migrate", "--database-url", &url])
+        .status
+        .success());
+
+    // A writer commits 2,000 events over 20 keys while the relay runs.
+    let total = 2_000;
+    let writer = {
+        let db = db.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut conn = rusqlite::Connection::open(&db).unwrap();
+            conn.busy_timeout(Duration::from_secs(10)).unwrap();
+            for chunk in 0..(total / 50) {
+                let tx = conn.transaction().unwrap();
+                for i in chunk * 50..(chunk + 1) * 50 {
+                    tx.execute(
+                        "INSERT INTO outbox (event_id, destination, partition_key, event_type, payload) VALUES (?1, 'orders', ?2, 't', ?3)",
+                        rusqlite::params![uuid::Uuid::new_v4().to_string(), format!("k{}", i % 20), format!("{{\"i\":{i}}}")],
+                    )
+                    .unwrap();
+                }
+                tx.commit().unwrap();
+            }
+        })
+    };
+    let start = |name: &str| {
+        let args = [
+            "run",
+            "--database-url",
+            &url,
+            "--sink",
+            &nats_url,
+            "--lease",
+            "1s",
+            "--publish-timeout",
+            "700ms",
+            "--batch-size",
+            "100",
+            "--http-addr",
+            "",
+        ];
+        RelayProcess::spawn(dir.path(), name, &args, &[])
+    };
+    let count = |js: async_nats::jetstream::Context| async move {
+        let mut stream = js.get_stream("ORDERS").await.unwrap();
+        stream.info().await.map(|i| i.state.messages).unwrap_or(0)
+    };
+    let mut first = start("first");
+    eventually(
+        "the first relay to publish",
+        Duration::from_secs(30),
+        || {
+            let js = js.clone();
+            async move { (count(js).await >= 300).then_some(()) }
+        },
+    )
+    .await;
+    first.kill9(); // mid-stream
+    let _second = start("second");
+    writer.await.unwrap();
+    eventually("every event in the stream", Duration::from_secs(60), || {
+        let js = js.clone();
+        let db = db.clone();
+        async move {
+            let left: i64 = rusqlite::Connection::open(&db)
+                .unwrap()
+                .query_row("SELECT count(*) FROM outbox", [], |r| r.get(0))
+                .unwrap();
+            (left == 0 && count(js).await >= total as u64).then_some(())
+        }
+    })
+    .await;
+    assert_eq!(
+        count(js.clone()).await,
+        total as u64,
+        "JetStream dropped every redelivered copy"
+    );
+    // First deliveries per key are in sequence order: the payload's i grows per key.
+    let stream = js.get_stream("ORDERS").await.unwrap();
+    let mut last: std::collections::HashMap<String, i64> = Default::default();
+    for seq in 1..=total as u64 {
+        let m = stream.get_raw_message(seq).await.unwrap();
+        let key = m
+            .headers
+            .get("Outbox-Partition-Key")
+            .unwrap()
+            .as_str()
+            .to_string();
+        let i = serde_json::from_slice::<serde_json::Value>(&m.payload).unwrap()["i"]
+            .as_i64()
+            .unwrap();
+        if let Some(prev) = last.insert(key.clone(), i) {
+            assert!(prev < i, "key {key}: {prev} then {i}");
+        }
+    }
+}

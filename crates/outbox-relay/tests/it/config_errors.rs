@@ -1,0 +1,598 @@
+//! Bad input given to the binary: a setting that cannot apply, a value that cannot work, a
+//! name that is no identifier. Each is a configuration error (exit 2) that names the setting
+//! and the fix; runtime failures (exit 1) carry a fix about their own cause. And the logs
+//! tell the truth about how the relay wakes, without colour codes in a redirected file.
+
+use crate::support;
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use crate::support::BIN;
+
+/// Runs `outbox-relay <args>` in `dir` with `env` set, stdout and stderr captured (so stderr is
+/// not a terminal), and no database URL inherited.
+fn relay(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut command = Command::new(BIN);
+    command
+        .args(args)
+        .current_dir(dir)
+        .env_remove("DATABASE_URL")
+        .env_remove("OUTBOX_RELAY_DATABASE_URL");
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    command.output().expect("run outbox-relay")
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).to_string()
+}
+
+/// The configuration is refused with exit 2, and the message names `setting` and `fix`.
+#[track_caller]
+fn refused(out: Output, setting: &str, fix: &str) {
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(2), "exit 2 expected: {err}");
+    assert!(err.contains(setting), "the message names {setting}: {err}");
+    assert!(err.contains(fix), "the message says {fix:?}: {err}");
+    assert!(!err.contains(".rs:"), "no source location: {err}");
+}
+
+const PG: &str = "postgres://relay@127.0.0.1:1/app";
+
+#[test]
+fn one_webhook_secret_for_several_receivers_is_refused_naming_each_sink() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let two = "[sinks.billing]\nuri = \"https://127.0.0.1:1/billing\"\n\
+               [sinks.partner]\nuri = \"https://127.0.0.1:1/partner\"\n\
+               [[routes]]\ndestinations = \"billing.*\"\nsink = \"billing\"\n\
+               [[routes]]\ndestinations = \"*\"\nsink = \"partner\"\n";
+    std::fs::write(d.join("relay.toml"), two).unwrap();
+    let secret = (
+        "OUTBOX_RELAY_WEBHOOK_SECRET",
+        "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw",
+    );
+    let run = [
+        "--config",
+        "relay.toml",
+        "run",
+        "--drain",
+        "--http-addr",
+        "",
+    ];
+    refused(
+        relay(d, &run, &[secret]),
+        "billing, partner",
+        "its own secret",
+    );
+    // Each with a secret of its own: the shared one signs for nobody, and nothing is refused
+    // for it (the drain goes on to the empty SQLite outbox).
+    let own = two.replace(
+        "/partner\"\n",
+        "/partner\"\nsecret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"\n",
+    );
+    std::fs::write(d.join("relay.toml"), own).unwrap();
+    let out = relay(d, &run, &[secret]);
+    assert!(!stderr(&out).contains("its own secret"), "{}", stderr(&out));
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+}
+
+#[test]
+fn a_setting_that_has_no_effect_is_refused_with_exit_2_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    // SQLite (the default database) has no NOTIFY to gate or to name a channel for.
+    refused(
+        relay(d, &["run", "--drain", "--wakeup", "gated"], &[]),
+        "--wakeup gated",
+        "remove it",
+    );
+    refused(
+        relay(
+            d,
+            &["run", "--drain"],
+            &[("OUTBOX_RELAY_NOTIFY_CHANNEL", "events")],
+        ),
+        "notify_channel",
+        "remove the setting",
+    );
+    // A fixed-rate relay never listens: the gate would wake nobody.
+    refused(
+        relay(
+            d,
+            &[
+                "run",
+                "--drain",
+                "--database-url",
+                PG,
+                "--poll-fixed-rate",
+                "--wakeup",
+                "gated",
+            ],
+            &[],
+        ),
+        "--poll-fixed-rate",
+        "use --wakeup poll",
+    );
+    // A Redis setting on a NATS sink.
+    std::fs::write(
+        d.join("maxlen.toml"),
+        "[sinks.main]\nuri = \"nats://127.0.0.1:4222\"\nmaxlen = 1000\n",
+    )
+    .unwrap();
+    refused(
+        relay(d, &["--config", "maxlen.toml", "run", "--drain"], &[]),
+        "`sinks.main`",
+        "`maxlen` has no effect on a nats sink",
+    );
+    // --sink replaces the routes, which would silently stop applying.
+    std::fs::write(
+        d.join("routes.toml"),
+        "[sinks.main]\nuri = \"stdout\"\n[[routes]]\ndestinations = \"*\"\nsink = \"main\"\n",
+    )
+    .unwrap();
+    refused(
+        relay(
+            d,
+            &[
+                "--config",
+                "routes.toml",
+                "run",
+                "--drain",
+                "--sink",
+                "stdout",
+            ],
+            &[],
+        ),
+        "--sink",
+        "not both",
+    );
+    // A seed's layout on SQLite, and table names SQLite does not use.
+    refused(
+        relay(d, &["run", "--drain", "--layout", "open-outbox"], &[]),
+        "layout = \"open-outbox\"",
+        "remove --layout",
+    );
+    refused(
+        relay(d, &["run", "--drain", "--outbox-table", "events"], &[]),
+        "outbox_table",
+        "remove them",
+    );
+}
+
+#[test]
+fn bad_values_and_names_exit_2_naming_where_they_came_from() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    refused(
+        relay(d, &["run", "--drain", "--lease", "10"], &[]),
+        "--lease",
+        "write it with a unit",
+    );
+    refused(
+        relay(d, &["run", "--drain"], &[("OUTBOX_RELAY_LEASE", "10")]),
+        "environment variable OUTBOX_RELAY_LEASE",
+        "write it with a unit",
+    );
+    std::fs::write(d.join("relay.toml"), "poll_interval = \"soon\"\n").unwrap();
+    refused(
+        relay(d, &["--config", "relay.toml", "run", "--drain"], &[]),
+        "setting `poll_interval` in",
+        "write it with a unit",
+    );
+    refused(
+        relay(
+            d,
+            &[
+                "run",
+                "--drain",
+                "--database-url",
+                PG,
+                "--outbox-table",
+                "orders\"; DROP",
+            ],
+            &[],
+        ),
+        "invalid table name",
+        "ASCII letters, digits or underscores",
+    );
+    refused(
+        relay(
+            d,
+            &[
+                "migrate",
+                "--database-url",
+                PG,
+                "--print",
+                "--role",
+                "relay role",
+            ],
+            &[],
+        ),
+        "--role: invalid role name",
+        "ASCII letters, digits or underscores",
+    );
+    // WAL capture's memory budget: none at all would never read the stream.
+    refused(
+        relay(
+            d,
+            &[
+                "run",
+                "--drain",
+                "--database-url",
+                PG,
+                "--capture",
+                "wal",
+                "--wal-memory-mib",
+                "0",
+            ],
+            &[],
+        ),
+        "wal_memory_mib must be between 1 and 65536",
+        "MiB of events WAL capture may hold",
+    );
+    refused(
+        relay(d, &["run", "--drain", "--wal-memory-mib", "64"], &[]),
+        "wal_memory_mib apply to WAL capture only",
+        "add --capture wal",
+    );
+}
+
+/// A duration no setting can use (it would overflow a clock or a database's milliseconds)
+/// is refused like any bad value, from every source, never accepted or a panic.
+#[test]
+fn absurd_durations_exit_2_naming_the_setting_and_the_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    for (flag, value) in [
+        ("--lease", "100000000000000s"),
+        ("--poll-interval", "584542046090y"),
+        ("--retry-max-delay", "101y"),
+    ] {
+        refused(
+            relay(d, &["run", "--drain", "--http-addr", "", flag, value], &[]),
+            flag,
+            "at most 100 years",
+        );
+    }
+    refused(
+        relay(
+            d,
+            &["run", "--drain", "--http-addr", ""],
+            &[("OUTBOX_RELAY_LEASE", "100000000000000s")],
+        ),
+        "environment variable OUTBOX_RELAY_LEASE",
+        "at most 100 years",
+    );
+    std::fs::write(
+        d.join("sink.toml"),
+        "[sinks.hooks]\nuri = \"https://127.0.0.1:1/\"\ntimeout = \"584542046090y\"\n",
+    )
+    .unwrap();
+    refused(
+        relay(d, &["--config", "sink.toml", "check"], &[]),
+        "setting `sinks.hooks`",
+        "at most 100 years",
+    );
+}
+
+#[test]
+fn a_redirected_log_has_no_colour_codes_and_sqlite_says_how_it_wakes() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = relay(
+        dir.path(),
+        &[
+            "run",
+            "--drain",
+            "--http-addr",
+            "",
+            "--sink",
+            "file:events.jsonl",
+        ],
+        &[],
+    );
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        !err.contains('\u{1b}'),
+        "no ANSI escape in a redirected log: {err:?}"
+    );
+    assert!(
+        err.contains("data_version watch + safety poll") && !err.contains("notify"),
+        "SQLite has no NOTIFY: {err}"
+    );
+}
+
+#[test]
+fn a_read_only_sqlite_database_is_told_to_make_the_file_writable() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    assert!(relay(d, &["migrate"], &[]).status.success());
+    let out = relay(
+        d,
+        &[
+            "send",
+            "--database-url",
+            "sqlite:file:outbox.db?mode=ro",
+            "--destination",
+            "orders",
+            "{}",
+        ],
+        &[],
+    );
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("read-only for the relay's user") && err.contains("chmod"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("grant"),
+        "SQLite has no privileges to grant: {err}"
+    );
+}
+
+/// A failure is said once to a person reading a text log (it was said twice: as a log
+/// line, then as the `error:` line), and a JSON log also gets it as a structured line.
+#[test]
+fn a_runtime_failure_is_said_once_in_a_text_log_and_as_a_json_line_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    assert!(relay(d, &["migrate"], &[]).status.success());
+    let send = |format: &str| {
+        let args = [
+            "send",
+            "--log-format",
+            format,
+            "--database-url",
+            "sqlite:file:outbox.db?mode=ro",
+            "--destination",
+            "orders",
+            "{}",
+        ];
+        let out = relay(d, &args, &[]);
+        assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+        stderr(&out)
+    };
+    let text = send("text");
+    assert_eq!(
+        text.matches("read-only for the relay's user").count(),
+        1,
+        "{text}"
+    );
+    assert!(text.starts_with("error: "), "{text}");
+    let json = send("json");
+    let logged: Vec<serde_json::Value> = json
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .filter(|l: &serde_json::Value| l["level"] == "ERROR")
+        .collect();
+    assert_eq!(logged.len(), 1, "{json}");
+    assert!(
+        logged[0]["error"].as_str().unwrap().contains("read-only"),
+        "{json}"
+    );
+    assert!(json.lines().any(|l| l.starts_with("error: ")), "{json}");
+}
+
+#[test]
+fn a_failed_tls_handshake_is_told_about_tls_not_about_the_host() {
+    let url = std::env::var("OUTBOX_TEST_DATABASE_URL")
+        .expect("OUTBOX_TEST_DATABASE_URL is not set: source /tmp/servers.env");
+    let dir = tempfile::tempdir().unwrap();
+    // The test server's certificate is signed by a CA the system does not trust.
+    let url = format!("{url}?sslmode=verify-full");
+    let out = relay(
+        dir.path(),
+        &["check", "--database-url", &url, "--sink", "stdout"],
+        &[],
+    );
+    let report = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{report}");
+    assert!(
+        report.contains("TLS handshake") && report.contains("fix: check the URL's sslmode"),
+        "{report}"
+    );
+    assert!(!report.contains("host, port and credentials"), "{report}");
+}
+
+/// Each setting's flag shows the default the relay uses, written once in `Config::default()`.
+#[test]
+fn the_help_shows_every_setting_default() {
+    let dir = tempfile::tempdir().unwrap();
+    let help =
+        |args: &[&str]| String::from_utf8_lossy(&relay(dir.path(), args, &[]).stdout).to_string();
+    let run = help(&["run", "--help"]);
+    for (flag, default) in [
+        ("--database-url", "sqlite:outbox.db"),
+        ("--batch-size", "1000"),
+        ("--max-in-flight", "10000"),
+        ("--lease", "30s"),
+        ("--publish-timeout", "20s"),
+        ("--retry-base-delay", "500ms"),
+        ("--retry-max-delay", "5m"),
+        ("--max-attempts", "20"),
+        ("--heartbeat-timeout", "10s"),
+        ("--http-addr", "127.0.0.1:2259"),
+        ("--outbox-schema", "public"),
+    ] {
+        let text = run
+            .split(&format!("      {flag} "))
+            .nth(1)
+            .unwrap_or_else(|| panic!("{flag} is in the help: {run}"));
+        let text = text.split("\n\n").next().unwrap_or_default();
+        assert!(
+            text.contains(&format!("[default: {default}]")),
+            "{flag}: {text}"
+        );
+    }
+    assert!(help(&["migrate", "--help"]).contains("[default: 64]"));
+}
+
+/// Neither `check`'s configuration line nor its sink report shows a secret of the sink's
+/// URI: a token in the user info, a password, a secret query parameter.
+#[test]
+fn check_shows_no_secret_of_a_sink_uri() {
+    let dir = tempfile::tempdir().unwrap();
+    for sink in [
+        "redis://s3cr3t-token@127.0.0.1:1",
+        "redis://user:s3cr3t-password@127.0.0.1:1",
+        "http://127.0.0.1:1/hook?access_token=s3cr3t-query",
+    ] {
+        let out = relay(dir.path(), &["check", "--sink", sink], &[]);
+        let shown = format!("{}{}", String::from_utf8_lossy(&out.stdout), stderr(&out));
+        assert!(shown.contains("configuration is valid"), "{shown}");
+        assert!(!shown.contains("s3cr3t"), "{sink}: {shown}");
+    }
+}
+
+/// Each sink reads only its own settings: one of another sink's, from a file or the
+/// environment, is refused when the configuration is read (before any command runs), naming
+/// the setting, the sink and the fix; so is a URI no sink reads, and a sink that cannot be
+/// set up from its settings is a configuration error too.
+#[test]
+fn a_setting_of_another_sink_is_refused_naming_the_setting_the_sink_and_the_fix() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::write(
+        d.join("sasl.toml"),
+        "[sinks.events]\nuri = \"redis://relay:hunter2@127.0.0.1:6379\"\nsasl_mechanism = \"PLAIN\"\n",
+    )
+    .unwrap();
+    let out = relay(d, &["--config", "sasl.toml", "migrate", "--print"], &[]);
+    refused(
+        out,
+        "`sinks.events`",
+        "`sasl_mechanism` has no effect on a redis sink (redis://relay:***@127.0.0.1:6379), which \
+         does not read it: remove it, or check the sink's uri",
+    );
+    let err = stderr(&relay(
+        d,
+        &["--config", "sasl.toml", "migrate", "--print"],
+        &[],
+    ));
+    assert!(
+        !err.contains("hunter2"),
+        "no password in the message: {err}"
+    );
+    refused(
+        relay(
+            d,
+            &["run", "--drain"],
+            &[
+                ("OUTBOX_RELAY_SINKS__MAIN__URI", "stdout"),
+                ("OUTBOX_RELAY_SINKS__MAIN__TIMEOUT", "5s"),
+            ],
+        ),
+        "environment variable OUTBOX_RELAY_SINKS__MAIN",
+        "`timeout` has no effect on a stdout sink",
+    );
+    std::fs::write(
+        d.join("gopher.toml"),
+        "[sinks.main]\nuri = \"gopher://x\"\n",
+    )
+    .unwrap();
+    refused(
+        relay(d, &["--config", "gopher.toml", "run", "--drain"], &[]),
+        "`sinks.main`",
+        "unknown URI scheme \"gopher\": use stdout, file:PATH, nats://",
+    );
+    // Set-up failures the configuration must fix exit 2 as well.
+    refused(
+        relay(d, &["run", "--drain", "--sink", "file:"], &[]),
+        "sink `file:`",
+        "needs a path",
+    );
+}
+
+/// The database URL from a file, as a systemd credential or a Kubernetes Secret's volume
+/// gives it: `migrate`, `send`, `check`, `run` and `stats` use it (the file's newline
+/// trimmed), and its password shows in none of their output, not even at debug level. A
+/// missing or empty file, or a URL beside it, exits 2 naming the file or both settings.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_url_file_serves_every_command_and_its_password_shows_nowhere() {
+    let password = "pw-from-file-91c2e";
+    let url = outbox_testkit::fresh_pg_database().await;
+    // The test server trusts local connections: the password is carried, never checked.
+    let url = url.replacen("://postgres@", &format!("://postgres:{password}@"), 1);
+    assert!(url.contains(password), "{url}");
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let file = d.join("database-url");
+    std::fs::write(&file, format!("{url}\n")).unwrap();
+    let file = file.to_str().unwrap();
+    let sink = format!("file:{}", d.join("events.jsonl").display());
+    let with_file = |args: &[&str]| {
+        let mut all = vec!["--database-url-file", file, "--log-level", "debug"];
+        all.extend_from_slice(args);
+        relay(d, &all, &[])
+    };
+    for args in [
+        &["migrate"][..],
+        &["send", "--destination", "d", "{}"],
+        &["check"],
+        &["run", "--drain", "--sink", &sink, "--http-addr", ""],
+        &["stats"],
+        &["dead", "list"],
+    ] {
+        let out = with_file(args);
+        let shown = format!("{}{}", String::from_utf8_lossy(&out.stdout), stderr(&out));
+        assert!(out.status.success(), "{args:?}: {shown}");
+        assert!(
+            !shown.contains(password),
+            "{args:?} shows the password: {shown}"
+        );
+        if args[0] == "check" {
+            assert!(
+                shown.contains("ok: connected to") && shown.contains(&format!("(from {file})")),
+                "{shown}"
+            );
+        }
+    }
+    assert_eq!(support::read_lines(&d.join("events.jsonl")).len(), 1);
+    // The environment's way, as the systemd unit's environment file sets it.
+    let out = relay(d, &["check"], &[("OUTBOX_RELAY_DATABASE_URL_FILE", file)]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    // A server that does not answer: the error names it without the password.
+    let port = outbox_testkit::server::free_port();
+    let closed = format!("postgres://postgres:{password}@127.0.0.1:{port}/app");
+    let closed_file = d.join("closed-url");
+    std::fs::write(&closed_file, &closed).unwrap();
+    let out = relay(
+        d,
+        &[
+            "check",
+            "--database-url-file",
+            closed_file.to_str().unwrap(),
+        ],
+        &[],
+    );
+    let shown = format!("{}{}", String::from_utf8_lossy(&out.stdout), stderr(&out));
+    assert!(shown.contains("cannot connect to"), "{shown}");
+    assert!(!shown.contains(password), "{shown}");
+
+    let missing = d.join("no-such-file");
+    let missing = missing.to_str().unwrap();
+    for command in ["run", "check", "migrate"] {
+        refused(
+            relay(d, &[command, "--database-url-file", missing], &[]),
+            &format!("cannot read the database URL file {missing}"),
+            "--database-url-file",
+        );
+    }
+    std::fs::write(d.join("empty"), "\n").unwrap();
+    refused(
+        relay(d, &["check", "--database-url-file", "empty"], &[]),
+        "the database URL file empty is empty",
+        "put the database URL on its first line",
+    );
+    let both = relay(
+        d,
+        &["check", "--database-url-file", file],
+        &[("DATABASE_URL", &url)],
+    );
+    assert!(!stderr(&both).contains(password), "{}", stderr(&both));
+    refused(both, "--database-url-file", "keep one");
+}

@@ -1,0 +1,478 @@
+//! Deployment faults against real PostgreSQL: two processes under one node id, a relay
+//! pointed at a hot standby, and the sessions' application name.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use outbox_testkit::server::{free_port, ScriptedServer};
+use outbox_testkit::{eventually, eventually_explained};
+
+use crate::support::{pg, read_lines, wait_for_lines, RelayProcess, BIN};
+
+fn migrate(url: &str) {
+    let out = Command::new(BIN)
+        .args(["migrate", "--database-url", url, "--partitions", "8"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A relay named `node` (the process's own log name is `name`) publishing to `sink`.
+fn relay(dir: &Path, name: &str, url: &str, node: &str, sink: &Path) -> RelayProcess {
+    let sink = format!("file:{}", sink.display());
+    let args = [
+        "run",
+        "--database-url",
+        url,
+        "--sink",
+        &sink,
+        "--node-id",
+        node,
+        "--heartbeat-interval",
+        "200ms",
+        "--heartbeat-timeout",
+        "1500ms",
+        "--poll-interval",
+        "100ms",
+        "--http-addr",
+        "",
+    ];
+    RelayProcess::spawn(dir, name, &args, &[])
+}
+
+async fn send(url: &str, key: &str) {
+    pg(url)
+        .await
+        .execute(
+            "INSERT INTO outbox (destination, partition_key, event_type, payload)
+             VALUES ('d', $1, 't', '{}')",
+            &[&key],
+        )
+        .await
+        .unwrap();
+}
+
+/// Waits until `node`'s row is in the nodes table and returns its expiry as text.
+async fn registered(url: &str, node: &str, process: &RelayProcess) -> String {
+    let client = pg(url).await;
+    eventually_explained(
+        "the node to register",
+        Duration::from_secs(30),
+        || process.logs(),
+        || {
+            let client = &client;
+            async move {
+                client
+                    .query_opt(
+                        "SELECT expiry::text FROM outbox_nodes WHERE id = $1",
+                        &[&node],
+                    )
+                    .await
+                    .unwrap()
+                    .map(|r| r.get::<_, String>(0))
+            }
+        },
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_live_process_with_the_same_node_id_is_refused() {
+    let url = outbox_testkit::fresh_pg_database().await;
+    migrate(&url);
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("events.jsonl");
+    let first = relay(dir.path(), "first", &url, "same", &out);
+    registered(&url, "same", &first).await;
+
+    let mut second = relay(dir.path(), "second", &url, "same", &out);
+    let status = second.wait_exit().await;
+    let logs = second.logs();
+    assert_eq!(status.code(), Some(2), "a configuration error: {logs}");
+    assert!(
+        logs.contains("another live process is running as node same") && logs.contains("--node-id"),
+        "{logs}"
+    );
+    // The first process is untouched and still delivers.
+    assert!(first.is_running());
+    send(&url, "k").await;
+    wait_for_lines(
+        "the first relay to deliver",
+        &out,
+        Duration::from_secs(30),
+        |n| n == 1,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_restarted_after_kill_9_comes_up_under_the_same_id() {
+    let url = outbox_testkit::fresh_pg_database().await;
+    migrate(&url);
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("events.jsonl");
+    let mut first = relay(dir.path(), "first", &url, "same", &out);
+    registered(&url, "same", &first).await;
+    first.kill9();
+
+    // Its row outlives it until the heartbeat timeout; the restart waits that out.
+    let restarted = relay(dir.path(), "restarted", &url, "same", &out);
+    send(&url, "k").await;
+    eventually_explained(
+        "the restarted relay to deliver",
+        Duration::from_secs(30),
+        || restarted.logs(),
+        || {
+            let n = read_lines(&out).len();
+            async move { (n == 1).then_some(()) }
+        },
+    )
+    .await;
+    assert!(restarted.is_running());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_whose_id_another_process_took_stops_and_exits_2() {
+    let url = outbox_testkit::fresh_pg_database().await;
+    migrate(&url);
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("events.jsonl");
+    let mut frozen = relay(dir.path(), "frozen", &url, "same", &out);
+    registered(&url, "same", &frozen).await;
+    // Frozen past its expiry, the first process looks dead, and a second one takes the id.
+    frozen.signal("-STOP");
+    let second = relay(dir.path(), "second", &url, "same", &out);
+    // The second process must have taken the row (not be waiting) before the first wakes up.
+    second
+        .wait_for_log(
+            "the second process to register",
+            Duration::from_secs(30),
+            "registered in the nodes table",
+        )
+        .await;
+
+    frozen.signal("-CONT");
+    let status = frozen.wait_exit().await;
+    let logs = frozen.logs();
+    assert_eq!(status.code(), Some(2), "{logs}");
+    assert!(
+        logs.contains("another process is heartbeating as this node"),
+        "{logs}"
+    );
+    // The survivor keeps its row (the displaced process did not deregister it) and delivers.
+    assert!(second.is_running());
+    let client = pg(&url).await;
+    assert!(client
+        .query_opt("SELECT 1 FROM outbox_nodes WHERE id = 'same'", &[])
+        .await
+        .unwrap()
+        .is_some());
+    send(&url, "k").await;
+    wait_for_lines(
+        "the second relay to deliver",
+        &out,
+        Duration::from_secs(30),
+        |n| n >= 1,
+    )
+    .await;
+}
+
+const PG_BIN: &str = "/usr/lib/postgresql/15/bin";
+
+/// Runs a PostgreSQL tool, as the postgres user when root (initdb and pg_ctl refuse root).
+fn as_pg(program: &str, args: &[&str]) {
+    let program = format!("{PG_BIN}/{program}");
+    let mut command = if nix_root() {
+        let mut c = Command::new("runuser");
+        c.args(["-u", "postgres", "--", &program]);
+        c
+    } else {
+        Command::new(&program)
+    };
+    let out = command.args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{program} {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn nix_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| o.stdout.starts_with(b"0\n"))
+}
+
+/// A hot standby of a primary on `primary_port`: `pg_basebackup -R`, then `pg_ctl start` on
+/// a port of its own; stopped on drop.
+struct Standby {
+    dir: tempfile::TempDir,
+    port: u16,
+}
+
+impl Standby {
+    fn start(primary_port: u16) -> Self {
+        let dir = tempfile::Builder::new()
+            .prefix("standby")
+            .tempdir()
+            .unwrap();
+        // The postgres user must reach the directory.
+        std::fs::set_permissions(
+            dir.path(),
+            std::os::unix::fs::PermissionsExt::from_mode(0o777),
+        )
+        .unwrap();
+        let data = dir.path().join("data");
+        let data = data.to_str().unwrap();
+        as_pg(
+            "pg_basebackup",
+            &[
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &primary_port.to_string(),
+                "-U",
+                "postgres",
+                "-D",
+                data,
+                "-R",
+                "-X",
+                "stream",
+            ],
+        );
+        let port = free_port();
+        // These at least the primary's, or a standby refuses to start.
+        let options = format!(
+            "-c listen_addresses=127.0.0.1 -p {port} -k {} -c max_connections=400 \
+             -c max_prepared_transactions=10 -c ssl=off",
+            dir.path().display()
+        );
+        let log = dir.path().join("log");
+        as_pg(
+            "pg_ctl",
+            &[
+                "-D",
+                data,
+                "-l",
+                log.to_str().unwrap(),
+                "-w",
+                "start",
+                "-o",
+                &options,
+            ],
+        );
+        Standby { dir, port }
+    }
+}
+
+impl Drop for Standby {
+    fn drop(&mut self) {
+        let data = self.dir.path().join("data");
+        let _ = std::panic::catch_unwind(|| {
+            as_pg(
+                "pg_ctl",
+                &[
+                    "-D",
+                    data.to_str().unwrap(),
+                    "-m",
+                    "immediate",
+                    "-w",
+                    "stop",
+                ],
+            )
+        });
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_pointed_at_a_hot_standby_refuses_to_run() {
+    let primary = ScriptedServer::start("postgres", "OUTBOX_TEST_PG_PORT");
+    let primary_url = format!("postgres://postgres@127.0.0.1:{}/postgres", primary.port);
+    migrate(&primary_url);
+    let standby = Standby::start(primary.port);
+    let url = format!("postgres://postgres@127.0.0.1:{}/postgres", standby.port);
+    // The standby has replayed the migration: everything but its role looks right.
+    let client = pg(&url).await;
+    eventually(
+        "the standby to show the outbox",
+        Duration::from_secs(30),
+        || {
+            let client = &client;
+            async move {
+                let row = client
+                    .query_one("SELECT to_regclass('outbox') IS NOT NULL", &[])
+                    .await
+                    .unwrap();
+                row.get::<_, bool>(0).then_some(())
+            }
+        },
+    )
+    .await;
+
+    let check = Command::new(BIN)
+        .args(["check", "--database-url", &url])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&check.stdout);
+    assert!(!check.status.success(), "{text}");
+    assert!(
+        text.contains("hot standby") && text.contains("primary"),
+        "{text}"
+    );
+
+    let run = Command::new(BIN)
+        .args(["run", "--drain", "--database-url", &url, "--http-addr", ""])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("hot standby") && stderr.contains("point the database URL at the primary"),
+        "{stderr}"
+    );
+    // The same relay against the primary runs.
+    let run = Command::new(BIN)
+        .args([
+            "run",
+            "--drain",
+            "--database-url",
+            &primary_url,
+            "--http-addr",
+            "",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+}
+
+/// How many of this database's sessions carry `name`.
+async fn sessions_named(client: &tokio_postgres::Client, name: &str) -> i64 {
+    client
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity
+              WHERE datname = current_database() AND application_name = $1",
+            &[&name],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_carry_the_node_id_in_their_application_name() {
+    let url = outbox_testkit::fresh_pg_database().await;
+    migrate(&url);
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("events.jsonl");
+    let client = pg(&url).await;
+    let named = relay(dir.path(), "named", &url, "node-7", &out);
+    eventually_explained(
+        "the relay's sessions to carry its node id",
+        Duration::from_secs(30),
+        || named.logs(),
+        || {
+            let client = &client;
+            async move { (sessions_named(client, "outbox-relay node-7").await > 0).then_some(()) }
+        },
+    )
+    .await;
+    // A URL that names its sessions keeps its name.
+    let own = format!("{url}?application_name=mine");
+    let custom = relay(dir.path(), "custom", &own, "node-8", &out);
+    registered(&url, "node-8", &custom).await;
+    assert!(sessions_named(&client, "mine").await > 0);
+    assert_eq!(sessions_named(&client, "outbox-relay node-8").await, 0);
+}
+
+/// Inserts an event in a transaction that goes through two-phase commit.
+async fn insert_prepared(url: &str, gid: &str) -> Result<(), tokio_postgres::Error> {
+    let client = pg(url).await;
+    client.batch_execute("BEGIN").await?;
+    client
+        .execute(
+            "INSERT INTO outbox (destination, partition_key, event_type, payload)
+             VALUES ('d', 'k', 't', '{}')",
+            &[],
+        )
+        .await?;
+    client
+        .batch_execute(&format!("PREPARE TRANSACTION '{gid}'"))
+        .await?;
+    client
+        .batch_execute(&format!("COMMIT PREPARED '{gid}'"))
+        .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_phase_commit_works_against_an_outbox_migrated_with_wakeup_poll() {
+    // A private server: the shared one may predate max_prepared_transactions in servers.sh.
+    let server = ScriptedServer::start("postgres", "OUTBOX_TEST_PG_PORT");
+    let admin = format!("postgres://postgres@127.0.0.1:{}/postgres", server.port);
+    let client = pg(&admin).await;
+    for db in ["notify_mode", "poll_mode"] {
+        client
+            .batch_execute(&format!("CREATE DATABASE {db}"))
+            .await
+            .unwrap();
+    }
+    let notify_url = outbox_testkit::with_database(&admin, "notify_mode");
+    let poll_url = outbox_testkit::with_database(&admin, "poll_mode");
+    migrate(&notify_url);
+    let out = Command::new(BIN)
+        .args(["migrate", "--database-url", &poll_url, "--wakeup", "poll"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // The default trigger NOTIFYs, and PostgreSQL will not prepare such a transaction.
+    let refused = insert_prepared(&notify_url, "with-notify")
+        .await
+        .expect_err("a NOTIFY blocks PREPARE TRANSACTION");
+    let message = refused.as_db_error().map(|e| e.message().to_string());
+    assert!(
+        message
+            .as_deref()
+            .is_some_and(|m| m.contains("cannot PREPARE a transaction that has executed")),
+        "{refused:?}"
+    );
+    insert_prepared(&poll_url, "without-notify").await.unwrap();
+
+    // The relay in poll mode delivers the event.
+    let dir = tempfile::tempdir().unwrap();
+    let sink = dir.path().join("events.jsonl");
+    let run = Command::new(BIN)
+        .args([
+            "run",
+            "--drain",
+            "--database-url",
+            &poll_url,
+            "--wakeup",
+            "poll",
+            "--sink",
+            &format!("file:{}", sink.display()),
+            "--http-addr",
+            "",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    assert_eq!(read_lines(&sink).len(), 1);
+}

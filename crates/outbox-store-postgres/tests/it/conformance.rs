@@ -1,0 +1,291 @@
+//! The store conformance suite against a real PostgreSQL server (see scripts/servers.sh).
+
+use std::sync::Arc;
+
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use std::time::{Duration, UNIX_EPOCH};
+
+use outbox_core::store::{NodeRegistry, Operations, PartitionRegistry};
+use outbox_core::{OutboxStore, SequenceId};
+use outbox_store_postgres::{PgOptions, PgStore, Tables};
+use outbox_testkit::conformance::{DeadRow, Expect, Harness, OddTime, RenamedColumn};
+
+/// The suite's harness for both PostgreSQL stores: the native one, and the mapped one over an
+/// application's table (below). Only the tables differ.
+struct PgHarness<S> {
+    store: S,
+    retaining: S,
+    client: tokio_postgres::Client,
+    /// The outbox table.
+    table: &'static str,
+    /// Which of its rows are still queued (a mapped table keeps dead rows, marked).
+    queued: &'static str,
+    /// Where the dead rows are: a table, with the condition that picks them.
+    dead: &'static str,
+    /// The native store's partition leases (a mapped table has none).
+    partitions: Option<Arc<dyn PartitionRegistry>>,
+    /// How `verify` names the table and the fix of a renamed column.
+    renamed_column: RenamedColumn,
+}
+
+pub fn options(url: &str, retain_delivered: bool) -> PgOptions {
+    PgOptions {
+        url: url.to_string(),
+        tables: Tables::standard(),
+        retain_delivered,
+        ca_file: None,
+        application_name: None,
+        operation_timeout: None,
+        pool_size: 4,
+    }
+}
+
+async fn connect(url: &str) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    client
+}
+
+async fn new_harness() -> PgHarness<PgStore> {
+    let url = outbox_testkit::fresh_pg_database().await;
+    let store = PgStore::new(options(&url, false)).unwrap();
+    store.migrate().await.unwrap();
+    PgHarness {
+        retaining: PgStore::new(options(&url, true)).unwrap(),
+        client: connect(&url).await,
+        table: "outbox",
+        queued: "true",
+        dead: "outbox_dead_letters",
+        partitions: Some(Arc::new(store.clone())),
+        renamed_column: RenamedColumn {
+            what: "column mutation_id of public.outbox is missing",
+            fix: "RENAME COLUMN \"mut_id\" TO mutation_id; (if mut_id is it",
+        },
+        store,
+    }
+}
+
+impl<S> Harness for PgHarness<S>
+where
+    S: OutboxStore + NodeRegistry + Operations + Clone,
+{
+    fn store(&self) -> Arc<dyn OutboxStore> {
+        Arc::new(self.store.clone())
+    }
+
+    fn retaining_store(&self) -> Arc<dyn OutboxStore> {
+        Arc::new(self.retaining.clone())
+    }
+
+    fn registry(&self) -> Arc<dyn NodeRegistry> {
+        Arc::new(self.store.clone())
+    }
+
+    fn operations(&self) -> Arc<dyn Operations> {
+        Arc::new(self.store.clone())
+    }
+
+    fn insert_rolled_back(&self, destination: &str) -> BoxFuture<'_, ()> {
+        let sql = format!(
+            "BEGIN; INSERT INTO {} (destination, event_type, payload) VALUES ('{destination}', 't', '1'); ROLLBACK;",
+            self.table
+        );
+        async move { self.client.batch_execute(&sql).await.unwrap() }.boxed()
+    }
+
+    fn insert_undecodable(&self, destination: &str) -> BoxFuture<'_, SequenceId> {
+        let destination = destination.to_string();
+        let sql = format!(
+            "INSERT INTO {} (destination, event_type, payload, headers)
+             VALUES ($1, 't', '{{}}', '[\"not\", \"an object\"]') RETURNING sequence_id",
+            self.table
+        );
+        async move {
+            let row = self.client.query_one(&sql, &[&destination]).await.unwrap();
+            row.get(0)
+        }
+        .boxed()
+    }
+
+    fn row_state(&self, id: SequenceId) -> BoxFuture<'_, Option<(i64, Option<String>, bool)>> {
+        let sql = format!(
+            "SELECT attempts::int8, last_error, delivered_at IS NOT NULL FROM {}
+              WHERE sequence_id = $1 AND {}",
+            self.table, self.queued
+        );
+        async move {
+            self.client
+                .query_opt(&sql, &[&id])
+                .await
+                .unwrap()
+                .map(|r| (r.get(0), r.get(1), r.get(2)))
+        }
+        .boxed()
+    }
+
+    fn table(&self) -> &str {
+        self.table
+    }
+
+    fn execute<'a>(&'a self, sql: &'a str) -> BoxFuture<'a, ()> {
+        async move { self.client.batch_execute(sql).await.unwrap() }.boxed()
+    }
+
+    fn partitions(&self) -> Option<Arc<dyn PartitionRegistry>> {
+        self.partitions.clone()
+    }
+
+    fn odd_created_at(&self) -> Vec<OddTime> {
+        const OUTSIDE: &str = "outside the years 1 to 9999";
+        let moon = UNIX_EPOCH - Duration::from_secs(14_182_940);
+        let row = |destination, sql, expect| OddTime {
+            destination,
+            sql,
+            expect,
+        };
+        vec![
+            row(
+                "moon",
+                "'1969-07-20 20:17:40+00'",
+                Expect::Delivered(Some(moon)),
+            ),
+            row("ad1", "'0001-01-01 00:00:00+00'", Expect::Delivered(None)),
+            row(
+                "far",
+                "'10000-01-01 00:00:00+00'",
+                Expect::DeadLettered(&[OUTSIDE]),
+            ),
+            row(
+                "inf",
+                "'infinity'",
+                Expect::DeadLettered(&[OUTSIDE, "created_at is infinity"]),
+            ),
+            row("-inf", "'-infinity'", Expect::DeadLettered(&[OUTSIDE])),
+            row(
+                "bc",
+                "'0044-03-15 12:00:00+00 BC'",
+                Expect::DeadLettered(&[OUTSIDE]),
+            ),
+            row("ok", "now()", Expect::Delivered(None)),
+        ]
+    }
+
+    fn renamed_column(&self) -> RenamedColumn {
+        self.renamed_column.clone()
+    }
+
+    fn dead_rows(&self) -> BoxFuture<'_, Vec<DeadRow>> {
+        let sql = format!(
+            "SELECT sequence_id, attempts::int8, last_error, payload::text FROM {} ORDER BY sequence_id",
+            self.dead
+        );
+        async move {
+            self.client
+                .query(&sql, &[])
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| DeadRow {
+                    sequence_id: r.get(0),
+                    attempts: r.get(1),
+                    last_error: r.get(2),
+                    payload: r.get(3),
+                })
+                .collect()
+        }
+        .boxed()
+    }
+}
+
+outbox_testkit::store_conformance!(new_harness);
+
+/// The suite against `MappedPgStore` with a custom mapping over an application's table
+/// shaped like the native one (the MySQL native layout's mapping, here as a custom one).
+mod mapped {
+    use super::*;
+    use outbox_layout::Mapping;
+    use outbox_store_postgres::mapped::MappedPgOptions;
+    use outbox_store_postgres::MappedPgStore;
+
+    const TABLE: &str = "
+        CREATE TABLE events (
+            sequence_id  bigserial PRIMARY KEY,
+            event_id     uuid NOT NULL DEFAULT gen_random_uuid(),
+            destination  text NOT NULL,
+            partition_key text,
+            event_type   text NOT NULL,
+            payload      jsonb,
+            headers      jsonb,
+            mutation_id  text,
+            rejected     boolean NOT NULL DEFAULT false,
+            created_at   timestamptz NOT NULL DEFAULT clock_timestamp(),
+            available_at timestamptz NOT NULL DEFAULT now(),
+            attempts     integer NOT NULL DEFAULT 0,
+            last_error   text,
+            locked_by    text,
+            locked_until timestamptz,
+            delivered_at timestamptz,
+            dead_at      timestamptz
+        )";
+
+    fn store(url: &str, retain: bool) -> MappedPgStore {
+        let mapping = Mapping {
+            seed: None,
+            insert_defaults: Vec::new(),
+            ..Mapping::native_mysql(None, "events", retain)
+        };
+        MappedPgStore::new(MappedPgOptions {
+            pg: options(url, retain),
+            mapping,
+            layout: "custom".into(),
+            max_attempts: 20,
+        })
+        .unwrap()
+    }
+
+    async fn new_harness() -> PgHarness<MappedPgStore> {
+        let url = outbox_testkit::fresh_pg_database().await;
+        let client = connect(&url).await;
+        client.batch_execute(TABLE).await.unwrap();
+        let store = store(&url, false);
+        store.migrate().await.unwrap();
+        PgHarness {
+            retaining: self::store(&url, true),
+            store,
+            client,
+            table: "events",
+            // Dead rows stay in the table (dead_at set) but are out of the queue.
+            queued: "dead_at IS NULL",
+            dead: "events WHERE dead_at IS NOT NULL",
+            partitions: None,
+            renamed_column: RenamedColumn {
+                what: "has no column \"mutation_id\"",
+                fix: "check the [mapping] section",
+            },
+        }
+    }
+
+    // Every test but `node_registry`: a custom mapping keeps no membership (one active relay
+    // per table is the whole of the coordination, and the Ably layout's nodes table is the
+    // native store's, which the suite above runs).
+    outbox_testkit::store_conformance!(@tests new_harness;
+        exclusive_claims, per_key_order_across_nodes, retry_scheduling,
+        dead_lettering_keeps_the_whole_event, lease_expiry,
+        crash_between_publish_and_ack_redelivers, rolled_back_inserts_are_never_claimed,
+        undecodable_rows_are_claimed_for_dead_lettering, ack_deletes_or_retains,
+        release_makes_rows_claimable,
+        engine_delivers_in_order_per_key, engine_retry_blocks_only_its_key,
+        engine_dead_letters_after_max_attempts_and_moves_on,
+        engine_dead_letters_permanent_errors_and_undecodable_rows,
+        engine_unordered_retries_and_dead_letters_go_out_again,
+        operator_lists_retries_and_purges_dead_letters, operator_replays_and_prunes_in_batches,
+        operator_pages_dead_letters_and_shows_one_event);
+    outbox_testkit::store_conformance!(@groups new_harness;
+        long_keys: run,
+        owned_partitions: not_applicable("a mapped table has no partition leases: one active relay per table"),
+        created_at: run,
+        renamed_column: run);
+}
