@@ -548,7 +548,7 @@ o.`event_id`
 coalesce(CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR))
 
 -- open_outbox, MySql: select_list
-o.`event_id`, CAST(o.`event_id` AS CHAR), CAST(o.`event_type` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), NULL, NULL, CAST(o.`attempts` AS SIGNED), CAST(UNIX_TIMESTAMP(o.`created_at`) * 1000000 AS SIGNED), NULL, NULL, NULL
+o.`event_id`, CAST(o.`event_id` AS CHAR), CAST(o.`event_type` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), NULL, NULL, CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL
 
 -- open_outbox, MySql: pending
 o.`status` IN ('PENDING', 'DELIVERING')
@@ -599,10 +599,10 @@ SELECT CAST(coalesce(sum(CASE WHEN o.`status` IN ('PENDING', 'DELIVERING') THEN 
 SELECT CAST(o.`event_type` AS CHAR), CAST(coalesce(sum(CASE WHEN o.`status` IN ('PENDING', 'DELIVERING') THEN 1 ELSE 0 END), 0) AS SIGNED), CAST(coalesce(sum(CASE WHEN (o.`status` IN ('PENDING', 'DELIVERING')) AND o.`attempts` > 0 THEN 1 ELSE 0 END), 0) AS SIGNED), CAST(coalesce(sum(CASE WHEN o.`status` = 'DEAD' THEN 1 ELSE 0 END), 0) AS SIGNED), CAST(TIMESTAMPDIFF(MICROSECOND, min(CASE WHEN o.`status` IN ('PENDING', 'DELIVERING') THEN o.`created_at` END), UTC_TIMESTAMP(6)) / 1000 AS SIGNED) FROM `public`.`openoutbox_events` o WHERE (o.`status` IN ('PENDING', 'DELIVERING')) OR (o.`status` = 'DEAD') GROUP BY CAST(o.`event_type` AS CHAR) ORDER BY CAST(o.`event_type` AS CHAR)
 
 -- open_outbox, MySql: dead_list
-SELECT CAST(o.`event_id` AS CHAR), CAST(o.`event_id` AS CHAR), CAST(o.`event_type` AS CHAR), CAST(o.`event_type` AS CHAR), CAST(o.`attempts` AS SIGNED), CAST(o.`last_error` AS CHAR), CAST(UNIX_TIMESTAMP(o.`updated_at`) * 1000000 AS SIGNED) FROM `public`.`openoutbox_events` o WHERE o.`status` = 'DEAD' AND :filter ORDER BY o.`created_at`, o.`event_id` LIMIT :n
+SELECT CAST(o.`event_id` AS CHAR), CAST(o.`event_id` AS CHAR), CAST(o.`event_type` AS CHAR), CAST(o.`event_type` AS CHAR), CAST(o.`attempts` AS SIGNED), CAST(o.`last_error` AS CHAR), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`updated_at`) FROM `public`.`openoutbox_events` o WHERE o.`status` = 'DEAD' AND :filter ORDER BY o.`created_at`, o.`event_id` LIMIT :n
 
 -- open_outbox, MySql: event
-SELECT o.`event_id`, CAST(o.`event_id` AS CHAR), CAST(o.`event_type` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), NULL, NULL, CAST(o.`attempts` AS SIGNED), CAST(UNIX_TIMESTAMP(o.`created_at`) * 1000000 AS SIGNED), NULL, NULL, NULL, CAST((CASE WHEN o.`status` = 'DEAD' THEN 2 WHEN o.`status` = 'DELIVERED' THEN 1 ELSE 0 END) AS SIGNED), CAST(o.`attempts` AS SIGNED), CAST(o.`last_error` AS CHAR), CAST(UNIX_TIMESTAMP(o.`updated_at`) * 1000000 AS SIGNED) FROM `public`.`openoutbox_events` o WHERE :condition
+SELECT o.`event_id`, CAST(o.`event_id` AS CHAR), CAST(o.`event_type` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), NULL, NULL, CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL, CAST((CASE WHEN o.`status` = 'DEAD' THEN 2 WHEN o.`status` = 'DELIVERED' THEN 1 ELSE 0 END) AS SIGNED), CAST(o.`attempts` AS SIGNED), CAST(o.`last_error` AS CHAR), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`updated_at`) FROM `public`.`openoutbox_events` o WHERE :condition
 
 -- open_outbox, MySql: dead_retry
 UPDATE `public`.`openoutbox_events` o SET o.`status` = 'PENDING', o.`attempts` = 0, o.`last_error` = NULL, o.`available_at` = UTC_TIMESTAMP(6), o.`locked_by` = NULL, o.`locked_at` = NULL, o.`updated_at` = UTC_TIMESTAMP(6) WHERE (o.`status` = 'DEAD') AND :condition
@@ -657,10 +657,10 @@ GRANT SELECT, UPDATE ON `public`.`openoutbox_events` TO 'relay'@'%';
 
 
 -- open_outbox, MySql: claim_select
-SELECT o.`event_id`, CAST(o.`event_id` AS CHAR), CAST(o.`event_type` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), NULL, NULL, CAST(o.`attempts` AS SIGNED), CAST(UNIX_TIMESTAMP(o.`created_at`) * 1000000 AS SIGNED), NULL, NULL, NULL FROM `public`.`openoutbox_events` o WHERE :condition ORDER BY o.`created_at`, o.`event_id` LIMIT :n
+SELECT o.`event_id`, CAST(o.`event_id` AS CHAR), CAST(o.`event_type` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), NULL, NULL, CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL FROM `public`.`openoutbox_events` o WHERE :condition ORDER BY o.`created_at`, o.`event_id` LIMIT :n
 
 -- open_outbox, MySql: claim_select locking
-SELECT o.`event_id`, CAST(o.`event_id` AS CHAR), CAST(o.`event_type` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), NULL, NULL, CAST(o.`attempts` AS SIGNED), CAST(UNIX_TIMESTAMP(o.`created_at`) * 1000000 AS SIGNED), NULL, NULL, NULL FROM `public`.`openoutbox_events` o WHERE :condition ORDER BY o.`created_at`, o.`event_id` LIMIT :n FOR UPDATE SKIP LOCKED
+SELECT o.`event_id`, CAST(o.`event_id` AS CHAR), CAST(o.`event_type` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), NULL, NULL, CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL FROM `public`.`openoutbox_events` o WHERE :condition ORDER BY o.`created_at`, o.`event_id` LIMIT :n FOR UPDATE SKIP LOCKED
 
 -- open_outbox, MySql: claim_and_mark
 WITH c AS (SELECT l.id, row_number() OVER () AS n
@@ -668,7 +668,7 @@ WITH c AS (SELECT l.id, row_number() OVER () AS n
                                  ORDER BY o.`created_at`, o.`event_id` LIMIT :n FOR UPDATE SKIP LOCKED) l)
              UPDATE `public`.`openoutbox_events` o SET `status` = 'DELIVERING', `locked_by` = :node, `locked_at` = UTC_TIMESTAMP(6), `updated_at` = UTC_TIMESTAMP(6) FROM c
               WHERE o.`event_id` = c.id AND :node IS NOT NULL AND :lease >= 0
-             RETURNING o.`event_id`, CAST(o.`event_id` AS CHAR), CAST(o.`event_type` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), NULL, NULL, CAST(o.`attempts` AS SIGNED), CAST(UNIX_TIMESTAMP(o.`created_at`) * 1000000 AS SIGNED), NULL, NULL, NULL, c.n
+             RETURNING o.`event_id`, CAST(o.`event_id` AS CHAR), CAST(o.`event_type` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), NULL, NULL, CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL, c.n
 
 -- open_outbox, MySql: claim_order_column
 14
@@ -914,7 +914,7 @@ CAST(o.`id` AS SIGNED)
 CONCAT('row:', CAST(o.`id` AS CHAR))
 
 -- export, MySql: select_list
-CAST(o.`id` AS SIGNED), NULL, CAST(o.`type_code` AS CHAR), NULL, CAST(o.`type_code` AS CHAR), o.`payload`, NULL, NULL, NULL, CAST(o.`processing_retries_count` AS SIGNED), CAST(UNIX_TIMESTAMP(o.`created_at`) * 1000000 AS SIGNED), CAST((SELECT mx.`max_retry_count` + 1 FROM `public`.`event_type` mx WHERE mx.`code` = o.`type_code`) AS SIGNED), NULL, NULL
+CAST(o.`id` AS SIGNED), NULL, CAST(o.`type_code` AS CHAR), NULL, CAST(o.`type_code` AS CHAR), o.`payload`, NULL, NULL, NULL, CAST(o.`processing_retries_count` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), CAST((SELECT mx.`max_retry_count` + 1 FROM `public`.`event_type` mx WHERE mx.`code` = o.`type_code`) AS SIGNED), NULL, NULL
 
 -- export, MySql: pending
 o.`status` IN ('NEW', 'PROCESSING')
@@ -965,10 +965,10 @@ SELECT CAST(coalesce(sum(CASE WHEN o.`status` IN ('NEW', 'PROCESSING') THEN 1 EL
 SELECT CAST(o.`type_code` AS CHAR), CAST(coalesce(sum(CASE WHEN o.`status` IN ('NEW', 'PROCESSING') THEN 1 ELSE 0 END), 0) AS SIGNED), CAST(coalesce(sum(CASE WHEN (o.`status` IN ('NEW', 'PROCESSING')) AND o.`processing_retries_count` > 0 THEN 1 ELSE 0 END), 0) AS SIGNED), CAST(coalesce(sum(CASE WHEN o.`status` = 'ERROR' THEN 1 ELSE 0 END), 0) AS SIGNED), CAST(TIMESTAMPDIFF(MICROSECOND, min(CASE WHEN o.`status` IN ('NEW', 'PROCESSING') THEN o.`created_at` END), UTC_TIMESTAMP(6)) / 1000 AS SIGNED) FROM `public`.`event` o WHERE (o.`status` IN ('NEW', 'PROCESSING')) OR (o.`status` = 'ERROR') GROUP BY CAST(o.`type_code` AS CHAR) ORDER BY CAST(o.`type_code` AS CHAR)
 
 -- export, MySql: dead_list
-SELECT CAST(o.`id` AS CHAR), NULL, CAST(o.`type_code` AS CHAR), CAST(o.`type_code` AS CHAR), CAST(o.`processing_retries_count` AS SIGNED), NULL, CAST(UNIX_TIMESTAMP(o.`updated_at`) * 1000000 AS SIGNED) FROM `public`.`event` o WHERE o.`status` = 'ERROR' AND :filter ORDER BY o.`id` LIMIT :n
+SELECT CAST(o.`id` AS CHAR), NULL, CAST(o.`type_code` AS CHAR), CAST(o.`type_code` AS CHAR), CAST(o.`processing_retries_count` AS SIGNED), NULL, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`updated_at`) FROM `public`.`event` o WHERE o.`status` = 'ERROR' AND :filter ORDER BY o.`id` LIMIT :n
 
 -- export, MySql: event
-SELECT CAST(o.`id` AS SIGNED), NULL, CAST(o.`type_code` AS CHAR), NULL, CAST(o.`type_code` AS CHAR), o.`payload`, NULL, NULL, NULL, CAST(o.`processing_retries_count` AS SIGNED), CAST(UNIX_TIMESTAMP(o.`created_at`) * 1000000 AS SIGNED), CAST((SELECT mx.`max_retry_count` + 1 FROM `public`.`event_type` mx WHERE mx.`code` = o.`type_code`) AS SIGNED), NULL, NULL, CAST((CASE WHEN o.`status` = 'ERROR' THEN 2 WHEN o.`status` = 'DONE' THEN 1 ELSE 0 END) AS SIGNED), CAST(o.`processing_retries_count` AS SIGNED), NULL, CAST(UNIX_TIMESTAMP(o.`updated_at`) * 1000000 AS SIGNED) FROM `public`.`event` o WHERE :condition
+SELECT CAST(o.`id` AS SIGNED), NULL, CAST(o.`type_code` AS CHAR), NULL, CAST(o.`type_code` AS CHAR), o.`payload`, NULL, NULL, NULL, CAST(o.`processing_retries_count` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), CAST((SELECT mx.`max_retry_count` + 1 FROM `public`.`event_type` mx WHERE mx.`code` = o.`type_code`) AS SIGNED), NULL, NULL, CAST((CASE WHEN o.`status` = 'ERROR' THEN 2 WHEN o.`status` = 'DONE' THEN 1 ELSE 0 END) AS SIGNED), CAST(o.`processing_retries_count` AS SIGNED), NULL, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`updated_at`) FROM `public`.`event` o WHERE :condition
 
 -- export, MySql: dead_retry
 UPDATE `public`.`event` o SET o.`status` = 'NEW', o.`processing_retries_count` = 0, o.`updated_at` = UTC_TIMESTAMP(6) WHERE (o.`status` = 'ERROR') AND :condition
@@ -1017,10 +1017,10 @@ GRANT SELECT ON `public`.`event_type` TO 'relay'@'%';
 
 
 -- export, MySql: claim_select
-SELECT CAST(o.`id` AS SIGNED), NULL, CAST(o.`type_code` AS CHAR), NULL, CAST(o.`type_code` AS CHAR), o.`payload`, NULL, NULL, NULL, CAST(o.`processing_retries_count` AS SIGNED), CAST(UNIX_TIMESTAMP(o.`created_at`) * 1000000 AS SIGNED), CAST((SELECT mx.`max_retry_count` + 1 FROM `public`.`event_type` mx WHERE mx.`code` = o.`type_code`) AS SIGNED), NULL, NULL FROM `public`.`event` o WHERE :condition ORDER BY o.`id` LIMIT :n
+SELECT CAST(o.`id` AS SIGNED), NULL, CAST(o.`type_code` AS CHAR), NULL, CAST(o.`type_code` AS CHAR), o.`payload`, NULL, NULL, NULL, CAST(o.`processing_retries_count` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), CAST((SELECT mx.`max_retry_count` + 1 FROM `public`.`event_type` mx WHERE mx.`code` = o.`type_code`) AS SIGNED), NULL, NULL FROM `public`.`event` o WHERE :condition ORDER BY o.`id` LIMIT :n
 
 -- export, MySql: claim_select locking
-SELECT CAST(o.`id` AS SIGNED), NULL, CAST(o.`type_code` AS CHAR), NULL, CAST(o.`type_code` AS CHAR), o.`payload`, NULL, NULL, NULL, CAST(o.`processing_retries_count` AS SIGNED), CAST(UNIX_TIMESTAMP(o.`created_at`) * 1000000 AS SIGNED), CAST((SELECT mx.`max_retry_count` + 1 FROM `public`.`event_type` mx WHERE mx.`code` = o.`type_code`) AS SIGNED), NULL, NULL FROM `public`.`event` o WHERE :condition ORDER BY o.`id` LIMIT :n FOR UPDATE SKIP LOCKED
+SELECT CAST(o.`id` AS SIGNED), NULL, CAST(o.`type_code` AS CHAR), NULL, CAST(o.`type_code` AS CHAR), o.`payload`, NULL, NULL, NULL, CAST(o.`processing_retries_count` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), CAST((SELECT mx.`max_retry_count` + 1 FROM `public`.`event_type` mx WHERE mx.`code` = o.`type_code`) AS SIGNED), NULL, NULL FROM `public`.`event` o WHERE :condition ORDER BY o.`id` LIMIT :n FOR UPDATE SKIP LOCKED
 
 -- export, MySql: claim_and_mark
 WITH c AS (SELECT l.id, row_number() OVER () AS n
@@ -1028,7 +1028,7 @@ WITH c AS (SELECT l.id, row_number() OVER () AS n
                                  ORDER BY o.`id` LIMIT :n FOR UPDATE SKIP LOCKED) l)
              UPDATE `public`.`event` o SET `status` = 'PROCESSING', `updated_at` = UTC_TIMESTAMP(6) FROM c
               WHERE o.`id` = c.id AND :node IS NOT NULL AND :lease >= 0
-             RETURNING CAST(o.`id` AS SIGNED), NULL, CAST(o.`type_code` AS CHAR), NULL, CAST(o.`type_code` AS CHAR), o.`payload`, NULL, NULL, NULL, CAST(o.`processing_retries_count` AS SIGNED), CAST(UNIX_TIMESTAMP(o.`created_at`) * 1000000 AS SIGNED), CAST((SELECT mx.`max_retry_count` + 1 FROM `public`.`event_type` mx WHERE mx.`code` = o.`type_code`) AS SIGNED), NULL, NULL, c.n
+             RETURNING CAST(o.`id` AS SIGNED), NULL, CAST(o.`type_code` AS CHAR), NULL, CAST(o.`type_code` AS CHAR), o.`payload`, NULL, NULL, NULL, CAST(o.`processing_retries_count` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), CAST((SELECT mx.`max_retry_count` + 1 FROM `public`.`event_type` mx WHERE mx.`code` = o.`type_code`) AS SIGNED), NULL, NULL, c.n
 
 -- export, MySql: claim_order_column
 14
@@ -1297,7 +1297,7 @@ CAST(o.`relay_sequence` AS SIGNED)
 coalesce(CAST(o.`aggregateid` AS CHAR), CAST(o.`aggregatetype` AS CHAR))
 
 -- debezium, MySql: select_list
-CAST(o.`relay_sequence` AS SIGNED), CAST(o.`id` AS CHAR), CAST(o.`aggregatetype` AS CHAR), CAST(o.`aggregateid` AS CHAR), CAST(o.`type` AS CHAR), o.`payload`, NULL, NULL, NULL, NULL, CAST(UNIX_TIMESTAMP(o.`timestamp`) * 1000000 AS SIGNED), NULL, CAST(o.`tracingspancontext` AS CHAR), NULL
+CAST(o.`relay_sequence` AS SIGNED), CAST(o.`id` AS CHAR), CAST(o.`aggregatetype` AS CHAR), CAST(o.`aggregateid` AS CHAR), CAST(o.`type` AS CHAR), o.`payload`, NULL, NULL, NULL, NULL, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`timestamp`), NULL, CAST(o.`tracingspancontext` AS CHAR), NULL
 
 -- debezium, MySql: pending
 NOT EXISTS (SELECT 1 FROM `public`.`outboxevent_dead_letters` dl WHERE dl.id = o.`relay_sequence`)
@@ -1348,10 +1348,10 @@ SELECT CAST(coalesce(sum(CASE WHEN NOT EXISTS (SELECT 1 FROM `public`.`outboxeve
 SELECT CAST(o.`aggregatetype` AS CHAR), CAST(coalesce(sum(CASE WHEN NOT EXISTS (SELECT 1 FROM `public`.`outboxevent_dead_letters` dl WHERE dl.id = o.`relay_sequence`) THEN 1 ELSE 0 END), 0) AS SIGNED), CAST(coalesce(sum(CASE WHEN 1 = 0 THEN 1 ELSE 0 END), 0) AS SIGNED), CAST(coalesce(sum(CASE WHEN EXISTS (SELECT 1 FROM `public`.`outboxevent_dead_letters` dl WHERE dl.id = o.`relay_sequence`) THEN 1 ELSE 0 END), 0) AS SIGNED), CAST(TIMESTAMPDIFF(MICROSECOND, min(CASE WHEN NOT EXISTS (SELECT 1 FROM `public`.`outboxevent_dead_letters` dl WHERE dl.id = o.`relay_sequence`) THEN o.`timestamp` END), UTC_TIMESTAMP(6)) / 1000 AS SIGNED) FROM `public`.`outboxevent` o WHERE (NOT EXISTS (SELECT 1 FROM `public`.`outboxevent_dead_letters` dl WHERE dl.id = o.`relay_sequence`)) OR (EXISTS (SELECT 1 FROM `public`.`outboxevent_dead_letters` dl WHERE dl.id = o.`relay_sequence`)) GROUP BY CAST(o.`aggregatetype` AS CHAR) ORDER BY CAST(o.`aggregatetype` AS CHAR)
 
 -- debezium, MySql: dead_list
-SELECT CAST(o.`relay_sequence` AS CHAR), CAST(o.`id` AS CHAR), CAST(o.`aggregatetype` AS CHAR), CAST(o.`type` AS CHAR), CAST((SELECT dl.attempts FROM `public`.`outboxevent_dead_letters` dl WHERE dl.id = o.`relay_sequence`) AS SIGNED), CAST((SELECT dl.last_error FROM `public`.`outboxevent_dead_letters` dl WHERE dl.id = o.`relay_sequence`) AS CHAR), CAST(UNIX_TIMESTAMP((SELECT dl.dead_at FROM `public`.`outboxevent_dead_letters` dl WHERE dl.id = o.`relay_sequence`)) * 1000000 AS SIGNED) FROM `public`.`outboxevent` o WHERE EXISTS (SELECT 1 FROM `public`.`outboxevent_dead_letters` dl WHERE dl.id = o.`relay_sequence`) AND :filter ORDER BY o.`relay_sequence` LIMIT :n
+SELECT CAST(o.`relay_sequence` AS CHAR), CAST(o.`id` AS CHAR), CAST(o.`aggregatetype` AS CHAR), CAST(o.`type` AS CHAR), CAST((SELECT dl.attempts FROM `public`.`outboxevent_dead_letters` dl WHERE dl.id = o.`relay_sequence`) AS SIGNED), CAST((SELECT dl.last_error FROM `public`.`outboxevent_dead_letters` dl WHERE dl.id = o.`relay_sequence`) AS CHAR), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', (SELECT dl.dead_at FROM `public`.`outboxevent_dead_letters` dl WHERE dl.id = o.`relay_sequence`)) FROM `public`.`outboxevent` o WHERE EXISTS (SELECT 1 FROM `public`.`outboxevent_dead_letters` dl WHERE dl.id = o.`relay_sequence`) AND :filter ORDER BY o.`relay_sequence` LIMIT :n
 
 -- debezium, MySql: event
-SELECT CAST(o.`relay_sequence` AS SIGNED), CAST(o.`id` AS CHAR), CAST(o.`aggregatetype` AS CHAR), CAST(o.`aggregateid` AS CHAR), CAST(o.`type` AS CHAR), o.`payload`, NULL, NULL, NULL, NULL, CAST(UNIX_TIMESTAMP(o.`timestamp`) * 1000000 AS SIGNED), NULL, CAST(o.`tracingspancontext` AS CHAR), NULL, CAST((CASE WHEN EXISTS (SELECT 1 FROM `public`.`outboxevent_dead_letters` dl WHERE dl.id = o.`relay_sequence`) THEN 2 WHEN 1 = 0 THEN 1 ELSE 0 END) AS SIGNED), CAST((SELECT dl.attempts FROM `public`.`outboxevent_dead_letters` dl WHERE dl.id = o.`relay_sequence`) AS SIGNED), CAST((SELECT dl.last_error FROM `public`.`outboxevent_dead_letters` dl WHERE dl.id = o.`relay_sequence`) AS CHAR), CAST(UNIX_TIMESTAMP((SELECT dl.dead_at FROM `public`.`outboxevent_dead_letters` dl WHERE dl.id = o.`relay_sequence`)) * 1000000 AS SIGNED) FROM `public`.`outboxevent` o WHERE :condition
+SELECT CAST(o.`relay_sequence` AS SIGNED), CAST(o.`id` AS CHAR), CAST(o.`aggregatetype` AS CHAR), CAST(o.`aggregateid` AS CHAR), CAST(o.`type` AS CHAR), o.`payload`, NULL, NULL, NULL, NULL, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`timestamp`), NULL, CAST(o.`tracingspancontext` AS CHAR), NULL, CAST((CASE WHEN EXISTS (SELECT 1 FROM `public`.`outboxevent_dead_letters` dl WHERE dl.id = o.`relay_sequence`) THEN 2 WHEN 1 = 0 THEN 1 ELSE 0 END) AS SIGNED), CAST((SELECT dl.attempts FROM `public`.`outboxevent_dead_letters` dl WHERE dl.id = o.`relay_sequence`) AS SIGNED), CAST((SELECT dl.last_error FROM `public`.`outboxevent_dead_letters` dl WHERE dl.id = o.`relay_sequence`) AS CHAR), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', (SELECT dl.dead_at FROM `public`.`outboxevent_dead_letters` dl WHERE dl.id = o.`relay_sequence`)) FROM `public`.`outboxevent` o WHERE :condition
 
 -- debezium, MySql: dead_retry
 (none)
@@ -1421,10 +1421,10 @@ GRANT SELECT, INSERT, DELETE ON `public`.`outboxevent_dead_letters` TO 'relay'@'
 
 
 -- debezium, MySql: claim_select
-SELECT CAST(o.`relay_sequence` AS SIGNED), CAST(o.`id` AS CHAR), CAST(o.`aggregatetype` AS CHAR), CAST(o.`aggregateid` AS CHAR), CAST(o.`type` AS CHAR), o.`payload`, NULL, NULL, NULL, NULL, CAST(UNIX_TIMESTAMP(o.`timestamp`) * 1000000 AS SIGNED), NULL, CAST(o.`tracingspancontext` AS CHAR), NULL FROM `public`.`outboxevent` o WHERE :condition ORDER BY o.`relay_sequence` LIMIT :n
+SELECT CAST(o.`relay_sequence` AS SIGNED), CAST(o.`id` AS CHAR), CAST(o.`aggregatetype` AS CHAR), CAST(o.`aggregateid` AS CHAR), CAST(o.`type` AS CHAR), o.`payload`, NULL, NULL, NULL, NULL, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`timestamp`), NULL, CAST(o.`tracingspancontext` AS CHAR), NULL FROM `public`.`outboxevent` o WHERE :condition ORDER BY o.`relay_sequence` LIMIT :n
 
 -- debezium, MySql: claim_select locking
-SELECT CAST(o.`relay_sequence` AS SIGNED), CAST(o.`id` AS CHAR), CAST(o.`aggregatetype` AS CHAR), CAST(o.`aggregateid` AS CHAR), CAST(o.`type` AS CHAR), o.`payload`, NULL, NULL, NULL, NULL, CAST(UNIX_TIMESTAMP(o.`timestamp`) * 1000000 AS SIGNED), NULL, CAST(o.`tracingspancontext` AS CHAR), NULL FROM `public`.`outboxevent` o WHERE :condition ORDER BY o.`relay_sequence` LIMIT :n FOR UPDATE SKIP LOCKED
+SELECT CAST(o.`relay_sequence` AS SIGNED), CAST(o.`id` AS CHAR), CAST(o.`aggregatetype` AS CHAR), CAST(o.`aggregateid` AS CHAR), CAST(o.`type` AS CHAR), o.`payload`, NULL, NULL, NULL, NULL, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`timestamp`), NULL, CAST(o.`tracingspancontext` AS CHAR), NULL FROM `public`.`outboxevent` o WHERE :condition ORDER BY o.`relay_sequence` LIMIT :n FOR UPDATE SKIP LOCKED
 
 -- debezium, MySql: claim_and_mark
 WITH c AS (SELECT l.id, row_number() OVER () AS n
@@ -1432,7 +1432,7 @@ WITH c AS (SELECT l.id, row_number() OVER () AS n
                                  ORDER BY o.`relay_sequence` LIMIT :n FOR UPDATE SKIP LOCKED) l)
              UPDATE `public`.`outboxevent` o SET  FROM c
               WHERE o.`relay_sequence` = c.id AND :node IS NOT NULL AND :lease >= 0
-             RETURNING CAST(o.`relay_sequence` AS SIGNED), CAST(o.`id` AS CHAR), CAST(o.`aggregatetype` AS CHAR), CAST(o.`aggregateid` AS CHAR), CAST(o.`type` AS CHAR), o.`payload`, NULL, NULL, NULL, NULL, CAST(UNIX_TIMESTAMP(o.`timestamp`) * 1000000 AS SIGNED), NULL, CAST(o.`tracingspancontext` AS CHAR), NULL, c.n
+             RETURNING CAST(o.`relay_sequence` AS SIGNED), CAST(o.`id` AS CHAR), CAST(o.`aggregatetype` AS CHAR), CAST(o.`aggregateid` AS CHAR), CAST(o.`type` AS CHAR), o.`payload`, NULL, NULL, NULL, NULL, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`timestamp`), NULL, CAST(o.`tracingspancontext` AS CHAR), NULL, c.n
 
 -- debezium, MySql: claim_order_column
 14
@@ -1690,7 +1690,7 @@ CAST(o.`id` AS SIGNED)
 CAST(o.`type` AS CHAR)
 
 -- mysql_outbox_events, MySql: select_list
-CAST(o.`id` AS SIGNED), NULL, CAST(o.`type` AS CHAR), NULL, CAST(o.`type` AS CHAR), o.`message`, NULL, NULL, NULL, NULL, CAST(UNIX_TIMESTAMP(o.`createdAt`) * 1000000 AS SIGNED), NULL, NULL, NULL
+CAST(o.`id` AS SIGNED), NULL, CAST(o.`type` AS CHAR), NULL, CAST(o.`type` AS CHAR), o.`message`, NULL, NULL, NULL, NULL, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`createdAt`), NULL, NULL, NULL
 
 -- mysql_outbox_events, MySql: pending
 o.`isConsumed` = 0 AND NOT EXISTS (SELECT 1 FROM `outbox_events_dead_letters` dl WHERE dl.id = o.`id`)
@@ -1741,10 +1741,10 @@ SELECT CAST(coalesce(sum(CASE WHEN o.`isConsumed` = 0 AND NOT EXISTS (SELECT 1 F
 SELECT CAST(o.`type` AS CHAR), CAST(coalesce(sum(CASE WHEN o.`isConsumed` = 0 AND NOT EXISTS (SELECT 1 FROM `outbox_events_dead_letters` dl WHERE dl.id = o.`id`) THEN 1 ELSE 0 END), 0) AS SIGNED), CAST(coalesce(sum(CASE WHEN 1 = 0 THEN 1 ELSE 0 END), 0) AS SIGNED), CAST(coalesce(sum(CASE WHEN EXISTS (SELECT 1 FROM `outbox_events_dead_letters` dl WHERE dl.id = o.`id`) THEN 1 ELSE 0 END), 0) AS SIGNED), CAST(TIMESTAMPDIFF(MICROSECOND, min(CASE WHEN o.`isConsumed` = 0 AND NOT EXISTS (SELECT 1 FROM `outbox_events_dead_letters` dl WHERE dl.id = o.`id`) THEN o.`createdAt` END), UTC_TIMESTAMP(6)) / 1000 AS SIGNED) FROM `outbox_events` o WHERE (o.`isConsumed` = 0 AND NOT EXISTS (SELECT 1 FROM `outbox_events_dead_letters` dl WHERE dl.id = o.`id`)) OR (EXISTS (SELECT 1 FROM `outbox_events_dead_letters` dl WHERE dl.id = o.`id`)) GROUP BY CAST(o.`type` AS CHAR) ORDER BY CAST(o.`type` AS CHAR)
 
 -- mysql_outbox_events, MySql: dead_list
-SELECT CAST(o.`id` AS CHAR), NULL, CAST(o.`type` AS CHAR), CAST(o.`type` AS CHAR), CAST((SELECT dl.attempts FROM `outbox_events_dead_letters` dl WHERE dl.id = o.`id`) AS SIGNED), CAST((SELECT dl.last_error FROM `outbox_events_dead_letters` dl WHERE dl.id = o.`id`) AS CHAR), CAST(UNIX_TIMESTAMP((SELECT dl.dead_at FROM `outbox_events_dead_letters` dl WHERE dl.id = o.`id`)) * 1000000 AS SIGNED) FROM `outbox_events` o WHERE EXISTS (SELECT 1 FROM `outbox_events_dead_letters` dl WHERE dl.id = o.`id`) AND :filter ORDER BY o.`id` LIMIT :n
+SELECT CAST(o.`id` AS CHAR), NULL, CAST(o.`type` AS CHAR), CAST(o.`type` AS CHAR), CAST((SELECT dl.attempts FROM `outbox_events_dead_letters` dl WHERE dl.id = o.`id`) AS SIGNED), CAST((SELECT dl.last_error FROM `outbox_events_dead_letters` dl WHERE dl.id = o.`id`) AS CHAR), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', (SELECT dl.dead_at FROM `outbox_events_dead_letters` dl WHERE dl.id = o.`id`)) FROM `outbox_events` o WHERE EXISTS (SELECT 1 FROM `outbox_events_dead_letters` dl WHERE dl.id = o.`id`) AND :filter ORDER BY o.`id` LIMIT :n
 
 -- mysql_outbox_events, MySql: event
-SELECT CAST(o.`id` AS SIGNED), NULL, CAST(o.`type` AS CHAR), NULL, CAST(o.`type` AS CHAR), o.`message`, NULL, NULL, NULL, NULL, CAST(UNIX_TIMESTAMP(o.`createdAt`) * 1000000 AS SIGNED), NULL, NULL, NULL, CAST((CASE WHEN EXISTS (SELECT 1 FROM `outbox_events_dead_letters` dl WHERE dl.id = o.`id`) THEN 2 WHEN o.`isConsumed` = 1 THEN 1 ELSE 0 END) AS SIGNED), CAST((SELECT dl.attempts FROM `outbox_events_dead_letters` dl WHERE dl.id = o.`id`) AS SIGNED), CAST((SELECT dl.last_error FROM `outbox_events_dead_letters` dl WHERE dl.id = o.`id`) AS CHAR), CAST(UNIX_TIMESTAMP((SELECT dl.dead_at FROM `outbox_events_dead_letters` dl WHERE dl.id = o.`id`)) * 1000000 AS SIGNED) FROM `outbox_events` o WHERE :condition
+SELECT CAST(o.`id` AS SIGNED), NULL, CAST(o.`type` AS CHAR), NULL, CAST(o.`type` AS CHAR), o.`message`, NULL, NULL, NULL, NULL, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`createdAt`), NULL, NULL, NULL, CAST((CASE WHEN EXISTS (SELECT 1 FROM `outbox_events_dead_letters` dl WHERE dl.id = o.`id`) THEN 2 WHEN o.`isConsumed` = 1 THEN 1 ELSE 0 END) AS SIGNED), CAST((SELECT dl.attempts FROM `outbox_events_dead_letters` dl WHERE dl.id = o.`id`) AS SIGNED), CAST((SELECT dl.last_error FROM `outbox_events_dead_letters` dl WHERE dl.id = o.`id`) AS CHAR), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', (SELECT dl.dead_at FROM `outbox_events_dead_letters` dl WHERE dl.id = o.`id`)) FROM `outbox_events` o WHERE :condition
 
 -- mysql_outbox_events, MySql: dead_retry
 (none)
@@ -1802,10 +1802,10 @@ GRANT SELECT, INSERT, DELETE ON `outbox_events_dead_letters` TO 'relay'@'%';
 
 
 -- mysql_outbox_events, MySql: claim_select
-SELECT CAST(o.`id` AS SIGNED), NULL, CAST(o.`type` AS CHAR), NULL, CAST(o.`type` AS CHAR), o.`message`, NULL, NULL, NULL, NULL, CAST(UNIX_TIMESTAMP(o.`createdAt`) * 1000000 AS SIGNED), NULL, NULL, NULL FROM `outbox_events` o WHERE :condition ORDER BY o.`createdAt`, o.`id` LIMIT :n
+SELECT CAST(o.`id` AS SIGNED), NULL, CAST(o.`type` AS CHAR), NULL, CAST(o.`type` AS CHAR), o.`message`, NULL, NULL, NULL, NULL, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`createdAt`), NULL, NULL, NULL FROM `outbox_events` o WHERE :condition ORDER BY o.`createdAt`, o.`id` LIMIT :n
 
 -- mysql_outbox_events, MySql: claim_select locking
-SELECT CAST(o.`id` AS SIGNED), NULL, CAST(o.`type` AS CHAR), NULL, CAST(o.`type` AS CHAR), o.`message`, NULL, NULL, NULL, NULL, CAST(UNIX_TIMESTAMP(o.`createdAt`) * 1000000 AS SIGNED), NULL, NULL, NULL FROM `outbox_events` o WHERE :condition ORDER BY o.`createdAt`, o.`id` LIMIT :n FOR UPDATE SKIP LOCKED
+SELECT CAST(o.`id` AS SIGNED), NULL, CAST(o.`type` AS CHAR), NULL, CAST(o.`type` AS CHAR), o.`message`, NULL, NULL, NULL, NULL, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`createdAt`), NULL, NULL, NULL FROM `outbox_events` o WHERE :condition ORDER BY o.`createdAt`, o.`id` LIMIT :n FOR UPDATE SKIP LOCKED
 
 -- mysql_outbox_events, MySql: claim_and_mark
 WITH c AS (SELECT l.id, row_number() OVER () AS n
@@ -1813,7 +1813,7 @@ WITH c AS (SELECT l.id, row_number() OVER () AS n
                                  ORDER BY o.`createdAt`, o.`id` LIMIT :n FOR UPDATE SKIP LOCKED) l)
              UPDATE `outbox_events` o SET  FROM c
               WHERE o.`id` = c.id AND :node IS NOT NULL AND :lease >= 0
-             RETURNING CAST(o.`id` AS SIGNED), NULL, CAST(o.`type` AS CHAR), NULL, CAST(o.`type` AS CHAR), o.`message`, NULL, NULL, NULL, NULL, CAST(UNIX_TIMESTAMP(o.`createdAt`) * 1000000 AS SIGNED), NULL, NULL, NULL, c.n
+             RETURNING CAST(o.`id` AS SIGNED), NULL, CAST(o.`type` AS CHAR), NULL, CAST(o.`type` AS CHAR), o.`message`, NULL, NULL, NULL, NULL, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`createdAt`), NULL, NULL, NULL, c.n
 
 -- mysql_outbox_events, MySql: claim_order_column
 14
@@ -2064,7 +2064,7 @@ CAST(o.`sequence_id` AS SIGNED)
 coalesce(CAST(o.`partition_key` AS CHAR), CAST(o.`destination` AS CHAR))
 
 -- native_mysql, MySql: select_list
-CAST(o.`sequence_id` AS SIGNED), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), CAST(UNIX_TIMESTAMP(o.`created_at`) * 1000000 AS SIGNED), NULL, NULL, NULL
+CAST(o.`sequence_id` AS SIGNED), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL
 
 -- native_mysql, MySql: pending
 o.`delivered_at` IS NULL AND o.`dead_at` IS NULL
@@ -2115,10 +2115,10 @@ SELECT CAST(coalesce(sum(CASE WHEN o.`delivered_at` IS NULL AND o.`dead_at` IS N
 SELECT CAST(o.`destination` AS CHAR), CAST(coalesce(sum(CASE WHEN o.`delivered_at` IS NULL AND o.`dead_at` IS NULL THEN 1 ELSE 0 END), 0) AS SIGNED), CAST(coalesce(sum(CASE WHEN (o.`delivered_at` IS NULL AND o.`dead_at` IS NULL) AND o.`attempts` > 0 THEN 1 ELSE 0 END), 0) AS SIGNED), CAST(coalesce(sum(CASE WHEN o.`dead_at` IS NOT NULL THEN 1 ELSE 0 END), 0) AS SIGNED), CAST(TIMESTAMPDIFF(MICROSECOND, min(CASE WHEN o.`delivered_at` IS NULL AND o.`dead_at` IS NULL THEN o.`created_at` END), UTC_TIMESTAMP(6)) / 1000 AS SIGNED) FROM `app`.`outbox` o WHERE (o.`delivered_at` IS NULL AND o.`dead_at` IS NULL) OR (o.`dead_at` IS NOT NULL) GROUP BY CAST(o.`destination` AS CHAR) ORDER BY CAST(o.`destination` AS CHAR)
 
 -- native_mysql, MySql: dead_list
-SELECT CAST(o.`sequence_id` AS CHAR), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`event_type` AS CHAR), CAST(o.`attempts` AS SIGNED), CAST(o.`last_error` AS CHAR), CAST(UNIX_TIMESTAMP(o.`dead_at`) * 1000000 AS SIGNED) FROM `app`.`outbox` o WHERE o.`dead_at` IS NOT NULL AND :filter ORDER BY o.`sequence_id` LIMIT :n
+SELECT CAST(o.`sequence_id` AS CHAR), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`event_type` AS CHAR), CAST(o.`attempts` AS SIGNED), CAST(o.`last_error` AS CHAR), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`dead_at`) FROM `app`.`outbox` o WHERE o.`dead_at` IS NOT NULL AND :filter ORDER BY o.`sequence_id` LIMIT :n
 
 -- native_mysql, MySql: event
-SELECT CAST(o.`sequence_id` AS SIGNED), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), CAST(UNIX_TIMESTAMP(o.`created_at`) * 1000000 AS SIGNED), NULL, NULL, NULL, CAST((CASE WHEN o.`dead_at` IS NOT NULL THEN 2 WHEN o.`delivered_at` IS NOT NULL THEN 1 ELSE 0 END) AS SIGNED), CAST(o.`attempts` AS SIGNED), CAST(o.`last_error` AS CHAR), CAST(UNIX_TIMESTAMP(o.`dead_at`) * 1000000 AS SIGNED) FROM `app`.`outbox` o WHERE :condition
+SELECT CAST(o.`sequence_id` AS SIGNED), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL, CAST((CASE WHEN o.`dead_at` IS NOT NULL THEN 2 WHEN o.`delivered_at` IS NOT NULL THEN 1 ELSE 0 END) AS SIGNED), CAST(o.`attempts` AS SIGNED), CAST(o.`last_error` AS CHAR), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`dead_at`) FROM `app`.`outbox` o WHERE :condition
 
 -- native_mysql, MySql: dead_retry
 UPDATE `app`.`outbox` o SET o.`dead_at` = NULL, o.`attempts` = 0, o.`last_error` = NULL, o.`available_at` = UTC_TIMESTAMP(6), o.`locked_by` = NULL, o.`locked_until` = NULL WHERE (o.`dead_at` IS NOT NULL) AND :condition
@@ -2171,10 +2171,10 @@ GRANT SELECT, UPDATE, DELETE ON `app`.`outbox` TO 'relay'@'%';
 
 
 -- native_mysql, MySql: claim_select
-SELECT CAST(o.`sequence_id` AS SIGNED), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), CAST(UNIX_TIMESTAMP(o.`created_at`) * 1000000 AS SIGNED), NULL, NULL, NULL FROM `app`.`outbox` o WHERE :condition ORDER BY o.`sequence_id` LIMIT :n
+SELECT CAST(o.`sequence_id` AS SIGNED), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL FROM `app`.`outbox` o WHERE :condition ORDER BY o.`sequence_id` LIMIT :n
 
 -- native_mysql, MySql: claim_select locking
-SELECT CAST(o.`sequence_id` AS SIGNED), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), CAST(UNIX_TIMESTAMP(o.`created_at`) * 1000000 AS SIGNED), NULL, NULL, NULL FROM `app`.`outbox` o WHERE :condition ORDER BY o.`sequence_id` LIMIT :n FOR UPDATE SKIP LOCKED
+SELECT CAST(o.`sequence_id` AS SIGNED), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL FROM `app`.`outbox` o WHERE :condition ORDER BY o.`sequence_id` LIMIT :n FOR UPDATE SKIP LOCKED
 
 -- native_mysql, MySql: claim_and_mark
 WITH c AS (SELECT l.id, row_number() OVER () AS n
@@ -2182,7 +2182,7 @@ WITH c AS (SELECT l.id, row_number() OVER () AS n
                                  ORDER BY o.`sequence_id` LIMIT :n FOR UPDATE SKIP LOCKED) l)
              UPDATE `app`.`outbox` o SET `locked_by` = :node, `locked_until` = UTC_TIMESTAMP(6) + INTERVAL (:lease * 1000) MICROSECOND FROM c
               WHERE o.`sequence_id` = c.id AND :node IS NOT NULL AND :lease >= 0
-             RETURNING CAST(o.`sequence_id` AS SIGNED), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), CAST(UNIX_TIMESTAMP(o.`created_at`) * 1000000 AS SIGNED), NULL, NULL, NULL, c.n
+             RETURNING CAST(o.`sequence_id` AS SIGNED), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL, c.n
 
 -- native_mysql, MySql: claim_order_column
 14
@@ -2432,7 +2432,7 @@ CAST(o.`sequence_id` AS SIGNED)
 coalesce(CAST(o.`partition_key` AS CHAR), CAST(o.`destination` AS CHAR))
 
 -- native_mysql retained, MySql: select_list
-CAST(o.`sequence_id` AS SIGNED), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), CAST(UNIX_TIMESTAMP(o.`created_at`) * 1000000 AS SIGNED), NULL, NULL, NULL
+CAST(o.`sequence_id` AS SIGNED), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL
 
 -- native_mysql retained, MySql: pending
 o.`delivered_at` IS NULL AND o.`dead_at` IS NULL
@@ -2483,10 +2483,10 @@ SELECT CAST(coalesce(sum(CASE WHEN o.`delivered_at` IS NULL AND o.`dead_at` IS N
 SELECT CAST(o.`destination` AS CHAR), CAST(coalesce(sum(CASE WHEN o.`delivered_at` IS NULL AND o.`dead_at` IS NULL THEN 1 ELSE 0 END), 0) AS SIGNED), CAST(coalesce(sum(CASE WHEN (o.`delivered_at` IS NULL AND o.`dead_at` IS NULL) AND o.`attempts` > 0 THEN 1 ELSE 0 END), 0) AS SIGNED), CAST(coalesce(sum(CASE WHEN o.`dead_at` IS NOT NULL THEN 1 ELSE 0 END), 0) AS SIGNED), CAST(TIMESTAMPDIFF(MICROSECOND, min(CASE WHEN o.`delivered_at` IS NULL AND o.`dead_at` IS NULL THEN o.`created_at` END), UTC_TIMESTAMP(6)) / 1000 AS SIGNED) FROM `outbox` o WHERE (o.`delivered_at` IS NULL AND o.`dead_at` IS NULL) OR (o.`dead_at` IS NOT NULL) GROUP BY CAST(o.`destination` AS CHAR) ORDER BY CAST(o.`destination` AS CHAR)
 
 -- native_mysql retained, MySql: dead_list
-SELECT CAST(o.`sequence_id` AS CHAR), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`event_type` AS CHAR), CAST(o.`attempts` AS SIGNED), CAST(o.`last_error` AS CHAR), CAST(UNIX_TIMESTAMP(o.`dead_at`) * 1000000 AS SIGNED) FROM `outbox` o WHERE o.`dead_at` IS NOT NULL AND :filter ORDER BY o.`sequence_id` LIMIT :n
+SELECT CAST(o.`sequence_id` AS CHAR), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`event_type` AS CHAR), CAST(o.`attempts` AS SIGNED), CAST(o.`last_error` AS CHAR), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`dead_at`) FROM `outbox` o WHERE o.`dead_at` IS NOT NULL AND :filter ORDER BY o.`sequence_id` LIMIT :n
 
 -- native_mysql retained, MySql: event
-SELECT CAST(o.`sequence_id` AS SIGNED), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), CAST(UNIX_TIMESTAMP(o.`created_at`) * 1000000 AS SIGNED), NULL, NULL, NULL, CAST((CASE WHEN o.`dead_at` IS NOT NULL THEN 2 WHEN o.`delivered_at` IS NOT NULL THEN 1 ELSE 0 END) AS SIGNED), CAST(o.`attempts` AS SIGNED), CAST(o.`last_error` AS CHAR), CAST(UNIX_TIMESTAMP(o.`dead_at`) * 1000000 AS SIGNED) FROM `outbox` o WHERE :condition
+SELECT CAST(o.`sequence_id` AS SIGNED), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL, CAST((CASE WHEN o.`dead_at` IS NOT NULL THEN 2 WHEN o.`delivered_at` IS NOT NULL THEN 1 ELSE 0 END) AS SIGNED), CAST(o.`attempts` AS SIGNED), CAST(o.`last_error` AS CHAR), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`dead_at`) FROM `outbox` o WHERE :condition
 
 -- native_mysql retained, MySql: dead_retry
 UPDATE `outbox` o SET o.`dead_at` = NULL, o.`attempts` = 0, o.`last_error` = NULL, o.`available_at` = UTC_TIMESTAMP(6), o.`locked_by` = NULL, o.`locked_until` = NULL WHERE (o.`dead_at` IS NOT NULL) AND :condition
@@ -2539,10 +2539,10 @@ GRANT SELECT, UPDATE ON `outbox` TO 'relay'@'%';
 
 
 -- native_mysql retained, MySql: claim_select
-SELECT CAST(o.`sequence_id` AS SIGNED), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), CAST(UNIX_TIMESTAMP(o.`created_at`) * 1000000 AS SIGNED), NULL, NULL, NULL FROM `outbox` o WHERE :condition ORDER BY o.`sequence_id` LIMIT :n
+SELECT CAST(o.`sequence_id` AS SIGNED), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL FROM `outbox` o WHERE :condition ORDER BY o.`sequence_id` LIMIT :n
 
 -- native_mysql retained, MySql: claim_select locking
-SELECT CAST(o.`sequence_id` AS SIGNED), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), CAST(UNIX_TIMESTAMP(o.`created_at`) * 1000000 AS SIGNED), NULL, NULL, NULL FROM `outbox` o WHERE :condition ORDER BY o.`sequence_id` LIMIT :n FOR UPDATE SKIP LOCKED
+SELECT CAST(o.`sequence_id` AS SIGNED), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL FROM `outbox` o WHERE :condition ORDER BY o.`sequence_id` LIMIT :n FOR UPDATE SKIP LOCKED
 
 -- native_mysql retained, MySql: claim_and_mark
 WITH c AS (SELECT l.id, row_number() OVER () AS n
@@ -2550,7 +2550,7 @@ WITH c AS (SELECT l.id, row_number() OVER () AS n
                                  ORDER BY o.`sequence_id` LIMIT :n FOR UPDATE SKIP LOCKED) l)
              UPDATE `outbox` o SET `locked_by` = :node, `locked_until` = UTC_TIMESTAMP(6) + INTERVAL (:lease * 1000) MICROSECOND FROM c
               WHERE o.`sequence_id` = c.id AND :node IS NOT NULL AND :lease >= 0
-             RETURNING CAST(o.`sequence_id` AS SIGNED), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), CAST(UNIX_TIMESTAMP(o.`created_at`) * 1000000 AS SIGNED), NULL, NULL, NULL, c.n
+             RETURNING CAST(o.`sequence_id` AS SIGNED), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL, c.n
 
 -- native_mysql retained, MySql: claim_order_column
 14

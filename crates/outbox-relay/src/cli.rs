@@ -78,6 +78,8 @@ pub struct GlobalArgs {
     pub log_level: Option<String>,
 }
 
+// Parsed once per process: boxing `run`'s arguments would save nothing worth a `Box`.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand, Clone, Debug)]
 pub enum Command {
     /// Relay events from the outbox to the sink until SIGTERM/SIGINT (or, with --drain, until

@@ -186,6 +186,8 @@ async fn start(
         mode = config.wake_description(),
         poll_interval = ?config.engine.poll_interval,
         drain,
+        // The runtime's own count, not the setting's: what runs the relay.
+        worker_threads = tokio::runtime::Handle::current().metrics().num_workers(),
         "outbox-relay starting"
     );
     let http = match endpoints {

@@ -131,7 +131,12 @@ impl Sql {
                 "CASE WHEN isfinite({expr}) THEN (extract(epoch from {expr}) * 1000000)::int8 \
                  WHEN {expr} > 'epoch' THEN 9223372036854775807 ELSE -9223372036854775807 - 1 END"
             ),
-            Dialect::MySql => format!("CAST(UNIX_TIMESTAMP({expr}) * 1000000 AS SIGNED)"),
+            // Not UNIX_TIMESTAMP(): it gives NULL before 1970, which read as no time at all.
+            // The difference is taken in the session's time zone, which the store sets to
+            // UTC.
+            Dialect::MySql => {
+                format!("TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', {expr})")
+            }
         }
     }
 

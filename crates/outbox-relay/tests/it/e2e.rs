@@ -10,7 +10,7 @@ use std::time::Duration;
 use outbox_testkit::{eventually, fresh_pg_database, query_count, wait_for_count};
 use uuid::Uuid;
 
-use crate::support::{pg, read_lines, wait_for_lines, RelayProcess, BIN};
+use crate::support::{http_addr, pg, read_lines, wait_for_lines, RelayProcess, BIN};
 
 /// `outbox-relay run` with JSON logs and no HTTP server, against `database_url`.
 fn start_relay(dir: &Path, name: &str, database_url: &str, args: &[&str]) -> RelayProcess {
@@ -572,6 +572,29 @@ fn errors_name_the_problem_and_never_show_secrets() {
     assert!(String::from_utf8_lossy(&bad.stderr).contains("use stdout, file:PATH, nats://"));
     let bad = relay_cmd(&db, &["send", "--destination", "d", "{not json"]);
     assert!(String::from_utf8_lossy(&bad.stderr).contains("not valid JSON"));
+}
+
+/// `worker_threads` sizes the runtime that runs the relay's tasks, one worker by default: the
+/// start-up line reports the runtime's own count.
+#[tokio::test]
+async fn worker_threads_sets_how_many_threads_run_the_relay() {
+    for (flag, workers) in [(None, 1), (Some("3"), 3)] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut args = vec!["run", "--http-addr", "127.0.0.1:0", "--log-format", "json"];
+        if let Some(n) = flag {
+            args.extend(["--worker-threads", n]);
+        }
+        let mut relay = RelayProcess::spawn(dir.path(), "relay", &args, &[]);
+        http_addr(&relay).await;
+        let logs = relay.logs();
+        let starting: serde_json::Value = logs
+            .lines()
+            .find(|l| l.contains("outbox-relay starting"))
+            .and_then(|l| serde_json::from_str(l).ok())
+            .unwrap_or_else(|| panic!("no start-up line: {logs}"));
+        assert_eq!(starting["worker_threads"], workers, "{flag:?}: {starting}");
+        assert!(relay.terminate().await.success());
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

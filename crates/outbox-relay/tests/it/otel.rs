@@ -16,7 +16,7 @@ use outbox_testkit::{eventually, fresh_pg_database, wait_for_count};
 
 use crate::support;
 
-use crate::support::{pg, RelayProcess, BIN};
+use crate::support::{pg, threads, RelayProcess, BIN};
 
 /// The spec's example, and a second trace.
 const PARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
@@ -63,15 +63,6 @@ async fn insert(
         ids.insert(key.to_string(), row.get(0));
     }
     ids
-}
-
-/// Names of the process's threads (`/proc/PID/task/*/comm`, 15 characters at most).
-fn threads(pid: &str) -> Vec<String> {
-    std::fs::read_dir(format!("/proc/{pid}/task"))
-        .unwrap()
-        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
-        .map(|c| c.trim().to_string())
-        .collect()
 }
 
 /// Listening TCP sockets the process holds: its socket inodes that /proc/net/tcp{,6} list in

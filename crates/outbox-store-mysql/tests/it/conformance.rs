@@ -168,7 +168,7 @@ impl Harness for MySqlHarness {
 outbox_testkit::store_conformance!(new_harness;
     long_keys: not_applicable("the native table's partition_key holds 255 characters: a longer key is refused at insert with the fix (a_10kb_key_is_refused_at_insert_with_the_fix below)"),
     owned_partitions: not_applicable("MySQL has no partition leases: one active relay per table"),
-    created_at: known_bug("a created_at before 1970 is delivered as the time of the claim: UNIX_TIMESTAMP() gives NULL for it, read as no time"),
+    created_at: run,
     renamed_column: run);
 
 /// Ordering keys longer than the native table's column. The key is not indexed on MySQL

@@ -577,6 +577,15 @@ pub async fn http_addr(relay: &RelayProcess) -> String {
     .await
 }
 
+/// Names of the process's threads (`/proc/PID/task/*/comm`, 15 characters at most).
+pub fn threads(pid: &str) -> Vec<String> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .map(|c| c.trim().to_string())
+        .collect()
+}
+
 /// The value of an unlabelled metric (or the first series of a labelled one) in `/metrics`.
 pub fn metric_value(metrics: &str, name: &str) -> Option<f64> {
     metrics
