@@ -274,25 +274,9 @@ impl PgStore {
     /// `found` unknown (no database), every step and the version table.
     pub fn printable_steps(&self, steps: &Steps, found: Option<Found>) -> String {
         let t = &self.inner.tables;
-        let from = found.map_or(0, Found::version);
-        let mut out = String::new();
-        if found.is_none_or(|f| !matches!(f, Found::At { .. })) {
-            out.push_str(&t.version_table_ddl());
-        }
-        let mut any = false;
-        for step in steps.after(from) {
-            any = true;
-            out.push('\n');
-            out.push_str(&t.printable_step(steps, step));
-        }
-        if !any {
-            out.push_str(&format!(
-                "-- the {} schema is at version {} here: no step is missing\n",
-                steps.component,
-                from.max(steps.latest())
-            ));
-        }
-        out
+        steps.printable_missing(found, &t.version_table_ddl(), |step| {
+            t.printable_step(steps, step)
+        })
     }
 
     /// Runs idempotent DDL in one transaction, serialized against concurrent migrations.
