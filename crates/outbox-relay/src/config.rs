@@ -1214,9 +1214,16 @@ mod tests {
 
     /// `[[outboxes]]` from a file and flags: each outbox's settings in effect, or the error.
     fn outboxes_of(toml: &str, args: &[&str]) -> Result<Vec<NamedOutbox>, String> {
+        outboxes_with(&[("relay.toml", toml)], args)
+    }
+
+    /// The same, with `relay.toml` and the other `files` it names beside it.
+    fn outboxes_with(files: &[(&str, &str)], args: &[&str]) -> Result<Vec<NamedOutbox>, String> {
         let mut result = Err(String::new());
         figment::Jail::expect_with(|jail| {
-            jail.create_file("relay.toml", toml)?;
+            for (name, content) in files {
+                jail.create_file(name, content)?;
+            }
             let flags = flags(args);
             result = Config::load(Some(Path::new("relay.toml")), flags.clone())
                 .and_then(|c| c.outboxes(&flags))
@@ -1535,20 +1542,6 @@ mod tests {
             ("top-url", "postgres://relay:pw-top@db/top\n"),
             ("own-url", "postgres://relay:pw-own@db/top\n"),
         ];
-        let outboxes_with = |files: &[(&str, &str)], args: &[&str]| {
-            let mut result = Err(String::new());
-            figment::Jail::expect_with(|jail| {
-                for (name, content) in files {
-                    jail.create_file(name, content)?;
-                }
-                let flags = flags(args);
-                result = Config::load(Some(Path::new("relay.toml")), flags.clone())
-                    .and_then(|c| c.outboxes(&flags))
-                    .map_err(|e| format!("{e:#}"));
-                Ok(())
-            });
-            result
-        };
         let outboxes = outboxes_with(&files, &["outbox-relay", "check"]).unwrap();
         let urls: Vec<&str> = outboxes
             .iter()
