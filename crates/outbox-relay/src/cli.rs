@@ -78,6 +78,8 @@ pub struct GlobalArgs {
     pub log_level: Option<String>,
 }
 
+// Parsed once per process: `run`'s many flags cost nothing worth a box.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand, Clone, Debug)]
 pub enum Command {
     /// Relay events from the outbox to the sink until SIGTERM/SIGINT (or, with --drain, until
