@@ -103,6 +103,37 @@ impl Steps {
         self.steps.iter().filter(move |s| s.version > from)
     }
 
+    /// The steps a schema at `found` lacks, as `migrate --print` shows them: the version
+    /// table first (`version_table_ddl`) unless a version was found, then each step as
+    /// `printable_step` writes it (with the statement that records its version); with none
+    /// missing, a comment that says so. `found` is `None` when no database was asked.
+    pub fn printable_missing(
+        &self,
+        found: Option<Found>,
+        version_table_ddl: &str,
+        printable_step: impl Fn(&Step) -> String,
+    ) -> String {
+        let from = found.map_or(0, Found::version);
+        let mut out = String::new();
+        if found.is_none_or(|f| !matches!(f, Found::At { .. })) {
+            out.push_str(version_table_ddl);
+        }
+        let mut any = false;
+        for step in self.after(from) {
+            any = true;
+            out.push('\n');
+            out.push_str(&printable_step(step));
+        }
+        if !any {
+            out.push_str(&format!(
+                "-- the {} schema is at version {} here: no step is missing\n",
+                self.component,
+                from.max(self.latest())
+            ));
+        }
+        out
+    }
+
     /// The lowest version a relay must know to run on a schema at `version`.
     pub fn readable_from(&self, version: u32) -> u32 {
         self.steps
@@ -133,6 +164,24 @@ impl Found {
         match self {
             Found::Nothing | Found::Unversioned => 0,
             Found::At { version, .. } => version,
+        }
+    }
+}
+
+impl Found {
+    /// A version row as the database holds it (`version`, `readable_from`); a negative
+    /// number is a [`StoreErrorKind::SchemaVersion`] error with the message `negative` gives.
+    pub fn recorded(
+        version: i64,
+        readable_from: i64,
+        negative: impl FnOnce() -> String,
+    ) -> Result<Found, StoreError> {
+        match (u32::try_from(version), u32::try_from(readable_from)) {
+            (Ok(version), Ok(readable_from)) => Ok(Found::At {
+                version,
+                readable_from,
+            }),
+            _ => Err(StoreError::new(StoreErrorKind::SchemaVersion, negative())),
         }
     }
 }

@@ -1155,7 +1155,13 @@ mod tests {
 
     #[test]
     fn wal_capture_settings_that_cannot_apply_are_refused() {
-        let pg = "postgres://relay@db/app".to_string();
+        // A PostgreSQL configuration with `set` applied to it.
+        let on_pg = |set: fn(&mut Config)| {
+            let mut c = Config::default();
+            c.database.database_url = "postgres://relay@db/app".into();
+            set(&mut c);
+            c
+        };
         let wal = |c: Config| {
             let mut c = c;
             c.database.capture = CaptureMode::Wal;
@@ -1165,62 +1171,20 @@ mod tests {
         let err = refused(wal(Config::default()));
         assert!(err.contains("postgres://"), "{err}");
         for (config, named) in [
+            (on_pg(|c| c.database.layout = LayoutKind::Adbc), "layout"),
             (
-                {
-                    let mut c = Config::default();
-                    c.database.database_url = pg.clone();
-                    c.database.layout = LayoutKind::Adbc;
-                    c
-                },
-                "layout",
-            ),
-            (
-                {
-                    let mut c = Config::default();
-                    c.database.database_url = pg.clone();
-                    c.database.retain_delivered = true;
-                    c
-                },
+                on_pg(|c| c.database.retain_delivered = true),
                 "retain_delivered",
             ),
-            (
-                {
-                    let mut c = Config::default();
-                    c.database.database_url = pg.clone();
-                    c.relay.ordering = OrderingMode::None;
-                    c
-                },
-                "ordering",
-            ),
-            (
-                {
-                    let mut c = Config::default();
-                    c.database.database_url = pg.clone();
-                    c.database.wakeup = WakeupMode::Gated;
-                    c
-                },
-                "wakeup",
-            ),
-            (
-                {
-                    let mut c = Config::default();
-                    c.database.database_url = pg.clone();
-                    c.wal.slot = "Bad-Name".into();
-                    c
-                },
-                "slot",
-            ),
+            (on_pg(|c| c.relay.ordering = OrderingMode::None), "ordering"),
+            (on_pg(|c| c.database.wakeup = WakeupMode::Gated), "wakeup"),
+            (on_pg(|c| c.wal.slot = "Bad-Name".into()), "slot"),
         ] {
             let err = refused(wal(config));
             assert!(err.contains(named), "{named}: {err}");
         }
         // Debezium's table is captured, with native tables of the relay's own beside it.
-        let debezium = wal({
-            let mut c = Config::default();
-            c.database.database_url = pg.clone();
-            c.database.layout = LayoutKind::Debezium;
-            c
-        });
+        let debezium = wal(on_pg(|c| c.database.layout = LayoutKind::Debezium));
         debezium.validate().unwrap();
         let StoreSettings::Postgres(settings) = debezium.store_settings().unwrap() else {
             panic!("PostgreSQL")
@@ -1234,20 +1198,10 @@ mod tests {
         assert_eq!(source.table.name.as_str(), "outboxevent");
         assert_eq!(source.columns.sequence_id, "relay_sequence");
         // A slot without WAL capture would be silently ignored.
-        let err = refused({
-            let mut c = Config::default();
-            c.database.database_url = pg.clone();
-            c.wal.slot = "mine".into();
-            c
-        });
+        let err = refused(on_pg(|c| c.wal.slot = "mine".into()));
         assert!(err.contains("--capture wal"), "{err}");
         // Resolved: the native store with its slot, and writers that notify nobody.
-        let config = wal({
-            let mut c = Config::default();
-            c.database.database_url = pg;
-            c.wal.slot = "mine".into();
-            c
-        });
+        let config = wal(on_pg(|c| c.wal.slot = "mine".into()));
         config.validate().unwrap();
         let parts = config.resolve(NodeId("n1".into()), false).unwrap();
         let crate::store::StoreSettings::Postgres(settings) = parts.store else {
@@ -1260,9 +1214,16 @@ mod tests {
 
     /// `[[outboxes]]` from a file and flags: each outbox's settings in effect, or the error.
     fn outboxes_of(toml: &str, args: &[&str]) -> Result<Vec<NamedOutbox>, String> {
+        outboxes_with(&[("relay.toml", toml)], args)
+    }
+
+    /// The same, with `relay.toml` and the other `files` it names beside it.
+    fn outboxes_with(files: &[(&str, &str)], args: &[&str]) -> Result<Vec<NamedOutbox>, String> {
         let mut result = Err(String::new());
         figment::Jail::expect_with(|jail| {
-            jail.create_file("relay.toml", toml)?;
+            for (name, content) in files {
+                jail.create_file(name, content)?;
+            }
             let flags = flags(args);
             result = Config::load(Some(Path::new("relay.toml")), flags.clone())
                 .and_then(|c| c.outboxes(&flags))
@@ -1581,20 +1542,6 @@ mod tests {
             ("top-url", "postgres://relay:pw-top@db/top\n"),
             ("own-url", "postgres://relay:pw-own@db/top\n"),
         ];
-        let outboxes_with = |files: &[(&str, &str)], args: &[&str]| {
-            let mut result = Err(String::new());
-            figment::Jail::expect_with(|jail| {
-                for (name, content) in files {
-                    jail.create_file(name, content)?;
-                }
-                let flags = flags(args);
-                result = Config::load(Some(Path::new("relay.toml")), flags.clone())
-                    .and_then(|c| c.outboxes(&flags))
-                    .map_err(|e| format!("{e:#}"));
-                Ok(())
-            });
-            result
-        };
         let outboxes = outboxes_with(&files, &["outbox-relay", "check"]).unwrap();
         let urls: Vec<&str> = outboxes
             .iter()

@@ -64,31 +64,15 @@ CREATE TABLE IF NOT EXISTS {} (
     /// The steps `found` lacks, as `migrate --print` shows them; every step when the
     /// database could not be asked (`None`).
     pub fn printable_steps(sql: &Sql, steps: &Steps, found: Option<Found>) -> String {
-        let from = found.map_or(0, Found::version);
-        let mut out = String::new();
-        if found.is_none_or(|f| !matches!(f, Found::At { .. })) {
-            out.push_str(&Self::version_table_ddl(sql));
-        }
-        let mut any = false;
-        for step in steps.after(from) {
-            any = true;
-            out.push('\n');
-            out.push_str(&step.printable(steps.component));
-            out.push_str(&Self::record_version(
-                sql,
-                steps.component,
-                step.version,
-                steps.readable_from(step.version),
-            ));
-        }
-        if !any {
-            out.push_str(&format!(
-                "-- the {} schema is at version {} here: no step is missing\n",
-                steps.component,
-                from.max(steps.latest())
-            ));
-        }
-        out
+        steps.printable_missing(found, &Self::version_table_ddl(sql), |step| {
+            step.printable(steps.component)
+                + &Self::record_version(
+                    sql,
+                    steps.component,
+                    step.version,
+                    steps.readable_from(step.version),
+                )
+        })
     }
 
     /// What the database holds of the layout's schema.
@@ -170,16 +154,9 @@ async fn read_found(conn: &mut Conn, sql: &Sql) -> StoreResult<Found> {
             .await
             .map_err(|e| db_error(context, e))?;
         if let Some((version, readable_from)) = row {
-            return match (u32::try_from(version), u32::try_from(readable_from)) {
-                (Ok(version), Ok(readable_from)) => Ok(Found::At {
-                    version,
-                    readable_from,
-                }),
-                _ => Err(StoreError::new(
-                    StoreErrorKind::SchemaVersion,
-                    format!("{} holds a negative version", MySql::versions_table(sql)),
-                )),
-            };
+            return Found::recorded(version, readable_from, || {
+                format!("{} holds a negative version", MySql::versions_table(sql))
+            });
         }
     }
     let has_table: Option<i64> = conn

@@ -5,6 +5,7 @@
 //! statement-level trigger created by [`PgStore::migrate`] sends them.
 
 mod access;
+mod decode;
 mod error;
 mod listen;
 pub mod mapped;
@@ -14,6 +15,7 @@ mod owned;
 mod registry;
 pub mod schema;
 pub mod tls;
+mod verify;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -22,16 +24,13 @@ use std::time::Duration;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use futures::future::BoxFuture;
 use futures::FutureExt;
-use outbox_core::event::headers_from_json_text;
 use outbox_core::ident::TableName;
 use outbox_core::migration::{Found, Steps};
 use outbox_core::store::{
     Backlog, ClaimRequest, Claimed, DeadLetter, OnChange, Problem, RetryLater, StoreFuture,
     StoreResult,
 };
-use outbox_core::{
-    Event, Fence, NewEvent, NodeId, OutboxStore, Payload, SequenceId, StoreError, StoreErrorKind,
-};
+use outbox_core::{Fence, NewEvent, NodeId, OutboxStore, SequenceId, StoreError, StoreErrorKind};
 use tokio_postgres::types::ToSql;
 use tokio_postgres::Row;
 use tokio_postgres_rustls::MakeRustlsConnect;
@@ -42,8 +41,11 @@ pub use mapped::MappedPgStore;
 pub(crate) use outbox_core::time::{from_micros, millis};
 pub use schema::{Tables, DEFAULT_NOTIFY_CHANNEL};
 
+use decode::{claimed_ids, row_to_claimed};
 use error::{db_error, pool_error};
 use listen::listen_forever;
+use verify::verify;
+pub(crate) use verify::{missing_privileges, missing_trigger, refuse_standby};
 
 /// Connection settings and table names.
 #[derive(Clone, Debug)]
@@ -272,25 +274,9 @@ impl PgStore {
     /// `found` unknown (no database), every step and the version table.
     pub fn printable_steps(&self, steps: &Steps, found: Option<Found>) -> String {
         let t = &self.inner.tables;
-        let from = found.map_or(0, Found::version);
-        let mut out = String::new();
-        if found.is_none_or(|f| !matches!(f, Found::At { .. })) {
-            out.push_str(&t.version_table_ddl());
-        }
-        let mut any = false;
-        for step in steps.after(from) {
-            any = true;
-            out.push('\n');
-            out.push_str(&t.printable_step(steps, step));
-        }
-        if !any {
-            out.push_str(&format!(
-                "-- the {} schema is at version {} here: no step is missing\n",
-                steps.component,
-                from.max(steps.latest())
-            ));
-        }
-        out
+        steps.printable_missing(found, &t.version_table_ddl(), |step| {
+            t.printable_step(steps, step)
+        })
     }
 
     /// Runs idempotent DDL in one transaction, serialized against concurrent migrations.
@@ -560,179 +546,6 @@ async fn settle(
     }
 }
 
-/// A timestamp as PostgreSQL sends it in binary: microseconds from 2000-01-01, with
-/// `i64::MAX` and `i64::MIN` for `'infinity'` and `'-infinity'`. Read raw, so that no value
-/// fails to decode (or overflows) before [`outbox_core::time::created_at_problem`] judges it.
-struct PgMicros(i64);
-
-impl PgMicros {
-    /// Microseconds from the Unix epoch, infinities kept as `i64::MAX` / `i64::MIN`.
-    fn unix_micros(&self) -> i64 {
-        const FROM_2000: i64 = 946_684_800_000_000;
-        match self.0 {
-            i64::MAX | i64::MIN => self.0,
-            m => m.saturating_add(FROM_2000),
-        }
-    }
-}
-
-impl<'a> tokio_postgres::types::FromSql<'a> for PgMicros {
-    fn from_sql(
-        _: &tokio_postgres::types::Type,
-        raw: &'a [u8],
-    ) -> Result<Self, Box<dyn std::error::Error + Sync + Send>> {
-        let bytes: [u8; 8] = raw.try_into()?;
-        Ok(PgMicros(i64::from_be_bytes(bytes)))
-    }
-
-    fn accepts(ty: &tokio_postgres::types::Type) -> bool {
-        use tokio_postgres::types::Type;
-        *ty == Type::TIMESTAMPTZ || *ty == Type::TIMESTAMP
-    }
-}
-
-/// Whether a claimed column's type can be read; one per column of `schema::RETURNED`.
-type Reads = fn(&tokio_postgres::types::Type) -> bool;
-
-fn claimed_column_reads() -> [(Reads, &'static str); 11] {
-    use tokio_postgres::types::FromSql;
-    let text: Reads = <String as FromSql>::accepts;
-    [
-        (<i64 as FromSql>::accepts, "bigint"),
-        (<uuid::Uuid as FromSql>::accepts, "uuid"),
-        (text, "text"),
-        (text, "text"),
-        (text, "text"),
-        (text, "jsonb"),
-        (text, "jsonb"),
-        (text, "text"),
-        (<bool as FromSql>::accepts, "boolean"),
-        (<i32 as FromSql>::accepts, "integer"),
-        (<PgMicros as FromSql>::accepts, "timestamptz"),
-    ]
-}
-
-/// A column of the claim's result whose type the relay cannot read (altered after `migrate`):
-/// no row of the table can be decoded, so this stops the relay rather than dead-letter all.
-fn claimed_columns_problem(tables: &Tables, row: &Row) -> Option<StoreError> {
-    let reads = claimed_column_reads();
-    let columns = row.columns();
-    if columns.len() != reads.len() {
-        return Some(StoreError::new(
-            StoreErrorKind::SchemaMismatch,
-            format!(
-                "claim returned {} columns, the relay reads {}",
-                columns.len(),
-                reads.len()
-            ),
-        ));
-    }
-    columns
-        .iter()
-        .zip(reads)
-        .find(|(column, (accepts, _))| !accepts(column.type_()))
-        .map(|(column, (_, expected))| {
-            StoreError::new(
-                StoreErrorKind::SchemaMismatch,
-                format!(
-                    "column {} of {} has type {}, which the relay cannot read as {expected}",
-                    column.name(),
-                    tables.outbox,
-                    column.type_()
-                ),
-            )
-        })
-}
-
-/// The claimed rows' sequence ids; a column type the relay cannot read is an error.
-fn claimed_ids(tables: &Tables, rows: &[Row]) -> StoreResult<Vec<i64>> {
-    if let Some(problem) = rows
-        .first()
-        .and_then(|r| claimed_columns_problem(tables, r))
-    {
-        return Err(problem);
-    }
-    rows.iter()
-        .map(|r| {
-            r.try_get(0).map_err(|e| {
-                StoreError::new(
-                    StoreErrorKind::SchemaMismatch,
-                    "claim: unreadable sequence_id",
-                )
-                .with_source(e)
-            })
-        })
-        .collect()
-}
-
-/// Reads column `index` of a claimed row, naming the column when it cannot (a NULL where
-/// `migrate` made it NOT NULL).
-fn column<'a, T: tokio_postgres::types::FromSql<'a>>(
-    row: &'a Row,
-    index: usize,
-) -> Result<T, String> {
-    row.try_get(index).map_err(|e| {
-        let name = row.columns()[index].name();
-        let cause = std::error::Error::source(&e);
-        if cause.is_some_and(|c| c.is::<tokio_postgres::types::WasNull>()) {
-            format!(
-                "{name} is NULL, which the relay cannot publish; set {name} in the dead letters, then `outbox-relay dead retry`"
-            )
-        } else {
-            format!("{name} cannot be read: {}", outbox_core::error::report(&e))
-        }
-    })
-}
-
-/// Decodes one claimed row (whose columns [`claimed_ids`] checked). A row that cannot be
-/// decoded becomes [`Claimed::Undecodable`].
-fn row_to_claimed(sequence_id: i64, row: &Row) -> Claimed {
-    let destination: Option<String> = row.try_get(2).unwrap_or_default();
-    let partition_key: Option<String> = row.try_get(3).unwrap_or_default();
-    let attempts = row.try_get::<_, i32>(9).unwrap_or_default().max(0) as u32;
-    let decoded = (|| {
-        let headers = match column::<Option<String>>(row, 6)? {
-            Some(text) => headers_from_json_text(&text)?,
-            None => return Err(column::<String>(row, 6).unwrap_err()),
-        };
-        let payload = match column::<Option<String>>(row, 5)? {
-            None => Payload::Null,
-            Some(text) => Payload::from_json_text(text)?,
-        };
-        let created_at = column::<PgMicros>(row, 10)?.unix_micros();
-        if let Some(problem) = outbox_core::time::created_at_problem(created_at) {
-            return Err(problem);
-        }
-        Ok(Event {
-            sequence_id,
-            event_id: column(row, 1)?,
-            destination: column(row, 2)?,
-            partition_key: partition_key.clone(),
-            event_type: column(row, 4)?,
-            payload,
-            headers,
-            mutation_id: column(row, 7)?,
-            rejected: column(row, 8)?,
-            attempts,
-            max_attempts: None,
-            created_at: from_micros(created_at),
-        })
-    })();
-    match decoded {
-        Ok(event) => Claimed::Event(event.into()),
-        Err(reason) => Claimed::Undecodable {
-            sequence_id,
-            // As the claim statement keys it; a row with neither is keyed by "".
-            ordering_key: partition_key
-                .or_else(|| destination.clone())
-                .unwrap_or_default(),
-            destination: destination.unwrap_or_default(),
-            attempts,
-            reason,
-        },
-    }
-}
-
 /// A table altered under a running relay fails its prepared statements with "cached plan
 /// must not change result type" (SQLSTATE 0A000) for as long as they are reused: forget them
 /// all, so the next try prepares afresh (and then reads the new column types, or says why
@@ -985,249 +798,4 @@ impl OutboxStore for PgStore {
     fn set_waiting(&self, waiting: bool) {
         self.inner.waiting.send_replace(waiting);
     }
-}
-
-/// Refuses a hot standby: it takes no writes, so a relay there would fail every claim.
-/// Checked by `verify`, which `run` and `check` call first thing.
-pub(crate) async fn refuse_standby(inner: &Inner) -> StoreResult<()> {
-    let rows = PgStore::query(inner, "verify", "SELECT pg_is_in_recovery()", &[]).await?;
-    if rows[0].get::<_, bool>(0) {
-        return Err(StoreError::new(
-            StoreErrorKind::Config,
-            "the database is a hot standby (pg_is_in_recovery() is true), which takes no writes: \
-             point the database URL at the primary, not at a replica or a pooler that routes to one",
-        ));
-    }
-    Ok(())
-}
-
-async fn verify(inner: &Inner) -> StoreResult<Vec<Problem>> {
-    refuse_standby(inner).await?;
-    let t = &inner.tables;
-    let mut problems = Vec::new();
-    let migrate_fix = "run `outbox-relay migrate` (or apply `outbox-relay migrate --print`)";
-    // (table, privileges the relay needs on it)
-    let needs = [
-        (&t.outbox, "SELECT, UPDATE, DELETE"),
-        (&t.dead_letters, "SELECT, INSERT"),
-        (&t.nodes, "SELECT, INSERT, UPDATE, DELETE"),
-        (&t.partitions, "SELECT, UPDATE"),
-    ];
-    for (table, privileges) in needs {
-        let name = table.quoted();
-        let rows = PgStore::query(
-            inner,
-            "verify",
-            "SELECT to_regclass($1) IS NOT NULL",
-            &[&name],
-        )
-        .await?;
-        if !rows[0].get::<_, bool>(0) {
-            problems.push(Problem::blocking(
-                format!("table {table} does not exist"),
-                migrate_fix,
-            ));
-            continue;
-        }
-        let shown = table.to_string();
-        let print = "outbox-relay migrate --print";
-        let missing = missing_privileges(inner, &name, &shown, privileges, print).await?;
-        problems.extend(missing);
-    }
-    problems.extend(verify_outbox_columns(inner).await?);
-    let (trigger, table) = t.trigger_exists_sql();
-    problems.extend(
-        missing_trigger(inner, &trigger, &table, &t.outbox.to_string(), migrate_fix).await?,
-    );
-    index_problems(inner, &mut problems, migrate_fix).await?;
-    Ok(problems)
-}
-
-/// A problem for each of `privileges` (as in "SELECT, UPDATE") that the current role lacks
-/// on `table` (quoted; `shown` as the message names it); the fix points at `print`, the
-/// command that prints every grant.
-pub(crate) async fn missing_privileges(
-    inner: &Inner,
-    table: &str,
-    shown: &str,
-    privileges: &str,
-    print: &str,
-) -> StoreResult<Vec<Problem>> {
-    let mut problems = Vec::new();
-    for privilege in privileges.split(", ") {
-        let rows = PgStore::query(
-            inner,
-            "verify",
-            "SELECT has_table_privilege(current_user, $1, $2)",
-            &[&table, &privilege],
-        )
-        .await?;
-        if !rows[0].get::<_, bool>(0) {
-            problems.push(Problem::blocking(
-                format!("the current role lacks {privilege} on {shown}"),
-                format!("GRANT {privilege} ON {table} TO <relay role>; (see `{print}`)"),
-            ));
-        }
-    }
-    Ok(problems)
-}
-
-/// The wake-up trigger `trigger` on `table` (quoted), if it is missing: the relay then polls.
-pub(crate) async fn missing_trigger(
-    inner: &Inner,
-    trigger: &str,
-    table: &str,
-    shown: &str,
-    fix: &str,
-) -> StoreResult<Option<Problem>> {
-    let rows = PgStore::query(
-        inner,
-        "verify",
-        "SELECT count(*)::int8 FROM pg_trigger WHERE tgname = $1 AND tgrelid = to_regclass($2)",
-        &[&trigger, &table],
-    )
-    .await?;
-    Ok((rows[0].get::<_, i64>(0) == 0).then(|| {
-        Problem::degraded(
-            format!("trigger {trigger} on {shown} is missing: the relay is not woken on insert and falls back to polling"),
-            fix,
-        )
-    }))
-}
-
-/// The indexes claims rely on, read in one statement. Without the scheduled index the scan
-/// floor is off (slower, not wrong). The blocking index is over the key's hash; an outbox
-/// migrated by an earlier version has the index over the key itself instead: claims still
-/// find it (they compare the key too), so the relay runs, but a key too long for it fails
-/// every claim or retry that leases it.
-async fn index_problems(
-    inner: &Inner,
-    problems: &mut Vec<Problem>,
-    migrate_fix: &str,
-) -> StoreResult<()> {
-    let t = &inner.tables;
-    let (scheduled, index, obsolete) = (
-        t.scheduled_index(),
-        t.blocking_index(),
-        t.obsolete_blocking_index(),
-    );
-    let rows = PgStore::query(
-        inner,
-        "verify",
-        "SELECT to_regclass($1) IS NOT NULL, to_regclass($2) IS NOT NULL, to_regclass($3) IS NOT NULL",
-        &[&scheduled, &index, &obsolete],
-    )
-    .await?;
-    let (scheduled_present, present, obsolete_present) = (
-        rows[0].get::<_, bool>(0),
-        rows[0].get::<_, bool>(1),
-        rows[0].get::<_, bool>(2),
-    );
-    if !scheduled_present {
-        problems.push(Problem::degraded(
-            format!(
-                "index {scheduled} is missing: cluster claims scan the pending rows from the start"
-            ),
-            migrate_fix,
-        ));
-    }
-    let fix = "run `outbox-relay migrate` (or apply `outbox-relay migrate --print`): it creates \
-               the index and drops the old one";
-    if obsolete_present {
-        problems.push(Problem::degraded(
-            format!(
-                "index {obsolete} is from an earlier version and {index} is {}: an ordering key \
-                 longer than about 2.7 kB fails every claim and retry that leases it",
-                if present { "there too" } else { "missing" }
-            ),
-            fix,
-        ));
-    } else if !present {
-        problems.push(Problem::blocking(
-            format!(
-                "index {index} is missing: every claim looks for each key's earlier rows without it"
-            ),
-            fix,
-        ));
-    }
-    Ok(())
-}
-
-/// The native outbox table's columns as `migrate` creates them: name, type as
-/// `format_type` writes it, other types the relay reads as well, and NOT NULL.
-const OUTBOX_COLUMNS: [(&str, &str, &[&str], bool); 16] = [
-    ("sequence_id", "bigint", &[], true),
-    ("event_id", "uuid", &[], true),
-    ("destination", "text", &["character varying"], true),
-    ("partition_key", "text", &["character varying"], false),
-    ("event_type", "text", &["character varying"], true),
-    ("payload", "jsonb", &["json"], false),
-    ("headers", "jsonb", &["json"], true),
-    ("mutation_id", "text", &["character varying"], false),
-    ("rejected", "boolean", &[], true),
-    ("created_at", "timestamp with time zone", &[], true),
-    ("available_at", "timestamp with time zone", &[], true),
-    ("attempts", "integer", &[], true),
-    ("last_error", "text", &["character varying"], false),
-    ("locked_by", "text", &["character varying"], false),
-    ("locked_until", "timestamp with time zone", &[], false),
-    ("delivered_at", "timestamp with time zone", &[], false),
-];
-
-/// Compares the outbox table's columns with [`OUTBOX_COLUMNS`]: a missing (renamed) column
-/// or a changed type stops the relay, so each is a problem; a dropped NOT NULL only sends
-/// the rows with NULL there to the dead letters, so it is a degraded one. Columns the
-/// relay does not know (an application's own) are left alone.
-async fn verify_outbox_columns(inner: &Inner) -> StoreResult<Vec<Problem>> {
-    let t = &inner.tables.outbox;
-    let name = t.quoted();
-    let rows = PgStore::query(
-        inner,
-        "verify",
-        "SELECT a.attname::text, format_type(a.atttypid, NULL), a.attnotnull
-           FROM pg_attribute a
-          WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped
-          ORDER BY a.attnum",
-        &[&name],
-    )
-    .await?;
-    let found: Vec<(String, String, bool)> = rows
-        .iter()
-        .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
-        .collect::<Result<_, tokio_postgres::Error>>()
-        .map_err(|e| db_error("verify", e))?;
-    if found.is_empty() {
-        return Ok(Vec::new()); // reported as a missing table
-    }
-    let known = |column: &str| OUTBOX_COLUMNS.iter().any(|(c, ..)| *c == column);
-    let mut problems = Vec::new();
-    for (column, ty, also, not_null) in OUTBOX_COLUMNS {
-        let Some((_, found_ty, found_not_null)) = found.iter().find(|(c, ..)| c == column) else {
-            // A renamed column: an unknown one of the same type is the likely culprit.
-            let fix = match found.iter().find(|(c, t, _)| !known(c) && t == ty) {
-                Some((other, ..)) => format!(
-                    "ALTER TABLE {name} RENAME COLUMN \"{}\" TO {column}; (if {other} is it: the relay reads {column})",
-                    other.replace('"', "\"\"")
-                ),
-                None => format!(
-                    "ALTER TABLE {name} ADD COLUMN {column} {ty}; (see `outbox-relay migrate --print` for its default), or rename the column that holds it back to {column}"
-                ),
-            };
-            problems.push(Problem::missing_column(column, t, fix));
-            continue;
-        };
-        if found_ty != ty && !also.contains(&found_ty.as_str()) {
-            problems.push(Problem::blocking(
-                format!("column {column} of {t} has type {found_ty}; the relay reads {ty}"),
-                format!("ALTER TABLE {name} ALTER COLUMN {column} TYPE {ty} USING {column}::{ty};"),
-            ));
-        } else if not_null && !found_not_null {
-            problems.push(Problem::nullable_column(
-                column,
-                t,
-                format!("ALTER TABLE {name} ALTER COLUMN {column} SET NOT NULL; (after setting {column} on the rows where it is NULL)"),
-            ));
-        }
-    }
-    Ok(problems)
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use outbox_core::ident::TableName;
 use outbox_core::migration::{Found, Run, Steps};
-use outbox_core::{Backoff, StoreError, StoreErrorKind};
+use outbox_core::{Backoff, StoreError};
 
 use crate::error::{db_error, pool_error};
 use crate::{PgStore, StoreResult, Tables};
@@ -206,18 +206,11 @@ pub(crate) async fn read_found(
             .await
             .map_err(|e| db_error("reading the schema version", e))?;
         if let Some(row) = rows.first() {
-            let version = u32::try_from(row.get::<_, i32>(0));
-            let readable_from = u32::try_from(row.get::<_, i32>(1));
-            return match (version, readable_from) {
-                (Ok(version), Ok(readable_from)) => Ok(Found::At {
-                    version,
-                    readable_from,
-                }),
-                _ => Err(StoreError::new(
-                    StoreErrorKind::SchemaVersion,
-                    format!("{versions} holds a negative version for {component}"),
-                )),
-            };
+            return Found::recorded(
+                row.get::<_, i32>(0).into(),
+                row.get::<_, i32>(1).into(),
+                || format!("{versions} holds a negative version for {component}"),
+            );
         }
     }
     Ok(if has_probe {

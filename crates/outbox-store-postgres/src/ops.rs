@@ -7,13 +7,14 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use futures::FutureExt;
 use outbox_core::store::{
     DeadQuery, DeadRecord, DeadSelector, DestinationStats, EventRecord, EventState, Operations,
-    ReplaySelector, StoreFuture,
+    ReplaySelector, StoreFuture, StoreResult,
 };
 use outbox_core::SequenceId;
 use tokio_postgres::types::ToSql;
+use tokio_postgres::Row;
 
 use crate::schema::{BySelector, OperatorStatements};
-use crate::{from_micros, PgStore};
+use crate::{from_micros, Inner, PgStore};
 
 fn seconds(t: SystemTime) -> f64 {
     match t.duration_since(UNIX_EPOCH) {
@@ -46,6 +47,20 @@ impl PgStore {
             Self::execute(&inner, context, sql, &[&*param as &(dyn ToSql + Sync)]).await
         }
         .boxed()
+    }
+
+    /// Runs a replay statement: its parameters are the selector's window and destination
+    /// (`$1` to `$3`), then `more`.
+    async fn replay_query(
+        inner: &Inner,
+        sql: &str,
+        selector: &ReplaySelector,
+        more: &[&(dyn ToSql + Sync)],
+    ) -> StoreResult<Vec<Row>> {
+        let (since, until) = (seconds(selector.since), seconds(selector.until));
+        let mut params: Vec<&(dyn ToSql + Sync)> = vec![&since, &until, &selector.destination];
+        params.extend_from_slice(more);
+        Self::query(inner, "replay", sql, &params).await
     }
 }
 
@@ -139,17 +154,8 @@ impl Operations for PgStore {
     fn count_replayable(&self, selector: ReplaySelector) -> StoreFuture<u64> {
         let inner = self.inner.clone();
         async move {
-            let rows = Self::query(
-                &inner,
-                "replay",
-                &inner.sql.ops.count_replayable,
-                &[
-                    &seconds(selector.since),
-                    &seconds(selector.until),
-                    &selector.destination,
-                ],
-            )
-            .await?;
+            let sql = &inner.sql.ops.count_replayable;
+            let rows = Self::replay_query(&inner, sql, &selector, &[]).await?;
             Ok(rows[0].get::<_, i64>(0) as u64)
         }
         .boxed()
@@ -164,19 +170,8 @@ impl Operations for PgStore {
         let inner = self.inner.clone();
         async move {
             let batch = i64::from(batch);
-            let rows = Self::query(
-                &inner,
-                "replay",
-                &inner.sql.ops.replay_batch,
-                &[
-                    &seconds(selector.since),
-                    &seconds(selector.until),
-                    &selector.destination,
-                    &after,
-                    &batch,
-                ],
-            )
-            .await?;
+            let sql = &inner.sql.ops.replay_batch;
+            let rows = Self::replay_query(&inner, sql, &selector, &[&after, &batch]).await?;
             let last = rows
                 .iter()
                 .map(|r| r.get::<_, i64>(0))

@@ -3,7 +3,6 @@
 
 use outbox_core::migration::{Found, Lock, Run, Step, Steps};
 use outbox_core::store::StoreResult;
-use outbox_core::{StoreError, StoreErrorKind};
 use rusqlite::{Connection, OptionalExtension};
 
 use crate::{sql_error, DDL};
@@ -51,29 +50,14 @@ fn record_version(component: &str, version: u32, readable_from: u32) -> String {
 /// The steps `found` lacks, as `migrate --print` shows them (all of them for `None`).
 pub fn printable_steps(found: Option<Found>) -> String {
     let steps = steps();
-    let from = found.map_or(0, Found::version);
-    let mut out = String::new();
-    if found.is_none_or(|f| !matches!(f, Found::At { .. })) {
-        out.push_str(VERSION_TABLE_DDL);
-    }
-    let mut any = false;
-    for step in steps.after(from) {
-        any = true;
-        out.push('\n');
-        out.push_str(&step.printable(steps.component));
-        out.push_str(&record_version(
-            steps.component,
-            step.version,
-            steps.readable_from(step.version),
-        ));
-    }
-    if !any {
-        out.push_str(&format!(
-            "-- the outbox schema is at version {} here: no step is missing\n",
-            from.max(steps.latest())
-        ));
-    }
-    out
+    steps.printable_missing(found, VERSION_TABLE_DDL, |step| {
+        step.printable(steps.component)
+            + &record_version(
+                steps.component,
+                step.version,
+                steps.readable_from(step.version),
+            )
+    })
 }
 
 /// Applies the steps the file lacks, each in an immediate transaction with its version.
@@ -130,16 +114,9 @@ pub(crate) fn read_found(conn: &Connection) -> StoreResult<Found> {
             .optional()
             .map_err(|e| sql_error(context, e))?;
         if let Some((version, readable_from)) = row {
-            return match (u32::try_from(version), u32::try_from(readable_from)) {
-                (Ok(version), Ok(readable_from)) => Ok(Found::At {
-                    version,
-                    readable_from,
-                }),
-                _ => Err(StoreError::new(
-                    StoreErrorKind::SchemaVersion,
-                    "outbox_versions holds a negative version",
-                )),
-            };
+            return Found::recorded(version, readable_from, || {
+                "outbox_versions holds a negative version".into()
+            });
         }
     }
     Ok(if exists("outbox")? {

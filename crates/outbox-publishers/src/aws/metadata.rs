@@ -211,16 +211,12 @@ impl Imds {
     /// A GET with the session token; `None` when there is nothing there (404).
     async fn get(&self, url: &str, token: &Secret) -> Result<Option<String>, PublishError> {
         let what = format!("instance metadata at {}", self.endpoint);
-        let response = self
+        let request = self
             .http
             .get(url)
-            .header("x-aws-ec2-metadata-token", token.expose())
-            .send()
-            .await
-            .map_err(|e| crate::http::transport_error(e, &what))?;
-        let status = response.status();
-        let body = response.text().await.unwrap_or_default();
-        match status.as_u16() {
+            .header("x-aws-ec2-metadata-token", token.expose());
+        let (status, body) = answer(request, &what).await?;
+        match status {
             200..=299 => Ok(Some(body)),
             404 => Ok(None),
             code => Err(failed(format!(
@@ -301,13 +297,8 @@ impl Container {
             }
             request = request.header("authorization", token);
         }
-        let response = request
-            .send()
-            .await
-            .map_err(|e| crate::http::transport_error(e, &what))?;
-        let status = response.status();
-        let body = response.text().await.unwrap_or_default();
-        match status.as_u16() {
+        let (status, body) = answer(request, &what).await?;
+        match status {
             200..=299 => credentials(&body, &what),
             code @ (401 | 403) => Err(failed(format!(
                 "{what} refused the authorization token (HTTP {code}): check \
@@ -320,6 +311,20 @@ impl Container {
             ))),
         }
     }
+}
+
+/// Sends `request` to `what` (as errors name it): its status code and body (empty when the
+/// body could not be read; the status then says what happened).
+async fn answer(
+    request: reqwest::RequestBuilder,
+    what: &str,
+) -> Result<(u16, String), PublishError> {
+    let response = request
+        .send()
+        .await
+        .map_err(|e| crate::http::transport_error(e, what))?;
+    let status = response.status().as_u16();
+    Ok((status, response.text().await.unwrap_or_default()))
 }
 
 /// Whether plain http may go to this host: loopback, or ECS's and EKS Pod Identity's

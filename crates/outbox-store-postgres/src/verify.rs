@@ -1,0 +1,253 @@
+//! `verify`: what the native schema and the role must have for the relay to run (the
+//! primary, the tables and privileges, the columns, the wake-up trigger, the indexes).
+
+use outbox_core::store::{Problem, StoreResult};
+use outbox_core::{StoreError, StoreErrorKind};
+
+use crate::error::db_error;
+use crate::{Inner, PgStore};
+
+/// Refuses a hot standby: it takes no writes, so a relay there would fail every claim.
+/// Checked by `verify`, which `run` and `check` call first thing.
+pub(crate) async fn refuse_standby(inner: &Inner) -> StoreResult<()> {
+    let rows = PgStore::query(inner, "verify", "SELECT pg_is_in_recovery()", &[]).await?;
+    if rows[0].get::<_, bool>(0) {
+        return Err(StoreError::new(
+            StoreErrorKind::Config,
+            "the database is a hot standby (pg_is_in_recovery() is true), which takes no writes: \
+             point the database URL at the primary, not at a replica or a pooler that routes to one",
+        ));
+    }
+    Ok(())
+}
+
+pub(crate) async fn verify(inner: &Inner) -> StoreResult<Vec<Problem>> {
+    refuse_standby(inner).await?;
+    let t = &inner.tables;
+    let mut problems = Vec::new();
+    let migrate_fix = "run `outbox-relay migrate` (or apply `outbox-relay migrate --print`)";
+    // (table, privileges the relay needs on it)
+    let needs = [
+        (&t.outbox, "SELECT, UPDATE, DELETE"),
+        (&t.dead_letters, "SELECT, INSERT"),
+        (&t.nodes, "SELECT, INSERT, UPDATE, DELETE"),
+        (&t.partitions, "SELECT, UPDATE"),
+    ];
+    for (table, privileges) in needs {
+        let name = table.quoted();
+        let rows = PgStore::query(
+            inner,
+            "verify",
+            "SELECT to_regclass($1) IS NOT NULL",
+            &[&name],
+        )
+        .await?;
+        if !rows[0].get::<_, bool>(0) {
+            problems.push(Problem::blocking(
+                format!("table {table} does not exist"),
+                migrate_fix,
+            ));
+            continue;
+        }
+        let shown = table.to_string();
+        let print = "outbox-relay migrate --print";
+        let missing = missing_privileges(inner, &name, &shown, privileges, print).await?;
+        problems.extend(missing);
+    }
+    problems.extend(verify_outbox_columns(inner).await?);
+    let (trigger, table) = t.trigger_exists_sql();
+    problems.extend(
+        missing_trigger(inner, &trigger, &table, &t.outbox.to_string(), migrate_fix).await?,
+    );
+    index_problems(inner, &mut problems, migrate_fix).await?;
+    Ok(problems)
+}
+
+/// A problem for each of `privileges` (as in "SELECT, UPDATE") that the current role lacks
+/// on `table` (quoted; `shown` as the message names it); the fix points at `print`, the
+/// command that prints every grant.
+pub(crate) async fn missing_privileges(
+    inner: &Inner,
+    table: &str,
+    shown: &str,
+    privileges: &str,
+    print: &str,
+) -> StoreResult<Vec<Problem>> {
+    let mut problems = Vec::new();
+    for privilege in privileges.split(", ") {
+        let rows = PgStore::query(
+            inner,
+            "verify",
+            "SELECT has_table_privilege(current_user, $1, $2)",
+            &[&table, &privilege],
+        )
+        .await?;
+        if !rows[0].get::<_, bool>(0) {
+            problems.push(Problem::blocking(
+                format!("the current role lacks {privilege} on {shown}"),
+                format!("GRANT {privilege} ON {table} TO <relay role>; (see `{print}`)"),
+            ));
+        }
+    }
+    Ok(problems)
+}
+
+/// The wake-up trigger `trigger` on `table` (quoted), if it is missing: the relay then polls.
+pub(crate) async fn missing_trigger(
+    inner: &Inner,
+    trigger: &str,
+    table: &str,
+    shown: &str,
+    fix: &str,
+) -> StoreResult<Option<Problem>> {
+    let rows = PgStore::query(
+        inner,
+        "verify",
+        "SELECT count(*)::int8 FROM pg_trigger WHERE tgname = $1 AND tgrelid = to_regclass($2)",
+        &[&trigger, &table],
+    )
+    .await?;
+    Ok((rows[0].get::<_, i64>(0) == 0).then(|| {
+        Problem::degraded(
+            format!("trigger {trigger} on {shown} is missing: the relay is not woken on insert and falls back to polling"),
+            fix,
+        )
+    }))
+}
+
+/// The indexes claims rely on, read in one statement. Without the scheduled index the scan
+/// floor is off (slower, not wrong). The blocking index is over the key's hash; an outbox
+/// migrated by an earlier version has the index over the key itself instead: claims still
+/// find it (they compare the key too), so the relay runs, but a key too long for it fails
+/// every claim or retry that leases it.
+async fn index_problems(
+    inner: &Inner,
+    problems: &mut Vec<Problem>,
+    migrate_fix: &str,
+) -> StoreResult<()> {
+    let t = &inner.tables;
+    let (scheduled, index, obsolete) = (
+        t.scheduled_index(),
+        t.blocking_index(),
+        t.obsolete_blocking_index(),
+    );
+    let rows = PgStore::query(
+        inner,
+        "verify",
+        "SELECT to_regclass($1) IS NOT NULL, to_regclass($2) IS NOT NULL, to_regclass($3) IS NOT NULL",
+        &[&scheduled, &index, &obsolete],
+    )
+    .await?;
+    let (scheduled_present, present, obsolete_present) = (
+        rows[0].get::<_, bool>(0),
+        rows[0].get::<_, bool>(1),
+        rows[0].get::<_, bool>(2),
+    );
+    if !scheduled_present {
+        problems.push(Problem::degraded(
+            format!(
+                "index {scheduled} is missing: cluster claims scan the pending rows from the start"
+            ),
+            migrate_fix,
+        ));
+    }
+    let fix = "run `outbox-relay migrate` (or apply `outbox-relay migrate --print`): it creates \
+               the index and drops the old one";
+    if obsolete_present {
+        problems.push(Problem::degraded(
+            format!(
+                "index {obsolete} is from an earlier version and {index} is {}: an ordering key \
+                 longer than about 2.7 kB fails every claim and retry that leases it",
+                if present { "there too" } else { "missing" }
+            ),
+            fix,
+        ));
+    } else if !present {
+        problems.push(Problem::blocking(
+            format!(
+                "index {index} is missing: every claim looks for each key's earlier rows without it"
+            ),
+            fix,
+        ));
+    }
+    Ok(())
+}
+
+/// The native outbox table's columns as `migrate` creates them: name, type as
+/// `format_type` writes it, other types the relay reads as well, and NOT NULL.
+const OUTBOX_COLUMNS: [(&str, &str, &[&str], bool); 16] = [
+    ("sequence_id", "bigint", &[], true),
+    ("event_id", "uuid", &[], true),
+    ("destination", "text", &["character varying"], true),
+    ("partition_key", "text", &["character varying"], false),
+    ("event_type", "text", &["character varying"], true),
+    ("payload", "jsonb", &["json"], false),
+    ("headers", "jsonb", &["json"], true),
+    ("mutation_id", "text", &["character varying"], false),
+    ("rejected", "boolean", &[], true),
+    ("created_at", "timestamp with time zone", &[], true),
+    ("available_at", "timestamp with time zone", &[], true),
+    ("attempts", "integer", &[], true),
+    ("last_error", "text", &["character varying"], false),
+    ("locked_by", "text", &["character varying"], false),
+    ("locked_until", "timestamp with time zone", &[], false),
+    ("delivered_at", "timestamp with time zone", &[], false),
+];
+
+/// Compares the outbox table's columns with [`OUTBOX_COLUMNS`]: a missing (renamed) column
+/// or a changed type stops the relay, so each is a problem; a dropped NOT NULL only sends
+/// the rows with NULL there to the dead letters, so it is a degraded one. Columns the
+/// relay does not know (an application's own) are left alone.
+async fn verify_outbox_columns(inner: &Inner) -> StoreResult<Vec<Problem>> {
+    let t = &inner.tables.outbox;
+    let name = t.quoted();
+    let rows = PgStore::query(
+        inner,
+        "verify",
+        "SELECT a.attname::text, format_type(a.atttypid, NULL), a.attnotnull
+           FROM pg_attribute a
+          WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped
+          ORDER BY a.attnum",
+        &[&name],
+    )
+    .await?;
+    let found: Vec<(String, String, bool)> = rows
+        .iter()
+        .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
+        .collect::<Result<_, tokio_postgres::Error>>()
+        .map_err(|e| db_error("verify", e))?;
+    if found.is_empty() {
+        return Ok(Vec::new()); // reported as a missing table
+    }
+    let known = |column: &str| OUTBOX_COLUMNS.iter().any(|(c, ..)| *c == column);
+    let mut problems = Vec::new();
+    for (column, ty, also, not_null) in OUTBOX_COLUMNS {
+        let Some((_, found_ty, found_not_null)) = found.iter().find(|(c, ..)| c == column) else {
+            // A renamed column: an unknown one of the same type is the likely culprit.
+            let fix = match found.iter().find(|(c, t, _)| !known(c) && t == ty) {
+                Some((other, ..)) => format!(
+                    "ALTER TABLE {name} RENAME COLUMN \"{}\" TO {column}; (if {other} is it: the relay reads {column})",
+                    other.replace('"', "\"\"")
+                ),
+                None => format!(
+                    "ALTER TABLE {name} ADD COLUMN {column} {ty}; (see `outbox-relay migrate --print` for its default), or rename the column that holds it back to {column}"
+                ),
+            };
+            problems.push(Problem::missing_column(column, t, fix));
+            continue;
+        };
+        if found_ty != ty && !also.contains(&found_ty.as_str()) {
+            problems.push(Problem::blocking(
+                format!("column {column} of {t} has type {found_ty}; the relay reads {ty}"),
+                format!("ALTER TABLE {name} ALTER COLUMN {column} TYPE {ty} USING {column}::{ty};"),
+            ));
+        } else if not_null && !found_not_null {
+            problems.push(Problem::nullable_column(
+                column,
+                t,
+                format!("ALTER TABLE {name} ALTER COLUMN {column} SET NOT NULL; (after setting {column} on the rows where it is NULL)"),
+            ));
+        }
+    }
+    Ok(problems)
+}
