@@ -326,7 +326,7 @@ async fn a_blackholed_database_shows_in_the_logs_the_metrics_and_readyz_and_sigt
     metric(&relay, &addr, "outbox_owned_partitions", |v| v == 64.0).await;
 
     proxy.blackhole();
-    // Within the bounds ARCHITECTURE.md states; the test's own deadlines are generous.
+    // Within the bounds docs/operations.md states; the test's own deadlines are generous.
     let body = readyz(&relay, &addr, 503, "", Duration::from_secs(60)).await;
     assert!(body.contains("database"), "{body}");
     // It names the operation the database does not answer.
