@@ -516,7 +516,9 @@ impl<'a> StreamCheck<'a> {
                 .expect("the stream's next message")
                 .expect("an open stream")
                 .expect("a message");
-            self.read = message.info().unwrap().stream_sequence;
+            let info = message.info().unwrap();
+            let when = format!("{:?}", info.published);
+            self.read = info.stream_sequence;
             let header = |n: &str| {
                 message
                     .headers
@@ -527,17 +529,23 @@ impl<'a> StreamCheck<'a> {
             };
             let (id, key) = (header("Nats-Msg-Id"), header("Outbox-Partition-Key"));
             let seq = header("Outbox-Sequence-Id").parse().unwrap_or(-1);
-            self.take(id, key, seq);
+            self.take(id, key, seq, when);
         }
         self.messages = Some(messages);
     }
 
-    fn take(&mut self, id: String, key: String, seq: i64) {
+    fn take(&mut self, id: String, key: String, seq: i64, when: String) {
         self.figures.messages += 1;
         if self.seen.contains(&id) {
             self.figures.duplicates += 1;
             return;
         }
+        // Order by the sequence ids the writers saw: with WAL capture an event that waited
+        // for a retry is sent from the parked table, under the parked row's sequence id.
+        let (key, seq) = match self.ledger.committed.get(&id) {
+            Some((key, seq)) => (key.clone(), *seq),
+            None => (key, seq),
+        };
         if self.ledger.committed.contains_key(&id) {
             self.found += 1;
         } else if self.ledger.rolled_back.contains(&id) {
@@ -548,7 +556,10 @@ impl<'a> StreamCheck<'a> {
         if self.ordered {
             if let Some(prev) = self.last.insert(key.clone(), seq) {
                 if prev >= seq && self.reordered.insert(key.clone()) {
-                    eprintln!("key {key}: first deliveries went {prev} then {seq}");
+                    eprintln!(
+                        "key {key}: first deliveries went {prev} then {seq} (stream sequence {}, stored at {when})",
+                        self.read
+                    );
                 }
             }
         }
@@ -734,6 +745,17 @@ impl SoakNodes {
     }
 }
 
+/// Prints `soak: HH:MM:SS.mmm UTC <what>`: the faults' times, to set beside the logs'.
+fn say(what: &str) {
+    let ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis()
+        % 86_400_000;
+    let (h, m, s) = (ms / 3_600_000, ms / 60_000 % 60, ms / 1000 % 60);
+    eprintln!("soak: {h:02}:{m:02}:{s:02}.{:03} UTC {what}", ms % 1000);
+}
+
 /// One round of every fault, a few seconds apart, with the writers going: a node killed
 /// (-9) and restarted, one stopped (SIGTERM) and restarted, one frozen past its lease and
 /// thawed, one's database sessions killed, a NATS restart and a PostgreSQL restart. Round
@@ -751,22 +773,28 @@ async fn fault_round(
     let n = soak.nodes.len();
     let at = |k: usize| (r + k) % n;
     gap().await;
+    say(&format!("kill -9 {}", soak.nodes[at(0)].name));
     soak.nodes[at(0)].kill9();
     tokio::time::sleep(Duration::from_secs(1)).await;
     soak.restart(cluster, at(0));
     gap().await;
+    say(&format!("SIGTERM {}", soak.nodes[at(1)].name));
     stop_node(&mut soak.nodes[at(1)]).await;
     soak.restart(cluster, at(1));
     gap().await;
+    say(&format!("SIGSTOP {}", soak.nodes[at(2)].name));
     freeze_past_the_lease(admin, &soak.nodes[at(2)], cluster, false).await;
     gap().await;
     let name = soak.nodes[at(3)].name.clone();
+    say(&format!("pg_terminate_backend {name}"));
     cut_sessions(admin, &name).await;
     gap().await;
+    say("NATS restart");
     nats.stop();
     tokio::time::sleep(Duration::from_secs(2)).await;
     nats.resume();
     gap().await;
+    say("PostgreSQL restart");
     postgres.script("restart-postgres");
     *admin = reconnect(&cluster.database_url).await;
 }
@@ -813,6 +841,7 @@ async fn soak() {
         restarts: 0,
     };
     let rss = RssSampler::start(started);
+    say("writers start");
     let ledger = Arc::new(Mutex::new(Ledger::default()));
     let progress = Arc::new(Progress::default());
     let tasks = start_writers(
@@ -837,6 +866,7 @@ async fn soak() {
     for t in tasks {
         t.await.unwrap();
     }
+    say("writers done");
     let written = started.elapsed();
     let ledger = std::mem::take(&mut *ledger.lock().unwrap());
     let mut check = StreamCheck::new(&ledger, true);
