@@ -15,9 +15,9 @@
 # the nodes run --capture wal: one streams from the slot, the others stand by.
 # OUTBOX_SOAK_RELEASE=1 builds with --release.
 #
-# On a 2-core machine the writers commit ~500 events/s (one round of faults every ~30 s),
-# so a million take about 35 minutes plus the build; 20,000 take about a minute. It is not
-# part of CI. It never touches the shared test servers
+# On a 2-core machine the writers commit 400-650 events/s (a round of faults every ~25 s):
+# 200,000 events took 9 minutes polling and 6 with WAL capture, so a million take 30-45
+# minutes plus the build; 20,000 take about a minute. It is not part of CI. It never touches the shared test servers
 # (scripts/servers.sh start): it starts its own PostgreSQL (through servers.sh, in a
 # directory of its own) and nats-server, and stops them at the end.
 set -euo pipefail
