@@ -1,31 +1,59 @@
 //! Several relay processes over one PostgreSQL database, publishing to a real JetStream,
-//! while writers commit and roll back and nodes are killed, stopped, frozen and added.
+//! while writers commit and roll back and nodes are killed, stopped, frozen and added; and
+//! the soak (`soak`, run by `scripts/soak.sh`), which repeats every fault until a million
+//! events are written.
 
 use std::collections::{HashMap, HashSet};
 use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use futures::StreamExt;
 use outbox_testkit::nats::{stream, PrivateNats};
 use outbox_testkit::server::ScriptedServer;
 use outbox_testkit::{eventually, query_count};
 use uuid::Uuid;
 
-use crate::support::{pg, RelayProcess, BIN};
+use crate::support::{pg, Ledger, RelayProcess, BIN};
+
+/// How the nodes read the outbox: polling it, or `--capture wal` (one node streams from
+/// the replication slot, the others wait as standbys).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Capture {
+    Poll,
+    Wal,
+}
+
+impl Capture {
+    fn flags(self) -> &'static [&'static str] {
+        match self {
+            Capture::Poll => &[],
+            Capture::Wal => &["--capture", "wal"],
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Capture::Poll => "poll",
+            Capture::Wal => "wal",
+        }
+    }
+}
 
 struct Cluster {
     dir: tempfile::TempDir,
     database_url: String,
     nats_url: String,
     ordering: &'static str,
+    capture: Capture,
 }
 
 impl Cluster {
     fn start_node(&self, name: &str) -> RelayProcess {
         // Each node's connections carry its name, so a test can find and kill them.
         let url = format!("{}?application_name={name}", self.database_url);
-        let args = [
+        let mut args = vec![
             "run",
             "--database-url",
             &url,
@@ -58,8 +86,34 @@ impl Cluster {
             "--max-attempts",
             "1000",
         ];
+        args.extend(self.capture.flags());
         RelayProcess::spawn(self.dir.path(), name, &args, &[])
     }
+
+    /// `migrate` (with the capture mode's flags), 16 partitions.
+    fn migrate(&self) {
+        let migrated = Command::new(BIN)
+            .args(["migrate", "--database-url", &self.database_url])
+            .args(["--partitions", "16"])
+            .args(self.capture.flags())
+            .output()
+            .unwrap();
+        assert!(
+            migrated.status.success(),
+            "{}",
+            String::from_utf8_lossy(&migrated.stderr)
+        );
+    }
+}
+
+/// A private nats-server with the stream `ORDERS` (subject `orders`), which drops a message
+/// whose `Nats-Msg-Id` it stored less than `duplicate_window` ago.
+async fn private_nats(duplicate_window: Duration) -> PrivateNats {
+    PrivateNats::with_stream(async_nats::jetstream::stream::Config {
+        duplicate_window,
+        ..stream("ORDERS", &["orders"])
+    })
+    .await
 }
 
 async fn reconnect(url: &str) -> tokio_postgres::Client {
@@ -73,24 +127,29 @@ async fn reconnect(url: &str) -> tokio_postgres::Client {
     }
 }
 
+/// How far the writers got: transactions ended (committed or not) and events committed.
 #[derive(Default)]
-struct Ledger {
-    committed: HashMap<String, (String, i64)>, // event id → (key, sequence id)
-    rolled_back: HashSet<String>,
+struct Progress {
+    transactions: AtomicUsize,
+    committed: AtomicUsize,
 }
 
 /// Writer `w` owns keys `w-0..w-9` and commits 1-4 events per transaction, rolling back
-/// every fifth; it paces itself so the faults land mid-stream.
+/// every fifth; it paces itself so the faults land mid-stream. It stops after `transactions`
+/// transactions, or once the writers together committed `events` events.
 async fn writer(
     url: String,
     w: usize,
-    transactions: usize,
+    (transactions, events): (usize, usize),
     ledger: Arc<Mutex<Ledger>>,
-    progress: Arc<AtomicUsize>,
+    progress: Arc<Progress>,
 ) {
-    let mut client = pg(&url).await;
+    let mut client = reconnect(&url).await;
     let mut rng = fastrand::Rng::with_seed(w as u64 + 7);
     for t in 0..transactions {
+        if progress.committed.load(Ordering::Relaxed) >= events {
+            break;
+        }
         if client.is_closed() {
             // The database restarted under us: reconnect.
             client = reconnect(&url).await;
@@ -127,43 +186,42 @@ async fn writer(
         {
             let mut ledger = ledger.lock().unwrap();
             match outcome {
-                Ok(true) => ledger.committed.extend(rows),
+                Ok(true) => {
+                    progress.committed.fetch_add(rows.len(), Ordering::Relaxed);
+                    ledger.committed.extend(rows);
+                }
                 Ok(false) => ledger
                     .rolled_back
                     .extend(rows.into_iter().map(|(id, _)| id)),
-                // A commit whose answer was lost: the test's database restart can do that. Its rows
-                // count as committed only if they exist; the checker looks them up at the end.
-                Err(_) => ledger
-                    .rolled_back
-                    .extend(rows.into_iter().map(|(id, _)| format!("unknown:{id}"))),
+                // A commit whose answer was lost (a database restart, killed sessions): it
+                // may have committed or not, so its events are neither required nor forbidden.
+                Err(_) => ledger.unknown.extend(rows.into_iter().map(|(id, _)| id)),
             }
         }
-        progress.fetch_add(1, Ordering::Relaxed);
+        progress.transactions.fetch_add(1, Ordering::Relaxed);
         tokio::time::sleep(Duration::from_millis(8)).await; // pacing, not synchronisation
     }
 }
 
-/// Reads the whole stream: (event id, key, sequence id) in stream order.
-async fn stream_contents(js: &async_nats::jetstream::Context) -> Vec<(String, String, i64)> {
-    let mut stream = js.get_stream("ORDERS").await.unwrap();
-    let last = stream.info().await.unwrap().state.last_sequence;
-    let mut out = Vec::new();
-    for seq in 1..=last {
-        if let Ok(m) = stream.get_raw_message(seq).await {
-            let h = |n: &str| {
-                m.headers
-                    .get(n)
-                    .map(|v| v.as_str().to_string())
-                    .unwrap_or_default()
-            };
-            out.push((
-                h("Nats-Msg-Id"),
-                h("Outbox-Partition-Key"),
-                h("Outbox-Sequence-Id").parse().unwrap_or(-1),
-            ));
-        }
-    }
-    out
+/// Starts `writers` writers on `url`; see [`writer`] for when they stop.
+fn start_writers(
+    url: &str,
+    writers: usize,
+    limits: (usize, usize),
+    ledger: &Arc<Mutex<Ledger>>,
+    progress: &Arc<Progress>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    (0..writers)
+        .map(|w| {
+            tokio::spawn(writer(
+                url.to_string(),
+                w,
+                limits,
+                ledger.clone(),
+                progress.clone(),
+            ))
+        })
+        .collect()
 }
 
 enum Faults {
@@ -176,12 +234,7 @@ enum Faults {
 
 async fn scenario(ordering: &'static str, faults: Faults) {
     outbox_testkit::install_crypto();
-    let nats = PrivateNats::with_stream(async_nats::jetstream::stream::Config {
-        duplicate_window: Duration::from_secs(600),
-        ..stream("ORDERS", &["orders"])
-    })
-    .await;
-    let (nats_url, js) = (nats.url.clone(), nats.js.clone());
+    let nats = private_nats(Duration::from_secs(600)).await;
     let database_url = match &faults {
         Faults::DatabaseRestart(server) => {
             format!("postgres://postgres@127.0.0.1:{}/postgres", server.port)
@@ -191,42 +244,25 @@ async fn scenario(ordering: &'static str, faults: Faults) {
     let cluster = Cluster {
         dir: tempfile::tempdir().unwrap(),
         database_url: database_url.clone(),
-        nats_url,
+        nats_url: nats.url.clone(),
         ordering,
+        capture: Capture::Poll,
     };
-    let migrated = Command::new(BIN)
-        .args([
-            "migrate",
-            "--database-url",
-            &database_url,
-            "--partitions",
-            "16",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        migrated.status.success(),
-        "{}",
-        String::from_utf8_lossy(&migrated.stderr)
-    );
+    cluster.migrate();
 
     let mut nodes: Vec<RelayProcess> = (1..=3)
         .map(|i| cluster.start_node(&format!("relay-{i}")))
         .collect();
     let ledger = Arc::new(Mutex::new(Ledger::default()));
-    let progress = Arc::new(AtomicUsize::new(0));
+    let progress = Arc::new(Progress::default());
     let (writers, per_writer) = (3, 400);
-    let tasks: Vec<_> = (0..writers)
-        .map(|w| {
-            tokio::spawn(writer(
-                database_url.clone(),
-                w,
-                per_writer,
-                ledger.clone(),
-                progress.clone(),
-            ))
-        })
-        .collect();
+    let tasks = start_writers(
+        &database_url,
+        writers,
+        (per_writer, usize::MAX),
+        &ledger,
+        &progress,
+    );
     let total = writers * per_writer;
     let admin = pg(&database_url).await;
 
@@ -246,23 +282,17 @@ async fn scenario(ordering: &'static str, faults: Faults) {
         t.await.unwrap();
     }
 
-    // The rows whose commit answer was lost: committed if present.
-    let mut ledger = std::mem::take(&mut *ledger.lock().unwrap());
+    let ledger = std::mem::take(&mut *ledger.lock().unwrap());
     let admin = pg(&database_url).await;
-    let unknown: Vec<String> = ledger
-        .rolled_back
-        .iter()
-        .filter_map(|id| id.strip_prefix("unknown:").map(String::from))
-        .collect();
-    ledger.rolled_back.retain(|id| !id.starts_with("unknown:"));
-    for id in unknown {
-        ledger.rolled_back.insert(id); // treated as unknown: neither required nor forbidden
-    }
-    let committed = ledger.committed;
-    every_committed_event_reaches_the_stream(&js, &admin, &committed).await;
-
-    no_loss_no_duplicate_no_reordering(&js, &admin, &committed, &ledger.rolled_back, ordering)
-        .await;
+    let mut check = StreamCheck::new(&ledger, ordering == "key");
+    every_committed_event_reaches_the_stream(
+        &mut check,
+        &nats.js,
+        &admin,
+        Duration::from_secs(120),
+    )
+    .await;
+    no_loss_no_duplicate_no_reordering(&check, true);
     if matches!(faults, Faults::Nodes) && ordering == "key" {
         assert!(
             nodes[2].logs().contains("lost partition lease"),
@@ -276,13 +306,89 @@ async fn scenario(ordering: &'static str, faults: Faults) {
     }
 }
 
-/// Waits until the writers have written `fraction` of their `total` events.
-async fn reach(progress: &AtomicUsize, total: usize, fraction: f64) {
+/// Waits until the writers have ended `fraction` of their `total` transactions.
+async fn reach(progress: &Progress, total: usize, fraction: f64) {
     eventually("the writers' progress", Duration::from_secs(120), || {
-        let done = progress.load(Ordering::Relaxed) as f64 >= fraction * total as f64;
+        let done = progress.transactions.load(Ordering::Relaxed) as f64 >= fraction * total as f64;
         async move { done.then_some(()) }
     })
     .await
+}
+
+/// SIGTERM, which the node must answer by exiting 0.
+async fn stop_node(node: &mut RelayProcess) {
+    node.signal("-TERM");
+    let status = node.wait_exit().await;
+    assert!(status.success(), "SIGTERM exits 0: {}", node.logs());
+}
+
+/// SIGSTOP, until another node holds every partition the frozen one held (polling with
+/// `--ordering key`; `must_hold`: it held some), or for a while past its lease; then SIGCONT.
+async fn freeze_past_the_lease(
+    admin: &tokio_postgres::Client,
+    node: &RelayProcess,
+    cluster: &Cluster,
+    must_hold: bool,
+) {
+    let watch_partitions = cluster.ordering == "key" && cluster.capture == Capture::Poll;
+    let frozen: Vec<i32> = if watch_partitions {
+        admin
+            .query(
+                "SELECT partition FROM outbox_partitions WHERE owner = $1",
+                &[&node.name],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    node.signal("-STOP");
+    if watch_partitions && !frozen.is_empty() {
+        // Frozen past its lease: another node takes every partition it had.
+        eventually("the frozen node's partitions to be taken over", Duration::from_secs(30), || {
+            let (admin, frozen, name) = (&admin, &frozen, &node.name);
+            async move {
+                let n = query_count(admin, "SELECT count(*) FROM outbox_partitions
+                          WHERE partition = ANY($1) AND owner IS NOT NULL AND owner <> $2 AND lease_until > now()", &[frozen, name]).await.unwrap();
+                (n as usize == frozen.len()).then_some(())
+            }
+        })
+        .await;
+    } else {
+        assert!(
+            !(must_hold && watch_partitions),
+            "{} held partitions before it froze",
+            node.name
+        );
+        // Frozen past its 3 s lease; nothing to observe.
+        tokio::time::sleep(Duration::from_secs(5)).await;
+    }
+    node.signal("-CONT");
+}
+
+/// Waits until the node named `name` is connected, then kills its database sessions
+/// (pg_terminate_backend); how many.
+async fn cut_sessions(admin: &tokio_postgres::Client, name: &str) -> i64 {
+    let connected = "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1";
+    eventually(
+        "the node to connect",
+        Duration::from_secs(30),
+        || async move {
+            let n = query_count(admin, connected, &[&name]).await.unwrap();
+            (n > 0).then_some(())
+        },
+    )
+    .await;
+    query_count(
+        admin,
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = $1",
+        &[&name],
+    )
+    .await
+    .unwrap()
 }
 
 /// As the writers go: relay-1 killed (-9) and restarted, relay-2 stopped (SIGTERM), relay-3
@@ -291,7 +397,7 @@ async fn kill_stop_freeze_join_and_cut_nodes(
     cluster: &Cluster,
     nodes: &mut Vec<RelayProcess>,
     admin: &tokio_postgres::Client,
-    progress: &AtomicUsize,
+    progress: &Progress,
     total: usize,
     ordering: &str,
 ) {
@@ -300,40 +406,9 @@ async fn kill_stop_freeze_join_and_cut_nodes(
     reach(progress, total, 0.25).await;
     nodes[0] = cluster.start_node("relay-1b");
     reach(progress, total, 0.35).await;
-    nodes[1].signal("-TERM");
-    let status = nodes[1].wait_exit().await;
-    assert!(status.success(), "SIGTERM exits 0: {}", nodes[1].logs());
+    stop_node(&mut nodes[1]).await;
     reach(progress, total, 0.45).await;
-    let frozen: Vec<i32> = admin
-        .query(
-            "SELECT partition FROM outbox_partitions WHERE owner = 'relay-3'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    nodes[2].signal("-STOP");
-    if ordering == "key" {
-        assert!(
-            !frozen.is_empty(),
-            "relay-3 held partitions before it froze"
-        );
-        // Frozen past its lease: another node takes every partition it had.
-        eventually("relay-3's partitions to be taken over", Duration::from_secs(30), || {
-            let (admin, frozen) = (&admin, &frozen);
-            async move {
-                let n = query_count(admin, "SELECT count(*) FROM outbox_partitions
-                          WHERE partition = ANY($1) AND owner IS NOT NULL AND owner <> 'relay-3' AND lease_until > now()", &[frozen]).await.unwrap();
-                (n as usize == frozen.len()).then_some(())
-            }
-        })
-        .await;
-    } else {
-        tokio::time::sleep(Duration::from_secs(2)).await; // frozen for a while; nothing to observe
-    }
-    nodes[2].signal("-CONT");
+    freeze_past_the_lease(admin, &nodes[2], cluster, true).await;
     reach(progress, total, 0.6).await;
     nodes.push(cluster.start_node("relay-4"));
     if ordering == "key" {
@@ -365,105 +440,194 @@ async fn kill_stop_freeze_join_and_cut_nodes(
         .await;
     }
     reach(progress, total, 0.75).await;
-    eventually(
-        "relay-4 to connect",
-        Duration::from_secs(30),
-        || async move {
-            let n = query_count(
-                admin,
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'relay-4'",
-                &[],
-            )
-            .await
-            .unwrap();
-            (n > 0).then_some(())
-        },
-    )
-    .await;
-    let killed = query_count(admin, "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = 'relay-4'", &[]).await.unwrap();
+    let killed = cut_sessions(admin, "relay-4").await;
     assert!(killed > 0, "relay-4 had connections to kill");
 }
 
-async fn every_committed_event_reaches_the_stream(
-    js: &async_nats::jetstream::Context,
-    admin: &tokio_postgres::Client,
-    committed: &HashMap<String, (String, i64)>,
-) {
-    eventually(
-        "every committed event in the stream and the outbox empty",
-        Duration::from_secs(120),
-        || async move {
-            let left = query_count(admin, "SELECT count(*) FROM outbox", &[])
-                .await
-                .ok()?;
-            let seen: HashSet<String> = stream_contents(js)
-                .await
-                .into_iter()
-                .map(|(id, _, _)| id)
-                .collect();
-            (left == 0 && committed.keys().all(|id| seen.contains(id))).then_some(())
-        },
-    )
-    .await;
+/// What the checker found in the stream.
+#[derive(Clone, Copy, Debug, Default)]
+struct Figures {
+    /// Messages in the stream.
+    messages: usize,
+    /// Committed events not in the stream.
+    lost: usize,
+    /// Events of rolled-back transactions in the stream.
+    rolled_back_published: usize,
+    /// Keys whose first deliveries are out of sequence order (ordered only).
+    reordered_keys: usize,
+    /// Messages beyond an event's first.
+    duplicates: usize,
 }
 
-/// The checker: every committed event in the stream, no rolled-back one, no duplicate, and
-/// (ordered) each key's first deliveries in sequence order.
-async fn no_loss_no_duplicate_no_reordering(
-    js: &async_nats::jetstream::Context,
-    admin: &tokio_postgres::Client,
-    committed: &HashMap<String, (String, i64)>,
-    rolled_back: &HashSet<String>,
-    ordering: &str,
-) {
-    let contents = stream_contents(js).await;
-    let mut seen = HashSet::new();
-    let mut duplicates = 0;
-    let mut last: HashMap<String, i64> = HashMap::new();
-    for (id, key, seq) in &contents {
-        if !seen.insert(id.clone()) {
-            duplicates += 1;
-            continue;
+/// The checker. It reads the stream front to back as it grows, each message once (an
+/// ordered consumer, headers only), so a stream of a million messages costs a million steps:
+/// every committed event in the stream, no rolled-back one, duplicates counted, and
+/// (`ordered`) each key's first deliveries in sequence order.
+struct StreamCheck<'a> {
+    ledger: &'a Ledger,
+    ordered: bool,
+    messages: Option<async_nats::jetstream::consumer::pull::Ordered>,
+    /// The stream sequence read up to.
+    read: u64,
+    seen: HashSet<String>,
+    /// Committed events seen.
+    found: usize,
+    last: HashMap<String, i64>,
+    reordered: HashSet<String>,
+    figures: Figures,
+}
+
+impl<'a> StreamCheck<'a> {
+    fn new(ledger: &'a Ledger, ordered: bool) -> Self {
+        StreamCheck {
+            ledger,
+            ordered,
+            messages: None,
+            read: 0,
+            seen: HashSet::new(),
+            found: 0,
+            last: HashMap::new(),
+            reordered: HashSet::new(),
+            figures: Figures::default(),
         }
-        if !committed.contains_key(id) {
-            // A row the writer saw fail or roll back must never appear, unless its commit's
-            // answer was lost (then it may have committed after all).
-            let unknown_commit: bool = admin
-                .query_opt(
-                    "SELECT 1 FROM outbox WHERE event_id = $1::text::uuid",
-                    &[id],
-                )
+    }
+
+    /// Reads what the stream holds now that was not read yet.
+    async fn read_to_end(&mut self, js: &async_nats::jetstream::Context) {
+        let mut stream = js.get_stream("ORDERS").await.unwrap();
+        let last = stream.info().await.unwrap().state.last_sequence;
+        if self.read >= last {
+            return;
+        }
+        if self.messages.is_none() {
+            let consumer = stream
+                .create_consumer(async_nats::jetstream::consumer::pull::OrderedConfig {
+                    headers_only: true,
+                    ..Default::default()
+                })
                 .await
-                .unwrap()
-                .is_some();
-            assert!(
-                !unknown_commit || !rolled_back.contains(id),
-                "rolled-back event {id} was published"
-            );
+                .unwrap();
+            self.messages = Some(consumer.messages().await.unwrap());
         }
-        if ordering == "key" {
-            if let Some(prev) = last.insert(key.clone(), *seq) {
-                assert!(
-                    prev < *seq,
-                    "key {key}: first deliveries went {prev} then {seq}"
-                );
+        let mut messages = self.messages.take().unwrap();
+        while self.read < last {
+            let message = tokio::time::timeout(Duration::from_secs(30), messages.next())
+                .await
+                .expect("the stream's next message")
+                .expect("an open stream")
+                .expect("a message");
+            let info = message.info().unwrap();
+            let when = format!("{:?}", info.published);
+            self.read = info.stream_sequence;
+            let header = |n: &str| {
+                message
+                    .headers
+                    .as_ref()
+                    .and_then(|h| h.get(n))
+                    .map(|v| v.as_str().to_string())
+                    .unwrap_or_default()
+            };
+            let (id, key) = (header("Nats-Msg-Id"), header("Outbox-Partition-Key"));
+            let seq = header("Outbox-Sequence-Id").parse().unwrap_or(-1);
+            self.take(id, key, seq, when);
+        }
+        self.messages = Some(messages);
+    }
+
+    fn take(&mut self, id: String, key: String, seq: i64, when: String) {
+        self.figures.messages += 1;
+        if self.seen.contains(&id) {
+            self.figures.duplicates += 1;
+            return;
+        }
+        // Order by the sequence ids the writers saw: with WAL capture an event that waited
+        // for a retry is sent from the parked table, under the parked row's sequence id.
+        let (key, seq) = match self.ledger.committed.get(&id) {
+            Some((key, seq)) => (key.clone(), *seq),
+            None => (key, seq),
+        };
+        if self.ledger.committed.contains_key(&id) {
+            self.found += 1;
+        } else if self.ledger.rolled_back.contains(&id) {
+            // Events whose commit's answer was lost (`unknown`) may be in the stream or not.
+            eprintln!("rolled-back event {id} was published");
+            self.figures.rolled_back_published += 1;
+        }
+        if self.ordered {
+            if let Some(prev) = self.last.insert(key.clone(), seq) {
+                if prev >= seq && self.reordered.insert(key.clone()) {
+                    eprintln!(
+                        "key {key}: first deliveries went {prev} then {seq} (stream sequence {}, stored at {when})",
+                        self.read
+                    );
+                }
             }
         }
+        self.seen.insert(id);
     }
+
+    fn all_found(&self) -> bool {
+        self.found == self.ledger.committed.len()
+    }
+
+    fn figures(&self) -> Figures {
+        Figures {
+            lost: self.ledger.committed.len() - self.found,
+            reordered_keys: self.reordered.len(),
+            ..self.figures
+        }
+    }
+}
+
+/// Waits (up to `within`) until every committed event is in the stream and the outbox is
+/// empty; what is still missing then counts as lost.
+async fn every_committed_event_reaches_the_stream(
+    check: &mut StreamCheck<'_>,
+    js: &async_nats::jetstream::Context,
+    admin: &tokio_postgres::Client,
+    within: Duration,
+) {
+    let deadline = Instant::now() + within;
+    loop {
+        check.read_to_end(js).await;
+        let left = query_count(admin, "SELECT count(*) FROM outbox", &[]).await;
+        if (check.all_found() && left.as_ref().is_ok_and(|n| *n == 0)) || Instant::now() > deadline
+        {
+            if !check.all_found() {
+                eprintln!(
+                    "timed out after {within:?}: {} committed events not in the stream, {left:?} rows in the outbox",
+                    check.ledger.committed.len() - check.found
+                );
+            }
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// Fails on a lost event, a rolled-back one published, a key out of order, and (if
+/// `duplicates_fail`) a duplicate; the figures.
+fn no_loss_no_duplicate_no_reordering(check: &StreamCheck<'_>, duplicates_fail: bool) -> Figures {
+    let f = check.figures();
     eprintln!(
-        "{} committed, {} in the stream, {} duplicates ({} ordering)",
-        committed.len(),
-        contents.len(),
-        duplicates,
-        ordering
+        "{} committed, {} in the stream, {f:?} ({} ordering)",
+        check.ledger.committed.len(),
+        f.messages,
+        if check.ordered { "key" } else { "no" }
     );
+    assert_eq!(f.lost, 0, "committed events missing from the stream");
+    assert_eq!(f.rolled_back_published, 0, "rolled-back events published");
     assert_eq!(
-        duplicates, 0,
-        "JetStream's dedupe window drops every redelivery"
+        f.reordered_keys, 0,
+        "keys whose first deliveries went out of order"
     );
-    for id in committed.keys() {
-        assert!(seen.contains(id));
+    if duplicates_fail {
+        assert_eq!(
+            f.duplicates, 0,
+            "JetStream's dedupe window drops every redelivery"
+        );
     }
+    f
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -480,6 +644,259 @@ async fn unordered_cluster_loses_nothing_under_the_same_faults() {
 async fn ordered_cluster_survives_a_database_restart() {
     let server = ScriptedServer::start("postgres", "OUTBOX_TEST_PG_PORT");
     scenario("key", Faults::DatabaseRestart(server)).await;
+}
+
+// ---- The soak (issue 34): scripts/soak.sh ----
+
+/// A number from the environment variable `name`, or `default`.
+fn env_number(name: &str, default: usize) -> usize {
+    match std::env::var(name) {
+        Ok(v) => v
+            .replace(['_', ','], "")
+            .parse()
+            .unwrap_or_else(|_| panic!("{name}={v} is not a number")),
+        Err(_) => default,
+    }
+}
+
+/// The relay processes this test started (children of its threads) and their resident
+/// memory: VmRSS in KiB, by pid.
+fn relay_rss_kib() -> Vec<u64> {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return Vec::new();
+    };
+    let mut pids: Vec<String> = tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("children")).ok())
+        .flat_map(|c| c.split_whitespace().map(String::from).collect::<Vec<_>>())
+        .collect();
+    pids.sort();
+    pids.dedup();
+    pids.iter()
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                .is_ok_and(|c| c.trim() == "outbox-relay")
+        })
+        .filter_map(|pid| {
+            let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        })
+        .collect()
+}
+
+/// Every node's RSS, sampled every second: (time since the start, the largest node's KiB).
+struct RssSampler {
+    samples: Arc<Mutex<Vec<(Duration, u64)>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl RssSampler {
+    fn start(since: Instant) -> RssSampler {
+        let samples = Arc::new(Mutex::new(Vec::new()));
+        let into = samples.clone();
+        let task = tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            loop {
+                tick.tick().await;
+                if let Some(max) = relay_rss_kib().into_iter().max() {
+                    into.lock().unwrap().push((since.elapsed(), max));
+                }
+            }
+        });
+        RssSampler { samples, task }
+    }
+
+    /// Peaks in MiB: the first minute's, the last minute's, and the whole run's.
+    fn stop(self) -> (f64, f64, f64) {
+        self.task.abort();
+        let samples = self.samples.lock().unwrap();
+        let end = samples.last().map_or(Duration::ZERO, |s| s.0);
+        let peak = |keep: &dyn Fn(Duration) -> bool| {
+            samples
+                .iter()
+                .filter(|(t, _)| keep(*t))
+                .map(|(_, kib)| *kib)
+                .max()
+                .unwrap_or(0) as f64
+                / 1024.0
+        };
+        (
+            peak(&|t| t < Duration::from_secs(60)),
+            peak(&|t| t + Duration::from_secs(60) >= end),
+            peak(&|_| true),
+        )
+    }
+}
+
+/// The cluster of the soak: its nodes, and a count to name restarted ones
+/// (`relay-<slot>-<n>`).
+struct SoakNodes {
+    nodes: Vec<RelayProcess>,
+    restarts: usize,
+}
+
+impl SoakNodes {
+    fn restart(&mut self, cluster: &Cluster, i: usize) {
+        self.restarts += 1;
+        self.nodes[i] = cluster.start_node(&format!("relay-{}-{}", i + 1, self.restarts));
+    }
+}
+
+/// Prints `soak: HH:MM:SS.mmm UTC <what>`: the faults' times, to set beside the logs'.
+fn say(what: &str) {
+    let ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis()
+        % 86_400_000;
+    let (h, m, s) = (ms / 3_600_000, ms / 60_000 % 60, ms / 1000 % 60);
+    eprintln!("soak: {h:02}:{m:02}:{s:02}.{:03} UTC {what}", ms % 1000);
+}
+
+/// One round of every fault, a few seconds apart, with the writers going: a node killed
+/// (-9) and restarted, one stopped (SIGTERM) and restarted, one frozen past its lease and
+/// thawed, one's database sessions killed, a NATS restart and a PostgreSQL restart. Round
+/// `r` starts at node `r`, so each fault meets every node in turn (with WAL capture: the
+/// streaming one and the standbys).
+async fn fault_round(
+    r: usize,
+    cluster: &Cluster,
+    soak: &mut SoakNodes,
+    admin: &mut tokio_postgres::Client,
+    nats: &PrivateNats,
+    postgres: &ScriptedServer,
+) {
+    let gap = || tokio::time::sleep(Duration::from_secs(3));
+    let n = soak.nodes.len();
+    let at = |k: usize| (r + k) % n;
+    gap().await;
+    say(&format!("kill -9 {}", soak.nodes[at(0)].name));
+    soak.nodes[at(0)].kill9();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    soak.restart(cluster, at(0));
+    gap().await;
+    say(&format!("SIGTERM {}", soak.nodes[at(1)].name));
+    stop_node(&mut soak.nodes[at(1)]).await;
+    soak.restart(cluster, at(1));
+    gap().await;
+    say(&format!("SIGSTOP {}", soak.nodes[at(2)].name));
+    freeze_past_the_lease(admin, &soak.nodes[at(2)], cluster, false).await;
+    gap().await;
+    let name = soak.nodes[at(3)].name.clone();
+    say(&format!("pg_terminate_backend {name}"));
+    cut_sessions(admin, &name).await;
+    gap().await;
+    say("NATS restart");
+    nats.stop();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    nats.resume();
+    gap().await;
+    say("PostgreSQL restart");
+    postgres.script("restart-postgres");
+    *admin = reconnect(&cluster.database_url).await;
+}
+
+/// The soak (issue 34 §2), run by `scripts/soak.sh` (not by CI): a cluster of
+/// `OUTBOX_SOAK_NODES` relays (3) on a private PostgreSQL and a private NATS, with
+/// `OUTBOX_SOAK_CAPTURE` (`poll`, or `wal`: one node streams, the others stand by), while
+/// `OUTBOX_SOAK_WRITERS` writers (12) commit and roll back until `OUTBOX_SOAK_EVENTS`
+/// events (1,000,000) are committed, and rounds of every fault ([`fault_round`]) repeat
+/// meanwhile. Then every event is checked: nothing lost, no rolled-back event, per-key
+/// order of first deliveries, duplicates counted. The nodes' RSS is sampled every second.
+/// It prints one line, `soak: capture=… events=… …`, and fails on a loss, a rolled-back
+/// event published or a key out of order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "the soak: scripts/soak.sh runs it"]
+async fn soak() {
+    outbox_testkit::install_crypto();
+    let events = env_number("OUTBOX_SOAK_EVENTS", 1_000_000);
+    let capture = match std::env::var("OUTBOX_SOAK_CAPTURE").as_deref() {
+        Err(_) | Ok("poll") => Capture::Poll,
+        Ok("wal") => Capture::Wal,
+        Ok(other) => panic!("OUTBOX_SOAK_CAPTURE={other}: poll or wal"),
+    };
+    let node_count = env_number("OUTBOX_SOAK_NODES", 3).max(1);
+    let writers = env_number("OUTBOX_SOAK_WRITERS", 12).max(1);
+    let started = Instant::now();
+
+    // Never the shared servers: the soak restarts both.
+    let postgres = ScriptedServer::start("postgres", "OUTBOX_TEST_PG_PORT");
+    // Longer than the soak: a redelivery JetStream would keep is one to count.
+    let nats = private_nats(Duration::from_secs(24 * 3600)).await;
+    let cluster = Cluster {
+        dir: tempfile::tempdir().unwrap(),
+        database_url: format!("postgres://postgres@127.0.0.1:{}/postgres", postgres.port),
+        nats_url: nats.url.clone(),
+        ordering: "key",
+        capture,
+    };
+    cluster.migrate();
+    let mut soak = SoakNodes {
+        nodes: (1..=node_count)
+            .map(|i| cluster.start_node(&format!("relay-{i}")))
+            .collect(),
+        restarts: 0,
+    };
+    let rss = RssSampler::start(started);
+    say("writers start");
+    let ledger = Arc::new(Mutex::new(Ledger::default()));
+    let progress = Arc::new(Progress::default());
+    let tasks = start_writers(
+        &cluster.database_url,
+        writers,
+        (usize::MAX, events),
+        &ledger,
+        &progress,
+    );
+    let mut admin = reconnect(&cluster.database_url).await;
+    let mut rounds = 0;
+    // At least one round, and rounds until the writers are done.
+    while rounds == 0 || progress.committed.load(Ordering::Relaxed) < events {
+        fault_round(rounds, &cluster, &mut soak, &mut admin, &nats, &postgres).await;
+        rounds += 1;
+        eprintln!(
+            "soak: round {rounds} done at {:.0}s, {} events committed",
+            started.elapsed().as_secs_f64(),
+            progress.committed.load(Ordering::Relaxed)
+        );
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    say("writers done");
+    let written = started.elapsed();
+    let ledger = std::mem::take(&mut *ledger.lock().unwrap());
+    let mut check = StreamCheck::new(&ledger, true);
+    every_committed_event_reaches_the_stream(
+        &mut check,
+        &nats.js,
+        &admin,
+        Duration::from_secs(900),
+    )
+    .await;
+    let (first_minute, last_minute, max) = rss.stop();
+    let f = check.figures();
+    println!(
+        "soak: capture={} nodes={node_count} writers={writers} events={} rolled_back={} unknown={} lost={} rolled_back_published={} reordered_keys={} duplicates={} messages={} rounds={rounds} written_in={:.0}s elapsed={:.0}s rss_mb_first_minute_peak={first_minute:.1} rss_mb_last_minute_peak={last_minute:.1} rss_mb_max={max:.1}",
+        capture.name(),
+        ledger.committed.len(),
+        ledger.rolled_back.len(),
+        ledger.unknown.len(),
+        f.lost,
+        f.rolled_back_published,
+        f.reordered_keys,
+        f.duplicates,
+        f.messages,
+        written.as_secs_f64(),
+        started.elapsed().as_secs_f64(),
+    );
+    no_loss_no_duplicate_no_reordering(&check, false);
+    for node in &mut soak.nodes {
+        stop_node(node).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
