@@ -98,6 +98,16 @@ fn a_setting_that_has_no_effect_is_refused_with_exit_2_naming_it() {
         "notify_channel",
         "remove the setting",
     );
+    // Named even when it is PostgreSQL's default channel: a name given is no default.
+    refused(
+        relay(
+            d,
+            &["run", "--drain"],
+            &[("OUTBOX_RELAY_NOTIFY_CHANNEL", "outbox_relay")],
+        ),
+        "notify_channel",
+        "remove the setting",
+    );
     // A fixed-rate relay never listens: the gate would wake nobody.
     refused(
         relay(
