@@ -98,6 +98,11 @@ fn url_escape(value: &str) -> String {
 impl WebhookSink {
     pub fn new(uri: &str, config: &WebhookConfig) -> Result<Self, SinkSetupError> {
         let url = Template::parse(uri).map_err(SinkSetupError::config)?;
+        if config.concurrency == Some(0) {
+            return Err(SinkSetupError::config(
+                "`concurrency` = 0 would never send a request: use 1 or more (default 16)",
+            ));
+        }
         let shown = outbox_core::redact::redact_url(uri);
         // A host or port no URL can have fails every event alike: refused now.
         let origin = origin(&url)
@@ -124,7 +129,7 @@ impl WebhookSink {
             origin,
             shown,
             key,
-            per_destination: config.concurrency.unwrap_or(DEFAULT_CONCURRENCY).max(1),
+            per_destination: config.concurrency.unwrap_or(DEFAULT_CONCURRENCY),
             limits: Arc::default(),
         })
     }
@@ -303,5 +308,17 @@ mod tests {
         }
         let refused = WebhookSink::new("http://h:99999/{destination}", &WebhookConfig::default());
         assert!(refused.err().unwrap().to_string().contains("is no URL"));
+    }
+
+    /// `concurrency = 0` was taken as 1 (`max(1)`); the AWS sinks refuse it, and so does this.
+    #[test]
+    fn concurrency_0_is_refused_not_taken_for_1() {
+        let config = WebhookConfig {
+            concurrency: Some(0),
+            ..WebhookConfig::default()
+        };
+        let refused = WebhookSink::new("http://h/{destination}", &config);
+        let text = refused.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(text.contains("`concurrency` = 0"), "{text}");
     }
 }
