@@ -21,9 +21,17 @@ pub fn client(tls: &TlsFiles, timeout: Duration) -> Result<reqwest::Client, Sink
     if let Some(path) = &tls.ca_file {
         let pem = std::fs::read(path)
             .map_err(|e| setup(format!("cannot read {}: {e}", path.display())))?;
-        for cert in reqwest::Certificate::from_pem_bundle(&pem)
-            .map_err(|e| setup(format!("invalid CA file {}: {e}", path.display())))?
-        {
+        let certs = reqwest::Certificate::from_pem_bundle(&pem)
+            .map_err(|e| setup(format!("invalid CA file {}: {e}", path.display())))?;
+        // A file without one would leave the system's roots alone to verify the receiver.
+        if certs.is_empty() {
+            return Err(setup(format!(
+                "CA file {} holds no PEM certificate (-----BEGIN CERTIFICATE-----): point \
+                 tls_ca_file at the CA's certificate in PEM",
+                path.display()
+            )));
+        }
+        for cert in certs {
             builder = builder.add_root_certificate(cert);
         }
     }
@@ -174,6 +182,25 @@ mod tests {
     use super::*;
     use outbox_core::Disposition;
     use reqwest::StatusCode;
+
+    /// A CA file holding no certificate (a key, a DER file, a wrong path's text) was taken as
+    /// none, leaving the system's roots alone to verify the receiver: refused at setup.
+    #[test]
+    fn a_ca_file_without_a_certificate_is_refused_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ca.pem");
+        std::fs::write(&path, "not a certificate\n").unwrap();
+        let tls = TlsFiles {
+            ca_file: Some(path),
+            ..TlsFiles::default()
+        };
+        let err = client(&tls, Duration::from_secs(1)).expect_err("refused");
+        let text = err.to_string();
+        assert!(
+            text.contains("ca.pem") && text.contains("no PEM certificate"),
+            "{text}"
+        );
+    }
 
     #[test]
     fn statuses_map_to_the_documented_outcomes() {

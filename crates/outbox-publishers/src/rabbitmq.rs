@@ -148,6 +148,38 @@ impl Inner {
         Ok(channel)
     }
 
+    /// A fixed exchange (no placeholder, not the default "") that does not exist fails every
+    /// publish: looked for with a passive declare, on a channel of its own, since a failed
+    /// declare closes its channel.
+    async fn exchange_exists(&self) -> Result<(), PublishError> {
+        let Some(name) = self.exchange.literal().filter(|name| !name.is_empty()) else {
+            return Ok(());
+        };
+        let probe = {
+            let session = self.session.lock().await;
+            let Some((connection, _)) = session.as_ref() else {
+                return Ok(());
+            };
+            connection.create_channel().await
+        }
+        .map_err(|e| self.classify(e, 0).into_error())?;
+        let declared = probe
+            .exchange_declare(
+                name.into(),
+                lapin::ExchangeKind::Direct,
+                lapin::options::ExchangeDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                lapin::types::FieldTable::default(),
+            )
+            .await;
+        if declared.is_ok() {
+            let _ = probe.close(200, "exchange found".into()).await;
+        }
+        declared.map_err(|e| self.classify(e, 0).into_error())
+    }
+
     /// The one place RabbitMQ errors become publish outcomes. `size` is the message's size,
     /// to tell the oversized message apart from the others on a channel the broker closed.
     fn classify(&self, error: lapin::Error, size: usize) -> Failure {
@@ -346,7 +378,11 @@ impl Sink for RabbitSink {
 
     fn health(&self) -> BoxFuture<'static, Result<(), PublishError>> {
         let inner = self.inner.clone();
-        async move { inner.channel().await.map(|_| ()) }.boxed()
+        async move {
+            inner.channel().await?;
+            inner.exchange_exists().await
+        }
+        .boxed()
     }
 
     fn max_message_bytes(&self) -> Option<usize> {

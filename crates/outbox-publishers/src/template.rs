@@ -56,6 +56,14 @@ impl Template {
         }
     }
 
+    /// The text before the first placeholder (all of it when there is none).
+    pub fn leading_text(&self) -> &str {
+        match self.parts.first() {
+            Some(Part::Text(text)) => text,
+            _ => "",
+        }
+    }
+
     /// The identity template: the destination itself.
     pub fn destination() -> Self {
         Template {

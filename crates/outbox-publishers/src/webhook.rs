@@ -46,6 +46,8 @@ pub struct WebhookConfig {
 pub struct WebhookSink {
     client: reqwest::Client,
     url: Arc<Template>,
+    /// The server the URL names, when no placeholder stands in its scheme, host or port.
+    origin: Option<reqwest::Url>,
     shown: String,
     key: Option<Arc<Vec<u8>>>,
     per_destination: usize,
@@ -76,6 +78,19 @@ pub fn sign(key: &[u8], id: &str, timestamp: u64, body: &[u8]) -> String {
     )
 }
 
+/// The scheme, host and port of a URL template that writes them out (`https://host:8443`
+/// of `https://host:8443/hooks/{destination}`); `None` when a placeholder stands in them.
+fn origin(url: &Template) -> Option<&str> {
+    let text = url.leading_text();
+    let rest = text.split_once("://")?.1;
+    let end = match rest.find(['/', '?', '#']) {
+        Some(end) => end,
+        None if url.literal().is_some() => rest.len(),
+        None => return None,
+    };
+    Some(&text[..text.len() - rest.len() + end])
+}
+
 fn url_escape(value: &str) -> String {
     percent_encoding::utf8_percent_encode(value, percent_encoding::NON_ALPHANUMERIC).to_string()
 }
@@ -83,6 +98,23 @@ fn url_escape(value: &str) -> String {
 impl WebhookSink {
     pub fn new(uri: &str, config: &WebhookConfig) -> Result<Self, SinkSetupError> {
         let url = Template::parse(uri).map_err(SinkSetupError::config)?;
+        if config.concurrency == Some(0) {
+            return Err(SinkSetupError::config(
+                "`concurrency` = 0 would never send a request: use 1 or more (default 16)",
+            ));
+        }
+        let shown = outbox_core::redact::redact_url(uri);
+        // A host or port no URL can have fails every event alike: refused now.
+        let origin = origin(&url)
+            .map(|origin| {
+                reqwest::Url::parse(origin).map_err(|e| {
+                    SinkSetupError::config(format!(
+                        "the webhook URL {shown} is no URL ({e}): write it as \
+                         http(s)://HOST[:PORT]/PATH, with placeholders after the host"
+                    ))
+                })
+            })
+            .transpose()?;
         let secret = match &config.secret {
             Some(s) => Some(s.expose().to_string()),
             None => std::env::var(SECRET_ENV).ok().filter(|s| !s.is_empty()),
@@ -94,9 +126,10 @@ impl WebhookSink {
         Ok(WebhookSink {
             client: crate::http::client(&config.tls, config.timeout.get())?,
             url: Arc::new(url),
-            shown: outbox_core::redact::redact_url(uri),
+            origin,
+            shown,
             key,
-            per_destination: config.concurrency.unwrap_or(DEFAULT_CONCURRENCY).max(1),
+            per_destination: config.concurrency.unwrap_or(DEFAULT_CONCURRENCY),
             limits: Arc::default(),
         })
     }
@@ -193,8 +226,26 @@ impl Sink for WebhookSink {
     }
 
     fn health(&self) -> BoxFuture<'static, Result<(), PublishError>> {
-        // A webhook endpoint has no standard health check; failures surface per event.
-        async { Ok(()) }.boxed()
+        // A webhook endpoint has no standard health check: a HEAD request to its server
+        // shows that the server answers (any status will do), over TLS as configured. A
+        // host given by a placeholder is known per event only; failures surface there.
+        let Some(origin) = self.origin.clone() else {
+            return async { Ok(()) }.boxed();
+        };
+        let what = format!(
+            "webhook server {} (check the host and port of the sink's URL, and that the \
+             receiver is running)",
+            outbox_core::redact::redact_url(origin.as_str())
+        );
+        let request = self.client.head(origin);
+        async move {
+            request
+                .send()
+                .await
+                .map(|_| ())
+                .map_err(|e| crate::http::transport_error(e, &what))
+        }
+        .boxed()
     }
 }
 
@@ -241,5 +292,33 @@ mod tests {
             "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE="
         );
         assert!(decode_secret("MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw").is_err());
+    }
+
+    #[test]
+    fn the_origin_is_the_written_out_scheme_host_and_port() {
+        let origin = |url: &str| origin(&Template::parse(url).unwrap()).map(str::to_string);
+        for (url, expected) in [
+            ("https://h:8443/hooks/{destination}", Some("https://h:8443")),
+            ("http://h?to={destination}", Some("http://h")),
+            ("http://h", Some("http://h")),
+            ("http://{destination}.example.com/", None),
+            ("http://h:{destination}/", None),
+        ] {
+            assert_eq!(origin(url).as_deref(), expected, "{url}");
+        }
+        let refused = WebhookSink::new("http://h:99999/{destination}", &WebhookConfig::default());
+        assert!(refused.err().unwrap().to_string().contains("is no URL"));
+    }
+
+    /// `concurrency = 0` was taken as 1 (`max(1)`); the AWS sinks refuse it, and so does this.
+    #[test]
+    fn concurrency_0_is_refused_not_taken_for_1() {
+        let config = WebhookConfig {
+            concurrency: Some(0),
+            ..WebhookConfig::default()
+        };
+        let refused = WebhookSink::new("http://h/{destination}", &config);
+        let text = refused.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(text.contains("`concurrency` = 0"), "{text}");
     }
 }

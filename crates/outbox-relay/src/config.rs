@@ -290,9 +290,9 @@ impl Config {
     fn refuse_settings_without_effect(&self, database: &DatabaseKind) -> anyhow::Result<()> {
         let db = &self.database;
         if let Some(store) = database.other_than_postgres() {
-            if !db.notify_channel.is_empty()
-                && db.notify_channel != outbox_store_postgres::DEFAULT_NOTIFY_CHANNEL
-            {
+            // Empty: not given. A name given is refused even when it is PostgreSQL's
+            // default channel, which was once let through as if it were no name.
+            if !db.notify_channel.is_empty() {
                 bail!(
                     "notify_channel has no effect on {store}, which has no NOTIFY (the relay \
                      {}): remove the setting",
@@ -962,13 +962,16 @@ mod tests {
         });
         assert!(err.contains("MySQL/MariaDB"), "{err}");
         for url in ["sqlite:outbox.db", "mysql://relay@db/app"] {
-            let err = refused({
-                let mut c = Config::default();
-                c.database.database_url = url.into();
-                c.database.notify_channel = "events".into();
-                c
-            });
-            assert!(err.contains("notify_channel has no effect"), "{url}: {err}");
+            // PostgreSQL's default channel too: a name given is no default.
+            for channel in ["events", outbox_store_postgres::DEFAULT_NOTIFY_CHANNEL] {
+                let err = refused({
+                    let mut c = Config::default();
+                    c.database.database_url = url.into();
+                    c.database.notify_channel = channel.into();
+                    c
+                });
+                assert!(err.contains("notify_channel has no effect"), "{url}: {err}");
+            }
         }
         let err = refused({
             let mut c = Config::default();

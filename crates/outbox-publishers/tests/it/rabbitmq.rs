@@ -244,3 +244,28 @@ async fn messages_are_persistent_with_id_type_and_headers() {
         Some(AMQPValue::LongLongInt(3))
     ));
 }
+
+/// A fixed `exchange` that does not exist fails every publish: `check` (the sink's health)
+/// says so, naming the fix, instead of "reachable"; an exchange that exists passes.
+#[tokio::test]
+async fn health_fails_for_a_fixed_exchange_that_does_not_exist() {
+    let sink = |exchange: &str| {
+        let mut table = serde_json::Map::new();
+        table.insert("uri".into(), shared_url().into());
+        table.insert("exchange".into(), exchange.into());
+        SinkConfig::from_table(table).unwrap()
+    };
+    let missing = format!("missing-{}", uuid::Uuid::new_v4().simple());
+    let built = outbox_publishers::build_sink("rabbit", &sink(&missing))
+        .await
+        .unwrap();
+    let report = built.health().await.expect_err("no such exchange").report();
+    assert!(
+        report.contains(&missing) && report.contains("declare the exchange"),
+        "{report}"
+    );
+    let built = outbox_publishers::build_sink("rabbit", &sink("amq.direct"))
+        .await
+        .unwrap();
+    built.health().await.expect("amq.direct exists");
+}

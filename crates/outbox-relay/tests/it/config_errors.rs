@@ -98,6 +98,16 @@ fn a_setting_that_has_no_effect_is_refused_with_exit_2_naming_it() {
         "notify_channel",
         "remove the setting",
     );
+    // Named even when it is PostgreSQL's default channel: a name given is no default.
+    refused(
+        relay(
+            d,
+            &["run", "--drain"],
+            &[("OUTBOX_RELAY_NOTIFY_CHANNEL", "outbox_relay")],
+        ),
+        "notify_channel",
+        "remove the setting",
+    );
     // A fixed-rate relay never listens: the gate would wake nobody.
     refused(
         relay(
@@ -429,6 +439,67 @@ fn the_help_shows_every_setting_default() {
         );
     }
     assert!(help(&["migrate", "--help"]).contains("[default: 64]"));
+}
+
+/// `check` reaches a webhook's server as it reaches every other broker's: a URL whose host
+/// and port nothing answers fails it, naming the URL (it once said "reachable" without
+/// trying, and `run` then retried every event); a server answering anything, a 404 to the
+/// probe included, passes. A URL template whose host and port make no URL is refused by
+/// `check` and by `run` (exit 2), naming the fix, instead of failing each event.
+#[test]
+fn check_fails_a_webhook_nothing_answers_and_a_url_template_that_is_no_url() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let migrated = relay(d, &["migrate"], &[]);
+    assert!(migrated.status.success(), "{}", stderr(&migrated));
+    let closed = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap().port()
+    };
+    let sink = format!("http://127.0.0.1:{closed}/hooks/{{destination}}");
+    let out = relay(d, &["check", "--sink", &sink], &[]);
+    let report = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{report}{}", stderr(&out));
+    assert!(
+        report.contains(&format!("problem: sink {sink}")),
+        "{report}"
+    );
+
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let mut stream = stream.unwrap();
+            let mut request = [0u8; 4096];
+            let _ = std::io::Read::read(&mut stream, &mut request);
+            let _ = std::io::Write::write_all(
+                &mut stream,
+                b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n",
+            );
+        }
+    });
+    let sink = format!("http://127.0.0.1:{port}/hooks/{{destination}}");
+    let out = relay(d, &["check", "--sink", &sink], &[]);
+    let report = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{report}{}", stderr(&out));
+    assert!(
+        report.contains(&format!("ok: sink {sink} is reachable")),
+        "{report}"
+    );
+
+    let sink = "http://127.0.0.1:99999/hooks/{destination}";
+    let out = relay(d, &["check", "--sink", sink], &[]);
+    let report = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{report}");
+    assert!(
+        report.contains("problem:") && report.contains("is no URL") && report.contains("99999"),
+        "{report}"
+    );
+    refused(
+        relay(d, &["run", "--drain", "--sink", sink], &[]),
+        "99999",
+        "is no URL",
+    );
 }
 
 /// Neither `check`'s configuration line nor its sink report shows a secret of the sink's
