@@ -5,6 +5,9 @@
 //! rows and columns an operator got wrong (`bad_rows.rs`).
 
 mod bad_rows;
+/// Claims everything and dead-letters the undecodable rows, as the engine does (for a
+/// store's own bad-row cases beside the shared ones).
+pub use bad_rows::claim_and_settle;
 mod long_keys;
 
 pub use bad_rows::{

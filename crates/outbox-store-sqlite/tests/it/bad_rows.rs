@@ -3,51 +3,14 @@
 //! dead-lettered with their reason and their bytes intact, and the other rows flow. The cases
 //! every store shares (odd `created_at` values, a renamed column) are in the conformance suite.
 
-use std::time::{Duration, SystemTime};
-
-use outbox_core::store::{ClaimRequest, Claimed, DeadLetter};
-use outbox_core::{NodeId, OutboxStore};
 use outbox_store_sqlite::SqliteStore;
+use outbox_testkit::conformance::claim_and_settle;
 
 async fn store() -> (tempfile::TempDir, SqliteStore) {
     let dir = tempfile::tempdir().unwrap();
     let store = SqliteStore::open(dir.path().join("outbox.db"), false).unwrap();
     store.migrate().await.unwrap();
     (dir, store)
-}
-
-/// Claims everything and dead-letters the undecodable rows, as the engine does; returns the
-/// events (destination, created_at) and the reasons.
-async fn claim_and_settle(store: &SqliteStore) -> (Vec<(String, SystemTime)>, Vec<String>) {
-    let node = NodeId("n1".into());
-    let claimed = store
-        .claim(ClaimRequest::new(
-            node.clone(),
-            100,
-            Duration::from_secs(30),
-        ))
-        .await
-        .expect("one bad row never fails the claim");
-    let mut events = Vec::new();
-    let mut dead = Vec::new();
-    for c in claimed {
-        match c {
-            Claimed::Event(e) => events.push((e.destination.clone(), e.created_at)),
-            Claimed::Undecodable {
-                sequence_id,
-                reason,
-                ..
-            } => dead.push(DeadLetter {
-                sequence_id,
-                attempts: 1,
-                error: reason,
-            }),
-        }
-    }
-    let reasons = dead.iter().map(|d| d.error.clone()).collect();
-    let n = dead.len() as u64;
-    assert_eq!(store.dead_letter(node, None, dead).await.unwrap(), n);
-    (events, reasons)
 }
 
 #[tokio::test]

@@ -39,7 +39,7 @@ pub struct RenamedColumn {
 
 /// Claims everything and dead-letters the undecodable rows, as the engine does; returns the
 /// events (destination, created_at) and the dead rows' reasons in sequence order.
-async fn claim_and_settle(store: &dyn OutboxStore) -> (Vec<(String, SystemTime)>, Vec<String>) {
+pub async fn claim_and_settle(store: &dyn OutboxStore) -> (Vec<(String, SystemTime)>, Vec<String>) {
     let node = NodeId("n1".into());
     let claimed = store
         .claim(ClaimRequest::new(
