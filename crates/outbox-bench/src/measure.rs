@@ -1004,9 +1004,10 @@ mod tests {
         let file = std::env::temp_dir().join(format!("outbox-bench-ids-{}", std::process::id()));
         std::fs::write(
             &file,
-            "{\"event_id\":\"a\",\"sequence_id\":1}\n\
-             {\"event_id\":\"b\",\"sequence_id\":2}\n\
-             {\"event_id\":\"a\",\"sequence_id\":1}\n",
+            // The file sink writes each event's id as a UUID.
+            "{\"event_id\":\"0190a1b2-0000-7000-8000-00000000000a\",\"sequence_id\":1}\n\
+             {\"event_id\":\"0190a1b2-0000-7000-8000-00000000000b\",\"sequence_id\":2}\n\
+             {\"event_id\":\"0190a1b2-0000-7000-8000-00000000000a\",\"sequence_id\":1}\n",
         )
         .unwrap();
         let delivered = distinct_event_ids(&[file.as_path()]);
