@@ -9,7 +9,7 @@ use anyhow::Result;
 use serde_json::{json, Value};
 
 use crate::measure::{self, f};
-use crate::{Bench, PAYLOAD_SQL};
+use crate::Bench;
 
 /// Backlog sizes of the curve, to one destination.
 pub const BACKLOGS: [u64; 3] = [100_000, 1_000_000, 10_000_000];
@@ -35,12 +35,12 @@ pub async fn curve(b: &Bench) -> Result<Value> {
 async fn drain(b: &Bench, n: u64, destinations: u64) -> Result<Value> {
     eprintln!("curve: {n} events to {destinations} destination(s), no statistics");
     let db = b.reset().await?;
-    db.batch_execute(&format!(
-        "INSERT INTO outbox (destination, partition_key, event_type, payload)
-         SELECT 'bench.d' || (i % {destinations}), 'customer-' || (i % 1000), 'order.created',
-                {PAYLOAD_SQL}
-           FROM generate_series(1, {n}) i"
-    ))
+    b.prefill_to(
+        &db,
+        "outbox",
+        n,
+        &format!("'bench.d' || (i % {destinations})"),
+    )
     .await?;
     let mut run = measure::run_drain(b, &db, "file", &b.work.join("curve.jsonl"), n, &[]).await?;
     run["destinations"] = json!(destinations);

@@ -356,16 +356,30 @@ impl Bench {
         n: u64,
         analyze: bool,
     ) -> Result<()> {
-        let (columns, event_type) = load::insert_columns(table);
-        db.batch_execute(&format!(
-            "INSERT INTO {table} ({columns})
-             SELECT '{SUBJECT}', 'customer-' || (i % 1000), {event_type} {PAYLOAD_SQL}
-               FROM generate_series(1, {n}) i"
-        ))
-        .await?;
+        self.prefill_to(db, table, n, &format!("'{SUBJECT}'"))
+            .await?;
         if analyze {
             db.batch_execute(&format!("VACUUM ANALYZE {table}")).await?;
         }
+        Ok(())
+    }
+
+    /// Inserts `n` rows into `table` in one statement, each row's destination the SQL
+    /// expression `destination` (of `i`, the row's number).
+    pub async fn prefill_to(
+        &self,
+        db: &tokio_postgres::Client,
+        table: &str,
+        n: u64,
+        destination: &str,
+    ) -> Result<()> {
+        let (columns, event_type) = load::insert_columns(table);
+        db.batch_execute(&format!(
+            "INSERT INTO {table} ({columns})
+             SELECT {destination}, 'customer-' || (i % 1000), {event_type} {PAYLOAD_SQL}
+               FROM generate_series(1, {n}) i"
+        ))
+        .await?;
         Ok(())
     }
 
