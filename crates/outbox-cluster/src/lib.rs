@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use outbox_core::health::Check;
 use outbox_core::migration::{CLUSTER_PROTOCOL, OLDEST_PEER_PROTOCOL};
-use outbox_core::store::{Incarnation, NodeRegistry, PartitionRegistry, Registration};
+use outbox_core::store::{Heartbeat, Incarnation, NodeRegistry, PartitionRegistry, Registration};
 use outbox_core::{Health, NodeId, Ownership, StoreError, StoreErrorKind};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -434,7 +434,11 @@ enum Beat {
 async fn beat(registry: &dyn NodeRegistry, config: &ClusterConfig, last: Incarnation) -> Beat {
     let attempt = config.health.begin(Check::Heartbeat);
     let incarnation = match registry
-        .heartbeat(config.node.clone(), last, config.settings.heartbeat_timeout)
+        .heartbeat(Heartbeat {
+            node: config.node.clone(),
+            last,
+            ttl: config.settings.heartbeat_timeout,
+        })
         .await
     {
         Ok(Some(incarnation)) => {

@@ -68,6 +68,29 @@ impl ClaimRequest {
     }
 }
 
+/// Who settles leased rows: the node that holds their leases and, in an ordered cluster,
+/// the fence of the partitions it holds (`None`: row leases alone decide).
+#[derive(Clone, Debug)]
+pub struct LeaseHolder {
+    pub node: NodeId,
+    pub fence: Option<Arc<Fence>>,
+}
+
+impl LeaseHolder {
+    /// A holder whose row leases alone decide (a single node, or a store without partitions).
+    pub fn unfenced(node: NodeId) -> Self {
+        LeaseHolder { node, fence: None }
+    }
+}
+
+/// A request to push the leases `node` holds on `ids` to `now + lease`.
+#[derive(Clone, Debug)]
+pub struct LeaseExtension {
+    pub node: NodeId,
+    pub ids: Vec<SequenceId>,
+    pub lease: Duration,
+}
+
 /// One claimed row. Its event is shared, not copied, by the lane that queues it and the
 /// publish that sends it.
 #[derive(Clone, Debug)]
@@ -230,43 +253,23 @@ pub trait OutboxStore: Send + Sync + 'static {
     fn claim(&self, request: ClaimRequest) -> StoreFuture<Vec<Claimed>>;
 
     /// Marks rows delivered: deletes them, or (when the store retains delivered rows) sets
-    /// `delivered_at`. Only rows still leased by `node` and, with a `fence`, of partitions
-    /// it still holds at those epochs; returns how many were acked.
-    fn ack(
-        &self,
-        node: NodeId,
-        fence: Option<Arc<Fence>>,
-        ids: Vec<SequenceId>,
-    ) -> StoreFuture<u64>;
+    /// `delivered_at`. Only rows still leased by `holder.node` and, with a fence, of
+    /// partitions it still holds at those epochs; returns how many were acked.
+    fn ack(&self, holder: LeaseHolder, ids: Vec<SequenceId>) -> StoreFuture<u64>;
 
     /// Records failed attempts and releases the rows until their delay has passed (fenced
     /// like [`OutboxStore::ack`]).
-    fn retry_later(
-        &self,
-        node: NodeId,
-        fence: Option<Arc<Fence>>,
-        retries: Vec<RetryLater>,
-    ) -> StoreFuture<u64>;
+    fn retry_later(&self, holder: LeaseHolder, retries: Vec<RetryLater>) -> StoreFuture<u64>;
 
     /// Moves rows to the dead letters in one transaction (fenced like [`OutboxStore::ack`]).
-    fn dead_letter(
-        &self,
-        node: NodeId,
-        fence: Option<Arc<Fence>>,
-        entries: Vec<DeadLetter>,
-    ) -> StoreFuture<u64>;
+    fn dead_letter(&self, holder: LeaseHolder, entries: Vec<DeadLetter>) -> StoreFuture<u64>;
 
     /// Returns leased rows to claimable at once, without counting an attempt
     /// (graceful shutdown, or later rows of a key whose earlier row must retry).
     fn release(&self, node: NodeId, ids: Vec<SequenceId>) -> StoreFuture<u64>;
 
-    /// Pushes the lease of these rows, still held by `node`, to `now + lease`.
-    fn extend_leases(
-        &self,
-        node: NodeId,
-        ids: Vec<SequenceId>,
-        lease: Duration,
-    ) -> StoreFuture<u64>;
+    /// Pushes the lease of `extension.ids`, still held by its node, to `now + lease`.
+    fn extend_leases(&self, extension: LeaseExtension) -> StoreFuture<u64>;
 
     /// Backlog counts for metrics.
     fn backlog(&self) -> StoreFuture<Backlog>;
@@ -306,6 +309,15 @@ pub struct NodeRecord {
 /// either one finds a value it did not write.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Incarnation(pub i64);
+
+/// A conditioned heartbeat: push `node`'s expiry to `now + ttl` if its row still shows
+/// `last`, the expiry this process wrote.
+#[derive(Clone, Debug)]
+pub struct Heartbeat {
+    pub node: NodeId,
+    pub last: Incarnation,
+    pub ttl: Duration,
+}
 
 /// What [`NodeRegistry::register`] found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -350,16 +362,11 @@ pub trait NodeRegistry: Send + Sync + 'static {
     /// its expiry has passed; otherwise leaves it and reports its expiry.
     fn register(&self, node: NodeId, ttl: Duration) -> StoreFuture<Registration>;
 
-    /// Pushes this node's expiry to `now + ttl` if the row still shows `last`, or inserts it
+    /// Pushes the node's expiry to `now + ttl` if its row still shows `last`, or inserts it
     /// again if it is gone (expired and removed by another node). Returns the new expiry, or
     /// `None` when the row shows an expiry this process did not write: another process
     /// heartbeats under this id.
-    fn heartbeat(
-        &self,
-        node: NodeId,
-        last: Incarnation,
-        ttl: Duration,
-    ) -> StoreFuture<Option<Incarnation>>;
+    fn heartbeat(&self, beat: Heartbeat) -> StoreFuture<Option<Incarnation>>;
 
     /// Deletes rows whose expiry has passed; returns how many.
     fn remove_expired(&self) -> StoreFuture<u64>;
@@ -503,6 +510,14 @@ pub struct ReplaySelector {
     pub destination: Option<String>,
 }
 
+/// One page of a replay: up to `size` events chosen by `selector`, after `after`.
+#[derive(Clone, Debug)]
+pub struct ReplayPage {
+    pub selector: ReplaySelector,
+    pub after: SequenceId,
+    pub size: u32,
+}
+
 /// Which dead letters an operator command touches.
 #[derive(Clone, Debug, PartialEq)]
 pub enum DeadSelector {
@@ -533,14 +548,9 @@ pub trait Operations: Send + Sync + 'static {
     /// The retained delivered events `selector` chooses: how many there are.
     fn count_replayable(&self, selector: ReplaySelector) -> StoreFuture<u64>;
 
-    /// Marks up to `batch` of them pending again, in sequence order after `after`; returns
-    /// how many and the last sequence id (the next call's `after`).
-    fn replay_batch(
-        &self,
-        selector: ReplaySelector,
-        after: SequenceId,
-        batch: u32,
-    ) -> StoreFuture<(u64, SequenceId)>;
+    /// Marks up to `page.size` of them pending again, in sequence order after `page.after`;
+    /// returns how many and the last sequence id (the next page's `after`).
+    fn replay_batch(&self, page: ReplayPage) -> StoreFuture<(u64, SequenceId)>;
 
     /// Delivered (retained) rows older than `delivered_before`, and dead letters older than
     /// `dead_before`: how many there are.

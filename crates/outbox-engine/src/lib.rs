@@ -29,7 +29,10 @@ use futures::future::BoxFuture;
 use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt};
 use outbox_core::health::Check;
-use outbox_core::store::{Backlog, ClaimRequest, DeadLetter, RetryLater, StoreFuture, StoreResult};
+use outbox_core::store::{
+    Backlog, ClaimRequest, DeadLetter, LeaseExtension, LeaseHolder, RetryLater, StoreFuture,
+    StoreResult,
+};
 use outbox_core::trace::{SettleKind, Span};
 use outbox_core::{
     Backoff, Event, Fence, Health, NodeId, OutboxStore, Ownership, PublishError, PublishErrorKind,
@@ -303,7 +306,7 @@ pub fn shutdown_cleanup_reserve(shutdown_timeout: Duration) -> Duration {
 }
 
 /// One of the store's settles that a fence guards: ack, retry later, dead-letter.
-type FencedSettle<T> = fn(&dyn OutboxStore, NodeId, Option<Arc<Fence>>, T) -> StoreFuture<u64>;
+type FencedSettle<T> = fn(&dyn OutboxStore, LeaseHolder, T) -> StoreFuture<u64>;
 
 impl Engine {
     /// The fence settles carry: the held partitions at their epochs.
@@ -330,17 +333,17 @@ impl Engine {
         settled: impl FnOnce(StoreResult<u64>) -> Settled + Send + 'static,
     ) {
         let store = self.store.clone();
-        let node = self.config.node.clone();
+        let holder = LeaseHolder {
+            node: self.config.node.clone(),
+            fence: self.settle_fence(),
+        };
         let health = self.config.shared.health.clone();
-        let fence = self.settle_fence();
         let telemetry = self.config.shared.telemetry.clone();
         self.spawn_settle(
             async move {
                 let start = telemetry.as_ref().map(|_| SystemTime::now());
-                let result = persist(health, what, || {
-                    op(&*store, node.clone(), fence.clone(), rows.clone())
-                })
-                .await;
+                let result =
+                    persist(health, what, || op(&*store, holder.clone(), rows.clone())).await;
                 if let (Some(telemetry), Some(start)) = (telemetry, start) {
                     telemetry.settled(Span::since(start), kind, count, result.as_ref().copied());
                 }
@@ -480,7 +483,7 @@ impl Engine {
             "dead-letter",
             (SettleKind::DeadLetter, rows.len()),
             rows,
-            |store, node, fence, rows| store.dead_letter(node, fence, rows),
+            |store, holder, rows| store.dead_letter(holder, rows),
             |result| Settled::DeadLettered(SettledRows { lanes, ids, result }),
         );
     }
@@ -605,7 +608,7 @@ impl Engine {
             "ack",
             (SettleKind::Ack, ids.len()),
             ids,
-            |store, node, fence, ids| store.ack(node, fence, ids),
+            |store, holder, ids| store.ack(holder, ids),
             |result| Settled::Acked(acked, result),
         );
     }
@@ -622,7 +625,7 @@ impl Engine {
             "retry",
             (SettleKind::Retry, retries.len()),
             retries,
-            |store, node, fence, retries| store.retry_later(node, fence, retries),
+            |store, holder, retries| store.retry_later(holder, retries),
             |result| Settled::Retried(SettledRows { lanes, ids, result }),
         );
     }
@@ -882,7 +885,9 @@ impl Engine {
         let attempt = self.config.shared.health.begin(Check::Settle);
         self.spawn_settle(
             async move {
-                let result = store.extend_leases(node, ids, lease).await;
+                let result = store
+                    .extend_leases(LeaseExtension { node, ids, lease })
+                    .await;
                 if let Err(e) = &result {
                     attempt.failed(format!("extend leases: {}", e.report()));
                 } else {

@@ -26,11 +26,12 @@ use futures::future::BoxFuture;
 use futures::FutureExt;
 use outbox_core::store::{
     Backlog, ClaimRequest, Claimed, DeadLetter, DeadQuery, DeadRecord, DeadSelector,
-    DestinationStats, EventRecord, EventState, Incarnation, NodeRecord, NodeRegistry, OnChange,
-    Operations, Problem, Registration, ReplaySelector, RetryLater, StoreFuture, StoreResult,
+    DestinationStats, EventRecord, EventState, Heartbeat, Incarnation, LeaseExtension, LeaseHolder,
+    NodeRecord, NodeRegistry, OnChange, Operations, Problem, Registration, ReplayPage,
+    ReplaySelector, RetryLater, StoreFuture, StoreResult,
 };
 use outbox_core::time::{from_micros, micros, millis};
-use outbox_core::{Fence, NewEvent, NodeId, OutboxStore, SequenceId, StoreError, StoreErrorKind};
+use outbox_core::{NewEvent, NodeId, OutboxStore, SequenceId, StoreError, StoreErrorKind};
 use uuid::Uuid;
 
 use crate::memory::{decode, derived_event_id, Memory, RawRow, RowId};
@@ -688,12 +689,8 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
         .boxed()
     }
 
-    fn ack(
-        &self,
-        node: NodeId,
-        _fence: Option<Arc<Fence>>,
-        ids: Vec<SequenceId>,
-    ) -> StoreFuture<u64> {
+    fn ack(&self, holder: LeaseHolder, ids: Vec<SequenceId>) -> StoreFuture<u64> {
+        let node = holder.node;
         let store = self.clone();
         async move {
             let n = store
@@ -708,12 +705,8 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
         .boxed()
     }
 
-    fn retry_later(
-        &self,
-        node: NodeId,
-        _fence: Option<Arc<Fence>>,
-        retries: Vec<RetryLater>,
-    ) -> StoreFuture<u64> {
+    fn retry_later(&self, holder: LeaseHolder, retries: Vec<RetryLater>) -> StoreFuture<u64> {
+        let node = holder.node;
         let store = self.clone();
         async move {
             let sql = &store.inner.sql;
@@ -737,12 +730,8 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
         .boxed()
     }
 
-    fn dead_letter(
-        &self,
-        node: NodeId,
-        _fence: Option<Arc<Fence>>,
-        entries: Vec<DeadLetter>,
-    ) -> StoreFuture<u64> {
+    fn dead_letter(&self, holder: LeaseHolder, entries: Vec<DeadLetter>) -> StoreFuture<u64> {
+        let node = holder.node;
         let store = self.clone();
         async move {
             let sql = &store.inner.sql;
@@ -778,12 +767,8 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
         .boxed()
     }
 
-    fn extend_leases(
-        &self,
-        node: NodeId,
-        ids: Vec<SequenceId>,
-        lease: Duration,
-    ) -> StoreFuture<u64> {
+    fn extend_leases(&self, extension: LeaseExtension) -> StoreFuture<u64> {
+        let LeaseExtension { node, ids, lease } = extension;
         let store = self.clone();
         async move {
             store.memory().extend(&ids, lease);
@@ -855,15 +840,10 @@ impl<D: MappedDb> NodeRegistry for MappedStore<D> {
         }
     }
 
-    fn heartbeat(
-        &self,
-        node: NodeId,
-        last: Incarnation,
-        ttl: Duration,
-    ) -> StoreFuture<Option<Incarnation>> {
+    fn heartbeat(&self, beat: Heartbeat) -> StoreFuture<Option<Incarnation>> {
         match self.inner.db.nodes() {
-            Some(nodes) => nodes.heartbeat(node, last, ttl),
-            None => futures::future::ready(Ok(Some(last))).boxed(),
+            Some(nodes) => nodes.heartbeat(beat),
+            None => futures::future::ready(Ok(Some(beat.last))).boxed(),
         }
     }
 
@@ -1070,21 +1050,24 @@ impl<D: MappedDb> Operations for MappedStore<D> {
         .boxed()
     }
 
-    fn replay_batch(
-        &self,
-        selector: ReplaySelector,
-        after: SequenceId,
-        batch: u32,
-    ) -> StoreFuture<(u64, SequenceId)> {
+    fn replay_batch(&self, page: ReplayPage) -> StoreFuture<(u64, SequenceId)> {
         let store = self.clone();
         async move {
             let sql = &store.inner.sql;
-            let (condition, mut p) = store.replay_condition(selector)?;
-            let condition = format!("{condition} AND {} > {}", sql.id_column(), p.int(after));
-            let ids = store.pick(&condition, p, batch).await?;
-            let last = ids.iter().filter_map(RowId::integer).max().unwrap_or(after);
+            let (condition, mut p) = store.replay_condition(page.selector)?;
+            let condition = format!(
+                "{condition} AND {} > {}",
+                sql.id_column(),
+                p.int(page.after)
+            );
+            let ids = store.pick(&condition, p, page.size).await?;
+            let last = ids
+                .iter()
+                .filter_map(RowId::integer)
+                .max()
+                .unwrap_or(page.after);
             if ids.is_empty() {
-                return Ok((0, after));
+                return Ok((0, page.after));
             }
             let mut p = store.params();
             let membership = p.in_ids(&ids, IdType::Integer);

@@ -5,7 +5,9 @@ use std::sync::Arc;
 use std::time::SystemTime;
 
 use anyhow::{bail, Context};
-use outbox_core::store::{DeadQuery, DeadRecord, DeadSelector, Operations, ReplaySelector};
+use outbox_core::store::{
+    DeadQuery, DeadRecord, DeadSelector, Operations, ReplayPage, ReplaySelector,
+};
 
 use crate::cli::{DeadCommand, DeadSelectArgs, PruneArgs, ReplayArgs};
 use crate::config::{duration, Config};
@@ -158,7 +160,13 @@ pub(crate) async fn replay_all(
 ) -> Result<u64, outbox_core::StoreError> {
     let (mut after, mut total) = (0, 0);
     loop {
-        let (n, last) = ops.replay_batch(selector.clone(), after, 1000).await?;
+        let (n, last) = ops
+            .replay_batch(ReplayPage {
+                selector: selector.clone(),
+                after,
+                size: 1000,
+            })
+            .await?;
         if n == 0 {
             return Ok(total);
         }

@@ -7,7 +7,8 @@ use futures::FutureExt;
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, Params, Pool, Row, Value};
 use outbox_core::store::{
-    Incarnation, NodeRecord, NodeRegistry, NodeRow, Registration, StoreFuture, StoreResult,
+    Heartbeat, Incarnation, NodeRecord, NodeRegistry, NodeRow, Registration, StoreFuture,
+    StoreResult,
 };
 use outbox_core::time::{from_micros, millis};
 use outbox_core::NodeId;
@@ -163,12 +164,8 @@ impl NodeRegistry for Nodes {
         .boxed()
     }
 
-    fn heartbeat(
-        &self,
-        node: NodeId,
-        last: Incarnation,
-        ttl: Duration,
-    ) -> StoreFuture<Option<Incarnation>> {
+    fn heartbeat(&self, beat: Heartbeat) -> StoreFuture<Option<Incarnation>> {
+        let Heartbeat { node, last, ttl } = beat;
         let store = self.clone();
         async move {
             let nodes = store.table.clone();

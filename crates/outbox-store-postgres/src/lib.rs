@@ -27,8 +27,8 @@ use futures::FutureExt;
 use outbox_core::ident::TableName;
 use outbox_core::migration::{Found, Steps};
 use outbox_core::store::{
-    Backlog, ClaimRequest, Claimed, DeadLetter, OnChange, Problem, RetryLater, StoreFuture,
-    StoreResult,
+    Backlog, ClaimRequest, Claimed, DeadLetter, LeaseExtension, LeaseHolder, OnChange, Problem,
+    RetryLater, StoreFuture, StoreResult,
 };
 use outbox_core::{Fence, NewEvent, NodeId, OutboxStore, SequenceId, StoreError, StoreErrorKind};
 use tokio_postgres::types::ToSql;
@@ -598,12 +598,8 @@ impl OutboxStore for PgStore {
         .boxed()
     }
 
-    fn ack(
-        &self,
-        node: NodeId,
-        fence: Option<Arc<Fence>>,
-        ids: Vec<SequenceId>,
-    ) -> StoreFuture<u64> {
+    fn ack(&self, holder: LeaseHolder, ids: Vec<SequenceId>) -> StoreFuture<u64> {
+        let LeaseHolder { node, fence } = holder;
         let inner = self.inner.clone();
         async move {
             let sql = if inner.retain_delivered {
@@ -618,12 +614,8 @@ impl OutboxStore for PgStore {
         .boxed()
     }
 
-    fn retry_later(
-        &self,
-        node: NodeId,
-        fence: Option<Arc<Fence>>,
-        retries: Vec<RetryLater>,
-    ) -> StoreFuture<u64> {
+    fn retry_later(&self, holder: LeaseHolder, retries: Vec<RetryLater>) -> StoreFuture<u64> {
+        let LeaseHolder { node, fence } = holder;
         let inner = self.inner.clone();
         async move {
             let (ids, attempts, errors) = failed_columns(
@@ -646,12 +638,8 @@ impl OutboxStore for PgStore {
         .boxed()
     }
 
-    fn dead_letter(
-        &self,
-        node: NodeId,
-        fence: Option<Arc<Fence>>,
-        entries: Vec<DeadLetter>,
-    ) -> StoreFuture<u64> {
+    fn dead_letter(&self, holder: LeaseHolder, entries: Vec<DeadLetter>) -> StoreFuture<u64> {
+        let LeaseHolder { node, fence } = holder;
         let inner = self.inner.clone();
         async move {
             let (ids, attempts, errors) = failed_columns(
@@ -693,12 +681,8 @@ impl OutboxStore for PgStore {
         .boxed()
     }
 
-    fn extend_leases(
-        &self,
-        node: NodeId,
-        ids: Vec<SequenceId>,
-        lease: Duration,
-    ) -> StoreFuture<u64> {
+    fn extend_leases(&self, extension: LeaseExtension) -> StoreFuture<u64> {
+        let LeaseExtension { node, ids, lease } = extension;
         let inner = self.inner.clone();
         async move {
             let leased: Vec<i64> = ids

@@ -7,7 +7,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use futures::FutureExt;
 use outbox_core::store::{
     DeadQuery, DeadRecord, DeadSelector, DestinationStats, EventRecord, EventState, Operations,
-    ReplaySelector, StoreFuture, StoreResult,
+    ReplayPage, ReplaySelector, StoreFuture, StoreResult,
 };
 use outbox_core::SequenceId;
 use tokio_postgres::types::ToSql;
@@ -161,22 +161,18 @@ impl Operations for PgStore {
         .boxed()
     }
 
-    fn replay_batch(
-        &self,
-        selector: ReplaySelector,
-        after: SequenceId,
-        batch: u32,
-    ) -> StoreFuture<(u64, SequenceId)> {
+    fn replay_batch(&self, page: ReplayPage) -> StoreFuture<(u64, SequenceId)> {
         let inner = self.inner.clone();
         async move {
-            let batch = i64::from(batch);
+            let size = i64::from(page.size);
             let sql = &inner.sql.ops.replay_batch;
-            let rows = Self::replay_query(&inner, sql, &selector, &[&after, &batch]).await?;
+            let rows =
+                Self::replay_query(&inner, sql, &page.selector, &[&page.after, &size]).await?;
             let last = rows
                 .iter()
                 .map(|r| r.get::<_, i64>(0))
                 .max()
-                .unwrap_or(after);
+                .unwrap_or(page.after);
             if !rows.is_empty() {
                 // An UPDATE fires no insert trigger: wake the relays ourselves.
                 let channel = inner.tables.notify_channel.as_str().to_string();

@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use futures::FutureExt;
 use outbox_core::store::{
-    Incarnation, NodeRecord, NodeRegistry, PartitionRecord, PartitionRegistry, Registration,
-    StoreFuture,
+    Heartbeat, Incarnation, NodeRecord, NodeRegistry, PartitionRecord, PartitionRegistry,
+    Registration, StoreFuture,
 };
 use outbox_core::{NodeId, StoreError, StoreErrorKind};
 
@@ -36,12 +36,8 @@ impl NodeRegistry for PgStore {
         .boxed()
     }
 
-    fn heartbeat(
-        &self,
-        node: NodeId,
-        last: Incarnation,
-        ttl: Duration,
-    ) -> StoreFuture<Option<Incarnation>> {
+    fn heartbeat(&self, beat: Heartbeat) -> StoreFuture<Option<Incarnation>> {
+        let Heartbeat { node, last, ttl } = beat;
         let inner = self.inner.clone();
         async move {
             let ttl = millis(ttl);

@@ -15,11 +15,12 @@ use futures::future::BoxFuture;
 use futures::FutureExt;
 use outbox_core::event::headers_from_json_text;
 use outbox_core::store::{
-    Backlog, ClaimRequest, Claimed, DeadLetter, Incarnation, NodeRecord, NodeRegistry, NodeRow,
-    OnChange, Problem, Registration, RetryLater, StoreFuture, StoreResult,
+    Backlog, ClaimRequest, Claimed, DeadLetter, Heartbeat, Incarnation, LeaseExtension,
+    LeaseHolder, NodeRecord, NodeRegistry, NodeRow, OnChange, Problem, Registration, RetryLater,
+    StoreFuture, StoreResult,
 };
 use outbox_core::{
-    Event, Fence, NewEvent, NodeId, OutboxStore, Payload, SequenceId, StoreError, StoreErrorKind,
+    Event, NewEvent, NodeId, OutboxStore, Payload, SequenceId, StoreError, StoreErrorKind,
 };
 use rusqlite::types::ValueRef;
 use rusqlite::{params, Connection, OptionalExtension, Row};
@@ -480,12 +481,8 @@ impl OutboxStore for SqliteStore {
         })
     }
 
-    fn ack(
-        &self,
-        node: NodeId,
-        _fence: Option<Arc<Fence>>,
-        ids: Vec<SequenceId>,
-    ) -> StoreFuture<u64> {
+    fn ack(&self, holder: LeaseHolder, ids: Vec<SequenceId>) -> StoreFuture<u64> {
+        let node = holder.node;
         let retain = self.retain_delivered;
         self.in_tx("ack", move |tx| {
             let n = if retain {
@@ -504,12 +501,8 @@ impl OutboxStore for SqliteStore {
         })
     }
 
-    fn retry_later(
-        &self,
-        node: NodeId,
-        _fence: Option<Arc<Fence>>,
-        retries: Vec<RetryLater>,
-    ) -> StoreFuture<u64> {
+    fn retry_later(&self, holder: LeaseHolder, retries: Vec<RetryLater>) -> StoreFuture<u64> {
+        let node = holder.node;
         self.in_tx("retry", move |tx| {
             let now = now_ms();
             let mut stmt = tx.prepare_cached(
@@ -531,12 +524,8 @@ impl OutboxStore for SqliteStore {
         })
     }
 
-    fn dead_letter(
-        &self,
-        node: NodeId,
-        _fence: Option<Arc<Fence>>,
-        entries: Vec<DeadLetter>,
-    ) -> StoreFuture<u64> {
+    fn dead_letter(&self, holder: LeaseHolder, entries: Vec<DeadLetter>) -> StoreFuture<u64> {
+        let node = holder.node;
         self.in_tx("dead-letter", move |tx| {
             let now = now_ms();
             let mut copy = tx.prepare_cached(
@@ -570,12 +559,8 @@ impl OutboxStore for SqliteStore {
         })
     }
 
-    fn extend_leases(
-        &self,
-        node: NodeId,
-        ids: Vec<SequenceId>,
-        lease: Duration,
-    ) -> StoreFuture<u64> {
+    fn extend_leases(&self, extension: LeaseExtension) -> StoreFuture<u64> {
+        let LeaseExtension { node, ids, lease } = extension;
         self.in_tx("extend leases", move |tx| {
             let n = tx
                 .prepare_cached(&format!(
@@ -802,12 +787,8 @@ impl NodeRegistry for SqliteStore {
         })
     }
 
-    fn heartbeat(
-        &self,
-        node: NodeId,
-        last: Incarnation,
-        ttl: Duration,
-    ) -> StoreFuture<Option<Incarnation>> {
+    fn heartbeat(&self, beat: Heartbeat) -> StoreFuture<Option<Incarnation>> {
+        let Heartbeat { node, last, ttl } = beat;
         self.in_tx("heartbeat", move |tx| {
             let now = now_ms();
             if !NodeRow::may_heartbeat(node_row(tx, &node, now)?, last) {

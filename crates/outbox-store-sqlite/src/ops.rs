@@ -5,7 +5,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use outbox_core::store::{
     DeadQuery, DeadRecord, DeadSelector, DestinationStats, EventRecord, EventState, Operations,
-    ReplaySelector, StoreFuture, StoreResult,
+    ReplayPage, ReplaySelector, StoreFuture, StoreResult,
 };
 use outbox_core::SequenceId;
 use rusqlite::{params, types::Value};
@@ -192,12 +192,7 @@ impl Operations for SqliteStore {
         })
     }
 
-    fn replay_batch(
-        &self,
-        selector: ReplaySelector,
-        after: SequenceId,
-        batch: u32,
-    ) -> StoreFuture<(u64, SequenceId)> {
+    fn replay_batch(&self, page: ReplayPage) -> StoreFuture<(u64, SequenceId)> {
         self.in_tx("replay", move |tx| {
             let mut stmt = tx.prepare(
                 "UPDATE outbox SET delivered_at = NULL, attempts = 0, last_error = NULL,
@@ -212,17 +207,20 @@ impl Operations for SqliteStore {
             let ids = stmt
                 .query_map(
                     params![
-                        ms(selector.since),
-                        ms(selector.until),
-                        selector.destination,
-                        after,
-                        batch,
+                        ms(page.selector.since),
+                        ms(page.selector.until),
+                        page.selector.destination,
+                        page.after,
+                        page.size,
                         now_ms()
                     ],
                     |r| r.get::<_, i64>(0),
                 )?
                 .collect::<rusqlite::Result<Vec<_>>>()?;
-            Ok((ids.len() as u64, ids.iter().copied().max().unwrap_or(after)))
+            Ok((
+                ids.len() as u64,
+                ids.iter().copied().max().unwrap_or(page.after),
+            ))
         })
     }
 

@@ -27,13 +27,13 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use outbox_core::store::{
-    Backlog, ClaimRequest, DeadLetter, DeadQuery, DeadSelector, EventState, Incarnation,
-    NodeRegistry, OnChange, Operations, PartitionRegistry, Problem, Registration, ReplaySelector,
-    RetryLater, StoreFuture,
+    Backlog, ClaimRequest, DeadLetter, DeadQuery, DeadSelector, EventState, Heartbeat, Incarnation,
+    LeaseExtension, LeaseHolder, NodeRegistry, OnChange, Operations, PartitionRegistry, Problem,
+    Registration, ReplayPage, ReplaySelector, RetryLater, StoreFuture,
 };
 use outbox_core::{
-    Claimed, Fence, NewEvent, NodeId, OutboxStore, PublishErrorKind, RetryPolicy, SequenceId,
-    StoreError, StoreErrorKind,
+    Claimed, NewEvent, NodeId, OutboxStore, PublishErrorKind, RetryPolicy, SequenceId, StoreError,
+    StoreErrorKind,
 };
 use outbox_engine::{DrainEnd, EngineConfig, Summary, WakeMode};
 
@@ -322,7 +322,13 @@ pub async fn retry_scheduling(h: &dyn Harness) {
         error: "unavailable: broker down".into(),
         delay: Duration::from_millis(400),
     };
-    assert_eq!(store.retry_later(node, None, vec![retry]).await.unwrap(), 1);
+    assert_eq!(
+        store
+            .retry_later(LeaseHolder::unfenced(node), vec![retry])
+            .await
+            .unwrap(),
+        1
+    );
     assert_eq!(
         h.row_state(seq[0]).await,
         Some((1, Some("unavailable: broker down".into()), false))
@@ -353,7 +359,13 @@ pub async fn dead_lettering_keeps_the_whole_event(h: &dyn Harness) {
         attempts: 3,
         error: "too_large: 2 MiB > 1 MiB".into(),
     };
-    assert_eq!(store.dead_letter(node, None, vec![dead]).await.unwrap(), 1);
+    assert_eq!(
+        store
+            .dead_letter(LeaseHolder::unfenced(node), vec![dead])
+            .await
+            .unwrap(),
+        1
+    );
     assert_eq!(h.row_state(seq[0]).await, None, "moved out of the outbox");
     let rows = h.dead_rows().await;
     assert_eq!(rows.len(), 1);
@@ -383,14 +395,22 @@ pub async fn lease_expiry(h: &dyn Harness) {
     // Extending keeps a live lease alive.
     assert_eq!(
         store
-            .extend_leases(survivor.clone(), seq.clone(), Duration::from_secs(30))
+            .extend_leases(LeaseExtension {
+                node: survivor.clone(),
+                ids: seq.clone(),
+                lease: Duration::from_secs(30)
+            })
             .await
             .unwrap(),
         1
     );
     assert_eq!(
         store
-            .extend_leases(crashed, seq, Duration::from_secs(30))
+            .extend_leases(LeaseExtension {
+                node: crashed,
+                ids: seq,
+                lease: Duration::from_secs(30)
+            })
             .await
             .unwrap(),
         0,
@@ -417,8 +437,20 @@ pub async fn crash_between_publish_and_ack_redelivers(h: &dyn Harness) {
         "same id: consumers can de-duplicate"
     );
     // The first node's late ack is fenced; the second node's ack lands.
-    assert_eq!(store.ack(first, None, seq.clone()).await.unwrap(), 0);
-    assert_eq!(store.ack(second, None, seq.clone()).await.unwrap(), 1);
+    assert_eq!(
+        store
+            .ack(LeaseHolder::unfenced(first), seq.clone())
+            .await
+            .unwrap(),
+        0
+    );
+    assert_eq!(
+        store
+            .ack(LeaseHolder::unfenced(second), seq.clone())
+            .await
+            .unwrap(),
+        1
+    );
     assert_eq!(h.row_state(seq[0]).await, None);
 }
 
@@ -455,7 +487,13 @@ pub async fn undecodable_rows_are_claimed_for_dead_lettering(h: &dyn Harness) {
         attempts: 0,
         error: "undecodable row".into(),
     };
-    assert_eq!(store.dead_letter(node, None, vec![dead]).await.unwrap(), 1);
+    assert_eq!(
+        store
+            .dead_letter(LeaseHolder::unfenced(node), vec![dead])
+            .await
+            .unwrap(),
+        1
+    );
     assert_eq!(h.dead_rows().await[0].sequence_id, bad);
 }
 
@@ -470,13 +508,16 @@ pub async fn ack_deletes_or_retains(h: &dyn Harness) {
     let node = NodeId::random();
     store.claim(request(&node, 10)).await.unwrap();
     assert_eq!(
-        store.ack(node.clone(), None, vec![seq[0]]).await.unwrap(),
+        store
+            .ack(LeaseHolder::unfenced(node.clone()), vec![seq[0]])
+            .await
+            .unwrap(),
         1
     );
     assert_eq!(h.row_state(seq[0]).await, None, "deleted by default");
     assert_eq!(
         retaining
-            .ack(node.clone(), None, vec![seq[1]])
+            .ack(LeaseHolder::unfenced(node.clone()), vec![seq[1]])
             .await
             .unwrap(),
         1
@@ -520,13 +561,27 @@ pub async fn node_registry(h: &dyn Harness) {
     );
     // A longer ttl, so the new expiry differs from the first even at a coarse clock.
     let a2 = registry
-        .heartbeat(a.clone(), a1, Duration::from_secs(60))
+        .heartbeat(Heartbeat {
+            node: a.clone(),
+            last: a1,
+            ttl: Duration::from_secs(60),
+        })
         .await
         .unwrap()
         .expect("a's own heartbeat lands");
     assert_ne!(a1, a2);
     // A heartbeat conditioned on an expiry the row no longer shows is another process's.
-    assert_eq!(registry.heartbeat(a.clone(), a1, long).await.unwrap(), None);
+    assert_eq!(
+        registry
+            .heartbeat(Heartbeat {
+                node: a.clone(),
+                last: a1,
+                ttl: long
+            })
+            .await
+            .unwrap(),
+        None
+    );
     assert_eq!(
         live_ids(&*registry).await,
         HashSet::from([a.0.clone(), b.0.clone()])
@@ -539,7 +594,11 @@ pub async fn node_registry(h: &dyn Harness) {
     assert_eq!(removed, 1);
     // b's row expired and was removed: its late heartbeat registers it again.
     assert!(registry
-        .heartbeat(b.clone(), b1, long)
+        .heartbeat(Heartbeat {
+            node: b.clone(),
+            last: b1,
+            ttl: long
+        })
         .await
         .unwrap()
         .is_some());
@@ -840,40 +899,20 @@ impl OutboxStore for ClaimsFail {
         }
         self.store.claim(request)
     }
-    fn ack(
-        &self,
-        node: NodeId,
-        fence: Option<Arc<Fence>>,
-        ids: Vec<SequenceId>,
-    ) -> StoreFuture<u64> {
-        self.store.ack(node, fence, ids)
+    fn ack(&self, holder: LeaseHolder, ids: Vec<SequenceId>) -> StoreFuture<u64> {
+        self.store.ack(holder, ids)
     }
-    fn retry_later(
-        &self,
-        node: NodeId,
-        fence: Option<Arc<Fence>>,
-        retries: Vec<RetryLater>,
-    ) -> StoreFuture<u64> {
-        self.store.retry_later(node, fence, retries)
+    fn retry_later(&self, holder: LeaseHolder, retries: Vec<RetryLater>) -> StoreFuture<u64> {
+        self.store.retry_later(holder, retries)
     }
-    fn dead_letter(
-        &self,
-        node: NodeId,
-        fence: Option<Arc<Fence>>,
-        entries: Vec<DeadLetter>,
-    ) -> StoreFuture<u64> {
-        self.store.dead_letter(node, fence, entries)
+    fn dead_letter(&self, holder: LeaseHolder, entries: Vec<DeadLetter>) -> StoreFuture<u64> {
+        self.store.dead_letter(holder, entries)
     }
     fn release(&self, node: NodeId, ids: Vec<SequenceId>) -> StoreFuture<u64> {
         self.store.release(node, ids)
     }
-    fn extend_leases(
-        &self,
-        node: NodeId,
-        ids: Vec<SequenceId>,
-        lease: Duration,
-    ) -> StoreFuture<u64> {
-        self.store.extend_leases(node, ids, lease)
+    fn extend_leases(&self, extension: LeaseExtension) -> StoreFuture<u64> {
+        self.store.extend_leases(extension)
     }
     fn backlog(&self) -> StoreFuture<Backlog> {
         self.store.backlog()
@@ -961,7 +1000,13 @@ pub async fn operator_lists_retries_and_purges_dead_letters(h: &dyn Harness) {
     let node = NodeId::random();
     store.claim(request(&node, 10)).await.unwrap();
     let dead = dead_letters(&seq, 4, |s| format!("boom {s}"));
-    assert_eq!(store.dead_letter(node, None, dead).await.unwrap(), 3);
+    assert_eq!(
+        store
+            .dead_letter(LeaseHolder::unfenced(node), dead)
+            .await
+            .unwrap(),
+        3
+    );
 
     let all = ops.dead_list(dead_query(None, 100)).await.unwrap();
     assert_eq!(all.iter().map(|d| d.sequence_id).collect::<Vec<_>>(), seq);
@@ -1047,7 +1092,10 @@ pub async fn operator_pages_dead_letters_and_shows_one_event(h: &dyn Harness) {
     assert_eq!(ids(&claimed), seq);
     let dead = dead_letters(&seq[..4], 3, |s| format!("broker said no to {s}"));
     assert_eq!(
-        store.dead_letter(node.clone(), None, dead).await.unwrap(),
+        store
+            .dead_letter(LeaseHolder::unfenced(node.clone()), dead)
+            .await
+            .unwrap(),
         4
     );
     assert_eq!(store.release(node, vec![seq[4]]).await.unwrap(), 1);
@@ -1126,7 +1174,13 @@ pub async fn operator_replays_and_prunes_in_batches(h: &dyn Harness) {
         .unwrap();
     let node = NodeId::random();
     store.claim(request(&node, 10)).await.unwrap();
-    assert_eq!(store.ack(node.clone(), None, seq.clone()).await.unwrap(), 5);
+    assert_eq!(
+        store
+            .ack(LeaseHolder::unfenced(node.clone()), seq.clone())
+            .await
+            .unwrap(),
+        5
+    );
     let (since, until) = (
         std::time::SystemTime::now() - Duration::from_secs(60),
         std::time::SystemTime::now() + Duration::from_secs(60),
@@ -1144,7 +1198,14 @@ pub async fn operator_replays_and_prunes_in_batches(h: &dyn Harness) {
     let mut after = 0;
     let mut batches = Vec::new();
     loop {
-        let (n, last) = ops.replay_batch(selector(None), after, 2).await.unwrap();
+        let (n, last) = ops
+            .replay_batch(ReplayPage {
+                selector: selector(None),
+                after,
+                size: 2,
+            })
+            .await
+            .unwrap();
         if n == 0 {
             break;
         }
@@ -1159,14 +1220,26 @@ pub async fn operator_replays_and_prunes_in_batches(h: &dyn Harness) {
         seq,
         "replayed events are delivered again, in order"
     );
-    assert_eq!(store.ack(relay, None, seq.clone()).await.unwrap(), 5);
+    assert_eq!(
+        store
+            .ack(LeaseHolder::unfenced(relay), seq.clone())
+            .await
+            .unwrap(),
+        5
+    );
 
     // Prune delivered rows and dead letters older than a cut-off, in small batches.
     let extra = store.insert(vec![event("d", None, "t", 9)]).await.unwrap();
     let node = NodeId::random();
     store.claim(request(&node, 10)).await.unwrap();
     let dead = dead_letters(&extra, 1, |_| "x".into());
-    assert_eq!(store.dead_letter(node, None, dead).await.unwrap(), 1);
+    assert_eq!(
+        store
+            .dead_letter(LeaseHolder::unfenced(node), dead)
+            .await
+            .unwrap(),
+        1
+    );
     let later = std::time::SystemTime::now() + Duration::from_secs(60);
     assert_eq!(
         ops.count_prunable(Some(since), Some(since)).await.unwrap(),

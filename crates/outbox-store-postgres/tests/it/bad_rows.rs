@@ -6,7 +6,7 @@
 
 use std::time::{Duration, SystemTime};
 
-use outbox_core::store::{ClaimRequest, Claimed, DeadLetter};
+use outbox_core::store::{ClaimRequest, Claimed, DeadLetter, LeaseHolder};
 use outbox_core::{NodeId, OutboxStore, StoreErrorKind};
 use outbox_store_postgres::{PgOptions, PgStore, Tables};
 use outbox_testkit::query_count;
@@ -51,7 +51,7 @@ async fn claim_and_settle(store: &PgStore) -> (Vec<(String, SystemTime)>, Vec<(i
         })
         .collect::<Vec<_>>();
     let n = store
-        .dead_letter(NodeId("n1".into()), None, entries)
+        .dead_letter(LeaseHolder::unfenced(NodeId("n1".into())), entries)
         .await
         .expect("dead-letter the undecodable rows");
     assert_eq!(n as usize, dead.len());

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::store::{ClaimRequest, PartitionRegistry};
+use outbox_core::store::{ClaimRequest, Heartbeat, LeaseHolder, PartitionRegistry};
 use outbox_core::{partition_of, Claimed, Fence, NewEvent, NodeId, OutboxStore};
 use outbox_store_postgres::{PgOptions, PgStore, Tables, DEFAULT_NOTIFY_CHANNEL};
 use outbox_testkit::{eventually, query_count};
@@ -191,7 +191,13 @@ async fn a_node_that_lost_its_partitions_cannot_settle_and_the_new_owner_takes_t
     let a_fence = Some(Arc::new(a_fence));
     assert_eq!(
         store
-            .ack(a.clone(), a_fence.clone(), seq.clone())
+            .ack(
+                LeaseHolder {
+                    node: a.clone(),
+                    fence: a_fence.clone()
+                },
+                seq.clone()
+            )
             .await
             .unwrap(),
         0
@@ -204,7 +210,13 @@ async fn a_node_that_lost_its_partitions_cannot_settle_and_the_new_owner_takes_t
     }];
     assert_eq!(
         store
-            .retry_later(a.clone(), a_fence.clone(), retry)
+            .retry_later(
+                LeaseHolder {
+                    node: a.clone(),
+                    fence: a_fence.clone()
+                },
+                retry
+            )
             .await
             .unwrap(),
         0
@@ -214,11 +226,29 @@ async fn a_node_that_lost_its_partitions_cannot_settle_and_the_new_owner_takes_t
         attempts: 1,
         error: "x".into(),
     }];
-    assert_eq!(store.dead_letter(a, a_fence, dead).await.unwrap(), 0);
+    assert_eq!(
+        store
+            .dead_letter(
+                LeaseHolder {
+                    node: a,
+                    fence: a_fence
+                },
+                dead
+            )
+            .await
+            .unwrap(),
+        0
+    );
     // B settles.
     assert_eq!(
         store
-            .ack(b, Some(Arc::new(b_fence)), seq.clone())
+            .ack(
+                LeaseHolder {
+                    node: b,
+                    fence: Some(Arc::new(b_fence))
+                },
+                seq.clone()
+            )
             .await
             .unwrap(),
         20
@@ -357,7 +387,19 @@ async fn a_row_that_retries_is_claimed_again_when_due_before_its_keys_later_rows
         delay: Duration::from_millis(300),
     }];
     let f = Some(Arc::new(fence.clone()));
-    assert_eq!(store.retry_later(node.clone(), f, retry).await.unwrap(), 1);
+    assert_eq!(
+        store
+            .retry_later(
+                LeaseHolder {
+                    node: node.clone(),
+                    fence: f
+                },
+                retry
+            )
+            .await
+            .unwrap(),
+        1
+    );
     let waiting = store.claim(owned(&node, fence.clone(), 10)).await.unwrap();
     assert!(
         waiting.is_empty(),
@@ -411,7 +453,13 @@ async fn store_with_retrying_head() -> (PgStore, String) {
         error: "down".into(),
         delay: Duration::from_secs(3600),
     }];
-    assert_eq!(store.retry_later(node, None, retry).await.unwrap(), 1);
+    assert_eq!(
+        store
+            .retry_later(LeaseHolder::unfenced(node), retry)
+            .await
+            .unwrap(),
+        1
+    );
     (store, url)
 }
 
@@ -735,16 +783,14 @@ impl outbox_core::store::NodeRegistry for LosesOneAnswer {
 
     fn heartbeat(
         &self,
-        node: NodeId,
-        last: outbox_core::store::Incarnation,
-        ttl: Duration,
+        beat: outbox_core::store::Heartbeat,
     ) -> futures::future::BoxFuture<
         'static,
         outbox_core::store::StoreResult<Option<outbox_core::store::Incarnation>>,
     > {
         use std::sync::atomic::Ordering::SeqCst;
         self.heartbeats.fetch_add(1, SeqCst);
-        let beat = self.store.heartbeat(node, last, ttl);
+        let beat = self.store.heartbeat(beat);
         if !self.armed.swap(false, SeqCst) {
             return beat;
         }
@@ -910,7 +956,15 @@ async fn race_a_heartbeat_waiting_on_the_removal_of_its_expired_row_registers_it
     let heartbeat = tokio::spawn({
         let store = store.clone();
         let node = node.clone();
-        async move { store.heartbeat(node, last, Duration::from_secs(30)).await }
+        async move {
+            store
+                .heartbeat(Heartbeat {
+                    node,
+                    last,
+                    ttl: Duration::from_secs(30),
+                })
+                .await
+        }
     });
     until_a_session_waits_for_a_lock(&url, "the heartbeat to wait for the removal's lock").await;
     remover.batch_execute("COMMIT").await.unwrap();

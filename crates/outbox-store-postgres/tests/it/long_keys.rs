@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use outbox_core::store::ClaimRequest;
+use outbox_core::store::{ClaimRequest, LeaseHolder};
 use outbox_core::{NodeId, OutboxStore};
 use outbox_store_postgres::{PgOptions, PgStore, Tables};
 use outbox_testkit::conformance::{keyed_event as event, long_key, payloads, retry};
@@ -62,8 +62,7 @@ async fn an_outbox_migrated_by_an_earlier_version_keeps_its_key_order_until_migr
     assert_eq!(payloads(&claimed), ["0", "1", "2"]);
     store
         .retry_later(
-            node.clone(),
-            None,
+            LeaseHolder::unfenced(node.clone()),
             vec![retry(&claimed[0], Duration::from_secs(3600))],
         )
         .await

@@ -6,7 +6,7 @@
 
 use std::time::{Duration, SystemTime};
 
-use outbox_core::store::{ClaimRequest, Claimed, DeadLetter};
+use outbox_core::store::{ClaimRequest, Claimed, DeadLetter, LeaseHolder};
 use outbox_core::{NodeId, OutboxStore};
 
 use super::Harness;
@@ -68,7 +68,13 @@ pub async fn claim_and_settle(store: &dyn OutboxStore) -> (Vec<(String, SystemTi
     dead.sort_by_key(|d| d.sequence_id);
     let reasons = dead.iter().map(|d| d.error.clone()).collect();
     let n = dead.len() as u64;
-    assert_eq!(store.dead_letter(node, None, dead).await.unwrap(), n);
+    assert_eq!(
+        store
+            .dead_letter(LeaseHolder::unfenced(node), dead)
+            .await
+            .unwrap(),
+        n
+    );
     (events, reasons)
 }
 

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::store::{ClaimRequest, RetryLater};
+use outbox_core::store::{ClaimRequest, LeaseHolder, RetryLater};
 use outbox_core::{Claimed, Fence, NewEvent, NodeId, OutboxStore};
 
 use super::Harness;
@@ -88,14 +88,16 @@ pub async fn a_10kb_key_is_claimed_retried_and_delivered_without_ordering(h: &dy
     let claimed = store.claim(unordered.clone()).await.unwrap();
     assert_eq!(payloads(&claimed), ["0", "1", "2", "3"]);
     let retried = store
-        .retry_later(node.clone(), None, vec![retry(&claimed[0], Duration::ZERO)])
+        .retry_later(
+            LeaseHolder::unfenced(node.clone()),
+            vec![retry(&claimed[0], Duration::ZERO)],
+        )
         .await
         .unwrap();
     assert_eq!(retried, 1);
     store
         .ack(
-            node.clone(),
-            None,
+            LeaseHolder::unfenced(node.clone()),
             claimed[1..].iter().map(Claimed::sequence_id).collect(),
         )
         .await
@@ -103,7 +105,7 @@ pub async fn a_10kb_key_is_claimed_retried_and_delivered_without_ordering(h: &dy
     let again = store.claim(unordered).await.unwrap();
     assert_eq!(payloads(&again), ["0"], "the retried event comes back");
     store
-        .ack(node, None, vec![again[0].sequence_id()])
+        .ack(LeaseHolder::unfenced(node), vec![again[0].sequence_id()])
         .await
         .unwrap();
     assert_eq!(store.backlog().await.unwrap().pending, 0);
@@ -121,8 +123,7 @@ pub async fn a_10kb_key_waiting_to_retry_holds_back_only_its_own_key_under_row_l
     // The head of the long key must retry in an hour; its lane's next row goes back.
     let retried = store
         .retry_later(
-            node.clone(),
-            None,
+            LeaseHolder::unfenced(node.clone()),
             vec![retry(&claimed[0], Duration::from_secs(3600))],
         )
         .await
@@ -134,8 +135,7 @@ pub async fn a_10kb_key_waiting_to_retry_holds_back_only_its_own_key_under_row_l
         .unwrap();
     store
         .ack(
-            node.clone(),
-            None,
+            LeaseHolder::unfenced(node.clone()),
             vec![claimed[2].sequence_id(), claimed[3].sequence_id()],
         )
         .await
@@ -184,8 +184,10 @@ pub async fn a_10kb_key_waiting_to_retry_holds_back_only_its_own_key_in_owned_pa
     // Owned claims lease nothing: the retry is what puts the long key into the blocking index.
     let retried = store
         .retry_later(
-            node.clone(),
-            Some(fence.clone()),
+            LeaseHolder {
+                node: node.clone(),
+                fence: Some(fence.clone()),
+            },
             vec![retry(&claimed[0], Duration::from_secs(3600))],
         )
         .await
@@ -197,8 +199,10 @@ pub async fn a_10kb_key_waiting_to_retry_holds_back_only_its_own_key_in_owned_pa
         .unwrap();
     store
         .ack(
-            node.clone(),
-            Some(fence.clone()),
+            LeaseHolder {
+                node: node.clone(),
+                fence: Some(fence.clone()),
+            },
             vec![claimed[2].sequence_id(), claimed[3].sequence_id()],
         )
         .await

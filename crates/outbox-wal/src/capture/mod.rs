@@ -33,12 +33,11 @@ use std::time::{Duration, SystemTime};
 use futures::future::BoxFuture;
 use futures::FutureExt;
 use outbox_core::store::{
-    Backlog, ClaimRequest, Claimed, DeadLetter, OnChange, Problem, RetryLater, StoreFuture,
-    StoreResult,
+    Backlog, ClaimRequest, Claimed, DeadLetter, LeaseExtension, LeaseHolder, OnChange, Problem,
+    RetryLater, StoreFuture, StoreResult,
 };
 use outbox_core::{
-    Backoff, Event, Fence, NewEvent, NodeId, OutboxStore, Payload, SequenceId, StoreError,
-    StoreErrorKind,
+    Backoff, Event, NewEvent, NodeId, OutboxStore, Payload, SequenceId, StoreError, StoreErrorKind,
 };
 use outbox_store_postgres::{PgStore, Tables};
 use tokio::sync::{mpsc, watch};
@@ -954,35 +953,32 @@ impl OutboxStore for WalStore {
         async move { inner.claim(request).await }.boxed()
     }
 
-    fn ack(
-        &self,
-        node: NodeId,
-        _fence: Option<Arc<Fence>>,
-        ids: Vec<SequenceId>,
-    ) -> StoreFuture<u64> {
+    fn ack(&self, holder: LeaseHolder, ids: Vec<SequenceId>) -> StoreFuture<u64> {
+        let node = holder.node;
         let inner = self.inner.clone();
         async move {
             let (acked, stream) = inner
-                .settle_parked(ids, |id| *id, |p, ids| p.ack(node, None, ids), true)
+                .settle_parked(
+                    ids,
+                    |id| *id,
+                    |p, ids| p.ack(LeaseHolder::unfenced(node), ids),
+                    true,
+                )
                 .await?;
             Ok(acked + inner.ack_stream(stream).await?)
         }
         .boxed()
     }
 
-    fn retry_later(
-        &self,
-        node: NodeId,
-        _fence: Option<Arc<Fence>>,
-        retries: Vec<RetryLater>,
-    ) -> StoreFuture<u64> {
+    fn retry_later(&self, holder: LeaseHolder, retries: Vec<RetryLater>) -> StoreFuture<u64> {
+        let node = holder.node;
         let inner = self.inner.clone();
         async move {
             let (recorded, stream) = inner
                 .settle_parked(
                     retries,
                     |r| r.sequence_id,
-                    |p, rs| p.retry_later(node, None, rs),
+                    |p, rs| p.retry_later(LeaseHolder::unfenced(node), rs),
                     false,
                 )
                 .await?;
@@ -1005,19 +1001,15 @@ impl OutboxStore for WalStore {
         .boxed()
     }
 
-    fn dead_letter(
-        &self,
-        node: NodeId,
-        _fence: Option<Arc<Fence>>,
-        entries: Vec<DeadLetter>,
-    ) -> StoreFuture<u64> {
+    fn dead_letter(&self, holder: LeaseHolder, entries: Vec<DeadLetter>) -> StoreFuture<u64> {
+        let node = holder.node;
         let inner = self.inner.clone();
         async move {
             let (moved, stream) = inner
                 .settle_parked(
                     entries,
                     |e| e.sequence_id,
-                    |p, es| p.dead_letter(node, None, es),
+                    |p, es| p.dead_letter(LeaseHolder::unfenced(node), es),
                     true,
                 )
                 .await?;
@@ -1055,12 +1047,8 @@ impl OutboxStore for WalStore {
         .boxed()
     }
 
-    fn extend_leases(
-        &self,
-        node: NodeId,
-        ids: Vec<SequenceId>,
-        lease: Duration,
-    ) -> StoreFuture<u64> {
+    fn extend_leases(&self, extension: LeaseExtension) -> StoreFuture<u64> {
+        let LeaseExtension { node, ids, lease } = extension;
         let inner = self.inner.clone();
         async move {
             // Stream events have no lease: nobody else can take them while the slot is ours.
@@ -1069,7 +1057,11 @@ impl OutboxStore for WalStore {
             if !split.parked.is_empty() {
                 extended += inner
                     .parked
-                    .extend_leases(node, split.parked, lease)
+                    .extend_leases(LeaseExtension {
+                        node,
+                        ids: split.parked,
+                        lease,
+                    })
                     .await?;
             }
             Ok(extended)
