@@ -1198,8 +1198,8 @@ mod tests {
             "outboxevent_relay"
         );
         let source = settings.capture.unwrap().source.expect("a captured table");
-        assert_eq!(source.table.name.as_str(), "outboxevent");
-        assert_eq!(source.columns.sequence_id, "relay_sequence");
+        assert_eq!(source.source.name.name.as_str(), "outboxevent");
+        assert_eq!(source.source.columns.sequence_id, "relay_sequence");
         // A slot without WAL capture would be silently ignored.
         let err = refused(on_pg(|c| c.wal.slot = "mine".into()));
         assert!(err.contains("--capture wal"), "{err}");

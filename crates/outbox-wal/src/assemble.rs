@@ -19,13 +19,11 @@
 use std::collections::HashMap;
 use std::time::SystemTime;
 
-use outbox_core::ident::TableName;
-
 use crate::decode::{self, Begin, DecodeError, LogicalMessage};
 use crate::emit;
 use crate::event::{EventPosition, Undecodable, WalEvent};
 use crate::lsn::Lsn;
-use crate::table::{ColumnNames, MissingColumn, OutboxColumns};
+use crate::table::{MissingColumn, OutboxColumns, SourceTable};
 
 /// What the assembler hands out, in stream order.
 // Nearly every output is an event: boxing it would cost an allocation per event to save
@@ -91,11 +89,9 @@ struct OpenTransaction {
 
 /// Turns one session's decoded messages into [`Output`]s.
 pub struct Assembler {
-    table: TableName,
-    columns: ColumnNames,
-    /// Another captured table, with its names: the native outbox beside a mapped table
-    /// (`dead retry` and `send` write there).
-    also: Option<(TableName, ColumnNames)>,
+    /// The captured tables: the configured one, and the native outbox beside a mapped
+    /// table (`dead retry` and `send` write there).
+    sources: Vec<SourceTable>,
     prefix: String,
     /// Relation OID → the outbox's columns, or `None` for another table.
     relations: HashMap<u32, Option<OutboxColumns>>,
@@ -104,14 +100,11 @@ pub struct Assembler {
 }
 
 impl Assembler {
-    /// Events are rows inserted into `table` (its columns named as `columns` says) and
-    /// transactional messages with `prefix` ([`emit::EMIT_PREFIX`] unless configured
-    /// otherwise).
-    pub fn new(table: TableName, columns: ColumnNames, prefix: impl Into<String>) -> Self {
+    /// Events are rows inserted into `source` and transactional messages with `prefix`
+    /// ([`emit::EMIT_PREFIX`] unless configured otherwise).
+    pub fn new(source: SourceTable, prefix: impl Into<String>) -> Self {
         Assembler {
-            table,
-            columns,
-            also: None,
+            sources: vec![source],
             prefix: prefix.into(),
             relations: HashMap::new(),
             open: None,
@@ -119,9 +112,9 @@ impl Assembler {
         }
     }
 
-    /// Captures the rows inserted into `table` too, its columns named as `columns` says.
-    pub fn also(mut self, table: TableName, columns: ColumnNames) -> Self {
-        self.also = Some((table, columns));
+    /// Captures the rows inserted into `source` too.
+    pub fn also(mut self, source: SourceTable) -> Self {
+        self.sources.push(source);
         self
     }
 
@@ -169,16 +162,11 @@ impl Assembler {
                 }))
             }
             LogicalMessage::Relation(relation) => {
-                let columns = if OutboxColumns::is_outbox(&relation, &self.table) {
-                    Some(OutboxColumns::resolve(&relation, &self.columns)?)
-                } else {
-                    match &self.also {
-                        Some((table, columns)) if OutboxColumns::is_outbox(&relation, table) => {
-                            Some(OutboxColumns::resolve(&relation, columns)?)
-                        }
-                        _ => None,
-                    }
-                };
+                let columns = self
+                    .sources
+                    .iter()
+                    .find_map(|source| source.columns_of(&relation))
+                    .transpose()?;
                 self.relations.insert(relation.oid, columns);
                 Ok(None)
             }
@@ -298,13 +286,11 @@ mod tests {
     use super::*;
     use crate::decode::wire;
     use crate::event::EventSource;
+    use outbox_core::ident::TableName;
 
     fn assembler() -> Assembler {
-        Assembler::new(
-            TableName::new("public", "outbox").unwrap(),
-            ColumnNames::native(),
-            emit::EMIT_PREFIX,
-        )
+        let outbox = TableName::new("public", "outbox").unwrap();
+        Assembler::new(SourceTable::native(outbox), emit::EMIT_PREFIX)
     }
 
     const COLUMNS: &[(&str, u32)] = &[

@@ -10,6 +10,7 @@ use crate::assemble::{AssembleError, Assembler, Output};
 use crate::decode::{Begin, Commit, EmittedMessage, LogicalMessage};
 use crate::emit::emit_prefix;
 use crate::lsn::Lsn;
+use crate::table::SourceTable;
 
 /// Where and how to replicate. Its `Debug` leaves the URL out: it may hold a password.
 #[derive(Clone)]
@@ -22,10 +23,9 @@ pub struct WalConfig {
     pub slot: String,
     /// The publication of the outbox's INSERTs (`migrate --capture wal` creates it).
     pub publication: String,
-    pub outbox_table: TableName,
-    /// What the outbox table's columns are named: the native table's, or a mapped one's.
-    pub columns: crate::table::ColumnNames,
-    /// The native outbox, captured beside a mapped `outbox_table`.
+    /// The table whose INSERTs are events: the native outbox, or a mapped table.
+    pub source: SourceTable,
+    /// The native outbox, captured beside a mapped `source`.
     pub native_outbox: Option<TableName>,
     /// The prefix of outbox messages ([`emit_prefix`] of the outbox the emit function
     /// writes for: the native one).
@@ -65,8 +65,7 @@ impl WalConfig {
             slot: slot.into(),
             publication: publication.into(),
             message_prefix: emit_prefix(&outbox_table),
-            outbox_table,
-            columns: crate::table::ColumnNames::native(),
+            source: SourceTable::native(outbox_table),
             native_outbox: None,
             // A stop waits for the last confirmation to be reported (the client has no way
             // to send it at once): at 1 s, every `run --drain` ended on the next whole
@@ -89,7 +88,7 @@ impl std::fmt::Debug for WalConfig {
             .field("url", &"(hidden)")
             .field("slot", &self.slot)
             .field("publication", &self.publication)
-            .field("outbox_table", &self.outbox_table)
+            .field("source", &self.source.name)
             .field("message_prefix", &self.message_prefix)
             .field("status_interval", &self.status_interval)
             .field("read_ahead", &self.read_ahead)
@@ -217,15 +216,10 @@ impl WalStream {
         Ok(WalStream {
             client,
             assembler: {
-                let assembler = Assembler::new(
-                    config.outbox_table.clone(),
-                    config.columns.clone(),
-                    config.message_prefix.clone(),
-                );
+                let assembler =
+                    Assembler::new(config.source.clone(), config.message_prefix.clone());
                 match &config.native_outbox {
-                    Some(native) => {
-                        assembler.also(native.clone(), crate::table::ColumnNames::native())
-                    }
+                    Some(native) => assembler.also(SourceTable::native(native.clone())),
                     None => assembler,
                 }
             },

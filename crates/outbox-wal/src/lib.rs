@@ -46,4 +46,4 @@ pub use event::{EventPosition, EventSource, Undecodable, WalEvent};
 pub use lsn::Lsn;
 pub use schema::publication_ddl;
 pub use settings::WalSettings;
-pub use table::ColumnNames;
+pub use table::{ColumnNames, SourceTable};

@@ -6,7 +6,7 @@ use outbox_core::ident::{Ident, TableName};
 use outbox_core::migration::{Lock, Run, Step, Steps};
 
 use crate::emit::{emit_function, emit_function_ddl, emit_prefix, DRAIN_MARKER};
-use crate::table::ColumnNames;
+use crate::table::{ColumnNames, SourceTable};
 
 /// Creates the publication `publication` of `table`'s INSERTs, if no publication of that
 /// name exists. INSERTs only: the relay's own deletes of delivered rows, and any updates,
@@ -43,8 +43,7 @@ pub struct CaptureTables {
     pub outbox: TableName,
     /// The table whose INSERTs are captured, and deleted once delivered: the native outbox,
     /// or a mapped table (Debezium's `outboxevent`).
-    pub source: TableName,
-    pub columns: ColumnNames,
+    pub source: SourceTable,
     /// `<outbox>_parked`: events that must wait (a retry's backoff, a scheduled time, the
     /// later events of a key that waits). Outside the publication, so the slot moves past
     /// them; the same columns and indexes as the outbox, so the polling claim serves it.
@@ -61,19 +60,17 @@ impl CaptureTables {
     /// The tables of capturing the native outbox itself.
     pub fn new(outbox: TableName, dead_letters: TableName, publication: Ident) -> Self {
         Self::with_source(
-            outbox.clone(),
-            ColumnNames::native(),
+            SourceTable::native(outbox.clone()),
             outbox,
             dead_letters,
             publication,
         )
     }
 
-    /// The tables of capturing `source` (its columns named as `columns` says), with the
-    /// native `outbox` tables keeping parked events and dead letters.
+    /// The tables of capturing `source`, with the native `outbox` tables keeping parked
+    /// events and dead letters.
     pub fn with_source(
-        source: TableName,
-        columns: ColumnNames,
+        source: SourceTable,
         outbox: TableName,
         dead_letters: TableName,
         publication: Ident,
@@ -83,7 +80,6 @@ impl CaptureTables {
         CaptureTables {
             outbox,
             source,
-            columns,
             parked,
             dead_letters,
             publication,
@@ -138,8 +134,8 @@ CREATE TABLE IF NOT EXISTS {adopted} (
 {shared_ids}"#,
             publication = match self.is_mapped() {
                 // The native outbox too: `dead retry` and `send` write there.
-                true => publication_of(&self.publication, &[&self.source, &self.outbox]),
-                false => publication_ddl(&self.publication, &self.source),
+                true => publication_of(&self.publication, &[&self.source.name, &self.outbox]),
+                false => publication_ddl(&self.publication, &self.source.name),
             },
             shared_ids = self.shared_ids_ddl(),
             adopted = self.adopted.quoted(),
@@ -150,18 +146,21 @@ CREATE TABLE IF NOT EXISTS {adopted} (
 
     /// Whether a mapped table is captured (beside the native outbox).
     pub fn is_mapped(&self) -> bool {
-        self.source != self.outbox
+        self.source.name != self.outbox
     }
 
     /// The source's row id sequence, by the name `bigserial` gives it.
     fn source_sequence(&self) -> TableName {
         TableName {
-            schema: self.source.schema.clone(),
+            schema: self.source.name.schema.clone(),
             name: Ident::new(
-                &format!("{}_{}_seq", self.source.name, self.columns.sequence_id),
+                &format!(
+                    "{}_{}_seq",
+                    self.source.name.name, self.source.columns.sequence_id
+                ),
                 "sequence name",
             )
-            .unwrap_or_else(|_| self.source.name.clone()),
+            .unwrap_or_else(|_| self.source.name.name.clone()),
         }
     }
 
@@ -172,8 +171,8 @@ CREATE TABLE IF NOT EXISTS {adopted} (
         if !self.is_mapped() {
             return String::new();
         }
-        let source = self.source.quoted().replace('\'', "''");
-        let column = self.columns.sequence_id.replace('\'', "''");
+        let source = self.source.name.quoted().replace('\'', "''");
+        let column = self.source.columns.sequence_id.replace('\'', "''");
         format!(
             r#"
 -- A mapped table's row ids are the events' ids: the relay's own tables draw from its sequence.
@@ -199,7 +198,7 @@ $outbox_ids$;
     pub fn grants(&self, role: &str) -> String {
         let role = format!("\"{}\"", role.replace('"', "\"\""));
         let parked = self.parked.quoted();
-        let outbox = self.source.quoted();
+        let outbox = self.source.name.quoted();
         let source_sequence = match self.is_mapped() {
             true => format!(
                 "\nGRANT USAGE ON SEQUENCE {} TO {role};\n\
@@ -395,8 +394,8 @@ impl CaptureStatements {
                      ON c.relnamespace = n.oid AND c.relname = pt.tablename
                   WHERE p.pubname = $1 AND pt.schemaname = '{schema}'
                     AND pt.tablename = '{table}'",
-                schema = tables.source.schema.as_str().replace('\'', "''"),
-                table = tables.source.name.as_str().replace('\'', "''"),
+                schema = tables.source.name.schema.as_str().replace('\'', "''"),
+                table = tables.source.name.name.as_str().replace('\'', "''"),
             ),
             replication_role: "SELECT rolreplication OR rolsuper, current_user::text
                                  FROM pg_catalog.pg_roles WHERE rolname = current_user"
@@ -412,8 +411,8 @@ impl CaptureStatements {
 
 /// A `WITH` clause deleting the rows of ids `$1` from the captured tables, as `deleted(id)`.
 fn deletes(tables: &CaptureTables) -> String {
-    let source = tables.source.quoted();
-    let row_id = quote(&tables.columns.sequence_id);
+    let source = tables.source.name.quoted();
+    let row_id = quote(&tables.source.columns.sequence_id);
     let mut with = format!(
         "WITH deleted AS (DELETE FROM {source} WHERE {row_id} = ANY($1) RETURNING {row_id} AS id)"
     );
@@ -456,8 +455,8 @@ pub struct Adoption {
 /// table's get new ones, drawn in its rows' order, since its ids are its own.
 fn adopt(tables: &CaptureTables) -> Adoption {
     let parked = tables.parked.quoted();
-    let source = tables.source.quoted();
-    let c = &tables.columns;
+    let source = tables.source.name.quoted();
+    let c = &tables.source.columns;
     // A native table's rows, as they are, from the CTE `from`.
     let native_rows = |from: &str| {
         format!(
@@ -596,8 +595,7 @@ mod tests {
         );
         assert!(!native.grants("relay").contains("TEMPORARY"));
         let mapped = CaptureTables::with_source(
-            table("outboxevent"),
-            ColumnNames::native(),
+            SourceTable::native(table("outboxevent")),
             table("outbox"),
             table("outbox_dead_letters"),
             publication,

@@ -12,6 +12,32 @@ use outbox_layout::{IdType, Mapping};
 use crate::decode::{ColumnValue, Relation, TupleData};
 use crate::event::{EventSource, Undecodable, WalEvent};
 
+/// A table whose INSERTs capture reads, and what its columns are named.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SourceTable {
+    pub name: TableName,
+    pub columns: ColumnNames,
+}
+
+impl SourceTable {
+    /// The native outbox table `name`, its columns named as `migrate` creates them.
+    pub fn native(name: TableName) -> Self {
+        SourceTable {
+            name,
+            columns: ColumnNames::native(),
+        }
+    }
+
+    /// The outbox columns of `relation` when it is this table; `None` for another table.
+    pub fn columns_of(
+        &self,
+        relation: &Relation<'_>,
+    ) -> Option<Result<OutboxColumns, MissingColumn>> {
+        OutboxColumns::is_outbox(relation, &self.name)
+            .then(|| OutboxColumns::resolve(relation, &self.columns))
+    }
+}
+
 /// Which column of the captured table holds what, by name.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ColumnNames {

@@ -24,27 +24,23 @@ pub struct Capture {
 #[derive(Clone, Debug)]
 pub struct CapturedTable {
     pub mapping: outbox_layout::Mapping,
-    pub table: outbox_core::ident::TableName,
-    pub columns: outbox_wal::ColumnNames,
+    pub source: outbox_wal::SourceTable,
 }
 
 impl CapturedTable {
     /// A mapped table as WAL capture reads it (see [`outbox_wal::ColumnNames::of_mapping`]).
     pub fn of(mapping: outbox_layout::Mapping) -> Result<Self, outbox_core::StoreError> {
         let columns = outbox_wal::ColumnNames::of_mapping(&mapping)?;
-        let table = outbox_core::ident::TableName::new(
+        let name = outbox_core::ident::TableName::new(
             mapping.schema.as_deref().unwrap_or("public"),
             &mapping.table,
         )?;
-        Ok(CapturedTable {
-            mapping,
-            table,
-            columns,
-        })
+        let source = outbox_wal::SourceTable { name, columns };
+        Ok(CapturedTable { mapping, source })
     }
 
-    pub(super) fn source(&self) -> (outbox_core::ident::TableName, outbox_wal::ColumnNames) {
-        (self.table.clone(), self.columns.clone())
+    pub(super) fn source(&self) -> outbox_wal::SourceTable {
+        self.source.clone()
     }
 
     /// The mapped table's own DDL (Debezium's table, and the relay's order column).
@@ -62,30 +58,24 @@ impl Capture {
         outbox_wal::capture::capture_tables(store.tables(), &self.publication, source)
     }
 
-    /// The table the stream is read from, and its column names.
-    pub fn source_table(
-        &self,
-        store: &PgStore,
-    ) -> (outbox_core::ident::TableName, outbox_wal::ColumnNames) {
+    /// The table the stream is read from.
+    pub fn source_table(&self, store: &PgStore) -> outbox_wal::SourceTable {
         match &self.source {
             Some(source) => source.source(),
-            None => (
-                store.tables().outbox.clone(),
-                outbox_wal::ColumnNames::native(),
-            ),
+            None => outbox_wal::SourceTable::native(store.tables().outbox.clone()),
         }
     }
 
     /// Starts the replication reader: the store the engine claims from.
     pub fn start(&self, pg: &PgStore, run: CaptureRun) -> outbox_wal::WalStore {
-        let (table, columns) = self.source_table(pg);
+        let source = self.source_table(pg);
         let mut wal = outbox_wal::WalConfig::new(
             run.database_url,
             self.slot.clone(),
             self.publication.as_str(),
-            table,
+            source.name.clone(),
         );
-        wal.columns = columns;
+        wal.source = source;
         // Beside a mapped table, the native outbox is captured too: `dead retry` and `send`
         // write there.
         wal.native_outbox = self.source.is_some().then(|| pg.tables().outbox.clone());

@@ -9,7 +9,7 @@ pub async fn verify_capture(
     main: &PgStore,
     publication: &outbox_core::ident::Ident,
     slot: &str,
-    source: Option<(outbox_core::ident::TableName, crate::table::ColumnNames)>,
+    source: Option<SourceTable>,
 ) -> StoreResult<Vec<Problem>> {
     // `migrate --capture wal` installs the trigger that notifies nobody, and `main` expects
     // that one (its tables say `poll_wakeup`).
@@ -136,7 +136,7 @@ pub(super) async fn publication_problems(
     let rows = main
         .query_rows("publication", &sql.publication, &[&name])
         .await?;
-    let table = &tables.source;
+    let table = &tables.source.name;
     let set_table = format!(
         "ALTER PUBLICATION {} SET TABLE {}; ALTER PUBLICATION {} SET (publish = 'insert')",
         publication.quoted(),

@@ -51,6 +51,7 @@ use crate::client::{WalConfig, WalError, WalStream};
 use crate::event::{EventPosition, EventSource, Undecodable, WalEvent};
 use crate::lsn::Lsn;
 use crate::schema::{CaptureStatements, CaptureTables};
+use crate::table::SourceTable;
 
 mod checks;
 mod columns;
@@ -154,8 +155,8 @@ struct Inner {
     sql: CaptureStatements,
     slot: String,
     publication: outbox_core::ident::Ident,
-    /// The captured table and its column names.
-    source: (outbox_core::ident::TableName, crate::table::ColumnNames),
+    /// The captured table.
+    source: SourceTable,
     drain: bool,
     state: Mutex<State>,
     /// Serializes "is this key parked?" with parking and with un-parking, so a key is never
@@ -204,10 +205,7 @@ impl WalStore {
     /// Starts the replication reader (it creates the slot on first use) over `main`, the
     /// native PostgreSQL store of the outbox, whose pool serves every statement.
     pub fn start(main: PgStore, options: WalStoreOptions) -> Self {
-        let source = (
-            options.wal.outbox_table.clone(),
-            options.wal.columns.clone(),
-        );
+        let source = options.wal.source.clone();
         let tables = capture_tables(main.tables(), &options.publication, Some(source.clone()));
         let parked = main.with_tables(Tables {
             outbox: tables.parked.clone(),
@@ -241,6 +239,7 @@ impl WalStore {
             close: close_rx,
             status: status_tx,
             on_change: on_change.clone(),
+            sessions: reader::Sessions::new(),
         };
         // Its logs stay in the caller's span (an outbox's, among several).
         let handle = tokio::spawn(tracing::Instrument::in_current_span(reader.run()));
@@ -315,19 +314,15 @@ impl WalStore {
     }
 }
 
-/// The parked table and its neighbours, from the outbox's tables.
-/// The tables of capturing `source` (a table and its column names; `None`: the native
-/// outbox of `tables`), with `tables` keeping parked events and dead letters.
+/// The tables of capturing `source` (`None`: the native outbox of `tables`), with `tables`
+/// keeping parked events and dead letters.
 pub fn capture_tables(
     tables: &Tables,
     publication: &outbox_core::ident::Ident,
-    source: Option<(outbox_core::ident::TableName, crate::table::ColumnNames)>,
+    source: Option<SourceTable>,
 ) -> CaptureTables {
-    let (source, columns) =
-        source.unwrap_or_else(|| (tables.outbox.clone(), crate::table::ColumnNames::native()));
     CaptureTables::with_source(
-        source,
-        columns,
+        source.unwrap_or_else(|| SourceTable::native(tables.outbox.clone())),
         tables.outbox.clone(),
         tables.dead_letters.clone(),
         publication.clone(),

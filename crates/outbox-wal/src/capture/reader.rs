@@ -24,6 +24,31 @@ pub(super) struct Reader {
     pub(super) dead_letters: Arc<CaptureDeadLetters>,
     /// Charged for every output read; the stream is read only while it has room.
     pub(super) memory: Arc<MemoryBudget>,
+    pub(super) sessions: Sessions,
+}
+
+/// What the reader remembers from one session to the next.
+pub(super) struct Sessions {
+    /// Sessions started so far: the next one's number is announced to claims, which drop
+    /// what an earlier one left queued.
+    pub(super) started: u64,
+    /// A session has streamed: a slot missing now was dropped by hand, and may have taken
+    /// events with it, so it is not created again (see [`WalConfig::create_slot`]).
+    pub(super) streamed: bool,
+    /// `run --drain` wrote its end marker (once: the drain ends at the first one).
+    pub(super) drain_marker_written: bool,
+    pub(super) backoff: Backoff,
+}
+
+impl Sessions {
+    pub(super) fn new() -> Self {
+        Sessions {
+            started: 0,
+            streamed: false,
+            drain_marker_written: false,
+            backoff: Backoff::new(Duration::from_millis(200), Duration::from_secs(5)),
+        }
+    }
 }
 
 /// How a session ended.
@@ -36,16 +61,12 @@ pub(super) enum SessionEnd {
 
 impl Reader {
     pub(super) async fn run(mut self) {
-        let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
-        let mut session = 0;
-        let mut streamed = false;
-        let mut marker_written = false;
         loop {
             if *self.close.borrow() {
                 return;
             }
             let mut config = self.config.clone();
-            config.create_slot = !streamed;
+            config.create_slot = !self.sessions.streamed;
             self.session_name = session_name(&self.config.application_name);
             config.application_name = self.session_name.clone();
             let started = tokio::select! {
@@ -54,11 +75,10 @@ impl Reader {
             };
             let wait = match started {
                 Ok(mut stream) => {
-                    streamed = true;
-                    backoff.reset();
-                    session += 1;
-                    let end = self.stream(&mut stream, session, &mut marker_written).await;
-                    match end {
+                    self.sessions.streamed = true;
+                    self.sessions.backoff.reset();
+                    self.sessions.started += 1;
+                    match self.stream(&mut stream).await {
                         SessionEnd::Closed => {
                             stream.confirm(*self.confirm.borrow());
                             if let Err(e) = stream.stop(Duration::from_secs(5)).await {
@@ -69,9 +89,9 @@ impl Reader {
                         SessionEnd::Broken(reason) => {
                             tracing::warn!(error = %reason, "the replication session broke; starting a new one from the slot's confirmed position");
                             self.set_status(CaptureStatus::Reconnecting(reason));
-                            backoff.next_delay()
+                            self.sessions.backoff.next_delay()
                         }
-                        SessionEnd::Failed(reason) => self.failed(reason, &mut backoff),
+                        SessionEnd::Failed(reason) => self.failed(reason),
                     }
                 }
                 Err(e) if e.is_slot_in_use() => {
@@ -85,9 +105,9 @@ impl Reader {
                     let reason = describe(&e);
                     tracing::warn!(error = %reason, "cannot start the replication session; retrying");
                     self.set_status(CaptureStatus::Reconnecting(reason));
-                    backoff.next_delay()
+                    self.sessions.backoff.next_delay()
                 }
-                Err(e) => self.failed(describe(&e), &mut backoff),
+                Err(e) => self.failed(describe(&e)),
             };
             tokio::select! {
                 () = tokio::time::sleep(wait) => {}
@@ -98,12 +118,12 @@ impl Reader {
 
     /// Capture cannot go on until an operator acts: said once (not at every retry), and
     /// by claims and `/readyz` meanwhile. The delay before trying again.
-    pub(super) fn failed(&self, reason: String, backoff: &mut Backoff) -> Duration {
+    pub(super) fn failed(&mut self, reason: String) -> Duration {
         if *self.status.borrow() != CaptureStatus::Failed(reason.clone()) {
             tracing::error!(error = %reason, "WAL capture cannot start; retrying until fixed");
         }
         self.set_status(CaptureStatus::Failed(reason));
-        backoff.next_delay()
+        self.sessions.backoff.next_delay()
     }
 
     /// Whether the publication carries every INSERT of the table, whole. While it does not,
@@ -230,21 +250,26 @@ impl Reader {
         Ok(())
     }
 
-    /// One session: announce it, then forward until it breaks or the store closes.
-    pub(super) async fn stream(
-        &mut self,
-        stream: &mut WalStream,
-        session: u64,
-        marker_written: &mut bool,
-    ) -> SessionEnd {
-        if let Some(end) = self.publication_drift().await {
+    /// One session: open it, then forward until it breaks or the store closes.
+    pub(super) async fn stream(&mut self, stream: &mut WalStream) -> SessionEnd {
+        if let Some(end) = self.open_session(stream).await {
             return end;
         }
+        self.forward(stream).await
+    }
+
+    /// What a session does before it forwards: checks the publication, adopts the rows that
+    /// predate the slot, announces itself to claims with the keys still parked, and (with
+    /// `--drain`, once) writes the position the drain ends at. `Some`: the session ended.
+    async fn open_session(&mut self, stream: &WalStream) -> Option<SessionEnd> {
+        if let Some(end) = self.publication_drift().await {
+            return Some(end);
+        }
         if let Err(e) = self.adopt().await {
-            return SessionEnd::Broken(format!(
+            return Some(SessionEnd::Broken(format!(
                 "moving the rows that predate the slot to the parked table: {}",
                 e.report()
-            ));
+            )));
         }
         let parked_keys = match self
             .main
@@ -253,48 +278,55 @@ impl Reader {
         {
             Ok(rows) => rows.iter().map(|r| r.get(0)).collect(),
             Err(e) => {
-                return SessionEnd::Broken(format!("reading the parked keys: {}", e.report()))
+                let reason = format!("reading the parked keys: {}", e.report());
+                return Some(SessionEnd::Broken(reason));
             }
         };
         let start = stream.slot().confirmed_flush;
         tracing::info!(slot = %self.config.slot, %start, created = stream.slot().created, "streaming from the replication slot");
-        if !self
-            .send(Item::Session {
-                session,
-                start,
-                parked_keys,
-                owner: self.session_name.clone(),
-            })
-            .await
-        {
-            return SessionEnd::Closed;
+        let session = Item::Session {
+            session: self.sessions.started,
+            start,
+            parked_keys,
+            owner: self.session_name.clone(),
+        };
+        if !self.send(session).await {
+            return Some(SessionEnd::Closed);
         }
         self.set_status(CaptureStatus::Streaming);
-        if self.drain && !*marker_written {
-            match self
-                .main
-                .query_rows("drain marker", &self.sql.drain_marker, &[])
-                .await
-            {
-                Ok(rows) => {
-                    let lsn: String = rows[0].get(0);
-                    match lsn.parse::<Lsn>() {
-                        Ok(lsn) => {
-                            *marker_written = true;
-                            if !self.send(Item::DrainUntil(lsn)).await {
-                                return SessionEnd::Closed;
-                            }
-                        }
-                        Err(e) => {
-                            return SessionEnd::Broken(format!("the drain marker's position: {e}"))
-                        }
-                    }
-                }
-                Err(e) => {
-                    return SessionEnd::Broken(format!("writing the drain marker: {}", e.report()))
-                }
-            }
+        if self.drain && !self.sessions.drain_marker_written {
+            return self.write_drain_marker().await;
         }
+        None
+    }
+
+    /// Writes the drain's end marker and tells claims its position.
+    async fn write_drain_marker(&mut self) -> Option<SessionEnd> {
+        let written = self
+            .main
+            .query_rows("drain marker", &self.sql.drain_marker, &[])
+            .await;
+        let lsn: String = match written {
+            Ok(rows) => rows[0].get(0),
+            Err(e) => {
+                let reason = format!("writing the drain marker: {}", e.report());
+                return Some(SessionEnd::Broken(reason));
+            }
+        };
+        match lsn.parse::<Lsn>() {
+            Ok(lsn) => {
+                self.sessions.drain_marker_written = true;
+                (!self.send(Item::DrainUntil(lsn)).await).then_some(SessionEnd::Closed)
+            }
+            Err(e) => Some(SessionEnd::Broken(format!(
+                "the drain marker's position: {e}"
+            ))),
+        }
+    }
+
+    /// Forwards outputs to claims and confirmations to the server until the session breaks
+    /// or the store closes, pinging the database and re-checking the publication meanwhile.
+    async fn forward(&mut self, stream: &mut WalStream) -> SessionEnd {
         let mut liveness = SqlLiveness::new();
         // A slot in the channel is reserved before the stream is read, so a burst read is
         // never held back by a full channel while the session has other duties. Nor is
