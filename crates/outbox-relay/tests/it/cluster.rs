@@ -1,7 +1,8 @@
 //! Several relay processes over one PostgreSQL database, publishing to a real JetStream,
 //! while writers commit and roll back and nodes are killed, stopped, frozen and added; and
 //! the soak (`soak`, run by `scripts/soak.sh`), which repeats every fault until a million
-//! events are written.
+//! events are written; and a rolling upgrade from an older build
+//! (`rolling_upgrade_from_an_older_build`, run by `scripts/rolling-upgrade.sh`).
 
 use std::collections::{HashMap, HashSet};
 use std::process::Command;
@@ -51,6 +52,11 @@ struct Cluster {
 
 impl Cluster {
     fn start_node(&self, name: &str) -> RelayProcess {
+        self.start_node_of(BIN, name)
+    }
+
+    /// A node of the relay binary `bin` (another build, in the rolling upgrade).
+    fn start_node_of(&self, bin: &str, name: &str) -> RelayProcess {
         // Each node's connections carry its name, so a test can find and kill them.
         let url = format!("{}?application_name={name}", self.database_url);
         let mut args = vec![
@@ -87,12 +93,17 @@ impl Cluster {
             "1000",
         ];
         args.extend(self.capture.flags());
-        RelayProcess::spawn(self.dir.path(), name, &args, &[])
+        RelayProcess::spawn_build(bin, self.dir.path(), name, &args, &[])
     }
 
     /// `migrate` (with the capture mode's flags), 16 partitions.
     fn migrate(&self) {
-        let migrated = Command::new(BIN)
+        self.migrate_with(BIN);
+    }
+
+    /// `migrate` as the relay binary `bin` runs it.
+    fn migrate_with(&self, bin: &str) {
+        let migrated = Command::new(bin)
             .args(["migrate", "--database-url", &self.database_url])
             .args(["--partitions", "16"])
             .args(self.capture.flags())
@@ -799,6 +810,15 @@ async fn fault_round(
     *admin = reconnect(&cluster.database_url).await;
 }
 
+/// The capture mode named by the environment variable `name` (`poll` unless set).
+fn capture_from_env(name: &str) -> Capture {
+    match std::env::var(name).as_deref() {
+        Err(_) | Ok("poll") => Capture::Poll,
+        Ok("wal") => Capture::Wal,
+        Ok(other) => panic!("{name}={other}: poll or wal"),
+    }
+}
+
 /// The soak (issue 34 §2), run by `scripts/soak.sh` (not by CI): a cluster of
 /// `OUTBOX_SOAK_NODES` relays (3) on a private PostgreSQL and a private NATS, with
 /// `OUTBOX_SOAK_CAPTURE` (`poll`, or `wal`: one node streams, the others stand by), while
@@ -813,11 +833,7 @@ async fn fault_round(
 async fn soak() {
     outbox_testkit::install_crypto();
     let events = env_number("OUTBOX_SOAK_EVENTS", 1_000_000);
-    let capture = match std::env::var("OUTBOX_SOAK_CAPTURE").as_deref() {
-        Err(_) | Ok("poll") => Capture::Poll,
-        Ok("wal") => Capture::Wal,
-        Ok(other) => panic!("OUTBOX_SOAK_CAPTURE={other}: poll or wal"),
-    };
+    let capture = capture_from_env("OUTBOX_SOAK_CAPTURE");
     let node_count = env_number("OUTBOX_SOAK_NODES", 3).max(1);
     let writers = env_number("OUTBOX_SOAK_WRITERS", 12).max(1);
     let started = Instant::now();
@@ -970,5 +986,163 @@ async fn shutdown_leaves_a_partition_with_an_unconfirmed_publish_to_expire() {
         } else {
             assert_eq!(owner, None, "partition {partition} is released at once");
         }
+    }
+}
+
+// ---- A rolling upgrade with two builds (issue 34 §1): scripts/rolling-upgrade.sh ----
+
+/// Waits until the writers have committed `events` events.
+async fn committed(progress: &Progress, events: usize) {
+    eventually("the writers' progress", Duration::from_secs(900), || {
+        let done = progress.committed.load(Ordering::Relaxed) >= events;
+        async move { done.then_some(()) }
+    })
+    .await
+}
+
+/// The cluster protocol in `node`'s row of the nodes table, once the row is there (`None`:
+/// a build from before protocol versions, which leaves the column NULL).
+async fn protocol_of(admin: &tokio_postgres::Client, node: &str) -> Option<i32> {
+    eventually("the node's row", Duration::from_secs(60), || async move {
+        let rows = admin
+            .query("SELECT protocol FROM outbox_nodes WHERE id = $1", &[&node])
+            .await
+            .ok()?;
+        rows.first().map(|r| r.get::<_, Option<i32>>(0))
+    })
+    .await
+}
+
+/// The partitions `node` holds under a live lease.
+async fn partitions_held(admin: &tokio_postgres::Client, node: &str) -> i64 {
+    query_count(
+        admin,
+        "SELECT count(*) FROM outbox_partitions WHERE owner = $1 AND lease_until > now()",
+        &[&node],
+    )
+    .await
+    .unwrap()
+}
+
+/// Stops the node `old` (SIGTERM: it exits 0) and starts one of this build named `new`.
+/// Waits until the new node announces this build's protocol and, when polling, holds
+/// partitions beside `other` (`Some`: a node of the older build still running), so both
+/// builds are seen working side by side.
+async fn replace_with_this_build(
+    cluster: &Cluster,
+    admin: &tokio_postgres::Client,
+    old: &mut RelayProcess,
+    new: &str,
+    other: Option<&str>,
+) -> RelayProcess {
+    say(&format!("SIGTERM {}, start {new} of this build", old.name));
+    stop_node(old).await;
+    let node = cluster.start_node(new);
+    let protocol = protocol_of(admin, new).await;
+    assert_eq!(
+        protocol,
+        Some(outbox_core::migration::CLUSTER_PROTOCOL as i32)
+    );
+    if cluster.capture == Capture::Poll {
+        eventually(
+            "the new node to hold partitions beside the older one",
+            Duration::from_secs(60),
+            || async move {
+                let mine = partitions_held(admin, new).await;
+                let theirs = match other {
+                    Some(other) => partitions_held(admin, other).await,
+                    None => 1,
+                };
+                (mine > 0 && theirs > 0).then_some(())
+            },
+        )
+        .await;
+    }
+    node
+}
+
+/// A rolling upgrade from an older build, run by `scripts/rolling-upgrade.sh` (not by CI:
+/// it needs a second build of the relay, `OUTBOX_OLDER_RELAY_BIN`). The older build
+/// migrates a private PostgreSQL and runs two nodes of an ordered cluster
+/// (`OUTBOX_UPGRADE_CAPTURE`: `poll`, or `wal`, where one streams and one stands by) while
+/// six writers commit and roll back `OUTBOX_UPGRADE_EVENTS` events (30,000). As the README's
+/// "Upgrading" says: this build migrates while the older nodes run, then replaces them one
+/// at a time, so nodes of both builds work side by side. Every event is then checked:
+/// nothing lost, no rolled-back event, per-key order of first deliveries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs an older build of the relay: scripts/rolling-upgrade.sh runs it"]
+async fn rolling_upgrade_from_an_older_build() {
+    outbox_testkit::install_crypto();
+    let older = std::env::var("OUTBOX_OLDER_RELAY_BIN")
+        .expect("OUTBOX_OLDER_RELAY_BIN: the older build (scripts/rolling-upgrade.sh makes it)");
+    let capture = capture_from_env("OUTBOX_UPGRADE_CAPTURE");
+    let events = env_number("OUTBOX_UPGRADE_EVENTS", 30_000);
+    let started = Instant::now();
+    let postgres = ScriptedServer::start("postgres", "OUTBOX_TEST_PG_PORT");
+    let nats = private_nats(Duration::from_secs(24 * 3600)).await;
+    let cluster = Cluster {
+        dir: tempfile::tempdir().unwrap(),
+        database_url: format!("postgres://postgres@127.0.0.1:{}/postgres", postgres.port),
+        nats_url: nats.url.clone(),
+        ordering: "key",
+        capture,
+    };
+    say("the older build migrates and starts old-1 and old-2");
+    cluster.migrate_with(&older);
+    let mut nodes = vec![
+        cluster.start_node_of(&older, "old-1"),
+        cluster.start_node_of(&older, "old-2"),
+    ];
+    let ledger = Arc::new(Mutex::new(Ledger::default()));
+    let progress = Arc::new(Progress::default());
+    let tasks = start_writers(
+        &cluster.database_url,
+        6,
+        (usize::MAX, events),
+        &ledger,
+        &progress,
+    );
+    let admin = reconnect(&cluster.database_url).await;
+    assert_eq!(protocol_of(&admin, "old-1").await, None, "an older build");
+
+    committed(&progress, events / 5).await;
+    say("this build migrates while the older nodes run");
+    cluster.migrate();
+    committed(&progress, events * 2 / 5).await;
+    nodes[0] =
+        replace_with_this_build(&cluster, &admin, &mut nodes[0], "new-1", Some("old-2")).await;
+    committed(&progress, events * 3 / 5).await;
+    nodes[1] = replace_with_this_build(&cluster, &admin, &mut nodes[1], "new-2", None).await;
+    for t in tasks {
+        t.await.unwrap();
+    }
+    say("writers done");
+
+    let ledger = std::mem::take(&mut *ledger.lock().unwrap());
+    let mut check = StreamCheck::new(&ledger, true);
+    every_committed_event_reaches_the_stream(
+        &mut check,
+        &nats.js,
+        &admin,
+        Duration::from_secs(600),
+    )
+    .await;
+    let f = check.figures();
+    println!(
+        "upgrade: capture={} from={older} events={} rolled_back={} unknown={} lost={} rolled_back_published={} reordered_keys={} duplicates={} messages={} elapsed={:.0}s",
+        capture.name(),
+        ledger.committed.len(),
+        ledger.rolled_back.len(),
+        ledger.unknown.len(),
+        f.lost,
+        f.rolled_back_published,
+        f.reordered_keys,
+        f.duplicates,
+        f.messages,
+        started.elapsed().as_secs_f64(),
+    );
+    no_loss_no_duplicate_no_reordering(&check, false);
+    for node in &mut nodes {
+        stop_node(node).await;
     }
 }

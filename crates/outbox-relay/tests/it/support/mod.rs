@@ -66,8 +66,19 @@ impl RelayProcess {
     /// Runs `outbox-relay <args>` in `dir` with `env` set (and `DATABASE_URL` unset unless
     /// given), stdout discarded.
     pub fn spawn(dir: &Path, name: &str, args: &[&str], env: &[(&str, &str)]) -> Self {
+        Self::spawn_build(BIN, dir, name, args, env)
+    }
+
+    /// The same, of the relay binary `bin` (another build of it).
+    pub fn spawn_build(
+        bin: &str,
+        dir: &Path,
+        name: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Self {
         let log = dir.join(format!("{name}.log"));
-        let mut command = Command::new(BIN);
+        let mut command = Command::new(bin);
         command
             .args(args)
             .current_dir(dir)
