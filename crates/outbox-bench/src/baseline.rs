@@ -28,6 +28,22 @@ CREATE TRIGGER baseline_trigger AFTER INSERT ON baseline_outbox
     FOR EACH STATEMENT EXECUTE FUNCTION baseline_notify();
 ";
 
+/// The relay's mapping of the baseline's table (latency mode `mapped`): a peer's outbox
+/// table that marks a `sent` flag, as a new user would map it.
+pub const MAPPING: &str = r#"
+layout = "custom"
+[mapping]
+schema = "public"
+table = "baseline_outbox"
+id = "id"
+destination = "destination"
+key = "partition_key"
+payload = "payload"
+created_at = "created_at"
+on_success = "mark"
+state = { kind = "flag", column = "sent", pending = "false", done = "true" }
+"#;
+
 /// Where the baseline publishes.
 pub enum Sink {
     /// One line per event, `fdatasync` after each (the file's acknowledgement).

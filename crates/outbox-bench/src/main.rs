@@ -111,7 +111,7 @@ fn settings() -> Result<Settings> {
                 println!("outbox-bench [--events N] [--baseline-events N] [--latency-seconds S] [--scaling-events N] [--quick] [--only drain|latency|keepup|writers|scaling|wal|wal-drain|wal-memory] [--out DIR]");
                 println!("  drain sweeps: [--sinks file,nats] [--relay-args \"--batch-size 2000\"]; --baseline-events 0 skips the baseline and the PostgreSQL floor");
                 println!("  --only drain ends with the dashboard run: the drain to the first sink, once without and once with headless `chromium` open on the relay's dashboard (skipped without chromium)");
-                println!("  latency subsets: [--latency-plan 10000x10:notify+gated,1000x1:poll] (events/s x events per transaction : modes notify|gated|poll|baseline|wal|wal-emit; wal-stdout|wal-emit-stdout: the WAL relay's stdout sink piped into the bench, no broker; and the host's WAL floor recvlogical|recvlogical-emit: pg_recvlogical reading the slot, no relay)");
+                println!("  latency subsets: [--latency-plan 10000x10:notify+gated,1000x1:poll] (events/s x events per transaction : modes notify|gated|poll|baseline|wal|wal-emit; mapped: the relay on the baseline's table through a custom mapping; wal-stdout|wal-emit-stdout: the WAL relay's stdout sink piped into the bench, no broker; and the host's WAL floor recvlogical|recvlogical-emit: pg_recvlogical reading the slot, no relay)");
                 println!("  --only curve: the scale curve, `run --drain` to the file sink of un-analyzed backlogs of [--scale-backlogs 100000,1000000,10000000] rows to one destination, and of 1,000,000 rows over [--scale-destinations 1,8,64] destinations; the 10M run needs about 9 GB free disk");
                 println!("  --only wal-drain: the WAL capture drains alone (table form and outbox_emit, each beside pg_recvlogical's drain of the same backlog)");
                 println!("  --only wal-memory: WAL capture's drain of 256 events of 1 MiB to a webhook answering each after 500 ms, with the relay's peak RSS (also part of --only wal)");
@@ -161,7 +161,9 @@ const ONLY: [&str; 9] = [
 
 /// `RATExPER:MODE+MODE,...`, for example `10000x10:notify+gated,1000x1:baseline`.
 /// The latency modes that measure a relay (the floor's are [`wal::FLOOR_MODES`]).
-const RELAY_LATENCY_MODES: [&str; 6] = ["notify", "gated", "poll", "baseline", "wal", "wal-emit"];
+const RELAY_LATENCY_MODES: [&str; 7] = [
+    "notify", "gated", "poll", "baseline", "mapped", "wal", "wal-emit",
+];
 
 fn parse_latency_plan(text: &str) -> Result<Vec<(u64, u64, String)>> {
     let mut plan = Vec::new();

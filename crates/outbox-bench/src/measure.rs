@@ -403,7 +403,8 @@ async fn subscribe_on_own_thread(
 async fn latency_run(b: &Bench, rate: u64, per_commit: u64, mode: &str) -> Result<Value> {
     let db = b.reset().await?;
     let js = b.nats_stream().await?;
-    let table = if mode == "baseline" {
+    // `mapped`: the relay on the baseline's own table, as a peer's outbox table it maps.
+    let table = if mode == "baseline" || mode == "mapped" {
         db.batch_execute(baseline::DDL).await?;
         "baseline_outbox"
     } else {
@@ -421,6 +422,7 @@ async fn latency_run(b: &Bench, rate: u64, per_commit: u64, mode: &str) -> Resul
     let mut relay = None;
     let mut floor = None;
     let mut base_task = None;
+    let mapped_config: String;
     match mode {
         _ if wal::FLOOR_MODES.contains(&mode) => {
             wal::prepare(b, &db).await?;
@@ -451,6 +453,12 @@ async fn latency_run(b: &Bench, rate: u64, per_commit: u64, mode: &str) -> Resul
                     args.extend(["--wakeup", "gated"]);
                 }
                 "poll" => args.extend(["--poll-fixed-rate", "--poll-interval", "50ms"]),
+                "mapped" => {
+                    let config = b.work.join("mapped.toml");
+                    std::fs::write(&config, baseline::MAPPING)?;
+                    mapped_config = config.display().to_string();
+                    args.extend(["--config", &mapped_config, "--auto-migrate"]);
+                }
                 _ if mode.starts_with("wal") => {
                     // The slot exists before the relay starts, as in production: nothing
                     // is adopted into the parked table.
@@ -554,7 +562,8 @@ async fn latency_run(b: &Bench, rate: u64, per_commit: u64, mode: &str) -> Resul
 pub type LatencyPlan<'a> = &'a [(u64, u64, &'a str)];
 
 /// Latency (2.) at 1,000/s and 10,000/s: NOTIFY, the gated wake-up, fixed-rate polling
-/// (50 ms), the baseline and WAL capture (rows, and `outbox_emit`), with single-row
+/// (50 ms), the baseline, the relay on the baseline's table through a mapping (at 1,000/s)
+/// and WAL capture (rows, and `outbox_emit`), with single-row
 /// transactions; then 10,000/s as transactions of 10 events (1,000 commits/s), which this
 /// machine's writers can reach with a trigger.
 pub const LATENCY_PLAN: LatencyPlan<'static> = &[
@@ -562,6 +571,7 @@ pub const LATENCY_PLAN: LatencyPlan<'static> = &[
     (1_000, 1, "gated"),
     (1_000, 1, "poll"),
     (1_000, 1, "baseline"),
+    (1_000, 1, "mapped"),
     (1_000, 1, "wal"),
     (1_000, 1, "wal-emit"),
     (10_000, 1, "notify"),
