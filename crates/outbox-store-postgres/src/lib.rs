@@ -421,7 +421,7 @@ async fn claim_owned_once(
         .await
         .map_err(|e| db_error("claim", e))?;
     let mut floor_statements = None;
-    if inner.floor.usable() {
+    if inner.floor.usable() && inner.owned.wants_floor(node) {
         match futures::try_join!(
             client.prepare_cached(&sql.floor_sequence),
             client.prepare_cached(&sql.floor_writers),
@@ -450,6 +450,7 @@ async fn claim_owned_once(
             db_error("claim", e)
         })?;
         let ids = claimed_ids(&inner.tables, &rows)?;
+        inner.owned.claim_returned(node, ids.len() as i64 >= limit);
         inner.owned.claimed(node, &plan, &ids, None);
         return Ok(Some(rows));
     };
@@ -469,6 +470,7 @@ async fn claim_owned_once(
         db_error("claim", e)
     })?;
     let ids = claimed_ids(&inner.tables, &rows)?;
+    inner.owned.claim_returned(node, ids.len() as i64 >= limit);
     let seen = match (sequence, writers, due, after) {
         (Ok(sequence), Ok(writers), Ok(due), Ok(after)) => {
             // Rows make the statement's clock check moot: it passed, or none would return.

@@ -34,6 +34,16 @@
 //! or retried by this node (to their lowest id), another fence (to zero), and once a second
 //! (to zero) for rows no claim can see coming: rows an operator moves back (`dead retry`,
 //! `replay`).
+//!
+//! # When the floor is read
+//! The floor costs four statements besides each claim (pipelined with it), and reading the
+//! lock manager's view takes every lock-manager partition lock for a moment, which writers
+//! taking their locks wait for. It pays when a walk from zero would pass many rows: while a
+//! backlog drains (the last claim came back full) or while many rows are held. A node whose
+//! last claim came back below its limit, holding few rows, is caught up: its next claim
+//! scans from zero, one statement, as claims do while the floor is unusable. At 1,000 events
+//! a second, the floor's statements on every claim cost writers about a fifth of their
+//! commit rate and the relay its lead on the baseline's tail (BENCHMARKS.md, "The tail").
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
@@ -43,6 +53,10 @@ use outbox_core::{Fence, SequenceId, StoreError};
 
 /// How often the floor goes back to zero, so that rows moved back by an operator are found.
 const FULL_SCAN_EVERY: Duration = Duration::from_secs(1);
+
+/// Held rows past which claims read the floor even when caught up: a walk from zero would
+/// pass them all.
+const FLOOR_WORTH_HELD: usize = 1000;
 
 /// How long claims go without the floor after a reason not to use it, before trying again
 /// (a GRANT or an ALTER SEQUENCE then takes effect without a restart).
@@ -170,6 +184,8 @@ pub struct OwnedClaims {
 struct NodeClaims {
     held: HashSet<SequenceId>,
     floor: Floor,
+    /// The last claim came back below its limit (see "When the floor is read").
+    caught_up: bool,
 }
 
 struct Floor {
@@ -234,6 +250,21 @@ pub struct Observation<'a> {
 }
 
 impl OwnedClaims {
+    /// Whether `node`'s next claim should read the floor: it drains a backlog, or holds
+    /// enough rows that a walk from zero would be long (see "When the floor is read").
+    pub fn wants_floor(&self, node: &str) -> bool {
+        let nodes = self.nodes.lock().expect("owned claims lock");
+        nodes
+            .get(node)
+            .is_none_or(|c| !c.caught_up || c.held.len() >= FLOOR_WORTH_HELD)
+    }
+
+    /// Records whether `node`'s claim came back with as many rows as it asked for.
+    pub fn claim_returned(&self, node: &str, full: bool) {
+        let mut nodes = self.nodes.lock().expect("owned claims lock");
+        nodes.entry(node.to_string()).or_default().caught_up = !full;
+    }
+
     /// Where `node`'s next claim starts, and the held rows it must leave out.
     /// Without `use_floor`, the claim scans from the start.
     pub fn plan(&self, node: &str, fence: &Fence, use_floor: bool) -> ClaimPlan {
@@ -368,6 +399,40 @@ mod tests {
             partitions: vec![0, 1, 2, 3],
             epochs: vec![1, 1, 1, 1],
         }
+    }
+
+    #[test]
+    fn a_caught_up_node_claims_without_the_floor_until_a_claim_comes_back_full() {
+        let owned = OwnedClaims::default();
+        // Nothing known yet: a start-up may face a backlog.
+        assert!(owned.wants_floor("n"));
+        owned.claim_returned("n", false);
+        assert!(
+            !owned.wants_floor("n"),
+            "caught up: one statement per claim"
+        );
+        let plan = owned.plan("n", &fence(), owned.wants_floor("n"));
+        assert_eq!(plan.start, 0, "without the floor the claim scans from zero");
+        owned.claim_returned("n", true);
+        assert!(owned.wants_floor("n"), "a full claim: a backlog to drain");
+        assert!(owned.wants_floor("other"), "per node");
+    }
+
+    #[test]
+    fn many_held_rows_bring_the_floor_back_while_claims_come_back_short() {
+        let owned = OwnedClaims::default();
+        owned.claim_returned("n", false);
+        let plan = owned.plan("n", &fence(), false);
+        let ids: Vec<SequenceId> = (1..FLOOR_WORTH_HELD as i64).collect();
+        owned.claimed("n", &plan, &ids, None);
+        assert!(!owned.wants_floor("n"));
+        owned.claimed("n", &plan, &[FLOOR_WORTH_HELD as i64], None);
+        assert!(
+            owned.wants_floor("n"),
+            "a walk from zero would pass every held row"
+        );
+        owned.forget("n", &[1], false);
+        assert!(!owned.wants_floor("n"));
     }
 
     fn seen<'a>(

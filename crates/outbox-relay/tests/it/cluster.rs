@@ -742,17 +742,19 @@ impl RssSampler {
     }
 }
 
-/// The cluster of the soak: its nodes, and a count to name restarted ones
-/// (`relay-<slot>-<n>`).
+/// The cluster of the soak: its nodes, the relay binary they run, and a count to name
+/// restarted ones (`relay-<slot>-<n>`).
 struct SoakNodes {
     nodes: Vec<RelayProcess>,
+    bin: String,
     restarts: usize,
 }
 
 impl SoakNodes {
     fn restart(&mut self, cluster: &Cluster, i: usize) {
         self.restarts += 1;
-        self.nodes[i] = cluster.start_node(&format!("relay-{}-{}", i + 1, self.restarts));
+        let name = format!("relay-{}-{}", i + 1, self.restarts);
+        self.nodes[i] = cluster.start_node_of(&self.bin, &name);
     }
 }
 
@@ -850,10 +852,14 @@ async fn soak() {
         capture,
     };
     cluster.migrate();
+    // `OUTBOX_SOAK_RELAY_BIN`: the nodes run that build (scripts/soak.sh sets a release
+    // one with OUTBOX_SOAK_RELEASE=1); this test's own build otherwise.
+    let bin = std::env::var("OUTBOX_SOAK_RELAY_BIN").unwrap_or_else(|_| BIN.to_string());
     let mut soak = SoakNodes {
         nodes: (1..=node_count)
-            .map(|i| cluster.start_node(&format!("relay-{i}")))
+            .map(|i| cluster.start_node_of(&bin, &format!("relay-{i}")))
             .collect(),
+        bin,
         restarts: 0,
     };
     let rss = RssSampler::start(started);
