@@ -1007,13 +1007,13 @@ async fn committed(progress: &Progress, events: usize) {
 }
 
 /// The cluster protocol in `node`'s row of the nodes table, once the row is there (`None`:
-/// a build from before protocol versions, which leaves the column NULL).
+/// a build from before protocol versions, which leaves the column NULL, or a schema from
+/// before the column).
 async fn protocol_of(admin: &tokio_postgres::Client, node: &str) -> Option<i32> {
+    // Read through the row's JSON: an older build's schema has no such column.
+    let sql = "SELECT (to_jsonb(n) ->> 'protocol')::int4 FROM outbox_nodes n WHERE n.id = $1";
     eventually("the node's row", Duration::from_secs(60), || async move {
-        let rows = admin
-            .query("SELECT protocol FROM outbox_nodes WHERE id = $1", &[&node])
-            .await
-            .ok()?;
+        let rows = admin.query(sql, &[&node]).await.ok()?;
         rows.first().map(|r| r.get::<_, Option<i32>>(0))
     })
     .await
@@ -1044,11 +1044,18 @@ async fn replace_with_this_build(
     say(&format!("SIGTERM {}, start {new} of this build", old.name));
     stop_node(old).await;
     let node = cluster.start_node(new);
-    let protocol = protocol_of(admin, new).await;
-    assert_eq!(
-        protocol,
-        Some(outbox_core::migration::CLUSTER_PROTOCOL as i32)
-    );
+    // A node registers first and announces its protocol when it asks for partitions.
+    let protocol = eventually(
+        "the new node's protocol",
+        Duration::from_secs(60),
+        || async {
+            let sql = "SELECT protocol FROM outbox_nodes WHERE id = $1 AND protocol IS NOT NULL";
+            let rows = admin.query(sql, &[&new]).await.ok()?;
+            rows.first().map(|r| r.get::<_, i32>(0))
+        },
+    )
+    .await;
+    assert_eq!(protocol, outbox_core::migration::CLUSTER_PROTOCOL as i32);
     if cluster.capture == Capture::Poll {
         eventually(
             "the new node to hold partitions beside the older one",
