@@ -1031,9 +1031,9 @@ async fn partitions_held(admin: &tokio_postgres::Client, node: &str) -> i64 {
 }
 
 /// Stops the node `old` (SIGTERM: it exits 0) and starts one of this build named `new`.
-/// Waits until the new node announces this build's protocol and, when polling, holds
-/// partitions beside `other` (`Some`: a node of the older build still running), so both
-/// builds are seen working side by side.
+/// Polling, waits until the new node announces this build's protocol and holds partitions
+/// beside `other` (`Some`: a node of the older build still running), so both builds are
+/// seen working side by side; with WAL capture, until it has registered.
 async fn replace_with_this_build(
     cluster: &Cluster,
     admin: &tokio_postgres::Client,
@@ -1044,6 +1044,12 @@ async fn replace_with_this_build(
     say(&format!("SIGTERM {}, start {new} of this build", old.name));
     stop_node(old).await;
     let node = cluster.start_node(new);
+    if cluster.capture == Capture::Wal {
+        // No partitions to share: one node streams from the slot, and the protocol (which
+        // governs sharing partitions) is not announced. The new node stands by.
+        protocol_of(admin, new).await;
+        return node;
+    }
     // A node registers first and announces its protocol when it asks for partitions.
     let protocol = eventually(
         "the new node's protocol",
