@@ -812,6 +812,39 @@ async fn fault_round(
     *admin = reconnect(&cluster.database_url).await;
 }
 
+/// An ordered cluster (no node started yet) on a private PostgreSQL and a private NATS
+/// whose dedupe window is longer than any run: a redelivery JetStream keeps is one to count.
+async fn private_cluster(capture: Capture) -> (ScriptedServer, PrivateNats, Cluster) {
+    let postgres = ScriptedServer::start("postgres", "OUTBOX_TEST_PG_PORT");
+    let nats = private_nats(Duration::from_secs(24 * 3600)).await;
+    let cluster = Cluster {
+        dir: tempfile::tempdir().unwrap(),
+        database_url: format!("postgres://postgres@127.0.0.1:{}/postgres", postgres.port),
+        nats_url: nats.url.clone(),
+        ordering: "key",
+        capture,
+    };
+    (postgres, nats, cluster)
+}
+
+/// What the writers committed and what the stream holds, for a summary line:
+/// `events=… rolled_back=… unknown=… lost=… rolled_back_published=… reordered_keys=…
+/// duplicates=… messages=…`.
+fn outcome(ledger: &Ledger, check: &StreamCheck<'_>) -> String {
+    let f = check.figures();
+    format!(
+        "events={} rolled_back={} unknown={} lost={} rolled_back_published={} reordered_keys={} duplicates={} messages={}",
+        ledger.committed.len(),
+        ledger.rolled_back.len(),
+        ledger.unknown.len(),
+        f.lost,
+        f.rolled_back_published,
+        f.reordered_keys,
+        f.duplicates,
+        f.messages,
+    )
+}
+
 /// The capture mode named by the environment variable `name` (`poll` unless set).
 fn capture_from_env(name: &str) -> Capture {
     match std::env::var(name).as_deref() {
@@ -841,16 +874,7 @@ async fn soak() {
     let started = Instant::now();
 
     // Never the shared servers: the soak restarts both.
-    let postgres = ScriptedServer::start("postgres", "OUTBOX_TEST_PG_PORT");
-    // Longer than the soak: a redelivery JetStream would keep is one to count.
-    let nats = private_nats(Duration::from_secs(24 * 3600)).await;
-    let cluster = Cluster {
-        dir: tempfile::tempdir().unwrap(),
-        database_url: format!("postgres://postgres@127.0.0.1:{}/postgres", postgres.port),
-        nats_url: nats.url.clone(),
-        ordering: "key",
-        capture,
-    };
+    let (postgres, nats, cluster) = private_cluster(capture).await;
     cluster.migrate();
     // `OUTBOX_SOAK_RELAY_BIN`: the nodes run that build (scripts/soak.sh sets a release
     // one with OUTBOX_SOAK_RELEASE=1); this test's own build otherwise.
@@ -900,18 +924,10 @@ async fn soak() {
     )
     .await;
     let (first_minute, last_minute, max) = rss.stop();
-    let f = check.figures();
     println!(
-        "soak: capture={} nodes={node_count} writers={writers} events={} rolled_back={} unknown={} lost={} rolled_back_published={} reordered_keys={} duplicates={} messages={} rounds={rounds} written_in={:.0}s elapsed={:.0}s rss_mb_first_minute_peak={first_minute:.1} rss_mb_last_minute_peak={last_minute:.1} rss_mb_max={max:.1}",
+        "soak: capture={} nodes={node_count} writers={writers} {} rounds={rounds} written_in={:.0}s elapsed={:.0}s rss_mb_first_minute_peak={first_minute:.1} rss_mb_last_minute_peak={last_minute:.1} rss_mb_max={max:.1}",
         capture.name(),
-        ledger.committed.len(),
-        ledger.rolled_back.len(),
-        ledger.unknown.len(),
-        f.lost,
-        f.rolled_back_published,
-        f.reordered_keys,
-        f.duplicates,
-        f.messages,
+        outcome(&ledger, &check),
         written.as_secs_f64(),
         started.elapsed().as_secs_f64(),
     );
@@ -1097,15 +1113,7 @@ async fn rolling_upgrade_from_an_older_build() {
     let capture = capture_from_env("OUTBOX_UPGRADE_CAPTURE");
     let events = env_number("OUTBOX_UPGRADE_EVENTS", 30_000);
     let started = Instant::now();
-    let postgres = ScriptedServer::start("postgres", "OUTBOX_TEST_PG_PORT");
-    let nats = private_nats(Duration::from_secs(24 * 3600)).await;
-    let cluster = Cluster {
-        dir: tempfile::tempdir().unwrap(),
-        database_url: format!("postgres://postgres@127.0.0.1:{}/postgres", postgres.port),
-        nats_url: nats.url.clone(),
-        ordering: "key",
-        capture,
-    };
+    let (_postgres, nats, cluster) = private_cluster(capture).await;
     say("the older build migrates and starts old-1 and old-2");
     cluster.migrate_with(&older);
     let mut nodes = vec![
@@ -1146,18 +1154,10 @@ async fn rolling_upgrade_from_an_older_build() {
         Duration::from_secs(600),
     )
     .await;
-    let f = check.figures();
     println!(
-        "upgrade: capture={} from={older} events={} rolled_back={} unknown={} lost={} rolled_back_published={} reordered_keys={} duplicates={} messages={} elapsed={:.0}s",
+        "upgrade: capture={} from={older} {} elapsed={:.0}s",
         capture.name(),
-        ledger.committed.len(),
-        ledger.rolled_back.len(),
-        ledger.unknown.len(),
-        f.lost,
-        f.rolled_back_published,
-        f.reordered_keys,
-        f.duplicates,
-        f.messages,
+        outcome(&ledger, &check),
         started.elapsed().as_secs_f64(),
     );
     no_loss_no_duplicate_no_reordering(&check, false);
