@@ -53,8 +53,6 @@ pub const SHUTDOWN_CLEANUP_RESERVE: Duration = Duration::from_secs(5);
 /// How long a drain waits, by default, for pending rows it cannot claim yet (leased by a node
 /// that died, or in partitions another node still holds) before it reports them as left.
 pub const DEFAULT_DRAIN_PATIENCE: Duration = Duration::from_secs(40);
-/// How often backlog gauges are refreshed.
-pub const DEFAULT_BACKLOG_INTERVAL: Duration = Duration::from_secs(5);
 
 /// How the engine learns that rows arrived.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -73,7 +71,6 @@ pub struct EngineConfig {
     pub settings: EngineSettings,
     pub node: NodeId,
     pub wake: WakeMode,
-    pub backlog_interval: Duration,
     /// Deliver what is deliverable now, then return.
     pub drain: bool,
     /// With `drain`: how long to wait for pending rows that no claim returns yet (another
@@ -107,7 +104,6 @@ impl EngineConfig {
             settings: EngineSettings::default(),
             node,
             wake: WakeMode::Notify,
-            backlog_interval: DEFAULT_BACKLOG_INTERVAL,
             drain: false,
             drain_patience: DEFAULT_DRAIN_PATIENCE,
             ordered: true,
@@ -997,7 +993,7 @@ pub async fn run(
     let backlog_reporter = tokio::spawn(
         report_backlog(
             store.clone(),
-            config.backlog_interval,
+            config.settings.backlog_interval,
             config.shared.health.clone(),
         )
         .in_current_span(),

@@ -25,6 +25,10 @@ pub const DEFAULT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(20);
 /// 30 s grace period that Kubernetes and systemd give before killing.
 pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(15);
 
+/// How often the backlog gauges are read. Each read counts the pending rows, so on a large
+/// backlog it is a scan of its own; 5 s keeps the gauges useful for alerts.
+pub const DEFAULT_BACKLOG_INTERVAL: Duration = Duration::from_secs(5);
+
 /// The largest claim: one statement's rows are held in memory and settled together.
 const MAX_BATCH_SIZE: usize = 50_000;
 /// The shortest lease: leases are extended every third of it, and shorter ones expire between
@@ -60,6 +64,10 @@ outbox_core::settings! {
         /// How failed publishes are retried ([retry]): base_delay, max_delay, max_attempts,
         /// max_attempts_by_type.
         pub retry: RetryPolicy = RetryPolicy::default(),
+        /// How often the backlog gauges (and the console's counts) are read; each read counts
+        /// the pending rows, a scan of its own on a large backlog.
+        #[serde(with = "outbox_core::time::duration_text")]
+        pub backlog_interval: Duration = DEFAULT_BACKLOG_INTERVAL,
     }
 }
 
@@ -86,6 +94,13 @@ impl EngineSettings {
         }
         if self.poll_interval.is_zero() {
             return Err("poll_interval must be greater than zero".into());
+        }
+        if self.backlog_interval < Duration::from_secs(1) {
+            return Err(format!(
+                "backlog_interval must be at least 1s (got {:?}): each read counts the pending \
+                 rows",
+                self.backlog_interval
+            ));
         }
         if self.publish_timeout < MIN_PUBLISH_TIMEOUT {
             return Err(format!(
@@ -139,5 +154,13 @@ mod tests {
             ..EngineSettings::default()
         });
         assert!(err.contains("max_in_flight (1000)"), "{err}");
+        let err = refused(EngineSettings {
+            backlog_interval: Duration::from_millis(10),
+            ..EngineSettings::default()
+        });
+        assert!(
+            err.contains("backlog_interval must be at least 1s"),
+            "{err}"
+        );
     }
 }

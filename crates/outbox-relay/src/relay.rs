@@ -200,7 +200,7 @@ async fn start(
                 token: admin_token,
                 metrics: metrics.clone(),
                 history: Default::default(),
-                figures: crate::admin::StoreFigures::new(engine.backlog_interval),
+                figures: crate::admin::StoreFigures::new(engine.settings.backlog_interval),
                 outbox: endpoints.outbox_name(),
             });
             let probes = Probes {
