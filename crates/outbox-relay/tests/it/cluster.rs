@@ -672,7 +672,12 @@ fn env_number(name: &str, default: usize) -> usize {
 
 /// The relay processes this test started (children of its threads) and their resident
 /// memory: VmRSS in KiB, by pid.
-fn relay_rss_kib() -> Vec<u64> {
+fn relay_rss_kib(bin: &str) -> Vec<u64> {
+    // The kernel keeps a process's name to its first 15 bytes.
+    let name: String = std::path::Path::new(bin)
+        .file_name()
+        .map(|n| n.to_string_lossy().chars().take(15).collect())
+        .unwrap_or_default();
     let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
         return Vec::new();
     };
@@ -685,8 +690,7 @@ fn relay_rss_kib() -> Vec<u64> {
     pids.dedup();
     pids.iter()
         .filter(|pid| {
-            std::fs::read_to_string(format!("/proc/{pid}/comm"))
-                .is_ok_and(|c| c.trim() == "outbox-relay")
+            std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == name)
         })
         .filter_map(|pid| {
             let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
@@ -705,14 +709,16 @@ struct RssSampler {
 }
 
 impl RssSampler {
-    fn start(since: Instant) -> RssSampler {
+    /// Samples the children running the relay binary `bin`.
+    fn start(since: Instant, bin: &str) -> RssSampler {
+        let bin = bin.to_string();
         let samples = Arc::new(Mutex::new(Vec::new()));
         let into = samples.clone();
         let task = tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_secs(1));
             loop {
                 tick.tick().await;
-                if let Some(max) = relay_rss_kib().into_iter().max() {
+                if let Some(max) = relay_rss_kib(&bin).into_iter().max() {
                     into.lock().unwrap().push((since.elapsed(), max));
                 }
             }
@@ -886,7 +892,7 @@ async fn soak() {
         bin,
         restarts: 0,
     };
-    let rss = RssSampler::start(started);
+    let rss = RssSampler::start(started, &soak.bin);
     say("writers start");
     let ledger = Arc::new(Mutex::new(Ledger::default()));
     let progress = Arc::new(Progress::default());
@@ -932,6 +938,7 @@ async fn soak() {
         started.elapsed().as_secs_f64(),
     );
     no_loss_no_duplicate_no_reordering(&check, false);
+    assert!(max > 0.0, "no relay process was found to sample its RSS");
     for node in &mut soak.nodes {
         stop_node(node).await;
     }
