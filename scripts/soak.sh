@@ -17,11 +17,12 @@
 # it leaves the writers more of the CPU); the test itself stays a
 # debug build. OUTBOX_SOAK_RELAY_BIN=<path> runs them on that binary instead.
 #
-# On a 2-core machine the writers commit 400-650 events/s (a round of faults every ~25 s):
-# 200,000 events took 9 minutes polling and 6 with WAL capture, so a million take 30-45
-# minutes plus the build; 20,000 take about a minute. It is not part of CI. It never touches the shared test servers
-# (scripts/servers.sh start): it starts its own PostgreSQL (through servers.sh, in a
-# directory of its own) and nats-server, and stops them at the end.
+# On a 2-core machine the writers commit 400-650 events/s beside debug nodes (a round of
+# faults every ~25 s), about 750/s beside release nodes: a million events took 22 minutes
+# polling on release nodes; 20,000 take about a minute. It is not part of CI. It never
+# touches the shared test servers (scripts/servers.sh start): it starts its own PostgreSQL
+# (through servers.sh, in a directory of its own) and nats-server, and stops them at the
+# end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
