@@ -7,8 +7,9 @@
 #   scripts/quickstart.sh --events 20  # writes 20 events, waits for all 20 to arrive, exits 0
 #
 # Everything lives in $OUTBOX_QUICKSTART_STATE (default /tmp/outbox-relay-quickstart) and
-# listens on 127.0.0.1 only: PostgreSQL on 54349, NATS on 54242, the relay's HTTP server on
-# $OUTBOX_QUICKSTART_HTTP (default 127.0.0.1:2259). Everything started is stopped on exit.
+# listens on 127.0.0.1 only: PostgreSQL on $OUTBOX_QUICKSTART_PG_PORT (54349), NATS on
+# $OUTBOX_QUICKSTART_NATS_PORT (54242), the relay's HTTP server on $OUTBOX_QUICKSTART_HTTP
+# (default 127.0.0.1:2259). Everything started is stopped on exit.
 # OUTBOX_QUICKSTART_BIN picks the relay binary (default: a release build, made if missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +19,9 @@ if [[ ${1:-} == --events ]]; then
   events=${2:?usage: $0 [--events N]}
 fi
 export OUTBOX_TEST_STATE=${OUTBOX_QUICKSTART_STATE:-/tmp/outbox-relay-quickstart}
-export OUTBOX_TEST_PG_PORT=54349 OUTBOX_TEST_NATS_PORT=54242 OUTBOX_TEST_SERVERS="postgres nats"
+export OUTBOX_TEST_PG_PORT=${OUTBOX_QUICKSTART_PG_PORT:-54349}
+export OUTBOX_TEST_NATS_PORT=${OUTBOX_QUICKSTART_NATS_PORT:-54242}
+export OUTBOX_TEST_SERVERS="postgres nats"
 http=${OUTBOX_QUICKSTART_HTTP:-127.0.0.1:2259}
 relay=${OUTBOX_QUICKSTART_BIN:-target/release/outbox-relay}
 # Bold only on a terminal.
@@ -92,7 +95,7 @@ while want == 0 or seen < want:
     seen += 1
     print(f"received  {parts[1].decode():<14} id {event_id}  {body.decode()}", flush=True)
 PY
-python3 "$subscriber" 127.0.0.1 54242 "$events" &
+python3 "$subscriber" 127.0.0.1 "$OUTBOX_TEST_NATS_PORT" "$events" &
 sub=$!
 pids+=("$sub")
 

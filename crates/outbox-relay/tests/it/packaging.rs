@@ -561,11 +561,19 @@ print("ok")
 fn the_quickstart_shows_events_flowing_and_stops_what_it_started() {
     let state = tempfile::tempdir().unwrap();
     let port = outbox_testkit::server::free_port();
+    // Its own servers on free ports: on its default ports, another test's server given one of
+    // them as a free port answered the quickstart's readiness check, then went away.
+    let (pg_port, nats_port) = (
+        outbox_testkit::server::free_port(),
+        outbox_testkit::server::free_port(),
+    );
     let out = Command::new("scripts/quickstart.sh")
         .args(["--events", "6"])
         .env("OUTBOX_QUICKSTART_BIN", BIN)
         .env("OUTBOX_QUICKSTART_STATE", state.path())
         .env("OUTBOX_QUICKSTART_HTTP", format!("127.0.0.1:{port}"))
+        .env("OUTBOX_QUICKSTART_PG_PORT", pg_port.to_string())
+        .env("OUTBOX_QUICKSTART_NATS_PORT", nats_port.to_string())
         .current_dir(repository())
         .output()
         .unwrap();
