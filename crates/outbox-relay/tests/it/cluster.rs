@@ -823,8 +823,14 @@ async fn fault_round(
 async fn private_cluster(capture: Capture) -> (ScriptedServer, PrivateNats, Cluster) {
     let postgres = ScriptedServer::start("postgres", "OUTBOX_TEST_PG_PORT");
     let nats = private_nats(Duration::from_secs(24 * 3600)).await;
+    // OUTBOX_SOAK_KEEP=1 keeps the nodes' logs (the directory is printed) to trace a failure.
+    let keep = std::env::var("OUTBOX_SOAK_KEEP").is_ok_and(|v| v == "1");
+    let dir = tempfile::Builder::new().keep(keep).tempdir().unwrap();
+    if keep {
+        eprintln!("soak: the nodes' logs are kept in {}", dir.path().display());
+    }
     let cluster = Cluster {
-        dir: tempfile::tempdir().unwrap(),
+        dir,
         database_url: format!("postgres://postgres@127.0.0.1:{}/postgres", postgres.port),
         nats_url: nats.url.clone(),
         ordering: "key",

@@ -166,6 +166,8 @@ struct Inner {
     /// It holds when the last delete of outbox rows started.
     deleting: tokio::sync::Mutex<Option<std::time::Instant>>,
     outputs: tokio::sync::Mutex<mpsc::Receiver<Item>>,
+    /// The number of the session that streams now, 0 while none does ([`LiveSession`]).
+    live: Arc<LiveSession>,
     confirm: watch::Sender<Lsn>,
     status: watch::Receiver<CaptureStatus>,
     on_change: Arc<Mutex<Option<OnChange>>>,
@@ -224,7 +226,9 @@ impl WalStore {
             count: Default::default(),
         });
         let memory = MemoryBudget::new(options.wal.memory_budget);
+        let live = Arc::new(LiveSession::default());
         let reader = Reader {
+            live: live.clone(),
             memory: memory.clone(),
             session_name: String::new(),
             tables: tables.clone(),
@@ -256,6 +260,7 @@ impl WalStore {
                 parking: tokio::sync::Mutex::new(()),
                 deleting: tokio::sync::Mutex::new(None),
                 outputs: tokio::sync::Mutex::new(rx),
+                live,
                 confirm,
                 status,
                 on_change,
@@ -681,7 +686,7 @@ impl Inner {
         // Claims fail while the stream is down, so that `/readyz` and the logs say why; they
         // are retried like a lost connection, but the fix is the one the reason names.
         if let CaptureStatus::Failed(reason) | CaptureStatus::Reconnecting(reason) = &status {
-            self.discard_broken_session().await;
+            self.follow_live_session(&mut *self.outputs.lock().await);
             return Err(StoreError::new(
                 StoreErrorKind::Connection,
                 format!("WAL capture: {reason}"),
@@ -702,31 +707,19 @@ impl Inner {
         // Parks that failed last time go first: later events of their keys wait for them.
         self.flush_parks().await?;
         let mut out = Vec::new();
+        let mut outputs = self.outputs.lock().await;
+        // Nothing of a session that ended is handed out (see `State::end_session`): a
+        // standby, or a relay whose session broke, claims nothing.
+        if !self.follow_live_session(&mut outputs) {
+            return Ok(out);
+        }
+        drop(outputs);
         let has_parked = !lock(&self.state).parked_keys.is_empty();
-        // As many parked rows as the memory left holds, at the size of the largest event
-        // seen, or of a large one before any was. One at least while none is out, so that a
-        // busy stream that keeps the budget full never starves the parked rows, and one row
-        // larger than the whole budget still goes.
         if status == CaptureStatus::Streaming && has_parked {
             self.claim_parked(&request, &mut out).await?;
         }
         let parked = out.len();
-        {
-            let mut state = lock(&self.state);
-            while out.len() < request.limit {
-                let Some(id) = state.redeliver.pop_front() else {
-                    break;
-                };
-                let Some(Held::Wal(held)) = state.held.get(&id) else {
-                    continue;
-                };
-                if state.parked_keys.contains(&held.key) {
-                    state.to_park.push(Park::behind_its_key(id));
-                } else {
-                    out.push(claimed_of(id, held));
-                }
-            }
-        }
+        lock(&self.state).redeliver_into(&mut out, request.limit);
         let redelivered = out.len();
         let mut outputs = self.outputs.lock().await;
         let (limit, budget) = (request.limit, request.limit * 4);
@@ -735,6 +728,10 @@ impl Inner {
             received +=
                 self.accept_outputs(&mut lock(&self.state), &mut out, limit, budget - received);
             if out.len() >= limit || received >= budget {
+                break;
+            }
+            // The session may end meanwhile: what it still sends is dropped.
+            if !self.follow_live_session(&mut outputs) {
                 break;
             }
             match outputs.try_recv() {
@@ -765,6 +762,8 @@ impl Inner {
                 .max()
                 .map(|age| age.as_secs_f64() * 1000.0);
             tracing::trace!(
+                session = lock(&self.state).session,
+                ids = ?out.iter().map(Claimed::sequence_id).collect::<Vec<_>>(),
                 parked,
                 redelivered = redelivered - parked,
                 from_stream = out.len() - redelivered,
@@ -839,24 +838,15 @@ impl Inner {
         Ok(())
     }
 
-    /// While no session streams, drops what the broken one left unclaimed, up to the next
-    /// session's announcement: its events come again from the slot in that session. (Left
-    /// queued, they filled the channel while claims failed, and the reader, blocked on
-    /// announcing the new session, never set the status that lets claims through.)
-    async fn discard_broken_session(&self) {
-        let mut outputs = self.outputs.lock().await;
-        let mut state = lock(&self.state);
-        state.unaccepted.clear();
-        while let Ok(item) = outputs.try_recv() {
-            match item {
-                Item::Outputs(_) => {}
-                Item::Session { .. } => {
-                    state.accept(item);
-                    break;
-                }
-                Item::DrainUntil(_) => state.accept(item),
-            }
-        }
+    /// Whether claims may hand out events of the session they follow: it is the one that
+    /// streams now, and no write found the slot with another session. When not, the
+    /// session is ended ([`State::end_session`]) and what it left queued is dropped, up to
+    /// the next session's announcement (then followed, when it is the live one): its
+    /// events come again from the slot. (Left queued, they also filled the channel while
+    /// claims failed, and the reader, blocked on announcing the new session, never set the
+    /// status that lets claims through.)
+    fn follow_live_session(&self, outputs: &mut mpsc::Receiver<Item>) -> bool {
+        lock(&self.state).follow(self.live.get(), || outputs.try_recv().ok())
     }
 
     async fn backlog(&self) -> StoreResult<Backlog> {

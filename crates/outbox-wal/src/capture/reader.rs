@@ -25,6 +25,8 @@ pub(super) struct Reader {
     /// Charged for every output read; the stream is read only while it has room.
     pub(super) memory: Arc<MemoryBudget>,
     pub(super) sessions: Sessions,
+    /// Told which session streams, for claims ([`LiveSession`]).
+    pub(super) live: Arc<LiveSession>,
 }
 
 /// What the reader remembers from one session to the next.
@@ -78,7 +80,9 @@ impl Reader {
                     self.sessions.streamed = true;
                     self.sessions.backoff.reset();
                     self.sessions.started += 1;
-                    match self.stream(&mut stream).await {
+                    let end = self.stream(&mut stream).await;
+                    self.live.set(0);
+                    match end {
                         SessionEnd::Closed => {
                             stream.confirm(*self.confirm.borrow());
                             if let Err(e) = stream.stop(Duration::from_secs(5)).await {
@@ -284,6 +288,7 @@ impl Reader {
         };
         let start = stream.slot().confirmed_flush;
         tracing::info!(slot = %self.config.slot, %start, created = stream.slot().created, "streaming from the replication slot");
+        self.live.set(self.sessions.started);
         let session = Item::Session {
             session: self.sessions.started,
             start,

@@ -23,6 +23,22 @@ pub(super) enum Item {
     Outputs(Vec<ChargedOutput>),
 }
 
+/// The number of the session that streams now, 0 while none does. The reader sets it
+/// before it announces a session, and back to 0 the moment the session ends, so claims stop
+/// handing out its events then, not when they next see an announcement.
+#[derive(Default)]
+pub(super) struct LiveSession(std::sync::atomic::AtomicU64);
+
+impl LiveSession {
+    pub(super) fn get(&self) -> u64 {
+        self.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    pub(super) fn set(&self, session: u64) {
+        self.0.store(session, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
 pub(super) enum Body {
     Event(Arc<Event>),
     Undecodable(Box<Undecodable>),
@@ -102,6 +118,10 @@ pub(super) struct State {
     pub(super) ack_round: Arc<AckRound>,
     /// `--drain`: everything committed before the marker has been handed out.
     pub(super) drained: bool,
+    /// The session's events may no longer be handed out: it ended, or a write found the
+    /// slot streaming to another session ([`State::end_session`]). Until the next
+    /// session's announcement nothing is handed out, and what arrives is dropped.
+    pub(super) ended: bool,
 }
 
 /// Splits `to_park` into the parks to write now, in commit order, and those that wait.
@@ -189,6 +209,76 @@ impl State {
             ack_queue: Vec::new(),
             ack_round: Arc::default(),
             drained: false,
+            // Nothing is handed out before the first session's announcement.
+            ended: true,
+        }
+    }
+
+    /// The session is over: nothing more of it is handed out, and what it left not handed
+    /// out (read ahead, released, queued to park) is dropped, to come again from the slot
+    /// in whichever session streams next, this relay's or another's.
+    ///
+    /// Handing it out would break the order of a key: another relay may hold the slot now,
+    /// and an earlier event of the key may be among what this relay had to leave to it
+    /// ([`State::leave_to_slot_holder`]). This relay would then publish the later event
+    /// before the new holder publishes the earlier one.
+    pub(super) fn end_session(&mut self) {
+        self.ended = true;
+        self.unaccepted.clear();
+        self.forget_unhanded();
+    }
+
+    /// Whether the session followed is `live` (the one streaming now) and may hand out
+    /// events. When not, it is ended, and the items `next` gives are accepted (what the
+    /// ended session sent is dropped) up to a session's announcement, which is followed in
+    /// turn when it is the live one.
+    pub(super) fn follow(&mut self, live: u64, mut next: impl FnMut() -> Option<Item>) -> bool {
+        loop {
+            if !self.ended && self.session == live {
+                return true;
+            }
+            self.end_session();
+            let mut announced = false;
+            while let Some(item) = next() {
+                announced = matches!(item, Item::Session { .. });
+                self.accept(item);
+                if announced {
+                    break;
+                }
+            }
+            if !announced {
+                return false;
+            }
+        }
+    }
+
+    /// Forgets the held events that wait to be handed out again or to be parked.
+    fn forget_unhanded(&mut self) {
+        let unhanded: Vec<SequenceId> = self
+            .redeliver
+            .drain(..)
+            .chain(self.to_park.drain(..).map(|p| p.id))
+            .collect();
+        for id in unhanded {
+            self.held.remove(&id);
+        }
+    }
+
+    /// Hands out released stream events again, into `out` up to `limit` (those of a key
+    /// that has parked events since are queued to park behind it).
+    pub(super) fn redeliver_into(&mut self, out: &mut Vec<Claimed>, limit: usize) {
+        while out.len() < limit && !self.ended {
+            let Some(id) = self.redeliver.pop_front() else {
+                break;
+            };
+            let Some(Held::Wal(held)) = self.held.get(&id) else {
+                continue;
+            };
+            if self.parked_keys.contains(&held.key) {
+                self.to_park.push(Park::behind_its_key(id));
+            } else {
+                out.push(claimed_of(id, held));
+            }
         }
     }
 
@@ -226,15 +316,9 @@ impl State {
                 self.session = session;
                 self.owner = owner;
                 self.acks = Acknowledgements::new(start);
+                self.ended = false;
                 // Released or unparked events of the old session come again in this one.
-                let old: Vec<SequenceId> = self
-                    .redeliver
-                    .drain(..)
-                    .chain(self.to_park.drain(..).map(|p| p.id))
-                    .collect();
-                for id in old {
-                    self.held.remove(&id);
-                }
+                self.forget_unhanded();
                 // The loaded keys may predate parks this process made while the session
                 // started: keep ours too, and check those against the table at the next claim.
                 let loaded: HashSet<String> = parked_keys.into_iter().collect();
@@ -242,6 +326,8 @@ impl State {
                 self.parked_keys.extend(loaded);
             }
             Item::DrainUntil(lsn) => self.drain_until = Some(lsn),
+            // What an ended session read is sent again by the next.
+            Item::Outputs(_) if self.ended => {}
             Item::Outputs(outputs) => self.unaccepted.extend(outputs),
         }
     }
@@ -255,7 +341,7 @@ impl State {
         budget: usize,
     ) -> usize {
         let mut accepted = 0;
-        while out.len() < limit && accepted < budget {
+        while out.len() < limit && accepted < budget && !self.ended {
             let Some(charged) = self.unaccepted.pop_front() else {
                 break;
             };
@@ -423,6 +509,7 @@ impl State {
     /// Forgets stream events this relay may no longer write for: the slot streams to another
     /// session (a relay that took over while this one was paused past its session's end),
     /// which is sent them again from the slot's confirmed position, before which they lie.
+    /// The session is over with it ([`State::end_session`]).
     pub(super) fn leave_to_slot_holder(&mut self, ids: impl IntoIterator<Item = SequenceId>) {
         let ids: Vec<SequenceId> = ids.into_iter().collect();
         for id in &ids {
@@ -431,8 +518,9 @@ impl State {
         tracing::warn!(
             ?ids,
             "the replication slot streams to another session now: these events are left to it, \
-             unwritten (it is sent them again)"
+             unwritten (it is sent them again), and nothing more of this session is handed out"
         );
+        self.end_session();
     }
 }
 
@@ -625,16 +713,27 @@ mod tests {
         assert!(each > 0);
         state.settle([1]);
         assert_eq!(memory.held(), 2 * each, "settled");
-        state.leave_to_slot_holder([2]);
-        assert_eq!(memory.held(), each, "left to the slot's new holder");
-        // Read, not yet accepted by a claim, when the session breaks.
-        let unaccepted = vec![event(4, "d", 500, 0), committed(500, 1)];
-        state.accept(Item::Outputs(charged(unaccepted, &memory)));
-        assert_eq!(memory.held(), 2 * each);
-        state.unaccepted.clear();
         state.redeliver.push_back(3);
         state.accept(session(2, &[]));
-        assert_eq!(memory.held(), 0, "the new session sends them again");
+        assert_eq!(memory.held(), each, "the new session sends it again");
+        // Event 2's entry of session 1 is replaced by the new one.
+        assert_eq!(
+            claim_charged(&mut state, two_transactions(), &memory),
+            [1, 2]
+        );
+        assert_eq!(memory.held(), 2 * each);
+        // Read, not yet accepted by a claim, when the session ends.
+        let unaccepted = vec![event(4, "d", 500, 0), committed(500, 1)];
+        state.accept(Item::Outputs(charged(unaccepted, &memory)));
+        assert_eq!(memory.held(), 3 * each);
+        state.leave_to_slot_holder([1]);
+        assert_eq!(
+            memory.held(),
+            each,
+            "left to the slot's new holder, with what the session had not handed out"
+        );
+        state.settle([2]);
+        assert_eq!(memory.held(), 0);
     }
 
     #[test]
@@ -650,6 +749,88 @@ mod tests {
         );
         assert!(claim(&mut state, vec![event(1, "a", 200, 0), committed(200, 1)]).is_empty());
         assert_eq!(state.acks.confirmable(), Lsn(210));
+    }
+
+    /// The million-event soak's inversions: a relay's session broke at a PostgreSQL
+    /// restart, and another relay took the slot. The first relay, a standby now, still
+    /// handed out what its old session had read: event 1 of key `a` went to be parked and
+    /// was left to the new holder (the park found the slot streaming to another session),
+    /// key `a` was let through again, and event 2 of `a` went out, ahead of event 1.
+    #[test]
+    fn a_session_that_left_an_event_to_the_slots_new_holder_hands_out_nothing_more() {
+        let mut state = State::new();
+        state.accept(session(1, &["a"]));
+        let read = vec![
+            event(1, "a", 200, 0),
+            committed(200, 1),
+            event(2, "a", 300, 0),
+            committed(300, 1),
+            event(3, "b", 400, 0),
+            committed(400, 1),
+        ];
+        state.accept(Item::Outputs(charged(read, &MemoryBudget::new(usize::MAX))));
+        let mut out = Vec::new();
+        state.accept_outputs(&mut out, 1, 1);
+        assert!(out.is_empty(), "1 waits behind its parked key");
+        let parks: Vec<SequenceId> = state.take_parks().iter().map(|p| p.id).collect();
+        assert_eq!(parks, [1]);
+        state.leave_to_slot_holder(parks);
+        // The parked table has nothing of `a` any more: the key is let through.
+        state.unpark(vec!["a".into()], &HashSet::new());
+        state.accept_outputs(&mut out, 100, 1_000);
+        state.redeliver.push_back(3);
+        state.redeliver_into(&mut out, 100);
+        assert!(
+            out.is_empty(),
+            "handed out after the session ended: {out:?}"
+        );
+        assert!(state.held.is_empty());
+        // The live session is another relay's: nothing this relay reads is handed out.
+        let mut queued = VecDeque::from([Item::Outputs(Vec::new())]);
+        assert!(!state.follow(0, || queued.pop_front()));
+        assert_eq!(state.acks.confirmable(), START, "confirmed past nothing");
+    }
+
+    /// A claim races the reader: the session ends (the reader sets no live session) while
+    /// outputs it read are still queued, before the next session's announcement.
+    #[test]
+    fn a_claim_racing_a_session_end_drops_what_that_session_read_until_the_next_announcement() {
+        let mut state = State::new();
+        let memory = MemoryBudget::new(usize::MAX);
+        let mut queued = VecDeque::from([
+            session(1, &[]),
+            Item::Outputs(charged(two_transactions(), &memory)),
+        ]);
+        assert!(
+            state.follow(1, || queued.pop_front()),
+            "session 1 announced, live"
+        );
+        // The claim takes the outputs, and the session ends before it accepts them.
+        state.accept(queued.pop_front().unwrap());
+        assert!(!state.follow(0, || queued.pop_front()));
+        let mut out = Vec::new();
+        assert_eq!(state.accept_outputs(&mut out, 100, 1_000), 0);
+        assert!(out.is_empty() && state.unaccepted.is_empty());
+        assert_eq!(memory.held(), 0, "dropped outputs give their memory back");
+        // Session 2 is announced (and live) with what it reads behind it: handed out.
+        queued.extend([
+            session(2, &[]),
+            Item::Outputs(charged(two_transactions(), &memory)),
+        ]);
+        assert!(state.follow(2, || queued.pop_front()));
+        state.accept(queued.pop_front().unwrap());
+        state.accept_outputs(&mut out, 100, 1_000);
+        let ids: Vec<SequenceId> = out.iter().map(Claimed::sequence_id).collect();
+        assert_eq!(ids, [1, 2]);
+        // An announcement of a session already over is passed by, with what it read.
+        queued.extend([
+            session(3, &[]),
+            Item::Outputs(charged(two_transactions(), &memory)),
+            session(4, &[]),
+        ]);
+        assert!(state.follow(4, || queued.pop_front()));
+        assert_eq!(state.session, 4);
+        assert!(state.unaccepted.is_empty(), "session 3's outputs dropped");
     }
 
     #[test]

@@ -55,7 +55,8 @@ pub fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
-/// A relay process whose stderr (its logs) goes to `<dir>/<name>.log`.
+/// A relay process whose stderr (its logs) goes to `<dir>/<name>.log`, appended to (a
+/// restarted node's log follows its earlier runs').
 pub struct RelayProcess {
     pub name: String,
     child: Option<Child>,
@@ -85,7 +86,13 @@ impl RelayProcess {
             .env_remove("DATABASE_URL")
             .env_remove("OUTBOX_RELAY_DATABASE_URL")
             .stdout(std::fs::File::create(dir.join(format!("{name}.stdout"))).unwrap())
-            .stderr(std::fs::File::create(&log).unwrap());
+            .stderr(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&log)
+                    .unwrap(),
+            );
         for (k, v) in env {
             command.env(k, v);
         }
