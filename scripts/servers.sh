@@ -89,6 +89,22 @@ make_certs() {
   chmod 600 "$dir/server.key"
 }
 
+# Three roles log in with a password, one per method the replication client answers
+# (crates/outbox-wal/tests/it/postgres.rs creates them); every other role is trusted.
+password_roles() {
+  local hba=$1/pg_hba.conf
+  grep -q outbox_auth_ "$hba" && return
+  {
+    printf 'host all outbox_auth_scram 127.0.0.1/32 scram-sha-256\n'
+    printf 'host all outbox_auth_md5 127.0.0.1/32 md5\n'
+    printf 'host all outbox_auth_password 127.0.0.1/32 password\n'
+    cat "$hba"
+  } > "$hba.new"
+  mv "$hba.new" "$hba"
+  [ "$(id -u)" = 0 ] && chown postgres "$hba"
+  return 0
+}
+
 start_postgres() {
   local dir=$STATE/pg
   if [ ! -f "$dir/data/PG_VERSION" ]; then
@@ -98,7 +114,10 @@ start_postgres() {
   fi
   make_certs "$dir/tls"
   [ "$(id -u)" = 0 ] && chown -R postgres "$dir/tls"
-  if ! as_pg "$PG_BIN/pg_ctl" -D "$dir/data" status >/dev/null 2>&1; then
+  password_roles "$dir/data"
+  if as_pg "$PG_BIN/pg_ctl" -D "$dir/data" status >/dev/null 2>&1; then
+    as_pg "$PG_BIN/pg_ctl" -D "$dir/data" reload >/dev/null
+  else
     # fsync=off only speeds the tests up; OUTBOX_PG_DURABLE=1 (the benchmarks) keeps the defaults.
     local speed="-c fsync=off -c full_page_writes=off"
     [ "${OUTBOX_PG_DURABLE:-0}" = 1 ] && speed=""

@@ -42,23 +42,54 @@ pub fn prepare(
 ) -> Result<(tokio_postgres::Config, MakeRustlsConnect), StoreError> {
     let (url, sslmode, rootcert) = split_tls_params(url);
     let ca_file = rootcert.or_else(|| ca_file.map(Path::to_path_buf));
-    let (mode, verify) = match sslmode.as_deref().unwrap_or("prefer") {
-        "disable" | "allow" => ("disable", Verify::Nothing),
-        "prefer" => ("prefer", Verify::Nothing),
-        "require" if ca_file.is_some() => ("require", Verify::ChainAndName),
-        "require" => ("require", Verify::Nothing),
-        "verify-ca" => ("require", Verify::Chain),
-        "verify-full" => ("require", Verify::ChainAndName),
+    let (mode, verify) = sslmode_of(sslmode.as_deref(), ca_file.is_some())?;
+    let mode = match mode {
+        TlsUse::Never => "disable",
+        TlsUse::IfOffered => "prefer",
+        TlsUse::Always => "require",
+    };
+    let url = with_param(&url, "sslmode", mode);
+    let config = tokio_postgres::Config::from_str(&url)
+        .map_err(|e| config_error(format!("invalid database URL: {e}")))?;
+    let tls = client_config(verify, ca_file.as_deref())?;
+    Ok((config, MakeRustlsConnect::new(tls)))
+}
+
+/// Whether a connection uses TLS.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TlsUse {
+    Never,
+    /// When the server offers it (`prefer`).
+    IfOffered,
+    Always,
+}
+
+/// TLS for a connection that is not tokio-postgres's (WAL capture's replication
+/// connection), with the same `sslmode` meanings: whether to use it, and the rustls
+/// configuration that checks what the mode checks.
+pub fn for_sslmode(
+    sslmode: Option<&str>,
+    ca_file: Option<&Path>,
+) -> Result<(TlsUse, Arc<rustls::ClientConfig>), StoreError> {
+    let (mode, verify) = sslmode_of(sslmode, ca_file.is_some())?;
+    Ok((mode, Arc::new(client_config(verify, ca_file)?)))
+}
+
+/// libpq's `sslmode` (`prefer` when unset): whether TLS is used, and what is checked.
+fn sslmode_of(sslmode: Option<&str>, has_ca_file: bool) -> Result<(TlsUse, Verify), StoreError> {
+    Ok(match sslmode.unwrap_or("prefer") {
+        "disable" | "allow" => (TlsUse::Never, Verify::Nothing),
+        "prefer" => (TlsUse::IfOffered, Verify::Nothing),
+        "require" if has_ca_file => (TlsUse::Always, Verify::ChainAndName),
+        "require" => (TlsUse::Always, Verify::Nothing),
+        "verify-ca" => (TlsUse::Always, Verify::Chain),
+        "verify-full" => (TlsUse::Always, Verify::ChainAndName),
         other => {
             return Err(config_error(format!(
                 "invalid sslmode {other:?}: use disable, prefer, require, verify-ca or verify-full"
             )))
         }
-    };
-    let url = with_param(&url, "sslmode", mode);
-    let config = tokio_postgres::Config::from_str(&url)
-        .map_err(|e| config_error(format!("invalid database URL: {e}")))?;
-    Ok((config, connector(verify, ca_file.as_deref())?))
+    })
 }
 
 /// Removes `sslmode` and `sslrootcert` from a URL's query, returning them (for other
@@ -88,7 +119,10 @@ fn with_param(url: &str, key: &str, value: &str) -> String {
     format!("{url}{sep}{key}={value}")
 }
 
-fn connector(verify: Verify, ca_file: Option<&Path>) -> Result<MakeRustlsConnect, StoreError> {
+fn client_config(
+    verify: Verify,
+    ca_file: Option<&Path>,
+) -> Result<rustls::ClientConfig, StoreError> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let builder = rustls::ClientConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
@@ -113,11 +147,10 @@ fn connector(verify: Verify, ca_file: Option<&Path>) -> Result<MakeRustlsConnect
             }
         }
     };
-    let config = builder
+    Ok(builder
         .dangerous()
         .with_custom_certificate_verifier(verifier)
-        .with_no_client_auth();
-    Ok(MakeRustlsConnect::new(config))
+        .with_no_client_auth())
 }
 
 fn root_store(ca_file: Option<&Path>) -> Result<RootCertStore, StoreError> {

@@ -1,16 +1,16 @@
-//! The replication client: one logical replication session over `pgwire-replication`,
-//! feeding the assembler, with a confirmed position that only the caller advances.
+//! The replication client: one logical replication session ([`crate::replication`]) feeding
+//! the assembler, with a confirmed position that only the caller advances.
 
 use std::time::Duration;
 
-use outbox_core::ident::TableName;
-use pgwire_replication::{PgWireError, ReplicationClient, ReplicationConfig, ReplicationEvent};
-
 use crate::assemble::{AssembleError, Assembler, Output};
-use crate::decode::{Begin, Commit, EmittedMessage, LogicalMessage};
 use crate::emit::emit_prefix;
 use crate::lsn::Lsn;
+use crate::replication::{
+    ConnectOptions, Connection, ConnectionError, ReplicationStream, StreamMessage,
+};
 use crate::table::SourceTable;
+use outbox_core::ident::TableName;
 
 /// Where and how to replicate. Its `Debug` leaves the URL out: it may hold a password.
 #[derive(Clone)]
@@ -113,7 +113,7 @@ pub enum WalError {
     )]
     MissingPublication(String),
     #[error("replication connection: {0}")]
-    Connection(#[from] PgWireError),
+    Connection(#[from] ConnectionError),
     #[error(transparent)]
     Stream(#[from] AssembleError),
 }
@@ -125,16 +125,15 @@ impl WalError {
     /// same answer, or the same bytes, would come again.
     pub fn is_retryable(&self) -> bool {
         match self {
-            WalError::Connection(PgWireError::Server(message)) => match sqlstate(message) {
+            WalError::Connection(e) => match e.sqlstate() {
                 Some(code) => {
                     code == SLOT_IN_USE
                         || ["08", "40", "53", "57", "58"]
                             .iter()
                             .any(|class| code.starts_with(class))
                 }
-                None => false,
+                None => e.is_io(),
             },
-            WalError::Connection(e) => e.is_io() || e.is_transient(),
             WalError::Config(_)
             | WalError::Slot { .. }
             | WalError::MissingPublication(_)
@@ -144,19 +143,12 @@ impl WalError {
 
     /// The slot is held by another session: another relay is the active consumer.
     pub fn is_slot_in_use(&self) -> bool {
-        matches!(self, WalError::Connection(PgWireError::Server(message))
-            if sqlstate(message) == Some(SLOT_IN_USE))
+        matches!(self, WalError::Connection(e) if e.sqlstate() == Some(SLOT_IN_USE))
     }
 }
 
 /// object_in_use: PostgreSQL's answer to START_REPLICATION on a slot another session holds.
 const SLOT_IN_USE: &str = "55006";
-
-/// The SQLSTATE `pgwire-replication` appends to a server error's text: `... (SQLSTATE 55006)`.
-fn sqlstate(message: &str) -> Option<&str> {
-    let code = message.strip_suffix(')')?.rsplit_once("(SQLSTATE ")?.1;
-    (code.len() == 5).then_some(code)
-}
 
 /// The slot as the session found it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -175,15 +167,15 @@ pub struct SlotState {
 ///   [`Output::Committed`].
 /// - The slot's confirmed position moves only through [`confirm`](Self::confirm): never by
 ///   itself, never backwards. Keepalive replies and periodic status updates report the
-///   last confirmed position (`pgwire-replication` sends them from its worker task, also
-///   while the caller is busy).
+///   last confirmed position, from within [`next`](Self::next); a caller that stops
+///   reading for a while calls [`keep_alive`](Self::keep_alive) meanwhile.
+/// - [`next`](Self::next) is cancel-safe.
 /// - The session holds the slot (an active slot has one consumer); dropping or
 ///   [`stop`](Self::stop)ping it releases the slot for a standby.
 pub struct WalStream {
-    client: ReplicationClient,
+    stream: ReplicationStream,
     assembler: Assembler,
     slot: SlotState,
-    confirmed: Lsn,
     stop_at: Option<Lsn>,
 }
 
@@ -193,9 +185,8 @@ impl WalStream {
     pub async fn start(config: &WalConfig) -> Result<Self, WalError> {
         check_name(&config.slot, "slot")?;
         check_name(&config.publication, "publication")?;
-        let replication = replication_config(config)?;
-        let mut client = ReplicationClient::connect_gated(replication.clone()).await?;
-        let publication = client
+        let mut connection = Connection::connect(&connect_options(config)?).await?;
+        let publication = connection
             .simple_query(&format!(
                 "SELECT 1 FROM pg_catalog.pg_publication WHERE pubname = '{}'",
                 config.publication
@@ -204,17 +195,18 @@ impl WalStream {
         if publication.is_empty() {
             return Err(WalError::MissingPublication(config.publication.clone()));
         }
-        let slot = ensure_slot(&mut client, &config.slot, config.create_slot).await?;
-        // The worker's first status update would otherwise report the start position (0/0
-        // means "the slot's"): report the slot's own, so the position never goes back.
-        drop(client);
-        let replication = replication
-            .with_start_lsn(slot.confirmed_flush.into())
-            .with_ack_lsn(slot.confirmed_flush.into());
-        let mut client = ReplicationClient::connect(replication).await?;
-        client.wait_started().await?;
+        let slot = ensure_slot(&mut connection, &config.slot, config.create_slot).await?;
+        // From the slot's own position, so the first status update never moves it back.
+        let stream = connection
+            .start_replication(
+                &config.slot,
+                &config.publication,
+                slot.confirmed_flush,
+                config.status_interval,
+            )
+            .await?;
         Ok(WalStream {
-            client,
+            stream,
             assembler: {
                 let assembler =
                     Assembler::new(config.source.clone(), config.message_prefix.clone());
@@ -224,7 +216,6 @@ impl WalStream {
                 }
             },
             slot,
-            confirmed: slot.confirmed_flush,
             stop_at: config.stop_at,
         })
     }
@@ -233,62 +224,32 @@ impl WalStream {
         self.slot
     }
 
-    /// The next output; `Ok(None)` when the stream ended: [`stop`](Self::stop) was called,
-    /// or `stop_at` was reached. An error ends the session: start a new one (from the
-    /// slot's confirmed position) if [`WalError::is_retryable`].
+    /// The next output; `Ok(None)` when the stream ended: the server ended it, or `stop_at`
+    /// was reached. An error ends the session: start a new one (from the slot's confirmed
+    /// position) if [`WalError::is_retryable`].
     pub async fn next(&mut self) -> Result<Option<Output>, WalError> {
         loop {
-            let Some(event) = self.client.recv().await? else {
+            let Some(message) = self.stream.recv().await? else {
                 return Ok(None);
             };
-            let output = match event {
-                ReplicationEvent::XLogData { data, .. } => self.assembler.push_bytes(&data)?,
-                // The client decodes these three itself and hands them over parsed.
-                ReplicationEvent::Begin {
-                    final_lsn,
-                    xid,
-                    commit_time_micros,
-                } => self.assembler.push(LogicalMessage::Begin(Begin {
-                    final_lsn: final_lsn.into(),
-                    commit_time: commit_time_micros,
-                    xid,
-                }))?,
-                ReplicationEvent::Commit {
-                    lsn,
-                    end_lsn,
-                    commit_time_micros,
-                } => self.assembler.push(LogicalMessage::Commit(Commit {
-                    flags: 0,
-                    commit_lsn: lsn.into(),
-                    end_lsn: end_lsn.into(),
-                    commit_time: commit_time_micros,
-                }))?,
-                ReplicationEvent::Message {
-                    transactional,
-                    lsn,
-                    prefix,
-                    content,
-                } => self
-                    .assembler
-                    .push(LogicalMessage::Message(EmittedMessage {
-                        transactional,
-                        lsn: lsn.into(),
-                        prefix: &prefix,
-                        content: &content,
-                    }))?,
-                ReplicationEvent::KeepAlive { wal_end, .. } => {
-                    let wal_end = Lsn::from(wal_end);
+            let output = match message {
+                StreamMessage::Data(data) => {
+                    if self
+                        .stop_at
+                        .is_some_and(|stop| begins_at_or_after(&data, stop))
+                    {
+                        return Ok(None);
+                    }
+                    self.assembler.push_bytes(&data)?
+                }
+                StreamMessage::Keepalive { wal_end } => {
                     if self.stop_at.is_some_and(|stop| wal_end >= stop)
                         && !self.assembler.in_transaction()
                     {
-                        self.client.stop();
+                        return Ok(None);
                     }
                     self.assembler.keepalive(wal_end)
                 }
-                ReplicationEvent::StoppedAt { .. } => return Ok(None),
-                // `ReplicationEvent` may grow: what we do not know is not ours.
-                #[allow(unreachable_patterns)]
-                _ => None,
             };
             if output.is_some() {
                 return Ok(output);
@@ -301,39 +262,45 @@ impl WalStream {
     /// event before which is settled ([`crate::Acknowledgements::confirmable`]). Lower
     /// positions than the last are ignored. Reported within `status_interval`.
     pub fn confirm(&mut self, lsn: Lsn) {
-        if lsn > self.confirmed {
-            self.confirmed = lsn;
-            self.client.update_applied_lsn(lsn.into());
-        }
+        self.stream.confirm(lsn);
     }
 
     /// The last position passed to [`confirm`](Self::confirm) (or the slot's at start).
     pub fn confirmed(&self) -> Lsn {
-        self.confirmed
+        self.stream.confirmed()
     }
 
     /// The last confirmed position the server has been told.
     pub fn reported(&self) -> Lsn {
-        self.client.metrics().last_applied_lsn().into()
+        self.stream.reported().unwrap_or(self.slot.confirmed_flush)
+    }
+
+    /// Reports the confirmed position when due, while the stream is not being read.
+    pub async fn keep_alive(&mut self) -> Result<(), WalError> {
+        Ok(self.stream.keep_alive().await?)
     }
 
     pub fn assembler(&self) -> &Assembler {
         &self.assembler
     }
 
-    /// Ends the session: waits up to `wait` for the last confirmation to be reported, then
-    /// closes the stream. A confirmation that was not reported by then is not lost work,
-    /// only repeated work: its transactions are sent again to the next session.
-    pub async fn stop(mut self, wait: Duration) -> Result<(), WalError> {
-        let deadline = tokio::time::Instant::now() + wait;
-        // The worker reports on its own schedule and offers no completion signal; a short
-        // poll of its counter is the only way to know.
-        while self.reported() < self.confirmed && tokio::time::Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        self.client.shutdown().await?;
-        Ok(())
+    /// Ends the session: reports the last confirmation, then closes the stream (waiting up
+    /// to `wait` for the server to end its side). A confirmation that was not reported is
+    /// not lost work, only repeated work: its transactions are sent again to the next
+    /// session.
+    pub async fn stop(self, wait: Duration) -> Result<(), WalError> {
+        Ok(self.stream.finish(wait).await?)
     }
+}
+
+/// Whether `data` is a pgoutput Begin of a transaction committing at or after `stop`: the
+/// drain ends before it (its final position is the commit's).
+fn begins_at_or_after(data: &[u8], stop: Lsn) -> bool {
+    data.first() == Some(&b'B')
+        && data
+            .get(1..9)
+            .and_then(|b| b.try_into().ok())
+            .is_some_and(|b| Lsn(u64::from_be_bytes(b)) >= stop)
 }
 
 /// Slot and publication names go into replication commands unquoted (the client writes
@@ -353,7 +320,7 @@ fn check_name(name: &str, what: &str) -> Result<(), WalError> {
     }
 }
 
-fn replication_config(config: &WalConfig) -> Result<ReplicationConfig, WalError> {
+fn connect_options(config: &WalConfig) -> Result<ConnectOptions, WalError> {
     // libpq's TLS parameters, which tokio-postgres's parser does not all know, come out
     // first, and mean what they mean to the store's own connections.
     let (url, sslmode, rootcert) = outbox_store_postgres::tls::split_tls_params(&config.url);
@@ -367,77 +334,35 @@ fn replication_config(config: &WalConfig) -> Result<ReplicationConfig, WalError>
         Some(tokio_postgres::config::Host::Unix(dir)) => dir.to_string_lossy().into_owned(),
         None => "localhost".into(),
     };
-    let port = url.get_ports().first().copied().unwrap_or(5432);
     let user = url
         .get_user()
         .ok_or_else(|| WalError::Config("the database URL names no user".into()))?;
-    let password = url
-        .get_password()
-        .map(|p| String::from_utf8_lossy(p).into_owned())
-        .unwrap_or_default();
-    let database = url.get_dbname().unwrap_or(user);
-    let tls = tls_config(sslmode.as_deref().unwrap_or("prefer"), ca_file, &host)?;
-    let mut replication = ReplicationConfig::new(
+    let (tls, tls_config) =
+        outbox_store_postgres::tls::for_sslmode(sslmode.as_deref(), ca_file.as_deref())
+            .map_err(|e| WalError::Config(e.report()))?;
+    Ok(ConnectOptions {
         host,
-        user,
-        password,
-        database,
-        config.slot.clone(),
-        config.publication.as_str(),
-    )
-    .with_port(port)
-    .with_tls(tls)
-    .with_status_interval(config.status_interval)
-    .with_wakeup_interval(config.status_interval)
-    .with_buffer_size(CLIENT_BUFFER)
-    .with_application_name(config.application_name.clone())
-    // Timestamps are parsed from their text: fix the style they are written in.
-    .with_options("-c DateStyle=ISO -c TimeZone=UTC");
-    if let Some(stop) = config.stop_at {
-        replication = replication.with_stop_lsn(stop.into());
-    }
-    Ok(replication)
+        port: url.get_ports().first().copied().unwrap_or(5432),
+        user: user.to_string(),
+        password: url
+            .get_password()
+            .map(|p| String::from_utf8_lossy(p).into_owned())
+            .unwrap_or_default(),
+        database: url.get_dbname().unwrap_or(user).to_string(),
+        application_name: config.application_name.clone(),
+        // Timestamps are parsed from their text: fix the style they are written in.
+        options: "-c DateStyle=ISO -c TimeZone=UTC".into(),
+        tls,
+        tls_config,
+        connect_timeout: url
+            .get_connect_timeout()
+            .copied()
+            .unwrap_or(CONNECT_TIMEOUT),
+    })
 }
 
-/// Replication messages the client parses ahead of the reader. A count, not bytes, so it
-/// is kept small: 16 events of 1 MiB beside the memory budget, while a burst of small ones
-/// still finds a queue to take at once.
-const CLIENT_BUFFER: usize = 16;
-
-/// The replication connection's TLS for a libpq `sslmode`: the same meanings as the store's
-/// connections (a CA file makes `require` check the certificate and its name).
-fn tls_config(
-    sslmode: &str,
-    ca_file: Option<std::path::PathBuf>,
-    host: &str,
-) -> Result<pgwire_replication::TlsConfig, WalError> {
-    use pgwire_replication::{SslMode, TlsConfig};
-    let tls = match sslmode {
-        "disable" | "allow" => return Ok(TlsConfig::disabled()),
-        // Without TLS support, "prefer" falls back to what it prefers over failing.
-        "prefer" if cfg!(not(feature = "tls")) => return Ok(TlsConfig::disabled()),
-        "prefer" => TlsConfig {
-            mode: SslMode::Prefer,
-            ..TlsConfig::disabled()
-        },
-        "require" | "verify-ca" | "verify-full" if cfg!(not(feature = "tls")) => {
-            return Err(WalError::Config(
-                "the database URL asks for TLS, and this build of WAL capture has none: \
-                 build outbox-wal with its `tls` feature"
-                    .into(),
-            ))
-        }
-        "require" if ca_file.is_none() => TlsConfig::require(),
-        "require" | "verify-full" => TlsConfig::verify_full(ca_file),
-        "verify-ca" => TlsConfig::verify_ca(ca_file),
-        other => {
-            return Err(WalError::Config(format!(
-                "invalid sslmode {other:?}: use disable, prefer, require, verify-ca or verify-full"
-            )))
-        }
-    };
-    Ok(tls.with_sni_hostname(host))
-}
+/// How long connecting may take unless the URL says (`connect_timeout`).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Why an existing slot cannot serve WAL capture, and the fix, if it cannot: it must be a
 /// logical slot of pgoutput (a physical slot has no plugin) in the relay's database. Such a
@@ -475,22 +400,15 @@ struct SlotRow {
 }
 
 /// The slot named `slot`, if there is one.
-async fn read_slot(
-    client: &mut ReplicationClient,
-    slot: &str,
-) -> Result<Option<SlotRow>, WalError> {
-    let rows = client
+async fn read_slot(connection: &mut Connection, slot: &str) -> Result<Option<SlotRow>, WalError> {
+    let rows = connection
         .simple_query(&format!(
             "SELECT plugin, database = current_database(), confirmed_flush_lsn::text, wal_status
                FROM pg_catalog.pg_replication_slots WHERE slot_name = '{slot}'"
         ))
         .await?;
     Ok(rows.first().map(|row| {
-        let text = |i: usize| {
-            row.get(i)
-                .and_then(|v| v.as_ref())
-                .map(|v| String::from_utf8_lossy(v).into_owned())
-        };
+        let text = |i: usize| row.get(i).cloned().flatten();
         SlotRow {
             plugin: text(0),
             in_this_database: text(1).as_deref() == Some("t"),
@@ -502,7 +420,7 @@ async fn read_slot(
 
 /// Reads the slot, creating it (pgoutput) when missing and `create` allows.
 async fn ensure_slot(
-    client: &mut ReplicationClient,
+    client: &mut Connection,
     slot: &str,
     create: bool,
 ) -> Result<SlotState, WalError> {
@@ -525,7 +443,7 @@ async fn ensure_slot(
         match client.simple_query(&create).await {
             Ok(_) => created = true,
             // Another relay created it meanwhile (duplicate_object): use theirs.
-            Err(PgWireError::Server(message)) if sqlstate(&message) == Some("42710") => {}
+            Err(e) if e.sqlstate() == Some("42710") => {}
             Err(e) => return Err(e.into()),
         }
         found = read_slot(client, slot).await?;
@@ -558,7 +476,7 @@ async fn ensure_slot(
 /// replication protocol, so it needs the same role and connection settings as the stream.
 pub async fn drop_slot(config: &WalConfig) -> Result<bool, WalError> {
     check_name(&config.slot, "slot")?;
-    let mut client = ReplicationClient::connect_gated(replication_config(config)?).await?;
+    let mut client = Connection::connect(&connect_options(config)?).await?;
     let slot = &config.slot;
     let Some(row) = read_slot(&mut client, slot).await? else {
         return Ok(false);
@@ -577,7 +495,7 @@ pub async fn drop_slot(config: &WalConfig) -> Result<bool, WalError> {
     {
         Ok(_) => Ok(true),
         // undefined_object: there is no such slot.
-        Err(PgWireError::Server(message)) if sqlstate(&message) == Some("42704") => Ok(false),
+        Err(e) if e.sqlstate() == Some("42704") => Ok(false),
         Err(e) => Err(e.into()),
     }
 }
@@ -586,19 +504,26 @@ pub async fn drop_slot(config: &WalConfig) -> Result<bool, WalError> {
 mod tests {
     use super::*;
 
-    fn server(message: &str) -> WalError {
-        WalError::Connection(PgWireError::Server(message.into()))
+    fn server(code: &str) -> WalError {
+        WalError::Connection(ConnectionError::Server {
+            code: code.into(),
+            message: "m".into(),
+        })
     }
 
     #[test]
     fn a_busy_slot_or_a_lost_connection_is_retried_a_refusal_is_not() {
-        let busy = server("replication slot \"s\" is active for PID 7 (SQLSTATE 55006)");
+        let busy = server("55006");
         assert!(busy.is_retryable() && busy.is_slot_in_use());
-        assert!(server("the database system is shutting down (SQLSTATE 57P03)").is_retryable());
-        assert!(server("sorry, too many clients already (SQLSTATE 53300)").is_retryable());
-        let denied = server("permission denied to start WAL sender (SQLSTATE 42501)");
+        assert!(server("57P03").is_retryable(), "shutting down");
+        assert!(server("53300").is_retryable(), "too many clients");
+        let denied = server("42501");
         assert!(!denied.is_retryable() && !denied.is_slot_in_use());
-        assert!(!server("no code").is_retryable());
+        let lost = std::io::Error::from(std::io::ErrorKind::ConnectionReset);
+        assert!(WalError::Connection(lost.into()).is_retryable());
+        assert!(
+            !WalError::Connection(ConnectionError::Tls("bad certificate".into())).is_retryable()
+        );
         assert!(!WalError::Config("x".into()).is_retryable());
     }
 
@@ -611,44 +536,53 @@ mod tests {
     }
 
     #[test]
-    fn the_url_becomes_a_replication_config() {
-        let mut config = WalConfig::new(
-            "postgres://relay:p%40ss@db.example:6543/app?sslmode=disable",
+    fn the_url_becomes_the_connections_options() {
+        let config = WalConfig::new(
+            "postgres://relay:p%40ss@db.example:6543/app?sslmode=disable&connect_timeout=3",
             "s",
             "p",
             TableName::new("public", "outbox").unwrap(),
         );
-        config.stop_at = Some(Lsn(5));
-        let replication = replication_config(&config).unwrap();
-        assert!(!replication.tls.mode.requires_tls());
+        let options = connect_options(&config).unwrap();
+        assert_eq!(options.tls, outbox_store_postgres::tls::TlsUse::Never);
         assert_eq!(
             (
-                replication.host.as_str(),
-                replication.port,
-                replication.user.as_str(),
-                replication.password.as_str(),
-                replication.database.as_str()
+                options.host.as_str(),
+                options.port,
+                options.user.as_str(),
+                options.password.as_str(),
+                options.database.as_str()
             ),
             ("db.example", 6543, "relay", "p@ss", "app")
         );
-        assert_eq!(
-            replication.stop_at_lsn,
-            Some(pgwire_replication::Lsn::from_u64(5))
-        );
+        assert_eq!(options.connect_timeout, Duration::from_secs(3));
         assert!(!format!("{config:?}").contains("p%40ss"));
-        let tls = WalConfig {
-            url: config.url.replace("disable", "require"),
+        let tls = |mode: &str| WalConfig {
+            url: config.url.replace("disable", mode),
             ..config.clone()
         };
-        if cfg!(feature = "tls") {
-            assert!(replication_config(&tls).unwrap().tls.mode.requires_tls());
-        } else {
-            assert!(replication_config(&tls).is_err());
-        }
-        assert!(replication_config(&WalConfig {
+        assert_eq!(
+            connect_options(&tls("require")).unwrap().tls,
+            outbox_store_postgres::tls::TlsUse::Always
+        );
+        assert!(connect_options(&tls("sometimes")).is_err());
+        assert!(connect_options(&WalConfig {
             url: "not a url".into(),
             ..config
         })
         .is_err());
+    }
+
+    #[test]
+    fn a_drain_ends_before_a_transaction_committing_at_or_after_its_marker() {
+        let begin = |final_lsn: u64| {
+            let mut data = vec![b'B'];
+            data.extend_from_slice(&final_lsn.to_be_bytes());
+            data.extend_from_slice(&[0; 12]);
+            data
+        };
+        assert!(!begins_at_or_after(&begin(99), Lsn(100)));
+        assert!(begins_at_or_after(&begin(100), Lsn(100)));
+        assert!(!begins_at_or_after(b"I", Lsn(0)), "not a Begin");
     }
 }

@@ -12,8 +12,10 @@
 //! - [`ack`]: which position the slot may be confirmed at, given which events are settled.
 //! - [`schema`]: the publication `migrate --capture wal` creates.
 //! - [`settings`]: the slot and the publication, as the operator sets them.
-//! - [`client`]: the replication session (slot creation, START_REPLICATION, status
-//!   updates) over `pgwire-replication`.
+//! - [`replication`]: PostgreSQL's streaming replication protocol: the connection (TLS,
+//!   authentication), simple queries, and the stream, read through one buffer.
+//! - [`client`]: the replication session over it (the slot, START_REPLICATION, status
+//!   updates, the drain's end).
 //!
 //! Events are decoded from the stream itself, never re-read from the table: a row read back
 //! when the WAL announces it may not be visible yet, and acknowledging the WAL anyway loses
@@ -29,6 +31,7 @@ pub mod decode;
 pub mod emit;
 pub mod event;
 pub mod lsn;
+pub mod replication;
 pub mod schema;
 pub mod settings;
 pub mod table;

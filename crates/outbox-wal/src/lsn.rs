@@ -39,18 +39,6 @@ impl FromStr for Lsn {
     }
 }
 
-impl From<pgwire_replication::Lsn> for Lsn {
-    fn from(lsn: pgwire_replication::Lsn) -> Self {
-        Lsn(lsn.as_u64())
-    }
-}
-
-impl From<Lsn> for pgwire_replication::Lsn {
-    fn from(lsn: Lsn) -> Self {
-        pgwire_replication::Lsn::from_u64(lsn.0)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -825,7 +825,10 @@ async fn private_cluster(capture: Capture) -> (ScriptedServer, PrivateNats, Clus
     let nats = private_nats(Duration::from_secs(24 * 3600)).await;
     // OUTBOX_SOAK_KEEP=1 keeps the nodes' logs (the directory is printed) to trace a failure.
     let keep = std::env::var("OUTBOX_SOAK_KEEP").is_ok_and(|v| v == "1");
-    let dir = tempfile::Builder::new().disable_cleanup(keep).tempdir().unwrap();
+    let dir = tempfile::Builder::new()
+        .disable_cleanup(keep)
+        .tempdir()
+        .unwrap();
     if keep {
         eprintln!("soak: the nodes' logs are kept in {}", dir.path().display());
     }

@@ -348,9 +348,18 @@ impl Reader {
                         return SessionEnd::Closed;
                     }
                     stream.confirm(*self.confirm.borrow_and_update());
+                    if let Err(e) = stream.keep_alive().await {
+                        return SessionEnd::Broken(describe(&e));
+                    }
                     continue;
                 }
                 _ = liveness.tick() => {
+                    // Also while the stream is not read (claims behind, the memory budget
+                    // full): the server ends a session that says nothing for
+                    // wal_sender_timeout.
+                    if let Err(e) = stream.keep_alive().await {
+                        return SessionEnd::Broken(describe(&e));
+                    }
                     if let Some(reason) = liveness.check(&self.main).await {
                         return SessionEnd::Broken(reason);
                     }

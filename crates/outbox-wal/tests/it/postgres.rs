@@ -1008,3 +1008,100 @@ mod through_the_engine {
         relay.stop().await;
     }
 }
+
+/// The replication connection speaks TLS as the store's connections do (libpq's
+/// `sslmode`): `verify-full` without the server's CA is refused for its certificate, with
+/// it the stream runs over TLS, `require` encrypts without checking, `disable` does not
+/// encrypt. `pg_stat_ssl` says which, for the walsender of each session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_replication_connection_uses_tls_as_its_sslmode_says() {
+    let fixture = Fixture::new().await;
+    let ca = std::env::var("OUTBOX_TEST_PG_CA").expect("OUTBOX_TEST_PG_CA from scripts/servers.sh");
+    let db = connect(&fixture.url).await;
+    let with = |mode: &str, name: &str| WalConfig {
+        url: format!("{}?sslmode={mode}", fixture.url),
+        application_name: name.into(),
+        ..fixture.config.clone()
+    };
+    match WalStream::start(&with("verify-full", "tls_untrusted")).await {
+        Err(e) => assert!(e.to_string().to_lowercase().contains("certificate"), "{e}"),
+        Ok(_) => panic!("a certificate signed by an unknown CA was accepted"),
+    }
+    let verified = WalConfig {
+        ca_file: Some(ca.into()),
+        ..with("verify-full", "tls_verified")
+    };
+    for (config, encrypted) in [
+        (verified, true),
+        (with("require", "tls_required"), true),
+        (with("disable", "tls_off"), false),
+    ] {
+        let stream = start(&config).await;
+        let ssl: bool = db
+            .query_one(
+                "SELECT s.ssl FROM pg_stat_ssl s JOIN pg_stat_replication r USING (pid)
+                  WHERE r.application_name = $1",
+                &[&config.application_name],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(ssl, encrypted, "{}", config.application_name);
+        stream.stop(Duration::from_secs(5)).await.unwrap();
+    }
+}
+
+/// The replication connection logs in with each password method PostgreSQL offers it:
+/// SCRAM-SHA-256, md5 and a plain password (the roles `scripts/servers.sh` lists in
+/// pg_hba.conf); a wrong password is refused by the server, and not retried.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_replication_connection_logs_in_with_scram_md5_or_a_password() {
+    let fixture = Fixture::new().await;
+    let db = connect(&fixture.url).await;
+    let host_and_database = fixture.url.split_once('@').unwrap().1;
+    for (role, encryption) in [
+        ("outbox_auth_scram", "scram-sha-256"),
+        ("outbox_auth_md5", "md5"),
+        ("outbox_auth_password", "scram-sha-256"),
+    ] {
+        // Roles are the server's: made once, their password set again each run.
+        db.batch_execute(&format!(
+            "DO $$ BEGIN
+               IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{role}') THEN
+                 CREATE ROLE {role} LOGIN REPLICATION;
+               END IF;
+             END $$;
+             SET password_encryption = '{encryption}';
+             ALTER ROLE {role} PASSWORD 's3cret';"
+        ))
+        .await
+        .unwrap();
+        let config = WalConfig {
+            url: format!("postgres://{role}:s3cret@{host_and_database}?sslmode=disable"),
+            application_name: role.into(),
+            ..fixture.config.clone()
+        };
+        let stream = start(&config).await;
+        let user: String = db
+            .query_one(
+                "SELECT usename::text FROM pg_stat_replication WHERE application_name = $1",
+                &[&role],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(user, role);
+        stream.stop(Duration::from_secs(5)).await.unwrap();
+        let wrong = WalConfig {
+            url: config.url.replace("s3cret", "wrong"),
+            ..config
+        };
+        match WalStream::start(&wrong).await {
+            Err(e) => {
+                assert!(e.to_string().contains("28P01"), "{role}: {e}");
+                assert!(!e.is_retryable(), "{role}: {e}");
+            }
+            Ok(_) => panic!("{role} logged in with a wrong password"),
+        }
+    }
+}

@@ -1,0 +1,687 @@
+//! PostgreSQL's streaming replication protocol, as much as WAL capture needs: a connection in
+//! `replication=database` mode (TLS with the store's `sslmode` meanings; password, md5 or
+//! SCRAM-SHA-256), simple queries for the slot, and one `START_REPLICATION` stream.
+//!
+//! Everything the server sends is read into one buffer, in reads as large as the socket
+//! has ready: a burst of small messages costs one read (and, under TLS, one decryption
+//! pass), not two reads per message, and the messages are handed out as slices of that
+//! buffer. The stream is read by its caller's task, with no task or queue in between, and
+//! it answers the server (status updates, keepalive replies) from the same calls.
+
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, SystemTime};
+
+use bytes::{Buf, Bytes, BytesMut};
+use postgres_protocol::authentication::sasl::{ChannelBinding, ScramSha256, SCRAM_SHA_256};
+use postgres_protocol::message::frontend;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+
+use crate::lsn::Lsn;
+
+/// Why the connection failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectionError {
+    #[error("io error: {0}")]
+    Io(#[from] std::io::Error),
+    /// An ErrorResponse: `message (SQLSTATE code)`.
+    #[error("{message} (SQLSTATE {code})")]
+    Server { code: String, message: String },
+    #[error("TLS: {0}")]
+    Tls(String),
+    /// What the client cannot do (an authentication method) or a message it cannot read.
+    #[error("{0}")]
+    Protocol(String),
+}
+
+impl ConnectionError {
+    /// The server's SQLSTATE, for an error it sent.
+    pub fn sqlstate(&self) -> Option<&str> {
+        match self {
+            ConnectionError::Server { code, .. } => Some(code),
+            _ => None,
+        }
+    }
+
+    /// The connection broke (or could not be made): a new one may succeed.
+    pub fn is_io(&self) -> bool {
+        matches!(self, ConnectionError::Io(_))
+    }
+
+    fn protocol(what: impl Into<String>) -> Self {
+        ConnectionError::Protocol(what.into())
+    }
+}
+
+type Result<T> = std::result::Result<T, ConnectionError>;
+
+/// Where and as whom to connect.
+#[derive(Clone)]
+pub struct ConnectOptions {
+    /// A host name or address, or a directory holding the server's Unix socket.
+    pub host: String,
+    pub port: u16,
+    pub user: String,
+    pub password: String,
+    pub database: String,
+    pub application_name: String,
+    /// The `options` startup parameter (`-c name=value ...`).
+    pub options: String,
+    pub tls: outbox_store_postgres::tls::TlsUse,
+    pub tls_config: Arc<rustls::ClientConfig>,
+    /// How long connecting and authenticating may take.
+    pub connect_timeout: Duration,
+}
+
+/// The socket, encrypted or not.
+enum Socket {
+    Plain(TcpStream),
+    Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
+    #[cfg(unix)]
+    Unix(tokio::net::UnixStream),
+}
+
+impl AsyncRead for Socket {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Socket::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            Socket::Tls(s) => Pin::new(s).poll_read(cx, buf),
+            #[cfg(unix)]
+            Socket::Unix(s) => Pin::new(s).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Socket {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            Socket::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            Socket::Tls(s) => Pin::new(s).poll_write(cx, buf),
+            #[cfg(unix)]
+            Socket::Unix(s) => Pin::new(s).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Socket::Plain(s) => Pin::new(s).poll_flush(cx),
+            Socket::Tls(s) => Pin::new(s).poll_flush(cx),
+            #[cfg(unix)]
+            Socket::Unix(s) => Pin::new(s).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Socket::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            Socket::Tls(s) => Pin::new(s).poll_shutdown(cx),
+            #[cfg(unix)]
+            Socket::Unix(s) => Pin::new(s).poll_shutdown(cx),
+        }
+    }
+}
+
+/// What a read asks of the socket at least: small reads cost a system call (and a TLS
+/// record's processing) each.
+const READ_SIZE: usize = 64 * 1024;
+
+/// An authenticated connection in replication mode.
+pub struct Connection {
+    socket: Socket,
+    /// What was read and not yet taken as messages.
+    input: BytesMut,
+    /// What is to be written: kept across cancelled writes, so a message never goes half.
+    output: BytesMut,
+}
+
+/// One message from the server: its type byte and its body.
+struct Message {
+    tag: u8,
+    body: Bytes,
+}
+
+impl Connection {
+    /// Connects, negotiates TLS and authenticates, within the options' timeout.
+    pub async fn connect(options: &ConnectOptions) -> Result<Connection> {
+        match tokio::time::timeout(options.connect_timeout, Self::open(options)).await {
+            Ok(connection) => connection,
+            Err(_) => Err(ConnectionError::Io(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "no connection to {}:{} within {:?}",
+                    options.host, options.port, options.connect_timeout
+                ),
+            ))),
+        }
+    }
+
+    async fn open(options: &ConnectOptions) -> Result<Connection> {
+        let socket = Self::socket(options).await?;
+        let mut connection = Connection {
+            socket,
+            input: BytesMut::with_capacity(READ_SIZE),
+            output: BytesMut::new(),
+        };
+        let params = [
+            ("user", options.user.as_str()),
+            ("database", options.database.as_str()),
+            ("replication", "database"),
+            ("application_name", options.application_name.as_str()),
+            ("options", options.options.as_str()),
+            ("client_encoding", "UTF8"),
+        ];
+        frontend::startup_message(params, &mut connection.output)?;
+        connection.flush().await?;
+        connection.authenticate(options).await?;
+        // Parameter statuses and the cancellation key, up to the first ReadyForQuery.
+        loop {
+            let message = connection.message().await?;
+            match message.tag {
+                b'Z' => return Ok(connection),
+                b'E' => return Err(server_error(&message.body)),
+                _ => {}
+            }
+        }
+    }
+
+    async fn socket(options: &ConnectOptions) -> Result<Socket> {
+        use outbox_store_postgres::tls::TlsUse;
+        #[cfg(unix)]
+        if options.host.starts_with('/') {
+            let path = PathBuf::from(&options.host).join(format!(".s.PGSQL.{}", options.port));
+            return Ok(Socket::Unix(tokio::net::UnixStream::connect(path).await?));
+        }
+        let mut tcp = TcpStream::connect((options.host.as_str(), options.port)).await?;
+        tcp.set_nodelay(true)?;
+        if options.tls == TlsUse::Never {
+            return Ok(Socket::Plain(tcp));
+        }
+        let mut request = BytesMut::new();
+        frontend::ssl_request(&mut request);
+        tcp.write_all(&request).await?;
+        let mut answer = [0u8; 1];
+        tcp.read_exact(&mut answer).await?;
+        match (answer[0], options.tls) {
+            (b'S', _) => {}
+            (b'N', TlsUse::IfOffered) => return Ok(Socket::Plain(tcp)),
+            (b'N', _) => {
+                return Err(ConnectionError::Tls(
+                    "the server does not accept TLS connections, and sslmode asks for TLS".into(),
+                ))
+            }
+            (other, _) => {
+                return Err(ConnectionError::protocol(format!(
+                    "unexpected answer {other:#x} to the TLS request"
+                )))
+            }
+        }
+        let name = rustls::pki_types::ServerName::try_from(options.host.clone())
+            .map_err(|e| ConnectionError::Tls(format!("host name {:?}: {e}", options.host)))?;
+        let connector = tokio_rustls::TlsConnector::from(options.tls_config.clone());
+        let tls = connector
+            .connect(name, tcp)
+            .await
+            .map_err(|e| ConnectionError::Tls(e.to_string()))?;
+        Ok(Socket::Tls(Box::new(tls)))
+    }
+
+    /// Answers the server's authentication request: none, a password, md5 or SCRAM-SHA-256.
+    async fn authenticate(&mut self, options: &ConnectOptions) -> Result<()> {
+        let password = options.password.as_bytes();
+        let mut scram: Option<ScramSha256> = None;
+        loop {
+            let message = self.message().await?;
+            match message.tag {
+                b'R' => {}
+                b'E' => return Err(server_error(&message.body)),
+                other => {
+                    return Err(ConnectionError::protocol(format!(
+                        "unexpected message {:?} while authenticating",
+                        other as char
+                    )))
+                }
+            }
+            let mut body = message.body;
+            if body.len() < 4 {
+                return Err(ConnectionError::protocol("short authentication message"));
+            }
+            match body.get_i32() {
+                0 => return Ok(()),
+                3 => frontend::password_message(password, &mut self.output)?,
+                5 => {
+                    if body.len() < 4 {
+                        return Err(ConnectionError::protocol("md5 request without salt"));
+                    }
+                    let salt = [body[0], body[1], body[2], body[3]];
+                    let hash = postgres_protocol::authentication::md5_hash(
+                        options.user.as_bytes(),
+                        password,
+                        salt,
+                    );
+                    frontend::password_message(hash.as_bytes(), &mut self.output)?;
+                }
+                10 => {
+                    let offered: Vec<&[u8]> =
+                        body.split(|b| *b == 0).filter(|m| !m.is_empty()).collect();
+                    if !offered.contains(&SCRAM_SHA_256.as_bytes()) {
+                        return Err(ConnectionError::protocol(
+                            "the server offers no SASL mechanism this client knows (SCRAM-SHA-256)",
+                        ));
+                    }
+                    let client = ScramSha256::new(password, ChannelBinding::unsupported());
+                    frontend::sasl_initial_response(
+                        SCRAM_SHA_256,
+                        client.message(),
+                        &mut self.output,
+                    )?;
+                    scram = Some(client);
+                }
+                11 => {
+                    let client = scram
+                        .as_mut()
+                        .ok_or_else(|| ConnectionError::protocol("SASL continue out of turn"))?;
+                    client.update(&body)?;
+                    frontend::sasl_response(client.message(), &mut self.output)?;
+                }
+                12 => {
+                    let mut client = scram
+                        .take()
+                        .ok_or_else(|| ConnectionError::protocol("SASL final out of turn"))?;
+                    client.finish(&body).map_err(|e| {
+                        ConnectionError::protocol(format!("the server's SCRAM proof: {e}"))
+                    })?;
+                    continue;
+                }
+                code => {
+                    return Err(ConnectionError::protocol(format!(
+                        "authentication method {code} is not supported (use password, md5 or \
+                         scram-sha-256 for the relay's role in pg_hba.conf)"
+                    )))
+                }
+            }
+            self.flush().await?;
+        }
+    }
+
+    /// Runs `sql` (SQL or a replication command) and returns the rows, as text.
+    pub async fn simple_query(&mut self, sql: &str) -> Result<Vec<Vec<Option<String>>>> {
+        frontend::query(sql, &mut self.output)?;
+        self.flush().await?;
+        let mut rows = Vec::new();
+        let mut error = None;
+        loop {
+            let message = self.message().await?;
+            match message.tag {
+                b'D' => rows.push(data_row(message.body)?),
+                b'E' => error = Some(server_error(&message.body)),
+                b'Z' => {
+                    return match error {
+                        Some(e) => Err(e),
+                        None => Ok(rows),
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Starts streaming the slot's changes from `start` (the slot's confirmed position: the
+    /// server never goes back before it) with pgoutput, outbox messages included.
+    pub async fn start_replication(
+        mut self,
+        slot: &str,
+        publication: &str,
+        start: Lsn,
+        status_interval: Duration,
+    ) -> Result<ReplicationStream> {
+        let command = format!(
+            "START_REPLICATION SLOT {slot} LOGICAL {start} \
+             (proto_version '1', publication_names '{publication}', messages 'true')"
+        );
+        frontend::query(&command, &mut self.output)?;
+        self.flush().await?;
+        loop {
+            let message = self.message().await?;
+            match message.tag {
+                // CopyBothResponse: the stream begins.
+                b'W' => break,
+                b'E' => return Err(server_error(&message.body)),
+                _ => {}
+            }
+        }
+        Ok(ReplicationStream {
+            connection: self,
+            confirmed: start,
+            reported: None,
+            status_interval,
+            next_status: Instant::now() + status_interval,
+            ended: false,
+        })
+    }
+
+    /// Writes what is queued. Cancel-safe: what a cancelled write did not take stays queued.
+    async fn flush(&mut self) -> Result<()> {
+        while !self.output.is_empty() {
+            let n = self.socket.write(&self.output).await?;
+            if n == 0 {
+                return Err(std::io::Error::from(std::io::ErrorKind::WriteZero).into());
+            }
+            self.output.advance(n);
+        }
+        self.socket.flush().await?;
+        Ok(())
+    }
+
+    /// The next whole message, if one was read already.
+    fn buffered(&mut self) -> Result<Option<Message>> {
+        if self.input.len() < 5 {
+            return Ok(None);
+        }
+        let length =
+            u32::from_be_bytes([self.input[1], self.input[2], self.input[3], self.input[4]]);
+        let total = 1 + length as usize;
+        if length < 4 {
+            return Err(ConnectionError::protocol(format!(
+                "invalid message length {length}"
+            )));
+        }
+        if self.input.len() < total {
+            // A large message is read in as few reads as its size allows.
+            self.input.reserve(total - self.input.len());
+            return Ok(None);
+        }
+        let mut frame = self.input.split_to(total).freeze();
+        let tag = frame[0];
+        frame.advance(5);
+        Ok(Some(Message { tag, body: frame }))
+    }
+
+    /// Reads more from the socket. Cancel-safe. `false`: the server closed the connection.
+    async fn read_more(&mut self) -> Result<bool> {
+        if self.input.capacity() - self.input.len() < READ_SIZE / 4 {
+            self.input.reserve(READ_SIZE);
+        }
+        Ok(self.socket.read_buf(&mut self.input).await? > 0)
+    }
+
+    /// The next message, reading as needed.
+    async fn message(&mut self) -> Result<Message> {
+        loop {
+            if let Some(message) = self.buffered()? {
+                return Ok(message);
+            }
+            if !self.read_more().await? {
+                return Err(closed());
+            }
+        }
+    }
+}
+
+fn closed() -> ConnectionError {
+    ConnectionError::Io(std::io::Error::new(
+        std::io::ErrorKind::UnexpectedEof,
+        "the server closed the connection",
+    ))
+}
+
+/// An ErrorResponse's fields: its SQLSTATE and message (with the detail and hint).
+fn server_error(body: &[u8]) -> ConnectionError {
+    let (mut code, mut message, mut detail, mut hint) = (None, None, None, None);
+    for field in body.split(|b| *b == 0).filter(|f| !f.is_empty()) {
+        let value = String::from_utf8_lossy(&field[1..]).into_owned();
+        match field[0] {
+            b'C' => code = Some(value),
+            b'M' => message = Some(value),
+            b'D' => detail = Some(value),
+            b'H' => hint = Some(value),
+            _ => {}
+        }
+    }
+    let mut message = message.unwrap_or_else(|| "error".into());
+    for (label, text) in [("detail", detail), ("hint", hint)] {
+        if let Some(text) = text {
+            message = format!("{message} ({label}: {text})");
+        }
+    }
+    ConnectionError::Server {
+        code: code.unwrap_or_else(|| "XX000".into()),
+        message,
+    }
+}
+
+/// A DataRow's columns, as text (`None` for NULL).
+fn data_row(mut body: Bytes) -> Result<Vec<Option<String>>> {
+    let short = || ConnectionError::protocol("short DataRow");
+    if body.len() < 2 {
+        return Err(short());
+    }
+    let columns = body.get_u16();
+    let mut row = Vec::with_capacity(columns as usize);
+    for _ in 0..columns {
+        if body.len() < 4 {
+            return Err(short());
+        }
+        let length = body.get_i32();
+        if length < 0 {
+            row.push(None);
+            continue;
+        }
+        let length = length as usize;
+        if body.len() < length {
+            return Err(short());
+        }
+        row.push(Some(
+            String::from_utf8_lossy(&body.split_to(length)).into_owned(),
+        ));
+    }
+    Ok(row)
+}
+
+/// What the replication stream carries.
+#[derive(Debug)]
+pub enum StreamMessage {
+    /// One pgoutput message (XLogData's payload).
+    Data(Bytes),
+    /// The server's position, sent while it has nothing for this slot.
+    Keepalive { wal_end: Lsn },
+}
+
+/// A started replication stream.
+///
+/// Contract:
+/// - [`recv`](Self::recv) yields the server's messages in order, and is cancel-safe.
+/// - The slot's confirmed position is reported as [`confirm`](Self::confirm) moves it,
+///   at most every `status_interval`, from within `recv` and [`keep_alive`](Self::keep_alive);
+///   a keepalive that asks for a reply is answered at once.
+pub struct ReplicationStream {
+    connection: Connection,
+    confirmed: Lsn,
+    /// The last position written in a status update.
+    reported: Option<Lsn>,
+    status_interval: Duration,
+    next_status: Instant,
+    /// The server ended the stream (CopyDone).
+    ended: bool,
+}
+
+/// Microseconds from the Unix epoch to PostgreSQL's (2000-01-01).
+const POSTGRES_EPOCH_MICROS: i64 = 946_684_800_000_000;
+
+impl ReplicationStream {
+    /// The next message; `None` once the server ended the stream.
+    pub async fn recv(&mut self) -> Result<Option<StreamMessage>> {
+        loop {
+            if let Some(message) = self.connection.buffered()? {
+                if let Some(message) = self.take(message).await? {
+                    return Ok(Some(message));
+                }
+                if self.ended {
+                    return Ok(None);
+                }
+                continue;
+            }
+            self.keep_alive().await?;
+            let status_due = self.next_status;
+            tokio::select! {
+                biased;
+                more = self.connection.read_more() => {
+                    if !more? {
+                        return Err(closed());
+                    }
+                }
+                () = tokio::time::sleep_until(status_due) => {}
+            }
+        }
+    }
+
+    /// What a message means to the caller, answering what asks for an answer.
+    async fn take(&mut self, message: Message) -> Result<Option<StreamMessage>> {
+        let mut body = message.body;
+        match message.tag {
+            b'd' if body.first() == Some(&b'w') => {
+                // 'w', the data's start and end positions and the server's clock.
+                if body.len() < 25 {
+                    return Err(ConnectionError::protocol("short XLogData"));
+                }
+                body.advance(25);
+                Ok(Some(StreamMessage::Data(body)))
+            }
+            b'd' if body.first() == Some(&b'k') => {
+                if body.len() < 18 {
+                    return Err(ConnectionError::protocol("short keepalive"));
+                }
+                body.advance(1);
+                let wal_end = Lsn(body.get_u64());
+                let _clock = body.get_i64();
+                if body.get_u8() == 1 {
+                    // The server's wal_sender_timeout runs out without an answer.
+                    self.send_status().await?;
+                }
+                Ok(Some(StreamMessage::Keepalive { wal_end }))
+            }
+            b'E' => Err(server_error(&body)),
+            b'c' | b'C' | b'Z' => {
+                self.ended = true;
+                Ok(None)
+            }
+            // Notices, and CopyData of kinds this client does not use.
+            _ => Ok(None),
+        }
+    }
+
+    /// Moves the position reported to the slot (never back).
+    pub fn confirm(&mut self, lsn: Lsn) {
+        self.confirmed = self.confirmed.max(lsn);
+    }
+
+    /// The last position passed to [`confirm`](Self::confirm) (or the start).
+    pub fn confirmed(&self) -> Lsn {
+        self.confirmed
+    }
+
+    /// The last position the server was sent.
+    pub fn reported(&self) -> Option<Lsn> {
+        self.reported
+    }
+
+    /// Sends a status update when one is due: the confirmed position moved, or the
+    /// interval passed (an idle stream says it is alive). Call it while not reading the
+    /// stream for a while, so the server's wal_sender_timeout does not end the session.
+    pub async fn keep_alive(&mut self) -> Result<()> {
+        // Half-written output goes first, whatever else is due.
+        self.connection.flush().await?;
+        if Instant::now() >= self.next_status {
+            self.send_status().await?;
+        }
+        Ok(())
+    }
+
+    /// Reports the confirmed position as written, flushed and applied.
+    async fn send_status(&mut self) -> Result<()> {
+        let micros = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros() as i64)
+            - POSTGRES_EPOCH_MICROS;
+        let lsn = self.confirmed.0;
+        let mut update = Vec::with_capacity(34);
+        update.push(b'r');
+        for position in [lsn, lsn, lsn] {
+            update.extend_from_slice(&position.to_be_bytes());
+        }
+        update.extend_from_slice(&micros.to_be_bytes());
+        update.push(0);
+        frontend::CopyData::new(&update[..])?.write(&mut self.connection.output);
+        self.connection.flush().await?;
+        self.reported = Some(self.confirmed);
+        self.next_status = Instant::now() + self.status_interval;
+        Ok(())
+    }
+
+    /// Ends the stream: reports the confirmed position, ends the copy, and waits up to
+    /// `wait` for the server to end its side before closing the connection.
+    pub async fn finish(mut self, wait: Duration) -> Result<()> {
+        let ending = async {
+            self.send_status().await?;
+            frontend::copy_done(&mut self.connection.output);
+            self.connection.flush().await?;
+            // The server sends what it had in flight, then CopyDone and the command's end.
+            while !self.ended {
+                let message = self.connection.message().await?;
+                if matches!(message.tag, b'c' | b'C' | b'Z' | b'E') {
+                    break;
+                }
+            }
+            frontend::terminate(&mut self.connection.output);
+            self.connection.flush().await
+        };
+        match tokio::time::timeout(wait, ending).await {
+            Ok(result) => result,
+            // The confirmation was written first: what the server had not read of the rest
+            // only ends the session less politely.
+            Err(_) => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_error_response_keeps_its_sqlstate_detail_and_hint() {
+        let body =
+            b"SERROR\0C55006\0Mreplication slot \"s\" is active for PID 7\0Dby another\0Hwait\0\0";
+        let error = server_error(body);
+        assert_eq!(error.sqlstate(), Some("55006"));
+        assert_eq!(
+            error.to_string(),
+            "replication slot \"s\" is active for PID 7 (detail: by another) (hint: wait) (SQLSTATE 55006)"
+        );
+    }
+
+    #[test]
+    fn a_data_row_reads_text_and_null_columns() {
+        let mut body = BytesMut::new();
+        body.extend_from_slice(&2u16.to_be_bytes());
+        body.extend_from_slice(&1i32.to_be_bytes());
+        body.extend_from_slice(b"t");
+        body.extend_from_slice(&(-1i32).to_be_bytes());
+        assert_eq!(
+            data_row(body.freeze()).unwrap(),
+            [Some("t".to_string()), None]
+        );
+        assert!(data_row(Bytes::from_static(&[0, 1, 0, 0, 0, 9, b'x'])).is_err());
+    }
+}
