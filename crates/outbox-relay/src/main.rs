@@ -60,21 +60,13 @@ fn escaped_fields() -> impl for<'w> tracing_subscriber::fmt::FormatFields<'w> {
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn init_logging(config: &Config) -> anyhow::Result<()> {
-    let mut filter =
+    let filter =
         tracing_subscriber::EnvFilter::try_new(&config.relay.log_level).map_err(|e| {
             anyhow::anyhow!(
                 "invalid log level {:?}: {e}; use e.g. info, debug or outbox_engine=debug",
                 config.relay.log_level
             )
         })?;
-    // The replication client logs each session that ends at ERROR, a standby's "slot in use"
-    // every second among them. It also returns the error, which the WAL reader logs at the
-    // level its cause deserves; so the client's own line is left out unless asked for.
-    if !config.relay.log_level.contains("pgwire_replication") {
-        if let Ok(quiet) = "pgwire_replication::client=off".parse() {
-            filter = filter.add_directive(quiet);
-        }
-    }
     // Logs go to stderr: stdout belongs to the stdout sink. Colours only on a terminal: a
     // redirected log (a file, journald, a collector) would keep the escape codes.
     let builder = tracing_subscriber::fmt()
