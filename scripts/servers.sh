@@ -244,7 +244,8 @@ stop_rabbitmq() {
 }
 
 # MariaDB as the mysql user, under $STATE/mariadb, on 127.0.0.1 only. The tests connect as
-# root over TCP without a password (this throwaway server only).
+# root over TCP without a password (this throwaway server only). It writes a row-based binary
+# log, which binlog capture reads (crates/outbox-binlog).
 start_mariadb() {
   local dir=$STATE/mariadb
   mkdir -p "$dir"
@@ -256,7 +257,8 @@ start_mariadb() {
   if ! mariadb-admin --no-defaults --socket="$dir/mysqld.sock" ping >/dev/null 2>&1; then
     setsid /usr/sbin/mariadbd --no-defaults --user=mysql --datadir="$dir/data" \
       --socket="$dir/mysqld.sock" --pid-file="$dir/mysqld.pid" --bind-address=127.0.0.1 \
-      --port="$MARIADB_PORT" --innodb-flush-log-at-trx-commit=0 --skip-log-bin \
+      --port="$MARIADB_PORT" --innodb-flush-log-at-trx-commit=0 \
+      --log-bin=mariadb-bin --binlog-format=ROW --server-id=1 --sync-binlog=0 --expire-logs-days=1 \
       --max-connections=400 --skip-name-resolve </dev/null >"$dir/mysqld.log" 2>&1 &
     for _ in $(seq 200); do
       mariadb-admin --no-defaults --socket="$dir/mysqld.sock" ping >/dev/null 2>&1 && break

@@ -60,13 +60,12 @@ fn escaped_fields() -> impl for<'w> tracing_subscriber::fmt::FormatFields<'w> {
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn init_logging(config: &Config) -> anyhow::Result<()> {
-    let filter =
-        tracing_subscriber::EnvFilter::try_new(&config.relay.log_level).map_err(|e| {
-            anyhow::anyhow!(
-                "invalid log level {:?}: {e}; use e.g. info, debug or outbox_engine=debug",
-                config.relay.log_level
-            )
-        })?;
+    let filter = tracing_subscriber::EnvFilter::try_new(&config.relay.log_level).map_err(|e| {
+        anyhow::anyhow!(
+            "invalid log level {:?}: {e}; use e.g. info, debug or outbox_engine=debug",
+            config.relay.log_level
+        )
+    })?;
     // Logs go to stderr: stdout belongs to the stdout sink. Colours only on a terminal: a
     // redirected log (a file, journald, a collector) would keep the escape codes.
     let builder = tracing_subscriber::fmt()

@@ -1,0 +1,260 @@
+//! Binlog capture for MySQL and MariaDB (issue 35), the stream so far: rows inserted into
+//! the outbox table, read from the binary log as a replica reads it.
+//!
+//! The binary log holds committed transactions only, each whole and in commit order (the
+//! order their commits reached the log), so the stream needs no buffering to leave rolled
+//! back work out: a transaction's row events come between its start and its XID event. The
+//! rows are decoded from the row events themselves (`binlog_format = ROW`), never read back
+//! from the table.
+//!
+//! Contract of [`BinlogReader`]:
+//! - [`next`](BinlogReader::next) yields the outbox table's inserted rows of each committed
+//!   transaction, in commit order, each transaction that inserted any closed by
+//!   [`Output::Committed`] with the position after it: the position to resume from once
+//!   every row before it is settled.
+//! - Rows of other tables, updates and deletes are not events and are passed by.
+//! - A rotated log (`FLUSH BINARY LOGS`, a size limit) is followed into the next file.
+//!
+//! Not yet here (issue 35): the store over the stream (parking, acknowledgement of the
+//! position in a table of the relay's, adoption), GTIDs, `migrate`/`check`/`run --capture
+//! binlog`, retention checks, the BLACKHOLE form and MySQL 8's binary JSON.
+
+use std::sync::Arc;
+
+use futures::StreamExt;
+use mysql_async::binlog::events::{EventData, RowsEventData};
+use mysql_async::binlog::value::BinlogValue;
+use mysql_async::prelude::Queryable;
+use mysql_async::{BinlogStreamRequest, Conn, Opts, Value};
+
+/// Why the stream stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum BinlogError {
+    #[error("binlog capture: {0}")]
+    Config(String),
+    #[error("binlog connection: {0}")]
+    Connection(#[from] mysql_async::Error),
+    #[error("binlog event: {0}")]
+    Decode(String),
+}
+
+type Result<T> = std::result::Result<T, BinlogError>;
+
+/// A place in the binary log: a file and the byte offset of an event in it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BinlogPosition {
+    pub file: String,
+    pub offset: u64,
+}
+
+/// What to read, and as which replica.
+#[derive(Clone, Debug)]
+pub struct BinlogConfig {
+    /// `mysql://user:password@host:port/database`. The user needs REPLICATION SLAVE (and
+    /// REPLICATION CLIENT for the log's position).
+    pub url: String,
+    /// This reader's server id, unique among the server's replicas and readers.
+    pub server_id: u32,
+    pub database: String,
+    pub table: String,
+}
+
+/// One inserted row, by column name, as text (`None` for NULL).
+#[derive(Clone, Debug)]
+pub struct Row {
+    columns: Arc<Vec<String>>,
+    values: Vec<Option<String>>,
+}
+
+impl Row {
+    /// The value of `column`; `None` when NULL or not a column of the table.
+    pub fn get(&self, column: &str) -> Option<&str> {
+        let index = self.columns.iter().position(|c| c == column)?;
+        self.values.get(index)?.as_deref()
+    }
+}
+
+/// What the stream carries.
+#[derive(Clone, Debug)]
+pub enum Output {
+    /// A row a committed transaction inserted into the outbox table.
+    Row(Row),
+    /// The end of a transaction that inserted `rows` rows: `next` is where the log goes on.
+    Committed { next: BinlogPosition, rows: u64 },
+}
+
+/// The binary log's current end (`SHOW MASTER STATUS`), where a new reader starts.
+pub async fn current_position(url: &str) -> Result<BinlogPosition> {
+    let mut conn = Conn::new(opts(url)?).await?;
+    let row: Option<(String, u64)> =
+        conn.query_first("SHOW MASTER STATUS")
+            .await?
+            .map(|row: mysql_async::Row| {
+                let file: String = row.get(0).unwrap_or_default();
+                let offset: u64 = row.get(1).unwrap_or_default();
+                (file, offset)
+            });
+    conn.disconnect().await?;
+    match row {
+        Some((file, offset)) if !file.is_empty() => Ok(BinlogPosition { file, offset }),
+        _ => Err(BinlogError::Config(
+            "the server writes no binary log: start it with log_bin (and binlog_format = ROW)"
+                .into(),
+        )),
+    }
+}
+
+fn opts(url: &str) -> Result<Opts> {
+    Opts::from_url(url)
+        .map_err(|e| BinlogError::Config(format!("the database URL cannot be parsed: {e}")))
+}
+
+/// Reads the outbox table's inserts from the binary log.
+pub struct BinlogReader {
+    stream: mysql_async::BinlogStream,
+    database: String,
+    table: String,
+    /// The table's columns in their order, as row events carry them.
+    columns: Arc<Vec<String>>,
+    /// The log file being read (row events' positions are within it).
+    file: String,
+    /// Rows of the current transaction handed out so far.
+    rows_in_transaction: u64,
+    /// Rows of one row event not yet handed out.
+    pending: std::collections::VecDeque<Output>,
+}
+
+impl BinlogReader {
+    /// Starts reading at `from` (a transaction's start: a position [`Output::Committed`]
+    /// gave, or [`current_position`]).
+    pub async fn start(config: &BinlogConfig, from: &BinlogPosition) -> Result<Self> {
+        let opts = opts(&config.url)?;
+        let mut conn = Conn::new(opts).await?;
+        let format: Option<String> = conn.query_first("SELECT @@GLOBAL.binlog_format").await?;
+        if format.as_deref() != Some("ROW") {
+            return Err(BinlogError::Config(format!(
+                "binlog_format is {}, and binlog capture reads rows: set binlog_format = ROW",
+                format.as_deref().unwrap_or("unknown")
+            )));
+        }
+        let columns: Vec<String> = conn
+            .exec(
+                "SELECT COLUMN_NAME FROM information_schema.COLUMNS
+                  WHERE TABLE_SCHEMA = ? AND TABLE_NAME = ? ORDER BY ORDINAL_POSITION",
+                (&config.database, &config.table),
+            )
+            .await?;
+        if columns.is_empty() {
+            return Err(BinlogError::Config(format!(
+                "table {}.{} does not exist: run `outbox-relay migrate`",
+                config.database, config.table
+            )));
+        }
+        let request = BinlogStreamRequest::new(config.server_id)
+            .with_filename(from.file.as_bytes())
+            .with_pos(from.offset);
+        let stream = conn.get_binlog_stream(request).await?;
+        Ok(BinlogReader {
+            stream,
+            database: config.database.clone(),
+            table: config.table.clone(),
+            columns: Arc::new(columns),
+            file: from.file.clone(),
+            rows_in_transaction: 0,
+            pending: Default::default(),
+        })
+    }
+
+    /// The next output; `None` when the server ended the stream.
+    pub async fn next(&mut self) -> Result<Option<Output>> {
+        loop {
+            if let Some(output) = self.pending.pop_front() {
+                return Ok(Some(output));
+            }
+            let Some(event) = self.stream.next().await else {
+                return Ok(None);
+            };
+            let event = event?;
+            let end = u64::from(event.header().log_pos());
+            let data = event
+                .read_data()
+                .map_err(|e| BinlogError::Decode(e.to_string()))?;
+            match data {
+                // The rotate the server sends first, before the log's checksum setting
+                // is known, is artificial (position 0) and names the file requested:
+                // its name would carry the checksum's bytes.
+                Some(EventData::RotateEvent(rotate)) if end != 0 => {
+                    self.file = rotate.name().into_owned();
+                }
+                // The end of a transaction that inserted outbox rows.
+                Some(EventData::XidEvent(_)) if self.rows_in_transaction > 0 => {
+                    let rows = std::mem::take(&mut self.rows_in_transaction);
+                    let next = BinlogPosition {
+                        file: self.file.clone(),
+                        offset: end,
+                    };
+                    return Ok(Some(Output::Committed { next, rows }));
+                }
+                Some(EventData::RowsEvent(rows)) => self.take_rows(&rows)?,
+                _ => {}
+            }
+        }
+    }
+
+    /// The outbox table's inserted rows of one row event, queued in their order.
+    fn take_rows(&mut self, rows: &RowsEventData<'_>) -> Result<()> {
+        let insert = matches!(
+            rows,
+            RowsEventData::WriteRowsEvent(_) | RowsEventData::WriteRowsEventV1(_)
+        );
+        let Some(table_map) = self.stream.get_tme(rows.table_id()) else {
+            return Err(BinlogError::Decode(format!(
+                "a row event of table id {} came without its table map",
+                rows.table_id()
+            )));
+        };
+        if !insert
+            || table_map.database_name() != self.database.as_str()
+            || table_map.table_name() != self.table.as_str()
+        {
+            return Ok(());
+        }
+        for row in rows.rows(table_map) {
+            let (_, after) = row.map_err(|e| BinlogError::Decode(e.to_string()))?;
+            let Some(after) = after else { continue };
+            let values = (0..after.len())
+                .map(|i| after.as_ref(i).and_then(text))
+                .collect();
+            self.rows_in_transaction += 1;
+            self.pending.push_back(Output::Row(Row {
+                columns: self.columns.clone(),
+                values,
+            }));
+        }
+        Ok(())
+    }
+}
+
+/// A column's value as text, as the table would show it; `None` for NULL.
+fn text(value: &BinlogValue<'_>) -> Option<String> {
+    match value {
+        BinlogValue::Value(Value::NULL) => None,
+        BinlogValue::Value(Value::Bytes(bytes)) => {
+            Some(String::from_utf8_lossy(bytes).into_owned())
+        }
+        BinlogValue::Value(Value::Int(n)) => Some(n.to_string()),
+        BinlogValue::Value(Value::UInt(n)) => Some(n.to_string()),
+        BinlogValue::Value(Value::Float(n)) => Some(n.to_string()),
+        BinlogValue::Value(Value::Double(n)) => Some(n.to_string()),
+        BinlogValue::Value(Value::Date(y, mo, d, h, mi, s, us)) => Some(format!(
+            "{y:04}-{mo:02}-{d:02} {h:02}:{mi:02}:{s:02}.{us:06}"
+        )),
+        BinlogValue::Value(Value::Time(negative, days, h, mi, s, us)) => Some(format!(
+            "{}{}:{mi:02}:{s:02}.{us:06}",
+            if *negative { "-" } else { "" },
+            u64::from(*days) * 24 + u64::from(*h)
+        )),
+        // MySQL 8's binary JSON: not decoded yet (issue 35); MariaDB's JSON is text.
+        BinlogValue::Jsonb(_) | BinlogValue::JsonDiff(_) => None,
+    }
+}

@@ -1,0 +1,167 @@
+//! The binlog stream against the real MariaDB 10.11 (`scripts/servers.sh` starts it with a
+//! row-based binary log): commit order, rollbacks, other tables and statements passed by,
+//! a rotated log followed, and a reader resumed from a position the stream gave.
+
+use std::time::Duration;
+
+use mysql_async::prelude::Queryable;
+use mysql_async::{Conn, Opts};
+use outbox_binlog::{current_position, BinlogConfig, BinlogReader, Output};
+
+async fn connect(url: &str) -> Conn {
+    Conn::new(Opts::from_url(url).unwrap()).await.unwrap()
+}
+
+/// Outputs until `rows` committed rows arrived: each row's `sequence_id` and key, per
+/// transaction.
+async fn transactions(
+    reader: &mut BinlogReader,
+    rows: usize,
+) -> Vec<(Vec<(String, String)>, Output)> {
+    let mut transactions = Vec::new();
+    let mut current = Vec::new();
+    let mut seen = 0;
+    while seen < rows {
+        // A bound on a hang, not a synchronisation: every awaited row was committed.
+        let output = tokio::time::timeout(Duration::from_secs(20), reader.next())
+            .await
+            .expect("the stream brought nothing for 20 s")
+            .unwrap()
+            .expect("the stream ended");
+        match &output {
+            Output::Row(row) => {
+                seen += 1;
+                current.push((
+                    row.get("sequence_id").unwrap().to_string(),
+                    row.get("partition_key").unwrap().to_string(),
+                ));
+            }
+            Output::Committed { .. } => transactions.push((std::mem::take(&mut current), output)),
+        }
+    }
+    if !current.is_empty() {
+        // The last transaction's commit follows its rows.
+        let commit = reader.next().await.unwrap().unwrap();
+        transactions.push((current, commit));
+    }
+    transactions
+}
+
+fn ids(transactions: &[(Vec<(String, String)>, Output)]) -> Vec<Vec<String>> {
+    transactions
+        .iter()
+        .map(|(rows, _)| rows.iter().map(|(id, _)| id.clone()).collect())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn committed_inserts_arrive_in_commit_order_and_nothing_else_does() {
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let database = Opts::from_url(&url).unwrap().db_name().unwrap().to_string();
+    let mut setup = connect(&url).await;
+    setup
+        .query_drop(
+            "CREATE TABLE outbox (
+                sequence_id bigint unsigned NOT NULL AUTO_INCREMENT PRIMARY KEY,
+                partition_key varchar(255) NULL,
+                payload json NULL,
+                created_at datetime(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6));
+             CREATE TABLE other (id int PRIMARY KEY)",
+        )
+        .await
+        .unwrap();
+    let start = current_position(&url).await.unwrap();
+    let config = BinlogConfig {
+        url: url.clone(),
+        server_id: 1000 + fastrand_id(),
+        database,
+        table: "outbox".into(),
+    };
+    let mut reader = BinlogReader::start(&config, &start).await.unwrap();
+
+    // Two writers on key `a`: the first inserts first and commits last.
+    let (mut first, mut second) = (connect(&url).await, connect(&url).await);
+    first.query_drop("BEGIN").await.unwrap();
+    first
+        .query_drop("INSERT INTO outbox (partition_key, payload) VALUES ('a', '{\"n\": 1}')")
+        .await
+        .unwrap();
+    second.query_drop("BEGIN").await.unwrap();
+    second
+        .query_drop("INSERT INTO outbox (partition_key, payload) VALUES ('a', '{\"n\": 2}')")
+        .await
+        .unwrap();
+    second.query_drop("COMMIT").await.unwrap();
+    first.query_drop("COMMIT").await.unwrap();
+    // Rolled back, another table, an update and a delete: none is an event.
+    first.query_drop("BEGIN").await.unwrap();
+    first
+        .query_drop("INSERT INTO outbox (partition_key) VALUES ('rolled back')")
+        .await
+        .unwrap();
+    first.query_drop("ROLLBACK").await.unwrap();
+    first
+        .query_drop("INSERT INTO other VALUES (1)")
+        .await
+        .unwrap();
+    first
+        .query_drop("UPDATE outbox SET payload = NULL WHERE sequence_id = 1")
+        .await
+        .unwrap();
+    first
+        .query_drop("DELETE FROM outbox WHERE sequence_id = 2")
+        .await
+        .unwrap();
+    // Two rows in one transaction, then the log rotates, then one more.
+    first
+        .query_drop("INSERT INTO outbox (partition_key) VALUES ('b'), ('c')")
+        .await
+        .unwrap();
+    first.query_drop("FLUSH BINARY LOGS").await.unwrap();
+    first
+        .query_drop("INSERT INTO outbox (partition_key) VALUES ('d')")
+        .await
+        .unwrap();
+
+    let seen = transactions(&mut reader, 5).await;
+    assert_eq!(
+        ids(&seen),
+        [vec!["2"], vec!["1"], vec!["4", "5"], vec!["6"]],
+        "commit order, whole transactions; the rolled-back id 3 is not there"
+    );
+    let keys: Vec<&str> = seen[1].0.iter().map(|(_, key)| key.as_str()).collect();
+    assert_eq!(keys, ["a"]);
+    let Output::Committed {
+        next: before_rotation,
+        rows,
+    } = &seen[2].1
+    else {
+        unreachable!()
+    };
+    assert_eq!(*rows, 2);
+    let Output::Committed {
+        next: after_rotation,
+        ..
+    } = &seen[3].1
+    else {
+        unreachable!()
+    };
+    assert_ne!(
+        before_rotation.file, after_rotation.file,
+        "the rotated log is followed"
+    );
+
+    // A reader resumed where the stream said the third transaction ended reads from there.
+    let mut resumed = BinlogReader::start(&config, before_rotation).await.unwrap();
+    assert_eq!(ids(&transactions(&mut resumed, 1).await), [vec!["6"]]);
+}
+
+/// A server id of its own for each run: two readers with the same id make the server drop
+/// the first.
+fn fastrand_id() -> u32 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos()
+        % 1_000_000
+}
