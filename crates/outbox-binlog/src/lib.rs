@@ -15,6 +15,8 @@
 //! - Rows of other tables, updates and deletes are not events and are passed by.
 //! - A rotated log (`FLUSH BINARY LOGS`, a size limit) is followed into the next file.
 //!
+//! [`server_problems`] lists what the server lacks for it, each with its fix.
+//!
 //! Not yet here (issue 35): the store over the stream (parking, acknowledgement of the
 //! position in a table of the relay's, adoption), GTIDs, `migrate`/`check`/`run --capture
 //! binlog`, retention checks, the BLACKHOLE form and MySQL 8's binary JSON.
@@ -26,6 +28,7 @@ use mysql_async::binlog::events::{EventData, RowsEventData};
 use mysql_async::binlog::value::BinlogValue;
 use mysql_async::prelude::Queryable;
 use mysql_async::{BinlogStreamRequest, Conn, Opts, Value};
+use outbox_core::store::Problem;
 
 /// Why the stream stopped.
 #[derive(Debug, thiserror::Error)]
@@ -102,6 +105,70 @@ pub async fn current_position(url: &str) -> Result<BinlogPosition> {
                 .into(),
         )),
     }
+}
+
+/// What the server lacks for binlog capture, each with its fix (`check --capture binlog`
+/// will list them): a binary log, in rows, with whole row images, and a role that may read
+/// it as a replica.
+pub async fn server_problems(url: &str) -> Result<Vec<Problem>> {
+    let mut conn = Conn::new(opts(url)?).await?;
+    let settings: Option<(String, String, String)> = conn
+        .query_first(
+            "SELECT CAST(@@GLOBAL.log_bin AS CHAR), @@GLOBAL.binlog_format, @@GLOBAL.binlog_row_image",
+        )
+        .await?;
+    let grants: Vec<String> = conn.query("SHOW GRANTS").await?;
+    conn.disconnect().await?;
+    let (log_bin, format, image) = settings.unwrap_or_default();
+    let mut problems = Vec::new();
+    if log_bin != "1" && !log_bin.eq_ignore_ascii_case("on") {
+        problems.push(Problem::blocking(
+            "the server writes no binary log (log_bin is off)",
+            "start it with log_bin (MariaDB: --log-bin; MySQL 8 has it on by default) and a server_id",
+        ));
+    }
+    if !format.eq_ignore_ascii_case("ROW") {
+        problems.push(Problem::blocking(
+            format!("binlog_format is {format}: the binary log holds statements, not the rows inserted"),
+            "SET GLOBAL binlog_format = 'ROW' and put binlog_format = ROW in the server's configuration",
+        ));
+    }
+    if !image.eq_ignore_ascii_case("FULL") {
+        problems.push(Problem::blocking(
+            format!("binlog_row_image is {image}: inserted rows may come without every column"),
+            "SET GLOBAL binlog_row_image = 'FULL' and put it in the server's configuration",
+        ));
+    }
+    for (privilege, why) in [
+        ("REPLICATION SLAVE", "to read the binary log"),
+        ("REPLICATION CLIENT", "to read its position"),
+    ] {
+        if !granted(&grants, privilege) {
+            problems.push(Problem::blocking(
+                format!("the role lacks {privilege}, which it needs {why}"),
+                format!("GRANT {privilege} ON *.* TO <the relay's role>"),
+            ));
+        }
+    }
+    Ok(problems)
+}
+
+/// Whether `SHOW GRANTS`' lines give `privilege` (or ALL PRIVILEGES) on `*.*`. MariaDB
+/// 10.5+ spells REPLICATION CLIENT as BINLOG MONITOR, and grants either name.
+fn granted(grants: &[String], privilege: &str) -> bool {
+    let aliases: &[&str] = match privilege {
+        "REPLICATION CLIENT" => &["REPLICATION CLIENT", "BINLOG MONITOR"],
+        other => &[other],
+    };
+    grants.iter().any(|line| {
+        let line = line.to_ascii_uppercase();
+        let Some((privileges, on)) = line.split_once(" ON ") else {
+            return false;
+        };
+        on.trim_start().starts_with("*.*")
+            && (privileges.contains("ALL PRIVILEGES")
+                || aliases.iter().any(|alias| privileges.contains(alias)))
+    })
 }
 
 fn opts(url: &str) -> Result<Opts> {
@@ -256,5 +323,28 @@ fn text(value: &BinlogValue<'_>) -> Option<String> {
         )),
         // MySQL 8's binary JSON: not decoded yet (issue 35); MariaDB's JSON is text.
         BinlogValue::Jsonb(_) | BinlogValue::JsonDiff(_) => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replication_privileges_are_read_from_show_grants_lines() {
+        let grants = |lines: &[&str]| lines.iter().map(|l| l.to_string()).collect::<Vec<_>>();
+        let relay = grants(&[
+            "GRANT REPLICATION SLAVE, BINLOG MONITOR ON *.* TO `relay`@`%`",
+            "GRANT SELECT ON `app`.* TO `relay`@`%`",
+        ]);
+        assert!(granted(&relay, "REPLICATION SLAVE"));
+        assert!(
+            granted(&relay, "REPLICATION CLIENT"),
+            "BINLOG MONITOR is its MariaDB name"
+        );
+        let root = grants(&["GRANT ALL PRIVILEGES ON *.* TO `root`@`localhost` WITH GRANT OPTION"]);
+        assert!(granted(&root, "REPLICATION SLAVE"));
+        let schema_only = grants(&["GRANT ALL PRIVILEGES ON `app`.* TO `app`@`%`"]);
+        assert!(!granted(&schema_only, "REPLICATION SLAVE"), "not on *.*");
     }
 }

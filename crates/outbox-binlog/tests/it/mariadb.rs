@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, Opts};
-use outbox_binlog::{current_position, BinlogConfig, BinlogReader, Output};
+use outbox_binlog::{current_position, server_problems, BinlogConfig, BinlogReader, Output};
 
 async fn connect(url: &str) -> Conn {
     Conn::new(Opts::from_url(url).unwrap()).await.unwrap()
@@ -164,4 +164,36 @@ fn fastrand_id() -> u32 {
         .unwrap()
         .subsec_nanos()
         % 1_000_000
+}
+
+/// The test server has everything binlog capture needs; a role without the replication
+/// privileges is told which grants it lacks, and how to give them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_servers_settings_and_the_roles_privileges_are_checked_by_name() {
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let problems = server_problems(&url).await.unwrap();
+    assert!(problems.is_empty(), "{problems:?}");
+    let mut admin = connect(&url).await;
+    admin
+        .query_drop(
+            "CREATE USER IF NOT EXISTS 'outbox_binlog_plain'@'127.0.0.1' IDENTIFIED BY 'p';
+             GRANT SELECT ON *.* TO 'outbox_binlog_plain'@'127.0.0.1'",
+        )
+        .await
+        .unwrap();
+    let opts = Opts::from_url(&url).unwrap();
+    let plain = format!(
+        "mysql://outbox_binlog_plain:p@{}:{}/{}",
+        opts.ip_or_hostname(),
+        opts.tcp_port(),
+        opts.db_name().unwrap()
+    );
+    let problems = server_problems(&plain).await.unwrap();
+    let said: Vec<String> = problems
+        .iter()
+        .map(|p| format!("{} (fix: {})", p.what, p.fix))
+        .collect();
+    assert_eq!(said.len(), 2, "{said:?}");
+    assert!(said[0].contains("REPLICATION SLAVE") && said[0].contains("GRANT REPLICATION SLAVE"));
+    assert!(said[1].contains("REPLICATION CLIENT"), "{said:?}");
 }
