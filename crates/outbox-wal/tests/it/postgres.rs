@@ -1105,3 +1105,38 @@ async fn the_replication_connection_logs_in_with_scram_md5_or_a_password() {
         }
     }
 }
+
+/// A URL naming the server's Unix socket directory (`host=/path`) streams over the socket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_replication_connection_reaches_a_unix_socket() {
+    let fixture = Fixture::new().await;
+    let data =
+        std::env::var("OUTBOX_TEST_PG_DATA").expect("OUTBOX_TEST_PG_DATA from scripts/servers.sh");
+    let socket_dir = std::path::Path::new(&data)
+        .parent()
+        .unwrap()
+        .display()
+        .to_string();
+    let url: tokio_postgres::Config = fixture.url.parse().unwrap();
+    let port = url.get_ports()[0];
+    let database = url.get_dbname().unwrap();
+    let config = WalConfig {
+        url: format!("postgres://postgres@/{database}?host={socket_dir}&port={port}"),
+        application_name: "unix_socket_stream".into(),
+        ..fixture.config.clone()
+    };
+    let stream = start(&config).await;
+    let db = connect(&fixture.url).await;
+    // A Unix-socket client has no address.
+    let address: Option<String> = db
+        .query_one(
+            "SELECT a.client_addr::text FROM pg_stat_replication r JOIN pg_stat_activity a USING (pid)
+              WHERE r.application_name = 'unix_socket_stream'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(address, None);
+    stream.stop(Duration::from_secs(5)).await.unwrap();
+}
