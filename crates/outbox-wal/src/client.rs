@@ -350,8 +350,12 @@ fn connect_options(config: &WalConfig) -> Result<ConnectOptions, WalError> {
             .unwrap_or_default(),
         database: url.get_dbname().unwrap_or(user).to_string(),
         application_name: config.application_name.clone(),
-        // Timestamps are parsed from their text: fix the style they are written in.
-        options: "-c DateStyle=ISO -c TimeZone=UTC".into(),
+        // Timestamps are parsed from their text: fix the style they are written in. The
+        // URL's own `options` (libpq's) follow.
+        options: match url.get_options() {
+            Some(more) => format!("-c DateStyle=ISO -c TimeZone=UTC {more}"),
+            None => "-c DateStyle=ISO -c TimeZone=UTC".into(),
+        },
         tls,
         tls_config,
         connect_timeout: url

@@ -1140,3 +1140,49 @@ async fn the_replication_connection_reaches_a_unix_socket() {
     assert_eq!(address, None);
     stream.stop(Duration::from_secs(5)).await.unwrap();
 }
+
+/// A reader that stops reading (its claims behind, its memory budget full) keeps its
+/// session by `keep_alive`: with `wal_sender_timeout` at 1 s (the URL's `options`), a
+/// stream left alone for 3 s is ended by the server, and one kept alive meanwhile is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_not_read_for_a_while_is_kept_alive_past_wal_sender_timeout() {
+    for kept_alive in [true, false] {
+        // A slot each: the second session must not be sent the first one's event again.
+        let fixture = Fixture::new().await;
+        let db = connect(&fixture.url).await;
+        let config = WalConfig {
+            url: format!("{}?options=-c%20wal_sender_timeout%3D1s", fixture.url),
+            ..fixture.config.clone()
+        };
+        let mut stream = start(&config).await;
+        let until = tokio::time::Instant::now() + Duration::from_secs(3);
+        while tokio::time::Instant::now() < until {
+            if kept_alive {
+                stream.keep_alive().await.unwrap();
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        insert(&db, "a", 1).await;
+        let read = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                match stream.next().await {
+                    Ok(Some(Output::Event { .. })) => return Ok(()),
+                    Ok(Some(_)) => continue,
+                    Ok(None) => return Err("the stream ended".to_string()),
+                    Err(e) => return Err(e.to_string()),
+                }
+            }
+        })
+        .await
+        .expect("nothing within 10 s");
+        if kept_alive {
+            read.unwrap();
+            stream.stop(Duration::from_secs(5)).await.unwrap();
+        } else {
+            assert!(
+                read.is_err(),
+                "a silent session outlived wal_sender_timeout"
+            );
+        }
+    }
+}
