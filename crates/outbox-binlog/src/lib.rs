@@ -15,13 +15,17 @@
 //! - Rows of other tables, updates and deletes are not events and are passed by.
 //! - A rotated log (`FLUSH BINARY LOGS`, a size limit) is followed into the next file.
 //!
-//! [`server_problems`] lists what the server lacks for it, each with its fix.
+//! [`server_problems`] lists what the server lacks for it, each with its fix. [`Positions`]
+//! says which position may be stored, given which rows are settled (the WAL slot's rule).
 //!
 //! Not yet here (issue 35): the store over the stream (parking, acknowledgement of the
 //! position in a table of the relay's, adoption), GTIDs, `migrate`/`check`/`run --capture
 //! binlog`, retention checks, the BLACKHOLE form and MySQL 8's binary JSON.
 
 use std::sync::Arc;
+
+mod positions;
+pub use positions::{Positions, UnknownRow};
 
 use futures::StreamExt;
 use mysql_async::binlog::events::{EventData, RowsEventData};

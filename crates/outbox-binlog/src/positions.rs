@@ -1,0 +1,168 @@
+//! Which binary log position may be stored, given which rows are settled. The server keeps
+//! no slot for a binlog reader: the relay stores its own position, and the rule is the WAL
+//! slot's. The position moves to the end of the longest run of transactions, from the
+//! oldest, whose every row is settled (delivered, parked or dead-lettered). It never moves
+//! past an unsettled row, whatever order the rows settle in. A crash then means reading
+//! again from the stored position: redelivery, never loss. Pure state: the reader tells it
+//! what the stream carried, the store what it settled.
+
+use std::collections::{HashSet, VecDeque};
+
+use crate::BinlogPosition;
+#[cfg(doc)]
+use crate::Output;
+
+/// A transaction read: its rows not settled yet, and where the log goes on after it (once
+/// its commit was read).
+#[derive(Debug, Default)]
+struct Transaction {
+    unsettled: HashSet<u64>,
+    next: Option<BinlogPosition>,
+}
+
+/// The positions of what was read, and the one that may be stored.
+#[derive(Debug)]
+pub struct Positions {
+    /// Transactions not yet behind the storable position, oldest first; the last one is
+    /// still being read while its `next` is `None`.
+    open: VecDeque<Transaction>,
+    storable: BinlogPosition,
+}
+
+/// A row was settled that was never read, or twice: a bug in the caller.
+#[derive(Debug, thiserror::Error)]
+#[error("row {0} settled but not held (settled twice, or never read)")]
+pub struct UnknownRow(pub u64);
+
+impl Positions {
+    /// Reading starts at `start`, which may be stored as it is.
+    pub fn new(start: BinlogPosition) -> Self {
+        Positions {
+            open: VecDeque::new(),
+            storable: start,
+        }
+    }
+
+    /// The stream carried row `id` (its `sequence_id`) of the transaction being read.
+    pub fn row(&mut self, id: u64) {
+        if self.open.back().is_none_or(|t| t.next.is_some()) {
+            self.open.push_back(Transaction::default());
+        }
+        if let Some(current) = self.open.back_mut() {
+            current.unsettled.insert(id);
+        }
+    }
+
+    /// The stream carried the commit of the transaction being read ([`Output::Committed`]):
+    /// the log goes on at `next`.
+    pub fn committed(&mut self, next: &BinlogPosition) {
+        match self.open.back_mut() {
+            Some(current) if current.next.is_none() => current.next = Some(next.clone()),
+            // A commit with no row read: nothing to wait for.
+            _ => self.open.push_back(Transaction {
+                unsettled: HashSet::new(),
+                next: Some(next.clone()),
+            }),
+        }
+        self.advance();
+    }
+
+    /// The row `id` is settled.
+    pub fn settle(&mut self, id: u64) -> Result<(), UnknownRow> {
+        let transaction = self
+            .open
+            .iter_mut()
+            .find(|t| t.unsettled.contains(&id))
+            .ok_or(UnknownRow(id))?;
+        transaction.unsettled.remove(&id);
+        self.advance();
+        Ok(())
+    }
+
+    /// Where a new reader may start without losing an unsettled row.
+    pub fn storable(&self) -> &BinlogPosition {
+        &self.storable
+    }
+
+    /// Moves past every settled, committed transaction at the front.
+    fn advance(&mut self) {
+        while let Some(front) = self.open.front() {
+            match &front.next {
+                Some(next) if front.unsettled.is_empty() => {
+                    self.storable = next.clone();
+                    self.open.pop_front();
+                }
+                _ => break,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(offset: u64) -> BinlogPosition {
+        BinlogPosition {
+            file: "bin.000001".into(),
+            offset,
+        }
+    }
+
+    /// Rows 1 and 2 in the transaction ending at 200, row 3 in the one ending at 300.
+    fn two_transactions() -> Positions {
+        let mut positions = Positions::new(at(4));
+        positions.row(1);
+        positions.row(2);
+        positions.committed(&at(200));
+        positions.row(3);
+        positions.committed(&at(300));
+        positions
+    }
+
+    #[test]
+    fn the_position_never_passes_an_unsettled_row_whatever_order_rows_settle_in() {
+        let mut positions = two_transactions();
+        positions.settle(3).unwrap();
+        positions.settle(1).unwrap();
+        assert_eq!(
+            positions.storable(),
+            &at(4),
+            "row 2 holds both transactions back"
+        );
+        positions.settle(2).unwrap();
+        assert_eq!(positions.storable(), &at(300), "everything read is settled");
+    }
+
+    #[test]
+    fn a_transaction_still_being_read_holds_its_position_back() {
+        let mut positions = Positions::new(at(4));
+        positions.row(1);
+        positions.settle(1).unwrap();
+        assert_eq!(positions.storable(), &at(4), "its commit is not read yet");
+        positions.committed(&at(150));
+        assert_eq!(positions.storable(), &at(150));
+    }
+
+    #[test]
+    fn a_settle_of_a_row_not_held_is_refused_and_moves_nothing() {
+        let mut positions = two_transactions();
+        assert!(positions.settle(9).is_err());
+        positions.settle(1).unwrap();
+        assert!(positions.settle(1).is_err(), "settled twice");
+        assert_eq!(positions.storable(), &at(4));
+    }
+
+    #[test]
+    fn the_stored_position_follows_a_rotated_log() {
+        let mut positions = Positions::new(at(4));
+        positions.row(1);
+        let rotated = BinlogPosition {
+            file: "bin.000002".into(),
+            offset: 380,
+        };
+        positions.committed(&rotated);
+        positions.settle(1).unwrap();
+        assert_eq!(positions.storable(), &rotated);
+    }
+}
