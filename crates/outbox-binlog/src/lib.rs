@@ -17,15 +17,18 @@
 //!
 //! [`server_problems`] lists what the server lacks for it, each with its fix. [`Positions`]
 //! says which position may be stored, given which rows are settled (the WAL slot's rule).
+//! [`mod@schema`] has the table-less form: a BLACKHOLE table, written to the log only.
 //!
 //! Not yet here (issue 35): the store over the stream (parking, acknowledgement of the
 //! position in a table of the relay's, adoption), GTIDs, `migrate`/`check`/`run --capture
-//! binlog`, retention checks, the BLACKHOLE form and MySQL 8's binary JSON.
+//! binlog`, retention checks and MySQL 8's binary JSON.
 
 use std::sync::Arc;
 
 mod positions;
+pub mod schema;
 pub use positions::{Positions, UnknownRow};
+pub use schema::{blackhole_ddl, blackhole_problem};
 
 use futures::StreamExt;
 use mysql_async::binlog::events::{EventData, RowsEventData};
@@ -45,7 +48,7 @@ pub enum BinlogError {
     Decode(String),
 }
 
-type Result<T> = std::result::Result<T, BinlogError>;
+pub(crate) type Result<T> = std::result::Result<T, BinlogError>;
 
 /// A place in the binary log: a file and the byte offset of an event in it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -175,7 +178,7 @@ fn granted(grants: &[String], privilege: &str) -> bool {
     })
 }
 
-fn opts(url: &str) -> Result<Opts> {
+pub(crate) fn opts(url: &str) -> Result<Opts> {
     Opts::from_url(url)
         .map_err(|e| BinlogError::Config(format!("the database URL cannot be parsed: {e}")))
 }

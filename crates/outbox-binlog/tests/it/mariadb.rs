@@ -6,7 +6,10 @@ use std::time::Duration;
 
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, Opts};
-use outbox_binlog::{current_position, server_problems, BinlogConfig, BinlogReader, Output};
+use outbox_binlog::{
+    blackhole_ddl, blackhole_problem, current_position, server_problems, BinlogConfig,
+    BinlogReader, Output,
+};
 
 async fn connect(url: &str) -> Conn {
     Conn::new(Opts::from_url(url).unwrap()).await.unwrap()
@@ -196,4 +199,73 @@ async fn the_servers_settings_and_the_roles_privileges_are_checked_by_name() {
     assert_eq!(said.len(), 2, "{said:?}");
     assert!(said[0].contains("REPLICATION SLAVE") && said[0].contains("GRANT REPLICATION SLAVE"));
     assert!(said[1].contains("REPLICATION CLIENT"), "{said:?}");
+}
+
+/// The table-less form: rows inserted into a BLACKHOLE table are in the binary log, in
+/// commit order, and nowhere else. A server without the engine is told how to get it (the
+/// test server has it as a plugin, installed here once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blackhole_outbox_stores_nothing_and_its_rows_are_read_from_the_log() {
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let database = Opts::from_url(&url).unwrap().db_name().unwrap().to_string();
+    let mut db = connect(&url).await;
+    if let Some(problem) = blackhole_problem(&url).await.unwrap() {
+        assert!(
+            problem.fix.contains("INSTALL SONAME 'ha_blackhole'"),
+            "{problem:?}"
+        );
+        // Two tests could race to install it: the second one's error is harmless.
+        let _ = db.query_drop("INSTALL SONAME 'ha_blackhole'").await;
+    }
+    assert!(blackhole_problem(&url).await.unwrap().is_none());
+    db.query_drop(blackhole_ddl("outbox_events_log"))
+        .await
+        .unwrap();
+    let start = current_position(&url).await.unwrap();
+    let config = BinlogConfig {
+        url: url.clone(),
+        server_id: 2_000_000 + fastrand_id(),
+        database,
+        table: "outbox_events_log".into(),
+    };
+    let mut reader = BinlogReader::start(&config, &start).await.unwrap();
+    db.query_drop(
+        "INSERT INTO outbox_events_log (destination, partition_key, event_type, payload)
+         VALUES ('orders', 'k', 'Placed', '{\"n\": 1}'), ('orders', 'k', 'Paid', '{\"n\": 2}')",
+    )
+    .await
+    .unwrap();
+    db.query_drop(
+        "INSERT INTO outbox_events_log (destination, event_type) VALUES ('orders', 'Shipped')",
+    )
+    .await
+    .unwrap();
+    let mut seen = Vec::new();
+    while seen.len() < 3 {
+        let output = tokio::time::timeout(Duration::from_secs(20), reader.next())
+            .await
+            .expect("the stream brought nothing for 20 s")
+            .unwrap()
+            .expect("the stream ended");
+        if let Output::Row(row) = output {
+            assert_eq!(row.get("event_id").map(str::len), Some(36), "a UUID");
+            seen.push((
+                row.get("event_type").unwrap().to_string(),
+                row.get("payload").map(str::to_string),
+            ));
+        }
+    }
+    assert_eq!(
+        seen,
+        [
+            ("Placed".to_string(), Some("{\"n\": 1}".to_string())),
+            ("Paid".to_string(), Some("{\"n\": 2}".to_string())),
+            ("Shipped".to_string(), None),
+        ]
+    );
+    let stored: Option<i64> = db
+        .query_first("SELECT count(*) FROM outbox_events_log")
+        .await
+        .unwrap();
+    assert_eq!(stored, Some(0), "the table stores nothing");
 }

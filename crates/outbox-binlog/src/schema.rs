@@ -1,0 +1,50 @@
+//! The table-less form: a table with the BLACKHOLE engine stores nothing, yet every row
+//! inserted into it is written to the binary log, where binlog capture reads it. The outbox
+//! then never grows and never needs deleting from. Not every server has the engine: MariaDB
+//! ships it as a plugin (`INSTALL SONAME 'ha_blackhole'`), MySQL 8 builds it in, and managed
+//! services often turn it off.
+
+use mysql_async::prelude::Queryable;
+use mysql_async::Conn;
+use outbox_core::store::Problem;
+
+use crate::{opts, Result};
+
+/// The BLACKHOLE outbox table `table`: an event's columns only (nothing is stored to lease,
+/// retry or mark). Its rows are read back from the binary log alone.
+pub fn blackhole_ddl(table: &str) -> String {
+    let table = table.replace('`', "``");
+    format!(
+        "CREATE TABLE IF NOT EXISTS `{table}` (
+    event_id      char(36) NOT NULL DEFAULT (UUID()),
+    destination   varchar(255) NOT NULL,
+    partition_key varchar(255) NULL,
+    event_type    varchar(255) NOT NULL,
+    payload       json NULL,
+    headers       json NULL,
+    mutation_id   varchar(255) NULL,
+    created_at    datetime(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)
+) ENGINE=BLACKHOLE DEFAULT CHARSET=utf8mb4;
+"
+    )
+}
+
+/// Why the server cannot take the BLACKHOLE form, with what to do; `None` when it can.
+pub async fn blackhole_problem(url: &str) -> Result<Option<Problem>> {
+    let mut conn = Conn::new(opts(url)?).await?;
+    let support: Option<String> = conn
+        .query_first("SELECT SUPPORT FROM information_schema.ENGINES WHERE ENGINE = 'BLACKHOLE'")
+        .await?;
+    conn.disconnect().await?;
+    Ok(match support.as_deref() {
+        Some("YES" | "DEFAULT") => None,
+        other => Some(Problem::blocking(
+            format!(
+                "the server has no BLACKHOLE engine ({}), so the table-less form cannot be used",
+                other.map_or("not installed".to_string(), |s| format!("support: {s}"))
+            ),
+            "use the outbox table itself, or install the engine (MariaDB: INSTALL SONAME \
+             'ha_blackhole'; managed services may not allow it)",
+        )),
+    })
+}
