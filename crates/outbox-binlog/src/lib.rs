@@ -239,6 +239,13 @@ impl BinlogReader {
         })
     }
 
+    /// Rows decoded and not yet handed out: at most one row event's (the server cuts a
+    /// transaction's rows into events of `binlog_row_event_max_size`), however large the
+    /// transaction.
+    pub fn buffered_rows(&self) -> usize {
+        self.pending.len()
+    }
+
     /// The next output; `None` when the server ended the stream.
     pub async fn next(&mut self) -> Result<Option<Output>> {
         loop {

@@ -269,3 +269,64 @@ async fn a_blackhole_outbox_stores_nothing_and_its_rows_are_read_from_the_log() 
         .unwrap();
     assert_eq!(stored, Some(0), "the table stores nothing");
 }
+
+/// A 100,000-row transaction streams through a reader that holds one row event's rows at a
+/// time, not the transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_100_000_row_transaction_is_streamed_without_holding_it() {
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let database = Opts::from_url(&url).unwrap().db_name().unwrap().to_string();
+    let mut db = connect(&url).await;
+    db.query_drop(
+        "CREATE TABLE outbox (
+            sequence_id bigint unsigned NOT NULL AUTO_INCREMENT PRIMARY KEY,
+            partition_key varchar(255) NULL,
+            payload json NULL)",
+    )
+    .await
+    .unwrap();
+    let start = current_position(&url).await.unwrap();
+    let config = BinlogConfig {
+        url: url.clone(),
+        server_id: 3_000_000 + fastrand_id(),
+        database,
+        table: "outbox".into(),
+    };
+    let mut reader = BinlogReader::start(&config, &start).await.unwrap();
+    // MariaDB bounds a recursive query at 1,000 iterations unless the session raises it.
+    db.query_drop("SET SESSION max_recursive_iterations = 200000")
+        .await
+        .unwrap();
+    db.query_drop(
+        "INSERT INTO outbox (partition_key, payload)
+         WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 100000)
+         SELECT concat('k', i % 100), json_object('i', i) FROM n",
+    )
+    .await
+    .unwrap();
+    let (mut rows, mut most_buffered, mut last_id) = (0u64, 0usize, 0u64);
+    loop {
+        let output = tokio::time::timeout(Duration::from_secs(60), reader.next())
+            .await
+            .expect("the stream brought nothing for 60 s")
+            .unwrap()
+            .expect("the stream ended");
+        most_buffered = most_buffered.max(reader.buffered_rows());
+        match output {
+            Output::Row(row) => {
+                let id: u64 = row.get("sequence_id").unwrap().parse().unwrap();
+                assert!(id > last_id, "in order");
+                last_id = id;
+                rows += 1;
+            }
+            Output::Committed {
+                rows: committed, ..
+            } => {
+                assert_eq!(committed, 100_000);
+                break;
+            }
+        }
+    }
+    assert_eq!(rows, 100_000);
+    assert!(most_buffered < 1_000, "{most_buffered} rows held at once");
+}
