@@ -18,10 +18,12 @@
 //! [`server_problems`] lists what the server lacks for it, each with its fix. [`Positions`]
 //! says which position may be stored, given which rows are settled (the WAL slot's rule).
 //! [`mod@schema`] has the table-less form: a BLACKHOLE table, written to the log only.
+//! [`retention_problem`] says when a stored position is purged or about to be, and a
+//! reader started at a purged position fails with [`BinlogError::Purged`], never skipping.
 //!
 //! Not yet here (issue 35): the store over the stream (parking, acknowledgement of the
 //! position in a table of the relay's, adoption), GTIDs, `migrate`/`check`/`run --capture
-//! binlog`, retention checks and MySQL 8's binary JSON.
+//! binlog`, and MySQL 8's binary JSON.
 
 use std::sync::Arc;
 
@@ -46,6 +48,65 @@ pub enum BinlogError {
     Connection(#[from] mysql_async::Error),
     #[error("binlog event: {0}")]
     Decode(String),
+    /// The server no longer has the log at the position asked for.
+    #[error(
+        "the binary log at {file} offset {offset} is not on the server any more ({reason}): \
+         events written since that position may be gone (purged by binlog_expire_logs_seconds \
+         or expire_logs_days while the relay was off, or the log was reset), and the relay \
+         never skips them silently; the rows still in the outbox table can be relayed by \
+         polling, then capture can start from the server's current position",
+        file = position.file,
+        offset = position.offset
+    )]
+    Purged {
+        position: BinlogPosition,
+        reason: String,
+    },
+}
+
+/// ER_MASTER_FATAL_ERROR_READING_BINLOG: the file or position asked for is not in the
+/// server's binary log (purged, reset, or never written).
+const FATAL_READING_BINLOG: u16 = 1236;
+
+/// Where `stored` stands against the server's oldest binary log file: `Some` when it is
+/// before it (the events in between are gone) or in it (the next purge takes them).
+pub fn retention_problem(stored: &BinlogPosition, oldest_file: &str) -> Option<Problem> {
+    match log_number(&stored.file).cmp(&log_number(oldest_file)) {
+        std::cmp::Ordering::Less => Some(Problem::blocking(
+            format!(
+                "the stored position {}:{} is in a binary log the server has purged (its \
+                 oldest is {oldest_file})",
+                stored.file, stored.offset
+            ),
+            "relay the rows still in the outbox table by polling, then start capture from the \
+             server's current position",
+        )),
+        std::cmp::Ordering::Equal => Some(Problem::degraded(
+            format!(
+                "the stored position is in the server's oldest binary log ({oldest_file}): the \
+                 next purge removes it",
+            ),
+            "start the relay, or raise binlog_expire_logs_seconds (expire_logs_days)",
+        )),
+        std::cmp::Ordering::Greater => None,
+    }
+}
+
+/// The number a binary log file's name ends with (`mariadb-bin.000042`: 42).
+fn log_number(file: &str) -> u64 {
+    file.rsplit_once('.')
+        .and_then(|(_, n)| n.parse().ok())
+        .unwrap_or(0)
+}
+
+/// The server's oldest binary log file (`SHOW BINARY LOGS`' first).
+pub async fn oldest_log(url: &str) -> Result<String> {
+    let mut conn = Conn::new(opts(url)?).await?;
+    let first: Option<mysql_async::Row> = conn.query_first("SHOW BINARY LOGS").await?;
+    conn.disconnect().await?;
+    first
+        .and_then(|row| row.get::<String, _>(0))
+        .ok_or_else(|| BinlogError::Config("the server lists no binary log".into()))
 }
 
 pub(crate) type Result<T> = std::result::Result<T, BinlogError>;
@@ -196,6 +257,8 @@ pub struct BinlogReader {
     rows_in_transaction: u64,
     /// Rows of one row event not yet handed out.
     pending: std::collections::VecDeque<Output>,
+    /// Where reading started, for an error that says so.
+    started_at: BinlogPosition,
 }
 
 impl BinlogReader {
@@ -236,6 +299,7 @@ impl BinlogReader {
             file: from.file.clone(),
             rows_in_transaction: 0,
             pending: Default::default(),
+            started_at: from.clone(),
         })
     }
 
@@ -255,7 +319,16 @@ impl BinlogReader {
             let Some(event) = self.stream.next().await else {
                 return Ok(None);
             };
-            let event = event?;
+            let event = match event {
+                Ok(event) => event,
+                Err(mysql_async::Error::Server(e)) if e.code == FATAL_READING_BINLOG => {
+                    return Err(BinlogError::Purged {
+                        position: self.started_at.clone(),
+                        reason: e.message,
+                    })
+                }
+                Err(e) => return Err(e.into()),
+            };
             let end = u64::from(event.header().log_pos());
             let data = event
                 .read_data()
@@ -343,6 +416,21 @@ fn text(value: &BinlogValue<'_>) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_position_before_or_in_the_oldest_log_is_a_problem_by_its_number() {
+        let at = |file: &str| BinlogPosition {
+            file: file.into(),
+            offset: 4,
+        };
+        let purged = retention_problem(&at("bin.000009"), "bin.000010").unwrap();
+        assert!(purged.what.contains("purged"), "{purged:?}");
+        let next = retention_problem(&at("bin.000010"), "bin.000010").unwrap();
+        assert!(next.what.contains("next purge"), "{next:?}");
+        assert!(retention_problem(&at("bin.000011"), "bin.000010").is_none());
+        // By number, not by text: 999999 rolls over to 1000000.
+        assert!(retention_problem(&at("bin.1000000"), "bin.999999").is_none());
+    }
 
     #[test]
     fn replication_privileges_are_read_from_show_grants_lines() {

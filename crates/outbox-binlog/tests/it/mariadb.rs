@@ -7,8 +7,8 @@ use std::time::Duration;
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, Opts};
 use outbox_binlog::{
-    blackhole_ddl, blackhole_problem, current_position, server_problems, BinlogConfig,
-    BinlogReader, Output,
+    blackhole_ddl, blackhole_problem, current_position, oldest_log, retention_problem,
+    server_problems, BinlogConfig, BinlogError, BinlogPosition, BinlogReader, Output,
 };
 
 async fn connect(url: &str) -> Conn {
@@ -329,4 +329,50 @@ async fn a_100_000_row_transaction_is_streamed_without_holding_it() {
     }
     assert_eq!(rows, 100_000);
     assert!(most_buffered < 1_000, "{most_buffered} rows held at once");
+}
+
+/// A position whose log the server no longer has is refused with the reason, never skipped:
+/// here a file before the server's first (purging the shared test server's logs would pull
+/// them from under other tests; the server's answer is the same). Today's oldest log is no
+/// problem for a position after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_position_in_a_purged_log_is_refused_and_never_skipped() {
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let database = Opts::from_url(&url).unwrap().db_name().unwrap().to_string();
+    let oldest = oldest_log(&url).await.unwrap();
+    let (base, _) = oldest.rsplit_once('.').unwrap();
+    let gone = BinlogPosition {
+        file: format!("{base}.000000"),
+        offset: 4,
+    };
+    let problem = retention_problem(&gone, &oldest).expect("before the oldest log");
+    assert!(problem.what.contains("purged"), "{problem:?}");
+    let current = current_position(&url).await.unwrap();
+    if current.file != oldest {
+        assert!(retention_problem(&current, &oldest).is_none());
+    }
+    let config = BinlogConfig {
+        url: url.clone(),
+        server_id: 4_000_000 + fastrand_id(),
+        database,
+        table: "outbox".into(),
+    };
+    let mut db = connect(&url).await;
+    db.query_drop("CREATE TABLE outbox (sequence_id bigint PRIMARY KEY)")
+        .await
+        .unwrap();
+    let mut reader = BinlogReader::start(&config, &gone).await.unwrap();
+    match tokio::time::timeout(Duration::from_secs(20), reader.next())
+        .await
+        .unwrap()
+    {
+        Err(e @ BinlogError::Purged { .. }) => {
+            let said = e.to_string();
+            assert!(
+                said.contains(&gone.file) && said.contains("never skips"),
+                "{said}"
+            );
+        }
+        other => panic!("a purged position was read from: {other:?}"),
+    }
 }
