@@ -442,7 +442,7 @@ impl Inner {
         let mut state = lock(&self.state);
         match result {
             Ok(_) => {
-                tracing::debug!(ids = ?parks.iter().map(|p| p.id).collect::<Vec<_>>(), "parked");
+                tracing::debug!(ids = ?parks.iter().map(|p| p.id).collect::<Vec<_>>(), events = ?columns.event_ids, "parked");
                 let n = parks.len() as u64;
                 self.settle(&mut state, parks.into_iter().map(|p| p.id));
                 Ok(n)
@@ -504,6 +504,7 @@ impl Inner {
         // such rows back (see `Lanes::releasing`).
         let taken = lock(&self.state).take(&ids);
         let result = statement(&self.parked, items).await;
+        tracing::debug!(?ids, unpark, result = ?result.as_ref().map_err(|e| e.report()), "settled parked rows");
         let settled = match result {
             Ok(n) => n,
             Err(e) => {
@@ -815,8 +816,15 @@ impl Inner {
             ..request.clone()
         });
         let rows = rows.await?;
+        // With each row's event id: a parked row's id is new, its event id the stream's.
         tracing::debug!(
-            claimed = ?rows.iter().map(Claimed::sequence_id).collect::<Vec<_>>(),
+            claimed = ?rows
+                .iter()
+                .map(|row| match row {
+                    Claimed::Event(e) => format!("{}={}", e.sequence_id, e.event_id),
+                    other => other.sequence_id().to_string(),
+                })
+                .collect::<Vec<_>>(),
             "claimed parked rows"
         );
         let mut state = lock(&self.state);
