@@ -219,13 +219,23 @@ start_rabbitmq() {
   (
     rabbit_env
     if ! /usr/lib/rabbitmq/bin/rabbitmqctl -q status >/dev/null 2>&1; then
-      # A pid file left by a stopped broker names a dead process; and `rabbitmqctl wait`
-      # fails (garbage_in_pid_file) if it reads the new one before the pid is in it.
-      rm -f "$dir/rabbit.pid"
-      setsid /usr/lib/rabbitmq/bin/rabbitmq-server </dev/null >"$dir/log/console.log" 2>&1 &
-      for _ in $(seq 1 1200); do
+      # A broker started right after one stopped can fail to start Erlang distribution
+      # ("nodistribution": the old node's epmd or port not yet gone): it then exits at once
+      # and writes no pid file. Seen as that line in its console log, it is started again.
+      for attempt in 1 2 3; do
+        # A pid file left by a stopped broker names a dead process; and `rabbitmqctl wait`
+        # fails (garbage_in_pid_file) if it reads the new one before the pid is in it.
+        rm -f "$dir/rabbit.pid"
+        setsid /usr/lib/rabbitmq/bin/rabbitmq-server </dev/null >"$dir/log/console.log" 2>&1 &
+        for _ in $(seq 1 1200); do
+          grep -qE '^[0-9]+$' "$dir/rabbit.pid" 2>/dev/null && break
+          grep -q 'Kernel pid terminated' "$dir/log/console.log" 2>/dev/null && break
+          sleep 0.1
+        done
         grep -qE '^[0-9]+$' "$dir/rabbit.pid" 2>/dev/null && break
-        sleep 0.1
+        log "rabbitmq exited while starting (attempt $attempt): $(grep -m1 -o 'nodistribution\|eaddrinuse\|Kernel pid terminated' "$dir/log/console.log")"
+        epmd -port "$ERL_EPMD_PORT" -kill >/dev/null 2>&1 || true
+        sleep 1
       done
       /usr/lib/rabbitmq/bin/rabbitmqctl -q wait --timeout 120 "$dir/rabbit.pid" >/dev/null
     fi
