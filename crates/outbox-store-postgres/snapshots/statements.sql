@@ -81,12 +81,12 @@ WITH moved AS (
                            FROM moved
 
 -- public.outbox: claim
-WITH claimable AS (
+WITH locked AS (
                     SELECT o.sequence_id FROM "public"."outbox" o
                     WHERE o.delivered_at IS NULL
                       AND o.available_at <= now()
                       AND (o.locked_until IS NULL OR o.locked_until < now())
-                     AND NOT EXISTS (
+                      AND NOT EXISTS (
                     SELECT 1 FROM "public"."outbox" p
                     WHERE hashtextextended(coalesce(p.partition_key, p.destination), 0) = hashtextextended(coalesce(o.partition_key, o.destination), 0) AND coalesce(p.partition_key, p.destination) = coalesce(o.partition_key, o.destination)
                       AND p.sequence_id < o.sequence_id
@@ -95,7 +95,17 @@ WITH claimable AS (
                       AND (p.available_at > now() OR (p.locked_until > now() AND p.locked_by <> $1)))
                     ORDER BY o.sequence_id
                     LIMIT $2
-                    FOR UPDATE SKIP LOCKED)
+                    FOR UPDATE SKIP LOCKED),
+                  claimable AS (
+                    SELECT o.sequence_id FROM "public"."outbox" o JOIN locked l ON l.sequence_id = o.sequence_id
+                    WHERE NOT EXISTS (
+                        SELECT 1 FROM "public"."outbox" p
+                        WHERE hashtextextended(coalesce(p.partition_key, p.destination), 0) = hashtextextended(coalesce(o.partition_key, o.destination), 0) AND coalesce(p.partition_key, p.destination) = coalesce(o.partition_key, o.destination)
+                          AND p.sequence_id < o.sequence_id
+                          AND p.delivered_at IS NULL
+                          AND (p.locked_by IS NOT NULL OR p.attempts > 0)
+                          AND (p.locked_by IS DISTINCT FROM $1 OR p.locked_until IS NULL OR p.locked_until <= now())
+                          AND p.sequence_id NOT IN (SELECT sequence_id FROM locked)))
                  UPDATE "public"."outbox" o
                     SET locked_by = $1, locked_until = now() + $3::int8 * interval '1 millisecond'
                    FROM claimable c
@@ -654,12 +664,12 @@ WITH moved AS (
                            FROM moved
 
 -- app.events: claim
-WITH claimable AS (
+WITH locked AS (
                     SELECT o.sequence_id FROM "app"."events" o
                     WHERE o.delivered_at IS NULL
                       AND o.available_at <= now()
                       AND (o.locked_until IS NULL OR o.locked_until < now())
-                     AND NOT EXISTS (
+                      AND NOT EXISTS (
                     SELECT 1 FROM "app"."events" p
                     WHERE hashtextextended(coalesce(p.partition_key, p.destination), 0) = hashtextextended(coalesce(o.partition_key, o.destination), 0) AND coalesce(p.partition_key, p.destination) = coalesce(o.partition_key, o.destination)
                       AND p.sequence_id < o.sequence_id
@@ -668,7 +678,17 @@ WITH claimable AS (
                       AND (p.available_at > now() OR (p.locked_until > now() AND p.locked_by <> $1)))
                     ORDER BY o.sequence_id
                     LIMIT $2
-                    FOR UPDATE SKIP LOCKED)
+                    FOR UPDATE SKIP LOCKED),
+                  claimable AS (
+                    SELECT o.sequence_id FROM "app"."events" o JOIN locked l ON l.sequence_id = o.sequence_id
+                    WHERE NOT EXISTS (
+                        SELECT 1 FROM "app"."events" p
+                        WHERE hashtextextended(coalesce(p.partition_key, p.destination), 0) = hashtextextended(coalesce(o.partition_key, o.destination), 0) AND coalesce(p.partition_key, p.destination) = coalesce(o.partition_key, o.destination)
+                          AND p.sequence_id < o.sequence_id
+                          AND p.delivered_at IS NULL
+                          AND (p.locked_by IS NOT NULL OR p.attempts > 0)
+                          AND (p.locked_by IS DISTINCT FROM $1 OR p.locked_until IS NULL OR p.locked_until <= now())
+                          AND p.sequence_id NOT IN (SELECT sequence_id FROM locked)))
                  UPDATE "app"."events" o
                     SET locked_by = $1, locked_until = now() + $3::int8 * interval '1 millisecond'
                    FROM claimable c

@@ -636,15 +636,44 @@ impl Native {
 
     /// $1 node, $2 limit, $3 lease in ms. See outbox_core::store for the contract. A row
     /// waiting to retry blocks its key, and so does one another node leases.
+    ///
+    /// The rows are locked with SKIP LOCKED, and what blocks is read from the statement's
+    /// snapshot. So an earlier row of the key that another transaction holds locked (a node
+    /// settling, releasing or extending it, or claiming it) would be skipped while its last
+    /// committed state, say a lapsed lease, lets the later row through: the later row would
+    /// go out first. Hence the second pass: a locked row goes only when every earlier row of
+    /// its key that was ever leased or failed is locked by this claim too, or leased by this
+    /// node (the engine's lanes order those).
     fn claim(&self) -> String {
+        let Native { t, .. } = self;
         let no_lease_or_retry_blocks = self
             .unblocked("p.available_at > now() OR (p.locked_until > now() AND p.locked_by <> $1)");
-        self.leasing_claim(
-            &format!(
-                "AND (o.locked_until IS NULL OR o.locked_until < now())
-                     AND {no_lease_or_retry_blocks}"
-            ),
-            "FOR UPDATE SKIP LOCKED",
+        let same_key = Self::same_key();
+        format!(
+            "WITH locked AS (
+                    SELECT o.sequence_id FROM {t} o
+                    WHERE o.delivered_at IS NULL
+                      AND o.available_at <= now()
+                      AND (o.locked_until IS NULL OR o.locked_until < now())
+                      AND {no_lease_or_retry_blocks}
+                    ORDER BY o.sequence_id
+                    LIMIT $2
+                    FOR UPDATE SKIP LOCKED),
+                  claimable AS (
+                    SELECT o.sequence_id FROM {t} o JOIN locked l ON l.sequence_id = o.sequence_id
+                    WHERE NOT EXISTS (
+                        SELECT 1 FROM {t} p
+                        WHERE {same_key}
+                          AND p.sequence_id < o.sequence_id
+                          AND p.delivered_at IS NULL
+                          AND (p.locked_by IS NOT NULL OR p.attempts > 0)
+                          AND (p.locked_by IS DISTINCT FROM $1 OR p.locked_until IS NULL OR p.locked_until <= now())
+                          AND p.sequence_id NOT IN (SELECT sequence_id FROM locked)))
+                 UPDATE {t} o
+                    SET locked_by = $1, locked_until = now() + $3::int8 * interval '1 millisecond'
+                   FROM claimable c
+                  WHERE o.sequence_id = c.sequence_id
+              RETURNING {RETURNED}"
         )
     }
 

@@ -7,3 +7,4 @@ mod cluster;
 mod conformance;
 mod deployment;
 mod long_keys;
+mod row_locks;

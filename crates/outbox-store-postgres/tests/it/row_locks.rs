@@ -1,0 +1,83 @@
+//! A claim under row leases against an earlier row of the key that another transaction holds
+//! locked at that moment: a node settling, releasing or extending it. SKIP LOCKED passes over
+//! the locked row, and its last committed state (here a lapsed lease) blocks nothing; the
+//! later row must still wait, or it goes out first. (WAL capture's parked table is claimed
+//! this way: a million-event soak showed a relay that had just taken the slot deliver a
+//! parked row ahead of an earlier one of its key that the previous holder was still writing.)
+
+use std::time::Duration;
+
+use outbox_core::store::ClaimRequest;
+use outbox_core::{NodeId, OutboxStore};
+use outbox_store_postgres::{PgOptions, PgStore, Tables};
+use outbox_testkit::conformance::{keyed_event as event, payloads};
+
+async fn store() -> (PgStore, String) {
+    let url = outbox_testkit::fresh_pg_database().await;
+    let store = PgStore::new(PgOptions::new(url.as_str(), Tables::standard())).unwrap();
+    store.migrate().await.unwrap();
+    (store, url)
+}
+
+async fn connect(url: &str) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    client
+}
+
+fn claim_by(node: &str) -> ClaimRequest {
+    ClaimRequest::new(NodeId(node.into()), 100, Duration::from_secs(30))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_racing_another_nodes_write_to_an_earlier_row_of_the_key_does_not_pass_it() {
+    let (store, url) = store().await;
+    let client = connect(&url).await;
+    store
+        .insert(vec![event("k", 0), event("k", 1), event("other", 2)])
+        .await
+        .unwrap();
+    // The first row of `k` as another node left it: leased, the lease lapsed.
+    client
+        .execute(
+            "UPDATE outbox SET locked_by = 'previous', locked_until = now() - interval '1 second'
+              WHERE payload::text = '0'",
+            &[],
+        )
+        .await
+        .unwrap();
+    // That node writes to the row (its release, retry or lease extension), uncommitted.
+    let writer = connect(&url).await;
+    writer.batch_execute("BEGIN").await.unwrap();
+    writer
+        .execute(
+            "UPDATE outbox SET locked_until = now() + interval '30 seconds'
+              WHERE payload::text = '0' AND locked_by = 'previous'",
+            &[],
+        )
+        .await
+        .unwrap();
+
+    let claimed = store.claim(claim_by("taker")).await.unwrap();
+    assert_eq!(
+        payloads(&claimed),
+        ["2"],
+        "only the other key: the second row of `k` waits for the first, which is being written"
+    );
+
+    // The write commits (the lease is the previous node's again): `k` stays blocked.
+    writer.batch_execute("COMMIT").await.unwrap();
+    assert!(store.claim(claim_by("taker")).await.unwrap().is_empty());
+    // Once the lease lapses with no write in flight, the first row goes first.
+    client
+        .execute(
+            "UPDATE outbox SET locked_until = now() - interval '1 second' WHERE locked_by = 'previous'",
+            &[],
+        )
+        .await
+        .unwrap();
+    let claimed = store.claim(claim_by("taker")).await.unwrap();
+    assert_eq!(payloads(&claimed), ["0", "1"]);
+}
