@@ -7,6 +7,7 @@
 use mysql_async::prelude::Queryable;
 use mysql_async::Conn;
 use outbox_core::store::Problem;
+use outbox_layout::sql::MYSQL_EVENT_COLUMNS;
 
 use crate::{opts, Result};
 
@@ -16,13 +17,7 @@ pub fn blackhole_ddl(table: &str) -> String {
     let table = table.replace('`', "``");
     format!(
         "CREATE TABLE IF NOT EXISTS `{table}` (
-    event_id      char(36) NOT NULL DEFAULT (UUID()),
-    destination   varchar(255) NOT NULL,
-    partition_key varchar(255) NULL,
-    event_type    varchar(255) NOT NULL,
-    payload       json NULL,
-    headers       json NULL,
-    mutation_id   varchar(255) NULL,
+    {MYSQL_EVENT_COLUMNS}
     created_at    datetime(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)
 ) ENGINE=BLACKHOLE DEFAULT CHARSET=utf8mb4;
 "

@@ -222,19 +222,23 @@ KEY `createdAt` (`createdAt`)
     )
 }
 
+/// An event's own columns on MySQL/MariaDB, in the order both the native table and binlog
+/// capture's BLACKHOLE table declare them (binlog capture reads rows by column position).
+pub const MYSQL_EVENT_COLUMNS: &str = "event_id      char(36) NOT NULL DEFAULT (UUID()),
+    destination   varchar(255) NOT NULL,
+    partition_key varchar(255) NULL,
+    event_type    varchar(255) NOT NULL,
+    payload       json NULL,
+    headers       json NULL,
+    mutation_id   varchar(255) NULL,";
+
 /// The native layout on MySQL/MariaDB.
 pub fn native_mysql_ddl(m: &Mapping) -> String {
     let t = &m.table;
     format!(
         "CREATE TABLE IF NOT EXISTS `{t}` (
     sequence_id   bigint unsigned NOT NULL AUTO_INCREMENT PRIMARY KEY,
-    event_id      char(36) NOT NULL DEFAULT (UUID()),
-    destination   varchar(255) NOT NULL,
-    partition_key varchar(255) NULL,
-    event_type    varchar(255) NOT NULL,
-    payload       json NULL,
-    headers       json NULL,
-    mutation_id   varchar(255) NULL,
+    {MYSQL_EVENT_COLUMNS}
     rejected      boolean NOT NULL DEFAULT false,
     created_at    datetime(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
     available_at  datetime(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),

@@ -606,13 +606,16 @@ mod tests {
     }
 
     /// Two transactions: event 1 (key a) committing at 200, event 2 (key b) at 300.
+    /// One single-event transaction per `(id, key, commit lsn)`.
+    fn transactions(events: &[(SequenceId, &str, u64)]) -> Vec<Output> {
+        events
+            .iter()
+            .flat_map(|&(id, key, lsn)| [event(id, key, lsn, 0), committed(lsn, 1)])
+            .collect()
+    }
+
     fn two_transactions() -> Vec<Output> {
-        vec![
-            event(1, "a", 200, 0),
-            committed(200, 1),
-            event(2, "b", 300, 0),
-            committed(300, 1),
-        ]
+        transactions(&[(1, "a", 200), (2, "b", 300)])
     }
 
     #[test]
@@ -640,12 +643,7 @@ mod tests {
     fn a_release_waits_to_be_parked_while_an_earlier_event_of_its_key_is_with_the_engine() {
         let mut state = State::new();
         state.accept(session(1, &[]));
-        let outputs = vec![
-            event(1, "a", 200, 0),
-            committed(200, 1),
-            event(2, "a", 300, 0),
-            committed(300, 1),
-        ];
+        let outputs = transactions(&[(1, "a", 200), (2, "a", 300)]);
         assert_eq!(claim(&mut state, outputs), [1, 2]);
         // 2 is released behind 1, which the engine still has: 1 may come back as a retry,
         // and must then be parked first.
@@ -700,14 +698,7 @@ mod tests {
         let memory = MemoryBudget::new(usize::MAX);
         let mut state = State::new();
         state.accept(session(1, &[]));
-        let three = vec![
-            event(1, "a", 200, 0),
-            committed(200, 1),
-            event(2, "b", 300, 0),
-            committed(300, 1),
-            event(3, "c", 400, 0),
-            committed(400, 1),
-        ];
+        let three = transactions(&[(1, "a", 200), (2, "b", 300), (3, "c", 400)]);
         assert_eq!(claim_charged(&mut state, three, &memory), [1, 2, 3]);
         let each = memory.held() / 3;
         assert!(each > 0);
@@ -760,14 +751,7 @@ mod tests {
     fn a_session_that_left_an_event_to_the_slots_new_holder_hands_out_nothing_more() {
         let mut state = State::new();
         state.accept(session(1, &["a"]));
-        let read = vec![
-            event(1, "a", 200, 0),
-            committed(200, 1),
-            event(2, "a", 300, 0),
-            committed(300, 1),
-            event(3, "b", 400, 0),
-            committed(400, 1),
-        ];
+        let read = transactions(&[(1, "a", 200), (2, "a", 300), (3, "b", 400)]);
         state.accept(Item::Outputs(charged(read, &MemoryBudget::new(usize::MAX))));
         let mut out = Vec::new();
         state.accept_outputs(&mut out, 1, 1);
