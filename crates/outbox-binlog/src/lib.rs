@@ -29,8 +29,10 @@ use std::sync::Arc;
 
 mod positions;
 pub mod schema;
+pub mod seat;
 pub use positions::{Positions, UnknownRow};
 pub use schema::{blackhole_ddl, blackhole_problem};
+pub use seat::{positions_ddl, ActiveReader, SeatConfig, Taken};
 
 use futures::StreamExt;
 use mysql_async::binlog::events::{EventData, RowsEventData};
@@ -62,6 +64,13 @@ pub enum BinlogError {
         position: BinlogPosition,
         reason: String,
     },
+    /// Another reader took the seat ([`seat`]): this one must stop reading and writing.
+    #[error(
+        "another relay has taken over reading the binary log of {outbox} (this one held it at \
+         epoch {epoch}, and was paused or cut off past its lease): this relay stops reading \
+         and waits as a standby"
+    )]
+    Fenced { outbox: String, epoch: i64 },
 }
 
 /// ER_MASTER_FATAL_ERROR_READING_BINLOG: the file or position asked for is not in the

@@ -1,1 +1,2 @@
 mod mariadb;
+mod seat;

@@ -1,0 +1,284 @@
+//! One active reader per outbox, and the position it stores.
+//!
+//! The server keeps no slot for a binlog reader, so the relay keeps its own position, in a
+//! small table ([`positions_ddl`]), one row per outbox. Only the *active* reader may read
+//! the log and write that row; the others wait as standbys. The seat has three guards:
+//!
+//! - **A lock.** The active reader holds `GET_LOCK` on a connection of its own. The server
+//!   releases it when that connection ends (the relay exits, crashes, or is killed).
+//! - **A lease.** A paused process (SIGSTOP, a VM freeze) keeps its connection, and so its
+//!   lock, for as long as the server's `wait_timeout` (eight hours by default). So the row
+//!   also carries a lease the active reader renews with every write. A standby that finds
+//!   the lease lapsed ends the holder's connection (`KILL CONNECTION`: the same user may,
+//!   others need `CONNECTION ADMIN`), which frees the lock.
+//! - **An epoch.** Each taking of the seat increments the row's epoch, and every write is
+//!   conditional on the epoch the writer took the seat at. A reader that lost the seat
+//!   while paused has its writes refused ([`BinlogError::Fenced`]) even if a write was
+//!   already on its way.
+
+use std::time::Duration;
+
+use mysql_async::prelude::Queryable;
+use mysql_async::{Conn, OptsBuilder};
+
+use crate::{opts, BinlogError, BinlogPosition, Result};
+
+/// The table that keeps each outbox's reader position (MySQL/MariaDB DDL).
+pub fn positions_ddl(table: &str) -> String {
+    let table = quoted(table);
+    format!(
+        "CREATE TABLE IF NOT EXISTS {table} (
+    outbox        varchar(191) NOT NULL PRIMARY KEY,
+    log_file      varchar(255) NOT NULL DEFAULT '',
+    log_offset    bigint unsigned NOT NULL DEFAULT 0,
+    holder        varchar(255) NOT NULL DEFAULT '',
+    connection_id bigint unsigned NOT NULL DEFAULT 0,
+    epoch         bigint NOT NULL DEFAULT 0,
+    lease_until   datetime(6) NOT NULL DEFAULT '1970-01-01 00:00:01',
+    updated_at    datetime(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)
+) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4;
+"
+    )
+}
+
+/// Who to take the seat as, and for which outbox.
+#[derive(Clone, Debug)]
+pub struct SeatConfig {
+    pub url: String,
+    /// The positions table ([`positions_ddl`]).
+    pub positions: String,
+    /// The outbox the reader reads for (`database.table`): the row's key, and the lock's.
+    pub outbox: String,
+    /// This relay (its node id), shown to the standbys.
+    pub holder: String,
+    /// How long a write keeps the seat: a standby takes over this long after the active
+    /// reader's last write.
+    pub lease: Duration,
+}
+
+/// The outcome of trying to take the seat.
+#[derive(Debug)]
+pub enum Taken {
+    /// This relay is the active reader.
+    Active(ActiveReader),
+    /// Another reader holds the seat, its lease not lapsed.
+    Held { holder: String },
+}
+
+/// The active reader's seat: the connection that holds the lock, and the epoch it writes at.
+#[derive(Debug)]
+pub struct ActiveReader {
+    conn: Conn,
+    config: SeatConfig,
+    epoch: i64,
+    stored: Option<BinlogPosition>,
+}
+
+impl ActiveReader {
+    /// Takes the seat if it is free, or if its holder's lease has lapsed (ending the
+    /// holder's connection); otherwise says who holds it.
+    pub async fn take(config: &SeatConfig) -> Result<Taken> {
+        // Affected rows count matched rows, so a write that changes nothing still proves
+        // the epoch matched.
+        let opts = OptsBuilder::from_opts(opts(&config.url)?).client_found_rows(true);
+        let mut conn = Conn::new(opts).await?;
+        let lock = lock_name(&config.outbox);
+        let table = quoted(&config.positions);
+        conn.exec_drop(
+            format!("INSERT IGNORE INTO {table} (outbox) VALUES (?)"),
+            (&config.outbox,),
+        )
+        .await?;
+        let mut got: Option<i64> = conn.exec_first("SELECT GET_LOCK(?, 0)", (&lock,)).await?;
+        if got != Some(1) {
+            let row: Option<(String, u64, i64)> = conn
+                .exec_first(
+                    format!(
+                        "SELECT holder, connection_id, lease_until < NOW(6) FROM {table} WHERE outbox = ?"
+                    ),
+                    (&config.outbox,),
+                )
+                .await?;
+            let (holder, connection, lapsed) = row.unwrap_or_default();
+            let using: Option<u64> = conn.exec_first("SELECT IS_USED_LOCK(?)", (&lock,)).await?;
+            if lapsed == 0 || using != Some(connection) {
+                // A live lease; or a lock holder the row does not name (a reader between
+                // its lock and its first write): its own lease starts with that write.
+                conn.disconnect().await?;
+                return Ok(Taken::Held { holder });
+            }
+            if let Err(e) = conn
+                .query_drop(format!("KILL CONNECTION {connection}"))
+                .await
+            {
+                return Err(BinlogError::Config(format!(
+                    "the active binlog reader ({holder}) let its lease lapse, but its connection \
+                     {connection} still holds the lock and this role cannot end it ({e}): run every \
+                     relay of this outbox as the same database user, or grant this one \
+                     CONNECTION ADMIN (MySQL 8) or CONNECTION ADMIN / SUPER (MariaDB)"
+                )));
+            }
+            // The server frees the lock as it ends the connection; wait for that, not longer.
+            got = conn.exec_first("SELECT GET_LOCK(?, 10)", (&lock,)).await?;
+            if got != Some(1) {
+                conn.disconnect().await?;
+                return Ok(Taken::Held { holder });
+            }
+        }
+        let lease_ms = lease_millis(config.lease);
+        conn.exec_drop(
+            format!(
+                "UPDATE {table} SET epoch = epoch + 1, holder = ?, connection_id = CONNECTION_ID(),
+                        lease_until = NOW(6) + INTERVAL (? * 1000) MICROSECOND, updated_at = NOW(6)
+                  WHERE outbox = ?"
+            ),
+            (&config.holder, lease_ms, &config.outbox),
+        )
+        .await?;
+        let (epoch, file, offset): (i64, String, u64) = conn
+            .exec_first(
+                format!("SELECT epoch, log_file, log_offset FROM {table} WHERE outbox = ?"),
+                (&config.outbox,),
+            )
+            .await?
+            .ok_or_else(|| {
+                BinlogError::Config(format!(
+                    "the positions table {} lost the row of {} while it was being taken",
+                    config.positions, config.outbox
+                ))
+            })?;
+        let stored = (!file.is_empty()).then_some(BinlogPosition { file, offset });
+        Ok(Taken::Active(ActiveReader {
+            conn,
+            config: config.clone(),
+            epoch,
+            stored,
+        }))
+    }
+
+    /// The position stored when the seat was taken (`None`: never stored; start from the
+    /// server's current position and adopt the rows already in the table).
+    pub fn stored(&self) -> Option<&BinlogPosition> {
+        self.stored.as_ref()
+    }
+
+    /// The epoch this reader took the seat at.
+    pub fn epoch(&self) -> i64 {
+        self.epoch
+    }
+
+    /// Stores `position` and renews the lease. Refused ([`BinlogError::Fenced`]) once
+    /// another reader has taken the seat.
+    pub async fn store(&mut self, position: &BinlogPosition) -> Result<()> {
+        let table = quoted(&self.config.positions);
+        let params = (
+            &position.file,
+            position.offset,
+            lease_millis(self.config.lease),
+            &self.config.outbox,
+            self.epoch,
+        )
+            .into();
+        self.write(
+            format!(
+                "UPDATE {table} SET log_file = ?, log_offset = ?,
+                        lease_until = NOW(6) + INTERVAL (? * 1000) MICROSECOND, updated_at = NOW(6)
+                  WHERE outbox = ? AND epoch = ?"
+            ),
+            params,
+        )
+        .await?;
+        self.stored = Some(position.clone());
+        Ok(())
+    }
+
+    /// Renews the lease without moving the position (a reader with nothing new to store
+    /// still keeps its seat).
+    pub async fn renew(&mut self) -> Result<()> {
+        let table = quoted(&self.config.positions);
+        let params = (
+            lease_millis(self.config.lease),
+            &self.config.outbox,
+            self.epoch,
+        )
+            .into();
+        self.write(
+            format!(
+                "UPDATE {table} SET lease_until = NOW(6) + INTERVAL (? * 1000) MICROSECOND
+                  WHERE outbox = ? AND epoch = ?"
+            ),
+            params,
+        )
+        .await
+    }
+
+    /// Gives the seat up: the lock is released with the connection.
+    pub async fn leave(self) -> Result<()> {
+        Ok(self.conn.disconnect().await?)
+    }
+
+    async fn write(&mut self, statement: String, params: mysql_async::Params) -> Result<()> {
+        self.conn.exec_drop(statement, params).await?;
+        if self.conn.affected_rows() == 0 {
+            return Err(BinlogError::Fenced {
+                outbox: self.config.outbox.clone(),
+                epoch: self.epoch,
+            });
+        }
+        Ok(())
+    }
+}
+
+fn lease_millis(lease: Duration) -> u64 {
+    lease.as_millis().try_into().unwrap_or(u64::MAX)
+}
+
+/// A backquoted identifier, `db.table` split into its parts.
+fn quoted(name: &str) -> String {
+    name.split('.')
+        .map(|part| format!("`{}`", part.replace('`', "``")))
+        .collect::<Vec<_>>()
+        .join(".")
+}
+
+/// The lock's name: user lock names are at most 64 characters, so a long outbox name is
+/// cut and told apart from others cut alike by a hash of the whole (FNV-1a: stable across
+/// builds, unlike the standard library's hasher).
+fn lock_name(outbox: &str) -> String {
+    const PREFIX: &str = "outbox-binlog:";
+    let whole = format!("{PREFIX}{outbox}");
+    if whole.len() <= 64 {
+        return whole;
+    }
+    let hash = outbox.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    let mut cut = 64 - PREFIX.len() - 17;
+    while !outbox.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{PREFIX}{}~{hash:016x}", &outbox[..cut])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lock_names_fit_the_servers_limit_and_stay_apart() {
+        assert_eq!(lock_name("shop.outbox"), "outbox-binlog:shop.outbox");
+        let long_a = format!("shop.{}a", "x".repeat(80));
+        let long_b = format!("shop.{}b", "x".repeat(80));
+        assert!(lock_name(&long_a).len() <= 64);
+        assert_ne!(lock_name(&long_a), lock_name(&long_b));
+        let wide = format!("shop.{}", "é".repeat(60));
+        assert!(lock_name(&wide).len() <= 64);
+    }
+
+    #[test]
+    fn identifiers_are_quoted_part_by_part() {
+        assert_eq!(quoted("shop.out`box"), "`shop`.`out``box`");
+        assert!(positions_ddl("outbox_binlog_positions")
+            .starts_with("CREATE TABLE IF NOT EXISTS `outbox_binlog_positions` ("));
+    }
+}

@@ -1,0 +1,149 @@
+//! The active reader's seat against the real MariaDB 10.11: one reader at a time, its
+//! position kept across readers, a paused reader's lapsed lease taken over (its connection
+//! ended, which frees its lock), and a late write of an ex-reader refused by the epoch.
+
+use std::time::Duration;
+
+use mysql_async::prelude::Queryable;
+use mysql_async::{Conn, Opts};
+use outbox_binlog::{positions_ddl, ActiveReader, BinlogError, BinlogPosition, SeatConfig, Taken};
+
+const POSITIONS: &str = "outbox_binlog_positions";
+
+async fn connect(url: &str) -> Conn {
+    Conn::new(Opts::from_url(url).unwrap()).await.unwrap()
+}
+
+/// A fresh database with the positions table, and an admin connection to it.
+async fn database() -> (String, Conn) {
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let mut admin = connect(&url).await;
+    admin.query_drop(positions_ddl(POSITIONS)).await.unwrap();
+    (url, admin)
+}
+
+fn seat(url: &str, holder: &str, lease: Duration) -> SeatConfig {
+    let database = Opts::from_url(url).unwrap().db_name().unwrap().to_string();
+    SeatConfig {
+        url: url.into(),
+        positions: POSITIONS.into(),
+        outbox: format!("{database}.outbox"),
+        holder: holder.into(),
+        lease,
+    }
+}
+
+async fn take(config: &SeatConfig) -> Taken {
+    ActiveReader::take(config).await.unwrap()
+}
+
+fn active(taken: Taken) -> ActiveReader {
+    match taken {
+        Taken::Active(reader) => reader,
+        Taken::Held { holder } => panic!("the seat is held by {holder}"),
+    }
+}
+
+fn position(file: &str, offset: u64) -> BinlogPosition {
+    BinlogPosition {
+        file: file.into(),
+        offset,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_reader_holds_the_seat_and_the_next_starts_where_it_stored() {
+    let (url, _admin) = database().await;
+    let long = Duration::from_secs(60);
+    let mut first = active(take(&seat(&url, "relay-1", long)).await);
+    assert_eq!(
+        first.stored(),
+        None,
+        "never stored: start from the current position"
+    );
+    first
+        .store(&position("mariadb-bin.000007", 4242))
+        .await
+        .unwrap();
+
+    match take(&seat(&url, "relay-2", long)).await {
+        Taken::Held { holder } => assert_eq!(holder, "relay-1"),
+        Taken::Active(_) => panic!("two active readers"),
+    }
+
+    // The first leaves (or exits): the lock goes with its connection.
+    let epoch = first.epoch();
+    first.leave().await.unwrap();
+    let second = active(take(&seat(&url, "relay-2", long)).await);
+    assert_eq!(second.stored(), Some(&position("mariadb-bin.000007", 4242)));
+    assert_eq!(second.epoch(), epoch + 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_readers_lapsed_lease_is_taken_over_and_its_late_writes_are_refused() {
+    let (url, mut admin) = database().await;
+    // The paused reader: it holds the lock on a live connection but writes nothing.
+    let mut paused = active(take(&seat(&url, "paused", Duration::from_millis(300))).await);
+    paused
+        .store(&position("mariadb-bin.000001", 100))
+        .await
+        .unwrap();
+    // Its lease lapses (awaited on the server's clock, which decides it).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let lapsed: Option<i64> = admin
+            .query_first(format!(
+                "SELECT lease_until < NOW(6) FROM {POSITIONS} WHERE holder = 'paused'"
+            ))
+            .await
+            .unwrap();
+        if lapsed == Some(1) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the lease never lapsed"
+        );
+        tokio::task::yield_now().await;
+    }
+
+    let mut taker = active(take(&seat(&url, "taker", Duration::from_secs(60))).await);
+    assert_eq!(taker.stored(), Some(&position("mariadb-bin.000001", 100)));
+
+    // The paused reader wakes and writes: refused, its connection was ended.
+    let late = paused.store(&position("mariadb-bin.000001", 999)).await;
+    assert!(late.is_err(), "a late write went through");
+    taker
+        .store(&position("mariadb-bin.000002", 4))
+        .await
+        .unwrap();
+    let stored: Option<(String, u64)> = admin
+        .query_first(format!("SELECT log_file, log_offset FROM {POSITIONS}"))
+        .await
+        .unwrap();
+    assert_eq!(stored, Some(("mariadb-bin.000002".to_string(), 4)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_at_an_old_epoch_is_fenced_even_on_a_live_connection() {
+    let (url, mut admin) = database().await;
+    let mut reader = active(take(&seat(&url, "relay-1", Duration::from_secs(60))).await);
+    reader
+        .store(&position("mariadb-bin.000003", 10))
+        .await
+        .unwrap();
+    reader.renew().await.unwrap();
+    // Another reader's takeover as the table records it (its connection is not needed).
+    admin
+        .query_drop(format!("UPDATE {POSITIONS} SET epoch = epoch + 1"))
+        .await
+        .unwrap();
+    match reader.store(&position("mariadb-bin.000003", 20)).await {
+        Err(BinlogError::Fenced { epoch, .. }) => assert_eq!(epoch, reader.epoch()),
+        other => panic!("not fenced: {other:?}"),
+    }
+    assert!(matches!(
+        reader.renew().await,
+        Err(BinlogError::Fenced { .. })
+    ));
+}
