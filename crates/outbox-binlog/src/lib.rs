@@ -159,8 +159,19 @@ impl Row {
 pub enum Output {
     /// A row a committed transaction inserted into the outbox table.
     Row(Row),
-    /// The end of a transaction that inserted `rows` rows: `next` is where the log goes on.
-    Committed { next: BinlogPosition, rows: u64 },
+    /// The end of a transaction that inserted `rows` rows: `next` is where the log goes on,
+    /// and `gtid` the transaction's global id where the server gives one (MariaDB
+    /// `domain-server-sequence`, MySQL `source_uuid:number`).
+    Committed {
+        next: BinlogPosition,
+        rows: u64,
+        gtid: Option<String>,
+    },
+    /// The end of a transaction that was rolled back: its `rows` rows, handed out already,
+    /// never happened; `next` is where the log goes on. Only a non-transactional table's
+    /// rows reach the log this way (MySQL logs what a rolled-back transaction could not undo
+    /// in a BLACKHOLE outbox, then ROLLBACK; MariaDB 10.11 leaves such rows out).
+    RolledBack { next: BinlogPosition, rows: u64 },
 }
 
 /// The binary log's current end (`SHOW MASTER STATUS`), where a new reader starts.
@@ -268,6 +279,20 @@ pub struct BinlogReader {
     pending: std::collections::VecDeque<Output>,
     /// Where reading started, for an error that says so.
     started_at: BinlogPosition,
+    /// The global id of the transaction being read, when the server gives one.
+    gtid: Option<String>,
+}
+
+/// MariaDB's GTID event (`GTID_EVENT`, 162), which mysql_common does not decode: its body
+/// starts with the sequence number (8 bytes) and the domain id (4 bytes), little-endian; the
+/// server id is the event header's.
+const MARIADB_GTID_EVENT: u8 = 0xa2;
+
+/// MariaDB's GTID in its text form, from a GTID event's body; `None` when too short.
+fn mariadb_gtid(body: &[u8], server_id: u32) -> Option<String> {
+    let sequence = u64::from_le_bytes(body.get(..8)?.try_into().ok()?);
+    let domain = u32::from_le_bytes(body.get(8..12)?.try_into().ok()?);
+    Some(format!("{domain}-{server_id}-{sequence}"))
 }
 
 impl BinlogReader {
@@ -299,6 +324,9 @@ impl BinlogReader {
         let request = BinlogStreamRequest::new(config.server_id)
             .with_filename(from.file.as_bytes())
             .with_pos(from.offset);
+        // MariaDB sends its GTID events as they are to a replica that says it can read them
+        // (otherwise it rewrites each as a BEGIN query). MySQL ignores the variable.
+        conn.query_drop("SET @mariadb_slave_capability = 4").await?;
         let stream = conn.get_binlog_stream(request).await?;
         Ok(BinlogReader {
             stream,
@@ -309,6 +337,7 @@ impl BinlogReader {
             rows_in_transaction: 0,
             pending: Default::default(),
             started_at: from.clone(),
+            gtid: None,
         })
     }
 
@@ -339,6 +368,10 @@ impl BinlogReader {
                 Err(e) => return Err(e.into()),
             };
             let end = u64::from(event.header().log_pos());
+            if event.header().event_type_raw() == MARIADB_GTID_EVENT {
+                self.gtid = mariadb_gtid(event.data(), event.header().server_id());
+                continue;
+            }
             let data = event
                 .read_data()
                 .map_err(|e| BinlogError::Decode(e.to_string()))?;
@@ -349,18 +382,51 @@ impl BinlogReader {
                 Some(EventData::RotateEvent(rotate)) if end != 0 => {
                     self.file = rotate.name().into_owned();
                 }
-                // The end of a transaction that inserted outbox rows.
+                Some(EventData::GtidEvent(gtid)) => {
+                    self.gtid = Some(format!(
+                        "{}:{}",
+                        uuid::Uuid::from_bytes(gtid.sid()),
+                        gtid.gno()
+                    ));
+                }
+                // The end of a transaction that inserted outbox rows: an XID for
+                // transactional tables, a COMMIT query for the others (BLACKHOLE).
                 Some(EventData::XidEvent(_)) if self.rows_in_transaction > 0 => {
-                    let rows = std::mem::take(&mut self.rows_in_transaction);
-                    let next = BinlogPosition {
-                        file: self.file.clone(),
-                        offset: end,
-                    };
-                    return Ok(Some(Output::Committed { next, rows }));
+                    return Ok(Some(self.committed(end)));
+                }
+                Some(EventData::QueryEvent(query)) if self.rows_in_transaction > 0 => {
+                    match query.query_raw() {
+                        b"COMMIT" => return Ok(Some(self.committed(end))),
+                        b"ROLLBACK" => {
+                            self.gtid = None;
+                            return Ok(Some(Output::RolledBack {
+                                next: self.at(end),
+                                rows: std::mem::take(&mut self.rows_in_transaction),
+                            }));
+                        }
+                        _ => {}
+                    }
                 }
                 Some(EventData::RowsEvent(rows)) => self.take_rows(&rows)?,
                 _ => {}
             }
+        }
+    }
+
+    /// The commit of the transaction being read, which ends at `end`.
+    fn committed(&mut self, end: u64) -> Output {
+        Output::Committed {
+            next: self.at(end),
+            rows: std::mem::take(&mut self.rows_in_transaction),
+            gtid: self.gtid.take(),
+        }
+    }
+
+    /// The position `offset` in the file being read.
+    fn at(&self, offset: u64) -> BinlogPosition {
+        BinlogPosition {
+            file: self.file.clone(),
+            offset,
         }
     }
 
@@ -439,6 +505,15 @@ mod tests {
         assert!(retention_problem(&at("bin.000011"), "bin.000010").is_none());
         // By number, not by text: 999999 rolls over to 1000000.
         assert!(retention_problem(&at("bin.1000000"), "bin.999999").is_none());
+    }
+
+    #[test]
+    fn a_mariadb_gtid_is_read_from_its_events_body() {
+        let mut body = 4331u64.to_le_bytes().to_vec();
+        body.extend(7u32.to_le_bytes());
+        body.push(0); // flags
+        assert_eq!(mariadb_gtid(&body, 1).as_deref(), Some("7-1-4331"));
+        assert_eq!(mariadb_gtid(&body[..11], 1), None, "too short");
     }
 
     #[test]

@@ -67,6 +67,15 @@ impl Positions {
         self.advance();
     }
 
+    /// The stream carried the rollback of the transaction being read
+    /// ([`Output::RolledBack`]): its rows never happened, and the log goes on at `next`.
+    pub fn rolled_back(&mut self, next: &BinlogPosition) {
+        if let Some(current) = self.open.back_mut().filter(|t| t.next.is_none()) {
+            current.unsettled.clear();
+        }
+        self.committed(next);
+    }
+
     /// The row `id` is settled.
     pub fn settle(&mut self, id: u64) -> Result<(), UnknownRow> {
         let transaction = self
@@ -132,6 +141,19 @@ mod tests {
         );
         positions.settle(2).unwrap();
         assert_eq!(positions.storable(), &at(300), "everything read is settled");
+    }
+
+    #[test]
+    fn a_rolled_back_transactions_rows_hold_nothing_back() {
+        let mut positions = Positions::new(at(4));
+        positions.row(1);
+        positions.committed(&at(100));
+        positions.row(2);
+        positions.rolled_back(&at(200));
+        assert_eq!(positions.storable(), &at(4), "row 1 is not settled");
+        assert!(positions.settle(2).is_err(), "row 2 never happened");
+        positions.settle(1).unwrap();
+        assert_eq!(positions.storable(), &at(200));
     }
 
     #[test]

@@ -40,6 +40,7 @@ async fn transactions(
                 ));
             }
             Output::Committed { .. } => transactions.push((std::mem::take(&mut current), output)),
+            Output::RolledBack { .. } => panic!("no transaction of these tests rolls back"),
         }
     }
     if !current.is_empty() {
@@ -137,6 +138,7 @@ async fn committed_inserts_arrive_in_commit_order_and_nothing_else_does() {
     let Output::Committed {
         next: before_rotation,
         rows,
+        gtid: third,
     } = &seen[2].1
     else {
         unreachable!()
@@ -144,11 +146,22 @@ async fn committed_inserts_arrive_in_commit_order_and_nothing_else_does() {
     assert_eq!(*rows, 2);
     let Output::Committed {
         next: after_rotation,
+        gtid: fourth,
         ..
     } = &seen[3].1
     else {
         unreachable!()
     };
+    // MariaDB's GTIDs (domain-server-sequence): the server's, in commit order.
+    let sequence = |gtid: &Option<String>| -> u64 {
+        let gtid = gtid
+            .as_deref()
+            .expect("MariaDB gives every transaction a GTID");
+        let parts: Vec<&str> = gtid.split('-').collect();
+        assert_eq!(parts[..2], ["0", "1"], "domain 0, server_id 1: {gtid}");
+        parts[2].parse().unwrap()
+    };
+    assert!(sequence(third) < sequence(fourth));
     assert_ne!(
         before_rotation.file, after_rotation.file,
         "the rotated log is followed"
@@ -240,21 +253,69 @@ async fn a_blackhole_outbox_stores_nothing_and_its_rows_are_read_from_the_log() 
     )
     .await
     .unwrap();
+    // Rows of a non-transactional table end with a COMMIT query, not an XID: each
+    // transaction must still close with the position to store.
     let mut seen = Vec::new();
-    while seen.len() < 3 {
+    let mut commits = Vec::new();
+    while commits.len() < 2 {
         let output = tokio::time::timeout(Duration::from_secs(20), reader.next())
             .await
             .expect("the stream brought nothing for 20 s")
             .unwrap()
             .expect("the stream ended");
-        if let Output::Row(row) = output {
-            assert_eq!(row.get("event_id").map(str::len), Some(36), "a UUID");
-            seen.push((
-                row.get("event_type").unwrap().to_string(),
-                row.get("payload").map(str::to_string),
-            ));
+        match output {
+            Output::Row(row) => {
+                assert_eq!(row.get("event_id").map(str::len), Some(36), "a UUID");
+                seen.push((
+                    row.get("event_type").unwrap().to_string(),
+                    row.get("payload").map(str::to_string),
+                ));
+            }
+            Output::Committed { rows, next, .. } => commits.push((rows, next)),
+            Output::RolledBack { .. } => panic!("nothing was rolled back"),
         }
     }
+    assert_eq!(
+        commits.iter().map(|(rows, _)| *rows).collect::<Vec<_>>(),
+        [2, 1]
+    );
+    assert!(commits[0].1.offset < commits[1].1.offset);
+
+    // A BLACKHOLE row written in a transaction that rolls back: MariaDB 10.11 leaves it
+    // out of the log. (MySQL logs what it could not undo, closed by ROLLBACK: the reader
+    // then says `RolledBack`, and its rows never happened.)
+    db.query_drop("CREATE TABLE orders (id int PRIMARY KEY) ENGINE=InnoDB")
+        .await
+        .unwrap();
+    db.query_drop("BEGIN").await.unwrap();
+    db.query_drop("INSERT INTO orders VALUES (1)")
+        .await
+        .unwrap();
+    db.query_drop(
+        "INSERT INTO outbox_events_log (destination, event_type) VALUES ('orders', 'Undone')",
+    )
+    .await
+    .unwrap();
+    db.query_drop("ROLLBACK").await.unwrap();
+    db.query_drop(
+        "INSERT INTO outbox_events_log (destination, event_type) VALUES ('orders', 'After')",
+    )
+    .await
+    .unwrap();
+    let mut read = Vec::new();
+    while !read.iter().any(|r: &String| r.starts_with("committed")) {
+        let output = tokio::time::timeout(Duration::from_secs(20), reader.next())
+            .await
+            .expect("the stream brought nothing for 20 s")
+            .unwrap()
+            .expect("the stream ended");
+        read.push(match output {
+            Output::Row(row) => format!("row {}", row.get("event_type").unwrap()),
+            Output::Committed { rows, .. } => format!("committed {rows}"),
+            Output::RolledBack { rows, .. } => format!("rolled back {rows}"),
+        });
+    }
+    assert_eq!(read, ["row After", "committed 1"]);
     assert_eq!(
         seen,
         [
@@ -325,6 +386,7 @@ async fn a_100_000_row_transaction_is_streamed_without_holding_it() {
                 assert_eq!(committed, 100_000);
                 break;
             }
+            Output::RolledBack { .. } => panic!("the transaction committed"),
         }
     }
     assert_eq!(rows, 100_000);
