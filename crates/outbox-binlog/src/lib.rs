@@ -64,6 +64,15 @@ pub enum BinlogError {
         position: BinlogPosition,
         reason: String,
     },
+    /// The server's log does not continue after the GTID state asked for: it is ahead of
+    /// this server (a replica that has not caught up), or the transactions after it were
+    /// purged, or the history diverged.
+    #[error(
+        "the server's binary log does not continue after GTID {gtid} ({reason}): point the \
+         relay at a server that has the transactions after it (a replica that has caught up), \
+         and never at one whose history diverged; nothing was skipped"
+    )]
+    GtidNotInLog { gtid: String, reason: String },
     /// Another reader took the seat ([`seat`]): this one must stop reading and writing.
     #[error(
         "another relay has taken over reading the binary log of {outbox} (this one held it at \
@@ -271,16 +280,27 @@ pub struct BinlogReader {
     table: String,
     /// The table's columns in their order, as row events carry them.
     columns: Arc<Vec<String>>,
-    /// The log file being read (row events' positions are within it).
+    /// The log file being read (row events' positions are within it); empty until the
+    /// first rotate names it, when reading started from a GTID.
     file: String,
+    /// Whether the first, artificial rotate's name ends with 4 checksum bytes.
+    first_rotate_checksum: bool,
     /// Rows of the current transaction handed out so far.
     rows_in_transaction: u64,
     /// Rows of one row event not yet handed out.
     pending: std::collections::VecDeque<Output>,
-    /// Where reading started, for an error that says so.
+    /// Where reading started (a GTID start's file is empty), for an error that says so.
     started_at: BinlogPosition,
+    /// The GTID state reading started after, if it did.
+    started_after_gtid: Option<String>,
     /// The global id of the transaction being read, when the server gives one.
     gtid: Option<String>,
+}
+
+/// Where a reader starts.
+enum Start<'a> {
+    Position(&'a BinlogPosition),
+    MariadbGtid(&'a str),
 }
 
 /// MariaDB's GTID event (`GTID_EVENT`, 162), which mysql_common does not decode: its body
@@ -299,6 +319,19 @@ impl BinlogReader {
     /// Starts reading at `from` (a transaction's start: a position [`Output::Committed`]
     /// gave, or [`current_position`]).
     pub async fn start(config: &BinlogConfig, from: &BinlogPosition) -> Result<Self> {
+        Self::start_at(config, Start::Position(from)).await
+    }
+
+    /// Starts reading after the MariaDB GTID state `gtid` (`domain-server-sequence`, a
+    /// comma-separated list for several domains: what [`Output::Committed`] gave), on any
+    /// server of the replication topology: the way to go on after a failover to a promoted
+    /// replica, whose file names and offsets differ from the old primary's. The server
+    /// refuses a state its log does not continue (strict mode): nothing is skipped.
+    pub async fn start_after_gtid(config: &BinlogConfig, gtid: &str) -> Result<Self> {
+        Self::start_at(config, Start::MariadbGtid(gtid)).await
+    }
+
+    async fn start_at(config: &BinlogConfig, start: Start<'_>) -> Result<Self> {
         let opts = opts(&config.url)?;
         let mut conn = Conn::new(opts).await?;
         let format: Option<String> = conn.query_first("SELECT @@GLOBAL.binlog_format").await?;
@@ -321,12 +354,37 @@ impl BinlogReader {
                 config.database, config.table
             )));
         }
-        let request = BinlogStreamRequest::new(config.server_id)
-            .with_filename(from.file.as_bytes())
-            .with_pos(from.offset);
         // MariaDB sends its GTID events as they are to a replica that says it can read them
         // (otherwise it rewrites each as a BEGIN query). MySQL ignores the variable.
         conn.query_drop("SET @mariadb_slave_capability = 4").await?;
+        let request = BinlogStreamRequest::new(config.server_id);
+        let (request, from, checksum) = match start {
+            Start::Position(from) => (
+                request
+                    .with_filename(from.file.as_bytes())
+                    .with_pos(from.offset),
+                from.clone(),
+                false,
+            ),
+            Start::MariadbGtid(gtid) => {
+                conn.exec_drop("SET @slave_connect_state = ?", (gtid,))
+                    .await?;
+                conn.query_drop("SET @slave_gtid_strict_mode = 1").await?;
+                // The file is named by the first (artificial) rotate, sent before the log's
+                // checksum setting is known: its name then ends with the checksum's bytes.
+                let checksum: Option<String> =
+                    conn.query_first("SELECT @@GLOBAL.binlog_checksum").await?;
+                let from = BinlogPosition {
+                    file: String::new(),
+                    offset: 4,
+                };
+                (
+                    request.with_filename(b"").with_pos(4),
+                    from,
+                    checksum.is_some_and(|c| !c.eq_ignore_ascii_case("NONE")),
+                )
+            }
+        };
         let stream = conn.get_binlog_stream(request).await?;
         Ok(BinlogReader {
             stream,
@@ -334,9 +392,14 @@ impl BinlogReader {
             table: config.table.clone(),
             columns: Arc::new(columns),
             file: from.file.clone(),
+            first_rotate_checksum: checksum,
             rows_in_transaction: 0,
             pending: Default::default(),
-            started_at: from.clone(),
+            started_at: from,
+            started_after_gtid: match start {
+                Start::MariadbGtid(gtid) => Some(gtid.to_string()),
+                Start::Position(_) => None,
+            },
             gtid: None,
         })
     }
@@ -360,10 +423,16 @@ impl BinlogReader {
             let event = match event {
                 Ok(event) => event,
                 Err(mysql_async::Error::Server(e)) if e.code == FATAL_READING_BINLOG => {
+                    if let Some(gtid) = &self.started_after_gtid {
+                        return Err(BinlogError::GtidNotInLog {
+                            gtid: gtid.clone(),
+                            reason: e.message,
+                        });
+                    }
                     return Err(BinlogError::Purged {
                         position: self.started_at.clone(),
                         reason: e.message,
-                    })
+                    });
                 }
                 Err(e) => return Err(e.into()),
             };
@@ -381,6 +450,15 @@ impl BinlogReader {
                 // its name would carry the checksum's bytes.
                 Some(EventData::RotateEvent(rotate)) if end != 0 => {
                     self.file = rotate.name().into_owned();
+                }
+                // Started from a GTID: the artificial rotate is the only word of the file.
+                Some(EventData::RotateEvent(rotate)) if self.file.is_empty() => {
+                    let name = rotate.name_raw();
+                    let name = match self.first_rotate_checksum {
+                        true => &name[..name.len().saturating_sub(4)],
+                        false => name,
+                    };
+                    self.file = String::from_utf8_lossy(name).into_owned();
                 }
                 Some(EventData::GtidEvent(gtid)) => {
                     self.gtid = Some(format!(

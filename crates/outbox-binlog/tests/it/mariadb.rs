@@ -169,7 +169,35 @@ async fn committed_inserts_arrive_in_commit_order_and_nothing_else_does() {
 
     // A reader resumed where the stream said the third transaction ended reads from there.
     let mut resumed = BinlogReader::start(&config, before_rotation).await.unwrap();
-    assert_eq!(ids(&transactions(&mut resumed, 1).await), [vec!["6"]]);
+    let by_position = transactions(&mut resumed, 1).await;
+    assert_eq!(ids(&by_position), [vec!["6"]]);
+
+    // So does one started after the third transaction's GTID (how a relay goes on at a
+    // promoted replica), naming the same file and offsets.
+    let mut by_gtid = BinlogReader::start_after_gtid(&config, third.as_deref().unwrap())
+        .await
+        .unwrap();
+    let by_gtid = transactions(&mut by_gtid, 1).await;
+    assert_eq!(ids(&by_gtid), [vec!["6"]]);
+    let ends = |t: &[(Vec<(String, String)>, Output)]| match &t[0].1 {
+        Output::Committed { next, gtid, .. } => (next.clone(), gtid.clone()),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(ends(&by_gtid), ends(&by_position));
+    assert_eq!(ends(&by_gtid).0, after_rotation.clone());
+
+    // A GTID this server's log does not reach is refused, not read past.
+    let ahead = format!("0-1-{}", sequence(fourth) + 1_000_000);
+    let mut refused = BinlogReader::start_after_gtid(&config, &ahead)
+        .await
+        .unwrap();
+    match tokio::time::timeout(Duration::from_secs(20), refused.next())
+        .await
+        .expect("no answer for 20 s")
+    {
+        Err(BinlogError::GtidNotInLog { gtid, .. }) => assert_eq!(gtid, ahead),
+        other => panic!("not refused: {other:?}"),
+    }
 }
 
 /// A server id of its own for each run: two readers with the same id make the server drop
