@@ -153,6 +153,7 @@ pub struct BinlogConfig {
 pub struct Row {
     columns: Arc<Vec<String>>,
     values: Vec<Option<String>>,
+    undecodable: Option<String>,
 }
 
 impl Row {
@@ -160,6 +161,12 @@ impl Row {
     pub fn get(&self, column: &str) -> Option<&str> {
         let index = self.columns.iter().position(|c| c == column)?;
         self.values.get(index)?.as_deref()
+    }
+
+    /// Why a value of the row could not be read (it is then `None`): such a row is
+    /// dead-lettered with the reason, and the others go on.
+    pub fn undecodable(&self) -> Option<&str> {
+        self.undecodable.as_deref()
     }
 }
 
@@ -529,22 +536,32 @@ impl BinlogReader {
         for row in rows.rows(table_map) {
             let (_, after) = row.map_err(|e| BinlogError::Decode(e.to_string()))?;
             let Some(after) = after else { continue };
+            let mut undecodable = None;
             let values = (0..after.len())
-                .map(|i| after.as_ref(i).and_then(text))
+                .map(|i| match after.as_ref(i).map(text).transpose() {
+                    Ok(value) => value.flatten(),
+                    Err(reason) => {
+                        let column = self.columns.get(i).map_or("?", String::as_str);
+                        undecodable.get_or_insert(format!("column {column}: {reason}"));
+                        None
+                    }
+                })
                 .collect();
             self.rows_in_transaction += 1;
             self.pending.push_back(Output::Row(Row {
                 columns: self.columns.clone(),
                 values,
+                undecodable,
             }));
         }
         Ok(())
     }
 }
 
-/// A column's value as text, as the table would show it; `None` for NULL.
-fn text(value: &BinlogValue<'_>) -> Option<String> {
-    match value {
+/// A column's value as text, as the table would show it; `None` for NULL. MySQL 8 writes
+/// JSON in its binary form (JSONB), read back into JSON text here; MariaDB's JSON is text.
+fn text(value: &BinlogValue<'_>) -> std::result::Result<Option<String>, String> {
+    Ok(match value {
         BinlogValue::Value(Value::NULL) => None,
         BinlogValue::Value(Value::Bytes(bytes)) => {
             Some(String::from_utf8_lossy(bytes).into_owned())
@@ -561,9 +578,18 @@ fn text(value: &BinlogValue<'_>) -> Option<String> {
             if *negative { "-" } else { "" },
             u64::from(*days) * 24 + u64::from(*h)
         )),
-        // MySQL 8's binary JSON: not decoded yet (issue 35); MariaDB's JSON is text.
-        BinlogValue::Jsonb(_) | BinlogValue::JsonDiff(_) => None,
-    }
+        BinlogValue::Jsonb(jsonb) => {
+            let dom = jsonb
+                .clone()
+                .parse()
+                .map_err(|e| format!("MySQL's binary JSON cannot be read: {e}"))?;
+            Some(serde_json::Value::from(dom).to_string())
+        }
+        // Partial JSON updates: only UPDATE rows carry them, and an event is an INSERT.
+        BinlogValue::JsonDiff(_) => {
+            return Err("a partial JSON update where an inserted row was expected".into())
+        }
+    })
 }
 
 #[cfg(test)]
@@ -583,6 +609,31 @@ mod tests {
         assert!(retention_problem(&at("bin.000011"), "bin.000010").is_none());
         // By number, not by text: 999999 rolls over to 1000000.
         assert!(retention_problem(&at("bin.1000000"), "bin.999999").is_none());
+    }
+
+    #[test]
+    fn mysql_8_binary_json_is_read_back_as_json_text() {
+        use mysql_async::binlog::jsonb;
+        use mysql_common::proto::MyDeserialize;
+        // {"a": 1, "b": "x"} as MySQL 8 writes it (a small object: count, size, key entries,
+        // value entries, then the keys and the out-of-line values), per the JSONB format of
+        // MySQL's json_binary.h.
+        let bytes: &[u8] = &[
+            0x00, // small object
+            0x02, 0x00, // two members
+            0x14, 0x00, // 20 bytes
+            0x12, 0x00, 0x01, 0x00, // key "a" at 18, 1 byte
+            0x13, 0x00, 0x01, 0x00, // key "b" at 19, 1 byte
+            0x05, 0x01, 0x00, // int16 1, inline
+            0x0c, 0x14, 0x00, // string at 20
+            b'a', b'b', // the keys
+            0x01, b'x', // the string: length 1, "x"
+        ];
+        let mut bytes = bytes.to_vec();
+        bytes[3] = (bytes.len() - 1) as u8;
+        let value = jsonb::Value::deserialize((), &mut mysql_common::io::ParseBuf(&bytes)).unwrap();
+        let text = text(&BinlogValue::Jsonb(value)).unwrap().unwrap();
+        assert_eq!(text, r#"{"a":1,"b":"x"}"#);
     }
 
     #[test]
