@@ -230,6 +230,14 @@ pub async fn server_problems(url: &str) -> Result<Vec<Problem>> {
         )
         .await
         .unwrap_or(None);
+    // MariaDB only (MySQL 8 dropped information_schema.GLOBAL_VARIABLES).
+    let mariadb_compression: Option<String> = conn
+        .query_first(
+            "SELECT VARIABLE_VALUE FROM information_schema.GLOBAL_VARIABLES
+              WHERE VARIABLE_NAME = 'LOG_BIN_COMPRESS'",
+        )
+        .await
+        .unwrap_or(None);
     conn.disconnect().await?;
     let (log_bin, format, image) = settings.unwrap_or_default();
     let mut problems = Vec::new();
@@ -249,6 +257,13 @@ pub async fn server_problems(url: &str) -> Result<Vec<Problem>> {
         problems.push(Problem::blocking(
             format!("binlog_row_image is {image}: inserted rows may come without every column"),
             "SET GLOBAL binlog_row_image = 'FULL' and put it in the server's configuration",
+        ));
+    }
+    if mariadb_compression.is_some_and(|c| c.eq_ignore_ascii_case("ON")) {
+        problems.push(Problem::blocking(
+            "log_bin_compress is ON: MariaDB writes large events compressed, which binlog \
+             capture does not read (it stops at the first rather than skip it)",
+            "SET GLOBAL log_bin_compress = OFF and put it in the server's configuration",
         ));
     }
     if compression.is_some_and(|c| c.eq_ignore_ascii_case("ON")) {
@@ -327,6 +342,44 @@ enum Start<'a> {
     MariadbGtid(&'a str),
 }
 
+/// MySQL's binary JSON as JSON text, the way MySQL itself prints it: a DECIMAL stays a
+/// number (mysql_common's own conversion makes it a string, which would change the
+/// payload's types), a date or time is a string.
+fn json_text(dom: mysql_async::binlog::jsonb::JsonDom, out: &mut String) {
+    use mysql_async::binlog::jsonb::{JsonContainer, JsonDom, JsonNumber, JsonScalar};
+    match dom {
+        JsonDom::Container(JsonContainer::Array(items)) => {
+            out.push('[');
+            for (i, item) in items.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                json_text(item, out);
+            }
+            out.push(']');
+        }
+        JsonDom::Container(JsonContainer::Object(members)) => {
+            out.push('{');
+            for (i, (key, value)) in members.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                out.push_str(&serde_json::Value::String(key).to_string());
+                out.push(':');
+                json_text(value, out);
+            }
+            out.push('}');
+        }
+        JsonDom::Scalar(JsonScalar::Number(JsonNumber::Decimal(decimal))) => {
+            out.push_str(&decimal.to_string());
+        }
+        JsonDom::Scalar(scalar) => out.push_str(&serde_json::Value::from(scalar).to_string()),
+    }
+}
+
+/// MariaDB's compressed query and row events (`log_bin_compress`): 165 to 171.
+const MARIADB_COMPRESSED_EVENTS: std::ops::RangeInclusive<u8> = 0xa5..=0xab;
+
 /// MariaDB's GTID event (`GTID_EVENT`, 162), which mysql_common does not decode: its body
 /// starts with the sequence number (8 bytes) and the domain id (4 bytes), little-endian; the
 /// server id is the event header's.
@@ -347,10 +400,12 @@ impl BinlogReader {
     }
 
     /// Starts reading after the MariaDB GTID state `gtid` (`domain-server-sequence`, a
-    /// comma-separated list for several domains: what [`Output::Committed`] gave), on any
-    /// server of the replication topology: the way to go on after a failover to a promoted
-    /// replica, whose file names and offsets differ from the old primary's. The server
-    /// refuses a state its log does not continue (strict mode): nothing is skipped.
+    /// comma-separated list with one per replication domain), on any server of the
+    /// replication topology: the way to go on after a failover to a promoted replica, whose
+    /// file names and offsets differ from the old primary's. The server refuses a state its
+    /// log does not continue (strict mode): nothing is skipped. [`Output::Committed`] gives
+    /// one transaction's GTID, which is the whole state only where the servers write one
+    /// domain (the default); with several, the state must name each domain's last GTID.
     pub async fn start_after_gtid(config: &BinlogConfig, gtid: &str) -> Result<Self> {
         Self::start_at(config, Start::MariadbGtid(gtid)).await
     }
@@ -461,9 +516,25 @@ impl BinlogReader {
                 Err(e) => return Err(e.into()),
             };
             let end = u64::from(event.header().log_pos());
-            if event.header().event_type_raw() == MARIADB_GTID_EVENT {
-                self.gtid = mariadb_gtid(event.data(), event.header().server_id());
-                continue;
+            match event.header().event_type_raw() {
+                MARIADB_GTID_EVENT => {
+                    self.gtid = mariadb_gtid(event.data(), event.header().server_id());
+                    continue;
+                }
+                // mysql_common reads none of them: their rows would pass unread.
+                kind if MARIADB_COMPRESSED_EVENTS.contains(&kind) => {
+                    return Err(BinlogError::Config(format!(
+                        "a compressed event (MariaDB's log_bin_compress) at {} offset {end}: \
+                         binlog capture does not read those, and stops rather than skip its \
+                         rows; SET GLOBAL log_bin_compress = OFF (and in the server's \
+                         configuration), then start the relay again: it resumes before this \
+                         transaction, whose events stay compressed in the log, so start it \
+                         from the server's current position and relay the rows still in the \
+                         table by polling",
+                        self.file
+                    )));
+                }
+                _ => {}
             }
             let data = event
                 .read_data()
@@ -484,6 +555,8 @@ impl BinlogReader {
                     };
                     self.file = String::from_utf8_lossy(name).into_owned();
                 }
+                // A transaction without a GTID (gtid_mode mixing them): none, not the last.
+                Some(EventData::AnonymousGtidEvent(_)) => self.gtid = None,
                 Some(EventData::GtidEvent(gtid)) => {
                     self.gtid = Some(format!(
                         "{}:{}",
@@ -610,7 +683,9 @@ fn text(value: &BinlogValue<'_>) -> std::result::Result<Option<String>, String> 
                 .clone()
                 .parse()
                 .map_err(|e| format!("MySQL's binary JSON cannot be read: {e}"))?;
-            Some(serde_json::Value::from(dom).to_string())
+            let mut out = String::new();
+            json_text(dom, &mut out);
+            Some(out)
         }
         // Partial JSON updates: only UPDATE rows carry them, and an event is an INSERT.
         BinlogValue::JsonDiff(_) => {
@@ -661,6 +736,21 @@ mod tests {
         let value = jsonb::Value::deserialize((), &mut mysql_common::io::ParseBuf(&bytes)).unwrap();
         let text = text(&BinlogValue::Jsonb(value)).unwrap().unwrap();
         assert_eq!(text, r#"{"a":1,"b":"x"}"#);
+    }
+
+    #[test]
+    fn a_decimal_in_mysql_8_binary_json_stays_a_number() {
+        use mysql_async::binlog::jsonb;
+        use mysql_common::proto::MyDeserialize;
+        // 12.50 as a DECIMAL(4,2) inside JSON: an opaque value of type NEWDECIMAL (0xf6),
+        // 4 bytes: precision, scale, then the decimal's binary form (12 and 50, one byte
+        // each, the sign bit set for a positive number).
+        let bytes = [0x0f, 0xf6, 0x04, 0x04, 0x02, 0x8c, 0x32];
+        let value = jsonb::Value::deserialize((), &mut mysql_common::io::ParseBuf(&bytes)).unwrap();
+        assert_eq!(
+            text(&BinlogValue::Jsonb(value)).unwrap().as_deref(),
+            Some("12.50")
+        );
     }
 
     #[test]

@@ -23,6 +23,9 @@ use mysql_async::{Conn, OptsBuilder};
 
 use crate::{opts, BinlogError, BinlogPosition, Result};
 
+/// ER_NO_SUCH_THREAD: the connection to end is gone already.
+const ER_NO_SUCH_THREAD: u16 = 1094;
+
 /// The table that keeps each outbox's reader position (MySQL/MariaDB DDL).
 pub fn positions_ddl(table: &str) -> String {
     let table = quoted(table);
@@ -89,38 +92,64 @@ impl ActiveReader {
             (&config.outbox,),
         )
         .await?;
-        let mut got: Option<i64> = conn.exec_first("SELECT GET_LOCK(?, 0)", (&lock,)).await?;
-        if got != Some(1) {
-            let row: Option<(String, u64, i64)> = conn
+        // GET_LOCK and IS_USED_LOCK answer NULL as well as a value (on an error, or when
+        // the lock is free): read as `Option<Option<_>>`, never as a bare number.
+        let got: Option<Option<i64>> = conn.exec_first("SELECT GET_LOCK(?, 0)", (&lock,)).await?;
+        if got.flatten() != Some(1) {
+            let row: Option<(String, u64, i64, i64)> = conn
                 .exec_first(
                     format!(
-                        "SELECT holder, connection_id, lease_until < NOW(6) FROM {table} WHERE outbox = ?"
+                        "SELECT holder, connection_id, epoch, lease_until < NOW(6)
+                           FROM {table} WHERE outbox = ?"
                     ),
                     (&config.outbox,),
                 )
                 .await?;
-            let (holder, connection, lapsed) = row.unwrap_or_default();
-            let using: Option<u64> = conn.exec_first("SELECT IS_USED_LOCK(?)", (&lock,)).await?;
-            if lapsed == 0 || using != Some(connection) {
+            let (holder, connection, epoch, lapsed) = row.unwrap_or_default();
+            let using: Option<Option<u64>> =
+                conn.exec_first("SELECT IS_USED_LOCK(?)", (&lock,)).await?;
+            if lapsed == 0 || using.flatten() != Some(connection) {
                 // A live lease; or a lock holder the row does not name (a reader between
-                // its lock and its first write): its own lease starts with that write.
+                // its lock and its first write, or one that just left): try again later.
                 conn.disconnect().await?;
                 return Ok(Taken::Held { holder });
             }
-            if let Err(e) = conn
+            // Fence the holder first, and only if its lease is still lapsed: a holder that
+            // renewed since is left alone, and one that did not has its writes refused from
+            // now on, before its connection is ended.
+            conn.exec_drop(
+                format!(
+                    "UPDATE {table} SET epoch = epoch + 1
+                      WHERE outbox = ? AND epoch = ? AND lease_until < NOW(6)"
+                ),
+                (&config.outbox, epoch),
+            )
+            .await?;
+            if conn.affected_rows() == 0 {
+                conn.disconnect().await?;
+                return Ok(Taken::Held { holder });
+            }
+            match conn
                 .query_drop(format!("KILL CONNECTION {connection}"))
                 .await
             {
-                return Err(BinlogError::Config(format!(
-                    "the active binlog reader ({holder}) let its lease lapse, but its connection \
-                     {connection} still holds the lock and this role cannot end it ({e}): run every \
-                     relay of this outbox as the same database user, or grant this one \
-                     CONNECTION ADMIN (MySQL 8) or CONNECTION ADMIN / SUPER (MariaDB)"
-                )));
+                Ok(()) => {}
+                // Gone already (it exited, or another standby ended it): the lock is free.
+                Err(mysql_async::Error::Server(e)) if e.code == ER_NO_SUCH_THREAD => {}
+                Err(e) => {
+                    return Err(BinlogError::Config(format!(
+                        "the active binlog reader ({holder}) let its lease lapse, but its \
+                         connection {connection} still holds the lock and this role cannot end \
+                         it ({e}): run every relay of this outbox as the same database user, or \
+                         grant this one CONNECTION ADMIN (MySQL 8) or CONNECTION ADMIN / SUPER \
+                         (MariaDB)"
+                    )))
+                }
             }
             // The server frees the lock as it ends the connection; wait for that, not longer.
-            got = conn.exec_first("SELECT GET_LOCK(?, 10)", (&lock,)).await?;
-            if got != Some(1) {
+            let got: Option<Option<i64>> =
+                conn.exec_first("SELECT GET_LOCK(?, 10)", (&lock,)).await?;
+            if got.flatten() != Some(1) {
                 conn.disconnect().await?;
                 return Ok(Taken::Held { holder });
             }

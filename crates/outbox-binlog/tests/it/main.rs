@@ -1,2 +1,3 @@
+mod compressed;
 mod mariadb;
 mod seat;
