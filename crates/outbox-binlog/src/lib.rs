@@ -21,15 +21,21 @@
 //! [`retention_problem`] says when a stored position is purged or about to be, and a
 //! reader started at a purged position fails with [`BinlogError::Purged`], never skipping.
 //!
-//! Not yet here (issue 35): the store over the stream (parking, acknowledgement of the
-//! position in a table of the relay's, adoption), GTIDs, `migrate`/`check`/`run --capture
-//! binlog`, and MySQL 8's binary JSON.
+//! [`seat`] keeps one active reader per outbox and the position it stores; [`Capture`]
+//! puts the reader, the rule and the seat together: it starts where the seat's position
+//! says, and stores the position as rows settle.
+//!
+//! Not yet here (issue 35): the store over the stream (parking retries, deleting delivered
+//! rows, adoption of rows already in the table) and `migrate`/`check`/`run --capture
+//! binlog`.
 
 use std::sync::Arc;
 
+mod capture;
 mod positions;
 pub mod schema;
 pub mod seat;
+pub use capture::{Capture, Started};
 pub use positions::{Positions, UnknownRow};
 pub use schema::{blackhole_ddl, blackhole_problem};
 pub use seat::{positions_ddl, ActiveReader, SeatConfig, Taken};
@@ -154,9 +160,16 @@ pub struct Row {
     columns: Arc<Vec<String>>,
     values: Vec<Option<String>>,
     undecodable: Option<String>,
+    ordinal: u64,
 }
 
 impl Row {
+    /// The row's number in what this reader has read, from 1: the id [`Positions`] settles
+    /// it by (a BLACKHOLE row has no id of its own).
+    pub fn ordinal(&self) -> u64 {
+        self.ordinal
+    }
+
     /// The value of `column`; `None` when NULL or not a column of the table.
     pub fn get(&self, column: &str) -> Option<&str> {
         let index = self.columns.iter().position(|c| c == column)?;
@@ -326,6 +339,8 @@ pub struct BinlogReader {
     first_rotate_checksum: bool,
     /// Rows of the current transaction handed out so far.
     rows_in_transaction: u64,
+    /// Rows read since the reader started.
+    rows_read: u64,
     /// Rows of one row event not yet handed out.
     pending: std::collections::VecDeque<Output>,
     /// Where reading started (a GTID start's file is empty), for an error that says so.
@@ -473,6 +488,7 @@ impl BinlogReader {
             file: from.file.clone(),
             first_rotate_checksum: checksum,
             rows_in_transaction: 0,
+            rows_read: 0,
             pending: Default::default(),
             started_at: from,
             started_after_gtid: match start {
@@ -648,10 +664,12 @@ impl BinlogReader {
                 })
                 .collect();
             self.rows_in_transaction += 1;
+            self.rows_read += 1;
             self.pending.push_back(Output::Row(Row {
                 columns: self.columns.clone(),
                 values,
                 undecodable,
+                ordinal: self.rows_read,
             }));
         }
         Ok(())

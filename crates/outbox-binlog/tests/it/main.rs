@@ -1,3 +1,4 @@
+mod capture;
 mod compressed;
 mod mariadb;
 mod seat;

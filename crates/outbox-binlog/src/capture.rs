@@ -1,0 +1,104 @@
+//! The reader, the acknowledgement rule and the seat, together: what a binlog capture store
+//! reads through.
+//!
+//! Contract of [`Capture`]:
+//! - Only the active reader of an outbox captures ([`Started::Held`] otherwise).
+//! - It reads from the position the seat stored. A seat that never stored one starts at the
+//!   server's current position and stores it before reading, so that whatever is written
+//!   after the first start is read by every later start, however soon it crashes.
+//! - A row holds the stored position back until it is settled; [`Capture::store`] stores
+//!   the furthest position the settled rows allow (and renews the seat's lease). A crash
+//!   means reading again from there: redelivery, never loss.
+//! - [`Capture::next`] is cancel-safe: wrap it in a timeout to call `store` while the log is
+//!   quiet, at least every third of the seat's lease.
+
+use crate::seat::{ActiveReader, SeatConfig, Taken};
+use crate::{current_position, BinlogConfig, BinlogPosition, BinlogReader, Output, Positions};
+use crate::{Result, UnknownRow};
+
+/// The outcome of starting a capture.
+#[derive(Debug)]
+pub enum Started {
+    Active(Box<Capture>),
+    /// Another relay is the active reader.
+    Held {
+        holder: String,
+    },
+}
+
+/// An active reader's capture of one outbox.
+pub struct Capture {
+    reader: BinlogReader,
+    seat: ActiveReader,
+    positions: Positions,
+}
+
+impl std::fmt::Debug for Capture {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Capture")
+            .field("seat", &self.seat)
+            .field("storable", self.positions.storable())
+            .finish()
+    }
+}
+
+impl Capture {
+    /// Takes the seat and starts reading where it says (see the module's contract).
+    pub async fn start(binlog: &BinlogConfig, seat: &SeatConfig) -> Result<Started> {
+        let mut seat = match ActiveReader::take(seat).await? {
+            Taken::Active(seat) => seat,
+            Taken::Held { holder } => return Ok(Started::Held { holder }),
+        };
+        let from = match seat.stored() {
+            Some(stored) => stored.clone(),
+            None => {
+                let current = current_position(&binlog.url).await?;
+                seat.store(&current).await?;
+                current
+            }
+        };
+        let reader = BinlogReader::start(binlog, &from).await?;
+        Ok(Started::Active(Box::new(Capture {
+            reader,
+            seat,
+            positions: Positions::new(from),
+        })))
+    }
+
+    /// The next output ([`BinlogReader::next`]); each row is unsettled until
+    /// [`Capture::settle`] is called with its [`ordinal`](crate::Row::ordinal).
+    pub async fn next(&mut self) -> Result<Option<Output>> {
+        let output = self.reader.next().await?;
+        match &output {
+            Some(Output::Row(row)) => self.positions.row(row.ordinal()),
+            Some(Output::Committed { next, .. }) => self.positions.committed(next),
+            Some(Output::RolledBack { next, .. }) => self.positions.rolled_back(next),
+            None => {}
+        }
+        Ok(output)
+    }
+
+    /// Row `ordinal` is settled: delivered, durably parked, or dead-lettered.
+    pub fn settle(&mut self, ordinal: u64) -> std::result::Result<(), UnknownRow> {
+        self.positions.settle(ordinal)
+    }
+
+    /// Stores the furthest position the settled rows allow, or renews the seat's lease when
+    /// it has not moved. Fails with [`crate::BinlogError::Fenced`] (or a connection error)
+    /// once another relay took the seat: this one must stop.
+    pub async fn store(&mut self) -> Result<BinlogPosition> {
+        let storable = self.positions.storable().clone();
+        if self.seat.stored() == Some(&storable) {
+            self.seat.renew().await?;
+        } else {
+            self.seat.store(&storable).await?;
+        }
+        Ok(storable)
+    }
+
+    /// Stores what may be stored and gives the seat up.
+    pub async fn leave(mut self) -> Result<()> {
+        self.store().await?;
+        self.seat.leave().await
+    }
+}
