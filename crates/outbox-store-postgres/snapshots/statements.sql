@@ -86,13 +86,13 @@ WITH locked AS (
                     WHERE o.delivered_at IS NULL
                       AND o.available_at <= now()
                       AND (o.locked_until IS NULL OR o.locked_until < now())
-                      AND NOT EXISTS (
+                      AND CASE WHEN NOT EXISTS (
                     SELECT 1 FROM "public"."outbox" p
                     WHERE hashtextextended(coalesce(p.partition_key, p.destination), 0) = hashtextextended(coalesce(o.partition_key, o.destination), 0) AND coalesce(p.partition_key, p.destination) = coalesce(o.partition_key, o.destination)
                       AND p.sequence_id < o.sequence_id
                       AND p.delivered_at IS NULL
                       AND (p.locked_by IS NOT NULL OR p.attempts > 0)
-                      AND (p.available_at > now() OR (p.locked_until > now() AND p.locked_by <> $1)))
+                      AND (p.available_at > now() OR (p.locked_until > now() AND p.locked_by <> $1))) THEN pg_try_advisory_xact_lock(hashtext('"public"."outbox"'), hashtext(coalesce(o.partition_key, o.destination))) ELSE false END
                     ORDER BY o.sequence_id
                     LIMIT $2
                     FOR UPDATE SKIP LOCKED),
@@ -669,13 +669,13 @@ WITH locked AS (
                     WHERE o.delivered_at IS NULL
                       AND o.available_at <= now()
                       AND (o.locked_until IS NULL OR o.locked_until < now())
-                      AND NOT EXISTS (
+                      AND CASE WHEN NOT EXISTS (
                     SELECT 1 FROM "app"."events" p
                     WHERE hashtextextended(coalesce(p.partition_key, p.destination), 0) = hashtextextended(coalesce(o.partition_key, o.destination), 0) AND coalesce(p.partition_key, p.destination) = coalesce(o.partition_key, o.destination)
                       AND p.sequence_id < o.sequence_id
                       AND p.delivered_at IS NULL
                       AND (p.locked_by IS NOT NULL OR p.attempts > 0)
-                      AND (p.available_at > now() OR (p.locked_until > now() AND p.locked_by <> $1)))
+                      AND (p.available_at > now() OR (p.locked_until > now() AND p.locked_by <> $1))) THEN pg_try_advisory_xact_lock(hashtext('"app"."events"'), hashtext(coalesce(o.partition_key, o.destination))) ELSE false END
                     ORDER BY o.sequence_id
                     LIMIT $2
                     FOR UPDATE SKIP LOCKED),

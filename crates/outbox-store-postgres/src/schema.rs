@@ -644,18 +644,24 @@ impl Native {
     /// go out first. Hence the second pass: a locked row goes only when every earlier row of
     /// its key that was ever leased or failed is locked by this claim too, or leased by this
     /// node (the engine's lanes order those).
+    ///
+    /// An earlier row never leased nor failed is held locked only by another claim, and that
+    /// the second pass cannot see. So a claim also takes, for each key whose rows it would
+    /// lock, a transaction-level advisory lock ([`Native::key_lock`]); a claim that cannot
+    /// have a key's lock passes over every row of that key, and takes them next time.
     fn claim(&self) -> String {
         let Native { t, .. } = self;
         let no_lease_or_retry_blocks = self
             .unblocked("p.available_at > now() OR (p.locked_until > now() AND p.locked_by <> $1)");
         let same_key = Self::same_key();
+        let key_lock = self.key_lock();
         format!(
             "WITH locked AS (
                     SELECT o.sequence_id FROM {t} o
                     WHERE o.delivered_at IS NULL
                       AND o.available_at <= now()
                       AND (o.locked_until IS NULL OR o.locked_until < now())
-                      AND {no_lease_or_retry_blocks}
+                      AND CASE WHEN {no_lease_or_retry_blocks} THEN {key_lock} ELSE false END
                     ORDER BY o.sequence_id
                     LIMIT $2
                     FOR UPDATE SKIP LOCKED),
@@ -675,6 +681,14 @@ impl Native {
                   WHERE o.sequence_id = c.sequence_id
               RETURNING {RETURNED}"
         )
+    }
+
+    /// The advisory lock a claim takes on the key of a row it would lock (`o`), until it
+    /// commits: the outbox's name and the key, each hashed to 32 bits (a collision only makes
+    /// a claim pass over a key it could have taken).
+    fn key_lock(&self) -> String {
+        let table = self.t.replace('\'', "''");
+        format!("pg_try_advisory_xact_lock(hashtext('{table}'), hashtext({KEY_O}))")
     }
 
     /// Any ready rows (`--ordering none`).

@@ -81,3 +81,36 @@ async fn a_claim_racing_another_nodes_write_to_an_earlier_row_of_the_key_does_no
     let claimed = store.claim(claim_by("taker")).await.unwrap();
     assert_eq!(payloads(&claimed), ["0", "1"]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_does_not_pass_an_earlier_row_another_claim_in_flight_has_locked() {
+    let (store, url) = store().await;
+    store
+        .insert(vec![event("k", 0), event("k", 1), event("other", 2)])
+        .await
+        .unwrap();
+    // Another node's claim, in flight: it has locked the first row of `k` (never leased:
+    // nothing in its committed state blocks) and holds the key's lock, as the claim
+    // statement takes them (the outbox's name and the key, hashed).
+    let other = connect(&url).await;
+    other.batch_execute("BEGIN").await.unwrap();
+    other
+        .query(
+            "SELECT pg_try_advisory_xact_lock(hashtext('\"public\".\"outbox\"'),
+                                              hashtext(coalesce(partition_key, destination)))
+               FROM outbox WHERE payload::text = '0' FOR UPDATE",
+            &[],
+        )
+        .await
+        .unwrap();
+
+    let claimed = store.claim(claim_by("taker")).await.unwrap();
+    assert_eq!(
+        payloads(&claimed),
+        ["2"],
+        "the second row of `k` waits while another claim holds the first"
+    );
+    other.batch_execute("ROLLBACK").await.unwrap();
+    let claimed = store.claim(claim_by("taker")).await.unwrap();
+    assert_eq!(payloads(&claimed), ["0", "1"]);
+}
