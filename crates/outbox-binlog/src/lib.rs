@@ -235,22 +235,14 @@ pub async fn server_problems(url: &str) -> Result<Vec<Problem>> {
         )
         .await?;
     let grants: Vec<String> = conn.query("SHOW GRANTS").await?;
-    // MySQL 8.0.20+ only; MariaDB has no such variable.
-    let compression: Option<String> = conn
-        .query_first(
-            "SELECT VARIABLE_VALUE FROM performance_schema.global_variables
-              WHERE VARIABLE_NAME = 'binlog_transaction_compression'",
+    // Compression that binlog capture does not read: MySQL 8.0.20+'s transaction payloads,
+    // MariaDB's compressed events. Each server knows only its own variable.
+    let compressions: Vec<(String, String)> = conn
+        .query(
+            "SHOW GLOBAL VARIABLES
+              WHERE Variable_name IN ('binlog_transaction_compression', 'log_bin_compress')",
         )
-        .await
-        .unwrap_or(None);
-    // MariaDB only (MySQL 8 dropped information_schema.GLOBAL_VARIABLES).
-    let mariadb_compression: Option<String> = conn
-        .query_first(
-            "SELECT VARIABLE_VALUE FROM information_schema.GLOBAL_VARIABLES
-              WHERE VARIABLE_NAME = 'LOG_BIN_COMPRESS'",
-        )
-        .await
-        .unwrap_or(None);
+        .await?;
     conn.disconnect().await?;
     let (log_bin, format, image) = settings.unwrap_or_default();
     let mut problems = Vec::new();
@@ -272,21 +264,16 @@ pub async fn server_problems(url: &str) -> Result<Vec<Problem>> {
             "SET GLOBAL binlog_row_image = 'FULL' and put it in the server's configuration",
         ));
     }
-    if mariadb_compression.is_some_and(|c| c.eq_ignore_ascii_case("ON")) {
-        problems.push(Problem::blocking(
-            "log_bin_compress is ON: MariaDB writes large events compressed, which binlog \
-             capture does not read (it stops at the first rather than skip it)",
-            "SET GLOBAL log_bin_compress = OFF and put it in the server's configuration",
-        ));
-    }
-    if compression.is_some_and(|c| c.eq_ignore_ascii_case("ON")) {
-        problems.push(Problem::blocking(
-            "binlog_transaction_compression is ON: MySQL writes each transaction as one \
-             compressed payload, which binlog capture does not read yet (it stops at the first \
-             rather than skip it)",
-            "SET GLOBAL binlog_transaction_compression = OFF and put it in the server's \
-             configuration",
-        ));
+    for (variable, value) in compressions {
+        if value.eq_ignore_ascii_case("ON") {
+            problems.push(Problem::blocking(
+                format!(
+                    "{variable} is ON: the server writes compressed events, which binlog \
+                     capture does not read (it stops at the first rather than skip it)"
+                ),
+                format!("SET GLOBAL {variable} = OFF and put it in the server's configuration"),
+            ));
+        }
     }
     for (privilege, why) in [
         ("REPLICATION SLAVE", "to read the binary log"),

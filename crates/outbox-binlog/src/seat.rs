@@ -199,24 +199,7 @@ impl ActiveReader {
     /// Stores `position` and renews the lease. Refused ([`BinlogError::Fenced`]) once
     /// another reader has taken the seat.
     pub async fn store(&mut self, position: &BinlogPosition) -> Result<()> {
-        let table = quoted(&self.config.positions);
-        let params = (
-            &position.file,
-            position.offset,
-            lease_millis(self.config.lease),
-            &self.config.outbox,
-            self.epoch,
-        )
-            .into();
-        self.write(
-            format!(
-                "UPDATE {table} SET log_file = ?, log_offset = ?,
-                        lease_until = NOW(6) + INTERVAL (? * 1000) MICROSECOND, updated_at = NOW(6)
-                  WHERE outbox = ? AND epoch = ?"
-            ),
-            params,
-        )
-        .await?;
+        self.write(Some(position)).await?;
         self.stored = Some(position.clone());
         Ok(())
     }
@@ -224,30 +207,43 @@ impl ActiveReader {
     /// Renews the lease without moving the position (a reader with nothing new to store
     /// still keeps its seat).
     pub async fn renew(&mut self) -> Result<()> {
-        let table = quoted(&self.config.positions);
-        let params = (
-            lease_millis(self.config.lease),
-            &self.config.outbox,
-            self.epoch,
-        )
-            .into();
-        self.write(
-            format!(
-                "UPDATE {table} SET lease_until = NOW(6) + INTERVAL (? * 1000) MICROSECOND
-                  WHERE outbox = ? AND epoch = ?"
-            ),
-            params,
-        )
-        .await
+        self.write(None).await
     }
 
-    /// Gives the seat up: the lock is released with the connection.
-    pub async fn leave(self) -> Result<()> {
+    /// Gives the seat up. The lock is released first: the server releases it with the
+    /// connection too, but only once it has noticed the connection is gone, and a standby
+    /// trying meanwhile would find it still held.
+    pub async fn leave(mut self) -> Result<()> {
+        let lock = lock_name(&self.config.outbox);
+        self.conn
+            .exec_drop("SELECT RELEASE_LOCK(?)", (&lock,))
+            .await?;
         Ok(self.conn.disconnect().await?)
     }
 
-    async fn write(&mut self, statement: String, params: mysql_async::Params) -> Result<()> {
-        self.conn.exec_drop(statement, params).await?;
+    /// Renews the lease, storing `position` too when given, at this reader's epoch only.
+    async fn write(&mut self, position: Option<&BinlogPosition>) -> Result<()> {
+        let table = quoted(&self.config.positions);
+        // The position's columns keep their values when none is given.
+        let (file, offset) = position.map(|p| (p.file.as_str(), p.offset)).unzip();
+        self.conn
+            .exec_drop(
+                format!(
+                    "UPDATE {table} SET log_file = COALESCE(?, log_file),
+                            log_offset = COALESCE(?, log_offset),
+                            lease_until = NOW(6) + INTERVAL (? * 1000) MICROSECOND,
+                            updated_at = NOW(6)
+                      WHERE outbox = ? AND epoch = ?"
+                ),
+                (
+                    file,
+                    offset,
+                    lease_millis(self.config.lease),
+                    &self.config.outbox,
+                    self.epoch,
+                ),
+            )
+            .await?;
         if self.conn.affected_rows() == 0 {
             return Err(BinlogError::Fenced {
                 outbox: self.config.outbox.clone(),

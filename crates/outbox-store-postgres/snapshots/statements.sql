@@ -165,14 +165,18 @@ SELECT (SELECT count(*) FROM "public"."outbox_partitions" pp
                         coalesce(now() >= to_timestamp($4::int8 / 1000000.0), false)
 
 -- public.outbox: claim_unordered
-WITH claimable AS (
+WITH locked AS (
                     SELECT o.sequence_id FROM "public"."outbox" o
                     WHERE o.delivered_at IS NULL
                       AND o.available_at <= now()
                       AND (o.locked_until IS NULL OR o.locked_until < now())
+                      
                     ORDER BY o.sequence_id
                     LIMIT $2
-                    FOR UPDATE SKIP LOCKED)
+                    FOR UPDATE SKIP LOCKED),
+                  claimable AS (
+                    SELECT o.sequence_id FROM "public"."outbox" o JOIN locked l ON l.sequence_id = o.sequence_id
+                    WHERE true)
                  UPDATE "public"."outbox" o
                     SET locked_by = $1, locked_until = now() + $3::int8 * interval '1 millisecond'
                    FROM claimable c
@@ -748,14 +752,18 @@ SELECT (SELECT count(*) FROM "app"."events_partitions" pp
                         coalesce(now() >= to_timestamp($4::int8 / 1000000.0), false)
 
 -- app.events: claim_unordered
-WITH claimable AS (
+WITH locked AS (
                     SELECT o.sequence_id FROM "app"."events" o
                     WHERE o.delivered_at IS NULL
                       AND o.available_at <= now()
                       AND (o.locked_until IS NULL OR o.locked_until < now())
+                      
                     ORDER BY o.sequence_id
                     LIMIT $2
-                    FOR UPDATE SKIP LOCKED)
+                    FOR UPDATE SKIP LOCKED),
+                  claimable AS (
+                    SELECT o.sequence_id FROM "app"."events" o JOIN locked l ON l.sequence_id = o.sequence_id
+                    WHERE true)
                  UPDATE "app"."events" o
                     SET locked_by = $1, locked_until = now() + $3::int8 * interval '1 millisecond'
                    FROM claimable c

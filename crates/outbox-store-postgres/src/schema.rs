@@ -613,19 +613,24 @@ impl Native {
         )
     }
 
-    /// A claim under row leases: up to $2 rows that pass `candidates`, leased to the node
-    /// ($1) for $3 ms.
-    fn leasing_claim(&self, candidates: &str, locking: &str) -> String {
+    /// A claim under row leases: up to $2 ready rows, not leased, that pass `candidates`,
+    /// locked (skipping rows other transactions hold), of which those that pass `keep` are
+    /// leased to the node ($1) for $3 ms.
+    fn leasing_claim(&self, candidates: &str, keep: &str) -> String {
         let t = &self.t;
         format!(
-            "WITH claimable AS (
+            "WITH locked AS (
                     SELECT o.sequence_id FROM {t} o
                     WHERE o.delivered_at IS NULL
                       AND o.available_at <= now()
+                      AND (o.locked_until IS NULL OR o.locked_until < now())
                       {candidates}
                     ORDER BY o.sequence_id
                     LIMIT $2
-                    {locking})
+                    FOR UPDATE SKIP LOCKED),
+                  claimable AS (
+                    SELECT o.sequence_id FROM {t} o JOIN locked l ON l.sequence_id = o.sequence_id
+                    WHERE {keep})
                  UPDATE {t} o
                     SET locked_by = $1, locked_until = now() + $3::int8 * interval '1 millisecond'
                    FROM claimable c
@@ -641,45 +646,32 @@ impl Native {
     /// snapshot. So an earlier row of the key that another transaction holds locked (a node
     /// settling, releasing or extending it, or claiming it) would be skipped while its last
     /// committed state, say a lapsed lease, lets the later row through: the later row would
-    /// go out first. Hence the second pass: a locked row goes only when every earlier row of
-    /// its key that was ever leased or failed is locked by this claim too, or leased by this
-    /// node (the engine's lanes order those).
+    /// go out first. Hence the second pass (`keep`): a locked row goes only when every
+    /// earlier row of its key that was ever leased or failed is locked by this claim too, or
+    /// leased by this node (the engine's lanes order those).
     ///
     /// An earlier row never leased nor failed is held locked only by another claim, and that
     /// the second pass cannot see. So a claim also takes, for each key whose rows it would
     /// lock, a transaction-level advisory lock ([`Native::key_lock`]); a claim that cannot
     /// have a key's lock passes over every row of that key, and takes them next time.
     fn claim(&self) -> String {
-        let Native { t, .. } = self;
+        let t = &self.t;
         let no_lease_or_retry_blocks = self
             .unblocked("p.available_at > now() OR (p.locked_until > now() AND p.locked_by <> $1)");
         let same_key = Self::same_key();
         let key_lock = self.key_lock();
-        format!(
-            "WITH locked AS (
-                    SELECT o.sequence_id FROM {t} o
-                    WHERE o.delivered_at IS NULL
-                      AND o.available_at <= now()
-                      AND (o.locked_until IS NULL OR o.locked_until < now())
-                      AND CASE WHEN {no_lease_or_retry_blocks} THEN {key_lock} ELSE false END
-                    ORDER BY o.sequence_id
-                    LIMIT $2
-                    FOR UPDATE SKIP LOCKED),
-                  claimable AS (
-                    SELECT o.sequence_id FROM {t} o JOIN locked l ON l.sequence_id = o.sequence_id
-                    WHERE NOT EXISTS (
+        self.leasing_claim(
+            &format!("AND CASE WHEN {no_lease_or_retry_blocks} THEN {key_lock} ELSE false END"),
+            &format!(
+                "NOT EXISTS (
                         SELECT 1 FROM {t} p
                         WHERE {same_key}
                           AND p.sequence_id < o.sequence_id
                           AND p.delivered_at IS NULL
                           AND (p.locked_by IS NOT NULL OR p.attempts > 0)
                           AND (p.locked_by IS DISTINCT FROM $1 OR p.locked_until IS NULL OR p.locked_until <= now())
-                          AND p.sequence_id NOT IN (SELECT sequence_id FROM locked)))
-                 UPDATE {t} o
-                    SET locked_by = $1, locked_until = now() + $3::int8 * interval '1 millisecond'
-                   FROM claimable c
-                  WHERE o.sequence_id = c.sequence_id
-              RETURNING {RETURNED}"
+                          AND p.sequence_id NOT IN (SELECT sequence_id FROM locked))"
+            ),
         )
     }
 
@@ -693,10 +685,7 @@ impl Native {
 
     /// Any ready rows (`--ordering none`).
     fn claim_unordered(&self) -> String {
-        self.leasing_claim(
-            "AND (o.locked_until IS NULL OR o.locked_until < now())",
-            "FOR UPDATE SKIP LOCKED",
-        )
+        self.leasing_claim("", "true")
     }
 
     /// Owned partitions: $1 node, $2 limit, $3 the rows this node already holds, $4 the

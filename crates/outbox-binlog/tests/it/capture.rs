@@ -124,9 +124,10 @@ async fn a_capture_resumes_after_what_was_settled_and_not_beyond() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn what_is_written_after_the_first_start_is_read_however_soon_that_capture_stops() {
     let mut outbox = outbox().await;
-    // The first capture starts (at the server's current position) and stops at once.
+    // The first capture starts (at the server's current position) and stops at once,
+    // having read nothing.
     let first = outbox.start("relay-1").await;
-    drop(first);
+    first.leave().await.unwrap();
     outbox.write(&["written after the first start"]).await;
     let mut second = outbox.start("relay-2").await;
     assert_eq!(

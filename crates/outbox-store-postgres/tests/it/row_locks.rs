@@ -27,18 +27,34 @@ async fn connect(url: &str) -> tokio_postgres::Client {
     client
 }
 
+/// An outbox holding rows 0 and 1 of key `k`, and row 2 of another key.
+async fn two_rows_of_k_and_one_other() -> (PgStore, String) {
+    let (store, url) = store().await;
+    store
+        .insert(vec![event("k", 0), event("k", 1), event("other", 2)])
+        .await
+        .unwrap();
+    (store, url)
+}
+
+/// Only the other key's row comes, while the first row of `k` is held elsewhere.
+async fn only_the_other_key_comes(store: &PgStore) {
+    let claimed = store.claim(claim_by("taker")).await.unwrap();
+    assert_eq!(
+        payloads(&claimed),
+        ["2"],
+        "the second row of `k` waits while its first is held elsewhere"
+    );
+}
+
 fn claim_by(node: &str) -> ClaimRequest {
     ClaimRequest::new(NodeId(node.into()), 100, Duration::from_secs(30))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_racing_another_nodes_write_to_an_earlier_row_of_the_key_does_not_pass_it() {
-    let (store, url) = store().await;
+    let (store, url) = two_rows_of_k_and_one_other().await;
     let client = connect(&url).await;
-    store
-        .insert(vec![event("k", 0), event("k", 1), event("other", 2)])
-        .await
-        .unwrap();
     // The first row of `k` as another node left it: leased, the lease lapsed.
     client
         .execute(
@@ -60,12 +76,7 @@ async fn a_claim_racing_another_nodes_write_to_an_earlier_row_of_the_key_does_no
         .await
         .unwrap();
 
-    let claimed = store.claim(claim_by("taker")).await.unwrap();
-    assert_eq!(
-        payloads(&claimed),
-        ["2"],
-        "only the other key: the second row of `k` waits for the first, which is being written"
-    );
+    only_the_other_key_comes(&store).await;
 
     // The write commits (the lease is the previous node's again): `k` stays blocked.
     writer.batch_execute("COMMIT").await.unwrap();
@@ -84,11 +95,7 @@ async fn a_claim_racing_another_nodes_write_to_an_earlier_row_of_the_key_does_no
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_does_not_pass_an_earlier_row_another_claim_in_flight_has_locked() {
-    let (store, url) = store().await;
-    store
-        .insert(vec![event("k", 0), event("k", 1), event("other", 2)])
-        .await
-        .unwrap();
+    let (store, url) = two_rows_of_k_and_one_other().await;
     // Another node's claim, in flight: it has locked the first row of `k` (never leased:
     // nothing in its committed state blocks) and holds the key's lock, as the claim
     // statement takes them (the outbox's name and the key, hashed).
@@ -104,12 +111,7 @@ async fn a_claim_does_not_pass_an_earlier_row_another_claim_in_flight_has_locked
         .await
         .unwrap();
 
-    let claimed = store.claim(claim_by("taker")).await.unwrap();
-    assert_eq!(
-        payloads(&claimed),
-        ["2"],
-        "the second row of `k` waits while another claim holds the first"
-    );
+    only_the_other_key_comes(&store).await;
     other.batch_execute("ROLLBACK").await.unwrap();
     let claimed = store.claim(claim_by("taker")).await.unwrap();
     assert_eq!(payloads(&claimed), ["0", "1"]);
