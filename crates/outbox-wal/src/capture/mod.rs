@@ -376,7 +376,7 @@ impl Inner {
     /// transaction, then settles them; parks that must wait ([`parking_order`]) stay in
     /// `to_park`. Call it holding `parking`.
     async fn flush_parks(&self) -> StoreResult<u64> {
-        let (parks, columns, dead, rows) = {
+        let (parks, columns, dead, rows, parked) = {
             let mut state = lock(&self.state);
             let parks = state.take_parks();
             let mut columns = EventColumns::default();
@@ -385,6 +385,8 @@ impl Inner {
             // dead-lettered in the same transaction, as the engine would have.
             let mut dead = DeadColumns::default();
             let mut rows = Vec::new();
+            // Each parked event's stream id with its event id, for the debug log.
+            let mut parked = Vec::new();
             for park in &parks {
                 if let Some(Held::Wal(held)) = state.held.get(&park.id) {
                     match &held.body {
@@ -395,6 +397,7 @@ impl Inner {
                             None => {
                                 columns.push(event);
                                 columns.parking.push(park);
+                                parked.push(format!("{}={}", park.id, event.event_id));
                             }
                         },
                         Body::Undecodable(u) => dead.push(park.id, held.position, u),
@@ -402,7 +405,7 @@ impl Inner {
                     rows.extend(held.row);
                 }
             }
-            (parks, columns, dead, rows)
+            (parks, columns, dead, rows, parked)
         };
         if parks.is_empty() {
             return Ok(0);
@@ -442,7 +445,7 @@ impl Inner {
         let mut state = lock(&self.state);
         match result {
             Ok(_) => {
-                tracing::debug!(ids = ?parks.iter().map(|p| p.id).collect::<Vec<_>>(), events = ?columns.event_ids, "parked");
+                tracing::debug!(?parked, "parked");
                 let n = parks.len() as u64;
                 self.settle(&mut state, parks.into_iter().map(|p| p.id));
                 Ok(n)
