@@ -99,13 +99,13 @@ WITH locked AS (
                   claimable AS (
                     SELECT o.sequence_id FROM "public"."outbox" o JOIN locked l ON l.sequence_id = o.sequence_id
                     WHERE NOT EXISTS (
-                        SELECT 1 FROM "public"."outbox" p
-                        WHERE hashtextextended(coalesce(p.partition_key, p.destination), 0) = hashtextextended(coalesce(o.partition_key, o.destination), 0) AND coalesce(p.partition_key, p.destination) = coalesce(o.partition_key, o.destination)
-                          AND p.sequence_id < o.sequence_id
-                          AND p.delivered_at IS NULL
-                          AND (p.locked_by IS NOT NULL OR p.attempts > 0)
-                          AND (p.locked_by IS DISTINCT FROM $1 OR p.locked_until IS NULL OR p.locked_until <= now())
-                          AND p.sequence_id NOT IN (SELECT sequence_id FROM locked)))
+                    SELECT 1 FROM "public"."outbox" p
+                    WHERE hashtextextended(coalesce(p.partition_key, p.destination), 0) = hashtextextended(coalesce(o.partition_key, o.destination), 0) AND coalesce(p.partition_key, p.destination) = coalesce(o.partition_key, o.destination)
+                      AND p.sequence_id < o.sequence_id
+                      AND p.delivered_at IS NULL
+                      AND (p.locked_by IS NOT NULL OR p.attempts > 0)
+                      AND ((p.locked_by IS DISTINCT FROM $1 OR p.locked_until IS NULL OR p.locked_until <= now())
+                          AND p.sequence_id NOT IN (SELECT sequence_id FROM locked))))
                  UPDATE "public"."outbox" o
                     SET locked_by = $1, locked_until = now() + $3::int8 * interval '1 millisecond'
                    FROM claimable c
@@ -686,13 +686,13 @@ WITH locked AS (
                   claimable AS (
                     SELECT o.sequence_id FROM "app"."events" o JOIN locked l ON l.sequence_id = o.sequence_id
                     WHERE NOT EXISTS (
-                        SELECT 1 FROM "app"."events" p
-                        WHERE hashtextextended(coalesce(p.partition_key, p.destination), 0) = hashtextextended(coalesce(o.partition_key, o.destination), 0) AND coalesce(p.partition_key, p.destination) = coalesce(o.partition_key, o.destination)
-                          AND p.sequence_id < o.sequence_id
-                          AND p.delivered_at IS NULL
-                          AND (p.locked_by IS NOT NULL OR p.attempts > 0)
-                          AND (p.locked_by IS DISTINCT FROM $1 OR p.locked_until IS NULL OR p.locked_until <= now())
-                          AND p.sequence_id NOT IN (SELECT sequence_id FROM locked)))
+                    SELECT 1 FROM "app"."events" p
+                    WHERE hashtextextended(coalesce(p.partition_key, p.destination), 0) = hashtextextended(coalesce(o.partition_key, o.destination), 0) AND coalesce(p.partition_key, p.destination) = coalesce(o.partition_key, o.destination)
+                      AND p.sequence_id < o.sequence_id
+                      AND p.delivered_at IS NULL
+                      AND (p.locked_by IS NOT NULL OR p.attempts > 0)
+                      AND ((p.locked_by IS DISTINCT FROM $1 OR p.locked_until IS NULL OR p.locked_until <= now())
+                          AND p.sequence_id NOT IN (SELECT sequence_id FROM locked))))
                  UPDATE "app"."events" o
                     SET locked_by = $1, locked_until = now() + $3::int8 * interval '1 millisecond'
                    FROM claimable c

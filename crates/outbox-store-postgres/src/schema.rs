@@ -655,23 +655,16 @@ impl Native {
     /// lock, a transaction-level advisory lock ([`Native::key_lock`]); a claim that cannot
     /// have a key's lock passes over every row of that key, and takes them next time.
     fn claim(&self) -> String {
-        let t = &self.t;
         let no_lease_or_retry_blocks = self
             .unblocked("p.available_at > now() OR (p.locked_until > now() AND p.locked_by <> $1)");
-        let same_key = Self::same_key();
+        let not_ours_nor_locked_here = self.unblocked(
+            "(p.locked_by IS DISTINCT FROM $1 OR p.locked_until IS NULL OR p.locked_until <= now())
+                          AND p.sequence_id NOT IN (SELECT sequence_id FROM locked)",
+        );
         let key_lock = self.key_lock();
         self.leasing_claim(
             &format!("AND CASE WHEN {no_lease_or_retry_blocks} THEN {key_lock} ELSE false END"),
-            &format!(
-                "NOT EXISTS (
-                        SELECT 1 FROM {t} p
-                        WHERE {same_key}
-                          AND p.sequence_id < o.sequence_id
-                          AND p.delivered_at IS NULL
-                          AND (p.locked_by IS NOT NULL OR p.attempts > 0)
-                          AND (p.locked_by IS DISTINCT FROM $1 OR p.locked_until IS NULL OR p.locked_until <= now())
-                          AND p.sequence_id NOT IN (SELECT sequence_id FROM locked))"
-            ),
+            &not_ours_nor_locked_here,
         )
     }
 

@@ -76,12 +76,7 @@ async fn read(capture: &mut Capture, transactions: usize) -> Vec<Vec<(String, u6
     let mut read = Vec::new();
     let mut current = Vec::new();
     while read.len() < transactions {
-        // A bound on a hang, not a synchronisation: every awaited row was committed.
-        let output = tokio::time::timeout(Duration::from_secs(20), capture.next())
-            .await
-            .expect("the stream brought nothing for 20 s")
-            .unwrap()
-            .expect("the stream ended");
+        let output = crate::next_output(capture.next()).await;
         match output {
             Output::Row(row) => {
                 current.push((row.get("payload").unwrap().to_string(), row.ordinal()))

@@ -25,12 +25,7 @@ async fn transactions(
     let mut current = Vec::new();
     let mut seen = 0;
     while seen < rows {
-        // A bound on a hang, not a synchronisation: every awaited row was committed.
-        let output = tokio::time::timeout(Duration::from_secs(20), reader.next())
-            .await
-            .expect("the stream brought nothing for 20 s")
-            .unwrap()
-            .expect("the stream ended");
+        let output = crate::next_output(reader.next()).await;
         match &output {
             Output::Row(row) => {
                 seen += 1;
@@ -298,11 +293,7 @@ async fn a_blackhole_outbox_stores_nothing_and_its_rows_are_read_from_the_log() 
     let mut seen = Vec::new();
     let mut commits = Vec::new();
     while commits.len() < 2 {
-        let output = tokio::time::timeout(Duration::from_secs(20), reader.next())
-            .await
-            .expect("the stream brought nothing for 20 s")
-            .unwrap()
-            .expect("the stream ended");
+        let output = crate::next_output(reader.next()).await;
         match output {
             Output::Row(row) => {
                 assert_eq!(row.get("event_id").map(str::len), Some(36), "a UUID");
@@ -344,11 +335,7 @@ async fn a_blackhole_outbox_stores_nothing_and_its_rows_are_read_from_the_log() 
     .unwrap();
     let mut read = Vec::new();
     while !read.iter().any(|r: &String| r.starts_with("committed")) {
-        let output = tokio::time::timeout(Duration::from_secs(20), reader.next())
-            .await
-            .expect("the stream brought nothing for 20 s")
-            .unwrap()
-            .expect("the stream ended");
+        let output = crate::next_output(reader.next()).await;
         read.push(match output {
             Output::Row(row) => format!("row {}", row.get("event_type").unwrap()),
             Output::Committed { rows, .. } => format!("committed {rows}"),

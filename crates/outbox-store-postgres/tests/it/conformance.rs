@@ -41,7 +41,8 @@ pub fn options(url: &str, retain_delivered: bool) -> PgOptions {
     }
 }
 
-async fn connect(url: &str) -> tokio_postgres::Client {
+/// A plain connection to `url`, its connection task spawned.
+pub(crate) async fn connect(url: &str) -> tokio_postgres::Client {
     let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
         .await
         .unwrap();

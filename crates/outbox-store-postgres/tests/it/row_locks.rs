@@ -12,19 +12,13 @@ use outbox_core::{NodeId, OutboxStore};
 use outbox_store_postgres::{PgOptions, PgStore, Tables};
 use outbox_testkit::conformance::{keyed_event as event, payloads};
 
+use crate::conformance::connect;
+
 async fn store() -> (PgStore, String) {
     let url = outbox_testkit::fresh_pg_database().await;
     let store = PgStore::new(PgOptions::new(url.as_str(), Tables::standard())).unwrap();
     store.migrate().await.unwrap();
     (store, url)
-}
-
-async fn connect(url: &str) -> tokio_postgres::Client {
-    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(connection);
-    client
 }
 
 /// An outbox holding rows 0 and 1 of key `k`, and row 2 of another key.
