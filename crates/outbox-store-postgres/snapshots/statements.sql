@@ -1,5 +1,5 @@
 -- public.outbox: ack_delete (row lease)
-DELETE FROM "public"."outbox" o WHERE o.sequence_id = ANY($2) AND o.locked_by = $1
+DELETE FROM "public"."outbox" o WHERE o.sequence_id = ANY($2) AND o.locked_by = $1 AND o.locked_until IS NOT NULL
 
 -- public.outbox: ack_delete (partition fence)
 DELETE FROM "public"."outbox" o WHERE o.sequence_id = ANY($2) AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "public"."outbox_partitions" pp
@@ -10,7 +10,7 @@ DELETE FROM "public"."outbox" o WHERE o.sequence_id = ANY($2) AND (cardinality(C
 
 -- public.outbox: ack_retain (row lease)
 UPDATE "public"."outbox" o SET delivered_at = now(), locked_by = NULL, locked_until = NULL
-                      WHERE o.sequence_id = ANY($2) AND o.locked_by = $1
+                      WHERE o.sequence_id = ANY($2) AND o.locked_by = $1 AND o.locked_until IS NOT NULL
 
 -- public.outbox: ack_retain (partition fence)
 UPDATE "public"."outbox" o SET delivered_at = now(), locked_by = NULL, locked_until = NULL
@@ -27,7 +27,7 @@ UPDATE "public"."outbox" o
                             locked_by = NULL, locked_until = NULL
                        FROM unnest($2::int8[], $3::int4[], $4::text[], $5::int8[])
                             AS u(sequence_id, attempts, error, delay_ms)
-                      WHERE o.sequence_id = u.sequence_id AND o.locked_by = $1
+                      WHERE o.sequence_id = u.sequence_id AND o.locked_by = $1 AND o.locked_until IS NOT NULL
 
 -- public.outbox: retry_later (partition fence)
 UPDATE "public"."outbox" o
@@ -46,7 +46,7 @@ UPDATE "public"."outbox" o
 WITH moved AS (
                             DELETE FROM "public"."outbox" o
                              USING unnest($2::int8[], $3::int4[], $4::text[]) AS u(sequence_id, attempts, error)
-                             WHERE o.sequence_id = u.sequence_id AND o.locked_by = $1
+                             WHERE o.sequence_id = u.sequence_id AND o.locked_by = $1 AND o.locked_until IS NOT NULL
                          RETURNING o.*, u.attempts AS final_attempts, u.error AS final_error)
                          INSERT INTO "public"."outbox_dead_letters" (sequence_id, event_id, destination, partition_key, event_type,
                                            payload, headers, mutation_id, rejected, created_at,
@@ -184,12 +184,12 @@ WITH locked AS (
               RETURNING o.sequence_id, o.event_id, o.destination, o.partition_key, o.event_type, o.payload::text, o.headers::text, o.mutation_id, o.rejected, o.attempts, o.created_at
 
 -- public.outbox: release
-UPDATE "public"."outbox" SET locked_by = NULL, locked_until = NULL
-                  WHERE sequence_id = ANY($2) AND locked_by = $1
+UPDATE "public"."outbox" SET locked_until = NULL
+                  WHERE sequence_id = ANY($2) AND locked_by = $1 AND locked_until IS NOT NULL
 
 -- public.outbox: extend_leases
 UPDATE "public"."outbox" SET locked_until = now() + $3::int8 * interval '1 millisecond'
-                  WHERE sequence_id = ANY($2) AND locked_by = $1
+                  WHERE sequence_id = ANY($2) AND locked_by = $1 AND locked_until IS NOT NULL
 
 -- public.outbox: backlog
 SELECT count(*)::int8,
@@ -586,7 +586,7 @@ END
 $$;
 
 -- app.events: ack_delete (row lease)
-DELETE FROM "app"."events" o WHERE o.sequence_id = ANY($2) AND o.locked_by = $1
+DELETE FROM "app"."events" o WHERE o.sequence_id = ANY($2) AND o.locked_by = $1 AND o.locked_until IS NOT NULL
 
 -- app.events: ack_delete (partition fence)
 DELETE FROM "app"."events" o WHERE o.sequence_id = ANY($2) AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "app"."events_partitions" pp
@@ -597,7 +597,7 @@ DELETE FROM "app"."events" o WHERE o.sequence_id = ANY($2) AND (cardinality(CAST
 
 -- app.events: ack_retain (row lease)
 UPDATE "app"."events" o SET delivered_at = now(), locked_by = NULL, locked_until = NULL
-                      WHERE o.sequence_id = ANY($2) AND o.locked_by = $1
+                      WHERE o.sequence_id = ANY($2) AND o.locked_by = $1 AND o.locked_until IS NOT NULL
 
 -- app.events: ack_retain (partition fence)
 UPDATE "app"."events" o SET delivered_at = now(), locked_by = NULL, locked_until = NULL
@@ -614,7 +614,7 @@ UPDATE "app"."events" o
                             locked_by = NULL, locked_until = NULL
                        FROM unnest($2::int8[], $3::int4[], $4::text[], $5::int8[])
                             AS u(sequence_id, attempts, error, delay_ms)
-                      WHERE o.sequence_id = u.sequence_id AND o.locked_by = $1
+                      WHERE o.sequence_id = u.sequence_id AND o.locked_by = $1 AND o.locked_until IS NOT NULL
 
 -- app.events: retry_later (partition fence)
 UPDATE "app"."events" o
@@ -633,7 +633,7 @@ UPDATE "app"."events" o
 WITH moved AS (
                             DELETE FROM "app"."events" o
                              USING unnest($2::int8[], $3::int4[], $4::text[]) AS u(sequence_id, attempts, error)
-                             WHERE o.sequence_id = u.sequence_id AND o.locked_by = $1
+                             WHERE o.sequence_id = u.sequence_id AND o.locked_by = $1 AND o.locked_until IS NOT NULL
                          RETURNING o.*, u.attempts AS final_attempts, u.error AS final_error)
                          INSERT INTO "app"."events_dead_letters" (sequence_id, event_id, destination, partition_key, event_type,
                                            payload, headers, mutation_id, rejected, created_at,
@@ -771,12 +771,12 @@ WITH locked AS (
               RETURNING o.sequence_id, o.event_id, o.destination, o.partition_key, o.event_type, o.payload::text, o.headers::text, o.mutation_id, o.rejected, o.attempts, o.created_at
 
 -- app.events: release
-UPDATE "app"."events" SET locked_by = NULL, locked_until = NULL
-                  WHERE sequence_id = ANY($2) AND locked_by = $1
+UPDATE "app"."events" SET locked_until = NULL
+                  WHERE sequence_id = ANY($2) AND locked_by = $1 AND locked_until IS NOT NULL
 
 -- app.events: extend_leases
 UPDATE "app"."events" SET locked_until = now() + $3::int8 * interval '1 millisecond'
-                  WHERE sequence_id = ANY($2) AND locked_by = $1
+                  WHERE sequence_id = ANY($2) AND locked_by = $1 AND locked_until IS NOT NULL
 
 -- app.events: backlog
 SELECT count(*)::int8,

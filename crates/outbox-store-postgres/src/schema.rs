@@ -488,7 +488,7 @@ pub struct Statements {
 /// it holds). Both are composed from one text with the guard in its place.
 #[derive(Debug)]
 pub struct Guarded {
-    /// The node still leases the row: `o.locked_by = $1`.
+    /// The node still leases the row: `o.locked_by = $1`, not released.
     pub row_lease: String,
     /// The partition fence, whose parameters follow the statement's own.
     pub partition_fence: String,
@@ -498,8 +498,9 @@ pub struct Guarded {
 const RETURNED: &str = "o.sequence_id, o.event_id, o.destination, o.partition_key, o.event_type, \
      o.payload::text, o.headers::text, o.mutation_id, o.rejected, o.attempts, o.created_at";
 
-/// The row-lease guard of a settle: the node ($1) still leases the row.
-const ROW_LEASE: &str = " AND o.locked_by = $1";
+/// The row-lease guard of a settle: the node ($1) still leases the row (a released row keeps
+/// its `locked_by` with no `locked_until`, see [`Native::release`]).
+const ROW_LEASE: &str = " AND o.locked_by = $1 AND o.locked_until IS NOT NULL";
 
 /// The ordering key of the claimed or settled row (`o`) and of an earlier row (`p`).
 const KEY_O: &str = "coalesce(o.partition_key, o.destination)";
@@ -839,11 +840,16 @@ impl Native {
         })
     }
 
+    /// $1 node, $2 ids. A released row keeps its `locked_by` and loses its `locked_until`:
+    /// claimable at once, settled by no one, and still counted by a claim's second pass as
+    /// an earlier row of its key that was leased ([`Native::claim`]). Clearing `locked_by`
+    /// made it look never leased, and a later row of its key could then pass it while a
+    /// write that waited on the release still held it locked.
     fn release(&self) -> String {
         let t = &self.t;
         format!(
-            "UPDATE {t} SET locked_by = NULL, locked_until = NULL
-                  WHERE sequence_id = ANY($2) AND locked_by = $1"
+            "UPDATE {t} SET locked_until = NULL
+                  WHERE sequence_id = ANY($2) AND locked_by = $1 AND locked_until IS NOT NULL"
         )
     }
 
@@ -851,7 +857,7 @@ impl Native {
         let t = &self.t;
         format!(
             "UPDATE {t} SET locked_until = now() + $3::int8 * interval '1 millisecond'
-                  WHERE sequence_id = ANY($2) AND locked_by = $1"
+                  WHERE sequence_id = ANY($2) AND locked_by = $1 AND locked_until IS NOT NULL"
         )
     }
 

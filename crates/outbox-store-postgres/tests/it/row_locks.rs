@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use outbox_core::store::ClaimRequest;
+use outbox_core::store::{ClaimRequest, LeaseHolder};
 use outbox_core::{NodeId, OutboxStore};
 use outbox_store_postgres::{PgOptions, PgStore, Tables};
 use outbox_testkit::conformance::{keyed_event as event, payloads};
@@ -109,4 +109,46 @@ async fn a_claim_does_not_pass_an_earlier_row_another_claim_in_flight_has_locked
     other.batch_execute("ROLLBACK").await.unwrap();
     let claimed = store.claim(claim_by("taker")).await.unwrap();
     assert_eq!(payloads(&claimed), ["0", "1"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_does_not_pass_an_earlier_row_released_and_still_locked_by_a_write_that_waited() {
+    let (store, url) = two_rows_of_k_and_one_other().await;
+    let previous = NodeId("previous".into());
+    let ids: Vec<_> = store
+        .claim(claim_by("previous"))
+        .await
+        .unwrap()
+        .iter()
+        .map(|c| c.sequence_id())
+        .collect();
+    assert_eq!(
+        store.release(previous.clone(), ids.clone()).await.unwrap(),
+        3
+    );
+    // A write that queued behind the release on the first row of `k` (the node's lease
+    // extension, say): its recheck fails, and it holds the row locked until it commits.
+    let writer = connect(&url).await;
+    writer.batch_execute("BEGIN").await.unwrap();
+    writer
+        .query(
+            "SELECT 1 FROM outbox WHERE payload::text = '0' FOR UPDATE",
+            &[],
+        )
+        .await
+        .unwrap();
+
+    only_the_other_key_comes(&store).await;
+
+    writer.batch_execute("COMMIT").await.unwrap();
+    let claimed = store.claim(claim_by("taker")).await.unwrap();
+    assert_eq!(payloads(&claimed), ["0", "1"]);
+    // Released rows are no longer the releasing node's to settle or extend.
+    assert_eq!(
+        store
+            .ack(LeaseHolder::unfenced(previous), ids)
+            .await
+            .unwrap(),
+        0
+    );
 }
