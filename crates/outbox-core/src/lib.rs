@@ -7,6 +7,7 @@
 //! - [`store`]: the [`OutboxStore`](store::OutboxStore) contract (claim → ack / retry / dead-letter);
 //! - [`publisher`]: the [`Publisher`](publisher::Publisher) contract (a batch in, one outcome per event);
 //! - [`ident`]: validated, quoted SQL identifiers for configurable schema and table names;
+//! - [`memory`]: the byte budget of what a change-stream capture holds;
 //! - [`redact`]: secrets out of URLs and the messages that quote them;
 //! - [`migration`]: versioned schemas: the steps `migrate` applies and how `run` judges a version;
 //! - [`metric_labels`]: metrics recorded by more than one crate, and their label guard;
@@ -16,6 +17,7 @@ pub mod error;
 pub mod event;
 pub mod health;
 pub mod ident;
+pub mod memory;
 pub mod metric_labels;
 pub mod migration;
 pub mod ownership;
