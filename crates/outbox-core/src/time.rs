@@ -92,6 +92,115 @@ fn civil_date(days: i64) -> (i64, i64, i64) {
     (year, month, day)
 }
 
+/// A timestamp's ISO text (`2026-11-23 12:38:36.123456+00`, offsets as `+05:30` or
+/// `-03:00:15`, years past 9999, ` BC`), or with `utc_without_offset` also one without an
+/// offset (PostgreSQL's `timestamp without time zone`, MySQL's `DATETIME`), read as UTC. Every event of a captured table
+/// has a timestamp, so this allocates nothing unless it fails.
+pub fn parse_timestamp(text: &str, utc_without_offset: bool) -> Result<SystemTime, String> {
+    let bad = || format!("{text:?} is not an ISO timestamp with time zone");
+    let (text_ad, bc) = match text.strip_suffix(" BC") {
+        Some(rest) => (rest, true),
+        None => (text, false),
+    };
+    let (date, rest) = text_ad.split_once(' ').ok_or_else(bad)?;
+    let mut date_parts = date.splitn(3, '-');
+    let mut number = |max_len: usize| -> Result<i64, String> {
+        let part = date_parts.next().ok_or_else(bad)?;
+        if part.is_empty() || part.len() > max_len || !part.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(bad());
+        }
+        part.parse().map_err(|_| bad())
+    };
+    let year = number(7)?;
+    let month = number(2)?;
+    let day = number(2)?;
+    // The offset starts at the first sign after the time.
+    let (time, offset) = match rest.find(['+', '-']) {
+        Some(sign_at) => rest.split_at(sign_at),
+        None if utc_without_offset => (rest, ""),
+        None => return Err(bad()),
+    };
+    let (hms, fraction) = match time.split_once('.') {
+        Some((hms, fraction)) => (hms, fraction),
+        None => (time, ""),
+    };
+    let field = |s: &str, max: i64| -> Result<i64, String> {
+        if s.len() != 2 || !s.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(bad());
+        }
+        let v: i64 = s.parse().map_err(|_| bad())?;
+        if v > max {
+            return Err(bad());
+        }
+        Ok(v)
+    };
+    let mut hms = hms.split(':');
+    let (Some(h), Some(m), Some(s), None) = (hms.next(), hms.next(), hms.next(), hms.next()) else {
+        return Err(bad());
+    };
+    // 24:00:00 is valid PostgreSQL input and output.
+    let (h, m, s) = (field(h, 24)?, field(m, 59)?, field(s, 60)?);
+    if fraction.len() > 6 || !fraction.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(bad());
+    }
+    let micros_fraction: i64 = if fraction.is_empty() {
+        0
+    } else {
+        // `.5` is 500,000 microseconds.
+        let digits: i64 = fraction.parse().map_err(|_| bad())?;
+        digits * 10_i64.pow(6 - fraction.len() as u32)
+    };
+    let offset_seconds = match offset.split_at_checked(1) {
+        None => 0,
+        Some((sign, offset)) => {
+            let mut seconds = 0;
+            for (i, part) in offset.split(':').enumerate() {
+                let unit = [3600, 60, 1].get(i).ok_or_else(bad)?;
+                seconds += field(part, 59)? * unit;
+            }
+            if sign == "-" {
+                -seconds
+            } else {
+                seconds
+            }
+        }
+    };
+    if !(1..=12).contains(&month) || day < 1 || day > days_in_month(year, month, bc) {
+        return Err(bad());
+    }
+    // Year 1 BC is year 0 of the proleptic Gregorian calendar.
+    let year = if bc { 1 - year } else { year };
+    let days = days_from_civil(year, month, day);
+    let seconds = days * 86_400 + h * 3600 + m * 60 + s - offset_seconds;
+    let micros = seconds
+        .checked_mul(1_000_000)
+        .and_then(|us| us.checked_add(micros_fraction))
+        .ok_or_else(bad)?;
+    Ok(from_micros(micros))
+}
+
+fn days_in_month(year: i64, month: i64, bc: bool) -> i64 {
+    let year = if bc { 1 - year } else { year };
+    let leap = year % 4 == 0 && (year % 100 != 0 || year % 400 == 0);
+    match month {
+        2 if leap => 29,
+        2 => 28,
+        4 | 6 | 9 | 11 => 30,
+        _ => 31,
+    }
+}
+
+/// Days since 1970-01-01 of a proleptic Gregorian date (Howard Hinnant's algorithm).
+fn days_from_civil(year: i64, month: i64, day: i64) -> i64 {
+    let year = if month <= 2 { year - 1 } else { year };
+    let era = year.div_euclid(400);
+    let year_of_era = year.rem_euclid(400);
+    let month_from_march = (month + 9) % 12;
+    let day_of_year = (153 * month_from_march + 2) / 5 + day - 1;
+    let day_of_era = year_of_era * 365 + year_of_era / 4 - year_of_era / 100 + day_of_year;
+    era * 146_097 + day_of_era - 719_468
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
