@@ -4,8 +4,10 @@
 //! Contract of [`Capture`]:
 //! - Only the active reader of an outbox captures ([`Started::Held`] otherwise).
 //! - It reads from the position the seat stored. A seat that never stored one starts at the
-//!   server's current position and stores it before reading, so that whatever is written
-//!   after the first start is read by every later start, however soon it crashes.
+//!   server's current position and stores it before reading, in one transaction with the
+//!   adoption of the rows already in the table (which the log from there does not carry), so
+//!   that whatever is written after the first start is read by every later start, however
+//!   soon it crashes, and what was there before is adopted exactly when the position is.
 //! - A row holds the stored position back until it is settled; [`Capture::store`] stores
 //!   the furthest position the settled rows allow (and renews the seat's lease). A crash
 //!   means reading again from there: redelivery, never loss.
@@ -43,8 +45,13 @@ impl std::fmt::Debug for Capture {
 }
 
 impl Capture {
-    /// Takes the seat and starts reading where it says (see the module's contract).
-    pub async fn start(binlog: &BinlogConfig, seat: &SeatConfig) -> Result<Started> {
+    /// Takes the seat and starts reading where it says, running `adoption` with the first
+    /// position stored (see the module's contract).
+    pub async fn start(
+        binlog: &BinlogConfig,
+        seat: &SeatConfig,
+        adoption: &[String],
+    ) -> Result<Started> {
         let mut seat = match ActiveReader::take(seat).await? {
             Taken::Active(seat) => seat,
             Taken::Held { holder } => return Ok(Started::Held { holder }),
@@ -53,7 +60,7 @@ impl Capture {
             Some(stored) => stored.clone(),
             None => {
                 let current = current_position(&binlog.url).await?;
-                seat.store(&current).await?;
+                seat.store_first(&current, adoption).await?;
                 current
             }
         };
@@ -94,6 +101,16 @@ impl Capture {
             self.seat.store(&storable).await?;
         }
         Ok(storable)
+    }
+
+    /// Where the log has been read to ([`BinlogReader::read_to`]).
+    pub fn read_to(&self) -> BinlogPosition {
+        self.reader.read_to()
+    }
+
+    /// The epoch the seat was taken at: writes elsewhere fence on it.
+    pub fn epoch(&self) -> i64 {
+        self.seat.epoch()
     }
 
     /// Stores what may be stored and gives the seat up.

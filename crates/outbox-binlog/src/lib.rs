@@ -35,10 +35,12 @@ mod capture;
 mod positions;
 pub mod schema;
 pub mod seat;
+pub mod store;
 pub use capture::{Capture, Started};
 pub use positions::{Positions, UnknownRow};
 pub use schema::{blackhole_ddl, blackhole_problem};
 pub use seat::{positions_ddl, ActiveReader, SeatConfig, Taken};
+pub use store::{BinlogStore, BinlogStoreOptions, CaptureStatus};
 
 use futures::StreamExt;
 use mysql_async::binlog::events::{EventData, RowsEventData};
@@ -114,6 +116,11 @@ pub fn retention_problem(stored: &BinlogPosition, oldest_file: &str) -> Option<P
         )),
         std::cmp::Ordering::Greater => None,
     }
+}
+
+/// Whether `a` is at or after `b` in the log (files by their number).
+pub fn at_or_after(a: &BinlogPosition, b: &BinlogPosition) -> bool {
+    (log_number(&a.file), a.offset) >= (log_number(&b.file), b.offset)
 }
 
 /// The number a binary log file's name ends with (`mariadb-bin.000042`: 42).
@@ -336,6 +343,8 @@ pub struct BinlogReader {
     started_after_gtid: Option<String>,
     /// The global id of the transaction being read, when the server gives one.
     gtid: Option<String>,
+    /// The end of the last event read, in `file`.
+    read_to: u64,
 }
 
 /// Where a reader starts.
@@ -467,6 +476,7 @@ impl BinlogReader {
             }
         };
         let stream = conn.get_binlog_stream(request).await?;
+        let read_to = from.offset;
         Ok(BinlogReader {
             stream,
             database: config.database.clone(),
@@ -483,6 +493,7 @@ impl BinlogReader {
                 Start::Position(_) => None,
             },
             gtid: None,
+            read_to,
         })
     }
 
@@ -491,6 +502,12 @@ impl BinlogReader {
     /// transaction.
     pub fn buffered_rows(&self) -> usize {
         self.pending.len()
+    }
+
+    /// Where the log has been read to: the end of the last event read, of whatever table
+    /// (`run --drain` is done once it reaches the position current at its start).
+    pub fn read_to(&self) -> BinlogPosition {
+        self.at(self.read_to)
     }
 
     /// The next output; `None` when the server ended the stream.
@@ -539,6 +556,9 @@ impl BinlogReader {
                 }
                 _ => {}
             }
+            if end != 0 {
+                self.read_to = end;
+            }
             let data = event
                 .read_data()
                 .map_err(|e| BinlogError::Decode(e.to_string()))?;
@@ -548,6 +568,7 @@ impl BinlogReader {
                 // its name would carry the checksum's bytes.
                 Some(EventData::RotateEvent(rotate)) if end != 0 => {
                     self.file = rotate.name().into_owned();
+                    self.read_to = rotate.position();
                 }
                 // Started from a GTID: the artificial rotate is the only word of the file.
                 Some(EventData::RotateEvent(rotate)) if self.file.is_empty() => {

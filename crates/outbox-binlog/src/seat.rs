@@ -204,6 +204,35 @@ impl ActiveReader {
         Ok(())
     }
 
+    /// Stores the first position of a seat that never stored one, in one transaction with
+    /// `adoption`: the statements that move the rows already in the outbox table to where
+    /// they are relayed from (the log from `position` on does not carry them). Either both
+    /// happen or neither does, so a reader killed midway adopts them again when it starts.
+    pub async fn store_first(
+        &mut self,
+        position: &BinlogPosition,
+        adoption: &[String],
+    ) -> Result<()> {
+        let store = Self::write_statement(&self.config.positions);
+        let params = self.write_params(Some(position));
+        let mut tx = self
+            .conn
+            .start_transaction(mysql_async::TxOpts::default())
+            .await?;
+        for statement in adoption {
+            tx.query_drop(statement).await?;
+        }
+        tx.exec_drop(store, params).await?;
+        let fenced = tx.affected_rows() == 0;
+        if fenced {
+            tx.rollback().await?;
+            return Err(self.fenced());
+        }
+        tx.commit().await?;
+        self.stored = Some(position.clone());
+        Ok(())
+    }
+
     /// Renews the lease without moving the position (a reader with nothing new to store
     /// still keeps its seat).
     pub async fn renew(&mut self) -> Result<()> {
@@ -223,34 +252,45 @@ impl ActiveReader {
 
     /// Renews the lease, storing `position` too when given, at this reader's epoch only.
     async fn write(&mut self, position: Option<&BinlogPosition>) -> Result<()> {
-        let table = quoted(&self.config.positions);
-        // The position's columns keep their values when none is given.
-        let (file, offset) = position.map(|p| (p.file.as_str(), p.offset)).unzip();
-        self.conn
-            .exec_drop(
-                format!(
-                    "UPDATE {table} SET log_file = COALESCE(?, log_file),
-                            log_offset = COALESCE(?, log_offset),
-                            lease_until = NOW(6) + INTERVAL (? * 1000) MICROSECOND,
-                            updated_at = NOW(6)
-                      WHERE outbox = ? AND epoch = ?"
-                ),
-                (
-                    file,
-                    offset,
-                    lease_millis(self.config.lease),
-                    &self.config.outbox,
-                    self.epoch,
-                ),
-            )
-            .await?;
+        let statement = Self::write_statement(&self.config.positions);
+        let params = self.write_params(position);
+        self.conn.exec_drop(statement, params).await?;
         if self.conn.affected_rows() == 0 {
-            return Err(BinlogError::Fenced {
-                outbox: self.config.outbox.clone(),
-                epoch: self.epoch,
-            });
+            return Err(self.fenced());
         }
         Ok(())
+    }
+
+    /// The lease's renewal, with the position when one is given (its columns keep their
+    /// values otherwise), at the writer's epoch only.
+    fn write_statement(positions: &str) -> String {
+        let table = quoted(positions);
+        format!(
+            "UPDATE {table} SET log_file = COALESCE(?, log_file),
+                    log_offset = COALESCE(?, log_offset),
+                    lease_until = NOW(6) + INTERVAL (? * 1000) MICROSECOND,
+                    updated_at = NOW(6)
+              WHERE outbox = ? AND epoch = ?"
+        )
+    }
+
+    fn write_params(&self, position: Option<&BinlogPosition>) -> mysql_async::Params {
+        let (file, offset) = position.map(|p| (p.file.clone(), p.offset)).unzip();
+        (
+            file,
+            offset,
+            lease_millis(self.config.lease),
+            self.config.outbox.clone(),
+            self.epoch,
+        )
+            .into()
+    }
+
+    fn fenced(&self) -> BinlogError {
+        BinlogError::Fenced {
+            outbox: self.config.outbox.clone(),
+            epoch: self.epoch,
+        }
     }
 }
 
@@ -259,7 +299,7 @@ fn lease_millis(lease: Duration) -> u64 {
 }
 
 /// A backquoted identifier, `db.table` split into its parts.
-fn quoted(name: &str) -> String {
+pub(crate) fn quoted(name: &str) -> String {
     name.split('.')
         .map(|part| format!("`{}`", part.replace('`', "``")))
         .collect::<Vec<_>>()

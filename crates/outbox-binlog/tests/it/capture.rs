@@ -48,7 +48,7 @@ impl Outbox {
     }
 
     async fn start(&self, holder: &str) -> Capture {
-        match Capture::start(&self.binlog, &self.seat(holder))
+        match Capture::start(&self.binlog, &self.seat(holder), &[])
             .await
             .unwrap()
         {
@@ -135,7 +135,7 @@ async fn what_is_written_after_the_first_start_is_read_however_soon_that_capture
 async fn one_capture_per_outbox_the_others_wait() {
     let outbox = outbox().await;
     let _active = outbox.start("relay-1").await;
-    match Capture::start(&outbox.binlog, &outbox.seat("relay-2"))
+    match Capture::start(&outbox.binlog, &outbox.seat("relay-2"), &[])
         .await
         .unwrap()
     {

@@ -2,6 +2,7 @@ mod capture;
 mod compressed;
 mod mariadb;
 mod seat;
+mod store;
 
 /// The stream's next output, from `next` (a reader's or a capture's): the 20 s bound is on a
 /// hang, not a synchronisation, since every awaited row was committed.

@@ -1,0 +1,1027 @@
+//! Binlog capture as an [`OutboxStore`]: the engine claims, acks, retries and dead-letters
+//! rows read from the binary log exactly as it does rows of a polled table, so the sinks,
+//! routes, retries, dead letters, metrics and shutdown are the polling relay's.
+//!
+//! # Where each row is until it is settled
+//! - **In the log.** The reader task runs the [`Capture`] and hands its rows over a bounded
+//!   channel, each charged to the memory budget (which bounds what is read ahead and in
+//!   flight, in bytes, whatever the transaction's size). Claims take them in commit order.
+//! - **Held.** A handed-out row is remembered by its id (the outbox row's `sequence_id`;
+//!   a BLACKHOLE row's session and ordinal) until the engine settles it.
+//! - **Parked.** A row that must wait (its retry's backoff, an `available_at` in the future,
+//!   or an earlier row of its key that waits) is written to the parked table
+//!   (`<outbox>_parked`, the native layout's columns) and its outbox row deleted, in one
+//!   transaction fenced on the seat's epoch; then it counts as settled. Every later row of
+//!   a parked key is parked behind it, in commit order, until the key has nothing parked
+//!   left. Parked rows are claimed, retried and dead-lettered by the polling store over the
+//!   parked table; only the active reader claims them. Their engine ids are negative.
+//! - **Settled.** Delivered (its outbox row deleted, in the table form), parked, or
+//!   dead-lettered (a parked row with `dead_at`). The reader stores the position the settled
+//!   rows allow ([`crate::Positions`]), never past an unsettled row: a crash at any point
+//!   means reading again from there, never loss.
+//!
+//! # One active reader
+//! The seat ([`crate::seat`]) lets one relay read; the others wait as standbys, trying
+//! every second, and go on from the stored position once the seat is free or its lease
+//! lapsed. A relay that lost the seat hands out nothing more of what it read, and its
+//! parks are refused by the fence.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use mysql_async::prelude::Queryable;
+use mysql_async::{OptsBuilder, Pool, Value};
+use outbox_core::memory::{event_bytes, Charge, MemoryBudget, EVENT_OVERHEAD};
+use outbox_core::store::{
+    Backlog, ClaimRequest, Claimed, DeadLetter, LeaseExtension, LeaseHolder, OnChange, Problem,
+    RetryLater, StoreFuture, StoreResult,
+};
+use outbox_core::StoreErrorKind;
+use outbox_core::{Event, NewEvent, NodeId, OutboxStore, Payload, SequenceId, StoreError};
+use tokio::sync::{mpsc, watch};
+
+use crate::seat::SeatConfig;
+use crate::{at_or_after, current_position, opts, BinlogConfig, BinlogError, Capture, Output};
+use crate::{BinlogPosition, Started};
+
+pub mod event;
+mod sql;
+mod state;
+
+use event::{decode, Captured};
+use sql::{Statements, PARK_PARAMS};
+use state::*;
+
+/// Metric names of binlog capture.
+pub mod metric {
+    /// 1 while this relay reads the binary log, 0 as a standby or while reconnecting.
+    pub const READING: &str = "outbox_binlog_reading";
+    /// Seconds between the newest commit read and now (0 while caught up and idle).
+    pub const LAG_SECONDS: &str = "outbox_binlog_lag_seconds";
+    /// Bytes of events capture holds: read ahead of the engine and in flight.
+    pub const MEMORY_HELD: &str = "outbox_binlog_memory_held_bytes";
+}
+
+/// How binlog capture runs.
+#[derive(Clone)]
+pub struct BinlogStoreOptions {
+    pub binlog: BinlogConfig,
+    pub seat: SeatConfig,
+    /// The parked table (`db.table` or `table`).
+    pub parked_table: String,
+    /// The BLACKHOLE form: rows are in the log only (nothing to delete or adopt), and a
+    /// transaction's rows are handed out once its commit is read.
+    pub blackhole: bool,
+    /// `run --drain`: relay what was committed before start-up, then report nothing left.
+    pub drain: bool,
+    /// Bytes of events held at once, read ahead and in flight.
+    pub memory_budget: usize,
+    /// The polling store over the parked table.
+    pub parked: Arc<dyn OutboxStore>,
+    /// The store over the outbox table (inserts, pings).
+    pub main: Arc<dyn OutboxStore>,
+}
+
+/// Where the reader stands, for claims and `/readyz`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CaptureStatus {
+    Starting,
+    Reading,
+    /// Another relay reads the log.
+    Standby {
+        holder: String,
+    },
+    /// The stream broke, or cannot start yet: tried again every second.
+    Reconnecting(String),
+}
+
+struct Inner {
+    pool: Pool,
+    sql: Statements,
+    outbox: String,
+    /// The outbox's name in the positions table (the fence's key).
+    seat_key: String,
+    parked: Arc<dyn OutboxStore>,
+    main: Arc<dyn OutboxStore>,
+    blackhole: bool,
+    drain: bool,
+    state: Mutex<State>,
+    /// Serializes "is this key parked?" with parking and with un-parking, so a key is never
+    /// let through while a parked row of it remains.
+    parking: tokio::sync::Mutex<()>,
+    outputs: tokio::sync::Mutex<mpsc::Receiver<Item>>,
+    /// Settled ordinals for the reader, by session.
+    settled: mpsc::UnboundedSender<(u64, Vec<u64>)>,
+    live: Arc<LiveSession>,
+    status: watch::Receiver<CaptureStatus>,
+    on_change: Arc<Mutex<Option<OnChange>>>,
+    close: watch::Sender<bool>,
+    reader: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    memory: Arc<MemoryBudget>,
+}
+
+/// The outbox read from the binary log. Cheap to clone.
+#[derive(Clone)]
+pub struct BinlogStore {
+    inner: Arc<Inner>,
+}
+
+fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
+    // A panic while holding it would be a bug; its data is still the best there is.
+    state.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn store_error(context: &str, e: impl std::fmt::Display) -> StoreError {
+    StoreError::new(
+        StoreErrorKind::Connection,
+        format!("binlog capture: {context}: {e}"),
+    )
+}
+
+impl BinlogStore {
+    /// Starts the reader task (it takes the seat, or waits as a standby).
+    pub fn start(options: BinlogStoreOptions) -> Result<Self, BinlogError> {
+        let pool_opts = OptsBuilder::from_opts(opts(&options.binlog.url)?)
+            .init(vec!["SET time_zone = '+00:00'"]);
+        let pool = Pool::new(pool_opts);
+        let outbox = format!("{}.{}", options.binlog.database, options.binlog.table);
+        let sql = Statements::new(&outbox, &options.parked_table, &options.seat.positions);
+        let (tx, rx) = mpsc::channel(READ_AHEAD);
+        let (settled_tx, settled_rx) = mpsc::unbounded_channel();
+        let (status_tx, status) = watch::channel(CaptureStatus::Starting);
+        let (close, close_rx) = watch::channel(false);
+        let on_change: Arc<Mutex<Option<OnChange>>> = Arc::default();
+        let memory = MemoryBudget::new(options.memory_budget);
+        let live = Arc::new(LiveSession::default());
+        let reader = Reader {
+            binlog: options.binlog.clone(),
+            seat: options.seat.clone(),
+            adoption: if options.blackhole {
+                Vec::new()
+            } else {
+                sql.adoption()
+            },
+            pool: pool.clone(),
+            sql: sql.clone(),
+            drain: options.drain,
+            tx,
+            settled: settled_rx,
+            live: live.clone(),
+            status: status_tx,
+            close: close_rx,
+            on_change: on_change.clone(),
+            memory: memory.clone(),
+            session: 0,
+        };
+        let handle = tokio::spawn(tracing::Instrument::in_current_span(reader.run()));
+        Ok(BinlogStore {
+            inner: Arc::new(Inner {
+                pool,
+                sql,
+                outbox,
+                seat_key: options.seat.outbox.clone(),
+                parked: options.parked,
+                main: options.main,
+                blackhole: options.blackhole,
+                drain: options.drain,
+                state: Mutex::new(State::new(options.blackhole)),
+                parking: tokio::sync::Mutex::new(()),
+                outputs: tokio::sync::Mutex::new(rx),
+                settled: settled_tx,
+                live,
+                status,
+                on_change,
+                close,
+                reader: Mutex::new(Some(handle)),
+                memory,
+            }),
+        })
+    }
+
+    pub fn status(&self) -> CaptureStatus {
+        self.inner.status.borrow().clone()
+    }
+
+    /// Waits until the reader reads (or `timeout` passes).
+    pub async fn wait_reading(&self, timeout: Duration) -> CaptureStatus {
+        let mut status = self.inner.status.clone();
+        let _ =
+            tokio::time::timeout(timeout, status.wait_for(|s| *s == CaptureStatus::Reading)).await;
+        self.status()
+    }
+
+    /// How many keys have rows waiting in the parked table (or about to be written there).
+    pub fn parked_keys(&self) -> usize {
+        lock(&self.inner.state).parked_keys.len()
+    }
+
+    /// Stores the position the settled rows allow and gives the seat up (within `wait`),
+    /// which lets a standby take over at once. Call it after the engine stopped.
+    pub async fn close(&self, wait: Duration) {
+        let _ = self.inner.close.send(true);
+        let handle = self.inner.reader.lock().ok().and_then(|mut h| h.take());
+        if let Some(handle) = handle {
+            if tokio::time::timeout(wait, handle).await.is_err() {
+                tracing::warn!(
+                    "the binlog reader did not stop in time; a standby takes over once the \
+                     seat's lease lapses, and what was not stored is read again"
+                );
+            }
+        }
+    }
+}
+
+/// Items the channel holds: the memory budget bounds the bytes, this the count of small
+/// ones.
+const READ_AHEAD: usize = 4096;
+
+impl Inner {
+    /// Settles held stream rows and passes their ordinals to the reader.
+    fn settle(&self, state: &mut State, ids: impl IntoIterator<Item = SequenceId>) {
+        state.settle(ids);
+        if !state.settled.is_empty() {
+            let settled = std::mem::take(&mut state.settled);
+            let _ = self.settled.send((state.session, settled));
+        }
+    }
+
+    /// Writes `to_park` to the parked table (and deletes their outbox rows) in one
+    /// transaction fenced on the seat, then settles them; parks that must wait stay queued.
+    /// Call it holding `parking`.
+    async fn flush_parks(&self) -> StoreResult<u64> {
+        let (parks, params, rows, epoch) = {
+            let mut state = lock(&self.state);
+            let parks = state.take_parks();
+            let mut params: Vec<Value> = Vec::with_capacity(parks.len() * PARK_PARAMS);
+            let mut rows = Vec::new();
+            for park in &parks {
+                if let Some(Held::Stream(s)) = state.held.get(&park.id) {
+                    park_values(park, &s.body, &mut params);
+                    rows.extend(s.row);
+                }
+            }
+            (parks, params, rows, state.epoch)
+        };
+        if parks.is_empty() {
+            return Ok(0);
+        }
+        let result = self.write_parks(parks.len(), params, &rows, epoch).await;
+        let mut state = lock(&self.state);
+        match result {
+            Ok(true) => {
+                tracing::debug!(ids = ?parks.iter().map(|p| p.id).collect::<Vec<_>>(), "parked");
+                let n = parks.len() as u64;
+                self.settle(&mut state, parks.into_iter().map(|p| p.id));
+                Ok(n)
+            }
+            Ok(false) => {
+                state.leave_to_seat_holder(parks.into_iter().map(|p| p.id));
+                Ok(0)
+            }
+            Err(e) => {
+                // Kept, in order, ahead of anything queued since: the next claim tries again.
+                let later = std::mem::replace(&mut state.to_park, parks);
+                state.to_park.extend(later);
+                Err(e)
+            }
+        }
+    }
+
+    /// The park's transaction; `false` when the seat has another epoch (nothing written).
+    async fn write_parks(
+        &self,
+        count: usize,
+        params: Vec<Value>,
+        rows: &[i64],
+        epoch: i64,
+    ) -> StoreResult<bool> {
+        let fail = |e: mysql_async::Error| store_error("parking rows", e);
+        let mut conn = self.pool.get_conn().await.map_err(fail)?;
+        let mut tx = conn
+            .start_transaction(mysql_async::TxOpts::default())
+            .await
+            .map_err(fail)?;
+        let seat: Option<i64> = tx
+            .exec_first(self.sql.seat_epoch(), (&self.seat_key,))
+            .await
+            .map_err(fail)?;
+        if seat != Some(epoch) {
+            tx.rollback().await.map_err(fail)?;
+            return Ok(false);
+        }
+        // 14 values a row: at most 1,000 rows a statement keeps far under the 65,535
+        // placeholders a statement may have.
+        for chunk in params.chunks(1_000 * PARK_PARAMS) {
+            tx.exec_drop(self.sql.park(chunk.len() / PARK_PARAMS), chunk.to_vec())
+                .await
+                .map_err(fail)?;
+        }
+        debug_assert_eq!(params.len(), count * PARK_PARAMS);
+        if !rows.is_empty() {
+            tx.exec_drop(self.sql.delete_rows(rows.len()), rows.to_vec())
+                .await
+                .map_err(fail)?;
+        }
+        tx.commit().await.map_err(fail)?;
+        Ok(true)
+    }
+
+    /// After parked rows were settled: the keys among `keys` with nothing parked left are
+    /// let through again.
+    async fn unpark_keys(&self, keys: Vec<String>) -> StoreResult<()> {
+        if keys.is_empty() {
+            return Ok(());
+        }
+        let _parking = self.parking.lock().await;
+        self.unpark_keys_locked(keys).await
+    }
+
+    async fn unpark_keys_locked(&self, keys: Vec<String>) -> StoreResult<()> {
+        let fail = |e: mysql_async::Error| store_error("reading the parked keys", e);
+        let mut conn = self.pool.get_conn().await.map_err(fail)?;
+        let still: Vec<String> = conn
+            .exec(self.sql.still_parked(keys.len()), keys.clone())
+            .await
+            .map_err(fail)?;
+        let still: HashSet<String> = still.into_iter().collect();
+        lock(&self.state).unpark(keys, &still);
+        Ok(())
+    }
+
+    /// Settles the parked rows among `items` with the polling store's `statement` (their
+    /// ids back to the parked table's); with `unpark` they left the table and their keys
+    /// may flow again. Returns how many it settled, and the held stream rows among `items`.
+    async fn settle_parked<T>(
+        &self,
+        items: Vec<T>,
+        id: fn(&T) -> SequenceId,
+        to_parked: fn(T) -> T,
+        statement: impl FnOnce(Arc<dyn OutboxStore>, Vec<T>) -> StoreFuture<u64>,
+        unpark: bool,
+    ) -> StoreResult<(u64, Vec<T>)> {
+        let Split {
+            parked: items,
+            keys,
+            stream,
+        } = lock(&self.state).split(items, id);
+        if items.is_empty() {
+            return Ok((0, stream));
+        }
+        let ids: Vec<SequenceId> = items.iter().map(id).collect();
+        // Forgotten before the statement: once it commits a claim may take a row again,
+        // and the entry that claim makes must not be forgotten after it.
+        let taken = lock(&self.state).take(&ids);
+        let items = items.into_iter().map(to_parked).collect();
+        let settled = match statement(self.parked.clone(), items).await {
+            Ok(n) => n,
+            Err(e) => {
+                lock(&self.state).restore(taken);
+                return Err(e);
+            }
+        };
+        if unpark {
+            self.unpark_keys(keys).await?;
+        }
+        Ok((settled, stream))
+    }
+
+    /// Parks held stream rows (retries, releases, dead letters): `parks` are queued under
+    /// `parking`, so no claim runs in between, then every queued park is written.
+    async fn park_stream(&self, parks: Vec<Park>) -> StoreResult<u64> {
+        let _parking = self.parking.lock().await;
+        lock(&self.state).queue_parks(parks);
+        self.flush_parks().await
+    }
+
+    /// Acks held stream rows: their outbox rows are deleted (table form), then they settle.
+    async fn ack_stream(&self, ids: Vec<SequenceId>) -> StoreResult<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let rows: Vec<i64> = {
+            let state = lock(&self.state);
+            ids.iter()
+                .filter_map(|id| match state.held.get(id) {
+                    Some(Held::Stream(s)) => s.row,
+                    _ => None,
+                })
+                .collect()
+        };
+        if !rows.is_empty() {
+            // A row the log carries is committed, or prepared and about to be (the log is
+            // written before the engine commits): the delete's lock waits for it.
+            let fail = |e: mysql_async::Error| store_error("deleting delivered rows", e);
+            let mut conn = self.pool.get_conn().await.map_err(fail)?;
+            conn.exec_drop(self.sql.delete_rows(rows.len()), rows)
+                .await
+                .map_err(fail)?;
+        }
+        let n = ids.len() as u64;
+        self.settle(&mut lock(&self.state), ids);
+        Ok(n)
+    }
+
+    async fn claim(&self, request: ClaimRequest) -> StoreResult<Vec<Claimed>> {
+        let status = self.status.borrow().clone();
+        if let CaptureStatus::Reconnecting(reason) = &status {
+            self.follow_live_session(&mut *self.outputs.lock().await);
+            return Err(StoreError::new(
+                StoreErrorKind::Connection,
+                format!("binlog capture: {reason}"),
+            )
+            .with_hint(
+                "binlog capture cannot read until the cause above is fixed (the relay keeps \
+                 trying); `outbox-relay check --capture binlog` lists what it finds",
+            ));
+        }
+        let _parking = self.parking.lock().await;
+        // Parks that failed last time go first: later rows of their keys wait for them.
+        self.flush_parks().await?;
+        let mut out = Vec::new();
+        let mut outputs = self.outputs.lock().await;
+        if !self.follow_live_session(&mut outputs) {
+            return Ok(out);
+        }
+        drop(outputs);
+        let has_parked = !lock(&self.state).parked_keys.is_empty();
+        if status == CaptureStatus::Reading && has_parked {
+            self.claim_parked(&request, &mut out).await?;
+        }
+        let limit = request.limit;
+        let mut outputs = self.outputs.lock().await;
+        loop {
+            lock(&self.state).accept_outputs(&mut out, limit);
+            if out.len() >= limit || !self.follow_live_session(&mut outputs) {
+                break;
+            }
+            match outputs.try_recv() {
+                Ok(item) => lock(&self.state).accept(item),
+                Err(_) => break,
+            }
+        }
+        if self.drain && out.is_empty() && !lock(&self.state).drained() {
+            // Nothing yet, and the start-up position not reached: wait a little for the
+            // log rather than let the engine conclude that the drain is over.
+            if let Ok(Some(item)) =
+                tokio::time::timeout(Duration::from_secs(1), outputs.recv()).await
+            {
+                let mut state = lock(&self.state);
+                state.accept(item);
+                state.accept_outputs(&mut out, limit);
+            }
+        }
+        drop(outputs);
+        let recheck = std::mem::take(&mut lock(&self.state).recheck);
+        if !recheck.is_empty() {
+            if let Err(e) = self.unpark_keys_locked(recheck.clone()).await {
+                lock(&self.state).recheck = recheck;
+                tracing::debug!(error = %e.report(), "checking parked keys; again with the next claim");
+            }
+        }
+        if let Err(e) = self.flush_parks().await {
+            tracing::warn!(error = %e.report(), "parking rows failed; trying again with the next claim");
+        }
+        Ok(out)
+    }
+
+    /// Claims rows of the parked table into `out`, as many as the memory left holds at the
+    /// size of the largest event seen (one at least while none is out, so that a busy log
+    /// that keeps the budget full never starves the parked rows).
+    async fn claim_parked(
+        &self,
+        request: &ClaimRequest,
+        out: &mut Vec<Claimed>,
+    ) -> StoreResult<()> {
+        let per_row = self.memory.largest_event().max(EVENT_OVERHEAD);
+        let fits = request.limit.min(self.memory.room() / per_row);
+        let none_out = !lock(&self.state)
+            .held
+            .values()
+            .any(|held| matches!(held, Held::Parked { .. }));
+        let limit = if fits == 0 && none_out { 1 } else { fits };
+        if limit == 0 {
+            return Ok(());
+        }
+        let rows = self
+            .parked
+            .claim(ClaimRequest {
+                fence: None,
+                limit,
+                ..request.clone()
+            })
+            .await?;
+        let mut state = lock(&self.state);
+        for row in rows {
+            let (row, memory) = match row {
+                Claimed::Event(event) => {
+                    let memory = self.memory.charge(event_bytes(&event));
+                    let event = Event {
+                        sequence_id: parked_id(event.sequence_id),
+                        ..(*event).clone()
+                    };
+                    (Claimed::Event(Arc::new(event)), memory)
+                }
+                Claimed::Undecodable {
+                    sequence_id,
+                    ordering_key,
+                    destination,
+                    attempts,
+                    reason,
+                } => (
+                    Claimed::Undecodable {
+                        sequence_id: parked_id(sequence_id),
+                        ordering_key,
+                        destination,
+                        attempts,
+                        reason,
+                    },
+                    Charge::none(),
+                ),
+            };
+            let key = row.ordering_key().to_string();
+            state.held.insert(
+                row.sequence_id(),
+                Held::Parked {
+                    key,
+                    _memory: memory,
+                },
+            );
+            out.push(row);
+        }
+        Ok(())
+    }
+
+    /// Whether claims may hand out rows of the session they follow (see [`State::follow`]).
+    fn follow_live_session(&self, outputs: &mut mpsc::Receiver<Item>) -> bool {
+        lock(&self.state).follow(self.live.get(), || outputs.try_recv().ok())
+    }
+
+    async fn backlog(&self) -> StoreResult<Backlog> {
+        let mut backlog = self.parked.backlog().await?;
+        let reading = *self.status.borrow() == CaptureStatus::Reading;
+        ::metrics::gauge!(metric::READING).set(if reading { 1.0 } else { 0.0 });
+        ::metrics::gauge!(metric::MEMORY_HELD).set(self.memory.held() as f64);
+        let state = lock(&self.state);
+        let mut oldest: Option<SystemTime> = None;
+        for held in state.held.values() {
+            if let Held::Stream(s) = held {
+                backlog.pending += 1;
+                if let Body::Event(e) = &s.body {
+                    oldest = Some(oldest.map_or(e.created_at, |o| o.min(e.created_at)));
+                }
+            }
+        }
+        backlog.pending += state.unaccepted.len() as u64;
+        if let Some(age) = oldest.and_then(|o| o.elapsed().ok()) {
+            backlog.oldest_pending_age =
+                Some(backlog.oldest_pending_age.map_or(age, |a| a.max(age)));
+        }
+        if self.drain && !state.drained() {
+            // Rows the log has not handed over yet.
+            backlog.pending += 1;
+        }
+        Ok(backlog)
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "mysql {} (binlog capture{})",
+            self.outbox,
+            if self.blackhole { ", BLACKHOLE" } else { "" }
+        )
+    }
+}
+
+/// The values of one park ([`sql::Statements::park`]).
+fn park_values(park: &Park, body: &Body, params: &mut Vec<Value>) {
+    let text = |s: &str| Value::from(s);
+    let opt = |s: Option<&str>| s.map_or(Value::NULL, Value::from);
+    let created = |at: SystemTime| {
+        outbox_core::time::rfc3339_micros(at)
+            .ok()
+            .map(|t| t.trim_end_matches('Z').replacen('T', " ", 1))
+    };
+    match body {
+        Body::Event(e) => {
+            let payload = match &e.payload {
+                Payload::Null => Value::NULL,
+                other => Value::from(other.as_bytes().to_vec()),
+            };
+            let headers = serde_json::to_string(&e.headers).unwrap_or_else(|_| "{}".into());
+            params.extend([
+                text(&e.event_id.to_string()),
+                text(&e.destination),
+                opt(e.partition_key.as_deref()),
+                text(&e.event_type),
+                payload,
+                text(&headers),
+                opt(e.mutation_id.as_deref()),
+                Value::from(e.rejected),
+                created(e.created_at).map_or(Value::NULL, Value::from),
+            ]);
+        }
+        Body::Undecodable(u) => params.extend([
+            text(&u.event_id.unwrap_or_else(uuid::Uuid::new_v4).to_string()),
+            text(u.destination.as_deref().unwrap_or("")),
+            opt(u.partition_key.as_deref()),
+            text(""),
+            Value::NULL,
+            text("{}"),
+            Value::NULL,
+            Value::from(false),
+            created(SystemTime::now()).map_or(Value::NULL, Value::from),
+        ]),
+    }
+    params.extend([
+        Value::from(u64::try_from(park.delay.as_micros()).unwrap_or(u64::MAX)),
+        opt(park.not_before.and_then(created).as_deref()),
+        Value::from(park.attempts),
+        opt(park.error.as_deref()),
+        Value::from(park.dead),
+    ]);
+}
+
+impl OutboxStore for BinlogStore {
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+
+    fn claim(&self, request: ClaimRequest) -> StoreFuture<Vec<Claimed>> {
+        let inner = self.inner.clone();
+        async move { inner.claim(request).await }.boxed()
+    }
+
+    fn ack(&self, holder: LeaseHolder, ids: Vec<SequenceId>) -> StoreFuture<u64> {
+        let inner = self.inner.clone();
+        async move {
+            let (acked, stream) = inner
+                .settle_parked(
+                    ids,
+                    |id| *id,
+                    parked_id,
+                    |p, ids| p.ack(LeaseHolder::unfenced(holder.node), ids),
+                    true,
+                )
+                .await?;
+            Ok(acked + inner.ack_stream(stream).await?)
+        }
+        .boxed()
+    }
+
+    fn retry_later(&self, holder: LeaseHolder, retries: Vec<RetryLater>) -> StoreFuture<u64> {
+        let inner = self.inner.clone();
+        async move {
+            let (recorded, stream) = inner
+                .settle_parked(
+                    retries,
+                    |r| r.sequence_id,
+                    |r| RetryLater {
+                        sequence_id: parked_id(r.sequence_id),
+                        ..r
+                    },
+                    |p, rs| p.retry_later(LeaseHolder::unfenced(holder.node), rs),
+                    false,
+                )
+                .await?;
+            let parks = stream
+                .into_iter()
+                .map(|retry| Park {
+                    attempts: retry.attempts,
+                    error: Some(retry.error),
+                    delay: retry.delay,
+                    ..Park::behind_its_key(retry.sequence_id)
+                })
+                .collect();
+            Ok(recorded + inner.park_stream(parks).await?)
+        }
+        .boxed()
+    }
+
+    fn dead_letter(&self, holder: LeaseHolder, entries: Vec<DeadLetter>) -> StoreFuture<u64> {
+        let inner = self.inner.clone();
+        async move {
+            let (moved, stream) = inner
+                .settle_parked(
+                    entries,
+                    |e| e.sequence_id,
+                    |e| DeadLetter {
+                        sequence_id: parked_id(e.sequence_id),
+                        ..e
+                    },
+                    |p, es| p.dead_letter(LeaseHolder::unfenced(holder.node), es),
+                    true,
+                )
+                .await?;
+            let parks = stream
+                .into_iter()
+                .map(|entry| Park {
+                    attempts: entry.attempts,
+                    error: Some(entry.error),
+                    dead: true,
+                    ..Park::behind_its_key(entry.sequence_id)
+                })
+                .collect();
+            Ok(moved + inner.park_stream(parks).await?)
+        }
+        .boxed()
+    }
+
+    fn release(&self, node: NodeId, ids: Vec<SequenceId>) -> StoreFuture<u64> {
+        let inner = self.inner.clone();
+        async move {
+            let (released, stream) = inner
+                .settle_parked(ids, |id| *id, parked_id, |p, ids| p.release(node, ids), false)
+                .await?;
+            // The engine releases what waits behind a retrying head of its key, and what it
+            // holds when it stops: parked, behind their keys, in commit order.
+            let n = stream.len() as u64;
+            let parks = stream.into_iter().map(Park::behind_its_key).collect();
+            if let Err(e) = inner.park_stream(parks).await {
+                tracing::warn!(error = %e.report(), "parking released rows failed; trying again with the next claim");
+            }
+            Ok(released + n)
+        }
+        .boxed()
+    }
+
+    fn extend_leases(&self, extension: LeaseExtension) -> StoreFuture<u64> {
+        let LeaseExtension { node, ids, lease } = extension;
+        let inner = self.inner.clone();
+        async move {
+            // Stream rows have no lease: nobody else reads them while the seat is ours.
+            let split = lock(&inner.state).split(ids, |id| *id);
+            let mut extended = split.stream.len() as u64;
+            if !split.parked.is_empty() {
+                extended += inner
+                    .parked
+                    .extend_leases(LeaseExtension {
+                        node,
+                        ids: split.parked.into_iter().map(parked_id).collect(),
+                        lease,
+                    })
+                    .await?;
+            }
+            Ok(extended)
+        }
+        .boxed()
+    }
+
+    fn backlog(&self) -> StoreFuture<Backlog> {
+        let inner = self.inner.clone();
+        async move { inner.backlog().await }.boxed()
+    }
+
+    fn insert(&self, events: Vec<NewEvent>) -> StoreFuture<Vec<SequenceId>> {
+        self.inner.main.insert(events)
+    }
+
+    fn ping(&self) -> StoreFuture<()> {
+        self.inner.main.ping()
+    }
+
+    fn verify(&self) -> StoreFuture<Vec<Problem>> {
+        let inner = self.inner.clone();
+        async move {
+            let mut problems = inner.main.verify().await?;
+            problems.extend(inner.parked.verify().await?);
+            Ok(problems)
+        }
+        .boxed()
+    }
+
+    fn subscribe(&self, on_change: OnChange) -> Option<BoxFuture<'static, ()>> {
+        if let Ok(mut slot) = self.inner.on_change.lock() {
+            *slot = Some(on_change);
+        }
+        // The reader calls it; nothing to run here.
+        Some(futures::future::pending().boxed())
+    }
+}
+
+impl std::fmt::Debug for BinlogStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BinlogStore")
+            .field("outbox", &self.inner.outbox)
+            .finish()
+    }
+}
+
+/// The reader task: takes the seat (or waits as a standby), reads, and stores the position
+/// the settled rows allow.
+struct Reader {
+    binlog: BinlogConfig,
+    seat: SeatConfig,
+    adoption: Vec<String>,
+    pool: Pool,
+    sql: Statements,
+    drain: bool,
+    tx: mpsc::Sender<Item>,
+    settled: mpsc::UnboundedReceiver<(u64, Vec<u64>)>,
+    live: Arc<LiveSession>,
+    status: watch::Sender<CaptureStatus>,
+    close: watch::Receiver<bool>,
+    on_change: Arc<Mutex<Option<OnChange>>>,
+    memory: Arc<MemoryBudget>,
+    session: u64,
+}
+
+/// How a session of reading ended.
+enum Ended {
+    Closed,
+    Broken(String),
+}
+
+/// What the reader does next.
+enum Step {
+    Close,
+    Settled(Option<(u64, Vec<u64>)>),
+    Store,
+    Send(Result<mpsc::OwnedPermit<Item>, mpsc::error::SendError<()>>),
+    Read(Result<Option<Output>, BinlogError>),
+}
+
+impl Reader {
+    async fn run(mut self) {
+        // `--drain` stops at the position current at start-up.
+        let mut drain_until = None;
+        loop {
+            if *self.close.borrow() {
+                return;
+            }
+            if self.drain && drain_until.is_none() {
+                match current_position(&self.binlog.url).await {
+                    Ok(position) => drain_until = Some(position),
+                    Err(e) => {
+                        self.wait_after(CaptureStatus::Reconnecting(e.to_string()))
+                            .await;
+                        continue;
+                    }
+                }
+            }
+            match Capture::start(&self.binlog, &self.seat, &self.adoption).await {
+                Ok(Started::Held { holder }) => {
+                    self.wait_after(CaptureStatus::Standby { holder }).await;
+                }
+                Ok(Started::Active(capture)) => {
+                    let ended = self.read(*capture, drain_until.as_ref()).await;
+                    self.live.set(0);
+                    match ended {
+                        Ended::Closed => return,
+                        Ended::Broken(reason) => {
+                            tracing::warn!(%reason, "binlog capture stopped reading; starting again");
+                            self.wait_after(CaptureStatus::Reconnecting(reason)).await;
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "binlog capture cannot start reading; trying again");
+                    self.wait_after(CaptureStatus::Reconnecting(e.to_string()))
+                        .await;
+                }
+            }
+        }
+    }
+
+    /// Sets `status`, then waits a second (or until closed).
+    async fn wait_after(&mut self, status: CaptureStatus) {
+        self.status.send_replace(status);
+        let _ = tokio::time::timeout(Duration::from_secs(1), self.close.wait_for(|c| *c)).await;
+    }
+
+    fn wake(&self) {
+        let on_change = self.on_change.lock().ok().and_then(|o| o.clone());
+        if let Some(on_change) = on_change {
+            on_change();
+        }
+    }
+
+    /// One session: announces it, then reads until closed or broken.
+    async fn read(&mut self, mut capture: Capture, drain_until: Option<&BinlogPosition>) -> Ended {
+        let parked_keys = match self.parked_keys().await {
+            Ok(keys) => keys,
+            Err(e) => return Ended::Broken(e.to_string()),
+        };
+        self.session += 1;
+        self.live.set(self.session);
+        let announced = self
+            .tx
+            .send(Item::Session {
+                session: self.session,
+                epoch: capture.epoch(),
+                parked_keys,
+            })
+            .await;
+        if announced.is_err() {
+            return Ended::Closed;
+        }
+        self.status.send_replace(CaptureStatus::Reading);
+        tracing::info!(session = self.session, "reading the binary log");
+        // A drain looks at where the log is read to this often, too.
+        let store_every = match drain_until {
+            Some(_) => (self.seat.lease / 3).min(Duration::from_millis(250)),
+            None => self.seat.lease / 3,
+        };
+        let mut next_store = tokio::time::Instant::now() + store_every;
+        let mut pending: Option<Item> = None;
+        let mut drained = drain_until.is_none();
+        loop {
+            let step = tokio::select! {
+                biased;
+                _ = self.close.wait_for(|c| *c) => Step::Close,
+                settled = self.settled.recv() => Step::Settled(settled),
+                _ = tokio::time::sleep_until(next_store) => Step::Store,
+                permit = self.tx.clone().reserve_owned(), if pending.is_some() => Step::Send(permit),
+                output = async {
+                    self.memory.has_room().await;
+                    capture.next().await
+                }, if pending.is_none() => Step::Read(output),
+            };
+            match step {
+                Step::Close => {
+                    while let Ok((session, ordinals)) = self.settled.try_recv() {
+                        settle(&mut capture, self.session, session, ordinals);
+                    }
+                    if let Err(e) = capture.leave().await {
+                        tracing::warn!(error = %e, "storing the position at shutdown failed: what was settled since the last store is read again");
+                    }
+                    return Ended::Closed;
+                }
+                Step::Settled(None) => return Ended::Closed,
+                Step::Settled(Some((session, ordinals))) => {
+                    settle(&mut capture, self.session, session, ordinals);
+                }
+                Step::Store => {
+                    next_store = tokio::time::Instant::now() + store_every;
+                    if let Err(e) = capture.store().await {
+                        return Ended::Broken(format!("storing the position: {e}"));
+                    }
+                }
+                Step::Send(Err(_)) => return Ended::Closed,
+                Step::Send(Ok(permit)) => {
+                    let was_empty = self.tx.capacity() == self.tx.max_capacity();
+                    if let Some(item) = pending.take() {
+                        permit.send(item);
+                    }
+                    if was_empty {
+                        self.wake();
+                    }
+                }
+                Step::Read(Err(e)) => return Ended::Broken(e.to_string()),
+                Step::Read(Ok(None)) => {
+                    return Ended::Broken("the server ended the binlog stream".into())
+                }
+                Step::Read(Ok(Some(output))) => {
+                    pending = Some(match output {
+                        Output::Row(row) => {
+                            let captured = decode(&row);
+                            let memory = self.memory.charge(captured_bytes(&captured));
+                            Item::Row {
+                                ordinal: row.ordinal(),
+                                captured: Box::new(captured),
+                                memory,
+                            }
+                        }
+                        Output::Committed { .. } => Item::Committed,
+                        Output::RolledBack { .. } => Item::RolledBack,
+                    });
+                }
+            }
+            if !drained && pending.is_none() {
+                if let Some(until) = drain_until {
+                    if at_or_after(&capture.read_to(), until) {
+                        drained = true;
+                        pending = Some(Item::Drained);
+                    }
+                }
+            }
+        }
+    }
+
+    async fn parked_keys(&self) -> Result<Vec<String>, mysql_async::Error> {
+        let mut conn = self.pool.get_conn().await?;
+        conn.query(self.sql.parked_keys()).await
+    }
+}
+
+/// Passes settled ordinals of the reading session to the capture (those of an earlier
+/// session are read again, and settle there).
+fn settle(capture: &mut Capture, reading: u64, session: u64, ordinals: Vec<u64>) {
+    if session != reading {
+        return;
+    }
+    for ordinal in ordinals {
+        if let Err(e) = capture.settle(ordinal) {
+            tracing::error!(error = %e, "binlog acknowledgement out of step (a bug): the position stays where it is");
+        }
+    }
+}
+
+fn captured_bytes(captured: &Captured) -> usize {
+    match &captured.event {
+        Ok(event) => event_bytes(event),
+        Err(u) => EVENT_OVERHEAD + u.reason.len(),
+    }
+}

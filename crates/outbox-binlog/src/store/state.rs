@@ -1,0 +1,713 @@
+//! What binlog capture knows between awaits, and the rules that move it: rows handed out
+//! and held until settled, the keys with parked rows, the parks to write, and the rows
+//! whose settling the reader is told of (it stores the position they allow). No I/O here:
+//! the store runs the statements and then tells the state what they did.
+//!
+//! The rules are WAL capture's (`outbox-wal/src/capture/state.rs`), over the binary log's
+//! positions: a row's place is its session and its ordinal in that session's reading.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use outbox_core::memory::Charge;
+use outbox_core::{Claimed, Event, SequenceId};
+
+use super::event::{Captured, Undecodable};
+
+/// What the reader hands to claims, in log order.
+pub(super) enum Item {
+    /// The reader took the seat at `epoch` and reads as session `session`; `parked_keys`
+    /// have rows in the parked table (loaded before any row of the session is handed out).
+    Session {
+        session: u64,
+        epoch: i64,
+        parked_keys: Vec<String>,
+    },
+    /// A row inserted by the transaction being read, the `ordinal`th of the session.
+    Row {
+        ordinal: u64,
+        captured: Box<Captured>,
+        memory: Charge,
+    },
+    /// The transaction being read committed.
+    Committed,
+    /// The transaction being read was rolled back: its rows never happened (a BLACKHOLE
+    /// outbox on MySQL).
+    RolledBack,
+    /// `--drain`: the log is read up to the position current at start-up.
+    Drained,
+}
+
+/// The session that reads now, 0 while none does. The reader sets it before it announces
+/// a session and back to 0 the moment the session ends, so claims stop handing out its
+/// rows then, not when they next see an announcement.
+#[derive(Default)]
+pub(super) struct LiveSession(std::sync::atomic::AtomicU64);
+
+impl LiveSession {
+    pub(super) fn get(&self) -> u64 {
+        self.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    pub(super) fn set(&self, session: u64) {
+        self.0.store(session, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+pub(super) enum Body {
+    Event(Arc<Event>),
+    Undecodable(Box<Undecodable>),
+}
+
+/// A row read from the log and handed out.
+pub(super) struct Streamed {
+    pub(super) session: u64,
+    pub(super) ordinal: u64,
+    /// The outbox row to delete once settled (table form).
+    pub(super) row: Option<i64>,
+    pub(super) key: String,
+    pub(super) body: Body,
+    pub(super) _memory: Charge,
+}
+
+pub(super) enum Held {
+    Stream(Box<Streamed>),
+    /// A row of the parked table (its engine id is minus its `sequence_id` there).
+    Parked {
+        key: String,
+        _memory: Charge,
+    },
+}
+
+/// A held stream row to write to the parked table, and how.
+#[derive(Debug)]
+pub(super) struct Park {
+    pub(super) id: SequenceId,
+    pub(super) attempts: u32,
+    pub(super) error: Option<String>,
+    pub(super) delay: Duration,
+    pub(super) not_before: Option<SystemTime>,
+    /// Written as a dead letter: the engine gave it up, or it is undecodable behind a
+    /// waiting key.
+    pub(super) dead: bool,
+}
+
+impl Park {
+    /// A row that waits for its key, with nothing against it.
+    pub(super) fn behind_its_key(id: SequenceId) -> Self {
+        Park {
+            id,
+            attempts: 0,
+            error: None,
+            delay: Duration::ZERO,
+            not_before: None,
+            dead: false,
+        }
+    }
+}
+
+/// What the engine settles, by where it is.
+pub(super) struct Split<T> {
+    pub(super) parked: Vec<T>,
+    pub(super) keys: Vec<String>,
+    pub(super) stream: Vec<T>,
+}
+
+/// The engine's id of a parked row (`sequence_id` in the parked table) and back: negative,
+/// so it never meets a stream row's (the outbox row's `sequence_id`, or a BLACKHOLE row's
+/// [`stream_id`]).
+pub(super) fn parked_id(parked_sequence_id: SequenceId) -> SequenceId {
+    -parked_sequence_id
+}
+
+/// The id of a stream row with no `sequence_id` (BLACKHOLE): its session and ordinal.
+pub(super) fn stream_id(session: u64, ordinal: u64) -> SequenceId {
+    ((session << 40) | (ordinal & ((1 << 40) - 1))) as SequenceId
+}
+
+pub(super) struct State {
+    pub(super) session: u64,
+    /// The seat's epoch of the session: parked-table writes are fenced on it.
+    pub(super) epoch: i64,
+    /// Nothing of the session may be handed out any more ([`State::end_session`]).
+    pub(super) ended: bool,
+    /// Rows are handed out only once their transaction's commit is read (a BLACKHOLE
+    /// table, whose rolled-back rows reach the log too).
+    pub(super) hold_to_commit: bool,
+    /// The transaction being read, while `hold_to_commit`.
+    pub(super) uncommitted: Vec<(u64, Box<Captured>, Charge)>,
+    /// Items received from the reader, not yet taken by a claim (a claim stops at its
+    /// limit).
+    pub(super) unaccepted: VecDeque<Item>,
+    pub(super) held: HashMap<SequenceId, Held>,
+    /// Keys with rows in the parked table or in `to_park`.
+    pub(super) parked_keys: HashSet<String>,
+    /// Keys to check against the parked table at the next claim.
+    pub(super) recheck: Vec<String>,
+    pub(super) to_park: Vec<Park>,
+    /// Ordinals of the session's settled rows, for the reader.
+    pub(super) settled: Vec<u64>,
+    /// `--drain`: every row committed before start-up has been handed out.
+    drained: bool,
+}
+
+/// Splits `to_park` into the parks to write now, in log order, and those that wait. Parked
+/// rows are claimed in parking order, so per key it must be log order: a row the engine
+/// still has may yet come back to be parked (a retry or a release), and every later row of
+/// its key waits for it.
+pub(super) fn parking_order(state: &State, mut to_park: Vec<Park>) -> (Vec<Park>, Vec<Park>) {
+    let place = |id: &SequenceId| match state.held.get(id) {
+        Some(Held::Stream(s)) => Some((s.session, s.ordinal)),
+        _ => None,
+    };
+    to_park.sort_by_key(|p| place(&p.id));
+    let parking: HashSet<SequenceId> = to_park.iter().map(|p| p.id).collect();
+    // Per key, the first place of a row still with the engine.
+    let mut out: HashMap<&str, (u64, u64)> = HashMap::new();
+    for (id, held) in &state.held {
+        if let Held::Stream(s) = held {
+            if !parking.contains(id) {
+                let at = (s.session, s.ordinal);
+                out.entry(s.key.as_str())
+                    .and_modify(|first| *first = (*first).min(at))
+                    .or_insert(at);
+            }
+        }
+    }
+    to_park
+        .into_iter()
+        .partition(|park| match state.held.get(&park.id) {
+            Some(Held::Stream(s)) => out
+                .get(s.key.as_str())
+                .is_none_or(|first| *first > (s.session, s.ordinal)),
+            _ => true,
+        })
+}
+
+impl State {
+    pub(super) fn new(hold_to_commit: bool) -> State {
+        State {
+            session: 0,
+            epoch: 0,
+            // Nothing is handed out before the first session's announcement.
+            ended: true,
+            hold_to_commit,
+            uncommitted: Vec::new(),
+            unaccepted: VecDeque::new(),
+            held: HashMap::new(),
+            parked_keys: HashSet::new(),
+            recheck: Vec::new(),
+            to_park: Vec::new(),
+            settled: Vec::new(),
+            drained: false,
+        }
+    }
+
+    pub(super) fn drained(&self) -> bool {
+        self.drained
+    }
+
+    /// The session is over: nothing more of it is handed out, and what it left not handed
+    /// out (read ahead, queued to park) is dropped, to be read again by whichever session
+    /// reads next, this relay's or another's, from the stored position (which it never
+    /// passed). Handing it out could put a later row of a key ahead of an earlier one the
+    /// next reader delivers.
+    pub(super) fn end_session(&mut self) {
+        self.ended = true;
+        self.unaccepted.clear();
+        self.uncommitted.clear();
+        for park in std::mem::take(&mut self.to_park) {
+            self.held.remove(&park.id);
+        }
+    }
+
+    /// Whether the session followed is `live` and may hand out rows. When not, it is
+    /// ended, and the items `next` gives are taken (what the ended session sent is
+    /// dropped) up to a session's announcement, which is followed in turn when live.
+    pub(super) fn follow(&mut self, live: u64, mut next: impl FnMut() -> Option<Item>) -> bool {
+        loop {
+            if !self.ended && self.session == live {
+                return true;
+            }
+            self.end_session();
+            let mut announced = false;
+            while let Some(item) = next() {
+                announced = matches!(item, Item::Session { .. });
+                self.accept(item);
+                if announced {
+                    break;
+                }
+            }
+            if !announced {
+                return false;
+            }
+        }
+    }
+
+    /// One reader item, in log order.
+    pub(super) fn accept(&mut self, item: Item) {
+        match item {
+            Item::Session {
+                session,
+                epoch,
+                parked_keys,
+            } => {
+                self.end_session();
+                self.session = session;
+                self.epoch = epoch;
+                self.ended = false;
+                self.settled.clear();
+                // Parks this process made while the session started may be missing from
+                // the loaded keys: keep them, and check them against the table.
+                let loaded: HashSet<String> = parked_keys.into_iter().collect();
+                self.recheck = self.parked_keys.difference(&loaded).cloned().collect();
+                self.parked_keys.extend(loaded);
+            }
+            _ if self.ended => {}
+            other => self.unaccepted.push_back(other),
+        }
+    }
+
+    /// Takes received items until `out` holds `limit` rows; returns how many it took.
+    pub(super) fn accept_outputs(&mut self, out: &mut Vec<Claimed>, limit: usize) -> usize {
+        let mut taken = 0;
+        while out.len() < limit && !self.ended {
+            let Some(item) = self.unaccepted.pop_front() else {
+                break;
+            };
+            taken += 1;
+            match item {
+                Item::Row {
+                    ordinal,
+                    captured,
+                    memory,
+                } if self.hold_to_commit => self.uncommitted.push((ordinal, captured, memory)),
+                Item::Row {
+                    ordinal,
+                    captured,
+                    memory,
+                } => self.hand_out(ordinal, captured, memory, out),
+                Item::Committed => {
+                    for (ordinal, captured, memory) in std::mem::take(&mut self.uncommitted) {
+                        self.hand_out(ordinal, captured, memory, out);
+                    }
+                }
+                Item::RolledBack => self.uncommitted.clear(),
+                Item::Drained => self.drained = true,
+                Item::Session { .. } => {}
+            }
+        }
+        taken
+    }
+
+    fn hand_out(
+        &mut self,
+        ordinal: u64,
+        captured: Box<Captured>,
+        memory: Charge,
+        out: &mut Vec<Claimed>,
+    ) {
+        let Captured {
+            row,
+            not_before,
+            event,
+        } = *captured;
+        let id = row.unwrap_or_else(|| stream_id(self.session, ordinal));
+        let (key, body) = match event {
+            Ok(event) => {
+                let key = event.ordering_key().to_string();
+                let event = Arc::new(Event {
+                    sequence_id: id,
+                    ..event
+                });
+                if not_before.is_some() || self.parked_keys.contains(&key) {
+                    self.parked_keys.insert(key.clone());
+                    self.to_park.push(Park {
+                        not_before,
+                        ..Park::behind_its_key(id)
+                    });
+                } else {
+                    out.push(Claimed::Event(event.clone()));
+                }
+                (key, Body::Event(event))
+            }
+            Err(undecodable) => {
+                let key = undecodable.ordering_key().to_string();
+                if self.parked_keys.contains(&key) {
+                    // Nothing to park that a claim could read back: dead-lettered in the
+                    // park's transaction, as the engine would have.
+                    self.to_park.push(Park {
+                        error: Some(undecodable.reason.clone()),
+                        dead: true,
+                        ..Park::behind_its_key(id)
+                    });
+                } else {
+                    out.push(Claimed::Undecodable {
+                        sequence_id: id,
+                        ordering_key: key.clone(),
+                        destination: undecodable.destination.clone().unwrap_or_default(),
+                        attempts: 0,
+                        reason: undecodable.reason.clone(),
+                    });
+                }
+                (key, Body::Undecodable(undecodable))
+            }
+        };
+        self.held.insert(
+            id,
+            Held::Stream(Box::new(Streamed {
+                session: self.session,
+                ordinal,
+                row,
+                key,
+                body,
+                _memory: memory,
+            })),
+        );
+    }
+
+    /// Settles held stream rows and forgets them; those of the current session are passed
+    /// on to the reader, which stores the position they allow.
+    pub(super) fn settle(&mut self, ids: impl IntoIterator<Item = SequenceId>) {
+        for id in ids {
+            if let Some(Held::Stream(s)) = self.held.remove(&id) {
+                if s.session == self.session && !self.ended {
+                    self.settled.push(s.ordinal);
+                }
+            }
+        }
+    }
+
+    /// The parks to write now, in log order ([`parking_order`]); the others stay queued.
+    pub(super) fn take_parks(&mut self) -> Vec<Park> {
+        let to_park = std::mem::take(&mut self.to_park);
+        let (parks, waiting) = parking_order(self, to_park);
+        self.to_park = waiting;
+        parks
+    }
+
+    /// Queues held stream rows for the next park statement (each once).
+    pub(super) fn queue_parks(&mut self, parks: impl IntoIterator<Item = Park>) {
+        for park in parks {
+            let Some(Held::Stream(s)) = self.held.get(&park.id) else {
+                continue;
+            };
+            if self.to_park.iter().all(|p| p.id != park.id) {
+                self.parked_keys.insert(s.key.clone());
+                self.to_park.push(park);
+            }
+        }
+    }
+
+    /// The keys among `keys` with nothing parked left (none `still` in the parked table,
+    /// none waiting in `to_park`) are let through again.
+    pub(super) fn unpark(&mut self, keys: Vec<String>, still: &HashSet<String>) {
+        let waiting: HashSet<&str> = self
+            .to_park
+            .iter()
+            .filter_map(|p| match self.held.get(&p.id) {
+                Some(Held::Stream(s)) => Some(s.key.as_str()),
+                _ => None,
+            })
+            .collect();
+        let free: Vec<String> = keys
+            .into_iter()
+            .filter(|key| !still.contains(key) && !waiting.contains(key.as_str()))
+            .collect();
+        for key in free {
+            self.parked_keys.remove(&key);
+        }
+    }
+
+    /// Splits what the engine settles into parked rows (with their keys) and held stream
+    /// rows; what is held no more is left out.
+    pub(super) fn split<T>(&self, items: Vec<T>, id: fn(&T) -> SequenceId) -> Split<T> {
+        let mut split = Split {
+            parked: Vec::new(),
+            keys: Vec::new(),
+            stream: Vec::new(),
+        };
+        for item in items {
+            match self.held.get(&id(&item)) {
+                Some(Held::Parked { key, .. }) => {
+                    split.keys.push(key.clone());
+                    split.parked.push(item);
+                }
+                Some(Held::Stream(_)) => split.stream.push(item),
+                None => {}
+            }
+        }
+        split
+    }
+
+    /// Forgets parked rows before the statement that settles them: once it commits, a
+    /// claim may take a row again, and the entry that claim makes must not be forgotten
+    /// after it. [`State::restore`] gives them back if the statement fails.
+    pub(super) fn take(&mut self, ids: &[SequenceId]) -> Vec<(SequenceId, Held)> {
+        ids.iter()
+            .filter_map(|id| self.held.remove(id).map(|held| (*id, held)))
+            .collect()
+    }
+
+    pub(super) fn restore(&mut self, taken: Vec<(SequenceId, Held)>) {
+        for (id, held) in taken {
+            self.held.entry(id).or_insert(held);
+        }
+    }
+
+    /// Forgets stream rows this relay may no longer write for (another relay took the
+    /// seat: it reads them again from the stored position), and ends the session.
+    pub(super) fn leave_to_seat_holder(&mut self, ids: impl IntoIterator<Item = SequenceId>) {
+        let ids: Vec<SequenceId> = ids.into_iter().collect();
+        for id in &ids {
+            self.held.remove(id);
+        }
+        tracing::warn!(
+            ?ids,
+            "another relay has taken over reading the binary log: these rows are left to it \
+             (it reads them again), and nothing more of this session is handed out"
+        );
+        self.end_session();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use outbox_core::Payload;
+
+    /// Row `id` of key `key`, the `ordinal`th read.
+    fn row(id: i64, key: &str, ordinal: u64) -> Item {
+        let event = Event {
+            partition_key: Some(key.into()),
+            ..Event::new(
+                0,
+                uuid::Uuid::from_u128(id as u128),
+                "orders",
+                "T",
+                Payload::Null,
+            )
+        };
+        Item::Row {
+            ordinal,
+            captured: Box::new(Captured {
+                row: Some(id),
+                not_before: None,
+                event: Ok(event),
+            }),
+            memory: Charge::none(),
+        }
+    }
+
+    fn session(n: u64, parked_keys: &[&str]) -> Item {
+        Item::Session {
+            session: n,
+            epoch: n as i64,
+            parked_keys: parked_keys.iter().map(|k| k.to_string()).collect(),
+        }
+    }
+
+    /// One committed transaction per `(id, key)`, ordinals from 1.
+    fn transactions(rows: &[(i64, &str)]) -> Vec<Item> {
+        rows.iter()
+            .enumerate()
+            .flat_map(|(i, &(id, key))| [row(id, key, i as u64 + 1), Item::Committed])
+            .collect()
+    }
+
+    /// What a claim hands out of `items`, by id.
+    fn claim(state: &mut State, items: Vec<Item>) -> Vec<SequenceId> {
+        for item in items {
+            state.accept(item);
+        }
+        let mut out = Vec::new();
+        state.accept_outputs(&mut out, 100);
+        out.iter().map(Claimed::sequence_id).collect()
+    }
+
+    fn parked(parks: &[Park]) -> Vec<SequenceId> {
+        parks.iter().map(|p| p.id).collect()
+    }
+
+    #[test]
+    fn settled_rows_of_the_session_are_passed_to_the_reader_whatever_their_order() {
+        let mut state = State::new(false);
+        state.accept(session(1, &[]));
+        assert_eq!(
+            claim(&mut state, transactions(&[(1, "a"), (2, "b")])),
+            [1, 2]
+        );
+        state.settle([2, 1]);
+        assert_eq!(state.settled, [2, 1]);
+        assert!(state.held.is_empty());
+        state.settle([1]);
+        assert_eq!(state.settled, [2, 1], "settled twice: once");
+    }
+
+    #[test]
+    fn a_key_with_parked_rows_has_its_later_ones_parked_behind() {
+        let mut state = State::new(false);
+        state.accept(session(1, &["a"]));
+        assert_eq!(claim(&mut state, transactions(&[(1, "a"), (2, "b")])), [2]);
+        assert_eq!(parked(&state.take_parks()), [1]);
+    }
+
+    #[test]
+    fn a_release_waits_to_be_parked_while_an_earlier_row_of_its_key_is_with_the_engine() {
+        let mut state = State::new(false);
+        state.accept(session(1, &[]));
+        assert_eq!(
+            claim(&mut state, transactions(&[(1, "a"), (2, "a")])),
+            [1, 2]
+        );
+        // 2 is released behind 1, which the engine still has: 1 may come back as a retry,
+        // and must then be parked first.
+        state.queue_parks([Park::behind_its_key(2)]);
+        assert!(state.take_parks().is_empty());
+        state.queue_parks([Park::behind_its_key(1)]);
+        assert_eq!(parked(&state.take_parks()), [1, 2], "log order");
+    }
+
+    #[test]
+    fn a_blackhole_transaction_is_handed_out_at_its_commit_and_never_when_rolled_back() {
+        let mut state = State::new(true);
+        state.accept(session(1, &[]));
+        // A BLACKHOLE row has no sequence_id.
+        let blackhole = |ordinal| match row(0, "a", ordinal) {
+            Item::Row {
+                ordinal,
+                mut captured,
+                memory,
+            } => {
+                captured.row = None;
+                Item::Row {
+                    ordinal,
+                    captured,
+                    memory,
+                }
+            }
+            other => other,
+        };
+        assert!(claim(&mut state, vec![blackhole(1), blackhole(2)]).is_empty());
+        assert_eq!(
+            claim(&mut state, vec![Item::Committed]),
+            [stream_id(1, 1), stream_id(1, 2)]
+        );
+        assert!(claim(&mut state, vec![blackhole(3), Item::RolledBack]).is_empty());
+        assert!(state.uncommitted.is_empty());
+        assert!(claim(&mut state, vec![Item::Committed]).is_empty());
+    }
+
+    #[test]
+    fn a_row_due_later_is_parked_and_its_key_waits_behind_it() {
+        let mut state = State::new(false);
+        state.accept(session(1, &[]));
+        let mut later = row(1, "a", 1);
+        if let Item::Row { captured, .. } = &mut later {
+            captured.not_before = Some(SystemTime::now() + Duration::from_secs(60));
+        }
+        let items = vec![later, Item::Committed, row(2, "a", 2), Item::Committed];
+        assert!(claim(&mut state, items).is_empty());
+        let parks = state.take_parks();
+        assert_eq!(parked(&parks), [1, 2]);
+        assert!(parks[0].not_before.is_some() && parks[1].not_before.is_none());
+    }
+
+    #[test]
+    fn an_undecodable_row_behind_a_parked_key_is_dead_lettered_by_the_park() {
+        let mut state = State::new(false);
+        state.accept(session(1, &["a"]));
+        let bad = Item::Row {
+            ordinal: 1,
+            captured: Box::new(Captured {
+                row: Some(7),
+                not_before: None,
+                event: Err(Box::new(Undecodable {
+                    reason: "payload is not JSON".into(),
+                    event_id: None,
+                    destination: Some("a".into()),
+                    partition_key: None,
+                })),
+            }),
+            memory: Charge::none(),
+        };
+        assert!(claim(&mut state, vec![bad, Item::Committed]).is_empty());
+        let parks = state.take_parks();
+        assert!(parks[0].dead && parks[0].error.as_deref() == Some("payload is not JSON"));
+    }
+
+    #[test]
+    fn a_new_session_drops_what_the_old_one_queued_and_settles_only_its_own_rows() {
+        let mut state = State::new(false);
+        state.accept(session(1, &[]));
+        assert_eq!(
+            claim(&mut state, transactions(&[(1, "a"), (2, "b")])),
+            [1, 2]
+        );
+        state.queue_parks([Park::behind_its_key(2)]);
+        state.accept(row(3, "c", 3));
+        state.accept(session(2, &[]));
+        assert!(state.to_park.is_empty() && state.unaccepted.is_empty());
+        assert!(
+            !state.held.contains_key(&2),
+            "read again by the new session"
+        );
+        // Row 1 of session 1 is settled by the engine: nothing of it reaches session 2's
+        // positions.
+        state.settle([1]);
+        assert!(state.settled.is_empty());
+        // Row 1 comes again in session 2 and replaces the old entry.
+        assert_eq!(claim(&mut state, transactions(&[(1, "a")])), [1]);
+        state.settle([1]);
+        assert_eq!(state.settled, [1]);
+    }
+
+    /// A claim races the reader: the session ends (the reader sets no live session) while
+    /// rows it read are still queued, before the next session's announcement.
+    #[test]
+    fn a_claim_racing_a_session_end_drops_what_that_session_read_until_the_next_announcement() {
+        let mut state = State::new(false);
+        let mut queued: VecDeque<Item> = VecDeque::from([session(1, &[])]);
+        queued.extend(transactions(&[(1, "a"), (2, "b")]));
+        assert!(state.follow(1, || queued.pop_front()));
+        // The session ends before the claim takes what it read.
+        assert!(!state.follow(0, || queued.pop_front()));
+        let mut out = Vec::new();
+        assert_eq!(state.accept_outputs(&mut out, 100), 0);
+        assert!(out.is_empty() && state.unaccepted.is_empty());
+        queued.push_back(session(2, &[]));
+        queued.extend(transactions(&[(1, "a")]));
+        assert!(state.follow(2, || queued.pop_front()));
+        while let Some(item) = queued.pop_front() {
+            state.accept(item);
+        }
+        state.accept_outputs(&mut out, 100);
+        assert_eq!(
+            out.iter().map(Claimed::sequence_id).collect::<Vec<_>>(),
+            [1]
+        );
+    }
+
+    #[test]
+    fn a_seat_taken_over_leaves_its_rows_to_the_new_holder() {
+        let mut state = State::new(false);
+        state.accept(session(1, &["a"]));
+        assert!(claim(&mut state, transactions(&[(1, "a")])).is_empty());
+        let parks = state.take_parks();
+        state.leave_to_seat_holder(parked(&parks));
+        assert!(state.held.is_empty() && state.ended);
+        // The parked table has nothing of `a`: the key is let through, but this session
+        // hands out nothing more.
+        state.unpark(vec!["a".into()], &HashSet::new());
+        assert!(claim(&mut state, transactions(&[(2, "a")])).is_empty());
+        assert!(state.settled.is_empty());
+    }
+
+    #[test]
+    fn ids_of_parked_and_blackhole_rows_never_meet_those_of_table_rows() {
+        assert!(parked_id(5) < 0);
+        assert_ne!(stream_id(1, 5), stream_id(2, 5));
+        assert!(stream_id(1, 1) > 0);
+    }
+}

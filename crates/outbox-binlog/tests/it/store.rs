@@ -1,0 +1,397 @@
+//! Binlog capture through the engine, over the real MariaDB 10.11: commit order per key,
+//! parked keys that hold back neither the position nor other keys, the adoption of rows
+//! already in the table, restarts from the stored position, and a standby's takeover.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use mysql_async::prelude::Queryable;
+use mysql_async::{Conn, Opts};
+use outbox_binlog::{positions_ddl, BinlogConfig, BinlogStore, BinlogStoreOptions, SeatConfig};
+use outbox_core::{NodeId, PublishErrorKind, RetryPolicy};
+use outbox_engine::EngineConfig;
+use outbox_layout::Mapping;
+use outbox_store_mysql::{MySqlOptions, MySqlStore};
+use outbox_testkit::eventually;
+use outbox_testkit::recording::RecordingPublisher;
+
+const POSITIONS: &str = "outbox_binlog";
+
+/// Each reader of the shared test server needs a server id of its own.
+fn server_id() -> u32 {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    5_000_000 + (std::process::id() % 10_000) * 100 + NEXT.fetch_add(1, Ordering::SeqCst) % 100
+}
+
+fn mysql_store(url: &str, table: &str) -> MySqlStore {
+    MySqlStore::new(MySqlOptions {
+        url: url.into(),
+        mapping: Mapping::native_mysql(None, table, false),
+        layout: "native".into(),
+        max_attempts: 1000,
+        pool_size: 4,
+        nodes_table: None,
+    })
+    .unwrap()
+}
+
+struct Fixture {
+    url: String,
+    database: String,
+    db: mysql_async::Pool,
+}
+
+impl Fixture {
+    /// A fresh database with the native outbox, its parked table and the positions table.
+    async fn new() -> Fixture {
+        let url = outbox_testkit::fresh_mysql_database().await;
+        let database = Opts::from_url(&url).unwrap().db_name().unwrap().to_string();
+        mysql_store(&url, "outbox").migrate().await.unwrap();
+        let db = mysql_async::Pool::new(Opts::from_url(&url).unwrap());
+        let mut conn = db.get_conn().await.unwrap();
+        conn.query_drop("CREATE TABLE outbox_parked LIKE outbox")
+            .await
+            .unwrap();
+        conn.query_drop(positions_ddl(POSITIONS)).await.unwrap();
+        Fixture { url, database, db }
+    }
+
+    fn options(&self, holder: &str) -> BinlogStoreOptions {
+        BinlogStoreOptions {
+            binlog: BinlogConfig {
+                url: self.url.clone(),
+                server_id: server_id(),
+                database: self.database.clone(),
+                table: "outbox".into(),
+            },
+            seat: SeatConfig {
+                url: self.url.clone(),
+                positions: POSITIONS.into(),
+                outbox: format!("{}.outbox", self.database),
+                holder: holder.into(),
+                lease: Duration::from_secs(3),
+            },
+            parked_table: "outbox_parked".into(),
+            blackhole: false,
+            drain: false,
+            memory_budget: 32 * 1024 * 1024,
+            parked: Arc::new(mysql_store(&self.url, "outbox_parked")),
+            main: Arc::new(mysql_store(&self.url, "outbox")),
+        }
+    }
+
+    /// Inserts event `n` of `key` (its type `event_type`) in a transaction of its own.
+    async fn insert(&self, key: &str, event_type: &str, n: i64) {
+        self.db
+            .get_conn()
+            .await
+            .unwrap()
+            .exec_drop(
+                "INSERT INTO outbox (destination, partition_key, event_type, payload)
+                 VALUES ('orders', ?, ?, JSON_OBJECT('n', ?))",
+                (key, event_type, n),
+            )
+            .await
+            .unwrap();
+    }
+
+    async fn count(&self, table: &str) -> i64 {
+        self.db
+            .get_conn()
+            .await
+            .unwrap()
+            .query_first(format!("SELECT count(*) FROM {table}"))
+            .await
+            .unwrap()
+            .unwrap()
+    }
+
+    /// The stored position's offset (0 before any).
+    async fn stored_offset(&self) -> u64 {
+        self.db
+            .get_conn()
+            .await
+            .unwrap()
+            .query_first(format!("SELECT log_offset FROM {POSITIONS}"))
+            .await
+            .unwrap()
+            .unwrap_or(0)
+    }
+
+    async fn current_offset(&self) -> u64 {
+        let row: mysql_async::Row = self
+            .db
+            .get_conn()
+            .await
+            .unwrap()
+            .query_first("SHOW MASTER STATUS")
+            .await
+            .unwrap()
+            .unwrap();
+        row.get(1).unwrap()
+    }
+}
+
+/// A relay: the store, the engine task, and the switch that stops it.
+struct Relay {
+    store: BinlogStore,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    engine: tokio::task::JoinHandle<outbox_engine::Summary>,
+}
+
+impl Relay {
+    async fn start(options: BinlogStoreOptions, publisher: &RecordingPublisher) -> Relay {
+        let store = BinlogStore::start(options).unwrap();
+        let mut config = EngineConfig::new(NodeId("binlog-test".into()));
+        config.settings.retry = RetryPolicy {
+            base_delay: Duration::from_millis(50),
+            max_delay: Duration::from_millis(200),
+            max_attempts: 1000,
+            ..RetryPolicy::default()
+        };
+        config.settings.poll_interval = Duration::from_millis(100);
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let engine = tokio::spawn(outbox_engine::run(
+            Arc::new(store.clone()),
+            Arc::new(publisher.clone()),
+            config,
+            async move {
+                let _ = stopped.await;
+            },
+        ));
+        let engine = tokio::spawn(async move { engine.await.unwrap().unwrap() });
+        Relay {
+            store,
+            stop: Some(stop),
+            engine,
+        }
+    }
+
+    async fn reading(options: BinlogStoreOptions, publisher: &RecordingPublisher) -> Relay {
+        let relay = Relay::start(options, publisher).await;
+        let status = relay.store.wait_reading(Duration::from_secs(30)).await;
+        assert_eq!(status, outbox_binlog::CaptureStatus::Reading);
+        relay
+    }
+
+    async fn stop(mut self) {
+        let _ = self.stop.take().unwrap().send(());
+        self.engine.await.unwrap();
+        self.store.close(Duration::from_secs(10)).await;
+    }
+}
+
+fn delivered_n(publisher: &RecordingPublisher, key: &str) -> Vec<i64> {
+    publisher
+        .delivered()
+        .iter()
+        .filter(|e| e.ordering_key() == key)
+        .map(|e| {
+            serde_json::from_slice::<serde_json::Value>(e.payload.as_bytes()).unwrap()["n"]
+                .as_i64()
+                .unwrap()
+        })
+        .collect()
+}
+
+const PATIENCE: Duration = Duration::from_secs(30);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_same_key_transactions_are_delivered_in_commit_order_and_their_rows_deleted() {
+    let fixture = Fixture::new().await;
+    let publisher = RecordingPublisher::new();
+    let relay = Relay::reading(fixture.options("relay-1"), &publisher).await;
+    // The first transaction takes id 1 and commits after the second (id 2).
+    let mut first = Conn::new(Opts::from_url(&fixture.url).unwrap())
+        .await
+        .unwrap();
+    first.query_drop("BEGIN").await.unwrap();
+    first
+        .query_drop(
+            "INSERT INTO outbox (destination, partition_key, event_type, payload)
+             VALUES ('orders', 'k', 'T', JSON_OBJECT('n', 1))",
+        )
+        .await
+        .unwrap();
+    fixture.insert("k", "T", 2).await;
+    first.query_drop("COMMIT").await.unwrap();
+    let written = fixture.current_offset().await;
+    eventually("both delivered", PATIENCE, || async {
+        (delivered_n(&publisher, "k").len() == 2).then_some(())
+    })
+    .await;
+    assert_eq!(delivered_n(&publisher, "k"), [2, 1], "commit order");
+    eventually(
+        "the rows deleted and the position stored past them",
+        PATIENCE,
+        || async {
+            let done =
+                fixture.count("outbox").await == 0 && fixture.stored_offset().await >= written;
+            done.then_some(())
+        },
+    )
+    .await;
+    relay.stop().await;
+}
+
+/// A key whose head keeps failing is parked: the other keys go on, the position moves past
+/// every transaction (the parked rows are durable elsewhere), and once the sink accepts it
+/// again the key's events follow in commit order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_key_is_parked_and_holds_back_neither_the_position_nor_other_keys() {
+    let fixture = Fixture::new().await;
+    let publisher = RecordingPublisher::new();
+    publisher.fail("Stuck", usize::MAX, PublishErrorKind::Unavailable);
+    let relay = Relay::reading(fixture.options("relay-1"), &publisher).await;
+    fixture.insert("a", "Stuck", 1).await;
+    fixture.insert("a", "Placed", 2).await;
+    fixture.insert("b", "Placed", 3).await;
+    fixture.insert("a", "Placed", 4).await;
+    fixture.insert("b", "Placed", 5).await;
+    let written = fixture.current_offset().await;
+    eventually("key b delivered", PATIENCE, || async {
+        (delivered_n(&publisher, "b") == [3, 5]).then_some(())
+    })
+    .await;
+    eventually(
+        "the position stored past the parked key",
+        PATIENCE,
+        || async { (fixture.stored_offset().await >= written).then_some(()) },
+    )
+    .await;
+    assert!(
+        delivered_n(&publisher, "a").is_empty(),
+        "a waits behind its head"
+    );
+    assert_eq!(
+        fixture.count("outbox_parked").await,
+        3,
+        "a's three rows wait there"
+    );
+    assert_eq!(
+        fixture.count("outbox").await,
+        0,
+        "settled rows leave the outbox"
+    );
+    // A new row of the parked key queues behind it.
+    fixture.insert("a", "Placed", 6).await;
+    eventually("the new row of a parked too", PATIENCE, || async {
+        (fixture.count("outbox_parked").await == 4).then_some(())
+    })
+    .await;
+    publisher.fail("Stuck", 0, PublishErrorKind::Unavailable);
+    eventually("key a delivered", PATIENCE, || async {
+        (delivered_n(&publisher, "a").len() == 4).then_some(())
+    })
+    .await;
+    assert_eq!(delivered_n(&publisher, "a"), [1, 2, 4, 6]);
+    eventually("the parked table empties", PATIENCE, || async {
+        (fixture.count("outbox_parked").await == 0 && relay.store.parked_keys() == 0).then_some(())
+    })
+    .await;
+    // The key flows from the log again.
+    fixture.insert("a", "Placed", 7).await;
+    eventually("a's next row delivered", PATIENCE, || async {
+        (delivered_n(&publisher, "a") == [1, 2, 4, 6, 7]).then_some(())
+    })
+    .await;
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_written_before_the_first_start_are_adopted_ahead_of_later_rows_of_their_key() {
+    let fixture = Fixture::new().await;
+    fixture.insert("a", "T", 1).await;
+    fixture.insert("a", "T", 2).await;
+    fixture.insert("b", "T", 3).await;
+    let publisher = RecordingPublisher::new();
+    let relay = Relay::reading(fixture.options("relay-1"), &publisher).await;
+    fixture.insert("a", "T", 4).await;
+    eventually("every row delivered", PATIENCE, || async {
+        (delivered_n(&publisher, "a").len() == 3 && delivered_n(&publisher, "b").len() == 1)
+            .then_some(())
+    })
+    .await;
+    assert_eq!(delivered_n(&publisher, "a"), [1, 2, 4]);
+    eventually("both tables empty", PATIENCE, || async {
+        (fixture.count("outbox").await == 0 && fixture.count("outbox_parked").await == 0)
+            .then_some(())
+    })
+    .await;
+    relay.stop().await;
+    // A second start adopts nothing again: the position is stored.
+    let again = RecordingPublisher::new();
+    let relay = Relay::reading(fixture.options("relay-1"), &again).await;
+    fixture.insert("a", "T", 5).await;
+    eventually("the new row delivered", PATIENCE, || async {
+        (delivered_n(&again, "a") == [5]).then_some(())
+    })
+    .await;
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_started_again_reads_on_from_its_stored_position_and_loses_nothing() {
+    let fixture = Fixture::new().await;
+    let publisher = RecordingPublisher::new();
+    // The sink refuses everything: nothing settles but by parking.
+    publisher.fail("T", usize::MAX, PublishErrorKind::Unavailable);
+    let relay = Relay::reading(fixture.options("relay-1"), &publisher).await;
+    for n in 1..=5 {
+        fixture
+            .insert(if n % 2 == 0 { "a" } else { "b" }, "T", n)
+            .await;
+    }
+    eventually("each key's head tried", PATIENCE, || async {
+        (publisher.attempts().len() >= 2).then_some(())
+    })
+    .await;
+    relay.stop().await;
+    for n in 6..=8 {
+        fixture.insert("c", "T", n).await;
+    }
+    publisher.fail("T", 0, PublishErrorKind::Unavailable);
+    let relay = Relay::reading(fixture.options("relay-1"), &publisher).await;
+    eventually("every row delivered", PATIENCE, || async {
+        let got = delivered_n(&publisher, "a").len()
+            + delivered_n(&publisher, "b").len()
+            + delivered_n(&publisher, "c").len();
+        (got >= 8).then_some(())
+    })
+    .await;
+    assert_eq!(delivered_n(&publisher, "a"), [2, 4]);
+    assert_eq!(delivered_n(&publisher, "b"), [1, 3, 5]);
+    assert_eq!(delivered_n(&publisher, "c"), [6, 7, 8]);
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_reads_on_when_the_active_relay_stops() {
+    let fixture = Fixture::new().await;
+    let first = RecordingPublisher::new();
+    let active = Relay::reading(fixture.options("relay-1"), &first).await;
+    let second = RecordingPublisher::new();
+    let standby = Relay::start(fixture.options("relay-2"), &second).await;
+    eventually("the second relay waits as a standby", PATIENCE, || async {
+        matches!(
+            standby.store.status(),
+            outbox_binlog::CaptureStatus::Standby { .. }
+        )
+        .then_some(())
+    })
+    .await;
+    fixture.insert("a", "T", 1).await;
+    eventually("the active relay delivers", PATIENCE, || async {
+        (delivered_n(&first, "a") == [1]).then_some(())
+    })
+    .await;
+    active.stop().await;
+    fixture.insert("a", "T", 2).await;
+    eventually("the standby took over and delivers", PATIENCE, || async {
+        delivered_n(&second, "a").contains(&2).then_some(())
+    })
+    .await;
+    assert!(second.delivered().len() <= 2, "at most row 1 again");
+    standby.stop().await;
+}
