@@ -38,8 +38,8 @@ pub mod seat;
 pub mod store;
 pub use capture::{Capture, Started};
 pub use positions::{Positions, UnknownRow};
-pub use schema::{blackhole_ddl, blackhole_problem};
-pub use seat::{positions_ddl, ActiveReader, SeatConfig, Taken};
+pub use schema::{blackhole_ddl, blackhole_problem, is_blackhole};
+pub use seat::{positions_ddl, stored_position, ActiveReader, SeatConfig, Taken};
 pub use store::{BinlogStore, BinlogStoreOptions, CaptureStatus};
 
 use futures::StreamExt;
@@ -315,8 +315,22 @@ fn granted(grants: &[String], privilege: &str) -> bool {
 }
 
 pub(crate) fn opts(url: &str) -> Result<Opts> {
-    Opts::from_url(url)
+    let url = match url.strip_prefix("mariadb://") {
+        Some(rest) => format!("mysql://{rest}"),
+        None => url.to_string(),
+    };
+    Opts::from_url(&url)
         .map_err(|e| BinlogError::Config(format!("the database URL cannot be parsed: {e}")))
+}
+
+/// The database a `mysql://` (or `mariadb://`) URL names.
+pub fn database_of(url: &str) -> Result<String> {
+    opts(url)?.db_name().map(str::to_string).ok_or_else(|| {
+        BinlogError::Config(
+            "the database URL names no database: use mysql://user:password@host:port/database"
+                .into(),
+        )
+    })
 }
 
 /// Reads the outbox table's inserts from the binary log.

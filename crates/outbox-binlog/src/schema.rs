@@ -43,3 +43,22 @@ pub async fn blackhole_problem(url: &str) -> Result<Option<Problem>> {
         )),
     })
 }
+
+/// Whether `database.table` is a BLACKHOLE table (the table-less form); an error when there
+/// is no such table.
+pub async fn is_blackhole(url: &str, database: &str, table: &str) -> Result<bool> {
+    let mut conn = Conn::new(opts(url)?).await?;
+    let engine: Option<Option<String>> = conn
+        .exec_first(
+            "SELECT ENGINE FROM information_schema.TABLES WHERE TABLE_SCHEMA = ? AND TABLE_NAME = ?",
+            (database, table),
+        )
+        .await?;
+    conn.disconnect().await?;
+    match engine {
+        Some(engine) => Ok(engine.is_some_and(|e| e.eq_ignore_ascii_case("BLACKHOLE"))),
+        None => Err(crate::BinlogError::Config(format!(
+            "table {database}.{table} does not exist: run `outbox-relay migrate --capture binlog`"
+        ))),
+    }
+}

@@ -44,6 +44,29 @@ pub fn positions_ddl(table: &str) -> String {
     )
 }
 
+/// The position stored for `outbox` in the positions table `positions`, as `check` reads
+/// it: `None` while capture never started.
+pub async fn stored_position(
+    url: &str,
+    positions: &str,
+    outbox: &str,
+) -> Result<Option<BinlogPosition>> {
+    let mut conn = Conn::new(opts(url)?).await?;
+    let row: Option<(String, u64)> = conn
+        .exec_first(
+            format!(
+                "SELECT log_file, log_offset FROM {} WHERE outbox = ?",
+                quoted(positions)
+            ),
+            (outbox,),
+        )
+        .await?;
+    conn.disconnect().await?;
+    Ok(row
+        .filter(|(file, _)| !file.is_empty())
+        .map(|(file, offset)| BinlogPosition { file, offset }))
+}
+
 /// Who to take the seat as, and for which outbox.
 #[derive(Clone, Debug)]
 pub struct SeatConfig {

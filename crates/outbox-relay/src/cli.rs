@@ -58,6 +58,8 @@ pub struct GlobalArgs {
     pub wakeup: Option<WakeupMode>,
     #[arg(long, global = true, value_enum, value_name = "MODE")]
     pub capture: Option<CaptureMode>,
+    #[arg(long, global = true, value_name = "ID")]
+    pub binlog_server_id: Option<u32>,
     #[arg(long, global = true, value_name = "NAME")]
     pub slot: Option<String>,
     #[arg(long, global = true, value_name = "NAME")]

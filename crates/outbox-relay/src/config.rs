@@ -353,6 +353,14 @@ impl Config {
                  wal (capture = \"wal\"), or remove them"
             );
         }
+        if db.capture == CaptureMode::Binlog {
+            self.refuse_settings_without_effect_on_binlog(database)?;
+        } else if db.binlog_server_id.is_some() {
+            bail!(
+                "binlog_server_id (--binlog-server-id) applies to binlog capture only: add \
+                 --capture binlog (capture = \"binlog\"), or remove it"
+            );
+        }
         let relay = &self.relay;
         if relay.sink.is_some() && (!relay.routes.is_empty() || !relay.sinks.is_empty()) {
             bail!(
@@ -391,6 +399,35 @@ impl Config {
         self.wal.validate().map_err(anyhow::Error::msg)
     }
 
+    fn refuse_settings_without_effect_on_binlog(
+        &self,
+        database: &DatabaseKind,
+    ) -> anyhow::Result<()> {
+        if *database != DatabaseKind::MySql {
+            bail!("capture = \"binlog\" reads the MySQL/MariaDB binary log: use a mysql:// URL, or --capture poll");
+        }
+        let db = &self.database;
+        if db.layout != LayoutKind::Native {
+            bail!(
+                "capture = \"binlog\" reads the native outbox table; layout = \"{}\" is polled: \
+                 use --capture poll with it",
+                db.layout
+            );
+        }
+        if db.binlog_server_id == Some(0) {
+            bail!("binlog_server_id must be 1 or more: the server refuses a replica with id 0");
+        }
+        let refused = [
+            (db.retain_delivered, "retain_delivered (--retain-delivered): binlog capture deletes a delivered row"),
+            (self.relay.ordering == OrderingMode::None, "ordering = \"none\" (--ordering none): binlog capture relays each key in commit order"),
+            (self.engine.poll_fixed_rate, "poll_fixed_rate (--poll-fixed-rate): the binary log wakes the relay"),
+        ];
+        if let Some((_, what)) = refused.iter().find(|(set, _)| *set) {
+            bail!("{what}; remove it, or use --capture poll");
+        }
+        Ok(())
+    }
+
     /// The replication slot of WAL capture (see [`WalSettings::slot_name`]).
     pub fn slot_name(&self) -> String {
         self.database.slot_name(&self.wal)
@@ -402,6 +439,7 @@ impl Config {
         let fixed = self.engine.poll_fixed_rate || db.wakeup == WakeupMode::Poll;
         match db.database_kind() {
             _ if db.capture == CaptureMode::Wal => "logical replication stream",
+            _ if db.capture == CaptureMode::Binlog => "binary log stream",
             _ if fixed => "fixed-rate polling",
             Ok(DatabaseKind::Sqlite(_)) => "data_version watch + safety poll",
             Ok(DatabaseKind::MySql) => "polling (MySQL has no NOTIFY)",
@@ -455,13 +493,14 @@ impl Config {
     /// `run` to set, once the store says how many partitions there are.
     pub fn resolve(&self, node: NodeId, drain: bool) -> anyhow::Result<RunParts> {
         let health = Health::new();
-        let wal_capture = self.database.capture == CaptureMode::Wal;
+        // A capture's stream wakes the engine, and nothing waits out another node's leases.
+        let captured = self.database.capture != CaptureMode::Poll;
         let mut engine = EngineConfig::new(node.clone());
         engine.settings = self.engine.clone();
         // Nothing notifies under `--wakeup poll`: listening would only cost a connection.
         // WAL capture's stream wakes the engine whatever else is set.
         let fixed_rate = self.engine.poll_fixed_rate || self.database.wakeup == WakeupMode::Poll;
-        engine.wake = if fixed_rate && !wal_capture {
+        engine.wake = if fixed_rate && !captured {
             WakeMode::FixedRate
         } else {
             WakeMode::Notify
@@ -470,7 +509,7 @@ impl Config {
         // Rows leased by a node that died come back after their lease; its partitions, once
         // its heartbeat expired and the next beat takes them. Under WAL capture nothing
         // waits out another node's leases.
-        engine.drain_patience = if wal_capture {
+        engine.drain_patience = if captured {
             self.engine.lease
         } else {
             self.engine.lease.max(self.cluster.heartbeat_timeout)

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use anyhow::bail;
 use metrics_exporter_prometheus::PrometheusHandle;
+use outbox_binlog::BinlogStore;
 use outbox_cluster::{Coordinator, Partitions};
 use outbox_core::redact::redact_url;
 use outbox_core::store::{PartitionRegistry, StoreResult};
@@ -24,7 +25,7 @@ use crate::config::{Config, RunParts};
 use crate::error::{config_error, failure};
 use crate::http::{OutboxSlot, Probes};
 use crate::otel::Otel;
-use crate::store::{ready_store, retry_transient, AnyStore, CaptureRun};
+use crate::store::{ready_store, retry_transient, AnyStore, BinlogRun, CaptureRun};
 
 /// Where an outbox runs.
 pub(crate) enum Place {
@@ -114,7 +115,7 @@ pub(crate) struct Running {
     outbox: Arc<dyn OutboxStore>,
     sink: Arc<dyn Publisher>,
     coordinator: Coordinator,
-    capture: Option<WalStore>,
+    capture: Option<StartedCapture>,
     otel: Option<Otel>,
     /// Logs what the health checks find.
     monitor: JoinHandle<()>,
@@ -132,7 +133,7 @@ async fn start(
     drain: bool,
     metrics: PrometheusHandle,
     place: Place,
-    started_capture: &mut Option<WalStore>,
+    started_capture: &mut Option<StartedCapture>,
 ) -> anyhow::Result<Running> {
     let RunParts {
         store,
@@ -153,7 +154,7 @@ async fn start(
     let database_url = &config.database.database_url;
     let store = ready_store(database_url, store, config.database.auto_migrate, !drain).await?;
     let capture = match &store {
-        AnyStore::PostgresWal(pg, capture) => Some(capture.start(
+        AnyStore::PostgresWal(pg, capture) => Some(StartedCapture::Wal(capture.start(
             pg,
             CaptureRun {
                 database_url: database_url.clone(),
@@ -163,12 +164,24 @@ async fn start(
                 drain,
                 labels: engine.shared.labels.clone(),
             },
-        )),
+        ))),
+        AnyStore::MySqlBinlog(main, capture) => {
+            let run = BinlogRun {
+                node: node.clone(),
+                memory_budget: config.wal.memory_budget(),
+                drain,
+            };
+            let started = capture.start(main, run).await.map_err(|e| {
+                let message = format!("cannot start binlog capture: {}", e.report());
+                failure(message, &e)
+            })?;
+            Some(StartedCapture::Binlog(started))
+        }
         _ => None,
     };
     started_capture.clone_from(&capture);
     let outbox: Arc<dyn OutboxStore> = match &capture {
-        Some(wal) => Arc::new(wal.clone()),
+        Some(capture) => capture.outbox(),
         None => store.outbox(),
     };
     let sink = build_sink(&sinks, &routes, config.database.layout).await?;
@@ -277,7 +290,7 @@ impl Running {
         let engine = self.engine.clone();
         let mut result =
             outbox_engine::run(self.outbox.clone(), self.sink.clone(), engine, stop).await;
-        if let (Ok(summary), Some(wal)) = (&mut result, &self.capture) {
+        if let (Ok(summary), Some(StartedCapture::Wal(wal))) = (&mut result, &self.capture) {
             // Rows the slot's first run could not adopt as events were dead-lettered outside
             // the engine: a drain must not call itself clean over them.
             summary.dead_lettered += wal.dead_lettered_by_capture();
@@ -293,14 +306,16 @@ impl Running {
     async fn stop(self, deadline: Instant) -> bool {
         let displaced = self.coordinator.is_displaced();
         self.coordinator.stop(deadline).await;
-        if let Some(wal) = self.capture {
-            // The last confirmation goes to the server before the slot is let go.
-            wal.close(
-                deadline
-                    .saturating_duration_since(Instant::now())
-                    .max(Duration::from_secs(1)),
-            )
-            .await;
+        if let Some(capture) = self.capture {
+            // The last confirmation (or stored position) goes to the server before the slot
+            // (or seat) is let go.
+            capture
+                .close(
+                    deadline
+                        .saturating_duration_since(Instant::now())
+                        .max(Duration::from_secs(1)),
+                )
+                .await;
         }
         if let Some(otel) = self.otel {
             // The spans of the shutdown's settles are in the queue: send them, within what is
@@ -413,11 +428,37 @@ async fn unless_stopped<T>(
     }
 }
 
-/// A stop before the relay started: the WAL capture, if started, lets go of its slot; a
+/// A capture's store, once started: the engine claims from it, and the stop closes it.
+#[derive(Clone)]
+pub(crate) enum StartedCapture {
+    Wal(WalStore),
+    Binlog(BinlogStore),
+}
+
+impl StartedCapture {
+    fn outbox(&self) -> Arc<dyn OutboxStore> {
+        match self {
+            StartedCapture::Wal(wal) => Arc::new(wal.clone()),
+            StartedCapture::Binlog(binlog) => Arc::new(binlog.clone()),
+        }
+    }
+
+    async fn close(&self, wait: Duration) {
+        match self {
+            StartedCapture::Wal(wal) => wal.close(wait).await,
+            StartedCapture::Binlog(binlog) => binlog.close(wait).await,
+        }
+    }
+}
+
+/// A stop before the relay started: a capture, if started, lets go of its slot or seat; a
 /// drain that never began is no success.
-async fn stopped_while_starting(drain: bool, capture: Option<&WalStore>) -> anyhow::Result<()> {
-    if let Some(wal) = capture {
-        wal.close(Duration::from_secs(1)).await;
+async fn stopped_while_starting(
+    drain: bool,
+    capture: Option<&StartedCapture>,
+) -> anyhow::Result<()> {
+    if let Some(capture) = capture {
+        capture.close(Duration::from_secs(1)).await;
     }
     if drain {
         bail!("drain incomplete: stopped before it began, nothing was relayed");

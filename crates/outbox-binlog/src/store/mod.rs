@@ -887,6 +887,11 @@ impl Reader {
 
     /// Sets `status`, then waits a second (or until closed).
     async fn wait_after(&mut self, status: CaptureStatus) {
+        if let CaptureStatus::Standby { holder } = &status {
+            if !matches!(&*self.status.borrow(), CaptureStatus::Standby { .. }) {
+                tracing::info!(%holder, "waiting as a standby: another relay reads the binary log");
+            }
+        }
         self.status.send_replace(status);
         let _ = tokio::time::timeout(Duration::from_secs(1), self.close.wait_for(|c| *c)).await;
     }

@@ -14,10 +14,12 @@ use outbox_store_sqlite::SqliteStore;
 
 use crate::error::failure;
 
+mod binlog;
 mod capture;
 mod ready;
 pub mod settings;
 
+pub use binlog::{BinlogCapture, BinlogRun, BinlogSettings};
 pub use capture::{Capture, CaptureRun, CapturedTable};
 pub use ready::{ready_store, retry_transient};
 
@@ -38,6 +40,8 @@ pub enum AnyStore {
     MappedPostgres(MappedPgStore),
     /// MySQL 8 / MariaDB: the native layout or a mapped table.
     MySql(MySqlStore),
+    /// The native table on MySQL/MariaDB, read from the binary log (`--capture binlog`).
+    MySqlBinlog(MySqlStore, Box<BinlogCapture>),
     Sqlite(SqliteStore),
 }
 
@@ -46,6 +50,7 @@ pub enum AnyStore {
 pub enum StoreSettings {
     Postgres(Box<PostgresSettings>),
     MySql(Box<MySqlOptions>),
+    MySqlBinlog(Box<MySqlOptions>, BinlogSettings),
     Sqlite {
         path: std::path::PathBuf,
         retain_delivered: bool,
@@ -70,7 +75,7 @@ macro_rules! shared_store {
         match $any {
             AnyStore::Postgres(s) | AnyStore::PostgresWal(s, _) => Arc::new(s.clone()),
             AnyStore::MappedPostgres(s) => Arc::new(s.clone()),
-            AnyStore::MySql(s) => Arc::new(s.clone()),
+            AnyStore::MySql(s) | AnyStore::MySqlBinlog(s, _) => Arc::new(s.clone()),
             AnyStore::Sqlite(s) => Arc::new(s.clone()),
         }
     };
@@ -107,6 +112,11 @@ impl AnyStore {
             StoreSettings::MySql(options) => {
                 Ok(AnyStore::MySql(MySqlStore::new(*options).map_err(report)?))
             }
+            StoreSettings::MySqlBinlog(options, binlog) => {
+                let capture = BinlogCapture::new(&options, &binlog).map_err(report)?;
+                let main = MySqlStore::new(*options).map_err(report)?;
+                Ok(AnyStore::MySqlBinlog(main, Box::new(capture)))
+            }
             StoreSettings::Sqlite {
                 path,
                 retain_delivered,
@@ -132,12 +142,18 @@ impl AnyStore {
             AnyStore::PostgresWal(..)
             | AnyStore::MappedPostgres(_)
             | AnyStore::MySql(_)
+            | AnyStore::MySqlBinlog(..)
             | AnyStore::Sqlite(_) => None,
         }
     }
 
+    /// Dead letters, replays and event lookups. Binlog capture's dead letters are rows of its
+    /// parked table.
     pub fn operations(&self) -> Arc<dyn outbox_core::store::Operations> {
-        shared_store!(self)
+        match self {
+            AnyStore::MySqlBinlog(_, capture) => Arc::new(capture.parked.clone()),
+            other => shared_store!(other),
+        }
     }
 
     pub fn registry(&self) -> Arc<dyn NodeRegistry> {
@@ -173,6 +189,12 @@ impl AnyStore {
             }
             AnyStore::MappedPostgres(s) => s.migrate().await,
             AnyStore::MySql(s) => s.migrate().await,
+            AnyStore::MySqlBinlog(s, capture) => {
+                use outbox_layout::store::MappedDb;
+                s.migrate().await?;
+                // Idempotent, and applied again by every migrate.
+                s.db().batch_execute(&capture.ddl()).await
+            }
             AnyStore::Sqlite(s) => s.migrate().await,
         }
     }
@@ -191,7 +213,7 @@ impl AnyStore {
                 ]
             }
             AnyStore::MappedPostgres(_) => Vec::new(),
-            AnyStore::MySql(s) => match s.db().steps(s.sql()) {
+            AnyStore::MySql(s) | AnyStore::MySqlBinlog(s, _) => match s.db().steps(s.sql()) {
                 Some(steps) => vec![(steps, s.db().schema_found(s.sql()).await?)],
                 None => Vec::new(),
             },
@@ -254,6 +276,14 @@ impl AnyStore {
             ),
         };
         let found_at = |i: usize| found.get(i).copied().flatten();
+        let mysql_steps = |s: &MySqlStore| match s.db().steps(s.sql()) {
+            Some(steps) => format!(
+                "{note}{}",
+                outbox_store_mysql::MySql::printable_steps(s.sql(), &steps, found_at(0))
+            ),
+            None => "-- A custom mapping runs on the application's own table: nothing to create.\n"
+                .into(),
+        };
         match self {
             AnyStore::Postgres(s) => format!(
                 "{note}{}\n{}\n{}",
@@ -287,16 +317,14 @@ impl AnyStore {
             AnyStore::MappedPostgres(s) => {
                 format!("{}\n{}", s.ddl().unwrap_or_default(), s.grants(role))
             }
-            AnyStore::MySql(s) => format!(
-                "{}\n{}",
-                match s.db().steps(s.sql()) {
-                    Some(steps) => format!(
-                        "{note}{}",
-                        outbox_store_mysql::MySql::printable_steps(s.sql(), &steps, found_at(0))
-                    ),
-                    None => "-- A custom mapping runs on the application's own table: nothing to create.\n".into(),
-                },
-                s.grants(role)
+            AnyStore::MySql(s) => format!("{}\n{}", mysql_steps(s), s.grants(role)),
+            AnyStore::MySqlBinlog(s, capture) => format!(
+                "{}{}\n-- Binlog capture's own tables, applied again by every migrate:\n{}\n{}\n{}",
+                BinlogCapture::server_requirements(),
+                mysql_steps(s),
+                capture.ddl(),
+                s.grants(role),
+                capture.grants(role)
             ),
             AnyStore::Sqlite(_) => format!(
                 "-- SQLite has no roles: the relay needs read/write access to the database file\n-- and its directory (for the WAL).\n{note}{}",
@@ -378,6 +406,12 @@ impl AnyStore {
             AnyStore::PostgresWal(s, capture) => {
                 let source = capture.source.as_deref().map(CapturedTable::source);
                 outbox_wal::verify_capture(s, &capture.publication, &capture.slot, source).await
+            }
+            AnyStore::MySqlBinlog(s, capture) => {
+                let mut problems = s.verify().await?;
+                problems.extend(capture.parked.verify().await?);
+                problems.extend(capture.problems().await?);
+                Ok(problems)
             }
             other => other.outbox().verify().await,
         }

@@ -37,7 +37,7 @@ pub enum WakeupMode {
     Poll,
 }
 
-/// How the relay reads events (PostgreSQL).
+/// How the relay reads events.
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum CaptureMode {
@@ -46,6 +46,9 @@ pub enum CaptureMode {
     /// Read committed INSERTs and `outbox_emit` messages from a logical replication slot,
     /// in commit order (PostgreSQL, native layout; `migrate --capture wal` first).
     Wal,
+    /// Read committed INSERTs from the binary log as a replica would, in commit order
+    /// (MySQL/MariaDB, native layout; `migrate --capture binlog` first).
+    Binlog,
 }
 
 outbox_core::settings! {
@@ -77,11 +80,18 @@ outbox_core::settings! {
         /// commit, since a transaction that sent a NOTIFY cannot PREPARE TRANSACTION).
         /// `migrate` installs the matching trigger function.
         pub wakeup: WakeupMode = WakeupMode::Notify,
-        /// How the relay reads events on PostgreSQL: poll (claims rows from the outbox table) or
-        /// wal (reads committed INSERTs and outbox_emit() messages from a logical replication
-        /// slot, in commit order, at no cost to writers; needs wal_level = logical, a role with
-        /// REPLICATION, and `migrate --capture wal`).
+        /// How the relay reads events: poll (claims rows from the outbox table), wal
+        /// (PostgreSQL: reads committed INSERTs and outbox_emit() messages from a logical
+        /// replication slot, in commit order, at no cost to writers; needs wal_level = logical,
+        /// a role with REPLICATION, and `migrate --capture wal`) or binlog (MySQL/MariaDB:
+        /// reads committed INSERTs from the binary log as a replica would, in commit order;
+        /// needs binlog_format = ROW, a role with REPLICATION SLAVE and REPLICATION CLIENT,
+        /// and `migrate --capture binlog`).
         pub capture: CaptureMode = CaptureMode::Poll,
+        /// The server id binlog capture reads the binary log as (unique among the server's
+        /// replicas). Default: one derived from the database and table, the same on every
+        /// node of the outbox.
+        pub binlog_server_id: Option<u32> = None,
         /// Schema of the outbox table.
         pub outbox_schema: String = DEFAULT_SCHEMA.into(),
         /// Name of the outbox table; dead letters go to <name>_dead_letters. Default: the
@@ -334,7 +344,7 @@ impl DatabaseSettings {
                 // parked events and dead letters in native tables of its own, `<table>_relay`.
                 let captured = match self.capture {
                     CaptureMode::Wal => mapping.take(),
-                    CaptureMode::Poll => None,
+                    CaptureMode::Poll | CaptureMode::Binlog => None,
                 };
                 let native_table = match &captured {
                     Some(_) => format!("{}_relay", tables.outbox_table),
@@ -354,7 +364,8 @@ impl DatabaseSettings {
                 pg_tables.poll_wakeup =
                     self.wakeup == WakeupMode::Poll || self.capture == CaptureMode::Wal;
                 let capture = match self.capture {
-                    CaptureMode::Poll => None,
+                    // Refused by `validate` on PostgreSQL.
+                    CaptureMode::Poll | CaptureMode::Binlog => None,
                     CaptureMode::Wal => Some(Capture {
                         slot: self.slot_name(wal),
                         legacy_slot: wal.legacy_slot(&tables.outbox_schema, &tables.outbox_table),
@@ -393,14 +404,28 @@ impl DatabaseSettings {
                 let Some(mapping) = mapping else {
                     bail!("every MySQL layout is a mapping");
                 };
-                StoreSettings::MySql(Box::new(outbox_store_mysql::MySqlOptions {
+                let server_id = self.binlog_server_id.unwrap_or_else(|| {
+                    let database = outbox_binlog::database_of(&self.database_url)
+                        .ok()
+                        .or_else(|| mapping.schema.clone())
+                        .unwrap_or_default();
+                    super::binlog::default_server_id(&database, &mapping.table)
+                });
+                let options = outbox_store_mysql::MySqlOptions {
                     url: self.database_url.clone(),
                     mapping,
                     layout: self.layout.to_string(),
                     max_attempts,
                     pool_size: self.pool_size,
                     nodes_table: (self.layout == LayoutKind::Native).then_some(tables.nodes_table),
-                }))
+                };
+                match self.capture {
+                    CaptureMode::Binlog => StoreSettings::MySqlBinlog(
+                        Box::new(options),
+                        super::binlog::BinlogSettings { server_id },
+                    ),
+                    CaptureMode::Poll | CaptureMode::Wal => StoreSettings::MySql(Box::new(options)),
+                }
             }
             // Other layouts and table names were refused by `validate`.
             DatabaseKind::Sqlite(path) => StoreSettings::Sqlite {

@@ -3,6 +3,7 @@
 //! `cargo nextest run -p outbox-relay -E 'binary(it) & test(/^MODULE::/)'`.
 
 mod bad_inputs;
+mod binlog;
 #[cfg(feature = "nats")]
 mod brokers;
 #[cfg(feature = "nats")]

@@ -1,0 +1,212 @@
+//! Binlog capture's tables (the parked rows, the stored position), what `check` verifies of
+//! the server, and the reader's start (`--capture binlog`, MySQL/MariaDB, native layout).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_binlog::{BinlogConfig, BinlogStore, BinlogStoreOptions, SeatConfig};
+use outbox_core::store::Problem;
+use outbox_core::{NodeId, StoreError, StoreErrorKind};
+use outbox_store_mysql::{MySqlOptions, MySqlStore};
+
+/// The names binlog capture works with, resolved from the settings.
+#[derive(Clone, Debug)]
+pub struct BinlogSettings {
+    /// This relay's server id as a replica of the server ([`default_server_id`]).
+    pub server_id: u32,
+}
+
+/// Binlog capture of one outbox: its tables and the store over its parked rows.
+#[derive(Clone)]
+pub struct BinlogCapture {
+    pub url: String,
+    pub server_id: u32,
+    pub database: String,
+    pub table: String,
+    pub parked_table: String,
+    pub positions_table: String,
+    /// The polling store over the parked table: the engine's parked rows and every dead
+    /// letter of binlog capture (`dead list`, `dead retry` act on it).
+    pub parked: MySqlStore,
+}
+
+/// How long a standby waits after the active reader's last write (SIGSTOP, a frozen VM):
+/// the reader renews it every third of it.
+const SEAT_LEASE: Duration = Duration::from_secs(15);
+
+/// A server id for the relay that no real replica is likely to have: `database.table`
+/// hashed (FNV-1a) into the upper half of the 31-bit range. Every relay of an outbox reads
+/// with the same id, and only the active one reads: a server that sees a second reader
+/// with an id ends the first's stream, which fences a paused ex-reader once more.
+pub fn default_server_id(database: &str, table: &str) -> u32 {
+    let mut hash: u32 = 0x811c_9dc5;
+    for byte in format!("{database}.{table}").bytes() {
+        hash = (hash ^ u32::from(byte)).wrapping_mul(0x0100_0193);
+    }
+    0x4000_0000 | (hash & 0x3fff_ffff)
+}
+
+impl BinlogCapture {
+    /// The capture of the outbox `options` names.
+    pub fn new(options: &MySqlOptions, settings: &BinlogSettings) -> Result<Self, StoreError> {
+        let config =
+            |e: outbox_binlog::BinlogError| StoreError::new(StoreErrorKind::Config, e.to_string());
+        let database = match &options.mapping.schema {
+            Some(database) => database.clone(),
+            None => outbox_binlog::database_of(&options.url).map_err(config)?,
+        };
+        let table = options.mapping.table.clone();
+        let parked_table = format!("{table}_parked");
+        let parked = MySqlStore::new(MySqlOptions {
+            mapping: outbox_layout::Mapping::native_mysql(
+                options.mapping.schema.as_deref(),
+                &parked_table,
+                false,
+            ),
+            nodes_table: None,
+            ..options.clone()
+        })?;
+        Ok(BinlogCapture {
+            url: options.url.clone(),
+            server_id: settings.server_id,
+            positions_table: format!("{table}_binlog"),
+            database,
+            table,
+            parked_table,
+            parked,
+        })
+    }
+
+    /// `database.table`: the outbox's key in the positions table, and its lock's.
+    fn outbox_key(&self) -> String {
+        format!("{}.{}", self.database, self.table)
+    }
+
+    /// The parked table (the outbox's columns) and the positions table; idempotent.
+    pub fn ddl(&self) -> String {
+        let (db, table) = (&self.database, &self.table);
+        format!(
+            "CREATE TABLE IF NOT EXISTS `{db}`.`{}` LIKE `{db}`.`{table}`;\n{}",
+            self.parked_table,
+            outbox_binlog::positions_ddl(&format!("{db}.{}", self.positions_table))
+        )
+    }
+
+    /// The privileges binlog capture adds to the polling store's.
+    pub fn grants(&self, role: &str) -> String {
+        let db = &self.database;
+        format!(
+            "-- Binlog capture reads the binary log as a replica would, and keeps parked rows and\n\
+             -- its position in tables of its own.\n\
+             GRANT REPLICATION SLAVE, REPLICATION CLIENT ON *.* TO '{role}'@'%';\n\
+             GRANT SELECT, INSERT, UPDATE, DELETE ON `{db}`.`{}` TO '{role}'@'%';\n\
+             GRANT SELECT, INSERT, UPDATE ON `{db}`.`{}` TO '{role}'@'%';\n",
+            self.parked_table, self.positions_table
+        )
+    }
+
+    /// What the server needs, as `migrate --print` states it.
+    pub fn server_requirements() -> &'static str {
+        "-- Binlog capture needs, on the server (the relay checks each at `check`):\n\
+         --   log_bin on, binlog_format = ROW, binlog_row_image = FULL,\n\
+         --   binlog_transaction_compression = OFF (MySQL 8) and log_bin_compress = OFF (MariaDB),\n\
+         --   a binlog_expire_logs_seconds (expire_logs_days) longer than the relay may be off.\n\
+         -- The table-less form: create the outbox table with ENGINE=BLACKHOLE instead (the\n\
+         -- relay reads its rows from the log; `check` says whether the server has the engine).\n"
+    }
+
+    /// What keeps binlog capture from running, each with its fix: the server's settings and
+    /// the role's privileges, and a stored position the server's logs no longer reach.
+    pub async fn problems(&self) -> Result<Vec<Problem>, StoreError> {
+        let unreachable = |e: outbox_binlog::BinlogError| {
+            StoreError::new(StoreErrorKind::Connection, format!("binlog capture: {e}"))
+        };
+        let mut problems = outbox_binlog::server_problems(&self.url)
+            .await
+            .map_err(unreachable)?;
+        let stored = outbox_binlog::stored_position(
+            &self.url,
+            &format!("{}.{}", self.database, self.positions_table),
+            &self.outbox_key(),
+        )
+        .await;
+        match stored {
+            Ok(Some(stored)) => {
+                let oldest = outbox_binlog::oldest_log(&self.url)
+                    .await
+                    .map_err(unreachable)?;
+                problems.extend(outbox_binlog::retention_problem(&stored, &oldest));
+            }
+            Ok(None) => {}
+            Err(e) => problems.push(Problem::blocking(
+                format!("binlog capture's positions table cannot be read: {e}"),
+                "run `outbox-relay migrate --capture binlog`",
+            )),
+        }
+        let blackhole = outbox_binlog::is_blackhole(&self.url, &self.database, &self.table).await;
+        if let Ok(true) = blackhole {
+            problems.extend(
+                outbox_binlog::blackhole_problem(&self.url)
+                    .await
+                    .map_err(unreachable)?,
+            );
+        }
+        Ok(problems)
+    }
+
+    /// Starts the reader: the store the engine claims from.
+    pub async fn start(
+        &self,
+        main: &MySqlStore,
+        run: BinlogRun,
+    ) -> Result<BinlogStore, StoreError> {
+        let config = |e: outbox_binlog::BinlogError| {
+            StoreError::new(StoreErrorKind::Config, format!("binlog capture: {e}"))
+        };
+        let blackhole = outbox_binlog::is_blackhole(&self.url, &self.database, &self.table)
+            .await
+            .map_err(config)?;
+        BinlogStore::start(BinlogStoreOptions {
+            binlog: BinlogConfig {
+                url: self.url.clone(),
+                server_id: self.server_id,
+                database: self.database.clone(),
+                table: self.table.clone(),
+            },
+            seat: SeatConfig {
+                url: self.url.clone(),
+                positions: format!("{}.{}", self.database, self.positions_table),
+                outbox: self.outbox_key(),
+                holder: run.node.0.clone(),
+                lease: SEAT_LEASE,
+            },
+            parked_table: format!("{}.{}", self.database, self.parked_table),
+            blackhole,
+            drain: run.drain,
+            memory_budget: run.memory_budget,
+            parked: Arc::new(self.parked.clone()),
+            main: Arc::new(main.clone()),
+        })
+        .map_err(config)
+    }
+}
+
+/// What the reader takes from the rest of the run.
+pub struct BinlogRun {
+    pub node: NodeId,
+    pub memory_budget: usize,
+    pub drain: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_server_id_is_the_outboxs_own_and_stays_clear_of_small_ids() {
+        let id = default_server_id("shop", "outbox");
+        assert_eq!(id, default_server_id("shop", "outbox"), "every node alike");
+        assert_ne!(id, default_server_id("shop", "other"));
+        assert!((0x4000_0000..0x8000_0000).contains(&id), "{id}");
+    }
+}

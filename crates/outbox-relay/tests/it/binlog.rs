@@ -1,0 +1,357 @@
+//! The relay binary with `--capture binlog` (issue 35) against the real MariaDB 10.11:
+//! `migrate` and its `--print`, `check`, rows adopted from before the first start, commit
+//! order per key with rolled-back transactions left out, kill -9 and SIGTERM mid-stream,
+//! `run --drain`, a standby that takes over from a SIGSTOP'd reader, and the settings it
+//! refuses.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::support::{read_lines, relay, text, wait_for_lines, RelayProcess};
+use mysql_async::prelude::Queryable;
+use outbox_testkit::eventually;
+
+/// The log line of a relay that reads the binary log.
+const READING: &str = "reading the binary log";
+
+/// A fresh database migrated with `--capture binlog`, and a directory for the relays' logs
+/// and sink files.
+struct BinlogDb {
+    url: String,
+    dir: tempfile::TempDir,
+    pool: mysql_async::Pool,
+}
+
+impl BinlogDb {
+    async fn new() -> BinlogDb {
+        let url = outbox_testkit::fresh_mysql_database().await;
+        let dir = tempfile::Builder::new()
+            .prefix("outbox-binlog-")
+            .tempdir()
+            .unwrap();
+        let migrated = relay(
+            dir.path(),
+            &["migrate", "--capture", "binlog", "--database-url", &url],
+        );
+        assert!(migrated.status.success(), "{}", text(&migrated.stderr));
+        let pool = mysql_async::Pool::new(mysql_async::Opts::from_url(&url).unwrap());
+        BinlogDb { url, dir, pool }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    async fn count(&self, table: &str) -> i64 {
+        let mut conn = self.pool.get_conn().await.unwrap();
+        conn.query_first(format!("SELECT count(*) FROM {table}"))
+            .await
+            .unwrap()
+            .unwrap()
+    }
+
+    /// One transaction inserting `n` events of each key in `keys`, each carrying its
+    /// per-key number from `from` on (`"n"`), and `commit` or not.
+    async fn write(&self, keys: &[&str], from: i64, n: i64, commit: bool) {
+        let mut conn = self.pool.get_conn().await.unwrap();
+        let mut tx = conn
+            .start_transaction(mysql_async::TxOpts::default())
+            .await
+            .unwrap();
+        for i in from..from + n {
+            for key in keys {
+                tx.exec_drop(
+                    "INSERT INTO outbox (destination, partition_key, event_type, payload)
+                     VALUES ('orders', ?, 'T', JSON_OBJECT('n', ?))",
+                    (key, i),
+                )
+                .await
+                .unwrap();
+            }
+        }
+        if commit {
+            tx.commit().await.unwrap();
+        } else {
+            tx.rollback().await.unwrap();
+        }
+    }
+
+    /// `run --capture binlog` to the file `out`, as node `name`, with `extra` flags.
+    fn spawn(&self, name: &str, out: &str, extra: &[&str]) -> RelayProcess {
+        let sink = format!("file:{}", self.path(out).display());
+        let mut args = vec![
+            "run",
+            "--capture",
+            "binlog",
+            "--database-url",
+            &self.url,
+            "--sink",
+            &sink,
+            "--node-id",
+            name,
+            "--http-addr",
+            "",
+            "--shutdown-timeout",
+            "5s",
+        ];
+        args.extend(extra);
+        RelayProcess::spawn(self.dir.path(), name, &args, &[])
+    }
+
+    async fn reading(&self, name: &str, out: &str) -> RelayProcess {
+        let relay = self.spawn(name, out, &[]);
+        relay
+            .wait_for_log("the relay reading", Duration::from_secs(60), READING)
+            .await;
+        relay
+    }
+}
+
+/// Each key's numbers in the order of their first delivery, across `files`, and how many
+/// lines there were.
+fn first_deliveries(files: &[PathBuf]) -> (HashMap<String, Vec<i64>>, usize) {
+    let mut seen = std::collections::HashSet::new();
+    let mut by_key: HashMap<String, Vec<i64>> = HashMap::new();
+    let mut lines = 0;
+    for file in files {
+        for line in read_lines(file) {
+            lines += 1;
+            let id = line["event_id"].as_str().unwrap().to_string();
+            if !seen.insert(id) {
+                continue;
+            }
+            let key = line["partition_key"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
+            let n = line["payload"]["n"].as_i64().unwrap();
+            by_key.entry(key).or_default().push(n);
+        }
+    }
+    (by_key, lines)
+}
+
+fn assert_every_key_in_order(by_key: &HashMap<String, Vec<i64>>, keys: &[&str], per_key: i64) {
+    for key in keys {
+        let got = by_key.get(*key).cloned().unwrap_or_default();
+        let want: Vec<i64> = (0..per_key).collect();
+        assert_eq!(
+            got, want,
+            "key {key}: first deliveries in commit order, none lost"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_print_states_the_servers_needs_and_the_replication_grants() {
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let dir = tempfile::tempdir().unwrap();
+    let printed = relay(
+        dir.path(),
+        &[
+            "migrate",
+            "--capture",
+            "binlog",
+            "--print",
+            "--database-url",
+            &url,
+        ],
+    );
+    assert!(printed.status.success(), "{}", text(&printed.stderr));
+    let out = text(&printed.stdout);
+    for needed in [
+        "binlog_format = ROW",
+        "binlog_row_image = FULL",
+        "ENGINE=BLACKHOLE",
+        "GRANT REPLICATION SLAVE, REPLICATION CLIENT ON *.*",
+        "LIKE",
+        "outbox_binlog",
+    ] {
+        assert!(out.contains(needed), "{needed} missing from:\n{out}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_passes_on_a_server_ready_for_binlog_capture() {
+    let db = BinlogDb::new().await;
+    let checked = relay(
+        db.dir.path(),
+        &["check", "--capture", "binlog", "--database-url", &db.url],
+    );
+    assert!(
+        checked.status.success(),
+        "{}\n{}",
+        text(&checked.stdout),
+        text(&checked.stderr)
+    );
+}
+
+/// Rows written before the first start are adopted; then kill -9 and SIGTERM mid-stream,
+/// with rolled-back transactions in between: every committed event arrives, first
+/// deliveries in commit order per key, and nothing rolled back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_and_sigterm_mid_stream_lose_nothing_and_keep_each_keys_commit_order() {
+    let db = BinlogDb::new().await;
+    let keys = ["a", "b", "c"];
+    db.write(&keys, 0, 20, true).await;
+    let mut first = db.reading("relay-1", "out-1.jsonl").await;
+    let mut next = 20;
+    for _ in 0..5 {
+        db.write(&keys, next, 20, true).await;
+        db.write(&["a"], 1_000, 5, false).await;
+        next += 20;
+    }
+    wait_for_lines(
+        "the first relay delivering",
+        &db.path("out-1.jsonl"),
+        Duration::from_secs(30),
+        |n| n >= 30,
+    )
+    .await;
+    first.kill9();
+    db.write(&keys, next, 20, true).await;
+    next += 20;
+    let mut second = db.reading("relay-2", "out-2.jsonl").await;
+    db.write(&keys, next, 20, true).await;
+    next += 20;
+    wait_for_lines(
+        "the second relay delivering",
+        &db.path("out-2.jsonl"),
+        Duration::from_secs(30),
+        |n| n >= 10,
+    )
+    .await;
+    assert!(second.terminate().await.success(), "{}", second.logs());
+    db.write(&keys, next, 20, true).await;
+    next += 20;
+    let mut third = db.reading("relay-3", "out-3.jsonl").await;
+    let files = [
+        db.path("out-1.jsonl"),
+        db.path("out-2.jsonl"),
+        db.path("out-3.jsonl"),
+    ];
+    let total = keys.len() * next as usize;
+    eventually(
+        "every committed event delivered",
+        Duration::from_secs(60),
+        || async {
+            let got: usize = first_deliveries(&files).0.values().map(Vec::len).sum();
+            (got >= total).then_some(())
+        },
+    )
+    .await;
+    let (by_key, lines) = first_deliveries(&files);
+    assert_every_key_in_order(&by_key, &keys, next);
+    assert!(
+        by_key["a"].iter().all(|n| *n < 1_000),
+        "a rolled-back event was relayed"
+    );
+    assert!(lines >= total, "{lines} lines for {total} events");
+    assert!(third.terminate().await.success(), "{}", third.logs());
+    assert_eq!(db.count("outbox").await, 0, "delivered rows are deleted");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_drain_relays_what_was_committed_before_it_and_exits_0() {
+    let db = BinlogDb::new().await;
+    // A first run stores a position; what is written after it is read from the log.
+    let mut started = db.reading("relay-1", "out.jsonl").await;
+    assert!(started.terminate().await.success(), "{}", started.logs());
+    db.write(&["a", "b"], 0, 50, true).await;
+    let mut drain = db.spawn("relay-2", "out.jsonl", &["--drain"]);
+    let status = drain.wait_exit_within(Duration::from_secs(60)).await;
+    assert!(status.success(), "{}", drain.logs());
+    let (by_key, _) = first_deliveries(&[db.path("out.jsonl")]);
+    assert_every_key_in_order(&by_key, &["a", "b"], 50);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_takes_over_from_a_sigstopped_reader_after_its_lease() {
+    let db = BinlogDb::new().await;
+    let mut active = db.reading("relay-1", "out-1.jsonl").await;
+    let mut standby = db.spawn("relay-2", "out-2.jsonl", &[]);
+    standby
+        .wait_for_log(
+            "the second relay waiting",
+            Duration::from_secs(30),
+            "standby",
+        )
+        .await;
+    db.write(&["a"], 0, 10, true).await;
+    wait_for_lines(
+        "the active relay delivering",
+        &db.path("out-1.jsonl"),
+        Duration::from_secs(30),
+        |n| n >= 10,
+    )
+    .await;
+    active.signal("-STOP");
+    db.write(&["a"], 10, 10, true).await;
+    standby
+        .wait_for_log("the standby reading", Duration::from_secs(60), READING)
+        .await;
+    let files = [db.path("out-1.jsonl"), db.path("out-2.jsonl")];
+    eventually(
+        "the standby delivered the rest",
+        Duration::from_secs(30),
+        || async { (first_deliveries(&files).0.get("a").map_or(0, Vec::len) >= 20).then_some(()) },
+    )
+    .await;
+    assert_every_key_in_order(&first_deliveries(&files).0, &["a"], 20);
+    active.signal("-CONT");
+    active.kill9();
+    assert!(standby.terminate().await.success(), "{}", standby.logs());
+}
+
+#[test]
+fn settings_binlog_capture_cannot_apply_are_refused_with_exit_2() {
+    let dir = tempfile::tempdir().unwrap();
+    for (args, said) in [
+        (
+            vec![
+                "check",
+                "--capture",
+                "binlog",
+                "--database-url",
+                "postgres://h/db",
+            ],
+            "mysql://",
+        ),
+        (
+            vec![
+                "check",
+                "--binlog-server-id",
+                "7",
+                "--database-url",
+                "mysql://h/db",
+            ],
+            "--capture binlog",
+        ),
+        (
+            vec![
+                "check",
+                "--capture",
+                "binlog",
+                "--layout",
+                "mysql-outbox-events",
+                "--database-url",
+                "mysql://h/db",
+            ],
+            "native outbox table",
+        ),
+    ] {
+        let out = relay(dir.path(), &args);
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+        assert!(
+            text(&out.stderr).contains(said),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+    }
+}
