@@ -130,6 +130,24 @@ fn log_number(file: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// Bytes of binary log the server has written past `read_to`: the rest of its file, and
+/// every later file whole (`SHOW BINARY LOGS`).
+pub async fn bytes_behind(url: &str, read_to: &BinlogPosition) -> Result<u64> {
+    let mut conn = Conn::new(opts(url)?).await?;
+    let logs: Vec<mysql_async::Row> = conn.query("SHOW BINARY LOGS").await?;
+    conn.disconnect().await?;
+    let reading = log_number(&read_to.file);
+    Ok(logs
+        .iter()
+        .filter_map(|row| Some((row.get::<String, _>(0)?, row.get::<u64, _>(1)?)))
+        .map(|(file, size)| match log_number(&file).cmp(&reading) {
+            std::cmp::Ordering::Less => 0,
+            std::cmp::Ordering::Equal => size.saturating_sub(read_to.offset),
+            std::cmp::Ordering::Greater => size,
+        })
+        .sum())
+}
+
 /// The server's oldest binary log file (`SHOW BINARY LOGS`' first).
 pub async fn oldest_log(url: &str) -> Result<String> {
     let mut conn = Conn::new(opts(url)?).await?;

@@ -59,8 +59,10 @@ use state::*;
 pub mod metric {
     /// 1 while this relay reads the binary log, 0 as a standby or while reconnecting.
     pub const READING: &str = "outbox_binlog_reading";
-    /// Seconds between the newest commit read and now (0 while caught up and idle).
+    /// Seconds between the `created_at` of the last row read and its reading.
     pub const LAG_SECONDS: &str = "outbox_binlog_lag_seconds";
+    /// Bytes of binary log written past what the reader has read (every table's).
+    pub const LAG_BYTES: &str = "outbox_binlog_lag_bytes";
     /// Bytes of events capture holds: read ahead of the engine and in flight.
     pub const MEMORY_HELD: &str = "outbox_binlog_memory_held_bytes";
 }
@@ -72,6 +74,8 @@ pub struct BinlogStoreOptions {
     pub seat: SeatConfig,
     /// The parked table (`db.table` or `table`).
     pub parked_table: String,
+    /// What to do when the stored position's log was purged, said with the refusal.
+    pub recovery: String,
     /// The BLACKHOLE form: rows are in the log only (nothing to delete or adopt), and a
     /// transaction's rows are handed out once its commit is read.
     pub blackhole: bool,
@@ -167,6 +171,8 @@ impl BinlogStore {
             pool: pool.clone(),
             sql: sql.clone(),
             drain: options.drain,
+            recovery: options.recovery.clone(),
+            last_problem: None,
             tx,
             settled: settled_rx,
             live: live.clone(),
@@ -818,6 +824,9 @@ struct Reader {
     pool: Pool,
     sql: Statements,
     drain: bool,
+    recovery: String,
+    /// The last reason reading stopped or could not start: logged once, not every second.
+    last_problem: Option<String>,
     tx: mpsc::Sender<Item>,
     settled: mpsc::UnboundedReceiver<(u64, Vec<u64>)>,
     live: Arc<LiveSession>,
@@ -870,19 +879,30 @@ impl Reader {
                     self.live.set(0);
                     match ended {
                         Ended::Closed => return,
-                        Ended::Broken(reason) => {
-                            tracing::warn!(%reason, "binlog capture stopped reading; starting again");
-                            self.wait_after(CaptureStatus::Reconnecting(reason)).await;
-                        }
+                        Ended::Broken(reason) => self.stopped(reason).await,
                     }
                 }
-                Err(e) => {
-                    tracing::warn!(error = %e, "binlog capture cannot start reading; trying again");
-                    self.wait_after(CaptureStatus::Reconnecting(e.to_string()))
-                        .await;
-                }
+                Err(e) => self.stopped(self.reason(&e)).await,
             }
         }
+    }
+
+    /// Why reading stopped, with what to do where the log is purged.
+    fn reason(&self, e: &BinlogError) -> String {
+        match e {
+            BinlogError::Purged { .. } => format!("{e}; {}", self.recovery),
+            other => other.to_string(),
+        }
+    }
+
+    /// Reading stopped (or could not start) for `reason`: said once while it lasts, and
+    /// tried again every second.
+    async fn stopped(&mut self, reason: String) {
+        if self.last_problem.as_ref() != Some(&reason) {
+            tracing::warn!(%reason, "binlog capture is not reading; trying again every second");
+            self.last_problem = Some(reason.clone());
+        }
+        self.wait_after(CaptureStatus::Reconnecting(reason)).await;
     }
 
     /// Sets `status`, then waits a second (or until closed).
@@ -923,6 +943,7 @@ impl Reader {
             return Ended::Closed;
         }
         self.status.send_replace(CaptureStatus::Reading);
+        self.last_problem = None;
         tracing::info!(session = self.session, "reading the binary log");
         // A drain looks at where the log is read to this often, too.
         let store_every = match drain_until {
@@ -963,6 +984,10 @@ impl Reader {
                     if let Err(e) = capture.store().await {
                         return Ended::Broken(format!("storing the position: {e}"));
                     }
+                    match crate::bytes_behind(&self.binlog.url, &capture.read_to()).await {
+                        Ok(bytes) => ::metrics::gauge!(metric::LAG_BYTES).set(bytes as f64),
+                        Err(e) => tracing::debug!(error = %e, "cannot read the binary log's end"),
+                    }
                 }
                 Step::Send(Err(_)) => return Ended::Closed,
                 Step::Send(Ok(permit)) => {
@@ -974,7 +999,7 @@ impl Reader {
                         self.wake();
                     }
                 }
-                Step::Read(Err(e)) => return Ended::Broken(e.to_string()),
+                Step::Read(Err(e)) => return Ended::Broken(self.reason(&e)),
                 Step::Read(Ok(None)) => {
                     return Ended::Broken("the server ended the binlog stream".into())
                 }
@@ -982,6 +1007,10 @@ impl Reader {
                     pending = Some(match output {
                         Output::Row(row) => {
                             let captured = decode(&row);
+                            if let Ok(event) = &captured.event {
+                                let behind = event.created_at.elapsed().unwrap_or_default();
+                                ::metrics::gauge!(metric::LAG_SECONDS).set(behind.as_secs_f64());
+                            }
                             let memory = self.memory.charge(captured_bytes(&captured));
                             Item::Row {
                                 ordinal: row.ordinal(),

@@ -73,6 +73,7 @@ impl Fixture {
                 lease: Duration::from_secs(3),
             },
             parked_table: "outbox_parked".into(),
+            recovery: "forget the stored position".into(),
             blackhole: false,
             drain: false,
             memory_budget: 32 * 1024 * 1024,

@@ -105,6 +105,21 @@ impl BinlogCapture {
         )
     }
 
+    /// How to go on once the stored position's log is purged: forget the position, and the
+    /// next start adopts the rows still in the outbox table (the events of transactions
+    /// whose rows were delivered and deleted are not lost: they were delivered).
+    pub fn recovery(&self) -> String {
+        format!(
+            "the events committed since that position and still in the outbox table are not \
+             lost: forget the position (DELETE FROM `{}`.`{}` WHERE outbox = '{}') and start the \
+             relay, which adopts the rows still in the table and reads on from the server's \
+             current position",
+            self.database,
+            self.positions_table,
+            self.outbox_key().replace('\'', "''")
+        )
+    }
+
     /// What the server needs, as `migrate --print` states it.
     pub fn server_requirements() -> &'static str {
         "-- Binlog capture needs, on the server (the relay checks each at `check`):\n\
@@ -135,7 +150,13 @@ impl BinlogCapture {
                 let oldest = outbox_binlog::oldest_log(&self.url)
                     .await
                     .map_err(unreachable)?;
-                problems.extend(outbox_binlog::retention_problem(&stored, &oldest));
+                let problem = outbox_binlog::retention_problem(&stored, &oldest);
+                problems.extend(problem.map(|mut problem| {
+                    if !problem.is_degraded() {
+                        problem.fix = self.recovery();
+                    }
+                    problem
+                }));
             }
             Ok(None) => {}
             Err(e) => problems.push(Problem::blocking(
@@ -181,6 +202,7 @@ impl BinlogCapture {
                 lease: SEAT_LEASE,
             },
             parked_table: format!("{}.{}", self.database, self.parked_table),
+            recovery: self.recovery(),
             blackhole,
             drain: run.drain,
             memory_budget: run.memory_budget,

@@ -355,3 +355,55 @@ fn settings_binlog_capture_cannot_apply_are_refused_with_exit_2() {
         );
     }
 }
+
+/// The stored position's log is gone (purged while the relay was off; here a file before
+/// the server's first, since purging the shared server's logs would pull them from under
+/// other tests): `check` fails and `run` refuses to start, each saying how to recover, and
+/// nothing is skipped.
+/// Forgetting the position, as they say, adopts the rows still in the table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_purged_position_is_refused_and_forgetting_it_adopts_the_rows_still_in_the_table() {
+    let db = BinlogDb::new().await;
+    let mut first = db.reading("relay-1", "out.jsonl").await;
+    assert!(first.terminate().await.success(), "{}", first.logs());
+    db.write(&["a"], 0, 5, true).await;
+    let mut conn = db.pool.get_conn().await.unwrap();
+    conn.query_drop(
+        "UPDATE outbox_binlog SET log_file = CONCAT(SUBSTRING_INDEX(log_file, '.', 1), '.000000')",
+    )
+    .await
+    .unwrap();
+    let checked = relay(
+        db.dir.path(),
+        &["check", "--capture", "binlog", "--database-url", &db.url],
+    );
+    let said = format!("{}{}", text(&checked.stdout), text(&checked.stderr));
+    assert!(!checked.status.success(), "{said}");
+    assert!(
+        said.contains("purged") && said.contains("DELETE FROM"),
+        "{said}"
+    );
+    let mut refused = db.spawn("relay-2", "out.jsonl", &[]);
+    let status = refused.wait_exit_within(Duration::from_secs(30)).await;
+    assert!(!status.success(), "{}", refused.logs());
+    assert!(
+        refused.logs().contains("purged") && refused.logs().contains("DELETE FROM"),
+        "{}",
+        refused.logs()
+    );
+    assert!(
+        read_lines(&db.path("out.jsonl")).is_empty(),
+        "nothing skipped to"
+    );
+    conn.query_drop("DELETE FROM outbox_binlog").await.unwrap();
+    let mut again = db.reading("relay-3", "out.jsonl").await;
+    wait_for_lines(
+        "the adopted rows delivered",
+        &db.path("out.jsonl"),
+        Duration::from_secs(30),
+        |n| n >= 5,
+    )
+    .await;
+    assert_every_key_in_order(&first_deliveries(&[db.path("out.jsonl")]).0, &["a"], 5);
+    assert!(again.terminate().await.success(), "{}", again.logs());
+}
