@@ -366,12 +366,23 @@ impl AnyStore {
     }
 
     /// The backlog in total and per destination, as `stats` and the admin API show it: with
-    /// WAL capture, what waits in the parked table is pending too (dead letters counted once).
+    /// WAL capture, what waits in the parked table is pending too (dead letters counted
+    /// once); with binlog capture, the rows in the outbox table are.
     pub async fn backlog_report(&self) -> Result<BacklogReport, outbox_core::StoreError> {
         let mut backlog = self.outbox().backlog().await?;
+        let parked = match self {
+            AnyStore::PostgresWal(pg, capture) => Some(capture.parked_stats(pg).await?),
+            AnyStore::MySqlBinlog(main, _) => {
+                use outbox_core::store::Operations;
+                // Dead letters and parked rows are in the parked table (`operations`); what
+                // the outbox table holds is pending, not read or not settled yet.
+                Some(main.destination_stats().await?)
+            }
+            _ => None,
+        };
         let mut destinations = self.operations().destination_stats().await?;
-        if let AnyStore::PostgresWal(pg, capture) = self {
-            for parked in capture.parked_stats(pg).await? {
+        if let Some(parked) = parked {
+            for parked in parked {
                 match destinations
                     .iter_mut()
                     .find(|d| d.destination == parked.destination)
