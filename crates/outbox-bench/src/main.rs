@@ -9,6 +9,7 @@
 //! `--out` (default `bench-results`). See BENCHMARKS.md for the method.
 
 mod baseline;
+mod binlog;
 mod curve;
 mod dashboard;
 mod load;
@@ -108,11 +109,12 @@ fn settings() -> Result<Settings> {
                 s.scaling_events = 50_000;
             }
             "--help" | "-h" => {
-                println!("outbox-bench [--events N] [--baseline-events N] [--latency-seconds S] [--scaling-events N] [--quick] [--only drain|latency|keepup|writers|scaling|wal|wal-drain|wal-memory] [--out DIR]");
+                println!("outbox-bench [--events N] [--baseline-events N] [--latency-seconds S] [--scaling-events N] [--quick] [--only binlog|curve|drain|latency|keepup|writers|scaling|wal|wal-drain|wal-memory] [--out DIR]");
                 println!("  drain sweeps: [--sinks file,nats] [--relay-args \"--batch-size 2000\"]; --baseline-events 0 skips the baseline and the PostgreSQL floor");
                 println!("  --only drain ends with the dashboard run: the drain to the first sink, once without and once with headless `chromium` open on the relay's dashboard (skipped without chromium)");
                 println!("  latency subsets: [--latency-plan 10000x10:notify+gated,1000x1:poll] (events/s x events per transaction : modes notify|gated|poll|baseline|wal|wal-emit; mapped: the relay on the baseline's table through a custom mapping; wal-stdout|wal-emit-stdout: the WAL relay's stdout sink piped into the bench, no broker; and the host's WAL floor recvlogical|recvlogical-emit: pg_recvlogical reading the slot, no relay)");
                 println!("  --only curve: the scale curve, `run --drain` to the file sink of un-analyzed backlogs of [--scale-backlogs 100000,1000000,10000000] rows to one destination, and of 1,000,000 rows over [--scale-destinations 1,8,64] destinations; the 10M run needs about 9 GB free disk");
+                println!("  --only binlog: binlog capture's drain on MariaDB, beside mariadb-binlog --read-from-remote-server reading the same log (the floor) and polling's drain of the same table");
                 println!("  --only wal-drain: the WAL capture drains alone (table form and outbox_emit, each beside pg_recvlogical's drain of the same backlog)");
                 println!("  --only wal-memory: WAL capture's drain of 256 events of 1 MiB to a webhook answering each after 500 ms, with the relay's peak RSS (also part of --only wal)");
                 println!("  --only wal: the WAL capture drains (table form and outbox_emit), WAL latency runs and WAL writer cost only; [--wal-events-per-transaction N] sizes the drains' backlog transactions (default 1000)");
@@ -147,7 +149,8 @@ fn numbers(list: &str) -> Result<Vec<u64>> {
 }
 
 /// The parts `--only` can pick.
-const ONLY: [&str; 9] = [
+const ONLY: [&str; 10] = [
+    "binlog",
     "curve",
     "drain",
     "latency",
@@ -193,6 +196,8 @@ fn parse_latency_plan(text: &str) -> Result<Vec<(u64, u64, String)>> {
 /// The servers this run started, stopped on drop.
 pub struct Servers {
     pub admin_url: String,
+    /// MariaDB's admin URL, with `--only binlog`.
+    pub mysql_url: Option<String>,
     pub nats_url: String,
     pub pg_data: PathBuf,
     /// nats-server's pid file, for its CPU time.
@@ -201,10 +206,16 @@ pub struct Servers {
 }
 
 impl Servers {
-    fn start() -> Result<Servers> {
+    fn start(mariadb: bool) -> Result<Servers> {
+        let servers = if mariadb {
+            "postgres nats mariadb"
+        } else {
+            "postgres nats"
+        };
         let env = vec![
             ("OUTBOX_TEST_STATE".to_string(), STATE_DIR.to_string()),
-            ("OUTBOX_TEST_SERVERS".into(), "postgres nats".into()),
+            ("OUTBOX_TEST_SERVERS".into(), servers.into()),
+            ("OUTBOX_TEST_MARIADB_PORT".into(), "54307".into()),
             ("OUTBOX_TEST_PG_PORT".into(), "54339".into()),
             ("OUTBOX_TEST_NATS_PORT".into(), "54232".into()),
             ("OUTBOX_PG_DURABLE".into(), "1".into()),
@@ -229,6 +240,7 @@ impl Servers {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
         Ok(Servers {
+            mysql_url: exports.get("OUTBOX_TEST_MYSQL_URL").cloned(),
             admin_url: exports
                 .get("OUTBOX_TEST_DATABASE_URL")
                 .context("no database URL")?
@@ -454,7 +466,7 @@ fn write_results(out: &Path, results: &Value) -> Result<()> {
         out.join("results.json"),
         serde_json::to_string_pretty(results)?,
     )?;
-    let md = measure::markdown(results) + &curve::markdown(results);
+    let md = measure::markdown(results) + &curve::markdown(results) + &binlog::report(results);
     std::fs::write(out.join("results.md"), &md)?;
     println!("{md}");
     Ok(())
@@ -465,7 +477,7 @@ async fn main() -> Result<()> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let settings = settings()?;
     let bin = build_relay()?;
-    let servers = Servers::start()?;
+    let servers = Servers::start(settings.only.as_deref() == Some("binlog"))?;
     let work = std::env::temp_dir().join(format!("outbox-bench-{}", std::process::id()));
     std::fs::create_dir_all(&work)?;
     let bench = Bench {
@@ -507,6 +519,10 @@ async fn main() -> Result<()> {
         results["latency"] = measure::latency(&bench, wal::LATENCY_PLAN).await?;
         write_results(&settings.out, &results)?;
         results["writer_cost"] = measure::writer_cost(&bench, wal::WRITER_VARIANTS).await?;
+        write_results(&settings.out, &results)?;
+    }
+    if settings.only.as_deref() == Some("binlog") {
+        results["binlog"] = binlog::drain(&bench).await?;
         write_results(&settings.out, &results)?;
     }
     if settings.only.as_deref() == Some("curve") {

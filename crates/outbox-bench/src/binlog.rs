@@ -1,0 +1,229 @@
+//! `--only binlog`: binlog capture's drain (issue 35) in one run beside the two things it is
+//! judged against, on the same MariaDB and the same backlog:
+//! - **the floor**: MariaDB's own `mariadb-binlog --read-from-remote-server`, reading the
+//!   same stretch of the binary log as a replica and writing it nowhere;
+//! - **polling**: `run --drain` of the same number of rows from the same table.
+//!
+//! Each drain is `run --drain` to the file sink, timed by `/usr/bin/time` (wall, CPU, peak
+//! RSS). The capture's backlog is written after a first start stored its position, so it is
+//! read from the log, not adopted from the table.
+
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use mysql_async::prelude::Queryable;
+use serde_json::{json, Value};
+
+use crate::{measure, Bench};
+
+/// Rows per prefill transaction.
+const PER_TRANSACTION: u64 = 1_000;
+
+/// The keys the backlog is spread over.
+const KEYS: u64 = 64;
+
+pub async fn drain(b: &Bench) -> Result<Value> {
+    let n = b.settings.events;
+    let admin = b
+        .servers
+        .mysql_url
+        .clone()
+        .context("binlog bench: no MariaDB (scripts/servers.sh did not start it)")?;
+    let url = with_database(&admin, "bench_binlog");
+    let pool = mysql_async::Pool::new(mysql_async::Opts::from_url(&admin)?);
+    let mut conn = pool.get_conn().await?;
+    conn.query_drop("DROP DATABASE IF EXISTS bench_binlog")
+        .await?;
+    conn.query_drop("CREATE DATABASE bench_binlog").await?;
+    conn.query_drop("USE bench_binlog").await?;
+    relay(
+        b,
+        &["migrate", "--capture", "binlog", "--database-url", &url],
+    )?;
+    // A first start stores the position: what follows is read from the log.
+    let sink = format!("file:{}", b.work.join("binlog-first.jsonl").display());
+    relay(b, &drain_args(&url, &sink, &["--capture", "binlog"]))?;
+
+    eprintln!("drain: binlog capture, {n} events ({PER_TRANSACTION} per transaction)");
+    let start = position(&mut conn).await?;
+    prefill(&mut conn, n).await?;
+    let floor = floor(b, &admin, &start)?;
+    let sink = format!("file:{}", b.work.join("binlog-drain.jsonl").display());
+    let capture = timed_drain(b, &drain_args(&url, &sink, &["--capture", "binlog"]), n)?;
+    let left: i64 = conn
+        .query_first("SELECT (SELECT count(*) FROM outbox) + (SELECT count(*) FROM outbox_parked)")
+        .await?
+        .unwrap_or(-1);
+
+    eprintln!("drain: polling, {n} events from the same table");
+    prefill(&mut conn, n).await?;
+    let sink = format!("file:{}", b.work.join("poll-drain.jsonl").display());
+    let polling = timed_drain(b, &drain_args(&url, &sink, &[]), n)?;
+    conn.query_drop("DROP DATABASE bench_binlog").await?;
+    drop(conn);
+    pool.disconnect().await?;
+    let ratio = |x: &Value, y: &Value| {
+        json!(x["events_per_s"].as_f64().unwrap_or(0.0) / y["events_per_s"].as_f64().unwrap_or(1.0))
+    };
+    Ok(json!({
+        "events": n,
+        "events_per_transaction": PER_TRANSACTION,
+        "floor": floor,
+        "capture": capture,
+        "polling": polling,
+        "capture_rows_left": left,
+        "capture_vs_floor": ratio(&capture, &floor),
+        "capture_vs_polling": ratio(&capture, &polling),
+    }))
+}
+
+/// `url` with its database replaced by `database`.
+fn with_database(url: &str, database: &str) -> String {
+    let cut = url.rfind('/').expect("a path");
+    format!("{}/{database}", &url[..cut])
+}
+
+fn drain_args<'a>(url: &'a str, sink: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = measure::drain_args(url, sink);
+    args.extend(["--http-addr", ""]);
+    args.extend(extra);
+    args
+}
+
+fn relay(b: &Bench, args: &[&str]) -> Result<()> {
+    let status = std::process::Command::new(&b.bin)
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .status()?;
+    if !status.success() {
+        bail!("outbox-relay {args:?} failed");
+    }
+    Ok(())
+}
+
+/// A timed `run --drain` of `n` events.
+fn timed_drain(b: &Bench, args: &[&str], n: u64) -> Result<Value> {
+    let (wall, user, sys, rss) = measure::timed(b, args)?;
+    Ok(json!({
+        "wall_s": wall,
+        "events_per_s": n as f64 / wall,
+        "relay_cpu_s": user + sys,
+        "relay_cpu_s_per_million": (user + sys) * 1e6 / n as f64,
+        "peak_rss_mb": rss as f64 / 1024.0,
+    }))
+}
+
+/// The binary log's end (`SHOW MASTER STATUS`).
+async fn position(conn: &mut mysql_async::Conn) -> Result<(String, u64)> {
+    let row: mysql_async::Row = conn
+        .query_first("SHOW MASTER STATUS")
+        .await?
+        .context("the server writes no binary log")?;
+    Ok((row.get(0).context("file")?, row.get(1).context("offset")?))
+}
+
+/// `n` events over [`KEYS`] keys, [`PER_TRANSACTION`] to a transaction.
+async fn prefill(conn: &mut mysql_async::Conn, n: u64) -> Result<()> {
+    let mut written = 0;
+    while written < n {
+        let batch = PER_TRANSACTION.min(n - written);
+        let values: Vec<String> = (written..written + batch)
+            .map(|i| {
+                format!(
+                    "('bench', 'customer-{}', 'order.created', JSON_OBJECT('seq', {i}, 'amount', {}))",
+                    i % KEYS,
+                    i % 1000
+                )
+            })
+            .collect();
+        conn.query_drop(format!(
+            "INSERT INTO outbox (destination, partition_key, event_type, payload) VALUES {}",
+            values.join(", ")
+        ))
+        .await?;
+        written += batch;
+    }
+    Ok(())
+}
+
+/// MariaDB's own client reading the log from `start` to its end as a replica, writing
+/// nowhere: wall and CPU.
+fn floor(b: &Bench, admin: &str, start: &(String, u64)) -> Result<Value> {
+    let opts = mysql_async::Opts::from_url(admin)?;
+    let port = opts.tcp_port().to_string();
+    let mut args = vec![
+        "--no-defaults".to_string(),
+        "--read-from-remote-server".into(),
+        format!("--host={}", opts.ip_or_hostname()),
+        format!("--port={port}"),
+        format!("--user={}", opts.user().unwrap_or("root")),
+        format!("--start-position={}", start.1),
+        "--to-last-log".into(),
+        start.0.clone(),
+    ];
+    if let Some(password) = opts.pass() {
+        args.push(format!("--password={password}"));
+    }
+    let (wall, user, sys) = timed_program(&b.work, Path::new("mariadb-binlog"), &args)?;
+    let n = b.settings.events;
+    Ok(json!({
+        "wall_s": wall,
+        "events_per_s": n as f64 / wall,
+        "cpu_s": user + sys,
+        "cpu_s_per_million": (user + sys) * 1e6 / n as f64,
+    }))
+}
+
+/// `/usr/bin/time` of `program` with its output discarded: wall, user, system seconds.
+fn timed_program(work: &Path, program: &Path, args: &[String]) -> Result<(f64, f64, f64)> {
+    let out = work.join("time-floor.txt");
+    let status = std::process::Command::new("/usr/bin/time")
+        .args(["-f", "%e %U %S", "-o"])
+        .arg(&out)
+        .arg(program)
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .context("/usr/bin/time (apt-get install time)")?;
+    if !status.success() {
+        bail!("{} {args:?} failed", program.display());
+    }
+    let text = std::fs::read_to_string(out)?;
+    let v: Vec<f64> = text
+        .lines()
+        .last()
+        .unwrap_or("")
+        .split_whitespace()
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    Ok((v[0], v[1], v[2]))
+}
+
+/// The binlog lines of the report.
+pub fn report(r: &Value) -> String {
+    let y = &r["binlog"];
+    if y.is_null() {
+        return String::new();
+    }
+    format!(
+        "\n## Binlog capture (MariaDB)\n\n{} events, {} per transaction, to the file sink.\n\n\
+         | | events/s | CPU s per 1M | peak RSS MB |\n|---|---|---|---|\n\
+         | floor (`mariadb-binlog --read-from-remote-server`) | {} | {} | |\n\
+         | binlog capture | {} | {} | {} |\n\
+         | polling, same table | {} | {} | {} |\n\n\
+         Capture: {}× the floor (target ≥ 0.9), {}× polling (target ≥ 3); rows left: {}.\n",
+        y["events"],
+        y["events_per_transaction"],
+        measure::f(&y["floor"]["events_per_s"]),
+        measure::f(&y["floor"]["cpu_s_per_million"]),
+        measure::f(&y["capture"]["events_per_s"]),
+        measure::f(&y["capture"]["relay_cpu_s_per_million"]),
+        measure::f(&y["capture"]["peak_rss_mb"]),
+        measure::f(&y["polling"]["events_per_s"]),
+        measure::f(&y["polling"]["relay_cpu_s_per_million"]),
+        measure::f(&y["polling"]["peak_rss_mb"]),
+        measure::f(&y["capture_vs_floor"]),
+        measure::f(&y["capture_vs_polling"]),
+        y["capture_rows_left"],
+    )
+}
