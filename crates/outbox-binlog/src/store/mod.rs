@@ -116,6 +116,8 @@ struct Inner {
     /// Serializes "is this key parked?" with parking and with un-parking, so a key is never
     /// let through while a parked row of it remains.
     parking: tokio::sync::Mutex<()>,
+    /// Deletes of delivered rows run one at a time ([`Inner::ack_stream`]).
+    deleting: tokio::sync::Mutex<()>,
     outputs: tokio::sync::Mutex<mpsc::Receiver<Item>>,
     /// Settled ordinals for the reader, by session.
     settled: mpsc::UnboundedSender<(u64, Vec<u64>)>,
@@ -195,6 +197,7 @@ impl BinlogStore {
                 drain: options.drain,
                 state: Mutex::new(State::new(options.blackhole)),
                 parking: tokio::sync::Mutex::new(()),
+                deleting: tokio::sync::Mutex::new(()),
                 outputs: tokio::sync::Mutex::new(rx),
                 settled: settled_tx,
                 live,
@@ -327,7 +330,7 @@ impl Inner {
         }
         debug_assert_eq!(params.len(), count * PARK_PARAMS);
         if !rows.is_empty() {
-            tx.exec_drop(self.sql.delete_rows(rows.len()), rows.to_vec())
+            tx.query_drop(self.sql.delete_rows(rows))
                 .await
                 .map_err(fail)?;
         }
@@ -403,10 +406,48 @@ impl Inner {
     }
 
     /// Acks held stream rows: their outbox rows are deleted (table form), then they settle.
+    ///
+    /// Deletes run one at a time, each taking every ack queued until it starts (a group
+    /// commit): a fast sink confirms many small batches (one per key's lane), and a delete
+    /// each would cost a statement and a commit per batch. An ack returns once the delete
+    /// that carried its rows has, with that delete's outcome.
     async fn ack_stream(&self, ids: Vec<SequenceId>) -> StoreResult<u64> {
         if ids.is_empty() {
             return Ok(0);
         }
+        let acked = ids.len() as u64;
+        let round = {
+            let mut state = lock(&self.state);
+            state.ack_queue.extend(ids);
+            state.ack_round.clone()
+        };
+        let _deleting = self.deleting.lock().await;
+        if let Some(outcome) = round.get() {
+            return outcome
+                .clone()
+                .map(|()| acked)
+                .map_err(|(kind, report)| StoreError::new(kind, report));
+        }
+        // This round is still open: close it (later acks open the next) and run it.
+        let ids = {
+            let mut state = lock(&self.state);
+            state.ack_round = Arc::default();
+            std::mem::take(&mut state.ack_queue)
+        };
+        let result = self.delete_delivered(ids).await;
+        let _ = round.set(
+            result
+                .as_ref()
+                .map(|_| ())
+                .map_err(|e| (e.kind(), e.report())),
+        );
+        result.map(|()| acked)
+    }
+
+    /// Deletes the outbox rows of delivered stream rows (table form), then settles them. A
+    /// row the log carries is committed, or prepared and about to be (the log is written
+    /// before the engine commits): the delete's lock waits for it.
+    async fn delete_delivered(&self, ids: Vec<SequenceId>) -> StoreResult<()> {
         let rows: Vec<i64> = {
             let state = lock(&self.state);
             ids.iter()
@@ -417,17 +458,14 @@ impl Inner {
                 .collect()
         };
         if !rows.is_empty() {
-            // A row the log carries is committed, or prepared and about to be (the log is
-            // written before the engine commits): the delete's lock waits for it.
             let fail = |e: mysql_async::Error| store_error("deleting delivered rows", e);
             let mut conn = self.pool.get_conn().await.map_err(fail)?;
-            conn.exec_drop(self.sql.delete_rows(rows.len()), rows)
+            conn.query_drop(self.sql.delete_rows(&rows))
                 .await
                 .map_err(fail)?;
         }
-        let n = ids.len() as u64;
         self.settle(&mut lock(&self.state), ids);
-        Ok(n)
+        Ok(())
     }
 
     async fn claim(&self, request: ClaimRequest) -> StoreResult<Vec<Claimed>> {

@@ -150,13 +150,23 @@ pub(super) struct State {
     pub(super) settled: Vec<u64>,
     /// `--drain`: every row committed before start-up has been handed out.
     drained: bool,
+    /// Delivered stream rows waiting for the next delete, and the round they belong to.
+    pub(super) ack_queue: Vec<SequenceId>,
+    pub(super) ack_round: Arc<AckRound>,
 }
+
+/// One delete of delivered rows, shared by the acks it carries: its outcome, once run.
+pub(super) type AckRound = std::sync::OnceLock<Result<(), (outbox_core::StoreErrorKind, String)>>;
 
 /// Splits `to_park` into the parks to write now, in log order, and those that wait. Parked
 /// rows are claimed in parking order, so per key it must be log order: a row the engine
 /// still has may yet come back to be parked (a retry or a release), and every later row of
 /// its key waits for it.
 pub(super) fn parking_order(state: &State, mut to_park: Vec<Park>) -> (Vec<Park>, Vec<Park>) {
+    // Every claim asks: most find nothing to park, and must not pay a pass over what is held.
+    if to_park.is_empty() {
+        return (to_park, Vec::new());
+    }
     let place = |id: &SequenceId| match state.held.get(id) {
         Some(Held::Stream(s)) => Some((s.session, s.ordinal)),
         _ => None,
@@ -201,6 +211,8 @@ impl State {
             to_park: Vec::new(),
             settled: Vec::new(),
             drained: false,
+            ack_queue: Vec::new(),
+            ack_round: Arc::default(),
         }
     }
 
