@@ -196,6 +196,11 @@ pub struct Mapping {
     /// The DDL that creates the table, exactly as its seed defines it (presets only).
     #[serde(skip)]
     pub seed: Option<Seed>,
+    /// A key with a pending row not due yet (`available_at` later) has none of its rows
+    /// claimed, whichever relay recorded the wait (binlog capture's parked table, whose rows
+    /// capture writes itself, and which a relay may take over with nothing in memory).
+    #[serde(skip)]
+    pub waiting_rows_block_their_key: bool,
 }
 
 /// The column `migrate --layout debezium` adds to order Debezium's outbox table.
@@ -460,6 +465,7 @@ impl Mapping {
             max_attempts_from: None,
             insert_defaults: Vec::new(),
             seed: None,
+            waiting_rows_block_their_key: false,
         }
     }
 

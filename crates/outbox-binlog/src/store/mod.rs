@@ -173,6 +173,7 @@ impl BinlogStore {
             pool: pool.clone(),
             sql: sql.clone(),
             drain: options.drain,
+            hold_to_commit: options.blackhole,
             recovery: options.recovery.clone(),
             last_problem: None,
             tx,
@@ -281,7 +282,20 @@ impl Inner {
         let mut state = lock(&self.state);
         match result {
             Ok(true) => {
-                tracing::debug!(ids = ?parks.iter().map(|p| p.id).collect::<Vec<_>>(), "parked");
+                if tracing::enabled!(tracing::Level::DEBUG) {
+                    // Each parked row's stream id with its event id, for a soak's forensics.
+                    let parked: Vec<String> = parks
+                        .iter()
+                        .map(|p| match state.held.get(&p.id) {
+                            Some(Held::Stream(s)) => match &s.body {
+                                Body::Event(e) => format!("{}={}", p.id, e.event_id),
+                                Body::Undecodable(_) => p.id.to_string(),
+                            },
+                            _ => p.id.to_string(),
+                        })
+                        .collect();
+                    tracing::debug!(?parked, "parked");
+                }
                 let n = parks.len() as u64;
                 self.settle(&mut state, parks.into_iter().map(|p| p.id));
                 Ok(n)
@@ -557,6 +571,16 @@ impl Inner {
                 ..request.clone()
             })
             .await?;
+        tracing::debug!(
+            claimed = ?rows
+                .iter()
+                .map(|row| match row {
+                    Claimed::Event(e) => format!("{}={}", e.sequence_id, e.event_id),
+                    other => other.sequence_id().to_string(),
+                })
+                .collect::<Vec<_>>(),
+            "claimed parked rows"
+        );
         let mut state = lock(&self.state);
         for row in rows {
             let (row, memory) = match row {
@@ -705,7 +729,7 @@ impl OutboxStore for BinlogStore {
                 .settle_parked(
                     ids,
                     |id| *id,
-                    parked_id,
+                    parked_row,
                     |p, ids| p.ack(LeaseHolder::unfenced(holder.node), ids),
                     true,
                 )
@@ -723,7 +747,7 @@ impl OutboxStore for BinlogStore {
                     retries,
                     |r| r.sequence_id,
                     |r| RetryLater {
-                        sequence_id: parked_id(r.sequence_id),
+                        sequence_id: parked_row(r.sequence_id),
                         ..r
                     },
                     |p, rs| p.retry_later(LeaseHolder::unfenced(holder.node), rs),
@@ -752,7 +776,7 @@ impl OutboxStore for BinlogStore {
                     entries,
                     |e| e.sequence_id,
                     |e| DeadLetter {
-                        sequence_id: parked_id(e.sequence_id),
+                        sequence_id: parked_row(e.sequence_id),
                         ..e
                     },
                     |p, es| p.dead_letter(LeaseHolder::unfenced(holder.node), es),
@@ -777,7 +801,7 @@ impl OutboxStore for BinlogStore {
         let inner = self.inner.clone();
         async move {
             let (released, stream) = inner
-                .settle_parked(ids, |id| *id, parked_id, |p, ids| p.release(node, ids), false)
+                .settle_parked(ids, |id| *id, parked_row, |p, ids| p.release(node, ids), false)
                 .await?;
             // The engine releases what waits behind a retrying head of its key, and what it
             // holds when it stops: parked, behind their keys, in commit order.
@@ -803,7 +827,7 @@ impl OutboxStore for BinlogStore {
                     .parked
                     .extend_leases(LeaseExtension {
                         node,
-                        ids: split.parked.into_iter().map(parked_id).collect(),
+                        ids: split.parked.into_iter().map(parked_row).collect(),
                         lease,
                     })
                     .await?;
@@ -862,6 +886,8 @@ struct Reader {
     pool: Pool,
     sql: Statements,
     drain: bool,
+    /// BLACKHOLE: a transaction's rows are handed out at its commit ([`State::hold_to_commit`]).
+    hold_to_commit: bool,
     recovery: String,
     /// The last reason reading stopped or could not start: logged once, not every second.
     last_problem: Option<String>,
@@ -990,6 +1016,8 @@ impl Reader {
         };
         let mut next_store = tokio::time::Instant::now() + store_every;
         let mut pending: Option<Item> = None;
+        // Rows of a transaction whose end is not read yet.
+        let mut open_rows = false;
         let mut drained = drain_until.is_none();
         loop {
             let step = tokio::select! {
@@ -999,7 +1027,11 @@ impl Reader {
                 _ = tokio::time::sleep_until(next_store) => Step::Store,
                 permit = self.tx.clone().reserve_owned(), if pending.is_some() => Step::Send(permit),
                 output = async {
-                    self.memory.has_room().await;
+                    // A held-to-commit transaction's rows are freed only once its commit is
+                    // read: waiting for room inside one would wait for good.
+                    if !(self.hold_to_commit && open_rows) {
+                        self.memory.has_room().await;
+                    }
                     capture.next().await
                 }, if pending.is_none() => Step::Read(output),
             };
@@ -1029,13 +1061,10 @@ impl Reader {
                 }
                 Step::Send(Err(_)) => return Ended::Closed,
                 Step::Send(Ok(permit)) => {
-                    let was_empty = self.tx.capacity() == self.tx.max_capacity();
                     if let Some(item) = pending.take() {
                         permit.send(item);
                     }
-                    if was_empty {
-                        self.wake();
-                    }
+                    self.wake();
                 }
                 Step::Read(Err(e)) => return Ended::Broken(self.reason(&e)),
                 Step::Read(Ok(None)) => {
@@ -1044,6 +1073,7 @@ impl Reader {
                 Step::Read(Ok(Some(output))) => {
                     pending = Some(match output {
                         Output::Row(row) => {
+                            open_rows = true;
                             let captured = decode(&row);
                             if let Ok(event) = &captured.event {
                                 let behind = event.created_at.elapsed().unwrap_or_default();
@@ -1056,8 +1086,14 @@ impl Reader {
                                 memory,
                             }
                         }
-                        Output::Committed { .. } => Item::Committed,
-                        Output::RolledBack { .. } => Item::RolledBack,
+                        Output::Committed { .. } => {
+                            open_rows = false;
+                            Item::Committed
+                        }
+                        Output::RolledBack { .. } => {
+                            open_rows = false;
+                            Item::RolledBack
+                        }
                     });
                 }
             }

@@ -73,7 +73,7 @@ pub(super) struct Streamed {
 
 pub(super) enum Held {
     Stream(Box<Streamed>),
-    /// A row of the parked table (its engine id is minus its `sequence_id` there).
+    /// A row of the parked table (its engine id is [`parked_id`] of its `sequence_id` there).
     Parked {
         key: String,
         _memory: Charge,
@@ -114,11 +114,19 @@ pub(super) struct Split<T> {
     pub(super) stream: Vec<T>,
 }
 
-/// The engine's id of a parked row (`sequence_id` in the parked table) and back: negative,
-/// so it never meets a stream row's (the outbox row's `sequence_id`, or a BLACKHOLE row's
-/// [`stream_id`]).
+/// Where the engine's ids of parked rows start: far above any outbox row's `sequence_id` and
+/// any BLACKHOLE row's [`stream_id`], so they never meet, and rising with the parked table's
+/// ids (the engine's lanes compare ids of one key).
+const PARKED_IDS: SequenceId = 1 << 60;
+
+/// The engine's id of a parked row (`sequence_id` in the parked table).
 pub(super) fn parked_id(parked_sequence_id: SequenceId) -> SequenceId {
-    -parked_sequence_id
+    PARKED_IDS + parked_sequence_id
+}
+
+/// The parked table's `sequence_id` of a parked row's engine id.
+pub(super) fn parked_row(id: SequenceId) -> SequenceId {
+    id - PARKED_IDS
 }
 
 /// The id of a stream row with no `sequence_id` (BLACKHOLE): its session and ordinal.
@@ -407,6 +415,16 @@ impl State {
             };
             if self.to_park.iter().all(|p| p.id != park.id) {
                 self.parked_keys.insert(s.key.clone());
+                // An undecodable row has nothing a claim could read back: it is parked dead,
+                // with its reason, however the engine let go of it (a release too).
+                let park = match &s.body {
+                    Body::Undecodable(u) => Park {
+                        dead: true,
+                        error: park.error.or_else(|| Some(u.reason.clone())),
+                        ..park
+                    },
+                    Body::Event(_) => park,
+                };
                 self.to_park.push(park);
             }
         }
@@ -427,6 +445,9 @@ impl State {
             .into_iter()
             .filter(|key| !still.contains(key) && !waiting.contains(key.as_str()))
             .collect();
+        if !free.is_empty() {
+            tracing::debug!(keys = ?free, "keys with nothing parked left flow from the log again");
+        }
         for key in free {
             self.parked_keys.remove(&key);
         }
@@ -650,6 +671,30 @@ mod tests {
     }
 
     #[test]
+    fn an_undecodable_row_the_engine_releases_is_parked_dead_with_its_reason() {
+        let mut state = State::new(false);
+        state.accept(session(1, &[]));
+        let bad = Item::Row {
+            ordinal: 1,
+            captured: Box::new(Captured {
+                row: Some(7),
+                not_before: None,
+                event: Err(Box::new(Undecodable {
+                    reason: "payload is not JSON".into(),
+                    event_id: None,
+                    destination: Some("a".into()),
+                    partition_key: None,
+                })),
+            }),
+            memory: Charge::none(),
+        };
+        assert_eq!(claim(&mut state, vec![bad, Item::Committed]), [7]);
+        state.queue_parks([Park::behind_its_key(7)]);
+        let parks = state.take_parks();
+        assert!(parks[0].dead && parks[0].error.as_deref() == Some("payload is not JSON"));
+    }
+
+    #[test]
     fn a_new_session_drops_what_the_old_one_queued_and_settles_only_its_own_rows() {
         let mut state = State::new(false);
         state.accept(session(1, &[]));
@@ -718,7 +763,8 @@ mod tests {
 
     #[test]
     fn ids_of_parked_and_blackhole_rows_never_meet_those_of_table_rows() {
-        assert!(parked_id(5) < 0);
+        assert!(parked_id(5) > stream_id(1 << 19, 1 << 39) && parked_id(5) < parked_id(6));
+        assert_eq!(parked_row(parked_id(5)), 5);
         assert_ne!(stream_id(1, 5), stream_id(2, 5));
         assert!(stream_id(1, 1) > 0);
     }

@@ -27,7 +27,10 @@ fn server_id() -> u32 {
 fn mysql_store(url: &str, table: &str) -> MySqlStore {
     MySqlStore::new(MySqlOptions {
         url: url.into(),
-        mapping: Mapping::native_mysql(None, table, false),
+        mapping: Mapping {
+            waiting_rows_block_their_key: table.ends_with("_parked"),
+            ..Mapping::native_mysql(None, table, false)
+        },
         layout: "native".into(),
         max_attempts: 1000,
         pool_size: 4,
@@ -143,11 +146,19 @@ struct Relay {
 
 impl Relay {
     async fn start(options: BinlogStoreOptions, publisher: &RecordingPublisher) -> Relay {
+        Relay::with_backoff(options, publisher, Duration::from_millis(50)).await
+    }
+
+    async fn with_backoff(
+        options: BinlogStoreOptions,
+        publisher: &RecordingPublisher,
+        backoff: Duration,
+    ) -> Relay {
         let store = BinlogStore::start(options).unwrap();
         let mut config = EngineConfig::new(NodeId("binlog-test".into()));
         config.settings.retry = RetryPolicy {
-            base_delay: Duration::from_millis(50),
-            max_delay: Duration::from_millis(200),
+            base_delay: backoff,
+            max_delay: backoff * 4,
             max_attempts: 1000,
             ..RetryPolicy::default()
         };
@@ -395,4 +406,33 @@ async fn a_standby_reads_on_when_the_active_relay_stops() {
     .await;
     assert!(second.delivered().len() <= 2, "at most row 1 again");
     standby.stop().await;
+}
+
+/// The key's head fails once and waits its backoff in the parked table; the rows behind it,
+/// parked due at once, wait for it there (the parked table's claim reads the wait from the
+/// table: capture wrote it, not the polling store that claims).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_parked_behind_a_retrying_head_wait_for_it_in_the_parked_table() {
+    let fixture = Fixture::new().await;
+    let publisher = RecordingPublisher::new();
+    publisher.fail("Flaky", 1, PublishErrorKind::Unavailable);
+    let relay = Relay::with_backoff(
+        fixture.options("relay-1"),
+        &publisher,
+        Duration::from_secs(2),
+    )
+    .await;
+    assert_eq!(
+        relay.store.wait_reading(Duration::from_secs(30)).await,
+        outbox_binlog::CaptureStatus::Reading
+    );
+    fixture.insert("a", "Flaky", 1).await;
+    fixture.insert("a", "Placed", 2).await;
+    fixture.insert("a", "Placed", 3).await;
+    eventually("key a delivered", PATIENCE, || async {
+        (delivered_n(&publisher, "a").len() == 3).then_some(())
+    })
+    .await;
+    assert_eq!(delivered_n(&publisher, "a"), [1, 2, 3]);
+    relay.stop().await;
 }

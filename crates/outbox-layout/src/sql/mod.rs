@@ -371,6 +371,17 @@ impl Sql {
         }
         if let Some(a) = self.opt(&m.available_at) {
             parts.push(format!("{a} <= {}", self.now()));
+            if m.waiting_rows_block_their_key {
+                // Uncorrelated, so evaluated once a claim: the subquery's alias `o` shadows the
+                // claimed row's, so its columns are its own rows'.
+                let key = self.key_expr();
+                parts.push(format!(
+                    "{key} NOT IN (SELECT {key} FROM {} o WHERE {} AND {a} > {})",
+                    self.table(),
+                    self.pending(),
+                    self.now()
+                ));
+            }
         }
         parts.join(" AND ")
     }
@@ -872,6 +883,23 @@ mod tests {
         .unwrap();
         assert!(s.claimable().contains("o.`isConsumed` = 0"));
         assert!(s.claimable().contains("`outbox_events_dead_letters`"));
+        let parked = Sql::new(
+            Mapping {
+                waiting_rows_block_their_key: true,
+                ..Mapping::native_mysql(None, "outbox_parked", false)
+            },
+            Dialect::MySql,
+        )
+        .unwrap();
+        assert!(
+            parked.claimable().contains(
+                "NOT IN (SELECT coalesce(CAST(o.`partition_key` AS CHAR), CAST(o.`destination` AS CHAR)) \
+                 FROM `outbox_parked` o WHERE o.`delivered_at` IS NULL AND o.`dead_at` IS NULL \
+                 AND o.`available_at` > UTC_TIMESTAMP(6))"
+            ),
+            "{}",
+            parked.claimable()
+        );
         assert!(s.ack("IN (1)", "?").contains("o.`isConsumed` = 1"));
         assert!(s.claim_set("?", "?").is_empty());
         assert!(s

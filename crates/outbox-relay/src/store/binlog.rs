@@ -58,11 +58,14 @@ impl BinlogCapture {
         let table = options.mapping.table.clone();
         let parked_table = format!("{table}_parked");
         let parked = MySqlStore::new(MySqlOptions {
-            mapping: outbox_layout::Mapping::native_mysql(
-                options.mapping.schema.as_deref(),
-                &parked_table,
-                false,
-            ),
+            mapping: outbox_layout::Mapping {
+                waiting_rows_block_their_key: true,
+                ..outbox_layout::Mapping::native_mysql(
+                    options.mapping.schema.as_deref(),
+                    &parked_table,
+                    false,
+                )
+            },
             nodes_table: None,
             ..options.clone()
         })?;

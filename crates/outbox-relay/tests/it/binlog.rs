@@ -1,16 +1,22 @@
 //! The relay binary with `--capture binlog` (issue 35) against the real MariaDB 10.11:
 //! `migrate` and its `--print`, `check`, rows adopted from before the first start, commit
 //! order per key with rolled-back transactions left out, kill -9 and SIGTERM mid-stream,
-//! `run --drain`, a standby that takes over from a SIGSTOP'd reader, and the settings it
+//! `run --drain`, a standby that takes over from a SIGSTOP'd reader, the database's
+//! connections cut and a broker outage mid-stream, a purged position, and the settings it
 //! refuses.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
-use crate::support::{read_lines, relay, text, wait_for_lines, RelayProcess};
 use mysql_async::prelude::Queryable;
-use outbox_testkit::eventually;
+use outbox_testkit::{eventually, eventually_explained};
+
+use crate::support::{
+    nats_behind_a_proxy, read_lines, relay, text, wait_for_lines, RelayProcess, RETRY_AN_OUTAGE,
+};
 
 /// The log line of a relay that reads the binary log.
 const READING: &str = "reading the binary log";
@@ -406,4 +412,162 @@ async fn a_purged_position_is_refused_and_forgetting_it_adopts_the_rows_still_in
     .await;
     assert_every_key_in_order(&first_deliveries(&[db.path("out.jsonl")]).0, &["a"], 5);
     assert!(again.terminate().await.success(), "{}", again.logs());
+}
+
+/// Writers, one per key, each committing its events one after another (so per key, commit
+/// order is the order written), every event's id recorded with its key and number.
+struct KeyWriters {
+    stop: Arc<AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<Vec<(String, i64)>>>,
+}
+
+impl KeyWriters {
+    fn start(url: &str, keys: &[&str]) -> KeyWriters {
+        let stop = Arc::new(AtomicBool::new(false));
+        let tasks = keys
+            .iter()
+            .map(|key| {
+                let (url, key, stop) = (url.to_string(), key.to_string(), stop.clone());
+                tokio::spawn(async move {
+                    let mut conn = mysql_async::Conn::from_url(url.as_str()).await.unwrap();
+                    let mut written = Vec::new();
+                    let mut n = 0;
+                    while !stop.load(Ordering::SeqCst) {
+                        let id = uuid::Uuid::new_v4().to_string();
+                        let wrote = conn
+                            .exec_drop(
+                                "INSERT INTO outbox (event_id, destination, partition_key, event_type, payload)
+                                 VALUES (?, 'orders', ?, 'T', JSON_OBJECT('n', ?))",
+                                (&id, &key, n),
+                            )
+                            .await;
+                        if wrote.is_ok() {
+                            written.push((id, n));
+                            n += 1;
+                        }
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                    written
+                })
+            })
+            .collect();
+        KeyWriters { stop, tasks }
+    }
+
+    /// Stops them: each key's event ids, in the order committed.
+    async fn stop(self) -> Vec<Vec<String>> {
+        self.stop.store(true, Ordering::SeqCst);
+        let mut keys = Vec::new();
+        for task in self.tasks {
+            keys.push(task.await.unwrap().into_iter().map(|(id, _)| id).collect());
+        }
+        keys
+    }
+}
+
+/// The database's connections cut (as a restart cuts them: the binlog stream, the seat's
+/// lock and the pool) and then the broker away, each for seconds, while writers go on:
+/// every committed event arrives, each key's first deliveries in commit order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_cut_and_a_broker_outage_mid_stream_lose_nothing_and_keep_order() {
+    let (_nats, deliveries, broker, broker_url) = nats_behind_a_proxy().await;
+    let db = BinlogDb::new().await;
+    let (database, proxied_db) = outbox_testkit::FaultProxy::start_for_url(&db.url)
+        .await
+        .unwrap();
+    let mut args = vec![
+        "run",
+        "--capture",
+        "binlog",
+        "--database-url",
+        &proxied_db,
+        "--sink",
+        &broker_url,
+        "--http-addr",
+        "",
+        "--shutdown-timeout",
+        "5s",
+    ];
+    args.extend(RETRY_AN_OUTAGE);
+    let mut relay = RelayProcess::spawn(
+        db.dir.path(),
+        "relay",
+        &args,
+        &[("OUTBOX_RELAY_LOG_LEVEL", "info,outbox_binlog=debug")],
+    );
+    relay
+        .wait_for_log("the relay reading", Duration::from_secs(60), READING)
+        .await;
+    let keys = ["a", "b", "c"];
+    let writers = KeyWriters::start(&db.url, &keys);
+    let more = |n: usize| {
+        let target = deliveries.len() + n;
+        let deliveries = &deliveries;
+        eventually("more deliveries", Duration::from_secs(60), move || {
+            let done = deliveries.len() >= target;
+            async move { done.then_some(()) }
+        })
+    };
+    more(50).await;
+    database.handle().cut();
+    // The cut's length, not a synchronisation: the writers go on meanwhile.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    database.handle().heal();
+    more(50).await;
+    broker.handle().cut();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    broker.handle().heal();
+    more(50).await;
+    let committed = writers.stop().await;
+    let total: usize = committed.iter().map(Vec::len).sum();
+    eventually_explained(
+        "every committed event delivered",
+        Duration::from_secs(60),
+        || relay.logs(),
+        || {
+            let seen: HashSet<String> = deliveries.snapshot().into_iter().map(|d| d.id).collect();
+            let done = committed.iter().flatten().all(|id| seen.contains(id));
+            async move { done.then_some(()) }
+        },
+    )
+    .await;
+    // Each key's first deliveries follow its commit order.
+    let mut first: Vec<String> = Vec::new();
+    let mut seen = HashSet::new();
+    for delivery in deliveries.snapshot() {
+        if seen.insert(delivery.id.clone()) {
+            first.push(delivery.id);
+        }
+    }
+    for (key, ids) in committed.iter().enumerate() {
+        let number: HashMap<&String, usize> =
+            ids.iter().enumerate().map(|(n, id)| (id, n)).collect();
+        let order: Vec<usize> = first
+            .iter()
+            .filter_map(|id| number.get(id).copied())
+            .collect();
+        if let Some(at) = order.windows(2).position(|w| w[0] > w[1]) {
+            let around = &order[at.saturating_sub(3)..(at + 5).min(order.len())];
+            let (before, after) = (&ids[order[at]], &ids[order[at + 1]]);
+            let logs = relay.logs();
+            let mentions: Vec<&str> = logs
+                .lines()
+                .filter(|l| {
+                    l.contains(before.as_str())
+                        || l.contains(after.as_str())
+                        || l.contains("flow from the log again")
+                        || l.contains("settled parked")
+                })
+                .collect();
+            panic!(
+                "key {key}: first deliveries out of commit order at {at}: {around:?}; \
+                 {before} (n {}) and {after} (n {}) in the logs:\n{}",
+                order[at],
+                order[at + 1],
+                mentions.join("\n")
+            );
+        }
+    }
+    eprintln!("{total} committed, {} delivered", deliveries.len());
+    assert!(relay.terminate().await.success(), "{}", relay.logs());
 }

@@ -23,8 +23,8 @@ use serde_json::Value;
 use tokio_postgres::{Client, GenericClient};
 
 use crate::support::{
-    http_addr, http_get, metric_value, pg, read_lines, readyz, relay, text, wait_for_lines,
-    Deliveries, Delivery, Figures, Ledger, OwnPostgres, RelayProcess, Writers,
+    http_addr, http_get, metric_value, nats_behind_a_proxy, pg, read_lines, readyz, relay, text,
+    wait_for_lines, Delivery, Figures, Ledger, OwnPostgres, RelayProcess, Writers, RETRY_AN_OUTAGE,
 };
 
 /// The log line of a relay whose replication session streams.
@@ -964,40 +964,6 @@ async fn a_broker_outage_mid_stream_loses_nothing_and_keeps_order() {
     w.assert_empty_after(&relay.logs(), &deliveries.snapshot(), &ledger)
         .await;
 }
-
-/// A NATS JetStream server of the test's own with the stream `ORDERS` (subject `orders`), a
-/// recorder of what is published on it, and a fault proxy in front of it: the relay's URL.
-async fn nats_behind_a_proxy() -> (
-    outbox_testkit::nats::PrivateNats,
-    Deliveries,
-    outbox_testkit::FaultProxy,
-    String,
-) {
-    use outbox_testkit::nats::{stream, PrivateNats};
-    let nats = PrivateNats::with_stream(async_nats::jetstream::stream::Config {
-        duplicate_window: Duration::from_secs(3600),
-        ..stream("ORDERS", &["orders"])
-    })
-    .await;
-    let nats_url = nats.url.clone();
-    let deliveries = Deliveries::record(&nats.client, "orders").await;
-    let (proxy, broker_url) = outbox_testkit::FaultProxy::start_for_url(&nats_url)
-        .await
-        .unwrap();
-    (nats, deliveries, proxy, broker_url)
-}
-
-/// Flags that keep retrying a broker that is away, quickly.
-const RETRY_AN_OUTAGE: [&str; 8] = [
-    "--publish-timeout",
-    "2s",
-    "--retry-base-delay",
-    "50ms",
-    "--retry-max-delay",
-    "500ms",
-    "--max-attempts",
-    "100000",
-];
 
 #[tokio::test]
 async fn a_fast_shutdown_of_postgresql_is_not_held_by_a_relay_with_unsettled_events() {

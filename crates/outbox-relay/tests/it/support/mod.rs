@@ -838,3 +838,37 @@ pub async fn stream_len(js: &async_nats::jetstream::Context, name: &str) -> u64 
         .state
         .messages
 }
+
+/// A NATS JetStream server of the test's own with the stream `ORDERS` (subject `orders`), a
+/// recorder of what is published on it, and a fault proxy in front of it: the relay's URL.
+pub async fn nats_behind_a_proxy() -> (
+    outbox_testkit::nats::PrivateNats,
+    Deliveries,
+    outbox_testkit::FaultProxy,
+    String,
+) {
+    use outbox_testkit::nats::{stream, PrivateNats};
+    let nats = PrivateNats::with_stream(async_nats::jetstream::stream::Config {
+        duplicate_window: Duration::from_secs(3600),
+        ..stream("ORDERS", &["orders"])
+    })
+    .await;
+    let nats_url = nats.url.clone();
+    let deliveries = Deliveries::record(&nats.client, "orders").await;
+    let (proxy, broker_url) = outbox_testkit::FaultProxy::start_for_url(&nats_url)
+        .await
+        .unwrap();
+    (nats, deliveries, proxy, broker_url)
+}
+
+/// Flags that keep retrying a broker that is away, quickly.
+pub const RETRY_AN_OUTAGE: [&str; 8] = [
+    "--publish-timeout",
+    "2s",
+    "--retry-base-delay",
+    "50ms",
+    "--retry-max-delay",
+    "500ms",
+    "--max-attempts",
+    "100000",
+];
