@@ -244,6 +244,18 @@ impl<D: MappedDb> MappedStore<D> {
         &self.inner.db
     }
 
+    /// Gives up being the table's active relay (its lock's session is closed, which frees
+    /// the lock for another relay); the next claim tries to become it again. For a store
+    /// whose claims another lock already decides (binlog capture's parked table, claimed
+    /// only by the binary log's reader): the reader that loses its seat steps down here too.
+    pub async fn step_down(&self) {
+        let mut leader = self.inner.leader.lock().await;
+        if leader.lock.take().is_some() {
+            tracing::info!(table = %self.table_name(), "no longer the table's active relay");
+        }
+        leader.last_try = None;
+    }
+
     /// Whether this layout keeps a seed's own table (for `check`).
     pub fn seed(&self) -> Option<crate::Seed> {
         self.inner.sql.mapping.seed

@@ -87,6 +87,10 @@ pub struct BinlogStoreOptions {
     pub parked: Arc<dyn OutboxStore>,
     /// The store over the outbox table (inserts, pings).
     pub main: Arc<dyn OutboxStore>,
+    /// Called when this relay stops reading (the seat lost, the stream broken): the parked
+    /// table's store lets go of what makes it the table's claimer, so that the relay that
+    /// reads now can claim the parked rows.
+    pub on_reading_stopped: Option<Arc<dyn Fn() + Send + Sync>>,
 }
 
 /// Where the reader stands, for claims and `/readyz`.
@@ -173,6 +177,7 @@ impl BinlogStore {
             pool: pool.clone(),
             sql: sql.clone(),
             drain: options.drain,
+            on_reading_stopped: options.on_reading_stopped.clone(),
             hold_to_commit: options.blackhole,
             recovery: options.recovery.clone(),
             last_problem: None,
@@ -888,6 +893,7 @@ struct Reader {
     drain: bool,
     /// BLACKHOLE: a transaction's rows are handed out at its commit ([`State::hold_to_commit`]).
     hold_to_commit: bool,
+    on_reading_stopped: Option<Arc<dyn Fn() + Send + Sync>>,
     recovery: String,
     /// The last reason reading stopped or could not start: logged once, not every second.
     last_problem: Option<String>,
@@ -941,6 +947,9 @@ impl Reader {
                 Ok(Started::Active(capture)) => {
                     let ended = self.read(*capture, drain_until.as_ref()).await;
                     self.live.set(0);
+                    if let Some(stopped) = &self.on_reading_stopped {
+                        stopped();
+                    }
                     match ended {
                         Ended::Closed => return,
                         Ended::Broken(reason) => self.stopped(reason).await,

@@ -82,6 +82,7 @@ impl Fixture {
             memory_budget: 32 * 1024 * 1024,
             parked: Arc::new(mysql_store(&self.url, "outbox_parked")),
             main: Arc::new(mysql_store(&self.url, "outbox")),
+            on_reading_stopped: None,
         }
     }
 

@@ -211,6 +211,13 @@ impl BinlogCapture {
             memory_budget: run.memory_budget,
             parked: Arc::new(self.parked.clone()),
             main: Arc::new(main.clone()),
+            on_reading_stopped: Some({
+                let parked = self.parked.clone();
+                Arc::new(move || {
+                    let parked = parked.clone();
+                    tokio::spawn(async move { parked.step_down().await });
+                })
+            }),
         })
         .map_err(config)
     }

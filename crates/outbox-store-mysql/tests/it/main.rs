@@ -2,4 +2,5 @@
 //! binary (`it`). One module's tests:
 //! `cargo nextest run -p outbox-store-mysql -E 'binary(it) & test(/^MODULE::/)'`.
 
+mod active_relay;
 mod conformance;
