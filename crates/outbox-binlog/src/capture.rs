@@ -94,6 +94,7 @@ impl Capture {
     /// it has not moved. Fails with [`crate::BinlogError::Fenced`] (or a connection error)
     /// once another relay took the seat: this one must stop.
     pub async fn store(&mut self) -> Result<BinlogPosition> {
+        self.positions.passed(&self.reader.boundary());
         let storable = self.positions.storable().clone();
         if self.seat.stored() == Some(&storable) {
             self.seat.renew().await?;

@@ -377,6 +377,9 @@ pub struct BinlogReader {
     gtid: Option<String>,
     /// The end of the last event read, in `file`.
     read_to: u64,
+    /// The end of the last transaction read, of any table, in `file`: where a reader may
+    /// start again (never inside a transaction, whose table maps would be missed).
+    boundary: u64,
 }
 
 /// Where a reader starts.
@@ -526,6 +529,7 @@ impl BinlogReader {
             },
             gtid: None,
             read_to,
+            boundary: read_to,
         })
     }
 
@@ -540,6 +544,12 @@ impl BinlogReader {
     /// (`run --drain` is done once it reaches the position current at its start).
     pub fn read_to(&self) -> BinlogPosition {
         self.at(self.read_to)
+    }
+
+    /// The end of the last transaction read, of any table: a position to resume from when
+    /// nothing of the outbox is unsettled before it.
+    pub fn boundary(&self) -> BinlogPosition {
+        self.at(self.boundary)
     }
 
     /// The next output; `None` when the server ended the stream.
@@ -601,6 +611,7 @@ impl BinlogReader {
                 Some(EventData::RotateEvent(rotate)) if end != 0 => {
                     self.file = rotate.name().into_owned();
                     self.read_to = rotate.position();
+                    self.boundary = rotate.position();
                 }
                 // Started from a GTID: the artificial rotate is the only word of the file.
                 Some(EventData::RotateEvent(rotate)) if self.file.is_empty() => {
@@ -624,6 +635,14 @@ impl BinlogReader {
                 // transactional tables, a COMMIT query for the others (BLACKHOLE).
                 Some(EventData::XidEvent(_)) if self.rows_in_transaction > 0 => {
                     return Ok(Some(self.committed(end)));
+                }
+                // Another table's transaction ended: a place a reader may start from.
+                Some(EventData::XidEvent(_)) => self.boundary = end,
+                Some(EventData::QueryEvent(query))
+                    if self.rows_in_transaction == 0
+                        && matches!(query.query_raw(), b"COMMIT" | b"ROLLBACK") =>
+                {
+                    self.boundary = end;
                 }
                 Some(EventData::QueryEvent(query)) if self.rows_in_transaction > 0 => {
                     match query.query_raw() {
@@ -656,6 +675,7 @@ impl BinlogReader {
 
     /// The commit of the transaction being read, which ends at `end`.
     fn committed(&mut self, end: u64) -> Output {
+        self.boundary = end;
         Output::Committed {
             next: self.at(end),
             rows: std::mem::take(&mut self.rows_in_transaction),

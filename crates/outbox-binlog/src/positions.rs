@@ -88,6 +88,16 @@ impl Positions {
         Ok(())
     }
 
+    /// The reader has read, past every transaction above, to the end of another table's
+    /// transaction at `boundary`: with nothing of the outbox open, the position may move
+    /// there (a quiet outbox on a busy server would otherwise keep an old position, which the
+    /// server purges in time, and read a long stretch again at every start).
+    pub fn passed(&mut self, boundary: &BinlogPosition) {
+        if self.open.is_empty() && crate::at_or_after(boundary, &self.storable) {
+            self.storable = boundary.clone();
+        }
+    }
+
     /// Where a new reader may start without losing an unsettled row.
     pub fn storable(&self) -> &BinlogPosition {
         &self.storable
@@ -164,6 +174,25 @@ mod tests {
         assert_eq!(positions.storable(), &at(4), "its commit is not read yet");
         positions.committed(&at(150));
         assert_eq!(positions.storable(), &at(150));
+    }
+
+    #[test]
+    fn other_tables_transactions_move_the_position_only_while_nothing_is_open() {
+        let mut positions = Positions::new(at(4));
+        positions.passed(&at(50));
+        assert_eq!(positions.storable(), &at(50), "nothing of the outbox read");
+        positions.row(1);
+        positions.passed(&at(80));
+        assert_eq!(positions.storable(), &at(50), "row 1's transaction is open");
+        positions.committed(&at(100));
+        positions.passed(&at(120));
+        assert_eq!(positions.storable(), &at(50), "row 1 is unsettled");
+        positions.settle(1).unwrap();
+        assert_eq!(positions.storable(), &at(100));
+        positions.passed(&at(120));
+        assert_eq!(positions.storable(), &at(120));
+        positions.passed(&at(90));
+        assert_eq!(positions.storable(), &at(120), "never back");
     }
 
     #[test]

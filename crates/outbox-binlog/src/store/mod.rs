@@ -126,6 +126,8 @@ struct Inner {
     /// Settled ordinals for the reader, by session.
     settled: mpsc::UnboundedSender<(u64, Vec<u64>)>,
     live: Arc<LiveSession>,
+    /// When the seat's lease was last renewed, and for how long it holds.
+    renewed: Arc<Renewal>,
     status: watch::Receiver<CaptureStatus>,
     on_change: Arc<Mutex<Option<OnChange>>>,
     close: watch::Sender<bool>,
@@ -166,7 +168,9 @@ impl BinlogStore {
         let on_change: Arc<Mutex<Option<OnChange>>> = Arc::default();
         let memory = MemoryBudget::new(options.memory_budget);
         let live = Arc::new(LiveSession::default());
+        let renewed = Arc::new(Renewal::new(options.seat.lease));
         let reader = Reader {
+            renewed: renewed.clone(),
             binlog: options.binlog.clone(),
             seat: options.seat.clone(),
             adoption: if options.blackhole {
@@ -207,6 +211,7 @@ impl BinlogStore {
                 outputs: tokio::sync::Mutex::new(rx),
                 settled: settled_tx,
                 live,
+                renewed,
                 status,
                 on_change,
                 close,
@@ -248,6 +253,9 @@ impl BinlogStore {
         }
     }
 }
+
+/// What a parked row is taken to cost before any event was seen.
+const UNSEEN_EVENT_BYTES: usize = 1024 * 1024;
 
 /// Items the channel holds: the memory budget bounds the bytes, this the count of small
 /// ones.
@@ -558,7 +566,12 @@ impl Inner {
         request: &ClaimRequest,
         out: &mut Vec<Claimed>,
     ) -> StoreResult<()> {
-        let per_row = self.memory.largest_event().max(EVENT_OVERHEAD);
+        // Before any event was seen, a large one: the first claim after adopting a table of
+        // 1 MiB events must not take a batch of them.
+        let per_row = match self.memory.largest_event() {
+            0 => UNSEEN_EVENT_BYTES,
+            largest => largest.max(EVENT_OVERHEAD),
+        };
         let fits = request.limit.min(self.memory.room() / per_row);
         let none_out = !lock(&self.state)
             .held
@@ -628,8 +641,16 @@ impl Inner {
     }
 
     /// Whether claims may hand out rows of the session they follow (see [`State::follow`]).
+    /// A session whose lease ran out without a renewal is over too: a relay resumed after a
+    /// pause (SIGSTOP, a frozen VM) may have been replaced meanwhile, and its claims can run
+    /// before its reader finds out.
     fn follow_live_session(&self, outputs: &mut mpsc::Receiver<Item>) -> bool {
-        lock(&self.state).follow(self.live.get(), || outputs.try_recv().ok())
+        let live = if self.renewed.lapsed() {
+            0
+        } else {
+            self.live.get()
+        };
+        lock(&self.state).follow(live, || outputs.try_recv().ok())
     }
 
     async fn backlog(&self) -> StoreResult<Backlog> {
@@ -882,9 +903,44 @@ impl std::fmt::Debug for BinlogStore {
     }
 }
 
+/// When the seat's lease was last renewed (by taking the seat or storing the position).
+struct Renewal {
+    start: std::time::Instant,
+    lease: Duration,
+    /// Milliseconds from `start` to the last renewal.
+    at: std::sync::atomic::AtomicU64,
+}
+
+impl Renewal {
+    fn new(lease: Duration) -> Self {
+        Renewal {
+            start: std::time::Instant::now(),
+            lease,
+            at: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    /// Renewed a moment before `since` (the write's start: the lease runs from there).
+    fn renewed(&self, since: std::time::Instant) {
+        let ms = since.duration_since(self.start).as_millis() as u64;
+        self.at.store(ms, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn lapsed(&self) -> bool {
+        self.lapsed_at(std::time::Instant::now())
+    }
+
+    /// Whether at `now` the lease has run out since the last renewal.
+    fn lapsed_at(&self, now: std::time::Instant) -> bool {
+        let at = Duration::from_millis(self.at.load(std::sync::atomic::Ordering::SeqCst));
+        now.saturating_duration_since(self.start) > at + self.lease
+    }
+}
+
 /// The reader task: takes the seat (or waits as a standby), reads, and stores the position
 /// the settled rows allow.
 struct Reader {
+    renewed: Arc<Renewal>,
     binlog: BinlogConfig,
     seat: SeatConfig,
     adoption: Vec<String>,
@@ -940,11 +996,13 @@ impl Reader {
                     }
                 }
             }
+            let taking = std::time::Instant::now();
             match Capture::start(&self.binlog, &self.seat, &self.adoption).await {
                 Ok(Started::Held { holder }) => {
                     self.wait_after(CaptureStatus::Standby { holder }).await;
                 }
                 Ok(Started::Active(capture)) => {
+                    self.renewed.renewed(taking);
                     let ended = self.read(*capture, drain_until.as_ref()).await;
                     self.live.set(0);
                     if let Some(stopped) = &self.on_reading_stopped {
@@ -1017,7 +1075,11 @@ impl Reader {
         }
         self.status.send_replace(CaptureStatus::Reading);
         self.last_problem = None;
-        tracing::info!(session = self.session, "reading the binary log");
+        tracing::info!(
+            session = self.session,
+            from = %format!("{}:{}", capture.read_to().file, capture.read_to().offset),
+            "reading the binary log"
+        );
         // A drain looks at where the log is read to this often, too.
         let store_every = match drain_until {
             Some(_) => (self.seat.lease / 3).min(Duration::from_millis(250)),
@@ -1060,9 +1122,11 @@ impl Reader {
                 }
                 Step::Store => {
                     next_store = tokio::time::Instant::now() + store_every;
+                    let storing = std::time::Instant::now();
                     if let Err(e) = capture.store().await {
                         return Ended::Broken(format!("storing the position: {e}"));
                     }
+                    self.renewed.renewed(storing);
                     match crate::bytes_behind(&self.binlog.url, &capture.read_to()).await {
                         Ok(bytes) => ::metrics::gauge!(metric::LAG_BYTES).set(bytes as f64),
                         Err(e) => tracing::debug!(error = %e, "cannot read the binary log's end"),
@@ -1095,7 +1159,8 @@ impl Reader {
                                 memory,
                             }
                         }
-                        Output::Committed { .. } => {
+                        Output::Committed { next, rows, .. } => {
+                            tracing::debug!(rows, next = %format!("{}:{}", next.file, next.offset), "read a transaction");
                             open_rows = false;
                             Item::Committed
                         }
@@ -1140,5 +1205,23 @@ fn captured_bytes(captured: &Captured) -> usize {
     match &captured.event {
         Ok(event) => event_bytes(event),
         Err(u) => EVENT_OVERHEAD + u.reason.len(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A relay resumed after a pause longer than its lease hands out nothing until its
+    /// reader renews (or finds the seat taken).
+    #[test]
+    fn a_lease_without_a_renewal_for_longer_than_itself_has_lapsed() {
+        let renewal = Renewal::new(Duration::from_secs(10));
+        let at = |s: u64| renewal.start + Duration::from_secs(s);
+        assert!(!renewal.lapsed_at(at(5)));
+        assert!(renewal.lapsed_at(at(11)), "paused past the lease");
+        renewal.renewed(at(8));
+        assert!(!renewal.lapsed_at(at(11)));
+        assert!(renewal.lapsed_at(at(19)));
     }
 }

@@ -34,13 +34,15 @@ pub struct BinlogCapture {
 /// the reader renews it every third of it.
 const SEAT_LEASE: Duration = Duration::from_secs(15);
 
-/// A server id for the relay that no real replica is likely to have: `database.table`
-/// hashed (FNV-1a) into the upper half of the 31-bit range. Every relay of an outbox reads
-/// with the same id, and only the active one reads: a server that sees a second reader
-/// with an id ends the first's stream, which fences a paused ex-reader once more.
-pub fn default_server_id(database: &str, table: &str) -> u32 {
+/// A server id for the relay that no real replica is likely to have: the database, table
+/// and node id hashed (FNV-1a) into the upper half of the 31-bit range. Each node of an outbox
+/// reads with an id of its own: a server that sees a second reader with an id ends the
+/// first's stream, and waits for it to end, which a paused reader whose socket is full does
+/// only after `net_write_timeout` (a minute by default): the standby taking over would read
+/// nothing meanwhile.
+pub fn default_server_id(database: &str, table: &str, node: &str) -> u32 {
     let mut hash: u32 = 0x811c_9dc5;
-    for byte in format!("{database}.{table}").bytes() {
+    for byte in format!("{database}.{table}/{node}").bytes() {
         hash = (hash ^ u32::from(byte)).wrapping_mul(0x0100_0193);
     }
     0x4000_0000 | (hash & 0x3fff_ffff)
@@ -235,10 +237,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_default_server_id_is_the_outboxs_own_and_stays_clear_of_small_ids() {
-        let id = default_server_id("shop", "outbox");
-        assert_eq!(id, default_server_id("shop", "outbox"), "every node alike");
-        assert_ne!(id, default_server_id("shop", "other"));
+    fn the_default_server_id_is_each_nodes_own_and_stays_clear_of_small_ids() {
+        let id = default_server_id("shop", "outbox", "node-1");
+        assert_eq!(id, default_server_id("shop", "outbox", "node-1"), "stable");
+        assert_ne!(
+            id,
+            default_server_id("shop", "outbox", "node-2"),
+            "a standby's own"
+        );
+        assert_ne!(id, default_server_id("shop", "other", "node-1"));
         assert!((0x4000_0000..0x8000_0000).contains(&id), "{id}");
     }
 }

@@ -89,8 +89,8 @@ outbox_core::settings! {
         /// and `migrate --capture binlog`).
         pub capture: CaptureMode = CaptureMode::Poll,
         /// The server id binlog capture reads the binary log as (unique among the server's
-        /// replicas). Default: one derived from the database and table, the same on every
-        /// node of the outbox.
+        /// replicas and the outbox's other relays). Default: one derived from the database,
+        /// the table and the node id.
         pub binlog_server_id: Option<u32> = None,
         /// Schema of the outbox table.
         pub outbox_schema: String = DEFAULT_SCHEMA.into(),
@@ -409,7 +409,11 @@ impl DatabaseSettings {
                         .ok()
                         .or_else(|| mapping.schema.clone())
                         .unwrap_or_default();
-                    super::binlog::default_server_id(&database, &mapping.table)
+                    super::binlog::default_server_id(
+                        &database,
+                        &mapping.table,
+                        node_id.unwrap_or_default(),
+                    )
                 });
                 let options = outbox_store_mysql::MySqlOptions {
                     url: self.database_url.clone(),

@@ -102,7 +102,12 @@ impl BinlogDb {
             "5s",
         ];
         args.extend(extra);
-        RelayProcess::spawn(self.dir.path(), name, &args, &[])
+        RelayProcess::spawn(
+            self.dir.path(),
+            name,
+            &args,
+            &[("OUTBOX_RELAY_LOG_LEVEL", "info,outbox_binlog=debug")],
+        )
     }
 
     async fn reading(&self, name: &str, out: &str) -> RelayProcess {
