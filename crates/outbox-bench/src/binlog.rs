@@ -164,7 +164,7 @@ fn floor(b: &Bench, admin: &str, start: &(String, u64)) -> Result<Value> {
     if let Some(password) = opts.pass() {
         args.push(format!("--password={password}"));
     }
-    let (wall, user, sys) = timed_program(&b.work, Path::new("mariadb-binlog"), &args)?;
+    let (wall, user, sys, _) = measure::timed_program(&b.work, Path::new("mariadb-binlog"), &args)?;
     let n = b.settings.events;
     Ok(json!({
         "wall_s": wall,
@@ -172,31 +172,6 @@ fn floor(b: &Bench, admin: &str, start: &(String, u64)) -> Result<Value> {
         "cpu_s": user + sys,
         "cpu_s_per_million": (user + sys) * 1e6 / n as f64,
     }))
-}
-
-/// `/usr/bin/time` of `program` with its output discarded: wall, user, system seconds.
-fn timed_program(work: &Path, program: &Path, args: &[String]) -> Result<(f64, f64, f64)> {
-    let out = work.join("time-floor.txt");
-    let status = std::process::Command::new("/usr/bin/time")
-        .args(["-f", "%e %U %S", "-o"])
-        .arg(&out)
-        .arg(program)
-        .args(args)
-        .stdout(std::process::Stdio::null())
-        .status()
-        .context("/usr/bin/time (apt-get install time)")?;
-    if !status.success() {
-        bail!("{} {args:?} failed", program.display());
-    }
-    let text = std::fs::read_to_string(out)?;
-    let v: Vec<f64> = text
-        .lines()
-        .last()
-        .unwrap_or("")
-        .split_whitespace()
-        .filter_map(|x| x.parse().ok())
-        .collect();
-    Ok((v[0], v[1], v[2]))
 }
 
 /// The binlog lines of the report.

@@ -95,19 +95,29 @@ pub(crate) async fn statements(db: &tokio_postgres::Client) -> Result<i64> {
         .get(0))
 }
 
-/// `/usr/bin/time` output: wall, user, system, peak RSS KiB.
+/// `/usr/bin/time` output of the relay with `args`: wall, user, system, peak RSS KiB.
 pub(crate) fn timed(b: &Bench, args: &[&str]) -> Result<(f64, f64, f64, u64)> {
-    let out = b.work.join("time.txt");
+    timed_program(&b.work, &b.bin, args)
+}
+
+/// `/usr/bin/time` of `program` with `args`, its output discarded: wall, user, system
+/// seconds, peak RSS KiB.
+pub(crate) fn timed_program(
+    work: &std::path::Path,
+    program: &std::path::Path,
+    args: &[impl AsRef<std::ffi::OsStr> + std::fmt::Debug],
+) -> Result<(f64, f64, f64, u64)> {
+    let out = work.join("time.txt");
     let status = Command::new("/usr/bin/time")
         .args(["-f", "%e %U %S %M", "-o"])
         .arg(&out)
-        .arg(&b.bin)
+        .arg(program)
         .args(args)
         .stdout(std::process::Stdio::null())
         .status()
         .context("/usr/bin/time (apt-get install time)")?;
     if !status.success() {
-        bail!("outbox-relay {args:?} failed");
+        bail!("{} {args:?} failed", program.display());
     }
     let text = std::fs::read_to_string(out)?;
     let v: Vec<f64> = text

@@ -533,6 +533,24 @@ mod tests {
         }
     }
 
+    /// Row `id` of key `key`, the first read, whose payload is not JSON.
+    fn undecodable_row(id: i64, key: &str) -> Item {
+        Item::Row {
+            ordinal: 1,
+            captured: Box::new(Captured {
+                row: Some(id),
+                not_before: None,
+                event: Err(Box::new(Undecodable {
+                    reason: "payload is not JSON".into(),
+                    event_id: None,
+                    destination: Some(key.into()),
+                    partition_key: None,
+                })),
+            }),
+            memory: Charge::none(),
+        }
+    }
+
     fn session(n: u64, parked_keys: &[&str]) -> Item {
         Item::Session {
             session: n,
@@ -651,20 +669,7 @@ mod tests {
     fn an_undecodable_row_behind_a_parked_key_is_dead_lettered_by_the_park() {
         let mut state = State::new(false);
         state.accept(session(1, &["a"]));
-        let bad = Item::Row {
-            ordinal: 1,
-            captured: Box::new(Captured {
-                row: Some(7),
-                not_before: None,
-                event: Err(Box::new(Undecodable {
-                    reason: "payload is not JSON".into(),
-                    event_id: None,
-                    destination: Some("a".into()),
-                    partition_key: None,
-                })),
-            }),
-            memory: Charge::none(),
-        };
+        let bad = undecodable_row(7, "a");
         assert!(claim(&mut state, vec![bad, Item::Committed]).is_empty());
         let parks = state.take_parks();
         assert!(parks[0].dead && parks[0].error.as_deref() == Some("payload is not JSON"));
@@ -674,20 +679,7 @@ mod tests {
     fn an_undecodable_row_the_engine_releases_is_parked_dead_with_its_reason() {
         let mut state = State::new(false);
         state.accept(session(1, &[]));
-        let bad = Item::Row {
-            ordinal: 1,
-            captured: Box::new(Captured {
-                row: Some(7),
-                not_before: None,
-                event: Err(Box::new(Undecodable {
-                    reason: "payload is not JSON".into(),
-                    event_id: None,
-                    destination: Some("a".into()),
-                    partition_key: None,
-                })),
-            }),
-            memory: Charge::none(),
-        };
+        let bad = undecodable_row(7, "a");
         assert_eq!(claim(&mut state, vec![bad, Item::Committed]), [7]);
         state.queue_parks([Park::behind_its_key(7)]);
         let parks = state.take_parks();
