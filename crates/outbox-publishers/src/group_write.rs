@@ -8,6 +8,9 @@ use tokio::sync::oneshot;
 /// How a [`GroupWriter`] writes one buffer into its target.
 type WriteFn<T> = dyn Fn(&mut T, &[u8]) -> Result<(), String> + Send + Sync;
 
+/// Whether the target takes a buffer of this many bytes now, without blocking.
+type TakesNowFn<T> = dyn Fn(&mut T, usize) -> bool + Send + Sync;
+
 /// Writes buffers into a blocking target with at most one thread at a time.
 ///
 /// A sender queues its buffer and awaits the outcome without holding a thread. One blocking
@@ -19,10 +22,15 @@ type WriteFn<T> = dyn Fn(&mut T, &[u8]) -> Result<(), String> + Send + Sync;
 /// its own. With thousands of events in flight in small batches, that started hundreds of
 /// threads (tokio allows 512), each with its stack and its allocator heap: a WAL-capture
 /// drain of 600,000 rows to a file peaked at 376 MB.
+///
+/// A target that can tell when a write would not block (a pipe with room,
+/// [`GroupWriter::writing_inline_when`]) is written on the sender's thread while nothing is
+/// queued: handing each batch to a thread and back cost more than the write itself.
 pub struct GroupWriter<T> {
     target: Arc<Mutex<T>>,
     queue: Arc<Mutex<Queue>>,
     write: Arc<WriteFn<T>>,
+    takes_now: Option<Arc<TakesNowFn<T>>>,
 }
 
 impl<T> Clone for GroupWriter<T> {
@@ -31,6 +39,7 @@ impl<T> Clone for GroupWriter<T> {
             target: self.target.clone(),
             queue: self.queue.clone(),
             write: self.write.clone(),
+            takes_now: self.takes_now.clone(),
         }
     }
 }
@@ -64,7 +73,18 @@ impl<T: Send + 'static> GroupWriter<T> {
             target: Arc::new(Mutex::new(target)),
             queue: Arc::default(),
             write: Arc::new(write),
+            takes_now: None,
         }
+    }
+
+    /// Writes a buffer on the sender's thread, at once, when no write is queued or under way
+    /// and `takes_now` says the target takes it without blocking; others go to the thread.
+    pub fn writing_inline_when(
+        mut self,
+        takes_now: impl Fn(&mut T, usize) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        self.takes_now = Some(Arc::new(takes_now));
+        self
     }
 
     /// The target, under the lock the writes take (for health checks).
@@ -78,6 +98,9 @@ impl<T: Send + 'static> GroupWriter<T> {
         let (written, outcome) = oneshot::channel();
         let start_writer = {
             let mut queue = lock(&self.queue);
+            if let Some(outcome) = self.write_inline(&queue, &buffer) {
+                return futures::future::Either::Left(std::future::ready(outcome));
+            }
             queue.waiting.push(Waiting { buffer, written });
             !std::mem::replace(&mut queue.writing, true)
         };
@@ -92,7 +115,7 @@ impl<T: Send + 'static> GroupWriter<T> {
                 tokio::task::spawn_blocking(move || writer.run())
             }));
         }
-        async move {
+        futures::future::Either::Right(async move {
             outcome.await.unwrap_or_else(|_| {
                 Err(
                     "the writer thread could not run (a thread limit, or the runtime is \
@@ -100,7 +123,28 @@ impl<T: Send + 'static> GroupWriter<T> {
                         .to_string(),
                 )
             })
+        })
+    }
+
+    /// Writes `buffer` here and now if nothing is queued or being written (so buffers stay
+    /// in order), the target is free, and it takes the buffer without blocking. The queue's
+    /// lock is held throughout, so no sender queues behind a write it would overtake.
+    fn write_inline(&self, queue: &Queue, buffer: &[u8]) -> Option<Result<(), String>> {
+        let takes_now = self.takes_now.as_ref()?;
+        if queue.writing || !queue.waiting.is_empty() {
+            return None;
         }
+        // `try_lock`: the writer thread locks the target before the queue, so waiting here
+        // could deadlock; a target held (a health check) means the thread's way.
+        let mut target = match self.target.try_lock() {
+            Ok(target) => target,
+            Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
+        if !takes_now(&mut target, buffer.len()) {
+            return None;
+        }
+        Some(write_caught(&*self.write, &mut target, buffer))
     }
 
     /// Buffers queued and not yet taken by a write.
@@ -249,6 +293,49 @@ mod tests {
             writes.concat(),
             (0..50u8).collect::<Vec<_>>(),
             "in the order queued"
+        );
+    }
+
+    #[test]
+    fn a_target_that_takes_a_buffer_now_is_written_without_a_thread() {
+        let (runtime, started) = counting_runtime();
+        let writer = recording().writing_inline_when(|_, _| true);
+        runtime.block_on(async {
+            let write = writer.write(b"one".to_vec());
+            assert_eq!(
+                *writer.target().lock().unwrap(),
+                vec![b"one".to_vec()],
+                "written before the future was awaited"
+            );
+            assert_eq!(write.await, Ok(()));
+        });
+        assert_eq!(started.load(Ordering::SeqCst), 0, "no writer thread");
+    }
+
+    #[test]
+    fn a_buffer_sent_while_others_wait_for_the_thread_queues_behind_them() {
+        // The target has no room for the first buffer (5 bytes), which goes to the one
+        // blocking thread, kept busy: the first buffer's writer waits for it with the target
+        // free, so the second, which fits, could be written inline and overtake it.
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .max_blocking_threads(1)
+            .build()
+            .unwrap();
+        let writer = recording().writing_inline_when(|_, len| len != b"first".len());
+        let (release, busy) = std::sync::mpsc::channel::<()>();
+        runtime.block_on(async {
+            let occupant = tokio::task::spawn_blocking(move || busy.recv());
+            let first = writer.write(b"first".to_vec());
+            let second = writer.write(b"second".to_vec());
+            release.send(()).unwrap();
+            assert_eq!(first.await, Ok(()));
+            assert_eq!(second.await, Ok(()));
+            occupant.await.unwrap().unwrap();
+        });
+        assert_eq!(
+            writer.target().lock().unwrap().concat(),
+            b"firstsecond".to_vec(),
+            "in the order sent"
         );
     }
 

@@ -131,9 +131,49 @@ impl Default for StdoutSink {
                 out.write_all(buffer)
                     .and_then(|()| out.flush())
                     .map_err(|e| format!("writing to stdout: {e}"))
+            })
+            // Piped into a consumer (`run --sink stdout | …`), a write with room is
+            // made at once; a terminal or a file is written by the writer thread.
+            .writing_inline_when({
+                let stdout_is_pipe = is_pipe(&std::io::stdout());
+                move |(), len| stdout_is_pipe && pipe_has_room(&std::io::stdout(), len)
             }),
         }
     }
+}
+
+/// Whether `fd` is a pipe (or FIFO): the one target whose room for a write can be known.
+#[cfg(target_os = "linux")]
+pub(crate) fn is_pipe(fd: &impl std::os::fd::AsFd) -> bool {
+    use rustix::fs::{fstat, FileType};
+    fstat(fd).is_ok_and(|stat| FileType::from_raw_mode(stat.st_mode) == FileType::Fifo)
+}
+
+/// Whether the pipe `fd` has room for `len` more bytes now, so that writing them cannot
+/// block the runtime's thread. A pipe whose reader is behind is left to the writer thread.
+#[cfg(target_os = "linux")]
+pub(crate) fn pipe_has_room(fd: &impl std::os::fd::AsFd, len: usize) -> bool {
+    // A pipe's room is counted in pages: a partly read first page and a partly filled last
+    // one can hold back up to a page each.
+    const PAGE_SLACK: usize = 2 * 4096;
+    let (Ok(size), Ok(unread)) = (
+        rustix::pipe::fcntl_getpipe_size(fd),
+        rustix::io::ioctl_fionread(fd),
+    ) else {
+        return false;
+    };
+    let unread = usize::try_from(unread).unwrap_or(usize::MAX);
+    size.saturating_sub(unread) >= len.saturating_add(PAGE_SLACK)
+}
+
+#[cfg(not(target_os = "linux"))]
+pub(crate) fn is_pipe(_fd: &impl std::os::fd::AsFd) -> bool {
+    false
+}
+
+#[cfg(not(target_os = "linux"))]
+pub(crate) fn pipe_has_room(_fd: &impl std::os::fd::AsFd, _len: usize) -> bool {
+    false
 }
 
 impl StdoutSink {
@@ -465,6 +505,31 @@ mod tests {
                 created_at: UNIX_EPOCH + Duration::from_micros(1_700_000_000_123_456),
             }),
         }
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_pipe_has_room_until_its_reader_falls_behind_and_a_file_is_no_pipe() {
+        let (reader, mut writer) = std::io::pipe().unwrap();
+        assert!(is_pipe(&writer));
+        assert!(pipe_has_room(&writer, 1000), "an empty pipe of 64 KiB");
+        let size = rustix::pipe::fcntl_getpipe_size(&writer).unwrap();
+        writer.write_all(&vec![b'x'; size - 4096]).unwrap();
+        assert!(
+            !pipe_has_room(&writer, 1000),
+            "a page left is within the slack: this write could block"
+        );
+        drop(reader);
+        let file = tempfile_in_target();
+        assert!(!is_pipe(&file), "a regular file goes to the writer thread");
+    }
+
+    #[cfg(target_os = "linux")]
+    fn tempfile_in_target() -> std::fs::File {
+        let path = std::env::temp_dir().join(format!("outbox-pipe-test-{}", std::process::id()));
+        let file = std::fs::File::create(&path).unwrap();
+        let _ = std::fs::remove_file(&path);
+        file
     }
 
     #[test]

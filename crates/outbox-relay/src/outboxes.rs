@@ -176,10 +176,14 @@ fn start(
             };
             let span = tracing::info_span!("outbox", outbox = %name);
             let place = Place::Among(slot);
-            let result = runtime.block_on(tracing::Instrument::instrument(
-                relay_outbox(config, drain, metrics, place, stop),
-                span,
-            ));
+            let result = crate::block_on_a_worker(
+                &runtime,
+                tracing::Instrument::instrument(
+                    relay_outbox(config, drain, metrics, place, stop),
+                    span,
+                ),
+            )
+            .and_then(|outcome| outcome);
             // The result first: a blocking task that outlives the relay (a file sink's
             // write, a SQLite call) must not hold it up.
             let _ = done.send(result);
