@@ -265,7 +265,7 @@ pub struct CaptureStatements {
     pub dead_letter: String,
     /// Deletes delivered or parked rows of the outbox. `$1` sequence ids.
     pub delete_rows: String,
-    /// `delete_rows`, returning the ids of the rows it deleted.
+    /// `delete_rows`, returning one row: the array of the ids in `$1` it did not delete.
     pub delete_delivered: String,
     /// Moves every pending row of the outbox table into the parked table, under its own
     /// sequence id (in that order): run when the slot is created, since rows committed
@@ -339,7 +339,13 @@ impl CaptureStatements {
                  ON CONFLICT (sequence_id) DO NOTHING"
             ),
             delete_rows: format!("{} SELECT count(*) FROM deleted", deletes(tables)),
-            delete_delivered: format!("{} SELECT id FROM deleted", deletes(tables)),
+            // The ids left undeleted, as one array (nearly always empty): returning every
+            // deleted id was a row per event for the client to decode.
+            delete_delivered: format!(
+                "{} SELECT ARRAY(SELECT wanted FROM unnest($1::int8[]) AS wanted
+                                  EXCEPT SELECT id FROM deleted)",
+                deletes(tables)
+            ),
             adopt: adopt(tables),
             legacy_emit: "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_proc p
                                    JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace

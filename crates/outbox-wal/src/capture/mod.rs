@@ -607,19 +607,25 @@ impl Inner {
                 })
                 .collect()
         };
-        let deleted: HashSet<SequenceId> = if rows.is_empty() {
+        let undeleted: HashSet<SequenceId> = if rows.is_empty() {
             HashSet::new()
         } else {
             // In a transaction of its own: its commit is made durable before the slot
             // confirms past these events (see `PgStore::transaction`).
             let delete: &[&(dyn ToSql + Sync)] = &[&rows];
-            self.main
+            let (_, answer) = self
+                .main
                 .transaction_then_query("ack", &[], Some((&self.sql.delete_delivered, delete)))
-                .await?
-                .1
-                .iter()
-                .map(|r| r.get(0))
-                .collect()
+                .await?;
+            let undeleted: Vec<SequenceId> = answer
+                .first()
+                .map(|row| row.try_get(0))
+                .transpose()
+                .map_err(|e| {
+                    StoreError::new(StoreErrorKind::Query, "ack: the undeleted ids").with_source(e)
+                })?
+                .unwrap_or_default();
+            undeleted.into_iter().collect()
         };
         let mut state = lock(&self.state);
         let (done, wait): (Vec<_>, Vec<_>) = events.into_iter().partition(|(id, since)| {
@@ -627,7 +633,7 @@ impl Inner {
                 Some(Held::Wal(held)) => held.row,
                 _ => None,
             };
-            row.is_none_or(|row| deleted.contains(&row)) || since.elapsed() >= UNDELETED_PATIENCE
+            row.is_none_or(|row| !undeleted.contains(&row)) || since.elapsed() >= UNDELETED_PATIENCE
         });
         state.undeleted.extend(wait);
         self.settle(&mut state, done.into_iter().map(|(id, _)| id));

@@ -1186,3 +1186,39 @@ async fn a_stream_not_read_for_a_while_is_kept_alive_past_wal_sender_timeout() {
         }
     }
 }
+
+/// The delete of delivered rows answers with the ids it did not find (a row whose commit is
+/// in the WAL but not yet visible, or one deleted already), in one array, not a row per id.
+#[tokio::test]
+async fn the_delete_of_delivered_rows_names_only_the_rows_it_did_not_find() {
+    let fixture = Fixture::new().await;
+    let db = connect(&fixture.url).await;
+    let outbox = TableName::new("public", "outbox").unwrap();
+    let tables = outbox_wal::schema::CaptureTables::new(
+        outbox.clone(),
+        TableName::new("public", "outbox_dead_letters").unwrap(),
+        Ident::new(PUBLICATION, "publication").unwrap(),
+    );
+    let sql = outbox_wal::schema::CaptureStatements::new(&tables);
+    let first = insert(&db, "a", 1).await;
+    let second = insert(&db, "a", 2).await;
+    let gone = second + 1000;
+    let undeleted: Vec<i64> = db
+        .query_one(&sql.delete_delivered, &[&vec![first, second, gone]])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(undeleted, vec![gone]);
+    let left: i64 = db
+        .query_one("SELECT count(*) FROM outbox", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(left, 0, "both rows deleted");
+    let none: Vec<i64> = db
+        .query_one(&sql.delete_delivered, &[&Vec::<i64>::new()])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(none.is_empty());
+}
