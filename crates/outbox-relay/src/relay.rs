@@ -290,10 +290,14 @@ impl Running {
         let engine = self.engine.clone();
         let mut result =
             outbox_engine::run(self.outbox.clone(), self.sink.clone(), engine, stop).await;
-        if let (Ok(summary), Some(StartedCapture::Wal(wal))) = (&mut result, &self.capture) {
-            // Rows the slot's first run could not adopt as events were dead-lettered outside
-            // the engine: a drain must not call itself clean over them.
-            summary.dead_lettered += wal.dead_lettered_by_capture();
+        // Rows the capture dead-lettered outside the engine (the slot's first run could not
+        // adopt them as events, or the binlog capture parked undecodable rows dead): a drain
+        // must not call itself clean over them.
+        if let (Ok(summary), Some(capture)) = (&mut result, &self.capture) {
+            summary.dead_lettered += match capture {
+                StartedCapture::Wal(wal) => wal.dead_lettered_by_capture(),
+                StartedCapture::Binlog(binlog) => binlog.dead_lettered_by_capture(),
+            };
         }
         // A drain that ended by itself has its whole budget still to come.
         let since = stopping_since.get().copied().unwrap_or_else(Instant::now);

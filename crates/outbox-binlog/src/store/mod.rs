@@ -233,6 +233,13 @@ impl BinlogStore {
         self.status()
     }
 
+    /// Undecodable rows this capture dead-lettered itself, outside the engine's count (see
+    /// `State::dead_by_capture`); counted when queued, so a drain that reports them clean
+    /// never does so early.
+    pub fn dead_lettered_by_capture(&self) -> u64 {
+        lock(&self.inner.state).dead_by_capture
+    }
+
     /// How many keys have rows waiting in the parked table (or about to be written there).
     pub fn parked_keys(&self) -> usize {
         lock(&self.inner.state).parked_keys.len()

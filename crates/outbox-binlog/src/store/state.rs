@@ -161,6 +161,9 @@ pub(super) struct State {
     /// Delivered stream rows waiting for the next delete, and the round they belong to.
     pub(super) ack_queue: Vec<SequenceId>,
     pub(super) ack_round: Arc<AckRound>,
+    /// Undecodable rows the capture parked dead itself (behind a parked key, or let go of
+    /// by the engine), which the engine never counted: a drain adds them to its dead letters.
+    pub(super) dead_by_capture: u64,
 }
 
 /// One delete of delivered rows, shared by the acks it carries: its outcome, once run.
@@ -221,6 +224,7 @@ impl State {
             drained: false,
             ack_queue: Vec::new(),
             ack_round: Arc::default(),
+            dead_by_capture: 0,
         }
     }
 
@@ -357,6 +361,7 @@ impl State {
                 if self.parked_keys.contains(&key) {
                     // Nothing to park that a claim could read back: dead-lettered in the
                     // park's transaction, as the engine would have.
+                    self.dead_by_capture += 1;
                     self.to_park.push(Park {
                         error: Some(undecodable.reason.clone()),
                         dead: true,
@@ -418,11 +423,17 @@ impl State {
                 // An undecodable row has nothing a claim could read back: it is parked dead,
                 // with its reason, however the engine let go of it (a release too).
                 let park = match &s.body {
-                    Body::Undecodable(u) => Park {
-                        dead: true,
-                        error: park.error.or_else(|| Some(u.reason.clone())),
-                        ..park
-                    },
+                    Body::Undecodable(u) => {
+                        // The engine's own dead letters it has counted already.
+                        if !park.dead {
+                            self.dead_by_capture += 1;
+                        }
+                        Park {
+                            dead: true,
+                            error: park.error.or_else(|| Some(u.reason.clone())),
+                            ..park
+                        }
+                    }
                     Body::Event(_) => park,
                 };
                 self.to_park.push(park);
@@ -673,6 +684,7 @@ mod tests {
         assert!(claim(&mut state, vec![bad, Item::Committed]).is_empty());
         let parks = state.take_parks();
         assert!(parks[0].dead && parks[0].error.as_deref() == Some("payload is not JSON"));
+        assert_eq!(state.dead_by_capture, 1, "the drain's summary counts it");
     }
 
     #[test]
@@ -684,6 +696,22 @@ mod tests {
         state.queue_parks([Park::behind_its_key(7)]);
         let parks = state.take_parks();
         assert!(parks[0].dead && parks[0].error.as_deref() == Some("payload is not JSON"));
+        assert_eq!(state.dead_by_capture, 1, "the drain's summary counts it");
+    }
+
+    #[test]
+    fn an_undecodable_row_the_engine_dead_letters_is_counted_by_the_engine_alone() {
+        let mut state = State::new(false);
+        state.accept(session(1, &[]));
+        let bad = undecodable_row(7, "a");
+        assert_eq!(claim(&mut state, vec![bad, Item::Committed]), [7]);
+        state.queue_parks([Park {
+            dead: true,
+            error: Some("the engine's reason".into()),
+            ..Park::behind_its_key(7)
+        }]);
+        assert!(state.take_parks()[0].dead);
+        assert_eq!(state.dead_by_capture, 0);
     }
 
     #[test]
