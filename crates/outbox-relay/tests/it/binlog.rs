@@ -57,6 +57,12 @@ impl BinlogDb {
             .unwrap()
     }
 
+    /// Closes the server's current binary log and starts the next (`FLUSH BINARY LOGS`).
+    async fn rotate_log(&self) {
+        let mut conn = self.pool.get_conn().await.unwrap();
+        conn.query_drop("FLUSH BINARY LOGS").await.unwrap();
+    }
+
     /// One transaction inserting `n` events of each key in `keys`, each carrying its
     /// per-key number from `from` on (`"n"`), and `commit` or not.
     async fn write(&self, keys: &[&str], from: i64, n: i64, commit: bool) {
@@ -199,7 +205,8 @@ async fn check_passes_on_a_server_ready_for_binlog_capture() {
 }
 
 /// Rows written before the first start are adopted; then kill -9 and SIGTERM mid-stream,
-/// with rolled-back transactions in between: every committed event arrives, first
+/// with rolled-back transactions and binary log rotations (`FLUSH BINARY LOGS`, while a
+/// relay reads and while none runs) in between: every committed event arrives, first
 /// deliveries in commit order per key, and nothing rolled back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_and_sigterm_mid_stream_lose_nothing_and_keep_each_keys_commit_order() {
@@ -208,9 +215,12 @@ async fn kill_9_and_sigterm_mid_stream_lose_nothing_and_keep_each_keys_commit_or
     db.write(&keys, 0, 20, true).await;
     let mut first = db.reading("relay-1", "out-1.jsonl").await;
     let mut next = 20;
-    for _ in 0..5 {
+    for round in 0..5 {
         db.write(&keys, next, 20, true).await;
         db.write(&["a"], 1_000, 5, false).await;
+        if round % 2 == 0 {
+            db.rotate_log().await;
+        }
         next += 20;
     }
     wait_for_lines(
@@ -222,6 +232,7 @@ async fn kill_9_and_sigterm_mid_stream_lose_nothing_and_keep_each_keys_commit_or
     .await;
     first.kill9();
     db.write(&keys, next, 20, true).await;
+    db.rotate_log().await;
     next += 20;
     let mut second = db.reading("relay-2", "out-2.jsonl").await;
     db.write(&keys, next, 20, true).await;
