@@ -16,14 +16,11 @@ use serde_json::{json, Value};
 
 use crate::{measure, Bench};
 
-/// Rows per prefill transaction.
-const PER_TRANSACTION: u64 = 1_000;
-
 /// The keys the backlog is spread over.
 const KEYS: u64 = 64;
 
 pub async fn drain(b: &Bench) -> Result<Value> {
-    let n = b.settings.events;
+    let (n, per_transaction) = (b.settings.events, b.settings.binlog_events_per_transaction);
     let admin = b
         .servers
         .mysql_url
@@ -44,9 +41,9 @@ pub async fn drain(b: &Bench) -> Result<Value> {
     let sink = format!("file:{}", b.work.join("binlog-first.jsonl").display());
     relay(b, &drain_args(&url, &sink, &["--capture", "binlog"]))?;
 
-    eprintln!("drain: binlog capture, {n} events ({PER_TRANSACTION} per transaction)");
+    eprintln!("drain: binlog capture, {n} events ({per_transaction} per transaction)");
     let start = position(&mut conn).await?;
-    prefill(&mut conn, n).await?;
+    prefill(&mut conn, n, per_transaction).await?;
     let floor = floor(b, &admin, &start)?;
     let sink = format!("file:{}", b.work.join("binlog-drain.jsonl").display());
     let capture = timed_drain(b, &drain_args(&url, &sink, &["--capture", "binlog"]), n)?;
@@ -56,7 +53,7 @@ pub async fn drain(b: &Bench) -> Result<Value> {
         .unwrap_or(-1);
 
     eprintln!("drain: polling, {n} events from the same table");
-    prefill(&mut conn, n).await?;
+    prefill(&mut conn, n, per_transaction).await?;
     let sink = format!("file:{}", b.work.join("poll-drain.jsonl").display());
     let polling = timed_drain(b, &drain_args(&url, &sink, &[]), n)?;
     conn.query_drop("DROP DATABASE bench_binlog").await?;
@@ -67,7 +64,7 @@ pub async fn drain(b: &Bench) -> Result<Value> {
     };
     Ok(json!({
         "events": n,
-        "events_per_transaction": PER_TRANSACTION,
+        "events_per_transaction": per_transaction,
         "floor": floor,
         "capture": capture,
         "polling": polling,
@@ -122,26 +119,33 @@ async fn position(conn: &mut mysql_async::Conn) -> Result<(String, u64)> {
     Ok((row.get(0).context("file")?, row.get(1).context("offset")?))
 }
 
-/// `n` events over [`KEYS`] keys, [`PER_TRANSACTION`] to a transaction.
-async fn prefill(conn: &mut mysql_async::Conn, n: u64) -> Result<()> {
+/// `n` events over [`KEYS`] keys, `per_transaction` to a transaction, inserted 1,000 rows
+/// to a statement.
+async fn prefill(conn: &mut mysql_async::Conn, n: u64, per_transaction: u64) -> Result<()> {
+    const PER_STATEMENT: u64 = 1_000;
     let mut written = 0;
     while written < n {
-        let batch = PER_TRANSACTION.min(n - written);
-        let values: Vec<String> = (written..written + batch)
-            .map(|i| {
-                format!(
-                    "('bench', 'customer-{}', 'order.created', JSON_OBJECT('seq', {i}, 'amount', {}))",
-                    i % KEYS,
-                    i % 1000
-                )
-            })
-            .collect();
-        conn.query_drop(format!(
-            "INSERT INTO outbox (destination, partition_key, event_type, payload) VALUES {}",
-            values.join(", ")
-        ))
-        .await?;
-        written += batch;
+        let transaction_end = n.min(written + per_transaction);
+        conn.query_drop("START TRANSACTION").await?;
+        while written < transaction_end {
+            let batch = PER_STATEMENT.min(transaction_end - written);
+            let values: Vec<String> = (written..written + batch)
+                .map(|i| {
+                    format!(
+                        "('bench', 'customer-{}', 'order.created', JSON_OBJECT('seq', {i}, 'amount', {}))",
+                        i % KEYS,
+                        i % 1000
+                    )
+                })
+                .collect();
+            conn.query_drop(format!(
+                "INSERT INTO outbox (destination, partition_key, event_type, payload) VALUES {}",
+                values.join(", ")
+            ))
+            .await?;
+            written += batch;
+        }
+        conn.query_drop("COMMIT").await?;
     }
     Ok(())
 }

@@ -54,6 +54,8 @@ pub struct Settings {
     /// Events per transaction of the WAL drains' backlog (a user's backlog is many
     /// transactions; one huge one is decoded only after its commit, spilled to disk).
     pub wal_events_per_transaction: u64,
+    /// Rows per transaction of the `--only binlog` backlog.
+    pub binlog_events_per_transaction: u64,
     /// `--relay-sslmode`: how the measured relay connects to PostgreSQL (libpq's `sslmode`;
     /// unset: the relay's default, `prefer`, which uses the server's TLS). The bench's own
     /// writers and readers never use TLS.
@@ -77,6 +79,7 @@ fn settings() -> Result<Settings> {
         latency_plan: Vec::new(),
         relay_log: std::env::var("OUTBOX_BENCH_RELAY_LOG").ok(),
         wal_events_per_transaction: 1_000,
+        binlog_events_per_transaction: 1_000,
         relay_sslmode: None,
         scale_backlogs: curve::BACKLOGS.to_vec(),
         scale_destinations: curve::DESTINATIONS.to_vec(),
@@ -98,6 +101,9 @@ fn settings() -> Result<Settings> {
                 s.relay_args = value()?.split_whitespace().map(str::to_string).collect()
             }
             "--latency-plan" => s.latency_plan = parse_latency_plan(&value()?)?,
+            "--binlog-events-per-transaction" => {
+                s.binlog_events_per_transaction = value()?.parse::<u64>()?.max(1)
+            }
             "--wal-events-per-transaction" => {
                 s.wal_events_per_transaction = value()?.parse::<u64>()?.max(1)
             }
@@ -114,7 +120,7 @@ fn settings() -> Result<Settings> {
                 println!("  --only drain ends with the dashboard run: the drain to the first sink, once without and once with headless `chromium` open on the relay's dashboard (skipped without chromium)");
                 println!("  latency subsets: [--latency-plan 10000x10:notify+gated,1000x1:poll] (events/s x events per transaction : modes notify|gated|poll|baseline|wal|wal-emit; mapped: the relay on the baseline's table through a custom mapping; wal-stdout|wal-emit-stdout: the WAL relay's stdout sink piped into the bench, no broker; and the host's WAL floor recvlogical|recvlogical-emit: pg_recvlogical reading the slot, no relay)");
                 println!("  --only curve: the scale curve, `run --drain` to the file sink of un-analyzed backlogs of [--scale-backlogs 100000,1000000,10000000] rows to one destination, and of 1,000,000 rows over [--scale-destinations 1,8,64] destinations; the 10M run needs about 9 GB free disk");
-                println!("  --only binlog: binlog capture's drain on MariaDB, beside mariadb-binlog --read-from-remote-server reading the same log (the floor) and polling's drain of the same table");
+                println!("  --only binlog: binlog capture's drain on MariaDB, beside mariadb-binlog --read-from-remote-server reading the same log (the floor) and polling's drain of the same table; [--binlog-events-per-transaction N] sizes the backlog's transactions (default 1000; --events N with N per transaction is one transaction, whose peak RSS the report shows)");
                 println!("  --only wal-drain: the WAL capture drains alone (table form and outbox_emit, each beside pg_recvlogical's drain of the same backlog)");
                 println!("  --only wal-memory: WAL capture's drain of 256 events of 1 MiB to a webhook answering each after 500 ms, with the relay's peak RSS (also part of --only wal)");
                 println!("  --only wal: the WAL capture drains (table form and outbox_emit), WAL latency runs and WAL writer cost only; [--wal-events-per-transaction N] sizes the drains' backlog transactions (default 1000)");
