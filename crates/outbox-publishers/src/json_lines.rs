@@ -118,26 +118,32 @@ fn outcomes(errors: Vec<Option<PublishError>>, written: &Result<(), String>) -> 
 }
 
 /// Writes JSON lines to standard output and flushes after each write; batches sent while
-/// one is written go out together with the next (see [`GroupWriter`]).
+/// one is written go out together with the next (see [`GroupWriter`]). Every stdout sink of
+/// the process (two routes, or `[[outboxes]]`) shares one writer, so that a batch written
+/// inline never waits for another sink's write to the same stdout.
 pub struct StdoutSink {
     writer: GroupWriter<()>,
 }
 
 impl Default for StdoutSink {
     fn default() -> Self {
-        StdoutSink {
-            writer: GroupWriter::new((), |(), buffer| {
+        static STDOUT: std::sync::OnceLock<GroupWriter<()>> = std::sync::OnceLock::new();
+        let writer = STDOUT.get_or_init(|| {
+            GroupWriter::new((), |(), buffer| {
                 let mut out = std::io::stdout().lock();
                 out.write_all(buffer)
                     .and_then(|()| out.flush())
                     .map_err(|e| format!("writing to stdout: {e}"))
             })
-            // Piped into a consumer (`run --sink stdout | …`), a write with room is
-            // made at once; a terminal or a file is written by the writer thread.
+            // Piped into a consumer (`run --sink stdout | …`) that keeps up, a batch is
+            // written at once; a terminal, a file or a reader behind is the thread's.
             .writing_inline_when({
                 let stdout_is_pipe = is_pipe(&std::io::stdout());
-                move |(), len| stdout_is_pipe && pipe_has_room(&std::io::stdout(), len)
-            }),
+                move |(), len| stdout_is_pipe && empty_pipe_takes(&std::io::stdout(), len)
+            })
+        });
+        StdoutSink {
+            writer: writer.clone(),
         }
     }
 }
@@ -149,21 +155,19 @@ pub(crate) fn is_pipe(fd: &impl std::os::fd::AsFd) -> bool {
     fstat(fd).is_ok_and(|stat| FileType::from_raw_mode(stat.st_mode) == FileType::Fifo)
 }
 
-/// Whether the pipe `fd` has room for `len` more bytes now, so that writing them cannot
-/// block the runtime's thread. A pipe whose reader is behind is left to the writer thread.
+/// Whether the pipe `fd` is empty and holds `len` bytes with a page to spare, so that
+/// writing them cannot block the runtime's thread. Only an empty pipe is judged: a pipe's
+/// room is counted in page-sized slots, and a pipe holding a few bytes in each of its slots
+/// is full while `FIONREAD` reports most of its bytes free.
 #[cfg(target_os = "linux")]
-pub(crate) fn pipe_has_room(fd: &impl std::os::fd::AsFd, len: usize) -> bool {
-    // A pipe's room is counted in pages: a partly read first page and a partly filled last
-    // one can hold back up to a page each.
-    const PAGE_SLACK: usize = 2 * 4096;
-    let (Ok(size), Ok(unread)) = (
+pub(crate) fn empty_pipe_takes(fd: &impl std::os::fd::AsFd, len: usize) -> bool {
+    let (Ok(size), Ok(0)) = (
         rustix::pipe::fcntl_getpipe_size(fd),
         rustix::io::ioctl_fionread(fd),
     ) else {
         return false;
     };
-    let unread = usize::try_from(unread).unwrap_or(usize::MAX);
-    size.saturating_sub(unread) >= len.saturating_add(PAGE_SLACK)
+    len.saturating_add(rustix::param::page_size()) <= size
 }
 
 #[cfg(not(target_os = "linux"))]
@@ -172,7 +176,7 @@ pub(crate) fn is_pipe(_fd: &impl std::os::fd::AsFd) -> bool {
 }
 
 #[cfg(not(target_os = "linux"))]
-pub(crate) fn pipe_has_room(_fd: &impl std::os::fd::AsFd, _len: usize) -> bool {
+pub(crate) fn empty_pipe_takes(_fd: &impl std::os::fd::AsFd, _len: usize) -> bool {
     false
 }
 
@@ -509,16 +513,36 @@ mod tests {
 
     #[cfg(target_os = "linux")]
     #[test]
-    fn a_pipe_has_room_until_its_reader_falls_behind_and_a_file_is_no_pipe() {
-        let (reader, mut writer) = std::io::pipe().unwrap();
+    fn only_an_empty_pipe_with_room_is_written_inline_and_a_file_is_no_pipe() {
+        use std::io::Read;
+        let (mut reader, mut writer) = std::io::pipe().unwrap();
         assert!(is_pipe(&writer));
-        assert!(pipe_has_room(&writer, 1000), "an empty pipe of 64 KiB");
+        assert!(empty_pipe_takes(&writer, 1000), "an empty pipe of 64 KiB");
         let size = rustix::pipe::fcntl_getpipe_size(&writer).unwrap();
-        writer.write_all(&vec![b'x'; size - 4096]).unwrap();
         assert!(
-            !pipe_has_room(&writer, 1000),
-            "a page left is within the slack: this write could block"
+            !empty_pipe_takes(&writer, size),
+            "a page to spare, whatever the pipe's size"
         );
+        // Writes of a little over half a page take a slot each (the kernel merges a write
+        // into the last slot only if it fits there), so a pipe of 16 slots is full while
+        // FIONREAD counts about half its bytes: the room it reports is not there.
+        rustix::fs::fcntl_setfl(&writer, rustix::fs::OFlags::NONBLOCK).unwrap();
+        let half_page = rustix::param::page_size() / 2 + 52;
+        for _ in 0..size / rustix::param::page_size() {
+            writer.write_all(&vec![b'x'; half_page]).unwrap();
+        }
+        let unread = rustix::io::ioctl_fionread(&writer).unwrap() as usize;
+        let blocked = writer.write(&vec![b'z'; half_page]);
+        assert!(
+            unread < size / 2 + size / 8
+                && matches!(&blocked, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+            "{unread} of {size} bytes unread, and the next write: {blocked:?}"
+        );
+        assert!(
+            !empty_pipe_takes(&writer, half_page),
+            "a pipe holding anything is the thread's to write"
+        );
+        let _ = reader.read(&mut [0; 1]);
         drop(reader);
         let file = tempfile_in_target();
         assert!(!is_pipe(&file), "a regular file goes to the writer thread");

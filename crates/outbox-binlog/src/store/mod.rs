@@ -234,8 +234,7 @@ impl BinlogStore {
     }
 
     /// Undecodable rows this capture dead-lettered itself, outside the engine's count (see
-    /// `State::dead_by_capture`); counted when queued, so a drain that reports them clean
-    /// never does so early.
+    /// `State::dead_by_capture`), counted once written.
     pub fn dead_lettered_by_capture(&self) -> u64 {
         lock(&self.inner.state).dead_by_capture
     }
@@ -317,6 +316,7 @@ impl Inner {
                     tracing::debug!(?parked, "parked");
                 }
                 let n = parks.len() as u64;
+                state.dead_by_capture += parks.iter().filter(|p| p.dead_by_capture).count() as u64;
                 self.settle(&mut state, parks.into_iter().map(|p| p.id));
                 Ok(n)
             }
