@@ -358,6 +358,10 @@ pub struct BinlogReader {
     table: String,
     /// The table's columns in their order, as row events carry them.
     columns: Arc<Vec<String>>,
+    /// The bits of each unsigned integer column (`None` for every other column): the log
+    /// carries an integer's bytes without its signedness (unless `binlog_row_metadata` says
+    /// it, which MariaDB does not by default), so a `tinyint unsigned` 200 reads as -56.
+    unsigned_bits: Vec<Option<u32>>,
     /// The log file being read (row events' positions are within it); empty until the
     /// first rotate names it, when reading started from a GTID.
     file: String,
@@ -466,13 +470,31 @@ impl BinlogReader {
                 format.as_deref().unwrap_or("unknown")
             )));
         }
-        let columns: Vec<String> = conn
+        let described: Vec<(String, String, String)> = conn
             .exec(
-                "SELECT COLUMN_NAME FROM information_schema.COLUMNS
+                "SELECT COLUMN_NAME, DATA_TYPE, COLUMN_TYPE FROM information_schema.COLUMNS
                   WHERE TABLE_SCHEMA = ? AND TABLE_NAME = ? ORDER BY ORDINAL_POSITION",
                 (&config.database, &config.table),
             )
             .await?;
+        let unsigned_bits = described
+            .iter()
+            .map(|(_, data_type, column_type)| {
+                let bits = match data_type.to_ascii_lowercase().as_str() {
+                    "tinyint" => 8,
+                    "smallint" => 16,
+                    "mediumint" => 24,
+                    "int" | "integer" => 32,
+                    "bigint" => 64,
+                    _ => return None,
+                };
+                column_type
+                    .to_ascii_lowercase()
+                    .contains("unsigned")
+                    .then_some(bits)
+            })
+            .collect();
+        let columns: Vec<String> = described.into_iter().map(|(name, ..)| name).collect();
         if columns.is_empty() {
             return Err(BinlogError::Config(format!(
                 "table {}.{} does not exist: run `outbox-relay migrate`",
@@ -517,6 +539,7 @@ impl BinlogReader {
             database: config.database.clone(),
             table: config.table.clone(),
             columns: Arc::new(columns),
+            unsigned_bits,
             file: from.file.clone(),
             first_rotate_checksum: checksum,
             rows_in_transaction: 0,
@@ -715,7 +738,10 @@ impl BinlogReader {
             let mut undecodable = None;
             let values = (0..after.len())
                 .map(|i| match after.as_ref(i).map(text).transpose() {
-                    Ok(value) => value.flatten(),
+                    Ok(value) => match (value.flatten(), self.unsigned_bits.get(i)) {
+                        (Some(n), Some(Some(bits))) => Some(as_unsigned(n, *bits)),
+                        (value, _) => value,
+                    },
                     Err(reason) => {
                         let column = self.columns.get(i).map_or("?", String::as_str);
                         undecodable.get_or_insert(format!("column {column}: {reason}"));
@@ -733,6 +759,15 @@ impl BinlogReader {
             }));
         }
         Ok(())
+    }
+}
+
+/// The text of an unsigned integer column's value that the log's bytes read as signed
+/// (a negative number): the same `bits` read as unsigned.
+fn as_unsigned(text: String, bits: u32) -> String {
+    match text.parse::<i64>() {
+        Ok(n) if n < 0 => (i128::from(n) + (1i128 << bits)).to_string(),
+        _ => text,
     }
 }
 
@@ -829,6 +864,14 @@ mod tests {
             text(&BinlogValue::Jsonb(value)).unwrap().as_deref(),
             Some("12.50")
         );
+    }
+
+    #[test]
+    fn an_unsigned_columns_negative_reading_is_its_unsigned_value() {
+        assert_eq!(as_unsigned("-56".into(), 8), "200");
+        assert_eq!(as_unsigned("-1".into(), 64), "18446744073709551615");
+        assert_eq!(as_unsigned("-1".into(), 24), "16777215");
+        assert_eq!(as_unsigned("127".into(), 8), "127");
     }
 
     #[test]

@@ -407,10 +407,14 @@ impl Config {
             bail!("capture = \"binlog\" reads the MySQL/MariaDB binary log: use a mysql:// URL, or --capture poll");
         }
         let db = &self.database;
-        if db.layout != LayoutKind::Native {
+        if !matches!(
+            db.layout,
+            LayoutKind::Native | LayoutKind::MysqlOutboxEvents | LayoutKind::Custom
+        ) {
             bail!(
-                "capture = \"binlog\" reads the native outbox table; layout = \"{}\" is polled: \
-                 use --capture poll with it",
+                "capture = \"binlog\" reads the native outbox table, the MySQL seed's \
+                 (layout = \"mysql-outbox-events\") and custom mappings; layout = \"{}\" is \
+                 polled: use --capture poll with it",
                 db.layout
             );
         }

@@ -41,6 +41,7 @@ use outbox_core::store::{
 };
 use outbox_core::StoreErrorKind;
 use outbox_core::{Event, NewEvent, NodeId, OutboxStore, Payload, SequenceId, StoreError};
+use outbox_layout::Mapping;
 use tokio::sync::{mpsc, watch};
 
 use crate::seat::SeatConfig;
@@ -71,6 +72,9 @@ pub mod metric {
 #[derive(Clone)]
 pub struct BinlogStoreOptions {
     pub binlog: BinlogConfig,
+    /// The outbox table's layout: the native table's ([`Mapping::native_mysql`]) or a mapped
+    /// one's, whose column names its rows are read by and whose `on_success` settles them.
+    pub mapping: Mapping,
     pub seat: SeatConfig,
     /// The parked table (`db.table` or `table`).
     pub parked_table: String,
@@ -160,7 +164,12 @@ impl BinlogStore {
             .init(vec!["SET time_zone = '+00:00'"]);
         let pool = Pool::new(pool_opts);
         let outbox = format!("{}.{}", options.binlog.database, options.binlog.table);
-        let sql = Statements::new(&outbox, &options.parked_table, &options.seat.positions);
+        let sql = Statements::new(
+            &options.mapping,
+            &options.binlog.database,
+            &options.parked_table,
+            &options.seat.positions,
+        )?;
         let (tx, rx) = mpsc::channel(READ_AHEAD);
         let (settled_tx, settled_rx) = mpsc::unbounded_channel();
         let (status_tx, status) = watch::channel(CaptureStatus::Starting);
@@ -173,6 +182,7 @@ impl BinlogStore {
             renewed: renewed.clone(),
             binlog: options.binlog.clone(),
             seat: options.seat.clone(),
+            mapping: options.mapping.clone(),
             adoption: if options.blackhole {
                 Vec::new()
             } else {
@@ -364,7 +374,7 @@ impl Inner {
         }
         debug_assert_eq!(params.len(), count * PARK_PARAMS);
         if !rows.is_empty() {
-            tx.query_drop(self.sql.delete_rows(rows))
+            tx.query_drop(self.sql.settle_rows(rows))
                 .await
                 .map_err(fail)?;
         }
@@ -494,7 +504,7 @@ impl Inner {
         if !rows.is_empty() {
             let fail = |e: mysql_async::Error| store_error("deleting delivered rows", e);
             let mut conn = self.pool.get_conn().await.map_err(fail)?;
-            conn.query_drop(self.sql.delete_rows(&rows))
+            conn.query_drop(self.sql.settle_rows(&rows))
                 .await
                 .map_err(fail)?;
         }
@@ -955,6 +965,8 @@ struct Reader {
     renewed: Arc<Renewal>,
     binlog: BinlogConfig,
     seat: SeatConfig,
+    /// The outbox table's layout: what its rows are read by.
+    mapping: Mapping,
     adoption: Vec<String>,
     pool: Pool,
     sql: Statements,
@@ -1164,7 +1176,17 @@ impl Reader {
                     pending = Some(match output {
                         Output::Row(row) => {
                             open_rows = true;
-                            let captured = decode(&row);
+                            let Some(captured) = decode(&row, &self.mapping) else {
+                                // Inserted delivered (or dead) already: no event, nothing
+                                // to wait for.
+                                settle(
+                                    &mut capture,
+                                    self.session,
+                                    self.session,
+                                    vec![row.ordinal()],
+                                );
+                                continue;
+                            };
                             if let Ok(event) = &captured.event {
                                 let behind = event.created_at.elapsed().unwrap_or_default();
                                 ::metrics::gauge!(metric::LAG_SECONDS).set(behind.as_secs_f64());

@@ -2,7 +2,11 @@
 //! dead letters are the polling store's): parking, deleting delivered rows, the parked
 //! keys, and the adoption of rows already in the table.
 
+use outbox_layout::sql::Sql;
+use outbox_layout::{Dialect, Mapping, Seed};
+
 use crate::seat::quoted;
+use crate::BinlogError;
 
 /// The parked table's columns that a park writes, in its `VALUES` order.
 const PARK_COLUMNS: &str = "event_id, destination, partition_key, event_type, payload, headers, \
@@ -25,16 +29,42 @@ pub(super) struct Statements {
     outbox: String,
     parked: String,
     positions: String,
+    /// The outbox table's layout, its schema the database read: how a delivered row is
+    /// settled (deleted, or marked), and how a mapped table's rows are adopted.
+    source: Sql,
+    /// Each row's event id in SQL, derived (where the table has no event id column) from the
+    /// layout as configured: polling derives it from that, schema or none.
+    event_id: String,
 }
 
 impl Statements {
-    /// `outbox`, `parked` and `positions` as configured (`db.table` or `table`).
-    pub(super) fn new(outbox: &str, parked: &str, positions: &str) -> Self {
-        Statements {
-            outbox: quoted(outbox),
+    /// The outbox `mapping` describes in `database`, with `parked` and `positions` as
+    /// configured (`db.table` or `table`).
+    pub(super) fn new(
+        mapping: &Mapping,
+        database: &str,
+        parked: &str,
+        positions: &str,
+    ) -> Result<Self, BinlogError> {
+        let config = |e: outbox_core::StoreError| BinlogError::Config(e.to_string());
+        let event_id = Sql::new(mapping.clone(), Dialect::MySql)
+            .map_err(config)?
+            .event_id_expr();
+        let source = Sql::new(
+            Mapping {
+                schema: Some(database.to_string()),
+                ..mapping.clone()
+            },
+            Dialect::MySql,
+        )
+        .map_err(config)?;
+        Ok(Statements {
+            outbox: source.table(),
             parked: quoted(parked),
             positions: quoted(positions),
-        }
+            source,
+            event_id,
+        })
     }
 
     /// `rows` parked rows, inserted in their order (the parked table's ids, and so its
@@ -58,16 +88,13 @@ impl Statements {
         )
     }
 
-    /// Deletes the outbox rows `rows` by `sequence_id`. The ids are written into the text
+    /// Settles the outbox rows `rows` (by the layout's row id) as the layout settles a
+    /// delivered row: deleted, or marked delivered. The ids are written into the text
     /// (integers, nothing to escape): a statement with as many placeholders as rows would be
     /// prepared anew for every count, a round trip and a parse per ack.
-    pub(super) fn delete_rows(&self, rows: &[i64]) -> String {
+    pub(super) fn settle_rows(&self, rows: &[i64]) -> String {
         let ids: Vec<String> = rows.iter().map(i64::to_string).collect();
-        format!(
-            "DELETE FROM {} WHERE sequence_id IN ({})",
-            self.outbox,
-            ids.join(",")
-        )
+        self.source.ack_captured(&format!("IN ({})", ids.join(",")))
     }
 
     /// Every key with a row waiting in the parked table.
@@ -94,6 +121,9 @@ impl Statements {
     /// first, which waits for every transaction that wrote one and has not committed yet
     /// (its rows may be in the log before the position, and must not be left behind).
     pub(super) fn adoption(&self) -> Vec<String> {
+        if self.source.mapping.seed != Some(Seed::NativeMysql) {
+            return self.mapped_adoption();
+        }
         let Statements { outbox, parked, .. } = self;
         let copied = "event_id, destination, partition_key, event_type, payload, headers, \
              mutation_id, rejected, created_at, available_at, attempts, last_error, dead_at";
@@ -110,6 +140,64 @@ impl Statements {
             ),
         ]
     }
+
+    /// [`Statements::adoption`] of a mapped table: its pending rows, in the layout's order,
+    /// become parked rows of the native columns (with the event ids polling would give
+    /// them), then are settled as delivered rows are (deleted, or marked), matched by that
+    /// id. A payload that is not JSON is adopted as a dead letter saying so.
+    fn mapped_adoption(&self) -> Vec<String> {
+        let Statements {
+            outbox,
+            parked,
+            source,
+            event_id,
+            ..
+        } = self;
+        let m = &source.mapping;
+        let pending = source.pending();
+        let column = |c: &Option<String>| {
+            c.as_deref()
+                .map_or_else(|| "NULL".to_string(), |c| source.column(c))
+        };
+        let payload = source.column(&m.payload);
+        let bad_payload = format!("({payload} IS NOT NULL AND NOT JSON_VALID({payload}))");
+        let values = [
+            event_id.clone(),
+            format!("CAST({} AS CHAR)", source.column(&m.destination)),
+            source.key_expr(),
+            format!(
+                "CAST({} AS CHAR)",
+                source.column(m.event_type.as_ref().unwrap_or(&m.destination))
+            ),
+            format!("IF({bad_payload}, NULL, {payload})"),
+            column(&m.headers),
+            column(&m.mutation_id),
+            m.rejected.as_ref().map_or("0".into(), |c| {
+                format!("CASE WHEN {} THEN 1 ELSE 0 END", source.column(c))
+            }),
+            format!("COALESCE({}, NOW(6))", column(&m.created_at)),
+            format!("COALESCE({}, NOW(6))", column(&m.available_at)),
+            "0".into(),
+            format!(
+                "IF({bad_payload}, '{} is not JSON (adopted by binlog capture)', NULL)",
+                m.payload.replace('\'', "''")
+            ),
+            format!("IF({bad_payload}, NOW(6), NULL)"),
+        ];
+        vec![
+            format!("SELECT 1 FROM {outbox} o WHERE {pending} FOR UPDATE"),
+            format!(
+                "INSERT INTO {parked} ({PARK_COLUMNS})
+                 SELECT {} FROM {outbox} o WHERE {pending} ORDER BY {}
+                 ON DUPLICATE KEY UPDATE {parked}.sequence_id = {parked}.sequence_id",
+                values.join(", "),
+                source.order_by()
+            ),
+            source.settle_delivered(&format!(
+                "{pending} AND {event_id} IN (SELECT event_id FROM {parked})"
+            )),
+        ]
+    }
 }
 
 fn placeholders(n: usize) -> String {
@@ -122,13 +210,19 @@ mod tests {
 
     #[test]
     fn a_park_binds_its_values_row_by_row_in_order() {
-        let sql = Statements::new("db.outbox", "db.outbox_parked", "db.outbox_binlog");
+        let native = Mapping::native_mysql(None, "outbox", false);
+        let sql = Statements::new(&native, "db", "db.outbox_parked", "db.outbox_binlog").unwrap();
         let park = sql.park(2);
         assert_eq!(park.matches('?').count(), 2 * PARK_PARAMS);
         assert!(
             park.starts_with("INSERT INTO `db`.`outbox_parked`"),
             "{park}"
         );
-        assert!(sql.delete_rows(&[1, 22, 333]).ends_with("IN (1,22,333)"));
+        let settle = sql.settle_rows(&[1, 22, 333]);
+        assert!(
+            settle.starts_with("DELETE o FROM `db`.`outbox` o"),
+            "{settle}"
+        );
+        assert!(settle.ends_with("IN (1,22,333)"), "{settle}");
     }
 }

@@ -465,3 +465,31 @@ async fn a_position_in_a_purged_log_is_refused_and_never_skipped() {
         other => panic!("a purged position was read from: {other:?}"),
     }
 }
+
+/// Binlog capture adopts a mapped table's rows with the event ids polling derives for them
+/// (`derived_event_id`, a version 5 UUID): computed by MariaDB from the SQL the layout
+/// renders, for a table with and without a schema, and ids small and large.
+#[tokio::test]
+async fn the_sql_event_id_of_a_row_is_the_one_polling_derives() {
+    use outbox_layout::sql::Sql;
+    use outbox_layout::{Dialect, Mapping};
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let mut conn = connect(&url).await;
+    for mapping in [
+        Mapping::mysql_outbox_events(None, "outbox_events"),
+        Mapping::mysql_outbox_events(Some("shop"), "outbox_events"),
+    ] {
+        let expr = Sql::new(mapping.clone(), Dialect::MySql)
+            .unwrap()
+            .event_id_expr();
+        for id in [1u64, 42, 9_007_199_254_740_993, u64::MAX] {
+            let got: String = conn
+                .exec_first(format!("SELECT {expr} FROM (SELECT ? AS id) o"), (id,))
+                .await
+                .unwrap()
+                .unwrap();
+            let want = outbox_layout::memory::derived_event_id(&mapping, &id.to_string());
+            assert_eq!(got, want.to_string(), "{:?} row {id}", mapping.schema);
+        }
+    }
+}

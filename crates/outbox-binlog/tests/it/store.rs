@@ -68,6 +68,7 @@ impl Fixture {
                 database: self.database.clone(),
                 table: "outbox".into(),
             },
+            mapping: outbox_layout::Mapping::native_mysql(None, "outbox", false),
             seat: SeatConfig {
                 url: self.url.clone(),
                 positions: POSITIONS.into(),

@@ -19,6 +19,8 @@ pub use ddl::{
     open_outbox_ddl, MYSQL_EVENT_COLUMNS,
 };
 
+use uuid::Uuid;
+
 use crate::{
     literal, DeadState, Dialect, IdType, KeyFallback, Mapping, OnSuccess, PayloadFormat, State,
 };
@@ -386,6 +388,41 @@ impl Sql {
         parts.join(" AND ")
     }
 
+    /// A column of the table, on alias `o`.
+    pub fn column(&self, name: &str) -> String {
+        self.col(name)
+    }
+
+    /// Each row's event id in SQL: its event id column, or, without one, the id
+    /// [`crate::memory::derived_event_id`] gives the row (a version 5 UUID of the table and row
+    /// id, computed here from its SHA-1 as RFC 9562 lays it out). MySQL/MariaDB only: it is
+    /// how binlog capture adopts a mapped table's rows with the ids polling would give them.
+    pub fn event_id_expr(&self) -> String {
+        if let Some(column) = &self.mapping.event_id {
+            return self.text(&self.col(column));
+        }
+        debug_assert_eq!(self.dialect, Dialect::MySql);
+        let table = match &self.mapping.schema {
+            Some(s) => format!("{s}.{}", self.mapping.table),
+            None => self.mapping.table.clone(),
+        };
+        let name = format!("outbox-relay:{table}:")
+            .replace('\\', "\\\\")
+            .replace('\'', "''");
+        let namespace = Uuid::NAMESPACE_OID.simple();
+        let h = format!(
+            "SHA1(CONCAT(UNHEX('{namespace}'), '{name}', CAST({} AS CHAR)))",
+            self.id()
+        );
+        // Hex digit 13 is the version (5); digit 17 keeps its low two bits under the
+        // variant's `10`.
+        format!(
+            "CONCAT(SUBSTR({h}, 1, 8), '-', SUBSTR({h}, 9, 4), '-5', SUBSTR({h}, 14, 3), '-', \
+             LOWER(CONV((CONV(SUBSTR({h}, 17, 1), 16, 10) & 3) | 8, 10, 16)), \
+             SUBSTR({h}, 18, 3), '-', SUBSTR({h}, 21, 12))"
+        )
+    }
+
     /// `ORDER BY` terms.
     pub fn order_by(&self) -> String {
         if self.mapping.order_by.is_empty() {
@@ -491,18 +528,26 @@ impl Sql {
 
     /// Marks delivered rows (delete, or mark).
     pub fn ack(&self, ids: &str, node: &str) -> String {
-        let t = self.table();
         let fence = self.fence(node);
+        self.settle_delivered(&format!(
+            "o.{} {ids} AND {fence}",
+            self.quote(&self.mapping.id)
+        ))
+    }
+
+    /// Marks delivered the rows a log reader (binlog capture) took, which no claim leased:
+    /// those whose row id is `ids` (`IN (…)`), unfenced.
+    pub fn ack_captured(&self, ids: &str) -> String {
+        self.settle_delivered(&format!("o.{} {ids}", self.quote(&self.mapping.id)))
+    }
+
+    /// Deletes or marks delivered the rows `condition` selects (on alias `o`).
+    pub fn settle_delivered(&self, condition: &str) -> String {
+        let t = self.table();
         match self.mapping.on_success {
             OnSuccess::Delete => match self.dialect {
-                Dialect::Postgres => format!(
-                    "DELETE FROM {t} o WHERE o.{} {ids} AND {fence}",
-                    self.quote(&self.mapping.id)
-                ),
-                Dialect::MySql => format!(
-                    "DELETE o FROM {t} o WHERE o.{} {ids} AND {fence}",
-                    self.quote(&self.mapping.id)
-                ),
+                Dialect::Postgres => format!("DELETE FROM {t} o WHERE {condition}"),
+                Dialect::MySql => format!("DELETE o FROM {t} o WHERE {condition}"),
             },
             OnSuccess::Mark => {
                 let m = &self.mapping;
@@ -527,7 +572,7 @@ impl Sql {
                 }
                 set.extend(self.unlock());
                 self.touch(&mut set);
-                self.update(&set, &format!("o.{} {ids} AND {fence}", self.quote(&m.id)))
+                self.update(&set, condition)
             }
         }
     }

@@ -1,5 +1,6 @@
 //! Binlog capture's tables (the parked rows, the stored position), what `check` verifies of
-//! the server, and the reader's start (`--capture binlog`, MySQL/MariaDB, native layout).
+//! the server, and the reader's start (`--capture binlog`, MySQL/MariaDB: the native table,
+//! the MySQL seed's `outbox_events` and custom mappings that fit, see [`BinlogCapture::new`]).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,6 +24,8 @@ pub struct BinlogCapture {
     pub server_id: u32,
     pub database: String,
     pub table: String,
+    /// The outbox table's layout (the native table's, or a mapped one's).
+    pub mapping: outbox_layout::Mapping,
     pub parked_table: String,
     pub positions_table: String,
     /// The polling store over the parked table: the engine's parked rows and every dead
@@ -49,10 +52,29 @@ pub fn default_server_id(database: &str, table: &str, node: &str) -> u32 {
 }
 
 impl BinlogCapture {
-    /// The capture of the outbox `options` names.
+    /// The capture of the outbox `options` names. A mapped table is captured when binlog
+    /// capture can read it: an integer row id (what delivered rows are settled by, and what
+    /// an event id is derived from where the table has none), and a JSON payload (parked
+    /// rows keep it in the native layout's `json` column).
     pub fn new(options: &MySqlOptions, settings: &BinlogSettings) -> Result<Self, StoreError> {
         let config =
             |e: outbox_binlog::BinlogError| StoreError::new(StoreErrorKind::Config, e.to_string());
+        let mapping = &options.mapping;
+        let refuse = |what: &str| {
+            Err(StoreError::new(
+                StoreErrorKind::Config,
+                format!(
+                    "binlog capture of the table {} needs {what}; use --capture poll with it",
+                    mapping.table
+                ),
+            ))
+        };
+        if mapping.id_type != outbox_layout::IdType::Integer {
+            return refuse("an integer row id (`id_type = \"integer\"`)");
+        }
+        if mapping.payload_format != outbox_layout::PayloadFormat::Json {
+            return refuse("a JSON payload (`payload_format = \"json\"`)");
+        }
         let database = match &options.mapping.schema {
             Some(database) => database.clone(),
             None => outbox_binlog::database_of(&options.url).map_err(config)?,
@@ -77,6 +99,7 @@ impl BinlogCapture {
             positions_table: format!("{table}_binlog"),
             database,
             table,
+            mapping: mapping.clone(),
             parked_table,
             parked,
         })
@@ -87,12 +110,30 @@ impl BinlogCapture {
         format!("{}.{}", self.database, self.table)
     }
 
-    /// The parked table (the outbox's columns) and the positions table; idempotent.
+    /// Whether the outbox is the native table (the BLACKHOLE form is one of its).
+    fn native(&self) -> bool {
+        self.mapping.seed == Some(outbox_layout::Seed::NativeMysql)
+    }
+
+    /// The parked table (the native layout's columns: the outbox's own, or for a mapped
+    /// table the native table's) and the positions table; idempotent.
     pub fn ddl(&self) -> String {
         let (db, table) = (&self.database, &self.table);
+        let parked = if self.native() {
+            format!(
+                "CREATE TABLE IF NOT EXISTS `{db}`.`{}` LIKE `{db}`.`{table}`;\n",
+                self.parked_table
+            )
+        } else {
+            let native = outbox_layout::Mapping::native_mysql(None, &self.parked_table, false);
+            outbox_layout::sql::native_mysql_ddl(&native).replacen(
+                &format!("CREATE TABLE IF NOT EXISTS `{}`", self.parked_table),
+                &format!("CREATE TABLE IF NOT EXISTS `{db}`.`{}`", self.parked_table),
+                1,
+            )
+        };
         format!(
-            "CREATE TABLE IF NOT EXISTS `{db}`.`{}` LIKE `{db}`.`{table}`;\n{}",
-            self.parked_table,
+            "{parked}{}",
             outbox_binlog::positions_ddl(&format!("{db}.{}", self.positions_table))
         )
     }
@@ -192,6 +233,16 @@ impl BinlogCapture {
         let blackhole = outbox_binlog::is_blackhole(&self.url, &self.database, &self.table)
             .await
             .map_err(config)?;
+        if blackhole && !self.native() {
+            return Err(StoreError::new(
+                StoreErrorKind::Config,
+                format!(
+                    "the table {}.{} is a BLACKHOLE table: the table-less form is the native \
+                     layout's (`outbox-relay migrate --capture binlog` creates its columns)",
+                    self.database, self.table
+                ),
+            ));
+        }
         BinlogStore::start(BinlogStoreOptions {
             binlog: BinlogConfig {
                 url: self.url.clone(),
@@ -199,6 +250,7 @@ impl BinlogCapture {
                 database: self.database.clone(),
                 table: self.table.clone(),
             },
+            mapping: self.mapping.clone(),
             seat: SeatConfig {
                 url: self.url.clone(),
                 positions: format!("{}.{}", self.database, self.positions_table),

@@ -357,10 +357,11 @@ fn settings_binlog_capture_cannot_apply_are_refused_with_exit_2() {
                 "binlog",
                 "--layout",
                 "mysql-outbox-events",
+                "--retain-delivered",
                 "--database-url",
                 "mysql://h/db",
             ],
-            "native outbox table",
+            "retain",
         ),
     ] {
         let out = relay(dir.path(), &args);
@@ -586,4 +587,137 @@ async fn a_database_cut_and_a_broker_outage_mid_stream_lose_nothing_and_keep_ord
     }
     eprintln!("{total} committed, {} delivered", deliveries.len());
     assert!(relay.terminate().await.success(), "{}", relay.logs());
+}
+
+/// The MySQL seed's `outbox_events` (layout `mysql-outbox-events`: no event id column, a
+/// `tinyint unsigned` type as destination and key, an `isConsumed` flag) captured from the
+/// log: rows from before the first start are adopted (a message that is not JSON as a dead
+/// letter), later ones read from the log; each event carries the id polling would give its
+/// row; a row inserted consumed is no event; and every delivered row is marked consumed,
+/// not deleted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_mysql_seeds_table_is_captured_with_pollings_event_ids_and_marked_consumed() {
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let dir = tempfile::tempdir().unwrap();
+    let layout = ["--layout", "mysql-outbox-events", "--capture", "binlog"];
+    let migrate = [&["migrate", "--database-url", &url][..], &layout].concat();
+    let migrated = relay(dir.path(), &migrate);
+    assert!(migrated.status.success(), "{}", text(&migrated.stderr));
+    let check = [&["check", "--database-url", &url][..], &layout].concat();
+    let checked = relay(dir.path(), &check);
+    assert!(checked.status.success(), "{}", text(&checked.stderr));
+    let pool = mysql_async::Pool::new(mysql_async::Opts::from_url(&url).unwrap());
+    let mut conn = pool.get_conn().await.unwrap();
+    let insert = |kind: u8, n: i64, consumed: bool| {
+        format!(
+            "INSERT INTO outbox_events (type, message, isConsumed, createdAt, updatedAt)
+             VALUES ({kind}, '{{\"n\": {n}}}', {}, UTC_TIMESTAMP(), UTC_TIMESTAMP())",
+            u8::from(consumed)
+        )
+    };
+    // Before the first start: two events, one consumed row, one message that is no JSON.
+    for statement in [
+        insert(1, 0, false),
+        insert(1, 1, false),
+        insert(1, 99, true),
+        "INSERT INTO outbox_events (type, message, isConsumed, createdAt, updatedAt)
+         VALUES (1, 'not json', 0, UTC_TIMESTAMP(), UTC_TIMESTAMP())"
+            .into(),
+    ] {
+        conn.query_drop(statement).await.unwrap();
+    }
+    let out = dir.path().join("out.jsonl");
+    let sink = format!("file:{}", out.display());
+    let run = [
+        &[
+            "run",
+            "--database-url",
+            &url,
+            "--sink",
+            &sink,
+            "--http-addr",
+            "",
+        ][..],
+        &layout,
+    ]
+    .concat();
+    let mut relay_process = RelayProcess::spawn(
+        dir.path(),
+        "relay",
+        &run,
+        &[("OUTBOX_RELAY_LOG_LEVEL", "info,outbox_binlog=debug")],
+    );
+    relay_process
+        .wait_for_log("the relay reading", Duration::from_secs(60), READING)
+        .await;
+    // From the log: one transaction of two types, a consumed row, and a type past 127
+    // (a `tinyint unsigned` the log carries as a byte).
+    let mut tx = conn
+        .start_transaction(mysql_async::TxOpts::default())
+        .await
+        .unwrap();
+    for statement in [
+        insert(1, 2, false),
+        insert(2, 0, false),
+        insert(2, 99, true),
+        insert(200, 0, false),
+    ] {
+        tx.query_drop(statement).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+    conn.query_drop(insert(1, 3, false)).await.unwrap();
+    wait_for_lines(
+        "the relay delivering six events",
+        &out,
+        Duration::from_secs(60),
+        |n| n >= 6,
+    )
+    .await;
+    let (by_key, _) = first_deliveries(std::slice::from_ref(&out));
+    assert_eq!(by_key.get("1"), Some(&vec![0, 1, 2, 3]), "{by_key:?}");
+    assert_eq!(by_key.get("2"), Some(&vec![0]), "{by_key:?}");
+    assert_eq!(by_key.get("200"), Some(&vec![0]), "{by_key:?}");
+    // The ids polling gives the rows (a name-based UUID of the table and row id).
+    let ids: Vec<(u64, i64)> = conn
+        .query("SELECT id, CAST(JSON_VALUE(message, '$.n') AS SIGNED) FROM outbox_events WHERE type = 1 AND JSON_VALID(message) AND isConsumed = 1 AND message NOT LIKE '%99%' ORDER BY id")
+        .await
+        .unwrap();
+    let mapping = outbox_layout::Mapping::mysql_outbox_events(None, "outbox_events");
+    for line in read_lines(&out) {
+        if line["destination"] != "1" {
+            continue;
+        }
+        let n = line["payload"]["n"].as_i64().unwrap();
+        let (id, _) = ids.iter().find(|(_, m)| *m == n).unwrap();
+        let want = outbox_layout::memory::derived_event_id(&mapping, &id.to_string());
+        assert_eq!(line["event_id"], want.to_string(), "{line}");
+    }
+    let unconsumed: i64 = conn
+        .query_first("SELECT count(*) FROM outbox_events WHERE isConsumed = 0")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        unconsumed, 0,
+        "every row delivered or dead is marked consumed"
+    );
+    let dead: Option<String> = conn
+        .query_first("SELECT last_error FROM outbox_events_parked WHERE dead_at IS NOT NULL")
+        .await
+        .unwrap();
+    assert!(
+        dead.as_deref().is_some_and(|e| e.contains("not JSON")),
+        "{dead:?}"
+    );
+    assert!(
+        !read_lines(&out)
+            .iter()
+            .any(|line| line["payload"]["n"] == 99),
+        "a row inserted consumed is no event"
+    );
+    assert!(
+        relay_process.terminate().await.success(),
+        "{}",
+        relay_process.logs()
+    );
 }
