@@ -268,14 +268,15 @@ start_mariadb() {
     setsid /usr/sbin/mariadbd --no-defaults --user=mysql --datadir="$dir/data" \
       --socket="$dir/mysqld.sock" --pid-file="$dir/mysqld.pid" --bind-address=127.0.0.1 \
       --port="$MARIADB_PORT" --innodb-flush-log-at-trx-commit=0 \
-      --log-bin=mariadb-bin --binlog-format=ROW --server-id=1 --sync-binlog=0 --expire-logs-days=1 \
+      --log-bin=mariadb-bin --binlog-format=ROW --server-id="${MARIADB_SERVER_ID:-1}" \
+      --log-slave-updates --sync-binlog=0 --expire-logs-days=1 \
       --max-connections=400 --skip-name-resolve </dev/null >"$dir/mysqld.log" 2>&1 &
     for _ in $(seq 200); do
       mariadb-admin --no-defaults --socket="$dir/mysqld.sock" ping >/dev/null 2>&1 && break
       sleep 0.1
     done
     mariadb --no-defaults --socket="$dir/mysqld.sock" -uroot -e \
-      "CREATE USER IF NOT EXISTS 'root'@'127.0.0.1' IDENTIFIED BY ''; GRANT ALL ON *.* TO 'root'@'127.0.0.1' WITH GRANT OPTION;"
+      "SET sql_log_bin = 0; CREATE USER IF NOT EXISTS 'root'@'127.0.0.1' IDENTIFIED BY ''; GRANT ALL ON *.* TO 'root'@'127.0.0.1' WITH GRANT OPTION;"
   fi
   log "mariadb ready on 127.0.0.1:$MARIADB_PORT"
   echo "export OUTBOX_TEST_MYSQL_URL=mysql://root@127.0.0.1:$MARIADB_PORT/mysql"

@@ -56,15 +56,34 @@ impl Capture {
             Taken::Active(seat) => seat,
             Taken::Held { holder } => return Ok(Started::Held { holder }),
         };
-        let from = match seat.stored() {
-            Some(stored) => stored.clone(),
+        let resumed = match seat.stored() {
+            Some(stored) => resume(stored, seat.stored_server_id(), seat.server_id())?,
             None => {
                 let current = current_position(&binlog.url).await?;
                 seat.store_first(&current, adoption).await?;
-                current
+                Resume::At(current)
             }
         };
-        let reader = BinlogReader::start(binlog, &from).await?;
+        let (reader, from) = match resumed {
+            Resume::At(from) => (BinlogReader::start(binlog, &from).await?, from),
+            Resume::AfterGtid(gtid) => {
+                tracing::info!(
+                    %gtid,
+                    stored_by = seat.stored_server_id(),
+                    server = seat.server_id(),
+                    "the stored position is another server's log: going on after its GTID state"
+                );
+                let reader = BinlogReader::start_after_gtid(binlog, &gtid).await?;
+                // Nothing of this server's log is known yet: its first transaction's end is
+                // the first place that may be stored.
+                let from = BinlogPosition {
+                    file: String::new(),
+                    offset: 0,
+                    gtid: Some(gtid),
+                };
+                (reader, from)
+            }
+        };
         Ok(Started::Active(Box::new(Capture {
             reader,
             seat,
@@ -94,9 +113,12 @@ impl Capture {
     /// it has not moved. Fails with [`crate::BinlogError::Fenced`] (or a connection error)
     /// once another relay took the seat: this one must stop.
     pub async fn store(&mut self) -> Result<BinlogPosition> {
-        self.positions.passed(&self.reader.boundary());
+        if let Some(boundary) = self.reader.boundary() {
+            self.positions.passed(&boundary);
+        }
         let storable = self.positions.storable().clone();
-        if self.seat.stored() == Some(&storable) {
+        // An empty file: started after a GTID, nothing of this server's log stored yet.
+        if self.seat.stored() == Some(&storable) || storable.file.is_empty() {
             self.seat.renew().await?;
         } else {
             self.seat.store(&storable).await?;
@@ -118,5 +140,69 @@ impl Capture {
     pub async fn leave(mut self) -> Result<()> {
         self.store().await?;
         self.seat.leave().await
+    }
+}
+
+/// How a reader goes on from a stored position.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Resume {
+    /// At the position's file and offset: the server that stored it.
+    At(BinlogPosition),
+    /// After the position's GTID state: another server (a promoted replica), whose files
+    /// and offsets are its own.
+    AfterGtid(String),
+}
+
+/// Where to go on from `stored`, stored by the server `stored_by` (`None`: stored before
+/// the relay kept it, taken as this one), when the server is `server`. A position in
+/// another server's log without a GTID state (MySQL, or a position stored before the
+/// relay kept one) is refused: its file and offset mean nothing here.
+pub fn resume(stored: &BinlogPosition, stored_by: Option<u64>, server: u64) -> Result<Resume> {
+    match stored_by {
+        Some(by) if by != server => match &stored.gtid {
+            Some(gtid) => Ok(Resume::AfterGtid(gtid.clone())),
+            None => Err(crate::BinlogError::OtherServer {
+                position: stored.clone(),
+                stored_by: by,
+                server,
+            }),
+        },
+        _ => Ok(Resume::At(stored.clone())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stored(gtid: Option<&str>) -> BinlogPosition {
+        BinlogPosition {
+            file: "mariadb-bin.000007".into(),
+            offset: 1234,
+            gtid: gtid.map(str::to_string),
+        }
+    }
+
+    #[test]
+    fn the_server_that_stored_a_position_goes_on_at_its_file_and_offset() {
+        for stored_by in [Some(1), None] {
+            assert_eq!(
+                resume(&stored(Some("0-1-9")), stored_by, 1).unwrap(),
+                Resume::At(stored(Some("0-1-9")))
+            );
+        }
+    }
+
+    #[test]
+    fn another_server_goes_on_after_the_gtid_state_or_refuses_without_one() {
+        assert_eq!(
+            resume(&stored(Some("0-1-9")), Some(1), 2).unwrap(),
+            Resume::AfterGtid("0-1-9".into())
+        );
+        let refused = resume(&stored(None), Some(1), 2).unwrap_err().to_string();
+        assert!(
+            refused.contains("server 1") && refused.contains("server 2"),
+            "{refused}"
+        );
     }
 }

@@ -31,7 +31,8 @@
 
 use std::sync::Arc;
 
-mod capture;
+pub mod capture;
+pub mod gtid;
 mod positions;
 pub mod schema;
 pub mod seat;
@@ -39,7 +40,10 @@ pub mod store;
 pub use capture::{Capture, Started};
 pub use positions::{Positions, UnknownRow};
 pub use schema::{blackhole_ddl, blackhole_problem, is_blackhole};
-pub use seat::{positions_ddl, stored_position, ActiveReader, SeatConfig, Taken};
+pub use seat::{
+    positions_ddl, stored_position, upgrade_positions, ActiveReader, SeatConfig, StoredPosition,
+    Taken,
+};
 pub use store::{BinlogStore, BinlogStoreOptions, CaptureStatus};
 
 use futures::StreamExt;
@@ -81,6 +85,22 @@ pub enum BinlogError {
          and never at one whose history diverged; nothing was skipped"
     )]
     GtidNotInLog { gtid: String, reason: String },
+    /// The stored position is in another server's log, and no GTID state was stored with
+    /// it ([`capture::resume`]).
+    #[error(
+        "the stored position ({file} offset {offset}) is in the binary log of server {stored_by}, \
+         and the relay is now connected to server {server} (a failover, or another server): \
+         files and offsets are each server's own, and no GTID was stored with it (MySQL \
+         8's GTID sets are not kept yet, nor were MariaDB's before this version), so the \
+         relay does not guess where to go on",
+        file = position.file,
+        offset = position.offset
+    )]
+    OtherServer {
+        position: BinlogPosition,
+        stored_by: u64,
+        server: u64,
+    },
     /// Another reader took the seat ([`seat`]): this one must stop reading and writing.
     #[error(
         "another relay has taken over reading the binary log of {outbox} (this one held it at \
@@ -165,6 +185,20 @@ pub(crate) type Result<T> = std::result::Result<T, BinlogError>;
 pub struct BinlogPosition {
     pub file: String,
     pub offset: u64,
+    /// MariaDB's GTID state at this place (see [`gtid::GtidState`]), where the reader knows
+    /// it: the same place on any server of the topology, which a file and offset are not.
+    pub gtid: Option<String>,
+}
+
+impl BinlogPosition {
+    /// `file` at `offset`, its GTID state unknown.
+    pub fn at(file: impl Into<String>, offset: u64) -> Self {
+        BinlogPosition {
+            file: file.into(),
+            offset,
+            gtid: None,
+        }
+    }
 }
 
 /// What to read, and as which replica.
@@ -228,6 +262,14 @@ pub enum Output {
     RolledBack { next: BinlogPosition, rows: u64 },
 }
 
+/// The server's `@@server_id`: whose binary log a position is in.
+pub async fn server_id(url: &str) -> Result<u64> {
+    let mut conn = Conn::new(opts(url)?).await?;
+    let id: Option<u64> = conn.query_first("SELECT @@server_id").await?;
+    conn.disconnect().await?;
+    Ok(id.unwrap_or_default())
+}
+
 /// The binary log's current end (`SHOW MASTER STATUS`), where a new reader starts.
 pub async fn current_position(url: &str) -> Result<BinlogPosition> {
     let mut conn = Conn::new(opts(url)?).await?;
@@ -241,7 +283,7 @@ pub async fn current_position(url: &str) -> Result<BinlogPosition> {
             });
     conn.disconnect().await?;
     match row {
-        Some((file, offset)) if !file.is_empty() => Ok(BinlogPosition { file, offset }),
+        Some((file, offset)) if !file.is_empty() => Ok(BinlogPosition::at(file, offset)),
         _ => Err(BinlogError::Config(
             "the server writes no binary log: start it with log_bin (and binlog_format = ROW)"
                 .into(),
@@ -379,6 +421,13 @@ pub struct BinlogReader {
     started_after_gtid: Option<String>,
     /// The global id of the transaction being read, when the server gives one.
     gtid: Option<String>,
+    /// MariaDB's GTID state at what was read so far (each transaction's GTID is applied as
+    /// its GTID event is read: only a transaction's end is ever stored); `None` where it is
+    /// not known (MySQL).
+    gtid_state: Option<gtid::GtidState>,
+    /// Whether `boundary` is a place read in the log: a reader started after a GTID knows
+    /// its file only from the first rotate, and its offset from the first transaction's end.
+    boundary_known: bool,
     /// The end of the last event read, in `file`.
     read_to: u64,
     /// The end of the last transaction read, of any table, in `file`: where a reader may
@@ -524,6 +573,7 @@ impl BinlogReader {
                 let from = BinlogPosition {
                     file: String::new(),
                     offset: 4,
+                    gtid: Some(gtid.to_string()),
                 };
                 (
                     request.with_filename(b"").with_pos(4),
@@ -531,6 +581,23 @@ impl BinlogReader {
                     checksum.is_some_and(|c| !c.eq_ignore_ascii_case("NONE")),
                 )
             }
+        };
+        let gtid_state = match start {
+            Start::Position(from) => match &from.gtid {
+                Some(state) => gtid::GtidState::parse(state),
+                // MariaDB says it for a file and offset; MySQL has no such function.
+                None => conn
+                    .exec_first::<Option<String>, _, _>(
+                        "SELECT BINLOG_GTID_POS(?, ?)",
+                        (&from.file, from.offset),
+                    )
+                    .await
+                    .ok()
+                    .flatten()
+                    .flatten()
+                    .and_then(|state| gtid::GtidState::parse(&state)),
+            },
+            Start::MariadbGtid(state) => gtid::GtidState::parse(state),
         };
         let stream = conn.get_binlog_stream(request).await?;
         let read_to = from.offset;
@@ -551,8 +618,10 @@ impl BinlogReader {
                 Start::Position(_) => None,
             },
             gtid: None,
+            gtid_state,
             read_to,
             boundary: read_to,
+            boundary_known: matches!(start, Start::Position(_)),
         })
     }
 
@@ -570,9 +639,10 @@ impl BinlogReader {
     }
 
     /// The end of the last transaction read, of any table: a position to resume from when
-    /// nothing of the outbox is unsettled before it.
-    pub fn boundary(&self) -> BinlogPosition {
-        self.at(self.boundary)
+    /// nothing of the outbox is unsettled before it. `None` until a reader started after a
+    /// GTID has read a transaction's end (its start is known only by the GTID).
+    pub fn boundary(&self) -> Option<BinlogPosition> {
+        self.boundary_known.then(|| self.at(self.boundary))
     }
 
     /// The next output; `None` when the server ended the stream.
@@ -604,6 +674,9 @@ impl BinlogReader {
             match event.header().event_type_raw() {
                 MARIADB_GTID_EVENT => {
                     self.gtid = mariadb_gtid(event.data(), event.header().server_id());
+                    if let (Some(state), Some(gtid)) = (&mut self.gtid_state, &self.gtid) {
+                        state.advance(gtid);
+                    }
                     continue;
                 }
                 // mysql_common reads none of them: their rows would pass unread.
@@ -634,7 +707,7 @@ impl BinlogReader {
                 Some(EventData::RotateEvent(rotate)) if end != 0 => {
                     self.file = rotate.name().into_owned();
                     self.read_to = rotate.position();
-                    self.boundary = rotate.position();
+                    self.set_boundary(rotate.position());
                 }
                 // Started from a GTID: the artificial rotate is the only word of the file.
                 Some(EventData::RotateEvent(rotate)) if self.file.is_empty() => {
@@ -660,12 +733,12 @@ impl BinlogReader {
                     return Ok(Some(self.committed(end)));
                 }
                 // Another table's transaction ended: a place a reader may start from.
-                Some(EventData::XidEvent(_)) => self.boundary = end,
+                Some(EventData::XidEvent(_)) => self.set_boundary(end),
                 Some(EventData::QueryEvent(query))
                     if self.rows_in_transaction == 0
                         && matches!(query.query_raw(), b"COMMIT" | b"ROLLBACK") =>
                 {
-                    self.boundary = end;
+                    self.set_boundary(end);
                 }
                 Some(EventData::QueryEvent(query)) if self.rows_in_transaction > 0 => {
                     match query.query_raw() {
@@ -696,9 +769,14 @@ impl BinlogReader {
         }
     }
 
+    fn set_boundary(&mut self, end: u64) {
+        self.boundary = end;
+        self.boundary_known = true;
+    }
+
     /// The commit of the transaction being read, which ends at `end`.
     fn committed(&mut self, end: u64) -> Output {
-        self.boundary = end;
+        self.set_boundary(end);
         Output::Committed {
             next: self.at(end),
             rows: std::mem::take(&mut self.rows_in_transaction),
@@ -711,6 +789,7 @@ impl BinlogReader {
         BinlogPosition {
             file: self.file.clone(),
             offset,
+            gtid: self.gtid_state.as_ref().map(ToString::to_string),
         }
     }
 
@@ -816,6 +895,7 @@ mod tests {
         let at = |file: &str| BinlogPosition {
             file: file.into(),
             offset: 4,
+            gtid: None,
         };
         let purged = retention_problem(&at("bin.000009"), "bin.000010").unwrap();
         assert!(purged.what.contains("purged"), "{purged:?}");

@@ -125,6 +125,7 @@ mod tests {
         BinlogPosition {
             file: "bin.000001".into(),
             offset,
+            gtid: None,
         }
     }
 
@@ -211,6 +212,7 @@ mod tests {
         let rotated = BinlogPosition {
             file: "bin.000002".into(),
             offset: 380,
+            gtid: None,
         };
         positions.committed(&rotated);
         positions.settle(1).unwrap();

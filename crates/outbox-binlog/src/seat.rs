@@ -38,10 +38,67 @@ pub fn positions_ddl(table: &str) -> String {
     connection_id bigint unsigned NOT NULL DEFAULT 0,
     epoch         bigint NOT NULL DEFAULT 0,
     lease_until   datetime(6) NOT NULL DEFAULT '1970-01-01 00:00:01',
-    updated_at    datetime(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)
+    updated_at    datetime(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
+    {GTID_COLUMNS}
 ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4;
 "
     )
+}
+
+/// The columns that say whose log the position is in, and where it is by GTID, added to
+/// the positions table after it was first released ([`upgrade_positions`] adds them to a
+/// table made before).
+const GTID_COLUMNS: &str = "server_id     bigint unsigned NULL,
+    gtid          text NULL";
+
+/// ER_BAD_FIELD_ERROR: a column the statement names is not in the table.
+const ER_BAD_FIELD_ERROR: u16 = 1054;
+
+/// Adds the GTID columns to a positions table made before they existed (`migrate` runs it;
+/// idempotent). MySQL 8 has no `ADD COLUMN IF NOT EXISTS`, so the table's columns are read.
+pub async fn upgrade_positions(url: &str, positions: &str) -> Result<()> {
+    let mut conn = Conn::new(opts(url)?).await?;
+    let (database, table) = match positions.split_once('.') {
+        Some((database, table)) => (Some(database.to_string()), table.to_string()),
+        None => (None, positions.to_string()),
+    };
+    let has: Option<i64> = conn
+        .exec_first(
+            "SELECT count(*) FROM information_schema.COLUMNS
+              WHERE TABLE_SCHEMA = COALESCE(?, DATABASE()) AND TABLE_NAME = ?
+                AND COLUMN_NAME = 'gtid'",
+            (database, table),
+        )
+        .await?;
+    if has == Some(0) {
+        let columns = GTID_COLUMNS.replace('\n', "").replace("    ", " ");
+        let (server_id, gtid) = columns.split_once(',').unwrap_or_default();
+        conn.query_drop(format!(
+            "ALTER TABLE {} ADD COLUMN {}, ADD COLUMN {}",
+            quoted(positions),
+            server_id.trim(),
+            gtid.trim()
+        ))
+        .await?;
+    }
+    conn.disconnect().await?;
+    Ok(())
+}
+
+/// A position read from the positions table that predates its GTID columns.
+fn unupgraded(positions: &str) -> BinlogError {
+    BinlogError::Config(format!(
+        "the positions table {positions} predates this version (it has no gtid column): run \
+         `outbox-relay migrate --capture binlog`"
+    ))
+}
+
+/// A position as stored: where, and the server whose log it is in (`None`: stored before
+/// the relay kept it).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredPosition {
+    pub position: BinlogPosition,
+    pub server_id: Option<u64>,
 }
 
 /// The position stored for `outbox` in the positions table `positions`, as `check` reads
@@ -50,21 +107,42 @@ pub async fn stored_position(
     url: &str,
     positions: &str,
     outbox: &str,
-) -> Result<Option<BinlogPosition>> {
+) -> Result<Option<StoredPosition>> {
     let mut conn = Conn::new(opts(url)?).await?;
-    let row: Option<(String, u64)> = conn
+    let row = read_position(&mut conn, positions, outbox).await?;
+    conn.disconnect().await?;
+    Ok(row.and_then(|(_, stored)| stored))
+}
+
+/// A positions table's row: epoch, file, offset, server id, GTID state.
+type PositionRow = (i64, String, u64, Option<u64>, Option<String>);
+
+/// The row of `outbox`: its epoch, and its position unless none was stored.
+async fn read_position(
+    conn: &mut Conn,
+    positions: &str,
+    outbox: &str,
+) -> Result<Option<(i64, Option<StoredPosition>)>> {
+    let row: Option<PositionRow> = conn
         .exec_first(
             format!(
-                "SELECT log_file, log_offset FROM {} WHERE outbox = ?",
+                "SELECT epoch, log_file, log_offset, server_id, gtid FROM {} WHERE outbox = ?",
                 quoted(positions)
             ),
             (outbox,),
         )
-        .await?;
-    conn.disconnect().await?;
-    Ok(row
-        .filter(|(file, _)| !file.is_empty())
-        .map(|(file, offset)| BinlogPosition { file, offset }))
+        .await
+        .map_err(|e| match e {
+            mysql_async::Error::Server(e) if e.code == ER_BAD_FIELD_ERROR => unupgraded(positions),
+            other => other.into(),
+        })?;
+    Ok(row.map(|(epoch, file, offset, server_id, gtid)| {
+        let stored = (!file.is_empty()).then_some(StoredPosition {
+            position: BinlogPosition { file, offset, gtid },
+            server_id,
+        });
+        (epoch, stored)
+    }))
 }
 
 /// Who to take the seat as, and for which outbox.
@@ -97,7 +175,9 @@ pub struct ActiveReader {
     conn: Conn,
     config: SeatConfig,
     epoch: i64,
-    stored: Option<BinlogPosition>,
+    stored: Option<StoredPosition>,
+    /// The server's `@@server_id`: whose log the positions this reader stores are in.
+    server_id: u64,
 }
 
 impl ActiveReader {
@@ -187,11 +267,7 @@ impl ActiveReader {
             (&config.holder, lease_ms, &config.outbox),
         )
         .await?;
-        let (epoch, file, offset): (i64, String, u64) = conn
-            .exec_first(
-                format!("SELECT epoch, log_file, log_offset FROM {table} WHERE outbox = ?"),
-                (&config.outbox,),
-            )
+        let (epoch, stored) = read_position(&mut conn, &config.positions, &config.outbox)
             .await?
             .ok_or_else(|| {
                 BinlogError::Config(format!(
@@ -199,19 +275,31 @@ impl ActiveReader {
                     config.positions, config.outbox
                 ))
             })?;
-        let stored = (!file.is_empty()).then_some(BinlogPosition { file, offset });
+        let server_id: Option<u64> = conn.query_first("SELECT @@server_id").await?;
         Ok(Taken::Active(ActiveReader {
             conn,
             config: config.clone(),
             epoch,
             stored,
+            server_id: server_id.unwrap_or_default(),
         }))
     }
 
     /// The position stored when the seat was taken (`None`: never stored; start from the
     /// server's current position and adopt the rows already in the table).
     pub fn stored(&self) -> Option<&BinlogPosition> {
-        self.stored.as_ref()
+        self.stored.as_ref().map(|s| &s.position)
+    }
+
+    /// The server whose log the stored position is in, as it was stored (`None`: stored
+    /// before the relay kept it, or never stored).
+    pub fn stored_server_id(&self) -> Option<u64> {
+        self.stored.as_ref().and_then(|s| s.server_id)
+    }
+
+    /// The `@@server_id` of the server this reader is connected to.
+    pub fn server_id(&self) -> u64 {
+        self.server_id
     }
 
     /// The epoch this reader took the seat at.
@@ -223,7 +311,10 @@ impl ActiveReader {
     /// another reader has taken the seat.
     pub async fn store(&mut self, position: &BinlogPosition) -> Result<()> {
         self.write(Some(position)).await?;
-        self.stored = Some(position.clone());
+        self.stored = Some(StoredPosition {
+            position: position.clone(),
+            server_id: Some(self.server_id),
+        });
         Ok(())
     }
 
@@ -252,7 +343,10 @@ impl ActiveReader {
             return Err(self.fenced());
         }
         tx.commit().await?;
-        self.stored = Some(position.clone());
+        self.stored = Some(StoredPosition {
+            position: position.clone(),
+            server_id: Some(self.server_id),
+        });
         Ok(())
     }
 
@@ -291,6 +385,8 @@ impl ActiveReader {
         format!(
             "UPDATE {table} SET log_file = COALESCE(?, log_file),
                     log_offset = COALESCE(?, log_offset),
+                    gtid = IF(? IS NULL, gtid, ?),
+                    server_id = IF(? IS NULL, server_id, @@server_id),
                     lease_until = NOW(6) + INTERVAL (? * 1000) MICROSECOND,
                     updated_at = NOW(6)
               WHERE outbox = ? AND epoch = ?"
@@ -299,9 +395,13 @@ impl ActiveReader {
 
     fn write_params(&self, position: Option<&BinlogPosition>) -> mysql_async::Params {
         let (file, offset) = position.map(|p| (p.file.clone(), p.offset)).unzip();
+        let gtid = position.and_then(|p| p.gtid.clone());
         (
-            file,
+            file.clone(),
             offset,
+            file.clone(),
+            gtid,
+            file,
             lease_millis(self.config.lease),
             self.config.outbox.clone(),
             self.epoch,

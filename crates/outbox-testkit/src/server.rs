@@ -101,12 +101,23 @@ pub struct ScriptedServer {
     pub port: u16,
     server: &'static str,
     port_env: &'static str,
+    /// More variables for `servers.sh` (`MARIADB_SERVER_ID`).
+    env: Vec<(&'static str, String)>,
 }
 
 impl ScriptedServer {
     /// `server` is a name `servers.sh` knows (`postgres`, `rabbitmq`); `port_env` the
     /// variable it reads that server's port from.
     pub fn start(server: &'static str, port_env: &'static str) -> Self {
+        Self::start_with(server, port_env, &[])
+    }
+
+    /// [`ScriptedServer::start`] with more variables for `servers.sh`.
+    pub fn start_with(
+        server: &'static str,
+        port_env: &'static str,
+        env: &[(&'static str, &str)],
+    ) -> Self {
         let state = tempfile::Builder::new()
             .prefix("own-server")
             .tempdir()
@@ -122,6 +133,7 @@ impl ScriptedServer {
             port: free_port(),
             server,
             port_env,
+            env: env.iter().map(|(k, v)| (*k, v.to_string())).collect(),
         };
         server.script("start");
         server
@@ -137,6 +149,7 @@ impl ScriptedServer {
             .env("OUTBOX_TEST_STATE", self.state.path())
             .env(self.port_env, self.port.to_string())
             .env("OUTBOX_TEST_SERVERS", self.server)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .output()
             .unwrap();
         assert!(

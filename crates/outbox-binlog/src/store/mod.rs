@@ -1045,7 +1045,9 @@ impl Reader {
     /// Why reading stopped, with what to do where the log is purged.
     fn reason(&self, e: &BinlogError) -> String {
         match e {
-            BinlogError::Purged { .. } => format!("{e}; {}", self.recovery),
+            BinlogError::Purged { .. } | BinlogError::OtherServer { .. } => {
+                format!("{e}; {}", self.recovery)
+            }
             other => other.to_string(),
         }
     }

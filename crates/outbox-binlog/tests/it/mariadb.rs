@@ -433,6 +433,7 @@ async fn a_position_in_a_purged_log_is_refused_and_never_skipped() {
     let gone = BinlogPosition {
         file: format!("{base}.000000"),
         offset: 4,
+        gtid: None,
     };
     let problem = retention_problem(&gone, &oldest).expect("before the oldest log");
     assert!(problem.what.contains("purged"), "{problem:?}");

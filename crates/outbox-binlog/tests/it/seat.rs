@@ -48,6 +48,7 @@ fn position(file: &str, offset: u64) -> BinlogPosition {
     BinlogPosition {
         file: file.into(),
         offset,
+        gtid: None,
     }
 }
 
@@ -146,4 +147,51 @@ async fn a_write_at_an_old_epoch_is_fenced_even_on_a_live_connection() {
         reader.renew().await,
         Err(BinlogError::Fenced { .. })
     ));
+}
+
+/// A positions table made before the GTID columns: taking the seat says to run `migrate`;
+/// `upgrade_positions` (which `migrate` runs) adds the columns, keeps the stored position,
+/// and does nothing the second time; the next store records the server and the GTID state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_positions_table_from_before_gtids_is_upgraded_in_place() {
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let mut admin = connect(&url).await;
+    let old = positions_ddl(POSITIONS).replace(
+        ",\n    server_id     bigint unsigned NULL,\n    gtid          text NULL",
+        "",
+    );
+    assert!(!old.contains("gtid"), "{old}");
+    admin.query_drop(old).await.unwrap();
+    let config = seat(&url, "relay-1", Duration::from_secs(60));
+    let database = Opts::from_url(&url).unwrap().db_name().unwrap().to_string();
+    admin
+        .exec_drop(
+            format!("INSERT INTO {POSITIONS} (outbox, log_file, log_offset) VALUES (?, 'mariadb-bin.000001', 77)"),
+            (&config.outbox,),
+        )
+        .await
+        .unwrap();
+    match ActiveReader::take(&config).await {
+        Err(BinlogError::Config(said)) => assert!(said.contains("migrate"), "{said}"),
+        other => panic!("not refused: {other:?}"),
+    }
+    for _ in 0..2 {
+        outbox_binlog::upgrade_positions(&url, &format!("{database}.{POSITIONS}"))
+            .await
+            .unwrap();
+    }
+    let mut reader = active(take(&config).await);
+    assert_eq!(reader.stored(), Some(&position("mariadb-bin.000001", 77)));
+    assert_eq!(reader.stored_server_id(), None, "stored before it was kept");
+    let at = BinlogPosition {
+        gtid: Some("0-1-5".into()),
+        ..position("mariadb-bin.000001", 99)
+    };
+    reader.store(&at).await.unwrap();
+    let stored = outbox_binlog::stored_position(&url, POSITIONS, &config.outbox)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(stored.position, at);
+    assert_eq!(stored.server_id, Some(reader.server_id()));
 }

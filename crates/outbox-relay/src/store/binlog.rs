@@ -115,6 +115,17 @@ impl BinlogCapture {
         self.mapping.seed == Some(outbox_layout::Seed::NativeMysql)
     }
 
+    /// Adds what later versions keep in the positions table to one made before (the GTID
+    /// columns); idempotent. `migrate` runs it after [`BinlogCapture::ddl`].
+    pub async fn upgrade(&self) -> Result<(), StoreError> {
+        outbox_binlog::upgrade_positions(
+            &self.url,
+            &format!("{}.{}", self.database, self.positions_table),
+        )
+        .await
+        .map_err(|e| StoreError::new(StoreErrorKind::Query, format!("binlog capture: {e}")))
+    }
+
     /// The parked table (the native layout's columns: the outbox's own, or for a mapped
     /// table the native table's) and the positions table; idempotent.
     pub fn ddl(&self) -> String {
@@ -191,8 +202,27 @@ impl BinlogCapture {
             &self.outbox_key(),
         )
         .await;
+        let server = outbox_binlog::server_id(&self.url)
+            .await
+            .map_err(unreachable)?;
+        let resumed = match &stored {
+            Ok(Some(stored)) => Some(outbox_binlog::capture::resume(
+                &stored.position,
+                stored.server_id,
+                server,
+            )),
+            _ => None,
+        };
         match stored {
+            // Another server's position (a failover): the relay goes on after its GTID
+            // state, or refuses without one; its file names say nothing of this server's.
+            Ok(Some(_)) if !matches!(resumed, Some(Ok(outbox_binlog::capture::Resume::At(_)))) => {
+                if let Some(Err(e)) = resumed {
+                    problems.push(Problem::blocking(e.to_string(), self.recovery()));
+                }
+            }
             Ok(Some(stored)) => {
+                let stored = stored.position;
                 let oldest = outbox_binlog::oldest_log(&self.url)
                     .await
                     .map_err(unreachable)?;

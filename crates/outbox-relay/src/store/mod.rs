@@ -193,7 +193,8 @@ impl AnyStore {
                 use outbox_layout::store::MappedDb;
                 s.migrate().await?;
                 // Idempotent, and applied again by every migrate.
-                s.db().batch_execute(&capture.ddl()).await
+                s.db().batch_execute(&capture.ddl()).await?;
+                capture.upgrade().await
             }
             AnyStore::Sqlite(s) => s.migrate().await,
         }

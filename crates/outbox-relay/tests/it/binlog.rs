@@ -721,3 +721,135 @@ async fn the_mysql_seeds_table_is_captured_with_pollings_event_ids_and_marked_co
         relay_process.logs()
     );
 }
+
+/// A failover to a promoted replica: two private MariaDB servers (ids 1 and 2), the second
+/// replicating the first by GTID with its own binary log (`log_slave_updates`). The relay
+/// reads the primary and stops; more events are written; the replica catches up and is
+/// promoted, the primary is gone. Pointed at the promoted server, whose files and offsets
+/// are its own, the relay goes on after the GTID state it stored with its position: the
+/// missing events arrive, none twice, and later ones follow in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_failover_the_relay_goes_on_at_the_promoted_replica_after_its_gtid() {
+    use outbox_testkit::server::ScriptedServer;
+    let server = |id: &str| {
+        ScriptedServer::start_with(
+            "mariadb",
+            "OUTBOX_TEST_MARIADB_PORT",
+            &[("MARIADB_SERVER_ID", id)],
+        )
+    };
+    let primary = server("1");
+    let replica = server("2");
+    let url = |port: u16, db: &str| format!("mysql://root@127.0.0.1:{port}/{db}");
+    let connect = |url: String| async move {
+        mysql_async::Conn::new(mysql_async::Opts::from_url(&url).unwrap())
+            .await
+            .unwrap()
+    };
+    let mut to_replica = connect(url(replica.port, "mysql")).await;
+    to_replica
+        .query_drop(format!(
+            "CHANGE MASTER TO MASTER_HOST = '127.0.0.1', MASTER_PORT = {}, MASTER_USER = 'root',
+             MASTER_USE_GTID = slave_pos; START SLAVE",
+            primary.port
+        ))
+        .await
+        .unwrap();
+    let mut to_primary = connect(url(primary.port, "mysql")).await;
+    to_primary.query_drop("CREATE DATABASE shop").await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let primary_url = url(primary.port, "shop");
+    let migrated = relay(
+        dir.path(),
+        &[
+            "migrate",
+            "--capture",
+            "binlog",
+            "--database-url",
+            &primary_url,
+        ],
+    );
+    assert!(migrated.status.success(), "{}", text(&migrated.stderr));
+    let out = dir.path().join("out.jsonl");
+    let spawn = |name: &str, database_url: &str| {
+        let sink = format!("file:{}", out.display());
+        RelayProcess::spawn(
+            dir.path(),
+            name,
+            &[
+                "run",
+                "--capture",
+                "binlog",
+                "--database-url",
+                database_url,
+                "--sink",
+                &sink,
+                "--node-id",
+                "relay",
+                "--http-addr",
+                "",
+            ],
+            &[("OUTBOX_RELAY_LOG_LEVEL", "info,outbox_binlog=debug")],
+        )
+    };
+    let write = |port: u16, from: i64, n: i64| async move {
+        let mut conn = connect(url(port, "shop")).await;
+        for i in from..from + n {
+            conn.exec_drop(
+                "INSERT INTO outbox (destination, partition_key, event_type, payload)
+                 VALUES ('orders', 'a', 'T', JSON_OBJECT('n', ?))",
+                (i,),
+            )
+            .await
+            .unwrap();
+        }
+    };
+    let mut first = spawn("relay-primary", &primary_url);
+    first
+        .wait_for_log("the relay reading", Duration::from_secs(60), READING)
+        .await;
+    write(primary.port, 0, 10).await;
+    wait_for_lines("ten events", &out, Duration::from_secs(30), |n| n >= 10).await;
+    assert!(first.terminate().await.success(), "{}", first.logs());
+    write(primary.port, 10, 10).await;
+    // The replica has everything, then is promoted; the primary is gone.
+    let state: String = to_primary
+        .query_first("SELECT @@gtid_binlog_pos")
+        .await
+        .unwrap()
+        .unwrap();
+    let waited: Option<i64> = to_replica
+        .exec_first("SELECT MASTER_GTID_WAIT(?, 60)", (&state,))
+        .await
+        .unwrap();
+    assert_eq!(waited, Some(0), "the replica caught up with {state}");
+    to_replica
+        .query_drop("STOP SLAVE; RESET SLAVE ALL")
+        .await
+        .unwrap();
+    drop(to_primary);
+    drop(primary);
+    let replica_url = url(replica.port, "shop");
+    let mut second = spawn("relay-replica", &replica_url);
+    second
+        .wait_for_log("the relay reading", Duration::from_secs(60), READING)
+        .await;
+    wait_for_lines("twenty events", &out, Duration::from_secs(30), |n| n >= 20).await;
+    write(replica.port, 20, 5).await;
+    wait_for_lines("twenty-five events", &out, Duration::from_secs(30), |n| {
+        n >= 25
+    })
+    .await;
+    let (by_key, lines) = first_deliveries(std::slice::from_ref(&out));
+    assert_every_key_in_order(&by_key, &["a"], 25);
+    assert_eq!(
+        lines, 25,
+        "nothing delivered twice: the relay went on where it stopped"
+    );
+    assert!(
+        second.logs().contains("going on after its GTID state"),
+        "{}",
+        second.logs()
+    );
+    assert!(second.terminate().await.success(), "{}", second.logs());
+}
