@@ -400,10 +400,8 @@ pub struct BinlogReader {
     table: String,
     /// The table's columns in their order, as row events carry them.
     columns: Arc<Vec<String>>,
-    /// The bits of each unsigned integer column (`None` for every other column): the log
-    /// carries an integer's bytes without its signedness (unless `binlog_row_metadata` says
-    /// it, which MariaDB does not by default), so a `tinyint unsigned` 200 reads as -56.
-    unsigned_bits: Vec<Option<u32>>,
+    /// What each column's value in the log needs to read as the table shows it.
+    kinds: Vec<ColumnKind>,
     /// The log file being read (row events' positions are within it); empty until the
     /// first rotate names it, when reading started from a GTID.
     file: String,
@@ -526,22 +524,9 @@ impl BinlogReader {
                 (&config.database, &config.table),
             )
             .await?;
-        let unsigned_bits = described
+        let kinds = described
             .iter()
-            .map(|(_, data_type, column_type)| {
-                let bits = match data_type.to_ascii_lowercase().as_str() {
-                    "tinyint" => 8,
-                    "smallint" => 16,
-                    "mediumint" => 24,
-                    "int" | "integer" => 32,
-                    "bigint" => 64,
-                    _ => return None,
-                };
-                column_type
-                    .to_ascii_lowercase()
-                    .contains("unsigned")
-                    .then_some(bits)
-            })
+            .map(|(_, data_type, column_type)| ColumnKind::of(data_type, column_type))
             .collect();
         let columns: Vec<String> = described.into_iter().map(|(name, ..)| name).collect();
         if columns.is_empty() {
@@ -606,7 +591,7 @@ impl BinlogReader {
             database: config.database.clone(),
             table: config.table.clone(),
             columns: Arc::new(columns),
-            unsigned_bits,
+            kinds,
             file: from.file.clone(),
             first_rotate_checksum: checksum,
             rows_in_transaction: 0,
@@ -816,15 +801,15 @@ impl BinlogReader {
             let Some(after) = after else { continue };
             let mut undecodable = None;
             let values = (0..after.len())
-                .map(|i| match after.as_ref(i).map(text).transpose() {
-                    Ok(value) => match (value.flatten(), self.unsigned_bits.get(i)) {
-                        (Some(n), Some(Some(bits))) => Some(as_unsigned(n, *bits)),
-                        (value, _) => value,
-                    },
-                    Err(reason) => {
-                        let column = self.columns.get(i).map_or("?", String::as_str);
-                        undecodable.get_or_insert(format!("column {column}: {reason}"));
-                        None
+                .map(|i| {
+                    let kind = self.kinds.get(i).unwrap_or(&ColumnKind::AsIs);
+                    match after.as_ref(i).map(|v| kind.text(v)).transpose() {
+                        Ok(value) => value.flatten(),
+                        Err(reason) => {
+                            let column = self.columns.get(i).map_or("?", String::as_str);
+                            undecodable.get_or_insert(format!("column {column}: {reason}"));
+                            None
+                        }
                     }
                 })
                 .collect();
@@ -841,13 +826,128 @@ impl BinlogReader {
     }
 }
 
-/// The text of an unsigned integer column's value that the log's bytes read as signed
-/// (a negative number): the same `bits` read as unsigned.
-fn as_unsigned(text: String, bits: u32) -> String {
-    match text.parse::<i64>() {
-        Ok(n) if n < 0 => (i128::from(n) + (1i128 << bits)).to_string(),
-        _ => text,
+/// How a column's value in the log reads as the table shows it (`information_schema`'s
+/// `DATA_TYPE` and `COLUMN_TYPE`): the log carries some types in a form of its own.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum ColumnKind {
+    AsIs,
+    /// An unsigned integer of these bits: the log carries its bytes without the sign
+    /// (unless `binlog_row_metadata` says it, which MariaDB does not by default), so a
+    /// `tinyint unsigned` 200 reads as -56.
+    Unsigned(u32),
+    /// Seconds since the epoch in the log; a UTC date and time in the table's text.
+    Timestamp,
+    /// The label's number (from 1) in the log.
+    Enum(Vec<String>),
+    /// A bitmask of the labels in the log (little-endian bytes).
+    Set(Vec<String>),
+    /// The bits' bytes (big-endian) in the log; the number in the table's text.
+    Bit,
+}
+
+impl ColumnKind {
+    fn of(data_type: &str, column_type: &str) -> Self {
+        let unsigned = |bits| match column_type.to_ascii_lowercase().contains("unsigned") {
+            true => ColumnKind::Unsigned(bits),
+            false => ColumnKind::AsIs,
+        };
+        match data_type.to_ascii_lowercase().as_str() {
+            "tinyint" => unsigned(8),
+            "smallint" => unsigned(16),
+            "mediumint" => unsigned(24),
+            "int" | "integer" => unsigned(32),
+            "bigint" => unsigned(64),
+            "timestamp" => ColumnKind::Timestamp,
+            "enum" => ColumnKind::Enum(labels(column_type)),
+            "set" => ColumnKind::Set(labels(column_type)),
+            "bit" => ColumnKind::Bit,
+            _ => ColumnKind::AsIs,
+        }
     }
+
+    /// `value` as text, as the table would show it; `None` for NULL.
+    fn text(&self, value: &BinlogValue<'_>) -> std::result::Result<Option<String>, String> {
+        if let BinlogValue::Value(Value::Bytes(bytes)) = value {
+            match self {
+                ColumnKind::Bit => {
+                    let n = bytes.iter().fold(0u128, |n, b| n << 8 | u128::from(*b));
+                    return Ok(Some(n.to_string()));
+                }
+                ColumnKind::Set(labels) => {
+                    let chosen: Vec<&str> = labels
+                        .iter()
+                        .enumerate()
+                        .filter(|(i, _)| bytes.get(i / 8).is_some_and(|b| b >> (i % 8) & 1 == 1))
+                        .map(|(_, label)| label.as_str())
+                        .collect();
+                    return Ok(Some(chosen.join(",")));
+                }
+                _ => {}
+            }
+        }
+        let Some(text) = text(value)? else {
+            return Ok(None);
+        };
+        Ok(Some(match self {
+            ColumnKind::Unsigned(bits) => match text.parse::<i64>() {
+                Ok(n) if n < 0 => (i128::from(n) + (1i128 << bits)).to_string(),
+                _ => text,
+            },
+            ColumnKind::Timestamp => {
+                let (seconds, micros) = text.split_once('.').unwrap_or((&text, "0"));
+                let seconds: u64 = seconds
+                    .parse()
+                    .map_err(|_| format!("{text:?} is not a TIMESTAMP's seconds"))?;
+                let micros: u64 = format!("{micros:0<6}")[..6]
+                    .parse()
+                    .map_err(|_| format!("{text:?} is not a TIMESTAMP's seconds"))?;
+                let at = std::time::UNIX_EPOCH
+                    + std::time::Duration::from_secs(seconds)
+                    + std::time::Duration::from_micros(micros);
+                outbox_core::time::rfc3339_micros(at)?
+                    .trim_end_matches('Z')
+                    .replacen('T', " ", 1)
+            }
+            ColumnKind::Enum(labels) => match text.parse::<usize>() {
+                // 0 is the empty string an invalid value was stored as.
+                Ok(0) => String::new(),
+                Ok(n) => labels
+                    .get(n - 1)
+                    .cloned()
+                    .ok_or_else(|| format!("ENUM value {n} past its {} labels", labels.len()))?,
+                Err(_) => text,
+            },
+            _ => text,
+        }))
+    }
+}
+
+/// The labels of an `enum('a','b''c')` or `set(…)` column type, in order.
+fn labels(column_type: &str) -> Vec<String> {
+    let inner = column_type
+        .split_once('(')
+        .and_then(|(_, rest)| rest.rsplit_once(')'))
+        .map_or("", |(inner, _)| inner);
+    let mut labels = Vec::new();
+    let mut chars = inner.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c != '\'' {
+            continue;
+        }
+        let mut label = String::new();
+        while let Some(c) = chars.next() {
+            match c {
+                '\'' if chars.peek() == Some(&'\'') => {
+                    chars.next();
+                    label.push('\'');
+                }
+                '\'' => break,
+                other => label.push(other),
+            }
+        }
+        labels.push(label);
+    }
+    labels
 }
 
 /// A column's value as text, as the table would show it; `None` for NULL. MySQL 8 writes
@@ -947,11 +1047,43 @@ mod tests {
     }
 
     #[test]
-    fn an_unsigned_columns_negative_reading_is_its_unsigned_value() {
-        assert_eq!(as_unsigned("-56".into(), 8), "200");
-        assert_eq!(as_unsigned("-1".into(), 64), "18446744073709551615");
-        assert_eq!(as_unsigned("-1".into(), 24), "16777215");
-        assert_eq!(as_unsigned("127".into(), 8), "127");
+    fn values_the_log_carries_in_a_form_of_its_own_read_as_the_table_shows_them() {
+        let read = |kind: &ColumnKind, value: Value| {
+            kind.text(&BinlogValue::Value(value)).unwrap().unwrap()
+        };
+        let bytes = |b: &[u8]| Value::Bytes(b.to_vec());
+        let unsigned = ColumnKind::of("tinyint", "tinyint(3) unsigned");
+        assert_eq!(read(&unsigned, Value::Int(-56)), "200");
+        assert_eq!(read(&unsigned, Value::Int(127)), "127");
+        let big = ColumnKind::of("bigint", "bigint(20) unsigned");
+        assert_eq!(read(&big, Value::Int(-1)), "18446744073709551615");
+        assert_eq!(
+            read(&ColumnKind::of("int", "int(11)"), Value::Int(-1)),
+            "-1"
+        );
+        let at = ColumnKind::of("timestamp", "timestamp(6)");
+        assert_eq!(
+            read(&at, bytes(b"1733100000.5")),
+            "2024-12-02 00:40:00.500000"
+        );
+        assert_eq!(
+            read(&at, bytes(b"1733100000")),
+            "2024-12-02 00:40:00.000000"
+        );
+        let status = ColumnKind::of("enum", "enum('PENDING','it''s','DONE')");
+        assert_eq!(read(&status, Value::Int(1)), "PENDING");
+        assert_eq!(read(&status, Value::Int(2)), "it's");
+        assert_eq!(read(&status, Value::Int(0)), "");
+        let set = ColumnKind::of("set", "set('a','b','c')");
+        assert_eq!(read(&set, bytes(&[0b101])), "a,c");
+        let bit = ColumnKind::of("bit", "bit(10)");
+        assert_eq!(read(&bit, bytes(&[0b10, 0b1])), "513");
+        assert!(
+            ColumnKind::of("enum", "enum('a')")
+                .text(&BinlogValue::Value(Value::Int(2)))
+                .is_err(),
+            "an ENUM number past its labels marks the row undecodable"
+        );
     }
 
     #[test]

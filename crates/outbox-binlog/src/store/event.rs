@@ -12,7 +12,7 @@ use outbox_core::{Event, Headers, Payload};
 use serde_json::value::RawValue;
 
 use outbox_layout::memory::derived_event_id;
-use outbox_layout::{KeyFallback, Mapping, State};
+use outbox_layout::{KeyFallback, Mapping, Seed, State};
 
 use crate::Row;
 
@@ -55,13 +55,16 @@ pub fn decode(row: &Row, mapping: &Mapping) -> Option<Captured> {
     let row_id = row.get(&mapping.id);
     let sequence_id = row_id.and_then(|id| id.parse::<i64>().ok());
     let event_id = || match &mapping.event_id {
-        Some(column) => row.get(column).map(str::to_string),
+        Some(column) => row.get(column).map(|id| id.trim().to_string()),
         None => row_id.map(|id| derived_event_id(mapping, id).to_string()),
     };
     let destination = row.get(&mapping.destination).map(str::to_string);
-    let partition_key = match &mapping.key {
-        Some(column) => row.get(column).map(str::to_string),
-        // A table without a key column: every event carries the key polling gives it.
+    let native = mapping.seed == Some(Seed::NativeMysql);
+    let partition_key = match mapping.key.as_deref().and_then(|column| row.get(column)) {
+        Some(key) => Some(key.to_string()),
+        // The native table's events keep no key; a mapped table's carry the one polling
+        // gives them.
+        None if native => None,
         None => match mapping.key_fallback {
             KeyFallback::Destination => destination.clone(),
             KeyFallback::Row => row_id.map(|id| format!("row:{id}")),
@@ -77,7 +80,9 @@ pub fn decode(row: &Row, mapping: &Mapping) -> Option<Captured> {
     };
     let event = match row.undecodable() {
         Some(reason) => Err(undecodable(format!("the row cannot be read: {reason}"))),
-        None => event_of(row, mapping, event_id(), partition_key.clone()).map_err(undecodable),
+        None => event_of(row, mapping, event_id(), partition_key.clone())
+            .and_then(|event| fits_the_parked_table(&event).map(|()| event))
+            .map_err(undecodable),
     };
     let not_before = mapping
         .available_at
@@ -90,6 +95,27 @@ pub fn decode(row: &Row, mapping: &Mapping) -> Option<Captured> {
         not_before,
         event,
     })
+}
+
+/// The parked table's `varchar(255)` columns, which a park writes: a mapped table's longer
+/// destination, key or type could never be parked (the native table has the same limits).
+pub const PARKED_TEXT_CHARS: usize = 255;
+
+fn fits_the_parked_table(event: &Event) -> Result<(), String> {
+    let too_long = [
+        ("destination", Some(&event.destination)),
+        ("partition key", event.partition_key.as_ref()),
+        ("event type", Some(&event.event_type)),
+    ]
+    .into_iter()
+    .find(|(_, value)| value.is_some_and(|v| v.chars().count() > PARKED_TEXT_CHARS));
+    match too_long {
+        Some((what, _)) => Err(format!(
+            "the {what} is longer than {PARKED_TEXT_CHARS} characters, which binlog capture's \
+             parked table holds"
+        )),
+        None => Ok(()),
+    }
 }
 
 /// Whether an inserted row is in the layout's pending state. The log carries a flag or a
@@ -105,8 +131,9 @@ fn is_pending(row: &Row, mapping: &Mapping) -> bool {
     else {
         return true;
     };
+    // MySQL compares with the column's collation, most often case-insensitive.
     match (row.get(column), pending.as_str()) {
-        (Some(value), pending) if value == pending => true,
+        (Some(value), pending) if value.eq_ignore_ascii_case(pending) => true,
         (Some("0"), "false") | (Some("1"), "true") => true,
         _ => false,
     }
@@ -156,10 +183,8 @@ fn event_of(
             0,
             event_id,
             destination,
-            match &mapping.event_type {
-                Some(column) => required(column)?,
-                None => destination,
-            },
+            // Polling's rule: no type column, or NULL in it, is the destination.
+            get(&mapping.event_type).unwrap_or(destination),
             payload,
         )
     })

@@ -707,6 +707,14 @@ impl Inner {
 }
 
 /// The values of one park ([`sql::Statements::park`]).
+/// `text` cut to what the parked table's `varchar` columns hold.
+fn fitted(text: &str) -> &str {
+    match text.char_indices().nth(event::PARKED_TEXT_CHARS) {
+        Some((at, _)) => &text[..at],
+        None => text,
+    }
+}
+
 fn park_values(park: &Park, body: &Body, params: &mut Vec<Value>) {
     let text = |s: &str| Value::from(s);
     let opt = |s: Option<&str>| s.map_or(Value::NULL, Value::from);
@@ -734,10 +742,11 @@ fn park_values(park: &Park, body: &Body, params: &mut Vec<Value>) {
                 created(e.created_at).map_or(Value::NULL, Value::from),
             ]);
         }
+        // Its destination and key may be what made it undecodable (too long to park).
         Body::Undecodable(u) => params.extend([
             text(&u.event_id.unwrap_or_else(uuid::Uuid::new_v4).to_string()),
-            text(u.destination.as_deref().unwrap_or("")),
-            opt(u.partition_key.as_deref()),
+            text(fitted(u.destination.as_deref().unwrap_or(""))),
+            opt(u.partition_key.as_deref().map(fitted)),
             text(""),
             Value::NULL,
             text("{}"),

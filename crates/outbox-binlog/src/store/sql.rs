@@ -5,6 +5,7 @@
 use outbox_layout::sql::Sql;
 use outbox_layout::{Dialect, Mapping, Seed};
 
+use super::event::PARKED_TEXT_CHARS;
 use crate::seat::quoted;
 use crate::BinlogError;
 
@@ -144,7 +145,10 @@ impl Statements {
     /// [`Statements::adoption`] of a mapped table: its pending rows, in the layout's order,
     /// become parked rows of the native columns (with the event ids polling would give
     /// them), then are settled as delivered rows are (deleted, or marked), matched by that
-    /// id. A payload that is not JSON is adopted as a dead letter saying so.
+    /// id. A row polling could not relay either (a payload or headers that are not JSON, a
+    /// destination, key or type longer than the parked table holds) is adopted as a dead
+    /// letter saying why. It runs in UTC, as every other statement of the relay does (the
+    /// seat's connection keeps the server's zone, which its leases are reckoned in).
     fn mapped_adoption(&self) -> Vec<String> {
         let Statements {
             outbox,
@@ -159,18 +163,58 @@ impl Statements {
             c.as_deref()
                 .map_or_else(|| "NULL".to_string(), |c| source.column(c))
         };
+        let as_text = |expr: String| format!("CAST({expr} AS CHAR)");
+        let destination = as_text(source.column(&m.destination));
+        let key = source.key_expr();
+        let event_type = format!(
+            "COALESCE({}, {destination})",
+            as_text(column(&m.event_type))
+        );
         let payload = source.column(&m.payload);
-        let bad_payload = format!("({payload} IS NOT NULL AND NOT JSON_VALID({payload}))");
+        let headers = column(&m.headers);
+        let chars = PARKED_TEXT_CHARS;
+        let problems = [
+            (
+                format!("{payload} IS NOT NULL AND NOT JSON_VALID({payload})"),
+                format!("{} is not JSON", m.payload),
+            ),
+            (
+                format!("{headers} IS NOT NULL AND NOT JSON_VALID({headers})"),
+                "the headers are not JSON".to_string(),
+            ),
+            (
+                format!("CHAR_LENGTH({destination}) > {chars}"),
+                format!("the destination is longer than {chars} characters"),
+            ),
+            (
+                format!("CHAR_LENGTH({key}) > {chars}"),
+                format!("the partition key is longer than {chars} characters"),
+            ),
+            (
+                format!("CHAR_LENGTH({event_type}) > {chars}"),
+                format!("the event type is longer than {chars} characters"),
+            ),
+        ];
+        let problem = format!(
+            "CASE {} ELSE NULL END",
+            problems
+                .iter()
+                .map(|(when, said)| format!(
+                    "WHEN {when} THEN '{} (adopted by binlog capture)'",
+                    said.replace('\'', "''")
+                ))
+                .collect::<Vec<_>>()
+                .join(" ")
+        );
+        let fit = |expr: &str| format!("LEFT({expr}, {chars})");
+        let bad = format!("({problem}) IS NOT NULL");
         let values = [
             event_id.clone(),
-            format!("CAST({} AS CHAR)", source.column(&m.destination)),
-            source.key_expr(),
-            format!(
-                "CAST({} AS CHAR)",
-                source.column(m.event_type.as_ref().unwrap_or(&m.destination))
-            ),
-            format!("IF({bad_payload}, NULL, {payload})"),
-            column(&m.headers),
+            fit(&destination),
+            fit(&key),
+            fit(&event_type),
+            format!("IF({bad}, NULL, {payload})"),
+            format!("IF({bad}, NULL, {headers})"),
             column(&m.mutation_id),
             m.rejected.as_ref().map_or("0".into(), |c| {
                 format!("CASE WHEN {} THEN 1 ELSE 0 END", source.column(c))
@@ -178,13 +222,11 @@ impl Statements {
             format!("COALESCE({}, NOW(6))", column(&m.created_at)),
             format!("COALESCE({}, NOW(6))", column(&m.available_at)),
             "0".into(),
-            format!(
-                "IF({bad_payload}, '{} is not JSON (adopted by binlog capture)', NULL)",
-                m.payload.replace('\'', "''")
-            ),
-            format!("IF({bad_payload}, NOW(6), NULL)"),
+            problem.clone(),
+            format!("IF({bad}, NOW(6), NULL)"),
         ];
         vec![
+            "SET @outbox_relay_time_zone = @@session.time_zone, time_zone = '+00:00'".into(),
             format!("SELECT 1 FROM {outbox} o WHERE {pending} FOR UPDATE"),
             format!(
                 "INSERT INTO {parked} ({PARK_COLUMNS})
@@ -196,6 +238,7 @@ impl Statements {
             source.settle_delivered(&format!(
                 "{pending} AND {event_id} IN (SELECT event_id FROM {parked})"
             )),
+            "SET time_zone = @outbox_relay_time_zone".into(),
         ]
     }
 }

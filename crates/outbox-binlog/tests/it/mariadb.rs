@@ -483,7 +483,7 @@ async fn the_sql_event_id_of_a_row_is_the_one_polling_derives() {
         let expr = Sql::new(mapping.clone(), Dialect::MySql)
             .unwrap()
             .event_id_expr();
-        for id in [1u64, 42, 9_007_199_254_740_993, u64::MAX] {
+        for id in [1i64, 42, 9_007_199_254_740_993, i64::MAX] {
             let got: String = conn
                 .exec_first(format!("SELECT {expr} FROM (SELECT ? AS id) o"), (id,))
                 .await

@@ -399,7 +399,8 @@ impl Sql {
     /// how binlog capture adopts a mapped table's rows with the ids polling would give them.
     pub fn event_id_expr(&self) -> String {
         if let Some(column) = &self.mapping.event_id {
-            return self.text(&self.col(column));
+            // Polling trims the id before reading it.
+            return format!("TRIM({})", self.text(&self.col(column)));
         }
         debug_assert_eq!(self.dialect, Dialect::MySql);
         let table = match &self.mapping.schema {
@@ -410,9 +411,10 @@ impl Sql {
             .replace('\\', "\\\\")
             .replace('\'', "''");
         let namespace = Uuid::NAMESPACE_OID.simple();
+        // The id as polling reads it (`CAST(… AS SIGNED)`: no ZEROFILL padding).
         let h = format!(
-            "SHA1(CONCAT(UNHEX('{namespace}'), '{name}', CAST({} AS CHAR)))",
-            self.id()
+            "SHA1(CONCAT(UNHEX('{namespace}'), '{name}', {}))",
+            self.text(&self.id_expr())
         );
         // Hex digit 13 is the version (5); digit 17 keeps its low two bits under the
         // variant's `10`.

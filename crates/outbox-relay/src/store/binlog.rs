@@ -75,6 +75,20 @@ impl BinlogCapture {
         if mapping.payload_format != outbox_layout::PayloadFormat::Json {
             return refuse("a JSON payload (`payload_format = \"json\"`)");
         }
+        // What polling reads from other columns or tables, which capture does not (yet):
+        // refused rather than dropped.
+        let unread = [
+            ("traceparent", mapping.traceparent.is_some()),
+            ("tracestate", mapping.tracestate.is_some()),
+            ("span_context", mapping.span_context.is_some()),
+            ("event_id_header", mapping.event_id_header.is_some()),
+            ("max_attempts_from", mapping.max_attempts_from.is_some()),
+        ];
+        if let Some((setting, _)) = unread.iter().find(|(_, set)| *set) {
+            return refuse(&format!(
+                "no `{setting}` in its mapping (binlog capture does not read it)"
+            ));
+        }
         let database = match &options.mapping.schema {
             Some(database) => database.clone(),
             None => outbox_binlog::database_of(&options.url).map_err(config)?,

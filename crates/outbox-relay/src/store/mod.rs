@@ -191,7 +191,11 @@ impl AnyStore {
             AnyStore::MySql(s) => s.migrate().await,
             AnyStore::MySqlBinlog(s, capture) => {
                 use outbox_layout::store::MappedDb;
-                s.migrate().await?;
+                // A custom mapping with nothing of the polling store's to create still
+                // gets capture's own tables.
+                if s.db().steps(s.sql()).is_some() {
+                    s.migrate().await?;
+                }
                 // Idempotent, and applied again by every migrate.
                 s.db().batch_execute(&capture.ddl()).await?;
                 capture.upgrade().await
