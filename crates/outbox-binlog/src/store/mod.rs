@@ -126,6 +126,8 @@ struct Inner {
     parking: tokio::sync::Mutex<()>,
     /// Deletes of delivered rows run one at a time ([`Inner::ack_stream`]).
     deleting: tokio::sync::Mutex<()>,
+    /// The role may not set `binlog_row_image` for its session ([`Inner::log_keys_only`]).
+    full_images_only: std::sync::atomic::AtomicBool,
     outputs: tokio::sync::Mutex<mpsc::Receiver<Item>>,
     /// Settled ordinals for the reader, by session.
     settled: mpsc::UnboundedSender<(u64, Vec<u64>)>,
@@ -218,6 +220,7 @@ impl BinlogStore {
                 state: Mutex::new(State::new(options.blackhole)),
                 parking: tokio::sync::Mutex::new(()),
                 deleting: tokio::sync::Mutex::new(()),
+                full_images_only: Default::default(),
                 outputs: tokio::sync::Mutex::new(rx),
                 settled: settled_tx,
                 live,
@@ -504,12 +507,32 @@ impl Inner {
         if !rows.is_empty() {
             let fail = |e: mysql_async::Error| store_error("deleting delivered rows", e);
             let mut conn = self.pool.get_conn().await.map_err(fail)?;
+            self.log_keys_only(&mut conn).await;
             conn.query_drop(self.sql.settle_rows(&rows))
                 .await
                 .map_err(fail)?;
         }
         self.settle(&mut lock(&self.state), ids);
         Ok(())
+    }
+
+    /// Asks the server to log only the key of each row the next statements delete or mark
+    /// (`binlog_row_image = MINIMAL`, for this session). With the server's FULL images,
+    /// every delivered row's payload went to the log a second time, for the server to write
+    /// and for this reader to read back and pass over. A role that may not set it (MySQL
+    /// 8 can restrict session variables) keeps the server's setting, said once.
+    async fn log_keys_only(&self, conn: &mut mysql_async::Conn) {
+        if self.full_images_only.load(std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
+        if let Err(e) = conn
+            .query_drop("SET SESSION binlog_row_image = 'MINIMAL'")
+            .await
+        {
+            self.full_images_only
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            tracing::info!(error = %e, "deletes of delivered rows log their full rows: this role may not set binlog_row_image for its session");
+        }
     }
 
     async fn claim(&self, request: ClaimRequest) -> StoreResult<Vec<Claimed>> {
