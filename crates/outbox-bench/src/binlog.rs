@@ -7,6 +7,10 @@
 //! Each drain is `run --drain` to the file sink, timed by `/usr/bin/time` (wall, CPU, peak
 //! RSS). The capture's backlog is written after a first start stored its position, so it is
 //! read from the log, not adopted from the table.
+//!
+//! Then what each mode costs the application ([`writer_cost`]): [`WRITERS`] writers commit
+//! single-row INSERTs into the outbox for a while with no relay, with the polling relay
+//! running, and with binlog capture running.
 
 use std::path::Path;
 
@@ -56,6 +60,7 @@ pub async fn drain(b: &Bench) -> Result<Value> {
     prefill(&mut conn, n, per_transaction).await?;
     let sink = format!("file:{}", b.work.join("poll-drain.jsonl").display());
     let polling = timed_drain(b, &drain_args(&url, &sink, &[]), n)?;
+    let writers = writer_cost(b, &url, &mut conn).await?;
     conn.query_drop("DROP DATABASE bench_binlog").await?;
     drop(conn);
     pool.disconnect().await?;
@@ -71,6 +76,99 @@ pub async fn drain(b: &Bench) -> Result<Value> {
         "capture_rows_left": left,
         "capture_vs_floor": ratio(&capture, &floor),
         "capture_vs_polling": ratio(&capture, &polling),
+        "writer_cost": writers,
+    }))
+}
+
+/// The application's writers of the writer-cost runs.
+const WRITERS: usize = 16;
+
+/// How many single-row INSERTs [`WRITERS`] writers commit per second, and their p99 commit
+/// time, for [`measure`]'s latency seconds each: with no relay, with the polling relay
+/// (`run`, woken by its poll interval) and with binlog capture (`run --capture binlog`),
+/// each relaying to the file sink as the writers write.
+async fn writer_cost(b: &Bench, url: &str, conn: &mut mysql_async::Conn) -> Result<Value> {
+    let seconds = b.settings.latency_seconds.max(5);
+    let mut rows = serde_json::Map::new();
+    for (mode, extra) in [
+        ("no relay", None),
+        ("polling", Some(vec![])),
+        ("binlog capture", Some(vec!["--capture", "binlog"])),
+    ] {
+        conn.query_drop("DELETE FROM outbox").await?;
+        let mut relay = match &extra {
+            Some(extra) => {
+                let sink = format!("file:{}", b.work.join("writers.jsonl").display());
+                let mut args = vec!["run", "--database-url", url, "--sink", &sink];
+                args.extend(["--http-addr", "", "--log-level", "warn"]);
+                args.extend(extra.iter().copied());
+                Some(
+                    std::process::Command::new(&b.bin)
+                        .args(&args)
+                        .stdout(std::process::Stdio::null())
+                        .spawn()
+                        .context("starting the relay")?,
+                )
+            }
+            None => None,
+        };
+        // The relay's start-up is not the writers' cost.
+        tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+        eprintln!("writer cost (MariaDB): {mode}, {WRITERS} writers, {seconds} s");
+        let measured = write_for(url, seconds).await;
+        if let Some(relay) = &mut relay {
+            let _ = relay.kill();
+            let _ = relay.wait();
+        }
+        rows.insert(mode.into(), measured?);
+    }
+    let rate = |rows: &serde_json::Map<String, Value>, mode: &str| {
+        rows[mode]["commits_per_s"].as_f64().unwrap_or(0.0)
+    };
+    let base = rate(&rows, "no relay");
+    for mode in ["polling", "binlog capture"] {
+        let cost = 1.0 - rate(&rows, mode) / base;
+        rows[mode]["cost_vs_no_relay"] = json!(cost);
+    }
+    Ok(Value::Object(rows))
+}
+
+/// [`WRITERS`] connections committing single-row INSERTs for `seconds`.
+async fn write_for(url: &str, seconds: u64) -> Result<Value> {
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(seconds);
+    let mut tasks = Vec::new();
+    for writer in 0..WRITERS {
+        let url = url.to_string();
+        tasks.push(tokio::spawn(async move {
+            let mut conn = mysql_async::Conn::from_url(url.as_str()).await?;
+            let mut times = Vec::new();
+            let mut i = 0u64;
+            while std::time::Instant::now() < until {
+                let started = std::time::Instant::now();
+                conn.exec_drop(
+                    "INSERT INTO outbox (destination, partition_key, event_type, payload)
+                     VALUES ('bench', ?, 'order.created', JSON_OBJECT('seq', ?))",
+                    (format!("customer-{}", (writer as u64 * 7 + i) % KEYS), i),
+                )
+                .await?;
+                times.push(started.elapsed());
+                i += 1;
+            }
+            conn.disconnect().await?;
+            Ok::<_, anyhow::Error>(times)
+        }));
+    }
+    let mut times = Vec::new();
+    for task in tasks {
+        times.extend(task.await??);
+    }
+    times.sort();
+    let p99 = times
+        .get(times.len().saturating_sub(1) * 99 / 100)
+        .map_or(0.0, |t| t.as_secs_f64() * 1000.0);
+    Ok(json!({
+        "commits_per_s": times.len() as f64 / seconds as f64,
+        "p99_ms": p99,
     }))
 }
 
@@ -190,7 +288,12 @@ pub fn report(r: &Value) -> String {
          | floor (`mariadb-binlog --read-from-remote-server`) | {} | {} | |\n\
          | binlog capture | {} | {} | {} |\n\
          | polling, same table | {} | {} | {} |\n\n\
-         Capture: {}× the floor (target ≥ 0.9), {}× polling (target ≥ 3); rows left: {}.\n",
+         Capture: {}× the floor (target ≥ 0.9), {}× polling (target ≥ 3); rows left: {}.\n\n\
+         Writer cost, {WRITERS} writers of single-row INSERTs (target: capture's ≤ polling's):\n\n\
+         | | commits/s | p99 ms | cost vs no relay |\n|---|---|---|---|\n\
+         | no relay | {} | {} | |\n\
+         | polling | {} | {} | {} |\n\
+         | binlog capture | {} | {} | {} |\n",
         y["events"],
         y["events_per_transaction"],
         measure::f(&y["floor"]["events_per_s"]),
@@ -204,5 +307,13 @@ pub fn report(r: &Value) -> String {
         measure::f(&y["capture_vs_floor"]),
         measure::f(&y["capture_vs_polling"]),
         y["capture_rows_left"],
+        measure::f(&y["writer_cost"]["no relay"]["commits_per_s"]),
+        measure::f(&y["writer_cost"]["no relay"]["p99_ms"]),
+        measure::f(&y["writer_cost"]["polling"]["commits_per_s"]),
+        measure::f(&y["writer_cost"]["polling"]["p99_ms"]),
+        measure::f(&y["writer_cost"]["polling"]["cost_vs_no_relay"]),
+        measure::f(&y["writer_cost"]["binlog capture"]["commits_per_s"]),
+        measure::f(&y["writer_cost"]["binlog capture"]["p99_ms"]),
+        measure::f(&y["writer_cost"]["binlog capture"]["cost_vs_no_relay"]),
     )
 }

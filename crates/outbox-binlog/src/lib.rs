@@ -803,7 +803,8 @@ impl BinlogReader {
         let Some(present) = rows.columns_after_image() else {
             return Ok(());
         };
-        let broken = |what: String| BinlogError::Decode(format!("a row of the outbox table: {what}"));
+        let broken =
+            |what: String| BinlogError::Decode(format!("a row of the outbox table: {what}"));
         let width = usize::try_from(rows.num_columns()).unwrap_or(usize::MAX);
         let null_bitmap_len = present.count_ones().div_ceil(8);
         let mut buf = ParseBuf(rows.rows_data());
@@ -827,11 +828,10 @@ impl BinlogReader {
                     values.push(None);
                     continue;
                 }
-                let column_type = table_map
-                    .get_column_type(i)
-                    .ok()
-                    .flatten()
-                    .ok_or_else(|| broken(format!("column {i} has no type in its table map")))?;
+                let column_type =
+                    table_map.get_column_type(i).ok().flatten().ok_or_else(|| {
+                        broken(format!("column {i} has no type in its table map"))
+                    })?;
                 let meta = table_map.get_column_metadata(i).unwrap_or(&[]);
                 // A value that cannot be parsed leaves the rest of the event unreadable.
                 let value: BinlogValue<'_> = buf

@@ -322,6 +322,11 @@ impl ActiveReader {
     /// `adoption`: the statements that move the rows already in the outbox table to where
     /// they are relayed from (the log from `position` on does not carry them). Either both
     /// happen or neither does, so a reader killed midway adopts them again when it starts.
+    ///
+    /// The adoption of a large table, or one that waits for a writer's open transaction,
+    /// can outlast the lease: a second connection renews it meanwhile, so no standby takes
+    /// the seat (ending this connection, and the adoption with it) from a reader that is
+    /// alive. A paused one renews nothing, and is taken over as always.
     pub async fn store_first(
         &mut self,
         position: &BinlogPosition,
@@ -329,20 +334,45 @@ impl ActiveReader {
     ) -> Result<()> {
         let store = Self::write_statement(&self.config.positions);
         let params = self.write_params(Some(position));
-        let mut tx = self
-            .conn
-            .start_transaction(mysql_async::TxOpts::default())
-            .await?;
-        for statement in adoption {
-            tx.query_drop(statement).await?;
-        }
-        tx.exec_drop(store, params).await?;
-        let fenced = tx.affected_rows() == 0;
-        if fenced {
-            tx.rollback().await?;
+        let mut renewer = Conn::new(opts(&self.config.url)?).await?;
+        let renew_params = self.write_params(None);
+        let every = self.config.lease / 3;
+        let fenced = self.fenced();
+        let renewing = async {
+            loop {
+                tokio::time::sleep(every).await;
+                renewer
+                    .exec_drop(store.as_str(), renew_params.clone())
+                    .await?;
+                if renewer.affected_rows() == 0 {
+                    return Err(fenced);
+                }
+            }
+        };
+        let adopting = async {
+            let mut tx = self
+                .conn
+                .start_transaction(mysql_async::TxOpts::default())
+                .await?;
+            for statement in adoption {
+                tx.query_drop(statement).await?;
+            }
+            tx.exec_drop(store.as_str(), params).await?;
+            if tx.affected_rows() == 0 {
+                tx.rollback().await?;
+                return Ok(false);
+            }
+            tx.commit().await?;
+            Ok::<_, BinlogError>(true)
+        };
+        let adopted = tokio::select! {
+            adopted = adopting => adopted,
+            failed = renewing => failed.map(|()| false),
+        };
+        let _ = renewer.disconnect().await;
+        if !adopted? {
             return Err(self.fenced());
         }
-        tx.commit().await?;
         self.stored = Some(StoredPosition {
             position: position.clone(),
             server_id: Some(self.server_id),

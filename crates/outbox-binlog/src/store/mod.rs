@@ -522,7 +522,10 @@ impl Inner {
     /// and for this reader to read back and pass over. A role that may not set it (MySQL
     /// 8 can restrict session variables) keeps the server's setting, said once.
     async fn log_keys_only(&self, conn: &mut mysql_async::Conn) {
-        if self.full_images_only.load(std::sync::atomic::Ordering::Relaxed) {
+        if self
+            .full_images_only
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
             return;
         }
         if let Err(e) = conn

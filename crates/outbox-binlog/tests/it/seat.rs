@@ -195,3 +195,41 @@ async fn a_positions_table_from_before_gtids_is_upgraded_in_place() {
     assert_eq!(stored.position, at);
     assert_eq!(stored.server_id, Some(reader.server_id()));
 }
+
+/// An adoption that outlasts the lease (here: it waits on a writer's open transaction for
+/// three leases) keeps the seat: a second connection renews the lease meanwhile, so the
+/// standby trying all along never takes over (which would end the adoption's connection,
+/// and the next reader's adoption the same way), and the adoption then completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adoption_longer_than_the_lease_keeps_the_seat() {
+    let (url, mut admin) = database().await;
+    admin
+        .query_drop("CREATE TABLE outbox (id bigint PRIMARY KEY)")
+        .await
+        .unwrap();
+    let lease = Duration::from_secs(1);
+    let mut reader = active(take(&seat(&url, "relay-1", lease)).await);
+    // A writer's open transaction holds a row the adoption must lock.
+    let mut writer = connect(&url).await;
+    writer
+        .query_drop("START TRANSACTION; INSERT INTO outbox VALUES (1)")
+        .await
+        .unwrap();
+    let adoption = vec!["SELECT id FROM outbox FOR UPDATE".to_string()];
+    let first = position("mariadb-bin.000001", 4);
+    let adopting = reader.store_first(&first, &adoption);
+    let standby = async {
+        let until = std::time::Instant::now() + 3 * lease;
+        while std::time::Instant::now() < until {
+            match take(&seat(&url, "relay-2", lease)).await {
+                Taken::Held { holder } => assert_eq!(holder, "relay-1"),
+                Taken::Active(_) => panic!("the standby took the seat from a live adoption"),
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        writer.query_drop("COMMIT").await.unwrap();
+    };
+    let (adopted, ()) = tokio::join!(adopting, standby);
+    adopted.unwrap();
+    assert_eq!(reader.stored(), Some(&first));
+}
