@@ -31,18 +31,25 @@ struct BinlogDb {
 
 impl BinlogDb {
     async fn new() -> BinlogDb {
-        let url = outbox_testkit::fresh_mysql_database().await;
+        Self::at(&outbox_testkit::fresh_mysql_database().await, &[]).await
+    }
+
+    /// The database `url`, migrated with `--capture binlog` and `extra` flags.
+    async fn at(url: &str, extra: &[&str]) -> BinlogDb {
         let dir = tempfile::Builder::new()
             .prefix("outbox-binlog-")
             .tempdir()
             .unwrap();
-        let migrated = relay(
-            dir.path(),
-            &["migrate", "--capture", "binlog", "--database-url", &url],
-        );
+        let mut args = vec!["migrate", "--capture", "binlog", "--database-url", url];
+        args.extend(extra);
+        let migrated = relay(dir.path(), &args);
         assert!(migrated.status.success(), "{}", text(&migrated.stderr));
-        let pool = mysql_async::Pool::new(mysql_async::Opts::from_url(&url).unwrap());
-        BinlogDb { url, dir, pool }
+        let pool = mysql_async::Pool::new(mysql_async::Opts::from_url(url).unwrap());
+        BinlogDb {
+            url: url.to_string(),
+            dir,
+            pool,
+        }
     }
 
     fn path(&self, name: &str) -> PathBuf {
@@ -91,13 +98,18 @@ impl BinlogDb {
 
     /// `run --capture binlog` to the file `out`, as node `name`, with `extra` flags.
     fn spawn(&self, name: &str, out: &str, extra: &[&str]) -> RelayProcess {
+        self.spawn_at(&self.url, name, out, extra)
+    }
+
+    /// [`BinlogDb::spawn`] reading the database at `url` (another server's).
+    fn spawn_at(&self, url: &str, name: &str, out: &str, extra: &[&str]) -> RelayProcess {
         let sink = format!("file:{}", self.path(out).display());
         let mut args = vec![
             "run",
             "--capture",
             "binlog",
             "--database-url",
-            &self.url,
+            url,
             "--sink",
             &sink,
             "--node-id",
@@ -117,7 +129,12 @@ impl BinlogDb {
     }
 
     async fn reading(&self, name: &str, out: &str) -> RelayProcess {
-        let relay = self.spawn(name, out, &[]);
+        self.reading_with(name, out, &[]).await
+    }
+
+    /// [`BinlogDb::reading`] with `extra` flags.
+    async fn reading_with(&self, name: &str, out: &str, extra: &[&str]) -> RelayProcess {
+        let relay = self.spawn(name, out, extra);
         relay
             .wait_for_log("the relay reading", Duration::from_secs(60), READING)
             .await;
@@ -606,14 +623,15 @@ async fn a_database_cut_and_a_broker_outage_mid_stream_lose_nothing_and_keep_ord
 /// not deleted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_mysql_seeds_table_is_captured_with_pollings_event_ids_and_marked_consumed() {
-    let url = outbox_testkit::fresh_mysql_database().await;
-    let dir = tempfile::tempdir().unwrap();
-    let layout = ["--layout", "mysql-outbox-events", "--capture", "binlog"];
-    let migrate = [&["migrate", "--database-url", &url][..], &layout].concat();
-    let migrated = relay(dir.path(), &migrate);
-    assert!(migrated.status.success(), "{}", text(&migrated.stderr));
-    let check = [&["check", "--database-url", &url][..], &layout].concat();
-    let checked = relay(dir.path(), &check);
+    let layout = ["--layout", "mysql-outbox-events"];
+    let db = BinlogDb::at(&outbox_testkit::fresh_mysql_database().await, &layout).await;
+    let url = db.url.clone();
+    let check = [
+        &["check", "--capture", "binlog", "--database-url", &url][..],
+        &layout,
+    ]
+    .concat();
+    let checked = relay(db.dir.path(), &check);
     assert!(checked.status.success(), "{}", text(&checked.stderr));
     let pool = mysql_async::Pool::new(mysql_async::Opts::from_url(&url).unwrap());
     let mut conn = pool.get_conn().await.unwrap();
@@ -635,30 +653,8 @@ async fn the_mysql_seeds_table_is_captured_with_pollings_event_ids_and_marked_co
     ] {
         conn.query_drop(statement).await.unwrap();
     }
-    let out = dir.path().join("out.jsonl");
-    let sink = format!("file:{}", out.display());
-    let run = [
-        &[
-            "run",
-            "--database-url",
-            &url,
-            "--sink",
-            &sink,
-            "--http-addr",
-            "",
-        ][..],
-        &layout,
-    ]
-    .concat();
-    let mut relay_process = RelayProcess::spawn(
-        dir.path(),
-        "relay",
-        &run,
-        &[("OUTBOX_RELAY_LOG_LEVEL", "info,outbox_binlog=debug")],
-    );
-    relay_process
-        .wait_for_log("the relay reading", Duration::from_secs(60), READING)
-        .await;
+    let out = db.path("out.jsonl");
+    let mut relay_process = db.reading_with("relay", "out.jsonl", &layout).await;
     // From the log: one transaction of two types, a consumed row, and a type past 127
     // (a `tinyint unsigned` the log carries as a byte).
     let mut tx = conn
@@ -746,23 +742,8 @@ async fn the_mysql_seeds_table_is_captured_with_pollings_event_ids_and_marked_co
 /// missing events arrive, none twice, and later ones follow in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_failover_the_relay_goes_on_at_the_promoted_replica_after_its_gtid() {
-    use outbox_testkit::server::ScriptedServer;
-    let server = |id: &str| {
-        ScriptedServer::start_with(
-            "mariadb",
-            "OUTBOX_TEST_MARIADB_PORT",
-            &[("MARIADB_SERVER_ID", id)],
-        )
-    };
-    let primary = server("1");
-    let replica = server("2");
-    let url = |port: u16, db: &str| format!("mysql://root@127.0.0.1:{port}/{db}");
-    let connect = |url: String| async move {
-        mysql_async::Conn::new(mysql_async::Opts::from_url(&url).unwrap())
-            .await
-            .unwrap()
-    };
-    let mut to_replica = connect(url(replica.port, "mysql")).await;
+    let (primary, mut to_primary) = private_mariadb("1").await;
+    let (replica, mut to_replica) = private_mariadb("2").await;
     to_replica
         .query_drop(format!(
             "CHANGE MASTER TO MASTER_HOST = '127.0.0.1', MASTER_PORT = {}, MASTER_USER = 'root',
@@ -771,63 +752,14 @@ async fn after_a_failover_the_relay_goes_on_at_the_promoted_replica_after_its_gt
         ))
         .await
         .unwrap();
-    let mut to_primary = connect(url(primary.port, "mysql")).await;
     to_primary.query_drop("CREATE DATABASE shop").await.unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let primary_url = url(primary.port, "shop");
-    let migrated = relay(
-        dir.path(),
-        &[
-            "migrate",
-            "--capture",
-            "binlog",
-            "--database-url",
-            &primary_url,
-        ],
-    );
-    assert!(migrated.status.success(), "{}", text(&migrated.stderr));
-    let out = dir.path().join("out.jsonl");
-    let spawn = |name: &str, database_url: &str| {
-        let sink = format!("file:{}", out.display());
-        RelayProcess::spawn(
-            dir.path(),
-            name,
-            &[
-                "run",
-                "--capture",
-                "binlog",
-                "--database-url",
-                database_url,
-                "--sink",
-                &sink,
-                "--node-id",
-                "relay",
-                "--http-addr",
-                "",
-            ],
-            &[("OUTBOX_RELAY_LOG_LEVEL", "info,outbox_binlog=debug")],
-        )
-    };
-    let write = |port: u16, from: i64, n: i64| async move {
-        let mut conn = connect(url(port, "shop")).await;
-        for i in from..from + n {
-            conn.exec_drop(
-                "INSERT INTO outbox (destination, partition_key, event_type, payload)
-                 VALUES ('orders', 'a', 'T', JSON_OBJECT('n', ?))",
-                (i,),
-            )
-            .await
-            .unwrap();
-        }
-    };
-    let mut first = spawn("relay-primary", &primary_url);
-    first
-        .wait_for_log("the relay reading", Duration::from_secs(60), READING)
-        .await;
-    write(primary.port, 0, 10).await;
+    let db = BinlogDb::at(&shop(&primary), &[]).await;
+    let out = db.path("out.jsonl");
+    let mut first = db.reading("relay-1", "out.jsonl").await;
+    db.write(&["a"], 0, 10, true).await;
     wait_for_lines("ten events", &out, Duration::from_secs(30), |n| n >= 10).await;
     assert!(first.terminate().await.success(), "{}", first.logs());
-    write(primary.port, 10, 10).await;
+    db.write(&["a"], 10, 10, true).await;
     // The replica has everything, then is promoted; the primary is gone.
     let state: String = to_primary
         .query_first("SELECT @@gtid_binlog_pos")
@@ -845,13 +777,25 @@ async fn after_a_failover_the_relay_goes_on_at_the_promoted_replica_after_its_gt
         .unwrap();
     drop(to_primary);
     drop(primary);
-    let replica_url = url(replica.port, "shop");
-    let mut second = spawn("relay-replica", &replica_url);
+    let promoted = shop(&replica);
+    let mut second = db.spawn_at(&promoted, "relay-2", "out.jsonl", &[]);
     second
         .wait_for_log("the relay reading", Duration::from_secs(60), READING)
         .await;
     wait_for_lines("twenty events", &out, Duration::from_secs(30), |n| n >= 20).await;
-    write(replica.port, 20, 5).await;
+    let mut to_promoted = mysql_async::Conn::from_url(promoted.as_str())
+        .await
+        .unwrap();
+    for n in 20..25 {
+        to_promoted
+            .exec_drop(
+                "INSERT INTO outbox (destination, partition_key, event_type, payload)
+                 VALUES ('orders', 'a', 'T', JSON_OBJECT('n', ?))",
+                (n,),
+            )
+            .await
+            .unwrap();
+    }
     wait_for_lines("twenty-five events", &out, Duration::from_secs(30), |n| {
         n >= 25
     })
@@ -868,6 +812,23 @@ async fn after_a_failover_the_relay_goes_on_at_the_promoted_replica_after_its_gt
         second.logs()
     );
     assert!(second.terminate().await.success(), "{}", second.logs());
+}
+
+/// A private MariaDB of its own (`servers.sh`) with server id `id`, and a connection to it.
+async fn private_mariadb(id: &str) -> (outbox_testkit::server::ScriptedServer, mysql_async::Conn) {
+    let server = outbox_testkit::server::ScriptedServer::start_with(
+        "mariadb",
+        "OUTBOX_TEST_MARIADB_PORT",
+        &[("MARIADB_SERVER_ID", id)],
+    );
+    let admin = format!("mysql://root@127.0.0.1:{}/mysql", server.port);
+    let conn = mysql_async::Conn::from_url(admin.as_str()).await.unwrap();
+    (server, conn)
+}
+
+/// The URL of the database `shop` on `server`.
+fn shop(server: &outbox_testkit::server::ScriptedServer) -> String {
+    format!("mysql://root@127.0.0.1:{}/shop", server.port)
 }
 
 /// A custom mapping captured from the log, with what the log carries in forms of its own: an
@@ -1015,39 +976,13 @@ state = { kind = "status", column = "status", pending = "new", delivered = "SENT
 /// committed event arrives, each key's first deliveries in commit order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_mariadb_restart_mid_stream_loses_nothing_and_keeps_each_keys_commit_order() {
-    use outbox_testkit::server::ScriptedServer;
-    let server = ScriptedServer::start("mariadb", "OUTBOX_TEST_MARIADB_PORT");
-    let admin = format!("mysql://root@127.0.0.1:{}/mysql", server.port);
-    let mut conn = mysql_async::Conn::from_url(admin.as_str()).await.unwrap();
+    let (server, mut conn) = private_mariadb("1").await;
     conn.query_drop("CREATE DATABASE shop").await.unwrap();
     drop(conn);
-    let url = format!("mysql://root@127.0.0.1:{}/shop", server.port);
-    let dir = tempfile::tempdir().unwrap();
-    let migrated = relay(
-        dir.path(),
-        &["migrate", "--capture", "binlog", "--database-url", &url],
-    );
-    assert!(migrated.status.success(), "{}", text(&migrated.stderr));
-    let out = dir.path().join("out.jsonl");
-    let sink = format!("file:{}", out.display());
-    let mut args = vec![
-        "run",
-        "--capture",
-        "binlog",
-        "--database-url",
-        &url,
-        "--sink",
-        &sink,
-        "--http-addr",
-        "",
-    ];
-    args.extend(RETRY_AN_OUTAGE);
-    let mut relay_process = RelayProcess::spawn(
-        dir.path(),
-        "relay",
-        &args,
-        &[("OUTBOX_RELAY_LOG_LEVEL", "info,outbox_binlog=debug")],
-    );
+    let db = BinlogDb::at(&shop(&server), &[]).await;
+    let url = db.url.clone();
+    let out = db.path("out.jsonl");
+    let mut relay_process = db.spawn("relay", "out.jsonl", &RETRY_AN_OUTAGE);
     relay_process
         .wait_for_log("the relay reading", Duration::from_secs(60), READING)
         .await;
