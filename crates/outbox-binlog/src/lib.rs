@@ -424,6 +424,9 @@ pub struct BinlogReader {
     /// its GTID event is read: only a transaction's end is ever stored); `None` where it is
     /// not known (MySQL).
     gtid_state: Option<gtid::GtidState>,
+    /// The GTID state at `boundary`: the state moves on at each transaction's GTID event,
+    /// before the transaction's end is read, so the boundary keeps its own.
+    boundary_gtid: Option<String>,
     /// Whether `boundary` is a place read in the log: a reader started after a GTID knows
     /// its file only from the first rotate, and its offset from the first transaction's end.
     boundary_known: bool,
@@ -569,22 +572,23 @@ impl BinlogReader {
             }
         };
         let gtid_state = match start {
-            Start::Position(from) => match &from.gtid {
-                Some(state) => gtid::GtidState::parse(state),
-                // MariaDB says it for a file and offset; MySQL has no such function.
-                None => conn
-                    .exec_first::<Option<String>, _, _>(
-                        "SELECT BINLOG_GTID_POS(?, ?)",
-                        (&from.file, from.offset),
-                    )
-                    .await
-                    .ok()
-                    .flatten()
-                    .flatten()
-                    .and_then(|state| gtid::GtidState::parse(&state)),
-            },
+            // The server says it for its own file and offset (MariaDB; MySQL has no such
+            // function): a state stored beside the position is only the fallback, since a
+            // relay of an earlier version moved the position without it.
+            Start::Position(from) => conn
+                .exec_first::<Option<String>, _, _>(
+                    "SELECT BINLOG_GTID_POS(?, ?)",
+                    (&from.file, from.offset),
+                )
+                .await
+                .ok()
+                .flatten()
+                .flatten()
+                .or_else(|| from.gtid.clone())
+                .and_then(|state| gtid::GtidState::parse(&state)),
             Start::MariadbGtid(state) => gtid::GtidState::parse(state),
         };
+        let boundary_gtid = gtid_state.as_ref().map(ToString::to_string);
         let stream = conn.get_binlog_stream(request).await?;
         let read_to = from.offset;
         Ok(BinlogReader {
@@ -607,6 +611,7 @@ impl BinlogReader {
             gtid_state,
             read_to,
             boundary: read_to,
+            boundary_gtid,
             boundary_known: matches!(start, Start::Position(_)),
         })
     }
@@ -628,7 +633,10 @@ impl BinlogReader {
     /// nothing of the outbox is unsettled before it. `None` until a reader started after a
     /// GTID has read a transaction's end (its start is known only by the GTID).
     pub fn boundary(&self) -> Option<BinlogPosition> {
-        self.boundary_known.then(|| self.at(self.boundary))
+        self.boundary_known.then(|| BinlogPosition {
+            gtid: self.boundary_gtid.clone(),
+            ..self.at(self.boundary)
+        })
     }
 
     /// The next output; `None` when the server ended the stream.
@@ -755,8 +763,11 @@ impl BinlogReader {
         }
     }
 
+    /// A transaction (or a log file) ended at `end`: a place to start again from, with the
+    /// GTID state there.
     fn set_boundary(&mut self, end: u64) {
         self.boundary = end;
+        self.boundary_gtid = self.gtid_state.as_ref().map(ToString::to_string);
         self.boundary_known = true;
     }
 
@@ -801,7 +812,9 @@ impl BinlogReader {
         // iterator builds a `Column`, names and all, for every column of every row, which
         // was most of a drain's allocations.
         let Some(present) = rows.columns_after_image() else {
-            return Ok(());
+            return Err(BinlogError::Decode(
+                "an INSERT row event of the outbox table without its columns' bitmap".into(),
+            ));
         };
         let broken =
             |what: String| BinlogError::Decode(format!("a row of the outbox table: {what}"));
@@ -817,6 +830,14 @@ impl BinlogReader {
             let mut values = Vec::with_capacity(width);
             for i in 0..width {
                 if !present.get(i).is_some_and(|bit| *bit) {
+                    // Not NULL: unknown. The writer's session logged only the columns its
+                    // INSERT named (binlog_row_image = MINIMAL or NOBLOB for that session).
+                    let column = self.columns.get(i).map_or("?", String::as_str);
+                    undecodable.get_or_insert(format!(
+                        "column {column} is not in the binary log's row image (the writing \
+                         session's binlog_row_image is not FULL): set binlog_row_image = FULL \
+                         for every session that writes the outbox"
+                    ));
                     values.push(None);
                     continue;
                 }

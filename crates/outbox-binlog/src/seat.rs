@@ -366,6 +366,8 @@ impl ActiveReader {
             Ok::<_, BinlogError>(true)
         };
         let adopted = tokio::select! {
+            // An adoption that committed is done, whatever the renewer says.
+            biased;
             adopted = adopting => adopted,
             failed = renewing => failed.map(|()| false),
         };

@@ -188,13 +188,7 @@ impl MappedDb for MySql {
         })?;
         let constraints = PoolConstraints::new(0, options.pool_size.max(2))
             .ok_or_else(|| StoreError::new(StoreErrorKind::Config, "invalid MySQL pool size"))?;
-        let opts: Opts = OptsBuilder::from_opts(parsed)
-            .init(vec![
-                // Timestamps are written and read as UTC, whatever the server's zone.
-                "SET time_zone = '+00:00'",
-                // The seed's reason: no gap locks blocking the application's inserts.
-                "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED",
-            ])
+        let opts: Opts = session_settings(OptsBuilder::from_opts(parsed))
             .pool_opts(PoolOpts::default().with_constraints(constraints))
             .into();
         let pool = Pool::new(opts.clone());
@@ -410,4 +404,16 @@ impl MappedDb for MySql {
     fn nodes(&self) -> Option<&dyn NodeRegistry> {
         self.nodes.as_ref().map(|n| n as &dyn NodeRegistry)
     }
+}
+
+/// Every connection's session settings (a pooled connection is reset each time it goes back
+/// to the pool; `session::a_connection_back_from_the_pool_keeps_utc_and_read_committed`
+/// shows they hold after it).
+pub fn session_settings(builder: OptsBuilder) -> OptsBuilder {
+    builder.init(vec![
+        // Timestamps are written and read as UTC, whatever the server's zone.
+        "SET time_zone = '+00:00'",
+        // The seed's reason: no gap locks blocking the application's inserts.
+        "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED",
+    ])
 }

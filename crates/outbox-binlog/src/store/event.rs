@@ -49,7 +49,9 @@ pub struct Captured {
 /// the capture gives it its id); `None` for a row inserted in a state other than the
 /// layout's pending one (delivered or dead already), which polling would not claim either.
 pub fn decode(row: &Row, mapping: &Mapping) -> Option<Captured> {
-    if !is_pending(row, mapping) {
+    // A row that could not be read is dead-lettered with the reason, whatever its state
+    // seems to be.
+    if row.undecodable().is_none() && !is_pending(row, mapping) {
         return None;
     }
     let row_id = row.get(&mapping.id);

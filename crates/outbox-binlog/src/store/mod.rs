@@ -521,20 +521,26 @@ impl Inner {
     /// every delivered row's payload went to the log a second time, for the server to write
     /// and for this reader to read back and pass over. A role that may not set it (MySQL
     /// 8 can restrict session variables) keeps the server's setting, said once.
+    ///
+    /// Deletes only: a layout that marks its delivered rows keeps the server's images, which
+    /// another reader of the log may want whole.
     async fn log_keys_only(&self, conn: &mut mysql_async::Conn) {
-        if self
-            .full_images_only
-            .load(std::sync::atomic::Ordering::Relaxed)
-        {
+        let refused = &self.full_images_only;
+        if !self.sql.deletes_delivered() || refused.load(std::sync::atomic::Ordering::Relaxed) {
             return;
         }
-        if let Err(e) = conn
+        match conn
             .query_drop("SET SESSION binlog_row_image = 'MINIMAL'")
             .await
         {
-            self.full_images_only
-                .store(true, std::sync::atomic::Ordering::Relaxed);
-            tracing::info!(error = %e, "deletes of delivered rows log their full rows: this role may not set binlog_row_image for its session");
+            Ok(()) => {}
+            // ER_SPECIFIC_ACCESS_DENIED_ERROR: not this role's to set, for good.
+            Err(mysql_async::Error::Server(e)) if e.code == 1227 => {
+                refused.store(true, std::sync::atomic::Ordering::Relaxed);
+                tracing::info!(error = %e.message, "deletes of delivered rows log their full rows: this role may not set binlog_row_image for its session");
+            }
+            // Anything else is the connection's, which the delete then reports.
+            Err(_) => {}
         }
     }
 

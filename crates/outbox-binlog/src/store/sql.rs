@@ -89,6 +89,11 @@ impl Statements {
         )
     }
 
+    /// Whether a delivered row is deleted (not marked).
+    pub(super) fn deletes_delivered(&self) -> bool {
+        self.source.mapping.on_success == outbox_layout::OnSuccess::Delete
+    }
+
     /// Settles the outbox rows `rows` (by the layout's row id) as the layout settles a
     /// delivered row: deleted, or marked delivered. The ids are written into the text
     /// (integers, nothing to escape): a statement with as many placeholders as rows would be

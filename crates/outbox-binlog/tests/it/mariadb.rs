@@ -494,3 +494,102 @@ async fn the_sql_event_id_of_a_row_is_the_one_polling_derives() {
         }
     }
 }
+
+/// Every place a reader reports as one to start again from carries the GTID state the
+/// server gives that file and offset (`BINLOG_GTID_POS`), even while the next transaction
+/// is being read (its GTID event read, its end not yet): the state a failover resumes after
+/// is never ahead of the position stored with it. Also a transaction's end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_boundary_carries_the_gtid_state_of_its_own_place_in_the_log() {
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let database = Opts::from_url(&url).unwrap().db_name().unwrap().to_string();
+    let mut conn = connect(&url).await;
+    conn.query_drop(
+        "CREATE TABLE outbox (sequence_id bigint PRIMARY KEY AUTO_INCREMENT, partition_key text);
+         CREATE TABLE other (id int PRIMARY KEY)",
+    )
+    .await
+    .unwrap();
+    let start = current_position(&url).await.unwrap();
+    let config = BinlogConfig {
+        url: url.clone(),
+        server_id: 3000 + fastrand_id(),
+        database,
+        table: "outbox".into(),
+    };
+    let mut reader = BinlogReader::start(&config, &start).await.unwrap();
+    conn.query_drop("INSERT INTO other VALUES (1)")
+        .await
+        .unwrap();
+    conn.query_drop("INSERT INTO outbox (partition_key) VALUES ('a')")
+        .await
+        .unwrap();
+    let gtid_at = |position: BinlogPosition| {
+        let url = url.clone();
+        async move {
+            let mut conn = connect(&url).await;
+            let state: Option<String> = conn
+                .exec_first(
+                    "SELECT BINLOG_GTID_POS(?, ?)",
+                    (&position.file, position.offset),
+                )
+                .await
+                .unwrap();
+            (position.gtid.clone(), state)
+        }
+    };
+    // The outbox row is handed out with its transaction's end not yet read.
+    assert!(matches!(
+        crate::next_output(reader.next()).await,
+        Output::Row(_)
+    ));
+    let (carried, server) = gtid_at(reader.boundary().unwrap()).await;
+    assert_eq!(
+        carried, server,
+        "the boundary after the other table's transaction"
+    );
+    let Output::Committed { next, .. } = crate::next_output(reader.next()).await else {
+        panic!("the outbox transaction's end")
+    };
+    let (carried, server) = gtid_at(next).await;
+    assert_eq!(carried, server, "the outbox transaction's end");
+}
+
+/// A writer whose session logs only the columns its INSERT names (`binlog_row_image =
+/// MINIMAL`) leaves the others out of the log: such a row is undecodable, saying which
+/// column and how to fix it, never read as if they were NULL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_column_missing_from_the_row_image_makes_the_row_undecodable() {
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let database = Opts::from_url(&url).unwrap().db_name().unwrap().to_string();
+    let mut conn = connect(&url).await;
+    conn.query_drop(
+        "CREATE TABLE outbox (sequence_id bigint PRIMARY KEY AUTO_INCREMENT,
+                              partition_key text, status varchar(10) NOT NULL DEFAULT 'NEW')",
+    )
+    .await
+    .unwrap();
+    let start = current_position(&url).await.unwrap();
+    let config = BinlogConfig {
+        url: url.clone(),
+        server_id: 4000 + fastrand_id(),
+        database,
+        table: "outbox".into(),
+    };
+    let mut reader = BinlogReader::start(&config, &start).await.unwrap();
+    conn.query_drop(
+        "SET SESSION binlog_row_image = 'MINIMAL';
+         INSERT INTO outbox (partition_key) VALUES ('a')",
+    )
+    .await
+    .unwrap();
+    let Output::Row(row) = crate::next_output(reader.next()).await else {
+        panic!("the row")
+    };
+    assert_eq!(row.get("partition_key"), Some("a"));
+    let reason = row.undecodable().expect("undecodable");
+    assert!(
+        reason.contains("status") && reason.contains("binlog_row_image = FULL"),
+        "{reason}"
+    );
+}

@@ -4,3 +4,4 @@
 
 mod active_relay;
 mod conformance;
+mod session;
