@@ -126,6 +126,8 @@ struct Inner {
     parking: tokio::sync::Mutex<()>,
     /// Deletes of delivered rows run one at a time ([`Inner::ack_stream`]).
     deleting: tokio::sync::Mutex<()>,
+    /// When the parked keys were last read ([`Inner::look_for_retried_dead_letters`]).
+    parked_keys_read: Mutex<std::time::Instant>,
     /// The role may not set `binlog_row_image` for its session ([`Inner::log_keys_only`]).
     full_images_only: std::sync::atomic::AtomicBool,
     outputs: tokio::sync::Mutex<mpsc::Receiver<Item>>,
@@ -151,6 +153,13 @@ fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
     // A panic while holding it would be a bug; its data is still the best there is.
     state.lock().unwrap_or_else(|e| e.into_inner())
 }
+
+fn lock_instant(at: &Mutex<std::time::Instant>) -> std::sync::MutexGuard<'_, std::time::Instant> {
+    at.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// How often claims read the parked table's keys again ([`Inner::look_for_retried_dead_letters`]).
+const PARKED_KEYS_REFRESH: Duration = Duration::from_secs(5);
 
 fn store_error(context: &str, e: impl std::fmt::Display) -> StoreError {
     StoreError::new(
@@ -221,6 +230,7 @@ impl BinlogStore {
                 parking: tokio::sync::Mutex::new(()),
                 deleting: tokio::sync::Mutex::new(()),
                 full_images_only: Default::default(),
+                parked_keys_read: Mutex::new(std::time::Instant::now()),
                 outputs: tokio::sync::Mutex::new(rx),
                 settled: settled_tx,
                 live,
@@ -544,6 +554,33 @@ impl Inner {
         }
     }
 
+    /// Every [`PARKED_KEYS_REFRESH`], the keys with rows waiting in the parked table, read
+    /// again: `dead retry` (another process) puts dead letters back there, which this
+    /// relay's claims would otherwise not look for until its next session, and later rows
+    /// of their keys then wait behind them. Call it holding `parking`.
+    async fn look_for_retried_dead_letters(&self) -> StoreResult<()> {
+        {
+            let mut last = lock_instant(&self.parked_keys_read);
+            if last.elapsed() < PARKED_KEYS_REFRESH {
+                return Ok(());
+            }
+            *last = std::time::Instant::now();
+        }
+        let fail = |e: mysql_async::Error| store_error("reading the parked keys", e);
+        let mut conn = self.pool.get_conn().await.map_err(fail)?;
+        let keys: Vec<String> = conn.query(self.sql.parked_keys()).await.map_err(fail)?;
+        let mut state = lock(&self.state);
+        let new: Vec<&String> = keys
+            .iter()
+            .filter(|key| !state.parked_keys.contains(*key))
+            .collect();
+        if !new.is_empty() {
+            tracing::info!(keys = ?new, "rows put back in the parked table (dead retry): later rows of their keys wait behind them");
+        }
+        state.parked_keys.extend(keys);
+        Ok(())
+    }
+
     async fn claim(&self, request: ClaimRequest) -> StoreResult<Vec<Claimed>> {
         let status = self.status.borrow().clone();
         if let CaptureStatus::Reconnecting(reason) = &status {
@@ -566,6 +603,9 @@ impl Inner {
             return Ok(out);
         }
         drop(outputs);
+        if status == CaptureStatus::Reading {
+            self.look_for_retried_dead_letters().await?;
+        }
         let has_parked = !lock(&self.state).parked_keys.is_empty();
         if status == CaptureStatus::Reading && has_parked {
             self.claim_parked(&request, &mut out).await?;

@@ -438,3 +438,50 @@ async fn rows_parked_behind_a_retrying_head_wait_for_it_in_the_parked_table() {
     assert_eq!(delivered_n(&publisher, "a"), [1, 2, 3]);
     relay.stop().await;
 }
+
+/// A dead letter put back by `dead retry` (its `dead_at` cleared, by another process) is
+/// found by the running relay's claims, which read the parked table's keys again now and
+/// then, even when the relay started after the event died (its session read no such key):
+/// it is delivered, and a later row of its key waits behind it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_put_back_by_dead_retry_is_delivered_ahead_of_its_keys_later_rows() {
+    let fixture = Fixture::new().await;
+    let publisher = RecordingPublisher::new();
+    publisher.fail("Poison", usize::MAX, PublishErrorKind::Rejected);
+    let relay = Relay::reading(fixture.options("relay-1"), &publisher).await;
+    fixture.insert("a", "Poison", 1).await;
+    eventually("the event dead-lettered", PATIENCE, || async {
+        let mut conn = fixture.db.get_conn().await.unwrap();
+        let dead: Option<i64> = conn
+            .query_first("SELECT count(*) FROM outbox_parked WHERE dead_at IS NOT NULL")
+            .await
+            .unwrap();
+        (dead == Some(1)).then_some(())
+    })
+    .await;
+    publisher.fail("Poison", 0, PublishErrorKind::Rejected);
+    // A relay started since: nothing of the key waits in its memory.
+    relay.stop().await;
+    let relay = Relay::reading(fixture.options("relay-1"), &publisher).await;
+    // What `dead retry` does to a dead letter of the native layout.
+    fixture
+        .db
+        .get_conn()
+        .await
+        .unwrap()
+        .query_drop("UPDATE outbox_parked SET dead_at = NULL, attempts = 0, last_error = NULL")
+        .await
+        .unwrap();
+    eventually("the retried event delivered", PATIENCE, || async {
+        (delivered_n(&publisher, "a") == [1]).then_some(())
+    })
+    .await;
+    fixture.insert("a", "Placed", 2).await;
+    eventually(
+        "the key's next row delivered after it",
+        PATIENCE,
+        || async { (delivered_n(&publisher, "a") == [1, 2]).then_some(()) },
+    )
+    .await;
+    relay.stop().await;
+}
