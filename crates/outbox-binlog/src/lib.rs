@@ -219,7 +219,9 @@ pub struct BinlogConfig {
 pub struct Row {
     columns: Arc<Vec<String>>,
     values: Vec<Option<String>>,
-    undecodable: Option<String>,
+    /// The columns whose value is unknown (left out of the row image, or unreadable), each
+    /// with why: their value reads as `None`, which is not NULL.
+    unknown: Vec<(usize, String)>,
     ordinal: u64,
 }
 
@@ -236,10 +238,19 @@ impl Row {
         self.values.get(index)?.as_deref()
     }
 
-    /// Why a value of the row could not be read (it is then `None`): such a row is
-    /// dead-lettered with the reason, and the others go on.
+    /// Why a value of the row is unknown (the first such column's reason), if one is.
     pub fn undecodable(&self) -> Option<&str> {
-        self.undecodable.as_deref()
+        self.unknown.first().map(|(_, why)| why.as_str())
+    }
+
+    /// Why the value of `column` is unknown (it then reads as `None`): a row whose needed
+    /// column is unknown is dead-lettered with the reason, and the others go on.
+    pub fn unknown(&self, column: &str) -> Option<&str> {
+        let index = self.columns.iter().position(|c| c == column)?;
+        self.unknown
+            .iter()
+            .find(|(i, _)| *i == index)
+            .map(|(_, why)| why.as_str())
     }
 }
 
@@ -584,6 +595,7 @@ impl BinlogReader {
                 .ok()
                 .flatten()
                 .flatten()
+                .filter(|state| !state.is_empty())
                 .or_else(|| from.gtid.clone())
                 .and_then(|state| gtid::GtidState::parse(&state)),
             Start::MariadbGtid(state) => gtid::GtidState::parse(state),
@@ -826,17 +838,20 @@ impl BinlogReader {
                 .parse(null_bitmap_len)
                 .map_err(|e| broken(format!("its NULL bitmap: {e}")))?;
             let mut in_image = 0;
-            let mut undecodable = None;
+            let mut unknown = Vec::new();
             let mut values = Vec::with_capacity(width);
             for i in 0..width {
                 if !present.get(i).is_some_and(|bit| *bit) {
                     // Not NULL: unknown. The writer's session logged only the columns its
                     // INSERT named (binlog_row_image = MINIMAL or NOBLOB for that session).
                     let column = self.columns.get(i).map_or("?", String::as_str);
-                    undecodable.get_or_insert(format!(
-                        "column {column} is not in the binary log's row image (the writing \
-                         session's binlog_row_image is not FULL): set binlog_row_image = FULL \
-                         for every session that writes the outbox"
+                    unknown.push((
+                        i,
+                        format!(
+                            "column {column} is not in the binary log's row image (the writing \
+                             session's binlog_row_image is not FULL): set binlog_row_image = \
+                             FULL for every session that writes the outbox"
+                        ),
                     ));
                     values.push(None);
                     continue;
@@ -863,7 +878,7 @@ impl BinlogReader {
                     Ok(value) => value,
                     Err(reason) => {
                         let column = self.columns.get(i).map_or("?", String::as_str);
-                        undecodable.get_or_insert(format!("column {column}: {reason}"));
+                        unknown.push((i, format!("column {column}: {reason}")));
                         None
                     }
                 });
@@ -873,7 +888,7 @@ impl BinlogReader {
             self.pending.push_back(Output::Row(Row {
                 columns: self.columns.clone(),
                 values,
-                undecodable,
+                unknown,
                 ordinal: self.rows_read,
             }));
         }

@@ -49,11 +49,18 @@ pub struct Captured {
 /// the capture gives it its id); `None` for a row inserted in a state other than the
 /// layout's pending one (delivered or dead already), which polling would not claim either.
 pub fn decode(row: &Row, mapping: &Mapping) -> Option<Captured> {
-    // A row that could not be read is dead-lettered with the reason, whatever its state
-    // seems to be.
-    if row.undecodable().is_none() && !is_pending(row, mapping) {
+    // A row whose state is unknown is dead-lettered with the reason; one whose state is
+    // known and not pending is no event, whatever else of it is unknown.
+    let state_column = match &mapping.state {
+        State::Flag { column, .. } | State::Status { column, .. } => Some(column.as_str()),
+        State::Rows => None,
+    };
+    if state_column.and_then(|c| row.unknown(c)).is_none() && !is_pending(row, mapping) {
         return None;
     }
+    // Only the columns the layout reads matter (a TEXT column the INSERT did not name, left
+    // out under NOBLOB, is nothing to this relay).
+    let unknown = read_columns(mapping).find_map(|column| row.unknown(column));
     let row_id = row.get(&mapping.id);
     let sequence_id = row_id.and_then(|id| id.parse::<i64>().ok());
     let event_id = || match &mapping.event_id {
@@ -80,7 +87,7 @@ pub fn decode(row: &Row, mapping: &Mapping) -> Option<Captured> {
             partition_key: partition_key.clone(),
         })
     };
-    let event = match row.undecodable() {
+    let event = match unknown {
         Some(reason) => Err(undecodable(format!("the row cannot be read: {reason}"))),
         None => event_of(row, mapping, event_id(), partition_key.clone())
             .and_then(|event| fits_the_parked_table(&event).map(|()| event))
@@ -97,6 +104,33 @@ pub fn decode(row: &Row, mapping: &Mapping) -> Option<Captured> {
         not_before,
         event,
     })
+}
+
+/// The columns of the outbox table the layout reads.
+fn read_columns(mapping: &Mapping) -> impl Iterator<Item = &str> {
+    let state = match &mapping.state {
+        State::Flag { column, .. } | State::Status { column, .. } => Some(column),
+        State::Rows => None,
+    };
+    [
+        Some(&mapping.id),
+        Some(&mapping.destination),
+        Some(&mapping.payload),
+        state,
+    ]
+    .into_iter()
+    .chain([
+        mapping.event_id.as_ref(),
+        mapping.key.as_ref(),
+        mapping.event_type.as_ref(),
+        mapping.headers.as_ref(),
+        mapping.mutation_id.as_ref(),
+        mapping.rejected.as_ref(),
+        mapping.created_at.as_ref(),
+        mapping.available_at.as_ref(),
+    ])
+    .flatten()
+    .map(String::as_str)
 }
 
 /// The parked table's `varchar(255)` columns, which a park writes: a mapped table's longer
@@ -190,4 +224,66 @@ fn event_of(
             payload,
         )
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+
+    /// A row of the MySQL seed's table, its `type` left out of the row image, `isConsumed` as
+    /// given (`None`: left out too).
+    fn row(consumed: Option<&str>) -> Row {
+        let columns = [
+            "id",
+            "type",
+            "message",
+            "isConsumed",
+            "createdAt",
+            "updatedAt",
+        ];
+        let mut unknown = vec![(1, "column type is not in the row image".to_string())];
+        if consumed.is_none() {
+            unknown.push((3, "column isConsumed is not in the row image".to_string()));
+        }
+        Row {
+            columns: Arc::new(columns.map(String::from).to_vec()),
+            values: vec![
+                Some("7".into()),
+                None,
+                Some("{}".into()),
+                consumed.map(String::from),
+                Some("2026-12-02 00:00:00.000000".into()),
+                None,
+            ],
+            unknown,
+            ordinal: 1,
+        }
+    }
+
+    #[test]
+    fn a_row_whose_state_is_known_and_not_pending_is_no_event_whatever_else_is_unknown() {
+        let mapping = Mapping::mysql_outbox_events(None, "outbox_events");
+        assert!(decode(&row(Some("1")), &mapping).is_none());
+    }
+
+    #[test]
+    fn a_pending_row_or_one_of_unknown_state_missing_a_read_column_is_undecodable() {
+        let mapping = Mapping::mysql_outbox_events(None, "outbox_events");
+        for consumed in [Some("0"), None] {
+            let captured = decode(&row(consumed), &mapping).expect("an event to dead-letter");
+            let reason = captured.event.unwrap_err().reason;
+            assert!(reason.contains("not in the row image"), "{reason}");
+        }
+    }
+
+    #[test]
+    fn a_column_the_layout_does_not_read_may_be_unknown() {
+        let mut mapping = Mapping::mysql_outbox_events(None, "outbox_events");
+        mapping.destination = "message".into();
+        mapping.event_type = None;
+        let captured = decode(&row(Some("0")), &mapping).expect("an event");
+        assert!(captured.event.is_ok(), "{:?}", captured.event);
+    }
 }

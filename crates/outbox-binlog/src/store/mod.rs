@@ -566,9 +566,21 @@ impl Inner {
             }
             *last = std::time::Instant::now();
         }
-        let fail = |e: mysql_async::Error| store_error("reading the parked keys", e);
-        let mut conn = self.pool.get_conn().await.map_err(fail)?;
-        let keys: Vec<String> = conn.query(self.sql.parked_keys()).await.map_err(fail)?;
+        // A failure here holds nothing up: the stream goes on, and the next look is due in
+        // the same time.
+        let keys: Vec<String> = match self.pool.get_conn().await {
+            Ok(mut conn) => match conn.query(self.sql.parked_keys()).await {
+                Ok(keys) => keys,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot read the parked table's keys; trying again in 5 s");
+                    return Ok(());
+                }
+            },
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the parked table's keys; trying again in 5 s");
+                return Ok(());
+            }
+        };
         let mut state = lock(&self.state);
         let new: Vec<&String> = keys
             .iter()

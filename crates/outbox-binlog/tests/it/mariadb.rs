@@ -587,6 +587,8 @@ async fn a_column_missing_from_the_row_image_makes_the_row_undecodable() {
         panic!("the row")
     };
     assert_eq!(row.get("partition_key"), Some("a"));
+    assert_eq!(row.unknown("partition_key"), None);
+    assert!(row.unknown("status").is_some(), "not NULL: unknown");
     let reason = row.undecodable().expect("undecodable");
     assert!(
         reason.contains("status") && reason.contains("binlog_row_image = FULL"),
