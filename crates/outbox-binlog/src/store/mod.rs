@@ -149,13 +149,9 @@ pub struct BinlogStore {
     inner: Arc<Inner>,
 }
 
-fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
+fn lock<T>(state: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     // A panic while holding it would be a bug; its data is still the best there is.
     state.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn lock_instant(at: &Mutex<std::time::Instant>) -> std::sync::MutexGuard<'_, std::time::Instant> {
-    at.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// How often claims read the parked table's keys again ([`Inner::look_for_retried_dead_letters`]).
@@ -560,7 +556,7 @@ impl Inner {
     /// of their keys then wait behind them. Call it holding `parking`.
     async fn look_for_retried_dead_letters(&self) -> StoreResult<()> {
         {
-            let mut last = lock_instant(&self.parked_keys_read);
+            let mut last = lock(&self.parked_keys_read);
             if last.elapsed() < PARKED_KEYS_REFRESH {
                 return Ok(());
             }
@@ -568,14 +564,8 @@ impl Inner {
         }
         // A failure here holds nothing up: the stream goes on, and the next look is due in
         // the same time.
-        let keys: Vec<String> = match self.pool.get_conn().await {
-            Ok(mut conn) => match conn.query(self.sql.parked_keys()).await {
-                Ok(keys) => keys,
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot read the parked table's keys; trying again in 5 s");
-                    return Ok(());
-                }
-            },
+        let keys = match read_parked_keys(&self.pool, &self.sql).await {
+            Ok(keys) => keys,
             Err(e) => {
                 tracing::warn!(error = %e, "cannot read the parked table's keys; trying again in 5 s");
                 return Ok(());
@@ -1317,9 +1307,16 @@ impl Reader {
     }
 
     async fn parked_keys(&self) -> Result<Vec<String>, mysql_async::Error> {
-        let mut conn = self.pool.get_conn().await?;
-        conn.query(self.sql.parked_keys()).await
+        read_parked_keys(&self.pool, &self.sql).await
     }
+}
+
+/// Every key with a row waiting in the parked table.
+async fn read_parked_keys(
+    pool: &Pool,
+    sql: &Statements,
+) -> Result<Vec<String>, mysql_async::Error> {
+    pool.get_conn().await?.query(sql.parked_keys()).await
 }
 
 /// Passes settled ordinals of the reading session to the capture (those of an earlier

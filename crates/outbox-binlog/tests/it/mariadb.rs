@@ -495,29 +495,37 @@ async fn the_sql_event_id_of_a_row_is_the_one_polling_derives() {
     }
 }
 
+/// A fresh database with the tables `ddl` makes, a connection to it, and a reader of its
+/// outbox table from the log's current end, as a replica of an id of its own (`id_base` plus
+/// a run's own part).
+async fn reading_from_now(ddl: &str, id_base: u32) -> (String, Conn, BinlogReader) {
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let database = Opts::from_url(&url).unwrap().db_name().unwrap().to_string();
+    let mut conn = connect(&url).await;
+    conn.query_drop(ddl).await.unwrap();
+    let start = current_position(&url).await.unwrap();
+    let config = BinlogConfig {
+        url: url.clone(),
+        server_id: id_base + fastrand_id(),
+        database,
+        table: "outbox".into(),
+    };
+    let reader = BinlogReader::start(&config, &start).await.unwrap();
+    (url, conn, reader)
+}
+
 /// Every place a reader reports as one to start again from carries the GTID state the
 /// server gives that file and offset (`BINLOG_GTID_POS`), even while the next transaction
 /// is being read (its GTID event read, its end not yet): the state a failover resumes after
 /// is never ahead of the position stored with it. Also a transaction's end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_boundary_carries_the_gtid_state_of_its_own_place_in_the_log() {
-    let url = outbox_testkit::fresh_mysql_database().await;
-    let database = Opts::from_url(&url).unwrap().db_name().unwrap().to_string();
-    let mut conn = connect(&url).await;
-    conn.query_drop(
+    let (url, mut conn, mut reader) = reading_from_now(
         "CREATE TABLE outbox (sequence_id bigint PRIMARY KEY AUTO_INCREMENT, partition_key text);
          CREATE TABLE other (id int PRIMARY KEY)",
+        3000,
     )
-    .await
-    .unwrap();
-    let start = current_position(&url).await.unwrap();
-    let config = BinlogConfig {
-        url: url.clone(),
-        server_id: 3000 + fastrand_id(),
-        database,
-        table: "outbox".into(),
-    };
-    let mut reader = BinlogReader::start(&config, &start).await.unwrap();
+    .await;
     conn.query_drop("INSERT INTO other VALUES (1)")
         .await
         .unwrap();
@@ -560,23 +568,12 @@ async fn a_boundary_carries_the_gtid_state_of_its_own_place_in_the_log() {
 /// column and how to fix it, never read as if they were NULL.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_column_missing_from_the_row_image_makes_the_row_undecodable() {
-    let url = outbox_testkit::fresh_mysql_database().await;
-    let database = Opts::from_url(&url).unwrap().db_name().unwrap().to_string();
-    let mut conn = connect(&url).await;
-    conn.query_drop(
+    let (_url, mut conn, mut reader) = reading_from_now(
         "CREATE TABLE outbox (sequence_id bigint PRIMARY KEY AUTO_INCREMENT,
                               partition_key text, status varchar(10) NOT NULL DEFAULT 'NEW')",
+        4000,
     )
-    .await
-    .unwrap();
-    let start = current_position(&url).await.unwrap();
-    let config = BinlogConfig {
-        url: url.clone(),
-        server_id: 4000 + fastrand_id(),
-        database,
-        table: "outbox".into(),
-    };
-    let mut reader = BinlogReader::start(&config, &start).await.unwrap();
+    .await;
     conn.query_drop(
         "SET SESSION binlog_row_image = 'MINIMAL';
          INSERT INTO outbox (partition_key) VALUES ('a')",
