@@ -118,7 +118,10 @@ struct AwsHarness {
 async fn build(uri: &str, settings: Value) -> (Arc<dyn Sink>, FaultProxy) {
     outbox_testkit::install_crypto();
     let (proxy, endpoint) = FaultProxy::start_for_url(&moto()).await.expect("a proxy");
-    let mut table = json!({ "uri": uri, "endpoint": endpoint, "timeout": "3s" });
+    // moto is one Python process serving every test at once, and loads a service's models
+    // on its first request: on a loaded CI host a single call took over 3 s. The tests that
+    // stop the broker cut connections (an immediate reset), so no test waits on this.
+    let mut table = json!({ "uri": uri, "endpoint": endpoint, "timeout": "20s" });
     table
         .as_object_mut()
         .unwrap()
