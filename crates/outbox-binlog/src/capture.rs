@@ -155,13 +155,14 @@ pub enum Resume {
 
 /// Where to go on from `stored`, stored by the server `stored_by` (`None`: stored before
 /// the relay kept it, taken as this one), when the server is `server`. A position in
-/// another server's log without a GTID state (MySQL, or a position stored before the
-/// relay kept one) is refused: its file and offset mean nothing here.
+/// another server's log without a GTID state (GTIDs off, or a position stored before the
+/// relay kept one) is refused: its file and offset mean nothing here. So is an empty
+/// state, which would mean the other server's whole history.
 pub fn resume(stored: &BinlogPosition, stored_by: Option<u64>, server: u64) -> Result<Resume> {
     match stored_by {
         Some(by) if by != server => match &stored.gtid {
-            Some(gtid) => Ok(Resume::AfterGtid(gtid.clone())),
-            None => Err(crate::BinlogError::OtherServer {
+            Some(gtid) if !gtid.trim().is_empty() => Ok(Resume::AfterGtid(gtid.clone())),
+            _ => Err(crate::BinlogError::OtherServer {
                 position: stored.clone(),
                 stored_by: by,
                 server,
@@ -199,10 +200,17 @@ mod tests {
             resume(&stored(Some("0-1-9")), Some(1), 2).unwrap(),
             Resume::AfterGtid("0-1-9".into())
         );
-        let refused = resume(&stored(None), Some(1), 2).unwrap_err().to_string();
-        assert!(
-            refused.contains("server 1") && refused.contains("server 2"),
-            "{refused}"
+        let mysql = "3e11fa47-71ca-11e1-9e33-c80aa9429562:1-77";
+        assert_eq!(
+            resume(&stored(Some(mysql)), Some(1), 2).unwrap(),
+            Resume::AfterGtid(mysql.into())
         );
+        for without in [None, Some(""), Some(" ")] {
+            let refused = resume(&stored(without), Some(1), 2).unwrap_err().to_string();
+            assert!(
+                refused.contains("server 1") && refused.contains("server 2"),
+                "{refused}"
+            );
+        }
     }
 }

@@ -50,7 +50,7 @@ use futures::StreamExt;
 use mysql_async::binlog::events::{EventData, RowsEventData};
 use mysql_async::binlog::value::BinlogValue;
 use mysql_async::prelude::Queryable;
-use mysql_async::{BinlogStreamRequest, Conn, Opts, Value};
+use mysql_async::{BinlogStreamRequest, Conn, Opts, Sid, Value};
 use mysql_common::io::ParseBuf;
 use outbox_core::store::Problem;
 
@@ -91,9 +91,9 @@ pub enum BinlogError {
     #[error(
         "the stored position ({file} offset {offset}) is in the binary log of server {stored_by}, \
          and the relay is now connected to server {server} (a failover, or another server): \
-         files and offsets are each server's own, and no GTID was stored with it (MySQL \
-         8's GTID sets are not kept yet, nor were MariaDB's before this version), so the \
-         relay does not guess where to go on",
+         files and offsets are each server's own, and no GTID state was stored with it (the \
+         servers write no GTIDs, MySQL's gtid_mode is not ON, or the position was stored by \
+         an earlier version of the relay), so the relay does not guess where to go on",
         file = position.file,
         offset = position.offset
     )]
@@ -114,6 +114,9 @@ pub enum BinlogError {
 /// ER_MASTER_FATAL_ERROR_READING_BINLOG: the file or position asked for is not in the
 /// server's binary log (purged, reset, or never written).
 const FATAL_READING_BINLOG: u16 = 1236;
+
+/// ER_PARSE_ERROR: a statement this server does not know.
+const PARSE_ERROR: u16 = 1064;
 
 /// Where `stored` stands against the server's oldest binary log file: `Some` when it is
 /// before it (the events in between are gone) or in it (the next purge takes them).
@@ -186,8 +189,9 @@ pub(crate) type Result<T> = std::result::Result<T, BinlogError>;
 pub struct BinlogPosition {
     pub file: String,
     pub offset: u64,
-    /// MariaDB's GTID state at this place (see [`gtid::GtidState`]), where the reader knows
-    /// it: the same place on any server of the topology, which a file and offset are not.
+    /// The GTID state at this place (MariaDB's or MySQL's, see [`gtid::GtidState`]), where
+    /// the reader knows it: the same place on any server of the topology, which a file and
+    /// offset are not.
     pub gtid: Option<String>,
 }
 
@@ -282,20 +286,38 @@ pub async fn server_id(url: &str) -> Result<u64> {
     Ok(id.unwrap_or_default())
 }
 
-/// The binary log's current end (`SHOW MASTER STATUS`), where a new reader starts.
+/// The binary log's current end (`SHOW MASTER STATUS`), where a new reader starts. On
+/// MySQL it carries the GTID set executed there (`Executed_Gtid_Set`, which MariaDB's
+/// statement does not have: its reader asks `BINLOG_GTID_POS`). MySQL reads that set before
+/// the position, and adds a transaction's GTID to it only after writing the transaction to
+/// the log, so the set never names a transaction after the position: a failover can resend
+/// one from before it (a duplicate), never skip one.
 pub async fn current_position(url: &str) -> Result<BinlogPosition> {
     let mut conn = Conn::new(opts(url)?).await?;
-    let row: Option<(String, u64)> =
-        conn.query_first("SHOW MASTER STATUS")
-            .await?
-            .map(|row: mysql_async::Row| {
-                let file: String = row.get(0).unwrap_or_default();
-                let offset: u64 = row.get(1).unwrap_or_default();
-                (file, offset)
-            });
+    let row: Option<mysql_async::Row> = match conn.query_first("SHOW MASTER STATUS").await {
+        // MySQL 8.4 has only its new name (MariaDB and MySQL before 8.2 only the old one).
+        Err(mysql_async::Error::Server(e)) if e.code == PARSE_ERROR => {
+            conn.query_first("SHOW BINARY LOG STATUS").await?
+        }
+        row => row?,
+    };
     conn.disconnect().await?;
+    let row = row.map(|row| {
+        let file: String = row.get(0).unwrap_or_default();
+        let offset: u64 = row.get(1).unwrap_or_default();
+        let gtid: Option<String> = row
+            .columns_ref()
+            .iter()
+            .position(|c| c.name_str() == "Executed_Gtid_Set")
+            .and_then(|i| row.get::<Option<String>, _>(i).flatten())
+            .filter(|set| !set.trim().is_empty());
+        (file, offset, gtid)
+    });
     match row {
-        Some((file, offset)) if !file.is_empty() => Ok(BinlogPosition::at(file, offset)),
+        Some((file, offset, gtid)) if !file.is_empty() => Ok(BinlogPosition {
+            gtid,
+            ..BinlogPosition::at(file, offset)
+        }),
         _ => Err(BinlogError::Config(
             "the server writes no binary log: start it with log_bin (and binlog_format = ROW)"
                 .into(),
@@ -431,9 +453,9 @@ pub struct BinlogReader {
     started_after_gtid: Option<String>,
     /// The global id of the transaction being read, when the server gives one.
     gtid: Option<String>,
-    /// MariaDB's GTID state at what was read so far (each transaction's GTID is applied as
-    /// its GTID event is read: only a transaction's end is ever stored); `None` where it is
-    /// not known (MySQL).
+    /// The GTID state at what was read so far (each transaction's GTID is applied as its
+    /// GTID event is read: only a transaction's end is ever stored); `None` where it is not
+    /// known (GTIDs off, or a position stored without one).
     gtid_state: Option<gtid::GtidState>,
     /// The GTID state at `boundary`: the state moves on at each transaction's GTID event,
     /// before the transaction's end is read, so the boundary keeps its own.
@@ -451,7 +473,8 @@ pub struct BinlogReader {
 /// Where a reader starts.
 enum Start<'a> {
     Position(&'a BinlogPosition),
-    MariadbGtid(&'a str),
+    /// After a GTID state, either family's ([`gtid::GtidState`]).
+    AfterGtid(&'a gtid::GtidState),
 }
 
 /// MySQL's binary JSON as JSON text, the way MySQL itself prints it: a DECIMAL stays a
@@ -504,6 +527,16 @@ fn mariadb_gtid(body: &[u8], server_id: u32) -> Option<String> {
     Some(format!("{domain}-{server_id}-{sequence}"))
 }
 
+/// A MySQL GTID set as `COM_BINLOG_DUMP_GTID` names it: one entry per source.
+fn dump_sources(state: &gtid::GtidState) -> Result<Vec<Sid<'static>>> {
+    state
+        .mysql_sources()
+        .iter()
+        .map(|source| source.parse::<Sid<'static>>())
+        .collect::<std::io::Result<Vec<_>>>()
+        .map_err(|e| BinlogError::Config(format!("GTID set {state}: {e}")))
+}
+
 impl BinlogReader {
     /// Starts reading at `from` (a transaction's start: a position [`Output::Committed`]
     /// gave, or [`current_position`]).
@@ -511,15 +544,27 @@ impl BinlogReader {
         Self::start_at(config, Start::Position(from)).await
     }
 
-    /// Starts reading after the MariaDB GTID state `gtid` (`domain-server-sequence`, a
-    /// comma-separated list with one per replication domain), on any server of the
-    /// replication topology: the way to go on after a failover to a promoted replica, whose
-    /// file names and offsets differ from the old primary's. The server refuses a state its
-    /// log does not continue (strict mode): nothing is skipped. [`Output::Committed`] gives
-    /// one transaction's GTID, which is the whole state only where the servers write one
-    /// domain (the default); with several, the state must name each domain's last GTID.
+    /// Starts reading after the GTID state `gtid` ([`gtid::GtidState`]), on any server of
+    /// the replication topology: the way to go on after a failover to a promoted replica,
+    /// whose file names and offsets differ from the old primary's.
+    /// - MariaDB's state (`domain-server-sequence`, one per replication domain): the server
+    ///   sends what follows each domain's last GTID, and refuses a state its log does not
+    ///   continue (strict mode). [`Output::Committed`] gives one transaction's GTID, which is
+    ///   the whole state only where the servers write one domain (the default).
+    /// - MySQL's set (`uuid:1-100,…`): the server sends every transaction not in it
+    ///   (`COM_BINLOG_DUMP_GTID`), and refuses when it purged some of them, or when the set
+    ///   holds transactions it never had.
+    ///
+    /// Either way nothing is skipped.
     pub async fn start_after_gtid(config: &BinlogConfig, gtid: &str) -> Result<Self> {
-        Self::start_at(config, Start::MariadbGtid(gtid)).await
+        let state = gtid::GtidState::parse(gtid)
+            .filter(|state| !state.is_empty())
+            .ok_or_else(|| {
+                BinlogError::Config(format!(
+                    "{gtid:?} is not a GTID state to go on after (MariaDB's                      domain-server-sequence list, or MySQL's uuid:intervals set)"
+                ))
+            })?;
+        Self::start_at(config, Start::AfterGtid(&state)).await
     }
 
     async fn start_at(config: &BinlogConfig, start: Start<'_>) -> Result<Self> {
@@ -562,10 +607,16 @@ impl BinlogReader {
                 from.clone(),
                 false,
             ),
-            Start::MariadbGtid(gtid) => {
-                conn.exec_drop("SET @slave_connect_state = ?", (gtid,))
-                    .await?;
-                conn.query_drop("SET @slave_gtid_strict_mode = 1").await?;
+            Start::AfterGtid(state) => {
+                let request = match state.is_mysql() {
+                    false => {
+                        conn.exec_drop("SET @slave_connect_state = ?", (state.to_string(),))
+                            .await?;
+                        conn.query_drop("SET @slave_gtid_strict_mode = 1").await?;
+                        request
+                    }
+                    true => request.with_gtid().with_gtid_set(dump_sources(state)?),
+                };
                 // The file is named by the first (artificial) rotate, sent before the log's
                 // checksum setting is known: its name then ends with the checksum's bytes.
                 let checksum: Option<String> =
@@ -573,7 +624,7 @@ impl BinlogReader {
                 let from = BinlogPosition {
                     file: String::new(),
                     offset: 4,
-                    gtid: Some(gtid.to_string()),
+                    gtid: Some(state.to_string()),
                 };
                 (
                     request.with_filename(b"").with_pos(4),
@@ -598,7 +649,7 @@ impl BinlogReader {
                 .filter(|state| !state.is_empty())
                 .or_else(|| from.gtid.clone())
                 .and_then(|state| gtid::GtidState::parse(&state)),
-            Start::MariadbGtid(state) => gtid::GtidState::parse(state),
+            Start::AfterGtid(state) => Some(state.clone()),
         };
         let boundary_gtid = gtid_state.as_ref().map(ToString::to_string);
         let stream = conn.get_binlog_stream(request).await?;
@@ -616,7 +667,7 @@ impl BinlogReader {
             pending: Default::default(),
             started_at: from,
             started_after_gtid: match start {
-                Start::MariadbGtid(gtid) => Some(gtid.to_string()),
+                Start::AfterGtid(state) => Some(state.to_string()),
                 Start::Position(_) => None,
             },
             gtid: None,
@@ -724,14 +775,24 @@ impl BinlogReader {
                     };
                     self.file = String::from_utf8_lossy(name).into_owned();
                 }
-                // A transaction without a GTID (gtid_mode mixing them): none, not the last.
-                Some(EventData::AnonymousGtidEvent(_)) => self.gtid = None,
-                Some(EventData::GtidEvent(gtid)) => {
-                    self.gtid = Some(format!(
-                        "{}:{}",
-                        uuid::Uuid::from_bytes(gtid.sid()),
-                        gtid.gno()
-                    ));
+                // A transaction without a GTID (MySQL's gtid_mode OFF, or mixing them): no
+                // set names the places after it, so none is stored from here on, and a
+                // failover is refused rather than guessed.
+                Some(EventData::AnonymousGtidEvent(_)) => {
+                    self.gtid = None;
+                    self.gtid_state = None;
+                }
+                Some(EventData::GtidEvent(event)) => {
+                    let source = uuid::Uuid::from_bytes(event.sid());
+                    let gtid = match event.tag() {
+                        Some(tag) => format!("{source}:{tag}:{}", event.gno()),
+                        None => format!("{source}:{}", event.gno()),
+                    };
+                    // A state that cannot take it (one read as MariaDB's) is unknown now.
+                    if self.gtid_state.as_mut().is_some_and(|s| !s.advance(&gtid)) {
+                        self.gtid_state = None;
+                    }
+                    self.gtid = Some(gtid);
                 }
                 // The end of a transaction that inserted outbox rows: an XID for
                 // transactional tables, a COMMIT query for the others (BLACKHOLE).
@@ -1153,6 +1214,34 @@ mod tests {
                 .text(&BinlogValue::Value(Value::Int(2)))
                 .is_err(),
             "an ENUM number past its labels marks the row undecodable"
+        );
+    }
+
+    #[test]
+    fn a_mysql_gtid_set_is_asked_for_with_each_sources_intervals() {
+        let a = "3e11fa47-71ca-11e1-9e33-c80aa9429562";
+        let state = gtid::GtidState::parse(&format!("{a}:1-5:7:nightly:2-3")).unwrap();
+        let sources = dump_sources(&state).unwrap();
+        let described: Vec<_> = sources
+            .iter()
+            .map(|sid| {
+                (
+                    uuid::Uuid::from_bytes(sid.uuid()).to_string(),
+                    sid.tag().map(|t| t.to_string()),
+                    // The protocol's intervals end after their last transaction.
+                    sid.intervals()
+                        .iter()
+                        .map(|i| (i.start(), i.end()))
+                        .collect::<Vec<_>>(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            described,
+            vec![
+                (a.to_string(), None, vec![(1, 6), (7, 8)]),
+                (a.to_string(), Some("nightly".to_string()), vec![(2, 4)]),
+            ]
         );
     }
 
