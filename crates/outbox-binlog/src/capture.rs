@@ -206,7 +206,9 @@ mod tests {
             Resume::AfterGtid(mysql.into())
         );
         for without in [None, Some(""), Some(" ")] {
-            let refused = resume(&stored(without), Some(1), 2).unwrap_err().to_string();
+            let refused = resume(&stored(without), Some(1), 2)
+                .unwrap_err()
+                .to_string();
             assert!(
                 refused.contains("server 1") && refused.contains("server 2"),
                 "{refused}"

@@ -116,7 +116,10 @@ impl GtidState {
             if interval.0 == 0 || interval.0 > interval.1 {
                 return None;
             }
-            add_interval(self.sources.entry((uuid, tag.clone())).or_default(), interval);
+            add_interval(
+                self.sources.entry((uuid, tag.clone())).or_default(),
+                interval,
+            );
             any = true;
         }
         any.then_some(())
@@ -126,10 +129,7 @@ impl GtidState {
 /// A MySQL 8.4 tag: a letter or `_`, then up to 31 letters, digits or `_` (kept lowercase,
 /// as the server does).
 fn valid_tag(tag: &str) -> Option<String> {
-    let ok = tag.len() <= 32
-        && tag
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '_');
+    let ok = tag.len() <= 32 && tag.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
     ok.then(|| tag.to_ascii_lowercase())
 }
 
@@ -258,7 +258,7 @@ mod tests {
             "0-1",
             "0-1-2-3",
             "not-a-uuid:1-5",
-            &format!("{A}"),
+            A,
             &format!("{A}:0-3"),
             &format!("{A}:5-3"),
             &format!("{A}:1-x"),
@@ -269,7 +269,10 @@ mod tests {
             assert_eq!(GtidState::parse(text), None, "{text}");
         }
         let mut mariadb = GtidState::parse("0-1-100").unwrap();
-        assert!(!mariadb.advance(&format!("{A}:5")), "the other family's GTID");
+        assert!(
+            !mariadb.advance(&format!("{A}:5")),
+            "the other family's GTID"
+        );
         let mut mysql = GtidState::parse(&format!("{A}:1-5")).unwrap();
         assert!(!mysql.advance("0-1-101"));
         assert!(!mysql.advance(&format!("{A}:0")));

@@ -33,6 +33,8 @@ use std::sync::Arc;
 
 pub mod capture;
 pub mod gtid;
+#[cfg(test)]
+mod mysql8;
 mod positions;
 pub mod schema;
 pub mod seat;
@@ -46,11 +48,15 @@ pub use seat::{
 };
 pub use store::{BinlogStore, BinlogStoreOptions, CaptureStatus};
 
-use futures::StreamExt;
-use mysql_async::binlog::events::{EventData, RowsEventData};
+use futures::future::BoxFuture;
+use futures::{FutureExt, StreamExt};
+use mysql_async::binlog::events::{
+    Event, EventData, RowsEventData, TableMapEvent, TransactionPayloadEvent,
+};
 use mysql_async::binlog::value::BinlogValue;
 use mysql_async::prelude::Queryable;
 use mysql_async::{BinlogStreamRequest, Conn, Opts, Sid, Value};
+use mysql_common::binlog::consts::TransactionPayloadCompressionType;
 use mysql_common::io::ParseBuf;
 use outbox_core::store::Problem;
 
@@ -336,13 +342,10 @@ pub async fn server_problems(url: &str) -> Result<Vec<Problem>> {
         )
         .await?;
     let grants: Vec<String> = conn.query("SHOW GRANTS").await?;
-    // Compression that binlog capture does not read: MySQL 8.0.20+'s transaction payloads,
-    // MariaDB's compressed events. Each server knows only its own variable.
+    // Compression that binlog capture does not read: MariaDB's compressed events (MySQL
+    // 8.0.20+'s compressed transactions are read). MySQL has no such variable.
     let compressions: Vec<(String, String)> = conn
-        .query(
-            "SHOW GLOBAL VARIABLES
-              WHERE Variable_name IN ('binlog_transaction_compression', 'log_bin_compress')",
-        )
+        .query("SHOW GLOBAL VARIABLES WHERE Variable_name = 'log_bin_compress'")
         .await?;
     conn.disconnect().await?;
     let (log_bin, format, image) = settings.unwrap_or_default();
@@ -427,9 +430,55 @@ pub fn database_of(url: &str) -> Result<String> {
     })
 }
 
+/// Where a reader's events come from: the server's stream, or in tests events written
+/// here. The contract is mysql_async's stream's: it keeps the table maps of the events
+/// handed out, and hands out the events inside a MySQL 8 compressed transaction right after
+/// the transaction's payload event.
+trait EventSource: Send {
+    fn next_event(&mut self) -> BoxFuture<'_, Option<mysql_async::Result<Event>>>;
+    fn table_map(&self, table_id: u64) -> Option<&TableMapEvent<'static>>;
+}
+
+impl EventSource for mysql_async::BinlogStream {
+    fn next_event(&mut self) -> BoxFuture<'_, Option<mysql_async::Result<Event>>> {
+        self.next().boxed()
+    }
+
+    fn table_map(&self, table_id: u64) -> Option<&TableMapEvent<'static>> {
+        self.get_tme(table_id)
+    }
+}
+
+/// A MySQL 8 compressed transaction (`binlog_transaction_compression`) being read: its
+/// events come after its payload event, and the log's places are the payload's.
+#[derive(Debug)]
+struct Payload {
+    /// The end of the payload event: the end of every event inside it.
+    end: u64,
+    /// Bytes of its events not handed out yet.
+    left: u64,
+}
+
+/// The bytes of the events inside a transaction payload, read through to prove that they
+/// decompress (mysql_async hands out none of them when they do not, without a word).
+fn payload_events_size(payload: &TransactionPayloadEvent<'_>) -> std::io::Result<u64> {
+    let mut events = payload.decompressed()?;
+    let size = std::io::copy(&mut events, &mut std::io::sink())?;
+    let compressed = payload.algorithm() != TransactionPayloadCompressionType::NONE;
+    if compressed && size != payload.uncompressed_size() {
+        return Err(std::io::Error::other(format!(
+            "it decompresses to {size} bytes, and says {}",
+            payload.uncompressed_size()
+        )));
+    }
+    Ok(size)
+}
+
 /// Reads the outbox table's inserts from the binary log.
 pub struct BinlogReader {
-    stream: mysql_async::BinlogStream,
+    stream: Box<dyn EventSource>,
+    /// The compressed transaction whose events are being read, if one is.
+    payload: Option<Payload>,
     database: String,
     table: String,
     /// The table's columns in their order, as row events carry them.
@@ -651,32 +700,48 @@ impl BinlogReader {
                 .and_then(|state| gtid::GtidState::parse(&state)),
             Start::AfterGtid(state) => Some(state.clone()),
         };
-        let boundary_gtid = gtid_state.as_ref().map(ToString::to_string);
         let stream = conn.get_binlog_stream(request).await?;
-        let read_to = from.offset;
-        Ok(BinlogReader {
+        let mut reader = BinlogReader::of(Box::new(stream), config, columns, kinds, from);
+        reader.first_rotate_checksum = checksum;
+        reader.gtid_state = gtid_state;
+        reader.boundary_gtid = reader.gtid_state.as_ref().map(ToString::to_string);
+        if let Start::AfterGtid(state) = start {
+            reader.started_after_gtid = Some(state.to_string());
+            reader.boundary_known = false;
+        }
+        Ok(reader)
+    }
+
+    /// A reader of `stream`, which starts at `from`, of the table `config` names, whose
+    /// columns are `columns`, each of its `kinds`.
+    fn of(
+        stream: Box<dyn EventSource>,
+        config: &BinlogConfig,
+        columns: Vec<String>,
+        kinds: Vec<ColumnKind>,
+        from: BinlogPosition,
+    ) -> Self {
+        BinlogReader {
             stream,
+            payload: None,
             database: config.database.clone(),
             table: config.table.clone(),
             columns: Arc::new(columns),
             kinds,
             file: from.file.clone(),
-            first_rotate_checksum: checksum,
+            first_rotate_checksum: false,
             rows_in_transaction: 0,
             rows_read: 0,
             pending: Default::default(),
+            read_to: from.offset,
+            boundary: from.offset,
             started_at: from,
-            started_after_gtid: match start {
-                Start::AfterGtid(state) => Some(state.to_string()),
-                Start::Position(_) => None,
-            },
+            started_after_gtid: None,
             gtid: None,
-            gtid_state,
-            read_to,
-            boundary: read_to,
-            boundary_gtid,
-            boundary_known: matches!(start, Start::Position(_)),
-        })
+            gtid_state: None,
+            boundary_gtid: None,
+            boundary_known: true,
+        }
     }
 
     /// Rows decoded and not yet handed out: at most one row event's (the server cuts a
@@ -708,7 +773,7 @@ impl BinlogReader {
             if let Some(output) = self.pending.pop_front() {
                 return Ok(Some(output));
             }
-            let Some(event) = self.stream.next().await else {
+            let Some(event) = self.stream.next_event().await else {
                 return Ok(None);
             };
             let event = match event {
@@ -727,7 +792,20 @@ impl BinlogReader {
                 }
                 Err(e) => return Err(e.into()),
             };
-            let end = u64::from(event.header().log_pos());
+            // The events inside a compressed transaction end where its payload does.
+            let end = match &mut self.payload {
+                Some(payload) => {
+                    let end = payload.end;
+                    payload.left = payload
+                        .left
+                        .saturating_sub(u64::from(event.header().event_size()));
+                    if payload.left == 0 {
+                        self.payload = None;
+                    }
+                    end
+                }
+                None => u64::from(event.header().log_pos()),
+            };
             match event.header().event_type_raw() {
                 MARIADB_GTID_EVENT => {
                     self.gtid = mariadb_gtid(event.data(), event.header().server_id());
@@ -821,15 +899,16 @@ impl BinlogReader {
                     }
                 }
                 Some(EventData::RowsEvent(rows)) => self.take_rows(&rows)?,
-                // Its rows are inside, compressed: never passed over unread.
-                Some(EventData::TransactionPayloadEvent(_)) => {
-                    return Err(BinlogError::Config(format!(
-                        "a compressed transaction (binlog_transaction_compression = ON) at {} \
-                         offset {end}: binlog capture does not read those yet, and stops rather \
-                         than skip its rows; set binlog_transaction_compression = OFF on the \
-                         server, then start the relay again (it resumes before this transaction)",
-                        self.file
-                    )))
+                // A compressed transaction: its events come next, each read as any other.
+                Some(EventData::TransactionPayloadEvent(payload)) => {
+                    let left = payload_events_size(&payload).map_err(|e| {
+                        BinlogError::Decode(format!(
+                            "the compressed transaction at {} offset {end} cannot be read \
+                             ({e}), and the relay stops rather than skip its rows",
+                            self.file
+                        ))
+                    })?;
+                    self.payload = (left > 0).then_some(Payload { end, left });
                 }
                 _ => {}
             }
@@ -869,7 +948,7 @@ impl BinlogReader {
             rows,
             RowsEventData::WriteRowsEvent(_) | RowsEventData::WriteRowsEventV1(_)
         );
-        let Some(table_map) = self.stream.get_tme(rows.table_id()) else {
+        let Some(table_map) = self.stream.table_map(rows.table_id()) else {
             return Err(BinlogError::Decode(format!(
                 "a row event of table id {} came without its table map",
                 rows.table_id()

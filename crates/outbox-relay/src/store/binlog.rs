@@ -195,7 +195,7 @@ impl BinlogCapture {
     pub fn server_requirements() -> &'static str {
         "-- Binlog capture needs, on the server (the relay checks each at `check`):\n\
          --   log_bin on, binlog_format = ROW, binlog_row_image = FULL,\n\
-         --   binlog_transaction_compression = OFF (MySQL 8) and log_bin_compress = OFF (MariaDB),\n\
+         --   log_bin_compress = OFF (MariaDB; MySQL 8's compressed transactions are read),\n\
          --   a binlog_expire_logs_seconds (expire_logs_days) longer than the relay may be off.\n\
          -- The table-less form: create the outbox table with ENGINE=BLACKHOLE instead (the\n\
          -- relay reads its rows from the log; `check` says whether the server has the engine).\n"

@@ -1,0 +1,320 @@
+//! The reader on a MySQL 8 stream, which no server here writes (Debian packages MariaDB
+//! only): its GTID events, anonymous transactions and compressed transactions, as MySQL's
+//! documentation ("The Binary Log" in the source documentation, WL#3549) lays out their bytes.
+//! The events are written here and handed to the reader the way mysql_async's stream hands
+//! them out: the events inside a compressed transaction right after its payload event.
+
+use std::collections::VecDeque;
+use std::io::Cursor;
+
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use mysql_common::binlog::consts::{BinlogVersion, TransactionPayloadCompressionType};
+use mysql_common::binlog::events::{Event, GtidEvent, TableMapEvent, TransactionPayloadEvent};
+use mysql_common::binlog::EventStreamReader;
+use mysql_common::proto::MySerialize;
+
+use super::*;
+
+const SOURCE: &str = "3e11fa47-71ca-11e1-9e33-c80aa9429562";
+const TABLE_ID: u64 = 108;
+
+const QUERY_EVENT: u8 = 2;
+const XID_EVENT: u8 = 16;
+const TABLE_MAP_EVENT: u8 = 19;
+const WRITE_ROWS_EVENT: u8 = 30;
+const GTID_EVENT: u8 = 33;
+const ANONYMOUS_GTID_EVENT: u8 = 34;
+const TRANSACTION_PAYLOAD_EVENT: u8 = 40;
+
+/// Events written here, handed out as mysql_async's stream does.
+struct WrittenEvents {
+    reader: EventStreamReader,
+    events: VecDeque<Vec<u8>>,
+    /// The events inside the last payload event, while some are left.
+    inside: Option<Cursor<Vec<u8>>>,
+}
+
+impl EventSource for WrittenEvents {
+    fn next_event(&mut self) -> BoxFuture<'_, Option<mysql_async::Result<Event>>> {
+        async move {
+            if let Some(inside) = &mut self.inside {
+                match self.reader.read_decompressed(inside) {
+                    Ok(Some(event)) => return Some(Ok(event)),
+                    Ok(None) => self.inside = None,
+                    Err(e) => return Some(Err(e.into())),
+                }
+            }
+            let bytes = self.events.pop_front()?;
+            let event = self.reader.read(&bytes[..]).ok()??;
+            if event.header().event_type_raw() == TRANSACTION_PAYLOAD_EVENT {
+                let payload: TransactionPayloadEvent<'_> = event.read_event().ok()?;
+                self.inside = Some(Cursor::new(payload.danger_decompress()));
+            }
+            Some(Ok(event))
+        }
+        .boxed()
+    }
+
+    fn table_map(&self, table_id: u64) -> Option<&TableMapEvent<'static>> {
+        self.reader.get_tme(table_id)
+    }
+}
+
+/// One event: the common header (timestamp, type, server id, size, the next event's
+/// position, flags), then `body`.
+fn event(kind: u8, next: u32, body: &[u8]) -> Vec<u8> {
+    let mut bytes = Vec::new();
+    bytes.extend(1_700_000_000u32.to_le_bytes());
+    bytes.push(kind);
+    bytes.extend(1u32.to_le_bytes());
+    bytes.extend((19 + body.len() as u32).to_le_bytes());
+    bytes.extend(next.to_le_bytes());
+    bytes.extend(0u16.to_le_bytes());
+    bytes.extend(body);
+    bytes
+}
+
+fn gtid(number: u64, next: u32) -> Vec<u8> {
+    let source = *uuid::Uuid::parse_str(SOURCE).unwrap().as_bytes();
+    let mut body = Vec::new();
+    GtidEvent::new(source, number)
+        .with_lc_typecode()
+        .serialize(&mut body);
+    event(GTID_EVENT, next, &body)
+}
+
+fn anonymous_gtid(next: u32) -> Vec<u8> {
+    let mut body = Vec::new();
+    GtidEvent::new([0; 16], 0)
+        .with_lc_typecode()
+        .serialize(&mut body);
+    event(ANONYMOUS_GTID_EVENT, next, &body)
+}
+
+/// `BEGIN`: thread id, execution time, schema length, error code, status variables'
+/// length, then the schema (empty) with its NUL, then the statement.
+fn begin(next: u32) -> Vec<u8> {
+    let mut body = vec![0; 13];
+    body.push(0);
+    body.extend(b"BEGIN");
+    event(QUERY_EVENT, next, &body)
+}
+
+/// The table map of `shop`.`outbox` (id BIGINT, aggregate VARCHAR(64) NULL).
+fn table_map(next: u32) -> Vec<u8> {
+    let mut body = TABLE_ID.to_le_bytes()[..6].to_vec();
+    body.extend(1u16.to_le_bytes());
+    for name in ["shop", "outbox"] {
+        body.push(name.len() as u8);
+        body.extend(name.as_bytes());
+        body.push(0);
+    }
+    body.push(2); // columns
+    body.extend([8, 15]); // LONGLONG, VARCHAR
+    body.push(2); // metadata: VARCHAR's maximum length in bytes
+    body.extend(64u16.to_le_bytes());
+    body.push(0b10); // nullable: aggregate
+    event(TABLE_MAP_EVENT, next, &body)
+}
+
+/// A version 2 WRITE_ROWS event of `rows` (id, aggregate) into `shop`.`outbox`.
+fn write_rows(rows: &[(i64, &str)], next: u32) -> Vec<u8> {
+    let mut body = TABLE_ID.to_le_bytes()[..6].to_vec();
+    body.extend(1u16.to_le_bytes()); // the statement's end
+    body.extend(2u16.to_le_bytes()); // extra data: its own length only
+    body.push(2); // columns
+    body.push(0b11); // both in the after image
+    for (id, aggregate) in rows {
+        body.push(0); // no NULLs
+        body.extend(id.to_le_bytes());
+        body.push(aggregate.len() as u8);
+        body.extend(aggregate.as_bytes());
+    }
+    event(WRITE_ROWS_EVENT, next, &body)
+}
+
+fn xid(next: u32) -> Vec<u8> {
+    event(XID_EVENT, next, &7u64.to_le_bytes())
+}
+
+/// A compressed transaction holding `events` (which carry no positions of their own).
+fn payload(events: &[Vec<u8>], next: u32, algorithm: TransactionPayloadCompressionType) -> Vec<u8> {
+    let plain: Vec<u8> = events.concat();
+    let data = match algorithm {
+        TransactionPayloadCompressionType::ZSTD => zstd::encode_all(&plain[..], 3).unwrap(),
+        _ => plain.clone(),
+    };
+    let mut body = Vec::new();
+    TransactionPayloadEvent::new(0, algorithm, plain.len() as u64, data.clone())
+        .with_payload_size(data.len() as u64)
+        .serialize(&mut body);
+    event(TRANSACTION_PAYLOAD_EVENT, next, &body)
+}
+
+fn reader_of(events: Vec<Vec<u8>>, gtid_state: Option<&str>) -> BinlogReader {
+    let config = BinlogConfig {
+        url: String::new(),
+        server_id: 1000,
+        database: "shop".into(),
+        table: "outbox".into(),
+    };
+    let source = WrittenEvents {
+        reader: EventStreamReader::new(BinlogVersion::Version4),
+        events: events.into(),
+        inside: None,
+    };
+    let mut reader = BinlogReader::of(
+        Box::new(source),
+        &config,
+        vec!["id".into(), "aggregate".into()],
+        vec![ColumnKind::AsIs, ColumnKind::AsIs],
+        BinlogPosition::at("binlog.000003", 1000),
+    );
+    reader.gtid_state = gtid_state.map(|s| gtid::GtidState::parse(s).unwrap());
+    reader
+}
+
+/// Every output until the events run out, rows as their id and aggregate.
+async fn read_all(reader: &mut BinlogReader) -> Vec<String> {
+    let mut outputs = Vec::new();
+    while let Some(output) = reader.next().await.unwrap() {
+        outputs.push(match output {
+            Output::Row(row) => format!(
+                "row {} {}",
+                row.get("id").unwrap(),
+                row.get("aggregate").unwrap()
+            ),
+            Output::Committed { next, rows, gtid } => format!(
+                "commit {rows} at {} gtid {}",
+                next.offset,
+                gtid.unwrap_or_default()
+            ),
+            Output::RolledBack { next, rows } => format!("rollback {rows} at {}", next.offset),
+        });
+    }
+    outputs
+}
+
+#[tokio::test]
+async fn a_compressed_transactions_rows_are_read_and_end_where_its_payload_does() {
+    let inside = [
+        begin(0),
+        table_map(0),
+        write_rows(&[(1, "a"), (2, "b")], 0),
+        write_rows(&[(3, "a")], 0),
+        xid(0),
+    ];
+    for algorithm in [
+        TransactionPayloadCompressionType::ZSTD,
+        TransactionPayloadCompressionType::NONE,
+    ] {
+        let mut reader = reader_of(
+            vec![
+                gtid(41, 1100),
+                payload(&inside, 1400, algorithm),
+                gtid(42, 1500),
+                begin(1560),
+                table_map(1620),
+                write_rows(&[(4, "c")], 1700),
+                xid(1731),
+            ],
+            Some(&format!("{SOURCE}:1-40")),
+        );
+        assert_eq!(
+            read_all(&mut reader).await,
+            [
+                "row 1 a".to_string(),
+                "row 2 b".into(),
+                "row 3 a".into(),
+                format!("commit 3 at 1400 gtid {SOURCE}:41"),
+                "row 4 c".into(),
+                format!("commit 1 at 1731 gtid {SOURCE}:42"),
+            ],
+            "{algorithm:?}"
+        );
+        let boundary = reader.boundary().unwrap();
+        assert_eq!(
+            (boundary.offset, boundary.gtid),
+            (1731, Some(format!("{SOURCE}:1-42")))
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_place_inside_a_compressed_transaction_is_never_given_out() {
+    // Another table's compressed transaction, then the outbox's: the boundary after the
+    // first is the first payload's end, whatever its events say of themselves.
+    let other = [begin(0), xid(0)];
+    let mut reader = reader_of(
+        vec![
+            gtid(41, 1100),
+            payload(&other, 1200, TransactionPayloadCompressionType::ZSTD),
+        ],
+        Some(&format!("{SOURCE}:1-40")),
+    );
+    assert!(read_all(&mut reader).await.is_empty());
+    let boundary = reader.boundary().unwrap();
+    assert_eq!(
+        (boundary.offset, boundary.gtid),
+        (1200, Some(format!("{SOURCE}:1-41")))
+    );
+    assert_eq!(reader.read_to().offset, 1200);
+}
+
+#[tokio::test]
+async fn a_payload_that_does_not_decompress_stops_the_reader_rather_than_skip_its_rows() {
+    let inside = [begin(0), table_map(0), write_rows(&[(1, "a")], 0), xid(0)];
+    let mut broken = payload(&inside, 1400, TransactionPayloadCompressionType::ZSTD);
+    let last = broken.len() - 1;
+    broken[last] ^= 0xff; // the compressed frame's last byte
+    let mut reader = reader_of(vec![gtid(41, 1100), broken], None);
+    let error = reader.next().await.unwrap_err().to_string();
+    assert!(
+        error.contains("compressed transaction at binlog.000003 offset 1400 cannot be read"),
+        "{error}"
+    );
+}
+
+#[tokio::test]
+async fn an_anonymous_transaction_leaves_no_gtid_state_to_store() {
+    let mut reader = reader_of(
+        vec![
+            gtid(41, 1100),
+            begin(1160),
+            xid(1191),
+            anonymous_gtid(1250),
+            begin(1310),
+            table_map(1390),
+            write_rows(&[(1, "a")], 1420),
+            xid(1451),
+        ],
+        Some(&format!("{SOURCE}:1-40")),
+    );
+    let outputs = read_all(&mut reader).await;
+    assert_eq!(outputs, ["row 1 a", "commit 1 at 1451 gtid "]);
+    let boundary = reader.boundary().unwrap();
+    assert_eq!((boundary.offset, boundary.gtid), (1451, None));
+}
+
+#[tokio::test]
+async fn a_mysql_gtid_on_a_reader_without_a_state_is_the_transactions_own_only() {
+    let mut reader = reader_of(
+        vec![
+            gtid(7, 1100),
+            begin(1160),
+            table_map(1240),
+            write_rows(&[(1, "a")], 1270),
+            xid(1301),
+        ],
+        None,
+    );
+    assert_eq!(
+        read_all(&mut reader).await,
+        [
+            "row 1 a".to_string(),
+            format!("commit 1 at 1301 gtid {SOURCE}:7")
+        ]
+    );
+    assert_eq!(reader.boundary().unwrap().gtid, None);
+}
