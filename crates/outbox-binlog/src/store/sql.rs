@@ -95,12 +95,9 @@ impl Statements {
     }
 
     /// Settles the outbox rows `rows` (by the layout's row id) as the layout settles a
-    /// delivered row: deleted, or marked delivered. The ids are written into the text
-    /// (integers, nothing to escape): a statement with as many placeholders as rows would be
-    /// prepared anew for every count, a round trip and a parse per ack.
+    /// delivered row: deleted, or marked delivered ([`Sql::ack_captured`]).
     pub(super) fn settle_rows(&self, rows: &[i64]) -> String {
-        let ids: Vec<String> = rows.iter().map(i64::to_string).collect();
-        self.source.ack_captured(&format!("IN ({})", ids.join(",")))
+        self.source.ack_captured(rows)
     }
 
     /// Every key with a row waiting in the parked table.
@@ -272,5 +269,23 @@ mod tests {
             "{settle}"
         );
         assert!(settle.ends_with("IN (1,22,333)"), "{settle}");
+    }
+
+    #[test]
+    fn runs_of_consecutive_ids_are_settled_as_ranges() {
+        let native = Mapping::native_mysql(None, "outbox", false);
+        let sql = Statements::new(&native, "db", "db.outbox_parked", "db.outbox_binlog").unwrap();
+        let settle = sql.settle_rows(&[12, 10, 11, 40, 20, 21, 13, 11]);
+        assert!(
+            settle.ends_with(
+                "WHERE (o.`sequence_id` BETWEEN 10 AND 13 OR o.`sequence_id` IN (20,21,40))"
+            ),
+            "{settle}"
+        );
+        let only_ranges = sql.settle_rows(&[3, 1, 2]);
+        assert!(
+            only_ranges.ends_with("WHERE o.`sequence_id` BETWEEN 1 AND 3"),
+            "{only_ranges}"
+        );
     }
 }
