@@ -186,10 +186,8 @@ impl MappedDb for MySql {
                 format!("invalid MySQL URL: {e}; use mysql://user:password@host:port/database"),
             )
         })?;
-        let constraints = PoolConstraints::new(0, options.pool_size.max(2))
-            .ok_or_else(|| StoreError::new(StoreErrorKind::Config, "invalid MySQL pool size"))?;
         let opts: Opts = session_settings(OptsBuilder::from_opts(parsed))
-            .pool_opts(PoolOpts::default().with_constraints(constraints))
+            .pool_opts(pool_opts(options.pool_size)?)
             .into();
         let pool = Pool::new(opts.clone());
         let nodes = options
@@ -410,10 +408,30 @@ impl MappedDb for MySql {
 /// to the pool; `session::a_connection_back_from_the_pool_keeps_utc_and_read_committed`
 /// shows they hold after it).
 pub fn session_settings(builder: OptsBuilder) -> OptsBuilder {
-    builder.init(vec![
-        // Timestamps are written and read as UTC, whatever the server's zone.
-        "SET time_zone = '+00:00'",
-        // The seed's reason: no gap locks blocking the application's inserts.
-        "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED",
-    ])
+    builder.setup(SESSION_SETTINGS.to_vec())
 }
+
+/// How long a connection back from its last statement stays open in the pool for the next.
+/// With mysql_async's default of none, the pool keeps no more idle connections than its
+/// minimum, 0 here: every claim, ack and retry opened a connection (a TCP connect, a second
+/// one to the server's socket, a login, the session settings) and closed it after one
+/// statement.
+pub const IDLE_CONNECTION_TTL: Duration = Duration::from_secs(60);
+
+/// The pool of up to `size` connections (at least 2) the store runs on: none kept while the
+/// relay is idle for [`IDLE_CONNECTION_TTL`], every one kept while it is busy.
+pub fn pool_opts(size: usize) -> StoreResult<PoolOpts> {
+    let constraints = PoolConstraints::new(0, size.max(2))
+        .ok_or_else(|| StoreError::new(StoreErrorKind::Config, "invalid MySQL pool size"))?;
+    Ok(PoolOpts::default()
+        .with_constraints(constraints)
+        .with_inactive_connection_ttl(IDLE_CONNECTION_TTL))
+}
+
+/// The statements [`session_settings`] runs on each new connection.
+const SESSION_SETTINGS: [&str; 2] = [
+    // Timestamps are written and read as UTC, whatever the server's zone.
+    "SET time_zone = '+00:00'",
+    // The seed's reason: no gap locks blocking the application's inserts.
+    "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED",
+];

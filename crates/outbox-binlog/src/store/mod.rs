@@ -164,12 +164,19 @@ fn store_error(context: &str, e: impl std::fmt::Display) -> StoreError {
     )
 }
 
+/// The store's own connections (parks, deletes, the parked keys): UTC on every one, also
+/// after the pool reset it for its next use (parks compute `available_at` from `NOW(6)`,
+/// which the claims compare in UTC).
+pub fn pool_opts(url: &str) -> Result<mysql_async::Opts, BinlogError> {
+    Ok(OptsBuilder::from_opts(opts(url)?)
+        .setup(vec!["SET time_zone = '+00:00'"])
+        .into())
+}
+
 impl BinlogStore {
     /// Starts the reader task (it takes the seat, or waits as a standby).
     pub fn start(options: BinlogStoreOptions) -> Result<Self, BinlogError> {
-        let pool_opts = OptsBuilder::from_opts(opts(&options.binlog.url)?)
-            .init(vec!["SET time_zone = '+00:00'"]);
-        let pool = Pool::new(pool_opts);
+        let pool = Pool::new(pool_opts(&options.binlog.url)?);
         let outbox = format!("{}.{}", options.binlog.database, options.binlog.table);
         let sql = Statements::new(
             &options.mapping,

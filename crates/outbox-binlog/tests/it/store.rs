@@ -485,3 +485,32 @@ async fn a_dead_letter_put_back_by_dead_retry_is_delivered_ahead_of_its_keys_lat
     .await;
     relay.stop().await;
 }
+
+/// The store's connections are UTC on every use, also after the pool reset one for its next
+/// use (a reset session is back at the server's zone): parks compute `available_at` from
+/// `NOW(6)`, and the claims compare it in UTC. Each use leaves its session in another zone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_use_of_a_pooled_connection_is_in_utc() {
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let pool = mysql_async::Pool::new(outbox_binlog::store::pool_opts(&url).unwrap());
+    let uses = 20;
+    let mut ids = std::collections::BTreeSet::new();
+    for use_ in 0..uses {
+        let mut conn = pool.get_conn().await.unwrap();
+        let (id, zone): (u64, String) = conn
+            .query_first("SELECT CONNECTION_ID(), @@session.time_zone")
+            .await
+            .unwrap()
+            .unwrap();
+        ids.insert(id);
+        assert_eq!(zone, "+00:00", "use {use_}");
+        conn.query_drop("SET time_zone = '+05:00'").await.unwrap();
+    }
+    // Connections are kept between uses (so resets happened), not opened for each one.
+    assert!(
+        ids.len() < uses / 2,
+        "{} connections for {uses} uses",
+        ids.len()
+    );
+    pool.disconnect().await.unwrap();
+}
