@@ -1,0 +1,980 @@
+//! The reader of the binary log: the outbox table's inserted rows, decoded from the row
+//! events themselves, handed out per committed transaction in commit order.
+//!
+//! Contract of [`BinlogReader`]:
+//! - [`next`](BinlogReader::next) yields the outbox table's inserted rows of each committed
+//!   transaction, in commit order, each transaction that inserted any closed by
+//!   [`Output::Committed`] with the position after it: the position to resume from once
+//!   every row before it is settled.
+//! - Rows of other tables, updates and deletes are not events and are passed by.
+//! - A rotated log (`FLUSH BINARY LOGS`, a size limit) is followed into the next file.
+//! - A MySQL 8 compressed transaction is read event by event; one that cannot be read stops
+//!   the reader, as does a MariaDB compressed event: nothing is passed over unread.
+//! - The GTID state at every place read is kept, so each position names its place on any
+//!   server of the replication topology ([`gtid`]).
+
+use std::sync::Arc;
+
+use futures::future::BoxFuture;
+use futures::{FutureExt, StreamExt};
+use mysql_async::binlog::events::{
+    Event, EventData, RowsEventData, TableMapEvent, TransactionPayloadEvent,
+};
+use mysql_async::binlog::value::BinlogValue;
+use mysql_async::prelude::Queryable;
+use mysql_async::{BinlogStreamRequest, Conn, Sid, Value};
+use mysql_common::binlog::consts::TransactionPayloadCompressionType;
+use mysql_common::io::ParseBuf;
+
+use crate::{gtid, opts, BinlogConfig, BinlogError, BinlogPosition, Result, FATAL_READING_BINLOG};
+
+#[cfg(test)]
+mod mysql8;
+
+/// One inserted row, by column name, as text (`None` for NULL).
+#[derive(Clone, Debug)]
+pub struct Row {
+    pub(crate) columns: Arc<Vec<String>>,
+    pub(crate) values: Vec<Option<String>>,
+    /// The columns whose value is unknown (left out of the row image, or unreadable), each
+    /// with why: their value reads as `None`, which is not NULL.
+    pub(crate) unknown: Vec<(usize, String)>,
+    pub(crate) ordinal: u64,
+}
+
+impl Row {
+    /// The row's number in what this reader has read, from 1: the id [`crate::Positions`] settles
+    /// it by (a BLACKHOLE row has no id of its own).
+    pub fn ordinal(&self) -> u64 {
+        self.ordinal
+    }
+
+    /// The value of `column`; `None` when NULL or not a column of the table.
+    pub fn get(&self, column: &str) -> Option<&str> {
+        let index = self.columns.iter().position(|c| c == column)?;
+        self.values.get(index)?.as_deref()
+    }
+
+    /// Why a value of the row is unknown (the first such column's reason), if one is.
+    pub fn undecodable(&self) -> Option<&str> {
+        self.unknown.first().map(|(_, why)| why.as_str())
+    }
+
+    /// Why the value of `column` is unknown (it then reads as `None`): a row whose needed
+    /// column is unknown is dead-lettered with the reason, and the others go on.
+    pub fn unknown(&self, column: &str) -> Option<&str> {
+        let index = self.columns.iter().position(|c| c == column)?;
+        self.unknown
+            .iter()
+            .find(|(i, _)| *i == index)
+            .map(|(_, why)| why.as_str())
+    }
+}
+
+/// What the stream carries.
+#[derive(Clone, Debug)]
+pub enum Output {
+    /// A row a committed transaction inserted into the outbox table.
+    Row(Row),
+    /// The end of a transaction that inserted `rows` rows: `next` is where the log goes on,
+    /// and `gtid` the transaction's global id where the server gives one (MariaDB
+    /// `domain-server-sequence`, MySQL `source_uuid:number`).
+    Committed {
+        next: BinlogPosition,
+        rows: u64,
+        gtid: Option<String>,
+    },
+    /// The end of a transaction that was rolled back: its `rows` rows, handed out already,
+    /// never happened; `next` is where the log goes on. Only a non-transactional table's
+    /// rows reach the log this way (MySQL logs what a rolled-back transaction could not undo
+    /// in a BLACKHOLE outbox, then ROLLBACK; MariaDB 10.11 leaves such rows out).
+    RolledBack { next: BinlogPosition, rows: u64 },
+}
+
+/// Where a reader's events come from: the server's stream, or in tests events written
+/// here. The contract is mysql_async's stream's: it keeps the table maps of the events
+/// handed out, and hands out the events inside a MySQL 8 compressed transaction right after
+/// the transaction's payload event.
+trait EventSource: Send {
+    fn next_event(&mut self) -> BoxFuture<'_, Option<mysql_async::Result<Event>>>;
+    fn table_map(&self, table_id: u64) -> Option<&TableMapEvent<'static>>;
+}
+
+impl EventSource for mysql_async::BinlogStream {
+    fn next_event(&mut self) -> BoxFuture<'_, Option<mysql_async::Result<Event>>> {
+        self.next().boxed()
+    }
+
+    fn table_map(&self, table_id: u64) -> Option<&TableMapEvent<'static>> {
+        self.get_tme(table_id)
+    }
+}
+
+/// A MySQL 8 compressed transaction (`binlog_transaction_compression`) being read: its
+/// events come after its payload event, and the log's places are the payload's.
+#[derive(Debug)]
+struct Payload {
+    /// The end of the payload event: the end of every event inside it.
+    end: u64,
+    /// Bytes of its events not handed out yet.
+    left: u64,
+}
+
+/// The bytes of the events inside a transaction payload, read through to prove that they
+/// decompress (mysql_async hands out none of them when they do not, without a word).
+fn payload_events_size(payload: &TransactionPayloadEvent<'_>) -> std::io::Result<u64> {
+    let mut events = payload.decompressed()?;
+    let size = std::io::copy(&mut events, &mut std::io::sink())?;
+    let compressed = payload.algorithm() != TransactionPayloadCompressionType::NONE;
+    if compressed && size != payload.uncompressed_size() {
+        return Err(std::io::Error::other(format!(
+            "it decompresses to {size} bytes, and says {}",
+            payload.uncompressed_size()
+        )));
+    }
+    Ok(size)
+}
+
+/// Reads the outbox table's inserts from the binary log.
+pub struct BinlogReader {
+    stream: Box<dyn EventSource>,
+    /// The compressed transaction whose events are being read, if one is.
+    payload: Option<Payload>,
+    database: String,
+    table: String,
+    /// The table's columns in their order, as row events carry them.
+    columns: Arc<Vec<String>>,
+    /// What each column's value in the log needs to read as the table shows it.
+    kinds: Vec<ColumnKind>,
+    /// The log file being read (row events' positions are within it); empty until the
+    /// first rotate names it, when reading started from a GTID.
+    file: String,
+    /// Whether the first, artificial rotate's name ends with 4 checksum bytes.
+    first_rotate_checksum: bool,
+    /// Rows of the current transaction handed out so far.
+    rows_in_transaction: u64,
+    /// Rows read since the reader started.
+    rows_read: u64,
+    /// Rows of one row event not yet handed out.
+    pending: std::collections::VecDeque<Output>,
+    /// Where reading started (a GTID start's file is empty), for an error that says so.
+    started_at: BinlogPosition,
+    /// The GTID state reading started after, if it did.
+    started_after_gtid: Option<String>,
+    /// The global id of the transaction being read, when the server gives one.
+    gtid: Option<String>,
+    /// The GTID state at what was read so far (each transaction's GTID is applied as its
+    /// GTID event is read: only a transaction's end is ever stored); `None` where it is not
+    /// known (GTIDs off, or a position stored without one).
+    gtid_state: Option<gtid::GtidState>,
+    /// The GTID state at `boundary`: the state moves on at each transaction's GTID event,
+    /// before the transaction's end is read, so the boundary keeps its own.
+    boundary_gtid: Option<String>,
+    /// Whether `boundary` is a place read in the log: a reader started after a GTID knows
+    /// its file only from the first rotate, and its offset from the first transaction's end.
+    boundary_known: bool,
+    /// The end of the last event read, in `file`.
+    read_to: u64,
+    /// The end of the last transaction read, of any table, in `file`: where a reader may
+    /// start again (never inside a transaction, whose table maps would be missed).
+    boundary: u64,
+}
+
+/// Where a reader starts.
+enum Start<'a> {
+    Position(&'a BinlogPosition),
+    /// After a GTID state, either family's ([`gtid::GtidState`]).
+    AfterGtid(&'a gtid::GtidState),
+}
+
+/// MySQL's binary JSON as JSON text, the way MySQL itself prints it: a DECIMAL stays a
+/// number (mysql_common's own conversion makes it a string, which would change the
+/// payload's types), a date or time is a string.
+fn json_text(dom: mysql_async::binlog::jsonb::JsonDom, out: &mut String) {
+    use mysql_async::binlog::jsonb::{JsonContainer, JsonDom, JsonNumber, JsonScalar};
+    match dom {
+        JsonDom::Container(JsonContainer::Array(items)) => {
+            out.push('[');
+            for (i, item) in items.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                json_text(item, out);
+            }
+            out.push(']');
+        }
+        JsonDom::Container(JsonContainer::Object(members)) => {
+            out.push('{');
+            for (i, (key, value)) in members.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                out.push_str(&serde_json::Value::String(key).to_string());
+                out.push(':');
+                json_text(value, out);
+            }
+            out.push('}');
+        }
+        JsonDom::Scalar(JsonScalar::Number(JsonNumber::Decimal(decimal))) => {
+            out.push_str(&decimal.to_string());
+        }
+        JsonDom::Scalar(scalar) => out.push_str(&serde_json::Value::from(scalar).to_string()),
+    }
+}
+
+/// MariaDB's compressed query and row events (`log_bin_compress`): 165 to 171.
+const MARIADB_COMPRESSED_EVENTS: std::ops::RangeInclusive<u8> = 0xa5..=0xab;
+
+/// MariaDB's GTID event (`GTID_EVENT`, 162), which mysql_common does not decode: its body
+/// starts with the sequence number (8 bytes) and the domain id (4 bytes), little-endian; the
+/// server id is the event header's.
+const MARIADB_GTID_EVENT: u8 = 0xa2;
+
+/// MariaDB's GTID in its text form, from a GTID event's body; `None` when too short.
+fn mariadb_gtid(body: &[u8], server_id: u32) -> Option<String> {
+    let sequence = u64::from_le_bytes(body.get(..8)?.try_into().ok()?);
+    let domain = u32::from_le_bytes(body.get(8..12)?.try_into().ok()?);
+    Some(format!("{domain}-{server_id}-{sequence}"))
+}
+
+/// A MySQL GTID set as `COM_BINLOG_DUMP_GTID` names it: one entry per source.
+fn dump_sources(state: &gtid::GtidState) -> Result<Vec<Sid<'static>>> {
+    state
+        .mysql_sources()
+        .iter()
+        .map(|source| source.parse::<Sid<'static>>())
+        .collect::<std::io::Result<Vec<_>>>()
+        .map_err(|e| BinlogError::Config(format!("GTID set {state}: {e}")))
+}
+
+impl BinlogReader {
+    /// Starts reading at `from` (a transaction's start: a position [`Output::Committed`]
+    /// gave, or [`crate::current_position`]).
+    pub async fn start(config: &BinlogConfig, from: &BinlogPosition) -> Result<Self> {
+        Self::start_at(config, Start::Position(from)).await
+    }
+
+    /// Starts reading after the GTID state `gtid` ([`gtid::GtidState`]), on any server of
+    /// the replication topology: the way to go on after a failover to a promoted replica,
+    /// whose file names and offsets differ from the old primary's.
+    /// - MariaDB's state (`domain-server-sequence`, one per replication domain): the server
+    ///   sends what follows each domain's last GTID, and refuses a state its log does not
+    ///   continue (strict mode). [`Output::Committed`] gives one transaction's GTID, which is
+    ///   the whole state only where the servers write one domain (the default).
+    /// - MySQL's set (`uuid:1-100,…`): the server sends every transaction not in it
+    ///   (`COM_BINLOG_DUMP_GTID`), and refuses when it purged some of them, or when the set
+    ///   holds transactions it never had.
+    ///
+    /// Either way nothing is skipped.
+    pub async fn start_after_gtid(config: &BinlogConfig, gtid: &str) -> Result<Self> {
+        let state = gtid::GtidState::parse(gtid)
+            .filter(|state| !state.is_empty())
+            .ok_or_else(|| {
+                BinlogError::Config(format!(
+                    "{gtid:?} is not a GTID state to go on after (MariaDB's                      domain-server-sequence list, or MySQL's uuid:intervals set)"
+                ))
+            })?;
+        Self::start_at(config, Start::AfterGtid(&state)).await
+    }
+
+    async fn start_at(config: &BinlogConfig, start: Start<'_>) -> Result<Self> {
+        let opts = opts(&config.url)?;
+        let mut conn = Conn::new(opts).await?;
+        let format: Option<String> = conn.query_first("SELECT @@GLOBAL.binlog_format").await?;
+        if format.as_deref() != Some("ROW") {
+            return Err(BinlogError::Config(format!(
+                "binlog_format is {}, and binlog capture reads rows: set binlog_format = ROW",
+                format.as_deref().unwrap_or("unknown")
+            )));
+        }
+        let described: Vec<(String, String, String)> = conn
+            .exec(
+                "SELECT COLUMN_NAME, DATA_TYPE, COLUMN_TYPE FROM information_schema.COLUMNS
+                  WHERE TABLE_SCHEMA = ? AND TABLE_NAME = ? ORDER BY ORDINAL_POSITION",
+                (&config.database, &config.table),
+            )
+            .await?;
+        let kinds = described
+            .iter()
+            .map(|(_, data_type, column_type)| ColumnKind::of(data_type, column_type))
+            .collect();
+        let columns: Vec<String> = described.into_iter().map(|(name, ..)| name).collect();
+        if columns.is_empty() {
+            return Err(BinlogError::Config(format!(
+                "table {}.{} does not exist: run `outbox-relay migrate`",
+                config.database, config.table
+            )));
+        }
+        // MariaDB sends its GTID events as they are to a replica that says it can read them
+        // (otherwise it rewrites each as a BEGIN query). MySQL ignores the variable.
+        conn.query_drop("SET @mariadb_slave_capability = 4").await?;
+        let request = BinlogStreamRequest::new(config.server_id);
+        let (request, from, checksum) = match start {
+            Start::Position(from) => (
+                request
+                    .with_filename(from.file.as_bytes())
+                    .with_pos(from.offset),
+                from.clone(),
+                false,
+            ),
+            Start::AfterGtid(state) => {
+                let request = match state.is_mysql() {
+                    false => {
+                        conn.exec_drop("SET @slave_connect_state = ?", (state.to_string(),))
+                            .await?;
+                        conn.query_drop("SET @slave_gtid_strict_mode = 1").await?;
+                        request
+                    }
+                    true => request.with_gtid().with_gtid_set(dump_sources(state)?),
+                };
+                // The file is named by the first (artificial) rotate, sent before the log's
+                // checksum setting is known: its name then ends with the checksum's bytes.
+                let checksum: Option<String> =
+                    conn.query_first("SELECT @@GLOBAL.binlog_checksum").await?;
+                let from = BinlogPosition {
+                    file: String::new(),
+                    offset: 4,
+                    gtid: Some(state.to_string()),
+                };
+                (
+                    request.with_filename(b"").with_pos(4),
+                    from,
+                    checksum.is_some_and(|c| !c.eq_ignore_ascii_case("NONE")),
+                )
+            }
+        };
+        let gtid_state = match start {
+            // The server says it for its own file and offset (MariaDB; MySQL has no such
+            // function): a state stored beside the position is only the fallback, since a
+            // relay of an earlier version moved the position without it.
+            Start::Position(from) => conn
+                .exec_first::<Option<String>, _, _>(
+                    "SELECT BINLOG_GTID_POS(?, ?)",
+                    (&from.file, from.offset),
+                )
+                .await
+                .ok()
+                .flatten()
+                .flatten()
+                .filter(|state| !state.is_empty())
+                .or_else(|| from.gtid.clone())
+                .and_then(|state| gtid::GtidState::parse(&state)),
+            Start::AfterGtid(state) => Some(state.clone()),
+        };
+        let stream = conn.get_binlog_stream(request).await?;
+        let mut reader = BinlogReader::of(Box::new(stream), config, columns, kinds, from);
+        reader.first_rotate_checksum = checksum;
+        reader.gtid_state = gtid_state;
+        reader.boundary_gtid = reader.gtid_state.as_ref().map(ToString::to_string);
+        if let Start::AfterGtid(state) = start {
+            reader.started_after_gtid = Some(state.to_string());
+            reader.boundary_known = false;
+        }
+        Ok(reader)
+    }
+
+    /// A reader of `stream`, which starts at `from`, of the table `config` names, whose
+    /// columns are `columns`, each of its `kinds`.
+    fn of(
+        stream: Box<dyn EventSource>,
+        config: &BinlogConfig,
+        columns: Vec<String>,
+        kinds: Vec<ColumnKind>,
+        from: BinlogPosition,
+    ) -> Self {
+        BinlogReader {
+            stream,
+            payload: None,
+            database: config.database.clone(),
+            table: config.table.clone(),
+            columns: Arc::new(columns),
+            kinds,
+            file: from.file.clone(),
+            first_rotate_checksum: false,
+            rows_in_transaction: 0,
+            rows_read: 0,
+            pending: Default::default(),
+            read_to: from.offset,
+            boundary: from.offset,
+            started_at: from,
+            started_after_gtid: None,
+            gtid: None,
+            gtid_state: None,
+            boundary_gtid: None,
+            boundary_known: true,
+        }
+    }
+
+    /// Rows decoded and not yet handed out: at most one row event's (the server cuts a
+    /// transaction's rows into events of `binlog_row_event_max_size`), however large the
+    /// transaction.
+    pub fn buffered_rows(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Where the log has been read to: the end of the last event read, of whatever table
+    /// (`run --drain` is done once it reaches the position current at its start).
+    pub fn read_to(&self) -> BinlogPosition {
+        self.at(self.read_to)
+    }
+
+    /// The end of the last transaction read, of any table: a position to resume from when
+    /// nothing of the outbox is unsettled before it. `None` until a reader started after a
+    /// GTID has read a transaction's end (its start is known only by the GTID).
+    pub fn boundary(&self) -> Option<BinlogPosition> {
+        self.boundary_known.then(|| BinlogPosition {
+            gtid: self.boundary_gtid.clone(),
+            ..self.at(self.boundary)
+        })
+    }
+
+    /// The next output; `None` when the server ended the stream.
+    pub async fn next(&mut self) -> Result<Option<Output>> {
+        loop {
+            if let Some(output) = self.pending.pop_front() {
+                return Ok(Some(output));
+            }
+            let Some(event) = self.stream.next_event().await else {
+                return Ok(None);
+            };
+            let event = match event {
+                Ok(event) => event,
+                Err(mysql_async::Error::Server(e)) if e.code == FATAL_READING_BINLOG => {
+                    if let Some(gtid) = &self.started_after_gtid {
+                        return Err(BinlogError::GtidNotInLog {
+                            gtid: gtid.clone(),
+                            reason: e.message,
+                        });
+                    }
+                    return Err(BinlogError::Purged {
+                        position: self.started_at.clone(),
+                        reason: e.message,
+                    });
+                }
+                Err(e) => return Err(e.into()),
+            };
+            // The events inside a compressed transaction end where its payload does.
+            let end = match &mut self.payload {
+                Some(payload) => {
+                    let end = payload.end;
+                    payload.left = payload
+                        .left
+                        .saturating_sub(u64::from(event.header().event_size()));
+                    if payload.left == 0 {
+                        self.payload = None;
+                    }
+                    end
+                }
+                None => u64::from(event.header().log_pos()),
+            };
+            match event.header().event_type_raw() {
+                MARIADB_GTID_EVENT => {
+                    self.gtid = mariadb_gtid(event.data(), event.header().server_id());
+                    if let (Some(state), Some(gtid)) = (&mut self.gtid_state, &self.gtid) {
+                        state.advance(gtid);
+                    }
+                    continue;
+                }
+                // mysql_common reads none of them: their rows would pass unread.
+                kind if MARIADB_COMPRESSED_EVENTS.contains(&kind) => {
+                    return Err(BinlogError::Config(format!(
+                        "a compressed event (MariaDB's log_bin_compress) at {} offset {end}: \
+                         binlog capture does not read those, and stops rather than skip its \
+                         rows; SET GLOBAL log_bin_compress = OFF (and in the server's \
+                         configuration), then start the relay again: it resumes before this \
+                         transaction, whose events stay compressed in the log, so start it \
+                         from the server's current position and relay the rows still in the \
+                         table by polling",
+                        self.file
+                    )));
+                }
+                _ => {}
+            }
+            if end != 0 {
+                self.read_to = end;
+            }
+            let data = event
+                .read_data()
+                .map_err(|e| BinlogError::Decode(e.to_string()))?;
+            match data {
+                // The rotate the server sends first, before the log's checksum setting
+                // is known, is artificial (position 0) and names the file requested:
+                // its name would carry the checksum's bytes.
+                Some(EventData::RotateEvent(rotate)) if end != 0 => {
+                    self.file = rotate.name().into_owned();
+                    self.read_to = rotate.position();
+                    self.set_boundary(rotate.position());
+                }
+                // Started from a GTID: the artificial rotate is the only word of the file.
+                Some(EventData::RotateEvent(rotate)) if self.file.is_empty() => {
+                    let name = rotate.name_raw();
+                    let name = match self.first_rotate_checksum {
+                        true => &name[..name.len().saturating_sub(4)],
+                        false => name,
+                    };
+                    self.file = String::from_utf8_lossy(name).into_owned();
+                }
+                // A transaction without a GTID (MySQL's gtid_mode OFF, or mixing them): no
+                // set names the places after it, so none is stored from here on, and a
+                // failover is refused rather than guessed.
+                Some(EventData::AnonymousGtidEvent(_)) => {
+                    self.gtid = None;
+                    self.gtid_state = None;
+                }
+                Some(EventData::GtidEvent(event)) => {
+                    let source = uuid::Uuid::from_bytes(event.sid());
+                    let gtid = match event.tag() {
+                        Some(tag) => format!("{source}:{tag}:{}", event.gno()),
+                        None => format!("{source}:{}", event.gno()),
+                    };
+                    // A state that cannot take it (one read as MariaDB's) is unknown now.
+                    if self.gtid_state.as_mut().is_some_and(|s| !s.advance(&gtid)) {
+                        self.gtid_state = None;
+                    }
+                    self.gtid = Some(gtid);
+                }
+                // The end of a transaction that inserted outbox rows: an XID for
+                // transactional tables, a COMMIT query for the others (BLACKHOLE).
+                Some(EventData::XidEvent(_)) if self.rows_in_transaction > 0 => {
+                    return Ok(Some(self.committed(end)));
+                }
+                // Another table's transaction ended: a place a reader may start from.
+                Some(EventData::XidEvent(_)) => self.set_boundary(end),
+                Some(EventData::QueryEvent(query))
+                    if self.rows_in_transaction == 0
+                        && matches!(query.query_raw(), b"COMMIT" | b"ROLLBACK") =>
+                {
+                    self.set_boundary(end);
+                }
+                Some(EventData::QueryEvent(query)) if self.rows_in_transaction > 0 => {
+                    match query.query_raw() {
+                        b"COMMIT" => return Ok(Some(self.committed(end))),
+                        b"ROLLBACK" => {
+                            self.gtid = None;
+                            return Ok(Some(Output::RolledBack {
+                                next: self.at(end),
+                                rows: std::mem::take(&mut self.rows_in_transaction),
+                            }));
+                        }
+                        _ => {}
+                    }
+                }
+                Some(EventData::RowsEvent(rows)) => self.take_rows(&rows)?,
+                // A compressed transaction: its events come next, each read as any other.
+                Some(EventData::TransactionPayloadEvent(payload)) => {
+                    let left = payload_events_size(&payload).map_err(|e| {
+                        BinlogError::Decode(format!(
+                            "the compressed transaction at {} offset {end} cannot be read \
+                             ({e}), and the relay stops rather than skip its rows",
+                            self.file
+                        ))
+                    })?;
+                    self.payload = (left > 0).then_some(Payload { end, left });
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// A transaction (or a log file) ended at `end`: a place to start again from, with the
+    /// GTID state there.
+    fn set_boundary(&mut self, end: u64) {
+        self.boundary = end;
+        self.boundary_gtid = self.gtid_state.as_ref().map(ToString::to_string);
+        self.boundary_known = true;
+    }
+
+    /// The commit of the transaction being read, which ends at `end`.
+    fn committed(&mut self, end: u64) -> Output {
+        self.set_boundary(end);
+        Output::Committed {
+            next: self.at(end),
+            rows: std::mem::take(&mut self.rows_in_transaction),
+            gtid: self.gtid.take(),
+        }
+    }
+
+    /// The position `offset` in the file being read.
+    fn at(&self, offset: u64) -> BinlogPosition {
+        BinlogPosition {
+            file: self.file.clone(),
+            offset,
+            gtid: self.gtid_state.as_ref().map(ToString::to_string),
+        }
+    }
+
+    /// The outbox table's inserted rows of one row event, queued in their order.
+    fn take_rows(&mut self, rows: &RowsEventData<'_>) -> Result<()> {
+        let insert = matches!(
+            rows,
+            RowsEventData::WriteRowsEvent(_) | RowsEventData::WriteRowsEventV1(_)
+        );
+        let Some(table_map) = self.stream.table_map(rows.table_id()) else {
+            return Err(BinlogError::Decode(format!(
+                "a row event of table id {} came without its table map",
+                rows.table_id()
+            )));
+        };
+        if !insert
+            || table_map.database_name() != self.database.as_str()
+            || table_map.table_name() != self.table.as_str()
+        {
+            return Ok(());
+        }
+        // Decoded here column by column from the event's bytes: mysql_common's own row
+        // iterator builds a `Column`, names and all, for every column of every row, which
+        // was most of a drain's allocations.
+        let Some(present) = rows.columns_after_image() else {
+            return Err(BinlogError::Decode(
+                "an INSERT row event of the outbox table without its columns' bitmap".into(),
+            ));
+        };
+        let broken =
+            |what: String| BinlogError::Decode(format!("a row of the outbox table: {what}"));
+        let width = usize::try_from(rows.num_columns()).unwrap_or(usize::MAX);
+        let null_bitmap_len = present.count_ones().div_ceil(8);
+        let mut buf = ParseBuf(rows.rows_data());
+        while !buf.is_empty() {
+            let nulls: &[u8] = buf
+                .parse(null_bitmap_len)
+                .map_err(|e| broken(format!("its NULL bitmap: {e}")))?;
+            let mut in_image = 0;
+            let mut unknown = Vec::new();
+            let mut values = Vec::with_capacity(width);
+            for i in 0..width {
+                if !present.get(i).is_some_and(|bit| *bit) {
+                    // Not NULL: unknown. The writer's session logged only the columns its
+                    // INSERT named (binlog_row_image = MINIMAL or NOBLOB for that session).
+                    let column = self.columns.get(i).map_or("?", String::as_str);
+                    unknown.push((
+                        i,
+                        format!(
+                            "column {column} is not in the binary log's row image (the writing \
+                             session's binlog_row_image is not FULL): set binlog_row_image = \
+                             FULL for every session that writes the outbox"
+                        ),
+                    ));
+                    values.push(None);
+                    continue;
+                }
+                let null = nulls
+                    .get(in_image / 8)
+                    .is_none_or(|byte| byte >> (in_image % 8) & 1 == 1);
+                in_image += 1;
+                if null {
+                    values.push(None);
+                    continue;
+                }
+                let column_type =
+                    table_map.get_column_type(i).ok().flatten().ok_or_else(|| {
+                        broken(format!("column {i} has no type in its table map"))
+                    })?;
+                let meta = table_map.get_column_metadata(i).unwrap_or(&[]);
+                // A value that cannot be parsed leaves the rest of the event unreadable.
+                let value: BinlogValue<'_> = buf
+                    .parse((column_type, meta, false, false))
+                    .map_err(|e| broken(format!("column {i}: {e}")))?;
+                let kind = self.kinds.get(i).unwrap_or(&ColumnKind::AsIs);
+                values.push(match kind.text(&value) {
+                    Ok(value) => value,
+                    Err(reason) => {
+                        let column = self.columns.get(i).map_or("?", String::as_str);
+                        unknown.push((i, format!("column {column}: {reason}")));
+                        None
+                    }
+                });
+            }
+            self.rows_in_transaction += 1;
+            self.rows_read += 1;
+            self.pending.push_back(Output::Row(Row {
+                columns: self.columns.clone(),
+                values,
+                unknown,
+                ordinal: self.rows_read,
+            }));
+        }
+        Ok(())
+    }
+}
+
+/// How a column's value in the log reads as the table shows it (`information_schema`'s
+/// `DATA_TYPE` and `COLUMN_TYPE`): the log carries some types in a form of its own.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum ColumnKind {
+    AsIs,
+    /// An unsigned integer of these bits: the log carries its bytes without the sign
+    /// (unless `binlog_row_metadata` says it, which MariaDB does not by default), so a
+    /// `tinyint unsigned` 200 reads as -56.
+    Unsigned(u32),
+    /// Seconds since the epoch in the log; a UTC date and time in the table's text.
+    Timestamp,
+    /// The label's number (from 1) in the log.
+    Enum(Vec<String>),
+    /// A bitmask of the labels in the log (little-endian bytes).
+    Set(Vec<String>),
+    /// The bits' bytes (big-endian) in the log; the number in the table's text.
+    Bit,
+}
+
+impl ColumnKind {
+    fn of(data_type: &str, column_type: &str) -> Self {
+        let unsigned = |bits| match column_type.to_ascii_lowercase().contains("unsigned") {
+            true => ColumnKind::Unsigned(bits),
+            false => ColumnKind::AsIs,
+        };
+        match data_type.to_ascii_lowercase().as_str() {
+            "tinyint" => unsigned(8),
+            "smallint" => unsigned(16),
+            "mediumint" => unsigned(24),
+            "int" | "integer" => unsigned(32),
+            "bigint" => unsigned(64),
+            "timestamp" => ColumnKind::Timestamp,
+            "enum" => ColumnKind::Enum(labels(column_type)),
+            "set" => ColumnKind::Set(labels(column_type)),
+            "bit" => ColumnKind::Bit,
+            _ => ColumnKind::AsIs,
+        }
+    }
+
+    /// `value` as text, as the table would show it; `None` for NULL.
+    fn text(&self, value: &BinlogValue<'_>) -> std::result::Result<Option<String>, String> {
+        if let BinlogValue::Value(Value::Bytes(bytes)) = value {
+            match self {
+                ColumnKind::Bit => {
+                    let n = bytes.iter().fold(0u128, |n, b| n << 8 | u128::from(*b));
+                    return Ok(Some(n.to_string()));
+                }
+                ColumnKind::Set(labels) => {
+                    let chosen: Vec<&str> = labels
+                        .iter()
+                        .enumerate()
+                        .filter(|(i, _)| bytes.get(i / 8).is_some_and(|b| b >> (i % 8) & 1 == 1))
+                        .map(|(_, label)| label.as_str())
+                        .collect();
+                    return Ok(Some(chosen.join(",")));
+                }
+                _ => {}
+            }
+        }
+        let Some(text) = text(value)? else {
+            return Ok(None);
+        };
+        Ok(Some(match self {
+            ColumnKind::Unsigned(bits) => match text.parse::<i64>() {
+                Ok(n) if n < 0 => (i128::from(n) + (1i128 << bits)).to_string(),
+                _ => text,
+            },
+            ColumnKind::Timestamp => {
+                let (seconds, micros) = text.split_once('.').unwrap_or((&text, "0"));
+                let seconds: u64 = seconds
+                    .parse()
+                    .map_err(|_| format!("{text:?} is not a TIMESTAMP's seconds"))?;
+                let micros: u64 = format!("{micros:0<6}")[..6]
+                    .parse()
+                    .map_err(|_| format!("{text:?} is not a TIMESTAMP's seconds"))?;
+                let at = std::time::UNIX_EPOCH
+                    + std::time::Duration::from_secs(seconds)
+                    + std::time::Duration::from_micros(micros);
+                outbox_core::time::rfc3339_micros(at)?
+                    .trim_end_matches('Z')
+                    .replacen('T', " ", 1)
+            }
+            ColumnKind::Enum(labels) => match text.parse::<usize>() {
+                // 0 is the empty string an invalid value was stored as.
+                Ok(0) => String::new(),
+                Ok(n) => labels
+                    .get(n - 1)
+                    .cloned()
+                    .ok_or_else(|| format!("ENUM value {n} past its {} labels", labels.len()))?,
+                Err(_) => text,
+            },
+            _ => text,
+        }))
+    }
+}
+
+/// The labels of an `enum('a','b''c')` or `set(…)` column type, in order.
+fn labels(column_type: &str) -> Vec<String> {
+    let inner = column_type
+        .split_once('(')
+        .and_then(|(_, rest)| rest.rsplit_once(')'))
+        .map_or("", |(inner, _)| inner);
+    let mut labels = Vec::new();
+    let mut chars = inner.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c != '\'' {
+            continue;
+        }
+        let mut label = String::new();
+        while let Some(c) = chars.next() {
+            match c {
+                '\'' if chars.peek() == Some(&'\'') => {
+                    chars.next();
+                    label.push('\'');
+                }
+                '\'' => break,
+                other => label.push(other),
+            }
+        }
+        labels.push(label);
+    }
+    labels
+}
+
+/// A column's value as text, as the table would show it; `None` for NULL. MySQL 8 writes
+/// JSON in its binary form (JSONB), read back into JSON text here; MariaDB's JSON is text.
+fn text(value: &BinlogValue<'_>) -> std::result::Result<Option<String>, String> {
+    Ok(match value {
+        BinlogValue::Value(Value::NULL) => None,
+        BinlogValue::Value(Value::Bytes(bytes)) => {
+            Some(String::from_utf8_lossy(bytes).into_owned())
+        }
+        BinlogValue::Value(Value::Int(n)) => Some(n.to_string()),
+        BinlogValue::Value(Value::UInt(n)) => Some(n.to_string()),
+        BinlogValue::Value(Value::Float(n)) => Some(n.to_string()),
+        BinlogValue::Value(Value::Double(n)) => Some(n.to_string()),
+        BinlogValue::Value(Value::Date(y, mo, d, h, mi, s, us)) => Some(format!(
+            "{y:04}-{mo:02}-{d:02} {h:02}:{mi:02}:{s:02}.{us:06}"
+        )),
+        BinlogValue::Value(Value::Time(negative, days, h, mi, s, us)) => Some(format!(
+            "{}{}:{mi:02}:{s:02}.{us:06}",
+            if *negative { "-" } else { "" },
+            u64::from(*days) * 24 + u64::from(*h)
+        )),
+        BinlogValue::Jsonb(jsonb) => {
+            let dom = jsonb
+                .clone()
+                .parse()
+                .map_err(|e| format!("MySQL's binary JSON cannot be read: {e}"))?;
+            let mut out = String::new();
+            json_text(dom, &mut out);
+            Some(out)
+        }
+        // Partial JSON updates: only UPDATE rows carry them, and an event is an INSERT.
+        BinlogValue::JsonDiff(_) => {
+            return Err("a partial JSON update where an inserted row was expected".into())
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mysql_8_binary_json_is_read_back_as_json_text() {
+        use mysql_async::binlog::jsonb;
+        use mysql_common::proto::MyDeserialize;
+        // {"a": 1, "b": "x"} as MySQL 8 writes it (a small object: count, size, key entries,
+        // value entries, then the keys and the out-of-line values), per the JSONB format of
+        // MySQL's json_binary.h.
+        let bytes: &[u8] = &[
+            0x00, // small object
+            0x02, 0x00, // two members
+            0x14, 0x00, // 20 bytes
+            0x12, 0x00, 0x01, 0x00, // key "a" at 18, 1 byte
+            0x13, 0x00, 0x01, 0x00, // key "b" at 19, 1 byte
+            0x05, 0x01, 0x00, // int16 1, inline
+            0x0c, 0x14, 0x00, // string at 20
+            b'a', b'b', // the keys
+            0x01, b'x', // the string: length 1, "x"
+        ];
+        let mut bytes = bytes.to_vec();
+        bytes[3] = (bytes.len() - 1) as u8;
+        let value = jsonb::Value::deserialize((), &mut mysql_common::io::ParseBuf(&bytes)).unwrap();
+        let text = text(&BinlogValue::Jsonb(value)).unwrap().unwrap();
+        assert_eq!(text, r#"{"a":1,"b":"x"}"#);
+    }
+
+    #[test]
+    fn a_decimal_in_mysql_8_binary_json_stays_a_number() {
+        use mysql_async::binlog::jsonb;
+        use mysql_common::proto::MyDeserialize;
+        // 12.50 as a DECIMAL(4,2) inside JSON: an opaque value of type NEWDECIMAL (0xf6),
+        // 4 bytes: precision, scale, then the decimal's binary form (12 and 50, one byte
+        // each, the sign bit set for a positive number).
+        let bytes = [0x0f, 0xf6, 0x04, 0x04, 0x02, 0x8c, 0x32];
+        let value = jsonb::Value::deserialize((), &mut mysql_common::io::ParseBuf(&bytes)).unwrap();
+        assert_eq!(
+            text(&BinlogValue::Jsonb(value)).unwrap().as_deref(),
+            Some("12.50")
+        );
+    }
+
+    #[test]
+    fn values_the_log_carries_in_a_form_of_its_own_read_as_the_table_shows_them() {
+        let read = |kind: &ColumnKind, value: Value| {
+            kind.text(&BinlogValue::Value(value)).unwrap().unwrap()
+        };
+        let bytes = |b: &[u8]| Value::Bytes(b.to_vec());
+        let unsigned = ColumnKind::of("tinyint", "tinyint(3) unsigned");
+        assert_eq!(read(&unsigned, Value::Int(-56)), "200");
+        assert_eq!(read(&unsigned, Value::Int(127)), "127");
+        let big = ColumnKind::of("bigint", "bigint(20) unsigned");
+        assert_eq!(read(&big, Value::Int(-1)), "18446744073709551615");
+        assert_eq!(
+            read(&ColumnKind::of("int", "int(11)"), Value::Int(-1)),
+            "-1"
+        );
+        let at = ColumnKind::of("timestamp", "timestamp(6)");
+        assert_eq!(
+            read(&at, bytes(b"1733100000.5")),
+            "2024-12-02 00:40:00.500000"
+        );
+        assert_eq!(
+            read(&at, bytes(b"1733100000")),
+            "2024-12-02 00:40:00.000000"
+        );
+        let status = ColumnKind::of("enum", "enum('PENDING','it''s','DONE')");
+        assert_eq!(read(&status, Value::Int(1)), "PENDING");
+        assert_eq!(read(&status, Value::Int(2)), "it's");
+        assert_eq!(read(&status, Value::Int(0)), "");
+        let set = ColumnKind::of("set", "set('a','b','c')");
+        assert_eq!(read(&set, bytes(&[0b101])), "a,c");
+        let bit = ColumnKind::of("bit", "bit(10)");
+        assert_eq!(read(&bit, bytes(&[0b10, 0b1])), "513");
+        assert!(
+            ColumnKind::of("enum", "enum('a')")
+                .text(&BinlogValue::Value(Value::Int(2)))
+                .is_err(),
+            "an ENUM number past its labels marks the row undecodable"
+        );
+    }
+
+    #[test]
+    fn a_mysql_gtid_set_is_asked_for_with_each_sources_intervals() {
+        let a = "3e11fa47-71ca-11e1-9e33-c80aa9429562";
+        let state = gtid::GtidState::parse(&format!("{a}:1-5:7:nightly:2-3")).unwrap();
+        let sources = dump_sources(&state).unwrap();
+        let described: Vec<_> = sources
+            .iter()
+            .map(|sid| {
+                (
+                    uuid::Uuid::from_bytes(sid.uuid()).to_string(),
+                    sid.tag().map(|t| t.to_string()),
+                    // The protocol's intervals end after their last transaction.
+                    sid.intervals()
+                        .iter()
+                        .map(|i| (i.start(), i.end()))
+                        .collect::<Vec<_>>(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            described,
+            vec![
+                (a.to_string(), None, vec![(1, 6), (7, 8)]),
+                (a.to_string(), Some("nightly".to_string()), vec![(2, 4)]),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_mariadb_gtid_is_read_from_its_events_body() {
+        let mut body = 4331u64.to_le_bytes().to_vec();
+        body.extend(7u32.to_le_bytes());
+        body.push(0); // flags
+        assert_eq!(mariadb_gtid(&body, 1).as_deref(), Some("7-1-4331"));
+        assert_eq!(mariadb_gtid(&body[..11], 1), None, "too short");
+    }
+}
