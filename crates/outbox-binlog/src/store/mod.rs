@@ -164,12 +164,17 @@ fn store_error(context: &str, e: impl std::fmt::Display) -> StoreError {
     )
 }
 
-/// The store's own connections (parks, deletes, the parked keys): UTC on every one, also
-/// after the pool reset it for its next use (parks compute `available_at` from `NOW(6)`,
-/// which the claims compare in UTC).
+/// The store's own connections (parks, deletes, the parked keys), set up anew after each
+/// reset the pool does between uses:
+/// - UTC: parks compute `available_at` from `NOW(6)`, which the claims compare in UTC;
+/// - READ COMMITTED: no gap locks, which in REPEATABLE READ made the application's inserts
+///   wait for a delete of delivered rows in flight (the MySQL store's reason too).
 pub fn pool_opts(url: &str) -> Result<mysql_async::Opts, BinlogError> {
     Ok(OptsBuilder::from_opts(opts(url)?)
-        .setup(vec!["SET time_zone = '+00:00'"])
+        .setup(vec![
+            "SET time_zone = '+00:00'",
+            "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED",
+        ])
         .into())
 }
 

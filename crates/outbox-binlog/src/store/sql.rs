@@ -265,10 +265,15 @@ mod tests {
         );
         let settle = sql.settle_rows(&[1, 22, 333]);
         assert!(
-            settle.starts_with("DELETE o FROM `db`.`outbox` o"),
+            settle.starts_with("DELETE FROM `db`.`outbox` WHERE"),
             "{settle}"
         );
-        assert!(settle.ends_with("IN (1,22,333)"), "{settle}");
+        assert!(
+            settle.ends_with(
+                "`db`.`outbox`.`sequence_id` IN (1,22,333) ORDER BY `sequence_id` LIMIT 3"
+            ),
+            "{settle}"
+        );
     }
 
     #[test]
@@ -278,13 +283,15 @@ mod tests {
         let settle = sql.settle_rows(&[12, 10, 11, 40, 20, 21, 13, 11]);
         assert!(
             settle.ends_with(
-                "WHERE (o.`sequence_id` BETWEEN 10 AND 13 OR o.`sequence_id` IN (20,21,40))"
+                "WHERE (`db`.`outbox`.`sequence_id` BETWEEN 10 AND 13 OR `db`.`outbox`.`sequence_id` IN (20,21,40)) ORDER BY `sequence_id` LIMIT 7"
             ),
             "{settle}"
         );
         let only_ranges = sql.settle_rows(&[3, 1, 2]);
         assert!(
-            only_ranges.ends_with("WHERE o.`sequence_id` BETWEEN 1 AND 3"),
+            only_ranges.ends_with(
+                "WHERE `db`.`outbox`.`sequence_id` BETWEEN 1 AND 3 ORDER BY `sequence_id` LIMIT 3"
+            ),
             "{only_ranges}"
         );
     }

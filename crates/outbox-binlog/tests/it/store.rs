@@ -514,3 +514,69 @@ async fn every_use_of_a_pooled_connection_is_in_utc() {
     );
     pool.disconnect().await.unwrap();
 }
+
+/// The statement that settles delivered rows (deleted, or marked as the MySQL seed does),
+/// on the store's own connections, neither waits for an application's transaction still
+/// inserting the next row nor makes that transaction's insert wait, whatever the
+/// application's isolation level: the settle must not queue behind, or hold up, the
+/// application's writes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settling_delivered_rows_neither_waits_for_nor_blocks_an_insert_in_flight() {
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let layouts = [
+        (
+            Mapping::native_mysql(None, "outbox", false),
+            "INSERT INTO outbox (sequence_id, destination, event_type, payload) \
+             VALUES (?, 'd', 't', '{}')",
+        ),
+        (
+            Mapping::mysql_outbox_events(None, "outbox_events"),
+            "INSERT INTO outbox_events (id, type, message, createdAt, updatedAt) \
+             VALUES (?, 1, '{}', NOW(), NOW())",
+        ),
+    ];
+    let pool = mysql_async::Pool::new(outbox_binlog::store::pool_opts(&url).unwrap());
+    let mut setup = Conn::new(Opts::from_url(&url).unwrap()).await.unwrap();
+    for (mapping, insert) in layouts {
+        let sql = outbox_layout::sql::Sql::new(mapping, outbox_layout::Dialect::MySql).unwrap();
+        setup.query_drop(sql.ddl().unwrap()).await.unwrap();
+        let table = sql.table();
+        for isolation in ["REPEATABLE READ", "READ COMMITTED"] {
+            setup
+                .query_drop(format!("DELETE FROM {table}"))
+                .await
+                .unwrap();
+            for id in 1..=4 {
+                setup.exec_drop(insert, (id,)).await.unwrap();
+            }
+            let wait_briefly = "SET SESSION innodb_lock_wait_timeout = 1";
+            let mut app = Conn::new(Opts::from_url(&url).unwrap()).await.unwrap();
+            app.query_drop(format!(
+                "SET SESSION TRANSACTION ISOLATION LEVEL {isolation}; {wait_briefly}"
+            ))
+            .await
+            .unwrap();
+            let mut relay = pool.get_conn().await.unwrap();
+            relay.query_drop(wait_briefly).await.unwrap();
+            let what = format!("{table}, the application in {isolation}");
+
+            // The application is inserting row 5: settling 2 to 4 goes on at once.
+            app.query_drop("BEGIN").await.unwrap();
+            app.exec_drop(insert, (5,)).await.unwrap();
+            let settled = relay.query_drop(sql.ack_captured(&[2, 3, 4])).await;
+            assert!(settled.is_ok(), "{what}: {settled:?}");
+            app.query_drop("ROLLBACK").await.unwrap();
+
+            // A settle of the last rows is in flight: the application's next insert goes on.
+            relay.query_drop("BEGIN").await.unwrap();
+            relay
+                .query_drop(sql.ack_captured(&[1, 2, 3, 4]))
+                .await
+                .unwrap();
+            let inserted = app.exec_drop(insert, (6,)).await;
+            assert!(inserted.is_ok(), "{what}: {inserted:?}");
+            relay.query_drop("ROLLBACK").await.unwrap();
+        }
+    }
+    pool.disconnect().await.unwrap();
+}

@@ -538,42 +538,62 @@ impl Sql {
     }
 
     /// Marks delivered the rows a log reader (binlog capture) took, which no claim leased:
-    /// those whose row id is one of `ids`, unfenced. A run of consecutive ids is one range
-    /// (`BETWEEN`), walked in the index in one pass, rather than a lookup per id; the ids
-    /// are written into the text (integers, nothing to escape), since a statement with as
-    /// many placeholders as rows would be prepared anew for every count.
+    /// those whose row id is one of `ids`, unfenced. The ids are written into the text
+    /// (integers, nothing to escape), since a statement with as many placeholders as rows
+    /// would be prepared anew for every count.
+    /// - A run of consecutive ids is one range (`BETWEEN`), walked in the index in one
+    ///   pass, rather than a lookup per id.
+    /// - On MySQL the statement is a single-table one that stops at its `LIMIT`, the number
+    ///   of rows: a scan that went on past the last row would read the next one, and wait
+    ///   for an application's transaction still inserting it (and, in REPEATABLE READ, lock
+    ///   the gap that transaction's next insert goes into). The multi-table `DELETE o FROM`
+    ///   form does that even for an `IN` list.
     pub fn ack_captured(&self, ids: &[i64]) -> String {
-        let column = format!("o.{}", self.quote(&self.mapping.id));
         let mut sorted = ids.to_vec();
         sorted.sort_unstable();
         sorted.dedup();
-        let mut ranges = Vec::new();
-        let mut singles = Vec::new();
-        let mut start = 0;
-        while start < sorted.len() {
-            let mut end = start;
-            while end + 1 < sorted.len() && sorted[end + 1] == sorted[end] + 1 {
-                end += 1;
-            }
-            match end - start {
-                0 => singles.push(sorted[start].to_string()),
-                1 => {
-                    singles.push(sorted[start].to_string());
-                    singles.push(sorted[end].to_string());
+        let id = self.quote(&self.mapping.id);
+        let condition = |column: &str| {
+            let mut ranges = Vec::new();
+            let mut singles = Vec::new();
+            let mut start = 0;
+            while start < sorted.len() {
+                let mut end = start;
+                while end + 1 < sorted.len() && sorted[end + 1] == sorted[end] + 1 {
+                    end += 1;
                 }
-                _ => ranges.push(format!(
-                    "{column} BETWEEN {} AND {}",
-                    sorted[start], sorted[end]
-                )),
+                match end - start {
+                    0 => singles.push(sorted[start].to_string()),
+                    1 => singles.extend([sorted[start].to_string(), sorted[end].to_string()]),
+                    _ => ranges.push(format!(
+                        "{column} BETWEEN {} AND {}",
+                        sorted[start], sorted[end]
+                    )),
+                }
+                start = end + 1;
             }
-            start = end + 1;
-        }
-        if !singles.is_empty() || ranges.is_empty() {
-            ranges.push(format!("{column} IN ({})", singles.join(",")));
-        }
-        match ranges.len() {
-            1 => self.settle_delivered(&ranges[0]),
-            _ => self.settle_delivered(&format!("({})", ranges.join(" OR "))),
+            if !singles.is_empty() || ranges.is_empty() {
+                ranges.push(format!("{column} IN ({})", singles.join(",")));
+            }
+            match ranges.len() {
+                1 => ranges.remove(0),
+                _ => format!("({})", ranges.join(" OR ")),
+            }
+        };
+        let limit = format!(" ORDER BY {id} LIMIT {}", sorted.len());
+        match (self.dialect, self.mapping.on_success) {
+            // MariaDB's single-table DELETE takes no alias: the column is the table's.
+            (Dialect::MySql, OnSuccess::Delete) => {
+                let t = self.table();
+                format!(
+                    "DELETE FROM {t} WHERE {}{limit}",
+                    condition(&format!("{t}.{id}"))
+                )
+            }
+            (Dialect::MySql, OnSuccess::Mark) => {
+                self.settle_delivered(&condition(&format!("o.{id}"))) + &limit
+            }
+            (Dialect::Postgres, _) => self.settle_delivered(&condition(&format!("o.{id}"))),
         }
     }
 
