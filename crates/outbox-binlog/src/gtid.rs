@@ -107,13 +107,13 @@ impl GtidState {
                 continue;
             }
             let interval = match part.split_once('-') {
-                Some((start, end)) => (start.parse().ok()?, end.parse().ok()?),
+                Some((start, end)) => (gno(start)?, gno(end)?),
                 None => {
-                    let number = part.parse().ok()?;
+                    let number = gno(part)?;
                     (number, number)
                 }
             };
-            if interval.0 == 0 || interval.0 > interval.1 {
+            if interval.0 > interval.1 {
                 return None;
             }
             add_interval(
@@ -149,8 +149,14 @@ fn parse_mysql_gtid(gtid: &str) -> Option<((uuid::Uuid, String), u64)> {
         (number, None) => (String::new(), number),
         (tag, Some(number)) => (valid_tag(tag)?, number),
     };
-    let number: u64 = number.parse().ok()?;
-    (parts.next().is_none() && number > 0).then_some(((uuid, tag), number))
+    let number = gno(number)?;
+    parts.next().is_none().then_some(((uuid, tag), number))
+}
+
+/// A MySQL transaction number: 1 to 2^63 - 1.
+fn gno(text: &str) -> Option<u64> {
+    let number: u64 = text.trim().parse().ok()?;
+    (1..=i64::MAX as u64).contains(&number).then_some(number)
 }
 
 /// Adds `new` to sorted, disjoint, non-adjacent intervals, merging what it touches.
@@ -264,6 +270,7 @@ mod tests {
             &format!("{A}:1-x"),
             &format!("{A}:a-tag:1"),
             &format!("{A}:{}:1", "t".repeat(33)),
+            &format!("{A}:1-{}", u64::MAX),
             &format!("0-1-100,{A}:1-5"),
         ] {
             assert_eq!(GtidState::parse(text), None, "{text}");
@@ -276,6 +283,10 @@ mod tests {
         let mut mysql = GtidState::parse(&format!("{A}:1-5")).unwrap();
         assert!(!mysql.advance("0-1-101"));
         assert!(!mysql.advance(&format!("{A}:0")));
+        assert!(
+            !mysql.advance(&format!("{A}:{}", i64::MAX as u64 + 1)),
+            "past MySQL's"
+        );
         assert_eq!(mysql.to_string(), format!("{A}:1-5"));
         assert!(GtidState::parse("").unwrap().is_empty());
     }

@@ -215,14 +215,28 @@ pub async fn server_id(url: &str) -> Result<u64> {
     Ok(id.unwrap_or_default())
 }
 
-/// The binary log's current end (`SHOW MASTER STATUS`), where a new reader starts. On
-/// MySQL it carries the GTID set executed there (`Executed_Gtid_Set`, which MariaDB's
-/// statement does not have: its reader asks `BINLOG_GTID_POS`). MySQL reads that set before
-/// the position, and adds a transaction's GTID to it only after writing the transaction to
-/// the log, so the set never names a transaction after the position: a failover can resend
-/// one from before it (a duplicate), never skip one.
+/// The binary log's current end, where a new reader starts. On MySQL it carries the GTID
+/// set executed there, which must name exactly the transactions before the position: one
+/// left out would be asked for again at a promoted replica (which fails once that replica
+/// purged it), one named after it would be skipped there.
+/// - MySQL 8.0.14+ gives both under one lock in `performance_schema.log_status` (for a role
+///   with `BACKUP_ADMIN`).
+/// - Otherwise `SHOW MASTER STATUS` (`SHOW BINARY LOG STATUS` on 8.4) reads its
+///   `Executed_Gtid_Set` apart from the position: a transaction written to the log and not
+///   yet committed is before the position and not in the set. MySQL then stores no set,
+///   and a failover is refused rather than guessed (see [`capture::resume`]).
+/// - MariaDB's statement has no set: its reader asks `BINLOG_GTID_POS` for the position.
 pub async fn current_position(url: &str) -> Result<BinlogPosition> {
     let mut conn = Conn::new(opts(url)?).await?;
+    let consistent: Option<String> = conn
+        .query_first("SELECT CAST(`LOCAL` AS CHAR) FROM performance_schema.log_status")
+        .await
+        .ok()
+        .flatten();
+    if let Some(position) = consistent.as_deref().and_then(log_status_position) {
+        conn.disconnect().await?;
+        return Ok(position);
+    }
     let row: Option<mysql_async::Row> = match conn.query_first("SHOW MASTER STATUS").await {
         // MySQL 8.4 has only its new name (MariaDB and MySQL before 8.2 only the old one).
         Err(mysql_async::Error::Server(e)) if e.code == PARSE_ERROR => {
@@ -231,27 +245,38 @@ pub async fn current_position(url: &str) -> Result<BinlogPosition> {
         row => row?,
     };
     conn.disconnect().await?;
-    let row = row.map(|row| {
-        let file: String = row.get(0).unwrap_or_default();
-        let offset: u64 = row.get(1).unwrap_or_default();
-        let gtid: Option<String> = row
-            .columns_ref()
-            .iter()
-            .position(|c| c.name_str() == "Executed_Gtid_Set")
-            .and_then(|i| row.get::<Option<String>, _>(i).flatten())
-            .filter(|set| !set.trim().is_empty());
-        (file, offset, gtid)
-    });
     match row {
-        Some((file, offset, gtid)) if !file.is_empty() => Ok(BinlogPosition {
-            gtid,
-            ..BinlogPosition::at(file, offset)
-        }),
-        _ => Err(BinlogError::Config(
-            "the server writes no binary log: start it with log_bin (and binlog_format = ROW)"
-                .into(),
-        )),
+        Some(row) => {
+            let file: String = row.get(0).unwrap_or_default();
+            let offset: u64 = row.get(1).unwrap_or_default();
+            if file.is_empty() {
+                return Err(no_binary_log());
+            }
+            Ok(BinlogPosition::at(file, offset))
+        }
+        None => Err(no_binary_log()),
     }
+}
+
+fn no_binary_log() -> BinlogError {
+    BinlogError::Config(
+        "the server writes no binary log: start it with log_bin (and binlog_format = ROW)".into(),
+    )
+}
+
+/// The position in `performance_schema.log_status`'s `LOCAL` column (MySQL 8.0.14+):
+/// `{"gtid_executed": "…", "binary_log_file": "…", "binary_log_position": N}`. An empty
+/// `gtid_executed` is a known, empty state (the server wrote no GTID yet).
+fn log_status_position(local: &str) -> Option<BinlogPosition> {
+    let local: serde_json::Value = serde_json::from_str(local).ok()?;
+    let file = local.get("binary_log_file")?.as_str()?;
+    let offset = local.get("binary_log_position")?.as_u64()?;
+    let gtid = local.get("gtid_executed")?.as_str()?;
+    let state = gtid::GtidState::parse(gtid)?;
+    (!file.is_empty()).then(|| BinlogPosition {
+        gtid: Some(state.to_string()),
+        ..BinlogPosition::at(file, offset)
+    })
 }
 
 /// What the server lacks for binlog capture, each with its fix (`check --capture binlog`
@@ -371,6 +396,30 @@ mod tests {
         assert!(retention_problem(&at("bin.000011"), "bin.000010").is_none());
         // By number, not by text: 999999 rolls over to 1000000.
         assert!(retention_problem(&at("bin.1000000"), "bin.999999").is_none());
+    }
+
+    #[test]
+    fn mysqls_log_status_gives_the_position_with_its_gtid_set() {
+        let a = "3e11fa47-71ca-11e1-9e33-c80aa9429562";
+        let local = format!(
+            r#"{{"gtid_executed": "{a}:1-7,\n{a}:9", "binary_log_file": "binlog.000004", "binary_log_position": 1530}}"#
+        );
+        assert_eq!(
+            log_status_position(&local),
+            Some(BinlogPosition {
+                file: "binlog.000004".into(),
+                offset: 1530,
+                gtid: Some(format!("{a}:1-7:9")),
+            })
+        );
+        let fresh = r#"{"gtid_executed": "", "binary_log_file": "binlog.000001", "binary_log_position": 157}"#;
+        assert_eq!(
+            log_status_position(fresh).and_then(|p| p.gtid),
+            Some(String::new()),
+            "a server with no GTID yet has a known, empty state"
+        );
+        assert_eq!(log_status_position(r#"{"binary_log_file": ""}"#), None);
+        assert_eq!(log_status_position("not json"), None);
     }
 
     #[test]

@@ -225,6 +225,9 @@ fn json_text(dom: mysql_async::binlog::jsonb::JsonDom, out: &mut String) {
 /// MariaDB's compressed query and row events (`log_bin_compress`): 165 to 171.
 const MARIADB_COMPRESSED_EVENTS: std::ops::RangeInclusive<u8> = 0xa5..=0xab;
 
+/// MySQL 8's compressed transaction (`TRANSACTION_PAYLOAD_EVENT`).
+const TRANSACTION_PAYLOAD_EVENT: u8 = 40;
+
 /// MariaDB's GTID event (`GTID_EVENT`, 162), which mysql_common does not decode: its body
 /// starts with the sequence number (8 bytes) and the domain id (4 bytes), little-endian; the
 /// server id is the event header's.
@@ -454,19 +457,26 @@ impl BinlogReader {
                 Err(e) => return Err(e.into()),
             };
             // The events inside a compressed transaction end where its payload does.
+            // Whether the log is read to the end of this event: not inside a compressed
+            // transaction until its last event (a drain stops at what was read to).
+            let mut whole = true;
             let end = match &mut self.payload {
                 Some(payload) => {
                     let end = payload.end;
                     payload.left = payload
                         .left
                         .saturating_sub(u64::from(event.header().event_size()));
-                    if payload.left == 0 {
+                    whole = payload.left == 0;
+                    if whole {
                         self.payload = None;
                     }
                     end
                 }
                 None => u64::from(event.header().log_pos()),
             };
+            if event.header().event_type_raw() == TRANSACTION_PAYLOAD_EVENT {
+                whole = false;
+            }
             match event.header().event_type_raw() {
                 MARIADB_GTID_EVENT => {
                     self.gtid = mariadb_gtid(event.data(), event.header().server_id());
@@ -490,7 +500,7 @@ impl BinlogReader {
                 }
                 _ => {}
             }
-            if end != 0 {
+            if end != 0 && whole {
                 self.read_to = end;
             }
             let data = event

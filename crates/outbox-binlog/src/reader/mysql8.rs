@@ -318,3 +318,27 @@ async fn a_mysql_gtid_on_a_reader_without_a_state_is_the_transactions_own_only()
     );
     assert_eq!(reader.boundary().unwrap().gtid, None);
 }
+
+#[tokio::test]
+async fn the_log_is_read_past_a_compressed_transaction_only_after_its_last_event() {
+    let inside = [
+        begin(0),
+        table_map(0),
+        write_rows(&[(1, "a")], 0),
+        write_rows(&[(2, "b")], 0),
+        xid(0),
+    ];
+    let mut reader = reader_of(
+        vec![
+            gtid(41, 1100),
+            payload(&inside, 1400, TransactionPayloadCompressionType::ZSTD),
+        ],
+        None,
+    );
+    // A drain that stops once the log is read to its end must not stop after row 1.
+    let mut read_to = Vec::new();
+    while let Some(output) = reader.next().await.unwrap() {
+        read_to.push((matches!(output, Output::Row(_)), reader.read_to().offset));
+    }
+    assert_eq!(read_to, [(true, 1100), (true, 1100), (false, 1400)]);
+}

@@ -170,6 +170,9 @@ impl BinlogCapture {
             "-- Binlog capture reads the binary log as a replica would, and keeps parked rows and\n\
              -- its position in tables of its own.\n\
              GRANT REPLICATION SLAVE, REPLICATION CLIENT ON *.* TO '{role}'@'%';\n\
+             -- MySQL 8 with GTIDs: the first position's GTID set, read with the position under\n\
+             -- one lock (performance_schema.log_status), which a failover goes on from:\n\
+             -- GRANT BACKUP_ADMIN ON *.* TO '{role}'@'%';\n\
              GRANT SELECT, INSERT, UPDATE, DELETE ON `{db}`.`{}` TO '{role}'@'%';\n\
              GRANT SELECT, INSERT, UPDATE ON `{db}`.`{}` TO '{role}'@'%';\n",
             self.parked_table, self.positions_table
