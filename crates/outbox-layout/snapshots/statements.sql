@@ -212,7 +212,7 @@ o.`sequence_id`
 o.`locked_by` = :node
 
 -- adbc, MySql: ack
-DELETE o FROM `public`.`outbox` o WHERE o.`sequence_id` IN (1, 2) AND o.`locked_by` = :node
+DELETE FROM `public`.`outbox` WHERE `public`.`outbox`.`sequence_id` IN (1, 2) AND `public`.`outbox`.`locked_by` = :node ORDER BY `sequence_id` LIMIT 2
 
 -- adbc, MySql: retry_set
 `locked_by` = NULL, `lock_expiry` = NULL
@@ -572,7 +572,7 @@ o.`created_at`, o.`event_id`
 o.`locked_by` = :node
 
 -- open_outbox, MySql: ack
-UPDATE `public`.`openoutbox_events` o SET o.`status` = 'DELIVERED', o.`delivered_at` = UTC_TIMESTAMP(6), o.`locked_by` = NULL, o.`locked_at` = NULL, o.`updated_at` = UTC_TIMESTAMP(6) WHERE o.`event_id` IN (1, 2) AND o.`locked_by` = :node
+UPDATE `public`.`openoutbox_events` o SET o.`status` = 'DELIVERED', o.`delivered_at` = UTC_TIMESTAMP(6), o.`locked_by` = NULL, o.`locked_at` = NULL, o.`updated_at` = UTC_TIMESTAMP(6) WHERE o.`event_id` IN (1, 2) AND o.`locked_by` = :node ORDER BY `event_id` LIMIT 2
 
 -- open_outbox, MySql: retry_set
 `status` = 'PENDING', `locked_by` = NULL, `locked_at` = NULL, `attempts` = :attempts, `last_error` = :error, `available_at` = UTC_TIMESTAMP(6) + INTERVAL (:delay * 1000) MICROSECOND, `updated_at` = UTC_TIMESTAMP(6)
@@ -938,7 +938,7 @@ o.`id`
 o.`status` = 'PROCESSING' AND :node IS NOT NULL
 
 -- export, MySql: ack
-UPDATE `public`.`event` o SET o.`status` = 'DONE', o.`updated_at` = UTC_TIMESTAMP(6) WHERE o.`id` IN (1, 2) AND o.`status` = 'PROCESSING' AND :node IS NOT NULL
+UPDATE `public`.`event` o SET o.`status` = 'DONE', o.`updated_at` = UTC_TIMESTAMP(6) WHERE o.`id` IN (1, 2) AND o.`status` = 'PROCESSING' AND :node IS NOT NULL ORDER BY `id` LIMIT 2
 
 -- export, MySql: retry_set
 `status` = 'NEW', `processing_retries_count` = :attempts, `updated_at` = UTC_TIMESTAMP(6)
@@ -1321,7 +1321,7 @@ o.`relay_sequence`
 :node IS NOT NULL
 
 -- debezium, MySql: ack
-DELETE o FROM `public`.`outboxevent` o WHERE o.`relay_sequence` IN (1, 2) AND :node IS NOT NULL
+DELETE FROM `public`.`outboxevent` WHERE `public`.`outboxevent`.`relay_sequence` IN (1, 2) AND :node IS NOT NULL ORDER BY `relay_sequence` LIMIT 2
 
 -- debezium, MySql: retry_set
 
@@ -1714,7 +1714,7 @@ o.`createdAt`, o.`id`
 :node IS NOT NULL
 
 -- mysql_outbox_events, MySql: ack
-UPDATE `outbox_events` o SET o.`isConsumed` = 1, o.`updatedAt` = UTC_TIMESTAMP(6) WHERE o.`id` IN (1, 2) AND :node IS NOT NULL
+UPDATE `outbox_events` o SET o.`isConsumed` = 1, o.`updatedAt` = UTC_TIMESTAMP(6) WHERE o.`id` IN (1, 2) AND :node IS NOT NULL ORDER BY `id` LIMIT 2
 
 -- mysql_outbox_events, MySql: retry_set
 
@@ -2088,7 +2088,7 @@ o.`sequence_id`
 o.`locked_by` = :node
 
 -- native_mysql, MySql: ack
-DELETE o FROM `app`.`outbox` o WHERE o.`sequence_id` IN (1, 2) AND o.`locked_by` = :node
+DELETE FROM `app`.`outbox` WHERE `app`.`outbox`.`sequence_id` IN (1, 2) AND `app`.`outbox`.`locked_by` = :node ORDER BY `sequence_id` LIMIT 2
 
 -- native_mysql, MySql: retry_set
 `locked_by` = NULL, `locked_until` = NULL, `attempts` = :attempts, `last_error` = :error, `available_at` = UTC_TIMESTAMP(6) + INTERVAL (:delay * 1000) MICROSECOND
@@ -2456,7 +2456,7 @@ o.`sequence_id`
 o.`locked_by` = :node
 
 -- native_mysql retained, MySql: ack
-UPDATE `outbox` o SET o.`delivered_at` = UTC_TIMESTAMP(6), o.`locked_by` = NULL, o.`locked_until` = NULL WHERE o.`sequence_id` IN (1, 2) AND o.`locked_by` = :node
+UPDATE `outbox` o SET o.`delivered_at` = UTC_TIMESTAMP(6), o.`locked_by` = NULL, o.`locked_until` = NULL WHERE o.`sequence_id` IN (1, 2) AND o.`locked_by` = :node ORDER BY `sequence_id` LIMIT 2
 
 -- native_mysql retained, MySql: retry_set
 `locked_by` = NULL, `locked_until` = NULL, `attempts` = :attempts, `last_error` = :error, `available_at` = UTC_TIMESTAMP(6) + INTERVAL (:delay * 1000) MICROSECOND

@@ -61,7 +61,7 @@ fn statements(sql: &Sql) -> Vec<(&'static str, Option<String>)> {
         ("order_by", Some(sql.order_by())),
         ("claim_set", Some(sql.claim_set(node, lease).join(", "))),
         ("fence", Some(sql.fence(node))),
-        ("ack", Some(sql.ack(ids, node))),
+        ("ack", Some(sql.ack(ids, 2, node))),
         (
             "retry_set",
             Some(sql.retry_set(":attempts", ":error", ":delay").join(", ")),

@@ -705,9 +705,10 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
         let node = holder.node;
         let store = self.clone();
         async move {
+            let count = ids.len();
             let n = store
                 .on_rows("ack", &ids, |ids, p| {
-                    Some(store.inner.sql.ack(ids, &p.text(node.0)))
+                    Some(store.inner.sql.ack(ids, count, &p.text(node.0)))
                 })
                 .await?
                 .unwrap_or(0);

@@ -528,13 +528,30 @@ impl Sql {
         format!("{node} IS NOT NULL")
     }
 
-    /// Marks delivered rows (delete, or mark).
-    pub fn ack(&self, ids: &str, node: &str) -> String {
+    /// Marks delivered rows (delete, or mark): the `count` rows whose id is `ids`
+    /// (`IN (…)`), still leased to `node`. On MySQL the statement stops at `count` rows
+    /// ([`Sql::stop_after`]).
+    pub fn ack(&self, ids: &str, count: usize, node: &str) -> String {
         let fence = self.fence(node);
-        self.settle_delivered(&format!(
-            "o.{} {ids} AND {fence}",
-            self.quote(&self.mapping.id)
-        ))
+        let id = self.quote(&self.mapping.id);
+        self.stop_after(
+            self.settle_delivered(&format!("o.{id} {ids} AND {fence}")),
+            count,
+        )
+    }
+
+    /// `statement` (a DELETE or UPDATE of rows picked by id), stopped at `count` rows on
+    /// MySQL: a scan that went on past the last of them (a small table is scanned whole)
+    /// would read the next row, and wait for an application's transaction still inserting
+    /// it (and, in REPEATABLE READ, lock the gap that transaction's next insert goes into).
+    fn stop_after(&self, statement: String, count: usize) -> String {
+        match self.dialect {
+            Dialect::MySql => format!(
+                "{statement} ORDER BY {} LIMIT {count}",
+                self.quote(&self.mapping.id)
+            ),
+            Dialect::Postgres => statement,
+        }
     }
 
     /// Marks delivered the rows a log reader (binlog capture) took, which no claim leased:
@@ -543,11 +560,7 @@ impl Sql {
     /// would be prepared anew for every count.
     /// - A run of consecutive ids is one range (`BETWEEN`), walked in the index in one
     ///   pass, rather than a lookup per id.
-    /// - On MySQL the statement is a single-table one that stops at its `LIMIT`, the number
-    ///   of rows: a scan that went on past the last row would read the next one, and wait
-    ///   for an application's transaction still inserting it (and, in REPEATABLE READ, lock
-    ///   the gap that transaction's next insert goes into). The multi-table `DELETE o FROM`
-    ///   form does that even for an `IN` list.
+    /// - On MySQL the statement stops at the number of rows ([`Sql::stop_after`]).
     pub fn ack_captured(&self, ids: &[i64]) -> String {
         let mut sorted = ids.to_vec();
         sorted.sort_unstable();
@@ -580,21 +593,10 @@ impl Sql {
                 _ => format!("({})", ranges.join(" OR ")),
             }
         };
-        let limit = format!(" ORDER BY {id} LIMIT {}", sorted.len());
-        match (self.dialect, self.mapping.on_success) {
-            // MariaDB's single-table DELETE takes no alias: the column is the table's.
-            (Dialect::MySql, OnSuccess::Delete) => {
-                let t = self.table();
-                format!(
-                    "DELETE FROM {t} WHERE {}{limit}",
-                    condition(&format!("{t}.{id}"))
-                )
-            }
-            (Dialect::MySql, OnSuccess::Mark) => {
-                self.settle_delivered(&condition(&format!("o.{id}"))) + &limit
-            }
-            (Dialect::Postgres, _) => self.settle_delivered(&condition(&format!("o.{id}"))),
-        }
+        self.stop_after(
+            self.settle_delivered(&condition(&format!("o.{id}"))),
+            sorted.len(),
+        )
     }
 
     /// Deletes or marks delivered the rows `condition` selects (on alias `o`).
@@ -603,7 +605,14 @@ impl Sql {
         match self.mapping.on_success {
             OnSuccess::Delete => match self.dialect {
                 Dialect::Postgres => format!("DELETE FROM {t} o WHERE {condition}"),
-                Dialect::MySql => format!("DELETE o FROM {t} o WHERE {condition}"),
+                // A single-table DELETE, which MariaDB takes without an alias: the columns
+                // are the table's. The multi-table `DELETE o FROM` form read the row after
+                // the last one it deleted, and so waited for an application's transaction
+                // still inserting it.
+                Dialect::MySql => format!(
+                    "DELETE FROM {t} WHERE {}",
+                    condition.replace("o.`", &format!("{t}.`"))
+                ),
             },
             OnSuccess::Mark => {
                 let m = &self.mapping;
@@ -940,7 +949,7 @@ mod tests {
             "{c}"
         );
         assert!(s
-            .ack("= ANY($1)", "$2")
+            .ack("= ANY($1)", 2, "$2")
             .starts_with("DELETE FROM \"public\".\"outbox\" o"));
         assert!(s.dead().contains("\"processed\" = true"));
     }
@@ -954,7 +963,7 @@ mod tests {
             claim.contains("\"status\" = 'DELIVERING'") && claim.contains("\"locked_at\" = now()"),
             "{claim}"
         );
-        let ack = s.ack("= ANY($1)", "$2");
+        let ack = s.ack("= ANY($1)", 2, "$2");
         assert!(
             ack.contains("\"status\" = 'DELIVERED'") && ack.contains("\"delivered_at\" = now()"),
             "{ack}"
@@ -1001,7 +1010,7 @@ mod tests {
             "{}",
             parked.claimable()
         );
-        assert!(s.ack("IN (1)", "?").contains("o.`isConsumed` = 1"));
+        assert!(s.ack("IN (1)", 1, "?").contains("o.`isConsumed` = 1"));
         assert!(s.claim_set("?", "?").is_empty());
         assert!(s
             .ddl()

@@ -41,3 +41,42 @@ async fn a_connection_back_from_the_pool_keeps_utc_and_read_committed() {
     );
     pool.disconnect().await.unwrap();
 }
+
+/// An ack deletes claimed rows without waiting for an application's transaction still
+/// inserting the next row (the store's sessions are READ COMMITTED; the multi-table
+/// `DELETE o FROM` form read the row after the last one it deleted, and waited on it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ack_does_not_wait_for_an_insert_in_flight() {
+    use outbox_layout::{sql::Sql, Dialect, Mapping};
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let sql = Sql::new(Mapping::native_mysql(None, "outbox", false), Dialect::MySql).unwrap();
+    let insert = "INSERT INTO outbox (sequence_id, destination, event_type, payload, locked_by) \
+                  VALUES (?, 'd', 't', '{}', 'node-a')";
+    let opts: Opts =
+        outbox_store_mysql::session_settings(OptsBuilder::from_opts(Opts::from_url(&url).unwrap()))
+            .pool_opts(outbox_store_mysql::pool_opts(2).unwrap())
+            .into();
+    let pool = Pool::new(opts);
+    let mut relay = pool.get_conn().await.unwrap();
+    relay.query_drop(sql.ddl().unwrap()).await.unwrap();
+    for id in 1..=3 {
+        relay.exec_drop(insert, (id,)).await.unwrap();
+    }
+    let mut app = mysql_async::Conn::new(Opts::from_url(&url).unwrap())
+        .await
+        .unwrap();
+    app.query_drop("BEGIN").await.unwrap();
+    app.exec_drop(insert, (4,)).await.unwrap();
+    relay
+        .query_drop("SET SESSION innodb_lock_wait_timeout = 1")
+        .await
+        .unwrap();
+    let acked = relay
+        .query_drop(sql.ack("IN (1, 2, 3)", 3, "'node-a'"))
+        .await;
+    assert!(acked.is_ok(), "{acked:?}");
+    assert_eq!(relay.affected_rows(), 3);
+    app.query_drop("ROLLBACK").await.unwrap();
+    drop(relay);
+    pool.disconnect().await.unwrap();
+}
