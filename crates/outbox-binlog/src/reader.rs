@@ -121,10 +121,13 @@ struct Payload {
 }
 
 /// The bytes of the events inside a transaction payload, read through to prove that they
-/// decompress (mysql_async hands out none of them when they do not, without a word).
+/// decompress (mysql_async hands out none of them when they do not, without a word) and
+/// that their headers' sizes tile them exactly (mysql_common panics on an event longer than
+/// what is left; the reader stops at this payload instead, before the stream reads on).
 fn payload_events_size(payload: &TransactionPayloadEvent<'_>) -> std::io::Result<u64> {
-    let mut events = payload.decompressed()?;
-    let size = std::io::copy(&mut events, &mut std::io::sink())?;
+    let mut events = Vec::new();
+    std::io::Read::read_to_end(&mut payload.decompressed()?, &mut events)?;
+    let size = events.len() as u64;
     let compressed = payload.algorithm() != TransactionPayloadCompressionType::NONE;
     if compressed && size != payload.uncompressed_size() {
         return Err(std::io::Error::other(format!(
@@ -132,8 +135,23 @@ fn payload_events_size(payload: &TransactionPayloadEvent<'_>) -> std::io::Result
             payload.uncompressed_size()
         )));
     }
+    // Each event's header: timestamp (4), type (1), server id (4), then its size (4).
+    let mut at = 0;
+    while at < events.len() {
+        let event_size = events
+            .get(at + 9..at + 13)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
+            .filter(|&n| n >= EVENT_HEADER_LEN && at + n <= events.len())
+            .ok_or_else(|| {
+                std::io::Error::other(format!("its event at byte {at} has a broken size"))
+            })?;
+        at += event_size;
+    }
     Ok(size)
 }
+
+/// A binary log event's common header.
+const EVENT_HEADER_LEN: usize = 19;
 
 /// Reads the outbox table's inserts from the binary log.
 pub struct BinlogReader {

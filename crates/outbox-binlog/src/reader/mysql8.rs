@@ -342,3 +342,21 @@ async fn the_log_is_read_past_a_compressed_transaction_only_after_its_last_event
     }
     assert_eq!(read_to, [(true, 1100), (true, 1100), (false, 1400)]);
 }
+
+#[tokio::test]
+async fn a_payload_whose_event_sizes_do_not_add_up_stops_the_reader_without_a_panic() {
+    for size in [5u32, 10_000] {
+        let mut rows = write_rows(&[(1, "a")], 0);
+        rows[9..13].copy_from_slice(&size.to_le_bytes());
+        let inside = [begin(0), table_map(0), rows, xid(0)];
+        let mut reader = reader_of(
+            vec![
+                gtid(41, 1100),
+                payload(&inside, 1400, TransactionPayloadCompressionType::ZSTD),
+            ],
+            None,
+        );
+        let error = reader.next().await.unwrap_err().to_string();
+        assert!(error.contains("broken size"), "{size}: {error}");
+    }
+}
