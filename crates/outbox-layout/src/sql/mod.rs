@@ -566,37 +566,24 @@ impl Sql {
         sorted.sort_unstable();
         sorted.dedup();
         let id = self.quote(&self.mapping.id);
-        let condition = |column: &str| {
-            let mut ranges = Vec::new();
-            let mut singles = Vec::new();
-            let mut start = 0;
-            while start < sorted.len() {
-                let mut end = start;
-                while end + 1 < sorted.len() && sorted[end + 1] == sorted[end] + 1 {
-                    end += 1;
-                }
-                match end - start {
-                    0 => singles.push(sorted[start].to_string()),
-                    1 => singles.extend([sorted[start].to_string(), sorted[end].to_string()]),
-                    _ => ranges.push(format!(
-                        "{column} BETWEEN {} AND {}",
-                        sorted[start], sorted[end]
-                    )),
-                }
-                start = end + 1;
+        let column = format!("o.{id}");
+        let mut ranges = Vec::new();
+        let mut singles = Vec::new();
+        for (first, last) in consecutive_runs(&sorted) {
+            match last - first {
+                0 => singles.push(first.to_string()),
+                1 => singles.extend([first.to_string(), last.to_string()]),
+                _ => ranges.push(format!("{column} BETWEEN {first} AND {last}")),
             }
-            if !singles.is_empty() || ranges.is_empty() {
-                ranges.push(format!("{column} IN ({})", singles.join(",")));
-            }
-            match ranges.len() {
-                1 => ranges.remove(0),
-                _ => format!("({})", ranges.join(" OR ")),
-            }
+        }
+        if !singles.is_empty() || ranges.is_empty() {
+            ranges.push(format!("{column} IN ({})", singles.join(",")));
+        }
+        let condition = match ranges.len() {
+            1 => ranges.remove(0),
+            _ => format!("({})", ranges.join(" OR ")),
         };
-        self.stop_after(
-            self.settle_delivered(&condition(&format!("o.{id}"))),
-            sorted.len(),
-        )
+        self.stop_after(self.settle_delivered(&condition), sorted.len())
     }
 
     /// Deletes or marks delivered the rows `condition` selects (on alias `o`).
@@ -929,6 +916,18 @@ impl Sql {
         let held = self.held_row(failure);
         format!("{held} AND {attempts} >= 0 AND {error} IS NOT NULL")
     }
+}
+
+/// The runs of consecutive integers in sorted, distinct `ids`, each as (first, last).
+fn consecutive_runs(ids: &[i64]) -> Vec<(i64, i64)> {
+    let mut runs: Vec<(i64, i64)> = Vec::new();
+    for &id in ids {
+        match runs.last_mut() {
+            Some((_, last)) if last.checked_add(1) == Some(id) => *last = id,
+            _ => runs.push((id, id)),
+        }
+    }
+    runs
 }
 
 #[cfg(test)]
