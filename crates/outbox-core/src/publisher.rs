@@ -14,14 +14,15 @@ pub type Outcome = Result<(), PublishError>;
 /// A sink that events are published to.
 ///
 /// # Contract
-/// - `publish` receives a batch whose events all have distinct ordering keys, and returns
-///   exactly one outcome per event, in the same order as the batch.
+/// - `publish` receives a batch in which each ordering key has at most
+///   [`Publisher::max_events_per_key`] events (one by default), consecutive and in order,
+///   and returns exactly one outcome per event, in the same order as the batch.
 /// - `Ok` means the sink confirmed the event: only then is its row acked. A publisher never
 ///   reports `Ok` before the broker's confirmation (PubAck, delivery report, publisher
 ///   confirm, fsync).
 /// - A publisher keeps many events in flight within a batch (no round trip per event where
 ///   the broker allows it), and the engine may call `publish` again before earlier batches
-///   complete; batches never share an ordering key.
+///   complete; batches in flight together never share an ordering key.
 /// - Delivery is at least once: after a crash an event may be published again. Publishers
 ///   carry [`Event::event_id`] in the broker's de-duplication field so consumers (or the
 ///   broker) can drop the copy.
@@ -32,6 +33,20 @@ pub trait Publisher: Send + Sync + 'static {
     fn describe(&self) -> String;
 
     fn publish(&self, batch: Vec<Arc<Event>>) -> BoxFuture<'static, Vec<Outcome>>;
+
+    /// How many consecutive events of one ordering key a batch may carry. One (the default):
+    /// a key's next event waits for the outcome of the one before.
+    ///
+    /// More than one is a promise about a batch's events of one key: the sink stores them in
+    /// batch order, and when one fails with a retryable error, no later one of them was
+    /// stored (a file's single write of the batch, which a failure cuts to a prefix). The
+    /// engine acks a key's confirmed prefix and publishes the rest again after the first
+    /// failure, so a key's events reach the sink in order, duplicates aside. Sinks that
+    /// confirm each message on its own (a broker's per-message acks) cannot promise it: a
+    /// later message can be stored while an earlier one times out.
+    fn max_events_per_key(&self) -> usize {
+        1
+    }
 
     /// Checks that the sink is reachable (for `/readyz` and `check`).
     fn health(&self) -> BoxFuture<'static, Result<(), PublishError>>;

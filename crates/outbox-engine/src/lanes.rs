@@ -27,7 +27,9 @@ pub struct LaneKey(Arc<str>);
 /// A lane's head, handed out for work.
 #[derive(Clone, Debug)]
 pub enum Head {
-    Publish(Arc<Event>),
+    /// A run of the lane's first rows, in order: one row, or more where the publisher keeps
+    /// a batch's events of one key in order ([`outbox_core::Publisher::max_events_per_key`]).
+    Publish(Vec<Arc<Event>>),
     /// An undecodable row: it goes straight to the dead letters.
     DeadLetter {
         sequence_id: SequenceId,
@@ -41,7 +43,8 @@ pub enum Head {
 #[derive(Default)]
 struct Lane {
     queue: VecDeque<Claimed>,
-    busy: bool,
+    /// How many of the queue's first rows are handed out (0: the lane is free).
+    handed_out: usize,
     partition: i32,
 }
 
@@ -145,10 +148,10 @@ impl Lanes {
             if keep.contains(&lane.partition) {
                 return true;
             }
-            let skip = usize::from(lane.busy);
+            let skip = lane.handed_out;
             release.extend(lane.queue.iter().skip(skip).map(Claimed::sequence_id));
             lane.queue.truncate(skip);
-            lane.busy
+            skip > 0
         });
         let lanes = &self.lanes;
         self.ready.retain(|k| lanes.contains_key(k));
@@ -233,7 +236,7 @@ impl Lanes {
             }
             let lane = self.lanes.entry(key.clone()).or_default();
             lane.partition = partition;
-            let was_idle = !lane.busy && lane.queue.is_empty();
+            let was_idle = lane.handed_out == 0 && lane.queue.is_empty();
             lane.queue.push_back(row);
             if was_idle {
                 self.ready.push_back(key);
@@ -242,56 +245,96 @@ impl Lanes {
         release
     }
 
-    /// Hands out up to `max` lane heads and marks their lanes busy.
-    pub fn take_ready(&mut self, max: usize) -> Vec<Head> {
+    /// Hands out lane heads, up to `max_rows` rows in all, and marks their lanes busy. A
+    /// head is a run of up to `per_lane` of its lane's first rows; an undecodable row is a
+    /// head of its own.
+    pub fn take_ready(&mut self, max_rows: usize, per_lane: usize) -> Vec<Head> {
         let mut heads = Vec::new();
-        while heads.len() < max {
+        let mut rows = 0;
+        while rows < max_rows {
             let Some(key) = self.ready.pop_front() else {
                 break;
             };
             let Some(lane) = self.lanes.get_mut(&key) else {
                 continue;
             };
-            let Some(front) = lane.queue.front() else {
-                continue;
-            };
-            lane.busy = true;
-            heads.push(match front {
-                Claimed::Event(e) => Head::Publish(e.clone()),
-                Claimed::Undecodable {
+            let head = match lane.queue.front() {
+                None => continue,
+                Some(Claimed::Event(_)) => Head::Publish(
+                    lane.queue
+                        .iter()
+                        .take(per_lane.clamp(1, max_rows - rows))
+                        .map_while(|row| match row {
+                            Claimed::Event(e) => Some(e.clone()),
+                            Claimed::Undecodable { .. } => None,
+                        })
+                        .collect(),
+                ),
+                Some(Claimed::Undecodable {
                     sequence_id,
                     destination,
                     attempts,
                     reason,
                     ..
-                } => Head::DeadLetter {
+                }) => Head::DeadLetter {
                     sequence_id: *sequence_id,
                     lane: key.clone(),
                     destination: destination.clone(),
                     attempts: *attempts,
                     reason: reason.clone(),
                 },
-            });
+            };
+            lane.handed_out = match &head {
+                Head::Publish(run) => run.len(),
+                Head::DeadLetter { .. } => 1,
+            };
+            rows += lane.handed_out;
+            heads.push(head);
         }
         heads
     }
 
-    /// The head of `key` is done (confirmed, or dead-lettered): the next row may go.
+    /// The first `n` rows handed out from `key` were confirmed, in order. Once every row
+    /// handed out is, the lane is free and its next rows may go.
+    pub fn confirmed(&mut self, key: &LaneKey, n: usize) {
+        let Some(lane) = self.lanes.get_mut(key) else {
+            return;
+        };
+        let n = n.min(lane.handed_out);
+        lane.queue.drain(..n);
+        lane.handed_out -= n;
+        if lane.handed_out == 0 {
+            self.free(key);
+        }
+    }
+
+    /// The head row of `key` is done (dead-lettered): the next row may go. Rows of its run
+    /// behind it count as not handed out: they go out again.
     pub fn advance(&mut self, key: &LaneKey) {
         let Some(lane) = self.lanes.get_mut(key) else {
             return;
         };
         lane.queue.pop_front();
-        lane.busy = false;
-        if lane.queue.is_empty() {
+        lane.handed_out = 0;
+        self.free(key);
+    }
+
+    /// `key` has nothing handed out: gone if empty, else ready.
+    fn free(&mut self, key: &LaneKey) {
+        if self
+            .lanes
+            .get(key)
+            .is_some_and(|lane| lane.queue.is_empty())
+        {
             self.lanes.remove(key);
         } else {
             self.ready.push_back(key.clone());
         }
     }
 
-    /// The head of `key` must retry: drops the lane and blocks the key until
-    /// [`Lanes::retry_recorded`]. Returns the rows behind the head, to release.
+    /// The head row of `key` must retry: drops the lane and blocks the key until
+    /// [`Lanes::retry_recorded`]. Returns the rows behind the head row (those of its run
+    /// too), to release.
     pub fn block(&mut self, key: &LaneKey) -> Vec<SequenceId> {
         self.blocked.insert(key.clone(), Unseen::Running);
         let Some(mut lane) = self.lanes.remove(key) else {
@@ -402,7 +445,7 @@ impl Lanes {
     pub fn take_unstarted(&mut self) -> Vec<SequenceId> {
         let mut ids = Vec::new();
         for lane in self.lanes.values_mut() {
-            let skip = usize::from(lane.busy);
+            let skip = lane.handed_out;
             ids.extend(lane.queue.iter().skip(skip).map(Claimed::sequence_id));
             lane.queue.truncate(skip);
         }
@@ -426,9 +469,9 @@ mod tests {
     pub(super) fn seqs(heads: &[Head]) -> Vec<i64> {
         heads
             .iter()
-            .map(|h| match h {
-                Head::Publish(e) => e.sequence_id,
-                Head::DeadLetter { sequence_id, .. } => *sequence_id,
+            .flat_map(|h| match h {
+                Head::Publish(run) => run.iter().map(|e| e.sequence_id).collect(),
+                Head::DeadLetter { sequence_id, .. } => vec![*sequence_id],
             })
             .collect()
     }
@@ -437,31 +480,122 @@ mod tests {
     fn one_head_per_key_in_sequence_order() {
         let mut lanes = Lanes::new(true, None);
         lanes.accept(1, vec![row(1, "a"), row(2, "b"), row(3, "a"), row(4, "a")]);
-        assert_eq!(seqs(&lanes.take_ready(100)), vec![1, 2]);
-        assert!(lanes.take_ready(100).is_empty(), "heads are out");
+        assert_eq!(seqs(&lanes.take_ready(100, 1)), vec![1, 2]);
+        assert!(lanes.take_ready(100, 1).is_empty(), "heads are out");
         lanes.advance(&lanes.lane_of(0, "a"));
-        assert_eq!(seqs(&lanes.take_ready(100)), vec![3]);
+        assert_eq!(seqs(&lanes.take_ready(100, 1)), vec![3]);
         lanes.advance(&lanes.lane_of(0, "a"));
         lanes.advance(&lanes.lane_of(0, "b"));
-        assert_eq!(seqs(&lanes.take_ready(100)), vec![4]);
+        assert_eq!(seqs(&lanes.take_ready(100, 1)), vec![4]);
+    }
+
+    fn undecodable(seq: i64, key: &str) -> Claimed {
+        Claimed::Undecodable {
+            sequence_id: seq,
+            ordering_key: key.into(),
+            destination: "d".into(),
+            attempts: 0,
+            reason: "bad".into(),
+        }
+    }
+
+    #[test]
+    fn a_head_is_a_run_of_its_lanes_first_rows_within_the_row_budget() {
+        let mut lanes = Lanes::new(true, None);
+        lanes.accept(
+            1,
+            vec![
+                row(1, "a"),
+                row(2, "b"),
+                row(3, "a"),
+                row(4, "a"),
+                row(5, "a"),
+            ],
+        );
+        let heads = lanes.take_ready(5, 3);
+        assert_eq!(seqs(&heads[..1]), vec![1, 3, 4], "a's run of three");
+        assert_eq!(seqs(&heads[1..]), vec![2], "the budget's last row");
+        lanes.accept(2, vec![row(6, "a")]);
+        assert!(
+            lanes.take_ready(5, 3).is_empty(),
+            "rows behind a run wait for it"
+        );
+        lanes.confirmed(&lanes.lane_of(0, "a"), 3);
+        assert_eq!(
+            seqs(&lanes.take_ready(1, 3)),
+            vec![5],
+            "the budget cuts a run"
+        );
+    }
+
+    #[test]
+    fn a_run_stops_before_an_undecodable_row_which_goes_alone() {
+        let mut lanes = Lanes::new(true, None);
+        lanes.accept(1, vec![row(1, "a"), undecodable(2, "a"), row(3, "a")]);
+        assert_eq!(seqs(&lanes.take_ready(10, 10)), vec![1]);
+        lanes.confirmed(&lanes.lane_of(0, "a"), 1);
+        let heads = lanes.take_ready(10, 10);
+        assert!(matches!(
+            heads[..],
+            [Head::DeadLetter { sequence_id: 2, .. }]
+        ));
+        lanes.advance(&lanes.lane_of(0, "a"));
+        assert_eq!(seqs(&lanes.take_ready(10, 10)), vec![3]);
+    }
+
+    /// Race: a run's second row fails after its first was confirmed. The lane stays busy
+    /// (nothing of the key may overtake the failed row), and retrying releases the rest of
+    /// the run with the rows queued behind it.
+    #[test]
+    fn a_run_failing_part_way_releases_what_follows_the_failed_row() {
+        let mut lanes = Lanes::new(true, None);
+        lanes.accept(1, vec![row(1, "a"), row(2, "a"), row(3, "a"), row(4, "a")]);
+        assert_eq!(seqs(&lanes.take_ready(10, 3)), vec![1, 2, 3]);
+        let a = lanes.lane_of(0, "a");
+        lanes.confirmed(&a, 1);
+        assert!(
+            lanes.take_ready(10, 3).is_empty(),
+            "row 2 failed: nothing overtakes it"
+        );
+        assert_eq!(lanes.block(&a), vec![3, 4]);
+    }
+
+    /// Race: as above, but the failed row is dead-lettered: once that settles, the rest of
+    /// its run goes out again (the sink may hold it already: a duplicate, in order).
+    #[test]
+    fn a_run_whose_row_is_dead_lettered_hands_out_the_rest_again() {
+        let mut lanes = Lanes::new(true, None);
+        lanes.accept(1, vec![row(1, "a"), row(2, "a"), row(3, "a")]);
+        assert_eq!(seqs(&lanes.take_ready(10, 3)), vec![1, 2, 3]);
+        let a = lanes.lane_of(0, "a");
+        lanes.confirmed(&a, 1);
+        let mut unstarted = lanes.take_unstarted();
+        assert!(
+            unstarted.is_empty(),
+            "a run in flight is not unstarted: {unstarted:?}"
+        );
+        lanes.advance(&a);
+        assert_eq!(seqs(&lanes.take_ready(10, 3)), vec![3]);
+        unstarted = lanes.take_unstarted();
+        assert!(unstarted.is_empty());
     }
 
     #[test]
     fn rows_claimed_later_queue_behind_the_busy_head() {
         let mut lanes = Lanes::new(true, None);
         lanes.accept(1, vec![row(1, "a")]);
-        assert_eq!(seqs(&lanes.take_ready(10)), vec![1]);
+        assert_eq!(seqs(&lanes.take_ready(10, 1)), vec![1]);
         lanes.accept(2, vec![row(5, "a")]);
-        assert!(lanes.take_ready(10).is_empty());
+        assert!(lanes.take_ready(10, 1).is_empty());
         lanes.advance(&lanes.lane_of(0, "a"));
-        assert_eq!(seqs(&lanes.take_ready(10)), vec![5]);
+        assert_eq!(seqs(&lanes.take_ready(10, 1)), vec![5]);
     }
 
     #[test]
     fn a_retrying_head_releases_its_lane_and_blocks_stale_claims() {
         let mut lanes = Lanes::new(true, None);
         lanes.accept(1, vec![row(1, "a"), row(2, "a"), row(3, "b")]);
-        lanes.take_ready(10);
+        lanes.take_ready(10, 1);
         assert_eq!(lanes.block(&lanes.lane_of(0, "a")), vec![2]);
         // A claim racing the retry write returns row 6 of key a: released, not queued.
         assert_eq!(lanes.accept(2, vec![row(6, "a")]), vec![6]);
@@ -471,17 +605,17 @@ mod tests {
         // Claim 4 began after the retry was recorded: the store's own blocking applies.
         assert!(lanes.accept(4, vec![row(8, "a")]).is_empty());
         lanes.advance(&lanes.lane_of(0, "b"));
-        assert_eq!(seqs(&lanes.take_ready(10)), vec![8]);
+        assert_eq!(seqs(&lanes.take_ready(10, 1)), vec![8]);
     }
 
     #[test]
     fn duplicate_claims_of_held_rows_are_ignored() {
         let mut lanes = Lanes::new(true, None);
         lanes.accept(1, vec![row(1, "a")]);
-        lanes.take_ready(10);
+        lanes.take_ready(10, 1);
         lanes.advance(&lanes.lane_of(0, "a"));
         lanes.accept(2, vec![row(1, "a")]);
-        assert!(lanes.take_ready(10).is_empty());
+        assert!(lanes.take_ready(10, 1).is_empty());
         lanes.forget(&[1]);
         assert_eq!(lanes.held(), 0);
     }
@@ -490,7 +624,7 @@ mod tests {
     fn shutdown_takes_only_rows_not_handed_out() {
         let mut lanes = Lanes::new(true, None);
         lanes.accept(1, vec![row(1, "a"), row(2, "a"), row(3, "b")]);
-        lanes.take_ready(1);
+        lanes.take_ready(1, 1);
         let mut ids = lanes.take_unstarted();
         ids.sort();
         assert_eq!(ids, vec![2, 3]);
@@ -500,14 +634,14 @@ mod tests {
     fn unordered_lanes_send_every_row_at_once() {
         let mut lanes = Lanes::new(false, None);
         lanes.accept(1, vec![row(1, "a"), row(2, "a"), row(3, "a")]);
-        assert_eq!(seqs(&lanes.take_ready(10)), vec![1, 2, 3]);
+        assert_eq!(seqs(&lanes.take_ready(10, 1)), vec![1, 2, 3]);
     }
 
     #[test]
     fn unordered_lanes_are_gone_once_their_row_is_confirmed() {
         let mut lanes = Lanes::new(false, None);
         lanes.accept(1, vec![row(1, "a"), row(2, "a")]);
-        assert_eq!(seqs(&lanes.take_ready(10)), vec![1, 2]);
+        assert_eq!(seqs(&lanes.take_ready(10, 1)), vec![1, 2]);
         lanes.advance(&lanes.lane_of(1, "a"));
         lanes.advance(&lanes.lane_of(2, "a"));
         lanes.forget(&[1, 2]);
@@ -521,7 +655,7 @@ mod tests {
         // takes it again. It must be handed out, not queued behind its own old attempt.
         let mut lanes = Lanes::new(false, None);
         lanes.accept(1, vec![row(1, "a")]);
-        assert_eq!(seqs(&lanes.take_ready(10)), vec![1]);
+        assert_eq!(seqs(&lanes.take_ready(10, 1)), vec![1]);
         let lane = lanes.lane_of(1, "a");
         assert!(lanes.block(&lane).is_empty());
         lanes.releasing(&[1]);
@@ -529,7 +663,7 @@ mod tests {
         lanes.forget_released(&[1], 1);
         assert!(lanes.accept(2, vec![row(1, "a")]).is_empty());
         lanes.expire_blocks(2);
-        assert_eq!(seqs(&lanes.take_ready(10)), vec![1]);
+        assert_eq!(seqs(&lanes.take_ready(10, 1)), vec![1]);
     }
 
     #[test]
@@ -540,7 +674,7 @@ mod tests {
         let busy = lanes.busy_partitions();
         assert!(busy.len() > 1);
         let keep: std::collections::BTreeSet<i32> = busy.iter().take(1).copied().collect();
-        let out = lanes.take_ready(100);
+        let out = lanes.take_ready(100, 1);
         let released = lanes.keep_only_partitions(&keep);
         // Every head went out; the rows queued behind heads of other partitions come back.
         assert!(!released.is_empty());
@@ -569,7 +703,7 @@ mod tests {
     fn row_1_released_while_claim_3_reads() -> (Lanes, LaneKey) {
         let mut lanes = Lanes::new(true, None);
         lanes.accept(1, vec![row(1, "a"), row(2, "a"), row(3, "a")]);
-        assert_eq!(seqs(&lanes.take_ready(10)), vec![1]);
+        assert_eq!(seqs(&lanes.take_ready(10, 1)), vec![1]);
         let a = lanes.lane_of(0, "a");
         let behind = lanes.block(&a);
         lanes.releasing(&behind);
@@ -597,18 +731,21 @@ mod tests {
         );
         lanes.releasing(&[2, 3]);
         lanes.expire_blocks(3);
-        assert!(lanes.take_ready(10).is_empty(), "nothing overtakes row 1");
+        assert!(
+            lanes.take_ready(10, 1).is_empty(),
+            "nothing overtakes row 1"
+        );
         // Row 1's release reports; the next claim takes it first, then the rest.
         lanes.forget_released(&[1], 3);
         assert!(lanes.accept(4, vec![row(1, "a")]).is_empty());
         lanes.expire_blocks(4);
         lanes.forget_released(&[2, 3], 5);
         assert!(lanes.accept(5, vec![row(2, "a"), row(3, "a")]).is_empty());
-        assert_eq!(seqs(&lanes.take_ready(10)), vec![1]);
+        assert_eq!(seqs(&lanes.take_ready(10, 1)), vec![1]);
         lanes.advance(&a);
-        assert_eq!(seqs(&lanes.take_ready(10)), vec![2]);
+        assert_eq!(seqs(&lanes.take_ready(10, 1)), vec![2]);
         lanes.advance(&a);
-        assert_eq!(seqs(&lanes.take_ready(10)), vec![3]);
+        assert_eq!(seqs(&lanes.take_ready(10, 1)), vec![3]);
         assert!(lanes.releasing.is_empty() && lanes.released_by_lane.is_empty());
     }
 
@@ -625,10 +762,13 @@ mod tests {
         );
         lanes.releasing(&[2, 3]);
         lanes.expire_blocks(3);
-        assert!(lanes.take_ready(10).is_empty(), "nothing overtakes row 1");
+        assert!(
+            lanes.take_ready(10, 1).is_empty(),
+            "nothing overtakes row 1"
+        );
         // Claim 4 began after the report: it sees row 1, and returns it first.
         assert!(lanes.accept(4, vec![row(1, "a")]).is_empty());
-        assert_eq!(seqs(&lanes.take_ready(10)), vec![1]);
+        assert_eq!(seqs(&lanes.take_ready(10, 1)), vec![1]);
     }
 
     /// Race: a stale claim returns a retrying head after its retry committed, so the head
@@ -639,7 +779,7 @@ mod tests {
     fn race_a_row_released_twice_is_held_until_both_releases_report() {
         let mut lanes = Lanes::new(true, None);
         lanes.accept(1, vec![row(1, "a"), row(2, "a")]);
-        assert_eq!(seqs(&lanes.take_ready(10)), vec![1]);
+        assert_eq!(seqs(&lanes.take_ready(10, 1)), vec![1]);
         let a = lanes.lane_of(0, "a");
         let behind = lanes.block(&a);
         lanes.releasing(&behind);
@@ -667,7 +807,7 @@ mod tests {
     fn a_row_claimed_again_while_its_release_is_reported_is_queued_not_lost() {
         let mut lanes = Lanes::new(true, None);
         lanes.accept(1, vec![row(1, "a"), row(2, "a")]);
-        lanes.take_ready(10);
+        lanes.take_ready(10, 1);
         let behind = lanes.block(&lanes.lane_of(0, "a"));
         assert_eq!(behind, vec![2]);
         lanes.releasing(&[1]); // the head's retry statement releases it too
@@ -680,9 +820,9 @@ mod tests {
         lanes.forget_released(&[1], 2);
         lanes.forget_released(&behind, 2);
         assert_eq!(lanes.held(), 2, "row 2 is held again, not forgotten");
-        assert_eq!(seqs(&lanes.take_ready(10)), vec![1]);
+        assert_eq!(seqs(&lanes.take_ready(10, 1)), vec![1]);
         lanes.advance(&lanes.lane_of(0, "a"));
-        assert_eq!(seqs(&lanes.take_ready(10)), vec![2]);
+        assert_eq!(seqs(&lanes.take_ready(10, 1)), vec![2]);
     }
 }
 
@@ -719,7 +859,8 @@ mod interleavings {
 
     /// A statement: it commits in the store first, and reports to the lanes later.
     enum Statement {
-        Publish(Vec<SequenceId>),
+        /// Runs of rows, one per lane.
+        Publish(Vec<Vec<SequenceId>>),
         Ack {
             ids: Vec<SequenceId>,
             committed: bool,
@@ -819,20 +960,32 @@ mod interleavings {
                     committed: false,
                 });
             }
-            let heads = if stopping {
+            let heads: Vec<Vec<SequenceId>> = if stopping {
                 Vec::new()
             } else {
-                seqs(&lanes.take_ready(1 + rng.below(4) as usize))
+                let max_rows = 1 + rng.below(6) as usize;
+                let per_lane = 1 + rng.below(3) as usize;
+                lanes
+                    .take_ready(max_rows, per_lane)
+                    .iter()
+                    .map(|head| seqs(std::slice::from_ref(head)))
+                    .collect()
             };
-            for &seq in &heads {
-                let earlier_unpublished = key_of
-                    .range(..seq)
-                    .find(|(s, k)| ordered && **k == key_of[&seq] && !published.contains(*s));
-                if let Some((earlier, _)) = earlier_unpublished {
-                    return fail(format!("{seq} handed out before {earlier}"), &log);
-                }
-                if published.contains(&seq) || !out.insert(seq) {
-                    return fail(format!("{seq} handed out again"), &log);
+            for run in &heads {
+                for (i, &seq) in run.iter().enumerate() {
+                    // Rows ahead of it in its own run are published before it, or it fails.
+                    let earlier_unpublished = key_of.range(..seq).find(|(s, k)| {
+                        ordered
+                            && **k == key_of[&seq]
+                            && !published.contains(*s)
+                            && !run[..i].contains(*s)
+                    });
+                    if let Some((earlier, _)) = earlier_unpublished {
+                        return fail(format!("{seq} handed out before {earlier}"), &log);
+                    }
+                    if published.contains(&seq) || !out.insert(seq) {
+                        return fail(format!("{seq} handed out again"), &log);
+                    }
                 }
             }
             if !heads.is_empty() {
@@ -928,17 +1081,20 @@ mod interleavings {
                     statements.swap_remove(pick);
                     let (mut acked, mut keys, mut retried, mut behind) =
                         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-                    for seq in heads {
-                        out.remove(&seq);
-                        let lane = lanes.lane_of(seq, &key_of[&seq]);
-                        if rng.below(3) > 0 {
-                            published.insert(seq);
-                            acked.push(seq);
-                            lanes.advance(&lane);
-                        } else {
+                    for run in heads {
+                        let lane = lanes.lane_of(run[0], &key_of[&run[0]]);
+                        // The sink stores a prefix of the run; the row after it failed.
+                        let stored = run.iter().take_while(|_| rng.below(3) > 0).count();
+                        for &seq in &run {
+                            out.remove(&seq);
+                        }
+                        published.extend(&run[..stored]);
+                        acked.extend(&run[..stored]);
+                        lanes.confirmed(&lane, stored);
+                        if let Some(&failed) = run.get(stored) {
                             behind.extend(lanes.block(&lane));
                             keys.push(lane);
-                            retried.push(seq);
+                            retried.push(failed);
                         }
                     }
                     log.push(format!(

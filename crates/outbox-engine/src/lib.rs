@@ -373,7 +373,10 @@ impl Engine {
     /// dead letters.
     fn dispatch(&mut self) {
         loop {
-            let heads = self.lanes.take_ready(self.config.settings.batch_size);
+            let heads = self.lanes.take_ready(
+                self.config.settings.batch_size,
+                self.publisher.max_events_per_key(),
+            );
             if heads.is_empty() {
                 return;
             }
@@ -382,7 +385,7 @@ impl Engine {
             let mut undecodable = Vec::new();
             for head in heads {
                 match head {
-                    Head::Publish(event) => batch.push(event),
+                    Head::Publish(run) => batch.extend(run),
                     Head::DeadLetter {
                         sequence_id,
                         lane,
@@ -514,8 +517,17 @@ impl Engine {
         let mut dead = Vec::new();
         let mut release = Vec::new();
         let mut first_failure: Option<(String, usize)> = None;
+        // A lane's run is consecutive in the batch. Its confirmed prefix is acked; its first
+        // failure is retried or dead-lettered as a lane head; the rest of the run is not
+        // counted (released, or handed out again), whatever the sink said of it.
+        let mut run: Option<(LaneKey, usize)> = None;
+        let mut failed_lane: Option<LaneKey> = None;
         for (event, outcome) in batch.iter().zip(outcomes) {
             let lane = self.lanes.lane_of(event.sequence_id, event.ordering_key());
+            if failed_lane.as_ref() == Some(&lane) {
+                continue;
+            }
+            failed_lane = None;
             match outcome {
                 Ok(()) => {
                     acked.push(Acked {
@@ -526,9 +538,20 @@ impl Engine {
                         ::metrics::histogram!(metrics::COMMIT_TO_CONFIRM)
                             .record(latency.as_secs_f64());
                     }
-                    self.lanes.advance(&lane);
+                    match &mut run {
+                        Some((key, n)) if *key == lane => *n += 1,
+                        _ => {
+                            if let Some((key, n)) = run.replace((lane, 1)) {
+                                self.lanes.confirmed(&key, n);
+                            }
+                        }
+                    }
                 }
                 Err(error) => {
+                    if let Some((key, n)) = run.take() {
+                        self.lanes.confirmed(&key, n);
+                    }
+                    failed_lane = Some(lane.clone());
                     let attempts = event.attempts + 1;
                     let report = error.report();
                     self.summary.last_failure = Some(report.clone());
@@ -585,6 +608,9 @@ impl Engine {
                     }
                 }
             }
+        }
+        if let Some((key, n)) = run.take() {
+            self.lanes.confirmed(&key, n);
         }
         if let Some((error, count)) = first_failure {
             tracing::warn!(events = count, %error, sink = %self.publisher.describe(), "publish failed; will retry with backoff");

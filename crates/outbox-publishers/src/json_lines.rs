@@ -187,6 +187,11 @@ impl StdoutSink {
 }
 
 impl Sink for StdoutSink {
+    /// A send is one buffer, written in order: a failed write leaves at most a prefix.
+    fn stores_a_prefix(&self) -> bool {
+        true
+    }
+
     fn messaging_system(&self) -> Option<&'static str> {
         Some("stdout")
     }
@@ -449,6 +454,11 @@ impl OpenFile {
 }
 
 impl Sink for FileSink {
+    /// A send is one buffer, written in order: a failed write leaves at most a prefix.
+    fn stores_a_prefix(&self) -> bool {
+        true
+    }
+
     fn messaging_system(&self) -> Option<&'static str> {
         Some("file")
     }

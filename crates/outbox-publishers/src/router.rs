@@ -141,8 +141,20 @@ impl Publisher for Router {
         names.join(", ")
     }
 
+    /// A key's run only where every event goes to one sink that stores a prefix of each
+    /// send: with two sinks, one could store a key's later event while the other fails an
+    /// earlier one.
+    fn max_events_per_key(&self) -> usize {
+        match self.sinks.values().collect::<Vec<_>>()[..] {
+            [sink] if sink.stores_a_prefix() => usize::MAX,
+            _ => 1,
+        }
+    }
+
     fn publish(&self, batch: Vec<Arc<Event>>) -> BoxFuture<'static, Vec<Outcome>> {
         let mut outcomes: Vec<Option<Outcome>> = (0..batch.len()).map(|_| None).collect();
+        let run_keys: Option<Vec<String>> = (self.max_events_per_key() > 1)
+            .then(|| batch.iter().map(|e| e.ordering_key().to_string()).collect());
         // sink name → (positions in the batch, routed events)
         let mut groups: HashMap<&str, (Vec<usize>, Vec<Routed>)> = HashMap::new();
         for (i, event) in batch.into_iter().enumerate() {
@@ -200,6 +212,9 @@ impl Publisher for Router {
                 cloudevents,
             });
         }
+        if let Some(keys) = &run_keys {
+            hold_back_after_failures(keys, &mut outcomes, &mut groups);
+        }
         let sends: Vec<_> = groups
             .into_iter()
             .map(|(name, (positions, routed))| {
@@ -246,6 +261,43 @@ impl Publisher for Router {
         }
         .boxed()
     }
+}
+
+/// Keeps [`Publisher::max_events_per_key`]'s promise for what the router itself refused:
+/// once an event of a key failed here (no route, say, which is retried), no later event of
+/// that key in the batch reaches the sink. Those fail too, and go out again after it.
+fn hold_back_after_failures(
+    keys: &[String],
+    outcomes: &mut [Option<Outcome>],
+    groups: &mut HashMap<&str, (Vec<usize>, Vec<Routed>)>,
+) {
+    let mut failed_at: HashMap<&str, usize> = HashMap::new();
+    for (i, outcome) in outcomes.iter().enumerate() {
+        if let Some(Err(_)) = outcome {
+            failed_at.entry(&keys[i]).or_insert(i);
+        }
+    }
+    if failed_at.is_empty() {
+        return;
+    }
+    for (positions, routed) in groups.values_mut() {
+        let kept: Vec<(usize, Routed)> = std::mem::take(positions)
+            .into_iter()
+            .zip(std::mem::take(routed))
+            .filter(|(i, _)| {
+                let held_back = failed_at.get(keys[*i].as_str()).is_some_and(|f| f < i);
+                if held_back {
+                    outcomes[*i] = Some(Err(PublishError::new(
+                        PublishErrorKind::BrokerFailure,
+                        "not sent: an earlier event of its key failed in this batch",
+                    )));
+                }
+                !held_back
+            })
+            .collect();
+        (*positions, *routed) = kept.into_iter().unzip();
+    }
+    groups.retain(|_, (positions, _)| !positions.is_empty());
 }
 
 #[cfg(test)]
@@ -335,6 +387,71 @@ mod tests {
             vec![("events.orders.eu.created".to_string(), 1)]
         );
         assert_eq!(*b.0.lock().unwrap(), vec![("posts:7".to_string(), 2)]);
+    }
+
+    /// Runs of a key only through one sink that stores a prefix; and once the router fails
+    /// an event of a key (no route: retried), no later event of the key reaches the sink.
+    #[tokio::test]
+    async fn runs_of_a_key_go_only_to_one_prefix_storing_sink_and_stop_at_a_failure() {
+        struct Prefix(Arc<Recorder>);
+        impl Sink for Prefix {
+            fn describe(&self) -> String {
+                self.0.describe()
+            }
+            fn send(&self, batch: Vec<Routed>) -> BoxFuture<'static, Vec<Outcome>> {
+                self.0.send(batch)
+            }
+            fn health(&self) -> BoxFuture<'static, Result<(), PublishError>> {
+                self.0.health()
+            }
+            fn stores_a_prefix(&self) -> bool {
+                true
+            }
+        }
+        let recorder = Arc::new(Recorder::default());
+        let only = |sink: Arc<dyn Sink>| {
+            Router::new(
+                vec![("a".into(), sink)],
+                vec![Route::new("orders.*", "a", Template::destination()).unwrap()],
+            )
+            .unwrap()
+        };
+        assert_eq!(only(recorder.clone()).max_events_per_key(), 1);
+        let router = only(Arc::new(Prefix(recorder.clone())));
+        assert!(router.max_events_per_key() > 1);
+        let two = Router::new(
+            vec![
+                (
+                    "a".into(),
+                    Arc::new(Prefix(recorder.clone())) as Arc<dyn Sink>,
+                ),
+                (
+                    "b".into(),
+                    Arc::new(Prefix(recorder.clone())) as Arc<dyn Sink>,
+                ),
+            ],
+            vec![Route::new("*", "a", Template::destination()).unwrap()],
+        )
+        .unwrap();
+        assert_eq!(two.max_events_per_key(), 1, "two sinks: one event per key");
+
+        let keyed = |seq, destination, key: &str| {
+            let mut e = (*event(seq, destination, "x")).clone();
+            e.partition_key = Some(key.into());
+            Arc::new(e)
+        };
+        let outcomes = router
+            .publish(vec![
+                keyed(1, "orders.eu", "k"),
+                keyed(2, "invoices", "k"),
+                keyed(3, "orders.eu", "k"),
+                keyed(4, "orders.eu", "other"),
+            ])
+            .await;
+        assert!(outcomes[0].is_ok() && outcomes[3].is_ok());
+        assert!(outcomes[1].is_err() && outcomes[2].is_err());
+        let sent: Vec<i64> = recorder.0.lock().unwrap().iter().map(|(_, s)| *s).collect();
+        assert_eq!(sent, vec![1, 4], "event 3 waits for event 2 of its key");
     }
 
     /// A target that is the broker's own API is dead-lettered with the fix, unless a route

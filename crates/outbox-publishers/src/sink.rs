@@ -29,6 +29,14 @@ pub trait Sink: Send + Sync + 'static {
 
     fn health(&self) -> BoxFuture<'static, Result<(), PublishError>>;
 
+    /// Whether one `send` stores its events in order and, when one fails with a retryable
+    /// error, stores none after it: the promise behind
+    /// [`outbox_core::Publisher::max_events_per_key`]. A file's or stdout's one write per
+    /// send keeps it; brokers that confirm each message on its own do not.
+    fn stores_a_prefix(&self) -> bool {
+        false
+    }
+
     /// The largest payload the broker accepts, if it has a limit.
     fn max_message_bytes(&self) -> Option<usize> {
         None
@@ -89,6 +97,10 @@ impl Sink for Limited {
 
     fn health(&self) -> BoxFuture<'static, Result<(), PublishError>> {
         self.inner.health()
+    }
+
+    fn stores_a_prefix(&self) -> bool {
+        self.inner.stores_a_prefix()
     }
 
     fn max_message_bytes(&self) -> Option<usize> {

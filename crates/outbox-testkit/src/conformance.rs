@@ -116,6 +116,7 @@ macro_rules! store_conformance {
             undecodable_rows_are_claimed_for_dead_lettering, ack_deletes_or_retains,
             release_makes_rows_claimable, node_registry,
             engine_delivers_in_order_per_key, engine_retry_blocks_only_its_key,
+            engine_runs_of_a_key_keep_their_order_through_failures,
             engine_dead_letters_after_max_attempts_and_moves_on,
             engine_dead_letters_permanent_errors_and_undecodable_rows,
             engine_unordered_retries_and_dead_letters_go_out_again,
@@ -763,6 +764,47 @@ pub async fn engine_delivers_in_order_per_key(h: &dyn Harness) {
             "a batch carried one key twice: {batch:?}"
         );
     }
+}
+
+/// A publisher that stores a prefix of each batch ([`outbox_core::Publisher::max_events_per_key`]) gets
+/// runs of a key; a failure inside a run, retried or dead-lettered, leaves the key's order
+/// and the rest of its run to go out again after it.
+pub async fn engine_runs_of_a_key_keep_their_order_through_failures(h: &dyn Harness) {
+    let rows: Vec<(&str, Option<&str>, &str, usize)> = (0..60)
+        .map(|n| {
+            let event_type = match n {
+                9 => "flaky", // key a, inside a run
+                13 => "huge", // key b, inside a run
+                _ => "t",
+            };
+            ("d", Some(["a", "b", "c"][n % 3]), event_type, n)
+        })
+        .collect();
+    let (_, seq) = store_with(h, &rows).await;
+    let publisher = RecordingPublisher::storing_a_prefix();
+    publisher.fail("flaky", 2, PublishErrorKind::Unavailable);
+    publisher.fail("huge", 1, PublishErrorKind::TooLarge);
+    let summary = run_until_settled(h, &publisher, engine_config(false), &seq).await;
+    assert_eq!(summary.retried, 2);
+    assert_eq!(summary.dead_lettered, 1);
+    let dead: Vec<_> = h.dead_rows().await.iter().map(|d| d.sequence_id).collect();
+    assert_eq!(dead, vec![seq[13]]);
+    let mut got = delivered_ids(&publisher);
+    got.sort();
+    let expected: Vec<_> = seq.iter().copied().filter(|s| *s != seq[13]).collect();
+    assert_eq!(
+        got, expected,
+        "each event delivered once, the dead one never"
+    );
+    assert_per_key_order(&publisher.delivered());
+    assert!(
+        publisher.batches().iter().any(|batch| {
+            let keys: HashSet<_> = batch.iter().collect();
+            keys.len() < batch.len()
+        }),
+        "no batch carried a run of a key: {:?}",
+        publisher.batches()
+    );
 }
 
 pub async fn engine_retry_blocks_only_its_key(h: &dyn Harness) {

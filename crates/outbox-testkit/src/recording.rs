@@ -15,6 +15,8 @@ struct State {
     failures: HashMap<String, (usize, PublishErrorKind)>,
     /// Keys of every batch, to check that a batch never holds a key twice.
     batches: Vec<Vec<String>>,
+    /// Takes runs of a key per batch, as a file does ([`RecordingPublisher::storing_a_prefix`]).
+    runs: bool,
 }
 
 /// Records every confirmed event in publish order.
@@ -26,6 +28,15 @@ pub struct RecordingPublisher {
 impl RecordingPublisher {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A publisher that takes runs of a key in a batch and keeps the promise of
+    /// [`Publisher::max_events_per_key`]: once an event of a key fails, it stores no later
+    /// event of that key from the batch (they fail as well).
+    pub fn storing_a_prefix() -> Self {
+        let publisher = Self::default();
+        publisher.state.lock().unwrap().runs = true;
+        publisher
     }
 
     /// Makes the next `times` publishes of `event_type` fail with `kind`.
@@ -62,13 +73,25 @@ impl Publisher for RecordingPublisher {
         state
             .batches
             .push(batch.iter().map(|e| e.ordering_key().to_string()).collect());
+        let mut failed_keys = std::collections::HashSet::new();
         let outcomes = batch
             .into_iter()
             .map(|event| {
                 state.attempts.push(event.sequence_id);
+                let key = event.ordering_key().to_string();
+                if failed_keys.contains(&key) {
+                    return Err(PublishError::new(
+                        PublishErrorKind::Io,
+                        "not written: an earlier event of its key failed",
+                    ));
+                }
+                let runs = state.runs;
                 if let Some((left, kind)) = state.failures.get_mut(&event.event_type) {
                     if *left > 0 {
                         *left -= 1;
+                        if runs {
+                            failed_keys.insert(key);
+                        }
                         return Err(PublishError::new(*kind, "injected failure"));
                     }
                 }
@@ -77,6 +100,14 @@ impl Publisher for RecordingPublisher {
             })
             .collect();
         async move { outcomes }.boxed()
+    }
+
+    fn max_events_per_key(&self) -> usize {
+        if self.state.lock().unwrap().runs {
+            usize::MAX
+        } else {
+            1
+        }
     }
 
     fn health(&self) -> BoxFuture<'static, Result<(), PublishError>> {
