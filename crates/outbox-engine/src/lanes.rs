@@ -24,20 +24,31 @@ use outbox_core::{Claimed, Event, SequenceId};
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct LaneKey(Arc<str>);
 
-/// A lane's head, handed out for work.
+/// What [`Lanes::take_ready`] hands out: each ready lane's head.
+#[derive(Debug, Default)]
+pub struct Handout {
+    /// Events to publish. A lane's head is its first row, or a run of its first rows where
+    /// the publisher keeps a batch's events of one key in order
+    /// ([`outbox_core::Publisher::max_events_per_key`]); a run's rows are consecutive here.
+    pub publish: Vec<Arc<Event>>,
+    /// Undecodable rows, each its lane's head alone: they go straight to the dead letters.
+    pub undecodable: Vec<UndecodableHead>,
+}
+
+impl Handout {
+    pub fn is_empty(&self) -> bool {
+        self.publish.is_empty() && self.undecodable.is_empty()
+    }
+}
+
+/// An undecodable row at the head of its lane.
 #[derive(Clone, Debug)]
-pub enum Head {
-    /// A run of the lane's first rows, in order: one row, or more where the publisher keeps
-    /// a batch's events of one key in order ([`outbox_core::Publisher::max_events_per_key`]).
-    Publish(Vec<Arc<Event>>),
-    /// An undecodable row: it goes straight to the dead letters.
-    DeadLetter {
-        sequence_id: SequenceId,
-        lane: LaneKey,
-        destination: String,
-        attempts: u32,
-        reason: String,
-    },
+pub struct UndecodableHead {
+    pub sequence_id: SequenceId,
+    pub lane: LaneKey,
+    pub destination: String,
+    pub attempts: u32,
+    pub reason: String,
 }
 
 #[derive(Default)]
@@ -248,8 +259,8 @@ impl Lanes {
     /// Hands out lane heads, up to `max_rows` rows in all, and marks their lanes busy. A
     /// head is a run of up to `per_lane` of its lane's first rows; an undecodable row is a
     /// head of its own.
-    pub fn take_ready(&mut self, max_rows: usize, per_lane: usize) -> Vec<Head> {
-        let mut heads = Vec::new();
+    pub fn take_ready(&mut self, max_rows: usize, per_lane: usize) -> Handout {
+        let mut handout = Handout::default();
         let mut rows = 0;
         while rows < max_rows {
             let Some(key) = self.ready.pop_front() else {
@@ -258,40 +269,41 @@ impl Lanes {
             let Some(lane) = self.lanes.get_mut(&key) else {
                 continue;
             };
-            let head = match lane.queue.front() {
+            lane.handed_out = match lane.queue.front() {
                 None => continue,
-                Some(Claimed::Event(_)) => Head::Publish(
-                    lane.queue
-                        .iter()
-                        .take(per_lane.clamp(1, max_rows - rows))
-                        .map_while(|row| match row {
-                            Claimed::Event(e) => Some(e.clone()),
-                            Claimed::Undecodable { .. } => None,
-                        })
-                        .collect(),
-                ),
+                Some(Claimed::Event(_)) => {
+                    let before = handout.publish.len();
+                    handout.publish.extend(
+                        lane.queue
+                            .iter()
+                            .take(per_lane.clamp(1, max_rows - rows))
+                            .map_while(|row| match row {
+                                Claimed::Event(e) => Some(e.clone()),
+                                Claimed::Undecodable { .. } => None,
+                            }),
+                    );
+                    handout.publish.len() - before
+                }
                 Some(Claimed::Undecodable {
                     sequence_id,
                     destination,
                     attempts,
                     reason,
                     ..
-                }) => Head::DeadLetter {
-                    sequence_id: *sequence_id,
-                    lane: key.clone(),
-                    destination: destination.clone(),
-                    attempts: *attempts,
-                    reason: reason.clone(),
-                },
-            };
-            lane.handed_out = match &head {
-                Head::Publish(run) => run.len(),
-                Head::DeadLetter { .. } => 1,
+                }) => {
+                    handout.undecodable.push(UndecodableHead {
+                        sequence_id: *sequence_id,
+                        lane: key.clone(),
+                        destination: destination.clone(),
+                        attempts: *attempts,
+                        reason: reason.clone(),
+                    });
+                    1
+                }
             };
             rows += lane.handed_out;
-            heads.push(head);
         }
-        heads
+        handout
     }
 
     /// The first `n` rows handed out from `key` were confirmed, in order. Once every row
@@ -466,13 +478,11 @@ mod tests {
         }))
     }
 
-    pub(super) fn seqs(heads: &[Head]) -> Vec<i64> {
-        heads
-            .iter()
-            .flat_map(|h| match h {
-                Head::Publish(run) => run.iter().map(|e| e.sequence_id).collect(),
-                Head::DeadLetter { sequence_id, .. } => vec![*sequence_id],
-            })
+    /// The rows handed out: the events to publish, then the undecodable rows.
+    pub(super) fn seqs(handout: &Handout) -> Vec<i64> {
+        let publish = handout.publish.iter().map(|e| e.sequence_id);
+        publish
+            .chain(handout.undecodable.iter().map(|u| u.sequence_id))
             .collect()
     }
 
@@ -512,9 +522,11 @@ mod tests {
                 row(5, "a"),
             ],
         );
-        let heads = lanes.take_ready(5, 3);
-        assert_eq!(seqs(&heads[..1]), vec![1, 3, 4], "a's run of three");
-        assert_eq!(seqs(&heads[1..]), vec![2], "the budget's last row");
+        assert_eq!(
+            seqs(&lanes.take_ready(5, 3)),
+            vec![1, 3, 4, 2],
+            "a's run of three, then b's row: the budget's last"
+        );
         lanes.accept(2, vec![row(6, "a")]);
         assert!(
             lanes.take_ready(5, 3).is_empty(),
@@ -534,10 +546,11 @@ mod tests {
         lanes.accept(1, vec![row(1, "a"), undecodable(2, "a"), row(3, "a")]);
         assert_eq!(seqs(&lanes.take_ready(10, 10)), vec![1]);
         lanes.confirmed(&lanes.lane_of(0, "a"), 1);
-        let heads = lanes.take_ready(10, 10);
+        let handout = lanes.take_ready(10, 10);
+        assert!(handout.publish.is_empty());
         assert!(matches!(
-            heads[..],
-            [Head::DeadLetter { sequence_id: 2, .. }]
+            handout.undecodable[..],
+            [UndecodableHead { sequence_id: 2, .. }]
         ));
         lanes.advance(&lanes.lane_of(0, "a"));
         assert_eq!(seqs(&lanes.take_ready(10, 10)), vec![3]);
@@ -965,11 +978,18 @@ mod interleavings {
             } else {
                 let max_rows = 1 + rng.below(6) as usize;
                 let per_lane = 1 + rng.below(3) as usize;
-                lanes
-                    .take_ready(max_rows, per_lane)
-                    .iter()
-                    .map(|head| seqs(std::slice::from_ref(head)))
-                    .collect()
+                // A lane's run is consecutive in the handout.
+                let mut runs: Vec<Vec<SequenceId>> = Vec::new();
+                for seq in seqs(&lanes.take_ready(max_rows, per_lane)) {
+                    let lane = lanes.lane_of(seq, &key_of[&seq]);
+                    match runs.last_mut() {
+                        Some(run) if lanes.lane_of(run[0], &key_of[&run[0]]) == lane => {
+                            run.push(seq)
+                        }
+                        _ => runs.push(vec![seq]),
+                    }
+                }
+                runs
             };
             for run in &heads {
                 for (i, &seq) in run.iter().enumerate() {

@@ -42,7 +42,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use crate::lanes::{Head, LaneKey, Lanes};
+use crate::lanes::{Handout, LaneKey, Lanes, UndecodableHead};
 use crate::scheduler::{Claim, ClaimScheduler};
 use outbox_core::metric_labels::DestinationLabels;
 
@@ -373,38 +373,36 @@ impl Engine {
     /// dead letters.
     fn dispatch(&mut self) {
         loop {
-            let heads = self.lanes.take_ready(
+            let Handout {
+                publish: batch,
+                undecodable: rows,
+            } = self.lanes.take_ready(
                 self.config.settings.batch_size,
                 self.publisher.max_events_per_key(),
             );
-            if heads.is_empty() {
+            if batch.is_empty() && rows.is_empty() {
                 return;
             }
-            let mut batch = Vec::with_capacity(heads.len());
             let mut undecodable_lanes = Vec::new();
             let mut undecodable = Vec::new();
-            for head in heads {
-                match head {
-                    Head::Publish(run) => batch.extend(run),
-                    Head::DeadLetter {
-                        sequence_id,
-                        lane,
-                        destination,
-                        attempts,
-                        reason,
-                    } => {
-                        tracing::error!(sequence_id, %destination, %reason, "undecodable row; dead-lettering it");
-                        undecodable_lanes.push(SettledLane {
-                            key: lane,
-                            destination,
-                        });
-                        undecodable.push(DeadLetter {
-                            sequence_id,
-                            attempts,
-                            error: format!("undecodable row: {reason}"),
-                        });
-                    }
-                }
+            for UndecodableHead {
+                sequence_id,
+                lane,
+                destination,
+                attempts,
+                reason,
+            } in rows
+            {
+                tracing::error!(sequence_id, %destination, %reason, "undecodable row; dead-lettering it");
+                undecodable_lanes.push(SettledLane {
+                    key: lane,
+                    destination,
+                });
+                undecodable.push(DeadLetter {
+                    sequence_id,
+                    attempts,
+                    error: format!("undecodable row: {reason}"),
+                });
             }
             self.dead_letter(undecodable_lanes, undecodable);
             if !batch.is_empty() {
