@@ -435,21 +435,27 @@ mod tests {
         .unwrap();
         assert_eq!(two.max_events_per_key(), 1, "two sinks: one event per key");
 
-        let keyed = |seq, destination, key: &str| {
+        // Event 2 of key k has no route.
+        let batch = [
+            (1, "orders.eu", "k"),
+            (2, "invoices", "k"),
+            (3, "orders.eu", "k"),
+        ]
+        .into_iter()
+        .chain([(4, "orders.eu", "other")])
+        .map(|(seq, destination, key)| {
             let mut e = (*event(seq, destination, "x")).clone();
             e.partition_key = Some(key.into());
             Arc::new(e)
-        };
-        let outcomes = router
-            .publish(vec![
-                keyed(1, "orders.eu", "k"),
-                keyed(2, "invoices", "k"),
-                keyed(3, "orders.eu", "k"),
-                keyed(4, "orders.eu", "other"),
-            ])
-            .await;
-        assert!(outcomes[0].is_ok() && outcomes[3].is_ok());
-        assert!(outcomes[1].is_err() && outcomes[2].is_err());
+        })
+        .collect();
+        let failed: Vec<bool> = router
+            .publish(batch)
+            .await
+            .iter()
+            .map(Result::is_err)
+            .collect();
+        assert_eq!(failed, [false, true, true, false]);
         let sent: Vec<i64> = recorder.0.lock().unwrap().iter().map(|(_, s)| *s).collect();
         assert_eq!(sent, vec![1, 4], "event 3 waits for event 2 of its key");
     }
