@@ -44,6 +44,10 @@ pub enum PublishErrorKind {
     Rejected,
     /// The event could not be encoded for this sink.
     Encoding,
+    /// Not sent at all: an earlier event of its key in the batch failed, and a sink that
+    /// keeps a key's runs in order ([`crate::Publisher::max_events_per_key`]) sends none of
+    /// the key's later events after it. It counts as no attempt.
+    NotSent,
 }
 
 impl PublishErrorKind {
@@ -51,9 +55,8 @@ impl PublishErrorKind {
     pub fn disposition(self) -> Disposition {
         use PublishErrorKind::*;
         match self {
-            Unavailable | Timeout | Throttled | BrokerFailure | MissingTarget | NoRoute | Io => {
-                Disposition::Retry { after: None }
-            }
+            Unavailable | Timeout | Throttled | BrokerFailure | MissingTarget | NoRoute | Io
+            | NotSent => Disposition::Retry { after: None },
             TooLarge | Unauthorized | Rejected | Encoding => Disposition::Permanent,
         }
     }
@@ -72,6 +75,7 @@ impl PublishErrorKind {
             Unauthorized => "unauthorized",
             Rejected => "rejected",
             Encoding => "encoding",
+            NotSent => "not_sent",
         }
     }
 }

@@ -16,7 +16,9 @@ pub type Outcome = Result<(), PublishError>;
 /// # Contract
 /// - `publish` receives a batch in which each ordering key has at most
 ///   [`Publisher::max_events_per_key`] events (one by default), consecutive and in order,
-///   and returns exactly one outcome per event, in the same order as the batch.
+///   and returns exactly one outcome per event, in the same order as the batch. (Under
+///   `--ordering none` every event is a lane of its own, and a batch may hold any number of
+///   a key's events.)
 /// - `Ok` means the sink confirmed the event: only then is its row acked. A publisher never
 ///   reports `Ok` before the broker's confirmation (PubAck, delivery report, publisher
 ///   confirm, fsync).

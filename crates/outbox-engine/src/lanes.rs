@@ -1,7 +1,8 @@
 //! Per-key lanes: the in-memory half of the ordering guarantee.
 //!
 //! Every claimed row joins the lane of its ordering key, in `sequence_id` order. Only the
-//! head of a lane is ever out (publishing, or being dead-lettered); the next one goes when
+//! head of a lane is ever out (publishing, or being dead-lettered): its first row, or a run
+//! of its first rows for a sink that stores a key's run as a prefix; the next rows go when
 //! the head is confirmed or dead-lettered. When a head must retry, the rest of its lane is
 //! released back to the store, where the head's future `available_at` blocks them, and the
 //! key is *blocked* here until the retry is recorded and every claim that could have read
@@ -329,6 +330,15 @@ impl Lanes {
         lane.queue.pop_front();
         lane.handed_out = 0;
         self.free(key);
+    }
+
+    /// The sink did not send `key`'s head ([`outbox_core::PublishErrorKind::NotSent`]): drops
+    /// the lane. Returns its rows, head first, to release: they go out again, no attempt
+    /// counted.
+    pub fn give_back(&mut self, key: &LaneKey) -> Vec<SequenceId> {
+        self.lanes.remove(key).map_or_else(Vec::new, |lane| {
+            lane.queue.iter().map(Claimed::sequence_id).collect()
+        })
     }
 
     /// `key` has nothing handed out: gone if empty, else ready.

@@ -550,6 +550,13 @@ impl Engine {
                         self.lanes.confirmed(&key, n);
                     }
                     failed_lane = Some(lane.clone());
+                    if error.kind() == PublishErrorKind::NotSent {
+                        // Held back behind a failure of its key in the batch: under
+                        // `--ordering none` that is another lane's, and this row simply
+                        // goes out again.
+                        release.extend(self.lanes.give_back(&lane));
+                        continue;
+                    }
                     let attempts = event.attempts + 1;
                     let report = error.report();
                     self.summary.last_failure = Some(report.clone());

@@ -288,8 +288,8 @@ fn hold_back_after_failures(
                 let held_back = failed_at.get(keys[*i].as_str()).is_some_and(|f| f < i);
                 if held_back {
                     outcomes[*i] = Some(Err(PublishError::new(
-                        PublishErrorKind::BrokerFailure,
-                        "not sent: an earlier event of its key failed in this batch",
+                        PublishErrorKind::NotSent,
+                        "an earlier event of its key failed in this batch",
                     )));
                 }
                 !held_back
@@ -449,13 +449,13 @@ mod tests {
             Arc::new(e)
         })
         .collect();
-        let failed: Vec<bool> = router
-            .publish(batch)
-            .await
-            .iter()
-            .map(Result::is_err)
-            .collect();
+        let outcomes = router.publish(batch).await;
+        let failed: Vec<bool> = outcomes.iter().map(Result::is_err).collect();
         assert_eq!(failed, [false, true, true, false]);
+        assert_eq!(
+            outcomes[2].as_ref().unwrap_err().kind(),
+            PublishErrorKind::NotSent
+        );
         let sent: Vec<i64> = recorder.0.lock().unwrap().iter().map(|(_, s)| *s).collect();
         assert_eq!(sent, vec![1, 4], "event 3 waits for event 2 of its key");
     }

@@ -117,6 +117,7 @@ macro_rules! store_conformance {
             release_makes_rows_claimable, node_registry,
             engine_delivers_in_order_per_key, engine_retry_blocks_only_its_key,
             engine_runs_of_a_key_keep_their_order_through_failures,
+            engine_unordered_events_held_back_by_the_sink_go_out_again_unretried,
             engine_dead_letters_after_max_attempts_and_moves_on,
             engine_dead_letters_permanent_errors_and_undecodable_rows,
             engine_unordered_retries_and_dead_letters_go_out_again,
@@ -805,6 +806,30 @@ pub async fn engine_runs_of_a_key_keep_their_order_through_failures(h: &dyn Harn
         "no batch carried a run of a key: {:?}",
         publisher.batches()
     );
+}
+
+/// Under `--ordering none`, events that a run-keeping sink held back behind another lane's
+/// failure of their key ([`PublishErrorKind::NotSent`]) go out again, no attempt counted:
+/// with one attempt allowed, a count would dead-letter them.
+pub async fn engine_unordered_events_held_back_by_the_sink_go_out_again_unretried(h: &dyn Harness) {
+    let mut rows = vec![("d", Some("a"), "huge", 0)];
+    rows.extend((1..6).map(|n| ("d", Some("a"), "t", n)));
+    let (_, seq) = store_with(h, &rows).await;
+    let publisher = RecordingPublisher::storing_a_prefix();
+    publisher.fail("huge", 1, PublishErrorKind::TooLarge);
+    let mut config = engine_config(false);
+    config.ordered = false;
+    config
+        .settings
+        .retry
+        .max_attempts_by_type
+        .insert("t".into(), 1);
+    let summary = run_until_settled(h, &publisher, config, &seq).await;
+    assert_eq!(summary.dead_lettered, 1, "only the event too large");
+    assert_eq!(summary.retried, 0, "an event held back was not attempted");
+    let mut got = delivered_ids(&publisher);
+    got.sort();
+    assert_eq!(got, seq[1..].to_vec());
 }
 
 pub async fn engine_retry_blocks_only_its_key(h: &dyn Harness) {

@@ -81,8 +81,8 @@ impl Publisher for RecordingPublisher {
                 let key = event.ordering_key().to_string();
                 if failed_keys.contains(&key) {
                     return Err(PublishError::new(
-                        PublishErrorKind::Io,
-                        "not written: an earlier event of its key failed",
+                        PublishErrorKind::NotSent,
+                        "an earlier event of its key failed",
                     ));
                 }
                 let runs = state.runs;
