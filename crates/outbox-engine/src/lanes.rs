@@ -57,6 +57,8 @@ struct Lane {
     queue: VecDeque<Claimed>,
     /// How many of the queue's first rows are handed out (0: the lane is free).
     handed_out: usize,
+    /// Its partition was lost while rows were out: none goes out again.
+    lost: bool,
     partition: i32,
 }
 
@@ -157,7 +159,8 @@ impl Lanes {
     ) -> Vec<SequenceId> {
         let mut release = Vec::new();
         self.lanes.retain(|_, lane| {
-            if keep.contains(&lane.partition) {
+            lane.lost = !keep.contains(&lane.partition);
+            if !lane.lost {
                 return true;
             }
             let skip = lane.handed_out;
@@ -322,14 +325,19 @@ impl Lanes {
     }
 
     /// The head row of `key` is done (dead-lettered): the next row may go. Rows of its run
-    /// behind it count as not handed out: they go out again.
-    pub fn advance(&mut self, key: &LaneKey) {
+    /// behind it count as not handed out: they go out again, or, if the lane's partition
+    /// was lost meanwhile, are returned to release.
+    pub fn advance(&mut self, key: &LaneKey) -> Vec<SequenceId> {
         let Some(lane) = self.lanes.get_mut(key) else {
-            return;
+            return Vec::new();
         };
         lane.queue.pop_front();
         lane.handed_out = 0;
+        if lane.lost {
+            return self.give_back(key);
+        }
         self.free(key);
+        Vec::new()
     }
 
     /// The sink did not send `key`'s head ([`outbox_core::PublishErrorKind::NotSent`]): drops
@@ -601,6 +609,21 @@ mod tests {
         assert_eq!(seqs(&lanes.take_ready(10, 3)), vec![3]);
         unstarted = lanes.take_unstarted();
         assert!(unstarted.is_empty());
+    }
+
+    /// Race: the partition of a run whose row is being dead-lettered is lost. The rest of
+    /// the run stays this node's until the dead letter settles, then goes back: another
+    /// node owns the key now.
+    #[test]
+    fn a_run_on_a_lost_partition_goes_back_once_its_dead_letter_settles() {
+        let mut lanes = Lanes::new(true, Some(4));
+        lanes.accept(1, vec![row(1, "a"), row(2, "a"), row(3, "a")]);
+        assert_eq!(seqs(&lanes.take_ready(10, 3)), vec![1, 2, 3]);
+        let a = lanes.lane_of(0, "a");
+        lanes.confirmed(&a, 1);
+        assert!(lanes.keep_only_partitions(&Default::default()).is_empty());
+        assert_eq!(lanes.advance(&a), vec![3]);
+        assert!(lanes.take_ready(10, 3).is_empty());
     }
 
     #[test]

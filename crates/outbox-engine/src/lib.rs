@@ -702,13 +702,15 @@ impl Engine {
             Settled::DeadLettered(SettledRows { lanes, ids, result }) => {
                 let n = result?;
                 self.fenced("dead-letter", ids.len(), n);
+                let mut lost = Vec::new();
                 for lane in &lanes {
-                    self.lanes.advance(&lane.key);
+                    lost.extend(self.lanes.advance(&lane.key));
                     ::metrics::counter!(metrics::DEAD_LETTERED, "destination" => self.labels.label(&lane.destination))
                         .increment(1);
                 }
                 self.summary.dead_lettered += ids.len() as u64;
                 self.lanes.forget(&ids);
+                self.release(lost);
             }
             Settled::Released(ids, result) => {
                 result?;
