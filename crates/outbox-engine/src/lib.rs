@@ -373,16 +373,17 @@ impl Engine {
     /// dead letters.
     fn dispatch(&mut self) {
         loop {
-            let Handout {
-                publish: batch,
-                undecodable: rows,
-            } = self.lanes.take_ready(
+            let handout = self.lanes.take_ready(
                 self.config.settings.batch_size,
                 self.publisher.max_events_per_key(),
             );
-            if batch.is_empty() && rows.is_empty() {
+            if handout.is_empty() {
                 return;
             }
+            let Handout {
+                publish: batch,
+                undecodable: rows,
+            } = handout;
             let mut undecodable_lanes = Vec::new();
             let mut undecodable = Vec::new();
             for UndecodableHead {
@@ -518,7 +519,6 @@ impl Engine {
         // A lane's run is consecutive in the batch. Its confirmed prefix is acked; its first
         // failure is retried or dead-lettered as a lane head; the rest of the run is not
         // counted (released, or handed out again), whatever the sink said of it.
-        let mut run: Option<(LaneKey, usize)> = None;
         let mut failed_lane: Option<LaneKey> = None;
         for (event, outcome) in batch.iter().zip(outcomes) {
             let lane = self.lanes.lane_of(event.sequence_id, event.ordering_key());
@@ -536,19 +536,9 @@ impl Engine {
                         ::metrics::histogram!(metrics::COMMIT_TO_CONFIRM)
                             .record(latency.as_secs_f64());
                     }
-                    match &mut run {
-                        Some((key, n)) if *key == lane => *n += 1,
-                        _ => {
-                            if let Some((key, n)) = run.replace((lane, 1)) {
-                                self.lanes.confirmed(&key, n);
-                            }
-                        }
-                    }
+                    self.lanes.confirmed(&lane, 1);
                 }
                 Err(error) => {
-                    if let Some((key, n)) = run.take() {
-                        self.lanes.confirmed(&key, n);
-                    }
                     failed_lane = Some(lane.clone());
                     if error.kind() == PublishErrorKind::NotSent {
                         // Held back behind a failure of its key in the batch: under
@@ -613,9 +603,6 @@ impl Engine {
                     }
                 }
             }
-        }
-        if let Some((key, n)) = run.take() {
-            self.lanes.confirmed(&key, n);
         }
         if let Some((error, count)) = first_failure {
             tracing::warn!(events = count, %error, sink = %self.publisher.describe(), "publish failed; will retry with backoff");
