@@ -13,6 +13,7 @@
 //! - [`metric_labels`]: metrics recorded by more than one crate, and their label guard;
 //! - [`trace`]: W3C trace context in event headers, and the [`Telemetry`](trace::Telemetry) contract.
 
+pub mod capture;
 pub mod error;
 pub mod event;
 pub mod health;

@@ -408,7 +408,7 @@ impl MappedDb for MySql {
 /// to the pool; `session::a_connection_back_from_the_pool_keeps_utc_and_read_committed`
 /// shows they hold after it).
 pub fn session_settings(builder: OptsBuilder) -> OptsBuilder {
-    builder.setup(SESSION_SETTINGS.to_vec())
+    builder.setup(outbox_layout::sql::MYSQL_SESSION_SETTINGS.to_vec())
 }
 
 /// How long a connection back from its last statement stays open in the pool for the next.
@@ -427,11 +427,3 @@ pub fn pool_opts(size: usize) -> StoreResult<PoolOpts> {
         .with_constraints(constraints)
         .with_inactive_connection_ttl(IDLE_CONNECTION_TTL))
 }
-
-/// The statements [`session_settings`] runs on each new connection.
-const SESSION_SETTINGS: [&str; 2] = [
-    // Timestamps are written and read as UTC, whatever the server's zone.
-    "SET time_zone = '+00:00'",
-    // The seed's reason: no gap locks blocking the application's inserts.
-    "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED",
-];

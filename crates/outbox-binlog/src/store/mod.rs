@@ -53,6 +53,7 @@ mod sql;
 mod state;
 
 use event::{decode, Captured};
+use outbox_core::capture::Sessions;
 use sql::{Statements, PARK_PARAMS};
 use state::*;
 
@@ -164,17 +165,11 @@ fn store_error(context: &str, e: impl std::fmt::Display) -> StoreError {
     )
 }
 
-/// The store's own connections (parks, deletes, the parked keys), set up anew after each
-/// reset the pool does between uses:
-/// - UTC: parks compute `available_at` from `NOW(6)`, which the claims compare in UTC;
-/// - READ COMMITTED: no gap locks, which in REPEATABLE READ made the application's inserts
-///   wait for a delete of delivered rows in flight (the MySQL store's reason too).
+/// The store's own connections (parks, deletes, the parked keys), with the MySQL store's
+/// session settings, run anew after each reset the pool does between uses.
 pub fn pool_opts(url: &str) -> Result<mysql_async::Opts, BinlogError> {
     Ok(OptsBuilder::from_opts(opts(url)?)
-        .setup(vec![
-            "SET time_zone = '+00:00'",
-            "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED",
-        ])
+        .setup(outbox_layout::sql::MYSQL_SESSION_SETTINGS.to_vec())
         .into())
 }
 
@@ -272,7 +267,7 @@ impl BinlogStore {
 
     /// How many keys have rows waiting in the parked table (or about to be written there).
     pub fn parked_keys(&self) -> usize {
-        lock(&self.inner.state).parked_keys.len()
+        lock(&self.inner.state).holdings.parked_keys.len()
     }
 
     /// Stores the position the settled rows allow and gives the seat up (within `wait`),
@@ -314,11 +309,11 @@ impl Inner {
     async fn flush_parks(&self) -> StoreResult<u64> {
         let (parks, params, rows, epoch) = {
             let mut state = lock(&self.state);
-            let parks = state.take_parks();
+            let parks = state.holdings.take_parks();
             let mut params: Vec<Value> = Vec::with_capacity(parks.len() * PARK_PARAMS);
             let mut rows = Vec::new();
             for park in &parks {
-                if let Some(Held::Stream(s)) = state.held.get(&park.id) {
+                if let Some(Held::Stream(s)) = state.holdings.held.get(&park.id) {
                     park_values(park, &s.body, &mut params);
                     rows.extend(s.row);
                 }
@@ -336,7 +331,7 @@ impl Inner {
                     // Each parked row's stream id with its event id, for a soak's forensics.
                     let parked: Vec<String> = parks
                         .iter()
-                        .map(|p| match state.held.get(&p.id) {
+                        .map(|p| match state.holdings.held.get(&p.id) {
                             Some(Held::Stream(s)) => match &s.body {
                                 Body::Event(e) => format!("{}={}", p.id, e.event_id),
                                 Body::Undecodable(_) => p.id.to_string(),
@@ -357,8 +352,8 @@ impl Inner {
             }
             Err(e) => {
                 // Kept, in order, ahead of anything queued since: the next claim tries again.
-                let later = std::mem::replace(&mut state.to_park, parks);
-                state.to_park.extend(later);
+                let later = std::mem::replace(&mut state.holdings.to_park, parks);
+                state.holdings.to_park.extend(later);
                 Err(e)
             }
         }
@@ -440,19 +435,19 @@ impl Inner {
             parked: items,
             keys,
             stream,
-        } = lock(&self.state).split(items, id);
+        } = lock(&self.state).holdings.split(items, id);
         if items.is_empty() {
             return Ok((0, stream));
         }
         let ids: Vec<SequenceId> = items.iter().map(id).collect();
         // Forgotten before the statement: once it commits a claim may take a row again,
         // and the entry that claim makes must not be forgotten after it.
-        let taken = lock(&self.state).take(&ids);
+        let taken = lock(&self.state).holdings.take(&ids);
         let items = items.into_iter().map(to_parked).collect();
         let settled = match statement(self.parked.clone(), items).await {
             Ok(n) => n,
             Err(e) => {
-                lock(&self.state).restore(taken);
+                lock(&self.state).holdings.restore(taken);
                 return Err(e);
             }
         };
@@ -516,7 +511,7 @@ impl Inner {
         let rows: Vec<i64> = {
             let state = lock(&self.state);
             ids.iter()
-                .filter_map(|id| match state.held.get(id) {
+                .filter_map(|id| match state.holdings.held.get(id) {
                     Some(Held::Stream(s)) => s.row,
                     _ => None,
                 })
@@ -586,12 +581,12 @@ impl Inner {
         let mut state = lock(&self.state);
         let new: Vec<&String> = keys
             .iter()
-            .filter(|key| !state.parked_keys.contains(*key))
+            .filter(|key| !state.holdings.parked_keys.contains(*key))
             .collect();
         if !new.is_empty() {
             tracing::info!(keys = ?new, "rows put back in the parked table (dead retry): later rows of their keys wait behind them");
         }
-        state.parked_keys.extend(keys);
+        state.holdings.parked_keys.extend(keys);
         Ok(())
     }
 
@@ -620,7 +615,7 @@ impl Inner {
         if status == CaptureStatus::Reading {
             self.look_for_retried_dead_letters().await?;
         }
-        let has_parked = !lock(&self.state).parked_keys.is_empty();
+        let has_parked = !lock(&self.state).holdings.parked_keys.is_empty();
         if status == CaptureStatus::Reading && has_parked {
             self.claim_parked(&request, &mut out).await?;
         }
@@ -648,10 +643,10 @@ impl Inner {
             }
         }
         drop(outputs);
-        let recheck = std::mem::take(&mut lock(&self.state).recheck);
+        let recheck = std::mem::take(&mut lock(&self.state).holdings.recheck);
         if !recheck.is_empty() {
             if let Err(e) = self.unpark_keys_locked(recheck.clone()).await {
-                lock(&self.state).recheck = recheck;
+                lock(&self.state).holdings.recheck = recheck;
                 tracing::debug!(error = %e.report(), "checking parked keys; again with the next claim");
             }
         }
@@ -677,6 +672,7 @@ impl Inner {
         };
         let fits = request.limit.min(self.memory.room() / per_row);
         let none_out = !lock(&self.state)
+            .holdings
             .held
             .values()
             .any(|held| matches!(held, Held::Parked { .. }));
@@ -731,7 +727,7 @@ impl Inner {
                 ),
             };
             let key = row.ordering_key().to_string();
-            state.held.insert(
+            state.holdings.held.insert(
                 row.sequence_id(),
                 Held::Parked {
                     key,
@@ -763,7 +759,7 @@ impl Inner {
         ::metrics::gauge!(metric::MEMORY_HELD).set(self.memory.held() as f64);
         let state = lock(&self.state);
         let mut oldest: Option<SystemTime> = None;
-        for held in state.held.values() {
+        for held in state.holdings.held.values() {
             if let Held::Stream(s) = held {
                 backlog.pending += 1;
                 if let Body::Event(e) = &s.body {
@@ -958,7 +954,7 @@ impl OutboxStore for BinlogStore {
         let inner = self.inner.clone();
         async move {
             // Stream rows have no lease: nobody else reads them while the seat is ours.
-            let split = lock(&inner.state).split(ids, |id| *id);
+            let split = lock(&inner.state).holdings.split(ids, |id| *id);
             let mut extended = split.stream.len() as u64;
             if !split.parked.is_empty() {
                 extended += inner

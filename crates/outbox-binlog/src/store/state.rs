@@ -3,13 +3,15 @@
 //! whose settling the reader is told of (it stores the position they allow). No I/O here:
 //! the store runs the statements and then tells the state what they did.
 //!
-//! The rules are WAL capture's (`outbox-wal/src/capture/state.rs`), over the binary log's
-//! positions: a row's place is its session and its ordinal in that session's reading.
+//! What is held and parked, and the parks' order, follow the rules WAL capture shares
+//! (`outbox_core::capture`), over the binary log's places: a row's place is its session and
+//! its ordinal in that session's reading.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use outbox_core::capture::{self, Holdings, Sessions};
 use outbox_core::memory::Charge;
 use outbox_core::{Claimed, Event, SequenceId};
 
@@ -39,26 +41,10 @@ pub(super) enum Item {
     Drained,
 }
 
-/// The session that reads now, 0 while none does. The reader sets it before it announces
-/// a session and back to 0 the moment the session ends, so claims stop handing out its
-/// rows then, not when they next see an announcement.
-#[derive(Default)]
-pub(super) struct LiveSession(std::sync::atomic::AtomicU64);
+pub(super) use outbox_core::capture::{LiveSession, Split};
 
-impl LiveSession {
-    pub(super) fn get(&self) -> u64 {
-        self.0.load(std::sync::atomic::Ordering::SeqCst)
-    }
-
-    pub(super) fn set(&self, session: u64) {
-        self.0.store(session, std::sync::atomic::Ordering::SeqCst);
-    }
-}
-
-pub(super) enum Body {
-    Event(Arc<Event>),
-    Undecodable(Box<Undecodable>),
-}
+pub(super) type Body = outbox_core::capture::Body<Undecodable>;
+pub(super) type Held = outbox_core::capture::Held<Streamed>;
 
 /// A row read from the log and handed out.
 pub(super) struct Streamed {
@@ -69,15 +55,6 @@ pub(super) struct Streamed {
     pub(super) key: String,
     pub(super) body: Body,
     pub(super) _memory: Charge,
-}
-
-pub(super) enum Held {
-    Stream(Box<Streamed>),
-    /// A row of the parked table (its engine id is [`parked_id`] of its `sequence_id` there).
-    Parked {
-        key: String,
-        _memory: Charge,
-    },
 }
 
 /// A held stream row to write to the parked table, and how.
@@ -111,13 +88,6 @@ impl Park {
     }
 }
 
-/// What the engine settles, by where it is.
-pub(super) struct Split<T> {
-    pub(super) parked: Vec<T>,
-    pub(super) keys: Vec<String>,
-    pub(super) stream: Vec<T>,
-}
-
 /// Where the engine's ids of parked rows start: far above any outbox row's `sequence_id` and
 /// any BLACKHOLE row's [`stream_id`], so they never meet, and rising with the parked table's
 /// ids (the engine's lanes compare ids of one key).
@@ -138,6 +108,24 @@ pub(super) fn stream_id(session: u64, ordinal: u64) -> SequenceId {
     ((session << 40) | (ordinal & ((1 << 40) - 1))) as SequenceId
 }
 
+impl capture::StreamEvent for Streamed {
+    type Place = (u64, u64);
+
+    fn key(&self) -> &str {
+        &self.key
+    }
+
+    fn place(&self) -> (u64, u64) {
+        (self.session, self.ordinal)
+    }
+}
+
+impl capture::QueuedPark for Park {
+    fn id(&self) -> SequenceId {
+        self.id
+    }
+}
+
 pub(super) struct State {
     pub(super) session: u64,
     /// The seat's epoch of the session: parked-table writes are fenced on it.
@@ -152,12 +140,8 @@ pub(super) struct State {
     /// Items received from the reader, not yet taken by a claim (a claim stops at its
     /// limit).
     pub(super) unaccepted: VecDeque<Item>,
-    pub(super) held: HashMap<SequenceId, Held>,
-    /// Keys with rows in the parked table or in `to_park`.
-    pub(super) parked_keys: HashSet<String>,
-    /// Keys to check against the parked table at the next claim.
-    pub(super) recheck: Vec<String>,
-    pub(super) to_park: Vec<Park>,
+    /// Rows held, parked keys and the parks to write (the rules both captures share).
+    pub(super) holdings: Holdings<Streamed, Park>,
     /// Ordinals of the session's settled rows, for the reader.
     pub(super) settled: Vec<u64>,
     /// `--drain`: every row committed before start-up has been handed out.
@@ -174,43 +158,6 @@ pub(super) struct State {
 /// One delete of delivered rows, shared by the acks it carries: its outcome, once run.
 pub(super) type AckRound = std::sync::OnceLock<Result<(), (outbox_core::StoreErrorKind, String)>>;
 
-/// Splits `to_park` into the parks to write now, in log order, and those that wait. Parked
-/// rows are claimed in parking order, so per key it must be log order: a row the engine
-/// still has may yet come back to be parked (a retry or a release), and every later row of
-/// its key waits for it.
-pub(super) fn parking_order(state: &State, mut to_park: Vec<Park>) -> (Vec<Park>, Vec<Park>) {
-    // Every claim asks: most find nothing to park, and must not pay a pass over what is held.
-    if to_park.is_empty() {
-        return (to_park, Vec::new());
-    }
-    let place = |id: &SequenceId| match state.held.get(id) {
-        Some(Held::Stream(s)) => Some((s.session, s.ordinal)),
-        _ => None,
-    };
-    to_park.sort_by_key(|p| place(&p.id));
-    let parking: HashSet<SequenceId> = to_park.iter().map(|p| p.id).collect();
-    // Per key, the first place of a row still with the engine.
-    let mut out: HashMap<&str, (u64, u64)> = HashMap::new();
-    for (id, held) in &state.held {
-        if let Held::Stream(s) = held {
-            if !parking.contains(id) {
-                let at = (s.session, s.ordinal);
-                out.entry(s.key.as_str())
-                    .and_modify(|first| *first = (*first).min(at))
-                    .or_insert(at);
-            }
-        }
-    }
-    to_park
-        .into_iter()
-        .partition(|park| match state.held.get(&park.id) {
-            Some(Held::Stream(s)) => out
-                .get(s.key.as_str())
-                .is_none_or(|first| *first > (s.session, s.ordinal)),
-            _ => true,
-        })
-}
-
 impl State {
     pub(super) fn new(hold_to_commit: bool) -> State {
         State {
@@ -221,10 +168,7 @@ impl State {
             hold_to_commit,
             uncommitted: Vec::new(),
             unaccepted: VecDeque::new(),
-            held: HashMap::new(),
-            parked_keys: HashSet::new(),
-            recheck: Vec::new(),
-            to_park: Vec::new(),
+            holdings: Holdings::default(),
             settled: Vec::new(),
             drained: false,
             ack_queue: Vec::new(),
@@ -237,65 +181,10 @@ impl State {
         self.drained
     }
 
-    /// The session is over: nothing more of it is handed out, and what it left not handed
-    /// out (read ahead, queued to park) is dropped, to be read again by whichever session
-    /// reads next, this relay's or another's, from the stored position (which it never
-    /// passed). Handing it out could put a later row of a key ahead of an earlier one the
-    /// next reader delivers.
-    pub(super) fn end_session(&mut self) {
-        self.ended = true;
-        self.unaccepted.clear();
-        self.uncommitted.clear();
-        for park in std::mem::take(&mut self.to_park) {
-            self.held.remove(&park.id);
-        }
-    }
-
-    /// Whether the session followed is `live` and may hand out rows. When not, it is
-    /// ended, and the items `next` gives are taken (what the ended session sent is
-    /// dropped) up to a session's announcement, which is followed in turn when live.
-    pub(super) fn follow(&mut self, live: u64, mut next: impl FnMut() -> Option<Item>) -> bool {
-        loop {
-            if !self.ended && self.session == live {
-                return true;
-            }
-            self.end_session();
-            let mut announced = false;
-            while let Some(item) = next() {
-                announced = matches!(item, Item::Session { .. });
-                self.accept(item);
-                if announced {
-                    break;
-                }
-            }
-            if !announced {
-                return false;
-            }
-        }
-    }
-
-    /// One reader item, in log order.
-    pub(super) fn accept(&mut self, item: Item) {
-        match item {
-            Item::Session {
-                session,
-                epoch,
-                parked_keys,
-            } => {
-                self.end_session();
-                self.session = session;
-                self.epoch = epoch;
-                self.ended = false;
-                self.settled.clear();
-                // Parks this process made while the session started may be missing from
-                // the loaded keys: keep them, and check them against the table.
-                let loaded: HashSet<String> = parked_keys.into_iter().collect();
-                self.recheck = self.parked_keys.difference(&loaded).cloned().collect();
-                self.parked_keys.extend(loaded);
-            }
-            _ if self.ended => {}
-            other => self.unaccepted.push_back(other),
-        }
+    /// Whether the session followed is `live` and may hand out rows
+    /// ([`capture::follow`]).
+    pub(super) fn follow(&mut self, live: u64, next: impl FnMut() -> Option<Item>) -> bool {
+        capture::follow(self, live, next)
     }
 
     /// Takes received items until `out` holds `limit` rows; returns how many it took.
@@ -350,12 +239,12 @@ impl State {
                     sequence_id: id,
                     ..event
                 });
-                if not_before.is_some() || self.parked_keys.contains(&key) {
-                    self.parked_keys.insert(key.clone());
-                    self.to_park.push(Park {
+                if not_before.is_some() || self.holdings.waits(&key) {
+                    let park = Park {
                         not_before,
                         ..Park::behind_its_key(id)
-                    });
+                    };
+                    self.holdings.park_behind(&key, park);
                 } else {
                     out.push(Claimed::Event(event.clone()));
                 }
@@ -363,10 +252,10 @@ impl State {
             }
             Err(undecodable) => {
                 let key = undecodable.ordering_key().to_string();
-                if self.parked_keys.contains(&key) {
+                if self.holdings.waits(&key) {
                     // Nothing to park that a claim could read back: dead-lettered in the
                     // park's transaction, as the engine would have.
-                    self.to_park.push(Park {
+                    self.holdings.to_park.push(Park {
                         error: Some(undecodable.reason.clone()),
                         dead: true,
                         dead_by_capture: true,
@@ -384,7 +273,7 @@ impl State {
                 (key, Body::Undecodable(undecodable))
             }
         };
-        self.held.insert(
+        self.holdings.held.insert(
             id,
             Held::Stream(Box::new(Streamed {
                 session: self.session,
@@ -401,7 +290,7 @@ impl State {
     /// on to the reader, which stores the position they allow.
     pub(super) fn settle(&mut self, ids: impl IntoIterator<Item = SequenceId>) {
         for id in ids {
-            if let Some(Held::Stream(s)) = self.held.remove(&id) {
+            if let Some(s) = self.holdings.remove_stream(id) {
                 if s.session == self.session && !self.ended {
                     self.settled.push(s.ordinal);
                 }
@@ -409,97 +298,35 @@ impl State {
         }
     }
 
-    /// The parks to write now, in log order ([`parking_order`]); the others stay queued.
-    pub(super) fn take_parks(&mut self) -> Vec<Park> {
-        let to_park = std::mem::take(&mut self.to_park);
-        let (parks, waiting) = parking_order(self, to_park);
-        self.to_park = waiting;
-        parks
-    }
-
-    /// Queues held stream rows for the next park statement (each once).
+    /// Queues held stream rows for the next park statement (each once). An undecodable row
+    /// has nothing a claim could read back: it is parked dead, with its reason, however the
+    /// engine let go of it (a release too).
     pub(super) fn queue_parks(&mut self, parks: impl IntoIterator<Item = Park>) {
-        for park in parks {
-            let Some(Held::Stream(s)) = self.held.get(&park.id) else {
-                continue;
-            };
-            if self.to_park.iter().all(|p| p.id != park.id) {
-                self.parked_keys.insert(s.key.clone());
-                // An undecodable row has nothing a claim could read back: it is parked dead,
-                // with its reason, however the engine let go of it (a release too).
-                let park = match &s.body {
-                    Body::Undecodable(u) => {
-                        Park {
-                            // The engine's own dead letters it has counted already.
-                            dead_by_capture: !park.dead,
-                            dead: true,
-                            error: park.error.or_else(|| Some(u.reason.clone())),
-                            ..park
-                        }
-                    }
+        let parks: Vec<Park> = parks
+            .into_iter()
+            .map(|park| match self.holdings.held.get(&park.id) {
+                Some(Held::Stream(s)) => match &s.body {
+                    Body::Undecodable(u) => Park {
+                        // The engine's own dead letters it has counted already.
+                        dead_by_capture: !park.dead,
+                        dead: true,
+                        error: park.error.or_else(|| Some(u.reason.clone())),
+                        ..park
+                    },
                     Body::Event(_) => park,
-                };
-                self.to_park.push(park);
-            }
-        }
+                },
+                _ => park,
+            })
+            .collect();
+        self.holdings.queue_parks(parks);
     }
 
     /// The keys among `keys` with nothing parked left (none `still` in the parked table,
-    /// none waiting in `to_park`) are let through again.
+    /// none waiting to be parked) flow from the log again.
     pub(super) fn unpark(&mut self, keys: Vec<String>, still: &HashSet<String>) {
-        let waiting: HashSet<&str> = self
-            .to_park
-            .iter()
-            .filter_map(|p| match self.held.get(&p.id) {
-                Some(Held::Stream(s)) => Some(s.key.as_str()),
-                _ => None,
-            })
-            .collect();
-        let free: Vec<String> = keys
-            .into_iter()
-            .filter(|key| !still.contains(key) && !waiting.contains(key.as_str()))
-            .collect();
+        let free = self.holdings.unpark(keys, still);
         if !free.is_empty() {
             tracing::debug!(keys = ?free, "keys with nothing parked left flow from the log again");
-        }
-        for key in free {
-            self.parked_keys.remove(&key);
-        }
-    }
-
-    /// Splits what the engine settles into parked rows (with their keys) and held stream
-    /// rows; what is held no more is left out.
-    pub(super) fn split<T>(&self, items: Vec<T>, id: fn(&T) -> SequenceId) -> Split<T> {
-        let mut split = Split {
-            parked: Vec::new(),
-            keys: Vec::new(),
-            stream: Vec::new(),
-        };
-        for item in items {
-            match self.held.get(&id(&item)) {
-                Some(Held::Parked { key, .. }) => {
-                    split.keys.push(key.clone());
-                    split.parked.push(item);
-                }
-                Some(Held::Stream(_)) => split.stream.push(item),
-                None => {}
-            }
-        }
-        split
-    }
-
-    /// Forgets parked rows before the statement that settles them: once it commits, a
-    /// claim may take a row again, and the entry that claim makes must not be forgotten
-    /// after it. [`State::restore`] gives them back if the statement fails.
-    pub(super) fn take(&mut self, ids: &[SequenceId]) -> Vec<(SequenceId, Held)> {
-        ids.iter()
-            .filter_map(|id| self.held.remove(id).map(|held| (*id, held)))
-            .collect()
-    }
-
-    pub(super) fn restore(&mut self, taken: Vec<(SequenceId, Held)>) {
-        for (id, held) in taken {
-            self.held.entry(id).or_insert(held);
         }
     }
 
@@ -508,7 +335,7 @@ impl State {
     pub(super) fn leave_to_seat_holder(&mut self, ids: impl IntoIterator<Item = SequenceId>) {
         let ids: Vec<SequenceId> = ids.into_iter().collect();
         for id in &ids {
-            self.held.remove(id);
+            self.holdings.remove_stream(*id);
         }
         tracing::warn!(
             ?ids,
@@ -516,6 +343,50 @@ impl State {
              (it reads them again), and nothing more of this session is handed out"
         );
         self.end_session();
+    }
+}
+
+impl capture::Sessions for State {
+    type Item = Item;
+
+    fn follows(&self, live: u64) -> bool {
+        !self.ended && self.session == live
+    }
+
+    /// The session is over: nothing more of it is handed out, and what it left not handed
+    /// out (read ahead, queued to park) is dropped, to be read again by whichever session
+    /// reads next, this relay's or another's, from the stored position (which it never
+    /// passed). Handing it out could put a later row of a key ahead of an earlier one the
+    /// next reader delivers.
+    fn end_session(&mut self) {
+        self.ended = true;
+        self.unaccepted.clear();
+        self.uncommitted.clear();
+        self.holdings.forget_queued_parks();
+    }
+
+    /// One reader item, in log order.
+    fn accept(&mut self, item: Item) {
+        match item {
+            Item::Session {
+                session,
+                epoch,
+                parked_keys,
+            } => {
+                self.end_session();
+                self.session = session;
+                self.epoch = epoch;
+                self.ended = false;
+                self.settled.clear();
+                self.holdings.load_parked_keys(parked_keys);
+            }
+            _ if self.ended => {}
+            other => self.unaccepted.push_back(other),
+        }
+    }
+
+    fn announces(item: &Item) -> bool {
+        matches!(item, Item::Session { .. })
     }
 }
 
@@ -605,7 +476,7 @@ mod tests {
         );
         state.settle([2, 1]);
         assert_eq!(state.settled, [2, 1]);
-        assert!(state.held.is_empty());
+        assert!(state.holdings.held.is_empty());
         state.settle([1]);
         assert_eq!(state.settled, [2, 1], "settled twice: once");
     }
@@ -615,7 +486,7 @@ mod tests {
         let mut state = State::new(false);
         state.accept(session(1, &["a"]));
         assert_eq!(claim(&mut state, transactions(&[(1, "a"), (2, "b")])), [2]);
-        assert_eq!(parked(&state.take_parks()), [1]);
+        assert_eq!(parked(&state.holdings.take_parks()), [1]);
     }
 
     #[test]
@@ -629,9 +500,9 @@ mod tests {
         // 2 is released behind 1, which the engine still has: 1 may come back as a retry,
         // and must then be parked first.
         state.queue_parks([Park::behind_its_key(2)]);
-        assert!(state.take_parks().is_empty());
+        assert!(state.holdings.take_parks().is_empty());
         state.queue_parks([Park::behind_its_key(1)]);
-        assert_eq!(parked(&state.take_parks()), [1, 2], "log order");
+        assert_eq!(parked(&state.holdings.take_parks()), [1, 2], "log order");
     }
 
     #[test]
@@ -674,7 +545,7 @@ mod tests {
         }
         let items = vec![later, Item::Committed, row(2, "a", 2), Item::Committed];
         assert!(claim(&mut state, items).is_empty());
-        let parks = state.take_parks();
+        let parks = state.holdings.take_parks();
         assert_eq!(parked(&parks), [1, 2]);
         assert!(parks[0].not_before.is_some() && parks[1].not_before.is_none());
     }
@@ -685,7 +556,7 @@ mod tests {
         state.accept(session(1, &["a"]));
         let bad = undecodable_row(7, "a");
         assert!(claim(&mut state, vec![bad, Item::Committed]).is_empty());
-        let parks = state.take_parks();
+        let parks = state.holdings.take_parks();
         assert!(parks[0].dead && parks[0].error.as_deref() == Some("payload is not JSON"));
         assert!(
             parks[0].dead_by_capture,
@@ -700,7 +571,7 @@ mod tests {
         let bad = undecodable_row(7, "a");
         assert_eq!(claim(&mut state, vec![bad, Item::Committed]), [7]);
         state.queue_parks([Park::behind_its_key(7)]);
-        let parks = state.take_parks();
+        let parks = state.holdings.take_parks();
         assert!(parks[0].dead && parks[0].error.as_deref() == Some("payload is not JSON"));
         assert!(
             parks[0].dead_by_capture,
@@ -719,7 +590,7 @@ mod tests {
             error: Some("the engine's reason".into()),
             ..Park::behind_its_key(7)
         }]);
-        let parks = state.take_parks();
+        let parks = state.holdings.take_parks();
         assert!(parks[0].dead && !parks[0].dead_by_capture);
     }
 
@@ -734,9 +605,9 @@ mod tests {
         state.queue_parks([Park::behind_its_key(2)]);
         state.accept(row(3, "c", 3));
         state.accept(session(2, &[]));
-        assert!(state.to_park.is_empty() && state.unaccepted.is_empty());
+        assert!(state.holdings.to_park.is_empty() && state.unaccepted.is_empty());
         assert!(
-            !state.held.contains_key(&2),
+            !state.holdings.held.contains_key(&2),
             "read again by the new session"
         );
         // Row 1 of session 1 is settled by the engine: nothing of it reaches session 2's
@@ -780,9 +651,9 @@ mod tests {
         let mut state = State::new(false);
         state.accept(session(1, &["a"]));
         assert!(claim(&mut state, transactions(&[(1, "a")])).is_empty());
-        let parks = state.take_parks();
+        let parks = state.holdings.take_parks();
         state.leave_to_seat_holder(parked(&parks));
-        assert!(state.held.is_empty() && state.ended);
+        assert!(state.holdings.held.is_empty() && state.ended);
         // The parked table has nothing of `a`: the key is let through, but this session
         // hands out nothing more.
         state.unpark(vec!["a".into()], &HashSet::new());

@@ -21,6 +21,17 @@ pub use ddl::{
 
 use uuid::Uuid;
 
+/// What every MySQL/MariaDB connection of the relay runs first, the polling store's and
+/// binlog capture's alike (and again after the pool resets a connection between uses).
+pub const MYSQL_SESSION_SETTINGS: [&str; 2] = [
+    // Timestamps are written and read as UTC, whatever the server's zone: `available_at`
+    // is computed from `NOW(6)` and compared with claims' times.
+    "SET time_zone = '+00:00'",
+    // The seed's reason: no gap locks, which in REPEATABLE READ made the application's
+    // inserts wait for a claim or a delete of delivered rows in flight.
+    "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED",
+];
+
 use crate::{
     literal, DeadState, Dialect, IdType, KeyFallback, Mapping, OnSuccess, PayloadFormat, State,
 };

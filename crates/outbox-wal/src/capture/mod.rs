@@ -26,7 +26,7 @@
 //! standby, trying again every second, and continues from the slot's confirmed position
 //! once the holder is gone (PostgreSQL frees the slot when its session dies).
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
@@ -61,6 +61,7 @@ mod state;
 use checks::publication_problems;
 pub use checks::{forget_adoption, slot_status, verify_capture, SlotStatus};
 use columns::{unstorable, DeadColumns, EventColumns};
+use outbox_core::capture::{self, Holdings, Sessions};
 use reader::Reader;
 use state::*;
 
@@ -290,7 +291,7 @@ impl WalStore {
     /// How many keys have events waiting in the parked table (or about to be written
     /// there): while a key has one, its new events from the stream are parked behind it.
     pub fn parked_keys(&self) -> usize {
-        lock(&self.inner.state).parked_keys.len()
+        lock(&self.inner.state).holdings.parked_keys.len()
     }
 
     /// How many events capture moved to the dead letters itself, because they could not be
@@ -373,12 +374,12 @@ impl Inner {
     }
 
     /// Writes `to_park` to the parked table (and deletes their outbox rows) in one
-    /// transaction, then settles them; parks that must wait ([`parking_order`]) stay in
+    /// transaction, then settles them; parks that must wait ([`Holdings::take_parks`]) stay in
     /// `to_park`. Call it holding `parking`.
     async fn flush_parks(&self) -> StoreResult<u64> {
         let (parks, columns, dead, rows, parked) = {
             let mut state = lock(&self.state);
-            let parks = state.take_parks();
+            let parks = state.holdings.take_parks();
             let mut columns = EventColumns::default();
             // An undecodable event has nothing to park: the polling claim could not read
             // it back. Behind a waiting key (released while its head retries) it is
@@ -388,7 +389,7 @@ impl Inner {
             // Each parked event's stream id with its event id, for the debug log.
             let mut parked = Vec::new();
             for park in &parks {
-                if let Some(Held::Wal(held)) = state.held.get(&park.id) {
+                if let Some(Held::Stream(held)) = state.holdings.held.get(&park.id) {
                     match &held.body {
                         Body::Event(event) => match unstorable(event) {
                             // The parked copy is what would be delivered: it cannot be one
@@ -452,8 +453,8 @@ impl Inner {
             }
             Err(e) => {
                 // Kept, in order, ahead of anything parked since: the next claim tries again.
-                let later = std::mem::replace(&mut state.to_park, parks);
-                state.to_park.extend(later);
+                let later = std::mem::replace(&mut state.holdings.to_park, parks);
+                state.holdings.to_park.extend(later);
                 Err(e)
             }
         }
@@ -476,7 +477,7 @@ impl Inner {
             .query_rows("parked keys", &self.sql.still_parked, &[&keys])
             .await?;
         let still: HashSet<String> = rows.iter().map(|r| r.get(0)).collect();
-        lock(&self.state).unpark(keys, &still);
+        lock(&self.state).holdings.unpark(keys, &still);
         Ok(())
     }
 
@@ -495,7 +496,7 @@ impl Inner {
             parked: items,
             keys,
             stream,
-        } = lock(&self.state).split(items, id);
+        } = lock(&self.state).holdings.split(items, id);
         if items.is_empty() {
             return Ok((0, stream));
         }
@@ -505,14 +506,14 @@ impl Inner {
         // Until a release commits, its rows stay locked by this node and do not hold back
         // later rows of their keys in a parked claim meanwhile: the engine's lanes send
         // such rows back (see `Lanes::releasing`).
-        let taken = lock(&self.state).take(&ids);
+        let taken = lock(&self.state).holdings.take(&ids);
         let result = statement(&self.parked, items).await;
         tracing::debug!(?ids, unpark, result = ?result.as_ref().map_err(|e| e.report()), "settled parked rows");
         let settled = match result {
             Ok(n) => n,
             Err(e) => {
                 // Still this node's rows: no claim took them meanwhile.
-                lock(&self.state).restore(taken);
+                lock(&self.state).holdings.restore(taken);
                 return Err(e);
             }
         };
@@ -527,7 +528,7 @@ impl Inner {
     async fn park_stream(&self, parks: impl FnOnce(&mut State) -> Vec<Park>) -> StoreResult<u64> {
         let _parking = self.parking.lock().await;
         let parks = parks(&mut lock(&self.state));
-        lock(&self.state).queue_parks(parks);
+        lock(&self.state).holdings.queue_parks(parks);
         self.flush_parks().await
     }
 
@@ -582,7 +583,7 @@ impl Inner {
     fn queued_acks(&self) -> (bool, usize) {
         let state = lock(&self.state);
         let has_rows = state.ack_queue.iter().any(
-            |(id, _)| matches!(state.held.get(id), Some(Held::Wal(held)) if held.row.is_some()),
+            |(id, _)| matches!(state.holdings.held.get(id), Some(Held::Stream(held)) if held.row.is_some()),
         );
         (has_rows, state.ack_queue.len())
     }
@@ -601,8 +602,8 @@ impl Inner {
             let state = lock(&self.state);
             events
                 .iter()
-                .filter_map(|(id, _)| match state.held.get(id) {
-                    Some(Held::Wal(held)) => held.row,
+                .filter_map(|(id, _)| match state.holdings.held.get(id) {
+                    Some(Held::Stream(held)) => held.row,
                     _ => None,
                 })
                 .collect()
@@ -629,8 +630,8 @@ impl Inner {
         };
         let mut state = lock(&self.state);
         let (done, wait): (Vec<_>, Vec<_>) = events.into_iter().partition(|(id, since)| {
-            let row = match state.held.get(id) {
-                Some(Held::Wal(held)) => held.row,
+            let row = match state.holdings.held.get(id) {
+                Some(Held::Stream(held)) => held.row,
                 _ => None,
             };
             row.is_none_or(|row| !undeleted.contains(&row)) || since.elapsed() >= UNDELETED_PATIENCE
@@ -654,7 +655,7 @@ impl Inner {
         {
             let state = lock(&self.state);
             for entry in entries {
-                let Some(Held::Wal(held)) = state.held.get(&entry.sequence_id) else {
+                let Some(Held::Stream(held)) = state.holdings.held.get(&entry.sequence_id) else {
                     continue;
                 };
                 match &held.body {
@@ -724,7 +725,7 @@ impl Inner {
             return Ok(out);
         }
         drop(outputs);
-        let has_parked = !lock(&self.state).parked_keys.is_empty();
+        let has_parked = !lock(&self.state).holdings.parked_keys.is_empty();
         if status == CaptureStatus::Streaming && has_parked {
             self.claim_parked(&request, &mut out).await?;
         }
@@ -782,10 +783,10 @@ impl Inner {
                 "claimed"
             );
         }
-        let recheck = std::mem::take(&mut lock(&self.state).recheck);
+        let recheck = std::mem::take(&mut lock(&self.state).holdings.recheck);
         if !recheck.is_empty() {
             if let Err(e) = self.unpark_keys_locked(recheck.clone()).await {
-                lock(&self.state).recheck = recheck;
+                lock(&self.state).holdings.recheck = recheck;
                 tracing::debug!(error = %e.report(), "checking parked keys; again with the next claim");
             }
         }
@@ -810,6 +811,7 @@ impl Inner {
         };
         let fits = request.limit.min(self.memory.room() / per_row);
         let none_out = !lock(&self.state)
+            .holdings
             .held
             .values()
             .any(|held| matches!(held, Held::Parked { .. }));
@@ -843,7 +845,7 @@ impl Inner {
                 Claimed::Undecodable { .. } => Charge::none(),
             };
             let key = row.ordering_key().to_string();
-            state.held.insert(
+            state.holdings.held.insert(
                 row.sequence_id(),
                 Held::Parked {
                     key,
@@ -874,8 +876,8 @@ impl Inner {
         let state = lock(&self.state);
         let mut oldest: Option<SystemTime> = None;
         let mut stream_events = 0u64;
-        for held in state.held.values() {
-            if let Held::Wal(held) = held {
+        for held in state.holdings.held.values() {
+            if let Held::Stream(held) = held {
                 stream_events += 1;
                 if let Body::Event(e) = &held.body {
                     oldest = Some(oldest.map_or(e.created_at, |o| o.min(e.created_at)));
@@ -1033,8 +1035,8 @@ impl OutboxStore for WalStore {
             // Behind a parked key they are parked; otherwise the next claim hands them out.
             let behind = |state: &mut State| {
                 let (behind, free): (Vec<SequenceId>, Vec<SequenceId>) =
-                    stream.into_iter().partition(|id| match state.held.get(id) {
-                        Some(Held::Wal(held)) => state.parked_keys.contains(&held.key),
+                    stream.into_iter().partition(|id| match state.holdings.held.get(id) {
+                        Some(Held::Stream(held)) => state.holdings.parked_keys.contains(&held.key),
                         _ => false,
                     });
                 tracing::debug!(?behind, ?free, "released stream events");
@@ -1054,7 +1056,7 @@ impl OutboxStore for WalStore {
         let inner = self.inner.clone();
         async move {
             // Stream events have no lease: nobody else can take them while the slot is ours.
-            let split = lock(&inner.state).split(ids, |id| *id);
+            let split = lock(&inner.state).holdings.split(ids, |id| *id);
             let mut extended = split.stream.len() as u64;
             if !split.parked.is_empty() {
                 extended += inner

@@ -23,26 +23,10 @@ pub(super) enum Item {
     Outputs(Vec<ChargedOutput>),
 }
 
-/// The number of the session that streams now, 0 while none does. The reader sets it
-/// before it announces a session, and back to 0 the moment the session ends, so claims stop
-/// handing out its events then, not when they next see an announcement.
-#[derive(Default)]
-pub(super) struct LiveSession(std::sync::atomic::AtomicU64);
+pub(super) use outbox_core::capture::{LiveSession, Split};
 
-impl LiveSession {
-    pub(super) fn get(&self) -> u64 {
-        self.0.load(std::sync::atomic::Ordering::SeqCst)
-    }
-
-    pub(super) fn set(&self, session: u64) {
-        self.0.store(session, std::sync::atomic::Ordering::SeqCst);
-    }
-}
-
-pub(super) enum Body {
-    Event(Arc<Event>),
-    Undecodable(Box<Undecodable>),
-}
+pub(super) type Body = outbox_core::capture::Body<Undecodable>;
+pub(super) type Held = outbox_core::capture::Held<HeldWal>;
 
 pub(super) struct HeldWal {
     pub(super) session: u64,
@@ -53,15 +37,6 @@ pub(super) struct HeldWal {
     pub(super) body: Body,
     /// Its bytes in the memory budget, given back when it is let go of.
     pub(super) _memory: Charge,
-}
-
-pub(super) enum Held {
-    Wal(Box<HeldWal>),
-    /// A row of the parked table, by its key.
-    Parked {
-        key: String,
-        _memory: Charge,
-    },
 }
 
 /// An event to park and how.
@@ -86,11 +61,22 @@ impl Park {
     }
 }
 
-/// What the engine settles, by where it is.
-pub(super) struct Split<T> {
-    pub(super) parked: Vec<T>,
-    pub(super) keys: Vec<String>,
-    pub(super) stream: Vec<T>,
+impl capture::StreamEvent for HeldWal {
+    type Place = EventPosition;
+
+    fn key(&self) -> &str {
+        &self.key
+    }
+
+    fn place(&self) -> EventPosition {
+        self.position
+    }
+}
+
+impl capture::QueuedPark for Park {
+    fn id(&self) -> SequenceId {
+        self.id
+    }
 }
 
 pub(super) struct State {
@@ -98,17 +84,12 @@ pub(super) struct State {
     /// The current session's `application_name` ([`CaptureStatements::owns_slot`]).
     pub(super) owner: String,
     pub(super) acks: Acknowledgements,
-    pub(super) held: HashMap<SequenceId, Held>,
+    /// Events held, parked keys and the parks to write (the rules both captures share).
+    pub(super) holdings: Holdings<HeldWal, Park>,
     /// Held stream events the engine released: handed out again by the next claim.
     pub(super) redeliver: VecDeque<SequenceId>,
-    /// Keys with events in the parked table or in `to_park`.
-    pub(super) parked_keys: HashSet<String>,
-    /// Keys to check against the parked table at the next claim.
-    pub(super) recheck: Vec<String>,
     /// Delivered stream events whose outbox row was not found yet, and since when.
     pub(super) undeleted: Vec<(SequenceId, std::time::Instant)>,
-    /// Held stream events to park; written by the next park statement.
-    pub(super) to_park: Vec<Park>,
     pub(super) drain_until: Option<Lsn>,
     /// Outputs received from the reader and not yet accepted by a claim (a claim stops
     /// at its limit, possibly within a burst).
@@ -122,43 +103,6 @@ pub(super) struct State {
     /// slot streaming to another session ([`State::end_session`]). Until the next
     /// session's announcement nothing is handed out, and what arrives is dropped.
     pub(super) ended: bool,
-}
-
-/// Splits `to_park` into the parks to write now, in commit order, and those that wait.
-/// Parked rows are claimed in parking order, so per key it must be commit order: an event
-/// the engine still has (in a lane or publishing) may yet come back to be parked, as a retry
-/// or a release, and every later event of its key waits for it. (Released and retried
-/// events would otherwise be parked after later events of their key that the stream handed
-/// over meanwhile, and be delivered after them.)
-pub(super) fn parking_order(state: &State, mut to_park: Vec<Park>) -> (Vec<Park>, Vec<Park>) {
-    if to_park.is_empty() {
-        return (to_park, Vec::new());
-    }
-    let position = |id: &SequenceId| match state.held.get(id) {
-        Some(Held::Wal(held)) => Some(held.position),
-        _ => None,
-    };
-    to_park.sort_by_key(|p| position(&p.id));
-    let parking: HashSet<SequenceId> = to_park.iter().map(|p| p.id).collect();
-    // Per key, the first position of an event still with the engine.
-    let mut out: HashMap<&str, EventPosition> = HashMap::new();
-    for (id, held) in &state.held {
-        if let Held::Wal(held) = held {
-            if !parking.contains(id) {
-                out.entry(held.key.as_str())
-                    .and_modify(|first| *first = (*first).min(held.position))
-                    .or_insert(held.position);
-            }
-        }
-    }
-    to_park
-        .into_iter()
-        .partition(|park| match state.held.get(&park.id) {
-            Some(Held::Wal(held)) => out
-                .get(held.key.as_str())
-                .is_none_or(|first| *first > held.position),
-            _ => true,
-        })
 }
 
 /// The engine's id of an event, and its outbox row.
@@ -198,12 +142,9 @@ impl State {
             session: 0,
             owner: String::new(),
             acks: Acknowledgements::new(Lsn::default()),
-            held: HashMap::new(),
+            holdings: Holdings::default(),
             redeliver: VecDeque::new(),
-            parked_keys: HashSet::new(),
-            recheck: Vec::new(),
             undeleted: Vec::new(),
-            to_park: Vec::new(),
             drain_until: None,
             unaccepted: VecDeque::new(),
             ack_queue: Vec::new(),
@@ -214,54 +155,18 @@ impl State {
         }
     }
 
-    /// The session is over: nothing more of it is handed out, and what it left not handed
-    /// out (read ahead, released, queued to park) is dropped, to come again from the slot
-    /// in whichever session streams next, this relay's or another's.
-    ///
-    /// Handing it out would break the order of a key: another relay may hold the slot now,
-    /// and an earlier event of the key may be among what this relay had to leave to it
-    /// ([`State::leave_to_slot_holder`]). This relay would then publish the later event
-    /// before the new holder publishes the earlier one.
-    pub(super) fn end_session(&mut self) {
-        self.ended = true;
-        self.unaccepted.clear();
-        self.forget_unhanded();
-    }
-
-    /// Whether the session followed is `live` (the one streaming now) and may hand out
-    /// events. When not, it is ended, and the items `next` gives are accepted (what the
-    /// ended session sent is dropped) up to a session's announcement, which is followed in
-    /// turn when it is the live one.
-    pub(super) fn follow(&mut self, live: u64, mut next: impl FnMut() -> Option<Item>) -> bool {
-        loop {
-            if !self.ended && self.session == live {
-                return true;
-            }
-            self.end_session();
-            let mut announced = false;
-            while let Some(item) = next() {
-                announced = matches!(item, Item::Session { .. });
-                self.accept(item);
-                if announced {
-                    break;
-                }
-            }
-            if !announced {
-                return false;
-            }
-        }
+    /// Whether the session followed is `live` and may hand out events
+    /// ([`capture::follow`]).
+    pub(super) fn follow(&mut self, live: u64, next: impl FnMut() -> Option<Item>) -> bool {
+        capture::follow(self, live, next)
     }
 
     /// Forgets the held events that wait to be handed out again or to be parked.
     fn forget_unhanded(&mut self) {
-        let unhanded: Vec<SequenceId> = self
-            .redeliver
-            .drain(..)
-            .chain(self.to_park.drain(..).map(|p| p.id))
-            .collect();
-        for id in unhanded {
-            self.held.remove(&id);
+        for id in self.redeliver.drain(..) {
+            self.holdings.held.remove(&id);
         }
+        self.holdings.forget_queued_parks();
     }
 
     /// Hands out released stream events again, into `out` up to `limit` (those of a key
@@ -271,64 +176,27 @@ impl State {
             let Some(id) = self.redeliver.pop_front() else {
                 break;
             };
-            let Some(Held::Wal(held)) = self.held.get(&id) else {
+            let Some(Held::Stream(held)) = self.holdings.held.get(&id) else {
                 continue;
             };
-            if self.parked_keys.contains(&held.key) {
-                self.to_park.push(Park::behind_its_key(id));
+            if self.holdings.waits(&held.key) {
+                self.holdings.to_park.push(Park::behind_its_key(id));
             } else {
                 out.push(claimed_of(id, held));
             }
         }
     }
 
-    /// The parks to write now, in commit order ([`parking_order`]); those that must wait
-    /// stay queued.
-    pub(super) fn take_parks(&mut self) -> Vec<Park> {
-        let to_park = std::mem::take(&mut self.to_park);
-        let (parks, waiting) = parking_order(self, to_park);
-        self.to_park = waiting;
-        parks
-    }
-
     /// Settles held stream events of the current session and forgets them.
     pub(super) fn settle(&mut self, ids: impl IntoIterator<Item = SequenceId>) {
         for id in ids {
-            if let Some(Held::Wal(held)) = self.held.remove(&id) {
+            if let Some(held) = self.holdings.remove_stream(id) {
                 if held.session == self.session {
                     if let Err(e) = self.acks.settle(held.position) {
                         tracing::error!(error = %e, "WAL acknowledgement out of step (a bug): the slot stays where it is");
                     }
                 }
             }
-        }
-    }
-
-    /// One reader item, in stream order; events to hand out go to `out`.
-    pub(super) fn accept(&mut self, item: Item) {
-        match item {
-            Item::Session {
-                session,
-                start,
-                parked_keys,
-                owner,
-            } => {
-                self.session = session;
-                self.owner = owner;
-                self.acks = Acknowledgements::new(start);
-                self.ended = false;
-                // Released or unparked events of the old session come again in this one.
-                self.forget_unhanded();
-                // The loaded keys may predate parks this process made while the session
-                // started: keep ours too, and check those against the table at the next claim.
-                let loaded: HashSet<String> = parked_keys.into_iter().collect();
-                self.recheck = self.parked_keys.difference(&loaded).cloned().collect();
-                self.parked_keys.extend(loaded);
-            }
-            Item::DrainUntil(lsn) => self.drain_until = Some(lsn),
-            // What an ended session read is sent again by the next.
-            Item::Outputs(_) if self.ended => {}
-            Item::Outputs(outputs) => self.unaccepted.extend(outputs),
         }
     }
 
@@ -385,7 +253,7 @@ impl State {
         let (id, row, key, body) = match event {
             Ok(event) => {
                 let (id, row) = event_id_of(event.source, position);
-                if matches!(self.held.get(&id), Some(Held::Parked { .. })) {
+                if matches!(self.holdings.held.get(&id), Some(Held::Parked { .. })) {
                     // Adopted into the parked table when the slot was created, and committed
                     // after it: the parked copy is being delivered; this one is settled.
                     if let Err(e) = self.acks.settle(position) {
@@ -396,12 +264,12 @@ impl State {
                 let key = event.ordering_key().to_string();
                 let not_before = event.available_at.filter(|at| *at > SystemTime::now());
                 let core = Arc::new(event.into_core(id));
-                if not_before.is_some() || self.parked_keys.contains(&key) {
-                    self.parked_keys.insert(key.clone());
-                    self.to_park.push(Park {
+                if not_before.is_some() || self.holdings.waits(&key) {
+                    let park = Park {
                         not_before,
                         ..Park::behind_its_key(id)
-                    });
+                    };
+                    self.holdings.park_behind(&key, park);
                 } else {
                     out.push(Claimed::Event(core.clone()));
                 }
@@ -432,78 +300,7 @@ impl State {
             body,
             _memory: memory,
         };
-        self.held.insert(id, Held::Wal(Box::new(held)));
-    }
-
-    /// The keys among `keys` with nothing parked left (none `still` in the parked table,
-    /// none waiting in `to_park`) are let through again.
-    pub(super) fn unpark(&mut self, keys: Vec<String>, still: &HashSet<String>) {
-        let waiting: HashSet<String> = self
-            .to_park
-            .iter()
-            .filter_map(|p| match self.held.get(&p.id) {
-                Some(Held::Wal(held)) => Some(held.key.clone()),
-                _ => None,
-            })
-            .collect();
-        for key in keys {
-            if !still.contains(&key) && !waiting.contains(&key) {
-                self.parked_keys.remove(&key);
-            }
-        }
-    }
-
-    /// Splits what the engine settles into rows of the parked table (with their keys) and
-    /// held stream events; what is held no more is left out.
-    pub(super) fn split<T>(&self, items: Vec<T>, id: fn(&T) -> SequenceId) -> Split<T> {
-        let mut split = Split {
-            parked: Vec::new(),
-            keys: Vec::new(),
-            stream: Vec::new(),
-        };
-        for item in items {
-            match self.held.get(&id(&item)) {
-                Some(Held::Parked { key, .. }) => {
-                    split.keys.push(key.clone());
-                    split.parked.push(item);
-                }
-                Some(Held::Wal(_)) => split.stream.push(item),
-                None => {}
-            }
-        }
-        split
-    }
-
-    /// Queues held stream events for the next park statement (each once).
-    pub(super) fn queue_parks(&mut self, parks: impl IntoIterator<Item = Park>) {
-        for park in parks {
-            let key = match self.held.get(&park.id) {
-                Some(Held::Wal(held)) => held.key.clone(),
-                _ => continue,
-            };
-            if self.to_park.iter().all(|p| p.id != park.id) {
-                self.parked_keys.insert(key);
-                self.to_park.push(park);
-            }
-        }
-    }
-
-    /// Forgets parked rows before the statement that releases them (or records their
-    /// retry): once it commits, a claim may take a row again, and the entry that claim
-    /// makes must not be forgotten after it (the engine's settle of it would then be
-    /// ignored, leaving the row locked, and later rows of its key claimable ahead of it).
-    /// [`Inner::restore`] gives them back if the statement fails: the rows are still this
-    /// node's then, so no claim took them meanwhile.
-    pub(super) fn take(&mut self, ids: &[SequenceId]) -> Vec<(SequenceId, Held)> {
-        ids.iter()
-            .filter_map(|id| self.held.remove(id).map(|held| (*id, held)))
-            .collect()
-    }
-
-    pub(super) fn restore(&mut self, taken: Vec<(SequenceId, Held)>) {
-        for (id, held) in taken {
-            self.held.entry(id).or_insert(held);
-        }
+        self.holdings.held.insert(id, Held::Stream(Box::new(held)));
     }
 
     /// Forgets stream events this relay may no longer write for: the slot streams to another
@@ -513,7 +310,7 @@ impl State {
     pub(super) fn leave_to_slot_holder(&mut self, ids: impl IntoIterator<Item = SequenceId>) {
         let ids: Vec<SequenceId> = ids.into_iter().collect();
         for id in &ids {
-            self.held.remove(id);
+            self.holdings.remove_stream(*id);
         }
         tracing::warn!(
             ?ids,
@@ -521,6 +318,56 @@ impl State {
              unwritten (it is sent them again), and nothing more of this session is handed out"
         );
         self.end_session();
+    }
+}
+
+impl capture::Sessions for State {
+    type Item = Item;
+
+    fn follows(&self, live: u64) -> bool {
+        !self.ended && self.session == live
+    }
+
+    /// The session is over: nothing more of it is handed out, and what it left not handed
+    /// out (read ahead, released, queued to park) is dropped, to come again from the slot
+    /// in whichever session streams next, this relay's or another's.
+    ///
+    /// Handing it out would break the order of a key: another relay may hold the slot now,
+    /// and an earlier event of the key may be among what this relay had to leave to it
+    /// ([`State::leave_to_slot_holder`]). This relay would then publish the later event
+    /// before the new holder publishes the earlier one.
+    fn end_session(&mut self) {
+        self.ended = true;
+        self.unaccepted.clear();
+        self.forget_unhanded();
+    }
+
+    /// One reader item, in stream order; events to hand out go to `out`.
+    fn accept(&mut self, item: Item) {
+        match item {
+            Item::Session {
+                session,
+                start,
+                parked_keys,
+                owner,
+            } => {
+                self.session = session;
+                self.owner = owner;
+                self.acks = Acknowledgements::new(start);
+                self.ended = false;
+                // Released or unparked events of the old session come again in this one.
+                self.forget_unhanded();
+                self.holdings.load_parked_keys(parked_keys);
+            }
+            Item::DrainUntil(lsn) => self.drain_until = Some(lsn),
+            // What an ended session read is sent again by the next.
+            Item::Outputs(_) if self.ended => {}
+            Item::Outputs(outputs) => self.unaccepted.extend(outputs),
+        }
+    }
+
+    fn announces(item: &Item) -> bool {
+        matches!(item, Item::Session { .. })
     }
 }
 
@@ -627,7 +474,7 @@ mod tests {
         assert_eq!(state.acks.confirmable(), START, "event 1 is unsettled");
         state.settle([1]);
         assert_eq!(state.acks.confirmable(), Lsn(310));
-        assert!(state.held.is_empty());
+        assert!(state.holdings.held.is_empty());
     }
 
     #[test]
@@ -635,7 +482,7 @@ mod tests {
         let mut state = State::new();
         state.accept(session(1, &["a"]));
         assert_eq!(claim(&mut state, two_transactions()), [2], "b only");
-        let parks: Vec<SequenceId> = state.take_parks().iter().map(|p| p.id).collect();
+        let parks: Vec<SequenceId> = state.holdings.take_parks().iter().map(|p| p.id).collect();
         assert_eq!(parks, [1]);
     }
 
@@ -647,10 +494,10 @@ mod tests {
         assert_eq!(claim(&mut state, outputs), [1, 2]);
         // 2 is released behind 1, which the engine still has: 1 may come back as a retry,
         // and must then be parked first.
-        state.queue_parks([Park::behind_its_key(2)]);
-        assert!(state.take_parks().is_empty());
-        state.queue_parks([Park::behind_its_key(1)]);
-        let parks: Vec<SequenceId> = state.take_parks().iter().map(|p| p.id).collect();
+        state.holdings.queue_parks([Park::behind_its_key(2)]);
+        assert!(state.holdings.take_parks().is_empty());
+        state.holdings.queue_parks([Park::behind_its_key(1)]);
+        let parks: Vec<SequenceId> = state.holdings.take_parks().iter().map(|p| p.id).collect();
         assert_eq!(parks, [1, 2], "commit order");
     }
 
@@ -673,7 +520,7 @@ mod tests {
             }
             state.settle([1, 2]);
             assert_eq!(state.acks.confirmable(), Lsn(310), "ack first: {ack_first}");
-            assert!(state.held.is_empty(), "ack first: {ack_first}");
+            assert!(state.holdings.held.is_empty(), "ack first: {ack_first}");
             // The engine's second settle of the same ids finds nothing, and harms nothing.
             state.settle([1, 2]);
             assert_eq!(state.acks.confirmable(), Lsn(310));
@@ -686,10 +533,13 @@ mod tests {
         state.accept(session(1, &[]));
         assert_eq!(claim(&mut state, two_transactions()), [1, 2]);
         state.redeliver.push_back(1);
-        state.queue_parks([Park::behind_its_key(2)]);
+        state.holdings.queue_parks([Park::behind_its_key(2)]);
         state.accept(session(2, &[]));
-        assert!(state.redeliver.is_empty() && state.to_park.is_empty());
-        assert!(state.held.is_empty(), "the new session sends them again");
+        assert!(state.redeliver.is_empty() && state.holdings.to_park.is_empty());
+        assert!(
+            state.holdings.held.is_empty(),
+            "the new session sends them again"
+        );
         assert_eq!(state.owner, "session 2");
     }
 
@@ -731,7 +581,7 @@ mod tests {
     fn the_stream_copy_of_an_adopted_row_being_delivered_settles_at_once() {
         let mut state = State::new();
         state.accept(session(1, &[]));
-        state.held.insert(
+        state.holdings.held.insert(
             1,
             Held::Parked {
                 key: "a".into(),
@@ -756,11 +606,11 @@ mod tests {
         let mut out = Vec::new();
         state.accept_outputs(&mut out, 1, 1);
         assert!(out.is_empty(), "1 waits behind its parked key");
-        let parks: Vec<SequenceId> = state.take_parks().iter().map(|p| p.id).collect();
+        let parks: Vec<SequenceId> = state.holdings.take_parks().iter().map(|p| p.id).collect();
         assert_eq!(parks, [1]);
         state.leave_to_slot_holder(parks);
         // The parked table has nothing of `a` any more: the key is let through.
-        state.unpark(vec!["a".into()], &HashSet::new());
+        state.holdings.unpark(vec!["a".into()], &HashSet::new());
         state.accept_outputs(&mut out, 100, 1_000);
         state.redeliver.push_back(3);
         state.redeliver_into(&mut out, 100);
@@ -768,7 +618,7 @@ mod tests {
             out.is_empty(),
             "handed out after the session ended: {out:?}"
         );
-        assert!(state.held.is_empty());
+        assert!(state.holdings.held.is_empty());
         // The live session is another relay's: nothing this relay reads is handed out.
         let mut queued = VecDeque::from([Item::Outputs(Vec::new())]);
         assert!(!state.follow(0, || queued.pop_front()));
@@ -823,7 +673,7 @@ mod tests {
         state.accept(session(1, &[]));
         assert_eq!(claim(&mut state, two_transactions()), [1, 2]);
         state.leave_to_slot_holder([1, 2]);
-        assert!(state.held.is_empty());
+        assert!(state.holdings.held.is_empty());
         assert_eq!(state.acks.confirmable(), START, "confirmed past nothing");
     }
 }

@@ -1,0 +1,493 @@
+//! What a change-stream capture (WAL's, binlog's) holds between its stream and the engine,
+//! and the rules both follow: events handed out are held until the engine settles them, a
+//! key with parked events has its later ones parked behind them, and parks are written in
+//! stream order per key. Pure state: each capture's own `State` wraps [`Holdings`] with its
+//! stream's rules (what the WAL slot may be confirmed at, which binlog positions may be
+//! stored), and its store runs the statements and then tells the state what they did.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use crate::memory::Charge;
+use crate::{Event, SequenceId};
+
+/// A stream event held by a capture: the key it is ordered by, and its place in the stream.
+pub trait StreamEvent {
+    /// Where the event stands in the stream (WAL: commit position and ordinal; binlog:
+    /// session and ordinal). Parks of one key are written in this order.
+    type Place: Ord + Copy;
+
+    fn key(&self) -> &str;
+
+    fn place(&self) -> Self::Place;
+}
+
+/// A held stream event queued to be parked, by its engine id.
+pub trait QueuedPark {
+    fn id(&self) -> SequenceId;
+}
+
+/// A held event's content: an event, or a row that did not decode (with its capture's
+/// account of why).
+pub enum Body<U> {
+    Event(Arc<Event>),
+    Undecodable(Box<U>),
+}
+
+pub enum Held<S> {
+    /// An event read from the stream.
+    Stream(Box<S>),
+    /// A row of the parked table, by its key.
+    Parked { key: String, _memory: Charge },
+}
+
+/// What the engine settles, by where it is.
+pub struct Split<T> {
+    /// Rows of the parked table, with their keys in `keys`.
+    pub parked: Vec<T>,
+    pub keys: Vec<String>,
+    /// Held stream events.
+    pub stream: Vec<T>,
+}
+
+/// The number of the session that streams now, 0 while none does. The reader sets it
+/// before it announces a session, and back to 0 the moment the session ends, so claims stop
+/// handing out its events then, not when they next see an announcement.
+#[derive(Default)]
+pub struct LiveSession(AtomicU64);
+
+impl LiveSession {
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::SeqCst)
+    }
+
+    pub fn set(&self, session: u64) {
+        self.0.store(session, Ordering::SeqCst);
+    }
+}
+
+/// What a capture holds: events out with the engine or queued to park, rows of the parked
+/// table out with the engine, and the keys that wait behind parked events.
+pub struct Holdings<S, P> {
+    /// By engine id: every stream event and parked row not yet settled.
+    pub held: HashMap<SequenceId, Held<S>>,
+    /// Keys with events in the parked table or queued to park: their later events are
+    /// parked behind them, never handed out ahead.
+    pub parked_keys: HashSet<String>,
+    /// Keys to check against the parked table at the next claim.
+    pub recheck: Vec<String>,
+    /// Held stream events to park; written by the next park statement.
+    pub to_park: Vec<P>,
+}
+
+impl<S, P> Default for Holdings<S, P> {
+    fn default() -> Self {
+        Holdings {
+            held: HashMap::new(),
+            parked_keys: HashSet::new(),
+            recheck: Vec::new(),
+            to_park: Vec::new(),
+        }
+    }
+}
+
+impl<S: StreamEvent, P: QueuedPark> Holdings<S, P> {
+    /// A session starts with the keys the parked table has. Parks this process made while
+    /// it started may be missing from them: those keys are kept, and checked against the
+    /// table at the next claim ([`Holdings::recheck`]).
+    pub fn load_parked_keys(&mut self, loaded: Vec<String>) {
+        let loaded: HashSet<String> = loaded.into_iter().collect();
+        self.recheck = self.parked_keys.difference(&loaded).cloned().collect();
+        self.parked_keys.extend(loaded);
+    }
+
+    /// Whether `key` has parked events, so that its next one must be parked behind them.
+    pub fn waits(&self, key: &str) -> bool {
+        self.parked_keys.contains(key)
+    }
+
+    /// Queues a held event to park behind the other events of its `key`.
+    pub fn park_behind(&mut self, key: &str, park: P) {
+        if !self.parked_keys.contains(key) {
+            self.parked_keys.insert(key.to_string());
+        }
+        self.to_park.push(park);
+    }
+
+    /// Queues held stream events for the next park statement, each once; an id held no
+    /// more is passed by.
+    pub fn queue_parks(&mut self, parks: impl IntoIterator<Item = P>) {
+        for park in parks {
+            let Some(Held::Stream(event)) = self.held.get(&park.id()) else {
+                continue;
+            };
+            if self.to_park.iter().all(|p| p.id() != park.id()) {
+                if !self.parked_keys.contains(event.key()) {
+                    self.parked_keys.insert(event.key().to_string());
+                }
+                self.to_park.push(park);
+            }
+        }
+    }
+
+    /// The parks to write now, in stream order; those that must wait stay queued.
+    ///
+    /// Parked rows are claimed in parking order, so per key it must be stream order: an
+    /// event the engine still has (in a lane or publishing) may yet come back to be parked,
+    /// as a retry or a release, and every later event of its key waits for it. (Released
+    /// and retried events would otherwise be parked after later events of their key that
+    /// the stream handed over meanwhile, and be delivered after them.)
+    pub fn take_parks(&mut self) -> Vec<P> {
+        // Every claim asks: most find nothing to park, and must not pay a pass over what is
+        // held.
+        if self.to_park.is_empty() {
+            return Vec::new();
+        }
+        let mut to_park = std::mem::take(&mut self.to_park);
+        let place = |id: SequenceId| match self.held.get(&id) {
+            Some(Held::Stream(event)) => Some(event.place()),
+            _ => None,
+        };
+        to_park.sort_by_key(|p| place(p.id()));
+        let parking: HashSet<SequenceId> = to_park.iter().map(P::id).collect();
+        // Per key, the first place of an event still with the engine.
+        let mut out: HashMap<&str, S::Place> = HashMap::new();
+        for (id, held) in &self.held {
+            if let Held::Stream(event) = held {
+                if !parking.contains(id) {
+                    let at = event.place();
+                    out.entry(event.key())
+                        .and_modify(|first| *first = (*first).min(at))
+                        .or_insert(at);
+                }
+            }
+        }
+        let (parks, waiting): (Vec<P>, Vec<P>) =
+            to_park
+                .into_iter()
+                .partition(|park| match self.held.get(&park.id()) {
+                    Some(Held::Stream(event)) => out
+                        .get(event.key())
+                        .is_none_or(|first| *first > event.place()),
+                    _ => true,
+                });
+        self.to_park = waiting;
+        parks
+    }
+
+    /// Forgets the events queued to park (the session that read them is over: they come
+    /// again from the stream).
+    pub fn forget_queued_parks(&mut self) {
+        for park in std::mem::take(&mut self.to_park) {
+            self.held.remove(&park.id());
+        }
+    }
+
+    /// The keys among `keys` with nothing parked left (none `still` in the parked table,
+    /// none queued to park) flow from the stream again; returns them.
+    pub fn unpark(&mut self, keys: Vec<String>, still: &HashSet<String>) -> Vec<String> {
+        let waiting: HashSet<&str> = self
+            .to_park
+            .iter()
+            .filter_map(|p| match self.held.get(&p.id()) {
+                Some(Held::Stream(event)) => Some(event.key()),
+                _ => None,
+            })
+            .collect();
+        let free: Vec<String> = keys
+            .into_iter()
+            .filter(|key| !still.contains(key) && !waiting.contains(key.as_str()))
+            .collect();
+        for key in &free {
+            self.parked_keys.remove(key);
+        }
+        free
+    }
+
+    /// Splits what the engine settles into rows of the parked table (with their keys) and
+    /// held stream events; what is held no more is left out.
+    pub fn split<T>(&self, items: Vec<T>, id: fn(&T) -> SequenceId) -> Split<T> {
+        let mut split = Split {
+            parked: Vec::new(),
+            keys: Vec::new(),
+            stream: Vec::new(),
+        };
+        for item in items {
+            match self.held.get(&id(&item)) {
+                Some(Held::Parked { key, .. }) => {
+                    split.keys.push(key.clone());
+                    split.parked.push(item);
+                }
+                Some(Held::Stream(_)) => split.stream.push(item),
+                None => {}
+            }
+        }
+        split
+    }
+
+    /// A held stream event let go of (settled, or left to another reader), if held.
+    pub fn remove_stream(&mut self, id: SequenceId) -> Option<Box<S>> {
+        match self.held.remove(&id)? {
+            Held::Stream(event) => Some(event),
+            parked => {
+                self.held.insert(id, parked);
+                None
+            }
+        }
+    }
+
+    /// Forgets parked rows before the statement that settles them (or records their retry):
+    /// once it commits, a claim may take a row again, and the entry that claim makes must
+    /// not be forgotten after it (the engine's settle of it would then be ignored, leaving
+    /// the row locked, and later rows of its key claimable ahead of it). [`Holdings::restore`]
+    /// gives them back if the statement fails: the rows are still this node's then, so no
+    /// claim took them meanwhile.
+    pub fn take(&mut self, ids: &[SequenceId]) -> Vec<(SequenceId, Held<S>)> {
+        ids.iter()
+            .filter_map(|id| self.held.remove(id).map(|held| (*id, held)))
+            .collect()
+    }
+
+    pub fn restore(&mut self, taken: Vec<(SequenceId, Held<S>)>) {
+        for (id, held) in taken {
+            self.held.entry(id).or_insert(held);
+        }
+    }
+}
+
+/// The state of a capture whose reader announces sessions: what claims need to follow the
+/// session that streams now ([`follow`]).
+pub trait Sessions {
+    type Item;
+
+    /// Whether the session this state follows is `live` and has not ended.
+    fn follows(&self, live: u64) -> bool;
+
+    /// Nothing more of the session is handed out, and what it left not handed out is dropped
+    /// (it comes again from the stream, to whichever session streams next).
+    fn end_session(&mut self);
+
+    /// One reader item, in stream order.
+    fn accept(&mut self, item: Self::Item);
+
+    /// Whether `item` announces a session.
+    fn announces(item: &Self::Item) -> bool;
+}
+
+/// Whether the session `state` follows is `live` (the one streaming now) and may hand out
+/// events. When not, it is ended, and the items `next` gives are accepted (what the ended
+/// session sent is dropped) up to a session's announcement, which is followed in turn when
+/// it is the live one.
+pub fn follow<T: Sessions>(
+    state: &mut T,
+    live: u64,
+    mut next: impl FnMut() -> Option<T::Item>,
+) -> bool {
+    loop {
+        if state.follows(live) {
+            return true;
+        }
+        state.end_session();
+        let mut announced = false;
+        while let Some(item) = next() {
+            announced = T::announces(&item);
+            state.accept(item);
+            if announced {
+                break;
+            }
+        }
+        if !announced {
+            return false;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A held event: its key and its place in the stream.
+    struct Read {
+        key: &'static str,
+        place: u64,
+    }
+
+    impl StreamEvent for Read {
+        type Place = u64;
+
+        fn key(&self) -> &str {
+            self.key
+        }
+
+        fn place(&self) -> u64 {
+            self.place
+        }
+    }
+
+    impl QueuedPark for SequenceId {
+        fn id(&self) -> SequenceId {
+            *self
+        }
+    }
+
+    /// Events `(id, key)`, held in that stream order.
+    fn holding(events: &[(SequenceId, &'static str)]) -> Holdings<Read, SequenceId> {
+        let mut holdings = Holdings::default();
+        for (place, &(id, key)) in events.iter().enumerate() {
+            let read = Read {
+                key,
+                place: place as u64,
+            };
+            holdings.held.insert(id, Held::Stream(Box::new(read)));
+        }
+        holdings
+    }
+
+    #[test]
+    fn parks_are_written_in_stream_order_whatever_order_they_were_queued_in() {
+        let mut holdings = holding(&[(1, "a"), (2, "b"), (3, "a")]);
+        holdings.queue_parks([3, 2, 1]);
+        assert_eq!(holdings.take_parks(), [1, 2, 3]);
+        assert!(holdings.to_park.is_empty());
+    }
+
+    #[test]
+    fn a_release_waits_to_be_parked_while_an_earlier_event_of_its_key_is_with_the_engine() {
+        let mut holdings = holding(&[(1, "a"), (2, "a"), (3, "b")]);
+        // 2 is released behind 1, which the engine still has: 1 may come back as a retry,
+        // and must then be parked first. Key b's park does not wait for key a.
+        holdings.queue_parks([2, 3]);
+        assert_eq!(holdings.take_parks(), [3]);
+        assert_eq!(holdings.to_park, [2]);
+        holdings.queue_parks([1]);
+        assert_eq!(holdings.take_parks(), [1, 2]);
+    }
+
+    #[test]
+    fn a_park_is_queued_once_and_only_while_its_event_is_held() {
+        let mut holdings = holding(&[(1, "a")]);
+        holdings.queue_parks([1, 1, 9]);
+        assert_eq!(holdings.to_park, [1]);
+        assert!(holdings.waits("a"));
+    }
+
+    #[test]
+    fn a_key_is_let_through_only_with_nothing_parked_or_queued_to_park() {
+        let mut holdings = holding(&[(1, "a"), (2, "b")]);
+        holdings.load_parked_keys(vec!["a".into(), "b".into(), "c".into()]);
+        holdings.queue_parks([1]);
+        let still: HashSet<String> = ["b".to_string()].into();
+        let mut freed = holdings.unpark(vec!["a".into(), "b".into(), "c".into()], &still);
+        freed.sort();
+        assert_eq!(freed, ["c"], "a is queued to park, b is still in the table");
+        assert!(holdings.waits("a") && holdings.waits("b") && !holdings.waits("c"));
+    }
+
+    #[test]
+    fn a_session_start_rechecks_the_keys_this_process_parked_meanwhile() {
+        let mut holdings = holding(&[(1, "a")]);
+        holdings.park_behind("a", 1);
+        holdings.load_parked_keys(vec!["b".into()]);
+        assert_eq!(holdings.recheck, ["a"]);
+        assert!(holdings.waits("a") && holdings.waits("b"));
+    }
+
+    #[test]
+    fn a_split_separates_parked_rows_from_stream_events_and_drops_what_is_not_held() {
+        let mut holdings = holding(&[(1, "a")]);
+        holdings.held.insert(
+            7,
+            Held::Parked {
+                key: "p".into(),
+                _memory: Charge::none(),
+            },
+        );
+        let split = holdings.split(vec![1, 7, 9], |id| *id);
+        assert_eq!(
+            (split.parked, split.keys, split.stream),
+            (vec![7], vec!["p".to_string()], vec![1])
+        );
+    }
+
+    #[test]
+    fn a_parked_row_taken_for_its_statement_comes_back_if_the_statement_fails() {
+        let mut holdings = holding(&[]);
+        holdings.held.insert(
+            7,
+            Held::Parked {
+                key: "p".into(),
+                _memory: Charge::none(),
+            },
+        );
+        let taken = holdings.take(&[7]);
+        assert!(holdings.held.is_empty());
+        holdings.restore(taken);
+        assert!(
+            holdings.remove_stream(7).is_none(),
+            "a parked row is no stream event"
+        );
+        assert!(holdings.held.contains_key(&7));
+    }
+
+    #[test]
+    fn forgetting_queued_parks_forgets_their_events() {
+        let mut holdings = holding(&[(1, "a"), (2, "b")]);
+        holdings.queue_parks([1]);
+        holdings.forget_queued_parks();
+        assert!(holdings.to_park.is_empty());
+        assert_eq!(holdings.held.keys().copied().collect::<Vec<_>>(), [2]);
+    }
+
+    /// Sessions announced by number; any other item is an event of the last one announced.
+    struct Follower {
+        session: u64,
+        ended: bool,
+        accepted: Vec<(u64, u64)>,
+    }
+
+    impl Sessions for Follower {
+        type Item = Option<u64>;
+
+        fn follows(&self, live: u64) -> bool {
+            !self.ended && self.session == live
+        }
+
+        fn end_session(&mut self) {
+            self.ended = true;
+        }
+
+        fn accept(&mut self, item: Option<u64>) {
+            match item {
+                Some(session) => {
+                    self.session = session;
+                    self.ended = false;
+                }
+                None if self.ended => {}
+                None => self.accepted.push((self.session, 0)),
+            }
+        }
+
+        fn announces(item: &Option<u64>) -> bool {
+            item.is_some()
+        }
+    }
+
+    #[test]
+    fn following_passes_by_what_ended_sessions_sent_up_to_the_live_ones_announcement() {
+        let mut follower = Follower {
+            session: 1,
+            ended: false,
+            accepted: Vec::new(),
+        };
+        assert!(follow(&mut follower, 1, || None), "session 1 is live");
+        let mut queued = std::collections::VecDeque::from([None, Some(2), None, Some(3)]);
+        assert!(follow(&mut follower, 3, || queued.pop_front()));
+        assert_eq!(follower.session, 3);
+        assert!(follower.accepted.is_empty(), "{:?}", follower.accepted);
+        assert!(
+            !follow(&mut follower, 4, || None),
+            "session 4 not announced yet"
+        );
+    }
+}
