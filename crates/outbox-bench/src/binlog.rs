@@ -1,8 +1,13 @@
 //! `--only binlog`: binlog capture's drain (issue 35) in one run beside the two things it is
 //! judged against, on the same MariaDB and the same backlog:
 //! - **the floor**: MariaDB's own `mariadb-binlog --read-from-remote-server`, reading the
-//!   same stretch of the binary log as a replica and writing it nowhere;
-//! - **polling**: `run --drain` of the same number of rows from the same table.
+//!   same stretch of the binary log as a replica and writing it nowhere; and the same reader
+//!   decoding every row (`--base64-output=DECODE-ROWS --verbose`), the least work a relay
+//!   must do with a row, since MariaDB sends row images undecoded (PostgreSQL's walsender
+//!   decodes for `pg_recvlogical` and the relay alike);
+//! - **polling**: `run --drain` of the same number of rows from the same table;
+//! - **the table-less form**: binlog capture of the same events written to a BLACKHOLE
+//!   table, which has no delivered rows to delete.
 //!
 //! Each drain is `run --drain` to the file sink, timed by `/usr/bin/time` (wall, CPU, peak
 //! RSS). The capture's backlog is written after a first start stored its position, so it is
@@ -48,7 +53,8 @@ pub async fn drain(b: &Bench) -> Result<Value> {
     eprintln!("drain: binlog capture, {n} events ({per_transaction} per transaction)");
     let start = position(&mut conn).await?;
     prefill(&mut conn, n, per_transaction).await?;
-    let floor = floor(b, &admin, &start)?;
+    let raw_floor = floor(b, &admin, &start, false)?;
+    let decoding_floor = floor(b, &admin, &start, true)?;
     let sink = format!("file:{}", b.work.join("binlog-drain.jsonl").display());
     let capture = timed_drain(b, &drain_args(&url, &sink, &["--capture", "binlog"]), n)?;
     let left: i64 = conn
@@ -60,6 +66,8 @@ pub async fn drain(b: &Bench) -> Result<Value> {
     prefill(&mut conn, n, per_transaction).await?;
     let sink = format!("file:{}", b.work.join("poll-drain.jsonl").display());
     let polling = timed_drain(b, &drain_args(&url, &sink, &[]), n)?;
+    let table_less = table_less_drain(b, &admin, &mut conn).await?;
+    conn.query_drop("USE bench_binlog").await?;
     let writers = writer_cost(b, &url, &mut conn).await?;
     conn.query_drop("DROP DATABASE bench_binlog").await?;
     drop(conn);
@@ -70,14 +78,56 @@ pub async fn drain(b: &Bench) -> Result<Value> {
     Ok(json!({
         "events": n,
         "events_per_transaction": per_transaction,
-        "floor": floor,
+        "floor": raw_floor,
+        "decoding_floor": decoding_floor,
         "capture": capture,
         "polling": polling,
+        "table_less": table_less,
         "capture_rows_left": left,
-        "capture_vs_floor": ratio(&capture, &floor),
+        "capture_vs_floor": ratio(&capture, &raw_floor),
+        "capture_vs_decoding_floor": ratio(&capture, &decoding_floor),
         "capture_vs_polling": ratio(&capture, &polling),
+        "table_less_vs_floor": ratio(&table_less, &raw_floor),
+        "table_less_vs_decoding_floor": ratio(&table_less, &decoding_floor),
         "writer_cost": writers,
     }))
+}
+
+/// Binlog capture of the backlog written to a BLACKHOLE outbox (the table-less form), in a
+/// database of its own: nothing is stored, so nothing is deleted once delivered.
+async fn table_less_drain(b: &Bench, admin: &str, conn: &mut mysql_async::Conn) -> Result<Value> {
+    let n = b.settings.events;
+    eprintln!("drain: binlog capture, {n} events through a BLACKHOLE table");
+    conn.query_drop("DROP DATABASE IF EXISTS bench_binlog_table_less")
+        .await?;
+    conn.query_drop("CREATE DATABASE bench_binlog_table_less")
+        .await?;
+    conn.query_drop("USE bench_binlog_table_less").await?;
+    if outbox_binlog::blackhole_problem(admin).await?.is_some() {
+        // Debian's MariaDB ships the engine as a plugin.
+        conn.query_drop("INSTALL SONAME 'ha_blackhole'").await?;
+    }
+    conn.query_drop(outbox_binlog::blackhole_ddl("outbox"))
+        .await?;
+    let url = with_database(admin, "bench_binlog_table_less");
+    relay(
+        b,
+        &["migrate", "--capture", "binlog", "--database-url", &url],
+    )?;
+    let sink = format!("file:{}", b.work.join("table-less-first.jsonl").display());
+    relay(b, &drain_args(&url, &sink, &["--capture", "binlog"]))?;
+    prefill(conn, n, b.settings.binlog_events_per_transaction).await?;
+    let sink = format!("file:{}", b.work.join("table-less-drain.jsonl").display());
+    let drained = timed_drain(b, &drain_args(&url, &sink, &["--capture", "binlog"]), n)?;
+    let delivered = std::fs::read(b.work.join("table-less-drain.jsonl"))
+        .map(|bytes| bytes.iter().filter(|&&byte| byte == b'\n').count() as u64)
+        .unwrap_or(0);
+    if delivered < n {
+        bail!("the table-less drain delivered {delivered} of {n} events");
+    }
+    conn.query_drop("DROP DATABASE bench_binlog_table_less")
+        .await?;
+    Ok(drained)
 }
 
 /// The application's writers of the writer-cost runs.
@@ -249,8 +299,8 @@ async fn prefill(conn: &mut mysql_async::Conn, n: u64, per_transaction: u64) -> 
 }
 
 /// MariaDB's own client reading the log from `start` to its end as a replica, writing
-/// nowhere: wall and CPU.
-fn floor(b: &Bench, admin: &str, start: &(String, u64)) -> Result<Value> {
+/// nowhere, with every row image decoded to text when `decode`: wall and CPU.
+fn floor(b: &Bench, admin: &str, start: &(String, u64), decode: bool) -> Result<Value> {
     let opts = mysql_async::Opts::from_url(admin)?;
     let port = opts.tcp_port().to_string();
     let mut args = vec![
@@ -265,6 +315,9 @@ fn floor(b: &Bench, admin: &str, start: &(String, u64)) -> Result<Value> {
     ];
     if let Some(password) = opts.pass() {
         args.push(format!("--password={password}"));
+    }
+    if decode {
+        args.extend(["--base64-output=DECODE-ROWS".into(), "--verbose".into()]);
     }
     let (wall, user, sys, _) = measure::timed_program(&b.work, Path::new("mariadb-binlog"), &args)?;
     let n = b.settings.events;
@@ -286,9 +339,12 @@ pub fn report(r: &Value) -> String {
         "\n## Binlog capture (MariaDB)\n\n{} events, {} per transaction, to the file sink.\n\n\
          | | events/s | CPU s per 1M | peak RSS MB |\n|---|---|---|---|\n\
          | floor (`mariadb-binlog --read-from-remote-server`) | {} | {} | |\n\
+         | floor decoding rows (`--base64-output=DECODE-ROWS --verbose`) | {} | {} | |\n\
          | binlog capture | {} | {} | {} |\n\
-         | polling, same table | {} | {} | {} |\n\n\
-         Capture: {}× the floor (target ≥ 0.9), {}× polling (target ≥ 3); rows left: {}.\n\n\
+         | polling, same table | {} | {} | {} |\n\
+         | binlog capture, table-less (BLACKHOLE) | {} | {} | {} |\n\n\
+         Capture: {}× the floor (target ≥ 0.9), {}× the decoding floor, {}× polling (target ≥ 3); \
+         rows left: {}. Table-less: {}× the floor, {}× the decoding floor.\n\n\
          Writer cost, {WRITERS} writers of single-row INSERTs (target: capture's ≤ polling's):\n\n\
          | | commits/s | p99 ms | cost vs no relay |\n|---|---|---|---|\n\
          | no relay | {} | {} | |\n\
@@ -298,15 +354,23 @@ pub fn report(r: &Value) -> String {
         y["events_per_transaction"],
         measure::f(&y["floor"]["events_per_s"]),
         measure::f(&y["floor"]["cpu_s_per_million"]),
+        measure::f(&y["decoding_floor"]["events_per_s"]),
+        measure::f(&y["decoding_floor"]["cpu_s_per_million"]),
         measure::f(&y["capture"]["events_per_s"]),
         measure::f(&y["capture"]["relay_cpu_s_per_million"]),
         measure::f(&y["capture"]["peak_rss_mb"]),
         measure::f(&y["polling"]["events_per_s"]),
         measure::f(&y["polling"]["relay_cpu_s_per_million"]),
         measure::f(&y["polling"]["peak_rss_mb"]),
+        measure::f(&y["table_less"]["events_per_s"]),
+        measure::f(&y["table_less"]["relay_cpu_s_per_million"]),
+        measure::f(&y["table_less"]["peak_rss_mb"]),
         measure::f(&y["capture_vs_floor"]),
+        measure::f(&y["capture_vs_decoding_floor"]),
         measure::f(&y["capture_vs_polling"]),
         y["capture_rows_left"],
+        measure::f(&y["table_less_vs_floor"]),
+        measure::f(&y["table_less_vs_decoding_floor"]),
         measure::f(&y["writer_cost"]["no relay"]["commits_per_s"]),
         measure::f(&y["writer_cost"]["no relay"]["p99_ms"]),
         measure::f(&y["writer_cost"]["polling"]["commits_per_s"]),

@@ -32,7 +32,9 @@ pub mod store;
 pub use capture::{Capture, Started};
 pub use positions::{Positions, UnknownRow};
 pub use reader::{BinlogReader, Output, Row};
-pub use schema::{blackhole_ddl, blackhole_problem, is_blackhole};
+pub use schema::{
+    blackhole_ddl, blackhole_problem, blackhole_table_problems, is_blackhole, parked_table_problem,
+};
 pub use seat::{
     positions_ddl, stored_position, upgrade_positions, ActiveReader, SeatConfig, StoredPosition,
     Taken,

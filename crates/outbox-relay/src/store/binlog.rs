@@ -140,23 +140,17 @@ impl BinlogCapture {
         .map_err(|e| StoreError::new(StoreErrorKind::Query, format!("binlog capture: {e}")))
     }
 
-    /// The parked table (the native layout's columns: the outbox's own, or for a mapped
-    /// table the native table's) and the positions table; idempotent.
+    /// The parked table (the native layout's columns, InnoDB: never `LIKE` the outbox,
+    /// which in the table-less form is a BLACKHOLE table that would store no parked row)
+    /// and the positions table; idempotent.
     pub fn ddl(&self) -> String {
-        let (db, table) = (&self.database, &self.table);
-        let parked = if self.native() {
-            format!(
-                "CREATE TABLE IF NOT EXISTS `{db}`.`{}` LIKE `{db}`.`{table}`;\n",
-                self.parked_table
-            )
-        } else {
-            let native = outbox_layout::Mapping::native_mysql(None, &self.parked_table, false);
-            outbox_layout::sql::native_mysql_ddl(&native).replacen(
-                &format!("CREATE TABLE IF NOT EXISTS `{}`", self.parked_table),
-                &format!("CREATE TABLE IF NOT EXISTS `{db}`.`{}`", self.parked_table),
-                1,
-            )
-        };
+        let db = &self.database;
+        let native = outbox_layout::Mapping::native_mysql(None, &self.parked_table, false);
+        let parked = outbox_layout::sql::native_mysql_ddl(&native).replacen(
+            &format!("CREATE TABLE IF NOT EXISTS `{}`", self.parked_table),
+            &format!("CREATE TABLE IF NOT EXISTS `{db}`.`{}`", self.parked_table),
+            1,
+        );
         format!(
             "{parked}{}",
             outbox_binlog::positions_ddl(&format!("{db}.{}", self.positions_table))
@@ -194,14 +188,22 @@ impl BinlogCapture {
         )
     }
 
-    /// What the server needs, as `migrate --print` states it.
-    pub fn server_requirements() -> &'static str {
-        "-- Binlog capture needs, on the server (the relay checks each at `check`):\n\
-         --   log_bin on, binlog_format = ROW, binlog_row_image = FULL,\n\
-         --   log_bin_compress = OFF (MariaDB; MySQL 8's compressed transactions are read),\n\
-         --   a binlog_expire_logs_seconds (expire_logs_days) longer than the relay may be off.\n\
-         -- The table-less form: create the outbox table with ENGINE=BLACKHOLE instead (the\n\
-         -- relay reads its rows from the log; `check` says whether the server has the engine).\n"
+    /// What the server needs, as `migrate --print` states it, with the table-less form's
+    /// table.
+    pub fn server_requirements(&self) -> String {
+        let blackhole: String = outbox_binlog::blackhole_ddl(&self.table)
+            .lines()
+            .map(|line| format!("--   {line}\n"))
+            .collect();
+        format!(
+            "-- Binlog capture needs, on the server (the relay checks each at `check`):\n\
+             --   log_bin on, binlog_format = ROW, binlog_row_image = FULL,\n\
+             --   log_bin_compress = OFF (MariaDB; MySQL 8's compressed transactions are read),\n\
+             --   a binlog_expire_logs_seconds (expire_logs_days) longer than the relay may be off.\n\
+             -- The table-less form: create the outbox table with ENGINE=BLACKHOLE instead, before\n\
+             -- migrating (the relay reads its rows from the log; `check` says whether the server\n\
+             -- has the engine):\n{blackhole}"
+        )
     }
 
     /// What keeps binlog capture from running, each with its fix: the server's settings and
@@ -257,15 +259,36 @@ impl BinlogCapture {
                 "run `outbox-relay migrate --capture binlog`",
             )),
         }
-        let blackhole = outbox_binlog::is_blackhole(&self.url, &self.database, &self.table).await;
-        if let Ok(true) = blackhole {
+        if self.is_blackhole().await {
             problems.extend(
                 outbox_binlog::blackhole_problem(&self.url)
                     .await
                     .map_err(unreachable)?,
             );
         }
+        problems.extend(
+            outbox_binlog::parked_table_problem(&self.url, &self.database, &self.parked_table)
+                .await
+                .unwrap_or_default(),
+        );
         Ok(problems)
+    }
+
+    /// Whether the outbox is the table-less form's BLACKHOLE table (false while it cannot be
+    /// told: the polling store's checks then say what is wrong with the table).
+    pub async fn is_blackhole(&self) -> bool {
+        outbox_binlog::is_blackhole(&self.url, &self.database, &self.table)
+            .await
+            .unwrap_or(false)
+    }
+
+    /// What the table-less form's table lacks, each with its fix.
+    pub async fn blackhole_table_problems(&self) -> Result<Vec<Problem>, StoreError> {
+        outbox_binlog::blackhole_table_problems(&self.url, &self.database, &self.table)
+            .await
+            .map_err(|e| {
+                StoreError::new(StoreErrorKind::Connection, format!("binlog capture: {e}"))
+            })
     }
 
     /// Starts the reader: the store the engine claims from.

@@ -325,7 +325,7 @@ impl AnyStore {
             AnyStore::MySql(s) => format!("{}\n{}", mysql_steps(s), s.grants(role)),
             AnyStore::MySqlBinlog(s, capture) => format!(
                 "{}{}\n-- Binlog capture's own tables, applied again by every migrate:\n{}\n{}\n{}",
-                BinlogCapture::server_requirements(),
+                capture.server_requirements(),
                 mysql_steps(s),
                 capture.ddl(),
                 s.grants(role),
@@ -424,7 +424,12 @@ impl AnyStore {
                 outbox_wal::verify_capture(s, &capture.publication, &capture.slot, source).await
             }
             AnyStore::MySqlBinlog(s, capture) => {
-                let mut problems = s.verify().await?;
+                // A table that stores nothing has none of the polling store's columns.
+                let mut problems = if capture.is_blackhole().await {
+                    capture.blackhole_table_problems().await?
+                } else {
+                    s.verify().await?
+                };
                 problems.extend(capture.parked.verify().await?);
                 problems.extend(capture.problems().await?);
                 Ok(problems)

@@ -199,7 +199,7 @@ async fn migrate_print_states_the_servers_needs_and_the_replication_grants() {
         "binlog_row_image = FULL",
         "ENGINE=BLACKHOLE",
         "GRANT REPLICATION SLAVE, REPLICATION CLIENT ON *.*",
-        "LIKE",
+        "outbox_parked` (",
         "outbox_binlog",
     ] {
         assert!(out.contains(needed), "{needed} missing from:\n{out}");
@@ -303,6 +303,77 @@ async fn run_drain_relays_what_was_committed_before_it_and_exits_0() {
     assert!(status.success(), "{}", drain.logs());
     let (by_key, _) = first_deliveries(&[db.path("out.jsonl")]);
     assert_every_key_in_order(&by_key, &["a", "b"], 50);
+}
+
+/// The table-less form through the binary, as the README tells it: the outbox created
+/// with `blackhole_ddl`, then `migrate --capture binlog`, `check` and `run`. The parked
+/// table keeps its rows whatever the outbox's engine (one made `LIKE` a BLACKHOLE outbox
+/// stored no retry, and lacked the native columns, so `run` refused to start), and a parked
+/// table that stores nothing is refused with the fix.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_table_less_form_runs_through_the_binary_and_its_parked_table_keeps_rows() {
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let pool = mysql_async::Pool::new(mysql_async::Opts::from_url(&url).unwrap());
+    let mut conn = pool.get_conn().await.unwrap();
+    if outbox_binlog::blackhole_problem(&url)
+        .await
+        .unwrap()
+        .is_some()
+    {
+        // Debian's MariaDB ships the engine as a plugin.
+        conn.query_drop("INSTALL SONAME 'ha_blackhole'")
+            .await
+            .unwrap();
+    }
+    conn.query_drop(outbox_binlog::blackhole_ddl("outbox"))
+        .await
+        .unwrap();
+    let db = BinlogDb::at(&url, &[]).await;
+    let engine: String = conn
+        .query_first(
+            "SELECT ENGINE FROM information_schema.TABLES
+             WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'outbox_parked'",
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(engine, "InnoDB", "the parked table stores its rows");
+    let check = [
+        "check",
+        "--capture",
+        "binlog",
+        "--database-url",
+        url.as_str(),
+    ];
+    let checked = relay(db.dir.path(), &check);
+    assert!(
+        checked.status.success(),
+        "{}{}",
+        text(&checked.stdout),
+        text(&checked.stderr)
+    );
+
+    let mut started = db.reading("relay-1", "out.jsonl").await;
+    assert!(started.terminate().await.success(), "{}", started.logs());
+    db.write(&["a", "b"], 0, 20, true).await;
+    db.write(&["a"], 20, 5, false).await;
+    let mut drain = db.spawn("relay-2", "out.jsonl", &["--drain"]);
+    let status = drain.wait_exit_within(Duration::from_secs(60)).await;
+    assert!(status.success(), "{}", drain.logs());
+    let (by_key, lines) = first_deliveries(&[db.path("out.jsonl")]);
+    assert_every_key_in_order(&by_key, &["a", "b"], 20);
+    assert_eq!(lines, 40, "nothing rolled back, nothing twice");
+
+    conn.query_drop("ALTER TABLE outbox_parked ENGINE=BLACKHOLE")
+        .await
+        .unwrap();
+    let checked = relay(db.dir.path(), &check);
+    let said = format!("{}{}", text(&checked.stdout), text(&checked.stderr));
+    assert!(!checked.status.success(), "{said}");
+    assert!(
+        said.contains("outbox_parked") && said.contains("BLACKHOLE") && said.contains("migrate"),
+        "{said}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
