@@ -31,6 +31,8 @@ pub struct BinlogCapture {
     /// The polling store over the parked table: the engine's parked rows and every dead
     /// letter of binlog capture (`dead list`, `dead retry` act on it).
     pub parked: MySqlStore,
+    /// Whether the outbox is a BLACKHOLE table, once read ([`BinlogCapture::is_blackhole`]).
+    blackhole: std::sync::OnceLock<bool>,
 }
 
 /// How long a standby waits after the active reader's last write (SIGSTOP, a frozen VM):
@@ -116,6 +118,7 @@ impl BinlogCapture {
             mapping: mapping.clone(),
             parked_table,
             parked,
+            blackhole: std::sync::OnceLock::new(),
         })
     }
 
@@ -191,16 +194,19 @@ impl BinlogCapture {
     /// What the server needs, as `migrate --print` states it, with the table-less form's
     /// table.
     pub fn server_requirements(&self) -> String {
+        let needs = "-- Binlog capture needs, on the server (the relay checks each at `check`):\n\
+             --   log_bin on, binlog_format = ROW, binlog_row_image = FULL,\n\
+             --   log_bin_compress = OFF (MariaDB; MySQL 8's compressed transactions are read),\n\
+             --   a binlog_expire_logs_seconds (expire_logs_days) longer than the relay may be off.\n";
+        if !self.native() {
+            return needs.to_string();
+        }
         let blackhole: String = outbox_binlog::blackhole_ddl(&self.table)
             .lines()
             .map(|line| format!("--   {line}\n"))
             .collect();
         format!(
-            "-- Binlog capture needs, on the server (the relay checks each at `check`):\n\
-             --   log_bin on, binlog_format = ROW, binlog_row_image = FULL,\n\
-             --   log_bin_compress = OFF (MariaDB; MySQL 8's compressed transactions are read),\n\
-             --   a binlog_expire_logs_seconds (expire_logs_days) longer than the relay may be off.\n\
-             -- The table-less form: create the outbox table with ENGINE=BLACKHOLE instead, before\n\
+            "{needs}-- The table-less form: create the outbox table with ENGINE=BLACKHOLE instead, before\n\
              -- migrating (the relay reads its rows from the log; `check` says whether the server\n\
              -- has the engine):\n{blackhole}"
         )
@@ -259,7 +265,7 @@ impl BinlogCapture {
                 "run `outbox-relay migrate --capture binlog`",
             )),
         }
-        if self.is_blackhole().await {
+        if self.is_blackhole().await? {
             problems.extend(
                 outbox_binlog::blackhole_problem(&self.url)
                     .await
@@ -274,12 +280,20 @@ impl BinlogCapture {
         Ok(problems)
     }
 
-    /// Whether the outbox is the table-less form's BLACKHOLE table (false while it cannot be
-    /// told: the polling store's checks then say what is wrong with the table).
-    pub async fn is_blackhole(&self) -> bool {
-        outbox_binlog::is_blackhole(&self.url, &self.database, &self.table)
-            .await
-            .unwrap_or(false)
+    /// Whether the outbox is the table-less form's BLACKHOLE table, read once; false while
+    /// the table does not exist (the polling store's checks then say so, with the fix).
+    pub async fn is_blackhole(&self) -> Result<bool, StoreError> {
+        if let Some(known) = self.blackhole.get() {
+            return Ok(*known);
+        }
+        match outbox_binlog::is_blackhole(&self.url, &self.database, &self.table).await {
+            Ok(blackhole) => Ok(*self.blackhole.get_or_init(|| blackhole)),
+            Err(outbox_binlog::BinlogError::Config(_)) => Ok(false),
+            Err(e) => Err(StoreError::new(
+                StoreErrorKind::Connection,
+                format!("binlog capture: reading the outbox table's engine: {e}"),
+            )),
+        }
     }
 
     /// What the table-less form's table lacks, each with its fix.

@@ -374,9 +374,19 @@ impl AnyStore {
     /// WAL capture, what waits in the parked table is pending too (dead letters counted
     /// once); with binlog capture, the rows in the outbox table are.
     pub async fn backlog_report(&self) -> Result<BacklogReport, outbox_core::StoreError> {
-        let mut backlog = self.outbox().backlog().await?;
+        // A BLACKHOLE outbox (binlog capture's table-less form) holds no row to count.
+        let table_less = match self {
+            AnyStore::MySqlBinlog(_, capture) => capture.is_blackhole().await?,
+            _ => false,
+        };
+        let mut backlog = if table_less {
+            outbox_core::store::Backlog::default()
+        } else {
+            self.outbox().backlog().await?
+        };
         let parked = match self {
             AnyStore::PostgresWal(pg, capture) => Some(capture.parked_stats(pg).await?),
+            AnyStore::MySqlBinlog(..) if table_less => None,
             AnyStore::MySqlBinlog(main, _) => {
                 use outbox_core::store::Operations;
                 // Dead letters and parked rows are in the parked table (`operations`); what
@@ -425,7 +435,7 @@ impl AnyStore {
             }
             AnyStore::MySqlBinlog(s, capture) => {
                 // A table that stores nothing has none of the polling store's columns.
-                let mut problems = if capture.is_blackhole().await {
+                let mut problems = if capture.is_blackhole().await? {
                     capture.blackhole_table_problems().await?
                 } else {
                     s.verify().await?

@@ -363,6 +363,21 @@ async fn the_table_less_form_runs_through_the_binary_and_its_parked_table_keeps_
     let (by_key, lines) = first_deliveries(&[db.path("out.jsonl")]);
     assert_every_key_in_order(&by_key, &["a", "b"], 20);
     assert_eq!(lines, 40, "nothing rolled back, nothing twice");
+    // `stats` counts what the parked table holds; the outbox table holds nothing to count.
+    let stats = [
+        "stats",
+        "--capture",
+        "binlog",
+        "--database-url",
+        url.as_str(),
+    ];
+    let stated = relay(db.dir.path(), &stats);
+    assert!(
+        stated.status.success(),
+        "{}{}",
+        text(&stated.stdout),
+        text(&stated.stderr)
+    );
 
     conn.query_drop("ALTER TABLE outbox_parked ENGINE=BLACKHOLE")
         .await
