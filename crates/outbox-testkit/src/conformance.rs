@@ -799,6 +799,11 @@ pub async fn engine_runs_of_a_key_keep_their_order_through_failures(h: &dyn Harn
     );
     assert_per_key_order(&publisher.delivered());
     assert!(
+        publisher.held_back() > 0,
+        "no failure fell inside a run (with later events of its key behind it in its batch): \
+         the test did not exercise a run cut short"
+    );
+    assert!(
         publisher.batches().iter().any(|batch| {
             let keys: HashSet<_> = batch.iter().collect();
             keys.len() < batch.len()

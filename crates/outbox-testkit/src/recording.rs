@@ -17,6 +17,8 @@ struct State {
     batches: Vec<Vec<String>>,
     /// Takes runs of a key per batch, as a file does ([`RecordingPublisher::storing_a_prefix`]).
     runs: bool,
+    /// Events not stored because an earlier event of their key in the batch failed.
+    held_back: usize,
 }
 
 /// Records every confirmed event in publish order.
@@ -61,6 +63,12 @@ impl RecordingPublisher {
     pub fn batches(&self) -> Vec<Vec<String>> {
         self.state.lock().unwrap().batches.clone()
     }
+
+    /// How many events a run-taking publisher did not store because an earlier event of
+    /// their key in the same batch failed: more than none shows a failure fell inside a run.
+    pub fn held_back(&self) -> usize {
+        self.state.lock().unwrap().held_back
+    }
 }
 
 impl Publisher for RecordingPublisher {
@@ -80,6 +88,7 @@ impl Publisher for RecordingPublisher {
                 state.attempts.push(event.sequence_id);
                 let key = event.ordering_key().to_string();
                 if failed_keys.contains(&key) {
+                    state.held_back += 1;
                     return Err(PublishError::new(
                         PublishErrorKind::NotSent,
                         "an earlier event of its key failed",
