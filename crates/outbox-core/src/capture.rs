@@ -9,8 +9,15 @@ use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::memory::Charge;
-use crate::{Event, SequenceId};
+use crate::memory::{event_bytes, Charge, MemoryBudget, EVENT_OVERHEAD};
+use crate::store::{ClaimRequest, StoreResult};
+use crate::{Claimed, Event, OutboxStore, SequenceId};
+
+/// What a parked row is taken to cost before any event was seen: a large one, so that a
+/// relay whose first work is a backlog of 1 MiB events adopted into the parked table claims
+/// a budget's worth of them, not a batch (1,000 MiB). Small events lift the limit from the
+/// second claim on.
+const UNSEEN_EVENT_BYTES: usize = 1024 * 1024;
 
 /// A stream event held by a capture: the key it is ordered by, and its place in the stream.
 pub trait StreamEvent {
@@ -256,6 +263,130 @@ impl<S: StreamEvent, P: QueuedPark> Holdings<S, P> {
     }
 }
 
+/// Claims rows of the parked table, through the polling store over it: as many as the memory
+/// left holds at the size of the largest event seen (or of a large one before any was),
+/// reserved before the query so that the reader does not fill the room meanwhile. One at
+/// least while `none_out` (no parked row is out with the engine), so that a busy stream that
+/// keeps the budget full never starves the parked rows, and one row larger than the whole
+/// budget still goes. Each row comes with its charge.
+pub async fn claim_parked(
+    parked: &dyn OutboxStore,
+    memory: &Arc<MemoryBudget>,
+    request: &ClaimRequest,
+    none_out: bool,
+) -> StoreResult<Vec<(Claimed, Charge)>> {
+    let per_row = match memory.largest_event() {
+        0 => UNSEEN_EVENT_BYTES,
+        largest => largest.max(EVENT_OVERHEAD),
+    };
+    let fits = request.limit.min(memory.room() / per_row);
+    let limit = if fits == 0 && none_out { 1 } else { fits };
+    if limit == 0 {
+        return Ok(Vec::new());
+    }
+    let mut reservation = memory.reserve(limit * per_row);
+    let rows = parked
+        .claim(ClaimRequest {
+            fence: None,
+            limit,
+            ..request.clone()
+        })
+        .await?;
+    Ok(rows
+        .into_iter()
+        .map(|row| {
+            let charge = match &row {
+                Claimed::Event(event) => reservation.take(event_bytes(event), memory),
+                Claimed::Undecodable { .. } => Charge::none(),
+            };
+            (row, charge)
+        })
+        .collect())
+}
+
+impl<S, P> Holdings<S, P> {
+    /// Whether no row of the parked table is out with the engine ([`claim_parked`]).
+    pub fn no_parked_row_out(&self) -> bool {
+        !self
+            .held
+            .values()
+            .any(|held| matches!(held, Held::Parked { .. }))
+    }
+
+    /// Holds claimed parked rows (by their engine id) until settled, and hands them out.
+    pub fn hold_parked(&mut self, rows: Vec<(Claimed, Charge)>, out: &mut Vec<Claimed>) {
+        for (row, memory) in rows {
+            let key = row.ordering_key().to_string();
+            self.held.insert(
+                row.sequence_id(),
+                Held::Parked {
+                    key,
+                    _memory: memory,
+                },
+            );
+            out.push(row);
+        }
+    }
+}
+
+/// A capture whose state holds [`Holdings`] behind a lock of its own.
+pub trait HoldsEvents<S, P> {
+    /// Runs `f` on the holdings, under the state's lock (never held across an await).
+    fn with_holdings<R>(&self, f: impl FnOnce(&mut Holdings<S, P>) -> R) -> R;
+}
+
+/// What [`settle_parked`] did: how many parked rows the statement settled, their keys, and
+/// the held stream events among the items, for the caller to settle its own way.
+pub struct SettledParked<T> {
+    pub settled: u64,
+    pub keys: Vec<String>,
+    pub stream: Vec<T>,
+}
+
+/// Settles the rows of the parked table among `items` with `statement` (the polling store's
+/// own, over the parked table). They are forgotten before it runs: once it commits, a claim
+/// may take a row again, and the entry that claim makes must not be forgotten after it (the
+/// engine's settle of it would then be ignored, leaving the row locked and later rows of its
+/// key claimable ahead of it). If it fails they are held again: still this node's rows, so no
+/// claim took them meanwhile.
+pub async fn settle_parked<S, P, T, F>(
+    capture: &impl HoldsEvents<S, P>,
+    items: Vec<T>,
+    id: fn(&T) -> SequenceId,
+    statement: impl FnOnce(Vec<T>) -> F,
+) -> StoreResult<SettledParked<T>>
+where
+    S: StreamEvent,
+    P: QueuedPark,
+    F: std::future::Future<Output = StoreResult<u64>>,
+{
+    let Split {
+        parked,
+        keys,
+        stream,
+    } = capture.with_holdings(|h| h.split(items, id));
+    if parked.is_empty() {
+        return Ok(SettledParked {
+            settled: 0,
+            keys,
+            stream,
+        });
+    }
+    let ids: Vec<SequenceId> = parked.iter().map(id).collect();
+    let taken = capture.with_holdings(|h| h.take(&ids));
+    match statement(parked).await {
+        Ok(settled) => Ok(SettledParked {
+            settled,
+            keys,
+            stream,
+        }),
+        Err(e) => {
+            capture.with_holdings(|h| h.restore(taken));
+            Err(e)
+        }
+    }
+}
+
 /// The state of a capture whose reader announces sessions: what claims need to follow the
 /// session that streams now ([`follow`]).
 pub trait Sessions {
@@ -437,6 +568,62 @@ mod tests {
         holdings.forget_queued_parks();
         assert!(holdings.to_park.is_empty());
         assert_eq!(holdings.held.keys().copied().collect::<Vec<_>>(), [2]);
+    }
+
+    impl HoldsEvents<Read, SequenceId> for std::sync::Mutex<Holdings<Read, SequenceId>> {
+        fn with_holdings<R>(&self, f: impl FnOnce(&mut Holdings<Read, SequenceId>) -> R) -> R {
+            f(&mut self.lock().unwrap())
+        }
+    }
+
+    #[test]
+    fn a_parked_settle_forgets_its_rows_before_the_statement_and_holds_them_again_if_it_fails() {
+        let mut holdings = holding(&[(1, "a")]);
+        for (id, key) in [(7, "p"), (8, "q")] {
+            let parked = Held::Parked {
+                key: key.into(),
+                _memory: Charge::none(),
+            };
+            holdings.held.insert(id, parked);
+        }
+        let capture = std::sync::Mutex::new(holdings);
+        let failed = futures::executor::block_on(settle_parked(
+            &capture,
+            vec![1, 7, 8],
+            |id| *id,
+            |rows| {
+                assert_eq!(rows, [7, 8]);
+                assert!(
+                    !capture.lock().unwrap().held.contains_key(&7),
+                    "forgotten first"
+                );
+                async {
+                    Err(crate::StoreError::new(
+                        crate::StoreErrorKind::Connection,
+                        "down",
+                    ))
+                }
+            },
+        ));
+        assert!(failed.is_err());
+        assert!(capture.lock().unwrap().held.contains_key(&7), "held again");
+        let done = futures::executor::block_on(settle_parked(
+            &capture,
+            vec![1, 7, 8],
+            |id| *id,
+            |rows| async move { Ok(rows.len() as u64) },
+        ))
+        .unwrap();
+        assert_eq!(
+            (done.settled, done.keys, done.stream),
+            (2, vec!["p".into(), "q".into()], vec![1])
+        );
+        let held = capture.lock().unwrap();
+        assert!(!held.held.contains_key(&7) && !held.held.contains_key(&8));
+        assert!(
+            held.held.contains_key(&1),
+            "the stream event is the caller's to settle"
+        );
     }
 
     /// Sessions announced by number; any other item is an event of the last one announced.

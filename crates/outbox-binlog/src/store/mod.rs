@@ -34,7 +34,7 @@ use futures::future::BoxFuture;
 use futures::FutureExt;
 use mysql_async::prelude::Queryable;
 use mysql_async::{OptsBuilder, Pool, Value};
-use outbox_core::memory::{event_bytes, Charge, MemoryBudget, EVENT_OVERHEAD};
+use outbox_core::memory::{event_bytes, MemoryBudget, EVENT_OVERHEAD};
 use outbox_core::store::{
     Backlog, ClaimRequest, Claimed, DeadLetter, LeaseExtension, LeaseHolder, OnChange, Problem,
     RetryLater, StoreFuture, StoreResult,
@@ -148,6 +148,15 @@ struct Inner {
 #[derive(Clone)]
 pub struct BinlogStore {
     inner: Arc<Inner>,
+}
+
+impl outbox_core::capture::HoldsEvents<Streamed, Park> for Inner {
+    fn with_holdings<R>(
+        &self,
+        f: impl FnOnce(&mut outbox_core::capture::Holdings<Streamed, Park>) -> R,
+    ) -> R {
+        f(&mut lock(&self.state).holdings)
+    }
 }
 
 fn lock<T>(state: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -285,9 +294,6 @@ impl BinlogStore {
         }
     }
 }
-
-/// What a parked row is taken to cost before any event was seen.
-const UNSEEN_EVENT_BYTES: usize = 1024 * 1024;
 
 /// Items the channel holds: the memory budget bounds the bytes, this the count of small
 /// ones.
@@ -431,30 +437,17 @@ impl Inner {
         statement: impl FnOnce(Arc<dyn OutboxStore>, Vec<T>) -> StoreFuture<u64>,
         unpark: bool,
     ) -> StoreResult<(u64, Vec<T>)> {
-        let Split {
-            parked: items,
-            keys,
-            stream,
-        } = lock(&self.state).holdings.split(items, id);
-        if items.is_empty() {
-            return Ok((0, stream));
-        }
-        let ids: Vec<SequenceId> = items.iter().map(id).collect();
-        // Forgotten before the statement: once it commits a claim may take a row again,
-        // and the entry that claim makes must not be forgotten after it.
-        let taken = lock(&self.state).holdings.take(&ids);
-        let items = items.into_iter().map(to_parked).collect();
-        let settled = match statement(self.parked.clone(), items).await {
-            Ok(n) => n,
-            Err(e) => {
-                lock(&self.state).holdings.restore(taken);
-                return Err(e);
-            }
-        };
+        let done = outbox_core::capture::settle_parked(self, items, id, |rows| {
+            statement(
+                self.parked.clone(),
+                rows.into_iter().map(to_parked).collect(),
+            )
+        })
+        .await?;
         if unpark {
-            self.unpark_keys(keys).await?;
+            self.unpark_keys(done.keys).await?;
         }
-        Ok((settled, stream))
+        Ok((done.settled, done.stream))
     }
 
     /// Parks held stream rows (retries, releases, dead letters): `parks` are queued under
@@ -656,86 +649,36 @@ impl Inner {
         Ok(out)
     }
 
-    /// Claims rows of the parked table into `out`, as many as the memory left holds at the
-    /// size of the largest event seen (one at least while none is out, so that a busy log
-    /// that keeps the budget full never starves the parked rows).
+    /// Claims rows of the parked table into `out`, within the memory budget
+    /// ([`outbox_core::capture::claim_parked`]), each under its engine id ([`parked_id`]).
     async fn claim_parked(
         &self,
         request: &ClaimRequest,
         out: &mut Vec<Claimed>,
     ) -> StoreResult<()> {
-        // Before any event was seen, a large one: the first claim after adopting a table of
-        // 1 MiB events must not take a batch of them.
-        let per_row = match self.memory.largest_event() {
-            0 => UNSEEN_EVENT_BYTES,
-            largest => largest.max(EVENT_OVERHEAD),
-        };
-        let fits = request.limit.min(self.memory.room() / per_row);
-        let none_out = !lock(&self.state)
-            .holdings
-            .held
-            .values()
-            .any(|held| matches!(held, Held::Parked { .. }));
-        let limit = if fits == 0 && none_out { 1 } else { fits };
-        if limit == 0 {
-            return Ok(());
-        }
-        let rows = self
-            .parked
-            .claim(ClaimRequest {
-                fence: None,
-                limit,
-                ..request.clone()
-            })
-            .await?;
+        let none_out = lock(&self.state).holdings.no_parked_row_out();
+        let rows = outbox_core::capture::claim_parked(
+            self.parked.as_ref(),
+            &self.memory,
+            request,
+            none_out,
+        )
+        .await?;
         tracing::debug!(
             claimed = ?rows
                 .iter()
-                .map(|row| match row {
+                .map(|(row, _)| match row {
                     Claimed::Event(e) => format!("{}={}", e.sequence_id, e.event_id),
                     other => other.sequence_id().to_string(),
                 })
                 .collect::<Vec<_>>(),
             "claimed parked rows"
         );
-        let mut state = lock(&self.state);
-        for row in rows {
-            let (row, memory) = match row {
-                Claimed::Event(event) => {
-                    let memory = self.memory.charge(event_bytes(&event));
-                    let event = Event {
-                        sequence_id: parked_id(event.sequence_id),
-                        ..(*event).clone()
-                    };
-                    (Claimed::Event(Arc::new(event)), memory)
-                }
-                Claimed::Undecodable {
-                    sequence_id,
-                    ordering_key,
-                    destination,
-                    attempts,
-                    reason,
-                } => (
-                    Claimed::Undecodable {
-                        sequence_id: parked_id(sequence_id),
-                        ordering_key,
-                        destination,
-                        attempts,
-                        reason,
-                    },
-                    Charge::none(),
-                ),
-            };
-            let key = row.ordering_key().to_string();
-            state.holdings.held.insert(
-                row.sequence_id(),
-                Held::Parked {
-                    key,
-                    _memory: memory,
-                },
-            );
-            out.push(row);
-        }
+        let rows = rows
+            .into_iter()
+            .map(|(row, memory)| (with_parked_id(row), memory))
+            .collect();
+        lock(&self.state).holdings.hold_parked(rows, out);
         Ok(())
     }
 
@@ -794,6 +737,29 @@ fn fitted(text: &str) -> &str {
     match text.char_indices().nth(event::PARKED_TEXT_CHARS) {
         Some((at, _)) => &text[..at],
         None => text,
+    }
+}
+
+/// A claimed row of the parked table under its engine id ([`parked_id`]).
+fn with_parked_id(row: Claimed) -> Claimed {
+    match row {
+        Claimed::Event(event) => Claimed::Event(Arc::new(Event {
+            sequence_id: parked_id(event.sequence_id),
+            ..(*event).clone()
+        })),
+        Claimed::Undecodable {
+            sequence_id,
+            ordering_key,
+            destination,
+            attempts,
+            reason,
+        } => Claimed::Undecodable {
+            sequence_id: parked_id(sequence_id),
+            ordering_key,
+            destination,
+            attempts,
+            reason,
+        },
     }
 }
 

@@ -41,7 +41,7 @@ pub(super) enum Item {
     Drained,
 }
 
-pub(super) use outbox_core::capture::{LiveSession, Split};
+pub(super) use outbox_core::capture::LiveSession;
 
 pub(super) type Body = outbox_core::capture::Body<Undecodable>;
 pub(super) type Held = outbox_core::capture::Held<Streamed>;

@@ -45,7 +45,7 @@ use tokio_postgres::types::ToSql;
 
 use crate::ack::Acknowledgements;
 use crate::assemble::Output;
-use crate::budget::{event_bytes, Charge, MemoryBudget};
+use crate::budget::{Charge, MemoryBudget};
 use crate::burst::{commit_age, read_burst, BurstEnd, ChargedOutput, READ_BURST};
 use crate::client::{WalConfig, WalError, WalStream};
 use crate::event::{EventPosition, EventSource, Undecodable, WalEvent};
@@ -335,6 +335,12 @@ pub fn capture_tables(
     )
 }
 
+impl capture::HoldsEvents<HeldWal, Park> for Inner {
+    fn with_holdings<R>(&self, f: impl FnOnce(&mut Holdings<HeldWal, Park>) -> R) -> R {
+        f(&mut lock(&self.state).holdings)
+    }
+}
+
 fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
     // A panic while holding it would be a bug; its data is still the best there is.
     state.lock().unwrap_or_else(|e| e.into_inner())
@@ -492,35 +498,16 @@ impl Inner {
         statement: impl FnOnce(&PgStore, Vec<T>) -> StoreFuture<u64>,
         unpark: bool,
     ) -> StoreResult<(u64, Vec<T>)> {
-        let Split {
-            parked: items,
-            keys,
-            stream,
-        } = lock(&self.state).holdings.split(items, id);
-        if items.is_empty() {
-            return Ok((0, stream));
-        }
-        let ids: Vec<SequenceId> = items.iter().map(id).collect();
-        // Forgotten before the statement: once it commits a claim may take a row again, and
-        // the entry that claim makes must not be forgotten after it.
         // Until a release commits, its rows stay locked by this node and do not hold back
-        // later rows of their keys in a parked claim meanwhile: the engine's lanes send
-        // such rows back (see `Lanes::releasing`).
-        let taken = lock(&self.state).holdings.take(&ids);
-        let result = statement(&self.parked, items).await;
-        tracing::debug!(?ids, unpark, result = ?result.as_ref().map_err(|e| e.report()), "settled parked rows");
-        let settled = match result {
-            Ok(n) => n,
-            Err(e) => {
-                // Still this node's rows: no claim took them meanwhile.
-                lock(&self.state).holdings.restore(taken);
-                return Err(e);
-            }
-        };
+        // later rows of their keys in a parked claim meanwhile: the engine's lanes send such
+        // rows back (see `Lanes::releasing`).
+        let done =
+            capture::settle_parked(self, items, id, |rows| statement(&self.parked, rows)).await?;
+        tracing::debug!(settled = done.settled, unpark, "settled parked rows");
         if unpark {
-            self.unpark_keys(keys).await?;
+            self.unpark_keys(done.keys).await?;
         }
-        Ok((settled, stream))
+        Ok((done.settled, done.stream))
     }
 
     /// Parks held stream events (retries, and releases behind a parked key): `parks` picks
@@ -796,64 +783,27 @@ impl Inner {
         Ok(out)
     }
 
-    /// Claims rows of the parked table into `out`: as many as the memory left holds, at
-    /// the size of the largest event seen, or of a large one before any was. One at least
-    /// while none is out, so that a busy stream that keeps the budget full never starves
-    /// the parked rows, and one row larger than the whole budget still goes.
+    /// Claims rows of the parked table into `out`, within the memory budget
+    /// ([`capture::claim_parked`]).
     async fn claim_parked(
         &self,
         request: &ClaimRequest,
         out: &mut Vec<Claimed>,
     ) -> StoreResult<()> {
-        let per_row = match self.memory.largest_event() {
-            0 => UNSEEN_EVENT_BYTES,
-            largest => largest,
-        };
-        let fits = request.limit.min(self.memory.room() / per_row);
-        let none_out = !lock(&self.state)
-            .holdings
-            .held
-            .values()
-            .any(|held| matches!(held, Held::Parked { .. }));
-        let limit = if fits == 0 && none_out { 1 } else { fits };
-        if limit == 0 {
-            return Ok(());
-        }
-        // Reserved before the query, so the reader does not fill the room meanwhile.
-        let mut reservation = self.memory.reserve(limit * per_row);
-        let rows = self.parked.claim(ClaimRequest {
-            fence: None,
-            limit,
-            ..request.clone()
-        });
-        let rows = rows.await?;
+        let none_out = lock(&self.state).holdings.no_parked_row_out();
+        let rows = capture::claim_parked(&self.parked, &self.memory, request, none_out).await?;
         // With each row's event id: a parked row's id is new, its event id the stream's.
         tracing::debug!(
             claimed = ?rows
                 .iter()
-                .map(|row| match row {
+                .map(|(row, _)| match row {
                     Claimed::Event(e) => format!("{}={}", e.sequence_id, e.event_id),
                     other => other.sequence_id().to_string(),
                 })
                 .collect::<Vec<_>>(),
             "claimed parked rows"
         );
-        let mut state = lock(&self.state);
-        for row in rows {
-            let memory = match &row {
-                Claimed::Event(event) => reservation.take(event_bytes(event), &self.memory),
-                Claimed::Undecodable { .. } => Charge::none(),
-            };
-            let key = row.ordering_key().to_string();
-            state.holdings.held.insert(
-                row.sequence_id(),
-                Held::Parked {
-                    key,
-                    _memory: memory,
-                },
-            );
-            out.push(row);
-        }
+        lock(&self.state).holdings.hold_parked(rows, out);
         Ok(())
     }
 
@@ -926,12 +876,6 @@ const DELETE_SPACING: Duration = Duration::from_millis(20);
 /// Acks enough for a delete to start without waiting for [`DELETE_SPACING`]: grouping them
 /// has done its work, and a drain should not wait with that many events counted in flight.
 const DELETE_GROUP_ENOUGH: usize = 1_000;
-
-/// What a parked row is taken to cost before any event was seen: a large one, so that a
-/// relay whose first work is a backlog of 1 MiB events adopted into the parked table claims
-/// a budget's worth of them, not a batch (1,000 MiB). Small events lift the limit from the
-/// second claim on.
-const UNSEEN_EVENT_BYTES: usize = 1024 * 1024;
 
 /// How long a delivered event's outbox row is looked for (see `Inner::delete_delivered`).
 pub const UNDELETED_PATIENCE: Duration = Duration::from_secs(5);
