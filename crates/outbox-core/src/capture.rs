@@ -329,6 +329,35 @@ impl<S, P> Holdings<S, P> {
     }
 }
 
+/// The session a capture's claims follow, and whether it has ended: from its end (the reader
+/// saw it end, or a write found the stream with another reader) to the next session's
+/// announcement nothing is handed out, and what arrives is dropped.
+pub struct Followed {
+    pub session: u64,
+    pub ended: bool,
+}
+
+impl Followed {
+    /// Nothing is handed out before the first session's announcement.
+    pub fn before_any_session() -> Self {
+        Followed {
+            session: 0,
+            ended: true,
+        }
+    }
+
+    /// Whether this is the `live` session, not ended.
+    pub fn follows(&self, live: u64) -> bool {
+        !self.ended && self.session == live
+    }
+
+    /// Session `session` is announced: its events may be handed out.
+    pub fn start(&mut self, session: u64) {
+        self.session = session;
+        self.ended = false;
+    }
+}
+
 /// A capture whose state holds [`Holdings`] behind a lock of its own.
 pub trait HoldsEvents<S, P> {
     /// Runs `f` on the holdings, under the state's lock (never held across an await).
@@ -392,8 +421,8 @@ where
 pub trait Sessions {
     type Item;
 
-    /// Whether the session this state follows is `live` and has not ended.
-    fn follows(&self, live: u64) -> bool;
+    /// The session this state follows.
+    fn followed(&self) -> &Followed;
 
     /// Nothing more of the session is handed out, and what it left not handed out is dropped
     /// (it comes again from the stream, to whichever session streams next).
@@ -416,7 +445,7 @@ pub fn follow<T: Sessions>(
     mut next: impl FnMut() -> Option<T::Item>,
 ) -> bool {
     loop {
-        if state.follows(live) {
+        if state.followed().follows(live) {
             return true;
         }
         state.end_session();
@@ -628,30 +657,26 @@ mod tests {
 
     /// Sessions announced by number; any other item is an event of the last one announced.
     struct Follower {
-        session: u64,
-        ended: bool,
-        accepted: Vec<(u64, u64)>,
+        followed: Followed,
+        accepted: Vec<u64>,
     }
 
     impl Sessions for Follower {
         type Item = Option<u64>;
 
-        fn follows(&self, live: u64) -> bool {
-            !self.ended && self.session == live
+        fn followed(&self) -> &Followed {
+            &self.followed
         }
 
         fn end_session(&mut self) {
-            self.ended = true;
+            self.followed.ended = true;
         }
 
         fn accept(&mut self, item: Option<u64>) {
             match item {
-                Some(session) => {
-                    self.session = session;
-                    self.ended = false;
-                }
-                None if self.ended => {}
-                None => self.accepted.push((self.session, 0)),
+                Some(session) => self.followed.start(session),
+                None if self.followed.ended => {}
+                None => self.accepted.push(self.followed.session),
             }
         }
 
@@ -663,14 +688,14 @@ mod tests {
     #[test]
     fn following_passes_by_what_ended_sessions_sent_up_to_the_live_ones_announcement() {
         let mut follower = Follower {
-            session: 1,
-            ended: false,
+            followed: Followed::before_any_session(),
             accepted: Vec::new(),
         };
+        follower.followed.start(1);
         assert!(follow(&mut follower, 1, || None), "session 1 is live");
         let mut queued = std::collections::VecDeque::from([None, Some(2), None, Some(3)]);
         assert!(follow(&mut follower, 3, || queued.pop_front()));
-        assert_eq!(follower.session, 3);
+        assert_eq!(follower.followed.session, 3);
         assert!(follower.accepted.is_empty(), "{:?}", follower.accepted);
         assert!(
             !follow(&mut follower, 4, || None),

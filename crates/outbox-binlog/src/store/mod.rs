@@ -305,7 +305,7 @@ impl Inner {
         state.settle(ids);
         if !state.settled.is_empty() {
             let settled = std::mem::take(&mut state.settled);
-            let _ = self.settled.send((state.session, settled));
+            let _ = self.settled.send((state.followed.session, settled));
         }
     }
 

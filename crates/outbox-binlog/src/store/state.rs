@@ -11,7 +11,7 @@ use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use outbox_core::capture::{self, Holdings, Sessions};
+use outbox_core::capture::{self, Followed, Holdings, Sessions};
 use outbox_core::memory::Charge;
 use outbox_core::{Claimed, Event, SequenceId};
 
@@ -127,11 +127,10 @@ impl capture::QueuedPark for Park {
 }
 
 pub(super) struct State {
-    pub(super) session: u64,
+    /// The session followed ([`State::end_session`] ends it).
+    pub(super) followed: Followed,
     /// The seat's epoch of the session: parked-table writes are fenced on it.
     pub(super) epoch: i64,
-    /// Nothing of the session may be handed out any more ([`State::end_session`]).
-    pub(super) ended: bool,
     /// Rows are handed out only once their transaction's commit is read (a BLACKHOLE
     /// table, whose rolled-back rows reach the log too).
     pub(super) hold_to_commit: bool,
@@ -161,10 +160,8 @@ pub(super) type AckRound = std::sync::OnceLock<Result<(), (outbox_core::StoreErr
 impl State {
     pub(super) fn new(hold_to_commit: bool) -> State {
         State {
-            session: 0,
+            followed: Followed::before_any_session(),
             epoch: 0,
-            // Nothing is handed out before the first session's announcement.
-            ended: true,
             hold_to_commit,
             uncommitted: Vec::new(),
             unaccepted: VecDeque::new(),
@@ -190,7 +187,7 @@ impl State {
     /// Takes received items until `out` holds `limit` rows; returns how many it took.
     pub(super) fn accept_outputs(&mut self, out: &mut Vec<Claimed>, limit: usize) -> usize {
         let mut taken = 0;
-        while out.len() < limit && !self.ended {
+        while out.len() < limit && !self.followed.ended {
             let Some(item) = self.unaccepted.pop_front() else {
                 break;
             };
@@ -231,7 +228,7 @@ impl State {
             not_before,
             event,
         } = *captured;
-        let id = row.unwrap_or_else(|| stream_id(self.session, ordinal));
+        let id = row.unwrap_or_else(|| stream_id(self.followed.session, ordinal));
         let (key, body) = match event {
             Ok(event) => {
                 let key = event.ordering_key().to_string();
@@ -276,7 +273,7 @@ impl State {
         self.holdings.held.insert(
             id,
             Held::Stream(Box::new(Streamed {
-                session: self.session,
+                session: self.followed.session,
                 ordinal,
                 row,
                 key,
@@ -291,7 +288,7 @@ impl State {
     pub(super) fn settle(&mut self, ids: impl IntoIterator<Item = SequenceId>) {
         for id in ids {
             if let Some(s) = self.holdings.remove_stream(id) {
-                if s.session == self.session && !self.ended {
+                if s.session == self.followed.session && !self.followed.ended {
                     self.settled.push(s.ordinal);
                 }
             }
@@ -349,8 +346,8 @@ impl State {
 impl capture::Sessions for State {
     type Item = Item;
 
-    fn follows(&self, live: u64) -> bool {
-        !self.ended && self.session == live
+    fn followed(&self) -> &Followed {
+        &self.followed
     }
 
     /// The session is over: nothing more of it is handed out, and what it left not handed
@@ -359,7 +356,7 @@ impl capture::Sessions for State {
     /// passed). Handing it out could put a later row of a key ahead of an earlier one the
     /// next reader delivers.
     fn end_session(&mut self) {
-        self.ended = true;
+        self.followed.ended = true;
         self.unaccepted.clear();
         self.uncommitted.clear();
         self.holdings.forget_queued_parks();
@@ -374,13 +371,12 @@ impl capture::Sessions for State {
                 parked_keys,
             } => {
                 self.end_session();
-                self.session = session;
+                self.followed.start(session);
                 self.epoch = epoch;
-                self.ended = false;
                 self.settled.clear();
                 self.holdings.load_parked_keys(parked_keys);
             }
-            _ if self.ended => {}
+            _ if self.followed.ended => {}
             other => self.unaccepted.push_back(other),
         }
     }
@@ -653,7 +649,7 @@ mod tests {
         assert!(claim(&mut state, transactions(&[(1, "a")])).is_empty());
         let parks = state.holdings.take_parks();
         state.leave_to_seat_holder(parked(&parks));
-        assert!(state.holdings.held.is_empty() && state.ended);
+        assert!(state.holdings.held.is_empty() && state.followed.ended);
         // The parked table has nothing of `a`: the key is let through, but this session
         // hands out nothing more.
         state.unpark(vec!["a".into()], &HashSet::new());

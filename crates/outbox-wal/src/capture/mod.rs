@@ -61,7 +61,7 @@ mod state;
 use checks::publication_problems;
 pub use checks::{forget_adoption, slot_status, verify_capture, SlotStatus};
 use columns::{unstorable, DeadColumns, EventColumns};
-use outbox_core::capture::{self, Holdings, Sessions};
+use outbox_core::capture::{self, Followed, Holdings, Sessions};
 use reader::Reader;
 use state::*;
 
@@ -760,7 +760,7 @@ impl Inner {
                 .max()
                 .map(|age| age.as_secs_f64() * 1000.0);
             tracing::trace!(
-                session = lock(&self.state).session,
+                session = lock(&self.state).followed.session,
                 ids = ?out.iter().map(Claimed::sequence_id).collect::<Vec<_>>(),
                 parked,
                 redelivered = redelivered - parked,

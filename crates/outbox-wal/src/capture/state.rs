@@ -80,7 +80,9 @@ impl capture::QueuedPark for Park {
 }
 
 pub(super) struct State {
-    pub(super) session: u64,
+    /// The session followed ([`State::end_session`] ends it: a write also ends it when it
+    /// finds the slot streaming to another session).
+    pub(super) followed: Followed,
     /// The current session's `application_name` ([`CaptureStatements::owns_slot`]).
     pub(super) owner: String,
     pub(super) acks: Acknowledgements,
@@ -99,10 +101,6 @@ pub(super) struct State {
     pub(super) ack_round: Arc<AckRound>,
     /// `--drain`: everything committed before the marker has been handed out.
     pub(super) drained: bool,
-    /// The session's events may no longer be handed out: it ended, or a write found the
-    /// slot streaming to another session ([`State::end_session`]). Until the next
-    /// session's announcement nothing is handed out, and what arrives is dropped.
-    pub(super) ended: bool,
 }
 
 /// The engine's id of an event, and its outbox row.
@@ -139,7 +137,7 @@ pub(super) fn claimed_of(id: SequenceId, held: &HeldWal) -> Claimed {
 impl State {
     pub(super) fn new() -> State {
         State {
-            session: 0,
+            followed: Followed::before_any_session(),
             owner: String::new(),
             acks: Acknowledgements::new(Lsn::default()),
             holdings: Holdings::default(),
@@ -150,8 +148,6 @@ impl State {
             ack_queue: Vec::new(),
             ack_round: Arc::default(),
             drained: false,
-            // Nothing is handed out before the first session's announcement.
-            ended: true,
         }
     }
 
@@ -172,7 +168,7 @@ impl State {
     /// Hands out released stream events again, into `out` up to `limit` (those of a key
     /// that has parked events since are queued to park behind it).
     pub(super) fn redeliver_into(&mut self, out: &mut Vec<Claimed>, limit: usize) {
-        while out.len() < limit && !self.ended {
+        while out.len() < limit && !self.followed.ended {
             let Some(id) = self.redeliver.pop_front() else {
                 break;
             };
@@ -191,7 +187,7 @@ impl State {
     pub(super) fn settle(&mut self, ids: impl IntoIterator<Item = SequenceId>) {
         for id in ids {
             if let Some(held) = self.holdings.remove_stream(id) {
-                if held.session == self.session {
+                if held.session == self.followed.session {
                     if let Err(e) = self.acks.settle(held.position) {
                         tracing::error!(error = %e, "WAL acknowledgement out of step (a bug): the slot stays where it is");
                     }
@@ -209,7 +205,7 @@ impl State {
         budget: usize,
     ) -> usize {
         let mut accepted = 0;
-        while out.len() < limit && accepted < budget && !self.ended {
+        while out.len() < limit && accepted < budget && !self.followed.ended {
             let Some(charged) = self.unaccepted.pop_front() else {
                 break;
             };
@@ -293,7 +289,7 @@ impl State {
             }
         };
         let held = HeldWal {
-            session: self.session,
+            session: self.followed.session,
             position,
             row,
             key,
@@ -324,8 +320,8 @@ impl State {
 impl capture::Sessions for State {
     type Item = Item;
 
-    fn follows(&self, live: u64) -> bool {
-        !self.ended && self.session == live
+    fn followed(&self) -> &Followed {
+        &self.followed
     }
 
     /// The session is over: nothing more of it is handed out, and what it left not handed
@@ -337,7 +333,7 @@ impl capture::Sessions for State {
     /// ([`State::leave_to_slot_holder`]). This relay would then publish the later event
     /// before the new holder publishes the earlier one.
     fn end_session(&mut self) {
-        self.ended = true;
+        self.followed.ended = true;
         self.unaccepted.clear();
         self.forget_unhanded();
     }
@@ -351,17 +347,16 @@ impl capture::Sessions for State {
                 parked_keys,
                 owner,
             } => {
-                self.session = session;
+                self.followed.start(session);
                 self.owner = owner;
                 self.acks = Acknowledgements::new(start);
-                self.ended = false;
                 // Released or unparked events of the old session come again in this one.
                 self.forget_unhanded();
                 self.holdings.load_parked_keys(parked_keys);
             }
             Item::DrainUntil(lsn) => self.drain_until = Some(lsn),
             // What an ended session read is sent again by the next.
-            Item::Outputs(_) if self.ended => {}
+            Item::Outputs(_) if self.followed.ended => {}
             Item::Outputs(outputs) => self.unaccepted.extend(outputs),
         }
     }
@@ -663,7 +658,7 @@ mod tests {
             session(4, &[]),
         ]);
         assert!(state.follow(4, || queued.pop_front()));
-        assert_eq!(state.session, 4);
+        assert_eq!(state.followed.session, 4);
         assert!(state.unaccepted.is_empty(), "session 3's outputs dropped");
     }
 
