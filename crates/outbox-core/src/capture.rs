@@ -416,6 +416,28 @@ where
     }
 }
 
+/// Extends the leases of the parked rows among `extension`'s ids (by the parked table's
+/// ids, `to_parked` of the engine's), through the polling store over the parked table. Stream
+/// events have no lease: nobody else takes them while this capture's reader holds the stream.
+/// Returns how many were extended, stream events counted.
+pub async fn extend_leases<S: StreamEvent, P: QueuedPark>(
+    capture: &impl HoldsEvents<S, P>,
+    parked: &dyn OutboxStore,
+    extension: crate::store::LeaseExtension,
+    to_parked: fn(SequenceId) -> SequenceId,
+) -> StoreResult<u64> {
+    let crate::store::LeaseExtension { node, ids, lease } = extension;
+    let split = capture.with_holdings(|h| h.split(ids, |id| *id));
+    let mut extended = split.stream.len() as u64;
+    if !split.parked.is_empty() {
+        let ids = split.parked.into_iter().map(to_parked).collect();
+        extended += parked
+            .extend_leases(crate::store::LeaseExtension { node, ids, lease })
+            .await?;
+    }
+    Ok(extended)
+}
+
 /// The state of a capture whose reader announces sessions: what claims need to follow the
 /// session that streams now ([`follow`]).
 pub trait Sessions {

@@ -916,23 +916,10 @@ impl OutboxStore for BinlogStore {
     }
 
     fn extend_leases(&self, extension: LeaseExtension) -> StoreFuture<u64> {
-        let LeaseExtension { node, ids, lease } = extension;
         let inner = self.inner.clone();
         async move {
-            // Stream rows have no lease: nobody else reads them while the seat is ours.
-            let split = lock(&inner.state).holdings.split(ids, |id| *id);
-            let mut extended = split.stream.len() as u64;
-            if !split.parked.is_empty() {
-                extended += inner
-                    .parked
-                    .extend_leases(LeaseExtension {
-                        node,
-                        ids: split.parked.into_iter().map(parked_row).collect(),
-                        lease,
-                    })
-                    .await?;
-            }
-            Ok(extended)
+            let parked = inner.parked.as_ref();
+            outbox_core::capture::extend_leases(&*inner, parked, extension, parked_row).await
         }
         .boxed()
     }

@@ -580,3 +580,69 @@ async fn settling_delivered_rows_neither_waits_for_nor_blocks_an_insert_in_fligh
     }
     pool.disconnect().await.unwrap();
 }
+
+/// The engine extends the leases of what it publishes for long: a parked row's, under the
+/// parked table's id (its engine id is far above any outbox row's), and a stream row's,
+/// which has none to extend and counts as extended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn extending_leases_reaches_a_parked_rows_lease_in_the_parked_table() {
+    use outbox_core::store::{ClaimRequest, LeaseExtension};
+    use outbox_core::OutboxStore;
+    let fixture = Fixture::new().await;
+    // Adopted into the parked table at the first start.
+    fixture.insert("a", "T", 1).await;
+    let store = BinlogStore::start(fixture.options("relay-1")).unwrap();
+    let status = store.wait_reading(Duration::from_secs(30)).await;
+    assert_eq!(status, outbox_binlog::CaptureStatus::Reading);
+    fixture.insert("b", "T", 2).await;
+    let node = NodeId("binlog-test".into());
+    let claimed = Arc::new(std::sync::Mutex::new(Vec::new()));
+    eventually(
+        "the parked row and the stream row claimed",
+        PATIENCE,
+        || {
+            let (store, node, claimed) = (store.clone(), node.clone(), claimed.clone());
+            async move {
+                let request = ClaimRequest {
+                    node,
+                    limit: 10,
+                    lease: Duration::from_secs(5),
+                    fence: None,
+                    ordered: true,
+                };
+                let rows = store.claim(request).await.unwrap();
+                let mut claimed = claimed.lock().unwrap();
+                claimed.extend(rows);
+                (claimed.len() == 2).then_some(())
+            }
+        },
+    )
+    .await;
+    let claimed = claimed.lock().unwrap().clone();
+    let ids = claimed.iter().map(|c| c.sequence_id()).collect();
+    let extended = store
+        .extend_leases(LeaseExtension {
+            node,
+            ids,
+            lease: Duration::from_secs(3600),
+        })
+        .await
+        .unwrap();
+    assert_eq!(extended, 2, "the parked row's lease and the stream row");
+    let minutes_left: i64 = fixture
+        .db
+        .get_conn()
+        .await
+        .unwrap()
+        .query_first(
+            "SELECT TIMESTAMPDIFF(MINUTE, UTC_TIMESTAMP(6), locked_until) FROM outbox_parked",
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        minutes_left > 30,
+        "the lease was not extended: {minutes_left} min left"
+    );
+    store.close(Duration::from_secs(10)).await;
+}

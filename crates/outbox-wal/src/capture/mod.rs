@@ -996,23 +996,10 @@ impl OutboxStore for WalStore {
     }
 
     fn extend_leases(&self, extension: LeaseExtension) -> StoreFuture<u64> {
-        let LeaseExtension { node, ids, lease } = extension;
         let inner = self.inner.clone();
         async move {
-            // Stream events have no lease: nobody else can take them while the slot is ours.
-            let split = lock(&inner.state).holdings.split(ids, |id| *id);
-            let mut extended = split.stream.len() as u64;
-            if !split.parked.is_empty() {
-                extended += inner
-                    .parked
-                    .extend_leases(LeaseExtension {
-                        node,
-                        ids: split.parked,
-                        lease,
-                    })
-                    .await?;
-            }
-            Ok(extended)
+            let parked = &inner.parked;
+            capture::extend_leases(&*inner, parked, extension, |id| id).await
         }
         .boxed()
     }
