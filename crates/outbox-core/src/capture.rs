@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use crate::memory::{event_bytes, Charge, MemoryBudget, EVENT_OVERHEAD};
 use crate::store::{ClaimRequest, StoreResult};
-use crate::{Claimed, Event, OutboxStore, SequenceId};
+use crate::{Claimed, Event, OutboxStore, SequenceId, StoreError};
 
 /// What a parked row is taken to cost before any event was seen: a large one, so that a
 /// relay whose first work is a backlog of 1 MiB events adopted into the parked table claims
@@ -358,6 +358,26 @@ impl Followed {
     }
 }
 
+/// One statement shared by the acks it carries (a group commit of deletes of delivered
+/// rows): its outcome, once run, for each of them.
+#[derive(Default)]
+pub struct SharedOutcome(std::sync::OnceLock<StoreResult<()>>);
+
+impl SharedOutcome {
+    /// Records the statement's outcome (the first one recorded stands).
+    pub fn set(&self, result: &StoreResult<()>) {
+        let _ = self
+            .0
+            .set(result.as_ref().map(|_| ()).map_err(StoreError::duplicate));
+    }
+
+    /// The outcome, once the statement ran.
+    pub fn get(&self) -> Option<StoreResult<()>> {
+        let outcome = self.0.get()?;
+        Some(outcome.as_ref().map(|_| ()).map_err(StoreError::duplicate))
+    }
+}
+
 /// A capture whose state holds [`Holdings`] behind a lock of its own.
 pub trait HoldsEvents<S, P> {
     /// Runs `f` on the holdings, under the state's lock (never held across an await).
@@ -675,6 +695,30 @@ mod tests {
             held.held.contains_key(&1),
             "the stream event is the caller's to settle"
         );
+    }
+
+    /// The delete failed once: every ack it carried returns that failure, its fix said
+    /// once (each used to wrap the first's report, fix and all, and add the fix again).
+    #[test]
+    fn every_ack_a_shared_statement_carried_gets_its_failure_with_the_fix_said_once() {
+        let outcome = SharedOutcome::default();
+        assert!(outcome.get().is_none(), "not run yet");
+        let failure = StoreError::new(crate::StoreErrorKind::MissingSchema, "no table outbox")
+            .with_source(std::io::Error::other("server said so"));
+        outcome.set(&Err(failure));
+        for _ in 0..2 {
+            let again = outcome.get().unwrap().unwrap_err();
+            assert_eq!(again.kind(), crate::StoreErrorKind::MissingSchema);
+            let report = again.report();
+            assert_eq!(report.matches("(fix:").count(), 1, "{report}");
+            assert!(
+                report.contains("no table outbox: server said so"),
+                "{report}"
+            );
+        }
+        let done = SharedOutcome::default();
+        done.set(&Ok(()));
+        assert!(done.get().unwrap().is_ok());
     }
 
     /// Sessions announced by number; any other item is an event of the last one announced.

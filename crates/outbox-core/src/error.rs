@@ -229,6 +229,18 @@ impl StoreError {
         self.kind.is_retryable()
     }
 
+    /// The same failure for another caller that waited on the one statement that failed
+    /// (the acks a group commit carried): its kind, its fix, and its message with the
+    /// causes, as text (the fix is added once, by [`StoreError::report`]).
+    pub fn duplicate(&self) -> StoreError {
+        StoreError {
+            kind: self.kind,
+            message: report(self),
+            source: None,
+            hint: self.hint,
+        }
+    }
+
     /// The message with its causes and the operator hint, through the one redactor (a
     /// driver's error may quote the URL it failed on).
     pub fn report(&self) -> String {

@@ -167,9 +167,9 @@ fn lock<T>(state: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// How often claims read the parked table's keys again ([`Inner::look_for_retried_dead_letters`]).
 const PARKED_KEYS_REFRESH: Duration = Duration::from_secs(5);
 
-fn store_error(context: &str, e: impl std::fmt::Display) -> StoreError {
+fn store_error(context: &str, e: mysql_async::Error) -> StoreError {
     StoreError::new(
-        StoreErrorKind::Connection,
+        outbox_store_mysql::classify(&e),
         format!("binlog capture: {context}: {e}"),
     )
 }
@@ -476,10 +476,7 @@ impl Inner {
         };
         let _deleting = self.deleting.lock().await;
         if let Some(outcome) = round.get() {
-            return outcome
-                .clone()
-                .map(|()| acked)
-                .map_err(|(kind, report)| StoreError::new(kind, report));
+            return outcome.map(|()| acked);
         }
         // This round is still open: close it (later acks open the next) and run it.
         let ids = {
@@ -488,12 +485,7 @@ impl Inner {
             std::mem::take(&mut state.ack_queue)
         };
         let result = self.delete_delivered(ids).await;
-        let _ = round.set(
-            result
-                .as_ref()
-                .map(|_| ())
-                .map_err(|e| (e.kind(), e.report())),
-        );
+        round.set(&result);
         result.map(|()| acked)
     }
 

@@ -155,7 +155,7 @@ pub(super) struct State {
 }
 
 /// One delete of delivered rows, shared by the acks it carries: its outcome, once run.
-pub(super) type AckRound = std::sync::OnceLock<Result<(), (outbox_core::StoreErrorKind, String)>>;
+pub(super) type AckRound = capture::SharedOutcome;
 
 impl State {
     pub(super) fn new(hold_to_commit: bool) -> State {

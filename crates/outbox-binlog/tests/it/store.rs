@@ -646,3 +646,66 @@ async fn extending_leases_reaches_a_parked_rows_lease_in_the_parked_table() {
     );
     store.close(Duration::from_secs(10)).await;
 }
+
+/// A delete of delivered rows that fails for want of the table says so, with the fix that
+/// mends it (it was reported as a lost connection, whose fix points at the URL), and every
+/// ack the delete carried says it once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ack_whose_table_is_gone_names_the_missing_table_and_its_fix_once() {
+    use outbox_core::store::{ClaimRequest, LeaseHolder};
+    use outbox_core::OutboxStore;
+    let fixture = Fixture::new().await;
+    let store = BinlogStore::start(fixture.options("relay-1")).unwrap();
+    let status = store.wait_reading(Duration::from_secs(30)).await;
+    assert_eq!(status, outbox_binlog::CaptureStatus::Reading);
+    fixture.insert("a", "T", 1).await;
+    let node = NodeId("binlog-test".into());
+    let claimed = Arc::new(std::sync::Mutex::new(Vec::new()));
+    eventually("the row claimed", PATIENCE, || {
+        let (store, node, claimed) = (store.clone(), node.clone(), claimed.clone());
+        async move {
+            let request = ClaimRequest {
+                node,
+                limit: 10,
+                lease: Duration::from_secs(5),
+                fence: None,
+                ordered: true,
+            };
+            let rows = store.claim(request).await.unwrap();
+            let mut claimed = claimed.lock().unwrap();
+            claimed.extend(rows);
+            (!claimed.is_empty()).then_some(())
+        }
+    })
+    .await;
+    let ids: Vec<_> = claimed
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|c| c.sequence_id())
+        .collect();
+    let mut conn = fixture.db.get_conn().await.unwrap();
+    conn.query_drop("RENAME TABLE outbox TO outbox_elsewhere")
+        .await
+        .unwrap();
+    let failed = store
+        .ack(LeaseHolder::unfenced(node), ids)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        failed.kind(),
+        outbox_core::StoreErrorKind::MissingSchema,
+        "{}",
+        failed.report()
+    );
+    assert_eq!(
+        failed.report().matches("(fix:").count(),
+        1,
+        "{}",
+        failed.report()
+    );
+    conn.query_drop("RENAME TABLE outbox_elsewhere TO outbox")
+        .await
+        .unwrap();
+    store.close(Duration::from_secs(10)).await;
+}

@@ -113,42 +113,7 @@ pub enum CaptureStatus {
 }
 
 /// One delete of delivered rows, shared by the acks it carries.
-#[derive(Default)]
-struct AckRound {
-    outcome: std::sync::OnceLock<AckOutcome>,
-}
-
-/// A delete's outcome, as each ack it carried returns it.
-enum AckOutcome {
-    Deleted,
-    Failed {
-        kind: StoreErrorKind,
-        report: String,
-        hint: &'static str,
-    },
-}
-
-impl AckOutcome {
-    fn of(result: &StoreResult<()>) -> Self {
-        match result {
-            Ok(()) => AckOutcome::Deleted,
-            Err(e) => AckOutcome::Failed {
-                kind: e.kind(),
-                report: e.report(),
-                hint: e.hint(),
-            },
-        }
-    }
-
-    fn to_result(&self) -> StoreResult<()> {
-        match self {
-            AckOutcome::Deleted => Ok(()),
-            AckOutcome::Failed { kind, report, hint } => {
-                Err(StoreError::new(*kind, report.clone()).with_hint(hint))
-            }
-        }
-    }
-}
+type AckRound = capture::SharedOutcome;
 
 struct Inner {
     main: PgStore,
@@ -541,8 +506,8 @@ impl Inner {
             state.ack_round.clone()
         };
         let mut last_delete = self.deleting.lock().await;
-        if let Some(outcome) = round.outcome.get() {
-            return outcome.to_result().map(|()| acked);
+        if let Some(outcome) = round.get() {
+            return outcome.map(|()| acked);
         }
         // This round is still open. Acks queued while it waits its turn join it; a round of
         // `outbox_emit` events alone runs no statement, so it neither waits nor counts.
@@ -561,7 +526,7 @@ impl Inner {
             std::mem::take(&mut state.ack_queue)
         };
         let result = self.delete_delivered(events).await;
-        let _ = round.outcome.set(AckOutcome::of(&result));
+        round.set(&result);
         result.map(|()| acked)
     }
 
