@@ -586,7 +586,7 @@ async fn settling_delivered_rows_neither_waits_for_nor_blocks_an_insert_in_fligh
 /// which has none to extend and counts as extended.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn extending_leases_reaches_a_parked_rows_lease_in_the_parked_table() {
-    use outbox_core::store::{ClaimRequest, LeaseExtension};
+    use outbox_core::store::LeaseExtension;
     use outbox_core::OutboxStore;
     let fixture = Fixture::new().await;
     // Adopted into the parked table at the first start.
@@ -596,30 +596,7 @@ async fn extending_leases_reaches_a_parked_rows_lease_in_the_parked_table() {
     assert_eq!(status, outbox_binlog::CaptureStatus::Reading);
     fixture.insert("b", "T", 2).await;
     let node = NodeId("binlog-test".into());
-    let claimed = Arc::new(std::sync::Mutex::new(Vec::new()));
-    eventually(
-        "the parked row and the stream row claimed",
-        PATIENCE,
-        || {
-            let (store, node, claimed) = (store.clone(), node.clone(), claimed.clone());
-            async move {
-                let request = ClaimRequest {
-                    node,
-                    limit: 10,
-                    lease: Duration::from_secs(5),
-                    fence: None,
-                    ordered: true,
-                };
-                let rows = store.claim(request).await.unwrap();
-                let mut claimed = claimed.lock().unwrap();
-                claimed.extend(rows);
-                (claimed.len() == 2).then_some(())
-            }
-        },
-    )
-    .await;
-    let claimed = claimed.lock().unwrap().clone();
-    let ids = claimed.iter().map(|c| c.sequence_id()).collect();
+    let ids = claim_ids(&store, &node, 2).await;
     let extended = store
         .extend_leases(LeaseExtension {
             node,
@@ -652,7 +629,7 @@ async fn extending_leases_reaches_a_parked_rows_lease_in_the_parked_table() {
 /// ack the delete carried says it once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_ack_whose_table_is_gone_names_the_missing_table_and_its_fix_once() {
-    use outbox_core::store::{ClaimRequest, LeaseHolder};
+    use outbox_core::store::LeaseHolder;
     use outbox_core::OutboxStore;
     let fixture = Fixture::new().await;
     let store = BinlogStore::start(fixture.options("relay-1")).unwrap();
@@ -660,30 +637,7 @@ async fn an_ack_whose_table_is_gone_names_the_missing_table_and_its_fix_once() {
     assert_eq!(status, outbox_binlog::CaptureStatus::Reading);
     fixture.insert("a", "T", 1).await;
     let node = NodeId("binlog-test".into());
-    let claimed = Arc::new(std::sync::Mutex::new(Vec::new()));
-    eventually("the row claimed", PATIENCE, || {
-        let (store, node, claimed) = (store.clone(), node.clone(), claimed.clone());
-        async move {
-            let request = ClaimRequest {
-                node,
-                limit: 10,
-                lease: Duration::from_secs(5),
-                fence: None,
-                ordered: true,
-            };
-            let rows = store.claim(request).await.unwrap();
-            let mut claimed = claimed.lock().unwrap();
-            claimed.extend(rows);
-            (!claimed.is_empty()).then_some(())
-        }
-    })
-    .await;
-    let ids: Vec<_> = claimed
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|c| c.sequence_id())
-        .collect();
+    let ids = claim_ids(&store, &node, 1).await;
     let mut conn = fixture.db.get_conn().await.unwrap();
     conn.query_drop("RENAME TABLE outbox TO outbox_elsewhere")
         .await
@@ -708,4 +662,30 @@ async fn an_ack_whose_table_is_gone_names_the_missing_table_and_its_fix_once() {
         .await
         .unwrap();
     store.close(Duration::from_secs(10)).await;
+}
+
+/// The ids of `n` rows claimed from `store` as node `node`, by claims repeated until they are.
+async fn claim_ids(store: &BinlogStore, node: &NodeId, n: usize) -> Vec<outbox_core::SequenceId> {
+    use outbox_core::store::ClaimRequest;
+    use outbox_core::OutboxStore;
+    let claimed = Arc::new(std::sync::Mutex::new(Vec::new()));
+    eventually("the rows claimed", PATIENCE, || {
+        let (store, node, claimed) = (store.clone(), node.clone(), claimed.clone());
+        async move {
+            let request = ClaimRequest {
+                node,
+                limit: 10,
+                lease: Duration::from_secs(5),
+                fence: None,
+                ordered: true,
+            };
+            let rows = store.claim(request).await.unwrap();
+            let mut claimed = claimed.lock().unwrap();
+            claimed.extend(rows.iter().map(|row| row.sequence_id()));
+            (claimed.len() >= n).then_some(())
+        }
+    })
+    .await;
+    let ids = claimed.lock().unwrap().clone();
+    ids
 }
