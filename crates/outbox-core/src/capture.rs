@@ -704,7 +704,9 @@ mod tests {
         let outcome = SharedOutcome::default();
         assert!(outcome.get().is_none(), "not run yet");
         let failure = StoreError::new(crate::StoreErrorKind::MissingSchema, "no table outbox")
-            .with_source(std::io::Error::other("server said so"));
+            .with_source(std::io::Error::other(
+                "server said so (mysql://relay:secret@db.internal/app)",
+            ));
         outcome.set(&Err(failure));
         for _ in 0..2 {
             let again = outcome.get().unwrap().unwrap_err();

@@ -231,11 +231,11 @@ impl StoreError {
 
     /// The same failure for another caller that waited on the one statement that failed
     /// (the acks a group commit carried): its kind, its fix, and its message with the
-    /// causes, as text (the fix is added once, by [`StoreError::report`]).
+    /// causes, as redacted text (the fix is added once, by [`StoreError::report`]).
     pub fn duplicate(&self) -> StoreError {
         StoreError {
             kind: self.kind,
-            message: report(self),
+            message: crate::redact::redact_url(&report(self)),
             source: None,
             hint: self.hint,
         }

@@ -468,7 +468,9 @@ impl Inner {
         // rows back (see `Lanes::releasing`).
         let done =
             capture::settle_parked(self, items, id, |rows| statement(&self.parked, rows)).await?;
-        tracing::debug!(settled = done.settled, unpark, "settled parked rows");
+        if !done.keys.is_empty() {
+            tracing::debug!(settled = done.settled, keys = ?done.keys, unpark, "settled parked rows");
+        }
         if unpark {
             self.unpark_keys(done.keys).await?;
         }
