@@ -388,8 +388,10 @@ pub trait HoldsEvents<S, P> {
 /// the held stream events among the items, for the caller to settle its own way.
 pub struct SettledParked<T> {
     pub settled: u64,
-    pub keys: Vec<String>,
     pub stream: Vec<T>,
+    /// Why the keys of the settled rows could not be checked for rows left parked, if they
+    /// could not: they are checked again at the next claim ([`Holdings::recheck`]).
+    pub unpark_failed: Option<StoreError>,
 }
 
 /// Settles the rows of the parked table among `items` with `statement` (the polling store's
@@ -398,42 +400,53 @@ pub struct SettledParked<T> {
 /// engine's settle of it would then be ignored, leaving the row locked and later rows of its
 /// key claimable ahead of it). If it fails they are held again: still this node's rows, so no
 /// claim took them meanwhile.
-pub async fn settle_parked<S, P, T, F>(
+///
+/// `unpark`, given when the rows leave the parked table (an ack, a dead letter), lets their
+/// keys flow from the stream again once none has rows parked. Its failure does not fail the
+/// settle, which has committed: the engine would retry it, find the rows gone and count them
+/// as lost to another node. The keys are checked again at the next claim instead.
+pub async fn settle_parked<S, P, T, F, U>(
     capture: &impl HoldsEvents<S, P>,
     items: Vec<T>,
     id: fn(&T) -> SequenceId,
     statement: impl FnOnce(Vec<T>) -> F,
+    unpark: Option<impl FnOnce(Vec<String>) -> U>,
 ) -> StoreResult<SettledParked<T>>
 where
     S: StreamEvent,
     P: QueuedPark,
     F: std::future::Future<Output = StoreResult<u64>>,
+    U: std::future::Future<Output = StoreResult<()>>,
 {
     let Split {
         parked,
         keys,
         stream,
     } = capture.with_holdings(|h| h.split(items, id));
+    let mut done = SettledParked {
+        settled: 0,
+        stream,
+        unpark_failed: None,
+    };
     if parked.is_empty() {
-        return Ok(SettledParked {
-            settled: 0,
-            keys,
-            stream,
-        });
+        return Ok(done);
     }
     let ids: Vec<SequenceId> = parked.iter().map(id).collect();
     let taken = capture.with_holdings(|h| h.take(&ids));
-    match statement(parked).await {
-        Ok(settled) => Ok(SettledParked {
-            settled,
-            keys,
-            stream,
-        }),
+    done.settled = match statement(parked).await {
+        Ok(settled) => settled,
         Err(e) => {
             capture.with_holdings(|h| h.restore(taken));
-            Err(e)
+            return Err(e);
+        }
+    };
+    if let Some(unpark) = unpark {
+        if let Err(e) = unpark(keys.clone()).await {
+            capture.with_holdings(|h| h.recheck.extend(keys));
+            done.unpark_failed = Some(e);
         }
     }
+    Ok(done)
 }
 
 /// Extends the leases of the parked rows among `extension`'s ids (by the parked table's
@@ -658,43 +671,44 @@ mod tests {
             holdings.held.insert(id, parked);
         }
         let capture = std::sync::Mutex::new(holdings);
+        let down = || StoreError::new(crate::StoreErrorKind::Connection, "down");
         let failed = futures::executor::block_on(settle_parked(
             &capture,
             vec![1, 7, 8],
             |id| *id,
             |rows| {
                 assert_eq!(rows, [7, 8]);
-                assert!(
-                    !capture.lock().unwrap().held.contains_key(&7),
-                    "forgotten first"
-                );
-                async {
-                    Err(crate::StoreError::new(
-                        crate::StoreErrorKind::Connection,
-                        "down",
-                    ))
-                }
+                let forgotten = !capture.lock().unwrap().held.contains_key(&7);
+                assert!(forgotten, "forgotten before the statement");
+                async { Err(down()) }
             },
+            Some(|_: Vec<String>| async { panic!("no unpark after a failed settle") }),
         ));
         assert!(failed.is_err());
         assert!(capture.lock().unwrap().held.contains_key(&7), "held again");
+        // The settle commits and the check of its keys fails: the settle stands (the engine
+        // would retry it, find the rows gone and count them lost), and the keys are checked
+        // again at the next claim.
         let done = futures::executor::block_on(settle_parked(
             &capture,
             vec![1, 7, 8],
             |id| *id,
             |rows| async move { Ok(rows.len() as u64) },
+            Some(|keys: Vec<String>| {
+                assert_eq!(keys, ["p", "q"]);
+                async { Err(down()) }
+            }),
         ))
         .unwrap();
-        assert_eq!(
-            (done.settled, done.keys, done.stream),
-            (2, vec!["p".into(), "q".into()], vec![1])
-        );
+        assert_eq!((done.settled, done.stream), (2, vec![1]));
+        assert!(done.unpark_failed.is_some());
         let held = capture.lock().unwrap();
         assert!(!held.held.contains_key(&7) && !held.held.contains_key(&8));
         assert!(
             held.held.contains_key(&1),
-            "the stream event is the caller's to settle"
+            "the stream event is the caller's"
         );
+        assert_eq!(held.recheck, ["p", "q"], "checked again at the next claim");
     }
 
     /// The delete failed once: every ack it carried returns that failure, its fix said

@@ -437,15 +437,17 @@ impl Inner {
         statement: impl FnOnce(Arc<dyn OutboxStore>, Vec<T>) -> StoreFuture<u64>,
         unpark: bool,
     ) -> StoreResult<(u64, Vec<T>)> {
-        let done = outbox_core::capture::settle_parked(self, items, id, |rows| {
+        let to_statement = |rows: Vec<T>| {
             statement(
                 self.parked.clone(),
                 rows.into_iter().map(to_parked).collect(),
             )
-        })
-        .await?;
-        if unpark {
-            self.unpark_keys(done.keys).await?;
+        };
+        let unpark = unpark.then_some(|keys| self.unpark_keys(keys));
+        let done =
+            outbox_core::capture::settle_parked(self, items, id, to_statement, unpark).await?;
+        if let Some(e) = &done.unpark_failed {
+            tracing::debug!(error = %e.report(), "checking the settled rows' keys for parked rows; again with the next claim");
         }
         Ok((done.settled, done.stream))
     }

@@ -466,13 +466,17 @@ impl Inner {
         // Until a release commits, its rows stay locked by this node and do not hold back
         // later rows of their keys in a parked claim meanwhile: the engine's lanes send such
         // rows back (see `Lanes::releasing`).
-        let done =
-            capture::settle_parked(self, items, id, |rows| statement(&self.parked, rows)).await?;
-        if !done.keys.is_empty() {
-            tracing::debug!(settled = done.settled, keys = ?done.keys, unpark, "settled parked rows");
-        }
-        if unpark {
-            self.unpark_keys(done.keys).await?;
+        let unpark = unpark.then_some(|keys| self.unpark_keys(keys));
+        let done = capture::settle_parked(
+            self,
+            items,
+            id,
+            |rows| statement(&self.parked, rows),
+            unpark,
+        )
+        .await?;
+        if let Some(e) = &done.unpark_failed {
+            tracing::debug!(error = %e.report(), "checking the settled rows' keys for parked rows; again with the next claim");
         }
         Ok((done.settled, done.stream))
     }
