@@ -116,9 +116,7 @@ impl<S: StreamEvent, P: QueuedPark> Holdings<S, P> {
 
     /// Queues a held event to park behind the other events of its `key`.
     pub fn park_behind(&mut self, key: &str, park: P) {
-        if !self.parked_keys.contains(key) {
-            self.parked_keys.insert(key.to_string());
-        }
+        mark_waiting(&mut self.parked_keys, key);
         self.to_park.push(park);
     }
 
@@ -130,9 +128,7 @@ impl<S: StreamEvent, P: QueuedPark> Holdings<S, P> {
                 continue;
             };
             if self.to_park.iter().all(|p| p.id() != park.id()) {
-                if !self.parked_keys.contains(event.key()) {
-                    self.parked_keys.insert(event.key().to_string());
-                }
+                mark_waiting(&mut self.parked_keys, event.key());
                 self.to_park.push(park);
             }
         }
@@ -261,6 +257,47 @@ impl<S: StreamEvent, P: QueuedPark> Holdings<S, P> {
             self.held.entry(id).or_insert(held);
         }
     }
+
+    /// Whether no row of the parked table is out with the engine ([`claim_parked`]).
+    pub fn no_parked_row_out(&self) -> bool {
+        !self
+            .held
+            .values()
+            .any(|held| matches!(held, Held::Parked { .. }))
+    }
+
+    /// Holds claimed parked rows (by their engine id) until settled, and hands them out.
+    pub fn hold_parked(&mut self, rows: Vec<(Claimed, Charge)>, out: &mut Vec<Claimed>) {
+        for (row, memory) in rows {
+            let key = row.ordering_key().to_string();
+            self.held.insert(
+                row.sequence_id(),
+                Held::Parked {
+                    key,
+                    _memory: memory,
+                },
+            );
+            out.push(row);
+        }
+    }
+}
+
+/// Marks `key` as waiting behind parked events (allocating only when it was not).
+fn mark_waiting(parked_keys: &mut HashSet<String>, key: &str) {
+    if !parked_keys.contains(key) {
+        parked_keys.insert(key.to_string());
+    }
+}
+
+/// Claimed parked rows as a log line names them: a parked row's id is new, its event id the
+/// stream's.
+pub fn describe_claimed(rows: &[(Claimed, Charge)]) -> Vec<String> {
+    rows.iter()
+        .map(|(row, _)| match row {
+            Claimed::Event(e) => format!("{}={}", e.sequence_id, e.event_id),
+            other => other.sequence_id().to_string(),
+        })
+        .collect()
 }
 
 /// Claims rows of the parked table, through the polling store over it: as many as the memory
@@ -302,31 +339,6 @@ pub async fn claim_parked(
             (row, charge)
         })
         .collect())
-}
-
-impl<S, P> Holdings<S, P> {
-    /// Whether no row of the parked table is out with the engine ([`claim_parked`]).
-    pub fn no_parked_row_out(&self) -> bool {
-        !self
-            .held
-            .values()
-            .any(|held| matches!(held, Held::Parked { .. }))
-    }
-
-    /// Holds claimed parked rows (by their engine id) until settled, and hands them out.
-    pub fn hold_parked(&mut self, rows: Vec<(Claimed, Charge)>, out: &mut Vec<Claimed>) {
-        for (row, memory) in rows {
-            let key = row.ordering_key().to_string();
-            self.held.insert(
-                row.sequence_id(),
-                Held::Parked {
-                    key,
-                    _memory: memory,
-                },
-            );
-            out.push(row);
-        }
-    }
 }
 
 /// The session a capture's claims follow, and whether it has ended: from its end (the reader

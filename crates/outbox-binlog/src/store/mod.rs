@@ -658,16 +658,7 @@ impl Inner {
             none_out,
         )
         .await?;
-        tracing::debug!(
-            claimed = ?rows
-                .iter()
-                .map(|(row, _)| match row {
-                    Claimed::Event(e) => format!("{}={}", e.sequence_id, e.event_id),
-                    other => other.sequence_id().to_string(),
-                })
-                .collect::<Vec<_>>(),
-            "claimed parked rows"
-        );
+        tracing::debug!(claimed = ?outbox_core::capture::describe_claimed(&rows), "claimed parked rows");
         let rows = rows
             .into_iter()
             .map(|(row, memory)| (with_parked_id(row), memory))

@@ -215,9 +215,6 @@ impl BinlogCapture {
     /// What keeps binlog capture from running, each with its fix: the server's settings and
     /// the role's privileges, and a stored position the server's logs no longer reach.
     pub async fn problems(&self) -> Result<Vec<Problem>, StoreError> {
-        let unreachable = |e: outbox_binlog::BinlogError| {
-            StoreError::new(StoreErrorKind::Connection, format!("binlog capture: {e}"))
-        };
         let mut problems = outbox_binlog::server_problems(&self.url)
             .await
             .map_err(unreachable)?;
@@ -289,10 +286,7 @@ impl BinlogCapture {
         match outbox_binlog::is_blackhole(&self.url, &self.database, &self.table).await {
             Ok(blackhole) => Ok(*self.blackhole.get_or_init(|| blackhole)),
             Err(outbox_binlog::BinlogError::Config(_)) => Ok(false),
-            Err(e) => Err(StoreError::new(
-                StoreErrorKind::Connection,
-                format!("binlog capture: reading the outbox table's engine: {e}"),
-            )),
+            Err(e) => Err(unreachable(e)),
         }
     }
 
@@ -300,9 +294,7 @@ impl BinlogCapture {
     pub async fn blackhole_table_problems(&self) -> Result<Vec<Problem>, StoreError> {
         outbox_binlog::blackhole_table_problems(&self.url, &self.database, &self.table)
             .await
-            .map_err(|e| {
-                StoreError::new(StoreErrorKind::Connection, format!("binlog capture: {e}"))
-            })
+            .map_err(unreachable)
     }
 
     /// Starts the reader: the store the engine claims from.
@@ -359,6 +351,11 @@ impl BinlogCapture {
         })
         .map_err(config)
     }
+}
+
+/// A failure to read what the server has (its settings, a table's engine or columns).
+fn unreachable(e: outbox_binlog::BinlogError) -> StoreError {
+    StoreError::new(StoreErrorKind::Connection, format!("binlog capture: {e}"))
 }
 
 /// What the reader takes from the rest of the run.

@@ -763,17 +763,7 @@ impl Inner {
     ) -> StoreResult<()> {
         let none_out = lock(&self.state).holdings.no_parked_row_out();
         let rows = capture::claim_parked(&self.parked, &self.memory, request, none_out).await?;
-        // With each row's event id: a parked row's id is new, its event id the stream's.
-        tracing::debug!(
-            claimed = ?rows
-                .iter()
-                .map(|(row, _)| match row {
-                    Claimed::Event(e) => format!("{}={}", e.sequence_id, e.event_id),
-                    other => other.sequence_id().to_string(),
-                })
-                .collect::<Vec<_>>(),
-            "claimed parked rows"
-        );
+        tracing::debug!(claimed = ?capture::describe_claimed(&rows), "claimed parked rows");
         lock(&self.state).holdings.hold_parked(rows, out);
         Ok(())
     }
