@@ -8,7 +8,8 @@
 #
 # Everything lives in $OUTBOX_QUICKSTART_STATE (default /tmp/outbox-relay-quickstart) and
 # listens on 127.0.0.1 only: PostgreSQL on $OUTBOX_QUICKSTART_PG_PORT (54349), NATS on
-# $OUTBOX_QUICKSTART_NATS_PORT (54242), the relay's HTTP server on $OUTBOX_QUICKSTART_HTTP
+# $OUTBOX_QUICKSTART_NATS_PORT (54242, monitoring on $OUTBOX_QUICKSTART_NATS_MONITOR_PORT, the
+# next one), the relay's HTTP server on $OUTBOX_QUICKSTART_HTTP
 # (default 127.0.0.1:2259). Everything started is stopped on exit.
 # OUTBOX_QUICKSTART_BIN picks the relay binary (default: a release build, made if missing).
 set -euo pipefail
@@ -21,6 +22,7 @@ fi
 export OUTBOX_TEST_STATE=${OUTBOX_QUICKSTART_STATE:-/tmp/outbox-relay-quickstart}
 export OUTBOX_TEST_PG_PORT=${OUTBOX_QUICKSTART_PG_PORT:-54349}
 export OUTBOX_TEST_NATS_PORT=${OUTBOX_QUICKSTART_NATS_PORT:-54242}
+export OUTBOX_TEST_NATS_MONITOR_PORT=${OUTBOX_QUICKSTART_NATS_MONITOR_PORT:-$((OUTBOX_TEST_NATS_PORT + 1))}
 export OUTBOX_TEST_SERVERS="postgres nats"
 http=${OUTBOX_QUICKSTART_HTTP:-127.0.0.1:2259}
 relay=${OUTBOX_QUICKSTART_BIN:-target/release/outbox-relay}

@@ -9,13 +9,15 @@
 #   scripts/servers.sh restart-postgres   # for the tests that restart the database
 #
 # OUTBOX_TEST_STATE (default /tmp/outbox-relay-test-servers) holds data, sockets and pids.
-# OUTBOX_TEST_PG_PORT (default 54329) is PostgreSQL's port.
+# OUTBOX_TEST_PG_PORT (default 54329) is PostgreSQL's port; OUTBOX_TEST_<SERVER>_PORT the
+# others' (NATS monitors on OUTBOX_TEST_NATS_MONITOR_PORT, default the next port).
 set -euo pipefail
 
 STATE=${OUTBOX_TEST_STATE:-/tmp/outbox-relay-test-servers}
 PG_PORT=${OUTBOX_TEST_PG_PORT:-54329}
 PG_BIN=/usr/lib/postgresql/15/bin
 NATS_PORT=${OUTBOX_TEST_NATS_PORT:-54222}
+NATS_MONITOR_PORT=${OUTBOX_TEST_NATS_MONITOR_PORT:-$((NATS_PORT + 1))}
 REDIS_PORT=${OUTBOX_TEST_REDIS_PORT:-54379}
 RABBIT_PORT=${OUTBOX_TEST_RABBIT_PORT:-54672}
 MARIADB_PORT=${OUTBOX_TEST_MARIADB_PORT:-54306}
@@ -154,16 +156,32 @@ stop_postgres() {
   fi
 }
 
+# Ours when its monitoring port names our client port: another process (a relay's HTTP server
+# has a /healthz too) may hold the monitoring port, and once passed for a running NATS.
+nats_is_ours() {
+  curl -sf "http://127.0.0.1:$NATS_MONITOR_PORT/healthz?js-enabled-only=true" >/dev/null 2>&1 &&
+    curl -sf "http://127.0.0.1:$NATS_MONITOR_PORT/varz" 2>/dev/null | grep -q "\"port\": $NATS_PORT,"
+}
+
 start_nats() {
   local dir=$STATE/nats
   mkdir -p "$dir"
-  if ! curl -sf "http://127.0.0.1:$((NATS_PORT + 1))/healthz" >/dev/null 2>&1; then
-    setsid nats-server -a 127.0.0.1 -p "$NATS_PORT" -m "$((NATS_PORT + 1))" -js -sd "$dir/js" \
+  if ! nats_is_ours; then
+    rm -f "$dir/nats.pid"
+    setsid nats-server -a 127.0.0.1 -p "$NATS_PORT" -m "$NATS_MONITOR_PORT" -js -sd "$dir/js" \
       -P "$dir/nats.pid" -l "$dir/nats.log" </dev/null >/dev/null 2>&1 &
+    local pid
     for _ in $(seq 100); do
-      curl -sf "http://127.0.0.1:$((NATS_PORT + 1))/healthz?js-enabled-only=true" >/dev/null 2>&1 && break
+      nats_is_ours && break
+      # Written once it runs; gone from /proc once it gave up (a port taken, say).
+      pid=$(cat "$dir/nats.pid" 2>/dev/null) && ! kill -0 "$pid" 2>/dev/null && break
       sleep 0.1
     done
+    if ! nats_is_ours; then
+      log "nats-server did not start on 127.0.0.1:$NATS_PORT (monitoring $NATS_MONITOR_PORT); its log:"
+      tail -5 "$dir/nats.log" >&2 2>/dev/null || true
+      return 1
+    fi
   fi
   log "nats-server (JetStream) ready on 127.0.0.1:$NATS_PORT"
   echo "export OUTBOX_TEST_NATS_URL=nats://127.0.0.1:$NATS_PORT"

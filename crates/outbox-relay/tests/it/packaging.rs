@@ -563,7 +563,10 @@ fn the_quickstart_shows_events_flowing_and_stops_what_it_started() {
     let port = outbox_testkit::server::free_port();
     // Its own servers on free ports: on its default ports, another test's server given one of
     // them as a free port answered the quickstart's readiness check, then went away.
-    let (pg_port, nats_port) = (
+    // NATS's monitoring port too: the one after its client port was once another test's relay,
+    // whose /healthz passed for a NATS that never started.
+    let (pg_port, nats_port, nats_monitor_port) = (
+        outbox_testkit::server::free_port(),
         outbox_testkit::server::free_port(),
         outbox_testkit::server::free_port(),
     );
@@ -574,6 +577,7 @@ fn the_quickstart_shows_events_flowing_and_stops_what_it_started() {
         .env("OUTBOX_QUICKSTART_HTTP", format!("127.0.0.1:{port}"))
         .env("OUTBOX_QUICKSTART_PG_PORT", pg_port.to_string())
         .env("OUTBOX_QUICKSTART_NATS_PORT", nats_port.to_string())
+        .env("OUTBOX_QUICKSTART_NATS_MONITOR_PORT", nats_monitor_port.to_string())
         .current_dir(repository())
         .output()
         .unwrap();
