@@ -248,9 +248,11 @@ fn relay(b: &Bench, args: &[&str]) -> Result<()> {
 
 /// A timed `run --drain` of `n` events.
 fn timed_drain(b: &Bench, args: &[&str], n: u64) -> Result<Value> {
+    let server_before = measure::mariadb_cpu(b);
     let (wall, user, sys, rss) = measure::timed(b, args)?;
     Ok(json!({
         "wall_s": wall,
+        "mariadb_cpu_s_per_million": (measure::mariadb_cpu(b) - server_before) * 1e6 / n as f64,
         "events_per_s": n as f64 / wall,
         "relay_cpu_s": user + sys,
         "relay_cpu_s_per_million": (user + sys) * 1e6 / n as f64,
@@ -337,12 +339,12 @@ pub fn report(r: &Value) -> String {
     }
     format!(
         "\n## Binlog capture (MariaDB)\n\n{} events, {} per transaction, to the file sink.\n\n\
-         | | events/s | CPU s per 1M | peak RSS MB |\n|---|---|---|---|\n\
-         | floor (`mariadb-binlog --read-from-remote-server`) | {} | {} | |\n\
-         | floor decoding rows (`--base64-output=DECODE-ROWS --verbose`) | {} | {} | |\n\
-         | binlog capture | {} | {} | {} |\n\
-         | polling, same table | {} | {} | {} |\n\
-         | binlog capture, table-less (BLACKHOLE) | {} | {} | {} |\n\n\
+         | | events/s | CPU s per 1M | peak RSS MB | MariaDB CPU s per 1M |\n|---|---|---|---|---|\n\
+         | floor (`mariadb-binlog --read-from-remote-server`) | {} | {} | | |\n\
+         | floor decoding rows (`--base64-output=DECODE-ROWS --verbose`) | {} | {} | | |\n\
+         | binlog capture | {} | {} | {} | {} |\n\
+         | polling, same table | {} | {} | {} | {} |\n\
+         | binlog capture, table-less (BLACKHOLE) | {} | {} | {} | {} |\n\n\
          Capture: {}× the floor (target ≥ 0.9), {}× the decoding floor, {}× polling (target ≥ 3); \
          rows left: {}. Table-less: {}× the floor, {}× the decoding floor.\n\n\
          Writer cost, {WRITERS} writers of single-row INSERTs (target: capture's ≤ polling's):\n\n\
@@ -359,12 +361,15 @@ pub fn report(r: &Value) -> String {
         measure::f(&y["capture"]["events_per_s"]),
         measure::f(&y["capture"]["relay_cpu_s_per_million"]),
         measure::f(&y["capture"]["peak_rss_mb"]),
+        measure::f(&y["capture"]["mariadb_cpu_s_per_million"]),
         measure::f(&y["polling"]["events_per_s"]),
         measure::f(&y["polling"]["relay_cpu_s_per_million"]),
         measure::f(&y["polling"]["peak_rss_mb"]),
+        measure::f(&y["polling"]["mariadb_cpu_s_per_million"]),
         measure::f(&y["table_less"]["events_per_s"]),
         measure::f(&y["table_less"]["relay_cpu_s_per_million"]),
         measure::f(&y["table_less"]["peak_rss_mb"]),
+        measure::f(&y["table_less"]["mariadb_cpu_s_per_million"]),
         measure::f(&y["capture_vs_floor"]),
         measure::f(&y["capture_vs_decoding_floor"]),
         measure::f(&y["capture_vs_polling"]),

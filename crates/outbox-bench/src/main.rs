@@ -208,6 +208,8 @@ pub struct Servers {
     pub pg_data: PathBuf,
     /// nats-server's pid file, for its CPU time.
     pub nats_pid_file: PathBuf,
+    /// mariadbd's pid file (with `--only binlog`), for its CPU time.
+    pub mariadb_pid_file: PathBuf,
     env: Vec<(String, String)>,
 }
 
@@ -257,6 +259,7 @@ impl Servers {
                 .clone(),
             pg_data: PathBuf::from(exports.get("OUTBOX_TEST_PG_DATA").context("no data dir")?),
             nats_pid_file: Path::new(STATE_DIR).join("nats/nats.pid"),
+            mariadb_pid_file: Path::new(STATE_DIR).join("mariadb/mysqld.pid"),
             env,
         })
     }

@@ -54,7 +54,16 @@ fn pg_cpu(b: &Bench) -> f64 {
 
 /// nats-server's CPU seconds so far.
 fn nats_cpu(b: &Bench) -> f64 {
-    std::fs::read_to_string(&b.servers.nats_pid_file)
+    pid_file_cpu(&b.servers.nats_pid_file)
+}
+
+/// mariadbd's CPU seconds so far (one process: its connections are threads).
+pub(crate) fn mariadb_cpu(b: &Bench) -> f64 {
+    pid_file_cpu(&b.servers.mariadb_pid_file)
+}
+
+fn pid_file_cpu(pid_file: &std::path::Path) -> f64 {
+    std::fs::read_to_string(pid_file)
         .ok()
         .and_then(|pid| proc_cpu(pid.trim()))
         .map_or(0.0, |(own, _, _)| own)

@@ -577,7 +577,10 @@ fn the_quickstart_shows_events_flowing_and_stops_what_it_started() {
         .env("OUTBOX_QUICKSTART_HTTP", format!("127.0.0.1:{port}"))
         .env("OUTBOX_QUICKSTART_PG_PORT", pg_port.to_string())
         .env("OUTBOX_QUICKSTART_NATS_PORT", nats_port.to_string())
-        .env("OUTBOX_QUICKSTART_NATS_MONITOR_PORT", nats_monitor_port.to_string())
+        .env(
+            "OUTBOX_QUICKSTART_NATS_MONITOR_PORT",
+            nats_monitor_port.to_string(),
+        )
         .current_dir(repository())
         .output()
         .unwrap();
