@@ -8,9 +8,10 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::SystemTime;
 
 use crate::memory::{event_bytes, Charge, MemoryBudget, EVENT_OVERHEAD};
-use crate::store::{ClaimRequest, StoreResult};
+use crate::store::{Backlog, ClaimRequest, StoreResult};
 use crate::{Claimed, Event, OutboxStore, SequenceId, StoreError};
 
 /// What a parked row is taken to cost before any event was seen: a large one, so that a
@@ -28,6 +29,9 @@ pub trait StreamEvent {
     fn key(&self) -> &str;
 
     fn place(&self) -> Self::Place;
+
+    /// When the application wrote it, if it decoded.
+    fn written_at(&self) -> Option<SystemTime>;
 }
 
 /// A held stream event queued to be parked, by its engine id.
@@ -40,6 +44,16 @@ pub trait QueuedPark {
 pub enum Body<U> {
     Event(Arc<Event>),
     Undecodable(Box<U>),
+}
+
+impl<U> Body<U> {
+    /// When the application wrote it, if it decoded.
+    pub fn written_at(&self) -> Option<SystemTime> {
+        match self {
+            Body::Event(e) => Some(e.created_at),
+            Body::Undecodable(_) => None,
+        }
+    }
 }
 
 pub enum Held<S> {
@@ -240,6 +254,37 @@ impl<S: StreamEvent, P: QueuedPark> Holdings<S, P> {
         }
     }
 
+    /// Forgets held stream events this capture may no longer write for: another reader
+    /// holds the stream now, and reads them again. The caller ends its session.
+    pub fn leave_to_other_reader(
+        &mut self,
+        ids: impl IntoIterator<Item = SequenceId>,
+    ) -> Vec<SequenceId> {
+        let ids: Vec<SequenceId> = ids.into_iter().collect();
+        for id in &ids {
+            self.remove_stream(*id);
+        }
+        ids
+    }
+
+    /// Adds the held stream events to the parked table's `backlog`: pending, and the
+    /// oldest of them that decoded by when it was written.
+    pub fn add_stream_backlog(&self, backlog: &mut Backlog) {
+        let mut oldest: Option<SystemTime> = None;
+        for held in self.held.values() {
+            if let Held::Stream(event) = held {
+                backlog.pending += 1;
+                if let Some(at) = event.written_at() {
+                    oldest = Some(oldest.map_or(at, |o| o.min(at)));
+                }
+            }
+        }
+        if let Some(age) = oldest.and_then(|o| o.elapsed().ok()) {
+            backlog.oldest_pending_age =
+                Some(backlog.oldest_pending_age.map_or(age, |a| a.max(age)));
+        }
+    }
+
     /// Forgets parked rows before the statement that settles them (or records their retry):
     /// once it commits, a claim may take a row again, and the entry that claim makes must
     /// not be forgotten after it (the engine's settle of it would then be ignored, leaving
@@ -396,16 +441,6 @@ pub trait HoldsEvents<S, P> {
     fn with_holdings<R>(&self, f: impl FnOnce(&mut Holdings<S, P>) -> R) -> R;
 }
 
-/// What [`settle_parked`] did: how many parked rows the statement settled, their keys, and
-/// the held stream events among the items, for the caller to settle its own way.
-pub struct SettledParked<T> {
-    pub settled: u64,
-    pub stream: Vec<T>,
-    /// Why the keys of the settled rows could not be checked for rows left parked, if they
-    /// could not: they are checked again at the next claim ([`Holdings::recheck`]).
-    pub unpark_failed: Option<StoreError>,
-}
-
 /// Settles the rows of the parked table among `items` with `statement` (the polling store's
 /// own, over the parked table). They are forgotten before it runs: once it commits, a claim
 /// may take a row again, and the entry that claim makes must not be forgotten after it (the
@@ -417,13 +452,16 @@ pub struct SettledParked<T> {
 /// keys flow from the stream again once none has rows parked. Its failure does not fail the
 /// settle, which has committed: the engine would retry it, find the rows gone and count them
 /// as lost to another node. The keys are checked again at the next claim instead.
+///
+/// Returns how many parked rows `statement` settled, and the held stream events among the
+/// items, for the caller to settle its own way.
 pub async fn settle_parked<S, P, T, F, U>(
     capture: &impl HoldsEvents<S, P>,
     items: Vec<T>,
     id: fn(&T) -> SequenceId,
     statement: impl FnOnce(Vec<T>) -> F,
     unpark: Option<impl FnOnce(Vec<String>) -> U>,
-) -> StoreResult<SettledParked<T>>
+) -> StoreResult<(u64, Vec<T>)>
 where
     S: StreamEvent,
     P: QueuedPark,
@@ -435,17 +473,12 @@ where
         keys,
         stream,
     } = capture.with_holdings(|h| h.split(items, id));
-    let mut done = SettledParked {
-        settled: 0,
-        stream,
-        unpark_failed: None,
-    };
     if parked.is_empty() {
-        return Ok(done);
+        return Ok((0, stream));
     }
     let ids: Vec<SequenceId> = parked.iter().map(id).collect();
     let taken = capture.with_holdings(|h| h.take(&ids));
-    done.settled = match statement(parked).await {
+    let settled = match statement(parked).await {
         Ok(settled) => settled,
         Err(e) => {
             capture.with_holdings(|h| h.restore(taken));
@@ -454,11 +487,37 @@ where
     };
     if let Some(unpark) = unpark {
         if let Err(e) = unpark(keys.clone()).await {
+            tracing::debug!(error = %e.report(), "checking the settled rows' keys for parked rows; again with the next claim");
             capture.with_holdings(|h| h.recheck.extend(keys));
-            done.unpark_failed = Some(e);
         }
     }
-    Ok(done)
+    Ok((settled, stream))
+}
+
+/// What follows every claim: the keys whose check failed ([`Holdings::recheck`]) are checked
+/// again with `unpark` (called holding the capture's parking lock), and the parks queued
+/// meanwhile written with `flush_parks`. A failure of either waits for the next claim: the
+/// claim's events are out already.
+pub async fn after_claim<S, P, U, F>(
+    capture: &impl HoldsEvents<S, P>,
+    unpark: impl FnOnce(Vec<String>) -> U,
+    flush_parks: impl FnOnce() -> F,
+) where
+    S: StreamEvent,
+    P: QueuedPark,
+    U: std::future::Future<Output = StoreResult<()>>,
+    F: std::future::Future<Output = StoreResult<u64>>,
+{
+    let recheck = capture.with_holdings(|h| std::mem::take(&mut h.recheck));
+    if !recheck.is_empty() {
+        if let Err(e) = unpark(recheck.clone()).await {
+            capture.with_holdings(|h| h.recheck = recheck);
+            tracing::debug!(error = %e.report(), "checking parked keys; again with the next claim");
+        }
+    }
+    if let Err(e) = flush_parks().await {
+        tracing::warn!(error = %e.report(), "parking failed; trying again with the next claim");
+    }
 }
 
 /// Extends the leases of the parked rows among `extension`'s ids (by the parked table's
@@ -545,6 +604,10 @@ mod tests {
 
         fn key(&self) -> &str {
             self.key
+        }
+
+        fn written_at(&self) -> Option<SystemTime> {
+            None
         }
 
         fn place(&self) -> u64 {
@@ -712,8 +775,7 @@ mod tests {
             }),
         ))
         .unwrap();
-        assert_eq!((done.settled, done.stream), (2, vec![1]));
-        assert!(done.unpark_failed.is_some());
+        assert_eq!(done, (2, vec![1]));
         let held = capture.lock().unwrap();
         assert!(!held.held.contains_key(&7) && !held.held.contains_key(&8));
         assert!(
@@ -721,6 +783,38 @@ mod tests {
             "the stream event is the caller's"
         );
         assert_eq!(held.recheck, ["p", "q"], "checked again at the next claim");
+    }
+
+    #[test]
+    fn after_a_claim_keys_whose_check_fails_are_kept_for_the_next_and_the_parks_are_written() {
+        let mut holdings = holding(&[(1, "a")]);
+        holdings.recheck = vec!["p".into()];
+        let capture = std::sync::Mutex::new(holdings);
+        let flushed = std::cell::Cell::new(0);
+        let down = || StoreError::new(crate::StoreErrorKind::Connection, "down");
+        futures::executor::block_on(after_claim(
+            &capture,
+            |keys| {
+                assert_eq!(keys, ["p"]);
+                async { Err(down()) }
+            },
+            || {
+                flushed.set(flushed.get() + 1);
+                async { Ok(0) }
+            },
+        ));
+        assert_eq!(
+            capture.lock().unwrap().recheck,
+            ["p"],
+            "checked again next time"
+        );
+        assert_eq!(flushed.get(), 1, "the parks are written even so");
+        futures::executor::block_on(after_claim(
+            &capture,
+            |_| async { Ok(()) },
+            || async { Ok(0) },
+        ));
+        assert!(capture.lock().unwrap().recheck.is_empty());
     }
 
     /// The delete failed once: every ack it carried returns that failure, its fix said

@@ -444,12 +444,7 @@ impl Inner {
             )
         };
         let unpark = unpark.then_some(|keys| self.unpark_keys(keys));
-        let done =
-            outbox_core::capture::settle_parked(self, items, id, to_statement, unpark).await?;
-        if let Some(e) = &done.unpark_failed {
-            tracing::debug!(error = %e.report(), "checking the settled rows' keys for parked rows; again with the next claim");
-        }
-        Ok((done.settled, done.stream))
+        outbox_core::capture::settle_parked(self, items, id, to_statement, unpark).await
     }
 
     /// Parks held stream rows (retries, releases, dead letters): `parks` are queued under
@@ -630,16 +625,8 @@ impl Inner {
             }
         }
         drop(outputs);
-        let recheck = std::mem::take(&mut lock(&self.state).holdings.recheck);
-        if !recheck.is_empty() {
-            if let Err(e) = self.unpark_keys_locked(recheck.clone()).await {
-                lock(&self.state).holdings.recheck = recheck;
-                tracing::debug!(error = %e.report(), "checking parked keys; again with the next claim");
-            }
-        }
-        if let Err(e) = self.flush_parks().await {
-            tracing::warn!(error = %e.report(), "parking rows failed; trying again with the next claim");
-        }
+        let unpark = |keys| self.unpark_keys_locked(keys);
+        outbox_core::capture::after_claim(self, unpark, || self.flush_parks()).await;
         Ok(out)
     }
 
@@ -686,20 +673,8 @@ impl Inner {
         ::metrics::gauge!(metric::READING).set(if reading { 1.0 } else { 0.0 });
         ::metrics::gauge!(metric::MEMORY_HELD).set(self.memory.held() as f64);
         let state = lock(&self.state);
-        let mut oldest: Option<SystemTime> = None;
-        for held in state.holdings.held.values() {
-            if let Held::Stream(s) = held {
-                backlog.pending += 1;
-                if let Body::Event(e) = &s.body {
-                    oldest = Some(oldest.map_or(e.created_at, |o| o.min(e.created_at)));
-                }
-            }
-        }
+        state.holdings.add_stream_backlog(&mut backlog);
         backlog.pending += state.unaccepted.len() as u64;
-        if let Some(age) = oldest.and_then(|o| o.elapsed().ok()) {
-            backlog.oldest_pending_age =
-                Some(backlog.oldest_pending_age.map_or(age, |a| a.max(age)));
-        }
         if self.drain && !state.drained() {
             // Rows the log has not handed over yet.
             backlog.pending += 1;

@@ -118,6 +118,10 @@ impl capture::StreamEvent for Streamed {
     fn place(&self) -> (u64, u64) {
         (self.session, self.ordinal)
     }
+
+    fn written_at(&self) -> Option<SystemTime> {
+        self.body.written_at()
+    }
 }
 
 impl capture::QueuedPark for Park {
@@ -330,10 +334,7 @@ impl State {
     /// Forgets stream rows this relay may no longer write for (another relay took the
     /// seat: it reads them again from the stored position), and ends the session.
     pub(super) fn leave_to_seat_holder(&mut self, ids: impl IntoIterator<Item = SequenceId>) {
-        let ids: Vec<SequenceId> = ids.into_iter().collect();
-        for id in &ids {
-            self.holdings.remove_stream(*id);
-        }
+        let ids = self.holdings.leave_to_other_reader(ids);
         tracing::warn!(
             ?ids,
             "another relay has taken over reading the binary log: these rows are left to it \

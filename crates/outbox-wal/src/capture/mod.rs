@@ -467,18 +467,14 @@ impl Inner {
         // later rows of their keys in a parked claim meanwhile: the engine's lanes send such
         // rows back (see `Lanes::releasing`).
         let unpark = unpark.then_some(|keys| self.unpark_keys(keys));
-        let done = capture::settle_parked(
+        capture::settle_parked(
             self,
             items,
             id,
             |rows| statement(&self.parked, rows),
             unpark,
         )
-        .await?;
-        if let Some(e) = &done.unpark_failed {
-            tracing::debug!(error = %e.report(), "checking the settled rows' keys for parked rows; again with the next claim");
-        }
-        Ok((done.settled, done.stream))
+        .await
     }
 
     /// Parks held stream events (retries, and releases behind a parked key): `parks` picks
@@ -741,16 +737,8 @@ impl Inner {
                 "claimed"
             );
         }
-        let recheck = std::mem::take(&mut lock(&self.state).holdings.recheck);
-        if !recheck.is_empty() {
-            if let Err(e) = self.unpark_keys_locked(recheck.clone()).await {
-                lock(&self.state).holdings.recheck = recheck;
-                tracing::debug!(error = %e.report(), "checking parked keys; again with the next claim");
-            }
-        }
-        if let Err(e) = self.flush_parks().await {
-            tracing::warn!(error = %e.report(), "parking events failed; trying again with the next claim");
-        }
+        let unpark = |keys| self.unpark_keys_locked(keys);
+        capture::after_claim(self, unpark, || self.flush_parks()).await;
         Ok(out)
     }
 
@@ -785,21 +773,7 @@ impl Inner {
         ::metrics::gauge!(metric::MEMORY_HELD).set(self.memory.held() as f64);
         ::metrics::gauge!(metric::MEMORY_PEAK).set(self.memory.peak() as f64);
         let state = lock(&self.state);
-        let mut oldest: Option<SystemTime> = None;
-        let mut stream_events = 0u64;
-        for held in state.holdings.held.values() {
-            if let Held::Stream(held) = held {
-                stream_events += 1;
-                if let Body::Event(e) = &held.body {
-                    oldest = Some(oldest.map_or(e.created_at, |o| o.min(e.created_at)));
-                }
-            }
-        }
-        backlog.pending += stream_events;
-        if let Some(age) = oldest.and_then(|o| o.elapsed().ok()) {
-            backlog.oldest_pending_age =
-                Some(backlog.oldest_pending_age.map_or(age, |a| a.max(age)));
-        }
+        state.holdings.add_stream_backlog(&mut backlog);
         if self.drain && !state.drained {
             // Events the stream has not handed over yet.
             backlog.pending += 1;

@@ -71,6 +71,10 @@ impl capture::StreamEvent for HeldWal {
     fn place(&self) -> EventPosition {
         self.position
     }
+
+    fn written_at(&self) -> Option<SystemTime> {
+        self.body.written_at()
+    }
 }
 
 impl capture::QueuedPark for Park {
@@ -304,10 +308,7 @@ impl State {
     /// which is sent them again from the slot's confirmed position, before which they lie.
     /// The session is over with it ([`State::end_session`]).
     pub(super) fn leave_to_slot_holder(&mut self, ids: impl IntoIterator<Item = SequenceId>) {
-        let ids: Vec<SequenceId> = ids.into_iter().collect();
-        for id in &ids {
-            self.holdings.remove_stream(*id);
-        }
+        let ids = self.holdings.leave_to_other_reader(ids);
         tracing::warn!(
             ?ids,
             "the replication slot streams to another session now: these events are left to it, \
