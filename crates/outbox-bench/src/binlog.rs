@@ -5,6 +5,8 @@
 //!   decoding every row (`--base64-output=DECODE-ROWS --verbose`), the least work a relay
 //!   must do with a row, since MariaDB sends row images undecoded (PostgreSQL's walsender
 //!   decodes for `pg_recvlogical` and the relay alike);
+//! - **the delete floor**: MariaDB deleting the same number of rows by key with nothing else
+//!   running ([`delete_floor`]): the server's part of the table form, whatever the relay does;
 //! - **polling**: `run --drain` of the same number of rows from the same table;
 //! - **the table-less form**: binlog capture of the same events written to a BLACKHOLE
 //!   table, which has no delivered rows to delete.
@@ -62,6 +64,8 @@ pub async fn drain(b: &Bench) -> Result<Value> {
         .await?
         .unwrap_or(-1);
 
+    let delete_floor = delete_floor(b, &mut conn, n, per_transaction).await?;
+
     eprintln!("drain: polling, {n} events from the same table");
     prefill(&mut conn, n, per_transaction).await?;
     let sink = format!("file:{}", b.work.join("poll-drain.jsonl").display());
@@ -87,9 +91,56 @@ pub async fn drain(b: &Bench) -> Result<Value> {
         "capture_vs_floor": ratio(&capture, &raw_floor),
         "capture_vs_decoding_floor": ratio(&capture, &decoding_floor),
         "capture_vs_polling": ratio(&capture, &polling),
+        "delete_floor": delete_floor,
+        "capture_vs_delete_floor": ratio(&capture, &delete_floor),
         "table_less_vs_floor": ratio(&table_less, &raw_floor),
         "table_less_vs_decoding_floor": ratio(&table_less, &decoding_floor),
         "writer_cost": writers,
+    }))
+}
+
+/// The server's own floor for the table form: the same backlog deleted by its primary key
+/// in ranges of [`DELETE_RANGE`] rows, on one connection logging keys only, as the relay's
+/// deletes do, with nothing else running. A capture that deletes what it delivered cannot
+/// drain faster than MariaDB deletes, and on this host the two share two cores.
+async fn delete_floor(
+    b: &Bench,
+    conn: &mut mysql_async::Conn,
+    n: u64,
+    per_transaction: u64,
+) -> Result<Value> {
+    const DELETE_RANGE: u64 = 500;
+    eprintln!(
+        "drain: MariaDB deleting {n} rows by key, {DELETE_RANGE} to a statement (the delete floor)"
+    );
+    prefill(conn, n, per_transaction).await?;
+    let (first, last): (Option<u64>, Option<u64>) = conn
+        .query_first("SELECT MIN(sequence_id), MAX(sequence_id) FROM outbox")
+        .await?
+        .unwrap_or((None, None));
+    let (Some(first), Some(last)) = (first, last) else {
+        bail!("the delete floor's backlog is empty");
+    };
+    conn.query_drop("SET SESSION binlog_row_image = 'MINIMAL'")
+        .await?;
+    let server_before = measure::mariadb_cpu(b);
+    let started = std::time::Instant::now();
+    let mut from = first;
+    while from <= last {
+        let to = from + DELETE_RANGE - 1;
+        conn.query_drop(format!(
+            "DELETE FROM outbox WHERE sequence_id BETWEEN {from} AND {to}"
+        ))
+        .await?;
+        from = to + 1;
+    }
+    let wall = started.elapsed().as_secs_f64();
+    conn.query_drop("SET SESSION binlog_row_image = DEFAULT")
+        .await?;
+    Ok(json!({
+        "wall_s": wall,
+        "events_per_s": n as f64 / wall,
+        "mariadb_cpu_s_per_million": (measure::mariadb_cpu(b) - server_before) * 1e6 / n as f64,
     }))
 }
 
@@ -342,10 +393,11 @@ pub fn report(r: &Value) -> String {
          | | events/s | CPU s per 1M | peak RSS MB | MariaDB CPU s per 1M |\n|---|---|---|---|---|\n\
          | floor (`mariadb-binlog --read-from-remote-server`) | {} | {} | | |\n\
          | floor decoding rows (`--base64-output=DECODE-ROWS --verbose`) | {} | {} | | |\n\
+         | floor deleting the rows (MariaDB alone, by key, 500 to a statement) | {} | | | {} |\n\
          | binlog capture | {} | {} | {} | {} |\n\
          | polling, same table | {} | {} | {} | {} |\n\
          | binlog capture, table-less (BLACKHOLE) | {} | {} | {} | {} |\n\n\
-         Capture: {}× the floor (target ≥ 0.9), {}× the decoding floor, {}× polling (target ≥ 3); \
+         Capture: {}× the floor (target ≥ 0.9), {}× the decoding floor, {}× the delete floor, {}× polling (target ≥ 3); \
          rows left: {}. Table-less: {}× the floor, {}× the decoding floor.\n\n\
          Writer cost, {WRITERS} writers of single-row INSERTs (target: capture's ≤ polling's):\n\n\
          | | commits/s | p99 ms | cost vs no relay |\n|---|---|---|---|\n\
@@ -358,6 +410,8 @@ pub fn report(r: &Value) -> String {
         measure::f(&y["floor"]["cpu_s_per_million"]),
         measure::f(&y["decoding_floor"]["events_per_s"]),
         measure::f(&y["decoding_floor"]["cpu_s_per_million"]),
+        measure::f(&y["delete_floor"]["events_per_s"]),
+        measure::f(&y["delete_floor"]["mariadb_cpu_s_per_million"]),
         measure::f(&y["capture"]["events_per_s"]),
         measure::f(&y["capture"]["relay_cpu_s_per_million"]),
         measure::f(&y["capture"]["peak_rss_mb"]),
@@ -372,6 +426,7 @@ pub fn report(r: &Value) -> String {
         measure::f(&y["table_less"]["mariadb_cpu_s_per_million"]),
         measure::f(&y["capture_vs_floor"]),
         measure::f(&y["capture_vs_decoding_floor"]),
+        measure::f(&y["capture_vs_delete_floor"]),
         measure::f(&y["capture_vs_polling"]),
         y["capture_rows_left"],
         measure::f(&y["table_less_vs_floor"]),
