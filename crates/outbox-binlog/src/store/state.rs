@@ -547,18 +547,23 @@ mod tests {
         assert!(parks[0].not_before.is_some() && parks[1].not_before.is_none());
     }
 
+    /// The one park is a dead letter with the row's reason, which the capture itself
+    /// counts once written (the engine never saw it).
+    fn assert_dead_lettered_by_the_capture(parks: &[Park]) {
+        assert!(parks[0].dead && parks[0].error.as_deref() == Some("payload is not JSON"));
+        assert!(
+            parks[0].dead_by_capture,
+            "the drain's summary counts it once written"
+        );
+    }
+
     #[test]
     fn an_undecodable_row_behind_a_parked_key_is_dead_lettered_by_the_park() {
         let mut state = State::new(false);
         state.accept(session(1, &["a"]));
         let bad = undecodable_row(7, "a");
         assert!(claim(&mut state, vec![bad, Item::Committed]).is_empty());
-        let parks = state.holdings.take_parks();
-        assert!(parks[0].dead && parks[0].error.as_deref() == Some("payload is not JSON"));
-        assert!(
-            parks[0].dead_by_capture,
-            "the drain's summary counts it once written"
-        );
+        assert_dead_lettered_by_the_capture(&state.holdings.take_parks());
     }
 
     #[test]
@@ -568,12 +573,7 @@ mod tests {
         let bad = undecodable_row(7, "a");
         assert_eq!(claim(&mut state, vec![bad, Item::Committed]), [7]);
         state.queue_parks([Park::behind_its_key(7)]);
-        let parks = state.holdings.take_parks();
-        assert!(parks[0].dead && parks[0].error.as_deref() == Some("payload is not JSON"));
-        assert!(
-            parks[0].dead_by_capture,
-            "the drain's summary counts it once written"
-        );
+        assert_dead_lettered_by_the_capture(&state.holdings.take_parks());
     }
 
     #[test]
