@@ -159,22 +159,35 @@ stop_postgres() {
 # Ours when its monitoring port names our client port: another process (a relay's HTTP server
 # has a /healthz too) may hold the monitoring port, and once passed for a running NATS.
 nats_is_ours() {
+  local varz
   curl -sf "http://127.0.0.1:$NATS_MONITOR_PORT/healthz?js-enabled-only=true" >/dev/null 2>&1 &&
-    curl -sf "http://127.0.0.1:$NATS_MONITOR_PORT/varz" 2>/dev/null | grep -q "\"port\": $NATS_PORT,"
+    varz=$(curl -sf "http://127.0.0.1:$NATS_MONITOR_PORT/varz" 2>/dev/null) &&
+    [[ $varz == *"\"port\": $NATS_PORT,"* ]]
+}
+
+# The pid of the nats-server this state directory started, if it still runs.
+nats_pid() {
+  local pid
+  pid=$(cat "$STATE/nats/nats.pid" 2>/dev/null) || return 1
+  # nats-server empties the file before writing it: a read in between is no pid.
+  [[ $pid =~ ^[0-9]+$ ]] && kill -0 "$pid" 2>/dev/null && echo "$pid"
 }
 
 start_nats() {
   local dir=$STATE/nats
   mkdir -p "$dir"
   if ! nats_is_ours; then
-    rm -f "$dir/nats.pid"
-    setsid nats-server -a 127.0.0.1 -p "$NATS_PORT" -m "$NATS_MONITOR_PORT" -js -sd "$dir/js" \
-      -P "$dir/nats.pid" -l "$dir/nats.log" </dev/null >/dev/null 2>&1 &
-    local pid
-    for _ in $(seq 100); do
+    # One this directory started and that is still coming up (JetStream recovering its
+    # store) is waited for, not started twice.
+    if ! nats_pid >/dev/null; then
+      rm -f "$dir/nats.pid"
+      setsid nats-server -a 127.0.0.1 -p "$NATS_PORT" -m "$NATS_MONITOR_PORT" -js -sd "$dir/js" \
+        -P "$dir/nats.pid" -l "$dir/nats.log" </dev/null >/dev/null 2>&1 &
+    fi
+    for i in $(seq 300); do
       nats_is_ours && break
-      # Written once it runs; gone from /proc once it gave up (a port taken, say).
-      pid=$(cat "$dir/nats.pid" 2>/dev/null) && ! kill -0 "$pid" 2>/dev/null && break
+      # Its pid is written once it runs, and is gone once it gave up (a port taken, say).
+      [ "$i" -gt 10 ] && ! nats_pid >/dev/null && break
       sleep 0.1
     done
     if ! nats_is_ours; then

@@ -30,8 +30,12 @@ use crate::{measure, Bench};
 /// The keys the backlog is spread over.
 const KEYS: u64 = 64;
 
-pub async fn drain(b: &Bench) -> Result<Value> {
-    let (n, per_transaction) = (b.settings.events, b.settings.binlog_events_per_transaction);
+/// A fresh `bench_binlog` database, migrated for binlog capture, whose capture stored its
+/// first position (what is written next is read from the log, not adopted): the admin URL,
+/// the database's URL, and a connection using it.
+async fn fresh_database(
+    b: &Bench,
+) -> Result<(String, String, mysql_async::Pool, mysql_async::Conn)> {
     let admin = b
         .servers
         .mysql_url
@@ -48,9 +52,24 @@ pub async fn drain(b: &Bench) -> Result<Value> {
         b,
         &["migrate", "--capture", "binlog", "--database-url", &url],
     )?;
-    // A first start stores the position: what follows is read from the log.
     let sink = format!("file:{}", b.work.join("binlog-first.jsonl").display());
     relay(b, &drain_args(&url, &sink, &["--capture", "binlog"]))?;
+    Ok((admin, url, pool, conn))
+}
+
+/// `--only binlog-writers`: the writers' cost alone ([`writer_cost`]), on a fresh database.
+pub async fn writers(b: &Bench) -> Result<Value> {
+    let (_, url, pool, mut conn) = fresh_database(b).await?;
+    let writers = writer_cost(b, &url, &mut conn).await?;
+    conn.query_drop("DROP DATABASE bench_binlog").await?;
+    drop(conn);
+    pool.disconnect().await?;
+    Ok(json!({ "writer_cost": writers }))
+}
+
+pub async fn drain(b: &Bench) -> Result<Value> {
+    let (n, per_transaction) = (b.settings.events, b.settings.binlog_events_per_transaction);
+    let (admin, url, pool, mut conn) = fresh_database(b).await?;
 
     eprintln!("drain: binlog capture, {n} events ({per_transaction} per transaction)");
     let start = position(&mut conn).await?;
@@ -64,7 +83,7 @@ pub async fn drain(b: &Bench) -> Result<Value> {
         .await?
         .unwrap_or(-1);
 
-    let delete_floor = delete_floor(b, &mut conn, n, per_transaction).await?;
+    let delete_floor = delete_floor(b, &admin, &mut conn, n, per_transaction).await?;
 
     eprintln!("drain: polling, {n} events from the same table");
     prefill(&mut conn, n, per_transaction).await?;
@@ -100,19 +119,32 @@ pub async fn drain(b: &Bench) -> Result<Value> {
 }
 
 /// The server's own floor for the table form: the same backlog deleted by its primary key
-/// in ranges of [`DELETE_RANGE`] rows, on one connection logging keys only, as the relay's
-/// deletes do, with nothing else running. A capture that deletes what it delivered cannot
-/// drain faster than MariaDB deletes, and on this host the two share two cores.
+/// in ranges of [`DELETE_RANGE`] rows, on one connection logging keys only (as the relay's
+/// deletes log), with nothing else running. A capture that deletes what it delivered cannot
+/// drain faster than MariaDB deletes, and on this host the two share two cores. In a database
+/// of its own, so that no capture reads its rows back from the log. Its MariaDB CPU counts
+/// InnoDB's purge of the deleted rows, which runs on after the deletes commit.
 async fn delete_floor(
     b: &Bench,
+    admin: &str,
     conn: &mut mysql_async::Conn,
     n: u64,
     per_transaction: u64,
 ) -> Result<Value> {
     const DELETE_RANGE: u64 = 500;
+    const DATABASE: &str = "bench_binlog_delete_floor";
     eprintln!(
         "drain: MariaDB deleting {n} rows by key, {DELETE_RANGE} to a statement (the delete floor)"
     );
+    conn.query_drop(format!("DROP DATABASE IF EXISTS {DATABASE}"))
+        .await?;
+    conn.query_drop(format!("CREATE DATABASE {DATABASE}"))
+        .await?;
+    relay(
+        b,
+        &["migrate", "--database-url", &with_database(admin, DATABASE)],
+    )?;
+    conn.query_drop(format!("USE {DATABASE}")).await?;
     prefill(conn, n, per_transaction).await?;
     let (first, last): (Option<u64>, Option<u64>) = conn
         .query_first("SELECT MIN(sequence_id), MAX(sequence_id) FROM outbox")
@@ -121,6 +153,7 @@ async fn delete_floor(
     let (Some(first), Some(last)) = (first, last) else {
         bail!("the delete floor's backlog is empty");
     };
+    purged(conn).await?;
     conn.query_drop("SET SESSION binlog_row_image = 'MINIMAL'")
         .await?;
     let server_before = measure::mariadb_cpu(b);
@@ -135,13 +168,34 @@ async fn delete_floor(
         from = to + 1;
     }
     let wall = started.elapsed().as_secs_f64();
+    let purge_s = purged(conn).await?;
+    let server_cpu = measure::mariadb_cpu(b) - server_before;
     conn.query_drop("SET SESSION binlog_row_image = DEFAULT")
         .await?;
+    conn.query_drop(format!("DROP DATABASE {DATABASE}")).await?;
+    conn.query_drop("USE bench_binlog").await?;
     Ok(json!({
         "wall_s": wall,
         "events_per_s": n as f64 / wall,
-        "mariadb_cpu_s_per_million": (measure::mariadb_cpu(b) - server_before) * 1e6 / n as f64,
+        "purge_after_s": purge_s,
+        "mariadb_cpu_s_per_million": server_cpu * 1e6 / n as f64,
     }))
+}
+
+/// Waits (up to a minute) until InnoDB has purged what committed transactions left behind
+/// (its history list is empty); returns how long that took.
+async fn purged(conn: &mut mysql_async::Conn) -> Result<f64> {
+    let started = std::time::Instant::now();
+    while started.elapsed() < std::time::Duration::from_secs(60) {
+        let row: Option<(String, u64)> = conn
+            .query_first("SHOW GLOBAL STATUS LIKE 'Innodb_history_list_length'")
+            .await?;
+        if row.is_none_or(|(_, length)| length == 0) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    Ok(started.elapsed().as_secs_f64())
 }
 
 /// Binlog capture of the backlog written to a BLACKHOLE outbox (the table-less form), in a
@@ -197,6 +251,12 @@ async fn writer_cost(b: &Bench, url: &str, conn: &mut mysql_async::Conn) -> Resu
         ("binlog capture", Some(vec!["--capture", "binlog"])),
     ] {
         conn.query_drop("DELETE FROM outbox").await?;
+        if mode == "binlog capture" {
+            // The stored position is the capture drain's: what polling and the other runs
+            // wrote since would be read (and delivered) again while the writers are timed.
+            let sink = format!("file:{}", b.work.join("writers-catch-up.jsonl").display());
+            relay(b, &drain_args(url, &sink, &["--capture", "binlog"]))?;
+        }
         let mut relay = match &extra {
             Some(extra) => {
                 let sink = format!("file:{}", b.work.join("writers.jsonl").display());

@@ -115,12 +115,13 @@ fn settings() -> Result<Settings> {
                 s.scaling_events = 50_000;
             }
             "--help" | "-h" => {
-                println!("outbox-bench [--events N] [--baseline-events N] [--latency-seconds S] [--scaling-events N] [--quick] [--only binlog|curve|drain|latency|keepup|writers|scaling|wal|wal-drain|wal-memory] [--out DIR]");
+                println!("outbox-bench [--events N] [--baseline-events N] [--latency-seconds S] [--scaling-events N] [--quick] [--only binlog|binlog-writers|curve|drain|latency|keepup|writers|scaling|wal|wal-drain|wal-memory] [--out DIR]");
                 println!("  drain sweeps: [--sinks file,nats] [--relay-args \"--batch-size 2000\"]; --baseline-events 0 skips the baseline and the PostgreSQL floor");
                 println!("  --only drain ends with the dashboard run: the drain to the first sink, once without and once with headless `chromium` open on the relay's dashboard (skipped without chromium)");
                 println!("  latency subsets: [--latency-plan 10000x10:notify+gated,1000x1:poll] (events/s x events per transaction : modes notify|gated|poll|baseline|wal|wal-emit; mapped: the relay on the baseline's table through a custom mapping; wal-stdout|wal-emit-stdout: the WAL relay's stdout sink piped into the bench, no broker; and the host's WAL floor recvlogical|recvlogical-emit: pg_recvlogical reading the slot, no relay)");
                 println!("  --only curve: the scale curve, `run --drain` to the file sink of un-analyzed backlogs of [--scale-backlogs 100000,1000000,10000000] rows to one destination, and of 1,000,000 rows over [--scale-destinations 1,8,64] destinations; the 10M run needs about 9 GB free disk");
                 println!("  --only binlog: binlog capture's drain on MariaDB, beside mariadb-binlog --read-from-remote-server reading the same log (the floor, raw and decoding rows), MariaDB deleting the same rows alone (the delete floor), polling's drain of the same table and the table-less (BLACKHOLE) form's, with MariaDB's CPU for each, then the writers' cost; [--binlog-events-per-transaction N] sizes the backlog's transactions (default 1000; --events N with N per transaction is one transaction, whose peak RSS the report shows)");
+                println!("  --only binlog-writers: the writers' cost part of --only binlog alone, on a fresh database");
                 println!("  --only wal-drain: the WAL capture drains alone (table form and outbox_emit, each beside pg_recvlogical's drain of the same backlog)");
                 println!("  --only wal-memory: WAL capture's drain of 256 events of 1 MiB to a webhook answering each after 500 ms, with the relay's peak RSS (also part of --only wal)");
                 println!("  --only wal: the WAL capture drains (table form and outbox_emit), WAL latency runs and WAL writer cost only; [--wal-events-per-transaction N] sizes the drains' backlog transactions (default 1000)");
@@ -155,8 +156,9 @@ fn numbers(list: &str) -> Result<Vec<u64>> {
 }
 
 /// The parts `--only` can pick.
-const ONLY: [&str; 10] = [
+const ONLY: [&str; 11] = [
     "binlog",
+    "binlog-writers",
     "curve",
     "drain",
     "latency",
@@ -486,7 +488,12 @@ async fn main() -> Result<()> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let settings = settings()?;
     let bin = build_relay()?;
-    let servers = Servers::start(settings.only.as_deref() == Some("binlog"))?;
+    let servers = Servers::start(
+        settings
+            .only
+            .as_deref()
+            .is_some_and(|o| o.starts_with("binlog")),
+    )?;
     let work = std::env::temp_dir().join(format!("outbox-bench-{}", std::process::id()));
     std::fs::create_dir_all(&work)?;
     let bench = Bench {
@@ -532,6 +539,10 @@ async fn main() -> Result<()> {
     }
     if settings.only.as_deref() == Some("binlog") {
         results["binlog"] = binlog::drain(&bench).await?;
+        write_results(&settings.out, &results)?;
+    }
+    if settings.only.as_deref() == Some("binlog-writers") {
+        results["binlog"] = binlog::writers(&bench).await?;
         write_results(&settings.out, &results)?;
     }
     if settings.only.as_deref() == Some("curve") {

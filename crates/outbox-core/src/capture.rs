@@ -8,7 +8,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::SystemTime;
+use std::time::{Duration, Instant, SystemTime};
 
 use crate::memory::{event_bytes, Charge, MemoryBudget, EVENT_OVERHEAD};
 use crate::store::{Backlog, ClaimRequest, StoreResult};
@@ -520,6 +520,27 @@ pub async fn after_claim<S, P, U, F>(
     }
 }
 
+/// The least time between the starts of two deletes of delivered rows: at most 50 a
+/// second, however many small batches the sink confirms. A fast sink confirms many small
+/// batches (one per key's lane), and a delete each would cost a statement and a commit per
+/// batch, which the application's commits then queue behind.
+pub const DELETE_SPACING: Duration = Duration::from_millis(20);
+
+/// Acks enough for a delete to start without waiting for [`DELETE_SPACING`]: grouping them
+/// has done its work, and a drain should not wait with that many events counted in flight.
+pub const DELETE_GROUP_ENOUGH: usize = 1_000;
+
+/// How long a group delete of `queued` acks waits before it starts, the last one having
+/// started at `last_delete`: what is left of [`DELETE_SPACING`], unless enough acks wait.
+/// Acks that arrive meanwhile join it. A key's next event goes out when this one is
+/// published, so the wait holds no key back; it delays the stream's confirmation and the
+/// engine's count of events in flight by up to the spacing.
+pub fn delete_wait(last_delete: Option<Instant>, queued: usize) -> Option<Duration> {
+    last_delete
+        .and_then(|at| DELETE_SPACING.checked_sub(at.elapsed()))
+        .filter(|_| queued < DELETE_GROUP_ENOUGH)
+}
+
 /// Extends the leases of the parked rows among `extension`'s ids (by the parked table's
 /// ids, `to_parked` of the engine's), through the polling store over the parked table. Stream
 /// events have no lease: nobody else takes them while this capture's reader holds the stream.
@@ -815,6 +836,21 @@ mod tests {
             || async { Ok(0) },
         ));
         assert!(capture.lock().unwrap().recheck.is_empty());
+    }
+
+    #[test]
+    fn a_delete_waits_out_the_spacing_unless_it_is_the_first_or_enough_acks_wait() {
+        assert_eq!(delete_wait(None, 1), None, "the first starts at once");
+        let just_now = Some(Instant::now());
+        let wait = delete_wait(just_now, 1).expect("a wait right after the last delete");
+        assert!(wait <= DELETE_SPACING && wait > Duration::ZERO);
+        assert_eq!(
+            delete_wait(just_now, DELETE_GROUP_ENOUGH),
+            None,
+            "enough grouped"
+        );
+        let long_ago = Instant::now().checked_sub(DELETE_SPACING * 2);
+        assert_eq!(delete_wait(long_ago, 1), None, "the spacing has passed");
     }
 
     /// The delete failed once: every ack it carried returns that failure, its fix said

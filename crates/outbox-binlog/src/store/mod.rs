@@ -125,8 +125,9 @@ struct Inner {
     /// Serializes "is this key parked?" with parking and with un-parking, so a key is never
     /// let through while a parked row of it remains.
     parking: tokio::sync::Mutex<()>,
-    /// Deletes of delivered rows run one at a time ([`Inner::ack_stream`]).
-    deleting: tokio::sync::Mutex<()>,
+    /// Deletes of delivered rows run one at a time ([`Inner::ack_stream`]); when the last
+    /// one started.
+    deleting: tokio::sync::Mutex<Option<std::time::Instant>>,
     /// When the parked keys were last read ([`Inner::look_for_retried_dead_letters`]).
     parked_keys_read: Mutex<std::time::Instant>,
     /// The role may not set `binlog_row_image` for its session ([`Inner::log_keys_only`]).
@@ -240,7 +241,7 @@ impl BinlogStore {
                 drain: options.drain,
                 state: Mutex::new(State::new(options.blackhole)),
                 parking: tokio::sync::Mutex::new(()),
-                deleting: tokio::sync::Mutex::new(()),
+                deleting: tokio::sync::Mutex::new(None),
                 full_images_only: Default::default(),
                 parked_keys_read: Mutex::new(std::time::Instant::now()),
                 outputs: tokio::sync::Mutex::new(rx),
@@ -457,10 +458,11 @@ impl Inner {
 
     /// Acks held stream rows: their outbox rows are deleted (table form), then they settle.
     ///
-    /// Deletes run one at a time, each taking every ack queued until it starts (a group
-    /// commit): a fast sink confirms many small batches (one per key's lane), and a delete
-    /// each would cost a statement and a commit per batch. An ack returns once the delete
-    /// that carried its rows has, with that delete's outcome.
+    /// Deletes run one at a time, spaced ([`outbox_core::capture::delete_wait`]), each
+    /// taking every ack queued until it starts (a group commit): a fast sink confirms many
+    /// small batches (one per key's lane), and a delete each would cost a statement and a
+    /// commit per batch, which the application's inserts then contend with. An ack returns
+    /// once the delete that carried its rows has, with that delete's outcome.
     async fn ack_stream(&self, ids: Vec<SequenceId>) -> StoreResult<u64> {
         if ids.is_empty() {
             return Ok(0);
@@ -471,11 +473,20 @@ impl Inner {
             state.ack_queue.extend(ids);
             state.ack_round.clone()
         };
-        let _deleting = self.deleting.lock().await;
+        let mut last_delete = self.deleting.lock().await;
         if let Some(outcome) = round.get() {
             return outcome.map(|()| acked);
         }
-        // This round is still open: close it (later acks open the next) and run it.
+        // This round is still open; acks queued while it waits its turn join it. The
+        // table-less form deletes nothing, so it neither waits nor counts.
+        if !self.blackhole {
+            let queued = lock(&self.state).ack_queue.len();
+            if let Some(wait) = outbox_core::capture::delete_wait(*last_delete, queued) {
+                tokio::time::sleep(wait).await;
+            }
+            *last_delete = Some(std::time::Instant::now());
+        }
+        // Close it (later acks open the next) and run it.
         let ids = {
             let mut state = lock(&self.state);
             state.ack_round = Arc::default();

@@ -689,3 +689,54 @@ async fn claim_ids(store: &BinlogStore, node: &NodeId, n: usize) -> Vec<outbox_c
     let ids = claimed.lock().unwrap().clone();
     ids
 }
+
+/// Acks of many small batches share few deletes: a delete statement and commit per
+/// confirmed batch put the relay's commits between the application's inserts. The contract
+/// is that deletes start at most once per 20 ms (`outbox_core::capture::DELETE_SPACING`),
+/// so a trigger logs each deleted row with its statement's start (`NOW(6)`, one value per
+/// statement), and the statements' count must fit the span they ran over. Without the
+/// spacing, a delete ran as soon as the last one ended: about one per event here, since the
+/// events come 2 ms apart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acks_of_a_trickle_of_small_transactions_share_spaced_deletes() {
+    let fixture = Fixture::new().await;
+    let publisher = RecordingPublisher::new();
+    let relay = Relay::reading(fixture.options("relay-1"), &publisher).await;
+    let mut conn = fixture.db.get_conn().await.unwrap();
+    conn.query_drop("CREATE TABLE delete_log (at datetime(6) NOT NULL)")
+        .await
+        .unwrap();
+    conn.query_drop(
+        "CREATE TRIGGER log_delete AFTER DELETE ON outbox
+           FOR EACH ROW INSERT INTO delete_log VALUES (NOW(6))",
+    )
+    .await
+    .unwrap();
+    // A transaction every 2 ms, as a busy application's would commit.
+    const EVENTS: i64 = 300;
+    for n in 1..=EVENTS {
+        fixture.insert(&format!("k{}", n % 10), "Placed", n).await;
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    eventually("every row delivered and deleted", PATIENCE, || async {
+        (fixture.count("outbox").await == 0).then_some(())
+    })
+    .await;
+    relay.stop().await;
+    assert_eq!(publisher.delivered().len(), EVENTS as usize);
+    let (deletes, span_ms): (i64, f64) = conn
+        .query_first(
+            "SELECT COUNT(DISTINCT at),
+                    TIMESTAMPDIFF(MICROSECOND, MIN(at), MAX(at)) / 1000.0 FROM delete_log",
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    // The slack: the relay's clock is not the server's.
+    let allowed = (span_ms / 20.0).floor() as i64 + 3;
+    assert!(
+        deletes <= allowed,
+        "{deletes} deletes over {span_ms:.0} ms for {EVENTS} events; at most {allowed} fit one \
+         per 20 ms"
+    );
+}

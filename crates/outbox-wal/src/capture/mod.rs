@@ -490,8 +490,7 @@ impl Inner {
     ///
     /// A fast sink confirms many small batches at once, and one delete transaction each
     /// would cost a commit (and a WAL flush) per batch, which the writers' commits then
-    /// queue behind. So deletes run one at a time, at most one per [`DELETE_SPACING`] unless
-    /// [`DELETE_GROUP_ENOUGH`] acks already wait, and each takes every ack queued until it
+    /// queue behind. So deletes run one at a time, spaced ([`capture::delete_wait`]), and each takes every ack queued until it
     /// starts (a group commit): an ack returns once the delete that carried its rows has,
     /// with that delete's outcome. A key's next event goes out when this one is published,
     /// so the wait does not hold keys back; it delays the slot's confirmation and the
@@ -515,8 +514,7 @@ impl Inner {
         // `outbox_emit` events alone runs no statement, so it neither waits nor counts.
         let (has_rows, queued) = self.queued_acks();
         if has_rows {
-            let wait = last_delete.and_then(|at| DELETE_SPACING.checked_sub(at.elapsed()));
-            if let Some(wait) = wait.filter(|_| queued < DELETE_GROUP_ENOUGH) {
+            if let Some(wait) = capture::delete_wait(*last_delete, queued) {
                 tokio::time::sleep(wait).await;
             }
             *last_delete = Some(std::time::Instant::now());
@@ -802,15 +800,6 @@ impl Inner {
         }
     }
 }
-
-/// The least time between the starts of two deletes of delivered rows (see
-/// `Inner::ack_stream`): at most 50 a second, however many small batches the sink confirms.
-/// (A row not yet visible to the delete is looked for again with the next claim.)
-const DELETE_SPACING: Duration = Duration::from_millis(20);
-
-/// Acks enough for a delete to start without waiting for [`DELETE_SPACING`]: grouping them
-/// has done its work, and a drain should not wait with that many events counted in flight.
-const DELETE_GROUP_ENOUGH: usize = 1_000;
 
 /// How long a delivered event's outbox row is looked for (see `Inner::delete_delivered`).
 pub const UNDELETED_PATIENCE: Duration = Duration::from_secs(5);
