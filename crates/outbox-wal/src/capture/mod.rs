@@ -492,9 +492,10 @@ impl Inner {
     /// would cost a commit (and a WAL flush) per batch, which the writers' commits then
     /// queue behind. So deletes run one at a time, spaced ([`capture::delete_wait`]), and
     /// each takes every ack queued until it starts (a group commit): an ack returns once
-    /// the delete that carried its rows has, with that delete's outcome. A key's next event goes out when this one is published,
-    /// so the wait does not hold keys back; it delays the slot's confirmation and the
-    /// engine's count of events in flight (`max_in_flight`) by up to the spacing.
+    /// the delete that carried its rows has, with that delete's outcome. A key's next event
+    /// goes out when this one is published, so the wait does not hold keys back; it delays
+    /// the slot's confirmation and the engine's count of events in flight (`max_in_flight`)
+    /// by up to the spacing.
     async fn ack_stream(&self, ids: Vec<SequenceId>) -> StoreResult<u64> {
         if ids.is_empty() {
             return Ok(0);
