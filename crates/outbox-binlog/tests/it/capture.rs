@@ -29,7 +29,7 @@ async fn outbox() -> Outbox {
     .unwrap();
     let binlog = BinlogConfig {
         url: url.clone(),
-        server_id: 4_000_000 + std::process::id() % 1_000_000,
+        server_id: crate::server_id(),
         database,
         table: "outbox".into(),
     };

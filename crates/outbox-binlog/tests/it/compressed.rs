@@ -60,7 +60,7 @@ async fn a_compressed_binary_log_is_named_by_the_check_and_stops_the_reader() {
         .unwrap();
     let config = BinlogConfig {
         url: url.clone(),
-        server_id: 3_000_000 + std::process::id() % 1_000_000,
+        server_id: crate::server_id(),
         database,
         table: "outbox".into(),
     };

@@ -2,7 +2,6 @@
 //! parked keys that hold back neither the position nor other keys, the adoption of rows
 //! already in the table, restarts from the stored position, and a standby's takeover.
 
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,12 +16,6 @@ use outbox_testkit::eventually;
 use outbox_testkit::recording::RecordingPublisher;
 
 const POSITIONS: &str = "outbox_binlog";
-
-/// Each reader of the shared test server needs a server id of its own.
-fn server_id() -> u32 {
-    static NEXT: AtomicU32 = AtomicU32::new(0);
-    5_000_000 + (std::process::id() % 10_000) * 100 + NEXT.fetch_add(1, Ordering::SeqCst) % 100
-}
 
 fn mysql_store(url: &str, table: &str) -> MySqlStore {
     MySqlStore::new(MySqlOptions {
@@ -64,7 +57,7 @@ impl Fixture {
         BinlogStoreOptions {
             binlog: BinlogConfig {
                 url: self.url.clone(),
-                server_id: server_id(),
+                server_id: crate::server_id(),
                 database: self.database.clone(),
                 table: "outbox".into(),
             },
