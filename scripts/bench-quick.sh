@@ -15,7 +15,9 @@ INSERTS=${2:-2000}
 export OUTBOX_TEST_STATE=${OUTBOX_BENCH_STATE:-/tmp/outbox-relay-bench} OUTBOX_TEST_SERVERS=postgres
 export OUTBOX_TEST_PG_PORT=${OUTBOX_BENCH_PG_PORT:-54339} OUTBOX_PG_DURABLE=1
 trap 'scripts/servers.sh stop' EXIT
-eval "$(scripts/servers.sh start)"
+# A server that did not start stops here (eval of partial exports would not).
+exports=$(scripts/servers.sh start) || { echo "bench-quick.sh: the servers did not start (see above)" >&2; exit 1; }
+eval "$exports"
 cargo build --release -q -p outbox-relay
 BIN=target/release/outbox-relay
 ADMIN=$OUTBOX_TEST_DATABASE_URL

@@ -16,7 +16,9 @@ cd "$(dirname "$0")/.."
 if [ -z "${OUTBOX_TEST_DATABASE_URL:-}" ]; then
   export OUTBOX_TEST_SERVERS=postgres
   trap 'scripts/servers.sh stop' EXIT
-  eval "$(scripts/servers.sh start)"
+  # A server that did not start stops here (eval of partial exports would not).
+  exports=$(scripts/servers.sh start) || { echo "chaos.sh: the servers did not start (see above)" >&2; exit 1; }
+  eval "$exports"
 fi
 
 export OUTBOX_FAULTS_BROKER_DELAY=${OUTBOX_FAULTS_BROKER_DELAY:-20s}

@@ -48,7 +48,9 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 say "starting PostgreSQL and NATS JetStream on 127.0.0.1 (state in $OUTBOX_TEST_STATE)"
-eval "$(scripts/servers.sh start)"
+# A server that did not start stops here (eval of partial exports would not).
+exports=$(scripts/servers.sh start) || { say "the servers did not start (see above)"; exit 1; }
+eval "$exports"
 admin=$OUTBOX_TEST_DATABASE_URL
 database=${admin%/postgres}/quickstart
 PGOPTIONS='-c client_min_messages=warning' \

@@ -7,7 +7,9 @@ cd "$(dirname "$0")/.."
 cleanup() { scripts/servers.sh stop; }
 trap cleanup EXIT
 
-eval "$(scripts/servers.sh start)"
+# A server that did not start stops here (eval of partial exports would not).
+exports=$(scripts/servers.sh start) || { echo "test.sh: the servers did not start (see above)" >&2; exit 1; }
+eval "$exports"
 
 if ! cargo nextest --version >/dev/null 2>&1; then
   cargo install cargo-nextest --locked
