@@ -603,3 +603,51 @@ fn the_quickstart_shows_events_flowing_and_stops_what_it_started() {
         "PostgreSQL is still running"
     );
 }
+
+/// `scripts/servers.sh` counts NATS as started only when its own monitoring port names its
+/// client port: another server answering `/healthz` on that port (another test's relay,
+/// once) passed for a NATS that never started, and the script said it was ready.
+#[test]
+fn the_test_servers_script_does_not_take_another_http_server_for_nats() {
+    let state = tempfile::tempdir().unwrap();
+    // On the port after NATS's, where NATS monitors by default: a free port whose
+    // predecessor is free too.
+    let (monitor, nats_port) = loop {
+        let monitor = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let nats_port = monitor.local_addr().unwrap().port() - 1;
+        if std::net::TcpListener::bind(("127.0.0.1", nats_port)).is_ok() {
+            break (monitor, nats_port);
+        }
+    };
+    // Answers 200 to every request, as a relay's `/healthz` does.
+    std::thread::spawn(move || {
+        for stream in monitor.incoming().flatten() {
+            use std::io::{Read, Write};
+            let mut stream = stream;
+            let mut request = [0u8; 1024];
+            let _ = stream.read(&mut request);
+            let _ = stream.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok");
+        }
+    });
+    let out = Command::new("scripts/servers.sh")
+        .arg("start")
+        .env("OUTBOX_TEST_STATE", state.path())
+        .env("OUTBOX_TEST_SERVERS", "nats")
+        .env("OUTBOX_TEST_NATS_PORT", nats_port.to_string())
+        .current_dir(repository())
+        .output()
+        .unwrap();
+    let stderr = text(&out.stderr);
+    let _ = Command::new("scripts/servers.sh")
+        .arg("stop")
+        .env("OUTBOX_TEST_STATE", state.path())
+        .env("OUTBOX_TEST_SERVERS", "nats")
+        .current_dir(repository())
+        .output();
+    assert!(
+        !out.status.success(),
+        "said ready: {}\n{stderr}",
+        text(&out.stdout)
+    );
+    assert!(stderr.contains("nats-server did not start"), "{stderr}");
+}
