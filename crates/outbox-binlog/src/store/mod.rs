@@ -574,7 +574,7 @@ impl Inner {
         let mut state = lock(&self.state);
         let new: Vec<&String> = keys
             .iter()
-            .filter(|key| !state.holdings.parked_keys.contains(*key))
+            .filter(|key| !state.holdings.waits(key))
             .collect();
         if !new.is_empty() {
             tracing::info!(keys = ?new, "rows put back in the parked table (dead retry): later rows of their keys wait behind them");

@@ -177,8 +177,7 @@ impl Relay {
 
     async fn reading(options: BinlogStoreOptions, publisher: &RecordingPublisher) -> Relay {
         let relay = Relay::start(options, publisher).await;
-        let status = relay.store.wait_reading(Duration::from_secs(30)).await;
-        assert_eq!(status, outbox_binlog::CaptureStatus::Reading);
+        until_reading(&relay.store).await;
         relay
     }
 
@@ -187,6 +186,12 @@ impl Relay {
         self.engine.await.unwrap();
         self.store.close(Duration::from_secs(10)).await;
     }
+}
+
+/// Waits (up to 30 s) until `store`'s reader reads the log: it has the seat.
+async fn until_reading(store: &BinlogStore) {
+    let status = store.wait_reading(Duration::from_secs(30)).await;
+    assert_eq!(status, outbox_binlog::CaptureStatus::Reading);
 }
 
 fn delivered_n(publisher: &RecordingPublisher, key: &str) -> Vec<i64> {
@@ -417,10 +422,7 @@ async fn rows_parked_behind_a_retrying_head_wait_for_it_in_the_parked_table() {
         Duration::from_secs(2),
     )
     .await;
-    assert_eq!(
-        relay.store.wait_reading(Duration::from_secs(30)).await,
-        outbox_binlog::CaptureStatus::Reading
-    );
+    until_reading(&relay.store).await;
     fixture.insert("a", "Flaky", 1).await;
     fixture.insert("a", "Placed", 2).await;
     fixture.insert("a", "Placed", 3).await;
@@ -585,8 +587,7 @@ async fn extending_leases_reaches_a_parked_rows_lease_in_the_parked_table() {
     // Adopted into the parked table at the first start.
     fixture.insert("a", "T", 1).await;
     let store = BinlogStore::start(fixture.options("relay-1")).unwrap();
-    let status = store.wait_reading(Duration::from_secs(30)).await;
-    assert_eq!(status, outbox_binlog::CaptureStatus::Reading);
+    until_reading(&store).await;
     fixture.insert("b", "T", 2).await;
     let node = NodeId("binlog-test".into());
     let ids = claim_ids(&store, &node, 2).await;
@@ -626,8 +627,7 @@ async fn an_ack_whose_table_is_gone_names_the_missing_table_and_its_fix_once() {
     use outbox_core::OutboxStore;
     let fixture = Fixture::new().await;
     let store = BinlogStore::start(fixture.options("relay-1")).unwrap();
-    let status = store.wait_reading(Duration::from_secs(30)).await;
-    assert_eq!(status, outbox_binlog::CaptureStatus::Reading);
+    until_reading(&store).await;
     fixture.insert("a", "T", 1).await;
     let node = NodeId("binlog-test".into());
     let ids = claim_ids(&store, &node, 1).await;

@@ -15,7 +15,8 @@ use mysql_async::prelude::Queryable;
 use outbox_testkit::{eventually, eventually_explained};
 
 use crate::support::{
-    nats_behind_a_proxy, read_lines, relay, text, wait_for_lines, RelayProcess, RETRY_AN_OUTAGE,
+    nats_behind_a_proxy, read_lines, relay, relay_ok, text, wait_for_lines, RelayProcess,
+    RETRY_AN_OUTAGE,
 };
 
 /// The log line of a relay that reads the binary log.
@@ -209,15 +210,9 @@ async fn migrate_print_states_the_servers_needs_and_the_replication_grants() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn check_passes_on_a_server_ready_for_binlog_capture() {
     let db = BinlogDb::new().await;
-    let checked = relay(
+    relay_ok(
         db.dir.path(),
         &["check", "--capture", "binlog", "--database-url", &db.url],
-    );
-    assert!(
-        checked.status.success(),
-        "{}\n{}",
-        text(&checked.stdout),
-        text(&checked.stderr)
     );
 }
 
@@ -345,13 +340,7 @@ async fn the_table_less_form_runs_through_the_binary_and_its_parked_table_keeps_
         "--database-url",
         url.as_str(),
     ];
-    let checked = relay(db.dir.path(), &check);
-    assert!(
-        checked.status.success(),
-        "{}{}",
-        text(&checked.stdout),
-        text(&checked.stderr)
-    );
+    relay_ok(db.dir.path(), &check);
 
     let mut started = db.reading("relay-1", "out.jsonl").await;
     assert!(started.terminate().await.success(), "{}", started.logs());
@@ -371,13 +360,7 @@ async fn the_table_less_form_runs_through_the_binary_and_its_parked_table_keeps_
         "--database-url",
         url.as_str(),
     ];
-    let stated = relay(db.dir.path(), &stats);
-    assert!(
-        stated.status.success(),
-        "{}{}",
-        text(&stated.stdout),
-        text(&stated.stderr)
-    );
+    relay_ok(db.dir.path(), &stats);
 
     conn.query_drop("ALTER TABLE outbox_parked ENGINE=BLACKHOLE")
         .await

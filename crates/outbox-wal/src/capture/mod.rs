@@ -905,7 +905,7 @@ impl OutboxStore for WalStore {
             let behind = |state: &mut State| {
                 let (behind, free): (Vec<SequenceId>, Vec<SequenceId>) =
                     stream.into_iter().partition(|id| match state.holdings.held.get(id) {
-                        Some(Held::Stream(held)) => state.holdings.parked_keys.contains(&held.key),
+                        Some(Held::Stream(held)) => state.holdings.waits(&held.key),
                         _ => false,
                     });
                 tracing::debug!(?behind, ?free, "released stream events");

@@ -23,6 +23,18 @@ pub fn relay(dir: &Path, args: &[&str]) -> std::process::Output {
         .expect("run outbox-relay")
 }
 
+/// [`relay`] that must succeed: its stdout and stderr, which a failure shows.
+#[track_caller]
+pub fn relay_ok(dir: &Path, args: &[&str]) -> String {
+    let out = relay(dir, args);
+    let said = format!("{}{}", text(&out.stdout), text(&out.stderr));
+    assert!(
+        out.status.success(),
+        "outbox-relay {args:?} failed:\n{said}"
+    );
+    said
+}
+
 /// A fresh PostgreSQL database with the relay's tables (`migrate`); its URL.
 pub async fn migrated_pg_database() -> String {
     let url = outbox_testkit::fresh_pg_database().await;
