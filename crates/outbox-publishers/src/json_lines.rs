@@ -26,7 +26,7 @@ struct Line<'a> {
     mutation_id: Option<&'a str>,
     rejected: bool,
     attempts: u32,
-    created_at: String,
+    created_at: outbox_core::time::Rfc3339Micros,
 }
 
 mod uuid_string {
@@ -43,7 +43,7 @@ mod uuid_string {
 pub fn encode_line(event: &Event, out: &mut Vec<u8>) -> Result<(), PublishError> {
     let id = uuid_string::UuidStr(event.event_id);
     // Stores refuse such rows already; a time RFC 3339 cannot write fails this event only.
-    let created_at = outbox_core::time::rfc3339_micros(event.created_at)
+    let created_at = outbox_core::time::Rfc3339Micros::of(event.created_at)
         .map_err(|problem| PublishError::new(PublishErrorKind::Encoding, problem))?;
     let line = Line {
         event_id: &id,
