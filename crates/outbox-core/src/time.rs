@@ -192,10 +192,10 @@ fn timestamp_micros(text: &[u8], utc_without_offset: bool) -> Option<i64> {
         }
         _ => return None,
     };
-    if !at.0.is_empty() || !(1..=12).contains(&month) || day < 1 {
-        return None;
-    }
-    if day > days_in_month(year, month, bc) {
+    if !at.0.is_empty()
+        || !(1..=12).contains(&month)
+        || !(1..=days_in_month(year, month, bc)).contains(&day)
+    {
         return None;
     }
     // Year 1 BC is year 0 of the proleptic Gregorian calendar.
