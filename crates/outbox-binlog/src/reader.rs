@@ -169,6 +169,13 @@ pub struct BinlogReader {
     file: String,
     /// Whether the first, artificial rotate's name ends with 4 checksum bytes.
     first_rotate_checksum: bool,
+    /// Whether a format description was read: an artificial rotate after one moves to
+    /// the next file.
+    format_read: bool,
+    /// The outbox rows of the XA transaction being read (its events began with `XA START`),
+    /// held until its end says what they are: committed (`XA COMMIT … ONE PHASE`), or
+    /// only prepared (`XA PREPARE`), which a later `XA COMMIT` or `XA ROLLBACK` decides.
+    xa_rows: Option<Vec<Output>>,
     /// Rows of the current transaction handed out so far.
     rows_in_transaction: u64,
     /// Rows read since the reader started.
@@ -246,6 +253,13 @@ const MARIADB_COMPRESSED_EVENTS: std::ops::RangeInclusive<u8> = 0xa5..=0xab;
 /// MySQL 8's compressed transaction (`TRANSACTION_PAYLOAD_EVENT`).
 const TRANSACTION_PAYLOAD_EVENT: u8 = 40;
 
+/// The end of an XA transaction's first phase (`XA_PREPARE_LOG_EVENT`, MySQL and MariaDB).
+const XA_PREPARE_LOG_EVENT: u8 = 38;
+
+/// The most outbox rows of one XA transaction held until its end says whether they are
+/// committed (MySQL logs `XA COMMIT … ONE PHASE` at the end of the transaction's events).
+const XA_ROWS_HELD: usize = 10_000;
+
 /// MariaDB's GTID event (`GTID_EVENT`, 162), which mysql_common does not decode: its body
 /// starts with the sequence number (8 bytes) and the domain id (4 bytes), little-endian; the
 /// server id is the event header's.
@@ -256,6 +270,14 @@ fn mariadb_gtid(body: &[u8], server_id: u32) -> Option<String> {
     let sequence = u64::from_le_bytes(body.get(..8)?.try_into().ok()?);
     let domain = u32::from_le_bytes(body.get(8..12)?.try_into().ok()?);
     Some(format!("{domain}-{server_id}-{sequence}"))
+}
+
+/// Whether a MariaDB GTID event begins an XA transaction's first phase (its events up to
+/// `XA PREPARE`): the flag `FL_PREPARED_XA` in the byte after the domain id.
+fn mariadb_prepared_xa(body: &[u8]) -> bool {
+    const FL_PREPARED_XA: u8 = 64;
+    body.get(12)
+        .is_some_and(|flags| flags & FL_PREPARED_XA != 0)
 }
 
 /// A MySQL GTID set as `COM_BINLOG_DUMP_GTID` names it: one entry per source.
@@ -412,6 +434,8 @@ impl BinlogReader {
             kinds,
             file: from.file.clone(),
             first_rotate_checksum: false,
+            format_read: false,
+            xa_rows: None,
             rows_in_transaction: 0,
             rows_read: 0,
             pending: Default::default(),
@@ -497,6 +521,9 @@ impl BinlogReader {
             }
             match event.header().event_type_raw() {
                 MARIADB_GTID_EVENT => {
+                    // A transaction's first event: MariaDB marks an XA transaction's first
+                    // phase in its flags (it logs no `XA START` query).
+                    self.xa_rows = mariadb_prepared_xa(event.data()).then(Vec::new);
                     self.gtid = mariadb_gtid(event.data(), event.header().server_id());
                     if let (Some(state), Some(gtid)) = (&mut self.gtid_state, &self.gtid) {
                         state.advance(gtid);
@@ -516,6 +543,25 @@ impl BinlogReader {
                         self.file
                     )));
                 }
+                XA_PREPARE_LOG_EVENT => {
+                    if let Some(rows) = self.xa_rows.take().filter(|rows| !rows.is_empty()) {
+                        return Err(BinlogError::Config(format!(
+                            "an XA transaction prepared at {} offset {end} wrote {} rows to \
+                             the outbox: the binary log carries them at XA PREPARE, before \
+                             XA COMMIT or XA ROLLBACK decides them, and binlog capture stops \
+                             rather than relay rows that may be rolled back. Relay this \
+                             outbox by polling (`--capture poll`, which claims committed \
+                             rows only), or write its rows outside XA transactions (a \
+                             one-phase commit, as a transaction manager makes of a single \
+                             resource's transaction, is read as any other)",
+                            self.file,
+                            rows.len()
+                        )));
+                    }
+                    // Another table's: a place a reader may start from.
+                    self.rows_in_transaction = 0;
+                    self.set_boundary(end);
+                }
                 _ => {}
             }
             if end != 0 && whole {
@@ -528,7 +574,12 @@ impl BinlogReader {
                 // The rotate the server sends first, before the log's checksum setting
                 // is known, is artificial (position 0) and names the file requested:
                 // its name would carry the checksum's bytes.
-                Some(EventData::RotateEvent(rotate)) if end != 0 => {
+                // A rotate at the end of a file, or an artificial one after a format
+                // description: the server goes on in the next file. It sends only the
+                // artificial one where the last file has no rotate at its end (it ended
+                // with a stop event: the server was restarted), and this reader would
+                // otherwise go on naming the old file with the new one's offsets.
+                Some(EventData::RotateEvent(rotate)) if end != 0 || self.format_read => {
                     self.file = rotate.name().into_owned();
                     self.read_to = rotate.position();
                     self.set_boundary(rotate.position());
@@ -545,11 +596,16 @@ impl BinlogReader {
                 // A transaction without a GTID (MySQL's gtid_mode OFF, or mixing them): no
                 // set names the places after it, so none is stored from here on, and a
                 // failover is refused rather than guessed.
+                Some(EventData::FormatDescriptionEvent(_)) => self.format_read = true,
                 Some(EventData::AnonymousGtidEvent(_)) => {
+                    self.xa_rows = None;
                     self.gtid = None;
                     self.gtid_state = None;
                 }
                 Some(EventData::GtidEvent(event)) => {
+                    // A transaction's first event; MySQL's XA transactions go on with an
+                    // `XA START` query.
+                    self.xa_rows = None;
                     let source = uuid::Uuid::from_bytes(event.sid());
                     let gtid = match event.tag() {
                         Some(tag) => format!("{source}:{tag}:{}", event.gno()),
@@ -569,9 +625,30 @@ impl BinlogReader {
                 // Another table's transaction ended: a place a reader may start from.
                 Some(EventData::XidEvent(_)) => self.set_boundary(end),
                 Some(EventData::QueryEvent(query))
-                    if self.rows_in_transaction == 0
-                        && matches!(query.query_raw(), b"COMMIT" | b"ROLLBACK") =>
+                    if query.query_raw().starts_with(b"XA START") =>
                 {
+                    self.xa_rows = Some(Vec::new());
+                }
+                // MySQL's one-phase XA commit ends the transaction's own events: its rows
+                // are committed.
+                Some(EventData::QueryEvent(query))
+                    if query.query_raw().starts_with(b"XA COMMIT")
+                        && query.query_raw().ends_with(b"ONE PHASE")
+                        && self.rows_in_transaction > 0 =>
+                {
+                    self.pending.extend(self.xa_rows.take().unwrap_or_default());
+                    let committed = self.committed(end);
+                    self.pending.push_back(committed);
+                }
+                // A transaction without outbox rows ended, or an XA transaction's second
+                // phase (its rows were in its first, and refused there).
+                Some(EventData::QueryEvent(query))
+                    if self.rows_in_transaction == 0
+                        && (matches!(query.query_raw(), b"COMMIT" | b"ROLLBACK")
+                            || query.query_raw().starts_with(b"XA COMMIT")
+                            || query.query_raw().starts_with(b"XA ROLLBACK")) =>
+                {
+                    self.xa_rows = None;
                     self.set_boundary(end);
                 }
                 Some(EventData::QueryEvent(query)) if self.rows_in_transaction > 0 => {
@@ -587,7 +664,22 @@ impl BinlogReader {
                         _ => {}
                     }
                 }
-                Some(EventData::RowsEvent(rows)) => self.take_rows(&rows)?,
+                Some(EventData::RowsEvent(rows)) => {
+                    self.take_rows(&rows)?;
+                    if let Some(held) = &mut self.xa_rows {
+                        held.extend(self.pending.drain(..));
+                        if held.len() > XA_ROWS_HELD {
+                            return Err(BinlogError::Config(format!(
+                                "an XA transaction at {} offset {end} wrote more than \
+                                 {XA_ROWS_HELD} rows to the outbox before its end, which \
+                                 binlog capture holds to learn whether they are committed; \
+                                 relay this outbox by polling (`--capture poll`), or write \
+                                 its rows outside XA transactions",
+                                self.file
+                            )));
+                        }
+                    }
+                }
                 // A compressed transaction: its events come next, each read as any other.
                 Some(EventData::TransactionPayloadEvent(payload)) => {
                     let left = payload_events_size(&payload).map_err(|e| {

@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
+use crate::id_hash::IdMap;
 use crate::memory::{event_bytes, Charge, MemoryBudget, EVENT_OVERHEAD};
 use crate::store::{Backlog, ClaimRequest, StoreResult};
 use crate::{Claimed, Event, OutboxStore, SequenceId, StoreError};
@@ -92,7 +93,7 @@ impl LiveSession {
 /// table out with the engine, and the keys that wait behind parked events.
 pub struct Holdings<S, P> {
     /// By engine id: every stream event and parked row not yet settled.
-    pub held: HashMap<SequenceId, Held<S>>,
+    pub held: IdMap<Held<S>>,
     /// Keys with events in the parked table or queued to park: their later events are
     /// parked behind them, never handed out ahead.
     pub parked_keys: HashSet<String>,
@@ -105,7 +106,7 @@ pub struct Holdings<S, P> {
 impl<S, P> Default for Holdings<S, P> {
     fn default() -> Self {
         Holdings {
-            held: HashMap::new(),
+            held: IdMap::default(),
             parked_keys: HashSet::new(),
             recheck: Vec::new(),
             to_park: Vec::new(),

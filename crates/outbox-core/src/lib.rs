@@ -7,6 +7,7 @@
 //! - [`store`]: the [`OutboxStore`](store::OutboxStore) contract (claim → ack / retry / dead-letter);
 //! - [`publisher`]: the [`Publisher`](publisher::Publisher) contract (a batch in, one outcome per event);
 //! - [`ident`]: validated, quoted SQL identifiers for configurable schema and table names;
+//! - [`id_hash`]: maps keyed by sequence id, hashed for the per-event paths;
 //! - [`memory`]: the byte budget of what a change-stream capture holds;
 //! - [`redact`]: secrets out of URLs and the messages that quote them;
 //! - [`migration`]: versioned schemas: the steps `migrate` applies and how `run` judges a version;
@@ -17,6 +18,7 @@ pub mod capture;
 pub mod error;
 pub mod event;
 pub mod health;
+pub mod id_hash;
 pub mod ident;
 pub mod memory;
 pub mod metric_labels;

@@ -18,6 +18,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 
+use outbox_core::id_hash::IdMap;
 use outbox_core::{Claimed, Event, SequenceId};
 
 /// The lane a row belongs to: its ordering key, or under `--ordering none` the row itself.
@@ -114,11 +115,11 @@ pub struct Lanes {
     blocked: HashMap<LaneKey, Unseen>,
     /// Every row this node leases and has not settled (for lease extension and release),
     /// with its partition and lane.
-    held: HashMap<SequenceId, Held>,
+    held: IdMap<Held>,
     /// Held rows per partition, when the node holds partitions.
     busy: HashMap<i32, usize>,
     /// Held rows handed to release statements that have not all reported back.
-    releasing: HashMap<SequenceId, Releasing>,
+    releasing: IdMap<Releasing>,
     /// Released rows in no lane, by lane, that a claim may not have seen go back: a
     /// claimed row of the lane above one of them goes back as well.
     released_by_lane: HashMap<LaneKey, BTreeMap<SequenceId, Unseen>>,

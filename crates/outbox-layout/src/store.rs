@@ -113,6 +113,17 @@ pub trait MappedDb: Send + Sync + Sized + 'static {
 
     fn lock_alive(&self, lock: &mut Self::Lock) -> impl Future<Output = bool> + Send;
 
+    /// The lock, taken from the session that holds it by ending that session, for a caller
+    /// that knows the holder is stale ([`MappedStore::take_over`]). `Err` names what stops
+    /// it (a role that cannot end another's session). By default the plain
+    /// [`take_lock`](MappedDb::take_lock).
+    fn take_lock_from_stale(
+        &self,
+        mapping: &Mapping,
+    ) -> impl Future<Output = StoreResult<Option<Self::Lock>>> + Send {
+        self.take_lock(mapping)
+    }
+
     fn query(
         &self,
         context: &'static str,
@@ -254,6 +265,31 @@ impl<D: MappedDb> MappedStore<D> {
             tracing::info!(table = %self.table_name(), "no longer the table's active relay");
         }
         leader.last_try = None;
+    }
+
+    /// Becomes the table's active relay now, ending the session of a stale holder: for a
+    /// store whose claims another lock already decides (binlog capture's parked table), when
+    /// this relay took that lock from a holder it fenced. A holder paused past its lease
+    /// keeps its session, and the server ends an idle one only after `wait_timeout` (8
+    /// hours by default): until then nobody would claim the table. Returns whether it is
+    /// the active relay now.
+    pub async fn take_over(&self, lease: Duration) -> StoreResult<bool> {
+        let inner = &self.inner;
+        let mut leader = inner.leader.lock().await;
+        if leader.lock.is_some() {
+            return Ok(true);
+        }
+        let Some(lock) = inner.db.take_lock_from_stale(&inner.sql.mapping).await? else {
+            return Ok(false);
+        };
+        leader.lock = Some(lock);
+        leader.last_try = Some(Instant::now());
+        leader.last_check = Some(Instant::now());
+        *self.memory() = Memory::default();
+        let reaped = self.reap(true, lease).await?;
+        leader.last_reap = Some(Instant::now());
+        tracing::info!(layout = %inner.layout, table = %self.table_name(), reaped, "this relay took over as the table's active relay");
+        Ok(true)
     }
 
     /// Whether this layout keeps a seed's own table (for `check`).

@@ -217,6 +217,55 @@ impl MappedDb for MySql {
         lock.ping().await.is_ok()
     }
 
+    /// Ends the holder's connection (`KILL CONNECTION`, which the server allows on a
+    /// connection of the same user, or with CONNECTION ADMIN / SUPER), then waits for the
+    /// lock the server frees with it.
+    async fn take_lock_from_stale(&self, mapping: &Mapping) -> StoreResult<Option<Conn>> {
+        const ER_NO_SUCH_THREAD: u16 = 1094;
+        let context = "take the active-relay lock from a stale holder";
+        let name = self.lock_name(mapping);
+        let mut conn = Conn::new(self.opts.clone())
+            .await
+            .map_err(|e| db_error(context, e))?;
+        let got: Option<Option<i64>> = conn
+            .exec_first("SELECT GET_LOCK(?, 0)", (&name,))
+            .await
+            .map_err(|e| db_error(context, e))?;
+        if got.flatten() == Some(1) {
+            return Ok(Some(conn));
+        }
+        let holder: Option<Option<u64>> = conn
+            .exec_first("SELECT IS_USED_LOCK(?)", (&name,))
+            .await
+            .map_err(|e| db_error(context, e))?;
+        if let Some(holder) = holder.flatten() {
+            match conn.query_drop(format!("KILL CONNECTION {holder}")).await {
+                Ok(()) => {
+                    tracing::warn!(connection = holder, lock = %name, "ended a stale holder's connection to take its lock")
+                }
+                Err(mysql_async::Error::Server(e)) if e.code == ER_NO_SUCH_THREAD => {}
+                Err(e) => {
+                    return Err(StoreError::new(
+                        classify(&e),
+                        format!(
+                            "{context}: connection {holder} of a relay that no longer reads \
+                             the binary log holds the lock {name:?}, and this role cannot end \
+                             it ({e}): run every relay of this outbox as the same database \
+                             user, or grant this one CONNECTION ADMIN (MySQL 8) or CONNECTION \
+                             ADMIN / SUPER (MariaDB)"
+                        ),
+                    ))
+                }
+            }
+        }
+        // The server frees the lock as it ends the connection: wait for that, not longer.
+        let got: Option<Option<i64>> = conn
+            .exec_first("SELECT GET_LOCK(?, 10)", (&name,))
+            .await
+            .map_err(|e| db_error(context, e))?;
+        Ok((got.flatten() == Some(1)).then_some(conn))
+    }
+
     async fn query(
         &self,
         context: &'static str,

@@ -149,6 +149,15 @@ CREATE TABLE IF NOT EXISTS {adopted} (
         self.source.name != self.outbox
     }
 
+    /// The tables whose INSERTs the publication must carry: the source, and beside a mapped
+    /// one the native outbox (`dead retry` and `send` write there).
+    pub fn captured(&self) -> Vec<&TableName> {
+        match self.is_mapped() {
+            true => vec![&self.source.name, &self.outbox],
+            false => vec![&self.source.name],
+        }
+    }
+
     /// The source's row id sequence, by the name `bigserial` gives it.
     fn source_sequence(&self) -> TableName {
         TableName {
@@ -297,9 +306,11 @@ pub struct CaptureStatements {
     pub drain_marker: String,
     /// The server's `wal_level`.
     pub wal_level: String,
-    /// What the publication `$1` publishes of the captured table: whether INSERTs, its row
+    /// What the publication `$1` publishes of the table `$2`.`$3`: whether INSERTs, its row
     /// filter, and the table's columns it leaves out. No row: it does not cover the table.
     pub publication: String,
+    /// Whether the publication `$1` exists.
+    pub publication_exists: String,
     /// Whether the current role may replicate, and its name.
     pub replication_role: String,
     /// Replication slots taken and allowed, WAL senders busy and allowed: a slot the first
@@ -386,8 +397,7 @@ impl CaptureStatements {
                 prefix = emit_prefix(&tables.outbox).replace('\'', "''")
             ),
             wal_level: "SELECT current_setting('wal_level')".into(),
-            publication: format!(
-                "SELECT p.pubinsert, pt.rowfilter,
+            publication: "SELECT p.pubinsert, pt.rowfilter,
                         ARRAY(SELECT a.attname::text FROM pg_catalog.pg_attribute a
                                WHERE a.attrelid = c.oid AND a.attnum > 0
                                  AND NOT a.attisdropped AND a.attgenerated = ''
@@ -398,11 +408,11 @@ impl CaptureStatements {
                    JOIN pg_catalog.pg_namespace n ON n.nspname = pt.schemaname
                    JOIN pg_catalog.pg_class c
                      ON c.relnamespace = n.oid AND c.relname = pt.tablename
-                  WHERE p.pubname = $1 AND pt.schemaname = '{schema}'
-                    AND pt.tablename = '{table}'",
-                schema = tables.source.name.schema.as_str().replace('\'', "''"),
-                table = tables.source.name.name.as_str().replace('\'', "''"),
-            ),
+                  WHERE p.pubname = $1 AND pt.schemaname = $2 AND pt.tablename = $3"
+                .into(),
+            publication_exists: "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_publication
+                                              WHERE pubname = $1)"
+                .into(),
             replication_role: "SELECT rolreplication OR rolsuper, current_user::text
                                  FROM pg_catalog.pg_roles WHERE rolname = current_user"
                 .into(),

@@ -95,10 +95,26 @@ fn anonymous_gtid(next: u32) -> Vec<u8> {
 /// `BEGIN`: thread id, execution time, schema length, error code, status variables'
 /// length, then the schema (empty) with its NUL, then the statement.
 fn begin(next: u32) -> Vec<u8> {
+    query("BEGIN", next)
+}
+
+/// A query event of `statement` (as [`begin`]).
+fn query(statement: &str, next: u32) -> Vec<u8> {
     let mut body = vec![0; 13];
     body.push(0);
-    body.extend(b"BEGIN");
+    body.extend(statement.as_bytes());
     event(QUERY_EVENT, next, &body)
+}
+
+/// `XA PREPARE` of the XA transaction `X'31'`: whether one phase, the format id, the
+/// lengths of its two parts, then the parts.
+fn xa_prepare(next: u32) -> Vec<u8> {
+    let mut body = vec![0];
+    body.extend(1u32.to_le_bytes());
+    body.extend(1u32.to_le_bytes());
+    body.extend(0u32.to_le_bytes());
+    body.push(b'1');
+    event(XA_PREPARE_LOG_EVENT, next, &body)
 }
 
 /// The table map of `shop`.`outbox` (id BIGINT, aggregate VARCHAR(64) NULL).
@@ -359,4 +375,45 @@ async fn a_payload_whose_event_sizes_do_not_add_up_stops_the_reader_without_a_pa
         let error = reader.next().await.unwrap_err().to_string();
         assert!(error.contains("broken size"), "{size}: {error}");
     }
+}
+
+/// MySQL logs an XA transaction committed in one phase as its events between `XA START` and
+/// `XA COMMIT … ONE PHASE`: its rows are held until that end, then relayed with it. One
+/// prepared (`XA PREPARE` ends its events; a later `XA COMMIT` or `XA ROLLBACK` decides it)
+/// stops the reader before any of its rows is handed out.
+#[tokio::test]
+async fn a_one_phase_xa_commit_is_relayed_at_its_end_and_a_prepared_one_stops_the_reader() {
+    let mut reader = reader_of(
+        vec![
+            gtid(1, 1100),
+            query("XA START X'31',X'',1", 1150),
+            table_map(1200),
+            write_rows(&[(1, "a")], 1250),
+            query("XA END X'31',X'',1", 1300),
+            query("XA COMMIT X'31',X'',1 ONE PHASE", 1350),
+            gtid(2, 1400),
+            query("XA START X'32',X'',1", 1450),
+            table_map(1500),
+            write_rows(&[(2, "b")], 1550),
+            query("XA END X'32',X'',1", 1600),
+            xa_prepare(1650),
+        ],
+        None,
+    );
+    let mut outputs = Vec::new();
+    let stopped = loop {
+        match reader.next().await {
+            Ok(Some(Output::Row(row))) => outputs.push(format!("row {}", row.get("id").unwrap())),
+            Ok(Some(Output::Committed { next, rows, .. })) => {
+                outputs.push(format!("commit {rows} at {}", next.offset))
+            }
+            Ok(other) => panic!("{other:?}"),
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(outputs, ["row 1", "commit 1 at 1350"]);
+    assert!(
+        matches!(&stopped, BinlogError::Config(reason) if reason.contains("XA PREPARE")),
+        "{stopped}"
+    );
 }

@@ -592,3 +592,54 @@ async fn a_column_missing_from_the_row_image_makes_the_row_undecodable() {
         "{reason}"
     );
 }
+
+/// XA transactions, as a transaction manager writes them. MariaDB logs a two-phase one's
+/// rows at `XA PREPARE`, in events of their own, and its `XA COMMIT` or `XA ROLLBACK` later
+/// as another transaction: another table's passes by either way; one that wrote the outbox
+/// stops the reader, which hands out none of its rows (they may be rolled back), naming the
+/// way out. A one-phase commit is logged as any transaction, and read as one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_xa_transaction_prepared_with_outbox_rows_stops_the_reader_before_any_is_relayed() {
+    let (url, mut conn, mut reader) = reading_from_now(
+        "CREATE TABLE outbox (sequence_id bigint PRIMARY KEY AUTO_INCREMENT, partition_key text);
+         CREATE TABLE other (id int PRIMARY KEY)",
+        5000,
+    )
+    .await;
+    // XA ids are the server's: each run's own (a prepared one outlives its session).
+    let run = Opts::from_url(&url).unwrap().db_name().unwrap().to_string();
+    conn.query_drop(format!(
+        "XA START '{run}-1'; INSERT INTO other VALUES (1); XA END '{run}-1';
+         XA PREPARE '{run}-1'; XA COMMIT '{run}-1';
+         XA START '{run}-2'; INSERT INTO other VALUES (2); XA END '{run}-2';
+         XA PREPARE '{run}-2'; XA ROLLBACK '{run}-2';
+         XA START '{run}-3'; INSERT INTO outbox (partition_key) VALUES ('one-phase');
+         XA END '{run}-3'; XA COMMIT '{run}-3' ONE PHASE;
+         XA START '{run}-4'; INSERT INTO outbox (partition_key) VALUES ('two-phase');
+         XA END '{run}-4'; XA PREPARE '{run}-4'"
+    ))
+    .await
+    .unwrap();
+    drop(conn);
+    connect(&url)
+        .await
+        .query_drop(format!("XA ROLLBACK '{run}-4'"))
+        .await
+        .unwrap();
+    let Output::Row(row) = crate::next_output(reader.next()).await else {
+        panic!("the one-phase transaction's row")
+    };
+    assert_eq!(row.get("partition_key"), Some("one-phase"));
+    assert!(matches!(
+        crate::next_output(reader.next()).await,
+        Output::Committed { rows: 1, .. }
+    ));
+    let stopped = tokio::time::timeout(Duration::from_secs(20), reader.next())
+        .await
+        .expect("the reader answered");
+    let Err(BinlogError::Config(reason)) = stopped else {
+        panic!("the prepared transaction's row refused, not {stopped:?}")
+    };
+    assert!(reason.contains("XA PREPARE"), "{reason}");
+    assert!(reason.contains("--capture poll"), "{reason}");
+}

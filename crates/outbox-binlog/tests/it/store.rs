@@ -77,6 +77,7 @@ impl Fixture {
             parked: Arc::new(mysql_store(&self.url, "outbox_parked")),
             main: Arc::new(mysql_store(&self.url, "outbox")),
             on_reading_stopped: None,
+            on_reading_started: None,
         }
     }
 

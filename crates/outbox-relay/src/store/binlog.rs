@@ -348,6 +348,22 @@ impl BinlogCapture {
                     tokio::spawn(async move { parked.step_down().await });
                 })
             }),
+            // The seat was free, or taken from a holder whose lease lapsed and whose seat
+            // connection was ended: a session of that relay still holding the parked
+            // table's lock is stale too.
+            on_reading_started: Some({
+                let parked = self.parked.clone();
+                Arc::new(move || {
+                    let parked = parked.clone();
+                    Box::pin(async move {
+                        match parked.take_over(SEAT_LEASE).await {
+                            Ok(true) => {}
+                            Ok(false) => tracing::warn!("the parked table's lock is still held by a relay that no longer reads the binary log; its parked rows wait until that relay's session ends"),
+                            Err(e) => tracing::error!(error = %e, "could not take the parked table's lock from a relay that no longer reads the binary log; its parked rows wait until that relay's session ends"),
+                        }
+                    })
+                })
+            }),
         })
         .map_err(config)
     }

@@ -394,8 +394,39 @@ async fn a_standby_takes_over_from_a_sigstopped_reader_after_its_lease() {
         |n| n >= 10,
     )
     .await;
+    // An event of `a` not due for a few seconds: the active relay parks it, and claims
+    // from the parked table, under that table's own lock.
+    let mut conn = db.pool.get_conn().await.unwrap();
+    conn.query_drop(
+        "INSERT INTO outbox (destination, partition_key, event_type, payload, available_at)
+         VALUES ('orders', 'a', 'T', JSON_OBJECT('n', 10), NOW(6) + INTERVAL 5 SECOND)",
+    )
+    .await
+    .unwrap();
+    eventually_explained(
+        "the active relay holding the parked table's lock",
+        Duration::from_secs(30),
+        || active.logs(),
+        || {
+            let pool = db.pool.clone();
+            async move {
+                let mut conn = pool.get_conn().await.ok()?;
+                let holder: Option<u64> = conn
+                    .query_first(
+                        "SELECT IS_USED_LOCK(LEFT(CONCAT('outbox-relay ', DATABASE(), '.outbox_parked'), 64))",
+                    )
+                    .await
+                    .ok()??;
+                holder.map(|_| ())
+            }
+        },
+    )
+    .await;
+    // Paused, it keeps that lock's session (the server ends an idle one after
+    // `wait_timeout`, 8 hours): the standby, once it reads, ends it to claim the parked
+    // event, and the events of `a` behind it.
     active.signal("-STOP");
-    db.write(&["a"], 10, 10, true).await;
+    db.write(&["a"], 11, 9, true).await;
     standby
         .wait_for_log("the standby reading", Duration::from_secs(60), READING)
         .await;
@@ -1110,9 +1141,48 @@ async fn a_mariadb_restart_mid_stream_loses_nothing_and_keeps_each_keys_commit_o
         "the restart was noticed: {}",
         relay_process.logs()
     );
+    // The log written before the restart ends with a stop event, not a rotate: only the
+    // server's artificial rotate names the next file. The position stored since names it.
+    eventually_explained(
+        "the stored position in the server's current log",
+        Duration::from_secs(60),
+        || relay_process.logs(),
+        || {
+            let pool = db.pool.clone();
+            async move {
+                let mut conn = pool.get_conn().await.ok()?;
+                let current: mysql_async::Row =
+                    conn.query_first("SHOW MASTER STATUS").await.ok()??;
+                let current: String = current.get(0)?;
+                let stored: String = conn
+                    .query_first("SELECT log_file FROM outbox_binlog")
+                    .await
+                    .ok()??;
+                (stored == current).then_some(())
+            }
+        },
+    )
+    .await;
     assert!(
         relay_process.terminate().await.success(),
         "{}",
         relay_process.logs()
     );
+    // A relay started again reads on from that position.
+    db.write(&["after"], 0, 3, true).await;
+    let mut again = db.spawn("relay-again", "out.jsonl", &RETRY_AN_OUTAGE);
+    eventually_explained(
+        "the events written after the first relay stopped",
+        Duration::from_secs(60),
+        || again.logs(),
+        || {
+            let after = read_lines(&out)
+                .iter()
+                .filter(|line| line["partition_key"] == "after")
+                .count();
+            async move { (after >= 3).then_some(()) }
+        },
+    )
+    .await;
+    assert!(again.terminate().await.success(), "{}", again.logs());
 }

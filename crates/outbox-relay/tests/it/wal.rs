@@ -1290,6 +1290,36 @@ async fn a_publication_that_stops_publishing_inserts_is_named_and_loses_no_row()
     w.assert_empty(&relay.logs()).await;
 }
 
+/// Beside a mapped table the native outbox is captured too (`dead retry` and `send` write
+/// there): a publication that leaves it out is named, as one that leaves out the mapped
+/// table is, and the fix `check` gives puts both back.
+#[tokio::test]
+async fn a_publication_without_the_native_outbox_of_a_mapped_capture_is_named() {
+    let w = DebeziumWal::migrated(include_str!("../fixtures/seeds/debezium.sql")).await;
+    let publication: String =
+        w.db.query_one("SELECT pubname::text FROM pg_publication", &[])
+            .await
+            .unwrap()
+            .get(0);
+    w.db.batch_execute(&format!(
+        "ALTER PUBLICATION \"{publication}\" SET TABLE outboxevent"
+    ))
+    .await
+    .unwrap();
+    let check = w.relay("check", &[]);
+    let report = format!("{}{}", text(&check.stdout), text(&check.stderr));
+    assert_eq!(check.status.code(), Some(1), "{report}");
+    assert!(report.contains("does not cover"), "{report}");
+    let fix = report
+        .lines()
+        .find_map(|line| line.find("ALTER PUBLICATION").map(|at| &line[at..]))
+        .unwrap_or_else(|| panic!("no fix given: {report}"));
+    w.db.batch_execute(fix).await.unwrap();
+    let check = w.relay("check", &[]);
+    let report = format!("{}{}", text(&check.stdout), text(&check.stderr));
+    assert_eq!(check.status.code(), Some(0), "after `{fix}`: {report}");
+}
+
 #[tokio::test]
 async fn a_publication_made_again_after_the_slot_is_named_with_the_way_out() {
     let w = WalDb::new().await;

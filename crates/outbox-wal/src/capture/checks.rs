@@ -123,9 +123,11 @@ pub async fn verify_capture(
     Ok(problems)
 }
 
-/// What keeps the publication from carrying every INSERT of the captured table, whole:
-/// missing, not covering the table, not publishing INSERTs, a row filter, a column list.
-/// Each makes pgoutput leave rows out of the stream while the slot moves past them.
+/// What keeps the publication from carrying every INSERT of each captured table, whole:
+/// missing, not covering a table, not publishing INSERTs, a row filter, a column list. Each
+/// makes pgoutput leave rows out of the stream while the slot moves past them. Beside a
+/// mapped table the native outbox is captured too (`dead retry` and `send` write there), and
+/// the fix names both.
 pub(super) async fn publication_problems(
     main: &PgStore,
     sql: &CaptureStatements,
@@ -133,47 +135,71 @@ pub(super) async fn publication_problems(
     publication: &outbox_core::ident::Ident,
 ) -> StoreResult<Vec<Problem>> {
     let name = publication.as_str();
-    let rows = main
-        .query_rows("publication", &sql.publication, &[&name])
-        .await?;
-    let table = &tables.source.name;
+    let captured = tables.captured();
     let set_table = format!(
         "ALTER PUBLICATION {} SET TABLE {}; ALTER PUBLICATION {} SET (publish = 'insert')",
         publication.quoted(),
-        table.quoted(),
+        captured
+            .iter()
+            .map(|table| table.quoted())
+            .collect::<Vec<_>>()
+            .join(", "),
         publication.quoted()
     );
-    let Some(row) = rows.first() else {
-        return Ok(vec![Problem::blocking(
-            format!("the publication {name:?} does not exist or does not cover {table}"),
-            "run `outbox-relay migrate --capture wal` (or apply `migrate --capture wal --print`)",
-        )]);
-    };
-    let (inserts, filter, left_out): (bool, Option<String>, Vec<String>) =
-        (row.get(0), row.get(1), row.get(2));
-    let mut problems = Vec::new();
     let drift = "rows written meanwhile are not in the stream: once it is fixed, the relay's \
                  next session moves the rows still in the table to the parked table";
-    if !inserts {
-        problems.push(Problem::blocking(
-            format!("the publication {name:?} publishes no INSERTs of {table}: {drift}"),
-            set_table.clone(),
-        ));
-    }
-    if let Some(filter) = filter {
-        problems.push(Problem::blocking(
-            format!("the publication {name:?} has a row filter on {table} (WHERE {filter}): rows it filters out are never relayed; {drift}"),
-            set_table.clone(),
-        ));
-    }
-    if !left_out.is_empty() {
-        problems.push(Problem::blocking(
-            format!(
-                "the publication {name:?} has a column list that leaves out {} of {table}: events would be read without them; {drift}",
-                left_out.join(", ")
-            ),
-            set_table,
-        ));
+    let mut problems = Vec::new();
+    for table in captured {
+        let (schema, table_name) = (table.schema.as_str(), table.name.as_str());
+        let rows = main
+            .query_rows(
+                "publication",
+                &sql.publication,
+                &[&name, &schema, &table_name],
+            )
+            .await?;
+        let Some(row) = rows.first() else {
+            let exists: bool = main
+                .query_rows("publication", &sql.publication_exists, &[&name])
+                .await?
+                .first()
+                .is_some_and(|row| row.get(0));
+            if !exists {
+                return Ok(vec![Problem::blocking(
+                    format!("the publication {name:?} does not exist"),
+                    "run `outbox-relay migrate --capture wal` (or apply `migrate --capture wal --print`)",
+                )]);
+            }
+            // `migrate` leaves an existing publication as it is.
+            problems.push(Problem::blocking(
+                format!("the publication {name:?} does not cover {table}: {drift}"),
+                set_table.clone(),
+            ));
+            continue;
+        };
+        let (inserts, filter, left_out): (bool, Option<String>, Vec<String>) =
+            (row.get(0), row.get(1), row.get(2));
+        if !inserts {
+            problems.push(Problem::blocking(
+                format!("the publication {name:?} publishes no INSERTs of {table}: {drift}"),
+                set_table.clone(),
+            ));
+        }
+        if let Some(filter) = filter {
+            problems.push(Problem::blocking(
+                format!("the publication {name:?} has a row filter on {table} (WHERE {filter}): rows it filters out are never relayed; {drift}"),
+                set_table.clone(),
+            ));
+        }
+        if !left_out.is_empty() {
+            problems.push(Problem::blocking(
+                format!(
+                    "the publication {name:?} has a column list that leaves out {} of {table}: events would be read without them; {drift}",
+                    left_out.join(", ")
+                ),
+                set_table.clone(),
+            ));
+        }
     }
     Ok(problems)
 }
