@@ -96,15 +96,12 @@ pub struct BinlogStoreOptions {
     /// table's store lets go of what makes it the table's claimer, so that the relay that
     /// reads now can claim the parked rows.
     pub on_reading_stopped: Option<Arc<dyn Fn() + Send + Sync>>,
-    /// Awaited when this relay starts reading, before its first claim: the parked table's
-    /// store takes the claimer's lock, ending the session of a holder that lost the seat (a
-    /// relay paused past its lease keeps that session, and the lock, until the server's
-    /// `wait_timeout`, 8 hours by default, and nobody would claim the parked rows).
-    pub on_reading_started: Option<OnReadingStarted>,
+    /// Called when this relay starts reading: the parked table's store takes the claimer's
+    /// lock, ending the session of a holder that lost the seat (a relay paused past its
+    /// lease keeps that session, and the lock, until the server's `wait_timeout`, 8 hours by
+    /// default, and nobody would claim the parked rows). It runs beside the stream.
+    pub on_reading_started: Option<Arc<dyn Fn() + Send + Sync>>,
 }
-
-/// See [`BinlogStoreOptions::on_reading_started`].
-pub type OnReadingStarted = Arc<dyn Fn() -> futures::future::BoxFuture<'static, ()> + Send + Sync>;
 
 /// Where the reader stands, for claims and `/readyz`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -1003,7 +1000,7 @@ struct Reader {
     /// BLACKHOLE: a transaction's rows are handed out at its commit ([`State::hold_to_commit`]).
     hold_to_commit: bool,
     on_reading_stopped: Option<Arc<dyn Fn() + Send + Sync>>,
-    on_reading_started: Option<OnReadingStarted>,
+    on_reading_started: Option<Arc<dyn Fn() + Send + Sync>>,
     recovery: String,
     /// The last reason reading stopped or could not start: logged once, not every second.
     last_problem: Option<String>,
@@ -1058,7 +1055,7 @@ impl Reader {
                 Ok(Started::Active(capture)) => {
                     self.renewed.renewed(taking);
                     if let Some(started) = &self.on_reading_started {
-                        started().await;
+                        started();
                     }
                     let ended = self.read(*capture, drain_until.as_ref()).await;
                     self.live.set(0);

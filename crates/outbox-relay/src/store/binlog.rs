@@ -355,13 +355,13 @@ impl BinlogCapture {
                 let parked = self.parked.clone();
                 Arc::new(move || {
                     let parked = parked.clone();
-                    Box::pin(async move {
+                    tokio::spawn(async move {
                         match parked.take_over(SEAT_LEASE).await {
                             Ok(true) => {}
                             Ok(false) => tracing::warn!("the parked table's lock is still held by a relay that no longer reads the binary log; its parked rows wait until that relay's session ends"),
                             Err(e) => tracing::error!(error = %e, "could not take the parked table's lock from a relay that no longer reads the binary log; its parked rows wait until that relay's session ends"),
                         }
-                    })
+                    });
                 })
             }),
         })
