@@ -311,6 +311,10 @@ pub struct CaptureStatements {
     pub publication: String,
     /// Whether the publication `$1` exists.
     pub publication_exists: String,
+    /// The publication `$1`'s catalog rows (its own and its tables'), each by id and row
+    /// version (`xmin`): an `ALTER PUBLICATION` moves one of them, even if a later one undoes
+    /// what it changed. `NULL` when the publication does not exist.
+    pub publication_version: String,
     /// Whether the current role may replicate, and its name.
     pub replication_role: String,
     /// Replication slots taken and allowed, WAL senders busy and allowed: a slot the first
@@ -409,6 +413,13 @@ impl CaptureStatements {
                    JOIN pg_catalog.pg_class c
                      ON c.relnamespace = n.oid AND c.relname = pt.tablename
                   WHERE p.pubname = $1 AND pt.schemaname = $2 AND pt.tablename = $3"
+                .into(),
+            publication_version: "SELECT p.oid::text || '.' || p.xmin::text || ':' ||
+                                         coalesce((SELECT string_agg(r.oid::text || '.' || r.xmin::text,
+                                                                     ',' ORDER BY r.oid)
+                                                     FROM pg_catalog.pg_publication_rel r
+                                                    WHERE r.prpubid = p.oid), '')
+                                    FROM pg_catalog.pg_publication p WHERE p.pubname = $1"
                 .into(),
             publication_exists: "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_publication
                                               WHERE pubname = $1)"

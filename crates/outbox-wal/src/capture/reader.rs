@@ -40,6 +40,12 @@ pub(super) struct Sessions {
     /// `run --drain` wrote its end marker (once: the drain ends at the first one).
     pub(super) drain_marker_written: bool,
     pub(super) backoff: Backoff,
+    /// The publication's catalog rows as last checked, by their ids and row versions
+    /// ([`CaptureStatements::publication_version`]): any change moves them, even one undone
+    /// before the next check, which pgoutput applies to the WAL in between all the same.
+    /// (Behind a lock: the check runs inside the stream's `select!`, which borrows the
+    /// reader.)
+    pub(super) publication_version: std::sync::Mutex<Option<String>>,
 }
 
 impl Sessions {
@@ -49,6 +55,7 @@ impl Sessions {
             streamed: false,
             drain_marker_written: false,
             backoff: Backoff::new(Duration::from_millis(200), Duration::from_secs(5)),
+            publication_version: std::sync::Mutex::new(None),
         }
     }
 }
@@ -130,10 +137,12 @@ impl Reader {
         self.sessions.backoff.next_delay()
     }
 
-    /// Whether the publication carries every INSERT of the table, whole. While it does not,
-    /// no session streams (its keepalives would move the slot past the rows left out), and
-    /// the slot's adoption is forgotten: the next session, once it is fixed, moves the rows
-    /// still in the table (those left out among them) to the parked table.
+    /// Whether the publication carries every INSERT of the table, whole, and has not
+    /// changed since the last check. While it is wrong no session streams (its keepalives
+    /// would move the slot past the rows left out); once it changed, even back, the session
+    /// ends (pgoutput left out what the publication left out at each point of the WAL). Either
+    /// way the slot's adoption is forgotten: the next session, once it is right, moves the
+    /// rows still in the table (those left out among them) to the parked table.
     pub(super) async fn publication_drift(&self) -> Option<SessionEnd> {
         let problems = match publication_problems(
             &self.main,
@@ -151,7 +160,33 @@ impl Reader {
                 )))
             }
         };
-        if problems.is_empty() {
+        let version = match self
+            .main
+            .query_rows(
+                "publication",
+                &self.sql.publication_version,
+                &[&self.publication.as_str()],
+            )
+            .await
+        {
+            Ok(rows) => rows.first().and_then(|row| row.get(0)),
+            Err(e) => {
+                return Some(SessionEnd::Broken(format!(
+                    "reading the publication: {}",
+                    e.report()
+                )))
+            }
+        };
+        let seen = std::mem::replace(
+            &mut *self
+                .sessions
+                .publication_version
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+            version.clone(),
+        );
+        let changed = seen.is_some_and(|seen| Some(seen) != version);
+        if problems.is_empty() && !changed {
             return None;
         }
         let slot = &self.config.slot;
@@ -161,9 +196,13 @@ impl Reader {
             .await
         {
             return Some(SessionEnd::Broken(format!(
-                "the publication is wrong, and the slot's adoption cannot be forgotten: {}",
+                "the publication changed, and the slot's adoption cannot be forgotten: {}",
                 e.report()
             )));
+        }
+        if problems.is_empty() {
+            tracing::warn!(publication = %self.publication, "the publication changed since it was last checked: the session ends, and the next one moves the rows still in the table to the parked table (rows written meanwhile may have been left out of the stream)");
+            return Some(SessionEnd::Broken("the publication changed".into()));
         }
         let said: Vec<String> = problems
             .iter()
