@@ -79,13 +79,14 @@ impl PgStore {
         Ok(done.unwrap_or_default())
     }
 
-    /// [`PgStore::transaction`], run only if the query `guard`, run first in the same
-    /// transaction, returns a row; `Ok(None)` (nothing written) when it returns none. A
-    /// guard that locks what it reads fences the steps against a concurrent change of it.
+    /// [`PgStore::transaction`], run only if the queries `guard`, run first and in order in
+    /// the same transaction, end with one that returns a row; `Ok(None)` (nothing written)
+    /// when the last returns none. A guard that locks what it reads (the statements before
+    /// the last can take the lock) fences the steps against a concurrent change of it.
     pub async fn transaction_if(
         &self,
         context: &'static str,
-        guard: Step<'_>,
+        guard: &[Step<'_>],
         steps: &[Step<'_>],
     ) -> StoreResult<Option<Vec<u64>>> {
         let done = self
@@ -97,7 +98,7 @@ impl PgStore {
     async fn guarded_transaction(
         &self,
         context: &'static str,
-        guard: Option<Step<'_>>,
+        guard: Option<&[Step<'_>]>,
         steps: &[Step<'_>],
         query: Option<Step<'_>>,
     ) -> StoreResult<Option<(Vec<u64>, Vec<Row>)>> {
@@ -108,15 +109,18 @@ impl PgStore {
                 .transaction()
                 .await
                 .map_err(|e| db_error(context, e))?;
-            if let Some((sql, params)) = guard {
-                let statement = tx
-                    .prepare_cached(sql)
-                    .await
-                    .map_err(|e| db_error(context, e))?;
-                let allowed = tx
-                    .query(&statement, params)
-                    .await
-                    .map_err(|e| Self::statement_error(inner, context, e))?;
+            if let Some(guard) = guard {
+                let mut allowed = Vec::new();
+                for (sql, params) in guard {
+                    let statement = tx
+                        .prepare_cached(sql)
+                        .await
+                        .map_err(|e| db_error(context, e))?;
+                    allowed = tx
+                        .query(&statement, params)
+                        .await
+                        .map_err(|e| Self::statement_error(inner, context, e))?;
+                }
                 if allowed.is_empty() {
                     // Dropped unfinished: rolled back.
                     return Ok(None);

@@ -292,6 +292,16 @@ pub struct CaptureStatements {
     /// make, so a relay that lost the slot (paused past its session's end, while another
     /// took over) writes nothing for events the new holder is sent again.
     pub owns_slot: String,
+    /// Runs before [`owns_slot`](Self::owns_slot) in the same transaction: holds the slot
+    /// `$1`'s writes (a shared lock, to the transaction's end) so that a session taking the
+    /// slot over ([`take_slot_writes`](Self::take_slot_writes)) waits for a write that passed
+    /// the guard to commit or roll back, and a write after it sees the new holder. A writer
+    /// paused mid-transaction is ended by the server after 10 s idle.
+    pub hold_slot_writes: String,
+    /// Waits for every write [`hold_slot_writes`](Self::hold_slot_writes) holds on the slot
+    /// `$1` (up to 30 s), to the transaction's end: a new session reads the parked keys
+    /// under it, so a park an earlier holder committed late is among them.
+    pub take_slot_writes: String,
     /// Whether schema `$1` has an earlier version's `outbox_emit` and no `outbox` table (so
     /// the function was another outbox's).
     pub legacy_emit: String,
@@ -377,6 +387,14 @@ impl CaptureStatements {
                                                  acldefault('f', p.proowner))) a
                                   WHERE a.grantee = 0 AND a.privilege_type = 'EXECUTE')
                            ORDER BY 1"
+                .into(),
+            hold_slot_writes: "SELECT set_config('idle_in_transaction_session_timeout', '10s', true),
+                                      pg_advisory_xact_lock_shared(
+                                          hashtext('outbox-relay slot writes ' || $1))::text"
+                .into(),
+            take_slot_writes: "SELECT set_config('lock_timeout', '30s', true),
+                                      pg_advisory_xact_lock(
+                                          hashtext('outbox-relay slot writes ' || $1))::text"
                 .into(),
             owns_slot: "SELECT 1 FROM pg_catalog.pg_replication_slots s
                           JOIN pg_catalog.pg_stat_activity a ON a.pid = s.active_pid

@@ -495,6 +495,11 @@ async fn the_sql_event_id_of_a_row_is_the_one_polling_derives() {
     }
 }
 
+/// An outbox of two columns, and another table.
+const OUTBOX_AND_OTHER: &str =
+    "CREATE TABLE outbox (sequence_id bigint PRIMARY KEY AUTO_INCREMENT, partition_key text);
+     CREATE TABLE other (id int PRIMARY KEY)";
+
 /// A fresh database with the tables `ddl` makes, a connection to it, and a reader of its
 /// outbox table from the log's current end, as a replica of an id of its own (`id_base` plus
 /// a run's own part).
@@ -520,12 +525,7 @@ async fn reading_from_now(ddl: &str, id_base: u32) -> (String, Conn, BinlogReade
 /// is never ahead of the position stored with it. Also a transaction's end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_boundary_carries_the_gtid_state_of_its_own_place_in_the_log() {
-    let (url, mut conn, mut reader) = reading_from_now(
-        "CREATE TABLE outbox (sequence_id bigint PRIMARY KEY AUTO_INCREMENT, partition_key text);
-         CREATE TABLE other (id int PRIMARY KEY)",
-        3000,
-    )
-    .await;
+    let (url, mut conn, mut reader) = reading_from_now(OUTBOX_AND_OTHER, 3000).await;
     conn.query_drop("INSERT INTO other VALUES (1)")
         .await
         .unwrap();
@@ -600,12 +600,7 @@ async fn a_column_missing_from_the_row_image_makes_the_row_undecodable() {
 /// way out. A one-phase commit is logged as any transaction, and read as one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_xa_transaction_prepared_with_outbox_rows_stops_the_reader_before_any_is_relayed() {
-    let (url, mut conn, mut reader) = reading_from_now(
-        "CREATE TABLE outbox (sequence_id bigint PRIMARY KEY AUTO_INCREMENT, partition_key text);
-         CREATE TABLE other (id int PRIMARY KEY)",
-        5000,
-    )
-    .await;
+    let (url, mut conn, mut reader) = reading_from_now(OUTBOX_AND_OTHER, 5000).await;
     // XA ids are the server's: each run's own (a prepared one outlives its session).
     let run = Opts::from_url(&url).unwrap().db_name().unwrap().to_string();
     conn.query_drop(format!(

@@ -204,6 +204,17 @@ impl WalDb {
         );
     }
 
+    /// A relay streaming to the file `out`, which holds key `k`'s first event (`n` 0).
+    async fn streaming_with_a_first_event(&self, out: &Path) -> RelayProcess {
+        let relay = self.spawn("relay", out, &[]);
+        relay
+            .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
+            .await;
+        insert(&self.db, "k", 0).await;
+        wait_for_lines("the first event", out, Duration::from_secs(60), |n| n >= 1).await;
+        relay
+    }
+
     /// Whether the slot exists.
     async fn slot_exists(&self) -> bool {
         pg(&self.url)
@@ -1255,12 +1266,7 @@ async fn poison_messages_are_dead_lettered_and_hold_no_key_back() {
 async fn a_publication_that_stops_publishing_inserts_is_named_and_loses_no_row() {
     let w = WalDb::new().await;
     let out = w.path("events.jsonl");
-    let mut relay = w.spawn("relay", &out, &[]);
-    relay
-        .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
-        .await;
-    insert(&w.db, "k", 0).await;
-    wait_for_lines("the first event", &out, Duration::from_secs(60), |n| n >= 1).await;
+    let mut relay = w.streaming_with_a_first_event(&out).await;
     // A DBA's change: pgoutput then sends no INSERT, and keepalives move the slot past them.
     w.db.batch_execute("ALTER PUBLICATION outbox_relay SET (publish = 'update, delete')")
         .await
@@ -1300,12 +1306,7 @@ async fn a_publication_that_stops_publishing_inserts_is_named_and_loses_no_row()
 async fn a_publication_changed_and_changed_back_between_checks_loses_no_row() {
     let w = WalDb::new().await;
     let out = w.path("events.jsonl");
-    let mut relay = w.spawn("relay", &out, &[]);
-    relay
-        .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
-        .await;
-    insert(&w.db, "k", 0).await;
-    wait_for_lines("the first event", &out, Duration::from_secs(60), |n| n >= 1).await;
+    let mut relay = w.streaming_with_a_first_event(&out).await;
     w.db.batch_execute(
         "ALTER PUBLICATION outbox_relay DROP TABLE outbox;
          INSERT INTO outbox (destination, partition_key, event_type, payload)
@@ -1833,6 +1834,68 @@ fn relay_check(w: &WalDb) -> (Option<i32>, String) {
     );
     let report = format!("{}{}", text(&check.stdout), text(&check.stderr));
     (check.status.code(), report)
+}
+
+/// A park that passed an earlier holder's slot guard and commits only after a new session
+/// took the slot (that holder paused between its guard and its commit): the new session
+/// reads the parked keys only once it has committed, so the key is known to wait, its row
+/// is claimed, and the key's next event goes out after it.
+#[tokio::test]
+async fn a_park_committed_late_by_an_earlier_holder_is_among_the_new_sessions_parked_keys() {
+    let w = WalDb::new().await;
+    let out = w.path("events.jsonl");
+    // The slot exists (making one waits for every open transaction, the park's too).
+    assert_success("the first drain", &w.drain(&out));
+    // The earlier holder's park, as its guard runs it, left open.
+    let mut earlier = pg(&w.url).await;
+    let park = earlier.transaction().await.unwrap();
+    park.query(
+        "SELECT pg_advisory_xact_lock_shared(hashtext('outbox-relay slot writes ' || $1))::text",
+        &[&w.slot],
+    )
+    .await
+    .unwrap();
+    park.execute(
+        "INSERT INTO outbox_parked (destination, partition_key, event_type, payload)
+         VALUES ('orders', 'k', 'Parked', '{\"n\": 0}')",
+        &[],
+    )
+    .await
+    .unwrap();
+    let mut relay = w.spawn("relay", &out, &[]);
+    let db = pg(&w.url).await;
+    eventually_explained(
+        "the new session waiting for the earlier holder's writes",
+        Duration::from_secs(60),
+        || relay.logs(),
+        || {
+            let db = &db;
+            async move {
+                let waiting: i64 = db
+                    .query_one(
+                        "SELECT count(*) FROM pg_locks
+                          WHERE locktype = 'advisory' AND NOT granted",
+                        &[],
+                    )
+                    .await
+                    .ok()?
+                    .get(0);
+                (waiting > 0).then_some(())
+            }
+        },
+    )
+    .await;
+    park.commit().await.unwrap();
+    relay
+        .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
+        .await;
+    insert(&w.db, "k", 1).await;
+    wait_for_lines("both events", &out, Duration::from_secs(60), |n| n >= 2).await;
+    let order = counters_by_key(&read_lines(&out));
+    assert_eq!(order["k"], vec![0, 1], "{order:?}");
+    let status = relay.terminate().await;
+    assert!(status.success(), "{status:?}");
+    w.assert_empty(&relay.logs()).await;
 }
 
 #[tokio::test]

@@ -392,11 +392,13 @@ impl Inner {
             steps.push((&self.sql.dead_letter, &dead_letter));
         }
         let owner = lock(&self.state).owner.clone();
-        let guard: &[&(dyn ToSql + Sync)] = &[&self.slot, &owner];
-        let result = self
-            .main
-            .transaction_if("park", (&self.sql.owns_slot, guard), &steps)
-            .await;
+        let (slot, guard): (&[&(dyn ToSql + Sync)], &[&(dyn ToSql + Sync)]) =
+            (&[&self.slot], &[&self.slot, &owner]);
+        let guard = [
+            (self.sql.hold_slot_writes.as_str(), slot),
+            (self.sql.owns_slot.as_str(), guard),
+        ];
+        let result = self.main.transaction_if("park", &guard, &steps).await;
         let result = match result {
             Ok(Some(counts)) => Ok(counts),
             Ok(None) => {
@@ -623,13 +625,17 @@ impl Inner {
         }
         let dead = columns.params(&[&sequence_ids], &[&attempts, &errors]);
         let owner = lock(&self.state).owner.clone();
-        let guard: &[&(dyn ToSql + Sync)] = &[&self.slot, &owner];
+        let (slot, guard): (&[&(dyn ToSql + Sync)], &[&(dyn ToSql + Sync)]) =
+            (&[&self.slot], &[&self.slot, &owner]);
         let delete: &[&(dyn ToSql + Sync)] = &[&rows];
         let written = self
             .main
             .transaction_if(
                 "dead-letter",
-                (&self.sql.owns_slot, guard),
+                &[
+                    (&self.sql.hold_slot_writes, slot),
+                    (&self.sql.owns_slot, guard),
+                ],
                 &[
                     (&self.sql.dead_letter, &dead),
                     (&self.sql.delete_rows, delete),

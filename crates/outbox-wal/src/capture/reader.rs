@@ -314,12 +314,19 @@ impl Reader {
                 e.report()
             )));
         }
+        // Under the slot's writes: a park that passed an earlier holder's guard commits
+        // (or rolls back) first, and is among the keys read.
+        let slot: &[&(dyn ToSql + Sync)] = &[&self.config.slot];
         let parked_keys = match self
             .main
-            .query_rows("parked keys", &self.sql.parked_keys, &[])
+            .transaction_then_query(
+                "parked keys",
+                &[(&self.sql.take_slot_writes, slot)],
+                Some((&self.sql.parked_keys, &[])),
+            )
             .await
         {
-            Ok(rows) => rows.iter().map(|r| r.get(0)).collect(),
+            Ok((_, rows)) => rows.iter().map(|r| r.get(0)).collect(),
             Err(e) => {
                 let reason = format!("reading the parked keys: {}", e.report());
                 return Some(SessionEnd::Broken(reason));
