@@ -39,7 +39,7 @@ pub use seat::{
     positions_ddl, stored_position, upgrade_positions, ActiveReader, SeatConfig, StoredPosition,
     Taken,
 };
-pub use store::{BinlogStore, BinlogStoreOptions, CaptureStatus};
+pub use store::{BinlogStore, BinlogStoreOptions, CaptureStatus, StillReading};
 
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, Opts};

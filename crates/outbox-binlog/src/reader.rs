@@ -173,8 +173,8 @@ pub struct BinlogReader {
     /// the next file.
     format_read: bool,
     /// The outbox rows of the XA transaction being read (its events began with `XA START`),
-    /// held until its end says what they are: committed (`XA COMMIT … ONE PHASE`), or
-    /// only prepared (`XA PREPARE`), which a later `XA COMMIT` or `XA ROLLBACK` decides.
+    /// held until its end says what they are: committed (MySQL's one-phase commit), or only
+    /// prepared (`XA PREPARE`), which a later `XA COMMIT` or `XA ROLLBACK` decides.
     xa_rows: Option<Vec<Output>>,
     /// Rows of the current transaction handed out so far.
     rows_in_transaction: u64,
@@ -257,7 +257,8 @@ const TRANSACTION_PAYLOAD_EVENT: u8 = 40;
 const XA_PREPARE_LOG_EVENT: u8 = 38;
 
 /// The most outbox rows of one XA transaction held until its end says whether they are
-/// committed (MySQL logs `XA COMMIT … ONE PHASE` at the end of the transaction's events).
+/// committed (MySQL logs a one-phase commit as the transaction's events ended by an
+/// `XA_PREPARE_LOG_EVENT` that says so).
 const XA_ROWS_HELD: usize = 10_000;
 
 /// MariaDB's GTID event (`GTID_EVENT`, 162), which mysql_common does not decode: its body
@@ -543,6 +544,18 @@ impl BinlogReader {
                         self.file
                     )));
                 }
+                // MySQL logs `XA COMMIT … ONE PHASE` as this event with its first byte set:
+                // the transaction's rows are committed.
+                XA_PREPARE_LOG_EVENT if event.data().first() == Some(&1) => {
+                    self.pending.extend(self.xa_rows.take().unwrap_or_default());
+                    if self.rows_in_transaction > 0 {
+                        let committed = self.committed(end);
+                        self.pending.push_back(committed);
+                    } else {
+                        self.set_boundary(end);
+                    }
+                    continue;
+                }
                 XA_PREPARE_LOG_EVENT => {
                     if let Some(rows) = self.xa_rows.take().filter(|rows| !rows.is_empty()) {
                         return Err(BinlogError::Config(format!(
@@ -628,17 +641,6 @@ impl BinlogReader {
                     if query.query_raw().starts_with(b"XA START") =>
                 {
                     self.xa_rows = Some(Vec::new());
-                }
-                // MySQL's one-phase XA commit ends the transaction's own events: its rows
-                // are committed.
-                Some(EventData::QueryEvent(query))
-                    if query.query_raw().starts_with(b"XA COMMIT")
-                        && query.query_raw().ends_with(b"ONE PHASE")
-                        && self.rows_in_transaction > 0 =>
-                {
-                    self.pending.extend(self.xa_rows.take().unwrap_or_default());
-                    let committed = self.committed(end);
-                    self.pending.push_back(committed);
                 }
                 // A transaction without outbox rows ended, or an XA transaction's second
                 // phase (its rows were in its first, and refused there).

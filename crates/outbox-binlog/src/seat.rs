@@ -461,23 +461,9 @@ pub(crate) fn quoted(name: &str) -> String {
         .join(".")
 }
 
-/// The lock's name: user lock names are at most 64 characters, so a long outbox name is
-/// cut and told apart from others cut alike by a hash of the whole (FNV-1a: stable across
-/// builds, unlike the standard library's hasher).
+/// The seat lock's name ([`outbox_core::ident::server_lock_name`]).
 fn lock_name(outbox: &str) -> String {
-    const PREFIX: &str = "outbox-binlog:";
-    let whole = format!("{PREFIX}{outbox}");
-    if whole.len() <= 64 {
-        return whole;
-    }
-    let hash = outbox.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-    });
-    let mut cut = 64 - PREFIX.len() - 17;
-    while !outbox.is_char_boundary(cut) {
-        cut -= 1;
-    }
-    format!("{PREFIX}{}~{hash:016x}", &outbox[..cut])
+    outbox_core::ident::server_lock_name("outbox-binlog:", outbox)
 }
 
 #[cfg(test)]

@@ -76,9 +76,43 @@ impl fmt::Display for TableName {
     }
 }
 
+/// A server-wide lock's name (MySQL's `GET_LOCK`): `prefix` and `name`, within the server's
+/// 64 characters. A longer one is cut, and told apart from others cut alike by a hash of
+/// the whole name (FNV-1a: stable across builds and versions, unlike the standard library's
+/// hasher, since relays of two versions must name one lock alike).
+pub fn server_lock_name(prefix: &str, name: &str) -> String {
+    const LIMIT: usize = 64;
+    let whole = format!("{prefix}{name}");
+    if whole.len() <= LIMIT {
+        return whole;
+    }
+    let hash = name.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    let mut cut = LIMIT.saturating_sub(prefix.len() + 17).min(name.len());
+    while !name.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{prefix}{}~{hash:016x}", &name[..cut])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn server_lock_names_fit_the_limit_and_stay_apart() {
+        assert_eq!(server_lock_name("p:", "shop.outbox"), "p:shop.outbox");
+        let long_a = format!("shop.{}a", "x".repeat(80));
+        let long_b = format!("shop.{}b", "x".repeat(80));
+        let (a, b) = (
+            server_lock_name("p:", &long_a),
+            server_lock_name("p:", &long_b),
+        );
+        assert!(a.len() <= 64 && b.len() <= 64);
+        assert_ne!(a, b);
+        assert!(server_lock_name("p:", &format!("shop.{}", "é".repeat(60))).len() <= 64);
+    }
 
     #[test]
     fn accepts_plain_identifiers_and_quotes_them() {

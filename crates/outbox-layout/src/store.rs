@@ -114,13 +114,15 @@ pub trait MappedDb: Send + Sync + Sized + 'static {
     fn lock_alive(&self, lock: &mut Self::Lock) -> impl Future<Output = bool> + Send;
 
     /// The lock, taken from the session that holds it by ending that session, for a caller
-    /// that knows the holder is stale ([`MappedStore::take_over`]). `Err` names what stops
-    /// it (a role that cannot end another's session). By default the plain
-    /// [`take_lock`](MappedDb::take_lock).
+    /// that knows the holder is stale ([`MappedStore::take_over`]) while `entitled` says so
+    /// (asked right before the session is ended). `Err` names what stops it (a role that
+    /// cannot end another's session). By default the plain [`take_lock`](MappedDb::take_lock).
     fn take_lock_from_stale(
         &self,
         mapping: &Mapping,
+        entitled: &(dyn Fn() -> bool + Sync),
     ) -> impl Future<Output = StoreResult<Option<Self::Lock>>> + Send {
+        let _ = entitled;
         self.take_lock(mapping)
     }
 
@@ -271,15 +273,24 @@ impl<D: MappedDb> MappedStore<D> {
     /// store whose claims another lock already decides (binlog capture's parked table), when
     /// this relay took that lock from a holder it fenced. A holder paused past its lease
     /// keeps its session, and the server ends an idle one only after `wait_timeout` (8
-    /// hours by default): until then nobody would claim the table. Returns whether it is
-    /// the active relay now.
-    pub async fn take_over(&self, lease: Duration) -> StoreResult<bool> {
+    /// hours by default): until then nobody would claim the table. `entitled` says whether
+    /// this relay still holds that other lock (a relay paused past it must end nobody's
+    /// session). Returns whether it is the active relay now.
+    pub async fn take_over(
+        &self,
+        lease: Duration,
+        entitled: &(dyn Fn() -> bool + Sync),
+    ) -> StoreResult<bool> {
         let inner = &self.inner;
         let mut leader = inner.leader.lock().await;
         if leader.lock.is_some() {
             return Ok(true);
         }
-        let Some(lock) = inner.db.take_lock_from_stale(&inner.sql.mapping).await? else {
+        let taken = inner
+            .db
+            .take_lock_from_stale(&inner.sql.mapping, entitled)
+            .await?;
+        let Some(lock) = taken else {
             return Ok(false);
         };
         leader.lock = Some(lock);

@@ -161,8 +161,7 @@ impl MySql {
     /// A `GET_LOCK` name: server-wide, so the database is named too; at most 64 characters.
     fn lock_name(&self, m: &Mapping) -> String {
         let database = m.schema.as_deref().or(self.opts.db_name()).unwrap_or("");
-        let name = format!("outbox-relay {database}.{}", m.table);
-        name.chars().take(64).collect()
+        outbox_core::ident::server_lock_name("outbox-relay ", &format!("{database}.{}", m.table))
     }
 }
 
@@ -220,7 +219,11 @@ impl MappedDb for MySql {
     /// Ends the holder's connection (`KILL CONNECTION`, which the server allows on a
     /// connection of the same user, or with CONNECTION ADMIN / SUPER), then waits for the
     /// lock the server frees with it.
-    async fn take_lock_from_stale(&self, mapping: &Mapping) -> StoreResult<Option<Conn>> {
+    async fn take_lock_from_stale(
+        &self,
+        mapping: &Mapping,
+        entitled: &(dyn Fn() -> bool + Sync),
+    ) -> StoreResult<Option<Conn>> {
         const ER_NO_SUCH_THREAD: u16 = 1094;
         let context = "take the active-relay lock from a stale holder";
         let name = self.lock_name(mapping);
@@ -239,6 +242,9 @@ impl MappedDb for MySql {
             .await
             .map_err(|e| db_error(context, e))?;
         if let Some(holder) = holder.flatten() {
+            if !entitled() {
+                return Ok(None);
+            }
             match conn.query_drop(format!("KILL CONNECTION {holder}")).await {
                 Ok(()) => {
                     tracing::warn!(connection = holder, lock = %name, "ended a stale holder's connection to take its lock")

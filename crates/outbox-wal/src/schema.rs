@@ -299,7 +299,7 @@ pub struct CaptureStatements {
     /// paused mid-transaction is ended by the server after 10 s idle.
     pub hold_slot_writes: String,
     /// Waits for every write [`hold_slot_writes`](Self::hold_slot_writes) holds on the slot
-    /// `$1` (up to 30 s), to the transaction's end: a new session reads the parked keys
+    /// `$1` (up to 20 s, within the store's 30 s for one operation), to the transaction's end: a new session reads the parked keys
     /// under it, so a park an earlier holder committed late is among them.
     pub take_slot_writes: String,
     /// Whether schema `$1` has an earlier version's `outbox_emit` and no `outbox` table (so
@@ -321,9 +321,10 @@ pub struct CaptureStatements {
     pub publication: String,
     /// Whether the publication `$1` exists.
     pub publication_exists: String,
-    /// The publication `$1`'s catalog rows (its own and its tables'), each by id and row
-    /// version (`xmin`): an `ALTER PUBLICATION` moves one of them, even if a later one undoes
-    /// what it changed. `NULL` when the publication does not exist.
+    /// The publication `$1`'s catalog rows (its own, the captured tables' and its schemas'),
+    /// each by id and row version (`xmin`): an `ALTER PUBLICATION` of what the relay reads
+    /// moves one of them, even if a later one undoes what it changed. `NULL` when the
+    /// publication does not exist.
     pub publication_version: String,
     /// Whether the current role may replicate, and its name.
     pub replication_role: String,
@@ -388,11 +389,12 @@ impl CaptureStatements {
                                   WHERE a.grantee = 0 AND a.privilege_type = 'EXECUTE')
                            ORDER BY 1"
                 .into(),
-            hold_slot_writes: "SELECT set_config('idle_in_transaction_session_timeout', '10s', true),
+            hold_slot_writes:
+                "SELECT set_config('idle_in_transaction_session_timeout', '10s', true),
                                       pg_advisory_xact_lock_shared(
                                           hashtext('outbox-relay slot writes ' || $1))::text"
-                .into(),
-            take_slot_writes: "SELECT set_config('lock_timeout', '30s', true),
+                    .into(),
+            take_slot_writes: "SELECT set_config('lock_timeout', '20s', true),
                                       pg_advisory_xact_lock(
                                           hashtext('outbox-relay slot writes ' || $1))::text"
                 .into(),
@@ -432,13 +434,25 @@ impl CaptureStatements {
                      ON c.relnamespace = n.oid AND c.relname = pt.tablename
                   WHERE p.pubname = $1 AND pt.schemaname = $2 AND pt.tablename = $3"
                 .into(),
-            publication_version: "SELECT p.oid::text || '.' || p.xmin::text || ':' ||
-                                         coalesce((SELECT string_agg(r.oid::text || '.' || r.xmin::text,
-                                                                     ',' ORDER BY r.oid)
-                                                     FROM pg_catalog.pg_publication_rel r
-                                                    WHERE r.prpubid = p.oid), '')
-                                    FROM pg_catalog.pg_publication p WHERE p.pubname = $1"
-                .into(),
+            publication_version: format!(
+                "SELECT p.oid::text || '.' || p.xmin::text || ':' ||
+                        coalesce((SELECT string_agg(r.oid::text || '.' || r.xmin::text, ','
+                                                    ORDER BY r.oid)
+                                    FROM pg_catalog.pg_publication_rel r
+                                   WHERE r.prpubid = p.oid
+                                     AND r.prrelid IN ({captured})), '') || ':' ||
+                        coalesce((SELECT string_agg(n.oid::text || '.' || n.xmin::text, ','
+                                                    ORDER BY n.oid)
+                                    FROM pg_catalog.pg_publication_namespace n
+                                   WHERE n.pnpubid = p.oid), '')
+                   FROM pg_catalog.pg_publication p WHERE p.pubname = $1",
+                captured = tables
+                    .captured()
+                    .iter()
+                    .map(|table| format!("to_regclass('{}')", table.quoted().replace('\'', "''")))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            ),
             publication_exists: "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_publication
                                               WHERE pubname = $1)"
                 .into(),

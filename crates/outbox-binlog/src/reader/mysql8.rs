@@ -106,10 +106,11 @@ fn query(statement: &str, next: u32) -> Vec<u8> {
     event(QUERY_EVENT, next, &body)
 }
 
-/// `XA PREPARE` of the XA transaction `X'31'`: whether one phase, the format id, the
-/// lengths of its two parts, then the parts.
-fn xa_prepare(next: u32) -> Vec<u8> {
-    let mut body = vec![0];
+/// The end of the XA transaction `X'31'`'s events: `XA PREPARE`, or with `one_phase`
+/// `XA COMMIT … ONE PHASE`. Whether one phase, the format id, the lengths of its two
+/// parts, then the parts.
+fn xa_end(one_phase: bool, next: u32) -> Vec<u8> {
+    let mut body = vec![u8::from(one_phase)];
     body.extend(1u32.to_le_bytes());
     body.extend(1u32.to_le_bytes());
     body.extend(0u32.to_le_bytes());
@@ -377,10 +378,10 @@ async fn a_payload_whose_event_sizes_do_not_add_up_stops_the_reader_without_a_pa
     }
 }
 
-/// MySQL logs an XA transaction committed in one phase as its events between `XA START` and
-/// `XA COMMIT … ONE PHASE`: its rows are held until that end, then relayed with it. One
-/// prepared (`XA PREPARE` ends its events; a later `XA COMMIT` or `XA ROLLBACK` decides it)
-/// stops the reader before any of its rows is handed out.
+/// MySQL logs an XA transaction committed in one phase as its events from `XA START` to an
+/// `XA_PREPARE_LOG_EVENT` marked one-phase: its rows are held until that end, then relayed
+/// with it. One prepared (the same event, not so marked; a later `XA COMMIT` or
+/// `XA ROLLBACK` decides it) stops the reader before any of its rows is handed out.
 #[tokio::test]
 async fn a_one_phase_xa_commit_is_relayed_at_its_end_and_a_prepared_one_stops_the_reader() {
     let mut reader = reader_of(
@@ -390,13 +391,13 @@ async fn a_one_phase_xa_commit_is_relayed_at_its_end_and_a_prepared_one_stops_th
             table_map(1200),
             write_rows(&[(1, "a")], 1250),
             query("XA END X'31',X'',1", 1300),
-            query("XA COMMIT X'31',X'',1 ONE PHASE", 1350),
+            xa_end(true, 1350),
             gtid(2, 1400),
             query("XA START X'32',X'',1", 1450),
             table_map(1500),
             write_rows(&[(2, "b")], 1550),
             query("XA END X'32',X'',1", 1600),
-            xa_prepare(1650),
+            xa_end(false, 1650),
         ],
         None,
     );

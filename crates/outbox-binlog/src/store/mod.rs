@@ -99,9 +99,14 @@ pub struct BinlogStoreOptions {
     /// Called when this relay starts reading: the parked table's store takes the claimer's
     /// lock, ending the session of a holder that lost the seat (a relay paused past its
     /// lease keeps that session, and the lock, until the server's `wait_timeout`, 8 hours by
-    /// default, and nobody would claim the parked rows). It runs beside the stream.
-    pub on_reading_started: Option<Arc<dyn Fn() + Send + Sync>>,
+    /// default, and nobody would claim the parked rows). It runs beside the stream, and asks
+    /// the [`StillReading`] it is given before it ends anyone's session.
+    pub on_reading_started: Option<Arc<dyn Fn(StillReading) + Send + Sync>>,
 }
+
+/// Whether this relay still reads the binary log: its session not over, its seat's lease
+/// renewed in time (a relay paused past it may have been replaced).
+pub type StillReading = Arc<dyn Fn() -> bool + Send + Sync>;
 
 /// Where the reader stands, for claims and `/readyz`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -1000,7 +1005,7 @@ struct Reader {
     /// BLACKHOLE: a transaction's rows are handed out at its commit ([`State::hold_to_commit`]).
     hold_to_commit: bool,
     on_reading_stopped: Option<Arc<dyn Fn() + Send + Sync>>,
-    on_reading_started: Option<Arc<dyn Fn() + Send + Sync>>,
+    on_reading_started: Option<Arc<dyn Fn(StillReading) + Send + Sync>>,
     recovery: String,
     /// The last reason reading stopped or could not start: logged once, not every second.
     last_problem: Option<String>,
@@ -1055,7 +1060,8 @@ impl Reader {
                 Ok(Started::Active(capture)) => {
                     self.renewed.renewed(taking);
                     if let Some(started) = &self.on_reading_started {
-                        started();
+                        let (live, renewed) = (self.live.clone(), self.renewed.clone());
+                        started(Arc::new(move || live.get() != 0 && !renewed.lapsed()));
                     }
                     let ended = self.read(*capture, drain_until.as_ref()).await;
                     self.live.set(0);

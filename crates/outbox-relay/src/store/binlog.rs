@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_binlog::{BinlogConfig, BinlogStore, BinlogStoreOptions, SeatConfig};
+use outbox_binlog::{BinlogConfig, BinlogStore, BinlogStoreOptions, SeatConfig, StillReading};
 use outbox_core::store::Problem;
 use outbox_core::{NodeId, StoreError, StoreErrorKind};
 use outbox_store_mysql::{MySqlOptions, MySqlStore};
@@ -353,10 +353,10 @@ impl BinlogCapture {
             // table's lock is stale too.
             on_reading_started: Some({
                 let parked = self.parked.clone();
-                Arc::new(move || {
+                Arc::new(move |still_reading: StillReading| {
                     let parked = parked.clone();
                     tokio::spawn(async move {
-                        match parked.take_over(SEAT_LEASE).await {
+                        match parked.take_over(SEAT_LEASE, &*still_reading).await {
                             Ok(true) => {}
                             Ok(false) => tracing::warn!("the parked table's lock is still held by a relay that no longer reads the binary log; its parked rows wait until that relay's session ends"),
                             Err(e) => tracing::error!(error = %e, "could not take the parked table's lock from a relay that no longer reads the binary log; its parked rows wait until that relay's session ends"),
