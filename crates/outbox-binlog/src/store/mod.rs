@@ -677,16 +677,16 @@ impl Inner {
     }
 
     /// Whether claims may hand out rows of the session they follow (see [`State::follow`]).
-    /// A session whose lease ran out without a renewal is over too: a relay resumed after a
-    /// pause (SIGSTOP, a frozen VM) may have been replaced meanwhile, and its claims can run
-    /// before its reader finds out.
+    /// Not while the seat's lease has run out without a renewal: a relay resumed after a
+    /// pause (SIGSTOP, a frozen VM, a store held up past the lease) may have been replaced
+    /// meanwhile, and its claims can run before its reader finds out. That alone does not
+    /// end the session: a reader that renews the seat goes on with it, and one that finds
+    /// the seat taken ends it (the epoch fences its writes meanwhile).
     fn follow_live_session(&self, outputs: &mut mpsc::Receiver<Item>) -> bool {
-        let live = if self.renewed.lapsed() {
-            0
-        } else {
-            self.live.get()
-        };
-        lock(&self.state).follow(live, || outputs.try_recv().ok())
+        if self.renewed.lapsed() {
+            return false;
+        }
+        lock(&self.state).follow(self.live.get(), || outputs.try_recv().ok())
     }
 
     async fn backlog(&self) -> StoreResult<Backlog> {

@@ -100,19 +100,24 @@ impl Statements {
         self.source.ack_captured(rows)
     }
 
-    /// Every key with a row waiting in the parked table.
+    /// Every key with a row waiting in the parked table. Keys compare byte for byte, as the
+    /// relay's own do: under the table's collation `a`, `A` and `a ` are one value, and
+    /// `DISTINCT` would name only one of the keys that wait.
     pub(super) fn parked_keys(&self) -> String {
         format!(
-            "SELECT DISTINCT {KEY} FROM {} WHERE delivered_at IS NULL AND dead_at IS NULL",
+            "SELECT DISTINCT CAST({KEY} AS BINARY) FROM {}
+              WHERE delivered_at IS NULL AND dead_at IS NULL",
             self.parked
         )
     }
 
-    /// Which of `keys` keys still have a row waiting in the parked table.
+    /// Which of `keys` keys still have a row waiting in the parked table (byte for byte, as
+    /// [`parked_keys`](Self::parked_keys)).
     pub(super) fn still_parked(&self, keys: usize) -> String {
         format!(
-            "SELECT DISTINCT {KEY} FROM {} WHERE delivered_at IS NULL AND dead_at IS NULL
-                AND {KEY} IN ({})",
+            "SELECT DISTINCT CAST({KEY} AS BINARY) FROM {}
+              WHERE delivered_at IS NULL AND dead_at IS NULL
+                AND CAST({KEY} AS BINARY) IN ({})",
             self.parked,
             placeholders(keys)
         )

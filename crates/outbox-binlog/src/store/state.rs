@@ -373,6 +373,9 @@ impl capture::Sessions for State {
             } => {
                 self.end_session();
                 self.followed.start(session);
+                // Each session reads to the drain's end again, and says so: what an earlier
+                // one left unsettled comes again in this one.
+                self.drained = false;
                 self.epoch = epoch;
                 self.settled.clear();
                 self.holdings.load_parked_keys(parked_keys);
@@ -461,6 +464,23 @@ mod tests {
 
     fn parked(parks: &[Park]) -> Vec<SequenceId> {
         parks.iter().map(|p| p.id).collect()
+    }
+
+    /// The drain's end reached in one session, then the stream broke: the next session
+    /// reads from the stored position again, which may be before rows the first left
+    /// unsettled, and the drain is over only once that session reaches the end too.
+    #[test]
+    fn a_new_session_is_not_drained_until_it_reaches_the_drains_end_itself() {
+        let mut state = State::new(false);
+        claim(&mut state, vec![session(1, &[]), Item::Drained]);
+        assert!(state.drained());
+        claim(&mut state, vec![session(2, &[])]);
+        assert!(
+            !state.drained(),
+            "drained before the new session read to the end"
+        );
+        claim(&mut state, vec![Item::Drained]);
+        assert!(state.drained());
     }
 
     #[test]

@@ -734,3 +734,79 @@ async fn acks_of_a_trickle_of_small_transactions_share_spaced_deletes() {
          per 20 ms"
     );
 }
+
+/// Keys waiting in the parked table compare byte for byte, as the relay's own do: under the
+/// table's collation `a` and `A` are one value, and the session's parked keys named only one
+/// of them, so the other's next event went out ahead of its parked one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_that_differ_only_in_case_both_wait_behind_their_parked_rows() {
+    let fixture = Fixture::new().await;
+    let mut conn = fixture.db.get_conn().await.unwrap();
+    for key in ["a", "A"] {
+        conn.exec_drop(
+            "INSERT INTO outbox_parked (destination, partition_key, event_type, payload, available_at)
+             VALUES ('orders', ?, 'T', JSON_OBJECT('n', 0), NOW(6) + INTERVAL 2 SECOND)",
+            (key,),
+        )
+        .await
+        .unwrap();
+    }
+    let publisher = RecordingPublisher::new();
+    let relay = Relay::reading(fixture.options("relay-1"), &publisher).await;
+    fixture.insert("a", "T", 1).await;
+    fixture.insert("A", "T", 1).await;
+    eventually("every event", PATIENCE, || async {
+        (publisher.delivered().len() == 4).then_some(())
+    })
+    .await;
+    assert_eq!(delivered_n(&publisher, "a"), [0, 1]);
+    assert_eq!(delivered_n(&publisher, "A"), [0, 1]);
+    relay.stop().await;
+}
+
+/// The seat's lease runs out while the reader's store of its position waits (here on a row
+/// lock held past the lease): claims hand nothing out meanwhile, since another relay may
+/// have taken over. Nobody did, so once the store goes through the reader goes on with the
+/// same session, and so do the claims.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_go_on_with_the_session_once_a_lapsed_lease_is_renewed() {
+    let fixture = Fixture::new().await;
+    let publisher = RecordingPublisher::new();
+    let relay = Relay::reading(fixture.options("relay-1"), &publisher).await;
+    fixture.insert("k", "T", 0).await;
+    eventually("the first event", PATIENCE, || async {
+        (delivered_n(&publisher, "k").len() == 1).then_some(())
+    })
+    .await;
+    let mut holder = Conn::new(Opts::from_url(&fixture.url).unwrap())
+        .await
+        .unwrap();
+    holder.query_drop("BEGIN").await.unwrap();
+    holder
+        .query_drop(format!("SELECT * FROM {POSITIONS} FOR UPDATE"))
+        .await
+        .unwrap();
+    // A second past the lease (the claims run every 100 ms), by the server's clock.
+    eventually("the lease run out", PATIENCE, || async {
+        let lapsed: Option<i64> = fixture
+            .db
+            .get_conn()
+            .await
+            .ok()?
+            .query_first(format!(
+                "SELECT lease_until < NOW(6) - INTERVAL 1 SECOND FROM {POSITIONS}"
+            ))
+            .await
+            .ok()?;
+        (lapsed == Some(1)).then_some(())
+    })
+    .await;
+    holder.query_drop("ROLLBACK").await.unwrap();
+    fixture.insert("k", "T", 1).await;
+    eventually("the event after the renewal", PATIENCE, || async {
+        (delivered_n(&publisher, "k").len() == 2).then_some(())
+    })
+    .await;
+    assert_eq!(delivered_n(&publisher, "k"), [0, 1]);
+    relay.stop().await;
+}
