@@ -350,6 +350,17 @@ impl ActiveReader {
             }
         };
         let adopting = async {
+            // A reader paused inside the adoption would keep the position's row locked, and
+            // with it the standby's fencing write, for the server's `wait_timeout` (8 hours
+            // by default): the server ends it after the relay's idle bound instead. The seat
+            // connection then sits idle between writes again, so the bound goes with the
+            // transaction.
+            self.conn
+                .query_drop(format!(
+                    "SET SESSION wait_timeout = {}",
+                    outbox_layout::sql::MYSQL_IDLE_SESSION.as_secs()
+                ))
+                .await?;
             let mut tx = self
                 .conn
                 .start_transaction(mysql_async::TxOpts::default())
@@ -363,6 +374,9 @@ impl ActiveReader {
                 return Ok(false);
             }
             tx.commit().await?;
+            self.conn
+                .query_drop("SET SESSION wait_timeout = @@GLOBAL.wait_timeout")
+                .await?;
             Ok::<_, BinlogError>(true)
         };
         let adopted = tokio::select! {

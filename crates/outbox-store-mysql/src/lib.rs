@@ -202,9 +202,7 @@ impl MappedDb for MySql {
     }
 
     async fn take_lock(&self, mapping: &Mapping) -> StoreResult<Option<Conn>> {
-        let mut conn = Conn::new(self.opts.clone())
-            .await
-            .map_err(|e| db_error("take the active-relay lock", e))?;
+        let mut conn = lock_connection(&self.opts, "take the active-relay lock").await?;
         let got: Option<Option<i64>> = conn
             .exec_first("SELECT GET_LOCK(?, 0)", (self.lock_name(mapping),))
             .await
@@ -227,9 +225,7 @@ impl MappedDb for MySql {
         const ER_NO_SUCH_THREAD: u16 = 1094;
         let context = "take the active-relay lock from a stale holder";
         let name = self.lock_name(mapping);
-        let mut conn = Conn::new(self.opts.clone())
-            .await
-            .map_err(|e| db_error(context, e))?;
+        let mut conn = lock_connection(&self.opts, context).await?;
         let got: Option<Option<i64>> = conn
             .exec_first("SELECT GET_LOCK(?, 0)", (&name,))
             .await
@@ -470,8 +466,13 @@ pub fn session_settings(builder: OptsBuilder) -> OptsBuilder {
 /// With mysql_async's default of none, the pool keeps no more idle connections than its
 /// minimum, 0 here: every claim, ack and retry opened a connection (a TCP connect, a second
 /// one to the server's socket, a login, the session settings) and closed it after one
-/// statement.
-pub const IDLE_CONNECTION_TTL: Duration = Duration::from_secs(60);
+/// statement. With [`IDLE_CONNECTION_CHECK`] it stays under the sessions' idle bound
+/// ([`outbox_layout::sql::MYSQL_IDLE_SESSION`]), so the pool closes an idle connection
+/// before the server ends it.
+pub const IDLE_CONNECTION_TTL: Duration = Duration::from_secs(6);
+
+/// How often the pool looks for connections idle past [`IDLE_CONNECTION_TTL`].
+pub const IDLE_CONNECTION_CHECK: Duration = Duration::from_secs(1);
 
 /// The pool of up to `size` connections (at least 2) the store runs on: none kept while the
 /// relay is idle for [`IDLE_CONNECTION_TTL`], every one kept while it is busy.
@@ -480,5 +481,20 @@ pub fn pool_opts(size: usize) -> StoreResult<PoolOpts> {
         .ok_or_else(|| StoreError::new(StoreErrorKind::Config, "invalid MySQL pool size"))?;
     Ok(PoolOpts::default()
         .with_constraints(constraints)
-        .with_inactive_connection_ttl(IDLE_CONNECTION_TTL))
+        .with_inactive_connection_ttl(IDLE_CONNECTION_TTL)
+        .with_ttl_check_interval(IDLE_CONNECTION_CHECK))
+}
+
+/// A connection of its own that holds a named lock (`GET_LOCK`) for as long as this relay
+/// is active. It sits idle between the pings that prove it alive, so it keeps the server's
+/// own `wait_timeout` rather than the idle bound of the session settings; a paused holder is
+/// ended by the standby that takes over instead.
+async fn lock_connection(opts: &Opts, context: &'static str) -> StoreResult<Conn> {
+    let mut conn = Conn::new(opts.clone())
+        .await
+        .map_err(|e| db_error(context, e))?;
+    conn.query_drop("SET SESSION wait_timeout = @@GLOBAL.wait_timeout")
+        .await
+        .map_err(|e| db_error(context, e))?;
+    Ok(conn)
 }

@@ -186,12 +186,20 @@ fn store_error(context: &str, e: mysql_async::Error) -> StoreError {
 }
 
 /// The store's own connections (parks, deletes, the parked keys), with the MySQL store's
-/// session settings, run anew after each reset the pool does between uses.
+/// session settings, run anew after each reset the pool does between uses, and its pool's
+/// handling of idle connections.
 pub fn pool_opts(url: &str) -> Result<mysql_async::Opts, BinlogError> {
-    Ok(OptsBuilder::from_opts(opts(url)?)
-        .setup(outbox_layout::sql::MYSQL_SESSION_SETTINGS.to_vec())
-        .into())
+    let pool = outbox_store_mysql::pool_opts(STORE_CONNECTIONS)
+        .map_err(|e| BinlogError::Config(e.to_string()))?;
+    Ok(
+        outbox_store_mysql::session_settings(OptsBuilder::from_opts(opts(url)?))
+            .pool_opts(pool)
+            .into(),
+    )
 }
+
+/// The store's connections at most: parks, deletes and unparks run one at a time each.
+const STORE_CONNECTIONS: usize = 10;
 
 impl BinlogStore {
     /// Starts the reader task (it takes the seat, or waits as a standby).

@@ -21,12 +21,23 @@ pub use ddl::{
 
 use uuid::Uuid;
 
+/// How long a MySQL/MariaDB session of the relay may wait for its next statement
+/// ([`MYSQL_SESSION_SETTINGS`] sets it as `wait_timeout`).
+pub const MYSQL_IDLE_SESSION: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// What every MySQL/MariaDB connection of the relay runs first, the polling store's and
 /// binlog capture's alike (and again after the pool resets a connection between uses).
 pub const MYSQL_SESSION_SETTINGS: [&str; 2] = [
     // Timestamps are written and read as UTC, whatever the server's zone: `available_at`
     // is computed from `NOW(6)` and compared with claims' times.
-    "SET time_zone = '+00:00'",
+    //
+    // And the server ends a session that waits longer than [`MYSQL_IDLE_SESSION`] for the
+    // relay's next statement, rolling its transaction back. A paused relay (SIGSTOP, a frozen
+    // VM) otherwise keeps a transaction's row locks for the server's `wait_timeout`, 8 hours
+    // by default, and the standby that takes over waits on them: MySQL has no
+    // `idle_in_transaction_session_timeout` (MariaDB's `idle_transaction_timeout` is not in
+    // MySQL 8). The pools close their idle connections before the server would.
+    "SET time_zone = '+00:00', wait_timeout = 10",
     // The seed's reason: no gap locks, which in REPEATABLE READ made the application's
     // inserts wait for a claim or a delete of delivered rows in flight.
     "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED",
@@ -947,6 +958,15 @@ mod tests {
 
     fn pg(m: Mapping) -> Sql {
         Sql::new(m, Dialect::Postgres).unwrap()
+    }
+
+    #[test]
+    fn the_session_settings_bound_an_idle_session_by_mysql_idle_session() {
+        let wait = format!("wait_timeout = {}", MYSQL_IDLE_SESSION.as_secs());
+        assert!(
+            MYSQL_SESSION_SETTINGS.iter().any(|s| s.contains(&wait)),
+            "{MYSQL_SESSION_SETTINGS:?}"
+        );
     }
 
     #[test]

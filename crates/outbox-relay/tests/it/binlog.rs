@@ -422,6 +422,13 @@ async fn a_standby_takes_over_from_a_sigstopped_reader_after_its_lease() {
         },
     )
     .await;
+    // The park committed (a relay paused inside it is the next test's).
+    eventually(
+        "the active relay parked the event",
+        Duration::from_secs(30),
+        || async { (db.count("outbox_parked").await == 1).then_some(()) },
+    )
+    .await;
     // Paused, it keeps that lock's session (the server ends an idle one after
     // `wait_timeout`, 8 hours): the standby, once it reads, ends it to claim the parked
     // event, and the events of `a` behind it.
@@ -434,6 +441,87 @@ async fn a_standby_takes_over_from_a_sigstopped_reader_after_its_lease() {
     eventually(
         "the standby delivered the rest",
         Duration::from_secs(30),
+        || async { (first_deliveries(&files).0.get("a").map_or(0, Vec::len) >= 20).then_some(()) },
+    )
+    .await;
+    assert_every_key_in_order(&first_deliveries(&files).0, &["a"], 20);
+    active.signal("-CONT");
+    active.kill9();
+    assert!(standby.terminate().await.success(), "{}", standby.logs());
+}
+
+/// The park is fenced on the seat under a shared lock of the position's row, which the
+/// standby's fencing write waits for. A reader paused inside a park would hold that lock for
+/// the server's `wait_timeout` (8 hours by default), and no standby took over meanwhile: the
+/// server ends the relay's idle transaction after its bound instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_takes_over_from_a_reader_sigstopped_inside_a_park() {
+    let db = BinlogDb::new().await;
+    let mut active = db.reading("relay-1", "out-1.jsonl").await;
+    let mut standby = db.spawn("relay-2", "out-2.jsonl", &[]);
+    standby
+        .wait_for_log(
+            "the second relay waiting",
+            Duration::from_secs(30),
+            "standby",
+        )
+        .await;
+    db.write(&["a"], 0, 10, true).await;
+    wait_for_lines(
+        "the active relay delivering",
+        &db.path("out-1.jsonl"),
+        Duration::from_secs(30),
+        |n| n >= 10,
+    )
+    .await;
+    // With the parked table locked, the park of an event not due yet waits inside its
+    // transaction, the position's row already read under a shared lock.
+    let mut locker = db.pool.get_conn().await.unwrap();
+    locker
+        .query_drop("LOCK TABLES outbox_parked WRITE")
+        .await
+        .unwrap();
+    let mut conn = db.pool.get_conn().await.unwrap();
+    conn.query_drop(
+        "INSERT INTO outbox (destination, partition_key, event_type, payload, available_at)
+         VALUES ('orders', 'a', 'T', JSON_OBJECT('n', 10), NOW(6) + INTERVAL 5 SECOND)",
+    )
+    .await
+    .unwrap();
+    eventually_explained(
+        "the active relay's park waiting for the parked table",
+        Duration::from_secs(30),
+        || active.logs(),
+        || {
+            let pool = db.pool.clone();
+            async move {
+                let mut conn = pool.get_conn().await.ok()?;
+                let waiting: Option<i64> = conn
+                    .query_first(
+                        "SELECT count(*) FROM information_schema.PROCESSLIST
+                          WHERE DB = DATABASE() AND INFO LIKE 'INSERT INTO%outbox_parked%'",
+                    )
+                    .await
+                    .ok()?;
+                (waiting? > 0).then_some(())
+            }
+        },
+    )
+    .await;
+    // Paused there: once the table is unlocked, the park's insert goes through and its
+    // transaction waits for a relay that sends nothing more.
+    active.signal("-STOP");
+    locker.query_drop("UNLOCK TABLES").await.unwrap();
+    drop(locker);
+    db.write(&["a"], 11, 9, true).await;
+    standby
+        .wait_for_log("the standby reading", Duration::from_secs(60), READING)
+        .await;
+    let files = [db.path("out-1.jsonl"), db.path("out-2.jsonl")];
+    eventually_explained(
+        "the standby delivered the rest",
+        Duration::from_secs(30),
+        || standby.logs(),
         || async { (first_deliveries(&files).0.get("a").map_or(0, Vec::len) >= 20).then_some(()) },
     )
     .await;

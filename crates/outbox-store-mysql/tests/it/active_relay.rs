@@ -54,3 +54,18 @@ async fn a_store_that_steps_down_lets_another_take_the_table() {
     )
     .await;
 }
+
+/// The lock's connection sits idle between the checks that prove it alive, so it keeps the
+/// server's `wait_timeout`: under the idle bound of the store's other sessions, an active
+/// relay with nothing to do would lose the table every few seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_active_relays_lock_outlives_the_idle_bound_of_its_other_sessions() {
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let first = store(&url);
+    first.migrate().await.unwrap();
+    first.insert(vec![keyed_event("k", 0)]).await.unwrap();
+    assert_eq!(first.claim(claim_by("first")).await.unwrap().len(), 1);
+    // Idle, by design, for longer than the bound.
+    tokio::time::sleep(outbox_layout::sql::MYSQL_IDLE_SESSION + Duration::from_secs(3)).await;
+    assert!(first.is_active().await, "the lock's connection was ended");
+}

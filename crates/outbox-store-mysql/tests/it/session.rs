@@ -3,9 +3,63 @@
 
 use mysql_async::prelude::Queryable;
 use mysql_async::{Opts, OptsBuilder, Pool};
+use outbox_layout::sql::MYSQL_IDLE_SESSION;
+
+fn pool(url: &str) -> Pool {
+    let opts: Opts =
+        outbox_store_mysql::session_settings(OptsBuilder::from_opts(Opts::from_url(url).unwrap()))
+            .pool_opts(outbox_store_mysql::pool_opts(2).unwrap())
+            .into();
+    Pool::new(opts)
+}
+
+/// A relay paused inside a transaction (SIGSTOP, a frozen VM) would keep its row locks for
+/// the server's `wait_timeout`, 8 hours by default, and a standby taking over would wait on
+/// them: the server ends a session of the relay idle past its bound, rolling it back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_its_relay_left_idle_is_rolled_back_after_the_idle_bound() {
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let pool = pool(&url);
+    let mut paused = pool.get_conn().await.unwrap();
+    paused
+        .query_drop("CREATE TABLE seat (id int PRIMARY KEY, epoch int NOT NULL)")
+        .await
+        .unwrap();
+    paused
+        .query_drop("INSERT INTO seat VALUES (1, 0)")
+        .await
+        .unwrap();
+    paused.query_drop("BEGIN").await.unwrap();
+    paused
+        .query_drop("SELECT epoch FROM seat WHERE id = 1 LOCK IN SHARE MODE")
+        .await
+        .unwrap();
+    // The standby's fencing write waits for that shared lock far longer than the bound, and
+    // gets it once the server ends the idle session.
+    let mut standby = mysql_async::Conn::new(Opts::from_url(&url).unwrap())
+        .await
+        .unwrap();
+    standby
+        .query_drop(format!(
+            "SET SESSION innodb_lock_wait_timeout = {}",
+            MYSQL_IDLE_SESSION.as_secs() * 4
+        ))
+        .await
+        .unwrap();
+    let fenced = standby
+        .query_drop("UPDATE seat SET epoch = epoch + 1 WHERE id = 1")
+        .await;
+    assert!(fenced.is_ok(), "{fenced:?}");
+    assert!(
+        paused.query_drop("COMMIT").await.is_err(),
+        "the idle session was ended"
+    );
+    drop(paused);
+    pool.disconnect().await.unwrap();
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_connection_back_from_the_pool_keeps_utc_and_read_committed() {
+async fn a_connection_back_from_the_pool_keeps_utc_read_committed_and_the_idle_bound() {
     let url = outbox_testkit::fresh_mysql_database().await;
     let opts: Opts =
         outbox_store_mysql::session_settings(OptsBuilder::from_opts(Opts::from_url(&url).unwrap()))
@@ -19,10 +73,10 @@ async fn a_connection_back_from_the_pool_keeps_utc_and_read_committed() {
     let mut ids = std::collections::BTreeSet::new();
     for use_ in 0..uses {
         let mut conn = pool.get_conn().await.unwrap();
-        let (id, zone, isolation, marker): (u64, String, String, Option<i64>) = conn
+        let (id, zone, isolation, idle, marker): (u64, String, String, u64, Option<i64>) = conn
             .query_first(
                 "SELECT CONNECTION_ID(), @@session.time_zone, @@session.tx_isolation, \
-                 @relay_test_marker",
+                 @@session.wait_timeout, @relay_test_marker",
             )
             .await
             .unwrap()
@@ -30,6 +84,7 @@ async fn a_connection_back_from_the_pool_keeps_utc_and_read_committed() {
         ids.insert(id);
         assert_eq!(zone, "+00:00", "use {use_}");
         assert_eq!(isolation, "READ-COMMITTED", "use {use_}");
+        assert_eq!(idle, MYSQL_IDLE_SESSION.as_secs(), "use {use_}");
         // A user variable does not survive the reset: a kept connection was reset.
         assert_eq!(marker, None, "use {use_}");
         conn.query_drop("SET @relay_test_marker = 1").await.unwrap();
