@@ -70,6 +70,24 @@ pub fn classify(error: &mysql_async::Error) -> StoreErrorKind {
 /// ER_DATA_TOO_LONG: a value longer than its column, refused in strict mode (the default).
 const DATA_TOO_LONG: u16 = 1406;
 
+/// Whether the server refused a value of the row itself: too long or out of range for its
+/// column, not valid for its type (MySQL's JSON), or failing a CHECK (MariaDB's JSON
+/// columns check `JSON_VALID`, which refuses a document nested 32 deep). The same row
+/// fails every time, where any other `Query` failure may pass on a later try.
+pub fn refuses_a_value(error: &mysql_async::Error) -> bool {
+    const REFUSED_VALUE: [u16; 8] = [
+        1264, // ER_WARN_DATA_OUT_OF_RANGE
+        1265, // WARN_DATA_TRUNCATED
+        1292, // ER_TRUNCATED_WRONG_VALUE
+        1366, // ER_TRUNCATED_WRONG_VALUE_FOR_FIELD (a character the column's set lacks)
+        DATA_TOO_LONG,
+        3140, // ER_INVALID_JSON_TEXT (MySQL)
+        3157, // ER_JSON_DOCUMENT_TOO_DEEP (MySQL)
+        4025, // ER_CONSTRAINT_FAILED (MariaDB's CHECK)
+    ];
+    matches!(error, mysql_async::Error::Server(e) if REFUSED_VALUE.contains(&e.code))
+}
+
 fn db_error(context: &str, error: mysql_async::Error) -> StoreError {
     let kind = classify(&error);
     match &error {

@@ -332,95 +332,169 @@ impl Inner {
     /// Writes `to_park` to the parked table (and deletes their outbox rows) in one
     /// transaction fenced on the seat, then settles them; parks that must wait stay queued.
     /// Call it holding `parking`.
+    ///
+    /// A row the parked table refuses (a payload nested deeper than the server's JSON
+    /// allows, a mapped table's longer mutation id) would fail every try, and every claim
+    /// with it, since parks go first. When the batch is refused, the parks are written one
+    /// by one, in order, and a refused one is dead-lettered in a form the table stores
+    /// ([`unparkable_values`]).
     async fn flush_parks(&self) -> StoreResult<u64> {
-        let (parks, params, rows, epoch) = {
+        let (parks, values, epoch) = {
             let mut state = lock(&self.state);
             let parks = state.holdings.take_parks();
-            let mut params: Vec<Value> = Vec::with_capacity(parks.len() * PARK_PARAMS);
-            let mut rows = Vec::new();
-            for park in &parks {
-                if let Some(Held::Stream(s)) = state.holdings.held.get(&park.id) {
-                    park_values(park, &s.body, &mut params);
-                    rows.extend(s.row);
-                }
-            }
-            (parks, params, rows, state.epoch)
+            let values: Vec<ParkRow> = parks
+                .iter()
+                .map(|park| match state.holdings.held.get(&park.id) {
+                    Some(Held::Stream(s)) => {
+                        let mut params = Vec::with_capacity(PARK_PARAMS);
+                        park_values(park, &s.body, &mut params);
+                        ParkRow { params, row: s.row }
+                    }
+                    _ => ParkRow {
+                        params: Vec::new(),
+                        row: None,
+                    },
+                })
+                .collect();
+            (parks, values, state.epoch)
         };
         if parks.is_empty() {
             return Ok(0);
         }
-        let result = self.write_parks(parks.len(), params, &rows, epoch).await;
-        let mut state = lock(&self.state);
-        match result {
-            Ok(true) => {
-                if tracing::enabled!(tracing::Level::DEBUG) {
-                    // Each parked row's stream id with its event id, for a soak's forensics.
-                    let parked: Vec<String> = parks
-                        .iter()
-                        .map(|p| match state.holdings.held.get(&p.id) {
-                            Some(Held::Stream(s)) => match &s.body {
-                                Body::Event(e) => format!("{}={}", p.id, e.event_id),
-                                Body::Undecodable(_) => p.id.to_string(),
-                            },
-                            _ => p.id.to_string(),
-                        })
-                        .collect();
-                    tracing::debug!(?parked, "parked");
+        let mut written = 0;
+        let mut dead_instead = Vec::new();
+        let outcome = match self.write_parks(&values, epoch).await {
+            Ok(fenced_in) => {
+                if fenced_in {
+                    written = parks.len();
                 }
-                let n = parks.len() as u64;
-                state.dead_by_capture += parks.iter().filter(|p| p.dead_by_capture).count() as u64;
-                self.settle(&mut state, parks.into_iter().map(|p| p.id));
-                Ok(n)
+                Ok(fenced_in)
             }
+            Err(e) if outbox_store_mysql::refuses_a_value(&e) => {
+                self.write_parks_one_by_one(&parks, values, epoch, &mut written, &mut dead_instead)
+                    .await
+            }
+            Err(e) => Err(store_error("parking rows", e)),
+        };
+        let mut state = lock(&self.state);
+        let mut parks = parks;
+        let unwritten = parks.split_off(written);
+        if tracing::enabled!(tracing::Level::DEBUG) && !parks.is_empty() {
+            // Each parked row's stream id with its event id, for a soak's forensics.
+            let parked: Vec<String> = parks
+                .iter()
+                .map(|p| match state.holdings.held.get(&p.id) {
+                    Some(Held::Stream(s)) => match &s.body {
+                        Body::Event(e) => format!("{}={}", p.id, e.event_id),
+                        Body::Undecodable(_) => p.id.to_string(),
+                    },
+                    _ => p.id.to_string(),
+                })
+                .collect();
+            tracing::debug!(?parked, "parked");
+        }
+        let n = parks.len() as u64;
+        state.dead_by_capture += parks
+            .iter()
+            .filter(|p| p.dead_by_capture || (dead_instead.contains(&p.id) && !p.dead))
+            .count() as u64;
+        self.settle(&mut state, parks.into_iter().map(|p| p.id));
+        match outcome {
+            Ok(true) => Ok(n),
             Ok(false) => {
-                state.leave_to_seat_holder(parks.into_iter().map(|p| p.id));
-                Ok(0)
+                state.leave_to_seat_holder(unwritten.into_iter().map(|p| p.id));
+                Ok(n)
             }
             Err(e) => {
                 // Kept, in order, ahead of anything queued since: the next claim tries again.
-                let later = std::mem::replace(&mut state.holdings.to_park, parks);
+                let later = std::mem::replace(&mut state.holdings.to_park, unwritten);
                 state.holdings.to_park.extend(later);
                 Err(e)
             }
         }
     }
 
-    /// The park's transaction; `false` when the seat has another epoch (nothing written).
-    async fn write_parks(
+    /// The parks of a refused batch, each in a transaction of its own and in order; one the
+    /// table refuses is written as a dead letter it stores. Counts in `written` the parks
+    /// written (from the first), and lists in `dead_instead` those dead-lettered instead.
+    async fn write_parks_one_by_one(
         &self,
-        count: usize,
-        params: Vec<Value>,
-        rows: &[i64],
+        parks: &[Park],
+        values: Vec<ParkRow>,
         epoch: i64,
+        written: &mut usize,
+        dead_instead: &mut Vec<SequenceId>,
     ) -> StoreResult<bool> {
-        let fail = |e: mysql_async::Error| store_error("parking rows", e);
-        let mut conn = self.pool.get_conn().await.map_err(fail)?;
+        for (park, value) in parks.iter().zip(values) {
+            let refused = match self.write_parks(std::slice::from_ref(&value), epoch).await {
+                Ok(true) => None,
+                Ok(false) => return Ok(false),
+                Err(e) if outbox_store_mysql::refuses_a_value(&e) => Some(e),
+                Err(e) => return Err(store_error("parking rows", e)),
+            };
+            if let Some(refused) = refused {
+                let reason = match refused {
+                    mysql_async::Error::Server(e) => e.message,
+                    other => other.to_string(),
+                };
+                let dead = {
+                    let state = lock(&self.state);
+                    let mut params = Vec::with_capacity(PARK_PARAMS);
+                    if let Some(Held::Stream(s)) = state.holdings.held.get(&park.id) {
+                        unparkable_values(park, &s.body, &reason, &mut params);
+                    }
+                    ParkRow {
+                        params,
+                        row: value.row,
+                    }
+                };
+                match self.write_parks(std::slice::from_ref(&dead), epoch).await {
+                    Ok(true) => {
+                        tracing::warn!(row = park.id, %reason, "the parked table refused a row that had to wait: it was dead-lettered, its payload kept as a JSON string");
+                        dead_instead.push(park.id);
+                    }
+                    Ok(false) => return Ok(false),
+                    Err(e) => {
+                        return Err(store_error(
+                            "dead-lettering a row the parked table refused",
+                            e,
+                        ))
+                    }
+                }
+            }
+            *written += 1;
+        }
+        Ok(true)
+    }
+
+    /// The park's transaction; `false` when the seat has another epoch (nothing written).
+    async fn write_parks(&self, parks: &[ParkRow], epoch: i64) -> Result<bool, mysql_async::Error> {
+        let mut conn = self.pool.get_conn().await?;
         let mut tx = conn
             .start_transaction(mysql_async::TxOpts::default())
-            .await
-            .map_err(fail)?;
+            .await?;
         let seat: Option<i64> = tx
             .exec_first(self.sql.seat_epoch(), (&self.seat_key,))
-            .await
-            .map_err(fail)?;
+            .await?;
         if seat != Some(epoch) {
-            tx.rollback().await.map_err(fail)?;
+            tx.rollback().await?;
             return Ok(false);
         }
         // 14 values a row: at most 1,000 rows a statement keeps far under the 65,535
         // placeholders a statement may have.
-        for chunk in params.chunks(1_000 * PARK_PARAMS) {
-            tx.exec_drop(self.sql.park(chunk.len() / PARK_PARAMS), chunk.to_vec())
-                .await
-                .map_err(fail)?;
+        for chunk in parks.chunks(1_000) {
+            let params: Vec<Value> = chunk
+                .iter()
+                .flat_map(|p| p.params.iter().cloned())
+                .collect();
+            debug_assert_eq!(params.len(), chunk.len() * PARK_PARAMS);
+            tx.exec_drop(self.sql.park(chunk.len()), params).await?;
         }
-        debug_assert_eq!(params.len(), count * PARK_PARAMS);
+        let rows: Vec<i64> = parks.iter().filter_map(|p| p.row).collect();
         if !rows.is_empty() {
-            tx.query_drop(self.sql.settle_rows(rows))
-                .await
-                .map_err(fail)?;
+            tx.query_drop(self.sql.settle_rows(&rows)).await?;
         }
-        tx.commit().await.map_err(fail)?;
+        tx.commit().await?;
         Ok(true)
     }
 
@@ -750,6 +824,59 @@ fn with_parked_id(row: Claimed) -> Claimed {
             attempts,
             reason,
         },
+    }
+}
+
+/// One park's values ([`PARK_PARAMS`] of them), and the outbox row it deletes (the table
+/// form's).
+struct ParkRow {
+    params: Vec<Value>,
+    row: Option<i64>,
+}
+
+/// A row the parked table refused as it is, as a dead letter it stores: the payload as a
+/// JSON string of its text (never nested, whatever the server's JSON allows), the mutation
+/// id cut to the column's length, and the refusal as its error.
+fn unparkable_values(park: &Park, body: &Body, refusal: &str, params: &mut Vec<Value>) {
+    let error = format!(
+        "it had to wait in the parked table{}, which refused it ({refusal}): dead-lettered \
+         instead, its payload kept as a JSON string of its text and a mutation id longer \
+         than {} characters cut",
+        park.error
+            .as_deref()
+            .map(|e| format!(" after: {e}"))
+            .unwrap_or_default(),
+        event::PARKED_TEXT_CHARS,
+    );
+    let dead = Park {
+        id: park.id,
+        attempts: park.attempts,
+        error: Some(error),
+        delay: Duration::ZERO,
+        not_before: None,
+        dead: true,
+        dead_by_capture: park.dead_by_capture,
+    };
+    match body {
+        Body::Event(e) => {
+            let payload = match &e.payload {
+                Payload::Null => Payload::Null,
+                other => {
+                    let text = String::from_utf8_lossy(other.as_bytes());
+                    serde_json::value::to_raw_value(&text).map_or(Payload::Null, Payload::Json)
+                }
+            };
+            let event = Event {
+                destination: fitted(&e.destination).to_string(),
+                partition_key: e.partition_key.as_deref().map(|k| fitted(k).to_string()),
+                event_type: fitted(&e.event_type).to_string(),
+                mutation_id: e.mutation_id.as_deref().map(|m| fitted(m).to_string()),
+                payload,
+                ..(**e).clone()
+            };
+            park_values(&dead, &Body::Event(Arc::new(event)), params);
+        }
+        Body::Undecodable(_) => park_values(&dead, body, params),
     }
 }
 

@@ -810,3 +810,69 @@ async fn claims_go_on_with_the_session_once_a_lapsed_lease_is_renewed() {
     assert_eq!(delivered_n(&publisher, "k"), [0, 1]);
     relay.stop().await;
 }
+
+/// A row the parked table refuses as it is (here a payload nested 40 deep, which MariaDB's
+/// `JSON_VALID` check on the parked table's payload refuses, from an outbox whose payload is
+/// plain text) once it has to wait for a retry. Its park failed every time, and every claim
+/// with it (parks go first), so no key moved. Now it alone is dead-lettered, its payload
+/// kept as a JSON string of its text, and the rows parked behind it in the same batch, and
+/// every other key, go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_the_parked_table_refuses_is_dead_lettered_as_text_and_blocks_no_key() {
+    let fixture = Fixture::new().await;
+    let mut conn = fixture.db.get_conn().await.unwrap();
+    conn.query_drop("ALTER TABLE outbox MODIFY payload longtext NULL")
+        .await
+        .unwrap();
+    let deep = format!(
+        "{{\"n\": 1, \"deep\": {}1{}}}",
+        "[".repeat(40),
+        "]".repeat(40)
+    );
+    let publisher = RecordingPublisher::new();
+    publisher.fail("Stuck", usize::MAX, PublishErrorKind::Unavailable);
+    let relay = Relay::reading(fixture.options("relay-1"), &publisher).await;
+    // One transaction: the head of `a` that must wait, and a row of `a` parked behind it in
+    // the same batch.
+    conn.query_drop("BEGIN").await.unwrap();
+    conn.exec_drop(
+        "INSERT INTO outbox (destination, partition_key, event_type, payload)
+         VALUES ('orders', 'a', 'Stuck', ?)",
+        (&deep,),
+    )
+    .await
+    .unwrap();
+    conn.exec_drop(
+        "INSERT INTO outbox (destination, partition_key, event_type, payload)
+         VALUES ('orders', 'a', 'Placed', JSON_OBJECT('n', 2))",
+        (),
+    )
+    .await
+    .unwrap();
+    conn.query_drop("COMMIT").await.unwrap();
+    fixture.insert("b", "Placed", 3).await;
+    eventually(
+        "key b, and a's row behind the refused one",
+        PATIENCE,
+        || async {
+            (delivered_n(&publisher, "b") == [3] && delivered_n(&publisher, "a") == [2])
+                .then_some(())
+        },
+    )
+    .await;
+    let (payload, error): (String, String) = conn
+        .query_first("SELECT payload, last_error FROM outbox_parked WHERE dead_at IS NOT NULL")
+        .await
+        .unwrap()
+        .expect("the refused row is a dead letter");
+    assert_eq!(
+        serde_json::from_str::<String>(&payload).unwrap(),
+        deep,
+        "its payload kept as a JSON string of its text"
+    );
+    assert!(
+        error.contains("refused") && error.contains("JSON string"),
+        "{error}"
+    );
+    relay.stop().await;
+}
