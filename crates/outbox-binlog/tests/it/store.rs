@@ -821,9 +821,11 @@ async fn claims_go_on_with_the_session_once_a_lapsed_lease_is_renewed() {
 async fn a_row_the_parked_table_refuses_is_dead_lettered_as_text_and_blocks_no_key() {
     let fixture = Fixture::new().await;
     let mut conn = fixture.db.get_conn().await.unwrap();
-    conn.query_drop("ALTER TABLE outbox MODIFY payload longtext NULL")
-        .await
-        .unwrap();
+    conn.query_drop(
+        "ALTER TABLE outbox MODIFY payload longtext NULL, MODIFY mutation_id varchar(1000) NULL",
+    )
+    .await
+    .unwrap();
     let deep = format!(
         "{{\"n\": 1, \"deep\": {}1{}}}",
         "[".repeat(40),
@@ -850,6 +852,15 @@ async fn a_row_the_parked_table_refuses_is_dead_lettered_as_text_and_blocks_no_k
     .await
     .unwrap();
     conn.query_drop("COMMIT").await.unwrap();
+    // A mapped table's mutation id longer than the parked table's column.
+    let mutation = "m".repeat(300);
+    conn.exec_drop(
+        "INSERT INTO outbox (destination, partition_key, event_type, payload, mutation_id)
+         VALUES ('orders', 'c', 'Stuck', JSON_OBJECT('n', 1), ?)",
+        (&mutation,),
+    )
+    .await
+    .unwrap();
     fixture.insert("b", "Placed", 3).await;
     eventually(
         "key b, and a's row behind the refused one",
@@ -860,8 +871,29 @@ async fn a_row_the_parked_table_refuses_is_dead_lettered_as_text_and_blocks_no_k
         },
     )
     .await;
+    eventually("both refused rows dead-lettered", PATIENCE, || async {
+        let dead: Option<i64> = fixture
+            .db
+            .get_conn()
+            .await
+            .ok()?
+            .query_first("SELECT count(*) FROM outbox_parked WHERE dead_at IS NOT NULL")
+            .await
+            .ok()?;
+        (dead? == 2).then_some(())
+    })
+    .await;
+    let cut: Option<String> = conn
+        .query_first("SELECT mutation_id FROM outbox_parked WHERE partition_key = 'c'")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(cut.as_deref(), Some(&mutation[..255]));
     let (payload, error): (String, String) = conn
-        .query_first("SELECT payload, last_error FROM outbox_parked WHERE dead_at IS NOT NULL")
+        .query_first(
+            "SELECT payload, last_error FROM outbox_parked
+              WHERE dead_at IS NOT NULL AND partition_key = 'a'",
+        )
         .await
         .unwrap()
         .expect("the refused row is a dead letter");
