@@ -94,15 +94,31 @@ impl CaptureTables {
     pub fn steps(&self) -> Steps {
         Steps::new(
             "wal",
-            vec![Step {
-                version: 1,
-                summary: "WAL capture: the publication, the parked and adopted tables, the emit \
+            vec![
+                Step {
+                    version: 1,
+                    summary:
+                        "WAL capture: the publication, the parked and adopted tables, the emit \
                           function (the publication takes no lock that blocks writes)",
-                statements: vec![self.ddl()],
-                lock: Lock::Online,
-                run: Run::InTransaction,
-                older_relays_run: false,
-            }],
+                    statements: vec![self.ddl()],
+                    lock: Lock::Online,
+                    run: Run::InTransaction,
+                    older_relays_run: false,
+                },
+                Step {
+                    version: 2,
+                    summary: "WAL capture: the publication's version each slot adopted at, so a \
+                          change made while no relay ran is seen at the next start",
+                    statements: vec![format!(
+                        "ALTER TABLE {} ADD COLUMN IF NOT EXISTS publication_version text NULL;",
+                        self.adopted.quoted()
+                    )],
+                    lock: Lock::Online,
+                    run: Run::InTransaction,
+                    // An earlier relay records adoptions without it, which this one completes.
+                    older_relays_run: true,
+                },
+            ],
         )
     }
 
@@ -283,8 +299,15 @@ pub struct CaptureStatements {
     pub adopt: Adoption,
     /// Whether the slot `$1` has adopted the table's rows.
     pub adopted: String,
-    /// Records that the slot `$1` adopted them: a step of the adoption's transaction.
+    /// The publication's version (`$1` the slot) its adoption recorded: a change since, made
+    /// while no relay ran, left rows out of the stream all the same.
+    pub adopted_publication_version: String,
+    /// Records that the slot `$1` adopted them, at the publication's version `$2`: a step of
+    /// the adoption's transaction.
     pub record_adoption: String,
+    /// Records the publication's version `$2` for the slot `$1` whose adoption (by a relay
+    /// from before it was kept) has none.
+    pub record_publication_version: String,
     /// Forgets the slot `$1`'s adoption (its slot was dropped: a new one must adopt again).
     pub forget_adoption: String,
     /// A row while the slot `$1` streams to the session named `$2` (its
@@ -406,8 +429,17 @@ impl CaptureStatements {
                 "SELECT EXISTS (SELECT 1 FROM {} WHERE slot = $1)",
                 tables.adopted.quoted()
             ),
+            adopted_publication_version: format!(
+                "SELECT publication_version FROM {} WHERE slot = $1",
+                tables.adopted.quoted()
+            ),
             record_adoption: format!(
-                "INSERT INTO {} (slot) VALUES ($1) ON CONFLICT DO NOTHING",
+                "INSERT INTO {} (slot, publication_version) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+                tables.adopted.quoted()
+            ),
+            record_publication_version: format!(
+                "UPDATE {} SET publication_version = $2
+                  WHERE slot = $1 AND publication_version IS NULL",
                 tables.adopted.quoted()
             ),
             forget_adoption: format!("DELETE FROM {} WHERE slot = $1", tables.adopted.quoted()),

@@ -632,9 +632,34 @@ async fn wal_capture_objects_are_a_versioned_component() {
         .await
         .unwrap()
         .get(0);
-    assert_eq!(version, 1);
+    assert_eq!(version, 2);
     let check = text(&wal(&["check"]).stdout);
-    assert!(check.contains("ok: wal schema at version 1"), "{check}");
+    assert!(check.contains("ok: wal schema at version 2"), "{check}");
+    // At version 1: the adopted table without the publication's version.
+    client
+        .batch_execute(
+            "ALTER TABLE outbox_adopted DROP COLUMN publication_version;
+             UPDATE outbox_versions SET version = 1 WHERE component = 'wal'",
+        )
+        .await
+        .unwrap();
+    let checked = wal(&["check"]);
+    let said = format!("{}{}", text(&checked.stdout), text(&checked.stderr));
+    assert!(!checked.status.success(), "{said}");
+    assert!(
+        said.contains("wal schema is version 1") && said.contains("migrate"),
+        "{said}"
+    );
+    let printed = text(&wal(&["migrate", "--print"]).stdout);
+    assert!(printed.contains("-- wal schema step 2:"), "{printed}");
+    assert!(!printed.contains("-- wal schema step 1:"), "{printed}");
+    assert!(wal(&["migrate"]).status.success());
+    let check = text(&wal(&["check"]).stdout);
+    assert!(check.contains("ok: wal schema at version 2"), "{check}");
+    client
+        .execute("SELECT publication_version FROM outbox_adopted", &[])
+        .await
+        .unwrap();
     // The parked table without a recorded version: a capture set up before versions.
     client
         .batch_execute("DELETE FROM outbox_versions WHERE component = 'wal'")
@@ -650,5 +675,5 @@ async fn wal_capture_objects_are_a_versioned_component() {
     assert!(!printed.contains("-- outbox schema step"), "{printed}");
     assert!(wal(&["migrate"]).status.success());
     let check = text(&wal(&["check"]).stdout);
-    assert!(check.contains("ok: wal schema at version 1"), "{check}");
+    assert!(check.contains("ok: wal schema at version 2"), "{check}");
 }

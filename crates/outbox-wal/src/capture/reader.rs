@@ -185,6 +185,20 @@ impl Reader {
                 .unwrap_or_else(std::sync::PoisonError::into_inner),
             version.clone(),
         );
+        // This process's first check: compared with the version the slot adopted at, so that
+        // a change made while no relay ran (undone or not) is seen too.
+        let seen = match seen {
+            Some(seen) => Some(seen),
+            None => match self.adopted_publication_version(version.as_deref()).await {
+                Ok(adopted) => adopted,
+                Err(e) => {
+                    return Some(SessionEnd::Broken(format!(
+                        "reading the publication's version the slot adopted at: {}",
+                        e.report()
+                    )))
+                }
+            },
+        };
         let changed = seen.is_some_and(|seen| Some(seen) != version);
         if problems.is_empty() && !changed {
             return None;
@@ -255,6 +269,30 @@ impl Reader {
         }
     }
 
+    /// The publication's version the slot's adoption recorded (`None`: not adopted, or by a
+    /// relay from before versions were kept, whose record gets `current` now).
+    async fn adopted_publication_version(
+        &self,
+        current: Option<&str>,
+    ) -> StoreResult<Option<String>> {
+        let slot = &self.config.slot;
+        let rows = self
+            .main
+            .query_rows("adopted", &self.sql.adopted_publication_version, &[slot])
+            .await?;
+        let adopted: Option<String> = rows.first().and_then(|row| row.get(0));
+        if adopted.is_none() && !rows.is_empty() {
+            self.main
+                .query_rows(
+                    "adopted",
+                    &self.sql.record_publication_version,
+                    &[slot, &current],
+                )
+                .await?;
+        }
+        Ok(adopted)
+    }
+
     /// Moves the rows that predate the slot to the parked table, unless the slot's adoption
     /// is recorded as done: its stream does not carry them. Run at every session start, by
     /// whichever relay streams (and so holds the slot: no other adopts meanwhile), until it
@@ -271,7 +309,14 @@ impl Reader {
             return Ok(());
         }
         let no_params = &[] as &[&(dyn ToSql + Sync)];
-        let record: &[&(dyn ToSql + Sync)] = &[slot];
+        // The version the session's check read: one changed since is seen at the next check.
+        let version = self
+            .sessions
+            .publication_version
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        let record: &[&(dyn ToSql + Sync)] = &[slot, &version];
         let adoption = &self.sql.adopt;
         let steps: Vec<_> = adoption
             .steps
