@@ -1368,6 +1368,26 @@ async fn a_publication_changed_and_changed_back_while_no_relay_ran_loses_no_row(
     w.assert_empty("").await;
 }
 
+/// An adoption recorded by a relay from before the publication's version was kept has none:
+/// the next relay records the version it finds, and goes on from there.
+#[tokio::test]
+async fn an_adoption_recorded_without_the_publications_version_gets_it() {
+    let w = WalDb::new().await;
+    let out = w.path("events.jsonl");
+    assert_success("the first drain", &w.drain(&out));
+    let version = "SELECT publication_version FROM outbox_adopted";
+    let recorded: Option<String> = w.db.query_one(version, &[]).await.unwrap().get(0);
+    assert!(recorded.is_some(), "the adoption records the version");
+    w.db.batch_execute("UPDATE outbox_adopted SET publication_version = NULL")
+        .await
+        .unwrap();
+    insert(&w.db, "k", 0).await;
+    assert_success("the second drain", &w.drain(&out));
+    let completed: Option<String> = w.db.query_one(version, &[]).await.unwrap().get(0);
+    assert_eq!(completed, recorded);
+    assert_eq!(counters_by_key(&read_lines(&out))["k"], vec![0]);
+}
+
 /// Beside a mapped table the native outbox is captured too (`dead retry` and `send` write
 /// there): a publication that leaves it out is named, as one that leaves out the mapped
 /// table is, and the fix `check` gives puts both back.
