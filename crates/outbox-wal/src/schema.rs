@@ -142,7 +142,9 @@ CREATE TABLE IF NOT EXISTS {parked} (LIKE {outbox} INCLUDING DEFAULTS INCLUDING 
 -- happens once per slot, whichever relay streams first, and again after a crash mid-way.
 CREATE TABLE IF NOT EXISTS {adopted} (
     slot        text PRIMARY KEY,
-    adopted_at  timestamptz NOT NULL DEFAULT now()
+    adopted_at  timestamptz NOT NULL DEFAULT now(),
+    -- The publication's version at the adoption: a change since is seen at the next start.
+    publication_version text NULL
 );
 
 -- Table-less events: SELECT {function}('orders', 'order-42', 'OrderPlaced', '{{"id": 42}}');
