@@ -95,6 +95,19 @@ impl PgStore {
         Ok(done.map(|(counts, _)| counts))
     }
 
+    /// [`PgStore::transaction_then_query`] under a guard, as [`PgStore::transaction_if`]
+    /// runs it: `Ok(None)` (nothing written, nothing queried) when the guard returns no row.
+    pub async fn transaction_if_then_query(
+        &self,
+        context: &'static str,
+        guard: &[Step<'_>],
+        steps: &[Step<'_>],
+        query: Option<Step<'_>>,
+    ) -> StoreResult<Option<(Vec<u64>, Vec<Row>)>> {
+        self.guarded_transaction(context, Some(guard), steps, query)
+            .await
+    }
+
     async fn guarded_transaction(
         &self,
         context: &'static str,

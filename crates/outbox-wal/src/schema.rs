@@ -307,9 +307,7 @@ pub struct CaptureStatements {
     /// Records that the slot `$1` adopted them, at the publication's version `$2`: a step of
     /// the adoption's transaction.
     pub record_adoption: String,
-    /// Records the publication's version `$2` for the slot `$1` whose adoption (by a relay
-    /// from before it was kept) has none.
-    pub record_publication_version: String,
+
     /// Forgets the slot `$1`'s adoption (its slot was dropped: a new one must adopt again).
     pub forget_adoption: String,
     /// A row while the slot `$1` streams to the session named `$2` (its
@@ -439,11 +437,7 @@ impl CaptureStatements {
                 "INSERT INTO {} (slot, publication_version) VALUES ($1, $2) ON CONFLICT DO NOTHING",
                 tables.adopted.quoted()
             ),
-            record_publication_version: format!(
-                "UPDATE {} SET publication_version = $2
-                  WHERE slot = $1 AND publication_version IS NULL",
-                tables.adopted.quoted()
-            ),
+
             forget_adoption: format!("DELETE FROM {} WHERE slot = $1", tables.adopted.quoted()),
             parked_keys: format!("SELECT DISTINCT {key} FROM {parked} WHERE delivered_at IS NULL"),
             still_parked: format!(
@@ -478,7 +472,10 @@ impl CaptureStatements {
                         coalesce((SELECT string_agg(n.oid::text || '.' || n.xmin::text, ','
                                                     ORDER BY n.oid)
                                     FROM pg_catalog.pg_publication_namespace n
-                                   WHERE n.pnpubid = p.oid), '')
+                                   WHERE n.pnpubid = p.oid
+                                     AND n.pnnspid IN (SELECT c.relnamespace
+                                                         FROM pg_catalog.pg_class c
+                                                        WHERE c.oid IN ({captured}))), '')
                    FROM pg_catalog.pg_publication p WHERE p.pubname = $1",
                 captured = tables
                     .captured()

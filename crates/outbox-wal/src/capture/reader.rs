@@ -60,6 +60,15 @@ impl Sessions {
     }
 }
 
+/// What `<outbox>_adopted` says of a slot.
+enum Adopted {
+    /// No adoption recorded: the next session adopts.
+    No,
+    /// Adopted, at this version of the publication (`None`: recorded by a relay from before
+    /// versions were kept).
+    At(Option<String>),
+}
+
 /// How a session ended.
 pub(super) enum SessionEnd {
     Closed,
@@ -177,20 +186,16 @@ impl Reader {
                 )))
             }
         };
-        let seen = std::mem::replace(
-            &mut *self
-                .sessions
-                .publication_version
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner),
-            version.clone(),
-        );
-        // This process's first check: compared with the version the slot adopted at, so that
-        // a change made while no relay ran (undone or not) is seen too.
-        let seen = match seen {
-            Some(seen) => Some(seen),
-            None => match self.adopted_publication_version(version.as_deref()).await {
-                Ok(adopted) => adopted,
+        // Compared with this process's last check, or at its first with the version the
+        // slot's adoption recorded, so that a change made while no relay ran (undone or not)
+        // is seen too. An adoption recorded without one (by an earlier relay) says nothing of
+        // the publication it was checked against: it counts as changed, and is done again.
+        let seen = self.remembered_publication_version();
+        let changed = match seen {
+            Some(seen) => Some(seen) != version,
+            None => match self.adopted_publication_version().await {
+                Ok(Adopted::No) => false,
+                Ok(Adopted::At(adopted)) => adopted.is_none() || adopted != version,
                 Err(e) => {
                     return Some(SessionEnd::Broken(format!(
                         "reading the publication's version the slot adopted at: {}",
@@ -199,8 +204,8 @@ impl Reader {
                 }
             },
         };
-        let changed = seen.is_some_and(|seen| Some(seen) != version);
         if problems.is_empty() && !changed {
+            self.remember_publication_version(version);
             return None;
         }
         let slot = &self.config.slot;
@@ -214,6 +219,9 @@ impl Reader {
                 e.report()
             )));
         }
+        // Only now: a version remembered before the adoption is forgotten would hide the
+        // change from the next check, should the forgetting fail.
+        self.remember_publication_version(version);
         if problems.is_empty() {
             tracing::warn!(publication = %self.publication, "the publication changed since it was last checked: the session ends, and the next one moves the rows still in the table to the parked table (rows written meanwhile may have been left out of the stream)");
             return Some(SessionEnd::Broken("the publication changed".into()));
@@ -269,28 +277,37 @@ impl Reader {
         }
     }
 
-    /// The publication's version the slot's adoption recorded (`None`: not adopted, or by a
-    /// relay from before versions were kept, whose record gets `current` now).
-    async fn adopted_publication_version(
-        &self,
-        current: Option<&str>,
-    ) -> StoreResult<Option<String>> {
-        let slot = &self.config.slot;
+    /// Whether the slot's adoption is recorded, and at which version of the publication.
+    async fn adopted_publication_version(&self) -> StoreResult<Adopted> {
         let rows = self
             .main
-            .query_rows("adopted", &self.sql.adopted_publication_version, &[slot])
+            .query_rows(
+                "adopted",
+                &self.sql.adopted_publication_version,
+                &[&self.config.slot],
+            )
             .await?;
-        let adopted: Option<String> = rows.first().and_then(|row| row.get(0));
-        if adopted.is_none() && !rows.is_empty() {
-            self.main
-                .query_rows(
-                    "adopted",
-                    &self.sql.record_publication_version,
-                    &[slot, &current],
-                )
-                .await?;
-        }
-        Ok(adopted)
+        Ok(match rows.first() {
+            Some(row) => Adopted::At(row.get(0)),
+            None => Adopted::No,
+        })
+    }
+
+    /// The publication's version this process checked last (`None`: no check yet).
+    fn remembered_publication_version(&self) -> Option<String> {
+        self.sessions
+            .publication_version
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    fn remember_publication_version(&self, version: Option<String>) {
+        *self
+            .sessions
+            .publication_version
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = version;
     }
 
     /// Moves the rows that predate the slot to the parked table, unless the slot's adoption
@@ -299,23 +316,20 @@ impl Reader {
     /// has committed once; the record is written in the same transaction as the move, so a
     /// crash leaves either both or neither. A slot made by hand, or by a relay that died
     /// before adopting, is adopted by the next session.
-    pub(super) async fn adopt(&self) -> StoreResult<()> {
+    ///
+    /// `Ok(false)`: this session no longer holds the slot, and adopted nothing.
+    pub(super) async fn adopt(&self) -> StoreResult<bool> {
         let slot = &self.config.slot;
         let adopted = self
             .main
             .query_rows("adopted", &self.sql.adopted, &[slot])
             .await?;
         if adopted.first().is_some_and(|row| row.get::<_, bool>(0)) {
-            return Ok(());
+            return Ok(true);
         }
         let no_params = &[] as &[&(dyn ToSql + Sync)];
         // The version the session's check read: one changed since is seen at the next check.
-        let version = self
-            .sessions
-            .publication_version
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone();
+        let version = self.remembered_publication_version();
         let record: &[&(dyn ToSql + Sync)] = &[slot, &version];
         let adoption = &self.sql.adopt;
         let steps: Vec<_> = adoption
@@ -325,17 +339,28 @@ impl Reader {
             .chain([(self.sql.record_adoption.as_str(), record)])
             .collect();
         let dead_letters = adoption.dead_letters.as_deref().map(|sql| (sql, no_params));
-        let (_, dead_by_destination) = self
+        // Fenced as parks are: a relay paused past the slot's takeover must not move rows
+        // the new holder streams, nor park keys it does not know are parked.
+        let owner: &[&(dyn ToSql + Sync)] = &[slot, &self.session_name];
+        let slot_only: &[&(dyn ToSql + Sync)] = &[slot];
+        let guard = [
+            (self.sql.hold_slot_writes.as_str(), slot_only),
+            (self.sql.owns_slot.as_str(), owner),
+        ];
+        let Some((_, dead_by_destination)) = self
             .main
-            .transaction_then_query("adopt", &steps, dead_letters)
-            .await?;
+            .transaction_if_then_query("adopt", &guard, &steps, dead_letters)
+            .await?
+        else {
+            return Ok(false);
+        };
         tracing::info!(
             %slot,
             "the slot's rows are adopted: pending rows of the outbox table, which its stream \
              does not carry, were moved to the parked table to be relayed first"
         );
         self.count_adoption_dead_letters(&dead_by_destination);
-        Ok(())
+        Ok(true)
     }
 
     /// One session: open it, then forward until it breaks or the store closes.
@@ -349,15 +374,19 @@ impl Reader {
     /// What a session does before it forwards: checks the publication, adopts the rows that
     /// predate the slot, announces itself to claims with the keys still parked, and (with
     /// `--drain`, once) writes the position the drain ends at. `Some`: the session ended.
-    async fn open_session(&mut self, stream: &WalStream) -> Option<SessionEnd> {
+    async fn open_session(&mut self, stream: &mut WalStream) -> Option<SessionEnd> {
         if let Some(end) = self.publication_drift().await {
             return Some(end);
         }
-        if let Err(e) = self.adopt().await {
-            return Some(SessionEnd::Broken(format!(
-                "moving the rows that predate the slot to the parked table: {}",
-                e.report()
-            )));
+        match self.adopt().await {
+            Ok(true) => {}
+            Ok(false) => return Some(lost_slot(stream).await),
+            Err(e) => {
+                return Some(SessionEnd::Broken(format!(
+                    "moving the rows that predate the slot to the parked table: {}",
+                    e.report()
+                )))
+            }
         }
         // Under the slot's writes: a park that passed an earlier holder's guard commits
         // (or rolls back) first, and is among the keys read.
@@ -496,6 +525,31 @@ impl Reader {
                 BurstEnd::Failed(e) => return SessionEnd::Broken(describe(&e)),
             }
         }
+    }
+}
+
+/// The session found it no longer holds the slot: its stream's server process ended (the
+/// stream's error says why, read here if it comes within a second) or another relay took
+/// the slot over. What the stream sent meanwhile is dropped unconfirmed, so it comes again.
+async fn lost_slot(stream: &mut WalStream) -> SessionEnd {
+    let error = tokio::time::timeout(Duration::from_secs(1), async {
+        loop {
+            match stream.next().await {
+                Ok(Some(_)) => continue,
+                Ok(None) => return None,
+                Err(e) => return Some(e),
+            }
+        }
+    })
+    .await;
+    match error {
+        Ok(Some(e)) => SessionEnd::Broken(describe(&e)),
+        _ => SessionEnd::Broken(
+            "this session no longer holds the slot (another relay took it over, or the server \
+             ended the stream): the rows that predate the slot are left to the session that \
+             holds it"
+                .into(),
+        ),
     }
 }
 
