@@ -399,6 +399,16 @@ impl Inner {
             .filter(|p| p.dead_by_capture || (dead_instead.contains(&p.id) && !p.dead))
             .count() as u64;
         self.settle(&mut state, parks.into_iter().map(|p| p.id));
+        // This process took the seat again meanwhile (a claim waiting out a reconnection
+        // follows the new session without `parking`): the unwritten parks were the earlier
+        // session's, whose queue the new one forgot, and whose rows it reads again.
+        if state.epoch != epoch && !unwritten.is_empty() {
+            tracing::debug!(
+                parks = unwritten.len(),
+                "parks of an earlier session dropped: the new session reads their rows again"
+            );
+            return outcome.map(|_| n);
+        }
         match outcome {
             Ok(true) => Ok(n),
             Ok(false) => {
@@ -437,29 +447,39 @@ impl Inner {
                     mysql_async::Error::Server(e) => e.message,
                     other => other.to_string(),
                 };
-                let dead = {
-                    let state = lock(&self.state);
-                    let mut params = Vec::with_capacity(PARK_PARAMS);
-                    if let Some(Held::Stream(s)) = state.holdings.held.get(&park.id) {
-                        unparkable_values(park, &s.body, &reason, &mut params);
+                // The dead letter as the table stores it; failing that (refused again), with
+                // nothing of the row but its ids and the refusal.
+                let mut dead_written = false;
+                for bare in [false, true] {
+                    let dead = {
+                        let state = lock(&self.state);
+                        let mut params = Vec::with_capacity(PARK_PARAMS);
+                        if let Some(Held::Stream(s)) = state.holdings.held.get(&park.id) {
+                            unparkable_values(park, &s.body, &reason, bare, &mut params);
+                        }
+                        ParkRow {
+                            params,
+                            row: value.row,
+                        }
+                    };
+                    match self.write_parks(std::slice::from_ref(&dead), epoch).await {
+                        Ok(true) => {
+                            dead_written = true;
+                            break;
+                        }
+                        Ok(false) => return Ok(false),
+                        Err(e) if !bare && outbox_store_mysql::refuses_a_value(&e) => continue,
+                        Err(e) => {
+                            return Err(store_error(
+                                "dead-lettering a row the parked table refused",
+                                e,
+                            ))
+                        }
                     }
-                    ParkRow {
-                        params,
-                        row: value.row,
-                    }
-                };
-                match self.write_parks(std::slice::from_ref(&dead), epoch).await {
-                    Ok(true) => {
-                        tracing::warn!(row = park.id, %reason, "the parked table refused a row that had to wait: it was dead-lettered, its payload kept as a JSON string");
-                        dead_instead.push(park.id);
-                    }
-                    Ok(false) => return Ok(false),
-                    Err(e) => {
-                        return Err(store_error(
-                            "dead-lettering a row the parked table refused",
-                            e,
-                        ))
-                    }
+                }
+                if dead_written {
+                    tracing::warn!(row = park.id, %reason, "the parked table refused a row that had to wait: it was dead-lettered in a form the table stores (its last_error says what was kept)");
+                    dead_instead.push(park.id);
                 }
             }
             *written += 1;
@@ -482,7 +502,9 @@ impl Inner {
         }
         // 14 values a row: at most 1,000 rows a statement keeps far under the 65,535
         // placeholders a statement may have.
-        for chunk in parks.chunks(1_000) {
+        // A park whose row is no longer held (settled meanwhile) has nothing to write.
+        let written: Vec<&ParkRow> = parks.iter().filter(|p| !p.params.is_empty()).collect();
+        for chunk in written.chunks(1_000) {
             let params: Vec<Value> = chunk
                 .iter()
                 .flat_map(|p| p.params.iter().cloned())
@@ -836,17 +858,26 @@ struct ParkRow {
 
 /// A row the parked table refused as it is, as a dead letter it stores: the payload as a
 /// JSON string of its text (never nested, whatever the server's JSON allows), the mutation
-/// id cut to the column's length, and the refusal as its error.
-fn unparkable_values(park: &Park, body: &Body, refusal: &str, params: &mut Vec<Value>) {
+/// id cut to the column's length, and the refusal as its error. `bare`: with no payload,
+/// headers or mutation id at all, the form for a row refused even so.
+fn unparkable_values(park: &Park, body: &Body, refusal: &str, bare: bool, params: &mut Vec<Value>) {
+    let kept = match bare {
+        false => format!(
+            "its payload kept as a JSON string of its text and a mutation id longer than {} \
+             characters cut",
+            event::PARKED_TEXT_CHARS
+        ),
+        true => "without its payload, headers and mutation id, which the table refused even \
+                 as text"
+            .to_string(),
+    };
     let error = format!(
         "it had to wait in the parked table{}, which refused it ({refusal}): dead-lettered \
-         instead, its payload kept as a JSON string of its text and a mutation id longer \
-         than {} characters cut",
+         instead, {kept}",
         park.error
             .as_deref()
             .map(|e| format!(" after: {e}"))
             .unwrap_or_default(),
-        event::PARKED_TEXT_CHARS,
     );
     let dead = Park {
         id: park.id,
@@ -861,6 +892,7 @@ fn unparkable_values(park: &Park, body: &Body, refusal: &str, params: &mut Vec<V
         Body::Event(e) => {
             let payload = match &e.payload {
                 Payload::Null => Payload::Null,
+                _ if bare => Payload::Null,
                 other => {
                     let text = String::from_utf8_lossy(other.as_bytes());
                     serde_json::value::to_raw_value(&text).map_or(Payload::Null, Payload::Json)
@@ -870,7 +902,16 @@ fn unparkable_values(park: &Park, body: &Body, refusal: &str, params: &mut Vec<V
                 destination: fitted(&e.destination).to_string(),
                 partition_key: e.partition_key.as_deref().map(|k| fitted(k).to_string()),
                 event_type: fitted(&e.event_type).to_string(),
-                mutation_id: e.mutation_id.as_deref().map(|m| fitted(m).to_string()),
+                mutation_id: e
+                    .mutation_id
+                    .as_deref()
+                    .filter(|_| !bare)
+                    .map(|m| fitted(m).to_string()),
+                headers: if bare {
+                    Default::default()
+                } else {
+                    e.headers.clone()
+                },
                 payload,
                 ..(**e).clone()
             };
@@ -924,9 +965,21 @@ fn park_values(park: &Park, body: &Body, params: &mut Vec<Value>) {
         Value::from(u64::try_from(park.delay.as_micros()).unwrap_or(u64::MAX)),
         opt(park.not_before.and_then(created).as_deref()),
         Value::from(park.attempts),
-        opt(park.error.as_deref()),
+        opt(park.error.as_deref().map(fitted_error)),
         Value::from(park.dead),
     ]);
+}
+
+/// The characters of an error the parked table's `last_error` (`text`: 65,535 bytes) holds
+/// whatever they are (4 bytes each at most).
+const PARKED_ERROR_CHARS: usize = 16_000;
+
+/// An error cut to what `last_error` holds (the engine's reports are not bounded).
+fn fitted_error(error: &str) -> &str {
+    match error.char_indices().nth(PARKED_ERROR_CHARS) {
+        Some((at, _)) => &error[..at],
+        None => error,
+    }
 }
 
 impl OutboxStore for BinlogStore {
@@ -1430,6 +1483,17 @@ fn captured_bytes(captured: &Captured) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The engine's error reports are not bounded, and `last_error` is a `text` (65,535
+    /// bytes): a longer one was refused on every try, the park with it.
+    #[test]
+    fn an_error_is_cut_to_what_last_error_holds_on_a_character_boundary() {
+        let long = "é".repeat(PARKED_ERROR_CHARS + 10);
+        let cut = fitted_error(&long);
+        assert_eq!(cut.chars().count(), PARKED_ERROR_CHARS);
+        assert!(cut.len() <= 65_535);
+        assert_eq!(fitted_error("short"), "short");
+    }
 
     /// The reader wakes the claims only when its item lands in an empty channel (a wake per
     /// item cost a fifth of a drain's CPU); the permit it holds must not hide that.
