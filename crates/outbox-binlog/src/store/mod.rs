@@ -701,6 +701,8 @@ impl Inner {
     async fn claim(&self, request: ClaimRequest) -> StoreResult<Vec<Claimed>> {
         let status = self.status.borrow().clone();
         if let CaptureStatus::Reconnecting(reason) = &status {
+            // Under `parking`, as every other follow: a park in flight is of one session.
+            let _parking = self.parking.lock().await;
             self.follow_live_session(&mut *self.outputs.lock().await);
             return Err(StoreError::new(
                 StoreErrorKind::Connection,

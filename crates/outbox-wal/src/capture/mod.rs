@@ -348,8 +348,9 @@ impl Inner {
     /// transaction, then settles them; parks that must wait ([`Holdings::take_parks`]) stay in
     /// `to_park`. Call it holding `parking`.
     async fn flush_parks(&self) -> StoreResult<u64> {
-        let (parks, columns, dead, rows, parked) = {
+        let (parks, columns, dead, rows, parked, owner, session) = {
             let mut state = lock(&self.state);
+            let (owner, session) = (state.owner.clone(), state.followed.session);
             let parks = state.holdings.take_parks();
             let mut columns = EventColumns::default();
             // An undecodable event has nothing to park: the polling claim could not read
@@ -377,7 +378,7 @@ impl Inner {
                     rows.extend(held.row);
                 }
             }
-            (parks, columns, dead, rows, parked)
+            (parks, columns, dead, rows, parked, owner, session)
         };
         if parks.is_empty() {
             return Ok(0);
@@ -391,7 +392,6 @@ impl Inner {
         if !dead.ids.is_empty() {
             steps.push((&self.sql.dead_letter, &dead_letter));
         }
-        let owner = lock(&self.state).owner.clone();
         let (slot, guard): (&[&(dyn ToSql + Sync)], &[&(dyn ToSql + Sync)]) =
             (&[&self.slot], &[&self.slot, &owner]);
         let guard = [
@@ -402,7 +402,7 @@ impl Inner {
         let result = match result {
             Ok(Some(counts)) => Ok(counts),
             Ok(None) => {
-                lock(&self.state).leave_to_slot_holder(parks.iter().map(|p| p.id));
+                lock(&self.state).fenced_out(session, parks.iter().map(|p| p.id));
                 return Ok(0);
             }
             Err(e) => Err(e),
@@ -426,8 +426,7 @@ impl Inner {
             }
             Err(e) => {
                 // Kept, in order, ahead of anything parked since: the next claim tries again.
-                let later = std::mem::replace(&mut state.holdings.to_park, parks);
-                state.holdings.to_park.extend(later);
+                state.requeue_parks(session, parks);
                 Err(e)
             }
         }
@@ -607,7 +606,7 @@ impl Inner {
         let mut attempts = Vec::new();
         let mut errors = Vec::new();
         let mut rows = Vec::new();
-        {
+        let (owner, session) = {
             let state = lock(&self.state);
             for entry in entries {
                 let Some(Held::Stream(held)) = state.holdings.held.get(&entry.sequence_id) else {
@@ -622,9 +621,9 @@ impl Inner {
                 errors.push(entry.error);
                 rows.extend(held.row);
             }
-        }
+            (state.owner.clone(), state.followed.session)
+        };
         let dead = columns.params(&[&sequence_ids], &[&attempts, &errors]);
-        let owner = lock(&self.state).owner.clone();
         let (slot, guard): (&[&(dyn ToSql + Sync)], &[&(dyn ToSql + Sync)]) =
             (&[&self.slot], &[&self.slot, &owner]);
         let delete: &[&(dyn ToSql + Sync)] = &[&rows];
@@ -643,7 +642,14 @@ impl Inner {
             )
             .await?;
         if written.is_none() {
-            lock(&self.state).leave_to_slot_holder(sequence_ids);
+            if !lock(&self.state).fenced_out(session, sequence_ids) {
+                // A new session of this relay holds the slot now: written under its owner,
+                // the engine's next try goes through.
+                return Err(StoreError::new(
+                    StoreErrorKind::Conflict,
+                    "dead-lettering: the replication session changed while it was written",
+                ));
+            }
             return Ok(0);
         }
         let moved = sequence_ids.len() as u64;
@@ -656,6 +662,8 @@ impl Inner {
         // Claims fail while the stream is down, so that `/readyz` and the logs say why; they
         // are retried like a lost connection, but the fix is the one the reason names.
         if let CaptureStatus::Failed(reason) | CaptureStatus::Reconnecting(reason) = &status {
+            // Under `parking`, as every other follow: a park in flight is of one session.
+            let _parking = self.parking.lock().await;
             self.follow_live_session(&mut *self.outputs.lock().await);
             return Err(StoreError::new(
                 StoreErrorKind::Connection,

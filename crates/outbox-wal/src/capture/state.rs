@@ -303,6 +303,35 @@ impl State {
         self.holdings.held.insert(id, Held::Stream(Box::new(held)));
     }
 
+    /// A park or dead letter written for `session` failed its fence: the slot streams to
+    /// another session. While claims still follow `session`, that session is over
+    /// ([`State::leave_to_slot_holder`]). If they follow a newer session of this relay by now
+    /// (a claim waiting out a reconnection follows one without `parking`), the writes were
+    /// the earlier session's, and the new one is sent their events again: it goes on.
+    /// Whether the writes were the current session's.
+    pub(super) fn fenced_out(
+        &mut self,
+        session: u64,
+        ids: impl IntoIterator<Item = SequenceId>,
+    ) -> bool {
+        if self.followed.session != session {
+            return false;
+        }
+        self.leave_to_slot_holder(ids);
+        true
+    }
+
+    /// Parks of `session` that failed: queued again, ahead of any queued since, while claims
+    /// follow that session; dropped once they follow a newer one, which forgot the earlier
+    /// session's queue and is sent their events again.
+    pub(super) fn requeue_parks(&mut self, session: u64, parks: Vec<Park>) {
+        if self.followed.session != session {
+            return;
+        }
+        let later = std::mem::replace(&mut self.holdings.to_park, parks);
+        self.holdings.to_park.extend(later);
+    }
+
     /// Forgets stream events this relay may no longer write for: the slot streams to another
     /// session (a relay that took over while this one was paused past its session's end),
     /// which is sent them again from the slot's confirmed position, before which they lie.
@@ -661,6 +690,34 @@ mod tests {
         assert!(state.follow(4, || queued.pop_front()));
         assert_eq!(state.followed.session, 4);
         assert!(state.unaccepted.is_empty(), "session 3's outputs dropped");
+    }
+
+    /// A park or dead letter of session 1, in flight while a claim (waiting out the
+    /// reconnection, without `parking`) followed session 2, fails its fence: it ended
+    /// session 2, and nothing more was handed out until a restart. It ends only its own.
+    #[test]
+    fn a_fence_failure_of_an_earlier_session_leaves_the_new_one_streaming() {
+        let mut state = State::new();
+        state.accept(session(1, &[]));
+        assert_eq!(claim(&mut state, two_transactions()), [1, 2]);
+        state.accept(session(2, &[]));
+        assert!(
+            !state.fenced_out(1, [1]),
+            "session 1's write, under session 2"
+        );
+        assert!(!state.followed.ended, "session 2 goes on");
+        assert_eq!(
+            claim(&mut state, two_transactions()),
+            [1, 2],
+            "session 2 hands its events out"
+        );
+        state.requeue_parks(1, vec![Park::behind_its_key(1)]);
+        assert!(
+            state.holdings.to_park.is_empty(),
+            "not queued into session 2"
+        );
+        assert!(state.fenced_out(2, [1, 2]), "session 2's own ends it");
+        assert!(state.followed.ended);
     }
 
     #[test]
