@@ -399,26 +399,15 @@ impl Inner {
             .filter(|p| p.dead_by_capture || (dead_instead.contains(&p.id) && !p.dead))
             .count() as u64;
         self.settle(&mut state, parks.into_iter().map(|p| p.id));
-        // This process took the seat again meanwhile (a claim waiting out a reconnection
-        // follows the new session without `parking`): the unwritten parks were the earlier
-        // session's, whose queue the new one forgot, and whose rows it reads again.
-        if state.epoch != epoch && !unwritten.is_empty() {
-            tracing::debug!(
-                parks = unwritten.len(),
-                "parks of an earlier session dropped: the new session reads their rows again"
-            );
-            return outcome.map(|_| n);
-        }
         match outcome {
             Ok(true) => Ok(n),
             Ok(false) => {
-                state.leave_to_seat_holder(unwritten.into_iter().map(|p| p.id));
+                state.fenced_out(epoch, unwritten.into_iter().map(|p| p.id));
                 Ok(n)
             }
             Err(e) => {
                 // Kept, in order, ahead of anything queued since: the next claim tries again.
-                let later = std::mem::replace(&mut state.holdings.to_park, unwritten);
-                state.holdings.to_park.extend(later);
+                state.requeue_parks(epoch, unwritten);
                 Err(e)
             }
         }

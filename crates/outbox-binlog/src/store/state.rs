@@ -331,6 +331,28 @@ impl State {
         }
     }
 
+    /// Parks written at the seat's `epoch` failed their fence: another reader holds the
+    /// seat. While claims still follow the session of that epoch, it is over
+    /// ([`State::leave_to_seat_holder`]). If they follow a newer session of this relay by
+    /// now (a claim waiting out a reconnection follows one without `parking`), the parks
+    /// were the earlier session's, and the new one reads their rows again: it goes on.
+    pub(super) fn fenced_out(&mut self, epoch: i64, ids: impl IntoIterator<Item = SequenceId>) {
+        if self.epoch == epoch {
+            self.leave_to_seat_holder(ids);
+        }
+    }
+
+    /// Parks written at `epoch` that failed: queued again, ahead of any queued since, while
+    /// claims follow that session; dropped once they follow a newer one, which forgot the
+    /// earlier session's queue and reads their rows again.
+    pub(super) fn requeue_parks(&mut self, epoch: i64, parks: Vec<Park>) {
+        if self.epoch != epoch {
+            return;
+        }
+        let later = std::mem::replace(&mut self.holdings.to_park, parks);
+        self.holdings.to_park.extend(later);
+    }
+
     /// Forgets stream rows this relay may no longer write for (another relay took the
     /// seat: it reads them again from the stored position), and ends the session.
     pub(super) fn leave_to_seat_holder(&mut self, ids: impl IntoIterator<Item = SequenceId>) {
@@ -661,6 +683,27 @@ mod tests {
             out.iter().map(Claimed::sequence_id).collect::<Vec<_>>(),
             [1]
         );
+    }
+
+    /// Parks of session 1, in flight while a claim (waiting out the reconnection, without
+    /// `parking`) followed session 2, fail their fence: they ended session 2, and nothing
+    /// more was handed out until a restart. They end only their own.
+    #[test]
+    fn a_fence_failure_of_an_earlier_session_leaves_the_new_one_reading() {
+        let mut state = State::new(false);
+        state.accept(session(1, &[]));
+        assert_eq!(claim(&mut state, transactions(&[(1, "a")])), [1]);
+        state.accept(session(2, &[]));
+        state.fenced_out(1, [1]);
+        assert!(!state.followed.ended, "session 2 goes on");
+        assert_eq!(claim(&mut state, transactions(&[(1, "a")])), [1]);
+        state.requeue_parks(1, vec![Park::behind_its_key(1)]);
+        assert!(
+            state.holdings.to_park.is_empty(),
+            "not queued into session 2"
+        );
+        state.fenced_out(2, [1]);
+        assert!(state.followed.ended, "session 2's own ends it");
     }
 
     #[test]
