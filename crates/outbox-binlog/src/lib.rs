@@ -54,6 +54,24 @@ pub enum BinlogError {
     Connection(#[from] mysql_async::Error),
     #[error("binlog event: {0}")]
     Decode(String),
+    /// A row event of the outbox table is `width` columns wide, unlike the table as the
+    /// reader described it (the reader describes it again, and stops if it still differs).
+    #[error("a row event of the outbox table has {width} columns, unlike the table")]
+    LayoutChanged { width: usize },
+    /// Rows written before an `ALTER TABLE` of the outbox table, read after it.
+    #[error(
+        "a row event of {table} at {at} has {width} columns, and the table has {now} now: the \
+         table was altered after these rows were written, and binlog capture reads a row's \
+         columns by their place, so it stops rather than read them under the wrong names. \
+         Alter the outbox table while the relay runs (it reads on across the change) or after \
+         a drain, not while it is stopped with rows unread"
+    )]
+    TableAltered {
+        at: String,
+        table: String,
+        width: usize,
+        now: usize,
+    },
     /// The server no longer has the log at the position asked for.
     #[error(
         "the binary log at {file} offset {offset} is not on the server any more ({reason}): \

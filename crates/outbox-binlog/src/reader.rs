@@ -158,6 +158,9 @@ pub struct BinlogReader {
     stream: Box<dyn EventSource>,
     /// The compressed transaction whose events are being read, if one is.
     payload: Option<Payload>,
+    /// The server's, to describe the table again after an `ALTER TABLE`.
+    url: String,
+    /// The table's database and name as the server stores them (what its table maps say).
     database: String,
     table: String,
     /// The table's columns in their order, as row events carry them.
@@ -331,24 +334,7 @@ impl BinlogReader {
                 format.as_deref().unwrap_or("unknown")
             )));
         }
-        let described: Vec<(String, String, String)> = conn
-            .exec(
-                "SELECT COLUMN_NAME, DATA_TYPE, COLUMN_TYPE FROM information_schema.COLUMNS
-                  WHERE TABLE_SCHEMA = ? AND TABLE_NAME = ? ORDER BY ORDINAL_POSITION",
-                (&config.database, &config.table),
-            )
-            .await?;
-        let kinds = described
-            .iter()
-            .map(|(_, data_type, column_type)| ColumnKind::of(data_type, column_type))
-            .collect();
-        let columns: Vec<String> = described.into_iter().map(|(name, ..)| name).collect();
-        if columns.is_empty() {
-            return Err(BinlogError::Config(format!(
-                "table {}.{} does not exist: run `outbox-relay migrate`",
-                config.database, config.table
-            )));
-        }
+        let layout = Layout::describe(&mut conn, &config.database, &config.table).await?;
         // MariaDB sends its GTID events as they are to a replica that says it can read them
         // (otherwise it rewrites each as a BEGIN query). MySQL ignores the variable.
         conn.query_drop("SET @mariadb_slave_capability = 4").await?;
@@ -406,7 +392,7 @@ impl BinlogReader {
             Start::AfterGtid(state) => Some(state.clone()),
         };
         let stream = conn.get_binlog_stream(request).await?;
-        let mut reader = BinlogReader::of(Box::new(stream), config, columns, kinds, from);
+        let mut reader = BinlogReader::of(Box::new(stream), config, layout, from);
         reader.first_rotate_checksum = checksum;
         reader.gtid_state = gtid_state;
         reader.boundary_gtid = reader.gtid_state.as_ref().map(ToString::to_string);
@@ -417,22 +403,22 @@ impl BinlogReader {
         Ok(reader)
     }
 
-    /// A reader of `stream`, which starts at `from`, of the table `config` names, whose
-    /// columns are `columns`, each of its `kinds`.
+    /// A reader of `stream`, which starts at `from`, of the table `config` names, laid out
+    /// as `layout` says.
     fn of(
         stream: Box<dyn EventSource>,
         config: &BinlogConfig,
-        columns: Vec<String>,
-        kinds: Vec<ColumnKind>,
+        layout: Layout,
         from: BinlogPosition,
     ) -> Self {
         BinlogReader {
             stream,
             payload: None,
-            database: config.database.clone(),
-            table: config.table.clone(),
-            columns: Arc::new(columns),
-            kinds,
+            url: config.url.clone(),
+            database: layout.database,
+            table: layout.table,
+            columns: Arc::new(layout.columns),
+            kinds: layout.kinds,
             file: from.file.clone(),
             first_rotate_checksum: false,
             format_read: false,
@@ -667,7 +653,10 @@ impl BinlogReader {
                     }
                 }
                 Some(EventData::RowsEvent(rows)) => {
-                    self.take_rows(&rows)?;
+                    if let Err(BinlogError::LayoutChanged { width }) = self.take_rows(&rows) {
+                        self.describe_again(width, end).await?;
+                        self.take_rows(&rows)?;
+                    }
                     if let Some(held) = &mut self.xa_rows {
                         held.extend(self.pending.drain(..));
                         if held.len() > XA_ROWS_HELD {
@@ -743,6 +732,13 @@ impl BinlogReader {
         {
             return Ok(());
         }
+        // Rows are decoded by column position: a row event of another width is of another
+        // layout (an `ALTER TABLE` since the table was described), whose columns would be
+        // read under the wrong names.
+        let width = usize::try_from(rows.num_columns()).unwrap_or(usize::MAX);
+        if width != self.columns.len() {
+            return Err(BinlogError::LayoutChanged { width });
+        }
         // Decoded here column by column from the event's bytes: mysql_common's own row
         // iterator builds a `Column`, names and all, for every column of every row, which
         // was most of a drain's allocations.
@@ -753,7 +749,6 @@ impl BinlogReader {
         };
         let broken =
             |what: String| BinlogError::Decode(format!("a row of the outbox table: {what}"));
-        let width = usize::try_from(rows.num_columns()).unwrap_or(usize::MAX);
         let null_bitmap_len = present.count_ones().div_ceil(8);
         let mut buf = ParseBuf(rows.rows_data());
         while !buf.is_empty() {
@@ -815,6 +810,87 @@ impl BinlogReader {
                 ordinal: self.rows_read,
             }));
         }
+        Ok(())
+    }
+}
+
+/// The outbox table as the server describes it.
+struct Layout {
+    /// Its database and name as the server stores them: under `lower_case_table_names`
+    /// the table maps name `outbox` for a table configured as `Outbox`.
+    database: String,
+    table: String,
+    columns: Vec<String>,
+    kinds: Vec<ColumnKind>,
+}
+
+impl Layout {
+    async fn describe(conn: &mut Conn, database: &str, table: &str) -> Result<Layout> {
+        // `information_schema` compares names without case: `Outbox` and `outbox` may be two
+        // tables (`lower_case_table_names = 0`), of which the one named exactly is meant.
+        let described: Vec<(String, String, String, String, String)> = conn
+            .exec(
+                "SELECT TABLE_SCHEMA, TABLE_NAME, COLUMN_NAME, DATA_TYPE, COLUMN_TYPE
+                   FROM information_schema.COLUMNS
+                  WHERE TABLE_SCHEMA = ? AND TABLE_NAME = ?
+                  ORDER BY TABLE_SCHEMA, TABLE_NAME, ORDINAL_POSITION",
+                (database, table),
+            )
+            .await?;
+        let exact = described
+            .iter()
+            .any(|(d, t, ..)| d == database && t == table);
+        let (database, table) = match described.first() {
+            Some(_) if exact => (database.to_string(), table.to_string()),
+            Some((d, t, ..)) => (d.clone(), t.clone()),
+            None => {
+                return Err(BinlogError::Config(format!(
+                    "table {database}.{table} does not exist: run `outbox-relay migrate`"
+                )))
+            }
+        };
+        let (columns, kinds) = described
+            .into_iter()
+            .filter(|(d, t, ..)| *d == database && *t == table)
+            .map(|(_, _, name, data_type, column_type)| {
+                let kind = ColumnKind::of(&data_type, &column_type);
+                (name, kind)
+            })
+            .unzip();
+        Ok(Layout {
+            database,
+            table,
+            columns,
+            kinds,
+        })
+    }
+}
+
+impl BinlogReader {
+    /// A row event of the outbox table is `width` columns wide, and the table was described
+    /// with another number: an `ALTER TABLE` since. Described again, the table as it is now
+    /// reads the events written after the change; events written before it (read again
+    /// after a restart) match neither, and the reader stops rather than read them under the
+    /// wrong names.
+    async fn describe_again(&mut self, width: usize, end: u64) -> Result<()> {
+        let mut conn = Conn::new(opts(&self.url)?).await?;
+        let layout = Layout::describe(&mut conn, &self.database, &self.table).await?;
+        let _ = conn.disconnect().await;
+        if layout.columns.len() != width {
+            return Err(BinlogError::TableAltered {
+                at: format!("{} offset {end}", self.file),
+                table: format!("{}.{}", self.database, self.table),
+                width,
+                now: layout.columns.len(),
+            });
+        }
+        tracing::info!(
+            table = %format!("{}.{}", self.database, self.table),
+            columns = width,
+            "the outbox table was altered: its rows are read with its new columns from here on"
+        );
+        self.columns = Arc::new(layout.columns);
+        self.kinds = layout.kinds;
         Ok(())
     }
 }

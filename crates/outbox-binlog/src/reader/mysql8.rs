@@ -184,8 +184,12 @@ fn reader_of(events: Vec<Vec<u8>>, gtid_state: Option<&str>) -> BinlogReader {
     let mut reader = BinlogReader::of(
         Box::new(source),
         &config,
-        vec!["id".into(), "aggregate".into()],
-        vec![ColumnKind::AsIs, ColumnKind::AsIs],
+        Layout {
+            database: config.database.clone(),
+            table: config.table.clone(),
+            columns: vec!["id".into(), "aggregate".into()],
+            kinds: vec![ColumnKind::AsIs, ColumnKind::AsIs],
+        },
         BinlogPosition::at("binlog.000003", 1000),
     );
     reader.gtid_state = gtid_state.map(|s| gtid::GtidState::parse(s).unwrap());

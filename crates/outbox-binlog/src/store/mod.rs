@@ -1260,7 +1260,9 @@ impl Reader {
     /// Why reading stopped, with what to do where the log is purged.
     fn reason(&self, e: &BinlogError) -> String {
         match e {
-            BinlogError::Purged { .. } | BinlogError::OtherServer { .. } => {
+            BinlogError::Purged { .. }
+            | BinlogError::OtherServer { .. }
+            | BinlogError::TableAltered { .. } => {
                 format!("{e}; {}", self.recovery)
             }
             other => other.to_string(),

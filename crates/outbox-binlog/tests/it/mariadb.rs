@@ -651,3 +651,76 @@ async fn an_xa_transaction_prepared_with_outbox_rows_stops_the_reader_before_any
     assert!(reason.contains("XA PREPARE"), "{reason}");
     assert!(reason.contains("--capture poll"), "{reason}");
 }
+
+/// Rows are read by column position. An `ALTER TABLE` that adds a column before the key
+/// while the reader reads: the rows after it were read under the old names (the key read
+/// from the new column). The reader describes the table again at the first row event of the
+/// new width, and reads on with its new columns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_written_after_an_alter_table_are_read_with_the_new_columns() {
+    let (url, mut conn, mut reader) = reading_from_now(
+        "CREATE TABLE outbox (sequence_id bigint PRIMARY KEY AUTO_INCREMENT,
+                              partition_key text NULL)",
+        5000,
+    )
+    .await;
+    conn.query_drop("INSERT INTO outbox (partition_key) VALUES ('a')")
+        .await
+        .unwrap();
+    let Output::Row(row) = crate::next_output(reader.next()).await else {
+        panic!("the first row")
+    };
+    assert_eq!(row.get("partition_key"), Some("a"));
+    assert!(matches!(
+        crate::next_output(reader.next()).await,
+        Output::Committed { .. }
+    ));
+    let before_the_alter = current_position(&url).await.unwrap();
+    conn.query_drop(
+        "INSERT INTO outbox (partition_key) VALUES ('b');
+         ALTER TABLE outbox ADD COLUMN tenant varchar(20) NULL AFTER sequence_id;
+         INSERT INTO outbox (tenant, partition_key) VALUES ('t', 'c')",
+    )
+    .await
+    .unwrap();
+    let mut keys = Vec::new();
+    while keys.len() < 2 {
+        if let Output::Row(row) = crate::next_output(reader.next()).await {
+            keys.push((
+                row.get("partition_key").map(str::to_string),
+                row.get("tenant").map(str::to_string),
+            ));
+        }
+    }
+    assert_eq!(
+        keys,
+        [
+            (Some("b".into()), None),
+            (Some("c".into()), Some("t".into()))
+        ],
+        "each row under its own columns"
+    );
+    // Read again from before the change, the row written before it matches the table
+    // neither way it was described: the reader stops, naming the change.
+    let config = BinlogConfig {
+        url: url.clone(),
+        server_id: 5000 + fastrand_id(),
+        database: Opts::from_url(&url).unwrap().db_name().unwrap().to_string(),
+        table: "outbox".into(),
+    };
+    let mut again = BinlogReader::start(&config, &before_the_alter)
+        .await
+        .unwrap();
+    let stopped = loop {
+        match again.next().await {
+            Ok(Some(Output::Row(row))) => panic!("a row read under the wrong names: {row:?}"),
+            Ok(Some(_)) => continue,
+            Ok(None) => panic!("the stream ended"),
+            Err(e) => break e.to_string(),
+        }
+    };
+    assert!(
+        stopped.contains("altered") && stopped.contains("2 columns"),
+        "{stopped}"
+    );
+}
