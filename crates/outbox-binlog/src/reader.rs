@@ -259,6 +259,9 @@ const TRANSACTION_PAYLOAD_EVENT: u8 = 40;
 /// The end of an XA transaction's first phase (`XA_PREPARE_LOG_EVENT`, MySQL and MariaDB).
 const XA_PREPARE_LOG_EVENT: u8 = 38;
 
+/// An incident: events the server could not write are missing here (MySQL and MariaDB).
+const INCIDENT_EVENT: u8 = 26;
+
 /// The most outbox rows of one XA transaction held until its end says whether they are
 /// committed (MySQL logs a one-phase commit as the transaction's events ended by an
 /// `XA_PREPARE_LOG_EVENT` that says so).
@@ -517,6 +520,19 @@ impl BinlogReader {
                     }
                     continue;
                 }
+                // The server lost events here (`LOST_EVENTS`: a binary log write that failed
+                // under binlog_error_action = IGNORE_ERROR, or a statement cache that
+                // overflowed): a replica stops at it, and so does the reader.
+                INCIDENT_EVENT => {
+                    return Err(BinlogError::Config(format!(
+                        "an incident event at {} offset {end}: the server says events are \
+                         missing from its binary log here (as a replica, binlog capture stops \
+                         rather than skip them); relay the rows still in the outbox table by \
+                         polling (`--capture poll`), then start capture again from the \
+                         server's current position",
+                        self.file
+                    )));
+                }
                 // mysql_common reads none of them: their rows would pass unread.
                 kind if MARIADB_COMPRESSED_EVENTS.contains(&kind) => {
                     return Err(BinlogError::Config(format!(
@@ -533,6 +549,10 @@ impl BinlogReader {
                 // MySQL logs `XA COMMIT … ONE PHASE` as this event with its first byte set:
                 // the transaction's rows are committed.
                 XA_PREPARE_LOG_EVENT if event.data().first() == Some(&1) => {
+                    // Read to its end, as any transaction's end (a drain ends there).
+                    if end != 0 && whole {
+                        self.read_to = end;
+                    }
                     self.pending.extend(self.xa_rows.take().unwrap_or_default());
                     if self.rows_in_transaction > 0 {
                         let committed = self.committed(end);

@@ -410,6 +410,8 @@ async fn a_one_phase_xa_commit_is_relayed_at_its_end_and_a_prepared_one_stops_th
         match reader.next().await {
             Ok(Some(Output::Row(row))) => outputs.push(format!("row {}", row.get("id").unwrap())),
             Ok(Some(Output::Committed { next, rows, .. })) => {
+                // Read to that end, which a drain waits for.
+                assert_eq!(reader.read_to().offset, next.offset);
                 outputs.push(format!("commit {rows} at {}", next.offset))
             }
             Ok(other) => panic!("{other:?}"),
@@ -420,5 +422,29 @@ async fn a_one_phase_xa_commit_is_relayed_at_its_end_and_a_prepared_one_stops_th
     assert!(
         matches!(&stopped, BinlogError::Config(reason) if reason.contains("XA PREPARE")),
         "{stopped}"
+    );
+}
+
+/// An incident event says the server lost events at that place (`LOST_EVENTS`): a replica
+/// stops there, and so does the reader, before the transactions after it.
+#[tokio::test]
+async fn an_incident_event_stops_the_reader_before_what_follows() {
+    // Its body: the incident's type (1, LOST_EVENTS, 2 bytes) and a message of length 0.
+    let incident = event(26, 1150, &[1, 0, 0]);
+    let mut reader = reader_of(
+        vec![
+            gtid(1, 1100),
+            incident,
+            gtid(2, 1200),
+            table_map(1250),
+            write_rows(&[(1, "a")], 1300),
+            xid(1350),
+        ],
+        None,
+    );
+    let stopped = reader.next().await;
+    assert!(
+        matches!(&stopped, Err(BinlogError::Config(reason)) if reason.contains("incident")),
+        "nothing read past the incident: {stopped:?}"
     );
 }
