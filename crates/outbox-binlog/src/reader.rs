@@ -848,9 +848,11 @@ impl Layout {
     async fn describe(conn: &mut Conn, database: &str, table: &str) -> Result<Layout> {
         // `information_schema` compares names without case: `Outbox` and `outbox` may be two
         // tables (`lower_case_table_names = 0`), of which the one named exactly is meant.
-        let described: Vec<(String, String, String, String, String)> = conn
+        type Described = (String, String, String, String, String, Option<String>);
+        let described: Vec<Described> = conn
             .exec(
-                "SELECT TABLE_SCHEMA, TABLE_NAME, COLUMN_NAME, DATA_TYPE, COLUMN_TYPE
+                "SELECT TABLE_SCHEMA, TABLE_NAME, COLUMN_NAME, DATA_TYPE, COLUMN_TYPE,
+                        CHARACTER_SET_NAME
                    FROM information_schema.COLUMNS
                   WHERE TABLE_SCHEMA = ? AND TABLE_NAME = ?
                   ORDER BY TABLE_SCHEMA, TABLE_NAME, ORDINAL_POSITION",
@@ -872,8 +874,8 @@ impl Layout {
         let (columns, kinds) = described
             .into_iter()
             .filter(|(d, t, ..)| *d == database && *t == table)
-            .map(|(_, _, name, data_type, column_type)| {
-                let kind = ColumnKind::of(&data_type, &column_type);
+            .map(|(_, _, name, data_type, column_type, charset)| {
+                let kind = ColumnKind::of(&data_type, &column_type).in_charset(charset);
                 (name, kind)
             })
             .unzip();
@@ -932,6 +934,61 @@ enum ColumnKind {
     Set(Vec<String>),
     /// The bits' bytes (big-endian) in the log; the number in the table's text.
     Bit,
+    /// A string column's characters, in the log as its character set stores them.
+    Text(Charset),
+}
+
+/// A string column's character set, as the log carries its values.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Charset {
+    /// utf8mb4, utf8mb3 and ascii: UTF-8 as they are.
+    Utf8,
+    /// MySQL's latin1, which is Windows-1252 (with 0x81, 0x8D, 0x8F, 0x90 and 0x9D kept as
+    /// the control characters of the same number).
+    Latin1,
+    /// Any other (its name): read where its bytes are UTF-8 (ASCII text), refused otherwise.
+    Other(String),
+}
+
+impl Charset {
+    fn of(name: &str) -> Charset {
+        match name.to_ascii_lowercase().as_str() {
+            "utf8mb4" | "utf8mb3" | "utf8" | "ascii" => Charset::Utf8,
+            "latin1" => Charset::Latin1,
+            other => Charset::Other(other.to_string()),
+        }
+    }
+
+    fn decode(&self, bytes: &[u8]) -> std::result::Result<String, String> {
+        match self {
+            Charset::Latin1 => Ok(bytes.iter().map(|b| windows_1252(*b)).collect()),
+            Charset::Utf8 => String::from_utf8(bytes.to_vec())
+                .map_err(|_| "its bytes in the binary log are not UTF-8".to_string()),
+            Charset::Other(name) => String::from_utf8(bytes.to_vec()).map_err(|_| {
+                format!(
+                    "its character set, {name}, is not one binlog capture reads (utf8mb4, \
+                     utf8mb3, ascii, latin1): convert the column (ALTER TABLE … MODIFY … \
+                     CHARACTER SET utf8mb4)"
+                )
+            }),
+        }
+    }
+}
+
+/// MySQL's latin1 byte as a character: Windows-1252, whose 0x80-0x9F are mostly
+/// punctuation and letters, not control characters.
+fn windows_1252(byte: u8) -> char {
+    const HIGH: [char; 32] = [
+        '\u{20AC}', '\u{0081}', '\u{201A}', '\u{0192}', '\u{201E}', '\u{2026}', '\u{2020}',
+        '\u{2021}', '\u{02C6}', '\u{2030}', '\u{0160}', '\u{2039}', '\u{0152}', '\u{008D}',
+        '\u{017D}', '\u{008F}', '\u{0090}', '\u{2018}', '\u{2019}', '\u{201C}', '\u{201D}',
+        '\u{2022}', '\u{2013}', '\u{2014}', '\u{02DC}', '\u{2122}', '\u{0161}', '\u{203A}',
+        '\u{0153}', '\u{009D}', '\u{017E}', '\u{0178}',
+    ];
+    match byte {
+        0x80..=0x9F => HIGH[usize::from(byte - 0x80)],
+        other => char::from(other),
+    }
 }
 
 impl ColumnKind {
@@ -954,10 +1011,20 @@ impl ColumnKind {
         }
     }
 
+    /// A string column's kind in the character set `charset` (`None`: not a string, or a
+    /// binary string, whose bytes are read as they are).
+    fn in_charset(self, charset: Option<String>) -> Self {
+        match (self, charset) {
+            (ColumnKind::AsIs, Some(charset)) => ColumnKind::Text(Charset::of(&charset)),
+            (kind, _) => kind,
+        }
+    }
+
     /// `value` as text, as the table would show it; `None` for NULL.
     fn text(&self, value: &BinlogValue<'_>) -> std::result::Result<Option<String>, String> {
         if let BinlogValue::Value(Value::Bytes(bytes)) = value {
             match self {
+                ColumnKind::Text(charset) => return charset.decode(bytes).map(Some),
                 ColumnKind::Bit => {
                     let n = bytes.iter().fold(0u128, |n, b| n << 8 | u128::from(*b));
                     return Ok(Some(n.to_string()));

@@ -724,3 +724,48 @@ async fn rows_written_after_an_alter_table_are_read_with_the_new_columns() {
         "{stopped}"
     );
 }
+
+/// A string column in latin1 (MariaDB's default character set: a table an application made
+/// without naming one): the log carries its bytes in latin1, which were read as UTF-8, each
+/// non-ASCII character replaced, and relayed so. They read as their characters now (MySQL's
+/// latin1 is Windows-1252: `€` and `–` too), as polling reads them; a character set the
+/// reader does not know makes the row undecodable where its bytes are not ASCII.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn string_columns_are_read_in_their_character_set() {
+    let (_url, mut conn, mut reader) = reading_from_now(
+        "CREATE TABLE outbox (sequence_id bigint PRIMARY KEY AUTO_INCREMENT,
+                              partition_key varchar(50) CHARACTER SET latin1 NULL,
+                              payload text CHARACTER SET latin1 NULL,
+                              label varchar(50) CHARACTER SET sjis NULL)",
+        6000,
+    )
+    .await;
+    conn.query_drop("SET NAMES utf8mb4").await.unwrap();
+    conn.exec_drop(
+        "INSERT INTO outbox (partition_key, payload, label) VALUES (?, ?, 'plain')",
+        ("café €", "{\"a\": \"naïve – ok\"}"),
+    )
+    .await
+    .unwrap();
+    conn.exec_drop(
+        "INSERT INTO outbox (partition_key, label) VALUES ('k', ?)",
+        ("日本",),
+    )
+    .await
+    .unwrap();
+    let mut rows = Vec::new();
+    while rows.len() < 2 {
+        if let Output::Row(row) = crate::next_output(reader.next()).await {
+            rows.push(row);
+        }
+    }
+    assert_eq!(rows[0].get("partition_key"), Some("café €"));
+    assert_eq!(rows[0].get("payload"), Some("{\"a\": \"naïve – ok\"}"));
+    assert_eq!(rows[0].get("label"), Some("plain"));
+    assert_eq!(rows[0].undecodable(), None);
+    let reason = rows[1].undecodable().expect("the sjis text is not read");
+    assert!(
+        reason.contains("sjis") && reason.contains("utf8mb4"),
+        "{reason}"
+    );
+}
