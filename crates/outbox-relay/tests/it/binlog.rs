@@ -129,6 +129,63 @@ impl BinlogDb {
         )
     }
 
+    /// `relay-1` reading and delivering events 0-9 of `a` to `out-1.jsonl`, and `relay-2`
+    /// waiting as its standby.
+    async fn active_delivering_and_a_standby(&self) -> (RelayProcess, RelayProcess) {
+        let active = self.reading("relay-1", "out-1.jsonl").await;
+        let standby = self.spawn("relay-2", "out-2.jsonl", &[]);
+        standby
+            .wait_for_log(
+                "the second relay waiting",
+                Duration::from_secs(30),
+                "standby",
+            )
+            .await;
+        self.write(&["a"], 0, 10, true).await;
+        wait_for_lines(
+            "the active relay delivering",
+            &self.path("out-1.jsonl"),
+            Duration::from_secs(30),
+            |n| n >= 10,
+        )
+        .await;
+        (active, standby)
+    }
+
+    /// Event 10 of `a`, not due for a few seconds: the relay parks it.
+    async fn write_a_not_yet_due(&self) {
+        let mut conn = self.pool.get_conn().await.unwrap();
+        conn.query_drop(
+            "INSERT INTO outbox (destination, partition_key, event_type, payload, available_at)
+             VALUES ('orders', 'a', 'T', JSON_OBJECT('n', 10), NOW(6) + INTERVAL 5 SECOND)",
+        )
+        .await
+        .unwrap();
+    }
+
+    /// With `active` paused: events 11-19 of `a` written, and the standby taking over and
+    /// delivering the rest of `a`, every event first delivered in order.
+    async fn standby_delivers_the_rest(&self, mut active: RelayProcess, mut standby: RelayProcess) {
+        self.write(&["a"], 11, 9, true).await;
+        standby
+            .wait_for_log("the standby reading", Duration::from_secs(60), READING)
+            .await;
+        let files = [self.path("out-1.jsonl"), self.path("out-2.jsonl")];
+        eventually_explained(
+            "the standby delivered the rest",
+            Duration::from_secs(30),
+            || standby.logs(),
+            || async {
+                (first_deliveries(&files).0.get("a").map_or(0, Vec::len) >= 20).then_some(())
+            },
+        )
+        .await;
+        assert_every_key_in_order(&first_deliveries(&files).0, &["a"], 20);
+        active.signal("-CONT");
+        active.kill9();
+        assert!(standby.terminate().await.success(), "{}", standby.logs());
+    }
+
     async fn reading(&self, name: &str, out: &str) -> RelayProcess {
         self.reading_with(name, out, &[]).await
     }
@@ -377,32 +434,10 @@ async fn the_table_less_form_runs_through_the_binary_and_its_parked_table_keeps_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_takes_over_from_a_sigstopped_reader_after_its_lease() {
     let db = BinlogDb::new().await;
-    let mut active = db.reading("relay-1", "out-1.jsonl").await;
-    let mut standby = db.spawn("relay-2", "out-2.jsonl", &[]);
-    standby
-        .wait_for_log(
-            "the second relay waiting",
-            Duration::from_secs(30),
-            "standby",
-        )
-        .await;
-    db.write(&["a"], 0, 10, true).await;
-    wait_for_lines(
-        "the active relay delivering",
-        &db.path("out-1.jsonl"),
-        Duration::from_secs(30),
-        |n| n >= 10,
-    )
-    .await;
+    let (active, standby) = db.active_delivering_and_a_standby().await;
     // An event of `a` not due for a few seconds: the active relay parks it, and claims
     // from the parked table, under that table's own lock.
-    let mut conn = db.pool.get_conn().await.unwrap();
-    conn.query_drop(
-        "INSERT INTO outbox (destination, partition_key, event_type, payload, available_at)
-         VALUES ('orders', 'a', 'T', JSON_OBJECT('n', 10), NOW(6) + INTERVAL 5 SECOND)",
-    )
-    .await
-    .unwrap();
+    db.write_a_not_yet_due().await;
     eventually_explained(
         "the active relay holding the parked table's lock",
         Duration::from_secs(30),
@@ -433,21 +468,7 @@ async fn a_standby_takes_over_from_a_sigstopped_reader_after_its_lease() {
     // `wait_timeout`, 8 hours): the standby, once it reads, ends it to claim the parked
     // event, and the events of `a` behind it.
     active.signal("-STOP");
-    db.write(&["a"], 11, 9, true).await;
-    standby
-        .wait_for_log("the standby reading", Duration::from_secs(60), READING)
-        .await;
-    let files = [db.path("out-1.jsonl"), db.path("out-2.jsonl")];
-    eventually(
-        "the standby delivered the rest",
-        Duration::from_secs(30),
-        || async { (first_deliveries(&files).0.get("a").map_or(0, Vec::len) >= 20).then_some(()) },
-    )
-    .await;
-    assert_every_key_in_order(&first_deliveries(&files).0, &["a"], 20);
-    active.signal("-CONT");
-    active.kill9();
-    assert!(standby.terminate().await.success(), "{}", standby.logs());
+    db.standby_delivers_the_rest(active, standby).await;
 }
 
 /// The park is fenced on the seat under a shared lock of the position's row, which the
@@ -457,23 +478,7 @@ async fn a_standby_takes_over_from_a_sigstopped_reader_after_its_lease() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_takes_over_from_a_reader_sigstopped_inside_a_park() {
     let db = BinlogDb::new().await;
-    let mut active = db.reading("relay-1", "out-1.jsonl").await;
-    let mut standby = db.spawn("relay-2", "out-2.jsonl", &[]);
-    standby
-        .wait_for_log(
-            "the second relay waiting",
-            Duration::from_secs(30),
-            "standby",
-        )
-        .await;
-    db.write(&["a"], 0, 10, true).await;
-    wait_for_lines(
-        "the active relay delivering",
-        &db.path("out-1.jsonl"),
-        Duration::from_secs(30),
-        |n| n >= 10,
-    )
-    .await;
+    let (active, standby) = db.active_delivering_and_a_standby().await;
     // With the parked table locked, the park of an event not due yet waits inside its
     // transaction, the position's row already read under a shared lock.
     let mut locker = db.pool.get_conn().await.unwrap();
@@ -481,13 +486,7 @@ async fn a_standby_takes_over_from_a_reader_sigstopped_inside_a_park() {
         .query_drop("LOCK TABLES outbox_parked WRITE")
         .await
         .unwrap();
-    let mut conn = db.pool.get_conn().await.unwrap();
-    conn.query_drop(
-        "INSERT INTO outbox (destination, partition_key, event_type, payload, available_at)
-         VALUES ('orders', 'a', 'T', JSON_OBJECT('n', 10), NOW(6) + INTERVAL 5 SECOND)",
-    )
-    .await
-    .unwrap();
+    db.write_a_not_yet_due().await;
     eventually_explained(
         "the active relay's park waiting for the parked table",
         Duration::from_secs(30),
@@ -513,22 +512,7 @@ async fn a_standby_takes_over_from_a_reader_sigstopped_inside_a_park() {
     active.signal("-STOP");
     locker.query_drop("UNLOCK TABLES").await.unwrap();
     drop(locker);
-    db.write(&["a"], 11, 9, true).await;
-    standby
-        .wait_for_log("the standby reading", Duration::from_secs(60), READING)
-        .await;
-    let files = [db.path("out-1.jsonl"), db.path("out-2.jsonl")];
-    eventually_explained(
-        "the standby delivered the rest",
-        Duration::from_secs(30),
-        || standby.logs(),
-        || async { (first_deliveries(&files).0.get("a").map_or(0, Vec::len) >= 20).then_some(()) },
-    )
-    .await;
-    assert_every_key_in_order(&first_deliveries(&files).0, &["a"], 20);
-    active.signal("-CONT");
-    active.kill9();
-    assert!(standby.terminate().await.success(), "{}", standby.logs());
+    db.standby_delivers_the_rest(active, standby).await;
 }
 
 #[test]

@@ -1307,15 +1307,7 @@ async fn a_publication_changed_and_changed_back_between_checks_loses_no_row() {
     let w = WalDb::new().await;
     let out = w.path("events.jsonl");
     let mut relay = w.streaming_with_a_first_event(&out).await;
-    w.db.batch_execute(
-        "ALTER PUBLICATION outbox_relay DROP TABLE outbox;
-         INSERT INTO outbox (destination, partition_key, event_type, payload)
-           VALUES ('orders', 'k', 'Between', '{\"n\": 1}');
-         ALTER PUBLICATION outbox_relay ADD TABLE outbox;",
-    )
-    .await
-    .unwrap();
-    insert(&w.db, "k", 2).await;
+    left_out_while_the_publication_changed_and_back(&w).await;
     eventually_explained(
         "the row written while the publication left the table out",
         Duration::from_secs(60),
@@ -1329,14 +1321,33 @@ async fn a_publication_changed_and_changed_back_between_checks_loses_no_row() {
         },
     )
     .await;
-    let delivered = counters_by_key(&read_lines(&out));
+    assert_k_delivered_0_to_2(&out);
+    let status = relay.terminate().await;
+    assert!(status.success(), "{status:?}");
+    w.assert_empty(&relay.logs()).await;
+}
+
+/// Event 1 of `k` written while the publication leaves the table out (dropped from it, and
+/// added back right after), then event 2.
+async fn left_out_while_the_publication_changed_and_back(w: &WalDb) {
+    w.db.batch_execute(
+        "ALTER PUBLICATION outbox_relay DROP TABLE outbox;
+         INSERT INTO outbox (destination, partition_key, event_type, payload)
+           VALUES ('orders', 'k', 'Between', '{\"n\": 1}');
+         ALTER PUBLICATION outbox_relay ADD TABLE outbox;",
+    )
+    .await
+    .unwrap();
+    insert(&w.db, "k", 2).await;
+}
+
+/// Events 0 to 2 of `k` are in `out`, each at least once.
+fn assert_k_delivered_0_to_2(out: &Path) {
+    let delivered = counters_by_key(&read_lines(out));
     let mut numbers = delivered["k"].clone();
     numbers.sort();
     numbers.dedup();
     assert_eq!(numbers, vec![0, 1, 2], "{delivered:?}");
-    let status = relay.terminate().await;
-    assert!(status.success(), "{status:?}");
-    w.assert_empty(&relay.logs()).await;
 }
 
 /// The same change and change back, made while no relay runs: decoding reads the
@@ -1350,21 +1361,9 @@ async fn a_publication_changed_and_changed_back_while_no_relay_ran_loses_no_row(
     let out = w.path("events.jsonl");
     insert(&w.db, "k", 0).await;
     assert_success("the first drain", &w.drain(&out));
-    w.db.batch_execute(
-        "ALTER PUBLICATION outbox_relay DROP TABLE outbox;
-         INSERT INTO outbox (destination, partition_key, event_type, payload)
-           VALUES ('orders', 'k', 'Between', '{\"n\": 1}');
-         ALTER PUBLICATION outbox_relay ADD TABLE outbox;",
-    )
-    .await
-    .unwrap();
-    insert(&w.db, "k", 2).await;
+    left_out_while_the_publication_changed_and_back(&w).await;
     assert_success("the second drain", &w.drain(&out));
-    let delivered = counters_by_key(&read_lines(&out));
-    let mut numbers = delivered["k"].clone();
-    numbers.sort();
-    numbers.dedup();
-    assert_eq!(numbers, vec![0, 1, 2], "{delivered:?}");
+    assert_k_delivered_0_to_2(&out);
     w.assert_empty("").await;
 }
 
