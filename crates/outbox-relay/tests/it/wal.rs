@@ -976,6 +976,67 @@ async fn a_broker_outage_mid_stream_loses_nothing_and_keeps_order() {
         .await;
 }
 
+/// A session that starts while claims take nothing (the engine's in-flight work is full,
+/// behind a broker that does not answer, and the reader's channel full of the earlier
+/// session's reads) waited to announce itself, unanswering: a fast shutdown then waited for
+/// its walsender until `wal_sender_timeout`. The announcement now serves the session as
+/// streaming does, and lets it go once the database stops answering.
+#[tokio::test]
+async fn a_fast_shutdown_is_not_held_by_a_session_waiting_to_announce_itself() {
+    // Never the shared server: this one is stopped.
+    let server = OwnPostgres::init();
+    server.start("-c wal_level=logical");
+    let w = WalDb::on(server.url("disable"), "announce_slot".into()).await;
+    let (_nats, _deliveries, proxy, broker_url) = nats_behind_a_proxy().await;
+    let relay = w
+        .streaming_to(
+            &broker_url,
+            &[
+                "--batch-size",
+                "2",
+                "--max-in-flight",
+                "2",
+                "--publish-timeout",
+                "120s",
+                "--lease",
+                "300s",
+            ],
+        )
+        .await;
+    proxy.handle().blackhole();
+    for n in 0..100 {
+        insert(&w.db, &format!("k{n}"), n).await;
+    }
+    // The session breaks; the next one starts, and cannot hand its announcement over.
+    w.db.execute(
+        "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = $1",
+        &[&w.slot],
+    )
+    .await
+    .unwrap();
+    eventually_explained(
+        "a second session started",
+        Duration::from_secs(60),
+        || relay.logs(),
+        || {
+            let started = relay
+                .logs()
+                .matches("streaming from the replication slot")
+                .count();
+            async move { (started >= 2).then_some(()) }
+        },
+    )
+    .await;
+    let began = std::time::Instant::now();
+    let stopped = server.try_stop("fast", Duration::from_secs(20));
+    eprintln!("the fast shutdown took {:?}", began.elapsed());
+    assert!(
+        stopped.is_ok(),
+        "the shutdown waited for the relay: {stopped:?}\n{}",
+        relay.logs()
+    );
+}
+
 #[tokio::test]
 async fn a_fast_shutdown_of_postgresql_is_not_held_by_a_relay_with_unsettled_events() {
     // Never the shared server: this one is stopped.

@@ -249,6 +249,37 @@ impl Reader {
         }
     }
 
+    /// [`Reader::send`] while the session is served as `forward` serves it: a full channel
+    /// (the engine claims nothing while its in-flight work is full, behind a slow sink)
+    /// could otherwise keep the session unanswered, and a server shutting down would wait
+    /// for it. Status updates go out every second, and the session is let go, as while
+    /// streaming, when the database stops answering over SQL.
+    async fn send_serviced(&self, stream: &mut WalStream, item: Item) -> Result<(), SessionEnd> {
+        let mut liveness = SqlLiveness::new();
+        let mut close = self.close.clone();
+        let sending = self.tx.send(item);
+        tokio::pin!(sending);
+        loop {
+            tokio::select! {
+                biased;
+                sent = &mut sending => {
+                    self.notify();
+                    return sent.map_err(|_| SessionEnd::Closed);
+                }
+                _ = close.changed() => return Err(SessionEnd::Closed),
+                _ = liveness.tick() => {
+                    stream.confirm(*self.confirm.borrow());
+                    if let Err(e) = stream.keep_alive().await {
+                        return Err(SessionEnd::Broken(describe(&e)));
+                    }
+                    if let Some(reason) = liveness.check(&self.main).await {
+                        return Err(SessionEnd::Broken(reason));
+                    }
+                }
+            }
+        }
+    }
+
     pub(super) async fn send(&self, item: Item) -> bool {
         let sent = self.tx.send(item).await.is_ok();
         self.notify();
@@ -415,8 +446,8 @@ impl Reader {
             parked_keys,
             owner: self.session_name.clone(),
         };
-        if !self.send(session).await {
-            return Some(SessionEnd::Closed);
+        if let Err(end) = self.send_serviced(stream, session).await {
+            return Some(end);
         }
         self.set_status(CaptureStatus::Streaming);
         if self.drain && !self.sessions.drain_marker_written {
