@@ -720,9 +720,15 @@ impl Inner {
         }
         let limit = request.limit;
         let mut outputs = self.outputs.lock().await;
+        let mut following = true;
         loop {
             lock(&self.state).accept_outputs(&mut out, limit);
-            if out.len() >= limit || !self.follow_live_session(&mut outputs) {
+            if out.len() >= limit {
+                break;
+            }
+            // Again each time: the lease may have lapsed while this claim ran.
+            following = self.follow_live_session(&mut outputs);
+            if !following {
                 break;
             }
             match outputs.try_recv() {
@@ -730,7 +736,7 @@ impl Inner {
                 Err(_) => break,
             }
         }
-        if self.drain && out.is_empty() && !lock(&self.state).drained() {
+        if following && self.drain && out.is_empty() && !lock(&self.state).drained() {
             // Nothing yet, and the start-up position not reached: wait a little for the
             // log rather than let the engine conclude that the drain is over.
             if let Ok(Some(item)) =

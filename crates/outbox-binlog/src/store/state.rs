@@ -380,6 +380,9 @@ impl capture::Sessions for State {
     /// next reader delivers.
     fn end_session(&mut self) {
         self.followed.ended = true;
+        // What was queued is forgotten with it, and read again by the next session, which
+        // reaches the drain's end itself.
+        self.drained = false;
         self.unaccepted.clear();
         self.uncommitted.clear();
         self.holdings.forget_queued_parks();
@@ -503,6 +506,17 @@ mod tests {
         );
         claim(&mut state, vec![Item::Drained]);
         assert!(state.drained());
+    }
+
+    /// A session that ends (its reader broke, or lost the seat) forgets its queued rows:
+    /// the drain's end it had reached no longer says everything was handed out.
+    #[test]
+    fn an_ended_session_is_not_drained() {
+        let mut state = State::new(false);
+        claim(&mut state, vec![session(1, &[]), Item::Drained]);
+        assert!(state.drained());
+        state.leave_to_seat_holder([]);
+        assert!(!state.drained(), "the rows it forgot are read again");
     }
 
     #[test]
