@@ -391,12 +391,7 @@ impl Connection {
         }
         let length =
             u32::from_be_bytes([self.input[1], self.input[2], self.input[3], self.input[4]]);
-        let total = 1 + length as usize;
-        if length < 4 {
-            return Err(ConnectionError::protocol(format!(
-                "invalid message length {length}"
-            )));
-        }
+        let total = 1 + message_length(length)?;
         if self.input.len() < total {
             // A large message is read in as few reads as its size allows.
             self.input.reserve(total - self.input.len());
@@ -655,9 +650,32 @@ impl ReplicationStream {
     }
 }
 
+/// The most a message may say it holds: a value PostgreSQL sends is at most 1 GiB (its
+/// allocations' limit), and a message a little more with its framing. A length past it is
+/// a broken stream, not a buffer to grow to 4 GiB for.
+const MAX_MESSAGE_LENGTH: u32 = (1 << 30) + (1 << 20);
+
+/// A message's length field, checked: the bytes after the tag.
+fn message_length(length: u32) -> Result<usize> {
+    if !(4..=MAX_MESSAGE_LENGTH).contains(&length) {
+        return Err(ConnectionError::protocol(format!(
+            "invalid message length {length}"
+        )));
+    }
+    Ok(length as usize)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_message_length_past_what_postgresql_sends_is_refused() {
+        assert_eq!(message_length(4).unwrap(), 4);
+        assert!(message_length(3).is_err());
+        assert!(message_length(MAX_MESSAGE_LENGTH).is_ok());
+        assert!(message_length(u32::MAX).is_err(), "4 GiB would be buffered");
+    }
 
     #[test]
     fn an_error_response_keeps_its_sqlstate_detail_and_hint() {
