@@ -398,6 +398,17 @@ impl Inner {
             .iter()
             .filter(|p| p.dead_by_capture || (dead_instead.contains(&p.id) && !p.dead))
             .count() as u64;
+        // A dead letter's key waited for its write only: nothing of it waits in the parked
+        // table for it (`still_parked` counts no dead rows), so the key is checked again.
+        let dead_keys: Vec<String> = parks
+            .iter()
+            .filter(|p| p.dead || dead_instead.contains(&p.id))
+            .filter_map(|p| match state.holdings.held.get(&p.id) {
+                Some(Held::Stream(s)) => Some(s.key.clone()),
+                _ => None,
+            })
+            .collect();
+        state.holdings.recheck.extend(dead_keys);
         self.settle(&mut state, parks.into_iter().map(|p| p.id));
         match outcome {
             Ok(true) => Ok(n),

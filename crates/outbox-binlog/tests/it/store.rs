@@ -908,3 +908,38 @@ async fn a_row_the_parked_table_refuses_is_dead_lettered_as_text_and_blocks_no_k
     );
     relay.stop().await;
 }
+
+/// A row the sink refuses for good is dead-lettered (written to the parked table as dead),
+/// and its key waited for that write only. The key stayed marked as parked for the rest of
+/// the session: its next rows detoured through the parked table, and every claim ran a
+/// parked-table claim. It flows from the log again once the dead letter is written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_lettered_row_leaves_its_key_flowing_from_the_log() {
+    let fixture = Fixture::new().await;
+    let publisher = RecordingPublisher::new();
+    publisher.fail("Bad", usize::MAX, PublishErrorKind::Rejected);
+    let relay = Relay::reading(fixture.options("relay-1"), &publisher).await;
+    fixture.insert("a", "Bad", 1).await;
+    eventually("the row dead-lettered", PATIENCE, || async {
+        let dead: Option<i64> = fixture
+            .db
+            .get_conn()
+            .await
+            .ok()?
+            .query_first("SELECT count(*) FROM outbox_parked WHERE dead_at IS NOT NULL")
+            .await
+            .ok()?;
+        (dead? == 1).then_some(())
+    })
+    .await;
+    eventually("the key no longer parked", PATIENCE, || async {
+        (relay.store.parked_keys() == 0).then_some(())
+    })
+    .await;
+    fixture.insert("a", "Placed", 2).await;
+    eventually("the key's next row delivered", PATIENCE, || async {
+        (delivered_n(&publisher, "a") == [2]).then_some(())
+    })
+    .await;
+    relay.stop().await;
+}
