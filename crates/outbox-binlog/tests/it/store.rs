@@ -96,6 +96,11 @@ impl Fixture {
             .unwrap();
     }
 
+    /// The dead letters in the parked table.
+    async fn dead_letters(&self) -> i64 {
+        self.count("outbox_parked WHERE dead_at IS NOT NULL").await
+    }
+
     async fn count(&self, table: &str) -> i64 {
         self.db
             .get_conn()
@@ -447,12 +452,7 @@ async fn a_dead_letter_put_back_by_dead_retry_is_delivered_ahead_of_its_keys_lat
     let relay = Relay::reading(fixture.options("relay-1"), &publisher).await;
     fixture.insert("a", "Poison", 1).await;
     eventually("the event dead-lettered", PATIENCE, || async {
-        let mut conn = fixture.db.get_conn().await.unwrap();
-        let dead: Option<i64> = conn
-            .query_first("SELECT count(*) FROM outbox_parked WHERE dead_at IS NOT NULL")
-            .await
-            .unwrap();
-        (dead == Some(1)).then_some(())
+        (fixture.dead_letters().await == 1).then_some(())
     })
     .await;
     publisher.fail("Poison", 0, PublishErrorKind::Rejected);
@@ -872,15 +872,7 @@ async fn a_row_the_parked_table_refuses_is_dead_lettered_as_text_and_blocks_no_k
     )
     .await;
     eventually("both refused rows dead-lettered", PATIENCE, || async {
-        let dead: Option<i64> = fixture
-            .db
-            .get_conn()
-            .await
-            .ok()?
-            .query_first("SELECT count(*) FROM outbox_parked WHERE dead_at IS NOT NULL")
-            .await
-            .ok()?;
-        (dead? == 2).then_some(())
+        (fixture.dead_letters().await == 2).then_some(())
     })
     .await;
     let cut: Option<String> = conn
@@ -921,15 +913,7 @@ async fn a_dead_lettered_row_leaves_its_key_flowing_from_the_log() {
     let relay = Relay::reading(fixture.options("relay-1"), &publisher).await;
     fixture.insert("a", "Bad", 1).await;
     eventually("the row dead-lettered", PATIENCE, || async {
-        let dead: Option<i64> = fixture
-            .db
-            .get_conn()
-            .await
-            .ok()?
-            .query_first("SELECT count(*) FROM outbox_parked WHERE dead_at IS NOT NULL")
-            .await
-            .ok()?;
-        (dead? == 1).then_some(())
+        (fixture.dead_letters().await == 1).then_some(())
     })
     .await;
     eventually("the key no longer parked", PATIENCE, || async {
