@@ -194,6 +194,13 @@ impl<S: StreamEvent, P: QueuedPark> Holdings<S, P> {
         parks
     }
 
+    /// Queues `parks` again, whose write failed, ahead of any queued since: later events of
+    /// their keys wait for them.
+    pub fn requeue_parks(&mut self, parks: Vec<P>) {
+        let later = std::mem::replace(&mut self.to_park, parks);
+        self.to_park.extend(later);
+    }
+
     /// Forgets the events queued to park (the session that read them is over: they come
     /// again from the stream).
     pub fn forget_queued_parks(&mut self) {

@@ -828,7 +828,12 @@ impl Inner {
 /// The values of one park ([`sql::Statements::park`]).
 /// `text` cut to what the parked table's `varchar` columns hold.
 fn fitted(text: &str) -> &str {
-    match text.char_indices().nth(event::PARKED_TEXT_CHARS) {
+    first_chars(text, event::PARKED_TEXT_CHARS)
+}
+
+/// At most the first `n` characters of `text`.
+fn first_chars(text: &str, n: usize) -> &str {
+    match text.char_indices().nth(n) {
         Some((at, _)) => &text[..at],
         None => text,
     }
@@ -984,10 +989,7 @@ const PARKED_ERROR_CHARS: usize = 16_000;
 
 /// An error cut to what `last_error` holds (the engine's reports are not bounded).
 fn fitted_error(error: &str) -> &str {
-    match error.char_indices().nth(PARKED_ERROR_CHARS) {
-        Some((at, _)) => &error[..at],
-        None => error,
-    }
+    first_chars(error, PARKED_ERROR_CHARS)
 }
 
 impl OutboxStore for BinlogStore {

@@ -349,8 +349,7 @@ impl State {
         if self.epoch != epoch {
             return;
         }
-        let later = std::mem::replace(&mut self.holdings.to_park, parks);
-        self.holdings.to_park.extend(later);
+        self.holdings.requeue_parks(parks);
     }
 
     /// Forgets stream rows this relay may no longer write for (another relay took the

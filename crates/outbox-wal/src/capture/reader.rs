@@ -268,16 +268,26 @@ impl Reader {
                 }
                 _ = close.changed() => return Err(SessionEnd::Closed),
                 _ = liveness.tick() => {
-                    stream.confirm(*self.confirm.borrow());
-                    if let Err(e) = stream.keep_alive().await {
-                        return Err(SessionEnd::Broken(describe(&e)));
-                    }
-                    if let Some(reason) = liveness.check(&self.main).await {
-                        return Err(SessionEnd::Broken(reason));
+                    if let Some(end) = self.serve(stream, &mut liveness).await {
+                        return Err(end);
                     }
                 }
             }
         }
+    }
+
+    /// A tick of a session's upkeep, reading the stream or not: a status update with the
+    /// confirmable position, and the database asked over SQL. `Some`: the session ends.
+    async fn serve(
+        &self,
+        stream: &mut WalStream,
+        liveness: &mut SqlLiveness,
+    ) -> Option<SessionEnd> {
+        stream.confirm(*self.confirm.borrow());
+        if let Err(e) = stream.keep_alive().await {
+            return Some(SessionEnd::Broken(describe(&e)));
+        }
+        liveness.check(&self.main).await.map(SessionEnd::Broken)
     }
 
     pub(super) async fn send(&self, item: Item) -> bool {
@@ -508,11 +518,8 @@ impl Reader {
                     // Also while the stream is not read (claims behind, the memory budget
                     // full): the server ends a session that says nothing for
                     // wal_sender_timeout.
-                    if let Err(e) = stream.keep_alive().await {
-                        return SessionEnd::Broken(describe(&e));
-                    }
-                    if let Some(reason) = liveness.check(&self.main).await {
-                        return SessionEnd::Broken(reason);
+                    if let Some(end) = self.serve(stream, &mut liveness).await {
+                        return end;
                     }
                     if liveness.publication_due() {
                         if let Some(end) = self.publication_drift().await {

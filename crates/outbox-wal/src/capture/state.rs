@@ -328,8 +328,7 @@ impl State {
         if self.followed.session != session {
             return;
         }
-        let later = std::mem::replace(&mut self.holdings.to_park, parks);
-        self.holdings.to_park.extend(later);
+        self.holdings.requeue_parks(parks);
     }
 
     /// Forgets stream events this relay may no longer write for: the slot streams to another
