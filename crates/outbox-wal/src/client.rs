@@ -7,7 +7,8 @@ use crate::assemble::{AssembleError, Assembler, Output};
 use crate::emit::emit_prefix;
 use crate::lsn::Lsn;
 use crate::replication::{
-    ConnectOptions, Connection, ConnectionError, ReplicationStream, StreamMessage,
+    ConnectOptions, Connection, ConnectionError, Endpoint, ReplicationStream, StreamMessage,
+    SLOT_IN_USE,
 };
 use crate::table::SourceTable;
 use outbox_core::ident::TableName;
@@ -119,21 +120,12 @@ pub enum WalError {
 }
 
 impl WalError {
-    /// Whether a new session may succeed where this one failed: a dropped connection, a
-    /// server shutting down or out of connections, or a slot held by another consumer (a
-    /// standby waits on that). Not a configuration, privilege, slot or stream problem: the
+    /// Whether a new session may succeed where this one failed
+    /// ([`ConnectionError::is_retryable`]). Not a configuration, slot or stream problem: the
     /// same answer, or the same bytes, would come again.
     pub fn is_retryable(&self) -> bool {
         match self {
-            WalError::Connection(e) => match e.sqlstate() {
-                Some(code) => {
-                    code == SLOT_IN_USE
-                        || ["08", "40", "53", "57", "58"]
-                            .iter()
-                            .any(|class| code.starts_with(class))
-                }
-                None => e.is_io(),
-            },
+            WalError::Connection(e) => e.is_retryable(),
             WalError::Config(_)
             | WalError::Slot { .. }
             | WalError::MissingPublication(_)
@@ -146,9 +138,6 @@ impl WalError {
         matches!(self, WalError::Connection(e) if e.sqlstate() == Some(SLOT_IN_USE))
     }
 }
-
-/// object_in_use: PostgreSQL's answer to START_REPLICATION on a slot another session holds.
-const SLOT_IN_USE: &str = "55006";
 
 /// The slot as the session found it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -185,7 +174,7 @@ impl WalStream {
     pub async fn start(config: &WalConfig) -> Result<Self, WalError> {
         check_name(&config.slot, "slot")?;
         check_name(&config.publication, "publication")?;
-        let mut connection = Connection::connect(&connect_options(config)?).await?;
+        let mut connection = connect_to_primary(&connect_options(config)?).await?;
         let publication = connection
             .simple_query(&format!(
                 "SELECT 1 FROM pg_catalog.pg_publication WHERE pubname = '{}'",
@@ -328,12 +317,27 @@ fn connect_options(config: &WalConfig) -> Result<ConnectOptions, WalError> {
     let url: tokio_postgres::Config = url
         .parse()
         .map_err(|e| WalError::Config(format!("the database URL cannot be parsed: {e}")))?;
-    let host = match url.get_hosts().first() {
-        Some(tokio_postgres::config::Host::Tcp(host)) => host.clone(),
-        #[cfg(unix)]
-        Some(tokio_postgres::config::Host::Unix(dir)) => dir.to_string_lossy().into_owned(),
-        None => "localhost".into(),
-    };
+    // libpq's multi-host form: one port for every host, or one each.
+    let ports = url.get_ports();
+    let mut endpoints: Vec<Endpoint> = url
+        .get_hosts()
+        .iter()
+        .enumerate()
+        .map(|(i, host)| Endpoint {
+            host: match host {
+                tokio_postgres::config::Host::Tcp(host) => host.clone(),
+                #[cfg(unix)]
+                tokio_postgres::config::Host::Unix(dir) => dir.to_string_lossy().into_owned(),
+            },
+            port: ports.get(i).or(ports.first()).copied().unwrap_or(5432),
+        })
+        .collect();
+    if endpoints.is_empty() {
+        endpoints.push(Endpoint {
+            host: "localhost".into(),
+            port: ports.first().copied().unwrap_or(5432),
+        });
+    }
     let user = url
         .get_user()
         .ok_or_else(|| WalError::Config("the database URL names no user".into()))?;
@@ -341,8 +345,7 @@ fn connect_options(config: &WalConfig) -> Result<ConnectOptions, WalError> {
         outbox_store_postgres::tls::for_sslmode(sslmode.as_deref(), ca_file.as_deref())
             .map_err(|e| WalError::Config(e.report()))?;
     Ok(ConnectOptions {
-        host,
-        port: url.get_ports().first().copied().unwrap_or(5432),
+        endpoints,
         user: user.to_string(),
         password: url
             .get_password()
@@ -363,6 +366,52 @@ fn connect_options(config: &WalConfig) -> Result<ConnectOptions, WalError> {
             .copied()
             .unwrap_or(CONNECT_TIMEOUT),
     })
+}
+
+/// A replication connection to the first of the URL's hosts that is a primary, tried in the
+/// URL's order (as libpq's `target_session_attrs=read-write` would): a standby cannot
+/// decode, and the relay's own writes go to the primary. With one host, its own error;
+/// with several, each host's, retryable unless no host could ever serve.
+async fn connect_to_primary(options: &ConnectOptions) -> Result<Connection, ConnectionError> {
+    let mut failures = Vec::new();
+    for endpoint in &options.endpoints {
+        let failure = match Connection::connect(options, endpoint).await {
+            Ok(mut connection) => {
+                match connection
+                    .simple_query("SELECT pg_catalog.pg_is_in_recovery()")
+                    .await
+                {
+                    Ok(rows) if rows.first().and_then(|r| r.first()) == Some(&Some("t".into())) => {
+                        ConnectionError::NoPrimary(format!(
+                            "{endpoint} is a hot standby (in recovery)"
+                        ))
+                    }
+                    Ok(_) => return Ok(connection),
+                    Err(e) => e,
+                }
+            }
+            Err(e) => e,
+        };
+        failures.push((endpoint, failure));
+    }
+    if failures.len() == 1 {
+        let (_, only) = failures.pop().expect("one failure");
+        return Err(only);
+    }
+    if failures.iter().all(|(_, e)| !e.is_retryable()) {
+        let (_, first) = failures.swap_remove(0);
+        return Err(first);
+    }
+    Err(ConnectionError::NoPrimary(
+        failures
+            .iter()
+            .map(|(endpoint, e)| match e {
+                ConnectionError::NoPrimary(said) => said.clone(),
+                other => format!("{endpoint}: {other}"),
+            })
+            .collect::<Vec<_>>()
+            .join("; "),
+    ))
 }
 
 /// How long connecting may take unless the URL says (`connect_timeout`).
@@ -480,7 +529,7 @@ async fn ensure_slot(
 /// replication protocol, so it needs the same role and connection settings as the stream.
 pub async fn drop_slot(config: &WalConfig) -> Result<bool, WalError> {
     check_name(&config.slot, "slot")?;
-    let mut client = Connection::connect(&connect_options(config)?).await?;
+    let mut client = connect_to_primary(&connect_options(config)?).await?;
     let slot = &config.slot;
     let Some(row) = read_slot(&mut client, slot).await? else {
         return Ok(false);
@@ -551,8 +600,8 @@ mod tests {
         assert_eq!(options.tls, outbox_store_postgres::tls::TlsUse::Never);
         assert_eq!(
             (
-                options.host.as_str(),
-                options.port,
+                options.endpoints[0].host.as_str(),
+                options.endpoints[0].port,
                 options.user.as_str(),
                 options.password.as_str(),
                 options.database.as_str()
@@ -575,6 +624,25 @@ mod tests {
             ..config
         })
         .is_err());
+    }
+
+    #[test]
+    fn every_host_of_a_multi_host_url_is_an_endpoint_with_its_port() {
+        let endpoints = |url: &str| {
+            let config = WalConfig::new(url, "s", "p", TableName::new("public", "o").unwrap());
+            connect_options(&config)
+                .unwrap()
+                .endpoints
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            endpoints("postgres://u@a:1,b:2/db?target_session_attrs=read-write"),
+            ["a:1", "b:2"]
+        );
+        assert_eq!(endpoints("host=a,b port=7 user=u"), ["a:7", "b:7"]);
+        assert_eq!(endpoints("postgres://u@/db"), ["localhost:5432"]);
     }
 
     #[test]

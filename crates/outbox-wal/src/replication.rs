@@ -36,6 +36,12 @@ pub enum ConnectionError {
     /// What the client cannot do (an authentication method) or a message it cannot read.
     #[error("{0}")]
     Protocol(String),
+    /// None of the URL's hosts is a primary a session can stream from: each host's reason.
+    /// A failover may be under way, so a new session may find one.
+    #[error(
+        "no primary among the database URL's hosts ({0}): WAL capture streams from the primary"
+    )]
+    NoPrimary(String),
 }
 
 impl ConnectionError {
@@ -47,9 +53,21 @@ impl ConnectionError {
         }
     }
 
-    /// The connection broke (or could not be made): a new one may succeed.
-    pub fn is_io(&self) -> bool {
-        matches!(self, ConnectionError::Io(_))
+    /// Whether a new connection may succeed where this one failed: it broke or could not
+    /// be made, no host was a primary yet, or the server said so (shutting down, out of
+    /// connections, the slot held by another consumer, which a standby waits on). Not a
+    /// configuration, privilege or protocol problem: the same answer would come again.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            ConnectionError::Io(_) | ConnectionError::NoPrimary(_) => true,
+            ConnectionError::Server { code, .. } => {
+                code == SLOT_IN_USE
+                    || ["08", "40", "53", "57", "58"]
+                        .iter()
+                        .any(|class| code.starts_with(class))
+            }
+            ConnectionError::Tls(_) | ConnectionError::Protocol(_) => false,
+        }
     }
 
     fn protocol(what: impl Into<String>) -> Self {
@@ -59,12 +77,27 @@ impl ConnectionError {
 
 type Result<T> = std::result::Result<T, ConnectionError>;
 
+/// object_in_use: PostgreSQL's answer to START_REPLICATION on a slot another session holds.
+pub(crate) const SLOT_IN_USE: &str = "55006";
+
+/// A server to dial: a host name or address, or a directory holding its Unix socket.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Endpoint {
+    pub host: String,
+    pub port: u16,
+}
+
+impl std::fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:{}", self.host, self.port)
+    }
+}
+
 /// Where and as whom to connect.
 #[derive(Clone)]
 pub struct ConnectOptions {
-    /// A host name or address, or a directory holding the server's Unix socket.
-    pub host: String,
-    pub port: u16,
+    /// The URL's hosts, in its order (libpq's multi-host form).
+    pub endpoints: Vec<Endpoint>,
     pub user: String,
     pub password: String,
     pub database: String,
@@ -153,22 +186,23 @@ struct Message {
 }
 
 impl Connection {
-    /// Connects, negotiates TLS and authenticates, within the options' timeout.
-    pub async fn connect(options: &ConnectOptions) -> Result<Connection> {
-        match tokio::time::timeout(options.connect_timeout, Self::open(options)).await {
+    /// Connects to `endpoint`, negotiates TLS and authenticates, within the options'
+    /// timeout.
+    pub async fn connect(options: &ConnectOptions, endpoint: &Endpoint) -> Result<Connection> {
+        match tokio::time::timeout(options.connect_timeout, Self::open(options, endpoint)).await {
             Ok(connection) => connection,
             Err(_) => Err(ConnectionError::Io(std::io::Error::new(
                 std::io::ErrorKind::TimedOut,
                 format!(
-                    "no connection to {}:{} within {:?}",
-                    options.host, options.port, options.connect_timeout
+                    "no connection to {endpoint} within {:?}",
+                    options.connect_timeout
                 ),
             ))),
         }
     }
 
-    async fn open(options: &ConnectOptions) -> Result<Connection> {
-        let socket = Self::socket(options).await?;
+    async fn open(options: &ConnectOptions, endpoint: &Endpoint) -> Result<Connection> {
+        let socket = Self::socket(options, endpoint).await?;
         let mut connection = Connection {
             socket,
             input: BytesMut::with_capacity(READ_SIZE),
@@ -196,14 +230,15 @@ impl Connection {
         }
     }
 
-    async fn socket(options: &ConnectOptions) -> Result<Socket> {
+    async fn socket(options: &ConnectOptions, endpoint: &Endpoint) -> Result<Socket> {
         use outbox_store_postgres::tls::TlsUse;
+        let Endpoint { host, port } = endpoint;
         #[cfg(unix)]
-        if options.host.starts_with('/') {
-            let path = PathBuf::from(&options.host).join(format!(".s.PGSQL.{}", options.port));
+        if host.starts_with('/') {
+            let path = PathBuf::from(host).join(format!(".s.PGSQL.{port}"));
             return Ok(Socket::Unix(tokio::net::UnixStream::connect(path).await?));
         }
-        let mut tcp = TcpStream::connect((options.host.as_str(), options.port)).await?;
+        let mut tcp = TcpStream::connect((host.as_str(), *port)).await?;
         tcp.set_nodelay(true)?;
         if options.tls == TlsUse::Never {
             return Ok(Socket::Plain(tcp));
@@ -227,8 +262,8 @@ impl Connection {
                 )))
             }
         }
-        let name = rustls::pki_types::ServerName::try_from(options.host.clone())
-            .map_err(|e| ConnectionError::Tls(format!("host name {:?}: {e}", options.host)))?;
+        let name = rustls::pki_types::ServerName::try_from(host.clone())
+            .map_err(|e| ConnectionError::Tls(format!("host name {host:?}: {e}")))?;
         let connector = tokio_rustls::TlsConnector::from(options.tls_config.clone());
         let tls = connector
             .connect(name, tcp)

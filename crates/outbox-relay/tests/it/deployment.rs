@@ -476,3 +476,64 @@ async fn two_phase_commit_works_against_an_outbox_migrated_with_wakeup_poll() {
     );
     assert_eq!(read_lines(&sink).len(), 1);
 }
+
+/// A URL naming a standby and the primary, as an HA setup's does: WAL capture's replication
+/// session streams from the primary, wherever it is in the list (it dialled the first host
+/// only, and a standby cannot decode).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_capture_given_a_standby_and_the_primary_streams_from_the_primary() {
+    let primary = ScriptedServer::start("postgres", "OUTBOX_TEST_PG_PORT");
+    let primary_url = format!("postgres://postgres@127.0.0.1:{}/postgres", primary.port);
+    let dir = tempfile::tempdir().unwrap();
+    let migrated = Command::new(BIN)
+        .args([
+            "migrate",
+            "--capture",
+            "wal",
+            "--database-url",
+            &primary_url,
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        migrated.status.success(),
+        "{}",
+        String::from_utf8_lossy(&migrated.stderr)
+    );
+    let standby = Standby::start(primary.port);
+    send(&primary_url, "k").await;
+    let both = format!(
+        "postgres://postgres@127.0.0.1:{},127.0.0.1:{}/postgres?target_session_attrs=read-write",
+        standby.port, primary.port
+    );
+    let out = dir.path().join("events.jsonl");
+    let sink = format!("file:{}", out.display());
+    let slot = "standby_test_slot";
+    let _guard = outbox_testkit::SlotGuard {
+        url: primary_url.clone(),
+        slot: slot.into(),
+    };
+    let drain = Command::new(BIN)
+        .args([
+            "run",
+            "--drain",
+            "--capture",
+            "wal",
+            "--slot",
+            slot,
+            "--database-url",
+            &both,
+            "--sink",
+            &sink,
+            "--http-addr",
+            "",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        drain.status.success(),
+        "{}",
+        String::from_utf8_lossy(&drain.stderr)
+    );
+    assert_eq!(read_lines(&out).len(), 1, "the row was relayed");
+}
