@@ -4,6 +4,15 @@
 //! stream order per key. Pure state: each capture's own `State` wraps [`Holdings`] with its
 //! stream's rules (what the WAL slot may be confirmed at, which binlog positions may be
 //! stored), and its store runs the statements and then tells the state what they did.
+//!
+//! A capture's ids need not rise in stream order (a table row's is its insert-order
+//! `sequence_id`, a WAL message's is derived from its position), although the engine's
+//! lanes send back a claimed row only past a *lower* id of its key still being released
+//! (`Lanes::accept`). They never meet that case: in capture mode the engine releases rows
+//! only behind a retry (which parks its row, so the key waits) or when stopping (no
+//! partitions move), a released stream event of a waiting key is parked, not handed out
+//! again, and a key hands out stream events again only once none of its parked rows is
+//! pending, released ones included.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
