@@ -601,12 +601,13 @@ impl ReplicationStream {
                 }
                 Ok(Some(StreamMessage::Keepalive { wal_end }))
             }
+            b'd' => Err(unknown_copy_data(&body)),
             b'E' => Err(server_error(&body)),
             b'c' | b'C' | b'Z' => {
                 self.ended = true;
                 Ok(None)
             }
-            // Notices, and CopyData of kinds this client does not use.
+            // Notices and parameter statuses.
             _ => Ok(None),
         }
     }
@@ -700,9 +701,58 @@ fn message_length(length: u32) -> Result<usize> {
     Ok(length as usize)
 }
 
+/// A CopyData of a kind this client does not know: it may carry WAL, and passing it by
+/// would let the next keepalive confirm past what it held, so the session ends on it.
+fn unknown_copy_data(body: &[u8]) -> ConnectionError {
+    ConnectionError::protocol(format!(
+        "a replication message of unknown kind {:?} ({} bytes): this PostgreSQL speaks a \
+         newer protocol than this relay reads; upgrade the relay",
+        body.first().map_or('?', |b| *b as char),
+        body.len()
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A stream whose server has sent `messages` (tag, body), read from its buffer.
+    fn stream_that_received(
+        messages: &[(u8, &[u8])],
+    ) -> (ReplicationStream, std::os::unix::net::UnixStream) {
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+        ours.set_nonblocking(true).unwrap();
+        let mut input = BytesMut::new();
+        for (tag, body) in messages {
+            input.extend_from_slice(&[*tag]);
+            input.extend_from_slice(&(body.len() as i32 + 4).to_be_bytes());
+            input.extend_from_slice(body);
+        }
+        let connection = Connection {
+            socket: Socket::Unix(tokio::net::UnixStream::from_std(ours).unwrap()),
+            input,
+            output: BytesMut::new(),
+        };
+        let stream = ReplicationStream {
+            connection,
+            confirmed: Lsn(0),
+            reported: None,
+            status_interval: Duration::from_secs(10),
+            next_status: Instant::now() + Duration::from_secs(10),
+            ended: false,
+        };
+        (stream, theirs)
+    }
+
+    #[tokio::test]
+    async fn a_replication_message_of_an_unknown_kind_ends_the_session_saying_so() {
+        let mut keepalive = vec![b'k'];
+        keepalive.extend_from_slice(&[0; 17]);
+        let (mut stream, _server) = stream_that_received(&[(b'd', b"x\0\0"), (b'd', &keepalive)]);
+        let e = stream.recv().await.err().expect("not passed by");
+        assert!(!e.is_retryable());
+        assert!(e.to_string().contains("unknown kind 'x' (3 bytes)"), "{e}");
+    }
 
     #[test]
     fn a_message_length_past_what_postgresql_sends_is_refused() {
