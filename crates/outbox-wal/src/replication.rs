@@ -749,7 +749,7 @@ mod tests {
         let mut keepalive = vec![b'k'];
         keepalive.extend_from_slice(&[0; 17]);
         let (mut stream, _server) = stream_that_received(&[(b'd', b"x\0\0"), (b'd', &keepalive)]);
-        let e = stream.recv().await.err().expect("not passed by");
+        let e = stream.recv().await.expect_err("not passed by");
         assert!(!e.is_retryable());
         assert!(e.to_string().contains("unknown kind 'x' (3 bytes)"), "{e}");
     }
