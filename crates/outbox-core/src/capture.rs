@@ -145,17 +145,21 @@ impl<S: StreamEvent, P: QueuedPark> Holdings<S, P> {
     }
 
     /// Queues held stream events for the next park statement, each once; an id held no
-    /// more is passed by.
-    pub fn queue_parks(&mut self, parks: impl IntoIterator<Item = P>) {
+    /// more is passed by. Returns how many of `parks` are queued (those queued already
+    /// included): what a retry or dead letter of them reports as done.
+    pub fn queue_parks(&mut self, parks: impl IntoIterator<Item = P>) -> usize {
+        let mut queued = 0;
         for park in parks {
             let Some(Held::Stream(event)) = self.held.get(&park.id()) else {
                 continue;
             };
+            queued += 1;
             if self.to_park.iter().all(|p| p.id() != park.id()) {
                 mark_waiting(&mut self.parked_keys, event.key());
                 self.to_park.push(park);
             }
         }
+        queued
     }
 
     /// The parks to write now, in stream order; those that must wait stay queued.
@@ -546,6 +550,18 @@ pub const DELETE_SPACING: Duration = Duration::from_millis(20);
 /// Acks enough for a delete to start without waiting for [`DELETE_SPACING`]: grouping them
 /// has done its work, and a drain should not wait with that many events counted in flight.
 pub const DELETE_GROUP_ENOUGH: usize = 1_000;
+
+/// What a retry or dead letter of stream events reports as done, `queued` of them queued to
+/// park and the parks then flushed: each is written, or waits behind an earlier event of
+/// its key still with the engine (and is written once that one is). None if the flush
+/// ended the session (fenced out): the stream's new holder sends them again.
+pub fn parks_done(queued: usize, followed: &Followed) -> u64 {
+    if followed.ended {
+        0
+    } else {
+        queued as u64
+    }
+}
 
 /// How long a group delete of `queued` acks waits before it starts, the last one having
 /// started at `last_delete`: what is left of [`DELETE_SPACING`], unless enough acks wait.

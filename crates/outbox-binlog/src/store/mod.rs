@@ -567,8 +567,12 @@ impl Inner {
     /// `parking`, so no claim runs in between, then every queued park is written.
     async fn park_stream(&self, parks: Vec<Park>) -> StoreResult<u64> {
         let _parking = self.parking.lock().await;
-        lock(&self.state).queue_parks(parks);
-        self.flush_parks().await
+        let queued = lock(&self.state).queue_parks(parks);
+        self.flush_parks().await?;
+        Ok(outbox_core::capture::parks_done(
+            queued,
+            &lock(&self.state).followed,
+        ))
     }
 
     /// Acks held stream rows: their outbox rows are deleted (table form), then they settle.

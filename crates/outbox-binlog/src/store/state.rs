@@ -301,8 +301,9 @@ impl State {
 
     /// Queues held stream rows for the next park statement (each once). An undecodable row
     /// has nothing a claim could read back: it is parked dead, with its reason, however the
-    /// engine let go of it (a release too).
-    pub(super) fn queue_parks(&mut self, parks: impl IntoIterator<Item = Park>) {
+    /// engine let go of it (a release too). Returns how many are queued
+    /// ([`Holdings::queue_parks`](outbox_core::capture::Holdings::queue_parks)).
+    pub(super) fn queue_parks(&mut self, parks: impl IntoIterator<Item = Park>) -> usize {
         let parks: Vec<Park> = parks
             .into_iter()
             .map(|park| match self.holdings.held.get(&park.id) {
@@ -319,7 +320,7 @@ impl State {
                 _ => park,
             })
             .collect();
-        self.holdings.queue_parks(parks);
+        self.holdings.queue_parks(parks)
     }
 
     /// The keys among `keys` with nothing parked left (none `still` in the parked table,

@@ -927,3 +927,34 @@ async fn a_dead_lettered_row_leaves_its_key_flowing_from_the_log() {
     .await;
     relay.stop().await;
 }
+
+/// A retry reports how many of its own rows it parked. A row retried while an earlier row
+/// of its key is still with the engine waits to be parked behind it: it was counted as
+/// refused (the engine logged a lost lease and counted it fenced), and the earlier row's
+/// retry, which then wrote both, counted two.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_counts_its_own_rows_parked_or_waiting_to_be() {
+    use outbox_core::store::{LeaseHolder, RetryLater};
+    use outbox_core::OutboxStore;
+    let fixture = Fixture::new().await;
+    let store = BinlogStore::start(fixture.options("relay-1")).unwrap();
+    until_reading(&store).await;
+    fixture.insert("k", "T", 1).await;
+    fixture.insert("k", "T", 2).await;
+    let node = NodeId("binlog-test".into());
+    let ids = claim_ids(&store, &node, 2).await;
+    let retry = |id| RetryLater {
+        sequence_id: id,
+        attempts: 1,
+        error: "the broker is down".into(),
+        delay: Duration::from_secs(60),
+    };
+    let holder = || LeaseHolder::unfenced(node.clone());
+    let later = store.retry_later(holder(), vec![retry(ids[1])]).await;
+    assert_eq!(later.unwrap(), 1, "waits behind the first, to be parked");
+    assert_eq!(fixture.count("outbox_parked").await, 0);
+    let first = store.retry_later(holder(), vec![retry(ids[0])]).await;
+    assert_eq!(first.unwrap(), 1, "its own row");
+    assert_eq!(fixture.count("outbox_parked").await, 2);
+    store.close(Duration::from_secs(10)).await;
+}

@@ -482,9 +482,13 @@ impl Inner {
     /// them under `parking`, so no claim runs in between, then every queued park is written.
     async fn park_stream(&self, parks: impl FnOnce(&mut State) -> Vec<Park>) -> StoreResult<u64> {
         let _parking = self.parking.lock().await;
-        let parks = parks(&mut lock(&self.state));
-        lock(&self.state).holdings.queue_parks(parks);
-        self.flush_parks().await
+        let queued = {
+            let mut state = lock(&self.state);
+            let parks = parks(&mut state);
+            state.holdings.queue_parks(parks)
+        };
+        self.flush_parks().await?;
+        Ok(capture::parks_done(queued, &lock(&self.state).followed))
     }
 
     /// Acks held stream events: their outbox rows are deleted, then their positions settle.
