@@ -150,6 +150,27 @@ fn payload_events_size(payload: &TransactionPayloadEvent<'_>) -> std::io::Result
     Ok(size)
 }
 
+/// The columns of `table_map` of a type the reader cannot read, for an error that names
+/// them with the way out. MariaDB logs a `COMPRESSED` column as types 140 and 141, which
+/// mysql_common does not know; past one, no later column's metadata can be found either.
+fn unknown_column_types(table_map: &TableMapEvent<'_>) -> String {
+    let count = usize::try_from(table_map.columns_count()).unwrap_or(0);
+    let unknown: Vec<String> = (0..count)
+        .filter_map(|i| match table_map.get_raw_column_type(i) {
+            Err(e) => Some(format!("column {i}: type {}", e.0)),
+            Ok(_) => None,
+        })
+        .collect();
+    if unknown.is_empty() {
+        return "no column is of an unknown type: the table map is malformed".into();
+    }
+    format!(
+        "{}; MariaDB logs a COMPRESSED column so: ALTER TABLE … MODIFY the column without \
+         COMPRESSED, or relay this outbox by polling (`--capture poll`)",
+        unknown.join(", ")
+    )
+}
+
 /// A binary log event's common header.
 const EVENT_HEADER_LEN: usize = 19;
 
@@ -185,6 +206,10 @@ pub struct BinlogReader {
     rows_read: u64,
     /// Rows of one row event not yet handed out.
     pending: std::collections::VecDeque<Output>,
+    /// A row event of the outbox table in a layout other than the one described, and its
+    /// end: kept while the table is described again, so a call cancelled meanwhile (`next`
+    /// is cancel-safe) leaves it to be read by the next call, not passed by.
+    altered: Option<(Event, usize, u64)>,
     /// Where reading started (a GTID start's file is empty), for an error that says so.
     started_at: BinlogPosition,
     /// The GTID state reading started after, if it did.
@@ -426,6 +451,7 @@ impl BinlogReader {
             first_rotate_checksum: false,
             format_read: false,
             xa_rows: None,
+            altered: None,
             rows_in_transaction: 0,
             rows_read: 0,
             pending: Default::default(),
@@ -468,6 +494,10 @@ impl BinlogReader {
         loop {
             if let Some(output) = self.pending.pop_front() {
                 return Ok(Some(output));
+            }
+            if self.altered.is_some() {
+                self.read_altered().await?;
+                continue;
             }
             let Some(event) = self.stream.next_event().await else {
                 return Ok(None);
@@ -589,6 +619,7 @@ impl BinlogReader {
             let data = event
                 .read_data()
                 .map_err(|e| BinlogError::Decode(e.to_string()))?;
+            let mut altered_width = None;
             match data {
                 // The rotate the server sends first, before the log's checksum setting
                 // is known, is artificial (position 0) and names the file requested:
@@ -672,25 +703,13 @@ impl BinlogReader {
                         _ => {}
                     }
                 }
-                Some(EventData::RowsEvent(rows)) => {
-                    if let Err(BinlogError::LayoutChanged { width }) = self.take_rows(&rows) {
-                        self.describe_again(width, end).await?;
-                        self.take_rows(&rows)?;
+                Some(EventData::RowsEvent(rows)) => match self.take_rows(&rows) {
+                    Err(BinlogError::LayoutChanged { width }) => altered_width = Some(width),
+                    taken => {
+                        taken?;
+                        self.hold_xa_rows(end)?;
                     }
-                    if let Some(held) = &mut self.xa_rows {
-                        held.extend(self.pending.drain(..));
-                        if held.len() > XA_ROWS_HELD {
-                            return Err(BinlogError::Config(format!(
-                                "an XA transaction at {} offset {end} wrote more than \
-                                 {XA_ROWS_HELD} rows to the outbox before its end, which \
-                                 binlog capture holds to learn whether they are committed; \
-                                 relay this outbox by polling (`--capture poll`), or write \
-                                 its rows outside XA transactions",
-                                self.file
-                            )));
-                        }
-                    }
-                }
+                },
                 // A compressed transaction: its events come next, each read as any other.
                 Some(EventData::TransactionPayloadEvent(payload)) => {
                     let left = payload_events_size(&payload).map_err(|e| {
@@ -704,7 +723,47 @@ impl BinlogReader {
                 }
                 _ => {}
             }
+            if let Some(width) = altered_width {
+                self.altered = Some((event, width, end));
+            }
         }
+    }
+
+    /// The outbox's row event of another layout ([`BinlogReader::altered`]): the table is
+    /// described again, then the event read with its new columns. Cancelled while the table
+    /// is described, the event stays for the next call.
+    async fn read_altered(&mut self) -> Result<()> {
+        let Some((_, width, end)) = &self.altered else {
+            return Ok(());
+        };
+        let (width, end) = (*width, *end);
+        self.describe_again(width, end).await?;
+        let (event, _, _) = self.altered.take().expect("kept while described");
+        if let Some(EventData::RowsEvent(rows)) = event
+            .read_data()
+            .map_err(|e| BinlogError::Decode(e.to_string()))?
+        {
+            self.take_rows(&rows)?;
+        }
+        self.hold_xa_rows(end)
+    }
+
+    /// Inside an XA transaction, the rows just read are held until its end says whether
+    /// they are committed.
+    fn hold_xa_rows(&mut self, end: u64) -> Result<()> {
+        if let Some(held) = &mut self.xa_rows {
+            held.extend(self.pending.drain(..));
+            if held.len() > XA_ROWS_HELD {
+                return Err(BinlogError::Config(format!(
+                    "an XA transaction at {} offset {end} wrote more than {XA_ROWS_HELD} rows \
+                     to the outbox before its end, which binlog capture holds to learn whether \
+                     they are committed; relay this outbox by polling (`--capture poll`), or \
+                     write its rows outside XA transactions",
+                    self.file
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// A transaction (or a log file) ended at `end`: a place to start again from, with the
@@ -802,11 +861,21 @@ impl BinlogReader {
                     values.push(None);
                     continue;
                 }
-                let column_type =
-                    table_map.get_column_type(i).ok().flatten().ok_or_else(|| {
-                        broken(format!("column {i} has no type in its table map"))
-                    })?;
-                let meta = table_map.get_column_metadata(i).unwrap_or(&[]);
+                let column_type = table_map.get_column_type(i).ok().flatten().ok_or_else(|| {
+                    broken(format!(
+                        "column {i} is of a type binlog capture does not know ({})",
+                        unknown_column_types(&table_map)
+                    ))
+                })?;
+                // mysql_common indexes a type's metadata unchecked: none (an earlier
+                // column of a type it does not know) must not reach it.
+                let meta = table_map.get_column_metadata(i).ok_or_else(|| {
+                    broken(format!(
+                        "column {i}: its table map's metadata cannot be read past a column of \
+                         a type binlog capture does not know ({})",
+                        unknown_column_types(&table_map)
+                    ))
+                })?;
                 // A value that cannot be parsed leaves the rest of the event unreadable.
                 let value: BinlogValue<'_> = buf
                     .parse((column_type, meta, false, false))
