@@ -864,7 +864,7 @@ impl BinlogReader {
                 let column_type = table_map.get_column_type(i).ok().flatten().ok_or_else(|| {
                     broken(format!(
                         "column {i} is of a type binlog capture does not know ({})",
-                        unknown_column_types(&table_map)
+                        unknown_column_types(table_map)
                     ))
                 })?;
                 // mysql_common indexes a type's metadata unchecked: none (an earlier
@@ -873,7 +873,7 @@ impl BinlogReader {
                     broken(format!(
                         "column {i}: its table map's metadata cannot be read past a column of \
                          a type binlog capture does not know ({})",
-                        unknown_column_types(&table_map)
+                        unknown_column_types(table_map)
                     ))
                 })?;
                 // A value that cannot be parsed leaves the rest of the event unreadable.
