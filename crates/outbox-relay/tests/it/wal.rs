@@ -1282,11 +1282,23 @@ async fn poison_messages_are_dead_lettered_and_hold_no_key_back() {
     )
     .await
     .unwrap();
+    // A number past what jsonb's numeric holds (JSON and the message form take it): its
+    // park failed the whole batch, and every claim after it ("value overflows numeric
+    // format").
+    let huge =
+        r#"{"destination": "orders", "key": "huge", "type": "T", "payload": {"a": 1e131072}}"#;
+    w.db.execute(
+        "SELECT pg_logical_emit_message(true, 'outbox', $1::text)",
+        &[&huge],
+    )
+    .await
+    .unwrap();
     let dead = "SELECT count(*) FROM outbox_dead_letters";
-    wait_for_rows(&relay, "all three dead-lettered", &w.db, dead, 3).await;
+    wait_for_rows(&relay, "all four dead-lettered", &w.db, dead, 4).await;
     handle.heal();
     emit(&w.db, "nul", 1).await;
     emit(&w.db, "half", 3).await;
+    emit(&w.db, "huge", 4).await;
     insert(&w.db, "other", 2).await;
     eventually_explained(
         "the keys' next events delivered",
@@ -1294,7 +1306,9 @@ async fn poison_messages_are_dead_lettered_and_hold_no_key_back() {
         || relay.logs(),
         || {
             let keys: HashSet<String> = deliveries.snapshot().into_iter().map(|d| d.key).collect();
-            let done = ["nul", "half", "other"].iter().all(|k| keys.contains(*k));
+            let done = ["nul", "half", "huge", "other"]
+                .iter()
+                .all(|k| keys.contains(*k));
             async move { done.then_some(()) }
         },
     )
@@ -1318,6 +1332,15 @@ async fn poison_messages_are_dead_lettered_and_hold_no_key_back() {
         .unwrap()
         .get(0);
     assert_eq!(kept, Value::String(r#"{"a": "\ud800"}"#.into()));
+    let kept: Value =
+        w.db.query_one(
+            "SELECT payload FROM outbox_dead_letters WHERE partition_key = 'huge'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(kept, Value::String(r#"{"a": 1e131072}"#.into()));
     let status = relay.terminate().await;
     assert!(status.success(), "{status:?}");
 }

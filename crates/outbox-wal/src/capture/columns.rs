@@ -29,7 +29,7 @@ impl DeadColumns {
         self.attempts.push(0);
         self.errors.push(format!(
             "{what}, which PostgreSQL cannot store: it could not wait in the parked table, so it \
-             was dead-lettered, NULs shown as \\0 in text and a payload or headers holding \\u0000 \
+             was dead-lettered, NULs shown as \\0 in text and a payload or headers jsonb refuses \
              kept as their JSON text in a string"
         ));
     }
@@ -144,7 +144,9 @@ pub(super) fn unstorable(event: &Event) -> Option<&'static str> {
         return Some("a NUL byte in its destination, key, type or mutation id");
     }
     if payload_json(&event.payload).is_some_and(|p| jsonb_refuses(&p)) {
-        return Some("\\u0000 or a lone surrogate escape in its payload");
+        return Some(
+            "\\u0000, a lone surrogate escape or a number out of numeric's range in its payload",
+        );
     }
     let headers = serde_json::to_string(&event.headers).unwrap_or_default();
     jsonb_refuses(&headers).then_some("\\u0000 or a lone surrogate escape in its headers")
@@ -165,9 +167,10 @@ pub(super) fn storable_json(json: &str) -> String {
     }
 }
 
-/// Whether JSON text holds an escape jsonb refuses: `\u0000`, or a `\uD800`-`\uDFFF` that is
-/// not part of a high-then-low surrogate pair. (An escaped backslash followed by `u0000` is
-/// no such escape.) The `json` type and the message form keep such text, jsonb does not.
+/// Whether JSON text holds what jsonb refuses: the escape `\u0000`, a `\uD800`-`\uDFFF` that
+/// is not part of a high-then-low surrogate pair (an escaped backslash followed by `u0000`
+/// is no such escape), or a number out of `numeric`'s range. The `json` type and the
+/// message form keep such text, jsonb does not.
 pub(super) fn jsonb_refuses(json: &str) -> bool {
     let bytes = json.as_bytes();
     let unicode_escape = |at: usize| -> Option<u16> {
@@ -195,7 +198,93 @@ pub(super) fn jsonb_refuses(json: &str) -> bool {
             None => i += 2,
         }
     }
+    has_a_number_numeric_refuses(bytes)
+}
+
+/// Whether JSON text holds a number outside jsonb's `numeric` ("value overflows numeric
+/// format"): more than 131,072 digits before the decimal point, more than 16,383 after
+/// it, or an exponent PostgreSQL does not read at all. JSON, serde and the `json` type take
+/// any such number.
+fn has_a_number_numeric_refuses(json: &[u8]) -> bool {
+    let mut i = 0;
+    let mut in_string = false;
+    while i < json.len() {
+        let b = json[i];
+        if in_string {
+            match b {
+                b'\\' => i += 2,
+                b'"' => {
+                    in_string = false;
+                    i += 1;
+                }
+                _ => i += 1,
+            }
+            continue;
+        }
+        if b == b'"' {
+            in_string = true;
+            i += 1;
+        } else if b == b'-' || b.is_ascii_digit() {
+            let start = i;
+            while i < json.len()
+                && matches!(json[i], b'0'..=b'9' | b'.' | b'e' | b'E' | b'+' | b'-')
+            {
+                i += 1;
+            }
+            if numeric_refuses(&json[start..i]) {
+                return true;
+            }
+        } else {
+            i += 1;
+        }
+    }
     false
+}
+
+/// Whether PostgreSQL's `numeric` refuses the JSON number `token` as out of its range.
+fn numeric_refuses(token: &[u8]) -> bool {
+    /// Decimal digits before the point: a base-10,000 weight of at most 32,767.
+    const MAX_DIGITS_BEFORE_POINT: i64 = 131_072;
+    /// Digits after the point (`NUMERIC_DSCALE_MAX`).
+    const MAX_DIGITS_AFTER_POINT: i64 = 16_383;
+    /// PostgreSQL refuses an exponent this large before looking at the digits.
+    const MAX_EXPONENT: i64 = (i32::MAX / 2) as i64;
+    let token = token.strip_prefix(b"-").unwrap_or(token);
+    let (mantissa, exponent) = match token.iter().position(|b| matches!(b, b'e' | b'E')) {
+        Some(at) => (&token[..at], &token[at + 1..]),
+        None => (token, &b""[..]),
+    };
+    let (negative, digits) = match exponent.split_first() {
+        Some((b'-', rest)) => (true, rest),
+        Some((b'+', rest)) => (false, rest),
+        _ => (false, exponent),
+    };
+    let magnitude = digits.iter().fold(0i64, |n, d| {
+        n.saturating_mul(10)
+            .saturating_add(i64::from(d.wrapping_sub(b'0')))
+    });
+    if magnitude >= MAX_EXPONENT {
+        return true;
+    }
+    let exponent = if negative { -magnitude } else { magnitude };
+    let (integer, fraction) = match mantissa.iter().position(|b| *b == b'.') {
+        Some(at) => (&mantissa[..at], &mantissa[at + 1..]),
+        None => (mantissa, &b""[..]),
+    };
+    if fraction.len() as i64 - exponent > MAX_DIGITS_AFTER_POINT {
+        return true;
+    }
+    let significant = integer.iter().skip_while(|d| **d == b'0').count() as i64;
+    let before_point = if significant > 0 {
+        significant + exponent
+    } else {
+        match fraction.iter().position(|d| *d != b'0') {
+            Some(zeros) => exponent - zeros as i64,
+            // Zero: no digit before the point, whatever the exponent.
+            None => return false,
+        }
+    };
+    before_point > MAX_DIGITS_BEFORE_POINT
 }
 
 /// A payload as JSON text for a jsonb column (bytes as a JSON string).
@@ -243,6 +332,49 @@ mod tests {
         );
         assert!(!jsonb_refuses(r#"["\\ud800"]"#), "a backslash, then text");
         let stored = storable_json(r#"["\ud800"]"#);
+        assert!(!jsonb_refuses(&stored), "{stored}");
+    }
+
+    /// Each as PostgreSQL 15 answered `SELECT '<number>'::jsonb`.
+    #[test]
+    fn numbers_out_of_numerics_range_are_refused_as_postgresql_refuses_them() {
+        let taken = [
+            "1e131071",
+            "-1e131071",
+            "1E+131071",
+            "123.456e131069",
+            "100e131069",
+            "0.00012e131075",
+            "1e-16383",
+            "0e-16383",
+            "1.5e-16382",
+            "0e1000000",
+            "12.5",
+            "-0",
+        ];
+        let refused = [
+            "1e131072",
+            "123.456e131070",
+            "100e131070",
+            "0.00012e131076",
+            "1e-16384",
+            "0e-16384",
+            "0e-20000",
+            "1.5e-16383",
+            "1e-1000000",
+            "1e99999999999999999999",
+        ];
+        for n in taken {
+            assert!(!jsonb_refuses(&format!(r#"{{"a":[{n}]}}"#)), "{n}");
+        }
+        for n in refused {
+            assert!(jsonb_refuses(&format!(r#"{{"a":[{n}]}}"#)), "{n}");
+        }
+        assert!(
+            !jsonb_refuses(r#"{"a":"1e131072 in \"a string\""}"#),
+            "text"
+        );
+        let stored = storable_json(r#"{"a":1e131072}"#);
         assert!(!jsonb_refuses(&stored), "{stored}");
     }
 
