@@ -551,6 +551,23 @@ pub const DELETE_SPACING: Duration = Duration::from_millis(20);
 /// has done its work, and a drain should not wait with that many events counted in flight.
 pub const DELETE_GROUP_ENOUGH: usize = 1_000;
 
+/// How long a drain's claim waits for the capture's first session to start.
+pub const DRAIN_START_PATIENCE: Duration = Duration::from_secs(10);
+
+/// The capture's status once it is no longer `starting` (or [`DRAIN_START_PATIENCE`] has
+/// passed). A drain's claims wait for it: before the first session nothing is claimed, the
+/// parked table's rows neither, and a drain whose only rows left had failed before (a retry
+/// that is due) would end at once, reporting them left.
+pub async fn once_started<S: Clone + PartialEq>(
+    status: &tokio::sync::watch::Receiver<S>,
+    starting: &S,
+) -> S {
+    let mut status = status.clone();
+    let _ = tokio::time::timeout(DRAIN_START_PATIENCE, status.wait_for(|s| s != starting)).await;
+    let now = status.borrow().clone();
+    now
+}
+
 /// What a retry or dead letter of stream events reports as done, `queued` of them queued to
 /// park and the parks then flushed: each is written, or waits behind an earlier event of
 /// its key still with the engine (and is written once that one is). None if the flush

@@ -540,9 +540,11 @@ pub struct Adoption {
     pub dead_letters: Option<String>,
 }
 
-/// Moves every pending row of the captured table into the parked table. The native table's
-/// rows keep their sequence ids (parked rows draw theirs from the same sequence); a mapped
-/// table's get new ones, drawn in its rows' order, since its ids are its own.
+/// Moves every pending row of the captured table into the parked table, in its rows'
+/// order, under new ids drawn from the parked table's sequence as they are moved: parked
+/// rows are claimed in id order, and a row of the same key parked before (an event
+/// streamed, then retried) may have committed first yet drawn a later id than the row's
+/// own, which was taken at its insert.
 fn adopt(tables: &CaptureTables) -> Adoption {
     let parked = tables.parked.quoted();
     let source = tables.source.name.quoted();
@@ -550,10 +552,10 @@ fn adopt(tables: &CaptureTables) -> Adoption {
     // A native table's rows, as they are, from the CTE `from`.
     let native_rows = |from: &str| {
         format!(
-            "INSERT INTO {parked} (sequence_id, event_id, destination, partition_key,
+            "INSERT INTO {parked} (event_id, destination, partition_key,
                     event_type, payload, headers, mutation_id, rejected, created_at,
                     available_at, attempts, last_error)
-             SELECT sequence_id, event_id, destination, partition_key, event_type, payload,
+             SELECT event_id, destination, partition_key, event_type, payload,
                     headers, mutation_id, rejected, created_at, available_at, attempts,
                     last_error
                FROM {from} ORDER BY sequence_id
@@ -611,9 +613,9 @@ fn adopt(tables: &CaptureTables) -> Adoption {
         "relay_id IS NOT NULL AND {destination} IS NOT NULL AND {event_type} IS NOT NULL \
          AND {payload_ok}"
     );
-    // The ids are kept (they come from one sequence, see `shared_ids_ddl`); the native
-    // outbox's rows (`dead retry`, `send`) are moved as the native form moves them.
-    // It returns the rows dead-lettered, by destination, for the metric.
+    // The parked rows draw new ids, as the native form's do; the native outbox's rows
+    // (`dead retry`, `send`) are moved as the native form moves them. It returns the rows
+    // dead-lettered, by destination, for the metric.
     let moved = format!(
         "WITH deleted AS (DELETE FROM {source} RETURNING *),
               moved AS (
@@ -624,9 +626,9 @@ fn adopt(tables: &CaptureTables) -> Adoption {
                   FROM deleted d),
               moved_outbox AS (DELETE FROM {outbox} WHERE delivered_at IS NULL RETURNING *),
               adopted AS (
-                INSERT INTO {parked} (sequence_id, event_id, destination, partition_key,
+                INSERT INTO {parked} (event_id, destination, partition_key,
                        event_type, payload, headers, mutation_id, created_at)
-                SELECT {row_id}, relay_id, {destination}::text, {key},
+                SELECT relay_id, {destination}::text, {key},
                        {event_type}::text, relay_payload, {headers}, {mutation}, {created_at}
                   FROM moved WHERE {decodable} ORDER BY {row_id}
                 ON CONFLICT DO NOTHING RETURNING 1),

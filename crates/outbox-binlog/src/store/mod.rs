@@ -703,7 +703,12 @@ impl Inner {
     }
 
     async fn claim(&self, request: ClaimRequest) -> StoreResult<Vec<Claimed>> {
-        let status = self.status.borrow().clone();
+        let status = match self.drain {
+            true => {
+                outbox_core::capture::once_started(&self.status, &CaptureStatus::Starting).await
+            }
+            false => self.status.borrow().clone(),
+        };
         if let CaptureStatus::Reconnecting(reason) = &status {
             // Under `parking`, as every other follow: a park in flight is of one session.
             let _parking = self.parking.lock().await;

@@ -958,3 +958,50 @@ async fn a_retry_counts_its_own_rows_parked_or_waiting_to_be() {
     assert_eq!(fixture.count("outbox_parked").await, 2);
     store.close(Duration::from_secs(10)).await;
 }
+
+/// A drain's first claims came before the reader's first session, which claims nothing,
+/// the parked table's rows neither: a drain whose only row left had failed before (its
+/// retry due by now) ended at once, reporting it left. Its claims wait for the session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_relays_a_parked_retry_that_is_due() {
+    let fixture = Fixture::new().await;
+    let publisher = RecordingPublisher::new();
+    publisher.fail("T", 1, PublishErrorKind::Unavailable);
+    let backoff = Duration::from_secs(2);
+    let relay = Relay::with_backoff(fixture.options("relay-1"), &publisher, backoff).await;
+    until_reading(&relay.store).await;
+    fixture.insert("k", "T", 1).await;
+    eventually("the row parked by its retry", PATIENCE, || async {
+        (fixture.count("outbox_parked WHERE attempts > 0").await == 1).then_some(())
+    })
+    .await;
+    relay.stop().await;
+    let waiting =
+        "outbox_parked WHERE available_at > CONVERT_TZ(NOW(6), @@session.time_zone, '+00:00')";
+    eventually("the retry due", PATIENCE, || async {
+        (fixture.count(waiting).await == 0).then_some(())
+    })
+    .await;
+    let store = BinlogStore::start(BinlogStoreOptions {
+        drain: true,
+        ..fixture.options("relay-1")
+    })
+    .unwrap();
+    let mut config = EngineConfig::new(NodeId("binlog-test".into()));
+    config.drain = true;
+    let summary = outbox_engine::run(
+        Arc::new(store.clone()),
+        Arc::new(publisher.clone()),
+        config,
+        std::future::pending(),
+    )
+    .await
+    .unwrap();
+    store.close(Duration::from_secs(10)).await;
+    assert!(
+        matches!(summary.drain, Some(outbox_engine::DrainEnd::Clean { .. })),
+        "{:?}",
+        summary.drain
+    );
+    assert_eq!(delivered_n(&publisher, "k"), [1]);
+}

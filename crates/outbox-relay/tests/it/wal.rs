@@ -1410,6 +1410,48 @@ async fn a_publication_changed_and_changed_back_between_checks_loses_no_row() {
     w.assert_empty(&relay.logs()).await;
 }
 
+/// Adopted again (the publication changed while no relay ran), a pending row moved to the
+/// parked table under its own sequence id. A row of its key that committed before it, but
+/// drew its id later (when its retry parked it), then no longer held it back, and it was
+/// delivered first, against commit order. Adopted rows draw new ids, after every row parked
+/// before them.
+#[tokio::test]
+async fn a_row_adopted_again_waits_behind_an_earlier_row_of_its_key_parked_before() {
+    let (_nats, _deliveries, proxy, broker_url) = nats_behind_a_proxy().await;
+    let w = WalDb::new().await;
+    let mut relay = w.streaming_to(&broker_url, &RETRY_AN_OUTAGE).await;
+    // Event 2 takes its id first and commits last.
+    let late = pg(&w.url).await;
+    late.batch_execute(
+        "BEGIN;
+         INSERT INTO outbox (destination, partition_key, event_type, payload)
+           VALUES ('orders', 'k', 'Late', '{\"n\": 2}')",
+    )
+    .await
+    .unwrap();
+    // Event 1 commits first, and fails: parked by its retry, under an id drawn then.
+    proxy.handle().cut();
+    insert(&w.db, "k", 1).await;
+    let retried = "SELECT count(*) FROM outbox_parked WHERE attempts > 0";
+    wait_for_rows(&relay, "event 1 parked by its retry", &w.db, retried, 1).await;
+    let status = relay.terminate().await;
+    assert!(status.success(), "{status:?}");
+    w.db.batch_execute(
+        "ALTER PUBLICATION outbox_relay DROP TABLE outbox;
+         ALTER PUBLICATION outbox_relay ADD TABLE outbox;",
+    )
+    .await
+    .unwrap();
+    late.batch_execute("COMMIT").await.unwrap();
+    // A drain counts a retry still waiting as left: start it once event 1 is due.
+    let waiting = "SELECT count(*) FROM outbox_parked WHERE available_at > now()";
+    wait_for_rows(&relay, "event 1 due", &w.db, waiting, 0).await;
+    let out = w.path("events.jsonl");
+    assert_success("the drain", &w.drain(&out));
+    let order = counters_by_key(&read_lines(&out));
+    assert_eq!(order["k"], vec![1, 2], "{order:?}");
+}
+
 /// Event 1 of `k` written while the publication leaves the table out (dropped from it, and
 /// added back right after), then event 2.
 async fn left_out_while_the_publication_changed_and_back(w: &WalDb) {

@@ -662,7 +662,10 @@ impl Inner {
     }
 
     async fn claim(&self, request: ClaimRequest) -> StoreResult<Vec<Claimed>> {
-        let status = self.status.borrow().clone();
+        let status = match self.drain {
+            true => capture::once_started(&self.status, &CaptureStatus::Starting).await,
+            false => self.status.borrow().clone(),
+        };
         // Claims fail while the stream is down, so that `/readyz` and the logs say why; they
         // are retried like a lost connection, but the fix is the one the reason names.
         if let CaptureStatus::Failed(reason) | CaptureStatus::Reconnecting(reason) = &status {

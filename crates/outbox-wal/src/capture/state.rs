@@ -254,8 +254,11 @@ impl State {
             Ok(event) => {
                 let (id, row) = event_id_of(event.source, position);
                 if matches!(self.holdings.held.get(&id), Some(Held::Parked { .. })) {
-                    // Adopted into the parked table when the slot was created, and committed
-                    // after it: the parked copy is being delivered; this one is settled.
+                    // Adopted into the parked table under its own id (as earlier relays
+                    // adopted rows), and committed after the slot's start: the parked
+                    // copy is being delivered; this one is settled. Rows adopted since draw
+                    // new ids, and their stream copies are parked behind them, where the
+                    // event id's conflict drops them.
                     if let Err(e) = self.acks.settle(position) {
                         tracing::error!(error = %e, "WAL acknowledgement out of step (a bug)");
                     }
