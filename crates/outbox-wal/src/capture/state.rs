@@ -368,6 +368,8 @@ impl capture::Sessions for State {
         self.followed.ended = true;
         self.unaccepted.clear();
         self.forget_unhanded();
+        // What it forgot comes again before the drain's end, in the next session.
+        self.drained = false;
     }
 
     /// One reader item, in stream order; events to hand out go to `out`.
@@ -385,6 +387,9 @@ impl capture::Sessions for State {
                 // Released or unparked events of the old session come again in this one.
                 self.forget_unhanded();
                 self.holdings.load_parked_keys(parked_keys);
+                // Each session reads to the drain's end again, and says so: what an earlier
+                // one left unsettled comes again in this one, before the end.
+                self.drained = false;
             }
             Item::DrainUntil(lsn) => self.drain_until = Some(lsn),
             // What an ended session read is sent again by the next.
@@ -490,6 +495,30 @@ mod tests {
 
     fn two_transactions() -> Vec<Output> {
         transactions(&[(1, "a", 200), (2, "b", 300)])
+    }
+
+    /// The drain's end reached, then the session broke with event 2 released and not yet
+    /// handed out again: the next session sends it again from the slot, and it was dropped
+    /// (the drain's end was a latch), so `--drain` reported clean with it undelivered. Each
+    /// session reads to the drain's end again, and hands out what comes before it.
+    #[test]
+    fn a_new_session_is_not_drained_until_it_reaches_the_drains_end_itself() {
+        let mut state = State::new();
+        state.accept(session(1, &[]));
+        state.accept(Item::DrainUntil(Lsn(400)));
+        let mut outputs = two_transactions();
+        outputs.push(Output::Idle { wal_end: Lsn(400) });
+        assert_eq!(claim(&mut state, outputs), [1, 2]);
+        assert!(state.drained);
+        state.settle([1]);
+        state.redeliver.push_back(2);
+        state.accept(session(2, &[]));
+        assert!(!state.drained, "event 2 comes again");
+        assert_eq!(claim(&mut state, transactions(&[(2, "b", 300)])), [2]);
+        assert!(claim(&mut state, vec![Output::Idle { wal_end: Lsn(400) }]).is_empty());
+        assert!(state.drained);
+        state.end_session();
+        assert!(!state.drained, "what it forgot comes again");
     }
 
     #[test]
