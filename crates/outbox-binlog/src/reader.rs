@@ -210,6 +210,9 @@ pub struct BinlogReader {
     /// end: kept while the table is described again, so a call cancelled meanwhile (`next`
     /// is cancel-safe) leaves it to be read by the next call, not passed by.
     altered: Option<(Event, usize, u64)>,
+    /// Whether the server has sent an event: its error 1236 then says the log could not be
+    /// read on (a crash mid-write, a checksum), not that the start position is gone.
+    read_any: bool,
     /// Where reading started (a GTID start's file is empty), for an error that says so.
     started_at: BinlogPosition,
     /// The GTID state reading started after, if it did.
@@ -452,6 +455,7 @@ impl BinlogReader {
             format_read: false,
             xa_rows: None,
             altered: None,
+            read_any: false,
             rows_in_transaction: 0,
             rows_read: 0,
             pending: Default::default(),
@@ -503,7 +507,21 @@ impl BinlogReader {
                 return Ok(None);
             };
             let event = match event {
-                Ok(event) => event,
+                Ok(event) => {
+                    self.read_any = true;
+                    event
+                }
+                Err(mysql_async::Error::Server(e))
+                    if e.code == FATAL_READING_BINLOG && self.read_any =>
+                {
+                    return Err(BinlogError::Decode(format!(
+                        "the server stopped sending its binary log after {} offset {} ({}, \
+                         error 1236): the relay reads it again from the stored position; if \
+                         this repeats there, the log is damaged at that place (a crash while it \
+                         was written, a checksum that fails): see the server's error log",
+                        self.file, self.read_to, e.message
+                    )));
+                }
                 Err(mysql_async::Error::Server(e)) if e.code == FATAL_READING_BINLOG => {
                     if let Some(gtid) = &self.started_after_gtid {
                         return Err(BinlogError::GtidNotInLog {

@@ -33,6 +33,8 @@ struct WrittenEvents {
     events: VecDeque<Vec<u8>>,
     /// The events inside the last payload event, while some are left.
     inside: Option<Cursor<Vec<u8>>>,
+    /// The server error that follows the events, if one does.
+    then: Option<u16>,
 }
 
 impl EventSource for WrittenEvents {
@@ -45,7 +47,15 @@ impl EventSource for WrittenEvents {
                     Err(e) => return Some(Err(e.into())),
                 }
             }
-            let bytes = self.events.pop_front()?;
+            let Some(bytes) = self.events.pop_front() else {
+                return self.then.take().map(|code| {
+                    Err(mysql_async::Error::Server(mysql_async::ServerError {
+                        code,
+                        message: "could not find next log".into(),
+                        state: "HY000".into(),
+                    }))
+                });
+            };
             let event = self.reader.read(&bytes[..]).ok()??;
             if event.header().event_type_raw() == TRANSACTION_PAYLOAD_EVENT {
                 let payload: TransactionPayloadEvent<'_> = event.read_event().ok()?;
@@ -180,6 +190,7 @@ fn reader_of(events: Vec<Vec<u8>>, gtid_state: Option<&str>) -> BinlogReader {
         reader: EventStreamReader::new(BinlogVersion::Version4),
         events: events.into(),
         inside: None,
+        then: None,
     };
     let mut reader = BinlogReader::of(
         Box::new(source),
@@ -194,6 +205,32 @@ fn reader_of(events: Vec<Vec<u8>>, gtid_state: Option<&str>) -> BinlogReader {
     );
     reader.gtid_state = gtid_state.map(|s| gtid::GtidState::parse(s).unwrap());
     reader
+}
+
+/// Error 1236 ends the stream: before any event, the position asked for is not in the log
+/// (purged); after events, the log could not be read on there, and saying it was purged
+/// would point the operator at skipping to the server's current position.
+#[tokio::test]
+async fn error_1236_says_purged_only_before_the_first_event() {
+    let mut at_start = reader_of(Vec::new(), None);
+    at_start.stream = Box::new(WrittenEvents {
+        reader: EventStreamReader::new(BinlogVersion::Version4),
+        events: VecDeque::new(),
+        inside: None,
+        then: Some(FATAL_READING_BINLOG),
+    });
+    let e = at_start.next().await.expect_err("an error");
+    assert!(matches!(e, BinlogError::Purged { .. }), "{e}");
+    let mut later = reader_of(vec![gtid(41, 1100)], None);
+    later.stream = Box::new(WrittenEvents {
+        reader: EventStreamReader::new(BinlogVersion::Version4),
+        events: VecDeque::from([gtid(41, 1100)]),
+        inside: None,
+        then: Some(FATAL_READING_BINLOG),
+    });
+    let e = later.next().await.expect_err("an error");
+    assert!(!matches!(e, BinlogError::Purged { .. }), "{e}");
+    assert!(e.to_string().contains("offset 1100"), "{e}");
 }
 
 /// Every output until the events run out, rows as their id and aggregate.
