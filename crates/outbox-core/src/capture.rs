@@ -551,6 +551,32 @@ pub const DELETE_SPACING: Duration = Duration::from_millis(20);
 /// has done its work, and a drain should not wait with that many events counted in flight.
 pub const DELETE_GROUP_ENOUGH: usize = 1_000;
 
+/// Runs a capture's reader task, and what a panic in it (a bug) said, if it panicked: the
+/// store then says its reader stopped, where every claim would otherwise find nothing,
+/// silently, for good.
+pub async fn panic_of(task: impl std::future::Future<Output = ()>) -> Option<String> {
+    use futures::FutureExt;
+    let panic = std::panic::AssertUnwindSafe(task)
+        .catch_unwind()
+        .await
+        .err()?;
+    Some(
+        panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic without a message".into()),
+    )
+}
+
+/// The status a store reports once its reader task panicked with `said`.
+pub fn reader_stopped(capture: &str, said: &str) -> String {
+    format!(
+        "the {capture} reader stopped on a bug ({said}): nothing more is read until the relay \
+         is restarted, which reads on from the last stored position (please report it)"
+    )
+}
+
 /// How long a drain's claim waits for the capture's first session to start.
 pub const DRAIN_START_PATIENCE: Duration = Duration::from_secs(10);
 
@@ -886,6 +912,15 @@ mod tests {
             || async { Ok(0) },
         ));
         assert!(capture.lock().unwrap().recheck.is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_reader_task_that_panics_says_what_it_said() {
+        assert_eq!(panic_of(async {}).await, None);
+        let said = panic_of(async { panic!("boom {}", 7) }).await;
+        assert_eq!(said.as_deref(), Some("boom 7"));
+        let said = panic_of(async { panic!("static") }).await;
+        assert_eq!(said.as_deref(), Some("static"));
     }
 
     #[test]

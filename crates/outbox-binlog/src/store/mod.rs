@@ -119,6 +119,8 @@ pub enum CaptureStatus {
     },
     /// The stream broke, or cannot start yet: tried again every second.
     Reconnecting(String),
+    /// The reader task stopped on a bug: nothing is read until a restart.
+    Failed(String),
 }
 
 struct Inner {
@@ -247,7 +249,14 @@ impl BinlogStore {
             memory: memory.clone(),
             session: 0,
         };
-        let handle = tokio::spawn(tracing::Instrument::in_current_span(reader.run()));
+        let stopped = reader.status.clone();
+        let handle = tokio::spawn(tracing::Instrument::in_current_span(async move {
+            if let Some(said) = outbox_core::capture::panic_of(reader.run()).await {
+                let reason = outbox_core::capture::reader_stopped("binlog", &said);
+                tracing::error!(%reason, "binlog capture stopped");
+                stopped.send_replace(CaptureStatus::Failed(reason));
+            }
+        }));
         Ok(BinlogStore {
             inner: Arc::new(Inner {
                 pool,
@@ -709,7 +718,7 @@ impl Inner {
             }
             false => self.status.borrow().clone(),
         };
-        if let CaptureStatus::Reconnecting(reason) = &status {
+        if let CaptureStatus::Reconnecting(reason) | CaptureStatus::Failed(reason) = &status {
             // Under `parking`, as every other follow: a park in flight is of one session.
             let _parking = self.parking.lock().await;
             self.follow_live_session(&mut *self.outputs.lock().await);

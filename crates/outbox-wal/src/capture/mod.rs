@@ -212,7 +212,14 @@ impl WalStore {
             sessions: reader::Sessions::new(),
         };
         // Its logs stay in the caller's span (an outbox's, among several).
-        let handle = tokio::spawn(tracing::Instrument::in_current_span(reader.run()));
+        let stopped = reader.status.clone();
+        let handle = tokio::spawn(tracing::Instrument::in_current_span(async move {
+            if let Some(said) = capture::panic_of(reader.run()).await {
+                let reason = capture::reader_stopped("WAL", &said);
+                tracing::error!(%reason, "WAL capture stopped");
+                stopped.send_replace(CaptureStatus::Failed(reason));
+            }
+        }));
         WalStore {
             inner: Arc::new(Inner {
                 main,
