@@ -165,7 +165,7 @@ impl Inner {
         .map_err(|e| self.classify(e, 0).into_error())?;
         let declared = probe
             .exchange_declare(
-                name.into(),
+                short(name, "exchange")?,
                 lapin::ExchangeKind::Direct,
                 lapin::options::ExchangeDeclareOptions {
                     passive: true,
@@ -281,7 +281,9 @@ impl Inner {
         }
     }
 
-    fn properties(routed: &Routed) -> BasicProperties {
+    /// The message's properties; an error where a value AMQP carries as a short string
+    /// ([`short`]) is too long.
+    fn properties(routed: &Routed) -> Result<BasicProperties, PublishError> {
         let event = &routed.event;
         let mut headers = FieldTable::default();
         // The RabbitMQ binding carries a CloudEvent's content type in the content-type property.
@@ -291,7 +293,7 @@ impl Inner {
                 continue;
             }
             headers.insert(
-                ShortString::from(k.as_str()),
+                short(k, "header name")?,
                 AMQPValue::LongString(LongString::from(v.as_str())),
             );
         }
@@ -308,22 +310,38 @@ impl Inner {
         let mut properties = BasicProperties::default()
             .with_message_id(event.event_id.hyphenated().to_string().as_str().into())
             .with_delivery_mode(2)
-            .with_type(event.event_type.as_str().into())
+            .with_type(short(&event.event_type, "event type")?)
             .with_headers(headers);
         if let Ok(created) = event.created_at.duration_since(std::time::UNIX_EPOCH) {
             properties = properties.with_timestamp(created.as_secs());
         }
         match content_type {
             Some(content_type) if routed.cloudevents.is_some() => {
-                properties = properties.with_content_type(content_type.as_str().into());
+                properties = properties.with_content_type(short(content_type, "content type")?);
             }
             _ if matches!(event.payload, Payload::Json(_)) => {
                 properties = properties.with_content_type("application/json".into());
             }
             _ => {}
         }
-        properties
+        Ok(properties)
     }
+}
+
+/// `text` as an AMQP short string, at most 255 bytes (exchange and routing key, a header's
+/// name, the type and content type properties), or the event's permanent error saying
+/// which is too long: lapin's own conversion panics past that.
+fn short(text: &str, what: &str) -> Result<ShortString, PublishError> {
+    ShortString::try_new(text).map_err(|_| {
+        let start: String = text.chars().take(40).collect();
+        PublishError::new(
+            PublishErrorKind::Encoding,
+            format!(
+                "the {what} {start:?}… is {} bytes long, and AMQP carries at most 255",
+                text.len()
+            ),
+        )
+    })
 }
 
 impl Sink for RabbitSink {
@@ -406,18 +424,25 @@ async fn publish_batch(inner: &Arc<Inner>, batch: &[Routed]) -> Vec<Result<(), F
         let mut confirms = Vec::with_capacity(batch.len());
         for routed in batch {
             let exchange = inner.exchange.render(&routed.event);
-            let published = channel
-                .basic_publish(
-                    exchange.as_str().into(),
-                    routed.target.as_str().into(),
-                    BasicPublishOptions {
-                        mandatory: true,
-                        ..BasicPublishOptions::default()
-                    },
-                    routed.event.payload.as_bytes(),
-                    Inner::properties(routed),
-                )
-                .await;
+            let message = short(&exchange, "exchange").and_then(|exchange| {
+                let key = short(&routed.target, "routing key")?;
+                Ok((exchange, key, Inner::properties(routed)?))
+            });
+            let published = match message {
+                Ok((exchange, key, properties)) => Ok(channel
+                    .basic_publish(
+                        exchange,
+                        key,
+                        BasicPublishOptions {
+                            mandatory: true,
+                            ..BasicPublishOptions::default()
+                        },
+                        routed.event.payload.as_bytes(),
+                        properties,
+                    )
+                    .await),
+                Err(e) => Err(e),
+            };
             confirms.push((published, exchange));
         }
         let outcomes =
@@ -426,7 +451,9 @@ async fn publish_batch(inner: &Arc<Inner>, batch: &[Routed]) -> Vec<Result<(), F
                 .zip(batch)
                 .map(|((published, exchange), routed)| async move {
                     let size = routed.event.payload.len();
-                    let confirm = published.map_err(|e| inner.classify(e, size))?;
+                    let confirm = published
+                        .map_err(Failure::Own)?
+                        .map_err(|e| inner.classify(e, size))?;
                     match tokio::time::timeout(inner.timeout, confirm).await {
                         Err(_) => Err(Failure::Own(PublishError::new(
                             PublishErrorKind::Timeout,
