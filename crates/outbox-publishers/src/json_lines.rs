@@ -65,6 +65,19 @@ pub fn encode_line(event: &Event, out: &mut Vec<u8>) -> Result<(), PublishError>
     Ok(())
 }
 
+/// Makes the JSON line `line` (ending in its newline) one line: a payload kept verbatim may
+/// be JSON written over several lines (a `TEXT` column holding pretty-printed JSON), whose
+/// line breaks would split the event for every line-based reader. In JSON a raw line break
+/// is whitespace between tokens (inside a string it is escaped), so a space stands for it.
+fn one_line(line: &mut [u8]) {
+    let Some((_, body)) = line.split_last_mut() else {
+        return;
+    };
+    for byte in body.iter_mut().filter(|b| matches!(b, b'\n' | b'\r')) {
+        *byte = b' ';
+    }
+}
+
 /// Encodes a batch; events that cannot be encoded get a permanent error and are left out.
 fn encode_batch(batch: &[Routed]) -> (Vec<u8>, Vec<Option<PublishError>>) {
     let mut buffer = Vec::with_capacity(batch.len() * 256);
@@ -74,16 +87,20 @@ fn encode_batch(batch: &[Routed]) -> (Vec<u8>, Vec<Option<PublishError>>) {
             |Routed {
                  event, cloudevents, ..
              }| {
+                let mark = buffer.len();
                 if *cloudevents == Some(crate::cloudevents::ContentMode::Structured) {
                     // A structured CloudEvent is the whole line: its envelope is the payload.
                     buffer.extend_from_slice(event.payload.as_bytes());
                     buffer.push(b'\n');
+                    one_line(&mut buffer[mark..]);
                     return None;
                 }
-                let mark = buffer.len();
-                encode_line(event, &mut buffer)
-                    .err()
-                    .inspect(|_| buffer.truncate(mark))
+                let error = encode_line(event, &mut buffer).err();
+                match error {
+                    Some(_) => buffer.truncate(mark),
+                    None => one_line(&mut buffer[mark..]),
+                }
+                error
             },
         )
         .collect();
@@ -564,6 +581,29 @@ mod tests {
         let file = std::fs::File::create(&path).unwrap();
         let _ = std::fs::remove_file(&path);
         file
+    }
+
+    /// A payload of JSON written over several lines (SQLite keeps a `TEXT` payload as
+    /// written) split its event into several lines, which was acked all the same.
+    #[test]
+    fn a_payload_written_over_several_lines_stays_on_the_events_line() {
+        let pretty = "{\r\n  \"note\": \"a\\nb\",\n  \"n\": 1\n}";
+        let mut plain = event(1, pretty);
+        let mut structured = event(2, pretty);
+        structured.cloudevents = Some(crate::cloudevents::ContentMode::Structured);
+        plain.target = "t".into();
+        let (buffer, errors) = encode_batch(&[plain, structured]);
+        assert!(errors.iter().all(Option::is_none));
+        let text = String::from_utf8(buffer).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 2, "{text}");
+        let v: serde_json::Value = serde_json::from_str(lines[0]).unwrap();
+        assert_eq!(
+            v["payload"]["note"], "a\nb",
+            "the escape inside a string is kept"
+        );
+        let v: serde_json::Value = serde_json::from_str(lines[1]).unwrap();
+        assert_eq!(v["n"], 1);
     }
 
     #[test]

@@ -403,7 +403,8 @@ pub async fn long_names_are_delivered_or_refused_for_good(h: &dyn BrokerHarness)
     let mut odd = (*event(1, &long, b"{}".to_vec())).clone();
     odd.destination = h.target();
     odd.event_type = long.clone();
-    odd.headers.insert(format!("x-{}", "h".repeat(298)), "v".into());
+    odd.headers
+        .insert(format!("x-{}", "h".repeat(298)), "v".into());
     let mut plain = (*event(2, "plain", b"{}".to_vec())).clone();
     plain.destination = h.target();
     let outcomes = router.publish(vec![Arc::new(odd), Arc::new(plain)]).await;
