@@ -289,11 +289,23 @@ fn classify(error: async_nats::jetstream::context::PublishError, subject: &str) 
             PublishErrorKind::Throttled,
             "too many unconfirmed publishes".to_string(),
         ),
-        // JetStream's own refusals carry an HTTP-like status: 401/403 are permissions.
-        _ if matches!(jetstream_status(&error), Some(401 | 403)) => (
+        // JetStream's own refusals carry an HTTP-like status: 401/403 are permissions, 400
+        // the message's own (over the stream's max_msg_size, a header the stream refuses):
+        // sending it again gets the same answer.
+        _ if matches!(jetstream_status(&error), Some((401 | 403, _))) => (
             PublishErrorKind::Unauthorized,
             format!("not allowed to publish to {subject:?}"),
         ),
+        _ if matches!(jetstream_status(&error), Some((400, _))) => match jetstream_status(&error) {
+            Some((_, STREAM_MESSAGE_EXCEEDS_MAXIMUM)) => (
+                PublishErrorKind::TooLarge,
+                format!("message for {subject:?} exceeds its stream's max_msg_size"),
+            ),
+            _ => (
+                PublishErrorKind::Rejected,
+                format!("the stream capturing {subject:?} refused the message"),
+            ),
+        },
         _ => (
             PublishErrorKind::BrokerFailure,
             format!("publish to {subject:?} failed"),
@@ -302,11 +314,15 @@ fn classify(error: async_nats::jetstream::context::PublishError, subject: &str) 
     PublishError::new(kind, message).with_source(error)
 }
 
-/// The status of the JetStream API error behind a failed publish, if the server sent one.
-fn jetstream_status(error: &async_nats::jetstream::context::PublishError) -> Option<usize> {
+/// JetStream's error code for a message over its stream's `max_msg_size`.
+const STREAM_MESSAGE_EXCEEDS_MAXIMUM: u64 = 10054;
+
+/// The status and JetStream error code of the API error behind a failed publish, if the
+/// server sent one.
+fn jetstream_status(error: &async_nats::jetstream::context::PublishError) -> Option<(usize, u64)> {
     std::error::Error::source(error)?
         .downcast_ref::<async_nats::jetstream::Error>()
-        .map(|e| e.code())
+        .map(|e| (e.code(), e.error_code().0))
 }
 
 impl Sink for NatsSink {

@@ -250,3 +250,34 @@ async fn a_subject_without_a_stream_fails_at_once_until_it_is_checked_again() {
     tokio::time::sleep(outbox_publishers::nats::MISSING_STREAM_RECHECK).await;
     assert_eq!(kind(send(3).await), Ok(()));
 }
+
+/// A stream's own refusal of a message (here its `max_msg_size`, far below the server's
+/// `max_payload`) came back as a status 400, and was retried with backoff, its key held for
+/// an hour, before it was dead-lettered. A stream's 400 is the message's: permanent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_the_stream_refuses_fails_permanently() {
+    let server = PrivateNats::start().await;
+    server
+        .add_stream(async_nats::jetstream::stream::Config {
+            max_message_size: 1024,
+            ..stream("SMALL", &["small"])
+        })
+        .await;
+    let sink = outbox_publishers::build_sink("nats", &SinkConfig::new(url(&server)))
+        .await
+        .unwrap();
+    let routed = |seq, bytes: usize| outbox_publishers::Routed {
+        cloudevents: None,
+        event: outbox_testkit::publisher::event(seq, "k", vec![b'x'; bytes]),
+        target: "small".into(),
+    };
+    let outcomes = sink.send(vec![routed(1, 4096), routed(2, 10)]).await;
+    let err = outcomes[0].as_ref().unwrap_err();
+    assert_eq!(
+        err.disposition(),
+        outbox_core::Disposition::Permanent,
+        "{err}"
+    );
+    assert_eq!(err.kind(), outbox_core::PublishErrorKind::TooLarge, "{err}");
+    assert!(outcomes[1].is_ok(), "{:?}", outcomes[1]);
+}
