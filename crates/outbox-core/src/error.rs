@@ -38,7 +38,10 @@ pub enum PublishErrorKind {
     Io,
     /// The message is larger than the broker accepts.
     TooLarge,
-    /// The broker refused our credentials or permissions.
+    /// The broker refused our credentials or permissions. Retried: it is the sink's
+    /// condition, not the event's (a credential rotated, a permission not granted yet), and
+    /// dead-lettering at once emptied the whole outbox into the dead letters, one claim at
+    /// a time, until it was fixed.
     Unauthorized,
     /// The broker refused this message for good (HTTP 4xx, invalid subject...).
     Rejected,
@@ -56,8 +59,8 @@ impl PublishErrorKind {
         use PublishErrorKind::*;
         match self {
             Unavailable | Timeout | Throttled | BrokerFailure | MissingTarget | NoRoute | Io
-            | NotSent => Disposition::Retry { after: None },
-            TooLarge | Unauthorized | Rejected | Encoding => Disposition::Permanent,
+            | Unauthorized | NotSent => Disposition::Retry { after: None },
+            TooLarge | Rejected | Encoding => Disposition::Permanent,
         }
     }
 
@@ -271,16 +274,18 @@ mod tests {
     fn permanent_kinds_are_never_retried() {
         for kind in [
             PublishErrorKind::TooLarge,
-            PublishErrorKind::Unauthorized,
             PublishErrorKind::Rejected,
             PublishErrorKind::Encoding,
         ] {
             assert_eq!(kind.disposition(), Disposition::Permanent, "{kind:?}");
         }
-        assert_eq!(
-            PublishErrorKind::Unavailable.disposition(),
-            Disposition::Retry { after: None }
-        );
+        // A refused credential is the sink's, not the event's: every event would fail.
+        for kind in [
+            PublishErrorKind::Unavailable,
+            PublishErrorKind::Unauthorized,
+        ] {
+            assert_eq!(kind.disposition(), Disposition::Retry { after: None });
+        }
     }
 
     #[test]
