@@ -214,7 +214,8 @@ mod tests {
             (404, false),
             (410, false),
             (413, false),
-            (401, false),
+            (401, true),
+            (403, true),
         ] {
             let e = outcome(StatusCode::from_u16(code).unwrap(), None, None, "", "x").unwrap_err();
             assert_eq!(
