@@ -49,7 +49,8 @@ pub enum PublishErrorKind {
     Encoding,
     /// Not sent at all: an earlier event of its key in the batch failed, and a sink that
     /// keeps a key's runs in order ([`crate::Publisher::max_events_per_key`]) sends none of
-    /// the key's later events after it. It counts as no attempt.
+    /// the key's later events after it; or the sink had no room to start it in time (a
+    /// webhook's requests per destination all busy). It counts as no attempt.
     NotSent,
 }
 

@@ -542,9 +542,9 @@ impl Engine {
                 Err(error) => {
                     failed_lane = Some(lane.clone());
                     if error.kind() == PublishErrorKind::NotSent {
-                        // Held back behind a failure of its key in the batch: under
-                        // `--ordering none` that is another lane's, and this row simply
-                        // goes out again.
+                        // Held back behind a failure of its key in the batch (under
+                        // `--ordering none` that is another lane's), or not started in time
+                        // by the sink: this row simply goes out again.
                         release.extend(self.lanes.give_back(&lane));
                         continue;
                     }

@@ -10,7 +10,7 @@ use base64::Engine;
 use futures::future::{join_all, BoxFuture};
 use futures::FutureExt;
 use hmac::{Hmac, Mac};
-use outbox_core::{Outcome, PublishError};
+use outbox_core::{Outcome, PublishError, PublishErrorKind};
 use sha2::Sha256;
 use tokio::sync::Semaphore;
 
@@ -51,6 +51,8 @@ pub struct WebhookSink {
     shown: String,
     key: Option<Arc<Vec<u8>>>,
     per_destination: usize,
+    /// The sink's timeout, for one request: requests wait at most half of it to start.
+    timeout: Duration,
     limits: Arc<Mutex<HashMap<String, Arc<Semaphore>>>>,
 }
 
@@ -130,6 +132,7 @@ impl WebhookSink {
             shown,
             key,
             per_destination: config.concurrency.unwrap_or(DEFAULT_CONCURRENCY),
+            timeout: config.timeout.get(),
             limits: Arc::default(),
         })
     }
@@ -157,6 +160,8 @@ impl Sink for WebhookSink {
     }
 
     fn send(&self, batch: Vec<Routed>) -> BoxFuture<'static, Vec<Outcome>> {
+        let queued_until = tokio::time::Instant::now() + self.timeout / 2;
+        let (per_destination, shown) = (self.per_destination, self.shown.clone());
         let requests: Vec<_> = batch
             .into_iter()
             .map(|routed| {
@@ -164,11 +169,24 @@ impl Sink for WebhookSink {
                 let url = self.url.render_with(&routed.event, url_escape);
                 let key = self.key.clone();
                 let limit = self.limit_for(&routed.event.destination);
+                let shown = shown.clone();
                 async move {
-                    let _permit = limit
-                        .acquire_owned()
-                        .await
-                        .expect("semaphore is never closed");
+                    // The engine's publish timeout covers the whole batch: a thousand
+                    // requests queued behind `concurrency` slow ones outlived it, and every
+                    // event was retried, those delivered too. One not started in time is
+                    // given back unsent (no attempt), and goes in a later batch.
+                    let Ok(permit) =
+                        tokio::time::timeout_at(queued_until, limit.acquire_owned()).await
+                    else {
+                        return Err(PublishError::new(
+                            PublishErrorKind::NotSent,
+                            format!(
+                                "{shown}: not sent, its destination's {per_destination} \
+                                 requests at a time were all busy for half the sink's timeout"
+                            ),
+                        ));
+                    };
+                    let _permit = permit.expect("semaphore is never closed");
                     // A CloudEvent is the payload itself (binary mode) or its envelope
                     // (structured, already the payload); otherwise the relay's JSON line.
                     let body = match routed.cloudevents {

@@ -414,6 +414,62 @@ async fn webhook_concurrency_is_capped_per_destination() {
     );
 }
 
+/// The engine's publish timeout covers a whole batch: a batch queued behind a slow
+/// receiver's few requests at a time outlived it, and every event was retried, the ones
+/// delivered too (each delivered again, up to its dead letter). A request that cannot
+/// start within half the sink's timeout is given back unsent, and is not sent at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_that_cannot_start_in_time_are_given_back_unsent() {
+    outbox_testkit::install_crypto();
+    let receiver = Receiver::start().await;
+    *receiver.recorder.slow.lock().unwrap() = Some(Duration::from_millis(100));
+    let config = read_config(json!({
+        "uri": format!("{}/hooks/{{destination}}", receiver.url()),
+        "concurrency": 1,
+        "timeout": "400ms",
+    }));
+    let sink = outbox_publishers::build_sink("hooks", &config)
+        .await
+        .unwrap();
+    let events: Vec<_> = (0..10)
+        .map(|i| event(i, &format!("k{i}"), b"{}".to_vec()))
+        .collect();
+    let batch = events
+        .iter()
+        .map(|e| Routed {
+            cloudevents: None,
+            event: e.clone(),
+            target: String::new(),
+        })
+        .collect();
+    let outcomes = sink.send(batch).await;
+    assert!(outcomes[0].is_ok(), "{:?}", outcomes[0]);
+    let unsent: Vec<usize> = (0..10)
+        .filter(|i| {
+            matches!(&outcomes[*i], Err(e) if e.kind() == outbox_core::PublishErrorKind::NotSent)
+        })
+        .collect();
+    assert!(!unsent.is_empty(), "{outcomes:?}");
+    assert_eq!(
+        outcomes.iter().filter(|o| o.is_ok()).count() + unsent.len(),
+        10,
+        "sent, or given back: {outcomes:?}"
+    );
+    let received: Vec<String> = receiver
+        .requests()
+        .iter()
+        .filter_map(|r| r.headers.get("webhook-id")?.to_str().ok().map(String::from))
+        .collect();
+    for (i, e) in events.iter().enumerate() {
+        let id = e.event_id.to_string();
+        assert_eq!(
+            received.contains(&id),
+            !unsent.contains(&i),
+            "event {i}: sent once it is not given back"
+        );
+    }
+}
+
 // ---------------------------------------------------------------- Ably
 
 struct AblyHarness {
