@@ -129,9 +129,32 @@ pub fn client_config(uri: &str, config: &KafkaConfig) -> Result<ClientConfig, Si
         }
     }
     for (k, v) in &config.kafka {
+        if let Some(why) = guarantee_broken_by(k, v) {
+            return Err(SinkSetupError::config(format!(
+                "kafka property {k} = {v:?} cannot be set: {why}; remove it (the relay sets it)"
+            )));
+        }
         c.set(k, v);
     }
     Ok(c)
+}
+
+/// Why the raw property `key = value` would break what the relay promises, if it would:
+/// every record acknowledged by all in-sync replicas, and the idempotent producer that keeps
+/// a key's records in order across retries.
+fn guarantee_broken_by(key: &str, value: &str) -> Option<&'static str> {
+    let value = value.trim().to_ascii_lowercase();
+    match key.trim() {
+        "acks" | "request.required.acks" if !matches!(value.as_str(), "all" | "-1") => Some(
+            "an event is acked once every in-sync replica holds it (acks = all); fewer \
+             acknowledgements could lose what was acked",
+        ),
+        "enable.idempotence" if value != "true" => Some(
+            "the idempotent producer keeps a key's records in order, and unduplicated, when \
+             librdkafka retries",
+        ),
+        _ => None,
+    }
 }
 
 impl KafkaSink {
@@ -173,7 +196,11 @@ fn classify(error: KafkaError, topic: &str) -> PublishError {
         Some(C::UnknownTopicOrPartition | C::UnknownTopic) => PublishErrorKind::MissingTarget,
         Some(C::MessageTimedOut | C::RequestTimedOut) => PublishErrorKind::Timeout,
         Some(C::QueueFull) => PublishErrorKind::Throttled,
-        Some(C::InvalidRecord) => PublishErrorKind::Rejected,
+        // The record's own: a topic name the broker refuses (`orders:7`), a record it
+        // refuses, a policy (a topic's own rules) it breaks. Sent again, refused again.
+        Some(C::InvalidRecord | C::InvalidTopic | C::InvalidMessage | C::PolicyViolation) => {
+            PublishErrorKind::Rejected
+        }
         _ => PublishErrorKind::Unavailable,
     };
     PublishError::new(kind, format!("kafka topic {topic:?}")).with_source(error)
@@ -324,5 +351,28 @@ mod tests {
         assert_eq!(c.get("acks"), Some("all"));
         assert_eq!(c.get("sasl.mechanism"), Some("SCRAM-SHA-512"));
         assert!(client_config("kafka://", &KafkaConfig::default()).is_err());
+    }
+
+    /// Raw properties were applied last, so `acks = 1` or `enable.idempotence = false`
+    /// silently undid what acking and per-key order rest on.
+    #[test]
+    fn raw_properties_cannot_undo_the_delivery_guarantees() {
+        let with = |key: &str, value: &str| KafkaConfig {
+            kafka: [(key.to_string(), value.to_string())].into_iter().collect(),
+            ..KafkaConfig::default()
+        };
+        for (key, value) in [
+            ("acks", "1"),
+            ("request.required.acks", "0"),
+            ("enable.idempotence", "false"),
+        ] {
+            let err = client_config("kafka://b:9092", &with(key, value))
+                .err()
+                .unwrap_or_else(|| panic!("{key} = {value} accepted"));
+            assert!(err.to_string().contains(key), "{err}");
+        }
+        for (key, value) in [("acks", "all"), ("acks", "-1"), ("linger.ms", "5")] {
+            assert!(client_config("kafka://b:9092", &with(key, value)).is_ok());
+        }
     }
 }

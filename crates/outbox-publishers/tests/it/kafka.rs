@@ -156,6 +156,33 @@ impl BrokerHarness for KafkaHarness {
 
 outbox_testkit::publisher_conformance!(new_harness);
 
+/// A produce the broker refuses as the record's own (an invalid topic name, a topic's
+/// policy) was retried as a broker that is down, its key held for an hour.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_the_broker_refuses_as_its_own_fails_permanently() {
+    use rdkafka::types::RDKafkaApiKey;
+    use rdkafka::types::RDKafkaRespErr;
+    let h = new_harness().await;
+    let cluster = &h.cluster.as_ref().unwrap().0;
+    cluster.request_errors(
+        RDKafkaApiKey::Produce,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_POLICY_VIOLATION],
+    );
+    let e = outbox_testkit::publisher::event(5, "customer-5", b"{}".to_vec());
+    let routed = outbox_publishers::Routed {
+        cloudevents: None,
+        event: e,
+        target: h.topic.clone(),
+    };
+    let outcome = h.sink.send(vec![routed]).await.remove(0);
+    let err = outcome.expect_err("refused");
+    assert_eq!(
+        err.disposition(),
+        outbox_core::Disposition::Permanent,
+        "{err}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn messages_carry_the_key_and_event_headers() {
     let h = new_harness().await;
