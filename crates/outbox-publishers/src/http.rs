@@ -167,14 +167,18 @@ fn httpdate_to_system_time(value: &str) -> Option<std::time::SystemTime> {
 
 /// The transport failed (no status): retryable.
 pub fn transport_error(error: reqwest::Error, what: &str) -> PublishError {
-    let kind = if error.is_timeout() {
-        PublishErrorKind::Timeout
+    let (kind, failed) = if error.is_timeout() {
+        (PublishErrorKind::Timeout, "request failed")
+    } else if error.is_builder() {
+        // The event's own: a header value it carries that HTTP cannot (a control
+        // character in `tracestate`), a URL its values made invalid. Never sent.
+        (PublishErrorKind::Encoding, "the request cannot be made")
     } else {
-        PublishErrorKind::Unavailable
+        (PublishErrorKind::Unavailable, "request failed")
     };
     // reqwest's text names the whole URL, query-string tokens included; `what` names it
     // redacted.
-    PublishError::new(kind, format!("{what}: request failed")).with_source(error.without_url())
+    PublishError::new(kind, format!("{what}: {failed}")).with_source(error.without_url())
 }
 
 #[cfg(test)]
@@ -200,6 +204,21 @@ mod tests {
             text.contains("ca.pem") && text.contains("no PEM certificate"),
             "{text}"
         );
+    }
+
+    /// A request reqwest cannot build (here a header value with a line break, as an
+    /// event's `tracestate` could carry) was retried as an unreachable receiver.
+    #[test]
+    fn a_request_that_cannot_be_built_is_the_events_permanent_error() {
+        outbox_testkit::install_crypto();
+        let built = client(&TlsFiles::default(), Duration::from_secs(1))
+            .unwrap()
+            .post("http://127.0.0.1:9/")
+            .header("tracestate", "a=b\nc")
+            .build()
+            .unwrap_err();
+        let e = transport_error(built, "webhook");
+        assert_eq!(e.disposition(), Disposition::Permanent, "{e}");
     }
 
     #[test]
