@@ -31,7 +31,7 @@ pub mod seat;
 pub mod store;
 pub use capture::{Capture, Started};
 pub use positions::{Positions, UnknownRow};
-pub use reader::{BinlogReader, Output, Row};
+pub use reader::{BinlogReader, Output, Row, BINLOG_HEARTBEAT, BINLOG_SILENCE};
 pub use schema::{
     blackhole_ddl, blackhole_problem, blackhole_table_problems, is_blackhole, parked_table_problem,
 };
@@ -54,6 +54,13 @@ pub enum BinlogError {
     Connection(#[from] mysql_async::Error),
     #[error("binlog event: {0}")]
     Decode(String),
+    /// The server sent nothing, not even a heartbeat, for this long.
+    #[error(
+        "binlog connection: the server sent nothing, not even a heartbeat, for {0:?}: the \
+         connection is taken for dead (a NAT, proxy or firewall that dropped it), and the \
+         relay reads again from the stored position"
+    )]
+    Silent(std::time::Duration),
     /// A row event of the outbox table is `width` columns wide, unlike the table as the
     /// reader described it (the reader describes it again, and stops if it still differs).
     #[error("a row event of the outbox table has {width} columns, unlike the table")]

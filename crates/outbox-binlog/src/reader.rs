@@ -213,6 +213,8 @@ pub struct BinlogReader {
     /// Whether the server has sent an event: its error 1236 then says the log could not be
     /// read on (a crash mid-write, a checksum), not that the start position is gone.
     read_any: bool,
+    /// When the server last sent anything, heartbeats included ([`BINLOG_SILENCE`]).
+    heard_at: tokio::time::Instant,
     /// Where reading started (a GTID start's file is empty), for an error that says so.
     started_at: BinlogPosition,
     /// The GTID state reading started after, if it did.
@@ -289,6 +291,18 @@ const XA_PREPARE_LOG_EVENT: u8 = 38;
 
 /// An incident: events the server could not write are missing here (MySQL and MariaDB).
 const INCIDENT_EVENT: u8 = 26;
+
+/// A heartbeat: the server is quiet, and says so (MariaDB's and MySQL's, and MySQL 8's
+/// second form).
+const HEARTBEAT_EVENTS: [u8; 2] = [27, 41];
+
+/// How often a quiet server sends the reader a heartbeat (`@master_heartbeat_period`).
+pub const BINLOG_HEARTBEAT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// How long the reader waits with nothing from the server, not even a heartbeat, before it
+/// takes the connection for dead: on a dump only the server speaks, so a connection a NAT
+/// or proxy dropped silently would otherwise be waited on for good.
+pub const BINLOG_SILENCE: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The most outbox rows of one XA transaction held until its end says whether they are
 /// committed (MySQL logs a one-phase commit as the transaction's events ended by an
@@ -369,6 +383,12 @@ impl BinlogReader {
         // MariaDB sends its GTID events as they are to a replica that says it can read them
         // (otherwise it rewrites each as a BEGIN query). MySQL ignores the variable.
         conn.query_drop("SET @mariadb_slave_capability = 4").await?;
+        // In nanoseconds, as a replica sets it (both servers).
+        conn.query_drop(format!(
+            "SET @master_heartbeat_period = {}",
+            BINLOG_HEARTBEAT.as_nanos()
+        ))
+        .await?;
         let request = BinlogStreamRequest::new(config.server_id);
         let (request, from, checksum) = match start {
             Start::Position(from) => (
@@ -456,6 +476,7 @@ impl BinlogReader {
             xa_rows: None,
             altered: None,
             read_any: false,
+            heard_at: tokio::time::Instant::now(),
             rows_in_transaction: 0,
             rows_read: 0,
             pending: Default::default(),
@@ -503,12 +524,19 @@ impl BinlogReader {
                 self.read_altered().await?;
                 continue;
             }
-            let Some(event) = self.stream.next_event().await else {
+            let heard =
+                tokio::time::timeout_at(self.heard_at + BINLOG_SILENCE, self.stream.next_event())
+                    .await;
+            let Ok(event) = heard else {
+                return Err(BinlogError::Silent(BINLOG_SILENCE));
+            };
+            let Some(event) = event else {
                 return Ok(None);
             };
             let event = match event {
                 Ok(event) => {
                     self.read_any = true;
+                    self.heard_at = tokio::time::Instant::now();
                     event
                 }
                 Err(mysql_async::Error::Server(e))
@@ -558,6 +586,8 @@ impl BinlogReader {
                 whole = false;
             }
             match event.header().event_type_raw() {
+                // Only to say the server is there: its position is not the reader's.
+                kind if HEARTBEAT_EVENTS.contains(&kind) => continue,
                 MARIADB_GTID_EVENT => {
                     // A transaction's first event: MariaDB marks an XA transaction's first
                     // phase in its flags (it logs no `XA START` query).

@@ -854,3 +854,76 @@ async fn a_row_of_a_new_layout_survives_a_call_cancelled_while_the_table_is_desc
     assert_eq!(row.get("partition_key"), Some("c"));
     assert_eq!(row.get("tenant"), Some("t"));
 }
+
+/// A dump connection dropped silently (a NAT or proxy that forgot the flow): on a dump only
+/// the server speaks, so the reader waited for good, while the seat's lease was renewed on
+/// its own connection and no standby took over. The server now sends heartbeats while it is
+/// quiet, and a reader that hears nothing, not even those, for `BINLOG_SILENCE` says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dump_connection_gone_silent_is_taken_for_dead() {
+    let (url, mut conn, _) = reading_from_now(OUTBOX_AND_OTHER, 5300).await;
+    let (proxy, proxied) = outbox_testkit::FaultProxy::start_for_url(&url)
+        .await
+        .unwrap();
+    let config = BinlogConfig {
+        // Over the proxy only: mysql_async would move a local connection to the server's
+        // socket.
+        url: format!("{proxied}?prefer_socket=false"),
+        server_id: 5300 + fastrand_id(),
+        database: Opts::from_url(&url).unwrap().db_name().unwrap().to_string(),
+        table: "outbox".into(),
+    };
+    let start = current_position(&url).await.unwrap();
+    let mut reader = BinlogReader::start(&config, &start).await.unwrap();
+    conn.query_drop("INSERT INTO outbox (partition_key) VALUES ('a')")
+        .await
+        .unwrap();
+    assert!(matches!(
+        crate::next_output(reader.next()).await,
+        Output::Row(_)
+    ));
+    proxy.handle().blackhole_existing();
+    conn.query_drop("INSERT INTO outbox (partition_key) VALUES ('b')")
+        .await
+        .unwrap();
+    let waited = outbox_binlog::BINLOG_SILENCE + Duration::from_secs(20);
+    let stopped = tokio::time::timeout(waited, async {
+        loop {
+            match reader.next().await {
+                Ok(Some(_)) => continue,
+                Ok(None) => break "the stream ended".to_string(),
+                Err(e) => break e.to_string(),
+            }
+        }
+    })
+    .await
+    .expect("the reader still waits on a dead connection");
+    assert!(stopped.contains("heartbeat"), "{stopped}");
+}
+
+/// A quiet server is not a dead one: its heartbeats keep the reader waiting past
+/// `BINLOG_SILENCE`, and the next row comes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quiet_server_keeps_its_reader_with_heartbeats() {
+    let (_url, mut conn, mut reader) = reading_from_now(OUTBOX_AND_OTHER, 5400).await;
+    let quiet = outbox_binlog::BINLOG_SILENCE + Duration::from_secs(3);
+    let waited = tokio::time::timeout(quiet, async {
+        loop {
+            match reader.next().await {
+                Ok(Some(_)) => continue,
+                other => break other,
+            }
+        }
+    })
+    .await;
+    assert!(waited.is_err(), "the reader stopped: {waited:?}");
+    conn.query_drop("INSERT INTO outbox (partition_key) VALUES ('a')")
+        .await
+        .unwrap();
+    let row = loop {
+        if let Output::Row(row) = crate::next_output(reader.next()).await {
+            break row;
+        }
+    };
+    assert_eq!(row.get("partition_key"), Some("a"));
+}
