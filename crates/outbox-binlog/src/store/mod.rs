@@ -1275,11 +1275,18 @@ impl Reader {
                 }
                 Ok(Started::Active(capture)) => {
                     self.renewed.renewed(taking);
+                    // Seated from here, not from the session's announcement (after the
+                    // parked keys are read): the callback asks at once, and a "no" left the
+                    // parked table's lock with a paused ex-reader for its wait_timeout.
+                    let seated = Arc::new(std::sync::atomic::AtomicBool::new(true));
                     if let Some(started) = &self.on_reading_started {
-                        let (live, renewed) = (self.live.clone(), self.renewed.clone());
-                        started(Arc::new(move || live.get() != 0 && !renewed.lapsed()));
+                        let (seated, renewed) = (seated.clone(), self.renewed.clone());
+                        started(Arc::new(move || {
+                            seated.load(std::sync::atomic::Ordering::SeqCst) && !renewed.lapsed()
+                        }));
                     }
                     let ended = self.read(*capture, drain_until.as_ref()).await;
+                    seated.store(false, std::sync::atomic::Ordering::SeqCst);
                     self.live.set(0);
                     if let Some(stopped) = &self.on_reading_stopped {
                         stopped();

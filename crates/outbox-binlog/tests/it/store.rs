@@ -1005,3 +1005,29 @@ async fn a_drain_relays_a_parked_retry_that_is_due() {
     );
     assert_eq!(delivered_n(&publisher, "k"), [1]);
 }
+
+/// The relay that took the seat asks at once whether it still reads, to take the parked
+/// table's lock from a paused ex-reader. It was told no until its session was announced
+/// (after the parked keys were read), and gave up: the lock stayed with the ex-reader, and
+/// every parked row with it, for that relay's wait_timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_that_took_the_seat_still_reads_from_the_start() {
+    let fixture = Fixture::new().await;
+    let (tx, rx) = std::sync::mpsc::channel();
+    let tx = std::sync::Mutex::new(tx);
+    let store = BinlogStore::start(BinlogStoreOptions {
+        on_reading_started: Some(Arc::new(
+            move |still_reading: outbox_binlog::StillReading| {
+                let _ = tx.lock().unwrap().send(still_reading());
+            },
+        )),
+        ..fixture.options("relay-1")
+    })
+    .unwrap();
+    let asked = tokio::task::spawn_blocking(move || rx.recv_timeout(PATIENCE))
+        .await
+        .unwrap()
+        .expect("asked once the seat is taken");
+    assert!(asked, "told it no longer reads");
+    store.close(Duration::from_secs(10)).await;
+}

@@ -355,11 +355,20 @@ impl BinlogCapture {
                 let parked = self.parked.clone();
                 Arc::new(move |still_reading: StillReading| {
                     let parked = parked.clone();
+                    // Tried again every second while this relay reads: a lock left with a
+                    // paused ex-reader holds every parked row (and the later rows of their
+                    // keys) for that relay's wait_timeout, 8 hours by default.
                     tokio::spawn(async move {
-                        match parked.take_over(SEAT_LEASE, &*still_reading).await {
-                            Ok(true) => {}
-                            Ok(false) => tracing::warn!("the parked table's lock is still held by a relay that no longer reads the binary log; its parked rows wait until that relay's session ends"),
-                            Err(e) => tracing::error!(error = %e, "could not take the parked table's lock from a relay that no longer reads the binary log; its parked rows wait until that relay's session ends"),
+                        let mut said = false;
+                        while still_reading() {
+                            match parked.take_over(SEAT_LEASE, &*still_reading).await {
+                                Ok(true) => return,
+                                Ok(false) if !said => tracing::warn!("the parked table's lock is still held by a relay that no longer reads the binary log; trying again every second"),
+                                Err(e) if !said => tracing::error!(error = %e, "could not take the parked table's lock from a relay that no longer reads the binary log; trying again every second"),
+                                _ => {}
+                            }
+                            said = true;
+                            tokio::time::sleep(Duration::from_secs(1)).await;
                         }
                     });
                 })
