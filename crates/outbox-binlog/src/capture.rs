@@ -33,6 +33,8 @@ pub struct Capture {
     reader: BinlogReader,
     seat: ActiveReader,
     positions: Positions,
+    /// Rows the first start's adoption adopted as dead letters.
+    adopted_dead: u64,
 }
 
 impl std::fmt::Debug for Capture {
@@ -56,11 +58,12 @@ impl Capture {
             Taken::Active(seat) => seat,
             Taken::Held { holder } => return Ok(Started::Held { holder }),
         };
+        let mut adopted_dead = 0;
         let resumed = match seat.stored() {
             Some(stored) => resume(stored, seat.stored_server_id(), seat.server_id())?,
             None => {
                 let current = current_position(&binlog.url).await?;
-                seat.store_first(&current, adoption).await?;
+                adopted_dead = seat.store_first(&current, adoption).await?;
                 Resume::At(current)
             }
         };
@@ -88,7 +91,14 @@ impl Capture {
             reader,
             seat,
             positions: Positions::new(from),
+            adopted_dead,
         })))
+    }
+
+    /// How many rows this start's adoption adopted as dead letters (none but at the first
+    /// start): the run counts them, as it counts its own.
+    pub fn adopted_dead(&self) -> u64 {
+        self.adopted_dead
     }
 
     /// The next output ([`BinlogReader::next`]); each row is unsettled until

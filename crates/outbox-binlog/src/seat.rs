@@ -327,11 +327,14 @@ impl ActiveReader {
     /// can outlast the lease: a second connection renews it meanwhile, so no standby takes
     /// the seat (ending this connection, and the adoption with it) from a reader that is
     /// alive. A paused one renews nothing, and is taken over as always.
+    ///
+    /// Returns how many rows the adoption adopted as dead letters (rows that are no events),
+    /// which it leaves in [`ADOPTED_DEAD`](crate::store::ADOPTED_DEAD).
     pub async fn store_first(
         &mut self,
         position: &BinlogPosition,
         adoption: &[String],
-    ) -> Result<()> {
+    ) -> Result<u64> {
         let store = Self::write_statement(&self.config.positions);
         let params = self.write_params(Some(position));
         let mut renewer = Conn::new(opts(&self.config.url)?).await?;
@@ -360,6 +363,9 @@ impl ActiveReader {
                     "SET SESSION wait_timeout = {}",
                     outbox_layout::sql::MYSQL_IDLE_SESSION.as_secs()
                 ))
+                .await?;
+            self.conn
+                .query_drop(format!("SET {} = 0", crate::store::ADOPTED_DEAD))
                 .await?;
             let mut tx = self
                 .conn
@@ -393,7 +399,11 @@ impl ActiveReader {
             position: position.clone(),
             server_id: Some(self.server_id),
         });
-        Ok(())
+        let dead: Option<Option<u64>> = self
+            .conn
+            .query_first(format!("SELECT {}", crate::store::ADOPTED_DEAD))
+            .await?;
+        Ok(dead.flatten().unwrap_or(0))
     }
 
     /// Renews the lease without moving the position (a reader with nothing new to store

@@ -50,6 +50,7 @@ use crate::{BinlogPosition, Started};
 
 pub mod event;
 mod sql;
+pub use sql::ADOPTED_DEAD;
 mod state;
 
 use event::{decode, Captured};
@@ -1355,6 +1356,7 @@ impl Reader {
                 session: self.session,
                 epoch: capture.epoch(),
                 parked_keys,
+                adopted_dead: capture.adopted_dead(),
             })
             .await;
         if announced.is_err() {

@@ -22,6 +22,10 @@ const PARK_VALUES: &str = "(?, ?, ?, ?, ?, ?, ?, ?, ?, \
 /// The values one parked row binds.
 pub(super) const PARK_PARAMS: usize = 14;
 
+/// The session variable in which the adoption leaves how many rows it adopted as dead
+/// letters (read by [`crate::seat::ActiveReader::store_first`]).
+pub const ADOPTED_DEAD: &str = "@outbox_relay_adopted_dead";
+
 /// The ordering key of a row of the native layout.
 const KEY: &str = "COALESCE(partition_key, destination)";
 
@@ -234,6 +238,7 @@ impl Statements {
         ];
         vec![
             "SET @outbox_relay_time_zone = @@session.time_zone, time_zone = '+00:00'".into(),
+            "SET @outbox_relay_adoption_started = NOW(6)".into(),
             format!("SELECT 1 FROM {outbox} o WHERE {pending} FOR UPDATE"),
             format!(
                 "INSERT INTO {parked} ({PARK_COLUMNS})
@@ -245,6 +250,12 @@ impl Statements {
             source.settle_delivered(&format!(
                 "{pending} AND {event_id} IN (SELECT event_id FROM {parked})"
             )),
+            // For the run's count of dead letters (`--drain` fails on them).
+            format!(
+                "SELECT COUNT(*) INTO {ADOPTED_DEAD} FROM {parked}
+                  WHERE dead_at >= @outbox_relay_adoption_started
+                    AND last_error LIKE '%(adopted by binlog capture)'"
+            ),
             "SET time_zone = @outbox_relay_time_zone".into(),
         ]
     }

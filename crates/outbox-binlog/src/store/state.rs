@@ -25,6 +25,8 @@ pub(super) enum Item {
         session: u64,
         epoch: i64,
         parked_keys: Vec<String>,
+        /// Rows the session's start adopted as dead letters, which the run counts.
+        adopted_dead: u64,
     },
     /// A row inserted by the transaction being read, the `ordinal`th of the session.
     Row {
@@ -395,7 +397,9 @@ impl capture::Sessions for State {
                 session,
                 epoch,
                 parked_keys,
+                adopted_dead,
             } => {
+                self.dead_by_capture += adopted_dead;
                 self.end_session();
                 self.followed.start(session);
                 // Each session reads to the drain's end again, and says so: what an earlier
@@ -466,6 +470,7 @@ mod tests {
             session: n,
             epoch: n as i64,
             parked_keys: parked_keys.iter().map(|k| k.to_string()).collect(),
+            adopted_dead: 0,
         }
     }
 

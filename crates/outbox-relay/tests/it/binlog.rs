@@ -357,6 +357,32 @@ async fn run_drain_relays_what_was_committed_before_it_and_exits_0() {
     assert_every_key_in_order(&by_key, &["a", "b"], 50);
 }
 
+/// A first start by `--drain` adopts the rows already in a mapped table: one that is no
+/// event (its message no JSON) is adopted as a dead letter, which the drain did not count,
+/// so it exited 0 as if everything committed before it had been delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_that_adopts_a_row_as_a_dead_letter_says_so_and_exits_1() {
+    let layout = ["--layout", "mysql-outbox-events"];
+    let db = BinlogDb::at(&outbox_testkit::fresh_mysql_database().await, &layout).await;
+    let mut conn = db.pool.get_conn().await.unwrap();
+    conn.query_drop(
+        "INSERT INTO outbox_events (type, message, isConsumed, createdAt, updatedAt)
+         VALUES (1, '{\"n\": 0}', 0, UTC_TIMESTAMP(), UTC_TIMESTAMP()),
+                (1, 'not json', 0, UTC_TIMESTAMP(), UTC_TIMESTAMP())",
+    )
+    .await
+    .unwrap();
+    let mut drain = db.spawn(
+        "relay-1",
+        "out.jsonl",
+        &[&["--drain"][..], &layout].concat(),
+    );
+    let status = drain.wait_exit_within(Duration::from_secs(60)).await;
+    assert_eq!(status.code(), Some(1), "{}", drain.logs());
+    assert!(drain.logs().contains("dead"), "{}", drain.logs());
+    assert_eq!(read_lines(&db.path("out.jsonl")).len(), 1);
+}
+
 /// The table-less form through the binary, as the README tells it: the outbox created
 /// with `blackhole_ddl`, then `migrate --capture binlog`, `check` and `run`. The parked
 /// table keeps its rows whatever the outbox's engine (one made `LIKE` a BLACKHOLE outbox
