@@ -752,13 +752,15 @@ impl Inner {
         let mut outputs = self.outputs.lock().await;
         let mut following = true;
         loop {
-            lock(&self.state).accept_outputs(&mut out, limit);
-            if out.len() >= limit {
-                break;
-            }
-            // Again each time: the lease may have lapsed while this claim ran.
+            // Again before anything is handed out: the lease may have lapsed, or the
+            // session ended, while this claim waited (on the parked table, a dead letter
+            // put back): an ex-reader would hand out rows the new one delivers too.
             following = self.follow_live_session(&mut outputs);
             if !following {
+                break;
+            }
+            lock(&self.state).accept_outputs(&mut out, limit);
+            if out.len() >= limit {
                 break;
             }
             match outputs.try_recv() {
@@ -772,9 +774,10 @@ impl Inner {
             if let Ok(Some(item)) =
                 tokio::time::timeout(Duration::from_secs(1), outputs.recv()).await
             {
-                let mut state = lock(&self.state);
-                state.accept(item);
-                state.accept_outputs(&mut out, limit);
+                lock(&self.state).accept(item);
+                if self.follow_live_session(&mut outputs) {
+                    lock(&self.state).accept_outputs(&mut out, limit);
+                }
             }
         }
         drop(outputs);
@@ -829,8 +832,10 @@ impl Inner {
         state.holdings.add_stream_backlog(&mut backlog);
         backlog.pending += state.unaccepted.len() as u64;
         if self.drain && !state.drained() {
-            // Rows the log has not handed over yet.
+            // Rows the log has not handed over yet, of an age unknown: the drain must not
+            // take them for rows that arrived after it began (all younger than the run).
             backlog.pending += 1;
+            backlog.oldest_pending_age = None;
         }
         Ok(backlog)
     }

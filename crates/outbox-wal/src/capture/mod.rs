@@ -802,8 +802,11 @@ impl Inner {
         let state = lock(&self.state);
         state.holdings.add_stream_backlog(&mut backlog);
         if self.drain && !state.drained {
-            // Events the stream has not handed over yet.
+            // Events the stream has not handed over yet, of an age unknown: the drain must
+            // not take them for events that arrived after it began (all younger than the
+            // run).
             backlog.pending += 1;
+            backlog.oldest_pending_age = None;
         }
         Ok(backlog)
     }
