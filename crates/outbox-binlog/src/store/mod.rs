@@ -750,7 +750,7 @@ impl Inner {
         }
         let limit = request.limit;
         let mut outputs = self.outputs.lock().await;
-        let mut following = true;
+        let mut following;
         loop {
             // Again before anything is handed out: the lease may have lapsed, or the
             // session ended, while this claim waited (on the parked table, a dead letter
