@@ -652,18 +652,17 @@ async fn an_xa_transaction_prepared_with_outbox_rows_stops_the_reader_before_any
     assert!(reason.contains("--capture poll"), "{reason}");
 }
 
+/// An outbox of an id and a key, which the `ALTER TABLE` tests change.
+const KEY_ONLY_OUTBOX: &str = "CREATE TABLE outbox (sequence_id bigint PRIMARY KEY AUTO_INCREMENT,
+                                                     partition_key text NULL)";
+
 /// Rows are read by column position. An `ALTER TABLE` that adds a column before the key
 /// while the reader reads: the rows after it were read under the old names (the key read
 /// from the new column). The reader describes the table again at the first row event of the
 /// new width, and reads on with its new columns.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rows_written_after_an_alter_table_are_read_with_the_new_columns() {
-    let (url, mut conn, mut reader) = reading_from_now(
-        "CREATE TABLE outbox (sequence_id bigint PRIMARY KEY AUTO_INCREMENT,
-                              partition_key text NULL)",
-        5000,
-    )
-    .await;
+    let (url, mut conn, mut reader) = reading_from_now(KEY_ONLY_OUTBOX, 5000).await;
     conn.query_drop("INSERT INTO outbox (partition_key) VALUES ('a')")
         .await
         .unwrap();
@@ -828,12 +827,7 @@ async fn a_column_of_a_type_the_reader_cannot_read_stops_it_naming_the_column() 
 /// row.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_row_of_a_new_layout_survives_a_call_cancelled_while_the_table_is_described() {
-    let (_url, mut conn, mut reader) = reading_from_now(
-        "CREATE TABLE outbox (sequence_id bigint PRIMARY KEY AUTO_INCREMENT,
-                              partition_key text NULL)",
-        5200,
-    )
-    .await;
+    let (_url, mut conn, mut reader) = reading_from_now(KEY_ONLY_OUTBOX, 5200).await;
     conn.query_drop(
         "ALTER TABLE outbox ADD COLUMN tenant varchar(20) NULL AFTER sequence_id;
          INSERT INTO outbox (tenant, partition_key) VALUES ('t', 'c')",

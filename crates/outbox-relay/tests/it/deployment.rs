@@ -11,8 +11,14 @@ use outbox_testkit::{eventually, eventually_explained};
 use crate::support::{pg, read_lines, wait_for_lines, RelayProcess, BIN};
 
 fn migrate(url: &str) {
+    migrate_with(url, &[]);
+}
+
+/// `migrate` with `extra` flags.
+fn migrate_with(url: &str, extra: &[&str]) {
     let out = Command::new(BIN)
         .args(["migrate", "--database-url", url, "--partitions", "8"])
+        .args(extra)
         .output()
         .unwrap();
     assert!(
@@ -485,21 +491,7 @@ async fn wal_capture_given_a_standby_and_the_primary_streams_from_the_primary() 
     let primary = ScriptedServer::start("postgres", "OUTBOX_TEST_PG_PORT");
     let primary_url = format!("postgres://postgres@127.0.0.1:{}/postgres", primary.port);
     let dir = tempfile::tempdir().unwrap();
-    let migrated = Command::new(BIN)
-        .args([
-            "migrate",
-            "--capture",
-            "wal",
-            "--database-url",
-            &primary_url,
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        migrated.status.success(),
-        "{}",
-        String::from_utf8_lossy(&migrated.stderr)
-    );
+    migrate_with(&primary_url, &["--capture", "wal"]);
     let standby = Standby::start(primary.port);
     send(&primary_url, "k").await;
     let both = format!(
