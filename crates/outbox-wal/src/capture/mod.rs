@@ -711,35 +711,45 @@ impl Inner {
             self.claim_parked(&request, &mut out).await?;
         }
         let parked = out.len();
-        lock(&self.state).redeliver_into(&mut out, request.limit);
-        let redelivered = out.len();
         let mut outputs = self.outputs.lock().await;
+        // Again before anything of the stream is handed out: the session may have ended
+        // while this claim waited (on the parked table, on the outputs' lock), and an
+        // ex-holder would publish what the slot's new holder publishes too.
+        let following = self.follow_live_session(&mut outputs);
+        if following {
+            lock(&self.state).redeliver_into(&mut out, request.limit);
+        }
+        let redelivered = out.len();
         let (limit, budget) = (request.limit, request.limit * 4);
         let mut received = 0;
-        loop {
-            received +=
-                self.accept_outputs(&mut lock(&self.state), &mut out, limit, budget - received);
-            if out.len() >= limit || received >= budget {
-                break;
-            }
-            // The session may end meanwhile: what it still sends is dropped.
-            if !self.follow_live_session(&mut outputs) {
-                break;
-            }
-            match outputs.try_recv() {
-                Ok(item) => lock(&self.state).accept(item),
-                Err(_) => break,
+        if following {
+            loop {
+                received +=
+                    self.accept_outputs(&mut lock(&self.state), &mut out, limit, budget - received);
+                if out.len() >= limit || received >= budget {
+                    break;
+                }
+                match outputs.try_recv() {
+                    Ok(item) => lock(&self.state).accept(item),
+                    Err(_) => break,
+                }
+                // The session may end meanwhile: what it still sends is dropped.
+                if !self.follow_live_session(&mut outputs) {
+                    break;
+                }
             }
         }
-        if self.drain && received == 0 && out.is_empty() && !lock(&self.state).drained {
+        if following && self.drain && received == 0 && out.is_empty() && !lock(&self.state).drained
+        {
             // Nothing yet, and the marker not reached: wait a little for the stream rather
             // than let the engine conclude that the drain is over.
             if let Ok(Some(item)) =
                 tokio::time::timeout(Duration::from_secs(1), outputs.recv()).await
             {
-                let mut state = lock(&self.state);
-                state.accept(item);
-                self.accept_outputs(&mut state, &mut out, limit, budget);
+                lock(&self.state).accept(item);
+                if self.follow_live_session(&mut outputs) {
+                    self.accept_outputs(&mut lock(&self.state), &mut out, limit, budget);
+                }
             }
         }
         drop(outputs);
