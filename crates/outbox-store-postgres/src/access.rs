@@ -5,13 +5,14 @@
 //! [`OutboxStore`]: outbox_core::OutboxStore
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use outbox_core::store::StoreResult;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::Row;
 
 use crate::error::{db_error, pool_error};
-use crate::{bounded, schema, Inner, PgStore, Tables};
+use crate::{bounded, bounded_within, schema, Inner, PgStore, Tables};
 
 /// Makes the transaction's commit wait for the local WAL flush when the session would not
 /// (`synchronous_commit = off`); a stronger setting (`on`, `remote_apply`, ...) is kept.
@@ -73,7 +74,7 @@ impl PgStore {
         query: Option<Step<'_>>,
     ) -> StoreResult<(Vec<u64>, Vec<Row>)> {
         let done = self
-            .guarded_transaction(context, None, steps, query)
+            .guarded_transaction(context, None, steps, query, None)
             .await?;
         // Without a guard it always runs.
         Ok(done.unwrap_or_default())
@@ -90,7 +91,7 @@ impl PgStore {
         steps: &[Step<'_>],
     ) -> StoreResult<Option<Vec<u64>>> {
         let done = self
-            .guarded_transaction(context, Some(guard), steps, None)
+            .guarded_transaction(context, Some(guard), steps, None, None)
             .await?;
         Ok(done.map(|(counts, _)| counts))
     }
@@ -104,7 +105,22 @@ impl PgStore {
         steps: &[Step<'_>],
         query: Option<Step<'_>>,
     ) -> StoreResult<Option<(Vec<u64>, Vec<Row>)>> {
-        self.guarded_transaction(context, Some(guard), steps, query)
+        self.guarded_transaction(context, Some(guard), steps, query, None)
+            .await
+    }
+
+    /// [`PgStore::transaction_if_then_query`] bounded by `within`, not the store's operation
+    /// timeout: for work whose length grows with the table (moving a backlog), which a
+    /// bound meant for one batch would cut off every time it is tried.
+    pub async fn long_transaction_if_then_query(
+        &self,
+        context: &'static str,
+        within: Duration,
+        guard: &[Step<'_>],
+        steps: &[Step<'_>],
+        query: Option<Step<'_>>,
+    ) -> StoreResult<Option<(Vec<u64>, Vec<Row>)>> {
+        self.guarded_transaction(context, Some(guard), steps, query, Some(within))
             .await
     }
 
@@ -114,9 +130,10 @@ impl PgStore {
         guard: Option<&[Step<'_>]>,
         steps: &[Step<'_>],
         query: Option<Step<'_>>,
+        within: Option<Duration>,
     ) -> StoreResult<Option<(Vec<u64>, Vec<Row>)>> {
         let inner = &self.inner;
-        bounded(inner, context, async {
+        bounded_within(inner, within, context, async {
             let mut client = inner.pool.get().await.map_err(|e| pool_error(context, e))?;
             let tx = client
                 .transaction()

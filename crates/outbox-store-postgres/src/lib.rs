@@ -370,16 +370,26 @@ async fn bounded<T>(
     context: &'static str,
     operation: impl std::future::Future<Output = StoreResult<T>>,
 ) -> StoreResult<T> {
+    bounded_within(inner, None, context, operation).await
+}
+
+/// [`bounded`] by `within` when given, else by the store's operation timeout.
+async fn bounded_within<T>(
+    inner: &Inner,
+    within: Option<Duration>,
+    context: &'static str,
+    operation: impl std::future::Future<Output = StoreResult<T>>,
+) -> StoreResult<T> {
+    let within = within.unwrap_or(inner.operation_timeout);
     // Its own statement: the operation (and the connection it holds, which goes back to the
     // pool) is dropped before the pool is cleared.
-    let result = tokio::time::timeout(inner.operation_timeout, operation).await;
+    let result = tokio::time::timeout(within, operation).await;
     result.unwrap_or_else(|_| {
         inner.pool.retain(|_, _| false);
         Err(StoreError::new(
             StoreErrorKind::Connection,
             format!(
-                "{context}: no answer from the database within {:?}; the connection is presumed lost",
-                inner.operation_timeout
+                "{context}: no answer from the database within {within:?}; the connection is presumed lost"
             ),
         ))
     })

@@ -5,6 +5,10 @@
 
 use super::*;
 
+/// How long the adoption of the rows that predate a slot may take: it moves the whole
+/// backlog in one transaction, which the store's 30 s bound for one operation cut off, every
+/// time it was tried, once the table held a few million rows.
+const ADOPTION_TIMEOUT: Duration = Duration::from_secs(15 * 60);
 /// The replication session's task: starts sessions (waiting as a standby while another
 /// relay holds the slot), forwards outputs to claims and confirmations to the server.
 pub(super) struct Reader {
@@ -390,7 +394,7 @@ impl Reader {
         ];
         let Some((_, dead_by_destination)) = self
             .main
-            .transaction_if_then_query("adopt", &guard, &steps, dead_letters)
+            .long_transaction_if_then_query("adopt", ADOPTION_TIMEOUT, &guard, &steps, dead_letters)
             .await?
         else {
             return Ok(false);

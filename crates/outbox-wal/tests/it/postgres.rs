@@ -657,7 +657,20 @@ mod through_the_engine {
 
     impl Relay {
         async fn start(fixture: &Fixture, publisher: &RecordingPublisher) -> Relay {
-            let main = PgStore::new(PgOptions::new(&fixture.url, Tables::standard())).unwrap();
+            Relay::bounded(fixture, publisher, None).await
+        }
+
+        /// [`Relay::start`] with the store's bound for one operation `operation_timeout`.
+        async fn bounded(
+            fixture: &Fixture,
+            publisher: &RecordingPublisher,
+            operation_timeout: Option<Duration>,
+        ) -> Relay {
+            let main = PgStore::new(PgOptions {
+                operation_timeout,
+                ..PgOptions::new(&fixture.url, Tables::standard())
+            })
+            .unwrap();
             let publication = Ident::new(PUBLICATION, "publication").unwrap();
             let capture = outbox_wal::capture::capture_tables(main.tables(), &publication, None);
             main.migrate_extra(&capture.ddl()).await.unwrap();
@@ -762,6 +775,29 @@ mod through_the_engine {
             .await
             .unwrap()
             .get(0)
+    }
+
+    /// The adoption moves the backlog that predates the slot in one transaction, which the
+    /// store's bound for one operation (30 s) cut off, every time it was tried, once the
+    /// table held a few million rows: capture never started. Here that bound is 50 ms, and
+    /// the backlog takes longer to move.
+    #[tokio::test]
+    async fn a_backlog_whose_adoption_outlasts_one_operations_bound_is_adopted() {
+        let fixture = Fixture::new().await;
+        let db = connect(&fixture.url).await;
+        db.batch_execute(
+            "INSERT INTO outbox (destination, partition_key, event_type, payload)
+             SELECT 'orders', 'k' || (i % 100), 'T', jsonb_build_object('n', i)
+               FROM generate_series(1, 100000) i",
+        )
+        .await
+        .unwrap();
+        let publisher = RecordingPublisher::new();
+        let relay = Relay::bounded(&fixture, &publisher, Some(Duration::from_millis(50))).await;
+        let status = relay.store.wait_streaming(Duration::from_secs(60)).await;
+        assert_eq!(status, outbox_wal::CaptureStatus::Streaming);
+        assert_eq!(count(&db, "outbox").await, 0, "moved to the parked table");
+        relay.stop().await;
     }
 
     /// A key whose head keeps failing is parked: the other keys go on, the slot moves past
