@@ -12,7 +12,7 @@ use tokio_postgres::types::ToSql;
 use tokio_postgres::Row;
 
 use crate::error::{db_error, pool_error};
-use crate::{bounded, bounded_within, schema, Inner, PgStore, Tables};
+use crate::{bounded_within, schema, Inner, PgStore, Tables};
 
 /// Makes the transaction's commit wait for the local WAL flush when the session would not
 /// (`synchronous_commit = off`); a stronger setting (`on`, `remote_apply`, ...) is kept.
