@@ -294,10 +294,11 @@ pub struct CaptureStatements {
     pub delete_rows: String,
     /// `delete_rows`, returning one row: the array of the ids in `$1` it did not delete.
     pub delete_delivered: String,
-    /// Moves every pending row of the outbox table into the parked table, under its own
-    /// sequence id (in that order): run when the slot is created, since rows committed
-    /// before it (written while no slot existed, or by an earlier polling relay) are not in
-    /// its stream. Rows committed after it are in both places: delivered twice, never lost.
+    /// Moves every pending row of the outbox table into the parked table, in its order,
+    /// under new ids (after every row parked before): run when the slot is created, since
+    /// rows committed before it (written while no slot existed, or by an earlier polling
+    /// relay) are not in its stream. Rows committed after it are in both places: parked
+    /// once (by event id) or delivered twice, never lost.
     pub adopt: Adoption,
     /// Whether the slot `$1` has adopted the table's rows.
     pub adopted: String,
