@@ -569,25 +569,38 @@ pub async fn panic_of(task: impl std::future::Future<Output = ()>) -> Option<Str
     )
 }
 
-/// The status a store reports once its reader task panicked with `said`.
-pub fn reader_stopped(capture: &str, said: &str) -> String {
-    format!(
-        "the {capture} reader stopped on a bug ({said}): nothing more is read until the relay \
-         is restarted, which reads on from the last stored position (please report it)"
-    )
+/// Runs the reader task of the `capture` named, and if it panics (a bug) logs why and
+/// hands `failed` the status text every claim then reports.
+pub async fn run_reader(
+    capture: &str,
+    task: impl std::future::Future<Output = ()>,
+    failed: impl FnOnce(String),
+) {
+    if let Some(said) = panic_of(task).await {
+        let reason = format!(
+            "the {capture} reader stopped on a bug ({said}): nothing more is read until the \
+             relay is restarted, which reads on from the last stored position (please report it)"
+        );
+        tracing::error!(%reason, "{capture} capture stopped");
+        failed(reason);
+    }
 }
 
 /// How long a drain's claim waits for the capture's first session to start.
 pub const DRAIN_START_PATIENCE: Duration = Duration::from_secs(10);
 
-/// The capture's status once it is no longer `starting` (or [`DRAIN_START_PATIENCE`] has
-/// passed). A drain's claims wait for it: before the first session nothing is claimed, the
+/// The capture's status for a claim: for a drain's, once it is no longer `starting` (or
+/// [`DRAIN_START_PATIENCE`] has passed). Before the first session nothing is claimed, the
 /// parked table's rows neither, and a drain whose only rows left had failed before (a retry
 /// that is due) would end at once, reporting them left.
-pub async fn once_started<S: Clone + PartialEq>(
+pub async fn status_for_claim<S: Clone + PartialEq>(
     status: &tokio::sync::watch::Receiver<S>,
     starting: &S,
+    drain: bool,
 ) -> S {
+    if !drain {
+        return status.borrow().clone();
+    }
     let mut status = status.clone();
     let _ = tokio::time::timeout(DRAIN_START_PATIENCE, status.wait_for(|s| s != starting)).await;
     let now = status.borrow().clone();

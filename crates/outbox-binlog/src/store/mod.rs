@@ -251,13 +251,11 @@ impl BinlogStore {
             session: 0,
         };
         let stopped = reader.status.clone();
-        let handle = tokio::spawn(tracing::Instrument::in_current_span(async move {
-            if let Some(said) = outbox_core::capture::panic_of(reader.run()).await {
-                let reason = outbox_core::capture::reader_stopped("binlog", &said);
-                tracing::error!(%reason, "binlog capture stopped");
-                stopped.send_replace(CaptureStatus::Failed(reason));
-            }
-        }));
+        let handle = tokio::spawn(tracing::Instrument::in_current_span(
+            outbox_core::capture::run_reader("binlog", reader.run(), move |reason| {
+                drop(stopped.send_replace(CaptureStatus::Failed(reason)))
+            }),
+        ));
         Ok(BinlogStore {
             inner: Arc::new(Inner {
                 pool,
@@ -713,12 +711,12 @@ impl Inner {
     }
 
     async fn claim(&self, request: ClaimRequest) -> StoreResult<Vec<Claimed>> {
-        let status = match self.drain {
-            true => {
-                outbox_core::capture::once_started(&self.status, &CaptureStatus::Starting).await
-            }
-            false => self.status.borrow().clone(),
-        };
+        let status = outbox_core::capture::status_for_claim(
+            &self.status,
+            &CaptureStatus::Starting,
+            self.drain,
+        )
+        .await;
         if let CaptureStatus::Reconnecting(reason) | CaptureStatus::Failed(reason) = &status {
             // Under `parking`, as every other follow: a park in flight is of one session.
             let _parking = self.parking.lock().await;

@@ -213,13 +213,11 @@ impl WalStore {
         };
         // Its logs stay in the caller's span (an outbox's, among several).
         let stopped = reader.status.clone();
-        let handle = tokio::spawn(tracing::Instrument::in_current_span(async move {
-            if let Some(said) = capture::panic_of(reader.run()).await {
-                let reason = capture::reader_stopped("WAL", &said);
-                tracing::error!(%reason, "WAL capture stopped");
-                stopped.send_replace(CaptureStatus::Failed(reason));
-            }
-        }));
+        let handle = tokio::spawn(tracing::Instrument::in_current_span(capture::run_reader(
+            "WAL",
+            reader.run(),
+            move |reason| drop(stopped.send_replace(CaptureStatus::Failed(reason))),
+        )));
         WalStore {
             inner: Arc::new(Inner {
                 main,
@@ -669,10 +667,8 @@ impl Inner {
     }
 
     async fn claim(&self, request: ClaimRequest) -> StoreResult<Vec<Claimed>> {
-        let status = match self.drain {
-            true => capture::once_started(&self.status, &CaptureStatus::Starting).await,
-            false => self.status.borrow().clone(),
-        };
+        let status =
+            capture::status_for_claim(&self.status, &CaptureStatus::Starting, self.drain).await;
         // Claims fail while the stream is down, so that `/readyz` and the logs say why; they
         // are retried like a lost connection, but the fix is the one the reason names.
         if let CaptureStatus::Failed(reason) | CaptureStatus::Reconnecting(reason) = &status {
