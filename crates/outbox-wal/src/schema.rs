@@ -311,6 +311,11 @@ pub struct CaptureStatements {
 
     /// Forgets the slot `$1`'s adoption (its slot was dropped: a new one must adopt again).
     pub forget_adoption: String,
+    /// Forgets the slot's adoption only while no slot of its name exists: a record left by
+    /// a slot dropped since (or copied to a promoted standby) must not stand for the slot
+    /// the session is about to create. Conditional, so that a relay racing another's
+    /// creation never forgets the adoption of the slot it finds made.
+    pub forget_adoption_of_missing_slot: String,
     /// A row while the slot `$1` streams to the session named `$2` (its
     /// `application_name`, unique per session): the guard of every write a session's events
     /// make, so a relay that lost the slot (paused past its session's end, while another
@@ -440,6 +445,12 @@ impl CaptureStatements {
             ),
 
             forget_adoption: format!("DELETE FROM {} WHERE slot = $1", tables.adopted.quoted()),
+            forget_adoption_of_missing_slot: format!(
+                "DELETE FROM {} WHERE slot = $1 AND NOT EXISTS
+                   (SELECT FROM pg_catalog.pg_replication_slots WHERE slot_name = $1)
+                 RETURNING slot",
+                tables.adopted.quoted()
+            ),
             parked_keys: format!("SELECT DISTINCT {key} FROM {parked} WHERE delivered_at IS NULL"),
             still_parked: format!(
                 "SELECT DISTINCT {key} FROM {parked}

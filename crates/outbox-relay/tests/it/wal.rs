@@ -1206,6 +1206,34 @@ async fn rows_that_predate_a_slot_made_by_hand_are_adopted_once_and_drop_slot_fo
 }
 
 #[tokio::test]
+async fn a_slot_dropped_with_sql_is_made_anew_and_adopts_the_rows_its_stream_misses() {
+    let w = WalDb::new().await;
+    for n in 0..5 {
+        insert(&w.db, "k", n).await;
+    }
+    let out = w.path("events.jsonl");
+    assert_success("the first drain", &w.drain(&out));
+    // Rows written while no relay runs, then the slot dropped with SQL (as `check` may
+    // advise for a full slot), or missing on a promoted standby that has the record.
+    for n in 5..15 {
+        insert(&w.db, "k", n).await;
+    }
+    w.db.query_one("SELECT pg_drop_replication_slot($1)", &[&w.slot])
+        .await
+        .unwrap();
+    let second = w.drain(&out);
+    assert_success("the drain after the slot was dropped", &second);
+    assert!(
+        text(&second.stderr).contains(ADOPTED),
+        "the new slot adopts: {}",
+        text(&second.stderr)
+    );
+    let order = counters_by_key(&read_lines(&out));
+    assert_eq!(order["k"], (0..15).collect::<Vec<i64>>(), "{order:?}");
+    w.assert_empty("").await;
+}
+
+#[tokio::test]
 async fn an_undecodable_event_behind_a_retrying_head_is_dead_lettered_not_dropped() {
     let (_nats, deliveries, proxy, broker_url) = nats_behind_a_proxy().await;
     let w = WalDb::new().await;

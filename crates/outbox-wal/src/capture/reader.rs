@@ -91,6 +91,17 @@ impl Reader {
             config.create_slot = !self.sessions.streamed;
             self.session_name = session_name(&self.config.application_name);
             config.application_name = self.session_name.clone();
+            if config.create_slot {
+                if let Err(reason) = self.forget_adoption_of_missing_slot().await {
+                    tracing::warn!(error = %reason, "cannot start the replication session; retrying");
+                    self.set_status(CaptureStatus::Reconnecting(reason));
+                    let wait = self.sessions.backoff.next_delay();
+                    tokio::select! {
+                        () = tokio::time::sleep(wait) => continue,
+                        _ = self.close.changed() => return,
+                    }
+                }
+            }
             let started = tokio::select! {
                 started = WalStream::start(&config) => started,
                 _ = self.close.changed() => return,
@@ -138,6 +149,28 @@ impl Reader {
                 _ = self.close.changed() => return,
             }
         }
+    }
+
+    /// Before a session that may create the slot: an adoption recorded for a slot of this
+    /// name that no longer exists (dropped with SQL, or the record copied to a promoted
+    /// standby, which has no slot) is forgotten, so that the slot created next adopts the
+    /// rows its stream will not carry. Not done, the session must not start: the record
+    /// would skip them for good.
+    async fn forget_adoption_of_missing_slot(&self) -> Result<(), String> {
+        let slot = &self.config.slot;
+        let forgotten = self
+            .main
+            .query_rows(
+                "forget a missing slot's adoption",
+                &self.sql.forget_adoption_of_missing_slot,
+                &[slot],
+            )
+            .await
+            .map_err(|e| format!("forgetting the adoption of a missing slot: {}", e.report()))?;
+        if !forgotten.is_empty() {
+            tracing::warn!(%slot, "the slot no longer exists but its adoption was recorded (dropped with SQL, or a promoted standby): the slot created now adopts the rows still in the table");
+        }
+        Ok(())
     }
 
     /// Capture cannot go on until an operator acts: said once (not at every retry), and
