@@ -79,6 +79,23 @@ pub enum BinlogError {
         width: usize,
         now: usize,
     },
+    /// A write to the outbox table that the server logged as a statement, not as rows: the
+    /// writing session's `binlog_format` is not ROW. Its rows are in no row event.
+    #[error(
+        "the server logged a write to the outbox table {table} as a statement at {at} \
+         ({statement}): the writing session's binlog_format is not ROW (STATEMENT or MIXED, set \
+         globally or by that session), so the rows it inserted are not in the binary log as \
+         rows, and binlog capture stops here rather than pass them by; the stored position \
+         stays before it. Set binlog_format = ROW globally (SET GLOBAL binlog_format = 'ROW', \
+         and in the server's configuration) and for every session that writes the outbox (no \
+         SET SESSION binlog_format, which needs SUPER or BINLOG ADMIN: revoke it from the \
+         application's role)"
+    )]
+    StatementLogged {
+        at: String,
+        table: String,
+        statement: String,
+    },
     /// The server no longer has the log at the position asked for.
     #[error(
         "the binary log at {file} offset {offset} is not on the server any more ({reason}): \

@@ -329,6 +329,73 @@ fn mariadb_prepared_xa(body: &[u8]) -> bool {
         .is_some_and(|flags| flags & FL_PREPARED_XA != 0)
 }
 
+/// Whether `statement`, logged with `schema` as its default database, may have inserted
+/// rows into `database`.`table`: an INSERT, REPLACE or LOAD DATA that names the table in any
+/// form (`outbox`, `` `outbox` ``, `shop.outbox`, in any case), unqualified in `database`
+/// or qualified by it. Conservative: a name anywhere in the statement counts (a column or a
+/// string of that name too), since a false stop is said and a missed one loses events. An
+/// UPDATE or DELETE logged so loses no event (they are not events), and passes.
+fn inserts_by_statement(statement: &str, schema: &str, database: &str, table: &str) -> bool {
+    let text = skip_comments(statement);
+    let verb: String = text
+        .chars()
+        .take_while(char::is_ascii_alphabetic)
+        .collect::<String>()
+        .to_ascii_uppercase();
+    if !matches!(verb.as_str(), "INSERT" | "REPLACE" | "LOAD") || table.is_empty() {
+        return false;
+    }
+    let lower = text.to_ascii_lowercase();
+    let name = table.to_ascii_lowercase();
+    let identifier = |b: u8| b.is_ascii_alphanumeric() || b == b'_' || b == b'$' || b >= 0x80;
+    let bytes = lower.as_bytes();
+    lower.match_indices(&name).any(|(at, _)| {
+        let end = at + name.len();
+        if at > 0 && identifier(bytes[at - 1]) || bytes.get(end).is_some_and(|b| identifier(*b)) {
+            return false;
+        }
+        // What qualifies it: `db.`, `` `db`. ``, or nothing (the default database).
+        let before = lower[..at].trim_end_matches('`').trim_end();
+        match before.strip_suffix('.') {
+            Some(qualified) => {
+                let qualified = qualified.trim_end();
+                let qualifier = match qualified.strip_suffix('`') {
+                    Some(quoted) => quoted.rsplit('`').next().unwrap_or(""),
+                    None => qualified
+                        .rsplit(|c: char| c.is_ascii() && !identifier(c as u8))
+                        .next()
+                        .unwrap_or(""),
+                };
+                // One that cannot be read counts: better a false stop than a lost event.
+                qualifier.is_empty() || qualifier.eq_ignore_ascii_case(database)
+            }
+            None => schema.eq_ignore_ascii_case(database),
+        }
+    })
+}
+
+/// `statement` after its leading blanks and `/* … */` comments.
+fn skip_comments(statement: &str) -> &str {
+    let mut text = statement.trim_start();
+    while let Some(rest) = text.strip_prefix("/*") {
+        text = rest
+            .split_once("*/")
+            .map_or("", |(_, after)| after)
+            .trim_start();
+    }
+    text
+}
+
+/// The start of `statement`, for an error that names it.
+fn excerpt(statement: &str) -> String {
+    const SHOWN: usize = 200;
+    let statement = statement.trim();
+    match statement.char_indices().nth(SHOWN) {
+        Some((at, _)) => format!("{}…", &statement[..at]),
+        None => statement.to_string(),
+    }
+}
+
 /// A MySQL GTID set as `COM_BINLOG_DUMP_GTID` names it: one entry per source.
 fn dump_sources(state: &gtid::GtidState) -> Result<Vec<Sid<'static>>> {
     state
@@ -722,6 +789,23 @@ impl BinlogReader {
                 }
                 // Another table's transaction ended: a place a reader may start from.
                 Some(EventData::XidEvent(_)) => self.set_boundary(end),
+                // Rows the writer's session logged as a statement (its binlog_format is not
+                // ROW): no row event follows, and the transaction's end would be taken for
+                // another table's, its rows passed by unread.
+                Some(EventData::QueryEvent(query))
+                    if inserts_by_statement(
+                        &query.query(),
+                        &query.schema(),
+                        &self.database,
+                        &self.table,
+                    ) =>
+                {
+                    return Err(BinlogError::StatementLogged {
+                        at: format!("{} offset {end}", self.file),
+                        table: format!("{}.{}", self.database, self.table),
+                        statement: excerpt(&query.query()),
+                    });
+                }
                 Some(EventData::QueryEvent(query))
                     if query.query_raw().starts_with(b"XA START") =>
                 {
@@ -1369,6 +1453,41 @@ mod tests {
                 (a.to_string(), Some("nightly".to_string()), vec![(2, 4)]),
             ]
         );
+    }
+
+    #[test]
+    fn an_insert_logged_as_a_statement_is_found_by_the_outbox_tables_name_in_any_form() {
+        let stops = |statement: &str, schema: &str| {
+            inserts_by_statement(statement, schema, "shop", "outbox")
+        };
+        for statement in [
+            "INSERT INTO outbox (partition_key) VALUES ('a')",
+            "insert into `outbox` values (1)",
+            "INSERT INTO shop.outbox VALUES (1)",
+            "INSERT INTO `Shop` . `OUTBOX` VALUES (1)",
+            "  /* app */ REPLACE INTO outbox VALUES (1)",
+            "LOAD DATA INFILE '/tmp/x' INTO TABLE outbox",
+            "INSERT INTO archive SELECT * FROM outbox",
+        ] {
+            assert!(stops(statement, "shop"), "{statement}");
+        }
+        assert!(
+            stops("INSERT INTO shop.outbox VALUES (1)", "other"),
+            "qualified by the outbox's database"
+        );
+        for (statement, schema) in [
+            ("INSERT INTO outbox VALUES (1)", "other"),
+            ("INSERT INTO other.outbox VALUES (1)", "shop"),
+            ("INSERT INTO outbox_parked VALUES (1)", "shop"),
+            ("INSERT INTO my_outbox VALUES (1)", "shop"),
+            ("DELETE FROM outbox WHERE sequence_id IN (1)", "shop"),
+            ("UPDATE outbox SET x = 1", "shop"),
+            ("CREATE TABLE outbox (id int)", "shop"),
+            ("BEGIN", "shop"),
+            ("COMMIT", "shop"),
+        ] {
+            assert!(!stops(statement, schema), "{statement} in {schema}");
+        }
     }
 
     #[test]

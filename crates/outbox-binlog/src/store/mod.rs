@@ -1310,7 +1310,8 @@ impl Reader {
         match e {
             BinlogError::Purged { .. }
             | BinlogError::OtherServer { .. }
-            | BinlogError::TableAltered { .. } => {
+            | BinlogError::TableAltered { .. }
+            | BinlogError::StatementLogged { .. } => {
                 format!("{e}; {}", self.recovery)
             }
             other => other.to_string(),

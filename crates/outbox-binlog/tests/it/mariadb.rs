@@ -652,6 +652,47 @@ async fn an_xa_transaction_prepared_with_outbox_rows_stops_the_reader_before_any
     assert!(reason.contains("--capture poll"), "{reason}");
 }
 
+/// A writer whose session logs statements as such (`binlog_format = STATEMENT`, here for
+/// its session only: the test server is shared) inserts an outbox row no row event carries.
+/// Its transaction's end was taken for another table's, and the row passed by unread, the
+/// position stored past it. The reader stops at the statement now, naming it and the fix,
+/// and reads no row after it; the place to start again stays before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outbox_insert_logged_as_a_statement_stops_the_reader_before_it() {
+    let (_url, mut conn, mut reader) = reading_from_now(OUTBOX_AND_OTHER, 5500).await;
+    conn.query_drop("INSERT INTO outbox (partition_key) VALUES ('as-rows')")
+        .await
+        .unwrap();
+    let Output::Row(row) = crate::next_output(reader.next()).await else {
+        panic!("the row logged as rows")
+    };
+    assert_eq!(row.get("partition_key"), Some("as-rows"));
+    let Output::Committed { next, .. } = crate::next_output(reader.next()).await else {
+        panic!("its transaction's end")
+    };
+    conn.query_drop(
+        "SET SESSION binlog_format = 'STATEMENT';
+         INSERT INTO outbox (partition_key) VALUES ('as-a-statement');
+         SET SESSION binlog_format = 'ROW';
+         INSERT INTO outbox (partition_key) VALUES ('after')",
+    )
+    .await
+    .unwrap();
+    let said = stops_with(&mut reader).await;
+    assert!(
+        said.contains("as a statement")
+            && said.contains("as-a-statement")
+            && said.contains("binlog_format = ROW"),
+        "{said}"
+    );
+    let boundary = reader.boundary().expect("a place read in the log");
+    assert_eq!(
+        (boundary.file, boundary.offset),
+        (next.file, next.offset),
+        "the place to start again is not past the statement"
+    );
+}
+
 /// An outbox of an id and a key, which the `ALTER TABLE` tests change.
 const KEY_ONLY_OUTBOX: &str = "CREATE TABLE outbox (sequence_id bigint PRIMARY KEY AUTO_INCREMENT,
                                                      partition_key text NULL)";
