@@ -353,7 +353,7 @@ impl Inner {
     /// transaction, then settles them; parks that must wait ([`Holdings::take_parks`]) stay in
     /// `to_park`. Call it holding `parking`.
     async fn flush_parks(&self) -> StoreResult<u64> {
-        let (parks, columns, dead, rows, parked, owner, session) = {
+        let (parks, columns, dead, dead_keys, rows, parked, owner, session) = {
             let mut state = lock(&self.state);
             let (owner, session) = (state.owner.clone(), state.followed.session);
             let parks = state.holdings.take_parks();
@@ -362,6 +362,9 @@ impl Inner {
             // it back. Behind a waiting key (released while its head retries) it is
             // dead-lettered in the same transaction, as the engine would have.
             let mut dead = DeadColumns::default();
+            // The keys of events dead-lettered instead of parked: nothing of theirs reaches
+            // the parked table, so no settle of a parked row would let them flow again.
+            let mut dead_keys = Vec::new();
             let mut rows = Vec::new();
             // Each parked event's stream id with its event id, for the debug log.
             let mut parked = Vec::new();
@@ -371,7 +374,10 @@ impl Inner {
                         Body::Event(event) => match unstorable(event) {
                             // The parked copy is what would be delivered: it cannot be one
                             // that differs, so the event goes to the dead letters instead.
-                            Some(what) => dead.push_event(park.id, event, what),
+                            Some(what) => {
+                                dead.push_event(park.id, event, what);
+                                dead_keys.push(held.key.clone());
+                            }
                             None => {
                                 columns.push(event);
                                 columns.parking.push(park);
@@ -383,7 +389,9 @@ impl Inner {
                     rows.extend(held.row);
                 }
             }
-            (parks, columns, dead, rows, parked, owner, session)
+            (
+                parks, columns, dead, dead_keys, rows, parked, owner, session,
+            )
         };
         if parks.is_empty() {
             return Ok(0);
@@ -413,6 +421,13 @@ impl Inner {
             Err(e) => Err(e),
         };
         if result.is_ok() && !dead.ids.is_empty() {
+            // Their keys checked: a key with no other event parked flows again, instead of
+            // each later event of it being parked behind nothing (and, unstorable as a NUL
+            // key is, dead-lettered unsent).
+            if let Err(e) = self.unpark_keys_locked(dead_keys.clone()).await {
+                tracing::debug!(error = %e.report(), "checking dead-lettered events' keys for parked rows; again with the next claim");
+                lock(&self.state).holdings.recheck.extend(dead_keys);
+            }
             tracing::warn!(
                 ids = ?dead.ids,
                 "events that could not be parked (undecodable, or holding what PostgreSQL cannot store) were dead-lettered: `outbox-relay dead list` shows them with the reason"
@@ -449,9 +464,12 @@ impl Inner {
 
     /// [`Inner::unpark_keys`] for a caller that holds `parking`.
     async fn unpark_keys_locked(&self, keys: Vec<String>) -> StoreResult<()> {
+        // A key holding NUL cannot be in the parked table (a park refuses it, see
+        // `unstorable`), nor travel as a text parameter: it is asked about only in memory.
+        let storable: Vec<&String> = keys.iter().filter(|k| !k.contains('\0')).collect();
         let rows = self
             .main
-            .query_rows("parked keys", &self.sql.still_parked, &[&keys])
+            .query_rows("parked keys", &self.sql.still_parked, &[&storable])
             .await?;
         let still: HashSet<String> = rows.iter().map(|r| r.get(0)).collect();
         lock(&self.state).holdings.unpark(keys, &still);
