@@ -1278,6 +1278,52 @@ async fn an_undecodable_event_behind_a_retrying_head_is_dead_lettered_not_droppe
 }
 
 #[tokio::test]
+async fn a_key_holding_nul_whose_event_is_dead_lettered_instead_of_parked_flows_again() {
+    let (_nats, deliveries, proxy, broker_url) = nats_behind_a_proxy().await;
+    let w = WalDb::new().await;
+    let mut relay = w.streaming_to(&broker_url, &RETRY_AN_OUTAGE).await;
+    let handle = proxy.handle();
+    handle.cut();
+    // A retry is parked; a key holding NUL cannot be, so its event is dead-lettered. The
+    // key stayed waiting behind nothing: every later event of it was dead-lettered unsent.
+    let message = |n: i32| {
+        format!(
+            r#"{{"destination": "orders", "key": "a\u0000b", "type": "T", "payload": {{"n": {n}}}}}"#
+        )
+    };
+    let emit_raw = "SELECT pg_logical_emit_message(true, 'outbox', $1::text)";
+    w.db.execute(emit_raw, &[&message(1)]).await.unwrap();
+    let dead = "SELECT count(*) FROM outbox_dead_letters";
+    wait_for_rows(&relay, "the first event dead-lettered", &w.db, dead, 1).await;
+    // Said once its key was checked.
+    eventually_explained(
+        "the dead letter logged",
+        Duration::from_secs(30),
+        || relay.logs(),
+        || {
+            let said = relay.logs().contains("events that could not be parked");
+            async move { said.then_some(()) }
+        },
+    )
+    .await;
+    handle.heal();
+    w.db.execute(emit_raw, &[&message(2)]).await.unwrap();
+    eventually_explained(
+        "the key's next event delivered",
+        Duration::from_secs(60),
+        || relay.logs(),
+        || {
+            let done = deliveries.snapshot().iter().any(|d| d.key == "a\0b");
+            async move { done.then_some(()) }
+        },
+    )
+    .await;
+    assert_eq!(query_count(&w.db, dead, &[]).await.unwrap(), 1);
+    let status = relay.terminate().await;
+    assert!(status.success(), "{status:?}");
+}
+
+#[tokio::test]
 async fn poison_messages_are_dead_lettered_and_hold_no_key_back() {
     let (_nats, deliveries, proxy, broker_url) = nats_behind_a_proxy().await;
     let w = WalDb::new().await;
