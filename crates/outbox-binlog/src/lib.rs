@@ -96,13 +96,29 @@ pub enum BinlogError {
         table: String,
         statement: String,
     },
+    /// An incident event: the server says events are missing from its log at that place.
+    #[error(
+        "an incident event at {at}: the server says events are missing from its binary log \
+         here (a write to the log that failed, a statement cache that overflowed); as a \
+         replica would, binlog capture stops rather than skip them, and the stored position \
+         stays before it"
+    )]
+    Incident { at: String },
+    /// MariaDB's compressed event (`log_bin_compress`), which the reader cannot read.
+    #[error(
+        "a compressed event (MariaDB's log_bin_compress) at {at}: binlog capture does not \
+         read those, and stops rather than skip its rows; SET GLOBAL log_bin_compress = OFF \
+         (and in the server's configuration). The stored position stays before this \
+         transaction, whose events stay compressed in the log: capture goes on only from a \
+         position after it"
+    )]
+    CompressedEvent { at: String },
     /// The server no longer has the log at the position asked for.
     #[error(
         "the binary log at {file} offset {offset} is not on the server any more ({reason}): \
          events written since that position may be gone (purged by binlog_expire_logs_seconds \
          or expire_logs_days while the relay was off, or the log was reset), and the relay \
-         never skips them silently; the rows still in the outbox table can be relayed by \
-         polling, then capture can start from the server's current position",
+         never skips them silently",
         file = position.file,
         offset = position.offset
     )]

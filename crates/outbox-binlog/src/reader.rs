@@ -669,27 +669,15 @@ impl BinlogReader {
                 // under binlog_error_action = IGNORE_ERROR, or a statement cache that
                 // overflowed): a replica stops at it, and so does the reader.
                 INCIDENT_EVENT => {
-                    return Err(BinlogError::Config(format!(
-                        "an incident event at {} offset {end}: the server says events are \
-                         missing from its binary log here (as a replica, binlog capture stops \
-                         rather than skip them); relay the rows still in the outbox table by \
-                         polling (`--capture poll`), then start capture again from the \
-                         server's current position",
-                        self.file
-                    )));
+                    return Err(BinlogError::Incident {
+                        at: format!("{} offset {end}", self.file),
+                    });
                 }
                 // mysql_common reads none of them: their rows would pass unread.
                 kind if MARIADB_COMPRESSED_EVENTS.contains(&kind) => {
-                    return Err(BinlogError::Config(format!(
-                        "a compressed event (MariaDB's log_bin_compress) at {} offset {end}: \
-                         binlog capture does not read those, and stops rather than skip its \
-                         rows; SET GLOBAL log_bin_compress = OFF (and in the server's \
-                         configuration), then start the relay again: it resumes before this \
-                         transaction, whose events stay compressed in the log, so start it \
-                         from the server's current position and relay the rows still in the \
-                         table by polling",
-                        self.file
-                    )));
+                    return Err(BinlogError::CompressedEvent {
+                        at: format!("{} offset {end}", self.file),
+                    });
                 }
                 // MySQL logs `XA COMMIT … ONE PHASE` as this event with its first byte set:
                 // the transaction's rows are committed.

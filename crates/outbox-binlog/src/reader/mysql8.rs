@@ -481,7 +481,7 @@ async fn an_incident_event_stops_the_reader_before_what_follows() {
     );
     let stopped = reader.next().await;
     assert!(
-        matches!(&stopped, Err(BinlogError::Config(reason)) if reason.contains("incident")),
+        matches!(&stopped, Err(e @ BinlogError::Incident { .. }) if e.to_string().contains("incident")),
         "nothing read past the incident: {stopped:?}"
     );
 }

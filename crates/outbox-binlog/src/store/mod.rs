@@ -1311,7 +1311,9 @@ impl Reader {
             BinlogError::Purged { .. }
             | BinlogError::OtherServer { .. }
             | BinlogError::TableAltered { .. }
-            | BinlogError::StatementLogged { .. } => {
+            | BinlogError::StatementLogged { .. }
+            | BinlogError::Incident { .. }
+            | BinlogError::CompressedEvent { .. } => {
                 format!("{e}; {}", self.recovery)
             }
             other => other.to_string(),

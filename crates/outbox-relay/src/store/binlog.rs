@@ -176,18 +176,35 @@ impl BinlogCapture {
         )
     }
 
-    /// How to go on once the stored position's log is purged: forget the position, and the
-    /// next start adopts the rows still in the outbox table (the events of transactions
-    /// whose rows were delivered and deleted are not lost: they were delivered).
-    pub fn recovery(&self) -> String {
-        format!(
-            "the events committed since that position and still in the outbox table are not \
-             lost: forget the position (DELETE FROM `{}`.`{}` WHERE outbox = '{}') and start the \
-             relay, which adopts the rows still in the table and reads on from the server's \
-             current position",
+    /// How to go on once the stored position cannot be read on from (its log purged,
+    /// another server's, unreadable): forget the position, and the next start adopts the
+    /// rows still in the outbox table (the events of transactions whose rows were delivered
+    /// and deleted are not lost: they were delivered). A BLACKHOLE outbox (`blackhole`)
+    /// stores nothing to adopt: the events are in the binary log only, and lost where no
+    /// server's log still has them.
+    pub fn recovery(&self, blackhole: bool) -> String {
+        let forget = format!(
+            "DELETE FROM `{}`.`{}` WHERE outbox = '{}'",
             self.database,
             self.positions_table,
             self.outbox_key().replace('\'', "''")
+        );
+        if blackhole {
+            return format!(
+                "the outbox is a BLACKHOLE table, which stores nothing: the events committed \
+                 since that position are in the binary log only, and where it no longer has \
+                 them they are lost. The way back: point the relay (--database-url) at a \
+                 server whose binary logs still cover them (a replica that has them, with \
+                 GTIDs on: the relay goes on there after the stored GTID state); where none \
+                 does, rebuild those events from the application's own records. Then, to \
+                 read on from the server's current position, forget the position ({forget}) \
+                 and start the relay: it adopts nothing, the table holds no rows"
+            );
+        }
+        format!(
+            "the events committed since that position and still in the outbox table are not \
+             lost: forget the position ({forget}) and start the relay, which adopts the rows \
+             still in the table and reads on from the server's current position"
         )
     }
 
@@ -227,6 +244,7 @@ impl BinlogCapture {
         let server = outbox_binlog::server_id(&self.url)
             .await
             .map_err(unreachable)?;
+        let blackhole = self.is_blackhole().await?;
         let resumed = match &stored {
             Ok(Some(stored)) => Some(outbox_binlog::capture::resume(
                 &stored.position,
@@ -240,7 +258,7 @@ impl BinlogCapture {
             // state, or refuses without one; its file names say nothing of this server's.
             Ok(Some(_)) if !matches!(resumed, Some(Ok(outbox_binlog::capture::Resume::At(_)))) => {
                 if let Some(Err(e)) = resumed {
-                    problems.push(Problem::blocking(e.to_string(), self.recovery()));
+                    problems.push(Problem::blocking(e.to_string(), self.recovery(blackhole)));
                 }
             }
             Ok(Some(stored)) => {
@@ -251,7 +269,7 @@ impl BinlogCapture {
                 let problem = outbox_binlog::retention_problem(&stored, &oldest);
                 problems.extend(problem.map(|mut problem| {
                     if !problem.is_degraded() {
-                        problem.fix = self.recovery();
+                        problem.fix = self.recovery(blackhole);
                     }
                     problem
                 }));
@@ -262,7 +280,7 @@ impl BinlogCapture {
                 "run `outbox-relay migrate --capture binlog`",
             )),
         }
-        if self.is_blackhole().await? {
+        if blackhole {
             problems.extend(
                 outbox_binlog::blackhole_problem(&self.url)
                     .await
@@ -335,7 +353,7 @@ impl BinlogCapture {
                 lease: SEAT_LEASE,
             },
             parked_table: format!("{}.{}", self.database, self.parked_table),
-            recovery: self.recovery(),
+            recovery: self.recovery(blackhole),
             blackhole,
             drain: run.drain,
             memory_budget: run.memory_budget,

@@ -646,6 +646,60 @@ async fn a_purged_position_is_refused_and_forgetting_it_adopts_the_rows_still_in
     assert!(again.terminate().await.success(), "{}", again.logs());
 }
 
+/// The table-less form: a BLACKHOLE outbox stores nothing, so the events committed after a
+/// purged position are in no table to adopt. `check` and `run` refuse the position as for
+/// the native table, and say the events are lost, with the ways back (a server whose logs
+/// still have them, or the application's records); they said the events were "not lost"
+/// and would be adopted from the table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_purged_position_of_a_blackhole_outbox_is_refused_saying_its_events_are_lost() {
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let pool = mysql_async::Pool::new(mysql_async::Opts::from_url(&url).unwrap());
+    let mut conn = pool.get_conn().await.unwrap();
+    if outbox_binlog::blackhole_problem(&url)
+        .await
+        .unwrap()
+        .is_some()
+    {
+        // Debian's MariaDB ships the engine as a plugin.
+        conn.query_drop("INSTALL SONAME 'ha_blackhole'")
+            .await
+            .unwrap();
+    }
+    conn.query_drop(outbox_binlog::blackhole_ddl("outbox"))
+        .await
+        .unwrap();
+    let db = BinlogDb::at(&url, &[]).await;
+    let mut first = db.reading("relay-1", "out.jsonl").await;
+    assert!(first.terminate().await.success(), "{}", first.logs());
+    db.write(&["a"], 0, 5, true).await;
+    conn.query_drop(
+        "UPDATE outbox_binlog SET log_file = CONCAT(SUBSTRING_INDEX(log_file, '.', 1), '.000000')",
+    )
+    .await
+    .unwrap();
+    let says_lost = |said: &str| {
+        said.contains("purged")
+            && said.contains("BLACKHOLE")
+            && said.contains("they are lost")
+            && said.contains("replica")
+            && !said.contains("not lost")
+            && !said.contains("adopts the rows")
+            && !said.contains("by polling")
+    };
+    let checked = relay(
+        db.dir.path(),
+        &["check", "--capture", "binlog", "--database-url", &url],
+    );
+    let said = format!("{}{}", text(&checked.stdout), text(&checked.stderr));
+    assert!(!checked.status.success(), "{said}");
+    assert!(says_lost(&said), "{said}");
+    let mut refused = db.spawn("relay-2", "out.jsonl", &[]);
+    let status = refused.wait_exit_within(Duration::from_secs(30)).await;
+    assert!(!status.success(), "{}", refused.logs());
+    assert!(says_lost(&refused.logs()), "{}", refused.logs());
+}
+
 /// Writers, one per key, each committing its events one after another (so per key, commit
 /// order is the order written), every event's id recorded with its key and number.
 struct KeyWriters {
