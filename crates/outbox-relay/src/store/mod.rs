@@ -342,23 +342,47 @@ impl AnyStore {
 impl AnyStore {
     /// Streams from the slot earlier versions named by default (`outbox_relay`), when no
     /// slot was configured and this database has that slot (pgoutput): an upgraded relay
-    /// must not start a new slot, which would skip what the old one still holds. When the
-    /// database cannot say (unreachable), the old name is kept too: the relay starts no
-    /// slot of a new name on a guess.
+    /// must not start a new slot, which would skip what the old one still holds. For a
+    /// one-shot command: when the database cannot say (unreachable), the old name is kept,
+    /// so that no slot of a new name is made or dropped on a guess. `run` asks until the
+    /// database answers instead ([`AnyStore::legacy_slot_in_use`]).
     pub async fn keep_legacy_slot(&mut self) {
+        let decided = self.legacy_slot_in_use().await;
+        let AnyStore::PostgresWal(_, capture) = self else {
+            return;
+        };
+        let Some(legacy) = capture.legacy_slot.clone() else {
+            return;
+        };
+        let keep = decided.unwrap_or_else(|e| {
+            tracing::warn!(error = %e.report(), slot = %legacy, "cannot tell whether this database has the slot earlier versions made; keeping that name");
+            true
+        });
+        self.use_legacy_slot(keep);
+    }
+
+    /// Whether this database has the slot earlier versions made by default, to be streamed
+    /// from ([`AnyStore::keep_legacy_slot`]); false when there is nothing to ask. An error:
+    /// the database could not say.
+    pub async fn legacy_slot_in_use(&self) -> Result<bool, outbox_core::StoreError> {
         let AnyStore::PostgresWal(pg, capture) = self else {
+            return Ok(false);
+        };
+        let Some(legacy) = &capture.legacy_slot else {
+            return Ok(false);
+        };
+        let status = outbox_wal::slot_status(pg, legacy).await?;
+        Ok(status.is_some_and(|s| s.in_this_database && s.plugin.as_deref() == Some("pgoutput")))
+    }
+
+    /// Settles the slot's name: the earlier versions' default if `keep`, else the
+    /// configured one (named per database and table).
+    pub fn use_legacy_slot(&mut self, keep: bool) {
+        let AnyStore::PostgresWal(_, capture) = self else {
             return;
         };
         let Some(legacy) = capture.legacy_slot.take() else {
             return;
-        };
-        let keep = match outbox_wal::slot_status(pg, &legacy).await {
-            Ok(status) => status
-                .is_some_and(|s| s.in_this_database && s.plugin.as_deref() == Some("pgoutput")),
-            Err(e) => {
-                tracing::warn!(error = %e.report(), slot = %legacy, "cannot tell whether this database has the slot earlier versions made; keeping that name");
-                true
-            }
         };
         if keep {
             tracing::info!(

@@ -18,7 +18,14 @@ pub async fn ready_store(
     wait: bool,
 ) -> anyhow::Result<AnyStore> {
     let mut store = AnyStore::open(settings)?;
-    store.keep_legacy_slot().await;
+    // Decided once the database answers: a guess made while it was down could start a
+    // second slot beside the one a relay started meanwhile streams from.
+    let legacy =
+        retry_transient("checking the database", wait, || store.legacy_slot_in_use()).await;
+    match legacy {
+        Ok(keep) => store.use_legacy_slot(keep),
+        Err(_) => store.keep_legacy_slot().await,
+    }
     let problems = retry_transient("checking the database", wait, || {
         prepare_store(&store, create)
     })

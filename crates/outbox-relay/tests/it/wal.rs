@@ -1980,6 +1980,81 @@ async fn default_slots_are_named_per_database_and_an_upgraded_relay_keeps_its_ol
 }
 
 #[tokio::test]
+async fn a_relay_started_while_the_database_is_down_names_its_slot_once_it_answers() {
+    // The old default name was kept on a guess while the database could not answer: the
+    // relay then made a second slot beside the one a relay started meanwhile streamed from.
+    let url = outbox_testkit::fresh_pg_database().await;
+    let database = url.rsplit('/').next().unwrap().to_string();
+    let _guards = [format!("outbox_relay_{database}"), "outbox_relay".into()].map(|slot| {
+        outbox_testkit::SlotGuard {
+            url: url.clone(),
+            slot,
+        }
+    });
+    let dir = tempfile::tempdir().unwrap();
+    assert_success(
+        "migrate",
+        &relay(
+            dir.path(),
+            &["migrate", "--capture", "wal", "--database-url", &url],
+        ),
+    );
+    let (proxy, proxied) = outbox_testkit::FaultProxy::start_for_url(&url)
+        .await
+        .unwrap();
+    let handle = proxy.handle();
+    handle.cut();
+    let out = dir.path().join("events.jsonl");
+    let sink = format!("file:{}", out.display());
+    let mut relay = RelayProcess::spawn(
+        dir.path(),
+        "relay",
+        &[
+            "run",
+            "--capture",
+            "wal",
+            "--database-url",
+            &proxied,
+            "--sink",
+            &sink,
+            "--http-addr",
+            "",
+        ],
+        &[],
+    );
+    relay
+        .wait_for_log(
+            "the relay waiting for the database",
+            Duration::from_secs(30),
+            "waiting for the database",
+        )
+        .await;
+    handle.heal();
+    relay
+        .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
+        .await;
+    let db = pg(&url).await;
+    let slots: Vec<String> = db
+        .query(
+            "SELECT slot_name::text FROM pg_replication_slots WHERE database = $1",
+            &[&database],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(
+        slots,
+        [format!("outbox_relay_{database}")],
+        "{}",
+        relay.logs()
+    );
+    let status = relay.terminate().await;
+    assert!(status.success(), "{status:?}");
+}
+
+#[tokio::test]
 async fn a_relay_killed_while_adopting_leaves_the_adoption_to_the_next_session() {
     let w = WalDb::new().await;
     for n in 0..100 {
