@@ -18,8 +18,8 @@
 //!
 //! This file holds what they share: the errors, positions and configuration, and the
 //! server's side: what it lacks for capture ([`server_problems`]), where its log is
-//! ([`current_position`], [`oldest_log`]), and when a stored position is purged or about to
-//! be ([`retention_problem`]; a reader started at a purged position fails with
+//! ([`current_position`], [`binary_logs`]), and whether a stored position is still in them
+//! ([`retention_problem`]; a reader started at a purged position fails with
 //! [`BinlogError::Purged`], never skipping).
 
 pub mod capture;
@@ -167,27 +167,83 @@ const FATAL_READING_BINLOG: u16 = 1236;
 /// ER_PARSE_ERROR: a statement this server does not know.
 const PARSE_ERROR: u16 = 1064;
 
-/// Where `stored` stands against the server's oldest binary log file: `Some` when it is
-/// before it (the events in between are gone) or in it (the next purge takes them).
-pub fn retention_problem(stored: &BinlogPosition, oldest_file: &str) -> Option<Problem> {
-    match log_number(&stored.file).cmp(&log_number(oldest_file)) {
-        std::cmp::Ordering::Less => Some(Problem::blocking(
+/// Where `stored` stands against the server's binary logs (`logs`, `SHOW BINARY LOGS`:
+/// each file and its size, oldest first), for an outbox that is a BLACKHOLE table or not:
+/// - in a file the server has, within it: no problem, unless that file is the oldest and not
+///   the one written to (never purged): the next purge removes it, a warning (`check` fails
+///   on it for a BLACKHOLE outbox, whose events are nowhere else);
+/// - past the end of a file the server has, or in a file it never had (a higher number, or
+///   another basename: the log was reset or renamed, or it is another server's history):
+///   blocking, since reading would fail, or read another log's events;
+/// - in a file before the oldest, of the same basename: blocking, purged.
+///
+/// Blocking problems carry a generic fix: the relay gives its own recovery.
+pub fn retention_problem(
+    stored: &BinlogPosition,
+    logs: &[(String, u64)],
+    blackhole: bool,
+) -> Option<Problem> {
+    let forget =
+        "forget the stored position, then start capture from the server's current position";
+    let (Some((oldest, _)), Some((newest, _))) = (logs.first(), logs.last()) else {
+        return Some(Problem::blocking(
+            "the server lists no binary log",
+            "start it with log_bin (and binlog_format = ROW)",
+        ));
+    };
+    let at = format!("{}:{}", stored.file, stored.offset);
+    let basename = |file: &str| file.rsplit_once('.').map(|(base, _)| base.to_string());
+    match logs.iter().find(|(file, _)| *file == stored.file) {
+        Some((file, size)) if stored.offset > *size => Some(Problem::blocking(
             format!(
-                "the stored position {}:{} is in a binary log the server has purged (its \
-                 oldest is {oldest_file})",
-                stored.file, stored.offset
+                "the stored position {at} is past the end of the server's {file} ({size} \
+                 bytes): that is not the log the position was read in (the log was reset \
+                 and written again, or this is another server whose logs have the same names)"
             ),
-            "relay the rows still in the outbox table by polling, then start capture from the \
-             server's current position",
+            forget,
         )),
-        std::cmp::Ordering::Equal => Some(Problem::degraded(
+        Some((file, _)) if file != newest && file == oldest => Some(match blackhole {
+            true => Problem::degraded(
+                format!(
+                    "the stored position {at} is in the server's oldest binary log: the next \
+                     purge removes it, and with it the events committed since that position, \
+                     which a BLACKHOLE outbox keeps nowhere else"
+                ),
+                "start the relay now (it reads on past that log), and raise \
+                 binlog_expire_logs_seconds (expire_logs_days) above the longest time the \
+                 relay may be off",
+            ),
+            false => Problem::advisory(
+                format!(
+                    "the stored position {at} is in the server's oldest binary log: the next \
+                     purge removes it (the relay then refuses to read on, and the events still \
+                     in the outbox table are relayed once the position is forgotten)"
+                ),
+                "start the relay, or raise binlog_expire_logs_seconds (expire_logs_days) above \
+                 the longest time the relay may be off",
+            ),
+        }),
+        Some(_) => None,
+        None if basename(&stored.file) == basename(oldest)
+            && log_number(&stored.file) < log_number(oldest) =>
+        {
+            Some(Problem::blocking(
+                format!(
+                    "the stored position {at} is in a binary log the server has purged (its \
+                     oldest is {oldest})"
+                ),
+                forget,
+            ))
+        }
+        None => Some(Problem::blocking(
             format!(
-                "the stored position is in the server's oldest binary log ({oldest_file}): the \
-                 next purge removes it",
+                "the stored position {at} is not in this server's binary logs ({oldest} to \
+                 {newest}): the log was reset (RESET MASTER), its name changed (log_bin's \
+                 basename), or the position is another server's history (a server restored \
+                 or replaced); reading from it would fail, or read another log's events"
             ),
-            "start the relay, or raise binlog_expire_logs_seconds (expire_logs_days)",
+            forget,
         )),
-        std::cmp::Ordering::Greater => None,
     }
 }
 
@@ -229,6 +285,18 @@ pub async fn oldest_log(url: &str) -> Result<String> {
     first
         .and_then(|row| row.get::<String, _>(0))
         .ok_or_else(|| BinlogError::Config("the server lists no binary log".into()))
+}
+
+/// The server's binary logs, oldest first, each with its size in bytes (`SHOW BINARY
+/// LOGS`).
+pub async fn binary_logs(url: &str) -> Result<Vec<(String, u64)>> {
+    let mut conn = Conn::new(opts(url)?).await?;
+    let logs: Vec<mysql_async::Row> = conn.query("SHOW BINARY LOGS").await?;
+    conn.disconnect().await?;
+    Ok(logs
+        .iter()
+        .filter_map(|row| Some((row.get::<String, _>(0)?, row.get::<u64, _>(1)?)))
+        .collect())
 }
 
 pub(crate) type Result<T> = std::result::Result<T, BinlogError>;
@@ -443,19 +511,67 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_position_before_or_in_the_oldest_log_is_a_problem_by_its_number() {
-        let at = |file: &str| BinlogPosition {
-            file: file.into(),
-            offset: 4,
-            gtid: None,
+    fn a_stored_position_is_checked_against_every_log_the_server_lists() {
+        let at = |file: &str, offset: u64| BinlogPosition::at(file, offset);
+        let logs = |files: &[&str]| -> Vec<(String, u64)> {
+            files.iter().map(|f| (f.to_string(), 1000)).collect()
         };
-        let purged = retention_problem(&at("bin.000009"), "bin.000010").unwrap();
-        assert!(purged.what.contains("purged"), "{purged:?}");
-        let next = retention_problem(&at("bin.000010"), "bin.000010").unwrap();
-        assert!(next.what.contains("next purge"), "{next:?}");
-        assert!(retention_problem(&at("bin.000011"), "bin.000010").is_none());
-        // By number, not by text: 999999 rolls over to 1000000.
-        assert!(retention_problem(&at("bin.1000000"), "bin.999999").is_none());
+        let three = logs(&["bin.000010", "bin.000011", "bin.000012"]);
+        let severity = |p: Option<Problem>| p.map(|p| (p.severity(), p.what));
+        use outbox_core::store::Severity::{Advisory, Blocking, Degraded};
+
+        // The only log, or the newest, is never purged: no problem at all.
+        assert_eq!(
+            retention_problem(&at("bin.000010", 500), &logs(&["bin.000010"]), false),
+            None
+        );
+        assert_eq!(
+            retention_problem(&at("bin.000010", 500), &logs(&["bin.000010"]), true),
+            None
+        );
+        assert_eq!(
+            retention_problem(&at("bin.000012", 1000), &three, true),
+            None
+        );
+        assert_eq!(retention_problem(&at("bin.000011", 4), &three, false), None);
+        // The oldest of several: a warning, which fails `check` for a BLACKHOLE outbox.
+        let (kind, what) =
+            severity(retention_problem(&at("bin.000010", 4), &three, false)).unwrap();
+        assert_eq!(kind, Advisory, "{what}");
+        assert!(what.contains("next purge"), "{what}");
+        let (kind, what) = severity(retention_problem(&at("bin.000010", 4), &three, true)).unwrap();
+        assert_eq!(kind, Degraded, "{what}");
+        assert!(what.contains("BLACKHOLE"), "{what}");
+        // Before the oldest, by number (999999 rolls over to 1000000): purged.
+        let (kind, what) =
+            severity(retention_problem(&at("bin.000009", 4), &three, false)).unwrap();
+        assert_eq!(kind, Blocking);
+        assert!(what.contains("purged"), "{what}");
+        assert_eq!(
+            retention_problem(
+                &at("bin.1000000", 4),
+                &logs(&["bin.999999", "bin.1000000"]),
+                false
+            ),
+            None
+        );
+        // A file the server never had: reset, renamed, or another server's.
+        for gone in [
+            at("bin.999999", 4),
+            at("other-bin.000001", 4),
+            at("bin.000013", 4),
+        ] {
+            let (kind, what) = severity(retention_problem(&gone, &three, false)).unwrap();
+            assert_eq!(kind, Blocking, "{what}");
+            assert!(what.contains("not in this server's binary logs"), "{what}");
+        }
+        // Past the end of a file it has: not the log the position was read in.
+        let (kind, what) =
+            severity(retention_problem(&at("bin.000012", 1001), &three, false)).unwrap();
+        assert_eq!(kind, Blocking);
+        assert!(what.contains("past the end"), "{what}");
+        let (kind, _) = severity(retention_problem(&at("bin.000001", 4), &[], false)).unwrap();
+        assert_eq!(kind, Blocking, "no log at all");
     }
 
     #[test]

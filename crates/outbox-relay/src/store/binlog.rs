@@ -263,10 +263,10 @@ impl BinlogCapture {
             }
             Ok(Some(stored)) => {
                 let stored = stored.position;
-                let oldest = outbox_binlog::oldest_log(&self.url)
+                let logs = outbox_binlog::binary_logs(&self.url)
                     .await
                     .map_err(unreachable)?;
-                let problem = outbox_binlog::retention_problem(&stored, &oldest);
+                let problem = outbox_binlog::retention_problem(&stored, &logs, blackhole);
                 problems.extend(problem.map(|mut problem| {
                     if !problem.is_degraded() {
                         problem.fix = self.recovery(blackhole);

@@ -646,6 +646,39 @@ async fn a_purged_position_is_refused_and_forgetting_it_adopts_the_rows_still_in
     assert!(again.terminate().await.success(), "{}", again.logs());
 }
 
+/// A stored position in a binary log this server never had, of a number above its newest
+/// (after RESET MASTER, a renamed log basename, a restored server): `check` compared file
+/// numbers with the oldest only, found none of it wrong and passed, and `run` tried to read
+/// from it every second for good. Both refuse it now, naming it, with the recovery.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stored_position_in_a_log_the_server_does_not_have_is_refused_by_check_and_run() {
+    let db = BinlogDb::new().await;
+    let mut first = db.reading("relay-1", "out.jsonl").await;
+    assert!(first.terminate().await.success(), "{}", first.logs());
+    let mut conn = db.pool.get_conn().await.unwrap();
+    conn.query_drop(
+        "UPDATE outbox_binlog SET log_file = CONCAT(SUBSTRING_INDEX(log_file, '.', 1), '.999999')",
+    )
+    .await
+    .unwrap();
+    let names_it = |said: &str| {
+        said.contains(".999999")
+            && said.contains("not in this server's binary logs")
+            && said.contains("forget the position")
+    };
+    let checked = relay(
+        db.dir.path(),
+        &["check", "--capture", "binlog", "--database-url", &db.url],
+    );
+    let said = format!("{}{}", text(&checked.stdout), text(&checked.stderr));
+    assert!(!checked.status.success(), "{said}");
+    assert!(names_it(&said), "{said}");
+    let mut refused = db.spawn("relay-2", "out.jsonl", &[]);
+    let status = refused.wait_exit_within(Duration::from_secs(30)).await;
+    assert!(!status.success(), "{}", refused.logs());
+    assert!(names_it(&refused.logs()), "{}", refused.logs());
+}
+
 /// The table-less form: a BLACKHOLE outbox stores nothing, so the events committed after a
 /// purged position are in no table to adopt. `check` and `run` refuse the position as for
 /// the native table, and say the events are lost, with the ways back (a server whose logs
