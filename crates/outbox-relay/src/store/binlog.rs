@@ -177,14 +177,18 @@ impl BinlogCapture {
     }
 
     /// How to go on once the stored position cannot be read on from (its log purged,
-    /// another server's, unreadable): forget the position, and the next start adopts the
+    /// another server's, unreadable): forget the position (a file of '' is a position never
+    /// stored, and the epoch is kept), and the next start adopts the
     /// rows still in the outbox table (the events of transactions whose rows were delivered
     /// and deleted are not lost: they were delivered). A BLACKHOLE outbox (`blackhole`)
     /// stores nothing to adopt: the events are in the binary log only, and lost where no
     /// server's log still has them.
     pub fn recovery(&self, blackhole: bool) -> String {
+        // An UPDATE, never a DELETE: the row's epoch fences a paused ex-reader's writes, and
+        // a row made again would start it over at 0, where that reader's epoch may be valid.
         let forget = format!(
-            "DELETE FROM `{}`.`{}` WHERE outbox = '{}'",
+            "UPDATE `{}`.`{}` SET log_file = '', log_offset = 0, server_id = NULL, gtid = NULL \
+             WHERE outbox = '{}'",
             self.database,
             self.positions_table,
             self.outbox_key().replace('\'', "''")
