@@ -396,6 +396,18 @@ fn excerpt(statement: &str) -> String {
     }
 }
 
+/// The GTID state at the file and offset a reader starts at. The server says it for its own
+/// file and offset (`said`: MariaDB's `BINLOG_GTID_POS`; `None` from MySQL, which has no
+/// such function, or for a place the server does not know): the state stored beside the
+/// position is only the fallback, since a relay of an earlier version moved the position
+/// without it. An empty answer is a known state, that of a server that wrote no GTID before
+/// the place: the first GTID read fills it. Taken for unknown, it left every position of the
+/// session stored without a state, and a failover refused.
+fn start_gtid_state(said: Option<String>, stored: Option<&str>) -> Option<gtid::GtidState> {
+    said.or_else(|| stored.map(str::to_string))
+        .and_then(|state| gtid::GtidState::parse(&state))
+}
+
 /// A MySQL GTID set as `COM_BINLOG_DUMP_GTID` names it: one entry per source.
 fn dump_sources(state: &gtid::GtidState) -> Result<Vec<Sid<'static>>> {
     state
@@ -492,21 +504,18 @@ impl BinlogReader {
             }
         };
         let gtid_state = match start {
-            // The server says it for its own file and offset (MariaDB; MySQL has no such
-            // function): a state stored beside the position is only the fallback, since a
-            // relay of an earlier version moved the position without it.
-            Start::Position(from) => conn
-                .exec_first::<Option<String>, _, _>(
-                    "SELECT BINLOG_GTID_POS(?, ?)",
-                    (&from.file, from.offset),
-                )
-                .await
-                .ok()
-                .flatten()
-                .flatten()
-                .filter(|state| !state.is_empty())
-                .or_else(|| from.gtid.clone())
-                .and_then(|state| gtid::GtidState::parse(&state)),
+            Start::Position(from) => {
+                let said = conn
+                    .exec_first::<Option<String>, _, _>(
+                        "SELECT BINLOG_GTID_POS(?, ?)",
+                        (&from.file, from.offset),
+                    )
+                    .await
+                    .ok()
+                    .flatten()
+                    .flatten();
+                start_gtid_state(said, from.gtid.as_deref())
+            }
             Start::AfterGtid(state) => Some(state.clone()),
         };
         let stream = conn.get_binlog_stream(request).await?;
@@ -1476,6 +1485,38 @@ mod tests {
         ] {
             assert!(!stops(statement, schema), "{statement} in {schema}");
         }
+    }
+
+    #[test]
+    fn a_server_that_says_its_place_has_no_gtid_yet_gives_a_known_empty_state() {
+        let mut empty = start_gtid_state(Some(String::new()), None).expect("known");
+        assert!(empty.is_empty());
+        assert!(empty.advance("0-1-1"), "the first GTID read fills it");
+        assert_eq!(empty.to_string(), "0-1-1");
+        assert_eq!(
+            start_gtid_state(Some(String::new()), Some("0-1-9")).map(|s| s.to_string()),
+            Some(String::new()),
+            "the server's answer wins over a state stored beside the position"
+        );
+        assert_eq!(
+            start_gtid_state(Some("0-1-9".into()), None).map(|s| s.to_string()),
+            Some("0-1-9".into())
+        );
+        assert_eq!(
+            start_gtid_state(None, Some("0-1-7")).map(|s| s.to_string()),
+            Some("0-1-7".into()),
+            "MySQL, or a place the server does not know: the stored state"
+        );
+        assert_eq!(start_gtid_state(None, None), None);
+        // Stored as the position's state, an empty one is no place on another server.
+        let stored = BinlogPosition {
+            gtid: Some(String::new()),
+            ..BinlogPosition::at("mariadb-bin.000001", 4)
+        };
+        assert!(matches!(
+            crate::capture::resume(&stored, Some(1), 2),
+            Err(BinlogError::OtherServer { .. })
+        ));
     }
 
     #[test]

@@ -696,6 +696,57 @@ async fn an_outbox_insert_logged_as_a_statement_stops_the_reader_before_it() {
     );
 }
 
+/// A server that has written no GTID yet (new, or after `RESET MASTER`: here a private one,
+/// since the shared test server's log must not be reset) answers `BINLOG_GTID_POS` with an
+/// empty state. The reader took it for unknown, so no place it gave, in the whole session,
+/// carried a state, and a failover was refused; it is a known, empty state, which the first
+/// transaction's GTID fills.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_with_no_gtid_yet_gives_its_places_a_known_state_from_the_first_transaction() {
+    let server = outbox_testkit::server::ScriptedServer::start_with(
+        "mariadb",
+        "OUTBOX_TEST_MARIADB_PORT",
+        &[("MARIADB_SERVER_ID", "7")],
+    );
+    let url = format!("mysql://root@127.0.0.1:{}/shop", server.port);
+    let mut admin = connect(&format!("mysql://root@127.0.0.1:{}/mysql", server.port)).await;
+    admin
+        .query_drop(
+            "CREATE DATABASE shop;
+             CREATE TABLE shop.outbox (sequence_id bigint PRIMARY KEY AUTO_INCREMENT,
+                                       partition_key text);
+             RESET MASTER",
+        )
+        .await
+        .unwrap();
+    let start = current_position(&url).await.unwrap();
+    let config = BinlogConfig {
+        url: url.clone(),
+        server_id: crate::server_id(),
+        database: "shop".into(),
+        table: "outbox".into(),
+    };
+    let mut reader = BinlogReader::start(&config, &start).await.unwrap();
+    assert_eq!(
+        reader.boundary().and_then(|b| b.gtid).as_deref(),
+        Some(""),
+        "known: no GTID before the start"
+    );
+    admin
+        .query_drop("INSERT INTO shop.outbox (partition_key) VALUES ('a')")
+        .await
+        .unwrap();
+    assert!(matches!(
+        crate::next_output(reader.next()).await,
+        Output::Row(_)
+    ));
+    let Output::Committed { next, gtid, .. } = crate::next_output(reader.next()).await else {
+        panic!("the transaction's end")
+    };
+    assert_eq!(gtid.as_deref(), Some("0-7-1"));
+    assert_eq!(next.gtid.as_deref(), Some("0-7-1"), "{next:?}");
+}
+
 /// An outbox of an id and a key, which the `ALTER TABLE` tests change.
 const KEY_ONLY_OUTBOX: &str = "CREATE TABLE outbox (sequence_id bigint PRIMARY KEY AUTO_INCREMENT,
                                                      partition_key text NULL)";
