@@ -290,9 +290,8 @@ pub struct CaptureStatements {
     /// Writes dead letters from decoded events. `$1` sequence ids, then as `park` without
     /// the times: `$2`..`$9`, `$10` created_at, `$11` attempts, `$12` errors.
     pub dead_letter: String,
-    /// Deletes delivered or parked rows of the outbox. `$1` sequence ids.
-    pub delete_rows: String,
-    /// `delete_rows`, returning one row: the array of the ids in `$1` it did not delete.
+    /// Deletes delivered, parked or dead-lettered rows of the outbox (`$1` sequence ids),
+    /// returning one row: the array of the ids in `$1` it did not delete.
     pub delete_delivered: String,
     /// Moves every pending row of the outbox table into the parked table, in its order,
     /// under new ids (after every row parked before): run when the slot is created, since
@@ -393,7 +392,6 @@ impl CaptureStatements {
                         AS u(s, e, d, k, t, p, h, m, r, c, n, err)
                  ON CONFLICT (sequence_id) DO NOTHING"
             ),
-            delete_rows: format!("{} SELECT count(*) FROM deleted", deletes(tables)),
             // The ids left undeleted, as one array (nearly always empty): returning every
             // deleted id was a row per event for the client to decode.
             delete_delivered: format!(

@@ -1099,6 +1099,78 @@ async fn a_fast_shutdown_of_postgresql_is_not_held_by_a_relay_with_unsettled_eve
 }
 
 #[tokio::test]
+async fn a_parked_event_whose_commit_is_not_visible_yet_leaves_no_row_behind() {
+    // Never the shared server: every commit made with synchronous_commit = on waits here.
+    let server = OwnPostgres::init();
+    server.start("-c wal_level=logical");
+    let w = WalDb::on(server.url("disable"), "sync_standby_slot".into()).await;
+    for statement in [
+        "ALTER DATABASE postgres SET synchronous_commit = local",
+        "SET synchronous_commit = local",
+        "ALTER SYSTEM SET synchronous_standby_names = 'phantom'",
+        "SELECT pg_reload_conf()",
+    ] {
+        w.db.batch_execute(statement).await.unwrap();
+    }
+    let out = w.path("events.jsonl");
+    let mut relay = w.spawn("relay", &out, &[]);
+    relay
+        .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
+        .await;
+    // A commit waiting on a synchronous standby is in the WAL, and streamed, before other
+    // sessions see its row. Scheduled a moment later, the event is parked at once: the
+    // park's delete did not find the row, which outlived its delivered event.
+    let writer = pg(&w.url).await;
+    writer
+        .batch_execute("SET synchronous_commit = on")
+        .await
+        .unwrap();
+    let pid: i32 = writer
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let write = tokio::spawn(async move {
+        writer
+            .execute(
+                "INSERT INTO outbox (destination, partition_key, event_type, payload, available_at)
+                 VALUES ('orders', 'k', 'Inserted', '{}', now() + interval '1 second')",
+                &[],
+            )
+            .await
+    });
+    wait_for_rows(
+        &relay,
+        "the event parked",
+        &w.db,
+        "SELECT count(*) FROM outbox_parked",
+        1,
+    )
+    .await;
+    // The standby never answers: the writer gives up waiting, and its row shows.
+    w.db.execute("SELECT pg_cancel_backend($1)", &[&pid])
+        .await
+        .unwrap();
+    write.await.unwrap().unwrap();
+    wait_for_lines("the event delivered", &out, Duration::from_secs(60), |n| {
+        n >= 1
+    })
+    .await;
+    eventually_explained(
+        "the outbox row deleted",
+        Duration::from_secs(30),
+        || relay.logs(),
+        || async {
+            let left = query_count(&w.db, "SELECT count(*) FROM outbox", &[]).await;
+            left.is_ok_and(|n| n == 0).then_some(())
+        },
+    )
+    .await;
+    let status = relay.terminate().await;
+    assert!(status.success(), "{status:?}");
+}
+
+#[tokio::test]
 async fn parks_and_deletes_are_durable_under_synchronous_commit_off() {
     let w = WalDb::new().await;
     // A server crash keeps what asynchronous commits wrote only once the WAL writer flushed

@@ -400,8 +400,7 @@ impl Inner {
         let park = columns.params(&[], &[&p.delays, &p.not_before, &p.attempts, &p.errors]);
         let dead_letter = dead.params();
         let delete: &[&(dyn ToSql + Sync)] = &[&rows];
-        let mut steps: Vec<(&str, &[&(dyn ToSql + Sync)])> =
-            vec![(&self.sql.park, &park), (&self.sql.delete_rows, delete)];
+        let mut steps: Vec<(&str, &[&(dyn ToSql + Sync)])> = vec![(&self.sql.park, &park)];
         if !dead.ids.is_empty() {
             steps.push((&self.sql.dead_letter, &dead_letter));
         }
@@ -411,9 +410,18 @@ impl Inner {
             (self.sql.hold_slot_writes.as_str(), slot),
             (self.sql.owns_slot.as_str(), guard),
         ];
-        let result = self.main.transaction_if("park", &guard, &steps).await;
+        // The rows deleted last, reporting those not found (see `delete_delivered`).
+        let result = self
+            .main
+            .transaction_if_then_query(
+                "park",
+                &guard,
+                &steps,
+                Some((&self.sql.delete_delivered, delete)),
+            )
+            .await;
         let result = match result {
-            Ok(Some(counts)) => Ok(counts),
+            Ok(Some((_, answer))) => undeleted_ids("park", &answer),
             Ok(None) => {
                 lock(&self.state).fenced_out(session, parks.iter().map(|p| p.id));
                 return Ok(0);
@@ -438,10 +446,27 @@ impl Inner {
         }
         let mut state = lock(&self.state);
         match result {
-            Ok(_) => {
+            Ok(undeleted) => {
                 tracing::debug!(?parked, "parked");
                 let n = parks.len() as u64;
-                self.settle(&mut state, parks.into_iter().map(|p| p.id));
+                // A parked event whose outbox row the park did not find (its commit is in
+                // the WAL but not visible yet, waiting on a synchronous standby) stays
+                // unsettled, the slot short of it, until the row is deleted as a delivered
+                // event's is: settled now, that row would outlive its event, and be
+                // relayed again by any later adoption.
+                let (waiting, done): (Vec<_>, Vec<_>) = parks.into_iter().partition(|p| {
+                    matches!(state.holdings.held.get(&p.id), Some(Held::Stream(held)) if held.row.is_some_and(|row| undeleted.contains(&row)))
+                });
+                if !waiting.is_empty() {
+                    tracing::info!(
+                        events = waiting.len(),
+                        "parked events whose outbox rows are not visible yet (their commits \
+                         wait, as on a synchronous standby): their rows are deleted once they are"
+                    );
+                    let now = std::time::Instant::now();
+                    state.undeleted.extend(waiting.iter().map(|p| (p.id, now)));
+                }
+                self.settle(&mut state, done.into_iter().map(|p| p.id));
                 Ok(n)
             }
             Err(e) => {
@@ -599,15 +624,7 @@ impl Inner {
                 .main
                 .transaction_then_query("ack", &[], Some((&self.sql.delete_delivered, delete)))
                 .await?;
-            let undeleted: Vec<SequenceId> = answer
-                .first()
-                .map(|row| row.try_get(0))
-                .transpose()
-                .map_err(|e| {
-                    StoreError::new(StoreErrorKind::Query, "ack: the undeleted ids").with_source(e)
-                })?
-                .unwrap_or_default();
-            undeleted.into_iter().collect()
+            undeleted_ids("ack", &answer)?
         };
         let mut state = lock(&self.state);
         let (done, wait): (Vec<_>, Vec<_>) = events.into_iter().partition(|(id, since)| {
@@ -656,19 +673,17 @@ impl Inner {
         let delete: &[&(dyn ToSql + Sync)] = &[&rows];
         let written = self
             .main
-            .transaction_if(
+            .transaction_if_then_query(
                 "dead-letter",
                 &[
                     (&self.sql.hold_slot_writes, slot),
                     (&self.sql.owns_slot, guard),
                 ],
-                &[
-                    (&self.sql.dead_letter, &dead),
-                    (&self.sql.delete_rows, delete),
-                ],
+                &[(&self.sql.dead_letter, &dead)],
+                Some((&self.sql.delete_delivered, delete)),
             )
             .await?;
-        if written.is_none() {
+        let Some((_, answer)) = written else {
             if !lock(&self.state).fenced_out(session, sequence_ids) {
                 // A new session of this relay holds the slot now: written under its owner,
                 // the engine's next try goes through.
@@ -678,9 +693,19 @@ impl Inner {
                 ));
             }
             return Ok(0);
-        }
+        };
+        let undeleted = undeleted_ids("dead-letter", &answer)?;
         let moved = sequence_ids.len() as u64;
-        self.settle(&mut lock(&self.state), sequence_ids);
+        let mut state = lock(&self.state);
+        // As a park's (see `flush_parks`): a row not visible yet is deleted once it is.
+        let (waiting, done): (Vec<_>, Vec<_>) = sequence_ids.into_iter().partition(|id| {
+            matches!(state.holdings.held.get(id), Some(Held::Stream(held)) if held.row.is_some_and(|row| undeleted.contains(&row)))
+        });
+        let now = std::time::Instant::now();
+        state
+            .undeleted
+            .extend(waiting.into_iter().map(|id| (id, now)));
+        self.settle(&mut state, done);
         Ok(moved)
     }
 
@@ -855,6 +880,26 @@ impl Inner {
             Err(e) => tracing::debug!(error = %e.report(), "cannot read the slot's position"),
         }
     }
+}
+
+/// The ids a `delete_delivered` statement did not find, from its `answer`.
+fn undeleted_ids(
+    context: &'static str,
+    answer: &[tokio_postgres::Row],
+) -> StoreResult<HashSet<SequenceId>> {
+    let undeleted: Vec<SequenceId> = answer
+        .first()
+        .map(|row| row.try_get(0))
+        .transpose()
+        .map_err(|e| {
+            StoreError::new(
+                StoreErrorKind::Query,
+                format!("{context}: the undeleted ids"),
+            )
+            .with_source(e)
+        })?
+        .unwrap_or_default();
+    Ok(undeleted.into_iter().collect())
 }
 
 /// How long a delivered event's outbox row is looked for (see `Inner::delete_delivered`).
