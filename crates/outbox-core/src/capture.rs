@@ -382,6 +382,20 @@ pub async fn claim_parked(
         0 => UNSEEN_EVENT_BYTES,
         largest => largest.max(EVENT_OVERHEAD),
     };
+    claim_parked_sized(parked, memory, request, none_out, per_row).await
+}
+
+/// [`claim_parked`] with the memory of the largest parked row known (`per_row`): a capture
+/// that knows it sizes its claims by it, not by the events it streamed, which say nothing
+/// of rows parked before a restart (small events streamed, large ones parked).
+pub async fn claim_parked_sized(
+    parked: &dyn OutboxStore,
+    memory: &Arc<MemoryBudget>,
+    request: &ClaimRequest,
+    none_out: bool,
+    per_row: usize,
+) -> StoreResult<Vec<(Claimed, Charge)>> {
+    let per_row = per_row.max(EVENT_OVERHEAD);
     let fits = request.limit.min(memory.room() / per_row);
     let limit = if fits == 0 && none_out { 1 } else { fits };
     if limit == 0 {

@@ -335,7 +335,7 @@ pub struct CaptureStatements {
     pub legacy_emit: String,
     /// The overloads of `pg_logical_emit_message` that PUBLIC may execute.
     pub public_emit: String,
-    /// The keys that have parked events.
+    /// The keys that have parked events, each with the text size of its largest row.
     pub parked_keys: String,
     /// Which of `$1` still have parked events.
     pub still_parked: String,
@@ -449,7 +449,12 @@ impl CaptureStatements {
                  RETURNING slot",
                 tables.adopted.quoted()
             ),
-            parked_keys: format!("SELECT DISTINCT {key} FROM {parked} WHERE delivered_at IS NULL"),
+            // With each key the text size of its largest row (the whole row's, an upper
+            // bound of what it costs in memory): parked claims are sized by it.
+            parked_keys: format!(
+                "SELECT {key}, max(octet_length(p::text))::int8 FROM {parked} p
+                  WHERE delivered_at IS NULL GROUP BY 1"
+            ),
             still_parked: format!(
                 "SELECT DISTINCT {key} FROM {parked}
                   WHERE delivered_at IS NULL AND {key} = ANY($1::text[])"

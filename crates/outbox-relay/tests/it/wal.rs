@@ -2602,6 +2602,69 @@ async fn a_backlog_of_1_mib_events_behind_a_slow_sink_is_relayed_within_the_memo
     );
 }
 
+#[tokio::test]
+async fn parked_rows_are_claimed_by_their_own_size_not_the_streamed_events() {
+    const BIG: i64 = 24;
+    let w = WalDb::new().await;
+    // Rows of 1 MiB that predate the slot, due a few seconds later: adopted into the
+    // parked table. Small events streamed meanwhile were the only sizes the parked claim
+    // knew, so it took as many 1 MiB rows as that many small events would fit.
+    w.db.execute(
+        "INSERT INTO outbox (destination, partition_key, event_type, payload, available_at)
+         SELECT 'orders', 'big' || i, 'Big',
+                jsonb_build_object('n', i, 'pad', repeat('x', 1024 * 1024)),
+                now() + interval '4 seconds'
+           FROM generate_series(1, $1::int8) i",
+        &[&BIG],
+    )
+    .await
+    .unwrap();
+    let out = w.path("events.jsonl");
+    let relay = w.spawn(
+        "relay",
+        &out,
+        &[
+            "--wal-memory-mib",
+            "4",
+            "--http-addr",
+            "127.0.0.1:0",
+            "--log-format",
+            "json",
+        ],
+    );
+    let addr = http_addr(&relay).await;
+    relay
+        .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
+        .await;
+    for n in 0..10 {
+        insert(&w.db, "small", n).await;
+    }
+    wait_for_lines("every event", &out, Duration::from_secs(120), |n| {
+        n >= BIG as usize + 10
+    })
+    .await;
+    let peak = eventually_explained(
+        "the memory gauges",
+        Duration::from_secs(30),
+        || relay.logs(),
+        || async {
+            let (_, metrics) = http_get(&addr, "/metrics").await?;
+            metric_value(&metrics, "outbox_wal_memory_peak_bytes").filter(|p| *p > 1048576.0)
+        },
+    )
+    .await;
+    let mut relay = relay;
+    let status = relay.terminate().await;
+    assert!(status.success(), "{status:?}");
+    // The budget and one row beyond it (a parked row always goes when none is out).
+    let bound = (4.0 + 1.2) * 1048576.0;
+    assert!(
+        peak <= bound,
+        "capture held {:.1} MiB at its peak, over the 4 MiB budget",
+        peak / 1048576.0
+    );
+}
+
 // ---- 9. Slot hygiene ----
 
 #[tokio::test]

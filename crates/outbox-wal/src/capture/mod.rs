@@ -32,6 +32,7 @@ use std::time::{Duration, SystemTime};
 
 use futures::future::BoxFuture;
 use futures::FutureExt;
+use outbox_core::memory::event_bytes;
 use outbox_core::store::{
     Backlog, ClaimRequest, Claimed, DeadLetter, LeaseExtension, LeaseHolder, OnChange, Problem,
     RetryLater, StoreFuture, StoreResult,
@@ -353,7 +354,7 @@ impl Inner {
     /// transaction, then settles them; parks that must wait ([`Holdings::take_parks`]) stay in
     /// `to_park`. Call it holding `parking`.
     async fn flush_parks(&self) -> StoreResult<u64> {
-        let (parks, columns, dead, dead_keys, rows, parked, owner, session) = {
+        let (parks, columns, dead, dead_keys, largest_parked, rows, parked, owner, session) = {
             let mut state = lock(&self.state);
             let (owner, session) = (state.owner.clone(), state.followed.session);
             let parks = state.holdings.take_parks();
@@ -365,6 +366,7 @@ impl Inner {
             // The keys of events dead-lettered instead of parked: nothing of theirs reaches
             // the parked table, so no settle of a parked row would let them flow again.
             let mut dead_keys = Vec::new();
+            let mut largest_parked = 0;
             let mut rows = Vec::new();
             // Each parked event's stream id with its event id, for the debug log.
             let mut parked = Vec::new();
@@ -379,6 +381,7 @@ impl Inner {
                                 dead_keys.push(held.key.clone());
                             }
                             None => {
+                                largest_parked = largest_parked.max(event_bytes(event));
                                 columns.push(event);
                                 columns.parking.push(park);
                                 parked.push(format!("{}={}", park.id, event.event_id));
@@ -390,7 +393,15 @@ impl Inner {
                 }
             }
             (
-                parks, columns, dead, dead_keys, rows, parked, owner, session,
+                parks,
+                columns,
+                dead,
+                dead_keys,
+                largest_parked,
+                rows,
+                parked,
+                owner,
+                session,
             )
         };
         if parks.is_empty() {
@@ -448,6 +459,7 @@ impl Inner {
         match result {
             Ok(undeleted) => {
                 tracing::debug!(?parked, "parked");
+                state.largest_parked = state.largest_parked.max(largest_parked);
                 let n = parks.len() as u64;
                 // A parked event whose outbox row the park did not find (its commit is in
                 // the WAL but not visible yet, waiting on a synchronous standby) stays
@@ -825,8 +837,13 @@ impl Inner {
         request: &ClaimRequest,
         out: &mut Vec<Claimed>,
     ) -> StoreResult<()> {
-        let none_out = lock(&self.state).holdings.no_parked_row_out();
-        let rows = capture::claim_parked(&self.parked, &self.memory, request, none_out).await?;
+        let (none_out, largest) = {
+            let state = lock(&self.state);
+            (state.holdings.no_parked_row_out(), state.largest_parked)
+        };
+        let rows =
+            capture::claim_parked_sized(&self.parked, &self.memory, request, none_out, largest)
+                .await?;
         tracing::debug!(claimed = ?capture::describe_claimed(&rows), "claimed parked rows");
         lock(&self.state).holdings.hold_parked(rows, out);
         Ok(())

@@ -469,16 +469,28 @@ impl Reader {
         // Under the slot's writes: a park that passed an earlier holder's guard commits
         // (or rolls back) first, and is among the keys read.
         let slot: &[&(dyn ToSql + Sync)] = &[&self.config.slot];
+        // Bounded as the adoption is: the query reads every parked row (for its size), as
+        // many as an adoption moved.
         let parked_keys = match self
             .main
-            .transaction_then_query(
+            .long_transaction_if_then_query(
                 "parked keys",
+                ADOPTION_TIMEOUT,
                 &[(&self.sql.take_slot_writes, slot)],
+                &[],
                 Some((&self.sql.parked_keys, &[])),
             )
             .await
         {
-            Ok((_, rows)) => rows.iter().map(|r| r.get(0)).collect(),
+            // The lock's query returns its row: not met, but not a panic either.
+            Ok(None) => {
+                let reason = "reading the parked keys: the slot's write lock said nothing";
+                return Some(SessionEnd::Broken(reason.into()));
+            }
+            Ok(Some((_, rows))) => rows
+                .iter()
+                .map(|r| (r.get::<_, String>(0), r.get::<_, Option<i64>>(1)))
+                .collect::<Vec<_>>(),
             Err(e) => {
                 let reason = format!("reading the parked keys: {}", e.report());
                 return Some(SessionEnd::Broken(reason));
@@ -487,10 +499,16 @@ impl Reader {
         let start = stream.slot().confirmed_flush;
         tracing::info!(slot = %self.config.slot, %start, created = stream.slot().created, "streaming from the replication slot");
         self.live.set(self.sessions.started);
+        let largest_parked = (parked_keys.iter())
+            .filter_map(|(_, size)| usize::try_from(size.unwrap_or(0)).ok())
+            .max()
+            .unwrap_or(0);
+        let parked_keys = parked_keys.into_iter().map(|(key, _)| key).collect();
         let session = Item::Session {
             session: self.sessions.started,
             start,
             parked_keys,
+            largest_parked,
             owner: self.session_name.clone(),
         };
         if let Err(end) = self.send_serviced(stream, session).await {

@@ -13,6 +13,8 @@ pub(super) enum Item {
         session: u64,
         start: Lsn,
         parked_keys: Vec<String>,
+        /// The largest row of the parked table, in bytes of text (0: none).
+        largest_parked: usize,
         /// The session's `application_name`, by which writes check it still holds the slot.
         owner: String,
     },
@@ -105,6 +107,10 @@ pub(super) struct State {
     pub(super) ack_round: Arc<AckRound>,
     /// `--drain`: everything committed before the marker has been handed out.
     pub(super) drained: bool,
+    /// An upper bound of the memory one row of the parked table takes: read at each
+    /// session's start, raised by each park. Parked claims are sized by it, not by the
+    /// stream's events, which say nothing of rows parked before a restart.
+    pub(super) largest_parked: usize,
 }
 
 /// The engine's id of an event, and its outbox row.
@@ -152,6 +158,7 @@ impl State {
             ack_queue: Vec::new(),
             ack_round: Arc::default(),
             drained: false,
+            largest_parked: 0,
         }
     }
 
@@ -379,8 +386,11 @@ impl capture::Sessions for State {
                 session,
                 start,
                 parked_keys,
+                largest_parked,
                 owner,
             } => {
+                // What a row costs in memory beyond its text, as a claimed event's charge.
+                self.largest_parked = largest_parked + outbox_core::memory::EVENT_OVERHEAD;
                 self.followed.start(session);
                 self.owner = owner;
                 self.acks = Acknowledgements::new(start);
@@ -452,6 +462,7 @@ mod tests {
             session: n,
             start: START,
             parked_keys: parked_keys.iter().map(|k| k.to_string()).collect(),
+            largest_parked: 0,
             owner: format!("session {n}"),
         }
     }
