@@ -1702,6 +1702,46 @@ async fn a_publication_without_the_native_outbox_of_a_mapped_capture_is_named() 
 }
 
 #[tokio::test]
+async fn checks_fix_for_a_shared_publication_keeps_its_other_tables() {
+    let w = WalDb::new().await;
+    // Another outbox of the database, in the default publication made first.
+    w.db.batch_execute(
+        "CREATE TABLE other_outbox (id bigint PRIMARY KEY);
+         ALTER PUBLICATION outbox_relay SET TABLE other_outbox",
+    )
+    .await
+    .unwrap();
+    let check = relay(
+        w.dir.path(),
+        &[&["check"][..], &capture_flags(&w.url, &w.slot)].concat(),
+    );
+    let report = format!("{}{}", text(&check.stdout), text(&check.stderr));
+    assert_eq!(check.status.code(), Some(1), "{report}");
+    let fix = report
+        .lines()
+        .find_map(|line| line.find("ALTER PUBLICATION").map(|at| &line[at..]))
+        .unwrap_or_else(|| panic!("no fix given: {report}"));
+    w.db.batch_execute(fix).await.unwrap();
+    let tables: Vec<String> =
+        w.db.query(
+            "SELECT tablename::text FROM pg_publication_tables WHERE pubname = 'outbox_relay' ORDER BY 1",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(tables, ["other_outbox", "outbox"], "after `{fix}`");
+    let check = relay(
+        w.dir.path(),
+        &[&["check"][..], &capture_flags(&w.url, &w.slot)].concat(),
+    );
+    let report = format!("{}{}", text(&check.stdout), text(&check.stderr));
+    assert_eq!(check.status.code(), Some(0), "after `{fix}`: {report}");
+}
+
+#[tokio::test]
 async fn a_publication_made_again_after_the_slot_is_named_with_the_way_out() {
     let w = WalDb::new().await;
     let out = w.path("events.jsonl");

@@ -2,6 +2,7 @@
 //! session), the slot as the server shows it, and the adoption record `drop-slot` forgets.
 
 use super::*;
+use outbox_core::ident::TableName;
 
 /// What keeps WAL capture from working on this database, each with its fix, besides what
 /// the polling store finds: `check` and `run` call it before any session starts.
@@ -136,16 +137,19 @@ pub(super) async fn publication_problems(
 ) -> StoreResult<Vec<Problem>> {
     let name = publication.as_str();
     let captured = tables.captured();
-    let set_table = format!(
-        "ALTER PUBLICATION {} SET TABLE {}; ALTER PUBLICATION {} SET (publish = 'insert')",
-        publication.quoted(),
-        captured
-            .iter()
-            .map(|table| table.quoted())
-            .collect::<Vec<_>>()
-            .join(", "),
-        publication.quoted()
-    );
+    // Each fix changes only what is wrong for the captured table: the publication may be
+    // shared (another outbox of the database, another consumer), and `SET TABLE` with ours
+    // alone took the others out of it.
+    let quoted = publication.quoted();
+    let add_table =
+        |table: &TableName| format!("ALTER PUBLICATION {quoted} ADD TABLE {}", table.quoted());
+    let whole_table = |table: &TableName| {
+        format!(
+            "ALTER PUBLICATION {quoted} DROP TABLE {t}; ALTER PUBLICATION {quoted} ADD TABLE {t}",
+            t = table.quoted()
+        )
+    };
+    let publish_inserts = format!("ALTER PUBLICATION {quoted} SET (publish = 'insert')");
     let drift = "rows written meanwhile are not in the stream: once it is fixed, the relay's \
                  next session moves the rows still in the table to the parked table";
     let mut problems = Vec::new();
@@ -173,7 +177,7 @@ pub(super) async fn publication_problems(
             // `migrate` leaves an existing publication as it is.
             problems.push(Problem::blocking(
                 format!("the publication {name:?} does not cover {table}: {drift}"),
-                set_table.clone(),
+                add_table(table),
             ));
             continue;
         };
@@ -182,13 +186,13 @@ pub(super) async fn publication_problems(
         if !inserts {
             problems.push(Problem::blocking(
                 format!("the publication {name:?} publishes no INSERTs of {table}: {drift}"),
-                set_table.clone(),
+                publish_inserts.clone(),
             ));
         }
         if let Some(filter) = filter {
             problems.push(Problem::blocking(
                 format!("the publication {name:?} has a row filter on {table} (WHERE {filter}): rows it filters out are never relayed; {drift}"),
-                set_table.clone(),
+                whole_table(table),
             ));
         }
         if !left_out.is_empty() {
@@ -197,7 +201,7 @@ pub(super) async fn publication_problems(
                     "the publication {name:?} has a column list that leaves out {} of {table}: events would be read without them; {drift}",
                     left_out.join(", ")
                 ),
-                set_table.clone(),
+                whole_table(table),
             ));
         }
     }
