@@ -103,15 +103,10 @@ pub async fn drop_slot(config: Config) -> anyhow::Result<ExitCode> {
         .ok()
         .flatten()
         .map(|s| s.holds_back());
-    // Forgotten first: should the drop then fail, the worst is a slot that adopts the
-    // table's rows once more (duplicates), never one that skips them.
-    if let Err(e) = outbox_wal::forget_adoption(pg, &capture.publication, &capture.slot).await {
-        bail!(
-            "cannot forget that the slot {} adopted the outbox's rows, so it is not dropped: {}",
-            capture.slot,
-            e.report()
-        );
-    }
+    // The adoption is forgotten once the slot is gone, not before: a drop that waits for a
+    // relay still streaming, and is cut short, leaves slot and record as they were. Should
+    // forgetting fail, the next session that makes the slot forgets it (it does whenever
+    // the slot is missing), so the new slot still adopts the table's rows.
     match outbox_wal::drop_slot(&wal).await {
         Ok(true) => match held {
             Some(held) => println!(
@@ -122,6 +117,13 @@ pub async fn drop_slot(config: Config) -> anyhow::Result<ExitCode> {
         },
         Ok(false) => println!("there is no replication slot {}", capture.slot),
         Err(e) => bail!("cannot drop the replication slot {}: {e}", capture.slot),
+    }
+    if let Err(e) = outbox_wal::forget_adoption(pg, &capture.publication, &capture.slot).await {
+        tracing::warn!(
+            slot = %capture.slot,
+            error = %e.report(),
+            "cannot forget that the slot adopted the outbox's rows; the relay's next session forgets it"
+        );
     }
     Ok(ExitCode::SUCCESS)
 }

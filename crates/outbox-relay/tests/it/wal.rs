@@ -1306,6 +1306,32 @@ async fn a_slot_dropped_with_sql_is_made_anew_and_adopts_the_rows_its_stream_mis
 }
 
 #[tokio::test]
+async fn a_drop_slot_cut_short_while_a_relay_streams_keeps_the_slots_adoption() {
+    let w = WalDb::new().await;
+    let out = w.path("events.jsonl");
+    let mut streaming = w.spawn("relay", &out, &[]);
+    streaming
+        .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
+        .await;
+    let adopted = "SELECT count(*) FROM outbox_adopted WHERE slot = $1";
+    assert_eq!(query_count(&w.db, adopted, &[&w.slot]).await.unwrap(), 1);
+    // The drop waits for the streaming relay to let go of the slot; given up meanwhile,
+    // it had forgotten the adoption already, and the slot adopted the table again later.
+    let mut dropping = RelayProcess::spawn(
+        w.dir.path(),
+        "drop-slot",
+        &[&["drop-slot"][..], &capture_flags(&w.url, &w.slot)].concat(),
+        &[],
+    );
+    let waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'ReplicationSlotDrop'";
+    wait_for_rows(&dropping, "the drop waiting", &w.db, waiting, 1).await;
+    dropping.kill9();
+    assert_eq!(query_count(&w.db, adopted, &[&w.slot]).await.unwrap(), 1);
+    let status = streaming.terminate().await;
+    assert!(status.success(), "{status:?}");
+}
+
+#[tokio::test]
 async fn an_undecodable_event_behind_a_retrying_head_is_dead_lettered_not_dropped() {
     let (_nats, deliveries, proxy, broker_url) = nats_behind_a_proxy().await;
     let w = WalDb::new().await;
