@@ -141,6 +141,22 @@ impl Capture {
         self.reader.read_to()
     }
 
+    /// When the server logged the last transaction event read
+    /// ([`BinlogReader::logged_at`]).
+    pub fn logged_at(&self) -> Option<std::time::SystemTime> {
+        self.reader.logged_at()
+    }
+
+    /// Whether everything written is read ([`BinlogReader::caught_up`]).
+    pub fn caught_up(&self) -> bool {
+        self.reader.caught_up()
+    }
+
+    /// Whether the server is MariaDB ([`BinlogReader::mariadb`]).
+    pub fn mariadb(&self) -> bool {
+        self.reader.mariadb()
+    }
+
     /// The epoch the seat was taken at: writes elsewhere fence on it.
     pub fn epoch(&self) -> i64 {
         self.seat.epoch()

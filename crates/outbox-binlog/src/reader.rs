@@ -236,6 +236,14 @@ pub struct BinlogReader {
     /// The end of the last transaction read, of any table, in `file`: where a reader may
     /// start again (never inside a transaction, whose table maps would be missed).
     boundary: u64,
+    /// The server's timestamp (its event header's, in seconds) of the last event of a
+    /// transaction read: how far behind the reader reads.
+    logged_at: Option<u32>,
+    /// Whether the server sent a heartbeat since the last event: it had nothing more to send,
+    /// so everything written is read.
+    caught_up: bool,
+    /// Whether the server is MariaDB (which never logs a rolled-back BLACKHOLE row).
+    mariadb: bool,
 }
 
 /// Where a reader starts.
@@ -295,6 +303,11 @@ const INCIDENT_EVENT: u8 = 26;
 /// A heartbeat: the server is quiet, and says so (MariaDB's and MySQL's, and MySQL 8's
 /// second form).
 const HEARTBEAT_EVENTS: [u8; 2] = [27, 41];
+
+/// The events of a transaction, whose header's timestamp is when it was logged: queries
+/// (BEGIN, COMMIT, DDL), XIDs, table maps, rows (v1 and v2), GTIDs (MySQL's, anonymous and
+/// MariaDB's), XA PREPARE and MariaDB's annotations.
+const TRANSACTION_EVENTS: [u8; 15] = [2, 16, 19, 23, 24, 25, 30, 31, 32, 33, 34, 38, 160, 162, 40];
 
 /// How often a quiet server sends the reader a heartbeat (`@master_heartbeat_period`).
 pub const BINLOG_HEARTBEAT: std::time::Duration = std::time::Duration::from_secs(2);
@@ -459,6 +472,8 @@ impl BinlogReader {
             )));
         }
         let layout = Layout::describe(&mut conn, &config.database, &config.table).await?;
+        let version: Option<String> = conn.query_first("SELECT VERSION()").await?;
+        let mariadb = version.is_some_and(|v| v.contains("MariaDB"));
         // MariaDB sends its GTID events as they are to a replica that says it can read them
         // (otherwise it rewrites each as a BEGIN query). MySQL ignores the variable.
         conn.query_drop("SET @mariadb_slave_capability = 4").await?;
@@ -521,6 +536,7 @@ impl BinlogReader {
         let stream = conn.get_binlog_stream(request).await?;
         let mut reader = BinlogReader::of(Box::new(stream), config, layout, from);
         reader.first_rotate_checksum = checksum;
+        reader.mariadb = mariadb;
         reader.gtid_state = gtid_state;
         reader.boundary_gtid = reader.gtid_state.as_ref().map(ToString::to_string);
         if let Start::AfterGtid(state) = start {
@@ -564,7 +580,28 @@ impl BinlogReader {
             gtid_state: None,
             boundary_gtid: None,
             boundary_known: true,
+            logged_at: None,
+            caught_up: false,
+            mariadb: false,
         }
+    }
+
+    /// When the server logged the last event of a transaction read (its event header's
+    /// timestamp); `None` before any.
+    pub fn logged_at(&self) -> Option<std::time::SystemTime> {
+        self.logged_at
+            .map(|s| std::time::UNIX_EPOCH + std::time::Duration::from_secs(u64::from(s)))
+    }
+
+    /// Whether the server said, by a heartbeat since the last event read, that it has
+    /// nothing more to send: the reader has read everything written.
+    pub fn caught_up(&self) -> bool {
+        self.caught_up && self.pending.is_empty() && self.altered.is_none()
+    }
+
+    /// Whether the server is MariaDB.
+    pub fn mariadb(&self) -> bool {
+        self.mariadb
     }
 
     /// Rows decoded and not yet handed out: at most one row event's (the server cuts a
@@ -661,7 +698,14 @@ impl BinlogReader {
             if event.header().event_type_raw() == TRANSACTION_PAYLOAD_EVENT {
                 whole = false;
             }
-            match event.header().event_type_raw() {
+            let kind = event.header().event_type_raw();
+            self.caught_up = HEARTBEAT_EVENTS.contains(&kind);
+            // A transaction's events carry the time it was logged; a log file's own (its
+            // format description, rotates, GTID lists) the file's, which may be old.
+            if TRANSACTION_EVENTS.contains(&kind) && event.header().timestamp() != 0 {
+                self.logged_at = Some(event.header().timestamp());
+            }
+            match kind {
                 // Only to say the server is there: its position is not the reader's.
                 kind if HEARTBEAT_EVENTS.contains(&kind) => continue,
                 MARIADB_GTID_EVENT => {

@@ -62,9 +62,12 @@ use state::*;
 pub mod metric {
     /// 1 while this relay reads the binary log, 0 as a standby or while reconnecting.
     pub const READING: &str = "outbox_binlog_reading";
-    /// Seconds between the `created_at` of the last row read and its reading.
+    /// Seconds the reader reads behind the server: from when the server logged the last
+    /// transaction read (its events' timestamp) to now; 0 once it has read all the server
+    /// wrote (a heartbeat with nothing read and not handed out, or the log's end reached).
     pub const LAG_SECONDS: &str = "outbox_binlog_lag_seconds";
-    /// Bytes of binary log written past what the reader has read (every table's).
+    /// Bytes of binary log written past what the reader has read (every table's); as a
+    /// standby or while reconnecting, past the stored position.
     pub const LAG_BYTES: &str = "outbox_binlog_lag_bytes";
     /// Bytes of events capture holds: read ahead of the engine and in flight.
     pub const MEMORY_HELD: &str = "outbox_binlog_memory_held_bytes";
@@ -249,6 +252,7 @@ impl BinlogStore {
             on_change: on_change.clone(),
             memory: memory.clone(),
             session: 0,
+            lag_measured: None,
         };
         let stopped = reader.status.clone();
         let handle = tokio::spawn(tracing::Instrument::in_current_span(
@@ -1237,6 +1241,8 @@ struct Reader {
     on_change: Arc<Mutex<Option<OnChange>>>,
     memory: Arc<MemoryBudget>,
     session: u64,
+    /// When a relay that does not read last measured the stored position's lag.
+    lag_measured: Option<std::time::Instant>,
 }
 
 /// How a session of reading ended.
@@ -1338,7 +1344,32 @@ impl Reader {
             }
         }
         self.status.send_replace(status);
+        self.measure_stored_lag().await;
         let _ = tokio::time::timeout(Duration::from_secs(1), self.close.wait_for(|c| *c)).await;
+    }
+
+    /// Not reading (a standby, or reconnecting): the bytes of log past the stored position,
+    /// every [`LAG_MEASURED`], so `lag_bytes` keeps rising while nothing is read (a purged
+    /// position, an altered table) instead of keeping the last session's value.
+    async fn measure_stored_lag(&mut self) {
+        if self
+            .lag_measured
+            .is_some_and(|at| at.elapsed() < LAG_MEASURED)
+        {
+            return;
+        }
+        self.lag_measured = Some(std::time::Instant::now());
+        let stored =
+            crate::stored_position(&self.seat.url, &self.seat.positions, &self.seat.outbox).await;
+        let behind = match stored {
+            Ok(Some(stored)) => crate::bytes_behind(&self.binlog.url, &stored.position).await,
+            Ok(None) => return,
+            Err(e) => Err(e),
+        };
+        match behind {
+            Ok(bytes) => ::metrics::gauge!(metric::LAG_BYTES).set(bytes as f64),
+            Err(e) => tracing::debug!(error = %e, "cannot measure the stored position's lag"),
+        }
     }
 
     fn wake(&self) {
@@ -1422,10 +1453,14 @@ impl Reader {
                         return Ended::Broken(format!("storing the position: {e}"));
                     }
                     self.renewed.renewed(storing);
-                    match crate::bytes_behind(&self.binlog.url, &capture.read_to()).await {
-                        Ok(bytes) => ::metrics::gauge!(metric::LAG_BYTES).set(bytes as f64),
+                    let behind = crate::bytes_behind(&self.binlog.url, &capture.read_to()).await;
+                    match &behind {
+                        Ok(bytes) => ::metrics::gauge!(metric::LAG_BYTES).set(*bytes as f64),
                         Err(e) => tracing::debug!(error = %e, "cannot read the binary log's end"),
                     }
+                    let caught_up =
+                        matches!(behind, Ok(0)) || (capture.caught_up() && pending.is_none());
+                    set_lag_seconds(&capture, caught_up);
                 }
                 Step::Send(Err(_)) => return Ended::Closed,
                 Step::Send(Ok(permit)) => {
@@ -1458,10 +1493,7 @@ impl Reader {
                                 );
                                 continue;
                             };
-                            if let Ok(event) = &captured.event {
-                                let behind = event.created_at.elapsed().unwrap_or_default();
-                                ::metrics::gauge!(metric::LAG_SECONDS).set(behind.as_secs_f64());
-                            }
+                            set_lag_seconds(&capture, false);
                             let memory = self.memory.charge(captured_bytes(&captured));
                             Item::Row {
                                 ordinal: row.ordinal(),
@@ -1516,6 +1548,19 @@ fn settle(capture: &mut Capture, reading: u64, session: u64, ordinals: Vec<u64>)
             tracing::error!(error = %e, "binlog acknowledgement out of step (a bug): the position stays where it is");
         }
     }
+}
+
+/// How often a relay that does not read measures the stored position's lag.
+const LAG_MEASURED: Duration = Duration::from_secs(5);
+
+/// Sets [`metric::LAG_SECONDS`]: 0 once `caught_up`, else the age of what was read last.
+fn set_lag_seconds(capture: &Capture, caught_up: bool) {
+    let behind = match (caught_up, capture.logged_at()) {
+        (true, _) => Duration::ZERO,
+        (false, Some(at)) => at.elapsed().unwrap_or_default(),
+        (false, None) => return,
+    };
+    ::metrics::gauge!(metric::LAG_SECONDS).set(behind.as_secs_f64());
 }
 
 fn captured_bytes(captured: &Captured) -> usize {

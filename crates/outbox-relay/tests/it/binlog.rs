@@ -1396,3 +1396,71 @@ async fn a_mariadb_restart_mid_stream_loses_nothing_and_keeps_each_keys_commit_o
     .await;
     assert!(again.terminate().await.success(), "{}", again.logs());
 }
+
+/// `outbox_binlog_lag_seconds` says how far behind the reader reads, not how old the last
+/// row was: a row written with a `created_at` five minutes back (a backfill, a clock behind)
+/// and delivered at once leaves the idle, caught-up relay at ~0. It was set from the last
+/// row's `created_at` and only when a row was read, so an idle relay said 300 for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_lag_in_seconds_of_a_caught_up_relay_comes_back_to_zero() {
+    let db = BinlogDb::new().await;
+    let sink = format!("file:{}", db.path("out.jsonl").display());
+    let relay = RelayProcess::spawn(
+        db.dir.path(),
+        "relay-1",
+        &[
+            "run",
+            "--capture",
+            "binlog",
+            "--database-url",
+            &db.url,
+            "--sink",
+            &sink,
+            "--node-id",
+            "relay-1",
+            "--http-addr",
+            "127.0.0.1:0",
+            "--log-format",
+            "json",
+            "--shutdown-timeout",
+            "5s",
+        ],
+        &[("OUTBOX_RELAY_LOG_LEVEL", "info,outbox_binlog=debug")],
+    );
+    relay
+        .wait_for_log("the relay reading", Duration::from_secs(60), READING)
+        .await;
+    let addr = crate::support::http_addr(&relay).await;
+    let mut conn = db.pool.get_conn().await.unwrap();
+    conn.query_drop(
+        "INSERT INTO outbox (destination, partition_key, event_type, payload, created_at)
+         VALUES ('orders', 'a', 'T', JSON_OBJECT('n', 0),
+                 UTC_TIMESTAMP(6) - INTERVAL 300 SECOND)",
+    )
+    .await
+    .unwrap();
+    wait_for_lines(
+        "the row delivered",
+        &db.path("out.jsonl"),
+        Duration::from_secs(30),
+        |n| n >= 1,
+    )
+    .await;
+    let lag = eventually_explained(
+        "outbox_binlog_lag_seconds below 60 on the idle relay's /metrics",
+        Duration::from_secs(30),
+        || relay.logs(),
+        || {
+            let addr = addr.clone();
+            async move {
+                let (_, body) = crate::support::http_get(&addr, "/metrics").await?;
+                crate::support::metric_value(&body, "outbox_binlog_lag_seconds")
+                    .filter(|lag| *lag < 60.0)
+            }
+        },
+    )
+    .await;
+    assert!(lag >= 0.0, "{lag}");
+    let mut relay = relay;
+    assert!(relay.terminate().await.success(), "{}", relay.logs());
+}
