@@ -300,6 +300,12 @@ impl BinlogStore {
         self.status()
     }
 
+    /// The most bytes of events held at once so far (read ahead and in flight), against
+    /// the memory budget.
+    pub fn memory_peak(&self) -> usize {
+        self.inner.memory.peak()
+    }
+
     /// Undecodable rows this capture dead-lettered itself, outside the engine's count (see
     /// `State::dead_by_capture`), counted once written.
     pub fn dead_lettered_by_capture(&self) -> u64 {
@@ -1226,7 +1232,8 @@ struct Reader {
     pool: Pool,
     sql: Statements,
     drain: bool,
-    /// BLACKHOLE: a transaction's rows are handed out at its commit ([`State::hold_to_commit`]).
+    /// BLACKHOLE on MySQL: a transaction's rows are handed out at its commit
+    /// ([`State::hold_to_commit`]).
     hold_to_commit: bool,
     on_reading_stopped: Option<Arc<dyn Fn() + Send + Sync>>,
     on_reading_started: Option<Arc<dyn Fn(StillReading) + Send + Sync>>,
@@ -1387,6 +1394,9 @@ impl Reader {
         };
         self.session += 1;
         self.live.set(self.session);
+        // MariaDB leaves a rolled-back BLACKHOLE row out of its log: its rows are handed out
+        // as read, within the memory budget, however large their transaction.
+        let hold_to_commit = self.hold_to_commit && !capture.mariadb();
         let announced = self
             .tx
             .send(Item::Session {
@@ -1394,6 +1404,7 @@ impl Reader {
                 epoch: capture.epoch(),
                 parked_keys,
                 adopted_dead: capture.adopted_dead(),
+                hold_to_commit,
             })
             .await;
         if announced.is_err() {
@@ -1426,7 +1437,7 @@ impl Reader {
                 output = async {
                     // A held-to-commit transaction's rows are freed only once its commit is
                     // read: waiting for room inside one would wait for good.
-                    if !(self.hold_to_commit && open_rows) {
+                    if !(hold_to_commit && open_rows) {
                         self.memory.has_room().await;
                     }
                     capture.next().await
@@ -1506,7 +1517,16 @@ impl Reader {
                             open_rows = false;
                             Item::Committed
                         }
-                        Output::RolledBack { .. } => {
+                        Output::RolledBack { rows, .. } => {
+                            if rows > 0 && !hold_to_commit {
+                                tracing::error!(
+                                    rows,
+                                    "the server logged outbox rows of a transaction that rolled \
+                                     back, which MariaDB is not known to do: they were handed \
+                                     out as read and may have been delivered; tell the relay's \
+                                     maintainers the server's version"
+                                );
+                            }
                             open_rows = false;
                             Item::RolledBack
                         }

@@ -27,6 +27,9 @@ pub(super) enum Item {
         parked_keys: Vec<String>,
         /// Rows the session's start adopted as dead letters, which the run counts.
         adopted_dead: u64,
+        /// The session's rows are handed out at their transaction's commit
+        /// ([`State::hold_to_commit`]).
+        hold_to_commit: bool,
     },
     /// A row inserted by the transaction being read, the `ordinal`th of the session.
     Row {
@@ -137,8 +140,11 @@ pub(super) struct State {
     pub(super) followed: Followed,
     /// The seat's epoch of the session: parked-table writes are fenced on it.
     pub(super) epoch: i64,
-    /// Rows are handed out only once their transaction's commit is read (a BLACKHOLE
-    /// table, whose rolled-back rows reach the log too).
+    /// Rows are handed out only once their transaction's commit is read: a BLACKHOLE table
+    /// on MySQL, whose rolled-back rows reach the log too. MariaDB never logs them (a BLACKHOLE
+    /// row rolled back is left out of the log), so there rows are handed out as read, and the
+    /// memory budget bounds a large transaction as it does the table form's. Set by each
+    /// session.
     pub(super) hold_to_commit: bool,
     /// The transaction being read, while `hold_to_commit`.
     pub(super) uncommitted: Vec<(u64, Box<Captured>, Charge)>,
@@ -398,9 +404,11 @@ impl capture::Sessions for State {
                 epoch,
                 parked_keys,
                 adopted_dead,
+                hold_to_commit,
             } => {
                 self.dead_by_capture += adopted_dead;
                 self.end_session();
+                self.hold_to_commit = hold_to_commit;
                 self.followed.start(session);
                 // Each session reads to the drain's end again, and says so: what an earlier
                 // one left unsettled comes again in this one.
@@ -471,6 +479,7 @@ mod tests {
             epoch: n as i64,
             parked_keys: parked_keys.iter().map(|k| k.to_string()).collect(),
             adopted_dead: 0,
+            hold_to_commit: false,
         }
     }
 
@@ -565,8 +574,14 @@ mod tests {
 
     #[test]
     fn a_blackhole_transaction_is_handed_out_at_its_commit_and_never_when_rolled_back() {
-        let mut state = State::new(true);
-        state.accept(session(1, &[]));
+        let mut state = State::new(false);
+        state.accept(Item::Session {
+            session: 1,
+            epoch: 1,
+            parked_keys: Vec::new(),
+            adopted_dead: 0,
+            hold_to_commit: true,
+        });
         // A BLACKHOLE row has no sequence_id.
         let blackhole = |ordinal| match row(0, "a", ordinal) {
             Item::Row {
