@@ -4,6 +4,7 @@
 //! the state what they did.
 
 use super::*;
+use std::collections::HashMap;
 
 /// What the reader hands to claims, in stream order.
 pub(super) enum Item {
@@ -111,23 +112,52 @@ pub(super) struct State {
     /// session's start, raised by each park. Parked claims are sized by it, not by the
     /// stream's events, which say nothing of rows parked before a restart.
     pub(super) largest_parked: usize,
+    pub(super) derived_ids: DerivedIds,
+}
+
+/// Ids for events without one of their own (a mapped table without a sequence column, an
+/// `outbox_emit` message), by position: the same event sent again by a new session keeps
+/// its id while it is held, as a row's sequence id does, and no two events share one.
+/// (Derived from the position, they did: a commit's position plus an ordinal of a large
+/// transaction reached the next commit's.) Drawn downwards from -1, below every row's id.
+#[derive(Default)]
+pub(super) struct DerivedIds {
+    by_position: HashMap<EventPosition, SequenceId>,
+    drawn: SequenceId,
+}
+
+impl DerivedIds {
+    fn id(&mut self, position: EventPosition) -> SequenceId {
+        *self.by_position.entry(position).or_insert_with(|| {
+            self.drawn -= 1;
+            self.drawn
+        })
+    }
+
+    fn forget(&mut self, position: &EventPosition) {
+        self.by_position.remove(position);
+    }
+
+    /// Forgets the ids of events no longer held (dropped unhanded, fenced out).
+    fn keep_held(&mut self, held: impl Fn(SequenceId) -> bool) {
+        self.by_position.retain(|_, id| held(*id));
+    }
 }
 
 /// The engine's id of an event, and its outbox row.
 pub(super) fn event_id_of(
     source: EventSource,
     position: EventPosition,
+    derived: &mut DerivedIds,
 ) -> (SequenceId, Option<SequenceId>) {
     match source {
         EventSource::Table {
             sequence_id: Some(id),
         } => (id, Some(id)),
         // Not in the native table; a row without an id cannot be deleted either.
-        EventSource::Table { sequence_id: None } => (
-            -(position.commit_lsn.0 as i64) - position.ordinal as i64,
-            None,
-        ),
-        EventSource::Message { lsn } => (-(lsn.0 as i64), None),
+        EventSource::Table { sequence_id: None } | EventSource::Message { .. } => {
+            (derived.id(position), None)
+        }
     }
 }
 
@@ -159,6 +189,7 @@ impl State {
             ack_round: Arc::default(),
             drained: false,
             largest_parked: 0,
+            derived_ids: DerivedIds::default(),
         }
     }
 
@@ -198,6 +229,9 @@ impl State {
     pub(super) fn settle(&mut self, ids: impl IntoIterator<Item = SequenceId>) {
         for id in ids {
             if let Some(held) = self.holdings.remove_stream(id) {
+                if held.row.is_none() {
+                    self.derived_ids.forget(&held.position);
+                }
                 if held.session == self.followed.session {
                     if let Err(e) = self.acks.settle(held.position) {
                         tracing::error!(error = %e, "WAL acknowledgement out of step (a bug): the slot stays where it is");
@@ -259,7 +293,7 @@ impl State {
     ) {
         let (id, row, key, body) = match event {
             Ok(event) => {
-                let (id, row) = event_id_of(event.source, position);
+                let (id, row) = event_id_of(event.source, position, &mut self.derived_ids);
                 if matches!(self.holdings.held.get(&id), Some(Held::Parked { .. })) {
                     // Adopted into the parked table under its own id (as earlier relays
                     // adopted rows), and committed after the slot's start: the parked
@@ -286,7 +320,7 @@ impl State {
                 (id, row, key, Body::Event(core))
             }
             Err(undecodable) => {
-                let (id, row) = event_id_of(undecodable.source, position);
+                let (id, row) = event_id_of(undecodable.source, position, &mut self.derived_ids);
                 let destination = undecodable.destination.clone().unwrap_or_default();
                 let key = undecodable
                     .partition_key
@@ -397,6 +431,8 @@ impl capture::Sessions for State {
                 // Released or unparked events of the old session come again in this one.
                 self.forget_unhanded();
                 self.holdings.load_parked_keys(parked_keys);
+                let held = &self.holdings.held;
+                self.derived_ids.keep_held(|id| held.contains_key(&id));
                 // Each session reads to the drain's end again, and says so: what an earlier
                 // one left unsettled comes again in this one, before the end.
                 self.drained = false;
@@ -506,6 +542,45 @@ mod tests {
 
     fn two_transactions() -> Vec<Output> {
         transactions(&[(1, "a", 200), (2, "b", 300)])
+    }
+
+    /// An event with no id of its own (a mapped table without a sequence column, or an
+    /// `outbox_emit` message) of key `key`, the `ordinal`th of the transaction committing
+    /// at `commit`.
+    fn idless(key: &str, commit: u64, ordinal: u64, message_at: Option<u64>) -> Output {
+        let mut output = event(0, key, commit, ordinal);
+        if let Output::Event {
+            event: Ok(event), ..
+        } = &mut output
+        {
+            event.source = match message_at {
+                Some(lsn) => EventSource::Message { lsn: Lsn(lsn) },
+                None => EventSource::Table { sequence_id: None },
+            };
+        }
+        output
+    }
+
+    /// Ids derived from the commit position plus the ordinal met when a large transaction
+    /// committed just before another (its 40th event and the next one's first shared an
+    /// id), or before a message of a later one: the second replaced the first among the
+    /// held events, whose position then never settled, and the slot stopped for good.
+    #[test]
+    fn events_without_ids_of_their_own_never_share_one() {
+        let mut state = State::new();
+        state.accept(session(1, &[]));
+        let mut outputs: Vec<Output> = (0..60).map(|n| idless("a", 1000, n, None)).collect();
+        outputs.push(committed(1000, 60));
+        outputs.push(idless("b", 1040, 0, None));
+        outputs.push(committed(1040, 1));
+        outputs.push(idless("c", 1100, 0, Some(1050)));
+        outputs.push(committed(1100, 1));
+        let handed = claim(&mut state, outputs);
+        assert_eq!(handed.len(), 62);
+        let distinct: HashSet<SequenceId> = handed.iter().copied().collect();
+        assert_eq!(distinct.len(), 62, "ids handed out twice: {handed:?}");
+        state.settle(handed);
+        assert_eq!(state.acks.confirmable(), Lsn(1110));
     }
 
     /// The drain's end reached, then the session broke with event 2 released and not yet
