@@ -67,17 +67,17 @@ pub enum BinlogError {
     LayoutChanged { width: usize },
     /// Rows written before an `ALTER TABLE` of the outbox table, read after it.
     #[error(
-        "a row event of {table} at {at} has {width} columns, and the table has {now} now: the \
-         table was altered after these rows were written, and binlog capture reads a row's \
-         columns by their place, so it stops rather than read them under the wrong names. \
-         Alter the outbox table while the relay runs (it reads on across the change) or after \
-         a drain, not while it is stopped with rows unread"
+        "a row event of {table} at {at} {differs}: the table was altered after these rows \
+         were written, and binlog capture reads a row's columns by their place and type, so \
+         it stops rather than read them under the wrong names or types. Alter the outbox \
+         table while the relay runs (it reads on across the change) or after a drain, not \
+         while it is stopped with rows unread"
     )]
     TableAltered {
         at: String,
         table: String,
-        width: usize,
-        now: usize,
+        /// How the event differs from the table as it is now.
+        differs: String,
     },
     /// A write to the outbox table that the server logged as a statement, not as rows: the
     /// writing session's `binlog_format` is not ROW. Its rows are in no row event.
@@ -423,6 +423,10 @@ pub async fn server_problems(url: &str) -> Result<Vec<Problem>> {
     let compressions: Vec<(String, String)> = conn
         .query("SHOW GLOBAL VARIABLES WHERE Variable_name = 'log_bin_compress'")
         .await?;
+    // MariaDB 10.5+ and MySQL 8.0.1+: FULL logs each column's name in the table maps.
+    let metadata: Vec<(String, String)> = conn
+        .query("SHOW GLOBAL VARIABLES WHERE Variable_name = 'binlog_row_metadata'")
+        .await?;
     conn.disconnect().await?;
     let (log_bin, format, image) = settings.unwrap_or_default();
     let mut problems = Vec::new();
@@ -452,6 +456,19 @@ pub async fn server_problems(url: &str) -> Result<Vec<Problem>> {
                      capture does not read (it stops at the first rather than skip it)"
                 ),
                 format!("SET GLOBAL {variable} = OFF and put it in the server's configuration"),
+            ));
+        }
+    }
+    for (variable, value) in metadata {
+        if !value.eq_ignore_ascii_case("FULL") {
+            problems.push(Problem::advisory(
+                format!(
+                    "{variable} is {value}: the binary log names no column, so an ALTER TABLE \
+                     of the outbox that swaps two columns of one type while rows are unread \
+                     is not seen (a changed count or type is), and their values would be \
+                     read under each other's names"
+                ),
+                format!("SET GLOBAL {variable} = 'FULL' and put it in the server's configuration"),
             ));
         }
     }

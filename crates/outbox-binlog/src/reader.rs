@@ -17,10 +17,12 @@ use std::sync::Arc;
 
 use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
+use mysql_async::binlog::events::OptionalMetadataField;
 use mysql_async::binlog::events::{
     Event, EventData, RowsEventData, TableMapEvent, TransactionPayloadEvent,
 };
 use mysql_async::binlog::value::BinlogValue;
+use mysql_async::consts::ColumnType;
 use mysql_async::prelude::Queryable;
 use mysql_async::{BinlogStreamRequest, Conn, Sid, Value};
 use mysql_common::binlog::consts::TransactionPayloadCompressionType;
@@ -188,6 +190,11 @@ pub struct BinlogReader {
     columns: Arc<Vec<String>>,
     /// What each column's value in the log needs to read as the table shows it.
     kinds: Vec<ColumnKind>,
+    /// Each column's `DATA_TYPE`, to compare with the types a table map logs.
+    data_types: Vec<String>,
+    /// The outbox's table id whose table map was found to match the table as described:
+    /// an `ALTER TABLE` gives the table a new id, whose map is compared again.
+    matched_table_id: Option<u64>,
     /// The log file being read (row events' positions are within it); empty until the
     /// first rotate names it, when reading started from a GTID.
     file: String,
@@ -562,6 +569,8 @@ impl BinlogReader {
             table: layout.table,
             columns: Arc::new(layout.columns),
             kinds: layout.kinds,
+            data_types: layout.data_types,
+            matched_table_id: None,
             file: from.file.clone(),
             first_rotate_checksum: false,
             format_read: false,
@@ -910,8 +919,19 @@ impl BinlogReader {
             return Ok(());
         };
         let (width, end) = (*width, *end);
-        self.describe_again(width, end).await?;
-        let (event, _, _) = self.altered.take().expect("kept while described");
+        let table_id = match self.altered.as_ref().map(|(event, ..)| event.read_data()) {
+            Some(Ok(Some(EventData::RowsEvent(rows)))) => rows.table_id(),
+            Some(Err(e)) => return Err(BinlogError::Decode(e.to_string())),
+            _ => {
+                return Err(BinlogError::Decode(
+                    "an altered row event is not one".into(),
+                ))
+            }
+        };
+        self.describe_again(width, end, table_id).await?;
+        let Some((event, _, _)) = self.altered.take() else {
+            return Ok(());
+        };
         if let Some(EventData::RowsEvent(rows)) = event
             .read_data()
             .map_err(|e| BinlogError::Decode(e.to_string()))?
@@ -990,6 +1010,15 @@ impl BinlogReader {
         let width = usize::try_from(rows.num_columns()).unwrap_or(usize::MAX);
         if width != self.columns.len() {
             return Err(BinlogError::LayoutChanged { width });
+        }
+        // As wide, and still altered since (a column's type changed, columns reordered):
+        // the table map's types, and its column names where the server logs them
+        // (binlog_row_metadata = FULL), must be the described table's.
+        if self.matched_table_id != Some(rows.table_id()) {
+            if layout_differs(table_map, &self.columns, &self.data_types).is_some() {
+                return Err(BinlogError::LayoutChanged { width });
+            }
+            self.matched_table_id = Some(rows.table_id());
         }
         // Decoded here column by column from the event's bytes: mysql_common's own row
         // iterator builds a `Column`, names and all, for every column of every row, which
@@ -1084,6 +1113,7 @@ struct Layout {
     table: String,
     columns: Vec<String>,
     kinds: Vec<ColumnKind>,
+    data_types: Vec<String>,
 }
 
 impl Layout {
@@ -1113,20 +1143,22 @@ impl Layout {
                 )))
             }
         };
-        let (columns, kinds) = described
-            .into_iter()
-            .filter(|(d, t, ..)| *d == database && *t == table)
-            .map(|(_, _, name, data_type, column_type, charset)| {
-                let kind = ColumnKind::of(&data_type, &column_type).in_charset(charset);
-                (name, kind)
-            })
-            .unzip();
-        Ok(Layout {
+        let mut layout = Layout {
             database,
             table,
-            columns,
-            kinds,
-        })
+            columns: Vec::new(),
+            kinds: Vec::new(),
+            data_types: Vec::new(),
+        };
+        for (d, t, name, data_type, column_type, charset) in described {
+            if d == layout.database && t == layout.table {
+                let kind = ColumnKind::of(&data_type, &column_type).in_charset(charset);
+                layout.columns.push(name);
+                layout.kinds.push(kind);
+                layout.data_types.push(data_type);
+            }
+        }
+        Ok(layout)
     }
 }
 
@@ -1136,18 +1168,27 @@ impl BinlogReader {
     /// reads the events written after the change; events written before it (read again
     /// after a restart) match neither, and the reader stops rather than read them under the
     /// wrong names.
-    async fn describe_again(&mut self, width: usize, end: u64) -> Result<()> {
+    async fn describe_again(&mut self, width: usize, end: u64, table_id: u64) -> Result<()> {
         let mut conn = Conn::new(opts(&self.url)?).await?;
         let layout = Layout::describe(&mut conn, &self.database, &self.table).await?;
         let _ = conn.disconnect().await;
-        if layout.columns.len() != width {
+        let differs = match self.stream.table_map(table_id) {
+            _ if layout.columns.len() != width => Some(format!(
+                "has {width} columns, and the table has {} now",
+                layout.columns.len()
+            )),
+            Some(table_map) => layout_differs(table_map, &layout.columns, &layout.data_types),
+            None => Some(format!("came without its table map (table id {table_id})")),
+        };
+        if let Some(differs) = differs {
             return Err(BinlogError::TableAltered {
                 at: format!("{} offset {end}", self.file),
                 table: format!("{}.{}", self.database, self.table),
-                width,
-                now: layout.columns.len(),
+                differs,
             });
         }
+        self.matched_table_id = Some(table_id);
+        self.data_types = layout.data_types;
         tracing::info!(
             table = %format!("{}.{}", self.database, self.table),
             columns = width,
@@ -1157,6 +1198,87 @@ impl BinlogReader {
         self.kinds = layout.kinds;
         Ok(())
     }
+}
+
+/// How `table_map` differs from the table described as `columns` of `data_types`
+/// (`information_schema`'s `DATA_TYPE`), if it does: a column's logged type is not one its
+/// described type is logged as, or (where the server logs names: binlog_row_metadata =
+/// FULL) a column's name is another. Without names, two columns of one type swapped by an
+/// `ALTER TABLE` cannot be told apart.
+fn layout_differs(
+    table_map: &TableMapEvent<'_>,
+    columns: &[String],
+    data_types: &[String],
+) -> Option<String> {
+    for (i, data_type) in data_types.iter().enumerate() {
+        let Some(expected) = logged_as(data_type) else {
+            continue;
+        };
+        // A type it does not know is said when a row is read, with its fix.
+        let Ok(Some(logged)) = table_map.get_column_type(i) else {
+            continue;
+        };
+        if !expected.contains(&logged) {
+            let column = columns.get(i).map_or("?", String::as_str);
+            return Some(format!(
+                "logs column {} ({column}, {data_type} when the table was described) as \
+                 {logged:?}",
+                i + 1
+            ));
+        }
+    }
+    let names = table_map
+        .iter_optional_meta()
+        .find_map(|field| match field {
+            Ok(OptionalMetadataField::ColumnName(names)) => Some(names),
+            _ => None,
+        })?;
+    let logged: Vec<String> = names
+        .iter_names()
+        .filter_map(|name| name.ok())
+        .map(|name| name.name().into_owned())
+        .collect();
+    let same = logged.len() == columns.len()
+        && logged
+            .iter()
+            .zip(columns)
+            .all(|(a, b)| a.eq_ignore_ascii_case(b));
+    (!same).then(|| format!("names its columns {logged:?}, and the table {columns:?}"))
+}
+
+/// The types a column of `DATA_TYPE` `data_type` is logged as in a table map; `None` for
+/// a type not compared (MariaDB's UUID, INET6 and the like).
+fn logged_as(data_type: &str) -> Option<&'static [ColumnType]> {
+    use ColumnType::*;
+    Some(match data_type.to_ascii_lowercase().as_str() {
+        "tinyint" => &[MYSQL_TYPE_TINY],
+        "smallint" => &[MYSQL_TYPE_SHORT],
+        "mediumint" => &[MYSQL_TYPE_INT24],
+        "int" | "integer" => &[MYSQL_TYPE_LONG],
+        "bigint" => &[MYSQL_TYPE_LONGLONG],
+        "float" => &[MYSQL_TYPE_FLOAT],
+        "double" | "real" => &[MYSQL_TYPE_DOUBLE],
+        "decimal" | "numeric" => &[MYSQL_TYPE_NEWDECIMAL, MYSQL_TYPE_DECIMAL],
+        "date" => &[MYSQL_TYPE_NEWDATE, MYSQL_TYPE_DATE],
+        "time" => &[MYSQL_TYPE_TIME2, MYSQL_TYPE_TIME],
+        "datetime" => &[MYSQL_TYPE_DATETIME2, MYSQL_TYPE_DATETIME],
+        "timestamp" => &[MYSQL_TYPE_TIMESTAMP2, MYSQL_TYPE_TIMESTAMP],
+        "year" => &[MYSQL_TYPE_YEAR],
+        "char" | "binary" => &[MYSQL_TYPE_STRING],
+        "varchar" | "varbinary" => &[MYSQL_TYPE_VARCHAR, MYSQL_TYPE_VAR_STRING],
+        "tinytext" | "text" | "mediumtext" | "longtext" | "tinyblob" | "blob" | "mediumblob"
+        | "longblob" => &[
+            MYSQL_TYPE_BLOB,
+            MYSQL_TYPE_TINY_BLOB,
+            MYSQL_TYPE_MEDIUM_BLOB,
+            MYSQL_TYPE_LONG_BLOB,
+        ],
+        "json" => &[MYSQL_TYPE_JSON, MYSQL_TYPE_BLOB],
+        "bit" => &[MYSQL_TYPE_BIT],
+        "enum" => &[MYSQL_TYPE_ENUM, MYSQL_TYPE_STRING],
+        "set" => &[MYSQL_TYPE_SET, MYSQL_TYPE_STRING],
+        _ => return None,
+    })
 }
 
 /// How a column's value in the log reads as the table shows it (`information_schema`'s

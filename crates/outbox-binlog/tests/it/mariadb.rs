@@ -819,6 +819,68 @@ async fn rows_written_after_an_alter_table_are_read_with_the_new_columns() {
     );
 }
 
+/// An `ALTER TABLE` that keeps the column count (a column's type changed) while the reader
+/// reads: the width did not change, so rows after it were decoded by the old description (a
+/// DATETIME made TIMESTAMP read as the seconds since the epoch). The table map of the
+/// table's new id logs the new type: the reader describes the table again and reads the
+/// value as the table shows it; read again from before the change, the earlier row matches
+/// the table neither way, and the reader stops rather than misread it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_column_whose_type_an_alter_table_changed_is_read_by_its_new_type() {
+    let (url, mut conn, mut reader) = reading_from_now(
+        "CREATE TABLE outbox (sequence_id bigint PRIMARY KEY AUTO_INCREMENT,
+                              partition_key text NULL, created_at datetime(6) NULL)",
+        5000,
+    )
+    .await;
+    conn.query_drop("SET time_zone = '+00:00'").await.unwrap();
+    let before_the_alter = current_position(&url).await.unwrap();
+    conn.query_drop(
+        "INSERT INTO outbox (partition_key, created_at) VALUES ('a', '2024-12-02 00:40:00.5');
+         ALTER TABLE outbox MODIFY created_at timestamp(6) NULL;
+         INSERT INTO outbox (partition_key, created_at) VALUES ('b', '2024-12-02 00:40:00.5')",
+    )
+    .await
+    .unwrap();
+    let mut read = Vec::new();
+    while read.len() < 2 {
+        if let Output::Row(row) = crate::next_output(reader.next()).await {
+            assert_eq!(row.undecodable(), None, "{row:?}");
+            read.push((
+                row.get("partition_key").map(str::to_string),
+                row.get("created_at").map(str::to_string),
+            ));
+        }
+    }
+    let at = Some("2024-12-02 00:40:00.500000".to_string());
+    assert_eq!(
+        read,
+        [(Some("a".into()), at.clone()), (Some("b".into()), at)],
+        "each row by its own column types"
+    );
+    let config = BinlogConfig {
+        url: url.clone(),
+        server_id: 5000 + fastrand_id(),
+        database: Opts::from_url(&url).unwrap().db_name().unwrap().to_string(),
+        table: "outbox".into(),
+    };
+    let mut again = BinlogReader::start(&config, &before_the_alter)
+        .await
+        .unwrap();
+    let stopped = loop {
+        match again.next().await {
+            Ok(Some(Output::Row(row))) => panic!("a row read by the wrong types: {row:?}"),
+            Ok(Some(_)) => continue,
+            Ok(None) => panic!("the stream ended"),
+            Err(e) => break e.to_string(),
+        }
+    };
+    assert!(
+        stopped.contains("altered") && stopped.contains("created_at"),
+        "{stopped}"
+    );
+}
+
 /// A string column in latin1 (MariaDB's default character set: a table an application made
 /// without naming one): the log carries its bytes in latin1, which were read as UTF-8, each
 /// non-ASCII character replaced, and relayed so. They read as their characters now (MySQL's

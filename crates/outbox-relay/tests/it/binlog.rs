@@ -267,9 +267,14 @@ async fn migrate_print_states_the_servers_needs_and_the_replication_grants() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn check_passes_on_a_server_ready_for_binlog_capture() {
     let db = BinlogDb::new().await;
-    relay_ok(
+    let checked = relay_ok(
         db.dir.path(),
         &["check", "--capture", "binlog", "--database-url", &db.url],
+    );
+    // The test server logs no column names: advised, not refused.
+    assert!(
+        checked.contains("binlog_row_metadata = 'FULL'"),
+        "{checked}"
     );
 }
 
