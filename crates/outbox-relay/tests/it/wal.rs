@@ -1171,6 +1171,92 @@ async fn a_parked_event_whose_commit_is_not_visible_yet_leaves_no_row_behind() {
 }
 
 #[tokio::test]
+async fn a_delivered_event_whose_commit_shows_after_the_patience_leaves_no_row_behind() {
+    // Never the shared server: every commit made with synchronous_commit = on waits here.
+    let server = OwnPostgres::init();
+    server.start("-c wal_level=logical");
+    let w = WalDb::on(server.url("disable"), "late_row_slot".into()).await;
+    for statement in [
+        "ALTER DATABASE postgres SET synchronous_commit = local",
+        "SET synchronous_commit = local",
+        "ALTER SYSTEM SET synchronous_standby_names = 'phantom'",
+        "SELECT pg_reload_conf()",
+    ] {
+        w.db.batch_execute(statement).await.unwrap();
+    }
+    let out = w.path("events.jsonl");
+    let mut relay = w.spawn("relay", &out, &[]);
+    relay
+        .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
+        .await;
+    let before: String =
+        w.db.query_one("SELECT pg_current_wal_lsn()::text", &[])
+            .await
+            .unwrap()
+            .get(0);
+    // Delivered while its commit waits on a standby that never answers: the ack's delete
+    // finds no row, and after its patience the event settles. The row showed later (the
+    // standby back, or the writer cancelled) and stayed pending for good.
+    let writer = pg(&w.url).await;
+    writer
+        .batch_execute("SET synchronous_commit = on")
+        .await
+        .unwrap();
+    let pid: i32 = writer
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let write = tokio::spawn(async move {
+        writer
+            .execute(
+                "INSERT INTO outbox (destination, partition_key, event_type, payload)
+                 VALUES ('orders', 'k', 'Inserted', '{}')",
+                &[],
+            )
+            .await
+    });
+    wait_for_lines("the event delivered", &out, Duration::from_secs(60), |n| {
+        n >= 1
+    })
+    .await;
+    eventually_explained(
+        "the slot confirmed past the event",
+        Duration::from_secs(60),
+        || relay.logs(),
+        || async {
+            let past =
+                w.db.query_one(
+                    "SELECT confirmed_flush_lsn > $1::text::pg_lsn FROM pg_replication_slots
+                      WHERE slot_name = 'late_row_slot'",
+                    &[&before],
+                )
+                .await
+                .ok()?
+                .get::<_, bool>(0);
+            past.then_some(())
+        },
+    )
+    .await;
+    w.db.execute("SELECT pg_cancel_backend($1)", &[&pid])
+        .await
+        .unwrap();
+    write.await.unwrap().unwrap();
+    eventually_explained(
+        "the outbox row deleted",
+        Duration::from_secs(60),
+        || relay.logs(),
+        || async {
+            let left = query_count(&w.db, "SELECT count(*) FROM outbox", &[]).await;
+            left.is_ok_and(|n| n == 0).then_some(())
+        },
+    )
+    .await;
+    let status = relay.terminate().await;
+    assert!(status.success(), "{status:?}");
+}
+
+#[tokio::test]
 async fn parks_and_deletes_are_durable_under_synchronous_commit_off() {
     let w = WalDb::new().await;
     // A server crash keeps what asynchronous commits wrote only once the WAL writer flushed

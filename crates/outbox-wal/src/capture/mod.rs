@@ -639,16 +639,78 @@ impl Inner {
             undeleted_ids("ack", &answer)?
         };
         let mut state = lock(&self.state);
+        let now = std::time::Instant::now();
+        let mut late = Vec::new();
         let (done, wait): (Vec<_>, Vec<_>) = events.into_iter().partition(|(id, since)| {
             let row = match state.holdings.held.get(id) {
                 Some(Held::Stream(held)) => held.row,
                 _ => None,
             };
-            row.is_none_or(|row| !undeleted.contains(&row)) || since.elapsed() >= UNDELETED_PATIENCE
+            let Some(row) = row.filter(|row| undeleted.contains(row)) else {
+                return true;
+            };
+            let settle = since.elapsed() >= UNDELETED_PATIENCE;
+            if settle {
+                late.push((row, now));
+            }
+            settle
         });
+        state.late_rows.extend(late);
         state.undeleted.extend(wait);
         self.settle(&mut state, done.into_iter().map(|(id, _)| id));
         Ok(())
+    }
+
+    /// Deletes the outbox rows of settled events that were not found within
+    /// `UNDELETED_PATIENCE` (`State::late_rows`), at most every `LATE_ROWS_SWEEP`, each
+    /// looked for up to `LATE_ROW_PATIENCE`: a row missing that long was deleted already.
+    /// A failure waits for the next sweep.
+    async fn sweep_late_rows(&self) {
+        let late = {
+            let mut state = lock(&self.state);
+            let due = state
+                .late_rows_swept
+                .is_none_or(|at| at.elapsed() >= LATE_ROWS_SWEEP);
+            if state.late_rows.is_empty() || !due {
+                return;
+            }
+            state.late_rows_swept = Some(std::time::Instant::now());
+            std::mem::take(&mut state.late_rows)
+        };
+        let rows: Vec<SequenceId> = late.iter().map(|(row, _)| *row).collect();
+        let delete: &[&(dyn ToSql + Sync)] = &[&rows];
+        let swept = self
+            .main
+            .transaction_then_query("late rows", &[], Some((&self.sql.delete_delivered, delete)))
+            .await
+            .and_then(|(_, answer)| undeleted_ids("late rows", &answer));
+        let missing = match swept {
+            Ok(missing) => missing,
+            Err(e) => {
+                tracing::debug!(error = %e.report(), "deleting late outbox rows; again at the next sweep");
+                lock(&self.state).late_rows.extend(late);
+                return;
+            }
+        };
+        let deleted = rows.len() - missing.len();
+        if deleted > 0 {
+            tracing::info!(
+                rows = deleted,
+                "deleted outbox rows of delivered events that showed late (their commits waited, \
+                 as on a synchronous standby)"
+            );
+        }
+        let (keep, given_up): (Vec<_>, Vec<_>) = late
+            .into_iter()
+            .filter(|(row, _)| missing.contains(row))
+            .partition(|(_, since)| since.elapsed() < LATE_ROW_PATIENCE);
+        if !given_up.is_empty() {
+            tracing::debug!(
+                rows = given_up.len(),
+                "outbox rows of delivered events not found within the patience: deleted already"
+            );
+        }
+        lock(&self.state).late_rows.extend(keep);
     }
 
     /// Writes held stream events to the dead letters (and deletes their outbox rows) in one
@@ -746,6 +808,7 @@ impl Inner {
                 return Err(e);
             }
         }
+        self.sweep_late_rows().await;
         let _parking = self.parking.lock().await;
         // Parks that failed last time go first: later events of their keys wait for them.
         self.flush_parks().await?;
@@ -918,6 +981,11 @@ fn undeleted_ids(
         .unwrap_or_default();
     Ok(undeleted.into_iter().collect())
 }
+
+/// How often the rows not found within [`UNDELETED_PATIENCE`] are looked for again, and for
+/// how long (see `Inner::sweep_late_rows`).
+const LATE_ROWS_SWEEP: Duration = Duration::from_secs(5);
+const LATE_ROW_PATIENCE: Duration = Duration::from_secs(3600);
 
 /// How long a delivered event's outbox row is looked for (see `Inner::delete_delivered`).
 pub const UNDELETED_PATIENCE: Duration = Duration::from_secs(5);

@@ -99,6 +99,12 @@ pub(super) struct State {
     pub(super) redeliver: VecDeque<SequenceId>,
     /// Delivered stream events whose outbox row was not found yet, and since when.
     pub(super) undeleted: Vec<(SequenceId, std::time::Instant)>,
+    /// Outbox rows of settled events that were still not found after `UNDELETED_PATIENCE`,
+    /// and since when: looked for now and then, so that a commit that waited long (on a
+    /// synchronous standby that was away) leaves no row behind once it shows.
+    pub(super) late_rows: Vec<(SequenceId, std::time::Instant)>,
+    /// When `late_rows` were last looked for.
+    pub(super) late_rows_swept: Option<std::time::Instant>,
     pub(super) drain_until: Option<Lsn>,
     /// Outputs received from the reader and not yet accepted by a claim (a claim stops
     /// at its limit, possibly within a burst).
@@ -183,6 +189,8 @@ impl State {
             holdings: Holdings::default(),
             redeliver: VecDeque::new(),
             undeleted: Vec::new(),
+            late_rows: Vec::new(),
+            late_rows_swept: None,
             drain_until: None,
             unaccepted: VecDeque::new(),
             ack_queue: Vec::new(),
