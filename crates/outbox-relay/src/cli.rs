@@ -60,6 +60,8 @@ pub struct GlobalArgs {
     pub capture: Option<CaptureMode>,
     #[arg(long, global = true, value_name = "ID")]
     pub binlog_server_id: Option<u32>,
+    #[arg(long, global = true, value_name = "MIB")]
+    pub binlog_memory_mib: Option<u64>,
     #[arg(long, global = true, value_name = "NAME")]
     pub slot: Option<String>,
     #[arg(long, global = true, value_name = "NAME")]

@@ -355,6 +355,11 @@ impl Config {
         }
         if db.capture == CaptureMode::Binlog {
             self.refuse_settings_without_effect_on_binlog(database)?;
+        } else if db.binlog_memory_mib.is_some() {
+            bail!(
+                "binlog_memory_mib (--binlog-memory-mib) applies to binlog capture only: add \
+                 --capture binlog (capture = \"binlog\"), or remove it"
+            );
         } else if db.binlog_server_id.is_some() {
             bail!(
                 "binlog_server_id (--binlog-server-id) applies to binlog capture only: add \
@@ -420,6 +425,15 @@ impl Config {
         }
         if db.binlog_server_id == Some(0) {
             bail!("binlog_server_id must be 1 or more: the server refuses a replica with id 0");
+        }
+        if let Some(mib) = db.binlog_memory_mib {
+            if !(1..=outbox_wal::MAX_MEMORY_MIB).contains(&mib) {
+                bail!(
+                    "binlog_memory_mib must be between 1 and {} (got {mib}): it is the MiB of \
+                     events binlog capture may hold",
+                    outbox_wal::MAX_MEMORY_MIB
+                );
+            }
         }
         let refused = [
             (db.retain_delivered, "retain_delivered (--retain-delivered): binlog capture deletes a delivered row"),

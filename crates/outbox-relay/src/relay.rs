@@ -166,9 +166,11 @@ async fn start(
             },
         ))),
         AnyStore::MySqlBinlog(main, capture) => {
+            let mib = (config.database.binlog_memory_mib).unwrap_or(outbox_wal::DEFAULT_MEMORY_MIB);
             let run = BinlogRun {
                 node: node.clone(),
-                memory_budget: config.wal.memory_budget(),
+                memory_budget: usize::try_from(mib.saturating_mul(1024 * 1024))
+                    .unwrap_or(usize::MAX),
                 drain,
             };
             let started = capture.start(main, run).await.map_err(|e| {

@@ -48,5 +48,5 @@ pub use emit::{emit_function, emit_function_ddl, emit_prefix, EMIT_FUNCTION, EMI
 pub use event::{EventPosition, EventSource, Undecodable, WalEvent};
 pub use lsn::Lsn;
 pub use schema::publication_ddl;
-pub use settings::WalSettings;
+pub use settings::{WalSettings, DEFAULT_MEMORY_MIB, MAX_MEMORY_MIB};
 pub use table::{ColumnNames, SourceTable};

@@ -9,8 +9,9 @@ pub const DEFAULT_PUBLICATION: &str = "outbox_relay";
 
 /// What WAL capture holds in memory by default, in MiB ([`crate::budget`]).
 pub const DEFAULT_MEMORY_MIB: u64 = 32;
-/// The most `wal_memory_mib` may be (64 GiB): more is a typo, not a plan.
-const MAX_MEMORY_MIB: u64 = 65_536;
+/// The most `wal_memory_mib` (and binlog capture's `binlog_memory_mib`) may be (64 GiB):
+/// more is a typo, not a plan.
+pub const MAX_MEMORY_MIB: u64 = 65_536;
 
 /// PostgreSQL's longest identifier (NAMEDATALEN - 1): a longer slot name is refused.
 const MAX_NAME_LEN: usize = 63;

@@ -92,6 +92,10 @@ outbox_core::settings! {
         /// replicas and the outbox's other relays). Default: one derived from the database,
         /// the table and the node id.
         pub binlog_server_id: Option<u32> = None,
+        /// The MiB of events binlog capture may hold between the binary log and the sink
+        /// (read ahead, in flight, parked rows claimed): the reader waits for room beyond it.
+        /// Default: 32, as wal_memory_mib for WAL capture.
+        pub binlog_memory_mib: Option<u64> = None,
         /// Schema of the outbox table.
         pub outbox_schema: String = DEFAULT_SCHEMA.into(),
         /// Name of the outbox table; dead letters go to <name>_dead_letters. Default: the

@@ -248,6 +248,31 @@ fn bad_values_and_names_exit_2_naming_where_they_came_from() {
         "wal_memory_mib apply to WAL capture only",
         "add --capture wal",
     );
+    // Binlog capture's budget, which could not be set at all (wal_memory_mib is refused
+    // with binlog capture).
+    refused(
+        relay(
+            d,
+            &[
+                "run",
+                "--drain",
+                "--database-url",
+                "mysql://u@127.0.0.1:1/db",
+                "--capture",
+                "binlog",
+                "--binlog-memory-mib",
+                "0",
+            ],
+            &[],
+        ),
+        "binlog_memory_mib must be between 1 and 65536",
+        "MiB of events binlog capture may hold",
+    );
+    refused(
+        relay(d, &["run", "--drain", "--binlog-memory-mib", "64"], &[]),
+        "binlog_memory_mib (--binlog-memory-mib) applies to binlog capture only",
+        "add --capture binlog",
+    );
 }
 
 /// A duration no setting can use (it would overflow a clock or a database's milliseconds)
