@@ -1418,6 +1418,65 @@ async fn a_drop_slot_cut_short_while_a_relay_streams_keeps_the_slots_adoption() 
 }
 
 #[tokio::test]
+async fn a_session_opening_slowly_is_kept_past_wal_sender_timeout() {
+    let w = WalDb::new().await;
+    let database = w.url.rsplit('/').next().unwrap().to_string();
+    w.db.batch_execute(&format!(
+        "ALTER DATABASE \"{database}\" SET wal_sender_timeout = '2s'"
+    ))
+    .await
+    .unwrap();
+    // A park of a paused ex-holder still holds the slot's writes: the new session's read of
+    // the parked keys waits for it, as it waits for a long read of a large parked table.
+    // Unanswered meanwhile, the server ended the session after wal_sender_timeout, and the
+    // next one waited again (for good, for a read that outlasts the timeout).
+    let holder = pg(&w.url).await;
+    holder
+        .query_one(
+            "SELECT pg_advisory_lock_shared(hashtext('outbox-relay slot writes ' || $1))::text",
+            &[&w.slot],
+        )
+        .await
+        .unwrap();
+    let out = w.path("events.jsonl");
+    let mut relay = w.spawn("relay", &out, &[]);
+    let waiting = "SELECT count(*) FROM pg_stat_activity
+                    WHERE wait_event_type = 'Lock' AND wait_event = 'advisory'";
+    wait_for_rows(&relay, "the session waiting", &w.db, waiting, 1).await;
+    // Two and a half times the timeout (the relay's status updates go every second),
+    // asking every 100 ms: the slot's session must stay.
+    let active = "SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1 AND active";
+    let until = std::time::Instant::now() + Duration::from_secs(5);
+    while std::time::Instant::now() < until {
+        let n = query_count(&w.db, active, &[&w.slot]).await.unwrap();
+        assert_eq!(n, 1, "the session was ended: {}", relay.logs());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    holder
+        .query_one(
+            "SELECT pg_advisory_unlock_shared(hashtext('outbox-relay slot writes ' || $1))::text",
+            &[&w.slot],
+        )
+        .await
+        .unwrap();
+    relay
+        .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
+        .await;
+    insert(&w.db, "k", 1).await;
+    wait_for_lines("the event delivered", &out, Duration::from_secs(60), |n| {
+        n >= 1
+    })
+    .await;
+    assert!(
+        !relay.logs().contains("the replication session broke"),
+        "{}",
+        relay.logs()
+    );
+    let status = relay.terminate().await;
+    assert!(status.success(), "{status:?}");
+}
+
+#[tokio::test]
 async fn an_undecodable_event_behind_a_retrying_head_is_dead_lettered_not_dropped() {
     let (_nats, deliveries, proxy, broker_url) = nats_behind_a_proxy().await;
     let w = WalDb::new().await;

@@ -292,17 +292,27 @@ impl Reader {
     /// for it. Status updates go out every second, and the session is let go, as while
     /// streaming, when the database stops answering over SQL.
     async fn send_serviced(&self, stream: &mut WalStream, item: Item) -> Result<(), SessionEnd> {
+        let sent = self.serviced(stream, self.tx.send(item)).await?;
+        self.notify();
+        sent.map_err(|_| SessionEnd::Closed)
+    }
+
+    /// Runs `work` while the session is kept (status updates, the database asked over SQL):
+    /// a session's opening statements can outlast `wal_sender_timeout` (an adoption, the
+    /// parked table read whole), and a session left unanswered that long is ended by the
+    /// server, to be opened, and cut off, again. `Err`: the session ended meanwhile.
+    async fn serviced<T>(
+        &self,
+        stream: &mut WalStream,
+        work: impl std::future::Future<Output = T>,
+    ) -> Result<T, SessionEnd> {
         let mut liveness = SqlLiveness::new();
         let mut close = self.close.clone();
-        let sending = self.tx.send(item);
-        tokio::pin!(sending);
+        tokio::pin!(work);
         loop {
             tokio::select! {
                 biased;
-                sent = &mut sending => {
-                    self.notify();
-                    return sent.map_err(|_| SessionEnd::Closed);
-                }
+                done = &mut work => return Ok(done),
                 _ = close.changed() => return Err(SessionEnd::Closed),
                 _ = liveness.tick() => {
                     if let Some(end) = self.serve(stream, &mut liveness).await {
@@ -456,7 +466,11 @@ impl Reader {
         if let Some(end) = self.publication_drift().await {
             return Some(end);
         }
-        match self.adopt().await {
+        let adopted = match self.serviced(stream, self.adopt()).await {
+            Ok(adopted) => adopted,
+            Err(end) => return Some(end),
+        };
+        match adopted {
             Ok(true) => {}
             Ok(false) => return Some(lost_slot(stream).await),
             Err(e) => {
@@ -471,17 +485,19 @@ impl Reader {
         let slot: &[&(dyn ToSql + Sync)] = &[&self.config.slot];
         // Bounded as the adoption is: the query reads every parked row (for its size), as
         // many as an adoption moved.
-        let parked_keys = match self
-            .main
-            .long_transaction_if_then_query(
-                "parked keys",
-                ADOPTION_TIMEOUT,
-                &[(&self.sql.take_slot_writes, slot)],
-                &[],
-                Some((&self.sql.parked_keys, &[])),
-            )
-            .await
-        {
+        let lock = [(self.sql.take_slot_writes.as_str(), slot)];
+        let reading = self.main.long_transaction_if_then_query(
+            "parked keys",
+            ADOPTION_TIMEOUT,
+            &lock,
+            &[],
+            Some((&self.sql.parked_keys, &[])),
+        );
+        let read = match self.serviced(stream, reading).await {
+            Ok(read) => read,
+            Err(end) => return Some(end),
+        };
+        let parked_keys = match read {
             // The lock's query returns its row: not met, but not a panic either.
             Ok(None) => {
                 let reason = "reading the parked keys: the slot's write lock said nothing";
