@@ -22,10 +22,12 @@ pub async fn ready_store(
     // second slot beside the one a relay started meanwhile streams from.
     let legacy =
         retry_transient("checking the database", wait, || store.legacy_slot_in_use()).await;
-    match legacy {
-        Ok(keep) => store.use_legacy_slot(keep),
-        Err(_) => store.keep_legacy_slot().await,
-    }
+    // Not known, nothing is guessed: the store could not be used anyway.
+    let keep = legacy.map_err(|e| {
+        let message = format!("cannot use {}: {}", redact_url(database_url), e.report());
+        failure(message, &e)
+    })?;
+    store.use_legacy_slot(keep);
     let problems = retry_transient("checking the database", wait, || {
         prepare_store(&store, create)
     })

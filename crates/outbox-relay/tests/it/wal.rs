@@ -1477,6 +1477,34 @@ async fn a_session_opening_slowly_is_kept_past_wal_sender_timeout() {
 }
 
 #[tokio::test]
+async fn forgetting_a_dropped_slots_adoption_keeps_the_record_of_a_slot_made_again() {
+    let w = WalDb::new().await;
+    let out = w.path("events.jsonl");
+    assert_success("the drain", &w.drain(&out));
+    let adopted = "SELECT count(*) FROM outbox_adopted WHERE slot = $1";
+    assert_eq!(query_count(&w.db, adopted, &[&w.slot]).await.unwrap(), 1);
+    // drop-slot forgets the adoption after the drop: should a relay have made the slot
+    // again meanwhile and recorded its own adoption, that record stays.
+    let store = outbox_store_postgres::PgStore::new(outbox_store_postgres::PgOptions::new(
+        &w.url,
+        outbox_store_postgres::Tables::standard(),
+    ))
+    .unwrap();
+    let publication = outbox_core::ident::Ident::new("outbox_relay", "publication").unwrap();
+    outbox_wal::forget_adoption(&store, &publication, &w.slot)
+        .await
+        .unwrap();
+    assert_eq!(query_count(&w.db, adopted, &[&w.slot]).await.unwrap(), 1);
+    w.db.query_one("SELECT pg_drop_replication_slot($1)", &[&w.slot])
+        .await
+        .unwrap();
+    outbox_wal::forget_adoption(&store, &publication, &w.slot)
+        .await
+        .unwrap();
+    assert_eq!(query_count(&w.db, adopted, &[&w.slot]).await.unwrap(), 0);
+}
+
+#[tokio::test]
 async fn an_undecodable_event_behind_a_retrying_head_is_dead_lettered_not_dropped() {
     let (_nats, deliveries, proxy, broker_url) = nats_behind_a_proxy().await;
     let w = WalDb::new().await;

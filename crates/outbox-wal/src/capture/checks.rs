@@ -210,6 +210,8 @@ pub(super) async fn publication_problems(
 
 /// Forgets that `slot` adopted the outbox's rows, once the slot is dropped: a slot made
 /// again by that name starts after rows its predecessor never brought, and must adopt them.
+/// Only while no slot of the name exists: a relay may have made it again meanwhile, and
+/// recorded its own adoption.
 pub async fn forget_adoption(
     main: &PgStore,
     publication: &outbox_core::ident::Ident,
@@ -217,7 +219,11 @@ pub async fn forget_adoption(
 ) -> StoreResult<()> {
     let sql = CaptureStatements::new(&capture_tables(main.tables(), publication, None));
     match main
-        .query_rows("forget adoption", &sql.forget_adoption, &[&slot])
+        .query_rows(
+            "forget adoption",
+            &sql.forget_adoption_of_missing_slot,
+            &[&slot],
+        )
         .await
     {
         // A database migrated by an earlier version: nothing recorded, nothing to forget.
