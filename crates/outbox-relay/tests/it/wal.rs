@@ -1505,6 +1505,60 @@ async fn forgetting_a_dropped_slots_adoption_keeps_the_record_of_a_slot_made_aga
 }
 
 #[tokio::test]
+async fn an_event_parked_again_by_a_new_session_settles_at_once() {
+    // A sink that answers after 5 s keeps the first event in flight, so the slot is not
+    // confirmed past a second one, parked (scheduled later) meanwhile.
+    let receiver = outbox_testkit::SlowWebhook::start(Duration::from_secs(5))
+        .await
+        .unwrap();
+    let sink = format!("http://{}/hooks/{{destination}}", receiver.addr);
+    let w = WalDb::new().await;
+    let mut relay = w.streaming_to(&sink, &[]).await;
+    insert(&w.db, "a", 0).await;
+    w.db.execute(
+        "INSERT INTO outbox (destination, partition_key, event_type, payload, available_at)
+         VALUES ('orders', 'b', 'Inserted', '{}', now() + interval '1 minute')",
+        &[],
+    )
+    .await
+    .unwrap();
+    let parked = "SELECT count(*) FROM outbox_parked";
+    wait_for_rows(&relay, "the scheduled event parked", &w.db, parked, 1).await;
+    // A new session sends both again. The second's park is skipped (its event id is
+    // parked), and its row is gone (deleted by the first park): it was taken for a commit
+    // not visible yet, and held the slot and its key 5 s.
+    w.db.execute(
+        "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = $1",
+        &[&w.slot],
+    )
+    .await
+    .unwrap();
+    eventually_explained(
+        "a second session",
+        Duration::from_secs(60),
+        || relay.logs(),
+        || {
+            let sessions = relay
+                .logs()
+                .matches("streaming from the replication slot")
+                .count();
+            async move { (sessions >= 2).then_some(()) }
+        },
+    )
+    .await;
+    // A later event of the key is parked behind it: its park follows the second one.
+    insert(&w.db, "b", 1).await;
+    wait_for_rows(&relay, "the key's next event parked", &w.db, parked, 2).await;
+    assert!(
+        !relay.logs().contains("not visible yet"),
+        "{}",
+        relay.logs()
+    );
+    let status = relay.terminate().await;
+    assert!(status.success(), "{status:?}");
+}
+
+#[tokio::test]
 async fn an_undecodable_event_behind_a_retrying_head_is_dead_lettered_not_dropped() {
     let (_nats, deliveries, proxy, broker_url) = nats_behind_a_proxy().await;
     let w = WalDb::new().await;

@@ -408,6 +408,7 @@ impl Inner {
             return Ok(0);
         }
         let p = &columns.parking;
+        let to_park = p.delays.len() as u64;
         let park = columns.params(&[], &[&p.delays, &p.not_before, &p.attempts, &p.errors]);
         let dead_letter = dead.params();
         let delete: &[&(dyn ToSql + Sync)] = &[&rows];
@@ -432,7 +433,13 @@ impl Inner {
             )
             .await;
         let result = match result {
-            Ok(Some((_, answer))) => undeleted_ids("park", &answer),
+            Ok(Some((counts, answer))) => {
+                // Parks the event id's conflict skipped: the event was parked (or adopted)
+                // before, by a session that ended before the slot confirmed past it, and
+                // that park deleted its row.
+                let skipped = to_park.saturating_sub(counts.first().copied().unwrap_or(0));
+                undeleted_ids("park", &answer).map(|undeleted| (undeleted, skipped))
+            }
             Ok(None) => {
                 lock(&self.state).fenced_out(session, parks.iter().map(|p| p.id));
                 return Ok(0);
@@ -457,7 +464,7 @@ impl Inner {
         }
         let mut state = lock(&self.state);
         match result {
-            Ok(undeleted) => {
+            Ok((undeleted, skipped)) => {
                 tracing::debug!(?parked, "parked");
                 state.largest_parked = state.largest_parked.max(largest_parked);
                 let n = parks.len() as u64;
@@ -466,9 +473,26 @@ impl Inner {
                 // unsettled, the slot short of it, until the row is deleted as a delivered
                 // event's is: settled now, that row would outlive its event, and be
                 // relayed again by any later adoption.
-                let (waiting, done): (Vec<_>, Vec<_>) = parks.into_iter().partition(|p| {
+                let (mut waiting, mut done): (Vec<_>, Vec<_>) = parks.into_iter().partition(|p| {
                     matches!(state.holdings.held.get(&p.id), Some(Held::Stream(held)) if held.row.is_some_and(|row| undeleted.contains(&row)))
                 });
+                // As many parks skipped as rows missing: events sent again after a session
+                // ended (each park found its row gone, deleted by the earlier park), the
+                // common case after a reconnect. They settle now, their rows looked for
+                // later (`sweep_late_rows`) should one of them be a commit not visible yet.
+                if !waiting.is_empty() && skipped >= waiting.len() as u64 {
+                    let now = std::time::Instant::now();
+                    let rows =
+                        waiting
+                            .iter()
+                            .filter_map(|p| match state.holdings.held.get(&p.id) {
+                                Some(Held::Stream(held)) => held.row,
+                                _ => None,
+                            });
+                    let late: Vec<_> = rows.map(|row| (row, now)).collect();
+                    state.late_rows.extend(late);
+                    done.append(&mut waiting);
+                }
                 if !waiting.is_empty() {
                     tracing::info!(
                         events = waiting.len(),
