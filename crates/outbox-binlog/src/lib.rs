@@ -28,6 +28,7 @@ mod positions;
 mod reader;
 pub mod schema;
 pub mod seat;
+mod statement;
 pub mod store;
 pub use capture::{Capture, Started};
 pub use positions::{Positions, UnknownRow};
@@ -83,17 +84,19 @@ pub enum BinlogError {
     /// writing session's `binlog_format` is not ROW. Its rows are in no row event.
     #[error(
         "the server logged a write to the outbox table {table} as a statement at {at} \
-         ({statement}): the writing session's binlog_format is not ROW (STATEMENT or MIXED, set \
-         globally or by that session), so the rows it inserted are not in the binary log as \
-         rows, and binlog capture stops here rather than pass them by; the stored position \
-         stays before it. Set binlog_format = ROW globally (SET GLOBAL binlog_format = 'ROW', \
-         and in the server's configuration) and for every session that writes the outbox (no \
-         SET SESSION binlog_format, which needs SUPER or BINLOG ADMIN: revoke it from the \
-         application's role)"
+         ({statement}, its values not repeated here): the writing session's binlog_format is \
+         not ROW (STATEMENT or MIXED, set globally or by that session), so the rows it \
+         inserted are not in the binary log as rows, and binlog capture stops here rather \
+         than pass them by; the stored position stays before it. Set binlog_format = ROW \
+         globally (SET GLOBAL binlog_format = 'ROW', and in the server's configuration) and \
+         for every session that writes the outbox (no SET SESSION binlog_format, which needs \
+         SUPER or BINLOG ADMIN: revoke it from the application's role)"
     )]
     StatementLogged {
         at: String,
         table: String,
+        /// The statement's verb and target (`INSERT INTO shop.outbox`), never its values,
+        /// which may be the events' payloads.
         statement: String,
     },
     /// An incident event: the server says events are missing from its log at that place.

@@ -28,7 +28,9 @@ use mysql_async::{BinlogStreamRequest, Conn, Sid, Value};
 use mysql_common::binlog::consts::TransactionPayloadCompressionType;
 use mysql_common::io::ParseBuf;
 
-use crate::{gtid, opts, BinlogConfig, BinlogError, BinlogPosition, Result, FATAL_READING_BINLOG};
+use crate::{
+    gtid, opts, statement, BinlogConfig, BinlogError, BinlogPosition, Result, FATAL_READING_BINLOG,
+};
 
 #[cfg(test)]
 mod mysql8;
@@ -347,73 +349,6 @@ fn mariadb_prepared_xa(body: &[u8]) -> bool {
     const FL_PREPARED_XA: u8 = 64;
     body.get(12)
         .is_some_and(|flags| flags & FL_PREPARED_XA != 0)
-}
-
-/// Whether `statement`, logged with `schema` as its default database, may have inserted
-/// rows into `database`.`table`: an INSERT, REPLACE or LOAD DATA that names the table in any
-/// form (`outbox`, `` `outbox` ``, `shop.outbox`, in any case), unqualified in `database`
-/// or qualified by it. Conservative: a name anywhere in the statement counts (a column or a
-/// string of that name too), since a false stop is said and a missed one loses events. An
-/// UPDATE or DELETE logged so loses no event (they are not events), and passes.
-fn inserts_by_statement(statement: &str, schema: &str, database: &str, table: &str) -> bool {
-    let text = skip_comments(statement);
-    let verb: String = text
-        .chars()
-        .take_while(char::is_ascii_alphabetic)
-        .collect::<String>()
-        .to_ascii_uppercase();
-    if !matches!(verb.as_str(), "INSERT" | "REPLACE" | "LOAD") || table.is_empty() {
-        return false;
-    }
-    let lower = text.to_ascii_lowercase();
-    let name = table.to_ascii_lowercase();
-    let identifier = |b: u8| b.is_ascii_alphanumeric() || b == b'_' || b == b'$' || b >= 0x80;
-    let bytes = lower.as_bytes();
-    lower.match_indices(&name).any(|(at, _)| {
-        let end = at + name.len();
-        if at > 0 && identifier(bytes[at - 1]) || bytes.get(end).is_some_and(|b| identifier(*b)) {
-            return false;
-        }
-        // What qualifies it: `db.`, `` `db`. ``, or nothing (the default database).
-        let before = lower[..at].trim_end_matches('`').trim_end();
-        match before.strip_suffix('.') {
-            Some(qualified) => {
-                let qualified = qualified.trim_end();
-                let qualifier = match qualified.strip_suffix('`') {
-                    Some(quoted) => quoted.rsplit('`').next().unwrap_or(""),
-                    None => qualified
-                        .rsplit(|c: char| c.is_ascii() && !identifier(c as u8))
-                        .next()
-                        .unwrap_or(""),
-                };
-                // One that cannot be read counts: better a false stop than a lost event.
-                qualifier.is_empty() || qualifier.eq_ignore_ascii_case(database)
-            }
-            None => schema.eq_ignore_ascii_case(database),
-        }
-    })
-}
-
-/// `statement` after its leading blanks and `/* … */` comments.
-fn skip_comments(statement: &str) -> &str {
-    let mut text = statement.trim_start();
-    while let Some(rest) = text.strip_prefix("/*") {
-        text = rest
-            .split_once("*/")
-            .map_or("", |(_, after)| after)
-            .trim_start();
-    }
-    text
-}
-
-/// The start of `statement`, for an error that names it.
-fn excerpt(statement: &str) -> String {
-    const SHOWN: usize = 200;
-    let statement = statement.trim();
-    match statement.char_indices().nth(SHOWN) {
-        Some((at, _)) => format!("{}…", &statement[..at]),
-        None => statement.to_string(),
-    }
 }
 
 /// The GTID state at the file and offset a reader starts at. The server says it for its own
@@ -784,6 +719,33 @@ impl BinlogReader {
             let data = event
                 .read_data()
                 .map_err(|e| BinlogError::Decode(e.to_string()))?;
+            // Rows the writer's session logged as a statement (its binlog_format is not
+            // ROW): no row event follows, and the transaction's end would be taken for
+            // another table's, its rows passed by unread. A LOAD DATA so logged is a
+            // Begin_load_query event (the file) and an Execute_load_query event (the
+            // statement).
+            let logged_insert = match &data {
+                Some(EventData::QueryEvent(query)) => statement::logged_insert(
+                    &query.query(),
+                    &query.schema(),
+                    &self.database,
+                    &self.table,
+                ),
+                Some(EventData::ExecuteLoadQueryEvent(query)) => statement::logged_insert(
+                    &query.query(),
+                    &query.schema(),
+                    &self.database,
+                    &self.table,
+                ),
+                _ => None,
+            };
+            if let Some(statement) = logged_insert {
+                return Err(BinlogError::StatementLogged {
+                    at: format!("{} offset {end}", self.file),
+                    table: format!("{}.{}", self.database, self.table),
+                    statement,
+                });
+            }
             let mut altered_width = None;
             match data {
                 // The rotate the server sends first, before the log's checksum setting
@@ -839,23 +801,6 @@ impl BinlogReader {
                 }
                 // Another table's transaction ended: a place a reader may start from.
                 Some(EventData::XidEvent(_)) => self.set_boundary(end),
-                // Rows the writer's session logged as a statement (its binlog_format is not
-                // ROW): no row event follows, and the transaction's end would be taken for
-                // another table's, its rows passed by unread.
-                Some(EventData::QueryEvent(query))
-                    if inserts_by_statement(
-                        &query.query(),
-                        &query.schema(),
-                        &self.database,
-                        &self.table,
-                    ) =>
-                {
-                    return Err(BinlogError::StatementLogged {
-                        at: format!("{} offset {end}", self.file),
-                        table: format!("{}.{}", self.database, self.table),
-                        statement: excerpt(&query.query()),
-                    });
-                }
                 Some(EventData::QueryEvent(query))
                     if query.query_raw().starts_with(b"XA START") =>
                 {
@@ -1618,39 +1563,111 @@ mod tests {
         );
     }
 
-    #[test]
-    fn an_insert_logged_as_a_statement_is_found_by_the_outbox_tables_name_in_any_form() {
-        let stops = |statement: &str, schema: &str| {
-            inserts_by_statement(statement, schema, "shop", "outbox")
+    /// Events written here, handed out in order; then the stream ends.
+    struct Written(std::collections::VecDeque<Event>);
+
+    impl EventSource for Written {
+        fn next_event(&mut self) -> BoxFuture<'_, Option<mysql_async::Result<Event>>> {
+            let event = self.0.pop_front().map(Ok);
+            async move { event }.boxed()
+        }
+
+        fn table_map(&self, _: u64) -> Option<&TableMapEvent<'static>> {
+            None
+        }
+    }
+
+    /// `event` as the server sends it, ending at `log_pos`.
+    fn written<'a, E: mysql_common::binlog::BinlogEvent<'a>>(event: E, log_pos: u32) -> Event {
+        use mysql_common::binlog::consts::{BinlogVersion, EventFlags};
+        use mysql_common::binlog::events::{BinlogEventHeader, FormatDescriptionEvent};
+        use mysql_common::proto::MySerialize;
+        let mut body = Vec::new();
+        event.serialize(&mut body);
+        let size = u32::try_from(BinlogEventHeader::LEN + body.len()).unwrap();
+        let header =
+            BinlogEventHeader::new(1, E::EVENT_TYPE, 1, size, log_pos, EventFlags::empty());
+        let mut bytes = Vec::new();
+        header.serialize(&mut bytes);
+        bytes.extend(body);
+        let format = FormatDescriptionEvent::new(BinlogVersion::Version4);
+        Event::read(&format, &bytes[..]).unwrap()
+    }
+
+    /// A LOAD DATA logged as a statement: the file's Begin_load_query event, then an
+    /// Execute_load_query event, which mysql_common reads as one of its own (no
+    /// QueryEvent), with the statement and its default database.
+    fn load_data(query: &str, schema: &str, log_pos: u32) -> Event {
+        use mysql_common::binlog::consts::LoadDuplicateHandling;
+        use mysql_common::binlog::events::ExecuteLoadQueryEvent;
+        let event = ExecuteLoadQueryEvent::new(
+            1,
+            LoadDuplicateHandling::LOAD_DUP_ERROR,
+            Vec::new(),
+            schema.as_bytes().to_vec(),
+        )
+        .with_query(query.as_bytes().to_vec());
+        written(event, log_pos)
+    }
+
+    fn reading(events: Vec<Event>) -> BinlogReader {
+        let config = BinlogConfig {
+            url: String::new(),
+            server_id: 1,
+            database: "shop".into(),
+            table: "outbox".into(),
         };
-        for statement in [
-            "INSERT INTO outbox (partition_key) VALUES ('a')",
-            "insert into `outbox` values (1)",
-            "INSERT INTO shop.outbox VALUES (1)",
-            "INSERT INTO `Shop` . `OUTBOX` VALUES (1)",
-            "  /* app */ REPLACE INTO outbox VALUES (1)",
-            "LOAD DATA INFILE '/tmp/x' INTO TABLE outbox",
-            "INSERT INTO archive SELECT * FROM outbox",
-        ] {
-            assert!(stops(statement, "shop"), "{statement}");
+        let layout = Layout {
+            database: "shop".into(),
+            table: "outbox".into(),
+            columns: Vec::new(),
+            kinds: Vec::new(),
+            data_types: Vec::new(),
+        };
+        let from = BinlogPosition::at("mariadb-bin.000001", 100);
+        BinlogReader::of(Box::new(Written(events.into())), &config, layout, from)
+    }
+
+    /// The outbox's LOAD DATA logged as a statement was passed by, its rows lost: its
+    /// Execute_load_query event was not looked at. It stops the reader now, before it.
+    #[tokio::test]
+    async fn an_outbox_load_data_logged_as_a_statement_stops_the_reader_before_it() {
+        use mysql_common::binlog::events::XidEvent;
+        let into_outbox = "LOAD DATA LOCAL INFILE '/tmp/SQL_LOAD_MB-1-0' INTO TABLE outbox \
+                           FIELDS TERMINATED BY ',' (partition_key)";
+        let mut reader = reading(vec![
+            load_data(into_outbox, "shop", 200),
+            written(XidEvent { xid: 7 }, 231),
+        ]);
+        match reader.next().await {
+            Err(e @ BinlogError::StatementLogged { .. }) => {
+                let said = e.to_string();
+                assert!(
+                    said.contains("LOAD DATA … INTO TABLE shop.outbox")
+                        && said.contains("mariadb-bin.000001 offset 200")
+                        && !said.contains("SQL_LOAD_MB"),
+                    "{said}"
+                );
+            }
+            other => panic!("the reader read on: {other:?}"),
         }
-        assert!(
-            stops("INSERT INTO shop.outbox VALUES (1)", "other"),
-            "qualified by the outbox's database"
+        let boundary = reader.boundary().expect("a place read");
+        assert_eq!(
+            boundary.offset, 100,
+            "the place to start again is before it"
         );
-        for (statement, schema) in [
-            ("INSERT INTO outbox VALUES (1)", "other"),
-            ("INSERT INTO other.outbox VALUES (1)", "shop"),
-            ("INSERT INTO outbox_parked VALUES (1)", "shop"),
-            ("INSERT INTO my_outbox VALUES (1)", "shop"),
-            ("DELETE FROM outbox WHERE sequence_id IN (1)", "shop"),
-            ("UPDATE outbox SET x = 1", "shop"),
-            ("CREATE TABLE outbox (id int)", "shop"),
-            ("BEGIN", "shop"),
-            ("COMMIT", "shop"),
-        ] {
-            assert!(!stops(statement, schema), "{statement} in {schema}");
-        }
+
+        // Another table's load passes, and its transaction's end is a place to start from.
+        let mut reader = reading(vec![
+            load_data(
+                "LOAD DATA INFILE 'outbox.csv' INTO TABLE archive",
+                "shop",
+                200,
+            ),
+            written(XidEvent { xid: 7 }, 231),
+        ]);
+        assert!(matches!(reader.next().await, Ok(None)));
+        assert_eq!(reader.boundary().map(|b| b.offset), Some(231));
     }
 
     #[test]
