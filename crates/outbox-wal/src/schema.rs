@@ -469,7 +469,11 @@ impl CaptureStatements {
                                WHERE a.attrelid = c.oid AND a.attnum > 0
                                  AND NOT a.attisdropped AND a.attgenerated = ''
                                  AND a.attname <> ALL (pt.attnames)
-                               ORDER BY a.attnum)
+                               ORDER BY a.attnum),
+                        array_to_string(ARRAY['insert',
+                            CASE WHEN p.pubupdate THEN 'update' END,
+                            CASE WHEN p.pubdelete THEN 'delete' END,
+                            CASE WHEN p.pubtruncate THEN 'truncate' END], ', ')
                    FROM pg_catalog.pg_publication p
                    JOIN pg_catalog.pg_publication_tables pt ON pt.pubname = p.pubname
                    JOIN pg_catalog.pg_namespace n ON n.nspname = pt.schemaname

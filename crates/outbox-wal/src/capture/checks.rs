@@ -149,7 +149,6 @@ pub(super) async fn publication_problems(
             t = table.quoted()
         )
     };
-    let publish_inserts = format!("ALTER PUBLICATION {quoted} SET (publish = 'insert')");
     let drift = "rows written meanwhile are not in the stream: once it is fixed, the relay's \
                  next session moves the rows still in the table to the parked table";
     let mut problems = Vec::new();
@@ -183,10 +182,14 @@ pub(super) async fn publication_problems(
         };
         let (inserts, filter, left_out): (bool, Option<String>, Vec<String>) =
             (row.get(0), row.get(1), row.get(2));
+        // INSERTs added to what it publishes already, which other consumers may need.
+        let with_inserts: String = row.get(3);
+        let publish_inserts =
+            format!("ALTER PUBLICATION {quoted} SET (publish = '{with_inserts}')");
         if !inserts {
             problems.push(Problem::blocking(
                 format!("the publication {name:?} publishes no INSERTs of {table}: {drift}"),
-                publish_inserts.clone(),
+                publish_inserts,
             ));
         }
         if let Some(filter) = filter {
