@@ -37,8 +37,8 @@ pub use schema::{
     blackhole_ddl, blackhole_problem, blackhole_table_problems, is_blackhole, parked_table_problem,
 };
 pub use seat::{
-    positions_ddl, stored_position, upgrade_positions, ActiveReader, SeatConfig, StoredPosition,
-    Taken,
+    positions_ddl, quote_identifier, quote_string, stored_position, upgrade_positions,
+    ActiveReader, SeatConfig, StoredPosition, Taken,
 };
 pub use store::{BinlogStore, BinlogStoreOptions, CaptureStatus, StillReading};
 

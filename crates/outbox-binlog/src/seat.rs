@@ -485,6 +485,18 @@ pub(crate) fn quoted(name: &str) -> String {
         .join(".")
 }
 
+/// One identifier (a database's or a table's name, never split at a `.`) backquoted, its
+/// backquotes doubled, for a statement said to an operator: `` `out``box` ``.
+pub fn quote_identifier(name: &str) -> String {
+    format!("`{}`", name.replace('`', "``"))
+}
+
+/// `value` as a string literal, its quotes doubled and its backslashes escaped, as the
+/// server reads it under its default `sql_mode` (not NO_BACKSLASH_ESCAPES).
+pub fn quote_string(value: &str) -> String {
+    format!("'{}'", value.replace('\\', "\\\\").replace('\'', "''"))
+}
+
 /// The seat lock's name ([`outbox_core::ident::server_lock_name`]).
 fn lock_name(outbox: &str) -> String {
     outbox_core::ident::server_lock_name("outbox-binlog:", outbox)
@@ -508,6 +520,8 @@ mod tests {
     #[test]
     fn identifiers_are_quoted_part_by_part() {
         assert_eq!(quoted("shop.out`box"), "`shop`.`out``box`");
+        assert_eq!(quote_identifier("sh.o`p"), "`sh.o``p`");
+        assert_eq!(quote_string(r"it's a\b"), r"'it''s a\\b'");
         assert!(positions_ddl("outbox_binlog_positions")
             .starts_with("CREATE TABLE IF NOT EXISTS `outbox_binlog_positions` ("));
     }

@@ -186,13 +186,7 @@ impl BinlogCapture {
     pub fn recovery(&self, blackhole: bool) -> String {
         // An UPDATE, never a DELETE: the row's epoch fences a paused ex-reader's writes, and
         // a row made again would start it over at 0, where that reader's epoch may be valid.
-        let forget = format!(
-            "UPDATE `{}`.`{}` SET log_file = '', log_offset = 0, server_id = NULL, gtid = NULL \
-             WHERE outbox = '{}'",
-            self.database,
-            self.positions_table,
-            self.outbox_key().replace('\'', "''")
-        );
+        let forget = forget_position(&self.database, &self.positions_table, &self.outbox_key());
         if blackhole {
             return format!(
                 "the outbox is a BLACKHOLE table, which stores nothing: the events committed \
@@ -400,6 +394,20 @@ impl BinlogCapture {
     }
 }
 
+/// The statement that forgets the stored position of the outbox `key` in
+/// `database`.`positions`, its names and key quoted: a backquote in a name, a quote or a
+/// backslash in the key would otherwise break it, or make it another statement.
+fn forget_position(database: &str, positions: &str, key: &str) -> String {
+    use outbox_binlog::{quote_identifier, quote_string};
+    format!(
+        "UPDATE {}.{} SET log_file = '', log_offset = 0, server_id = NULL, gtid = NULL \
+         WHERE outbox = {}",
+        quote_identifier(database),
+        quote_identifier(positions),
+        quote_string(key)
+    )
+}
+
 /// A failure to read what the server has (its settings, a table's engine or columns).
 fn unreachable(e: outbox_binlog::BinlogError) -> StoreError {
     StoreError::new(StoreErrorKind::Connection, format!("binlog capture: {e}"))
@@ -427,5 +435,21 @@ mod tests {
         );
         assert_ne!(id, default_server_id("shop", "other", "node-1"));
         assert!((0x4000_0000..0x8000_0000).contains(&id), "{id}");
+    }
+
+    /// The advised statement escaped only the key's quotes: a backquote in the database's or
+    /// table's name, or a backslash in the key (which is `database.table`), broke it.
+    #[test]
+    fn the_recovery_statement_quotes_its_names_and_key() {
+        assert_eq!(
+            forget_position("sh`op", "out\\box_binlog", "sh`op.out\\box's"),
+            "UPDATE `sh``op`.`out\\box_binlog` SET log_file = '', log_offset = 0, \
+             server_id = NULL, gtid = NULL WHERE outbox = 'sh`op.out\\\\box''s'"
+        );
+        assert_eq!(
+            forget_position("shop", "outbox_binlog", "shop.outbox"),
+            "UPDATE `shop`.`outbox_binlog` SET log_file = '', log_offset = 0, server_id = NULL, \
+             gtid = NULL WHERE outbox = 'shop.outbox'"
+        );
     }
 }
