@@ -125,7 +125,12 @@ pub(super) struct State {
 /// `outbox_emit` message), by position: the same event sent again by a new session keeps
 /// its id while it is held, as a row's sequence id does, and no two events share one.
 /// (Derived from the position, they did: a commit's position plus an ordinal of a large
-/// transaction reached the next commit's.) Drawn downwards from -1, below every row's id.
+/// transaction reached the next commit's.) Drawn downwards, each session from
+/// `-(microseconds since 1970 × 1024)` or below what the last drew: no other session of the
+/// slot, in this process or another, drew those ids (a session draws fewer than 1,024 a
+/// microsecond), which matters since they outlive the process as dead letters' keys
+/// (`ON CONFLICT (sequence_id)` dropped a dead letter that met an id drawn before). Far
+/// below every row's id, even a mapped table's own negative ones.
 #[derive(Default)]
 pub(super) struct DerivedIds {
     by_position: HashMap<EventPosition, SequenceId>,
@@ -133,6 +138,14 @@ pub(super) struct DerivedIds {
 }
 
 impl DerivedIds {
+    /// A session starts at `now`: ids are drawn below its start's.
+    fn start_session(&mut self, now: SystemTime) {
+        let micros = now
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX));
+        self.drawn = self.drawn.min(micros.saturating_mul(-1024));
+    }
+
     fn id(&mut self, position: EventPosition) -> SequenceId {
         *self.by_position.entry(position).or_insert_with(|| {
             self.drawn -= 1;
@@ -441,6 +454,7 @@ impl capture::Sessions for State {
                 self.holdings.load_parked_keys(parked_keys);
                 let held = &self.holdings.held;
                 self.derived_ids.keep_held(|id| held.contains_key(&id));
+                self.derived_ids.start_session(SystemTime::now());
                 // Each session reads to the drain's end again, and says so: what an earlier
                 // one left unsettled comes again in this one, before the end.
                 self.drained = false;
@@ -589,6 +603,37 @@ mod tests {
         assert_eq!(distinct.len(), 62, "ids handed out twice: {handed:?}");
         state.settle(handed);
         assert_eq!(state.acks.confirmable(), Lsn(1110));
+    }
+
+    /// A dead letter's key is the event's engine id: drawn from -1 in each process, a
+    /// restarted relay's ids met its predecessor's, and `ON CONFLICT (sequence_id)` dropped
+    /// the dead letter. Each session draws below its start's time, and below the last.
+    #[test]
+    fn derived_ids_of_later_sessions_and_processes_are_new() {
+        let start = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        let mut first = DerivedIds::default();
+        first.start_session(start);
+        let a: Vec<_> = (0..1000).map(|n| first.id(position(n))).collect();
+        // Another process, a second later; and this one's next session, its clock behind.
+        let mut second = DerivedIds::default();
+        second.start_session(start + Duration::from_secs(1));
+        let b: Vec<_> = (0..1000).map(|n| second.id(position(n))).collect();
+        first.start_session(start - Duration::from_secs(60));
+        let c: Vec<_> = (1000..2000).map(|n| first.id(position(n))).collect();
+        let all: HashSet<SequenceId> = a.iter().chain(&b).chain(&c).copied().collect();
+        assert_eq!(all.len(), 3000);
+        assert!(
+            all.iter().all(|id| *id < -1_000_000_000_000),
+            "{:?}",
+            &a[..3]
+        );
+    }
+
+    fn position(n: u64) -> EventPosition {
+        EventPosition {
+            commit_lsn: Lsn(1000 + n),
+            ordinal: 0,
+        }
     }
 
     /// The drain's end reached, then the session broke with event 2 released and not yet
