@@ -282,12 +282,15 @@ impl CaptureStatements {
 /// Every statement WAL capture runs, built once.
 #[derive(Clone, Debug)]
 pub struct CaptureStatements {
-    /// Parks events (in order; an event already parked is skipped by its event id).
+    /// Parks events (in order; an event already parked is skipped by its event id):
     /// `$1` event ids, `$2` destinations, `$3` keys, `$4` types, `$5` payloads (JSON text),
     /// `$6` headers (JSON text), `$7` mutation ids, `$8` rejected, `$9` created_at, `$10`
     /// delays (ms), `$11` not-before times, `$12` attempts, `$13` last errors.
-    pub park: String,
-    /// Writes dead letters from decoded events. `$1` sequence ids, then as `park` without
+    /// And the delete of the parked events' rows (`$14` their ids), in one
+    /// statement returning one row: the row ids it did not delete, and the event ids whose
+    /// park the conflict skipped (parked, or adopted, before).
+    pub park_and_delete: String,
+    /// Writes dead letters from decoded events. `$1` sequence ids, then as the parks without
     /// the times: `$2`..`$9`, `$10` created_at, `$11` attempts, `$12` errors.
     pub dead_letter: String,
     /// Deletes delivered, parked or dead-lettered rows of the outbox (`$1` sequence ids),
@@ -368,19 +371,14 @@ impl CaptureStatements {
         let key = "coalesce(partition_key, destination)";
         let marker = String::from_utf8_lossy(DRAIN_MARKER);
         CaptureStatements {
-            park: format!(
-                "INSERT INTO {parked} (event_id, destination, partition_key, event_type, payload,
-                        headers, mutation_id, rejected, created_at, available_at, attempts,
-                        last_error)
-                 SELECT e, d, k, t, p::jsonb, h::jsonb, m, r, c,
-                        greatest(now() + w * interval '1 millisecond', coalesce(a, '-infinity')),
-                        n, err
-                   FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[],
-                               $6::text[], $7::text[], $8::bool[], $9::timestamptz[],
-                               $10::int8[], $11::timestamptz[], $12::int4[], $13::text[])
-                        WITH ORDINALITY AS u(e, d, k, t, p, h, m, r, c, w, a, n, err, i)
-                  ORDER BY i
-                 ON CONFLICT (event_id) DO NOTHING"
+            park_and_delete: format!(
+                "{deletes}, parked AS ({park} RETURNING event_id)
+                 SELECT ARRAY(SELECT wanted FROM unnest($14::int8[]) AS wanted
+                              EXCEPT SELECT id FROM deleted),
+                        ARRAY(SELECT e FROM unnest($1::uuid[]) AS e
+                              EXCEPT SELECT event_id FROM parked)",
+                deletes = deletes_with(tables, "$14"),
+                park = park_insert(&parked),
             ),
             dead_letter: format!(
                 "INSERT INTO {dl} (sequence_id, event_id, destination, partition_key, event_type,
@@ -520,20 +518,43 @@ impl CaptureStatements {
 
 /// A `WITH` clause deleting the rows of ids `$1` from the captured tables, as `deleted(id)`.
 fn deletes(tables: &CaptureTables) -> String {
+    deletes_with(tables, "$1")
+}
+
+/// [`deletes`] of the row ids in parameter `param`.
+fn deletes_with(tables: &CaptureTables, param: &str) -> String {
     let source = tables.source.name.quoted();
     let row_id = quote(&tables.source.columns.sequence_id);
     let mut with = format!(
-        "WITH deleted AS (DELETE FROM {source} WHERE {row_id} = ANY($1) RETURNING {row_id} AS id)"
+        "WITH deleted AS (DELETE FROM {source} WHERE {row_id} = ANY({param}) RETURNING {row_id} AS id)"
     );
     if tables.is_mapped() {
         with = format!(
-            "WITH from_source AS (DELETE FROM {source} WHERE {row_id} = ANY($1) RETURNING {row_id} AS id),
-                  from_outbox AS (DELETE FROM {outbox} WHERE sequence_id = ANY($1) RETURNING sequence_id AS id),
+            "WITH from_source AS (DELETE FROM {source} WHERE {row_id} = ANY({param}) RETURNING {row_id} AS id),
+                  from_outbox AS (DELETE FROM {outbox} WHERE sequence_id = ANY({param}) RETURNING sequence_id AS id),
                   deleted AS (SELECT id FROM from_source UNION ALL SELECT id FROM from_outbox)",
             outbox = tables.outbox.quoted()
         );
     }
     with
+}
+
+/// Writes events to the parked table (see [`CaptureStatements::park_and_delete`]).
+fn park_insert(parked: &str) -> String {
+    format!(
+        "INSERT INTO {parked} (event_id, destination, partition_key, event_type, payload,
+                        headers, mutation_id, rejected, created_at, available_at, attempts,
+                        last_error)
+                 SELECT e, d, k, t, p::jsonb, h::jsonb, m, r, c,
+                        greatest(now() + w * interval '1 millisecond', coalesce(a, '-infinity')),
+                        n, err
+                   FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[],
+                               $6::text[], $7::text[], $8::bool[], $9::timestamptz[],
+                               $10::int8[], $11::timestamptz[], $12::int4[], $13::text[])
+                        WITH ORDINALITY AS u(e, d, k, t, p, h, m, r, c, w, a, n, err, i)
+                  ORDER BY i
+                 ON CONFLICT (event_id) DO NOTHING"
+    )
 }
 
 /// The table `<outbox><suffix>` beside `outbox`.

@@ -408,11 +408,10 @@ impl Inner {
             return Ok(0);
         }
         let p = &columns.parking;
-        let to_park = p.delays.len() as u64;
-        let park = columns.params(&[], &[&p.delays, &p.not_before, &p.attempts, &p.errors]);
+        let mut park = columns.params(&[], &[&p.delays, &p.not_before, &p.attempts, &p.errors]);
+        park.push(&rows);
         let dead_letter = dead.params();
-        let delete: &[&(dyn ToSql + Sync)] = &[&rows];
-        let mut steps: Vec<(&str, &[&(dyn ToSql + Sync)])> = vec![(&self.sql.park, &park)];
+        let mut steps: Vec<(&str, &[&(dyn ToSql + Sync)])> = Vec::new();
         if !dead.ids.is_empty() {
             steps.push((&self.sql.dead_letter, &dead_letter));
         }
@@ -422,24 +421,30 @@ impl Inner {
             (self.sql.hold_slot_writes.as_str(), slot),
             (self.sql.owns_slot.as_str(), guard),
         ];
-        // The rows deleted last, reporting those not found (see `delete_delivered`).
+        // The parks and the rows' delete last, reporting the rows not found and the parks
+        // skipped.
         let result = self
             .main
             .transaction_if_then_query(
                 "park",
                 &guard,
                 &steps,
-                Some((&self.sql.delete_delivered, delete)),
+                Some((&self.sql.park_and_delete, &park)),
             )
             .await;
         let result = match result {
-            Ok(Some((counts, answer))) => {
-                // Parks the event id's conflict skipped: the event was parked (or adopted)
-                // before, by a session that ended before the slot confirmed past it, and
-                // that park deleted its row.
-                let skipped = to_park.saturating_sub(counts.first().copied().unwrap_or(0));
-                undeleted_ids("park", &answer).map(|undeleted| (undeleted, skipped))
-            }
+            Ok(Some((_, answer))) => undeleted_ids("park", &answer).and_then(|undeleted| {
+                let skipped: Vec<uuid::Uuid> = answer
+                    .first()
+                    .map(|row| row.try_get(1))
+                    .transpose()
+                    .map_err(|e| {
+                        StoreError::new(StoreErrorKind::Query, "park: the skipped parks")
+                            .with_source(e)
+                    })?
+                    .unwrap_or_default();
+                Ok((undeleted, skipped.into_iter().collect::<HashSet<_>>()))
+            }),
             Ok(None) => {
                 lock(&self.state).fenced_out(session, parks.iter().map(|p| p.id));
                 return Ok(0);
@@ -476,22 +481,22 @@ impl Inner {
                 let (mut waiting, mut done): (Vec<_>, Vec<_>) = parks.into_iter().partition(|p| {
                     matches!(state.holdings.held.get(&p.id), Some(Held::Stream(held)) if held.row.is_some_and(|row| undeleted.contains(&row)))
                 });
-                // As many parks skipped as rows missing: events sent again after a session
-                // ended (each park found its row gone, deleted by the earlier park), the
-                // common case after a reconnect. They settle now, their rows looked for
-                // later (`sweep_late_rows`) should one of them be a commit not visible yet.
-                if !waiting.is_empty() && skipped >= waiting.len() as u64 {
-                    let now = std::time::Instant::now();
-                    let rows =
-                        waiting
-                            .iter()
-                            .filter_map(|p| match state.holdings.held.get(&p.id) {
-                                Some(Held::Stream(held)) => held.row,
-                                _ => None,
-                            });
-                    let late: Vec<_> = rows.map(|row| (row, now)).collect();
-                    state.late_rows.extend(late);
-                    done.append(&mut waiting);
+                // A park skipped (its event id parked, or adopted, before) whose row is
+                // missing: an event sent again after a session ended, its row deleted by the
+                // earlier park, the common case after a reconnect. It settles now, its row
+                // looked for later (`sweep_late_rows`) should it be a commit not visible yet.
+                let now = std::time::Instant::now();
+                let (reparked, still): (Vec<_>, Vec<_>) = waiting.into_iter().partition(|p| {
+                    matches!(state.holdings.held.get(&p.id), Some(Held::Stream(held)) if matches!(&held.body, Body::Event(e) if skipped.contains(&e.event_id)))
+                });
+                waiting = still;
+                for park in reparked {
+                    if let Some(Held::Stream(held)) = state.holdings.held.get(&park.id) {
+                        if let Some(row) = held.row {
+                            state.late_rows.push((row, now));
+                        }
+                    }
+                    done.push(park);
                 }
                 if !waiting.is_empty() {
                     tracing::info!(
@@ -699,20 +704,42 @@ impl Inner {
                 return;
             }
             state.late_rows_swept = Some(std::time::Instant::now());
-            std::mem::take(&mut state.late_rows)
+            // A bounded number a sweep, in turn: after a reconnect every event sent again
+            // may come here, and one statement of them all could outgrow its time bound.
+            let take = state.late_rows.len().min(LATE_ROWS_PER_SWEEP);
+            state.late_rows.drain(..take).collect::<Vec<_>>()
         };
         let rows: Vec<SequenceId> = late.iter().map(|(row, _)| *row).collect();
         let delete: &[&(dyn ToSql + Sync)] = &[&rows];
-        let swept = self
-            .main
-            .transaction_then_query("late rows", &[], Some((&self.sql.delete_delivered, delete)))
-            .await
-            .and_then(|(_, answer)| undeleted_ids("late rows", &answer));
+        // Only a synchronous standby keeps a commit waiting past the patience: without
+        // one, a row not found by then was deleted already (its event sent again after a
+        // reconnect, the usual case), and is looked for no more.
+        let waits = "SELECT current_setting('synchronous_standby_names') <> ''";
+        let swept = match self.main.query_rows("late rows", waits, &[]).await {
+            Ok(rows) if rows.first().is_some_and(|r| !r.get::<_, bool>(0)) => {
+                lock(&self.state).late_rows.clear();
+                return;
+            }
+            Ok(_) => {
+                self.main
+                    .transaction_then_query(
+                        "late rows",
+                        &[],
+                        Some((&self.sql.delete_delivered, delete)),
+                    )
+                    .await
+            }
+            Err(e) => Err(e),
+        }
+        .and_then(|(_, answer)| undeleted_ids("late rows", &answer));
         let missing = match swept {
             Ok(missing) => missing,
             Err(e) => {
                 tracing::debug!(error = %e.report(), "deleting late outbox rows; again at the next sweep");
-                lock(&self.state).late_rows.extend(late);
+                let keep = late
+                    .into_iter()
+                    .filter(|(_, since)| since.elapsed() < LATE_ROW_PATIENCE);
+                lock(&self.state).late_rows.extend(keep);
                 return;
             }
         };
@@ -734,6 +761,7 @@ impl Inner {
                 "outbox rows of delivered events not found within the patience: deleted already"
             );
         }
+        // Behind those not swept yet: each sweep takes the next ones.
         lock(&self.state).late_rows.extend(keep);
     }
 
@@ -1010,6 +1038,7 @@ fn undeleted_ids(
 /// how long (see `Inner::sweep_late_rows`).
 const LATE_ROWS_SWEEP: Duration = Duration::from_secs(5);
 const LATE_ROW_PATIENCE: Duration = Duration::from_secs(3600);
+const LATE_ROWS_PER_SWEEP: usize = 10_000;
 
 /// How long a delivered event's outbox row is looked for (see `Inner::delete_delivered`).
 pub const UNDELETED_PATIENCE: Duration = Duration::from_secs(5);
