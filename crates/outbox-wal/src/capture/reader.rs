@@ -292,7 +292,7 @@ impl Reader {
     /// for it. Status updates go out every second, and the session is let go, as while
     /// streaming, when the database stops answering over SQL.
     async fn send_serviced(&self, stream: &mut WalStream, item: Item) -> Result<(), SessionEnd> {
-        let sent = self.serviced(stream, self.tx.send(item)).await?;
+        let sent = self.serviced(stream, self.tx.send(item), true).await?;
         self.notify();
         sent.map_err(|_| SessionEnd::Closed)
     }
@@ -300,11 +300,15 @@ impl Reader {
     /// Runs `work` while the session is kept (status updates, the database asked over SQL):
     /// a session's opening statements can outlast `wal_sender_timeout` (an adoption, the
     /// parked table read whole), and a session left unanswered that long is ended by the
-    /// server, to be opened, and cut off, again. `Err`: the session ended meanwhile.
+    /// server, to be opened, and cut off, again. With `ask_sql`, the database is asked over
+    /// SQL too, and a database that stops answering ends the session; not while `work` is
+    /// a statement of its own, which a slow answer would cut off mid-way (its server side
+    /// running on, holding its locks, until it rolls back). `Err`: the session ended.
     async fn serviced<T>(
         &self,
         stream: &mut WalStream,
         work: impl std::future::Future<Output = T>,
+        ask_sql: bool,
     ) -> Result<T, SessionEnd> {
         let mut liveness = SqlLiveness::new();
         let mut close = self.close.clone();
@@ -315,12 +319,24 @@ impl Reader {
                 done = &mut work => return Ok(done),
                 _ = close.changed() => return Err(SessionEnd::Closed),
                 _ = liveness.tick() => {
-                    if let Some(end) = self.serve(stream, &mut liveness).await {
+                    let end = if ask_sql {
+                        self.serve(stream, &mut liveness).await
+                    } else {
+                        self.keep(stream).await
+                    };
+                    if let Some(end) = end {
                         return Err(end);
                     }
                 }
             }
         }
+    }
+
+    /// A status update with the confirmable position. `Some`: the session ended.
+    async fn keep(&self, stream: &mut WalStream) -> Option<SessionEnd> {
+        stream.confirm(*self.confirm.borrow());
+        let kept = stream.keep_alive().await;
+        kept.err().map(|e| SessionEnd::Broken(describe(&e)))
     }
 
     /// A tick of a session's upkeep, reading the stream or not: a status update with the
@@ -330,9 +346,8 @@ impl Reader {
         stream: &mut WalStream,
         liveness: &mut SqlLiveness,
     ) -> Option<SessionEnd> {
-        stream.confirm(*self.confirm.borrow());
-        if let Err(e) = stream.keep_alive().await {
-            return Some(SessionEnd::Broken(describe(&e)));
+        if let Some(end) = self.keep(stream).await {
+            return Some(end);
         }
         liveness.check(&self.main).await.map(SessionEnd::Broken)
     }
@@ -466,7 +481,7 @@ impl Reader {
         if let Some(end) = self.publication_drift().await {
             return Some(end);
         }
-        let adopted = match self.serviced(stream, self.adopt()).await {
+        let adopted = match self.serviced(stream, self.adopt(), false).await {
             Ok(adopted) => adopted,
             Err(end) => return Some(end),
         };
@@ -493,7 +508,7 @@ impl Reader {
             &[],
             Some((&self.sql.parked_keys, &[])),
         );
-        let read = match self.serviced(stream, reading).await {
+        let read = match self.serviced(stream, reading, false).await {
             Ok(read) => read,
             Err(end) => return Some(end),
         };
