@@ -236,7 +236,16 @@ fn fastrand_id() -> u32 {
 async fn the_servers_settings_and_the_roles_privileges_are_checked_by_name() {
     let url = outbox_testkit::fresh_mysql_database().await;
     let problems = server_problems(&url).await.unwrap();
+    // The test server logs no column names (binlog_row_metadata = NO_LOG): said, as
+    // advice, since a swap of two columns of one type would then go unseen.
+    let (advice, problems): (Vec<_>, Vec<_>) = problems.into_iter().partition(|p| !p.fails_check());
     assert!(problems.is_empty(), "{problems:?}");
+    assert!(
+        advice
+            .iter()
+            .all(|p| p.what.contains("binlog_row_metadata")),
+        "{advice:?}"
+    );
     let mut admin = connect(&url).await;
     admin
         .query_drop(
@@ -255,6 +264,7 @@ async fn the_servers_settings_and_the_roles_privileges_are_checked_by_name() {
     let problems = server_problems(&plain).await.unwrap();
     let said: Vec<String> = problems
         .iter()
+        .filter(|p| p.fails_check())
         .map(|p| format!("{} (fix: {})", p.what, p.fix))
         .collect();
     assert_eq!(said.len(), 2, "{said:?}");
