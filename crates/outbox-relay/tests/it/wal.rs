@@ -1098,12 +1098,13 @@ async fn a_fast_shutdown_of_postgresql_is_not_held_by_a_relay_with_unsettled_eve
     w.assert_empty(&relay.logs()).await;
 }
 
-#[tokio::test]
-async fn a_parked_event_whose_commit_is_not_visible_yet_leaves_no_row_behind() {
-    // Never the shared server: every commit made with synchronous_commit = on waits here.
+/// A server of the test's own (never the shared one: every commit made with
+/// `synchronous_commit = on` waits here) with a synchronous standby that never answers, and
+/// a database where the relay's and the test's own commits are `local`.
+async fn waiting_on_a_synchronous_standby(slot: &str) -> (OwnPostgres, WalDb) {
     let server = OwnPostgres::init();
     server.start("-c wal_level=logical");
-    let w = WalDb::on(server.url("disable"), "sync_standby_slot".into()).await;
+    let w = WalDb::on(server.url("disable"), slot.into()).await;
     for statement in [
         "ALTER DATABASE postgres SET synchronous_commit = local",
         "SET synchronous_commit = local",
@@ -1112,15 +1113,19 @@ async fn a_parked_event_whose_commit_is_not_visible_yet_leaves_no_row_behind() {
     ] {
         w.db.batch_execute(statement).await.unwrap();
     }
-    let out = w.path("events.jsonl");
-    let mut relay = w.spawn("relay", &out, &[]);
-    relay
-        .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
-        .await;
-    // A commit waiting on a synchronous standby is in the WAL, and streamed, before other
-    // sessions see its row. Scheduled a moment later, the event is parked at once: the
-    // park's delete did not find the row, which outlived its delivered event.
-    let writer = pg(&w.url).await;
+    (server, w)
+}
+
+/// `statement` committed with `synchronous_commit = on`, which waits on the standby: its
+/// session's pid (cancel it to end the wait) and the write.
+async fn commit_waiting_on_the_standby(
+    url: &str,
+    statement: &'static str,
+) -> (
+    i32,
+    tokio::task::JoinHandle<Result<u64, tokio_postgres::Error>>,
+) {
+    let writer = pg(url).await;
     writer
         .batch_execute("SET synchronous_commit = on")
         .await
@@ -1130,15 +1135,27 @@ async fn a_parked_event_whose_commit_is_not_visible_yet_leaves_no_row_behind() {
         .await
         .unwrap()
         .get(0);
-    let write = tokio::spawn(async move {
-        writer
-            .execute(
-                "INSERT INTO outbox (destination, partition_key, event_type, payload, available_at)
-                 VALUES ('orders', 'k', 'Inserted', '{}', now() + interval '1 second')",
-                &[],
-            )
-            .await
-    });
+    let write = tokio::spawn(async move { writer.execute(statement, &[]).await });
+    (pid, write)
+}
+
+#[tokio::test]
+async fn a_parked_event_whose_commit_is_not_visible_yet_leaves_no_row_behind() {
+    let (_server, w) = waiting_on_a_synchronous_standby("sync_standby_slot").await;
+    let out = w.path("events.jsonl");
+    let mut relay = w.spawn("relay", &out, &[]);
+    relay
+        .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
+        .await;
+    // A commit waiting on a synchronous standby is in the WAL, and streamed, before other
+    // sessions see its row. Scheduled a moment later, the event is parked at once: the
+    // park's delete did not find the row, which outlived its delivered event.
+    let (pid, write) = commit_waiting_on_the_standby(
+        &w.url,
+        "INSERT INTO outbox (destination, partition_key, event_type, payload, available_at)
+         VALUES ('orders', 'k', 'Inserted', '{}', now() + interval '1 second')",
+    )
+    .await;
     wait_for_rows(
         &relay,
         "the event parked",
@@ -1172,18 +1189,7 @@ async fn a_parked_event_whose_commit_is_not_visible_yet_leaves_no_row_behind() {
 
 #[tokio::test]
 async fn a_delivered_event_whose_commit_shows_after_the_patience_leaves_no_row_behind() {
-    // Never the shared server: every commit made with synchronous_commit = on waits here.
-    let server = OwnPostgres::init();
-    server.start("-c wal_level=logical");
-    let w = WalDb::on(server.url("disable"), "late_row_slot".into()).await;
-    for statement in [
-        "ALTER DATABASE postgres SET synchronous_commit = local",
-        "SET synchronous_commit = local",
-        "ALTER SYSTEM SET synchronous_standby_names = 'phantom'",
-        "SELECT pg_reload_conf()",
-    ] {
-        w.db.batch_execute(statement).await.unwrap();
-    }
+    let (_server, w) = waiting_on_a_synchronous_standby("late_row_slot").await;
     let out = w.path("events.jsonl");
     let mut relay = w.spawn("relay", &out, &[]);
     relay
@@ -1197,25 +1203,12 @@ async fn a_delivered_event_whose_commit_shows_after_the_patience_leaves_no_row_b
     // Delivered while its commit waits on a standby that never answers: the ack's delete
     // finds no row, and after its patience the event settles. The row showed later (the
     // standby back, or the writer cancelled) and stayed pending for good.
-    let writer = pg(&w.url).await;
-    writer
-        .batch_execute("SET synchronous_commit = on")
-        .await
-        .unwrap();
-    let pid: i32 = writer
-        .query_one("SELECT pg_backend_pid()", &[])
-        .await
-        .unwrap()
-        .get(0);
-    let write = tokio::spawn(async move {
-        writer
-            .execute(
-                "INSERT INTO outbox (destination, partition_key, event_type, payload)
-                 VALUES ('orders', 'k', 'Inserted', '{}')",
-                &[],
-            )
-            .await
-    });
+    let (pid, write) = commit_waiting_on_the_standby(
+        &w.url,
+        "INSERT INTO outbox (destination, partition_key, event_type, payload)
+         VALUES ('orders', 'k', 'Inserted', '{}')",
+    )
+    .await;
     wait_for_lines("the event delivered", &out, Duration::from_secs(60), |n| {
         n >= 1
     })
