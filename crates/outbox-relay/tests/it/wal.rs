@@ -58,6 +58,31 @@ impl WalDb {
         WalDb::on(url, format!("{name}_slot")).await
     }
 
+    /// Ends the slot's session from the server's side, and waits for `relay`'s next one.
+    async fn end_the_session_and_await_the_next(&self, relay: &RelayProcess) {
+        self.db
+            .execute(
+                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots
+                  WHERE slot_name = $1",
+                &[&self.slot],
+            )
+            .await
+            .unwrap();
+        eventually_explained(
+            "a second session",
+            Duration::from_secs(60),
+            || relay.logs(),
+            || {
+                let sessions = relay
+                    .logs()
+                    .matches("streaming from the replication slot")
+                    .count();
+                async move { (sessions >= 2).then_some(()) }
+            },
+        )
+        .await;
+    }
+
     /// `url`'s database, migrated for WAL capture, read through `slot`.
     async fn on(url: String, slot: String) -> WalDb {
         let dir = tempfile::Builder::new()
@@ -1022,25 +1047,7 @@ async fn a_fast_shutdown_is_not_held_by_a_session_waiting_to_announce_itself() {
         insert(&w.db, &format!("k{n}"), n).await;
     }
     // The session breaks; the next one starts, and cannot hand its announcement over.
-    w.db.execute(
-        "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = $1",
-        &[&w.slot],
-    )
-    .await
-    .unwrap();
-    eventually_explained(
-        "a second session started",
-        Duration::from_secs(60),
-        || relay.logs(),
-        || {
-            let started = relay
-                .logs()
-                .matches("streaming from the replication slot")
-                .count();
-            async move { (started >= 2).then_some(()) }
-        },
-    )
-    .await;
+    w.end_the_session_and_await_the_next(&relay).await;
     assert_a_fast_shutdown_is_not_held(&server, &relay);
 }
 
@@ -1520,25 +1527,7 @@ async fn an_event_parked_again_by_a_new_session_settles_at_once() {
     // A new session sends both again. The second's park is skipped (its event id is
     // parked), and its row is gone (deleted by the first park): it was taken for a commit
     // not visible yet, and held the slot and its key 5 s.
-    w.db.execute(
-        "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = $1",
-        &[&w.slot],
-    )
-    .await
-    .unwrap();
-    eventually_explained(
-        "a second session",
-        Duration::from_secs(60),
-        || relay.logs(),
-        || {
-            let sessions = relay
-                .logs()
-                .matches("streaming from the replication slot")
-                .count();
-            async move { (sessions >= 2).then_some(()) }
-        },
-    )
-    .await;
+    w.end_the_session_and_await_the_next(&relay).await;
     // A later event of the key is parked behind it: its park follows the second one.
     insert(&w.db, "b", 1).await;
     wait_for_rows(&relay, "the key's next event parked", &w.db, parked, 2).await;
