@@ -895,27 +895,31 @@ async fn rows_written_after_an_alter_table_are_read_with_the_new_columns() {
     );
     // Read again from before the change, the row written before it matches the table
     // neither way it was described: the reader stops, naming the change.
-    let config = BinlogConfig {
-        url: url.clone(),
-        server_id: 5000 + fastrand_id(),
-        database: Opts::from_url(&url).unwrap().db_name().unwrap().to_string(),
-        table: "outbox".into(),
-    };
-    let mut again = BinlogReader::start(&config, &before_the_alter)
-        .await
-        .unwrap();
-    let stopped = loop {
-        match again.next().await {
-            Ok(Some(Output::Row(row))) => panic!("a row read under the wrong names: {row:?}"),
-            Ok(Some(_)) => continue,
-            Ok(None) => panic!("the stream ended"),
-            Err(e) => break e.to_string(),
-        }
-    };
+    let stopped = stop_reading_again(&url, &before_the_alter).await;
     assert!(
         stopped.contains("altered") && stopped.contains("2 columns"),
         "{stopped}"
     );
+}
+
+/// What stops a reader started at `from` on the outbox of `url`, which must stop before it
+/// hands out a row (read under a description the row does not match).
+async fn stop_reading_again(url: &str, from: &outbox_binlog::BinlogPosition) -> String {
+    let config = BinlogConfig {
+        url: url.to_string(),
+        server_id: 5000 + fastrand_id(),
+        database: Opts::from_url(url).unwrap().db_name().unwrap().to_string(),
+        table: "outbox".into(),
+    };
+    let mut again = BinlogReader::start(&config, from).await.unwrap();
+    loop {
+        match again.next().await {
+            Ok(Some(Output::Row(row))) => panic!("a row read by the wrong description: {row:?}"),
+            Ok(Some(_)) => continue,
+            Ok(None) => panic!("the stream ended"),
+            Err(e) => break e.to_string(),
+        }
+    }
 }
 
 /// An `ALTER TABLE` that keeps the column count (a column's type changed) while the reader
@@ -957,23 +961,7 @@ async fn a_column_whose_type_an_alter_table_changed_is_read_by_its_new_type() {
         [(Some("a".into()), at.clone()), (Some("b".into()), at)],
         "each row by its own column types"
     );
-    let config = BinlogConfig {
-        url: url.clone(),
-        server_id: 5000 + fastrand_id(),
-        database: Opts::from_url(&url).unwrap().db_name().unwrap().to_string(),
-        table: "outbox".into(),
-    };
-    let mut again = BinlogReader::start(&config, &before_the_alter)
-        .await
-        .unwrap();
-    let stopped = loop {
-        match again.next().await {
-            Ok(Some(Output::Row(row))) => panic!("a row read by the wrong types: {row:?}"),
-            Ok(Some(_)) => continue,
-            Ok(None) => panic!("the stream ended"),
-            Err(e) => break e.to_string(),
-        }
-    };
+    let stopped = stop_reading_again(&url, &before_the_alter).await;
     assert!(
         stopped.contains("altered") && stopped.contains("created_at"),
         "{stopped}"
