@@ -388,13 +388,9 @@ async fn a_drain_that_adopts_a_row_as_a_dead_letter_says_so_and_exits_1() {
     assert_eq!(read_lines(&db.path("out.jsonl")).len(), 1);
 }
 
-/// The table-less form through the binary, as the README tells it: the outbox created
-/// with `blackhole_ddl`, then `migrate --capture binlog`, `check` and `run`. The parked
-/// table keeps its rows whatever the outbox's engine (one made `LIKE` a BLACKHOLE outbox
-/// stored no retry, and lacked the native columns, so `run` refused to start), and a parked
-/// table that stores nothing is refused with the fix.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_table_less_form_runs_through_the_binary_and_its_parked_table_keeps_rows() {
+/// A fresh database whose outbox is a BLACKHOLE table (`blackhole_ddl`), the engine
+/// installed where it is a plugin, and a connection to it.
+async fn blackhole_outbox() -> (String, mysql_async::Conn) {
     let url = outbox_testkit::fresh_mysql_database().await;
     let pool = mysql_async::Pool::new(mysql_async::Opts::from_url(&url).unwrap());
     let mut conn = pool.get_conn().await.unwrap();
@@ -411,6 +407,17 @@ async fn the_table_less_form_runs_through_the_binary_and_its_parked_table_keeps_
     conn.query_drop(outbox_binlog::blackhole_ddl("outbox"))
         .await
         .unwrap();
+    (url, conn)
+}
+
+/// The table-less form through the binary, as the README tells it: the outbox created
+/// with `blackhole_ddl`, then `migrate --capture binlog`, `check` and `run`. The parked
+/// table keeps its rows whatever the outbox's engine (one made `LIKE` a BLACKHOLE outbox
+/// stored no retry, and lacked the native columns, so `run` refused to start), and a parked
+/// table that stores nothing is refused with the fix.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_table_less_form_runs_through_the_binary_and_its_parked_table_keeps_rows() {
+    let (url, mut conn) = blackhole_outbox().await;
     let db = BinlogDb::at(&url, &[]).await;
     let engine: String = conn
         .query_first(
@@ -706,22 +713,7 @@ async fn a_stored_position_in_a_log_the_server_does_not_have_is_refused_by_check
 /// and would be adopted from the table.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_purged_position_of_a_blackhole_outbox_is_refused_saying_its_events_are_lost() {
-    let url = outbox_testkit::fresh_mysql_database().await;
-    let pool = mysql_async::Pool::new(mysql_async::Opts::from_url(&url).unwrap());
-    let mut conn = pool.get_conn().await.unwrap();
-    if outbox_binlog::blackhole_problem(&url)
-        .await
-        .unwrap()
-        .is_some()
-    {
-        // Debian's MariaDB ships the engine as a plugin.
-        conn.query_drop("INSTALL SONAME 'ha_blackhole'")
-            .await
-            .unwrap();
-    }
-    conn.query_drop(outbox_binlog::blackhole_ddl("outbox"))
-        .await
-        .unwrap();
+    let (url, mut conn) = blackhole_outbox().await;
     let db = BinlogDb::at(&url, &[]).await;
     let mut first = db.reading("relay-1", "out.jsonl").await;
     assert!(first.terminate().await.success(), "{}", first.logs());
