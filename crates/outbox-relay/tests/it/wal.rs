@@ -58,6 +58,34 @@ impl WalDb {
         WalDb::on(url, format!("{name}_slot")).await
     }
 
+    /// Cancels the session `pid`, whose commit `write` waits on a synchronous standby: its
+    /// commit stands, and shows.
+    async fn cancel_the_wait(
+        &self,
+        pid: i32,
+        write: tokio::task::JoinHandle<Result<u64, tokio_postgres::Error>>,
+    ) {
+        self.db
+            .execute("SELECT pg_cancel_backend($1)", &[&pid])
+            .await
+            .unwrap();
+        write.await.unwrap().unwrap();
+    }
+
+    /// Waits until the outbox table is empty (every delivered row deleted).
+    async fn await_an_empty_outbox(&self, relay: &RelayProcess) {
+        eventually_explained(
+            "the outbox row deleted",
+            Duration::from_secs(60),
+            || relay.logs(),
+            || async {
+                let left = query_count(&self.db, "SELECT count(*) FROM outbox", &[]).await;
+                left.is_ok_and(|n| n == 0).then_some(())
+            },
+        )
+        .await;
+    }
+
     /// Ends the slot's session from the server's side, and waits for `relay`'s next one.
     async fn end_the_session_and_await_the_next(&self, relay: &RelayProcess) {
         self.db
@@ -1172,24 +1200,12 @@ async fn a_parked_event_whose_commit_is_not_visible_yet_leaves_no_row_behind() {
     )
     .await;
     // The standby never answers: the writer gives up waiting, and its row shows.
-    w.db.execute("SELECT pg_cancel_backend($1)", &[&pid])
-        .await
-        .unwrap();
-    write.await.unwrap().unwrap();
+    w.cancel_the_wait(pid, write).await;
     wait_for_lines("the event delivered", &out, Duration::from_secs(60), |n| {
         n >= 1
     })
     .await;
-    eventually_explained(
-        "the outbox row deleted",
-        Duration::from_secs(30),
-        || relay.logs(),
-        || async {
-            let left = query_count(&w.db, "SELECT count(*) FROM outbox", &[]).await;
-            left.is_ok_and(|n| n == 0).then_some(())
-        },
-    )
-    .await;
+    w.await_an_empty_outbox(&relay).await;
     let status = relay.terminate().await;
     assert!(status.success(), "{status:?}");
 }
@@ -1238,20 +1254,8 @@ async fn a_delivered_event_whose_commit_shows_after_the_patience_leaves_no_row_b
         },
     )
     .await;
-    w.db.execute("SELECT pg_cancel_backend($1)", &[&pid])
-        .await
-        .unwrap();
-    write.await.unwrap().unwrap();
-    eventually_explained(
-        "the outbox row deleted",
-        Duration::from_secs(60),
-        || relay.logs(),
-        || async {
-            let left = query_count(&w.db, "SELECT count(*) FROM outbox", &[]).await;
-            left.is_ok_and(|n| n == 0).then_some(())
-        },
-    )
-    .await;
+    w.cancel_the_wait(pid, write).await;
+    w.await_an_empty_outbox(&relay).await;
     let status = relay.terminate().await;
     assert!(status.success(), "{status:?}");
 }
