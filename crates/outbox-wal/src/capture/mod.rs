@@ -433,17 +433,9 @@ impl Inner {
             )
             .await;
         let result = match result {
+            // The rows not found, and the event ids whose park was skipped.
             Ok(Some((_, answer))) => undeleted_ids("park", &answer).and_then(|undeleted| {
-                let skipped: Vec<uuid::Uuid> = answer
-                    .first()
-                    .map(|row| row.try_get(1))
-                    .transpose()
-                    .map_err(|e| {
-                        StoreError::new(StoreErrorKind::Query, "park: the skipped parks")
-                            .with_source(e)
-                    })?
-                    .unwrap_or_default();
-                Ok((undeleted, skipped.into_iter().collect::<HashSet<_>>()))
+                Ok((undeleted, array_column::<uuid::Uuid>("park", &answer, 1)?))
             }),
             Ok(None) => {
                 lock(&self.state).fenced_out(session, parks.iter().map(|p| p.id));
@@ -479,7 +471,9 @@ impl Inner {
                 // event's is: settled now, that row would outlive its event, and be
                 // relayed again by any later adoption.
                 let (mut waiting, mut done): (Vec<_>, Vec<_>) = parks.into_iter().partition(|p| {
-                    matches!(state.holdings.held.get(&p.id), Some(Held::Stream(held)) if held.row.is_some_and(|row| undeleted.contains(&row)))
+                    state
+                        .held_row(p.id)
+                        .is_some_and(|row| undeleted.contains(&row))
                 });
                 // A park skipped (its event id parked, or adopted, before) whose row is
                 // missing: an event sent again after a session ended, its row deleted by the
@@ -491,10 +485,8 @@ impl Inner {
                 });
                 waiting = still;
                 for park in reparked {
-                    if let Some(Held::Stream(held)) = state.holdings.held.get(&park.id) {
-                        if let Some(row) = held.row {
-                            state.late_rows.push((row, now));
-                        }
+                    if let Some(row) = state.held_row(park.id) {
+                        state.late_rows.push((row, now));
                     }
                     done.push(park);
                 }
@@ -504,7 +496,6 @@ impl Inner {
                         "parked events whose outbox rows are not visible yet (their commits \
                          wait, as on a synchronous standby): their rows are deleted once they are"
                     );
-                    let now = std::time::Instant::now();
                     state.undeleted.extend(waiting.iter().map(|p| (p.id, now)));
                 }
                 self.settle(&mut state, done.into_iter().map(|p| p.id));
@@ -649,10 +640,7 @@ impl Inner {
             let state = lock(&self.state);
             events
                 .iter()
-                .filter_map(|(id, _)| match state.holdings.held.get(id) {
-                    Some(Held::Stream(held)) => held.row,
-                    _ => None,
-                })
+                .filter_map(|(id, _)| state.held_row(*id))
                 .collect()
         };
         let undeleted: HashSet<SequenceId> = if rows.is_empty() {
@@ -671,11 +659,7 @@ impl Inner {
         let now = std::time::Instant::now();
         let mut late = Vec::new();
         let (done, wait): (Vec<_>, Vec<_>) = events.into_iter().partition(|(id, since)| {
-            let row = match state.holdings.held.get(id) {
-                Some(Held::Stream(held)) => held.row,
-                _ => None,
-            };
-            let Some(row) = row.filter(|row| undeleted.contains(row)) else {
+            let Some(row) = state.held_row(*id).filter(|row| undeleted.contains(row)) else {
                 return true;
             };
             let settle = since.elapsed() >= UNDELETED_PATIENCE;
@@ -825,7 +809,9 @@ impl Inner {
         let mut state = lock(&self.state);
         // As a park's (see `flush_parks`): a row not visible yet is deleted once it is.
         let (waiting, done): (Vec<_>, Vec<_>) = sequence_ids.into_iter().partition(|id| {
-            matches!(state.holdings.held.get(id), Some(Held::Stream(held)) if held.row.is_some_and(|row| undeleted.contains(&row)))
+            state
+                .held_row(*id)
+                .is_some_and(|row| undeleted.contains(&row))
         });
         let now = std::time::Instant::now();
         state
@@ -1019,19 +1005,27 @@ fn undeleted_ids(
     context: &'static str,
     answer: &[tokio_postgres::Row],
 ) -> StoreResult<HashSet<SequenceId>> {
-    let undeleted: Vec<SequenceId> = answer
+    array_column(context, answer, 0)
+}
+
+/// Column `i` of a statement's one row, an array, as a set (empty without a row).
+fn array_column<T>(
+    context: &'static str,
+    answer: &[tokio_postgres::Row],
+    i: usize,
+) -> StoreResult<HashSet<T>>
+where
+    T: std::hash::Hash + Eq + for<'a> tokio_postgres::types::FromSql<'a>,
+{
+    let values: Vec<T> = answer
         .first()
-        .map(|row| row.try_get(0))
+        .map(|row| row.try_get(i))
         .transpose()
         .map_err(|e| {
-            StoreError::new(
-                StoreErrorKind::Query,
-                format!("{context}: the undeleted ids"),
-            )
-            .with_source(e)
+            StoreError::new(StoreErrorKind::Query, format!("{context}: column {i}")).with_source(e)
         })?
         .unwrap_or_default();
-    Ok(undeleted.into_iter().collect())
+    Ok(values.into_iter().collect())
 }
 
 /// How often the rows not found within [`UNDELETED_PATIENCE`] are looked for again, and for

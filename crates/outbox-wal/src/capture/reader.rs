@@ -81,6 +81,12 @@ pub(super) enum SessionEnd {
     Failed(String),
 }
 
+/// Why a session did not start: its SQL preparation, or the replication connection.
+enum StartError {
+    Forget(String),
+    Stream(WalError),
+}
+
 impl Reader {
     pub(super) async fn run(mut self) {
         loop {
@@ -91,20 +97,16 @@ impl Reader {
             config.create_slot = !self.sessions.streamed;
             self.session_name = session_name(&self.config.application_name);
             config.application_name = self.session_name.clone();
-            if config.create_slot {
-                if let Err(reason) = self.forget_adoption_of_missing_slot().await {
-                    tracing::warn!(error = %reason, "cannot start the replication session; retrying");
-                    self.set_status(CaptureStatus::Reconnecting(reason));
-                    let wait = self.sessions.backoff.next_delay();
-                    tokio::select! {
-                        () = tokio::time::sleep(wait) => continue,
-                        _ = self.close.changed() => return,
-                    }
-                }
-            }
-            let started = tokio::select! {
-                started = WalStream::start(&config) => started,
-                _ = self.close.changed() => return,
+            let forgotten = match config.create_slot {
+                true => self.forget_adoption_of_missing_slot().await,
+                false => Ok(()),
+            };
+            let started = match forgotten {
+                Err(reason) => Err(StartError::Forget(reason)),
+                Ok(()) => tokio::select! {
+                    started = WalStream::start(&config) => started.map_err(StartError::Stream),
+                    _ = self.close.changed() => return,
+                },
             };
             let wait = match started {
                 Ok(mut stream) => {
@@ -129,20 +131,16 @@ impl Reader {
                         SessionEnd::Failed(reason) => self.failed(reason),
                     }
                 }
-                Err(e) if e.is_slot_in_use() => {
+                Err(StartError::Forget(reason)) => self.cannot_start(reason),
+                Err(StartError::Stream(e)) if e.is_slot_in_use() => {
                     if *self.status.borrow() != CaptureStatus::Standby {
                         tracing::info!(slot = %config.slot, "another relay streams from the slot; waiting as a standby");
                     }
                     self.set_status(CaptureStatus::Standby);
                     Duration::from_secs(1)
                 }
-                Err(e) if e.is_retryable() => {
-                    let reason = describe(&e);
-                    tracing::warn!(error = %reason, "cannot start the replication session; retrying");
-                    self.set_status(CaptureStatus::Reconnecting(reason));
-                    self.sessions.backoff.next_delay()
-                }
-                Err(e) => self.failed(describe(&e)),
+                Err(StartError::Stream(e)) if e.is_retryable() => self.cannot_start(describe(&e)),
+                Err(StartError::Stream(e)) => self.failed(describe(&e)),
             };
             tokio::select! {
                 () = tokio::time::sleep(wait) => {}
@@ -171,6 +169,13 @@ impl Reader {
             tracing::warn!(%slot, "the slot no longer exists but its adoption was recorded (dropped with SQL, or a promoted standby): the slot created now adopts the rows still in the table");
         }
         Ok(())
+    }
+
+    /// A session could not start for a reason that may pass: the delay before trying again.
+    fn cannot_start(&mut self, reason: String) -> Duration {
+        tracing::warn!(error = %reason, "cannot start the replication session; retrying");
+        self.set_status(CaptureStatus::Reconnecting(reason));
+        self.sessions.backoff.next_delay()
     }
 
     /// Capture cannot go on until an operator acts: said once (not at every retry), and

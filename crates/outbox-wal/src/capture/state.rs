@@ -214,6 +214,15 @@ impl State {
         }
     }
 
+    /// The outbox row of held stream event `id`, if it has one (an `outbox_emit` message,
+    /// or a mapped row without an id, has none).
+    pub(super) fn held_row(&self, id: SequenceId) -> Option<SequenceId> {
+        match self.holdings.held.get(&id) {
+            Some(Held::Stream(held)) => held.row,
+            _ => None,
+        }
+    }
+
     /// Whether the session followed is `live` and may hand out events
     /// ([`capture::follow`]).
     pub(super) fn follow(&mut self, live: u64, next: impl FnMut() -> Option<Item>) -> bool {
