@@ -670,6 +670,54 @@ async fn debeziums_table_is_read_from_the_wal_even_when_rows_are_deleted_at_once
     send_writes_to_the_relays_own_outbox_which_is_captured_too(&w).await;
 }
 
+/// A retry of a mapped table's event is parked, and its row deleted, by one statement (the
+/// park and its rows' delete, over the mapped table and the native outbox): a key of
+/// Debezium's table, retried while the broker is away, is parked and its row deleted (the
+/// delivery from the parked table is the native outbox's, tested there).
+#[tokio::test]
+async fn a_retry_of_debeziums_table_is_parked_and_its_row_deleted() {
+    let (_nats, _deliveries, proxy, broker_url) = nats_behind_a_proxy().await;
+    let w = DebeziumWal::migrated(DEBEZIUM_TEXT_TABLE).await;
+    let args: Vec<&str> = ["run", "--layout", "debezium"]
+        .into_iter()
+        .chain(capture_flags(&w.url, &w.slot))
+        .chain(["--sink", &broker_url, "--http-addr", ""])
+        .chain(RETRY_AN_OUTAGE)
+        .collect();
+    let mut relay = RelayProcess::spawn(w.dir.path(), "relay", &args, &[]);
+    relay
+        .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
+        .await;
+    let handle = proxy.handle();
+    handle.cut();
+    // The broker away: retries are parked, with the events behind them.
+    for n in 1..=8 {
+        let id = format!("00000000-0000-4000-8000-00000000000{n}");
+        insert_debezium_row(
+            &w.db,
+            &id,
+            &format!("order-{}", n % 2),
+            "{}",
+            Some("orders"),
+        )
+        .await;
+    }
+    eventually_explained(
+        "events parked, their rows deleted",
+        Duration::from_secs(60),
+        || relay.logs(),
+        || async {
+            let parked =
+                query_count(&w.db, "SELECT count(*) FROM outboxevent_relay_parked", &[]).await;
+            let rows = query_count(&w.db, "SELECT count(*) FROM outboxevent", &[]).await;
+            (parked.is_ok_and(|n| n > 0) && rows.is_ok_and(|n| n < 8)).then_some(())
+        },
+    )
+    .await;
+    let status = relay.terminate().await;
+    assert!(status.success(), "{status:?}");
+}
+
 const DEBEZIUM_TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 const DEBEZIUM_INSERT: &str = "INSERT INTO outboxevent (id, aggregatetype, aggregateid, type, payload)
                   VALUES ($1::text::uuid, 'Order', $2, 'OrderEvent', jsonb_build_object('n', $3::int4))";
