@@ -238,15 +238,22 @@ impl PgStore {
     }
 
     /// Applies `steps`, whose objects `probe` stands for, as a component of this outbox's
-    /// schema (WAL capture's, beside the outbox's).
-    pub async fn migrate_component(&self, steps: &Steps, probe: &TableName) -> StoreResult<()> {
+    /// schema (WAL capture's, beside the outbox's). `concurrent_indexes`: the indexes its
+    /// steps build concurrently (an invalid one, left by an interrupted build, is dropped
+    /// first).
+    pub async fn migrate_component(
+        &self,
+        steps: &Steps,
+        probe: &TableName,
+        concurrent_indexes: Vec<String>,
+    ) -> StoreResult<()> {
         let session = migrate::MigrateSession::open(self).await?;
         let result = session
             .apply(&migrate::Component {
                 steps,
                 tables: &self.inner.tables,
                 probe,
-                concurrent_indexes: Vec::new(),
+                concurrent_indexes,
             })
             .await;
         session.close().await;

@@ -157,6 +157,7 @@ mod tests {
         let position = EventPosition {
             commit_lsn: Lsn(commit),
             ordinal,
+            xid: 0,
         };
         (
             Output::Event {

@@ -268,6 +268,7 @@ fn next_position(
     let position = EventPosition {
         commit_lsn: open.begin.final_lsn,
         ordinal: open.events,
+        xid: open.begin.xid,
     };
     open.events += 1;
     Ok((position, open.commit_time))
@@ -343,7 +344,8 @@ mod tests {
             *position,
             EventPosition {
                 commit_lsn: Lsn(0x500),
-                ordinal: 0
+                ordinal: 0,
+                xid: 1,
             }
         );
         assert_eq!(

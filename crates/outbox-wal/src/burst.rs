@@ -166,6 +166,7 @@ mod tests {
             position: EventPosition {
                 commit_lsn: Lsn(100),
                 ordinal: n,
+                xid: 0,
             },
             event: Err(Box::new(Undecodable {
                 reason: "a test's".into(),

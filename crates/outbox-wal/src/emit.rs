@@ -199,6 +199,7 @@ mod tests {
     const POSITION: EventPosition = EventPosition {
         commit_lsn: Lsn(0x100),
         ordinal: 3,
+        xid: 7,
     };
 
     fn decode(text: &str) -> Result<WalEvent, Box<Undecodable>> {

@@ -16,6 +16,9 @@ pub struct EventPosition {
     /// 0 for the transaction's first event, counting only events (rows of the outbox table
     /// and outbox messages), not other changes.
     pub ordinal: u64,
+    /// The transaction's id (the Begin message's): whether its rows are visible to other
+    /// sessions yet, which the stream cannot say (see `capture::Inner::delete_delivered`).
+    pub xid: u32,
 }
 
 impl EventPosition {

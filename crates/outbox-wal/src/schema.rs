@@ -118,8 +118,37 @@ impl CaptureTables {
                     // An earlier relay records adoptions without it, which this one completes.
                     older_relays_run: true,
                 },
+                Step {
+                    version: 3,
+                    summary: "WAL capture: the parked table's index of the keys still waiting, \
+                          so that settling parked rows does not read the whole table to learn \
+                          which keys flow again (an adopted backlog made each settle a scan)",
+                    statements: vec![format!(
+                        "CREATE INDEX CONCURRENTLY IF NOT EXISTS \"{name}\" ON {parked} (({key_hash}))
+    WHERE delivered_at IS NULL;",
+                        name = self.parked_keys_index_name(),
+                        parked = self.parked.quoted(),
+                        key_hash = outbox_store_postgres::Tables::ORDERING_KEY_HASH,
+                    )],
+                    lock: Lock::Online,
+                    run: Run::Alone,
+                    // An index an earlier relay does not use.
+                    older_relays_run: true,
+                },
             ],
         )
+    }
+
+    /// The parked table's index of waiting keys (wal step 3), its name within the schema.
+    fn parked_keys_index_name(&self) -> String {
+        format!("{}_keys_idx", self.parked.name)
+    }
+
+    /// The indexes the steps build with `CREATE INDEX CONCURRENTLY` (quoted,
+    /// schema-qualified): `migrate` drops one an interrupted build left invalid before
+    /// building it again.
+    pub fn concurrent_indexes(&self) -> Vec<String> {
+        vec![self.parked.sibling("_keys_idx")]
     }
 
     /// What `migrate --capture wal` adds to the outbox's DDL. Idempotent.
@@ -286,15 +315,17 @@ pub struct CaptureStatements {
     /// `$1` event ids, `$2` destinations, `$3` keys, `$4` types, `$5` payloads (JSON text),
     /// `$6` headers (JSON text), `$7` mutation ids, `$8` rejected, `$9` created_at, `$10`
     /// delays (ms), `$11` not-before times, `$12` attempts, `$13` last errors.
-    /// And the delete of the parked events' rows (`$14` their ids), in one
-    /// statement returning one row: the row ids it did not delete, and the event ids whose
-    /// park the conflict skipped (parked, or adopted, before).
+    /// And the delete of the parked events' rows (`$14` their ids, `$15` their
+    /// transactions' ids), in one statement returning one row: the row ids it did not
+    /// delete whose transactions are not visible yet ([`not_visible_yet`]), and the event
+    /// ids whose park the conflict skipped (parked, or adopted, before).
     pub park_and_delete: String,
     /// Writes dead letters from decoded events. `$1` sequence ids, then as the parks without
     /// the times: `$2`..`$9`, `$10` created_at, `$11` attempts, `$12` errors.
     pub dead_letter: String,
-    /// Deletes delivered, parked or dead-lettered rows of the outbox (`$1` sequence ids),
-    /// returning one row: the array of the ids in `$1` it did not delete.
+    /// Deletes delivered, parked or dead-lettered rows of the outbox (`$1` sequence ids,
+    /// `$2` their transactions' ids), returning one row: the array of the ids in `$1` it
+    /// did not delete whose transactions are not visible yet ([`not_visible_yet`]).
     pub delete_delivered: String,
     /// Moves every pending row of the outbox table into the parked table, in its order,
     /// under new ids (after every row parked before): run when the slot is created, since
@@ -373,12 +404,12 @@ impl CaptureStatements {
         CaptureStatements {
             park_and_delete: format!(
                 "{deletes}, parked AS ({park} RETURNING event_id)
-                 SELECT ARRAY(SELECT wanted FROM unnest($14::int8[]) AS wanted
-                              EXCEPT SELECT id FROM deleted),
+                 SELECT {undeleted},
                         ARRAY(SELECT e FROM unnest($1::uuid[]) AS e
                               EXCEPT SELECT event_id FROM parked)",
                 deletes = deletes_with(tables, "$14"),
                 park = park_insert(&parked),
+                undeleted = not_visible_yet("$14", "$15"),
             ),
             dead_letter: format!(
                 "INSERT INTO {dl} (sequence_id, event_id, destination, partition_key, event_type,
@@ -392,11 +423,7 @@ impl CaptureStatements {
             ),
             // The ids left undeleted, as one array (nearly always empty): returning every
             // deleted id was a row per event for the client to decode.
-            delete_delivered: format!(
-                "{} SELECT ARRAY(SELECT wanted FROM unnest($1::int8[]) AS wanted
-                                  EXCEPT SELECT id FROM deleted)",
-                deletes(tables)
-            ),
+            delete_delivered: format!("{} SELECT {}", deletes(tables), not_visible_yet("$1", "$2")),
             adopt: adopt(tables),
             legacy_emit: "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_proc p
                                    JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace
@@ -453,9 +480,16 @@ impl CaptureStatements {
                 "SELECT {key}, max(octet_length(p::text))::int8 FROM {parked} p
                   WHERE delivered_at IS NULL GROUP BY 1"
             ),
+            // One probe of the index of waiting keys (wal step 3) per key, which stops at its
+            // first row: by the key's hash, then the key itself, so colliding keys are told
+            // apart. A key of an adopted backlog can have thousands of rows.
             still_parked: format!(
-                "SELECT DISTINCT {key} FROM {parked}
-                  WHERE delivered_at IS NULL AND {key} = ANY($1::text[])"
+                "SELECT DISTINCT k FROM unnest($1::text[]) AS k,
+                        LATERAL (SELECT FROM {parked}
+                                  WHERE delivered_at IS NULL
+                                    AND {key_hash} = hashtextextended(k, 0) AND {key} = k
+                                  LIMIT 1) AS waiting",
+                key_hash = outbox_store_postgres::Tables::ORDERING_KEY_HASH,
             ),
             drain_marker: format!(
                 "SELECT pg_logical_emit_message(false, '{prefix}', '{marker}')::text",
@@ -537,6 +571,28 @@ fn deletes_with(tables: &CaptureTables, param: &str) -> String {
         );
     }
     with
+}
+
+/// An array of the row ids in parameter `ids` that the CTE `deleted` did not delete and whose
+/// transactions (their ids, 32 bits, in parameter `xids`) the statement's snapshot does not
+/// see yet. The stream carries a transaction once its commit is in the WAL, a moment before
+/// other sessions see its rows (longer while the commit waits on a synchronous standby):
+/// such a row is to be deleted later. A row missing although its transaction is visible was
+/// deleted already: adopted into the parked table, or its event sent again after a
+/// reconnect. The 32-bit ids are widened to the 64-bit id nearest the snapshot's `xmax`
+/// (as PostgreSQL compares them, modulo 2^32): a transaction of the stream is at most a
+/// few thousand ids either side of it, and never 2^31 (the server stops before).
+fn not_visible_yet(ids: &str, xids: &str) -> String {
+    format!(
+        "ARRAY(SELECT u.id
+                 FROM unnest({ids}::int8[], {xids}::int8[]) AS u(id, xid),
+                      pg_catalog.pg_current_snapshot() AS snap,
+                      LATERAL (SELECT pg_catalog.pg_snapshot_xmax(snap)::text::int8 AS xmax) m,
+                      LATERAL (SELECT m.xmax + (u.xid - m.xmax % 4294967296 + 6442450944)
+                                                % 4294967296 - 2147483648 AS xid) g
+                WHERE u.id NOT IN (SELECT id FROM deleted)
+                  AND NOT pg_catalog.pg_visible_in_snapshot(greatest(g.xid, 0)::text::xid8, snap))"
+    )
 }
 
 /// Writes events to the parked table (see [`CaptureStatements::park_and_delete`]).

@@ -182,7 +182,8 @@ impl AnyStore {
                 }
                 s.migrate().await?;
                 let wal = capture.tables(s);
-                s.migrate_component(&wal.steps(), &wal.parked).await?;
+                s.migrate_component(&wal.steps(), &wal.parked, wal.concurrent_indexes())
+                    .await?;
                 // The publication's tables and a mapped source follow the settings: applied
                 // again on every migrate (idempotent).
                 s.migrate_extra(&wal.ddl()).await

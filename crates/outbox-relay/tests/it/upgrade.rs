@@ -632,13 +632,15 @@ async fn wal_capture_objects_are_a_versioned_component() {
         .await
         .unwrap()
         .get(0);
-    assert_eq!(version, 2);
+    assert_eq!(version, 3);
     let check = text(&wal(&["check"]).stdout);
-    assert!(check.contains("ok: wal schema at version 2"), "{check}");
-    // At version 1: the adopted table without the publication's version.
+    assert!(check.contains("ok: wal schema at version 3"), "{check}");
+    // At version 1: the adopted table without the publication's version, the parked
+    // table without its index of waiting keys.
     client
         .batch_execute(
             "ALTER TABLE outbox_adopted DROP COLUMN publication_version;
+             DROP INDEX outbox_parked_keys_idx;
              UPDATE outbox_versions SET version = 1 WHERE component = 'wal'",
         )
         .await
@@ -652,14 +654,27 @@ async fn wal_capture_objects_are_a_versioned_component() {
     );
     let printed = text(&wal(&["migrate", "--print"]).stdout);
     assert!(printed.contains("-- wal schema step 2:"), "{printed}");
+    assert!(printed.contains("-- wal schema step 3:"), "{printed}");
     assert!(!printed.contains("-- wal schema step 1:"), "{printed}");
     assert!(wal(&["migrate"]).status.success());
     let check = text(&wal(&["check"]).stdout);
-    assert!(check.contains("ok: wal schema at version 2"), "{check}");
+    assert!(check.contains("ok: wal schema at version 3"), "{check}");
     client
         .execute("SELECT publication_version FROM outbox_adopted", &[])
         .await
         .unwrap();
+    let indexed: bool = client
+        .query_one(
+            "SELECT EXISTS (SELECT FROM pg_indexes WHERE indexname = 'outbox_parked_keys_idx')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        indexed,
+        "step 3 builds the parked table's index of waiting keys"
+    );
     // The parked table without a recorded version: a capture set up before versions.
     client
         .batch_execute("DELETE FROM outbox_versions WHERE component = 'wal'")
@@ -675,5 +690,5 @@ async fn wal_capture_objects_are_a_versioned_component() {
     assert!(!printed.contains("-- outbox schema step"), "{printed}");
     assert!(wal(&["migrate"]).status.success());
     let check = text(&wal(&["check"]).stdout);
-    assert!(check.contains("ok: wal schema at version 2"), "{check}");
+    assert!(check.contains("ok: wal schema at version 3"), "{check}");
 }

@@ -409,7 +409,9 @@ impl Inner {
         }
         let p = &columns.parking;
         let mut park = columns.params(&[], &[&p.delays, &p.not_before, &p.attempts, &p.errors]);
-        park.push(&rows);
+        let (row_ids, row_xids) = OutboxRow::params(&rows);
+        park.push(&row_ids);
+        park.push(&row_xids);
         let dead_letter = dead.params();
         let mut steps: Vec<(&str, &[&(dyn ToSql + Sync)])> = Vec::new();
         if !dead.ids.is_empty() {
@@ -473,7 +475,7 @@ impl Inner {
                 let (mut waiting, mut done): (Vec<_>, Vec<_>) = parks.into_iter().partition(|p| {
                     state
                         .held_row(p.id)
-                        .is_some_and(|row| undeleted.contains(&row))
+                        .is_some_and(|row| undeleted.contains(&row.id))
                 });
                 // A park skipped (its event id parked, or adopted, before) whose row is
                 // missing: an event sent again after a session ended, its row deleted by the
@@ -636,7 +638,7 @@ impl Inner {
         &self,
         events: Vec<(SequenceId, std::time::Instant)>,
     ) -> StoreResult<()> {
-        let rows: Vec<SequenceId> = {
+        let rows: Vec<OutboxRow> = {
             let state = lock(&self.state);
             events
                 .iter()
@@ -648,7 +650,8 @@ impl Inner {
         } else {
             // In a transaction of its own: its commit is made durable before the slot
             // confirms past these events (see `PgStore::transaction`).
-            let delete: &[&(dyn ToSql + Sync)] = &[&rows];
+            let (ids, xids) = OutboxRow::params(&rows);
+            let delete: &[&(dyn ToSql + Sync)] = &[&ids, &xids];
             let (_, answer) = self
                 .main
                 .transaction_then_query("ack", &[], Some((&self.sql.delete_delivered, delete)))
@@ -659,7 +662,10 @@ impl Inner {
         let now = std::time::Instant::now();
         let mut late = Vec::new();
         let (done, wait): (Vec<_>, Vec<_>) = events.into_iter().partition(|(id, since)| {
-            let Some(row) = state.held_row(*id).filter(|row| undeleted.contains(row)) else {
+            let Some(row) = state
+                .held_row(*id)
+                .filter(|row| undeleted.contains(&row.id))
+            else {
                 return true;
             };
             let settle = since.elapsed() >= UNDELETED_PATIENCE;
@@ -693,8 +699,9 @@ impl Inner {
             let take = state.late_rows.len().min(LATE_ROWS_PER_SWEEP);
             state.late_rows.drain(..take).collect::<Vec<_>>()
         };
-        let rows: Vec<SequenceId> = late.iter().map(|(row, _)| *row).collect();
-        let delete: &[&(dyn ToSql + Sync)] = &[&rows];
+        let rows: Vec<OutboxRow> = late.iter().map(|(row, _)| *row).collect();
+        let (ids, xids) = OutboxRow::params(&rows);
+        let delete: &[&(dyn ToSql + Sync)] = &[&ids, &xids];
         // Only a synchronous standby keeps a commit waiting past the patience: without
         // one, a row not found by then was deleted already (its event sent again after a
         // reconnect, the usual case), and is looked for no more.
@@ -737,7 +744,7 @@ impl Inner {
         }
         let (keep, given_up): (Vec<_>, Vec<_>) = late
             .into_iter()
-            .filter(|(row, _)| missing.contains(row))
+            .filter(|(row, _)| missing.contains(&row.id))
             .partition(|(_, since)| since.elapsed() < LATE_ROW_PATIENCE);
         if !given_up.is_empty() {
             tracing::debug!(
@@ -780,7 +787,8 @@ impl Inner {
         let dead = columns.params(&[&sequence_ids], &[&attempts, &errors]);
         let (slot, guard): (&[&(dyn ToSql + Sync)], &[&(dyn ToSql + Sync)]) =
             (&[&self.slot], &[&self.slot, &owner]);
-        let delete: &[&(dyn ToSql + Sync)] = &[&rows];
+        let (row_ids, row_xids) = OutboxRow::params(&rows);
+        let delete: &[&(dyn ToSql + Sync)] = &[&row_ids, &row_xids];
         let written = self
             .main
             .transaction_if_then_query(
@@ -811,7 +819,7 @@ impl Inner {
         let (waiting, done): (Vec<_>, Vec<_>) = sequence_ids.into_iter().partition(|id| {
             state
                 .held_row(*id)
-                .is_some_and(|row| undeleted.contains(&row))
+                .is_some_and(|row| undeleted.contains(&row.id))
         });
         let now = std::time::Instant::now();
         state

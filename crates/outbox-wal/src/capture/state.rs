@@ -35,11 +35,28 @@ pub(super) struct HeldWal {
     pub(super) session: u64,
     pub(super) position: EventPosition,
     /// The outbox row to delete once settled (table form).
-    pub(super) row: Option<SequenceId>,
+    pub(super) row: Option<OutboxRow>,
     pub(super) key: String,
     pub(super) body: Body,
     /// Its bytes in the memory budget, given back when it is let go of.
     pub(super) _memory: Charge,
+}
+
+/// An outbox row a stream event was read from, and the transaction that wrote it: a row
+/// the delete does not find is gone already if its transaction is visible, and not visible
+/// yet otherwise (see `Inner::delete_delivered`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(super) struct OutboxRow {
+    pub(super) id: SequenceId,
+    pub(super) xid: u32,
+}
+
+impl OutboxRow {
+    /// `rows` as the two arrays the delete statements take: the row ids and their
+    /// transactions' ids.
+    pub(super) fn params(rows: &[OutboxRow]) -> (Vec<SequenceId>, Vec<i64>) {
+        rows.iter().map(|row| (row.id, i64::from(row.xid))).unzip()
+    }
 }
 
 /// An event to park and how.
@@ -102,7 +119,7 @@ pub(super) struct State {
     /// Outbox rows of settled events that were still not found after `UNDELETED_PATIENCE`,
     /// and since when: looked for now and then, so that a commit that waited long (on a
     /// synchronous standby that was away) leaves no row behind once it shows.
-    pub(super) late_rows: Vec<(SequenceId, std::time::Instant)>,
+    pub(super) late_rows: Vec<(OutboxRow, std::time::Instant)>,
     /// When `late_rows` were last looked for.
     pub(super) late_rows_swept: Option<std::time::Instant>,
     pub(super) drain_until: Option<Lsn>,
@@ -168,11 +185,17 @@ pub(super) fn event_id_of(
     source: EventSource,
     position: EventPosition,
     derived: &mut DerivedIds,
-) -> (SequenceId, Option<SequenceId>) {
+) -> (SequenceId, Option<OutboxRow>) {
     match source {
         EventSource::Table {
             sequence_id: Some(id),
-        } => (id, Some(id)),
+        } => (
+            id,
+            Some(OutboxRow {
+                id,
+                xid: position.xid,
+            }),
+        ),
         // Not in the native table; a row without an id cannot be deleted either.
         EventSource::Table { sequence_id: None } | EventSource::Message { .. } => {
             (derived.id(position), None)
@@ -216,7 +239,7 @@ impl State {
 
     /// The outbox row of held stream event `id`, if it has one (an `outbox_emit` message,
     /// or a mapped row without an id, has none).
-    pub(super) fn held_row(&self, id: SequenceId) -> Option<SequenceId> {
+    pub(super) fn held_row(&self, id: SequenceId) -> Option<OutboxRow> {
         match self.holdings.held.get(&id) {
             Some(Held::Stream(held)) => held.row,
             _ => None,
@@ -504,6 +527,7 @@ mod tests {
             position: EventPosition {
                 commit_lsn: Lsn(commit),
                 ordinal,
+                xid: 0,
             },
             event: Ok(WalEvent {
                 event,
@@ -642,6 +666,7 @@ mod tests {
         EventPosition {
             commit_lsn: Lsn(1000 + n),
             ordinal: 0,
+            xid: 0,
         }
     }
 

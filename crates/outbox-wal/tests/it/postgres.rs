@@ -1226,7 +1226,7 @@ async fn a_stream_not_read_for_a_while_is_kept_alive_past_wal_sender_timeout() {
 /// The delete of delivered rows answers with the ids it did not find (a row whose commit is
 /// in the WAL but not yet visible, or one deleted already), in one array, not a row per id.
 #[tokio::test]
-async fn the_delete_of_delivered_rows_names_only_the_rows_it_did_not_find() {
+async fn the_delete_of_delivered_rows_names_only_the_rows_whose_commits_it_cannot_see_yet() {
     let fixture = Fixture::new().await;
     let db = connect(&fixture.url).await;
     let outbox = TableName::new("public", "outbox").unwrap();
@@ -1238,21 +1238,70 @@ async fn the_delete_of_delivered_rows_names_only_the_rows_it_did_not_find() {
     let sql = outbox_wal::schema::CaptureStatements::new(&tables);
     let first = insert(&db, "a", 1).await;
     let second = insert(&db, "a", 2).await;
-    let gone = second + 1000;
-    let undeleted: Vec<i64> = db
-        .query_one(&sql.delete_delivered, &[&vec![first, second, gone]])
+    // The 32-bit transaction id the stream's Begin carries.
+    let xid_of = |id: i64| {
+        let db = &db;
+        async move {
+            db.query_one(
+                "SELECT xmin::text::int8 FROM outbox WHERE sequence_id = $1",
+                &[&id],
+            )
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+        }
+    };
+    let (first_xid, second_xid) = (xid_of(first).await, xid_of(second).await);
+    // Deleted already (adopted, or delivered before a reconnect): its commit is visible.
+    let gone = (second + 1000, second_xid);
+    // A commit in the WAL but not visible yet, as on a synchronous standby: its
+    // transaction still runs.
+    let writer = connect(&fixture.url).await;
+    writer.batch_execute("BEGIN").await.unwrap();
+    let late: i64 = writer
+        .query_one(
+            "INSERT INTO outbox (destination, partition_key, event_type, payload)
+             VALUES ('orders', 'b', 'Placed', '{}') RETURNING sequence_id",
+            &[],
+        )
         .await
         .unwrap()
         .get(0);
-    assert_eq!(undeleted, vec![gone]);
+    let late_xid: i64 = writer
+        .query_one("SELECT pg_current_xact_id()::text::int8 % 4294967296", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let undeleted: Vec<i64> = db
+        .query_one(
+            &sql.delete_delivered,
+            &[
+                &vec![first, second, gone.0, late],
+                &vec![first_xid, second_xid, gone.1, late_xid],
+            ],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(undeleted, vec![late], "only the row not visible yet");
     let left: i64 = db
         .query_one("SELECT count(*) FROM outbox", &[])
         .await
         .unwrap()
         .get(0);
-    assert_eq!(left, 0, "both rows deleted");
+    assert_eq!(left, 0, "both visible rows deleted");
+    writer.batch_execute("COMMIT").await.unwrap();
     let none: Vec<i64> = db
-        .query_one(&sql.delete_delivered, &[&Vec::<i64>::new()])
+        .query_one(&sql.delete_delivered, &[&vec![late], &vec![late_xid]])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(none.is_empty(), "deleted once visible: {none:?}");
+    let none: Vec<i64> = db
+        .query_one(
+            &sql.delete_delivered,
+            &[&Vec::<i64>::new(), &Vec::<i64>::new()],
+        )
         .await
         .unwrap()
         .get(0);
