@@ -111,24 +111,16 @@ pub async fn drop_slots(admin: &tokio_postgres::Client) -> Result<()> {
 }
 
 /// `migrate --capture wal` (the publication, the parked table, `outbox_emit`, and the
-/// trigger that notifies no one), then the slot, before any event is written.
-pub async fn prepare(b: &Bench, db: &tokio_postgres::Client) -> Result<()> {
+/// trigger that notifies no one), then the slot, before any event is written: made by a
+/// drain of the empty outbox, so the relay records the slot's adoption (of nothing) itself.
+/// A slot made by hand is adopted by the relay's first session, which moves every row
+/// written meanwhile to the parked table (a slot made by hand may predate rows its stream
+/// does not carry), and the bench would measure that instead of the stream.
+pub async fn prepare(b: &Bench) -> Result<()> {
     b.relay_cli(&["migrate", "--capture", "wal"])?;
-    db.execute(
-        "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
-        &[&SLOT],
-    )
-    .await?;
-    // The table is empty: what a relay that made the slot itself records. Unrecorded, the
-    // relay's first session would adopt every row written meanwhile into the parked table
-    // (a slot made by hand may predate rows its stream does not carry), and the drain would
-    // measure the parked table's polling instead of the stream.
-    db.execute(
-        "INSERT INTO outbox_adopted (slot) VALUES ($1) ON CONFLICT DO NOTHING",
-        &[&SLOT],
-    )
-    .await?;
-    Ok(())
+    let mut drain = vec!["run", "--drain", "--sink", "stdout", "--http-addr", ""];
+    drain.extend(RELAY_ARGS);
+    b.relay_cli(&drain)
 }
 
 /// `pg_recvlogical` reading `slot` as the relay would: pgoutput, the relay's publication,
@@ -297,7 +289,7 @@ fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
 
 /// A WAL-capture relay publishing to a file, once it relays (a probe row is gone).
 pub async fn start_relay(b: &Bench, db: &tokio_postgres::Client, name: &str) -> Result<Child> {
-    prepare(b, db).await?;
+    prepare(b).await?;
     let sink = format!("file:{}", b.work.join(format!("{name}.jsonl")).display());
     let mut args = vec!["--sink", sink.as_str()];
     args.extend(RELAY_ARGS);
@@ -371,7 +363,7 @@ async fn drain_once(b: &Bench, sink: &str, form: &str) -> Result<Value> {
     let (n, per) = (b.settings.events, b.settings.wal_events_per_transaction);
     eprintln!("drain: WAL capture, {n} events ({form}, {per} per transaction) to {sink}");
     let db = b.reset().await?;
-    prepare(b, &db).await?;
+    prepare(b).await?;
     db.execute(
         "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
         &[&FLOOR_SLOT],
@@ -496,7 +488,7 @@ pub async fn large_events(b: &Bench) -> Result<Value> {
     let n = LARGE_EVENTS;
     eprintln!("drain: WAL capture, {n} events of {LARGE_EVENT_MIB} MiB to a slow webhook");
     let db = b.reset().await?;
-    prepare(b, &db).await?;
+    prepare(b).await?;
     db.batch_execute(&format!(
         "DO $prefill$
          BEGIN
