@@ -15,6 +15,7 @@
 //!   puts the reader, the rule and the seat together.
 //! - [`store`] is [`BinlogStore`], the engine's store over a [`Capture`].
 //! - [`mod@schema`] has the table-less form: a BLACKHOLE table, written to the log only.
+//! - [`parked`] is the parked table: its DDL, and the index of the keys waiting in it.
 //!
 //! This file holds what they share: the errors, positions and configuration, and the
 //! server's side: what it lacks for capture ([`server_problems`]), where its log is
@@ -24,6 +25,7 @@
 
 pub mod capture;
 pub mod gtid;
+pub mod parked;
 mod positions;
 mod reader;
 pub mod schema;
@@ -31,6 +33,7 @@ pub mod seat;
 mod statement;
 pub mod store;
 pub use capture::{Capture, Started};
+pub use parked::{parked_ddl, parked_index_problem, upgrade_parked};
 pub use positions::{Positions, UnknownRow};
 pub use reader::{BinlogReader, Output, Row, BINLOG_HEARTBEAT, BINLOG_SILENCE};
 pub use schema::{

@@ -26,7 +26,6 @@
 //! lapsed. A relay that lost the seat hands out nothing more of what it read, and its
 //! parks are refused by the fence.
 
-use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
@@ -146,6 +145,9 @@ struct Inner {
     deleting: tokio::sync::Mutex<Option<std::time::Instant>>,
     /// When the parked keys were last read ([`Inner::look_for_retried_dead_letters`]).
     parked_keys_read: Mutex<std::time::Instant>,
+    /// Whether the parked table has its index of waiting keys, once read
+    /// ([`Inner::keys_indexed`]).
+    keys_indexed: std::sync::OnceLock<bool>,
     /// The role may not set `binlog_row_image` for its session ([`Inner::log_keys_only`]).
     full_images_only: std::sync::atomic::AtomicBool,
     outputs: tokio::sync::Mutex<mpsc::Receiver<Item>>,
@@ -275,6 +277,7 @@ impl BinlogStore {
                 deleting: tokio::sync::Mutex::new(None),
                 full_images_only: Default::default(),
                 parked_keys_read: Mutex::new(std::time::Instant::now()),
+                keys_indexed: std::sync::OnceLock::new(),
                 outputs: tokio::sync::Mutex::new(rx),
                 settled: settled_tx,
                 live,
@@ -551,13 +554,34 @@ impl Inner {
     async fn unpark_keys_locked(&self, keys: Vec<String>) -> StoreResult<()> {
         let fail = |e: mysql_async::Error| store_error("reading the parked keys", e);
         let mut conn = self.pool.get_conn().await.map_err(fail)?;
-        let still: Vec<String> = conn
-            .exec(self.sql.still_parked(keys.len()), keys.clone())
+        let indexed = self.keys_indexed(&mut conn).await;
+        let still = crate::parked::still_parked(&mut conn, self.sql.parked_table(), indexed, &keys)
             .await
             .map_err(fail)?;
-        let still: HashSet<String> = still.into_iter().collect();
         lock(&self.state).unpark(keys, &still);
         Ok(())
+    }
+
+    /// Whether the parked table has its index of waiting keys, read once (a table made
+    /// before it has none until `migrate`: the keys are then read by a scan, and the relay
+    /// says so once). Unknown while it cannot be read: the scan is right either way.
+    async fn keys_indexed(&self, conn: &mut mysql_async::Conn) -> bool {
+        if let Some(indexed) = self.keys_indexed.get() {
+            return *indexed;
+        }
+        let parked = self.sql.parked_table();
+        match crate::parked::keys_indexed(conn, parked).await {
+            Ok(indexed) => {
+                if !indexed {
+                    tracing::warn!(table = parked, "the parked table has no index of its waiting keys: every settle of parked rows reads the whole table (run `outbox-relay migrate --capture binlog`, then restart the relay)");
+                }
+                *self.keys_indexed.get_or_init(|| indexed)
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot read the parked table's indexes; reading its keys by a scan");
+                false
+            }
+        }
     }
 
     /// Settles the parked rows among `items` with the polling store's `statement` (their

@@ -1,6 +1,7 @@
 //! The statements binlog capture runs itself (the parked table's claims, acks, retries and
 //! dead letters are the polling store's): parking, deleting delivered rows, the parked
-//! keys, and the adoption of rows already in the table.
+//! keys, and the adoption of rows already in the table (which of some keys still wait in
+//! the parked table is [`crate::parked::still_parked`], over the table's index).
 
 use outbox_layout::sql::Sql;
 use outbox_layout::{Dialect, Mapping, Seed};
@@ -33,6 +34,8 @@ const KEY: &str = "COALESCE(partition_key, destination)";
 pub(super) struct Statements {
     outbox: String,
     parked: String,
+    /// The parked table as configured, unquoted.
+    parked_name: String,
     positions: String,
     /// The outbox table's layout, its schema the database read: how a delivered row is
     /// settled (deleted, or marked), and how a mapped table's rows are adopted.
@@ -66,6 +69,7 @@ impl Statements {
         Ok(Statements {
             outbox: source.table(),
             parked: quoted(parked),
+            parked_name: parked.to_string(),
             positions: quoted(positions),
             source,
             event_id,
@@ -115,16 +119,10 @@ impl Statements {
         )
     }
 
-    /// Which of `keys` keys still have a row waiting in the parked table (byte for byte, as
-    /// [`parked_keys`](Self::parked_keys)).
-    pub(super) fn still_parked(&self, keys: usize) -> String {
-        format!(
-            "SELECT DISTINCT CAST({KEY} AS BINARY) FROM {}
-              WHERE delivered_at IS NULL AND dead_at IS NULL
-                AND CAST({KEY} AS BINARY) IN ({})",
-            self.parked,
-            placeholders(keys)
-        )
+    /// The parked table, `db.table` or `table` as configured (unquoted): which keys still
+    /// wait there is [`crate::parked::still_parked`], over its index of waiting keys.
+    pub(super) fn parked_table(&self) -> &str {
+        &self.parked_name
     }
 
     /// The adoption of the rows already in the outbox table when capture first starts (the
@@ -259,10 +257,6 @@ impl Statements {
             "SET time_zone = @outbox_relay_time_zone".into(),
         ]
     }
-}
-
-fn placeholders(n: usize) -> String {
-    vec!["?"; n.max(1)].join(", ")
 }
 
 #[cfg(test)]

@@ -1,6 +1,7 @@
 mod capture;
 mod compressed;
 mod mariadb;
+mod parked;
 mod seat;
 mod store;
 

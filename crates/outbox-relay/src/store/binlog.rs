@@ -132,28 +132,27 @@ impl BinlogCapture {
         self.mapping.seed == Some(outbox_layout::Seed::NativeMysql)
     }
 
-    /// Adds what later versions keep in the positions table to one made before (the GTID
-    /// columns); idempotent. `migrate` runs it after [`BinlogCapture::ddl`].
+    /// Adds what later versions keep in binlog capture's tables to ones made before (the
+    /// positions table's GTID columns, the parked table's index of waiting keys);
+    /// idempotent. `migrate` runs it after [`BinlogCapture::ddl`].
     pub async fn upgrade(&self) -> Result<(), StoreError> {
+        let fail = |e| StoreError::new(StoreErrorKind::Query, format!("binlog capture: {e}"));
         outbox_binlog::upgrade_positions(
             &self.url,
             &format!("{}.{}", self.database, self.positions_table),
         )
         .await
-        .map_err(|e| StoreError::new(StoreErrorKind::Query, format!("binlog capture: {e}")))
+        .map_err(fail)?;
+        outbox_binlog::upgrade_parked(&self.url, &self.database, &self.parked_table)
+            .await
+            .map_err(fail)
     }
 
-    /// The parked table (the native layout's columns, InnoDB: never `LIKE` the outbox,
-    /// which in the table-less form is a BLACKHOLE table that would store no parked row)
-    /// and the positions table; idempotent.
+    /// The parked table ([`outbox_binlog::parked_ddl`]: the native layout's columns and
+    /// the index of its waiting keys, InnoDB) and the positions table; idempotent.
     pub fn ddl(&self) -> String {
         let db = &self.database;
-        let native = outbox_layout::Mapping::native_mysql(None, &self.parked_table, false);
-        let parked = outbox_layout::sql::native_mysql_ddl(&native).replacen(
-            &format!("CREATE TABLE IF NOT EXISTS `{}`", self.parked_table),
-            &format!("CREATE TABLE IF NOT EXISTS `{db}`.`{}`", self.parked_table),
-            1,
-        );
+        let parked = outbox_binlog::parked_ddl(db, &self.parked_table);
         format!(
             "{parked}{}",
             outbox_binlog::positions_ddl(&format!("{db}.{}", self.positions_table))
@@ -287,6 +286,11 @@ impl BinlogCapture {
         }
         problems.extend(
             outbox_binlog::parked_table_problem(&self.url, &self.database, &self.parked_table)
+                .await
+                .unwrap_or_default(),
+        );
+        problems.extend(
+            outbox_binlog::parked_index_problem(&self.url, &self.database, &self.parked_table)
                 .await
                 .unwrap_or_default(),
         );
