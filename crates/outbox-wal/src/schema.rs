@@ -318,11 +318,7 @@ pub struct CaptureStatements {
     /// And the delete of the parked events' rows (`$14` their ids, `$15` their
     /// transactions' ids), in one statement returning one row: the row ids it did not
     /// delete whose transactions are not visible yet ([`not_visible_yet`]), and the event
-    /// ids not parked: parked (or adopted) before, which the conflict skips, or whose row
-    /// (`$16`, each event's row or NULL) is gone although its commit is visible. Such a row
-    /// was adopted into the parked table, whose copy is delivered, or deleted when its
-    /// event was settled before a reconnect: parked again, the event would be delivered
-    /// twice.
+    /// ids whose park the conflict skipped (parked, or adopted, before).
     pub park_and_delete: String,
     /// Writes dead letters from decoded events. `$1` sequence ids, then as the parks without
     /// the times: `$2`..`$9`, `$10` created_at, `$11` attempts, `$12` errors.
@@ -407,9 +403,8 @@ impl CaptureStatements {
         let marker = String::from_utf8_lossy(DRAIN_MARKER);
         CaptureStatements {
             park_and_delete: format!(
-                "{deletes}, waiting AS (SELECT unnest({undeleted}) AS id),
-                      parked AS ({park} RETURNING event_id)
-                 SELECT ARRAY(SELECT id FROM waiting),
+                "{deletes}, parked AS ({park} RETURNING event_id)
+                 SELECT {undeleted},
                         ARRAY(SELECT e FROM unnest($1::uuid[]) AS e
                               EXCEPT SELECT event_id FROM parked)",
                 deletes = deletes_with(tables, "$14"),
@@ -611,12 +606,8 @@ fn park_insert(parked: &str) -> String {
                         n, err
                    FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[],
                                $6::text[], $7::text[], $8::bool[], $9::timestamptz[],
-                               $10::int8[], $11::timestamptz[], $12::int4[], $13::text[],
-                               $16::int8[])
-                        WITH ORDINALITY AS u(e, d, k, t, p, h, m, r, c, w, a, n, err, source_row, i)
-                  WHERE u.source_row IS NULL
-                     OR u.source_row IN (SELECT id FROM deleted)
-                     OR u.source_row IN (SELECT id FROM waiting)
+                               $10::int8[], $11::timestamptz[], $12::int4[], $13::text[])
+                        WITH ORDINALITY AS u(e, d, k, t, p, h, m, r, c, w, a, n, err, i)
                   ORDER BY i
                  ON CONFLICT (event_id) DO NOTHING"
     )

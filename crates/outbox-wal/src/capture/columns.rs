@@ -61,20 +61,16 @@ pub(super) struct ParkColumns {
     pub(super) not_before: Vec<Option<SystemTime>>,
     pub(super) attempts: Vec<i32>,
     pub(super) errors: Vec<Option<String>>,
-    /// Each parked event's outbox row (none for a message): an event whose row is gone
-    /// already is not parked ([`crate::schema::CaptureStatements::park_and_delete`]).
-    pub(super) rows: Vec<Option<SequenceId>>,
 }
 
 impl ParkColumns {
-    pub(super) fn push(&mut self, park: &Park, row: Option<SequenceId>) {
+    pub(super) fn push(&mut self, park: &Park) {
         self.delays
             .push(i64::try_from(park.delay.as_millis()).unwrap_or(i64::MAX));
         self.not_before.push(park.not_before);
         self.attempts
             .push(i32::try_from(park.attempts).unwrap_or(i32::MAX));
         self.errors.push(park.error.clone());
-        self.rows.push(row);
     }
 }
 

@@ -383,7 +383,7 @@ impl Inner {
                             None => {
                                 largest_parked = largest_parked.max(event_bytes(event));
                                 columns.push(event);
-                                columns.parking.push(park, held.row.map(|row| row.id));
+                                columns.parking.push(park);
                                 parked.push(format!("{}={}", park.id, event.event_id));
                             }
                         },
@@ -412,7 +412,6 @@ impl Inner {
         let (row_ids, row_xids) = OutboxRow::params(&rows);
         park.push(&row_ids);
         park.push(&row_xids);
-        park.push(&p.rows);
         let dead_letter = dead.params();
         let mut steps: Vec<(&str, &[&(dyn ToSql + Sync)])> = Vec::new();
         if !dead.ids.is_empty() {
@@ -478,11 +477,10 @@ impl Inner {
                         .held_row(p.id)
                         .is_some_and(|row| undeleted.contains(&row.id))
                 });
-                // A park skipped (its event id parked before) whose row is not visible yet:
-                // an event sent again after a session ended whose earlier park could not
-                // delete the row either. The parked copy stands for it, so it settles now,
-                // its row looked for later (`sweep_late_rows`). (An event whose row is gone
-                // although visible is neither parked nor waited for: it settles with `done`.)
+                // A park skipped (its event id parked, or adopted, before) whose row is
+                // missing: an event sent again after a session ended, its row deleted by the
+                // earlier park, the common case after a reconnect. It settles now, its row
+                // looked for later (`sweep_late_rows`) should it be a commit not visible yet.
                 let now = std::time::Instant::now();
                 let (reparked, still): (Vec<_>, Vec<_>) = waiting.into_iter().partition(|p| {
                     matches!(state.holdings.held.get(&p.id), Some(Held::Stream(held)) if matches!(&held.body, Body::Event(e) if skipped.contains(&e.event_id)))
