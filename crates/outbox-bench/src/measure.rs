@@ -444,7 +444,7 @@ async fn latency_run(b: &Bench, rate: u64, per_commit: u64, mode: &str) -> Resul
     let mapped_config: String;
     match mode {
         _ if wal::FLOOR_MODES.contains(&mode) => {
-            wal::prepare(b).await?;
+            wal::prepare(b, &db).await?;
             let mut child = wal::spawn_recvlogical(b, &db, Stdio::piped()).await?;
             let output = child.output().context("pg_recvlogical's output")?;
             wal::stamp_arrivals(output, received.clone());
@@ -481,7 +481,7 @@ async fn latency_run(b: &Bench, rate: u64, per_commit: u64, mode: &str) -> Resul
                 _ if mode.starts_with("wal") => {
                     // The slot exists before the relay starts, as in production: nothing
                     // is adopted into the parked table.
-                    wal::prepare(b).await?;
+                    wal::prepare(b, &db).await?;
                     args.extend(wal::RELAY_ARGS);
                 }
                 _ => {}
@@ -753,9 +753,9 @@ pub async fn writer_cost(b: &Bench, variants: &[&str]) -> Result<Value> {
                     .await?
             }
             "NOTIFY trigger" => {}
-            wal::WRITERS_SLOT => wal::prepare(b).await?,
+            wal::WRITERS_SLOT => wal::prepare(b, &db).await?,
             wal::WRITERS_FLOOR => {
-                wal::prepare(b).await?;
+                wal::prepare(b, &db).await?;
                 floor = Some(wal::spawn_recvlogical(b, &db, Stdio::null()).await?);
             }
             wal::WRITERS_RELAY | wal::WRITERS_EMIT => {

@@ -115,12 +115,30 @@ pub async fn drop_slots(admin: &tokio_postgres::Client) -> Result<()> {
 /// drain of the empty outbox, so the relay records the slot's adoption (of nothing) itself.
 /// A slot made by hand is adopted by the relay's first session, which moves every row
 /// written meanwhile to the parked table (a slot made by hand may predate rows its stream
-/// does not carry), and the bench would measure that instead of the stream.
-pub async fn prepare(b: &Bench) -> Result<()> {
+/// does not carry), and the bench would measure that instead of the stream. Returns once the
+/// server has let go of the slot (its walsender ends a moment after the relay's exit), so
+/// the next reader finds it free.
+pub async fn prepare(b: &Bench, db: &tokio_postgres::Client) -> Result<()> {
     b.relay_cli(&["migrate", "--capture", "wal"])?;
     let mut drain = vec!["run", "--drain", "--sink", "stdout", "--http-addr", ""];
     drain.extend(RELAY_ARGS);
-    b.relay_cli(&drain)
+    b.relay_cli(&drain)?;
+    let start = Instant::now();
+    while db
+        .query_one(
+            "SELECT coalesce(bool_or(active), false) FROM pg_catalog.pg_replication_slots
+              WHERE slot_name = $1",
+            &[&SLOT],
+        )
+        .await?
+        .get::<_, bool>(0)
+    {
+        if start.elapsed() > Duration::from_secs(30) {
+            bail!("the slot {SLOT} stayed active 30 s after the relay that made it exited");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(())
 }
 
 /// `pg_recvlogical` reading `slot` as the relay would: pgoutput, the relay's publication,
@@ -289,7 +307,7 @@ fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
 
 /// A WAL-capture relay publishing to a file, once it relays (a probe row is gone).
 pub async fn start_relay(b: &Bench, db: &tokio_postgres::Client, name: &str) -> Result<Child> {
-    prepare(b).await?;
+    prepare(b, db).await?;
     let sink = format!("file:{}", b.work.join(format!("{name}.jsonl")).display());
     let mut args = vec!["--sink", sink.as_str()];
     args.extend(RELAY_ARGS);
@@ -363,7 +381,7 @@ async fn drain_once(b: &Bench, sink: &str, form: &str) -> Result<Value> {
     let (n, per) = (b.settings.events, b.settings.wal_events_per_transaction);
     eprintln!("drain: WAL capture, {n} events ({form}, {per} per transaction) to {sink}");
     let db = b.reset().await?;
-    prepare(b).await?;
+    prepare(b, &db).await?;
     db.execute(
         "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
         &[&FLOOR_SLOT],
@@ -488,7 +506,7 @@ pub async fn large_events(b: &Bench) -> Result<Value> {
     let n = LARGE_EVENTS;
     eprintln!("drain: WAL capture, {n} events of {LARGE_EVENT_MIB} MiB to a slow webhook");
     let db = b.reset().await?;
-    prepare(b).await?;
+    prepare(b, &db).await?;
     db.batch_execute(&format!(
         "DO $prefill$
          BEGIN

@@ -580,8 +580,9 @@ fn deletes_with(tables: &CaptureTables, param: &str) -> String {
 /// such a row is to be deleted later. A row missing although its transaction is visible was
 /// deleted already: adopted into the parked table, or its event sent again after a
 /// reconnect. The 32-bit ids are widened to the 64-bit id nearest the snapshot's `xmax`
-/// (as PostgreSQL compares them, modulo 2^32): a transaction of the stream is at most a
-/// few thousand ids either side of it, and never 2^31 (the server stops before).
+/// (as PostgreSQL compares them, modulo 2^32): a transaction of the stream is far less than
+/// 2^31 ids either side of it, since the slot's `catalog_xmin` holds the server's freezing
+/// back, and the server stops taking new ids before that distance.
 fn not_visible_yet(ids: &str, xids: &str) -> String {
     format!(
         "ARRAY(SELECT u.id

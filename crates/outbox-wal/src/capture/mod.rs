@@ -477,10 +477,13 @@ impl Inner {
                         .held_row(p.id)
                         .is_some_and(|row| undeleted.contains(&row.id))
                 });
-                // A park skipped (its event id parked, or adopted, before) whose row is
-                // missing: an event sent again after a session ended, its row deleted by the
-                // earlier park, the common case after a reconnect. It settles now, its row
-                // looked for later (`sweep_late_rows`) should it be a commit not visible yet.
+                // A park skipped (its event id parked before) whose row is not visible yet:
+                // an event sent again after a session ended whose earlier park could not
+                // delete its row either. The parked copy stands for it: it settles now, its
+                // row looked for later (`sweep_late_rows`). An event whose row is gone
+                // although visible is parked all the same: the application may have deleted
+                // the row in its own transaction (Debezium's pattern), and a parked copy
+                // delivered twice is a duplicate, where one not parked would be lost.
                 let now = std::time::Instant::now();
                 let (reparked, still): (Vec<_>, Vec<_>) = waiting.into_iter().partition(|p| {
                     matches!(state.holdings.held.get(&p.id), Some(Held::Stream(held)) if matches!(&held.body, Body::Event(e) if skipped.contains(&e.event_id)))
@@ -631,9 +634,11 @@ impl Inner {
     /// Deletes the outbox rows of delivered stream events and settles the events. The
     /// stream can carry a transaction a moment before other sessions see its rows (its
     /// commit record is in the WAL before it is visible), so a row the delete does not find
-    /// is tried again with the next claims, its event unsettled (the slot waits for it), for
-    /// up to [`UNDELETED_PATIENCE`]; a row still missing then was deleted already (the
-    /// event was sent again after a reconnect).
+    /// while its transaction is not visible yet is tried again with the next claims, its
+    /// event unsettled (the slot waits for it), for up to [`UNDELETED_PATIENCE`], then
+    /// swept (`sweep_late_rows`). A row missing although its transaction is visible was
+    /// deleted already (adopted, deleted by the application in its own transaction, or its
+    /// event sent again after a reconnect): its event settles at once.
     async fn delete_delivered(
         &self,
         events: Vec<(SequenceId, std::time::Instant)>,
@@ -682,7 +687,7 @@ impl Inner {
 
     /// Deletes the outbox rows of settled events that were not found within
     /// `UNDELETED_PATIENCE` (`State::late_rows`), at most every `LATE_ROWS_SWEEP`, each
-    /// looked for up to `LATE_ROW_PATIENCE`: a row missing that long was deleted already.
+    /// looked for up to `LATE_ROW_PATIENCE` while its commit does not show.
     /// A failure waits for the next sweep.
     async fn sweep_late_rows(&self) {
         let late = {
@@ -702,27 +707,13 @@ impl Inner {
         let rows: Vec<OutboxRow> = late.iter().map(|(row, _)| *row).collect();
         let (ids, xids) = OutboxRow::params(&rows);
         let delete: &[&(dyn ToSql + Sync)] = &[&ids, &xids];
-        // Only a synchronous standby keeps a commit waiting past the patience: without
-        // one, a row not found by then was deleted already (its event sent again after a
-        // reconnect, the usual case), and is looked for no more.
-        let waits = "SELECT current_setting('synchronous_standby_names') <> ''";
-        let swept = match self.main.query_rows("late rows", waits, &[]).await {
-            Ok(rows) if rows.first().is_some_and(|r| !r.get::<_, bool>(0)) => {
-                lock(&self.state).late_rows.clear();
-                return;
-            }
-            Ok(_) => {
-                self.main
-                    .transaction_then_query(
-                        "late rows",
-                        &[],
-                        Some((&self.sql.delete_delivered, delete)),
-                    )
-                    .await
-            }
-            Err(e) => Err(e),
-        }
-        .and_then(|(_, answer)| undeleted_ids("late rows", &answer));
+        // Every row here was not visible yet when last looked for: the delete names those
+        // still not visible, and is done with the rest (deleted now, or gone already).
+        let swept = self
+            .main
+            .transaction_then_query("late rows", &[], Some((&self.sql.delete_delivered, delete)))
+            .await
+            .and_then(|(_, answer)| undeleted_ids("late rows", &answer));
         let missing = match swept {
             Ok(missing) => missing,
             Err(e) => {
@@ -734,12 +725,12 @@ impl Inner {
                 return;
             }
         };
-        let deleted = rows.len() - missing.len();
-        if deleted > 0 {
+        let showed = rows.len() - missing.len();
+        if showed > 0 {
             tracing::info!(
-                rows = deleted,
-                "deleted outbox rows of delivered events that showed late (their commits waited, \
-                 as on a synchronous standby)"
+                rows = showed,
+                "outbox rows of settled events whose commits showed late (they waited, as on a \
+                 synchronous standby) are deleted"
             );
         }
         let (keep, given_up): (Vec<_>, Vec<_>) = late
@@ -749,7 +740,8 @@ impl Inner {
         if !given_up.is_empty() {
             tracing::debug!(
                 rows = given_up.len(),
-                "outbox rows of delivered events not found within the patience: deleted already"
+                "outbox rows of settled events whose commits did not show within the patience: \
+                 looked for no more"
             );
         }
         // Behind those not swept yet: each sweep takes the next ones.
