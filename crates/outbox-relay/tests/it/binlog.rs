@@ -317,22 +317,17 @@ async fn migrate_gives_the_parked_table_its_index_of_waiting_keys() {
     let (by_key, _) = first_deliveries(&[db.path("out.jsonl")]);
     assert_every_key_in_order(&by_key, &["a", "A", "a "], 20);
 
-    relay_ok(
-        db.dir.path(),
-        &["migrate", "--capture", "binlog", "--database-url", &db.url],
-    );
-    assert_eq!(
-        keys_index(&db).await,
-        ["key_hash", "delivered_at", "dead_at"]
-    );
-    relay_ok(
-        db.dir.path(),
-        &["migrate", "--capture", "binlog", "--database-url", &db.url],
-    );
-    assert_eq!(
-        keys_index(&db).await,
-        ["key_hash", "delivered_at", "dead_at"]
-    );
+    // Twice: the second `migrate` finds the index and leaves it as it is.
+    for _ in 0..2 {
+        relay_ok(
+            db.dir.path(),
+            &["migrate", "--capture", "binlog", "--database-url", &db.url],
+        );
+        assert_eq!(
+            keys_index(&db).await,
+            ["key_hash", "delivered_at", "dead_at"]
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
