@@ -123,6 +123,13 @@ pub async fn prepare(b: &Bench, db: &tokio_postgres::Client) -> Result<()> {
     let mut drain = vec!["run", "--drain", "--sink", "stdout", "--http-addr", ""];
     drain.extend(RELAY_ARGS);
     b.relay_cli(&drain)?;
+    await_slot_active(db, false).await.with_context(|| {
+        format!("the slot {SLOT} stayed active after the relay that made it exited")
+    })
+}
+
+/// Waits, at most 30 s, until [`SLOT`] is streaming to a client (`active`), or is not.
+async fn await_slot_active(db: &tokio_postgres::Client, active: bool) -> Result<()> {
     let start = Instant::now();
     while db
         .query_one(
@@ -132,9 +139,10 @@ pub async fn prepare(b: &Bench, db: &tokio_postgres::Client) -> Result<()> {
         )
         .await?
         .get::<_, bool>(0)
+        != active
     {
         if start.elapsed() > Duration::from_secs(30) {
-            bail!("the slot {SLOT} stayed active 30 s after the relay that made it exited");
+            bail!("still not so after 30 s");
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -203,20 +211,9 @@ pub async fn spawn_recvlogical(
     );
     // Writes before the slot is active would still be read, but the writer-cost variant
     // must not measure a start-up.
-    let start = Instant::now();
-    while !db
-        .query_one(
-            "SELECT active FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
-            &[&SLOT],
-        )
-        .await?
-        .get::<_, bool>(0)
-    {
-        if start.elapsed() > Duration::from_secs(30) {
-            bail!("pg_recvlogical did not start streaming within 30 s");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    await_slot_active(db, true)
+        .await
+        .context("pg_recvlogical did not start streaming")?;
     Ok(child)
 }
 
