@@ -718,6 +718,80 @@ async fn a_retry_of_debeziums_table_is_parked_and_its_row_deleted() {
     assert!(status.success(), "{status:?}");
 }
 
+/// An event inserted and deleted in one transaction (Debezium's pattern: its row is never
+/// in the table) whose key waits behind a parked retry is parked behind it, not settled as
+/// "row gone": the park finds no row to delete, its commit is visible, and only the parked
+/// copy carries the event. Both reach the broker, in commit order, once the broker is back.
+#[tokio::test]
+async fn an_event_whose_row_was_deleted_in_its_transaction_waits_behind_its_keys_retry() {
+    let (_nats, deliveries, proxy, broker_url) =
+        crate::support::nats_behind_a_proxy_on("outbox.event.orders").await;
+    let w = DebeziumWal::migrated(DEBEZIUM_TEXT_TABLE).await;
+    let args: Vec<&str> = ["run", "--layout", "debezium"]
+        .into_iter()
+        .chain(capture_flags(&w.url, &w.slot))
+        .chain(["--sink", &broker_url, "--http-addr", ""])
+        .chain(RETRY_AN_OUTAGE)
+        .collect();
+    let mut relay = RelayProcess::spawn(w.dir.path(), "relay", &args, &[]);
+    relay
+        .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
+        .await;
+    let handle = proxy.handle();
+    handle.cut();
+    let parked_pending = "SELECT count(*) FROM outboxevent_relay_parked WHERE delivered_at IS NULL";
+    let wait_parked = |n: i64| {
+        let (db, relay) = (&w.db, &relay);
+        eventually_explained(
+            "events parked",
+            Duration::from_secs(60),
+            move || relay.logs(),
+            move || async move {
+                let parked = query_count(db, parked_pending, &[]).await;
+                parked.is_ok_and(|count| count >= n).then_some(())
+            },
+        )
+    };
+    let kept = "00000000-0000-4000-8000-000000000001";
+    insert_debezium_row(&w.db, kept, "order-1", "{}", Some("orders")).await;
+    wait_parked(1).await;
+    let gone = "00000000-0000-4000-8000-000000000002";
+    let mut app = pg(&w.url).await;
+    let tx = app.transaction().await.unwrap();
+    tx.execute(
+        "INSERT INTO outboxevent (id, aggregatetype, aggregateid, type, payload)
+         VALUES ($1, 'orders', 'order-1', 'OrderEvent', '{}')",
+        &[&gone],
+    )
+    .await
+    .unwrap();
+    tx.execute("DELETE FROM outboxevent WHERE id = $1", &[&gone])
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    wait_parked(2).await;
+    handle.heal();
+    eventually_explained(
+        "both events delivered",
+        Duration::from_secs(60),
+        || relay.logs(),
+        || {
+            let ids: Vec<String> = deliveries.snapshot().into_iter().map(|d| d.id).collect();
+            async move { (ids.iter().any(|id| id == gone)).then_some(ids) }
+        },
+    )
+    .await;
+    let status = relay.terminate().await;
+    assert!(status.success(), "{status:?}");
+    let ids: Vec<String> = deliveries.snapshot().into_iter().map(|d| d.id).collect();
+    let first = |id: &str| ids.iter().position(|d| d == id);
+    assert!(
+        first(kept).is_some() && first(kept) < first(gone),
+        "the kept event, then the one whose row was deleted: {ids:?}"
+    );
+    assert_eq!(query_count(&w.db, parked_pending, &[]).await.unwrap(), 0);
+}
+
 const DEBEZIUM_TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 const DEBEZIUM_INSERT: &str = "INSERT INTO outboxevent (id, aggregatetype, aggregateid, type, payload)
                   VALUES ($1::text::uuid, 'Order', $2, 'OrderEvent', jsonb_build_object('n', $3::int4))";

@@ -859,14 +859,26 @@ pub async fn nats_behind_a_proxy() -> (
     outbox_testkit::FaultProxy,
     String,
 ) {
+    nats_behind_a_proxy_on("orders").await
+}
+
+/// [`nats_behind_a_proxy`] whose stream `ORDERS` captures `subject`.
+pub async fn nats_behind_a_proxy_on(
+    subject: &str,
+) -> (
+    outbox_testkit::nats::PrivateNats,
+    Deliveries,
+    outbox_testkit::FaultProxy,
+    String,
+) {
     use outbox_testkit::nats::{stream, PrivateNats};
     let nats = PrivateNats::with_stream(async_nats::jetstream::stream::Config {
         duplicate_window: Duration::from_secs(3600),
-        ..stream("ORDERS", &["orders"])
+        ..stream("ORDERS", &[subject])
     })
     .await;
     let nats_url = nats.url.clone();
-    let deliveries = Deliveries::record(&nats.client, "orders").await;
+    let deliveries = Deliveries::record(&nats.client, subject).await;
     let (proxy, broker_url) = outbox_testkit::FaultProxy::start_for_url(&nats_url)
         .await
         .unwrap();
