@@ -47,7 +47,7 @@ use tokio_postgres::types::ToSql;
 use crate::ack::Acknowledgements;
 use crate::assemble::Output;
 use crate::budget::{Charge, MemoryBudget};
-use crate::burst::{commit_age, read_burst, BurstEnd, ChargedOutput, READ_BURST};
+use crate::burst::{commit_age, read_burst, BurstEnd, BurstPace, ChargedOutput, READ_BURST};
 use crate::client::{WalConfig, WalError, WalStream};
 use crate::event::{EventPosition, EventSource, Undecodable, WalEvent};
 use crate::lsn::Lsn;

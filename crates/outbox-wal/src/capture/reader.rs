@@ -590,8 +590,10 @@ impl Reader {
         // the stream read while the memory budget is full: what is unread waits in the
         // server's WAL (and the client's small buffer), not in this process.
         let mut permit = None;
+        let mut pace = BurstPace::default();
         loop {
             let memory_full = self.memory.room() == 0;
+            let paced = pace.wait_until(tokio::time::Instant::now());
             let next = tokio::select! {
                 biased;
                 _ = self.close.changed() => return SessionEnd::Closed,
@@ -627,7 +629,8 @@ impl Reader {
                     Err(_) => return SessionEnd::Closed,
                 },
                 () = self.memory.has_room(), if permit.is_some() && memory_full => continue,
-                next = stream.next(), if permit.is_some() && !memory_full => next,
+                () = sleep_until_some(paced), if permit.is_some() && paced.is_some() => continue,
+                next = stream.next(), if permit.is_some() && !memory_full && paced.is_none() => next,
             };
             let Some(permit) = permit.take() else {
                 continue;
@@ -646,6 +649,7 @@ impl Reader {
                     tracing::trace!(outputs = burst.len(), first_commit_age_ms = age_ms, "read");
                 }
             }
+            pace.handed_over(burst.len(), tokio::time::Instant::now());
             permit.send(Item::Outputs(burst));
             self.notify();
             match end {
@@ -654,6 +658,14 @@ impl Reader {
                 BurstEnd::Failed(e) => return SessionEnd::Broken(describe(&e)),
             }
         }
+    }
+}
+
+/// Sleeps until `at`; never wakes for `None` (a branch its guard leaves out).
+async fn sleep_until_some(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }
 
