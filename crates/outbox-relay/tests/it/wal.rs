@@ -628,6 +628,27 @@ impl DebeziumWal {
             .collect();
         RelayProcess::spawn(self.dir.path(), name, &args, &[])
     }
+
+    /// A relay streaming to the broker behind `proxy` (at `broker_url`), retrying quickly,
+    /// once the proxy has cut the broker off: its events are retried, then parked.
+    async fn streaming_to_a_broker_cut_off(
+        &self,
+        proxy: &outbox_testkit::FaultProxy,
+        broker_url: &str,
+    ) -> RelayProcess {
+        let args: Vec<&str> = ["run", "--layout", "debezium"]
+            .into_iter()
+            .chain(capture_flags(&self.url, &self.slot))
+            .chain(["--sink", broker_url, "--http-addr", ""])
+            .chain(RETRY_AN_OUTAGE)
+            .collect();
+        let relay = RelayProcess::spawn(self.dir.path(), "relay", &args, &[]);
+        relay
+            .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
+            .await;
+        proxy.handle().cut();
+        relay
+    }
 }
 
 /// The outboxevent table of the Debezium tests whose columns are text, so that a row need
@@ -678,18 +699,7 @@ async fn debeziums_table_is_read_from_the_wal_even_when_rows_are_deleted_at_once
 async fn a_retry_of_debeziums_table_is_parked_and_its_row_deleted() {
     let (_nats, _deliveries, proxy, broker_url) = nats_behind_a_proxy().await;
     let w = DebeziumWal::migrated(DEBEZIUM_TEXT_TABLE).await;
-    let args: Vec<&str> = ["run", "--layout", "debezium"]
-        .into_iter()
-        .chain(capture_flags(&w.url, &w.slot))
-        .chain(["--sink", &broker_url, "--http-addr", ""])
-        .chain(RETRY_AN_OUTAGE)
-        .collect();
-    let mut relay = RelayProcess::spawn(w.dir.path(), "relay", &args, &[]);
-    relay
-        .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
-        .await;
-    let handle = proxy.handle();
-    handle.cut();
+    let mut relay = w.streaming_to_a_broker_cut_off(&proxy, &broker_url).await;
     // The broker away: retries are parked, with the events behind them.
     for n in 1..=8 {
         let id = format!("00000000-0000-4000-8000-00000000000{n}");
@@ -727,18 +737,7 @@ async fn an_event_whose_row_was_deleted_in_its_transaction_waits_behind_its_keys
     let (_nats, deliveries, proxy, broker_url) =
         crate::support::nats_behind_a_proxy_on("outbox.event.orders").await;
     let w = DebeziumWal::migrated(DEBEZIUM_TEXT_TABLE).await;
-    let args: Vec<&str> = ["run", "--layout", "debezium"]
-        .into_iter()
-        .chain(capture_flags(&w.url, &w.slot))
-        .chain(["--sink", &broker_url, "--http-addr", ""])
-        .chain(RETRY_AN_OUTAGE)
-        .collect();
-    let mut relay = RelayProcess::spawn(w.dir.path(), "relay", &args, &[]);
-    relay
-        .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
-        .await;
-    let handle = proxy.handle();
-    handle.cut();
+    let mut relay = w.streaming_to_a_broker_cut_off(&proxy, &broker_url).await;
     let parked_pending = "SELECT count(*) FROM outboxevent_relay_parked WHERE delivered_at IS NULL";
     let wait_parked = |n: i64| {
         let (db, relay) = (&w.db, &relay);
@@ -770,7 +769,7 @@ async fn an_event_whose_row_was_deleted_in_its_transaction_waits_behind_its_keys
         .unwrap();
     tx.commit().await.unwrap();
     wait_parked(2).await;
-    handle.heal();
+    proxy.handle().heal();
     eventually_explained(
         "both events delivered",
         Duration::from_secs(60),
