@@ -37,23 +37,26 @@ const REST_OF_TRANSACTION: Duration = Duration::from_millis(5);
 /// Each burst costs a wake-up, a claim, a publish and a settle whatever it carries: at
 /// 10,000 events/s in 10-event transactions the reader otherwise cut a burst every half a
 /// millisecond or so, and the relay spent more CPU per event than `pg_recvlogical` reading
-/// the same slot. What comes meanwhile waits in the socket, at most this long; a stream
-/// that was quiet longer than this is read at once, so a lone transaction waits for nothing.
+/// the same slot. What comes meanwhile waits in the socket: this long, rounded up to the
+/// runtime timer's next millisecond tick, so 1-2 ms at most. A stream that was quiet this
+/// long since the last burst is read at once, so a lone transaction waits for nothing.
 pub(crate) const BURST_PACE: Duration = Duration::from_millis(1);
 
 /// When the reader may start its next burst: [`BURST_PACE`] after the last one was handed
-/// over, unless that one was full (behind the server: reading on at once keeps the backlog
-/// in this process's budget, not in the server's WAL). Pure state, so the rule is tested
-/// without a stream.
+/// over, unless that one was cut by being behind the server (full, or the memory budget
+/// full): reading on at once then keeps the backlog moving through this process's budget
+/// instead of waiting in the server's WAL. Pure state, so the rule is tested without a
+/// stream.
 #[derive(Debug, Default)]
 pub(crate) struct BurstPace {
     not_before: Option<tokio::time::Instant>,
 }
 
 impl BurstPace {
-    /// A burst of `outputs` was handed over at `now`.
-    pub(crate) fn handed_over(&mut self, outputs: usize, now: tokio::time::Instant) {
-        self.not_before = (outputs < READ_BURST).then(|| now + BURST_PACE);
+    /// A burst was handed over at `now`; `behind`: it ended full, or with the memory
+    /// budget full, not because the stream had nothing more ready.
+    pub(crate) fn handed_over(&mut self, behind: bool, now: tokio::time::Instant) {
+        self.not_before = (!behind).then(|| now + BURST_PACE);
     }
 
     /// The instant before which the next burst must not start, if it is still ahead.
@@ -235,7 +238,7 @@ mod tests {
     }
 
     #[test]
-    fn a_burst_waits_the_pace_after_one_that_was_not_full_and_none_after_a_full_one() {
+    fn a_burst_waits_the_pace_after_one_that_caught_up_and_none_after_one_behind() {
         let start = tokio::time::Instant::now();
         let mut pace = BurstPace::default();
         assert_eq!(
@@ -243,7 +246,7 @@ mod tests {
             None,
             "the first burst starts at once"
         );
-        pace.handed_over(11, start);
+        pace.handed_over(false, start);
         assert_eq!(pace.wait_until(start), Some(start + BURST_PACE));
         let later = start + BURST_PACE / 2;
         assert_eq!(pace.wait_until(later), Some(start + BURST_PACE));
@@ -252,11 +255,11 @@ mod tests {
             None,
             "a stream quiet for the pace is read at once"
         );
-        pace.handed_over(READ_BURST, later);
+        pace.handed_over(true, later);
         assert_eq!(
             pace.wait_until(later),
             None,
-            "behind the server (a full burst), the next is read at once"
+            "behind the server (a full burst, or the budget full), the next is read at once"
         );
     }
 

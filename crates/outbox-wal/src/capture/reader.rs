@@ -649,7 +649,8 @@ impl Reader {
                     tracing::trace!(outputs = burst.len(), first_commit_age_ms = age_ms, "read");
                 }
             }
-            pace.handed_over(burst.len(), tokio::time::Instant::now());
+            let behind = burst.len() >= READ_BURST || self.memory.room() == 0;
+            pace.handed_over(behind, tokio::time::Instant::now());
             permit.send(Item::Outputs(burst));
             self.notify();
             match end {
