@@ -330,8 +330,9 @@ pub struct CaptureStatements {
     /// Moves every pending row of the outbox table into the parked table, in its order,
     /// under new ids (after every row parked before): run when the slot is created, since
     /// rows committed before it (written while no slot existed, or by an earlier polling
-    /// relay) are not in its stream. Rows committed after it are in both places: parked
-    /// once (by event id) or delivered twice, never lost.
+    /// relay) are not in its stream. Rows committed after it are in both places: the
+    /// stream's copy is settled unsent while the parked copy is there (`AdoptedCopies`),
+    /// or delivered twice past `AdoptedCopies::MOST`, never lost.
     pub adopt: Adoption,
     /// Whether the slot `$1` has adopted the table's rows.
     pub adopted: String,
@@ -341,6 +342,12 @@ pub struct CaptureStatements {
     /// Records that the slot `$1` adopted them, at the publication's version `$2`: a step of
     /// the adoption's transaction.
     pub record_adoption: String,
+    /// The event ids the slot `$1`'s adoption moved that are still in the parked table
+    /// (pending, or delivered and kept by a layout that marks): its rows there, those
+    /// written by the transaction that recorded it. At most `$2` of them, and
+    /// the server's WAL position now, past the commit of every transaction whose rows the
+    /// adoption saw: the stream's copies of those events come before it.
+    pub adopted_copies: String,
 
     /// Forgets the slot `$1`'s adoption (its slot was dropped: a new one must adopt again).
     pub forget_adoption: String,
@@ -467,6 +474,15 @@ impl CaptureStatements {
                 tables.adopted.quoted()
             ),
 
+            // Rows keep the inserting transaction's id as `xmin` until they are updated (a
+            // retry): such a row is left out, and its stream copy may go out twice, as
+            // before. Read on the primary, where the slot is.
+            adopted_copies: format!(
+                "SELECT ARRAY(SELECT p.event_id FROM {parked} p JOIN {adopted} a ON p.xmin = a.xmin
+                               WHERE a.slot = $1 LIMIT $2),
+                        (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::int8",
+                adopted = tables.adopted.quoted()
+            ),
             forget_adoption: format!("DELETE FROM {} WHERE slot = $1", tables.adopted.quoted()),
             forget_adoption_of_missing_slot: format!(
                 "DELETE FROM {} WHERE slot = $1 AND NOT EXISTS

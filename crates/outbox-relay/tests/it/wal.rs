@@ -1488,6 +1488,38 @@ async fn rows_that_predate_a_slot_made_by_hand_are_adopted_once_and_drop_slot_fo
     assert_eq!(query_count(&w.db, adopted, &[&w.slot]).await.unwrap(), 0);
 }
 
+/// Rows written after a slot made by hand and before the first session are both in the
+/// table (so adopted into the parked table) and in the slot's stream: each goes out once,
+/// from the parked table, and its stream copy is settled unsent. Before, a stream copy
+/// whose parked copy had already gone out was delivered again.
+#[tokio::test]
+async fn rows_both_adopted_and_streamed_go_out_once() {
+    let w = WalDb::new().await;
+    create_slot(&w.db, &w.slot, "pgoutput").await;
+    let keys = ["a", "b", "c", "d"];
+    w.db.batch_execute("BEGIN").await.unwrap();
+    for n in 0..2000 {
+        insert(&w.db, keys[n as usize % keys.len()], n).await;
+    }
+    w.db.batch_execute("COMMIT").await.unwrap();
+    let out = w.path("events.jsonl");
+    let drained = w.drain(&out);
+    assert_success("the drain", &drained);
+    let lines = read_lines(&out);
+    let ids: HashSet<&str> = lines
+        .iter()
+        .map(|l| l["event_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids.len(), 2000, "every event");
+    assert_eq!(lines.len(), 2000, "each once");
+    let order = counters_by_key(&lines);
+    for (i, key) in keys.iter().enumerate() {
+        let want: Vec<i64> = (0..2000).filter(|n| n % 4 == i as i64).collect();
+        assert_eq!(order[*key], want, "key {key} in order");
+    }
+    w.assert_empty("").await;
+}
+
 #[tokio::test]
 async fn a_slot_dropped_with_sql_is_made_anew_and_adopts_the_rows_its_stream_misses() {
     let w = WalDb::new().await;

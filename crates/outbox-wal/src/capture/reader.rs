@@ -385,6 +385,29 @@ impl Reader {
         }
     }
 
+    /// The events the slot's adoption parked that its stream may carry too
+    /// ([`AdoptedCopies`]). Only a help against duplicates: if it cannot be read, the
+    /// session goes on without it (a stream copy may then go out twice, never lost).
+    async fn adopted_copies(&self) -> AdoptedCopies {
+        let (slot, most) = (&self.config.slot, AdoptedCopies::MOST);
+        let read = self
+            .main
+            .query_rows("adopted copies", &self.sql.adopted_copies, &[slot, &most])
+            .await;
+        match read.as_deref() {
+            Ok([row]) => {
+                let ids: Vec<uuid::Uuid> = row.get(0);
+                let until: i64 = row.get(1);
+                AdoptedCopies::new(ids, Lsn(until as u64))
+            }
+            Ok(_) => AdoptedCopies::default(),
+            Err(e) => {
+                tracing::warn!(error = %e.report(), "reading which adopted events the stream carries too: their stream copies may go out twice");
+                AdoptedCopies::default()
+            }
+        }
+    }
+
     /// Whether the slot's adoption is recorded, and at which version of the publication.
     async fn adopted_publication_version(&self) -> StoreResult<Adopted> {
         let rows = self
@@ -532,6 +555,10 @@ impl Reader {
                 return Some(SessionEnd::Broken(reason));
             }
         };
+        let adopted_copies = match self.serviced(stream, self.adopted_copies(), false).await {
+            Ok(copies) => copies,
+            Err(end) => return Some(end),
+        };
         let start = stream.slot().confirmed_flush;
         tracing::info!(slot = %self.config.slot, %start, created = stream.slot().created, "streaming from the replication slot");
         self.live.set(self.sessions.started);
@@ -546,6 +573,7 @@ impl Reader {
             parked_keys,
             largest_parked,
             owner: self.session_name.clone(),
+            adopted_copies,
         };
         if let Err(end) = self.send_serviced(stream, session).await {
             return Some(end);

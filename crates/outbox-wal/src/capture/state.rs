@@ -18,6 +18,8 @@ pub(super) enum Item {
         largest_parked: usize,
         /// The session's `application_name`, by which writes check it still holds the slot.
         owner: String,
+        /// Events the slot's adoption moved to the parked table that its stream carries too.
+        adopted_copies: AdoptedCopies,
     },
     /// `--drain`: the position of the marker written at start-up.
     DrainUntil(Lsn),
@@ -27,6 +29,47 @@ pub(super) enum Item {
 }
 
 pub(super) use outbox_core::capture::LiveSession;
+
+/// The events an adoption moved to the parked table that the slot's stream carries too:
+/// rows committed after the slot's start and before the adoption, which found them in the
+/// table. Their parked copies go out; a stream copy found here is settled unsent. Before,
+/// a stream copy whose parked copy had already gone out was delivered again: every row
+/// written between a slot made by hand and the first session went out twice. Only ids
+/// parked by the adoption itself count (an event whose row its own transaction deleted,
+/// never in the table, is not among them), and only stream transactions committed before
+/// `until`, the server's WAL position when the ids were read; past it, the set is let go.
+#[derive(Debug, Default)]
+pub(super) struct AdoptedCopies {
+    ids: HashSet<uuid::Uuid>,
+    until: Lsn,
+}
+
+impl AdoptedCopies {
+    /// At most this many ids are kept (about 5 MB): beyond, a stream copy may go out twice,
+    /// as it did before, which at-least-once allows.
+    pub(super) const MOST: i64 = 262_144;
+
+    pub(super) fn new(ids: impl IntoIterator<Item = uuid::Uuid>, until: Lsn) -> Self {
+        AdoptedCopies {
+            ids: ids.into_iter().collect(),
+            until,
+        }
+    }
+
+    /// Whether the stream's copy of event `id`, of the transaction committed at `commit`,
+    /// has an adopted copy that is delivered instead. The first event past `until` lets the
+    /// set go: no later one can be among them.
+    fn delivered_from_parked(&mut self, id: &uuid::Uuid, commit: Lsn) -> bool {
+        if self.ids.is_empty() {
+            return false;
+        }
+        if commit >= self.until {
+            *self = AdoptedCopies::default();
+            return false;
+        }
+        self.ids.contains(id)
+    }
+}
 
 pub(super) type Body = outbox_core::capture::Body<Undecodable>;
 pub(super) type Held = outbox_core::capture::Held<HeldWal>;
@@ -136,6 +179,7 @@ pub(super) struct State {
     /// stream's events, which say nothing of rows parked before a restart.
     pub(super) largest_parked: usize,
     pub(super) derived_ids: DerivedIds,
+    pub(super) adopted_copies: AdoptedCopies,
 }
 
 /// Ids for events without one of their own (a mapped table without a sequence column, an
@@ -234,6 +278,7 @@ impl State {
             drained: false,
             largest_parked: 0,
             derived_ids: DerivedIds::default(),
+            adopted_copies: AdoptedCopies::default(),
         }
     }
 
@@ -351,8 +396,15 @@ impl State {
                     // Adopted into the parked table under its own id (as earlier relays
                     // adopted rows), and committed after the slot's start: the parked
                     // copy is being delivered; this one is settled. Rows adopted since draw
-                    // new ids, and their stream copies are parked behind them, where the
-                    // event id's conflict drops them.
+                    // new ids: their stream copies are found by event id (next).
+                    if let Err(e) = self.acks.settle(position) {
+                        tracing::error!(error = %e, "WAL acknowledgement out of step (a bug)");
+                    }
+                    return;
+                }
+                if (self.adopted_copies).delivered_from_parked(&event.event_id, position.commit_lsn)
+                {
+                    // Its row was moved by the adoption: nothing to delete either.
                     if let Err(e) = self.acks.settle(position) {
                         tracing::error!(error = %e, "WAL acknowledgement out of step (a bug)");
                     }
@@ -475,7 +527,9 @@ impl capture::Sessions for State {
                 parked_keys,
                 largest_parked,
                 owner,
+                adopted_copies,
             } => {
+                self.adopted_copies = adopted_copies;
                 // What a row costs in memory beyond its text, as a claimed event's charge.
                 self.largest_parked = largest_parked + outbox_core::memory::EVENT_OVERHEAD;
                 self.followed.start(session);
@@ -549,12 +603,17 @@ mod tests {
     }
 
     fn session(n: u64, parked_keys: &[&str]) -> Item {
+        session_with(n, parked_keys, AdoptedCopies::default())
+    }
+
+    fn session_with(n: u64, parked_keys: &[&str], adopted_copies: AdoptedCopies) -> Item {
         Item::Session {
             session: n,
             start: START,
             parked_keys: parked_keys.iter().map(|k| k.to_string()).collect(),
             largest_parked: 0,
             owner: format!("session {n}"),
+            adopted_copies,
         }
     }
 
@@ -620,6 +679,27 @@ mod tests {
     /// committed just before another (its 40th event and the next one's first shared an
     /// id), or before a message of a later one: the second replaced the first among the
     /// held events, whose position then never settled, and the slot stopped for good.
+    /// A stream copy of an event the adoption parked (event 1, committed before the
+    /// adoption read its ids at 250) is settled unsent; another event of the same
+    /// transactions goes out; and past 250 the set is let go, so a later event with an
+    /// adopted id (which cannot be the adopted one) goes out too.
+    #[test]
+    fn stream_copies_of_adopted_events_are_settled_unsent_until_the_adoptions_position() {
+        let mut state = State::new();
+        let adopted = [1, 3].map(|id| uuid::Uuid::from_u128(id as u128));
+        state.accept(session_with(1, &[], AdoptedCopies::new(adopted, Lsn(250))));
+        let outputs = transactions(&[(1, "a", 200), (2, "a", 210), (3, "b", 300)]);
+        assert_eq!(claim(&mut state, outputs), [2, 3]);
+        assert_eq!(
+            state.acks.confirmable(),
+            Lsn(210),
+            "event 1 settled, event 2 not"
+        );
+        state.settle([2]);
+        assert_eq!(state.acks.confirmable(), Lsn(220));
+        assert!(state.adopted_copies.ids.is_empty(), "let go past 250");
+    }
+
     #[test]
     fn events_without_ids_of_their_own_never_share_one() {
         let mut state = State::new();
