@@ -331,8 +331,8 @@ pub struct CaptureStatements {
     /// under new ids (after every row parked before): run when the slot is created, since
     /// rows committed before it (written while no slot existed, or by an earlier polling
     /// relay) are not in its stream. Rows committed after it are in both places: the
-    /// stream's copy is settled unsent while the parked copy is there (`AdoptedCopies`),
-    /// or delivered twice past `AdoptedCopies::MOST`, never lost.
+    /// stream's copy is parked behind its parked copy, whose event id's conflict settles it
+    /// (`AdoptedCopies`), or delivered twice past `AdoptedCopies::MOST`, never lost.
     pub adopt: Adoption,
     /// Whether the slot `$1` has adopted the table's rows.
     pub adopted: String,
@@ -342,9 +342,9 @@ pub struct CaptureStatements {
     /// Records that the slot `$1` adopted them, at the publication's version `$2`: a step of
     /// the adoption's transaction.
     pub record_adoption: String,
-    /// The event ids the slot `$1`'s adoption moved that are still in the parked table
-    /// (pending, or delivered and kept by a layout that marks): its rows there, those
-    /// written by the transaction that recorded it. At most `$2` of them, and
+    /// The event ids the slot `$1`'s adoption moved that are still in the parked table, as
+    /// it wrote them: its rows there whose `xmin` is the record's (a retry or a mark is an
+    /// update, which leaves the row out). At most `$2` of them, and
     /// the server's WAL position now, past the commit of every transaction whose rows the
     /// adoption saw: the stream's copies of those events come before it.
     pub adopted_copies: String,

@@ -32,12 +32,14 @@ pub(super) use outbox_core::capture::LiveSession;
 
 /// The events an adoption moved to the parked table that the slot's stream carries too:
 /// rows committed after the slot's start and before the adoption, which found them in the
-/// table. Their parked copies go out; a stream copy found here is settled unsent. Before,
-/// a stream copy whose parked copy had already gone out was delivered again: every row
-/// written between a slot made by hand and the first session went out twice. Only ids
-/// parked by the adoption itself count (an event whose row its own transaction deleted,
-/// never in the table, is not among them), and only stream transactions committed before
-/// `until`, the server's WAL position when the ids were read; past it, the set is let go.
+/// table. Their parked copies go out; a stream copy found here is settled unsent, as a
+/// delivered event is (its row deleted, if another row took its id since: the same id is
+/// the same event). Before, a stream copy whose parked copy had already
+/// gone out was delivered again: every row written between a slot made by hand and the
+/// first session went out twice. Only ids parked by the adoption itself count (an event
+/// whose row its own transaction deleted, never in the table, is not among them), and only
+/// stream transactions committed before `until`, the server's WAL position when the ids
+/// were read; past it, the set is let go.
 #[derive(Debug, Default)]
 pub(super) struct AdoptedCopies {
     ids: HashSet<uuid::Uuid>,
@@ -45,8 +47,8 @@ pub(super) struct AdoptedCopies {
 }
 
 impl AdoptedCopies {
-    /// At most this many ids are kept (about 5 MB): beyond, a stream copy may go out twice,
-    /// as it did before, which at-least-once allows.
+    /// At most this many ids are kept (about 10 MB): beyond, a stream copy may go out
+    /// twice, as it did before, which at-least-once allows.
     pub(super) const MOST: i64 = 262_144;
 
     pub(super) fn new(ids: impl IntoIterator<Item = uuid::Uuid>, until: Lsn) -> Self {
@@ -56,10 +58,10 @@ impl AdoptedCopies {
         }
     }
 
-    /// Whether the stream's copy of event `id`, of the transaction committed at `commit`,
-    /// has an adopted copy that is delivered instead. The first event past `until` lets the
-    /// set go: no later one can be among them.
-    fn delivered_from_parked(&mut self, id: &uuid::Uuid, commit: Lsn) -> bool {
+    /// Whether event `id`, of the transaction committed at `commit`, has an adopted copy in
+    /// the parked table. The first event past `until` lets the set go: no later one can be
+    /// among them.
+    fn adopted(&mut self, id: &uuid::Uuid, commit: Lsn) -> bool {
         if self.ids.is_empty() {
             return false;
         }
@@ -402,18 +404,16 @@ impl State {
                     }
                     return;
                 }
-                if (self.adopted_copies).delivered_from_parked(&event.event_id, position.commit_lsn)
-                {
-                    // Its row was moved by the adoption: nothing to delete either.
-                    if let Err(e) = self.acks.settle(position) {
-                        tracing::error!(error = %e, "WAL acknowledgement out of step (a bug)");
-                    }
-                    return;
-                }
+                let adopted = (self.adopted_copies).adopted(&event.event_id, position.commit_lsn);
                 let key = event.ordering_key().to_string();
                 let not_before = event.available_at.filter(|at| *at > SystemTime::now());
                 let core = Arc::new(event.into_core(id));
-                if not_before.is_some() || self.holdings.waits(&key) {
+                if adopted {
+                    // Its parked copy goes out instead: held, never handed out, and settled
+                    // as a delivered event is, by the next claim's delete of its row (gone
+                    // already, moved by the adoption, unless another row took its id).
+                    self.undeleted.push((id, std::time::Instant::now()));
+                } else if not_before.is_some() || self.holdings.waits(&key) {
                     let park = Park {
                         not_before,
                         ..Park::behind_its_key(id)
@@ -675,31 +675,30 @@ mod tests {
         output
     }
 
-    /// Ids derived from the commit position plus the ordinal met when a large transaction
-    /// committed just before another (its 40th event and the next one's first shared an
-    /// id), or before a message of a later one: the second replaced the first among the
-    /// held events, whose position then never settled, and the slot stopped for good.
     /// A stream copy of an event the adoption parked (event 1, committed before the
-    /// adoption read its ids at 250) is settled unsent; another event of the same
-    /// transactions goes out; and past 250 the set is let go, so a later event with an
-    /// adopted id (which cannot be the adopted one) goes out too.
+    /// adoption's ids were read at 250) is not handed out, nor parked: it waits for the
+    /// next claim's delete, as a delivered event does, and then settles. Event 2 goes out;
+    /// past 250 the set is let go, so a later event with an adopted id (which cannot be
+    /// the adopted one) goes out too.
     #[test]
     fn stream_copies_of_adopted_events_are_settled_unsent_until_the_adoptions_position() {
         let mut state = State::new();
         let adopted = [1, 3].map(|id| uuid::Uuid::from_u128(id as u128));
         state.accept(session_with(1, &[], AdoptedCopies::new(adopted, Lsn(250))));
-        let outputs = transactions(&[(1, "a", 200), (2, "a", 210), (3, "b", 300)]);
+        let outputs = transactions(&[(1, "a", 200), (2, "b", 210), (3, "c", 300)]);
         assert_eq!(claim(&mut state, outputs), [2, 3]);
-        assert_eq!(
-            state.acks.confirmable(),
-            Lsn(210),
-            "event 1 settled, event 2 not"
-        );
-        state.settle([2]);
-        assert_eq!(state.acks.confirmable(), Lsn(220));
+        assert!(state.holdings.take_parks().is_empty());
+        let waiting: Vec<SequenceId> = state.undeleted.iter().map(|(id, _)| *id).collect();
+        assert_eq!(waiting, [1], "to be settled as delivered");
         assert!(state.adopted_copies.ids.is_empty(), "let go past 250");
+        state.settle([1, 2]);
+        assert_eq!(state.acks.confirmable(), Lsn(220));
     }
 
+    /// Ids derived from the commit position plus the ordinal met when a large transaction
+    /// committed just before another (its 40th event and the next one's first shared an
+    /// id), or before a message of a later one: the second replaced the first among the
+    /// held events, whose position then never settled, and the slot stopped for good.
     #[test]
     fn events_without_ids_of_their_own_never_share_one() {
         let mut state = State::new();
