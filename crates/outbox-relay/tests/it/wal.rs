@@ -1520,6 +1520,28 @@ async fn rows_both_adopted_and_streamed_go_out_once() {
     w.assert_empty("").await;
 }
 
+/// The same through a mapped table (Debezium's): its adopted rows keep their event ids
+/// (the `id` column), by which their stream copies are known.
+#[tokio::test]
+async fn rows_of_a_mapped_table_both_adopted_and_streamed_go_out_once() {
+    let w = DebeziumWal::migrated(include_str!("../fixtures/seeds/debezium.sql")).await;
+    create_slot(&w.db, &w.slot, "pgoutput").await;
+    let mut written = HashSet::new();
+    w.db.batch_execute("BEGIN").await.unwrap();
+    for n in 0..2000 {
+        written.insert(debezium_write(&w.db, &format!("order-{}", n % 4), n).await);
+    }
+    w.db.batch_execute("COMMIT").await.unwrap();
+    assert_success("the drain", &w.drain());
+    let lines = read_lines(&w.out);
+    let ids: HashSet<String> = lines
+        .iter()
+        .map(|l| l["event_id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(ids, written, "every event");
+    assert_eq!(lines.len(), 2000, "each once");
+}
+
 #[tokio::test]
 async fn a_slot_dropped_with_sql_is_made_anew_and_adopts_the_rows_its_stream_misses() {
     let w = WalDb::new().await;
