@@ -394,18 +394,23 @@ impl Reader {
             .main
             .query_rows("adopted copies", &self.sql.adopted_copies, &[slot, &most])
             .await;
-        match read.as_deref() {
-            Ok([row]) => {
-                let ids: Vec<uuid::Uuid> = row.get(0);
-                let until: i64 = row.get(1);
-                AdoptedCopies::new(ids, Lsn(until as u64))
-            }
-            Ok(_) => AdoptedCopies::default(),
-            Err(e) => {
-                tracing::warn!(error = %e.report(), "reading which adopted events the stream carries too: their stream copies may go out twice");
-                AdoptedCopies::default()
-            }
-        }
+        let copies = read.map_err(|e| e.report()).and_then(|rows| {
+            let Some(row) = rows.first() else {
+                return Ok(AdoptedCopies::default());
+            };
+            // Typed reads that fail instead of panicking; a NULL id (a mapped table's
+            // parked row) is no adopted copy.
+            let ids: Vec<Option<uuid::Uuid>> = row.try_get(0).map_err(|e| e.to_string())?;
+            let until: i64 = row.try_get(1).map_err(|e| e.to_string())?;
+            Ok(AdoptedCopies::new(
+                ids.into_iter().flatten(),
+                Lsn(until.max(0) as u64),
+            ))
+        });
+        copies.unwrap_or_else(|reason| {
+            tracing::warn!(error = %reason, "reading which adopted events the stream carries too: their stream copies may go out twice");
+            AdoptedCopies::default()
+        })
     }
 
     /// Whether the slot's adoption is recorded, and at which version of the publication.
