@@ -334,13 +334,24 @@ pub struct CaptureStatements {
     /// stream's copy is parked behind its parked copy, whose event id's conflict settles it
     /// (`AdoptedCopies`), or delivered twice past `AdoptedCopies::MOST`, never lost.
     pub adopt: Adoption,
-    /// Whether the slot `$1` has adopted the table's rows.
+    /// Whether the slot `$1` has adopted the table's rows: its adoption is recorded, and
+    /// none of the first 1,000 rows the adoption would move is [`stranded`](Self::stranded)
+    /// (a slot dropped and made again by hand keeps its name, and so its predecessor's
+    /// record).
     pub adopted: String,
+    /// How many rows the adoption would move (`$1` the slot) were inserted by transactions
+    /// older than the slot's `catalog_xmin`: they ended before a position the slot has
+    /// passed, so its stream will never bring them. The slot's stream settles every row it
+    /// brings (deleted, parked or dead-lettered) before it confirms past it, so such a row
+    /// is one its adoption never moved. Complete only as far as `catalog_xmin` has come: it
+    /// trails the slot's position.
+    pub stranded: String,
     /// The publication's version (`$1` the slot) its adoption recorded: a change since, made
     /// while no relay ran, left rows out of the stream all the same.
     pub adopted_publication_version: String,
     /// Records that the slot `$1` adopted them, at the publication's version `$2`: a step of
-    /// the adoption's transaction.
+    /// the adoption's transaction. A record a slot's predecessor left (see
+    /// [`stranded`](Self::stranded)) is rewritten, so that its `xmin` is this adoption's.
     pub record_adoption: String,
     /// The event ids the slot `$1`'s adoption moved that are still in the parked table, as
     /// it wrote them: its rows there whose `xmin` is the record's (a retry or a mark is an
@@ -461,16 +472,26 @@ impl CaptureStatements {
                           JOIN pg_catalog.pg_stat_activity a ON a.pid = s.active_pid
                          WHERE s.slot_name = $1 AND a.application_name = $2"
                 .into(),
+            // CASE, so that the table is scanned only when an adoption is recorded.
             adopted: format!(
-                "SELECT EXISTS (SELECT 1 FROM {} WHERE slot = $1)",
-                tables.adopted.quoted()
+                "SELECT CASE WHEN EXISTS (SELECT 1 FROM {adopted} WHERE slot = $1)
+                             THEN NOT EXISTS ({stranded})
+                             ELSE false END",
+                adopted = tables.adopted.quoted(),
+                stranded = stranded_rows(tables, Some(1000)),
+            ),
+            stranded: format!(
+                "SELECT count(*)::int8 FROM ({}) AS s",
+                stranded_rows(tables, None)
             ),
             adopted_publication_version: format!(
                 "SELECT publication_version FROM {} WHERE slot = $1",
                 tables.adopted.quoted()
             ),
             record_adoption: format!(
-                "INSERT INTO {} (slot, publication_version) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+                "INSERT INTO {} (slot, publication_version) VALUES ($1, $2)
+                 ON CONFLICT (slot) DO UPDATE
+                    SET adopted_at = now(), publication_version = excluded.publication_version",
                 tables.adopted.quoted()
             ),
 
@@ -641,6 +662,39 @@ fn sibling(outbox: &TableName, suffix: &str) -> TableName {
 
 fn quote(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+/// The rows the adoption would move ([`adopt`]) that the slot `$1`'s stream will never
+/// bring: inserted by a transaction older than the slot's `catalog_xmin`, which ended
+/// before a position the slot passed. `age`, not `<`: transaction ids wrap around.
+///
+/// `first`: only the first rows of each table in their order (through its index), the
+/// check of every session start, which must not scan a large backlog. Stranded rows are a
+/// slot's predecessor's, written before it was made, and so come first: they drew their
+/// ids before any row the slot brings.
+fn stranded_rows(tables: &CaptureTables, first: Option<u32>) -> String {
+    let limit = first.map(|n| format!("LIMIT {n}")).unwrap_or_default();
+    let native = |table: &TableName| {
+        format!(
+            "(SELECT xmin AS inserted_by FROM {} WHERE delivered_at IS NULL
+               ORDER BY sequence_id {limit})",
+            table.quoted()
+        )
+    };
+    let adoptable = match tables.source.columns == ColumnNames::native() {
+        true => native(&tables.source.name),
+        false => format!(
+            "(SELECT xmin AS inserted_by FROM {} ORDER BY {} {limit}) UNION ALL {}",
+            tables.source.name.quoted(),
+            quote(&tables.source.columns.sequence_id),
+            native(&tables.outbox)
+        ),
+    };
+    format!(
+        "SELECT 1 FROM ({adoptable}) AS r, pg_catalog.pg_replication_slots AS s
+          WHERE s.slot_name = $1 AND s.catalog_xmin IS NOT NULL
+            AND age(r.inserted_by) > age(s.catalog_xmin)"
+    )
 }
 
 /// The statements that adopt the rows that predate the slot, run in one transaction.

@@ -51,8 +51,9 @@ pub async fn verify_capture(
             "run `outbox-relay migrate --capture wal`",
         ));
     }
-    if let Err(e) = main.query_rows("adopted", &sql.adopted, &[&slot]).await {
-        problems.push(Problem::blocking(
+    match main.query_rows("adopted", &sql.adopted, &[&slot]).await {
+        Ok(_) => problems.extend(stranded(main, &sql, &tables, slot).await?),
+        Err(e) => problems.push(Problem::blocking(
             format!(
                 "the table {} cannot be read: {} (the relay records there that a slot's \
                  session adopted the rows that predate the slot)",
@@ -61,7 +62,7 @@ pub async fn verify_capture(
             ),
             "run `outbox-relay migrate --capture wal` (a relay of an earlier version made the \
              other tables; migrate adds what is missing)",
-        ));
+        )),
     }
     problems.extend(public_emit(main, &sql, &tables).await?);
     problems.extend(legacy_emit(main, &sql, &tables).await?);
@@ -209,6 +210,39 @@ pub(super) async fn publication_problems(
         }
     }
     Ok(problems)
+}
+
+/// Rows the slot's stream will never bring though its adoption is recorded: the slot was
+/// dropped and made again under its name while no relay ran (a relay that finds it
+/// missing forgets the record), so the record is its predecessor's. The next session
+/// adopts them; until then they wait, and `check` says so.
+async fn stranded(
+    main: &PgStore,
+    sql: &CaptureStatements,
+    tables: &CaptureTables,
+    slot: &str,
+) -> StoreResult<Vec<Problem>> {
+    let recorded = main
+        .query_rows("adopted", &sql.adopted_publication_version, &[&slot])
+        .await?;
+    if recorded.is_empty() {
+        return Ok(vec![]);
+    }
+    let count: i64 = main.query_rows("stranded", &sql.stranded, &[&slot]).await?[0].get(0);
+    if count == 0 {
+        return Ok(vec![]);
+    }
+    Ok(vec![Problem::degraded(
+        format!(
+            "{count} rows of {} were committed before the replication slot {slot:?} was made \
+             (their transactions are older than its catalog_xmin), yet the slot's adoption of \
+             such rows is recorded: the slot was dropped and made again under its name while \
+             no relay ran, and its stream will never bring them",
+            tables.source.name
+        ),
+        "start the relay: its next session moves them to the parked table and relays them \
+         (`outbox-relay drop-slot` before making a slot again by hand avoids this)",
+    )])
 }
 
 /// Forgets that `slot` adopted the outbox's rows, once the slot is dropped: a slot made

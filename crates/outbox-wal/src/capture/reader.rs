@@ -275,6 +275,33 @@ impl Reader {
         Some(SessionEnd::Failed(said.join("; ")))
     }
 
+    /// Whether rows the slot's stream will never bring wait in the table though its
+    /// adoption is recorded: the slot was dropped and made again under its name while no
+    /// relay ran, and the record is its predecessor's. Seen at the session's start once the
+    /// slot's `catalog_xmin` has passed their transactions; a slot made while another held
+    /// the server's horizon back gets there only as it confirms, so this is checked again
+    /// as the publication is. The session then ends, and the next one adopts them.
+    async fn stranded_rows(&self) -> Option<SessionEnd> {
+        let slot = &self.config.slot;
+        match self
+            .main
+            .query_rows("adopted", &self.sql.adopted, &[slot])
+            .await
+        {
+            Ok(rows) if rows.first().is_some_and(|row| !row.get::<_, bool>(0)) => {
+                tracing::warn!(%slot, "rows committed before the slot was made wait in the table, though its adoption is recorded: the slot was dropped and made again under its name while no relay ran; the session ends, and the next one adopts them");
+                Some(SessionEnd::Broken(
+                    "rows the slot's stream does not carry wait in the table".into(),
+                ))
+            }
+            Ok(_) => None,
+            Err(e) => Some(SessionEnd::Broken(format!(
+                "reading whether the slot's rows are adopted: {}",
+                e.report()
+            ))),
+        }
+    }
+
     pub(super) fn set_status(&self, status: CaptureStatus) {
         ::metrics::gauge!(metric::STREAMING).set(if status == CaptureStatus::Streaming {
             1.0
@@ -651,6 +678,9 @@ impl Reader {
                         if let Some(end) = self.publication_drift().await {
                             return end;
                         }
+                        if let Some(end) = self.stranded_rows().await {
+                            return end;
+                        }
                     }
                     continue;
                 }
@@ -759,7 +789,8 @@ pub(super) fn session_name(base: &str) -> String {
 /// next session.
 ///
 /// Every [`SqlLiveness::PUBLICATION_EVERY`] answered ping, the publication is checked too
-/// ([`Reader::publication_drift`]).
+/// ([`Reader::publication_drift`]), and the rows a slot made again by hand does not bring
+/// ([`Reader::stranded_rows`]).
 pub(super) struct SqlLiveness {
     pub(super) ticks: tokio::time::Interval,
     pub(super) failures: u32,
