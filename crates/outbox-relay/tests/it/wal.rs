@@ -1544,30 +1544,10 @@ async fn rows_of_a_mapped_table_both_adopted_and_streamed_go_out_once() {
 
 #[tokio::test]
 async fn a_slot_dropped_with_sql_is_made_anew_and_adopts_the_rows_its_stream_misses() {
-    let w = WalDb::new().await;
-    for n in 0..5 {
-        insert(&w.db, "k", n).await;
-    }
-    let out = w.path("events.jsonl");
-    assert_success("the first drain", &w.drain(&out));
     // Rows written while no relay runs, then the slot dropped with SQL (as `check` may
     // advise for a full slot), or missing on a promoted standby that has the record.
-    for n in 5..15 {
-        insert(&w.db, "k", n).await;
-    }
-    w.db.query_one("SELECT pg_drop_replication_slot($1)", &[&w.slot])
-        .await
-        .unwrap();
-    let second = w.drain(&out);
-    assert_success("the drain after the slot was dropped", &second);
-    assert!(
-        text(&second.stderr).contains(ADOPTED),
-        "the new slot adopts: {}",
-        text(&second.stderr)
-    );
-    let order = counters_by_key(&read_lines(&out));
-    assert_eq!(order["k"], (0..15).collect::<Vec<i64>>(), "{order:?}");
-    w.assert_empty("").await;
+    let (w, out) = a_slot_dropped_after_rows_were_written().await;
+    the_next_drain_adopts_them(&w, &out).await;
 }
 
 /// A slot dropped and made again by hand while no relay ran keeps its name, and so the old
@@ -1577,24 +1557,13 @@ async fn a_slot_dropped_with_sql_is_made_anew_and_adopts_the_rows_its_stream_mis
 /// `check` said ok and `--drain` exited 0.
 #[tokio::test]
 async fn a_slot_made_again_by_hand_while_no_relay_ran_adopts_the_rows_it_does_not_bring() {
-    let w = WalDb::new().await;
-    for n in 0..5 {
-        insert(&w.db, "k", n).await;
-    }
-    let out = w.path("events.jsonl");
-    assert_success("the first drain", &w.drain(&out));
-    for n in 5..15 {
-        insert(&w.db, "k", n).await;
-    }
-    w.db.query_one("SELECT pg_drop_replication_slot($1)", &[&w.slot])
-        .await
-        .unwrap();
+    let (w, out) = a_slot_dropped_after_rows_were_written().await;
     create_slot(&w.db, &w.slot, "pgoutput").await;
     // A new slot's catalog_xmin is no later than any other slot's on the server (other
     // tests' among them); it moves on as the slot passes a snapshot of the running
     // transactions, which a checkpoint logs: passed here by hand.
     let check = [&["check"][..], &capture_flags(&w.url, &w.slot)].concat();
-    let said = eventually(
+    let (status, said) = eventually(
         "check names the rows the slot will not bring",
         Duration::from_secs(60),
         || async {
@@ -1611,21 +1580,44 @@ async fn a_slot_made_again_by_hand_while_no_relay_ran_adopts_the_rows_it_does_no
         },
     )
     .await;
-    assert!(said.1.contains("catalog_xmin"), "{}", said.1);
+    assert!(said.contains("catalog_xmin"), "{said}");
     assert_eq!(
-        said.0.code(),
+        status.code(),
         Some(1),
-        "check fails while they wait: {}",
-        said.1
+        "check fails while they wait: {said}"
     );
-    let second = w.drain(&out);
-    assert_success("the drain after the slot was made again", &second);
+    the_next_drain_adopts_them(&w, &out).await;
+}
+
+/// Five rows drained (the slot made, and its adoption recorded), ten more written while
+/// no relay runs, then the slot dropped with SQL.
+async fn a_slot_dropped_after_rows_were_written() -> (WalDb, PathBuf) {
+    let w = WalDb::new().await;
+    for n in 0..5 {
+        insert(&w.db, "k", n).await;
+    }
+    let out = w.path("events.jsonl");
+    assert_success("the first drain", &w.drain(&out));
+    for n in 5..15 {
+        insert(&w.db, "k", n).await;
+    }
+    w.db.query_one("SELECT pg_drop_replication_slot($1)", &[&w.slot])
+        .await
+        .unwrap();
+    (w, out)
+}
+
+/// A drain adopts the ten rows the slot's stream does not carry, and relays all fifteen
+/// in order.
+async fn the_next_drain_adopts_them(w: &WalDb, out: &Path) {
+    let drained = w.drain(out);
+    assert_success("the drain after the slot was dropped", &drained);
     assert!(
-        text(&second.stderr).contains(ADOPTED),
-        "the slot made again adopts: {}",
-        text(&second.stderr)
+        text(&drained.stderr).contains(ADOPTED),
+        "the slot adopts: {}",
+        text(&drained.stderr)
     );
-    let order = counters_by_key(&read_lines(&out));
+    let order = counters_by_key(&read_lines(out));
     assert_eq!(order["k"], (0..15).collect::<Vec<i64>>(), "{order:?}");
     w.assert_empty("").await;
 }
