@@ -350,8 +350,9 @@ pub struct CaptureStatements {
     /// while no relay ran, left rows out of the stream all the same.
     pub adopted_publication_version: String,
     /// Records that the slot `$1` adopted them, at the publication's version `$2`: a step of
-    /// the adoption's transaction. A record a slot's predecessor left (see
-    /// [`stranded`](Self::stranded)) is rewritten, so that its `xmin` is this adoption's.
+    /// the adoption's transaction, after [`forget_adoption`](Self::forget_adoption): a record
+    /// a slot's predecessor left (see [`stranded`](Self::stranded)) is replaced, so that its
+    /// `xmin` is this adoption's (a delete and an insert: the role has no UPDATE on it).
     pub record_adoption: String,
     /// The event ids the slot `$1`'s adoption moved that are still in the parked table, as
     /// it wrote them: its rows there whose `xmin` is the record's (a retry or a mark is an
@@ -489,9 +490,7 @@ impl CaptureStatements {
                 tables.adopted.quoted()
             ),
             record_adoption: format!(
-                "INSERT INTO {} (slot, publication_version) VALUES ($1, $2)
-                 ON CONFLICT (slot) DO UPDATE
-                    SET adopted_at = now(), publication_version = excluded.publication_version",
+                "INSERT INTO {} (slot, publication_version) VALUES ($1, $2)",
                 tables.adopted.quoted()
             ),
 

@@ -1546,7 +1546,8 @@ async fn rows_of_a_mapped_table_both_adopted_and_streamed_go_out_once() {
 async fn a_slot_dropped_with_sql_is_made_anew_and_adopts_the_rows_its_stream_misses() {
     // Rows written while no relay runs, then the slot dropped with SQL (as `check` may
     // advise for a full slot), or missing on a promoted standby that has the record.
-    let (w, out) = a_slot_dropped_after_rows_were_written().await;
+    let w = WalDb::new().await;
+    let out = a_slot_dropped_after_rows_were_written(&w).await;
     the_next_drain_adopts_them(&w, &out).await;
 }
 
@@ -1557,13 +1558,73 @@ async fn a_slot_dropped_with_sql_is_made_anew_and_adopts_the_rows_its_stream_mis
 /// `check` said ok and `--drain` exited 0.
 #[tokio::test]
 async fn a_slot_made_again_by_hand_while_no_relay_ran_adopts_the_rows_it_does_not_bring() {
-    let (w, out) = a_slot_dropped_after_rows_were_written().await;
+    let w = WalDb::new().await;
+    let out = a_slot_dropped_after_rows_were_written(&w).await;
     create_slot(&w.db, &w.slot, "pgoutput").await;
-    // A new slot's catalog_xmin is no later than any other slot's on the server (other
-    // tests' among them); it moves on as the slot passes a snapshot of the running
-    // transactions, which a checkpoint logs: passed here by hand.
+    let (status, said) = check_once_the_slot_passed_them(&w).await;
+    assert!(said.contains("catalog_xmin"), "{said}");
+    assert_eq!(
+        status.code(),
+        Some(1),
+        "check fails while they wait: {said}"
+    );
+    the_next_drain_adopts_them(&w, &out).await;
+}
+
+/// The role `migrate --capture wal --print` grants is enough to adopt, and to adopt again
+/// for a slot made again by hand, whose record is replaced (with a delete and an insert:
+/// the role may not update it). Before, the replacement was an upsert, which PostgreSQL
+/// refuses without UPDATE even when nothing conflicts, and no adoption could commit.
+#[tokio::test]
+async fn the_printed_grants_are_enough_to_adopt_and_to_adopt_again() {
+    let mut w = WalDb::new().await;
+    let printed = relay(
+        w.dir.path(),
+        &[
+            &["migrate", "--print", "--role", "relay_min"][..],
+            &capture_flags(&w.url, &w.slot),
+        ]
+        .concat(),
+    );
+    assert_success("migrate --print", &printed);
+    let role = format!("relay_{}", uuid::Uuid::new_v4().simple());
+    w.db.batch_execute(&format!(
+        "CREATE ROLE {role} LOGIN REPLICATION; {}",
+        text(&printed.stdout).replace("\"relay_min\"", &role)
+    ))
+    .await
+    .unwrap();
+    w.url = w.url.replacen("postgres@", &format!("{role}@"), 1);
+    let out = a_slot_dropped_after_rows_were_written(&w).await;
+    create_slot(&w.db, &w.slot, "pgoutput").await;
+    check_once_the_slot_passed_them(&w).await;
+    the_next_drain_adopts_them(&w, &out).await;
+}
+
+/// Five rows drained (the slot made, and its adoption recorded), ten more written while
+/// no relay runs, then the slot dropped with SQL. The sink's file.
+async fn a_slot_dropped_after_rows_were_written(w: &WalDb) -> PathBuf {
+    for n in 0..5 {
+        insert(&w.db, "k", n).await;
+    }
+    let out = w.path("events.jsonl");
+    assert_success("the first drain", &w.drain(&out));
+    for n in 5..15 {
+        insert(&w.db, "k", n).await;
+    }
+    w.db.query_one("SELECT pg_drop_replication_slot($1)", &[&w.slot])
+        .await
+        .unwrap();
+    out
+}
+
+/// `check`'s exit status and output once it names the ten rows the slot made again does not
+/// bring. A new slot's catalog_xmin is no later than any other slot's on the server (other
+/// tests' among them); it moves on as the slot passes a snapshot of the running
+/// transactions, which a checkpoint logs: passed here by hand.
+async fn check_once_the_slot_passed_them(w: &WalDb) -> (std::process::ExitStatus, String) {
     let check = [&["check"][..], &capture_flags(&w.url, &w.slot)].concat();
-    let (status, said) = eventually(
+    eventually(
         "check names the rows the slot will not bring",
         Duration::from_secs(60),
         || async {
@@ -1579,32 +1640,7 @@ async fn a_slot_made_again_by_hand_while_no_relay_ran_adopts_the_rows_it_does_no
             said.contains("10 rows").then_some((checked.status, said))
         },
     )
-    .await;
-    assert!(said.contains("catalog_xmin"), "{said}");
-    assert_eq!(
-        status.code(),
-        Some(1),
-        "check fails while they wait: {said}"
-    );
-    the_next_drain_adopts_them(&w, &out).await;
-}
-
-/// Five rows drained (the slot made, and its adoption recorded), ten more written while
-/// no relay runs, then the slot dropped with SQL.
-async fn a_slot_dropped_after_rows_were_written() -> (WalDb, PathBuf) {
-    let w = WalDb::new().await;
-    for n in 0..5 {
-        insert(&w.db, "k", n).await;
-    }
-    let out = w.path("events.jsonl");
-    assert_success("the first drain", &w.drain(&out));
-    for n in 5..15 {
-        insert(&w.db, "k", n).await;
-    }
-    w.db.query_one("SELECT pg_drop_replication_slot($1)", &[&w.slot])
-        .await
-        .unwrap();
-    (w, out)
+    .await
 }
 
 /// A drain adopts the ten rows the slot's stream does not carry, and relays all fifteen

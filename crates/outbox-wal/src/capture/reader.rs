@@ -494,18 +494,21 @@ impl Reader {
         // The version the session's check read: one changed since is seen at the next check.
         let version = self.remembered_publication_version();
         let record: &[&(dyn ToSql + Sync)] = &[slot, &version];
+        let slot_only: &[&(dyn ToSql + Sync)] = &[slot];
         let adoption = &self.sql.adopt;
         let steps: Vec<_> = adoption
             .steps
             .iter()
             .map(|sql| (sql.as_str(), no_params))
-            .chain([(self.sql.record_adoption.as_str(), record)])
+            .chain([
+                (self.sql.forget_adoption.as_str(), slot_only),
+                (self.sql.record_adoption.as_str(), record),
+            ])
             .collect();
         let dead_letters = adoption.dead_letters.as_deref().map(|sql| (sql, no_params));
         // Fenced as parks are: a relay paused past the slot's takeover must not move rows
         // the new holder streams, nor park keys it does not know are parked.
         let owner: &[&(dyn ToSql + Sync)] = &[slot, &self.session_name];
-        let slot_only: &[&(dyn ToSql + Sync)] = &[slot];
         let guard = [
             (self.sql.hold_slot_writes.as_str(), slot_only),
             (self.sql.owns_slot.as_str(), owner),
