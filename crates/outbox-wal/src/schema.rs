@@ -339,13 +339,18 @@ pub struct CaptureStatements {
     /// (a slot dropped and made again by hand keeps its name, and so its predecessor's
     /// record).
     pub adopted: String,
-    /// How many rows the adoption would move (`$1` the slot) were inserted by transactions
-    /// older than the slot's `catalog_xmin`: they ended before a position the slot has
-    /// passed, so its stream will never bring them. The slot's stream settles every row it
-    /// brings (deleted, parked or dead-lettered) before it confirms past it, so such a row
-    /// is one its adoption never moved. Complete only as far as `catalog_xmin` has come: it
-    /// trails the slot's position.
+    /// How many of the first 1,000 rows (of each table, in its order) the adoption would
+    /// move (`$1` the slot) were inserted by transactions older than the slot's
+    /// `catalog_xmin`: they ended before a position the slot has passed, so its stream will
+    /// never bring them. The slot's stream settles every row it brings (deleted, parked or
+    /// dead-lettered) before it confirms past it, so such a row is one its adoption never
+    /// moved. Complete only as far as `catalog_xmin` has come: it trails the slot's
+    /// position, and a slot made while another held the server's horizon back starts with
+    /// that one's.
     pub stranded: String,
+    /// The slot `$1`'s `catalog_xmin`, as text (no row: no such slot): [`stranded`]
+    /// (Self::stranded) can change only when it does.
+    pub slot_catalog_xmin: String,
     /// The publication's version (`$1` the slot) its adoption recorded: a change since, made
     /// while no relay ran, left rows out of the stream all the same.
     pub adopted_publication_version: String,
@@ -479,12 +484,15 @@ impl CaptureStatements {
                              THEN NOT EXISTS ({stranded})
                              ELSE false END",
                 adopted = tables.adopted.quoted(),
-                stranded = stranded_rows(tables, Some(1000)),
+                stranded = stranded_rows(tables),
             ),
             stranded: format!(
                 "SELECT count(*)::int8 FROM ({}) AS s",
-                stranded_rows(tables, None)
+                stranded_rows(tables)
             ),
+            slot_catalog_xmin: "SELECT catalog_xmin::text FROM pg_catalog.pg_replication_slots
+                                 WHERE slot_name = $1"
+                .into(),
             adopted_publication_version: format!(
                 "SELECT publication_version FROM {} WHERE slot = $1",
                 tables.adopted.quoted()
@@ -667,12 +675,12 @@ fn quote(name: &str) -> String {
 /// bring: inserted by a transaction older than the slot's `catalog_xmin`, which ended
 /// before a position the slot passed. `age`, not `<`: transaction ids wrap around.
 ///
-/// `first`: only the first rows of each table in their order (through its index), the
-/// check of every session start, which must not scan a large backlog. Stranded rows are a
-/// slot's predecessor's, written before it was made, and so come first: they drew their
-/// ids before any row the slot brings.
-fn stranded_rows(tables: &CaptureTables, first: Option<u32>) -> String {
-    let limit = first.map(|n| format!("LIMIT {n}")).unwrap_or_default();
+/// Only the first 1,000 rows of each table in their order (through its index), so that no
+/// check scans a large backlog. Stranded rows are a slot's predecessor's, written before it
+/// was made, and so nearly always come first: they drew their ids before any row the slot
+/// brings, unless a transaction that drew its ids earlier committed after the slot was made.
+fn stranded_rows(tables: &CaptureTables) -> String {
+    let limit = "LIMIT 1000";
     let native = |table: &TableName| {
         format!(
             "(SELECT xmin AS inserted_by FROM {} WHERE delivered_at IS NULL

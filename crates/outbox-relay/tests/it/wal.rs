@@ -1660,9 +1660,9 @@ async fn the_next_drain_adopts_them(w: &WalDb, out: &Path) {
 
 /// The same through a mapped table (Debezium's), with another slot holding the server's
 /// horizon back, as another tool's may: the slot made again starts with a catalog_xmin
-/// older than the rows. The server moves it on as the session re-reads the slot's first
-/// snapshot of the running transactions, usually before the session's own check, else
-/// before a later one (every 5 s while streaming); checkpoints log more such snapshots.
+/// older than the rows, so the session's first look does not see them. The server moves
+/// it on once the session confirms past its next snapshot of running transactions (the
+/// checkpoints log them), and a later look, as the session streams, finds them.
 #[tokio::test]
 async fn a_mapped_tables_slot_made_again_by_hand_adopts_the_rows_it_does_not_bring() {
     let w = DebeziumWal::migrated(include_str!("../fixtures/seeds/debezium.sql")).await;

@@ -228,13 +228,27 @@ async fn stranded(
     if recorded.is_empty() {
         return Ok(vec![]);
     }
-    let count: i64 = main.query_rows("stranded", &sql.stranded, &[&slot]).await?[0].get(0);
+    let count: i64 = match main.query_rows("stranded", &sql.stranded, &[&slot]).await {
+        Ok(rows) => rows[0].get(0),
+        Err(e) => {
+            return Ok(vec![Problem::degraded(
+                format!(
+                    "cannot tell whether rows of {} wait that the replication slot {slot:?} will \
+                     not bring: {}",
+                    tables.source.name,
+                    e.report()
+                ),
+                "grant the privileges `outbox-relay migrate --capture wal --print` lists",
+            )])
+        }
+    };
     if count == 0 {
         return Ok(vec![]);
     }
     Ok(vec![Problem::degraded(
         format!(
-            "{count} rows of {} were committed before the replication slot {slot:?} was made \
+            "{count} rows of {} (of the first 1,000 in its order) were committed before the \
+             replication slot {slot:?} was made \
              (their transactions are older than its catalog_xmin), yet the slot's adoption of \
              such rows is recorded: the slot was dropped and made again under its name while \
              no relay ran, and its stream will never bring them",

@@ -50,6 +50,9 @@ pub(super) struct Sessions {
     /// (Behind a lock: the check runs inside the stream's `select!`, which borrows the
     /// reader.)
     pub(super) publication_version: std::sync::Mutex<Option<String>>,
+    /// The slot's `catalog_xmin` at the last look for stranded rows
+    /// ([`Reader::stranded_rows`]): they are looked for again only once it moved.
+    pub(super) stranded_checked_at: std::sync::Mutex<Option<String>>,
 }
 
 impl Sessions {
@@ -60,6 +63,7 @@ impl Sessions {
             drain_marker_written: false,
             backoff: Backoff::new(Duration::from_millis(200), Duration::from_secs(5)),
             publication_version: std::sync::Mutex::new(None),
+            stranded_checked_at: std::sync::Mutex::new(None),
         }
     }
 }
@@ -278,28 +282,54 @@ impl Reader {
     /// Whether rows the slot's stream will never bring wait in the table though its
     /// adoption is recorded: the slot was dropped and made again under its name while no
     /// relay ran, and the record is its predecessor's. Seen at the session's start once the
-    /// slot's `catalog_xmin` has passed their transactions; a slot made while another held
-    /// the server's horizon back gets there only as it confirms, so this is checked again
-    /// as the publication is. The session then ends, and the next one adopts them.
+    /// slot's `catalog_xmin` has passed their transactions. A slot made while another slot
+    /// or an open transaction held the server's horizon back starts with that older
+    /// `catalog_xmin`, which moves on only once the session confirms past the next snapshot
+    /// of running transactions the server logs (every 15 s under writes, or at a
+    /// checkpoint); so this is looked at again as the publication is, each time the slot's
+    /// `catalog_xmin` has moved. Found, the session ends, and the next one adopts them.
     async fn stranded_rows(&self) -> Option<SessionEnd> {
         let slot = &self.config.slot;
-        match self
+        let broken = |e: StoreError| {
+            Some(SessionEnd::Broken(format!(
+                "looking for rows the slot's stream does not carry: {}",
+                e.report()
+            )))
+        };
+        let catalog_xmin: Option<String> = match self
             .main
-            .query_rows("adopted", &self.sql.adopted, &[slot])
+            .query_rows("catalog_xmin", &self.sql.slot_catalog_xmin, &[slot])
             .await
         {
-            Ok(rows) if rows.first().is_some_and(|row| !row.get::<_, bool>(0)) => {
-                tracing::warn!(%slot, "rows committed before the slot was made wait in the table, though its adoption is recorded: the slot was dropped and made again under its name while no relay ran; the session ends, and the next one adopts them");
-                Some(SessionEnd::Broken(
-                    "rows the slot's stream does not carry wait in the table".into(),
-                ))
+            Ok(rows) => rows.first().and_then(|row| row.get(0)),
+            Err(e) => return broken(e),
+        };
+        {
+            let mut checked = self
+                .sessions
+                .stranded_checked_at
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if *checked == catalog_xmin {
+                return None;
             }
-            Ok(_) => None,
-            Err(e) => Some(SessionEnd::Broken(format!(
-                "reading whether the slot's rows are adopted: {}",
-                e.report()
-            ))),
+            *checked = catalog_xmin;
         }
+        let stranded: i64 = match self
+            .main
+            .query_rows("stranded", &self.sql.stranded, &[slot])
+            .await
+        {
+            Ok(rows) => rows[0].get(0),
+            Err(e) => return broken(e),
+        };
+        if stranded == 0 {
+            return None;
+        }
+        tracing::warn!(%slot, rows = stranded, "rows committed before the slot was made wait in the table, though its adoption is recorded: the slot was dropped and made again under its name while no relay ran; the session ends, and the next one adopts them");
+        Some(SessionEnd::Broken(
+            "rows the slot's stream does not carry wait in the table".into(),
+        ))
     }
 
     pub(super) fn set_status(&self, status: CaptureStatus) {
