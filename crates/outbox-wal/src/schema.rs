@@ -54,6 +54,10 @@ pub struct CaptureTables {
     /// (see [`CaptureStatements::adopt`]), so that whichever relay first streams from a slot
     /// adopts, once, and a crash or a standby's takeover in between cannot skip it.
     pub adopted: TableName,
+    /// `<outbox>_confirm_marks`: per slot, the position no relay confirms it past until it
+    /// has raised the mark (see [`CaptureStatements::raise_mark`]): a slot confirmed past
+    /// its mark was moved by something else, made again or advanced by hand.
+    pub marks: TableName,
 }
 
 impl CaptureTables {
@@ -77,6 +81,7 @@ impl CaptureTables {
     ) -> Self {
         let parked = sibling(&outbox, "_parked");
         let adopted = sibling(&outbox, "_adopted");
+        let marks = sibling(&outbox, "_confirm_marks");
         CaptureTables {
             outbox,
             source,
@@ -84,6 +89,7 @@ impl CaptureTables {
             dead_letters,
             publication,
             adopted,
+            marks,
         }
     }
 
@@ -135,7 +141,30 @@ impl CaptureTables {
                     // An index an earlier relay does not use.
                     older_relays_run: true,
                 },
+                Step {
+                    version: 4,
+                    summary: "WAL capture: the position each slot may be confirmed up to, raised \
+                          before the relay confirms past it, so that a slot made again or \
+                          advanced by hand is told at once and its table adopted again",
+                    statements: vec![self.marks_ddl()],
+                    lock: Lock::Online,
+                    run: Run::InTransaction,
+                    // An earlier relay confirms past the marks: the next session of this one
+                    // takes the slot for moved, and adopts the rows still in the table again.
+                    older_relays_run: true,
+                },
             ],
+        )
+    }
+
+    /// The marks table (wal step 4).
+    fn marks_ddl(&self) -> String {
+        format!(
+            "CREATE TABLE IF NOT EXISTS {} (
+    slot  text PRIMARY KEY,
+    up_to pg_lsn NOT NULL
+);",
+            self.marks.quoted()
         )
     }
 
@@ -176,6 +205,10 @@ CREATE TABLE IF NOT EXISTS {adopted} (
     publication_version text NULL
 );
 
+-- Per slot, the position no relay confirms it past before raising this mark: a slot confirmed
+-- past it was moved by something else (made again or advanced by hand), and adopts again.
+{marks}
+
 -- Table-less events: SELECT {function}('orders', 'order-42', 'OrderPlaced', '{{"id": 42}}');
 {emit}
 {shared_ids}"#,
@@ -186,6 +219,7 @@ CREATE TABLE IF NOT EXISTS {adopted} (
             },
             shared_ids = self.shared_ids_ddl(),
             adopted = self.adopted.quoted(),
+            marks = self.marks_ddl(),
             function = emit_function(&self.outbox),
             emit = emit_function_ddl(&self.outbox),
         )
@@ -271,6 +305,7 @@ $outbox_ids$;
 -- WAL capture needs, besides the grants above:
 GRANT SELECT, INSERT, UPDATE, DELETE ON {parked} TO {role};
 GRANT SELECT, INSERT, DELETE ON {adopted} TO {role};
+GRANT SELECT, INSERT, UPDATE ON {marks} TO {role};
 GRANT USAGE ON SEQUENCE {sequence} TO {role};
 GRANT DELETE ON {outbox} TO {role};{source_sequence}
 -- The role must be allowed to replicate (a superuser runs this once):
@@ -287,6 +322,7 @@ GRANT DELETE ON {outbox} TO {role};{source_sequence}
 "#,
             sequence = self.outbox.sibling("_sequence_id_seq"),
             adopted = self.adopted.quoted(),
+            marks = self.marks.quoted(),
             function = emit_function(&self.outbox),
         )
     }
@@ -351,6 +387,17 @@ pub struct CaptureStatements {
     /// The slot `$1`'s `catalog_xmin`, as text (no row: no such slot): [`stranded`]
     /// (Self::stranded) can change only when it does.
     pub slot_catalog_xmin: String,
+    /// The slot `$1`'s mark (a WAL position, as an integer) and whether the slot is
+    /// confirmed past it. No row: no mark yet (a slot no relay of this version confirmed).
+    pub slot_mark: String,
+    /// Raises the slot `$1`'s mark to the server's WAL position now, past everything the
+    /// relay was sent so far, and returns it: written, durably, before the relay confirms
+    /// past the mark it had. So no relay confirms a slot past its mark, and a slot that is
+    /// confirmed past it was moved by something else.
+    pub raise_mark: String,
+    /// Which of the privileges the marks table (`$1`, as text) needs the current role
+    /// lacks, one row each (`has_table_privilege` with a list answers for any of them).
+    pub marks_privileges: String,
     /// The publication's version (`$1` the slot) its adoption recorded: a change since, made
     /// while no relay ran, left rows out of the stream all the same.
     pub adopted_publication_version: String,
@@ -493,6 +540,23 @@ impl CaptureStatements {
             slot_catalog_xmin: "SELECT catalog_xmin::text FROM pg_catalog.pg_replication_slots
                                  WHERE slot_name = $1"
                 .into(),
+            slot_mark: format!(
+                "SELECT (m.up_to - '0/0'::pg_lsn)::int8,
+                        coalesce(s.confirmed_flush_lsn > m.up_to, false)
+                   FROM {} m LEFT JOIN pg_catalog.pg_replication_slots s ON s.slot_name = m.slot
+                  WHERE m.slot = $1",
+                tables.marks.quoted()
+            ),
+            marks_privileges:
+                "SELECT p || ' on it lacking' FROM unnest(ARRAY['SELECT', 'INSERT', 'UPDATE']) AS p
+                                 WHERE NOT has_table_privilege(current_user, $1::text, p)"
+                    .into(),
+            raise_mark: format!(
+                "INSERT INTO {marks} AS m (slot, up_to) VALUES ($1, pg_current_wal_insert_lsn())
+                 ON CONFLICT (slot) DO UPDATE SET up_to = greatest(m.up_to, excluded.up_to)
+                 RETURNING (up_to - '0/0'::pg_lsn)::int8",
+                marks = tables.marks.quoted()
+            ),
             adopted_publication_version: format!(
                 "SELECT publication_version FROM {} WHERE slot = $1",
                 tables.adopted.quoted()

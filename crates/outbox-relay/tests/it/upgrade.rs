@@ -632,15 +632,16 @@ async fn wal_capture_objects_are_a_versioned_component() {
         .await
         .unwrap()
         .get(0);
-    assert_eq!(version, 3);
+    assert_eq!(version, 4);
     let check = text(&wal(&["check"]).stdout);
-    assert!(check.contains("ok: wal schema at version 3"), "{check}");
+    assert!(check.contains("ok: wal schema at version 4"), "{check}");
     // At version 1: the adopted table without the publication's version, the parked
-    // table without its index of waiting keys.
+    // table without its index of waiting keys, no confirm marks.
     client
         .batch_execute(
             "ALTER TABLE outbox_adopted DROP COLUMN publication_version;
              DROP INDEX outbox_parked_keys_idx;
+             DROP TABLE outbox_confirm_marks;
              UPDATE outbox_versions SET version = 1 WHERE component = 'wal'",
         )
         .await
@@ -655,12 +656,17 @@ async fn wal_capture_objects_are_a_versioned_component() {
     let printed = text(&wal(&["migrate", "--print"]).stdout);
     assert!(printed.contains("-- wal schema step 2:"), "{printed}");
     assert!(printed.contains("-- wal schema step 3:"), "{printed}");
+    assert!(printed.contains("-- wal schema step 4:"), "{printed}");
     assert!(!printed.contains("-- wal schema step 1:"), "{printed}");
     assert!(wal(&["migrate"]).status.success());
     let check = text(&wal(&["check"]).stdout);
-    assert!(check.contains("ok: wal schema at version 3"), "{check}");
+    assert!(check.contains("ok: wal schema at version 4"), "{check}");
     client
         .execute("SELECT publication_version FROM outbox_adopted", &[])
+        .await
+        .unwrap();
+    client
+        .execute("SELECT slot, up_to FROM outbox_confirm_marks", &[])
         .await
         .unwrap();
     let indexed: bool = client
@@ -690,5 +696,5 @@ async fn wal_capture_objects_are_a_versioned_component() {
     assert!(!printed.contains("-- outbox schema step"), "{printed}");
     assert!(wal(&["migrate"]).status.success());
     let check = text(&wal(&["check"]).stdout);
-    assert!(check.contains("ok: wal schema at version 3"), "{check}");
+    assert!(check.contains("ok: wal schema at version 4"), "{check}");
 }

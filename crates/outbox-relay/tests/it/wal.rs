@@ -1552,15 +1552,75 @@ async fn a_slot_dropped_with_sql_is_made_anew_and_adopts_the_rows_its_stream_mis
 }
 
 /// A slot dropped and made again by hand while no relay ran keeps its name, and so the old
-/// slot's adoption record. Rows committed before the new slot are not in its stream: the
-/// relay tells them by their transactions, older than the slot's catalog_xmin, and adopts
-/// again. Before, the record stood for the new slot, and they were skipped for good while
-/// `check` said ok and `--drain` exited 0.
+/// slot's adoption record. Rows committed before the new slot are not in its stream. Before,
+/// the record stood for the new slot, and they were skipped for good while `check` said ok
+/// and `--drain` exited 0. Now the new slot is confirmed past the mark the relays raise
+/// before they confirm: told at the session's start, even while another slot holds the
+/// server's horizon back (which keeps the new slot's catalog_xmin old), and the rows are
+/// adopted before the stream's later rows of their key go out.
 #[tokio::test]
 async fn a_slot_made_again_by_hand_while_no_relay_ran_adopts_the_rows_it_does_not_bring() {
     let w = WalDb::new().await;
+    let _holder = holding_the_horizon_back(&w.db, &w.url, &w.slot).await;
     let out = a_slot_dropped_after_rows_were_written(&w).await;
     create_slot(&w.db, &w.slot, "pgoutput").await;
+    insert(&w.db, "k", 15).await;
+    let checked = relay(
+        w.dir.path(),
+        &[&["check"][..], &capture_flags(&w.url, &w.slot)].concat(),
+    );
+    let said = format!("{}{}", text(&checked.stdout), text(&checked.stderr));
+    assert_eq!(checked.status.code(), Some(1), "{said}");
+    assert!(
+        said.contains("something else moved it") && said.contains("made again"),
+        "{said}"
+    );
+    let drained = w.drain(&out);
+    assert_success("the drain after the slot was made again", &drained);
+    assert!(
+        text(&drained.stderr).contains(ADOPTED),
+        "{}",
+        text(&drained.stderr)
+    );
+    let order = counters_by_key(&read_lines(&out));
+    assert_eq!(order["k"], (0..16).collect::<Vec<i64>>(), "{order:?}");
+    w.assert_empty("").await;
+}
+
+/// A slot advanced by hand (`pg_replication_slot_advance`, as a DBA may to unstick one)
+/// skips what it moves past: the rows still in the table are adopted, as for a slot made
+/// again. Before, they were skipped for good.
+#[tokio::test]
+async fn a_slot_advanced_by_hand_adopts_the_rows_it_skipped() {
+    let w = WalDb::new().await;
+    for n in 0..5 {
+        insert(&w.db, "k", n).await;
+    }
+    let out = w.path("events.jsonl");
+    assert_success("the first drain", &w.drain(&out));
+    for n in 5..15 {
+        insert(&w.db, "k", n).await;
+    }
+    w.db.query_one(
+        "SELECT pg_replication_slot_advance($1, pg_current_wal_lsn())::text",
+        &[&w.slot],
+    )
+    .await
+    .unwrap();
+    the_next_drain_adopts_them(&w, &out).await;
+}
+
+/// A slot whose relays kept no confirm mark (an earlier version's, or a role without the
+/// privilege) made again by hand: the relay tells the rows the slot will not bring by their
+/// transactions, older than the slot's catalog_xmin, and `check` counts them.
+#[tokio::test]
+async fn without_a_mark_a_slot_made_again_is_told_by_its_catalog_xmin() {
+    let w = WalDb::new().await;
+    let out = a_slot_dropped_after_rows_were_written(&w).await;
+    create_slot(&w.db, &w.slot, "pgoutput").await;
+    w.db.batch_execute("DELETE FROM outbox_confirm_marks")
+        .await
+        .unwrap();
     let (status, said) = check_once_the_slot_passed_them(&w).await;
     assert!(said.contains("catalog_xmin"), "{said}");
     assert_eq!(
@@ -1571,9 +1631,9 @@ async fn a_slot_made_again_by_hand_while_no_relay_ran_adopts_the_rows_it_does_no
     the_next_drain_adopts_them(&w, &out).await;
 }
 
-/// The role `migrate --capture wal --print` grants is enough to adopt, and to adopt again
+/// The role `migrate --capture wal --print` grants is enough to adopt, to adopt again
 /// for a slot made again by hand, whose record is replaced (with a delete and an insert:
-/// the role may not update it). Before, the replacement was an upsert, which PostgreSQL
+/// the role may not update it), and to raise the slot's confirm mark. Before, the replacement was an upsert, which PostgreSQL
 /// refuses without UPDATE even when nothing conflicts, and no adoption could commit.
 #[tokio::test]
 async fn the_printed_grants_are_enough_to_adopt_and_to_adopt_again() {
@@ -1597,8 +1657,21 @@ async fn the_printed_grants_are_enough_to_adopt_and_to_adopt_again() {
     w.url = w.url.replacen("postgres@", &format!("{role}@"), 1);
     let out = a_slot_dropped_after_rows_were_written(&w).await;
     create_slot(&w.db, &w.slot, "pgoutput").await;
-    check_once_the_slot_passed_them(&w).await;
     the_next_drain_adopts_them(&w, &out).await;
+    let marks = "SELECT count(*) FROM outbox_confirm_marks WHERE slot = $1";
+    assert_eq!(query_count(&w.db, marks, &[&w.slot]).await.unwrap(), 1);
+}
+
+/// Another slot, made now and dropped at the end, as another tool's: it holds the server's
+/// horizon back, so a slot made next starts with its older catalog_xmin.
+async fn holding_the_horizon_back(db: &Client, url: &str, slot: &str) -> outbox_testkit::SlotGuard {
+    let holder = format!("{slot}_holder");
+    let guard = outbox_testkit::SlotGuard {
+        url: url.to_string(),
+        slot: holder.clone(),
+    };
+    create_slot(db, &holder, "pgoutput").await;
+    guard
 }
 
 /// Five rows drained (the slot made, and its adoption recorded), ten more written while
@@ -1658,22 +1731,18 @@ async fn the_next_drain_adopts_them(w: &WalDb, out: &Path) {
     w.assert_empty("").await;
 }
 
-/// The same through a mapped table (Debezium's), with another slot holding the server's
-/// horizon back, as another tool's may: the slot made again starts with a catalog_xmin
-/// older than the rows, so the session's first look does not see them. The server moves
-/// it on once the session confirms past its next snapshot of running transactions (the
-/// checkpoints log them), and a later look, as the session streams, finds them.
+/// Without a mark, through a mapped table (Debezium's), and with another slot holding the
+/// server's horizon back, as another tool's may: the slot made again starts with a
+/// catalog_xmin older than the rows, so the session's first look does not see them. The
+/// server moves it on once the session confirms past its next snapshot of running
+/// transactions (the checkpoints log them), and a later look, as the session streams,
+/// finds them.
 #[tokio::test]
 async fn a_mapped_tables_slot_made_again_by_hand_adopts_the_rows_it_does_not_bring() {
     let w = DebeziumWal::migrated(include_str!("../fixtures/seeds/debezium.sql")).await;
     let mut written = HashSet::from([debezium_write(&w.db, "order-1", 0).await]);
     assert_success("the drain that creates the slot", &w.drain());
-    let holder = format!("{}_holder", w.slot);
-    let _holder_guard = outbox_testkit::SlotGuard {
-        url: w.url.clone(),
-        slot: holder.clone(),
-    };
-    create_slot(&w.db, &holder, "pgoutput").await;
+    let _holder = holding_the_horizon_back(&w.db, &w.url, &w.slot).await;
     for n in 1..4 {
         written.insert(debezium_write(&w.db, "order-1", n).await);
     }
@@ -1681,6 +1750,9 @@ async fn a_mapped_tables_slot_made_again_by_hand_adopts_the_rows_it_does_not_bri
         .await
         .unwrap();
     create_slot(&w.db, &w.slot, "pgoutput").await;
+    w.db.batch_execute("DELETE FROM outboxevent_relay_confirm_marks")
+        .await
+        .unwrap();
     let mut relay = w.spawn("relay");
     relay
         .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)

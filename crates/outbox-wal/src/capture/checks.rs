@@ -222,16 +222,39 @@ async fn stranded(
     tables: &CaptureTables,
     slot: &str,
 ) -> StoreResult<Vec<Problem>> {
+    let mut problems = mark_problems(main, sql, tables).await;
     let recorded = main
         .query_rows("adopted", &sql.adopted_publication_version, &[&slot])
         .await?;
     if recorded.is_empty() {
-        return Ok(vec![]);
+        return Ok(problems);
+    }
+    let moved = match main
+        .query_rows("confirm mark", &sql.slot_mark, &[&slot])
+        .await
+    {
+        Ok(rows) => rows.first().is_some_and(|row| row.get::<_, bool>(1)),
+        Err(_) => false,
+    };
+    if moved {
+        problems.push(Problem::degraded(
+            format!(
+                "the replication slot {slot:?} is confirmed past the position the relays may \
+                 confirm it to ({}): something else moved it (it was dropped and made again, \
+                 or advanced with pg_replication_slot_advance, by hand), and its stream skips \
+                 the rows of {} it moved past",
+                tables.marks, tables.source.name
+            ),
+            "start the relay: its next session moves the rows still in the table to the parked \
+             table and relays them (`outbox-relay drop-slot` before making a slot again by \
+             hand avoids this; events of outbox_emit it moved past are in no table)",
+        ));
+        return Ok(problems);
     }
     let count: i64 = match main.query_rows("stranded", &sql.stranded, &[&slot]).await {
         Ok(rows) => rows[0].get(0),
         Err(e) => {
-            return Ok(vec![Problem::degraded(
+            problems.push(Problem::degraded(
                 format!(
                     "cannot tell whether rows of {} wait that the replication slot {slot:?} will \
                      not bring: {}",
@@ -239,13 +262,14 @@ async fn stranded(
                     e.report()
                 ),
                 "grant the privileges `outbox-relay migrate --capture wal --print` lists",
-            )])
+            ));
+            return Ok(problems);
         }
     };
     if count == 0 {
-        return Ok(vec![]);
+        return Ok(problems);
     }
-    Ok(vec![Problem::degraded(
+    problems.push(Problem::degraded(
         format!(
             "{count} rows of {} (of the first 1,000 in its order) were committed before the \
              replication slot {slot:?} was made \
@@ -256,7 +280,38 @@ async fn stranded(
         ),
         "start the relay: its next session moves them to the parked table and relays them \
          (`outbox-relay drop-slot` before making a slot again by hand avoids this)",
-    )])
+    ));
+    Ok(problems)
+}
+
+/// The privileges the slot's confirm mark needs that the role lacks: without them the
+/// relay confirms without a mark, and tells a slot made again by hand late.
+async fn mark_problems(
+    main: &PgStore,
+    sql: &CaptureStatements,
+    tables: &CaptureTables,
+) -> Vec<Problem> {
+    let marks = tables.marks.to_string();
+    let lacking = match main
+        .query_rows("confirm mark privileges", &sql.marks_privileges, &[&marks])
+        .await
+    {
+        Ok(rows) => rows.iter().map(|row| row.get::<_, String>(0)).collect(),
+        Err(e) => vec![e.report()],
+    };
+    if lacking.is_empty() {
+        return vec![];
+    }
+    vec![Problem::degraded(
+        format!(
+            "the slot's confirm mark cannot be kept in {marks} ({}): the relay confirms the \
+             slot without it, and tells a slot dropped and made again, or advanced, by hand \
+             only once its catalog_xmin has moved",
+            lacking.join(", ")
+        ),
+        "run `outbox-relay migrate --capture wal`, and grant what `outbox-relay migrate \
+         --capture wal --print` lists to the relay's role",
+    )]
 }
 
 /// Forgets that `slot` adopted the outbox's rows, once the slot is dropped: a slot made

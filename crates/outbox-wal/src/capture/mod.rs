@@ -56,6 +56,7 @@ use crate::table::SourceTable;
 
 mod checks;
 mod columns;
+mod mark;
 mod reader;
 mod state;
 

@@ -3,6 +3,7 @@
 //! the database's answer while streaming, and forwards outputs to claims and confirmations
 //! to the server.
 
+use super::mark::ConfirmMark;
 use super::*;
 
 /// How long the adoption of the rows that predate a slot may take: it moves the whole
@@ -53,6 +54,8 @@ pub(super) struct Sessions {
     /// The slot's `catalog_xmin` at the last look for stranded rows
     /// ([`Reader::stranded_rows`]): they are looked for again only once it moved.
     pub(super) stranded_checked_at: std::sync::Mutex<Option<String>>,
+    /// The slot's confirm mark: nothing is confirmed past it ([`ConfirmMark`]).
+    pub(super) mark: std::sync::Mutex<ConfirmMark>,
 }
 
 impl Sessions {
@@ -64,6 +67,7 @@ impl Sessions {
             backoff: Backoff::new(Duration::from_millis(200), Duration::from_secs(5)),
             publication_version: std::sync::Mutex::new(None),
             stranded_checked_at: std::sync::Mutex::new(None),
+            mark: std::sync::Mutex::new(ConfirmMark::default()),
         }
     }
 }
@@ -121,7 +125,7 @@ impl Reader {
                     self.live.set(0);
                     match end {
                         SessionEnd::Closed => {
-                            stream.confirm(*self.confirm.borrow());
+                            self.confirm_up_to_mark(&mut stream, true).await;
                             if let Err(e) = stream.stop(Duration::from_secs(5)).await {
                                 tracing::debug!(error = %e, "closing the replication session");
                             }
@@ -394,9 +398,84 @@ impl Reader {
         }
     }
 
+    /// Confirms what the settled events allow, up to the slot's confirm mark, raising the
+    /// mark first when that allows more and a raise is due ([`ConfirmMark`]);
+    /// `now_or_never`: the session's last confirmation, whatever the last raise's time. A
+    /// raise that fails leaves the confirmation at the mark until the next one; one the
+    /// database refuses for good (its table or privilege missing) turns the mark off.
+    async fn confirm_up_to_mark(&self, stream: &mut WalStream, now_or_never: bool) {
+        let wanted = *self.confirm.borrow();
+        let now = std::time::Instant::now();
+        let due = {
+            let mut mark = self.lock_mark();
+            let due = mark.raise_due(wanted, now, now_or_never);
+            if due {
+                mark.trying(now);
+            }
+            due
+        };
+        if due {
+            self.raise_mark().await;
+        }
+        let confirmable = self.lock_mark().confirmable(wanted);
+        stream.confirm(confirmable);
+    }
+
+    /// Raises the slot's confirm mark to the server's WAL position now, durably.
+    async fn raise_mark(&self) {
+        if self.lock_mark().is_off() {
+            return;
+        }
+        let slot: &[&(dyn ToSql + Sync)] = &[&self.config.slot];
+        let raised = tokio::time::timeout(
+            SqlLiveness::PATIENCE,
+            self.main
+                .transaction_then_query("raise mark", &[], Some((&self.sql.raise_mark, slot))),
+        )
+        .await;
+        match raised {
+            Ok(Ok((_, rows))) => {
+                if let Some(up_to) = rows.first().and_then(|row| row.try_get::<_, i64>(0).ok()) {
+                    self.lock_mark().raised(Lsn(up_to.max(0) as u64));
+                }
+            }
+            Ok(Err(e))
+                if matches!(
+                    e.kind(),
+                    StoreErrorKind::Privilege | StoreErrorKind::MissingSchema
+                ) =>
+            {
+                self.mark_cannot_be_kept(&e.report());
+            }
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e.report(), "raising the slot's confirm mark; again in a second");
+            }
+            Err(_) => {
+                tracing::debug!("raising the slot's confirm mark timed out; again in a second")
+            }
+        }
+    }
+
+    fn lock_mark(&self) -> std::sync::MutexGuard<'_, ConfirmMark> {
+        self.sessions
+            .mark
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The confirm mark's table or privilege is missing: the slot is confirmed without it,
+    /// and a slot made again by hand is told by its `catalog_xmin` only. Said once.
+    fn mark_cannot_be_kept(&self, reason: &str) {
+        let mut mark = self.lock_mark();
+        if !mark.is_off() {
+            mark.turn_off();
+            tracing::error!(error = %reason, table = %self.tables.marks, "the slot's confirm mark cannot be kept: the slot is confirmed without it, and a slot dropped and made again by hand, or advanced by hand, may be told late (grant what `outbox-relay migrate --capture wal --print` lists, then restart)");
+        }
+    }
+
     /// A status update with the confirmable position. `Some`: the session ended.
     async fn keep(&self, stream: &mut WalStream) -> Option<SessionEnd> {
-        stream.confirm(*self.confirm.borrow());
+        self.confirm_up_to_mark(stream, false).await;
         let kept = stream.keep_alive().await;
         kept.err().map(|e| SessionEnd::Broken(describe(&e)))
     }
@@ -517,7 +596,13 @@ impl Reader {
             .main
             .query_rows("adopted", &self.sql.adopted, &[slot])
             .await?;
-        if adopted.first().is_some_and(|row| row.get::<_, bool>(0)) {
+        let recorded = adopted.first().is_some_and(|row| row.get::<_, bool>(0));
+        let (mark, moved) = self.read_mark().await;
+        if moved {
+            tracing::warn!(%slot, "the slot is confirmed past the position the relays may confirm it to: something else moved it (it was dropped and made again, or advanced, by hand), and its stream skips what it moved past; the rows still in the table are adopted again");
+        }
+        self.lock_mark().checked(mark);
+        if recorded && !moved {
             return Ok(true);
         }
         let no_params = &[] as &[&(dyn ToSql + Sync)];
@@ -556,7 +641,44 @@ impl Reader {
              does not carry, were moved to the parked table to be relayed first"
         );
         self.count_adoption_dead_letters(&dead_by_destination);
+        // Past the slot's position now, whatever moved it: the next session must not take
+        // it for moved again.
+        self.raise_mark().await;
         Ok(true)
+    }
+
+    /// The slot's confirm mark, and whether the slot is confirmed past it (moved by
+    /// something else). `(None, false)`: no mark yet, or it cannot be read (then it is
+    /// turned off).
+    async fn read_mark(&self) -> (Option<Lsn>, bool) {
+        if self.lock_mark().is_off() {
+            return (None, false);
+        }
+        let read = self
+            .main
+            .query_rows("confirm mark", &self.sql.slot_mark, &[&self.config.slot])
+            .await;
+        match read {
+            Ok(rows) => match rows.first() {
+                Some(row) => {
+                    let up_to: i64 = row.try_get(0).unwrap_or_default();
+                    let moved: bool = row.try_get(1).unwrap_or_default();
+                    (Some(Lsn(up_to.max(0) as u64)), moved)
+                }
+                None => (None, false),
+            },
+            Err(e) => {
+                if matches!(
+                    e.kind(),
+                    StoreErrorKind::Privilege | StoreErrorKind::MissingSchema
+                ) {
+                    self.mark_cannot_be_kept(&e.report());
+                } else {
+                    tracing::warn!(error = %e.report(), "reading the slot's confirm mark: a slot made again by hand is told by its catalog_xmin only, this session");
+                }
+                (None, false)
+            }
+        }
     }
 
     /// One session: open it, then forward until it breaks or the store closes.
@@ -571,6 +693,7 @@ impl Reader {
     /// predate the slot, announces itself to claims with the keys still parked, and (with
     /// `--drain`, once) writes the position the drain ends at. `Some`: the session ended.
     async fn open_session(&mut self, stream: &mut WalStream) -> Option<SessionEnd> {
+        self.lock_mark().session_started();
         if let Some(end) = self.publication_drift().await {
             return Some(end);
         }
@@ -694,7 +817,8 @@ impl Reader {
                     if changed.is_err() {
                         return SessionEnd::Closed;
                     }
-                    stream.confirm(*self.confirm.borrow_and_update());
+                    self.confirm.borrow_and_update();
+                    self.confirm_up_to_mark(stream, false).await;
                     if let Err(e) = stream.keep_alive().await {
                         return SessionEnd::Broken(describe(&e));
                     }
