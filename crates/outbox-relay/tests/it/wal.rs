@@ -58,6 +58,30 @@ impl WalDb {
         WalDb::on(url, format!("{name}_slot")).await
     }
 
+    /// A role made with the grants `migrate --capture wal --print` lists (and REPLICATION),
+    /// which this database's relays connect as from now on. Its name.
+    async fn connect_as_a_role_with_the_printed_grants(&mut self) -> String {
+        let printed = relay(
+            self.dir.path(),
+            &[
+                &["migrate", "--print", "--role", "relay_min"][..],
+                &capture_flags(&self.url, &self.slot),
+            ]
+            .concat(),
+        );
+        assert_success("migrate --print", &printed);
+        let role = format!("relay_{}", uuid::Uuid::new_v4().simple());
+        self.db
+            .batch_execute(&format!(
+                "CREATE ROLE {role} LOGIN REPLICATION; {}",
+                text(&printed.stdout).replace("\"relay_min\"", &role)
+            ))
+            .await
+            .unwrap();
+        self.url = self.url.replacen("postgres@", &format!("{role}@"), 1);
+        role
+    }
+
     /// Cancels the session `pid`, whose commit `write` waits on a synchronous standby: its
     /// commit stands, and shows.
     async fn cancel_the_wait(
@@ -1638,28 +1662,63 @@ async fn without_a_mark_a_slot_made_again_is_told_by_its_catalog_xmin() {
 #[tokio::test]
 async fn the_printed_grants_are_enough_to_adopt_and_to_adopt_again() {
     let mut w = WalDb::new().await;
-    let printed = relay(
-        w.dir.path(),
-        &[
-            &["migrate", "--print", "--role", "relay_min"][..],
-            &capture_flags(&w.url, &w.slot),
-        ]
-        .concat(),
-    );
-    assert_success("migrate --print", &printed);
-    let role = format!("relay_{}", uuid::Uuid::new_v4().simple());
-    w.db.batch_execute(&format!(
-        "CREATE ROLE {role} LOGIN REPLICATION; {}",
-        text(&printed.stdout).replace("\"relay_min\"", &role)
-    ))
-    .await
-    .unwrap();
-    w.url = w.url.replacen("postgres@", &format!("{role}@"), 1);
+    w.connect_as_a_role_with_the_printed_grants().await;
     let out = a_slot_dropped_after_rows_were_written(&w).await;
     create_slot(&w.db, &w.slot, "pgoutput").await;
     the_next_drain_adopts_them(&w, &out).await;
     let marks = "SELECT count(*) FROM outbox_confirm_marks WHERE slot = $1";
     assert_eq!(query_count(&w.db, marks, &[&w.slot]).await.unwrap(), 1);
+}
+
+/// A role that cannot keep the confirm mark (granted before the table existed): the relay
+/// confirms the slot without it, saying so once, and `check` names the missing privilege.
+/// It must never stop confirming, which would hold the server's WAL.
+#[tokio::test]
+async fn a_role_that_cannot_keep_the_mark_still_confirms_the_slot() {
+    let mut w = WalDb::new().await;
+    let role = w.connect_as_a_role_with_the_printed_grants().await;
+    w.db.batch_execute(&format!(
+        "REVOKE INSERT, UPDATE ON outbox_confirm_marks FROM {role}"
+    ))
+    .await
+    .unwrap();
+    insert(&w.db, "k", 0).await;
+    let out = w.path("events.jsonl");
+    assert_success("the first drain", &w.drain(&out));
+    insert(&w.db, "k", 1).await;
+    let before: String =
+        w.db.query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
+            .await
+            .unwrap()
+            .get(0);
+    let drained = w.drain(&out);
+    assert_success("the drain", &drained);
+    assert!(
+        text(&drained.stderr).contains("confirm mark cannot be kept"),
+        "{}",
+        text(&drained.stderr)
+    );
+    let past: bool =
+        w.db.query_one(
+            "SELECT confirmed_flush_lsn >= $2::text::pg_lsn FROM pg_replication_slots
+              WHERE slot_name = $1",
+            &[&w.slot, &before],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(past, "the slot is confirmed past the drained event");
+    let checked = relay(
+        w.dir.path(),
+        &[&["check"][..], &capture_flags(&w.url, &w.slot)].concat(),
+    );
+    let said = text(&checked.stdout);
+    assert!(
+        said.contains("INSERT on it lacking") && said.contains("UPDATE on it lacking"),
+        "{said}"
+    );
+    let order = counters_by_key(&read_lines(&out));
+    assert_eq!(order["k"], vec![0, 1], "{order:?}");
 }
 
 /// Another slot, made now and dropped at the end, as another tool's: it holds the server's

@@ -291,9 +291,9 @@ async fn mark_problems(
     sql: &CaptureStatements,
     tables: &CaptureTables,
 ) -> Vec<Problem> {
-    let marks = tables.marks.to_string();
+    let (marks, quoted) = (tables.marks.to_string(), tables.marks.quoted());
     let lacking = match main
-        .query_rows("confirm mark privileges", &sql.marks_privileges, &[&marks])
+        .query_rows("confirm mark privileges", &sql.marks_privileges, &[&quoted])
         .await
     {
         Ok(rows) => rows.iter().map(|row| row.get::<_, String>(0)).collect(),
