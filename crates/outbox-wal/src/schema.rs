@@ -387,12 +387,16 @@ pub struct CaptureStatements {
     /// The slot `$1`'s `catalog_xmin`, as text (no row: no such slot): [`stranded`]
     /// (Self::stranded) can change only when it does.
     pub slot_catalog_xmin: String,
-    /// The slot `$1`'s mark (a WAL position, as an integer) and whether the slot is
-    /// confirmed past it. No row: no mark yet (a slot no relay of this version confirmed).
+    /// The slot `$1`'s mark, a WAL position as an integer. No row: no mark yet (a slot no
+    /// relay of this version confirmed).
     pub slot_mark: String,
-    /// Raises the slot `$1`'s mark to the server's WAL position now, past everything the
-    /// relay was sent so far, and returns it: written, durably, before the relay confirms
-    /// past the mark it had. So no relay confirms a slot past its mark, and a slot that is
+    /// The slot `$1`'s confirmed position, as an integer. Read before its mark: the mark
+    /// only rises, so a raise and a confirmation between the two reads cannot make the slot
+    /// look past it.
+    pub slot_confirmed: String,
+    /// Raises the slot `$1`'s mark to `$2` (a WAL position as text), never lowering it, and
+    /// returns it: written, durably and under the slot's writes' guard, before the relay
+    /// confirms past the mark it had. So no relay confirms a slot past its mark, and a slot
     /// confirmed past it was moved by something else.
     pub raise_mark: String,
     /// Which of the privileges the marks table (`$1`, as text) needs the current role
@@ -541,18 +545,18 @@ impl CaptureStatements {
                                  WHERE slot_name = $1"
                 .into(),
             slot_mark: format!(
-                "SELECT (m.up_to - '0/0'::pg_lsn)::int8,
-                        coalesce(s.confirmed_flush_lsn > m.up_to, false)
-                   FROM {} m LEFT JOIN pg_catalog.pg_replication_slots s ON s.slot_name = m.slot
-                  WHERE m.slot = $1",
+                "SELECT (up_to - '0/0'::pg_lsn)::int8 FROM {} WHERE slot = $1",
                 tables.marks.quoted()
             ),
+            slot_confirmed: "SELECT (confirmed_flush_lsn - '0/0'::pg_lsn)::int8
+                               FROM pg_catalog.pg_replication_slots WHERE slot_name = $1"
+                .into(),
             marks_privileges:
                 "SELECT p || ' on it lacking' FROM unnest(ARRAY['SELECT', 'INSERT', 'UPDATE']) AS p
                                  WHERE NOT has_table_privilege(current_user, $1::text, p)"
                     .into(),
             raise_mark: format!(
-                "INSERT INTO {marks} AS m (slot, up_to) VALUES ($1, pg_current_wal_insert_lsn())
+                "INSERT INTO {marks} AS m (slot, up_to) VALUES ($1, $2::text::pg_lsn)
                  ON CONFLICT (slot) DO UPDATE SET up_to = greatest(m.up_to, excluded.up_to)
                  RETURNING (up_to - '0/0'::pg_lsn)::int8",
                 marks = tables.marks.quoted()

@@ -1631,7 +1631,11 @@ async fn a_slot_advanced_by_hand_adopts_the_rows_it_skipped() {
     )
     .await
     .unwrap();
-    the_next_drain_adopts_them(&w, &out).await;
+    let drained = the_next_drain_adopts_them(&w, &out).await;
+    assert!(
+        drained.contains("something else moved it"),
+        "told by the mark: {drained}"
+    );
 }
 
 /// A slot whose relays kept no confirm mark (an earlier version's, or a role without the
@@ -1666,8 +1670,24 @@ async fn the_printed_grants_are_enough_to_adopt_and_to_adopt_again() {
     let out = a_slot_dropped_after_rows_were_written(&w).await;
     create_slot(&w.db, &w.slot, "pgoutput").await;
     the_next_drain_adopts_them(&w, &out).await;
-    let marks = "SELECT count(*) FROM outbox_confirm_marks WHERE slot = $1";
-    assert_eq!(query_count(&w.db, marks, &[&w.slot]).await.unwrap(), 1);
+    let past: bool =
+        w.db.query_one(
+            "SELECT m.up_to >= s.confirmed_flush_lsn
+               FROM outbox_confirm_marks m JOIN pg_replication_slots s ON s.slot_name = m.slot
+              WHERE m.slot = $1",
+            &[&w.slot],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(past, "the role raised the mark past the slot's position");
+    let again = w.drain(&out);
+    assert_success("a drain with nothing new", &again);
+    assert!(
+        !text(&again.stderr).contains(ADOPTED),
+        "adopted once: {}",
+        text(&again.stderr)
+    );
 }
 
 /// A role that cannot keep the confirm mark (granted before the table existed): the relay
@@ -1776,8 +1796,8 @@ async fn check_once_the_slot_passed_them(w: &WalDb) -> (std::process::ExitStatus
 }
 
 /// A drain adopts the ten rows the slot's stream does not carry, and relays all fifteen
-/// in order.
-async fn the_next_drain_adopts_them(w: &WalDb, out: &Path) {
+/// in order. What it logged.
+async fn the_next_drain_adopts_them(w: &WalDb, out: &Path) -> String {
     let drained = w.drain(out);
     assert_success("the drain after the slot was dropped", &drained);
     assert!(
@@ -1788,6 +1808,7 @@ async fn the_next_drain_adopts_them(w: &WalDb, out: &Path) {
     let order = counters_by_key(&read_lines(out));
     assert_eq!(order["k"], (0..15).collect::<Vec<i64>>(), "{order:?}");
     w.assert_empty("").await;
+    text(&drained.stderr)
 }
 
 /// Without a mark, through a mapped table (Debezium's), and with another slot holding the

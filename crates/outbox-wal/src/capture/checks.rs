@@ -229,13 +229,18 @@ async fn stranded(
     if recorded.is_empty() {
         return Ok(problems);
     }
-    let moved = match main
-        .query_rows("confirm mark", &sql.slot_mark, &[&slot])
-        .await
-    {
-        Ok(rows) => rows.first().is_some_and(|row| row.get::<_, bool>(1)),
-        Err(_) => false,
+    // The slot's position first: the mark only rises, so a relay's raise and confirmation
+    // between the two reads cannot make the slot look past it.
+    let position = |rows: StoreResult<Vec<tokio_postgres::Row>>| {
+        rows.ok()
+            .and_then(|rows| rows.first().and_then(|row| row.try_get::<_, i64>(0).ok()))
     };
+    let confirmed = position(main.query_rows("slot", &sql.slot_confirmed, &[&slot]).await);
+    let mark = position(
+        main.query_rows("confirm mark", &sql.slot_mark, &[&slot])
+            .await,
+    );
+    let moved = matches!((confirmed, mark), (Some(confirmed), Some(mark)) if confirmed > mark);
     if moved {
         problems.push(Problem::degraded(
             format!(

@@ -7,8 +7,9 @@
 //! session start that finds the slot past its mark adopts again.
 //!
 //! Pure state, decided here and applied by the reader: what may be confirmed now, and when
-//! the mark must be raised first. A raise writes the server's WAL position at that moment,
-//! past everything the relay was sent, so one raise a second covers a stream at any rate.
+//! the mark must be raised first. A raise records the position about to be confirmed, so a
+//! slot advanced by hand past anything the relay has settled is told too; while events flow
+//! the mark is raised at most once a second.
 
 use std::time::{Duration, Instant};
 
@@ -21,33 +22,54 @@ pub(super) struct ConfirmMark {
     /// (a slot no relay of this version confirmed), so nothing new is confirmed until the
     /// first raise.
     recorded: Option<Lsn>,
-    /// The session's adoption check has run, after which the mark may be raised: a raise
-    /// before it could lift the mark past a slot made again by hand, which the check must
-    /// see confirmed past its (older) mark.
+    /// The session has adopted its slot's rows (or found them adopted, and the slot not
+    /// moved), after which the mark may be raised: a raise before could lift the mark past
+    /// a slot moved by hand whose rows no adoption has moved yet.
     checked: bool,
     /// The mark cannot be kept (its table or the privilege on it is missing): the slot is
     /// confirmed as if there were none, and a slot made again by hand is told only by its
-    /// `catalog_xmin` ([`super::reader`]'s stranded rows).
+    /// `catalog_xmin` (the reader's stranded rows). Tried again at each session start.
     off: bool,
+    /// The end of the last transaction with events read: while the mark is short of it, the
+    /// mark is raised every second. Past it the confirmable position moves only with
+    /// keepalives (other databases' writes, and each raise's own), which would otherwise
+    /// raise it every second for good.
+    events_through: Lsn,
     /// When a raise was last tried: at most one every [`ConfirmMark::EVERY`].
     last_try: Option<Instant>,
+    /// Raises failed in a row.
+    failures: u32,
 }
 
 impl ConfirmMark {
     /// The least time between two raises: confirmations wait for the next one at most this
-    /// long, and the database gets one small write a second while the WAL moves.
+    /// long while events flow.
     pub(super) const EVERY: Duration = Duration::from_secs(1);
+    /// How far keepalives alone (no events read) move the confirmable position past the
+    /// mark before it is raised: the server keeps that much more WAL for the slot, and an
+    /// idle database gets no writes from the relay.
+    pub(super) const KEEPALIVE_SLACK: u64 = 16 * 1024 * 1024;
+    /// Failed raises in a row after which the relay warns: its confirmations are held at
+    /// the mark meanwhile.
+    pub(super) const FAILURES_SAID: u32 = 10;
 
-    /// A session starts: no raise until its adoption check has run.
+    /// A session starts: no raise until it has adopted (or found its rows adopted); a mark
+    /// that could not be kept is tried again.
     pub(super) fn session_started(&mut self) {
         self.checked = false;
+        self.off = false;
     }
 
-    /// The session's adoption check has run and read `recorded` (or nothing); raises may
-    /// follow.
+    /// The session's rows are adopted, and the mark read is `recorded` (or none): raises
+    /// may follow.
     pub(super) fn checked(&mut self, recorded: Option<Lsn>) {
         self.recorded = self.recorded.max(recorded);
         self.checked = true;
+    }
+
+    /// Transactions with events were read, the last ending at `through`.
+    pub(super) fn events_read(&mut self, through: Lsn) {
+        self.events_through = self.events_through.max(through);
     }
 
     /// What of `wanted` may be confirmed now.
@@ -58,14 +80,19 @@ impl ConfirmMark {
         }
     }
 
-    /// Whether to raise the mark before confirming `wanted`: it is past the mark, the
-    /// session's check has run, and the last try was long enough ago (or `now_or_never`:
-    /// the session's last confirmation, before it closes).
+    /// Whether to raise the mark to `wanted` before confirming it: it is past the mark, the
+    /// session has adopted, and a raise is due (or `now_or_never`: the session's last
+    /// confirmation, before it closes).
     pub(super) fn raise_due(&self, wanted: Lsn, now: Instant, now_or_never: bool) -> bool {
-        !self.off
-            && self.checked
-            && self.recorded.is_none_or(|mark| wanted > mark)
-            && (now_or_never || self.last_try.is_none_or(|at| now - at >= Self::EVERY))
+        let mark = self.recorded.unwrap_or(Lsn(0));
+        if self.off || !self.checked || wanted <= mark {
+            return false;
+        }
+        if now_or_never || self.recorded.is_none() {
+            return true;
+        }
+        let waited = self.last_try.is_none_or(|at| now - at >= Self::EVERY);
+        waited && (mark < self.events_through || wanted.0 - mark.0 >= Self::KEEPALIVE_SLACK)
     }
 
     /// A raise is tried now.
@@ -76,9 +103,17 @@ impl ConfirmMark {
     /// The mark is `up_to` now.
     pub(super) fn raised(&mut self, up_to: Lsn) {
         self.recorded = self.recorded.max(Some(up_to));
+        self.failures = 0;
     }
 
-    /// The mark cannot be kept: confirm without it from now on.
+    /// A raise failed: whether to say so now (once the failures in a row reach
+    /// [`ConfirmMark::FAILURES_SAID`]).
+    pub(super) fn failed(&mut self) -> bool {
+        self.failures += 1;
+        self.failures == Self::FAILURES_SAID
+    }
+
+    /// The mark cannot be kept: confirm without it until the next session start.
     pub(super) fn turn_off(&mut self) {
         self.off = true;
     }
@@ -92,15 +127,23 @@ impl ConfirmMark {
 mod tests {
     use super::*;
 
+    fn adopted_at(mark: u64) -> ConfirmMark {
+        let mut state = ConfirmMark::default();
+        state.session_started();
+        state.checked(Some(Lsn(mark)));
+        state
+    }
+
     #[test]
-    fn nothing_is_confirmed_past_the_mark_and_the_first_raise_waits_for_the_check() {
+    fn nothing_is_confirmed_past_the_mark_and_no_raise_comes_before_the_adoption() {
         let now = Instant::now();
         let mut mark = ConfirmMark::default();
         mark.session_started();
+        mark.events_read(Lsn(10_000));
         assert_eq!(mark.confirmable(Lsn(500)), Lsn(0), "no mark read yet");
         assert!(
             !mark.raise_due(Lsn(500), now, true),
-            "no raise before the session's adoption check has read the mark"
+            "no raise before the session has adopted its slot's rows"
         );
         mark.checked(Some(Lsn(300)));
         assert_eq!(mark.confirmable(Lsn(200)), Lsn(200));
@@ -108,17 +151,30 @@ mod tests {
         assert!(!mark.raise_due(Lsn(300), now, false), "not past the mark");
         assert!(mark.raise_due(Lsn(500), now, false));
         mark.trying(now);
-        mark.raised(Lsn(900));
+        mark.raised(Lsn(500));
         assert_eq!(mark.confirmable(Lsn(500)), Lsn(500));
+    }
+
+    /// A session that breaks mid-adoption leaves the next one's check to read the mark the
+    /// moved slot is past: the session's raises wait for its own adoption.
+    #[test]
+    fn a_new_session_raises_nothing_until_it_has_adopted() {
+        let now = Instant::now();
+        let mut mark = adopted_at(100);
+        mark.events_read(Lsn(10_000));
+        mark.session_started();
+        assert!(!mark.raise_due(Lsn(900), now, true));
+        assert_eq!(mark.confirmable(Lsn(900)), Lsn(100));
     }
 
     #[test]
     fn a_raise_is_tried_at_most_once_a_second_except_for_a_sessions_last_confirmation() {
         let start = Instant::now();
-        let mut mark = ConfirmMark::default();
-        mark.checked(Some(Lsn(100)));
+        let mut mark = adopted_at(100);
+        mark.events_read(Lsn(10_000));
         mark.trying(start);
         mark.raised(Lsn(200));
+        mark.events_read(Lsn(10_000));
         let soon = start + Duration::from_millis(300);
         assert!(!mark.raise_due(Lsn(250), soon, false));
         assert!(
@@ -128,29 +184,86 @@ mod tests {
         assert!(mark.raise_due(Lsn(250), start + ConfirmMark::EVERY, false));
     }
 
+    /// Each raise writes WAL past the mark it records, and a keepalive then moves the
+    /// confirmable position past it: raised for that, an idle database would get a write
+    /// every second for good.
     #[test]
-    fn a_failed_raise_leaves_the_mark_and_waits_its_turn() {
+    fn keepalives_alone_raise_the_mark_only_once_far_past_it() {
         let start = Instant::now();
-        let mut mark = ConfirmMark::default();
-        mark.checked(Some(Lsn(100)));
+        let later = start + ConfirmMark::EVERY * 5;
+        let mut mark = adopted_at(1000);
+        mark.events_read(Lsn(900));
         mark.trying(start);
-        assert_eq!(mark.confirmable(Lsn(250)), Lsn(100));
-        assert!(!mark.raise_due(Lsn(250), start, false));
+        assert!(
+            !mark.raise_due(Lsn(1000 + 200), later, false),
+            "the raise's own WAL"
+        );
+        let far = Lsn(1000 + ConfirmMark::KEEPALIVE_SLACK);
+        assert!(
+            mark.raise_due(far, later, false),
+            "other databases' writes, at length"
+        );
+        mark.events_read(Lsn(1100));
+        assert!(
+            mark.raise_due(Lsn(1000 + 200), later, false),
+            "events were read"
+        );
+    }
+
+    /// An event settled after the last raise (its row's commit showed late, a retry parked
+    /// it): the mark is short of its transaction, and is raised again once it settles.
+    /// Before, a raise forgot that events had been read, and the slot stayed at the mark.
+    #[test]
+    fn events_settled_after_a_raise_raise_it_again() {
+        let start = Instant::now();
+        let mut mark = adopted_at(100);
+        mark.events_read(Lsn(500));
+        mark.trying(start);
+        mark.raised(Lsn(200));
+        let later = start + ConfirmMark::EVERY * 6;
+        assert!(mark.raise_due(Lsn(520), later, false));
+        mark.trying(later);
+        mark.raised(Lsn(520));
+        let after = later + ConfirmMark::EVERY;
+        assert!(
+            !mark.raise_due(Lsn(600), after, false),
+            "keepalives only, from here"
+        );
     }
 
     #[test]
-    fn a_mark_that_cannot_be_kept_holds_nothing_back() {
-        let mut mark = ConfirmMark::default();
+    fn failed_raises_leave_the_mark_wait_their_turn_and_are_said_after_ten() {
+        let start = Instant::now();
+        let mut mark = adopted_at(100);
+        mark.events_read(Lsn(10_000));
+        mark.trying(start);
+        assert_eq!(mark.confirmable(Lsn(250)), Lsn(100));
+        assert!(!mark.raise_due(Lsn(250), start, false));
+        let said: Vec<bool> = (0..12).map(|_| mark.failed()).collect();
+        assert_eq!(said.iter().filter(|s| **s).count(), 1);
+        assert!(said[ConfirmMark::FAILURES_SAID as usize - 1]);
+        mark.raised(Lsn(250));
+        assert!(
+            !(0..9).any(|_| mark.failed()),
+            "counted again from a success"
+        );
+    }
+
+    #[test]
+    fn a_mark_that_cannot_be_kept_holds_nothing_back_until_the_next_session() {
+        let mut mark = adopted_at(100);
         mark.turn_off();
         assert_eq!(mark.confirmable(Lsn(700)), Lsn(700));
         assert!(!mark.raise_due(Lsn(700), Instant::now(), true));
+        mark.session_started();
+        assert!(!mark.is_off(), "tried again");
+        assert_eq!(mark.confirmable(Lsn(700)), Lsn(100));
     }
 
     /// A raise read back lower than the mark (another relay's, racing) never lowers it.
     #[test]
     fn the_mark_only_rises() {
-        let mut mark = ConfirmMark::default();
-        mark.checked(Some(Lsn(400)));
+        let mut mark = adopted_at(400);
         mark.raised(Lsn(300));
         mark.checked(Some(Lsn(200)));
         assert_eq!(mark.confirmable(Lsn(1000)), Lsn(400));

@@ -81,6 +81,15 @@ enum Adopted {
     At(Option<String>),
 }
 
+/// How a session's adoption check ended.
+pub(super) enum AdoptCheck {
+    /// The slot's rows are adopted (now, or before and the slot not moved since); `mark`:
+    /// the slot's confirm mark as read before.
+    Adopted { mark: Option<Lsn> },
+    /// This session no longer holds the slot, and adopted nothing.
+    SlotLost,
+}
+
 /// How a session ended.
 pub(super) enum SessionEnd {
     Closed,
@@ -125,7 +134,7 @@ impl Reader {
                     self.live.set(0);
                     match end {
                         SessionEnd::Closed => {
-                            self.confirm_up_to_mark(&mut stream, true).await;
+                            self.confirm_up_to_mark(&mut stream, true, true).await;
                             if let Err(e) = stream.stop(Duration::from_secs(5)).await {
                                 tracing::debug!(error = %e, "closing the replication session");
                             }
@@ -388,7 +397,7 @@ impl Reader {
                     let end = if ask_sql {
                         self.serve(stream, &mut liveness).await
                     } else {
-                        self.keep(stream).await
+                        self.keep(stream, false).await
                     };
                     if let Some(end) = end {
                         return Err(end);
@@ -399,14 +408,20 @@ impl Reader {
     }
 
     /// Confirms what the settled events allow, up to the slot's confirm mark, raising the
-    /// mark first when that allows more and a raise is due ([`ConfirmMark`]);
-    /// `now_or_never`: the session's last confirmation, whatever the last raise's time. A
-    /// raise that fails leaves the confirmation at the mark until the next one; one the
-    /// database refuses for good (its table or privilege missing) turns the mark off.
-    async fn confirm_up_to_mark(&self, stream: &mut WalStream, now_or_never: bool) {
+    /// mark first when that allows more, a raise is due ([`ConfirmMark`]) and `may_raise`
+    /// (not while a statement of the session's opening runs); `now_or_never`: the session's
+    /// last confirmation, whatever the last raise's time. A raise that fails leaves the
+    /// confirmation at the mark until the next one; one the database refuses for good (its
+    /// table or privilege missing) turns the mark off.
+    async fn confirm_up_to_mark(
+        &self,
+        stream: &mut WalStream,
+        may_raise: bool,
+        now_or_never: bool,
+    ) {
         let wanted = *self.confirm.borrow();
         let now = std::time::Instant::now();
-        let due = {
+        let due = may_raise && {
             let mut mark = self.lock_mark();
             let due = mark.raise_due(wanted, now, now_or_never);
             if due {
@@ -415,30 +430,47 @@ impl Reader {
             due
         };
         if due {
-            self.raise_mark().await;
+            self.raise_mark(wanted).await;
         }
         let confirmable = self.lock_mark().confirmable(wanted);
         stream.confirm(confirmable);
     }
 
-    /// Raises the slot's confirm mark to the server's WAL position now, durably.
-    async fn raise_mark(&self) {
+    /// Raises the slot's confirm mark to `up_to`, durably, while this session holds the slot
+    /// (guarded as a park is: a session ended, and the slot then advanced by hand, must not
+    /// lift the mark past it).
+    async fn raise_mark(&self, up_to: Lsn) {
         if self.lock_mark().is_off() {
             return;
         }
-        let slot: &[&(dyn ToSql + Sync)] = &[&self.config.slot];
+        let slot = &self.config.slot;
+        let position = up_to.to_string();
+        let raise: &[&(dyn ToSql + Sync)] = &[slot, &position];
+        let owner: &[&(dyn ToSql + Sync)] = &[slot, &self.session_name];
+        let slot_only: &[&(dyn ToSql + Sync)] = &[slot];
+        let guard = [
+            (self.sql.hold_slot_writes.as_str(), slot_only),
+            (self.sql.owns_slot.as_str(), owner),
+        ];
         let raised = tokio::time::timeout(
             SqlLiveness::PATIENCE,
-            self.main
-                .transaction_then_query("raise mark", &[], Some((&self.sql.raise_mark, slot))),
+            self.main.transaction_if_then_query(
+                "raise mark",
+                &guard,
+                &[],
+                Some((&self.sql.raise_mark, raise)),
+            ),
         )
         .await;
-        match raised {
-            Ok(Ok((_, rows))) => {
-                if let Some(up_to) = rows.first().and_then(|row| row.try_get::<_, i64>(0).ok()) {
-                    self.lock_mark().raised(Lsn(up_to.max(0) as u64));
+        let failure = match raised {
+            Ok(Ok(Some((_, rows)))) => {
+                if let Some(mark) = rows.first().and_then(|row| row.try_get::<_, i64>(0).ok()) {
+                    self.lock_mark().raised(Lsn(mark.max(0) as u64));
                 }
+                return;
             }
+            // The session no longer holds the slot: its end is the stream's to find.
+            Ok(Ok(None)) => return,
             Ok(Err(e))
                 if matches!(
                     e.kind(),
@@ -446,13 +478,15 @@ impl Reader {
                 ) =>
             {
                 self.mark_cannot_be_kept(&e.report());
+                return;
             }
-            Ok(Err(e)) => {
-                tracing::debug!(error = %e.report(), "raising the slot's confirm mark; again in a second");
-            }
-            Err(_) => {
-                tracing::debug!("raising the slot's confirm mark timed out; again in a second")
-            }
+            Ok(Err(e)) => e.report(),
+            Err(_) => format!("no answer within {:?}", SqlLiveness::PATIENCE),
+        };
+        if self.lock_mark().failed() {
+            tracing::warn!(error = %failure, table = %self.tables.marks, "the slot's confirm mark cannot be raised: the slot is confirmed no further until it is (the server keeps its WAL meanwhile); trying every second");
+        } else {
+            tracing::debug!(error = %failure, "raising the slot's confirm mark; again in a second");
         }
     }
 
@@ -474,8 +508,8 @@ impl Reader {
     }
 
     /// A status update with the confirmable position. `Some`: the session ended.
-    async fn keep(&self, stream: &mut WalStream) -> Option<SessionEnd> {
-        self.confirm_up_to_mark(stream, false).await;
+    async fn keep(&self, stream: &mut WalStream, may_raise: bool) -> Option<SessionEnd> {
+        self.confirm_up_to_mark(stream, may_raise, false).await;
         let kept = stream.keep_alive().await;
         kept.err().map(|e| SessionEnd::Broken(describe(&e)))
     }
@@ -487,7 +521,7 @@ impl Reader {
         stream: &mut WalStream,
         liveness: &mut SqlLiveness,
     ) -> Option<SessionEnd> {
-        if let Some(end) = self.keep(stream).await {
+        if let Some(end) = self.keep(stream, true).await {
             return Some(end);
         }
         liveness.check(&self.main).await.map(SessionEnd::Broken)
@@ -588,22 +622,22 @@ impl Reader {
     /// has committed once; the record is written in the same transaction as the move, so a
     /// crash leaves either both or neither. A slot made by hand, or by a relay that died
     /// before adopting, is adopted by the next session.
-    ///
-    /// `Ok(false)`: this session no longer holds the slot, and adopted nothing.
-    pub(super) async fn adopt(&self) -> StoreResult<bool> {
+    /// A slot whose session started at `start`, past the slot's confirm mark, was moved by
+    /// something else since a relay last confirmed it, and is adopted again.
+    pub(super) async fn adopt(&self, start: Lsn) -> StoreResult<AdoptCheck> {
         let slot = &self.config.slot;
         let adopted = self
             .main
             .query_rows("adopted", &self.sql.adopted, &[slot])
             .await?;
         let recorded = adopted.first().is_some_and(|row| row.get::<_, bool>(0));
-        let (mark, moved) = self.read_mark().await;
-        if moved {
+        let mark = self.read_mark().await?;
+        let moved = mark.is_some_and(|mark| start > mark);
+        if recorded && moved {
             tracing::warn!(%slot, "the slot is confirmed past the position the relays may confirm it to: something else moved it (it was dropped and made again, or advanced, by hand), and its stream skips what it moved past; the rows still in the table are adopted again");
         }
-        self.lock_mark().checked(mark);
         if recorded && !moved {
-            return Ok(true);
+            return Ok(AdoptCheck::Adopted { mark });
         }
         let no_params = &[] as &[&(dyn ToSql + Sync)];
         // The version the session's check read: one changed since is seen at the next check.
@@ -633,7 +667,7 @@ impl Reader {
             .long_transaction_if_then_query("adopt", ADOPTION_TIMEOUT, &guard, &steps, dead_letters)
             .await?
         else {
-            return Ok(false);
+            return Ok(AdoptCheck::SlotLost);
         };
         tracing::info!(
             %slot,
@@ -641,43 +675,32 @@ impl Reader {
              does not carry, were moved to the parked table to be relayed first"
         );
         self.count_adoption_dead_letters(&dead_by_destination);
-        // Past the slot's position now, whatever moved it: the next session must not take
-        // it for moved again.
-        self.raise_mark().await;
-        Ok(true)
+        Ok(AdoptCheck::Adopted { mark })
     }
 
-    /// The slot's confirm mark, and whether the slot is confirmed past it (moved by
-    /// something else). `(None, false)`: no mark yet, or it cannot be read (then it is
-    /// turned off).
-    async fn read_mark(&self) -> (Option<Lsn>, bool) {
-        if self.lock_mark().is_off() {
-            return (None, false);
-        }
+    /// The slot's confirm mark (`None`: none yet, or it cannot be kept, and is turned off).
+    /// Any other failure fails the session's start: a session that went on without it
+    /// could raise the mark past a slot moved by hand, which no later start would then see.
+    async fn read_mark(&self) -> StoreResult<Option<Lsn>> {
         let read = self
             .main
             .query_rows("confirm mark", &self.sql.slot_mark, &[&self.config.slot])
             .await;
         match read {
-            Ok(rows) => match rows.first() {
-                Some(row) => {
-                    let up_to: i64 = row.try_get(0).unwrap_or_default();
-                    let moved: bool = row.try_get(1).unwrap_or_default();
-                    (Some(Lsn(up_to.max(0) as u64)), moved)
-                }
-                None => (None, false),
-            },
-            Err(e) => {
+            Ok(rows) => Ok(rows
+                .first()
+                .and_then(|row| row.try_get::<_, i64>(0).ok())
+                .map(|up_to| Lsn(up_to.max(0) as u64))),
+            Err(e)
                 if matches!(
                     e.kind(),
                     StoreErrorKind::Privilege | StoreErrorKind::MissingSchema
-                ) {
-                    self.mark_cannot_be_kept(&e.report());
-                } else {
-                    tracing::warn!(error = %e.report(), "reading the slot's confirm mark: a slot made again by hand is told by its catalog_xmin only, this session");
-                }
-                (None, false)
+                ) =>
+            {
+                self.mark_cannot_be_kept(&e.report());
+                Ok(None)
             }
+            Err(e) => Err(e),
         }
     }
 
@@ -697,13 +720,21 @@ impl Reader {
         if let Some(end) = self.publication_drift().await {
             return Some(end);
         }
-        let adopted = match self.serviced(stream, self.adopt(), false).await {
+        let start = stream.confirmed();
+        let adopted = match self.serviced(stream, self.adopt(start), false).await {
             Ok(adopted) => adopted,
             Err(end) => return Some(end),
         };
         match adopted {
-            Ok(true) => {}
-            Ok(false) => return Some(lost_slot(stream).await),
+            Ok(AdoptCheck::Adopted { mark }) => {
+                self.lock_mark().checked(mark);
+                // Past the slot's position, whatever moved it: the rows are adopted, and
+                // the next session must not take the slot for moved again.
+                if mark.is_none_or(|mark| start > mark) {
+                    self.raise_mark(start).await;
+                }
+            }
+            Ok(AdoptCheck::SlotLost) => return Some(lost_slot(stream).await),
             Err(e) => {
                 return Some(SessionEnd::Broken(format!(
                     "moving the rows that predate the slot to the parked table: {}",
@@ -818,7 +849,7 @@ impl Reader {
                         return SessionEnd::Closed;
                     }
                     self.confirm.borrow_and_update();
-                    self.confirm_up_to_mark(stream, false).await;
+                    self.confirm_up_to_mark(stream, true, false).await;
                     if let Err(e) = stream.keep_alive().await {
                         return SessionEnd::Broken(describe(&e));
                     }
@@ -868,6 +899,18 @@ impl Reader {
                     let age_ms = age.as_secs_f64() * 1000.0;
                     tracing::trace!(outputs = burst.len(), first_commit_age_ms = age_ms, "read");
                 }
+            }
+            let events_through = burst
+                .iter()
+                .filter_map(|read| match read.output {
+                    Output::Committed {
+                        end_lsn, events, ..
+                    } if events > 0 => Some(end_lsn),
+                    _ => None,
+                })
+                .max();
+            if let Some(through) = events_through {
+                self.lock_mark().events_read(through);
             }
             let behind = burst.len() >= READ_BURST || self.memory.room() == 0;
             pace.handed_over(behind, tokio::time::Instant::now());
