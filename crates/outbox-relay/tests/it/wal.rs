@@ -1617,14 +1617,7 @@ async fn a_slot_made_again_by_hand_while_no_relay_ran_adopts_the_rows_it_does_no
 #[tokio::test]
 async fn a_slot_advanced_by_hand_adopts_the_rows_it_skipped() {
     let w = WalDb::new().await;
-    for n in 0..5 {
-        insert(&w.db, "k", n).await;
-    }
-    let out = w.path("events.jsonl");
-    assert_success("the first drain", &w.drain(&out));
-    for n in 5..15 {
-        insert(&w.db, "k", n).await;
-    }
+    let out = rows_written_while_no_relay_ran(&w).await;
     w.db.query_one(
         "SELECT pg_replication_slot_advance($1, pg_current_wal_lsn())::text",
         &[&w.slot],
@@ -1753,9 +1746,9 @@ async fn holding_the_horizon_back(db: &Client, url: &str, slot: &str) -> outbox_
     guard
 }
 
-/// Five rows drained (the slot made, and its adoption recorded), ten more written while
-/// no relay runs, then the slot dropped with SQL. The sink's file.
-async fn a_slot_dropped_after_rows_were_written(w: &WalDb) -> PathBuf {
+/// Five rows drained (the slot made, and its adoption recorded), then ten more written
+/// while no relay runs. The sink's file.
+async fn rows_written_while_no_relay_ran(w: &WalDb) -> PathBuf {
     for n in 0..5 {
         insert(&w.db, "k", n).await;
     }
@@ -1764,6 +1757,12 @@ async fn a_slot_dropped_after_rows_were_written(w: &WalDb) -> PathBuf {
     for n in 5..15 {
         insert(&w.db, "k", n).await;
     }
+    out
+}
+
+/// [`rows_written_while_no_relay_ran`], then the slot dropped with SQL.
+async fn a_slot_dropped_after_rows_were_written(w: &WalDb) -> PathBuf {
+    let out = rows_written_while_no_relay_ran(w).await;
     w.db.query_one("SELECT pg_drop_replication_slot($1)", &[&w.slot])
         .await
         .unwrap();
