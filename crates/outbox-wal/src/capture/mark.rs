@@ -39,6 +39,8 @@ pub(super) struct ConfirmMark {
     last_try: Option<Instant>,
     /// Raises failed in a row.
     failures: u32,
+    /// That the mark cannot be kept was said: once a process.
+    off_said: bool,
 }
 
 impl ConfirmMark {
@@ -88,7 +90,7 @@ impl ConfirmMark {
         if self.off || !self.checked || wanted <= mark {
             return false;
         }
-        if now_or_never || self.recorded.is_none() {
+        if now_or_never {
             return true;
         }
         let waited = self.last_try.is_none_or(|at| now - at >= Self::EVERY);
@@ -113,9 +115,11 @@ impl ConfirmMark {
         self.failures == Self::FAILURES_SAID
     }
 
-    /// The mark cannot be kept: confirm without it until the next session start.
-    pub(super) fn turn_off(&mut self) {
+    /// The mark cannot be kept: confirm without it until the next session start. Whether
+    /// to say so (the first time in this process).
+    pub(super) fn turn_off(&mut self) -> bool {
         self.off = true;
+        !std::mem::replace(&mut self.off_said, true)
     }
 
     pub(super) fn is_off(&self) -> bool {

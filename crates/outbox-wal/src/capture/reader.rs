@@ -81,11 +81,20 @@ enum Adopted {
     At(Option<String>),
 }
 
+/// A failure of the confirm mark's statements that no retry mends: its table or a
+/// privilege on it is missing.
+fn cannot_be_kept(e: &StoreError) -> bool {
+    matches!(
+        e.kind(),
+        StoreErrorKind::Privilege | StoreErrorKind::MissingSchema
+    )
+}
+
 /// How a session's adoption check ended.
 pub(super) enum AdoptCheck {
     /// The slot's rows are adopted (now, or before and the slot not moved since); `mark`:
-    /// the slot's confirm mark as read before.
-    Adopted { mark: Option<Lsn> },
+    /// the slot's confirm mark as read before; `start`: the slot's confirmed position.
+    Adopted { mark: Option<Lsn>, start: Lsn },
     /// This session no longer holds the slot, and adopted nothing.
     SlotLost,
 }
@@ -470,13 +479,8 @@ impl Reader {
                 return;
             }
             // The session no longer holds the slot: its end is the stream's to find.
-            Ok(Ok(None)) => return,
-            Ok(Err(e))
-                if matches!(
-                    e.kind(),
-                    StoreErrorKind::Privilege | StoreErrorKind::MissingSchema
-                ) =>
-            {
+            Ok(Ok(None)) => "the session no longer holds the slot".to_string(),
+            Ok(Err(e)) if cannot_be_kept(&e) => {
                 self.mark_cannot_be_kept(&e.report());
                 return;
             }
@@ -500,9 +504,7 @@ impl Reader {
     /// The confirm mark's table or privilege is missing: the slot is confirmed without it,
     /// and a slot made again by hand is told by its `catalog_xmin` only. Said once.
     fn mark_cannot_be_kept(&self, reason: &str) {
-        let mut mark = self.lock_mark();
-        if !mark.is_off() {
-            mark.turn_off();
+        if self.lock_mark().turn_off() {
             tracing::error!(error = %reason, table = %self.tables.marks, "the slot's confirm mark cannot be kept: the slot is confirmed without it, and a slot dropped and made again by hand, or advanced by hand, may be told late (grant what `outbox-relay migrate --capture wal --print` lists, then restart)");
         }
     }
@@ -624,26 +626,41 @@ impl Reader {
     /// before adopting, is adopted by the next session.
     /// A slot whose session started at `start`, past the slot's confirm mark, was moved by
     /// something else since a relay last confirmed it, and is adopted again.
-    pub(super) async fn adopt(&self, start: Lsn) -> StoreResult<AdoptCheck> {
+    pub(super) async fn adopt(&self) -> StoreResult<AdoptCheck> {
         let slot = &self.config.slot;
         let adopted = self
             .main
             .query_rows("adopted", &self.sql.adopted, &[slot])
             .await?;
         let recorded = adopted.first().is_some_and(|row| row.get::<_, bool>(0));
+        // Read now that this session holds the slot (only it can move it, and never past
+        // the mark), not as the session began: a hand may advance a slot until then.
+        let start = self
+            .main
+            .query_rows("slot", &self.sql.slot_confirmed, &[slot])
+            .await?
+            .first()
+            .and_then(|row| row.try_get::<_, i64>(0).ok())
+            .map_or(Lsn(0), |at| Lsn(at.max(0) as u64));
         let mark = self.read_mark().await?;
         let moved = mark.is_some_and(|mark| start > mark);
         if recorded && moved {
             tracing::warn!(%slot, "the slot is confirmed past the position the relays may confirm it to: something else moved it (it was dropped and made again, or advanced, by hand), and its stream skips what it moved past; the rows still in the table are adopted again");
         }
         if recorded && !moved {
-            return Ok(AdoptCheck::Adopted { mark });
+            return Ok(AdoptCheck::Adopted { mark, start });
         }
         let no_params = &[] as &[&(dyn ToSql + Sync)];
         // The version the session's check read: one changed since is seen at the next check.
         let version = self.remembered_publication_version();
         let record: &[&(dyn ToSql + Sync)] = &[slot, &version];
         let slot_only: &[&(dyn ToSql + Sync)] = &[slot];
+        // The mark raised to the slot in the same transaction, so that a moved slot's
+        // adoption never commits without it (and the next session takes the slot for moved
+        // again, adopting the whole table once more).
+        let position = start.to_string();
+        let raise: &[&(dyn ToSql + Sync)] = &[slot, &position];
+        let raises = !self.lock_mark().is_off();
         let adoption = &self.sql.adopt;
         let steps: Vec<_> = adoption
             .steps
@@ -653,6 +670,7 @@ impl Reader {
                 (self.sql.forget_adoption.as_str(), slot_only),
                 (self.sql.record_adoption.as_str(), record),
             ])
+            .chain(raises.then_some((self.sql.raise_mark.as_str(), raise)))
             .collect();
         let dead_letters = adoption.dead_letters.as_deref().map(|sql| (sql, no_params));
         // Fenced as parks are: a relay paused past the slot's takeover must not move rows
@@ -675,13 +693,40 @@ impl Reader {
              does not carry, were moved to the parked table to be relayed first"
         );
         self.count_adoption_dead_letters(&dead_by_destination);
-        Ok(AdoptCheck::Adopted { mark })
+        if raises {
+            self.lock_mark().raised(start);
+        }
+        Ok(AdoptCheck::Adopted { mark, start })
     }
 
     /// The slot's confirm mark (`None`: none yet, or it cannot be kept, and is turned off).
     /// Any other failure fails the session's start: a session that went on without it
     /// could raise the mark past a slot moved by hand, which no later start would then see.
     async fn read_mark(&self) -> StoreResult<Option<Lsn>> {
+        // A mark the role may read but not raise is as good as none: each session would
+        // find the slot past it (confirmed without it) and adopt the table again.
+        let marks = self.tables.marks.quoted();
+        let lacking = self
+            .main
+            .query_rows(
+                "confirm mark privileges",
+                &self.sql.marks_privileges,
+                &[&marks],
+            )
+            .await
+            .map(|rows| {
+                rows.first()
+                    .map(|row| format!("{} {}", self.tables.marks, row.get::<_, String>(0)))
+            });
+        let unkept = match lacking {
+            Ok(lacking) => lacking,
+            Err(e) if cannot_be_kept(&e) => Some(e.report()),
+            Err(e) => return Err(e),
+        };
+        if let Some(reason) = unkept {
+            self.mark_cannot_be_kept(&reason);
+            return Ok(None);
+        }
         let read = self
             .main
             .query_rows("confirm mark", &self.sql.slot_mark, &[&self.config.slot])
@@ -691,12 +736,7 @@ impl Reader {
                 .first()
                 .and_then(|row| row.try_get::<_, i64>(0).ok())
                 .map(|up_to| Lsn(up_to.max(0) as u64))),
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    StoreErrorKind::Privilege | StoreErrorKind::MissingSchema
-                ) =>
-            {
+            Err(e) if cannot_be_kept(&e) => {
                 self.mark_cannot_be_kept(&e.report());
                 Ok(None)
             }
@@ -720,17 +760,19 @@ impl Reader {
         if let Some(end) = self.publication_drift().await {
             return Some(end);
         }
-        let start = stream.confirmed();
-        let adopted = match self.serviced(stream, self.adopt(start), false).await {
+        let adopted = match self.serviced(stream, self.adopt(), false).await {
             Ok(adopted) => adopted,
             Err(end) => return Some(end),
         };
         match adopted {
-            Ok(AdoptCheck::Adopted { mark }) => {
-                self.lock_mark().checked(mark);
-                // Past the slot's position, whatever moved it: the rows are adopted, and
-                // the next session must not take the slot for moved again.
-                if mark.is_none_or(|mark| start > mark) {
+            Ok(AdoptCheck::Adopted { mark, start }) => {
+                let behind = {
+                    let mut state = self.lock_mark();
+                    state.checked(mark);
+                    state.confirmable(start) < start
+                };
+                // A slot no relay of this version confirmed has no mark yet: one from here.
+                if behind {
                     self.raise_mark(start).await;
                 }
             }
