@@ -232,8 +232,7 @@ async fn stranded(
     // The slot's position first: the mark only rises, so a relay's raise and confirmation
     // between the two reads cannot make the slot look past it.
     let position = |rows: StoreResult<Vec<tokio_postgres::Row>>| {
-        rows.ok()
-            .and_then(|rows| rows.first().and_then(|row| row.try_get::<_, i64>(0).ok()))
+        rows.ok().and_then(|rows| super::first_position(&rows))
     };
     let confirmed = position(main.query_rows("slot", &sql.slot_confirmed, &[&slot]).await);
     let mark = position(

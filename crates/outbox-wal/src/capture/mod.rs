@@ -67,6 +67,13 @@ use outbox_core::capture::{self, Followed, Holdings, Sessions};
 use reader::Reader;
 use state::*;
 
+/// The WAL position in the first column of the first row, as the statements return one
+/// (`(lsn - '0/0'::pg_lsn)::int8`). `None`: no row, or no position in it.
+fn first_position(rows: &[tokio_postgres::Row]) -> Option<Lsn> {
+    let at: i64 = rows.first()?.try_get(0).ok()?;
+    Some(Lsn(at.max(0) as u64))
+}
+
 /// Metric names of WAL capture.
 pub mod metric {
     /// WAL the slot keeps on the server's disk (bytes from its restart position).

@@ -473,8 +473,8 @@ impl Reader {
         .await;
         let failure = match raised {
             Ok(Ok(Some((_, rows)))) => {
-                if let Some(mark) = rows.first().and_then(|row| row.try_get::<_, i64>(0).ok()) {
-                    self.lock_mark().raised(Lsn(mark.max(0) as u64));
+                if let Some(mark) = first_position(&rows) {
+                    self.lock_mark().raised(mark);
                 }
                 return;
             }
@@ -624,8 +624,8 @@ impl Reader {
     /// has committed once; the record is written in the same transaction as the move, so a
     /// crash leaves either both or neither. A slot made by hand, or by a relay that died
     /// before adopting, is adopted by the next session.
-    /// A slot whose session started at `start`, past the slot's confirm mark, was moved by
-    /// something else since a relay last confirmed it, and is adopted again.
+    /// A slot confirmed past its confirm mark was moved by something else since a relay last
+    /// confirmed it, and is adopted again.
     pub(super) async fn adopt(&self) -> StoreResult<AdoptCheck> {
         let slot = &self.config.slot;
         let adopted = self
@@ -635,13 +635,11 @@ impl Reader {
         let recorded = adopted.first().is_some_and(|row| row.get::<_, bool>(0));
         // Read now that this session holds the slot (only it can move it, and never past
         // the mark), not as the session began: a hand may advance a slot until then.
-        let start = self
+        let confirmed = self
             .main
             .query_rows("slot", &self.sql.slot_confirmed, &[slot])
-            .await?
-            .first()
-            .and_then(|row| row.try_get::<_, i64>(0).ok())
-            .map_or(Lsn(0), |at| Lsn(at.max(0) as u64));
+            .await?;
+        let start = first_position(&confirmed).unwrap_or(Lsn(0));
         let mark = self.read_mark().await?;
         let moved = mark.is_some_and(|mark| start > mark);
         if recorded && moved {
@@ -732,10 +730,7 @@ impl Reader {
             .query_rows("confirm mark", &self.sql.slot_mark, &[&self.config.slot])
             .await;
         match read {
-            Ok(rows) => Ok(rows
-                .first()
-                .and_then(|row| row.try_get::<_, i64>(0).ok())
-                .map(|up_to| Lsn(up_to.max(0) as u64))),
+            Ok(rows) => Ok(first_position(&rows)),
             Err(e) if cannot_be_kept(&e) => {
                 self.mark_cannot_be_kept(&e.report());
                 Ok(None)
