@@ -42,6 +42,13 @@ pub trait StreamEvent {
 
     /// When the application wrote it, if it decoded.
     fn written_at(&self) -> Option<SystemTime>;
+
+    /// Whether it is delivered and its row deleted, for an ack whose call has not returned
+    /// to the engine yet ([`Holdings::mark_delivered`]).
+    fn delivered(&self) -> bool;
+
+    /// Marks it so.
+    fn mark_delivered(&mut self);
 }
 
 /// A held stream event queued to be parked, by its engine id.
@@ -262,6 +269,41 @@ impl<S: StreamEvent, P: QueuedPark> Holdings<S, P> {
             }
         }
         split
+    }
+
+    /// Marks the held stream events among `ids` delivered: a group commit of acks deleted
+    /// their rows. Each ack then settles its own ([`Holdings::delivered_among`]) as its call
+    /// returns to the engine, never one that joined it: the engine holds an event until its
+    /// ack's call returns, and drops a copy a new session hands out meanwhile (to it, an
+    /// expired lease renewed). Settled by the group commit, that copy was held again, never
+    /// acked, and the stream's position stopped for good. A copy handed out over a marked
+    /// event keeps the mark ([`Holdings::hold_stream`]).
+    pub fn mark_delivered(&mut self, ids: impl IntoIterator<Item = SequenceId>) {
+        for id in ids {
+            if let Some(Held::Stream(event)) = self.held.get_mut(&id) {
+                event.mark_delivered();
+            }
+        }
+    }
+
+    /// The held stream events among `ids` that are marked delivered, for the ack of `ids`
+    /// to settle.
+    pub fn delivered_among(&self, ids: &[SequenceId]) -> Vec<SequenceId> {
+        ids.iter()
+            .copied()
+            .filter(
+                |id| matches!(self.held.get(id), Some(Held::Stream(event)) if event.delivered()),
+            )
+            .collect()
+    }
+
+    /// Holds the stream event `event` under `id`. A copy a new session hands out over a
+    /// delivered one keeps its mark ([`Holdings::mark_delivered`]).
+    pub fn hold_stream(&mut self, id: SequenceId, mut event: Box<S>) {
+        if matches!(self.held.get(&id), Some(Held::Stream(held)) if held.delivered()) {
+            event.mark_delivered();
+        }
+        self.held.insert(id, Held::Stream(event));
     }
 
     /// A held stream event let go of (settled, or left to another reader), if held.
@@ -721,6 +763,7 @@ mod tests {
     struct Read {
         key: &'static str,
         place: u64,
+        delivered: bool,
     }
 
     impl StreamEvent for Read {
@@ -737,6 +780,14 @@ mod tests {
         fn place(&self) -> u64 {
             self.place
         }
+
+        fn delivered(&self) -> bool {
+            self.delivered
+        }
+
+        fn mark_delivered(&mut self) {
+            self.delivered = true;
+        }
     }
 
     impl QueuedPark for SequenceId {
@@ -752,10 +803,32 @@ mod tests {
             let read = Read {
                 key,
                 place: place as u64,
+                delivered: false,
             };
             holdings.held.insert(id, Held::Stream(Box::new(read)));
         }
         holdings
+    }
+
+    /// An ack settles only what its round marked delivered, and a copy held over a marked
+    /// event keeps the mark, so the ack still on its way settles the copy.
+    #[test]
+    fn a_copy_held_over_a_delivered_event_keeps_its_mark() {
+        let mut holdings = holding(&[(1, "a"), (2, "b")]);
+        holdings.mark_delivered([2, 3]);
+        assert_eq!(holdings.delivered_among(&[1, 2, 3]), [2]);
+        let copy = |place| {
+            Box::new(Read {
+                key: "b",
+                place,
+                delivered: false,
+            })
+        };
+        holdings.hold_stream(2, copy(7));
+        assert_eq!(holdings.delivered_among(&[2]), [2], "the mark stays");
+        holdings.remove_stream(2);
+        holdings.hold_stream(2, copy(8));
+        assert!(holdings.delivered_among(&[2]).is_empty(), "a fresh copy");
     }
 
     #[test]

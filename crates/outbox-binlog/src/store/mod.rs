@@ -631,12 +631,12 @@ impl Inner {
         let acked = ids.len() as u64;
         let round = {
             let mut state = lock(&self.state);
-            state.ack_queue.extend(ids);
+            state.ack_queue.extend(&ids);
             state.ack_round.clone()
         };
         let mut last_delete = self.deleting.lock().await;
         if let Some(outcome) = round.get() {
-            return outcome.map(|()| acked);
+            return outcome.map(|()| self.settle_delivered(&ids, acked));
         }
         // This round is still open; acks queued while it waits its turn join it. The
         // table-less form deletes nothing, so it neither waits nor counts.
@@ -648,17 +648,27 @@ impl Inner {
             *last_delete = Some(std::time::Instant::now());
         }
         // Close it (later acks open the next) and run it.
-        let ids = {
+        let round_ids = {
             let mut state = lock(&self.state);
             state.ack_round = Arc::default();
             std::mem::take(&mut state.ack_queue)
         };
-        let result = self.delete_delivered(ids).await;
+        let result = self.delete_delivered(round_ids).await;
         round.set(&result);
-        result.map(|()| acked)
+        result.map(|()| self.settle_delivered(&ids, acked))
     }
 
-    /// Deletes the outbox rows of delivered stream rows (table form), then settles them. A
+    /// Settles those of an ack's `ids` that its round marked delivered, as it returns
+    /// `acked` ([`capture::Holdings::mark_delivered`]).
+    fn settle_delivered(&self, ids: &[SequenceId], acked: u64) -> u64 {
+        let mut state = lock(&self.state);
+        let delivered = state.holdings.delivered_among(ids);
+        self.settle(&mut state, delivered);
+        acked
+    }
+
+    /// Deletes the outbox rows of delivered stream rows (table form), then marks them
+    /// delivered, for each ack to settle its own ([`capture::Holdings::mark_delivered`]). A
     /// row the log carries is committed, or prepared and about to be (the log is written
     /// before the engine commits): the delete's lock waits for it.
     async fn delete_delivered(&self, ids: Vec<SequenceId>) -> StoreResult<()> {
@@ -679,7 +689,7 @@ impl Inner {
                 .await
                 .map_err(fail)?;
         }
-        self.settle(&mut lock(&self.state), ids);
+        lock(&self.state).holdings.mark_delivered(ids);
         Ok(())
     }
 

@@ -59,6 +59,8 @@ pub(super) struct Streamed {
     pub(super) row: Option<i64>,
     pub(super) key: String,
     pub(super) body: Body,
+    /// See [`capture::StreamEvent::delivered`].
+    pub(super) delivered: bool,
     pub(super) _memory: Charge,
 }
 
@@ -126,6 +128,14 @@ impl capture::StreamEvent for Streamed {
 
     fn written_at(&self) -> Option<SystemTime> {
         self.body.written_at()
+    }
+
+    fn delivered(&self) -> bool {
+        self.delivered
+    }
+
+    fn mark_delivered(&mut self) {
+        self.delivered = true;
     }
 }
 
@@ -282,17 +292,16 @@ impl State {
                 (key, Body::Undecodable(undecodable))
             }
         };
-        self.holdings.held.insert(
-            id,
-            Held::Stream(Box::new(Streamed {
-                session: self.followed.session,
-                ordinal,
-                row,
-                key,
-                body,
-                _memory: memory,
-            })),
-        );
+        let streamed = Streamed {
+            session: self.followed.session,
+            ordinal,
+            row,
+            key,
+            body,
+            delivered: false,
+            _memory: memory,
+        };
+        self.holdings.hold_stream(id, Box::new(streamed));
     }
 
     /// Settles held stream rows and forgets them; those of the current session are passed

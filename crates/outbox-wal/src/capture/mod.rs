@@ -74,6 +74,33 @@ fn first_position(rows: &[tokio_postgres::Row]) -> Option<Lsn> {
     Some(Lsn(at.max(0) as u64))
 }
 
+/// The parameters of the guard that fences every write a session's events make:
+/// [`CaptureStatements::hold_slot_writes`], then [`CaptureStatements::owns_slot`], first in
+/// the write's transaction. A session that lost the slot writes nothing.
+struct SlotGuard<'a> {
+    slot: [&'a (dyn ToSql + Sync); 1],
+    owner: [&'a (dyn ToSql + Sync); 2],
+}
+
+impl<'a> SlotGuard<'a> {
+    /// The guard of writes made for the session named `session_name` (its
+    /// `application_name`) while it holds `slot`.
+    fn new(slot: &'a String, session_name: &'a String) -> Self {
+        Self {
+            slot: [slot],
+            owner: [slot, session_name],
+        }
+    }
+
+    /// The guard's two statements, in the order they run.
+    fn steps<'s>(&'s self, sql: &'s CaptureStatements) -> [outbox_store_postgres::Step<'s>; 2] {
+        [
+            (sql.hold_slot_writes.as_str(), &self.slot),
+            (sql.owns_slot.as_str(), &self.owner),
+        ]
+    }
+}
+
 /// Metric names of WAL capture.
 pub mod metric {
     /// WAL the slot keeps on the server's disk (bytes from its restart position).
@@ -425,19 +452,14 @@ impl Inner {
         if !dead.ids.is_empty() {
             steps.push((&self.sql.dead_letter, &dead_letter));
         }
-        let (slot, guard): (&[&(dyn ToSql + Sync)], &[&(dyn ToSql + Sync)]) =
-            (&[&self.slot], &[&self.slot, &owner]);
-        let guard = [
-            (self.sql.hold_slot_writes.as_str(), slot),
-            (self.sql.owns_slot.as_str(), guard),
-        ];
+        let guard = SlotGuard::new(&self.slot, &owner);
         // The parks and the rows' delete last, reporting the rows not found and the parks
         // skipped.
         let result = self
             .main
             .transaction_if_then_query(
                 "park",
-                &guard,
+                &guard.steps(&self.sql),
                 &steps,
                 Some((&self.sql.park_and_delete, &park)),
             )
@@ -602,12 +624,12 @@ impl Inner {
         let now = std::time::Instant::now();
         let round = {
             let mut state = lock(&self.state);
-            state.ack_queue.extend(ids.into_iter().map(|id| (id, now)));
+            state.ack_queue.extend(ids.iter().map(|id| (*id, now)));
             state.ack_round.clone()
         };
         let mut last_delete = self.deleting.lock().await;
         if let Some(outcome) = round.get() {
-            return outcome.map(|()| acked);
+            return outcome.map(|()| self.settle_delivered(&ids, acked));
         }
         // This round is still open. Acks queued while it waits its turn join it; a round of
         // `outbox_emit` events alone runs no statement, so it neither waits nor counts.
@@ -624,9 +646,20 @@ impl Inner {
             state.ack_round = Arc::default();
             std::mem::take(&mut state.ack_queue)
         };
-        let result = self.delete_delivered(events).await;
+        let result = self
+            .delete_delivered(events)
+            .await
+            .map(|done| lock(&self.state).holdings.mark_delivered(done));
         round.set(&result);
-        result.map(|()| acked)
+        result.map(|()| self.settle_delivered(&ids, acked))
+    }
+
+    /// [`State::settle_delivered`] for an ack of `ids` as it returns `acked`.
+    fn settle_delivered(&self, ids: &[SequenceId], acked: u64) -> u64 {
+        let mut state = lock(&self.state);
+        state.settle_delivered(ids);
+        self.publish_confirmable(&mut state);
+        acked
     }
 
     /// Whether a queued ack has an outbox row to delete (an `outbox_emit` event has none,
@@ -639,7 +672,8 @@ impl Inner {
         (has_rows, state.ack_queue.len())
     }
 
-    /// Deletes the outbox rows of delivered stream events and settles the events. The
+    /// Deletes the outbox rows of delivered stream events, and returns the events that may
+    /// settle. The
     /// stream can carry a transaction a moment before other sessions see its rows (its
     /// commit record is in the WAL before it is visible), so a row the delete does not find
     /// while its transaction is not visible yet is tried again with the next claims, its
@@ -650,7 +684,7 @@ impl Inner {
     async fn delete_delivered(
         &self,
         events: Vec<(SequenceId, std::time::Instant)>,
-    ) -> StoreResult<()> {
+    ) -> StoreResult<Vec<SequenceId>> {
         let rows: Vec<OutboxRow> = {
             let state = lock(&self.state);
             events
@@ -689,8 +723,7 @@ impl Inner {
         });
         state.late_rows.extend(late);
         state.undeleted.extend(wait);
-        self.settle(&mut state, done.into_iter().map(|(id, _)| id));
-        Ok(())
+        Ok(done.into_iter().map(|(id, _)| id).collect())
     }
 
     /// Deletes the outbox rows of settled events that were not found within
@@ -785,18 +818,14 @@ impl Inner {
             (state.owner.clone(), state.followed.session)
         };
         let dead = columns.params(&[&sequence_ids], &[&attempts, &errors]);
-        let (slot, guard): (&[&(dyn ToSql + Sync)], &[&(dyn ToSql + Sync)]) =
-            (&[&self.slot], &[&self.slot, &owner]);
+        let guard = SlotGuard::new(&self.slot, &owner);
         let (row_ids, row_xids) = OutboxRow::params(&rows);
         let delete: &[&(dyn ToSql + Sync)] = &[&row_ids, &row_xids];
         let written = self
             .main
             .transaction_if_then_query(
                 "dead-letter",
-                &[
-                    (&self.sql.hold_slot_writes, slot),
-                    (&self.sql.owns_slot, guard),
-                ],
+                &guard.steps(&self.sql),
                 &[(&self.sql.dead_letter, &dead)],
                 Some((&self.sql.delete_delivered, delete)),
             )
@@ -849,9 +878,13 @@ impl Inner {
         }
         let undeleted = std::mem::take(&mut lock(&self.state).undeleted);
         if !undeleted.is_empty() {
-            if let Err(e) = self.delete_delivered(undeleted.clone()).await {
-                lock(&self.state).undeleted.extend(undeleted);
-                return Err(e);
+            // Their acks returned long ago: the engine holds none of them.
+            match self.delete_delivered(undeleted.clone()).await {
+                Ok(done) => self.settle(&mut lock(&self.state), done),
+                Err(e) => {
+                    lock(&self.state).undeleted.extend(undeleted);
+                    return Err(e);
+                }
             }
         }
         self.sweep_late_rows().await;

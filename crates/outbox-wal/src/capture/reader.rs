@@ -455,17 +455,12 @@ impl Reader {
         let slot = &self.config.slot;
         let position = up_to.to_string();
         let raise: &[&(dyn ToSql + Sync)] = &[slot, &position];
-        let owner: &[&(dyn ToSql + Sync)] = &[slot, &self.session_name];
-        let slot_only: &[&(dyn ToSql + Sync)] = &[slot];
-        let guard = [
-            (self.sql.hold_slot_writes.as_str(), slot_only),
-            (self.sql.owns_slot.as_str(), owner),
-        ];
+        let guard = SlotGuard::new(slot, &self.session_name);
         let raised = tokio::time::timeout(
             SqlLiveness::PATIENCE,
             self.main.transaction_if_then_query(
                 "raise mark",
-                &guard,
+                &guard.steps(&self.sql),
                 &[],
                 Some((&self.sql.raise_mark, raise)),
             ),
@@ -673,14 +668,16 @@ impl Reader {
         let dead_letters = adoption.dead_letters.as_deref().map(|sql| (sql, no_params));
         // Fenced as parks are: a relay paused past the slot's takeover must not move rows
         // the new holder streams, nor park keys it does not know are parked.
-        let owner: &[&(dyn ToSql + Sync)] = &[slot, &self.session_name];
-        let guard = [
-            (self.sql.hold_slot_writes.as_str(), slot_only),
-            (self.sql.owns_slot.as_str(), owner),
-        ];
+        let guard = SlotGuard::new(slot, &self.session_name);
         let Some((_, dead_by_destination)) = self
             .main
-            .long_transaction_if_then_query("adopt", ADOPTION_TIMEOUT, &guard, &steps, dead_letters)
+            .long_transaction_if_then_query(
+                "adopt",
+                ADOPTION_TIMEOUT,
+                &guard.steps(&self.sql),
+                &steps,
+                dead_letters,
+            )
             .await?
         else {
             return Ok(AdoptCheck::SlotLost);

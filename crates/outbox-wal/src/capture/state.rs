@@ -83,6 +83,8 @@ pub(super) struct HeldWal {
     pub(super) row: Option<OutboxRow>,
     pub(super) key: String,
     pub(super) body: Body,
+    /// See [`capture::StreamEvent::delivered`].
+    pub(super) delivered: bool,
     /// Its bytes in the memory budget, given back when it is let go of.
     pub(super) _memory: Charge,
 }
@@ -139,6 +141,14 @@ impl capture::StreamEvent for HeldWal {
 
     fn written_at(&self) -> Option<SystemTime> {
         self.body.written_at()
+    }
+
+    fn delivered(&self) -> bool {
+        self.delivered
+    }
+
+    fn mark_delivered(&mut self) {
+        self.delivered = true;
     }
 }
 
@@ -341,6 +351,13 @@ impl State {
         }
     }
 
+    /// Settles those of an ack's `ids` that a group commit marked delivered
+    /// ([`Holdings::mark_delivered`]).
+    pub(super) fn settle_delivered(&mut self, ids: &[SequenceId]) {
+        let delivered = self.holdings.delivered_among(ids);
+        self.settle(delivered);
+    }
+
     /// Accepts outputs received and not yet accepted, until `out` holds `limit` events or
     /// `budget` outputs were accepted; returns how many were.
     pub(super) fn accept_outputs(
@@ -447,9 +464,10 @@ impl State {
             row,
             key,
             body,
+            delivered: false,
             _memory: memory,
         };
-        self.holdings.held.insert(id, Held::Stream(Box::new(held)));
+        self.holdings.hold_stream(id, Box::new(held));
     }
 
     /// A park or dead letter written for `session` failed its fence: the slot streams to
@@ -832,6 +850,72 @@ mod tests {
             // The engine's second settle of the same ids finds nothing, and harms nothing.
             state.settle([1, 2]);
             assert_eq!(state.acks.confirmable(), Lsn(310));
+        }
+    }
+
+    /// The steps of [`interleavings_of_a_group_commit_and_a_new_sessions_copies`].
+    #[derive(Clone, Copy, Debug)]
+    enum Step {
+        /// The engine's ack of event 1 leads a group commit that deletes the rows of 1 and
+        /// of 2 (whose ack joined it), and returns.
+        GroupDelete,
+        /// The ack of 2 returns.
+        FollowerReturns,
+        /// The replication session breaks, and a new one starts from the slot.
+        NewSession,
+        /// A claim takes what the new session sends again: both events.
+        ClaimAgain,
+    }
+
+    /// The engine acks events 1 and 2 in one group commit while a new session sends both
+    /// again, in every order the code allows (the delete before the follower's call
+    /// returns, the claim after its session starts). The engine is modelled as it behaves:
+    /// it drops a copy of an event it holds (to it, an expired lease renewed), forgets an
+    /// event as its ack's call returns, and delivers and acks again a copy it takes. In
+    /// every order nothing stays held and the slot moves past both. Before, the group
+    /// commit settled the follower's event for it: a copy sent in between was held again,
+    /// dropped by the engine, and never settled, so the slot stopped for good.
+    #[test]
+    fn interleavings_of_a_group_commit_and_a_new_sessions_copies() {
+        use Step::*;
+        let orders = [
+            [GroupDelete, FollowerReturns, NewSession, ClaimAgain],
+            [GroupDelete, NewSession, FollowerReturns, ClaimAgain],
+            [GroupDelete, NewSession, ClaimAgain, FollowerReturns],
+            [NewSession, GroupDelete, FollowerReturns, ClaimAgain],
+            [NewSession, GroupDelete, ClaimAgain, FollowerReturns],
+            [NewSession, ClaimAgain, GroupDelete, FollowerReturns],
+        ];
+        for order in orders {
+            let mut state = State::new();
+            state.accept(session(1, &[]));
+            let mut with_engine: HashSet<SequenceId> =
+                claim(&mut state, two_transactions()).into_iter().collect();
+            let mut taken_again = Vec::new();
+            for step in order {
+                match step {
+                    GroupDelete => {
+                        state.holdings.mark_delivered([1, 2]);
+                        state.settle_delivered(&[1]);
+                        with_engine.remove(&1);
+                    }
+                    FollowerReturns => {
+                        state.settle_delivered(&[2]);
+                        with_engine.remove(&2);
+                    }
+                    NewSession => state.accept(session(2, &[])),
+                    ClaimAgain => {
+                        let sent = claim(&mut state, two_transactions());
+                        assert_eq!(sent, [1, 2], "{order:?}");
+                        taken_again.extend(sent.into_iter().filter(|id| with_engine.insert(*id)));
+                    }
+                }
+            }
+            state.holdings.mark_delivered(taken_again.iter().copied());
+            state.settle_delivered(&taken_again);
+            let held: Vec<_> = state.holdings.held.keys().collect();
+            assert!(held.is_empty(), "{order:?}: {held:?} held");
+            assert_eq!(state.acks.confirmable(), Lsn(310), "{order:?}");
         }
     }
 
