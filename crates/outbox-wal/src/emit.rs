@@ -77,25 +77,25 @@ pub const DRAIN_MARKER: &[u8] = b"outbox-relay drain marker";
 /// The SQL function that writes an outbox message.
 pub const EMIT_FUNCTION: &str = "outbox_emit";
 
-/// `CREATE OR REPLACE FUNCTION <schema>.outbox_emit(destination text, key text, type text,
-/// payload jsonb, headers jsonb DEFAULT '{}', event_id uuid DEFAULT gen_random_uuid())
-/// RETURNS uuid`: writes one event in the [format](self) into the caller's transaction and
-/// returns its event id. Idempotent, for `migrate`. Needs no privilege beyond EXECUTE:
-/// `pg_logical_emit_message` is executable by PUBLIC. A NULL destination or type raises an
-/// error in the writer's transaction, where it can still be fixed, rather than becoming a
-/// dead letter later; a NULL event_id gets a fresh one.
+/// Creates `<schema>.outbox_emit(destination text, key text, type text, payload jsonb,
+/// headers jsonb DEFAULT '{}', event_id uuid DEFAULT gen_random_uuid()) RETURNS uuid`: writes
+/// one event in the [format](self) into the caller's transaction and returns its event id.
+/// Needs no privilege beyond EXECUTE: `pg_logical_emit_message` is executable by PUBLIC. A
+/// NULL destination or type raises an error in the writer's transaction, where it can still
+/// be fixed, rather than becoming a dead letter later; a NULL event_id gets a fresh one.
+///
+/// Applied by every `migrate`, so it leaves a function with this body as it is, and keeps
+/// `SECURITY DEFINER` on one it replaces: the README's gate (a `SECURITY DEFINER` function,
+/// the only way to emit) makes it so, and `CREATE OR REPLACE` alone set it back to the
+/// caller's rights, so every writer's next emit failed for lack of `pg_logical_emit_message`.
 pub fn emit_function_ddl(outbox: &TableName) -> String {
     let function = emit_function(outbox);
     let prefix = emit_prefix(outbox).replace('\'', "''");
     let name = format!("{}_emit", outbox.name);
-    format!(
-        r#"CREATE OR REPLACE FUNCTION {function}(
-    destination text, key text, type text, payload jsonb,
-    headers jsonb DEFAULT '{{}}', event_id uuid DEFAULT gen_random_uuid())
-RETURNS uuid
-LANGUAGE plpgsql VOLATILE
-SET search_path = pg_catalog, pg_temp
-AS $outbox_emit$
+    let signature = format!("{function}(text, text, text, jsonb, jsonb, uuid)");
+    let signature_literal = signature.replace('\'', "''");
+    let body = format!(
+        r#"
 DECLARE
     id uuid := coalesce($6, gen_random_uuid());
 BEGIN
@@ -108,7 +108,32 @@ BEGIN
         'payload', $4, 'headers', coalesce($5, '{{}}'::jsonb))::text);
     RETURN id;
 END
-$outbox_emit$;"#
+"#
+    );
+    format!(
+        r#"DO $migrate_emit$
+DECLARE
+    current_body text;
+    definer boolean;
+BEGIN
+    SELECT p.prosrc, p.prosecdef INTO current_body, definer
+      FROM pg_catalog.pg_proc p
+     WHERE p.oid = pg_catalog.to_regprocedure('{signature_literal}');
+    IF current_body IS NOT DISTINCT FROM $outbox_emit${body}$outbox_emit$ THEN
+        RETURN;
+    END IF;
+    CREATE OR REPLACE FUNCTION {function}(
+        destination text, key text, type text, payload jsonb,
+        headers jsonb DEFAULT '{{}}', event_id uuid DEFAULT gen_random_uuid())
+    RETURNS uuid
+    LANGUAGE plpgsql VOLATILE
+    SET search_path = pg_catalog, pg_temp
+    AS $outbox_emit${body}$outbox_emit$;
+    IF definer THEN
+        ALTER FUNCTION {signature} SECURITY DEFINER;
+    END IF;
+END
+$migrate_emit$;"#
     )
 }
 
@@ -271,7 +296,7 @@ mod tests {
     #[test]
     fn the_function_quotes_its_schema_and_uses_the_prefix() {
         let ddl = emit_function_ddl(&TableName::new("public", "outbox").unwrap());
-        assert!(ddl.starts_with("CREATE OR REPLACE FUNCTION \"public\".\"outbox_emit\"("));
+        assert!(ddl.contains("CREATE OR REPLACE FUNCTION \"public\".\"outbox_emit\"("));
         assert!(ddl.contains("pg_logical_emit_message(true, 'outbox',"));
     }
 
@@ -282,7 +307,7 @@ mod tests {
         assert_eq!(emit_prefix(&orders), "outbox:app.orders_outbox");
         assert_eq!(emit_prefix(&other_schema), "outbox:app.outbox");
         let ddl = emit_function_ddl(&orders);
-        assert!(ddl.starts_with("CREATE OR REPLACE FUNCTION \"app\".\"orders_outbox_emit\"("));
+        assert!(ddl.contains("CREATE OR REPLACE FUNCTION \"app\".\"orders_outbox_emit\"("));
         assert!(ddl.contains("pg_logical_emit_message(true, 'outbox:app.orders_outbox',"));
     }
 }
