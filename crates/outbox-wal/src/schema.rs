@@ -458,6 +458,12 @@ pub struct CaptureStatements {
     pub publication: String,
     /// Whether the publication `$1` exists.
     pub publication_exists: String,
+    /// Whether the publication `$1` was made by a transaction newer than the slot `$2`'s
+    /// `catalog_xmin`: decoding from the slot may then read it as it was before it existed.
+    pub publication_newer_than_slot: String,
+    /// Decodes the slot `$2`'s stream with the publication `$1` up to its first change,
+    /// without moving the slot: fails as a session would ("publication … does not exist").
+    pub peek_slot: String,
     /// The publication `$1`'s catalog rows (its own, the captured tables' and its schemas'),
     /// each by id and row version (`xmin`): an `ALTER PUBLICATION` of what the relay reads
     /// moves one of them, even if a later one undoes what it changed. `NULL` when the
@@ -649,6 +655,14 @@ impl CaptureStatements {
             ),
             publication_exists: "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_publication
                                               WHERE pubname = $1)"
+                .into(),
+            publication_newer_than_slot: "SELECT EXISTS (
+                   SELECT FROM pg_catalog.pg_publication p, pg_catalog.pg_replication_slots s
+                    WHERE p.pubname = $1 AND s.slot_name = $2 AND NOT s.active
+                      AND s.catalog_xmin IS NOT NULL AND age(p.xmin) < age(s.catalog_xmin))"
+                .into(),
+            peek_slot: "SELECT count(*) FROM pg_catalog.pg_logical_slot_peek_binary_changes(
+                          $2, NULL, 1, 'proto_version', '1', 'publication_names', $1)"
                 .into(),
             replication_role: "SELECT rolreplication OR rolsuper, current_user::text
                                  FROM pg_catalog.pg_roles WHERE rolname = current_user"

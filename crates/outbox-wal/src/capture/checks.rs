@@ -51,6 +51,7 @@ pub async fn verify_capture(
             "run `outbox-relay migrate --capture wal`",
         ));
     }
+    problems.extend(publication_made_again(main, &sql, &tables, slot).await);
     match main.query_rows("adopted", &sql.adopted, &[&slot]).await {
         Ok(_) => problems.extend(stranded(main, &sql, &tables, slot).await?),
         Err(e) => problems.push(Problem::blocking(
@@ -286,6 +287,51 @@ async fn stranded(
          (`outbox-relay drop-slot` before making a slot again by hand avoids this)",
     ));
     Ok(problems)
+}
+
+/// The publication dropped and made again after the slot's position, with WAL written in
+/// between: decoding reads the publication as of each change, so every session of the slot
+/// fails for good. (A relay that meets it forgets the slot's adoption, so no record tells
+/// it.) Looked for only when the publication is newer than the slot's `catalog_xmin` and no
+/// session streams: then the slot's stream is decoded up to its first change, as a session
+/// would, without moving it.
+async fn publication_made_again(
+    main: &PgStore,
+    sql: &CaptureStatements,
+    tables: &CaptureTables,
+    slot: &str,
+) -> Option<Problem> {
+    let name = tables.publication.as_str();
+    let newer = main
+        .query_rows(
+            "publication",
+            &sql.publication_newer_than_slot,
+            &[&name, &slot],
+        )
+        .await
+        .ok()?
+        .first()
+        .is_some_and(|row| row.get::<_, bool>(0));
+    if !newer {
+        return None;
+    }
+    let error = main
+        .query_rows("slot", &sql.peek_slot, &[&name, &slot])
+        .await
+        .err()?
+        .report();
+    (error.contains("publication") && error.contains("does not exist")).then(|| {
+        Problem::degraded(
+            format!(
+                "the publication {name:?} was dropped and made again after the replication slot \
+                 {slot:?}'s position, with WAL written in between, which PostgreSQL cannot \
+                 decode: every session of the slot fails ({error})"
+            ),
+            "run `outbox-relay drop-slot`, then start the relay: the new slot's first session \
+             moves the rows still in the table to the parked table (outbox_emit events written \
+             in between are in no table)",
+        )
+    })
 }
 
 /// The privileges the slot's confirm mark needs that the role lacks: without them the
