@@ -43,12 +43,8 @@ pub trait StreamEvent {
     /// When the application wrote it, if it decoded.
     fn written_at(&self) -> Option<SystemTime>;
 
-    /// Whether it is delivered and its row deleted, for an ack whose call has not returned
-    /// to the engine yet ([`Holdings::mark_delivered`]).
-    fn delivered(&self) -> bool;
-
-    /// Marks it so.
-    fn mark_delivered(&mut self);
+    /// The stream session that read it (sessions count up from 1).
+    fn session(&self) -> u64;
 }
 
 /// A held stream event queued to be parked, by its engine id.
@@ -271,39 +267,45 @@ impl<S: StreamEvent, P: QueuedPark> Holdings<S, P> {
         split
     }
 
-    /// Marks the held stream events among `ids` delivered: a group commit of acks deleted
-    /// their rows. Each ack then settles its own ([`Holdings::delivered_among`]) as its call
-    /// returns to the engine, never one that joined it: the engine holds an event until its
-    /// ack's call returns, and drops a copy a new session hands out meanwhile (to it, an
-    /// expired lease renewed). Settled by the group commit, that copy was held again, never
-    /// acked, and the stream's position stopped for good. A copy handed out over a marked
-    /// event keeps the mark ([`Holdings::hold_stream`]).
-    pub fn mark_delivered(&mut self, ids: impl IntoIterator<Item = SequenceId>) {
-        for id in ids {
-            if let Some(Held::Stream(event)) = self.held.get_mut(&id) {
-                event.mark_delivered();
-            }
-        }
-    }
-
-    /// The held stream events among `ids` that are marked delivered, for the ack of `ids`
-    /// to settle.
-    pub fn delivered_among(&self, ids: &[SequenceId]) -> Vec<SequenceId> {
+    /// The session of each of `ids`' held stream events (0: none held), as an engine call
+    /// that ends them begins: see [`Holdings::copies_the_engine_dropped`].
+    pub fn sessions_of(&self, ids: &[SequenceId]) -> Vec<u64> {
         ids.iter()
-            .copied()
-            .filter(
-                |id| matches!(self.held.get(id), Some(Held::Stream(event)) if event.delivered()),
-            )
+            .map(|id| match self.held.get(id) {
+                Some(Held::Stream(event)) => event.session(),
+                _ => 0,
+            })
             .collect()
     }
 
-    /// Holds the stream event `event` under `id`. A copy a new session hands out over a
-    /// delivered one keeps its mark ([`Holdings::mark_delivered`]).
-    pub fn hold_stream(&mut self, id: SequenceId, mut event: Box<S>) {
-        if matches!(self.held.get(&id), Some(Held::Stream(held)) if held.delivered()) {
-            event.mark_delivered();
+    /// Among `ids`, the ids of an engine call (an ack, a dead letter) that began when their
+    /// held events were of `sessions` ([`Holdings::sessions_of`]) and returns now, those
+    /// held by a newer session: copies a new session handed out while the call ran. The
+    /// engine holds an event until the call that ends it returns, and drops a copy handed
+    /// out meanwhile (to it, an expired lease renewed), so nothing would ever end the copy:
+    /// the call settles it as it returns, being done with the event. Whatever settled the
+    /// event first (another ack's group commit, a claim's retry of a row not yet visible, a
+    /// park another call wrote), the copy is never left held, holding the stream's position
+    /// back for good.
+    ///
+    /// `current` is the session streaming now: most calls begin and end within one, and
+    /// then nothing newer can hold their events.
+    pub fn copies_the_engine_dropped(
+        &self,
+        ids: &[SequenceId],
+        sessions: &[u64],
+        current: u64,
+    ) -> Vec<SequenceId> {
+        if sessions.iter().all(|began| *began >= current) {
+            return Vec::new();
         }
-        self.held.insert(id, Held::Stream(event));
+        ids.iter()
+            .zip(sessions)
+            .filter(|(id, began)| {
+                matches!(self.held.get(id), Some(Held::Stream(event)) if event.session() > **began)
+            })
+            .map(|(id, _)| *id)
+            .collect()
     }
 
     /// A held stream event let go of (settled, or left to another reader), if held.
@@ -763,7 +765,7 @@ mod tests {
     struct Read {
         key: &'static str,
         place: u64,
-        delivered: bool,
+        session: u64,
     }
 
     impl StreamEvent for Read {
@@ -781,12 +783,8 @@ mod tests {
             self.place
         }
 
-        fn delivered(&self) -> bool {
-            self.delivered
-        }
-
-        fn mark_delivered(&mut self) {
-            self.delivered = true;
+        fn session(&self) -> u64 {
+            self.session
         }
     }
 
@@ -803,32 +801,39 @@ mod tests {
             let read = Read {
                 key,
                 place: place as u64,
-                delivered: false,
+                session: 1,
             };
             holdings.held.insert(id, Held::Stream(Box::new(read)));
         }
         holdings
     }
 
-    /// An ack settles only what its round marked delivered, and a copy held over a marked
-    /// event keeps the mark, so the ack still on its way settles the copy.
+    /// A call that began on session 1's events finds, as it returns, which of its ids a
+    /// newer session holds now: settled meanwhile and sent again (2), settled before it began and sent again (3), or
+    /// still the one it began with (1).
     #[test]
-    fn a_copy_held_over_a_delivered_event_keeps_its_mark() {
+    fn copies_are_the_ids_a_newer_session_holds_as_the_call_returns() {
         let mut holdings = holding(&[(1, "a"), (2, "b")]);
-        holdings.mark_delivered([2, 3]);
-        assert_eq!(holdings.delivered_among(&[1, 2, 3]), [2]);
-        let copy = |place| {
+        let began = holdings.sessions_of(&[1, 2, 3]);
+        assert_eq!(began, [1, 1, 0]);
+        holdings.remove_stream(2);
+        let copy = |session| {
             Box::new(Read {
                 key: "b",
-                place,
-                delivered: false,
+                place: 7,
+                session,
             })
         };
-        holdings.hold_stream(2, copy(7));
-        assert_eq!(holdings.delivered_among(&[2]), [2], "the mark stays");
-        holdings.remove_stream(2);
-        holdings.hold_stream(2, copy(8));
-        assert!(holdings.delivered_among(&[2]).is_empty(), "a fresh copy");
+        holdings.held.insert(2, Held::Stream(copy(2)));
+        holdings.held.insert(3, Held::Stream(copy(2)));
+        assert_eq!(
+            holdings.copies_the_engine_dropped(&[1, 2, 3], &began, 2),
+            [2, 3]
+        );
+        assert!(
+            holdings.copies_the_engine_dropped(&[1], &[2], 2).is_empty(),
+            "began in the current session"
+        );
     }
 
     #[test]

@@ -629,14 +629,14 @@ impl Inner {
             return Ok(0);
         }
         let acked = ids.len() as u64;
-        let round = {
+        let (round, sessions) = {
             let mut state = lock(&self.state);
             state.ack_queue.extend(&ids);
-            state.ack_round.clone()
+            (state.ack_round.clone(), state.holdings.sessions_of(&ids))
         };
         let mut last_delete = self.deleting.lock().await;
         if let Some(outcome) = round.get() {
-            return outcome.map(|()| self.settle_delivered(&ids, acked));
+            return outcome.map(|()| self.settle_copies(&ids, &sessions, acked));
         }
         // This round is still open; acks queued while it waits its turn join it. The
         // table-less form deletes nothing, so it neither waits nor counts.
@@ -655,20 +655,23 @@ impl Inner {
         };
         let result = self.delete_delivered(round_ids).await;
         round.set(&result);
-        result.map(|()| self.settle_delivered(&ids, acked))
+        result.map(|()| self.settle_copies(&ids, &sessions, acked))
     }
 
-    /// Settles those of an ack's `ids` that its round marked delivered, as it returns
-    /// `acked` ([`capture::Holdings::mark_delivered`]).
-    fn settle_delivered(&self, ids: &[SequenceId], acked: u64) -> u64 {
+    /// As an engine call about `ids` (which began when their held rows were of `sessions`)
+    /// returns `n`, settles the copies a newer session handed out meanwhile, which the
+    /// engine dropped ([`capture::Holdings::copies_the_engine_dropped`]).
+    fn settle_copies(&self, ids: &[SequenceId], sessions: &[u64], n: u64) -> u64 {
         let mut state = lock(&self.state);
-        let delivered = state.holdings.delivered_among(ids);
-        self.settle(&mut state, delivered);
-        acked
+        let current = state.followed.session;
+        let copies = state
+            .holdings
+            .copies_the_engine_dropped(ids, sessions, current);
+        self.settle(&mut state, copies);
+        n
     }
 
-    /// Deletes the outbox rows of delivered stream rows (table form), then marks them
-    /// delivered, for each ack to settle its own ([`capture::Holdings::mark_delivered`]). A
+    /// Deletes the outbox rows of delivered stream rows (table form), then settles them. A
     /// row the log carries is committed, or prepared and about to be (the log is written
     /// before the engine commits): the delete's lock waits for it.
     async fn delete_delivered(&self, ids: Vec<SequenceId>) -> StoreResult<()> {
@@ -689,7 +692,7 @@ impl Inner {
                 .await
                 .map_err(fail)?;
         }
-        lock(&self.state).holdings.mark_delivered(ids);
+        self.settle(&mut lock(&self.state), ids);
         Ok(())
     }
 
@@ -1117,6 +1120,9 @@ impl OutboxStore for BinlogStore {
     fn dead_letter(&self, holder: LeaseHolder, entries: Vec<DeadLetter>) -> StoreFuture<u64> {
         let inner = self.inner.clone();
         async move {
+            // Its parks may be written (and settled) by another call's flush first.
+            let ids: Vec<SequenceId> = entries.iter().map(|e| e.sequence_id).collect();
+            let sessions = lock(&inner.state).holdings.sessions_of(&ids);
             let (moved, stream) = inner
                 .settle_parked(
                     entries,
@@ -1138,7 +1144,8 @@ impl OutboxStore for BinlogStore {
                     ..Park::behind_its_key(entry.sequence_id)
                 })
                 .collect();
-            Ok(moved + inner.park_stream(parks).await?)
+            let n = moved + inner.park_stream(parks).await?;
+            Ok(inner.settle_copies(&ids, &sessions, n))
         }
         .boxed()
     }

@@ -59,8 +59,6 @@ pub(super) struct Streamed {
     pub(super) row: Option<i64>,
     pub(super) key: String,
     pub(super) body: Body,
-    /// See [`capture::StreamEvent::delivered`].
-    pub(super) delivered: bool,
     pub(super) _memory: Charge,
 }
 
@@ -130,12 +128,8 @@ impl capture::StreamEvent for Streamed {
         self.body.written_at()
     }
 
-    fn delivered(&self) -> bool {
-        self.delivered
-    }
-
-    fn mark_delivered(&mut self) {
-        self.delivered = true;
+    fn session(&self) -> u64 {
+        self.session
     }
 }
 
@@ -292,16 +286,17 @@ impl State {
                 (key, Body::Undecodable(undecodable))
             }
         };
-        let streamed = Streamed {
-            session: self.followed.session,
-            ordinal,
-            row,
-            key,
-            body,
-            delivered: false,
-            _memory: memory,
-        };
-        self.holdings.hold_stream(id, Box::new(streamed));
+        self.holdings.held.insert(
+            id,
+            Held::Stream(Box::new(Streamed {
+                session: self.followed.session,
+                ordinal,
+                row,
+                key,
+                body,
+                _memory: memory,
+            })),
+        );
     }
 
     /// Settles held stream rows and forgets them; those of the current session are passed

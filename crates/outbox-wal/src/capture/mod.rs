@@ -622,14 +622,14 @@ impl Inner {
         }
         let acked = ids.len() as u64;
         let now = std::time::Instant::now();
-        let round = {
+        let (round, sessions) = {
             let mut state = lock(&self.state);
             state.ack_queue.extend(ids.iter().map(|id| (*id, now)));
-            state.ack_round.clone()
+            (state.ack_round.clone(), state.holdings.sessions_of(&ids))
         };
         let mut last_delete = self.deleting.lock().await;
         if let Some(outcome) = round.get() {
-            return outcome.map(|()| self.settle_delivered(&ids, acked));
+            return outcome.map(|()| self.settle_copies(&ids, &sessions, acked));
         }
         // This round is still open. Acks queued while it waits its turn join it; a round of
         // `outbox_emit` events alone runs no statement, so it neither waits nor counts.
@@ -646,19 +646,17 @@ impl Inner {
             state.ack_round = Arc::default();
             std::mem::take(&mut state.ack_queue)
         };
-        let result = self
-            .delete_delivered(events)
-            .await
-            .map(|done| lock(&self.state).holdings.mark_delivered(done));
+        let result = self.delete_delivered(events).await;
         round.set(&result);
-        result.map(|()| self.settle_delivered(&ids, acked))
+        result.map(|()| self.settle_copies(&ids, &sessions, acked))
     }
 
-    /// [`State::settle_delivered`] for an ack of `ids` as it returns `acked`.
-    fn settle_delivered(&self, ids: &[SequenceId], acked: u64) -> u64 {
+    /// [`State::settle_copies`] as the ack of `ids` returns `acked` to the engine.
+    fn settle_copies(&self, ids: &[SequenceId], sessions: &[u64], acked: u64) -> u64 {
         let mut state = lock(&self.state);
-        state.settle_delivered(ids);
-        self.publish_confirmable(&mut state);
+        if state.settle_copies(ids, sessions) {
+            self.publish_confirmable(&mut state);
+        }
         acked
     }
 
@@ -672,8 +670,7 @@ impl Inner {
         (has_rows, state.ack_queue.len())
     }
 
-    /// Deletes the outbox rows of delivered stream events, and returns the events that may
-    /// settle. The
+    /// Deletes the outbox rows of delivered stream events and settles the events. The
     /// stream can carry a transaction a moment before other sessions see its rows (its
     /// commit record is in the WAL before it is visible), so a row the delete does not find
     /// while its transaction is not visible yet is tried again with the next claims, its
@@ -684,7 +681,7 @@ impl Inner {
     async fn delete_delivered(
         &self,
         events: Vec<(SequenceId, std::time::Instant)>,
-    ) -> StoreResult<Vec<SequenceId>> {
+    ) -> StoreResult<()> {
         let rows: Vec<OutboxRow> = {
             let state = lock(&self.state);
             events
@@ -723,7 +720,8 @@ impl Inner {
         });
         state.late_rows.extend(late);
         state.undeleted.extend(wait);
-        Ok(done.into_iter().map(|(id, _)| id).collect())
+        self.settle(&mut state, done.into_iter().map(|(id, _)| id));
+        Ok(())
     }
 
     /// Deletes the outbox rows of settled events that were not found within
@@ -878,13 +876,9 @@ impl Inner {
         }
         let undeleted = std::mem::take(&mut lock(&self.state).undeleted);
         if !undeleted.is_empty() {
-            // Their acks returned long ago: the engine holds none of them.
-            match self.delete_delivered(undeleted.clone()).await {
-                Ok(done) => self.settle(&mut lock(&self.state), done),
-                Err(e) => {
-                    lock(&self.state).undeleted.extend(undeleted);
-                    return Err(e);
-                }
+            if let Err(e) = self.delete_delivered(undeleted.clone()).await {
+                lock(&self.state).undeleted.extend(undeleted);
+                return Err(e);
             }
         }
         self.sweep_late_rows().await;

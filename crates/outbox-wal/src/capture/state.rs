@@ -83,8 +83,6 @@ pub(super) struct HeldWal {
     pub(super) row: Option<OutboxRow>,
     pub(super) key: String,
     pub(super) body: Body,
-    /// See [`capture::StreamEvent::delivered`].
-    pub(super) delivered: bool,
     /// Its bytes in the memory budget, given back when it is let go of.
     pub(super) _memory: Charge,
 }
@@ -143,12 +141,8 @@ impl capture::StreamEvent for HeldWal {
         self.body.written_at()
     }
 
-    fn delivered(&self) -> bool {
-        self.delivered
-    }
-
-    fn mark_delivered(&mut self) {
-        self.delivered = true;
+    fn session(&self) -> u64 {
+        self.session
     }
 }
 
@@ -351,11 +345,20 @@ impl State {
         }
     }
 
-    /// Settles those of an ack's `ids` that a group commit marked delivered
-    /// ([`Holdings::mark_delivered`]).
-    pub(super) fn settle_delivered(&mut self, ids: &[SequenceId]) {
-        let delivered = self.holdings.delivered_among(ids);
-        self.settle(delivered);
+    /// Settles the copies of an ending engine call's events that a newer session handed out
+    /// while it ran ([`Holdings::copies_the_engine_dropped`]), but for one whose row is not
+    /// visible yet: a claim's retry deletes that row, and settles whatever copy holds it.
+    /// Whether it settled any.
+    pub(super) fn settle_copies(&mut self, ids: &[SequenceId], sessions: &[u64]) -> bool {
+        let copies = self
+            .holdings
+            .copies_the_engine_dropped(ids, sessions, self.followed.session);
+        if copies.is_empty() {
+            return false;
+        }
+        let waiting: HashSet<SequenceId> = self.undeleted.iter().map(|(id, _)| *id).collect();
+        self.settle(copies.into_iter().filter(|id| !waiting.contains(id)));
+        true
     }
 
     /// Accepts outputs received and not yet accepted, until `out` holds `limit` events or
@@ -464,10 +467,9 @@ impl State {
             row,
             key,
             body,
-            delivered: false,
             _memory: memory,
         };
-        self.holdings.hold_stream(id, Box::new(held));
+        self.holdings.held.insert(id, Held::Stream(Box::new(held)));
     }
 
     /// A park or dead letter written for `session` failed its fence: the slot streams to
@@ -853,70 +855,132 @@ mod tests {
         }
     }
 
-    /// The steps of [`interleavings_of_a_group_commit_and_a_new_sessions_copies`].
-    #[derive(Clone, Copy, Debug)]
+    /// The steps of [`interleavings_of_an_ack_and_new_sessions_copies`].
+    #[derive(Clone, Copy, Debug, PartialEq)]
     enum Step {
         /// The engine's ack of event 1 leads a group commit that deletes the rows of 1 and
-        /// of 2 (whose ack joined it), and returns.
+        /// of 2 (whose ack joined it), settles them, and returns.
         GroupDelete,
         /// The ack of 2 returns.
         FollowerReturns,
-        /// The replication session breaks, and a new one starts from the slot.
-        NewSession,
-        /// A claim takes what the new session sends again: both events.
-        ClaimAgain,
+        /// The replication session breaks, and session `n` starts from the slot.
+        NewSession(u64),
+        /// A claim takes what session `n` sends again: both events.
+        ClaimAgain(u64),
+        /// A claim's retry finds row 2, which was not visible at the group's delete, deletes
+        /// it and settles its event.
+        RetryRow,
     }
 
-    /// The engine acks events 1 and 2 in one group commit while a new session sends both
-    /// again, in every order the code allows (the delete before the follower's call
-    /// returns, the claim after its session starts). The engine is modelled as it behaves:
-    /// it drops a copy of an event it holds (to it, an expired lease renewed), forgets an
-    /// event as its ack's call returns, and delivers and acks again a copy it takes. In
-    /// every order nothing stays held and the slot moves past both. Before, the group
-    /// commit settled the follower's event for it: a copy sent in between was held again,
-    /// dropped by the engine, and never settled, so the slot stopped for good.
-    #[test]
-    fn interleavings_of_a_group_commit_and_a_new_sessions_copies() {
-        use Step::*;
-        let orders = [
-            [GroupDelete, FollowerReturns, NewSession, ClaimAgain],
-            [GroupDelete, NewSession, FollowerReturns, ClaimAgain],
-            [GroupDelete, NewSession, ClaimAgain, FollowerReturns],
-            [NewSession, GroupDelete, FollowerReturns, ClaimAgain],
-            [NewSession, GroupDelete, ClaimAgain, FollowerReturns],
-            [NewSession, ClaimAgain, GroupDelete, FollowerReturns],
-        ];
-        for order in orders {
-            let mut state = State::new();
-            state.accept(session(1, &[]));
-            let mut with_engine: HashSet<SequenceId> =
-                claim(&mut state, two_transactions()).into_iter().collect();
-            let mut taken_again = Vec::new();
-            for step in order {
-                match step {
-                    GroupDelete => {
-                        state.holdings.mark_delivered([1, 2]);
-                        state.settle_delivered(&[1]);
-                        with_engine.remove(&1);
-                    }
-                    FollowerReturns => {
-                        state.settle_delivered(&[2]);
-                        with_engine.remove(&2);
-                    }
-                    NewSession => state.accept(session(2, &[])),
-                    ClaimAgain => {
-                        let sent = claim(&mut state, two_transactions());
-                        assert_eq!(sent, [1, 2], "{order:?}");
-                        taken_again.extend(sent.into_iter().filter(|id| with_engine.insert(*id)));
-                    }
+    /// Every order of `steps` that keeps the order of each of `chains`.
+    fn orders(steps: &[Step], chains: &[&[Step]]) -> Vec<Vec<Step>> {
+        fn extend(
+            left: &[Step],
+            chains: &[&[Step]],
+            order: &mut Vec<Step>,
+            out: &mut Vec<Vec<Step>>,
+        ) {
+            if left.is_empty() {
+                out.push(order.clone());
+            }
+            for (i, step) in left.iter().enumerate() {
+                let after_its_predecessors = chains.iter().all(|chain| {
+                    chain
+                        .iter()
+                        .position(|s| s == step)
+                        .is_none_or(|at| chain[..at].iter().all(|before| order.contains(before)))
+                });
+                if after_its_predecessors {
+                    let mut rest = left.to_vec();
+                    rest.remove(i);
+                    order.push(*step);
+                    extend(&rest, chains, order, out);
+                    order.pop();
                 }
             }
-            state.holdings.mark_delivered(taken_again.iter().copied());
-            state.settle_delivered(&taken_again);
-            let held: Vec<_> = state.holdings.held.keys().collect();
-            assert!(held.is_empty(), "{order:?}: {held:?} held");
-            assert_eq!(state.acks.confirmable(), Lsn(310), "{order:?}");
         }
+        let mut out = Vec::new();
+        extend(steps, chains, &mut Vec::new(), &mut out);
+        out
+    }
+
+    /// The engine acks events 1 and 2 in one group commit while sessions 2 and 3 send both
+    /// again, in every order the code allows, with row 2 visible at the delete or not (then
+    /// a claim's retry deletes it later). The engine is modelled as it behaves: it drops a
+    /// copy of an event it holds (to it, an expired lease renewed), forgets an event as the
+    /// ack's call returns, and delivers and acks a copy it takes. In every order nothing
+    /// stays held and the slot moves past both. Before, a copy handed out after the group's
+    /// delete settled the follower's event, and before the follower's call returned, was
+    /// held, dropped by the engine, never settled, and the slot stopped for good.
+    #[test]
+    fn interleavings_of_an_ack_and_new_sessions_copies() {
+        use Step::*;
+        let sessions: &[Step] = &[NewSession(2), ClaimAgain(2), NewSession(3), ClaimAgain(3)];
+        let mut runs = 0;
+        for row_visible in [true, false] {
+            let mut steps = vec![GroupDelete, FollowerReturns];
+            steps.extend(sessions);
+            let mut chains: Vec<&[Step]> = vec![sessions, &[GroupDelete, FollowerReturns]];
+            if !row_visible {
+                steps.push(RetryRow);
+                chains.push(&[GroupDelete, RetryRow]);
+            }
+            for order in orders(&steps, &chains) {
+                runs += 1;
+                let mut state = State::new();
+                state.accept(session(1, &[]));
+                let mut with_engine: HashSet<SequenceId> =
+                    claim(&mut state, two_transactions()).into_iter().collect();
+                let (began_1, began_2) = (
+                    state.holdings.sessions_of(&[1]),
+                    state.holdings.sessions_of(&[2]),
+                );
+                let mut taken_again = Vec::new();
+                for step in &order {
+                    match *step {
+                        GroupDelete => {
+                            if row_visible {
+                                state.settle([1, 2]);
+                            } else {
+                                state.settle([1]);
+                                state.undeleted.push((2, std::time::Instant::now()));
+                            }
+                            state.settle_copies(&[1], &began_1);
+                            with_engine.remove(&1);
+                        }
+                        FollowerReturns => {
+                            state.settle_copies(&[2], &began_2);
+                            with_engine.remove(&2);
+                        }
+                        NewSession(n) => state.accept(session(n, &[])),
+                        ClaimAgain(_) => {
+                            let sent = claim(&mut state, two_transactions());
+                            assert_eq!(sent, [1, 2], "{order:?}");
+                            taken_again
+                                .extend(sent.into_iter().filter(|id| with_engine.insert(*id)));
+                        }
+                        RetryRow => {
+                            let waiting: Vec<_> =
+                                state.undeleted.drain(..).map(|(id, _)| id).collect();
+                            state.settle(waiting);
+                        }
+                    }
+                }
+                // The engine delivers what it took again and acks it.
+                for id in taken_again {
+                    let began = state.holdings.sessions_of(&[id]);
+                    state.settle([id]);
+                    state.settle_copies(&[id], &began);
+                }
+                let held: Vec<_> = state.holdings.held.keys().collect();
+                assert!(
+                    held.is_empty(),
+                    "{order:?}, row visible: {row_visible}: {held:?} held"
+                );
+                assert_eq!(state.acks.confirmable(), Lsn(310), "{order:?}");
+            }
+        }
+        assert_eq!(runs, 15 + 70, "every order");
     }
 
     #[test]
