@@ -474,6 +474,10 @@ pub struct CaptureStatements {
     /// Replication slots taken and allowed, WAL senders busy and allowed: a slot the first
     /// run must create, and a session it must start, each need one free.
     pub replication_capacity: String,
+    /// The slots of this database other than `$1` that streamed this outbox (recorded in its
+    /// adoption or confirm-mark table) and still exist: each by name, whether a session
+    /// streams from it, and the WAL it holds (bytes from its restart position).
+    pub other_slots: String,
 }
 
 impl CaptureStatements {
@@ -667,6 +671,17 @@ impl CaptureStatements {
             replication_role: "SELECT rolreplication OR rolsuper, current_user::text
                                  FROM pg_catalog.pg_roles WHERE rolname = current_user"
                 .into(),
+            other_slots: format!(
+                "SELECT s.slot_name::text, s.active,
+                        coalesce(pg_catalog.pg_wal_lsn_diff(pg_catalog.pg_current_wal_lsn(),
+                                                            s.restart_lsn), 0)::int8
+                   FROM pg_catalog.pg_replication_slots s
+                  WHERE s.slot_name <> $1 AND s.database = pg_catalog.current_database()
+                    AND s.slot_name IN (SELECT slot FROM {} UNION SELECT slot FROM {})
+                  ORDER BY 1",
+                tables.adopted.quoted(),
+                tables.marks.quoted()
+            ),
             replication_capacity: "SELECT (SELECT count(*) FROM pg_catalog.pg_replication_slots),
                                           current_setting('max_replication_slots')::int8,
                                           (SELECT count(*) FROM pg_catalog.pg_stat_replication),

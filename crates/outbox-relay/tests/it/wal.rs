@@ -2482,6 +2482,48 @@ async fn a_publication_made_again_after_the_slot_is_named_with_the_way_out() {
     w.assert_empty("").await;
 }
 
+/// A relay moved to another slot leaves the old one behind, holding WAL and vacuum back for
+/// good, and a relay still streaming from it sends every event twice: `check` names it, with
+/// the way out, until it is dropped.
+#[tokio::test]
+async fn a_second_slot_of_one_outbox_is_named_by_check() {
+    let w = WalDb::new().await;
+    let out = w.path("events.jsonl");
+    assert_success("the slot", &w.drain(&out));
+    let (code, said) = relay_check(&w);
+    assert_eq!(code, Some(0), "{said}");
+    let other = format!("{}_other", w.slot);
+    let _guard = outbox_testkit::SlotGuard {
+        url: w.url.clone(),
+        slot: other.clone(),
+    };
+    let sink = format!("file:{}", out.display());
+    let drained = relay(
+        w.dir.path(),
+        &[
+            &["run"][..],
+            &capture_flags(&w.url, &other),
+            &["--sink", &sink, "--http-addr", "", "--drain"],
+        ]
+        .concat(),
+    );
+    assert_success("a drain from a second slot", &drained);
+    let (code, said) = relay_check(&w);
+    assert_eq!(code, Some(1), "{said}");
+    assert!(
+        said.contains(&format!("the replication slot {other:?} streamed")),
+        "{said}"
+    );
+    assert!(said.contains("drop-slot --slot"), "{said}");
+    let dropped = relay(
+        w.dir.path(),
+        &[&["drop-slot"][..], &capture_flags(&w.url, &other)].concat(),
+    );
+    assert_success("drop-slot", &dropped);
+    let (code, said) = relay_check(&w);
+    assert_eq!(code, Some(0), "{said}");
+}
+
 #[tokio::test]
 async fn two_outboxes_of_one_database_relay_only_their_own_messages() {
     let w = WalDb::new().await;

@@ -67,6 +67,7 @@ pub async fn verify_capture(
     }
     problems.extend(public_emit(main, &sql, &tables).await?);
     problems.extend(legacy_emit(main, &sql, &tables).await?);
+    problems.extend(other_slots(main, &sql, &tables, slot).await);
     let status = slot_status(main, slot).await?;
     let capacity = &main
         .query_rows("replication capacity", &sql.replication_capacity, &[])
@@ -287,6 +288,50 @@ async fn stranded(
          (`outbox-relay drop-slot` before making a slot again by hand avoids this)",
     ));
     Ok(problems)
+}
+
+/// Other slots that streamed this outbox and still exist: one left behind when the relay
+/// moved to a new `--slot` (or a new default name) holds WAL and the server's vacuum back for
+/// good, and one a relay streams from sends every event a second time.
+async fn other_slots(
+    main: &PgStore,
+    sql: &CaptureStatements,
+    tables: &CaptureTables,
+    slot: &str,
+) -> Vec<Problem> {
+    // A table an earlier version did not make is named by its own problem.
+    let Ok(rows) = main
+        .query_rows("other slots", &sql.other_slots, &[&slot])
+        .await
+    else {
+        return Vec::new();
+    };
+    rows.iter()
+        .map(|row| {
+            let (other, active, held): (String, bool, i64) = (row.get(0), row.get(1), row.get(2));
+            let what = if active {
+                "a relay streams from it now, so every event goes out once through each slot"
+                    .to_string()
+            } else {
+                format!(
+                    "no relay streams from it, and it holds back {} MiB of WAL, and the server's \
+                     vacuum, growing with every write",
+                    held / (1 << 20)
+                )
+            };
+            Problem::degraded(
+                format!(
+                    "the replication slot {other:?} streamed {} too (it is recorded in {} or {}), \
+                     besides the configured {slot:?}: {what}",
+                    tables.source.name, tables.adopted, tables.marks
+                ),
+                format!(
+                    "keep one slot per outbox: stop the relay that streams from {other:?}, then \
+                     `outbox-relay drop-slot --slot {other}` with this outbox's other flags"
+                ),
+            )
+        })
+        .collect()
 }
 
 /// The publication dropped and made again after the slot's position, with WAL written in
