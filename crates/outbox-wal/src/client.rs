@@ -55,6 +55,15 @@ pub struct WalConfig {
 }
 
 impl WalConfig {
+    /// The outbox this capture streams, as a tag in its sessions' `application_name`
+    /// (`ob_` and 8 hex digits, of the captured table and the message prefix): a standby
+    /// that finds the slot held by a session of another outbox's tag says so, since two
+    /// outboxes cannot share a slot (the holder confirms past the other's messages).
+    pub fn outbox_tag(&self) -> String {
+        let outbox = format!("{}|{}", self.source.name, self.message_prefix);
+        format!("ob_{:08x}", crate::settings::stable_hash(&outbox))
+    }
+
     pub fn new(
         url: impl Into<String>,
         slot: impl Into<String>,

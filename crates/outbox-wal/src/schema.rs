@@ -478,6 +478,8 @@ pub struct CaptureStatements {
     /// adoption or confirm-mark table) and still exist: each by name, whether a session
     /// streams from it, and the WAL it holds (bytes from its restart position).
     pub other_slots: String,
+    /// The `application_name` of the session the slot `$1` streams to, if any.
+    pub slot_holder: String,
 }
 
 impl CaptureStatements {
@@ -670,6 +672,11 @@ impl CaptureStatements {
                 .into(),
             replication_role: "SELECT rolreplication OR rolsuper, current_user::text
                                  FROM pg_catalog.pg_roles WHERE rolname = current_user"
+                .into(),
+            slot_holder: "SELECT a.application_name::text
+                            FROM pg_catalog.pg_replication_slots s
+                            JOIN pg_catalog.pg_stat_activity a ON a.pid = s.active_pid
+                           WHERE s.slot_name = $1"
                 .into(),
             other_slots: format!(
                 "SELECT s.slot_name::text, s.active,

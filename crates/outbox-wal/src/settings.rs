@@ -104,10 +104,7 @@ impl WalSettings {
         if name == whole && name.len() <= MAX_NAME_LEN {
             return name;
         }
-        // FNV-1a: stable across builds and platforms, unlike std's hasher.
-        let hash = whole.bytes().fold(0x811c_9dc5_u32, |h, b| {
-            (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
-        });
+        let hash = stable_hash(&whole);
         let mut name = name;
         name.truncate(MAX_NAME_LEN - 9);
         format!("{name}_{hash:08x}")
@@ -122,6 +119,14 @@ impl WalSettings {
             && (schema, table) == ("public", "outbox"))
             .then(|| DEFAULT_SLOT.into())
     }
+}
+
+/// FNV-1a of `text`: stable across builds and platforms, unlike std's hasher (names made
+/// from it outlive the process).
+pub(crate) fn stable_hash(text: &str) -> u32 {
+    text.bytes().fold(0x811c_9dc5_u32, |h, b| {
+        (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+    })
 }
 
 #[cfg(test)]

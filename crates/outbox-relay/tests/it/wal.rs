@@ -2524,6 +2524,51 @@ async fn a_second_slot_of_one_outbox_is_named_by_check() {
     assert_eq!(code, Some(0), "{said}");
 }
 
+/// Two outboxes given one slot, in two processes: the relay holding it confirms past the
+/// other's `outbox_emit` messages, and the other's relay waited as a standby for ever. It
+/// now fails, naming the slot's holder and the fix.
+#[tokio::test]
+async fn a_relay_of_another_outbox_holding_the_slot_is_named_not_waited_for() {
+    let w = WalDb::new().await;
+    let orders = [
+        "--outbox-table",
+        "orders_outbox",
+        "--publication",
+        "orders_pub",
+    ];
+    let migrated = relay(
+        w.dir.path(),
+        &[
+            &["migrate", "--capture", "wal", "--database-url", &w.url][..],
+            &orders,
+        ]
+        .concat(),
+    );
+    assert_success("migrate the second outbox", &migrated);
+    let first = w.path("first.jsonl");
+    let mut holder = w
+        .streaming_to(&format!("file:{}", first.display()), &[])
+        .await;
+    let second = format!("file:{}", w.path("second.jsonl").display());
+    let args = [
+        &["run"][..],
+        &capture_flags(&w.url, &w.slot),
+        &["--sink", &second, "--drain", "--http-addr", ""],
+        &["--lease", "5s", "--publish-timeout", "2s"],
+        &orders,
+    ]
+    .concat();
+    let other = relay(w.dir.path(), &args);
+    let err = text(&other.stderr);
+    assert_eq!(other.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("streams to a relay of another outbox"),
+        "{err}"
+    );
+    assert!(err.contains("a slot of its own"), "{err}");
+    assert!(holder.terminate().await.success());
+}
+
 #[tokio::test]
 async fn two_outboxes_of_one_database_relay_only_their_own_messages() {
     let w = WalDb::new().await;

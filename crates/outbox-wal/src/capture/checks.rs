@@ -247,7 +247,8 @@ async fn stranded(
             format!(
                 "the replication slot {slot:?} is confirmed past the position the relays may \
                  confirm it to ({}): something else moved it (it was dropped and made again, \
-                 or advanced with pg_replication_slot_advance, by hand), and its stream skips \
+                 or advanced with pg_replication_slot_advance, by hand, or a relay of another \
+                 outbox was given it), and its stream skips \
                  the rows of {} it moved past",
                 tables.marks, tables.source.name
             ),

@@ -121,7 +121,8 @@ impl Reader {
             }
             let mut config = self.config.clone();
             config.create_slot = !self.sessions.streamed;
-            self.session_name = session_name(&self.config.application_name);
+            self.session_name =
+                session_name(&self.config.application_name, &self.config.outbox_tag());
             config.application_name = self.session_name.clone();
             let forgotten = match config.create_slot {
                 true => self.forget_adoption_of_missing_slot().await,
@@ -159,11 +160,21 @@ impl Reader {
                 }
                 Err(StartError::Forget(reason)) => self.cannot_start(reason),
                 Err(StartError::Stream(e)) if e.is_slot_in_use() => {
-                    if *self.status.borrow() != CaptureStatus::Standby {
-                        tracing::info!(slot = %config.slot, "another relay streams from the slot; waiting as a standby");
+                    if let Some(holder) = self.holder_of_another_outbox().await {
+                        self.failed(format!(
+                            "the replication slot {:?} streams to a relay of another outbox (its \
+                             session is {holder:?}): two outboxes cannot share a slot, since the \
+                             relay holding it confirms past the other's events; give this outbox \
+                             a slot of its own (--slot, or the default, named after the outbox)",
+                            config.slot
+                        ))
+                    } else {
+                        if *self.status.borrow() != CaptureStatus::Standby {
+                            tracing::info!(slot = %config.slot, "another relay streams from the slot; waiting as a standby");
+                        }
+                        self.set_status(CaptureStatus::Standby);
+                        Duration::from_secs(1)
                     }
-                    self.set_status(CaptureStatus::Standby);
-                    Duration::from_secs(1)
                 }
                 Err(StartError::Stream(e)) if e.is_retryable() => self.cannot_start(describe(&e)),
                 Err(StartError::Stream(e)) => self.failed(describe(&e)),
@@ -202,6 +213,20 @@ impl Reader {
         tracing::warn!(error = %reason, "cannot start the replication session; retrying");
         self.set_status(CaptureStatus::Reconnecting(reason));
         self.sessions.backoff.next_delay()
+    }
+
+    /// The session name of the slot's holder, when it streams another outbox (its tag is
+    /// not this capture's). `None` when it streams this one, or cannot be told (a relay of
+    /// an earlier version, a session the role may not see).
+    async fn holder_of_another_outbox(&self) -> Option<String> {
+        let rows = self
+            .main
+            .query_rows("slot holder", &self.sql.slot_holder, &[&self.config.slot])
+            .await
+            .ok()?;
+        let holder: String = rows.first()?.try_get::<_, Option<String>>(0).ok()??;
+        let tag = outbox_tag_of(&holder)?;
+        (tag != self.config.outbox_tag()).then_some(holder)
     }
 
     /// Capture cannot go on until an operator acts: said once (not at every retry), and
@@ -638,7 +663,7 @@ impl Reader {
         let mark = self.read_mark().await?;
         let moved = mark.is_some_and(|mark| start > mark);
         if recorded && moved {
-            tracing::warn!(%slot, "the slot is confirmed past the position the relays may confirm it to: something else moved it (it was dropped and made again, or advanced, by hand), and its stream skips what it moved past; the rows still in the table are adopted again");
+            tracing::warn!(%slot, "the slot is confirmed past the position the relays may confirm it to: something else moved it (it was dropped and made again, or advanced, by hand, or a relay of another outbox was given it), and its stream skips what it moved past; the rows still in the table are adopted again");
         }
         if recorded && !moved {
             return Ok(AdoptCheck::Adopted { mark, start });
@@ -992,8 +1017,9 @@ async fn lost_slot(stream: &mut WalStream) -> SessionEnd {
     }
 }
 
-/// `base` and a token no other session has (an `application_name`: at most 63 bytes).
-pub(super) fn session_name(base: &str) -> String {
+/// `base`, the outbox's tag ([`WalConfig::outbox_tag`]) and a token no other session has
+/// (an `application_name`: at most 63 bytes).
+pub(super) fn session_name(base: &str, outbox_tag: &str) -> String {
     let token = uuid::Uuid::new_v4().simple().to_string();
     // PostgreSQL stores non-ASCII bytes of an application_name as `?`: the ownership guard
     // compares names, so the base keeps to what is stored as written.
@@ -1004,10 +1030,19 @@ pub(super) fn session_name(base: &str) -> String {
             _ => '_',
         })
         .collect();
-    while base.len() > 63 - 1 - 12 {
+    while base.len() > 63 - 1 - outbox_tag.len() - 1 - 12 {
         base.pop();
     }
-    format!("{base} {}", &token[..12])
+    format!("{base} {outbox_tag} {}", &token[..12])
+}
+
+/// The outbox tag in a session name ([`session_name`]); `None` in an earlier version's, or
+/// another client's.
+pub(super) fn outbox_tag_of(session_name: &str) -> Option<&str> {
+    let mut parts = session_name.rsplit(' ');
+    let (_token, tag) = (parts.next()?, parts.next()?);
+    let hex = tag.strip_prefix("ob_")?;
+    (hex.len() == 8 && hex.bytes().all(|b| b.is_ascii_hexdigit())).then_some(tag)
 }
 
 /// Whether the database still answers over SQL, asked every [`SqlLiveness::EVERY`] while
@@ -1118,12 +1153,28 @@ mod tests {
 
     #[test]
     fn a_session_name_is_stored_as_written_so_the_ownership_guard_can_match_it() {
+        const TAG: &str = "ob_0123abcd";
         // PostgreSQL stores a non-ASCII byte of an application_name as `?`.
-        let name = session_name("outbox-relay nœud-1 ümlaut");
+        let name = session_name("outbox-relay nœud-1 ümlaut", TAG);
         assert!(name.is_ascii(), "{name}");
-        assert!(name.starts_with("outbox-relay n_ud-1 _mlaut "), "{name}");
-        let long = session_name(&"x".repeat(100));
+        assert!(
+            name.starts_with("outbox-relay n_ud-1 _mlaut ob_0123abcd "),
+            "{name}"
+        );
+        let long = session_name(&"x".repeat(100), TAG);
         assert!(long.len() <= 63, "{}", long.len());
-        assert_ne!(session_name("a"), session_name("a"), "a token of its own");
+        assert_ne!(
+            session_name("a", TAG),
+            session_name("a", TAG),
+            "a token of its own"
+        );
+    }
+
+    #[test]
+    fn a_session_names_outbox_tag_is_read_back_and_an_earlier_versions_has_none() {
+        let long = session_name(&"x".repeat(100), "ob_0123abcd");
+        assert_eq!(outbox_tag_of(&long), Some("ob_0123abcd"));
+        assert_eq!(outbox_tag_of("outbox-relay node-1 0123456789ab"), None);
+        assert_eq!(outbox_tag_of("psql"), None);
     }
 }
