@@ -151,6 +151,21 @@ struct Content {
     mutation_id: Option<String>,
 }
 
+/// A message's content for its dead letter: as text when it is UTF-8 without a NUL, else
+/// every byte in PostgreSQL's bytea hex form (`\x…`), which
+/// `decode(substr(payload #>> '{}', 3), 'hex')` reads back. (As lossy text, bytes that were
+/// not UTF-8 were lost, and a NUL, shown as `\0`, could not be told from those two
+/// characters.)
+fn raw_content(content: &[u8]) -> String {
+    match std::str::from_utf8(content) {
+        Ok(text) if !text.contains('\0') => text.to_string(),
+        _ => {
+            let hex: String = content.iter().map(|b| format!("{b:02x}")).collect();
+            format!("\\x{hex}")
+        }
+    }
+}
+
 /// Decodes one outbox message's content at `position`. `lsn` is the message's own WAL
 /// position and `commit_time` its transaction's.
 pub fn decode_message(
@@ -166,7 +181,7 @@ pub fn decode_message(
         event_id: None,
         destination: None,
         partition_key: None,
-        raw: String::from_utf8_lossy(content).into_owned(),
+        raw: raw_content(content),
     };
     let text = std::str::from_utf8(content)
         .map_err(|_| Box::new(undecodable("the outbox message is not UTF-8".into())))?;
@@ -291,6 +306,9 @@ mod tests {
         }
         let error = decode_message(b"\xff", Lsn(1), POSITION, SystemTime::UNIX_EPOCH).unwrap_err();
         assert!(error.reason.contains("UTF-8"));
+        assert_eq!(error.raw, "\\xff", "every byte kept");
+        let error = decode_message(b"\0", Lsn(1), POSITION, SystemTime::UNIX_EPOCH).unwrap_err();
+        assert_eq!(error.raw, "\\x00");
     }
 
     #[test]
