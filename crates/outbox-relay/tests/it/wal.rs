@@ -199,6 +199,27 @@ impl WalDb {
         RelayProcess::spawn(self.dir.path(), name, &args, &[])
     }
 
+    /// Migrates a second outbox, `orders_outbox` with the publication `orders_pub`, and
+    /// returns the flags that name it.
+    fn second_outbox(&self) -> [&'static str; 4] {
+        let orders = [
+            "--outbox-table",
+            "orders_outbox",
+            "--publication",
+            "orders_pub",
+        ];
+        let migrated = relay(
+            self.dir.path(),
+            &[
+                &["migrate", "--capture", "wal", "--database-url", &self.url][..],
+                &orders,
+            ]
+            .concat(),
+        );
+        assert_success("migrate the second outbox", &migrated);
+        orders
+    }
+
     /// `run --capture wal --drain` to the file `out`.
     fn drain(&self, out: &Path) -> Output {
         let sink = format!("file:{}", out.display());
@@ -2540,21 +2561,7 @@ async fn a_second_slot_of_one_outbox_is_named_by_check() {
 #[tokio::test]
 async fn a_relay_of_another_outbox_holding_the_slot_is_named_not_waited_for() {
     let w = WalDb::new().await;
-    let orders = [
-        "--outbox-table",
-        "orders_outbox",
-        "--publication",
-        "orders_pub",
-    ];
-    let migrated = relay(
-        w.dir.path(),
-        &[
-            &["migrate", "--capture", "wal", "--database-url", &w.url][..],
-            &orders,
-        ]
-        .concat(),
-    );
-    assert_success("migrate the second outbox", &migrated);
+    let orders = w.second_outbox();
     let first = w.path("first.jsonl");
     let mut holder = w
         .streaming_to(&format!("file:{}", first.display()), &[])
@@ -2583,21 +2590,7 @@ async fn a_relay_of_another_outbox_holding_the_slot_is_named_not_waited_for() {
 async fn two_outboxes_of_one_database_relay_only_their_own_messages() {
     let w = WalDb::new().await;
     // A second outbox beside `outbox`, with a slot and publication of its own.
-    let orders = [
-        "--outbox-table",
-        "orders_outbox",
-        "--publication",
-        "orders_pub",
-    ];
-    let migrated = relay(
-        w.dir.path(),
-        &[
-            &["migrate", "--capture", "wal", "--database-url", &w.url][..],
-            &orders,
-        ]
-        .concat(),
-    );
-    assert_success("migrate the second outbox", &migrated);
+    let orders = w.second_outbox();
     let orders_slot = format!("{}_orders", w.slot);
     let _guard = outbox_testkit::SlotGuard {
         url: w.url.clone(),
