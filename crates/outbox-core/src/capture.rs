@@ -299,12 +299,15 @@ impl<S: StreamEvent, P: QueuedPark> Holdings<S, P> {
         if sessions.iter().all(|began| *began >= current) {
             return Vec::new();
         }
+        // A copy queued to park is settled by its park: settled now, its park would be
+        // skipped, and a dead letter queued for it (waiting behind its key) never written.
         ids.iter()
             .zip(sessions)
             .filter(|(id, began)| {
                 matches!(self.held.get(id), Some(Held::Stream(event)) if event.session() > **began)
             })
             .map(|(id, _)| *id)
+            .filter(|id| !self.to_park.iter().any(|park| park.id() == *id))
             .collect()
     }
 
@@ -829,6 +832,12 @@ mod tests {
         assert_eq!(
             holdings.copies_the_engine_dropped(&[1, 2, 3], &began, 2),
             [2, 3]
+        );
+        holdings.queue_parks([3]);
+        assert_eq!(
+            holdings.copies_the_engine_dropped(&[1, 2, 3], &began, 2),
+            [2],
+            "a copy queued to park is settled by its park"
         );
         assert!(
             holdings.copies_the_engine_dropped(&[1], &[2], 2).is_empty(),

@@ -203,7 +203,14 @@ pub async fn check(config: Config) -> anyhow::Result<ExitCode> {
             println!("problem: {}", e.report());
         }
     }
-    match store.verify().await {
+    let verified = match store.verify().await {
+        Ok(mut problems) => {
+            problems.extend(store.check_only_problems().await);
+            Ok(problems)
+        }
+        Err(e) => Err(e),
+    };
+    match verified {
         Ok(problems) if problems.is_empty() => println!("ok: tables, trigger and privileges"),
         Ok(problems) => {
             failed |= problems.iter().any(|p| p.fails_check());

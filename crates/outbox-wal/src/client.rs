@@ -54,14 +54,19 @@ pub struct WalConfig {
     pub create_slot: bool,
 }
 
+/// [`WalConfig::outbox_tag`] of a capture of `source` whose messages carry `message_prefix`.
+pub(crate) fn outbox_tag(source: &TableName, message_prefix: &str) -> String {
+    let outbox = format!("{source}|{message_prefix}");
+    format!("ob_{:08x}", crate::settings::stable_hash(&outbox))
+}
+
 impl WalConfig {
     /// The outbox this capture streams, as a tag in its sessions' `application_name`
     /// (`ob_` and 8 hex digits, of the captured table and the message prefix): a standby
     /// that finds the slot held by a session of another outbox's tag says so, since two
     /// outboxes cannot share a slot (the holder confirms past the other's messages).
     pub fn outbox_tag(&self) -> String {
-        let outbox = format!("{}|{}", self.source.name, self.message_prefix);
-        format!("ob_{:08x}", crate::settings::stable_hash(&outbox))
+        outbox_tag(&self.source.name, &self.message_prefix)
     }
 
     pub fn new(

@@ -151,14 +151,15 @@ struct Content {
     mutation_id: Option<String>,
 }
 
-/// A message's content for its dead letter: as text when it is UTF-8 without a NUL, else
-/// every byte in PostgreSQL's bytea hex form (`\x…`), which
+/// A message's content for its dead letter: as text when it is UTF-8 without a NUL (and
+/// does not begin as the hex form does), else every byte in PostgreSQL's bytea hex form
+/// (`\x…`), which
 /// `decode(substr(payload #>> '{}', 3), 'hex')` reads back. (As lossy text, bytes that were
 /// not UTF-8 were lost, and a NUL, shown as `\0`, could not be told from those two
 /// characters.)
 fn raw_content(content: &[u8]) -> String {
     match std::str::from_utf8(content) {
-        Ok(text) if !text.contains('\0') => text.to_string(),
+        Ok(text) if !text.contains('\0') && !text.starts_with("\\x") => text.to_string(),
         _ => {
             let hex: String = content.iter().map(|b| format!("{b:02x}")).collect();
             format!("\\x{hex}")
@@ -309,6 +310,11 @@ mod tests {
         assert_eq!(error.raw, "\\xff", "every byte kept");
         let error = decode_message(b"\0", Lsn(1), POSITION, SystemTime::UNIX_EPOCH).unwrap_err();
         assert_eq!(error.raw, "\\x00");
+        let error = decode_message(b"\\x41", Lsn(1), POSITION, SystemTime::UNIX_EPOCH).unwrap_err();
+        assert_eq!(
+            error.raw, "\\x5c783431",
+            "text that reads as the hex form is hex too"
+        );
     }
 
     #[test]

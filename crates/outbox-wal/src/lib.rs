@@ -39,8 +39,8 @@ pub mod table;
 pub use ack::{AckError, Acknowledgements};
 pub use assemble::{AssembleError, Assembler, AssemblerStats, Output};
 pub use capture::{
-    forget_adoption, slot_status, verify_capture, CaptureStatus, SlotStatus, WalStore,
-    WalStoreOptions,
+    decoding_problems, forget_adoption, slot_status, verify_capture, CaptureStatus, SlotStatus,
+    WalStore, WalStoreOptions,
 };
 pub use client::{drop_slot, SlotState, WalConfig, WalError, WalStream};
 pub use decode::{decode, DecodeError, LogicalMessage};

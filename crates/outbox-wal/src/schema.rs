@@ -459,7 +459,9 @@ pub struct CaptureStatements {
     /// Whether the publication `$1` exists.
     pub publication_exists: String,
     /// Whether the publication `$1` was made by a transaction newer than the slot `$2`'s
-    /// `catalog_xmin`: decoding from the slot may then read it as it was before it existed.
+    /// `catalog_xmin`, while no session streams from the slot and it is not a failover slot
+    /// (PostgreSQL 17's column, read by name so older servers need none): decoding from the
+    /// slot may then read the publication as it was before it existed.
     pub publication_newer_than_slot: String,
     /// Decodes the slot `$2`'s stream with the publication `$1` up to its first change,
     /// without moving the slot: fails as a session would ("publication … does not exist").
@@ -475,8 +477,9 @@ pub struct CaptureStatements {
     /// run must create, and a session it must start, each need one free.
     pub replication_capacity: String,
     /// The slots of this database other than `$1` that streamed this outbox (recorded in its
-    /// adoption or confirm-mark table) and still exist: each by name, whether a session
-    /// streams from it, and the WAL it holds (bytes from its restart position).
+    /// adoption or confirm-mark table), still exist, and were not confirmed past this
+    /// outbox's mark for them since: each by name, whether a session streams from it, the
+    /// WAL it holds (bytes from its restart position), and its session's `application_name`.
     pub other_slots: String,
     /// The `application_name` of the session the slot `$1` streams to, if any.
     pub slot_holder: String,
@@ -665,6 +668,7 @@ impl CaptureStatements {
             publication_newer_than_slot: "SELECT EXISTS (
                    SELECT FROM pg_catalog.pg_publication p, pg_catalog.pg_replication_slots s
                     WHERE p.pubname = $1 AND s.slot_name = $2 AND NOT s.active
+                      AND NOT coalesce((to_jsonb(s) ->> 'failover')::boolean, false)
                       AND s.catalog_xmin IS NOT NULL AND age(p.xmin) < age(s.catalog_xmin))"
                 .into(),
             peek_slot: "SELECT count(*) FROM pg_catalog.pg_logical_slot_peek_binary_changes(
@@ -678,16 +682,23 @@ impl CaptureStatements {
                             JOIN pg_catalog.pg_stat_activity a ON a.pid = s.active_pid
                            WHERE s.slot_name = $1"
                 .into(),
+            // A slot confirmed past the mark this outbox keeps for it streams another's now
+            // (a name used again): left out.
             other_slots: format!(
                 "SELECT s.slot_name::text, s.active,
                         coalesce(pg_catalog.pg_wal_lsn_diff(pg_catalog.pg_current_wal_lsn(),
-                                                            s.restart_lsn), 0)::int8
+                                                            s.restart_lsn), 0)::int8,
+                        a.application_name::text
                    FROM pg_catalog.pg_replication_slots s
+                   LEFT JOIN {marks} m ON m.slot = s.slot_name
+                   LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = s.active_pid
                   WHERE s.slot_name <> $1 AND s.database = pg_catalog.current_database()
-                    AND s.slot_name IN (SELECT slot FROM {} UNION SELECT slot FROM {})
+                    AND s.slot_name IN (SELECT slot FROM {adopted} UNION SELECT slot FROM {marks})
+                    AND (m.up_to IS NULL OR s.confirmed_flush_lsn IS NULL
+                         OR s.confirmed_flush_lsn <= m.up_to)
                   ORDER BY 1",
-                tables.adopted.quoted(),
-                tables.marks.quoted()
+                adopted = tables.adopted.quoted(),
+                marks = tables.marks.quoted()
             ),
             replication_capacity: "SELECT (SELECT count(*) FROM pg_catalog.pg_replication_slots),
                                           current_setting('max_replication_slots')::int8,

@@ -449,6 +449,19 @@ impl AnyStore {
         })
     }
 
+    /// What only `check` looks for, beside [`AnyStore::verify`]: looks that touch a WAL
+    /// capture's slot ([`outbox_wal::decoding_problems`]), which a relay's every start
+    /// should not.
+    pub async fn check_only_problems(&self) -> Vec<outbox_core::store::Problem> {
+        match self {
+            AnyStore::PostgresWal(s, capture) => {
+                let source = capture.source.as_deref().map(CapturedTable::source);
+                outbox_wal::decoding_problems(s, &capture.publication, &capture.slot, source).await
+            }
+            _ => Vec::new(),
+        }
+    }
+
     /// What keeps the store from working, each with its fix.
     pub async fn verify(
         &self,

@@ -51,7 +51,6 @@ pub async fn verify_capture(
             "run `outbox-relay migrate --capture wal`",
         ));
     }
-    problems.extend(publication_made_again(main, &sql, &tables, slot).await);
     match main.query_rows("adopted", &sql.adopted, &[&slot]).await {
         Ok(_) => problems.extend(stranded(main, &sql, &tables, slot).await?),
         Err(e) => problems.push(Problem::blocking(
@@ -307,7 +306,14 @@ async fn other_slots(
     else {
         return Vec::new();
     };
+    let ours = crate::client::outbox_tag(&tables.source.name, &crate::emit_prefix(&tables.outbox));
     rows.iter()
+        .filter(|row| {
+            // Streaming to a relay of another outbox: the name is that outbox's now.
+            let holder: Option<String> = row.get(3);
+            let tag = holder.as_deref().and_then(super::reader::outbox_tag_of);
+            tag.is_none_or(|tag| tag == ours)
+        })
         .map(|row| {
             let (other, active, held): (String, bool, i64) = (row.get(0), row.get(1), row.get(2));
             let what = if active {
@@ -327,20 +333,38 @@ async fn other_slots(
                     tables.source.name, tables.adopted, tables.marks
                 ),
                 format!(
-                    "keep one slot per outbox: stop the relay that streams from {other:?}, then \
-                     `outbox-relay drop-slot --slot {other}` with this outbox's other flags"
+                    "keep one slot per outbox: unless a relay of another outbox now uses \
+                     {other:?}, stop the relay that streams from it, then `outbox-relay drop-slot \
+                     --slot {other}` with this outbox's other flags"
                 ),
             )
         })
         .collect()
 }
 
-/// The publication dropped and made again after the slot's position, with WAL written in
-/// between: decoding reads the publication as of each change, so every session of the slot
-/// fails for good. (A relay that meets it forgets the slot's adoption, so no record tells
-/// it.) Looked for only when the publication is newer than the slot's `catalog_xmin` and no
-/// session streams: then the slot's stream is decoded up to its first change, as a session
-/// would, without moving it.
+/// What only `check` looks for, since it decodes the slot's stream: the publication dropped
+/// and made again after the slot's position, with WAL written in between. Decoding reads the
+/// publication as of each change, so every session of the slot fails for good (the run's
+/// error names it too). A relay that meets it forgets the slot's adoption, so no record
+/// tells it. Looked for only when the publication is newer than the slot's `catalog_xmin`,
+/// no session streams, and the slot is not a failover slot (PostgreSQL 17 may make decoding
+/// wait for its standbys): then the stream is decoded up to its first change, as a session
+/// would, without moving the slot, for at most 5 s (cancelled by the server, which frees the
+/// slot).
+pub async fn decoding_problems(
+    main: &PgStore,
+    publication: &outbox_core::ident::Ident,
+    slot: &str,
+    source: Option<SourceTable>,
+) -> Vec<Problem> {
+    let tables = capture_tables(main.tables(), publication, source);
+    let sql = CaptureStatements::new(&tables);
+    publication_made_again(main, &sql, &tables, slot)
+        .await
+        .into_iter()
+        .collect()
+}
+
 async fn publication_made_again(
     main: &PgStore,
     sql: &CaptureStatements,
@@ -361,8 +385,16 @@ async fn publication_made_again(
     if !newer {
         return None;
     }
+    let bounded = [(
+        "SET LOCAL statement_timeout = '5s'",
+        &[] as &[&(dyn ToSql + Sync)],
+    )];
     let error = main
-        .query_rows("slot", &sql.peek_slot, &[&name, &slot])
+        .transaction_then_query(
+            "peek slot",
+            &bounded,
+            Some((&sql.peek_slot, &[&name, &slot])),
+        )
         .await
         .err()?
         .report();

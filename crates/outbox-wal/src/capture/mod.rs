@@ -61,7 +61,7 @@ mod reader;
 mod state;
 
 use checks::publication_problems;
-pub use checks::{forget_adoption, slot_status, verify_capture, SlotStatus};
+pub use checks::{decoding_problems, forget_adoption, slot_status, verify_capture, SlotStatus};
 use columns::{unstorable, DeadColumns, EventColumns};
 use outbox_core::capture::{self, Followed, Holdings, Sessions};
 use reader::Reader;
