@@ -203,13 +203,10 @@ pub async fn check(config: Config) -> anyhow::Result<ExitCode> {
             println!("problem: {}", e.report());
         }
     }
-    let verified = match store.verify().await {
-        Ok(mut problems) => {
-            problems.extend(store.check_only_problems().await);
-            Ok(problems)
-        }
-        Err(e) => Err(e),
-    };
+    let mut verified = store.verify().await;
+    if let Ok(problems) = &mut verified {
+        problems.extend(store.check_only_problems().await);
+    }
     match verified {
         Ok(problems) if problems.is_empty() => println!("ok: tables, trigger and privileges"),
         Ok(problems) => {
