@@ -1484,6 +1484,169 @@ async fn parks_and_deletes_are_durable_under_synchronous_commit_off() {
     assert!(status.success(), "{status:?}");
 }
 
+/// The crash issue 31 reproduced: under `synchronous_commit = off`, a park committed
+/// asynchronously was still in the server's WAL buffers when the slot's confirmation past
+/// its events reached disk, and `pg_ctl stop -m immediate` lost it: after the restart the
+/// events were in the outbox table behind the slot, for good. The WAL writer is made lazy
+/// (`wal_writer_delay = 10s`), so that an asynchronous park outlives the confirmation.
+///
+/// Three things now keep them: the park commits durably (what
+/// `parks_and_deletes_are_durable_under_synchronous_commit_off` checks); a park lost anyway
+/// takes the confirm mark raised after it along, so the slot is found past its mark; and
+/// rows older than the slot's `catalog_xmin` are taken for stranded. With durable parks
+/// turned off, the restart lost some or all of the parks and the events still came back,
+/// with the confirm mark and without it (tried by hand): this test fails only when every
+/// one of the three does.
+#[tokio::test]
+async fn parked_events_survive_a_server_crash_under_synchronous_commit_off() {
+    // Never the shared server: this one crashes.
+    let server = OwnPostgres::init();
+    server.start("-c wal_level=logical -c synchronous_commit=off -c wal_writer_delay=10000");
+    let w = WalDb::on(server.url("disable"), "crash_slot".into()).await;
+    let (_nats, deliveries, proxy, broker_url) = nats_behind_a_proxy().await;
+    let mut relay = w
+        .streaming_to(
+            &broker_url,
+            &["--publish-timeout", "4s", "--retry-base-delay", "50ms"],
+        )
+        .await;
+    let handle = proxy.handle();
+    // Each publish now waits out its timeout, then its event parks: time to put the slot's
+    // next restart point between the events and their park.
+    handle.blackhole();
+    w.db.batch_execute("SET synchronous_commit = on")
+        .await
+        .unwrap();
+    for n in 0..10 {
+        insert(&w.db, &format!("k{}", n % 3), n).await;
+    }
+    let ids: HashSet<String> =
+        w.db.query("SELECT event_id::text FROM outbox", &[])
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+    let written: String =
+        w.db.query_one("SELECT pg_current_wal_lsn()::text", &[])
+            .await
+            .unwrap()
+            .get(0);
+    eventually_explained(
+        "the events sent to the relay",
+        Duration::from_secs(60),
+        || relay.logs(),
+        || async {
+            let sent =
+                w.db.query_one(
+                    "SELECT coalesce(bool_or(sent_lsn >= $1::text::pg_lsn), false)
+                       FROM pg_stat_replication",
+                    &[&written],
+                )
+                .await
+                .ok()?
+                .get::<_, bool>(0);
+            sent.then_some(())
+        },
+    )
+    .await;
+    // A checkpoint logs the snapshot the slot restarts from (and flushes the WAL so far).
+    // Then an asynchronous commit, once flushed, tells that the WAL writer just flushed:
+    // it writes nothing more for the next 10 s, but what a synchronous commit flushes.
+    w.db.batch_execute(
+        "CHECKPOINT;
+         CREATE TABLE wal_writer_clock (at timestamptz);
+         SET synchronous_commit = off;
+         INSERT INTO wal_writer_clock VALUES (now());
+         SET synchronous_commit = on;",
+    )
+    .await
+    .unwrap();
+    let restart_point: String =
+        w.db.query_one("SELECT pg_current_wal_lsn()::text", &[])
+            .await
+            .unwrap()
+            .get(0);
+    eventually_explained(
+        "the WAL writer's flush",
+        Duration::from_secs(30),
+        || relay.logs(),
+        || async {
+            let flushed =
+                w.db.query_one(
+                    "SELECT pg_current_wal_flush_lsn() >= $1::text::pg_lsn",
+                    &[&restart_point],
+                )
+                .await
+                .ok()?
+                .get::<_, bool>(0);
+            flushed.then_some(())
+        },
+    )
+    .await;
+    assert_eq!(
+        query_count(&w.db, "SELECT count(*) FROM outbox_parked", &[])
+            .await
+            .unwrap(),
+        0,
+        "the events parked before the checkpoint: the test proves nothing\n{}",
+        relay.logs()
+    );
+    eventually_explained(
+        "the events parked, and the slot confirmed past them",
+        Duration::from_secs(60),
+        || relay.logs(),
+        || async {
+            let parked = query_count(&w.db, "SELECT count(*) FROM outbox_parked", &[])
+                .await
+                .ok()?;
+            let past =
+                w.db.query_one(
+                    "SELECT confirmed_flush_lsn >= $1::text::pg_lsn FROM pg_replication_slots
+                      WHERE slot_name = 'crash_slot'",
+                    &[&restart_point],
+                )
+                .await
+                .ok()?
+                .get::<_, bool>(0);
+            (parked == 10 && past).then_some(())
+        },
+    )
+    .await;
+    server.crash_and_restart();
+    handle.heal();
+    eventually_explained(
+        "every event delivered after the crash",
+        Duration::from_secs(90),
+        || relay.logs(),
+        || {
+            let seen: HashSet<String> = deliveries.snapshot().into_iter().map(|d| d.id).collect();
+            let done = ids.iter().all(|id| seen.contains(id));
+            async move { done.then_some(()) }
+        },
+    )
+    .await;
+    let db = pg(&w.url).await;
+    eventually_explained(
+        "the outbox and the parked table empty",
+        Duration::from_secs(60),
+        || relay.logs(),
+        || async {
+            let left = query_count(
+                &db,
+                "SELECT (SELECT count(*) FROM outbox) + (SELECT count(*) FROM outbox_parked)",
+                &[],
+            )
+            .await
+            .ok()?;
+            (left == 0).then_some(())
+        },
+    )
+    .await;
+    let status = relay.terminate().await;
+    assert!(status.success(), "{status:?}");
+}
+
 #[tokio::test]
 async fn rows_that_predate_a_slot_made_by_hand_are_adopted_once_and_drop_slot_forgets_it() {
     let w = WalDb::new().await;
