@@ -288,6 +288,15 @@ pub trait OutboxStore: Send + Sync + 'static {
     /// polled. `None` when the store cannot tell, and the engine relies on polling.
     fn subscribe(&self, on_change: OnChange) -> Option<BoxFuture<'static, ()>>;
 
+    /// A task that lets the database's own shutdown go ahead, for as long as it is polled
+    /// (the engine runs it while it runs). PostgreSQL's smart shutdown refuses new
+    /// connections, then waits for every client session to end: the PostgreSQL store closes
+    /// its sessions while the server refuses new ones, and reconnects once it takes them
+    /// again. `None` (the default) where the database waits for no client.
+    fn give_way_to_shutdown(&self) -> Option<BoxFuture<'static, ()>> {
+        None
+    }
+
     /// The engine is waiting for new rows (`true`: nothing held, its last claim came back
     /// empty) or busy (`false`). A store whose wake-up is gated on it (PostgreSQL with
     /// `wakeup = "gated"`) has writers notify only while the relay waits, and otherwise wakes

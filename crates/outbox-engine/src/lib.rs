@@ -1008,6 +1008,9 @@ pub async fn run(
         }
         WakeMode::FixedRate => None,
     };
+    let give_way = store
+        .give_way_to_shutdown()
+        .map(|task| tokio::spawn(task.in_current_span()));
     if let Some(ownership) = &config.shared.ownership {
         let wake = wake.clone();
         ownership.on_change(move || wake.notify_one());
@@ -1042,8 +1045,8 @@ pub async fn run(
         drain: DrainProgress::new(),
     };
     let result = event_loop(&mut engine, wake, shutdown).await;
-    if let Some(listener) = listener {
-        listener.abort();
+    for task in [listener, give_way].into_iter().flatten() {
+        task.abort();
     }
     backlog_reporter.abort();
     // Everything from here on ends by the shutdown deadline: a database or broker that does

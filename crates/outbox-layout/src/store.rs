@@ -196,6 +196,11 @@ pub trait MappedDb: Send + Sync + Sized + 'static {
         None
     }
 
+    /// See [`OutboxStore::give_way_to_shutdown`].
+    fn give_way_to_shutdown(&self) -> Option<BoxFuture<'static, ()>> {
+        None
+    }
+
     fn set_waiting(&self, _waiting: bool) {}
 }
 
@@ -884,6 +889,10 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
 
     fn subscribe(&self, on_change: OnChange) -> Option<BoxFuture<'static, ()>> {
         self.inner.db.subscribe(on_change)
+    }
+
+    fn give_way_to_shutdown(&self) -> Option<BoxFuture<'static, ()>> {
+        self.inner.db.give_way_to_shutdown()
     }
 
     fn set_waiting(&self, waiting: bool) {

@@ -37,6 +37,8 @@ impl PgStore {
                 retain_delivered: inner.retain_delivered,
                 operation_timeout: inner.operation_timeout,
                 waiting: tokio::sync::watch::channel(false).0,
+                // The pool's, which it shares.
+                refused: inner.refused.clone(),
                 owned: Default::default(),
                 floor: Default::default(),
             }),

@@ -14,6 +14,7 @@ mod ops;
 mod owned;
 mod registry;
 pub mod schema;
+mod shutdown_watch;
 pub mod tls;
 mod verify;
 
@@ -118,6 +119,9 @@ struct Inner {
     operation_timeout: Duration,
     /// The engine's waiting state, for the gated wake-up.
     waiting: tokio::sync::watch::Sender<bool>,
+    /// Whether the server refuses new connections (a smart shutdown): the store's sessions
+    /// let go meanwhile (see `shutdown_watch`).
+    refused: Arc<tokio::sync::watch::Sender<bool>>,
     /// The rows each node holds from owned-partition claims, and where claims start.
     owned: owned::OwnedClaims,
     /// Whether claims may use the scan floor now.
@@ -178,7 +182,18 @@ impl PgStore {
                 recycling_method: RecyclingMethod::Fast,
             },
         );
+        // While the server refuses new connections (a smart shutdown), a connection handed
+        // back is closed at its next use instead of being used again (`shutdown_watch`).
+        let refused = Arc::new(tokio::sync::watch::channel(false).0);
+        let refusing = refused.clone();
+        let give_way = deadpool_postgres::Hook::sync_fn(move |_, _| match *refusing.borrow() {
+            true => Err(deadpool_postgres::HookError::message(
+                "PostgreSQL refuses new connections",
+            )),
+            false => Ok(()),
+        });
         let pool = Pool::builder(manager)
+            .pre_recycle(give_way)
             .max_size(options.pool_size.max(2))
             .wait_timeout(Some(Duration::from_secs(10)))
             .create_timeout(Some(Duration::from_secs(10)))
@@ -195,6 +210,7 @@ impl PgStore {
                 retain_delivered: options.retain_delivered,
                 operation_timeout: options.operation_timeout.unwrap_or(OPERATION_TIMEOUT),
                 waiting: tokio::sync::watch::channel(false).0,
+                refused,
                 owned: Default::default(),
                 floor: Default::default(),
             }),
@@ -796,6 +812,10 @@ impl OutboxStore for PgStore {
     fn subscribe(&self, on_change: OnChange) -> Option<BoxFuture<'static, ()>> {
         let inner = self.inner.clone();
         Some(listen_forever(inner, on_change).boxed())
+    }
+
+    fn give_way_to_shutdown(&self) -> Option<BoxFuture<'static, ()>> {
+        Some(shutdown_watch::watch(self.inner.clone()).boxed())
     }
 
     fn set_waiting(&self, waiting: bool) {

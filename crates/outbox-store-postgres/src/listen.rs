@@ -20,12 +20,20 @@ pub(crate) async fn listen_forever(inner: Arc<Inner>, on_change: OnChange) {
 /// [`listen_forever`] on a given channel (a validated identifier).
 async fn listen_forever_on(inner: Arc<Inner>, channel: String, on_change: OnChange) {
     let mut backoff = outbox_core::Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
+    let mut refused = inner.refused.subscribe();
     loop {
-        if let Err(e) = listen_once(&inner, &channel, &on_change).await {
+        // While the server refuses new connections the session ends, for a smart shutdown
+        // waits for it (see `shutdown_watch`); it starts again once the server is back.
+        let listened = tokio::select! {
+            listened = listen_once(&inner, &channel, &on_change) => listened,
+            _ = refused.wait_for(|refused| *refused) => Ok(()),
+        };
+        if let Err(e) = listened {
             tracing::warn!(error = %e.report(), "LISTEN connection lost; the safety poll covers the gap");
         } else {
             backoff.reset();
         }
+        let _ = refused.wait_for(|refused| !*refused).await;
         tokio::time::sleep(backoff.next_delay()).await;
     }
 }

@@ -153,8 +153,10 @@ impl MappedDb for MappedPg {
         Ok(row.get::<_, bool>(0).then_some(client))
     }
 
+    /// A lock whose server refuses new connections is let go: a smart shutdown waits for
+    /// its session too (see `shutdown_watch`).
     async fn lock_alive(&self, lock: &mut Self::Lock) -> bool {
-        !lock.is_closed()
+        !lock.is_closed() && !*self.inner().refused.borrow()
     }
 
     async fn query(
@@ -375,6 +377,10 @@ impl MappedDb for MappedPg {
     fn subscribe(&self, on_change: OnChange) -> Option<BoxFuture<'static, ()>> {
         // The base store listens on this table's channel, and gates it (see `open`).
         self.base.subscribe(on_change)
+    }
+
+    fn give_way_to_shutdown(&self) -> Option<BoxFuture<'static, ()>> {
+        self.base.give_way_to_shutdown()
     }
 
     fn set_waiting(&self, waiting: bool) {

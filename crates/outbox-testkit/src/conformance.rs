@@ -1007,6 +1007,9 @@ impl OutboxStore for ClaimsFail {
     fn subscribe(&self, on_change: OnChange) -> Option<BoxFuture<'static, ()>> {
         self.store.subscribe(on_change)
     }
+    fn give_way_to_shutdown(&self) -> Option<BoxFuture<'static, ()>> {
+        self.store.give_way_to_shutdown()
+    }
     fn set_waiting(&self, waiting: bool) {
         self.store.set_waiting(waiting)
     }

@@ -552,6 +552,57 @@ async fn a_standby_relay_takes_over_a_mapped_table_when_the_active_one_dies() {
     second.terminate().await;
 }
 
+/// The active relay of a mapped table holds the table's lock on a session of its own, which
+/// a smart shutdown (`pg_ctl stop -m smart`) waits for as for the pooled ones: the lock is let
+/// go while the server refuses new connections, and taken again once it is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_smart_shutdown_of_postgresql_is_not_held_by_the_active_relay_of_a_mapped_table() {
+    // Never the shared server: this one is stopped.
+    let server = support::OwnPostgres::init();
+    server.start("");
+    let url = server.url("disable");
+    let insert = |order: i32| {
+        let url = url.clone();
+        async move {
+            pg(&url)
+                .await
+                .batch_execute(&format!(
+                    "INSERT INTO event (type_code, payload)
+                     VALUES ('order_created', '{{\"order\": {order}}}')"
+                ))
+                .await
+                .unwrap();
+        }
+    };
+    pg(&url)
+        .await
+        .batch_execute(&format!(
+            "{}; INSERT INTO event_type (code, max_retry_count) VALUES ('order_created', 3);",
+            include_str!("../fixtures/seeds/export.sql")
+        ))
+        .await
+        .unwrap();
+    let h = Harness::on(url.clone()).await;
+    h.configure("export", &["order_created"]);
+    let mut relay = h.relay("export");
+    insert(1).await;
+    h.wait_messages(1).await;
+    server.assert_a_smart_shutdown_is_not_held(&relay);
+    server.resume();
+    insert(2).await;
+    h.wait_messages(2).await;
+    assert_eq!(
+        relay
+            .logs()
+            .matches("this relay is now the table's active relay")
+            .count(),
+        2,
+        "the lock let go and taken again\n{}",
+        relay.logs()
+    );
+    relay.terminate().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mysql_seed_outbox_events_are_relayed_fifo_and_marked_consumed_on_mariadb() {
     let h = Harness::on(outbox_testkit::fresh_mysql_database().await).await;

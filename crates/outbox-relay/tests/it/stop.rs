@@ -410,3 +410,60 @@ async fn revoking_update_on_the_partitions_table_shows_in_the_logs_the_metrics_a
     let status = relay.terminate().await;
     assert_eq!(status.code(), Some(0), "{}", relay.logs());
 }
+
+/// A smart shutdown (`pg_ctl stop -m smart`) refuses new connections, then waits for every
+/// client session to end on its own: the relay's pooled connections and its LISTEN session
+/// held it for good. The relay now lets them go while the server refuses a probe, and
+/// reconnects once it is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_smart_shutdown_of_postgresql_is_not_held_by_a_polling_relay() {
+    let dir = tempfile::tempdir().unwrap();
+    // Never the shared server: this one is stopped.
+    let server = crate::support::OwnPostgres::init();
+    server.start("");
+    let url = server.url("disable");
+    let migrated = relay(dir.path(), &["migrate", "--database-url", &url]);
+    assert!(
+        migrated.status.success(),
+        "{}",
+        String::from_utf8_lossy(&migrated.stderr)
+    );
+    let mut relay = pg_relay(dir.path(), "relay", &url, &[]);
+    let out = dir.path().join("events.jsonl");
+    let insert = |n: i32| {
+        let url = url.clone();
+        async move {
+            pg(&url)
+                .await
+                .execute(
+                    "INSERT INTO outbox (destination, partition_key, event_type, payload)
+                     VALUES ('orders', 'k', 'Inserted', jsonb_build_object('n', $1::int))",
+                    &[&n],
+                )
+                .await
+                .unwrap();
+        }
+    };
+    insert(1).await;
+    wait_for_delivered(&relay, &out, 1).await;
+    server.assert_a_smart_shutdown_is_not_held(&relay);
+    server.resume();
+    insert(2).await;
+    wait_for_delivered(&relay, &out, 2).await;
+    let status = relay.terminate().await;
+    assert_eq!(status.code(), Some(0), "{}", relay.logs());
+}
+
+/// Waits until `out` holds `n` deliveries.
+async fn wait_for_delivered(relay: &RelayProcess, out: &Path, n: usize) {
+    eventually_explained(
+        &format!("{n} delivered"),
+        Duration::from_secs(60),
+        || relay.logs(),
+        || {
+            let done = read_lines(out).len() >= n;
+            async move { done.then_some(()) }
+        },
+    )
+    .await;
+}

@@ -1248,10 +1248,21 @@ async fn a_fast_shutdown_is_not_held_by_a_session_waiting_to_announce_itself() {
 
 #[tokio::test]
 async fn a_fast_shutdown_of_postgresql_is_not_held_by_a_relay_with_unsettled_events() {
+    a_shutdown_is_not_held_by_a_relay_with_unsettled_events("fast").await;
+}
+
+/// A smart shutdown waits for the relay's SQL sessions first (they let go while the server
+/// refuses new connections), then for its walsender as a fast one does.
+#[tokio::test]
+async fn a_smart_shutdown_of_postgresql_is_not_held_by_a_relay_with_unsettled_events() {
+    a_shutdown_is_not_held_by_a_relay_with_unsettled_events("smart").await;
+}
+
+async fn a_shutdown_is_not_held_by_a_relay_with_unsettled_events(mode: &str) {
     // Never the shared server: this one is stopped.
     let server = OwnPostgres::init();
     server.start("-c wal_level=logical");
-    let w = WalDb::on(server.url("disable"), "shutdown_slot".into()).await;
+    let w = WalDb::on(server.url("disable"), format!("{mode}_shutdown_slot")).await;
     let (_nats, deliveries, proxy, broker_url) = nats_behind_a_proxy().await;
     let mut relay = w.streaming_to(&broker_url, &RETRY_AN_OUTAGE).await;
     let handle = proxy.handle();
@@ -1280,7 +1291,18 @@ async fn a_fast_shutdown_of_postgresql_is_not_held_by_a_relay_with_unsettled_eve
     .await;
     // A fast shutdown ends the SQL sessions, then waits for each walsender's client to
     // confirm the WAL it was sent: a relay that cannot park kept it waiting for good.
-    assert_a_fast_shutdown_is_not_held(&server, &relay);
+    match mode {
+        "fast" => assert_a_fast_shutdown_is_not_held(&server, &relay),
+        _ => {
+            // The test's own session would hold a smart shutdown too: it ends first (the
+            // checks below connect again).
+            let ended =
+                w.db.batch_execute("SELECT pg_terminate_backend(pg_backend_pid())")
+                    .await;
+            assert!(ended.is_err(), "the session survived its own end");
+            server.assert_a_smart_shutdown_is_not_held(&relay)
+        }
+    }
     server.resume();
     handle.heal();
     eventually_explained(

@@ -1225,6 +1225,11 @@ impl OutboxStore for WalStore {
         // The reader calls it; nothing to run here.
         Some(futures::future::pending().boxed())
     }
+
+    /// The SQL sessions' (the replication session gives way by its own rules).
+    fn give_way_to_shutdown(&self) -> Option<BoxFuture<'static, ()>> {
+        self.inner.main.give_way_to_shutdown()
+    }
 }
 
 impl std::fmt::Debug for WalStore {

@@ -782,6 +782,21 @@ impl OwnPostgres {
         )
     }
 
+    /// `pg_ctl stop -m smart` finishes within 15 s while `relay` runs (it probes the server
+    /// every 5 s; the shutdown took 5-6 s here), and the relay is still running.
+    pub fn assert_a_smart_shutdown_is_not_held(&self, relay: &RelayProcess) {
+        let began = std::time::Instant::now();
+        let stopped = self.try_stop("smart", Duration::from_secs(15));
+        // For the record (BENCHMARKS.md): a figure, not an assertion.
+        eprintln!("the smart shutdown took {:?}", began.elapsed());
+        assert!(
+            stopped.is_ok(),
+            "the smart shutdown waited for the relay: {stopped:?}\n{}",
+            relay.logs()
+        );
+        assert!(relay.is_running(), "{}", relay.logs());
+    }
+
     pub fn url(&self, sslmode: &str) -> String {
         format!(
             "postgres://postgres@127.0.0.1:{}/postgres?sslmode={sslmode}",
