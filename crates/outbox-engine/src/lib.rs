@@ -138,6 +138,10 @@ pub enum DrainEnd {
     Left(Backlog),
     /// The backlog could not be read, so the drain cannot vouch for anything.
     Unknown(String),
+    /// Nothing is left that the engine could claim, but the store's source cannot vouch for
+    /// the table (a capture's stream that will never bring rows still in it, or cannot tell
+    /// whether it would): why, and the fix. Set by the caller, which asks the capture.
+    Unvouched(String),
 }
 
 /// A finished settle statement.

@@ -300,6 +300,20 @@ impl Running {
                 StartedCapture::Wal(wal) => wal.dead_lettered_by_capture(),
                 StartedCapture::Binlog(binlog) => binlog.dead_lettered_by_capture(),
             };
+            // Nor over rows of the table the slot's stream will never bring.
+            if let (Some(DrainEnd::Clean { .. }), StartedCapture::Wal(wal)) =
+                (&summary.drain, capture)
+            {
+                let problems = wal.drain_problems().await;
+                if !problems.is_empty() {
+                    let why = problems
+                        .iter()
+                        .map(|p| format!("{} (fix: {})", p.what, p.fix))
+                        .collect::<Vec<_>>()
+                        .join("; ");
+                    summary.drain = Some(DrainEnd::Unvouched(why));
+                }
+            }
         }
         // A drain that ended by itself has its whole budget still to come.
         let since = stopping_since.get().copied().unwrap_or_else(Instant::now);
@@ -520,6 +534,7 @@ fn drain_verdict(summary: &Summary) -> anyhow::Result<()> {
         Some(DrainEnd::Unknown(e)) => {
             bail!("drain incomplete: {dead}cannot tell what is left in the outbox: {e}")
         }
+        Some(DrainEnd::Unvouched(why)) => bail!("drain incomplete: {dead}{why}"),
         None => bail!("drain incomplete: {dead}the drain did not finish{last_error}"),
     }
 }

@@ -1892,7 +1892,9 @@ async fn the_printed_grants_are_enough_to_adopt_and_to_adopt_again() {
 
 /// A role that cannot keep the confirm mark (granted before the table existed): the relay
 /// confirms the slot without it, saying so once, and `check` names the missing privilege.
-/// It must never stop confirming, which would hold the server's WAL.
+/// It must never stop confirming, which would hold the server's WAL. A drain delivers, but
+/// does not call itself clean: without the mark, a slot made again by hand is told late,
+/// and the rows its stream skips would pass for drained (it exited 0).
 #[tokio::test]
 async fn a_role_that_cannot_keep_the_mark_still_confirms_the_slot() {
     let mut w = WalDb::new().await;
@@ -1903,21 +1905,15 @@ async fn a_role_that_cannot_keep_the_mark_still_confirms_the_slot() {
     .await
     .unwrap();
     insert(&w.db, "k", 0).await;
-    let out = w.path("events.jsonl");
-    assert_success("the first drain", &w.drain(&out));
+    w.drain_fails_saying("drain incomplete: the slot's confirm mark cannot be kept");
     insert(&w.db, "k", 1).await;
     let before: String =
         w.db.query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
             .await
             .unwrap()
             .get(0);
-    let drained = w.drain(&out);
-    assert_success("the drain", &drained);
-    assert!(
-        text(&drained.stderr).contains("confirm mark cannot be kept"),
-        "{}",
-        text(&drained.stderr)
-    );
+    w.drain_fails_saying("drain incomplete: the slot's confirm mark cannot be kept");
+    let out = w.path("events.jsonl");
     let past: bool =
         w.db.query_one(
             "SELECT confirmed_flush_lsn >= $2::text::pg_lsn FROM pg_replication_slots

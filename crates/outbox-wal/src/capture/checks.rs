@@ -217,7 +217,7 @@ pub(super) async fn publication_problems(
 /// dropped and made again under its name while no relay ran (a relay that finds it
 /// missing forgets the record), so the record is its predecessor's. The next session
 /// adopts them; until then they wait, and `check` says so.
-async fn stranded(
+pub(super) async fn stranded(
     main: &PgStore,
     sql: &CaptureStatements,
     tables: &CaptureTables,

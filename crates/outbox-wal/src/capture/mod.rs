@@ -154,6 +154,7 @@ type AckRound = capture::SharedOutcome;
 struct Inner {
     main: PgStore,
     parked: PgStore,
+    tables: CaptureTables,
     sql: CaptureStatements,
     slot: String,
     publication: outbox_core::ident::Ident,
@@ -258,6 +259,7 @@ impl WalStore {
             inner: Arc::new(Inner {
                 main,
                 parked,
+                tables,
                 sql,
                 slot: options.wal.slot.clone(),
                 publication: options.publication.clone(),
@@ -308,6 +310,27 @@ impl WalStore {
             .dead_letters
             .count
             .load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// What keeps a drain that reached its end from vouching for the table: rows of it the
+    /// slot's stream will never bring (its slot made again by hand while no relay ran, not
+    /// adopted yet), or a confirm mark that cannot be kept, without which such a slot is
+    /// told late (only by those rows, once the slot's `catalog_xmin` passed them). `check`
+    /// names the same problems. Empty: the drain may call itself clean.
+    pub async fn drain_problems(&self) -> Vec<Problem> {
+        let inner = &self.inner;
+        match checks::stranded(&inner.main, &inner.sql, &inner.tables, &inner.slot).await {
+            Ok(problems) => problems,
+            Err(e) => vec![Problem::degraded(
+                format!(
+                    "cannot tell whether rows of {} wait that the replication slot {:?} will                      not bring: {}",
+                    inner.tables.source.name,
+                    inner.slot,
+                    e.report()
+                ),
+                "run the drain again once the database answers",
+            )],
+        }
     }
 
     /// Ends the session after reporting the last confirmed position (within `wait`), which
