@@ -119,9 +119,9 @@ struct Inner {
     operation_timeout: Duration,
     /// The engine's waiting state, for the gated wake-up.
     waiting: tokio::sync::watch::Sender<bool>,
-    /// Whether the server refuses new connections (a smart shutdown): the store's sessions
-    /// let go meanwhile (see `shutdown_watch`).
-    refused: Arc<tokio::sync::watch::Sender<bool>>,
+    /// Since when the server refuses new connections (a smart shutdown), `None` while it
+    /// takes them: the store's sessions older than that let go (see `shutdown_watch`).
+    refused: Arc<tokio::sync::watch::Sender<shutdown_watch::RefusedSince>>,
     /// The rows each node holds from owned-partition claims, and where claims start.
     owned: owned::OwnedClaims,
     /// Whether claims may use the scan floor now.
@@ -182,15 +182,17 @@ impl PgStore {
                 recycling_method: RecyclingMethod::Fast,
             },
         );
-        // While the server refuses new connections (a smart shutdown), a connection handed
-        // back is closed at its next use instead of being used again (`shutdown_watch`).
-        let refused = Arc::new(tokio::sync::watch::channel(false).0);
+        // A connection made before the server began to refuse new ones (a smart shutdown)
+        // is closed at its next use instead of being used again (`shutdown_watch`).
+        let refused = Arc::new(tokio::sync::watch::channel(None).0);
         let refusing = refused.clone();
-        let give_way = deadpool_postgres::Hook::sync_fn(move |_, _| match *refusing.borrow() {
-            true => Err(deadpool_postgres::HookError::message(
-                "PostgreSQL refuses new connections",
-            )),
-            false => Ok(()),
+        let give_way = deadpool_postgres::Hook::sync_fn(move |_, metrics| {
+            match shutdown_watch::older_than_the_refusal(&refusing, metrics.created) {
+                true => Err(deadpool_postgres::HookError::message(
+                    "PostgreSQL refuses new connections",
+                )),
+                false => Ok(()),
+            }
         });
         let pool = Pool::builder(manager)
             .pre_recycle(give_way)

@@ -10,6 +10,10 @@ use tokio_postgres::AsyncMessage;
 use crate::error::db_error;
 use crate::Inner;
 
+/// How long a LISTEN session ended by the server's refusal of new connections waits for it
+/// to take them again before it tries anyway.
+const REFUSED_PATIENCE: Duration = Duration::from_secs(30);
+
 /// LISTENs on a dedicated connection and calls `on_change` for every notification, and once
 /// after each (re)connect to catch what was missed. Reconnects with backoff, forever.
 pub(crate) async fn listen_forever(inner: Arc<Inner>, on_change: OnChange) {
@@ -22,18 +26,27 @@ async fn listen_forever_on(inner: Arc<Inner>, channel: String, on_change: OnChan
     let mut backoff = outbox_core::Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
     let mut refused = inner.refused.subscribe();
     loop {
-        // While the server refuses new connections the session ends, for a smart shutdown
-        // waits for it (see `shutdown_watch`); it starts again once the server is back.
+        // Once the server refuses new connections the session ends, for a smart shutdown
+        // waits for it (see `shutdown_watch`); the next one starts once the server takes
+        // connections again (or a while later, should nothing say so).
+        let opened = std::time::Instant::now();
         let listened = tokio::select! {
-            listened = listen_once(&inner, &channel, &on_change) => listened,
-            _ = refused.wait_for(|refused| *refused) => Ok(()),
+            listened = listen_once(&inner, &channel, &on_change) => Some(listened),
+            _ = refused.wait_for(|since| since.is_some_and(|at| at > opened)) => None,
+        };
+        let listened = match listened {
+            Some(listened) => listened,
+            None => {
+                let back = refused.wait_for(|since| since.is_none());
+                let _ = tokio::time::timeout(REFUSED_PATIENCE, back).await;
+                Ok(())
+            }
         };
         if let Err(e) = listened {
             tracing::warn!(error = %e.report(), "LISTEN connection lost; the safety poll covers the gap");
         } else {
             backoff.reset();
         }
-        let _ = refused.wait_for(|refused| !*refused).await;
         tokio::time::sleep(backoff.next_delay()).await;
     }
 }

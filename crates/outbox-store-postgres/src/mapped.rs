@@ -131,13 +131,20 @@ impl MappedDb for MappedPg {
 
     async fn take_lock(&self, mapping: &Mapping) -> StoreResult<Option<Self::Lock>> {
         let inner = self.inner();
+        let opened = std::time::Instant::now();
         let (client, connection) = inner
             .config
             .connect(inner.tls.clone())
             .await
             .map_err(|e| db_error("take the active-relay lock", e))?;
+        // The session ends (and the lock with it) once the server refuses new connections: a
+        // smart shutdown waits for it too (see `shutdown_watch`).
+        let mut refused = inner.refused.subscribe();
         tokio::spawn(async move {
-            let _ = connection.await;
+            tokio::select! {
+                _ = connection => {}
+                _ = refused.wait_for(|since| since.is_some_and(|at| at > opened)) => {}
+            }
         });
         let table = match &mapping.schema {
             Some(s) => format!("{s}.{}", mapping.table),
@@ -153,10 +160,8 @@ impl MappedDb for MappedPg {
         Ok(row.get::<_, bool>(0).then_some(client))
     }
 
-    /// A lock whose server refuses new connections is let go: a smart shutdown waits for
-    /// its session too (see `shutdown_watch`).
     async fn lock_alive(&self, lock: &mut Self::Lock) -> bool {
-        !lock.is_closed() && !*self.inner().refused.borrow()
+        !lock.is_closed()
     }
 
     async fn query(

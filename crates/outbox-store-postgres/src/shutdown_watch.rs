@@ -5,23 +5,25 @@
 //!
 //! A probe connection, now and then, is the only thing that tells: the server refuses it
 //! (SQLSTATE 57P03, "cannot connect now") while the relay's own sessions are still open.
-//! The store then lets its sessions go: idle pooled connections are closed, each one in use
-//! is closed as it is handed back, the LISTEN session ends and the active-relay lock of a
-//! mapped table is let go. Nothing is lost by it: the relay's work fails as it does while
-//! the database is away, and resumes once the server takes connections again (the probe
-//! says when). Walsenders do not hold a smart shutdown until its last phase, where a fast
-//! shutdown's rules apply (see `outbox-wal`).
+//! The store then lets go of every session opened before the refusal: idle pooled
+//! connections at once, each one in use at its next use (or within a second), the LISTEN
+//! session, and the session holding a mapped table's active-relay lock. Nothing is lost by
+//! it: the relay's work fails as it does while the database is away, and resumes once the
+//! server takes connections again. Sessions opened after the refusal are kept, so a probe
+//! that reached another server than the pool's (a URL of several hosts, a proxy) costs one
+//! reconnect, never a stall. Walsenders do not hold a smart shutdown until its last phase,
+//! where a fast shutdown's rules apply (see `outbox-wal`).
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio_postgres::error::SqlState;
 
 use crate::Inner;
 
 /// How often the probe connects while the server takes connections: a smart shutdown
-/// finishes about this long after the relay's last other client has gone. One short
-/// connection each time, which a server with `log_connections = on` logs.
+/// finishes about this long after the other clients have gone. One short connection each
+/// time, per outbox, which a server with `log_connections = on` logs.
 pub const PROBE_EVERY: Duration = Duration::from_secs(5);
 
 /// How often it connects while the server refuses: the relay reconnects about this long
@@ -30,6 +32,18 @@ const PROBE_WHILE_REFUSED: Duration = Duration::from_secs(1);
 
 /// A probe that gets no answer within this long says nothing either way.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Since when the server refuses new connections (the first refused probe of a run of
+/// them); `None` while it takes them.
+pub(crate) type RefusedSince = Option<Instant>;
+
+/// Whether a session opened at `opened` predates the server's refusal, and must let go.
+pub(crate) fn older_than_the_refusal(
+    refused: &tokio::sync::watch::Sender<RefusedSince>,
+    opened: Instant,
+) -> bool {
+    refused.borrow().is_some_and(|since| opened < since)
+}
 
 /// What a probe connection found.
 #[derive(Debug, PartialEq)]
@@ -43,11 +57,11 @@ enum Probe {
     Unknown,
 }
 
-/// Probes the server for as long as it is polled, and keeps `inner.refused` (which the pool
-/// and the LISTEN session follow) up to date.
+/// Probes the server for as long as it is polled, and keeps `inner.refused` (which the pool,
+/// the LISTEN session and a mapped table's lock follow) up to date.
 pub(crate) async fn watch(inner: Arc<Inner>) {
     loop {
-        let refused = *inner.refused.borrow();
+        let refused = inner.refused.borrow().is_some();
         tokio::time::sleep(if refused {
             PROBE_WHILE_REFUSED
         } else {
@@ -56,18 +70,26 @@ pub(crate) async fn watch(inner: Arc<Inner>) {
         .await;
         match probe(&inner).await {
             Probe::Refused => {
-                if !inner.refused.send_replace(true) {
+                let began = inner.refused.send_if_modified(|since| {
+                    let began = since.is_none();
+                    since.get_or_insert_with(Instant::now);
+                    began
+                });
+                if began {
                     tracing::warn!(
                         "PostgreSQL refuses new connections (a smart shutdown, or a restart): \
                          the relay closes its own sessions, so that a shutdown waiting for them \
                          can finish, and reconnects once the server takes connections again"
                     );
                 }
-                // Idle ones now; each one in use as it is handed back (the pool's hook).
-                inner.pool.retain(|_, _| false);
+                // Idle ones now; each one in use at its next use (the pool's hook), or here
+                // within a second.
+                inner
+                    .pool
+                    .retain(|_, metrics| !older_than_the_refusal(&inner.refused, metrics.created));
             }
             Probe::Accepted => {
-                if inner.refused.send_replace(false) {
+                if inner.refused.send_replace(None).is_some() {
                     tracing::info!("PostgreSQL takes connections again; the relay reconnects");
                 }
             }
@@ -79,8 +101,13 @@ pub(crate) async fn watch(inner: Arc<Inner>) {
 async fn probe(inner: &Inner) -> Probe {
     let connecting = inner.config.connect(inner.tls.clone());
     match tokio::time::timeout(PROBE_TIMEOUT, connecting).await {
-        // Dropping both ends the session at once.
-        Ok(Ok((_client, _connection))) => Probe::Accepted,
+        Ok(Ok((client, connection))) => {
+            // Without its client the connection says goodbye (Terminate) and ends, rather
+            // than leave the server a reset socket to log.
+            drop(client);
+            let _ = tokio::time::timeout(PROBE_TIMEOUT, connection).await;
+            Probe::Accepted
+        }
         Ok(Err(e)) => outcome(e.code()),
         Err(_) => Probe::Unknown,
     }

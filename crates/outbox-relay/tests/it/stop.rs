@@ -448,6 +448,35 @@ async fn a_smart_shutdown_of_postgresql_is_not_held_by_a_polling_relay() {
     wait_for_delivered(&relay, &out, 1).await;
     server.assert_a_smart_shutdown_is_not_held(&relay);
     server.resume();
+    relay
+        .wait_for_log(
+            "the relay back",
+            Duration::from_secs(60),
+            "PostgreSQL takes connections again",
+        )
+        .await;
+    // Its LISTEN session begins again.
+    eventually_explained(
+        "a LISTEN session",
+        Duration::from_secs(60),
+        || relay.logs(),
+        || {
+            let url = url.clone();
+            async move {
+                let listening: i64 = pg(&url)
+                    .await
+                    .query_one(
+                        "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN %'",
+                        &[],
+                    )
+                    .await
+                    .ok()?
+                    .get(0);
+                (listening > 0).then_some(())
+            }
+        },
+    )
+    .await;
     insert(2).await;
     wait_for_delivered(&relay, &out, 2).await;
     let status = relay.terminate().await;

@@ -1573,8 +1573,9 @@ async fn parked_events_survive_a_server_crash_under_synchronous_commit_off() {
     )
     .await;
     // A checkpoint logs the snapshot the slot restarts from (and flushes the WAL so far).
-    // Then an asynchronous commit, once flushed, tells that the WAL writer just flushed:
-    // it writes nothing more for the next 10 s, but what a synchronous commit flushes.
+    // Then an asynchronous commit, once flushed, tells that the WAL writer just flushed: it
+    // writes nothing more for the next 10 s. The relay's own durable writes (its heartbeat)
+    // may flush a park sooner, so the crash loses parks only sometimes.
     w.db.batch_execute(
         "CHECKPOINT;
          CREATE TABLE wal_writer_clock (at timestamptz);

@@ -319,11 +319,28 @@ impl WalStore {
     /// names the same problems. Empty: the drain may call itself clean.
     pub async fn drain_problems(&self) -> Vec<Problem> {
         let inner = &self.inner;
+        // Rows of delivered events that showed late (`sweep_late_rows`) would pass for
+        // stranded once the slot's catalog_xmin is past them: swept now, while that helps.
+        loop {
+            let left = {
+                let mut state = lock(&inner.state);
+                state.late_rows_swept = None;
+                state.late_rows.len()
+            };
+            if left == 0 {
+                break;
+            }
+            inner.sweep_late_rows().await;
+            if lock(&inner.state).late_rows.len() >= left {
+                break;
+            }
+        }
         match checks::stranded(&inner.main, &inner.sql, &inner.tables, &inner.slot).await {
             Ok(problems) => problems,
             Err(e) => vec![Problem::degraded(
                 format!(
-                    "cannot tell whether rows of {} wait that the replication slot {:?} will                      not bring: {}",
+                    "cannot tell whether rows of {} wait that the replication slot {:?} will \
+                     not bring: {}",
                     inner.tables.source.name,
                     inner.slot,
                     e.report()
