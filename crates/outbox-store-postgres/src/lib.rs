@@ -187,7 +187,7 @@ impl PgStore {
         let refused = Arc::new(tokio::sync::watch::channel(None).0);
         let refusing = refused.clone();
         let give_way = deadpool_postgres::Hook::sync_fn(move |_, metrics| {
-            match shutdown_watch::older_than_the_refusal(&refusing, metrics.created) {
+            match shutdown_watch::pooled_before_the_refusal(&refusing, metrics.created) {
                 true => Err(deadpool_postgres::HookError::message(
                     "PostgreSQL refuses new connections",
                 )),
@@ -198,7 +198,7 @@ impl PgStore {
             .pre_recycle(give_way)
             .max_size(options.pool_size.max(2))
             .wait_timeout(Some(Duration::from_secs(10)))
-            .create_timeout(Some(Duration::from_secs(10)))
+            .create_timeout(Some(shutdown_watch::POOL_CONNECT_TIMEOUT))
             .runtime(deadpool_postgres::Runtime::Tokio1)
             .build()
             .map_err(|e| StoreError::new(StoreErrorKind::Config, format!("pool setup: {e}")))?;

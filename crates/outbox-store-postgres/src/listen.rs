@@ -43,7 +43,12 @@ async fn listen_forever_on(inner: Arc<Inner>, channel: String, on_change: OnChan
             }
         };
         if let Err(e) = listened {
-            tracing::warn!(error = %e.report(), "LISTEN connection lost; the safety poll covers the gap");
+            if inner.refused.borrow().is_some() {
+                // A server shutting down refuses it: said once (`shutdown_watch`).
+                tracing::debug!(error = %e.report(), "LISTEN connection refused");
+            } else {
+                tracing::warn!(error = %e.report(), "LISTEN connection lost; the safety poll covers the gap");
+            }
         } else {
             backoff.reset();
         }

@@ -33,16 +33,33 @@ const PROBE_WHILE_REFUSED: Duration = Duration::from_secs(1);
 /// A probe that gets no answer within this long says nothing either way.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long the pool may take to open a connection (its create timeout). A pooled
+/// connection is stamped when its handshake ended, and one begun before the refusal (which
+/// the server lets finish) may end after it: the pool lets go of those stamped up to this
+/// long after the refusal too (after a wrong refusal, a reconnect or two more).
+pub(crate) const POOL_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Since when the server refuses new connections (the first refused probe of a run of
 /// them); `None` while it takes them.
 pub(crate) type RefusedSince = Option<Instant>;
 
-/// Whether a session opened at `opened` predates the server's refusal, and must let go.
+/// Whether a session whose opening began at `opened` predates the server's refusal, and
+/// must let go.
 pub(crate) fn older_than_the_refusal(
     refused: &tokio::sync::watch::Sender<RefusedSince>,
     opened: Instant,
 ) -> bool {
     refused.borrow().is_some_and(|since| opened < since)
+}
+
+/// [`older_than_the_refusal`] for a pooled connection stamped `created` when its handshake
+/// ended ([`POOL_CONNECT_TIMEOUT`]).
+pub(crate) fn pooled_before_the_refusal(
+    refused: &tokio::sync::watch::Sender<RefusedSince>,
+    created: Instant,
+) -> bool {
+    let began = created.checked_sub(POOL_CONNECT_TIMEOUT).unwrap_or(created);
+    older_than_the_refusal(refused, began)
 }
 
 /// What a probe connection found.
@@ -60,6 +77,9 @@ enum Probe {
 /// Probes the server for as long as it is polled, and keeps `inner.refused` (which the pool,
 /// the LISTEN session and a mapped table's lock follow) up to date.
 pub(crate) async fn watch(inner: Arc<Inner>) {
+    // A refusal after a probe that said nothing starts a new run: the server may have taken
+    // connections meanwhile, and the relay's sessions of then must let go too.
+    let mut run_broken = false;
     loop {
         let refused = inner.refused.borrow().is_some();
         tokio::time::sleep(if refused {
@@ -72,9 +92,12 @@ pub(crate) async fn watch(inner: Arc<Inner>) {
             Probe::Refused => {
                 let began = inner.refused.send_if_modified(|since| {
                     let began = since.is_none();
-                    since.get_or_insert_with(Instant::now);
-                    began
-                });
+                    if began || run_broken {
+                        *since = Some(Instant::now());
+                    }
+                    began || run_broken
+                }) && !run_broken;
+                run_broken = false;
                 if began {
                     tracing::warn!(
                         "PostgreSQL refuses new connections (a smart shutdown, or a restart): \
@@ -84,16 +107,17 @@ pub(crate) async fn watch(inner: Arc<Inner>) {
                 }
                 // Idle ones now; each one in use at its next use (the pool's hook), or here
                 // within a second.
-                inner
-                    .pool
-                    .retain(|_, metrics| !older_than_the_refusal(&inner.refused, metrics.created));
+                inner.pool.retain(|_, metrics| {
+                    !pooled_before_the_refusal(&inner.refused, metrics.created)
+                });
             }
             Probe::Accepted => {
+                run_broken = false;
                 if inner.refused.send_replace(None).is_some() {
                     tracing::info!("PostgreSQL takes connections again; the relay reconnects");
                 }
             }
-            Probe::Unknown => {}
+            Probe::Unknown => run_broken = inner.refused.borrow().is_some(),
         }
     }
 }
@@ -105,7 +129,7 @@ async fn probe(inner: &Inner) -> Probe {
             // Without its client the connection says goodbye (Terminate) and ends, rather
             // than leave the server a reset socket to log.
             drop(client);
-            let _ = tokio::time::timeout(PROBE_TIMEOUT, connection).await;
+            let _ = tokio::time::timeout(Duration::from_secs(1), connection).await;
             Probe::Accepted
         }
         Ok(Err(e)) => outcome(e.code()),
@@ -124,6 +148,19 @@ fn outcome(code: Option<&SqlState>) -> Probe {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pooled_connection_whose_handshake_may_have_begun_before_the_refusal_lets_go() {
+        let refused = tokio::sync::watch::channel(None).0;
+        let since = Instant::now();
+        let at = |after: u64| since + Duration::from_secs(after);
+        assert!(!pooled_before_the_refusal(&refused, at(0)), "no refusal");
+        refused.send_replace(Some(since));
+        assert!(pooled_before_the_refusal(&refused, since));
+        assert!(pooled_before_the_refusal(&refused, at(5)), "begun before it");
+        assert!(!pooled_before_the_refusal(&refused, at(11)), "begun after it");
+        assert!(!older_than_the_refusal(&refused, at(5)), "a session stamped at its start");
+    }
 
     #[test]
     fn only_cannot_connect_now_is_a_refusal() {

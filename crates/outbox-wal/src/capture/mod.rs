@@ -330,7 +330,12 @@ impl WalStore {
             if left == 0 {
                 break;
             }
-            inner.sweep_late_rows().await;
+            // A whole pass over them (each sweep takes a bounded number, and puts back
+            // those still not visible).
+            for _ in 0..left.div_ceil(LATE_ROWS_PER_SWEEP) {
+                lock(&inner.state).late_rows_swept = None;
+                inner.sweep_late_rows().await;
+            }
             if lock(&inner.state).late_rows.len() >= left {
                 break;
             }
