@@ -157,9 +157,18 @@ mod tests {
         assert!(!pooled_before_the_refusal(&refused, at(0)), "no refusal");
         refused.send_replace(Some(since));
         assert!(pooled_before_the_refusal(&refused, since));
-        assert!(pooled_before_the_refusal(&refused, at(5)), "begun before it");
-        assert!(!pooled_before_the_refusal(&refused, at(11)), "begun after it");
-        assert!(!older_than_the_refusal(&refused, at(5)), "a session stamped at its start");
+        assert!(
+            pooled_before_the_refusal(&refused, at(5)),
+            "begun before it"
+        );
+        assert!(
+            !pooled_before_the_refusal(&refused, at(11)),
+            "begun after it"
+        );
+        assert!(
+            !older_than_the_refusal(&refused, at(5)),
+            "a session stamped at its start"
+        );
     }
 
     #[test]

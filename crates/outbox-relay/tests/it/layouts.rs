@@ -588,14 +588,7 @@ async fn a_smart_shutdown_of_postgresql_is_not_held_by_the_active_relay_of_a_map
     insert(1).await;
     h.wait_messages(1).await;
     server.assert_a_smart_shutdown_is_not_held(&relay);
-    server.resume();
-    relay
-        .wait_for_log(
-            "the relay back",
-            Duration::from_secs(60),
-            "PostgreSQL takes connections again",
-        )
-        .await;
+    server.resume_and_await(&relay).await;
     insert(2).await;
     h.wait_messages(2).await;
     assert_eq!(

@@ -447,14 +447,7 @@ async fn a_smart_shutdown_of_postgresql_is_not_held_by_a_polling_relay() {
     insert(1).await;
     wait_for_delivered(&relay, &out, 1).await;
     server.assert_a_smart_shutdown_is_not_held(&relay);
-    server.resume();
-    relay
-        .wait_for_log(
-            "the relay back",
-            Duration::from_secs(60),
-            "PostgreSQL takes connections again",
-        )
-        .await;
+    server.resume_and_await(&relay).await;
     // Its LISTEN session begins again.
     eventually_explained(
         "a LISTEN session",

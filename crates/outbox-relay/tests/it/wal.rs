@@ -24,7 +24,8 @@ use tokio_postgres::{Client, GenericClient};
 
 use crate::support::{
     http_addr, http_get, metric_value, nats_behind_a_proxy, pg, read_lines, readyz, relay, text,
-    wait_for_lines, Delivery, Figures, Ledger, OwnPostgres, RelayProcess, Writers, RETRY_AN_OUTAGE,
+    wait_for_lines, Deliveries, Delivery, Figures, Ledger, OwnPostgres, RelayProcess, Writers,
+    RETRY_AN_OUTAGE,
 };
 
 /// The log line of a relay whose replication session streams.
@@ -94,6 +95,16 @@ impl WalDb {
             .await
             .unwrap();
         write.await.unwrap().unwrap();
+    }
+
+    /// The event ids of the outbox table's rows.
+    async fn pending_ids(&self) -> HashSet<String> {
+        let rows = self
+            .db
+            .query("SELECT event_id::text FROM outbox", &[])
+            .await
+            .unwrap();
+        rows.iter().map(|r| r.get(0)).collect()
     }
 
     /// Waits until the outbox table is empty (every delivered row deleted).
@@ -1270,13 +1281,7 @@ async fn a_shutdown_is_not_held_by_a_relay_with_unsettled_events(mode: &str) {
     for n in 0..20 {
         insert(&w.db, &format!("k{}", n % 4), n).await;
     }
-    let ids: HashSet<String> =
-        w.db.query("SELECT event_id::text FROM outbox", &[])
-            .await
-            .unwrap()
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
+    let ids = w.pending_ids().await;
     assert_eq!(ids.len(), 20);
     // The broker is away: the relay holds events it cannot settle but by parking them.
     eventually_explained(
@@ -1305,9 +1310,23 @@ async fn a_shutdown_is_not_held_by_a_relay_with_unsettled_events(mode: &str) {
     }
     server.resume();
     handle.heal();
+    await_every_delivered("after the restart", &relay, &deliveries, &ids).await;
+    assert!(relay.is_running(), "{}", relay.logs());
+    let status = relay.terminate().await;
+    assert!(status.success(), "{status:?}");
+    w.assert_empty(&relay.logs()).await;
+}
+
+/// Waits until `deliveries` holds every one of `ids`.
+async fn await_every_delivered(
+    when: &str,
+    relay: &RelayProcess,
+    deliveries: &Deliveries,
+    ids: &HashSet<String>,
+) {
     eventually_explained(
-        "every event delivered after the restart",
-        Duration::from_secs(60),
+        &format!("every event delivered {when}"),
+        Duration::from_secs(90),
         || relay.logs(),
         || {
             let seen: HashSet<String> = deliveries.snapshot().into_iter().map(|d| d.id).collect();
@@ -1316,10 +1335,38 @@ async fn a_shutdown_is_not_held_by_a_relay_with_unsettled_events(mode: &str) {
         },
     )
     .await;
-    assert!(relay.is_running(), "{}", relay.logs());
-    let status = relay.terminate().await;
-    assert!(status.success(), "{status:?}");
-    w.assert_empty(&relay.logs()).await;
+}
+
+/// The server's WAL position now, as text (`$1::text::pg_lsn` reads it back).
+async fn wal_position(db: &Client) -> String {
+    db.query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// Waits until `condition`, a boolean query of `$1` (`position`, as text), holds on `db`.
+async fn await_position(
+    what: &str,
+    relay: &RelayProcess,
+    db: &Client,
+    condition: &str,
+    position: &str,
+) {
+    eventually_explained(
+        what,
+        Duration::from_secs(60),
+        || relay.logs(),
+        || async {
+            let holds = db
+                .query_one(condition, &[&position])
+                .await
+                .ok()?
+                .get::<_, bool>(0);
+            holds.then_some(())
+        },
+    )
+    .await;
 }
 
 /// A server of the test's own (never the shared one: every commit made with
@@ -1407,11 +1454,7 @@ async fn a_delivered_event_whose_commit_shows_after_the_patience_leaves_no_row_b
     relay
         .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
         .await;
-    let before: String =
-        w.db.query_one("SELECT pg_current_wal_lsn()::text", &[])
-            .await
-            .unwrap()
-            .get(0);
+    let before = wal_position(&w.db).await;
     // Delivered while its commit waits on a standby that never answers: the ack's delete
     // finds no row, and after its patience the event settles. The row showed later (the
     // standby back, or the writer cancelled) and stayed pending for good.
@@ -1425,22 +1468,13 @@ async fn a_delivered_event_whose_commit_shows_after_the_patience_leaves_no_row_b
         n >= 1
     })
     .await;
-    eventually_explained(
+    await_position(
         "the slot confirmed past the event",
-        Duration::from_secs(60),
-        || relay.logs(),
-        || async {
-            let past =
-                w.db.query_one(
-                    "SELECT confirmed_flush_lsn > $1::text::pg_lsn FROM pg_replication_slots
-                      WHERE slot_name = 'late_row_slot'",
-                    &[&before],
-                )
-                .await
-                .ok()?
-                .get::<_, bool>(0);
-            past.then_some(())
-        },
+        &relay,
+        &w.db,
+        "SELECT confirmed_flush_lsn > $1::text::pg_lsn FROM pg_replication_slots
+          WHERE slot_name = 'late_row_slot'",
+        &before,
     )
     .await;
     w.cancel_the_wait(pid, write).await;
@@ -1542,34 +1576,14 @@ async fn parked_events_survive_a_server_crash_under_synchronous_commit_off() {
     for n in 0..10 {
         insert(&w.db, &format!("k{}", n % 3), n).await;
     }
-    let ids: HashSet<String> =
-        w.db.query("SELECT event_id::text FROM outbox", &[])
-            .await
-            .unwrap()
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
-    let written: String =
-        w.db.query_one("SELECT pg_current_wal_lsn()::text", &[])
-            .await
-            .unwrap()
-            .get(0);
-    eventually_explained(
+    let ids = w.pending_ids().await;
+    let written = wal_position(&w.db).await;
+    await_position(
         "the events sent to the relay",
-        Duration::from_secs(60),
-        || relay.logs(),
-        || async {
-            let sent =
-                w.db.query_one(
-                    "SELECT coalesce(bool_or(sent_lsn >= $1::text::pg_lsn), false)
-                       FROM pg_stat_replication",
-                    &[&written],
-                )
-                .await
-                .ok()?
-                .get::<_, bool>(0);
-            sent.then_some(())
-        },
+        &relay,
+        &w.db,
+        "SELECT coalesce(bool_or(sent_lsn >= $1::text::pg_lsn), false) FROM pg_stat_replication",
+        &written,
     )
     .await;
     // A checkpoint logs the snapshot the slot restarts from (and flushes the WAL so far).
@@ -1585,26 +1599,13 @@ async fn parked_events_survive_a_server_crash_under_synchronous_commit_off() {
     )
     .await
     .unwrap();
-    let restart_point: String =
-        w.db.query_one("SELECT pg_current_wal_lsn()::text", &[])
-            .await
-            .unwrap()
-            .get(0);
-    eventually_explained(
+    let restart_point = wal_position(&w.db).await;
+    await_position(
         "the WAL writer's flush",
-        Duration::from_secs(30),
-        || relay.logs(),
-        || async {
-            let flushed =
-                w.db.query_one(
-                    "SELECT pg_current_wal_flush_lsn() >= $1::text::pg_lsn",
-                    &[&restart_point],
-                )
-                .await
-                .ok()?
-                .get::<_, bool>(0);
-            flushed.then_some(())
-        },
+        &relay,
+        &w.db,
+        "SELECT pg_current_wal_flush_lsn() >= $1::text::pg_lsn",
+        &restart_point,
     )
     .await;
     assert_eq!(
@@ -1615,59 +1616,21 @@ async fn parked_events_survive_a_server_crash_under_synchronous_commit_off() {
         "the events parked before the checkpoint: the test proves nothing\n{}",
         relay.logs()
     );
-    eventually_explained(
+    await_position(
         "the events parked, and the slot confirmed past them",
-        Duration::from_secs(60),
-        || relay.logs(),
-        || async {
-            let parked = query_count(&w.db, "SELECT count(*) FROM outbox_parked", &[])
-                .await
-                .ok()?;
-            let past =
-                w.db.query_one(
-                    "SELECT confirmed_flush_lsn >= $1::text::pg_lsn FROM pg_replication_slots
-                      WHERE slot_name = 'crash_slot'",
-                    &[&restart_point],
-                )
-                .await
-                .ok()?
-                .get::<_, bool>(0);
-            (parked == 10 && past).then_some(())
-        },
+        &relay,
+        &w.db,
+        "SELECT (SELECT count(*) FROM outbox_parked) = 10 AND confirmed_flush_lsn >= $1::text::pg_lsn
+           FROM pg_replication_slots WHERE slot_name = 'crash_slot'",
+        &restart_point,
     )
     .await;
     server.crash_and_restart();
     handle.heal();
-    eventually_explained(
-        "every event delivered after the crash",
-        Duration::from_secs(90),
-        || relay.logs(),
-        || {
-            let seen: HashSet<String> = deliveries.snapshot().into_iter().map(|d| d.id).collect();
-            let done = ids.iter().all(|id| seen.contains(id));
-            async move { done.then_some(()) }
-        },
-    )
-    .await;
-    let db = pg(&w.url).await;
-    eventually_explained(
-        "the outbox and the parked table empty",
-        Duration::from_secs(60),
-        || relay.logs(),
-        || async {
-            let left = query_count(
-                &db,
-                "SELECT (SELECT count(*) FROM outbox) + (SELECT count(*) FROM outbox_parked)",
-                &[],
-            )
-            .await
-            .ok()?;
-            (left == 0).then_some(())
-        },
-    )
-    .await;
+    await_every_delivered("after the crash", &relay, &deliveries, &ids).await;
     let status = relay.terminate().await;
     assert!(status.success(), "{status:?}");
+    w.assert_empty(&relay.logs()).await;
 }
 
 #[tokio::test]

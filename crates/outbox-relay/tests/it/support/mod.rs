@@ -797,6 +797,19 @@ impl OwnPostgres {
         assert!(relay.is_running(), "{}", relay.logs());
     }
 
+    /// Starts the server again after a smart shutdown, and waits until `relay` says it
+    /// takes connections again.
+    pub async fn resume_and_await(&self, relay: &RelayProcess) {
+        self.resume();
+        relay
+            .wait_for_log(
+                "the relay back",
+                Duration::from_secs(60),
+                "PostgreSQL takes connections again",
+            )
+            .await;
+    }
+
     pub fn url(&self, sslmode: &str) -> String {
         format!(
             "postgres://postgres@127.0.0.1:{}/postgres?sslmode={sslmode}",
