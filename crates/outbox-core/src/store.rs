@@ -180,6 +180,13 @@ pub struct Problem {
     severity: Severity,
 }
 
+/// `what (fix: fix)`, as a log line or an error message says a problem.
+impl Display for Problem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} (fix: {})", self.what, self.fix)
+    }
+}
+
 impl Problem {
     /// A problem the relay cannot run with.
     pub fn blocking(what: impl Into<String>, fix: impl Into<String>) -> Self {

@@ -308,7 +308,7 @@ impl Running {
                 if !problems.is_empty() {
                     let why = problems
                         .iter()
-                        .map(|p| format!("{} (fix: {})", p.what, p.fix))
+                        .map(outbox_core::store::Problem::to_string)
                         .collect::<Vec<_>>()
                         .join("; ");
                     summary.drain = Some(DrainEnd::Unvouched(why));

@@ -24,7 +24,7 @@ use crate::Inner;
 /// How often the probe connects while the server takes connections: a smart shutdown
 /// finishes about this long after the other clients have gone. One short connection each
 /// time, per outbox, which a server with `log_connections = on` logs.
-pub const PROBE_EVERY: Duration = Duration::from_secs(5);
+const PROBE_EVERY: Duration = Duration::from_secs(5);
 
 /// How often it connects while the server refuses: the relay reconnects about this long
 /// after the server is back.
@@ -90,14 +90,8 @@ pub(crate) async fn watch(inner: Arc<Inner>) {
         .await;
         match probe(&inner).await {
             Probe::Refused => {
-                let began = inner.refused.send_if_modified(|since| {
-                    let began = since.is_none();
-                    if began || run_broken {
-                        *since = Some(Instant::now());
-                    }
-                    began || run_broken
-                }) && !run_broken;
-                run_broken = false;
+                let renewed = std::mem::take(&mut run_broken) || inner.refused.borrow().is_none();
+                let began = renewed && inner.refused.send_replace(Some(Instant::now())).is_none();
                 if began {
                     tracing::warn!(
                         "PostgreSQL refuses new connections (a smart shutdown, or a restart): \

@@ -41,7 +41,7 @@ pub async fn ready_store(
         if p.is_degraded() {
             tracing::warn!(problem = %p.what, fix = %p.fix, "continuing despite a problem");
         } else {
-            fatal.push(format!("{} (fix: {})", p.what, p.fix));
+            fatal.push(p.to_string());
         }
     }
     if !fatal.is_empty() {

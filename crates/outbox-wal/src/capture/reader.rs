@@ -319,10 +319,7 @@ impl Reader {
             tracing::warn!(publication = %self.publication, "the publication changed since it was last checked: the session ends, and the next one moves the rows still in the table to the parked table (rows written meanwhile may have been left out of the stream)");
             return Some(SessionEnd::Broken("the publication changed".into()));
         }
-        let said: Vec<String> = problems
-            .iter()
-            .map(|p| format!("{} (fix: {})", p.what, p.fix))
-            .collect();
+        let said: Vec<String> = problems.iter().map(Problem::to_string).collect();
         Some(SessionEnd::Failed(said.join("; ")))
     }
 
