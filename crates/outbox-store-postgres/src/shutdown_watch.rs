@@ -77,9 +77,7 @@ enum Probe {
 /// Probes the server for as long as it is polled, and keeps `inner.refused` (which the pool,
 /// the LISTEN session and a mapped table's lock follow) up to date.
 pub(crate) async fn watch(inner: Arc<Inner>) {
-    // A refusal after a probe that said nothing starts a new run: the server may have taken
-    // connections meanwhile, and the relay's sessions of then must let go too.
-    let mut run_broken = false;
+    let mut runs = RefusalRuns::default();
     loop {
         let refused = inner.refused.borrow().is_some();
         tokio::time::sleep(if refused {
@@ -88,31 +86,52 @@ pub(crate) async fn watch(inner: Arc<Inner>) {
             PROBE_EVERY
         })
         .await;
-        match probe(&inner).await {
-            Probe::Refused => {
-                let renewed = std::mem::take(&mut run_broken) || inner.refused.borrow().is_none();
-                let began = renewed && inner.refused.send_replace(Some(Instant::now())).is_none();
-                if began {
-                    tracing::warn!(
-                        "PostgreSQL refuses new connections (a smart shutdown, or a restart): \
-                         the relay closes its own sessions, so that a shutdown waiting for them \
-                         can finish, and reconnects once the server takes connections again"
-                    );
-                }
-                // Idle ones now; each one in use at its next use (the pool's hook), or here
-                // within a second.
-                inner.pool.retain(|_, metrics| {
-                    !pooled_before_the_refusal(&inner.refused, metrics.created)
-                });
+        let probe = probe(&inner).await;
+        let now_refused = runs.after(&probe, Instant::now());
+        match (inner.refused.send_replace(now_refused), now_refused) {
+            (None, Some(_)) => tracing::warn!(
+                "PostgreSQL refuses new connections (a smart shutdown, or a restart): the relay \
+                 closes its own sessions, so that a shutdown waiting for them can finish, and \
+                 reconnects once the server takes connections again"
+            ),
+            (Some(_), None) => {
+                tracing::info!("PostgreSQL takes connections again; the relay reconnects")
             }
-            Probe::Accepted => {
-                run_broken = false;
-                if inner.refused.send_replace(None).is_some() {
-                    tracing::info!("PostgreSQL takes connections again; the relay reconnects");
-                }
-            }
-            Probe::Unknown => run_broken = inner.refused.borrow().is_some(),
+            _ => {}
         }
+        if probe == Probe::Refused {
+            // Idle ones now; each one in use at its next use (the pool's hook), or here
+            // within a second.
+            inner
+                .pool
+                .retain(|_, metrics| !pooled_before_the_refusal(&inner.refused, metrics.created));
+        }
+    }
+}
+
+/// The refusal the store follows, from one probe's verdict to the next. A run of refusals
+/// keeps the instant of its first, so that sessions opened during the run are kept; a probe
+/// that said nothing breaks the run, and the next refusal starts a new one: the server may
+/// have taken connections meanwhile, and the sessions opened then must let go too.
+#[derive(Debug, Default)]
+struct RefusalRuns {
+    since: RefusedSince,
+    broken: bool,
+}
+
+impl RefusalRuns {
+    /// Since when the server refuses, after `probe` at `now`.
+    fn after(&mut self, probe: &Probe, now: Instant) -> RefusedSince {
+        match probe {
+            Probe::Refused => {
+                if std::mem::take(&mut self.broken) || self.since.is_none() {
+                    self.since = Some(now);
+                }
+            }
+            Probe::Accepted => *self = RefusalRuns::default(),
+            Probe::Unknown => self.broken = self.since.is_some(),
+        }
+        self.since
     }
 }
 
@@ -163,6 +182,47 @@ mod tests {
             !older_than_the_refusal(&refused, at(5)),
             "a session stamped at its start"
         );
+    }
+
+    #[test]
+    fn a_run_of_refusals_keeps_its_first_instant() {
+        let mut runs = RefusalRuns::default();
+        let start = Instant::now();
+        let at = |after: u64| start + Duration::from_secs(after);
+        assert_eq!(runs.after(&Probe::Accepted, at(0)), None);
+        assert_eq!(runs.after(&Probe::Unknown, at(5)), None, "says nothing");
+        assert_eq!(runs.after(&Probe::Refused, at(10)), Some(at(10)));
+        assert_eq!(runs.after(&Probe::Refused, at(11)), Some(at(10)));
+        assert_eq!(runs.after(&Probe::Accepted, at(12)), None);
+        assert_eq!(
+            runs.after(&Probe::Refused, at(17)),
+            Some(at(17)),
+            "a new run"
+        );
+    }
+
+    #[test]
+    fn race_a_refusal_after_a_probe_that_said_nothing_starts_a_new_run() {
+        // The server may have taken connections between the two refusals (a restart whose
+        // probe timed out): sessions opened then predate the second refusal and must go.
+        let mut runs = RefusalRuns::default();
+        let start = Instant::now();
+        let at = |after: u64| start + Duration::from_secs(after);
+        assert_eq!(runs.after(&Probe::Refused, at(0)), Some(at(0)));
+        assert_eq!(
+            runs.after(&Probe::Unknown, at(1)),
+            Some(at(0)),
+            "still refused meanwhile"
+        );
+        assert_eq!(runs.after(&Probe::Refused, at(11)), Some(at(11)));
+        assert_eq!(
+            runs.after(&Probe::Refused, at(12)),
+            Some(at(11)),
+            "one new run"
+        );
+        assert_eq!(runs.after(&Probe::Unknown, at(13)), Some(at(11)));
+        assert_eq!(runs.after(&Probe::Accepted, at(14)), None);
+        assert_eq!(runs.after(&Probe::Refused, at(15)), Some(at(15)));
     }
 
     #[test]
