@@ -78,19 +78,31 @@ impl Template {
         for part in &self.parts {
             match part {
                 Part::Text(t) => out.push_str(t),
-                Part::Destination => out.push_str(&escape(&event.destination)),
-                Part::EventType => out.push_str(&escape(&event.event_type)),
-                Part::PartitionKey => {
-                    out.push_str(&escape(event.partition_key.as_deref().unwrap_or("")))
-                }
-                Part::OrderingKey => out.push_str(&escape(event.ordering_key())),
+                value => out.push_str(&escape(value.text(event))),
             }
         }
         out
     }
 
+    /// Renders the template as written. One allocation: it runs for every event routed.
     pub fn render(&self, event: &Event) -> String {
-        self.render_with(event, str::to_string)
+        let length = self.parts.iter().map(|p| p.text(event).len()).sum();
+        let mut out = String::with_capacity(length);
+        self.parts.iter().for_each(|p| out.push_str(p.text(event)));
+        out
+    }
+}
+
+impl Part {
+    /// The literal text, or the event's value this placeholder stands for.
+    fn text<'a>(&'a self, event: &'a Event) -> &'a str {
+        match self {
+            Part::Text(t) => t,
+            Part::Destination => &event.destination,
+            Part::EventType => &event.event_type,
+            Part::PartitionKey => event.partition_key.as_deref().unwrap_or(""),
+            Part::OrderingKey => event.ordering_key(),
+        }
     }
 }
 
