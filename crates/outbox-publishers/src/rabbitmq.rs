@@ -148,6 +148,14 @@ impl Inner {
         Ok(channel)
     }
 
+    /// Closes the connection, so that the next [`Inner::channel`] opens a new one.
+    async fn reconnect_next_time(&self) {
+        if let Some((connection, _)) = self.session.lock().await.take() {
+            let closed = connection.close(200, "reconnecting after a refusal".into());
+            let _ = tokio::time::timeout(Duration::from_secs(1), closed).await;
+        }
+    }
+
     /// A fixed exchange (no placeholder, not the default "") that does not exist fails every
     /// publish: looked for with a passive declare, on a channel of its own, since a failed
     /// declare closes its channel.
@@ -224,6 +232,14 @@ impl Inner {
                         format!(
                             "{text} (declare the exchange, or fix the sink's exchange setting)"
                         ),
+                    ),
+                    // A hard error closes the connection; the message is not refused,
+                    // it goes again on a new one. (RabbitMQ answers a frame that lapin sends
+                    // on a channel the broker just closed, after a size refusal, with a hard
+                    // CHANNEL_ERROR "expected 'channel.open'".)
+                    AMQPErrorKind::Hard(_) => (
+                        PublishErrorKind::Unavailable,
+                        format!("the broker closed the connection: {text}"),
                     ),
                     _ => (PublishErrorKind::BrokerFailure, text),
                 }
@@ -378,6 +394,10 @@ impl Sink for RabbitSink {
                 .map(|(i, _)| i)
                 .collect();
             if !collateral.is_empty() {
+                // Not on the same connection: lapin can reuse the closed channel's number
+                // before the broker has seen it closed, which the broker answers by closing
+                // the connection (CHANNEL_ERROR "expected 'channel.open'").
+                inner.reconnect_next_time().await;
                 let again: Vec<Routed> = collateral.iter().map(|&i| batch[i].clone()).collect();
                 for (i, outcome) in collateral
                     .into_iter()
