@@ -88,16 +88,16 @@ pub(crate) async fn watch(inner: Arc<Inner>) {
         .await;
         let probe = probe(&inner).await;
         let now_refused = runs.after(&probe, Instant::now());
-        match (inner.refused.send_replace(now_refused), now_refused) {
-            (None, Some(_)) => tracing::warn!(
+        match publish(&inner.refused, now_refused) {
+            Some(Some(_)) => tracing::warn!(
                 "PostgreSQL refuses new connections (a smart shutdown, or a restart): the relay \
                  closes its own sessions, so that a shutdown waiting for them can finish, and \
                  reconnects once the server takes connections again"
             ),
-            (Some(_), None) => {
+            Some(None) => {
                 tracing::info!("PostgreSQL takes connections again; the relay reconnects")
             }
-            _ => {}
+            None => {}
         }
         if probe == Probe::Refused {
             // Idle ones now; each one in use at its next use (the pool's hook), or here
@@ -107,6 +107,17 @@ pub(crate) async fn watch(inner: Arc<Inner>) {
                 .retain(|_, metrics| !pooled_before_the_refusal(&inner.refused, metrics.created));
         }
     }
+}
+
+/// Sets the refusal the store follows to `now`, and returns it where it changed: only then
+/// are its followers (the LISTEN session, a mapped table's lock) woken.
+fn publish(
+    refused: &tokio::sync::watch::Sender<RefusedSince>,
+    now: RefusedSince,
+) -> Option<RefusedSince> {
+    refused
+        .send_if_modified(|since| std::mem::replace(since, now) != now)
+        .then_some(now)
 }
 
 /// The refusal the store follows, from one probe's verdict to the next. A run of refusals
@@ -161,6 +172,22 @@ fn outcome(code: Option<&SqlState>) -> Probe {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn followers_wake_only_when_the_refusal_changes() {
+        let refused = tokio::sync::watch::channel(None).0;
+        let mut follower = refused.subscribe();
+        let since = Some(Instant::now());
+        assert_eq!(publish(&refused, None), None, "the server took it before");
+        assert!(!follower.has_changed().unwrap());
+        assert_eq!(publish(&refused, since), Some(since));
+        assert!(follower.has_changed().unwrap());
+        follower.mark_unchanged();
+        assert_eq!(publish(&refused, since), None, "the same run");
+        assert!(!follower.has_changed().unwrap());
+        assert_eq!(publish(&refused, None), Some(None));
+        assert!(follower.has_changed().unwrap());
+    }
 
     #[test]
     fn a_pooled_connection_whose_handshake_may_have_begun_before_the_refusal_lets_go() {
