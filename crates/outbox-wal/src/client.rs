@@ -268,6 +268,12 @@ impl WalStream {
         self.stream.confirm(lsn);
     }
 
+    /// Until the next read, the socket wakes this thread only once many bytes have arrived:
+    /// for a reader that will not read before a deadline anyway (the burst pace).
+    pub fn wake_late(&mut self) {
+        self.stream.wake_late();
+    }
+
     /// The last position passed to [`confirm`](Self::confirm) (or the slot's at start).
     pub fn confirmed(&self) -> Lsn {
         self.stream.confirmed()

@@ -166,6 +166,48 @@ impl AsyncWrite for Socket {
     }
 }
 
+impl Socket {
+    /// The TCP socket underneath, if there is one.
+    fn tcp(&self) -> Option<&TcpStream> {
+        match self {
+            Socket::Plain(s) => Some(s),
+            Socket::Tls(s) => Some(s.get_ref().0),
+            #[cfg(unix)]
+            Socket::Unix(_) => None,
+        }
+    }
+}
+
+/// How much must have arrived before the socket wakes a reader that asked to be woken late
+/// ([`Connection::wake_late`]). Kept below what would make the kernel grow the receive
+/// buffer (and clamp the window) to hold it.
+const LATE_WAKE_BYTES: i32 = 32 * 1024;
+
+/// Sets the socket's receive low-water mark: the bytes that must be waiting before it is
+/// reported readable (a read still returns whatever is there). Lowering it reports the
+/// socket readable at once where that many are waiting: the kernel checks on the change.
+#[allow(unsafe_code)]
+fn set_receive_low_water(socket: &TcpStream, bytes: i32) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let value: libc::c_int = bytes;
+    // SAFETY: the descriptor is the open socket that `socket` borrows for the call, and the
+    // option's value is a c_int living through the call, passed with its size.
+    let done = unsafe {
+        libc::setsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVLOWAT,
+            std::ptr::from_ref(&value).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if done == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
 /// What a read asks of the socket at least: small reads cost a system call (and a TLS
 /// record's processing) each.
 const READ_SIZE: usize = 64 * 1024;
@@ -177,6 +219,9 @@ pub struct Connection {
     input: BytesMut,
     /// What is to be written: kept across cancelled writes, so a message never goes half.
     output: BytesMut,
+    /// The socket's low-water mark is raised ([`Connection::wake_late`]) until the next
+    /// read.
+    waking_late: bool,
 }
 
 /// One message from the server: its type byte and its body.
@@ -207,6 +252,7 @@ impl Connection {
             socket,
             input: BytesMut::with_capacity(READ_SIZE),
             output: BytesMut::new(),
+            waking_late: false,
         };
         let params = [
             ("user", options.user.as_str()),
@@ -438,8 +484,27 @@ impl Connection {
         Ok(Some(Message { tag, body: frame }))
     }
 
+    /// Until the next read, bytes arriving wake this thread only once [`LATE_WAKE_BYTES`]
+    /// of them are waiting (on TCP; a Unix socket wakes as before). For a reader that will
+    /// not read before a deadline anyway: under a steady stream each TCP segment arriving
+    /// meanwhile woke the thread to no purpose, several times per burst pace.
+    pub fn wake_late(&mut self) {
+        if let (false, Some(tcp)) = (self.waking_late, self.socket.tcp()) {
+            // Where it cannot be set, nothing changes but the wake-ups.
+            self.waking_late = set_receive_low_water(tcp, LATE_WAKE_BYTES).is_ok();
+        }
+    }
+
     /// Reads more from the socket. Cancel-safe. `false`: the server closed the connection.
     async fn read_more(&mut self) -> Result<bool> {
+        if self.waking_late {
+            if let Some(tcp) = self.socket.tcp() {
+                // A mark left raised would keep a small message waiting: fail the session
+                // rather.
+                set_receive_low_water(tcp, 1)?;
+            }
+            self.waking_late = false;
+        }
         if self.input.capacity() - self.input.len() < READ_SIZE / 4 {
             self.input.reserve(READ_SIZE);
         }
@@ -617,6 +682,11 @@ impl ReplicationStream {
         self.confirmed = self.confirmed.max(lsn);
     }
 
+    /// See [`Connection::wake_late`].
+    pub fn wake_late(&mut self) {
+        self.connection.wake_late();
+    }
+
     /// The last position passed to [`confirm`](Self::confirm) (or the start).
     pub fn confirmed(&self) -> Lsn {
         self.confirmed
@@ -732,6 +802,7 @@ mod tests {
             socket: Socket::Unix(tokio::net::UnixStream::from_std(ours).unwrap()),
             input,
             output: BytesMut::new(),
+            waking_late: false,
         };
         let stream = ReplicationStream {
             connection,
@@ -742,6 +813,57 @@ mod tests {
             ended: false,
         };
         (stream, theirs)
+    }
+
+    /// The socket's receive low-water mark.
+    #[allow(unsafe_code)]
+    fn receive_low_water(socket: &TcpStream) -> i32 {
+        use std::os::fd::AsRawFd;
+        let mut value: libc::c_int = 0;
+        let mut size = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: an open socket, and a c_int with its size to receive the option into.
+        let done = unsafe {
+            libc::getsockopt(
+                socket.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVLOWAT,
+                std::ptr::from_mut(&mut value).cast(),
+                &mut size,
+            )
+        };
+        assert_eq!(done, 0, "{}", std::io::Error::last_os_error());
+        value
+    }
+
+    #[tokio::test]
+    async fn a_message_smaller_than_the_late_wake_mark_is_read_once_the_reader_reads() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let client = TcpStream::connect(listener.local_addr().unwrap());
+        let (client, server) = tokio::join!(client, listener.accept());
+        let mut server = server.unwrap().0;
+        let mut connection = Connection {
+            socket: Socket::Plain(client.unwrap()),
+            input: BytesMut::new(),
+            output: BytesMut::new(),
+            waking_late: false,
+        };
+        let mark = |c: &Connection| receive_low_water(c.socket.tcp().unwrap());
+        assert_eq!(mark(&connection), 1);
+        connection.wake_late();
+        assert_eq!(mark(&connection), LATE_WAKE_BYTES);
+        connection.wake_late();
+        // A whole message, far below the mark, sent while the reader was not reading.
+        let mut message = vec![b'd'];
+        message.extend_from_slice(&(4 + 3_i32).to_be_bytes());
+        message.extend_from_slice(b"abc");
+        tokio::io::AsyncWriteExt::write_all(&mut server, &message)
+            .await
+            .unwrap();
+        let read = tokio::time::timeout(Duration::from_secs(30), connection.message())
+            .await
+            .expect("a small message waits for no more bytes once the reader reads");
+        assert_eq!(&read.unwrap().body[..], b"abc");
+        assert_eq!(mark(&connection), 1, "lowered again by the read");
     }
 
     #[tokio::test]

@@ -969,7 +969,11 @@ impl Reader {
                 self.lock_mark().events_read(through);
             }
             let behind = burst.len() >= READ_BURST || self.memory.room() == 0;
-            pace.handed_over(behind, tokio::time::Instant::now());
+            let now = tokio::time::Instant::now();
+            pace.handed_over(behind, now);
+            if pace.wait_until(now).is_some() {
+                stream.wake_late();
+            }
             permit.send(Item::Outputs(burst));
             self.notify();
             match end {
