@@ -113,7 +113,9 @@ pub struct ConnectOptions {
 /// The socket, encrypted or not.
 enum Socket {
     Plain(TcpStream),
-    Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
+    /// rustls reads the socket 4 KiB at a time; the buffer underneath takes what has
+    /// arrived in one system call.
+    Tls(Box<tokio_rustls::client::TlsStream<tokio::io::BufReader<TcpStream>>>),
     #[cfg(unix)]
     Unix(tokio::net::UnixStream),
 }
@@ -171,7 +173,7 @@ impl Socket {
     fn tcp(&self) -> Option<&TcpStream> {
         match self {
             Socket::Plain(s) => Some(s),
-            Socket::Tls(s) => Some(s.get_ref().0),
+            Socket::Tls(s) => Some(s.get_ref().0.get_ref()),
             #[cfg(unix)]
             Socket::Unix(_) => None,
         }
@@ -312,7 +314,7 @@ impl Connection {
             .map_err(|e| ConnectionError::Tls(format!("host name {host:?}: {e}")))?;
         let connector = tokio_rustls::TlsConnector::from(options.tls_config.clone());
         let tls = connector
-            .connect(name, tcp)
+            .connect(name, tokio::io::BufReader::with_capacity(READ_SIZE, tcp))
             .await
             .map_err(|e| ConnectionError::Tls(e.to_string()))?;
         Ok(Socket::Tls(Box::new(tls)))
