@@ -115,7 +115,11 @@ impl RabbitSink {
 }
 
 impl Inner {
-    /// The confirm-mode channel, (re)opened when the connection or channel is gone.
+    /// The confirm-mode channel, on a new connection when the connection or channel is gone.
+    /// A channel the broker closed (a refusal) is not replaced on the same connection:
+    /// lapin can reuse its number before the broker has seen it closed, and the broker then
+    /// closes the whole connection (CHANNEL_ERROR "expected 'channel.open'") under the
+    /// batches publishing on it.
     async fn channel(&self) -> Result<Channel, PublishError> {
         let mut session = self.session.lock().await;
         if let Some((connection, channel)) = session.as_ref() {
@@ -123,11 +127,16 @@ impl Inner {
                 return Ok(channel.clone());
             }
         }
+        if let Some((old, _)) = session.take().filter(|(c, _)| c.status().connected()) {
+            // Its channel is closed, so no batch is waiting on it; not under the lock.
+            tokio::spawn(async move {
+                let closing = old.close(200, "replaced after its channel closed".into());
+                let _ = tokio::time::timeout(Duration::from_secs(1), closing).await;
+            });
+        }
         let connect = async {
-            let connection = match session.take() {
-                Some((c, _)) if c.status().connected() => c,
-                _ => Connection::connect(&self.uri, ConnectionProperties::default()).await?,
-            };
+            let connection =
+                Connection::connect(&self.uri, ConnectionProperties::default()).await?;
             let channel = connection.create_channel().await?;
             channel
                 .confirm_select(ConfirmSelectOptions::default())
@@ -146,14 +155,6 @@ impl Inner {
             .map_err(|e| self.classify(e, 0).into_error())?;
         *session = Some((connection, channel.clone()));
         Ok(channel)
-    }
-
-    /// Closes the connection, so that the next [`Inner::channel`] opens a new one.
-    async fn reconnect_next_time(&self) {
-        if let Some((connection, _)) = self.session.lock().await.take() {
-            let closed = connection.close(200, "reconnecting after a refusal".into());
-            let _ = tokio::time::timeout(Duration::from_secs(1), closed).await;
-        }
     }
 
     /// A fixed exchange (no placeholder, not the default "") that does not exist fails every
@@ -394,10 +395,7 @@ impl Sink for RabbitSink {
                 .map(|(i, _)| i)
                 .collect();
             if !collateral.is_empty() {
-                // Not on the same connection: lapin can reuse the closed channel's number
-                // before the broker has seen it closed, which the broker answers by closing
-                // the connection (CHANNEL_ERROR "expected 'channel.open'").
-                inner.reconnect_next_time().await;
+                // On a new connection ([`Inner::channel`]).
                 let again: Vec<Routed> = collateral.iter().map(|&i| batch[i].clone()).collect();
                 for (i, outcome) in collateral
                     .into_iter()

@@ -373,8 +373,9 @@ pub async fn cloudevents_arrive(h: &dyn BrokerHarness) {
 
 pub async fn oversized_messages_fail_permanently(h: &dyn BrokerHarness) {
     let router = Router::single("under-test", h.sink());
-    // Some brokers close the channel or connection on a refusal: the messages sent behind
-    // the refused one meet that close in every way the race allows, so several rounds.
+    // Some brokers close the channel or connection on a refusal, under the messages sent
+    // behind the refused one. The first round meets the broker's refusal; a sink that learns
+    // the broker's limit from it has the later ones refused by the router, as its own.
     for round in 0..3 {
         let routed = |id: i64, key: &str, payload: Vec<u8>| {
             let mut routed = (*event(id, key, payload)).clone();
