@@ -88,16 +88,17 @@ pub(crate) async fn watch(inner: Arc<Inner>) {
         .await;
         let probe = probe(&inner).await;
         let now_refused = runs.after(&probe, Instant::now());
-        match publish(&inner.refused, now_refused) {
-            Some(Some(_)) => tracing::warn!(
+        // Told once per refusal, not again for a new run within it.
+        match (refused, publish(&inner.refused, now_refused)) {
+            (false, Some(Some(_))) => tracing::warn!(
                 "PostgreSQL refuses new connections (a smart shutdown, or a restart): the relay \
                  closes its own sessions, so that a shutdown waiting for them can finish, and \
                  reconnects once the server takes connections again"
             ),
-            Some(None) => {
+            (true, Some(None)) => {
                 tracing::info!("PostgreSQL takes connections again; the relay reconnects")
             }
-            None => {}
+            _ => {}
         }
         if probe == Probe::Refused {
             // Idle ones now; each one in use at its next use (the pool's hook), or here
