@@ -88,17 +88,16 @@ pub(crate) async fn watch(inner: Arc<Inner>) {
         .await;
         let probe = probe(&inner).await;
         let now_refused = runs.after(&probe, Instant::now());
-        // Told once per refusal, not again for a new run within it.
-        match (refused, publish(&inner.refused, now_refused)) {
-            (false, Some(Some(_))) => tracing::warn!(
+        match publish(&inner.refused, now_refused) {
+            Some(Turn::Refusing) => tracing::warn!(
                 "PostgreSQL refuses new connections (a smart shutdown, or a restart): the relay \
                  closes its own sessions, so that a shutdown waiting for them can finish, and \
                  reconnects once the server takes connections again"
             ),
-            (true, Some(None)) => {
+            Some(Turn::Accepting) => {
                 tracing::info!("PostgreSQL takes connections again; the relay reconnects")
             }
-            _ => {}
+            None => {}
         }
         if probe == Probe::Refused {
             // Idle ones now; each one in use at its next use (the pool's hook), or here
@@ -110,15 +109,28 @@ pub(crate) async fn watch(inner: Arc<Inner>) {
     }
 }
 
-/// Sets the refusal the store follows to `now`, and returns it where it changed: only then
-/// are its followers (the LISTEN session, a mapped table's lock) woken.
-fn publish(
-    refused: &tokio::sync::watch::Sender<RefusedSince>,
-    now: RefusedSince,
-) -> Option<RefusedSince> {
-    refused
-        .send_if_modified(|since| std::mem::replace(since, now) != now)
-        .then_some(now)
+/// Where the server turned: what the log tells once per refusal, not again for a new run
+/// of refusals within it.
+#[derive(Debug, PartialEq)]
+enum Turn {
+    Refusing,
+    Accepting,
+}
+
+/// Sets the refusal the store follows to `now`, waking its followers (the LISTEN session,
+/// a mapped table's lock) only where it changed, and says whether the server turned.
+fn publish(refused: &tokio::sync::watch::Sender<RefusedSince>, now: RefusedSince) -> Option<Turn> {
+    let mut turn = None;
+    refused.send_if_modified(|since| {
+        let before = std::mem::replace(since, now);
+        turn = match (before.is_some(), now.is_some()) {
+            (false, true) => Some(Turn::Refusing),
+            (true, false) => Some(Turn::Accepting),
+            _ => None,
+        };
+        before != now
+    });
+    turn
 }
 
 /// The refusal the store follows, from one probe's verdict to the next. A run of refusals
@@ -175,19 +187,30 @@ mod tests {
     use super::*;
 
     #[test]
-    fn followers_wake_only_when_the_refusal_changes() {
+    fn followers_wake_when_the_refusal_changes_and_the_log_when_the_server_turns() {
         let refused = tokio::sync::watch::channel(None).0;
         let mut follower = refused.subscribe();
-        let since = Some(Instant::now());
+        let mut woken = || {
+            let changed = follower.has_changed().unwrap();
+            follower.mark_unchanged();
+            changed
+        };
+        let first = Instant::now();
+        let second = first + Duration::from_secs(1);
         assert_eq!(publish(&refused, None), None, "the server took it before");
-        assert!(!follower.has_changed().unwrap());
-        assert_eq!(publish(&refused, since), Some(since));
-        assert!(follower.has_changed().unwrap());
-        follower.mark_unchanged();
-        assert_eq!(publish(&refused, since), None, "the same run");
-        assert!(!follower.has_changed().unwrap());
-        assert_eq!(publish(&refused, None), Some(None));
-        assert!(follower.has_changed().unwrap());
+        assert!(!woken());
+        assert_eq!(publish(&refused, Some(first)), Some(Turn::Refusing));
+        assert!(woken());
+        assert_eq!(publish(&refused, Some(first)), None, "the same run");
+        assert!(!woken());
+        assert_eq!(
+            publish(&refused, Some(second)),
+            None,
+            "a new run, the same refusal"
+        );
+        assert!(woken(), "sessions opened between the runs must let go");
+        assert_eq!(publish(&refused, None), Some(Turn::Accepting));
+        assert!(woken());
     }
 
     #[test]
