@@ -376,12 +376,12 @@ pub async fn oversized_messages_fail_permanently(h: &dyn BrokerHarness) {
     // Some brokers close the channel or connection on a refusal, under the messages sent
     // behind the refused one. The first round meets the broker's refusal; a sink that learns
     // the broker's limit from it has the later ones refused by the router, as its own.
+    let routed = |id: i64, key: &str, payload: Vec<u8>| {
+        let mut routed = (*event(id, key, payload)).clone();
+        routed.destination = h.target();
+        Arc::new(routed)
+    };
     for round in 0..3 {
-        let routed = |id: i64, key: &str, payload: Vec<u8>| {
-            let mut routed = (*event(id, key, payload)).clone();
-            routed.destination = h.target();
-            Arc::new(routed)
-        };
         let mut batch = vec![routed(round * 100, "big", vec![b'x'; h.oversized_bytes()])];
         for n in 1..=10 {
             batch.push(routed(round * 100 + n, "small", b"{}".to_vec()));

@@ -826,18 +826,6 @@ mod tests {
         (stream, theirs)
     }
 
-    /// The bytes waiting in the socket's receive queue.
-    #[cfg(target_os = "linux")]
-    #[allow(unsafe_code)]
-    fn waiting_bytes(socket: &TcpStream) -> i32 {
-        use std::os::fd::AsRawFd;
-        let mut waiting: libc::c_int = 0;
-        // SAFETY: an open socket, and a c_int for FIONREAD to write.
-        let done = unsafe { libc::ioctl(socket.as_raw_fd(), libc::FIONREAD, &mut waiting) };
-        assert_eq!(done, 0, "{}", std::io::Error::last_os_error());
-        waiting
-    }
-
     /// The socket's receive low-water mark.
     #[cfg(target_os = "linux")]
     #[allow(unsafe_code)]
@@ -886,7 +874,9 @@ mod tests {
             .unwrap();
         // Arrived while the mark was up, so that only the read's lowering can report it.
         let waited = std::time::Instant::now();
-        while waiting_bytes(connection.socket.tcp().unwrap()) < message.len() as i32 {
+        while rustix::io::ioctl_fionread(connection.socket.tcp().unwrap()).unwrap()
+            < message.len() as u64
+        {
             assert!(waited.elapsed() < Duration::from_secs(30), "never arrived");
             tokio::task::yield_now().await;
         }
