@@ -131,7 +131,7 @@ impl PgStore {
         context: &'static str,
         guard: Option<&[Step<'_>]>,
         steps: &[Step<'_>],
-        query: Option<Step<'_>>,
+        query_step: Option<Step<'_>>,
         within: Option<Duration>,
     ) -> StoreResult<Option<(Vec<u64>, Vec<Row>)>> {
         let inner = &self.inner;
@@ -141,49 +141,44 @@ impl PgStore {
                 .transaction()
                 .await
                 .map_err(|e| db_error(context, e))?;
+            let prepared = async |sql: &str| {
+                tx.prepare_cached(sql)
+                    .await
+                    .map_err(|e| db_error(context, e))
+            };
+            let query = async |sql: &str, params: &[&(dyn ToSql + Sync)]| {
+                tx.query(&prepared(sql).await?, params)
+                    .await
+                    .map_err(|e| Self::statement_error(inner, context, e))
+            };
+            // Sent with the transaction's first statement rather than in a round trip of its
+            // own: the server runs them in the order sent.
+            let mut durable = Some(tx.batch_execute(DURABLE_COMMIT));
             if let Some(guard) = guard {
                 let mut allowed = Vec::new();
                 for (sql, params) in guard {
-                    let statement = tx
-                        .prepare_cached(sql)
-                        .await
-                        .map_err(|e| db_error(context, e))?;
-                    allowed = tx
-                        .query(&statement, params)
-                        .await
-                        .map_err(|e| Self::statement_error(inner, context, e))?;
+                    allowed = after_durable(context, &mut durable, query(sql, params)).await?;
                 }
                 if allowed.is_empty() {
                     // Dropped unfinished: rolled back.
                     return Ok(None);
                 }
             }
-            tx.batch_execute(DURABLE_COMMIT)
-                .await
-                .map_err(|e| db_error(context, e))?;
             let mut counts = Vec::with_capacity(steps.len());
             for (sql, params) in steps {
-                let statement = tx
-                    .prepare_cached(sql)
-                    .await
-                    .map_err(|e| db_error(context, e))?;
-                counts.push(
-                    tx.execute(&statement, params)
+                let execute = async {
+                    tx.execute(&prepared(sql).await?, params)
                         .await
-                        .map_err(|e| Self::statement_error(inner, context, e))?,
-                );
+                        .map_err(|e| Self::statement_error(inner, context, e))
+                };
+                counts.push(after_durable(context, &mut durable, execute).await?);
             }
             let mut rows = Vec::new();
-            if let Some((sql, params)) = query {
-                let statement = tx
-                    .prepare_cached(sql)
-                    .await
-                    .map_err(|e| db_error(context, e))?;
-                rows = tx
-                    .query(&statement, params)
-                    .await
-                    .map_err(|e| Self::statement_error(inner, context, e))?;
+            if let Some((sql, params)) = query_step {
+                rows = after_durable(context, &mut durable, query(sql, params)).await?;
             }
+            after_durable(context, &mut durable, async { Ok(()) }).await?;
+            drop(durable);
             tx.commit().await.map_err(|e| db_error(context, e))?;
             Ok(Some((counts, rows)))
         })
@@ -194,5 +189,26 @@ impl PgStore {
     /// (the same lock as [`PgStore::migrate`]).
     pub async fn migrate_extra(&self, ddl: &str) -> StoreResult<()> {
         self.apply_ddl(ddl).await
+    }
+}
+
+/// `statement`, sent together with the durable-commit setting while that is unsent (the
+/// setting first): one round trip for both. The setting's error comes first, being the
+/// cause of the statement's ("current transaction is aborted").
+async fn after_durable<T, D>(
+    context: &'static str,
+    durable: &mut Option<D>,
+    statement: impl std::future::Future<Output = StoreResult<T>>,
+) -> StoreResult<T>
+where
+    D: std::future::Future<Output = Result<(), tokio_postgres::Error>>,
+{
+    match durable.take() {
+        None => statement.await,
+        Some(setting) => {
+            let (set, result) = futures::join!(setting, statement);
+            set.map_err(|e| db_error(context, e))?;
+            result
+        }
     }
 }
