@@ -917,7 +917,7 @@ mod through_the_engine {
 
     /// Acks of many small batches share few deletes: one delete transaction (and WAL
     /// flush) per confirmed batch would put the relay's commits between the writers'. The
-    /// contract is that deletes start at most once per `DELETE_SPACING` (20 ms), so a
+    /// contract is that deletes start at most once per `DELETE_SPACING` (50 ms), so a
     /// statement trigger logs each delete's start, and their count must fit the span they
     /// ran over. Without the spacing, a delete ran as soon as the last one ended: one per
     /// event here, since the events come 2 ms apart.
@@ -967,11 +967,12 @@ mod through_the_engine {
         let (deletes, span_ms): (i64, f64) = (log.get(0), log.get(1));
         // The slack: a row not yet visible to its delete is looked for again with the next
         // claim, and the relay's clock is not the server's.
-        let allowed = (span_ms / 20.0).floor() as i64 + 3;
+        let spacing_ms = outbox_core::capture::DELETE_SPACING.as_secs_f64() * 1000.0;
+        let allowed = (span_ms / spacing_ms).floor() as i64 + 3;
         assert!(
             deletes <= allowed,
             "{deletes} deletes over {span_ms:.0} ms for {EVENTS} events; at most {allowed} fit \
-             one per 20 ms"
+             one per {spacing_ms} ms"
         );
     }
 
