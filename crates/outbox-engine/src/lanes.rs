@@ -26,6 +26,13 @@ use outbox_core::{Claimed, Event, SequenceId};
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct LaneKey(Arc<str>);
 
+/// A lane is found by its key's text: its hash is the text's (`Arc<str>` hashes as `str`).
+impl std::borrow::Borrow<str> for LaneKey {
+    fn borrow(&self) -> &str {
+        &self.0
+    }
+}
+
 /// What [`Lanes::take_ready`] hands out: each ready lane's head.
 #[derive(Debug, Default)]
 pub struct Handout {
@@ -147,6 +154,20 @@ impl Lanes {
         }
     }
 
+    /// The lane of the held row `sequence_id`, as [`Lanes::lane_of`] made it when the row
+    /// joined it: found, not made again (no allocation on the path of every outcome).
+    pub fn lane_of_held(&self, sequence_id: SequenceId) -> Option<LaneKey> {
+        self.held.get(&sequence_id).map(|held| held.lane.clone())
+    }
+
+    /// [`Lanes::lane_of`], sharing the key of the key's lane when it has one.
+    fn lane_joined(&self, sequence_id: SequenceId, ordering_key: &str) -> LaneKey {
+        match self.ordered.then(|| self.lanes.get_key_value(ordering_key)) {
+            Some(Some((key, _))) => key.clone(),
+            _ => self.lane_of(sequence_id, ordering_key),
+        }
+    }
+
     /// Partitions with held rows.
     pub fn busy_partitions(&self) -> std::collections::BTreeSet<i32> {
         self.busy.keys().copied().collect()
@@ -199,7 +220,7 @@ impl Lanes {
             let partition = self
                 .partition_count
                 .map_or(0, |n| outbox_core::partition_of(row.ordering_key(), n));
-            let key = self.lane_of(seq, row.ordering_key());
+            let key = self.lane_joined(seq, row.ordering_key());
             let newly_held = match self.held.entry(seq) {
                 std::collections::hash_map::Entry::Occupied(_) => false,
                 std::collections::hash_map::Entry::Vacant(slot) => {
@@ -503,6 +524,27 @@ mod tests {
         publish
             .chain(handout.undecodable.iter().map(|u| u.sequence_id))
             .collect()
+    }
+
+    /// A held row's lane is found, not made again, and the rows of one key share one key
+    /// (made once, not per row); under `--ordering none` each row is a lane of its own.
+    #[test]
+    fn held_rows_name_the_lane_they_joined() {
+        let mut lanes = Lanes::new(true, None);
+        lanes.accept(1, vec![row(1, "a"), row(2, "a"), row(3, "b")]);
+        let (one, two) = (
+            lanes.lane_of_held(1).unwrap(),
+            lanes.lane_of_held(2).unwrap(),
+        );
+        assert_eq!(one, lanes.lane_of(1, "a"));
+        assert!(Arc::ptr_eq(&one.0, &two.0), "one key for the lane's rows");
+        assert_eq!(lanes.lane_of_held(3), Some(lanes.lane_of(3, "b")));
+        assert_eq!(lanes.lane_of_held(4), None, "not held");
+
+        let mut unordered = Lanes::new(false, None);
+        unordered.accept(1, vec![row(1, "a"), row(2, "a")]);
+        assert_eq!(unordered.lane_of_held(2), Some(unordered.lane_of(2, "a")));
+        assert_ne!(unordered.lane_of_held(1), unordered.lane_of_held(2));
     }
 
     #[test]

@@ -527,7 +527,10 @@ impl Engine {
         // Looked up once per batch: the recorder's registry hashes the name on each lookup.
         let commit_to_confirm = ::metrics::histogram!(metrics::COMMIT_TO_CONFIRM);
         for (event, outcome) in batch.iter().zip(outcomes) {
-            let lane = self.lanes.lane_of(event.sequence_id, event.ordering_key());
+            let lane = match self.lanes.lane_of_held(event.sequence_id) {
+                Some(lane) => lane,
+                None => self.lanes.lane_of(event.sequence_id, event.ordering_key()),
+            };
             if failed_lane.as_ref() == Some(&lane) {
                 continue;
             }

@@ -94,3 +94,14 @@ pub struct Undecodable {
     /// The row as `column=value` lines, or the message's content as (lossy) UTF-8.
     pub raw: String,
 }
+
+impl Undecodable {
+    /// The key its lane is ordered by: its partition key, else its destination, as an
+    /// event's (empty when neither could be read).
+    pub fn ordering_key(&self) -> &str {
+        self.partition_key
+            .as_deref()
+            .or(self.destination.as_deref())
+            .unwrap_or_default()
+    }
+}

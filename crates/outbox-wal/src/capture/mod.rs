@@ -63,7 +63,7 @@ mod state;
 use checks::publication_problems;
 pub use checks::{decoding_problems, forget_adoption, slot_status, verify_capture, SlotStatus};
 use columns::{unstorable, DeadColumns, EventColumns};
-use outbox_core::capture::{self, Followed, Holdings, Sessions};
+use outbox_core::capture::{self, Followed, Holdings, Sessions, StreamEvent};
 use reader::Reader;
 use state::*;
 
@@ -458,7 +458,7 @@ impl Inner {
                             // that differs, so the event goes to the dead letters instead.
                             Some(what) => {
                                 dead.push_event(park.id, event, what);
-                                dead_keys.push(held.key.clone());
+                                dead_keys.push(held.key().to_string());
                             }
                             None => {
                                 largest_parked = largest_parked.max(event_bytes(event));
@@ -1217,7 +1217,7 @@ impl OutboxStore for WalStore {
             let behind = |state: &mut State| {
                 let (behind, free): (Vec<SequenceId>, Vec<SequenceId>) =
                     stream.into_iter().partition(|id| match state.holdings.held.get(id) {
-                        Some(Held::Stream(held)) => state.holdings.waits(&held.key),
+                        Some(Held::Stream(held)) => state.holdings.waits(held.key()),
                         _ => false,
                     });
                 tracing::debug!(?behind, ?free, "released stream events");

@@ -81,7 +81,6 @@ pub(super) struct HeldWal {
     pub(super) position: EventPosition,
     /// The outbox row to delete once settled (table form).
     pub(super) row: Option<OutboxRow>,
-    pub(super) key: String,
     pub(super) body: Body,
     /// Its bytes in the memory budget, given back when it is let go of.
     pub(super) _memory: Charge,
@@ -130,7 +129,10 @@ impl capture::StreamEvent for HeldWal {
     type Place = EventPosition;
 
     fn key(&self) -> &str {
-        &self.key
+        match &self.body {
+            Body::Event(event) => event.ordering_key(),
+            Body::Undecodable(undecodable) => undecodable.ordering_key(),
+        }
     }
 
     fn place(&self) -> EventPosition {
@@ -258,7 +260,7 @@ pub(super) fn claimed_of(id: SequenceId, held: &HeldWal) -> Claimed {
         Body::Event(event) => Claimed::Event(event.clone()),
         Body::Undecodable(u) => Claimed::Undecodable {
             sequence_id: id,
-            ordering_key: held.key.clone(),
+            ordering_key: held.key().to_string(),
             destination: u.destination.clone().unwrap_or_default(),
             attempts: 0,
             reason: u.reason.clone(),
@@ -321,7 +323,7 @@ impl State {
             let Some(Held::Stream(held)) = self.holdings.held.get(&id) else {
                 continue;
             };
-            if self.holdings.waits(&held.key) {
+            if self.holdings.waits(held.key()) {
                 self.holdings.to_park.push(Park::behind_its_key(id));
             } else {
                 out.push(claimed_of(id, held));
@@ -411,7 +413,7 @@ impl State {
         memory: Charge,
         out: &mut Vec<Claimed>,
     ) {
-        let (id, row, key, body) = match event {
+        let (id, row, body) = match event {
             Ok(event) => {
                 let (id, row) = event_id_of(event.source, position, &mut self.derived_ids);
                 if matches!(self.holdings.held.get(&id), Some(Held::Parked { .. })) {
@@ -425,47 +427,41 @@ impl State {
                     return;
                 }
                 let adopted = (self.adopted_copies).adopted(&event.event_id, position.commit_lsn);
-                let key = event.ordering_key().to_string();
                 let not_before = event.available_at.filter(|at| *at > SystemTime::now());
                 let core = Arc::new(event.into_core(id));
+                let key = core.ordering_key();
                 if adopted {
                     // Its parked copy goes out instead: held, never handed out, and settled
                     // as a delivered event is, by the next claim's delete of its row (gone
                     // already, moved by the adoption, unless another row took its id).
                     self.undeleted.push((id, std::time::Instant::now()));
-                } else if not_before.is_some() || self.holdings.waits(&key) {
+                } else if not_before.is_some() || self.holdings.waits(key) {
                     let park = Park {
                         not_before,
                         ..Park::behind_its_key(id)
                     };
-                    self.holdings.park_behind(&key, park);
+                    self.holdings.park_behind(key, park);
                 } else {
                     out.push(Claimed::Event(core.clone()));
                 }
-                (id, row, key, Body::Event(core))
+                (id, row, Body::Event(core))
             }
             Err(undecodable) => {
                 let (id, row) = event_id_of(undecodable.source, position, &mut self.derived_ids);
-                let destination = undecodable.destination.clone().unwrap_or_default();
-                let key = undecodable
-                    .partition_key
-                    .clone()
-                    .unwrap_or_else(|| destination.clone());
                 out.push(Claimed::Undecodable {
                     sequence_id: id,
-                    ordering_key: key.clone(),
-                    destination,
+                    ordering_key: undecodable.ordering_key().to_string(),
+                    destination: undecodable.destination.clone().unwrap_or_default(),
                     attempts: 0,
                     reason: undecodable.reason.clone(),
                 });
-                (id, row, key, Body::Undecodable(undecodable))
+                (id, row, Body::Undecodable(undecodable))
             }
         };
         let held = HeldWal {
             session: self.followed.session,
             position,
             row,
-            key,
             body,
             _memory: memory,
         };
