@@ -612,7 +612,16 @@ pub const DELETE_SPACING: Duration = Duration::from_millis(50);
 
 /// Acks enough for a delete to start without waiting for [`DELETE_SPACING`]: grouping them
 /// has done its work, and a drain should not wait with that many events counted in flight.
+/// Lower for a small `max_in_flight` ([`delete_group_enough`]).
 pub const DELETE_GROUP_ENOUGH: usize = 1_000;
+
+/// The acks that start a delete at once for an engine holding at most `max_in_flight`
+/// events: [`DELETE_GROUP_ENOUGH`], or half the limit where that is less. Acked events
+/// count as in flight until their delete; an engine at its limit claims nothing more, and
+/// would otherwise relay at most `max_in_flight` events per spacing.
+pub fn delete_group_enough(max_in_flight: usize) -> usize {
+    (max_in_flight / 2).clamp(1, DELETE_GROUP_ENOUGH)
+}
 
 /// Runs a capture's reader task, and what a panic in it (a bug) said, if it panicked: the
 /// store then says its reader stopped, where every claim would otherwise find nothing,
@@ -683,14 +692,14 @@ pub fn parks_done(queued: usize, followed: &Followed) -> u64 {
 }
 
 /// How long a group delete of `queued` acks waits before it starts, the last one having
-/// started at `last_delete`: what is left of [`DELETE_SPACING`], unless enough acks wait.
-/// Acks that arrive meanwhile join it. A key's next event goes out when this one is
-/// published, so the wait holds no key back; it delays the stream's confirmation and the
-/// engine's count of events in flight by up to the spacing.
-pub fn delete_wait(last_delete: Option<Instant>, queued: usize) -> Option<Duration> {
+/// started at `last_delete`: what is left of [`DELETE_SPACING`], unless `enough` acks wait
+/// ([`delete_group_enough`]). Acks that arrive meanwhile join it. A key's next event goes
+/// out when this one is published, so the wait holds no key back; it delays the stream's
+/// confirmation and the engine's count of events in flight by up to the spacing.
+pub fn delete_wait(last_delete: Option<Instant>, queued: usize, enough: usize) -> Option<Duration> {
     last_delete
         .and_then(|at| DELETE_SPACING.checked_sub(at.elapsed()))
-        .filter(|_| queued < DELETE_GROUP_ENOUGH)
+        .filter(|_| queued < enough)
 }
 
 /// Extends the leases of the parked rows among `extension`'s ids (by the parked table's
@@ -1041,17 +1050,38 @@ mod tests {
 
     #[test]
     fn a_delete_waits_out_the_spacing_unless_it_is_the_first_or_enough_acks_wait() {
-        assert_eq!(delete_wait(None, 1), None, "the first starts at once");
+        let enough = DELETE_GROUP_ENOUGH;
+        assert_eq!(
+            delete_wait(None, 1, enough),
+            None,
+            "the first starts at once"
+        );
         let just_now = Some(Instant::now());
-        let wait = delete_wait(just_now, 1).expect("a wait right after the last delete");
+        let wait = delete_wait(just_now, 1, enough).expect("a wait right after the last delete");
         assert!(wait <= DELETE_SPACING && wait > Duration::ZERO);
         assert_eq!(
-            delete_wait(just_now, DELETE_GROUP_ENOUGH),
+            delete_wait(just_now, enough, enough),
             None,
             "enough grouped"
         );
         let long_ago = Instant::now().checked_sub(DELETE_SPACING * 2);
-        assert_eq!(delete_wait(long_ago, 1), None, "the spacing has passed");
+        assert_eq!(
+            delete_wait(long_ago, 1, enough),
+            None,
+            "the spacing has passed"
+        );
+    }
+
+    /// An engine that may hold 200 events waited out the spacing with all 200 acked: it
+    /// relayed at most 200 events per spacing, however fast its sink.
+    #[test]
+    fn a_small_in_flight_limit_starts_its_deletes_at_half_of_it() {
+        assert_eq!(delete_group_enough(10_000), DELETE_GROUP_ENOUGH);
+        assert_eq!(delete_group_enough(200), 100);
+        assert_eq!(delete_group_enough(1), 1, "never zero");
+        let just_now = Some(Instant::now());
+        assert_eq!(delete_wait(just_now, 100, delete_group_enough(200)), None);
+        assert!(delete_wait(just_now, 99, delete_group_enough(200)).is_some());
     }
 
     /// The delete failed once: every ack it carried returns that failure, its fix said

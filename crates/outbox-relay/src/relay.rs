@@ -161,6 +161,7 @@ async fn start(
                 node: node.clone(),
                 read_ahead: config.engine.max_in_flight.max(1024),
                 memory_budget: config.wal.memory_budget(),
+                max_in_flight: config.engine.max_in_flight,
                 drain,
                 labels: engine.shared.labels.clone(),
             },
@@ -171,6 +172,7 @@ async fn start(
                 node: node.clone(),
                 memory_budget: usize::try_from(mib.saturating_mul(1024 * 1024))
                     .unwrap_or(usize::MAX),
+                max_in_flight: config.engine.max_in_flight,
                 drain,
             };
             let started = capture.start(main, run).await.map_err(|e| {

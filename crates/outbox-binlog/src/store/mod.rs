@@ -91,6 +91,10 @@ pub struct BinlogStoreOptions {
     pub drain: bool,
     /// Bytes of events held at once, read ahead and in flight.
     pub memory_budget: usize,
+    /// The engine's `max_in_flight`: acked events count in it until their delete, so a
+    /// delete starts at once when half of it waits
+    /// ([`outbox_core::capture::delete_group_enough`]).
+    pub max_in_flight: usize,
     /// The polling store over the parked table.
     pub parked: Arc<dyn OutboxStore>,
     /// The store over the outbox table (inserts, pings).
@@ -143,6 +147,8 @@ struct Inner {
     /// Deletes of delivered rows run one at a time ([`Inner::ack_stream`]); when the last
     /// one started.
     deleting: tokio::sync::Mutex<Option<std::time::Instant>>,
+    /// Queued acks that start a delete without waiting out its spacing.
+    delete_group_enough: usize,
     /// When the parked keys were last read ([`Inner::look_for_retried_dead_letters`]).
     parked_keys_read: Mutex<std::time::Instant>,
     /// Whether the parked table has its index of waiting keys, once read
@@ -275,6 +281,9 @@ impl BinlogStore {
                 state: Mutex::new(State::new(options.blackhole)),
                 parking: tokio::sync::Mutex::new(()),
                 deleting: tokio::sync::Mutex::new(None),
+                delete_group_enough: outbox_core::capture::delete_group_enough(
+                    options.max_in_flight,
+                ),
                 full_images_only: Default::default(),
                 parked_keys_read: Mutex::new(std::time::Instant::now()),
                 keys_indexed: std::sync::OnceLock::new(),
@@ -642,7 +651,9 @@ impl Inner {
         // table-less form deletes nothing, so it neither waits nor counts.
         if !self.blackhole {
             let queued = lock(&self.state).ack_queue.len();
-            if let Some(wait) = outbox_core::capture::delete_wait(*last_delete, queued) {
+            if let Some(wait) =
+                outbox_core::capture::delete_wait(*last_delete, queued, self.delete_group_enough)
+            {
                 tokio::time::sleep(wait).await;
             }
             *last_delete = Some(std::time::Instant::now());

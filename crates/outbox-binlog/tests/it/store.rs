@@ -84,6 +84,7 @@ impl Fixture {
             blackhole: false,
             drain: false,
             memory_budget: 32 * 1024 * 1024,
+            max_in_flight: outbox_engine::DEFAULT_MAX_IN_FLIGHT,
             parked: Arc::new(mysql_store(&self.url, "outbox_parked")),
             main: Arc::new(mysql_store(&self.url, "outbox")),
             on_reading_stopped: None,
@@ -1081,6 +1082,7 @@ async fn a_large_blackhole_transaction_on_mariadb_is_read_within_the_memory_budg
         BinlogStoreOptions {
             blackhole: true,
             memory_budget: BUDGET,
+            max_in_flight: outbox_engine::DEFAULT_MAX_IN_FLIGHT,
             ..fixture.options("relay-1")
         },
         &publisher,

@@ -359,6 +359,7 @@ impl BinlogCapture {
             blackhole,
             drain: run.drain,
             memory_budget: run.memory_budget,
+            max_in_flight: run.max_in_flight,
             parked: Arc::new(self.parked.clone()),
             main: Arc::new(main.clone()),
             on_reading_stopped: Some({
@@ -421,6 +422,8 @@ fn unreachable(e: outbox_binlog::BinlogError) -> StoreError {
 pub struct BinlogRun {
     pub node: NodeId,
     pub memory_budget: usize,
+    /// The engine's `max_in_flight`.
+    pub max_in_flight: usize,
     pub drain: bool,
 }
 

@@ -91,6 +91,7 @@ impl Capture {
                 publication: self.publication.clone(),
                 drain: run.drain,
                 labels: run.labels,
+                max_in_flight: run.max_in_flight,
             },
         )
     }
@@ -118,6 +119,8 @@ pub struct CaptureRun {
     pub read_ahead: usize,
     /// Bytes of events the capture may hold.
     pub memory_budget: usize,
+    /// The engine's `max_in_flight`.
+    pub max_in_flight: usize,
     pub drain: bool,
     /// The engine's destination labels, shared with adoption's counts.
     pub labels: Arc<DestinationLabels>,

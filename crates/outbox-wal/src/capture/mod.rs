@@ -132,6 +132,9 @@ pub struct WalStoreOptions {
     /// The outbox's destination label guard (the engine's), for the adoption's dead
     /// letters.
     pub labels: Arc<outbox_core::metric_labels::DestinationLabels>,
+    /// The engine's `max_in_flight`: acked events count in it until their delete, so a
+    /// delete starts at once when half of it waits ([`capture::delete_group_enough`]).
+    pub max_in_flight: usize,
 }
 
 /// Where the replication session stands, for claims and `/readyz`.
@@ -168,6 +171,8 @@ struct Inner {
     /// Deletes of delivered rows run one at a time; see [`Inner::ack_stream`].
     /// It holds when the last delete of outbox rows started.
     deleting: tokio::sync::Mutex<Option<std::time::Instant>>,
+    /// Queued acks that start a delete without waiting out its spacing.
+    delete_group_enough: usize,
     outputs: tokio::sync::Mutex<mpsc::Receiver<Item>>,
     /// The number of the session that streams now, 0 while none does ([`LiveSession`]).
     live: Arc<LiveSession>,
@@ -268,6 +273,7 @@ impl WalStore {
                 state: Mutex::new(State::new()),
                 parking: tokio::sync::Mutex::new(()),
                 deleting: tokio::sync::Mutex::new(None),
+                delete_group_enough: capture::delete_group_enough(options.max_in_flight),
                 outputs: tokio::sync::Mutex::new(rx),
                 live,
                 confirm,
@@ -680,7 +686,8 @@ impl Inner {
         // `outbox_emit` events alone runs no statement, so it neither waits nor counts.
         let (has_rows, queued) = self.queued_acks();
         if has_rows {
-            if let Some(wait) = capture::delete_wait(*last_delete, queued) {
+            if let Some(wait) = capture::delete_wait(*last_delete, queued, self.delete_group_enough)
+            {
                 tokio::time::sleep(wait).await;
             }
             *last_delete = Some(std::time::Instant::now());

@@ -681,6 +681,7 @@ mod through_the_engine {
                     publication,
                     drain: false,
                     labels: Default::default(),
+                    max_in_flight: outbox_engine::DEFAULT_MAX_IN_FLIGHT,
                 },
             );
             let mut config = EngineConfig::new(NodeId("wal-test".into()));
