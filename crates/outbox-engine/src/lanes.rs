@@ -162,10 +162,12 @@ impl Lanes {
 
     /// [`Lanes::lane_of`], sharing the key of the key's lane when it has one.
     fn lane_joined(&self, sequence_id: SequenceId, ordering_key: &str) -> LaneKey {
-        match self.ordered.then(|| self.lanes.get_key_value(ordering_key)) {
-            Some(Some((key, _))) => key.clone(),
-            _ => self.lane_of(sequence_id, ordering_key),
+        if self.ordered {
+            if let Some((key, _)) = self.lanes.get_key_value(ordering_key) {
+                return key.clone();
+            }
         }
+        self.lane_of(sequence_id, ordering_key)
     }
 
     /// Partitions with held rows.

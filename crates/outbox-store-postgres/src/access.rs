@@ -177,7 +177,10 @@ impl PgStore {
             if let Some((sql, params)) = query_step {
                 rows = after_durable(context, &mut durable, query(sql, params)).await?;
             }
-            after_durable(context, &mut durable, async { Ok(()) }).await?;
+            // A transaction with no statement still commits durably.
+            if let Some(setting) = durable.take() {
+                setting.await.map_err(|e| db_error(context, e))?;
+            }
             drop(durable);
             tx.commit().await.map_err(|e| db_error(context, e))?;
             Ok(Some((counts, rows)))
