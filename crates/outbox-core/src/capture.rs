@@ -14,15 +14,19 @@
 //! again, and a key hands out stream events again only once none of its parked rows is
 //! pending, released ones included.
 
+mod deletes;
+
+pub use deletes::{delete_group_enough, GroupDeletes, DELETE_SPACING};
+
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
 use crate::id_hash::IdMap;
 use crate::memory::{event_bytes, Charge, MemoryBudget, EVENT_OVERHEAD};
 use crate::store::{Backlog, ClaimRequest, StoreResult};
-use crate::{Claimed, Event, OutboxStore, SequenceId, StoreError};
+use crate::{Claimed, Event, OutboxStore, SequenceId};
 
 /// What a parked row is taken to cost before any event was seen: a large one, so that a
 /// relay whose first work is a backlog of 1 MiB events adopted into the parked table claims
@@ -497,26 +501,6 @@ impl Followed {
     }
 }
 
-/// One statement shared by the acks it carries (a group commit of deletes of delivered
-/// rows): its outcome, once run, for each of them.
-#[derive(Default)]
-pub struct SharedOutcome(std::sync::OnceLock<StoreResult<()>>);
-
-impl SharedOutcome {
-    /// Records the statement's outcome (the first one recorded stands).
-    pub fn set(&self, result: &StoreResult<()>) {
-        let _ = self
-            .0
-            .set(result.as_ref().map(|_| ()).map_err(StoreError::duplicate));
-    }
-
-    /// The outcome, once the statement ran.
-    pub fn get(&self) -> Option<StoreResult<()>> {
-        let outcome = self.0.get()?;
-        Some(outcome.as_ref().map(|_| ()).map_err(StoreError::duplicate))
-    }
-}
-
 /// A capture whose state holds [`Holdings`] behind a lock of its own.
 pub trait HoldsEvents<S, P> {
     /// Runs `f` on the holdings, under the state's lock (never held across an await).
@@ -602,27 +586,6 @@ pub async fn after_claim<S, P, U, F>(
     }
 }
 
-/// The least time between the starts of two deletes of delivered rows: at most 20 a
-/// second, however many small batches the sink confirms. A fast sink confirms many small
-/// batches (one per key's lane), and a delete each would cost a statement and a commit per
-/// batch, which the application's commits then queue behind. Each delete is three round
-/// trips for the relay: at 10,000 events/s a spacing of 20 ms made them a tenth of its CPU
-/// (BENCHMARKS.md, "Fewer, cheaper deletes").
-pub const DELETE_SPACING: Duration = Duration::from_millis(50);
-
-/// Acks enough for a delete to start without waiting for [`DELETE_SPACING`]: grouping them
-/// has done its work, and a drain should not wait with that many events counted in flight.
-/// Lower for a small `max_in_flight` ([`delete_group_enough`]).
-pub const DELETE_GROUP_ENOUGH: usize = 1_000;
-
-/// The acks that start a delete at once for an engine holding at most `max_in_flight`
-/// events: [`DELETE_GROUP_ENOUGH`], or half the limit where that is less. Acked events
-/// count as in flight until their delete; an engine at its limit claims nothing more, and
-/// would otherwise relay at most `max_in_flight` events per spacing.
-pub fn delete_group_enough(max_in_flight: usize) -> usize {
-    (max_in_flight / 2).clamp(1, DELETE_GROUP_ENOUGH)
-}
-
 /// Runs a capture's reader task, and what a panic in it (a bug) said, if it panicked: the
 /// store then says its reader stopped, where every claim would otherwise find nothing,
 /// silently, for good.
@@ -689,17 +652,6 @@ pub fn parks_done(queued: usize, followed: &Followed) -> u64 {
     } else {
         queued as u64
     }
-}
-
-/// How long a group delete of `queued` acks waits before it starts, the last one having
-/// started at `last_delete`: what is left of [`DELETE_SPACING`], unless `enough` acks wait
-/// ([`delete_group_enough`]). Acks that arrive meanwhile join it. A key's next event goes
-/// out when this one is published, so the wait holds no key back; it delays the stream's
-/// confirmation and the engine's count of events in flight by up to the spacing.
-pub fn delete_wait(last_delete: Option<Instant>, queued: usize, enough: usize) -> Option<Duration> {
-    last_delete
-        .and_then(|at| DELETE_SPACING.checked_sub(at.elapsed()))
-        .filter(|_| queued < enough)
 }
 
 /// Extends the leases of the parked rows among `extension`'s ids (by the parked table's
@@ -968,7 +920,7 @@ mod tests {
             holdings.held.insert(id, parked);
         }
         let capture = std::sync::Mutex::new(holdings);
-        let down = || StoreError::new(crate::StoreErrorKind::Connection, "down");
+        let down = || crate::StoreError::new(crate::StoreErrorKind::Connection, "down");
         let failed = futures::executor::block_on(settle_parked(
             &capture,
             vec![1, 7, 8],
@@ -1013,7 +965,7 @@ mod tests {
         holdings.recheck = vec!["p".into()];
         let capture = std::sync::Mutex::new(holdings);
         let flushed = std::cell::Cell::new(0);
-        let down = || StoreError::new(crate::StoreErrorKind::Connection, "down");
+        let down = || crate::StoreError::new(crate::StoreErrorKind::Connection, "down");
         futures::executor::block_on(after_claim(
             &capture,
             |keys| {
@@ -1046,68 +998,6 @@ mod tests {
         assert_eq!(said.as_deref(), Some("boom 7"));
         let said = panic_of(async { panic!("static") }).await;
         assert_eq!(said.as_deref(), Some("static"));
-    }
-
-    #[test]
-    fn a_delete_waits_out_the_spacing_unless_it_is_the_first_or_enough_acks_wait() {
-        let enough = DELETE_GROUP_ENOUGH;
-        assert_eq!(
-            delete_wait(None, 1, enough),
-            None,
-            "the first starts at once"
-        );
-        let just_now = Some(Instant::now());
-        let wait = delete_wait(just_now, 1, enough).expect("a wait right after the last delete");
-        assert!(wait <= DELETE_SPACING && wait > Duration::ZERO);
-        assert_eq!(
-            delete_wait(just_now, enough, enough),
-            None,
-            "enough grouped"
-        );
-        let long_ago = Instant::now().checked_sub(DELETE_SPACING * 2);
-        assert_eq!(
-            delete_wait(long_ago, 1, enough),
-            None,
-            "the spacing has passed"
-        );
-    }
-
-    /// An engine that may hold 200 events waited out the spacing with all 200 acked: it
-    /// relayed at most 200 events per spacing, however fast its sink.
-    #[test]
-    fn a_small_in_flight_limit_starts_its_deletes_at_half_of_it() {
-        assert_eq!(delete_group_enough(10_000), DELETE_GROUP_ENOUGH);
-        assert_eq!(delete_group_enough(200), 100);
-        assert_eq!(delete_group_enough(1), 1, "never zero");
-        let just_now = Some(Instant::now());
-        assert_eq!(delete_wait(just_now, 100, delete_group_enough(200)), None);
-        assert!(delete_wait(just_now, 99, delete_group_enough(200)).is_some());
-    }
-
-    /// The delete failed once: every ack it carried returns that failure, its fix said
-    /// once (each used to wrap the first's report, fix and all, and add the fix again).
-    #[test]
-    fn every_ack_a_shared_statement_carried_gets_its_failure_with_the_fix_said_once() {
-        let outcome = SharedOutcome::default();
-        assert!(outcome.get().is_none(), "not run yet");
-        let failure = StoreError::new(crate::StoreErrorKind::MissingSchema, "no table outbox")
-            .with_source(std::io::Error::other(
-                "server said so (mysql://relay:secret@db.internal/app)",
-            ));
-        outcome.set(&Err(failure));
-        for _ in 0..2 {
-            let again = outcome.get().unwrap().unwrap_err();
-            assert_eq!(again.kind(), crate::StoreErrorKind::MissingSchema);
-            let report = again.report();
-            assert_eq!(report.matches("(fix:").count(), 1, "{report}");
-            assert!(
-                report.contains("no table outbox: server said so"),
-                "{report}"
-            );
-        }
-        let done = SharedOutcome::default();
-        done.set(&Ok(()));
-        assert!(done.get().unwrap().is_ok());
     }
 
     /// Sessions announced by number; any other item is an event of the last one announced.

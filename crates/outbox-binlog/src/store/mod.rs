@@ -144,11 +144,8 @@ struct Inner {
     /// Serializes "is this key parked?" with parking and with un-parking, so a key is never
     /// let through while a parked row of it remains.
     parking: tokio::sync::Mutex<()>,
-    /// Deletes of delivered rows run one at a time ([`Inner::ack_stream`]); when the last
-    /// one started.
-    deleting: tokio::sync::Mutex<Option<std::time::Instant>>,
-    /// Queued acks that start a delete without waiting out its spacing.
-    delete_group_enough: usize,
+    /// Deletes of delivered rows, as group commits ([`Inner::ack_stream`]).
+    deletes: outbox_core::capture::GroupDeletes<SequenceId>,
     /// When the parked keys were last read ([`Inner::look_for_retried_dead_letters`]).
     parked_keys_read: Mutex<std::time::Instant>,
     /// Whether the parked table has its index of waiting keys, once read
@@ -280,10 +277,7 @@ impl BinlogStore {
                 drain: options.drain,
                 state: Mutex::new(State::new(options.blackhole)),
                 parking: tokio::sync::Mutex::new(()),
-                deleting: tokio::sync::Mutex::new(None),
-                delete_group_enough: outbox_core::capture::delete_group_enough(
-                    options.max_in_flight,
-                ),
+                deletes: outbox_core::capture::GroupDeletes::new(options.max_in_flight),
                 full_images_only: Default::default(),
                 parked_keys_read: Mutex::new(std::time::Instant::now()),
                 keys_indexed: std::sync::OnceLock::new(),
@@ -628,45 +622,24 @@ impl Inner {
 
     /// Acks held stream rows: their outbox rows are deleted (table form), then they settle.
     ///
-    /// Deletes run one at a time, spaced ([`outbox_core::capture::delete_wait`]), each
-    /// taking every ack queued until it starts (a group commit): a fast sink confirms many
-    /// small batches (one per key's lane), and a delete each would cost a statement and a
-    /// commit per batch, which the application's inserts then contend with. An ack returns
-    /// once the delete that carried its rows has, with that delete's outcome.
+    /// Deletes are group commits ([`outbox_core::capture::GroupDeletes`]): one at a time,
+    /// spaced, each taking every ack queued until it starts. An ack returns once the delete
+    /// that carried its rows has, with that delete's outcome. The table-less form deletes
+    /// nothing, so it neither waits nor counts toward the spacing.
     async fn ack_stream(&self, ids: Vec<SequenceId>) -> StoreResult<u64> {
         if ids.is_empty() {
             return Ok(0);
         }
         let acked = ids.len() as u64;
-        let (round, sessions) = {
-            let mut state = lock(&self.state);
-            state.ack_queue.extend(&ids);
-            (state.ack_round.clone(), state.holdings.sessions_of(&ids))
-        };
-        let mut last_delete = self.deleting.lock().await;
-        if let Some(outcome) = round.get() {
-            return outcome.map(|()| self.settle_copies(&ids, &sessions, acked));
-        }
-        // This round is still open; acks queued while it waits its turn join it. The
-        // table-less form deletes nothing, so it neither waits nor counts.
-        if !self.blackhole {
-            let queued = lock(&self.state).ack_queue.len();
-            if let Some(wait) =
-                outbox_core::capture::delete_wait(*last_delete, queued, self.delete_group_enough)
-            {
-                tokio::time::sleep(wait).await;
-            }
-            *last_delete = Some(std::time::Instant::now());
-        }
-        // Close it (later acks open the next) and run it.
-        let round_ids = {
-            let mut state = lock(&self.state);
-            state.ack_round = Arc::default();
-            std::mem::take(&mut state.ack_queue)
-        };
-        let result = self.delete_delivered(round_ids).await;
-        round.set(&result);
-        result.map(|()| self.settle_copies(&ids, &sessions, acked))
+        let sessions = lock(&self.state).holdings.sessions_of(&ids);
+        self.deletes
+            .ack(
+                ids.iter().copied(),
+                |_| !self.blackhole,
+                |group| self.delete_delivered(group),
+            )
+            .await?;
+        Ok(self.settle_copies(&ids, &sessions, acked))
     }
 
     /// As an engine call about `ids` (which began when their held rows were of `sessions`)

@@ -161,17 +161,11 @@ pub(super) struct State {
     pub(super) settled: Vec<u64>,
     /// `--drain`: every row committed before start-up has been handed out.
     drained: bool,
-    /// Delivered stream rows waiting for the next delete, and the round they belong to.
-    pub(super) ack_queue: Vec<SequenceId>,
-    pub(super) ack_round: Arc<AckRound>,
     /// Undecodable rows the capture parked dead itself (behind a parked key, or let go of
     /// by the engine), written: the engine never counted them, and a drain adds them to its
     /// dead letters.
     pub(super) dead_by_capture: u64,
 }
-
-/// One delete of delivered rows, shared by the acks it carries: its outcome, once run.
-pub(super) type AckRound = capture::SharedOutcome;
 
 impl State {
     pub(super) fn new(hold_to_commit: bool) -> State {
@@ -184,8 +178,6 @@ impl State {
             holdings: Holdings::default(),
             settled: Vec::new(),
             drained: false,
-            ack_queue: Vec::new(),
-            ack_round: Arc::default(),
             dead_by_capture: 0,
         }
     }

@@ -151,9 +151,6 @@ pub enum CaptureStatus {
     Failed(String),
 }
 
-/// One delete of delivered rows, shared by the acks it carries.
-type AckRound = capture::SharedOutcome;
-
 struct Inner {
     main: PgStore,
     parked: PgStore,
@@ -168,11 +165,9 @@ struct Inner {
     /// Serializes "is this key parked?" with parking and with un-parking, so a key is never
     /// let through while a parked event of it remains.
     parking: tokio::sync::Mutex<()>,
-    /// Deletes of delivered rows run one at a time; see [`Inner::ack_stream`].
-    /// It holds when the last delete of outbox rows started.
-    deleting: tokio::sync::Mutex<Option<std::time::Instant>>,
-    /// Queued acks that start a delete without waiting out its spacing.
-    delete_group_enough: usize,
+    /// Deletes of delivered rows, as group commits; see [`Inner::ack_stream`]. Each ack
+    /// queues its id and when it was acked.
+    deletes: capture::GroupDeletes<(SequenceId, std::time::Instant)>,
     outputs: tokio::sync::Mutex<mpsc::Receiver<Item>>,
     /// The number of the session that streams now, 0 while none does ([`LiveSession`]).
     live: Arc<LiveSession>,
@@ -272,8 +267,7 @@ impl WalStore {
                 drain: options.drain,
                 state: Mutex::new(State::new()),
                 parking: tokio::sync::Mutex::new(()),
-                deleting: tokio::sync::Mutex::new(None),
-                delete_group_enough: capture::delete_group_enough(options.max_in_flight),
+                deletes: capture::GroupDeletes::new(options.max_in_flight),
                 outputs: tokio::sync::Mutex::new(rx),
                 live,
                 confirm,
@@ -659,48 +653,25 @@ impl Inner {
 
     /// Acks held stream events: their outbox rows are deleted, then their positions settle.
     ///
-    /// A fast sink confirms many small batches at once, and one delete transaction each
-    /// would cost a commit (and a WAL flush) per batch, which the writers' commits then
-    /// queue behind. So deletes run one at a time, spaced ([`capture::delete_wait`]), and
-    /// each takes every ack queued until it starts (a group commit): an ack returns once
-    /// the delete that carried its rows has, with that delete's outcome. A key's next event
-    /// goes out when this one is published, so the wait does not hold keys back; it delays
-    /// the slot's confirmation and the engine's count of events in flight (`max_in_flight`)
-    /// by up to the spacing.
+    /// Deletes are group commits ([`capture::GroupDeletes`]): one at a time, spaced, each
+    /// taking every ack queued until it starts. An ack returns once the delete that carried
+    /// its rows has, with that delete's outcome. A group of `outbox_emit` events alone runs
+    /// no statement, so it neither waits nor counts toward the spacing.
     async fn ack_stream(&self, ids: Vec<SequenceId>) -> StoreResult<u64> {
         if ids.is_empty() {
             return Ok(0);
         }
         let acked = ids.len() as u64;
         let now = std::time::Instant::now();
-        let (round, sessions) = {
-            let mut state = lock(&self.state);
-            state.ack_queue.extend(ids.iter().map(|id| (*id, now)));
-            (state.ack_round.clone(), state.holdings.sessions_of(&ids))
-        };
-        let mut last_delete = self.deleting.lock().await;
-        if let Some(outcome) = round.get() {
-            return outcome.map(|()| self.settle_copies(&ids, &sessions, acked));
-        }
-        // This round is still open. Acks queued while it waits its turn join it; a round of
-        // `outbox_emit` events alone runs no statement, so it neither waits nor counts.
-        let (has_rows, queued) = self.queued_acks();
-        if has_rows {
-            if let Some(wait) = capture::delete_wait(*last_delete, queued, self.delete_group_enough)
-            {
-                tokio::time::sleep(wait).await;
-            }
-            *last_delete = Some(std::time::Instant::now());
-        }
-        // Close it (later acks open the next one) and run it.
-        let events = {
-            let mut state = lock(&self.state);
-            state.ack_round = Arc::default();
-            std::mem::take(&mut state.ack_queue)
-        };
-        let result = self.delete_delivered(events).await;
-        round.set(&result);
-        result.map(|()| self.settle_copies(&ids, &sessions, acked))
+        let sessions = lock(&self.state).holdings.sessions_of(&ids);
+        self.deletes
+            .ack(
+                ids.iter().map(|id| (*id, now)),
+                |queued| self.any_has_a_row(queued),
+                |events| self.delete_delivered(events),
+            )
+            .await?;
+        Ok(self.settle_copies(&ids, &sessions, acked))
     }
 
     /// [`State::settle_copies`] as the ack of `ids` returns `acked` to the engine.
@@ -713,13 +684,12 @@ impl Inner {
     }
 
     /// Whether a queued ack has an outbox row to delete (an `outbox_emit` event has none,
-    /// and settles without a statement), and how many acks are queued.
-    fn queued_acks(&self) -> (bool, usize) {
+    /// and settles without a statement).
+    fn any_has_a_row(&self, queued: &[(SequenceId, std::time::Instant)]) -> bool {
         let state = lock(&self.state);
-        let has_rows = state.ack_queue.iter().any(
+        queued.iter().any(
             |(id, _)| matches!(state.holdings.held.get(id), Some(Held::Stream(held)) if held.row.is_some()),
-        );
-        (has_rows, state.ack_queue.len())
+        )
     }
 
     /// Deletes the outbox rows of delivered stream events and settles the events. The

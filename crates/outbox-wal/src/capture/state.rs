@@ -177,9 +177,6 @@ pub(super) struct State {
     /// Outputs received from the reader and not yet accepted by a claim (a claim stops
     /// at its limit, possibly within a burst).
     pub(super) unaccepted: VecDeque<ChargedOutput>,
-    /// Delivered stream events waiting for the next delete, and the round they belong to.
-    pub(super) ack_queue: Vec<(SequenceId, std::time::Instant)>,
-    pub(super) ack_round: Arc<AckRound>,
     /// `--drain`: everything committed before the marker has been handed out.
     pub(super) drained: bool,
     /// An upper bound of the memory one row of the parked table takes: read at each
@@ -281,8 +278,6 @@ impl State {
             late_rows_swept: None,
             drain_until: None,
             unaccepted: VecDeque::new(),
-            ack_queue: Vec::new(),
-            ack_round: Arc::default(),
             drained: false,
             largest_parked: 0,
             derived_ids: DerivedIds::default(),
