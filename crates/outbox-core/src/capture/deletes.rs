@@ -254,47 +254,47 @@ mod tests {
         }
     }
 
-    /// Three acks while a delete runs: the first to get the turn takes all three in one
-    /// delete, and the other two return its outcome without a statement of their own.
-    #[tokio::test(start_paused = true)]
-    async fn acks_queued_while_a_delete_runs_share_the_next_one() {
+    /// Ack 1, whose delete waits until `later` (each acked by a task of its own, their
+    /// deletes failing if `later_fail`) are all queued behind it. Returns the later acks'
+    /// outcomes, and the deletes and the record for more.
+    async fn acks_behind_a_running_delete(
+        later: &[u32],
+        later_fail: bool,
+    ) -> (Vec<StoreResult<()>>, Arc<GroupDeletes<u32>>, Arc<Recorded>) {
         let deletes = Arc::new(GroupDeletes::new(6));
         let recorded = Arc::new(Recorded::default());
-        let (open_gate, gate) = tokio::sync::oneshot::channel();
-        let first = tokio::spawn({
+        let ack = |ack: u32, gate, fails| {
             let (deletes, recorded) = (deletes.clone(), recorded.clone());
-            async move {
+            tokio::spawn(async move {
                 deletes
-                    .ack(
-                        [1],
-                        |_| true,
-                        |acks| recorded.delete(acks, Some(gate), false),
-                    )
+                    .ack([ack], |_| true, |acks| recorded.delete(acks, gate, fails))
                     .await
-            }
-        });
+            })
+        };
+        let (open_gate, gate) = tokio::sync::oneshot::channel();
+        let first = ack(1, Some(gate), false);
         while !deletes.running_with_none_queued() {
             tokio::task::yield_now().await;
         }
-        let later: Vec<_> = [2, 3, 4]
-            .into_iter()
-            .map(|ack| {
-                let (deletes, recorded) = (deletes.clone(), recorded.clone());
-                tokio::spawn(async move {
-                    deletes
-                        .ack([ack], |_| true, |acks| recorded.delete(acks, None, false))
-                        .await
-                })
-            })
-            .collect();
-        while deletes.queued() < 3 {
+        let later: Vec<_> = later.iter().map(|id| ack(*id, None, later_fail)).collect();
+        while deletes.queued() < later.len() {
             tokio::task::yield_now().await;
         }
         open_gate.send(()).unwrap();
         first.await.unwrap().unwrap();
+        let mut outcomes = Vec::new();
         for ack in later {
-            ack.await.unwrap().unwrap();
+            outcomes.push(ack.await.unwrap());
         }
+        (outcomes, deletes, recorded)
+    }
+
+    /// Three acks while a delete runs: the first to get the turn takes all three in one
+    /// delete, and the other two return its outcome without a statement of their own.
+    #[tokio::test(start_paused = true)]
+    async fn acks_queued_while_a_delete_runs_share_the_next_one() {
+        let (outcomes, _, recorded) = acks_behind_a_running_delete(&[2, 3, 4], false).await;
+        assert!(outcomes.iter().all(|o| o.is_ok()));
         assert_eq!(recorded.groups(), vec![vec![1], vec![2, 3, 4]]);
     }
 
@@ -302,42 +302,9 @@ mod tests {
     /// new group with a delete of its own.
     #[tokio::test(start_paused = true)]
     async fn every_ack_of_a_failed_delete_fails_and_the_next_ack_runs_its_own() {
-        let deletes = Arc::new(GroupDeletes::new(6));
-        let recorded = Arc::new(Recorded::default());
-        let (open_gate, gate) = tokio::sync::oneshot::channel();
-        let first = tokio::spawn({
-            let (deletes, recorded) = (deletes.clone(), recorded.clone());
-            async move {
-                deletes
-                    .ack(
-                        [1],
-                        |_| true,
-                        |acks| recorded.delete(acks, Some(gate), false),
-                    )
-                    .await
-            }
-        });
-        while !deletes.running_with_none_queued() {
-            tokio::task::yield_now().await;
-        }
-        let failing: Vec<_> = [2, 3]
-            .into_iter()
-            .map(|ack| {
-                let (deletes, recorded) = (deletes.clone(), recorded.clone());
-                tokio::spawn(async move {
-                    deletes
-                        .ack([ack], |_| true, |acks| recorded.delete(acks, None, true))
-                        .await
-                })
-            })
-            .collect();
-        while deletes.queued() < 2 {
-            tokio::task::yield_now().await;
-        }
-        open_gate.send(()).unwrap();
-        first.await.unwrap().unwrap();
-        for ack in failing {
-            let failure = ack.await.unwrap().unwrap_err();
+        let (outcomes, deletes, recorded) = acks_behind_a_running_delete(&[2, 3], true).await;
+        for outcome in outcomes {
+            let failure = outcome.unwrap_err();
             assert_eq!(failure.kind(), crate::StoreErrorKind::Connection);
         }
         deletes

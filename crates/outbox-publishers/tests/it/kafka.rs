@@ -19,7 +19,7 @@ use rdkafka::ClientConfig;
 /// API is thread-safe (each call takes the cluster's lock). Tests only call it through
 /// `&self`, from any thread.
 struct Cluster(MockCluster<'static, DefaultProducerContext>);
-#[allow(unsafe_code)] // the one unsafe in the workspace, for a test's mock broker (above)
+#[allow(unsafe_code)] // a test's mock broker (above); the only other unsafe is WAL capture's SO_RCVLOWAT
 unsafe impl Send for Cluster {}
 #[allow(unsafe_code)]
 unsafe impl Sync for Cluster {}
