@@ -16,7 +16,7 @@
 
 mod deletes;
 
-pub use deletes::{delete_group_enough, GroupDeletes, DELETE_SPACING};
+pub use deletes::{delete_group_enough, GroupDeletes, DELETE_GROUP_ENOUGH, DELETE_SPACING};
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -8,7 +8,9 @@
 //! (`max_in_flight`) by up to [`DELETE_SPACING`].
 
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use crate::store::StoreResult;
 use crate::StoreError;
@@ -34,8 +36,9 @@ pub fn delete_group_enough(max_in_flight: usize) -> usize {
 
 /// How long a group delete of `queued` acks waits before it starts, the last one having
 /// started at `last_delete`: what is left of [`DELETE_SPACING`], unless `enough` acks wait
-/// ([`delete_group_enough`]). Acks that arrive meanwhile join it.
-pub fn delete_wait(last_delete: Option<Instant>, queued: usize, enough: usize) -> Option<Duration> {
+/// ([`delete_group_enough`]). Acks that arrive meanwhile join it. On tokio's clock, which
+/// the wait sleeps on.
+fn delete_wait(last_delete: Option<Instant>, queued: usize, enough: usize) -> Option<Duration> {
     last_delete
         .and_then(|at| DELETE_SPACING.checked_sub(at.elapsed()))
         .filter(|_| queued < enough)
@@ -64,6 +67,31 @@ impl SharedOutcome {
 struct OpenGroup<A> {
     acks: Vec<A>,
     outcome: Arc<SharedOutcome>,
+}
+
+/// While a group's delete runs: if it is dropped unfinished (its ack cancelled), the acks
+/// it carried, which wait for its outcome, get an error to retry on, not the outcome of a
+/// later delete that did not carry them.
+struct OutcomeOnCancel<'a>(Option<&'a SharedOutcome>);
+
+impl OutcomeOnCancel<'_> {
+    /// The delete finished with `result`.
+    fn set(mut self, result: &StoreResult<()>) {
+        if let Some(outcome) = self.0.take() {
+            outcome.set(result);
+        }
+    }
+}
+
+impl Drop for OutcomeOnCancel<'_> {
+    fn drop(&mut self) {
+        if let Some(outcome) = self.0.take() {
+            outcome.set(&Err(StoreError::new(
+                crate::StoreErrorKind::Conflict,
+                "the delete of delivered rows carrying this ack was cancelled before it finished",
+            )));
+        }
+    }
 }
 
 /// A capture's deletes of delivered rows, run as group commits ([the module](self)). `A` is
@@ -97,7 +125,12 @@ impl<A> GroupDeletes<A> {
     /// Queues `acks` and returns the outcome of the delete that carries them. When their
     /// group's turn comes, `needs_statement` says whether the group's acks have rows to
     /// delete (a group with none neither waits nor counts toward the spacing), and `delete`
-    /// runs it with every ack queued by then.
+    /// runs it with every ack queued by then. `acks` and `needs_statement` run under this
+    /// type's own lock: neither may take a lock held by a caller of `ack`.
+    ///
+    /// Cancelled (dropped) while its group waits, the acks stay queued for the next turn;
+    /// cancelled while the delete runs, every ack the delete carried gets a retryable
+    /// error, and the engine acks them again.
     pub async fn ack<D>(
         &self,
         acks: impl IntoIterator<Item = A>,
@@ -133,14 +166,15 @@ impl<A> GroupDeletes<A> {
             open.outcome = Arc::default();
             std::mem::take(&mut open.acks)
         };
+        let pending = OutcomeOnCancel(Some(&outcome));
         let result = delete(acks).await;
-        outcome.set(&result);
+        pending.set(&result);
         result
     }
 
     fn lock_open(&self) -> std::sync::MutexGuard<'_, OpenGroup<A>> {
-        // The lock guards no await and no user code that can panic but `needs_statement`,
-        // after which the queue is still whole.
+        // The lock guards no await, and no code that can panic but the caller's `acks` and
+        // `needs_statement`, after which the queue is still whole.
         self.open
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -254,9 +288,21 @@ mod tests {
         }
     }
 
+    /// Yields until `ready`, failing (not hanging) if it never comes.
+    async fn until(ready: impl Fn() -> bool) {
+        for _ in 0..1_000 {
+            if ready() {
+                return;
+            }
+            tokio::task::yield_now().await;
+        }
+        panic!("the awaited state never came");
+    }
+
     /// Ack 1, whose delete waits until `later` (each acked by a task of its own, their
     /// deletes failing if `later_fail`) are all queued behind it. Returns the later acks'
-    /// outcomes, and the deletes and the record for more.
+    /// outcomes, and the deletes and the record for more. At most 6 events in flight: 3
+    /// acks queued are enough to start a delete at once.
     async fn acks_behind_a_running_delete(
         later: &[u32],
         later_fail: bool,
@@ -273,13 +319,9 @@ mod tests {
         };
         let (open_gate, gate) = tokio::sync::oneshot::channel();
         let first = ack(1, Some(gate), false);
-        while !deletes.running_with_none_queued() {
-            tokio::task::yield_now().await;
-        }
+        until(|| deletes.running_with_none_queued()).await;
         let later: Vec<_> = later.iter().map(|id| ack(*id, None, later_fail)).collect();
-        while deletes.queued() < later.len() {
-            tokio::task::yield_now().await;
-        }
+        until(|| deletes.queued() == later.len()).await;
         open_gate.send(()).unwrap();
         first.await.unwrap().unwrap();
         let mut outcomes = Vec::new();
@@ -290,12 +332,15 @@ mod tests {
     }
 
     /// Three acks while a delete runs: the first to get the turn takes all three in one
-    /// delete, and the other two return its outcome without a statement of their own.
+    /// delete, at once (three are enough for this engine's limit), and the other two return
+    /// its outcome without a statement of their own.
     #[tokio::test(start_paused = true)]
     async fn acks_queued_while_a_delete_runs_share_the_next_one() {
+        let started = Instant::now();
         let (outcomes, _, recorded) = acks_behind_a_running_delete(&[2, 3, 4], false).await;
         assert!(outcomes.iter().all(|o| o.is_ok()));
         assert_eq!(recorded.groups(), vec![vec![1], vec![2, 3, 4]]);
+        assert_eq!(started.elapsed(), Duration::ZERO, "enough acks: no spacing");
     }
 
     /// A failed delete's outcome reaches every ack it carried, and the next ack opens a
@@ -314,13 +359,66 @@ mod tests {
         assert_eq!(recorded.groups(), vec![vec![1], vec![2, 3], vec![5]]);
     }
 
+    /// The ack that ran a group's delete is cancelled (its task aborted) while the delete
+    /// runs: the other ack that delete carried gets an error to retry on. It used to get the
+    /// outcome of the next group's delete, which did not carry it (an empty one: `Ok`).
+    #[tokio::test(start_paused = true)]
+    async fn the_acks_of_a_cancelled_delete_get_an_error_to_retry_on() {
+        let deletes = Arc::new(GroupDeletes::new(10_000));
+        let recorded = Arc::new(Recorded::default());
+        deletes
+            .ack([0], |_| true, |acks| recorded.delete(acks, None, false))
+            .await
+            .unwrap();
+        // Ack 1 waits out the spacing after ack 0's delete; ack 2 joins its group meanwhile.
+        let (_never_opened, gate) = tokio::sync::oneshot::channel::<()>();
+        let runner = tokio::spawn({
+            let (deletes, recorded) = (deletes.clone(), recorded.clone());
+            async move {
+                deletes
+                    .ack(
+                        [1],
+                        |_| true,
+                        |acks| recorded.delete(acks, Some(gate), false),
+                    )
+                    .await
+            }
+        });
+        until(|| deletes.queued() == 1 && deletes.turn.try_lock().is_err()).await;
+        let carried = tokio::spawn({
+            let (deletes, recorded) = (deletes.clone(), recorded.clone());
+            async move {
+                deletes
+                    .ack([2], |_| true, |acks| recorded.delete(acks, None, false))
+                    .await
+            }
+        });
+        until(|| deletes.queued() == 2).await;
+        // The paused clock moves on once every task waits: ack 1's group starts its delete.
+        tokio::time::sleep(DELETE_SPACING).await;
+        until(|| deletes.running_with_none_queued()).await;
+        runner.abort();
+        let failure = carried.await.unwrap().unwrap_err();
+        assert!(failure.is_retryable(), "{}", failure.report());
+        assert!(
+            failure.report().contains("cancelled"),
+            "{}",
+            failure.report()
+        );
+        deletes
+            .ack([3], |_| true, |acks| recorded.delete(acks, None, false))
+            .await
+            .unwrap();
+        assert_eq!(recorded.groups(), vec![vec![0], vec![3]]);
+    }
+
     /// Deletes that run a statement are spaced; a group with nothing to delete (`outbox_emit`
     /// events, the table-less binlog form) neither waits nor moves the spacing.
     #[tokio::test(start_paused = true)]
     async fn only_groups_with_rows_wait_out_the_spacing() {
         let deletes = GroupDeletes::new(10_000);
         let recorded = Recorded::default();
-        let started = tokio::time::Instant::now();
+        let started = Instant::now();
         deletes
             .ack([1], |_| true, |acks| recorded.delete(acks, None, false))
             .await
@@ -330,23 +428,24 @@ mod tests {
             Duration::ZERO,
             "the first starts at once"
         );
+        tokio::time::advance(Duration::from_millis(30)).await;
         deletes
             .ack([2], |_| false, |acks| recorded.delete(acks, None, false))
             .await
             .unwrap();
         assert_eq!(
             started.elapsed(),
-            Duration::ZERO,
+            Duration::from_millis(30),
             "nothing to delete: no wait"
         );
         deletes
             .ack([3], |_| true, |acks| recorded.delete(acks, None, false))
             .await
             .unwrap();
-        let waited = started.elapsed();
-        assert!(
-            waited > DELETE_SPACING / 2 && waited <= DELETE_SPACING + Duration::from_millis(1),
-            "a statement right after one waits out the spacing: {waited:?}"
+        assert_eq!(
+            started.elapsed(),
+            DELETE_SPACING,
+            "spaced from the last delete that ran a statement, not from the empty group's"
         );
         assert_eq!(recorded.groups(), vec![vec![1], vec![2], vec![3]]);
     }
