@@ -37,8 +37,11 @@ const REST_OF_TRANSACTION: Duration = Duration::from_millis(5);
 /// Each burst costs a wake-up, a claim, a publish and a settle whatever it carries: at
 /// 10,000 events/s in 10-event transactions the reader otherwise cut a burst every half a
 /// millisecond or so, and the relay spent more CPU per event than `pg_recvlogical` reading
-/// the same slot. What comes meanwhile waits in the socket: this long, rounded up to the
-/// runtime timer's next millisecond tick, so 1-2 ms at most. A stream that was quiet this
+/// the same slot. What comes meanwhile waits in the socket: this long, as tokio's timer
+/// rounds it, which is about 2 ms in practice (it rounds the deadline up to its next
+/// millisecond tick, then sleeps whole milliseconds from the start of the current one;
+/// BENCHMARKS.md, "What a burst costs"). That wait is most of the relay's latency over
+/// `pg_recvlogical`'s; a shorter one costs CPU in more bursts. A stream that was quiet this
 /// long since the last burst is read at once, so a lone transaction waits for nothing.
 pub(crate) const BURST_PACE: Duration = Duration::from_millis(1);
 
