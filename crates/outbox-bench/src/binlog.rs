@@ -119,7 +119,7 @@ pub async fn drain(b: &Bench) -> Result<Value> {
 }
 
 /// The server's own floor for the table form: the same backlog deleted by its primary key
-/// in ranges of [`DELETE_RANGE`] rows, on one connection logging keys only (as the relay's
+/// in ranges of `DELETE_RANGE` rows, on one connection logging keys only (as the relay's
 /// deletes log), with nothing else running. A capture that deletes what it delivered cannot
 /// drain faster than MariaDB deletes, and on this host the two share two cores. In a database
 /// of its own, so that no capture reads its rows back from the log. Its MariaDB CPU counts

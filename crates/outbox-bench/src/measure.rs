@@ -14,7 +14,7 @@ use crate::{baseline, connect, dashboard, load, wait_child, wal, Bench, SUBJECT}
 
 const TICKS: f64 = 100.0;
 
-/// CPU seconds of a process from /proc/<pid>/stat: (own, reaped children).
+/// CPU seconds of a process from `/proc/<pid>/stat`: (own, reaped children).
 fn proc_cpu(pid: &str) -> Option<(f64, f64, i64)> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let rest: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();

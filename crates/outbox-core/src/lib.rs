@@ -4,15 +4,15 @@
 //! - [`event`]: the event envelope as read from an outbox row, and its ordering key;
 //! - [`error`]: typed errors, each classified as retryable or permanent in one place;
 //! - [`retry`]: exponential backoff with jitter and the dead-letter decision;
-//! - [`store`]: the [`OutboxStore`](store::OutboxStore) contract (claim → ack / retry / dead-letter);
-//! - [`publisher`]: the [`Publisher`](publisher::Publisher) contract (a batch in, one outcome per event);
+//! - [`store`]: the [`store::OutboxStore`] contract (claim → ack / retry / dead-letter);
+//! - [`publisher`]: the [`publisher::Publisher`] contract (a batch in, one outcome per event);
 //! - [`ident`]: validated, quoted SQL identifiers for configurable schema and table names;
 //! - [`id_hash`]: maps keyed by sequence id, hashed for the per-event paths;
 //! - [`memory`]: the byte budget of what a change-stream capture holds;
 //! - [`redact`]: secrets out of URLs and the messages that quote them;
 //! - [`migration`]: versioned schemas: the steps `migrate` applies and how `run` judges a version;
 //! - [`metric_labels`]: metrics recorded by more than one crate, and their label guard;
-//! - [`trace`]: W3C trace context in event headers, and the [`Telemetry`](trace::Telemetry) contract.
+//! - [`trace`]: W3C trace context in event headers, and the [`trace::Telemetry`] contract.
 
 pub mod capture;
 pub mod error;

@@ -213,7 +213,7 @@ impl SettleKind {
 ///   must not block (it queues a span and returns). It is called from the engine's tasks.
 /// - `published` receives the whole batch handed to the publisher, with one outcome per
 ///   event in batch order, and `systems` tells which messaging system each destination
-///   went to as far as the publisher knows ([`crate::Publisher::messaging_system`]).
+///   went to as far as the publisher knows (its sinks' `messaging_system`).
 /// - The engine holds no trace context of its own: an implementation reads each event's
 ///   with [`TraceContext::from_headers`].
 pub trait Telemetry: Send + Sync + fmt::Debug + 'static {

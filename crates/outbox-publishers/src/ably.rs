@@ -38,7 +38,7 @@ pub struct AblyConfig {
     pub tls: TlsFiles,
     /// A file holding the API key (or ABLY_API_KEY / OUTBOX_RELAY_ABLY_API_KEY).
     pub api_key_file: Option<PathBuf>,
-    /// REST endpoint [default: https://rest.ably.io].
+    /// REST endpoint [default: `https://rest.ably.io`].
     pub rest_url: Option<String>,
 }
 

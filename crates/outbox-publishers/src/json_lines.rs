@@ -139,7 +139,7 @@ fn outcomes(errors: Vec<Option<PublishError>>, written: &Result<(), String>) -> 
 }
 
 /// Writes JSON lines to standard output and flushes after each write; batches sent while
-/// one is written go out together with the next (see [`GroupWriter`]). Every stdout sink of
+/// one is written go out together with the next (see `GroupWriter`). Every stdout sink of
 /// the process (two routes, or `[[outboxes]]`) shares one writer, so that a batch written
 /// inline never waits for another sink's write to the same stdout.
 pub struct StdoutSink {
@@ -250,7 +250,7 @@ const WRITES_PER_BATCH: usize = 3;
 /// retried) and [`Sink::health`] fails, naming the directory, until it is back.
 ///
 /// Batches sent while a write is under way wait, and the next write takes all of them with
-/// one `fdatasync` (group commit, see [`GroupWriter`]): the engine keeps many small batches
+/// one `fdatasync` (group commit, see `GroupWriter`): the engine keeps many small batches
 /// in flight, and a flush per batch would make the disk's flush rate the relay's event rate.
 pub struct FileSink {
     path: PathBuf,

@@ -1,13 +1,12 @@
 //! The admin API under `/api/v1/` and the dashboard at `/`.
 //!
-//! Every operation goes through the store's [`Operations`], as the CLI's operator commands
-//! do (`operator.rs`), with the same messages. With an admin token configured, every API
-//! call needs `Authorization: Bearer <token>` (reads too: they show payloads), compared in
-//! constant time; only the dashboard's own files are open, so that the page can load and ask
-//! for the token. Without a token the server stays on loopback, reads are open there, and
-//! changes answer 403. The check ([`gate`]) looks at the request line and headers only,
-//! before any body is read. Each mutating call is logged at info level with what it did,
-//! never with the token.
+//! Every operation goes through the store's [`outbox_core::store::Operations`], as the CLI's
+//! operator commands do (`operator.rs`), with the same messages. With an admin token configured,
+//! every API call needs `Authorization: Bearer <token>` (reads too: they show payloads), compared
+//! in constant time; only the dashboard's own files are open, so that the page can load and ask for
+//! the token. Without a token the server stays on loopback, reads are open there, and changes
+//! answer 403. The check ([`gate`]) looks at the request line and headers only, before any body is
+//! read. Each mutating call is logged at info level with what it did, never with the token.
 //!
 //! Backlog and lag over time come from [`History`]: the engine's own backlog gauges, read
 //! from the metrics recorder every [`SAMPLE_EVERY`] and kept for [`HISTORY_SPAN`]. What

@@ -41,7 +41,7 @@ pub struct GlobalArgs {
     #[arg(long, global = true, value_name = "FILE", env = "OUTBOX_RELAY_CONFIG")]
     #[serde(skip)]
     pub config: Option<PathBuf>,
-    /// With [[outboxes]] in the config file: the outbox to act on. Without it, run, migrate,
+    /// With `[[outboxes]]` in the config file: the outbox to act on. Without it, run, migrate,
     /// check and stats act on every outbox; the other commands need it.
     #[arg(long, global = true, value_name = "NAME")]
     #[serde(skip)]

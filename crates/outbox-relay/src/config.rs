@@ -8,7 +8,7 @@
 //! and `[[outboxes]]`). [`Config`] `#[serde(flatten)]`s them, so a key is a field's name in
 //! the file and, upper-cased, in `OUTBOX_RELAY_<KEY>`. A setting that has a flag is a field
 //! of the same name in `cli.rs`, serialized as it is into the flags' layer; the flag's help
-//! is the setting's documentation and default ([`reference`]), which `outbox-relay settings`
+//! is the setting's documentation and default ([`reference()`]), which `outbox-relay settings`
 //! prints whole. [`Config::validate`] runs each part's own checks and the rules between
 //! parts; [`Config::resolve`] turns the result into what `run` hands to the engine, the
 //! cluster coordinator, the sinks and the HTTP server.

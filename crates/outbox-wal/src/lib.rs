@@ -8,7 +8,7 @@
 //! - [`assemble`]: decoded messages → events of committed transactions, in commit order,
 //!   each handed out as it arrives, and a `Committed` marker per transaction.
 //! - [`budget`]: the bytes of events capture may hold, read ahead and in flight.
-//! - [`burst`]: how the reader cuts the stream into the items the engine claims from.
+//! - `burst`: how the reader cuts the stream into the items the engine claims from.
 //! - [`ack`]: which position the slot may be confirmed at, given which events are settled.
 //! - [`schema`]: the publication `migrate --capture wal` creates.
 //! - [`settings`]: the slot and the publication, as the operator sets them.

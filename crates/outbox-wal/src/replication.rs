@@ -495,7 +495,7 @@ impl Connection {
         Ok(Some(Message { tag, body: frame }))
     }
 
-    /// Until the next read, bytes arriving wake this thread only once [`LATE_WAKE_BYTES`]
+    /// Until the next read, bytes arriving wake this thread only once `LATE_WAKE_BYTES`
     /// of them are waiting (on TCP; a Unix socket wakes as before). For a reader that will
     /// not read before a deadline anyway: under a steady stream each TCP segment arriving
     /// meanwhile woke the thread to no purpose, several times per burst pace.

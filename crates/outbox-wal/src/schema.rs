@@ -353,7 +353,7 @@ pub struct CaptureStatements {
     /// delays (ms), `$11` not-before times, `$12` attempts, `$13` last errors.
     /// And the delete of the parked events' rows (`$14` their ids, `$15` their
     /// transactions' ids), in one statement returning one row: the row ids it did not
-    /// delete whose transactions are not visible yet ([`not_visible_yet`]), and the event
+    /// delete whose transactions are not visible yet (`not_visible_yet`), and the event
     /// ids whose park the conflict skipped (parked, or adopted, before).
     pub park_and_delete: String,
     /// Writes dead letters from decoded events. `$1` sequence ids, then as the parks without
@@ -361,7 +361,7 @@ pub struct CaptureStatements {
     pub dead_letter: String,
     /// Deletes delivered, parked or dead-lettered rows of the outbox (`$1` sequence ids,
     /// `$2` their transactions' ids), returning one row: the array of the ids in `$1` it
-    /// did not delete whose transactions are not visible yet ([`not_visible_yet`]).
+    /// did not delete whose transactions are not visible yet (`not_visible_yet`).
     pub delete_delivered: String,
     /// Moves every pending row of the outbox table into the parked table, in its order,
     /// under new ids (after every row parked before): run when the slot is created, since
@@ -384,8 +384,8 @@ pub struct CaptureStatements {
     /// position, and a slot made while another held the server's horizon back starts with
     /// that one's.
     pub stranded: String,
-    /// The slot `$1`'s `catalog_xmin`, as text (no row: no such slot): [`stranded`]
-    /// (Self::stranded) can change only when it does.
+    /// The slot `$1`'s `catalog_xmin`, as text (no row: no such slot):
+    /// [`stranded`](Self::stranded) can change only when it does.
     pub slot_catalog_xmin: String,
     /// The slot `$1`'s mark, a WAL position as an integer. No row: no mark yet (a slot no
     /// relay of this version confirmed).

@@ -644,7 +644,7 @@ impl Inner {
 
     /// As an engine call about `ids` (which began when their held rows were of `sessions`)
     /// returns `n`, settles the copies a newer session handed out meanwhile, which the
-    /// engine dropped ([`capture::Holdings::copies_the_engine_dropped`]).
+    /// engine dropped ([`outbox_core::capture::Holdings::copies_the_engine_dropped`]).
     fn settle_copies(&self, ids: &[SequenceId], sessions: &[u64], n: u64) -> u64 {
         let mut state = lock(&self.state);
         let current = state.followed.session;

@@ -94,7 +94,7 @@ impl Drop for OutcomeOnCancel<'_> {
     }
 }
 
-/// A capture's deletes of delivered rows, run as group commits ([the module](self)). `A` is
+/// A capture's deletes of delivered rows, run as group commits (see the module's docs). `A` is
 /// what the capture queues per acked event (its id, and whatever its delete needs).
 ///
 /// Contract: [`ack`](Self::ack) returns once a delete that carried its acks has run, with

@@ -552,7 +552,7 @@ impl Sql {
 
     /// Marks delivered rows (delete, or mark): the `count` rows whose id is `ids`
     /// (`IN (…)`), still leased to `node`. On MySQL the statement stops at `count` rows
-    /// ([`Sql::stop_after`]).
+    /// (`Sql::stop_after`).
     pub fn ack(&self, ids: &str, count: usize, node: &str) -> String {
         let fence = self.fence(node);
         let id = self.quote(&self.mapping.id);
@@ -582,7 +582,7 @@ impl Sql {
     /// would be prepared anew for every count.
     /// - A run of consecutive ids is one range (`BETWEEN`), walked in the index in one
     ///   pass, rather than a lookup per id.
-    /// - On MySQL the statement stops at the number of rows ([`Sql::stop_after`]).
+    /// - On MySQL the statement stops at the number of rows (`Sql::stop_after`).
     pub fn ack_captured(&self, ids: &[i64]) -> String {
         let mut sorted = ids.to_vec();
         sorted.sort_unstable();

@@ -16,8 +16,9 @@ pub struct AwsConfig {
     pub tls: TlsFiles,
     /// The region [default: AWS_REGION, AWS_DEFAULT_REGION, then the profile's `region`].
     pub region: Option<String>,
-    /// The service endpoint, for a VPC endpoint or a local stand-in [default:
-    /// AWS_ENDPOINT_URL_<SERVICE>, AWS_ENDPOINT_URL, then the region's public endpoint].
+    /// The service endpoint, for a VPC endpoint or a local stand-in [default: the service's
+    /// own AWS_ENDPOINT_URL_SQS, _SNS, _KINESIS or _EVENTBRIDGE, then AWS_ENDPOINT_URL, then
+    /// the region's public endpoint].
     pub endpoint: Option<String>,
     /// The profile in ~/.aws/config and ~/.aws/credentials [default: AWS_PROFILE, then
     /// `default`]. Environment credentials, then a web identity, come first.

@@ -45,7 +45,7 @@ pub enum AnyStore {
     Sqlite(SqliteStore),
 }
 
-/// Which store to open and how, resolved from the settings by [`Config::store_settings`].
+/// Which store to open and how, resolved from the settings by [`crate::config::Config::store_settings`].
 #[derive(Clone, Debug)]
 pub enum StoreSettings {
     Postgres(Box<PostgresSettings>),
