@@ -179,17 +179,37 @@ pub fn redact_url(text: &str) -> String {
     redact_parameters(&redact_user_info(text))
 }
 
+/// Where a URL's user info ends: the index of its closing `@` in `after_scheme` (the text
+/// after `://`), or `None` when it has none. A password may hold an unescaped `/`, `?`, `#`
+/// or `@` (generated ones often hold a `/`, and tokio-postgres reads the user info up to the
+/// first `@` anywhere), so the user info is not cut at the first `/` as a URL parser would:
+/// it runs to the first `@` unless what comes before that `@` is a host and a path (it has a
+/// `/`, `?` or `#` but no `:`), then on over each later `@` reached without a `/`, `?` or
+/// `#` (a password's own `@`). Reading too much as user info only hides more.
+pub fn user_info_end(after_scheme: &str) -> Option<usize> {
+    let url = &after_scheme[..after_scheme.find(ends_url).unwrap_or(after_scheme.len())];
+    let path_like = |s: &str| s.contains(['/', '?', '#']);
+    let first = url.find('@')?;
+    if !url[..first].contains(':') && path_like(&url[..first]) {
+        return None;
+    }
+    let mut end = first;
+    while let Some(next) = url[end + 1..].find('@').map(|i| end + 1 + i) {
+        if path_like(&url[end + 1..next]) {
+            break;
+        }
+        end = next;
+    }
+    Some(end)
+}
+
 fn redact_user_info(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     let mut rest = text;
     while let Some(i) = rest.find("://") {
         let (head, tail) = rest.split_at(i + 3);
         out.push_str(head);
-        let authority_end = tail
-            .find(|c: char| matches!(c, '/' | '?' | '#') || ends_url(c))
-            .unwrap_or(tail.len());
-        // The last `@` of the authority: a password may itself contain an unescaped `@`.
-        let host_start = match tail[..authority_end].rfind('@') {
+        let host_start = match user_info_end(tail) {
             Some(at) => {
                 match tail[..at].split_once(':') {
                     Some((user, _)) => {
@@ -202,6 +222,9 @@ fn redact_user_info(text: &str) -> String {
             }
             None => 0,
         };
+        let authority_end = tail[host_start..]
+            .find(|c: char| matches!(c, '/' | '?' | '#') || ends_url(c))
+            .map_or(tail.len(), |i| host_start + i);
         out.push_str(&tail[host_start..authority_end]);
         rest = &tail[authority_end..];
         let path_end = rest
@@ -273,6 +296,55 @@ mod tests {
             "amqp://guest:***@h:5672/%2f"
         );
         assert_eq!(redact_url("redis://:pw@h"), "redis://:***@h");
+    }
+
+    /// A generated password holding an unescaped `/`, `?` or `#`: tokio-postgres connects
+    /// with it (it reads the user info up to the first `@`), and the redactor used to end the
+    /// user info at the `/`, so nothing was hidden.
+    #[test]
+    fn a_password_holding_a_slash_a_question_mark_or_a_hash_is_hidden() {
+        for (input, shown) in [
+            (
+                "postgres://app:Zx9/Qw+e@db/app",
+                "postgres://app:***@db/app",
+            ),
+            (
+                "postgres://app:a?b@db:5432/app?x=1",
+                "postgres://app:***@db:5432/app?x=1",
+            ),
+            (
+                "mysql://root:a#b@127.0.0.1/db",
+                "mysql://root:***@127.0.0.1/db",
+            ),
+            ("nats://u:a/b@c@h:4222", "nats://u:***@h:4222"),
+            (
+                "failed: postgres://u:x/y@h/d refused",
+                "failed: postgres://u:***@h/d refused",
+            ),
+        ] {
+            assert_eq!(redact_url(input), shown, "{input}");
+        }
+    }
+
+    /// An `@` in a path or a query after a host is not user info.
+    #[test]
+    fn an_at_sign_after_the_host_is_not_user_info() {
+        assert_eq!(
+            redact_url("https://hooks.example/in?email=a@b.example"),
+            "https://hooks.example/in?email=a@b.example"
+        );
+        assert_eq!(
+            redact_url("postgres://u:p@db/app?application_name=x@y"),
+            "postgres://u:***@db/app?application_name=x@y"
+        );
+        assert_eq!(
+            super::user_info_end("hooks.example/in?email=a@b.example"),
+            None
+        );
+        assert_eq!(
+            super::user_info_end("u:p@db/app?application_name=x@y"),
+            Some(3)
+        );
     }
 
     #[test]

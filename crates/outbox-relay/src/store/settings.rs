@@ -277,12 +277,14 @@ impl DatabaseSettings {
             return (file.clone(), file);
         }
         let url = self.database_url.trim();
-        let url = url.split(['?', '#']).next().unwrap_or(url);
         let Some((scheme, rest)) = url.split_once("://") else {
+            let url = url.split(['?', '#']).next().unwrap_or(url);
             return (url.to_string(), url.to_string());
         };
-        let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
-        let host = authority.rsplit('@').next().unwrap_or(authority);
+        // The credentials go first: a password may hold a `/`, `?` or `#`.
+        let rest = without_user_info(rest);
+        let rest = rest.split(['?', '#']).next().unwrap_or(rest);
+        let (host, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
         let (scheme, port) = match scheme {
             "postgres" | "postgresql" => ("postgres", "5432"),
             _ => ("mysql", "3306"),
@@ -309,7 +311,12 @@ impl DatabaseSettings {
     /// `outbox_relay_`, the same for every database of the server.)
     fn postgres_database(&self) -> String {
         let url = self.database_url.trim();
-        let (base, query) = url.split_once('?').unwrap_or((url, ""));
+        let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+        // The credentials go first: a password may hold a `/`, `?` or `#`.
+        let user = outbox_core::redact::user_info_end(rest)
+            .map(|at| rest[..at].split(':').next().unwrap_or_default());
+        let rest = without_user_info(rest);
+        let (base, query) = rest.split_once('?').unwrap_or((rest, ""));
         let param = |name: &str| {
             query
                 .split('&')
@@ -317,12 +324,8 @@ impl DatabaseSettings {
                 .filter(|v| !v.is_empty())
                 .map(str::to_string)
         };
-        let rest = base.split_once("://").map_or(base, |(_, rest)| rest);
-        let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
-        let path = path.trim_start_matches('/');
-        let user = authority
-            .rsplit_once('@')
-            .map(|(credentials, _)| credentials.split(':').next().unwrap_or_default());
+        let path = base.find('/').map_or("", |slash| &base[slash + 1..]);
+        let path = path.split('#').next().unwrap_or_default();
         param("dbname")
             .or_else(|| (!path.is_empty()).then(|| path.to_string()))
             .or_else(|| param("user"))
@@ -442,6 +445,12 @@ impl DatabaseSettings {
             },
         })
     }
+}
+
+/// A URL's text after `://` without its user info (see [`outbox_core::redact::user_info_end`]).
+fn without_user_info(after_scheme: &str) -> &str {
+    outbox_core::redact::user_info_end(after_scheme)
+        .map_or(after_scheme, |at| &after_scheme[at + 1..])
 }
 
 #[cfg(test)]
@@ -573,6 +582,10 @@ mod tests {
         );
         assert_eq!(slot("postgres://db?user=billing"), "outbox_relay_billing");
         assert_eq!(slot("postgres://db"), "outbox_relay_postgres");
+        // A password holding a `/` once made the slot's name out of the password's end
+        // (`outbox_relay_qw_e_db_app`), putting part of it in `pg_replication_slots`.
+        assert_eq!(slot("postgres://relay:Zx9/Qw+e@db/app"), "outbox_relay_app");
+        assert_eq!(slot("postgres://relay:a?b@db"), "outbox_relay_relay");
     }
 
     /// Two URLs that differ only in credentials, parameters or a spelled-out default port
@@ -593,5 +606,9 @@ mod tests {
         );
         assert_eq!(identity("postgresql://other@db:5432/app"), shown);
         assert_eq!(identity("mysql://relay@db/app").1, "mysql://db:3306/app");
+        // A password holding a `/`, `?` or `#` is no part of the host (the identity is quoted
+        // in errors).
+        assert_eq!(identity("postgres://relay:Zx9/Qw+e@db/app?x=1"), shown);
+        assert_eq!(identity("postgres://relay:a#b?c@db/app"), shown);
     }
 }
