@@ -49,6 +49,10 @@ pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 /// Connections served at once; further ones wait in the listen backlog until one closes.
 pub const MAX_CONNECTIONS: usize = 256;
+/// An answer being sent must make progress within this, or the connection is closed: a
+/// client that stops reading (its receive window full) would otherwise hold its slot for as
+/// long as its kernel answers TCP's window probes, which is for good.
+pub const WRITE_STALL_TIMEOUT: Duration = Duration::from_secs(10);
 /// Paths every client may ask for whatever its `Host`: probes and scrapers name the relay
 /// as they like, and these show no event.
 const PROBES: [&str; 3] = ["/healthz", "/readyz", "/metrics"];
@@ -110,12 +114,107 @@ async fn serve_bounded(listener: tokio::net::TcpListener, app: Router) {
         };
         let _ = stream.set_nodelay(true);
         let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        let stream = WritesProgress::new(stream, WRITE_STALL_TIMEOUT);
         let connection = http.serve_connection(TokioIo::new(stream), service);
         tokio::spawn(async move {
             // A client that goes away or times out is no news.
             let _ = connection.await;
             drop(slot);
         });
+    }
+}
+
+/// A connection whose writes fail once one has waited `stall` without the client taking a
+/// byte (hyper has no write timeout of its own; the request timeout ends with the handler,
+/// before the answer is sent). Reads pass through: the header timeout bounds those.
+struct WritesProgress<S> {
+    inner: S,
+    stall: Duration,
+    stalled_since: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl<S> WritesProgress<S> {
+    fn new(inner: S, stall: Duration) -> Self {
+        WritesProgress {
+            inner,
+            stall,
+            stalled_since: None,
+        }
+    }
+
+    /// `written`, unless it is still waiting and has been for `stall`.
+    fn bounded<T>(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+        written: std::task::Poll<std::io::Result<T>>,
+    ) -> std::task::Poll<std::io::Result<T>> {
+        use std::future::Future;
+        use std::task::Poll;
+        if written.is_ready() {
+            self.stalled_since = None;
+            return written;
+        }
+        let stall = self.stall;
+        let timer = self
+            .stalled_since
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(stall)));
+        match timer.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "the client took no byte of its answer for the write stall timeout",
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for WritesProgress<S> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for WritesProgress<S> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let written = std::pin::Pin::new(&mut self.inner).poll_write(cx, buf);
+        self.bounded(cx, written)
+    }
+
+    fn poll_write_vectored(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let written = std::pin::Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        self.bounded(cx, written)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let flushed = std::pin::Pin::new(&mut self.inner).poll_flush(cx);
+        self.bounded(cx, flushed)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let closed = std::pin::Pin::new(&mut self.inner).poll_shutdown(cx);
+        self.bounded(cx, closed)
     }
 }
 

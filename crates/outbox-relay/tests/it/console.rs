@@ -1181,6 +1181,68 @@ async fn slow_and_idle_connections_are_closed() {
     assert!(process.terminate().await.success());
 }
 
+/// A client that asks for answers and never reads them is closed once its answer stops
+/// moving (`http::WRITE_STALL_TIMEOUT`, 10 s): before, the write waited for good (TCP's
+/// window probes keep a zero-window peer alive), so 256 such clients, needing no token, held
+/// every connection slot and the kubelet's `/healthz` went unanswered. Seen from the
+/// server's side of the connection in `/proc/net/tcp`, as reading would let the answer move.
+#[tokio::test]
+#[cfg(target_os = "linux")]
+async fn a_client_that_never_reads_its_answers_is_closed() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir().unwrap();
+    let (mut process, addr) = relay_with_token(dir.path(), &[]).await;
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut stream = socket.connect(addr.parse().unwrap()).await.unwrap();
+    // 600 answers of the dashboard's script (16 KiB each, no token needed): more than the
+    // client's and the server's socket buffers hold (the server's grows to 4 MiB at most).
+    const ASKED: usize = 600;
+    let ask = "GET /assets/app.js HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".repeat(ASKED);
+    stream.write_all(ask.as_bytes()).await.unwrap();
+    let client = stream.local_addr().unwrap().port();
+    let server = addr.rsplit(':').next().unwrap().parse::<u16>().unwrap();
+    // The server's end of the connection leaves ESTABLISHED when it gives up on it.
+    let established = move || {
+        std::fs::read_to_string("/proc/net/tcp")
+            .unwrap()
+            .lines()
+            .skip(1)
+            .any(|line| {
+                let fields: Vec<&str> = line.split_whitespace().collect();
+                let port = |field: &str| {
+                    u16::from_str_radix(field.rsplit(':').next().unwrap(), 16).unwrap()
+                };
+                port(fields[1]) == server && port(fields[2]) == client && fields[3] == "01"
+            })
+    };
+    assert!(established(), "the connection is served");
+    let closed = tokio::time::timeout(Duration::from_secs(60), async {
+        while established() {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    })
+    .await;
+    assert!(
+        closed.is_ok(),
+        "a client that reads nothing still holds its connection after 60 s"
+    );
+    // What was sent before the server gave up, then the end: not all 600 answers.
+    let mut got = Vec::new();
+    tokio::time::timeout(Duration::from_secs(60), stream.read_to_end(&mut got))
+        .await
+        .expect("the connection ends")
+        .ok();
+    let answers = String::from_utf8_lossy(&got)
+        .matches("HTTP/1.1 200")
+        .count();
+    assert!(answers < ASKED, "{answers} answers");
+    // The relay still serves others.
+    let (code, body) = Admin::new(&addr).get_text("/healthz").await;
+    assert_eq!(code, 200, "{body}");
+    assert!(process.terminate().await.success());
+}
+
 /// At most 256 connections are served at once: one more waits until another closes, while
 /// the connected clients keep being answered.
 #[tokio::test]
