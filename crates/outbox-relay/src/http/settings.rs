@@ -93,6 +93,20 @@ impl HttpSettings {
     pub fn listen(&self) -> anyhow::Result<(Option<SocketAddr>, Option<Secret>)> {
         let http_addr = self.socket_addr()?;
         let admin_token = self.admin_token()?;
+        if http_addr.is_none() {
+            let without_server = [
+                (
+                    admin_token.is_some(),
+                    "an admin token (OUTBOX_RELAY_ADMIN_TOKEN or --admin-token-file)",
+                ),
+                (!self.allowed_hosts.is_empty(), "allowed_hosts"),
+            ];
+            if let Some((_, setting)) = without_server.iter().find(|(set, _)| *set) {
+                return Err(anyhow::Error::new(ConfigError(format!(
+                    "{setting} is set, but http_addr is empty, so there is no HTTP server for it                      to apply to: remove it, or set http_addr (e.g. 127.0.0.1:2259)"
+                ))));
+            }
+        }
         if let Some(addr) = http_addr {
             if !addr.ip().is_loopback() && admin_token.is_none() {
                 return Err(anyhow::Error::new(ConfigError(format!(

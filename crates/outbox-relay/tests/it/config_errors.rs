@@ -170,6 +170,27 @@ fn a_setting_that_has_no_effect_is_refused_with_exit_2_naming_it() {
         "outbox_table",
         "remove them",
     );
+    // With the HTTP server off, an admin token protects nothing: the operator would believe
+    // an API guarded that is not there.
+    let no_server = ["run", "--drain", "--http-addr", ""];
+    refused(
+        relay(
+            d,
+            &no_server,
+            &[("OUTBOX_RELAY_ADMIN_TOKEN", "0123456789abcdef0123")],
+        ),
+        "admin token",
+        "set http_addr",
+    );
+    refused(
+        relay(
+            d,
+            &no_server,
+            &[("OUTBOX_RELAY_ALLOWED_HOSTS", "relay.internal")],
+        ),
+        "allowed_hosts",
+        "remove it",
+    );
 }
 
 #[test]
