@@ -26,6 +26,37 @@ pub struct Probes {
     pub store: Arc<dyn OutboxStore>,
     pub publisher: Arc<dyn Publisher>,
     pub health: Arc<Health>,
+    /// The last look at the database and the sink, shared by the `/readyz` requests of
+    /// [`PROBE_REUSE`].
+    pub looked: Arc<tokio::sync::Mutex<Option<Look>>>,
+}
+
+impl Probes {
+    pub fn new(
+        store: Arc<dyn OutboxStore>,
+        publisher: Arc<dyn Publisher>,
+        health: Arc<Health>,
+    ) -> Probes {
+        Probes {
+            store,
+            publisher,
+            health,
+            looked: Arc::default(),
+        }
+    }
+}
+
+/// How long one look at the database and the sink answers `/readyz`. `/readyz` needs no
+/// token, and each look takes a pool connection and asks the sink (a webhook receiver gets
+/// a `HEAD`, an AWS sink a signed call that counts against the account's limits): without
+/// this, any client could multiply its requests into the database's and the sink's load.
+/// Requests that come while a look runs wait for it and share its answer.
+pub const PROBE_REUSE: Duration = Duration::from_secs(1);
+
+/// One look at the database and the sink: when it ended, and what was wrong.
+pub struct Look {
+    at: std::time::Instant,
+    reasons: Vec<String>,
 }
 
 #[derive(Clone)]
@@ -319,6 +350,33 @@ fn verdict(reasons: Vec<String>) -> (StatusCode, String) {
 
 /// Why an outbox is not ready; empty when it is.
 async fn readiness(probes: &Probes) -> Vec<String> {
+    let looked = {
+        let mut last = probes.looked.lock().await;
+        match last.as_ref().filter(|l| l.at.elapsed() < PROBE_REUSE) {
+            Some(look) => look.reasons.clone(),
+            None => {
+                let reasons = look(probes).await;
+                let at = std::time::Instant::now();
+                *last = Some(Look {
+                    at,
+                    reasons: reasons.clone(),
+                });
+                reasons
+            }
+        }
+    };
+    // What the node's own work says, as of now: a ping can pass while claims, settles or
+    // lease renewals fail (a revoked privilege) or hang.
+    let troubles = probes
+        .health
+        .troubles(std::time::Instant::now(), DEFAULT_STALL)
+        .into_iter()
+        .map(|t| t.to_string());
+    looked.into_iter().chain(troubles).collect()
+}
+
+/// Pings the database and asks the sink whether it is healthy.
+async fn look(probes: &Probes) -> Vec<String> {
     let limit = Duration::from_secs(3);
     let db = match tokio::time::timeout(limit, probes.store.ping()).await {
         Ok(Ok(())) => Ok(()),
@@ -337,18 +395,7 @@ async fn readiness(probes: &Probes) -> Vec<String> {
             probes.publisher.describe()
         )),
     };
-    // What the node's own work says: a ping can pass while claims, settles or lease renewals
-    // fail (a revoked privilege) or hang.
-    let troubles = probes
-        .health
-        .troubles(std::time::Instant::now(), DEFAULT_STALL)
-        .into_iter()
-        .map(|t| t.to_string());
-    [db.err(), sink.err()]
-        .into_iter()
-        .flatten()
-        .chain(troubles)
-        .collect()
+    [db.err(), sink.err()].into_iter().flatten().collect()
 }
 
 /// Gauges computed at scrape time, so they are true even while the tasks that would update

@@ -220,11 +220,7 @@ async fn start(
                 figures: crate::admin::StoreFigures::new(engine.settings.backlog_interval),
                 outbox: endpoints.outbox_name(),
             });
-            let probes = Probes {
-                store: outbox.clone(),
-                publisher: sink.clone(),
-                health: health.clone(),
-            };
+            let probes = Probes::new(outbox.clone(), sink.clone(), health.clone());
             Some(
                 endpoints
                     .serve(console, probes, metrics, allowed_hosts)

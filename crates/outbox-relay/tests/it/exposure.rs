@@ -522,3 +522,40 @@ async fn failed_authentications_are_counted_and_logged_sparingly() {
     assert_eq!(check.status.code(), Some(2), "{}", text(&check.stdout));
     assert!(text(&check.stderr).contains("at least 16 characters"));
 }
+
+/// `/readyz` needs no token, and each look at readiness takes a pool connection and asks the
+/// sink (a webhook receiver gets a `HEAD`; an AWS sink, a signed call against the account's
+/// limits). Concurrent and repeated requests share one look a second: 50 at once used to
+/// send the receiver 50 `HEAD`s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_requests_share_one_look_at_the_sink() {
+    outbox_testkit::install_crypto();
+    let receiver = Receiver::start(answer("200 OK", "", "")).await;
+    let dir = tempfile::tempdir().unwrap();
+    let sink = format!("http://{}/hook", receiver.addr);
+    let args = [
+        "run",
+        "--sink",
+        &sink,
+        "--http-addr",
+        "127.0.0.1:0",
+        "--log-format",
+        "json",
+    ];
+    let mut relay = RelayProcess::spawn(dir.path(), "relay", &args, &[]);
+    let addr = http_addr(&relay).await;
+    support::readyz(&relay, &addr, 200, "ready", Duration::from_secs(30)).await;
+    let before = receiver.connections();
+    let admin = Admin::new(&addr);
+    let asked = (0..50).map(|_| admin.get_text("/readyz"));
+    for (code, body) in futures::future::join_all(asked).await {
+        assert_eq!(code, 200, "{body}");
+    }
+    let looks = receiver.connections() - before;
+    // One look, or two where the requests straddle the end of a look's second.
+    assert!(
+        looks <= 2,
+        "50 requests to /readyz asked the sink {looks} times"
+    );
+    assert!(relay.terminate().await.success(), "{}", relay.logs());
+}
