@@ -37,7 +37,10 @@ const UNSEEN_EVENT_BYTES: usize = 1024 * 1024;
 /// A stream event held by a capture: the key it is ordered by, and its place in the stream.
 pub trait StreamEvent {
     /// Where the event stands in the stream (WAL: commit position and ordinal; binlog:
-    /// session and ordinal). Parks of one key are written in this order.
+    /// session and ordinal of its first reading). Parks of one key are written in this
+    /// order, so places must compare in commit order across sessions too: an event read
+    /// again by a later session, while its first reading is still held, keeps that
+    /// reading's place.
     type Place: Ord + Copy;
 
     fn key(&self) -> &str;

@@ -55,6 +55,11 @@ pub(super) type Held = outbox_core::capture::Held<Streamed>;
 pub(super) struct Streamed {
     pub(super) session: u64,
     pub(super) ordinal: u64,
+    /// Its place in log order: the session and ordinal of its first reading while held. A
+    /// row read again by a later session keeps it: places of two sessions compare by
+    /// session, and a later row of its key that the earlier session read, still held,
+    /// keeps that session's place.
+    place: (u64, u64),
     /// The outbox row to delete once settled (table form).
     pub(super) row: Option<i64>,
     pub(super) key: String,
@@ -121,7 +126,7 @@ impl capture::StreamEvent for Streamed {
     }
 
     fn place(&self) -> (u64, u64) {
-        (self.session, self.ordinal)
+        self.place
     }
 
     fn written_at(&self) -> Option<SystemTime> {
@@ -278,11 +283,16 @@ impl State {
                 (key, Body::Undecodable(undecodable))
             }
         };
+        let place = match self.holdings.held.get(&id) {
+            Some(Held::Stream(first)) => first.place,
+            _ => (self.followed.session, ordinal),
+        };
         self.holdings.held.insert(
             id,
             Held::Stream(Box::new(Streamed {
                 session: self.followed.session,
                 ordinal,
+                place,
                 row,
                 key,
                 body,
@@ -734,6 +744,30 @@ mod tests {
         );
         state.fenced_out(2, [1]);
         assert!(state.followed.ended, "session 2's own ends it");
+    }
+
+    /// Rows 10 and 11 of a key are handed out; the stream breaks, and the next session reads
+    /// 10 again (the stored position is before both) while 11 is still with the engine.
+    /// Then 10 is retried and 11 released behind it: 10 must be parked first. Its place
+    /// was its new reading's, (2, 1), which sorted after 11's (1, 2): 11 was parked, and
+    /// delivered, before 10.
+    #[test]
+    fn a_row_read_again_by_a_new_session_keeps_its_place_before_later_rows_of_its_key() {
+        let mut state = State::new(false);
+        state.accept(session(1, &[]));
+        assert_eq!(
+            claim(&mut state, transactions(&[(10, "k"), (11, "k")])),
+            [10, 11]
+        );
+        state.accept(session(2, &[]));
+        assert_eq!(claim(&mut state, transactions(&[(10, "k")])), [10]);
+        state.queue_parks([Park::behind_its_key(11)]);
+        assert!(
+            state.holdings.take_parks().is_empty(),
+            "11 waits for 10, which the engine still has"
+        );
+        state.queue_parks([Park::behind_its_key(10)]);
+        assert_eq!(parked(&state.holdings.take_parks()), [10, 11], "log order");
     }
 
     #[test]
