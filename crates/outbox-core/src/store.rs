@@ -123,6 +123,18 @@ impl Claimed {
     }
 }
 
+/// An error's text as stores keep it (`last_error`): each NUL shown as `\0`. PostgreSQL's
+/// text holds no NUL, and a sink's error can quote whatever bytes a broker or receiver
+/// answered: a park or dead letter carrying one failed, was retried ahead of everything
+/// else, and stopped every key.
+pub fn storable_error(error: String) -> String {
+    if error.contains('\0') {
+        error.replace('\0', "\\0")
+    } else {
+        error
+    }
+}
+
 /// A failed attempt to record: the row is released, its `attempts` and `last_error` set,
 /// and it becomes claimable again after `delay`.
 #[derive(Clone, Debug)]
@@ -130,6 +142,7 @@ pub struct RetryLater {
     pub sequence_id: SequenceId,
     /// Attempts so far, including the one that failed.
     pub attempts: u32,
+    /// Holds no NUL ([`storable_error`]).
     pub error: String,
     pub delay: Duration,
 }
@@ -139,6 +152,7 @@ pub struct RetryLater {
 pub struct DeadLetter {
     pub sequence_id: SequenceId,
     pub attempts: u32,
+    /// Holds no NUL ([`storable_error`]).
     pub error: String,
 }
 

@@ -30,8 +30,8 @@ use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt};
 use outbox_core::health::Check;
 use outbox_core::store::{
-    Backlog, ClaimRequest, DeadLetter, LeaseExtension, LeaseHolder, RetryLater, StoreFuture,
-    StoreResult,
+    storable_error, Backlog, ClaimRequest, DeadLetter, LeaseExtension, LeaseHolder, RetryLater,
+    StoreFuture, StoreResult,
 };
 use outbox_core::trace::{SettleKind, Span};
 use outbox_core::{
@@ -406,7 +406,7 @@ impl Engine {
                 undecodable.push(DeadLetter {
                     sequence_id,
                     attempts,
-                    error: format!("undecodable row: {reason}"),
+                    error: storable_error(format!("undecodable row: {reason}")),
                 });
             }
             self.dead_letter(undecodable_lanes, undecodable);
@@ -585,7 +585,7 @@ impl Engine {
                             retries.push(RetryLater {
                                 sequence_id: event.sequence_id,
                                 attempts,
-                                error: report,
+                                error: storable_error(report),
                                 delay,
                             });
                         }
@@ -605,7 +605,7 @@ impl Engine {
                             dead.push(DeadLetter {
                                 sequence_id: event.sequence_id,
                                 attempts,
-                                error: report,
+                                error: storable_error(report),
                             });
                         }
                     }

@@ -11,8 +11,8 @@ use outbox_core::{Event, Outcome, PublishError, PublishErrorKind, Publisher};
 struct State {
     delivered: Vec<Arc<Event>>,
     attempts: Vec<i64>,
-    /// Remaining failures to inject per event_type.
-    failures: HashMap<String, (usize, PublishErrorKind)>,
+    /// Remaining failures to inject per event_type, and what they say.
+    failures: HashMap<String, (usize, PublishErrorKind, String)>,
     /// Keys of every batch, to check that a batch never holds a key twice.
     batches: Vec<Vec<String>>,
     /// Takes runs of a key per batch, as a file does ([`RecordingPublisher::storing_a_prefix`]).
@@ -43,11 +43,23 @@ impl RecordingPublisher {
 
     /// Makes the next `times` publishes of `event_type` fail with `kind`.
     pub fn fail(&self, event_type: &str, times: usize, kind: PublishErrorKind) {
+        self.fail_saying(event_type, times, kind, "injected failure");
+    }
+
+    /// As [`fail`](Self::fail), the error saying `message` (a sink's error can quote what a
+    /// broker or receiver answered, whatever bytes that holds).
+    pub fn fail_saying(
+        &self,
+        event_type: &str,
+        times: usize,
+        kind: PublishErrorKind,
+        message: &str,
+    ) {
         self.state
             .lock()
             .unwrap()
             .failures
-            .insert(event_type.to_string(), (times, kind));
+            .insert(event_type.to_string(), (times, kind, message.to_string()));
     }
 
     /// Confirmed events, in the order they were confirmed.
@@ -95,13 +107,13 @@ impl Publisher for RecordingPublisher {
                     ));
                 }
                 let runs = state.runs;
-                if let Some((left, kind)) = state.failures.get_mut(&event.event_type) {
+                if let Some((left, kind, message)) = state.failures.get_mut(&event.event_type) {
                     if *left > 0 {
                         *left -= 1;
                         if runs {
                             failed_keys.insert(key);
                         }
-                        return Err(PublishError::new(*kind, "injected failure"));
+                        return Err(PublishError::new(*kind, message.clone()));
                     }
                 }
                 state.delivered.push(event);

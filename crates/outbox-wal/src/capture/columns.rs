@@ -19,7 +19,7 @@ impl DeadColumns {
         self.ids.push(id);
         self.columns.push_undecodable(u, position);
         self.attempts.push(0);
-        self.errors.push(u.reason.clone());
+        self.errors.push(visible_nul(&u.reason));
     }
 
     /// An event that cannot be parked as it is, because of `what`.
@@ -70,7 +70,9 @@ impl ParkColumns {
         self.not_before.push(park.not_before);
         self.attempts
             .push(i32::try_from(park.attempts).unwrap_or(i32::MAX));
-        self.errors.push(park.error.clone());
+        // The engine's errors hold no NUL; the capture's own reasons (an undecodable event
+        // behind a parked key) quote what the message held.
+        self.errors.push(park.error.as_deref().map(visible_nul));
     }
 }
 

@@ -1005,6 +1005,81 @@ mod through_the_engine {
         relay.stop().await;
     }
 
+    /// A sink's error that quotes a NUL (a receiver answering in UTF-16, say): PostgreSQL's
+    /// text holds none, so the park recording the retry failed, was queued again ahead of
+    /// every other, and every later claim failed on it: no key moved, the slot stopped.
+    #[tokio::test]
+    async fn a_sink_error_holding_a_nul_is_parked_and_blocks_no_other_key() {
+        let (fixture, db, publisher, relay) = streaming_relay().await;
+        publisher.fail_saying(
+            "Stuck",
+            1,
+            PublishErrorKind::Unavailable,
+            "503: \0B\0u\0s\0y",
+        );
+        insert_typed(&db, "a", "Stuck", 1).await;
+        eventually("a parked", Duration::from_secs(30), || async {
+            let error: Option<String> = db
+                .query_opt("SELECT last_error FROM outbox_parked", &[])
+                .await
+                .unwrap()
+                .and_then(|row| row.get(0));
+            error
+        })
+        .await;
+        insert_typed(&db, "b", "Placed", 2).await;
+        let written = current_lsn(&db).await;
+        eventually(
+            "b delivered and a retried",
+            Duration::from_secs(30),
+            || async {
+                (delivered_n(&publisher, "b") == [2] && delivered_n(&publisher, "a") == [1])
+                    .then_some(())
+            },
+        )
+        .await;
+        eventually("the slot past both", Duration::from_secs(30), || async {
+            (confirmed(&db, &fixture.config.slot).await >= written).then_some(())
+        })
+        .await;
+        relay.stop().await;
+    }
+
+    /// An `outbox_emit` message whose event id holds a NUL: its reason quotes it, and the
+    /// dead letter that recorded it failed for good (PostgreSQL's text holds no NUL).
+    #[tokio::test]
+    async fn an_undecodable_message_quoting_a_nul_is_dead_lettered_and_settled() {
+        let (fixture, db, _publisher, relay) = streaming_relay().await;
+        let message = serde_json::json!({
+            "v": 1,
+            "destination": "orders",
+            "key": "k",
+            "type": "Placed",
+            "event_id": "00000000-0000-0000-0000-00000000000\u{0}",
+            "payload": {"n": 1},
+        });
+        db.execute(
+            "SELECT pg_logical_emit_message(true, 'outbox', $1::text)",
+            &[&message.to_string()],
+        )
+        .await
+        .unwrap();
+        let written = current_lsn(&db).await;
+        let error: String = eventually("the dead letter", Duration::from_secs(30), || async {
+            db.query_opt("SELECT last_error FROM outbox_dead_letters", &[])
+                .await
+                .unwrap()
+                .map(|row| row.get(0))
+        })
+        .await;
+        assert!(error.contains("\\0"), "the NUL shown: {error}");
+        eventually("the slot past it", Duration::from_secs(30), || async {
+            (confirmed(&db, &fixture.config.slot).await >= written).then_some(())
+        })
+        .await;
+        relay.stop().await;
+    }
+
     /// A message that is not the documented format becomes a dead letter with the reason,
     /// and the slot moves past it.
     #[tokio::test]
