@@ -222,6 +222,9 @@ pub struct BinlogReader {
     /// Whether the server has sent an event: its error 1236 then says the log could not be
     /// read on (a crash mid-write, a checksum), not that the start position is gone.
     read_any: bool,
+    /// Since when an output is asked for ([`BinlogReader::next`] called, its output not yet
+    /// returned): silence before that is the caller's pause, not the server's.
+    asked_at: Option<tokio::time::Instant>,
     /// When the server last sent anything, heartbeats included ([`BINLOG_SILENCE`]).
     heard_at: tokio::time::Instant,
     /// Where reading started (a GTID start's file is empty), for an error that says so.
@@ -512,6 +515,7 @@ impl BinlogReader {
             xa_rows: None,
             altered: None,
             read_any: false,
+            asked_at: None,
             heard_at: tokio::time::Instant::now(),
             rows_in_transaction: 0,
             rows_read: 0,
@@ -571,8 +575,18 @@ impl BinlogReader {
         })
     }
 
-    /// The next output; `None` when the server ended the stream.
+    /// The next output; `None` when the server ended the stream. Cancel-safe.
     pub async fn next(&mut self) -> Result<Option<Output>> {
+        // A call cancelled before its output keeps counting from the first ask.
+        self.asked_at.get_or_insert_with(tokio::time::Instant::now);
+        let output = self.read_next().await;
+        if let Ok(Some(_)) = output {
+            self.asked_at = None;
+        }
+        output
+    }
+
+    async fn read_next(&mut self) -> Result<Option<Output>> {
         loop {
             if let Some(output) = self.pending.pop_front() {
                 return Ok(Some(output));
@@ -581,8 +595,15 @@ impl BinlogReader {
                 self.read_altered().await?;
                 continue;
             }
+            // Silence is counted while an output is asked for: until the caller asks again
+            // (its channel or memory budget full, behind a slow sink) the server's events wait
+            // unread, and the first one asked for then may not have fully arrived. Counted
+            // from the last event heard, such a pause took a healthy connection for dead.
+            let listening_since = self
+                .asked_at
+                .map_or(self.heard_at, |at| at.max(self.heard_at));
             let heard =
-                tokio::time::timeout_at(self.heard_at + BINLOG_SILENCE, self.stream.next_event())
+                tokio::time::timeout_at(listening_since + BINLOG_SILENCE, self.stream.next_event())
                     .await;
             let Ok(event) = heard else {
                 return Err(BinlogError::Silent(BINLOG_SILENCE));

@@ -143,3 +143,45 @@ async fn one_capture_per_outbox_the_others_wait() {
         Started::Active(_) => panic!("two active captures"),
     }
 }
+
+/// A relay behind a slow sink stops asking for the log's events (its channel or memory
+/// budget full) for longer than the silence that takes a connection for dead
+/// (`BINLOG_SILENCE`, 10 s). The silence counted from the last event heard, so when the
+/// next event asked for after the pause was larger than the socket's buffers (not all there
+/// at once), the session failed as silent: a reconnection, and everything read again, after
+/// nearly every large event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pause_of_the_relays_own_is_no_silence_of_the_server() {
+    let mut outbox = outbox().await;
+    outbox
+        .db
+        .query_drop("ALTER TABLE outbox MODIFY payload longtext NULL")
+        .await
+        .unwrap();
+    let mut capture = outbox.start("relay-1").await;
+    // One transaction: a small row, then one of 15 MiB (under the server's 16 MiB
+    // max_allowed_packet), more than the loopback socket's buffers hold, in an event of its
+    // own right after the small row's.
+    outbox
+        .db
+        .query_drop(
+            "INSERT INTO outbox (payload) VALUES ('small'), (REPEAT('x', 15 * 1024 * 1024))",
+        )
+        .await
+        .unwrap();
+    match crate::next_output(capture.next()).await {
+        Output::Row(row) => assert_eq!(row.get("payload").unwrap(), "small"),
+        other => panic!("the small row, not {other:?}"),
+    }
+    // The pause itself is what is tested: no condition to await.
+    tokio::time::sleep(outbox_binlog::BINLOG_SILENCE + Duration::from_secs(2)).await;
+    let large = tokio::time::timeout(Duration::from_secs(30), capture.next())
+        .await
+        .expect("the stream brought nothing for 30 s");
+    match large {
+        Ok(Some(Output::Row(row))) => {
+            assert_eq!(row.get("payload").unwrap().len(), 15 * 1024 * 1024)
+        }
+        other => panic!("the large row, not {other:?}"),
+    }
+}
