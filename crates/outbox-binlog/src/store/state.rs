@@ -113,9 +113,14 @@ pub(super) fn parked_row(id: SequenceId) -> SequenceId {
     id - PARKED_IDS
 }
 
-/// The id of a stream row with no `sequence_id` (BLACKHOLE): its session and ordinal.
+/// The id of a stream row with no `sequence_id` (BLACKHOLE): its session and ordinal. The
+/// session counts up with every start of a read (a refusal retried each second starts
+/// 86,400 a day), so it wraps below 2^19 (six days of those): past 2^20 the ids reached the
+/// parked rows' (`PARKED_IDS`), and one held entry could take another's place. A row of
+/// 2^19 sessions ago is no longer held.
 pub(super) fn stream_id(session: u64, ordinal: u64) -> SequenceId {
-    ((session << 40) | (ordinal & ((1 << 40) - 1))) as SequenceId
+    const SESSIONS: u64 = 1 << 19;
+    (((session % SESSIONS) << 40) | (ordinal & ((1 << 40) - 1))) as SequenceId
 }
 
 impl capture::StreamEvent for Streamed {
@@ -788,6 +793,11 @@ mod tests {
     #[test]
     fn ids_of_parked_and_blackhole_rows_never_meet_those_of_table_rows() {
         assert!(parked_id(5) > stream_id(1 << 19, 1 << 39) && parked_id(5) < parked_id(6));
+        // However many sessions a relay has started.
+        for session in [(1 << 19) - 1, 1 << 20, (1 << 23) + 3, u64::MAX] {
+            let id = stream_id(session, (1 << 40) - 1);
+            assert!(id > 0 && id < parked_id(0), "session {session}: {id}");
+        }
         assert_eq!(parked_row(parked_id(5)), 5);
         assert_ne!(stream_id(1, 5), stream_id(2, 5));
         assert!(stream_id(1, 1) > 0);
