@@ -2108,6 +2108,58 @@ async fn a_session_opening_slowly_is_kept_past_wal_sender_timeout() {
     assert!(status.success(), "{status:?}");
 }
 
+/// The running session's periodic checks (the publication, and the rows a slot made by
+/// hand will not bring) read the outbox table; behind an application migration's lock they
+/// wait, for up to the statement timeout. They ran inline, with nothing said to the server
+/// meanwhile, and it ended the session after `wal_sender_timeout`: the checks now keep the
+/// session as the session's opening statements do.
+#[tokio::test]
+async fn a_periodic_check_waiting_on_a_lock_keeps_the_session() {
+    let w = WalDb::new().await;
+    let database = w.url.rsplit('/').next().unwrap().to_string();
+    w.db.batch_execute(&format!(
+        "ALTER DATABASE \"{database}\" SET wal_sender_timeout = '2s'"
+    ))
+    .await
+    .unwrap();
+    let out = w.path("events.jsonl");
+    let mut relay = w.spawn("relay", &out, &[]);
+    relay
+        .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
+        .await;
+    // A migration's lock on the outbox, held while the relay's next check reads it.
+    let mut migration = pg(&w.url).await;
+    let lock = migration.transaction().await.unwrap();
+    lock.batch_execute("LOCK TABLE outbox IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let waiting = "SELECT count(*) FROM pg_stat_activity
+                    WHERE wait_event_type = 'Lock' AND wait_event = 'relation'";
+    wait_for_rows(&relay, "a check waiting on the lock", &w.db, waiting, 1).await;
+    // Two and a half times the timeout (the relay's status updates go every second),
+    // asking every 100 ms: the slot's session must stay.
+    let active = "SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1 AND active";
+    let until = std::time::Instant::now() + Duration::from_secs(5);
+    while std::time::Instant::now() < until {
+        let n = query_count(&w.db, active, &[&w.slot]).await.unwrap();
+        assert_eq!(n, 1, "the session was ended: {}", relay.logs());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    lock.rollback().await.unwrap();
+    insert(&w.db, "k", 1).await;
+    wait_for_lines("the event delivered", &out, Duration::from_secs(60), |n| {
+        n >= 1
+    })
+    .await;
+    assert!(
+        !relay.logs().contains("the replication session broke"),
+        "{}",
+        relay.logs()
+    );
+    let status = relay.terminate().await;
+    assert!(status.success(), "{status:?}");
+}
+
 #[tokio::test]
 async fn forgetting_a_dropped_slots_adoption_keeps_the_record_of_a_slot_made_again() {
     let w = WalDb::new().await;

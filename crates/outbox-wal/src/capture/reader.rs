@@ -771,8 +771,9 @@ impl Reader {
     /// `--drain`, once) writes the position the drain ends at. `Some`: the session ended.
     async fn open_session(&mut self, stream: &mut WalStream) -> Option<SessionEnd> {
         self.lock_mark().session_started();
-        if let Some(end) = self.publication_drift().await {
-            return Some(end);
+        match self.serviced(stream, self.publication_drift(), false).await {
+            Ok(None) => {}
+            Ok(Some(end)) | Err(end) => return Some(end),
         }
         let adopted = match self.serviced(stream, self.adopt(), false).await {
             Ok(adopted) => adopted,
@@ -919,11 +920,17 @@ impl Reader {
                         return end;
                     }
                     if liveness.publication_due() {
-                        if let Some(end) = self.publication_drift().await {
-                            return end;
-                        }
-                        if let Some(end) = self.stranded_rows().await {
-                            return end;
+                        // They read the outbox table, which a migration's lock can hold for
+                        // as long as the statement timeout: the session is kept meanwhile.
+                        let checks = async {
+                            match self.publication_drift().await {
+                                Some(end) => Some(end),
+                                None => self.stranded_rows().await,
+                            }
+                        };
+                        match self.serviced(stream, checks, false).await {
+                            Ok(None) => {}
+                            Ok(Some(end)) | Err(end) => return end,
                         }
                     }
                     continue;
