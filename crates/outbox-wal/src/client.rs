@@ -274,6 +274,22 @@ impl WalStream {
         self.stream.wake_late();
     }
 
+    /// The next output, read no earlier than `not_before` unless a burst's worth of bytes
+    /// waits sooner (the socket's late-wake mark reached): past it, every segment arriving
+    /// would wake the thread until the deadline. Cancel-safe.
+    pub async fn next_not_before(
+        &mut self,
+        not_before: Option<tokio::time::Instant>,
+    ) -> Result<Option<Output>, WalError> {
+        if let Some(at) = not_before {
+            tokio::select! {
+                () = tokio::time::sleep_until(at) => {}
+                () = self.stream.filled_to_mark() => {}
+            }
+        }
+        self.next().await
+    }
+
     /// The last position passed to [`confirm`](Self::confirm) (or the slot's at start).
     pub fn confirmed(&self) -> Lsn {
         self.stream.confirmed()

@@ -506,6 +506,36 @@ impl Connection {
         }
     }
 
+    /// Returns once the socket holds a late wake's worth of bytes ([`Connection::wake_late`]):
+    /// a burst's worth, for a reader pacing itself to end its pace early rather than be woken
+    /// by every segment that follows (past the mark, each one wakes the thread). Never
+    /// returns while the socket wakes as usual (no mark raised, or not TCP). Cancel-safe.
+    pub async fn filled_to_mark(&self) {
+        let Some(tcp) = self.socket.tcp().filter(|_| self.waking_late) else {
+            return std::future::pending().await;
+        };
+        loop {
+            if tcp.readable().await.is_err() {
+                // The read that follows the pace says what went wrong.
+                return;
+            }
+            // A readiness the socket reported before the mark was raised ends no pace: it is
+            // cleared (`WouldBlock`), and the next comes only once the mark is reached.
+            let reached = tcp.try_io(tokio::io::Interest::READABLE, || {
+                let waiting = rustix::io::ioctl_fionread(tcp)?;
+                if waiting >= LATE_WAKE_BYTES as u64 {
+                    Ok(())
+                } else {
+                    Err(std::io::ErrorKind::WouldBlock.into())
+                }
+            });
+            match reached {
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                _ => return,
+            }
+        }
+    }
+
     /// Reads more from the socket. Cancel-safe. `false`: the server closed the connection.
     async fn read_more(&mut self) -> Result<bool> {
         if self.waking_late {
@@ -698,6 +728,11 @@ impl ReplicationStream {
         self.connection.wake_late();
     }
 
+    /// See [`Connection::filled_to_mark`].
+    pub async fn filled_to_mark(&self) {
+        self.connection.filled_to_mark().await
+    }
+
     /// The last position passed to [`confirm`](Self::confirm) (or the start).
     pub fn confirmed(&self) -> Lsn {
         self.confirmed
@@ -885,6 +920,66 @@ mod tests {
             .expect("a small message waits for no more bytes once the reader reads");
         assert_eq!(&read.unwrap().body[..], b"abc");
         assert_eq!(mark(&connection), 1, "lowered again by the read");
+    }
+
+    /// A paced reader (mark raised) is told when a late wake's worth of bytes waits, and not
+    /// before: under a stream faster than the mark per pace, each segment past the mark woke
+    /// the thread to no purpose until the pace ended (BENCHMARKS.md, "What a burst costs").
+    #[tokio::test]
+    #[cfg(target_os = "linux")]
+    async fn a_paced_reader_is_told_once_the_late_wake_mark_is_reached_and_not_before() {
+        use futures::FutureExt;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let client = TcpStream::connect(listener.local_addr().unwrap());
+        let (client, server) = tokio::join!(client, listener.accept());
+        let mut server = server.unwrap().0;
+        let mut connection = Connection {
+            socket: Socket::Plain(client.unwrap()),
+            input: BytesMut::new(),
+            output: BytesMut::new(),
+            waking_late: false,
+        };
+        let waiting = |c: &Connection| rustix::io::ioctl_fionread(c.socket.tcp().unwrap()).unwrap();
+        let send_and_await = async |server: &mut TcpStream, c: &Connection, bytes: usize| {
+            let before = waiting(c);
+            tokio::io::AsyncWriteExt::write_all(server, &vec![b'x'; bytes])
+                .await
+                .unwrap();
+            let sent = std::time::Instant::now();
+            while waiting(c) < before + bytes as u64 {
+                assert!(sent.elapsed() < Duration::from_secs(30), "never arrived");
+                tokio::task::yield_now().await;
+            }
+        };
+        let settle = async || {
+            for _ in 0..10 {
+                // The runtime's driver takes in whatever the socket reported meanwhile.
+                tokio::task::yield_now().await;
+            }
+        };
+        // Bytes that came before the mark was raised: the socket reported them readable.
+        send_and_await(&mut server, &connection, 100).await;
+        settle().await;
+        assert!(
+            connection.filled_to_mark().now_or_never().is_none(),
+            "no mark raised: never (the reader reads as usual)"
+        );
+        connection.wake_late();
+        assert!(
+            connection.filled_to_mark().now_or_never().is_none(),
+            "a readiness from before the mark is not a mark's worth"
+        );
+        let mark = LATE_WAKE_BYTES as usize;
+        send_and_await(&mut server, &connection, mark - 101).await;
+        settle().await;
+        assert!(
+            connection.filled_to_mark().now_or_never().is_none(),
+            "a byte short of the mark"
+        );
+        send_and_await(&mut server, &connection, 1).await;
+        tokio::time::timeout(Duration::from_secs(30), connection.filled_to_mark())
+            .await
+            .expect("told once the mark is reached");
     }
 
     #[tokio::test]

@@ -943,8 +943,7 @@ impl Reader {
                     Err(_) => return SessionEnd::Closed,
                 },
                 () = self.memory.has_room(), if permit.is_some() && memory_full => continue,
-                () = sleep_until_some(paced), if permit.is_some() && paced.is_some() => continue,
-                next = stream.next(), if permit.is_some() && !memory_full && paced.is_none() => next,
+                next = stream.next_not_before(paced), if permit.is_some() && !memory_full => next,
             };
             let Some(permit) = permit.take() else {
                 continue;
@@ -989,14 +988,6 @@ impl Reader {
                 BurstEnd::Failed(e) => return SessionEnd::Broken(describe(&e)),
             }
         }
-    }
-}
-
-/// Sleeps until `at`; never wakes for `None` (a branch its guard leaves out).
-async fn sleep_until_some(at: Option<tokio::time::Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at).await,
-        None => std::future::pending().await,
     }
 }
 
