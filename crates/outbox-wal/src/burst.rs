@@ -41,8 +41,10 @@ const REST_OF_TRANSACTION: Duration = Duration::from_millis(5);
 /// rounds it, which is about 2 ms in practice (it rounds the deadline up to its next
 /// millisecond tick, then sleeps whole milliseconds from the start of the current one;
 /// BENCHMARKS.md, "What a burst costs"). That wait is most of the relay's latency over
-/// `pg_recvlogical`'s; a shorter one costs CPU in more bursts. A stream that was quiet this
-/// long since the last burst is read at once, so a lone transaction waits for nothing.
+/// `pg_recvlogical`'s; a shorter one costs CPU in more bursts. A burst's worth of bytes
+/// waiting in the socket ends the wait sooner ([`WalStream::next_not_before`]). A stream
+/// that was quiet this long since the last burst is read at once, so a lone transaction
+/// waits for nothing.
 pub(crate) const BURST_PACE: Duration = Duration::from_millis(1);
 
 /// When the reader may start its next burst: [`BURST_PACE`] after the last one was handed

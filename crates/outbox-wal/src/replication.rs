@@ -498,7 +498,8 @@ impl Connection {
     /// Until the next read, bytes arriving wake this thread only once `LATE_WAKE_BYTES`
     /// of them are waiting (on TCP; a Unix socket wakes as before). For a reader that will
     /// not read before a deadline anyway: under a steady stream each TCP segment arriving
-    /// meanwhile woke the thread to no purpose, several times per burst pace.
+    /// meanwhile woke the thread to no purpose, several times per burst pace. Once the mark
+    /// is reached, [`Connection::filled_to_mark`] tells the reader to read.
     pub fn wake_late(&mut self) {
         if let (false, Some(tcp)) = (self.waking_late, self.socket.tcp()) {
             // Where it cannot be set, nothing changes but the wake-ups.
