@@ -883,19 +883,25 @@ mod tests {
         value
     }
 
-    #[tokio::test]
+    /// A replication connection over plain TCP on loopback, and the server's end of it.
     #[cfg(target_os = "linux")]
-    async fn a_message_smaller_than_the_late_wake_mark_is_read_once_the_reader_reads() {
+    async fn plain_tcp_connection() -> (Connection, TcpStream) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let client = TcpStream::connect(listener.local_addr().unwrap());
         let (client, server) = tokio::join!(client, listener.accept());
-        let mut server = server.unwrap().0;
-        let mut connection = Connection {
+        let connection = Connection {
             socket: Socket::Plain(client.unwrap()),
             input: BytesMut::new(),
             output: BytesMut::new(),
             waking_late: false,
         };
+        (connection, server.unwrap().0)
+    }
+
+    #[tokio::test]
+    #[cfg(target_os = "linux")]
+    async fn a_message_smaller_than_the_late_wake_mark_is_read_once_the_reader_reads() {
+        let (mut connection, mut server) = plain_tcp_connection().await;
         let mark = |c: &Connection| receive_low_water(c.socket.tcp().unwrap());
         assert_eq!(mark(&connection), 1);
         connection.wake_late();
@@ -930,16 +936,7 @@ mod tests {
     #[cfg(target_os = "linux")]
     async fn a_paced_reader_is_told_once_the_late_wake_mark_is_reached_and_not_before() {
         use futures::FutureExt;
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let client = TcpStream::connect(listener.local_addr().unwrap());
-        let (client, server) = tokio::join!(client, listener.accept());
-        let mut server = server.unwrap().0;
-        let mut connection = Connection {
-            socket: Socket::Plain(client.unwrap()),
-            input: BytesMut::new(),
-            output: BytesMut::new(),
-            waking_late: false,
-        };
+        let (mut connection, mut server) = plain_tcp_connection().await;
         let waiting = |c: &Connection| rustix::io::ioctl_fionread(c.socket.tcp().unwrap()).unwrap();
         let send_and_await = async |server: &mut TcpStream, c: &Connection, bytes: usize| {
             let before = waiting(c);
