@@ -509,16 +509,21 @@ impl Connection {
 
     /// Returns once the socket holds a late wake's worth of bytes ([`Connection::wake_late`]):
     /// a burst's worth, for a reader pacing itself to end its pace early rather than be woken
-    /// by every segment that follows (past the mark, each one wakes the thread). Never
-    /// returns while the socket wakes as usual (no mark raised, or not TCP). Cancel-safe.
+    /// by every segment that follows (past the mark, each one wakes the thread). Also once
+    /// the server has closed its end or the socket failed: the read that follows says so.
+    /// Never returns while the socket wakes as usual (no mark raised, or not TCP).
+    /// Cancel-safe.
     pub async fn filled_to_mark(&self) {
         let Some(tcp) = self.socket.tcp().filter(|_| self.waking_late) else {
             return std::future::pending().await;
         };
         loop {
-            if tcp.readable().await.is_err() {
-                // The read that follows the pace says what went wrong.
-                return;
+            match tcp.ready(tokio::io::Interest::READABLE).await {
+                // A closed end stays readable, and its readiness is never cleared: waiting on
+                // would spin without yielding.
+                Ok(ready) if ready.is_read_closed() => return,
+                Ok(_) => {}
+                Err(_) => return,
             }
             // A readiness the socket reported before the mark was raised ends no pace: it is
             // cleared (`WouldBlock`), and the next comes only once the mark is reached.
@@ -978,6 +983,35 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(30), connection.filled_to_mark())
             .await
             .expect("told once the mark is reached");
+    }
+
+    /// The server closes its end while the reader paces itself, below the mark: the reader
+    /// is told at once, so that its read reports the end. The closed end stays readable and
+    /// its readiness cannot be cleared: the wait used to spin on it without ever yielding,
+    /// holding the thread (and the pace's own deadline) for good.
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn a_paced_reader_is_told_when_the_server_closes_below_the_mark() {
+        let (told, tell) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async {
+                let (mut connection, mut server) = plain_tcp_connection().await;
+                connection.wake_late();
+                tokio::io::AsyncWriteExt::write_all(&mut server, &[b'x'; 100])
+                    .await
+                    .unwrap();
+                drop(server);
+                connection.filled_to_mark().await;
+            });
+            let _ = told.send(());
+        });
+        // On a thread of its own: a wait that spins never yields to a timeout on its runtime.
+        tell.recv_timeout(Duration::from_secs(30))
+            .expect("told of the closed end (it spun instead)");
     }
 
     #[tokio::test]
