@@ -367,10 +367,14 @@ impl ActiveReader {
             self.conn
                 .query_drop(format!("SET {} = 0", crate::store::ADOPTED_DEAD))
                 .await?;
-            let mut tx = self
-                .conn
-                .start_transaction(mysql_async::TxOpts::default())
-                .await?;
+            // Read committed: its locking read then locks the pending rows only. At the
+            // server's default (repeatable read) it locked the gaps up to the table's end as
+            // well, and the application's inserts waited for the whole adoption (failing past
+            // innodb_lock_wait_timeout on a large table). Rows committed meanwhile are in the
+            // log after `position`; one the adoption also sees comes twice, with its id.
+            let mut options = mysql_async::TxOpts::default();
+            options.with_isolation_level(mysql_async::IsolationLevel::ReadCommitted);
+            let mut tx = self.conn.start_transaction(options).await?;
             for statement in adoption {
                 tx.query_drop(statement).await?;
             }

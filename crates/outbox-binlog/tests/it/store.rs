@@ -360,6 +360,71 @@ async fn rows_written_before_the_first_start_are_adopted_ahead_of_later_rows_of_
     relay.stop().await;
 }
 
+/// The first start adopts the rows already in the table under their row locks. At the
+/// server's default isolation (REPEATABLE READ) its locking read locked the gaps too, up to
+/// the table's end: the application's inserts waited for the whole adoption, and failed
+/// past `innodb_lock_wait_timeout` on a large table. The adoption is held here by a writer's
+/// open insert of a parked copy that it must wait for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_starts_adoption_blocks_no_insert_of_the_application() {
+    let fixture = Fixture::new().await;
+    fixture.insert("a", "T", 1).await;
+    let mut blocker = fixture.db.get_conn().await.unwrap();
+    let copied = "event_id, destination, partition_key, event_type, payload, headers, \
+                  mutation_id, rejected, created_at, available_at, attempts, last_error, dead_at";
+    // Read committed: its copy takes no lock on the outbox's rows or gaps itself.
+    blocker
+        .query_drop("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+        .await
+        .unwrap();
+    blocker.query_drop("BEGIN").await.unwrap();
+    blocker
+        .query_drop(format!(
+            "INSERT INTO outbox_parked ({copied}) SELECT {copied} FROM outbox"
+        ))
+        .await
+        .unwrap();
+    let publisher = RecordingPublisher::new();
+    let relay = Relay::start(fixture.options("relay-1"), &publisher).await;
+    eventually(
+        "the adoption waiting on the open insert",
+        PATIENCE,
+        || async {
+            let waiting = fixture
+                .count(
+                    "information_schema.PROCESSLIST WHERE ID <> CONNECTION_ID()
+                   AND INFO LIKE '%ON DUPLICATE KEY%' AND TIME >= 1",
+                )
+                .await;
+            (waiting == 1).then_some(())
+        },
+    )
+    .await;
+    let mut writer = fixture.db.get_conn().await.unwrap();
+    writer
+        .query_drop("SET SESSION innodb_lock_wait_timeout = 2")
+        .await
+        .unwrap();
+    let inserted = writer
+        .exec_drop(
+            "INSERT INTO outbox (destination, partition_key, event_type, payload)
+             VALUES ('orders', 'b', 'T', JSON_OBJECT('n', 2))",
+            (),
+        )
+        .await;
+    assert!(
+        inserted.is_ok(),
+        "the application's insert waited on the adoption: {inserted:?}"
+    );
+    blocker.query_drop("ROLLBACK").await.unwrap();
+    until_reading(&relay.store).await;
+    eventually("both rows delivered", PATIENCE, || async {
+        (delivered_n(&publisher, "a") == [1] && delivered_n(&publisher, "b") == [2]).then_some(())
+    })
+    .await;
+    relay.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_started_again_reads_on_from_its_stored_position_and_loses_nothing() {
     let fixture = Fixture::new().await;
