@@ -3729,6 +3729,46 @@ async fn parked_rows_are_claimed_by_their_own_size_not_the_streamed_events() {
 
 // ---- 9. Slot hygiene ----
 
+/// The slot's confirm mark cannot be raised (here a trigger refuses each raise with a
+/// serialization failure, as a lock or a full tablespace would fail it): the relay delivers
+/// on, but confirms the slot no further, and the server keeps its WAL. Only a warning in
+/// the log said so; `/readyz` stayed ready, and the slot-lag alert fires at 1 GiB.
+#[tokio::test]
+async fn readyz_says_when_the_slot_is_confirmed_no_further() {
+    let w = WalDb::new().await;
+    let out = w.path("events.jsonl");
+    let mut relay = w.spawn(
+        "relay",
+        &out,
+        &["--http-addr", "127.0.0.1:0", "--log-format", "json"],
+    );
+    let addr = http_addr(&relay).await;
+    relay
+        .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
+        .await;
+    w.db.batch_execute(
+        "CREATE FUNCTION refuse_raise() RETURNS trigger LANGUAGE plpgsql AS
+           $$ BEGIN RAISE EXCEPTION 'busy' USING ERRCODE = '40001'; END $$;
+         CREATE TRIGGER refuse_raise BEFORE INSERT OR UPDATE ON outbox_confirm_marks
+           FOR EACH ROW EXECUTE FUNCTION refuse_raise();",
+    )
+    .await
+    .unwrap();
+    insert(&w.db, "k", 1).await;
+    wait_for_lines("the delivery", &out, Duration::from_secs(30), |n| n == 1).await;
+    let body = readyz(&relay, &addr, 503, "confirm mark", Duration::from_secs(60)).await;
+    assert!(
+        body.contains("confirmed no further") && body.contains("outbox_confirm_marks"),
+        "/readyz says why: {body}"
+    );
+    w.db.batch_execute("DROP TRIGGER refuse_raise ON outbox_confirm_marks")
+        .await
+        .unwrap();
+    readyz(&relay, &addr, 200, "ready", Duration::from_secs(30)).await;
+    let status = relay.terminate().await;
+    assert!(status.success(), "{status:?}");
+}
+
 #[tokio::test]
 async fn readyz_says_when_the_slot_is_gone_and_the_relay_does_not_recreate_it() {
     let w = WalDb::new().await;

@@ -108,11 +108,11 @@ impl ConfirmMark {
         self.failures = 0;
     }
 
-    /// A raise failed: whether to say so now (once the failures in a row reach
-    /// [`ConfirmMark::FAILURES_SAID`]).
-    pub(super) fn failed(&mut self) -> bool {
+    /// A raise failed: how many have in a row (said once they reach
+    /// [`ConfirmMark::FAILURES_SAID`], and told by `/readyz` from then on).
+    pub(super) fn failed(&mut self) -> u32 {
         self.failures += 1;
-        self.failures == Self::FAILURES_SAID
+        self.failures
     }
 
     /// The mark cannot be kept: confirm without it until the next session start. Whether
@@ -243,12 +243,11 @@ mod tests {
         mark.trying(start);
         assert_eq!(mark.confirmable(Lsn(250)), Lsn(100));
         assert!(!mark.raise_due(Lsn(250), start, false));
-        let said: Vec<bool> = (0..12).map(|_| mark.failed()).collect();
-        assert_eq!(said.iter().filter(|s| **s).count(), 1);
-        assert!(said[ConfirmMark::FAILURES_SAID as usize - 1]);
+        let failures: Vec<u32> = (0..12).map(|_| mark.failed()).collect();
+        assert_eq!(failures, (1..=12).collect::<Vec<u32>>());
         mark.raised(Lsn(250));
         assert!(
-            !(0..9).any(|_| mark.failed()),
+            !(0..9).any(|_| mark.failed() >= ConfirmMark::FAILURES_SAID),
             "counted again from a success"
         );
     }

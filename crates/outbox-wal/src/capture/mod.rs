@@ -179,6 +179,8 @@ struct Inner {
     dead_letters: Arc<CaptureDeadLetters>,
     /// The bytes of events held, read ahead and in flight.
     memory: Arc<MemoryBudget>,
+    /// Why the slot is confirmed no further, told by [`WalStore`]'s ping (so `/readyz`).
+    confirm_stall: Arc<Mutex<Option<String>>>,
 }
 
 /// Dead letters that capture writes itself, not the engine: rows the adoption cannot read
@@ -230,6 +232,7 @@ impl WalStore {
         });
         let memory = MemoryBudget::new(options.wal.memory_budget);
         let live = Arc::new(LiveSession::default());
+        let confirm_stall = Arc::new(Mutex::new(None));
         let reader = Reader {
             live: live.clone(),
             memory: memory.clone(),
@@ -247,6 +250,7 @@ impl WalStore {
             status: status_tx,
             on_change: on_change.clone(),
             sessions: reader::Sessions::new(),
+            confirm_stall: confirm_stall.clone(),
         };
         // Its logs stay in the caller's span (an outbox's, among several).
         let stopped = reader.status.clone();
@@ -277,6 +281,7 @@ impl WalStore {
                 reader: Mutex::new(Some(handle)),
                 dead_letters,
                 memory,
+                confirm_stall,
             }),
         }
     }
@@ -1227,8 +1232,23 @@ impl OutboxStore for WalStore {
         self.inner.main.insert(events)
     }
 
+    /// The database answers, and the slot is confirmed as its settled events allow: a
+    /// relay whose confirmations stopped holds the server's WAL while it delivers on.
     fn ping(&self) -> StoreFuture<()> {
-        self.inner.main.ping()
+        let inner = self.inner.clone();
+        async move {
+            inner.main.ping().await?;
+            let stall = inner
+                .confirm_stall
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .clone();
+            match stall {
+                Some(why) => Err(StoreError::new(StoreErrorKind::Query, why)),
+                None => Ok(()),
+            }
+        }
+        .boxed()
     }
 
     fn verify(&self) -> StoreFuture<Vec<Problem>> {

@@ -32,6 +32,9 @@ pub(super) struct Reader {
     pub(super) sessions: Sessions,
     /// Told which session streams, for claims ([`LiveSession`]).
     pub(super) live: Arc<LiveSession>,
+    /// Why the slot is confirmed no further while the relay runs on, for `/readyz` (the
+    /// store's ping); `None` while it is confirmed as its settled events allow.
+    pub(super) confirm_stall: Arc<Mutex<Option<String>>>,
 }
 
 /// What the reader remembers from one session to the next.
@@ -493,6 +496,7 @@ impl Reader {
                 if let Some(mark) = first_position(&rows) {
                     self.lock_mark().raised(mark);
                 }
+                self.set_confirm_stall(None);
                 return;
             }
             // The session no longer holds the slot: its end is the stream's to find.
@@ -504,11 +508,27 @@ impl Reader {
             Ok(Err(e)) => e.report(),
             Err(_) => format!("no answer within {:?}", SqlLiveness::PATIENCE),
         };
-        if self.lock_mark().failed() {
+        let failures = self.lock_mark().failed();
+        if failures >= ConfirmMark::FAILURES_SAID {
+            self.set_confirm_stall(Some(format!(
+                "the slot's confirm mark in {} could not be raised {failures} times in a row \
+                 (last: {failure}): the slot is confirmed no further, and the server keeps its \
+                 WAL, until it is",
+                self.tables.marks
+            )));
+        }
+        if failures == ConfirmMark::FAILURES_SAID {
             tracing::warn!(error = %failure, table = %self.tables.marks, "the slot's confirm mark cannot be raised: the slot is confirmed no further until it is (the server keeps its WAL meanwhile); trying every second");
         } else {
             tracing::debug!(error = %failure, "raising the slot's confirm mark; again in a second");
         }
+    }
+
+    fn set_confirm_stall(&self, why: Option<String>) {
+        *self
+            .confirm_stall
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = why;
     }
 
     fn lock_mark(&self) -> std::sync::MutexGuard<'_, ConfirmMark> {
@@ -521,6 +541,8 @@ impl Reader {
     /// The confirm mark's table or privilege is missing: the slot is confirmed without it,
     /// and a slot made again by hand is told by its `catalog_xmin` only. Said once.
     fn mark_cannot_be_kept(&self, reason: &str) {
+        // Confirmed without it from now on: nothing held back.
+        self.set_confirm_stall(None);
         if self.lock_mark().turn_off() {
             tracing::error!(error = %reason, table = %self.tables.marks, "the slot's confirm mark cannot be kept: the slot is confirmed without it, and a slot dropped and made again by hand, or advanced by hand, may be told late (grant what `outbox-relay migrate --capture wal --print` lists, then restart)");
         }
