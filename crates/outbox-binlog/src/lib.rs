@@ -329,8 +329,8 @@ impl BinlogPosition {
     }
 }
 
-/// What to read, and as which replica.
-#[derive(Clone, Debug)]
+/// What to read, and as which replica. Its `Debug` shows the URL redacted.
+#[derive(Clone)]
 pub struct BinlogConfig {
     /// `mysql://user:password@host:port/database`. The user needs REPLICATION SLAVE (and
     /// REPLICATION CLIENT for the log's position).
@@ -339,6 +339,17 @@ pub struct BinlogConfig {
     pub server_id: u32,
     pub database: String,
     pub table: String,
+}
+
+impl std::fmt::Debug for BinlogConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BinlogConfig")
+            .field("url", &outbox_core::redact::RedactedUrl(&self.url))
+            .field("server_id", &self.server_id)
+            .field("database", &self.database)
+            .field("table", &self.table)
+            .finish()
+    }
 }
 
 /// The server's `@@server_id`: whose binary log a position is in.

@@ -145,8 +145,8 @@ async fn read_position(
     }))
 }
 
-/// Who to take the seat as, and for which outbox.
-#[derive(Clone, Debug)]
+/// Who to take the seat as, and for which outbox. Its `Debug` shows the URL redacted.
+#[derive(Clone)]
 pub struct SeatConfig {
     pub url: String,
     /// The positions table ([`positions_ddl`]).
@@ -158,6 +158,18 @@ pub struct SeatConfig {
     /// How long a write keeps the seat: a standby takes over this long after the active
     /// reader's last write.
     pub lease: Duration,
+}
+
+impl std::fmt::Debug for SeatConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SeatConfig")
+            .field("url", &outbox_core::redact::RedactedUrl(&self.url))
+            .field("positions", &self.positions)
+            .field("outbox", &self.outbox)
+            .field("holder", &self.holder)
+            .field("lease", &self.lease)
+            .finish()
+    }
 }
 
 /// The outcome of trying to take the seat.

@@ -203,6 +203,16 @@ pub fn user_info_end(after_scheme: &str) -> Option<usize> {
     Some(end)
 }
 
+/// A URL shown redacted ([`redact_url`]) by `Debug`: for the `url` field of connection
+/// settings, whose derived `Debug` would show the password to whatever prints them.
+pub struct RedactedUrl<'a>(pub &'a str);
+
+impl std::fmt::Debug for RedactedUrl<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(&redact_url(self.0), f)
+    }
+}
+
 fn redact_user_info(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     let mut rest = text;

@@ -27,8 +27,8 @@ mod schema;
 /// The MySQL/MariaDB store. Cheap to clone.
 pub type MySqlStore = MappedStore<MySql>;
 
-/// Connection settings and the table.
-#[derive(Clone, Debug)]
+/// Connection settings and the table. Its `Debug` shows the URL redacted.
+#[derive(Clone)]
 pub struct MySqlOptions {
     /// `mysql://user:password@host:port/db` (`mariadb://` too); TLS with `?require_ssl=true`
     /// (and `verify_ca`, `verify_identity`).
@@ -41,6 +41,19 @@ pub struct MySqlOptions {
     pub pool_size: usize,
     /// The nodes table (native layout), or `None`.
     pub nodes_table: Option<String>,
+}
+
+impl std::fmt::Debug for MySqlOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MySqlOptions")
+            .field("url", &outbox_core::redact::RedactedUrl(&self.url))
+            .field("mapping", &self.mapping)
+            .field("layout", &self.layout)
+            .field("max_attempts", &self.max_attempts)
+            .field("pool_size", &self.pool_size)
+            .field("nodes_table", &self.nodes_table)
+            .finish()
+    }
 }
 
 /// The MySQL part of [`MySqlStore`].

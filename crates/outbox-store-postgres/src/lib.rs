@@ -48,8 +48,8 @@ use listen::listen_forever;
 use verify::verify;
 pub(crate) use verify::{missing_privileges, missing_trigger, refuse_standby};
 
-/// Connection settings and table names.
-#[derive(Clone, Debug)]
+/// Connection settings and table names. Its `Debug` shows the URL redacted.
+#[derive(Clone)]
 pub struct PgOptions {
     /// `postgres://user:password@host:port/db?sslmode=require`.
     pub url: String,
@@ -65,6 +65,20 @@ pub struct PgOptions {
     /// How long a store operation may wait for the database before it fails as a lost
     /// connection (`None`: [`OPERATION_TIMEOUT`]). Migrations are not bounded.
     pub operation_timeout: Option<Duration>,
+}
+
+impl std::fmt::Debug for PgOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgOptions")
+            .field("url", &outbox_core::redact::RedactedUrl(&self.url))
+            .field("tables", &self.tables)
+            .field("retain_delivered", &self.retain_delivered)
+            .field("ca_file", &self.ca_file)
+            .field("pool_size", &self.pool_size)
+            .field("application_name", &self.application_name)
+            .field("operation_timeout", &self.operation_timeout)
+            .finish()
+    }
 }
 
 impl PgOptions {

@@ -588,6 +588,27 @@ mod tests {
         assert_eq!(slot("postgres://relay:a?b@db"), "outbox_relay_relay");
     }
 
+    /// Whatever prints the resolved store settings (a `{:?}` in a log line, an `expect`)
+    /// shows no password: their URLs' `Debug` is redacted.
+    #[test]
+    fn the_store_settings_debug_shows_no_password() {
+        for url in [
+            "postgres://relay:hunter2-pg@db/app",
+            "mysql://relay:hunter2-my@db/app",
+        ] {
+            let settings = DatabaseSettings {
+                database_url: url.into(),
+                ..DatabaseSettings::default()
+            };
+            let resolved = settings
+                .store_settings(&WalSettings::default(), 5, None)
+                .unwrap();
+            let shown = format!("{resolved:?}");
+            assert!(shown.contains("relay:***@db"), "{shown}");
+            assert!(!shown.contains("hunter2"), "{shown}");
+        }
+    }
+
     /// Two URLs that differ only in credentials, parameters or a spelled-out default port
     /// reach the same database.
     #[test]
