@@ -27,9 +27,19 @@ outbox_core::settings! {
     }
 }
 
+/// The shortest heartbeat interval: 0 made the node heartbeat and renew its leases in a loop.
+pub const MIN_HEARTBEAT_INTERVAL: Duration = Duration::from_millis(100);
+
 impl ClusterSettings {
     /// Refuses timings under which leases would be lost without a node failing.
     pub fn validate(&self) -> Result<(), String> {
+        if self.heartbeat_interval < MIN_HEARTBEAT_INTERVAL {
+            return Err(format!(
+                "heartbeat_interval ({:?}) must be at least {MIN_HEARTBEAT_INTERVAL:?}: each \
+                 beat writes the nodes table and renews the node's leases",
+                self.heartbeat_interval
+            ));
+        }
         if self.heartbeat_timeout < self.heartbeat_interval * RENEWALS_PER_TIMEOUT {
             return Err(format!(
                 "heartbeat_timeout ({:?}) must be at least 3 x heartbeat_interval ({:?}): leases \
@@ -44,6 +54,15 @@ impl ClusterSettings {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_heartbeat_interval_of_zero_is_refused() {
+        let zero = ClusterSettings {
+            heartbeat_interval: Duration::ZERO,
+            ..ClusterSettings::default()
+        };
+        assert!(zero.validate().unwrap_err().contains("heartbeat_interval"));
+    }
 
     #[test]
     fn a_timeout_shorter_than_three_beats_is_refused() {

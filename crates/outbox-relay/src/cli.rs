@@ -183,8 +183,15 @@ pub struct PruneArgs {
     /// Only count what would be deleted.
     #[arg(long)]
     pub dry_run: bool,
-    /// Rows per delete statement [default: 1000].
-    #[arg(long, default_value_t = 1000, value_name = "N")]
+    /// Rows per delete statement, 1 to 50000 [default: 1000].
+    // An id of its own: `batch_size` is the engine's setting, which `settings` lists with
+    // the flags that set it.
+    #[arg(
+        id = "prune_batch_size",
+        long = "batch-size",
+        default_value_t = 1000,
+        value_name = "N"
+    )]
     pub batch_size: u32,
 }
 

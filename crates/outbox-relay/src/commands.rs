@@ -176,6 +176,7 @@ fn print_problems(problems: &[outbox_core::store::Problem]) {
 
 pub async fn check(config: Config) -> anyhow::Result<ExitCode> {
     let mut failed = false;
+    let mut misconfigured = false;
     // The HTTP settings (the admin token among them) are checked as `run` checks them.
     config.http.listen()?;
     println!("ok: configuration is valid ({config:?})");
@@ -229,10 +230,14 @@ pub async fn check(config: Config) -> anyhow::Result<ExitCode> {
         },
         Err(e) => {
             failed = true;
+            // A sink the configuration names wrongly: only the operator can fix it.
+            misconfigured = crate::error::is_config_error(&e);
             println!("problem: {e:#}");
         }
     }
-    Ok(if failed {
+    Ok(if misconfigured {
+        ExitCode::from(crate::error::EXIT_BAD_CONFIGURATION)
+    } else if failed {
         ExitCode::FAILURE
     } else {
         ExitCode::SUCCESS
@@ -241,9 +246,9 @@ pub async fn check(config: Config) -> anyhow::Result<ExitCode> {
 
 pub async fn send(config: Config, args: SendArgs) -> anyhow::Result<ExitCode> {
     if let Err(e) = serde_json::from_str::<serde::de::IgnoredAny>(&args.payload) {
-        bail!(
+        return Err(crate::error::config_error(format!(
             "the payload is not valid JSON ({e}); quote text as JSON, e.g. '\"hello\"', or send an object like '{{\"id\": 1}}'"
-        );
+        )));
     }
     let store = ready_existing_store(&config).await?;
     let event = NewEvent {

@@ -33,8 +33,8 @@ use outbox_wal::WalSettings;
 use serde::{Deserialize, Serialize};
 
 pub use crate::http::settings::HttpSettings;
-use crate::store::settings::DEFAULT_SCHEMA;
 pub use crate::store::settings::{CaptureMode, DatabaseKind, DatabaseSettings, WakeupMode};
+use crate::store::settings::{DEFAULT_POOL_SIZE, DEFAULT_SCHEMA};
 use crate::store::StoreSettings;
 
 /// The zero-configuration sink.
@@ -45,6 +45,8 @@ pub const DEFAULT_CONFIG_FILE: &str = "outbox-relay.toml";
 const DEFAULT_LOG_LEVEL: &str = "info";
 /// More worker threads than this is a typo, not a host.
 const MAX_WORKER_THREADS: usize = 1024;
+/// Database connections per pool: far beyond what a database serves one client.
+const MAX_POOL_SIZE: usize = 1000;
 
 /// Durations are written with units: `500ms`, `2s`, `5m`, `7d`.
 pub use outbox_core::time::duration_text as duration;
@@ -221,8 +223,9 @@ impl Config {
         let env = Env::prefixed("OUTBOX_RELAY_")
             .split("__")
             // OUTBOX_RELAY_CONFIG names the file (`--config`); it is no setting. The admin
-            // token is read verbatim below: figment would read `0123…` as a number.
-            .ignore(&["webhook_secret", "config", "admin_token"]);
+            // token is read verbatim below: figment would read `0123…` as a number. The
+            // webhook secret and the Ably key are read by their sinks.
+            .ignore(&["webhook_secret", "config", "admin_token", "ably_api_key"]);
         let layout: LayoutKind = figment
             .clone()
             .merge(env.clone())
@@ -259,8 +262,20 @@ impl Config {
             // The top level only lends its settings to the outboxes, each validated whole
             // (`outboxes`); what belongs to the process is checked here.
             config.http.validate()?;
+            config.check_worker_threads()?;
         }
         Ok(config)
+    }
+
+    /// The runtime's worker count, which the process uses before any outbox is validated.
+    fn check_worker_threads(&self) -> anyhow::Result<()> {
+        if !(1..=MAX_WORKER_THREADS).contains(&self.relay.worker_threads) {
+            bail!(
+                "worker_threads must be between 1 and {MAX_WORKER_THREADS} (got {})",
+                self.relay.worker_threads
+            );
+        }
+        Ok(())
     }
 
     pub fn validate(&self) -> anyhow::Result<()> {
@@ -275,10 +290,11 @@ impl Config {
             );
         }
         self.http.socket_addr()?;
-        if !(1..=MAX_WORKER_THREADS).contains(&self.relay.worker_threads) {
+        self.check_worker_threads()?;
+        if !(1..=MAX_POOL_SIZE).contains(&self.database.pool_size) {
             bail!(
-                "worker_threads must be between 1 and {MAX_WORKER_THREADS} (got {})",
-                self.relay.worker_threads
+                "pool_size must be between 1 and {MAX_POOL_SIZE} (got {})",
+                self.database.pool_size
             );
         }
         self.refuse_settings_without_effect(&database)?;
@@ -306,7 +322,31 @@ impl Config {
                 );
             }
         }
+        if db.database_ca_file.is_some() && *database != DatabaseKind::Postgres {
+            bail!(
+                "database_ca_file (--database-ca-file) is read by the PostgreSQL store only:                  remove it (MySQL/MariaDB verify against the system's CAs with the URL's                  `verify_ca=true`; add a private CA to the system's store)"
+            );
+        }
         if let DatabaseKind::Sqlite(_) = database {
+            let given = [
+                (
+                    !db.nodes_table.is_empty() || db.nodes_schema != DEFAULT_SCHEMA,
+                    "nodes_table and nodes_schema have no effect on SQLite, whose store uses \
+                     `outbox_nodes`: remove them",
+                ),
+                (
+                    db.pool_size != DEFAULT_POOL_SIZE,
+                    "pool_size has no effect on SQLite, which writes through one connection: \
+                     remove it",
+                ),
+                (
+                    db.partitions != outbox_core::partition::DEFAULT_PARTITIONS,
+                    "partitions has no effect on SQLite, the single-node store: remove it",
+                ),
+            ];
+            if let Some((_, refusal)) = given.iter().find(|(set, _)| *set) {
+                bail!("{refusal}");
+            }
             if db.layout != LayoutKind::Native {
                 bail!(
                     "layout = \"{}\" runs on PostgreSQL or MySQL/MariaDB; SQLite supports the \
@@ -330,6 +370,18 @@ impl Config {
                  MySQL/MariaDB use the native or mysql-outbox-events layout, or a custom mapping",
                 db.layout
             );
+        }
+        if db.retain_delivered && db.layout != LayoutKind::Native {
+            if let Some(mapping) = db.layout_mapping()? {
+                if !mapping.retains_delivered() {
+                    bail!(
+                        "retain_delivered (--retain-delivered) has no effect with layout = \
+                         \"{}\", which deletes a delivered row: remove it, or use a layout that \
+                         marks delivered rows (or a custom mapping with on_success marking them)",
+                        db.layout
+                    );
+                }
+            }
         }
         if db.layout != LayoutKind::Custom && db.mapping.is_some() {
             bail!(

@@ -11,8 +11,13 @@ use outbox_core::store::{
 
 use crate::cli::{DeadCommand, DeadSelectArgs, PruneArgs, ReplayArgs};
 use crate::config::{duration, Config};
+use crate::error::config_error;
 use crate::progress::Progress;
 use crate::store::{ready_store, AnyStore};
+
+/// The most rows one `prune` delete takes: larger deletes hold their locks (and, on
+/// PostgreSQL, bloat the WAL of one transaction) for longer than a pause of the relay's.
+const MAX_PRUNE_BATCH: u32 = 50_000;
 
 /// The store as the one-shot commands use it: its tables must exist already, and a database
 /// that is down fails at once.
@@ -122,9 +127,9 @@ fn parse_time(text: &str) -> anyhow::Result<SystemTime> {
         return Ok(t);
     }
     let age = duration::parse(text).map_err(|_| {
-        anyhow::anyhow!(
+        config_error(format!(
             "invalid time {text:?}: give RFC 3339 (2026-11-20T10:00:00Z) or an age (2h, 7d)"
-        )
+        ))
     })?;
     Ok(SystemTime::now() - age)
 }
@@ -209,9 +214,17 @@ pub async fn prune(config: Config, args: PruneArgs) -> anyhow::Result<ExitCode> 
     let delivered = cutoff(&args.delivered_older_than, "delivered-older-than")?;
     let dead = cutoff(&args.dead_older_than, "dead-older-than")?;
     if delivered.is_none() && dead.is_none() {
-        bail!("give --delivered-older-than AGE, --dead-older-than AGE, or both (e.g. 7d, 30d)");
+        return Err(config_error(
+            "give --delivered-older-than AGE, --dead-older-than AGE, or both (e.g. 7d, 30d)".into(),
+        ));
     }
-    let batch = args.batch_size.clamp(1, 50_000);
+    if !(1..=MAX_PRUNE_BATCH).contains(&args.batch_size) {
+        return Err(config_error(format!(
+            "--batch-size must be between 1 and {MAX_PRUNE_BATCH} rows per delete (got {})",
+            args.batch_size
+        )));
+    }
+    let batch = args.batch_size;
     let ops = operations(&config).await?;
     let (n_delivered, n_dead) = ops
         .count_prunable(delivered, dead)

@@ -536,7 +536,8 @@ fn check_fails_a_webhook_nothing_answers_and_a_url_template_that_is_no_url() {
     let sink = "http://127.0.0.1:99999/hooks/{destination}";
     let out = relay(d, &["check", "--sink", sink], &[]);
     let report = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(out.status.code(), Some(1), "{report}");
+    // A configuration error, as `run` says (it exited 1 here).
+    assert_eq!(out.status.code(), Some(2), "{report}");
     assert!(
         report.contains("problem:") && report.contains("is no URL") && report.contains("99999"),
         "{report}"
@@ -712,4 +713,123 @@ async fn a_database_url_file_serves_every_command_and_its_password_shows_nowhere
     );
     assert!(!stderr(&both).contains(password), "{}", stderr(&both));
     refused(both, "--database-url-file", "keep one");
+}
+
+/// Settings that some store, command or mode would have ignored, or crashed on, are refused
+/// with exit 2 naming them; bad input to an operator command exits 2, not 1.
+#[test]
+fn settings_a_mode_would_ignore_or_crash_on_exit_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let drain = ["run", "--drain", "--http-addr", ""];
+    fn with<'a>(drain: &[&'a str], flags: &[&'a str]) -> Vec<&'a str> {
+        [drain, flags].concat()
+    }
+    // SQLite (the default) has one connection, its own nodes table, and no CA to verify.
+    refused(
+        relay(d, &drain, &[("OUTBOX_RELAY_POOL_SIZE", "4")]),
+        "pool_size",
+        "remove it",
+    );
+    refused(
+        relay(d, &with(&drain, &["--nodes-table", "n"]), &[]),
+        "nodes_table",
+        "remove them",
+    );
+    refused(
+        relay(d, &with(&drain, &["--database-ca-file", "ca.pem"]), &[]),
+        "database_ca_file",
+        "remove it",
+    );
+    // A pool of absurd size panicked in the pool's allocation.
+    refused(
+        relay(
+            d,
+            &with(&drain, &["--database-url", PG]),
+            &[("OUTBOX_RELAY_POOL_SIZE", "4000000000000000000")],
+        ),
+        "pool_size must be between 1 and",
+        "got 4000000000000000000",
+    );
+    // The Ably connector's table deletes what it delivered: nothing would be retained.
+    refused(
+        relay(
+            d,
+            &with(
+                &drain,
+                &[
+                    "--database-url",
+                    PG,
+                    "--layout",
+                    "adbc",
+                    "--retain-delivered",
+                ],
+            ),
+            &[],
+        ),
+        "retain_delivered",
+        "deletes a delivered row",
+    );
+    // 0 made the node heartbeat and renew its leases in a loop.
+    refused(
+        relay(d, &with(&drain, &["--heartbeat-interval", "0s"]), &[]),
+        "heartbeat_interval",
+        "at least",
+    );
+    // A process-level setting of `[[outboxes]]`, checked before the runtime starts (it
+    // panicked in tokio's builder).
+    std::fs::write(
+        d.join("outboxes.toml"),
+        "worker_threads = 0\n[[outboxes]]\nname = \"a\"\ndatabase_url = \"sqlite:a.db\"\n",
+    )
+    .unwrap();
+    refused(
+        relay(d, &["--config", "outboxes.toml", "check"], &[]),
+        "worker_threads",
+        "between 1 and",
+    );
+    // The Ably key the README documents is the sink's, no unknown setting.
+    let ably = relay(
+        d,
+        &["check", "--sink", "ably:"],
+        &[("OUTBOX_RELAY_ABLY_API_KEY", "app.key:secret")],
+    );
+    assert!(
+        !stderr(&ably).contains("unknown setting"),
+        "{}",
+        stderr(&ably)
+    );
+    // Operator commands' bad input.
+    refused(
+        relay(d, &["replay", "--since", "yesterday"], &[]),
+        "invalid time",
+        "an age (2h, 7d)",
+    );
+    refused(
+        relay(d, &["prune"], &[]),
+        "--delivered-older-than",
+        "e.g. 7d",
+    );
+    refused(
+        relay(
+            d,
+            &["prune", "--dead-older-than", "7d", "--batch-size", "0"],
+            &[],
+        ),
+        "--batch-size",
+        "between 1 and 50000",
+    );
+    refused(
+        relay(d, &["send", "--destination", "d", "not json"], &[]),
+        "not valid JSON",
+        "quote text as JSON",
+    );
+    let check = relay(d, &["check", "--sink", "carrier-pigeon://x"], &[]);
+    assert_eq!(
+        check.status.code(),
+        Some(2),
+        "{}{}",
+        String::from_utf8_lossy(&check.stdout),
+        stderr(&check)
+    );
 }
