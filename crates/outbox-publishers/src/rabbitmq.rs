@@ -2,6 +2,7 @@
 //! event's headers, `mandatory` so an unroutable message comes back instead of vanishing.
 //! A batch is published on one confirm-mode channel and its confirms awaited together.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -86,6 +87,10 @@ struct Inner {
     timeout: Duration,
     max_message_bytes: AtomicUsize,
     session: Mutex<Option<(Connection, Channel)>>,
+    /// One batch at a time on the channel: lapin hands a returned (unroutable) message to
+    /// whichever confirmation it completes next, not to its own, so a batch tells its
+    /// returned messages by their ids, and only while no other batch's are pending.
+    publishing: tokio::sync::Mutex<()>,
 }
 
 impl RabbitSink {
@@ -109,6 +114,7 @@ impl RabbitSink {
                 timeout: config.timeout.get(),
                 max_message_bytes: AtomicUsize::new(DEFAULT_MAX_MESSAGE_BYTES),
                 session: Mutex::new(None),
+                publishing: tokio::sync::Mutex::new(()),
             }),
         })
     }
@@ -262,29 +268,35 @@ impl Inner {
         )
     }
 
-    /// What the broker's confirmation of one message means for its event.
+    /// What the broker's confirmation of one message means for its event, given the
+    /// messages the broker returned as unroutable while the batch was confirmed (by message
+    /// id, with the broker's reason). A returned message lapin attached to this
+    /// confirmation may be another's: only the event's own id in `returned` makes it
+    /// unroutable.
     fn confirmed(
         &self,
         confirmation: Confirmation,
         exchange: &str,
         routed: &Routed,
+        returned: &HashMap<String, String>,
     ) -> Result<(), PublishError> {
+        if let Some(reason) = returned.get(&message_id(routed)) {
+            let kind = match self.unroutable {
+                Unroutable::Retry => PublishErrorKind::NoRoute,
+                Unroutable::DeadLetter => PublishErrorKind::Rejected,
+            };
+            return Err(PublishError::new(
+                kind,
+                format!(
+                    "{}: unroutable ({reason}): no queue is bound to exchange {exchange:?} with \
+                     routing key {:?}",
+                    self.shown, routed.target
+                ),
+            ));
+        }
         match confirmation {
-            Confirmation::Ack(None) => Ok(()),
-            Confirmation::Ack(Some(returned)) | Confirmation::Nack(Some(returned)) => {
-                let kind = match self.unroutable {
-                    Unroutable::Retry => PublishErrorKind::NoRoute,
-                    Unroutable::DeadLetter => PublishErrorKind::Rejected,
-                };
-                Err(PublishError::new(
-                    kind,
-                    format!(
-                        "{}: unroutable ({}): no queue is bound to exchange {:?} with routing key {:?}",
-                        self.shown, returned.reply_text, exchange, routed.target
-                    ),
-                ))
-            }
-            Confirmation::Nack(None) => Err(PublishError::new(
+            Confirmation::Ack(_) => Ok(()),
+            Confirmation::Nack(_) => Err(PublishError::new(
                 PublishErrorKind::BrokerFailure,
                 format!(
                     "{}: the broker refused to store the message (nack)",
@@ -325,7 +337,7 @@ impl Inner {
             headers.insert("outbox-mutation-id".into(), text(m));
         }
         let mut properties = BasicProperties::default()
-            .with_message_id(event.event_id.hyphenated().to_string().as_str().into())
+            .with_message_id(message_id(routed).as_str().into())
             .with_delivery_mode(2)
             .with_type(short(&event.event_type, "event type")?)
             .with_headers(headers);
@@ -426,8 +438,14 @@ impl Sink for RabbitSink {
     }
 }
 
+/// The AMQP `message_id` of an event's message: its event id.
+fn message_id(routed: &Routed) -> String {
+    routed.event.event_id.hyphenated().to_string()
+}
+
 /// Publishes a batch on the confirm channel and awaits every confirm.
 async fn publish_batch(inner: &Arc<Inner>, batch: &[Routed]) -> Vec<Result<(), Failure>> {
+    let _alone = inner.publishing.lock().await;
     {
         let channel = match inner.channel().await {
             Ok(c) => c,
@@ -463,11 +481,12 @@ async fn publish_batch(inner: &Arc<Inner>, batch: &[Routed]) -> Vec<Result<(), F
             };
             confirms.push((published, exchange));
         }
-        let outcomes =
+        let exchanges: Vec<String> = confirms.iter().map(|(_, e)| e.clone()).collect();
+        let confirmations =
             confirms
                 .into_iter()
                 .zip(batch)
-                .map(|((published, exchange), routed)| async move {
+                .map(|((published, _), routed)| async move {
                     let size = routed.event.payload.len();
                     let confirm = published
                         .map_err(Failure::Own)?
@@ -478,12 +497,31 @@ async fn publish_batch(inner: &Arc<Inner>, batch: &[Routed]) -> Vec<Result<(), F
                             format!("{}: no confirm in time", inner.shown),
                         ))),
                         Ok(Err(e)) => Err(inner.classify(e, size)),
-                        Ok(Ok(confirmation)) => inner
-                            .confirmed(confirmation, &exchange, routed)
-                            .map_err(Failure::Own),
+                        Ok(Ok(confirmation)) => Ok(confirmation),
                     }
                 });
-        join_all(outcomes).await
+        let confirmations = join_all(confirmations).await;
+        // The broker returns an unroutable message before confirming it, and every
+        // confirmation of the batch is in: each returned message is among these.
+        let returned: HashMap<String, String> = confirmations
+            .iter()
+            .filter_map(|c| match c {
+                Ok(Confirmation::Ack(Some(r)) | Confirmation::Nack(Some(r))) => {
+                    let id = r.delivery.properties.message_id().as_ref()?;
+                    Some((id.to_string(), r.reply_text.to_string()))
+                }
+                _ => None,
+            })
+            .collect();
+        confirmations
+            .into_iter()
+            .zip(batch.iter().zip(exchanges))
+            .map(|(confirmation, (routed, exchange))| {
+                inner
+                    .confirmed(confirmation?, &exchange, routed, &returned)
+                    .map_err(Failure::Own)
+            })
+            .collect()
     }
 }
 

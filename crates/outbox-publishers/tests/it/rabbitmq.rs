@@ -246,6 +246,53 @@ async fn unroutable_messages_retry_or_dead_letter_as_configured() {
     }
 }
 
+/// Batches mixing routable and unroutable messages, several at once on the sink: each
+/// outcome is its own message's. lapin hands a returned message to whichever confirmation
+/// it completes next (a multiple ack completes its tags in no set order, and concurrent
+/// batches share the channel), so an unroutable message could be confirmed as delivered
+/// while a routed one was reported unroutable: the first lost, silently.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_outcome_is_its_own_messages_in_mixed_and_concurrent_batches() {
+    outbox_testkit::install_crypto();
+    let h = new_harness().await;
+    let routed = |id: i64| Routed {
+        cloudevents: None,
+        event: event(id, &format!("k{id}"), b"{}".to_vec()),
+        target: if id % 2 == 0 {
+            h.queue.clone()
+        } else {
+            "no-such-queue".into()
+        },
+    };
+    let mut delivered = std::collections::HashSet::new();
+    for round in 0..10i64 {
+        let batches: Vec<Vec<Routed>> = (0..3i64)
+            .map(|b| {
+                (0..100)
+                    .map(|n| routed(round * 1000 + b * 100 + n))
+                    .collect()
+            })
+            .collect();
+        let sent = batches.iter().map(|batch| h.sink.send(batch.clone()));
+        for (batch, outcomes) in batches.iter().zip(futures::future::join_all(sent).await) {
+            for (routed, outcome) in batch.iter().zip(outcomes) {
+                let id = routed.event.sequence_id;
+                if id % 2 == 0 {
+                    assert!(outcome.is_ok(), "routed {id}: {outcome:?}");
+                    delivered.insert(routed.event.event_id.to_string());
+                } else {
+                    let err = outcome.expect_err(&format!("unroutable {id} confirmed"));
+                    assert!(err.to_string().contains("unroutable"), "{id}: {err}");
+                }
+            }
+        }
+    }
+    let received: std::collections::HashSet<String> = (h.received().await.into_iter())
+        .map(|r| r.event_id)
+        .collect();
+    assert_eq!(received, delivered);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn messages_are_persistent_with_id_type_and_headers() {
     outbox_testkit::install_crypto();
