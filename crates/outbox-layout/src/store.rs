@@ -602,7 +602,23 @@ impl<D: MappedDb> MappedStore<D> {
             return Ok(0);
         };
         let ids = self.pick(&condition, p, batch).await?;
-        self.delete_ids(&ids).await
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        // Checked again by the delete: a row made pending since the pick stays.
+        let Some((condition, mut p)) = self.prune_condition(dead, before) else {
+            return Ok(0);
+        };
+        let sql = &self.inner.sql;
+        let statement = sql.delete_matching(&p.in_ids(&ids, sql.mapping.id_type), &condition);
+        let n = self.inner.db.execute("delete", statement, p).await?;
+        if sql.mapping.dead_state() == DeadState::SideTable {
+            // Records of rows still dead and now deleted; a retried row's went with its retry.
+            let mut p = self.params();
+            let gone = sql.delete_dead_records_of_missing(&p.in_ids(&ids, sql.mapping.id_type));
+            self.inner.db.execute("delete", gone, p).await?;
+        }
+        Ok(n)
     }
 
     async fn insert_events(&self, events: Vec<NewEvent>) -> StoreResult<Vec<SequenceId>> {

@@ -329,6 +329,35 @@ impl Sql {
         )
     }
 
+    /// Deletes rows by id that still match `condition` (over alias `o`, its parameters
+    /// before the ids'): the rows were picked by an earlier statement, and one that `replay`
+    /// or `dead retry` made pending meanwhile no longer matches.
+    pub fn delete_matching(&self, ids: &str, condition: &str) -> String {
+        let id = format!("o.{}", self.quote(&self.mapping.id));
+        match self.dialect {
+            Dialect::Postgres => format!(
+                "DELETE FROM {} o WHERE ({condition}) AND {id} {ids}",
+                self.table()
+            ),
+            // MySQL's single-table DELETE takes no alias (MariaDB 10.11).
+            Dialect::MySql => format!(
+                "DELETE o FROM {} o WHERE ({condition}) AND {id} {ids}",
+                self.table()
+            ),
+        }
+    }
+
+    /// Deletes the side table's records of rows by id whose row is gone.
+    pub fn delete_dead_records_of_missing(&self, ids: &str) -> String {
+        let dead = self.dead_table();
+        format!(
+            "DELETE FROM {dead} WHERE id {ids} AND NOT EXISTS \
+             (SELECT 1 FROM {} o WHERE o.{} = {dead}.id)",
+            self.table(),
+            self.quote(&self.mapping.id)
+        )
+    }
+
     /// Deletes the side table's records of rows by id.
     pub fn delete_dead_records(&self, ids: &str) -> String {
         format!("DELETE FROM {} WHERE id {ids}", self.dead_table())

@@ -202,3 +202,76 @@ async fn a_10kb_key_is_refused_at_insert_with_the_fix() {
         "nothing half-written"
     );
 }
+
+/// `prune` picks its rows with one statement and deletes them with another. A row that
+/// `replay` made pending in between (here a replay's update, committed while the delete
+/// waits on its lock) was deleted all the same: the replayed event, lost. The delete
+/// checks the condition again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prune_keeps_a_row_replayed_between_its_pick_and_its_delete() {
+    use outbox_core::store::{ClaimRequest, LeaseHolder, Operations};
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let store = store(&url, true);
+    store.migrate().await.unwrap();
+    let ids = store
+        .insert(vec![outbox_core::NewEvent {
+            destination: "d".into(),
+            event_type: "t".into(),
+            payload: Some("1".into()),
+            ..outbox_core::NewEvent::default()
+        }])
+        .await
+        .unwrap();
+    let node = outbox_core::NodeId::random();
+    let claimed = store
+        .claim(ClaimRequest::new(node.clone(), 10, Duration::from_secs(30)))
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), 1);
+    store
+        .ack(LeaseHolder::unfenced(node), ids.clone())
+        .await
+        .unwrap();
+    let pool = mysql_async::Pool::new(url.as_str());
+    let mut conn = pool.get_conn().await.unwrap();
+    conn.query_drop("UPDATE outbox SET delivered_at = UTC_TIMESTAMP(6) - INTERVAL 10 DAY")
+        .await
+        .unwrap();
+    // A replay of the row, not yet committed.
+    let mut replay = pool.get_conn().await.unwrap();
+    replay.query_drop("BEGIN").await.unwrap();
+    replay
+        .query_drop("UPDATE outbox SET delivered_at = NULL")
+        .await
+        .unwrap();
+    let pruning = tokio::spawn({
+        let store = store.clone();
+        async move {
+            let week_ago = std::time::SystemTime::now() - Duration::from_secs(7 * 86_400);
+            store.prune_delivered(week_ago, 1000).await
+        }
+    });
+    // The prune's delete waits on the replay's lock.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let waiting: Option<i64> = conn
+            .query_first(
+                "SELECT count(*) FROM information_schema.PROCESSLIST
+                  WHERE ID <> CONNECTION_ID() AND INFO LIKE 'DELETE%'",
+            )
+            .await
+            .unwrap();
+        if waiting == Some(1) {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "no delete waiting");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    replay.query_drop("COMMIT").await.unwrap();
+    assert_eq!(pruning.await.unwrap().unwrap(), 0, "nothing pruned");
+    let left: Option<i64> = conn
+        .query_first("SELECT count(*) FROM outbox WHERE delivered_at IS NULL")
+        .await
+        .unwrap();
+    assert_eq!(left, Some(1), "the replayed row is still there");
+}
