@@ -284,6 +284,15 @@ impl FileSink {
         let path = path.as_ref().to_path_buf();
         let file = open_appending(&path, FILE_MODE)
             .map_err(|e| SinkSetupError::config(io_report("cannot open", &path, &e)))?;
+        if is_regular(&file) {
+            // A file created here: its directory entry must survive a crash, like the lines
+            // each write makes durable (only a rotation's new file synced it).
+            File::open(directory_of(&path))
+                .and_then(|d| d.sync_all())
+                .map_err(|e| {
+                    SinkSetupError::config(io_report("cannot sync the directory of", &path, &e))
+                })?;
+        }
         let open = OpenFile {
             file,
             last_failure: None,

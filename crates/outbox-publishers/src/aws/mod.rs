@@ -761,7 +761,23 @@ pub fn classify(status: Option<u16>, code: &str, message: &str, what: &str) -> P
         | "IncompleteSignature"
         | "MissingAuthenticationToken"
         | "InvalidIdentityToken"
-        | "KMSAccessDeniedException" => Unauthorized,
+        | "KMSAccessDeniedException"
+        | "KMSAccessDenied"
+        // A key disabled, deleted, pending import or not yet usable: the sink's key, not the
+        // event, is wrong; retried (as a refused permission is) until an operator fixes it,
+        // rather than every event dead-lettered (SQS `KMS.DisabledException` and the like,
+        // SNS `KMSDisabled`, Kinesis `KMSDisabledException`).
+        | "KMSDisabled"
+        | "KMSDisabledException"
+        | "DisabledException"
+        | "KMSNotFound"
+        | "KMSNotFoundException"
+        | "KMSInvalidState"
+        | "KMSInvalidStateException"
+        | "InvalidStateException"
+        | "KMSOptInRequired"
+        | "KMSInvalidKeyUsageException"
+        | "InvalidKeyUsageException" => Unauthorized,
         _ => match status {
             Some(429) => Throttled,
             Some(413) => TooLarge,
@@ -1109,6 +1125,27 @@ mod tests {
             (Some(400), "RequestTimeout", PublishErrorKind::Timeout),
         ] {
             assert_eq!(kind(status, code), expected, "{status:?} {code}");
+        }
+        // The sink's KMS key refused or unusable: retried until an operator fixes it, never
+        // every event dead-lettered as if each were at fault.
+        for code in [
+            "KMSAccessDenied",
+            "KMSDisabled",
+            "KMSNotFound",
+            "KMSInvalidState",
+            "KMSOptInRequired",
+            "KMS.DisabledException",
+            "KMS.InvalidStateException",
+            "KMS.NotFoundException",
+            "KMSDisabledException",
+            "KMSNotFoundException",
+            "KMSInvalidStateException",
+        ] {
+            let error = classify(Some(400), code, "m", "x");
+            assert!(
+                matches!(error.disposition(), Disposition::Retry { .. }),
+                "{code}: {error:?}"
+            );
         }
         let skewed = classify(
             Some(400),
