@@ -17,19 +17,32 @@ impl MySql {
     /// databases have recorded it), and keep `crates/outbox-relay/tests/fixtures/` current.
     pub fn steps(&self, sql: &Sql) -> Option<Steps> {
         let ddl = self.ddl(sql)?;
-        Some(Steps::new(
-            "outbox",
-            vec![Step {
-                version: 1,
-                summary: "the layout's tables (and the nodes table), where missing; existing \
-                          tables are not touched",
-                statements: vec![ddl],
+        let mut steps = vec![Step {
+            version: 1,
+            summary: "the layout's tables (and the nodes table), where missing; existing \
+                      tables are not touched",
+            statements: vec![ddl],
+            lock: Lock::Online,
+            // MySQL commits DDL as it goes: a transaction would not hold it.
+            run: Run::Alone,
+            older_relays_run: false,
+        }];
+        if sql.mapping.seed == Some(outbox_layout::Seed::NativeMysql) {
+            steps.push(Step {
+                version: 2,
+                summary: "created_at and available_at default to UTC, whatever the inserting \
+                          session's time zone: the relay compares them with UTC, and a default \
+                          in local time held each event back by the zone's offset",
+                statements: ["created_at", "available_at"]
+                    .iter()
+                    .map(|column| utc_default(sql, column))
+                    .collect(),
                 lock: Lock::Online,
-                // MySQL commits DDL as it goes: a transaction would not hold it.
                 run: Run::Alone,
-                older_relays_run: false,
-            }],
-        ))
+                older_relays_run: true,
+            });
+        }
+        Some(Steps::new("outbox", steps))
     }
 
     /// `<table>_versions`, quoted, in the table's schema.
@@ -168,4 +181,31 @@ async fn read_found(conn: &mut Conn, sql: &Sql) -> StoreResult<Found> {
     } else {
         Found::Nothing
     })
+}
+
+/// Sets `column`'s default to the UTC time, where the table has that column (binlog
+/// capture's BLACKHOLE table has no `available_at`): MySQL has no `IF` outside a routine, so
+/// the statement is prepared from a query of the catalog.
+fn utc_default(sql: &Sql, column: &str) -> String {
+    let literal = |s: &str| format!("'{}'", s.replace('\\', "\\\\").replace('\'', "''"));
+    let schema = sql
+        .mapping
+        .schema
+        .as_deref()
+        .map_or_else(|| "DATABASE()".to_string(), literal);
+    let alter = format!(
+        "ALTER TABLE {} ALTER COLUMN `{column}` SET DEFAULT (UTC_TIMESTAMP(6))",
+        sql.table()
+    );
+    format!(
+        "SET @outbox_relay_step = (SELECT IF(COUNT(*) > 0, {}, 'DO 0')
+    FROM information_schema.COLUMNS
+   WHERE TABLE_SCHEMA = {schema} AND TABLE_NAME = {} AND COLUMN_NAME = '{column}');
+PREPARE outbox_relay_step FROM @outbox_relay_step;
+EXECUTE outbox_relay_step;
+DEALLOCATE PREPARE outbox_relay_step;
+",
+        literal(&alter),
+        literal(&sql.mapping.table)
+    )
 }

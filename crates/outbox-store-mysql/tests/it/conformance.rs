@@ -275,3 +275,30 @@ async fn prune_keeps_a_row_replayed_between_its_pick_and_its_delete() {
         .unwrap();
     assert_eq!(left, Some(1), "the replayed row is still there");
 }
+
+/// An application whose session is not in UTC (`SET time_zone`, a driver's setting, a server
+/// in local time) inserts with the table's defaults. `created_at` and `available_at` took
+/// its local time, the relay compares them with UTC: at UTC+2 every event was held back two
+/// hours (and a drain called them inserted after it began, and exited 0).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_inserted_in_another_time_zone_is_claimed_at_once() {
+    use outbox_core::store::ClaimRequest;
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let store = store(&url, false);
+    store.migrate().await.unwrap();
+    let pool = mysql_async::Pool::new(url.as_str());
+    let mut app = pool.get_conn().await.unwrap();
+    app.query_drop("SET time_zone = '+02:00'").await.unwrap();
+    app.query_drop("INSERT INTO outbox (destination, event_type, payload) VALUES ('d', 't', '1')")
+        .await
+        .unwrap();
+    let claimed = store
+        .claim(ClaimRequest::new(
+            outbox_core::NodeId::random(),
+            10,
+            Duration::from_secs(30),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), 1, "held back by the session's offset");
+}
