@@ -146,6 +146,19 @@ impl Memory {
         keys.into_iter().collect()
     }
 
+    /// Keys the table shows waiting to retry, each until its last row is due: a relay that
+    /// takes the table over (a restart, a standby) blocks them as its predecessor did,
+    /// whose memory is gone. Without it, a later row of such a key was claimed and
+    /// delivered before the retry.
+    pub fn waiting(&mut self, keys: impl IntoIterator<Item = (String, Duration)>) {
+        let now = Instant::now();
+        for (key, left) in keys {
+            let due = now + left;
+            let until = self.retrying.entry(key).or_insert(due);
+            *until = (*until).max(due);
+        }
+    }
+
     /// A failed attempt: its key waits `delay`; attempts are remembered. Call it once the
     /// table has recorded the retry, so a table-side `available_at` is never later than the
     /// moment the key unblocks here.

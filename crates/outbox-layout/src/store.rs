@@ -303,6 +303,7 @@ impl<D: MappedDb> MappedStore<D> {
         leader.last_check = Some(Instant::now());
         *self.memory() = Memory::default();
         let reaped = self.reap(true, lease).await?;
+        self.load_waiting_keys().await?;
         leader.last_reap = Some(Instant::now());
         tracing::info!(layout = %inner.layout, table = %self.table_name(), reaped, "this relay took over as the table's active relay");
         Ok(true)
@@ -411,6 +412,7 @@ impl<D: MappedDb> MappedStore<D> {
             leader.last_check = Some(Instant::now());
             *self.memory() = Memory::default();
             let reaped = self.reap(true, lease).await?;
+            self.load_waiting_keys().await?;
             leader.last_reap = Some(Instant::now());
             tracing::info!(layout = %inner.layout, table = %self.table_name(), reaped, "this relay is now the table's active relay");
         } else if leader.last_reap.is_none_or(|t| t.elapsed() >= lease / 2) {
@@ -425,6 +427,24 @@ impl<D: MappedDb> MappedStore<D> {
 
     /// Returns rows held by a gone relay (`all`, at takeover) or whose lease expired to
     /// pending, or marks them dead on their last attempt.
+    /// Blocks the keys the table shows waiting to retry ([`Memory::waiting`]).
+    async fn load_waiting_keys(&self) -> StoreResult<()> {
+        let Some(statement) = self.inner.sql.waiting_keys() else {
+            return Ok(());
+        };
+        let rows = self
+            .inner
+            .db
+            .query("waiting keys", statement, self.params())
+            .await?;
+        let keys = rows.iter().filter_map(|r| {
+            let left = u64::try_from(D::int(r, 1)?).unwrap_or(0);
+            Some((D::text(r, 0)?, Duration::from_millis(left)))
+        });
+        self.memory().waiting(keys);
+        Ok(())
+    }
+
     async fn reap(&self, all: bool, lease: Duration) -> StoreResult<u64> {
         let sql = &self.inner.sql;
         let mut total = 0;

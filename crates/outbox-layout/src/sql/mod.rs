@@ -410,6 +410,29 @@ impl Sql {
         parts.join(" AND ")
     }
 
+    /// The keys with a row waiting to retry (attempts recorded, due later than now), with
+    /// the milliseconds until the last of them is due; `None` where the table keeps no
+    /// attempts or due time.
+    pub fn waiting_keys(&self) -> Option<String> {
+        let m = &self.mapping;
+        let due = self.opt(&m.available_at)?;
+        let attempts = self.opt(&m.attempts)?;
+        let now = self.now();
+        let key = self.key_expr();
+        let left = match self.dialect {
+            Dialect::Postgres => {
+                format!("CAST(extract(epoch FROM max({due}) - {now}) * 1000 AS bigint)")
+            }
+            Dialect::MySql => format!("TIMESTAMPDIFF(MICROSECOND, {now}, max({due})) DIV 1000"),
+        };
+        Some(format!(
+            "SELECT {key}, {left} FROM {} o WHERE {} AND {attempts} > 0 AND {due} > {now} \
+             GROUP BY {key}",
+            self.table(),
+            self.pending()
+        ))
+    }
+
     /// A column of the table, on alias `o`.
     pub fn column(&self, name: &str) -> String {
         self.col(name)

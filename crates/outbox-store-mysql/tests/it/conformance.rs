@@ -302,3 +302,49 @@ async fn an_event_inserted_in_another_time_zone_is_claimed_at_once() {
         .unwrap();
     assert_eq!(claimed.len(), 1, "held back by the session's offset");
 }
+
+/// A key's head waits to retry; the relay stops (a deploy, kill -9) or a standby takes the
+/// table over. The wait was kept in the old relay's memory alone, so the new active relay
+/// claimed the key's next row and delivered it before the retry: out of order. It now
+/// loads the keys the table shows waiting when it takes the table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_waiting_to_retry_stays_blocked_for_the_next_active_relay() {
+    use outbox_core::store::{ClaimRequest, LeaseHolder, RetryLater};
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let first = store(&url, false);
+    first.migrate().await.unwrap();
+    let event = |n: i32| outbox_core::NewEvent {
+        destination: "d".into(),
+        partition_key: Some("k".into()),
+        event_type: "t".into(),
+        payload: Some(n.to_string()),
+        ..outbox_core::NewEvent::default()
+    };
+    let ids = first.insert(vec![event(1), event(2)]).await.unwrap();
+    let node = outbox_core::NodeId::random();
+    let request =
+        |node: &outbox_core::NodeId| ClaimRequest::new(node.clone(), 10, Duration::from_secs(30));
+    assert_eq!(first.claim(request(&node)).await.unwrap().len(), 2);
+    let retry = RetryLater {
+        sequence_id: ids[0],
+        attempts: 1,
+        error: "the broker is down".into(),
+        delay: Duration::from_secs(60),
+    };
+    first
+        .retry_later(LeaseHolder::unfenced(node.clone()), vec![retry])
+        .await
+        .unwrap();
+    first.release(node, vec![ids[1]]).await.unwrap();
+    first.step_down().await;
+    let next = store(&url, false);
+    let claimed = next
+        .claim(request(&outbox_core::NodeId::random()))
+        .await
+        .unwrap();
+    assert!(
+        claimed.is_empty(),
+        "the key's later row was claimed ahead of its retry: {:?}",
+        claimed.iter().map(|c| c.sequence_id()).collect::<Vec<_>>()
+    );
+}
