@@ -457,10 +457,14 @@ impl AwsClient {
             .get("x-amzn-query-error")
             .and_then(|v| v.to_str().ok())
             .map(str::to_string);
-        let text = response
-            .text()
-            .await
-            .map_err(|e| crate::http::transport_error(e, &what))?;
+        let text = if (200..300).contains(&status) {
+            response
+                .text()
+                .await
+                .map_err(|e| crate::http::transport_error(e, &what))?
+        } else {
+            crate::http::bounded_text(response, crate::http::ERROR_BODY_LIMIT).await
+        };
         Ok((status, query_error, text))
     }
 

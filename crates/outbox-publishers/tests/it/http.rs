@@ -622,3 +622,51 @@ async fn ably_keys_never_come_from_the_uri() {
     assert!(err.to_string().contains("never in the URI"), "{err}");
     assert!(!err.to_string().contains("secret"));
 }
+
+/// A receiver (or a proxy before it) refuses with a body that never ends. Only the body's
+/// start is quoted in the error, yet all of it was read, into memory, until the request
+/// timed out: the publish is answered once the start is read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_with_an_endless_body_is_answered_without_reading_it_all() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    outbox_testkit::install_crypto();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut request = [0u8; 8192];
+                let _ = socket.read(&mut request).await;
+                let head = "HTTP/1.1 503 Service Unavailable\r\ntransfer-encoding: chunked\r\n\r\n";
+                if socket.write_all(head.as_bytes()).await.is_err() {
+                    return;
+                }
+                let chunk = format!("{:x}\r\n{}\r\n", 4096, "x".repeat(4096));
+                while socket.write_all(chunk.as_bytes()).await.is_ok() {}
+            });
+        }
+    });
+    let config = read_config(json!({
+        "uri": format!("http://{addr}/hooks/{{destination}}"),
+        "timeout": "60s",
+    }));
+    let sink = outbox_publishers::build_sink("hooks", &config)
+        .await
+        .unwrap();
+    let sent = sink.send(vec![Routed {
+        cloudevents: None,
+        event: event(1, "k", b"{}".to_vec()),
+        target: String::new(),
+    }]);
+    // Far below the sink's own 60 s timeout, which the endless body used to run into.
+    let outcome = tokio::time::timeout(Duration::from_secs(20), sent)
+        .await
+        .expect("the refusal answered before the request's timeout")
+        .remove(0);
+    let error = outcome.expect_err("503");
+    assert!(
+        matches!(error.disposition(), Disposition::Retry { .. }),
+        "{error}"
+    );
+    assert!(error.to_string().contains("503"), "{error}");
+}
