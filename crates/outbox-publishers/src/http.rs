@@ -181,6 +181,26 @@ pub fn transport_error(error: reqwest::Error, what: &str) -> PublishError {
     PublishError::new(kind, format!("{what}: {failed}")).with_source(error.without_url())
 }
 
+/// How much of a refusal's body is read: only its start is quoted in the error.
+pub(crate) const ERROR_BODY_LIMIT: usize = 64 * 1024;
+
+/// At most `limit` bytes of a response's body, as (lossy) text. A receiver or proxy that
+/// refused with an endless body held the publish, and the body in memory, until the
+/// request timed out.
+pub(crate) async fn bounded_text(mut response: reqwest::Response, limit: usize) -> String {
+    let mut body = Vec::new();
+    while body.len() < limit {
+        match response.chunk().await {
+            Ok(Some(chunk)) => {
+                let take = chunk.len().min(limit - body.len());
+                body.extend_from_slice(&chunk[..take]);
+            }
+            _ => break,
+        }
+    }
+    String::from_utf8_lossy(&body).into_owned()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -258,24 +278,4 @@ mod tests {
         assert_eq!(past, Duration::ZERO);
         assert!(parse_retry_after("soon").is_none());
     }
-}
-
-/// How much of a refusal's body is read: only its start is quoted in the error.
-pub(crate) const ERROR_BODY_LIMIT: usize = 64 * 1024;
-
-/// At most `limit` bytes of a response's body, as (lossy) text. A receiver or proxy that
-/// refused with an endless body held the publish, and the body in memory, until the
-/// request timed out.
-pub(crate) async fn bounded_text(mut response: reqwest::Response, limit: usize) -> String {
-    let mut body = Vec::new();
-    while body.len() < limit {
-        match response.chunk().await {
-            Ok(Some(chunk)) => {
-                let take = chunk.len().min(limit - body.len());
-                body.extend_from_slice(&chunk[..take]);
-            }
-            _ => break,
-        }
-    }
-    String::from_utf8_lossy(&body).into_owned()
 }
