@@ -799,6 +799,28 @@ fn settings_a_mode_would_ignore_or_crash_on_exit_2() {
         "{}",
         stderr(&ably)
     );
+    // Half a client certificate was dropped (the sink connected without one), and a
+    // confirmation timeout of 0 timed everything out (or meant "never" to Kafka).
+    std::fs::write(
+        d.join("half.toml"),
+        "[sinks.main]\nuri = \"nats://127.0.0.1:4222\"\ntls_cert_file = \"c.pem\"\n",
+    )
+    .unwrap();
+    refused(
+        relay(d, &[&["--config", "half.toml"][..], &drain].concat(), &[]),
+        "tls_cert_file needs tls_key_file",
+        "give both, or neither",
+    );
+    std::fs::write(
+        d.join("zero.toml"),
+        "[sinks.main]\nuri = \"kafka://127.0.0.1:9092\"\ntimeout = \"0s\"\n",
+    )
+    .unwrap();
+    refused(
+        relay(d, &[&["--config", "zero.toml"][..], &drain].concat(), &[]),
+        "timeout \"0s\" is under a millisecond",
+        "give e.g. \"10s\"",
+    );
     // Operator commands' bad input.
     refused(
         relay(d, &["replay", "--since", "yesterday"], &[]),
