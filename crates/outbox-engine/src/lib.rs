@@ -698,15 +698,28 @@ impl Engine {
             Settled::DeadLettered(SettledRows { lanes, ids, result }) => {
                 let n = result?;
                 self.fenced("dead-letter", ids.len(), n);
-                let mut lost = Vec::new();
-                for lane in &lanes {
-                    lost.extend(self.lanes.advance(&lane.key));
-                    ::metrics::counter!(metrics::DEAD_LETTERED, "destination" => self.labels.label(&lane.destination))
-                        .increment(1);
+                if (n as usize) < ids.len() {
+                    // The fence refused some (which, the count does not say): those heads are
+                    // still pending in the table. Handing out the rows behind them would put
+                    // them ahead of their head, claimed again later: each lane is given back,
+                    // head first, to be claimed again in order (a head that was written is
+                    // dead, and its release changes nothing).
+                    let mut back = Vec::new();
+                    for lane in &lanes {
+                        back.extend(self.lanes.give_back(&lane.key));
+                    }
+                    self.release(back);
+                } else {
+                    let mut lost = Vec::new();
+                    for lane in &lanes {
+                        lost.extend(self.lanes.advance(&lane.key));
+                        ::metrics::counter!(metrics::DEAD_LETTERED, "destination" => self.labels.label(&lane.destination))
+                            .increment(1);
+                    }
+                    self.summary.dead_lettered += ids.len() as u64;
+                    self.lanes.forget(&ids);
+                    self.release(lost);
                 }
-                self.summary.dead_lettered += ids.len() as u64;
-                self.lanes.forget(&ids);
-                self.release(lost);
             }
             Settled::Released(ids, result) => {
                 result?;

@@ -120,6 +120,7 @@ macro_rules! store_conformance {
             engine_unordered_events_held_back_by_the_sink_go_out_again_unretried,
             engine_dead_letters_after_max_attempts_and_moves_on,
             engine_dead_letters_permanent_errors_and_undecodable_rows,
+            engine_a_dead_letter_the_fence_refuses_keeps_its_key_in_order,
             engine_unordered_retries_and_dead_letters_go_out_again,
             engine_drain_ends_when_every_claim_keeps_failing,
             operator_lists_retries_and_purges_dead_letters, operator_replays_and_prunes_in_batches,
@@ -691,7 +692,17 @@ async fn run_until_settled(
     config: EngineConfig,
     rows: &[SequenceId],
 ) -> outbox_engine::Summary {
-    let store = h.store();
+    run_until_settled_on(h, h.store(), publisher, config, rows).await
+}
+
+/// [`run_until_settled`] on `store` (the harness's, or one wrapping it).
+async fn run_until_settled_on(
+    h: &dyn Harness,
+    store: Arc<dyn OutboxStore>,
+    publisher: &RecordingPublisher,
+    config: EngineConfig,
+    rows: &[SequenceId],
+) -> outbox_engine::Summary {
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let engine = tokio::spawn(outbox_engine::run(
         store.clone(),
@@ -906,10 +917,10 @@ pub async fn engine_drain_ends_when_every_claim_keeps_failing(h: &dyn Harness) {
     let (store, _) = store_with(h, &[("d", Some("a"), "t", 0)]).await;
     let mut config = engine_config(true);
     config.drain_patience = Duration::from_millis(300);
-    let summary = drain_through(ClaimsFail::new(store.clone(), usize::MAX), config).await;
+    let summary = drain_through(FaultyStore::new(store.clone(), usize::MAX), config).await;
     match summary.drain {
         Some(DrainEnd::Unknown(e)) => assert!(
-            e.contains("every claim failed") && e.contains(ClaimsFail::ERROR),
+            e.contains("every claim failed") && e.contains(FaultyStore::ERROR),
             "{e}"
         ),
         other => panic!("the drain must end unable to vouch for the outbox: {other:?}"),
@@ -922,13 +933,13 @@ pub async fn engine_drain_ends_when_every_claim_keeps_failing(h: &dyn Harness) {
 
     let mut config = engine_config(true);
     config.drain_patience = Duration::from_secs(30);
-    let summary = drain_through(ClaimsFail::new(store.clone(), 2), config).await;
+    let summary = drain_through(FaultyStore::new(store.clone(), 2), config).await;
     assert_eq!(summary.drain, Some(DrainEnd::Clean { arrived: 0 }));
     assert_eq!(summary.published, 1);
 }
 
 /// Runs a drain on `store`, failing the test if it does not end.
-async fn drain_through(store: ClaimsFail, config: EngineConfig) -> Summary {
+async fn drain_through(store: FaultyStore, config: EngineConfig) -> Summary {
     let drain = outbox_engine::run(
         Arc::new(store),
         Arc::new(RecordingPublisher::new()),
@@ -943,34 +954,47 @@ async fn drain_through(store: ClaimsFail, config: EngineConfig) -> Summary {
 }
 
 /// The store, but its first `failures` claims fail as claims to a database that went away
-/// do (retryable).
-struct ClaimsFail {
+/// do (retryable), and its first `fenced` dead letters are refused by the fence (nothing
+/// written, 0 rows: the partition's lease was lost).
+struct FaultyStore {
     store: Arc<dyn OutboxStore>,
     failures: std::sync::atomic::AtomicUsize,
+    fenced: std::sync::atomic::AtomicUsize,
 }
 
-impl ClaimsFail {
+impl FaultyStore {
     const ERROR: &'static str = "the database went away (a fault of the test)";
 
     fn new(store: Arc<dyn OutboxStore>, failures: usize) -> Self {
-        ClaimsFail {
+        FaultyStore {
             store,
             failures: failures.into(),
+            fenced: 0.into(),
+        }
+    }
+
+    fn fencing_dead_letters(store: Arc<dyn OutboxStore>, fenced: usize) -> Self {
+        FaultyStore {
+            fenced: fenced.into(),
+            ..FaultyStore::new(store, 0)
         }
     }
 }
 
-impl OutboxStore for ClaimsFail {
+/// Takes one from `count` if it is above 0.
+fn take_one(count: &std::sync::atomic::AtomicUsize) -> bool {
+    use std::sync::atomic::Ordering::Relaxed;
+    count
+        .fetch_update(Relaxed, Relaxed, |n| n.checked_sub(1))
+        .is_ok()
+}
+
+impl OutboxStore for FaultyStore {
     fn describe(&self) -> String {
         self.store.describe()
     }
     fn claim(&self, request: ClaimRequest) -> StoreFuture<Vec<Claimed>> {
-        use std::sync::atomic::Ordering::Relaxed;
-        let failing = self
-            .failures
-            .fetch_update(Relaxed, Relaxed, |n| n.checked_sub(1))
-            .is_ok();
-        if failing {
+        if take_one(&self.failures) {
             return Box::pin(async {
                 Err(StoreError::new(StoreErrorKind::Connection, Self::ERROR))
             });
@@ -984,6 +1008,9 @@ impl OutboxStore for ClaimsFail {
         self.store.retry_later(holder, retries)
     }
     fn dead_letter(&self, holder: LeaseHolder, entries: Vec<DeadLetter>) -> StoreFuture<u64> {
+        if take_one(&self.fenced) {
+            return Box::pin(async { Ok(0) });
+        }
         self.store.dead_letter(holder, entries)
     }
     fn release(&self, node: NodeId, ids: Vec<SequenceId>) -> StoreFuture<u64> {
@@ -1043,6 +1070,27 @@ pub async fn engine_dead_letters_after_max_attempts_and_moves_on(h: &dyn Harness
         delivered_ids(&publisher),
         vec![seq[1]],
         "the key carried on after its dead head"
+    );
+}
+
+/// A head's dead letter the fence refused (its partition's lease lost, perhaps retaken in
+/// the same round): the head is still pending in the table, yet its lane handed out the next
+/// row, and the head, claimed again later, went out after it. The lane is given back, head
+/// first, and the key goes out in order.
+pub async fn engine_a_dead_letter_the_fence_refuses_keeps_its_key_in_order(h: &dyn Harness) {
+    let (store, seq) = store_with(
+        h,
+        &[("d", Some("a"), "doomed", 0), ("d", Some("a"), "t", 1)],
+    )
+    .await;
+    let publisher = RecordingPublisher::new();
+    publisher.fail("doomed", 1, PublishErrorKind::Rejected);
+    let fenced = Arc::new(FaultyStore::fencing_dead_letters(store, 1));
+    run_until_settled_on(h, fenced, &publisher, engine_config(false), &seq).await;
+    assert_eq!(
+        delivered_ids(&publisher),
+        seq,
+        "the head, still in the table, went out first"
     );
 }
 
