@@ -158,7 +158,7 @@ impl Inner {
                 )
             })?
             // Opening a channel sends no message, so its failure is never collateral.
-            .map_err(|e| self.classify(e, 0).into_error())?;
+            .map_err(|e| self.classify(e, 0, "").into_error())?;
         *session = Some((connection, channel.clone()));
         Ok(channel)
     }
@@ -177,7 +177,7 @@ impl Inner {
             };
             connection.create_channel().await
         }
-        .map_err(|e| self.classify(e, 0).into_error())?;
+        .map_err(|e| self.classify(e, 0, "").into_error())?;
         let declared = probe
             .exchange_declare(
                 short(name, "exchange")?,
@@ -192,12 +192,13 @@ impl Inner {
         if declared.is_ok() {
             let _ = probe.close(200, "exchange found".into()).await;
         }
-        declared.map_err(|e| self.classify(e, 0).into_error())
+        declared.map_err(|e| self.classify(e, 0, "").into_error())
     }
 
-    /// The one place RabbitMQ errors become publish outcomes. `size` is the message's size,
-    /// to tell the oversized message apart from the others on a channel the broker closed.
-    fn classify(&self, error: lapin::Error, size: usize) -> Failure {
+    /// The one place RabbitMQ errors become publish outcomes. `size` and `exchange` are the
+    /// message's, to tell the oversized message, or the one sent to a missing exchange,
+    /// apart from the others on the channel the broker closed for it.
+    fn classify(&self, error: lapin::Error, size: usize, exchange: &str) -> Failure {
         let (kind, message) = match error.kind() {
             ErrorKind::ProtocolError(amqp) => {
                 let text = amqp.get_message().to_string();
@@ -233,6 +234,21 @@ impl Inner {
                     }
                     AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED) => {
                         (PublishErrorKind::Unauthorized, text)
+                    }
+                    // "NOT_FOUND - no exchange 'X' in vhost '/'": the broker closed the
+                    // channel, failing every message waiting on it; only X's are refused.
+                    AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND)
+                        if text.contains("no exchange")
+                            && !text.contains(&format!("'{exchange}'")) =>
+                    {
+                        return Failure::Collateral(PublishError::new(
+                            PublishErrorKind::Unavailable,
+                            format!(
+                                "{}: channel closed after another message's exchange was not \
+                                 found",
+                                self.shown
+                            ),
+                        ));
                     }
                     AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND) => (
                         PublishErrorKind::MissingTarget,
@@ -392,9 +408,15 @@ impl Sink for RabbitSink {
             let mut outcomes = publish_batch(&inner, &batch).await;
             // A size refusal makes the broker close the channel, failing the rest of the
             // batch with it; those go once more on a fresh channel.
+            // A message too large, or sent to a missing exchange, makes the broker close the
+            // channel: the rest of the batch failed with it.
             let refused = outcomes.iter().any(|o| {
-                o.as_ref()
-                    .is_err_and(|e| e.error().kind() == PublishErrorKind::TooLarge)
+                o.as_ref().is_err_and(|e| {
+                    matches!(
+                        e.error().kind(),
+                        PublishErrorKind::TooLarge | PublishErrorKind::MissingTarget
+                    )
+                })
             });
             let collateral: Vec<usize> = outcomes
                 .iter()
@@ -486,17 +508,17 @@ async fn publish_batch(inner: &Arc<Inner>, batch: &[Routed]) -> Vec<Result<(), F
             confirms
                 .into_iter()
                 .zip(batch)
-                .map(|((published, _), routed)| async move {
+                .map(|((published, exchange), routed)| async move {
                     let size = routed.event.payload.len();
                     let confirm = published
                         .map_err(Failure::Own)?
-                        .map_err(|e| inner.classify(e, size))?;
+                        .map_err(|e| inner.classify(e, size, &exchange))?;
                     match tokio::time::timeout(inner.timeout, confirm).await {
                         Err(_) => Err(Failure::Own(PublishError::new(
                             PublishErrorKind::Timeout,
                             format!("{}: no confirm in time", inner.shown),
                         ))),
-                        Ok(Err(e)) => Err(inner.classify(e, size)),
+                        Ok(Err(e)) => Err(inner.classify(e, size, &exchange)),
                         Ok(Ok(confirmation)) => Ok(confirmation),
                     }
                 });

@@ -293,6 +293,72 @@ async fn each_outcome_is_its_own_messages_in_mixed_and_concurrent_batches() {
     assert_eq!(received, delivered);
 }
 
+/// One event of a batch names an exchange that does not exist: the broker closes the
+/// channel, and every message waiting on it failed with the same "not found", each counted
+/// as a failed attempt of its own (dead-lettered in the end under a steady flow to the
+/// missing exchange). Only that event is refused; the others go again on a fresh channel.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_exchange_fails_only_its_own_message() {
+    use lapin::options::{ExchangeDeclareOptions, QueueBindOptions};
+    outbox_testkit::install_crypto();
+    let h = new_harness().await;
+    let present = format!("present-{}", uuid::Uuid::new_v4().simple());
+    let connection = Connection::connect(&h.url, ConnectionProperties::default())
+        .await
+        .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    channel
+        .exchange_declare(
+            present.as_str().into(),
+            lapin::ExchangeKind::Direct,
+            ExchangeDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    channel
+        .queue_bind(
+            h.queue.as_str().into(),
+            present.as_str().into(),
+            h.queue.as_str().into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    connection.close(200, "setup done".into()).await.unwrap();
+    let config: SinkConfig = serde_json::from_value(serde_json::json!({
+        "uri": h.url,
+        "exchange": "{destination}",
+    }))
+    .unwrap();
+    let sink = outbox_publishers::build_sink("rabbit", &config)
+        .await
+        .unwrap();
+    let routed = |id: i64, destination: &str| {
+        let mut event = (*event(id, &format!("k{id}"), b"{}".to_vec())).clone();
+        event.destination = destination.into();
+        Routed {
+            cloudevents: None,
+            event: Arc::new(event),
+            target: h.queue.clone(),
+        }
+    };
+    let absent = "absent-exchange";
+    let batch: Vec<Routed> = (0..60)
+        .map(|n| routed(n, if n == 20 { absent } else { &present }))
+        .collect();
+    let outcomes = sink.send(batch).await;
+    for (n, outcome) in outcomes.iter().enumerate() {
+        if n == 20 {
+            let error = outcome.as_ref().expect_err("no such exchange");
+            assert!(error.to_string().contains(absent), "{error}");
+        } else {
+            assert!(outcome.is_ok(), "message {n}: {outcome:?}");
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn messages_are_persistent_with_id_type_and_headers() {
     outbox_testkit::install_crypto();
