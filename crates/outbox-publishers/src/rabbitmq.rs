@@ -192,7 +192,7 @@ impl Inner {
         if declared.is_ok() {
             let _ = probe.close(200, "exchange found".into()).await;
         }
-        declared.map_err(|e| self.classify(e, 0, "").into_error())
+        declared.map_err(|e| self.classify(e, 0, name).into_error())
     }
 
     /// The one place RabbitMQ errors become publish outcomes. `size` and `exchange` are the
