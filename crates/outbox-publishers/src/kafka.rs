@@ -72,7 +72,9 @@ fn properties<S: serde::Serializer>(
 }
 
 pub struct KafkaSink {
-    producer: FutureProducer,
+    /// Made again from `client` after a fatal error ([`KafkaSink::producer`]).
+    producer: std::sync::Mutex<FutureProducer>,
+    client: ClientConfig,
     shown: String,
     max_message_bytes: usize,
 }
@@ -170,10 +172,34 @@ impl KafkaSink {
             SinkSetupError::config(format!("invalid Kafka settings: {e}")).with_source(e)
         })?;
         Ok(KafkaSink {
-            producer,
+            producer: std::sync::Mutex::new(producer),
+            client,
             shown: outbox_core::redact::redact_url(uri),
             max_message_bytes,
         })
+    }
+
+    /// The producer, made again if librdkafka raised a fatal error on it: the idempotent
+    /// producer then fails every record for good (`__FATAL`), and was never replaced, so
+    /// each event was retried to its attempt limit and dead-lettered until a restart. The
+    /// records it failed go again, in order, through the new one.
+    fn producer(&self) -> FutureProducer {
+        let mut producer = self
+            .producer
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some((code, reason)) = producer.client().fatal_error() {
+            match self.client.create::<FutureProducer>() {
+                Ok(fresh) => {
+                    tracing::error!(sink = %self.shown, error = %reason, ?code, "the Kafka producer hit a fatal error; a new one takes over");
+                    *producer = fresh;
+                }
+                Err(e) => {
+                    tracing::error!(sink = %self.shown, error = %e, "the Kafka producer hit a fatal error and a new one could not be made; trying again with the next batch");
+                }
+            }
+        }
+        producer.clone()
     }
 }
 
@@ -224,6 +250,7 @@ impl Sink for KafkaSink {
     }
 
     fn send(&self, batch: Vec<Routed>) -> BoxFuture<'static, Vec<Outcome>> {
+        let producer = self.producer();
         // Enqueue the whole batch, then await every delivery report.
         let deliveries: Vec<_> = batch
             .iter()
@@ -261,7 +288,7 @@ impl Sink for KafkaSink {
                     .payload(event.payload.as_bytes())
                     .headers(headers);
                 let topic = routed.target.clone();
-                match self.producer.send_result(record) {
+                match producer.send_result(record) {
                     Ok(delivery) => async move {
                         match delivery.await {
                             Ok(Ok(_)) => Ok(()),
@@ -284,9 +311,15 @@ impl Sink for KafkaSink {
     }
 
     fn health(&self) -> BoxFuture<'static, Result<(), PublishError>> {
-        let producer = self.producer.clone();
+        let producer = self.producer();
         let shown = self.shown.clone();
         async move {
+            if let Some((_, reason)) = producer.client().fatal_error() {
+                return Err(PublishError::new(
+                    PublishErrorKind::BrokerFailure,
+                    format!("{shown}: the producer hit a fatal error ({reason})"),
+                ));
+            }
             tokio::task::spawn_blocking(move || {
                 producer
                     .client()
@@ -305,7 +338,7 @@ impl Sink for KafkaSink {
     }
 
     fn close(&self) -> BoxFuture<'static, ()> {
-        let producer = self.producer.clone();
+        let producer = self.producer();
         async move {
             let _ =
                 tokio::task::spawn_blocking(move || producer.flush(Duration::from_secs(5))).await;

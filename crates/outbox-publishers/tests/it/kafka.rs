@@ -183,6 +183,46 @@ async fn a_record_the_broker_refuses_as_its_own_fails_permanently() {
     );
 }
 
+/// The broker answers the idempotent producer with an out-of-order sequence, which
+/// librdkafka makes a fatal error: the producer then failed every record for good
+/// (`__FATAL`, retried as unavailable), each event went to its attempt limit and was
+/// dead-lettered, and `/readyz` stayed green, until a restart. The sink makes a new producer,
+/// and the next batch is delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fatal_producer_error_gives_way_to_a_new_producer() {
+    use outbox_publishers::Routed;
+    use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+    let h = new_harness().await;
+    let cluster = &h.cluster.as_ref().unwrap().0;
+    let routed = |id: i64| Routed {
+        cloudevents: None,
+        event: outbox_testkit::publisher::event(id, "k", b"{}".to_vec()),
+        target: h.topic.clone(),
+    };
+    assert!(h.sink.send(vec![routed(1)]).await[0].is_ok());
+    cluster.request_errors(
+        RDKafkaApiKey::Produce,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_OUT_OF_ORDER_SEQUENCE_NUMBER; 1],
+    );
+    let failed = h.sink.send(vec![routed(2)]).await.remove(0);
+    assert!(failed.is_err(), "the broker's refusal: {failed:?}");
+    let mut again = Err(outbox_core::PublishError::new(
+        outbox_core::PublishErrorKind::Unavailable,
+        "not sent yet",
+    ));
+    for _ in 0..5 {
+        again = h.sink.send(vec![routed(2)]).await.remove(0);
+        if again.is_ok() {
+            break;
+        }
+    }
+    assert!(
+        again.is_ok(),
+        "still failing after a fatal error: {again:?}"
+    );
+    assert!(h.sink.health().await.is_ok());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn messages_carry_the_key_and_event_headers() {
     let h = new_harness().await;
