@@ -63,6 +63,19 @@ impl NatsSink {
                 "invalid NATS URI: {e}; use nats://[user:password@]host:port"
             ))
         })?;
+        let given = [
+            config.creds_file.is_some().then_some("creds_file"),
+            config.nkey_seed_file.is_some().then_some("nkey_seed_file"),
+            config.token.is_some().then_some("token"),
+        ];
+        let given: Vec<&str> = given.into_iter().flatten().collect();
+        if given.len() > 1 {
+            // The first would win and the others be ignored.
+            return Err(SinkSetupError::config(format!(
+                "{} are each a way to authenticate to NATS: give one",
+                given.join(" and ")
+            )));
+        }
         let mut options = match (&config.creds_file, &config.nkey_seed_file, &config.token) {
             (Some(path), _, _) => async_nats::ConnectOptions::with_credentials_file(path)
                 .await

@@ -821,6 +821,17 @@ fn settings_a_mode_would_ignore_or_crash_on_exit_2() {
         "timeout \"0s\" is under a millisecond",
         "give e.g. \"10s\"",
     );
+    // Two ways to authenticate to NATS: the first won, the other was ignored.
+    std::fs::write(
+        d.join("nats.toml"),
+        "[sinks.main]\nuri = \"nats://127.0.0.1:4222\"\ncreds_file = \"a.creds\"\ntoken = \"t0ken\"\n",
+    )
+    .unwrap();
+    refused(
+        relay(d, &[&["--config", "nats.toml"][..], &drain].concat(), &[]),
+        "creds_file and token",
+        "give one",
+    );
     // Operator commands' bad input.
     refused(
         relay(d, &["replay", "--since", "yesterday"], &[]),
