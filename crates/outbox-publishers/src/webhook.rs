@@ -125,6 +125,13 @@ impl WebhookSink {
             .map(|s| decode_secret(&s).map(Arc::new))
             .transpose()
             .map_err(SinkSetupError::config)?;
+        let tls_given = config.tls.ca_file.is_some() || config.tls.cert_file.is_some();
+        if tls_given && uri.trim().to_ascii_lowercase().starts_with("http://") {
+            return Err(SinkSetupError::config(format!(
+                "tls_ca_file and tls_cert_file have no effect on {shown}, a plain http:// URL: \
+                 use https://, or remove them"
+            )));
+        }
         Ok(WebhookSink {
             client: crate::http::client(&config.tls, config.timeout.get())?,
             url: Arc::new(url),

@@ -821,6 +821,17 @@ fn settings_a_mode_would_ignore_or_crash_on_exit_2() {
         "timeout \"0s\" is under a millisecond",
         "give e.g. \"10s\"",
     );
+    // TLS files on a plain http:// webhook were accepted and unused.
+    std::fs::write(
+        d.join("plain.toml"),
+        "[sinks.main]\nuri = \"http://127.0.0.1:1/hook\"\ntls_ca_file = \"ca.pem\"\n",
+    )
+    .unwrap();
+    refused(
+        relay(d, &[&["--config", "plain.toml"][..], &drain].concat(), &[]),
+        "a plain http:// URL",
+        "use https://",
+    );
     // Two ways to authenticate to NATS: the first won, the other was ignored.
     std::fs::write(
         d.join("nats.toml"),
