@@ -1930,10 +1930,22 @@ async fn rows_written_while_no_relay_ran(w: &WalDb) -> PathBuf {
 /// [`rows_written_while_no_relay_ran`], then the slot dropped with SQL.
 async fn a_slot_dropped_after_rows_were_written(w: &WalDb) -> PathBuf {
     let out = rows_written_while_no_relay_ran(w).await;
-    w.db.query_one("SELECT pg_drop_replication_slot($1)", &[&w.slot])
+    drop_slot_once_released(&w.db, &w.slot).await;
+    out
+}
+
+/// Drops `slot` with SQL once no session holds it. A drain that has exited leaves its
+/// walsender until that reads the closed connection, a moment later: until then the slot is
+/// active, and cannot be dropped.
+async fn drop_slot_once_released(db: &Client, slot: &str) {
+    let active = "SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1 AND active";
+    eventually("the slot released", Duration::from_secs(30), || async {
+        (query_count(db, active, &[&slot]).await.unwrap() == 0).then_some(())
+    })
+    .await;
+    db.query_one("SELECT pg_drop_replication_slot($1)", &[&slot])
         .await
         .unwrap();
-    out
 }
 
 /// `check`'s exit status and output once it names the ten rows the slot made again does not
@@ -1992,9 +2004,7 @@ async fn a_mapped_tables_slot_made_again_by_hand_adopts_the_rows_it_does_not_bri
     for n in 1..4 {
         written.insert(debezium_write(&w.db, "order-1", n).await);
     }
-    w.db.query_one("SELECT pg_drop_replication_slot($1)", &[&w.slot])
-        .await
-        .unwrap();
+    drop_slot_once_released(&w.db, &w.slot).await;
     create_slot(&w.db, &w.slot, "pgoutput").await;
     w.db.batch_execute("DELETE FROM outboxevent_relay_confirm_marks")
         .await
@@ -2169,9 +2179,7 @@ async fn forgetting_a_dropped_slots_adoption_keeps_the_record_of_a_slot_made_aga
         .await
         .unwrap();
     assert_eq!(query_count(&w.db, adopted, &[&w.slot]).await.unwrap(), 1);
-    w.db.query_one("SELECT pg_drop_replication_slot($1)", &[&w.slot])
-        .await
-        .unwrap();
+    drop_slot_once_released(&w.db, &w.slot).await;
     outbox_wal::forget_adoption(&store, &publication, &w.slot)
         .await
         .unwrap();
