@@ -2061,13 +2061,7 @@ async fn a_drop_slot_cut_short_while_a_relay_streams_keeps_the_slots_adoption() 
 
 #[tokio::test]
 async fn a_session_opening_slowly_is_kept_past_wal_sender_timeout() {
-    let w = WalDb::new().await;
-    let database = w.url.rsplit('/').next().unwrap().to_string();
-    w.db.batch_execute(&format!(
-        "ALTER DATABASE \"{database}\" SET wal_sender_timeout = '2s'"
-    ))
-    .await
-    .unwrap();
+    let w = WalDb::with_wal_sender_timeout_of_2s().await;
     // A park of a paused ex-holder still holds the slot's writes: the new session's read of
     // the parked keys waits for it, as it waits for a long read of a large parked table.
     // Unanswered meanwhile, the server ended the session after wal_sender_timeout, and the
@@ -2097,6 +2091,21 @@ async fn a_session_opening_slowly_is_kept_past_wal_sender_timeout() {
         .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
         .await;
     delivered_in_one_session(&w, relay, &out).await;
+}
+
+impl WalDb {
+    /// A fresh database whose sessions the server ends after 2 s without a word from the
+    /// relay (`wal_sender_timeout`).
+    async fn with_wal_sender_timeout_of_2s() -> WalDb {
+        let w = WalDb::new().await;
+        let database = w.url.rsplit('/').next().unwrap().to_string();
+        w.db.batch_execute(&format!(
+            "ALTER DATABASE \"{database}\" SET wal_sender_timeout = '2s'"
+        ))
+        .await
+        .unwrap();
+        w
+    }
 }
 
 /// For two and a half times the 2 s `wal_sender_timeout` these tests set (the relay's status
@@ -2134,13 +2143,7 @@ async fn delivered_in_one_session(w: &WalDb, mut relay: RelayProcess, out: &Path
 /// session as the session's opening statements do.
 #[tokio::test]
 async fn a_periodic_check_waiting_on_a_lock_keeps_the_session() {
-    let w = WalDb::new().await;
-    let database = w.url.rsplit('/').next().unwrap().to_string();
-    w.db.batch_execute(&format!(
-        "ALTER DATABASE \"{database}\" SET wal_sender_timeout = '2s'"
-    ))
-    .await
-    .unwrap();
+    let w = WalDb::with_wal_sender_timeout_of_2s().await;
     let out = w.path("events.jsonl");
     let relay = w.spawn("relay", &out, &[]);
     relay

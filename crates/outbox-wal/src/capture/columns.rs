@@ -154,9 +154,10 @@ pub(super) fn unstorable(event: &Event) -> Option<&'static str> {
     jsonb_refuses(&headers).then_some("\\u0000 or a lone surrogate escape in its headers")
 }
 
-/// `text` with each NUL shown as `\0`.
+/// `text` with each NUL shown as `\0`, by the stores' one rule for it
+/// ([`outbox_core::store::storable_error`]).
 pub(super) fn visible_nul(text: &str) -> String {
-    text.replace('\0', "\\0")
+    outbox_core::store::storable_error(text.to_string())
 }
 
 /// JSON text jsonb accepts: as it is, or (holding an escape jsonb refuses) as a JSON string
