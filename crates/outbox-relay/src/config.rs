@@ -223,12 +223,12 @@ impl Config {
         let env = Env::prefixed("OUTBOX_RELAY_")
             .split("__")
             // OUTBOX_RELAY_CONFIG names the file (`--config`); it is no setting. The admin
-            // token is read verbatim below: figment would read `0123…` as a number. The
-            // webhook secret and the Ably key are read by their sinks.
+            // token is read below, untrimmed. The webhook secret and the Ably key are read
+            // by their sinks.
             .ignore(&["webhook_secret", "config", "admin_token", "ably_api_key"]);
         let layout: LayoutKind = figment
             .clone()
-            .merge(env.clone())
+            .merge(AsWritten(env.clone()))
             .merge(flags.clone())
             .extract_inner("layout")
             .unwrap_or_default();
@@ -246,7 +246,7 @@ impl Config {
                     .map(|(_, ours)| (*ours).into())
             }));
         }
-        figment = figment.merge(env);
+        figment = figment.merge(AsWritten(env));
         if let Ok(token) = std::env::var("OUTBOX_RELAY_ADMIN_TOKEN") {
             figment = figment.merge(Serialized::default("admin_token", Secret::new(token)));
         }
@@ -608,6 +608,54 @@ impl Config {
     }
 }
 
+/// Environment variables as figment reads them, except where its reading would change the
+/// value: `0123`, `1e3` or `+7` stay text. figment takes anything that looks like a number
+/// for one, and a secret or name written in digits would lose its leading zeros unseen.
+struct AsWritten(Env);
+
+impl Provider for AsWritten {
+    fn metadata(&self) -> figment::Metadata {
+        self.0.metadata()
+    }
+
+    fn data(&self) -> Result<figment::value::Map<figment::Profile, Dict>, figment::Error> {
+        let mut dict = Dict::new();
+        for (key, written) in self.0.iter() {
+            let read: Value = written.parse().expect("figment's parse is infallible");
+            let kept = match read {
+                Value::Num(..) | Value::Bool(..)
+                    if serde_json::to_string(&read).ok().as_deref() != Some(written.trim()) =>
+                {
+                    Value::from(written)
+                }
+                read => read,
+            };
+            insert_at(&mut dict, key.as_str(), kept);
+        }
+        Ok(self.0.profile.collect(dict))
+    }
+}
+
+/// Sets the dotted `path` in `dict`, making the tables on the way.
+fn insert_at(dict: &mut Dict, path: &str, value: Value) {
+    match path.split_once('.') {
+        None => {
+            dict.insert(path.to_string(), value);
+        }
+        Some((table, rest)) => {
+            let entry = dict
+                .entry(table.to_string())
+                .or_insert_with(|| Value::from(Dict::new()));
+            if !matches!(entry, Value::Dict(..)) {
+                *entry = Value::from(Dict::new());
+            }
+            if let Value::Dict(_, inner) = entry {
+                insert_at(inner, rest, value);
+            }
+        }
+    }
+}
+
 /// A key no part declares, as figment reports an unknown field: with the key and where it
 /// was set.
 fn unknown_setting(figment: &Figment) -> Option<figment::Error> {
@@ -877,10 +925,17 @@ fn describe_errors(
     error
         .into_iter()
         .map(|e| {
-            let what = e
+            let mut what = e
                 .kind
                 .to_string()
                 .replace("unknown field", "unknown setting");
+            if let figment::error::Kind::InvalidType(figment::error::Actual::Str(text), _) = &e.kind
+            {
+                if text.trim().parse::<f64>().is_ok() {
+                    // `AsWritten` keeps `0200` or `+7` as text rather than change it.
+                    what.push_str(" (write the number as plain digits: no leading zero or sign)");
+                }
+            }
             let key = e.path.join(".");
             if key.is_empty() {
                 what
@@ -1542,6 +1597,45 @@ mod tests {
             Ok(())
         });
         result
+    }
+
+    /// figment reads `0123` as the number 123, and a secret takes a number as its text: a
+    /// token of digits lost its leading zero, `1e3` became `1000`, with nothing said.
+    #[test]
+    fn an_environment_value_is_read_as_written_where_a_number_would_change_it() {
+        let toml = "[sinks.bus]\nuri = \"nats://127.0.0.1:4222\"\n[[routes]]\ndestinations = \"*\"\nsink = \"bus\"\n";
+        let token = |value: &str| {
+            let config = load_with_files(
+                &[("relay.toml", toml)],
+                &[
+                    ("OUTBOX_RELAY_SINKS__BUS__TOKEN", value),
+                    ("OUTBOX_RELAY_SINKS__BUS__MAX_MESSAGE_BYTES", "1000"),
+                    ("OUTBOX_RELAY_BATCH_SIZE", "200"),
+                ],
+                &["outbox-relay", "check"],
+            )
+            .unwrap_or_else(|(e, _)| panic!("{value}: {e}"));
+            let bus = &config.relay.sinks["bus"];
+            assert_eq!(bus.max_message_bytes(), Some(1000));
+            assert_eq!(config.engine.batch_size, 200);
+            let outbox_publishers::SinkSettings::Nats(nats) = bus.settings() else {
+                panic!("{:?}", bus.settings())
+            };
+            nats.token.as_ref().unwrap().expose().to_string()
+        };
+        for written in ["0123", "1e3", "1.50", "-0", "+7", "123", "true", "x9"] {
+            assert_eq!(token(written), written);
+        }
+        let (err, _) = load_with_files(
+            &[],
+            &[("OUTBOX_RELAY_BATCH_SIZE", "0200")],
+            &["outbox-relay", "check"],
+        )
+        .unwrap_err();
+        assert!(
+            err.contains("OUTBOX_RELAY_BATCH_SIZE") && err.contains("no leading zero"),
+            "{err}"
+        );
     }
 
     const URL_WITH_PASSWORD: &str = "postgres://relay:pw-in-file-7f3a@db.internal/app";
