@@ -187,7 +187,12 @@ pub fn redact_url(text: &str) -> String {
 /// `/`, `?` or `#` but no `:`), then on over each later `@` reached without a `/`, `?` or
 /// `#` (a password's own `@`). Reading too much as user info only hides more.
 pub fn user_info_end(after_scheme: &str) -> Option<usize> {
-    let url = &after_scheme[..after_scheme.find(ends_url).unwrap_or(after_scheme.len())];
+    // Only whitespace ends the search: a password may hold a quote or `<` (tokio-postgres
+    // connects with one), and a URL quoted in a message has its `@` before the quote.
+    let end = after_scheme
+        .find(char::is_whitespace)
+        .unwrap_or(after_scheme.len());
+    let url = &after_scheme[..end];
     let path_like = |s: &str| s.contains(['/', '?', '#']);
     let first = url.find('@')?;
     if !url[..first].contains(':') && path_like(&url[..first]) {
@@ -308,7 +313,7 @@ mod tests {
         assert_eq!(redact_url("redis://:pw@h"), "redis://:***@h");
     }
 
-    /// A generated password holding an unescaped `/`, `?` or `#`: tokio-postgres connects
+    /// A generated password holding an unescaped `/`, `?`, `#` or a quote: tokio-postgres connects
     /// with it (it reads the user info up to the first `@`), and the redactor used to end the
     /// user info at the `/`, so nothing was hidden.
     #[test]
@@ -330,6 +335,19 @@ mod tests {
             (
                 "failed: postgres://u:x/y@h/d refused",
                 "failed: postgres://u:***@h/d refused",
+            ),
+            // A quote or `<` in the password used to end the search before its `@`.
+            (
+                "postgres://relay:ab'cd@db/app",
+                "postgres://relay:***@db/app",
+            ),
+            (
+                "postgres://relay:a\"b`c<d>@db/app",
+                "postgres://relay:***@db/app",
+            ),
+            (
+                "cannot reach \"postgres://relay:ab'cd@db/app\": refused",
+                "cannot reach \"postgres://relay:***@db/app\": refused",
             ),
         ] {
             assert_eq!(redact_url(input), shown, "{input}");
