@@ -48,11 +48,14 @@ pub struct KafkaConfig {
     pub kafka: BTreeMap<String, String>,
 }
 
-/// librdkafka's properties whose values are secrets (its CONFIGURATION.md marks them).
+/// librdkafka's properties whose values are secrets (it marks them sensitive): passwords,
+/// passphrases, client secrets, private keys in PEM and the OAUTHBEARER config.
 fn is_secret_property(name: &str) -> bool {
     name.ends_with(".password")
+        || name.ends_with(".passphrase")
         || name.ends_with(".secret")
-        || matches!(name, "ssl.key.pem" | "sasl.oauthbearer.config")
+        || name.ends_with("key.pem")
+        || name == "sasl.oauthbearer.config"
 }
 
 fn properties<S: serde::Serializer>(
@@ -168,8 +171,12 @@ impl KafkaSink {
             .and_then(|v| v.parse().ok())
             .unwrap_or(DEFAULT_MAX_MESSAGE_BYTES);
         // librdkafka checks its properties here and connects later, in the background.
-        let producer: FutureProducer = client.create().map_err(|e| {
-            SinkSetupError::config(format!("invalid Kafka settings: {e}")).with_source(e)
+        let producer: FutureProducer = client.create().map_err(|e| match e {
+            // Its Display quotes the value, which may be a misspelt password's.
+            KafkaError::ClientConfig(_, description, name, _) => SinkSetupError::config(format!(
+                "invalid Kafka settings: property `{name}`: {description}"
+            )),
+            e => SinkSetupError::config(format!("invalid Kafka settings: {e}")).with_source(e),
         })?;
         Ok(KafkaSink {
             producer: std::sync::Mutex::new(producer),
@@ -384,6 +391,37 @@ mod tests {
         assert_eq!(c.get("acks"), Some("all"));
         assert_eq!(c.get("sasl.mechanism"), Some("SCRAM-SHA-512"));
         assert!(client_config("kafka://", &KafkaConfig::default()).is_err());
+    }
+
+    /// Two of librdkafka's sensitive properties were shown in `/api/v1/status`, and a
+    /// misspelt property's value was quoted in the error that refused it.
+    #[test]
+    fn secret_properties_never_show() {
+        for name in [
+            "sasl.oauthbearer.assertion.private.key.passphrase",
+            "sasl.oauthbearer.assertion.private.key.pem",
+            "ssl.key.pem",
+            "ssl.key.password",
+            "sasl.oauthbearer.client.secret",
+            "sasl.oauthbearer.config",
+        ] {
+            assert!(is_secret_property(name), "{name}");
+        }
+        for name in ["ssl.ca.pem", "ssl.certificate.pem", "linger.ms"] {
+            assert!(!is_secret_property(name), "{name}");
+        }
+        let config = KafkaConfig {
+            kafka: [("sasl.pasword".to_string(), "hunter2-x".to_string())].into(),
+            ..KafkaConfig::default()
+        };
+        let err = KafkaSink::new("kafka://127.0.0.1:9", &config)
+            .err()
+            .expect("a misspelt property is refused")
+            .to_string();
+        assert!(
+            err.contains("sasl.pasword") && !err.contains("hunter2"),
+            "{err}"
+        );
     }
 
     /// Raw properties were applied last, so `acks = 1` or `enable.idempotence = false`
