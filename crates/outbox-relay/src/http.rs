@@ -464,6 +464,9 @@ impl OutboxSlot {
 struct SharedState {
     slots: Arc<[Arc<OutboxSlot>]>,
     metrics: PrometheusHandle,
+    /// An admin token is set: the open pages show the outboxes' names only, not what
+    /// `/api/v1/outboxes` needs the token for (each store, a SQLite file's path).
+    guarded: bool,
 }
 
 /// What the shared server shows without the admin token: the probes, the index page and
@@ -497,6 +500,7 @@ pub async fn serve_outboxes(
     let state = SharedState {
         slots: slots.into(),
         metrics,
+        guarded: token.is_some(),
     };
     let app = Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
@@ -587,6 +591,7 @@ async fn index(State(state): State<SharedState>) -> Response {
         .map(|slot| {
             // Names are [a-z0-9_-] (validated), safe in HTML as they are.
             let what = match slot.served() {
+                Some(_) if state.guarded => String::new(),
                 Some(s) => html_text(&s.probes.store.describe()),
                 None => "starting".into(),
             };
@@ -631,13 +636,15 @@ async fn forward(
 async fn forward_to(state: &SharedState, name: &str, rest: &str, request: Request) -> Response {
     let refuse = crate::admin::failure;
     let Some(slot) = state.slot(name) else {
+        // Answered before the outbox's own token check: the list only without a token.
         let names: Vec<&str> = state.slots.iter().map(|s| s.name.as_str()).collect();
+        let listed = match state.guarded {
+            true => String::new(),
+            false => format!("; the outboxes are {}", names.join(", ")),
+        };
         return refuse(
             StatusCode::NOT_FOUND,
-            format!(
-                "no outbox named {name:?}; the outboxes are {}",
-                names.join(", ")
-            ),
+            format!("no outbox named {name:?}{listed}"),
         );
     };
     let Some(served) = slot.served() else {

@@ -655,7 +655,13 @@ sink = "file:billing.jsonl"
     ] {
         let (code, body) = ask("GET", path, &addr, "").await;
         assert_eq!(code, 200, "{path}: {body}");
+        // What `/api/v1/outboxes` needs the token for (each store and its file) is not
+        // shown by the open pages.
+        assert!(!body.contains("billing.db"), "{path}: {body}");
     }
+    let (code, body) = ask("GET", "/outboxes/nosuch/", &addr, "").await;
+    assert_eq!(code, 404, "{body}");
+    assert!(!body.contains("billing"), "{body}");
 
     for host in ["evil.example", "evil.example:80"] {
         for path in [
