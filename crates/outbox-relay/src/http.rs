@@ -84,6 +84,10 @@ pub const MAX_CONNECTIONS: usize = 256;
 /// client that stops reading (its receive window full) would otherwise hold its slot for as
 /// long as its kernel answers TCP's window probes, which is for good.
 pub const WRITE_STALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// A connection takes no new request after this, and is closed once its answer in progress
+/// is sent (within the request and write bounds above): a client that pipelines requests
+/// and reads their answers a trickle at a time would otherwise keep its slot for good.
+pub const CONNECTION_LIFETIME: Duration = Duration::from_secs(30);
 /// Paths every client may ask for whatever its `Host`: probes and scrapers name the relay
 /// as they like, and these show no event.
 const PROBES: [&str; 3] = ["/healthz", "/readyz", "/metrics"];
@@ -149,7 +153,15 @@ async fn serve_bounded(listener: tokio::net::TcpListener, app: Router) {
         let connection = http.serve_connection(TokioIo::new(stream), service);
         tokio::spawn(async move {
             // A client that goes away or times out is no news.
-            let _ = connection.await;
+            let mut connection = std::pin::pin!(connection);
+            tokio::select! {
+                _ = connection.as_mut() => {}
+                () = tokio::time::sleep(CONNECTION_LIFETIME) => {
+                    connection.as_mut().graceful_shutdown();
+                    let last_answer = REQUEST_TIMEOUT + WRITE_STALL_TIMEOUT;
+                    let _ = tokio::time::timeout(last_answer, connection).await;
+                }
+            }
             drop(slot);
         });
     }

@@ -1243,6 +1243,49 @@ async fn a_client_that_never_reads_its_answers_is_closed() {
     assert!(process.terminate().await.success());
 }
 
+/// A client that pipelines requests and reads their answers a trickle at a time is closed
+/// once its connection is 30 s old (`http::CONNECTION_LIFETIME`) and its answer in
+/// progress sent: each byte taken restarted the write-stall clock, so 256 such clients held
+/// every slot for good.
+#[tokio::test]
+async fn a_client_reading_a_trickle_gives_its_connection_back() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir().unwrap();
+    let (mut process, addr) = relay_with_token(dir.path(), &[]).await;
+    let mut stream = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    // 6,000 answers of the dashboard's script (16 KiB each, no token needed): 96 MiB.
+    const ASKED: usize = 6000;
+    let ask = "GET /assets/app.js HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".repeat(ASKED);
+    stream.write_all(ask.as_bytes()).await.unwrap();
+    let started = std::time::Instant::now();
+    let mut got = 0usize;
+    let mut buf = vec![0u8; 64 * 1024];
+    // At most 64 KiB every 100 ms: the answers always move (no write stall), and all of
+    // them would take 150 s.
+    let ended = tokio::time::timeout(Duration::from_secs(100), async {
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => got += n,
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    assert!(
+        ended.is_ok(),
+        "still connected after {:?}, {got} bytes read",
+        started.elapsed()
+    );
+    assert!(
+        got < ASKED * 16 * 1024,
+        "{got} bytes: every answer was read"
+    );
+    let (code, body) = Admin::new(&addr).get_text("/healthz").await;
+    assert_eq!(code, 200, "{body}");
+    assert!(process.terminate().await.success());
+}
+
 /// At most 256 connections are served at once: one more waits until another closes, while
 /// the connected clients keep being answered.
 #[tokio::test]
