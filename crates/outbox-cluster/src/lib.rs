@@ -487,7 +487,18 @@ async fn balance(p: &Partitions, config: &ClusterConfig, count: u32, live: &[Str
         metrics::gauge!(OWNED_PARTITIONS).set(owned as f64);
         return false;
     }
-    let (waiting, failure) = keep_leases(p, config, count, live).await;
+    let peers = match p.registry.partition_peers().await {
+        Ok(peers) => live
+            .iter()
+            .filter(|id| **id == config.node.0 || peers.contains(id))
+            .cloned()
+            .collect(),
+        Err(e) => {
+            tracing::warn!(error = %e.report(), "could not list the nodes sharing the partitions; counting every live node");
+            live.to_vec()
+        }
+    };
+    let (waiting, failure) = keep_leases(p, config, count, &peers).await;
     match failure {
         None => attempt.succeeded(),
         Some(e) => {

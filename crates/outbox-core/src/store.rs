@@ -422,14 +422,22 @@ pub struct PartitionRecord {
 /// A lease is taken only when the partition is free or its lease expired, and taking it
 /// increments the epoch; renewing and releasing apply only to the holder at its epoch.
 pub trait PartitionRegistry: Send + Sync + 'static {
-    /// Writes `protocol` into `node`'s row of the nodes table, and returns the other live
-    /// nodes whose protocol is below `oldest` (a row without one is protocol 1), with theirs.
+    /// Writes `protocol`, and that it takes this outbox's partitions, into `node`'s row of
+    /// the nodes table, and returns the other live nodes whose protocol is below `oldest` (a
+    /// row without one is protocol 1), with theirs.
     fn nodes_behind(
         &self,
         node: NodeId,
         protocol: u32,
         oldest: u32,
     ) -> StoreFuture<Vec<(String, u32)>>;
+
+    /// The live nodes that share this outbox's partitions: those that announced this
+    /// outbox's partitions in [`PartitionRegistry::nodes_behind`], and those whose row does
+    /// not say (relays from before it). Nodes that take no partitions (unordered, WAL
+    /// capture) and nodes of another outbox sharing the nodes table are left out: counted,
+    /// their share would stay unowned.
+    fn partition_peers(&self) -> StoreFuture<Vec<String>>;
 
     /// The outbox's partition count (fixed when it was migrated).
     fn partition_count(&self) -> StoreFuture<u32>;

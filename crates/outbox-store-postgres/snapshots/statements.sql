@@ -220,8 +220,8 @@ WITH pushed AS (
                        AND expiry = 'epoch'::timestamp + $3::int8 * interval '1 microsecond'
                  RETURNING expiry
                  ), inserted AS (
-                    INSERT INTO "public"."outbox_nodes" (id, expiry)
-                    SELECT $1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond'
+                    INSERT INTO "public"."outbox_nodes" (id, expiry, partitions_table)
+                    SELECT $1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond', ''
                      WHERE NOT EXISTS (SELECT 1 FROM pushed)
                         ON CONFLICT (id) DO NOTHING
                  RETURNING expiry
@@ -243,13 +243,20 @@ SELECT id, (extract(epoch from expiry) * 1000000)::int8 FROM "public"."outbox_no
 
 -- public.outbox: nodes_behind
 WITH announced AS (
-                    UPDATE "public"."outbox_nodes" SET protocol = $2
-                     WHERE id = $1 AND protocol IS DISTINCT FROM $2
+                    UPDATE "public"."outbox_nodes" SET protocol = $2, partitions_table = '"public"."outbox_partitions"'
+                     WHERE id = $1
+                       AND (protocol IS DISTINCT FROM $2 OR partitions_table IS DISTINCT FROM '"public"."outbox_partitions"')
                  RETURNING id
                  )
                  SELECT id, coalesce(protocol, 1) FROM "public"."outbox_nodes"
                   WHERE id <> $1 AND expiry >= (now() AT TIME ZONE 'UTC')
                     AND coalesce(protocol, 1) < $3
+                  ORDER BY id
+
+-- public.outbox: partition_peers
+SELECT id FROM "public"."outbox_nodes"
+                  WHERE expiry >= (now() AT TIME ZONE 'UTC')
+                    AND (partitions_table IS NULL OR partitions_table = '"public"."outbox_partitions"')
                   ORDER BY id
 
 -- public.outbox: partition_count
@@ -280,9 +287,9 @@ SELECT partition, owner, epoch, (extract(epoch from lease_until) * 1000000)::int
 
 -- public.outbox: register
 WITH taken AS (
-                    INSERT INTO "public"."outbox_nodes" (id, expiry)
-                    VALUES ($1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond')
-                        ON CONFLICT (id) DO UPDATE SET expiry = EXCLUDED.expiry
+                    INSERT INTO "public"."outbox_nodes" (id, expiry, partitions_table)
+                    VALUES ($1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond', '')
+                        ON CONFLICT (id) DO UPDATE SET expiry = EXCLUDED.expiry, partitions_table = EXCLUDED.partitions_table
                      WHERE "public"."outbox_nodes".expiry < (now() AT TIME ZONE 'UTC')
                  RETURNING expiry
                  )
@@ -489,6 +496,13 @@ INSERT INTO "public"."outbox_versions" (component, version, readable_from) VALUE
 SET LOCAL lock_timeout = '5s';
 ALTER TABLE "public"."outbox_nodes" ADD COLUMN IF NOT EXISTS protocol integer;
 INSERT INTO "public"."outbox_versions" (component, version, readable_from) VALUES ('outbox', 5, 1)
+    ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
+        readable_from = EXCLUDED.readable_from, migrated_at = now();
+
+-- outbox schema step 6: the nodes table's partitions_table column (which outbox's partitions each node takes: '' for none, NULL for relays from before it) (NOT online: an ACCESS EXCLUSIVE lock on the nodes table (not the outbox) for a catalog change, milliseconds once granted; it waits at most 5 s for it (lock_timeout) and then fails rather than hold heartbeats up: run `migrate` again).
+SET LOCAL lock_timeout = '5s';
+ALTER TABLE "public"."outbox_nodes" ADD COLUMN IF NOT EXISTS partitions_table text;
+INSERT INTO "public"."outbox_versions" (component, version, readable_from) VALUES ('outbox', 6, 1)
     ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
         readable_from = EXCLUDED.readable_from, migrated_at = now();
 
@@ -807,8 +821,8 @@ WITH pushed AS (
                        AND expiry = 'epoch'::timestamp + $3::int8 * interval '1 microsecond'
                  RETURNING expiry
                  ), inserted AS (
-                    INSERT INTO "app"."relay_nodes" (id, expiry)
-                    SELECT $1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond'
+                    INSERT INTO "app"."relay_nodes" (id, expiry, partitions_table)
+                    SELECT $1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond', ''
                      WHERE NOT EXISTS (SELECT 1 FROM pushed)
                         ON CONFLICT (id) DO NOTHING
                  RETURNING expiry
@@ -830,13 +844,20 @@ SELECT id, (extract(epoch from expiry) * 1000000)::int8 FROM "app"."relay_nodes"
 
 -- app.events: nodes_behind
 WITH announced AS (
-                    UPDATE "app"."relay_nodes" SET protocol = $2
-                     WHERE id = $1 AND protocol IS DISTINCT FROM $2
+                    UPDATE "app"."relay_nodes" SET protocol = $2, partitions_table = '"app"."events_partitions"'
+                     WHERE id = $1
+                       AND (protocol IS DISTINCT FROM $2 OR partitions_table IS DISTINCT FROM '"app"."events_partitions"')
                  RETURNING id
                  )
                  SELECT id, coalesce(protocol, 1) FROM "app"."relay_nodes"
                   WHERE id <> $1 AND expiry >= (now() AT TIME ZONE 'UTC')
                     AND coalesce(protocol, 1) < $3
+                  ORDER BY id
+
+-- app.events: partition_peers
+SELECT id FROM "app"."relay_nodes"
+                  WHERE expiry >= (now() AT TIME ZONE 'UTC')
+                    AND (partitions_table IS NULL OR partitions_table = '"app"."events_partitions"')
                   ORDER BY id
 
 -- app.events: partition_count
@@ -867,9 +888,9 @@ SELECT partition, owner, epoch, (extract(epoch from lease_until) * 1000000)::int
 
 -- app.events: register
 WITH taken AS (
-                    INSERT INTO "app"."relay_nodes" (id, expiry)
-                    VALUES ($1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond')
-                        ON CONFLICT (id) DO UPDATE SET expiry = EXCLUDED.expiry
+                    INSERT INTO "app"."relay_nodes" (id, expiry, partitions_table)
+                    VALUES ($1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond', '')
+                        ON CONFLICT (id) DO UPDATE SET expiry = EXCLUDED.expiry, partitions_table = EXCLUDED.partitions_table
                      WHERE "app"."relay_nodes".expiry < (now() AT TIME ZONE 'UTC')
                  RETURNING expiry
                  )
@@ -1076,6 +1097,13 @@ INSERT INTO "app"."events_versions" (component, version, readable_from) VALUES (
 SET LOCAL lock_timeout = '5s';
 ALTER TABLE "app"."relay_nodes" ADD COLUMN IF NOT EXISTS protocol integer;
 INSERT INTO "app"."events_versions" (component, version, readable_from) VALUES ('outbox', 5, 1)
+    ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
+        readable_from = EXCLUDED.readable_from, migrated_at = now();
+
+-- outbox schema step 6: the nodes table's partitions_table column (which outbox's partitions each node takes: '' for none, NULL for relays from before it) (NOT online: an ACCESS EXCLUSIVE lock on the nodes table (not the outbox) for a catalog change, milliseconds once granted; it waits at most 5 s for it (lock_timeout) and then fails rather than hold heartbeats up: run `migrate` again).
+SET LOCAL lock_timeout = '5s';
+ALTER TABLE "app"."relay_nodes" ADD COLUMN IF NOT EXISTS partitions_table text;
+INSERT INTO "app"."events_versions" (component, version, readable_from) VALUES ('outbox', 6, 1)
     ON CONFLICT (component) DO UPDATE SET version = EXCLUDED.version,
         readable_from = EXCLUDED.readable_from, migrated_at = now();
 

@@ -118,6 +118,8 @@ impl MappedDb for MappedPg {
             mapping.schema.as_deref().unwrap_or("public"),
             &mapping.table,
         )?;
+        // A seed's nodes table gets none of the native steps.
+        pg.tables.native_nodes = false;
         Ok(Opened {
             db: MappedPg {
                 base: PgStore::new(pg)?,

@@ -123,6 +123,16 @@ impl PartitionRegistry for PgStore {
         .boxed()
     }
 
+    fn partition_peers(&self) -> StoreFuture<Vec<String>> {
+        let inner = self.inner.clone();
+        async move {
+            let rows =
+                Self::query(&inner, "partition peers", &inner.sql.partition_peers, &[]).await?;
+            Ok(rows.iter().map(|r| r.get(0)).collect())
+        }
+        .boxed()
+    }
+
     fn partition_count(&self) -> StoreFuture<u32> {
         let inner = self.inner.clone();
         async move {

@@ -34,6 +34,9 @@ pub struct Tables {
     /// relay polls. A transaction that has sent a NOTIFY cannot `PREPARE TRANSACTION`, so
     /// applications using two-phase commit need this mode.
     pub poll_wakeup: bool,
+    /// The nodes table is the native one, with the columns of its steps (`partitions_table`);
+    /// a seed's (a mapped layout's) has only `id` and `expiry`.
+    pub native_nodes: bool,
 }
 
 impl Tables {
@@ -58,6 +61,7 @@ impl Tables {
             partition_count: outbox_core::partition::DEFAULT_PARTITIONS,
             gated_wakeup: false,
             poll_wakeup: false,
+            native_nodes: true,
         })
     }
 
@@ -309,6 +313,22 @@ ALTER TABLE {nodes} ADD COLUMN IF NOT EXISTS protocol integer;"
                 run: Run::InTransaction,
                 older_relays_run: true,
             },
+            Step {
+                version: 6,
+                summary: "the nodes table's partitions_table column (which outbox's partitions \
+                          each node takes: '' for none, NULL for relays from before it)",
+                statements: vec![format!(
+                    "SET LOCAL lock_timeout = '5s';
+ALTER TABLE {nodes} ADD COLUMN IF NOT EXISTS partitions_table text;"
+                )],
+                lock: Lock::Locks(
+                    "an ACCESS EXCLUSIVE lock on the nodes table (not the outbox) for a catalog \
+                     change, milliseconds once granted; it waits at most 5 s for it (lock_timeout) \
+                     and then fails rather than hold heartbeats up: run `migrate` again",
+                ),
+                run: Run::InTransaction,
+                older_relays_run: true,
+            },
         ];
         Steps::new("outbox", steps)
     }
@@ -473,6 +493,9 @@ pub struct Statements {
     /// Announces this node's cluster protocol and lists the live nodes behind the oldest it
     /// shares partitions with.
     pub nodes_behind: String,
+    /// The live nodes that take this outbox's partitions, or may (rows from before the
+    /// `partitions_table` column).
+    pub partition_peers: String,
     pub partition_count: String,
     pub acquire: String,
     pub renew: String,
@@ -531,6 +554,7 @@ impl Statements {
             deregister: native.deregister(),
             live_nodes: native.live_nodes(),
             nodes_behind: native.nodes_behind(),
+            partition_peers: native.partition_peers(),
             partition_count: native.partition_count(),
             acquire: native.acquire(),
             renew: native.renew(),
@@ -550,11 +574,14 @@ struct Native {
     parts: String,
     func: String,
     scheduled: String,
+    /// `nodes` has the `partitions_table` column (see [`Tables::native_nodes`]).
+    native_nodes: bool,
 }
 
 impl Native {
     fn new(tables: &Tables) -> Self {
         Native {
+            native_nodes: tables.native_nodes,
             t: tables.outbox.quoted(),
             dl: tables.dead_letters.quoted(),
             nodes: tables.nodes.quoted(),
@@ -899,6 +926,7 @@ impl Native {
     /// for its lock is still a row in this statement's snapshot.
     fn heartbeat(&self) -> String {
         let nodes = &self.nodes;
+        let (takes_column, takes_none, _) = self.takes_no_partitions();
         format!(
             "WITH pushed AS (
                     UPDATE {nodes}
@@ -907,8 +935,8 @@ impl Native {
                        AND expiry = 'epoch'::timestamp + $3::int8 * interval '1 microsecond'
                  RETURNING expiry
                  ), inserted AS (
-                    INSERT INTO {nodes} (id, expiry)
-                    SELECT $1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond'
+                    INSERT INTO {nodes} (id, expiry{takes_column})
+                    SELECT $1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond'{takes_none}
                      WHERE NOT EXISTS (SELECT 1 FROM pushed)
                         ON CONFLICT (id) DO NOTHING
                  RETURNING expiry
@@ -933,18 +961,51 @@ impl Native {
     }
 
     /// $1 node, $2 its protocol, $3 the oldest it shares partitions with. The UPDATE runs
-    /// whether or not its rows are read; the SELECT leaves this node out.
+    /// whether or not its rows are read, and also says whose partitions the node takes; the
+    /// SELECT leaves this node out.
     fn nodes_behind(&self) -> String {
-        let nodes = &self.nodes;
+        let (nodes, parts) = (&self.nodes, self.parts_literal());
         format!(
             "WITH announced AS (
-                    UPDATE {nodes} SET protocol = $2
-                     WHERE id = $1 AND protocol IS DISTINCT FROM $2
+                    UPDATE {nodes} SET protocol = $2, partitions_table = {parts}
+                     WHERE id = $1
+                       AND (protocol IS DISTINCT FROM $2 OR partitions_table IS DISTINCT FROM {parts})
                  RETURNING id
                  )
                  SELECT id, coalesce(protocol, 1) FROM {nodes}
                   WHERE id <> $1 AND expiry >= (now() AT TIME ZONE 'UTC')
                     AND coalesce(protocol, 1) < $3
+                  ORDER BY id"
+        )
+    }
+
+    /// A node's row says at first that it takes no partitions (`''`): one that does says
+    /// whose in [`Native::nodes_behind`], every round. Only in the native nodes table: the
+    /// column list, its value, and its update on a row taken again.
+    fn takes_no_partitions(&self) -> (&'static str, &'static str, &'static str) {
+        match self.native_nodes {
+            true => (
+                ", partitions_table",
+                ", ''",
+                ", partitions_table = EXCLUDED.partitions_table",
+            ),
+            false => ("", "", ""),
+        }
+    }
+
+    /// The partitions table's name as an SQL string literal (what `partitions_table` holds).
+    fn parts_literal(&self) -> String {
+        format!("'{}'", self.parts.replace('\'', "''"))
+    }
+
+    /// A row whose `partitions_table` is NULL was written by a relay from before the column,
+    /// which may take partitions: it counts, as every node did.
+    fn partition_peers(&self) -> String {
+        let (nodes, parts) = (&self.nodes, self.parts_literal());
+        format!(
+            "SELECT id FROM {nodes}
+                  WHERE expiry >= (now() AT TIME ZONE 'UTC')
+                    AND (partitions_table IS NULL OR partitions_table = {parts})
                   ORDER BY id"
         )
     }
@@ -1008,11 +1069,12 @@ impl Native {
     /// second branch reports the expiry that stands.
     fn register(&self) -> String {
         let nodes = &self.nodes;
+        let (takes_column, takes_none, takes_again) = self.takes_no_partitions();
         format!(
             "WITH taken AS (
-                    INSERT INTO {nodes} (id, expiry)
-                    VALUES ($1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond')
-                        ON CONFLICT (id) DO UPDATE SET expiry = EXCLUDED.expiry
+                    INSERT INTO {nodes} (id, expiry{takes_column})
+                    VALUES ($1, (now() AT TIME ZONE 'UTC') + $2::int8 * interval '1 millisecond'{takes_none})
+                        ON CONFLICT (id) DO UPDATE SET expiry = EXCLUDED.expiry{takes_again}
                      WHERE {nodes}.expiry < (now() AT TIME ZONE 'UTC')
                  RETURNING expiry
                  )
@@ -1252,6 +1314,7 @@ mod tests {
                 ("deregister", &s.deregister),
                 ("live_nodes", &s.live_nodes),
                 ("nodes_behind", &s.nodes_behind),
+                ("partition_peers", &s.partition_peers),
                 ("partition_count", &s.partition_count),
                 ("acquire", &s.acquire),
                 ("renew", &s.renew),

@@ -1027,6 +1027,85 @@ async fn shutdown_leaves_a_partition_with_an_unconfirmed_publish_to_expire() {
     }
 }
 
+/// Two outboxes on one database share the default nodes table. Every ordered node split
+/// its outbox's partitions over every live row of that table, so each relay took half of
+/// its own partitions and the other half stayed unowned for good: their keys never went out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relays_of_two_outboxes_sharing_the_nodes_table_each_take_all_their_partitions() {
+    let url = outbox_testkit::fresh_pg_database().await;
+    let dir = tempfile::tempdir().unwrap();
+    for table in ["outbox", "billing"] {
+        let migrate = Command::new(BIN)
+            .args(["migrate", "--database-url", &url, "--outbox-table", table])
+            .output()
+            .unwrap();
+        assert!(migrate.status.success(), "{migrate:?}");
+    }
+    let relay = |table: &str, node: &str| {
+        let sink = format!("file:{table}.jsonl");
+        let args = [
+            "run",
+            "--database-url",
+            &url,
+            "--outbox-table",
+            table,
+            "--sink",
+            &sink,
+            "--node-id",
+            node,
+            "--heartbeat-interval",
+            "200ms",
+            "--http-addr",
+            "",
+        ];
+        RelayProcess::spawn(dir.path(), node, &args, &[])
+    };
+    let mut orders = relay("outbox", "n1");
+    let mut billing = relay("billing", "n2");
+    let db = pg(&url).await;
+    let db = &db;
+    let holds_all = |table: &'static str, node: &'static str| async move {
+        let sql = format!(
+            "SELECT count(*) FILTER (WHERE owner = $1 AND lease_until > now()) = count(*) FROM {table}"
+        );
+        db.query_one(sql.as_str(), &[&node])
+            .await
+            .unwrap()
+            .get::<_, bool>(0)
+    };
+    // Both registered, then five rounds of each (200 ms apart) in which to split.
+    let both = "SELECT count(*) FROM outbox_nodes WHERE id IN ('n1', 'n2')";
+    eventually("both nodes' rows", Duration::from_secs(60), || async move {
+        (query_count(db, both, &[]).await.ok()? == 2).then_some(())
+    })
+    .await;
+    let beats = "SELECT extract(epoch from expiry)::float8 FROM outbox_nodes WHERE id = $1";
+    let first = db
+        .query_one(beats, &[&"n1"])
+        .await
+        .unwrap()
+        .get::<_, f64>(0);
+    eventually(
+        "five more heartbeats",
+        Duration::from_secs(60),
+        || async move {
+            let now = db.query_one(beats, &[&"n1"]).await.ok()?.get::<_, f64>(0);
+            (now >= first + 1.0).then_some(())
+        },
+    )
+    .await;
+    for (table, node) in [("outbox_partitions", "n1"), ("billing_partitions", "n2")] {
+        eventually(
+            &format!("{node} to hold every partition of {table}"),
+            Duration::from_secs(30),
+            || async move { holds_all(table, node).await.then_some(()) },
+        )
+        .await;
+    }
+    assert!(orders.terminate().await.success(), "{}", orders.logs());
+    assert!(billing.terminate().await.success(), "{}", billing.logs());
+}
+
 // ---- A rolling upgrade with two builds (issue 34 §1): scripts/rolling-upgrade.sh ----
 
 /// Waits until the writers have committed `events` events.
