@@ -16,6 +16,11 @@ use crate::error::{StoreError, StoreErrorKind};
 /// protocol versions leave the column NULL, which counts as protocol 1.
 pub const CLUSTER_PROTOCOL: u32 = 2;
 
+/// The fix for a step that gave up waiting for a lock ([`StoreErrorKind::Conflict`]): not
+/// retried by itself, as a relay's own work is.
+pub const STEP_LOCK_HINT: &str = "a transaction held the table (a long query, a dump, an idle \
+     session in a transaction): run `outbox-relay migrate` again once it ends";
+
 /// The oldest protocol this build shares partitions with. Adjacent protocols work together;
 /// a change that cannot raises this to [`CLUSTER_PROTOCOL`], and a node of this build then
 /// takes no partition while a node of an older protocol is live (`/readyz` says why).

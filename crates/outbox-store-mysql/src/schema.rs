@@ -36,6 +36,7 @@ impl MySql {
                 statements: ["created_at", "available_at"]
                     .iter()
                     .map(|column| utc_default(sql, column))
+                    .chain([rows_ahead_of_utc_due_now(sql)])
                     .collect(),
                 lock: Lock::Online,
                 run: Run::Alone,
@@ -115,13 +116,18 @@ CREATE TABLE IF NOT EXISTS {} (
             for step in steps.after(found.version()) {
                 for s in &step.statements {
                     conn.query_drop(s).await.map_err(|e| {
-                        db_error(
+                        let error = db_error(
                             &format!(
                                 "migrate: step {} (the steps before it are recorded; `migrate` again resumes here)",
                                 step.version
                             ),
                             e,
-                        )
+                        );
+                        match error.kind() {
+                            StoreErrorKind::Conflict => error
+                                .with_hint(outbox_core::migration::STEP_LOCK_HINT),
+                            _ => error,
+                        }
                     })?;
                 }
                 let record = Self::record_version(
@@ -184,28 +190,65 @@ async fn read_found(conn: &mut Conn, sql: &Sql) -> StoreResult<Found> {
 }
 
 /// Sets `column`'s default to the UTC time, where the table has that column (binlog
-/// capture's BLACKHOLE table has no `available_at`): MySQL has no `IF` outside a routine, so
-/// the statement is prepared from a query of the catalog.
+/// capture's BLACKHOLE table has no `available_at`).
 fn utc_default(sql: &Sql, column: &str) -> String {
+    let alter = format!(
+        "ALTER TABLE {} ALTER COLUMN `{column}` SET DEFAULT (UTC_TIMESTAMP(6))",
+        sql.table()
+    );
+    // The ALTER waits for the table's metadata lock, and the application's inserts queue
+    // behind it: at most 5 s (MySQL's default is a year), then the step fails, to run again.
+    format!(
+        "SET SESSION lock_wait_timeout = 5;\n{}",
+        where_columns(sql, &[column], &alter)
+    )
+}
+
+/// Rows written before the UTC defaults by a session east of UTC took its local time: due
+/// hours from now, behind rows of their keys written since (which take UTC). Rows that took
+/// both defaults (`available_at = created_at`), never tried, are due now. Run after the
+/// defaults change, so no row written in between keeps a local time.
+fn rows_ahead_of_utc_due_now(sql: &Sql) -> String {
+    let update = format!(
+        "UPDATE {} SET available_at = UTC_TIMESTAMP(6)
+  WHERE delivered_at IS NULL AND dead_at IS NULL AND attempts = 0
+    AND available_at = created_at AND available_at > UTC_TIMESTAMP(6)",
+        sql.table()
+    );
+    let columns = [
+        "available_at",
+        "created_at",
+        "delivered_at",
+        "dead_at",
+        "attempts",
+    ];
+    format!(
+        "SET SESSION innodb_lock_wait_timeout = 5;\n{}",
+        where_columns(sql, &columns, &update)
+    )
+}
+
+/// Runs `statement` only if the table has every one of `columns`: MySQL has no `IF` outside
+/// a routine, so the statement is prepared from a query of the catalog.
+fn where_columns(sql: &Sql, columns: &[&str], statement: &str) -> String {
     let literal = |s: &str| format!("'{}'", s.replace('\\', "\\\\").replace('\'', "''"));
     let schema = sql
         .mapping
         .schema
         .as_deref()
         .map_or_else(|| "DATABASE()".to_string(), literal);
-    let alter = format!(
-        "ALTER TABLE {} ALTER COLUMN `{column}` SET DEFAULT (UTC_TIMESTAMP(6))",
-        sql.table()
-    );
+    let names: Vec<String> = columns.iter().map(|c| literal(c)).collect();
     format!(
-        "SET @outbox_relay_step = (SELECT IF(COUNT(*) > 0, {}, 'DO 0')
+        "SET @outbox_relay_step = (SELECT IF(COUNT(*) = {}, {}, 'DO 0')
     FROM information_schema.COLUMNS
-   WHERE TABLE_SCHEMA = {schema} AND TABLE_NAME = {} AND COLUMN_NAME = '{column}');
+   WHERE TABLE_SCHEMA = {schema} AND TABLE_NAME = {} AND COLUMN_NAME IN ({}));
 PREPARE outbox_relay_step FROM @outbox_relay_step;
 EXECUTE outbox_relay_step;
 DEALLOCATE PREPARE outbox_relay_step;
 ",
-        literal(&alter),
-        literal(&sql.mapping.table)
+        columns.len(),
+        literal(statement),
+        literal(&sql.mapping.table),
+        names.join(", ")
     )
 }

@@ -167,7 +167,7 @@ impl MigrateSession {
 
 fn step_failed(c: &Component<'_>, version: u32, e: StoreError) -> StoreError {
     let kind = e.kind();
-    StoreError::new(
+    let failed = StoreError::new(
         kind,
         format!(
             "{} schema step {version} failed (the steps before it are recorded; `migrate` \
@@ -175,7 +175,13 @@ fn step_failed(c: &Component<'_>, version: u32, e: StoreError) -> StoreError {
             c.steps.component
         ),
     )
-    .with_source(e)
+    .with_source(e);
+    match kind {
+        outbox_core::StoreErrorKind::Conflict => {
+            failed.with_hint(outbox_core::migration::STEP_LOCK_HINT)
+        }
+        _ => failed,
+    }
 }
 
 /// What the database holds of `component`: its recorded version, or whether `probe` exists

@@ -253,6 +253,85 @@ async fn mariadb_schemas_from_the_past_upgrade_with_nothing_lost_or_reordered() 
     }
 }
 
+/// Rows a session east of UTC wrote before schema step 2 took its local time as their
+/// `available_at`: two hours ahead at +02:00. Rows written after the step take UTC, so a
+/// key's next event went out at once and the earlier one two hours later (a drain exited 0
+/// without it). The step brings such rows, which took both defaults, back to now.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_rows_written_east_of_utc_before_the_upgrade_keep_their_place() {
+    use mysql_async::prelude::Queryable;
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let mut conn = mysql_async::Conn::from_url(url.as_str()).await.unwrap();
+    conn.query_drop(fixture(FIXTURES[FIXTURES.len() - 1], "mysql.sql"))
+        .await
+        .unwrap();
+    let insert = |i: i64| {
+        format!(
+            "INSERT INTO outbox (destination, partition_key, event_type, payload)
+                 VALUES ('orders', 'a', 'Placed', '{{\"k\": \"a\", \"i\": {i}}}')"
+        )
+    };
+    conn.query_drop("SET time_zone = '+02:00'").await.unwrap();
+    conn.query_drop(insert(0)).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    migrate_and_check(dir.path(), &url);
+    conn.query_drop(insert(1)).await.unwrap();
+    conn.disconnect().await.unwrap();
+    let (run, events) = drain(dir.path(), &url);
+    assert!(run.status.success(), "{}", text(&run.stderr));
+    assert_eq!(events, [("a".to_string(), 0), ("a".to_string(), 1)]);
+}
+
+/// Step 2's ALTERs wait for the table's metadata lock, behind any open transaction that
+/// read the table (a `mysqldump --single-transaction`), and the application's inserts queue
+/// behind them. MariaDB's default wait is a day: the step now gives up after 5 s, saying to
+/// run `migrate` again, and does once the transaction is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_step_2_gives_way_to_a_transaction_holding_the_table() {
+    use mysql_async::prelude::Queryable;
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let mut reader = mysql_async::Conn::from_url(url.as_str()).await.unwrap();
+    reader
+        .query_drop(fixture(FIXTURES[FIXTURES.len() - 1], "mysql.sql"))
+        .await
+        .unwrap();
+    reader.query_drop("START TRANSACTION").await.unwrap();
+    let _: Vec<u64> = reader
+        .query("SELECT sequence_id FROM outbox LIMIT 1")
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut migrate = std::process::Command::new(support::BIN)
+        .args(["migrate", "--database-url", &url])
+        .current_dir(dir.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = migrate.try_wait().unwrap() {
+            break Some(status);
+        }
+        if started.elapsed() > Duration::from_secs(60) {
+            migrate.kill().unwrap();
+            break None;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let output = migrate.wait_with_output().unwrap();
+    let status = status.expect("migrate still waits for the metadata lock after 60 s");
+    assert!(!status.success());
+    let err = text(&output.stderr);
+    assert!(
+        err.contains("step 2") && err.contains("run `outbox-relay migrate` again once it ends"),
+        "{err}"
+    );
+    reader.query_drop("COMMIT").await.unwrap();
+    reader.disconnect().await.unwrap();
+    migrate_and_check(dir.path(), &url);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_schemas_from_the_past_upgrade_with_nothing_lost_or_reordered() {
     for name in FIXTURES {
