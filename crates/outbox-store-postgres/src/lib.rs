@@ -266,6 +266,7 @@ impl PgStore {
             tables: t,
             probe: &t.outbox,
             concurrent_indexes: t.concurrent_indexes(),
+            obsolete_indexes: vec![t.obsolete_blocking_index()],
         }
     }
 
@@ -286,6 +287,7 @@ impl PgStore {
                 tables: &self.inner.tables,
                 probe,
                 concurrent_indexes,
+                obsolete_indexes: Vec::new(),
             })
             .await;
         session.close().await;

@@ -25,6 +25,9 @@ pub struct Component<'a> {
     pub probe: &'a TableName,
     /// Indexes built concurrently: an invalid one (an interrupted build) is dropped first.
     pub concurrent_indexes: Vec<String>,
+    /// Indexes a step dropped that an older relay still creates (its `--auto-migrate`
+    /// during a rolling upgrade): dropped at every migrate, whatever the recorded version.
+    pub obsolete_indexes: Vec<String>,
 }
 
 /// A session of its own, outside the pool: it holds a session-level lock, which must not
@@ -137,10 +140,30 @@ impl MigrateSession {
                 step.summary
             );
         }
+        self.drop_obsolete(&c.obsolete_indexes)
+            .await
+            .map_err(|e| step_failed(c, latest, e))?;
         Ok(Found::At {
             version: latest,
             readable_from: c.steps.readable_from(latest),
         })
+    }
+
+    /// Drops each of `indexes` that exists.
+    async fn drop_obsolete(&self, indexes: &[String]) -> StoreResult<()> {
+        for index in indexes {
+            let row = self
+                .0
+                .query_one("SELECT to_regclass($1) IS NOT NULL", &[index])
+                .await
+                .map_err(|e| db_error("migrate", e))?;
+            if row.get::<_, bool>(0) {
+                tracing::warn!(%index, "dropping an index a step had dropped, which an older relay made again");
+                self.batch(&format!("DROP INDEX CONCURRENTLY IF EXISTS {index}"))
+                    .await?;
+            }
+        }
+        Ok(())
     }
 
     /// Drops each of `indexes` that an interrupted concurrent build left invalid, so that

@@ -93,3 +93,31 @@ async fn an_outbox_migrated_by_an_earlier_version_keeps_its_key_order_until_migr
     store.insert(vec![event(&long_key('a'), 3)]).await.unwrap();
     assert_eq!(payloads(&store.claim(claim()).await.unwrap()), ["3"]);
 }
+
+/// A relay of the first wave, run with `--auto-migrate` during a rolling upgrade, creates
+/// the key index again on a schema at the latest version. `migrate` ran only the steps
+/// after the recorded version, so it left the index while `check` told to run it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_drops_the_key_index_an_older_relay_made_again() {
+    let (store, url) = store().await;
+    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    client
+        .batch_execute(
+            "CREATE INDEX IF NOT EXISTS outbox_blocking_idx ON outbox ((coalesce(partition_key, destination)), sequence_id)
+                 WHERE delivered_at IS NULL AND (locked_by IS NOT NULL OR attempts > 0);",
+        )
+        .await
+        .unwrap();
+    assert_eq!(store.verify().await.unwrap().len(), 1);
+    store.migrate().await.unwrap();
+    let gone: bool = client
+        .query_one("SELECT to_regclass('outbox_blocking_idx') IS NULL", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(gone, "the key index is still there after migrate");
+    assert_eq!(store.verify().await.unwrap(), []);
+}
