@@ -74,9 +74,13 @@ cat > "$root/DEBIAN/postinst" <<'SCRIPT'
 set -e
 if [ -d /run/systemd/system ]; then
   systemctl daemon-reload >/dev/null || true
-  # An upgrade restarts a running relay on the new binary (SIGTERM drains it first).
-  if [ "$1" = configure ] && [ -n "$2" ]; then
-    systemctl try-restart outbox-relay.service >/dev/null || true
+  # An upgrade leaves a running relay on the old binary: a release with a schema step
+  # refuses to run (exit 2, which the unit does not restart) until `migrate` has run, and a
+  # restart here would stop relaying with nobody watching (unattended-upgrades).
+  if [ "$1" = configure ] && [ -n "$2" ] && systemctl is-active --quiet outbox-relay.service; then
+    echo "outbox-relay upgraded from $2: the running relay keeps the old version until" \
+      "'systemctl restart outbox-relay'; run 'outbox-relay migrate' first if the changelog" \
+      "names a schema step (/usr/share/doc/outbox-relay)." >&2
   fi
 fi
 SCRIPT
@@ -91,7 +95,12 @@ cat > "$root/DEBIAN/postrm" <<'SCRIPT'
 #!/bin/sh
 set -e
 if [ -d /run/systemd/system ]; then systemctl daemon-reload >/dev/null || true; fi
-if [ "$1" = purge ]; then rm -rf /var/lib/outbox-relay /var/lib/private/outbox-relay; fi
+if [ "$1" = purge ]; then
+  rm -rf /var/lib/outbox-relay /var/lib/private/outbox-relay
+  # The credentials the README has the operator write beside the configuration.
+  rm -f /etc/outbox-relay/database-url /etc/outbox-relay/admin-token
+  rmdir /etc/outbox-relay 2>/dev/null || true
+fi
 SCRIPT
 chmod 755 "$root/DEBIAN/postinst" "$root/DEBIAN/prerm" "$root/DEBIAN/postrm"
 

@@ -28,8 +28,8 @@ done
 }
 
 root=packaging/rootfs
-rm -rf "$root"
-mkdir -p "$root"/{usr/local/bin,etc/ssl/certs,etc/outbox-relay,var/lib/outbox-relay,tmp}
+rm -rf "$root" packaging/state
+mkdir -p "$root"/{usr/local/bin,etc/ssl/certs,etc/outbox-relay,tmp} packaging/state
 strip -o "$root/usr/local/bin/outbox-relay" "$binary"
 # Every library the binary loads, and the loader, at the paths ldd resolved.
 # (POSIX awk: Debian's default mawk has no \s.)
@@ -41,9 +41,8 @@ cp /etc/ssl/certs/ca-certificates.crt "$root/etc/ssl/certs/"
 printf 'root:x:0:0:root:/root:/sbin/nologin\nrelay:x:65532:65532:outbox-relay:/var/lib/outbox-relay:/sbin/nologin\n' > "$root/etc/passwd"
 printf 'root:x:0:\nrelay:x:65532:\n' > "$root/etc/group"
 chmod 1777 "$root/tmp"
-# The working directory is the relay's; the rest stays root's and read-only to it.
-chown -R 65532:65532 "$root/var/lib/outbox-relay"
-chmod 700 "$root/var/lib/outbox-relay"
+# The working directory (packaging/state, copied with --chown) is the relay's; the rest
+# stays root's and read-only to it.
 
 # Docker format: OCI images drop HEALTHCHECK.
 buildah bud --quiet --format docker --layers=false -f packaging/Containerfile -t "$tag" packaging >&2

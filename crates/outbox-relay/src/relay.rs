@@ -45,13 +45,19 @@ enum Endpoints {
 }
 
 /// A node id for a relay given none: the host's name, and a random suffix that keeps two
-/// processes on one host apart.
+/// processes on one host apart. The name comes from uname(2): the packaged unit's
+/// `ProcSubset=pid` hides `/proc/sys`, where every node was then named `relay-…`.
 pub(crate) fn default_node_id() -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .ok()
-        .map(|h| h.trim().to_string())
-        .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| "relay".into());
+    let host = rustix::system::uname()
+        .nodename()
+        .to_string_lossy()
+        .trim()
+        .to_string();
+    let host = if host.is_empty() {
+        "relay".into()
+    } else {
+        host
+    };
     let suffix = uuid::Uuid::new_v4().simple().to_string();
     format!("{host}-{}", &suffix[..8])
 }

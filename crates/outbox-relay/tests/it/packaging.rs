@@ -141,6 +141,11 @@ fn what_runs_is_the_images_own(root: &Path) {
         !root.join("bin/sh").exists(),
         "a shell in a FROM scratch image"
     );
+    // The working directory, where the default SQLite database goes, is the relay user's:
+    // COPY made it root's (mode 0700) whatever the staging gave it.
+    use std::os::unix::fs::MetadataExt;
+    let state = std::fs::metadata(root.join("var/lib/outbox-relay")).unwrap();
+    assert_eq!((state.uid(), state.gid()), (65532, 65532));
     // Every library ldd names, the dynamic loader too, is in the image.
     let ldd = succeeded("ldd", &[BIN]);
     for path in ldd.split_whitespace().filter(|w| w.starts_with('/')) {
@@ -270,6 +275,10 @@ fn the_debian_package_installs_a_hardened_unit_and_purges_cleanly() {
         Path::new("/etc/outbox-relay/outbox-relay.toml").exists(),
         "remove keeps the configuration"
     );
+    // The credentials the README has the operator write there.
+    for secret in ["database-url", "admin-token"] {
+        std::fs::write(Path::new("/etc/outbox-relay").join(secret), "secret\n").unwrap();
+    }
     succeeded("dpkg", &["-P", "outbox-relay"]);
     assert!(!Path::new("/etc/outbox-relay").exists(), "purge removes it");
     assert!(!installed());
@@ -327,8 +336,18 @@ fn the_unit_is_hardened_and_takes_its_secrets_as_credentials(unit: &str) {
         "EnvironmentFile=-/etc/outbox-relay/outbox-relay.env",
         // Room for up to 256 HTTP clients beside the database and broker connections.
         "LimitNOFILE=65536",
+        // The stdout sink's events are journal lines: none dropped by its rate limit.
+        "LogRateLimitIntervalSec=0",
     ] {
         assert!(unit_text.contains(setting), "{setting} missing");
+    }
+    // systemd takes a `#` after a value as part of it: uncommented, a hint on the token's
+    // line became the token.
+    let env_text = std::fs::read_to_string("/etc/outbox-relay/outbox-relay.env").unwrap();
+    for line in env_text.lines().map(|l| l.trim_start_matches("# ")) {
+        if line.starts_with("OUTBOX_RELAY_") || line.starts_with("DATABASE_URL") {
+            assert!(!line.contains('#'), "a comment on a setting's line: {line}");
+        }
     }
     // The database URL and the admin token as credentials, each with a default so that a
     // missing file does not fail the unit; the environment file's lines (commented out
