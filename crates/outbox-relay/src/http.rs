@@ -387,15 +387,21 @@ async fn readiness(probes: &Probes) -> Vec<String> {
     looked.into_iter().chain(troubles).collect()
 }
 
-/// Pings the database and asks the sink whether it is healthy.
+/// Pings the database and asks the sink whether it is healthy, both at once: one after the
+/// other, two slow answers took longer than a readiness probe's timeout (5 s in the
+/// manifests).
 async fn look(probes: &Probes) -> Vec<String> {
     let limit = Duration::from_secs(3);
-    let db = match tokio::time::timeout(limit, probes.store.ping()).await {
+    let (db, sink) = tokio::join!(
+        tokio::time::timeout(limit, probes.store.ping()),
+        tokio::time::timeout(limit, probes.publisher.health())
+    );
+    let db = match db {
         Ok(Ok(())) => Ok(()),
         Ok(Err(e)) => Err(format!("database: {}", e.report())),
         Err(_) => Err("database: no answer within 3s".into()),
     };
-    let sink = match tokio::time::timeout(limit, probes.publisher.health()).await {
+    let sink = match sink {
         Ok(Ok(())) => Ok(()),
         Ok(Err(e)) => Err(format!(
             "sink {}: {}",
