@@ -377,14 +377,22 @@ fn required<T>(value: Option<T>, name: &str) -> Result<T, String> {
 /// Decodes one claimed row. Only an unreadable `sequence_id` (the table's INTEGER PRIMARY
 /// KEY, so never) fails the claim; any other column that cannot be read makes the row
 /// [`Claimed::Undecodable`], to be dead-lettered while the rows of other keys flow.
+/// A text column as the operator sees it: bytes that are not UTF-8 (SQLite stores what it
+/// is given) shown with U+FFFD, a number as its digits, NULL as `None`. The dead letters
+/// keep such rows' bytes; listing them must not fail on them.
+pub(crate) fn lossy_text(row: &Row<'_>, index: usize) -> Option<String> {
+    match row.get_ref(index) {
+        Ok(ValueRef::Text(t) | ValueRef::Blob(t)) => Some(String::from_utf8_lossy(t).into_owned()),
+        Ok(ValueRef::Integer(i)) => Some(i.to_string()),
+        Ok(ValueRef::Real(f)) => Some(f.to_string()),
+        _ => None,
+    }
+}
+
 fn row_to_claimed(row: &Row<'_>) -> rusqlite::Result<Claimed> {
     let sequence_id: i64 = row.get(0)?;
     // The ordering key as the claim statement compares it: the bytes, whatever they are.
-    let raw_text = |index| match row.get_ref(index) {
-        Ok(ValueRef::Text(t) | ValueRef::Blob(t)) => Some(String::from_utf8_lossy(t).into_owned()),
-        Ok(ValueRef::Integer(i)) => Some(i.to_string()),
-        _ => None,
-    };
+    let raw_text = |index| lossy_text(row, index);
     let lossy_destination = raw_text(2).unwrap_or_default();
     let lossy_key = raw_text(3);
     let attempts = integer_column(row, 9, "attempts")

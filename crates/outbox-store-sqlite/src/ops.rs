@@ -10,7 +10,12 @@ use outbox_core::store::{
 use outbox_core::SequenceId;
 use rusqlite::{params, types::Value};
 
-use crate::{now_ms, sql_error, SqliteStore};
+use crate::{lossy_text, now_ms, sql_error, SqliteStore};
+
+/// A required text column, read as [`lossy_text`] reads it (NULL as empty).
+fn text(row: &rusqlite::Row<'_>, index: usize) -> String {
+    lossy_text(row, index).unwrap_or_default()
+}
 
 fn at_ms(ms: i64) -> SystemTime {
     UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64)
@@ -47,7 +52,7 @@ impl Operations for SqliteStore {
                 )
                 .map_err(|e| sql_error("stats", e))?;
             let rows = stmt
-                .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?, r.get::<_, i64>(2)?, r.get::<_, Option<i64>>(3)?)))
+                .query_map([], |r| Ok((text(r, 0), r.get::<_, i64>(1)?, r.get::<_, i64>(2)?, r.get::<_, Option<i64>>(3)?)))
                 .map_err(|e| sql_error("stats", e))?;
             for row in rows {
                 let (d, pending, retrying, oldest) = row.map_err(|e| sql_error("stats", e))?;
@@ -61,7 +66,7 @@ impl Operations for SqliteStore {
                 .prepare("SELECT destination, count(*) FROM outbox_dead_letters GROUP BY destination")
                 .map_err(|e| sql_error("stats", e))?;
             let rows = stmt
-                .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))
+                .query_map([], |r| Ok((text(r, 0), r.get::<_, i64>(1)?)))
                 .map_err(|e| sql_error("stats", e))?;
             for row in rows {
                 let (d, dead) = row.map_err(|e| sql_error("stats", e))?;
@@ -88,14 +93,13 @@ impl Operations for SqliteStore {
                 .query_map(
                     params![query.destination, query.event_type, query.after, query.limit],
                     |r| {
-                        let id: String = r.get(1)?;
                         Ok(DeadRecord {
                             sequence_id: r.get(0)?,
-                            event_id: uuid::Uuid::parse_str(&id).unwrap_or_default(),
-                            destination: r.get(2)?,
-                            event_type: r.get(3)?,
+                            event_id: uuid::Uuid::parse_str(&text(r, 1)).unwrap_or_default(),
+                            destination: text(r, 2),
+                            event_type: text(r, 3),
                             attempts: r.get::<_, i64>(4)?.max(0) as u32,
-                            last_error: r.get(5)?,
+                            last_error: text(r, 5),
                             dead_at: at_ms(r.get(6)?),
                         })
                     },
@@ -119,24 +123,23 @@ impl Operations for SqliteStore {
                        FROM outbox_dead_letters WHERE sequence_id = ?1",
                     [id],
                     |r| {
-                        let event_id: String = r.get(1)?;
                         let delivered: Option<i64> = r.get(10)?;
                         let dead_at: Option<i64> = r.get(11)?;
                         Ok(EventRecord {
                             sequence_id: r.get(0)?,
-                            event_id: uuid::Uuid::parse_str(&event_id).unwrap_or_default(),
-                            destination: r.get(2)?,
-                            event_type: r.get(3)?,
-                            ordering_key: r.get(4)?,
-                            payload: r.get(5)?,
-                            headers: r.get(6)?,
+                            event_id: uuid::Uuid::parse_str(&text(r, 1)).unwrap_or_default(),
+                            destination: text(r, 2),
+                            event_type: text(r, 3),
+                            ordering_key: lossy_text(r, 4),
+                            payload: lossy_text(r, 5),
+                            headers: lossy_text(r, 6),
                             state: match (dead_at, delivered) {
                                 (Some(_), _) => EventState::Dead,
                                 (None, Some(_)) => EventState::Delivered,
                                 (None, None) => EventState::Pending,
                             },
                             attempts: r.get::<_, i64>(7)?.max(0) as u32,
-                            last_error: r.get(8)?,
+                            last_error: lossy_text(r, 8),
                             created_at: Some(at_ms(r.get(9)?)),
                             dead_at: dead_at.map(at_ms),
                         })

@@ -51,4 +51,37 @@ async fn invalid_utf8_in_destination_or_key_is_dead_lettered_and_other_rows_flow
         )
         .unwrap();
     assert_eq!(bytes, [0x64, 0xFF]);
+
+    // The operator can still list and look at them: `stats`, `dead list` and the event
+    // failed on the first row that is not UTF-8 (rusqlite refuses it as a String).
+    use outbox_core::store::{DeadQuery, Operations};
+    store
+        .batch_execute(
+            "INSERT INTO outbox (destination, partition_key, event_type, available_at, attempts)
+               VALUES (CAST(X'65FF' AS TEXT), NULL, CAST(X'C3' AS TEXT), 253402300799000, 1)",
+        )
+        .await
+        .unwrap();
+    let stats = store.destination_stats().await.unwrap();
+    assert!(
+        stats
+            .iter()
+            .any(|s| s.destination == "d\u{FFFD}" && s.dead == 1),
+        "{stats:?}"
+    );
+    assert!(
+        stats
+            .iter()
+            .any(|s| s.destination == "e\u{FFFD}" && s.pending == 1),
+        "{stats:?}"
+    );
+    let all = DeadQuery {
+        limit: 100,
+        ..DeadQuery::default()
+    };
+    let dead = store.dead_list(all).await.unwrap();
+    assert_eq!(dead.len(), 3, "{dead:?}");
+    assert_eq!(dead[0].destination, "d\u{FFFD}");
+    let shown = store.event(dead[2].sequence_id).await.unwrap().unwrap();
+    assert_eq!(shown.event_type, "\u{FFFD}");
 }
