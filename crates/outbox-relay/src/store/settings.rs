@@ -192,6 +192,11 @@ impl DatabaseSettings {
             if path.is_empty() {
                 bail!("database URL `sqlite:` needs a file path, e.g. sqlite:outbox.db");
             }
+            // sqlx writes parameters after the path (`sqlite://app.db?mode=rwc`); SQLite
+            // reads them only in a `file:` URI, and took the rest for the file's name.
+            if path.contains('?') && !path.starts_with("file:") {
+                return Ok(DatabaseKind::Sqlite(PathBuf::from(format!("file:{path}"))));
+            }
             return Ok(DatabaseKind::Sqlite(PathBuf::from(path)));
         }
         let shown = redact_url(url);

@@ -361,6 +361,25 @@ fn a_redirected_log_has_no_colour_codes_and_sqlite_says_how_it_wakes() {
     );
 }
 
+/// sqlx's form of a SQLite URL, `sqlite://app.db?mode=rwc` (and `DATABASE_URL` is read), was
+/// taken as the file `app.db?mode=rwc`: SQLite reads parameters only in `file:` URIs, so the
+/// relay made a new, empty database beside the application's and watched that.
+#[test]
+fn a_sqlite_url_with_parameters_opens_the_named_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    for url in ["sqlite://app.db?mode=rwc", "sqlite:app.db?mode=rwc"] {
+        let out = relay(d, &["migrate", "--database-url", url], &[]);
+        assert!(out.status.success(), "{url}: {}", stderr(&out));
+        let names: Vec<String> = std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert!(names.iter().all(|n| !n.contains('?')), "{url}: {names:?}");
+        assert!(names.contains(&"app.db".to_string()), "{url}: {names:?}");
+    }
+}
+
 #[test]
 fn a_read_only_sqlite_database_is_told_to_make_the_file_writable() {
     let dir = tempfile::tempdir().unwrap();
