@@ -400,7 +400,8 @@ impl BinlogReader {
             .filter(|state| !state.is_empty())
             .ok_or_else(|| {
                 BinlogError::Config(format!(
-                    "{gtid:?} is not a GTID state to go on after (MariaDB's                      domain-server-sequence list, or MySQL's uuid:intervals set)"
+                    "{gtid:?} is not a GTID state to go on after (MariaDB's \
+                     domain-server-sequence list, or MySQL's uuid:intervals set)"
                 ))
             })?;
         Self::start_at(config, Start::AfterGtid(&state)).await

@@ -131,7 +131,7 @@ pub enum DeadCommand {
         /// Only those after this sequence id (the last one of the previous page).
         #[arg(long, default_value_t = 0, value_name = "ID")]
         after: i64,
-        /// At most this many [default: 50].
+        /// At most this many.
         #[arg(long, default_value_t = 50, value_name = "N")]
         limit: u32,
         /// Print JSON lines.
@@ -183,7 +183,7 @@ pub struct PruneArgs {
     /// Only count what would be deleted.
     #[arg(long)]
     pub dry_run: bool,
-    /// Rows per delete statement, 1 to 50000 [default: 1000].
+    /// Rows per delete statement, 1 to 50000.
     // An id of its own: `batch_size` is the engine's setting, which `settings` lists with
     // the flags that set it.
     #[arg(
@@ -592,14 +592,35 @@ mod tests {
         assert!(!help_of(&[], "nodes-table").contains("[default"));
         assert!(!help_of(&[], "slot").contains("[default"));
         shown(&[], "wakeup", "notify".into());
-        // Not a setting: its help is its own.
+        // Not a setting: its help is its own (clap adds its default when it renders it).
         assert_eq!(
-            help_of(&["prune"], "batch-size")
-                .matches("[default")
-                .count(),
-            1
+            help_of(&["prune"], "batch-size"),
+            "Rows per delete statement, 1 to 50000"
         );
         assert!(!help_of(&["run"], "auto-migrate").contains("[default"));
+    }
+
+    /// clap adds `[default: …]` from `default_value_t` to the help text, which some helps
+    /// also wrote out: `--help` showed `[default: 1000] [default: 1000]`.
+    #[test]
+    fn no_help_line_shows_its_default_twice() {
+        fn each(command: &mut clap::Command, path: &str) {
+            // `-h`: each argument on one line, its help and clap's default.
+            let help = command.render_help().to_string();
+            for line in help.lines() {
+                assert!(
+                    line.matches("[default").count() <= 1,
+                    "{path} --help: {line}"
+                );
+            }
+            for sub in command.get_subcommands_mut() {
+                let path = format!("{path} {}", sub.get_name());
+                each(sub, &path);
+            }
+        }
+        let mut command = command();
+        command.build();
+        each(&mut command, "outbox-relay");
     }
 
     /// Every argument under `command`, with the path of commands that takes it.

@@ -34,7 +34,7 @@ use serde::{Deserialize, Serialize};
 
 pub use crate::http::settings::HttpSettings;
 pub use crate::store::settings::{CaptureMode, DatabaseKind, DatabaseSettings, WakeupMode};
-use crate::store::settings::{DEFAULT_POOL_SIZE, DEFAULT_SCHEMA};
+use crate::store::settings::{DEFAULT_NODES_TABLE, DEFAULT_POOL_SIZE, DEFAULT_SCHEMA};
 use crate::store::StoreSettings;
 
 /// The zero-configuration sink.
@@ -324,13 +324,16 @@ impl Config {
         }
         if db.database_ca_file.is_some() && *database != DatabaseKind::Postgres {
             bail!(
-                "database_ca_file (--database-ca-file) is read by the PostgreSQL store only:                  remove it (MySQL/MariaDB verify against the system's CAs with the URL's                  `verify_ca=true`; add a private CA to the system's store)"
+                "database_ca_file (--database-ca-file) is read by the PostgreSQL store only: \
+                 remove it (MySQL/MariaDB verify against the system's CAs with the URL's \
+                 `verify_ca=true`; add a private CA to the system's store)"
             );
         }
         if let DatabaseKind::Sqlite(_) = database {
             let given = [
                 (
-                    !db.nodes_table.is_empty() || db.nodes_schema != DEFAULT_SCHEMA,
+                    !(db.nodes_table.is_empty() || db.nodes_table == DEFAULT_NODES_TABLE)
+                        || db.nodes_schema != DEFAULT_SCHEMA,
                     "nodes_table and nodes_schema have no effect on SQLite, whose store uses \
                      `outbox_nodes`: remove them",
                 ),
@@ -1636,6 +1639,20 @@ mod tests {
             err.contains("OUTBOX_RELAY_BATCH_SIZE") && err.contains("no leading zero"),
             "{err}"
         );
+    }
+
+    /// The README's example names the tables by their defaults; on SQLite, `outbox_table =
+    /// "outbox"` was accepted and `nodes_table = "outbox_nodes"` refused, saying the store
+    /// uses `outbox_nodes`.
+    #[test]
+    fn sqlite_accepts_the_tables_named_as_it_names_them() {
+        let toml = "database_url = \"sqlite:outbox.db\"\noutbox_table = \"outbox\"\nnodes_table = \"outbox_nodes\"\n";
+        load_with_files(&[("relay.toml", toml)], &[], &["outbox-relay", "check"])
+            .unwrap_or_else(|(e, _)| panic!("{e}"));
+        let other = "database_url = \"sqlite:outbox.db\"\nnodes_table = \"relay_nodes\"\n";
+        let (err, _) =
+            load_with_files(&[("relay.toml", other)], &[], &["outbox-relay", "check"]).unwrap_err();
+        assert!(err.contains("nodes_table") && !err.contains("   "), "{err}");
     }
 
     const URL_WITH_PASSWORD: &str = "postgres://relay:pw-in-file-7f3a@db.internal/app";

@@ -4,7 +4,6 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::SystemTime;
 
-use anyhow::{bail, Context};
 use outbox_core::store::{
     DeadQuery, DeadRecord, DeadSelector, Operations, ReplayPage, ReplaySelector,
 };
@@ -147,7 +146,11 @@ pub(crate) fn replay_selector(
         .transpose()?
         .unwrap_or_else(SystemTime::now);
     if since >= until {
-        bail!("--since must be before --until");
+        return Err(config_error(
+            "--since must be before --until (an age counts back from now: --since 2h \
+             --until 1h)"
+                .into(),
+        ));
     }
     Ok(ReplaySelector {
         since,
@@ -206,10 +209,9 @@ pub async fn prune(config: Config, args: PruneArgs) -> anyhow::Result<ExitCode> 
             .map(|a| {
                 duration::parse(a)
                     .map(|d| SystemTime::now() - d)
-                    .map_err(anyhow::Error::msg)
+                    .map_err(|e| config_error(format!("--{flag}: {e}")))
             })
             .transpose()
-            .with_context(|| format!("--{flag}"))
     };
     let delivered = cutoff(&args.delivered_older_than, "delivered-older-than")?;
     let dead = cutoff(&args.dead_older_than, "dead-older-than")?;

@@ -103,7 +103,8 @@ impl HttpSettings {
             ];
             if let Some((_, setting)) = without_server.iter().find(|(set, _)| *set) {
                 return Err(anyhow::Error::new(ConfigError(format!(
-                    "{setting} is set, but http_addr is empty, so there is no HTTP server for it                      to apply to: remove it, or set http_addr (e.g. 127.0.0.1:2259)"
+                    "{setting} is set, but http_addr is empty, so there is no HTTP server for it \
+                     to apply to: remove it, or set http_addr (e.g. 127.0.0.1:2259)"
                 ))));
             }
         }

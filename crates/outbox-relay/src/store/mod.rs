@@ -242,13 +242,17 @@ impl AnyStore {
             let component = steps.component;
             let latest = steps.latest();
             let verdict = judge(&steps, found, &what)?;
-            lines.push((verdict, match verdict {
-                Verdict::Current => format!("{component} schema at version {latest}"),
-                Verdict::Missing => format!("{component} schema not created yet"),
-                Verdict::NewerReadable { version } => format!(
-                    "{component} schema at version {version}, newer than this relay's                      {latest}; its later steps leave this relay's statements working"
-                ),
-            }));
+            lines.push((
+                verdict,
+                match verdict {
+                    Verdict::Current => format!("{component} schema at version {latest}"),
+                    Verdict::Missing => format!("{component} schema not created yet"),
+                    Verdict::NewerReadable { version } => format!(
+                        "{component} schema at version {version}, newer than this relay's \
+                     {latest}; its later steps leave this relay's statements working"
+                    ),
+                },
+            ));
         }
         Ok(lines)
     }

@@ -874,6 +874,16 @@ fn settings_a_mode_would_ignore_or_crash_on_exit_2() {
         "e.g. 7d",
     );
     refused(
+        relay(d, &["replay", "--since", "1h", "--until", "2h"], &[]),
+        "--since must be before --until",
+        "--since 2h --until 1h",
+    );
+    refused(
+        relay(d, &["prune", "--delivered-older-than", "7x"], &[]),
+        "--delivered-older-than",
+        "unit",
+    );
+    refused(
         relay(
             d,
             &["prune", "--dead-older-than", "7d", "--batch-size", "0"],
