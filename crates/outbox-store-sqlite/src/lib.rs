@@ -791,6 +791,14 @@ impl NodeRegistry for SqliteStore {
             }
             let expiry = now + millis(ttl);
             set_node_expiry(tx, &node, expiry)?;
+            // Rows still leased under this id are a dead process's (its row was absent or
+            // had run out): the claim lets a node's own leases pass its keys, so unreleased
+            // they would neither hold back their keys' later rows nor be claimed.
+            tx.execute(
+                "UPDATE outbox SET locked_by = NULL, locked_until = NULL
+                  WHERE locked_by = ?1 AND delivered_at IS NULL",
+                [&node.0],
+            )?;
             Ok(Registration::Registered(Incarnation(expiry)))
         })
     }

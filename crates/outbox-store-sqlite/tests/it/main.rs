@@ -5,3 +5,4 @@
 mod bad_rows;
 mod conformance;
 mod permissions;
+mod restart;
