@@ -79,33 +79,53 @@ CREATE TABLE IF NOT EXISTS outbox_nodes (
 );
 "#;
 
-/// A claim statement: leases up to `?3` pending, unleased rows to node `?1` for `?4` ms
-/// (`?2` is now), those that `$blocking` (a condition on `o`) lets through.
-macro_rules! claim_sql {
+/// The rows a claim may take: pending, due, unleased (`?2` is now), and those `$blocking` (a
+/// condition on `o`, with `?1` the node) lets through.
+macro_rules! claimable {
     ($blocking:literal) => {
         concat!(
-            "
+            "o.delivered_at IS NULL
+       AND (o.available_at <= ?2 OR typeof(o.available_at) IN ('text', 'blob'))
+       AND (o.locked_until IS NULL OR o.locked_until < ?2)",
+            $blocking
+        )
+    };
+}
+
+/// A claim in two statements. The first picks up to `?3` claimable rows in order, read
+/// outside the write lock: it may walk every row a stuck key holds back, and under the lock
+/// that walk kept the application's inserts waiting. The second, under the write lock,
+/// leases to `?1` for `?4` ms those of the picked rows (`?3`, a JSON array) that are still
+/// claimable, checked again as it takes them.
+macro_rules! claim_sql {
+    ($blocking:literal) => {
+        (
+            concat!(
+                "SELECT o.sequence_id FROM outbox o WHERE ",
+                claimable!($blocking),
+                " ORDER BY o.sequence_id LIMIT ?3"
+            ),
+            concat!(
+                "
 UPDATE outbox SET locked_by = ?1, locked_until = ?2 + ?4
  WHERE sequence_id IN (
     SELECT o.sequence_id FROM outbox o
-     WHERE o.delivered_at IS NULL
-       AND o.available_at <= ?2
-       AND (o.locked_until IS NULL OR o.locked_until < ?2)",
-            $blocking,
-            "
-     ORDER BY o.sequence_id
-     LIMIT ?3)
+     WHERE o.sequence_id IN (SELECT value FROM json_each(?3))
+       AND ",
+                claimable!($blocking),
+                ")
 RETURNING sequence_id, event_id, destination, partition_key, event_type, payload, headers,
-          mutation_id, rejected, attempts, created_at"
+          mutation_id, rejected, attempts, created_at, available_at"
+            ),
         )
     };
 }
 
 /// Unordered claims (`--ordering none`) leave out the per-key blocking.
-const CLAIM_UNORDERED: &str = claim_sql!("");
+const CLAIM_UNORDERED: (&str, &str) = claim_sql!("");
 
 /// SQLite is the single-node store: claims ignore partition fences.
-const CLAIM: &str = claim_sql!(
+const CLAIM: (&str, &str) = claim_sql!(
     "
        AND NOT EXISTS (
            SELECT 1 FROM outbox p
@@ -417,6 +437,16 @@ fn row_to_claimed(row: &Row<'_>) -> rusqlite::Result<Claimed> {
         let rejected = required(integer_column(row, 8, "rejected")?, "rejected")?;
         // Unix milliseconds; beyond what microseconds hold is out of range as well.
         let created_ms = required(integer_column(row, 10, "created_at")?, "created_at")?;
+        if let Ok(ValueRef::Text(t) | ValueRef::Blob(t)) = row.get_ref(11) {
+            // Claimed to be told, not skipped: text sorts above every number, so the row
+            // was never due and held nothing back.
+            return Err(format!(
+                "available_at is {:?}, not a number: SQLite's outbox keeps it as Unix \
+                 milliseconds (an INTEGER, e.g. CAST((julianday('now') - 2440587.5) * 86400000 \
+                 AS INTEGER)); set it so in the dead letters, then `outbox-relay dead retry`",
+                String::from_utf8_lossy(t)
+            ));
+        }
         let Some(created_micros) = created_ms
             .checked_mul(1000)
             .filter(|m| outbox_core::time::created_at_problem(*m).is_none())
@@ -468,22 +498,45 @@ impl OutboxStore for SqliteStore {
     }
 
     fn claim(&self, request: ClaimRequest) -> StoreFuture<Vec<Claimed>> {
-        self.in_tx("claim", move |tx| {
-            let mut stmt = tx.prepare_cached(if request.ordered {
-                CLAIM
-            } else {
-                CLAIM_UNORDERED
-            })?;
-            let rows = stmt.query_map(
-                params![
-                    request.node.0,
-                    now_ms(),
-                    request.limit as i64,
-                    millis(request.lease)
-                ],
-                row_to_claimed,
-            )?;
-            let mut claimed = rows.collect::<rusqlite::Result<Vec<_>>>()?;
+        let (pick, take) = if request.ordered {
+            CLAIM
+        } else {
+            CLAIM_UNORDERED
+        };
+        self.with_conn(move |conn| {
+            let failed = |e| sql_error("claim", e);
+            let picked: Vec<i64> = conn
+                .prepare_cached(pick)
+                .and_then(|mut stmt| {
+                    stmt.query_map(
+                        params![request.node.0, now_ms(), request.limit as i64],
+                        |r| r.get(0),
+                    )?
+                    .collect()
+                })
+                .map_err(failed)?;
+            if picked.is_empty() {
+                return Ok(Vec::new());
+            }
+            let tx = conn
+                .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
+                .map_err(failed)?;
+            let mut claimed = tx
+                .prepare_cached(take)
+                .and_then(|mut stmt| {
+                    stmt.query_map(
+                        params![
+                            request.node.0,
+                            now_ms(),
+                            id_list(&picked),
+                            millis(request.lease)
+                        ],
+                        row_to_claimed,
+                    )?
+                    .collect::<rusqlite::Result<Vec<_>>>()
+                })
+                .map_err(failed)?;
+            tx.commit().map_err(failed)?;
             claimed.sort_unstable_by_key(Claimed::sequence_id);
             Ok(claimed)
         })

@@ -85,3 +85,27 @@ async fn invalid_utf8_in_destination_or_key_is_dead_lettered_and_other_rows_flow
     let shown = store.event(dead[2].sequence_id).await.unwrap().unwrap();
     assert_eq!(shown.event_type, "\u{FFFD}");
 }
+
+/// SQLite keeps `available_at` as Unix milliseconds, but takes any value: text such as
+/// `datetime('now')` sorts above every number, so its row was never due, held nothing back,
+/// and the key's later rows went out while it stayed in the table, unsaid.
+#[tokio::test]
+async fn an_available_at_written_as_text_is_dead_lettered_saying_so() {
+    let (_dir, store) = store().await;
+    store
+        .batch_execute(
+            "INSERT INTO outbox (destination, partition_key, event_type, available_at)
+               VALUES ('orders', 'k', 't', datetime('now', '-1 minute'));
+             INSERT INTO outbox (destination, partition_key, event_type)
+               VALUES ('orders', 'k', 't');",
+        )
+        .await
+        .unwrap();
+    let (events, reasons) = claim_and_settle(&store).await;
+    assert_eq!(reasons.len(), 1, "{events:?} {reasons:?}");
+    assert!(
+        reasons[0].contains("available_at") && reasons[0].contains("milliseconds"),
+        "{reasons:?}"
+    );
+    assert_eq!(events.len(), 1, "{events:?}");
+}
