@@ -254,6 +254,23 @@ CREATE TABLE IF NOT EXISTS {nodes} (
             run: Run::Alone,
             older_relays_run: true,
         };
+        // A column of the nodes table, added in a transaction of its own that gives up on
+        // the lock rather than hold heartbeats up.
+        let nodes_column = |version, summary, column: &str| Step {
+            version,
+            summary,
+            statements: vec![format!(
+                "SET LOCAL lock_timeout = '5s';
+ALTER TABLE {nodes} ADD COLUMN IF NOT EXISTS {column};"
+            )],
+            lock: Lock::Locks(
+                "an ACCESS EXCLUSIVE lock on the nodes table (not the outbox) for a catalog \
+                 change, milliseconds once granted; it waits at most 5 s for it (lock_timeout) \
+                 and then fails rather than hold heartbeats up: run `migrate` again",
+            ),
+            run: Run::InTransaction,
+            older_relays_run: true,
+        };
         let steps = vec![
             Step {
                 version: 1,
@@ -297,38 +314,18 @@ CREATE TABLE IF NOT EXISTS {nodes} (
     WHERE delivered_at IS NULL AND available_at > created_at;"
                 ))
             },
-            Step {
-                version: 5,
-                summary: "the nodes table's protocol column (rolling upgrades: which cluster \
-                          protocol each node speaks; NULL for relays from before it)",
-                statements: vec![format!(
-                    "SET LOCAL lock_timeout = '5s';
-ALTER TABLE {nodes} ADD COLUMN IF NOT EXISTS protocol integer;"
-                )],
-                lock: Lock::Locks(
-                    "an ACCESS EXCLUSIVE lock on the nodes table (not the outbox) for a catalog \
-                     change, milliseconds once granted; it waits at most 5 s for it (lock_timeout) \
-                     and then fails rather than hold heartbeats up: run `migrate` again",
-                ),
-                run: Run::InTransaction,
-                older_relays_run: true,
-            },
-            Step {
-                version: 6,
-                summary: "the nodes table's partitions_table column (which outbox's partitions \
-                          each node takes: '' for none, NULL for relays from before it)",
-                statements: vec![format!(
-                    "SET LOCAL lock_timeout = '5s';
-ALTER TABLE {nodes} ADD COLUMN IF NOT EXISTS partitions_table text;"
-                )],
-                lock: Lock::Locks(
-                    "an ACCESS EXCLUSIVE lock on the nodes table (not the outbox) for a catalog \
-                     change, milliseconds once granted; it waits at most 5 s for it (lock_timeout) \
-                     and then fails rather than hold heartbeats up: run `migrate` again",
-                ),
-                run: Run::InTransaction,
-                older_relays_run: true,
-            },
+            nodes_column(
+                5,
+                "the nodes table's protocol column (rolling upgrades: which cluster protocol \
+                 each node speaks; NULL for relays from before it)",
+                "protocol integer",
+            ),
+            nodes_column(
+                6,
+                "the nodes table's partitions_table column (which outbox's partitions each \
+                 node takes: '' for none, NULL for relays from before it)",
+                "partitions_table text",
+            ),
         ];
         Steps::new("outbox", steps)
     }

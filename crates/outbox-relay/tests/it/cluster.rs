@@ -1045,18 +1045,18 @@ async fn relays_of_two_outboxes_sharing_the_nodes_table_each_take_all_their_part
         let sink = format!("file:{table}.jsonl");
         let args = [
             "run",
-            "--database-url",
-            &url,
-            "--outbox-table",
-            table,
-            "--sink",
-            &sink,
             "--node-id",
             node,
             "--heartbeat-interval",
             "200ms",
+            "--outbox-table",
+            table,
+            "--database-url",
+            &url,
             "--http-addr",
             "",
+            "--sink",
+            &sink,
         ];
         RelayProcess::spawn(dir.path(), node, &args, &[])
     };

@@ -8,6 +8,8 @@ use outbox_core::{partition_of, Claimed, Fence, NewEvent, NodeId, OutboxStore};
 use outbox_store_postgres::{PgOptions, PgStore, Tables, DEFAULT_NOTIFY_CHANNEL};
 use outbox_testkit::{eventually, query_count};
 
+use crate::session;
+
 async fn store(partitions: u32) -> (PgStore, String) {
     let url = outbox_testkit::fresh_pg_database().await;
     let mut tables = Tables::standard();
@@ -461,15 +463,6 @@ async fn store_with_retrying_head() -> (PgStore, String) {
         1
     );
     (store, url)
-}
-
-/// A second session on the test database, as an application would hold one.
-async fn session(url: &str) -> tokio_postgres::Client {
-    let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    client
 }
 
 /// Inserts `count` rows of other keys and claims them, so that the floor moves past them.

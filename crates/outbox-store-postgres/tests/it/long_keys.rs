@@ -9,6 +9,8 @@ use outbox_core::{NodeId, OutboxStore};
 use outbox_store_postgres::{PgOptions, PgStore, Tables};
 use outbox_testkit::conformance::{keyed_event as event, long_key, payloads, retry};
 
+use crate::session;
+
 const PARTITIONS: u32 = 4;
 
 async fn store() -> (PgStore, String) {
@@ -24,10 +26,7 @@ async fn store() -> (PgStore, String) {
 async fn an_outbox_migrated_by_an_earlier_version_keeps_its_key_order_until_migrate_replaces_the_index(
 ) {
     let (store, url) = store().await;
-    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
+    let client = session(&url).await;
     // The blocking index as earlier versions created it, over the key itself, in a schema
     // from before versions (no version recorded).
     client
@@ -100,10 +99,7 @@ async fn an_outbox_migrated_by_an_earlier_version_keeps_its_key_order_until_migr
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_drops_the_key_index_an_older_relay_made_again() {
     let (store, url) = store().await;
-    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
+    let client = session(&url).await;
     client
         .batch_execute(
             "CREATE INDEX IF NOT EXISTS outbox_blocking_idx ON outbox ((coalesce(partition_key, destination)), sequence_id)

@@ -8,3 +8,12 @@ mod conformance;
 mod deployment;
 mod long_keys;
 mod row_locks;
+
+/// A second session on the test database, as an application would hold one.
+async fn session(url: &str) -> tokio_postgres::Client {
+    let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    client
+}
