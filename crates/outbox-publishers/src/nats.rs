@@ -63,10 +63,20 @@ impl NatsSink {
                 "invalid NATS URI: {e}; use nats://[user:password@]host:port"
             ))
         })?;
+        // async-nats reads no credentials from the URI itself: its user info is taken here.
+        let decoded = |s: &str| {
+            percent_encoding::percent_decode_str(s)
+                .decode_utf8_lossy()
+                .into_owned()
+        };
+        let user_info = addr
+            .username()
+            .map(|user| (decoded(user), addr.password().map(decoded)));
         let given = [
             config.creds_file.is_some().then_some("creds_file"),
             config.nkey_seed_file.is_some().then_some("nkey_seed_file"),
             config.token.is_some().then_some("token"),
+            user_info.is_some().then_some("the URI's user info"),
         ];
         let given: Vec<&str> = given.into_iter().flatten().collect();
         if given.len() > 1 {
@@ -97,7 +107,14 @@ impl NatsSink {
             (None, None, Some(token)) => {
                 async_nats::ConnectOptions::with_token(token.expose().to_string())
             }
-            (None, None, None) => async_nats::ConnectOptions::new(),
+            (None, None, None) => match user_info {
+                Some((user, Some(password))) => {
+                    async_nats::ConnectOptions::with_user_and_password(user, password)
+                }
+                // `nats://TOKEN@host`: a lone user info part is a token.
+                Some((token, None)) => async_nats::ConnectOptions::with_token(token),
+                None => async_nats::ConnectOptions::new(),
+            },
         };
         if let Some(ca) = &config.tls.ca_file {
             options = options.add_root_certificates(ca.clone()).require_tls(true);
@@ -314,6 +331,15 @@ fn classify(error: async_nats::jetstream::context::PublishError, subject: &str) 
                 PublishErrorKind::TooLarge,
                 format!("message for {subject:?} exceeds its stream's max_msg_size"),
             ),
+            // The account's JetStream storage is full: its condition, not the message's,
+            // as a full stream's 503 is. Dead-lettering emptied the outbox until space came.
+            Some((_, ACCOUNT_RESOURCES_EXCEEDED)) => (
+                PublishErrorKind::Throttled,
+                format!(
+                    "the account's JetStream storage is full, publishing to {subject:?}: free \
+                     space or raise the account's max_file/max_mem limits"
+                ),
+            ),
             _ => (
                 PublishErrorKind::Rejected,
                 format!("the stream capturing {subject:?} refused the message"),
@@ -326,6 +352,10 @@ fn classify(error: async_nats::jetstream::context::PublishError, subject: &str) 
     };
     PublishError::new(kind, message).with_source(error)
 }
+
+/// JetStream's error code for an account over its storage limits ("resource limits
+/// exceeded for account").
+const ACCOUNT_RESOURCES_EXCEEDED: u64 = 10002;
 
 /// JetStream's error code for a message over its stream's `max_msg_size`.
 const STREAM_MESSAGE_EXCEEDS_MAXIMUM: u64 = 10054;

@@ -281,3 +281,85 @@ async fn a_message_the_stream_refuses_fails_permanently() {
     assert_eq!(err.kind(), outbox_core::PublishErrorKind::TooLarge, "{err}");
     assert!(outcomes[1].is_ok(), "{:?}", outcomes[1]);
 }
+
+/// An account whose JetStream storage is full answers each publish with a 400 (error
+/// 10002, "resource limits exceeded for account"), which was taken for the message's own
+/// refusal: every event was dead-lettered at once until space was freed. It is the
+/// account's condition, as a full stream's 503 is: retried.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_jetstream_account_is_retried_not_dead_lettered() {
+    outbox_testkit::install_crypto();
+    let conf = tempfile::tempdir().unwrap();
+    let conf_path = conf.path().join("nats.conf");
+    std::fs::write(
+        &conf_path,
+        "accounts { APP { jetstream { max_file: 65536, max_mem: 0 }, \
+         users: [{ user: relay, password: relay-pw }] } }\n",
+    )
+    .unwrap();
+    let conf_arg = conf_path.display().to_string();
+    let server = outbox_testkit::server::ServerProcess::start(
+        "nats-server",
+        &[
+            "-a",
+            "127.0.0.1",
+            "-p",
+            "{port}",
+            "-js",
+            "-sd",
+            "{dir}/js",
+            "-c",
+            &conf_arg,
+        ],
+    );
+    let url = format!("nats://relay:relay-pw@127.0.0.1:{}", server.port);
+    let client =
+        outbox_testkit::eventually("nats-server", std::time::Duration::from_secs(10), || {
+            let url = url.clone();
+            async move {
+                async_nats::ConnectOptions::with_user_and_password(
+                    "relay".into(),
+                    "relay-pw".into(),
+                )
+                .connect(url.replace("relay:relay-pw@", ""))
+                .await
+                .ok()
+            }
+        })
+        .await;
+    async_nats::jetstream::new(client)
+        .create_stream(async_nats::jetstream::stream::Config {
+            storage: async_nats::jetstream::stream::StorageType::File,
+            ..stream("FULL", &["full"])
+        })
+        .await
+        .unwrap();
+    // The user and password are the URI's: async-nats itself reads no credentials from a
+    // URI, and the sink used to connect without them (every publish then failed as
+    // "not connected").
+    let sink = outbox_publishers::build_sink("nats", &SinkConfig::new(url.clone()))
+        .await
+        .unwrap();
+    let routed = |seq| outbox_publishers::Routed {
+        cloudevents: None,
+        event: outbox_testkit::publisher::event(seq, "k", vec![b'x'; 16 * 1024]),
+        target: "full".into(),
+    };
+    assert!(
+        sink.send(vec![routed(0)]).await.remove(0).is_ok(),
+        "the URI's credentials are used"
+    );
+    let mut refused = None;
+    for seq in 1..=20 {
+        if let Err(e) = sink.send(vec![routed(seq)]).await.remove(0) {
+            refused = Some(e);
+            break;
+        }
+    }
+    let err = refused.expect("the account's 64 KiB took 20 messages of 16 KiB");
+    assert!(
+        matches!(err.disposition(), outbox_core::Disposition::Retry { .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("account"), "{err}");
+}
