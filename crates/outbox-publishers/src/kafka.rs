@@ -104,6 +104,11 @@ pub fn client_config(uri: &str, config: &KafkaConfig) -> Result<ClientConfig, Si
         .set("acks", "all")
         .set("max.in.flight.requests.per.connection", "5")
         .set("linger.ms", "2")
+        // librdkafka's default, consistent_random, sends an empty key to a random partition,
+        // another every few milliseconds: a key of '' lost its order. `consistent` hashes
+        // every other key as consistent_random does (CRC32: no key moves) and keeps empty
+        // keys on one partition. A raw `partitioner` (murmur2 for Java's placement) wins.
+        .set("partitioner", "consistent")
         .set(
             "message.timeout.ms",
             config.timeout.get().as_millis().to_string(),
@@ -153,6 +158,10 @@ fn guarantee_broken_by(key: &str, value: &str) -> Option<&'static str> {
         "acks" | "request.required.acks" if !matches!(value.as_str(), "all" | "-1") => Some(
             "an event is acked once every in-sync replica holds it (acks = all); fewer \
              acknowledgements could lose what was acked",
+        ),
+        "partitioner" if value.ends_with("random") && value != "murmur2_random" && value != "fnv1a_random" => Some(
+            "a random partitioner scatters a key's records, or an empty key's, over partitions: \
+             use consistent, murmur2 or fnv1a",
         ),
         "enable.idempotence" if value != "true" => Some(
             "the idempotent producer keeps a key's records in order, and unduplicated, when \
@@ -442,7 +451,21 @@ mod tests {
                 .unwrap_or_else(|| panic!("{key} = {value} accepted"));
             assert!(err.to_string().contains(key), "{err}");
         }
-        for (key, value) in [("acks", "all"), ("acks", "-1"), ("linger.ms", "5")] {
+        // A random partitioner scatters a key, and consistent_random an empty one.
+        for (key, value) in [
+            ("partitioner", "random"),
+            ("partitioner", "consistent_random"),
+        ] {
+            assert!(client_config("kafka://b:9092", &with(key, value)).is_err());
+        }
+        let keeps = client_config("kafka://b:9092", &KafkaConfig::default()).unwrap();
+        assert_eq!(keeps.get("partitioner"), Some("consistent"));
+        for (key, value) in [
+            ("acks", "all"),
+            ("acks", "-1"),
+            ("linger.ms", "5"),
+            ("partitioner", "murmur2"),
+        ] {
             assert!(client_config("kafka://b:9092", &with(key, value)).is_ok());
         }
     }
