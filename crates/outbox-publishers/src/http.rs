@@ -74,8 +74,10 @@ pub fn outcome(
             .and_then(|l| reqwest::Url::parse(l).ok())
             .and_then(|u| u.host_str().map(str::to_string))
             .unwrap_or_else(|| "its own host".into());
+        // Retried: the receiver's condition (maintenance, an http -> https move), not the
+        // event's; dead-lettering emptied the outbox while it lasted.
         return Err(PublishError::new(
-            PublishErrorKind::Rejected,
+            PublishErrorKind::Unavailable,
             format!(
                 "{what} answered {status}, a redirect to {host}: the relay follows no \
                  redirects; set the sink's URL to where the receiver is"
@@ -255,6 +257,10 @@ mod tests {
             (413, false),
             (401, true),
             (403, true),
+            // A redirect is the receiver's condition (maintenance, an http -> https move),
+            // not the event's: it dead-lettered every event while it lasted.
+            (301, true),
+            (307, true),
         ] {
             let e = outcome(StatusCode::from_u16(code).unwrap(), None, None, "", "x").unwrap_err();
             assert_eq!(

@@ -767,6 +767,10 @@ pub fn classify(status: Option<u16>, code: &str, message: &str, what: &str) -> P
         | "InvalidIdentityToken"
         | "KMSAccessDeniedException"
         | "KMSAccessDenied"
+        // EventBridge's per-entry refusals of a `Source` or `DetailType` the role may not put
+        // (an IAM condition not granted yet): entries carry no HTTP status to tell them by.
+        | "NotAuthorizedForSourceException"
+        | "NotAuthorizedForDetailTypeException"
         // A key disabled, deleted, pending import or not yet usable: the sink's key, not the
         // event, is wrong; retried (as a refused permission is) until an operator fixes it,
         // rather than every event dead-lettered (SQS `KMS.DisabledException` and the like,
@@ -1115,6 +1119,17 @@ mod tests {
             (Some(503), "", PublishErrorKind::BrokerFailure),
             (Some(429), "", PublishErrorKind::Throttled),
             (None, "MalformedDetail", PublishErrorKind::Rejected),
+            // EventBridge entries the role may not put: no status, the sink's condition.
+            (
+                None,
+                "NotAuthorizedForSourceException",
+                PublishErrorKind::Unauthorized,
+            ),
+            (
+                None,
+                "NotAuthorizedForDetailTypeException",
+                PublishErrorKind::Unauthorized,
+            ),
             (
                 Some(400),
                 "KMS.ThrottlingException",
