@@ -417,6 +417,11 @@ pub struct PartitionRecord {
     pub lease_until: Option<SystemTime>,
 }
 
+/// How long a store operation waits for an answer before it fails, retryably, as a lost
+/// connection. A database behind a dead network can leave a connection open that never
+/// answers; nothing the relay runs takes this long on a live database.
+pub const OPERATION_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Partition leases with fencing epochs, in the same database as the outbox.
 ///
 /// A lease is taken only when the partition is free or its lease expired, and taking it

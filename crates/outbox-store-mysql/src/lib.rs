@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, Opts, OptsBuilder, Pool, PoolConstraints, PoolOpts, Row, Value};
-use outbox_core::store::{NodeRegistry, Problem, StoreResult};
+use outbox_core::store::{NodeRegistry, Problem, StoreResult, OPERATION_TIMEOUT};
 use outbox_core::{SequenceId, StoreError, StoreErrorKind};
 use outbox_layout::memory::{RawRow, RowId};
 use outbox_layout::params::{self, Params};
@@ -41,6 +41,9 @@ pub struct MySqlOptions {
     pub pool_size: usize,
     /// The nodes table (native layout), or `None`.
     pub nodes_table: Option<String>,
+    /// How long one operation may wait for the database before it fails as a lost
+    /// connection (`None`: [`OPERATION_TIMEOUT`]). Migrations are not bounded.
+    pub operation_timeout: Option<Duration>,
 }
 
 impl std::fmt::Debug for MySqlOptions {
@@ -52,6 +55,7 @@ impl std::fmt::Debug for MySqlOptions {
             .field("max_attempts", &self.max_attempts)
             .field("pool_size", &self.pool_size)
             .field("nodes_table", &self.nodes_table)
+            .field("operation_timeout", &self.operation_timeout)
             .finish()
     }
 }
@@ -61,6 +65,7 @@ pub struct MySql {
     pool: Pool,
     opts: Opts,
     nodes: Option<nodes::Nodes>,
+    operation_timeout: Duration,
 }
 
 /// Maps a driver error to its kind, by server error code, never by message text.
@@ -218,14 +223,26 @@ impl MappedDb for MySql {
         })?;
         let opts: Opts = session_settings(OptsBuilder::from_opts(parsed))
             .pool_opts(pool_opts(options.pool_size)?)
+            // A dead peer is noticed on an idle pooled connection too (the driver sets none).
+            .tcp_keepalive(Some(Duration::from_secs(10)))
             .into();
         let pool = Pool::new(opts.clone());
-        let nodes = options
-            .nodes_table
-            .as_ref()
-            .map(|table| nodes::Nodes::new(pool.clone(), options.mapping.schema.as_deref(), table));
+        let timeout = options.operation_timeout.unwrap_or(OPERATION_TIMEOUT);
+        let nodes = options.nodes_table.as_ref().map(|table| {
+            nodes::Nodes::new(
+                pool.clone(),
+                options.mapping.schema.as_deref(),
+                table,
+                timeout,
+            )
+        });
         Ok(Opened {
-            db: MySql { pool, opts, nodes },
+            db: MySql {
+                pool,
+                opts,
+                nodes,
+                operation_timeout: timeout,
+            },
             mapping: options.mapping,
             layout: options.layout,
             max_attempts: options.max_attempts,
@@ -233,16 +250,23 @@ impl MappedDb for MySql {
     }
 
     async fn take_lock(&self, mapping: &Mapping) -> StoreResult<Option<Conn>> {
-        let mut conn = lock_connection(&self.opts, "take the active-relay lock").await?;
-        let got: Option<Option<i64>> = conn
-            .exec_first("SELECT GET_LOCK(?, 0)", (self.lock_name(mapping),))
-            .await
-            .map_err(|e| db_error("take the active-relay lock", e))?;
-        Ok((got.flatten() == Some(1)).then_some(conn))
+        let context = "take the active-relay lock";
+        self.bounded(context, async {
+            let mut conn = lock_connection(&self.opts, context).await?;
+            let got: Option<Option<i64>> = conn
+                .exec_first("SELECT GET_LOCK(?, 0)", (self.lock_name(mapping),))
+                .await
+                .map_err(|e| db_error(context, e))?;
+            Ok((got.flatten() == Some(1)).then_some(conn))
+        })
+        .await
     }
 
     async fn lock_alive(&self, lock: &mut Conn) -> bool {
-        lock.ping().await.is_ok()
+        let ping = async { lock.ping().await.map_err(|e| db_error("ping", e)) };
+        self.bounded("ping the active-relay lock's session", ping)
+            .await
+            .is_ok()
     }
 
     /// Ends the holder's connection (`KILL CONNECTION`, which the server allows on a
@@ -253,50 +277,16 @@ impl MappedDb for MySql {
         mapping: &Mapping,
         entitled: &(dyn Fn() -> bool + Sync),
     ) -> StoreResult<Option<Conn>> {
-        const ER_NO_SUCH_THREAD: u16 = 1094;
         let context = "take the active-relay lock from a stale holder";
-        let name = self.lock_name(mapping);
-        let mut conn = lock_connection(&self.opts, context).await?;
-        let got: Option<Option<i64>> = conn
-            .exec_first("SELECT GET_LOCK(?, 0)", (&name,))
-            .await
-            .map_err(|e| db_error(context, e))?;
-        if got.flatten() == Some(1) {
-            return Ok(Some(conn));
+        // GET_LOCK waits up to 10 s of its own.
+        let within = self.operation_timeout + Duration::from_secs(10);
+        match tokio::time::timeout(within, self.take_stale_lock(mapping, entitled, context)).await {
+            Ok(taken) => taken,
+            Err(_) => Err(StoreError::new(
+                StoreErrorKind::Connection,
+                format!("{context}: no answer from the database within {within:?}"),
+            )),
         }
-        let holder: Option<Option<u64>> = conn
-            .exec_first("SELECT IS_USED_LOCK(?)", (&name,))
-            .await
-            .map_err(|e| db_error(context, e))?;
-        if let Some(holder) = holder.flatten() {
-            if !entitled() {
-                return Ok(None);
-            }
-            match conn.query_drop(format!("KILL CONNECTION {holder}")).await {
-                Ok(()) => {
-                    tracing::warn!(connection = holder, lock = %name, "ended a stale holder's connection to take its lock")
-                }
-                Err(mysql_async::Error::Server(e)) if e.code == ER_NO_SUCH_THREAD => {}
-                Err(e) => {
-                    return Err(StoreError::new(
-                        classify(&e),
-                        format!(
-                            "{context}: connection {holder} of a relay that no longer reads \
-                             the binary log holds the lock {name:?}, and this role cannot end \
-                             it ({e}): run every relay of this outbox as the same database \
-                             user, or grant this one CONNECTION ADMIN (MySQL 8) or CONNECTION \
-                             ADMIN / SUPER (MariaDB)"
-                        ),
-                    ))
-                }
-            }
-        }
-        // The server frees the lock as it ends the connection: wait for that, not longer.
-        let got: Option<Option<i64>> = conn
-            .exec_first("SELECT GET_LOCK(?, 10)", (&name,))
-            .await
-            .map_err(|e| db_error(context, e))?;
-        Ok((got.flatten() == Some(1)).then_some(conn))
     }
 
     async fn query(
@@ -305,10 +295,13 @@ impl MappedDb for MySql {
         statement: String,
         params: Params,
     ) -> StoreResult<Vec<Row>> {
-        let mut conn = self.conn(context).await?;
-        conn.exec(statement, bind(params))
-            .await
-            .map_err(|e| db_error(context, e))
+        self.bounded(context, async {
+            let mut conn = self.conn(context).await?;
+            conn.exec(statement, bind(params))
+                .await
+                .map_err(|e| db_error(context, e))
+        })
+        .await
     }
 
     async fn execute(
@@ -317,11 +310,14 @@ impl MappedDb for MySql {
         statement: String,
         params: Params,
     ) -> StoreResult<u64> {
-        let mut conn = self.conn(context).await?;
-        conn.exec_drop(statement, bind(params))
-            .await
-            .map_err(|e| db_error(context, e))?;
-        Ok(conn.affected_rows())
+        self.bounded(context, async {
+            let mut conn = self.conn(context).await?;
+            conn.exec_drop(statement, bind(params))
+                .await
+                .map_err(|e| db_error(context, e))?;
+            Ok(conn.affected_rows())
+        })
+        .await
     }
 
     async fn execute_each(
@@ -330,52 +326,27 @@ impl MappedDb for MySql {
         statement: String,
         rows: Vec<Params>,
     ) -> StoreResult<u64> {
-        let mut conn = self.conn(context).await?;
-        let mut tx = conn
-            .start_transaction(mysql_async::TxOpts::default())
-            .await
-            .map_err(|e| db_error(context, e))?;
-        let mut n = 0;
-        for params in rows {
-            tx.exec_drop(&statement, bind(params))
+        self.bounded(context, async {
+            let mut conn = self.conn(context).await?;
+            let mut tx = conn
+                .start_transaction(mysql_async::TxOpts::default())
                 .await
                 .map_err(|e| db_error(context, e))?;
-            n += tx.affected_rows();
-        }
-        tx.commit().await.map_err(|e| db_error(context, e))?;
-        Ok(n)
+            let mut n = 0;
+            for params in rows {
+                tx.exec_drop(&statement, bind(params))
+                    .await
+                    .map_err(|e| db_error(context, e))?;
+                n += tx.affected_rows();
+            }
+            tx.commit().await.map_err(|e| db_error(context, e))?;
+            Ok(n)
+        })
+        .await
     }
 
-    /// One transaction: the rows are selected and locked, then marked by id.
     async fn claim(&self, sql: &Sql, claim: Claim) -> StoreResult<Vec<Row>> {
-        let mut params = claim.params;
-        let select = sql.claim_select(&claim.condition, &params.int(claim.limit), true);
-        let mut conn = self.conn("claim").await?;
-        let mut tx = conn
-            .start_transaction(mysql_async::TxOpts::default())
-            .await
-            .map_err(|e| db_error("claim", e))?;
-        let mut update = params.after();
-        let rows: Vec<Row> = tx
-            .exec(&select, bind(params))
-            .await
-            .map_err(|e| db_error("claim", e))?;
-        if let (Some((node, lease)), false) = (claim.mark, rows.is_empty()) {
-            let set = sql.claim_set(&update.text(node), &update.int(lease));
-            let ids: Vec<RowId> = rows
-                .iter()
-                .map(|r| Self::raw_row(r, &sql.mapping).map(|raw| raw.id))
-                .collect::<StoreResult<_>>()?;
-            let membership = update.in_ids(&ids, sql.mapping.id_type);
-            if !set.is_empty() {
-                let statement = sql.update(&set, &format!("{} {membership}", sql.id_column()));
-                tx.exec_drop(statement, bind(update))
-                    .await
-                    .map_err(|e| db_error("claim", e))?;
-            }
-        }
-        tx.commit().await.map_err(|e| db_error("claim", e))?;
-        Ok(rows)
+        self.bounded("claim", self.claim_once(sql, claim)).await
     }
 
     async fn insert(
@@ -383,15 +354,18 @@ impl MappedDb for MySql {
         statement: String,
         values: Vec<Option<String>>,
     ) -> StoreResult<SequenceId> {
-        let mut conn = self.conn("insert").await?;
-        let values: Vec<Value> = values
-            .into_iter()
-            .map(|v| v.map_or(Value::NULL, Value::from))
-            .collect();
-        conn.exec_drop(statement, values)
-            .await
-            .map_err(|e| db_error("insert", e))?;
-        Ok(conn.last_insert_id().unwrap_or(0) as i64)
+        self.bounded("insert", async {
+            let mut conn = self.conn("insert").await?;
+            let values: Vec<Value> = values
+                .into_iter()
+                .map(|v| v.map_or(Value::NULL, Value::from))
+                .collect();
+            conn.exec_drop(statement, values)
+                .await
+                .map_err(|e| db_error("insert", e))?;
+            Ok(conn.last_insert_id().unwrap_or(0) as i64)
+        })
+        .await
     }
 
     fn raw_row(row: &Row, mapping: &Mapping) -> StoreResult<RawRow> {
@@ -417,8 +391,11 @@ impl MappedDb for MySql {
     }
 
     async fn ping(&self) -> StoreResult<()> {
-        let mut conn = self.conn("ping").await?;
-        conn.ping().await.map_err(|e| db_error("ping", e))
+        self.bounded("ping", async {
+            let mut conn = self.conn("ping").await?;
+            conn.ping().await.map_err(|e| db_error("ping", e))
+        })
+        .await
     }
 
     async fn verify_access(&self, sql: &Sql, layout: &str) -> StoreResult<Vec<Problem>> {
@@ -484,6 +461,122 @@ impl MappedDb for MySql {
     fn nodes(&self) -> Option<&dyn NodeRegistry> {
         self.nodes.as_ref().map(|n| n as &dyn NodeRegistry)
     }
+}
+
+impl MySql {
+    /// [`bounded`] by the store's operation timeout.
+    async fn bounded<T>(
+        &self,
+        context: &'static str,
+        operation: impl std::future::Future<Output = StoreResult<T>>,
+    ) -> StoreResult<T> {
+        bounded(self.operation_timeout, context, operation).await
+    }
+
+    /// [`MappedDb::take_lock_from_stale`], unbounded.
+    async fn take_stale_lock(
+        &self,
+        mapping: &Mapping,
+        entitled: &(dyn Fn() -> bool + Sync),
+        context: &'static str,
+    ) -> StoreResult<Option<Conn>> {
+        const ER_NO_SUCH_THREAD: u16 = 1094;
+        let name = self.lock_name(mapping);
+        let mut conn = lock_connection(&self.opts, context).await?;
+        let got: Option<Option<i64>> = conn
+            .exec_first("SELECT GET_LOCK(?, 0)", (&name,))
+            .await
+            .map_err(|e| db_error(context, e))?;
+        if got.flatten() == Some(1) {
+            return Ok(Some(conn));
+        }
+        let holder: Option<Option<u64>> = conn
+            .exec_first("SELECT IS_USED_LOCK(?)", (&name,))
+            .await
+            .map_err(|e| db_error(context, e))?;
+        if let Some(holder) = holder.flatten() {
+            if !entitled() {
+                return Ok(None);
+            }
+            match conn.query_drop(format!("KILL CONNECTION {holder}")).await {
+                Ok(()) => {
+                    tracing::warn!(connection = holder, lock = %name, "ended a stale holder's connection to take its lock")
+                }
+                Err(mysql_async::Error::Server(e)) if e.code == ER_NO_SUCH_THREAD => {}
+                Err(e) => {
+                    return Err(StoreError::new(
+                        classify(&e),
+                        format!(
+                            "{context}: connection {holder} of a relay that no longer reads \
+                             the binary log holds the lock {name:?}, and this role cannot end \
+                             it ({e}): run every relay of this outbox as the same database \
+                             user, or grant this one CONNECTION ADMIN (MySQL 8) or CONNECTION \
+                             ADMIN / SUPER (MariaDB)"
+                        ),
+                    ))
+                }
+            }
+        }
+        // The server frees the lock as it ends the connection: wait for that, not longer.
+        let got: Option<Option<i64>> = conn
+            .exec_first("SELECT GET_LOCK(?, 10)", (&name,))
+            .await
+            .map_err(|e| db_error(context, e))?;
+        Ok((got.flatten() == Some(1)).then_some(conn))
+    }
+
+    /// One transaction: the rows are selected and locked, then marked by id.
+    async fn claim_once(&self, sql: &Sql, claim: Claim) -> StoreResult<Vec<Row>> {
+        let mut params = claim.params;
+        let select = sql.claim_select(&claim.condition, &params.int(claim.limit), true);
+        let mut conn = self.conn("claim").await?;
+        let mut tx = conn
+            .start_transaction(mysql_async::TxOpts::default())
+            .await
+            .map_err(|e| db_error("claim", e))?;
+        let mut update = params.after();
+        let rows: Vec<Row> = tx
+            .exec(&select, bind(params))
+            .await
+            .map_err(|e| db_error("claim", e))?;
+        if let (Some((node, lease)), false) = (claim.mark, rows.is_empty()) {
+            let set = sql.claim_set(&update.text(node), &update.int(lease));
+            let ids: Vec<RowId> = rows
+                .iter()
+                .map(|r| Self::raw_row(r, &sql.mapping).map(|raw| raw.id))
+                .collect::<StoreResult<_>>()?;
+            let membership = update.in_ids(&ids, sql.mapping.id_type);
+            if !set.is_empty() {
+                let statement = sql.update(&set, &format!("{} {membership}", sql.id_column()));
+                tx.exec_drop(statement, bind(update))
+                    .await
+                    .map_err(|e| db_error("claim", e))?;
+            }
+        }
+        tx.commit().await.map_err(|e| db_error("claim", e))?;
+        Ok(rows)
+    }
+}
+
+/// `operation`, failing as a lost connection once it has waited `within`: a connection the
+/// network dropped silently answers nothing, and the driver waits for good. The connection
+/// goes with the dropped operation.
+pub(crate) async fn bounded<T>(
+    within: Duration,
+    context: &str,
+    operation: impl std::future::Future<Output = StoreResult<T>>,
+) -> StoreResult<T> {
+    tokio::time::timeout(within, operation)
+        .await
+        .unwrap_or_else(|_| {
+            Err(StoreError::new(
+                StoreErrorKind::Connection,
+                format!(
+                    "{context}: no answer from the database within {within:?}; the connection \
+                     is presumed lost"
+                ),
+            ))
+        })
 }
 
 /// Every connection's session settings (a pooled connection is reset each time it goes back

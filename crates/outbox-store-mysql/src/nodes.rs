@@ -13,13 +13,15 @@ use outbox_core::store::{
 use outbox_core::time::{from_micros, millis};
 use outbox_core::NodeId;
 
-use crate::{col, db_error, int, text};
+use crate::{bounded, col, db_error, int, text};
 
 /// The nodes table, quoted and qualified, on the store's pool. Cheap to clone.
 #[derive(Clone)]
 pub(crate) struct Nodes {
     pool: Pool,
     table: String,
+    /// Each operation's bound ([`crate::bounded`]).
+    operation_timeout: Duration,
 }
 
 fn named(pairs: Vec<(&str, Value)>) -> Params {
@@ -33,12 +35,21 @@ fn named(pairs: Vec<(&str, Value)>) -> Params {
 
 impl Nodes {
     /// `table` in `database` (the connection's own when `None`).
-    pub(crate) fn new(pool: Pool, database: Option<&str>, table: &str) -> Self {
+    pub(crate) fn new(
+        pool: Pool,
+        database: Option<&str>,
+        table: &str,
+        operation_timeout: Duration,
+    ) -> Self {
         let table = match database {
             Some(d) => format!("`{d}`.`{table}`"),
             None => format!("`{table}`"),
         };
-        Nodes { pool, table }
+        Nodes {
+            pool,
+            table,
+            operation_timeout,
+        }
     }
 
     pub(crate) fn ddl(&self) -> String {
@@ -75,24 +86,42 @@ impl Nodes {
     }
 
     async fn exec(&self, context: &str, statement: &str, params: Params) -> StoreResult<u64> {
-        let mut conn = self.conn(context).await?;
-        conn.exec_drop(statement, params)
-            .await
-            .map_err(|e| db_error(context, e))?;
-        Ok(conn.affected_rows())
+        bounded(self.operation_timeout, context, async {
+            let mut conn = self.conn(context).await?;
+            conn.exec_drop(statement, params)
+                .await
+                .map_err(|e| db_error(context, e))?;
+            Ok(conn.affected_rows())
+        })
+        .await
     }
 
     async fn rows(&self, context: &str, statement: &str, params: Params) -> StoreResult<Vec<Row>> {
-        let mut conn = self.conn(context).await?;
-        conn.exec(statement, params)
-            .await
-            .map_err(|e| db_error(context, e))
+        bounded(self.operation_timeout, context, async {
+            let mut conn = self.conn(context).await?;
+            conn.exec(statement, params)
+                .await
+                .map_err(|e| db_error(context, e))
+        })
+        .await
     }
 
     /// In one transaction: reads the node's row (its expiry in microseconds since the epoch,
     /// counted without the session's time zone, and whether it is live), and writes `now +
     /// ttl` if `may_write` accepts what it read. Returns the expiry read and the one written.
     async fn write_node_expiry(
+        &self,
+        context: &'static str,
+        nodes: &str,
+        node: &NodeId,
+        ttl: Duration,
+        may_write: impl FnOnce(Option<NodeRow>) -> bool,
+    ) -> StoreResult<(Option<i64>, Option<i64>)> {
+        let write = self.write_node_expiry_unbounded(context, nodes, node, ttl, may_write);
+        bounded(self.operation_timeout, context, write).await
+    }
+
+    async fn write_node_expiry_unbounded(
         &self,
         context: &'static str,
         nodes: &str,

@@ -98,10 +98,7 @@ impl PgOptions {
     }
 }
 
-/// How long a store operation waits for an answer before it fails, retryably, as a lost
-/// connection. A database behind a dead network can leave a connection open that never
-/// answers; nothing the relay runs takes this long on a live database.
-pub const OPERATION_TIMEOUT: Duration = Duration::from_secs(30);
+pub use outbox_core::store::OPERATION_TIMEOUT;
 
 /// TCP settings that notice a dead peer even on an idle connection (the LISTEN session, the
 /// active relay's lock session): keepalive probes after 10 s of silence, every 5 s, 3 of

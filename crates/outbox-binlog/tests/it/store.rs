@@ -28,6 +28,7 @@ fn mysql_store(url: &str, table: &str) -> MySqlStore {
         max_attempts: 1000,
         pool_size: 4,
         nodes_table: None,
+        operation_timeout: None,
     })
     .unwrap()
 }

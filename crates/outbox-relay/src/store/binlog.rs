@@ -107,6 +107,7 @@ impl BinlogCapture {
                 )
             },
             nodes_table: None,
+            operation_timeout: None,
             ..options.clone()
         })?;
         Ok(BinlogCapture {

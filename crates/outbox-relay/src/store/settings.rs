@@ -434,6 +434,7 @@ impl DatabaseSettings {
                     max_attempts,
                     pool_size: self.pool_size,
                     nodes_table: (self.layout == LayoutKind::Native).then_some(tables.nodes_table),
+                    operation_timeout: None,
                 };
                 match self.capture {
                     CaptureMode::Binlog => StoreSettings::MySqlBinlog(

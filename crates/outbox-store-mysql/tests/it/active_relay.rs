@@ -19,6 +19,7 @@ fn store(url: &str) -> MySqlStore {
         max_attempts: 10,
         pool_size: 2,
         nodes_table: None,
+        operation_timeout: None,
     })
     .unwrap()
 }

@@ -28,6 +28,7 @@ fn store(url: &str, retain: bool) -> MySqlStore {
         max_attempts: 20,
         pool_size: 8,
         nodes_table: Some("outbox_nodes".into()),
+        operation_timeout: None,
     })
     .unwrap()
 }

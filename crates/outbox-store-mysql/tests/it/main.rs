@@ -4,4 +4,5 @@
 
 mod active_relay;
 mod conformance;
+mod deployment;
 mod session;
