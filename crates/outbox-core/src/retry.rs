@@ -93,8 +93,10 @@ impl RetryPolicy {
             Disposition::Retry { .. } if attempts >= max_attempts.max(1) => {
                 RetryDecision::DeadLetter
             }
+            // A broker's Retry-After lengthens the wait, never shortens it below the backoff:
+            // `Retry-After: 0` (or a date past) spent every attempt in a second.
             Disposition::Retry { after: Some(after) } => {
-                RetryDecision::RetryAfter(after.min(self.max_delay))
+                RetryDecision::RetryAfter(after.max(self.backoff(attempts)).min(self.max_delay))
             }
             Disposition::Retry { after: None } => RetryDecision::RetryAfter(self.backoff(attempts)),
         }
@@ -188,6 +190,24 @@ mod tests {
     fn permanent_errors_dead_letter_at_once() {
         let err = PublishError::new(PublishErrorKind::TooLarge, "1 MiB > 64 KiB");
         assert_eq!(policy().decide("t", 1, &err), RetryDecision::DeadLetter);
+    }
+
+    /// A receiver answering 429 with `Retry-After: 0` had each event retried as fast as
+    /// round trips allowed, and dead-lettered after its attempts in under a second.
+    #[test]
+    fn a_broker_requested_delay_never_shortens_the_backoff() {
+        let err =
+            PublishError::new(PublishErrorKind::Throttled, "429").with_retry_after(Duration::ZERO);
+        for attempts in 1..5 {
+            let RetryDecision::RetryAfter(wait) = policy().decide("t", attempts, &err) else {
+                panic!("retried")
+            };
+            let full = Duration::from_millis(100) * (1 << (attempts - 1));
+            assert!(
+                wait >= full.min(Duration::from_secs(10)) / 2,
+                "{attempts}: {wait:?}"
+            );
+        }
     }
 
     #[test]

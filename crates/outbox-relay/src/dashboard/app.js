@@ -348,7 +348,18 @@ $("dead-first").addEventListener("click", () => { state.deadAfter = 0; refresh()
 $("dead-next").addEventListener("click", () => {
   if (state.nextAfter !== null) { state.deadAfter = state.nextAfter; refresh(); }
 });
+// The bulk API selects by destination only: with a type filter, "all shown" would have
+// been every type (a purge of every dead letter while one type was shown).
+function bulkFollowsFilter() {
+  const typed = $("dead-type").value.trim() !== "";
+  for (const id of ["dead-retry-all", "dead-purge-all"]) {
+    $(id).disabled = typed;
+    $(id).title = typed ? "Clear the type filter: bulk actions select by destination only" : "";
+  }
+}
+$("dead-type").addEventListener("input", bulkFollowsFilter);
 function bulk(path, verb) {
+  if ($("dead-type").value.trim() !== "") return;
   const destination = $("dead-destination").value;
   const body = destination ? { destination } : { all: true };
   const what = destination ? `every dead letter of ${destination}` : "every dead letter";

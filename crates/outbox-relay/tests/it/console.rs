@@ -611,6 +611,7 @@ async fn the_dashboard_shows_the_api_figures_and_retries_from_the_page() {
     the_figures_shown_equal_the_apis(&w, &browser, &shots).await;
     a_dead_letter_shows_its_payload_and_last_error(&w, &browser, &shots).await;
     the_token_typed_once_retries_from_the_page(&w, &browser, &shots).await;
+    bulk_actions_are_off_while_a_type_is_filtered(&browser, &shots).await;
     every_control_takes_the_focus_and_keeps_it_through_updates(&w, &browser, &shots).await;
     drop(browser);
     w.close().await;
@@ -726,6 +727,32 @@ async fn a_dead_letter_shows_its_payload_and_last_error(
     assert_eq!(payload, w.late[1].payload);
     assert!(detail[1].as_str().unwrap().contains("no JetStream stream"));
     browser.screenshot(&shots.join("2-dead-letter.png")).await;
+}
+
+/// "Retry/Purge all shown" select by destination only: with a type typed into the filter
+/// they acted on every type, and a purge deleted every dead letter. They are off while a
+/// type is filtered.
+async fn bulk_actions_are_off_while_a_type_is_filtered(browser: &webdriver::Browser, shots: &Path) {
+    let state = "return ['dead-retry-all', 'dead-purge-all']\
+                 .map((id) => document.getElementById(id).disabled);";
+    assert_eq!(
+        browser.execute(state, json!([])).await,
+        json!([false, false])
+    );
+    let field = browser.wait_for(shots, "#dead-type").await;
+    browser.type_into(&field, "order.created").await;
+    assert_eq!(browser.execute(state, json!([])).await, json!([true, true]));
+    browser
+        .execute(
+            "const f = document.getElementById('dead-type'); f.value = ''; \
+             f.dispatchEvent(new Event('input'));",
+            json!([]),
+        )
+        .await;
+    assert_eq!(
+        browser.execute(state, json!([])).await,
+        json!([false, false])
+    );
 }
 
 /// The token typed once is used for changes too.
