@@ -592,7 +592,9 @@ pub trait Operations: Send + Sync + 'static {
     fn count_replayable(&self, selector: ReplaySelector) -> StoreFuture<u64>;
 
     /// Marks up to `page.size` of them pending again, in sequence order after `page.after`;
-    /// returns how many and the last sequence id (the next page's `after`).
+    /// returns how many and the last sequence id it chose (the next page's `after`, and
+    /// `page.after` itself once none is left). A page can choose rows and change none (they
+    /// went meanwhile): the rows after it are still to do.
     fn replay_batch(&self, page: ReplayPage) -> StoreFuture<(u64, SequenceId)>;
 
     /// Delivered (retained) rows older than `delivered_before`, and dead letters older than

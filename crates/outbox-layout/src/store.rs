@@ -536,24 +536,6 @@ impl<D: MappedDb> MappedStore<D> {
             .collect())
     }
 
-    /// Deletes rows by id, and their side-table records.
-    async fn delete_ids(&self, ids: &[RowId]) -> StoreResult<u64> {
-        if ids.is_empty() {
-            return Ok(0);
-        }
-        let sql = &self.inner.sql;
-        let id_type = sql.mapping.id_type;
-        let mut p = self.params();
-        let statement = sql.delete(&p.in_ids(ids, id_type));
-        let n = self.inner.db.execute("delete", statement, p).await?;
-        if sql.mapping.dead_state() == DeadState::SideTable {
-            let mut p = self.params();
-            let statement = sql.delete_dead_records(&p.in_ids(ids, id_type));
-            self.inner.db.execute("delete", statement, p).await?;
-        }
-        Ok(n)
-    }
-
     /// A dead-row selector as a condition over alias `o`, with its parameters.
     fn selector(&self, selector: &DeadSelector) -> StoreResult<(String, Params)> {
         let sql = &self.inner.sql;
@@ -974,6 +956,10 @@ impl<D: MappedDb> NodeRegistry for MappedStore<D> {
     }
 }
 
+/// Dead letters one `dead purge` statement deletes: a purge of them all goes in batches,
+/// so that no statement holds the hot table's locks on every dead row at once.
+const PURGE_BATCH: u32 = 1000;
+
 impl<D: MappedDb> Operations for MappedStore<D> {
     fn destination_stats(&self) -> StoreFuture<Vec<DestinationStats>> {
         let store = self.clone();
@@ -1136,11 +1122,35 @@ impl<D: MappedDb> Operations for MappedStore<D> {
     fn dead_purge(&self, selector: DeadSelector) -> StoreFuture<u64> {
         let store = self.clone();
         async move {
-            let (condition, p) = store.selector(&selector)?;
-            let ids = store
-                .pick(&store.dead_where(&condition), p, u32::MAX)
-                .await?;
-            store.delete_ids(&ids).await
+            let sql = &store.inner.sql;
+            let mut purged = 0;
+            loop {
+                let (condition, p) = store.selector(&selector)?;
+                let ids = store
+                    .pick(&store.dead_where(&condition), p, PURGE_BATCH)
+                    .await?;
+                if ids.is_empty() {
+                    return Ok(purged);
+                }
+                // Checked again by the delete: a row `dead retry` made pending since the
+                // pick stays (it was deleted, though the retry said it would go out again).
+                let (condition, mut p) = store.selector(&selector)?;
+                let statement = sql.delete_matching(
+                    &p.in_ids(&ids, sql.mapping.id_type),
+                    &store.dead_where(&condition),
+                );
+                let n = store.inner.db.execute("dead purge", statement, p).await?;
+                if sql.mapping.dead_state() == DeadState::SideTable {
+                    let mut p = store.params();
+                    let gone =
+                        sql.delete_dead_records_of_missing(&p.in_ids(&ids, sql.mapping.id_type));
+                    store.inner.db.execute("dead purge", gone, p).await?;
+                }
+                purged += n;
+                if ids.len() < PURGE_BATCH as usize {
+                    return Ok(purged);
+                }
+            }
         }
         .boxed()
     }
@@ -1159,7 +1169,7 @@ impl<D: MappedDb> Operations for MappedStore<D> {
         let store = self.clone();
         async move {
             let sql = &store.inner.sql;
-            let (condition, mut p) = store.replay_condition(page.selector)?;
+            let (condition, mut p) = store.replay_condition(page.selector.clone())?;
             let condition = format!(
                 "{condition} AND {} > {}",
                 sql.id_column(),
@@ -1174,11 +1184,12 @@ impl<D: MappedDb> Operations for MappedStore<D> {
             if ids.is_empty() {
                 return Ok((0, page.after));
             }
-            let mut p = store.params();
+            // Checked again by the update: a row pruned or changed since the pick is left.
+            let (condition, mut p) = store.replay_condition(page.selector)?;
             let membership = p.in_ids(&ids, IdType::Integer);
             let statement = sql.update(
                 &sql.replay_set(),
-                &format!("{} {membership}", sql.id_column()),
+                &format!("{} {membership} AND {condition}", sql.id_column()),
             );
             let n = store.inner.db.execute("replay", statement, p).await?;
             Ok((n, last))

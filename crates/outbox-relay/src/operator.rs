@@ -175,11 +175,16 @@ pub(crate) async fn replay_all(
                 size: 1000,
             })
             .await?;
-        if n == 0 {
+        // Done when a page finds nothing past `after`, not when one changes nothing: a page
+        // whose rows were pruned between its pick and its update changes none, and the rows
+        // after it still wait.
+        if last <= after {
             return Ok(total);
         }
-        on_batch(n);
-        total += n;
+        if n > 0 {
+            on_batch(n);
+            total += n;
+        }
         after = last;
     }
 }

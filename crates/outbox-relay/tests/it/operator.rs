@@ -157,3 +157,82 @@ sink = "out"
     ))
     .contains("would delete 0 delivered rows"));
 }
+
+/// `replay` goes by pages of 1,000, and on a mapped table (here MariaDB's native one) each
+/// page picks its rows, then updates them. It stopped at the first page that updated
+/// nothing: a page pruned between its pick and its update (the prune committed while the
+/// update waited on its locks) ended the replay, and every later row was left delivered
+/// while `replay` exited 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_goes_on_past_a_page_pruned_under_it() {
+    use mysql_async::prelude::Queryable;
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    relay(d, &["migrate", "--database-url", &url]);
+    let pool = mysql_async::Pool::new(url.as_str());
+    let mut conn = pool.get_conn().await.unwrap();
+    conn.query_drop("SET SESSION max_recursive_iterations = 2000")
+        .await
+        .unwrap();
+    conn.query_drop(
+        "INSERT INTO outbox (destination, event_type, payload, delivered_at)
+         WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 1001)
+         SELECT 'd', 't', '{}', UTC_TIMESTAMP(6) FROM n",
+    )
+    .await
+    .unwrap();
+    // A prune of the first page, not yet committed.
+    let mut prune = pool.get_conn().await.unwrap();
+    prune.query_drop("BEGIN").await.unwrap();
+    prune
+        .query_drop("DELETE FROM outbox WHERE sequence_id <= 1000")
+        .await
+        .unwrap();
+    let replay = {
+        let (url, d) = (url.clone(), d.to_path_buf());
+        std::thread::spawn(move || {
+            Command::new(BIN)
+                .args(["replay", "--since", "1h", "--database-url", &url])
+                .env("OUTBOX_RELAY_RETAIN_DELIVERED", "true")
+                .current_dir(d)
+                .output()
+                .unwrap()
+        })
+    };
+    eventually(
+        "the replay's update to wait",
+        Duration::from_secs(30),
+        || {
+            let pool = pool.clone();
+            async move {
+                let mut conn = pool.get_conn().await.ok()?;
+                let waiting: Option<i64> = conn
+                    .query_first(
+                        "SELECT count(*) FROM information_schema.PROCESSLIST
+                      WHERE ID <> CONNECTION_ID() AND INFO LIKE 'UPDATE%'",
+                    )
+                    .await
+                    .ok()?;
+                (waiting == Some(1)).then_some(())
+            }
+        },
+    )
+    .await;
+    prune.query_drop("COMMIT").await.unwrap();
+    let out = replay.join().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let pending: Option<i64> = conn
+        .query_first("SELECT count(*) FROM outbox WHERE delivered_at IS NULL")
+        .await
+        .unwrap();
+    assert_eq!(
+        pending,
+        Some(1),
+        "the row after the pruned page is replayed"
+    );
+}

@@ -277,6 +277,59 @@ async fn prune_keeps_a_row_replayed_between_its_pick_and_its_delete() {
     assert_eq!(left, Some(1), "the replayed row is still there");
 }
 
+/// `dead purge` picked the dead rows with one statement and deleted them by id with
+/// another. A row that `dead retry` made pending in between (here the retry's update,
+/// committed while the purge's delete waits on its lock) was deleted all the same, though
+/// the retry had said it would go out again. The delete checks again that the row is dead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_purge_keeps_a_row_retried_between_its_pick_and_its_delete() {
+    use outbox_core::store::{DeadSelector, Operations};
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let store = store(&url, false);
+    store.migrate().await.unwrap();
+    let pool = mysql_async::Pool::new(url.as_str());
+    let mut conn = pool.get_conn().await.unwrap();
+    conn.query_drop(
+        "INSERT INTO outbox (destination, event_type, payload, attempts, last_error, dead_at)
+         VALUES ('d', 't', '1', 20, 'refused', UTC_TIMESTAMP(6))",
+    )
+    .await
+    .unwrap();
+    // A retry of the dead row, not yet committed.
+    let mut retry = pool.get_conn().await.unwrap();
+    retry.query_drop("BEGIN").await.unwrap();
+    retry
+        .query_drop("UPDATE outbox SET dead_at = NULL, attempts = 0")
+        .await
+        .unwrap();
+    let purging = tokio::spawn({
+        let store = store.clone();
+        async move { store.dead_purge(DeadSelector::All).await }
+    });
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let waiting: Option<i64> = conn
+            .query_first(
+                "SELECT count(*) FROM information_schema.PROCESSLIST
+                  WHERE ID <> CONNECTION_ID() AND INFO LIKE 'DELETE%'",
+            )
+            .await
+            .unwrap();
+        if waiting == Some(1) {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "no delete waiting");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    retry.query_drop("COMMIT").await.unwrap();
+    assert_eq!(purging.await.unwrap().unwrap(), 0, "nothing purged");
+    let left: Option<i64> = conn
+        .query_first("SELECT count(*) FROM outbox WHERE dead_at IS NULL")
+        .await
+        .unwrap();
+    assert_eq!(left, Some(1), "the retried row is still there");
+}
+
 /// An application whose session is not in UTC (`SET time_zone`, a driver's setting, a server
 /// in local time) inserts with the table's defaults. `created_at` and `available_at` took
 /// its local time, the relay compares them with UTC: at UTC+2 every event was held back two
