@@ -711,10 +711,12 @@ async fn dead_letters(State(c): State<Arc<Console>>, RawQuery(raw): RawQuery) ->
         Ok(rows) => rows,
         Err(r) => return r,
     };
-    // A full page may have more after it.
+    // A full page may have more after it. A table with UUID row ids shows them as 0 and
+    // cannot be paged by id: no `next_after`, which gave its first page again for good.
     let next_after = (rows.len() == limit)
         .then(|| rows.last().map(|r| r.sequence_id))
-        .flatten();
+        .flatten()
+        .filter(|&id| id > 0);
     reply(
         StatusCode::OK,
         json!({
