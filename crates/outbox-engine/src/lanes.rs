@@ -102,6 +102,26 @@ impl Unseen {
 struct Held {
     partition: i32,
     lane: LaneKey,
+    /// What the row costs in memory while held ([`outbox_core::memory::event_bytes`]).
+    bytes: usize,
+}
+
+/// What a claimed row costs in memory while held.
+fn row_bytes(row: &Claimed) -> usize {
+    match row {
+        Claimed::Event(e) => outbox_core::memory::event_bytes(e),
+        Claimed::Undecodable {
+            ordering_key,
+            destination,
+            reason,
+            ..
+        } => {
+            outbox_core::memory::EVENT_OVERHEAD
+                + ordering_key.len()
+                + destination.len()
+                + reason.len()
+        }
+    }
 }
 
 /// A held row handed to release (or retry) statements that have not all reported back.
@@ -123,6 +143,10 @@ pub struct Lanes {
     /// Every row this node leases and has not settled (for lease extension and release),
     /// with its partition and lane.
     held: IdMap<Held>,
+    /// The bytes of the held rows.
+    held_bytes: usize,
+    /// The largest row of the last claim: what the next claim expects each row to cost.
+    last_claims_largest: Option<usize>,
     /// Held rows per partition, when the node holds partitions.
     busy: HashMap<i32, usize>,
     /// Held rows handed to release statements that have not all reported back.
@@ -200,6 +224,16 @@ impl Lanes {
         self.held.len()
     }
 
+    /// The bytes the held rows cost in memory.
+    pub fn held_bytes(&self) -> usize {
+        self.held_bytes
+    }
+
+    /// The largest row of the last claim that returned rows.
+    pub fn last_claims_largest(&self) -> Option<usize> {
+        self.last_claims_largest
+    }
+
     pub fn held_ids(&self) -> Vec<SequenceId> {
         self.held.keys().copied().collect()
     }
@@ -217,8 +251,13 @@ impl Lanes {
     /// to release at once because their key is blocked.
     pub fn accept(&mut self, claim_no: u64, claimed: Vec<Claimed>) -> Vec<SequenceId> {
         let mut release = Vec::new();
+        let largest = claimed.iter().map(row_bytes).max();
+        if largest.is_some() {
+            self.last_claims_largest = largest;
+        }
         for row in claimed {
             let seq = row.sequence_id();
+            let bytes = row_bytes(&row);
             let partition = self
                 .partition_count
                 .map_or(0, |n| outbox_core::partition_of(row.ordering_key(), n));
@@ -229,7 +268,9 @@ impl Lanes {
                     slot.insert(Held {
                         partition,
                         lane: key.clone(),
+                        bytes,
                     });
+                    self.held_bytes += bytes;
                     true
                 }
             };
@@ -485,6 +526,7 @@ impl Lanes {
     pub fn forget(&mut self, ids: &[SequenceId]) {
         for id in ids {
             if let Some(held) = self.held.remove(id) {
+                self.held_bytes -= held.bytes;
                 if let Some(n) = self.busy.get_mut(&held.partition) {
                     *n -= 1;
                     if *n == 0 {

@@ -797,15 +797,20 @@ impl Engine {
     /// nothing is held. A claim for a handful of rows while thousands are in flight costs a
     /// round trip, and the sink a batch, for little.
     fn start_claim(&mut self) {
+        let settings = &self.config.settings;
         let held = self.lanes.held();
-        let capacity = self.config.settings.max_in_flight.saturating_sub(held);
-        let worth_a_claim = (self
-            .config
-            .settings
+        // Rows by count, and by what they cost in memory: 1 MiB events counted only by
+        // number held 10,000 MiB behind a slow sink, an OOM kill that claimed them again.
+        let row_bytes = self.lanes.last_claims_largest();
+        let fit = settings.rows_that_fit(self.lanes.held_bytes(), row_bytes);
+        let capacity = settings.max_in_flight.saturating_sub(held).min(fit);
+        // Half of what a claim could take with nothing held: of a batch, or of the rows
+        // that fit the memory budget (large rows would otherwise wait for every held one).
+        let whole = settings
             .batch_size
-            .min(self.config.settings.max_in_flight)
-            / 2)
-        .max(1);
+            .min(settings.max_in_flight)
+            .min(settings.rows_that_fit(0, row_bytes));
+        let worth_a_claim = (whole / 2).max(1);
         if (held > 0 && capacity < worth_a_claim) || !self.claims.due(capacity) {
             return;
         }

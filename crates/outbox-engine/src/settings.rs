@@ -25,6 +25,14 @@ pub const DEFAULT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(20);
 /// 30 s grace period that Kubernetes and systemd give before killing.
 pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(15);
 
+/// What the engine holds of claimed events by default, in MiB: ten thousand events of 6 KiB.
+pub const DEFAULT_MEMORY_MIB: u64 = 64;
+/// The most `memory_mib` may be (64 GiB): more is a typo, not a plan.
+const MAX_MEMORY_MIB: u64 = 65_536;
+/// What a claim expects each row to cost before it has seen one: a claim of rows too large
+/// for the budget then takes one, not a batch.
+const FIRST_ROW_ESTIMATE: usize = 1024 * 1024;
+
 /// How often the backlog gauges are read. Each read counts the pending rows, so on a large
 /// backlog it is a scan of its own; 5 s keeps the gauges useful for alerts.
 pub const DEFAULT_BACKLOG_INTERVAL: Duration = Duration::from_secs(5);
@@ -46,6 +54,11 @@ outbox_core::settings! {
         pub batch_size: usize = DEFAULT_BATCH_SIZE,
         /// Rows one node holds at most while publishing.
         pub max_in_flight: usize = DEFAULT_MAX_IN_FLIGHT,
+        /// The most claimed events the node holds in memory, in MiB, counted by their size
+        /// (payload, key, headers): no claim is made while they fill it, and a claim takes no
+        /// more rows than fit at the size of the last claim's largest. One event larger than
+        /// this is still claimed, alone.
+        pub memory_mib: u64 = DEFAULT_MEMORY_MIB,
         /// Lease on claimed rows; a crashed node's rows return after it.
         #[serde(with = "outbox_core::time::duration_text")]
         pub lease: Duration = DEFAULT_LEASE,
@@ -72,12 +85,36 @@ outbox_core::settings! {
 }
 
 impl EngineSettings {
+    /// The memory budget in bytes.
+    pub fn memory_budget(&self) -> usize {
+        usize::try_from(self.memory_mib.saturating_mul(1024 * 1024)).unwrap_or(usize::MAX)
+    }
+
+    /// How many rows a claim may take with `held_bytes` held, each row expected to cost
+    /// `row_bytes` (`None`: no row seen yet). At least one when nothing is held.
+    pub fn rows_that_fit(&self, held_bytes: usize, row_bytes: Option<usize>) -> usize {
+        let room = self.memory_budget().saturating_sub(held_bytes);
+        let fit = room / row_bytes.unwrap_or(FIRST_ROW_ESTIMATE).max(1);
+        if held_bytes == 0 {
+            fit.max(1)
+        } else {
+            fit
+        }
+    }
+
     /// Refuses values the engine cannot work with, naming the setting and the fix.
     pub fn validate(&self) -> Result<(), String> {
         if self.batch_size == 0 || self.batch_size > MAX_BATCH_SIZE {
             return Err(format!(
                 "batch_size must be between 1 and {MAX_BATCH_SIZE} (got {})",
                 self.batch_size
+            ));
+        }
+        if !(1..=MAX_MEMORY_MIB).contains(&self.memory_mib) {
+            return Err(format!(
+                "memory_mib must be between 1 and {MAX_MEMORY_MIB} (got {}): it is the MiB of \
+                 claimed events the node may hold",
+                self.memory_mib
             ));
         }
         if self.max_in_flight < self.batch_size {

@@ -123,6 +123,7 @@ macro_rules! store_conformance {
             engine_a_dead_letter_the_fence_refuses_keeps_its_key_in_order,
             engine_unordered_retries_and_dead_letters_go_out_again,
             engine_drain_ends_when_every_claim_keeps_failing,
+            engine_holds_no_more_claimed_bytes_than_its_memory_budget,
             operator_lists_retries_and_purges_dead_letters, operator_replays_and_prunes_in_batches,
             operator_pages_dead_letters_and_shows_one_event);
         $crate::store_conformance!(@groups $new_harness; $($groups)*);
@@ -776,6 +777,118 @@ pub async fn engine_delivers_in_order_per_key(h: &dyn Harness) {
             "a batch carried one key twice: {batch:?}"
         );
     }
+}
+
+/// A publisher whose publishes end one event at a time, when the test lets them: how many
+/// events it holds unconfirmed at most shows how much the engine claimed ahead of the sink.
+#[derive(Clone)]
+struct GatedPublisher(Arc<Gate>);
+
+struct Gate {
+    open: tokio::sync::Semaphore,
+    waiting: std::sync::atomic::AtomicUsize,
+    most_waiting: std::sync::atomic::AtomicUsize,
+    done: std::sync::atomic::AtomicUsize,
+}
+
+impl GatedPublisher {
+    fn new() -> Self {
+        GatedPublisher(Arc::new(Gate {
+            open: tokio::sync::Semaphore::new(0),
+            waiting: 0.into(),
+            most_waiting: 0.into(),
+            done: 0.into(),
+        }))
+    }
+}
+
+impl outbox_core::Publisher for GatedPublisher {
+    fn describe(&self) -> String {
+        "gated".into()
+    }
+
+    fn publish(
+        &self,
+        batch: Vec<Arc<outbox_core::Event>>,
+    ) -> BoxFuture<'static, Vec<outbox_core::Outcome>> {
+        use std::sync::atomic::Ordering::SeqCst;
+        let gate = self.0.clone();
+        Box::pin(async move {
+            let mut outcomes = Vec::with_capacity(batch.len());
+            for _ in &batch {
+                let now = gate.waiting.fetch_add(1, SeqCst) + 1;
+                gate.most_waiting.fetch_max(now, SeqCst);
+            }
+            for _ in &batch {
+                gate.open.acquire().await.expect("open").forget();
+                gate.waiting.fetch_sub(1, SeqCst);
+                gate.done.fetch_add(1, SeqCst);
+                outcomes.push(Ok(()));
+            }
+            outcomes
+        })
+    }
+
+    fn health(&self) -> BoxFuture<'static, Result<(), outbox_core::PublishError>> {
+        Box::pin(async { Ok(()) })
+    }
+}
+
+/// Claims were sized by row count alone: behind a slow sink a node held `max_in_flight`
+/// events whatever their size (10,000 events of 1 MiB, an OOM kill that claimed them
+/// again). With `memory_mib = 1`, events of 256 KiB are held three at a time, however many
+/// a batch or `max_in_flight` would allow.
+pub async fn engine_holds_no_more_claimed_bytes_than_its_memory_budget(h: &dyn Harness) {
+    use std::sync::atomic::Ordering::SeqCst;
+    let store = h.store();
+    let payload = format!("\"{}\"", "x".repeat(256 * 1024));
+    let events: Vec<NewEvent> = (0..12)
+        .map(|n| NewEvent {
+            destination: "d".into(),
+            partition_key: Some(format!("k{n}")),
+            event_type: "t".into(),
+            payload: Some(payload.clone()),
+            ..NewEvent::default()
+        })
+        .collect();
+    store.insert(events).await.unwrap();
+    let publisher = GatedPublisher::new();
+    let gate = publisher.0.clone();
+    let mut config = engine_config(false);
+    config.settings.memory_mib = 1;
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let engine = tokio::spawn(outbox_engine::run(
+        store.clone(),
+        Arc::new(publisher),
+        config,
+        async move {
+            let _ = stop_rx.await;
+        },
+    ));
+    for delivered in 1..=12 {
+        eventually(
+            "an event waiting at the sink",
+            Duration::from_secs(20),
+            || {
+                let waiting = gate.waiting.load(SeqCst);
+                async move { (waiting > 0).then_some(()) }
+            },
+        )
+        .await;
+        gate.open.add_permits(1);
+        eventually("the event confirmed", Duration::from_secs(20), || {
+            let done = gate.done.load(SeqCst);
+            async move { (done >= delivered).then_some(()) }
+        })
+        .await;
+    }
+    stop_tx.send(()).unwrap();
+    engine.await.unwrap().unwrap();
+    let most = gate.most_waiting.load(SeqCst);
+    assert!(
+        most <= 3,
+        "{most} events of 256 KiB held at once under a budget of 1 MiB"
+    );
 }
 
 /// A publisher that stores a prefix of each batch ([`outbox_core::Publisher::max_events_per_key`]) gets
