@@ -520,6 +520,7 @@ impl Engine {
         let mut dead = Vec::new();
         let mut release = Vec::new();
         let mut first_failure: Option<(String, usize)> = None;
+        let mut first_dead: Option<(SequenceId, String, String, String)> = None;
         // A lane's run is consecutive in the batch. Its confirmed prefix is acked; its first
         // failure is retried or dead-lettered as a lane head; the rest of the run is not
         // counted (released, or handed out again), whatever the sink said of it.
@@ -590,7 +591,9 @@ impl Engine {
                             });
                         }
                         RetryDecision::DeadLetter => {
-                            tracing::error!(
+                            // One error line per batch (below), each event at debug: a sink
+                            // refusing everything at 5,000 events/s wrote 5,000 lines a second.
+                            tracing::debug!(
                                 sequence_id = event.sequence_id,
                                 event_id = %event.event_id,
                                 destination = %event.destination,
@@ -598,6 +601,14 @@ impl Engine {
                                 error = %report,
                                 "event cannot be delivered; dead-lettering it"
                             );
+                            if first_dead.is_none() {
+                                first_dead = Some((
+                                    event.sequence_id,
+                                    event.event_id.to_string(),
+                                    event.destination.clone(),
+                                    report.clone(),
+                                ));
+                            }
                             dead_lanes.push(SettledLane {
                                 key: lane,
                                 destination: event.destination.clone(),
@@ -614,6 +625,17 @@ impl Engine {
         }
         if let Some((error, count)) = first_failure {
             tracing::warn!(events = count, %error, sink = %self.publisher.describe(), "publish failed; will retry with backoff");
+        }
+        if let Some((sequence_id, event_id, destination, error)) = first_dead {
+            tracing::error!(
+                events = dead.len(),
+                sequence_id,
+                %event_id,
+                %destination,
+                %error,
+                "events cannot be delivered; dead-lettering them (the first of them named; \
+                 `outbox-relay dead list` shows each)"
+            );
         }
         self.ack(acked);
         self.retry_later(retry_lanes, retries);

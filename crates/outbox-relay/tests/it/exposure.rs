@@ -559,3 +559,57 @@ async fn readyz_requests_share_one_look_at_the_sink() {
     );
     assert!(relay.terminate().await.success(), "{}", relay.logs());
 }
+
+/// A sink that refuses every event (a receiver answering 400) wrote one ERROR line per
+/// event dead-lettered: at 5,000 events a second, 5,000 lines a second. One line per batch
+/// now names the first and the count; `dead list` shows each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sink_refusing_everything_writes_one_error_line_per_batch() {
+    let receiver = Receiver::start(answer("400 Bad Request", "", "no")).await;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let url = format!("sqlite:{}", d.join("outbox.db").display());
+    let run = |args: &[&str]| {
+        std::process::Command::new(BIN)
+            .args(args)
+            .current_dir(d)
+            .env_remove("DATABASE_URL")
+            .output()
+            .unwrap()
+    };
+    assert!(run(&["migrate", "--database-url", &url]).status.success());
+    {
+        let conn = rusqlite::Connection::open(d.join("outbox.db")).unwrap();
+        for i in 0..40 {
+            conn.execute(
+                "INSERT INTO outbox (destination, partition_key, event_type, payload)
+                 VALUES ('orders', ?1, 't', '{}')",
+                [format!("k{i}")],
+            )
+            .unwrap();
+        }
+    }
+    let sink = format!("http://{}/in", receiver.addr);
+    let args = [
+        "run",
+        "--drain",
+        "--database-url",
+        &url,
+        "--sink",
+        &sink,
+        "--http-addr",
+        "",
+        "--log-format",
+        "json",
+    ];
+    let out = run(&args);
+    let log = text(&out.stderr);
+    let errors = log
+        .lines()
+        .filter(|l| l.contains("\"level\":\"ERROR\"") && l.contains("dead-letter"))
+        .count();
+    assert!((1..=4).contains(&errors), "{errors} error lines: {log}");
+    assert!(log.contains("\"events\":"), "{log}");
+    let dead = run(&["dead", "list", "--database-url", &url, "--limit", "100"]);
+    assert_eq!(text(&dead.stdout).matches("orders").count(), 40);
+}
