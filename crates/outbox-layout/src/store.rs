@@ -1147,7 +1147,9 @@ impl<D: MappedDb> Operations for MappedStore<D> {
                     store.inner.db.execute("dead purge", gone, p).await?;
                 }
                 purged += n;
-                if ids.len() < PURGE_BATCH as usize {
+                // A delete that took none of the rows picked (a trigger or a policy keeps
+                // them) would pick them again for good.
+                if ids.len() < PURGE_BATCH as usize || n == 0 {
                     return Ok(purged);
                 }
             }

@@ -639,12 +639,20 @@ impl Provider for AsWritten {
     }
 }
 
-/// Sets the dotted `path` in `dict`, making the tables on the way.
+/// Sets the dotted `path` in `dict`, making the tables on the way. A table set where one
+/// is already is merged into it, whichever variable came first (as figment's own does).
 fn insert_at(dict: &mut Dict, path: &str, value: Value) {
     match path.split_once('.') {
-        None => {
-            dict.insert(path.to_string(), value);
-        }
+        None => match (dict.get_mut(path), value) {
+            (Some(Value::Dict(_, existing)), Value::Dict(_, given)) => {
+                for (key, value) in given {
+                    insert_at(existing, &key, value);
+                }
+            }
+            (_, value) => {
+                dict.insert(path.to_string(), value);
+            }
+        },
         Some((table, rest)) => {
             let entry = dict
                 .entry(table.to_string())
@@ -1628,6 +1636,19 @@ mod tests {
         };
         for written in ["0123", "1e3", "1.50", "-0", "+7", "123", "true", "x9"] {
             assert_eq!(token(written), written);
+        }
+        // A table given whole and a key of it given alone are merged, in either order.
+        let retry = ("OUTBOX_RELAY_RETRY", "{base_delay=\"2s\"}");
+        let attempts = ("OUTBOX_RELAY_RETRY__MAX_ATTEMPTS", "5");
+        for env in [[retry, attempts], [attempts, retry]] {
+            let config = load_with_files(&[], &env, &["outbox-relay", "check"])
+                .unwrap_or_else(|(e, _)| panic!("{e}"));
+            assert_eq!(config.engine.retry.max_attempts, 5, "{env:?}");
+            assert_eq!(
+                config.engine.retry.base_delay,
+                Duration::from_secs(2),
+                "{env:?}"
+            );
         }
         let (err, _) = load_with_files(
             &[],
