@@ -109,19 +109,8 @@ impl Nodes {
     /// In one transaction: reads the node's row (its expiry in microseconds since the epoch,
     /// counted without the session's time zone, and whether it is live), and writes `now +
     /// ttl` if `may_write` accepts what it read. Returns the expiry read and the one written.
+    /// Callers bound it ([`crate::bounded`]).
     async fn write_node_expiry(
-        &self,
-        context: &'static str,
-        nodes: &str,
-        node: &NodeId,
-        ttl: Duration,
-        may_write: impl FnOnce(Option<NodeRow>) -> bool,
-    ) -> StoreResult<(Option<i64>, Option<i64>)> {
-        let write = self.write_node_expiry_unbounded(context, nodes, node, ttl, may_write);
-        bounded(self.operation_timeout, context, write).await
-    }
-
-    async fn write_node_expiry_unbounded(
         &self,
         context: &'static str,
         nodes: &str,
@@ -182,9 +171,9 @@ impl NodeRegistry for Nodes {
         let store = self.clone();
         async move {
             let nodes = store.table.clone();
-            let (current, written) = store
-                .write_node_expiry("register", &nodes, &node, ttl, NodeRow::may_register)
-                .await?;
+            let write =
+                store.write_node_expiry("register", &nodes, &node, ttl, NodeRow::may_register);
+            let (current, written) = bounded(store.operation_timeout, "register", write).await?;
             Ok(match (written, current) {
                 (Some(w), _) => Registration::Registered(Incarnation(w)),
                 (None, c) => Registration::Taken(Incarnation(c.unwrap_or(0))),
@@ -198,11 +187,10 @@ impl NodeRegistry for Nodes {
         let store = self.clone();
         async move {
             let nodes = store.table.clone();
-            let (_, written) = store
-                .write_node_expiry("heartbeat", &nodes, &node, ttl, |row| {
-                    NodeRow::may_heartbeat(row, last)
-                })
-                .await?;
+            let write = store.write_node_expiry("heartbeat", &nodes, &node, ttl, |row| {
+                NodeRow::may_heartbeat(row, last)
+            });
+            let (_, written) = bounded(store.operation_timeout, "heartbeat", write).await?;
             Ok(written.map(Incarnation))
         }
         .boxed()

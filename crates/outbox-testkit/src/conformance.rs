@@ -779,6 +779,41 @@ pub async fn engine_delivers_in_order_per_key(h: &dyn Harness) {
     }
 }
 
+/// A store behind `proxy`, its operation bound short: a claim once the network drops
+/// everything (and tells nobody, so the pooled connection looks open) ends with a retryable
+/// connection error, and the store answers again once the network is back.
+pub async fn a_claim_through_a_blackhole_fails_retryably(
+    store: &dyn OutboxStore,
+    proxy: &crate::FaultProxy,
+) {
+    store.ping().await.unwrap();
+    proxy.blackhole();
+    let claim = store.claim(ClaimRequest::new(
+        NodeId::random(),
+        10,
+        Duration::from_secs(30),
+    ));
+    // Only a guard against hanging forever (what happened before the operation bound).
+    let outcome = tokio::time::timeout(Duration::from_secs(60), claim)
+        .await
+        .expect("a claim on a dead connection must end");
+    let error = outcome.expect_err("nothing can be claimed through a blackhole");
+    assert_eq!(
+        error.kind(),
+        StoreErrorKind::Connection,
+        "{}",
+        error.report()
+    );
+    assert!(error.is_retryable());
+    proxy.heal();
+    eventually(
+        "the store to answer again",
+        Duration::from_secs(60),
+        || async { store.ping().await.ok() },
+    )
+    .await;
+}
+
 /// A publisher whose publishes end one event at a time, when the test lets them: how many
 /// events it holds unconfirmed at most shows how much the engine claimed ahead of the sink.
 #[derive(Clone)]

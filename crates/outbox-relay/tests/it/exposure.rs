@@ -569,14 +569,7 @@ async fn a_sink_refusing_everything_writes_one_error_line_per_batch() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let url = format!("sqlite:{}", d.join("outbox.db").display());
-    let run = |args: &[&str]| {
-        std::process::Command::new(BIN)
-            .args(args)
-            .current_dir(d)
-            .env_remove("DATABASE_URL")
-            .output()
-            .unwrap()
-    };
+    let run = |args: &[&str]| support::relay(d, args);
     assert!(run(&["migrate", "--database-url", &url]).status.success());
     {
         let conn = rusqlite::Connection::open(d.join("outbox.db")).unwrap();
@@ -590,19 +583,18 @@ async fn a_sink_refusing_everything_writes_one_error_line_per_batch() {
         }
     }
     let sink = format!("http://{}/in", receiver.addr);
-    let args = [
+    let out = run(&[
         "run",
         "--drain",
-        "--database-url",
-        &url,
-        "--sink",
-        &sink,
-        "--http-addr",
-        "",
         "--log-format",
         "json",
-    ];
-    let out = run(&args);
+        "--http-addr",
+        "",
+        "--sink",
+        &sink,
+        "--database-url",
+        &url,
+    ]);
     let log = text(&out.stderr);
     let errors = log
         .lines()

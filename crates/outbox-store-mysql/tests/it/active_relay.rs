@@ -6,22 +6,12 @@ use std::time::Duration;
 
 use outbox_core::store::ClaimRequest;
 use outbox_core::{NodeId, OutboxStore};
-use outbox_layout::Mapping;
-use outbox_store_mysql::{MySqlOptions, MySqlStore};
+use outbox_store_mysql::MySqlStore;
 use outbox_testkit::conformance::keyed_event;
 use outbox_testkit::eventually;
 
 fn store(url: &str) -> MySqlStore {
-    MySqlStore::new(MySqlOptions {
-        url: url.into(),
-        mapping: Mapping::native_mysql(None, "outbox", false),
-        layout: "native".into(),
-        max_attempts: 10,
-        pool_size: 2,
-        nodes_table: None,
-        operation_timeout: None,
-    })
-    .unwrap()
+    crate::native_store(url, None)
 }
 
 fn claim_by(node: &str) -> ClaimRequest {

@@ -253,21 +253,7 @@ async fn prune_keeps_a_row_replayed_between_its_pick_and_its_delete() {
         }
     });
     // The prune's delete waits on the replay's lock.
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let waiting: Option<i64> = conn
-            .query_first(
-                "SELECT count(*) FROM information_schema.PROCESSLIST
-                  WHERE ID <> CONNECTION_ID() AND INFO LIKE 'DELETE%'",
-            )
-            .await
-            .unwrap();
-        if waiting == Some(1) {
-            break;
-        }
-        assert!(std::time::Instant::now() < deadline, "no delete waiting");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until_a_delete_waits(&mut conn).await;
     replay.query_drop("COMMIT").await.unwrap();
     assert_eq!(pruning.await.unwrap().unwrap(), 0, "nothing pruned");
     let left: Option<i64> = conn
@@ -306,6 +292,18 @@ async fn dead_purge_keeps_a_row_retried_between_its_pick_and_its_delete() {
         let store = store.clone();
         async move { store.dead_purge(DeadSelector::All).await }
     });
+    until_a_delete_waits(&mut conn).await;
+    retry.query_drop("COMMIT").await.unwrap();
+    assert_eq!(purging.await.unwrap().unwrap(), 0, "nothing purged");
+    let left: Option<i64> = conn
+        .query_first("SELECT count(*) FROM outbox WHERE dead_at IS NULL")
+        .await
+        .unwrap();
+    assert_eq!(left, Some(1), "the retried row is still there");
+}
+
+/// Until another session's DELETE is running (waiting on a lock the test holds).
+async fn until_a_delete_waits(conn: &mut mysql_async::Conn) {
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     loop {
         let waiting: Option<i64> = conn
@@ -316,18 +314,11 @@ async fn dead_purge_keeps_a_row_retried_between_its_pick_and_its_delete() {
             .await
             .unwrap();
         if waiting == Some(1) {
-            break;
+            return;
         }
         assert!(std::time::Instant::now() < deadline, "no delete waiting");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    retry.query_drop("COMMIT").await.unwrap();
-    assert_eq!(purging.await.unwrap().unwrap(), 0, "nothing purged");
-    let left: Option<i64> = conn
-        .query_first("SELECT count(*) FROM outbox WHERE dead_at IS NULL")
-        .await
-        .unwrap();
-    assert_eq!(left, Some(1), "the retried row is still there");
 }
 
 /// An application whose session is not in UTC (`SET time_zone`, a driver's setting, a server

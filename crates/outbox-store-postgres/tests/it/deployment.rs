@@ -5,8 +5,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::store::ClaimRequest;
-use outbox_core::{NodeId, OutboxStore, StoreErrorKind};
+use outbox_core::OutboxStore;
 use outbox_store_postgres::{PgOptions, PgStore, Tables};
 use outbox_testkit::{eventually, FaultProxy};
 
@@ -28,35 +27,7 @@ async fn an_operation_on_a_blackholed_connection_ends_with_a_retryable_error() {
         ..options(&proxied)
     })
     .unwrap();
-    store.ping().await.unwrap();
-
-    // The network drops everything and tells nobody: the pooled connection looks open.
-    proxy.blackhole();
-    let claim = store.claim(ClaimRequest::new(
-        NodeId::random(),
-        10,
-        Duration::from_secs(30),
-    ));
-    // Only a guard against hanging forever (what happened before the operation timeout).
-    let outcome = tokio::time::timeout(Duration::from_secs(120), claim)
-        .await
-        .expect("a claim on a dead connection must end");
-    let error = outcome.expect_err("nothing can be claimed through a blackhole");
-    assert_eq!(
-        error.kind(),
-        StoreErrorKind::Connection,
-        "{}",
-        error.report()
-    );
-    assert!(error.is_retryable());
-
-    // Once the network is back, the store works again.
-    proxy.heal();
-    eventually("the store to answer again", Duration::from_secs(60), || {
-        let store = store.clone();
-        async move { store.ping().await.ok() }
-    })
-    .await;
+    outbox_testkit::conformance::a_claim_through_a_blackhole_fails_retryably(&store, &proxy).await;
 }
 
 fn gated(url: &str, name: &str) -> PgStore {
