@@ -126,9 +126,31 @@ impl Inner {
             .set_response_timeout(Some(self.timeout))
             .set_number_of_retries(2)
             .set_max_delay(Duration::from_secs(2));
-        let manager = ConnectionManager::new_with_config(self.client.clone(), config)
+        let mut manager = ConnectionManager::new_with_config(self.client.clone(), config)
             .await
             .map_err(|e| classify(e, &self.shown))?;
+        // A cluster node answers keys of another node's slots with MOVED: every such event
+        // failed as a broker failure until dead-lettered. Said once, at the connection.
+        // A role allowed no INFO (least privilege) cannot tell: it is not asked to.
+        let info: String = match redis::cmd("INFO")
+            .arg("cluster")
+            .query_async(&mut manager)
+            .await
+        {
+            Ok(info) => info,
+            Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoPerm) => String::new(),
+            Err(e) => return Err(classify(e, &self.shown)),
+        };
+        if info.lines().any(|l| l.trim() == "cluster_enabled:1") {
+            return Err(PublishError::new(
+                PublishErrorKind::Unavailable,
+                format!(
+                    "{} is a Redis Cluster node: Redis Cluster is not supported; point the sink \
+                     at a standalone server or a Sentinel-managed primary",
+                    self.shown
+                ),
+            ));
+        }
         *slot = Some(manager.clone());
         Ok(manager)
     }

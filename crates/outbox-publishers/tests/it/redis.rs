@@ -286,6 +286,27 @@ async fn refusals_are_classified_by_the_servers_error_code() {
     let limited = format!("redis://no-scripts:pw@127.0.0.1:{}", server.port);
     let err = send_one(limited, "s").await;
     assert_eq!(err.kind(), PublishErrorKind::Unauthorized, "{err}");
+    // A role allowed no INFO still publishes: the check for a cluster node is skipped.
+    let _: () = redis::cmd("ACL")
+        .arg(&["SETUSER", "no-info", "on", ">pw", "~*", "+@all", "-info"])
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let sink = outbox_publishers::build_sink(
+        "redis",
+        &SinkConfig::new(format!("redis://no-info:pw@127.0.0.1:{}", server.port)),
+    )
+    .await
+    .unwrap();
+    let event = outbox_testkit::publisher::event(2, "k", b"{}".to_vec());
+    let sent = sink
+        .send(vec![outbox_publishers::Routed {
+            cloudevents: None,
+            event,
+            target: "allowed".into(),
+        }])
+        .await;
+    assert!(sent[0].is_ok(), "{:?}", sent[0]);
 
     let _: () = redis::cmd("CONFIG")
         .arg(&["SET", "requirepass", "sekrit"])
@@ -302,4 +323,45 @@ async fn refusals_are_classified_by_the_servers_error_code() {
         .await
         .expect_err("the server requires a password");
     assert_eq!(err.kind(), PublishErrorKind::Unauthorized, "{err}");
+}
+
+/// A Redis Cluster node answers a key of a slot another node serves with MOVED, and one of
+/// a cluster missing slots with CLUSTERDOWN: the sink, which speaks to one server, retried
+/// each event as a broker failure until it was dead-lettered. It says at its first
+/// connection that Redis Cluster is not supported, and what to point it at.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_cluster_node_is_refused_saying_so() {
+    let server = ServerProcess::start(
+        "redis-server",
+        &[
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            "{port}",
+            "--save",
+            "",
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "{dir}/nodes.conf",
+        ],
+    );
+    let sink = outbox_publishers::build_sink("redis", &SinkConfig::new(url(&server)))
+        .await
+        .unwrap();
+    let event = outbox_testkit::publisher::event(1, "k", b"{}".to_vec());
+    let err = sink
+        .send(vec![outbox_publishers::Routed {
+            cloudevents: None,
+            event,
+            target: "orders".into(),
+        }])
+        .await
+        .remove(0)
+        .expect_err("a cluster node is refused");
+    let said = err.to_string();
+    assert!(
+        said.contains("Redis Cluster is not supported") && said.contains("standalone"),
+        "{said}"
+    );
 }
