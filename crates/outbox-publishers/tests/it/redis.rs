@@ -206,34 +206,28 @@ async fn tls_is_verified_against_the_configured_ca() {
         "uri": format!("rediss://127.0.0.1:{}", server.port),
         "tls_ca_file": certs.path().join("ca.pem"),
     }));
-    let sink = outbox_publishers::build_sink("redis", &config)
+    let outcome = send_one(&config, "secure").await;
+    assert!(outcome.is_ok(), "{outcome:?}");
+    let untrusted = SinkConfig::new(config.uri());
+    assert!(
+        send_one(&untrusted, "secure").await.is_err(),
+        "an untrusted server must not get the event"
+    );
+}
+
+/// Builds a sink from `config` and sends it one event (`{}`, key `k`) for `target`.
+async fn send_one(config: &SinkConfig, target: &str) -> outbox_core::Outcome {
+    let sink = outbox_publishers::build_sink("redis", config)
         .await
         .unwrap();
     let event = outbox_testkit::publisher::event(1, "k", b"{}".to_vec());
-    let outcomes = sink
-        .send(vec![outbox_publishers::Routed {
-            cloudevents: None,
-            event,
-            target: "secure".into(),
-        }])
-        .await;
-    assert!(outcomes[0].is_ok(), "{:?}", outcomes[0]);
-    let untrusted = SinkConfig::new(config.uri());
-    let sink = outbox_publishers::build_sink("redis", &untrusted)
-        .await
-        .unwrap();
-    let event = outbox_testkit::publisher::event(2, "k", b"{}".to_vec());
-    let outcomes = sink
-        .send(vec![outbox_publishers::Routed {
-            cloudevents: None,
-            event,
-            target: "secure".into(),
-        }])
-        .await;
-    assert!(
-        outcomes[0].is_err(),
-        "an untrusted server must not get the event"
-    );
+    sink.send(vec![outbox_publishers::Routed {
+        cloudevents: None,
+        event,
+        target: target.into(),
+    }])
+    .await
+    .remove(0)
 }
 
 /// The server's refusals become publish outcomes by their error code: a key of another type
@@ -251,23 +245,14 @@ async fn refusals_are_classified_by_the_servers_error_code() {
         .get_multiplexed_async_connection()
         .await
         .unwrap();
-    let send_one = |uri: String, target: &'static str| async move {
-        let sink = outbox_publishers::build_sink("redis", &SinkConfig::new(uri))
+    let refused = |uri: String, target: &'static str| async move {
+        send_one(&SinkConfig::new(uri), target)
             .await
-            .unwrap();
-        let event = outbox_testkit::publisher::event(1, "k", b"{}".to_vec());
-        let mut outcomes = sink
-            .send(vec![outbox_publishers::Routed {
-                cloudevents: None,
-                event,
-                target: target.into(),
-            }])
-            .await;
-        outcomes.remove(0).expect_err("the server refuses it")
+            .expect_err("the server refuses it")
     };
 
     let _: () = admin.set("a-string", "not a stream").await.unwrap();
-    let err = send_one(url(&server), "a-string").await;
+    let err = refused(url(&server), "a-string").await;
     assert_eq!(err.kind(), PublishErrorKind::Rejected, "{err}");
 
     let _: () = redis::cmd("ACL")
@@ -284,7 +269,7 @@ async fn refusals_are_classified_by_the_servers_error_code() {
         .await
         .unwrap();
     let limited = format!("redis://no-scripts:pw@127.0.0.1:{}", server.port);
-    let err = send_one(limited, "s").await;
+    let err = refused(limited, "s").await;
     assert_eq!(err.kind(), PublishErrorKind::Unauthorized, "{err}");
     // A role allowed no INFO still publishes: the check for a cluster node is skipped.
     let _: () = redis::cmd("ACL")
@@ -292,21 +277,9 @@ async fn refusals_are_classified_by_the_servers_error_code() {
         .query_async(&mut admin)
         .await
         .unwrap();
-    let sink = outbox_publishers::build_sink(
-        "redis",
-        &SinkConfig::new(format!("redis://no-info:pw@127.0.0.1:{}", server.port)),
-    )
-    .await
-    .unwrap();
-    let event = outbox_testkit::publisher::event(2, "k", b"{}".to_vec());
-    let sent = sink
-        .send(vec![outbox_publishers::Routed {
-            cloudevents: None,
-            event,
-            target: "allowed".into(),
-        }])
-        .await;
-    assert!(sent[0].is_ok(), "{:?}", sent[0]);
+    let no_info = SinkConfig::new(format!("redis://no-info:pw@127.0.0.1:{}", server.port));
+    let sent = send_one(&no_info, "allowed").await;
+    assert!(sent.is_ok(), "{sent:?}");
 
     let _: () = redis::cmd("CONFIG")
         .arg(&["SET", "requirepass", "sekrit"])
@@ -346,18 +319,8 @@ async fn a_redis_cluster_node_is_refused_saying_so() {
             "{dir}/nodes.conf",
         ],
     );
-    let sink = outbox_publishers::build_sink("redis", &SinkConfig::new(url(&server)))
+    let err = send_one(&SinkConfig::new(url(&server)), "orders")
         .await
-        .unwrap();
-    let event = outbox_testkit::publisher::event(1, "k", b"{}".to_vec());
-    let err = sink
-        .send(vec![outbox_publishers::Routed {
-            cloudevents: None,
-            event,
-            target: "orders".into(),
-        }])
-        .await
-        .remove(0)
         .expect_err("a cluster node is refused");
     let said = err.to_string();
     assert!(
