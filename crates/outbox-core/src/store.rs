@@ -30,7 +30,7 @@ use std::time::{Duration, SystemTime};
 
 use futures::future::BoxFuture;
 
-use crate::error::StoreError;
+use crate::error::{StoreError, StoreErrorKind};
 use crate::event::{Event, NewEvent, NodeId, SequenceId};
 use crate::partition::Fence;
 
@@ -421,6 +421,18 @@ pub struct PartitionRecord {
 /// connection. A database behind a dead network can leave a connection open that never
 /// answers; nothing the relay runs takes this long on a live database.
 pub const OPERATION_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The error of a store operation that had no answer within `within`: retryable, as a lost
+/// connection (the stores' bounds on their operations all say it so).
+pub fn no_answer(context: &str, within: Duration) -> StoreError {
+    StoreError::new(
+        StoreErrorKind::Connection,
+        format!(
+            "{context}: no answer from the database within {within:?}; the connection is \
+             presumed lost"
+        ),
+    )
+}
 
 /// Partition leases with fencing epochs, in the same database as the outbox.
 ///

@@ -608,17 +608,29 @@ impl<D: MappedDb> MappedStore<D> {
             return Ok(0);
         }
         // Checked again by the delete: a row made pending since the pick stays.
-        let Some((condition, mut p)) = self.prune_condition(dead, before) else {
+        let Some(condition) = self.prune_condition(dead, before) else {
             return Ok(0);
         };
+        self.delete_picked("delete", &ids, condition).await
+    }
+
+    /// Deletes those of the picked `ids` that `condition` (made afresh: its parameters are
+    /// the statement's) still selects, and the side-table records of the rows gone; how many
+    /// were deleted. A row changed since its pick (made pending again) stays.
+    async fn delete_picked(
+        &self,
+        context: &'static str,
+        ids: &[RowId],
+        (condition, mut p): (String, Params),
+    ) -> StoreResult<u64> {
         let sql = &self.inner.sql;
-        let statement = sql.delete_matching(&p.in_ids(&ids, sql.mapping.id_type), &condition);
-        let n = self.inner.db.execute("delete", statement, p).await?;
+        let statement = sql.delete_matching(&p.in_ids(ids, sql.mapping.id_type), &condition);
+        let n = self.inner.db.execute(context, statement, p).await?;
         if sql.mapping.dead_state() == DeadState::SideTable {
             // Records of rows still dead and now deleted; a retried row's went with its retry.
             let mut p = self.params();
-            let gone = sql.delete_dead_records_of_missing(&p.in_ids(&ids, sql.mapping.id_type));
-            self.inner.db.execute("delete", gone, p).await?;
+            let gone = sql.delete_dead_records_of_missing(&p.in_ids(ids, sql.mapping.id_type));
+            self.inner.db.execute(context, gone, p).await?;
         }
         Ok(n)
     }
@@ -1122,7 +1134,6 @@ impl<D: MappedDb> Operations for MappedStore<D> {
     fn dead_purge(&self, selector: DeadSelector) -> StoreFuture<u64> {
         let store = self.clone();
         async move {
-            let sql = &store.inner.sql;
             let mut purged = 0;
             loop {
                 let (condition, p) = store.selector(&selector)?;
@@ -1134,18 +1145,9 @@ impl<D: MappedDb> Operations for MappedStore<D> {
                 }
                 // Checked again by the delete: a row `dead retry` made pending since the
                 // pick stays (it was deleted, though the retry said it would go out again).
-                let (condition, mut p) = store.selector(&selector)?;
-                let statement = sql.delete_matching(
-                    &p.in_ids(&ids, sql.mapping.id_type),
-                    &store.dead_where(&condition),
-                );
-                let n = store.inner.db.execute("dead purge", statement, p).await?;
-                if sql.mapping.dead_state() == DeadState::SideTable {
-                    let mut p = store.params();
-                    let gone =
-                        sql.delete_dead_records_of_missing(&p.in_ids(&ids, sql.mapping.id_type));
-                    store.inner.db.execute("dead purge", gone, p).await?;
-                }
+                let (condition, p) = store.selector(&selector)?;
+                let still_dead = (store.dead_where(&condition), p);
+                let n = store.delete_picked("dead purge", &ids, still_dead).await?;
                 purged += n;
                 // A delete that took none of the rows picked (a trigger or a policy keeps
                 // them) would pick them again for good.

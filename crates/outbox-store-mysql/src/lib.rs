@@ -568,15 +568,7 @@ pub(crate) async fn bounded<T>(
 ) -> StoreResult<T> {
     tokio::time::timeout(within, operation)
         .await
-        .unwrap_or_else(|_| {
-            Err(StoreError::new(
-                StoreErrorKind::Connection,
-                format!(
-                    "{context}: no answer from the database within {within:?}; the connection \
-                     is presumed lost"
-                ),
-            ))
-        })
+        .unwrap_or_else(|_| Err(outbox_core::store::no_answer(context, within)))
 }
 
 /// Every connection's session settings (a pooled connection is reset each time it goes back

@@ -424,12 +424,7 @@ async fn bounded_within<T>(
     let result = tokio::time::timeout(within, operation).await;
     result.unwrap_or_else(|_| {
         inner.pool.retain(|_, _| false);
-        Err(StoreError::new(
-            StoreErrorKind::Connection,
-            format!(
-                "{context}: no answer from the database within {within:?}; the connection is presumed lost"
-            ),
-        ))
+        Err(outbox_core::store::no_answer(context, within))
     })
 }
 
