@@ -38,12 +38,30 @@ impl RetryPolicy {
         if self.max_attempts == 0 {
             return Err("retry.max_attempts must be at least 1".into());
         }
+        if let Some((event_type, _)) = self.max_attempts_by_type.iter().find(|(_, n)| **n == 0) {
+            return Err(format!(
+                "retry.max_attempts_by_type.{event_type} must be at least 1: an event is \
+                 attempted once before any retry"
+            ));
+        }
+        // A zero backoff spends every attempt at once: a broker restarting for a second
+        // would dead-letter the whole backlog.
+        if self.base_delay < MIN_BASE_DELAY {
+            return Err(format!(
+                "retry.base_delay must be at least 10ms (got {:?}): with no wait between \
+                 attempts a short outage dead-letters every event",
+                self.base_delay
+            ));
+        }
         if self.base_delay > self.max_delay {
             return Err("retry.base_delay must not exceed retry.max_delay".into());
         }
         Ok(())
     }
 }
+
+/// The shortest `base_delay` accepted.
+pub const MIN_BASE_DELAY: Duration = Duration::from_millis(10);
 
 /// What happens to an event after a failed attempt.
 #[derive(Clone, Debug, PartialEq)]

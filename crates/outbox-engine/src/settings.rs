@@ -45,6 +45,7 @@ const MIN_LEASE: Duration = Duration::from_millis(300);
 /// The shortest publish timeout: below it, every publish times out and is sent again,
 /// duplicating every event.
 const MIN_PUBLISH_TIMEOUT: Duration = Duration::from_millis(100);
+const MIN_POLL_INTERVAL: Duration = Duration::from_millis(10);
 
 outbox_core::settings! {
     /// What the operator sets about the engine (the keys of the same names).
@@ -129,8 +130,13 @@ impl EngineSettings {
                 self.lease
             ));
         }
-        if self.poll_interval.is_zero() {
-            return Err("poll_interval must be greater than zero".into());
+        // Each tick is a claim: a shorter interval is a busy loop against the database.
+        if self.poll_interval < MIN_POLL_INTERVAL {
+            return Err(format!(
+                "poll_interval must be at least 10ms (got {:?}): each tick sends a claim to the \
+                 database",
+                self.poll_interval
+            ));
         }
         if self.backlog_interval < Duration::from_secs(1) {
             return Err(format!(
@@ -197,6 +203,34 @@ mod tests {
         });
         assert!(
             err.contains("backlog_interval must be at least 1s"),
+            "{err}"
+        );
+        let err = refused(EngineSettings {
+            poll_interval: Duration::from_nanos(1),
+            ..EngineSettings::default()
+        });
+        assert!(err.contains("poll_interval must be at least 10ms"), "{err}");
+        let err = refused(EngineSettings {
+            retry: outbox_core::RetryPolicy {
+                base_delay: Duration::ZERO,
+                max_delay: Duration::ZERO,
+                ..Default::default()
+            },
+            ..EngineSettings::default()
+        });
+        assert!(
+            err.contains("retry.base_delay must be at least 10ms"),
+            "{err}"
+        );
+        let err = refused(EngineSettings {
+            retry: outbox_core::RetryPolicy {
+                max_attempts_by_type: [("order.placed".to_string(), 0)].into(),
+                ..Default::default()
+            },
+            ..EngineSettings::default()
+        });
+        assert!(
+            err.contains("retry.max_attempts_by_type.order.placed must be at least 1"),
             "{err}"
         );
     }

@@ -11,6 +11,7 @@ use serde::de::value::MapAccessDeserializer;
 use serde::de::{DeserializeOwned, DeserializeSeed, IntoDeserializer, MapAccess};
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::{Map, Value};
+use std::time::Duration;
 
 use crate::error::SinkSetupError;
 pub use crate::settings::{duration, ConfirmTimeout, TlsFiles, DEFAULT_SINK_TIMEOUT};
@@ -170,6 +171,33 @@ pub enum SinkSettings {
     Kinesis(crate::aws::settings::AwsConfig),
     #[cfg(feature = "aws")]
     EventBridge(crate::aws::settings::EventBridgeConfig),
+}
+
+impl SinkSettings {
+    /// The confirmation `timeout` the sink's table sets; `None`: not set, or a sink that
+    /// confirms by writing (stdout, files).
+    pub fn confirm_timeout(&self) -> Option<Duration> {
+        let timeout = match self {
+            SinkSettings::None => return None,
+            #[cfg(feature = "nats")]
+            SinkSettings::Nats(c) => c.timeout,
+            #[cfg(feature = "kafka")]
+            SinkSettings::Kafka(c) => c.timeout,
+            #[cfg(feature = "rabbitmq")]
+            SinkSettings::RabbitMq(c) => c.timeout,
+            #[cfg(feature = "redis")]
+            SinkSettings::Redis(c) => c.timeout,
+            #[cfg(feature = "webhook")]
+            SinkSettings::Webhook(c) => c.timeout,
+            #[cfg(feature = "ably")]
+            SinkSettings::Ably(c) => c.timeout,
+            #[cfg(feature = "aws")]
+            SinkSettings::Sqs(c) | SinkSettings::Sns(c) | SinkSettings::Kinesis(c) => c.timeout,
+            #[cfg(feature = "aws")]
+            SinkSettings::EventBridge(c) => c.aws.timeout,
+        };
+        timeout.timeout
+    }
 }
 
 /// What stdout and file sinks read beyond the common settings: nothing.

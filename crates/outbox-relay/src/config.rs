@@ -299,6 +299,9 @@ impl Config {
         }
         self.refuse_settings_without_effect(&database)?;
         self.database.check_names()?;
+        if let Some(node_id) = &self.relay.node_id {
+            check_node_id(node_id)?;
+        }
         Ok(())
     }
 
@@ -367,6 +370,22 @@ impl Config {
                 );
             }
         }
+        if db.partitions != outbox_core::partition::DEFAULT_PARTITIONS {
+            let one_active = match database {
+                DatabaseKind::MySql => Some("MySQL/MariaDB run one active relay per outbox"),
+                _ if db.capture == CaptureMode::Wal => Some("WAL capture runs one reader per slot"),
+                _ if db.layout != LayoutKind::Native => {
+                    Some("a mapped layout runs one active relay per table")
+                }
+                _ => None,
+            };
+            if let Some(why) = one_active {
+                bail!(
+                    "partitions has no effect here: {why}, which leases no partitions; remove \
+                     it (partitions split keys among the nodes of PostgreSQL's native outbox)"
+                );
+            }
+        }
         if *database == DatabaseKind::MySql && !db.layout.runs_on(Dialect::MySql) {
             bail!(
                 "layout = \"{}\" is a PostgreSQL table (its seed defines it for PostgreSQL); on \
@@ -422,6 +441,17 @@ impl Config {
             );
         }
         let relay = &self.relay;
+        if relay.sinks.is_empty() && relay.sink.is_none() {
+            if let Some(route) = relay.routes.first() {
+                bail!(
+                    "[[routes]] sends to the sink {:?}, but no [sinks.NAME] is set, so every \
+                     event would go to stdout: add [sinks.{}] (an [[outboxes]] entry that sets \
+                     its routes sets its [sinks] too: it replaces the top level's)",
+                    route.sink,
+                    route.sink
+                );
+            }
+        }
         if relay.sink.is_some() && (!relay.routes.is_empty() || !relay.sinks.is_empty()) {
             bail!(
                 "sink (--sink, OUTBOX_RELAY_SINK) replaces every [sinks.NAME] and [[routes]], \
@@ -430,6 +460,22 @@ impl Config {
         }
         for route in &relay.routes {
             route.cloudevents().map_err(anyhow::Error::msg)?;
+        }
+        // The engine gives up on a publish after publish_timeout: a sink's longer wait for
+        // its broker would be cut short there.
+        let (sinks, _) = self.sink_setup();
+        for (name, sink) in &sinks {
+            if let Some(timeout) = sink.settings().confirm_timeout() {
+                if timeout >= self.engine.publish_timeout {
+                    bail!(
+                        "the sink {name}'s timeout ({timeout:?}) must be shorter than \
+                         publish_timeout ({:?}), which ends every publish first: lower the \
+                         sink's timeout, or raise publish_timeout (and lease, which must stay \
+                         longer)",
+                        self.engine.publish_timeout
+                    );
+                }
+            }
         }
         Ok(())
     }
@@ -451,6 +497,7 @@ impl Config {
             (db.retain_delivered, "retain_delivered (--retain-delivered): WAL capture deletes a delivered row; replay has nothing to read"),
             (self.relay.ordering == OrderingMode::None, "ordering = \"none\" (--ordering none): WAL capture relays each key in commit order"),
             (db.wakeup != WakeupMode::Notify, "wakeup (--wakeup): the replication stream wakes the relay, writers never notify"),
+            (!db.notify_channel.is_empty(), "notify_channel: the replication stream wakes the relay, nothing listens"),
             (self.engine.poll_fixed_rate, "poll_fixed_rate (--poll-fixed-rate): the replication stream wakes the relay"),
         ];
         if let Some((_, what)) = refused.iter().find(|(set, _)| *set) {
@@ -494,6 +541,7 @@ impl Config {
             (db.retain_delivered, "retain_delivered (--retain-delivered): binlog capture deletes a delivered row"),
             (self.relay.ordering == OrderingMode::None, "ordering = \"none\" (--ordering none): binlog capture relays each key in commit order"),
             (self.engine.poll_fixed_rate, "poll_fixed_rate (--poll-fixed-rate): the binary log wakes the relay"),
+            (db.wakeup != WakeupMode::Notify, "wakeup (--wakeup): the binary log wakes the relay"),
         ];
         if let Some((_, what)) = refused.iter().find(|(set, _)| *set) {
             bail!("{what}; remove it, or use --capture poll");
@@ -609,6 +657,26 @@ impl Config {
             health,
         })
     }
+}
+
+/// The longest node id: the MySQL stores keep it in a `varchar(64)`.
+pub const MAX_NODE_ID_CHARS: usize = 64;
+
+/// A node id names the node in the nodes table, its leases and its sessions: an empty one
+/// (`--node-id "$POD_NAME"` with the variable unset) would be shared by every such node.
+fn check_node_id(node_id: &str) -> anyhow::Result<()> {
+    let length = node_id.chars().count();
+    if node_id.trim().is_empty()
+        || length > MAX_NODE_ID_CHARS
+        || node_id.chars().any(|c| c.is_control() || c.is_whitespace())
+    {
+        bail!(
+            "node_id {node_id:?} is not a node id: use 1-{MAX_NODE_ID_CHARS} printable \
+             characters without spaces (or leave it unset for the host name and a random \
+             suffix)"
+        );
+    }
+    Ok(())
 }
 
 /// Environment variables as figment reads them, except where its reading would change the

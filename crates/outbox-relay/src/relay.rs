@@ -53,10 +53,15 @@ pub(crate) fn default_node_id() -> String {
         .to_string_lossy()
         .trim()
         .to_string();
-    let host = if host.is_empty() {
-        "relay".into()
-    } else {
-        host
+    // A node id fits 64 characters (the MySQL stores' column): the host's name is cut to
+    // leave room for the suffix.
+    let host: String = match host
+        .chars()
+        .take(crate::config::MAX_NODE_ID_CHARS - 9)
+        .collect::<String>()
+    {
+        cut if cut.is_empty() => "relay".into(),
+        cut => cut,
     };
     let suffix = uuid::Uuid::new_v4().simple().to_string();
     format!("{host}-{}", &suffix[..8])
@@ -409,7 +414,10 @@ async fn partitions(
         registry.partition_count()
     })
     .await
-    .map_err(|e| anyhow::anyhow!("cannot read the partitions table: {}", e.report()))?;
+    .map_err(|e| match e.kind() {
+        outbox_core::StoreErrorKind::Config => config_error(e.report()),
+        _ => anyhow::anyhow!("cannot read the partitions table: {}", e.report()),
+    })?;
     if count == 0 {
         bail!("the partitions table is empty: run `outbox-relay migrate`");
     }

@@ -252,7 +252,11 @@ impl PgStore {
         }
         .await;
         session.close().await;
-        result
+        result?;
+        // A count other than the table's, given to a later `migrate`, would change nothing.
+        outbox_core::store::PartitionRegistry::partition_count(self)
+            .await
+            .map(drop)
     }
 
     /// The native schema as a versioned component, for the runner.

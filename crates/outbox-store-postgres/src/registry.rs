@@ -138,7 +138,9 @@ impl PartitionRegistry for PgStore {
         async move {
             let rows =
                 Self::query(&inner, "partition count", &inner.sql.partition_count, &[]).await?;
-            Ok(rows[0].get::<_, i64>(0).max(0) as u32)
+            let count = rows[0].get::<_, i64>(0).max(0) as u32;
+            configured_partitions_hold(inner.tables.partition_count, count)?;
+            Ok(count)
         }
         .boxed()
     }
@@ -211,4 +213,26 @@ impl PartitionRegistry for PgStore {
         }
         .boxed()
     }
+}
+
+/// Refuses a `partitions` setting that the partitions table contradicts: `migrate` makes
+/// the table once and never changes its count, so a count given later would be ignored.
+/// The default stands for "not given" and follows the table.
+pub(crate) fn configured_partitions_hold(configured: u32, stored: u32) -> Result<(), StoreError> {
+    if configured == outbox_core::partition::DEFAULT_PARTITIONS
+        || stored == 0
+        || configured == stored
+    {
+        return Ok(());
+    }
+    Err(StoreError::new(
+        StoreErrorKind::Config,
+        format!(
+            "partitions = {configured} is set, but the partitions table holds {stored}: the \
+             count is fixed when `migrate` first makes the table, and a relay running with \
+             another count would split keys differently from its peers; remove the setting \
+             (or set it to {stored})"
+        ),
+    )
+    .with_hint("the partition count cannot be changed on an existing outbox"))
 }

@@ -166,13 +166,21 @@ fn sql_error(context: &str, error: rusqlite::Error) -> StoreError {
         error.sqlite_error_code(),
         Some(ErrorCode::ReadOnly | ErrorCode::PermissionDenied)
     );
+    let cannot_open = error.sqlite_error_code() == Some(ErrorCode::CannotOpen);
     let e = StoreError::new(kind, format!("{context}: {error}")).with_source(error);
     if read_only {
         e.with_hint(READ_ONLY_HINT)
+    } else if cannot_open {
+        e.with_hint(CANNOT_OPEN_HINT)
     } else {
         e
     }
 }
+
+/// The fix for a database file SQLite can neither open nor create.
+const CANNOT_OPEN_HINT: &str = "the file cannot be opened or created there: check that its \
+    directory exists and the relay's user may write it, or point database_url \
+    (--database-url, DATABASE_URL) at sqlite:PATH in a writable directory";
 
 /// The fix for a database SQLite may not write.
 pub const READ_ONLY_HINT: &str = "the database file or its directory is read-only for the \

@@ -96,7 +96,8 @@ impl Cluster {
         RelayProcess::spawn_build(bin, self.dir.path(), name, &args, &[])
     }
 
-    /// `migrate` (with the capture mode's flags), 16 partitions.
+    /// `migrate` (with the capture mode's flags), 16 partitions when polling (WAL capture
+    /// leases none, and refuses the setting).
     fn migrate(&self) {
         self.migrate_with(BIN);
     }
@@ -105,7 +106,10 @@ impl Cluster {
     fn migrate_with(&self, bin: &str) {
         let migrated = Command::new(bin)
             .args(["migrate", "--database-url", &self.database_url])
-            .args(["--partitions", "16"])
+            .args(match self.capture {
+                Capture::Poll => &["--partitions", "16"][..],
+                Capture::Wal => &[],
+            })
             .args(self.capture.flags())
             .output()
             .unwrap();

@@ -193,6 +193,145 @@ fn a_setting_that_has_no_effect_is_refused_with_exit_2_naming_it() {
     );
 }
 
+/// Settings a run would have ignored or cut short without a word (a review's findings):
+/// each is refused with exit 2, naming it and the fix.
+#[test]
+fn settings_a_run_would_ignore_or_cut_short_exit_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let drain = ["run", "--drain"];
+    // Routes without their sinks sent every event to stdout and exited 0; an
+    // `[[outboxes]]` entry setting its routes replaces the top level's [sinks].
+    std::fs::write(
+        d.join("routes.toml"),
+        "[[routes]]\ndestinations = \"*\"\nsink = \"main\"\n",
+    )
+    .unwrap();
+    refused(
+        relay(d, &[&["--config", "routes.toml"][..], &drain].concat(), &[]),
+        "[[routes]] sends to the sink \"main\"",
+        "add [sinks.main]",
+    );
+    std::fs::write(
+        d.join("entry.toml"),
+        "[sinks.main]\nuri = \"file:main.jsonl\"\n[[outboxes]]\nname = \"a\"\n\
+         database_url = \"sqlite:a.db\"\n[[outboxes.routes]]\ndestinations = \"*\"\n\
+         sink = \"main\"\n",
+    )
+    .unwrap();
+    refused(
+        relay(d, &[&["--config", "entry.toml"][..], &drain].concat(), &[]),
+        "invalid [[outboxes]] `a`",
+        "sets its [sinks] too",
+    );
+    // The engine ends a publish at publish_timeout: a longer sink timeout never applied.
+    std::fs::write(
+        d.join("slow.toml"),
+        "publish_timeout = \"2s\"\n[sinks.main]\nuri = \"http://127.0.0.1:1/hook\"\n\
+         timeout = \"30s\"\n",
+    )
+    .unwrap();
+    refused(
+        relay(d, &[&["--config", "slow.toml"][..], &drain].concat(), &[]),
+        "the sink main's timeout (30s) must be shorter than publish_timeout (2s)",
+        "raise publish_timeout",
+    );
+    // No wait between attempts dead-lettered a backlog within a second's outage; a 1 ns
+    // poll interval claimed in a busy loop; 0 attempts for a type was taken as 1.
+    refused(
+        relay(
+            d,
+            &[
+                &drain[..],
+                &["--retry-base-delay", "0s", "--retry-max-delay", "0s"],
+            ]
+            .concat(),
+            &[],
+        ),
+        "retry.base_delay must be at least 10ms",
+        "a short outage",
+    );
+    refused(
+        relay(
+            d,
+            &[&drain[..], &["--wakeup", "poll", "--poll-interval", "1ns"]].concat(),
+            &[],
+        ),
+        "poll_interval must be at least 10ms",
+        "each tick",
+    );
+    std::fs::write(
+        d.join("attempts.toml"),
+        "[retry.max_attempts_by_type]\n\"order.placed\" = 0\n",
+    )
+    .unwrap();
+    refused(
+        relay(
+            d,
+            &[&["--config", "attempts.toml"][..], &drain].concat(),
+            &[],
+        ),
+        "max_attempts_by_type.order.placed must be at least 1",
+        "attempted once",
+    );
+    // Partitions are leased only by PostgreSQL's native polling relays.
+    let mysql = "mysql://relay@127.0.0.1:1/app";
+    for args in [
+        &["--database-url", mysql][..],
+        &["--database-url", PG, "--layout", "debezium"],
+        &["--database-url", PG, "--capture", "wal"],
+    ] {
+        refused(
+            relay(
+                d,
+                &[&drain[..], args].concat(),
+                &[("OUTBOX_RELAY_PARTITIONS", "128")],
+            ),
+            "partitions has no effect here",
+            "remove it",
+        );
+    }
+    // A capture's stream wakes it: a NOTIFY channel or a polling wake-up did nothing.
+    refused(
+        relay(
+            d,
+            &[&drain[..], &["--database-url", PG, "--capture", "wal"]].concat(),
+            &[("OUTBOX_RELAY_NOTIFY_CHANNEL", "events")],
+        ),
+        "notify_channel",
+        "use --capture poll",
+    );
+    refused(
+        relay(
+            d,
+            &[
+                &drain[..],
+                &[
+                    "--database-url",
+                    mysql,
+                    "--capture",
+                    "binlog",
+                    "--wakeup",
+                    "poll",
+                ],
+            ]
+            .concat(),
+            &[],
+        ),
+        "wakeup (--wakeup): the binary log wakes the relay",
+        "use --capture poll",
+    );
+    // An empty node id (`--node-id "$POD_NAME"`, the variable unset) would be every such
+    // node's; one past 64 characters did not fit MySQL's nodes table.
+    for node_id in ["", " ", &"n".repeat(65)] {
+        refused(
+            relay(d, &[&drain[..], &["--node-id", node_id]].concat(), &[]),
+            "is not a node id",
+            "1-64 printable characters",
+        );
+    }
+}
+
 #[test]
 fn bad_values_and_names_exit_2_naming_where_they_came_from() {
     let dir = tempfile::tempdir().unwrap();
@@ -406,6 +545,24 @@ fn a_read_only_sqlite_database_is_told_to_make_the_file_writable() {
     assert!(
         !err.contains("grant"),
         "SQLite has no privileges to grant: {err}"
+    );
+    // A file that cannot be made there: the fix named the setting, not "fix the
+    // configuration value named in the message" (which named none).
+    let out = relay(
+        d,
+        &[
+            "run",
+            "--drain",
+            "--database-url",
+            "sqlite:no/such/dir/outbox.db",
+        ],
+        &[],
+    );
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("its directory exists") && err.contains("--database-url"),
+        "{err}"
     );
 }
 

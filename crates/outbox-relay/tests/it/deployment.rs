@@ -10,14 +10,15 @@ use outbox_testkit::{eventually, eventually_explained};
 
 use crate::support::{pg, read_lines, wait_for_lines, RelayProcess, BIN};
 
+/// `migrate` of a polled outbox with 8 partitions.
 fn migrate(url: &str) {
-    migrate_with(url, &[]);
+    migrate_with(url, &["--partitions", "8"]);
 }
 
 /// `migrate` with `extra` flags.
 fn migrate_with(url: &str, extra: &[&str]) {
     let out = Command::new(BIN)
-        .args(["migrate", "--database-url", url, "--partitions", "8"])
+        .args(["migrate", "--database-url", url])
         .args(extra)
         .output()
         .unwrap();
@@ -114,6 +115,35 @@ async fn a_second_live_process_with_the_same_node_id_is_refused() {
         |n| n == 1,
     )
     .await;
+}
+
+/// `migrate` makes the partitions table once: another count given later changed nothing
+/// while `migrate` said it had migrated, and `run` split keys by the table's count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_count_the_table_contradicts_is_refused() {
+    let url = outbox_testkit::fresh_pg_database().await;
+    migrate(&url);
+    let out = Command::new(BIN)
+        .args(["migrate", "--database-url", &url, "--partitions", "16"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("partitions = 16 is set, but the partitions table holds 8")
+            && err.contains("remove the setting (or set it to 8)"),
+        "{err}"
+    );
+    let out = Command::new(BIN)
+        .args(["run", "--drain", "--database-url", &url, "--http-addr", ""])
+        .env("OUTBOX_RELAY_PARTITIONS", "16")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("the partitions table holds 8"), "{err}");
+    // Given as the table holds it, or not at all, both run.
+    migrate(&url);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
