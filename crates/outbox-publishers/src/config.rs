@@ -177,26 +177,27 @@ impl SinkSettings {
     /// The confirmation `timeout` the sink's table sets; `None`: not set, or a sink that
     /// confirms by writing (stdout, files).
     pub fn confirm_timeout(&self) -> Option<Duration> {
-        let timeout = match self {
-            SinkSettings::None => return None,
+        match self {
+            SinkSettings::None => None,
             #[cfg(feature = "nats")]
-            SinkSettings::Nats(c) => c.timeout,
+            SinkSettings::Nats(c) => c.timeout.timeout,
             #[cfg(feature = "kafka")]
-            SinkSettings::Kafka(c) => c.timeout,
+            SinkSettings::Kafka(c) => c.timeout.timeout,
             #[cfg(feature = "rabbitmq")]
-            SinkSettings::RabbitMq(c) => c.timeout,
+            SinkSettings::RabbitMq(c) => c.timeout.timeout,
             #[cfg(feature = "redis")]
-            SinkSettings::Redis(c) => c.timeout,
+            SinkSettings::Redis(c) => c.timeout.timeout,
             #[cfg(feature = "webhook")]
-            SinkSettings::Webhook(c) => c.timeout,
+            SinkSettings::Webhook(c) => c.timeout.timeout,
             #[cfg(feature = "ably")]
-            SinkSettings::Ably(c) => c.timeout,
+            SinkSettings::Ably(c) => c.timeout.timeout,
             #[cfg(feature = "aws")]
-            SinkSettings::Sqs(c) | SinkSettings::Sns(c) | SinkSettings::Kinesis(c) => c.timeout,
+            SinkSettings::Sqs(c) | SinkSettings::Sns(c) | SinkSettings::Kinesis(c) => {
+                c.timeout.timeout
+            }
             #[cfg(feature = "aws")]
-            SinkSettings::EventBridge(c) => c.aws.timeout,
-        };
-        timeout.timeout
+            SinkSettings::EventBridge(c) => c.aws.timeout.timeout,
+        }
     }
 }
 

@@ -372,11 +372,24 @@ impl Inner {
                     Some(Held::Stream(s)) => {
                         let mut params = Vec::with_capacity(PARK_PARAMS);
                         park_values(park, &s.body, &mut params);
-                        ParkRow { params, row: s.row }
+                        let copied = match (&s.body, s.row) {
+                            (Body::Undecodable(u), Some(row)) => Some(CopiedDeadLetter {
+                                row,
+                                error: fitted_error(park.error.as_deref().unwrap_or(&u.reason))
+                                    .to_string(),
+                            }),
+                            _ => None,
+                        };
+                        ParkRow {
+                            params,
+                            row: s.row,
+                            copied,
+                        }
                     }
                     _ => ParkRow {
                         params: Vec::new(),
                         row: None,
+                        copied: None,
                     },
                 })
                 .collect();
@@ -484,6 +497,7 @@ impl Inner {
                         ParkRow {
                             params,
                             row: value.row,
+                            copied: None,
                         }
                     };
                     match self.write_parks(std::slice::from_ref(&dead), epoch).await {
@@ -524,10 +538,26 @@ impl Inner {
             tx.rollback().await?;
             return Ok(false);
         }
+        // An undecodable row's dead letter is copied from its table row where that is
+        // still there; the values its image gave are the fallback.
+        let mut copied = Vec::new();
+        for park in parks {
+            if let Some(dead) = &park.copied {
+                let statement = self.sql.dead_letter_copied();
+                tx.exec_drop(statement, (&dead.error, dead.row)).await?;
+                if tx.affected_rows() == 1 {
+                    copied.push(dead.row);
+                }
+            }
+        }
         // 14 values a row: at most 1,000 rows a statement keeps far under the 65,535
         // placeholders a statement may have.
         // A park whose row is no longer held (settled meanwhile) has nothing to write.
-        let written: Vec<&ParkRow> = parks.iter().filter(|p| !p.params.is_empty()).collect();
+        let written: Vec<&ParkRow> = parks
+            .iter()
+            .filter(|p| !p.params.is_empty())
+            .filter(|p| !p.copied.as_ref().is_some_and(|d| copied.contains(&d.row)))
+            .collect();
         for chunk in written.chunks(1_000) {
             let params: Vec<Value> = chunk
                 .iter()
@@ -920,6 +950,15 @@ fn with_parked_id(row: Claimed) -> Claimed {
 struct ParkRow {
     params: Vec<Value>,
     row: Option<i64>,
+    /// For an undecodable row of the table: its dead letter, copied from the table.
+    copied: Option<CopiedDeadLetter>,
+}
+
+/// An undecodable row's dead letter, copied from its outbox row `row` with `error`
+/// ([`Statements::dead_letter_copied`](sql::Statements::dead_letter_copied)).
+struct CopiedDeadLetter {
+    row: i64,
+    error: String,
 }
 
 /// A row the parked table refused as it is, as a dead letter it stores: the payload as a

@@ -166,8 +166,45 @@ impl Statements {
             event_id,
             ..
         } = self;
-        let m = &source.mapping;
         let pending = source.pending();
+        let MappedRow {
+            problem,
+            mut values,
+        } = self.mapped_row();
+        values.extend([
+            problem.clone(),
+            format!("IF(({problem}) IS NOT NULL, NOW(6), NULL)"),
+        ]);
+        vec![
+            "SET @outbox_relay_time_zone = @@session.time_zone, time_zone = '+00:00'".into(),
+            "SET @outbox_relay_adoption_started = NOW(6)".into(),
+            format!("SELECT 1 FROM {outbox} o WHERE {pending} FOR UPDATE"),
+            format!(
+                "INSERT INTO {parked} ({PARK_COLUMNS})
+                 SELECT {} FROM {outbox} o WHERE {pending} ORDER BY {}
+                 ON DUPLICATE KEY UPDATE {parked}.sequence_id = {parked}.sequence_id",
+                values.join(", "),
+                source.order_by()
+            ),
+            source.settle_delivered(&format!(
+                "{pending} AND {event_id} IN (SELECT event_id FROM {parked})"
+            )),
+            // For the run's count of dead letters (`--drain` fails on them).
+            format!(
+                "SELECT COUNT(*) INTO {ADOPTED_DEAD} FROM {parked}
+                  WHERE dead_at >= @outbox_relay_adoption_started
+                    AND last_error LIKE '%(adopted by binlog capture)'"
+            ),
+            "SET time_zone = @outbox_relay_time_zone".into(),
+        ]
+    }
+
+    /// The parked row polling would make of the outbox row `o` of a mapped table: its
+    /// values in [`PARK_COLUMNS`] order up to `attempts` (payload and headers NULL where the
+    /// row has a problem), and the problem (an SQL expression, NULL for none).
+    fn mapped_row(&self) -> MappedRow {
+        let source = &self.source;
+        let m = &source.mapping;
         let column = |c: &Option<String>| {
             c.as_deref()
                 .map_or_else(|| "NULL".to_string(), |c| source.column(c))
@@ -217,8 +254,8 @@ impl Statements {
         );
         let fit = |expr: &str| format!("LEFT({expr}, {chars})");
         let bad = format!("({problem}) IS NOT NULL");
-        let values = [
-            event_id.clone(),
+        let values = vec![
+            self.event_id.clone(),
             fit(&destination),
             fit(&key),
             fit(&event_type),
@@ -231,32 +268,56 @@ impl Statements {
             format!("COALESCE({}, NOW(6))", column(&m.created_at)),
             format!("COALESCE({}, NOW(6))", column(&m.available_at)),
             "0".into(),
-            problem.clone(),
-            format!("IF({bad}, NOW(6), NULL)"),
         ];
-        vec![
-            "SET @outbox_relay_time_zone = @@session.time_zone, time_zone = '+00:00'".into(),
-            "SET @outbox_relay_adoption_started = NOW(6)".into(),
-            format!("SELECT 1 FROM {outbox} o WHERE {pending} FOR UPDATE"),
-            format!(
-                "INSERT INTO {parked} ({PARK_COLUMNS})
-                 SELECT {} FROM {outbox} o WHERE {pending} ORDER BY {}
-                 ON DUPLICATE KEY UPDATE {parked}.sequence_id = {parked}.sequence_id",
-                values.join(", "),
-                source.order_by()
-            ),
-            source.settle_delivered(&format!(
-                "{pending} AND {event_id} IN (SELECT event_id FROM {parked})"
-            )),
-            // For the run's count of dead letters (`--drain` fails on them).
-            format!(
-                "SELECT COUNT(*) INTO {ADOPTED_DEAD} FROM {parked}
-                  WHERE dead_at >= @outbox_relay_adoption_started
-                    AND last_error LIKE '%(adopted by binlog capture)'"
-            ),
-            "SET time_zone = @outbox_relay_time_zone".into(),
-        ]
+        MappedRow { problem, values }
     }
+
+    /// ? the error, ? the outbox row's id: a dead letter of that row copied from the table
+    /// itself, for a row whose log image could not be read (a writer's `binlog_row_image`
+    /// leaving columns out, bytes not of the column's character set, an event id that is no
+    /// UUID). The table holds the whole row until it is settled, so nothing the writer
+    /// committed is lost with the image; no row (deleted meanwhile) inserts nothing.
+    pub(super) fn dead_letter_copied(&self) -> String {
+        let Statements {
+            outbox,
+            parked,
+            source,
+            ..
+        } = self;
+        let id = format!("o.{}", source.quote(&source.mapping.id));
+        let values = if source.mapping.seed == Some(Seed::NativeMysql) {
+            "event_id, destination, partition_key, event_type, payload, headers, mutation_id, \
+             rejected, created_at, available_at, attempts"
+                .split(", ")
+                .map(|c| format!("o.{c}"))
+                .collect::<Vec<_>>()
+        } else {
+            // A message that is not JSON (often why the row was undecodable) is kept as a
+            // JSON string of its text, as the parked table's column takes it.
+            let mut values = self.mapped_row().values;
+            let payload = source.column(&source.mapping.payload);
+            values[4] = format!(
+                "IF(JSON_VALID({payload}), {payload}, JSON_QUOTE(CAST({payload} AS CHAR)))"
+            );
+            if let Some(headers) = &source.mapping.headers {
+                let headers = source.column(headers);
+                values[5] = format!("IF(JSON_VALID({headers}), {headers}, NULL)");
+            }
+            values
+        };
+        format!(
+            "INSERT INTO {parked} ({PARK_COLUMNS})
+             SELECT {}, ?, NOW(6) FROM {outbox} o WHERE {id} = ?
+             ON DUPLICATE KEY UPDATE {parked}.sequence_id = {parked}.sequence_id",
+            values.join(", ")
+        )
+    }
+}
+
+/// See [`Statements::mapped_row`].
+struct MappedRow {
+    problem: String,
+    values: Vec<String>,
 }
 
 #[cfg(test)]

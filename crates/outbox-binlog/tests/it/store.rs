@@ -1016,6 +1016,55 @@ async fn a_dead_lettered_row_leaves_its_key_flowing_from_the_log() {
     relay.stop().await;
 }
 
+/// A row whose log image cannot be read (here a writer logging only the columns its INSERT
+/// names) is dead-lettered as the table holds it: its dead letter was made of the image
+/// alone, with no payload and a new event id, while the whole row was deleted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_undecodable_row_is_dead_lettered_with_its_table_rows_payload_and_id() {
+    let fixture = Fixture::new().await;
+    let publisher = RecordingPublisher::new();
+    let relay = Relay::reading(fixture.options("relay-1"), &publisher).await;
+    let id = "6f1e8a52-3b7c-4d2e-9a41-0c5b7e9d1f23";
+    let mut conn = fixture.db.get_conn().await.unwrap();
+    conn.query_drop("SET SESSION binlog_row_image = 'MINIMAL'")
+        .await
+        .unwrap();
+    conn.exec_drop(
+        "INSERT INTO outbox (event_id, destination, partition_key, event_type, payload)
+         VALUES (?, 'orders', 'a', 'Placed', JSON_OBJECT('n', 7))",
+        (id,),
+    )
+    .await
+    .unwrap();
+    drop(conn);
+    eventually("the row dead-lettered", PATIENCE, || async {
+        (fixture.dead_letters().await == 1).then_some(())
+    })
+    .await;
+    let (event_id, payload, event_type, error): (String, Option<String>, String, String) = fixture
+        .db
+        .get_conn()
+        .await
+        .unwrap()
+        .query_first(
+            "SELECT event_id, CAST(payload AS CHAR), event_type, last_error FROM outbox_parked
+              WHERE dead_at IS NOT NULL",
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(event_id, id);
+    assert_eq!(payload.as_deref(), Some("{\"n\": 7}"));
+    assert_eq!(event_type, "Placed");
+    assert!(error.contains("binlog_row_image"), "{error}");
+    eventually("its table row settled", PATIENCE, || async {
+        (fixture.count("outbox").await == 0).then_some(())
+    })
+    .await;
+    assert!(publisher.delivered().is_empty());
+    relay.stop().await;
+}
+
 /// A retry reports how many of its own rows it parked. A row retried while an earlier row
 /// of its key is still with the engine waits to be parked behind it: it was counted as
 /// refused (the engine logged a lost lease and counted it fenced), and the earlier row's

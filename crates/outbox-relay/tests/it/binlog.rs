@@ -1049,6 +1049,9 @@ async fn the_mysql_seeds_table_is_captured_with_pollings_event_ids_and_marked_co
         insert(2, 0, false),
         insert(2, 99, true),
         insert(200, 0, false),
+        "INSERT INTO outbox_events (type, message, isConsumed, createdAt, updatedAt)
+         VALUES (3, 'logged, not json', 0, UTC_TIMESTAMP(), UTC_TIMESTAMP())"
+            .into(),
     ] {
         tx.query_drop(statement).await.unwrap();
     }
@@ -1096,12 +1099,21 @@ async fn the_mysql_seeds_table_is_captured_with_pollings_event_ids_and_marked_co
         },
     )
     .await;
-    let dead: Option<String> = conn
-        .query_first("SELECT last_error FROM outbox_events_parked WHERE dead_at IS NOT NULL")
+    let dead: Vec<(String, String, Option<String>)> = conn
+        .query(
+            "SELECT destination, last_error, CAST(payload AS CHAR) FROM outbox_events_parked
+              WHERE dead_at IS NOT NULL ORDER BY sequence_id",
+        )
         .await
         .unwrap();
-    assert!(
-        dead.as_deref().is_some_and(|e| e.contains("not JSON")),
+    assert_eq!(dead.len(), 2, "{dead:?}");
+    assert!(dead[0].1.contains("not JSON"), "{dead:?}");
+    // The one read from the log keeps its message, as a JSON string of its text: its
+    // dead letter was made of its image alone, its message lost.
+    assert_eq!(dead[1].0, "3", "{dead:?}");
+    assert_eq!(
+        dead[1].2.as_deref(),
+        Some("\"logged, not json\""),
         "{dead:?}"
     );
     assert!(
