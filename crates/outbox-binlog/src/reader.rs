@@ -178,6 +178,9 @@ fn unknown_column_types(table_map: &TableMapEvent<'_>) -> String {
 /// A binary log event's common header.
 const EVENT_HEADER_LEN: usize = 19;
 
+/// The largest event the reader takes: the server's own ceiling for `max_allowed_packet`.
+const MAX_EVENT_BYTES: usize = 1 << 30;
+
 /// Reads the outbox table's inserts from the binary log.
 pub struct BinlogReader {
     stream: Box<dyn EventSource>,
@@ -408,7 +411,12 @@ impl BinlogReader {
     }
 
     async fn start_at(config: &BinlogConfig, start: Start<'_>) -> Result<Self> {
-        let opts = opts(&config.url)?;
+        // A row event can outgrow the server's max_allowed_packet (lowered after the row was
+        // written, or an image larger than its INSERT): the dump sends it whatever the
+        // setting, and a client holding to the server's value would refuse it at every
+        // reconnect. A replica reads with its own limit, 1 GiB at most, as this does.
+        let opts = mysql_async::OptsBuilder::from_opts(opts(&config.url)?)
+            .max_allowed_packet(Some(MAX_EVENT_BYTES));
         let mut conn = Conn::new(opts).await?;
         let format: Option<String> = conn.query_first("SELECT @@GLOBAL.binlog_format").await?;
         if format.as_deref() != Some("ROW") {

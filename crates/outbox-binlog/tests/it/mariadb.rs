@@ -846,6 +846,52 @@ async fn a_server_with_no_gtid_yet_gives_its_places_a_known_state_from_the_first
     assert_eq!(next.gtid.as_deref(), Some("0-7-1"), "{next:?}");
 }
 
+/// A row event larger than the server's `max_allowed_packet` (lowered after the row was
+/// written, or a row whose image outgrows its INSERT): the reader's connection took the
+/// server's limit for its own, refused the event ("packet too large") at every reconnect,
+/// and capture never got past it. It reads it, as a replica does with its own limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_event_larger_than_the_servers_max_allowed_packet_is_read() {
+    let server = outbox_testkit::server::ScriptedServer::start_with(
+        "mariadb",
+        "OUTBOX_TEST_MARIADB_PORT",
+        &[("MARIADB_SERVER_ID", "8")],
+    );
+    let url = format!("mysql://root@127.0.0.1:{}/shop", server.port);
+    let mut admin = connect(&format!("mysql://root@127.0.0.1:{}/mysql", server.port)).await;
+    admin
+        .query_drop(
+            "CREATE DATABASE shop;
+             CREATE TABLE shop.outbox (sequence_id bigint PRIMARY KEY AUTO_INCREMENT,
+                                       partition_key text, payload longtext)",
+        )
+        .await
+        .unwrap();
+    let start = current_position(&url).await.unwrap();
+    admin
+        .exec_drop(
+            "INSERT INTO shop.outbox (partition_key, payload) VALUES ('a', ?)",
+            ("x".repeat(900 * 1024),),
+        )
+        .await
+        .unwrap();
+    admin
+        .query_drop("SET GLOBAL max_allowed_packet = 512 * 1024")
+        .await
+        .unwrap();
+    let config = BinlogConfig {
+        url: url.clone(),
+        server_id: crate::server_id(),
+        database: "shop".into(),
+        table: "outbox".into(),
+    };
+    let mut reader = BinlogReader::start(&config, &start).await.unwrap();
+    let Output::Row(row) = crate::next_output(reader.next()).await else {
+        panic!("the large row")
+    };
+    assert_eq!(row.get("payload").map(str::len), Some(900 * 1024));
+}
+
 /// An outbox of an id and a key, which the `ALTER TABLE` tests change.
 const KEY_ONLY_OUTBOX: &str = "CREATE TABLE outbox (sequence_id bigint PRIMARY KEY AUTO_INCREMENT,
                                                      partition_key text NULL)";
