@@ -137,7 +137,22 @@ struct Insert {
 fn insert(statement: &str) -> Option<Insert> {
     let mut tokens = Tokens::new(statement).peekable();
     let is = |token: Option<&Token<'_>>, keyword: &str| matches!(token, Some(Token::Word(w)) if w.eq_ignore_ascii_case(keyword));
-    let Some(Token::Word(verb)) = tokens.next() else {
+    let mut first = tokens.next();
+    // MariaDB's `SET STATEMENT var = value [, …] FOR statement` runs (and logs) the
+    // statement after FOR with those settings.
+    if is(first.as_ref(), "SET") && is(tokens.peek(), "STATEMENT") {
+        let mut depth = 0usize;
+        loop {
+            match tokens.next()? {
+                Token::Punct('(') => depth += 1,
+                Token::Punct(')') => depth = depth.saturating_sub(1),
+                Token::Word(w) if depth == 0 && w.eq_ignore_ascii_case("FOR") => break,
+                _ => {}
+            }
+        }
+        first = tokens.next();
+    }
+    let Some(Token::Word(verb)) = first else {
         return None;
     };
     let (verb, modifiers): (_, &[&str]) = match verb.to_ascii_uppercase().as_str() {
@@ -247,6 +262,8 @@ mod tests {
             "INSERT HIGH_PRIORITY outbox SET partition_key = 'a'",
             "INSERT DELAYED INTO outbox VALUES (1)",
             "INSERT INTO outbox SELECT * FROM archive",
+            "SET STATEMENT max_statement_time=5 FOR INSERT INTO outbox VALUES (1)",
+            "set statement sql_mode = 'for', foreign_key_checks = (0) for replace outbox values (1)",
             "REPLACE outbox VALUES (1)",
             "REPLACE LOW_PRIORITY INTO `outbox` VALUES (1)",
             "  /* app */ REPLACE INTO outbox VALUES (1)",
@@ -303,6 +320,10 @@ mod tests {
                 "shop",
             ),
             ("INSERT INTO logs VALUES ('sent to outbox')", "shop"),
+            (
+                "SET STATEMENT sql_mode = '' FOR INSERT INTO logs VALUES (1)",
+                "shop",
+            ),
             ("INSERT INTO logs (outbox) VALUES (1)", "shop"),
             ("INSERT INTO archive SELECT * FROM outbox", "shop"),
             ("INSERT /* into outbox */ INTO archive VALUES (1)", "shop"),
