@@ -301,7 +301,7 @@ start_mariadb() {
       --port="$MARIADB_PORT" --innodb-flush-log-at-trx-commit=0 \
       --log-bin=mariadb-bin --binlog-format=ROW --server-id="${MARIADB_SERVER_ID:-1}" \
       --log-slave-updates --sync-binlog=0 --expire-logs-days=1 \
-      --max-connections=400 --skip-name-resolve </dev/null >"$dir/mysqld.log" 2>&1 &
+      --max-connections=400 --skip-name-resolve ${MARIADB_EXTRA_ARGS:-} </dev/null >"$dir/mysqld.log" 2>&1 &
     for _ in $(seq 200); do
       mariadb-admin --no-defaults --socket="$dir/mysqld.sock" ping >/dev/null 2>&1 && break
       sleep 0.1

@@ -424,11 +424,18 @@ fn log_status_position(local: &str) -> Option<BinlogPosition> {
     })
 }
 
-/// What the server lacks for binlog capture, each with its fix (`check --capture binlog`
-/// will list them): a binary log, in rows, with whole row images, and a role that may read
-/// it as a replica.
-pub async fn server_problems(url: &str) -> Result<Vec<Problem>> {
+/// What the server lacks for binlog capture of an outbox in `database`, each with its fix
+/// (`check --capture binlog` will list them): a binary log, in rows, with whole row images,
+/// that logs `database`, written durably, and a role that may read it as a replica.
+pub async fn server_problems(url: &str, database: &str) -> Result<Vec<Problem>> {
     let mut conn = Conn::new(opts(url)?).await?;
+    let durability: Vec<(String, String)> = conn
+        .query(
+            "SHOW GLOBAL VARIABLES
+              WHERE Variable_name IN ('sync_binlog', 'innodb_flush_log_at_trx_commit')",
+        )
+        .await?;
+    let filters = logged_database_filters(&mut conn).await;
     let settings: Option<(String, String, String)> = conn
         .query_first(
             "SELECT CAST(@@GLOBAL.log_bin AS CHAR), @@GLOBAL.binlog_format, @@GLOBAL.binlog_row_image",
@@ -489,6 +496,35 @@ pub async fn server_problems(url: &str) -> Result<Vec<Problem>> {
             ));
         }
     }
+    if let Some((logged_only, ignored)) = filters {
+        let listed = |list: &str| list.split(',').any(|name| name.trim() == database);
+        if listed(&ignored) || (!logged_only.trim().is_empty() && !listed(&logged_only)) {
+            problems.push(Problem::blocking(
+                format!(
+                    "the server logs no change to the database {database} (binlog_ignore_db \
+                     {ignored:?}, binlog_do_db {logged_only:?}): the outbox's rows never reach \
+                     the binary log, and would wait in the table for good"
+                ),
+                format!(
+                    "remove {database} from the server's binlog-ignore-db (or add it to \
+                     binlog-do-db) and restart it, or use --capture poll"
+                ),
+            ));
+        }
+    }
+    for (variable, value) in durability {
+        if value.trim() != "1" {
+            problems.push(Problem::advisory(
+                format!(
+                    "{variable} is {value}: a crash of the server's host can lose the last \
+                     transactions of its log, or of its tables, after the relay delivered \
+                     their events (events of transactions the recovery undid), and leave the \
+                     stored position past the log's end"
+                ),
+                format!("SET GLOBAL {variable} = 1 and put it in the server's configuration"),
+            ));
+        }
+    }
     for (privilege, why) in [
         ("REPLICATION SLAVE", "to read the binary log"),
         ("REPLICATION CLIENT", "to read its position"),
@@ -501,6 +537,24 @@ pub async fn server_problems(url: &str) -> Result<Vec<Problem>> {
         }
     }
     Ok(problems)
+}
+
+/// The server's `binlog-do-db` and `binlog-ignore-db` lists (comma-separated, empty for
+/// none); `None` where the role may not read them (they are then not checked).
+async fn logged_database_filters(conn: &mut Conn) -> Option<(String, String)> {
+    // MySQL 8.4 renamed the statement; MariaDB and MySQL 8.0 know the old name.
+    for statement in ["SHOW MASTER STATUS", "SHOW BINARY LOG STATUS"] {
+        if let Ok(Some(row)) = conn.query_first::<mysql_async::Row, _>(statement).await {
+            let column = |name: &str| {
+                row.get_opt::<Option<String>, _>(name)
+                    .and_then(|value| value.ok())
+                    .flatten()
+                    .unwrap_or_default()
+            };
+            return Some((column("Binlog_Do_DB"), column("Binlog_Ignore_DB")));
+        }
+    }
+    None
 }
 
 /// Whether `SHOW GRANTS`' lines give `privilege` (or ALL PRIVILEGES) on `*.*`. MariaDB

@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, Opts};
-use outbox_binlog::{current_position, server_problems, BinlogConfig, BinlogError, BinlogReader};
+use outbox_binlog::{
+    current_position, database_of, server_problems, BinlogConfig, BinlogError, BinlogReader,
+};
 
 /// Turns compression off again when dropped, even if the test fails.
 struct Compressed(String);
@@ -45,7 +47,9 @@ async fn a_compressed_binary_log_is_named_by_the_check_and_stops_the_reader() {
         .await
         .unwrap();
 
-    let problems = server_problems(&url).await.unwrap();
+    let problems = server_problems(&url, &database_of(&url).unwrap())
+        .await
+        .unwrap();
     assert!(
         problems
             .iter()

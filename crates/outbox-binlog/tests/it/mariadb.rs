@@ -7,8 +7,9 @@ use std::time::Duration;
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, Opts};
 use outbox_binlog::{
-    binary_logs, blackhole_ddl, blackhole_problem, current_position, oldest_log, retention_problem,
-    server_problems, BinlogConfig, BinlogError, BinlogPosition, BinlogReader, Output,
+    binary_logs, blackhole_ddl, blackhole_problem, current_position, database_of, oldest_log,
+    retention_problem, server_problems, BinlogConfig, BinlogError, BinlogPosition, BinlogReader,
+    Output,
 };
 
 async fn connect(url: &str) -> Conn {
@@ -235,17 +236,23 @@ fn fastrand_id() -> u32 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_servers_settings_and_the_roles_privileges_are_checked_by_name() {
     let url = outbox_testkit::fresh_mysql_database().await;
-    let problems = server_problems(&url).await.unwrap();
+    let problems = server_problems(&url, &database_of(&url).unwrap())
+        .await
+        .unwrap();
     // The test server logs no column names (binlog_row_metadata = NO_LOG): said, as
-    // advice, since a swap of two columns of one type would then go unseen.
+    // advice, since a swap of two columns of one type would then go unseen. It writes its
+    // log and tables without syncing each commit, for speed: said too, since a crash of its
+    // host could undo transactions whose events went out.
     let (advice, problems): (Vec<_>, Vec<_>) = problems.into_iter().partition(|p| !p.fails_check());
     assert!(problems.is_empty(), "{problems:?}");
+    let advised = |variable: &str| advice.iter().any(|p| p.what.starts_with(variable));
     assert!(
-        advice
-            .iter()
-            .all(|p| p.what.contains("binlog_row_metadata")),
+        advised("binlog_row_metadata")
+            && advised("sync_binlog is 0")
+            && advised("innodb_flush_log_at_trx_commit is 0"),
         "{advice:?}"
     );
+    assert_eq!(advice.len(), 3, "{advice:?}");
     let mut admin = connect(&url).await;
     admin
         .query_drop(
@@ -261,7 +268,9 @@ async fn the_servers_settings_and_the_roles_privileges_are_checked_by_name() {
         opts.tcp_port(),
         opts.db_name().unwrap()
     );
-    let problems = server_problems(&plain).await.unwrap();
+    let problems = server_problems(&plain, &database_of(&plain).unwrap())
+        .await
+        .unwrap();
     let said: Vec<String> = problems
         .iter()
         .filter(|p| p.fails_check())
@@ -844,6 +853,39 @@ async fn a_server_with_no_gtid_yet_gives_its_places_a_known_state_from_the_first
     };
     assert_eq!(gtid.as_deref(), Some("0-7-1"));
     assert_eq!(next.gtid.as_deref(), Some("0-7-1"), "{next:?}");
+}
+
+/// A server that leaves the outbox's database out of its log (`binlog-ignore-db`, or a
+/// `binlog-do-db` list without it): the rows never reach the log and waited in the table
+/// for good, with `check` content. It is refused, naming the setting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_does_not_log_the_outboxs_database_is_refused() {
+    let server = outbox_testkit::server::ScriptedServer::start_with(
+        "mariadb",
+        "OUTBOX_TEST_MARIADB_PORT",
+        &[("MARIADB_EXTRA_ARGS", "--binlog-ignore-db=shop")],
+    );
+    let url = format!("mysql://root@127.0.0.1:{}/mysql", server.port);
+    let said: Vec<String> = server_problems(&url, "shop")
+        .await
+        .unwrap()
+        .iter()
+        .filter(|p| p.fails_check())
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(said.len(), 1, "{said:?}");
+    assert!(
+        said[0].contains("logs no change to the database shop")
+            && said[0].contains("binlog-ignore-db"),
+        "{said:?}"
+    );
+    let others: Vec<_> = server_problems(&url, "billing")
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|p| p.fails_check())
+        .collect();
+    assert!(others.is_empty(), "{others:?}");
 }
 
 /// A row event larger than the server's `max_allowed_packet` (lowered after the row was

@@ -230,7 +230,7 @@ impl BinlogCapture {
     /// What keeps binlog capture from running, each with its fix: the server's settings and
     /// the role's privileges, and a stored position the server's logs no longer reach.
     pub async fn problems(&self) -> Result<Vec<Problem>, StoreError> {
-        let mut problems = outbox_binlog::server_problems(&self.url)
+        let mut problems = outbox_binlog::server_problems(&self.url, &self.database)
             .await
             .map_err(unreachable)?;
         let stored = outbox_binlog::stored_position(
