@@ -30,10 +30,7 @@ impl SourceTable {
     }
 
     /// The outbox columns of `relation` when it is this table; `None` for another table.
-    pub fn columns_of(
-        &self,
-        relation: &Relation<'_>,
-    ) -> Option<Result<OutboxColumns, MissingColumn>> {
+    pub fn columns_of(&self, relation: &Relation<'_>) -> Option<OutboxColumns> {
         OutboxColumns::is_outbox(relation, &self.name)
             .then(|| OutboxColumns::resolve(relation, &self.columns))
     }
@@ -130,9 +127,9 @@ impl ColumnNames {
 /// its rows. Built from a Relation message; valid until the next one for the table.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OutboxColumns {
-    event_id: usize,
-    destination: usize,
-    event_type: usize,
+    event_id: Option<usize>,
+    destination: Option<usize>,
+    event_type: Option<usize>,
     sequence_id: Option<usize>,
     partition_key: Option<usize>,
     payload: Option<usize>,
@@ -146,13 +143,18 @@ pub struct OutboxColumns {
     utc_timestamps: bool,
     /// Every column's name, in row order, for the dead letters' `raw`.
     names: Vec<String>,
+    /// Columns the relay reads that the relation lacks (renamed or dropped while rows were
+    /// written): its rows are undecodable, each kept whole in its dead letter's `raw`.
+    missing: Option<MissingColumn>,
 }
 
-/// The outbox table's definition lacks a column the relay needs.
+/// The outbox table's definition, as a Relation message gave it, lacks columns the relay
+/// reads (`column`: their names).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "the outbox table {table} has no column {column}: WAL capture reads tables created by \
-     `outbox-relay migrate`; check the configured outbox table and the publication"
+    "the outbox table {table} has no column {column} (renamed or dropped while rows were \
+     written): restore it; until then each row is dead-lettered, every column's value kept \
+     in the dead letter's payload as name=value lines"
 )]
 pub struct MissingColumn {
     pub table: String,
@@ -166,27 +168,39 @@ impl OutboxColumns {
         relation.namespace == table.schema.as_str() && relation.name == table.name.as_str()
     }
 
-    /// Finds the columns by name. The event id, destination and event type are required
-    /// (NOT NULL in the native table); the sequence id too in a mapped table, which is
-    /// deleted by it; the others are read when present.
-    pub fn resolve(relation: &Relation<'_>, names: &ColumnNames) -> Result<Self, MissingColumn> {
+    /// Finds the columns by name. The event id, destination, event type and payload are
+    /// what an event is: a relation without one of them (renamed or dropped while the relay
+    /// reads) gives columns whose every row is undecodable, saying which. A stream error
+    /// would end every session at the same message, for good, and a payload read as absent
+    /// would send each event with a null one. So is a mapped table's sequence id (its rows
+    /// are deleted by it). The other columns are read where present, as NULL where not (a
+    /// table that drops its `mutation_id` has none).
+    pub fn resolve(relation: &Relation<'_>, names: &ColumnNames) -> Self {
         let find = |name: &str| relation.columns.iter().position(|c| c.name == name);
         let optional = |name: &Option<String>| name.as_deref().and_then(find);
-        let required = |column: &str| {
-            find(column).ok_or_else(|| MissingColumn {
-                table: format!("{}.{}", relation.namespace, relation.name),
-                column: column.to_string(),
-            })
-        };
-        let sequence_id = match names == &ColumnNames::native() {
-            true => find(&names.sequence_id),
-            false => Some(required(&names.sequence_id)?),
-        };
-        Ok(OutboxColumns {
-            event_id: required(&names.event_id)?,
-            destination: required(&names.destination)?,
-            event_type: required(&names.event_type)?,
-            sequence_id,
+        let native = names == &ColumnNames::native();
+        let wanted = [
+            Some(&names.event_id),
+            Some(&names.destination),
+            Some(&names.event_type),
+            names.payload.as_ref(),
+            (!native).then_some(&names.sequence_id),
+        ];
+        let absent: Vec<&str> = wanted
+            .into_iter()
+            .flatten()
+            .filter(|name| find(name).is_none())
+            .map(String::as_str)
+            .collect();
+        let missing = (!absent.is_empty()).then(|| MissingColumn {
+            table: format!("{}.{}", relation.namespace, relation.name),
+            column: absent.join(", "),
+        });
+        OutboxColumns {
+            event_id: find(&names.event_id),
+            destination: find(&names.destination),
+            event_type: find(&names.event_type),
+            sequence_id: find(&names.sequence_id),
             partition_key: optional(&names.partition_key),
             payload: optional(&names.payload),
             headers: optional(&names.headers),
@@ -202,7 +216,8 @@ impl OutboxColumns {
                 .iter()
                 .map(|c| c.name.to_string())
                 .collect(),
-        })
+            missing,
+        }
     }
 
     /// The event an inserted row carries. `commit_time` stands in for a missing
@@ -221,11 +236,14 @@ impl OutboxColumns {
             Box::new(Undecodable {
                 reason,
                 source,
-                event_id: text(row, self.event_id)
-                    .ok()
-                    .flatten()
+                event_id: self
+                    .event_id
+                    .and_then(|i| text(row, i).ok().flatten())
                     .and_then(|s| s.parse().ok()),
-                destination: text(row, self.destination).ok().flatten().map(String::from),
+                destination: self
+                    .destination
+                    .and_then(|i| text(row, i).ok().flatten())
+                    .map(String::from),
                 partition_key: self
                     .partition_key
                     .and_then(|i| text(row, i).ok().flatten())
@@ -240,10 +258,14 @@ impl OutboxColumns {
                 self.names.len()
             )));
         }
-        let required = |i: usize, name: &str| match text(row, i) {
-            Ok(Some(value)) => Ok(value),
-            Ok(None) => Err(undecodable(format!("{name} is NULL"))),
-            Err(e) => Err(undecodable(format!("{name}: {e}"))),
+        if let Some(missing) = &self.missing {
+            return Err(undecodable(missing.to_string()));
+        }
+        let required = |i: Option<usize>, name: &str| match i.map(|i| text(row, i)) {
+            Some(Ok(Some(value))) => Ok(value),
+            Some(Ok(None)) => Err(undecodable(format!("{name} is NULL"))),
+            Some(Err(e)) => Err(undecodable(format!("{name}: {e}"))),
+            None => Err(undecodable(format!("the table has no column {name}"))),
         };
         let optional = |i: Option<usize>, name: &str| match i.map(|i| text(row, i)) {
             None | Some(Ok(None)) => Ok(None),
@@ -437,7 +459,7 @@ mod tests {
         };
         let table = TableName::new("public", "outbox").unwrap();
         assert!(OutboxColumns::is_outbox(&relation, &table));
-        let columns = OutboxColumns::resolve(&relation, &ColumnNames::native()).unwrap();
+        let columns = OutboxColumns::resolve(&relation, &ColumnNames::native());
         let insert = wire::insert(
             9,
             &[
@@ -509,7 +531,7 @@ mod tests {
             event_id_header: Some("id".into()),
             utc_timestamps: true,
         };
-        let columns = OutboxColumns::resolve(&relation, &names).unwrap();
+        let columns = OutboxColumns::resolve(&relation, &names);
         let span = format!("#Thu Nov 26 UTC 2026\ntraceparent={TP}\n");
         let insert = wire::insert(
             12,
@@ -546,8 +568,14 @@ mod tests {
         );
         let mut without_sequence = names.clone();
         without_sequence.sequence_id = "nope".into();
-        let missing = OutboxColumns::resolve(&relation, &without_sequence).unwrap_err();
-        assert_eq!(missing.column, "nope");
+        let missing = OutboxColumns::resolve(&relation, &without_sequence)
+            .event(&insert.new, SystemTime::UNIX_EPOCH)
+            .unwrap_err();
+        assert!(
+            missing.reason.contains("has no column nope"),
+            "{}",
+            missing.reason
+        );
     }
 
     #[test]
@@ -556,7 +584,7 @@ mod tests {
         let LogicalMessage::Relation(relation) = decode(&relation_bytes).unwrap() else {
             panic!()
         };
-        let columns = OutboxColumns::resolve(&relation, &ColumnNames::native()).unwrap();
+        let columns = OutboxColumns::resolve(&relation, &ColumnNames::native());
         let insert = wire::insert(
             9,
             &[
@@ -594,10 +622,22 @@ mod tests {
         let LogicalMessage::Relation(relation) = decode(&bytes).unwrap() else {
             panic!()
         };
-        let error = OutboxColumns::resolve(&relation, &ColumnNames::native()).unwrap_err();
-        assert_eq!(error.column, "event_id");
-        assert!(error
-            .to_string()
-            .contains("app.events has no column event_id"));
+        let columns = OutboxColumns::resolve(&relation, &ColumnNames::native());
+        let insert = wire::insert(9, &[Some("orders")]);
+        let LogicalMessage::Insert(insert) = decode(&insert).unwrap() else {
+            panic!()
+        };
+        let error = columns
+            .event(&insert.new, SystemTime::UNIX_EPOCH)
+            .unwrap_err();
+        assert!(
+            error
+                .reason
+                .contains("app.events has no column event_id, event_type, payload"),
+            "{}",
+            error.reason
+        );
+        assert_eq!(error.destination.as_deref(), Some("orders"));
+        assert!(error.raw.contains("destination=orders"), "{}", error.raw);
     }
 }

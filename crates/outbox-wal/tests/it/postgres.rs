@@ -505,6 +505,69 @@ async fn columns_are_found_by_name_after_the_table_changes() {
     stream.stop(Duration::from_secs(5)).await.unwrap();
 }
 
+/// A column an event is made of, renamed while the relay reads: rows written meanwhile are
+/// undecodable, kept whole (every column's value), and the stream goes on. A renamed payload
+/// was read as absent (each event sent with a null payload, its row deleted), and a renamed
+/// event type ended every session at the same message, for good, even once renamed back.
+#[tokio::test]
+async fn rows_written_while_a_column_is_renamed_away_are_undecodable_and_the_stream_goes_on() {
+    let fixture = Fixture::new().await;
+    let mut stream = fixture.start().await;
+    let db = connect(&fixture.url).await;
+    for (column, renamed) in [("payload", "body"), ("event_type", "kind")] {
+        db.batch_execute(&format!(
+            "ALTER TABLE outbox RENAME COLUMN {column} TO {renamed}"
+        ))
+        .await
+        .unwrap();
+        db.batch_execute(&format!(
+            "INSERT INTO outbox (destination, partition_key, {}, {})
+             VALUES ('orders', 'k', 'Placed', '{{\"n\": 1}}')",
+            if column == "event_type" {
+                renamed
+            } else {
+                "event_type"
+            },
+            if column == "payload" {
+                renamed
+            } else {
+                "payload"
+            },
+        ))
+        .await
+        .unwrap();
+        db.batch_execute(&format!(
+            "ALTER TABLE outbox RENAME COLUMN {renamed} TO {column}"
+        ))
+        .await
+        .unwrap();
+    }
+    insert(&db, "k", 2).await;
+    let mut outcomes = Vec::new();
+    while outcomes.len() < 3 {
+        if let Output::Event { event, .. } = next(&mut stream).await {
+            outcomes.push(event);
+        }
+    }
+    for (outcome, column) in outcomes.iter().zip(["payload", "event_type"]) {
+        let undecodable = outcome.as_ref().expect_err("undecodable");
+        assert!(
+            undecodable
+                .reason
+                .contains(&format!("has no column {column}")),
+            "{}",
+            undecodable.reason
+        );
+        assert!(
+            undecodable.raw.contains("{\"n\": 1}"),
+            "{}",
+            undecodable.raw
+        );
+    }
+    assert_eq!(payload_n(outcomes[2].as_ref().unwrap()), 2);
+    stream.stop(Duration::from_secs(5)).await.unwrap();
+}
+
 #[tokio::test]
 async fn a_drain_ends_at_the_position_current_when_it_started() {
     let fixture = Fixture::new().await;
