@@ -460,9 +460,22 @@ pub(crate) fn unusable_slot(
     slot: &str,
     plugin: Option<&str>,
     in_this_database: bool,
+    two_phase: bool,
 ) -> Option<(String, String)> {
     let elsewhere = "choose another slot name (--slot)".to_string();
     match (plugin, in_this_database) {
+        // Such a slot sends a prepared transaction at PREPARE, before anyone knows whether
+        // it commits, whatever the client asks: the first PREPARE TRANSACTION in the
+        // database (an XA application's) would end every session at it.
+        (Some(_), true) if two_phase => Some((
+            "it decodes prepared transactions at PREPARE (it was made with two_phase = \
+             true), which the relay does not read"
+                .into(),
+            format!(
+                "drop it (SELECT pg_drop_replication_slot('{slot}')) and let the relay make it, \
+                 or make it with SELECT pg_create_logical_replication_slot('{slot}', 'pgoutput')"
+            ),
+        )),
         // A replica may stream from it: never suggest dropping it.
         (None, _) => Some((
             "it is a physical replication slot (a replica's?)".into(),
@@ -484,6 +497,7 @@ pub(crate) fn unusable_slot(
 struct SlotRow {
     plugin: Option<String>,
     in_this_database: bool,
+    two_phase: bool,
     confirmed_flush: Option<String>,
     wal_status: Option<String>,
 }
@@ -492,8 +506,9 @@ struct SlotRow {
 async fn read_slot(connection: &mut Connection, slot: &str) -> Result<Option<SlotRow>, WalError> {
     let rows = connection
         .simple_query(&format!(
-            "SELECT plugin, database = current_database(), confirmed_flush_lsn::text, wal_status
-               FROM pg_catalog.pg_replication_slots WHERE slot_name = '{slot}'"
+            "SELECT plugin, database = current_database(), confirmed_flush_lsn::text, wal_status,
+                    coalesce((to_jsonb(s) ->> 'two_phase')::bool, false)
+               FROM pg_catalog.pg_replication_slots s WHERE slot_name = '{slot}'"
         ))
         .await?;
     Ok(rows.first().map(|row| {
@@ -503,6 +518,7 @@ async fn read_slot(connection: &mut Connection, slot: &str) -> Result<Option<Slo
             in_this_database: text(1).as_deref() == Some("t"),
             confirmed_flush: text(2),
             wal_status: text(3),
+            two_phase: text(4).as_deref() == Some("t"),
         }
     }))
 }
@@ -538,7 +554,12 @@ async fn ensure_slot(
         found = read_slot(client, slot).await?;
     }
     let row = found.ok_or_else(|| slot_error("it vanished right after it was created".into()))?;
-    if let Some((cause, fix)) = unusable_slot(slot, row.plugin.as_deref(), row.in_this_database) {
+    if let Some((cause, fix)) = unusable_slot(
+        slot,
+        row.plugin.as_deref(),
+        row.in_this_database,
+        row.two_phase,
+    ) {
         return Err(slot_error(format!("{cause}: {fix}")));
     }
     if row.wal_status.as_deref() == Some("lost") {
@@ -572,7 +593,10 @@ pub async fn drop_slot(config: &WalConfig) -> Result<bool, WalError> {
     };
     // Only a slot the relay could have made: a replica's physical slot, or another tool's,
     // is not dropped (nor waited for, as WAIT would) on the relay's word.
-    if let Some((cause, fix)) = unusable_slot(slot, row.plugin.as_deref(), row.in_this_database) {
+    // A two_phase slot of pgoutput in this database is the relay's to drop: its fix.
+    if let Some((cause, fix)) =
+        unusable_slot(slot, row.plugin.as_deref(), row.in_this_database, false)
+    {
         return Err(WalError::Slot {
             slot: slot.clone(),
             reason: format!("{cause}, so it is not this relay's and is left alone: {fix}"),

@@ -339,8 +339,10 @@ impl CaptureStatements {
                 CASE WHEN pg_is_in_recovery() THEN NULL
                      ELSE pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::int8 END,
                 plugin, database IS NOT DISTINCT FROM current_database(),
-                age(catalog_xmin)::int8
-           FROM pg_catalog.pg_replication_slots WHERE slot_name = $1"
+                age(catalog_xmin)::int8,
+                -- PostgreSQL 14+ (read by name: older servers have no such column).
+                coalesce((to_jsonb(s) ->> 'two_phase')::bool, false)
+           FROM pg_catalog.pg_replication_slots s WHERE slot_name = $1"
     }
 }
 

@@ -4002,6 +4002,33 @@ async fn a_slot_of_another_plugin_or_database_is_refused_by_check_and_run() {
     drop_slot_refuses("test_decoding");
     assert!(slot_exists().await);
 
+    // A slot made by hand with two_phase = true sends prepared transactions at PREPARE,
+    // whatever the relay asks: the first PREPARE TRANSACTION would end every session.
+    outbox_testkit::force_drop_slot(&w.url, &w.slot)
+        .await
+        .unwrap();
+    w.db.query_one(
+        "SELECT pg_create_logical_replication_slot($1, 'pgoutput', false, true)",
+        &[&w.slot],
+    )
+    .await
+    .unwrap();
+    let report = check();
+    assert!(
+        report.contains("it decodes prepared transactions at PREPARE")
+            && report.contains("pg_create_logical_replication_slot("),
+        "{report}"
+    );
+    w.drain_fails_saying("two_phase = true");
+    // Which drop-slot, as the fix says, drops.
+    let out = relay(
+        w.dir.path(),
+        &[&["drop-slot"][..], &capture_flags(&w.url, &w.slot)].concat(),
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(!slot_exists().await);
+    create_slot(&w.db, &w.slot, "test_decoding").await;
+
     // A physical slot (a replica's, perhaps): never to be dropped on the relay's word.
     outbox_testkit::force_drop_slot(&w.url, &w.slot)
         .await

@@ -93,9 +93,12 @@ pub async fn verify_capture(
     }
     if let Some(status) = status {
         let wal_status = status.wal_status.as_deref();
-        if let Some((cause, fix)) =
-            crate::client::unusable_slot(slot, status.plugin.as_deref(), status.in_this_database)
-        {
+        if let Some((cause, fix)) = crate::client::unusable_slot(
+            slot,
+            status.plugin.as_deref(),
+            status.in_this_database,
+            status.two_phase,
+        ) {
             problems.push(Problem::blocking(
                 format!("the replication slot {slot:?} cannot be used: {cause}"),
                 fix,
@@ -485,6 +488,8 @@ pub struct SlotStatus {
     /// catalog rows and, on PostgreSQL 15, the recycling of emptied btree pages in every
     /// table of the server (an outbox's indexes grow by the rows it relays meanwhile).
     pub catalog_xmin_age: Option<i64>,
+    /// It decodes prepared transactions at PREPARE (made with `two_phase = true`).
+    pub two_phase: bool,
 }
 
 impl SlotStatus {
@@ -518,6 +523,7 @@ pub async fn slot_status(main: &PgStore, slot: &str) -> StoreResult<Option<SlotS
         plugin: row.get(4),
         in_this_database: row.get(5),
         catalog_xmin_age: row.get(6),
+        two_phase: row.get(7),
     }))
 }
 
