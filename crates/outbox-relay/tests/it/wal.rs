@@ -1257,6 +1257,41 @@ async fn a_fast_shutdown_is_not_held_by_a_session_waiting_to_announce_itself() {
     assert_a_fast_shutdown_is_not_held(&server, &relay);
 }
 
+/// `synchronous_standby_names = '*'` names the relay's replication session too: the server
+/// may make it a synchronous standby, and every commit would wait for the relay's
+/// deliveries. `check` says so, naming the fix. (On a server of its own: the setting is
+/// the server's.)
+#[tokio::test]
+async fn check_warns_while_synchronous_standby_names_would_name_the_relay() {
+    let server = OwnPostgres::init();
+    server.start("-c wal_level=logical");
+    let w = WalDb::on(server.url("disable"), "sync_names_slot".into()).await;
+    let check = || {
+        relay(
+            w.dir.path(),
+            &[&["check"][..], &capture_flags(&w.url, &w.slot)].concat(),
+        )
+    };
+    let out = check();
+    assert!(out.status.success(), "{}", text(&out.stdout));
+    for statement in [
+        "ALTER SYSTEM SET synchronous_standby_names = 'FIRST 1 (*)'",
+        "SELECT pg_reload_conf()",
+    ] {
+        w.db.batch_execute(statement).await.unwrap();
+    }
+    let report = eventually("the setting in effect", Duration::from_secs(10), || async {
+        let out = check();
+        (out.status.code() == Some(1)).then(|| text(&out.stdout))
+    })
+    .await;
+    assert!(
+        report.contains("synchronous_standby_names is \"FIRST 1 (*)\"")
+            && report.contains("name the standbys in synchronous_standby_names"),
+        "{report}"
+    );
+}
+
 #[tokio::test]
 async fn a_fast_shutdown_of_postgresql_is_not_held_by_a_relay_with_unsettled_events() {
     a_shutdown_is_not_held_by_a_relay_with_unsettled_events("fast").await;

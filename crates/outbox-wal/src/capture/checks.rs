@@ -67,6 +67,7 @@ pub async fn verify_capture(
     problems.extend(public_emit(main, &sql, &tables).await?);
     problems.extend(legacy_emit(main, &sql, &tables).await?);
     problems.extend(other_slots(main, &sql, &tables, slot).await);
+    problems.extend(synchronous_standby_names(main).await?);
     let status = slot_status(main, slot).await?;
     let capacity = &main
         .query_rows("replication capacity", &sql.replication_capacity, &[])
@@ -509,6 +510,33 @@ impl SlotStatus {
             held => held.join(", and "),
         }
     }
+}
+
+/// A warning while `synchronous_standby_names` names every standby (`*`): the server may
+/// make the relay's replication session a synchronous standby, and every commit would wait
+/// for the relay's deliveries (the relay lets such a session go, see the reader).
+async fn synchronous_standby_names(main: &PgStore) -> StoreResult<Option<Problem>> {
+    let rows = main
+        .query_rows(
+            "synchronous_standby_names",
+            "SELECT current_setting('synchronous_standby_names')",
+            &[],
+        )
+        .await?;
+    let names: String = rows[0].get(0);
+    Ok(names.contains('*').then(|| {
+        Problem::degraded(
+            format!(
+                "synchronous_standby_names is {names:?}: its '*' names the relay's replication \
+                 session too, which the server may make a synchronous standby; every commit \
+                 would then wait for the relay's deliveries, and the relay lets such a session \
+                 go, so it streams only while a physical standby is chosen first"
+            ),
+            "name the standbys in synchronous_standby_names (ALTER SYSTEM SET \
+             synchronous_standby_names = 'FIRST 1 (replica1, replica2)'; SELECT \
+             pg_reload_conf())",
+        )
+    }))
 }
 
 /// The slot named `slot`, if it exists.

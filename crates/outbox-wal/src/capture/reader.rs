@@ -379,6 +379,39 @@ impl Reader {
         ))
     }
 
+    /// Ends the session when the server made it a synchronous standby
+    /// (`synchronous_standby_names` matching its name, as `*` does): every commit of the
+    /// server would then wait for the relay's confirmations, which follow its deliveries
+    /// and its confirm mark, not the WAL, and the relay's own writes would wait on itself.
+    async fn synchronous_standby(&self) -> Option<SessionEnd> {
+        let rows = self
+            .main
+            .query_rows(
+                "sync_state",
+                "SELECT sync_state FROM pg_catalog.pg_stat_replication WHERE application_name = $1",
+                &[&self.session_name],
+            )
+            .await
+            .ok()?;
+        let state: Option<String> = rows.first().and_then(|row| row.get(0));
+        if !matches!(state.as_deref(), Some("sync" | "quorum")) {
+            return None;
+        }
+        tracing::error!(
+            slot = %self.config.slot,
+            sync_state = state.as_deref().unwrap_or_default(),
+            "the server made the relay's replication session a synchronous standby \
+             (synchronous_standby_names matches its name, as '*' does): every commit of the \
+             server would wait for the relay's deliveries; the session is let go. Name the \
+             physical standbys in synchronous_standby_names instead of '*'"
+        );
+        Some(SessionEnd::Broken(
+            "the server made the replication session a synchronous standby: name the physical \
+             standbys in synchronous_standby_names instead of '*'"
+                .into(),
+        ))
+    }
+
     pub(super) fn set_status(&self, status: CaptureStatus) {
         ::metrics::gauge!(metric::STREAMING).set(if status == CaptureStatus::Streaming {
             1.0
@@ -945,10 +978,13 @@ impl Reader {
                         // They read the outbox table, which a migration's lock can hold for
                         // as long as the statement timeout: the session is kept meanwhile.
                         let checks = async {
-                            match self.publication_drift().await {
-                                Some(end) => Some(end),
-                                None => self.stranded_rows().await,
+                            if let Some(end) = self.publication_drift().await {
+                                return Some(end);
                             }
+                            if let Some(end) = self.synchronous_standby().await {
+                                return Some(end);
+                            }
+                            self.stranded_rows().await
                         };
                         match self.serviced(stream, checks, false).await {
                             Ok(None) => {}
