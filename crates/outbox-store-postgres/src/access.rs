@@ -151,6 +151,16 @@ impl PgStore {
                     .await
                     .map_err(|e| Self::statement_error(inner, context, e))
             };
+            // A transaction given longer than the operation timeout (the sessions' statement
+            // timeout) has its statements bounded as long.
+            if let Some(within) = within.filter(|w| *w > inner.operation_timeout) {
+                tx.batch_execute(&format!(
+                    "SET LOCAL statement_timeout = {}",
+                    within.as_millis()
+                ))
+                .await
+                .map_err(|e| db_error(context, e))?;
+            }
             // Sent with the transaction's first statement rather than in a round trip of its
             // own: the server runs them in the order sent.
             let mut durable = Some(tx.batch_execute(DURABLE_COMMIT));

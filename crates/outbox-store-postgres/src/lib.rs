@@ -181,9 +181,15 @@ impl PgStore {
         if !url_sets(&options.url, "keepalives") {
             config.keepalives(true);
         }
+        // The server ends a statement when the relay gave up on it: a backend waiting on a
+        // lock would otherwise wait on (keeping the row locks it took) after its client
+        // left, and every retry would add one. A URL's own statement_timeout is kept.
+        let operation_timeout = options.operation_timeout.unwrap_or(OPERATION_TIMEOUT);
+        let statement_bound = format!("-c statement_timeout={}", operation_timeout.as_millis());
         let session_options = match config.get_options() {
-            Some(own) => format!("{own} {INDEX_ORDER_PLANS}"),
-            None => INDEX_ORDER_PLANS.to_string(),
+            Some(own) if own.contains("statement_timeout") => format!("{own} {INDEX_ORDER_PLANS}"),
+            Some(own) => format!("{own} {INDEX_ORDER_PLANS} {statement_bound}"),
+            None => format!("{INDEX_ORDER_PLANS} {statement_bound}"),
         };
         config.options(&session_options);
         let manager = Manager::from_config(
@@ -221,7 +227,7 @@ impl PgStore {
                 sql: schema::Statements::new(&options.tables),
                 tables: options.tables,
                 retain_delivered: options.retain_delivered,
-                operation_timeout: options.operation_timeout.unwrap_or(OPERATION_TIMEOUT),
+                operation_timeout,
                 waiting: tokio::sync::watch::channel(false).0,
                 refused,
                 owned: Default::default(),

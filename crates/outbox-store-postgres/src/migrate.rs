@@ -47,7 +47,9 @@ impl MigrateSession {
             .map_err(|e| pool_error("migrate", e))?;
         let client = deadpool_postgres::Object::take(client);
         client
-            .batch_execute("SET client_min_messages = warning")
+            // A migration (an index built over a large table) takes what it takes: the
+            // pool's sessions end statements at the operation timeout.
+            .batch_execute("SET client_min_messages = warning; SET statement_timeout = 0")
             .await
             .map_err(|e| db_error("migrate", e))?;
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));

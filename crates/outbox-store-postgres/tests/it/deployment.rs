@@ -140,3 +140,62 @@ async fn under_another_relays_gate_a_waiting_relay_is_not_woken_by_its_tries_for
     a_task.abort();
     b_task.abort();
 }
+
+/// A statement the store gave up on (its operation timeout) is ended by the server too: its
+/// backend waited on for the lock (keeping the row locks it had taken), and every retry
+/// left one more such backend, until the application's connections ran out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_statement_the_store_gave_up_on_does_not_wait_on_in_the_server() {
+    let url = outbox_testkit::fresh_pg_database().await;
+    PgStore::new(options(&url))
+        .unwrap()
+        .migrate()
+        .await
+        .unwrap();
+    let store = PgStore::new(PgOptions {
+        operation_timeout: Some(Duration::from_secs(1)),
+        application_name: Some("bounded-store".into()),
+        ..options(&url)
+    })
+    .unwrap();
+    let (mut locker, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    let lock = locker.transaction().await.unwrap();
+    lock.batch_execute("LOCK TABLE outbox IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let request = outbox_core::store::ClaimRequest::new(
+        outbox_core::NodeId("n1".into()),
+        10,
+        Duration::from_secs(30),
+    );
+    let claimed = store.claim(request).await;
+    assert!(
+        claimed.as_ref().is_err_and(|e| e.is_retryable()),
+        "{claimed:?}"
+    );
+    let (admin, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    eventually(
+        "the store's waiting statement to end",
+        Duration::from_secs(10),
+        || async {
+            let waiting: i64 = admin
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity
+                      WHERE application_name = 'bounded-store' AND wait_event_type = 'Lock'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            (waiting == 0).then_some(())
+        },
+    )
+    .await;
+    lock.rollback().await.unwrap();
+}
