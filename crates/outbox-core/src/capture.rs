@@ -57,6 +57,10 @@ pub trait StreamEvent {
 /// A held stream event queued to be parked, by its engine id.
 pub trait QueuedPark {
     fn id(&self) -> SequenceId;
+    /// A later outcome for the same event, queued while this one waits to be written (a
+    /// copy read again queued behind its key, then the engine's own retry or dead letter
+    /// of it): the one park written carries both, so that neither is lost.
+    fn absorb(&mut self, later: Self);
 }
 
 /// A held event's content: an event, or a row that did not decode (with its capture's
@@ -164,9 +168,12 @@ impl<S: StreamEvent, P: QueuedPark> Holdings<S, P> {
                 continue;
             };
             queued += 1;
-            if self.to_park.iter().all(|p| p.id() != park.id()) {
-                mark_waiting(&mut self.parked_keys, event.key());
-                self.to_park.push(park);
+            match self.to_park.iter_mut().find(|p| p.id() == park.id()) {
+                Some(queued) => queued.absorb(park),
+                None => {
+                    mark_waiting(&mut self.parked_keys, event.key());
+                    self.to_park.push(park);
+                }
             }
         }
         queued
@@ -761,6 +768,8 @@ mod tests {
         fn id(&self) -> SequenceId {
             *self
         }
+
+        fn absorb(&mut self, _later: Self) {}
     }
 
     /// Events `(id, key)`, held in that stream order.

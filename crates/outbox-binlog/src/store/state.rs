@@ -147,6 +147,17 @@ impl capture::QueuedPark for Park {
     fn id(&self) -> SequenceId {
         self.id
     }
+
+    /// The later error, the longer of the waits and attempt counts, and a dead letter if
+    /// either is one.
+    fn absorb(&mut self, later: Self) {
+        self.attempts = self.attempts.max(later.attempts);
+        self.error = later.error.or(self.error.take());
+        self.delay = self.delay.max(later.delay);
+        self.not_before = self.not_before.max(later.not_before);
+        self.dead |= later.dead;
+        self.dead_by_capture &= later.dead_by_capture || !later.dead;
+    }
 }
 
 pub(super) struct State {
@@ -557,6 +568,33 @@ mod tests {
         assert!(state.holdings.held.is_empty());
         state.settle([1]);
         assert_eq!(state.settled, [2, 1], "settled twice: once");
+    }
+
+    /// A row read again by a new session while its key waits is queued to park behind it,
+    /// while the engine still has the first session's copy; the engine then gives that
+    /// copy up. Its dead letter was dropped (the id was queued already), so the row was
+    /// parked as pending, to be sent again, while the engine counted a dead letter.
+    #[test]
+    fn a_dead_letter_of_a_row_queued_to_park_already_is_written_dead() {
+        let mut state = State::new(false);
+        state.accept(session(1, &[]));
+        assert_eq!(claim(&mut state, transactions(&[(1, "a")])), [1]);
+        state.accept(session(2, &["a"]));
+        assert!(claim(&mut state, transactions(&[(1, "a")])).is_empty());
+        assert_eq!(
+            state.queue_parks([Park {
+                dead: true,
+                attempts: 5,
+                error: Some("gave up".into()),
+                ..Park::behind_its_key(1)
+            }]),
+            1
+        );
+        let parks = state.holdings.take_parks();
+        assert_eq!(parked(&parks), [1]);
+        assert!(parks[0].dead && !parks[0].dead_by_capture, "{:?}", parks[0]);
+        assert_eq!(parks[0].attempts, 5);
+        assert_eq!(parks[0].error.as_deref(), Some("gave up"));
     }
 
     #[test]

@@ -152,6 +152,14 @@ impl capture::QueuedPark for Park {
     fn id(&self) -> SequenceId {
         self.id
     }
+
+    /// The later error, and the longer of the waits and attempt counts.
+    fn absorb(&mut self, later: Self) {
+        self.attempts = self.attempts.max(later.attempts);
+        self.error = later.error.or(self.error.take());
+        self.delay = self.delay.max(later.delay);
+        self.not_before = self.not_before.max(later.not_before);
+    }
 }
 
 pub(super) struct State {
