@@ -1982,6 +1982,7 @@ CREATE TABLE IF NOT EXISTS `outbox` (
 
 
 -- native_mysql, Postgres: grants
+GRANT USAGE ON SCHEMA "app" TO "relay";
 GRANT SELECT, UPDATE, DELETE ON "app"."outbox" TO "relay";
 -- Operators (`dead purge`, `prune`) also need DELETE on "app"."outbox".
 

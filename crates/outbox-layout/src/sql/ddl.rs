@@ -59,7 +59,17 @@ impl Sql {
             Dialect::Postgres => format!("\"{role}\""),
             Dialect::MySql => format!("'{role}'@'%'"),
         };
-        let mut out = format!("GRANT {write} ON {t} TO {role};\n");
+        let mut out = String::new();
+        // A table outside the search path's public schema is reached through its schema.
+        if let (Dialect::Postgres, Some(schema)) = (self.dialect, self.mapping.schema.as_deref()) {
+            if schema != "public" {
+                out.push_str(&format!(
+                    "GRANT USAGE ON SCHEMA {} TO {role};\n",
+                    self.quote(schema)
+                ));
+            }
+        }
+        out.push_str(&format!("GRANT {write} ON {t} TO {role};\n"));
         if let Some(from) = &self.mapping.max_attempts_from {
             out.push_str(&format!(
                 "GRANT SELECT ON {} TO {role};\n",

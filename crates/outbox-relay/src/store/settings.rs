@@ -108,7 +108,8 @@ outbox_core::settings! {
         /// layout); a name given wins.
         pub nodes_table: String = String::new(),
         /// The channel writers NOTIFY and the relay LISTENs on (PostgreSQL). Default: the
-        /// layout's (outbox_events for the native layout); a name given wins.
+        /// layout's (outbox_relay for the native layout); a name given wins. Set in the file
+        /// or OUTBOX_RELAY_NOTIFY_CHANNEL (no flag).
         pub notify_channel: String = String::new(),
         /// Keep delivered rows, marked with delivered_at, instead of deleting them.
         pub retain_delivered: bool = false,
