@@ -386,6 +386,21 @@ impl Config {
                 );
             }
         }
+        let nodes_given = !(db.nodes_table.is_empty() || db.nodes_table == DEFAULT_NODES_TABLE)
+            || db.nodes_schema != DEFAULT_SCHEMA;
+        if nodes_given && !db.uses_nodes_table() {
+            bail!(
+                "nodes_table and nodes_schema have no effect with layout = \"{}\", which runs \
+                 one active relay behind a lock and keeps no nodes table: remove them",
+                db.layout
+            );
+        }
+        if *database == DatabaseKind::MySql && db.nodes_schema != DEFAULT_SCHEMA {
+            bail!(
+                "nodes_schema has no effect on MySQL/MariaDB, whose nodes table is in the \
+                 outbox's database: remove it"
+            );
+        }
         if *database == DatabaseKind::MySql && !db.layout.runs_on(Dialect::MySql) {
             bail!(
                 "layout = \"{}\" is a PostgreSQL table (its seed defines it for PostgreSQL); on \
@@ -927,7 +942,11 @@ fn refuse_shared_resources(outboxes: &[NamedOutbox]) -> Result<(), String> {
                 a.config.database.database_kind(),
                 Ok(DatabaseKind::Sqlite(_))
             );
-            if !sqlite && (&ta.nodes_schema, &ta.nodes_table) == (&tb.nodes_schema, &tb.nodes_table)
+            let both_count_nodes =
+                a.config.database.uses_nodes_table() && b.config.database.uses_nodes_table();
+            if !sqlite
+                && both_count_nodes
+                && (&ta.nodes_schema, &ta.nodes_table) == (&tb.nodes_schema, &tb.nodes_table)
             {
                 return Err(format!(
                     "{pair} share the nodes table {}.{} of {shown}: the nodes of one would be \
@@ -1580,6 +1599,16 @@ mod tests {
             &two(
                 pg,
                 &format!("{pg}\noutbox_table = \"billing\"\nnodes_table = \"billing_nodes\""),
+            ),
+            &["outbox-relay", "run"],
+        )
+        .unwrap();
+        // Layouts that keep no nodes table share none: they were refused, told to set a
+        // nodes_table they then ignored.
+        outboxes_of(
+            &two(
+                &format!("{pg}\nlayout = \"open-outbox\""),
+                &format!("{pg}\nlayout = \"open-outbox\"\noutbox_table = \"billing\""),
             ),
             &["outbox-relay", "run"],
         )

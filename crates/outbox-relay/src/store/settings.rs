@@ -207,6 +207,20 @@ impl DatabaseSettings {
         bail!("unsupported database URL {shown}: use postgres://user@host:port/db, mysql://user@host:port/db or sqlite:PATH")
     }
 
+    /// Whether the store keeps a nodes table: PostgreSQL's native outbox (and WAL
+    /// capture's), the Ably connector's layout, MySQL/MariaDB's native one, SQLite. Other
+    /// mapped layouts run one active relay behind a lock, with no members to count.
+    pub fn uses_nodes_table(&self) -> bool {
+        match self.database_kind() {
+            Ok(DatabaseKind::MySql) => self.layout == LayoutKind::Native,
+            Ok(DatabaseKind::Postgres) => {
+                self.capture == CaptureMode::Wal
+                    || matches!(self.layout, LayoutKind::Native | LayoutKind::Adbc)
+            }
+            _ => true,
+        }
+    }
+
     /// The table names in effect for the layout: a name left at its default becomes the
     /// layout's own (a seed's table, the Ably connector's nodes table and channel).
     pub fn layout_tables(&self) -> LayoutTables {

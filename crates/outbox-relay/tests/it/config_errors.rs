@@ -321,6 +321,40 @@ fn settings_a_run_would_ignore_or_cut_short_exit_2() {
         "wakeup (--wakeup): the binary log wakes the relay",
         "use --capture poll",
     );
+    // A nodes table a layout never reads, and a nodes schema MySQL never uses.
+    refused(
+        relay(
+            d,
+            &[
+                &drain[..],
+                &[
+                    "--database-url",
+                    PG,
+                    "--layout",
+                    "debezium",
+                    "--nodes-table",
+                    "n",
+                ],
+            ]
+            .concat(),
+            &[],
+        ),
+        "nodes_table and nodes_schema have no effect with layout = \"debezium\"",
+        "remove them",
+    );
+    refused(
+        relay(
+            d,
+            &[
+                &drain[..],
+                &["--database-url", mysql, "--nodes-schema", "ops"],
+            ]
+            .concat(),
+            &[],
+        ),
+        "nodes_schema has no effect on MySQL/MariaDB",
+        "remove it",
+    );
     // An empty node id (`--node-id "$POD_NAME"`, the variable unset) would be every such
     // node's; one past 64 characters did not fit MySQL's nodes table.
     for node_id in ["", " ", &"n".repeat(65)] {
