@@ -60,9 +60,15 @@ impl NatsSink {
     pub async fn connect(uri: &str, config: &NatsConfig) -> Result<Self, SinkSetupError> {
         let addr: ServerAddr = uri.parse().map_err(|e| {
             SinkSetupError::config(format!(
-                "invalid NATS URI: {e}; use nats://[user:password@]host:port"
+                "invalid NATS URI: {e}; use nats://host:port (with user info before the host where the server wants it)"
             ))
         })?;
+        // `nats://` alone parses, to a host of nothing that is reconnected to for good.
+        if addr.host().is_empty() {
+            return Err(SinkSetupError::config(
+                "the NATS URI names no host; use nats://host:port (with user info before the host where the server wants it)",
+            ));
+        }
         // async-nats reads no credentials from the URI itself: its user info is taken here.
         let decoded = |s: &str| {
             percent_encoding::percent_decode_str(s)

@@ -99,8 +99,8 @@ impl RabbitSink {
         // Connections are made on first use; a URI that cannot work is refused now.
         uri.parse::<lapin::uri::AMQPUri>().map_err(|e| {
             SinkSetupError::config(format!(
-                "invalid RabbitMQ URI {shown}: {e}; use amqp://[user:password@]host[:port][/vhost] \
-                 (amqps:// for TLS)"
+                "invalid RabbitMQ URI {shown}: {e}; use amqp://host[:port][/vhost] (amqps:// for \
+                 TLS), with user info before the host where the broker wants it"
             ))
         })?;
         let exchange = Template::parse(config.exchange.as_deref().unwrap_or(""))

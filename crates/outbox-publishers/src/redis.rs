@@ -99,7 +99,7 @@ impl RedisSink {
         } else {
             redis::Client::open(uri)
         }
-        .map_err(|e| SinkSetupError::config(format!("invalid Redis URI {shown}: {e}; use redis://[user:password@]host:port[/db] or rediss:// for TLS")))?;
+        .map_err(|e| SinkSetupError::config(format!("invalid Redis URI {shown}: {e}; use redis://host:port[/db] (rediss:// for TLS), with user info before the host where the server wants it")))?;
         Ok(RedisSink {
             inner: Arc::new(Inner {
                 client,

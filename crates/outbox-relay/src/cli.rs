@@ -131,8 +131,9 @@ pub enum DeadCommand {
         /// Only those after this sequence id (the last one of the previous page).
         #[arg(long, default_value_t = 0, value_name = "ID")]
         after: i64,
-        /// At most this many.
-        #[arg(long, default_value_t = 50, value_name = "N")]
+        /// At most this many (1 or more).
+        #[arg(long, default_value_t = 50, value_name = "N",
+              value_parser = clap::value_parser!(u32).range(1..))]
         limit: u32,
         /// Print JSON lines.
         #[arg(long)]
@@ -298,7 +299,8 @@ pub struct MigrateArgs {
 
 #[derive(Args, Clone, Debug, Serialize)]
 pub struct CheckArgs {
-    /// The sink to check as well [default: the configured sink].
+    /// The sink to check instead of the configured ones: a URI, as --sink takes [default:
+    /// the configured sink, or every [sinks.NAME]]. Not with [sinks] in the configuration.
     #[arg(long, value_name = "URI")]
     pub sink: Option<String>,
 }

@@ -84,9 +84,11 @@ outbox_core::settings! {
         pub routes: Vec<RouteConfig> = Vec::new(),
         /// This node's id in the nodes table [default: <hostname>-<random>].
         pub node_id: Option<String> = None,
-        /// key: per-key order across the cluster, through partition ownership (PostgreSQL);
-        /// none: every node claims any ready rows, for maximum throughput. All nodes of a cluster
-        /// must use the same mode.
+        /// key: per-key order across the cluster, through partition ownership (PostgreSQL's
+        /// native outbox); none: every node claims any ready rows, for maximum throughput (a
+        /// mapped layout, every MySQL/MariaDB outbox among them, runs one active relay either
+        /// way: none only stops one key's failure from holding back its later events). All
+        /// nodes of a cluster must use the same mode.
         pub ordering: OrderingMode = OrderingMode::Key,
         /// Log format.
         pub log_format: LogFormat = LogFormat::Text,

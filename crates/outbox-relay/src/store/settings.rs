@@ -44,10 +44,12 @@ pub enum CaptureMode {
     /// Claim rows from the outbox table (every store).
     Poll,
     /// Read committed INSERTs and `outbox_emit` messages from a logical replication slot,
-    /// in commit order (PostgreSQL, native layout; `migrate --capture wal` first).
+    /// in commit order (PostgreSQL: the native or debezium layout; `migrate --capture wal`
+    /// first).
     Wal,
     /// Read committed INSERTs from the binary log as a replica would, in commit order
-    /// (MySQL/MariaDB, native layout; `migrate --capture binlog` first).
+    /// (MySQL/MariaDB: the native, mysql-outbox-events or a custom layout; `migrate
+    /// --capture binlog` first).
     Binlog,
 }
 

@@ -321,6 +321,10 @@ fn settings_a_run_would_ignore_or_cut_short_exit_2() {
         "wakeup (--wakeup): the binary log wakes the relay",
         "use --capture poll",
     );
+    // `nats://` alone was accepted, and reconnected to nothing for good (the fix's own
+    // `user:password@` was shown as `user:***@`).
+    let out = relay(d, &[&drain[..], &["--sink", "nats://"]].concat(), &[]);
+    refused(out, "the NATS URI names no host", "use nats://host:port");
     // A nodes table a layout never reads, and a nodes schema MySQL never uses.
     refused(
         relay(
