@@ -988,12 +988,17 @@ impl BinlogReader {
         }
         // As wide, and still altered since (a column's type changed, columns reordered):
         // the table map's types, and its column names where the server logs them
-        // (binlog_row_metadata = FULL), must be the described table's.
-        if self.matched_table_id != Some(rows.table_id()) {
-            if layout_differs(table_map, &self.columns, &self.data_types).is_some() {
-                return Err(BinlogError::LayoutChanged { width });
+        // (binlog_row_metadata = FULL), must be the described table's. The first table id
+        // read is taken for the table described at the start if they match; a later one
+        // (the table opened again, after an `ALTER TABLE` among other things) has the table
+        // described again: a character set converted shows in no table map without
+        // binlog_row_metadata, and its rows would be read in the old one.
+        match self.matched_table_id {
+            Some(id) if id == rows.table_id() => {}
+            None if layout_differs(table_map, &self.columns, &self.data_types).is_none() => {
+                self.matched_table_id = Some(rows.table_id());
             }
-            self.matched_table_id = Some(rows.table_id());
+            _ => return Err(BinlogError::LayoutChanged { width }),
         }
         // Decoded here column by column from the event's bytes: mysql_common's own row
         // iterator builds a `Column`, names and all, for every column of every row, which
@@ -1164,11 +1169,13 @@ impl BinlogReader {
         }
         self.matched_table_id = Some(table_id);
         self.data_types = layout.data_types;
-        tracing::info!(
-            table = %format!("{}.{}", self.database, self.table),
-            columns = width,
-            "the outbox table was altered: its rows are read with its new columns from here on"
-        );
+        if *self.columns != layout.columns || self.kinds != layout.kinds {
+            tracing::info!(
+                table = %format!("{}.{}", self.database, self.table),
+                columns = width,
+                "the outbox table was altered: its rows are read with its new columns from here on"
+            );
+        }
         self.columns = Arc::new(layout.columns);
         self.kinds = layout.kinds;
         Ok(())

@@ -1010,6 +1010,35 @@ async fn stop_reading_again(url: &str, from: &outbox_binlog::BinlogPosition) -> 
     }
 }
 
+/// `ALTER TABLE … CONVERT TO CHARACTER SET` while the reader reads: the table map logs the
+/// same types, so rows after it were decoded in the old character set (`é` in utf8mb4 read
+/// as latin1's `Ã©`), and every key, type and destination with them. The table's new id has
+/// it described again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_character_set_converted_while_reading_reads_later_rows_in_the_new_one() {
+    let (_url, mut conn, mut reader) = reading_from_now(
+        "CREATE TABLE outbox (sequence_id bigint PRIMARY KEY AUTO_INCREMENT,
+                              partition_key varchar(64) NULL) DEFAULT CHARSET = latin1",
+        5500,
+    )
+    .await;
+    conn.query_drop("SET NAMES utf8mb4").await.unwrap();
+    let mut keys = Vec::new();
+    for statement in [
+        "INSERT INTO outbox (partition_key) VALUES ('é')",
+        "ALTER TABLE outbox CONVERT TO CHARACTER SET utf8mb4",
+        "INSERT INTO outbox (partition_key) VALUES ('é')",
+    ] {
+        conn.query_drop(statement).await.unwrap();
+    }
+    while keys.len() < 2 {
+        if let Output::Row(row) = crate::next_output(reader.next()).await {
+            keys.push(row.get("partition_key").map(str::to_string));
+        }
+    }
+    assert_eq!(keys, [Some("é".to_string()), Some("é".to_string())]);
+}
+
 /// An `ALTER TABLE` that keeps the column count (a column's type changed) while the reader
 /// reads: the width did not change, so rows after it were decoded by the old description (a
 /// DATETIME made TIMESTAMP read as the seconds since the epoch). The table map of the
