@@ -401,6 +401,7 @@ fn connect_options(config: &WalConfig) -> Result<ConnectOptions, WalError> {
             .get_connect_timeout()
             .copied()
             .unwrap_or(CONNECT_TIMEOUT),
+        channel_binding: url.get_channel_binding(),
     })
 }
 

@@ -15,7 +15,9 @@ use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime};
 
 use bytes::{Buf, Bytes, BytesMut};
-use postgres_protocol::authentication::sasl::{ChannelBinding, ScramSha256, SCRAM_SHA_256};
+use postgres_protocol::authentication::sasl::{
+    ChannelBinding, ScramSha256, SCRAM_SHA_256, SCRAM_SHA_256_PLUS,
+};
 use postgres_protocol::message::frontend;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
@@ -108,6 +110,38 @@ pub struct ConnectOptions {
     pub tls_config: Arc<rustls::ClientConfig>,
     /// How long connecting and authenticating may take.
     pub connect_timeout: Duration,
+    /// libpq's `channel_binding`: SCRAM bound to the TLS session where the server offers
+    /// it (`prefer`), required (`require`: no password is sent any other way), or not.
+    pub channel_binding: tokio_postgres::config::ChannelBinding,
+}
+
+/// The hash RFC 5929 binds a SCRAM login to: the certificate's own, by its signature's
+/// hash algorithm, MD5 and SHA-1 read as SHA-256. `None` for a signature without such a
+/// hash (RSASSA-PSS names its own in parameters, Ed25519 has none) or a certificate that
+/// does not parse.
+fn end_point_hash(certificate: &[u8]) -> Option<Vec<u8>> {
+    use sha2::Digest;
+    use x509_cert::der::Decode;
+    let parsed = x509_cert::Certificate::from_der(certificate).ok()?;
+    let oid = parsed.signature_algorithm.oid.to_string();
+    let hash = match oid.as_str() {
+        // md5WithRSA, sha1WithRSA, sha256WithRSA, ecdsa-with-SHA1, ecdsa-with-SHA256
+        "1.2.840.113549.1.1.4"
+        | "1.2.840.113549.1.1.5"
+        | "1.2.840.113549.1.1.11"
+        | "1.2.840.10045.4.1"
+        | "1.2.840.10045.4.3.2" => sha2::Sha256::digest(certificate).to_vec(),
+        // sha384WithRSA, ecdsa-with-SHA384
+        "1.2.840.113549.1.1.12" | "1.2.840.10045.4.3.3" => {
+            sha2::Sha384::digest(certificate).to_vec()
+        }
+        // sha512WithRSA, ecdsa-with-SHA512
+        "1.2.840.113549.1.1.13" | "1.2.840.10045.4.3.4" => {
+            sha2::Sha512::digest(certificate).to_vec()
+        }
+        _ => return None,
+    };
+    Some(hash)
 }
 
 /// The socket, encrypted or not.
@@ -169,6 +203,17 @@ impl AsyncWrite for Socket {
 }
 
 impl Socket {
+    /// SCRAM's `tls-server-end-point` channel binding: the hash of the server's certificate
+    /// (RFC 5929); `None` without TLS, or for a certificate whose signature names no hash
+    /// this knows.
+    fn tls_server_end_point(&self) -> Option<Vec<u8>> {
+        let Socket::Tls(tls) = self else {
+            return None;
+        };
+        let certificate = tls.get_ref().1.peer_certificates()?.first()?;
+        end_point_hash(certificate.as_ref())
+    }
+
     /// The TCP socket underneath, if there is one.
     fn tcp(&self) -> Option<&TcpStream> {
         match self {
@@ -329,10 +374,27 @@ impl Connection {
         Ok(Socket::Tls(Box::new(tls)))
     }
 
-    /// Answers the server's authentication request: none, a password, md5 or SCRAM-SHA-256.
+    /// Answers the server's authentication request: none, a password, md5 or SCRAM-SHA-256
+    /// (bound to the TLS session where both sides can, as libpq's `channel_binding` says).
     async fn authenticate(&mut self, options: &ConnectOptions) -> Result<()> {
+        use tokio_postgres::config::ChannelBinding as Mode;
         let password = options.password.as_bytes();
         let mut scram: Option<ScramSha256> = None;
+        let required = options.channel_binding == Mode::Require;
+        let end_point = match options.channel_binding {
+            Mode::Disable => None,
+            _ => self.socket.tls_server_end_point(),
+        };
+        // With channel binding required, nothing but SCRAM bound to this TLS session proves
+        // the server is the one the certificate names: the password is sent no other way.
+        let unbound = |method: &str| {
+            ConnectionError::protocol(format!(
+                "channel_binding=require, and the server asked for {method}, which has no \
+                 channel binding: the password is not sent (use scram-sha-256 over TLS for the \
+                 relay's role, or drop channel_binding=require)"
+            ))
+        };
+        let mut bound = false;
         loop {
             let message = self.message().await?;
             match message.tag {
@@ -350,7 +412,10 @@ impl Connection {
                 return Err(ConnectionError::protocol("short authentication message"));
             }
             match body.get_i32() {
+                0 if required && !bound => return Err(unbound("no authentication at all")),
                 0 => return Ok(()),
+                3 if required => return Err(unbound("a cleartext password")),
+                5 if required => return Err(unbound("an md5 password")),
                 3 => frontend::password_message(password, &mut self.output)?,
                 5 => {
                     if body.len() < 4 {
@@ -367,17 +432,33 @@ impl Connection {
                 10 => {
                     let offered: Vec<&[u8]> =
                         body.split(|b| *b == 0).filter(|m| !m.is_empty()).collect();
-                    if !offered.contains(&SCRAM_SHA_256.as_bytes()) {
+                    let plus = offered.contains(&SCRAM_SHA_256_PLUS.as_bytes());
+                    let (mechanism, binding) = match end_point.clone() {
+                        Some(hash) if plus => {
+                            bound = true;
+                            (
+                                SCRAM_SHA_256_PLUS,
+                                ChannelBinding::tls_server_end_point(hash),
+                            )
+                        }
+                        _ if required => {
+                            return Err(unbound(
+                                "SCRAM without channel binding (no TLS, or a \
+                                                server that offers no SCRAM-SHA-256-PLUS)",
+                            ))
+                        }
+                        // Said to a server that offers no binding: a server that dropped the
+                        // offer on the way (a man in the middle) then refuses the login.
+                        Some(_) => (SCRAM_SHA_256, ChannelBinding::unrequested()),
+                        None => (SCRAM_SHA_256, ChannelBinding::unsupported()),
+                    };
+                    if !offered.contains(&mechanism.as_bytes()) {
                         return Err(ConnectionError::protocol(
                             "the server offers no SASL mechanism this client knows (SCRAM-SHA-256)",
                         ));
                     }
-                    let client = ScramSha256::new(password, ChannelBinding::unsupported());
-                    frontend::sasl_initial_response(
-                        SCRAM_SHA_256,
-                        client.message(),
-                        &mut self.output,
-                    )?;
+                    let client = ScramSha256::new(password, binding);
+                    frontend::sasl_initial_response(mechanism, client.message(), &mut self.output)?;
                     scram = Some(client);
                 }
                 11 => {

@@ -1270,7 +1270,7 @@ async fn the_replication_connection_logs_in_with_scram_md5_or_a_password() {
         stream.stop(Duration::from_secs(5)).await.unwrap();
         let wrong = WalConfig {
             url: config.url.replace("s3cret", "wrong"),
-            ..config
+            ..config.clone()
         };
         match WalStream::start(&wrong).await {
             Err(e) => {
@@ -1278,6 +1278,27 @@ async fn the_replication_connection_logs_in_with_scram_md5_or_a_password() {
                 assert!(!e.is_retryable(), "{role}: {e}");
             }
             Ok(_) => panic!("{role} logged in with a wrong password"),
+        }
+        // With channel_binding=require, SCRAM is bound to the TLS session (SCRAM-SHA-256-
+        // PLUS), and a server asking for the password any other way is not sent it: the
+        // replication login answered a cleartext or md5 request whatever the URL said.
+        let bound = WalConfig {
+            url: config
+                .url
+                .replace("sslmode=disable", "sslmode=require&channel_binding=require"),
+            ..config.clone()
+        };
+        match (role, WalStream::start(&bound).await) {
+            ("outbox_auth_scram", Ok(stream)) => stream.stop(Duration::from_secs(5)).await.unwrap(),
+            ("outbox_auth_scram", Err(e)) => panic!("{role}: {e}"),
+            (_, Ok(_)) => panic!("{role} logged in without channel binding"),
+            (_, Err(e)) => {
+                let said = e.to_string();
+                assert!(
+                    said.contains("channel_binding=require") && !said.contains("28P01"),
+                    "{role}: {said}"
+                );
+            }
         }
     }
 }
