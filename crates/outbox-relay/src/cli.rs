@@ -299,8 +299,9 @@ pub struct MigrateArgs {
 
 #[derive(Args, Clone, Debug, Serialize)]
 pub struct CheckArgs {
-    /// The sink to check instead of the configured ones: a URI, as --sink takes [default:
-    /// the configured sink, or every [sinks.NAME]]. Not with [sinks] in the configuration.
+    /// The sink to check instead of the configured ones: a URI, as --sink takes (default:
+    /// the configured sink, or every `[sinks.NAME]`). Not with `[sinks]` in the
+    /// configuration.
     #[arg(long, value_name = "URI")]
     pub sink: Option<String>,
 }
