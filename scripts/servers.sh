@@ -233,8 +233,12 @@ stop_redis() {
 # mapper (epmd) gets a port of its own so it never meets another installation's.
 rabbit_env() {
   local dir=$STATE/rabbitmq
+  # Its distribution port sits 10000 above the broker's, or below where that would pass
+  # 65535: a private broker on a high ephemeral port failed to start ("nodistribution").
+  local dist=$((RABBIT_PORT + 10000))
+  [ "$dist" -gt 65535 ] && dist=$((RABBIT_PORT - 10000))
   export HOME=$dir RABBITMQ_NODENAME=rabbit@localhost RABBITMQ_NODE_IP_ADDRESS=127.0.0.1 \
-    RABBITMQ_NODE_PORT=$RABBIT_PORT RABBITMQ_DIST_PORT=$((RABBIT_PORT + 10000)) \
+    RABBITMQ_NODE_PORT=$RABBIT_PORT RABBITMQ_DIST_PORT=$dist \
     ERL_EPMD_ADDRESS=127.0.0.1 ERL_EPMD_PORT=$((RABBIT_PORT + 1)) \
     RABBITMQ_MNESIA_BASE=$dir/mnesia RABBITMQ_LOG_BASE=$dir/log \
     RABBITMQ_CONFIG_FILE=$dir/rabbitmq.conf RABBITMQ_PID_FILE=$dir/rabbit.pid \
