@@ -29,16 +29,41 @@ pub enum Check {
     Leases,
     /// The backlog query behind the backlog gauges.
     Backlog,
+    /// Publishing: failing while every publish fails (none of a batch's events confirmed),
+    /// a trouble once that has lasted [`PUBLISH_GRACE`].
+    Publish,
 }
 
+/// How long every publish may fail before it counts as trouble: a broker's restart or a
+/// retried hiccup is not, a stream deleted or a permission revoked is, however the sink's
+/// own health check (a connection, a ping) answers.
+pub const PUBLISH_GRACE: Duration = Duration::from_secs(30);
+
 impl Check {
-    pub const ALL: [Check; 5] = [
+    pub const ALL: [Check; 6] = [
         Check::Claim,
         Check::Settle,
         Check::Heartbeat,
         Check::Leases,
         Check::Backlog,
+        Check::Publish,
     ];
+
+    /// How long a failure lasts before it counts as trouble.
+    fn grace(self) -> Duration {
+        match self {
+            Check::Publish => PUBLISH_GRACE,
+            _ => Duration::ZERO,
+        }
+    }
+
+    /// Whether it says anything of the relay's work. The backlog query feeds gauges only:
+    /// counting millions of rows after an outage takes longer than the stall bound (and can
+    /// reach the statement timeout) while the relay drains them fine, and /readyz went red
+    /// on every node exactly then. Its last success stays a gauge.
+    fn is_work(self) -> bool {
+        self != Check::Backlog
+    }
 
     pub fn name(self) -> &'static str {
         match self {
@@ -47,6 +72,7 @@ impl Check {
             Check::Heartbeat => "heartbeat",
             Check::Leases => "partition leases",
             Check::Backlog => "backlog",
+            Check::Publish => "publish",
         }
     }
 }
@@ -164,6 +190,23 @@ impl Health {
         }
     }
 
+    /// A verdict on `check` with no attempt to watch for an answer (a publish, which its
+    /// own timeout bounds): a success, or the failure's report.
+    pub fn record(&self, check: Check, verdict: Result<(), String>) {
+        let mut state = self.state();
+        let check = state.checks.entry(check).or_default();
+        match verdict {
+            Ok(()) => {
+                check.last_success = Some(SystemTime::now());
+                check.failing = None;
+            }
+            Err(error) => {
+                let since = check.failing.take().map_or_else(Instant::now, |(s, _)| s);
+                check.failing = Some((since, error));
+            }
+        }
+    }
+
     /// When `check` last succeeded (wall clock, for a timestamp gauge).
     pub fn last_success(&self, check: Check) -> Option<SystemTime> {
         self.state().checks.get(&check).and_then(|c| c.last_success)
@@ -192,9 +235,12 @@ impl Health {
         {
             let state = self.state();
             assigned = state.assigned;
-            for (check, c) in &state.checks {
+            for (check, c) in state.checks.iter().filter(|(check, _)| check.is_work()) {
                 if let Some((since, error)) = &c.failing {
                     let lasting = now.saturating_duration_since(*since);
+                    if lasting < check.grace() {
+                        continue;
+                    }
                     out.push(Trouble {
                         what: check.name(),
                         detail: format!("failing for {}s: {error}", lasting.as_secs()),
@@ -234,6 +280,36 @@ impl Health {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every publish failing is trouble once it has lasted the grace, whatever the sink's
+    /// own health check says (it reaches the broker), until a publish succeeds.
+    #[test]
+    fn publishes_that_all_fail_are_trouble_after_the_grace_until_one_succeeds() {
+        let health = Health::new();
+        let stall = Duration::from_secs(10);
+        health.record(Check::Publish, Err("stream not found".into()));
+        assert!(health.troubles(Instant::now(), stall).is_empty());
+        health.record(Check::Publish, Err("stream not found".into()));
+        let later = Instant::now() + PUBLISH_GRACE;
+        let troubles = health.troubles(later, stall);
+        assert_eq!(troubles.len(), 1, "{troubles:?}");
+        assert_eq!(troubles[0].what, "publish");
+        assert!(troubles[0].detail.contains("stream not found"));
+        health.record(Check::Publish, Ok(()));
+        assert!(health.troubles(later, stall).is_empty());
+        assert!(health.last_success(Check::Publish).is_some());
+    }
+
+    /// A slow or failing backlog count is no trouble: it feeds gauges, and a large backlog
+    /// being drained is when it is slow.
+    #[test]
+    fn the_backlog_query_is_never_trouble() {
+        let health = Health::new();
+        let stall = Duration::from_secs(10);
+        let _waiting = health.begin(Check::Backlog);
+        assert!(health.begin(Check::Backlog).failed("statement timeout"));
+        assert!(health.troubles(Instant::now() + stall * 10, stall).is_empty());
+    }
 
     #[test]
     fn a_failure_is_reported_until_the_next_success() {

@@ -623,6 +623,23 @@ impl Engine {
                 }
             }
         }
+        // What /readyz says of publishing: any event of the batch confirmed clears it; a
+        // batch of failures only keeps it failing (a trouble past its grace).
+        let failure = first_failure
+            .as_ref()
+            .map(|(error, _)| error)
+            .or(first_dead.as_ref().map(|(.., error)| error));
+        let verdict = match (acked.is_empty(), failure) {
+            (false, _) => Some(Ok(())),
+            (true, Some(error)) => Some(Err(format!(
+                "no event confirmed by the sink {}: {error}",
+                self.publisher.describe()
+            ))),
+            (true, None) => None,
+        };
+        if let Some(verdict) = verdict {
+            self.config.shared.health.record(Check::Publish, verdict);
+        }
         if let Some((error, count)) = first_failure {
             tracing::warn!(events = count, %error, sink = %self.publisher.describe(), "publish failed; will retry with backoff");
         }

@@ -906,3 +906,113 @@ async fn gated_wakeup_notifies_only_a_waiting_relay_and_loses_nothing_under_conc
     .await;
     assert!(relay.terminate().await.success());
 }
+
+/// A webhook that answers every request with the status `status` holds, and counts them.
+async fn webhook_answering(
+    status: Arc<std::sync::atomic::AtomicU16>,
+) -> (String, Arc<AtomicUsize>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let requests = Arc::new(AtomicUsize::new(0));
+    let counted = requests.clone();
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            let status = status.clone();
+            let counted = counted.clone();
+            tokio::spawn(async move {
+                let mut seen = Vec::new();
+                let mut buf = [0u8; 4096];
+                // One request per connection: its head, then its body by content-length.
+                loop {
+                    let Ok(n) = socket.read(&mut buf).await else {
+                        return;
+                    };
+                    if n == 0 {
+                        return;
+                    }
+                    seen.extend_from_slice(&buf[..n]);
+                    let text = String::from_utf8_lossy(&seen).to_ascii_lowercase();
+                    if let Some(end) = text.find("\r\n\r\n") {
+                        let length: usize = text[..end]
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .and_then(|v| v.trim().parse().ok())
+                            .unwrap_or(0);
+                        if seen.len() >= end + 4 + length {
+                            break;
+                        }
+                    }
+                }
+                counted.fetch_add(1, Ordering::SeqCst);
+                let code = status.load(Ordering::SeqCst);
+                let answer =
+                    format!("HTTP/1.1 {code} X\r\ncontent-length: 0\r\nconnection: close\r\n\r\n");
+                let _ = socket.write_all(answer.as_bytes()).await;
+                let _ = socket.shutdown().await;
+            });
+        }
+    });
+    (format!("http://{addr}/{{destination}}"), requests)
+}
+
+/// A sink that refuses every publish while it answers its health check (a webhook
+/// answering 503 to every event, as a revoked permission or a deleted stream does):
+/// `/readyz` stayed 200 while nothing was delivered, the retries' WARN lines the only sign.
+/// Every publish failing for the grace (30 s) is trouble, naming the sink's error, until
+/// one succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_fails_while_every_publish_fails_and_recovers_when_one_succeeds() {
+    let dir = tempfile::tempdir().unwrap();
+    let status = Arc::new(std::sync::atomic::AtomicU16::new(503));
+    let (sink, requests) = webhook_answering(status.clone()).await;
+    let url = format!("sqlite:{}", dir.path().join("o.db").display());
+    let mut relay = RelayProcess::spawn(
+        dir.path(),
+        "relay",
+        &[
+            "run",
+            "--sink",
+            &sink,
+            "--http-addr",
+            "127.0.0.1:0",
+            "--log-format",
+            "json",
+            "--retry-base-delay",
+            "100ms",
+            "--retry-max-delay",
+            "1s",
+            "--max-attempts",
+            "1000",
+        ],
+        &[("DATABASE_URL", &url)],
+    );
+    let addr = http_addr(&relay).await;
+    let sent = relay_cmd(&url, &["send", "--destination", "orders", "{}"]);
+    assert!(
+        sent.status.success(),
+        "{}",
+        String::from_utf8_lossy(&sent.stderr)
+    );
+    eventually(
+        "the webhook refusing the event",
+        Duration::from_secs(30),
+        || {
+            let n = requests.load(Ordering::SeqCst);
+            async move { (n >= 1).then_some(()) }
+        },
+    )
+    .await;
+    let body = crate::support::readyz(
+        &relay,
+        &addr,
+        503,
+        "publish: failing for",
+        Duration::from_secs(90),
+    )
+    .await;
+    assert!(body.contains("503"), "{body}");
+    status.store(200, Ordering::SeqCst);
+    crate::support::readyz(&relay, &addr, 200, "", Duration::from_secs(30)).await;
+    relay.terminate().await;
+}
