@@ -308,7 +308,9 @@ mod tests {
         let stall = Duration::from_secs(10);
         let _waiting = health.begin(Check::Backlog);
         assert!(health.begin(Check::Backlog).failed("statement timeout"));
-        assert!(health.troubles(Instant::now() + stall * 10, stall).is_empty());
+        assert!(health
+            .troubles(Instant::now() + stall * 10, stall)
+            .is_empty());
     }
 
     #[test]

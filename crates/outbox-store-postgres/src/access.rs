@@ -151,12 +151,12 @@ impl PgStore {
                     .await
                     .map_err(|e| Self::statement_error(inner, context, e))
             };
-            // A transaction given longer than the operation timeout (the sessions' statement
-            // timeout) has its statements bounded as long.
+            // A transaction given longer than the operation timeout has its statements
+            // bounded as long (as the sessions' are: a tenth below the client's bound).
             if let Some(within) = within.filter(|w| *w > inner.operation_timeout) {
                 tx.batch_execute(&format!(
                     "SET LOCAL statement_timeout = {}",
-                    within.as_millis()
+                    (within * 9 / 10).as_millis()
                 ))
                 .await
                 .map_err(|e| db_error(context, e))?;

@@ -58,6 +58,19 @@ fn is_tls_failure(error: &tokio_postgres::Error) -> bool {
         .starts_with("error performing TLS handshake")
 }
 
+/// The fix for a statement the server ended at the store's bound (statement_timeout) or a
+/// lock it could not get: almost always another session's lock, not the network.
+pub const WAITED_HINT: &str = "the statement waited past the relay's operation timeout, most \
+    often for a lock another session holds on the outbox's tables (VACUUM FULL, CLUSTER, \
+    REINDEX, ALTER TABLE, pg_repack, a long or idle-in-transaction session): find it with \
+    SELECT pid, state, query FROM pg_stat_activity WHERE pid = ANY(pg_blocking_pids(<the \
+    relay's pid>)), and let it finish or end it; the relay retries meanwhile";
+
+/// The fix for writes refused by a database in read-only mode.
+pub const READ_ONLY_HINT: &str = "the database refuses writes (default_transaction_read_only \
+    for the database or role, a standby, or a managed service gone read-only, often on a full \
+    disk): the relay claims and settles by writing; make it writable, and the relay goes on";
+
 /// The fix when the server turned away a connection for not using TLS.
 pub const TLS_REQUIRED_HINT: &str = "the server accepts only TLS connections from this host: \
     use sslmode=require in the URL (or verify-full, with --database-ca-file for a private CA)";
@@ -75,6 +88,15 @@ pub fn db_error(context: &str, error: tokio_postgres::Error) -> StoreError {
         Some(db) if is_refused_without_tls(db) => {
             StoreError::new(kind, format!("{context}: {}", db.message()))
                 .with_hint(TLS_REQUIRED_HINT)
+        }
+        Some(db)
+            if *db.code() == SqlState::QUERY_CANCELED
+                || *db.code() == SqlState::LOCK_NOT_AVAILABLE =>
+        {
+            StoreError::new(kind, format!("{context}: {}", db.message())).with_hint(WAITED_HINT)
+        }
+        Some(db) if *db.code() == SqlState::READ_ONLY_SQL_TRANSACTION => {
+            StoreError::new(kind, format!("{context}: {}", db.message())).with_hint(READ_ONLY_HINT)
         }
         // The server's message says it all; the wrapper would only repeat it.
         Some(db) => StoreError::new(kind, format!("{context}: {}", db.message())),

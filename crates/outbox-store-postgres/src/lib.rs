@@ -184,8 +184,13 @@ impl PgStore {
         // The server ends a statement when the relay gave up on it: a backend waiting on a
         // lock would otherwise wait on (keeping the row locks it took) after its client
         // left, and every retry would add one. A URL's own statement_timeout is kept.
+        // Below the client's own bound, so that the server's answer (which names a lock
+        // wait for what it is) comes before the client takes the connection for lost.
         let operation_timeout = options.operation_timeout.unwrap_or(OPERATION_TIMEOUT);
-        let statement_bound = format!("-c statement_timeout={}", operation_timeout.as_millis());
+        let statement_bound = format!(
+            "-c statement_timeout={}",
+            (operation_timeout * 9 / 10).as_millis()
+        );
         let session_options = match config.get_options() {
             Some(own) if own.contains("statement_timeout") => format!("{own} {INDEX_ORDER_PLANS}"),
             Some(own) => format!("{own} {INDEX_ORDER_PLANS} {statement_bound}"),
@@ -408,6 +413,14 @@ impl PgStore {
             .await
             .map_err(|e| db_error("execute", e))
     }
+}
+
+/// Keeps a session that only waits (LISTEN, an advisory lock held) from being ended by an
+/// `idle_session_timeout` set on the role or database (PostgreSQL 14+): the lock would be
+/// lost and taken again every period, each time giving back the rows in flight. An older
+/// server has no such setting, and its error is of no account.
+pub(crate) async fn never_idle_out(client: &tokio_postgres::Client) {
+    let _ = client.batch_execute("SET idle_session_timeout = 0").await;
 }
 
 /// Runs a store operation with the operation timeout. A connection that did not answer in

@@ -49,7 +49,10 @@ impl MigrateSession {
         client
             // A migration (an index built over a large table) takes what it takes: the
             // pool's sessions end statements at the operation timeout.
-            .batch_execute("SET client_min_messages = warning; SET statement_timeout = 0")
+            .batch_execute(
+                "SET client_min_messages = warning; SET statement_timeout = 0; \
+                 SET lock_timeout = 0",
+            )
             .await
             .map_err(|e| db_error("migrate", e))?;
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));

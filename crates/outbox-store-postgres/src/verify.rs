@@ -25,6 +25,22 @@ pub(crate) async fn verify(inner: &Inner) -> StoreResult<Vec<Problem>> {
     refuse_standby(inner).await?;
     let t = &inner.tables;
     let mut problems = Vec::new();
+    // A primary can refuse writes too (a cutover's freeze, a service gone read-only on a
+    // full disk): every claim would fail, retried without end.
+    let read_only = PgStore::query(
+        inner,
+        "verify",
+        "SELECT current_setting('transaction_read_only') = 'on'",
+        &[],
+    )
+    .await?;
+    if read_only[0].get::<_, bool>(0) {
+        problems.push(Problem::blocking(
+            "the database refuses writes (transaction_read_only is on for the relay's \
+             sessions), and the relay claims and settles by writing",
+            crate::error::READ_ONLY_HINT,
+        ));
+    }
     let migrate_fix = "run `outbox-relay migrate` (or apply `outbox-relay migrate --print`)";
     // (table, privileges the relay needs on it)
     let needs = [

@@ -176,6 +176,9 @@ async fn a_statement_the_store_gave_up_on_does_not_wait_on_in_the_server() {
         claimed.as_ref().is_err_and(|e| e.is_retryable()),
         "{claimed:?}"
     );
+    // Said as what it is, a wait for another session's lock, not a lost connection.
+    let said = claimed.unwrap_err().report();
+    assert!(said.contains("pg_blocking_pids"), "{said}");
     let (admin, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
         .await
         .unwrap();
@@ -198,4 +201,99 @@ async fn a_statement_the_store_gave_up_on_does_not_wait_on_in_the_server() {
     )
     .await;
     lock.rollback().await.unwrap();
+}
+
+/// A primary that refuses writes (`default_transaction_read_only`, as a cutover's freeze or
+/// a service gone read-only on a full disk sets it) passed `check`, and every claim then
+/// failed, retried without end, with a hint pointing at the tables. `check` names it, and
+/// the claim's error says the fix.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_that_refuses_writes_is_named_by_check_and_by_the_claims() {
+    let url = outbox_testkit::fresh_pg_database().await;
+    PgStore::new(options(&url))
+        .unwrap()
+        .migrate()
+        .await
+        .unwrap();
+    let (admin, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    admin
+        .batch_execute(
+            "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET default_transaction_read_only = on',
+                                         current_database()); END $$",
+        )
+        .await
+        .unwrap();
+    let store = PgStore::new(options(&url)).unwrap();
+    let problems = store.verify().await.unwrap();
+    let said: Vec<String> = problems.iter().map(ToString::to_string).collect();
+    assert!(
+        said.iter()
+            .any(|p| p.contains("refuses writes") && p.contains("make it writable")),
+        "{said:?}"
+    );
+    let claimed = store
+        .claim(outbox_core::store::ClaimRequest::new(
+            outbox_core::NodeId("n1".into()),
+            10,
+            Duration::from_secs(30),
+        ))
+        .await;
+    let error = claimed.unwrap_err();
+    assert!(error.is_retryable(), "{error:?}");
+    assert!(
+        error.report().contains("make it writable"),
+        "{}",
+        error.report()
+    );
+}
+
+/// An `idle_session_timeout` set on the database (PostgreSQL 14+) ended the LISTEN session
+/// (and a mapped layout's lock session) at every period: the lock was taken again each
+/// time, giving back the rows in flight. Those sessions keep no such timeout: the listener
+/// stays idle past it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_session_outlives_the_databases_idle_session_timeout() {
+    let url = outbox_testkit::fresh_pg_database().await;
+    PgStore::new(options(&url))
+        .unwrap()
+        .migrate()
+        .await
+        .unwrap();
+    let (admin, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    admin
+        .batch_execute(
+            "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET idle_session_timeout = ''1s''',
+                                         current_database()); END $$",
+        )
+        .await
+        .unwrap();
+    let mut options = options(&url);
+    options.application_name = Some("idle-listener".into());
+    let store = PgStore::new(options).unwrap();
+    let (_wakeups, listening) = count_wakeups(&store);
+    eventually(
+        "the LISTEN session idle for 3 s",
+        Duration::from_secs(20),
+        || async {
+            let idle: i64 = admin
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity
+                      WHERE application_name = 'idle-listener' AND state = 'idle'
+                        AND query LIKE 'LISTEN%' AND state_change < now() - interval '3 s'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            (idle == 1).then_some(())
+        },
+    )
+    .await;
+    listening.abort();
 }
