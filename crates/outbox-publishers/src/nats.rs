@@ -203,9 +203,34 @@ fn classify_connect(error: async_nats::ConnectError, shown: &str) -> SinkSetupEr
 fn headers_for(routed: &Routed) -> Result<HeaderMap, PublishError> {
     let event = &routed.event;
     let sequence_id = event.sequence_id.to_string();
+    // JetStream reads `Nats-*` headers as commands: `Nats-Rollup` purges the subject's (or
+    // the stream's) earlier messages, acknowledged events of other keys among them;
+    // `Nats-TTL` expires the message; `Nats-Expected-*` refuse it. An event's own is
+    // refused, naming it.
+    if let Some(name) = event.headers.keys().find(|name| {
+        name.get(..5)
+            .is_some_and(|p| p.eq_ignore_ascii_case("nats-"))
+    }) {
+        return Err(PublishError::new(
+            PublishErrorKind::Encoding,
+            format!(
+                "the event's header {name} is a JetStream control header (Nats-*: a rollup \
+                 would purge the stream's earlier messages), which the relay does not pass on \
+                 from events; rename it in the event's headers"
+            ),
+        ));
+    }
+    let own = [
+        HEADER_EVENT_TYPE,
+        HEADER_SEQUENCE_ID,
+        HEADER_PARTITION_KEY,
+        HEADER_MUTATION_ID,
+    ];
+    // An event's header of a relay header's name, in another case, would travel beside it.
     let mut fields: Vec<(&str, &str)> = event
         .headers
         .iter()
+        .filter(|(name, _)| !own.iter().any(|o| o.eq_ignore_ascii_case(name)))
         .map(|(name, value)| (name.as_str(), value.as_str()))
         .collect();
     fields.push((HEADER_EVENT_TYPE, event.event_type.as_str()));
@@ -533,6 +558,46 @@ mod tests {
         ] {
             assert_eq!(api_subject(subject), None, "{subject}");
         }
+    }
+
+    /// JetStream's control headers from an event are refused (a `Nats-Rollup` purged the
+    /// stream's earlier messages), and an event's header of a relay header's name does not
+    /// travel beside the relay's.
+    #[test]
+    fn an_events_control_headers_are_refused_and_the_relays_own_win() {
+        let routed = |headers: &[(&str, &str)]| {
+            let mut event = (*outbox_testkit_event()).clone();
+            for (name, value) in headers {
+                event.headers.insert((*name).into(), (*value).into());
+            }
+            Routed {
+                cloudevents: None,
+                event: std::sync::Arc::new(event),
+                target: "orders".into(),
+            }
+        };
+        for name in ["Nats-Rollup", "nats-ttl", "NATS-Expected-Stream"] {
+            let refused = headers_for(&routed(&[(name, "all")])).unwrap_err();
+            assert_eq!(refused.kind(), PublishErrorKind::Encoding, "{name}");
+            assert!(refused.to_string().contains(name), "{refused}");
+        }
+        let headers = headers_for(&routed(&[("outbox-sequence-id", "999")])).unwrap();
+        let values: Vec<String> = headers
+            .iter()
+            .filter(|(name, _)| name.to_string().eq_ignore_ascii_case(HEADER_SEQUENCE_ID))
+            .flat_map(|(_, values)| values.iter().map(|v| v.to_string()))
+            .collect();
+        assert_eq!(values, ["7"]);
+    }
+
+    fn outbox_testkit_event() -> std::sync::Arc<outbox_core::Event> {
+        std::sync::Arc::new(outbox_core::Event::new(
+            7,
+            uuid::Uuid::nil(),
+            "orders",
+            "placed",
+            outbox_core::Payload::Null,
+        ))
     }
 
     #[test]

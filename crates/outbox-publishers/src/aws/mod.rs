@@ -719,6 +719,8 @@ pub fn classify(status: Option<u16>, code: &str, message: &str, what: &str) -> P
         "Throttling"
         | "ThrottlingException"
         | "ThrottledException"
+        // SNS's wire code for ThrottledException, which a batch entry carries alone.
+        | "Throttled"
         | "RequestThrottled"
         | "RequestThrottledException"
         | "TooManyRequestsException"
@@ -786,6 +788,17 @@ pub fn classify(status: Option<u16>, code: &str, message: &str, what: &str) -> P
         | "KMSOptInRequired"
         | "KMSInvalidKeyUsageException"
         | "InvalidKeyUsageException" => Unauthorized,
+        // No AWS error code at all: not the service's answer to the event, but a redirect,
+        // a proxy's page, a wrong endpoint path. The sink's condition, retried: refusing it
+        // as the event's dead-lettered every event in turn, each sent alone.
+        "" => match status {
+            Some(429) => Throttled,
+            Some(413) => TooLarge,
+            Some(401 | 403) => Unauthorized,
+            Some(408) => Timeout,
+            Some(500..=599) => BrokerFailure,
+            _ => Unavailable,
+        },
         _ => match status {
             Some(429) => Throttled,
             Some(413) => TooLarge,
@@ -1142,6 +1155,14 @@ mod tests {
                 PublishErrorKind::Unavailable,
             ),
             (Some(400), "RequestTimeout", PublishErrorKind::Timeout),
+            // No AWS code: a redirect, a proxy's page, a wrong path. The sink's condition,
+            // retried (each event was dead-lettered on its first attempt).
+            (Some(307), "", PublishErrorKind::Unavailable),
+            (Some(404), "", PublishErrorKind::Unavailable),
+            (Some(408), "", PublishErrorKind::Timeout),
+            (Some(413), "", PublishErrorKind::TooLarge),
+            // SNS's throttling of one batch entry.
+            (None, "Throttled", PublishErrorKind::Throttled),
         ] {
             assert_eq!(kind(status, code), expected, "{status:?} {code}");
         }

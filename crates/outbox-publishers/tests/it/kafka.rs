@@ -226,7 +226,13 @@ async fn a_fatal_producer_error_gives_way_to_a_new_producer() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn messages_carry_the_key_and_event_headers() {
     let h = new_harness().await;
-    let e = outbox_testkit::publisher::event(4, "customer-4", b"{}".to_vec());
+    let mut forged = (*outbox_testkit::publisher::event(4, "customer-4", b"{}".to_vec())).clone();
+    // An event's own header of the relay's id stamp's name: Kafka kept both, and consumers
+    // read the last, the forged one.
+    forged
+        .headers
+        .insert("Outbox-Event-Id".into(), "forged".into());
+    let e = std::sync::Arc::new(forged);
     let routed = outbox_publishers::Routed {
         cloudevents: None,
         event: e.clone(),
@@ -249,6 +255,12 @@ async fn messages_carry_the_key_and_event_headers() {
             )
         })
         .collect();
+    let ids: Vec<&String> = headers
+        .iter()
+        .filter(|(k, _)| k.eq_ignore_ascii_case("outbox-event-id"))
+        .map(|(_, v)| v)
+        .collect();
+    assert_eq!(ids, [&e.event_id.to_string()], "{headers:?}");
     for (k, v) in [
         ("outbox-event-id", e.event_id.to_string()),
         ("outbox-event-type", "order.created".to_string()),
