@@ -66,6 +66,13 @@ pub const WAITED_HINT: &str = "the statement waited past the relay's operation t
     SELECT pid, state, query FROM pg_stat_activity WHERE pid = ANY(pg_blocking_pids(<the \
     relay's pid>)), and let it finish or end it; the relay retries meanwhile";
 
+/// The fix for a row the relay writes whose id a table holds already: the outbox's id
+/// sequence was reset behind the dead letters' ids.
+pub const UNIQUE_HINT: &str = "a row with this id is there already: if the outbox's id \
+    sequence was reset (TRUNCATE … RESTART IDENTITY, a restore, ALTER SEQUENCE … RESTART), \
+    set it past every id the dead-letter table holds (`outbox-relay check` prints the setval \
+    that does it); the relay retries meanwhile";
+
 /// The fix for writes refused by a database in read-only mode.
 pub const READ_ONLY_HINT: &str = "the database refuses writes (default_transaction_read_only \
     for the database or role, a standby, or a managed service gone read-only, often on a full \
@@ -94,6 +101,9 @@ pub fn db_error(context: &str, error: tokio_postgres::Error) -> StoreError {
                 || *db.code() == SqlState::LOCK_NOT_AVAILABLE =>
         {
             StoreError::new(kind, format!("{context}: {}", db.message())).with_hint(WAITED_HINT)
+        }
+        Some(db) if *db.code() == SqlState::UNIQUE_VIOLATION => {
+            StoreError::new(kind, format!("{context}: {}", db.message())).with_hint(UNIQUE_HINT)
         }
         Some(db) if *db.code() == SqlState::READ_ONLY_SQL_TRANSACTION => {
             StoreError::new(kind, format!("{context}: {}", db.message())).with_hint(READ_ONLY_HINT)

@@ -71,12 +71,53 @@ pub(crate) async fn verify(inner: &Inner) -> StoreResult<Vec<Problem>> {
         problems.extend(missing);
     }
     problems.extend(verify_outbox_columns(inner).await?);
+    problems.extend(sequence_behind_dead_letters(inner).await?);
     let (trigger, table) = t.trigger_exists_sql();
     problems.extend(
         missing_trigger(inner, &trigger, &table, &t.outbox.to_string(), migrate_fix).await?,
     );
     index_problems(inner, &mut problems, migrate_fix).await?;
     Ok(problems)
+}
+
+/// The outbox's id sequence behind the dead-letter table's ids (reset by `TRUNCATE …
+/// RESTART IDENTITY`, a restore, an `ALTER SEQUENCE … RESTART`): the next event to be
+/// dead-lettered with an id already there would fail on the table's key at every try, its
+/// key held back for good.
+async fn sequence_behind_dead_letters(inner: &Inner) -> StoreResult<Option<Problem>> {
+    let t = &inner.tables;
+    let (outbox, dead) = (t.outbox.quoted(), t.dead_letters.quoted());
+    // Pending rows at or below the highest dead letter's id are few (none, unless the
+    // sequence went back), so the probe of their ids is cheap.
+    let sql = format!(
+        "WITH dead AS (SELECT max(sequence_id) AS max FROM {dead})
+         SELECT pg_get_serial_sequence($1, 'sequence_id'), dead.max,
+                (SELECT last_value FROM pg_sequences
+                  WHERE format('%I.%I', schemaname, sequencename)::regclass
+                        = pg_get_serial_sequence($1, 'sequence_id')::regclass),
+                EXISTS (SELECT 1 FROM {outbox} o WHERE o.sequence_id <= dead.max
+                           AND EXISTS (SELECT 1 FROM {dead} d WHERE d.sequence_id = o.sequence_id))
+           FROM dead"
+    );
+    let rows = PgStore::query(inner, "verify", &sql, &[&outbox]).await?;
+    let (sequence, dead_max, last, shared): (Option<String>, Option<i64>, Option<i64>, bool) =
+        (rows[0].get(0), rows[0].get(1), rows[0].get(2), rows[0].get(3));
+    let (Some(sequence), Some(dead_max)) = (sequence, dead_max) else {
+        return Ok(None);
+    };
+    // The sequence's value is NULL before its first use, and to a role that may not read
+    // it: only a known value is compared.
+    if !shared && last.is_none_or(|last| last >= dead_max) {
+        return Ok(None);
+    }
+    Ok(Some(Problem::blocking(
+        format!(
+            "the outbox's id sequence {sequence} went back behind the dead-letter table's ids \
+             (up to {dead_max}): it was reset, and an event dead-lettered under an id already \
+             there would fail at every try, holding back its key"
+        ),
+        format!("SELECT setval('{sequence}', {dead_max});"),
+    )))
 }
 
 /// A problem for each of `privileges` (as in "SELECT, UPDATE") that the current role lacks

@@ -180,3 +180,48 @@ async fn a_column_type_changed_under_a_running_relay_stops_claims_with_its_name_
     assert!(p.fix.contains("TYPE uuid USING event_id::uuid"), "{p:?}");
     assert!(!p.is_degraded());
 }
+
+/// The outbox's id sequence reset behind the dead letters' ids (`TRUNCATE … RESTART
+/// IDENTITY`): the next event dead-lettered under an id already there failed on the key at
+/// every try, its hint pointing nowhere, its key held back for good, with `check` content.
+/// `check` now names the reset with the `setval` that fixes it, and the failure says why.
+#[tokio::test]
+async fn a_sequence_reset_behind_the_dead_letters_is_named_with_its_fix() {
+    let (store, client) = store().await;
+    let insert = "INSERT INTO outbox (destination, event_type, payload) VALUES ('d', 't', '{}')";
+    client.batch_execute(insert).await.unwrap();
+    let dead_letter = async |store: &PgStore| {
+        let claimed = store.claim(claim()).await.expect("claim");
+        store
+            .dead_letter(
+                LeaseHolder::unfenced(NodeId("n1".into())),
+                vec![DeadLetter {
+                    sequence_id: claimed[0].sequence_id(),
+                    attempts: 1,
+                    error: "refused".into(),
+                }],
+            )
+            .await
+    };
+    assert_eq!(dead_letter(&store).await.unwrap(), 1);
+    assert!(store.verify().await.unwrap().is_empty());
+    client
+        .batch_execute("TRUNCATE outbox RESTART IDENTITY")
+        .await
+        .unwrap();
+    client.batch_execute(insert).await.unwrap();
+    let said: Vec<String> = store
+        .verify()
+        .await
+        .unwrap()
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert!(
+        said.iter().any(|p| p.contains("behind the dead-letter table's ids")
+            && p.contains("SELECT setval('public.outbox_sequence_id_seq', 1);")),
+        "{said:?}"
+    );
+    let failed = dead_letter(&store).await.unwrap_err();
+    assert!(failed.report().contains("sequence was reset"), "{}", failed.report());
+}
