@@ -207,6 +207,14 @@ impl Health {
         }
     }
 
+    /// Forgets `check`'s failure without a success to show for it: the operation is not
+    /// tried any more (a node with nothing to claim).
+    pub fn clear_failure(&self, check: Check) {
+        if let Some(check) = self.state().checks.get_mut(&check) {
+            check.failing = None;
+        }
+    }
+
     /// When `check` last succeeded (wall clock, for a timestamp gauge).
     pub fn last_success(&self, check: Check) -> Option<SystemTime> {
         self.state().checks.get(&check).and_then(|c| c.last_success)
@@ -302,6 +310,17 @@ mod tests {
 
     /// A slow or failing backlog count is no trouble: it feeds gauges, and a large backlog
     /// being drained is when it is slow.
+    #[test]
+    fn a_cleared_failure_is_no_trouble_and_no_success() {
+        let health = Health::new();
+        assert!(health.begin(Check::Claim).failed("connection reset"));
+        health.clear_failure(Check::Claim);
+        assert!(health
+            .troubles(Instant::now(), Duration::from_secs(10))
+            .is_empty());
+        assert!(health.last_success(Check::Claim).is_none());
+    }
+
     #[test]
     fn the_backlog_query_is_never_trouble() {
         let health = Health::new();

@@ -860,8 +860,11 @@ impl Engine {
             .as_ref()
             .map(|o| Arc::new(o.claim_fence(std::time::Instant::now())));
         // Holding no partition, there is nothing to claim until the coordinator grants one
-        // (it wakes us).
+        // (it wakes us). A claim that failed before says nothing of now: a node given no
+        // partitions (more nodes than partitions) claimed never again, its old failure
+        // shown on /readyz for good.
         if fence.as_ref().is_some_and(|f| f.partitions.is_empty()) {
+            self.config.shared.health.clear_failure(Check::Claim);
             return;
         }
         let limit = capacity.min(self.config.settings.batch_size);
