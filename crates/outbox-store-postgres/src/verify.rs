@@ -100,8 +100,12 @@ async fn sequence_behind_dead_letters(inner: &Inner) -> StoreResult<Option<Probl
            FROM dead"
     );
     let rows = PgStore::query(inner, "verify", &sql, &[&outbox]).await?;
-    let (sequence, dead_max, last, shared): (Option<String>, Option<i64>, Option<i64>, bool) =
-        (rows[0].get(0), rows[0].get(1), rows[0].get(2), rows[0].get(3));
+    let (sequence, dead_max, last, shared): (Option<String>, Option<i64>, Option<i64>, bool) = (
+        rows[0].get(0),
+        rows[0].get(1),
+        rows[0].get(2),
+        rows[0].get(3),
+    );
     let (Some(sequence), Some(dead_max)) = (sequence, dead_max) else {
         return Ok(None);
     };

@@ -3992,6 +3992,67 @@ async fn a_server_out_of_slots_or_wal_senders_is_named_with_the_fix() {
 /// database's) is named by `check`, which said all was well, and stops `run` at once (before,
 /// a drain retried it without end). `drop-slot` leaves such a slot alone: it dropped it, and
 /// for an active replica's it would have waited.
+/// The slot streamed to a client that is no relay (here `pg_recvlogical`; a Debezium
+/// connector left attached after a migration): every relay waited as its standby, relaying
+/// nothing while it called itself ready. It fails, naming the client and the fix.
+#[tokio::test]
+async fn a_slot_held_by_a_client_that_is_no_relay_is_named() {
+    let w = WalDb::new().await;
+    create_slot(&w.db, &w.slot, "pgoutput").await;
+    w.db.batch_execute("CREATE PUBLICATION holder_pub")
+        .await
+        .unwrap();
+    let mut holder = std::process::Command::new("/usr/lib/postgresql/15/bin/pg_recvlogical")
+        .args([
+            "-d",
+            &w.url,
+            "--slot",
+            &w.slot,
+            "--start",
+            "-f",
+            "/dev/null",
+        ])
+        .args([
+            "-o",
+            "proto_version=1",
+            "-o",
+            "publication_names=holder_pub",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("pg_recvlogical, from PostgreSQL's packages");
+    eventually(
+        "pg_recvlogical to hold the slot",
+        Duration::from_secs(30),
+        || async {
+            let active = query_count(
+                &w.db,
+                "SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1 AND active",
+                &[&w.slot],
+            )
+            .await
+            .unwrap();
+            (active == 1).then_some(())
+        },
+    )
+    .await;
+    let args = w.run_args("stdout", &[]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut relay = RelayProcess::spawn(w.dir.path(), "relay", &args, &[]);
+    relay
+        .wait_for_log(
+            "the relay naming the slot's holder",
+            Duration::from_secs(60),
+            "streams to a client that is no relay",
+        )
+        .await;
+    assert!(relay.logs().contains("pg_recvlogical"), "{}", relay.logs());
+    let _ = holder.kill();
+    let _ = holder.wait();
+    relay.terminate().await;
+}
+
 #[tokio::test]
 async fn a_slot_of_another_plugin_or_database_is_refused_by_check_and_run() {
     let w = WalDb::new().await;

@@ -218,10 +218,15 @@ async fn a_sequence_reset_behind_the_dead_letters_is_named_with_its_fix() {
         .map(ToString::to_string)
         .collect();
     assert!(
-        said.iter().any(|p| p.contains("behind the dead-letter table's ids")
-            && p.contains("SELECT setval('public.outbox_sequence_id_seq', 1);")),
+        said.iter()
+            .any(|p| p.contains("behind the dead-letter table's ids")
+                && p.contains("SELECT setval('public.outbox_sequence_id_seq', 1);")),
         "{said:?}"
     );
     let failed = dead_letter(&store).await.unwrap_err();
-    assert!(failed.report().contains("sequence was reset"), "{}", failed.report());
+    assert!(
+        failed.report().contains("sequence was reset"),
+        "{}",
+        failed.report()
+    );
 }

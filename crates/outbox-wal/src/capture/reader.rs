@@ -163,12 +163,23 @@ impl Reader {
                 }
                 Err(StartError::Forget(reason)) => self.cannot_start(reason),
                 Err(StartError::Stream(e)) if e.is_slot_in_use() => {
-                    if let Some(holder) = self.holder_of_another_outbox().await {
+                    let holder = self.slot_holder().await;
+                    if let SlotHolder::AnotherOutbox(holder) = holder {
                         self.failed(format!(
                             "the replication slot {:?} streams to a relay of another outbox (its \
                              session is {holder:?}): two outboxes cannot share a slot, since the \
                              relay holding it confirms past the other's events; give this outbox \
                              a slot of its own (--slot, or the default, named after the outbox)",
+                            config.slot
+                        ))
+                    } else if let SlotHolder::NoRelay(holder) = holder {
+                        // Waiting as a standby would relay nothing, for as long as that client
+                        // runs, while every relay called itself ready.
+                        self.failed(format!(
+                            "the replication slot {:?} streams to a client that is no relay \
+                             (its session is {holder:?}: pg_recvlogical, a Debezium connector?), \
+                             which consumes the outbox's changes: stop that client, or give the \
+                             relay a slot of its own (--slot)",
                             config.slot
                         ))
                     } else {
@@ -218,18 +229,22 @@ impl Reader {
         self.sessions.backoff.next_delay()
     }
 
-    /// The session name of the slot's holder, when it streams another outbox (its tag is
-    /// not this capture's). `None` when it streams this one, or cannot be told (a relay of
-    /// an earlier version, a session the role may not see).
-    async fn holder_of_another_outbox(&self) -> Option<String> {
-        let rows = self
+    /// Who holds the slot, as far as its session's name tells.
+    async fn slot_holder(&self) -> SlotHolder {
+        let Ok(rows) = self
             .main
             .query_rows("slot holder", &self.sql.slot_holder, &[&self.config.slot])
             .await
-            .ok()?;
-        let holder: String = rows.first()?.try_get::<_, Option<String>>(0).ok()??;
-        let tag = outbox_tag_of(&holder)?;
-        (tag != self.config.outbox_tag()).then_some(holder)
+        else {
+            return SlotHolder::Unknown;
+        };
+        let Some(holder) = rows
+            .first()
+            .and_then(|row| row.try_get::<_, Option<String>>(0).ok().flatten())
+        else {
+            return SlotHolder::Unknown;
+        };
+        SlotHolder::of(holder, &self.config.outbox_tag())
     }
 
     /// Capture cannot go on until an operator acts: said once (not at every retry), and
@@ -1095,6 +1110,31 @@ pub(super) fn session_name(base: &str, outbox_tag: &str) -> String {
 
 /// The outbox tag in a session name ([`session_name`]); `None` in an earlier version's, or
 /// another client's.
+/// Who holds a slot, told by its session's name ([`session_name`]).
+#[derive(Debug, PartialEq)]
+enum SlotHolder {
+    /// A relay of this outbox (or one of an earlier version, whose name has no tag): this
+    /// relay waits as its standby.
+    ThisOutbox,
+    /// A relay of another outbox.
+    AnotherOutbox(String),
+    /// A client whose name is not a relay's.
+    NoRelay(String),
+    /// The name could not be read.
+    Unknown,
+}
+
+impl SlotHolder {
+    fn of(name: String, own_tag: &str) -> SlotHolder {
+        match outbox_tag_of(&name) {
+            Some(tag) if tag == own_tag => SlotHolder::ThisOutbox,
+            Some(_) => SlotHolder::AnotherOutbox(name),
+            None if name.starts_with("outbox-relay") => SlotHolder::ThisOutbox,
+            None => SlotHolder::NoRelay(name),
+        }
+    }
+}
+
 pub(super) fn outbox_tag_of(session_name: &str) -> Option<&str> {
     let mut parts = session_name.rsplit(' ');
     let (_token, tag) = (parts.next()?, parts.next()?);
@@ -1207,6 +1247,28 @@ pub(super) fn describe(error: &WalError) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A slot streamed to a client that is no relay (pg_recvlogical, Debezium) had every
+    /// relay wait as its standby, relaying nothing while it called itself ready.
+    #[test]
+    fn a_slot_holder_is_told_by_its_session_name() {
+        const TAG: &str = "ob_0123abcd";
+        let of = |name: &str| SlotHolder::of(name.to_string(), TAG);
+        assert_eq!(
+            of(&session_name("outbox-relay n1", TAG)),
+            SlotHolder::ThisOutbox
+        );
+        assert_eq!(
+            of("outbox-relay n1"),
+            SlotHolder::ThisOutbox,
+            "an earlier relay"
+        );
+        let other = session_name("outbox-relay n1", "ob_99999999");
+        assert_eq!(of(&other), SlotHolder::AnotherOutbox(other.clone()));
+        for client in ["pg_recvlogical", "Debezium", ""] {
+            assert_eq!(of(client), SlotHolder::NoRelay(client.into()), "{client:?}");
+        }
+    }
 
     #[test]
     fn a_session_name_is_stored_as_written_so_the_ownership_guard_can_match_it() {
