@@ -232,6 +232,22 @@ impl Inner {
                     AMQPErrorKind::Soft(AMQPSoftError::CONTENTTOOLARGE) => {
                         (PublishErrorKind::TooLarge, text)
                     }
+                    // "ACCESS_REFUSED - access to exchange 'X' in vhost '/' refused for user
+                    // 'u'": as for a missing exchange, the channel's other messages failed
+                    // with X's refusal; only X's are refused.
+                    AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED)
+                        if text.contains("exchange '")
+                            && !text.contains(&format!("exchange '{exchange}'")) =>
+                    {
+                        return Failure::Collateral(PublishError::new(
+                            PublishErrorKind::Unavailable,
+                            format!(
+                                "{}: channel closed after another message's exchange was \
+                                 refused to this user",
+                                self.shown
+                            ),
+                        ));
+                    }
                     AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED) => {
                         (PublishErrorKind::Unauthorized, text)
                     }
@@ -337,6 +353,19 @@ impl Inner {
             if k == crate::cloudevents::CONTENT_TYPE_HEADER && routed.cloudevents.is_some() {
                 continue;
             }
+            // RabbitMQ reads CC and BCC as extra routing keys, in an array: a text value is
+            // an invalid message, for which the broker closes the channel and fails every
+            // message waiting on it, the batch's others among them, at every try.
+            if k.eq_ignore_ascii_case("CC") || k.eq_ignore_ascii_case("BCC") {
+                return Err(PublishError::new(
+                    PublishErrorKind::Encoding,
+                    format!(
+                        "the event's header {k} is RabbitMQ's sender-selected routing (an \
+                         array of routing keys), which an event's text header cannot be; \
+                         rename it in the event's headers"
+                    ),
+                ));
+            }
             headers.insert(
                 short(k, "header name")?,
                 AMQPValue::LongString(LongString::from(v.as_str())),
@@ -414,7 +443,9 @@ impl Sink for RabbitSink {
                 o.as_ref().is_err_and(|e| {
                     matches!(
                         e.error().kind(),
-                        PublishErrorKind::TooLarge | PublishErrorKind::MissingTarget
+                        PublishErrorKind::TooLarge
+                            | PublishErrorKind::MissingTarget
+                            | PublishErrorKind::Unauthorized
                     )
                 })
             });

@@ -8,7 +8,7 @@ use futures::FutureExt;
 use lapin::options::{BasicGetOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Connection, ConnectionProperties};
-use outbox_core::Disposition;
+use outbox_core::{Disposition, PublishErrorKind};
 use outbox_publishers::{Routed, Sink, SinkConfig};
 use outbox_testkit::publisher::{event, BrokerHarness, Received};
 use outbox_testkit::server::ScriptedServer;
@@ -353,6 +353,37 @@ async fn a_missing_exchange_fails_only_its_own_message() {
         if n == 20 {
             let error = outcome.as_ref().expect_err("no such exchange");
             assert!(error.to_string().contains(absent), "{error}");
+        } else {
+            assert!(outcome.is_ok(), "message {n}: {outcome:?}");
+        }
+    }
+}
+
+/// An event with a `CC` header (RabbitMQ's sender-selected routing, an array the broker
+/// validates): as text it is an invalid message, the broker closed the channel, and every
+/// message of the batch failed with it, at every try. It is refused alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_events_cc_header_fails_only_its_own_message() {
+    outbox_testkit::install_crypto();
+    let h = new_harness().await;
+    let batch: Vec<Routed> = (0..30)
+        .map(|n| {
+            let mut event = (*event(n, &format!("k{n}"), b"{}".to_vec())).clone();
+            if n == 10 {
+                event.headers.insert("CC".into(), "another-queue".into());
+            }
+            Routed {
+                cloudevents: None,
+                event: Arc::new(event),
+                target: h.queue.clone(),
+            }
+        })
+        .collect();
+    let outcomes = h.sink.send(batch).await;
+    for (n, outcome) in outcomes.iter().enumerate() {
+        if n == 10 {
+            let error = outcome.as_ref().expect_err("a CC header");
+            assert_eq!(error.kind(), PublishErrorKind::Encoding, "{error}");
         } else {
             assert!(outcome.is_ok(), "message {n}: {outcome:?}");
         }
