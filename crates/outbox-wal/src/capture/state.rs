@@ -193,6 +193,37 @@ pub(super) struct State {
     pub(super) largest_parked: usize,
     pub(super) derived_ids: DerivedIds,
     pub(super) adopted_copies: AdoptedCopies,
+    /// Where the events settled since the slot's confirmed position are: a new session
+    /// reads them again, and each is settled unsent. Sent again, a key's earlier event went
+    /// out after a later one still with the engine (and every such event twice).
+    pub(super) settled: SettledPositions,
+}
+
+/// The positions of events settled (delivered, parked or dead-lettered) that the slot may
+/// not be confirmed past yet, so that a session reading them again settles them unsent.
+/// Each session's start lets go of those before it.
+#[derive(Debug, Default)]
+pub(super) struct SettledPositions(HashSet<EventPosition>);
+
+impl SettledPositions {
+    /// At most this many are kept (a few MB): beyond, an event read again goes out again,
+    /// as at-least-once allows.
+    const MOST: usize = 262_144;
+
+    fn record(&mut self, position: EventPosition) {
+        if self.0.len() < Self::MOST {
+            self.0.insert(position);
+        }
+    }
+
+    /// A session starts streaming at `start`: nothing committed before it comes again.
+    fn start_at(&mut self, start: Lsn) {
+        self.0.retain(|p| p.commit_lsn >= start);
+    }
+
+    fn contains(&self, position: &EventPosition) -> bool {
+        self.0.contains(position)
+    }
 }
 
 /// Ids for events without one of their own (a mapped table without a sequence column, an
@@ -290,6 +321,7 @@ impl State {
             largest_parked: 0,
             derived_ids: DerivedIds::default(),
             adopted_copies: AdoptedCopies::default(),
+            settled: SettledPositions::default(),
         }
     }
 
@@ -341,6 +373,7 @@ impl State {
                 if held.row.is_none() {
                     self.derived_ids.forget(&held.position);
                 }
+                self.settled.record(held.position);
                 if held.session == self.followed.session {
                     if let Err(e) = self.acks.settle(held.position) {
                         tracing::error!(error = %e, "WAL acknowledgement out of step (a bug): the slot stays where it is");
@@ -416,6 +449,13 @@ impl State {
         memory: Charge,
         out: &mut Vec<Claimed>,
     ) {
+        // Settled already, read again by a new session: settled now, unsent.
+        if self.settled.contains(&position) {
+            if let Err(e) = self.acks.settle(position) {
+                tracing::error!(error = %e, "WAL acknowledgement out of step (a bug)");
+            }
+            return;
+        }
         let (id, row, body) = match event {
             Ok(event) => {
                 let (id, row) = event_id_of(event.source, position, &mut self.derived_ids);
@@ -554,6 +594,7 @@ impl capture::Sessions for State {
                 self.followed.start(session);
                 self.owner = owner;
                 self.acks = Acknowledgements::new(start);
+                self.settled.start_at(start);
                 // Released or unparked events of the old session come again in this one.
                 self.forget_unhanded();
                 self.holdings.load_parked_keys(parked_keys);
@@ -792,6 +833,28 @@ mod tests {
         assert!(!state.drained, "what it forgot comes again");
     }
 
+    /// An event settled in one session, the slot not yet confirmed past it, is read again
+    /// by the next session: it went out again, after the later event of its key that the
+    /// engine still held (the sink saw 1, 2, 1). It is settled unsent, and the slot may be
+    /// confirmed past it; the later event, still unsettled, goes as before.
+    #[test]
+    fn an_event_settled_before_a_new_session_is_settled_unsent_when_read_again() {
+        let mut state = State::new();
+        state.accept(session(1, &[]));
+        let both = || transactions(&[(1, "k", 200), (2, "k", 300)]);
+        assert_eq!(claim(&mut state, both()), [1, 2]);
+        state.settle([1]);
+        state.accept(session(2, &[]));
+        assert_eq!(claim(&mut state, both()), [2]);
+        assert_eq!(state.acks.confirmable(), Lsn(210));
+        // A third session, the slot still behind: the same.
+        state.accept(session(3, &[]));
+        assert_eq!(claim(&mut state, both()), [2]);
+        state.settle([2]);
+        assert_eq!(state.acks.confirmable(), Lsn(310));
+        assert!(state.holdings.held.is_empty());
+    }
+
     #[test]
     fn the_slot_is_never_confirmed_past_an_unsettled_event() {
         let mut state = State::new();
@@ -838,10 +901,12 @@ mod tests {
             assert_eq!(claim(&mut state, two_transactions()), [1, 2]);
             state.accept(session(2, &[]));
             if ack_first {
-                // The old session's entry goes; its position is not the new session's.
+                // The old session's entries go; their positions are not the new session's
+                // yet. Read again, they are settled unsent.
                 state.settle([1, 2]);
                 assert_eq!(state.acks.confirmable(), START);
-                assert_eq!(claim(&mut state, two_transactions()), [1, 2], "sent again");
+                assert!(claim(&mut state, two_transactions()).is_empty(), "sent again");
+                assert_eq!(state.acks.confirmable(), Lsn(310));
             } else {
                 assert_eq!(claim(&mut state, two_transactions()), [1, 2]);
             }
@@ -953,8 +1018,9 @@ mod tests {
                         }
                         NewSession(n) => state.accept(session(n, &[])),
                         ClaimAgain(_) => {
+                            // An event settled before is settled unsent; the others go.
                             let sent = claim(&mut state, two_transactions());
-                            assert_eq!(sent, [1, 2], "{order:?}");
+                            assert!(sent.iter().all(|id| [1, 2].contains(id)), "{order:?}");
                             taken_again
                                 .extend(sent.into_iter().filter(|id| with_engine.insert(*id)));
                         }
@@ -1012,17 +1078,21 @@ mod tests {
         state.redeliver.push_back(3);
         state.accept(session(2, &[]));
         assert_eq!(memory.held(), each, "the new session sends it again");
-        // Event 2's entry of session 1 is replaced by the new one.
+        // Event 1, settled, is read again and settled unsent; event 2's entry of session 1
+        // is replaced by the new one.
         assert_eq!(
             claim_charged(&mut state, two_transactions(), &memory),
-            [1, 2]
+            [2]
         );
+        assert_eq!(memory.held(), each);
+        let third = transactions(&[(3, "c", 400)]);
+        assert_eq!(claim_charged(&mut state, third, &memory), [3]);
         assert_eq!(memory.held(), 2 * each);
         // Read, not yet accepted by a claim, when the session ends.
         let unaccepted = vec![event(4, "d", 500, 0), committed(500, 1)];
         state.accept(Item::Outputs(charged(unaccepted, &memory)));
         assert_eq!(memory.held(), 3 * each);
-        state.leave_to_slot_holder([1]);
+        state.leave_to_slot_holder([3]);
         assert_eq!(
             memory.held(),
             each,
