@@ -199,30 +199,36 @@ pub(super) struct State {
     pub(super) settled: SettledPositions,
 }
 
-/// The positions of events settled (delivered, parked or dead-lettered) that the slot may
-/// not be confirmed past yet, so that a session reading them again settles them unsent.
-/// Each session's start lets go of those before it.
+/// Which events are settled (delivered, parked or dead-lettered) that a new session may
+/// read again, by position and event id: a session reading one again settles it unsent. The
+/// id must match as well: a server that took over on a new timeline (a promoted standby
+/// whose slot survived) writes other transactions at positions an earlier server used.
 #[derive(Debug, Default)]
-pub(super) struct SettledPositions(HashSet<EventPosition>);
+pub(super) struct SettledPositions(HashMap<EventPosition, Option<uuid::Uuid>>);
 
 impl SettledPositions {
-    /// At most this many are kept (a few MB): beyond, an event read again goes out again,
-    /// as at-least-once allows.
+    /// At most this many are kept (about 10 MB): at that, those the session could confirm
+    /// are let go (the slot is as good as confirmed there), and past it, an event read again
+    /// goes out again, as at-least-once allows.
     const MOST: usize = 262_144;
 
-    fn record(&mut self, position: EventPosition) {
+    /// Event `id` at `position` is settled; the session may confirm up to `confirmable`.
+    fn record(&mut self, position: EventPosition, id: Option<uuid::Uuid>, confirmable: Lsn) {
+        if self.0.len() >= Self::MOST {
+            self.0.retain(|p, _| p.commit_lsn >= confirmable);
+        }
         if self.0.len() < Self::MOST {
-            self.0.insert(position);
+            self.0.insert(position, id);
         }
     }
 
     /// A session starts streaming at `start`: nothing committed before it comes again.
     fn start_at(&mut self, start: Lsn) {
-        self.0.retain(|p| p.commit_lsn >= start);
+        self.0.retain(|p, _| p.commit_lsn >= start);
     }
 
-    fn contains(&self, position: &EventPosition) -> bool {
-        self.0.contains(position)
+    fn contains(&self, position: &EventPosition, id: Option<uuid::Uuid>) -> bool {
+        self.0.get(position) == Some(&id)
     }
 }
 
@@ -373,12 +379,17 @@ impl State {
                 if held.row.is_none() {
                     self.derived_ids.forget(&held.position);
                 }
-                self.settled.record(held.position);
+                let position = held.position;
                 if held.session == self.followed.session {
                     if let Err(e) = self.acks.settle(held.position) {
                         tracing::error!(error = %e, "WAL acknowledgement out of step (a bug): the slot stays where it is");
                     }
                 }
+                let id = match &held.body {
+                    Body::Event(event) => Some(event.event_id),
+                    Body::Undecodable(u) => u.event_id,
+                };
+                self.settled.record(position, id, self.acks.confirmable());
             }
         }
     }
@@ -450,7 +461,11 @@ impl State {
         out: &mut Vec<Claimed>,
     ) {
         // Settled already, read again by a new session: settled now, unsent.
-        if self.settled.contains(&position) {
+        let id = match &event {
+            Ok(event) => Some(event.event.event_id),
+            Err(undecodable) => undecodable.event_id,
+        };
+        if self.settled.contains(&position, id) {
             if let Err(e) = self.acks.settle(position) {
                 tracing::error!(error = %e, "WAL acknowledgement out of step (a bug)");
             }
@@ -853,6 +868,10 @@ mod tests {
         state.settle([2]);
         assert_eq!(state.acks.confirmable(), Lsn(310));
         assert!(state.holdings.held.is_empty());
+        // Another event at a settled event's position (a promoted standby's new timeline
+        // writes other transactions where the old server wrote these): it goes out.
+        state.accept(session(4, &[]));
+        assert_eq!(claim(&mut state, transactions(&[(7, "k", 200)])), [7]);
     }
 
     #[test]
@@ -905,7 +924,10 @@ mod tests {
                 // yet. Read again, they are settled unsent.
                 state.settle([1, 2]);
                 assert_eq!(state.acks.confirmable(), START);
-                assert!(claim(&mut state, two_transactions()).is_empty(), "sent again");
+                assert!(
+                    claim(&mut state, two_transactions()).is_empty(),
+                    "sent again"
+                );
                 assert_eq!(state.acks.confirmable(), Lsn(310));
             } else {
                 assert_eq!(claim(&mut state, two_transactions()), [1, 2]);
@@ -1080,10 +1102,7 @@ mod tests {
         assert_eq!(memory.held(), each, "the new session sends it again");
         // Event 1, settled, is read again and settled unsent; event 2's entry of session 1
         // is replaced by the new one.
-        assert_eq!(
-            claim_charged(&mut state, two_transactions(), &memory),
-            [2]
-        );
+        assert_eq!(claim_charged(&mut state, two_transactions(), &memory), [2]);
         assert_eq!(memory.held(), each);
         let third = transactions(&[(3, "c", 400)]);
         assert_eq!(claim_charged(&mut state, third, &memory), [3]);
