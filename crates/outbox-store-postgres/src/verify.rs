@@ -114,7 +114,9 @@ async fn sequence_behind_dead_letters(inner: &Inner) -> StoreResult<Option<Probl
     if !shared && last.is_none_or(|last| last >= dead_max) {
         return Ok(None);
     }
-    Ok(Some(Problem::blocking(
+    // The relay runs with it (only an event dead-lettered under a taken id fails); check
+    // fails, naming the fix.
+    Ok(Some(Problem::degraded(
         format!(
             "the outbox's id sequence {sequence} went back behind the dead-letter table's ids \
              (up to {dead_max}): it was reset, and an event dead-lettered under an id already \
