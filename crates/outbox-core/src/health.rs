@@ -57,6 +57,17 @@ impl Check {
         }
     }
 
+    /// How recent its last failure must be for a failing streak to count: publishes are
+    /// tried again only after their backoff (at most `retry.max_delay`, 5 minutes by
+    /// default), and a streak no retry has continued for longer says nothing of now (its
+    /// last event dead-lettered, nothing left to retry).
+    fn recent(self) -> Option<Duration> {
+        match self {
+            Check::Publish => Some(PUBLISH_GRACE + crate::retry::DEFAULT_MAX_DELAY),
+            _ => None,
+        }
+    }
+
     /// Whether it says anything of the relay's work. The backlog query feeds gauges only:
     /// counting millions of rows after an outage takes longer than the stall bound (and can
     /// reach the statement timeout) while the relay drains them fine, and /readyz went red
@@ -82,6 +93,8 @@ struct CheckState {
     last_success: Option<SystemTime>,
     /// Since when, and the latest error.
     failing: Option<(Instant, String)>,
+    /// When it last failed (for [`Check::recent`]).
+    last_failed: Option<Instant>,
     /// Attempts waiting for an answer, by attempt number: when each started.
     waiting: BTreeMap<u64, Instant>,
 }
@@ -203,6 +216,7 @@ impl Health {
             Err(error) => {
                 let since = check.failing.take().map_or_else(Instant::now, |(s, _)| s);
                 check.failing = Some((since, error));
+                check.last_failed = Some(Instant::now());
             }
         }
     }
@@ -247,6 +261,13 @@ impl Health {
                 if let Some((since, error)) = &c.failing {
                     let lasting = now.saturating_duration_since(*since);
                     if lasting < check.grace() {
+                        continue;
+                    }
+                    let stale = check
+                        .recent()
+                        .zip(c.last_failed)
+                        .is_some_and(|(recent, at)| now.saturating_duration_since(at) > recent);
+                    if stale {
                         continue;
                     }
                     out.push(Trouble {
@@ -306,6 +327,11 @@ mod tests {
         health.record(Check::Publish, Ok(()));
         assert!(health.troubles(later, stall).is_empty());
         assert!(health.last_success(Check::Publish).is_some());
+        // A streak nothing continued (a retried hiccup, nothing left to retry) says nothing
+        // of now: an idle relay is not kept red by one old failure.
+        health.record(Check::Publish, Err("timed out".into()));
+        let idle = Instant::now() + PUBLISH_GRACE * 2 + crate::retry::DEFAULT_MAX_DELAY;
+        assert!(health.troubles(idle, stall).is_empty());
     }
 
     /// A slow or failing backlog count is no trouble: it feeds gauges, and a large backlog

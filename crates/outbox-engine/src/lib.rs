@@ -624,11 +624,10 @@ impl Engine {
             }
         }
         // What /readyz says of publishing: any event of the batch confirmed clears it; a
-        // batch of failures only keeps it failing (a trouble past its grace).
-        let failure = first_failure
-            .as_ref()
-            .map(|(error, _)| error)
-            .or(first_dead.as_ref().map(|(.., error)| error));
+        // batch of failures to retry only keeps it failing (a trouble past its grace).
+        // Dead letters are their events' own fault, not the sink's: one poison event must
+        // not turn a quiet relay red.
+        let failure = first_failure.as_ref().map(|(error, _)| error);
         let verdict = match (acked.is_empty(), failure) {
             (false, _) => Some(Ok(())),
             (true, Some(error)) => Some(Err(format!(

@@ -275,66 +275,69 @@ impl Sink for KafkaSink {
     fn send(&self, batch: Vec<Routed>) -> BoxFuture<'static, Vec<Outcome>> {
         let producer = self.producer();
         // Enqueue the whole batch, then await every delivery report.
-        let deliveries: Vec<_> =
-            batch
-                .iter()
-                .map(|routed| {
-                    let event = &routed.event;
-                    let id = event.event_id.hyphenated().to_string();
-                    let sequence = event.sequence_id.to_string();
-                    let mut headers = OwnedHeaders::new_with_capacity(event.headers.len() + 4)
-                        .insert(Header {
-                            key: HEADER_EVENT_ID,
-                            value: Some(id.as_str()),
-                        })
-                        .insert(Header {
-                            key: HEADER_EVENT_TYPE,
-                            value: Some(event.event_type.as_str()),
-                        })
-                        .insert(Header {
-                            key: HEADER_SEQUENCE_ID,
-                            value: Some(sequence.as_str()),
-                        });
-                    if let Some(m) = &event.mutation_id {
-                        headers = headers.insert(Header {
-                            key: HEADER_MUTATION_ID,
-                            value: Some(m.as_str()),
-                        });
-                    }
-                    // An event's own header of a relay header's name is left out: Kafka keeps
-                    // both, and consumers read the last, which would replace the id stamp.
-                    for (k, v) in event.headers.iter().filter(|(k, _)| {
-                        !RELAY_HEADERS.iter().any(|own| own.eq_ignore_ascii_case(k))
-                    }) {
-                        headers = headers.insert(Header {
-                            key: k.as_str(),
-                            value: Some(v.as_str()),
-                        });
-                    }
-                    let record = FutureRecord::to(&routed.target)
-                        .key(event.ordering_key())
-                        .payload(event.payload.as_bytes())
-                        .headers(headers);
-                    let topic = routed.target.clone();
-                    match producer.send_result(record) {
-                        Ok(delivery) => async move {
-                            match delivery.await {
-                                Ok(Ok(_)) => Ok(()),
-                                Ok(Err((e, _))) => Err(classify(e, &topic)),
-                                Err(_) => Err(PublishError::new(
-                                    PublishErrorKind::Unavailable,
-                                    "the Kafka producer shut down",
-                                )),
-                            }
-                        }
-                        .boxed(),
-                        Err((e, _)) => {
-                            let error = classify(e, &topic);
-                            async move { Err(error) }.boxed()
+        let deliveries: Vec<_> = batch
+            .iter()
+            .map(|routed| {
+                let event = &routed.event;
+                let id = event.event_id.hyphenated().to_string();
+                let sequence = event.sequence_id.to_string();
+                let mut headers = OwnedHeaders::new_with_capacity(event.headers.len() + 4)
+                    .insert(Header {
+                        key: HEADER_EVENT_ID,
+                        value: Some(id.as_str()),
+                    })
+                    .insert(Header {
+                        key: HEADER_EVENT_TYPE,
+                        value: Some(event.event_type.as_str()),
+                    })
+                    .insert(Header {
+                        key: HEADER_SEQUENCE_ID,
+                        value: Some(sequence.as_str()),
+                    });
+                if let Some(m) = &event.mutation_id {
+                    headers = headers.insert(Header {
+                        key: HEADER_MUTATION_ID,
+                        value: Some(m.as_str()),
+                    });
+                }
+                // An event's own header of a relay header's name is left out: Kafka keeps
+                // both, and consumers read the last, which would replace the id stamp.
+                // Kafka's header names are case-sensitive: only the relay's own names,
+                // as it stamps them on this record.
+                let stamped = |name: &str| {
+                    RELAY_HEADERS.contains(&name)
+                        && (name != HEADER_MUTATION_ID || event.mutation_id.is_some())
+                };
+                for (k, v) in event.headers.iter().filter(|(k, _)| !stamped(k)) {
+                    headers = headers.insert(Header {
+                        key: k.as_str(),
+                        value: Some(v.as_str()),
+                    });
+                }
+                let record = FutureRecord::to(&routed.target)
+                    .key(event.ordering_key())
+                    .payload(event.payload.as_bytes())
+                    .headers(headers);
+                let topic = routed.target.clone();
+                match producer.send_result(record) {
+                    Ok(delivery) => async move {
+                        match delivery.await {
+                            Ok(Ok(_)) => Ok(()),
+                            Ok(Err((e, _))) => Err(classify(e, &topic)),
+                            Err(_) => Err(PublishError::new(
+                                PublishErrorKind::Unavailable,
+                                "the Kafka producer shut down",
+                            )),
                         }
                     }
-                })
-                .collect();
+                    .boxed(),
+                    Err((e, _)) => {
+                        let error = classify(e, &topic);
+                        async move { Err(error) }.boxed()
+                    }
+                }
+            })
+            .collect();
         async move { join_all(deliveries).await }.boxed()
     }
 

@@ -22,6 +22,9 @@ use crate::settings::{ConfirmTimeout, TlsFiles};
 use crate::sink::{Routed, Sink};
 use outbox_core::redact::Secret;
 
+/// JetStream's command headers an event's own headers may not carry.
+const REFUSED_FROM_EVENTS: [&str; 3] = ["Nats-Rollup", "Nats-TTL", "Nats-Msg-Id"];
+
 /// Header names the relay sets besides `Nats-Msg-Id` and the event's own headers.
 pub const HEADER_EVENT_TYPE: &str = "Outbox-Event-Type";
 pub const HEADER_PARTITION_KEY: &str = "Outbox-Partition-Key";
@@ -203,20 +206,22 @@ fn classify_connect(error: async_nats::ConnectError, shown: &str) -> SinkSetupEr
 fn headers_for(routed: &Routed) -> Result<HeaderMap, PublishError> {
     let event = &routed.event;
     let sequence_id = event.sequence_id.to_string();
-    // JetStream reads `Nats-*` headers as commands: `Nats-Rollup` purges the subject's (or
-    // the stream's) earlier messages, acknowledged events of other keys among them;
-    // `Nats-TTL` expires the message; `Nats-Expected-*` refuse it. An event's own is
-    // refused, naming it.
+    // JetStream reads some headers as commands: `Nats-Rollup` purges the subject's (or the
+    // stream's) earlier messages, acknowledged events of other keys among them; `Nats-TTL`
+    // expires the message; `Nats-Msg-Id` is the relay's id stamp. An event's own is refused,
+    // naming it (`Nats-Expected-*`, a writer's guard, goes as given).
     if let Some(name) = event.headers.keys().find(|name| {
-        name.get(..5)
-            .is_some_and(|p| p.eq_ignore_ascii_case("nats-"))
+        REFUSED_FROM_EVENTS
+            .iter()
+            .any(|r| r.eq_ignore_ascii_case(name))
     }) {
         return Err(PublishError::new(
             PublishErrorKind::Encoding,
             format!(
-                "the event's header {name} is a JetStream control header (Nats-*: a rollup \
-                 would purge the stream's earlier messages), which the relay does not pass on \
-                 from events; rename it in the event's headers"
+                "the event's header {name} is a JetStream command (a rollup would purge the \
+                 stream's earlier messages, a TTL expire the event, a message id replace the \
+                 relay's), which the relay does not pass on from events; rename it in the \
+                 event's headers"
             ),
         ));
     }
@@ -576,7 +581,7 @@ mod tests {
                 target: "orders".into(),
             }
         };
-        for name in ["Nats-Rollup", "nats-ttl", "NATS-Expected-Stream"] {
+        for name in ["Nats-Rollup", "nats-ttl", "NATS-MSG-ID"] {
             let refused = headers_for(&routed(&[(name, "all")])).unwrap_err();
             assert_eq!(refused.kind(), PublishErrorKind::Encoding, "{name}");
             assert!(refused.to_string().contains(name), "{refused}");

@@ -302,7 +302,7 @@ impl Config {
         self.refuse_settings_without_effect(&database)?;
         self.database.check_names()?;
         if let Some(node_id) = &self.relay.node_id {
-            check_node_id(node_id)?;
+            check_node_id(node_id, &database)?;
         }
         Ok(())
     }
@@ -676,21 +676,23 @@ impl Config {
     }
 }
 
-/// The longest node id: the MySQL stores keep it in a `varchar(64)`.
+/// The longest node id on MySQL/MariaDB, whose stores keep it in a `varchar(64)`; the
+/// generated default fits it everywhere.
 pub const MAX_NODE_ID_CHARS: usize = 64;
 
 /// A node id names the node in the nodes table, its leases and its sessions: an empty one
 /// (`--node-id "$POD_NAME"` with the variable unset) would be shared by every such node.
-fn check_node_id(node_id: &str) -> anyhow::Result<()> {
-    let length = node_id.chars().count();
-    if node_id.trim().is_empty()
-        || length > MAX_NODE_ID_CHARS
-        || node_id.chars().any(|c| c.is_control() || c.is_whitespace())
-    {
+fn check_node_id(node_id: &str, database: &DatabaseKind) -> anyhow::Result<()> {
+    if node_id.trim().is_empty() || node_id.chars().any(char::is_control) {
         bail!(
-            "node_id {node_id:?} is not a node id: use 1-{MAX_NODE_ID_CHARS} printable \
-             characters without spaces (or leave it unset for the host name and a random \
-             suffix)"
+            "node_id {node_id:?} is not a node id: give it printable characters (or leave it \
+             unset for the host name and a random suffix)"
+        );
+    }
+    if *database == DatabaseKind::MySql && node_id.chars().count() > MAX_NODE_ID_CHARS {
+        bail!(
+            "node_id {node_id:?} is longer than the {MAX_NODE_ID_CHARS} characters MySQL/MariaDB \
+             keep of it: shorten it (or leave it unset for the host name and a random suffix)"
         );
     }
     Ok(())

@@ -35,7 +35,8 @@ pub(crate) async fn verify(inner: &Inner) -> StoreResult<Vec<Problem>> {
     )
     .await?;
     if read_only[0].get::<_, bool>(0) {
-        problems.push(Problem::blocking(
+        // Degraded: a read-only window passes, and the relay retries through it.
+        problems.push(Problem::degraded(
             "the database refuses writes (transaction_read_only is on for the relay's \
              sessions), and the relay claims and settles by writing",
             crate::error::READ_ONLY_HINT,
@@ -71,7 +72,10 @@ pub(crate) async fn verify(inner: &Inner) -> StoreResult<Vec<Problem>> {
         problems.extend(missing);
     }
     problems.extend(verify_outbox_columns(inner).await?);
-    problems.extend(sequence_behind_dead_letters(inner).await?);
+    // Only over tables that are all there, with their columns.
+    if problems.iter().all(|p| !p.fails_check()) {
+        problems.extend(sequence_behind_dead_letters(inner).await?);
+    }
     let (trigger, table) = t.trigger_exists_sql();
     problems.extend(
         missing_trigger(inner, &trigger, &table, &t.outbox.to_string(), migrate_fix).await?,
@@ -87,33 +91,36 @@ pub(crate) async fn verify(inner: &Inner) -> StoreResult<Vec<Problem>> {
 async fn sequence_behind_dead_letters(inner: &Inner) -> StoreResult<Option<Problem>> {
     let t = &inner.tables;
     let (outbox, dead) = (t.outbox.quoted(), t.dead_letters.quoted());
-    // Pending rows at or below the highest dead letter's id are few (none, unless the
-    // sequence went back), so the probe of their ids is cheap.
+    // Index lookups only: the highest dead letter's id, whether the outbox holds a row of
+    // that id (a reset sequence handing it out again), the outbox's highest id, and the
+    // sequence's value where the role may read it (NULL otherwise, and before first use).
     let sql = format!(
-        "WITH dead AS (SELECT max(sequence_id) AS max FROM {dead})
-         SELECT pg_get_serial_sequence($1, 'sequence_id'), dead.max,
-                (SELECT last_value FROM pg_sequences
-                  WHERE format('%I.%I', schemaname, sequencename)::regclass
-                        = pg_get_serial_sequence($1, 'sequence_id')::regclass),
-                EXISTS (SELECT 1 FROM {outbox} o WHERE o.sequence_id <= dead.max
-                           AND EXISTS (SELECT 1 FROM {dead} d WHERE d.sequence_id = o.sequence_id))
-           FROM dead"
+        "WITH dead AS (SELECT max(sequence_id) AS max FROM {dead}),
+              seq AS (SELECT pg_get_serial_sequence($1, 'sequence_id') AS name)
+         SELECT seq.name, dead.max,
+                CASE WHEN seq.name IS NOT NULL AND has_sequence_privilege(seq.name, 'SELECT')
+                     THEN pg_sequence_last_value(seq.name::regclass) END,
+                EXISTS (SELECT 1 FROM {outbox} o WHERE o.sequence_id = dead.max),
+                (SELECT max(sequence_id) FROM {outbox})
+           FROM dead, seq"
     );
     let rows = PgStore::query(inner, "verify", &sql, &[&outbox]).await?;
-    let (sequence, dead_max, last, shared): (Option<String>, Option<i64>, Option<i64>, bool) = (
-        rows[0].get(0),
-        rows[0].get(1),
-        rows[0].get(2),
-        rows[0].get(3),
-    );
+    let row = &rows[0];
+    let (sequence, dead_max, last, taken, outbox_max): (
+        Option<String>,
+        Option<i64>,
+        Option<i64>,
+        bool,
+        Option<i64>,
+    ) = (row.get(0), row.get(1), row.get(2), row.get(3), row.get(4));
     let (Some(sequence), Some(dead_max)) = (sequence, dead_max) else {
         return Ok(None);
     };
-    // The sequence's value is NULL before its first use, and to a role that may not read
-    // it: only a known value is compared.
-    if !shared && last.is_none_or(|last| last >= dead_max) {
+    if !taken && last.is_none_or(|last| last >= dead_max) {
         return Ok(None);
     }
+    // Past every id either table holds: never backwards, for the application's inserts.
+    let past = dead_max.max(outbox_max.unwrap_or(0));
     // The relay runs with it (only an event dead-lettered under a taken id fails); check
     // fails, naming the fix.
     Ok(Some(Problem::degraded(
@@ -122,7 +129,7 @@ async fn sequence_behind_dead_letters(inner: &Inner) -> StoreResult<Option<Probl
              (up to {dead_max}): it was reset, and an event dead-lettered under an id already \
              there would fail at every try, holding back its key"
         ),
-        format!("SELECT setval('{sequence}', {dead_max});"),
+        format!("SELECT setval('{sequence}', {past});"),
     )))
 }
 

@@ -1039,6 +1039,37 @@ async fn a_character_set_converted_while_reading_reads_later_rows_in_the_new_one
     assert_eq!(keys, [Some("é".to_string()), Some("é".to_string())]);
 }
 
+/// A reopen of the table that changes nothing (FLUSH TABLES, a restart) gives it a new id:
+/// read behind a later `ALTER TABLE`, the rows between were compared with the table as it
+/// is now, which they do not fit, and the reader stopped. They fit the description it has.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reopened_table_read_behind_a_later_alter_table_reads_on() {
+    let (_url, mut conn, mut reader) = reading_from_now(KEY_ONLY_OUTBOX, 5600).await;
+    for statement in [
+        "INSERT INTO outbox (partition_key) VALUES ('a')",
+        "FLUSH TABLES",
+        "INSERT INTO outbox (partition_key) VALUES ('b')",
+        "ALTER TABLE outbox ADD COLUMN tenant text NULL",
+        "INSERT INTO outbox (partition_key, tenant) VALUES ('c', 't')",
+    ] {
+        conn.query_drop(statement).await.unwrap();
+    }
+    let mut keys = Vec::new();
+    while keys.len() < 3 {
+        if let Output::Row(row) = crate::next_output(reader.next()).await {
+            keys.push(row.get("partition_key").map(str::to_string));
+        }
+    }
+    assert_eq!(
+        keys,
+        [
+            Some("a".to_string()),
+            Some("b".to_string()),
+            Some("c".to_string())
+        ]
+    );
+}
+
 /// An `ALTER TABLE` that keeps the column count (a column's type changed) while the reader
 /// reads: the width did not change, so rows after it were decoded by the old description (a
 /// DATETIME made TIMESTAMP read as the seconds since the epoch). The table map of the

@@ -231,7 +231,7 @@ async fn messages_carry_the_key_and_event_headers() {
     // read the last, the forged one.
     forged
         .headers
-        .insert("Outbox-Event-Id".into(), "forged".into());
+        .insert("outbox-event-id".into(), "forged".into());
     let e = std::sync::Arc::new(forged);
     let routed = outbox_publishers::Routed {
         cloudevents: None,
@@ -257,7 +257,7 @@ async fn messages_carry_the_key_and_event_headers() {
         .collect();
     let ids: Vec<&String> = headers
         .iter()
-        .filter(|(k, _)| k.eq_ignore_ascii_case("outbox-event-id"))
+        .filter(|(k, _)| k == "outbox-event-id")
         .map(|(_, v)| v)
         .collect();
     assert_eq!(ids, [&e.event_id.to_string()], "{headers:?}");

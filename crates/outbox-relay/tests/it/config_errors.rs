@@ -361,13 +361,23 @@ fn settings_a_run_would_ignore_or_cut_short_exit_2() {
     );
     // An empty node id (`--node-id "$POD_NAME"`, the variable unset) would be every such
     // node's; one past 64 characters did not fit MySQL's nodes table.
-    for node_id in ["", " ", &"n".repeat(65)] {
+    for node_id in ["", " ", "a\tb"] {
         refused(
             relay(d, &[&drain[..], &["--node-id", node_id]].concat(), &[]),
             "is not a node id",
-            "1-64 printable characters",
+            "printable characters",
         );
     }
+    let long = "n".repeat(65);
+    refused(
+        relay(
+            d,
+            &[&drain[..], &["--database-url", mysql, "--node-id", &long]].concat(),
+            &[],
+        ),
+        "is longer than the 64 characters MySQL/MariaDB keep",
+        "shorten it",
+    );
 }
 
 #[test]

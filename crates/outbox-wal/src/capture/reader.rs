@@ -1108,8 +1108,6 @@ pub(super) fn session_name(base: &str, outbox_tag: &str) -> String {
     format!("{base} {outbox_tag} {}", &token[..12])
 }
 
-/// The outbox tag in a session name ([`session_name`]); `None` in an earlier version's, or
-/// another client's.
 /// Who holds a slot, told by its session's name ([`session_name`]).
 #[derive(Debug, PartialEq)]
 enum SlotHolder {
@@ -1135,6 +1133,8 @@ impl SlotHolder {
     }
 }
 
+/// The outbox tag in a session name ([`session_name`]); `None` in an earlier version's, or
+/// another client's.
 pub(super) fn outbox_tag_of(session_name: &str) -> Option<&str> {
     let mut parts = session_name.rsplit(' ');
     let (_token, tag) = (parts.next()?, parts.next()?);

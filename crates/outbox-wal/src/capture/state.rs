@@ -204,31 +204,37 @@ pub(super) struct State {
 /// id must match as well: a server that took over on a new timeline (a promoted standby
 /// whose slot survived) writes other transactions at positions an earlier server used.
 #[derive(Debug, Default)]
-pub(super) struct SettledPositions(HashMap<EventPosition, Option<uuid::Uuid>>);
+pub(super) struct SettledPositions {
+    settled: HashMap<EventPosition, Option<uuid::Uuid>>,
+    /// The position confirmable when the map was last cut down: it is cut again only once
+    /// the session can confirm further (a transaction larger than the map keeps it full).
+    cut_at: Lsn,
+}
 
 impl SettledPositions {
-    /// At most this many are kept (about 10 MB): at that, those the session could confirm
-    /// are let go (the slot is as good as confirmed there), and past it, an event read again
+    /// At most this many are kept (about 25 MB): full, those the session could confirm are
+    /// let go (the slot is as good as confirmed there), and past that an event read again
     /// goes out again, as at-least-once allows.
     const MOST: usize = 262_144;
 
     /// Event `id` at `position` is settled; the session may confirm up to `confirmable`.
     fn record(&mut self, position: EventPosition, id: Option<uuid::Uuid>, confirmable: Lsn) {
-        if self.0.len() >= Self::MOST {
-            self.0.retain(|p, _| p.commit_lsn >= confirmable);
+        if self.settled.len() >= Self::MOST && confirmable > self.cut_at {
+            self.settled.retain(|p, _| p.commit_lsn >= confirmable);
+            self.cut_at = confirmable;
         }
-        if self.0.len() < Self::MOST {
-            self.0.insert(position, id);
+        if self.settled.len() < Self::MOST {
+            self.settled.insert(position, id);
         }
     }
 
     /// A session starts streaming at `start`: nothing committed before it comes again.
     fn start_at(&mut self, start: Lsn) {
-        self.0.retain(|p, _| p.commit_lsn >= start);
+        self.settled.retain(|p, _| p.commit_lsn >= start);
     }
 
     fn contains(&self, position: &EventPosition, id: Option<uuid::Uuid>) -> bool {
-        self.0.get(position) == Some(&id)
+        self.settled.get(position) == Some(&id)
     }
 }
 
