@@ -539,14 +539,23 @@ impl Inner {
             return Ok(false);
         }
         // An undecodable row's dead letter is copied from its table row where that is
-        // still there; the values its image gave are the fallback.
+        // still there; the values its image gave are the fallback, also where the server
+        // refuses the copy (bytes the row's character set cannot convert): a savepoint
+        // keeps that refusal from failing the whole park, again at every try.
         let mut copied = Vec::new();
         for park in parks {
             if let Some(dead) = &park.copied {
+                tx.query_drop("SAVEPOINT outbox_relay_copy").await?;
                 let statement = self.sql.dead_letter_copied();
-                tx.exec_drop(statement, (&dead.error, dead.row)).await?;
-                if tx.affected_rows() == 1 {
-                    copied.push(dead.row);
+                match tx.exec_drop(statement, (&dead.error, dead.row)).await {
+                    Ok(()) if tx.affected_rows() == 1 => copied.push(dead.row),
+                    Ok(()) => {}
+                    Err(mysql_async::Error::Server(refused)) => {
+                        tracing::warn!(row = dead.row, error = %refused.message, "the undecodable row cannot be copied from the table into its dead letter; it is dead-lettered with what its log image gave");
+                        tx.query_drop("ROLLBACK TO SAVEPOINT outbox_relay_copy")
+                            .await?;
+                    }
+                    Err(other) => return Err(other),
                 }
             }
         }
