@@ -804,6 +804,21 @@ async fn an_outbox_load_data_logged_as_a_statement_stops_the_reader() {
     );
 }
 
+/// A MariaDB server of the test's own (with `servers.sh` variables `env`), the URL of its
+/// database `shop` (not made yet), and a session as root.
+async fn private_mariadb(
+    env: &[(&'static str, &str)],
+) -> (outbox_testkit::server::ScriptedServer, String, Conn) {
+    let server = outbox_testkit::server::ScriptedServer::start_with(
+        "mariadb",
+        "OUTBOX_TEST_MARIADB_PORT",
+        env,
+    );
+    let url = format!("mysql://root@127.0.0.1:{}/shop", server.port);
+    let admin = connect(&format!("mysql://root@127.0.0.1:{}/mysql", server.port)).await;
+    (server, url, admin)
+}
+
 /// A server that has written no GTID yet (new, or after `RESET MASTER`: here a private one,
 /// since the shared test server's log must not be reset) answers `BINLOG_GTID_POS` with an
 /// empty state. The reader took it for unknown, so no place it gave, in the whole session,
@@ -811,13 +826,7 @@ async fn an_outbox_load_data_logged_as_a_statement_stops_the_reader() {
 /// transaction's GTID fills.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_with_no_gtid_yet_gives_its_places_a_known_state_from_the_first_transaction() {
-    let server = outbox_testkit::server::ScriptedServer::start_with(
-        "mariadb",
-        "OUTBOX_TEST_MARIADB_PORT",
-        &[("MARIADB_SERVER_ID", "7")],
-    );
-    let url = format!("mysql://root@127.0.0.1:{}/shop", server.port);
-    let mut admin = connect(&format!("mysql://root@127.0.0.1:{}/mysql", server.port)).await;
+    let (_server, url, mut admin) = private_mariadb(&[("MARIADB_SERVER_ID", "7")]).await;
     admin
         .query_drop(
             "CREATE DATABASE shop;
@@ -860,12 +869,9 @@ async fn a_server_with_no_gtid_yet_gives_its_places_a_known_state_from_the_first
 /// for good, with `check` content. It is refused, naming the setting.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_that_does_not_log_the_outboxs_database_is_refused() {
-    let server = outbox_testkit::server::ScriptedServer::start_with(
-        "mariadb",
-        "OUTBOX_TEST_MARIADB_PORT",
-        &[("MARIADB_EXTRA_ARGS", "--binlog-ignore-db=shop")],
-    );
-    let url = format!("mysql://root@127.0.0.1:{}/mysql", server.port);
+    let (_server, shop, _admin) =
+        private_mariadb(&[("MARIADB_EXTRA_ARGS", "--binlog-ignore-db=shop")]).await;
+    let url = shop.replace("/shop", "/mysql");
     let said: Vec<String> = server_problems(&url, "shop")
         .await
         .unwrap()
@@ -894,13 +900,7 @@ async fn a_server_that_does_not_log_the_outboxs_database_is_refused() {
 /// and capture never got past it. It reads it, as a replica does with its own limit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_row_event_larger_than_the_servers_max_allowed_packet_is_read() {
-    let server = outbox_testkit::server::ScriptedServer::start_with(
-        "mariadb",
-        "OUTBOX_TEST_MARIADB_PORT",
-        &[("MARIADB_SERVER_ID", "8")],
-    );
-    let url = format!("mysql://root@127.0.0.1:{}/shop", server.port);
-    let mut admin = connect(&format!("mysql://root@127.0.0.1:{}/mysql", server.port)).await;
+    let (_server, url, mut admin) = private_mariadb(&[("MARIADB_SERVER_ID", "8")]).await;
     admin
         .query_drop(
             "CREATE DATABASE shop;

@@ -911,7 +911,7 @@ async fn gated_wakeup_notifies_only_a_waiting_relay_and_loses_nothing_under_conc
 async fn webhook_answering(
     status: Arc<std::sync::atomic::AtomicU16>,
 ) -> (String, Arc<AtomicUsize>) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let requests = Arc::new(AtomicUsize::new(0));
@@ -921,29 +921,7 @@ async fn webhook_answering(
             let status = status.clone();
             let counted = counted.clone();
             tokio::spawn(async move {
-                let mut seen = Vec::new();
-                let mut buf = [0u8; 4096];
-                // One request per connection: its head, then its body by content-length.
-                loop {
-                    let Ok(n) = socket.read(&mut buf).await else {
-                        return;
-                    };
-                    if n == 0 {
-                        return;
-                    }
-                    seen.extend_from_slice(&buf[..n]);
-                    let text = String::from_utf8_lossy(&seen).to_ascii_lowercase();
-                    if let Some(end) = text.find("\r\n\r\n") {
-                        let length: usize = text[..end]
-                            .lines()
-                            .find_map(|l| l.strip_prefix("content-length:"))
-                            .and_then(|v| v.trim().parse().ok())
-                            .unwrap_or(0);
-                        if seen.len() >= end + 4 + length {
-                            break;
-                        }
-                    }
-                }
+                crate::support::read_http_request(&mut socket).await;
                 counted.fetch_add(1, Ordering::SeqCst);
                 let code = status.load(Ordering::SeqCst);
                 let answer =

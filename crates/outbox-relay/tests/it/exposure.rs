@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_testkit::{eventually_explained, query_count};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 
 use crate::support::{http_addr, migrated_pg_database, pg, text, RelayProcess, BIN};
 use admin::Admin;
@@ -35,7 +35,7 @@ impl Receiver {
                 counted.fetch_add(1, Ordering::SeqCst);
                 let answer = answer.clone();
                 tokio::spawn(async move {
-                    read_request(&mut socket).await;
+                    support::read_http_request(&mut socket).await;
                     let _ = socket.write_all(answer.as_bytes()).await;
                     let _ = socket.shutdown().await;
                 });
@@ -46,32 +46,6 @@ impl Receiver {
 
     fn connections(&self) -> usize {
         self.connections.load(Ordering::SeqCst)
-    }
-}
-
-/// Reads one request's head and its `content-length` body.
-async fn read_request(socket: &mut tokio::net::TcpStream) {
-    let mut seen = Vec::new();
-    let mut buf = [0u8; 4096];
-    loop {
-        let Ok(n) = socket.read(&mut buf).await else {
-            return;
-        };
-        if n == 0 {
-            return;
-        }
-        seen.extend_from_slice(&buf[..n]);
-        let text = String::from_utf8_lossy(&seen).to_ascii_lowercase();
-        if let Some(end) = text.find("\r\n\r\n") {
-            let length: usize = text[..end]
-                .lines()
-                .find_map(|l| l.strip_prefix("content-length:"))
-                .and_then(|v| v.trim().parse().ok())
-                .unwrap_or(0);
-            if seen.len() >= end + 4 + length {
-                return;
-            }
-        }
     }
 }
 

@@ -183,32 +183,21 @@ async fn a_statement_the_store_gave_up_on_does_not_wait_on_in_the_server() {
         .await
         .unwrap();
     tokio::spawn(connection);
-    eventually(
+    outbox_testkit::wait_for_count(
         "the store's waiting statement to end",
+        &admin,
+        "SELECT count(*) FROM pg_stat_activity
+          WHERE application_name = 'bounded-store' AND wait_event_type = 'Lock'",
+        0,
         Duration::from_secs(10),
-        || async {
-            let waiting: i64 = admin
-                .query_one(
-                    "SELECT count(*) FROM pg_stat_activity
-                      WHERE application_name = 'bounded-store' AND wait_event_type = 'Lock'",
-                    &[],
-                )
-                .await
-                .unwrap()
-                .get(0);
-            (waiting == 0).then_some(())
-        },
     )
     .await;
     lock.rollback().await.unwrap();
 }
 
-/// A primary that refuses writes (`default_transaction_read_only`, as a cutover's freeze or
-/// a service gone read-only on a full disk sets it) passed `check`, and every claim then
-/// failed, retried without end, with a hint pointing at the tables. `check` names it, and
-/// the claim's error says the fix.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_database_that_refuses_writes_is_named_by_check_and_by_the_claims() {
+/// A fresh migrated database with `setting` (`name = value`, quotes doubled) set on it for
+/// every new session, and a session of the test's opened before it.
+async fn migrated_with_database_setting(setting: &str) -> (String, tokio_postgres::Client) {
     let url = outbox_testkit::fresh_pg_database().await;
     PgStore::new(options(&url))
         .unwrap()
@@ -220,12 +209,22 @@ async fn a_database_that_refuses_writes_is_named_by_check_and_by_the_claims() {
         .unwrap();
     tokio::spawn(connection);
     admin
-        .batch_execute(
-            "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET default_transaction_read_only = on',
-                                         current_database()); END $$",
-        )
+        .batch_execute(&format!(
+            "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET {setting}', current_database());
+             END $$"
+        ))
         .await
         .unwrap();
+    (url, admin)
+}
+
+/// A primary that refuses writes (`default_transaction_read_only`, as a cutover's freeze or
+/// a service gone read-only on a full disk sets it) passed `check`, and every claim then
+/// failed, retried without end, with a hint pointing at the tables. `check` names it, and
+/// the claim's error says the fix.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_that_refuses_writes_is_named_by_check_and_by_the_claims() {
+    let (url, _admin) = migrated_with_database_setting("default_transaction_read_only = on").await;
     let store = PgStore::new(options(&url)).unwrap();
     let problems = store.verify().await.unwrap();
     let said: Vec<String> = problems.iter().map(ToString::to_string).collect();
@@ -256,43 +255,19 @@ async fn a_database_that_refuses_writes_is_named_by_check_and_by_the_claims() {
 /// stays idle past it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiting_session_outlives_the_databases_idle_session_timeout() {
-    let url = outbox_testkit::fresh_pg_database().await;
-    PgStore::new(options(&url))
-        .unwrap()
-        .migrate()
-        .await
-        .unwrap();
-    let (admin, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(connection);
-    admin
-        .batch_execute(
-            "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET idle_session_timeout = ''1s''',
-                                         current_database()); END $$",
-        )
-        .await
-        .unwrap();
+    let (url, admin) = migrated_with_database_setting("idle_session_timeout = ''1s''").await;
     let mut options = options(&url);
     options.application_name = Some("idle-listener".into());
     let store = PgStore::new(options).unwrap();
     let (_wakeups, listening) = count_wakeups(&store);
-    eventually(
+    outbox_testkit::wait_for_count(
         "the LISTEN session idle for 3 s",
+        &admin,
+        "SELECT count(*) FROM pg_stat_activity
+          WHERE application_name = 'idle-listener' AND state = 'idle'
+            AND query LIKE 'LISTEN%' AND state_change < now() - interval '3 s'",
+        1,
         Duration::from_secs(20),
-        || async {
-            let idle: i64 = admin
-                .query_one(
-                    "SELECT count(*) FROM pg_stat_activity
-                      WHERE application_name = 'idle-listener' AND state = 'idle'
-                        AND query LIKE 'LISTEN%' AND state_change < now() - interval '3 s'",
-                    &[],
-                )
-                .await
-                .unwrap()
-                .get(0);
-            (idle == 1).then_some(())
-        },
     )
     .await;
     listening.abort();

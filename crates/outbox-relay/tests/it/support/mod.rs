@@ -924,3 +924,30 @@ pub const RETRY_AN_OUTAGE: [&str; 8] = [
     "--max-attempts",
     "100000",
 ];
+
+/// Reads one request's head and its `content-length` body.
+pub async fn read_http_request(socket: &mut tokio::net::TcpStream) {
+    use tokio::io::AsyncReadExt;
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let Ok(n) = socket.read(&mut buf).await else {
+            return;
+        };
+        if n == 0 {
+            return;
+        }
+        seen.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&seen).to_ascii_lowercase();
+        if let Some(end) = text.find("\r\n\r\n") {
+            let length: usize = text[..end]
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0);
+            if seen.len() >= end + 4 + length {
+                return;
+            }
+        }
+    }
+}
