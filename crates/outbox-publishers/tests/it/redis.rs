@@ -25,25 +25,23 @@ fn url(server: &ServerProcess) -> String {
     format!("redis://127.0.0.1:{}", server.port)
 }
 
+/// A redis-server of the test's own on 127.0.0.1, saving no snapshots, with `extra` flags.
+fn redis_server(extra: &[&str]) -> ServerProcess {
+    let mut args = vec!["--bind", "127.0.0.1", "--port", "{port}", "--save", ""];
+    args.extend_from_slice(extra);
+    ServerProcess::start("redis-server", &args)
+}
+
 async fn new_harness() -> RedisHarness {
     // Append-only with fsync, so a killed and restarted server keeps what it acknowledged.
-    let server = ServerProcess::start(
-        "redis-server",
-        &[
-            "--bind",
-            "127.0.0.1",
-            "--port",
-            "{port}",
-            "--dir",
-            "{dir}",
-            "--save",
-            "",
-            "--appendonly",
-            "yes",
-            "--appendfsync",
-            "always",
-        ],
-    );
+    let server = redis_server(&[
+        "--dir",
+        "{dir}",
+        "--appendonly",
+        "yes",
+        "--appendfsync",
+        "always",
+    ]);
     let config = read_config(json!({ "uri": url(&server), "max_message_bytes": 1024 * 1024 }));
     let sink = outbox_publishers::build_sink("redis", &config)
         .await
@@ -304,21 +302,12 @@ async fn refusals_are_classified_by_the_servers_error_code() {
 /// connection that Redis Cluster is not supported, and what to point it at.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_cluster_node_is_refused_saying_so() {
-    let server = ServerProcess::start(
-        "redis-server",
-        &[
-            "--bind",
-            "127.0.0.1",
-            "--port",
-            "{port}",
-            "--save",
-            "",
-            "--cluster-enabled",
-            "yes",
-            "--cluster-config-file",
-            "{dir}/nodes.conf",
-        ],
-    );
+    let server = redis_server(&[
+        "--cluster-enabled",
+        "yes",
+        "--cluster-config-file",
+        "{dir}/nodes.conf",
+    ]);
     let err = send_one(&SinkConfig::new(url(&server)), "orders")
         .await
         .expect_err("a cluster node is refused");
