@@ -119,6 +119,12 @@ impl Capture {
         self.positions.settle(ordinal)
     }
 
+    /// The rows (by ordinal) that a reader started at the position [`Capture::store`] would
+    /// store now reads none of ([`Positions::behind_storable`]).
+    pub fn behind_storable(&self) -> u64 {
+        self.positions.behind_storable()
+    }
+
     /// Stores the furthest position the settled rows allow, or renews the seat's lease when
     /// it has not moved. Fails with [`crate::BinlogError::Fenced`] (or a connection error)
     /// once another relay took the seat: this one must stop.

@@ -28,6 +28,7 @@ pub mod gtid;
 pub mod parked;
 mod positions;
 mod reader;
+mod reread;
 pub mod schema;
 pub mod seat;
 mod statement;

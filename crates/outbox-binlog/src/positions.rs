@@ -18,6 +18,8 @@ use crate::Output;
 struct Transaction {
     unsettled: HashSet<u64>,
     next: Option<BinlogPosition>,
+    /// Its first row's id.
+    first: Option<u64>,
 }
 
 /// The positions of what was read, and the one that may be stored.
@@ -27,6 +29,8 @@ pub struct Positions {
     /// still being read while its `next` is `None`.
     open: VecDeque<Transaction>,
     storable: BinlogPosition,
+    /// One past the last row id read.
+    next_row: u64,
 }
 
 /// A row was settled that was never read, or twice: a bug in the caller.
@@ -40,6 +44,7 @@ impl Positions {
         Positions {
             open: VecDeque::new(),
             storable: start,
+            next_row: 0,
         }
     }
 
@@ -50,7 +55,9 @@ impl Positions {
         }
         if let Some(current) = self.open.back_mut() {
             current.unsettled.insert(id);
+            current.first.get_or_insert(id);
         }
+        self.next_row = self.next_row.max(id + 1);
     }
 
     /// The stream carried the commit of the transaction being read ([`Output::Committed`]):
@@ -62,6 +69,7 @@ impl Positions {
             _ => self.open.push_back(Transaction {
                 unsettled: HashSet::new(),
                 next: Some(next.clone()),
+                first: None,
             }),
         }
         self.advance();
@@ -101,6 +109,15 @@ impl Positions {
     /// Where a new reader may start without losing an unsettled row.
     pub fn storable(&self) -> &BinlogPosition {
         &self.storable
+    }
+
+    /// The rows (by id, counting up as read) below this one are behind
+    /// [`storable`](Self::storable): a reader started there reads none of them.
+    pub fn behind_storable(&self) -> u64 {
+        self.open
+            .iter()
+            .find_map(|t| t.first)
+            .unwrap_or(self.next_row)
     }
 
     /// Moves past every settled, committed transaction at the front.
@@ -152,6 +169,27 @@ mod tests {
         );
         positions.settle(2).unwrap();
         assert_eq!(positions.storable(), &at(300), "everything read is settled");
+    }
+
+    #[test]
+    fn the_rows_behind_the_storable_position_are_those_of_the_transactions_passed() {
+        let mut positions = two_transactions();
+        assert_eq!(positions.behind_storable(), 1, "none passed");
+        positions.settle(1).unwrap();
+        positions.settle(2).unwrap();
+        assert_eq!(
+            positions.behind_storable(),
+            3,
+            "the first transaction passed"
+        );
+        positions.settle(3).unwrap();
+        assert_eq!(positions.behind_storable(), 4, "everything read");
+        positions.row(4);
+        assert_eq!(
+            positions.behind_storable(),
+            4,
+            "row 4's transaction is open"
+        );
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! A publisher that records what it receives and fails on command, for engine tests.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use futures::future::BoxFuture;
@@ -22,9 +22,20 @@ struct State {
 }
 
 /// Records every confirmed event in publish order.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct RecordingPublisher {
     state: Arc<Mutex<State>>,
+    /// Event types whose batches wait before they are answered ([`RecordingPublisher::hold`]).
+    held: Arc<tokio::sync::watch::Sender<HashSet<String>>>,
+}
+
+impl Default for RecordingPublisher {
+    fn default() -> Self {
+        RecordingPublisher {
+            state: Arc::default(),
+            held: Arc::new(tokio::sync::watch::channel(HashSet::new()).0),
+        }
+    }
 }
 
 impl RecordingPublisher {
@@ -62,6 +73,26 @@ impl RecordingPublisher {
             .insert(event_type.to_string(), (times, kind, message.to_string()));
     }
 
+    /// Holds every batch with an event of `event_type` unanswered (in flight) until
+    /// [`release`](Self::release)d; other batches are answered meanwhile.
+    pub fn hold(&self, event_type: &str) {
+        self.held.send_modify(|held| {
+            held.insert(event_type.to_string());
+        });
+    }
+
+    /// Answers the batches held for `event_type`, and no longer holds any.
+    pub fn release(&self, event_type: &str) {
+        self.held.send_modify(|held| {
+            held.remove(event_type);
+        });
+    }
+
+    /// Batches held unanswered now.
+    pub fn holding(&self) -> usize {
+        self.held.receiver_count()
+    }
+
     /// Confirmed events, in the order they were confirmed.
     pub fn delivered(&self) -> Vec<Arc<Event>> {
         self.state.lock().unwrap().delivered.clone()
@@ -89,6 +120,38 @@ impl Publisher for RecordingPublisher {
     }
 
     fn publish(&self, batch: Vec<Arc<Event>>) -> BoxFuture<'static, Vec<Outcome>> {
+        let types: Vec<String> = batch.iter().map(|e| e.event_type.clone()).collect();
+        let held = move |held: &HashSet<String>| types.iter().any(|t| held.contains(t));
+        if !held(&self.held.borrow()) {
+            let outcomes = self.answer(batch);
+            return async move { outcomes }.boxed();
+        }
+        let mut released = self.held.subscribe();
+        let this = self.clone();
+        async move {
+            let _ = released.wait_for(|h| !held(h)).await;
+            drop(released);
+            this.answer(batch)
+        }
+        .boxed()
+    }
+
+    fn max_events_per_key(&self) -> usize {
+        if self.state.lock().unwrap().runs {
+            usize::MAX
+        } else {
+            1
+        }
+    }
+
+    fn health(&self) -> BoxFuture<'static, Result<(), PublishError>> {
+        async { Ok(()) }.boxed()
+    }
+}
+
+impl RecordingPublisher {
+    /// Records `batch` and answers it.
+    fn answer(&self, batch: Vec<Arc<Event>>) -> Vec<Outcome> {
         let mut state = self.state.lock().unwrap();
         state
             .batches
@@ -120,18 +183,6 @@ impl Publisher for RecordingPublisher {
                 Ok(())
             })
             .collect();
-        async move { outcomes }.boxed()
-    }
-
-    fn max_events_per_key(&self) -> usize {
-        if self.state.lock().unwrap().runs {
-            usize::MAX
-        } else {
-            1
-        }
-    }
-
-    fn health(&self) -> BoxFuture<'static, Result<(), PublishError>> {
-        async { Ok(()) }.boxed()
+        outcomes
     }
 }

@@ -14,6 +14,7 @@ use serde_json::value::RawValue;
 use outbox_layout::memory::derived_event_id;
 use outbox_layout::{KeyFallback, Mapping, Seed, State};
 
+use crate::reread::RowIdentity;
 use crate::Row;
 
 /// A row that is no event: dead-lettered with the reason, never dropped.
@@ -43,6 +44,17 @@ pub struct Captured {
     /// When the row asks to be sent no earlier than a later time (`available_at`).
     pub not_before: Option<SystemTime>,
     pub event: Result<Event, Box<Undecodable>>,
+}
+
+impl Captured {
+    /// Which event the row is, in every session that reads it.
+    pub(crate) fn identity(&self) -> Option<RowIdentity> {
+        let event_id = match &self.event {
+            Ok(event) => Some(event.event_id),
+            Err(u) => u.event_id,
+        };
+        RowIdentity::of(self.row, event_id)
+    }
 }
 
 /// Reads `row` as an event of the table `mapping` describes (its `sequence_id` is left 0:

@@ -43,6 +43,7 @@ use outbox_core::{Event, NewEvent, NodeId, OutboxStore, Payload, SequenceId, Sto
 use outbox_layout::Mapping;
 use tokio::sync::{mpsc, watch};
 
+use crate::reread::SettledUnstored;
 use crate::seat::SeatConfig;
 use crate::{at_or_after, current_position, opts, BinlogConfig, BinlogError, Capture, Output};
 use crate::{BinlogPosition, Started};
@@ -155,7 +156,7 @@ struct Inner {
     full_images_only: std::sync::atomic::AtomicBool,
     outputs: tokio::sync::Mutex<mpsc::Receiver<Item>>,
     /// Settled ordinals for the reader, by session.
-    settled: mpsc::UnboundedSender<(u64, Vec<u64>)>,
+    settled: mpsc::UnboundedSender<Vec<SettledRow>>,
     live: Arc<LiveSession>,
     /// When the seat's lease was last renewed, and for how long it holds.
     renewed: Arc<Renewal>,
@@ -251,6 +252,7 @@ impl BinlogStore {
             last_problem: None,
             tx,
             settled: settled_rx,
+            unstored: SettledUnstored::default(),
             live: live.clone(),
             status: status_tx,
             close: close_rx,
@@ -339,6 +341,11 @@ impl BinlogStore {
     }
 }
 
+/// The reader stores its position at least this often (and every third of the seat's
+/// lease): what a session settled past the stored position is kept for the next one to
+/// settle unsent (`SettledUnstored`), about this long's worth of rows, and read again.
+const STORE_AT_MOST_EVERY: Duration = Duration::from_secs(1);
+
 /// Items the channel holds: the memory budget bounds the bytes, this the count of small
 /// ones.
 const READ_AHEAD: usize = 4096;
@@ -348,8 +355,7 @@ impl Inner {
     fn settle(&self, state: &mut State, ids: impl IntoIterator<Item = SequenceId>) {
         state.settle(ids);
         if !state.settled.is_empty() {
-            let settled = std::mem::take(&mut state.settled);
-            let _ = self.settled.send((state.followed.session, settled));
+            let _ = self.settled.send(std::mem::take(&mut state.settled));
         }
     }
 
@@ -1314,7 +1320,9 @@ struct Reader {
     /// The last reason reading stopped or could not start: logged once, not every second.
     last_problem: Option<String>,
     tx: mpsc::Sender<Item>,
-    settled: mpsc::UnboundedReceiver<(u64, Vec<u64>)>,
+    settled: mpsc::UnboundedReceiver<Vec<SettledRow>>,
+    /// Settled rows a later session may read again, to settle unsent.
+    unstored: SettledUnstored,
     live: Arc<LiveSession>,
     status: watch::Sender<CaptureStatus>,
     close: watch::Receiver<bool>,
@@ -1334,7 +1342,7 @@ enum Ended {
 /// What the reader does next.
 enum Step {
     Close,
-    Settled(Option<(u64, Vec<u64>)>),
+    Settled(Option<Vec<SettledRow>>),
     Store,
     Send(Result<mpsc::OwnedPermit<Item>, mpsc::error::SendError<()>>),
     Read(Result<Option<Output>, BinlogError>),
@@ -1493,7 +1501,7 @@ impl Reader {
         // A drain looks at where the log is read to this often, too.
         let store_every = match drain_until {
             Some(_) => (self.seat.lease / 3).min(Duration::from_millis(250)),
-            None => self.seat.lease / 3,
+            None => (self.seat.lease / 3).min(STORE_AT_MOST_EVERY),
         };
         let mut next_store = tokio::time::Instant::now() + store_every;
         let mut pending: Option<Item> = None;
@@ -1518,8 +1526,8 @@ impl Reader {
             };
             match step {
                 Step::Close => {
-                    while let Ok((session, ordinals)) = self.settled.try_recv() {
-                        settle(&mut capture, self.session, session, ordinals);
+                    while let Ok(rows) = self.settled.try_recv() {
+                        self.settle(&mut capture, rows);
                     }
                     if let Err(e) = capture.leave().await {
                         tracing::warn!(error = %e, "storing the position at shutdown failed: what was settled since the last store is read again");
@@ -1527,14 +1535,16 @@ impl Reader {
                     return Ended::Closed;
                 }
                 Step::Settled(None) => return Ended::Closed,
-                Step::Settled(Some((session, ordinals))) => {
-                    settle(&mut capture, self.session, session, ordinals);
-                }
+                Step::Settled(Some(rows)) => self.settle(&mut capture, rows),
                 Step::Store => {
                     next_store = tokio::time::Instant::now() + store_every;
                     let storing = std::time::Instant::now();
-                    if let Err(e) = capture.store().await {
-                        return Ended::Broken(format!("storing the position: {e}"));
+                    let behind = capture.behind_storable();
+                    match capture.store().await {
+                        Ok(stored) => self.unstored.stored(behind, &stored),
+                        Err(e) => {
+                            return self.broken(&capture, format!("storing the position: {e}"))
+                        }
                     }
                     self.renewed.renewed(storing);
                     let behind = crate::bytes_behind(&self.binlog.url, &capture.read_to()).await;
@@ -1558,9 +1568,12 @@ impl Reader {
                         self.wake();
                     }
                 }
-                Step::Read(Err(e)) => return Ended::Broken(self.reason(&e)),
+                Step::Read(Err(e)) => {
+                    let reason = self.reason(&e);
+                    return self.broken(&capture, reason);
+                }
                 Step::Read(Ok(None)) => {
-                    return Ended::Broken("the server ended the binlog stream".into())
+                    return self.broken(&capture, "the server ended the binlog stream".into())
                 }
                 Step::Read(Ok(Some(output))) => {
                     pending = Some(match output {
@@ -1569,14 +1582,14 @@ impl Reader {
                             let Some(captured) = decode(&row, &self.mapping) else {
                                 // Inserted delivered (or dead) already: no event, nothing
                                 // to wait for.
-                                settle(
-                                    &mut capture,
-                                    self.session,
-                                    self.session,
-                                    vec![row.ordinal()],
-                                );
+                                settle_in(&mut capture, row.ordinal());
                                 continue;
                             };
+                            if self.unstored.read_again(row.ordinal(), captured.identity()) {
+                                // Settled by an earlier session: settled unsent.
+                                settle_in(&mut capture, row.ordinal());
+                                continue;
+                            }
                             set_lag_seconds(&capture, false);
                             let memory = self.memory.charge(captured_bytes(&captured));
                             Item::Row {
@@ -1617,6 +1630,26 @@ impl Reader {
         }
     }
 
+    /// Passes settled rows on: those of the session reading to its capture, those of an
+    /// ended one to what the session settles unsent when it reads them again.
+    fn settle(&mut self, capture: &mut Capture, rows: Vec<SettledRow>) {
+        for row in rows {
+            if row.session == self.session {
+                settle_in(capture, row.ordinal);
+                self.unstored.settled(row.ordinal, row.identity);
+            } else {
+                self.unstored.settled_late(row.identity);
+            }
+        }
+    }
+
+    /// The session broke for `reason`: what it settled past the stored position waits for
+    /// the next one.
+    fn broken(&mut self, capture: &Capture, reason: String) -> Ended {
+        self.unstored.session_ended(capture.read_to());
+        Ended::Broken(reason)
+    }
+
     async fn parked_keys(&self) -> Result<Vec<String>, mysql_async::Error> {
         read_parked_keys(&self.pool, &self.sql).await
     }
@@ -1630,16 +1663,10 @@ async fn read_parked_keys(
     pool.get_conn().await?.query(sql.parked_keys()).await
 }
 
-/// Passes settled ordinals of the reading session to the capture (those of an earlier
-/// session are read again, and settle there).
-fn settle(capture: &mut Capture, reading: u64, session: u64, ordinals: Vec<u64>) {
-    if session != reading {
-        return;
-    }
-    for ordinal in ordinals {
-        if let Err(e) = capture.settle(ordinal) {
-            tracing::error!(error = %e, "binlog acknowledgement out of step (a bug): the position stays where it is");
-        }
+/// Settles row `ordinal` of the session reading in its capture.
+fn settle_in(capture: &mut Capture, ordinal: u64) {
+    if let Err(e) = capture.settle(ordinal) {
+        tracing::error!(error = %e, "binlog acknowledgement out of step (a bug): the position stays where it is");
     }
 }
 

@@ -16,6 +16,7 @@ use outbox_core::memory::Charge;
 use outbox_core::{Claimed, Event, SequenceId};
 
 use super::event::{Captured, Undecodable};
+use crate::reread::RowIdentity;
 
 /// What the reader hands to claims, in log order.
 pub(super) enum Item {
@@ -98,6 +99,15 @@ impl Park {
     }
 }
 
+/// A settled stream row: the session that handed it out, its ordinal there, and which event
+/// it is.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) struct SettledRow {
+    pub(super) session: u64,
+    pub(super) ordinal: u64,
+    pub(super) identity: Option<RowIdentity>,
+}
+
 /// Where the engine's ids of parked rows start: far above any outbox row's `sequence_id` and
 /// any BLACKHOLE row's [`stream_id`], so they never meet, and rising with the parked table's
 /// ids (the engine's lanes compare ids of one key).
@@ -178,8 +188,9 @@ pub(super) struct State {
     pub(super) unaccepted: VecDeque<Item>,
     /// Rows held, parked keys and the parks to write (the rules both captures share).
     pub(super) holdings: Holdings<Streamed, Park>,
-    /// Ordinals of the session's settled rows, for the reader.
-    pub(super) settled: Vec<u64>,
+    /// Settled stream rows, for the reader: it stores the position those of its session
+    /// allow, and settles unsent those of ended sessions that it reads again.
+    pub(super) settled: Vec<SettledRow>,
     /// `--drain`: every row committed before start-up has been handed out.
     drained: bool,
     /// Undecodable rows the capture parked dead itself (behind a parked key, or let go of
@@ -317,14 +328,19 @@ impl State {
         );
     }
 
-    /// Settles held stream rows and forgets them; those of the current session are passed
-    /// on to the reader, which stores the position they allow.
+    /// Settles held stream rows and forgets them, passing each on to the reader.
     pub(super) fn settle(&mut self, ids: impl IntoIterator<Item = SequenceId>) {
         for id in ids {
             if let Some(s) = self.holdings.remove_stream(id) {
-                if s.session == self.followed.session && !self.followed.ended {
-                    self.settled.push(s.ordinal);
-                }
+                let event_id = match &s.body {
+                    Body::Event(event) => Some(event.event_id),
+                    Body::Undecodable(u) => u.event_id,
+                };
+                self.settled.push(SettledRow {
+                    session: s.session,
+                    ordinal: s.ordinal,
+                    identity: RowIdentity::of(s.row, event_id),
+                });
             }
         }
     }
@@ -495,6 +511,16 @@ mod tests {
         }
     }
 
+    /// The ordinals passed to the reader as settled in `session`.
+    fn settled(state: &State, session: u64) -> Vec<u64> {
+        state
+            .settled
+            .iter()
+            .filter(|s| s.session == session)
+            .map(|s| s.ordinal)
+            .collect()
+    }
+
     fn session(n: u64, parked_keys: &[&str]) -> Item {
         Item::Session {
             session: n,
@@ -564,10 +590,15 @@ mod tests {
             [1, 2]
         );
         state.settle([2, 1]);
-        assert_eq!(state.settled, [2, 1]);
+        assert_eq!(settled(&state, 1), [2, 1]);
         assert!(state.holdings.held.is_empty());
         state.settle([1]);
-        assert_eq!(state.settled, [2, 1], "settled twice: once");
+        assert_eq!(settled(&state, 1), [2, 1], "settled twice: once");
+        assert_eq!(
+            state.settled[0].identity,
+            RowIdentity::of(Some(2), Some(uuid::Uuid::from_u128(2))),
+            "which event it is, for a session that reads it again"
+        );
     }
 
     /// A row read again by a new session while its key waits is queued to park behind it,
@@ -717,7 +748,7 @@ mod tests {
     }
 
     #[test]
-    fn a_new_session_drops_what_the_old_one_queued_and_settles_only_its_own_rows() {
+    fn a_new_session_drops_what_the_old_one_queued_and_settles_rows_as_their_sessions() {
         let mut state = State::new(false);
         state.accept(session(1, &[]));
         assert_eq!(
@@ -732,14 +763,15 @@ mod tests {
             !state.holdings.held.contains_key(&2),
             "read again by the new session"
         );
-        // Row 1 of session 1 is settled by the engine: nothing of it reaches session 2's
-        // positions.
+        // Row 1 of session 1 is settled by the engine: it is passed on as session 1's (the
+        // reader settles it unsent if session 2 reads it again).
         state.settle([1]);
-        assert!(state.settled.is_empty());
-        // Row 1 comes again in session 2 and replaces the old entry.
+        assert_eq!(settled(&state, 1), [1]);
+        assert!(settled(&state, 2).is_empty());
+        // Row 1 comes again in session 2 (as far as the state knows, a new row).
         assert_eq!(claim(&mut state, transactions(&[(1, "a")])), [1]);
         state.settle([1]);
-        assert_eq!(state.settled, [1]);
+        assert_eq!(settled(&state, 2), [1], "its ordinal in session 2");
     }
 
     /// A claim races the reader: the session ends (the reader sets no live session) while

@@ -461,6 +461,66 @@ async fn a_relay_started_again_reads_on_from_its_stored_position_and_loses_nothi
     relay.stop().await;
 }
 
+/// The reader's session breaks (its dump connection killed) after row `k` 1 was delivered,
+/// while an earlier transaction's row is still with the sink, so the stored position is
+/// behind both: the next session reads row 1 again, and settles it unsent. It went out
+/// again, and a key's earlier event could follow a later one (1, 2, 1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_settled_before_a_session_break_is_not_sent_again() {
+    let fixture = Fixture::new().await;
+    let publisher = RecordingPublisher::new();
+    publisher.hold("Slow");
+    let relay = Relay::reading(fixture.options("relay-1"), &publisher).await;
+    fixture.insert("s", "Slow", 1).await;
+    eventually("the slow row with the sink", PATIENCE, || async {
+        (publisher.holding() == 1).then_some(())
+    })
+    .await;
+    fixture.insert("k", "T", 1).await;
+    eventually("row 1 delivered", PATIENCE, || async {
+        (delivered_n(&publisher, "k") == [1]).then_some(())
+    })
+    .await;
+    let dumps = || async {
+        let ids: Vec<u64> = fixture
+            .db
+            .get_conn()
+            .await
+            .unwrap()
+            .exec(
+                "SELECT id FROM information_schema.processlist
+                 WHERE command LIKE 'Binlog Dump%' AND db = ?",
+                (&fixture.database,),
+            )
+            .await
+            .unwrap();
+        ids
+    };
+    let killed = dumps().await;
+    assert_eq!(killed.len(), 1, "one reader");
+    let mut conn = fixture.db.get_conn().await.unwrap();
+    conn.query_drop(format!("KILL {}", killed[0]))
+        .await
+        .unwrap();
+    eventually("a new session reading", PATIENCE, || async {
+        let now = dumps().await;
+        (now.len() == 1 && now != killed).then_some(())
+    })
+    .await;
+    fixture.insert("k", "T", 2).await;
+    eventually("row 2 delivered", PATIENCE, || async {
+        delivered_n(&publisher, "k").contains(&2).then_some(())
+    })
+    .await;
+    publisher.release("Slow");
+    eventually("the slow row delivered", PATIENCE, || async {
+        (!delivered_n(&publisher, "s").is_empty()).then_some(())
+    })
+    .await;
+    assert_eq!(delivered_n(&publisher, "k"), [1, 2]);
+    relay.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_reads_on_when_the_active_relay_stops() {
     let fixture = Fixture::new().await;
