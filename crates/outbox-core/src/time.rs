@@ -54,6 +54,17 @@ pub fn rfc3339_micros(t: SystemTime) -> Result<String, String> {
     Rfc3339Micros::of(t).map(|text| text.as_str().to_owned())
 }
 
+/// `t` as RFC 3339 in UTC with milliseconds (`1969-07-20T20:17:40.000Z`), for people and
+/// the console, whatever the time: one outside years 1 to 9999 (a row's own `created_at`
+/// can be anything) as its microseconds from the Unix epoch. `humantime`'s formatter panics
+/// on times before 1970, which the relay carries.
+pub fn display_time(t: SystemTime) -> String {
+    match Rfc3339Micros::of(t) {
+        Ok(text) => format!("{}Z", &text.as_str()[..23]),
+        Err(_) => format!("{} microseconds from the Unix epoch", micros(t)),
+    }
+}
+
 /// A time as RFC 3339 in UTC with microseconds, in a fixed buffer: sinks write one per
 /// event, and formatting through `format!` cost more than the rest of a JSON line's fields.
 #[derive(Clone, Copy)]
@@ -260,6 +271,22 @@ mod tests {
             assert_eq!(micros(from_micros(m)), m);
         }
         assert_eq!(millis(Duration::from_secs(2)), 2000);
+    }
+
+    #[test]
+    fn a_time_is_displayed_on_both_sides_of_the_epoch_and_outside_rfc3339s_years() {
+        assert_eq!(
+            display_time(from_micros(-1_500_000)),
+            "1969-12-31T23:59:58.500Z"
+        );
+        assert_eq!(
+            display_time(from_micros(1_700_000_000_123_456)),
+            "2023-11-14T22:13:20.123Z"
+        );
+        assert_eq!(
+            display_time(from_micros(RFC3339_LAST_MICROS + 1)),
+            "253402300800000000 microseconds from the Unix epoch"
+        );
     }
 
     #[test]

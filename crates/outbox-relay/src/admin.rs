@@ -87,6 +87,9 @@ pub struct Console {
     pub figures: StoreFigures,
     /// The outbox's name under `[[outboxes]]`: its history reads only its own series.
     pub outbox: Option<String>,
+    /// A replay runs (on a task of its own, past its request's end): a second one answers
+    /// 409 meanwhile, rather than publish the same events again beside it.
+    pub replaying: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// What `/api/v1/status` reads from the store, in one go.
@@ -475,7 +478,7 @@ fn seconds(d: Option<Duration>) -> Value {
 }
 
 fn time_text(t: SystemTime) -> String {
-    humantime::format_rfc3339_millis(t).to_string()
+    outbox_core::time::display_time(t)
 }
 
 async fn status(State(c): State<Arc<Console>>) -> Response {
@@ -934,6 +937,22 @@ async fn replay(State(c): State<Arc<Console>>, body: Bytes) -> Response {
             )
         }
     };
+    use std::sync::atomic::Ordering;
+    if c.replaying.swap(true, Ordering::SeqCst) {
+        return failure(
+            StatusCode::CONFLICT,
+            "a replay is running already; try again once it has finished (see the relay's log)"
+                .into(),
+        );
+    }
+    // Lets go of the flag when the replay ends, however it ends.
+    struct Replaying(Arc<std::sync::atomic::AtomicBool>);
+    impl Drop for Replaying {
+        fn drop(&mut self) {
+            self.0.store(false, Ordering::SeqCst);
+        }
+    }
+    let replaying = Replaying(c.replaying.clone());
     let total = match patiently(
         "replay",
         c.store.operations().count_replayable(selector.clone()),
@@ -955,6 +974,7 @@ async fn replay(State(c): State<Arc<Console>>, body: Bytes) -> Response {
     let ops = c.store.operations();
     let console = c.clone();
     let replayed = tokio::spawn(async move {
+        let _replaying = replaying;
         let replayed = replay_all(&*ops, selector.clone(), |_| {}).await;
         console.figures.mark_stale();
         if let Ok(n) = replayed {

@@ -71,7 +71,9 @@ pub async fn health(config: Config, ready: bool) -> anyhow::Result<ExitCode> {
         Err(_) => bail!("http://{addr}{path}: no answer within 5s"),
     };
     let status = response.split_whitespace().nth(1).unwrap_or_default();
+    // Escaped as the server escapes it: an older one did not.
     let body = response.split("\r\n\r\n").nth(1).unwrap_or_default().trim();
+    let body = outbox_core::redact::escape_controls(body);
     if status == "200" {
         println!("{body}");
         Ok(ExitCode::SUCCESS)
@@ -320,7 +322,7 @@ pub async fn stats(config: Config, json: bool) -> anyhow::Result<ExitCode> {
             })).collect::<Vec<_>>(),
             "nodes": nodes.iter().map(|n| serde_json::json!({
                 "id": n.id,
-                "expiry": humantime::format_rfc3339_millis(n.expiry).to_string(),
+                "expiry": outbox_core::time::display_time(n.expiry),
                 "partitions": owned_by(&n.id),
             })).collect::<Vec<_>>(),
             "partitions": partitions.len(),

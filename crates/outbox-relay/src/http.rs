@@ -2,6 +2,7 @@
 //! outbox ([`serve`]), or for the outboxes of `[[outboxes]]` ([`serve_outboxes`]), each under
 //! `/outboxes/NAME/` and served on its own runtime.
 
+use outbox_core::redact::escape_controls;
 use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -349,10 +350,14 @@ async fn readyz(State(state): State<AppState>) -> (StatusCode, String) {
     verdict(readiness(&state.probes).await)
 }
 
+/// The answer of `/readyz`. Its reasons quote what a database or sink said (a webhook
+/// receiver's body, say), which anyone who can reach the port reads and `health --ready`
+/// prints: control characters are escaped.
 fn verdict(reasons: Vec<String>) -> (StatusCode, String) {
     if reasons.is_empty() {
         (StatusCode::OK, "ready\n".into())
     } else {
+        let reasons: Vec<_> = reasons.iter().map(|r| escape_controls(r)).collect();
         (
             StatusCode::SERVICE_UNAVAILABLE,
             format!("not ready: {}\n", reasons.join("; ")),
@@ -728,5 +733,20 @@ pub async fn watch_health(health: Arc<Health>) {
             }
             still
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A sink's error quoting its receiver's body drove the terminal of whoever ran
+    /// `health --ready`, and reached every reader of the open probe as sent.
+    #[test]
+    fn a_reason_with_control_characters_is_answered_escaped() {
+        let (status, body) = verdict(vec!["sink webhook: 503 \u{1b}[2Jgone\nforged".into()]);
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(!body.trim_end().contains(['\u{1b}', '\n']), "{body:?}");
+        assert!(body.contains("gone"), "{body:?}");
     }
 }

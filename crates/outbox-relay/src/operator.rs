@@ -59,7 +59,7 @@ pub async fn dead(config: Config, command: DeadCommand) -> anyhow::Result<ExitCo
             };
             let rows = ops.dead_list(query).await.map_err(store_error)?;
             for r in &rows {
-                let dead_at = humantime::format_rfc3339_seconds(r.dead_at);
+                let dead_at = outbox_core::time::display_time(r.dead_at);
                 if json {
                     println!("{}", dead_record_json(r));
                 } else {
@@ -102,7 +102,7 @@ pub(crate) fn dead_record_json(r: &DeadRecord) -> serde_json::Value {
         "event_type": r.event_type,
         "attempts": r.attempts,
         "last_error": r.last_error,
-        "dead_at": humantime::format_rfc3339_millis(r.dead_at).to_string(),
+        "dead_at": outbox_core::time::display_time(r.dead_at),
     })
 }
 

@@ -4,6 +4,9 @@
 "use strict";
 
 const POLL_MS = 2000;
+// The dead letters are a query of their own, made by no other client: asked again when the
+// dead count, the filter or the page changes, after a retry or purge, and else this often.
+const DEAD_POLL_MS = 30000;
 const TOKEN_KEY = "outbox-relay-admin-token";
 const $ = (id) => document.getElementById(id);
 
@@ -11,6 +14,8 @@ const state = {
   samples: [],          // history, oldest first
   lastAt: 0,            // the newest sample's `at`
   deadAfter: 0,         // the page of dead letters shown starts after this id
+  deadAsked: "",        // what the dead letters shown answered: query and dead count
+  deadAskedAt: 0,       // when
   nextAfter: null,      // the next page's `after`, when there is one
   selected: null,       // the sequence id shown in the detail panel
   deadKey: null,        // the dead-letter page shown, as JSON
@@ -283,6 +288,7 @@ async function mutate(path, body) {
   } catch (e) {
     message(e.message, false);
   }
+  state.deadAskedAt = 0;
   await refresh();
 }
 
@@ -362,7 +368,9 @@ function bulk(path, verb) {
   if ($("dead-type").value.trim() !== "") return;
   const destination = $("dead-destination").value;
   const body = destination ? { destination } : { all: true };
-  const what = destination ? `every dead letter of ${destination}` : "every dead letter";
+  // Quoted and cut: a writer chose the name, and could dress a purge up as something else.
+  const shown = destination.length > 80 ? `${destination.slice(0, 80)}…` : destination;
+  const what = destination ? `every dead letter of ${JSON.stringify(shown)}` : "every dead letter";
   if (confirm(`${verb} ${what}?`)) mutate(path, body);
 }
 $("dead-retry-all").addEventListener("click", () => bulk("/api/v1/dead-letters/retry", "Retry"));
@@ -375,11 +383,20 @@ async function refresh() {
   if (busy) return;
   busy = true;
   try {
-    const [st, hist, dead] = await Promise.all([
+    const [st, hist] = await Promise.all([
       api("/api/v1/status"),
       api(`/api/v1/history?after=${state.lastAt}`),
-      api(`/api/v1/dead-letters?${deadQuery()}`).catch((e) => ({ error: e })),
     ]);
+    const query = deadQuery().toString();
+    const asked = `${query} ${st.backlog ? st.backlog.dead : ""}`;
+    const deadDue = asked !== state.deadAsked || Date.now() - state.deadAskedAt >= DEAD_POLL_MS;
+    const dead = deadDue
+      ? await api(`/api/v1/dead-letters?${query}`).catch((e) => ({ error: e }))
+      : null;
+    if (dead && !dead.error) {
+      state.deadAsked = asked;
+      state.deadAskedAt = Date.now();
+    }
     renderStatus(st);
     if (hist.samples.length) {
       state.samples.push(...hist.samples);
@@ -388,8 +405,8 @@ async function refresh() {
       state.samples = state.samples.filter((s) => s.at >= from);
     }
     drawCharts();
-    if (dead.error) message(dead.error.message, false);
-    else renderDead(dead);
+    if (dead && dead.error) message(dead.error.message, false);
+    else if (dead) renderDead(dead);
     $("live").textContent = "live · updated " + new Date().toLocaleTimeString();
     $("live").classList.remove("stale");
     document.body.dataset.updated = String(Date.now());

@@ -85,6 +85,16 @@ impl HttpSettings {
                     .into(),
             ));
         }
+        // An HTTP header carries visible ASCII only: any other token was accepted here and
+        // then refused on every request, the console saying "token refused".
+        if !token.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(config_error(
+                "the admin token holds a character other than visible ASCII (a space, a \
+                 control character or a non-ASCII letter), which no HTTP client can send in \
+                 its Authorization header: make one with `openssl rand -hex 32`"
+                    .into(),
+            ));
+        }
         Ok(Some(Secret::new(token)))
     }
 

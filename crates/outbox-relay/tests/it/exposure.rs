@@ -495,6 +495,19 @@ async fn failed_authentications_are_counted_and_logged_sparingly() {
         .unwrap();
     assert_eq!(check.status.code(), Some(2), "{}", text(&check.stdout));
     assert!(text(&check.stderr).contains("at least 16 characters"));
+    // A token no client can send: every request was refused, the console saying "token
+    // refused".
+    let check = std::process::Command::new(BIN)
+        .args(["check", "--database-url", &url])
+        .env("OUTBOX_RELAY_ADMIN_TOKEN", "pässwort-geheim-1234")
+        .output()
+        .unwrap();
+    assert_eq!(check.status.code(), Some(2), "{}", text(&check.stdout));
+    assert!(
+        text(&check.stderr).contains("other than visible ASCII"),
+        "{}",
+        text(&check.stderr)
+    );
 }
 
 /// `/readyz` needs no token, and each look at readiness takes a pool connection and asks the
