@@ -54,18 +54,12 @@ fn keys_index(table: &str) -> String {
 /// `LIKE` the outbox, which in the table-less form is a BLACKHOLE table that would store no
 /// parked row), with the key hash and its index; idempotent.
 pub fn parked_ddl(database: &str, table: &str) -> String {
-    let native = outbox_layout::Mapping::native_mysql(None, table, false);
-    outbox_layout::sql::native_mysql_ddl(&native)
-        .replacen(
-            &format!("CREATE TABLE IF NOT EXISTS `{table}`"),
-            &format!("CREATE TABLE IF NOT EXISTS `{database}`.`{table}`"),
-            1,
-        )
-        .replacen(
-            "\n) ENGINE=",
-            &format!(",\n    {KEY_HASH},\n    {}\n) ENGINE=", keys_index(table)),
-            1,
-        )
+    let native = outbox_layout::Mapping::native_mysql(Some(database), table, false);
+    outbox_layout::sql::native_mysql_ddl(&native).replacen(
+        "\n) ENGINE=",
+        &format!(",\n    {KEY_HASH},\n    {}\n) ENGINE=", keys_index(table)),
+        1,
+    )
 }
 
 /// `db.table` or `table` as its database (`None`: the connection's) and table.

@@ -1958,7 +1958,7 @@ o."created_at"
 (none)
 
 -- native_mysql, Postgres: ddl
-CREATE TABLE IF NOT EXISTS `outbox` (
+CREATE TABLE IF NOT EXISTS `app`.`outbox` (
     sequence_id   bigint unsigned NOT NULL AUTO_INCREMENT PRIMARY KEY,
     event_id      char(36) NOT NULL DEFAULT (UUID()),
     destination   varchar(255) NOT NULL,
@@ -2143,7 +2143,7 @@ o.`created_at`
 (none)
 
 -- native_mysql, MySql: ddl
-CREATE TABLE IF NOT EXISTS `outbox` (
+CREATE TABLE IF NOT EXISTS `app`.`outbox` (
     sequence_id   bigint unsigned NOT NULL AUTO_INCREMENT PRIMARY KEY,
     event_id      char(36) NOT NULL DEFAULT (UUID()),
     destination   varchar(255) NOT NULL,

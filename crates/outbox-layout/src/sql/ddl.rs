@@ -216,7 +216,7 @@ CREATE INDEX IF NOT EXISTS "{n}_processing_idx" ON {t} (updated_at) WHERE status
 /// is MySQL 8's; MariaDB gets its own default).
 pub fn mysql_outbox_events_ddl(m: &Mapping) -> String {
     format!(
-        "CREATE TABLE IF NOT EXISTS `{}` (
+        "CREATE TABLE IF NOT EXISTS {} (
 `id` bigint unsigned NOT NULL AUTO_INCREMENT,
 `type` tinyint unsigned NOT NULL,
 `message` mediumtext NOT NULL,
@@ -228,8 +228,18 @@ KEY `outbox_events_is_consumed_created_at` (`isConsumed`,`createdAt`),
 KEY `createdAt` (`createdAt`)
 ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4;
 ",
-        m.table
+        mysql_table(m)
     )
+}
+
+/// The mapping's table on MySQL, in its database where the mapping names one (the versions
+/// and nodes tables are: a table made in the URL's database instead was not found by any
+/// later statement, and `migrate` recorded its steps done).
+fn mysql_table(m: &Mapping) -> String {
+    match &m.schema {
+        Some(database) => format!("`{database}`.`{}`", m.table),
+        None => format!("`{}`", m.table),
+    }
 }
 
 /// An event's own columns on MySQL/MariaDB, in the order both the native table and binlog
@@ -245,8 +255,9 @@ pub const MYSQL_EVENT_COLUMNS: &str = "event_id      char(36) NOT NULL DEFAULT (
 /// The native layout on MySQL/MariaDB.
 pub fn native_mysql_ddl(m: &Mapping) -> String {
     let t = &m.table;
+    let qualified = mysql_table(m);
     format!(
-        "CREATE TABLE IF NOT EXISTS `{t}` (
+        "CREATE TABLE IF NOT EXISTS {qualified} (
     sequence_id   bigint unsigned NOT NULL AUTO_INCREMENT PRIMARY KEY,
     {MYSQL_EVENT_COLUMNS}
     rejected      boolean NOT NULL DEFAULT false,

@@ -18,3 +18,44 @@ async fn an_operation_on_a_blackholed_connection_ends_with_a_retryable_error() {
     let store: MySqlStore = native_store(&proxied, Some(Duration::from_secs(1)));
     outbox_testkit::conformance::a_claim_through_a_blackhole_fails_retryably(&store, &proxy).await;
 }
+
+/// The outbox in a database other than the URL's (`outbox_schema`, as `[[outboxes]]`
+/// suggests to keep outboxes apart): `migrate` made the table in the URL's database, step 2
+/// found no column to change there and was recorded done, and `run` then found no table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_makes_the_outbox_in_its_configured_database() {
+    use mysql_async::prelude::Queryable;
+    use outbox_core::OutboxStore;
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let other = outbox_testkit::fresh_mysql_database().await;
+    let other_db = mysql_async::Opts::from_url(&other)
+        .unwrap()
+        .db_name()
+        .unwrap()
+        .to_string();
+    let store = outbox_store_mysql::MySqlStore::new(outbox_store_mysql::MySqlOptions {
+        url: url.clone(),
+        mapping: outbox_layout::Mapping::native_mysql(Some(&other_db), "outbox", false),
+        layout: "native".into(),
+        max_attempts: 10,
+        pool_size: 2,
+        nodes_table: None,
+        operation_timeout: None,
+    })
+    .unwrap();
+    store.migrate().await.unwrap();
+    assert_eq!(
+        store.verify().await.unwrap(),
+        [],
+        "the schema as run needs it"
+    );
+    let mut conn = mysql_async::Conn::from_url(url.as_str()).await.unwrap();
+    let here: Option<String> = conn
+        .query_first(
+            "SELECT table_name FROM information_schema.tables
+             WHERE table_schema = DATABASE() AND table_name = 'outbox'",
+        )
+        .await
+        .unwrap();
+    assert_eq!(here, None, "nothing made in the URL's database");
+}
