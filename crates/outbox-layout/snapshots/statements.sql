@@ -305,7 +305,7 @@ WITH c AS (SELECT l.id, row_number() OVER () AS n
 FROM_UNIXTIME(:micros / 1000000)
 
 -- adbc, MySql: destination_is
-CAST(o.`channel` AS CHAR) = :destination
+CAST(CAST(o.`channel` AS CHAR) AS BINARY) = CAST(:destination AS BINARY)
 
 -- adbc, MySql: delivered_between
 (none)
@@ -677,7 +677,7 @@ WITH c AS (SELECT l.id, row_number() OVER () AS n
 FROM_UNIXTIME(:micros / 1000000)
 
 -- open_outbox, MySql: destination_is
-CAST(o.`event_type` AS CHAR) = :destination
+CAST(CAST(o.`event_type` AS CHAR) AS BINARY) = CAST(:destination AS BINARY)
 
 -- open_outbox, MySql: delivered_between
 (o.`status` = 'DELIVERED') AND o.`created_at` >= FROM_UNIXTIME(:since / 1000000) AND o.`created_at` < FROM_UNIXTIME(:until / 1000000)
@@ -1037,7 +1037,7 @@ WITH c AS (SELECT l.id, row_number() OVER () AS n
 FROM_UNIXTIME(:micros / 1000000)
 
 -- export, MySql: destination_is
-CAST(o.`type_code` AS CHAR) = :destination
+CAST(CAST(o.`type_code` AS CHAR) AS BINARY) = CAST(:destination AS BINARY)
 
 -- export, MySql: delivered_between
 (o.`status` = 'DONE') AND o.`created_at` >= FROM_UNIXTIME(:since / 1000000) AND o.`created_at` < FROM_UNIXTIME(:until / 1000000)
@@ -1441,7 +1441,7 @@ WITH c AS (SELECT l.id, row_number() OVER () AS n
 FROM_UNIXTIME(:micros / 1000000)
 
 -- debezium, MySql: destination_is
-CAST(o.`aggregatetype` AS CHAR) = :destination
+CAST(CAST(o.`aggregatetype` AS CHAR) AS BINARY) = CAST(:destination AS BINARY)
 
 -- debezium, MySql: delivered_between
 (none)
@@ -1822,7 +1822,7 @@ WITH c AS (SELECT l.id, row_number() OVER () AS n
 FROM_UNIXTIME(:micros / 1000000)
 
 -- mysql_outbox_events, MySql: destination_is
-CAST(o.`type` AS CHAR) = :destination
+CAST(CAST(o.`type` AS CHAR) AS BINARY) = CAST(:destination AS BINARY)
 
 -- mysql_outbox_events, MySql: delivered_between
 (o.`isConsumed` = 1) AND o.`createdAt` >= FROM_UNIXTIME(:since / 1000000) AND o.`createdAt` < FROM_UNIXTIME(:until / 1000000)
@@ -2192,7 +2192,7 @@ WITH c AS (SELECT l.id, row_number() OVER () AS n
 FROM_UNIXTIME(:micros / 1000000)
 
 -- native_mysql, MySql: destination_is
-CAST(o.`destination` AS CHAR) = :destination
+CAST(CAST(o.`destination` AS CHAR) AS BINARY) = CAST(:destination AS BINARY)
 
 -- native_mysql, MySql: delivered_between
 (o.`delivered_at` IS NOT NULL) AND o.`created_at` >= FROM_UNIXTIME(:since / 1000000) AND o.`created_at` < FROM_UNIXTIME(:until / 1000000)
@@ -2560,7 +2560,7 @@ WITH c AS (SELECT l.id, row_number() OVER () AS n
 FROM_UNIXTIME(:micros / 1000000)
 
 -- native_mysql retained, MySql: destination_is
-CAST(o.`destination` AS CHAR) = :destination
+CAST(CAST(o.`destination` AS CHAR) AS BINARY) = CAST(:destination AS BINARY)
 
 -- native_mysql retained, MySql: delivered_between
 (o.`delivered_at` IS NOT NULL) AND o.`created_at` >= FROM_UNIXTIME(:since / 1000000) AND o.`created_at` < FROM_UNIXTIME(:until / 1000000)

@@ -1010,7 +1010,7 @@ impl<D: MappedDb> Operations for MappedStore<D> {
                 filter.push_str(&format!(" AND {}", sql.destination_is(&p.text(d))));
             }
             if let Some(t) = query.event_type {
-                filter.push_str(&format!(" AND {} = {}", sql.event_type_text(), p.text(t)));
+                filter.push_str(&format!(" AND {}", sql.event_type_is(&p.text(t))));
             }
             if query.after > 0 {
                 if sql.mapping.id_type != IdType::Integer {

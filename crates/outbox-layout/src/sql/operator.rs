@@ -267,7 +267,22 @@ impl Sql {
 
     /// The destination equals a placeholder.
     pub fn destination_is(&self, destination: &str) -> String {
-        format!("{} = {destination}", self.destination_text())
+        self.same_text(&self.destination_text(), destination)
+    }
+
+    /// The event type equals a placeholder.
+    pub fn event_type_is(&self, event_type: &str) -> String {
+        self.same_text(&self.event_type_text(), event_type)
+    }
+
+    /// Two texts are the same, byte for byte: MySQL compares under the connection's
+    /// collation, case- and accent-blind, and `dead purge --destination orders` deleted
+    /// `Orders`' and `ördérs`' dead letters too (PostgreSQL and SQLite compare exactly).
+    fn same_text(&self, a: &str, b: &str) -> String {
+        match self.dialect {
+            Dialect::Postgres => format!("{a} = {b}"),
+            Dialect::MySql => format!("CAST({a} AS BINARY) = CAST({b} AS BINARY)"),
+        }
     }
 
     /// Delivered rows created in `[since, until)` (placeholders in µs), for `replay`; `None`

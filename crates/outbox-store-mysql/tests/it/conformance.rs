@@ -393,3 +393,44 @@ async fn a_key_waiting_to_retry_stays_blocked_for_the_next_active_relay() {
         claimed.iter().map(|c| c.sequence_id()).collect::<Vec<_>>()
     );
 }
+
+/// Destinations and types are matched byte for byte, as PostgreSQL and SQLite match them:
+/// under the connection's collation `dead purge --destination orders` deleted the dead
+/// letters of `Orders` and `ördérs` too, and `dead list --type` listed other types.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_commands_match_destinations_and_types_exactly() {
+    use outbox_core::store::{DeadQuery, DeadSelector, Operations};
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let store = store(&url, false);
+    store.migrate().await.unwrap();
+    let mut conn = mysql_async::Conn::from_url(url.as_str()).await.unwrap();
+    for (destination, event_type) in [("orders", "paid"), ("Orders", "Paid"), ("ördérs", "páid")]
+    {
+        conn.exec_drop(
+            "INSERT INTO outbox (destination, event_type, payload, attempts, last_error, dead_at)
+             VALUES (?, ?, '1', 20, 'refused', UTC_TIMESTAMP(6))",
+            (destination, event_type),
+        )
+        .await
+        .unwrap();
+    }
+    let listed = store
+        .dead_list(DeadQuery {
+            event_type: Some("paid".into()),
+            limit: 100,
+            ..DeadQuery::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    let purged = store
+        .dead_purge(DeadSelector::Destination("orders".into()))
+        .await
+        .unwrap();
+    assert_eq!(purged, 1);
+    let left: Vec<String> = conn
+        .query("SELECT destination FROM outbox ORDER BY sequence_id")
+        .await
+        .unwrap();
+    assert_eq!(left, ["Orders", "ördérs"]);
+}
