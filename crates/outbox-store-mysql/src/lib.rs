@@ -204,11 +204,11 @@ impl MySql {
 impl MappedDb for MySql {
     type Options = MySqlOptions;
     type Row = Row;
-    type Lock = Conn;
+    type Lock = HeldLock;
     const DIALECT: Dialect = Dialect::MySql;
     const NAME: &'static str = "mysql";
-    /// A ping is a round trip.
-    const LOCK_CHECK_INTERVAL: Duration = Duration::from_secs(1);
+    /// The lock's own task pings its session ([`HeldLock`]): the check reads its verdict.
+    const LOCK_CHECK_INTERVAL: Duration = Duration::ZERO;
 
     fn open(options: MySqlOptions) -> StoreResult<Opened<Self>> {
         let url = match options.url.strip_prefix("mariadb://") {
@@ -249,24 +249,61 @@ impl MappedDb for MySql {
         })
     }
 
-    async fn take_lock(&self, mapping: &Mapping) -> StoreResult<Option<Conn>> {
+    /// Takes the lock, or ends a holder whose session has been idle for
+    /// [`LOCK_STALE_AFTER`] and takes it then: a live holder pings its session every
+    /// [`LOCK_KEEPALIVE`] ([`HeldLock`]), so such a holder is gone (its host died, its
+    /// network was cut) or paused. The server would keep its session, and the lock, until
+    /// its `wait_timeout` (8 hours by default) or TCP's keepalive (about 2 hours): a
+    /// standby relayed nothing meanwhile, its `/readyz` green.
+    async fn take_lock(&self, mapping: &Mapping) -> StoreResult<Option<HeldLock>> {
         let context = "take the active-relay lock";
-        self.bounded(context, async {
+        let name = self.lock_name(mapping);
+        let taken = self.bounded(context, async {
             let mut conn = lock_connection(&self.opts, context).await?;
             let got: Option<Option<i64>> = conn
-                .exec_first("SELECT GET_LOCK(?, 0)", (self.lock_name(mapping),))
+                .exec_first("SELECT GET_LOCK(?, 0)", (&name,))
                 .await
                 .map_err(|e| db_error(context, e))?;
-            Ok((got.flatten() == Some(1)).then_some(conn))
-        })
-        .await
+            if got.flatten() == Some(1) {
+                return Ok(Ok(conn));
+            }
+            let stale: Option<(u64, u64)> = conn
+                .exec_first(
+                    "SELECT ID, TIME FROM information_schema.PROCESSLIST
+                      WHERE ID = IS_USED_LOCK(?) AND COMMAND = 'Sleep' AND TIME >= ?",
+                    (&name, LOCK_STALE_AFTER.as_secs()),
+                )
+                .await
+                .map_err(|e| db_error(context, e))?;
+            Ok(Err((conn, stale)))
+        });
+        let (conn, (holder, idle)) = match taken.await? {
+            Ok(conn) => return Ok(Some(HeldLock::hold(conn, self.operation_timeout))),
+            Err((_, None)) => return Ok(None),
+            Err((conn, Some(stale))) => (conn, stale),
+        };
+        let context = "take the active-relay lock from a stale holder";
+        tracing::warn!(
+            connection = holder,
+            idle_seconds = idle,
+            lock = %name,
+            "the active relay's lock is held by a session idle past its keepalive (a relay \
+             whose host or network is gone, or that is paused): ending it to take over"
+        );
+        // GET_LOCK waits up to 10 s of its own.
+        let within = self.operation_timeout + Duration::from_secs(10);
+        let taken = tokio::time::timeout(within, end_holder(conn, holder, &name, context));
+        match taken.await {
+            Ok(taken) => Ok(taken?.map(|conn| HeldLock::hold(conn, self.operation_timeout))),
+            Err(_) => Err(StoreError::new(
+                StoreErrorKind::Connection,
+                format!("{context}: no answer from the database within {within:?}"),
+            )),
+        }
     }
 
-    async fn lock_alive(&self, lock: &mut Conn) -> bool {
-        let ping = async { lock.ping().await.map_err(|e| db_error("ping", e)) };
-        self.bounded("ping the active-relay lock's session", ping)
-            .await
-            .is_ok()
+    async fn lock_alive(&self, lock: &mut HeldLock) -> bool {
+        lock.alive.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Ends the holder's connection (`KILL CONNECTION`, which the server allows on a
@@ -276,12 +313,12 @@ impl MappedDb for MySql {
         &self,
         mapping: &Mapping,
         entitled: &(dyn Fn() -> bool + Sync),
-    ) -> StoreResult<Option<Conn>> {
+    ) -> StoreResult<Option<HeldLock>> {
         let context = "take the active-relay lock from a stale holder";
         // GET_LOCK waits up to 10 s of its own.
         let within = self.operation_timeout + Duration::from_secs(10);
         match tokio::time::timeout(within, self.take_stale_lock(mapping, entitled, context)).await {
-            Ok(taken) => taken,
+            Ok(taken) => Ok(taken?.map(|conn| HeldLock::hold(conn, self.operation_timeout))),
             Err(_) => Err(StoreError::new(
                 StoreErrorKind::Connection,
                 format!("{context}: no answer from the database within {within:?}"),
@@ -480,7 +517,6 @@ impl MySql {
         entitled: &(dyn Fn() -> bool + Sync),
         context: &'static str,
     ) -> StoreResult<Option<Conn>> {
-        const ER_NO_SUCH_THREAD: u16 = 1094;
         let name = self.lock_name(mapping);
         let mut conn = lock_connection(&self.opts, context).await?;
         let got: Option<Option<i64>> = conn
@@ -494,35 +530,11 @@ impl MySql {
             .exec_first("SELECT IS_USED_LOCK(?)", (&name,))
             .await
             .map_err(|e| db_error(context, e))?;
-        if let Some(holder) = holder.flatten() {
-            if !entitled() {
-                return Ok(None);
-            }
-            match conn.query_drop(format!("KILL CONNECTION {holder}")).await {
-                Ok(()) => {
-                    tracing::warn!(connection = holder, lock = %name, "ended a stale holder's connection to take its lock")
-                }
-                Err(mysql_async::Error::Server(e)) if e.code == ER_NO_SUCH_THREAD => {}
-                Err(e) => {
-                    return Err(StoreError::new(
-                        classify(&e),
-                        format!(
-                            "{context}: connection {holder} of a relay that no longer reads \
-                             the binary log holds the lock {name:?}, and this role cannot end \
-                             it ({e}): run every relay of this outbox as the same database \
-                             user, or grant this one CONNECTION ADMIN (MySQL 8) or CONNECTION \
-                             ADMIN / SUPER (MariaDB)"
-                        ),
-                    ))
-                }
-            }
+        match holder.flatten() {
+            Some(_) if !entitled() => Ok(None),
+            Some(holder) => end_holder(conn, holder, &name, context).await,
+            None => end_holder(conn, 0, &name, context).await,
         }
-        // The server frees the lock as it ends the connection: wait for that, not longer.
-        let got: Option<Option<i64>> = conn
-            .exec_first("SELECT GET_LOCK(?, 10)", (&name,))
-            .await
-            .map_err(|e| db_error(context, e))?;
-        Ok((got.flatten() == Some(1)).then_some(conn))
     }
 
     /// One transaction: the rows are selected and locked, then marked by id.
@@ -599,6 +611,85 @@ pub fn pool_opts(size: usize) -> StoreResult<PoolOpts> {
         .with_constraints(constraints)
         .with_inactive_connection_ttl(IDLE_CONNECTION_TTL)
         .with_ttl_check_interval(IDLE_CONNECTION_CHECK))
+}
+
+/// Ends connection `holder` (`KILL CONNECTION`, which the server allows on a connection of
+/// the same user, or with CONNECTION ADMIN / SUPER; 0: none to end), then waits on `conn`
+/// for the lock `name` the server frees with it.
+async fn end_holder(
+    mut conn: Conn,
+    holder: u64,
+    name: &str,
+    context: &'static str,
+) -> StoreResult<Option<Conn>> {
+    const ER_NO_SUCH_THREAD: u16 = 1094;
+    if holder != 0 {
+        match conn.query_drop(format!("KILL CONNECTION {holder}")).await {
+            Ok(()) => {
+                tracing::warn!(connection = holder, lock = %name, "ended a stale holder's connection to take its lock")
+            }
+            Err(mysql_async::Error::Server(e)) if e.code == ER_NO_SUCH_THREAD => {}
+            Err(e) => {
+                return Err(StoreError::new(
+                    classify(&e),
+                    format!(
+                        "{context}: connection {holder} of a relay that is gone or paused holds \
+                         the lock {name:?}, and this role cannot end it ({e}): run every relay \
+                         of this outbox as the same database user, or grant this one \
+                         CONNECTION ADMIN (MySQL 8) or CONNECTION ADMIN / SUPER (MariaDB)"
+                    ),
+                ))
+            }
+        }
+    }
+    // The server frees the lock as it ends the connection: wait for that, not longer.
+    let got: Option<Option<i64>> = conn
+        .exec_first("SELECT GET_LOCK(?, 10)", (name,))
+        .await
+        .map_err(|e| db_error(context, e))?;
+    Ok((got.flatten() == Some(1)).then_some(conn))
+}
+
+/// How often the active relay proves its lock's session alive: a ping, from a task of its
+/// own, whatever the engine is doing (claims stop while a slow sink holds every event).
+pub const LOCK_KEEPALIVE: Duration = Duration::from_secs(2);
+
+/// A lock whose session has been idle this long belongs to a relay that is gone or paused
+/// (a live one pings every [`LOCK_KEEPALIVE`]): a standby ends that session and takes over.
+pub const LOCK_STALE_AFTER: Duration = Duration::from_secs(15);
+
+/// The active-relay lock's session, owned by a task that pings it every
+/// [`LOCK_KEEPALIVE`]; the first ping that fails (or does not answer within the operation
+/// timeout) ends the task, and the session with it. Dropped, it lets the lock go.
+pub struct HeldLock {
+    alive: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    keeper: tokio::task::JoinHandle<()>,
+}
+
+impl HeldLock {
+    fn hold(conn: Conn, timeout: Duration) -> HeldLock {
+        let alive = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let keeper = tokio::spawn({
+            let alive = alive.clone();
+            async move {
+                let mut conn = conn;
+                loop {
+                    tokio::time::sleep(LOCK_KEEPALIVE).await;
+                    if !matches!(tokio::time::timeout(timeout, conn.ping()).await, Ok(Ok(()))) {
+                        alive.store(false, std::sync::atomic::Ordering::SeqCst);
+                        return;
+                    }
+                }
+            }
+        });
+        HeldLock { alive, keeper }
+    }
+}
+
+impl Drop for HeldLock {
+    fn drop(&mut self) {
+        self.keeper.abort();
+    }
 }
 
 /// A connection of its own that holds a named lock (`GET_LOCK`) for as long as this relay

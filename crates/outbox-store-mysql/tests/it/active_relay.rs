@@ -60,3 +60,57 @@ async fn the_active_relays_lock_outlives_the_idle_bound_of_its_other_sessions() 
     tokio::time::sleep(outbox_layout::sql::MYSQL_IDLE_SESSION + Duration::from_secs(3)).await;
     assert!(first.is_active().await, "the lock's connection was ended");
 }
+
+/// The active relay's host is gone (its connections blackholed: no FIN, no RST): the server
+/// kept its session, and the lock with it, until `wait_timeout` (8 hours by default), and
+/// the standby relayed nothing meanwhile. A live holder pings its lock's session every
+/// `LOCK_KEEPALIVE`, so a standby now ends a session idle past `LOCK_STALE_AFTER` and takes
+/// the table; a live holder's, checked for longer than that, it leaves alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_takes_the_table_from_a_silent_holder_but_not_from_a_live_one() {
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let (proxy, proxied) = outbox_testkit::FaultProxy::start_for_url(&url)
+        .await
+        .unwrap();
+    // Over TCP through the proxy: on a local server the driver would move to its socket.
+    let first = crate::native_store(
+        &format!("{proxied}?prefer_socket=false"),
+        Some(Duration::from_secs(5)),
+    );
+    first.migrate().await.unwrap();
+    let second = store(&url);
+    first.insert(vec![keyed_event("k", 0)]).await.unwrap();
+    assert_eq!(first.claim(claim_by("first")).await.unwrap().len(), 1);
+    first
+        .release(NodeId("first".into()), vec![1])
+        .await
+        .unwrap();
+    // Past the stale bound, a live holder keeps the table.
+    let live_until = std::time::Instant::now()
+        + outbox_store_mysql::LOCK_STALE_AFTER
+        + outbox_store_mysql::LOCK_KEEPALIVE * 2;
+    while std::time::Instant::now() < live_until {
+        assert!(
+            second.claim(claim_by("second")).await.unwrap().is_empty(),
+            "the live first store is the table's active relay"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    proxy.blackhole();
+    eventually(
+        "the second store claims",
+        outbox_store_mysql::LOCK_STALE_AFTER * 4,
+        || async {
+            let claimed = second.claim(claim_by("second")).await.unwrap();
+            (!claimed.is_empty()).then_some(())
+        },
+    )
+    .await;
+    // The silent holder's own ping gives up within the operation timeout.
+    eventually(
+        "the silent holder finds its lock gone",
+        Duration::from_secs(5) + outbox_store_mysql::LOCK_KEEPALIVE * 2,
+        || async { (!first.is_active().await).then_some(()) },
+    )
+    .await;
+}
