@@ -595,14 +595,20 @@ impl OutboxStore for SqliteStore {
 
     fn dead_letter(&self, holder: LeaseHolder, entries: Vec<DeadLetter>) -> StoreFuture<u64> {
         let node = holder.node;
+        // A table made without the NOT NULLs (`check` calls it degraded) holds rows with
+        // NULLs the dead letters refuse: such a row is undecodable for that very NULL, and
+        // its dead letter failed every time, its key stuck. They are kept as empty (the
+        // reason names the NULL), and `created_at` as the time of death.
         self.in_tx("dead-letter", move |tx| {
             let now = now_ms();
             let mut copy = tx.prepare_cached(
                 "INSERT OR REPLACE INTO outbox_dead_letters
                    (sequence_id, event_id, destination, partition_key, event_type, payload, headers,
                     mutation_id, rejected, created_at, attempts, last_error, dead_at)
-                 SELECT sequence_id, event_id, destination, partition_key, event_type, payload,
-                        headers, mutation_id, rejected, created_at, ?3, ?4, ?5
+                 SELECT sequence_id, coalesce(event_id, ''), coalesce(destination, ''),
+                        partition_key, coalesce(event_type, ''), payload,
+                        coalesce(headers, '{}'), mutation_id, coalesce(rejected, 0),
+                        coalesce(created_at, ?5), ?3, ?4, ?5
                    FROM outbox WHERE sequence_id = ?2 AND locked_by = ?1",
             )?;
             let mut delete =

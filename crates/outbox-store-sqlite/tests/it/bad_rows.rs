@@ -109,3 +109,57 @@ async fn an_available_at_written_as_text_is_dead_lettered_saying_so() {
     );
     assert_eq!(events.len(), 1, "{events:?}");
 }
+
+/// An outbox table made without the NOT NULLs (`check` calls it degraded and says such rows
+/// go to the dead letters): a row with a NULL destination, type, event id or `created_at`
+/// is undecodable, and its dead letter failed on the dead-letter table's NOT NULL every
+/// time, the whole batch with it, the row's key stuck.
+#[tokio::test]
+async fn a_row_with_nulls_where_the_table_allows_them_is_dead_lettered() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("outbox.db");
+    rusqlite::Connection::open(&path)
+        .unwrap()
+        .execute_batch(
+            "CREATE TABLE outbox (
+                sequence_id   INTEGER PRIMARY KEY AUTOINCREMENT,
+                event_id      TEXT UNIQUE,
+                destination   TEXT,
+                partition_key TEXT,
+                event_type    TEXT,
+                payload       TEXT,
+                headers       TEXT DEFAULT '{}',
+                mutation_id   TEXT,
+                rejected      INTEGER NOT NULL DEFAULT 0,
+                created_at    INTEGER,
+                available_at  INTEGER NOT NULL DEFAULT 0,
+                attempts      INTEGER NOT NULL DEFAULT 0,
+                last_error    TEXT,
+                locked_by     TEXT,
+                locked_until  INTEGER,
+                delivered_at  INTEGER
+            );",
+        )
+        .unwrap();
+    let store = SqliteStore::open(&path, false).unwrap();
+    store.migrate().await.unwrap();
+    store
+        .batch_execute(
+            "INSERT INTO outbox (event_id, destination, partition_key, event_type, created_at) VALUES
+               ('00000001-0000-4000-8000-000000000000', NULL, 'k1', 't', 1),
+               ('00000002-0000-4000-8000-000000000000', 'orders', 'k2', NULL, 1),
+               (NULL, 'orders', 'k3', 't', 1),
+               ('00000004-0000-4000-8000-000000000000', 'orders', 'k4', 't', NULL),
+               ('00000005-0000-4000-8000-000000000000', 'orders', 'k5', 't', 1)",
+        )
+        .await
+        .unwrap();
+    let (events, reasons) = claim_and_settle(&store).await;
+    assert_eq!(events.len(), 1, "{events:?} {reasons:?}");
+    assert_eq!(reasons.len(), 4, "{reasons:?}");
+    let dead: i64 = rusqlite::Connection::open(&path)
+        .unwrap()
+        .query_row("SELECT count(*) FROM outbox_dead_letters", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(dead, 4);
+}
