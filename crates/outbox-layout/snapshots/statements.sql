@@ -457,12 +457,12 @@ CREATE TABLE IF NOT EXISTS "public"."openoutbox_events" (
     created_at TIMESTAMPTZ NOT NULL DEFAULT NOW(),
     updated_at TIMESTAMPTZ NOT NULL DEFAULT NOW(),
     CONSTRAINT check_valid_status CHECK ( status IN ('PENDING', 'DELIVERING', 'DELIVERED', 'DEAD') ));
-CREATE INDEX IF NOT EXISTS idx_openoutbox_events_processing_queue ON "public"."openoutbox_events" (available_at ASC, created_at ASC) WHERE status = 'PENDING';
-CREATE INDEX IF NOT EXISTS idx_openoutbox_events_stuck_leases ON "public"."openoutbox_events" (locked_at ASC) WHERE status = 'DELIVERING';
-CREATE INDEX IF NOT EXISTS idx_openoutbox_events_metrics_count ON "public"."openoutbox_events" (status) INCLUDE (attempts) WHERE status = 'PENDING';
-CREATE INDEX IF NOT EXISTS idx_openoutbox_events_metrics_lag ON "public"."openoutbox_events" (status, created_at ASC) WHERE status = 'PENDING';
-CREATE INDEX IF NOT EXISTS idx_openoutbox_events_prune_delivered ON "public"."openoutbox_events" (delivered_at) WHERE status = 'DELIVERED';
-CREATE INDEX IF NOT EXISTS idx_openoutbox_events_prune_dead ON "public"."openoutbox_events" (updated_at) WHERE status = 'DEAD';
+DO $relay$ BEGIN IF to_regclass('"public".idx_openoutbox_events_processing_queue') IS NULL THEN CREATE INDEX idx_openoutbox_events_processing_queue ON "public"."openoutbox_events" (available_at ASC, created_at ASC) WHERE status = 'PENDING'; END IF; END $relay$;
+DO $relay$ BEGIN IF to_regclass('"public".idx_openoutbox_events_stuck_leases') IS NULL THEN CREATE INDEX idx_openoutbox_events_stuck_leases ON "public"."openoutbox_events" (locked_at ASC) WHERE status = 'DELIVERING'; END IF; END $relay$;
+DO $relay$ BEGIN IF to_regclass('"public".idx_openoutbox_events_metrics_count') IS NULL THEN CREATE INDEX idx_openoutbox_events_metrics_count ON "public"."openoutbox_events" (status) INCLUDE (attempts) WHERE status = 'PENDING'; END IF; END $relay$;
+DO $relay$ BEGIN IF to_regclass('"public".idx_openoutbox_events_metrics_lag') IS NULL THEN CREATE INDEX idx_openoutbox_events_metrics_lag ON "public"."openoutbox_events" (status, created_at ASC) WHERE status = 'PENDING'; END IF; END $relay$;
+DO $relay$ BEGIN IF to_regclass('"public".idx_openoutbox_events_prune_delivered') IS NULL THEN CREATE INDEX idx_openoutbox_events_prune_delivered ON "public"."openoutbox_events" (delivered_at) WHERE status = 'DELIVERED'; END IF; END $relay$;
+DO $relay$ BEGIN IF to_regclass('"public".idx_openoutbox_events_prune_dead') IS NULL THEN CREATE INDEX idx_openoutbox_events_prune_dead ON "public"."openoutbox_events" (updated_at) WHERE status = 'DEAD'; END IF; END $relay$;
 
 
 -- open_outbox, Postgres: grants
@@ -643,12 +643,12 @@ CREATE TABLE IF NOT EXISTS "public"."openoutbox_events" (
     created_at TIMESTAMPTZ NOT NULL DEFAULT NOW(),
     updated_at TIMESTAMPTZ NOT NULL DEFAULT NOW(),
     CONSTRAINT check_valid_status CHECK ( status IN ('PENDING', 'DELIVERING', 'DELIVERED', 'DEAD') ));
-CREATE INDEX IF NOT EXISTS idx_openoutbox_events_processing_queue ON "public"."openoutbox_events" (available_at ASC, created_at ASC) WHERE status = 'PENDING';
-CREATE INDEX IF NOT EXISTS idx_openoutbox_events_stuck_leases ON "public"."openoutbox_events" (locked_at ASC) WHERE status = 'DELIVERING';
-CREATE INDEX IF NOT EXISTS idx_openoutbox_events_metrics_count ON "public"."openoutbox_events" (status) INCLUDE (attempts) WHERE status = 'PENDING';
-CREATE INDEX IF NOT EXISTS idx_openoutbox_events_metrics_lag ON "public"."openoutbox_events" (status, created_at ASC) WHERE status = 'PENDING';
-CREATE INDEX IF NOT EXISTS idx_openoutbox_events_prune_delivered ON "public"."openoutbox_events" (delivered_at) WHERE status = 'DELIVERED';
-CREATE INDEX IF NOT EXISTS idx_openoutbox_events_prune_dead ON "public"."openoutbox_events" (updated_at) WHERE status = 'DEAD';
+DO $relay$ BEGIN IF to_regclass('"public".idx_openoutbox_events_processing_queue') IS NULL THEN CREATE INDEX idx_openoutbox_events_processing_queue ON "public"."openoutbox_events" (available_at ASC, created_at ASC) WHERE status = 'PENDING'; END IF; END $relay$;
+DO $relay$ BEGIN IF to_regclass('"public".idx_openoutbox_events_stuck_leases') IS NULL THEN CREATE INDEX idx_openoutbox_events_stuck_leases ON "public"."openoutbox_events" (locked_at ASC) WHERE status = 'DELIVERING'; END IF; END $relay$;
+DO $relay$ BEGIN IF to_regclass('"public".idx_openoutbox_events_metrics_count') IS NULL THEN CREATE INDEX idx_openoutbox_events_metrics_count ON "public"."openoutbox_events" (status) INCLUDE (attempts) WHERE status = 'PENDING'; END IF; END $relay$;
+DO $relay$ BEGIN IF to_regclass('"public".idx_openoutbox_events_metrics_lag') IS NULL THEN CREATE INDEX idx_openoutbox_events_metrics_lag ON "public"."openoutbox_events" (status, created_at ASC) WHERE status = 'PENDING'; END IF; END $relay$;
+DO $relay$ BEGIN IF to_regclass('"public".idx_openoutbox_events_prune_delivered') IS NULL THEN CREATE INDEX idx_openoutbox_events_prune_delivered ON "public"."openoutbox_events" (delivered_at) WHERE status = 'DELIVERED'; END IF; END $relay$;
+DO $relay$ BEGIN IF to_regclass('"public".idx_openoutbox_events_prune_dead') IS NULL THEN CREATE INDEX idx_openoutbox_events_prune_dead ON "public"."openoutbox_events" (updated_at) WHERE status = 'DEAD'; END IF; END $relay$;
 
 
 -- open_outbox, MySql: grants
@@ -826,8 +826,8 @@ CREATE TABLE IF NOT EXISTS "public"."event" (
     created_at timestamptz NOT NULL DEFAULT clock_timestamp(),
     updated_at timestamptz NOT NULL DEFAULT clock_timestamp()
 );
-CREATE INDEX IF NOT EXISTS "event_new_idx" ON "public"."event" (id) WHERE status = 'NEW';
-CREATE INDEX IF NOT EXISTS "event_processing_idx" ON "public"."event" (updated_at) WHERE status = 'PROCESSING';
+DO $relay$ BEGIN IF to_regclass('"public"."event_new_idx"') IS NULL THEN CREATE INDEX "event_new_idx" ON "public"."event" (id) WHERE status = 'NEW'; END IF; END $relay$;
+DO $relay$ BEGIN IF to_regclass('"public"."event_processing_idx"') IS NULL THEN CREATE INDEX "event_processing_idx" ON "public"."event" (updated_at) WHERE status = 'PROCESSING'; END IF; END $relay$;
 
 
 -- export, Postgres: grants
@@ -1006,8 +1006,8 @@ CREATE TABLE IF NOT EXISTS "public"."event" (
     created_at timestamptz NOT NULL DEFAULT clock_timestamp(),
     updated_at timestamptz NOT NULL DEFAULT clock_timestamp()
 );
-CREATE INDEX IF NOT EXISTS "event_new_idx" ON "public"."event" (id) WHERE status = 'NEW';
-CREATE INDEX IF NOT EXISTS "event_processing_idx" ON "public"."event" (updated_at) WHERE status = 'PROCESSING';
+DO $relay$ BEGIN IF to_regclass('"public"."event_new_idx"') IS NULL THEN CREATE INDEX "event_new_idx" ON "public"."event" (id) WHERE status = 'NEW'; END IF; END $relay$;
+DO $relay$ BEGIN IF to_regclass('"public"."event_processing_idx"') IS NULL THEN CREATE INDEX "event_processing_idx" ON "public"."event" (updated_at) WHERE status = 'PROCESSING'; END IF; END $relay$;
 
 
 -- export, MySql: grants
@@ -1189,8 +1189,8 @@ CREATE TABLE IF NOT EXISTS "public"."outboxevent" (
     payload jsonb,
     tracingspancontext varchar(256)
 );
-ALTER TABLE "public"."outboxevent" ADD COLUMN IF NOT EXISTS "timestamp" timestamp NOT NULL DEFAULT (now() AT TIME ZONE 'utc');
-ALTER TABLE "public"."outboxevent" ADD COLUMN IF NOT EXISTS tracingspancontext varchar(256);
+DO $relay$ BEGIN IF NOT EXISTS (SELECT 1 FROM information_schema.columns WHERE table_schema = 'public' AND table_name = 'outboxevent' AND column_name = 'timestamp') THEN ALTER TABLE "public"."outboxevent" ADD COLUMN "timestamp" timestamp NOT NULL DEFAULT (now() AT TIME ZONE 'utc'); END IF; END $relay$;
+DO $relay$ BEGIN IF NOT EXISTS (SELECT 1 FROM information_schema.columns WHERE table_schema = 'public' AND table_name = 'outboxevent' AND column_name = 'tracingspancontext') THEN ALTER TABLE "public"."outboxevent" ADD COLUMN "tracingspancontext" varchar(256); END IF; END $relay$;
 DO $$
 BEGIN
     IF NOT EXISTS (SELECT 1 FROM information_schema.columns WHERE table_schema = 'public' AND table_name = 'outboxevent' AND column_name = 'relay_sequence') THEN
@@ -1201,7 +1201,7 @@ BEGIN
     END IF;
 END
 $$;
-CREATE UNIQUE INDEX IF NOT EXISTS "outboxevent_relay_sequence_key" ON "public"."outboxevent" (relay_sequence);
+DO $relay$ BEGIN IF to_regclass('"public"."outboxevent_relay_sequence_key"') IS NULL THEN CREATE UNIQUE INDEX "outboxevent_relay_sequence_key" ON "public"."outboxevent" (relay_sequence); END IF; END $relay$;
 -- Dead events of a layout that cannot mark them; the outbox row itself is left as it is.
 CREATE TABLE IF NOT EXISTS "public"."outboxevent_dead_letters" (
     id bigint PRIMARY KEY,
@@ -1392,8 +1392,8 @@ CREATE TABLE IF NOT EXISTS "public"."outboxevent" (
     payload jsonb,
     tracingspancontext varchar(256)
 );
-ALTER TABLE "public"."outboxevent" ADD COLUMN IF NOT EXISTS "timestamp" timestamp NOT NULL DEFAULT (now() AT TIME ZONE 'utc');
-ALTER TABLE "public"."outboxevent" ADD COLUMN IF NOT EXISTS tracingspancontext varchar(256);
+DO $relay$ BEGIN IF NOT EXISTS (SELECT 1 FROM information_schema.columns WHERE table_schema = 'public' AND table_name = 'outboxevent' AND column_name = 'timestamp') THEN ALTER TABLE "public"."outboxevent" ADD COLUMN "timestamp" timestamp NOT NULL DEFAULT (now() AT TIME ZONE 'utc'); END IF; END $relay$;
+DO $relay$ BEGIN IF NOT EXISTS (SELECT 1 FROM information_schema.columns WHERE table_schema = 'public' AND table_name = 'outboxevent' AND column_name = 'tracingspancontext') THEN ALTER TABLE "public"."outboxevent" ADD COLUMN "tracingspancontext" varchar(256); END IF; END $relay$;
 DO $$
 BEGIN
     IF NOT EXISTS (SELECT 1 FROM information_schema.columns WHERE table_schema = 'public' AND table_name = 'outboxevent' AND column_name = 'relay_sequence') THEN
@@ -1404,7 +1404,7 @@ BEGIN
     END IF;
 END
 $$;
-CREATE UNIQUE INDEX IF NOT EXISTS "outboxevent_relay_sequence_key" ON "public"."outboxevent" (relay_sequence);
+DO $relay$ BEGIN IF to_regclass('"public"."outboxevent_relay_sequence_key"') IS NULL THEN CREATE UNIQUE INDEX "outboxevent_relay_sequence_key" ON "public"."outboxevent" (relay_sequence); END IF; END $relay$;
 -- Dead events of a layout that cannot mark them; the outbox row itself is left as it is.
 CREATE TABLE IF NOT EXISTS `public`.`outboxevent_dead_letters` (
     id bigint unsigned PRIMARY KEY,

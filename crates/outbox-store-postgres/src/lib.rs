@@ -111,6 +111,17 @@ const TCP_DEFAULTS: [(&str, Duration); 3] = [
 ];
 const KEEPALIVE_RETRIES: u32 = 3;
 
+/// How long `migrate`'s DDL waits for a lock on a table the application writes
+/// ([`PgStore::apply_ddl`]).
+pub const DDL_LOCK_WAIT: Duration = Duration::from_secs(5);
+
+/// The fix when `migrate`'s DDL gave up on a lock.
+const DDL_LOCK_HINT: &str = "migrate waited 5 s for a lock on a table the application \
+    writes, which another session holds (a long or idle-in-transaction session, VACUUM FULL, \
+    ALTER TABLE): it gave up rather than hold every insert queued behind it; find that \
+    session with SELECT pid, state, xact_start, query FROM pg_stat_activity WHERE state <> \
+    'idle' ORDER BY xact_start, and run migrate again once it has ended";
+
 /// Whether the URL's query sets `key`.
 fn url_sets(url: &str, key: &str) -> bool {
     url.split_once('?').is_some_and(|(_, query)| {
@@ -333,9 +344,25 @@ impl PgStore {
     }
 
     /// Runs idempotent DDL in one transaction, serialized against concurrent migrations.
+    /// Each lock it needs it waits for at most [`DDL_LOCK_WAIT`]: a lock on an application's
+    /// table (a mapped layout's, the outbox under WAL capture) queued behind a long
+    /// transaction held every insert of the application queued behind it, for as long as
+    /// that transaction lasted. The DDL takes no lock where the objects exist.
     pub(crate) async fn apply_ddl(&self, ddl: &str) -> StoreResult<()> {
         let session = migrate::MigrateSession::open(self).await?;
-        let result = session.batch(&format!("BEGIN;\n{ddl}\nCOMMIT;")).await;
+        let wait = DDL_LOCK_WAIT.as_millis();
+        let result = session
+            .batch(&format!(
+                "BEGIN;\nSET LOCAL lock_timeout = '{wait}ms';\n{ddl}\nCOMMIT;"
+            ))
+            .await
+            .map_err(|e| {
+                if e.hint() == error::WAITED_HINT {
+                    e.with_hint(DDL_LOCK_HINT)
+                } else {
+                    e
+                }
+            });
         if result.is_err() {
             let _ = session.batch("ROLLBACK").await;
         }

@@ -132,8 +132,8 @@ CREATE TABLE IF NOT EXISTS {t} (
     payload jsonb,
     tracingspancontext varchar(256)
 );
-ALTER TABLE {t} ADD COLUMN IF NOT EXISTS "timestamp" timestamp NOT NULL DEFAULT (now() AT TIME ZONE 'utc');
-ALTER TABLE {t} ADD COLUMN IF NOT EXISTS tracingspancontext varchar(256);
+{timestamp}
+{tracing}
 DO $$
 BEGIN
     IF NOT EXISTS (SELECT 1 FROM information_schema.columns WHERE table_schema = '{schema}' AND table_name = '{n}' AND column_name = '{seq}') THEN
@@ -144,8 +144,20 @@ BEGIN
     END IF;
 END
 $$;
-CREATE UNIQUE INDEX IF NOT EXISTS "{n}_{seq}_key" ON {t} ({seq});
-"#
+{sequence_key}
+"#,
+        timestamp = pg_column_where_missing(
+            schema,
+            n,
+            "timestamp",
+            "timestamp NOT NULL DEFAULT (now() AT TIME ZONE 'utc')"
+        ),
+        tracing = pg_column_where_missing(schema, n, "tracingspancontext", "varchar(256)"),
+        sequence_key = pg_index_where_missing(
+            schema,
+            &format!("\"{n}_{seq}_key\""),
+            &format!("CREATE UNIQUE INDEX \"{n}_{seq}_key\" ON {t} ({seq})")
+        ),
     )
 }
 
@@ -173,13 +185,37 @@ CREATE TABLE IF NOT EXISTS {t} (
     created_at TIMESTAMPTZ NOT NULL DEFAULT NOW(),
     updated_at TIMESTAMPTZ NOT NULL DEFAULT NOW(),
     CONSTRAINT check_valid_status CHECK ( status IN ('PENDING', 'DELIVERING', 'DELIVERED', 'DEAD') ));
-CREATE INDEX IF NOT EXISTS idx_{n}_processing_queue ON {t} (available_at ASC, created_at ASC) WHERE status = 'PENDING';
-CREATE INDEX IF NOT EXISTS idx_{n}_stuck_leases ON {t} (locked_at ASC) WHERE status = 'DELIVERING';
-CREATE INDEX IF NOT EXISTS idx_{n}_metrics_count ON {t} (status) INCLUDE (attempts) WHERE status = 'PENDING';
-CREATE INDEX IF NOT EXISTS idx_{n}_metrics_lag ON {t} (status, created_at ASC) WHERE status = 'PENDING';
-CREATE INDEX IF NOT EXISTS idx_{n}_prune_delivered ON {t} (delivered_at) WHERE status = 'DELIVERED';
-CREATE INDEX IF NOT EXISTS idx_{n}_prune_dead ON {t} (updated_at) WHERE status = 'DEAD';
-"#
+{indexes}"#,
+        indexes = [
+            (
+                "processing_queue",
+                "(available_at ASC, created_at ASC) WHERE status = 'PENDING'"
+            ),
+            (
+                "stuck_leases",
+                "(locked_at ASC) WHERE status = 'DELIVERING'"
+            ),
+            (
+                "metrics_count",
+                "(status) INCLUDE (attempts) WHERE status = 'PENDING'"
+            ),
+            (
+                "metrics_lag",
+                "(status, created_at ASC) WHERE status = 'PENDING'"
+            ),
+            (
+                "prune_delivered",
+                "(delivered_at) WHERE status = 'DELIVERED'"
+            ),
+            ("prune_dead", "(updated_at) WHERE status = 'DEAD'"),
+        ]
+        .iter()
+        .map(|(what, on)| {
+            let name = format!("idx_{n}_{what}");
+            pg_index_where_missing(schema, &name, &format!("CREATE INDEX {name} ON {t} {on}"))
+                + "\n"
+        })
+        .collect::<String>(),
     )
 }
 
@@ -190,6 +226,7 @@ pub fn export_ddl(m: &Mapping) -> String {
     let schema = m.schema.as_deref().unwrap_or("public");
     let t = format!("\"{schema}\".\"{}\"", m.table);
     let types = format!("\"{schema}\".\"event_type\"");
+    let n = &m.table;
     format!(
         r#"CREATE SCHEMA IF NOT EXISTS "{schema}";
 CREATE TABLE IF NOT EXISTS {types} (
@@ -205,10 +242,41 @@ CREATE TABLE IF NOT EXISTS {t} (
     created_at timestamptz NOT NULL DEFAULT clock_timestamp(),
     updated_at timestamptz NOT NULL DEFAULT clock_timestamp()
 );
-CREATE INDEX IF NOT EXISTS "{n}_new_idx" ON {t} (id) WHERE status = 'NEW';
-CREATE INDEX IF NOT EXISTS "{n}_processing_idx" ON {t} (updated_at) WHERE status = 'PROCESSING';
+{new}
+{processing}
 "#,
-        n = m.table
+        new = pg_index_where_missing(
+            schema,
+            &format!("\"{n}_new_idx\""),
+            &format!("CREATE INDEX \"{n}_new_idx\" ON {t} (id) WHERE status = 'NEW'")
+        ),
+        processing = pg_index_where_missing(
+            schema,
+            &format!("\"{n}_processing_idx\""),
+            &format!("CREATE INDEX \"{n}_processing_idx\" ON {t} (updated_at) WHERE status = 'PROCESSING'")
+        ),
+    )
+}
+
+/// `create` (a `CREATE INDEX` of index `name`, as SQL writes it, in `schema`) run only where
+/// the index is missing. `CREATE INDEX IF NOT EXISTS` takes its SHARE lock before it looks:
+/// at every `migrate` (and `run --auto-migrate`) it queued behind any transaction writing the
+/// table, and every application insert queued behind it.
+fn pg_index_where_missing(schema: &str, name: &str, create: &str) -> String {
+    format!(
+        "DO $relay$ BEGIN IF to_regclass('\"{schema}\".{}') IS NULL THEN {create}; END IF; END $relay$;",
+        name.replace('\'', "''")
+    )
+}
+
+/// `ALTER TABLE … ADD COLUMN` of `column` (its `definition`) to `schema.table`, run only
+/// where the column is missing: `ADD COLUMN IF NOT EXISTS` takes the table's ACCESS
+/// EXCLUSIVE lock before it looks, and every reader and writer of the table queued behind it.
+fn pg_column_where_missing(schema: &str, table: &str, column: &str, definition: &str) -> String {
+    format!(
+        "DO $relay$ BEGIN IF NOT EXISTS (SELECT 1 FROM information_schema.columns WHERE \
+         table_schema = '{schema}' AND table_name = '{table}' AND column_name = '{column}') \
+         THEN ALTER TABLE \"{schema}\".\"{table}\" ADD COLUMN \"{column}\" {definition}; END IF; END $relay$;"
     )
 }
 

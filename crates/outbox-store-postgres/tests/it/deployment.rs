@@ -272,3 +272,63 @@ async fn a_waiting_session_outlives_the_databases_idle_session_timeout() {
     .await;
     listening.abort();
 }
+
+/// `migrate` of a mapped layout runs again at every `run --auto-migrate`. Its `ADD COLUMN IF
+/// NOT EXISTS` and `CREATE INDEX IF NOT EXISTS` took their locks before looking, so behind a
+/// transaction that wrote the table (a batch job, a session left idle in transaction) they
+/// waited for as long as it lasted, and every insert of the application queued behind them.
+/// Now nothing there is locked, and a lock that is needed is waited for 5 s at most.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrating_a_mapped_table_again_holds_no_insert_behind_a_long_transaction() {
+    use outbox_store_postgres::mapped::MappedPgOptions;
+    use outbox_store_postgres::MappedPgStore;
+    let url = outbox_testkit::fresh_pg_database().await;
+    let store = move |url: &str| {
+        MappedPgStore::new(MappedPgOptions {
+            pg: options(url),
+            mapping: outbox_layout::Mapping::debezium("public", "outboxevent"),
+            layout: "debezium".into(),
+            max_attempts: 20,
+        })
+        .unwrap()
+    };
+    store(&url).migrate().await.unwrap();
+    let connect = || async {
+        let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(connection);
+        client
+    };
+    let insert = "INSERT INTO outboxevent (id, aggregatetype, aggregateid, type, payload)
+                  VALUES (gen_random_uuid(), 'order', '1', 'created', '{}')";
+    // A transaction that wrote the table and stays open.
+    let writer = connect().await;
+    writer.batch_execute("BEGIN").await.unwrap();
+    writer.batch_execute(insert).await.unwrap();
+    let again = store(&url);
+    let migrating = tokio::spawn(async move { again.migrate().await });
+    // The application's next insert, once migrate is done or waits for a lock.
+    let application = connect().await;
+    eventually(
+        "migrate done or waiting",
+        Duration::from_secs(30),
+        || async {
+            let waiting: i64 = application
+                .query_one("SELECT count(*) FROM pg_locks WHERE NOT granted", &[])
+                .await
+                .unwrap()
+                .get(0);
+            (migrating.is_finished() || waiting > 0).then_some(())
+        },
+    )
+    .await;
+    application
+        .batch_execute("SET statement_timeout = '3s'")
+        .await
+        .unwrap();
+    let inserted = application.batch_execute(insert).await;
+    writer.batch_execute("COMMIT").await.unwrap();
+    assert!(inserted.is_ok(), "the application's insert: {inserted:?}");
+    migrating.await.unwrap().unwrap();
+}
