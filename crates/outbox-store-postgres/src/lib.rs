@@ -276,9 +276,7 @@ impl PgStore {
         session.close().await;
         result?;
         // A count other than the table's, given to a later `migrate`, would change nothing.
-        outbox_core::store::PartitionRegistry::partition_count(self)
-            .await
-            .map(drop)
+        self.stored_partitions().await.map(drop)
     }
 
     /// The native schema as a versioned component, for the runner.

@@ -133,13 +133,12 @@ impl PartitionRegistry for PgStore {
         .boxed()
     }
 
+    /// The count, for a node that partitions keys: in a database whose keys hash alike.
     fn partition_count(&self) -> StoreFuture<u32> {
-        let inner = self.inner.clone();
+        let store = self.clone();
         async move {
-            let rows =
-                Self::query(&inner, "partition count", &inner.sql.partition_count, &[]).await?;
-            let count = rows[0].get::<_, i64>(0).max(0) as u32;
-            configured_partitions_hold(inner.tables.partition_count, count)?;
+            let (count, encoding) = store.stored_partitions().await?;
+            keys_hash_alike(encoding.as_deref())?;
             Ok(count)
         }
         .boxed()
@@ -212,6 +211,41 @@ impl PartitionRegistry for PgStore {
                 .collect())
         }
         .boxed()
+    }
+}
+
+impl PgStore {
+    /// The partitions table's count (refused where the `partitions` setting contradicts
+    /// it), and the database's encoding.
+    pub(crate) async fn stored_partitions(
+        &self,
+    ) -> outbox_core::store::StoreResult<(u32, Option<String>)> {
+        let inner = &self.inner;
+        let rows = Self::query(inner, "partition count", &inner.sql.partition_count, &[]).await?;
+        let count = rows[0].get::<_, i64>(0).max(0) as u32;
+        configured_partitions_hold(inner.tables.partition_count, count)?;
+        Ok((count, rows[0].get(1)))
+    }
+}
+
+/// Refuses partitions over a database whose encoding is not UTF-8. The database hashes a
+/// key's bytes in its own encoding, the relay the UTF-8 bytes it reads: a key with a
+/// character beyond ASCII fell in one partition for the claims and another for the lanes
+/// and the hand-over, and a node holding only the first dropped its rows at every claim,
+/// for good, or one holding both let a moved partition's key go out of order.
+pub(crate) fn keys_hash_alike(encoding: Option<&str>) -> Result<(), StoreError> {
+    match encoding {
+        None | Some("UTF8") => Ok(()),
+        Some(other) => Err(StoreError::new(
+            StoreErrorKind::Config,
+            format!(
+                "the database's encoding is {other}, and ordered relays partition keys by a hash \
+                 that the database computes over the key in its encoding and the relay over the \
+                 key in UTF-8: keys beyond ASCII would belong to two partitions; keep the outbox \
+                 in a database created with ENCODING 'UTF8', or run with --ordering none"
+            ),
+        )
+        .with_hint("ordered relays need a UTF-8 database")),
     }
 }
 

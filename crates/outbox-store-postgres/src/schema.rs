@@ -1015,8 +1015,13 @@ impl Native {
         )
     }
 
+    /// The partitions table's count, and the database's encoding (keys are hashed in it).
     fn partition_count(&self) -> String {
-        format!("SELECT count(*)::int8 FROM {}", self.parts)
+        format!(
+            "SELECT count(*)::int8, (SELECT pg_encoding_to_char(encoding)::text FROM pg_database \
+              WHERE datname = current_database()) FROM {}",
+            self.parts
+        )
     }
 
     /// $1 node, $2 partitions, $3 ttl in ms.

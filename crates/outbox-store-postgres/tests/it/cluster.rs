@@ -64,6 +64,35 @@ async fn sql_and_rust_agree_on_partitions() {
     }
 }
 
+/// In a LATIN1 database the database hashes a key's LATIN1 bytes and the relay its UTF-8
+/// ones: `ü` put a key in two partitions, and a node holding one of them dropped the key's
+/// rows at every claim. Ordered relays refuse such a database, naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ordered_relays_refuse_a_database_whose_encoding_is_not_utf8() {
+    let admin = outbox_testkit::fresh_pg_database().await;
+    let (client, conn) = tokio_postgres::connect(&admin, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let name = format!("t_{}", uuid::Uuid::new_v4().simple());
+    client
+        .batch_execute(&format!(
+            "CREATE DATABASE {name} ENCODING 'LATIN1' TEMPLATE template0 \
+             LC_COLLATE 'C' LC_CTYPE 'C'"
+        ))
+        .await
+        .unwrap();
+    let url = outbox_testkit::with_database(&admin, &name);
+    let store = PgStore::new(PgOptions::new(url.as_str(), Tables::standard())).unwrap();
+    store.migrate().await.unwrap();
+    let refused = store.partition_count().await.unwrap_err();
+    assert!(
+        refused.to_string().contains("encoding is LATIN1"),
+        "{refused}"
+    );
+    assert_eq!(refused.kind(), outbox_core::StoreErrorKind::Config);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leases_are_exclusive_and_each_takeover_bumps_the_epoch() {
     let (store, _) = store(8).await;
