@@ -156,27 +156,38 @@ async fn read_found(conn: &mut Conn, sql: &Sql) -> StoreResult<Found> {
     let exists = "SELECT COUNT(*) FROM information_schema.tables \
                   WHERE table_schema = COALESCE(?, DATABASE()) AND table_name = ?";
     let context = "reading the schema version";
-    let versions_name = format!("{}_versions", sql.mapping.table);
-    let has_versions: Option<i64> = conn
-        .exec_first(exists, (schema.clone(), versions_name))
-        .await
-        .map_err(|e| db_error(context, e))?;
-    if has_versions.unwrap_or(0) > 0 {
-        let row: Option<(i64, i64)> = conn
-            .exec_first(
-                format!(
-                    "SELECT version, readable_from FROM {} WHERE component = ?",
-                    MySql::versions_table(sql)
-                ),
-                ("outbox",),
-            )
-            .await
-            .map_err(|e| db_error(context, e))?;
-        if let Some((version, readable_from)) = row {
+    // Read directly: `information_schema` lists only the tables a role has a privilege on,
+    // so a role without one on the versions table was told the schema had no version, to
+    // run `migrate` again, for good.
+    const ER_NO_SUCH_TABLE: u16 = 1146;
+    const ER_TABLEACCESS_DENIED: u16 = 1142;
+    let versions = MySql::versions_table(sql);
+    let row: Result<Option<(i64, i64)>, _> = conn
+        .exec_first(
+            format!("SELECT version, readable_from FROM {versions} WHERE component = ?"),
+            ("outbox",),
+        )
+        .await;
+    match row {
+        Ok(Some((version, readable_from))) => {
             return Found::recorded(version, readable_from, || {
-                format!("{} holds a negative version", MySql::versions_table(sql))
-            });
+                format!("{versions} holds a negative version")
+            })
         }
+        Ok(None) => {}
+        Err(mysql_async::Error::Server(e)) if e.code == ER_NO_SUCH_TABLE => {}
+        Err(mysql_async::Error::Server(e)) if e.code == ER_TABLEACCESS_DENIED => {
+            return Err(StoreError::new(
+                StoreErrorKind::Privilege,
+                format!(
+                    "{context}: the relay's role cannot read {versions} ({}): grant it \
+                     SELECT ON {versions} (`outbox-relay migrate --print` lists every grant \
+                     it needs)",
+                    e.message
+                ),
+            ))
+        }
+        Err(e) => return Err(db_error(context, e)),
     }
     let has_table: Option<i64> = conn
         .exec_first(exists, (schema, sql.mapping.table.clone()))

@@ -59,3 +59,50 @@ async fn migrate_makes_the_outbox_in_its_configured_database() {
         .unwrap();
     assert_eq!(here, None, "nothing made in the URL's database");
 }
+
+/// A role granted the outbox table alone (as the first release's grants were): the versions
+/// table is not in its `information_schema`, so the schema read as unversioned, `run` said
+/// to run `migrate`, and `migrate` (by an administrator) changed nothing. The read now says
+/// what the role lacks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_role_that_cannot_read_the_versions_table_is_told_the_grant() {
+    use mysql_async::prelude::Queryable;
+    let url = outbox_testkit::fresh_mysql_database().await;
+    native_store(&url, None).migrate().await.unwrap();
+    let database = mysql_async::Opts::from_url(&url)
+        .unwrap()
+        .db_name()
+        .unwrap()
+        .to_string();
+    let user = format!("u{}", &database[2..14]);
+    let mut admin = mysql_async::Conn::from_url(url.as_str()).await.unwrap();
+    admin
+        .query_drop(format!(
+            "CREATE USER '{user}'@'%' IDENTIFIED BY 'secret-pw';
+             GRANT SELECT, INSERT, UPDATE, DELETE ON `{database}`.outbox TO '{user}'@'%'"
+        ))
+        .await
+        .unwrap();
+    let opts = mysql_async::Opts::from_url(&url).unwrap();
+    let limited = format!(
+        "mysql://{user}:secret-pw@{}:{}/{database}",
+        opts.ip_or_hostname(),
+        opts.tcp_port()
+    );
+    let store: MySqlStore = native_store(&limited, None);
+    let found = store.db().schema_found(store.sql()).await;
+    admin
+        .query_drop(format!("DROP USER '{user}'@'%'"))
+        .await
+        .unwrap();
+    let refused = match found {
+        Ok(found) => panic!("read as {found:?}"),
+        Err(e) => e,
+    };
+    assert_eq!(refused.kind(), outbox_core::StoreErrorKind::Privilege);
+    assert!(
+        refused.to_string().contains("SELECT ON")
+            && refused.to_string().contains("outbox_versions"),
+        "{refused}"
+    );
+}
