@@ -107,6 +107,15 @@ impl<'de> serde::Deserialize<'de> for Secret {
     }
 }
 
+/// At most the first `n` characters of `text`, cut on a character boundary: for text
+/// stored in a column of bounded length.
+pub fn first_chars(text: &str, n: usize) -> &str {
+    match text.char_indices().nth(n) {
+        Some((at, _)) => &text[..at],
+        None => text,
+    }
+}
+
 /// `text` with every control character written as an escape (`\n`, `\u{1b}`): a
 /// destination, key, type or a receiver's answer is untrusted, and printed raw it could
 /// forge a log line or drive the operator's terminal.

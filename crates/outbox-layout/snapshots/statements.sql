@@ -163,14 +163,17 @@ UPDATE "public"."outbox" o SET "processed" = true, "locked_by" = NULL, "lock_exp
 -- adbc, Postgres: columns_query
 SELECT (column_name)::text FROM information_schema.columns WHERE table_schema = $1::text AND table_name = $2::text
 
+-- adbc, Postgres: column_length_query
+SELECT (character_maximum_length)::int8, (character_octet_length)::int8 FROM information_schema.columns WHERE table_schema = $3::text AND table_name = $4::text AND column_name = $5::text
+
 -- adbc, Postgres: insert
 INSERT INTO "public"."outbox" ("sequence_id", "channel") VALUES ($1, $2) RETURNING "sequence_id"
 
 -- adbc, Postgres: not_in_ids
-o."sequence_id" NOT IN (SELECT unnest($3::int8[]))
+o."sequence_id" NOT IN (SELECT unnest($6::int8[]))
 
 -- adbc, Postgres: not_in_texts
-(o."channel")::text NOT IN (SELECT unnest($4::text[]))
+(o."channel")::text NOT IN (SELECT unnest($7::text[]))
 
 -- adbc, MySql: table
 `public`.`outbox`
@@ -337,6 +340,9 @@ UPDATE `public`.`outbox` o SET o.`processed` = true, o.`locked_by` = NULL, o.`lo
 -- adbc, MySql: columns_query
 SELECT CAST(column_name AS CHAR) FROM information_schema.columns WHERE table_schema = :p1 AND table_name = :p2
 
+-- adbc, MySql: column_length_query
+SELECT CAST(character_maximum_length AS SIGNED), CAST(character_octet_length AS SIGNED) FROM information_schema.columns WHERE table_schema = :p3 AND table_name = :p4 AND column_name = :p5
+
 -- adbc, MySql: insert
 INSERT INTO `public`.`outbox` (`sequence_id`, `channel`) VALUES (?, ?)
 
@@ -344,7 +350,7 @@ INSERT INTO `public`.`outbox` (`sequence_id`, `channel`) VALUES (?, ?)
 o.`sequence_id` NOT IN (1, 2)
 
 -- adbc, MySql: not_in_texts
-CAST(o.`channel` AS CHAR) NOT IN (:p3, :p4)
+CAST(o.`channel` AS CHAR) NOT IN (:p6, :p7)
 
 -- open_outbox, Postgres: table
 "public"."openoutbox_events"
@@ -523,14 +529,17 @@ UPDATE "public"."openoutbox_events" o SET "status" = 'DEAD', "attempts" = :attem
 -- open_outbox, Postgres: columns_query
 SELECT (column_name)::text FROM information_schema.columns WHERE table_schema = $1::text AND table_name = $2::text
 
+-- open_outbox, Postgres: column_length_query
+SELECT (character_maximum_length)::int8, (character_octet_length)::int8 FROM information_schema.columns WHERE table_schema = $3::text AND table_name = $4::text AND column_name = $5::text
+
 -- open_outbox, Postgres: insert
 INSERT INTO "public"."openoutbox_events" ("event_id", "event_type") VALUES ($1, $2) RETURNING "event_id"
 
 -- open_outbox, Postgres: not_in_ids
-o."event_id" NOT IN (SELECT unnest($3::uuid[]))
+o."event_id" NOT IN (SELECT unnest($6::uuid[]))
 
 -- open_outbox, Postgres: not_in_texts
-coalesce((o."partition_key")::text, (o."event_type")::text) NOT IN (SELECT unnest($4::text[]))
+coalesce((o."partition_key")::text, (o."event_type")::text) NOT IN (SELECT unnest($7::text[]))
 
 -- open_outbox, MySql: table
 `public`.`openoutbox_events`
@@ -709,6 +718,9 @@ UPDATE `public`.`openoutbox_events` o SET o.`status` = 'DEAD', o.`attempts` = :a
 -- open_outbox, MySql: columns_query
 SELECT CAST(column_name AS CHAR) FROM information_schema.columns WHERE table_schema = :p1 AND table_name = :p2
 
+-- open_outbox, MySql: column_length_query
+SELECT CAST(character_maximum_length AS SIGNED), CAST(character_octet_length AS SIGNED) FROM information_schema.columns WHERE table_schema = :p3 AND table_name = :p4 AND column_name = :p5
+
 -- open_outbox, MySql: insert
 INSERT INTO `public`.`openoutbox_events` (`event_id`, `event_type`) VALUES (?, ?)
 
@@ -716,7 +728,7 @@ INSERT INTO `public`.`openoutbox_events` (`event_id`, `event_type`) VALUES (?, ?
 o.`event_id` NOT IN (1, 2)
 
 -- open_outbox, MySql: not_in_texts
-coalesce(CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR)) NOT IN (:p3, :p4)
+coalesce(CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR)) NOT IN (:p6, :p7)
 
 -- export, Postgres: table
 "public"."event"
@@ -889,14 +901,17 @@ UPDATE "public"."event" o SET "status" = 'ERROR', "processing_retries_count" = :
 -- export, Postgres: columns_query
 SELECT (column_name)::text FROM information_schema.columns WHERE table_schema = $1::text AND table_name = $2::text
 
+-- export, Postgres: column_length_query
+SELECT (character_maximum_length)::int8, (character_octet_length)::int8 FROM information_schema.columns WHERE table_schema = $3::text AND table_name = $4::text AND column_name = $5::text
+
 -- export, Postgres: insert
 INSERT INTO "public"."event" ("id", "type_code") VALUES ($1, $2) RETURNING "id"
 
 -- export, Postgres: not_in_ids
-o."id" NOT IN (SELECT unnest($3::int8[]))
+o."id" NOT IN (SELECT unnest($6::int8[]))
 
 -- export, Postgres: not_in_texts
-'row:' || (o."id")::text NOT IN (SELECT unnest($4::text[]))
+'row:' || (o."id")::text NOT IN (SELECT unnest($7::text[]))
 
 -- export, MySql: table
 `public`.`event`
@@ -1069,6 +1084,9 @@ UPDATE `public`.`event` o SET o.`status` = 'ERROR', o.`processing_retries_count`
 -- export, MySql: columns_query
 SELECT CAST(column_name AS CHAR) FROM information_schema.columns WHERE table_schema = :p1 AND table_name = :p2
 
+-- export, MySql: column_length_query
+SELECT CAST(character_maximum_length AS SIGNED), CAST(character_octet_length AS SIGNED) FROM information_schema.columns WHERE table_schema = :p3 AND table_name = :p4 AND column_name = :p5
+
 -- export, MySql: insert
 INSERT INTO `public`.`event` (`id`, `type_code`) VALUES (?, ?)
 
@@ -1076,7 +1094,7 @@ INSERT INTO `public`.`event` (`id`, `type_code`) VALUES (?, ?)
 o.`id` NOT IN (1, 2)
 
 -- export, MySql: not_in_texts
-CONCAT('row:', CAST(o.`id` AS CHAR)) NOT IN (:p3, :p4)
+CONCAT('row:', CAST(o.`id` AS CHAR)) NOT IN (:p6, :p7)
 
 -- debezium, Postgres: table
 "public"."outboxevent"
@@ -1272,14 +1290,17 @@ INSERT INTO "public"."outboxevent_dead_letters" (id, attempts, last_error)
 -- debezium, Postgres: columns_query
 SELECT (column_name)::text FROM information_schema.columns WHERE table_schema = $1::text AND table_name = $2::text
 
+-- debezium, Postgres: column_length_query
+SELECT (character_maximum_length)::int8, (character_octet_length)::int8 FROM information_schema.columns WHERE table_schema = $3::text AND table_name = $4::text AND column_name = $5::text
+
 -- debezium, Postgres: insert
 INSERT INTO "public"."outboxevent" ("relay_sequence", "aggregatetype", "id") VALUES ($1, $2, gen_random_uuid()) RETURNING "relay_sequence"
 
 -- debezium, Postgres: not_in_ids
-o."relay_sequence" NOT IN (SELECT unnest($3::int8[]))
+o."relay_sequence" NOT IN (SELECT unnest($6::int8[]))
 
 -- debezium, Postgres: not_in_texts
-coalesce((o."aggregateid")::text, (o."aggregatetype")::text) NOT IN (SELECT unnest($4::text[]))
+coalesce((o."aggregateid")::text, (o."aggregatetype")::text) NOT IN (SELECT unnest($7::text[]))
 
 -- debezium, MySql: table
 `public`.`outboxevent`
@@ -1474,6 +1495,9 @@ INSERT IGNORE INTO `public`.`outboxevent_dead_letters` (id, attempts, last_error
 -- debezium, MySql: columns_query
 SELECT CAST(column_name AS CHAR) FROM information_schema.columns WHERE table_schema = :p1 AND table_name = :p2
 
+-- debezium, MySql: column_length_query
+SELECT CAST(character_maximum_length AS SIGNED), CAST(character_octet_length AS SIGNED) FROM information_schema.columns WHERE table_schema = :p3 AND table_name = :p4 AND column_name = :p5
+
 -- debezium, MySql: insert
 INSERT INTO `public`.`outboxevent` (`relay_sequence`, `aggregatetype`, `id`) VALUES (?, ?, gen_random_uuid())
 
@@ -1481,7 +1505,7 @@ INSERT INTO `public`.`outboxevent` (`relay_sequence`, `aggregatetype`, `id`) VAL
 o.`relay_sequence` NOT IN (1, 2)
 
 -- debezium, MySql: not_in_texts
-coalesce(CAST(o.`aggregateid` AS CHAR), CAST(o.`aggregatetype` AS CHAR)) NOT IN (:p3, :p4)
+coalesce(CAST(o.`aggregateid` AS CHAR), CAST(o.`aggregatetype` AS CHAR)) NOT IN (:p6, :p7)
 
 -- mysql_outbox_events, Postgres: table
 "outbox_events"
@@ -1665,14 +1689,17 @@ INSERT INTO "outbox_events_dead_letters" (id, attempts, last_error)
 -- mysql_outbox_events, Postgres: columns_query
 SELECT (column_name)::text FROM information_schema.columns WHERE table_schema = $1::text AND table_name = $2::text
 
+-- mysql_outbox_events, Postgres: column_length_query
+SELECT (character_maximum_length)::int8, (character_octet_length)::int8 FROM information_schema.columns WHERE table_schema = $3::text AND table_name = $4::text AND column_name = $5::text
+
 -- mysql_outbox_events, Postgres: insert
 INSERT INTO "outbox_events" ("id", "type", "createdAt", "updatedAt") VALUES ($1, $2, UTC_TIMESTAMP(), UTC_TIMESTAMP()) RETURNING "id"
 
 -- mysql_outbox_events, Postgres: not_in_ids
-o."id" NOT IN (SELECT unnest($3::int8[]))
+o."id" NOT IN (SELECT unnest($6::int8[]))
 
 -- mysql_outbox_events, Postgres: not_in_texts
-(o."type")::text NOT IN (SELECT unnest($4::text[]))
+(o."type")::text NOT IN (SELECT unnest($7::text[]))
 
 -- mysql_outbox_events, MySql: table
 `outbox_events`
@@ -1855,6 +1882,9 @@ INSERT IGNORE INTO `outbox_events_dead_letters` (id, attempts, last_error, dead_
 -- mysql_outbox_events, MySql: columns_query
 SELECT CAST(column_name AS CHAR) FROM information_schema.columns WHERE table_schema = DATABASE() AND table_name = :p1
 
+-- mysql_outbox_events, MySql: column_length_query
+SELECT CAST(character_maximum_length AS SIGNED), CAST(character_octet_length AS SIGNED) FROM information_schema.columns WHERE table_schema = DATABASE() AND table_name = :p2 AND column_name = :p3
+
 -- mysql_outbox_events, MySql: insert
 INSERT INTO `outbox_events` (`id`, `type`, `createdAt`, `updatedAt`) VALUES (?, ?, UTC_TIMESTAMP(), UTC_TIMESTAMP())
 
@@ -1862,7 +1892,7 @@ INSERT INTO `outbox_events` (`id`, `type`, `createdAt`, `updatedAt`) VALUES (?, 
 o.`id` NOT IN (1, 2)
 
 -- mysql_outbox_events, MySql: not_in_texts
-CAST(o.`type` AS CHAR) NOT IN (:p2, :p3)
+CAST(o.`type` AS CHAR) NOT IN (:p4, :p5)
 
 -- native_mysql, Postgres: table
 "app"."outbox"
@@ -2040,14 +2070,17 @@ UPDATE "app"."outbox" o SET "dead_at" = now(), "attempts" = :attempts, "last_err
 -- native_mysql, Postgres: columns_query
 SELECT (column_name)::text FROM information_schema.columns WHERE table_schema = $1::text AND table_name = $2::text
 
+-- native_mysql, Postgres: column_length_query
+SELECT (character_maximum_length)::int8, (character_octet_length)::int8 FROM information_schema.columns WHERE table_schema = $3::text AND table_name = $4::text AND column_name = $5::text
+
 -- native_mysql, Postgres: insert
 INSERT INTO "app"."outbox" ("sequence_id", "destination", "event_id") VALUES ($1, $2, UUID()) RETURNING "sequence_id"
 
 -- native_mysql, Postgres: not_in_ids
-o."sequence_id" NOT IN (SELECT unnest($3::int8[]))
+o."sequence_id" NOT IN (SELECT unnest($6::int8[]))
 
 -- native_mysql, Postgres: not_in_texts
-coalesce((o."partition_key")::text, (o."destination")::text) NOT IN (SELECT unnest($4::text[]))
+coalesce((o."partition_key")::text, (o."destination")::text) NOT IN (SELECT unnest($7::text[]))
 
 -- native_mysql, MySql: table
 `app`.`outbox`
@@ -2224,6 +2257,9 @@ UPDATE `app`.`outbox` o SET o.`dead_at` = UTC_TIMESTAMP(6), o.`attempts` = :atte
 -- native_mysql, MySql: columns_query
 SELECT CAST(column_name AS CHAR) FROM information_schema.columns WHERE table_schema = :p1 AND table_name = :p2
 
+-- native_mysql, MySql: column_length_query
+SELECT CAST(character_maximum_length AS SIGNED), CAST(character_octet_length AS SIGNED) FROM information_schema.columns WHERE table_schema = :p3 AND table_name = :p4 AND column_name = :p5
+
 -- native_mysql, MySql: insert
 INSERT INTO `app`.`outbox` (`sequence_id`, `destination`, `event_id`) VALUES (?, ?, UUID())
 
@@ -2231,7 +2267,7 @@ INSERT INTO `app`.`outbox` (`sequence_id`, `destination`, `event_id`) VALUES (?,
 o.`sequence_id` NOT IN (1, 2)
 
 -- native_mysql, MySql: not_in_texts
-coalesce(CAST(o.`partition_key` AS CHAR), CAST(o.`destination` AS CHAR)) NOT IN (:p3, :p4)
+coalesce(CAST(o.`partition_key` AS CHAR), CAST(o.`destination` AS CHAR)) NOT IN (:p6, :p7)
 
 -- native_mysql retained, Postgres: table
 "outbox"
@@ -2408,14 +2444,17 @@ UPDATE "outbox" o SET "dead_at" = now(), "attempts" = :attempts, "last_error" = 
 -- native_mysql retained, Postgres: columns_query
 SELECT (column_name)::text FROM information_schema.columns WHERE table_schema = $1::text AND table_name = $2::text
 
+-- native_mysql retained, Postgres: column_length_query
+SELECT (character_maximum_length)::int8, (character_octet_length)::int8 FROM information_schema.columns WHERE table_schema = $3::text AND table_name = $4::text AND column_name = $5::text
+
 -- native_mysql retained, Postgres: insert
 INSERT INTO "outbox" ("sequence_id", "destination", "event_id") VALUES ($1, $2, UUID()) RETURNING "sequence_id"
 
 -- native_mysql retained, Postgres: not_in_ids
-o."sequence_id" NOT IN (SELECT unnest($3::int8[]))
+o."sequence_id" NOT IN (SELECT unnest($6::int8[]))
 
 -- native_mysql retained, Postgres: not_in_texts
-coalesce((o."partition_key")::text, (o."destination")::text) NOT IN (SELECT unnest($4::text[]))
+coalesce((o."partition_key")::text, (o."destination")::text) NOT IN (SELECT unnest($7::text[]))
 
 -- native_mysql retained, MySql: table
 `outbox`
@@ -2592,6 +2631,9 @@ UPDATE `outbox` o SET o.`dead_at` = UTC_TIMESTAMP(6), o.`attempts` = :attempts, 
 -- native_mysql retained, MySql: columns_query
 SELECT CAST(column_name AS CHAR) FROM information_schema.columns WHERE table_schema = DATABASE() AND table_name = :p1
 
+-- native_mysql retained, MySql: column_length_query
+SELECT CAST(character_maximum_length AS SIGNED), CAST(character_octet_length AS SIGNED) FROM information_schema.columns WHERE table_schema = DATABASE() AND table_name = :p2 AND column_name = :p3
+
 -- native_mysql retained, MySql: insert
 INSERT INTO `outbox` (`sequence_id`, `destination`, `event_id`) VALUES (?, ?, UUID())
 
@@ -2599,5 +2641,5 @@ INSERT INTO `outbox` (`sequence_id`, `destination`, `event_id`) VALUES (?, ?, UU
 o.`sequence_id` NOT IN (1, 2)
 
 -- native_mysql retained, MySql: not_in_texts
-coalesce(CAST(o.`partition_key` AS CHAR), CAST(o.`destination` AS CHAR)) NOT IN (:p2, :p3)
+coalesce(CAST(o.`partition_key` AS CHAR), CAST(o.`destination` AS CHAR)) NOT IN (:p4, :p5)
 

@@ -118,6 +118,10 @@ fn statements(sql: &Sql) -> Vec<(&'static str, Option<String>)> {
         ("retry", sql.retry(&failure, ":delay")),
         ("dead_letter", Some(sql.dead_letter(&failure))),
         ("columns_query", Some(sql.columns_query(&mut params))),
+        (
+            "column_length_query",
+            Some(sql.column_length_query("last_error", &mut params)),
+        ),
         ("insert", Some(sql.insert(&columns[..2]))),
         (
             "not_in_ids",

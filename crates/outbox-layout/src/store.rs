@@ -218,7 +218,14 @@ struct Inner<D: MappedDb> {
     default_max_attempts: i64,
     memory: Mutex<Memory>,
     leader: tokio::sync::Mutex<Leader<D::Lock>>,
+    /// The most characters of an error `last_error` takes ([`ERROR_CHARS`] until the
+    /// column's own bound is read, at each takeover).
+    error_chars: std::sync::atomic::AtomicUsize,
 }
+
+/// The most characters of an error written to `last_error`, whatever the column holds: a
+/// sink's error can quote a long answer, and a `text` column of MySQL holds 65,535 bytes.
+pub const ERROR_CHARS: usize = 8_000;
 
 /// A store over a mapped table. Cheap to clone.
 pub struct MappedStore<D: MappedDb> {
@@ -250,6 +257,7 @@ impl<D: MappedDb> MappedStore<D> {
                     last_check: None,
                     last_reap: None,
                 }),
+                error_chars: std::sync::atomic::AtomicUsize::new(ERROR_CHARS),
             }),
         })
     }
@@ -413,6 +421,7 @@ impl<D: MappedDb> MappedStore<D> {
             *self.memory() = Memory::default();
             let reaped = self.reap(true, lease).await?;
             self.load_waiting_keys().await?;
+            self.read_error_bound().await;
             leader.last_reap = Some(Instant::now());
             tracing::info!(layout = %inner.layout, table = %self.table_name(), reaped, "this relay is now the table's active relay");
         } else if leader.last_reap.is_none_or(|t| t.elapsed() >= lease / 2) {
@@ -423,6 +432,54 @@ impl<D: MappedDb> MappedStore<D> {
             }
         }
         Ok(true)
+    }
+
+    /// Reads how much of an error `last_error` holds. An error longer than a custom
+    /// mapping's `varchar(255)` was refused (strict MySQL, PostgreSQL), and the retry or dead
+    /// letter with it, every time: the rows stayed leased, their keys stuck.
+    async fn read_error_bound(&self) {
+        let sql = &self.inner.sql;
+        let Some(column) = &sql.mapping.last_error else {
+            return;
+        };
+        let mut p = self.params();
+        let statement = sql.column_length_query(column, &mut p);
+        match self
+            .inner
+            .db
+            .query("read last_error's length", statement, p)
+            .await
+        {
+            Ok(rows) => {
+                let bound = |i| {
+                    rows.first()
+                        .and_then(|r| D::int(r, i))
+                        .and_then(|n| usize::try_from(n).ok())
+                };
+                // A character takes up to 4 bytes.
+                let chars = [bound(0), bound(1).map(|bytes| bytes / 4), Some(ERROR_CHARS)]
+                    .into_iter()
+                    .flatten()
+                    .min()
+                    .unwrap_or(ERROR_CHARS)
+                    .max(1);
+                self.inner
+                    .error_chars
+                    .store(chars, std::sync::atomic::Ordering::Relaxed);
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot read last_error's length; errors are cut to {ERROR_CHARS} characters")
+            }
+        }
+    }
+
+    /// An error as `last_error` holds it.
+    fn fitted_error<'a>(&self, error: &'a str) -> &'a str {
+        let chars = self
+            .inner
+            .error_chars
+            .load(std::sync::atomic::Ordering::Relaxed);
+        outbox_core::redact::first_chars(error, chars)
     }
 
     /// Returns rows held by a gone relay (`all`, at takeover) or whose lease expired to
@@ -811,7 +868,8 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
                     &retries,
                     |r| r.sequence_id,
                     |r, id, p| {
-                        let failure = failure(p, id, &node, r.attempts, &r.error);
+                        let failure =
+                            failure(p, id, &node, r.attempts, store.fitted_error(&r.error));
                         sql.retry(&failure, &p.int(millis(r.delay)))
                     },
                 )
@@ -835,7 +893,10 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
                     "dead-letter",
                     &entries,
                     |e| e.sequence_id,
-                    |e, id, p| Some(sql.dead_letter(&failure(p, id, &node, e.attempts, &e.error))),
+                    |e, id, p| {
+                        let error = store.fitted_error(&e.error);
+                        Some(sql.dead_letter(&failure(p, id, &node, e.attempts, error)))
+                    },
                 )
                 .await?
                 .unwrap_or(0);

@@ -260,7 +260,7 @@ SELECT id FROM "public"."outbox_nodes"
                   ORDER BY id
 
 -- public.outbox: partition_count
-SELECT count(*)::int8 FROM "public"."outbox_partitions"
+SELECT count(*)::int8, (SELECT pg_encoding_to_char(encoding)::text FROM pg_database WHERE datname = current_database()) FROM "public"."outbox_partitions"
 
 -- public.outbox: acquire
 UPDATE "public"."outbox_partitions"
@@ -861,7 +861,7 @@ SELECT id FROM "app"."relay_nodes"
                   ORDER BY id
 
 -- app.events: partition_count
-SELECT count(*)::int8 FROM "app"."events_partitions"
+SELECT count(*)::int8, (SELECT pg_encoding_to_char(encoding)::text FROM pg_database WHERE datname = current_database()) FROM "app"."events_partitions"
 
 -- app.events: acquire
 UPDATE "app"."events_partitions"

@@ -34,6 +34,7 @@ use futures::FutureExt;
 use mysql_async::prelude::Queryable;
 use mysql_async::{OptsBuilder, Pool, Value};
 use outbox_core::memory::{event_bytes, MemoryBudget, EVENT_OVERHEAD};
+use outbox_core::redact::first_chars;
 use outbox_core::store::{
     Backlog, ClaimRequest, Claimed, DeadLetter, LeaseExtension, LeaseHolder, OnChange, Problem,
     RetryLater, StoreFuture, StoreResult,
@@ -927,14 +928,6 @@ impl Inner {
 /// `text` cut to what the parked table's `varchar` columns hold.
 fn fitted(text: &str) -> &str {
     first_chars(text, event::PARKED_TEXT_CHARS)
-}
-
-/// At most the first `n` characters of `text`.
-fn first_chars(text: &str, n: usize) -> &str {
-    match text.char_indices().nth(n) {
-        Some((at, _)) => &text[..at],
-        None => text,
-    }
 }
 
 /// A claimed row of the parked table under its engine id ([`parked_id`]).

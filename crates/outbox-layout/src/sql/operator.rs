@@ -392,6 +392,24 @@ impl Sql {
         )
     }
 
+    /// The most characters, and bytes, `column` of the table holds (NULL where unbounded):
+    /// the first row's two integers.
+    pub fn column_length_query(&self, column: &str, params: &mut Params) -> String {
+        let schema = match (self.dialect, &self.mapping.schema) {
+            (_, Some(schema)) => params.text(schema.clone()),
+            (Dialect::Postgres, None) => params.text("public".to_string()),
+            (Dialect::MySql, None) => "DATABASE()".into(),
+        };
+        let table = params.text(self.mapping.table.clone());
+        let column = params.text(column.to_string());
+        format!(
+            "SELECT {}, {} FROM information_schema.columns \
+              WHERE table_schema = {schema} AND table_name = {table} AND column_name = {column}",
+            self.int("character_maximum_length"),
+            self.int("character_octet_length")
+        )
+    }
+
     /// Inserts one row as an application would: `columns` take one untyped placeholder each
     /// (`$n` or `?`, converted to the column's type by the executor), the mapping's insert
     /// defaults fill the columns left out, and PostgreSQL returns the row id.

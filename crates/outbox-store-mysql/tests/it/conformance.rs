@@ -434,3 +434,47 @@ async fn operator_commands_match_destinations_and_types_exactly() {
         .unwrap();
     assert_eq!(left, ["Orders", "ördérs"]);
 }
+
+/// A mapped table's `last_error` narrower than an error (here `varchar(20)`, as custom
+/// tables have it): the server refused the retry (strict mode), every time, and the row
+/// stayed leased, its key stuck. The error is cut to what the column holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_error_longer_than_last_error_holds_is_cut_to_fit() {
+    use outbox_core::store::{ClaimRequest, LeaseHolder, RetryLater};
+    use outbox_core::NodeId;
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let store = store(&url, false);
+    store.migrate().await.unwrap();
+    let mut conn = mysql_async::Conn::from_url(url.as_str()).await.unwrap();
+    conn.query_drop("ALTER TABLE outbox MODIFY last_error varchar(20) NULL")
+        .await
+        .unwrap();
+    store
+        .insert(vec![outbox_testkit::conformance::keyed_event("k", 0)])
+        .await
+        .unwrap();
+    let node = NodeId("n".into());
+    let claimed = store
+        .claim(ClaimRequest::new(node.clone(), 10, Duration::from_secs(30)))
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), 1);
+    let retried = store
+        .retry_later(
+            LeaseHolder::unfenced(node),
+            vec![RetryLater {
+                sequence_id: claimed[0].sequence_id(),
+                attempts: 1,
+                error: "é".repeat(300),
+                delay: Duration::from_millis(10),
+            }],
+        )
+        .await
+        .unwrap();
+    assert_eq!(retried, 1);
+    let stored: Option<String> = conn
+        .query_first("SELECT last_error FROM outbox")
+        .await
+        .unwrap();
+    assert_eq!(stored, Some("é".repeat(20)));
+}
