@@ -30,6 +30,7 @@ impl PgStore {
         PgStore {
             inner: Arc::new(Inner {
                 pool: inner.pool.clone(),
+                coordination: inner.coordination.clone(),
                 config: inner.config.clone(),
                 tls: inner.tls.clone(),
                 sql: schema::Statements::new(&tables),

@@ -111,6 +111,10 @@ const TCP_DEFAULTS: [(&str, Duration); 3] = [
 ];
 const KEEPALIVE_RETRIES: u32 = 3;
 
+/// The connections the nodes and partitions tables' statements run on ([`Inner`]'s
+/// `coordination`): heartbeats and lease renewals, one at a time, and the console's reads.
+const COORDINATION_POOL: usize = 2;
+
 /// How long `migrate`'s DDL waits for a lock on a table the application writes
 /// ([`PgStore::apply_ddl`]).
 pub const DDL_LOCK_WAIT: Duration = Duration::from_secs(5);
@@ -133,6 +137,11 @@ fn url_sets(url: &str, key: &str) -> bool {
 
 struct Inner {
     pool: Pool,
+    /// The nodes and partitions tables' statements (heartbeats, lease renewals) run on
+    /// connections of their own: on the outbox's pool they waited behind claims and acks
+    /// that a lock on the outbox held (VACUUM FULL, an ALTER), the leases lapsed although
+    /// every node was alive, and every partition moved at a new epoch once the lock went.
+    coordination: Pool,
     config: tokio_postgres::Config,
     tls: MakeRustlsConnect,
     tables: Tables,
@@ -208,36 +217,43 @@ impl PgStore {
             None => format!("{INDEX_ORDER_PLANS} {statement_bound}"),
         };
         config.options(&session_options);
-        let manager = Manager::from_config(
-            config.clone(),
-            tls.clone(),
-            ManagerConfig {
-                recycling_method: RecyclingMethod::Fast,
-            },
-        );
+        let manager = || {
+            Manager::from_config(
+                config.clone(),
+                tls.clone(),
+                ManagerConfig {
+                    recycling_method: RecyclingMethod::Fast,
+                },
+            )
+        };
         // A connection made before the server began to refuse new ones (a smart shutdown)
         // is closed at its next use instead of being used again (`shutdown_watch`).
         let refused = Arc::new(tokio::sync::watch::channel(None).0);
-        let refusing = refused.clone();
-        let give_way = deadpool_postgres::Hook::sync_fn(move |_, metrics| {
-            match shutdown_watch::pooled_before_the_refusal(&refusing, metrics.created) {
-                true => Err(deadpool_postgres::HookError::message(
-                    "PostgreSQL refuses new connections",
-                )),
-                false => Ok(()),
-            }
-        });
-        let pool = Pool::builder(manager)
-            .pre_recycle(give_way)
-            .max_size(options.pool_size.max(2))
-            .wait_timeout(Some(Duration::from_secs(10)))
-            .create_timeout(Some(shutdown_watch::POOL_CONNECT_TIMEOUT))
-            .runtime(deadpool_postgres::Runtime::Tokio1)
-            .build()
-            .map_err(|e| StoreError::new(StoreErrorKind::Config, format!("pool setup: {e}")))?;
+        let give_way = || {
+            let refusing = refused.clone();
+            deadpool_postgres::Hook::sync_fn(move |_, metrics| {
+                match shutdown_watch::pooled_before_the_refusal(&refusing, metrics.created) {
+                    true => Err(deadpool_postgres::HookError::message(
+                        "PostgreSQL refuses new connections",
+                    )),
+                    false => Ok(()),
+                }
+            })
+        };
+        let pool = |size: usize| {
+            Pool::builder(manager())
+                .pre_recycle(give_way())
+                .max_size(size)
+                .wait_timeout(Some(Duration::from_secs(10)))
+                .create_timeout(Some(shutdown_watch::POOL_CONNECT_TIMEOUT))
+                .runtime(deadpool_postgres::Runtime::Tokio1)
+                .build()
+                .map_err(|e| StoreError::new(StoreErrorKind::Config, format!("pool setup: {e}")))
+        };
         Ok(PgStore {
             inner: Arc::new(Inner {
-                pool,
+                pool: pool(options.pool_size.max(2))?,
+                coordination: pool(COORDINATION_POOL)?,
                 config,
                 tls,
                 sql: schema::Statements::new(&options.tables),
@@ -368,13 +384,13 @@ impl PgStore {
         result
     }
 
-    /// A pooled connection with `sql` prepared on it, through its statement cache.
-    async fn prepared(
-        inner: &Inner,
+    /// A connection of `pool` with `sql` prepared on it, through its statement cache.
+    async fn prepared_on(
+        pool: &Pool,
         context: &'static str,
         sql: &str,
     ) -> StoreResult<(deadpool_postgres::Client, tokio_postgres::Statement)> {
-        let client = inner.pool.get().await.map_err(|e| pool_error(context, e))?;
+        let client = pool.get().await.map_err(|e| pool_error(context, e))?;
         let statement = client
             .prepare_cached(sql)
             .await
@@ -399,8 +415,19 @@ impl PgStore {
         sql: &str,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> StoreResult<u64> {
+        Self::execute_on(inner, &inner.pool, context, sql, params).await
+    }
+
+    /// [`PgStore::execute`] on `pool`.
+    async fn execute_on(
+        inner: &Inner,
+        pool: &Pool,
+        context: &'static str,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> StoreResult<u64> {
         bounded(inner, context, async {
-            let (client, statement) = Self::prepared(inner, context, sql).await?;
+            let (client, statement) = Self::prepared_on(pool, context, sql).await?;
             client
                 .execute(&statement, params)
                 .await
@@ -415,8 +442,19 @@ impl PgStore {
         sql: &str,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> StoreResult<Vec<Row>> {
+        Self::query_on(inner, &inner.pool, context, sql, params).await
+    }
+
+    /// [`PgStore::query`] on `pool`.
+    async fn query_on(
+        inner: &Inner,
+        pool: &Pool,
+        context: &'static str,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> StoreResult<Vec<Row>> {
         bounded(inner, context, async {
-            let (client, statement) = Self::prepared(inner, context, sql).await?;
+            let (client, statement) = Self::prepared_on(pool, context, sql).await?;
             client
                 .query(&statement, params)
                 .await
@@ -472,6 +510,7 @@ async fn bounded_within<T>(
     let result = tokio::time::timeout(within, operation).await;
     result.unwrap_or_else(|_| {
         inner.pool.retain(|_, _| false);
+        inner.coordination.retain(|_, _| false);
         Err(outbox_core::store::no_answer(context, within))
     })
 }
@@ -647,6 +686,7 @@ fn forget_stale_plans(inner: &Inner, error: &tokio_postgres::Error) {
     if error.code() == Some(&tokio_postgres::error::SqlState::FEATURE_NOT_SUPPORTED) {
         tracing::warn!(error = %error, "a table changed under the relay: preparing its statements again");
         inner.pool.manager().statement_caches.clear();
+        inner.coordination.manager().statement_caches.clear();
     }
 }
 

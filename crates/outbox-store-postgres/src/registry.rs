@@ -10,7 +10,8 @@ use outbox_core::store::{
 };
 use outbox_core::{NodeId, StoreError, StoreErrorKind};
 
-use crate::{from_micros, millis, PgStore};
+use crate::{from_micros, millis, Inner, PgStore};
+use outbox_core::store::StoreResult;
 
 impl NodeRegistry for PgStore {
     fn register(&self, node: NodeId, ttl: Duration) -> StoreFuture<Registration> {
@@ -18,7 +19,7 @@ impl NodeRegistry for PgStore {
         async move {
             let ttl = millis(ttl);
             let rows =
-                Self::query(&inner, "register", &inner.sql.register, &[&node.0, &ttl]).await?;
+                Self::coordinate(&inner, "register", &inner.sql.register, &[&node.0, &ttl]).await?;
             let Some(row) = rows.first() else {
                 // Another session took the row after this statement's snapshot was taken.
                 return Err(StoreError::new(
@@ -41,7 +42,7 @@ impl NodeRegistry for PgStore {
         let inner = self.inner.clone();
         async move {
             let ttl = millis(ttl);
-            let rows = Self::query(
+            let rows = Self::coordinate(
                 &inner,
                 "heartbeat",
                 &inner.sql.heartbeat,
@@ -56,7 +57,7 @@ impl NodeRegistry for PgStore {
     fn remove_expired(&self) -> StoreFuture<u64> {
         let inner = self.inner.clone();
         async move {
-            Self::execute(
+            Self::coordinate_execute(
                 &inner,
                 "remove expired nodes",
                 &inner.sql.remove_expired,
@@ -70,7 +71,7 @@ impl NodeRegistry for PgStore {
     fn deregister(&self, node: NodeId, last: Incarnation) -> StoreFuture<()> {
         let inner = self.inner.clone();
         async move {
-            Self::execute(
+            Self::coordinate_execute(
                 &inner,
                 "deregister",
                 &inner.sql.deregister,
@@ -85,7 +86,7 @@ impl NodeRegistry for PgStore {
     fn live_nodes(&self) -> StoreFuture<Vec<NodeRecord>> {
         let inner = self.inner.clone();
         async move {
-            let rows = Self::query(&inner, "list nodes", &inner.sql.live_nodes, &[]).await?;
+            let rows = Self::coordinate(&inner, "list nodes", &inner.sql.live_nodes, &[]).await?;
             Ok(rows
                 .iter()
                 .map(|r| NodeRecord {
@@ -108,7 +109,7 @@ impl PartitionRegistry for PgStore {
         let inner = self.inner.clone();
         async move {
             let (protocol, oldest) = (protocol as i32, oldest as i32);
-            let rows = Self::query(
+            let rows = Self::coordinate(
                 &inner,
                 "nodes of older protocols",
                 &inner.sql.nodes_behind,
@@ -126,8 +127,8 @@ impl PartitionRegistry for PgStore {
     fn partition_peers(&self) -> StoreFuture<Vec<String>> {
         let inner = self.inner.clone();
         async move {
-            let rows =
-                Self::query(&inner, "partition peers", &inner.sql.partition_peers, &[]).await?;
+            let rows = Self::coordinate(&inner, "partition peers", &inner.sql.partition_peers, &[])
+                .await?;
             Ok(rows.iter().map(|r| r.get(0)).collect())
         }
         .boxed()
@@ -153,7 +154,7 @@ impl PartitionRegistry for PgStore {
         let inner = self.inner.clone();
         async move {
             let ttl = millis(ttl);
-            let rows = Self::query(
+            let rows = Self::coordinate(
                 &inner,
                 "acquire partitions",
                 &inner.sql.acquire,
@@ -170,7 +171,7 @@ impl PartitionRegistry for PgStore {
         async move {
             let (partitions, epochs): (Vec<i32>, Vec<i64>) = held.into_iter().unzip();
             let ttl = millis(ttl);
-            let rows = Self::query(
+            let rows = Self::coordinate(
                 &inner,
                 "renew partitions",
                 &inner.sql.renew,
@@ -185,7 +186,7 @@ impl PartitionRegistry for PgStore {
     fn release_partitions(&self, node: NodeId, partitions: Vec<i32>) -> StoreFuture<u64> {
         let inner = self.inner.clone();
         async move {
-            Self::execute(
+            Self::coordinate_execute(
                 &inner,
                 "release partitions",
                 &inner.sql.release_partitions,
@@ -199,7 +200,8 @@ impl PartitionRegistry for PgStore {
     fn partitions(&self) -> StoreFuture<Vec<PartitionRecord>> {
         let inner = self.inner.clone();
         async move {
-            let rows = Self::query(&inner, "list partitions", &inner.sql.partitions, &[]).await?;
+            let rows =
+                Self::coordinate(&inner, "list partitions", &inner.sql.partitions, &[]).await?;
             Ok(rows
                 .iter()
                 .map(|r| PartitionRecord {
@@ -215,13 +217,34 @@ impl PartitionRegistry for PgStore {
 }
 
 impl PgStore {
+    /// A query on the coordination pool (see `Inner::coordination`).
+    async fn coordinate(
+        inner: &Inner,
+        context: &'static str,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> StoreResult<Vec<tokio_postgres::Row>> {
+        Self::query_on(inner, &inner.coordination, context, sql, params).await
+    }
+
+    /// A statement on the coordination pool; the rows it affected.
+    async fn coordinate_execute(
+        inner: &Inner,
+        context: &'static str,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> StoreResult<u64> {
+        Self::execute_on(inner, &inner.coordination, context, sql, params).await
+    }
+
     /// The partitions table's count (refused where the `partitions` setting contradicts
     /// it), and the database's encoding.
     pub(crate) async fn stored_partitions(
         &self,
     ) -> outbox_core::store::StoreResult<(u32, Option<String>)> {
         let inner = &self.inner;
-        let rows = Self::query(inner, "partition count", &inner.sql.partition_count, &[]).await?;
+        let rows =
+            Self::coordinate(inner, "partition count", &inner.sql.partition_count, &[]).await?;
         let count = rows[0].get::<_, i64>(0).max(0) as u32;
         configured_partitions_hold(inner.tables.partition_count, count)?;
         Ok((count, rows[0].get(1)))

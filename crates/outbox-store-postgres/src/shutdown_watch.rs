@@ -102,9 +102,11 @@ pub(crate) async fn watch(inner: Arc<Inner>) {
         if probe == Probe::Refused {
             // Idle ones now; each one in use at its next use (the pool's hook), or here
             // within a second.
-            inner
-                .pool
-                .retain(|_, metrics| !pooled_before_the_refusal(&inner.refused, metrics.created));
+            for pool in [&inner.pool, &inner.coordination] {
+                pool.retain(|_, metrics| {
+                    !pooled_before_the_refusal(&inner.refused, metrics.created)
+                });
+            }
         }
     }
 }

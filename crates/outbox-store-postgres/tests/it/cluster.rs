@@ -1063,3 +1063,71 @@ async fn race_a_registration_that_meets_a_concurrent_insert_of_its_row_looks_aga
         .stop(tokio::time::Instant::now() + Duration::from_secs(5))
         .await;
 }
+
+/// A lock on the outbox (VACUUM FULL, an ALTER, pg_repack's swap) holds every claim and ack
+/// for as long as it lasts. Those took every connection of the pool, and the heartbeats and
+/// lease renewals, which touch only the nodes and partitions tables, waited for one: the
+/// leases lapsed although every node was alive, and every partition moved at a new epoch
+/// once the lock went. They run on connections of their own now.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heartbeats_go_on_while_a_lock_on_the_outbox_holds_every_claim() {
+    use outbox_core::store::{NodeRegistry, Registration};
+    let url = outbox_testkit::fresh_pg_database().await;
+    let mut options = PgOptions::new(url.as_str(), Tables::standard());
+    options.pool_size = 2;
+    let store = PgStore::new(options).unwrap();
+    store.migrate().await.unwrap();
+    let node = NodeId("busy".into());
+    let Registration::Registered(last) = store
+        .register(node.clone(), Duration::from_secs(30))
+        .await
+        .unwrap()
+    else {
+        panic!("a fresh table has no row for the node");
+    };
+    let locker = session(&url).await;
+    locker
+        .batch_execute("BEGIN; LOCK TABLE outbox IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    // As many claims as the pool has connections, each waiting on the lock.
+    let claims: Vec<_> = (0..2)
+        .map(|_| {
+            let store = store.clone();
+            let node = node.clone();
+            tokio::spawn(async move {
+                store
+                    .claim(ClaimRequest::new(node, 10, Duration::from_secs(30)))
+                    .await
+            })
+        })
+        .collect();
+    eventually(
+        "both claims waiting on the lock",
+        Duration::from_secs(30),
+        || async {
+            let waiting: i64 = locker
+            .query_one(
+                "SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = 'outbox'::regclass",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+            (waiting >= 2).then_some(())
+        },
+    )
+    .await;
+    let beat = store
+        .heartbeat(Heartbeat {
+            node,
+            last,
+            ttl: Duration::from_secs(30),
+        })
+        .await;
+    locker.batch_execute("COMMIT").await.unwrap();
+    for claim in claims {
+        claim.await.unwrap().unwrap();
+    }
+    assert!(beat.unwrap().is_some(), "the heartbeat went through");
+}
