@@ -227,7 +227,8 @@ impl Config {
             // OUTBOX_RELAY_CONFIG names the file (`--config`); it is no setting. The admin
             // token is read below, untrimmed. The webhook secret and the Ably key are read
             // by their sinks.
-            .ignore(&["webhook_secret", "config", "admin_token", "ably_api_key"]);
+            .ignore(&["webhook_secret", "config", "admin_token", "ably_api_key"])
+            .filter(|key| !kubernetes_service_link(&key.as_str().to_ascii_lowercase()));
         let layout: LayoutKind = figment
             .clone()
             .merge(AsWritten(env.clone()))
@@ -1053,9 +1054,63 @@ fn single_sink(uri: &str) -> BTreeMap<String, SinkConfig> {
     BTreeMap::from([("default".to_string(), SinkConfig::new(uri))])
 }
 
+/// Whether an `OUTBOX_RELAY_*` variable (`key`, the rest of its name in lower case) is one
+/// that Kubernetes sets in every pod for a Service named `outbox-relay` or `outbox-relay-*`
+/// (`OUTBOX_RELAY_SERVICE_HOST`, `OUTBOX_RELAY_PORT=tcp://…`, `…_PORT_2259_TCP_ADDR`): taken
+/// for unknown settings, they stopped every pod of the manifests' own Service with exit 2.
+/// No setting's name holds `service_host`, `service_port` or ends in `port`.
+fn kubernetes_service_link(key: &str) -> bool {
+    let parts: Vec<&str> = key.split('_').collect();
+    let is_proto = |p: &str| matches!(p, "tcp" | "udp" | "sctp");
+    match parts.as_slice() {
+        [.., "service", "host"] | [.., "service", "port"] => true,
+        // OUTBOX_RELAY_PORT, …_PORT_2259_TCP_PORT
+        [.., "port"] => true,
+        // OUTBOX_RELAY_PORT_2259_TCP, …_TCP_PROTO, …_TCP_ADDR
+        [.., "port", number, proto] if number.parse::<u16>().is_ok() && is_proto(proto) => true,
+        [.., "port", number, proto, "proto" | "addr"]
+            if number.parse::<u16>().is_ok() && is_proto(proto) =>
+        {
+            true
+        }
+        // OUTBOX_RELAY_SERVICE_PORT_<port name>
+        _ => parts
+            .windows(3)
+            .any(|w| w[0] == "service" && w[1] == "port" && !w[2].is_empty()),
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::result_large_err)] // figment::Jail's closure signature
 mod tests {
+
+    /// Kubernetes sets these in every pod for a Service named `outbox-relay`.
+    #[test]
+    fn kubernetes_service_links_are_no_settings() {
+        for key in [
+            "service_host",
+            "service_port",
+            "service_port_http",
+            "port",
+            "port_2259_tcp",
+            "port_2259_tcp_proto",
+            "port_2259_tcp_port",
+            "port_2259_tcp_addr",
+            "admin_service_host",
+            "admin_port_9090_udp_addr",
+        ] {
+            assert!(kubernetes_service_link(key), "{key}");
+        }
+        for key in [
+            "database_url",
+            "http_addr",
+            "sink",
+            "partitions",
+            "poll_interval",
+        ] {
+            assert!(!kubernetes_service_link(key), "{key}");
+        }
+    }
     use super::*;
     use outbox_core::RetryPolicy;
     use std::time::Duration;

@@ -1023,6 +1023,28 @@ fn settings_a_mode_would_ignore_or_crash_on_exit_2() {
         "{}",
         stderr(&ably)
     );
+    // What Kubernetes sets in every pod for a Service named `outbox-relay` (as the
+    // manifests' own is): taken for unknown settings, they stopped every pod with exit 2.
+    let linked = relay(
+        d,
+        &["check"],
+        &[
+            ("OUTBOX_RELAY_SERVICE_HOST", "10.96.0.12"),
+            ("OUTBOX_RELAY_SERVICE_PORT", "2259"),
+            ("OUTBOX_RELAY_SERVICE_PORT_HTTP", "2259"),
+            ("OUTBOX_RELAY_PORT", "tcp://10.96.0.12:2259"),
+            ("OUTBOX_RELAY_PORT_2259_TCP", "tcp://10.96.0.12:2259"),
+            ("OUTBOX_RELAY_PORT_2259_TCP_PROTO", "tcp"),
+            ("OUTBOX_RELAY_PORT_2259_TCP_PORT", "2259"),
+            ("OUTBOX_RELAY_PORT_2259_TCP_ADDR", "10.96.0.12"),
+        ],
+    );
+    assert_ne!(linked.status.code(), Some(2), "{}", stderr(&linked));
+    assert!(
+        !stderr(&linked).contains("unknown setting"),
+        "{}",
+        stderr(&linked)
+    );
     // Half a client certificate was dropped (the sink connected without one), and a
     // confirmation timeout of 0 timed everything out (or meant "never" to Kafka).
     std::fs::write(

@@ -508,6 +508,8 @@ assert c["readinessProbe"]["httpGet"]["path"] == "/readyz", c
 assert c["resources"]["requests"]["memory"], c
 assert c["securityContext"]["readOnlyRootFilesystem"] is True
 assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+# Service links would put OUTBOX_RELAY_SERVICE_HOST and the like in the relay's settings.
+assert pod["spec"]["enableServiceLinks"] is False
 labels = pod["metadata"]["labels"]
 for kind in ("PodDisruptionBudget",):
     sel = by_kind[kind][0]["spec"]["selector"]["matchLabels"]
