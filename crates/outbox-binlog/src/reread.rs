@@ -5,9 +5,10 @@
 //! went out twice, and a key's earlier event could follow a later one still with the engine
 //! (1, 2, 1). The next session settles each such row unsent instead.
 //!
-//! Rows are known by their outbox row id and event id together ([`RowIdentity`]): the
-//! reading's ordinals start again with every session, and a table's ids alone could be
-//! reused (a table emptied and its counter reset). A BLACKHOLE row has no row id: two such
+//! Rows are known by their outbox row id (of any type) and event id together
+//! ([`RowIdentity`]): the reading's ordinals start again with every session, a table's ids
+//! alone could be reused (a table emptied and its counter reset), and so could event ids.
+//! A BLACKHOLE row has no row id: two such
 //! rows with one event id, both within a second of a break, are one event to the relay, as
 //! they are to a consumer that drops duplicates by event id.
 //!
@@ -20,16 +21,26 @@ use crate::{at_or_after, BinlogPosition};
 /// Which event a row read from the log is, the same in every session that reads it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct RowIdentity {
-    /// The outbox row's `sequence_id` (table form).
-    pub(crate) row: Option<i64>,
+    /// The outbox row's id ([`RowIdentity::row_key`]; none in the BLACKHOLE form).
+    pub(crate) row: Option<u64>,
     pub(crate) event_id: Option<uuid::Uuid>,
 }
 
 impl RowIdentity {
     /// The identity of a row with an id or an event id; `None` for one with neither (an
     /// undecodable BLACKHOLE row), which is handed out again if read again.
-    pub(crate) fn of(row: Option<i64>, event_id: Option<uuid::Uuid>) -> Option<RowIdentity> {
+    pub(crate) fn of(row: Option<u64>, event_id: Option<uuid::Uuid>) -> Option<RowIdentity> {
         (row.is_some() || event_id.is_some()).then_some(RowIdentity { row, event_id })
+    }
+
+    /// A row id as the log writes it (an integer, a UUID's text), as a key: a hash of its
+    /// text, the same in every session (SipHash with the standard library's fixed keys).
+    pub(crate) fn row_key(id: &str) -> u64 {
+        use std::hash::{Hash, Hasher};
+        #[allow(deprecated)]
+        let mut hasher = std::hash::SipHasher::new();
+        id.hash(&mut hasher);
+        hasher.finish()
     }
 }
 
@@ -51,26 +62,34 @@ impl SettledUnstored {
     /// out again, as at-least-once allows.
     const MOST: usize = 262_144;
 
-    /// Row `ordinal` of the session reading is settled.
+    /// Row `ordinal` of the session reading is settled. Past [`Self::MOST`] (a row that
+    /// long unsettled holds the stored position back), it goes out again if read again.
     pub(crate) fn settled(&mut self, ordinal: u64, identity: Option<RowIdentity>) {
         if let Some(identity) = identity {
-            self.reading.push((ordinal, identity));
+            if self.reading.len() < Self::MOST {
+                self.reading.push((ordinal, identity));
+            }
         }
     }
 
     /// A row of an ended session is settled (the engine finished it after the break): the
-    /// session reading may read it again.
+    /// session reading may read it again, unless a stored position has passed every ended
+    /// session's reading.
     pub(crate) fn settled_late(&mut self, identity: Option<RowIdentity>) {
-        if let Some(identity) = identity {
+        if let (Some(identity), Some(_)) = (identity, &self.ended_read_to) {
             self.keep_ended(identity);
         }
     }
 
     /// The session reading stored `stored`, behind which lie its rows below ordinal `below`.
+    /// (A position that is not this server's file, kept after a GTID state, cuts nothing.)
     pub(crate) fn stored(&mut self, below: u64, stored: &BinlogPosition) {
+        if stored.file.is_empty() {
+            return;
+        }
         self.reading.retain(|(ordinal, _)| *ordinal >= below);
         if let Some(read_to) = &self.ended_read_to {
-            if !stored.file.is_empty() && at_or_after(stored, read_to) {
+            if at_or_after(stored, read_to) {
                 self.ended.clear();
                 self.ended_read_to = None;
             }
@@ -83,7 +102,12 @@ impl SettledUnstored {
         for (_, identity) in std::mem::take(&mut self.reading) {
             self.keep_ended(identity);
         }
-        self.ended_read_to = Some(read_to);
+        // The furthest any ended session read: an earlier one may have read further than a
+        // later one that broke soon after it began, and its rows are kept till then.
+        match &self.ended_read_to {
+            Some(further) if !at_or_after(&read_to, further) => {}
+            _ => self.ended_read_to = Some(read_to),
+        }
     }
 
     /// Row `ordinal` of the session reading is `identity`: whether an ended session settled
@@ -110,7 +134,7 @@ impl SettledUnstored {
 mod tests {
     use super::*;
 
-    fn row(id: i64) -> Option<RowIdentity> {
+    fn row(id: u64) -> Option<RowIdentity> {
         RowIdentity::of(Some(id), Some(uuid::Uuid::from_u128(id as u128)))
     }
 
@@ -171,6 +195,29 @@ mod tests {
         assert!(!settled.read_again(1, RowIdentity::of(Some(1), None)));
         assert!(settled.read_again(1, RowIdentity::of(Some(1), Some(id))));
         assert_eq!(RowIdentity::of(None, None), None);
+    }
+
+    /// A session that broke soon after it began read less far than the one before it: the
+    /// earlier one's rows are kept until a store passes where it read to.
+    #[test]
+    fn ended_sessions_rows_are_kept_until_a_store_passes_the_furthest_reading() {
+        let mut settled = SettledUnstored::default();
+        settled.settled(9, row(9));
+        settled.session_ended(at(1, 1000));
+        settled.session_ended(at(1, 300));
+        settled.stored(1, &at(1, 350));
+        assert!(settled.read_again(1, row(9)), "read to 1000, stored 350");
+    }
+
+    /// A settle of an ended session after a store passed every ended reading is of a row no
+    /// session reads again: nothing is kept for it.
+    #[test]
+    fn a_late_settle_after_the_ended_readings_are_passed_keeps_nothing() {
+        let mut settled = SettledUnstored::default();
+        settled.session_ended(at(1, 300));
+        settled.stored(1, &at(1, 400));
+        settled.settled_late(row(4));
+        assert!(settled.ended.is_empty());
     }
 
     /// Once the session reading stores a position at or past where the ended sessions

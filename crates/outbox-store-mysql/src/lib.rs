@@ -66,6 +66,8 @@ pub struct MySql {
     opts: Opts,
     nodes: Option<nodes::Nodes>,
     operation_timeout: Duration,
+    /// Said once: the lock's holder is a session this role cannot see.
+    holder_unseen: std::sync::atomic::AtomicBool,
 }
 
 /// Maps a driver error to its kind, by server error code, never by message text.
@@ -242,6 +244,7 @@ impl MappedDb for MySql {
                 opts,
                 nodes,
                 operation_timeout: timeout,
+                holder_unseen: std::sync::atomic::AtomicBool::new(false),
             },
             mapping: options.mapping,
             layout: options.layout,
@@ -267,14 +270,39 @@ impl MappedDb for MySql {
             if got.flatten() == Some(1) {
                 return Ok(Ok(conn));
             }
-            let stale: Option<(u64, u64)> = conn
+            let holder: Option<(Option<u64>, Option<String>, Option<u64>)> = conn
                 .exec_first(
-                    "SELECT ID, TIME FROM information_schema.PROCESSLIST
-                      WHERE ID = IS_USED_LOCK(?) AND COMMAND = 'Sleep' AND TIME >= ?",
-                    (&name, LOCK_STALE_AFTER.as_secs()),
+                    "SELECT h.id, p.COMMAND, p.TIME
+                       FROM (SELECT IS_USED_LOCK(?) AS id) h
+                       LEFT JOIN information_schema.PROCESSLIST p ON p.ID = h.id",
+                    (&name,),
                 )
                 .await
                 .map_err(|e| db_error(context, e))?;
+            let stale = match holder {
+                Some((Some(id), Some(command), Some(idle)))
+                    if command == "Sleep" && idle >= LOCK_STALE_AFTER.as_secs() =>
+                {
+                    Some((id, idle))
+                }
+                Some((Some(id), None, _)) => {
+                    if !self
+                        .holder_unseen
+                        .swap(true, std::sync::atomic::Ordering::Relaxed)
+                    {
+                        tracing::warn!(
+                            connection = id,
+                            lock = %name,
+                            "the active relay's lock is held by a session this role cannot see \
+                             (another database user, and no PROCESS privilege): a holder that is \
+                             gone or paused is not told from a live one, and this relay waits \
+                             until the server ends it; run every relay as the same user"
+                        );
+                    }
+                    None
+                }
+                _ => None,
+            };
             Ok(Err((conn, stale)))
         });
         let (conn, (holder, idle)) = match taken.await? {
@@ -303,7 +331,7 @@ impl MappedDb for MySql {
     }
 
     async fn lock_alive(&self, lock: &mut HeldLock) -> bool {
-        lock.alive.load(std::sync::atomic::Ordering::SeqCst)
+        lock.alive()
     }
 
     /// Ends the holder's connection (`KILL CONNECTION`, which the server allows on a
@@ -658,32 +686,55 @@ pub const LOCK_KEEPALIVE: Duration = Duration::from_secs(2);
 /// (a live one pings every [`LOCK_KEEPALIVE`]): a standby ends that session and takes over.
 pub const LOCK_STALE_AFTER: Duration = Duration::from_secs(15);
 
+/// The holder counts its lock as held only while its last answered ping is younger than
+/// this, well inside [`LOCK_STALE_AFTER`]: a holder paused past the stale bound, or whose
+/// pings go unanswered, stops claiming before a standby may end its session and take over.
+pub const LOCK_ALIVE_FOR: Duration = Duration::from_secs(8);
+
 /// The active-relay lock's session, owned by a task that pings it every
-/// [`LOCK_KEEPALIVE`]; the first ping that fails (or does not answer within the operation
-/// timeout) ends the task, and the session with it. Dropped, it lets the lock go.
+/// [`LOCK_KEEPALIVE`]; the first ping that fails or goes unanswered ends the task, and the
+/// session with it. Dropped, it lets the lock go.
 pub struct HeldLock {
-    alive: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// When the last ping was answered; `None` once one was not.
+    answered: std::sync::Arc<std::sync::Mutex<Option<std::time::Instant>>>,
     keeper: tokio::task::JoinHandle<()>,
 }
 
 impl HeldLock {
     fn hold(conn: Conn, timeout: Duration) -> HeldLock {
-        let alive = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let answered = std::sync::Arc::new(std::sync::Mutex::new(Some(std::time::Instant::now())));
+        // A ping unanswered for longer than this is as good as failed.
+        let timeout = timeout.min(LOCK_ALIVE_FOR - LOCK_KEEPALIVE);
         let keeper = tokio::spawn({
-            let alive = alive.clone();
+            let answered = answered.clone();
             async move {
                 let mut conn = conn;
                 loop {
                     tokio::time::sleep(LOCK_KEEPALIVE).await;
-                    if !matches!(tokio::time::timeout(timeout, conn.ping()).await, Ok(Ok(()))) {
-                        alive.store(false, std::sync::atomic::Ordering::SeqCst);
+                    let ok = matches!(tokio::time::timeout(timeout, conn.ping()).await, Ok(Ok(())));
+                    let mut last = answered.lock().unwrap_or_else(|p| p.into_inner());
+                    if !ok {
+                        *last = None;
                         return;
                     }
+                    *last = Some(std::time::Instant::now());
                 }
             }
         });
-        HeldLock { alive, keeper }
+        HeldLock { answered, keeper }
     }
+
+    /// Whether the lock is still this relay's, as far as it can tell: its session answered
+    /// a ping within [`LOCK_ALIVE_FOR`].
+    fn alive(&self) -> bool {
+        let last = *self.answered.lock().unwrap_or_else(|p| p.into_inner());
+        answered_lately(last, std::time::Instant::now())
+    }
+}
+
+/// Whether a ping last `answered` (`None`: one went unanswered) keeps the lock held at `now`.
+fn answered_lately(answered: Option<std::time::Instant>, now: std::time::Instant) -> bool {
+    answered.is_some_and(|at| now.saturating_duration_since(at) < LOCK_ALIVE_FOR)
 }
 
 impl Drop for HeldLock {
@@ -704,4 +755,21 @@ async fn lock_connection(opts: &Opts, context: &'static str) -> StoreResult<Conn
         .await
         .map_err(|e| db_error(context, e))?;
     Ok(conn)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A holder paused past the stale bound (SIGSTOP, a frozen VM) resumed with its lock
+    /// taken by a standby: its claims must stop on their own, before its keepalive task gets
+    /// to ping and find out, and well before a standby may end its session.
+    #[test]
+    fn a_holder_whose_last_answer_is_old_holds_no_lock() {
+        let at = std::time::Instant::now();
+        assert!(answered_lately(Some(at), at + LOCK_KEEPALIVE));
+        assert!(!answered_lately(Some(at), at + LOCK_ALIVE_FOR));
+        assert!(!answered_lately(None, at));
+        assert!(LOCK_ALIVE_FOR < LOCK_STALE_AFTER);
+    }
 }

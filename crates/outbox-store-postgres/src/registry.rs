@@ -258,7 +258,8 @@ impl PgStore {
 /// for good, or one holding both let a moved partition's key go out of order.
 pub(crate) fn keys_hash_alike(encoding: Option<&str>) -> Result<(), StoreError> {
     match encoding {
-        None | Some("UTF8") => Ok(()),
+        // SQL_ASCII keeps the client's UTF-8 bytes as they came.
+        None | Some("UTF8" | "SQL_ASCII") => Ok(()),
         Some(other) => Err(StoreError::new(
             StoreErrorKind::Config,
             format!(

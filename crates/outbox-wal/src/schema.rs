@@ -273,11 +273,23 @@ BEGIN
     IF ids IS NULL THEN
         RAISE EXCEPTION 'the column {column} of {source} has no sequence of its own: WAL capture of this table needs it to be a bigserial';
     END IF;
-    EXECUTE format('ALTER TABLE {outbox} ALTER COLUMN sequence_id SET DEFAULT nextval(%L::regclass)', ids);
-    EXECUTE format('ALTER TABLE {parked} ALTER COLUMN sequence_id SET DEFAULT nextval(%L::regclass)', ids);
+    -- Only where the default differs: the ALTER takes the table's ACCESS EXCLUSIVE lock,
+    -- which every migrate waited for behind any reader (pg_dump, a report).
+    IF NOT EXISTS (SELECT 1 FROM pg_attrdef d JOIN pg_attribute a ON a.attrelid = d.adrelid AND a.attnum = d.adnum
+                    WHERE d.adrelid = '{outbox_literal}'::regclass AND a.attname = 'sequence_id'
+                      AND pg_get_expr(d.adbin, d.adrelid) = format('nextval(%L::regclass)', ids::regclass::text)) THEN
+        EXECUTE format('ALTER TABLE {outbox} ALTER COLUMN sequence_id SET DEFAULT nextval(%L::regclass)', ids);
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_attrdef d JOIN pg_attribute a ON a.attrelid = d.adrelid AND a.attnum = d.adnum
+                    WHERE d.adrelid = '{parked_literal}'::regclass AND a.attname = 'sequence_id'
+                      AND pg_get_expr(d.adbin, d.adrelid) = format('nextval(%L::regclass)', ids::regclass::text)) THEN
+        EXECUTE format('ALTER TABLE {parked} ALTER COLUMN sequence_id SET DEFAULT nextval(%L::regclass)', ids);
+    END IF;
 END
 $outbox_ids$;
 "#,
+            outbox_literal = self.outbox.quoted().replace('\'', "''"),
+            parked_literal = self.parked.quoted().replace('\'', "''"),
             outbox = self.outbox.quoted(),
             parked = self.parked.quoted(),
         )

@@ -44,17 +44,8 @@ pub struct Captured {
     /// When the row asks to be sent no earlier than a later time (`available_at`).
     pub not_before: Option<SystemTime>,
     pub event: Result<Event, Box<Undecodable>>,
-}
-
-impl Captured {
     /// Which event the row is, in every session that reads it.
-    pub(crate) fn identity(&self) -> Option<RowIdentity> {
-        let event_id = match &self.event {
-            Ok(event) => Some(event.event_id),
-            Err(u) => u.event_id,
-        };
-        RowIdentity::of(self.row, event_id)
-    }
+    pub(crate) identity: Option<RowIdentity>,
 }
 
 /// Reads `row` as an event of the table `mapping` describes (its `sequence_id` is left 0:
@@ -111,9 +102,14 @@ pub fn decode(row: &Row, mapping: &Mapping) -> Option<Captured> {
         .and_then(|column| row.get(column))
         .and_then(|at| parse_timestamp(at, true).ok())
         .filter(|at| *at > SystemTime::now());
+    let event_id = match &event {
+        Ok(event) => Some(event.event_id),
+        Err(u) => u.event_id,
+    };
     Some(Captured {
         row: sequence_id,
         not_before,
+        identity: RowIdentity::of(row_id.map(RowIdentity::row_key), event_id),
         event,
     })
 }

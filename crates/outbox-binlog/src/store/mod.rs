@@ -1497,6 +1497,10 @@ impl Reader {
             None => (self.seat.lease / 3).min(STORE_AT_MOST_EVERY),
         };
         let mut next_store = tokio::time::Instant::now() + store_every;
+        // When the lag in bytes was last measured (at once, at the first store).
+        let mut lag_measured = std::time::Instant::now()
+            .checked_sub(LAG_MEASURED)
+            .unwrap_or_else(std::time::Instant::now);
         let mut pending: Option<Item> = None;
         // Rows of a transaction whose end is not read yet.
         let mut open_rows = false;
@@ -1540,13 +1544,26 @@ impl Reader {
                         }
                     }
                     self.renewed.renewed(storing);
-                    let behind = crate::bytes_behind(&self.binlog.url, &capture.read_to()).await;
-                    match &behind {
-                        Ok(bytes) => ::metrics::gauge!(metric::LAG_BYTES).set(*bytes as f64),
-                        Err(e) => tracing::debug!(error = %e, "cannot read the binary log's end"),
-                    }
-                    let caught_up =
-                        matches!(behind, Ok(0)) || (capture.caught_up() && pending.is_none());
+                    // The log's end takes a connection and `SHOW BINARY LOGS`: looked at
+                    // every few stores, not at each.
+                    let behind = match lag_measured.elapsed() >= LAG_MEASURED {
+                        true => {
+                            lag_measured = std::time::Instant::now();
+                            let behind =
+                                crate::bytes_behind(&self.binlog.url, &capture.read_to()).await;
+                            match &behind {
+                                Ok(bytes) => {
+                                    ::metrics::gauge!(metric::LAG_BYTES).set(*bytes as f64)
+                                }
+                                Err(e) => {
+                                    tracing::debug!(error = %e, "cannot read the binary log's end")
+                                }
+                            }
+                            behind.ok()
+                        }
+                        false => None,
+                    };
+                    let caught_up = behind == Some(0) || (capture.caught_up() && pending.is_none());
                     set_lag_seconds(&capture, caught_up);
                 }
                 Step::Send(Err(_)) => return Ended::Closed,
@@ -1578,7 +1595,7 @@ impl Reader {
                                 settle_in(&mut capture, row.ordinal());
                                 continue;
                             };
-                            if self.unstored.read_again(row.ordinal(), captured.identity()) {
+                            if self.unstored.read_again(row.ordinal(), captured.identity) {
                                 // Settled by an earlier session: settled unsent.
                                 settle_in(&mut capture, row.ordinal());
                                 continue;
@@ -1663,7 +1680,7 @@ fn settle_in(capture: &mut Capture, ordinal: u64) {
     }
 }
 
-/// How often a relay that does not read measures the stored position's lag.
+/// How often the lag in bytes is measured: by the reader, and by a relay that does not read.
 const LAG_MEASURED: Duration = Duration::from_secs(5);
 
 /// Sets [`metric::LAG_SECONDS`]: 0 once `caught_up`, else the age of what was read last.

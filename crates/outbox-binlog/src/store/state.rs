@@ -63,6 +63,8 @@ pub(super) struct Streamed {
     place: (u64, u64),
     /// The outbox row to delete once settled (table form).
     pub(super) row: Option<i64>,
+    /// Which event it is, for a session that reads it again after a break.
+    pub(super) identity: Option<RowIdentity>,
     pub(super) key: String,
     pub(super) body: Body,
     pub(super) _memory: Charge,
@@ -267,6 +269,7 @@ impl State {
             row,
             not_before,
             event,
+            identity,
         } = *captured;
         let id = row.unwrap_or_else(|| stream_id(self.followed.session, ordinal));
         let (key, body) = match event {
@@ -321,6 +324,7 @@ impl State {
                 ordinal,
                 place,
                 row,
+                identity,
                 key,
                 body,
                 _memory: memory,
@@ -332,14 +336,10 @@ impl State {
     pub(super) fn settle(&mut self, ids: impl IntoIterator<Item = SequenceId>) {
         for id in ids {
             if let Some(s) = self.holdings.remove_stream(id) {
-                let event_id = match &s.body {
-                    Body::Event(event) => Some(event.event_id),
-                    Body::Undecodable(u) => u.event_id,
-                };
                 self.settled.push(SettledRow {
                     session: s.session,
                     ordinal: s.ordinal,
-                    identity: RowIdentity::of(s.row, event_id),
+                    identity: s.identity,
                 });
             }
         }
@@ -487,6 +487,10 @@ mod tests {
             captured: Box::new(Captured {
                 row: Some(id),
                 not_before: None,
+                identity: RowIdentity::of(
+                    Some(RowIdentity::row_key(&id.to_string())),
+                    Some(event.event_id),
+                ),
                 event: Ok(event),
             }),
             memory: Charge::none(),
@@ -506,6 +510,7 @@ mod tests {
                     destination: Some(key.into()),
                     partition_key: None,
                 })),
+                identity: None,
             }),
             memory: Charge::none(),
         }
@@ -596,7 +601,10 @@ mod tests {
         assert_eq!(settled(&state, 1), [2, 1], "settled twice: once");
         assert_eq!(
             state.settled[0].identity,
-            RowIdentity::of(Some(2), Some(uuid::Uuid::from_u128(2))),
+            RowIdentity::of(
+                Some(RowIdentity::row_key("2")),
+                Some(uuid::Uuid::from_u128(2))
+            ),
             "which event it is, for a session that reads it again"
         );
     }

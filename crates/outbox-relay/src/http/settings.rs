@@ -85,11 +85,11 @@ impl HttpSettings {
                     .into(),
             ));
         }
-        // An HTTP header carries visible ASCII only: any other token was accepted here and
-        // then refused on every request, the console saying "token refused".
-        if !token.bytes().all(|b| b.is_ascii_graphic()) {
+        // An HTTP header carries visible ASCII and spaces only: any other token was accepted
+        // here and then refused on every request, the console saying "token refused".
+        if !token.bytes().all(|b| b.is_ascii_graphic() || b == b' ') {
             return Err(config_error(
-                "the admin token holds a character other than visible ASCII (a space, a \
+                "the admin token holds a character other than visible ASCII or a space (a \
                  control character or a non-ASCII letter), which no HTTP client can send in \
                  its Authorization header: make one with `openssl rand -hex 32`"
                     .into(),

@@ -957,6 +957,26 @@ async fn the_relays_tables_draw_their_ids_from_debeziums_sequence(db: &Client) {
     }
 }
 
+/// `migrate` again, while a long reader (pg_dump, a report) holds the relay's tables: it
+/// set their ids' default at every run, an ALTER whose ACCESS EXCLUSIVE lock queued behind
+/// the reader for as long as it read, and every write of the relay queued behind it. The
+/// default is set only where it differs now.
+#[tokio::test]
+async fn migrate_again_waits_for_no_reader_of_the_relays_tables() {
+    let w = DebeziumWal::migrated(include_str!("../fixtures/seeds/debezium.sql")).await;
+    let reader = pg(&w.url).await;
+    reader
+        .batch_execute(
+            "BEGIN; SELECT count(*) FROM outboxevent_relay; \
+             SELECT count(*) FROM outboxevent_relay_parked",
+        )
+        .await
+        .unwrap();
+    assert_success("migrate beside a reader", &w.relay("migrate", &[]));
+    reader.batch_execute("COMMIT").await.unwrap();
+    the_relays_tables_draw_their_ids_from_debeziums_sequence(&w.db).await;
+}
+
 /// `send` (and `dead retry`) write to the relay's own outbox, which is captured too.
 async fn send_writes_to_the_relays_own_outbox_which_is_captured_too(w: &DebeziumWal) {
     let db = &w.db;

@@ -315,7 +315,12 @@ async fn migrating_a_mapped_table_again_holds_no_insert_behind_a_long_transactio
         Duration::from_secs(30),
         || async {
             let waiting: i64 = application
-                .query_one("SELECT count(*) FROM pg_locks WHERE NOT granted", &[])
+                .query_one(
+                    "SELECT count(*) FROM pg_locks
+                  WHERE NOT granted AND database = (SELECT oid FROM pg_database
+                                                    WHERE datname = current_database())",
+                    &[],
+                )
                 .await
                 .unwrap()
                 .get(0);
