@@ -11,6 +11,8 @@
 # `systemctl enable --now outbox-relay`), the README, the licence and the changelog.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Packaged files keep their modes: a builder's strict umask made docs and samples unreadable.
+umask 022
 
 binary=${1:-target/release/outbox-relay}
 out=${2:-target/debian}

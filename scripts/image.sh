@@ -7,6 +7,9 @@
 # entries for the unprivileged user 65532. Prints the image's name.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The staged files keep their modes in the image: under a builder's strict umask (027, as
+# hardened machines set it) the binary and libc were not readable by the relay's user.
+umask 022
 
 binary=${1:-target/release/outbox-relay}
 version=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
