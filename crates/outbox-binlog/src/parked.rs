@@ -107,16 +107,46 @@ pub async fn upgrade_parked(url: &str, database: &str, table: &str) -> Result<()
             (database, table, KEY_HASH_COLUMN),
         )
         .await?;
+    conn.query_drop(format!(
+        "SET SESSION lock_wait_timeout = {ALTER_LOCK_WAIT_SECONDS}"
+    ))
+    .await?;
     if has_column == Some(0) {
-        conn.query_drop(format!("ALTER TABLE {qualified} ADD COLUMN {KEY_HASH}"))
-            .await?;
+        alter_once(
+            &mut conn,
+            format!("ALTER TABLE {qualified} ADD COLUMN {KEY_HASH}"),
+        )
+        .await?;
     }
     if !keys_indexed(&mut conn, &format!("{database}.{table}")).await? {
-        conn.query_drop(format!("ALTER TABLE {qualified} ADD {}", keys_index(table)))
-            .await?;
+        alter_once(
+            &mut conn,
+            format!("ALTER TABLE {qualified} ADD {}", keys_index(table)),
+        )
+        .await?;
     }
     conn.disconnect().await?;
     Ok(())
+}
+
+/// How long an upgrade's ALTER waits for the table's metadata lock (MySQL's default is a
+/// year, MariaDB's a day): behind a `mysqldump --single-transaction` every write of the
+/// capture to the table queued behind it. It fails then: `migrate` again once it ends.
+pub(crate) const ALTER_LOCK_WAIT_SECONDS: u32 = 5;
+
+/// Runs an upgrade's `ALTER` that adds a column or an index; one that another relay's
+/// upgrade added meanwhile (two nodes starting with `--auto-migrate`) is done, not an error.
+pub(crate) async fn alter_once(conn: &mut Conn, alter: String) -> Result<()> {
+    const ER_DUP_FIELDNAME: u16 = 1060;
+    const ER_DUP_KEYNAME: u16 = 1061;
+    match conn.query_drop(alter).await {
+        Err(mysql_async::Error::Server(e))
+            if e.code == ER_DUP_FIELDNAME || e.code == ER_DUP_KEYNAME =>
+        {
+            Ok(())
+        }
+        other => Ok(other?),
+    }
 }
 
 /// The parked table `database.table` without the index of its waiting keys (made before

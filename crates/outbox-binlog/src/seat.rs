@@ -74,11 +74,19 @@ pub async fn upgrade_positions(url: &str, positions: &str) -> Result<()> {
         let columns = GTID_COLUMNS.replace('\n', "").replace("    ", " ");
         let (server_id, gtid) = columns.split_once(',').unwrap_or_default();
         conn.query_drop(format!(
-            "ALTER TABLE {} ADD COLUMN {}, ADD COLUMN {}",
-            quoted(positions),
-            server_id.trim(),
-            gtid.trim()
+            "SET SESSION lock_wait_timeout = {}",
+            crate::parked::ALTER_LOCK_WAIT_SECONDS
         ))
+        .await?;
+        crate::parked::alter_once(
+            &mut conn,
+            format!(
+                "ALTER TABLE {} ADD COLUMN {}, ADD COLUMN {}",
+                quoted(positions),
+                server_id.trim(),
+                gtid.trim()
+            ),
+        )
         .await?;
     }
     conn.disconnect().await?;

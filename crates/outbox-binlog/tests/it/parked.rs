@@ -185,7 +185,14 @@ async fn the_upgrade_adds_the_index_to_a_parked_table_made_before_it() {
         "{problem:?}"
     );
 
-    upgrade_parked(&url, &database, PARKED).await.unwrap();
+    // Two nodes starting with `--auto-migrate` upgrade at once: the one that finds the
+    // column or index added meanwhile failed ("Duplicate column name") and exited.
+    let (a, b) = tokio::join!(
+        upgrade_parked(&url, &database, PARKED),
+        upgrade_parked(&url, &database, PARKED)
+    );
+    a.unwrap();
+    b.unwrap();
     upgrade_parked(&url, &database, PARKED).await.unwrap();
     let index: Vec<(String, u64, String)> = conn
         .exec(
