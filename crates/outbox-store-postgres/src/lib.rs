@@ -116,7 +116,7 @@ const KEEPALIVE_RETRIES: u32 = 3;
 const COORDINATION_POOL: usize = 2;
 
 /// How long `migrate`'s DDL waits for a lock on a table the application writes
-/// ([`PgStore::apply_ddl`]).
+/// (`PgStore::apply_ddl`).
 pub const DDL_LOCK_WAIT: Duration = Duration::from_secs(5);
 
 /// The fix when `migrate`'s DDL gave up on a lock.
