@@ -71,6 +71,7 @@ pub async fn health(config: Config, ready: bool) -> anyhow::Result<ExitCode> {
         Err(_) => bail!("http://{addr}{path}: no answer within 5s"),
     };
     let status = response.split_whitespace().nth(1).unwrap_or_default();
+    let status = outbox_core::redact::escape_controls(status);
     // Escaped as the server escapes it: an older one did not.
     let body = response.split("\r\n\r\n").nth(1).unwrap_or_default().trim();
     let body = outbox_core::redact::escape_controls(body);
@@ -273,6 +274,7 @@ pub async fn send(config: Config, args: SendArgs) -> anyhow::Result<ExitCode> {
 
 /// `stats`: backlog, live nodes and partition owners.
 pub async fn stats(config: Config, json: bool) -> anyhow::Result<ExitCode> {
+    crate::operator::refuse_a_missing_sqlite_file(&config)?;
     let store = ready_existing_store(&config).await?;
     let report = |e: outbox_core::StoreError| anyhow::anyhow!(e.report());
     let BacklogReport {

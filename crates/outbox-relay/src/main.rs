@@ -221,7 +221,10 @@ fn main() -> ExitCode {
             if log_format == LogFormat::Json {
                 tracing::error!(error = %format!("{e:#}"), "outbox-relay failed");
             }
-            eprintln!("error: {e:#}");
+            // It can quote what a broker or receiver answered: no escape sequence or forged
+            // line reaches the terminal (or the log collector reading stderr).
+            let said = format!("{e:#}");
+            eprintln!("error: {}", outbox_core::redact::escape_controls(&said));
             error::exit_code(&e)
         }
     }

@@ -26,7 +26,26 @@ pub(crate) async fn ready_existing_store(config: &Config) -> anyhow::Result<AnyS
 }
 
 async fn operations(config: &Config) -> anyhow::Result<Arc<dyn Operations>> {
+    refuse_a_missing_sqlite_file(config)?;
     Ok(ready_existing_store(config).await?.operations())
+}
+
+/// An operator command that reads or changes what a relay keeps, pointed at a SQLite file
+/// that does not exist (a typo, the wrong working directory for the default `outbox.db`):
+/// opening it made an empty database, and the command reported "no dead letters", "0
+/// pending", or a purge of nothing, with exit 0.
+pub(crate) fn refuse_a_missing_sqlite_file(config: &Config) -> anyhow::Result<()> {
+    if let Ok(crate::config::DatabaseKind::Sqlite(path)) = config.database.database_kind() {
+        let uri = path.to_string_lossy();
+        if !uri.starts_with("file:") && uri != ":memory:" && !path.exists() {
+            return Err(config_error(format!(
+                "no SQLite database at {}: check --database-url and the working directory (the \
+                 default is outbox.db in it); `outbox-relay migrate` or `run` creates it",
+                path.display()
+            )));
+        }
+    }
+    Ok(())
 }
 
 fn store_error(e: outbox_core::StoreError) -> anyhow::Error {
@@ -79,6 +98,16 @@ pub async fn dead(config: Config, command: DeadCommand) -> anyhow::Result<ExitCo
             }
             if !json && rows.is_empty() {
                 eprintln!("no dead letters");
+            }
+            // A full page may not be all: said on stderr, so stdout stays one row per line.
+            if let Some(last) = rows
+                .last()
+                .filter(|_| !json && rows.len() >= limit as usize)
+            {
+                eprintln!(
+                    "{limit} shown; there may be more: add --after {}",
+                    last.sequence_id
+                );
             }
         }
         DeadCommand::Retry(args) => {

@@ -567,6 +567,34 @@ fn a_sqlite_url_with_parameters_opens_the_named_file() {
     }
 }
 
+/// An operator command pointed at a SQLite file that is not there (a typo, or the default
+/// `outbox.db` from the wrong directory) made an empty database and reported it: "no dead
+/// letters", "0 pending", a purge of nothing, exit 0.
+#[test]
+fn an_operator_command_on_a_missing_sqlite_file_says_so_and_creates_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    for command in [
+        &["stats"][..],
+        &["dead", "list"][..],
+        &["dead", "purge", "--all"][..],
+        &["replay", "--since", "1h"][..],
+    ] {
+        let out = relay(
+            d,
+            &[command, &["--database-url", "sqlite:typo.db"]].concat(),
+            &[],
+        );
+        assert_eq!(out.status.code(), Some(2), "{command:?}: {}", stderr(&out));
+        assert!(
+            stderr(&out).contains("no SQLite database at typo.db"),
+            "{command:?}: {}",
+            stderr(&out)
+        );
+        assert!(!d.join("typo.db").exists(), "{command:?} made the file");
+    }
+}
+
 #[test]
 fn a_read_only_sqlite_database_is_told_to_make_the_file_writable() {
     let dir = tempfile::tempdir().unwrap();

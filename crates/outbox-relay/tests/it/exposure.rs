@@ -406,6 +406,28 @@ async fn untrusted_text_forges_no_log_line_and_drives_no_terminal() {
             "{command:?}: {shown}"
         );
     }
+    // A drain that dead-letters ends on an `error:` line quoting the receiver's answer: it
+    // reached the terminal raw, escape sequences and forged lines with it.
+    db.execute(
+        "INSERT INTO outbox (destination, partition_key, event_type, payload)
+         VALUES ('orders', 'k', 't', '{}')",
+        &[],
+    )
+    .await
+    .unwrap();
+    let drain = std::process::Command::new(BIN)
+        .args(["run", "--drain", "--database-url", &url, "--sink", &sink])
+        .args(["--http-addr", "", "--max-attempts", "1"])
+        .output()
+        .unwrap();
+    let said = text(&drain.stderr);
+    assert_eq!(drain.status.code(), Some(1), "{said}");
+    assert!(said.contains("error:"), "{said}");
+    assert!(!said.contains('\u{1b}'), "{said}");
+    assert!(
+        !said.lines().any(|l| l.starts_with("ERROR forged")),
+        "a forged line: {said}"
+    );
 }
 
 /// A dead-letter page for a destination nobody uses is answered from the status figures,

@@ -87,6 +87,13 @@ sink = "out"
     assert_eq!(lines(&d.join("out.jsonl")), 3);
     let dead: serde_json::Value = serde_json::from_str(listed.lines().next().unwrap()).unwrap();
     assert_eq!(dead["destination"], "nowhere");
+    // A full page says how to go on (it stopped at the limit, silently).
+    let page = relay(d, &["dead", "list", "--limit", "1"]);
+    let said = String::from_utf8_lossy(&page.stderr);
+    assert!(
+        said.contains(&format!("add --after {}", dead["sequence_id"])),
+        "{said}"
+    );
     assert_eq!(dead["attempts"], 2);
     assert!(dead["last_error"]
         .as_str()
