@@ -1121,8 +1121,9 @@ pub async fn run(
         Phase::Stopping { deadline, .. } => deadline,
         Phase::Relaying => Instant::now() + engine.config.settings.shutdown_timeout,
     };
-    // Whatever is still leased goes back at once rather than after the lease.
-    let leftover = engine.lanes.held_ids();
+    // What is still leased and was never handed out goes back at once rather than after
+    // the lease; what was handed out keeps its lease (its publish may yet land).
+    let leftover = engine.lanes.held_ids_not_handed_out();
     if !leftover.is_empty() {
         let rows = leftover.len();
         let release = engine.store.release(engine.config.node.clone(), leftover);

@@ -124,6 +124,7 @@ macro_rules! store_conformance {
             engine_unordered_retries_and_dead_letters_go_out_again,
             engine_drain_ends_when_every_claim_keeps_failing,
             engine_holds_no_more_claimed_bytes_than_its_memory_budget,
+            engine_shutdown_keeps_the_lease_of_an_event_still_publishing,
             operator_lists_retries_and_purges_dead_letters, operator_replays_and_prunes_in_batches,
             operator_pages_dead_letters_and_shows_one_event);
         $crate::store_conformance!(@groups $new_harness; $($groups)*);
@@ -1029,6 +1030,54 @@ pub async fn engine_retry_blocks_only_its_key(h: &dyn Harness) {
         "fast key waited for the slow key's retries"
     );
     assert_eq!(attempts_of(&publisher, seq[0]), 3);
+}
+
+/// A shutdown whose deadline passes while an event is still with the sink (a broker that
+/// has not answered, a producer that flushes as it closes) keeps that event's lease: it
+/// released it, and another node sent it again while the first copy could still land,
+/// after the key's next event (a1', a2, a1).
+pub async fn engine_shutdown_keeps_the_lease_of_an_event_still_publishing(h: &dyn Harness) {
+    let store = h.store();
+    store
+        .insert(vec![event("d", Some("a"), "held", 0)])
+        .await
+        .unwrap();
+    let publisher = RecordingPublisher::new();
+    publisher.hold("held");
+    let mut config = engine_config(false);
+    config.settings.shutdown_timeout = Duration::from_millis(500);
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let engine = tokio::spawn(outbox_engine::run(
+        store.clone(),
+        Arc::new(publisher.clone()),
+        config,
+        async move {
+            let _ = stop_rx.await;
+        },
+    ));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while publisher.holding() == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the event never reached the sink"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    stop_tx.send(()).unwrap();
+    let _ = engine.await.unwrap();
+    let claimed = store
+        .claim(ClaimRequest::new(
+            NodeId::random(),
+            10,
+            Duration::from_secs(30),
+        ))
+        .await
+        .unwrap();
+    assert!(
+        claimed.is_empty(),
+        "another node claimed the event still with the sink: {claimed:?}"
+    );
+    publisher.release("held");
 }
 
 /// `--ordering none`: a retried event comes back to the same node (the only one here) and
