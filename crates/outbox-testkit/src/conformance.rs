@@ -686,6 +686,27 @@ fn engine_config(drain: bool) -> EngineConfig {
     config
 }
 
+/// The engine running on a task of its own, and the switch that stops it.
+fn spawn_engine(
+    store: Arc<dyn OutboxStore>,
+    publisher: &RecordingPublisher,
+    config: EngineConfig,
+) -> (
+    tokio::task::JoinHandle<Result<Summary, outbox_core::StoreError>>,
+    tokio::sync::oneshot::Sender<()>,
+) {
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let engine = tokio::spawn(outbox_engine::run(
+        store,
+        Arc::new(publisher.clone()),
+        config,
+        async move {
+            let _ = stop_rx.await;
+        },
+    ));
+    (engine, stop_tx)
+}
+
 /// Runs the engine until every row is settled (delivered or dead), then stops it. If that
 /// does not happen, the panic shows each remaining row and whether the engine still runs.
 async fn run_until_settled(
@@ -705,15 +726,7 @@ async fn run_until_settled_on(
     config: EngineConfig,
     rows: &[SequenceId],
 ) -> outbox_engine::Summary {
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let engine = tokio::spawn(outbox_engine::run(
-        store.clone(),
-        Arc::new(publisher.clone()),
-        config,
-        async move {
-            let _ = stop_rx.await;
-        },
-    ));
+    let (engine, stop_tx) = spawn_engine(store.clone(), publisher, config);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     loop {
         if store.backlog().await.unwrap().pending == 0 {
@@ -1046,15 +1059,7 @@ pub async fn engine_shutdown_keeps_the_lease_of_an_event_still_publishing(h: &dy
     publisher.hold("held");
     let mut config = engine_config(false);
     config.settings.shutdown_timeout = Duration::from_millis(500);
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let engine = tokio::spawn(outbox_engine::run(
-        store.clone(),
-        Arc::new(publisher.clone()),
-        config,
-        async move {
-            let _ = stop_rx.await;
-        },
-    ));
+    let (engine, stop_tx) = spawn_engine(store.clone(), &publisher, config);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     while publisher.holding() == 0 {
         assert!(

@@ -18,18 +18,24 @@ fn claim_by(node: &str) -> ClaimRequest {
     ClaimRequest::new(NodeId(node.into()), 100, Duration::from_secs(30))
 }
 
+/// `store` takes the table (a claim makes it the active relay) and leaves its one event
+/// pending, for the next active relay.
+async fn becomes_active_with_an_event(store: &MySqlStore) {
+    store.insert(vec![keyed_event("k", 0)]).await.unwrap();
+    assert_eq!(store.claim(claim_by("first")).await.unwrap().len(), 1);
+    store
+        .release(NodeId("first".into()), vec![1])
+        .await
+        .unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_that_steps_down_lets_another_take_the_table() {
     let url = outbox_testkit::fresh_mysql_database().await;
     let first = store(&url);
     first.migrate().await.unwrap();
     let second = store(&url);
-    first.insert(vec![keyed_event("k", 0)]).await.unwrap();
-    assert_eq!(first.claim(claim_by("first")).await.unwrap().len(), 1);
-    first
-        .release(NodeId("first".into()), vec![1])
-        .await
-        .unwrap();
+    becomes_active_with_an_event(&first).await;
     assert!(
         second.claim(claim_by("second")).await.unwrap().is_empty(),
         "the first store is the table's active relay"
@@ -79,12 +85,7 @@ async fn a_standby_takes_the_table_from_a_silent_holder_but_not_from_a_live_one(
     );
     first.migrate().await.unwrap();
     let second = store(&url);
-    first.insert(vec![keyed_event("k", 0)]).await.unwrap();
-    assert_eq!(first.claim(claim_by("first")).await.unwrap().len(), 1);
-    first
-        .release(NodeId("first".into()), vec![1])
-        .await
-        .unwrap();
+    becomes_active_with_an_event(&first).await;
     // Past the stale bound, a live holder keeps the table.
     let live_until = std::time::Instant::now()
         + outbox_store_mysql::LOCK_STALE_AFTER
