@@ -118,6 +118,10 @@ pub struct Summary {
     pub published: u64,
     pub retried: u64,
     pub dead_lettered: u64,
+    /// Dead letters the store wrote fewer of than asked: refused by another node's fence,
+    /// or written by an attempt whose answer was lost (the retry then found nothing to
+    /// write). A drain cannot vouch that these were not dead-lettered.
+    pub dead_letters_unconfirmed: u64,
     /// The last publish failure (retried or dead-lettered), for the drain's report.
     pub last_failure: Option<String>,
     /// Publishes and settle statements still unfinished when the shutdown timeout ran out.
@@ -737,6 +741,7 @@ impl Engine {
                 let n = result?;
                 self.fenced("dead-letter", ids.len(), n);
                 if (n as usize) < ids.len() {
+                    self.summary.dead_letters_unconfirmed += (ids.len() - n as usize) as u64;
                     // The fence refused some (which, the count does not say): those heads are
                     // still pending in the table. Handing out the rows behind them would put
                     // them ahead of their head, claimed again later: each lane is given back,

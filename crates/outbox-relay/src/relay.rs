@@ -517,11 +517,18 @@ fn drain_verdict(summary: &Summary) -> anyhow::Result<()> {
             "{} events were dead-lettered (see `outbox-relay dead list`); ",
             summary.dead_lettered
         )
+    } else if summary.dead_letters_unconfirmed > 0 {
+        format!(
+            "{} dead letters were written with no confirmation (the database's answer was \
+             lost, or another node's fence refused them; see `outbox-relay dead list`); ",
+            summary.dead_letters_unconfirmed
+        )
     } else {
         String::new()
     };
+    let none_dead = summary.dead_lettered == 0 && summary.dead_letters_unconfirmed == 0;
     match &summary.drain {
-        Some(DrainEnd::Clean { arrived }) if summary.dead_lettered == 0 => {
+        Some(DrainEnd::Clean { arrived }) if none_dead => {
             if *arrived > 0 {
                 tracing::info!(
                     events = arrived,
@@ -549,5 +556,27 @@ fn drain_verdict(summary: &Summary) -> anyhow::Result<()> {
         }
         Some(DrainEnd::Unvouched(why)) => bail!("drain incomplete: {dead}{why}"),
         None => bail!("drain incomplete: {dead}the drain did not finish{last_error}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Dead letters the store wrote fewer of than asked (a lost answer, or a fence) may be
+    /// dead: the drain does not vouch for the outbox.
+    #[test]
+    fn a_drain_with_unconfirmed_dead_letters_is_incomplete() {
+        let clean = Summary {
+            drain: Some(DrainEnd::Clean { arrived: 0 }),
+            ..Summary::default()
+        };
+        assert!(drain_verdict(&clean).is_ok());
+        let unconfirmed = Summary {
+            dead_letters_unconfirmed: 1,
+            ..clean
+        };
+        let said = drain_verdict(&unconfirmed).unwrap_err().to_string();
+        assert!(said.contains("with no confirmation"), "{said}");
     }
 }

@@ -125,6 +125,7 @@ macro_rules! store_conformance {
             engine_drain_ends_when_every_claim_keeps_failing,
             engine_holds_no_more_claimed_bytes_than_its_memory_budget,
             engine_shutdown_keeps_the_lease_of_an_event_still_publishing,
+            engine_a_dead_letter_whose_answer_was_lost_is_not_vouched_for,
             operator_lists_retries_and_purges_dead_letters, operator_replays_and_prunes_in_batches,
             operator_pages_dead_letters_and_shows_one_event);
         $crate::store_conformance!(@groups $new_harness; $($groups)*);
@@ -1140,11 +1141,45 @@ pub async fn engine_drain_ends_when_every_claim_keeps_failing(h: &dyn Harness) {
     assert_eq!(summary.published, 1);
 }
 
+/// A dead letter whose statement committed but whose answer was lost (the connection
+/// dropped): the retry finds nothing to write, 0 rows, which reads as another node's fence.
+/// The drain counted no dead letter and exited 0, the event dead.
+pub async fn engine_a_dead_letter_whose_answer_was_lost_is_not_vouched_for(h: &dyn Harness) {
+    let store = h.store();
+    store
+        .insert(vec![event("d", Some("a"), "poison", 0)])
+        .await
+        .unwrap();
+    let publisher = RecordingPublisher::new();
+    publisher.fail("poison", 100, PublishErrorKind::Rejected);
+    let faulty = FaultyStore {
+        lost_dead_letter_answers: 1.into(),
+        ..FaultyStore::new(store.clone(), 0)
+    };
+    let summary = drain_through_to(faulty, &publisher, engine_config(true)).await;
+    assert_eq!(store.backlog().await.unwrap().dead, 1, "dead-lettered once");
+    assert_eq!(
+        summary.dead_lettered + summary.dead_letters_unconfirmed,
+        1,
+        "the drain vouched for a dead event: {:?}",
+        summary.drain
+    );
+}
+
 /// Runs a drain on `store`, failing the test if it does not end.
 async fn drain_through(store: FaultyStore, config: EngineConfig) -> Summary {
+    drain_through_to(store, &RecordingPublisher::new(), config).await
+}
+
+/// [`drain_through`] to `publisher`.
+async fn drain_through_to(
+    store: FaultyStore,
+    publisher: &RecordingPublisher,
+    config: EngineConfig,
+) -> Summary {
     let drain = outbox_engine::run(
         Arc::new(store),
-        Arc::new(RecordingPublisher::new()),
+        Arc::new(publisher.clone()),
         config,
         std::future::pending(),
     );
@@ -1162,6 +1197,8 @@ struct FaultyStore {
     store: Arc<dyn OutboxStore>,
     failures: std::sync::atomic::AtomicUsize,
     fenced: std::sync::atomic::AtomicUsize,
+    /// Dead letters written whose answer is then lost (a retryable error after the commit).
+    lost_dead_letter_answers: std::sync::atomic::AtomicUsize,
 }
 
 impl FaultyStore {
@@ -1172,6 +1209,7 @@ impl FaultyStore {
             store,
             failures: failures.into(),
             fenced: 0.into(),
+            lost_dead_letter_answers: 0.into(),
         }
     }
 
@@ -1212,6 +1250,13 @@ impl OutboxStore for FaultyStore {
     fn dead_letter(&self, holder: LeaseHolder, entries: Vec<DeadLetter>) -> StoreFuture<u64> {
         if take_one(&self.fenced) {
             return Box::pin(async { Ok(0) });
+        }
+        if take_one(&self.lost_dead_letter_answers) {
+            let written = self.store.dead_letter(holder, entries);
+            return Box::pin(async move {
+                written.await?;
+                Err(StoreError::new(StoreErrorKind::Connection, Self::ERROR))
+            });
         }
         self.store.dead_letter(holder, entries)
     }
