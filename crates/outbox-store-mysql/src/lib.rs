@@ -310,7 +310,6 @@ impl MappedDb for MySql {
             Err((_, None)) => return Ok(None),
             Err((conn, Some(stale))) => (conn, stale),
         };
-        let context = "take the active-relay lock from a stale holder";
         tracing::warn!(
             connection = holder,
             idle_seconds = idle,
@@ -318,16 +317,8 @@ impl MappedDb for MySql {
             "the active relay's lock is held by a session idle past its keepalive (a relay \
              whose host or network is gone, or that is paused): ending it to take over"
         );
-        // GET_LOCK waits up to 10 s of its own.
-        let within = self.operation_timeout + Duration::from_secs(10);
-        let taken = tokio::time::timeout(within, end_holder(conn, holder, &name, context));
-        match taken.await {
-            Ok(taken) => Ok(taken?.map(|conn| HeldLock::hold(conn, self.operation_timeout))),
-            Err(_) => Err(StoreError::new(
-                StoreErrorKind::Connection,
-                format!("{context}: no answer from the database within {within:?}"),
-            )),
-        }
+        self.taking_over(|context| end_holder(conn, Some(holder), &name, context))
+            .await
     }
 
     async fn lock_alive(&self, lock: &mut HeldLock) -> bool {
@@ -342,16 +333,8 @@ impl MappedDb for MySql {
         mapping: &Mapping,
         entitled: &(dyn Fn() -> bool + Sync),
     ) -> StoreResult<Option<HeldLock>> {
-        let context = "take the active-relay lock from a stale holder";
-        // GET_LOCK waits up to 10 s of its own.
-        let within = self.operation_timeout + Duration::from_secs(10);
-        match tokio::time::timeout(within, self.take_stale_lock(mapping, entitled, context)).await {
-            Ok(taken) => Ok(taken?.map(|conn| HeldLock::hold(conn, self.operation_timeout))),
-            Err(_) => Err(StoreError::new(
-                StoreErrorKind::Connection,
-                format!("{context}: no answer from the database within {within:?}"),
-            )),
-        }
+        self.taking_over(|context| self.take_stale_lock(mapping, entitled, context))
+            .await
     }
 
     async fn query(
@@ -538,6 +521,27 @@ impl MySql {
         bounded(self.operation_timeout, context, operation).await
     }
 
+    /// A takeover of the lock from a stale holder (`take`, given its context), bounded: the
+    /// operation timeout and the 10 s its `GET_LOCK` waits of its own. The lock taken is
+    /// held from here ([`HeldLock`]).
+    async fn taking_over<'a, F>(
+        &'a self,
+        take: impl FnOnce(&'static str) -> F,
+    ) -> StoreResult<Option<HeldLock>>
+    where
+        F: std::future::Future<Output = StoreResult<Option<Conn>>> + 'a,
+    {
+        let context = "take the active-relay lock from a stale holder";
+        let within = self.operation_timeout + Duration::from_secs(10);
+        match tokio::time::timeout(within, take(context)).await {
+            Ok(taken) => Ok(taken?.map(|conn| HeldLock::hold(conn, self.operation_timeout))),
+            Err(_) => Err(StoreError::new(
+                StoreErrorKind::Connection,
+                format!("{context}: no answer from the database within {within:?}"),
+            )),
+        }
+    }
+
     /// [`MappedDb::take_lock_from_stale`], unbounded.
     async fn take_stale_lock(
         &self,
@@ -560,8 +564,7 @@ impl MySql {
             .map_err(|e| db_error(context, e))?;
         match holder.flatten() {
             Some(_) if !entitled() => Ok(None),
-            Some(holder) => end_holder(conn, holder, &name, context).await,
-            None => end_holder(conn, 0, &name, context).await,
+            holder => end_holder(conn, holder, &name, context).await,
         }
     }
 
@@ -642,16 +645,16 @@ pub fn pool_opts(size: usize) -> StoreResult<PoolOpts> {
 }
 
 /// Ends connection `holder` (`KILL CONNECTION`, which the server allows on a connection of
-/// the same user, or with CONNECTION ADMIN / SUPER; 0: none to end), then waits on `conn`
-/// for the lock `name` the server frees with it.
+/// the same user, or with CONNECTION ADMIN / SUPER), then waits on `conn` for the lock `name`
+/// the server frees with it.
 async fn end_holder(
     mut conn: Conn,
-    holder: u64,
+    holder: Option<u64>,
     name: &str,
     context: &'static str,
 ) -> StoreResult<Option<Conn>> {
     const ER_NO_SUCH_THREAD: u16 = 1094;
-    if holder != 0 {
+    if let Some(holder) = holder {
         match conn.query_drop(format!("KILL CONNECTION {holder}")).await {
             Ok(()) => {
                 tracing::warn!(connection = holder, lock = %name, "ended a stale holder's connection to take its lock")

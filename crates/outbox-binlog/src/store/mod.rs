@@ -1322,7 +1322,7 @@ struct Reader {
     on_change: Arc<Mutex<Option<OnChange>>>,
     memory: Arc<MemoryBudget>,
     session: u64,
-    /// When a relay that does not read last measured the stored position's lag.
+    /// When the lag in bytes was last measured, reading or not ([`Reader::lag_due`]).
     lag_measured: Option<std::time::Instant>,
 }
 
@@ -1433,13 +1433,9 @@ impl Reader {
     /// every [`LAG_MEASURED`], so `lag_bytes` keeps rising while nothing is read (a purged
     /// position, an altered table) instead of keeping the last session's value.
     async fn measure_stored_lag(&mut self) {
-        if self
-            .lag_measured
-            .is_some_and(|at| at.elapsed() < LAG_MEASURED)
-        {
+        if !self.lag_due() {
             return;
         }
-        self.lag_measured = Some(std::time::Instant::now());
         let stored =
             crate::stored_position(&self.seat.url, &self.seat.positions, &self.seat.outbox).await;
         let behind = match stored {
@@ -1451,6 +1447,19 @@ impl Reader {
             Ok(bytes) => ::metrics::gauge!(metric::LAG_BYTES).set(bytes as f64),
             Err(e) => tracing::debug!(error = %e, "cannot measure the stored position's lag"),
         }
+    }
+
+    /// Whether the lag in bytes is to be measured now (every [`LAG_MEASURED`]: the log's end
+    /// takes a connection and `SHOW BINARY LOGS`); if so, it counts as measured.
+    fn lag_due(&mut self) -> bool {
+        if self
+            .lag_measured
+            .is_some_and(|at| at.elapsed() < LAG_MEASURED)
+        {
+            return false;
+        }
+        self.lag_measured = Some(std::time::Instant::now());
+        true
     }
 
     fn wake(&self) {
@@ -1497,10 +1506,6 @@ impl Reader {
             None => (self.seat.lease / 3).min(STORE_AT_MOST_EVERY),
         };
         let mut next_store = tokio::time::Instant::now() + store_every;
-        // When the lag in bytes was last measured (at once, at the first store).
-        let mut lag_measured = std::time::Instant::now()
-            .checked_sub(LAG_MEASURED)
-            .unwrap_or_else(std::time::Instant::now);
         let mut pending: Option<Item> = None;
         // Rows of a transaction whose end is not read yet.
         let mut open_rows = false;
@@ -1544,11 +1549,8 @@ impl Reader {
                         }
                     }
                     self.renewed.renewed(storing);
-                    // The log's end takes a connection and `SHOW BINARY LOGS`: looked at
-                    // every few stores, not at each.
-                    let behind = match lag_measured.elapsed() >= LAG_MEASURED {
+                    let behind = match self.lag_due() {
                         true => {
-                            lag_measured = std::time::Instant::now();
                             let behind =
                                 crate::bytes_behind(&self.binlog.url, &capture.read_to()).await;
                             match &behind {
