@@ -50,6 +50,22 @@ pub trait Publisher: Send + Sync + 'static {
         1
     }
 
+    /// Whether events may go out in [`Publisher::send_group`]s, each published as a batch
+    /// of its own. False (the default): every batch may mix any events.
+    fn has_send_groups(&self) -> bool {
+        false
+    }
+
+    /// The group of `event`'s send, where [`Publisher::has_send_groups`]: events of
+    /// different groups never wait on each other (different sinks, a webhook's different
+    /// receivers), so the engine publishes each group's events in batches of their own. A
+    /// batch's outcomes come back together: one slow receiver in a mixed batch held every
+    /// other sink's events of it, and their keys, until it answered.
+    fn send_group(&self, event: &Event) -> u64 {
+        let _ = event;
+        0
+    }
+
     /// Checks that the sink is reachable (for `/readyz` and `check`).
     fn health(&self) -> BoxFuture<'static, Result<(), PublishError>>;
 

@@ -414,46 +414,68 @@ impl Engine {
                 });
             }
             self.dead_letter(undecodable_lanes, undecodable);
-            if !batch.is_empty() {
-                ::metrics::histogram!(metrics::PUBLISH_BATCH).record(batch.len() as f64);
-                let lease_lost = self.lease_lost(&batch);
-                let telemetry = self.config.shared.telemetry.clone().map(|t| {
-                    // The publisher names each event's system and destination for the spans.
-                    (t, self.publisher.clone(), SystemTime::now())
-                });
-                let publish = self.publisher.publish(batch.clone());
-                let timeout = self.config.settings.publish_timeout;
-                self.publishing.push(
-                    async move {
-                        let n = batch.len();
-                        let failed = |reason: String| {
-                            (0..n)
-                                .map(|_| {
-                                    Err(PublishError::new(
-                                        PublishErrorKind::Timeout,
-                                        reason.clone(),
-                                    ))
-                                })
-                                .collect()
-                        };
-                        let outcomes = tokio::select! {
-                            outcomes = tokio::time::timeout(timeout, publish) => match outcomes {
-                                Ok(outcomes) => outcomes,
-                                Err(_) => failed(format!("no confirmation within {timeout:?}")),
-                            },
-                            () = lease_lost => failed(
-                                "no confirmation before this node's partition lease ran out".into(),
-                            ),
-                        };
-                        if let Some((telemetry, publisher, start)) = telemetry {
-                            telemetry.published(Span::since(start), &*publisher, &batch, &outcomes);
-                        }
-                        Published { batch, outcomes }
-                    }
-                    .boxed(),
-                );
+            for batch in self.split_by_send_group(batch) {
+                self.publish(batch);
             }
         }
+    }
+
+    /// `batch` as one batch per send group of the publisher, each in the order of
+    /// `batch` ([`outbox_core::Publisher::send_group`]): a batch's outcomes come back
+    /// together, so a slow sink would hold every other sink's events sent beside it.
+    fn split_by_send_group(&self, batch: Vec<Arc<Event>>) -> Vec<Vec<Arc<Event>>> {
+        if !self.publisher.has_send_groups() || batch.len() < 2 {
+            return vec![batch];
+        }
+        // Few groups to a batch: a list beats a map.
+        let mut groups: Vec<(u64, Vec<Arc<Event>>)> = Vec::new();
+        for event in batch {
+            let group = self.publisher.send_group(&event);
+            match groups.iter_mut().find(|(g, _)| *g == group) {
+                Some((_, events)) => events.push(event),
+                None => groups.push((group, vec![event])),
+            }
+        }
+        groups.into_iter().map(|(_, events)| events).collect()
+    }
+
+    /// Hands `batch` to the publisher, its outcomes awaited with the others in flight.
+    fn publish(&mut self, batch: Vec<Arc<Event>>) {
+        if batch.is_empty() {
+            return;
+        }
+        ::metrics::histogram!(metrics::PUBLISH_BATCH).record(batch.len() as f64);
+        let lease_lost = self.lease_lost(&batch);
+        let telemetry = self.config.shared.telemetry.clone().map(|t| {
+            // The publisher names each event's system and destination for the spans.
+            (t, self.publisher.clone(), SystemTime::now())
+        });
+        let publish = self.publisher.publish(batch.clone());
+        let timeout = self.config.settings.publish_timeout;
+        self.publishing.push(
+            async move {
+                let n = batch.len();
+                let failed = |reason: String| {
+                    (0..n)
+                        .map(|_| Err(PublishError::new(PublishErrorKind::Timeout, reason.clone())))
+                        .collect()
+                };
+                let outcomes = tokio::select! {
+                    outcomes = tokio::time::timeout(timeout, publish) => match outcomes {
+                        Ok(outcomes) => outcomes,
+                        Err(_) => failed(format!("no confirmation within {timeout:?}")),
+                    },
+                    () = lease_lost => failed(
+                        "no confirmation before this node's partition lease ran out".into(),
+                    ),
+                };
+                if let Some((telemetry, publisher, start)) = telemetry {
+                    telemetry.published(Span::since(start), &*publisher, &batch, &outcomes);
+                }
+                Published { batch, outcomes }
+            }
+            .boxed(),
+        );
     }
 
     /// Resolves when this node may no longer wait for the sink to confirm `batch`: a

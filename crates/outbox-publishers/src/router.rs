@@ -151,6 +151,26 @@ impl Publisher for Router {
         }
     }
 
+    /// More than one sink, or a sink whose destinations each have a receiver of their own.
+    fn has_send_groups(&self) -> bool {
+        self.sinks.len() > 1 || self.sinks.values().any(|s| s.sends_by_destination())
+    }
+
+    /// The event's sink, and its destination where that sink sends each apart. An event no
+    /// route takes fails at once, in a group of its own.
+    fn send_group(&self, event: &Event) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let Some(route) = self.route(event) else {
+            return u64::MAX;
+        };
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        route.sink.hash(&mut hasher);
+        if self.sinks[&route.sink].sends_by_destination() {
+            event.destination.hash(&mut hasher);
+        }
+        hasher.finish()
+    }
+
     fn publish(&self, batch: Vec<Arc<Event>>) -> BoxFuture<'static, Vec<Outcome>> {
         let mut outcomes: Vec<Option<Outcome>> = (0..batch.len()).map(|_| None).collect();
         let run_keys: Option<Vec<String>> = (self.max_events_per_key() > 1)
@@ -387,6 +407,49 @@ mod tests {
             vec![("events.orders.eu.created".to_string(), 1)]
         );
         assert_eq!(*b.0.lock().unwrap(), vec![("posts:7".to_string(), 2)]);
+    }
+
+    /// Events of different sinks, and of a webhook's different destinations, go in batches
+    /// of their own; one sink's destinations otherwise share a batch.
+    #[test]
+    fn sinks_and_a_webhooks_destinations_are_sent_apart() {
+        struct PerDestination;
+        impl Sink for PerDestination {
+            fn describe(&self) -> String {
+                "per destination".into()
+            }
+            fn send(&self, batch: Vec<Routed>) -> BoxFuture<'static, Vec<Outcome>> {
+                let n = batch.len();
+                async move { (0..n).map(|_| Ok(())).collect() }.boxed()
+            }
+            fn health(&self) -> BoxFuture<'static, Result<(), PublishError>> {
+                async { Ok(()) }.boxed()
+            }
+            fn sends_by_destination(&self) -> bool {
+                true
+            }
+        }
+        let one = Router::single("a", Arc::new(Recorder::default()));
+        assert!(!one.has_send_groups(), "one shared sink: every batch may mix");
+        let router = Router::new(
+            vec![
+                ("a".into(), Arc::new(Recorder::default()) as Arc<dyn Sink>),
+                ("hooks".into(), Arc::new(PerDestination) as Arc<dyn Sink>),
+            ],
+            vec![
+                Route::new("orders.*", "a", Template::destination()).unwrap(),
+                Route::new("hook.*", "hooks", Template::destination()).unwrap(),
+            ],
+        )
+        .unwrap();
+        assert!(router.has_send_groups());
+        let group = |destination| router.send_group(&event(1, destination, "x"));
+        assert_eq!(group("orders.eu"), group("orders.us"), "one sink's destinations");
+        assert_ne!(group("orders.eu"), group("hook.a"), "two sinks");
+        assert_ne!(group("hook.a"), group("hook.b"), "a webhook's two receivers");
+        assert_eq!(group("hook.a"), group("hook.a"));
+        let hooks_only = Router::single("hooks", Arc::new(PerDestination));
+        assert!(hooks_only.has_send_groups(), "one webhook sink, many receivers");
     }
 
     /// Runs of a key only through one sink that stores a prefix; and once the router fails

@@ -37,6 +37,14 @@ pub trait Sink: Send + Sync + 'static {
         false
     }
 
+    /// Whether sends to different destinations share nothing that one could wait on (a
+    /// webhook's receivers, each a server of its own): the router then publishes each
+    /// destination's events apart ([`outbox_core::Publisher::send_group`]). Sends over one
+    /// broker connection share it, and stay in one batch.
+    fn sends_by_destination(&self) -> bool {
+        false
+    }
+
     /// The largest payload the broker accepts, if it has a limit.
     fn max_message_bytes(&self) -> Option<usize> {
         None

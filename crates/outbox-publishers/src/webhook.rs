@@ -166,6 +166,11 @@ impl Sink for WebhookSink {
         self.shown.clone()
     }
 
+    /// Each destination has its receiver and its own limit of requests at a time.
+    fn sends_by_destination(&self) -> bool {
+        true
+    }
+
     fn send(&self, batch: Vec<Routed>) -> BoxFuture<'static, Vec<Outcome>> {
         let queued_until = tokio::time::Instant::now() + self.timeout / 2;
         let (per_destination, shown) = (self.per_destination, self.shown.clone());

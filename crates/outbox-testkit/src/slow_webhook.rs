@@ -5,6 +5,7 @@
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -13,6 +14,7 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 pub struct SlowWebhook {
     pub addr: SocketAddr,
     ids: Arc<Mutex<HashSet<String>>>,
+    waiting: Arc<AtomicUsize>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -23,13 +25,29 @@ impl SlowWebhook {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let ids: Arc<Mutex<HashSet<String>>> = Arc::default();
-        let recorded = ids.clone();
+        let waiting: Arc<AtomicUsize> = Arc::default();
+        let (recorded, counted) = (ids.clone(), waiting.clone());
         let task = tokio::spawn(async move {
             while let Ok((socket, _)) = listener.accept().await {
-                tokio::spawn(answer_slowly(socket, pace, recorded.clone()));
+                tokio::spawn(answer_slowly(
+                    socket,
+                    pace,
+                    recorded.clone(),
+                    counted.clone(),
+                ));
             }
         });
-        Ok(SlowWebhook { addr, ids, task })
+        Ok(SlowWebhook {
+            addr,
+            ids,
+            waiting,
+            task,
+        })
+    }
+
+    /// Requests received and not answered yet.
+    pub fn waiting(&self) -> usize {
+        self.waiting.load(Ordering::SeqCst)
     }
 
     /// How many distinct events (by `webhook-id`) were answered.
@@ -49,6 +67,7 @@ async fn answer_slowly(
     socket: tokio::net::TcpStream,
     pace: Duration,
     ids: Arc<Mutex<HashSet<String>>>,
+    waiting: Arc<AtomicUsize>,
 ) {
     let mut socket = BufReader::new(socket);
     loop {
@@ -72,7 +91,9 @@ async fn answer_slowly(
         if socket.read_exact(&mut body).await.is_err() {
             return;
         }
+        waiting.fetch_add(1, Ordering::SeqCst);
         tokio::time::sleep(pace).await;
+        waiting.fetch_sub(1, Ordering::SeqCst);
         if let (Ok(mut ids), Some(id)) = (ids.lock(), id) {
             ids.insert(id);
         }

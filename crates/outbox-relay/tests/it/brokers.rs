@@ -339,3 +339,72 @@ async fn kill_9_while_publishing_to_jetstream_leaves_no_duplicate_in_the_stream(
         }
     }
 }
+
+/// A webhook receiver that takes minutes to answer holds back no event of another sink:
+/// a batch's outcomes come back together, and the file's events used to wait in one with
+/// the webhook's (their key's next event with them), until the webhook timed out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_receiver_holds_back_no_event_of_another_sink() {
+    let receiver = outbox_testkit::SlowWebhook::start(Duration::from_secs(600))
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let audit = dir.path().join("audit.jsonl");
+    // Timeouts past the test's patience: before the fix, nothing but the webhook's answer
+    // could free the file's key.
+    std::fs::write(
+        dir.path().join("outbox-relay.toml"),
+        format!(
+            r#"
+database_url = "sqlite:{db}"
+http_addr = "127.0.0.1:0"
+log_format = "json"
+lease = "300s"
+publish_timeout = "280s"
+shutdown_timeout = "1s"
+
+[sinks.hook]
+uri = "http://{addr}/events"
+timeout = "270s"
+
+[sinks.audit]
+uri = "file:{audit}"
+
+[[routes]]
+destinations = "slow"
+sink = "hook"
+
+[[routes]]
+destinations = "audit"
+sink = "audit"
+"#,
+            db = dir.path().join("o.db").display(),
+            addr = receiver.addr,
+            audit = audit.display(),
+        ),
+    )
+    .unwrap();
+    let mut destinations = vec!["slow"];
+    destinations.extend(["audit"; 20]);
+    for destination in destinations {
+        let out = relay(
+            dir.path(),
+            &["send", "--destination", destination, "{\"ok\":true}"],
+        );
+        assert!(out.status.success(), "{out:?}");
+    }
+    let mut relay_process = RelayProcess::spawn(dir.path(), "relay", &["run"], &[]);
+    eventually(
+        "the 20 audit events in their file while the webhook holds its one",
+        Duration::from_secs(60),
+        || {
+            let lines = std::fs::read_to_string(&audit)
+                .map(|text| text.lines().count())
+                .unwrap_or(0);
+            let waiting = receiver.waiting();
+            async move { (lines == 20 && waiting == 1).then_some(()) }
+        },
+    )
+    .await;
+    relay_process.terminate().await;
+}
