@@ -11,7 +11,8 @@
 //!   holds them in order.
 //!
 //! [`OutboxStore::claim`] leases up to `limit` claimable rows to one node in a single
-//! statement, oldest `sequence_id` first, and never hands the same row to two nodes while a
+//! statement, oldest `sequence_id` first, leaving out every row of the request's
+//! [`Crowded`] keys and destinations, and never hands the same row to two nodes while a
 //! lease lives. Every later operation names the node: a store applies it only to rows that
 //! node still leases, so a node whose lease expired (and whose rows another node took) cannot
 //! ack, retry or dead-letter them. Such a refusal is not an error: the returned count is
@@ -53,6 +54,24 @@ pub struct ClaimRequest {
     /// Per-key order (the default). `false` claims any ready rows, whatever their key
     /// (`--ordering none`).
     pub ordered: bool,
+    /// Rows to leave out, of keys and destinations the node already holds its share of
+    /// (the engine's, so that one slow key or receiver cannot fill it: [`Crowded`]).
+    pub crowded: Crowded,
+}
+
+/// Ordering keys and destinations whose rows a claim leaves out, every row of them, whatever
+/// else holds. A store that reads a stream in commit order (WAL, binlog) cannot skip ahead in
+/// it, and ignores them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Crowded {
+    pub keys: Vec<String>,
+    pub destinations: Vec<String>,
+}
+
+impl Crowded {
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty() && self.destinations.is_empty()
+    }
 }
 
 impl ClaimRequest {
@@ -64,6 +83,7 @@ impl ClaimRequest {
             lease,
             fence: None,
             ordered: true,
+            crowded: Crowded::default(),
         }
     }
 }
@@ -108,6 +128,13 @@ pub enum Claimed {
 }
 
 impl Claimed {
+    pub fn destination(&self) -> &str {
+        match self {
+            Claimed::Event(e) => &e.destination,
+            Claimed::Undecodable { destination, .. } => destination,
+        }
+    }
+
     pub fn sequence_id(&self) -> SequenceId {
         match self {
             Claimed::Event(e) => e.sequence_id,

@@ -245,6 +245,10 @@ struct Engine {
     phase: Phase,
     /// A lease extension is running.
     extending: bool,
+    /// The last claim left out crowded keys or destinations ([`Lanes::crowded`]): each
+    /// settle wants another claim, which takes their rows once they thin out (a claim that
+    /// left them out came back short, and would otherwise wait for the poll).
+    crowding: bool,
     /// Ownership as last acted on, and as last reported to the coordinator.
     ownership_seen: OwnershipSeen,
     /// The waiting state last told to the store (for its gated wake-up).
@@ -731,8 +735,9 @@ impl Engine {
     fn on_settled(&mut self, settled: Settled) -> StoreResult<()> {
         if matches!(settled, Settled::Extended(_)) {
             self.extending = false;
-        } else if self.config.drain {
-            // Something changed: look once more before deciding the drain is done.
+        } else if self.config.drain || self.crowding {
+            // Something changed: look once more before deciding the drain is done, or
+            // whether a crowd thinned out.
             self.claims.want();
         }
         match settled {
@@ -894,12 +899,18 @@ impl Engine {
             return;
         }
         let limit = capacity.min(self.config.settings.batch_size);
+        let crowded = self
+            .lanes
+            .crowded(settings.key_share(), settings.destination_share());
+        // Until the claim after the crowd thins, every settle may have made room for it.
+        self.crowding = !crowded.is_empty();
         let claim = self.store.claim(ClaimRequest {
             node: self.config.node.clone(),
             limit,
             lease: self.config.settings.lease,
             fence,
             ordered: self.config.ordered,
+            crowded,
         });
         let attempt = self.config.shared.health.begin(Check::Claim);
         let claim_no = self.claims.started + 1;
@@ -1133,6 +1144,7 @@ pub async fn run(
         next_retry: None,
         phase: Phase::Relaying,
         extending: false,
+        crowding: false,
         ownership_seen: OwnershipSeen::default(),
         reported_waiting: false,
         drain: DrainProgress::new(),

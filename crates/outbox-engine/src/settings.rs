@@ -91,6 +91,19 @@ impl EngineSettings {
         usize::try_from(self.memory_mib.saturating_mul(1024 * 1024)).unwrap_or(usize::MAX)
     }
 
+    /// Rows of one ordering key past which claims leave the key out: a quarter of
+    /// `max_in_flight`, so that a key slow to confirm leaves the node's other three
+    /// quarters to the other keys (a lane publishes one head at a time anyway).
+    pub fn key_share(&self) -> usize {
+        (self.max_in_flight / 4).max(1)
+    }
+
+    /// Rows of one destination past which claims leave it out: half of `max_in_flight`,
+    /// so that a slow receiver's backlog leaves the other half to the other destinations.
+    pub fn destination_share(&self) -> usize {
+        (self.max_in_flight / 2).max(1)
+    }
+
     /// How many rows a claim may take with `held_bytes` held, each row expected to cost
     /// `row_bytes` (`None`: no row seen yet). At least one when nothing is held.
     pub fn rows_that_fit(&self, held_bytes: usize, row_bytes: Option<usize>) -> usize {

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use futures::future::BoxFuture;
 use futures::FutureExt;
 use outbox_core::store::{
-    Backlog, ClaimRequest, Claimed, DeadLetter, DeadQuery, DeadRecord, DeadSelector,
+    Backlog, ClaimRequest, Claimed, Crowded, DeadLetter, DeadQuery, DeadRecord, DeadSelector,
     DestinationStats, EventRecord, EventState, Heartbeat, Incarnation, LeaseExtension, LeaseHolder,
     NodeRecord, NodeRegistry, OnChange, Operations, Problem, Registration, ReplayPage,
     ReplaySelector, RetryLater, StoreFuture, StoreResult,
@@ -805,6 +805,17 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
             if !blocked.is_empty() {
                 let not_blocked = params.not_in_texts(&sql.key_expr(), blocked);
                 condition = format!("{condition} AND {not_blocked}");
+            }
+            // A NULL is never crowded (NOT IN would leave its row out).
+            let Crowded { keys, destinations } = request.crowded.clone();
+            for (expr, crowded) in [
+                (sql.key_expr(), keys),
+                (sql.destination_expr(), destinations),
+            ] {
+                if !crowded.is_empty() {
+                    let left_out = params.not_in_texts(&format!("coalesce({expr}, '')"), crowded);
+                    condition = format!("{condition} AND {left_out}");
+                }
             }
             let marks = sql.mapping.marks_claims();
             if !marks && !held.is_empty() {

@@ -430,7 +430,10 @@ mod tests {
             }
         }
         let one = Router::single("a", Arc::new(Recorder::default()));
-        assert!(!one.has_send_groups(), "one shared sink: every batch may mix");
+        assert!(
+            !one.has_send_groups(),
+            "one shared sink: every batch may mix"
+        );
         let router = Router::new(
             vec![
                 ("a".into(), Arc::new(Recorder::default()) as Arc<dyn Sink>),
@@ -444,12 +447,23 @@ mod tests {
         .unwrap();
         assert!(router.has_send_groups());
         let group = |destination| router.send_group(&event(1, destination, "x"));
-        assert_eq!(group("orders.eu"), group("orders.us"), "one sink's destinations");
+        assert_eq!(
+            group("orders.eu"),
+            group("orders.us"),
+            "one sink's destinations"
+        );
         assert_ne!(group("orders.eu"), group("hook.a"), "two sinks");
-        assert_ne!(group("hook.a"), group("hook.b"), "a webhook's two receivers");
+        assert_ne!(
+            group("hook.a"),
+            group("hook.b"),
+            "a webhook's two receivers"
+        );
         assert_eq!(group("hook.a"), group("hook.a"));
         let hooks_only = Router::single("hooks", Arc::new(PerDestination));
-        assert!(hooks_only.has_send_groups(), "one webhook sink, many receivers");
+        assert!(
+            hooks_only.has_send_groups(),
+            "one webhook sink, many receivers"
+        );
     }
 
     /// Runs of a key only through one sink that stores a prefix; and once the router fails

@@ -28,8 +28,8 @@ use futures::FutureExt;
 use outbox_core::ident::TableName;
 use outbox_core::migration::{Found, Steps};
 use outbox_core::store::{
-    Backlog, ClaimRequest, Claimed, DeadLetter, LeaseExtension, LeaseHolder, OnChange, Problem,
-    RetryLater, StoreFuture, StoreResult,
+    Backlog, ClaimRequest, Claimed, Crowded, DeadLetter, LeaseExtension, LeaseHolder, OnChange,
+    Problem, RetryLater, StoreFuture, StoreResult,
 };
 use outbox_core::{Fence, NewEvent, NodeId, OutboxStore, SequenceId, StoreError, StoreErrorKind};
 use tokio_postgres::types::ToSql;
@@ -522,17 +522,20 @@ async fn claim_owned(
     node: &str,
     limit: i64,
     fence: &Fence,
+    crowded: &Crowded,
 ) -> StoreResult<Vec<Row>> {
     let client = inner.pool.get().await.map_err(|e| pool_error("claim", e))?;
-    match claim_owned_once(inner, &client, node, limit, fence).await? {
+    match claim_owned_once(inner, &client, node, limit, fence, crowded).await? {
         Some(rows) => Ok(rows),
         // A row the floor passed has come due: claim again from zero, so that it goes out
         // before the rows of its key that it holds back.
         None => {
             inner.owned.due_passed(node);
-            Ok(claim_owned_once(inner, &client, node, limit, fence)
-                .await?
-                .unwrap_or_default())
+            Ok(
+                claim_owned_once(inner, &client, node, limit, fence, crowded)
+                    .await?
+                    .unwrap_or_default(),
+            )
         }
     }
 }
@@ -544,6 +547,7 @@ async fn claim_owned_once(
     node: &str,
     limit: i64,
     fence: &Fence,
+    crowded: &Crowded,
 ) -> StoreResult<Option<Vec<Row>>> {
     let sql = &inner.sql;
     let claim = client
@@ -551,7 +555,8 @@ async fn claim_owned_once(
         .await
         .map_err(|e| db_error("claim", e))?;
     let mut floor_statements = None;
-    if inner.floor.usable() && inner.owned.wants_floor(node) {
+    // The floor passes only rows a claim saw; one that leaves crowded rows out scans from zero.
+    if inner.floor.usable() && inner.owned.wants_floor(node) && crowded.is_empty() {
         match futures::try_join!(
             client.prepare_cached(&sql.floor_sequence),
             client.prepare_cached(&sql.floor_writers),
@@ -564,7 +569,7 @@ async fn claim_owned_once(
     }
     let plan = inner.owned.plan(node, fence, floor_statements.is_some());
     let count = fence.count as i32;
-    let claim_params: [&(dyn ToSql + Sync); 8] = [
+    let claim_params: [&(dyn ToSql + Sync); 10] = [
         &node,
         &limit,
         &plan.held,
@@ -573,6 +578,8 @@ async fn claim_owned_once(
         &fence.epochs,
         &plan.start,
         &plan.due,
+        &crowded.keys,
+        &crowded.destinations,
     ];
     let Some((sequence, writers, due, after)) = floor_statements else {
         let rows = client.query(&claim, &claim_params).await.map_err(|e| {
@@ -701,21 +708,33 @@ impl OutboxStore for PgStore {
             let limit = request.limit as i64;
             let lease = millis(request.lease);
             let node = &request.node.0;
+            let crowded = &request.crowded;
             let rows = match (&request.fence, request.ordered) {
                 (_, false) => {
                     Self::query(
                         &inner,
                         "claim",
                         &inner.sql.claim_unordered,
-                        &[node, &limit, &lease],
+                        &[node, &limit, &lease, &crowded.destinations],
                     )
                     .await?
                 }
                 (None, true) => {
-                    Self::query(&inner, "claim", &inner.sql.claim, &[node, &limit, &lease]).await?
+                    Self::query(
+                        &inner,
+                        "claim",
+                        &inner.sql.claim,
+                        &[node, &limit, &lease, &crowded.keys, &crowded.destinations],
+                    )
+                    .await?
                 }
                 (Some(fence), true) => {
-                    bounded(&inner, "claim", claim_owned(&inner, node, limit, fence)).await?
+                    bounded(
+                        &inner,
+                        "claim",
+                        claim_owned(&inner, node, limit, fence, crowded),
+                    )
+                    .await?
                 }
             };
             let ids = claimed_ids(&inner.tables, &rows)?;

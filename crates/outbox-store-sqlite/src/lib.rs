@@ -92,8 +92,9 @@ macro_rules! claimable {
     };
 }
 
-/// A claim in two statements. The first picks up to `?3` claimable rows in order, read
-/// outside the write lock: it may walk every row a stuck key holds back, and under the lock
+/// A claim in two statements. The first picks up to `?3` claimable rows in order, but
+/// those of the crowded keys (`?4`) and destinations (`?5`, JSON arrays), read outside the
+/// write lock: it may walk every row a stuck key holds back, and under the lock
 /// that walk kept the application's inserts waiting. The second, under the write lock,
 /// leases to `?1` for `?4` ms those of the picked rows (`?3`, a JSON array) that are still
 /// claimable, checked again as it takes them.
@@ -103,6 +104,9 @@ macro_rules! claim_sql {
             concat!(
                 "SELECT o.sequence_id FROM outbox o WHERE ",
                 claimable!($blocking),
+                "
+       AND coalesce(o.partition_key, o.destination) NOT IN (SELECT value FROM json_each(?4))
+       AND o.destination NOT IN (SELECT value FROM json_each(?5))",
                 " ORDER BY o.sequence_id LIMIT ?3"
             ),
             concat!(
@@ -494,6 +498,10 @@ fn row_to_claimed(row: &Row<'_>) -> rusqlite::Result<Claimed> {
 
 /// The ids as a JSON array, for `sequence_id IN (SELECT value FROM json_each(?))`: one
 /// statement per batch, as on PostgreSQL.
+fn text_list(texts: &[String]) -> String {
+    serde_json::to_string(texts).unwrap_or_else(|_| "[]".into())
+}
+
 fn id_list(ids: &[SequenceId]) -> String {
     serde_json::to_string(ids).unwrap_or_else(|_| "[]".into())
 }
@@ -517,7 +525,13 @@ impl OutboxStore for SqliteStore {
                 .prepare_cached(pick)
                 .and_then(|mut stmt| {
                     stmt.query_map(
-                        params![request.node.0, now_ms(), request.limit as i64],
+                        params![
+                            request.node.0,
+                            now_ms(),
+                            request.limit as i64,
+                            text_list(&request.crowded.keys),
+                            text_list(&request.crowded.destinations)
+                        ],
                         |r| r.get(0),
                     )?
                     .collect()

@@ -74,7 +74,8 @@ impl RecordingPublisher {
     }
 
     /// Holds every batch with an event of `event_type` unanswered (in flight) until
-    /// [`release`](Self::release)d; other batches are answered meanwhile.
+    /// [`release`](Self::release)d; other batches are answered meanwhile. The engine sends
+    /// held types apart ([`Publisher::send_group`]), as a router does a slow sink's events.
     pub fn hold(&self, event_type: &str) {
         self.held.send_modify(|held| {
             held.insert(event_type.to_string());
@@ -134,6 +135,15 @@ impl Publisher for RecordingPublisher {
             this.answer(batch)
         }
         .boxed()
+    }
+
+    /// Held types are a sink of their own, as a slow receiver behind a router is.
+    fn has_send_groups(&self) -> bool {
+        true
+    }
+
+    fn send_group(&self, event: &Event) -> u64 {
+        u64::from(self.held.borrow().contains(&event.event_type))
     }
 
     fn max_events_per_key(&self) -> usize {

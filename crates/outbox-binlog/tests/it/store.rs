@@ -809,6 +809,7 @@ async fn claim_ids(store: &BinlogStore, node: &NodeId, n: usize) -> Vec<outbox_c
                 lease: Duration::from_secs(5),
                 fence: None,
                 ordered: true,
+                crowded: Default::default(),
             };
             let rows = store.claim(request).await.unwrap();
             let mut claimed = claimed.lock().unwrap();

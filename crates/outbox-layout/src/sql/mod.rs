@@ -206,6 +206,11 @@ impl Sql {
         }
     }
 
+    /// Each row's destination as text, as claims read it.
+    pub fn destination_expr(&self) -> String {
+        self.text(&self.col(&self.mapping.destination))
+    }
+
     /// The columns of a claimed row (see the module docs for the order).
     pub fn select_list(&self) -> String {
         self.select_items().join(", ")
