@@ -12,7 +12,7 @@
 //!
 //! [`OutboxStore::claim`] leases up to `limit` claimable rows to one node in a single
 //! statement, oldest `sequence_id` first, leaving out every row of the request's
-//! [`Crowded`] keys and destinations, and never hands the same row to two nodes while a
+//! [`Crowded`] keys, and never hands the same row to two nodes while a
 //! lease lives. Every later operation names the node: a store applies it only to rows that
 //! node still leases, so a node whose lease expired (and whose rows another node took) cannot
 //! ack, retry or dead-letter them. Such a refusal is not an error: the returned count is
@@ -54,23 +54,27 @@ pub struct ClaimRequest {
     /// Per-key order (the default). `false` claims any ready rows, whatever their key
     /// (`--ordering none`).
     pub ordered: bool,
-    /// Rows to leave out, of keys and destinations the node already holds its share of
-    /// (the engine's, so that one slow key or receiver cannot fill it: [`Crowded`]).
+    /// Rows to leave out, of keys the node already holds its share of (so that one slow
+    /// key or receiver cannot fill it: [`Crowded`]).
     pub crowded: Crowded,
 }
 
-/// Ordering keys and destinations whose rows a claim leaves out, every row of them, whatever
-/// else holds. A store that reads a stream in commit order (WAL, binlog) cannot skip ahead in
-/// it, and ignores them.
+/// Ordering keys whose rows a claim leaves out, every row of them, whatever else holds:
+/// the node already holds its share of them. Leaving a key out costs the claim a walk past
+/// its rows, so a claim with keys to leave out looks only at the first `window` pending
+/// rows in publish order (claimed or not): a key's backlog of millions would otherwise be
+/// walked by every claim. A store that reads a stream in commit order (WAL, binlog) cannot
+/// skip ahead in it, and ignores them.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Crowded {
     pub keys: Vec<String>,
-    pub destinations: Vec<String>,
+    /// Pending rows a claim with `keys` looks through, from the oldest.
+    pub window: usize,
 }
 
 impl Crowded {
     pub fn is_empty(&self) -> bool {
-        self.keys.is_empty() && self.destinations.is_empty()
+        self.keys.is_empty()
     }
 }
 

@@ -19,7 +19,6 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 
 use outbox_core::id_hash::IdMap;
-use outbox_core::store::Crowded;
 use outbox_core::{Claimed, Event, SequenceId};
 
 /// The lane a row belongs to: its ordering key, or under `--ordering none` the row itself.
@@ -243,34 +242,27 @@ impl Lanes {
         !self.ready.is_empty()
     }
 
-    /// The keys holding `key_share` rows or more, and the destinations holding
-    /// `destination_share` or more (a lane counted under its first row's destination), which
-    /// the next claim leaves out: a slow key or receiver would otherwise fill the node with
-    /// its backlog, every other key waiting in the table. Keys only where lanes are keys; a
-    /// lane of `--ordering none` is one row.
-    pub fn crowded(&self, key_share: usize, destination_share: usize) -> Crowded {
-        let mut crowded = Crowded::default();
-        if self.held() < key_share.min(destination_share) {
-            return crowded;
+    /// The keys holding `share` rows or more, which the next claim leaves out: a key slow
+    /// to confirm (a receiver answering in seconds) would otherwise fill the node with its
+    /// backlog, every other key waiting in the table. None under `--ordering none`, whose
+    /// lanes are rows.
+    pub fn crowded_keys(&self, share: usize) -> Vec<String> {
+        if !self.ordered || self.held() < share {
+            return Vec::new();
         }
-        let mut by_destination: HashMap<&str, usize> = HashMap::new();
-        for (key, lane) in &self.lanes {
-            let Some(first) = lane.queue.front() else {
-                continue;
-            };
-            if self.ordered && lane.queue.len() >= key_share {
-                crowded.keys.push(key.0.to_string());
-            }
-            *by_destination.entry(first.destination()).or_default() += lane.queue.len();
-        }
-        crowded.destinations = by_destination
-            .into_iter()
-            .filter(|(_, held)| *held >= destination_share)
-            .map(|(destination, _)| destination.to_string())
+        let mut keys: Vec<String> = self
+            .lanes
+            .iter()
+            .filter(|(_, lane)| lane.queue.len() >= share)
+            .map(|(key, _)| key.0.to_string())
             .collect();
-        crowded.keys.sort();
-        crowded.destinations.sort();
-        crowded
+        keys.sort();
+        keys
+    }
+
+    /// Rows the lane of `key` holds.
+    pub fn lane_rows(&self, key: &str) -> usize {
+        self.lanes.get(key).map_or(0, |lane| lane.queue.len())
     }
 
     /// Rows queued behind a head, not yet handed out.
@@ -613,49 +605,27 @@ mod tests {
             .collect()
     }
 
-    fn row_to(seq: i64, destination: &str, key: &str) -> Claimed {
-        Claimed::Event(Arc::new(Event {
-            partition_key: Some(key.into()),
-            ..Event::new(seq, uuid::Uuid::nil(), destination, "t", Payload::Null)
-        }))
-    }
-
-    /// Keys holding their share, and destinations holding theirs over all their keys, are
-    /// crowded; a handed-out head still counts (it is held); settled rows no longer do.
-    /// Under `--ordering none` only destinations crowd (a lane is a row).
+    /// Keys holding their share are crowded; a handed-out head still counts (it is held),
+    /// a confirmed one no longer does. Under `--ordering none` no key is.
     #[test]
-    fn keys_and_destinations_holding_their_share_are_crowded() {
+    fn keys_holding_their_share_are_crowded() {
         let mut lanes = Lanes::new(true, None);
-        assert_eq!(lanes.crowded(3, 4), Crowded::default());
-        lanes.accept(
-            1,
-            vec![
-                row_to(1, "slow", "a"),
-                row_to(2, "slow", "a"),
-                row_to(3, "slow", "a"),
-                row_to(4, "slow", "b"),
-                row_to(5, "fast", "c"),
-                row_to(6, "fast", "c"),
-            ],
-        );
-        let crowded = lanes.crowded(3, 4);
-        assert_eq!(crowded.keys, ["a"]);
-        assert_eq!(crowded.destinations, ["slow"]);
-        assert_eq!(lanes.crowded(4, 5), Crowded::default(), "below both shares");
-
+        assert!(lanes.crowded_keys(3).is_empty());
+        let rows = [(1, "a"), (2, "a"), (3, "a"), (4, "b"), (5, "c"), (6, "c")];
+        lanes.accept(1, rows.iter().map(|(n, k)| row(*n, k)).collect());
+        assert_eq!(lanes.crowded_keys(3), ["a"]);
+        assert_eq!(lanes.crowded_keys(2), ["a", "c"]);
+        assert!(lanes.crowded_keys(4).is_empty(), "below the share");
         let handout = lanes.take_ready(10, 1);
         assert_eq!(seqs(&handout), [1, 4, 5]);
-        assert_eq!(lanes.crowded(3, 4).keys, ["a"], "a head out is still held");
+        assert_eq!(lanes.crowded_keys(3), ["a"], "a head out is still held");
         lanes.confirmed(&lanes.lane_of(1, "a"), 1);
-        let crowded = lanes.crowded(3, 4);
-        assert!(crowded.keys.is_empty(), "{crowded:?}");
-        assert!(crowded.destinations.is_empty(), "{crowded:?}");
+        assert!(lanes.crowded_keys(3).is_empty());
+        assert_eq!(lanes.lane_rows("a"), 2);
 
         let mut unordered = Lanes::new(false, None);
-        unordered.accept(1, (1..=4).map(|n| row_to(n, "slow", "a")).collect());
-        let crowded = unordered.crowded(2, 4);
-        assert!(crowded.keys.is_empty(), "no key crowds without ordering");
-        assert_eq!(crowded.destinations, ["slow"]);
+        unordered.accept(1, (1..=4).map(|n| row(n, "a")).collect());
+        assert!(unordered.crowded_keys(1).is_empty(), "lanes are rows");
     }
 
     /// A held row's lane is found, not made again, and the rows of one key share one key

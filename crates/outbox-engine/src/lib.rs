@@ -30,8 +30,8 @@ use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt};
 use outbox_core::health::Check;
 use outbox_core::store::{
-    storable_error, Backlog, ClaimRequest, DeadLetter, LeaseExtension, LeaseHolder, RetryLater,
-    StoreFuture, StoreResult,
+    storable_error, Backlog, ClaimRequest, Crowded, DeadLetter, LeaseExtension, LeaseHolder,
+    RetryLater, StoreFuture, StoreResult,
 };
 use outbox_core::trace::{SettleKind, Span};
 use outbox_core::{
@@ -245,10 +245,10 @@ struct Engine {
     phase: Phase,
     /// A lease extension is running.
     extending: bool,
-    /// The last claim left out crowded keys or destinations ([`Lanes::crowded`]): each
-    /// settle wants another claim, which takes their rows once they thin out (a claim that
-    /// left them out came back short, and would otherwise wait for the poll).
-    crowding: bool,
+    /// The keys the last claim left out ([`Lanes::crowded_keys`]): once a settle leaves one
+    /// below its share, another claim is wanted to take its rows (the claim that left them
+    /// out came back short, and would otherwise wait for the poll).
+    crowded_keys: Vec<String>,
     /// Ownership as last acted on, and as last reported to the coordinator.
     ownership_seen: OwnershipSeen,
     /// The waiting state last told to the store (for its gated wake-up).
@@ -735,9 +735,9 @@ impl Engine {
     fn on_settled(&mut self, settled: Settled) -> StoreResult<()> {
         if matches!(settled, Settled::Extended(_)) {
             self.extending = false;
-        } else if self.config.drain || self.crowding {
-            // Something changed: look once more before deciding the drain is done, or
-            // whether a crowd thinned out.
+        } else if self.config.drain || self.crowd_thinned() {
+            // Something changed: look once more before deciding the drain is done, or for
+            // the rows of a key no longer crowded.
             self.claims.want();
         }
         match settled {
@@ -809,6 +809,14 @@ impl Engine {
 /// The claim step and the loop's bookkeeping, beside `dispatch`, `on_published` and
 /// `on_settled` above.
 impl Engine {
+    /// A key the last claim left out holds less than its share now.
+    fn crowd_thinned(&self) -> bool {
+        let share = self.config.settings.key_share();
+        self.crowded_keys
+            .iter()
+            .any(|key| self.lanes.lane_rows(key) < share)
+    }
+
     /// No publish and no settle is in flight.
     fn nothing_pending(&self) -> bool {
         self.publishing.is_empty() && self.settling.is_empty()
@@ -899,11 +907,12 @@ impl Engine {
             return;
         }
         let limit = capacity.min(self.config.settings.batch_size);
-        let crowded = self
-            .lanes
-            .crowded(settings.key_share(), settings.destination_share());
-        // Until the claim after the crowd thins, every settle may have made room for it.
-        self.crowding = !crowded.is_empty();
+        let crowded = Crowded {
+            keys: self.lanes.crowded_keys(settings.key_share()),
+            // Past the rows the node may hold, as many again.
+            window: settings.max_in_flight.saturating_mul(2),
+        };
+        self.crowded_keys.clone_from(&crowded.keys);
         let claim = self.store.claim(ClaimRequest {
             node: self.config.node.clone(),
             limit,
@@ -1144,7 +1153,7 @@ pub async fn run(
         next_retry: None,
         phase: Phase::Relaying,
         extending: false,
-        crowding: false,
+        crowded_keys: Vec::new(),
         ownership_seen: OwnershipSeen::default(),
         reported_waiting: false,
         drain: DrainProgress::new(),

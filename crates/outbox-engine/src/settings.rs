@@ -98,12 +98,6 @@ impl EngineSettings {
         (self.max_in_flight / 4).max(1)
     }
 
-    /// Rows of one destination past which claims leave it out: half of `max_in_flight`,
-    /// so that a slow receiver's backlog leaves the other half to the other destinations.
-    pub fn destination_share(&self) -> usize {
-        (self.max_in_flight / 2).max(1)
-    }
-
     /// How many rows a claim may take with `held_bytes` held, each row expected to cost
     /// `row_bytes` (`None`: no row seen yet). At least one when nothing is held.
     pub fn rows_that_fit(&self, held_bytes: usize, row_bytes: Option<usize>) -> usize {

@@ -806,16 +806,15 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
                 let not_blocked = params.not_in_texts(&sql.key_expr(), blocked);
                 condition = format!("{condition} AND {not_blocked}");
             }
-            // A NULL is never crowded (NOT IN would leave its row out).
-            let Crowded { keys, destinations } = request.crowded.clone();
-            for (expr, crowded) in [
-                (sql.key_expr(), keys),
-                (sql.destination_expr(), destinations),
-            ] {
-                if !crowded.is_empty() {
-                    let left_out = params.not_in_texts(&format!("coalesce({expr}, '')"), crowded);
-                    condition = format!("{condition} AND {left_out}");
-                }
+            let Crowded { keys, window } = request.crowded.clone();
+            if !keys.is_empty() {
+                // A NULL key is never crowded (NOT IN would leave its row out).
+                let expr = format!("coalesce({}, '')", sql.key_expr());
+                let uncrowded = params.not_in_texts(&expr, keys);
+                condition = format!(
+                    "{condition} AND {uncrowded} AND {}",
+                    sql.within_first(window)
+                );
             }
             let marks = sql.mapping.marks_claims();
             if !marks && !held.is_empty() {

@@ -86,7 +86,11 @@ WITH locked AS (
                     WHERE o.delivered_at IS NULL
                       AND o.available_at <= now()
                       AND (o.locked_until IS NULL OR o.locked_until < now())
-                      AND NOT (coalesce(o.partition_key, o.destination) = ANY($4::text[])) AND NOT (o.destination = ANY($5::text[]))
+                      AND (cardinality($4::text[]) = 0
+                       OR (NOT (coalesce(o.partition_key, o.destination) = ANY($4::text[]))
+                           AND o.sequence_id IN (SELECT w.sequence_id FROM "public"."outbox" w
+                                                  WHERE w.delivered_at IS NULL
+                                                  ORDER BY w.sequence_id LIMIT $5::int8)))
                       AND CASE WHEN NOT EXISTS (
                     SELECT 1 FROM "public"."outbox" p
                     WHERE hashtextextended(coalesce(p.partition_key, p.destination), 0) = hashtextextended(coalesce(o.partition_key, o.destination), 0) AND coalesce(p.partition_key, p.destination) = coalesce(o.partition_key, o.destination)
@@ -133,7 +137,11 @@ SELECT o.sequence_id, o.event_id, o.destination, o.partition_key, o.event_type, 
                     AND $1::text IS NOT NULL
                     AND o.sequence_id >= $7
                     AND ($7 = 0 OR $8::int8 IS NULL OR now() < to_timestamp($8::int8 / 1000000.0))
-                    AND NOT (coalesce(o.partition_key, o.destination) = ANY($9::text[])) AND NOT (o.destination = ANY($10::text[]))
+                    AND (cardinality($9::text[]) = 0
+                       OR (NOT (coalesce(o.partition_key, o.destination) = ANY($9::text[]))
+                           AND o.sequence_id IN (SELECT w.sequence_id FROM "public"."outbox" w
+                                                  WHERE w.delivered_at IS NULL
+                                                  ORDER BY w.sequence_id LIMIT $10::int8)))
                   ORDER BY o.sequence_id
                   LIMIT $2
 
@@ -172,7 +180,7 @@ WITH locked AS (
                     WHERE o.delivered_at IS NULL
                       AND o.available_at <= now()
                       AND (o.locked_until IS NULL OR o.locked_until < now())
-                      AND NOT (o.destination = ANY($4::text[]))
+                      
                     ORDER BY o.sequence_id
                     LIMIT $2
                     FOR UPDATE SKIP LOCKED),
@@ -689,7 +697,11 @@ WITH locked AS (
                     WHERE o.delivered_at IS NULL
                       AND o.available_at <= now()
                       AND (o.locked_until IS NULL OR o.locked_until < now())
-                      AND NOT (coalesce(o.partition_key, o.destination) = ANY($4::text[])) AND NOT (o.destination = ANY($5::text[]))
+                      AND (cardinality($4::text[]) = 0
+                       OR (NOT (coalesce(o.partition_key, o.destination) = ANY($4::text[]))
+                           AND o.sequence_id IN (SELECT w.sequence_id FROM "app"."events" w
+                                                  WHERE w.delivered_at IS NULL
+                                                  ORDER BY w.sequence_id LIMIT $5::int8)))
                       AND CASE WHEN NOT EXISTS (
                     SELECT 1 FROM "app"."events" p
                     WHERE hashtextextended(coalesce(p.partition_key, p.destination), 0) = hashtextextended(coalesce(o.partition_key, o.destination), 0) AND coalesce(p.partition_key, p.destination) = coalesce(o.partition_key, o.destination)
@@ -736,7 +748,11 @@ SELECT o.sequence_id, o.event_id, o.destination, o.partition_key, o.event_type, 
                     AND $1::text IS NOT NULL
                     AND o.sequence_id >= $7
                     AND ($7 = 0 OR $8::int8 IS NULL OR now() < to_timestamp($8::int8 / 1000000.0))
-                    AND NOT (coalesce(o.partition_key, o.destination) = ANY($9::text[])) AND NOT (o.destination = ANY($10::text[]))
+                    AND (cardinality($9::text[]) = 0
+                       OR (NOT (coalesce(o.partition_key, o.destination) = ANY($9::text[]))
+                           AND o.sequence_id IN (SELECT w.sequence_id FROM "app"."events" w
+                                                  WHERE w.delivered_at IS NULL
+                                                  ORDER BY w.sequence_id LIMIT $10::int8)))
                   ORDER BY o.sequence_id
                   LIMIT $2
 
@@ -775,7 +791,7 @@ WITH locked AS (
                     WHERE o.delivered_at IS NULL
                       AND o.available_at <= now()
                       AND (o.locked_until IS NULL OR o.locked_until < now())
-                      AND NOT (o.destination = ANY($4::text[]))
+                      
                     ORDER BY o.sequence_id
                     LIMIT $2
                     FOR UPDATE SKIP LOCKED),

@@ -568,6 +568,7 @@ async fn claim_owned_once(
         }
     }
     let plan = inner.owned.plan(node, fence, floor_statements.is_some());
+    let window = crowded.window as i64;
     let count = fence.count as i32;
     let claim_params: [&(dyn ToSql + Sync); 10] = [
         &node,
@@ -579,7 +580,7 @@ async fn claim_owned_once(
         &plan.start,
         &plan.due,
         &crowded.keys,
-        &crowded.destinations,
+        &window,
     ];
     let Some((sequence, writers, due, after)) = floor_statements else {
         let rows = client.query(&claim, &claim_params).await.map_err(|e| {
@@ -709,13 +710,14 @@ impl OutboxStore for PgStore {
             let lease = millis(request.lease);
             let node = &request.node.0;
             let crowded = &request.crowded;
+            let window = crowded.window as i64;
             let rows = match (&request.fence, request.ordered) {
                 (_, false) => {
                     Self::query(
                         &inner,
                         "claim",
                         &inner.sql.claim_unordered,
-                        &[node, &limit, &lease, &crowded.destinations],
+                        &[node, &limit, &lease],
                     )
                     .await?
                 }
@@ -724,7 +726,7 @@ impl OutboxStore for PgStore {
                         &inner,
                         "claim",
                         &inner.sql.claim,
-                        &[node, &limit, &lease, &crowded.keys, &crowded.destinations],
+                        &[node, &limit, &lease, &crowded.keys, &window],
                     )
                     .await?
                 }

@@ -638,8 +638,8 @@ impl Native {
         )
     }
 
-    /// A claim under row leases ($4 and $5 the crowded keys and destinations of the ordered
-    /// claim, $4 those destinations of the unordered one): up to $2 ready rows, not leased, that pass `candidates`,
+    /// A claim under row leases (the ordered one's $4 and $5: [`Native::uncrowded`]): up
+    /// to $2 ready rows, not leased, that pass `candidates`,
     /// locked (skipping rows other transactions hold), of which those that pass `keep` are
     /// leased to the node ($1) for $3 ms.
     fn leasing_claim(&self, candidates: &str, keep: &str) -> String {
@@ -690,8 +690,9 @@ impl Native {
         let key_lock = self.key_lock();
         self.leasing_claim(
             &format!(
-                "AND NOT ({KEY_O} = ANY($4::text[])) AND NOT (o.destination = ANY($5::text[]))
-                      AND CASE WHEN {no_lease_or_retry_blocks} THEN {key_lock} ELSE false END"
+                "AND {}
+                      AND CASE WHEN {no_lease_or_retry_blocks} THEN {key_lock} ELSE false END",
+                self.uncrowded(4, 5)
             ),
             &not_ours_nor_locked_here,
         )
@@ -705,17 +706,33 @@ impl Native {
         format!("pg_try_advisory_xact_lock(hashtext('{table}'), hashtext({KEY_O}))")
     }
 
-    /// Any ready rows (`--ordering none`), but those of the crowded destinations ($4).
+    /// Any ready rows (`--ordering none`).
     fn claim_unordered(&self) -> String {
-        self.leasing_claim("AND NOT (o.destination = ANY($4::text[]))", "true")
+        self.leasing_claim("", "true")
+    }
+
+    /// Rows (`o`) not of the crowded keys (`$keys`, text[]), and, when there are any, among
+    /// the first `$window` pending rows: leaving a key out walks past its rows, and a
+    /// key's backlog of millions would be walked by every claim. An uncorrelated hashed
+    /// subplan, evaluated once, and only with keys to leave out.
+    fn uncrowded(&self, keys: u8, window: u8) -> String {
+        let t = &self.t;
+        format!(
+            "(cardinality(${keys}::text[]) = 0
+                       OR (NOT ({KEY_O} = ANY(${keys}::text[]))
+                           AND o.sequence_id IN (SELECT w.sequence_id FROM {t} w
+                                                  WHERE w.delivered_at IS NULL
+                                                  ORDER BY w.sequence_id LIMIT ${window}::int8)))"
+        )
     }
 
     /// Owned partitions: $1 node, $2 limit, $3 the rows this node already holds, $4 the
     /// partition count, $5 its partitions, $6 their epochs, $7 the scan floor (rows held
     /// in $3 are only those at or above it), $8 when a row the floor passed comes due
     /// (microseconds since the epoch): from then on a claim above zero returns nothing,
-    /// and the store claims again from zero; $9 and $10 the crowded keys and destinations,
-    /// left out (the floor is not used while there are any: it passes only rows claimed). A plain SELECT: ownership
+    /// and the store claims again from zero; $9 and $10 the crowded keys and the window
+    /// ([`Native::uncrowded`]; the floor is not used with keys to leave out: it passes only
+    /// rows a claim saw). A plain SELECT: ownership
     /// (checked here against the live leases, and fencing every settle) replaces the row
     /// lease, so rows are neither updated nor locked at claim time. See ARCHITECTURE.md.
     /// `NOT IN (SELECT unnest(..))` is a hashed subplan; `NOT (.. = ANY($3))` compares
@@ -734,6 +751,7 @@ impl Native {
                     WHERE pp.owner = $1 AND pp.epoch = h.epoch AND pp.lease_until > now()) AS int4[])"
         );
         let no_retry_blocks = self.unblocked("p.attempts > 0 AND p.available_at > now()");
+        let uncrowded = self.uncrowded(9, 10);
         format!(
             "SELECT {RETURNED} FROM {t} o
                   WHERE o.delivered_at IS NULL
@@ -744,7 +762,7 @@ impl Native {
                     AND $1::text IS NOT NULL
                     AND o.sequence_id >= $7
                     AND ($7 = 0 OR $8::int8 IS NULL OR now() < to_timestamp($8::int8 / 1000000.0))
-                    AND NOT ({KEY_O} = ANY($9::text[])) AND NOT (o.destination = ANY($10::text[]))
+                    AND {uncrowded}
                   ORDER BY o.sequence_id
                   LIMIT $2"
         )

@@ -93,8 +93,8 @@ macro_rules! claimable {
 }
 
 /// A claim in two statements. The first picks up to `?3` claimable rows in order, but
-/// those of the crowded keys (`?4`) and destinations (`?5`, JSON arrays), read outside the
-/// write lock: it may walk every row a stuck key holds back, and under the lock
+/// those of the crowded keys (`?4`, a JSON array; then only among the first `?5` pending
+/// rows: `outbox_core::store::Crowded`), read outside the write lock: it may walk every row a stuck key holds back, and under the lock
 /// that walk kept the application's inserts waiting. The second, under the write lock,
 /// leases to `?1` for `?4` ms those of the picked rows (`?3`, a JSON array) that are still
 /// claimable, checked again as it takes them.
@@ -105,8 +105,10 @@ macro_rules! claim_sql {
                 "SELECT o.sequence_id FROM outbox o WHERE ",
                 claimable!($blocking),
                 "
-       AND coalesce(o.partition_key, o.destination) NOT IN (SELECT value FROM json_each(?4))
-       AND o.destination NOT IN (SELECT value FROM json_each(?5))",
+       AND (json_array_length(?4) = 0
+            OR (coalesce(o.partition_key, o.destination) NOT IN (SELECT value FROM json_each(?4))
+                AND o.sequence_id IN (SELECT sequence_id FROM outbox
+                                       WHERE delivered_at IS NULL ORDER BY sequence_id LIMIT ?5)))",
                 " ORDER BY o.sequence_id LIMIT ?3"
             ),
             concat!(
@@ -530,7 +532,7 @@ impl OutboxStore for SqliteStore {
                             now_ms(),
                             request.limit as i64,
                             text_list(&request.crowded.keys),
-                            text_list(&request.crowded.destinations)
+                            request.crowded.window as i64
                         ],
                         |r| r.get(0),
                     )?

@@ -206,9 +206,18 @@ impl Sql {
         }
     }
 
-    /// Each row's destination as text, as claims read it.
-    pub fn destination_expr(&self) -> String {
-        self.text(&self.col(&self.mapping.destination))
+    /// Rows (`o`) among the first `window` pending rows in publish order: a claim that
+    /// leaves keys out would otherwise walk past every row of theirs (see
+    /// [`outbox_core::store::Crowded`]). A derived table, so MySQL takes its `LIMIT` inside
+    /// `IN`.
+    pub fn within_first(&self, window: usize) -> String {
+        let id = self.id();
+        format!(
+            "{id} IN (SELECT w.id FROM (SELECT {id} AS id FROM {} o WHERE {} ORDER BY {} LIMIT {window}) w)",
+            self.table(),
+            self.pending(),
+            self.order_by()
+        )
     }
 
     /// The columns of a claimed row (see the module docs for the order).

@@ -187,7 +187,10 @@ impl Reader {
                             tracing::info!(slot = %config.slot, "another relay streams from the slot; waiting as a standby");
                         }
                         self.set_status(CaptureStatus::Standby);
-                        Duration::from_secs(1)
+                        if !self.stand_by_while_a_relay_streams().await {
+                            return;
+                        }
+                        Duration::ZERO
                     }
                 }
                 Err(StartError::Stream(e)) if e.is_retryable() => self.cannot_start(describe(&e)),
@@ -230,6 +233,22 @@ impl Reader {
     }
 
     /// Who holds the slot, as far as its session's name tells.
+    /// Waits while a relay of this outbox streams from the slot, asked over SQL every
+    /// [`STANDBY_LOOKS_EVERY`]: each replication attempt on a slot in use is an ERROR in the
+    /// server's log, which a standby that tried every second filled. Returns once the slot
+    /// may be free (or who holds it cannot be told: the attempt says), false when closing.
+    async fn stand_by_while_a_relay_streams(&mut self) -> bool {
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep(STANDBY_LOOKS_EVERY) => {}
+                _ = self.close.changed() => return false,
+            }
+            if self.slot_holder().await != SlotHolder::ThisOutbox {
+                return true;
+            }
+        }
+    }
+
     async fn slot_holder(&self) -> SlotHolder {
         let Ok(rows) = self
             .main
@@ -238,10 +257,10 @@ impl Reader {
         else {
             return SlotHolder::Unknown;
         };
-        let Some(holder) = rows
-            .first()
-            .and_then(|row| row.try_get::<_, Option<String>>(0).ok().flatten())
-        else {
+        let Some(row) = rows.first() else {
+            return SlotHolder::Nobody;
+        };
+        let Some(holder) = row.try_get::<_, Option<String>>(0).ok().flatten() else {
             return SlotHolder::Unknown;
         };
         SlotHolder::of(holder, &self.config.outbox_tag())
@@ -1108,6 +1127,9 @@ pub(super) fn session_name(base: &str, outbox_tag: &str) -> String {
     format!("{base} {outbox_tag} {}", &token[..12])
 }
 
+/// How often a standby asks whether the relay streaming from the slot is still there.
+const STANDBY_LOOKS_EVERY: Duration = Duration::from_secs(1);
+
 /// Who holds a slot, told by its session's name ([`session_name`]).
 #[derive(Debug, PartialEq)]
 enum SlotHolder {
@@ -1120,6 +1142,8 @@ enum SlotHolder {
     NoRelay(String),
     /// The name could not be read.
     Unknown,
+    /// No session streams from the slot (or there is no slot).
+    Nobody,
 }
 
 impl SlotHolder {
