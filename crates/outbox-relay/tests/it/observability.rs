@@ -1,7 +1,7 @@
 //! The shipped Grafana dashboard and Prometheus alert rules (`deploy/`), checked with
 //! Debian's `prometheus` package: `promtool check rules`, `promtool test rules` (every alert
 //! fires and resolves), and a real Prometheus that scrapes running relays (one polling, one
-//! with `--capture wal`) and is asked, through its HTTP API, for every metric name the
+//! with `--capture wal`, one with `--capture binlog`) and is asked, through its HTTP API, for every metric name the
 //! dashboard and the alerts use: a misspelt or vanished name fails here. On the relays' real
 //! series a dead letter fires its alert, and the liveness and partition alerts stay quiet.
 //!
@@ -592,18 +592,20 @@ async fn a_real_prometheus_scraping_relays_has_every_metric_the_dashboard_and_th
     let d = dir.path();
     let mut polling = PollingRelay::start(d).await;
     let mut wal = WalRelay::start(d).await;
+    let mut binlog = BinlogRelay::start(d).await;
     let prom_dir = d.join("prometheus");
     std::fs::create_dir(&prom_dir).unwrap();
-    let mut prometheus =
-        Prometheus::start(&prometheus_bin, &prom_dir, &[&polling.addr, &wal.addr]).await;
+    let targets = [&polling.addr[..], &wal.addr, &binlog.addr];
+    let mut prometheus = Prometheus::start(&prometheus_bin, &prom_dir, &targets).await;
 
-    both_relays_are_scraped_with_no_dead_letters_yet(&prometheus).await;
-    traffic_makes_every_series(&polling, &wal).await;
+    every_relay_is_scraped_with_no_dead_letters_yet(&prometheus, targets.len()).await;
+    traffic_makes_every_series(&polling, &wal, &binlog).await;
     let alert_queries = the_shipped_rules_load_and_evaluate(&prometheus).await;
     the_alerts_follow_the_relays_series(&prometheus, &polling.addr).await;
     every_metric_the_dashboard_and_the_alerts_use_exists(&prometheus, &alert_queries).await;
 
     prometheus.stop().await;
+    binlog.process.terminate().await;
     wal.process.terminate().await;
     polling.process.terminate().await;
     drop(wal.slot);
@@ -724,11 +726,75 @@ impl WalRelay {
     }
 }
 
-/// Both relays are scraped, and Prometheus has seen the outbox without dead letters.
-async fn both_relays_are_scraped_with_no_dead_letters_yet(prometheus: &Prometheus) {
-    // Both relays are scraped.
+/// A relay reading the binary log of a MariaDB database of its own.
+struct BinlogRelay {
+    url: String,
+    events: std::path::PathBuf,
+    process: RelayProcess,
+    addr: String,
+}
+
+impl BinlogRelay {
+    async fn start(d: &Path) -> BinlogRelay {
+        let url = outbox_testkit::fresh_mysql_database().await;
+        succeeded(
+            "migrate --capture binlog",
+            &relay(
+                d,
+                &["migrate", "--database-url", &url, "--capture", "binlog"],
+            ),
+        );
+        let events = d.join("binlog-events.jsonl");
+        let sink = format!("file:{}", events.display());
+        let process = RelayProcess::spawn(
+            d,
+            "binlog",
+            &[
+                "run",
+                "--database-url",
+                &url,
+                "--capture",
+                "binlog",
+                "--sink",
+                &sink,
+                "--http-addr",
+                "127.0.0.1:0",
+                "--log-format",
+                "json",
+            ],
+            &[],
+        );
+        let addr = http_addr(&process).await;
+        BinlogRelay {
+            url,
+            events,
+            process,
+            addr,
+        }
+    }
+
+    async fn insert_events(&self, n: i64) {
+        use mysql_async::prelude::Queryable;
+        let pool = mysql_async::Pool::new(mysql_async::Opts::from_url(&self.url).unwrap());
+        let mut conn = pool.get_conn().await.unwrap();
+        for i in 0..n {
+            conn.exec_drop(
+                "INSERT INTO outbox (destination, partition_key, event_type, payload)
+                 VALUES ('orders', 'k', 'T', JSON_OBJECT('n', ?))",
+                (i,),
+            )
+            .await
+            .unwrap();
+        }
+        drop(conn);
+        pool.disconnect().await.unwrap();
+    }
+}
+
+/// Every relay is scraped, and Prometheus has seen the outbox without dead letters.
+async fn every_relay_is_scraped_with_no_dead_letters_yet(prometheus: &Prometheus, relays: usize) {
     eventually_explained(
-        "Prometheus to scrape both relays",
+        "Prometheus to scrape every relay",
         Duration::from_secs(60),
         || prometheus.logs(),
         || {
@@ -741,7 +807,7 @@ async fn both_relays_are_scraped_with_no_dead_letters_yet(prometheus: &Prometheu
                     .iter()
                     .filter(|t| t["health"] == "up")
                     .count();
-                (up == 2).then_some(())
+                (up == relays).then_some(())
             }
         },
     )
@@ -768,7 +834,7 @@ async fn both_relays_are_scraped_with_no_dead_letters_yet(prometheus: &Prometheu
 }
 
 /// Traffic, so that every series exists.
-async fn traffic_makes_every_series(polling: &PollingRelay, wal: &WalRelay) {
+async fn traffic_makes_every_series(polling: &PollingRelay, wal: &WalRelay, binlog: &BinlogRelay) {
     let (url, events, out_dir) = (&polling.url, &polling.events, &polling.out_dir);
     let (polling_addr, polling) = (&polling.addr, &polling.process);
     let (wal_url, wal_events) = (&wal.url, &wal.events);
@@ -803,6 +869,15 @@ async fn traffic_makes_every_series(polling: &PollingRelay, wal: &WalRelay) {
     )
     .await;
     wait_for_metric(wal, wal_addr, "outbox_wal_slot_lag_bytes").await;
+    binlog.insert_events(3).await;
+    wait_for_lines(
+        "the binlog relay's deliveries",
+        &binlog.events,
+        Duration::from_secs(30),
+        |n| n == 3,
+    )
+    .await;
+    wait_for_metric(&binlog.process, &binlog.addr, "outbox_binlog_lag_seconds").await;
 }
 
 /// The shipped rules are loaded and evaluate without error; returns their queries.
@@ -852,7 +927,7 @@ async fn the_shipped_rules_load_and_evaluate(prometheus: &Prometheus) -> Vec<Str
 
 /// The dead letter fires its alert; the liveness, ownership and WAL alerts stay quiet.
 async fn the_alerts_follow_the_relays_series(prometheus: &Prometheus, polling_addr: &str) {
-    // On the relays' real series: the dead letter fires its alert; both relays count as live
+    // On the relays' real series: the dead letter fires its alert; every relay counts as live
     // nodes and every partition has an owner, so those alerts are not even pending.
     let firing = eventually_explained(
         "OutboxDeadLettersGrowing to fire",
@@ -886,7 +961,7 @@ async fn the_alerts_follow_the_relays_series(prometheus: &Prometheus, polling_ad
         .await;
     assert_eq!(
         live.len(),
-        2,
+        3,
         "relays counted live by OutboxNoLiveRelay: {live:?}"
     );
     let partitions = prometheus
@@ -903,7 +978,9 @@ async fn the_alerts_follow_the_relays_series(prometheus: &Prometheus, polling_ad
             ![
                 "OutboxNoLiveRelay",
                 "OutboxPartitionsUnowned",
-                "OutboxWalNotStreaming"
+                "OutboxWalNotStreaming",
+                "OutboxBinlogNotReading",
+                "OutboxBinlogLag"
             ]
             .iter()
             .any(|name| alert["labels"]["alertname"] == *name),
@@ -951,6 +1028,7 @@ async fn every_metric_the_dashboard_and_the_alerts_use_exists(
         "outbox_oldest_pending_age_seconds",
         "outbox_unowned_partitions",
         "outbox_wal_slot_lag_bytes",
+        "outbox_binlog_reading",
         "outbox_commit_to_confirm_seconds_bucket",
         "up",
     ] {
@@ -982,7 +1060,7 @@ async fn every_metric_the_dashboard_and_the_alerts_use_exists(
     .await;
     if waited.is_err() {
         panic!(
-            "metrics the dashboard or the alerts use that Prometheus does not have after scraping both relays:\n{}",
+            "metrics the dashboard or the alerts use that Prometheus does not have after scraping every relay:\n{}",
             missing().await.join("\n")
         );
     }
