@@ -463,6 +463,8 @@ fn the_kubernetes_manifests_build_and_validate_against_the_api_schemas() {
         assert!(out.status.success(), "{overlay}: {said}");
         for resource in [
             "deployment/outbox-relay",
+            "job/outbox-relay-migrate",
+            "secret/outbox-relay-migrate",
             "poddisruptionbudget/outbox-relay",
             "service/outbox-relay",
             "secret/outbox-relay",
@@ -563,6 +565,32 @@ egress_ports = sorted(p["port"] for rule in policy["egress"] for p in rule["port
 assert egress_ports == [53, 53, 4222, 5432], egress_ports
 dns = [r for r in policy["egress"] if any(p["port"] == 53 for p in r["ports"])][0]
 assert dns["to"][0]["podSelector"]["matchLabels"] == {"k8s-app": "kube-dns"}, dns
+# The migration Job: `migrate` with the relays' settings file and image, as the role of a
+# Secret of its own (the relays' role needs no DDL), in a pod no relay selector matches.
+job = by_kind["Job"][0]
+jpod = job["spec"]["template"]
+jc = jpod["spec"]["containers"][0]
+assert jc["args"] == ["migrate"], jc
+assert jc["image"] == c["image"], (jc["image"], c["image"])
+jenv = {e["name"]: e.get("value") for e in jc["env"]}
+assert jenv["OUTBOX_RELAY_CONFIG"] == env["OUTBOX_RELAY_CONFIG"], jenv
+jvolumes = {v["name"]: v for v in jpod["spec"]["volumes"]}
+jmounts = {m["name"]: m["mountPath"] for m in jc["volumeMounts"]}
+[jsecret] = [v for v in jvolumes.values() if "secret" in v]
+assert jsecret["secret"]["secretName"] != secret_volume["secret"]["secretName"], jsecret
+assert "database-url" in secrets[jsecret["secret"]["secretName"]]["stringData"]
+assert jenv["OUTBOX_RELAY_DATABASE_URL_FILE"] == jmounts[jsecret["name"]] + "/database-url", jenv
+[jconfig] = [v for v in jvolumes.values() if "configMap" in v]
+assert jconfig["configMap"]["name"] == by_kind["ConfigMap"][0]["metadata"]["name"]
+assert jpod["spec"]["restartPolicy"] == "OnFailure"
+assert job["spec"]["ttlSecondsAfterFinished"] > 0
+assert jpod["spec"]["enableServiceLinks"] is False
+assert jpod["spec"]["securityContext"]["runAsNonRoot"] is True
+assert jc["securityContext"]["readOnlyRootFilesystem"] is True
+jlabels = jpod["metadata"]["labels"]
+for selector in (svc["spec"]["selector"], by_kind["PodDisruptionBudget"][0]["spec"]["selector"]["matchLabels"],
+                 by_kind["NetworkPolicy"][0]["spec"]["podSelector"]["matchLabels"]):
+    assert not all(jlabels.get(k) == v for k, v in selector.items()), (selector, jlabels)
 if overlay == "production":
     assert deploy["spec"]["replicas"] == 3
     assert c["image"].startswith("registry.example.com/outbox-relay:"), c["image"]
