@@ -221,6 +221,15 @@ impl Health {
         }
     }
 
+    /// `check` has been failing since `since` (a streak its caller keeps: the engine's per
+    /// send group), the latest error `error`.
+    pub fn record_failing_since(&self, check: Check, since: Instant, error: String) {
+        let mut state = self.state();
+        let check = state.checks.entry(check).or_default();
+        check.failing = Some((since, error));
+        check.last_failed = Some(Instant::now());
+    }
+
     /// Forgets `check`'s failure without a success to show for it: the operation is not
     /// tried any more (a node with nothing to claim).
     pub fn clear_failure(&self, check: Check) {

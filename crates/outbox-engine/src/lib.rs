@@ -15,6 +15,7 @@ pub mod lanes;
 pub mod metrics;
 mod scheduler;
 pub mod settings;
+mod streaks;
 
 pub use settings::{
     EngineSettings, DEFAULT_BATCH_SIZE, DEFAULT_LEASE, DEFAULT_MAX_IN_FLIGHT,
@@ -28,7 +29,7 @@ use std::time::{Duration, SystemTime};
 use futures::future::BoxFuture;
 use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt};
-use outbox_core::health::Check;
+use outbox_core::health::{Check, PUBLISH_GRACE};
 use outbox_core::store::{
     storable_error, Backlog, ClaimRequest, Crowded, DeadLetter, LeaseExtension, LeaseHolder,
     RetryLater, StoreFuture, StoreResult,
@@ -245,6 +246,8 @@ struct Engine {
     phase: Phase,
     /// A lease extension is running.
     extending: bool,
+    /// Send groups whose publishes keep failing, for `/readyz`.
+    publish_streaks: streaks::PublishStreaks,
     /// The keys the last claim left out ([`Lanes::crowded_keys`]): once a settle leaves one
     /// below its share, another claim is wanted to take its rows (the claim that left them
     /// out came back short, and would otherwise wait for the poll).
@@ -431,16 +434,46 @@ impl Engine {
         if !self.publisher.has_send_groups() || batch.len() < 2 {
             return vec![batch];
         }
-        // Few groups to a batch: a list beats a map.
+        // Few groups to a batch: a list beats a map. A lane's run (consecutive, one key)
+        // goes whole to its first event's group: batches in flight never share a key.
         let mut groups: Vec<(u64, Vec<Arc<Event>>)> = Vec::new();
+        let mut last: Option<(Arc<Event>, u64)> = None;
         for event in batch {
-            let group = self.publisher.send_group(&event);
+            let group = match &last {
+                Some((previous, group)) if previous.ordering_key() == event.ordering_key() => {
+                    *group
+                }
+                _ => self.publisher.send_group(&event),
+            };
+            last = Some((event.clone(), group));
             match groups.iter_mut().find(|(g, _)| *g == group) {
                 Some((_, events)) => events.push(event),
                 None => groups.push((group, vec![event])),
             }
         }
         groups.into_iter().map(|(_, events)| events).collect()
+    }
+
+    /// The send group of a batch [`Engine::split_by_send_group`] made.
+    fn send_group_of(&self, batch: &[Arc<Event>]) -> u64 {
+        match batch.first() {
+            Some(event) if self.publisher.has_send_groups() => self.publisher.send_group(event),
+            _ => 0,
+        }
+    }
+
+    /// Tells `/readyz` of the oldest send group still failing, once the streaks no retry
+    /// continued within the grace and the longest backoff are forgotten.
+    fn report_publish_streaks(&mut self) {
+        let recent = PUBLISH_GRACE + self.config.settings.retry.max_delay;
+        let health = &self.config.shared.health;
+        match self
+            .publish_streaks
+            .oldest(std::time::Instant::now(), recent)
+        {
+            Some((since, error)) => health.record_failing_since(Check::Publish, since, error),
+            None => health.clear_failure(Check::Publish),
+        }
     }
 
     /// Hands `batch` to the publisher, its outcomes awaited with the others in flight.
@@ -604,7 +637,10 @@ impl Engine {
                         RetryDecision::RetryAfter(delay) => {
                             match &mut first_failure {
                                 Some((_, n)) => *n += 1,
-                                None => first_failure = Some((report.clone(), 1)),
+                                None => {
+                                    first_failure =
+                                        Some((format!("{}: {report}", event.destination), 1))
+                                }
                             }
                             let due = Instant::now() + delay;
                             self.next_retry = Some(self.next_retry.map_or(due, |d| d.min(due)));
@@ -653,22 +689,25 @@ impl Engine {
                 }
             }
         }
-        // What /readyz says of publishing: any event of the batch confirmed clears it; a
-        // batch of failures to retry only keeps it failing (a trouble past its grace).
-        // Dead letters are their events' own fault, not the sink's: one poison event must
-        // not turn a quiet relay red.
-        let failure = first_failure.as_ref().map(|(error, _)| error);
-        let verdict = match (acked.is_empty(), failure) {
-            (false, _) => Some(Ok(())),
-            (true, Some(error)) => Some(Err(format!(
-                "no event confirmed by the sink {}: {error}",
+        // What /readyz says of publishing, per send group (`streaks`): an event of the
+        // batch's group confirmed ends its streak; failures to retry carry it on.
+        let group = self.send_group_of(&batch);
+        let streak_error = first_failure.as_ref().map(|(error, _)| {
+            format!(
+                "no event confirmed by the sink {} to {error}",
                 self.publisher.describe()
-            ))),
-            (true, None) => None,
-        };
-        if let Some(verdict) = verdict {
-            self.config.shared.health.record(Check::Publish, verdict);
+            )
+        });
+        self.publish_streaks.batch(
+            group,
+            !acked.is_empty(),
+            streak_error,
+            std::time::Instant::now(),
+        );
+        if !acked.is_empty() {
+            self.config.shared.health.record(Check::Publish, Ok(()));
         }
+        self.report_publish_streaks();
         if let Some((error, count)) = first_failure {
             tracing::warn!(events = count, %error, sink = %self.publisher.describe(), "publish failed; will retry with backoff");
         }
@@ -1153,6 +1192,7 @@ pub async fn run(
         next_retry: None,
         phase: Phase::Relaying,
         extending: false,
+        publish_streaks: streaks::PublishStreaks::default(),
         crowded_keys: Vec::new(),
         ownership_seen: OwnershipSeen::default(),
         reported_waiting: false,
@@ -1291,7 +1331,13 @@ async fn event_loop(
             Some(published) = engine.publishing.next() => engine.on_published(published),
             Some(settled) = engine.settling.next() => engine.on_settled(settled)?,
             () = wake.notified() => engine.claims.want(),
-            _ = poll.tick() => engine.claims.want(),
+            _ = poll.tick() => {
+                engine.claims.want();
+                // A streak whose events were dead-lettered ends without a batch to say so.
+                if !engine.publish_streaks.is_empty() {
+                    engine.report_publish_streaks();
+                }
+            }
             () = tokio::time::sleep_until(retry_due.unwrap_or_else(Instant::now)), if retry_due.is_some() && !engine.config.drain => {
                 engine.next_retry = None;
                 engine.claims.want();

@@ -994,3 +994,80 @@ async fn readyz_fails_while_every_publish_fails_and_recovers_when_one_succeeds()
     crate::support::readyz(&relay, &addr, 200, "", Duration::from_secs(30)).await;
     relay.terminate().await;
 }
+
+/// One sink failing every publish beside one that works: `/readyz` fails for the broken
+/// one, naming its destination, though the other confirms events all along. Any confirmed
+/// event cleared the check, so a relay whose second sink refused everything stayed ready
+/// for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_names_a_failing_sink_beside_one_that_works() {
+    let dir = tempfile::tempdir().unwrap();
+    let broken_status = Arc::new(std::sync::atomic::AtomicU16::new(503));
+    let (broken, broken_requests) = webhook_answering(broken_status.clone()).await;
+    let (fine, fine_requests) =
+        webhook_answering(Arc::new(std::sync::atomic::AtomicU16::new(200))).await;
+    let url = format!("sqlite:{}", dir.path().join("o.db").display());
+    std::fs::write(
+        dir.path().join("outbox-relay.toml"),
+        format!(
+            r#"
+http_addr = "127.0.0.1:0"
+log_format = "json"
+[retry]
+base_delay = "100ms"
+max_delay = "1s"
+max_attempts = 1000
+
+[sinks.broken]
+uri = "{broken}"
+
+[sinks.fine]
+uri = "{fine}"
+
+[[routes]]
+destinations = "broken"
+sink = "broken"
+
+[[routes]]
+destinations = "fine"
+sink = "fine"
+"#
+        ),
+    )
+    .unwrap();
+    let mut relay = RelayProcess::spawn(dir.path(), "relay", &["run"], &[("DATABASE_URL", &url)]);
+    let addr = http_addr(&relay).await;
+    let sent = relay_cmd(&url, &["send", "--destination", "broken", "{}"]);
+    assert!(sent.status.success(), "{sent:?}");
+    // The working sink confirms an event every half second throughout.
+    let sending = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let sender = {
+        let (sending, url) = (sending.clone(), url.clone());
+        std::thread::spawn(move || {
+            while sending.load(Ordering::SeqCst) {
+                let sent = relay_cmd(&url, &["send", "--destination", "fine", "{}"]);
+                assert!(sent.status.success(), "{sent:?}");
+                std::thread::sleep(Duration::from_millis(500));
+            }
+        })
+    };
+    let body = crate::support::readyz(
+        &relay,
+        &addr,
+        503,
+        "publish: failing for",
+        Duration::from_secs(90),
+    )
+    .await;
+    assert!(body.contains("broken") && body.contains("503"), "{body}");
+    assert!(broken_requests.load(Ordering::SeqCst) >= 2, "retried");
+    assert!(
+        fine_requests.load(Ordering::SeqCst) >= 10,
+        "the other sink worked"
+    );
+    broken_status.store(200, Ordering::SeqCst);
+    crate::support::readyz(&relay, &addr, 200, "", Duration::from_secs(30)).await;
+    sending.store(false, Ordering::SeqCst);
+    sender.join().unwrap();
+    relay.terminate().await;
+}
