@@ -61,10 +61,12 @@ pub struct ClaimRequest {
 
 /// Ordering keys whose rows a claim leaves out, every row of them, whatever else holds:
 /// the node already holds its share of them. Leaving a key out costs the claim a walk past
-/// its rows, so a claim with keys to leave out looks only at the first `window` pending
-/// rows in publish order (claimed or not): a key's backlog of millions would otherwise be
-/// walked by every claim. A store that reads a stream in commit order (WAL, binlog) cannot
-/// skip ahead in it, and ignores them.
+/// its rows, so such a claim goes no further than the last of the first `window` claimable
+/// rows in publish order: a key's backlog of millions would otherwise be walked by every
+/// claim, and a key whose backlog fills the whole window still holds the others back.
+/// Stores that cannot bound the walk leave no key out: WAL and binlog capture, which read
+/// one stream in commit order (their parked retries are claimed from a table, and do),
+/// and mapped tables published in another order than their integer id's.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Crowded {
     pub keys: Vec<String>,

@@ -807,14 +807,19 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
                 condition = format!("{condition} AND {not_blocked}");
             }
             let Crowded { keys, window } = request.crowded.clone();
-            if !keys.is_empty() {
+            let window_end = match (keys.is_empty(), sql.window_end(window)) {
+                (false, Some(query)) => {
+                    let rows = store.inner.db.query("claim", query, store.params()).await?;
+                    Some(rows.first().and_then(|row| D::int(row, 0)).unwrap_or(0))
+                }
+                _ => None,
+            };
+            if let Some(end) = window_end {
                 // A NULL key is never crowded (NOT IN would leave its row out).
                 let expr = format!("coalesce({}, '')", sql.key_expr());
                 let uncrowded = params.not_in_texts(&expr, keys);
-                condition = format!(
-                    "{condition} AND {uncrowded} AND {}",
-                    sql.within_first(window)
-                );
+                let id = sql.id_column();
+                condition = format!("{condition} AND {uncrowded} AND {id} <= {end}");
             }
             let marks = sql.mapping.marks_claims();
             if !marks && !held.is_empty() {

@@ -464,6 +464,12 @@ mod tests {
             hooks_only.has_send_groups(),
             "one webhook sink, many receivers"
         );
+        let limited = crate::sink::Limited {
+            inner: Arc::new(PerDestination),
+            max_message_bytes: 1024,
+        };
+        let limited = Router::single("hooks", Arc::new(limited));
+        assert!(limited.has_send_groups(), "through a configured size limit");
     }
 
     /// Runs of a key only through one sink that stores a prefix; and once the router fails

@@ -111,6 +111,10 @@ impl Sink for Limited {
         self.inner.stores_a_prefix()
     }
 
+    fn sends_by_destination(&self) -> bool {
+        self.inner.sends_by_destination()
+    }
+
     fn max_message_bytes(&self) -> Option<usize> {
         Some(self.max_message_bytes)
     }

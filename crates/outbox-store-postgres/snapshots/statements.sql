@@ -86,12 +86,7 @@ WITH locked AS (
                     WHERE o.delivered_at IS NULL
                       AND o.available_at <= now()
                       AND (o.locked_until IS NULL OR o.locked_until < now())
-                      AND (cardinality($4::text[]) = 0
-                       OR (NOT (coalesce(o.partition_key, o.destination) = ANY($4::text[]))
-                           AND o.sequence_id IN (SELECT w.sequence_id FROM "public"."outbox" w
-                                                  WHERE w.delivered_at IS NULL
-                                                  ORDER BY w.sequence_id LIMIT $5::int8)))
-                      AND CASE WHEN NOT EXISTS (
+                       AND CASE WHEN NOT EXISTS (
                     SELECT 1 FROM "public"."outbox" p
                     WHERE hashtextextended(coalesce(p.partition_key, p.destination), 0) = hashtextextended(coalesce(o.partition_key, o.destination), 0) AND coalesce(p.partition_key, p.destination) = coalesce(o.partition_key, o.destination)
                       AND p.sequence_id < o.sequence_id
@@ -137,11 +132,71 @@ SELECT o.sequence_id, o.event_id, o.destination, o.partition_key, o.event_type, 
                     AND $1::text IS NOT NULL
                     AND o.sequence_id >= $7
                     AND ($7 = 0 OR $8::int8 IS NULL OR now() < to_timestamp($8::int8 / 1000000.0))
-                    AND (cardinality($9::text[]) = 0
-                       OR (NOT (coalesce(o.partition_key, o.destination) = ANY($9::text[]))
-                           AND o.sequence_id IN (SELECT w.sequence_id FROM "public"."outbox" w
-                                                  WHERE w.delivered_at IS NULL
-                                                  ORDER BY w.sequence_id LIMIT $10::int8)))
+                    
+                  ORDER BY o.sequence_id
+                  LIMIT $2
+
+-- public.outbox: claim_crowded
+WITH locked AS (
+                    SELECT o.sequence_id FROM "public"."outbox" o
+                    WHERE o.delivered_at IS NULL
+                      AND o.available_at <= now()
+                      AND (o.locked_until IS NULL OR o.locked_until < now())
+                      AND NOT (coalesce(o.partition_key, o.destination) = ANY($4::text[]))
+                      AND o.sequence_id <= (SELECT coalesce(max(b.sequence_id), 0) FROM (SELECT w.sequence_id FROM "public"."outbox" w
+              WHERE w.delivered_at IS NULL AND w.available_at <= now()
+                AND (w.locked_until IS NULL OR w.locked_until < now())
+              ORDER BY w.sequence_id LIMIT $5) b) AND CASE WHEN NOT EXISTS (
+                    SELECT 1 FROM "public"."outbox" p
+                    WHERE hashtextextended(coalesce(p.partition_key, p.destination), 0) = hashtextextended(coalesce(o.partition_key, o.destination), 0) AND coalesce(p.partition_key, p.destination) = coalesce(o.partition_key, o.destination)
+                      AND p.sequence_id < o.sequence_id
+                      AND p.delivered_at IS NULL
+                      AND (p.locked_by IS NOT NULL OR p.attempts > 0)
+                      AND (p.available_at > now() OR (p.locked_until > now() AND p.locked_by <> $1))) THEN pg_try_advisory_xact_lock(hashtext('"public"."outbox"'), hashtext(coalesce(o.partition_key, o.destination))) ELSE false END
+                    ORDER BY o.sequence_id
+                    LIMIT $2
+                    FOR UPDATE SKIP LOCKED),
+                  claimable AS (
+                    SELECT o.sequence_id FROM "public"."outbox" o JOIN locked l ON l.sequence_id = o.sequence_id
+                    WHERE NOT EXISTS (
+                    SELECT 1 FROM "public"."outbox" p
+                    WHERE hashtextextended(coalesce(p.partition_key, p.destination), 0) = hashtextextended(coalesce(o.partition_key, o.destination), 0) AND coalesce(p.partition_key, p.destination) = coalesce(o.partition_key, o.destination)
+                      AND p.sequence_id < o.sequence_id
+                      AND p.delivered_at IS NULL
+                      AND (p.locked_by IS NOT NULL OR p.attempts > 0)
+                      AND ((p.locked_by IS DISTINCT FROM $1 OR p.locked_until IS NULL OR p.locked_until <= now())
+                          AND p.sequence_id NOT IN (SELECT sequence_id FROM locked))))
+                 UPDATE "public"."outbox" o
+                    SET locked_by = $1, locked_until = now() + $3::int8 * interval '1 millisecond'
+                   FROM claimable c
+                  WHERE o.sequence_id = c.sequence_id
+              RETURNING o.sequence_id, o.event_id, o.destination, o.partition_key, o.event_type, o.payload::text, o.headers::text, o.mutation_id, o.rejected, o.attempts, o.created_at
+
+-- public.outbox: claim_owned_crowded
+SELECT o.sequence_id, o.event_id, o.destination, o.partition_key, o.event_type, o.payload::text, o.headers::text, o.mutation_id, o.rejected, o.attempts, o.created_at FROM "public"."outbox" o
+                  WHERE o.delivered_at IS NULL
+                    AND o.available_at <= now()
+                    AND o.sequence_id NOT IN (SELECT unnest($3::int8[]))
+                    AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "public"."outbox_partitions" pp
+                     JOIN unnest($5::int4[], $6::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                    WHERE pp.owner = $1 AND pp.epoch = h.epoch AND pp.lease_until > now()) AS int4[])) = $4 OR "public"."outbox_partition"(coalesce(o.partition_key, o.destination), $4) = ANY(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "public"."outbox_partitions" pp
+                     JOIN unnest($5::int4[], $6::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                    WHERE pp.owner = $1 AND pp.epoch = h.epoch AND pp.lease_until > now()) AS int4[])))
+                    AND NOT EXISTS (
+                    SELECT 1 FROM "public"."outbox" p
+                    WHERE hashtextextended(coalesce(p.partition_key, p.destination), 0) = hashtextextended(coalesce(o.partition_key, o.destination), 0) AND coalesce(p.partition_key, p.destination) = coalesce(o.partition_key, o.destination)
+                      AND p.sequence_id < o.sequence_id
+                      AND p.delivered_at IS NULL
+                      AND (p.locked_by IS NOT NULL OR p.attempts > 0)
+                      AND (p.attempts > 0 AND p.available_at > now()))
+                    AND $1::text IS NOT NULL
+                    AND o.sequence_id >= $7
+                    AND ($7 = 0 OR $8::int8 IS NULL OR now() < to_timestamp($8::int8 / 1000000.0))
+                    AND NOT (coalesce(o.partition_key, o.destination) = ANY($9::text[]))
+                      AND o.sequence_id <= (SELECT coalesce(max(b.sequence_id), 0) FROM (SELECT w.sequence_id FROM "public"."outbox" w
+              WHERE w.delivered_at IS NULL AND w.available_at <= now()
+                AND w.sequence_id NOT IN (SELECT unnest($3::int8[]))
+              ORDER BY w.sequence_id LIMIT $10) b)
                   ORDER BY o.sequence_id
                   LIMIT $2
 
@@ -697,12 +752,7 @@ WITH locked AS (
                     WHERE o.delivered_at IS NULL
                       AND o.available_at <= now()
                       AND (o.locked_until IS NULL OR o.locked_until < now())
-                      AND (cardinality($4::text[]) = 0
-                       OR (NOT (coalesce(o.partition_key, o.destination) = ANY($4::text[]))
-                           AND o.sequence_id IN (SELECT w.sequence_id FROM "app"."events" w
-                                                  WHERE w.delivered_at IS NULL
-                                                  ORDER BY w.sequence_id LIMIT $5::int8)))
-                      AND CASE WHEN NOT EXISTS (
+                       AND CASE WHEN NOT EXISTS (
                     SELECT 1 FROM "app"."events" p
                     WHERE hashtextextended(coalesce(p.partition_key, p.destination), 0) = hashtextextended(coalesce(o.partition_key, o.destination), 0) AND coalesce(p.partition_key, p.destination) = coalesce(o.partition_key, o.destination)
                       AND p.sequence_id < o.sequence_id
@@ -748,11 +798,71 @@ SELECT o.sequence_id, o.event_id, o.destination, o.partition_key, o.event_type, 
                     AND $1::text IS NOT NULL
                     AND o.sequence_id >= $7
                     AND ($7 = 0 OR $8::int8 IS NULL OR now() < to_timestamp($8::int8 / 1000000.0))
-                    AND (cardinality($9::text[]) = 0
-                       OR (NOT (coalesce(o.partition_key, o.destination) = ANY($9::text[]))
-                           AND o.sequence_id IN (SELECT w.sequence_id FROM "app"."events" w
-                                                  WHERE w.delivered_at IS NULL
-                                                  ORDER BY w.sequence_id LIMIT $10::int8)))
+                    
+                  ORDER BY o.sequence_id
+                  LIMIT $2
+
+-- app.events: claim_crowded
+WITH locked AS (
+                    SELECT o.sequence_id FROM "app"."events" o
+                    WHERE o.delivered_at IS NULL
+                      AND o.available_at <= now()
+                      AND (o.locked_until IS NULL OR o.locked_until < now())
+                      AND NOT (coalesce(o.partition_key, o.destination) = ANY($4::text[]))
+                      AND o.sequence_id <= (SELECT coalesce(max(b.sequence_id), 0) FROM (SELECT w.sequence_id FROM "app"."events" w
+              WHERE w.delivered_at IS NULL AND w.available_at <= now()
+                AND (w.locked_until IS NULL OR w.locked_until < now())
+              ORDER BY w.sequence_id LIMIT $5) b) AND CASE WHEN NOT EXISTS (
+                    SELECT 1 FROM "app"."events" p
+                    WHERE hashtextextended(coalesce(p.partition_key, p.destination), 0) = hashtextextended(coalesce(o.partition_key, o.destination), 0) AND coalesce(p.partition_key, p.destination) = coalesce(o.partition_key, o.destination)
+                      AND p.sequence_id < o.sequence_id
+                      AND p.delivered_at IS NULL
+                      AND (p.locked_by IS NOT NULL OR p.attempts > 0)
+                      AND (p.available_at > now() OR (p.locked_until > now() AND p.locked_by <> $1))) THEN pg_try_advisory_xact_lock(hashtext('"app"."events"'), hashtext(coalesce(o.partition_key, o.destination))) ELSE false END
+                    ORDER BY o.sequence_id
+                    LIMIT $2
+                    FOR UPDATE SKIP LOCKED),
+                  claimable AS (
+                    SELECT o.sequence_id FROM "app"."events" o JOIN locked l ON l.sequence_id = o.sequence_id
+                    WHERE NOT EXISTS (
+                    SELECT 1 FROM "app"."events" p
+                    WHERE hashtextextended(coalesce(p.partition_key, p.destination), 0) = hashtextextended(coalesce(o.partition_key, o.destination), 0) AND coalesce(p.partition_key, p.destination) = coalesce(o.partition_key, o.destination)
+                      AND p.sequence_id < o.sequence_id
+                      AND p.delivered_at IS NULL
+                      AND (p.locked_by IS NOT NULL OR p.attempts > 0)
+                      AND ((p.locked_by IS DISTINCT FROM $1 OR p.locked_until IS NULL OR p.locked_until <= now())
+                          AND p.sequence_id NOT IN (SELECT sequence_id FROM locked))))
+                 UPDATE "app"."events" o
+                    SET locked_by = $1, locked_until = now() + $3::int8 * interval '1 millisecond'
+                   FROM claimable c
+                  WHERE o.sequence_id = c.sequence_id
+              RETURNING o.sequence_id, o.event_id, o.destination, o.partition_key, o.event_type, o.payload::text, o.headers::text, o.mutation_id, o.rejected, o.attempts, o.created_at
+
+-- app.events: claim_owned_crowded
+SELECT o.sequence_id, o.event_id, o.destination, o.partition_key, o.event_type, o.payload::text, o.headers::text, o.mutation_id, o.rejected, o.attempts, o.created_at FROM "app"."events" o
+                  WHERE o.delivered_at IS NULL
+                    AND o.available_at <= now()
+                    AND o.sequence_id NOT IN (SELECT unnest($3::int8[]))
+                    AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "app"."events_partitions" pp
+                     JOIN unnest($5::int4[], $6::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                    WHERE pp.owner = $1 AND pp.epoch = h.epoch AND pp.lease_until > now()) AS int4[])) = $4 OR "app"."events_partition"(coalesce(o.partition_key, o.destination), $4) = ANY(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "app"."events_partitions" pp
+                     JOIN unnest($5::int4[], $6::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                    WHERE pp.owner = $1 AND pp.epoch = h.epoch AND pp.lease_until > now()) AS int4[])))
+                    AND NOT EXISTS (
+                    SELECT 1 FROM "app"."events" p
+                    WHERE hashtextextended(coalesce(p.partition_key, p.destination), 0) = hashtextextended(coalesce(o.partition_key, o.destination), 0) AND coalesce(p.partition_key, p.destination) = coalesce(o.partition_key, o.destination)
+                      AND p.sequence_id < o.sequence_id
+                      AND p.delivered_at IS NULL
+                      AND (p.locked_by IS NOT NULL OR p.attempts > 0)
+                      AND (p.attempts > 0 AND p.available_at > now()))
+                    AND $1::text IS NOT NULL
+                    AND o.sequence_id >= $7
+                    AND ($7 = 0 OR $8::int8 IS NULL OR now() < to_timestamp($8::int8 / 1000000.0))
+                    AND NOT (coalesce(o.partition_key, o.destination) = ANY($9::text[]))
+                      AND o.sequence_id <= (SELECT coalesce(max(b.sequence_id), 0) FROM (SELECT w.sequence_id FROM "app"."events" w
+              WHERE w.delivered_at IS NULL AND w.available_at <= now()
+                AND w.sequence_id NOT IN (SELECT unnest($3::int8[]))
+              ORDER BY w.sequence_id LIMIT $10) b)
                   ORDER BY o.sequence_id
                   LIMIT $2
 

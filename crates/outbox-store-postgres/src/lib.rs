@@ -550,8 +550,12 @@ async fn claim_owned_once(
     crowded: &Crowded,
 ) -> StoreResult<Option<Vec<Row>>> {
     let sql = &inner.sql;
+    let statement = match crowded.is_empty() {
+        true => &sql.claim_owned,
+        false => &sql.claim_owned_crowded,
+    };
     let claim = client
-        .prepare_cached(&sql.claim_owned)
+        .prepare_cached(statement)
         .await
         .map_err(|e| db_error("claim", e))?;
     let mut floor_statements = None;
@@ -570,7 +574,7 @@ async fn claim_owned_once(
     let plan = inner.owned.plan(node, fence, floor_statements.is_some());
     let window = crowded.window as i64;
     let count = fence.count as i32;
-    let claim_params: [&(dyn ToSql + Sync); 10] = [
+    let mut claim_params: Vec<&(dyn ToSql + Sync)> = vec![
         &node,
         &limit,
         &plan.held,
@@ -579,9 +583,10 @@ async fn claim_owned_once(
         &fence.epochs,
         &plan.start,
         &plan.due,
-        &crowded.keys,
-        &window,
     ];
+    if !crowded.is_empty() {
+        claim_params.extend([&crowded.keys as &(dyn ToSql + Sync), &window]);
+    }
     let Some((sequence, writers, due, after)) = floor_statements else {
         let rows = client.query(&claim, &claim_params).await.map_err(|e| {
             forget_stale_plans(inner, &e);
@@ -721,11 +726,14 @@ impl OutboxStore for PgStore {
                     )
                     .await?
                 }
+                (None, true) if crowded.is_empty() => {
+                    Self::query(&inner, "claim", &inner.sql.claim, &[node, &limit, &lease]).await?
+                }
                 (None, true) => {
                     Self::query(
                         &inner,
                         "claim",
-                        &inner.sql.claim,
+                        &inner.sql.claim_crowded,
                         &[node, &limit, &lease, &crowded.keys, &window],
                     )
                     .await?

@@ -464,6 +464,9 @@ pub struct Statements {
     pub claim: String,
     /// Ordered, only the node's partitions; other nodes' row leases do not count there.
     pub claim_owned: String,
+    /// `claim` and `claim_owned` leaving out crowded keys (`outbox_core::store::Crowded`).
+    pub claim_crowded: String,
+    pub claim_owned_crowded: String,
     /// The scan floor's reads around an owned claim (see `owned.rs`): the sequence's last
     /// value and whether it can vouch for ids; the sessions that may still insert below it;
     /// when the next row not available yet comes due; after the claim, whether the fence
@@ -532,6 +535,8 @@ impl Statements {
         Statements {
             claim: native.claim(),
             claim_owned: native.claim_owned(),
+            claim_crowded: native.claim_crowded(),
+            claim_owned_crowded: native.claim_owned_crowded(),
             floor_sequence: native.floor_sequence(),
             floor_writers: native.floor_writers(),
             floor_due: native.floor_due(),
@@ -638,8 +643,7 @@ impl Native {
         )
     }
 
-    /// A claim under row leases (the ordered one's $4 and $5: [`Native::uncrowded`]): up
-    /// to $2 ready rows, not leased, that pass `candidates`,
+    /// A claim under row leases: up to $2 ready rows, not leased, that pass `candidates`,
     /// locked (skipping rows other transactions hold), of which those that pass `keep` are
     /// leased to the node ($1) for $3 ms.
     fn leasing_claim(&self, candidates: &str, keep: &str) -> String {
@@ -681,6 +685,23 @@ impl Native {
     /// lock, a transaction-level advisory lock ([`Native::key_lock`]); a claim that cannot
     /// have a key's lock passes over every row of that key, and takes them next time.
     fn claim(&self) -> String {
+        self.claim_leaving_out("")
+    }
+
+    /// [`Native::claim`] leaving out the crowded keys ($4) and looking no further than the
+    /// first $5 claimable rows ([`Native::uncrowded`]).
+    fn claim_crowded(&self) -> String {
+        let t = &self.t;
+        let window = format!(
+            "SELECT w.sequence_id FROM {t} w
+              WHERE w.delivered_at IS NULL AND w.available_at <= now()
+                AND (w.locked_until IS NULL OR w.locked_until < now())
+              ORDER BY w.sequence_id LIMIT $5"
+        );
+        self.claim_leaving_out(&Self::uncrowded(4, &window))
+    }
+
+    fn claim_leaving_out(&self, crowded: &str) -> String {
         let no_lease_or_retry_blocks = self
             .unblocked("p.available_at > now() OR (p.locked_until > now() AND p.locked_by <> $1)");
         let not_ours_nor_locked_here = self.unblocked(
@@ -690,9 +711,7 @@ impl Native {
         let key_lock = self.key_lock();
         self.leasing_claim(
             &format!(
-                "AND {}
-                      AND CASE WHEN {no_lease_or_retry_blocks} THEN {key_lock} ELSE false END",
-                self.uncrowded(4, 5)
+                "{crowded} AND CASE WHEN {no_lease_or_retry_blocks} THEN {key_lock} ELSE false END"
             ),
             &not_ours_nor_locked_here,
         )
@@ -711,18 +730,15 @@ impl Native {
         self.leasing_claim("", "true")
     }
 
-    /// Rows (`o`) not of the crowded keys (`$keys`, text[]), and, when there are any, among
-    /// the first `$window` pending rows: leaving a key out walks past its rows, and a
-    /// key's backlog of millions would be walked by every claim. An uncorrelated hashed
-    /// subplan, evaluated once, and only with keys to leave out.
-    fn uncrowded(&self, keys: u8, window: u8) -> String {
-        let t = &self.t;
+    /// Rows (`o`) not of the crowded keys (`$keys`, text[]), and no further on than the
+    /// last row of `window` (a query of the claimable rows in id order, bounded by its
+    /// LIMIT): leaving a key out would otherwise walk past every row of its backlog, in
+    /// every claim. An uncorrelated scalar subquery, so an InitPlan the index scan stops at.
+    /// A key whose backlog fills the whole window holds the others back as before.
+    fn uncrowded(keys: u8, window: &str) -> String {
         format!(
-            "(cardinality(${keys}::text[]) = 0
-                       OR (NOT ({KEY_O} = ANY(${keys}::text[]))
-                           AND o.sequence_id IN (SELECT w.sequence_id FROM {t} w
-                                                  WHERE w.delivered_at IS NULL
-                                                  ORDER BY w.sequence_id LIMIT ${window}::int8)))"
+            "AND NOT ({KEY_O} = ANY(${keys}::text[]))
+                      AND o.sequence_id <= (SELECT coalesce(max(b.sequence_id), 0) FROM ({window}) b)"
         )
     }
 
@@ -730,9 +746,8 @@ impl Native {
     /// partition count, $5 its partitions, $6 their epochs, $7 the scan floor (rows held
     /// in $3 are only those at or above it), $8 when a row the floor passed comes due
     /// (microseconds since the epoch): from then on a claim above zero returns nothing,
-    /// and the store claims again from zero; $9 and $10 the crowded keys and the window
-    /// ([`Native::uncrowded`]; the floor is not used with keys to leave out: it passes only
-    /// rows a claim saw). A plain SELECT: ownership
+    /// and the store claims again from zero. The floor is not used with keys to leave out
+    /// ([`Native::claim_owned_crowded`]): it passes only rows a claim saw. A plain SELECT: ownership
     /// (checked here against the live leases, and fencing every settle) replaces the row
     /// lease, so rows are neither updated nor locked at claim time. See ARCHITECTURE.md.
     /// `NOT IN (SELECT unnest(..))` is a hashed subplan; `NOT (.. = ANY($3))` compares
@@ -740,6 +755,23 @@ impl Native {
     /// The array never holds NULL, so NOT IN means what it says. Only a row waiting to
     /// retry blocks its key (ownership replaces leases).
     fn claim_owned(&self) -> String {
+        self.claim_owned_leaving_out("")
+    }
+
+    /// [`Native::claim_owned`] leaving out the crowded keys ($9) and looking no further
+    /// than the first $10 available rows this node does not hold ([`Native::uncrowded`]).
+    fn claim_owned_crowded(&self) -> String {
+        let t = &self.t;
+        let window = format!(
+            "SELECT w.sequence_id FROM {t} w
+              WHERE w.delivered_at IS NULL AND w.available_at <= now()
+                AND w.sequence_id NOT IN (SELECT unnest($3::int8[]))
+              ORDER BY w.sequence_id LIMIT $10"
+        );
+        self.claim_owned_leaving_out(&Self::uncrowded(9, &window))
+    }
+
+    fn claim_owned_leaving_out(&self, crowded: &str) -> String {
         let Native { t, parts, func, .. } = self;
         // The partitions the database confirms as held (owner, epoch, live lease), computed
         // once per claim (an InitPlan): rows are then filtered against an array while the
@@ -751,7 +783,6 @@ impl Native {
                     WHERE pp.owner = $1 AND pp.epoch = h.epoch AND pp.lease_until > now()) AS int4[])"
         );
         let no_retry_blocks = self.unblocked("p.attempts > 0 AND p.available_at > now()");
-        let uncrowded = self.uncrowded(9, 10);
         format!(
             "SELECT {RETURNED} FROM {t} o
                   WHERE o.delivered_at IS NULL
@@ -762,7 +793,7 @@ impl Native {
                     AND $1::text IS NOT NULL
                     AND o.sequence_id >= $7
                     AND ($7 = 0 OR $8::int8 IS NULL OR now() < to_timestamp($8::int8 / 1000000.0))
-                    AND {uncrowded}
+                    {crowded}
                   ORDER BY o.sequence_id
                   LIMIT $2"
         )
@@ -1325,6 +1356,8 @@ mod tests {
             let plain = [
                 ("claim", &s.claim),
                 ("claim_owned", &s.claim_owned),
+                ("claim_crowded", &s.claim_crowded),
+                ("claim_owned_crowded", &s.claim_owned_crowded),
                 ("floor_sequence", &s.floor_sequence),
                 ("floor_writers", &s.floor_writers),
                 ("floor_due", &s.floor_due),

@@ -82,7 +82,7 @@ CREATE TABLE IF NOT EXISTS outbox_nodes (
 /// The rows a claim may take: pending, due, unleased (`?2` is now), and those `$blocking` (a
 /// condition on `o`, with `?1` the node) lets through.
 macro_rules! claimable {
-    ($blocking:literal) => {
+    ($blocking:expr) => {
         concat!(
             "o.delivered_at IS NULL
        AND (o.available_at <= ?2 OR typeof(o.available_at) IN ('text', 'blob'))
@@ -92,23 +92,18 @@ macro_rules! claimable {
     };
 }
 
-/// A claim in two statements. The first picks up to `?3` claimable rows in order, but
-/// those of the crowded keys (`?4`, a JSON array; then only among the first `?5` pending
-/// rows: `outbox_core::store::Crowded`), read outside the write lock: it may walk every row a stuck key holds back, and under the lock
+/// A claim in two statements. The first picks up to `?3` claimable rows in order, read
+/// outside the write lock: it may walk every row a stuck key holds back, and under the lock
 /// that walk kept the application's inserts waiting. The second, under the write lock,
 /// leases to `?1` for `?4` ms those of the picked rows (`?3`, a JSON array) that are still
 /// claimable, checked again as it takes them.
 macro_rules! claim_sql {
-    ($blocking:literal) => {
+    ($blocking:expr, $crowded:expr) => {
         (
             concat!(
                 "SELECT o.sequence_id FROM outbox o WHERE ",
                 claimable!($blocking),
-                "
-       AND (json_array_length(?4) = 0
-            OR (coalesce(o.partition_key, o.destination) NOT IN (SELECT value FROM json_each(?4))
-                AND o.sequence_id IN (SELECT sequence_id FROM outbox
-                                       WHERE delivered_at IS NULL ORDER BY sequence_id LIMIT ?5)))",
+                $crowded,
                 " ORDER BY o.sequence_id LIMIT ?3"
             ),
             concat!(
@@ -127,12 +122,10 @@ RETURNING sequence_id, event_id, destination, partition_key, event_type, payload
     };
 }
 
-/// Unordered claims (`--ordering none`) leave out the per-key blocking.
-const CLAIM_UNORDERED: (&str, &str) = claim_sql!("");
-
-/// SQLite is the single-node store: claims ignore partition fences.
-const CLAIM: (&str, &str) = claim_sql!(
-    "
+/// What holds a row back behind its key under per-key order.
+macro_rules! ordered_blocking {
+    () => {
+        "
        AND NOT EXISTS (
            SELECT 1 FROM outbox p
             WHERE coalesce(p.partition_key, p.destination) = coalesce(o.partition_key, o.destination)
@@ -140,6 +133,26 @@ const CLAIM: (&str, &str) = claim_sql!(
               AND p.delivered_at IS NULL
               AND (p.locked_by IS NOT NULL OR p.attempts > 0)
               AND (p.available_at > ?2 OR (p.locked_until > ?2 AND p.locked_by <> ?1)))"
+    };
+}
+
+/// Unordered claims (`--ordering none`) leave out the per-key blocking.
+const CLAIM_UNORDERED: (&str, &str) = claim_sql!("", "");
+
+/// SQLite is the single-node store: claims ignore partition fences.
+const CLAIM: (&str, &str) = claim_sql!(ordered_blocking!(), "");
+
+/// [`CLAIM`] leaving out the crowded keys (`?4`, a JSON array), and looking no further than
+/// the first `?5` claimable rows (`outbox_core::store::Crowded`): an uncorrelated subquery,
+/// evaluated once, that bounds the rowid range walked.
+const CLAIM_CROWDED: (&str, &str) = claim_sql!(
+    ordered_blocking!(),
+    "
+       AND coalesce(o.partition_key, o.destination) NOT IN (SELECT value FROM json_each(?4))
+       AND o.sequence_id <= (SELECT coalesce(max(w.sequence_id), 0) FROM (
+             SELECT sequence_id FROM outbox
+              WHERE delivered_at IS NULL AND (locked_until IS NULL OR locked_until < ?2)
+              ORDER BY sequence_id LIMIT ?5) w)"
 );
 
 /// The SQLite store. Cheap to clone.
@@ -516,27 +529,24 @@ impl OutboxStore for SqliteStore {
     }
 
     fn claim(&self, request: ClaimRequest) -> StoreFuture<Vec<Claimed>> {
-        let (pick, take) = if request.ordered {
-            CLAIM
-        } else {
-            CLAIM_UNORDERED
+        let crowded = request.ordered && !request.crowded.is_empty();
+        let (pick, take) = match (request.ordered, crowded) {
+            (false, _) => CLAIM_UNORDERED,
+            (true, false) => CLAIM,
+            (true, true) => CLAIM_CROWDED,
         };
         self.with_conn(move |conn| {
             let failed = |e| sql_error("claim", e);
+            let (node, now, limit) = (&request.node.0, now_ms(), request.limit as i64);
             let picked: Vec<i64> = conn
                 .prepare_cached(pick)
                 .and_then(|mut stmt| {
-                    stmt.query_map(
-                        params![
-                            request.node.0,
-                            now_ms(),
-                            request.limit as i64,
-                            text_list(&request.crowded.keys),
-                            request.crowded.window as i64
-                        ],
-                        |r| r.get(0),
-                    )?
-                    .collect()
+                    let keys = text_list(&request.crowded.keys);
+                    let window = request.crowded.window as i64;
+                    let plain = params![node, now, limit];
+                    let with_crowd = params![node, now, limit, keys, window];
+                    let values = if crowded { with_crowd } else { plain };
+                    stmt.query_map(values, |r| r.get(0))?.collect()
                 })
                 .map_err(failed)?;
             if picked.is_empty() {

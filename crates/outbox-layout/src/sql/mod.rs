@@ -206,18 +206,21 @@ impl Sql {
         }
     }
 
-    /// Rows (`o`) among the first `window` pending rows in publish order: a claim that
-    /// leaves keys out would otherwise walk past every row of theirs (see
-    /// [`outbox_core::store::Crowded`]). A derived table, so MySQL takes its `LIMIT` inside
-    /// `IN`.
-    pub fn within_first(&self, window: usize) -> String {
+    /// The id of the last of the first `window` claimable rows, for a claim that leaves
+    /// keys out to go no further (see [`outbox_core::store::Crowded`]): it would otherwise
+    /// walk past every row of their backlogs. `None` where rows go out in another order than
+    /// their integer id's (a custom `order_by`, UUID ids): such a table's claims leave no
+    /// key out. Run apart, so MySQL's range scan has a constant to stop at.
+    pub fn window_end(&self, window: usize) -> Option<String> {
+        if !self.mapping.order_by.is_empty() || self.mapping.id_type != IdType::Integer {
+            return None;
+        }
         let id = self.id();
-        format!(
-            "{id} IN (SELECT w.id FROM (SELECT {id} AS id FROM {} o WHERE {} ORDER BY {} LIMIT {window}) w)",
+        Some(format!(
+            "SELECT max(w.id) FROM (SELECT {id} AS id FROM {} o WHERE {} ORDER BY {id} LIMIT {window}) w",
             self.table(),
-            self.pending(),
-            self.order_by()
-        )
+            self.claimable(),
+        ))
     }
 
     /// The columns of a claimed row (see the module docs for the order).
