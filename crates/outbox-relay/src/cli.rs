@@ -293,6 +293,13 @@ pub struct MigrateArgs {
     #[arg(long, default_value = "outbox_relay", value_name = "ROLE")]
     #[serde(skip)]
     pub role: String,
+    /// After migrating, grant the relay's run-time role ROLE what it needs: the GRANTs
+    /// `--print --role ROLE` shows (the role must exist). For a migration run as another
+    /// role than the relays', as the Kubernetes Job does: tables it makes are otherwise
+    /// out of the relays' reach.
+    #[arg(long, value_name = "ROLE", conflicts_with = "print")]
+    #[serde(skip)]
+    pub grant_to: Option<String>,
     #[arg(long, value_name = "N")]
     pub partitions: Option<u32>,
 }

@@ -140,11 +140,37 @@ pub async fn migrate(config: Config, args: MigrateArgs) -> anyhow::Result<ExitCo
         println!("{}", store.printable_ddl(&args.role).await);
         return Ok(ExitCode::SUCCESS);
     }
+    let grants = match &args.grant_to {
+        None => None,
+        Some(role) => {
+            outbox_core::ident::Ident::new(role, "role name")
+                .map_err(|e| config_error(format!("--grant-to: {}", e.report())))?;
+            let grants = store.grants(role).ok_or_else(|| {
+                config_error(
+                    "--grant-to: SQLite has no roles; the relay needs read and write access to                      the database file and its directory"
+                        .to_string(),
+                )
+            })?;
+            Some((role, grants))
+        }
+    };
     store
         .migrate()
         .await
         .map_err(|e| failure(format!("migration failed: {}", e.report()), &e))?;
     println!("migrated: {}", store.outbox().describe());
+    if let Some((role, grants)) = grants {
+        store.execute_script(&grants).await.map_err(|e| {
+            failure(
+                format!(
+                    "granting {role} failed: {} (the role must exist; `migrate --print --role                      {role}` shows the GRANTs)",
+                    e.report()
+                ),
+                &e,
+            )
+        })?;
+        println!("granted: what the relay needs, to {role}");
+    }
     // What a migration cannot do itself (a server setting, a role attribute) is said now,
     // not at the first `run`. The migration did apply, so this is no failure; and it is
     // checked as the role that migrated, which may not be the one the relay runs as.

@@ -257,6 +257,36 @@ impl AnyStore {
         Ok(lines)
     }
 
+    /// The least-privilege GRANTs of the relay's run-time role `role`: what `migrate
+    /// --print --role` shows and `migrate --grant-to` applies. `None` for SQLite, which has
+    /// no roles.
+    pub fn grants(&self, role: &str) -> Option<String> {
+        Some(match self {
+            AnyStore::Postgres(s) => s.tables().grants(role),
+            AnyStore::PostgresWal(s, capture) => format!(
+                "{}\n{}",
+                s.tables().grants(role),
+                capture.tables(s).grants(role)
+            ),
+            AnyStore::MappedPostgres(s) => s.grants(role),
+            AnyStore::MySql(s) => s.grants(role),
+            AnyStore::MySqlBinlog(s, capture) => {
+                format!("{}\n{}", s.grants(role), capture.grants(role))
+            }
+            AnyStore::Sqlite(_) => return None,
+        })
+    }
+
+    /// Runs a script of several statements (the grants) on the store's database.
+    pub async fn execute_script(&self, sql: &str) -> Result<(), outbox_core::StoreError> {
+        match self {
+            AnyStore::Postgres(s) | AnyStore::PostgresWal(s, _) => s.batch_execute(sql).await,
+            AnyStore::MappedPostgres(s) => s.batch_execute(sql).await,
+            AnyStore::MySql(s) | AnyStore::MySqlBinlog(s, _) => s.batch_execute(sql).await,
+            AnyStore::Sqlite(_) => Ok(()),
+        }
+    }
+
     /// The DDL and grants `migrate --print` shows: against a database it can ask, only the
     /// steps that database lacks; otherwise every step.
     pub async fn printable_ddl(&self, role: &str) -> String {
@@ -299,7 +329,7 @@ impl AnyStore {
                 "{note}{}\n{}\n{}",
                 s.printable_steps(&s.tables().steps(), found_at(0)),
                 s.tables().wakeup_ddl(),
-                s.tables().grants(role)
+                self.grants(role).unwrap_or_default()
             ),
             AnyStore::PostgresWal(s, capture) => {
                 let wal = capture.tables(s);
@@ -315,26 +345,30 @@ impl AnyStore {
                     String::new()
                 };
                 format!(
-                    "{note}{}{}\n{}\n{}\n{again}\n{}\n{}",
+                    "{note}{}{}\n{}\n{}\n{again}\n{}",
                     source.unwrap_or_default(),
                     s.printable_steps(&s.tables().steps(), found_at(0)),
                     s.tables().wakeup_ddl(),
                     s.printable_steps(&wal_steps, found_at(1)),
-                    s.tables().grants(role),
-                    wal.grants(role)
+                    self.grants(role).unwrap_or_default()
                 )
             }
-            AnyStore::MappedPostgres(s) => {
-                format!("{}\n{}", s.ddl().unwrap_or_default(), s.grants(role))
-            }
-            AnyStore::MySql(s) => format!("{}\n{}", mysql_steps(s), s.grants(role)),
+            AnyStore::MappedPostgres(s) => format!(
+                "{}\n{}",
+                s.ddl().unwrap_or_default(),
+                self.grants(role).unwrap_or_default()
+            ),
+            AnyStore::MySql(s) => format!(
+                "{}\n{}",
+                mysql_steps(s),
+                self.grants(role).unwrap_or_default()
+            ),
             AnyStore::MySqlBinlog(s, capture) => format!(
-                "{}{}\n-- Binlog capture's own tables, applied again by every migrate:\n{}\n{}\n{}",
+                "{}{}\n-- Binlog capture's own tables, applied again by every migrate:\n{}\n{}",
                 capture.server_requirements(),
                 mysql_steps(s),
                 capture.ddl(),
-                s.grants(role),
-                capture.grants(role)
+                self.grants(role).unwrap_or_default()
             ),
             AnyStore::Sqlite(_) => format!(
                 "-- SQLite has no roles: the relay needs read/write access to the database file\n-- and its directory (for the WAL).\n{note}{}",

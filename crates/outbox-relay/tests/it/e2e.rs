@@ -467,6 +467,75 @@ async fn least_privileged_role_from_migrate_print_is_enough() {
     assert!(String::from_utf8_lossy(&run.stderr).contains("GRANT DELETE"));
 }
 
+/// `migrate --grant-to ROLE`, run as the tables' owner (a Kubernetes Job's own role), gives
+/// the relays' role what it needs: it checks and drains. Without it, the tables the owner
+/// made were out of the relays' reach, and they exited on the privilege for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_grants_the_relays_role_what_it_needs() {
+    let url = fresh_pg_database().await;
+    let client = pg(&url).await;
+    let role = format!("relay_{}", Uuid::new_v4().simple());
+    client
+        .batch_execute(&format!("CREATE ROLE {role} LOGIN"))
+        .await
+        .unwrap();
+    let role_url = url.replacen("postgres@", &format!("{role}@"), 1);
+    assert!(relay_cmd(&url, &["migrate"]).status.success());
+    let check = relay_cmd(&role_url, &["check"]);
+    assert!(!check.status.success(), "no grants yet");
+
+    let migrated = relay_cmd(&url, &["migrate", "--grant-to", &role]);
+    let said = String::from_utf8_lossy(&migrated.stdout);
+    assert!(migrated.status.success(), "{said}{migrated:?}");
+    assert!(
+        said.contains(&format!("granted: what the relay needs, to {role}")),
+        "{said}"
+    );
+    let sent = relay_cmd(&url, &["send", "--destination", "d", "{}"]);
+    assert!(sent.status.success(), "{sent:?}");
+    let check = relay_cmd(&role_url, &["check"]);
+    assert!(
+        check.status.success(),
+        "{}",
+        String::from_utf8_lossy(&check.stdout)
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("events.jsonl");
+    let run = relay_cmd(
+        &role_url,
+        &[
+            "run",
+            "--drain",
+            "--http-addr",
+            "",
+            "--sink",
+            &format!("file:{}", out.display()),
+        ],
+    );
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    assert_eq!(read_lines(&out).len(), 1);
+
+    // A role that does not exist: the migration applies, the grant fails, naming it.
+    let missing = relay_cmd(&url, &["migrate", "--grant-to", "no_such_role"]);
+    assert_eq!(missing.status.code(), Some(1));
+    let said = String::from_utf8_lossy(&missing.stderr);
+    assert!(
+        said.contains("granting no_such_role failed") && said.contains("must exist"),
+        "{said}"
+    );
+    // A name that is no identifier: refused before anything runs.
+    let bad = relay_cmd(
+        &url,
+        &["migrate", "--grant-to", "x\"; DROP TABLE outbox; --"],
+    );
+    assert_eq!(bad.status.code(), Some(2), "{bad:?}");
+    client.batch_execute("SELECT 1 FROM outbox").await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn missing_tables_fail_with_the_fix_and_auto_migrate_creates_them() {
     let url = fresh_pg_database().await;

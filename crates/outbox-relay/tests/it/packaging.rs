@@ -471,6 +471,7 @@ fn the_kubernetes_manifests_build_and_validate_against_the_api_schemas() {
             "secret/outbox-relay-env",
             "configmap/outbox-relay-config",
             "networkpolicy/outbox-relay",
+            "networkpolicy/outbox-relay-migrate",
         ] {
             assert!(
                 said.contains(&format!("passed for resource {resource}")),
@@ -551,7 +552,7 @@ limit = c["resources"]["limits"]["memory"]
 assert limit.endswith("Mi") and int(limit[:-2]) >= 512, limit
 # The NetworkPolicy: the relay's pods, ingress to the HTTP port only, egress to DNS, the
 # database and the broker only; its peers select Prometheus and DNS, not the relay.
-policy = by_kind["NetworkPolicy"][0]["spec"]
+policy = [p["spec"] for p in by_kind["NetworkPolicy"] if p["metadata"]["name"] == "outbox-relay"][0]
 assert all(labels.get(k) == v for k, v in policy["podSelector"]["matchLabels"].items())
 assert policy["podSelector"]["matchLabels"], policy
 assert sorted(policy["policyTypes"]) == ["Egress", "Ingress"]
@@ -570,7 +571,8 @@ assert dns["to"][0]["podSelector"]["matchLabels"] == {"k8s-app": "kube-dns"}, dn
 job = by_kind["Job"][0]
 jpod = job["spec"]["template"]
 jc = jpod["spec"]["containers"][0]
-assert jc["args"] == ["migrate"], jc
+assert jc["args"][0] == "migrate" and "--grant-to" in jc["args"], jc
+assert jc["envFrom"] == c["envFrom"], (jc["envFrom"], c["envFrom"])
 assert jc["image"] == c["image"], (jc["image"], c["image"])
 jenv = {e["name"]: e.get("value") for e in jc["env"]}
 assert jenv["OUTBOX_RELAY_CONFIG"] == env["OUTBOX_RELAY_CONFIG"], jenv
@@ -588,9 +590,15 @@ assert jpod["spec"]["enableServiceLinks"] is False
 assert jpod["spec"]["securityContext"]["runAsNonRoot"] is True
 assert jc["securityContext"]["readOnlyRootFilesystem"] is True
 jlabels = jpod["metadata"]["labels"]
+policies = {p["metadata"]["name"]: p["spec"] for p in by_kind["NetworkPolicy"]}
 for selector in (svc["spec"]["selector"], by_kind["PodDisruptionBudget"][0]["spec"]["selector"]["matchLabels"],
-                 by_kind["NetworkPolicy"][0]["spec"]["podSelector"]["matchLabels"]):
+                 policies["outbox-relay"]["podSelector"]["matchLabels"]):
     assert not all(jlabels.get(k) == v for k, v in selector.items()), (selector, jlabels)
+# Its own policy: no ingress, egress to DNS and the database only.
+jpolicy = policies["outbox-relay-migrate"]
+assert all(jlabels.get(k) == v for k, v in jpolicy["podSelector"]["matchLabels"].items())
+assert sorted(jpolicy["policyTypes"]) == ["Egress", "Ingress"] and not jpolicy.get("ingress")
+assert sorted(p["port"] for rule in jpolicy["egress"] for p in rule["ports"]) == [53, 53, 5432]
 if overlay == "production":
     assert deploy["spec"]["replicas"] == 3
     assert c["image"].startswith("registry.example.com/outbox-relay:"), c["image"]
