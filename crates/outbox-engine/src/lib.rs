@@ -252,6 +252,10 @@ struct Engine {
     /// below its share, another claim is wanted to take its rows (the claim that left them
     /// out came back short, and would otherwise wait for the poll).
     crowded_keys: Vec<String>,
+    /// When a claim that left keys out last came back empty: such a claim walks its whole
+    /// window, so the next waits for the poll or a crowded key thinning, not for every
+    /// wake-up (under a stream of commits, one after another).
+    crowded_claim_found_nothing: Option<Instant>,
     /// Ownership as last acted on, and as last reported to the coordinator.
     ownership_seen: OwnershipSeen,
     /// The waiting state last told to the store (for its gated wake-up).
@@ -774,9 +778,12 @@ impl Engine {
     fn on_settled(&mut self, settled: Settled) -> StoreResult<()> {
         if matches!(settled, Settled::Extended(_)) {
             self.extending = false;
-        } else if self.config.drain || self.crowd_thinned() {
-            // Something changed: look once more before deciding the drain is done, or for
-            // the rows of a key no longer crowded.
+        } else if self.crowd_thinned() {
+            // The rows of a key no longer crowded wait in the table.
+            self.crowded_claim_found_nothing = None;
+            self.claims.want();
+        } else if self.config.drain {
+            // Something changed: look once more before deciding the drain is done.
             self.claims.want();
         }
         match settled {
@@ -951,6 +958,14 @@ impl Engine {
             // Past the rows the node may hold, as many again.
             window: settings.max_in_flight.saturating_mul(2),
         };
+        let poll = settings.poll_interval;
+        if !crowded.keys.is_empty()
+            && self
+                .crowded_claim_found_nothing
+                .is_some_and(|at| at.elapsed() < poll)
+        {
+            return;
+        }
         self.crowded_keys.clone_from(&crowded.keys);
         let claim = self.store.claim(ClaimRequest {
             node: self.config.node.clone(),
@@ -1001,6 +1016,8 @@ impl Engine {
             Ok(rows) => {
                 ::metrics::histogram!(metrics::CLAIM_BATCH).record(rows.len() as f64);
                 self.claims.succeeded(rows.len(), limit);
+                self.crowded_claim_found_nothing =
+                    (rows.is_empty() && !self.crowded_keys.is_empty()).then(Instant::now);
                 self.drain.claims_failing_since = None;
                 let release = self.lanes.accept(claim_no, rows);
                 self.lanes.expire_blocks(claim_no);
@@ -1194,6 +1211,7 @@ pub async fn run(
         extending: false,
         publish_streaks: streaks::PublishStreaks::default(),
         crowded_keys: Vec::new(),
+        crowded_claim_found_nothing: None,
         ownership_seen: OwnershipSeen::default(),
         reported_waiting: false,
         drain: DrainProgress::new(),
