@@ -802,13 +802,35 @@ mod through_the_engine {
         text.parse().unwrap()
     }
 
-    async fn current_lsn(db: &Client) -> Lsn {
-        let text: String = db
-            .query_one("SELECT pg_current_wal_lsn()::text", &[])
+    /// Runs `sql` (one statement) in a transaction, and returns a WAL position inside it,
+    /// before its commit: a slot confirmed to it has passed the transaction. The WAL's end
+    /// read after the commit can hold other sessions' writes too (other tests' databases),
+    /// which the relay confirms with keepalives only once they make 16 MiB (its confirm
+    /// mark's slack): a wait for that position timed out whenever the suite was busy.
+    async fn lsn_within(db: &Client, sql: &str) -> Lsn {
+        let messages = db
+            .simple_query(&format!(
+                "BEGIN; {sql}; SELECT pg_current_wal_insert_lsn()::text; COMMIT"
+            ))
             .await
-            .unwrap()
-            .get(0);
-        text.parse().unwrap()
+            .unwrap();
+        let lsn = messages
+            .iter()
+            .rev()
+            .find_map(|m| match m {
+                tokio_postgres::SimpleQueryMessage::Row(row) => row.get(0).map(str::to_string),
+                _ => None,
+            })
+            .expect("the position's row");
+        lsn.parse().unwrap()
+    }
+
+    /// The statement [`insert_typed`] runs, with its values written in.
+    fn insert_typed_sql(key: &str, event_type: &str, n: i32) -> String {
+        format!(
+            "INSERT INTO outbox (destination, partition_key, event_type, payload)
+             VALUES ('orders', '{key}', '{event_type}', jsonb_build_object('n', {n}))"
+        )
     }
 
     async fn insert_typed(db: &Client, key: &str, event_type: &str, n: i32) {
@@ -883,8 +905,7 @@ mod through_the_engine {
         insert_typed(&db, "a", "Placed", 2).await;
         insert_typed(&db, "b", "Placed", 3).await;
         insert_typed(&db, "a", "Placed", 4).await;
-        insert_typed(&db, "b", "Placed", 5).await;
-        let written = current_lsn(&db).await;
+        let written = lsn_within(&db, &insert_typed_sql("b", "Placed", 5)).await;
         eventually("key b delivered", Duration::from_secs(30), || async {
             (delivered_n(&publisher, "b") == [3, 5]).then_some(())
         })
@@ -1090,8 +1111,7 @@ mod through_the_engine {
             error
         })
         .await;
-        insert_typed(&db, "b", "Placed", 2).await;
-        let written = current_lsn(&db).await;
+        let written = lsn_within(&db, &insert_typed_sql("b", "Placed", 2)).await;
         eventually(
             "b delivered and a retried",
             Duration::from_secs(30),
@@ -1121,13 +1141,11 @@ mod through_the_engine {
             "event_id": "00000000-0000-0000-0000-00000000000\u{0}",
             "payload": {"n": 1},
         });
-        db.execute(
-            "SELECT pg_logical_emit_message(true, 'outbox', $1::text)",
-            &[&message.to_string()],
-        )
-        .await
-        .unwrap();
-        let written = current_lsn(&db).await;
+        let emit = format!(
+            "SELECT pg_logical_emit_message(true, 'outbox', '{}')",
+            message.to_string().replace('\'', "''")
+        );
+        let written = lsn_within(&db, &emit).await;
         let error: String = eventually("the dead letter", Duration::from_secs(30), || async {
             db.query_opt("SELECT last_error FROM outbox_dead_letters", &[])
                 .await
@@ -1153,10 +1171,11 @@ mod through_the_engine {
         )
         .await
         .unwrap();
-        db.batch_execute("SELECT outbox_emit('orders', 'k', 'Placed', '{\"n\": 1}')")
-            .await
-            .unwrap();
-        let written = current_lsn(&db).await;
+        let written = lsn_within(
+            &db,
+            "SELECT outbox_emit('orders', 'k', 'Placed', '{\"n\": 1}')",
+        )
+        .await;
         eventually("the good event", Duration::from_secs(30), || async {
             (delivered_n(&publisher, "k") == [1]).then_some(())
         })
