@@ -143,10 +143,10 @@ WITH locked AS (
                       AND o.available_at <= now()
                       AND (o.locked_until IS NULL OR o.locked_until < now())
                       AND NOT (coalesce(o.partition_key, o.destination) = ANY($4::text[]))
-                      AND o.sequence_id <= (SELECT coalesce(max(b.sequence_id), 0) FROM (SELECT w.sequence_id FROM "public"."outbox" w
-              WHERE w.delivered_at IS NULL AND w.available_at <= now()
-                AND (w.locked_until IS NULL OR w.locked_until < now())
-              ORDER BY w.sequence_id LIMIT $5) b) AND CASE WHEN NOT EXISTS (
+                      AND o.sequence_id <= (SELECT coalesce(max(b.sequence_id), 0) FROM (
+                            SELECT w.sequence_id FROM "public"."outbox" w
+                             WHERE w.delivered_at IS NULL AND w.available_at <= now() AND (w.locked_until IS NULL OR w.locked_until < now())
+                             ORDER BY w.sequence_id LIMIT $5) b) AND CASE WHEN NOT EXISTS (
                     SELECT 1 FROM "public"."outbox" p
                     WHERE hashtextextended(coalesce(p.partition_key, p.destination), 0) = hashtextextended(coalesce(o.partition_key, o.destination), 0) AND coalesce(p.partition_key, p.destination) = coalesce(o.partition_key, o.destination)
                       AND p.sequence_id < o.sequence_id
@@ -193,10 +193,10 @@ SELECT o.sequence_id, o.event_id, o.destination, o.partition_key, o.event_type, 
                     AND o.sequence_id >= $7
                     AND ($7 = 0 OR $8::int8 IS NULL OR now() < to_timestamp($8::int8 / 1000000.0))
                     AND NOT (coalesce(o.partition_key, o.destination) = ANY($9::text[]))
-                      AND o.sequence_id <= (SELECT coalesce(max(b.sequence_id), 0) FROM (SELECT w.sequence_id FROM "public"."outbox" w
-              WHERE w.delivered_at IS NULL AND w.available_at <= now()
-                AND w.sequence_id NOT IN (SELECT unnest($3::int8[]))
-              ORDER BY w.sequence_id LIMIT $10) b)
+                      AND o.sequence_id <= (SELECT coalesce(max(b.sequence_id), 0) FROM (
+                            SELECT w.sequence_id FROM "public"."outbox" w
+                             WHERE w.delivered_at IS NULL AND w.available_at <= now() AND w.sequence_id NOT IN (SELECT unnest($3::int8[]))
+                             ORDER BY w.sequence_id LIMIT $10) b)
                   ORDER BY o.sequence_id
                   LIMIT $2
 
@@ -809,10 +809,10 @@ WITH locked AS (
                       AND o.available_at <= now()
                       AND (o.locked_until IS NULL OR o.locked_until < now())
                       AND NOT (coalesce(o.partition_key, o.destination) = ANY($4::text[]))
-                      AND o.sequence_id <= (SELECT coalesce(max(b.sequence_id), 0) FROM (SELECT w.sequence_id FROM "app"."events" w
-              WHERE w.delivered_at IS NULL AND w.available_at <= now()
-                AND (w.locked_until IS NULL OR w.locked_until < now())
-              ORDER BY w.sequence_id LIMIT $5) b) AND CASE WHEN NOT EXISTS (
+                      AND o.sequence_id <= (SELECT coalesce(max(b.sequence_id), 0) FROM (
+                            SELECT w.sequence_id FROM "app"."events" w
+                             WHERE w.delivered_at IS NULL AND w.available_at <= now() AND (w.locked_until IS NULL OR w.locked_until < now())
+                             ORDER BY w.sequence_id LIMIT $5) b) AND CASE WHEN NOT EXISTS (
                     SELECT 1 FROM "app"."events" p
                     WHERE hashtextextended(coalesce(p.partition_key, p.destination), 0) = hashtextextended(coalesce(o.partition_key, o.destination), 0) AND coalesce(p.partition_key, p.destination) = coalesce(o.partition_key, o.destination)
                       AND p.sequence_id < o.sequence_id
@@ -859,10 +859,10 @@ SELECT o.sequence_id, o.event_id, o.destination, o.partition_key, o.event_type, 
                     AND o.sequence_id >= $7
                     AND ($7 = 0 OR $8::int8 IS NULL OR now() < to_timestamp($8::int8 / 1000000.0))
                     AND NOT (coalesce(o.partition_key, o.destination) = ANY($9::text[]))
-                      AND o.sequence_id <= (SELECT coalesce(max(b.sequence_id), 0) FROM (SELECT w.sequence_id FROM "app"."events" w
-              WHERE w.delivered_at IS NULL AND w.available_at <= now()
-                AND w.sequence_id NOT IN (SELECT unnest($3::int8[]))
-              ORDER BY w.sequence_id LIMIT $10) b)
+                      AND o.sequence_id <= (SELECT coalesce(max(b.sequence_id), 0) FROM (
+                            SELECT w.sequence_id FROM "app"."events" w
+                             WHERE w.delivered_at IS NULL AND w.available_at <= now() AND w.sequence_id NOT IN (SELECT unnest($3::int8[]))
+                             ORDER BY w.sequence_id LIMIT $10) b)
                   ORDER BY o.sequence_id
                   LIMIT $2
 

@@ -691,14 +691,8 @@ impl Native {
     /// [`Native::claim`] leaving out the crowded keys ($4) and looking no further than the
     /// first $5 claimable rows ([`Native::uncrowded`]).
     fn claim_crowded(&self) -> String {
-        let t = &self.t;
-        let window = format!(
-            "SELECT w.sequence_id FROM {t} w
-              WHERE w.delivered_at IS NULL AND w.available_at <= now()
-                AND (w.locked_until IS NULL OR w.locked_until < now())
-              ORDER BY w.sequence_id LIMIT $5"
-        );
-        self.claim_leaving_out(&Self::uncrowded(4, &window))
+        let unleased = "(w.locked_until IS NULL OR w.locked_until < now())";
+        self.claim_leaving_out(&self.uncrowded(4, unleased, 5))
     }
 
     fn claim_leaving_out(&self, crowded: &str) -> String {
@@ -731,14 +725,18 @@ impl Native {
     }
 
     /// Rows (`o`) not of the crowded keys (`$keys`, text[]), and no further on than the
-    /// last row of `window` (a query of the claimable rows in id order, bounded by its
-    /// LIMIT): leaving a key out would otherwise walk past every row of its backlog, in
-    /// every claim. An uncorrelated scalar subquery, so an InitPlan the index scan stops at.
-    /// A key whose backlog fills the whole window holds the others back as before.
-    fn uncrowded(keys: u8, window: &str) -> String {
+    /// last of the first `$window` available rows (`w`) that pass `claimable` (a bound the
+    /// index scan stops at: an uncorrelated scalar subquery, so an InitPlan). Leaving a key
+    /// out would otherwise walk past every row of its backlog, in every claim. A key whose
+    /// backlog fills the whole window holds the others back as before.
+    fn uncrowded(&self, keys: u8, claimable: &str, window: u8) -> String {
+        let t = &self.t;
         format!(
             "AND NOT ({KEY_O} = ANY(${keys}::text[]))
-                      AND o.sequence_id <= (SELECT coalesce(max(b.sequence_id), 0) FROM ({window}) b)"
+                      AND o.sequence_id <= (SELECT coalesce(max(b.sequence_id), 0) FROM (
+                            SELECT w.sequence_id FROM {t} w
+                             WHERE w.delivered_at IS NULL AND w.available_at <= now() AND {claimable}
+                             ORDER BY w.sequence_id LIMIT ${window}) b)"
         )
     }
 
@@ -761,14 +759,8 @@ impl Native {
     /// [`Native::claim_owned`] leaving out the crowded keys ($9) and looking no further
     /// than the first $10 available rows this node does not hold ([`Native::uncrowded`]).
     fn claim_owned_crowded(&self) -> String {
-        let t = &self.t;
-        let window = format!(
-            "SELECT w.sequence_id FROM {t} w
-              WHERE w.delivered_at IS NULL AND w.available_at <= now()
-                AND w.sequence_id NOT IN (SELECT unnest($3::int8[]))
-              ORDER BY w.sequence_id LIMIT $10"
-        );
-        self.claim_owned_leaving_out(&Self::uncrowded(9, &window))
+        let not_held = "w.sequence_id NOT IN (SELECT unnest($3::int8[]))";
+        self.claim_owned_leaving_out(&self.uncrowded(9, not_held, 10))
     }
 
     fn claim_owned_leaving_out(&self, crowded: &str) -> String {

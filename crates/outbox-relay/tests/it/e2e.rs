@@ -19,6 +19,18 @@ fn start_relay(dir: &Path, name: &str, database_url: &str, args: &[&str]) -> Rel
     RelayProcess::spawn(dir, name, &all, &[("DATABASE_URL", database_url)])
 }
 
+/// `run --drain` to a file: its output, and how many events the file got.
+fn drain_to_a_file(database_url: &str) -> (std::process::Output, usize) {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("events.jsonl");
+    let sink = format!("file:{}", out.display());
+    let run = relay_cmd(
+        database_url,
+        &["run", "--drain", "--http-addr", "", "--sink", &sink],
+    );
+    (run, read_lines(&out).len())
+}
+
 fn relay_cmd(database_url: &str, args: &[&str]) -> std::process::Output {
     Command::new(BIN)
         .args(args)
@@ -420,24 +432,12 @@ async fn least_privileged_role_from_migrate_print_is_enough() {
     let check = relay_cmd(&role_url, &["check"]);
     let text = String::from_utf8_lossy(&check.stdout);
     assert!(check.status.success(), "{text}");
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("events.jsonl");
-    let run = relay_cmd(
-        &role_url,
-        &[
-            "run",
-            "--drain",
-            "--http-addr",
-            "",
-            "--sink",
-            &format!("file:{}", out.display()),
-        ],
-    );
+    let (run, delivered) = drain_to_a_file(&role_url);
     // The drain dead-lettered the undecodable row, so it reports failure (exit 1).
     let log = String::from_utf8_lossy(&run.stderr);
     assert_eq!(run.status.code(), Some(1), "{log}");
     assert!(log.contains("1 events were dead-lettered"), "{log}");
-    assert_eq!(read_lines(&out).len(), 50);
+    assert_eq!(delivered, 50);
     assert!(
         !log.contains("scan the pending rows from the start"),
         "the granted role can use the scan floor: {log}"
@@ -499,25 +499,13 @@ async fn migrate_grants_the_relays_role_what_it_needs() {
         "{}",
         String::from_utf8_lossy(&check.stdout)
     );
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("events.jsonl");
-    let run = relay_cmd(
-        &role_url,
-        &[
-            "run",
-            "--drain",
-            "--http-addr",
-            "",
-            "--sink",
-            &format!("file:{}", out.display()),
-        ],
-    );
+    let (run, delivered) = drain_to_a_file(&role_url);
     assert!(
         run.status.success(),
         "{}",
         String::from_utf8_lossy(&run.stderr)
     );
-    assert_eq!(read_lines(&out).len(), 1);
+    assert_eq!(delivered, 1);
 
     // A role that does not exist: the migration applies, the grant fails, naming it.
     let missing = relay_cmd(&url, &["migrate", "--grant-to", "no_such_role"]);

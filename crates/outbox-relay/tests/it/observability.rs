@@ -680,50 +680,42 @@ struct WalRelay {
 
 impl WalRelay {
     async fn start(d: &Path) -> WalRelay {
-        let wal_url = fresh_pg_database().await;
+        let url = fresh_pg_database().await;
         let slot = outbox_testkit::SlotGuard {
-            url: wal_url.clone(),
+            url: url.clone(),
             slot: format!("t_{}", uuid::Uuid::new_v4().simple()),
         };
-        succeeded(
-            "migrate --capture wal",
-            &relay(
-                d,
-                &["migrate", "--database-url", &wal_url, "--capture", "wal"],
-            ),
-        );
-        let wal_events = d.join("wal-events.jsonl");
-        let wal_sink = format!("file:{}", wal_events.display());
-        let wal = RelayProcess::spawn(
-            d,
-            "wal",
-            &[
-                "run",
-                "--database-url",
-                &wal_url,
-                "--capture",
-                "wal",
-                "--slot",
-                &slot.slot,
-                "--sink",
-                &wal_sink,
-                "--http-addr",
-                "127.0.0.1:0",
-                "--log-format",
-                "json",
-            ],
-            &[],
-        );
-        let wal_addr = http_addr(&wal).await;
-
+        let (events, process, addr) = capturing(d, "wal", &url, &["--slot", &slot.slot]).await;
         WalRelay {
-            url: wal_url,
+            url,
             slot,
-            events: wal_events,
-            process: wal,
-            addr: wal_addr,
+            events,
+            process,
+            addr,
         }
     }
+}
+
+/// `migrate --capture <capture>` of the database at `url`, then a relay of that capture
+/// (with `extra` flags) to the file `<capture>-events.jsonl`: the file, the relay and its
+/// HTTP address.
+async fn capturing(
+    d: &Path,
+    capture: &str,
+    url: &str,
+    extra: &[&str],
+) -> (PathBuf, RelayProcess, String) {
+    let migrate = ["migrate", "--database-url", url, "--capture", capture];
+    succeeded(&format!("migrate --capture {capture}"), &relay(d, &migrate));
+    let events = d.join(format!("{capture}-events.jsonl"));
+    let sink = format!("file:{}", events.display());
+    let mut args = vec!["run", "--database-url", url, "--capture", capture];
+    args.extend(extra);
+    args.extend(["--sink", &sink]);
+    args.extend(["--http-addr", "127.0.0.1:0", "--log-format", "json"]);
+    let process = RelayProcess::spawn(d, capture, &args, &[]);
+    let addr = http_addr(&process).await;
+    (events, process, addr)
 }
 
 /// A relay reading the binary log of a MariaDB database of its own.
@@ -737,34 +729,7 @@ struct BinlogRelay {
 impl BinlogRelay {
     async fn start(d: &Path) -> BinlogRelay {
         let url = outbox_testkit::fresh_mysql_database().await;
-        succeeded(
-            "migrate --capture binlog",
-            &relay(
-                d,
-                &["migrate", "--database-url", &url, "--capture", "binlog"],
-            ),
-        );
-        let events = d.join("binlog-events.jsonl");
-        let sink = format!("file:{}", events.display());
-        let process = RelayProcess::spawn(
-            d,
-            "binlog",
-            &[
-                "run",
-                "--database-url",
-                &url,
-                "--capture",
-                "binlog",
-                "--sink",
-                &sink,
-                "--http-addr",
-                "127.0.0.1:0",
-                "--log-format",
-                "json",
-            ],
-            &[],
-        );
-        let addr = http_addr(&process).await;
+        let (events, process, addr) = capturing(d, "binlog", &url, &[]).await;
         BinlogRelay {
             url,
             events,
