@@ -235,11 +235,14 @@ rabbit_env() {
   local dir=$STATE/rabbitmq
   # Its distribution port sits 10000 above the broker's, or below where that would pass
   # 65535: a private broker on a high ephemeral port failed to start ("nodistribution").
+  # A caller that picked free ports for both passes them (OUTBOX_TEST_RABBIT_DIST_PORT,
+  # OUTBOX_TEST_RABBIT_EPMD_PORT): a port at a fixed distance from a free one may be taken.
   local dist=$((RABBIT_PORT + 10000))
   [ "$dist" -gt 65535 ] && dist=$((RABBIT_PORT - 10000))
+  dist=${OUTBOX_TEST_RABBIT_DIST_PORT:-$dist}
   export HOME=$dir RABBITMQ_NODENAME=rabbit@localhost RABBITMQ_NODE_IP_ADDRESS=127.0.0.1 \
     RABBITMQ_NODE_PORT=$RABBIT_PORT RABBITMQ_DIST_PORT=$dist \
-    ERL_EPMD_ADDRESS=127.0.0.1 ERL_EPMD_PORT=$((RABBIT_PORT + 1)) \
+    ERL_EPMD_ADDRESS=127.0.0.1 ERL_EPMD_PORT=${OUTBOX_TEST_RABBIT_EPMD_PORT:-$((RABBIT_PORT + 1))} \
     RABBITMQ_MNESIA_BASE=$dir/mnesia RABBITMQ_LOG_BASE=$dir/log \
     RABBITMQ_CONFIG_FILE=$dir/rabbitmq.conf RABBITMQ_PID_FILE=$dir/rabbit.pid \
     RABBITMQ_ENABLED_PLUGINS_FILE=$dir/enabled_plugins
@@ -283,7 +286,15 @@ stop_rabbitmq() {
   [ -d "$STATE/rabbitmq" ] || return 0
   (
     rabbit_env
-    /usr/lib/rabbitmq/bin/rabbitmqctl -q stop >/dev/null 2>&1 || true
+    # With the pid file, `stop` waits for the node's process to exit: a broker started
+    # again while the old one still held its distribution port failed (nodistribution).
+    local pid_file=$STATE/rabbitmq/rabbit.pid
+    if grep -qE '^[0-9]+$' "$pid_file" 2>/dev/null; then
+      timeout 60 /usr/lib/rabbitmq/bin/rabbitmqctl -q stop "$pid_file" >/dev/null 2>&1 || true
+      kill -9 "$(cat "$pid_file")" 2>/dev/null || true
+    else
+      /usr/lib/rabbitmq/bin/rabbitmqctl -q stop >/dev/null 2>&1 || true
+    fi
     epmd -port "$ERL_EPMD_PORT" -kill >/dev/null 2>&1 || true
   )
 }

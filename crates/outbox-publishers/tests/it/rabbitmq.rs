@@ -11,7 +11,7 @@ use lapin::{Connection, ConnectionProperties};
 use outbox_core::{Disposition, PublishErrorKind};
 use outbox_publishers::{Routed, Sink, SinkConfig};
 use outbox_testkit::publisher::{event, BrokerHarness, Received};
-use outbox_testkit::server::ScriptedServer;
+use outbox_testkit::server::{free_port, ScriptedServer};
 
 struct RabbitHarness {
     url: String,
@@ -62,7 +62,17 @@ async fn new_harness() -> RabbitHarness {
 }
 
 async fn private_harness() -> RabbitHarness {
-    let private = ScriptedServer::start("rabbitmq", "OUTBOX_TEST_RABBIT_PORT");
+    // Free ports for Erlang's distribution and port mapper too: at a fixed distance from
+    // the broker's, one was taken now and then, and the broker never started.
+    let (dist, epmd) = (free_port().to_string(), free_port().to_string());
+    let private = ScriptedServer::start_with(
+        "rabbitmq",
+        "OUTBOX_TEST_RABBIT_PORT",
+        &[
+            ("OUTBOX_TEST_RABBIT_DIST_PORT", &dist),
+            ("OUTBOX_TEST_RABBIT_EPMD_PORT", &epmd),
+        ],
+    );
     let url = format!("amqp://guest:guest@127.0.0.1:{}/%2f", private.port);
     harness_at(url, Some(private)).await
 }
