@@ -196,6 +196,12 @@ SELECT o.sequence_id, o.event_id, o.destination, o.partition_key, o.event_type, 
                       AND o.sequence_id <= (SELECT coalesce(max(b.sequence_id), 0) FROM (
                             SELECT w.sequence_id FROM "public"."outbox" w
                              WHERE w.delivered_at IS NULL AND w.available_at <= now() AND w.sequence_id NOT IN (SELECT unnest($3::int8[]))
+               AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "public"."outbox_partitions" pp
+                     JOIN unnest($5::int4[], $6::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                    WHERE pp.owner = $1 AND pp.epoch = h.epoch AND pp.lease_until > now()) AS int4[])) = $4
+                    OR "public"."outbox_partition"(coalesce(w.partition_key, w.destination), $4) = ANY(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "public"."outbox_partitions" pp
+                     JOIN unnest($5::int4[], $6::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                    WHERE pp.owner = $1 AND pp.epoch = h.epoch AND pp.lease_until > now()) AS int4[])))
                              ORDER BY w.sequence_id LIMIT $10) b)
                   ORDER BY o.sequence_id
                   LIMIT $2
@@ -862,6 +868,12 @@ SELECT o.sequence_id, o.event_id, o.destination, o.partition_key, o.event_type, 
                       AND o.sequence_id <= (SELECT coalesce(max(b.sequence_id), 0) FROM (
                             SELECT w.sequence_id FROM "app"."events" w
                              WHERE w.delivered_at IS NULL AND w.available_at <= now() AND w.sequence_id NOT IN (SELECT unnest($3::int8[]))
+               AND (cardinality(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "app"."events_partitions" pp
+                     JOIN unnest($5::int4[], $6::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                    WHERE pp.owner = $1 AND pp.epoch = h.epoch AND pp.lease_until > now()) AS int4[])) = $4
+                    OR "app"."events_partition"(coalesce(w.partition_key, w.destination), $4) = ANY(CAST((SELECT coalesce(array_agg(pp.partition), '{}') FROM "app"."events_partitions" pp
+                     JOIN unnest($5::int4[], $6::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
+                    WHERE pp.owner = $1 AND pp.epoch = h.epoch AND pp.lease_until > now()) AS int4[])))
                              ORDER BY w.sequence_id LIMIT $10) b)
                   ORDER BY o.sequence_id
                   LIMIT $2

@@ -757,23 +757,36 @@ impl Native {
     }
 
     /// [`Native::claim_owned`] leaving out the crowded keys ($9) and looking no further
-    /// than the first $10 available rows this node does not hold ([`Native::uncrowded`]).
+    /// than the first $10 available rows of its partitions that the node does not hold
+    /// ([`Native::uncrowded`]).
     fn claim_owned_crowded(&self) -> String {
-        let not_held = "w.sequence_id NOT IN (SELECT unnest($3::int8[]))";
-        self.claim_owned_leaving_out(&self.uncrowded(9, not_held, 10))
+        // Rows of the partitions the node holds: the others' rows would fill the window.
+        let func = &self.func;
+        let held = self.held_partitions();
+        let ours = format!(
+            "w.sequence_id NOT IN (SELECT unnest($3::int8[]))
+               AND (cardinality({held}) = $4
+                    OR {func}(coalesce(w.partition_key, w.destination), $4) = ANY({held}))"
+        );
+        self.claim_owned_leaving_out(&self.uncrowded(9, &ours, 10))
     }
 
-    fn claim_owned_leaving_out(&self, crowded: &str) -> String {
-        let Native { t, parts, func, .. } = self;
-        // The partitions the database confirms as held (owner, epoch, live lease), computed
-        // once per claim (an InitPlan): rows are then filtered against an array while the
-        // pending index is walked in order, and a node holding every partition skips the
-        // per-row hash altogether.
-        let held = format!(
+    /// The partitions the database confirms the node ($1) holds of its fence ($5 and $6:
+    /// owner, epoch, live lease), computed once per claim (an InitPlan): rows are then
+    /// filtered against an array while the pending index is walked in order, and a node
+    /// holding every partition skips the per-row hash altogether.
+    fn held_partitions(&self) -> String {
+        let parts = &self.parts;
+        format!(
             "CAST((SELECT coalesce(array_agg(pp.partition), '{{}}') FROM {parts} pp
                      JOIN unnest($5::int4[], $6::int8[]) AS h(partition, epoch) ON h.partition = pp.partition
                     WHERE pp.owner = $1 AND pp.epoch = h.epoch AND pp.lease_until > now()) AS int4[])"
-        );
+        )
+    }
+
+    fn claim_owned_leaving_out(&self, crowded: &str) -> String {
+        let Native { t, func, .. } = self;
+        let held = self.held_partitions();
         let no_retry_blocks = self.unblocked("p.attempts > 0 AND p.available_at > now()");
         format!(
             "SELECT {RETURNED} FROM {t} o
