@@ -1172,6 +1172,9 @@ pub async fn engine_a_slow_key_leaves_room_for_the_others(h: &dyn Harness) {
     let mut config = engine_config(false);
     config.settings.batch_size = 2;
     config.settings.max_in_flight = 16;
+    // Past the test's patience: a publish timing out would free the node as well.
+    config.settings.lease = Duration::from_secs(300);
+    config.settings.publish_timeout = Duration::from_secs(280);
     let (engine, stop_tx) = spawn_engine(store, &publisher, config);
     let fast: Vec<SequenceId> = seq[30..].to_vec();
     eventually(
