@@ -134,13 +134,6 @@ pub enum Claimed {
 }
 
 impl Claimed {
-    pub fn destination(&self) -> &str {
-        match self {
-            Claimed::Event(e) => &e.destination,
-            Claimed::Undecodable { destination, .. } => destination,
-        }
-    }
-
     pub fn sequence_id(&self) -> SequenceId {
         match self {
             Claimed::Event(e) => e.sequence_id,

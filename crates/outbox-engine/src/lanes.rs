@@ -560,19 +560,11 @@ impl Lanes {
         }
     }
 
-    /// The held rows not handed out: those a shutdown may release. A row handed out may
-    /// still reach the sink (a publish abandoned at the deadline, a producer flushing as it
-    /// closes): released, another node could send it again ahead of it, after the key's
-    /// next event. It keeps its lease instead, and comes back when the lease runs out.
-    pub fn held_ids_not_handed_out(&self) -> Vec<SequenceId> {
-        self.lanes
-            .values()
-            .flat_map(|lane| lane.queue.iter().skip(lane.handed_out))
-            .map(Claimed::sequence_id)
-            .collect()
-    }
-
-    /// Everything still queued and not handed out (for release at shutdown).
+    /// Everything still queued and not handed out, taken out of the lanes: what a
+    /// shutdown may release. A row handed out may still reach the sink (a publish abandoned
+    /// at the deadline, a producer flushing as it closes): released, another node could
+    /// send it again ahead of it, after the key's next event. It keeps its lease instead,
+    /// and comes back when the lease runs out.
     pub fn take_unstarted(&mut self) -> Vec<SequenceId> {
         let mut ids = Vec::new();
         for lane in self.lanes.values_mut() {

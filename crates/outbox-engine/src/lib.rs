@@ -179,6 +179,8 @@ struct Acked {
 /// A batch the sink answered, with one outcome per event (when it keeps its contract).
 struct Published {
     batch: Vec<Arc<Event>>,
+    /// Its send group ([`Engine::split_by_send_group`]), for `/readyz`'s streaks.
+    group: u64,
     outcomes: Vec<outbox_core::Outcome>,
 }
 
@@ -425,18 +427,18 @@ impl Engine {
                 });
             }
             self.dead_letter(undecodable_lanes, undecodable);
-            for batch in self.split_by_send_group(batch) {
-                self.publish(batch);
+            for (group, batch) in self.split_by_send_group(batch) {
+                self.publish(group, batch);
             }
         }
     }
 
-    /// `batch` as one batch per send group of the publisher, each in the order of
-    /// `batch` ([`outbox_core::Publisher::send_group`]): a batch's outcomes come back
-    /// together, so a slow sink would hold every other sink's events sent beside it.
-    fn split_by_send_group(&self, batch: Vec<Arc<Event>>) -> Vec<Vec<Arc<Event>>> {
-        if !self.publisher.has_send_groups() || batch.len() < 2 {
-            return vec![batch];
+    /// `batch` as one batch per send group of the publisher, with the group, each in the
+    /// order of `batch` ([`outbox_core::Publisher::send_group`]): a batch's outcomes come
+    /// back together, so a slow sink would hold every other sink's events sent beside it.
+    fn split_by_send_group(&self, batch: Vec<Arc<Event>>) -> Vec<(u64, Vec<Arc<Event>>)> {
+        if !self.publisher.has_send_groups() {
+            return vec![(0, batch)];
         }
         // Few groups to a batch: a list beats a map. A lane's run (consecutive, one key)
         // goes whole to its first event's group: batches in flight never share a key.
@@ -455,15 +457,7 @@ impl Engine {
                 None => groups.push((group, vec![event])),
             }
         }
-        groups.into_iter().map(|(_, events)| events).collect()
-    }
-
-    /// The send group of a batch [`Engine::split_by_send_group`] made.
-    fn send_group_of(&self, batch: &[Arc<Event>]) -> u64 {
-        match batch.first() {
-            Some(event) if self.publisher.has_send_groups() => self.publisher.send_group(event),
-            _ => 0,
-        }
+        groups
     }
 
     /// Tells `/readyz` of the oldest send group still failing, once the streaks no retry
@@ -481,7 +475,7 @@ impl Engine {
     }
 
     /// Hands `batch` to the publisher, its outcomes awaited with the others in flight.
-    fn publish(&mut self, batch: Vec<Arc<Event>>) {
+    fn publish(&mut self, group: u64, batch: Vec<Arc<Event>>) {
         if batch.is_empty() {
             return;
         }
@@ -513,7 +507,11 @@ impl Engine {
                 if let Some((telemetry, publisher, start)) = telemetry {
                     telemetry.published(Span::since(start), &*publisher, &batch, &outcomes);
                 }
-                Published { batch, outcomes }
+                Published {
+                    batch,
+                    group,
+                    outcomes,
+                }
             }
             .boxed(),
         );
@@ -560,6 +558,7 @@ impl Engine {
     fn on_published(&mut self, published: Published) {
         let Published {
             batch,
+            group,
             mut outcomes,
         } = published;
         if outcomes.len() != batch.len() {
@@ -695,7 +694,6 @@ impl Engine {
         }
         // What /readyz says of publishing, per send group (`streaks`): an event of the
         // batch's group confirmed ends its streak; failures to retry carry it on.
-        let group = self.send_group_of(&batch);
         let streak_error = first_failure.as_ref().map(|(error, _)| {
             format!(
                 "no event confirmed by the sink {} to {error}",
@@ -711,7 +709,10 @@ impl Engine {
         if !acked.is_empty() {
             self.config.shared.health.record(Check::Publish, Ok(()));
         }
-        self.report_publish_streaks();
+        // With no streak, the success above (or none at all) is the whole verdict.
+        if !self.publish_streaks.is_empty() {
+            self.report_publish_streaks();
+        }
         if let Some((error, count)) = first_failure {
             tracing::warn!(events = count, %error, sink = %self.publisher.describe(), "publish failed; will retry with backoff");
         }
@@ -1229,7 +1230,7 @@ pub async fn run(
     };
     // What is still leased and was never handed out goes back at once rather than after
     // the lease; what was handed out keeps its lease (its publish may yet land).
-    let leftover = engine.lanes.held_ids_not_handed_out();
+    let leftover = engine.lanes.take_unstarted();
     if !leftover.is_empty() {
         let rows = leftover.len();
         let release = engine.store.release(engine.config.node.clone(), leftover);

@@ -147,7 +147,8 @@ pub async fn migrate(config: Config, args: MigrateArgs) -> anyhow::Result<ExitCo
                 .map_err(|e| config_error(format!("--grant-to: {}", e.report())))?;
             let grants = store.grants(role).ok_or_else(|| {
                 config_error(
-                    "--grant-to: SQLite has no roles; the relay needs read and write access to                      the database file and its directory"
+                    "--grant-to: SQLite has no roles; the relay needs read and write access to \
+                     the database file and its directory"
                         .to_string(),
                 )
             })?;
@@ -163,7 +164,8 @@ pub async fn migrate(config: Config, args: MigrateArgs) -> anyhow::Result<ExitCo
         store.execute_script(&grants).await.map_err(|e| {
             failure(
                 format!(
-                    "granting {role} failed: {} (the role must exist; `migrate --print --role                      {role}` shows the GRANTs)",
+                    "granting {role} failed: {} (the role must exist; `migrate --print --role \
+                     {role}` shows the GRANTs)",
                     e.report()
                 ),
                 &e,

@@ -232,7 +232,6 @@ impl Reader {
         self.sessions.backoff.next_delay()
     }
 
-    /// Who holds the slot, as far as its session's name tells.
     /// Waits while a relay of this outbox streams from the slot, asked over SQL every
     /// [`STANDBY_LOOKS_EVERY`]: each replication attempt on a slot in use is an ERROR in the
     /// server's log, which a standby that tried every second filled. Returns once the slot
@@ -249,6 +248,7 @@ impl Reader {
         }
     }
 
+    /// Who holds the slot, as far as its session's name tells.
     async fn slot_holder(&self) -> SlotHolder {
         let Ok(rows) = self
             .main
