@@ -39,6 +39,9 @@ pub const DEFAULT_BACKLOG_INTERVAL: Duration = Duration::from_secs(5);
 
 /// The largest claim: one statement's rows are held in memory and settled together.
 const MAX_BATCH_SIZE: usize = 50_000;
+/// The most rows a node may hold: more is a typo, not a plan (and twice it, the window a
+/// claim leaving keys out looks through, must stay a count the databases take).
+const MAX_IN_FLIGHT: usize = 10_000_000;
 /// The shortest lease: leases are extended every third of it, and shorter ones expire between
 /// two extensions on a loaded database.
 const MIN_LEASE: Duration = Duration::from_millis(300);
@@ -125,6 +128,13 @@ impl EngineSettings {
                 self.memory_mib
             ));
         }
+        if self.max_in_flight > MAX_IN_FLIGHT {
+            return Err(format!(
+                "max_in_flight must be at most {MAX_IN_FLIGHT} (got {}): it is the rows one node \
+                 holds while publishing",
+                self.max_in_flight
+            ));
+        }
         if self.max_in_flight < self.batch_size {
             return Err(format!(
                 "max_in_flight ({}) must be at least batch_size ({})",
@@ -204,6 +214,11 @@ mod tests {
             ..EngineSettings::default()
         });
         assert!(err.contains("max_in_flight (1000)"), "{err}");
+        let err = refused(EngineSettings {
+            max_in_flight: usize::MAX,
+            ..EngineSettings::default()
+        });
+        assert!(err.contains("max_in_flight must be at most"), "{err}");
         let err = refused(EngineSettings {
             backlog_interval: Duration::from_millis(10),
             ..EngineSettings::default()
