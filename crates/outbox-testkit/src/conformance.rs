@@ -318,6 +318,44 @@ pub async fn claims_leave_out_crowded_keys(h: &dyn Harness) {
     assert_eq!(ids(&got), seq, "owned: key e left out, f past the window");
     let got = store.claim(owned(Crowded::default())).await.unwrap();
     assert_eq!(ids(&got), more, "owned: the rest, in order");
+
+    // The window counts the owned partitions' rows only: rows of partitions another node
+    // owns, however many come first, never push this node's rows past it.
+    let partition = |key: &str| outbox_core::partition::partition_of(key, count);
+    let others: HashSet<i32> = ["a", "b", "c", "e", "f"].map(partition).into();
+    let key_in = |wanted: &dyn Fn(i32) -> bool, skip: &str| {
+        (0..10_000)
+            .map(|n| format!("k{n}"))
+            .find(|k| k != skip && wanted(partition(k)))
+            .expect("a key of the partition wanted")
+    };
+    let crowded_key = key_in(&|p| !others.contains(&p), "");
+    let ours = partition(&crowded_key);
+    let next_key = key_in(&|p| p == ours, &crowded_key);
+    let foreign = key_in(&|p| p != ours, "");
+    let mut rows = vec![("d", Some(crowded_key.as_str()), "t", 6)];
+    rows.extend((7..10).map(|n| ("d", Some(foreign.as_str()), "t", n)));
+    rows.push(("d", Some(next_key.as_str()), "t", 10));
+    let added = insert(&*store, &rows).await;
+    let epoch = epochs.iter().find(|(p, _)| *p == ours).unwrap().1;
+    let one = Arc::new(outbox_core::Fence {
+        count,
+        partitions: vec![ours],
+        epochs: vec![epoch],
+    });
+    let got = store
+        .claim(ClaimRequest {
+            fence: Some(one),
+            crowded: crowded(&[&crowded_key], 2),
+            ..request(&owner, 10)
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        ids(&got),
+        [added[4]],
+        "owned: {crowded_key} left out, {next_key} inside a window of this node's partition"
+    );
 }
 
 pub async fn exclusive_claims(h: &dyn Harness) {
