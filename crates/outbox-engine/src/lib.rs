@@ -1291,16 +1291,17 @@ async fn drain_check(store: Arc<dyn OutboxStore>, running_for: Duration) -> Drai
     };
     if backlog.pending == 0 {
         DrainCheck::Done(DrainEnd::Clean { arrived: 0 })
-    } else if backlog.retrying > 0 {
-        // Failed events: a drain does not wait out their backoff.
-        DrainCheck::Done(DrainEnd::Left(backlog))
     } else if backlog
         .oldest_pending_age
         .is_some_and(|age| age < running_for)
     {
+        // Every row left arrived during the drain, those that failed too: the next run's.
         DrainCheck::Done(DrainEnd::Clean {
             arrived: backlog.pending,
         })
+    } else if backlog.retrying > 0 {
+        // Failed events: a drain does not wait out their backoff.
+        DrainCheck::Done(DrainEnd::Left(backlog))
     } else {
         DrainCheck::Wait(backlog)
     }
