@@ -233,6 +233,7 @@ impl WalStore {
         let memory = MemoryBudget::new(options.wal.memory_budget);
         let live = Arc::new(LiveSession::default());
         let confirm_stall = Arc::new(Mutex::new(None));
+        let told = Arc::new(ToldServer::default());
         let reader = Reader {
             live: live.clone(),
             memory: memory.clone(),
@@ -251,6 +252,7 @@ impl WalStore {
             on_change: on_change.clone(),
             sessions: reader::Sessions::new(),
             confirm_stall: confirm_stall.clone(),
+            told: told.clone(),
         };
         // Its logs stay in the caller's span (an outbox's, among several).
         let stopped = reader.status.clone();
@@ -269,7 +271,10 @@ impl WalStore {
                 publication: options.publication.clone(),
                 source,
                 drain: options.drain,
-                state: Mutex::new(State::new()),
+                state: Mutex::new(State {
+                    told,
+                    ..State::new()
+                }),
                 parking: tokio::sync::Mutex::new(()),
                 deletes: capture::GroupDeletes::new(options.max_in_flight),
                 outputs: tokio::sync::Mutex::new(rx),

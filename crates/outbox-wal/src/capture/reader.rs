@@ -35,6 +35,8 @@ pub(super) struct Reader {
     /// Why the slot is confirmed no further while the relay runs on, for `/readyz` (the
     /// store's ping); `None` while it is confirmed as its settled events allow.
     pub(super) confirm_stall: Arc<Mutex<Option<String>>>,
+    /// Told what the server was last told ([`ToldServer`]), for the settled positions.
+    pub(super) told: Arc<ToldServer>,
 }
 
 /// What the reader remembers from one session to the next.
@@ -520,6 +522,7 @@ impl Reader {
         may_raise: bool,
         now_or_never: bool,
     ) {
+        self.told.set(stream.reported());
         let wanted = *self.confirm.borrow();
         let now = std::time::Instant::now();
         let due = may_raise && {
