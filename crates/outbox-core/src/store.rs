@@ -299,6 +299,15 @@ pub trait OutboxStore: Send + Sync + 'static {
     /// Leases up to `limit` claimable rows to `node`, ordered by `sequence_id`.
     fn claim(&self, request: ClaimRequest) -> StoreFuture<Vec<Claimed>>;
 
+    /// Whether claims leave out the rows of [`ClaimRequest::crowded`] keys, looking no
+    /// further than its window. A capture's stream cannot skip ahead (its claims hand out
+    /// what comes, in order), nor can a mapped table in an order of its own: the engine
+    /// then asks nothing of the kind, and does not pace its claims for the window's sake.
+    /// Default: `true`.
+    fn leaves_out_crowded_keys(&self) -> bool {
+        true
+    }
+
     /// Marks rows delivered: deletes them, or (when the store retains delivered rows) sets
     /// `delivered_at`. Only rows still leased by `holder.node` and, with a fence, of
     /// partitions it still holds at those epochs; returns how many were acked.

@@ -954,10 +954,16 @@ impl Engine {
             return;
         }
         let limit = capacity.min(self.config.settings.batch_size);
-        let crowded = Crowded {
-            keys: self.lanes.crowded_keys(settings.key_share()),
-            // Past the rows the node may hold, as many again.
-            window: settings.max_in_flight.saturating_mul(2),
+        let crowded = if self.store.leaves_out_crowded_keys() {
+            Crowded {
+                keys: self.lanes.crowded_keys(settings.key_share()),
+                // Past the rows the node may hold, as many again.
+                window: settings.max_in_flight.saturating_mul(2),
+            }
+        } else {
+            // The pause below is for a claim that walked its window: a claim that cannot
+            // leave keys out came back empty because nothing was there.
+            Crowded::default()
         };
         let poll = settings.poll_interval;
         if !crowded.keys.is_empty()

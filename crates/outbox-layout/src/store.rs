@@ -789,6 +789,10 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
         )
     }
 
+    fn leaves_out_crowded_keys(&self) -> bool {
+        self.inner.sql.leaves_out_crowded_keys()
+    }
+
     fn claim(&self, request: ClaimRequest) -> StoreFuture<Vec<Claimed>> {
         let store = self.clone();
         async move {

@@ -128,6 +128,7 @@ macro_rules! store_conformance {
             engine_holds_no_more_claimed_bytes_than_its_memory_budget,
             engine_shutdown_keeps_the_lease_of_an_event_still_publishing,
             engine_a_slow_key_leaves_room_for_the_others,
+            engine_a_crowded_key_delays_no_claim_of_a_store_that_cannot_leave_it_out,
             engine_a_dead_letter_whose_answer_was_lost_is_not_vouched_for,
             operator_lists_retries_and_purges_dead_letters, operator_replays_and_prunes_in_batches,
             operator_pages_dead_letters_and_shows_one_event);
@@ -1339,6 +1340,77 @@ pub async fn engine_drain_leaves_a_failed_row_that_arrived_during_it_to_the_next
     );
 }
 
+/// Under a store whose claims cannot leave a crowded key out (a capture's stream), a claim
+/// that came back empty found nothing there: the engine's pause after such a claim, meant
+/// for a polling claim that walked its window, held every other key's events until the
+/// next poll (up to 2 s with the default poll interval; here, an hour).
+pub async fn engine_a_crowded_key_delays_no_claim_of_a_store_that_cannot_leave_it_out(
+    h: &dyn Harness,
+) {
+    use std::sync::atomic::Ordering::SeqCst;
+    let (store, _) = store_with(
+        h,
+        &(0..4)
+            .map(|n| ("d", Some("s"), "slow", n))
+            .collect::<Vec<_>>(),
+    )
+    .await;
+    let publisher = RecordingPublisher::new();
+    publisher.hold("slow");
+    let mut config = engine_config(false);
+    config.wake = WakeMode::Notify;
+    config.settings.poll_interval = Duration::from_secs(3600);
+    // A key's share is 2: the slow key's 4 rows crowd it.
+    config.settings.max_in_flight = 8;
+    let faulty = Arc::new(FaultyStore {
+        stream_like: Some(StreamLike::default()),
+        ..FaultyStore::new(store.clone(), 0)
+    });
+    let (engine, stop) = spawn_engine(faulty.clone(), &publisher, config);
+    let stream = faulty.stream_like.as_ref().unwrap();
+    let wake = || (stream.wake.lock().unwrap().as_ref().unwrap())();
+    crate::eventually(
+        "the slow key's head publishing",
+        Duration::from_secs(10),
+        || async {
+            (publisher.holding() == 1 && stream.wake.lock().unwrap().is_some()).then_some(())
+        },
+    )
+    .await;
+    // A wake-up with nothing new: an empty claim, the slow key crowded.
+    let before = stream.empty.load(SeqCst);
+    wake();
+    let what = "an empty claim at the wake-up (none: claims paused after an earlier one)";
+    crate::eventually(what, Duration::from_secs(10), || async {
+        (stream.empty.load(SeqCst) > before).then_some(())
+    })
+    .await;
+    let other = insert(&*store, &[("d", Some("b"), "t", 4)]).await;
+    wake();
+    let claims = stream.claims.load(SeqCst);
+    crate::eventually_explained(
+        "the other key's event delivered at its wake-up",
+        Duration::from_secs(30),
+        || {
+            format!(
+                "claims: {claims} before the wake-up, {} now",
+                stream.claims.load(SeqCst)
+            )
+        },
+        || async {
+            let delivered = publisher.delivered();
+            delivered
+                .iter()
+                .any(|e| e.sequence_id == other[0])
+                .then_some(())
+        },
+    )
+    .await;
+    publisher.release("slow");
+    let _ = stop.send(());
+    engine.await.unwrap().unwrap();
+}
+
 /// A dead letter whose statement committed but whose answer was lost (the connection
 /// dropped): the retry finds nothing to write, 0 rows, which reads as another node's fence.
 /// The drain counted no dead letter and exited 0, the event dead.
@@ -1397,6 +1469,18 @@ struct FaultyStore {
     fenced: std::sync::atomic::AtomicUsize,
     /// Dead letters written whose answer is then lost (a retryable error after the commit).
     lost_dead_letter_answers: std::sync::atomic::AtomicUsize,
+    /// Claims as a capture's stream makes them: no key left out, woken by the test.
+    stream_like: Option<StreamLike>,
+}
+
+/// What [`FaultyStore`] keeps when it claims as a capture's stream does.
+#[derive(Default)]
+struct StreamLike {
+    /// The engine's wake-up, which the test calls.
+    wake: std::sync::Mutex<Option<OnChange>>,
+    /// Claims made, and how many of them came back empty.
+    claims: std::sync::atomic::AtomicUsize,
+    empty: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl FaultyStore {
@@ -1408,6 +1492,7 @@ impl FaultyStore {
             failures: failures.into(),
             fenced: 0.into(),
             lost_dead_letter_answers: 0.into(),
+            stream_like: None,
         }
     }
 
@@ -1431,13 +1516,31 @@ impl OutboxStore for FaultyStore {
     fn describe(&self) -> String {
         self.store.describe()
     }
-    fn claim(&self, request: ClaimRequest) -> StoreFuture<Vec<Claimed>> {
+    fn claim(&self, mut request: ClaimRequest) -> StoreFuture<Vec<Claimed>> {
         if take_one(&self.failures) {
             return Box::pin(async {
                 Err(StoreError::new(StoreErrorKind::Connection, Self::ERROR))
             });
         }
-        self.store.claim(request)
+        let Some(stream) = &self.stream_like else {
+            return self.store.claim(request);
+        };
+        request.crowded = Crowded::default();
+        stream
+            .claims
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let empty = stream.empty.clone();
+        let claim = self.store.claim(request);
+        Box::pin(async move {
+            let rows = claim.await?;
+            if rows.is_empty() {
+                empty.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+            Ok(rows)
+        })
+    }
+    fn leaves_out_crowded_keys(&self) -> bool {
+        self.stream_like.is_none() && self.store.leaves_out_crowded_keys()
     }
     fn ack(&self, holder: LeaseHolder, ids: Vec<SequenceId>) -> StoreFuture<u64> {
         self.store.ack(holder, ids)
@@ -1477,7 +1580,11 @@ impl OutboxStore for FaultyStore {
         self.store.verify()
     }
     fn subscribe(&self, on_change: OnChange) -> Option<BoxFuture<'static, ()>> {
-        self.store.subscribe(on_change)
+        let Some(stream) = &self.stream_like else {
+            return self.store.subscribe(on_change);
+        };
+        *stream.wake.lock().unwrap() = Some(on_change);
+        Some(Box::pin(std::future::pending()))
     }
     fn give_way_to_shutdown(&self) -> Option<BoxFuture<'static, ()>> {
         self.store.give_way_to_shutdown()

@@ -1097,6 +1097,11 @@ impl OutboxStore for BinlogStore {
         self.inner.describe()
     }
 
+    /// The stream hands out what comes, in commit order.
+    fn leaves_out_crowded_keys(&self) -> bool {
+        false
+    }
+
     fn claim(&self, request: ClaimRequest) -> StoreFuture<Vec<Claimed>> {
         let inner = self.inner.clone();
         async move { inner.claim(request).await }.boxed()

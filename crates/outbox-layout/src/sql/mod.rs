@@ -206,13 +206,19 @@ impl Sql {
         }
     }
 
+    /// Whether claims leave out crowded keys: only in the default order of integer ids,
+    /// where an id bounds the window ([`Sql::window_end`]).
+    pub fn leaves_out_crowded_keys(&self) -> bool {
+        self.mapping.order_by.is_empty() && self.mapping.id_type == IdType::Integer
+    }
+
     /// The id of the last of the first `window` claimable rows, for a claim that leaves
     /// keys out to go no further (see [`outbox_core::store::Crowded`]): it would otherwise
     /// walk past every row of their backlogs. `None` where rows go out in another order than
     /// their integer id's (a custom `order_by`, UUID ids): such a table's claims leave no
     /// key out. Run apart, so MySQL's range scan has a constant to stop at.
     pub fn window_end(&self, window: usize) -> Option<String> {
-        if !self.mapping.order_by.is_empty() || self.mapping.id_type != IdType::Integer {
+        if !self.leaves_out_crowded_keys() {
             return None;
         }
         let id = self.id();

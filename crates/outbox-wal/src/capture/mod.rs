@@ -1120,6 +1120,12 @@ impl OutboxStore for WalStore {
         )
     }
 
+    /// The stream hands out what comes, in commit order (parked rows are the polling
+    /// store's, which are claimed apart).
+    fn leaves_out_crowded_keys(&self) -> bool {
+        false
+    }
+
     fn claim(&self, request: ClaimRequest) -> StoreFuture<Vec<Claimed>> {
         let inner = self.inner.clone();
         async move { inner.claim(request).await }.boxed()
