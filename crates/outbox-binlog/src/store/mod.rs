@@ -278,7 +278,7 @@ impl BinlogStore {
                 main: options.main,
                 blackhole: options.blackhole,
                 drain: options.drain,
-                state: Mutex::new(State::new(options.blackhole)),
+                state: Mutex::new(State::new(options.blackhole).reading(live.clone())),
                 parking: tokio::sync::Mutex::new(()),
                 deletes: outbox_core::capture::GroupDeletes::new(options.max_in_flight),
                 full_images_only: Default::default(),

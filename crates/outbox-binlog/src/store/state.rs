@@ -193,6 +193,15 @@ pub(super) struct State {
     /// Settled stream rows, for the reader: it stores the position those of its session
     /// allow, and settles unsent those of ended sessions that it reads again.
     pub(super) settled: Vec<SettledRow>,
+    /// Rows settled while the reader read another session than theirs (after a break): the
+    /// reader settles unsent what it reads of them once it is told, but a copy it read
+    /// before that waits for a claim, and is settled unsent then. (Handed out, it went out
+    /// after later rows of its key still with the engine.) Few: the rows in flight at a
+    /// break; at most [`State::SETTLED_EARLIER_MOST`].
+    settled_earlier: HashSet<RowIdentity>,
+    /// The session the reader reads now (0 between sessions), which it sets before it
+    /// announces one: claims learn of a new session only when they take its announcement.
+    reading: Arc<LiveSession>,
     /// `--drain`: every row committed before start-up has been handed out.
     drained: bool,
     /// Undecodable rows the capture parked dead itself (behind a parked key, or let go of
@@ -202,6 +211,10 @@ pub(super) struct State {
 }
 
 impl State {
+    /// Past this many rows settled across a break, they are forgotten: a copy read again
+    /// then goes out again, as at-least-once allows.
+    const SETTLED_EARLIER_MOST: usize = 65_536;
+
     pub(super) fn new(hold_to_commit: bool) -> State {
         State {
             followed: Followed::before_any_session(),
@@ -211,8 +224,18 @@ impl State {
             unaccepted: VecDeque::new(),
             holdings: Holdings::default(),
             settled: Vec::new(),
+            settled_earlier: HashSet::new(),
+            reading: Arc::default(),
             drained: false,
             dead_by_capture: 0,
+        }
+    }
+
+    /// The state of a store whose reader reads session `live`.
+    pub(super) fn reading(self, live: Arc<LiveSession>) -> State {
+        State {
+            reading: live,
+            ..self
         }
     }
 
@@ -272,6 +295,17 @@ impl State {
             identity,
         } = *captured;
         let id = row.unwrap_or_else(|| stream_id(self.followed.session, ordinal));
+        if let Some(identity) = identity.filter(|i| self.settled_earlier.contains(i)) {
+            if !self.holdings.held.contains_key(&id) {
+                self.settled_earlier.remove(&identity);
+                self.settled.push(SettledRow {
+                    session: self.followed.session,
+                    ordinal,
+                    identity: Some(identity),
+                });
+                return;
+            }
+        }
         let (key, body) = match event {
             Ok(event) => {
                 let key = event.ordering_key().to_string();
@@ -336,6 +370,12 @@ impl State {
     pub(super) fn settle(&mut self, ids: impl IntoIterator<Item = SequenceId>) {
         for id in ids {
             if let Some(s) = self.holdings.remove_stream(id) {
+                if s.session != self.reading.get() {
+                    if self.settled_earlier.len() >= Self::SETTLED_EARLIER_MOST {
+                        self.settled_earlier.clear();
+                    }
+                    self.settled_earlier.extend(s.identity);
+                }
                 self.settled.push(SettledRow {
                     session: s.session,
                     ordinal: s.ordinal,
@@ -776,9 +816,9 @@ mod tests {
         state.settle([1]);
         assert_eq!(settled(&state, 1), [1]);
         assert!(settled(&state, 2).is_empty());
-        // Row 1 comes again in session 2 (as far as the state knows, a new row).
-        assert_eq!(claim(&mut state, transactions(&[(1, "a")])), [1]);
-        state.settle([1]);
+        // Row 1 comes again in session 2, read before the reader was told: settled
+        // unsent, its ordinal in session 2.
+        assert!(claim(&mut state, transactions(&[(1, "a")])).is_empty());
         assert_eq!(settled(&state, 2), [1], "its ordinal in session 2");
     }
 
@@ -851,6 +891,33 @@ mod tests {
         );
         state.queue_parks([Park::behind_its_key(10)]);
         assert_eq!(parked(&state.holdings.take_parks()), [10, 11], "log order");
+    }
+
+    /// Row 10 of key k is with the engine, 11 behind it, when the session breaks; the new
+    /// one reads both again, and 10 is confirmed before a claim takes the copies: the copy
+    /// of 10 is settled unsent (handed out, it went out after 11), the copy of 11 handed
+    /// out.
+    #[test]
+    fn a_copy_read_before_its_row_was_settled_is_settled_unsent() {
+        let mut state = State::new(false);
+        state.accept(session(1, &[]));
+        assert_eq!(
+            claim(&mut state, transactions(&[(10, "k"), (11, "k")])),
+            [10, 11]
+        );
+        // The reader reads session 2 (no claim has taken its announcement yet) when the
+        // engine confirms 10.
+        state.reading.set(2);
+        state.settle([10]);
+        let mut items = vec![session(2, &[])];
+        items.extend(transactions(&[(10, "k"), (11, "k")]));
+        assert_eq!(claim(&mut state, items), [11], "10 settled unsent");
+        assert_eq!(
+            settled(&state, 2),
+            [1],
+            "the copy's ordinal passed to the reader"
+        );
+        assert!(!state.holdings.held.contains_key(&10));
     }
 
     #[test]
