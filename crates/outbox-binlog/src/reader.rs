@@ -179,7 +179,7 @@ fn unknown_column_types(table_map: &TableMapEvent<'_>) -> String {
 const EVENT_HEADER_LEN: usize = 19;
 
 /// The largest event the reader takes: the server's own ceiling for `max_allowed_packet`.
-const MAX_EVENT_BYTES: usize = 1 << 30;
+const MAX_EVENT_BYTES: usize = outbox_store_mysql::LARGEST_PACKET;
 
 /// Reads the outbox table's inserts from the binary log.
 pub struct BinlogReader {

@@ -91,9 +91,11 @@ pub fn classify(error: &mysql_async::Error) -> StoreErrorKind {
 const DATA_TOO_LONG: u16 = 1406;
 
 /// Whether the server refused a value of the row itself: too long or out of range for its
-/// column, not valid for its type (MySQL's JSON), or failing a CHECK (MariaDB's JSON
-/// columns check `JSON_VALID`, which refuses a document nested 32 deep). The same row
-/// fails every time, where any other `Query` failure may pass on a later try.
+/// column, not valid for its type (MySQL's JSON), failing a CHECK (MariaDB's JSON
+/// columns check `JSON_VALID`, which refuses a document nested 32 deep), or a statement
+/// larger than the server's `max_allowed_packet` ([`too_large_for_the_server`]; rows
+/// written one at a time may pass). The same row fails every time, where any other
+/// `Query` failure may pass on a later try.
 pub fn refuses_a_value(error: &mysql_async::Error) -> bool {
     const REFUSED_VALUE: [u16; 8] = [
         1264, // ER_WARN_DATA_OUT_OF_RANGE
@@ -106,6 +108,22 @@ pub fn refuses_a_value(error: &mysql_async::Error) -> bool {
         4025, // ER_CONSTRAINT_FAILED (MariaDB's CHECK)
     ];
     matches!(error, mysql_async::Error::Server(e) if REFUSED_VALUE.contains(&e.code))
+        || too_large_for_the_server(error)
+}
+
+/// Whether `error` refuses a statement larger than the server's `max_allowed_packet`: as
+/// the server says it (ER_NET_PACKET_TOO_LARGE), or as the client refuses to send it (it
+/// keeps the limit it read at connecting).
+pub fn too_large_for_the_server(error: &mysql_async::Error) -> bool {
+    use mysql_common::proto::codec::error::PacketCodecError;
+    match error {
+        mysql_async::Error::Server(e) => e.code == 1153,
+        mysql_async::Error::Io(mysql_async::IoError::Io(e)) => e
+            .get_ref()
+            .and_then(|inner| inner.downcast_ref::<PacketCodecError>())
+            .is_some_and(|e| matches!(e, PacketCodecError::PacketTooLarge)),
+        _ => false,
+    }
 }
 
 fn db_error(context: &str, error: mysql_async::Error) -> StoreError {
@@ -614,11 +632,21 @@ pub(crate) async fn bounded<T>(
         .unwrap_or_else(|_| Err(outbox_core::store::no_answer(context, within)))
 }
 
+/// The server's own ceiling for `max_allowed_packet` (1 GiB), which the client takes as its
+/// limit for packets it reads and sends.
+pub const LARGEST_PACKET: usize = 1 << 30;
+
 /// Every connection's session settings (a pooled connection is reset each time it goes back
 /// to the pool; `session::a_connection_back_from_the_pool_keeps_utc_and_read_committed`
-/// shows they hold after it).
+/// shows they hold after it), and a client limit for packets of [`LARGEST_PACKET`]: with
+/// the server's `max_allowed_packet` for its own (mysql_async's default), a row written
+/// before the server's limit was lowered could not be read, and every claim that read it
+/// failed, for good. The server still refuses a statement past its own limit
+/// ([`too_large_for_the_server`]).
 pub fn session_settings(builder: OptsBuilder) -> OptsBuilder {
-    builder.setup(outbox_layout::sql::MYSQL_SESSION_SETTINGS.to_vec())
+    builder
+        .setup(outbox_layout::sql::MYSQL_SESSION_SETTINGS.to_vec())
+        .max_allowed_packet(Some(LARGEST_PACKET))
 }
 
 /// How long a connection back from its last statement stays open in the pool for the next.

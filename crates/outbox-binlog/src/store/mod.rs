@@ -211,6 +211,58 @@ pub fn pool_opts(url: &str) -> Result<mysql_async::Opts, BinlogError> {
     )
 }
 
+/// Room left in a packet for a park statement's text and its protocol's framing.
+const PARK_STATEMENT_SLACK: usize = 16 * 1024;
+
+/// The bytes of `values` in a prepared statement's packet, near enough: each value's own and
+/// its length's (or a number's 8).
+fn values_bytes(values: &[Value]) -> usize {
+    values
+        .iter()
+        .map(|value| match value {
+            Value::Bytes(bytes) => bytes.len() + 9,
+            _ => 12,
+        })
+        .sum()
+}
+
+/// `parks` cut into statements of at most 1,000 rows (14 values a row: far under the 65,535
+/// placeholders a statement may have) and, but for a row alone, `room` bytes of values.
+fn park_statements<'a>(parks: &[&'a ParkRow], room: usize) -> Vec<Vec<&'a ParkRow>> {
+    let mut statements: Vec<Vec<&ParkRow>> = Vec::new();
+    let mut bytes = 0;
+    for park in parks {
+        let size = values_bytes(&park.params);
+        match statements.last_mut() {
+            Some(last) if last.len() < 1_000 && bytes + size <= room => {
+                last.push(park);
+                bytes += size;
+            }
+            _ => {
+                statements.push(vec![park]);
+                bytes = size;
+            }
+        }
+    }
+    statements
+}
+
+/// What the server answers a statement past its `max_allowed_packet`
+/// (ER_NET_PACKET_TOO_LARGE), said before sending it: a refused value
+/// ([`outbox_store_mysql::refuses_a_value`]), so the park is dead-lettered without it.
+fn packet_too_large(bytes: usize, packet: Option<u64>) -> mysql_async::Error {
+    mysql_async::Error::Server(mysql_async::ServerError {
+        code: 1153,
+        state: "08S01".into(),
+        message: format!(
+            "the row takes {bytes} bytes, more than the server's max_allowed_packet ({}): \
+             raise it (SET GLOBAL max_allowed_packet, and in the server's configuration) to \
+             park rows this large",
+            packet.map_or("unknown".to_string(), |p| p.to_string())
+        ),
+    })
+}
+
 /// The store's connections at most: parks, deletes and unparks run one at a time each.
 const STORE_CONNECTIONS: usize = 10;
 
@@ -566,19 +618,29 @@ impl Inner {
                 }
             }
         }
-        // 14 values a row: at most 1,000 rows a statement keeps far under the 65,535
-        // placeholders a statement may have.
         // A park whose row is no longer held (settled meanwhile) has nothing to write.
         let written: Vec<&ParkRow> = parks
             .iter()
             .filter(|p| !p.params.is_empty())
             .filter(|p| !p.copied.as_ref().is_some_and(|d| copied.contains(&d.row)))
             .collect();
-        for chunk in written.chunks(1_000) {
+        // Statements past the server's max_allowed_packet are cut off mid-send (the server
+        // closes the connection: a broken pipe, as a network failure), so they are sized
+        // first: a row alone past it is refused as the server would refuse it.
+        let packet: Option<u64> = tx.query_first("SELECT @@max_allowed_packet").await?;
+        let room = packet.map_or(usize::MAX, |p| {
+            usize::try_from(p)
+                .unwrap_or(usize::MAX)
+                .saturating_sub(PARK_STATEMENT_SLACK)
+        });
+        for chunk in park_statements(&written, room) {
             let params: Vec<Value> = chunk
                 .iter()
                 .flat_map(|p| p.params.iter().cloned())
                 .collect();
+            if chunk.len() == 1 && values_bytes(&params) > room {
+                return Err(packet_too_large(values_bytes(&params), packet));
+            }
             debug_assert_eq!(params.len(), chunk.len() * PARK_PARAMS);
             tx.exec_drop(self.sql.park(chunk.len()), params).await?;
         }

@@ -806,7 +806,7 @@ async fn an_outbox_load_data_logged_as_a_statement_stops_the_reader() {
 
 /// A MariaDB server of the test's own (with `servers.sh` variables `env`), the URL of its
 /// database `shop` (not made yet), and a session as root.
-async fn private_mariadb(
+pub(crate) async fn private_mariadb(
     env: &[(&'static str, &str)],
 ) -> (outbox_testkit::server::ScriptedServer, String, Conn) {
     let server = outbox_testkit::server::ScriptedServer::start_with(

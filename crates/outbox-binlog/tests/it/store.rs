@@ -55,6 +55,11 @@ impl Fixture {
 
     async fn with_parked_table(parked: impl FnOnce(&str) -> String) -> Fixture {
         let url = outbox_testkit::fresh_mysql_database().await;
+        Fixture::at(url, parked).await
+    }
+
+    /// [`Fixture::with_parked_table`] in the database of `url`, which exists.
+    async fn at(url: String, parked: impl FnOnce(&str) -> String) -> Fixture {
         let database = Opts::from_url(&url).unwrap().db_name().unwrap().to_string();
         mysql_store(&url, "outbox").migrate().await.unwrap();
         let db = mysql_async::Pool::new(Opts::from_url(&url).unwrap());
@@ -600,6 +605,96 @@ async fn a_row_confirmed_after_a_new_session_read_it_again_is_not_sent_again() {
     })
     .await;
     assert_eq!(delivered_n(&publisher, "k"), [1, 2, 3]);
+    relay.stop().await;
+}
+
+/// A row larger than the server's `max_allowed_packet`, lowered after it was written, and
+/// adopted into the parked table at the first start: every claim of the parked table failed
+/// ("Packet is larger than max_allowed_packet": the client took the server's limit for the
+/// rows it reads too), and no key moved again. It is read and delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_larger_than_a_lowered_max_allowed_packet_is_claimed_and_delivered() {
+    let (_server, url, mut admin) =
+        crate::mariadb::private_mariadb(&[("MARIADB_SERVER_ID", "10")]).await;
+    admin.query_drop("CREATE DATABASE shop").await.unwrap();
+    let fixture = Fixture::at(url, |database| {
+        outbox_binlog::parked_ddl(database, "outbox_parked")
+    })
+    .await;
+    fixture
+        .db
+        .get_conn()
+        .await
+        .unwrap()
+        .exec_drop(
+            "INSERT INTO outbox (destination, partition_key, event_type, payload)
+             VALUES ('orders', 'big', 'T', JSON_OBJECT('n', 1, 'text', ?))",
+            ("x".repeat(900 * 1024),),
+        )
+        .await
+        .unwrap();
+    admin
+        .query_drop("SET GLOBAL max_allowed_packet = 512 * 1024")
+        .await
+        .unwrap();
+    let publisher = RecordingPublisher::new();
+    let relay = Relay::reading(fixture.options("relay-1"), &publisher).await;
+    eventually("the large row delivered", PATIENCE, || async {
+        (delivered_n(&publisher, "big") == [1]).then_some(())
+    })
+    .await;
+    relay.stop().await;
+}
+
+/// A row that must wait (its first publish failed) but is larger than the server's
+/// `max_allowed_packet`, lowered after it was written: its park was refused ("packet too
+/// large") at every try, and every claim tried it first, so no other key moved again. It
+/// is dead-lettered in a form the parked table takes, naming the limit; the others flow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_too_large_to_park_is_dead_lettered_not_blocking_every_claim() {
+    let (_server, url, mut admin) =
+        crate::mariadb::private_mariadb(&[("MARIADB_SERVER_ID", "9")]).await;
+    admin.query_drop("CREATE DATABASE shop").await.unwrap();
+    let fixture = Fixture::at(url, |database| {
+        outbox_binlog::parked_ddl(database, "outbox_parked")
+    })
+    .await;
+    let publisher = RecordingPublisher::new();
+    publisher.fail("Flaky", 1, PublishErrorKind::Unavailable);
+    // The application's session, opened before the limit is lowered, keeps the old one.
+    let mut application = fixture.db.get_conn().await.unwrap();
+    admin
+        .query_drop("SET GLOBAL max_allowed_packet = 512 * 1024")
+        .await
+        .unwrap();
+    let relay = Relay::reading(fixture.options("relay-1"), &publisher).await;
+    application
+        .exec_drop(
+            "INSERT INTO outbox (destination, partition_key, event_type, payload)
+             VALUES ('orders', 'big', 'Flaky', JSON_OBJECT('n', 1, 'text', ?))",
+            ("x".repeat(900 * 1024),),
+        )
+        .await
+        .unwrap();
+    eventually("the large row dead-lettered", PATIENCE, || async {
+        (fixture.dead_letters().await == 1).then_some(())
+    })
+    .await;
+    let error: String = fixture
+        .db
+        .get_conn()
+        .await
+        .unwrap()
+        .query_first("SELECT last_error FROM outbox_parked WHERE dead_at IS NOT NULL")
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(error.contains("max_allowed_packet"), "{error}");
+    fixture.insert("k", "T", 2).await;
+    eventually("another key's row delivered", PATIENCE, || async {
+        (delivered_n(&publisher, "k") == [2]).then_some(())
+    })
+    .await;
     relay.stop().await;
 }
 
