@@ -44,6 +44,8 @@ pub struct Row {
     /// with why: their value reads as `None`, which is not NULL.
     pub(crate) unknown: Vec<(usize, String)>,
     pub(crate) ordinal: u64,
+    /// When the server logged its transaction (the event header's timestamp, in seconds).
+    pub(crate) logged_at: Option<u32>,
 }
 
 impl Row {
@@ -57,6 +59,12 @@ impl Row {
     pub fn get(&self, column: &str) -> Option<&str> {
         let index = self.columns.iter().position(|c| c == column)?;
         self.values.get(index)?.as_deref()
+    }
+
+    /// When the server logged the row's transaction, to the second; `None` if the event
+    /// carried no time.
+    pub fn logged_at(&self) -> Option<std::time::SystemTime> {
+        self.logged_at.map(seconds_since_the_epoch)
     }
 
     /// Why a value of the row is unknown (the first such column's reason), if one is.
@@ -180,6 +188,11 @@ const EVENT_HEADER_LEN: usize = 19;
 
 /// The largest event the reader takes: the server's own ceiling for `max_allowed_packet`.
 const MAX_EVENT_BYTES: usize = outbox_store_mysql::LARGEST_PACKET;
+
+/// An event header's timestamp as a time.
+fn seconds_since_the_epoch(seconds: u32) -> std::time::SystemTime {
+    std::time::UNIX_EPOCH + std::time::Duration::from_secs(u64::from(seconds))
+}
 
 /// Reads the outbox table's inserts from the binary log.
 pub struct BinlogReader {
@@ -546,8 +559,7 @@ impl BinlogReader {
     /// When the server logged the last event of a transaction read (its event header's
     /// timestamp); `None` before any.
     pub fn logged_at(&self) -> Option<std::time::SystemTime> {
-        self.logged_at
-            .map(|s| std::time::UNIX_EPOCH + std::time::Duration::from_secs(u64::from(s)))
+        self.logged_at.map(seconds_since_the_epoch)
     }
 
     /// Whether the server said, by a heartbeat since the last event read, that it has
@@ -1079,6 +1091,7 @@ impl BinlogReader {
                 values,
                 unknown,
                 ordinal: self.rows_read,
+                logged_at: self.logged_at,
             }));
         }
         Ok(())

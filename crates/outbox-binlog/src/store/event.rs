@@ -212,9 +212,11 @@ fn event_of(
         None => Headers::new(),
         Some(text) => headers_from_json_text(text)?,
     };
+    // Without a column of its own, when its transaction was logged (as WAL capture takes
+    // the commit's time): `run --drain` tells the rows written before it began by it.
     let created_at = match get(&mapping.created_at) {
         Some(text) => parse_timestamp(text, true)?,
-        None => SystemTime::now(),
+        None => row.logged_at().unwrap_or_else(SystemTime::now),
     };
     let destination = required(&mapping.destination)?;
     Ok(Event {
@@ -267,6 +269,7 @@ mod tests {
             ],
             unknown,
             ordinal: 1,
+            logged_at: None,
         }
     }
 
@@ -284,6 +287,25 @@ mod tests {
             let reason = captured.event.unwrap_err().reason;
             assert!(reason.contains("not in the row image"), "{reason}");
         }
+    }
+
+    /// Without a `created_at` column, an event was made at its reading: `run --drain` took a
+    /// row written before it began, parked during it, for one written during it.
+    #[test]
+    fn an_event_without_a_creation_column_was_created_when_its_transaction_was_logged() {
+        let mut mapping = Mapping::mysql_outbox_events(None, "outbox_events");
+        mapping.destination = "message".into();
+        mapping.event_type = None;
+        mapping.created_at = None;
+        let logged = Row {
+            logged_at: Some(1_700_000_000),
+            ..row(Some("0"))
+        };
+        let event = decode(&logged, &mapping).unwrap().event.unwrap();
+        assert_eq!(
+            event.created_at,
+            SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1_700_000_000)
+        );
     }
 
     #[test]

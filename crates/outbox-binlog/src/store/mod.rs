@@ -227,14 +227,23 @@ fn values_bytes(values: &[Value]) -> usize {
 }
 
 /// `parks` cut into statements of at most 1,000 rows (14 values a row: far under the 65,535
-/// placeholders a statement may have) and, but for a row alone, `room` bytes of values.
-fn park_statements<'a>(parks: &[&'a ParkRow], room: usize) -> Vec<Vec<&'a ParkRow>> {
+/// placeholders a statement may have) and, but for a row alone, `room` bytes of values and
+/// of text (`text_per_row` a row).
+fn park_statements<'a>(
+    parks: &[&'a ParkRow],
+    room: usize,
+    text_per_row: usize,
+) -> Vec<Vec<&'a ParkRow>> {
     let mut statements: Vec<Vec<&ParkRow>> = Vec::new();
     let mut bytes = 0;
     for park in parks {
         let size = values_bytes(&park.params);
         match statements.last_mut() {
-            Some(last) if last.len() < 1_000 && bytes + size <= room => {
+            Some(last)
+                if last.len() < 1_000
+                    && bytes + size <= room
+                    && (last.len() + 1) * text_per_row <= room =>
+            {
                 last.push(park);
                 bytes += size;
             }
@@ -407,6 +416,12 @@ impl Inner {
     /// Settles held stream rows and passes their ordinals to the reader.
     fn settle(&self, state: &mut State, ids: impl IntoIterator<Item = SequenceId>) {
         state.settle(ids);
+        self.pass_settled(state);
+    }
+
+    /// Tells the reader of the rows settled since it was last told, so that it stores the
+    /// position they allow (claims settle copies unsent too, [`State::accept_outputs`]).
+    fn pass_settled(&self, state: &mut State) {
         if !state.settled.is_empty() {
             let _ = self.settled.send(std::mem::take(&mut state.settled));
         }
@@ -443,12 +458,14 @@ impl Inner {
                             params,
                             row: s.row,
                             copied,
+                            payload_from_table: false,
                         }
                     }
                     _ => ParkRow {
                         params: Vec::new(),
                         row: None,
                         copied: None,
+                        payload_from_table: false,
                     },
                 })
                 .collect();
@@ -538,6 +555,16 @@ impl Inner {
                 Err(e) if outbox_store_mysql::refuses_a_value(&e) => Some(e),
                 Err(e) => return Err(store_error("parking rows", e)),
             };
+            let refused = match refused {
+                Some(e) if outbox_store_mysql::too_large_for_the_server(&e) => {
+                    match self.park_payload_from_table(park, &value, epoch).await? {
+                        Some(true) => None,
+                        Some(false) => return Ok(false),
+                        None => Some(e),
+                    }
+                }
+                other => other,
+            };
             if let Some(refused) = refused {
                 let reason = match refused {
                     mysql_async::Error::Server(e) => e.message,
@@ -557,6 +584,7 @@ impl Inner {
                             params,
                             row: value.row,
                             copied: None,
+                            payload_from_table: false,
                         }
                     };
                     match self.write_parks(std::slice::from_ref(&dead), epoch).await {
@@ -582,6 +610,29 @@ impl Inner {
             *written += 1;
         }
         Ok(true)
+    }
+
+    /// Parks a row too large to send with its payload copied by the server from its outbox
+    /// row: `Some(written)` (`false`: the seat has another epoch), `None` where it cannot
+    /// (no outbox row, an undecodable row, or refused even so), to be dead-lettered.
+    async fn park_payload_from_table(
+        &self,
+        park: &Park,
+        value: &ParkRow,
+        epoch: i64,
+    ) -> StoreResult<Option<bool>> {
+        let copied = match lock(&self.state).holdings.held.get(&park.id) {
+            Some(Held::Stream(s)) => value.payload_from_table(&s.body),
+            _ => None,
+        };
+        let Some(copied) = copied else {
+            return Ok(None);
+        };
+        match self.write_parks(std::slice::from_ref(&copied), epoch).await {
+            Ok(written) => Ok(Some(written)),
+            Err(e) if outbox_store_mysql::refuses_a_value(&e) => Ok(None),
+            Err(e) => Err(store_error("parking rows", e)),
+        }
     }
 
     /// The park's transaction; `false` when the seat has another epoch (nothing written).
@@ -619,11 +670,19 @@ impl Inner {
             }
         }
         // A park whose row is no longer held (settled meanwhile) has nothing to write.
-        let written: Vec<&ParkRow> = parks
+        let (from_table, written): (Vec<&ParkRow>, Vec<&ParkRow>) = parks
             .iter()
             .filter(|p| !p.params.is_empty())
             .filter(|p| !p.copied.as_ref().is_some_and(|d| copied.contains(&d.row)))
-            .collect();
+            .partition(|p| p.payload_from_table);
+        for park in from_table {
+            tx.exec_drop(self.sql.park_copied(), park.params.clone())
+                .await?;
+            if tx.affected_rows() != 1 {
+                // The outbox row is gone: nothing to copy the payload from.
+                return Err(packet_too_large(values_bytes(&park.params), None));
+            }
+        }
         // Statements past the server's max_allowed_packet are cut off mid-send (the server
         // closes the connection: a broken pipe, as a network failure), so they are sized
         // first: a row alone past it is refused as the server would refuse it.
@@ -633,7 +692,10 @@ impl Inner {
                 .unwrap_or(usize::MAX)
                 .saturating_sub(PARK_STATEMENT_SLACK)
         });
-        for chunk in park_statements(&written, room) {
+        // Its text goes in a packet of its own (the statement's preparation), one row's
+        // placeholders more for each row.
+        let text_per_row = self.sql.park(2).len() - self.sql.park(1).len();
+        for chunk in park_statements(&written, room, text_per_row) {
             let params: Vec<Value> = chunk
                 .iter()
                 .flat_map(|p| p.params.iter().cloned())
@@ -918,6 +980,7 @@ impl Inner {
             }
         }
         drop(outputs);
+        self.pass_settled(&mut lock(&self.state));
         let unpark = |keys| self.unpark_keys_locked(keys);
         outbox_core::capture::after_claim(self, unpark, || self.flush_parks()).await;
         Ok(out)
@@ -1022,7 +1085,33 @@ struct ParkRow {
     row: Option<i64>,
     /// For an undecodable row of the table: its dead letter, copied from the table.
     copied: Option<CopiedDeadLetter>,
+    /// The payload is copied from the outbox row `row` by the server
+    /// ([`Statements::park_copied`](sql::Statements::park_copied)), `params` holding the
+    /// rest: a row too large to send.
+    payload_from_table: bool,
 }
+
+impl ParkRow {
+    /// This park with its payload copied by the server from the outbox row, if it has one
+    /// (the table form's) and decoded (an event's payload is at [`PAYLOAD_PARAM`]).
+    fn payload_from_table(&self, body: &Body) -> Option<ParkRow> {
+        let (Body::Event(_), Some(row)) = (body, self.row) else {
+            return None;
+        };
+        let mut params = self.params.clone();
+        params.remove(PAYLOAD_PARAM);
+        params.push(Value::from(row));
+        Some(ParkRow {
+            params,
+            row: self.row,
+            copied: None,
+            payload_from_table: true,
+        })
+    }
+}
+
+/// Where a park's payload is among its values ([`park_values`]).
+const PAYLOAD_PARAM: usize = 4;
 
 /// An undecodable row's dead letter, copied from its outbox row `row` with `error`
 /// ([`Statements::dead_letter_copied`](sql::Statements::dead_letter_copied)).
@@ -1772,6 +1861,33 @@ fn captured_bytes(captured: &Captured) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn park_of(bytes: usize) -> ParkRow {
+        ParkRow {
+            params: vec![Value::Bytes(vec![b'x'; bytes])],
+            row: None,
+            copied: None,
+            payload_from_table: false,
+        }
+    }
+
+    /// Parks go in statements whose values, and whose text, fit the packet; a row too large
+    /// alone is a statement of its own (refused before it is sent).
+    #[test]
+    fn parks_are_cut_into_statements_that_fit_the_packet() {
+        let parks: Vec<ParkRow> = [100, 100, 100, 1_000, 50].map(park_of).into();
+        let parks: Vec<&ParkRow> = parks.iter().collect();
+        let sizes = |statements: Vec<Vec<&ParkRow>>| -> Vec<usize> {
+            statements.iter().map(Vec::len).collect()
+        };
+        assert_eq!(sizes(park_statements(&parks, 10_000, 10)), [5]);
+        // 109 bytes a value: two rows fit in 250.
+        assert_eq!(sizes(park_statements(&parks, 250, 10)), [2, 1, 1, 1]);
+        // The text: 3 rows of 100 bytes' text in 300 (their values 10 bytes each).
+        let small: Vec<ParkRow> = [1; 5].map(park_of).into();
+        let small: Vec<&ParkRow> = small.iter().collect();
+        assert_eq!(sizes(park_statements(&small, 300, 100)), [3, 2]);
+    }
 
     /// The engine's error reports are not bounded, and `last_error` is a `text` (65,535
     /// bytes): a longer one was refused on every try, the park with it.

@@ -16,9 +16,9 @@ const PARK_COLUMNS: &str = "event_id, destination, partition_key, event_type, pa
 
 /// One parked row's values: `available_at` is the later of now plus the delay
 /// (microseconds) and the row's own `not_before`, and `dead_at` is set for a dead letter.
-const PARK_VALUES: &str = "(?, ?, ?, ?, ?, ?, ?, ?, ?, \
+const PARK_VALUES: &str = "?, ?, ?, ?, ?, ?, ?, ?, ?, \
      GREATEST(NOW(6) + INTERVAL ? MICROSECOND, COALESCE(CAST(? AS DATETIME(6)), NOW(6))), \
-     ?, ?, IF(?, NOW(6), NULL))";
+     ?, ?, IF(?, NOW(6), NULL)";
 
 /// The values one parked row binds.
 pub(super) const PARK_PARAMS: usize = 14;
@@ -80,11 +80,27 @@ impl Statements {
     /// claims, follow it). An event parked before (read again after a restart) keeps its
     /// row.
     pub(super) fn park(&self, rows: usize) -> String {
-        let values = vec![PARK_VALUES; rows].join(", ");
+        let values = vec![format!("({PARK_VALUES})"); rows].join(", ");
         format!(
             "INSERT INTO {parked} ({PARK_COLUMNS}) VALUES {values}
              ON DUPLICATE KEY UPDATE sequence_id = sequence_id",
             parked = self.parked
+        )
+    }
+
+    /// A park ([`Statements::park`]) of one row whose payload the server copies from the
+    /// outbox row itself, for a row too large to send (past the server's
+    /// max_allowed_packet): the park's values but the payload, then the outbox row's id. No
+    /// row (deleted meanwhile) inserts nothing.
+    pub(super) fn park_copied(&self) -> String {
+        let id = self.source.column(&self.source.mapping.id);
+        let payload = self.source.column(&self.source.mapping.payload);
+        let values = PARK_VALUES.replacen("?, ?, ?, ?, ?,", &format!("?, ?, ?, ?, {payload},"), 1);
+        format!(
+            "INSERT INTO {parked} ({PARK_COLUMNS}) SELECT {values} FROM {outbox} o WHERE {id} = ?
+             ON DUPLICATE KEY UPDATE {parked}.sequence_id = {parked}.sequence_id",
+            parked = self.parked,
+            outbox = self.outbox,
         )
     }
 
@@ -323,6 +339,16 @@ struct MappedRow {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_copied_park_binds_the_parks_values_but_the_payload_and_then_the_row() {
+        let native = Mapping::native_mysql(None, "outbox", false);
+        let sql = Statements::new(&native, "db", "db.outbox_parked", "db.outbox_binlog").unwrap();
+        let copied = sql.park_copied();
+        assert_eq!(copied.matches('?').count(), PARK_PARAMS);
+        assert!(copied.contains("?, ?, ?, ?, o.`payload`, ?"), "{copied}");
+        assert_eq!(copied.matches('(').count(), copied.matches(')').count());
+    }
 
     #[test]
     fn a_park_binds_its_values_row_by_row_in_order() {

@@ -7,7 +7,7 @@
 //! (`outbox_core::capture`), over the binary log's places: a row's place is its session and
 //! its ordinal in that session's reading.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -193,12 +193,13 @@ pub(super) struct State {
     /// Settled stream rows, for the reader: it stores the position those of its session
     /// allow, and settles unsent those of ended sessions that it reads again.
     pub(super) settled: Vec<SettledRow>,
-    /// Rows settled while the reader read another session than theirs (after a break): the
-    /// reader settles unsent what it reads of them once it is told, but a copy it read
-    /// before that waits for a claim, and is settled unsent then. (Handed out, it went out
-    /// after later rows of its key still with the engine.) Few: the rows in flight at a
-    /// break; at most [`State::SETTLED_EARLIER_MOST`].
-    settled_earlier: HashSet<RowIdentity>,
+    /// Rows settled while the reader read a later session than theirs (after a break), by
+    /// the session it read then: it settles unsent what it reads of them once it is told,
+    /// but a copy that session read before that waits for a claim, and is settled unsent
+    /// then. (Handed out, it went out after later rows of its key still with the engine.)
+    /// A later session is told before it reads: its announcement lets them go. Few: the
+    /// rows in flight at a break; at most [`State::SETTLED_EARLIER_MOST`].
+    settled_earlier: HashMap<RowIdentity, u64>,
     /// The session the reader reads now (0 between sessions), which it sets before it
     /// announces one: claims learn of a new session only when they take its announcement.
     reading: Arc<LiveSession>,
@@ -224,7 +225,7 @@ impl State {
             unaccepted: VecDeque::new(),
             holdings: Holdings::default(),
             settled: Vec::new(),
-            settled_earlier: HashSet::new(),
+            settled_earlier: HashMap::new(),
             reading: Arc::default(),
             drained: false,
             dead_by_capture: 0,
@@ -295,7 +296,9 @@ impl State {
             identity,
         } = *captured;
         let id = row.unwrap_or_else(|| stream_id(self.followed.session, ordinal));
-        if let Some(identity) = identity.filter(|i| self.settled_earlier.contains(i)) {
+        let read_by_this_session =
+            |i: &RowIdentity| self.settled_earlier.get(i) == Some(&self.followed.session);
+        if let Some(identity) = identity.filter(read_by_this_session) {
             if !self.holdings.held.contains_key(&id) {
                 self.settled_earlier.remove(&identity);
                 self.settled.push(SettledRow {
@@ -370,11 +373,14 @@ impl State {
     pub(super) fn settle(&mut self, ids: impl IntoIterator<Item = SequenceId>) {
         for id in ids {
             if let Some(s) = self.holdings.remove_stream(id) {
-                if s.session != self.reading.get() {
+                let reading = self.reading.get();
+                if reading > s.session {
                     if self.settled_earlier.len() >= Self::SETTLED_EARLIER_MOST {
                         self.settled_earlier.clear();
                     }
-                    self.settled_earlier.extend(s.identity);
+                    if let Some(identity) = s.identity {
+                        self.settled_earlier.insert(identity, reading);
+                    }
                 }
                 self.settled.push(SettledRow {
                     session: s.session,
@@ -493,6 +499,8 @@ impl capture::Sessions for State {
                 self.drained = false;
                 self.epoch = epoch;
                 self.settled.clear();
+                self.settled_earlier
+                    .retain(|_, read_by| *read_by >= session);
                 self.holdings.load_parked_keys(parked_keys);
             }
             _ if self.followed.ended => {}
@@ -805,6 +813,7 @@ mod tests {
         );
         state.queue_parks([Park::behind_its_key(2)]);
         state.accept(row(3, "c", 3));
+        state.reading.set(2);
         state.accept(session(2, &[]));
         assert!(state.holdings.to_park.is_empty() && state.unaccepted.is_empty());
         assert!(
@@ -918,6 +927,12 @@ mod tests {
             "the copy's ordinal passed to the reader"
         );
         assert!(!state.holdings.held.contains_key(&10));
+        // A later session's reader is told before it reads: the state lets go of 10 at its
+        // announcement (a row read again then is the reader's to settle).
+        state.reading.set(3);
+        let mut items = vec![session(3, &[])];
+        items.extend(transactions(&[(10, "k")]));
+        assert_eq!(claim(&mut state, items), [10]);
     }
 
     #[test]
