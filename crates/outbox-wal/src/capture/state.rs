@@ -950,6 +950,40 @@ mod tests {
     }
 
     #[test]
+    fn settled_positions_are_let_go_once_the_server_was_told_past_them() {
+        let mut state = State::new();
+        state.accept(session(1, &[]));
+        let n = 5 * SettledPositions::CUT_EVERY;
+        let keys: Vec<String> = (0..n).map(|i| format!("o{i}")).collect();
+        let events: Vec<(SequenceId, &str, u64)> = keys
+            .iter()
+            .enumerate()
+            .map(|(i, key)| (1 + i as SequenceId, key.as_str(), 1_000 + 10 * i as u64))
+            .collect();
+        let memory = MemoryBudget::new(usize::MAX);
+        state.accept(Item::Outputs(charged(transactions(&events), &memory)));
+        let mut handed = Vec::new();
+        loop {
+            let mut out = Vec::new();
+            state.accept_outputs(&mut out, 1_000, 10_000);
+            if out.is_empty() {
+                break;
+            }
+            handed.extend(out.iter().map(Claimed::sequence_id));
+        }
+        // Told as the slot is confirmed: past every event settled so far.
+        for id in handed {
+            state.settle([id]);
+            state.told.set(state.acks.confirmable());
+        }
+        assert!(
+            state.settled.settled.len() <= 2 * SettledPositions::CUT_EVERY,
+            "{} kept",
+            state.settled.settled.len()
+        );
+    }
+
+    #[test]
     fn the_slot_is_never_confirmed_past_an_unsettled_event() {
         let mut state = State::new();
         state.accept(session(1, &[]));
