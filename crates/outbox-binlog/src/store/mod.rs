@@ -630,7 +630,13 @@ impl Inner {
         };
         match self.write_parks(std::slice::from_ref(&copied), epoch).await {
             Ok(written) => Ok(Some(written)),
-            Err(e) if outbox_store_mysql::refuses_a_value(&e) => Ok(None),
+            // Whatever the server refuses of the copy (a payload the parked table's JSON
+            // column takes only as bound text: a binary column's bytes), the dead letter
+            // goes instead, as for a copied dead letter.
+            Err(e @ mysql_async::Error::Server(_)) => {
+                tracing::debug!(error = %e, "a park copied from the table was refused");
+                Ok(None)
+            }
             Err(e) => Err(store_error("parking rows", e)),
         }
     }
@@ -675,14 +681,6 @@ impl Inner {
             .filter(|p| !p.params.is_empty())
             .filter(|p| !p.copied.as_ref().is_some_and(|d| copied.contains(&d.row)))
             .partition(|p| p.payload_from_table);
-        for park in from_table {
-            tx.exec_drop(self.sql.park_copied(), park.params.clone())
-                .await?;
-            if tx.affected_rows() != 1 {
-                // The outbox row is gone: nothing to copy the payload from.
-                return Err(packet_too_large(values_bytes(&park.params), None));
-            }
-        }
         // Statements past the server's max_allowed_packet are cut off mid-send (the server
         // closes the connection: a broken pipe, as a network failure), so they are sized
         // first: a row alone past it is refused as the server would refuse it.
@@ -692,6 +690,24 @@ impl Inner {
                 .unwrap_or(usize::MAX)
                 .saturating_sub(PARK_STATEMENT_SLACK)
         });
+        for park in from_table {
+            // Its other values (headers) may be past the limit too.
+            if values_bytes(&park.params) > room {
+                return Err(packet_too_large(values_bytes(&park.params), packet));
+            }
+            tx.exec_drop(self.sql.park_copied(), park.params.clone())
+                .await?;
+            if tx.affected_rows() == 0 {
+                // Parked already (an earlier try committed, its answer lost: the key is on
+                // the duplicate event id), or the outbox row is gone, with nothing to copy.
+                let parked: Option<u64> = tx
+                    .exec_first(self.sql.parked_event(), (park.params[0].clone(),))
+                    .await?;
+                if parked.is_none() {
+                    return Err(packet_too_large(values_bytes(&park.params), packet));
+                }
+            }
+        }
         // Its text goes in a packet of its own (the statement's preparation), one row's
         // placeholders more for each row.
         let text_per_row = self.sql.park(2).len() - self.sql.park(1).len();

@@ -104,6 +104,11 @@ impl Statements {
         )
     }
 
+    /// ? an event id: 1 if the parked table has it.
+    pub(super) fn parked_event(&self) -> String {
+        format!("SELECT 1 FROM {} WHERE event_id = ?", self.parked)
+    }
+
     /// $1 the outbox's name in the positions table: the seat's epoch, read under a shared
     /// lock so that no standby takes the seat until the park commits.
     pub(super) fn seat_epoch(&self) -> String {

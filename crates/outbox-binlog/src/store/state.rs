@@ -296,8 +296,13 @@ impl State {
             identity,
         } = *captured;
         let id = row.unwrap_or_else(|| stream_id(self.followed.session, ordinal));
-        let read_by_this_session =
-            |i: &RowIdentity| self.settled_earlier.get(i) == Some(&self.followed.session);
+        // Settled while the reader read this session or a later one (it may have moved on
+        // while this claim held the state): the copy is of a row settled before it.
+        let read_by_this_session = |i: &RowIdentity| {
+            self.settled_earlier
+                .get(i)
+                .is_some_and(|read_by| *read_by >= self.followed.session)
+        };
         if let Some(identity) = identity.filter(read_by_this_session) {
             if !self.holdings.held.contains_key(&id) {
                 self.settled_earlier.remove(&identity);
@@ -933,6 +938,29 @@ mod tests {
         let mut items = vec![session(3, &[])];
         items.extend(transactions(&[(10, "k")]));
         assert_eq!(claim(&mut state, items), [10]);
+    }
+
+    /// As above, the reader moved on to session 3 when 10 was confirmed, while claims still
+    /// followed session 2 (a claim held the state): session 2's copy is settled unsent too.
+    #[test]
+    fn a_copy_of_a_session_the_reader_left_is_settled_unsent_too() {
+        let mut state = State::new(false);
+        state.accept(session(1, &[]));
+        assert_eq!(
+            claim(&mut state, transactions(&[(10, "k"), (11, "k")])),
+            [10, 11]
+        );
+        state.reading.set(2);
+        state.accept(session(2, &[]));
+        for item in transactions(&[(10, "k"), (11, "k")]) {
+            state.accept(item);
+        }
+        state.reading.set(3);
+        state.settle([10]);
+        let mut out = Vec::new();
+        state.accept_outputs(&mut out, 100);
+        let handed: Vec<SequenceId> = out.iter().map(Claimed::sequence_id).collect();
+        assert_eq!(handed, [11], "10 settled unsent");
     }
 
     #[test]

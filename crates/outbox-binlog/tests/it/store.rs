@@ -703,6 +703,57 @@ async fn a_row_larger_than_a_lowered_max_allowed_packet_is_claimed_and_delivered
     relay.stop().await;
 }
 
+/// As [`a_row_too_large_to_send_is_parked_by_the_server_and_delivered`], the row's headers
+/// too large this time: the park with its payload copied from the table still sent them, and
+/// was cut off mid-send at every try. It is dead-lettered without them, naming the limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_whose_headers_are_too_large_to_send_is_dead_lettered_not_blocking_every_claim() {
+    let (_server, url, mut admin) =
+        crate::mariadb::private_mariadb(&[("MARIADB_SERVER_ID", "11")]).await;
+    admin.query_drop("CREATE DATABASE shop").await.unwrap();
+    let fixture = Fixture::at(url, |database| {
+        outbox_binlog::parked_ddl(database, "outbox_parked")
+    })
+    .await;
+    let publisher = RecordingPublisher::new();
+    publisher.fail("Flaky", 1, PublishErrorKind::Unavailable);
+    // The application's session, opened before the limit is lowered, keeps the old one.
+    let mut application = fixture.db.get_conn().await.unwrap();
+    admin
+        .query_drop("SET GLOBAL max_allowed_packet = 512 * 1024")
+        .await
+        .unwrap();
+    let relay = Relay::reading(fixture.options("relay-1"), &publisher).await;
+    application
+        .exec_drop(
+            "INSERT INTO outbox (destination, partition_key, event_type, payload, headers)
+             VALUES ('orders', 'big', 'Flaky', JSON_OBJECT('n', 1), JSON_OBJECT('h', ?))",
+            ("x".repeat(600 * 1024),),
+        )
+        .await
+        .unwrap();
+    eventually("the row dead-lettered", PATIENCE, || async {
+        (fixture.dead_letters().await == 1).then_some(())
+    })
+    .await;
+    let error: String = fixture
+        .db
+        .get_conn()
+        .await
+        .unwrap()
+        .query_first("SELECT last_error FROM outbox_parked WHERE dead_at IS NOT NULL")
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(error.contains("max_allowed_packet"), "{error}");
+    fixture.insert("k", "T", 2).await;
+    eventually("another key's row delivered", PATIENCE, || async {
+        (delivered_n(&publisher, "k") == [2]).then_some(())
+    })
+    .await;
+    relay.stop().await;
+}
+
 /// A row that must wait (its first publish failed) but is larger than the server's
 /// `max_allowed_packet`, lowered after it was written: its park was cut off mid-send (the
 /// server closes the connection: a broken pipe) at every try, and every claim tried it
