@@ -1156,13 +1156,7 @@ pub async fn engine_retry_blocks_only_its_key(h: &dyn Harness) {
 /// released it, and another node sent it again while the first copy could still land,
 /// after the key's next event (a1', a2, a1).
 pub async fn engine_shutdown_keeps_the_lease_of_an_event_still_publishing(h: &dyn Harness) {
-    let store = h.store();
-    store
-        .insert(vec![event("d", Some("a"), "held", 0)])
-        .await
-        .unwrap();
-    let publisher = RecordingPublisher::new();
-    publisher.hold("held");
+    let (store, publisher) = a_row_held_by_the_sink(h).await;
     let mut config = engine_config(false);
     config.settings.shutdown_timeout = Duration::from_millis(500);
     let (engine, stop_tx) = spawn_engine(store.clone(), &publisher, config);
@@ -1300,12 +1294,9 @@ pub async fn engine_drain_ends_when_every_claim_keeps_failing(h: &dyn Harness) {
     assert_eq!(summary.published, 1);
 }
 
-/// A row inserted while a drain runs is the next run's, even once its publish failed: the
-/// drain ends clean, counting it as arrived (it exited 1 for it, as for a failed row of its
-/// own, leaving a job that waits on the drain failed by traffic it was never asked to relay).
-pub async fn engine_drain_leaves_a_failed_row_that_arrived_during_it_to_the_next_run(
-    h: &dyn Harness,
-) {
+/// The harness's store with one row of key a, type `held`, and a publisher that holds that
+/// type in flight until released.
+async fn a_row_held_by_the_sink(h: &dyn Harness) -> (Arc<dyn OutboxStore>, RecordingPublisher) {
     let store = h.store();
     store
         .insert(vec![event("d", Some("a"), "held", 0)])
@@ -1313,6 +1304,16 @@ pub async fn engine_drain_leaves_a_failed_row_that_arrived_during_it_to_the_next
         .unwrap();
     let publisher = RecordingPublisher::new();
     publisher.hold("held");
+    (store, publisher)
+}
+
+/// A row inserted while a drain runs is the next run's, even once its publish failed: the
+/// drain ends clean, counting it as arrived (it exited 1 for it, as for a failed row of its
+/// own, leaving a job that waits on the drain failed by traffic it was never asked to relay).
+pub async fn engine_drain_leaves_a_failed_row_that_arrived_during_it_to_the_next_run(
+    h: &dyn Harness,
+) {
+    let (store, publisher) = a_row_held_by_the_sink(h).await;
     publisher.fail("late", 1, PublishErrorKind::Unavailable);
     let mut config = engine_config(true);
     // The late row's retry comes after the drain has ended.

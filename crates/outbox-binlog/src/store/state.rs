@@ -907,18 +907,24 @@ mod tests {
         assert_eq!(parked(&state.holdings.take_parks()), [10, 11], "log order");
     }
 
-    /// Row 10 of key k is with the engine, 11 behind it, when the session breaks; the new
-    /// one reads both again, and 10 is confirmed before a claim takes the copies: the copy
-    /// of 10 is settled unsent (handed out, it went out after 11), the copy of 11 handed
-    /// out.
-    #[test]
-    fn a_copy_read_before_its_row_was_settled_is_settled_unsent() {
+    /// Session 1 has handed out rows 10 and 11 of key k.
+    fn rows_10_and_11_handed_out() -> State {
         let mut state = State::new(false);
         state.accept(session(1, &[]));
         assert_eq!(
             claim(&mut state, transactions(&[(10, "k"), (11, "k")])),
             [10, 11]
         );
+        state
+    }
+
+    /// Row 10 of key k is with the engine, 11 behind it, when the session breaks; the new
+    /// one reads both again, and 10 is confirmed before a claim takes the copies: the copy
+    /// of 10 is settled unsent (handed out, it went out after 11), the copy of 11 handed
+    /// out.
+    #[test]
+    fn a_copy_read_before_its_row_was_settled_is_settled_unsent() {
+        let mut state = rows_10_and_11_handed_out();
         // The reader reads session 2 (no claim has taken its announcement yet) when the
         // engine confirms 10.
         state.reading.set(2);
@@ -944,12 +950,7 @@ mod tests {
     /// followed session 2 (a claim held the state): session 2's copy is settled unsent too.
     #[test]
     fn a_copy_of_a_session_the_reader_left_is_settled_unsent_too() {
-        let mut state = State::new(false);
-        state.accept(session(1, &[]));
-        assert_eq!(
-            claim(&mut state, transactions(&[(10, "k"), (11, "k")])),
-            [10, 11]
-        );
+        let mut state = rows_10_and_11_handed_out();
         state.reading.set(2);
         state.accept(session(2, &[]));
         for item in transactions(&[(10, "k"), (11, "k")]) {

@@ -128,14 +128,29 @@ impl Fixture {
             .unwrap()
     }
 
-    async fn kill(&self, thread: u64) {
+    /// Ends the binlog session (its dump thread killed), and waits for the next to have sent
+    /// everything the log holds.
+    async fn break_the_session(&self) {
+        let killed = self.dump_threads().await;
+        assert_eq!(killed.len(), 1, "one reader");
         self.db
             .get_conn()
             .await
             .unwrap()
-            .query_drop(format!("KILL {thread}"))
+            .query_drop(format!("KILL {}", killed[0].0))
             .await
             .unwrap();
+        eventually("a new session that sent all it has", PATIENCE, || async {
+            let now = self.dump_threads().await;
+            (now.len() == 1
+                && now[0].0 != killed[0].0
+                && now[0]
+                    .1
+                    .as_deref()
+                    .is_some_and(|s| s.contains("has sent all")))
+            .then_some(())
+        })
+        .await;
     }
 
     /// The dead letters in the parked table.
@@ -562,6 +577,33 @@ async fn a_row_settled_before_a_session_break_is_not_sent_again() {
     relay.stop().await;
 }
 
+/// A relay whose engine holds at most `max_in_flight` rows, its sink holding type `T`, with
+/// rows `1..=rows` of key k written and row 1 with the sink.
+async fn full_relay_with_row_1_held(
+    fixture: &Fixture,
+    publisher: &RecordingPublisher,
+    max_in_flight: usize,
+    rows: i64,
+) -> Relay {
+    publisher.hold("T");
+    let relay = Relay::configured(
+        fixture.options("relay-1"),
+        publisher,
+        Duration::from_millis(50),
+        |config| config.settings.max_in_flight = max_in_flight,
+    )
+    .await;
+    until_reading(&relay.store).await;
+    for n in 1..=rows {
+        fixture.insert("k", "T", n).await;
+    }
+    eventually("row 1 with the sink", PATIENCE, || async {
+        (publisher.holding() == 1).then_some(())
+    })
+    .await;
+    relay
+}
+
 /// Rows 1 and 2 of key k are with the engine, which is full (2 in flight), when the session
 /// breaks; the new session reads both again while no claim takes them, and then row 1 is
 /// confirmed. Its copy, read before the reader was told, was handed out at the next claim
@@ -570,36 +612,9 @@ async fn a_row_settled_before_a_session_break_is_not_sent_again() {
 async fn a_row_confirmed_after_a_new_session_read_it_again_is_not_sent_again() {
     let fixture = Fixture::new().await;
     let publisher = RecordingPublisher::new();
-    publisher.hold("T");
-    let relay = Relay::configured(
-        fixture.options("relay-1"),
-        &publisher,
-        Duration::from_millis(50),
-        |config| config.settings.max_in_flight = 2,
-    )
-    .await;
-    until_reading(&relay.store).await;
-    fixture.insert("k", "T", 1).await;
-    fixture.insert("k", "T", 2).await;
-    eventually("row 1 with the sink", PATIENCE, || async {
-        (publisher.holding() == 1).then_some(())
-    })
-    .await;
-    let killed = fixture.dump_threads().await;
-    assert_eq!(killed.len(), 1, "one reader");
-    fixture.kill(killed[0].0).await;
-    // The new session has sent everything: the copies of rows 1 and 2 wait for a claim.
-    eventually("a new session that sent all it has", PATIENCE, || async {
-        let now = fixture.dump_threads().await;
-        (now.len() == 1
-            && now[0].0 != killed[0].0
-            && now[0]
-                .1
-                .as_deref()
-                .is_some_and(|s| s.contains("has sent all")))
-        .then_some(())
-    })
-    .await;
+    let relay = full_relay_with_row_1_held(&fixture, &publisher, 2, 2).await;
+    // The copies of rows 1 and 2 wait for a claim.
+    fixture.break_the_session().await;
     publisher.release("T");
     eventually("rows 1 and 2 delivered", PATIENCE, || async {
         (delivered_n(&publisher, "k").len() >= 2).then_some(())
@@ -623,34 +638,8 @@ async fn a_row_confirmed_after_a_new_session_read_it_again_is_not_sent_again() {
 async fn a_copy_settled_unsent_by_a_claim_lets_the_stored_position_pass_it() {
     let fixture = Fixture::new().await;
     let publisher = RecordingPublisher::new();
-    publisher.hold("T");
-    let relay = Relay::configured(
-        fixture.options("relay-1"),
-        &publisher,
-        Duration::from_millis(50),
-        |config| config.settings.max_in_flight = 1,
-    )
-    .await;
-    until_reading(&relay.store).await;
-    fixture.insert("k", "T", 1).await;
-    eventually("row 1 with the sink", PATIENCE, || async {
-        (publisher.holding() == 1).then_some(())
-    })
-    .await;
-    let killed = fixture.dump_threads().await;
-    assert_eq!(killed.len(), 1, "one reader");
-    fixture.kill(killed[0].0).await;
-    eventually("a new session that sent all it has", PATIENCE, || async {
-        let now = fixture.dump_threads().await;
-        (now.len() == 1
-            && now[0].0 != killed[0].0
-            && now[0]
-                .1
-                .as_deref()
-                .is_some_and(|s| s.contains("has sent all")))
-        .then_some(())
-    })
-    .await;
+    let relay = full_relay_with_row_1_held(&fixture, &publisher, 1, 1).await;
+    fixture.break_the_session().await;
     publisher.release("T");
     eventually("row 1 delivered and deleted", PATIENCE, || async {
         (delivered_n(&publisher, "k") == [1] && fixture.count("outbox").await == 0).then_some(())
@@ -703,26 +692,44 @@ async fn a_row_larger_than_a_lowered_max_allowed_packet_is_claimed_and_delivered
     relay.stop().await;
 }
 
-/// As [`a_row_too_large_to_send_is_parked_by_the_server_and_delivered`], the row's headers
-/// too large this time: the park with its payload copied from the table still sent them, and
-/// was cut off mid-send at every try. It is dead-lettered without them, naming the limit.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_row_whose_headers_are_too_large_to_send_is_dead_lettered_not_blocking_every_claim() {
-    let (_server, url, mut admin) =
-        crate::mariadb::private_mariadb(&[("MARIADB_SERVER_ID", "11")]).await;
+/// A row of another key, written now, is delivered.
+async fn another_key_flows(fixture: &Fixture, publisher: &RecordingPublisher) {
+    fixture.insert("k", "T", 2).await;
+    eventually("another key's row delivered", PATIENCE, || async {
+        (delivered_n(publisher, "k") == [2]).then_some(())
+    })
+    .await;
+}
+
+/// A private MariaDB with the relay's tables in database `shop`, its `max_allowed_packet`
+/// lowered to 512 KiB after the application's connection (returned) was opened, which keeps
+/// the old limit and so can write rows larger than the new one.
+async fn lowered_packet_limit(
+    server_id: &str,
+) -> (outbox_testkit::server::ScriptedServer, Fixture, Conn) {
+    let (server, url, mut admin) =
+        crate::mariadb::private_mariadb(&[("MARIADB_SERVER_ID", server_id)]).await;
     admin.query_drop("CREATE DATABASE shop").await.unwrap();
     let fixture = Fixture::at(url, |database| {
         outbox_binlog::parked_ddl(database, "outbox_parked")
     })
     .await;
-    let publisher = RecordingPublisher::new();
-    publisher.fail("Flaky", 1, PublishErrorKind::Unavailable);
-    // The application's session, opened before the limit is lowered, keeps the old one.
-    let mut application = fixture.db.get_conn().await.unwrap();
+    let application = fixture.db.get_conn().await.unwrap();
     admin
         .query_drop("SET GLOBAL max_allowed_packet = 512 * 1024")
         .await
         .unwrap();
+    (server, fixture, application)
+}
+
+/// As [`a_row_too_large_to_send_is_parked_by_the_server_and_delivered`], the row's headers
+/// too large this time: the park with its payload copied from the table still sent them, and
+/// was cut off mid-send at every try. It is dead-lettered without them, naming the limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_whose_headers_are_too_large_to_send_is_dead_lettered_not_blocking_every_claim() {
+    let (_server, fixture, mut application) = lowered_packet_limit("11").await;
+    let publisher = RecordingPublisher::new();
+    publisher.fail("Flaky", 1, PublishErrorKind::Unavailable);
     let relay = Relay::reading(fixture.options("relay-1"), &publisher).await;
     application
         .exec_drop(
@@ -746,11 +753,7 @@ async fn a_row_whose_headers_are_too_large_to_send_is_dead_lettered_not_blocking
         .unwrap()
         .unwrap();
     assert!(error.contains("max_allowed_packet"), "{error}");
-    fixture.insert("k", "T", 2).await;
-    eventually("another key's row delivered", PATIENCE, || async {
-        (delivered_n(&publisher, "k") == [2]).then_some(())
-    })
-    .await;
+    another_key_flows(&fixture, &publisher).await;
     relay.stop().await;
 }
 
@@ -761,21 +764,9 @@ async fn a_row_whose_headers_are_too_large_to_send_is_dead_lettered_not_blocking
 /// park; it is delivered at its retry, and the other keys flow.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_row_too_large_to_send_is_parked_by_the_server_and_delivered() {
-    let (_server, url, mut admin) =
-        crate::mariadb::private_mariadb(&[("MARIADB_SERVER_ID", "9")]).await;
-    admin.query_drop("CREATE DATABASE shop").await.unwrap();
-    let fixture = Fixture::at(url, |database| {
-        outbox_binlog::parked_ddl(database, "outbox_parked")
-    })
-    .await;
+    let (_server, fixture, mut application) = lowered_packet_limit("9").await;
     let publisher = RecordingPublisher::new();
     publisher.fail("Flaky", 1, PublishErrorKind::Unavailable);
-    // The application's session, opened before the limit is lowered, keeps the old one.
-    let mut application = fixture.db.get_conn().await.unwrap();
-    admin
-        .query_drop("SET GLOBAL max_allowed_packet = 512 * 1024")
-        .await
-        .unwrap();
     let relay = Relay::reading(fixture.options("relay-1"), &publisher).await;
     application
         .exec_drop(
@@ -796,11 +787,7 @@ async fn a_row_too_large_to_send_is_parked_by_the_server_and_delivered() {
         .unwrap();
     assert!(big.payload.len() > 900 * 1024, "the whole payload");
     assert_eq!(fixture.dead_letters().await, 0);
-    fixture.insert("k", "T", 2).await;
-    eventually("another key's row delivered", PATIENCE, || async {
-        (delivered_n(&publisher, "k") == [2]).then_some(())
-    })
-    .await;
+    another_key_flows(&fixture, &publisher).await;
     relay.stop().await;
 }
 

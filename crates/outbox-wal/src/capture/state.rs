@@ -914,6 +914,32 @@ mod tests {
         assert_eq!(claim(&mut state, transactions(&[(7, "k", 200)])), [7]);
     }
 
+    /// Hands out `n` single-event transactions, each of a key of its own, ids from `first`
+    /// and positions from 1,000; returns their ids.
+    fn hand_out_events_of_other_keys(
+        state: &mut State,
+        n: usize,
+        first: SequenceId,
+    ) -> Vec<SequenceId> {
+        let keys: Vec<String> = (0..n).map(|i| format!("o{i}")).collect();
+        let events: Vec<(SequenceId, &str, u64)> = keys
+            .iter()
+            .enumerate()
+            .map(|(i, key)| (first + i as SequenceId, key.as_str(), 1_000 + 10 * i as u64))
+            .collect();
+        let memory = MemoryBudget::new(usize::MAX);
+        state.accept(Item::Outputs(charged(transactions(&events), &memory)));
+        let mut handed = Vec::new();
+        loop {
+            let mut out = Vec::new();
+            state.accept_outputs(&mut out, 1_000, 10_000);
+            if out.is_empty() {
+                return handed;
+            }
+            handed.extend(out.iter().map(Claimed::sequence_id));
+        }
+    }
+
     #[test]
     fn a_settled_event_is_remembered_until_the_server_was_told_past_it() {
         // Event 1 of key k is settled and 2 is still with the engine when more than two
@@ -925,25 +951,9 @@ mod tests {
         let both = || transactions(&[(1, "k", 200), (2, "k", 300)]);
         assert_eq!(claim(&mut state, both()), [1, 2]);
         state.settle([1]);
-        let others: Vec<(SequenceId, String, u64)> = (0..2 * SettledPositions::CUT_EVERY + 1)
-            .map(|i| (10 + i as SequenceId, format!("o{i}"), 1_000 + 10 * i as u64))
-            .collect();
-        let outputs: Vec<(SequenceId, &str, u64)> = others
-            .iter()
-            .map(|(id, key, lsn)| (*id, key.as_str(), *lsn))
-            .collect();
-        let memory = MemoryBudget::new(usize::MAX);
-        state.accept(Item::Outputs(charged(transactions(&outputs), &memory)));
-        let mut handed = Vec::new();
-        loop {
-            let mut out = Vec::new();
-            state.accept_outputs(&mut out, 1_000, 10_000);
-            if out.is_empty() {
-                break;
-            }
-            handed.extend(out.iter().map(Claimed::sequence_id));
-        }
-        assert_eq!(handed.len(), others.len());
+        let n = 2 * SettledPositions::CUT_EVERY + 1;
+        let handed = hand_out_events_of_other_keys(&mut state, n, 10);
+        assert_eq!(handed.len(), n);
         state.settle(handed);
         state.accept(session(2, &[]));
         assert_eq!(claim(&mut state, both()), [2], "1 settled unsent");
@@ -953,24 +963,7 @@ mod tests {
     fn settled_positions_are_let_go_once_the_server_was_told_past_them() {
         let mut state = State::new();
         state.accept(session(1, &[]));
-        let n = 5 * SettledPositions::CUT_EVERY;
-        let keys: Vec<String> = (0..n).map(|i| format!("o{i}")).collect();
-        let events: Vec<(SequenceId, &str, u64)> = keys
-            .iter()
-            .enumerate()
-            .map(|(i, key)| (1 + i as SequenceId, key.as_str(), 1_000 + 10 * i as u64))
-            .collect();
-        let memory = MemoryBudget::new(usize::MAX);
-        state.accept(Item::Outputs(charged(transactions(&events), &memory)));
-        let mut handed = Vec::new();
-        loop {
-            let mut out = Vec::new();
-            state.accept_outputs(&mut out, 1_000, 10_000);
-            if out.is_empty() {
-                break;
-            }
-            handed.extend(out.iter().map(Claimed::sequence_id));
-        }
+        let handed = hand_out_events_of_other_keys(&mut state, 5 * SettledPositions::CUT_EVERY, 1);
         // Told as the slot is confirmed: past every event settled so far.
         for id in handed {
             state.settle([id]);
