@@ -290,8 +290,11 @@ stop_rabbitmq() {
     # again while the old one still held its distribution port failed (nodistribution).
     local pid_file=$STATE/rabbitmq/rabbit.pid
     if grep -qE '^[0-9]+$' "$pid_file" 2>/dev/null; then
+      local pid
+      pid=$(cat "$pid_file")
       timeout 60 /usr/lib/rabbitmq/bin/rabbitmqctl -q stop "$pid_file" >/dev/null 2>&1 || true
-      kill -9 "$(cat "$pid_file")" 2>/dev/null || true
+      # The node removes its pid file as it stops: the one read before is the one to end.
+      kill -9 "$pid" 2>/dev/null || true
     else
       /usr/lib/rabbitmq/bin/rabbitmqctl -q stop >/dev/null 2>&1 || true
     fi
