@@ -147,6 +147,11 @@ impl Capture {
         self.reader.read_to()
     }
 
+    /// See [`BinlogReader::set_silence`].
+    pub fn set_silence(&mut self, silence: std::time::Duration) {
+        self.reader.set_silence(silence);
+    }
+
     /// When the server logged the last transaction event read
     /// ([`BinlogReader::logged_at`]).
     pub fn logged_at(&self) -> Option<std::time::SystemTime> {

@@ -243,6 +243,8 @@ pub struct BinlogReader {
     asked_at: Option<tokio::time::Instant>,
     /// When the server last sent anything, heartbeats included ([`BINLOG_SILENCE`]).
     heard_at: tokio::time::Instant,
+    /// How long it waits in silence ([`BINLOG_SILENCE`] unless told otherwise).
+    silence: std::time::Duration,
     /// Where reading started (a GTID start's file is empty), for an error that says so.
     started_at: BinlogPosition,
     /// The GTID state reading started after, if it did.
@@ -539,6 +541,7 @@ impl BinlogReader {
             read_any: false,
             asked_at: None,
             heard_at: tokio::time::Instant::now(),
+            silence: BINLOG_SILENCE,
             rows_in_transaction: 0,
             rows_read: 0,
             pending: Default::default(),
@@ -554,6 +557,13 @@ impl BinlogReader {
             caught_up: false,
             mariadb: false,
         }
+    }
+
+    /// Waits `silence` with nothing from the server before taking the connection for dead
+    /// ([`BINLOG_SILENCE`] by default): an event arrives whole or not at all, and a large one
+    /// over a slow link can take longer.
+    pub fn set_silence(&mut self, silence: std::time::Duration) {
+        self.silence = silence;
     }
 
     /// When the server logged the last event of a transaction read (its event header's
@@ -624,10 +634,10 @@ impl BinlogReader {
                 .asked_at
                 .map_or(self.heard_at, |at| at.max(self.heard_at));
             let heard =
-                tokio::time::timeout_at(listening_since + BINLOG_SILENCE, self.stream.next_event())
+                tokio::time::timeout_at(listening_since + self.silence, self.stream.next_event())
                     .await;
             let Ok(event) = heard else {
-                return Err(BinlogError::Silent(BINLOG_SILENCE));
+                return Err(BinlogError::Silent(self.silence));
             };
             let Some(event) = event else {
                 return Ok(None);

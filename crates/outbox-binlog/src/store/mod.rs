@@ -315,6 +315,7 @@ impl BinlogStore {
             tx,
             settled: settled_rx,
             unstored: SettledUnstored::default(),
+            silence: SilenceWindow::new(),
             live: live.clone(),
             status: status_tx,
             close: close_rx,
@@ -1496,6 +1497,40 @@ struct Reader {
     session: u64,
     /// When the lag in bytes was last measured, reading or not ([`Reader::lag_due`]).
     lag_measured: Option<std::time::Instant>,
+    silence: SilenceWindow,
+}
+
+/// How long a session waits with nothing from the server before it takes the connection for
+/// dead. An event arrives whole or not at all: one larger than a slow link carries in
+/// [`BINLOG_SILENCE`](crate::BINLOG_SILENCE) broke every session at the same place, for
+/// good. A session broken in silence where the one before broke waits twice as long (at
+/// most [`SilenceWindow::LONGEST`]); one broken in silence elsewhere starts it over.
+#[derive(Debug, PartialEq)]
+struct SilenceWindow {
+    wait: Duration,
+    /// Where the last session broken in silence had read to.
+    broke_at: Option<BinlogPosition>,
+}
+
+impl SilenceWindow {
+    const LONGEST: Duration = Duration::from_secs(600);
+
+    fn new() -> Self {
+        SilenceWindow {
+            wait: crate::BINLOG_SILENCE,
+            broke_at: None,
+        }
+    }
+
+    /// A session ended in silence having read to `read_to`.
+    fn broke_in_silence(&mut self, read_to: BinlogPosition) {
+        if self.broke_at.as_ref() == Some(&read_to) {
+            self.wait = (self.wait * 2).min(Self::LONGEST);
+        } else {
+            self.wait = crate::BINLOG_SILENCE;
+        }
+        self.broke_at = Some(read_to);
+    }
 }
 
 /// How a session of reading ended.
@@ -1536,7 +1571,8 @@ impl Reader {
                 Ok(Started::Held { holder }) => {
                     self.wait_after(CaptureStatus::Standby { holder }).await;
                 }
-                Ok(Started::Active(capture)) => {
+                Ok(Started::Active(mut capture)) => {
+                    capture.set_silence(self.silence.wait);
                     self.renewed.renewed(taking);
                     // Seated from here, not from the session's announcement (after the
                     // parked keys are read): the callback asks at once, and a "no" left the
@@ -1753,6 +1789,12 @@ impl Reader {
                     }
                 }
                 Step::Read(Err(e)) => {
+                    if let BinlogError::Silent(waited) = &e {
+                        self.silence.broke_in_silence(capture.read_to());
+                        if self.silence.wait > *waited {
+                            tracing::info!(waited = ?waited, next = ?self.silence.wait, "the binlog session went silent where the last one did (a large event over a slow link?): the next waits longer");
+                        }
+                    }
                     let reason = self.reason(&e);
                     return self.broken(&capture, reason);
                 }
@@ -1877,6 +1919,28 @@ fn captured_bytes(captured: &Captured) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_session_silent_where_the_last_one_was_waits_twice_as_long() {
+        let at = |offset| BinlogPosition::at("log.000001", offset);
+        let mut silence = SilenceWindow::new();
+        silence.broke_in_silence(at(100));
+        assert_eq!(
+            silence.wait,
+            crate::BINLOG_SILENCE,
+            "once: a dead connection"
+        );
+        silence.broke_in_silence(at(100));
+        assert_eq!(silence.wait, crate::BINLOG_SILENCE * 2);
+        silence.broke_in_silence(at(100));
+        assert_eq!(silence.wait, crate::BINLOG_SILENCE * 4);
+        silence.broke_in_silence(at(200));
+        assert_eq!(silence.wait, crate::BINLOG_SILENCE, "elsewhere: over");
+        for _ in 0..20 {
+            silence.broke_in_silence(at(200));
+        }
+        assert_eq!(silence.wait, SilenceWindow::LONGEST);
+    }
 
     fn park_of(bytes: usize) -> ParkRow {
         ParkRow {

@@ -701,6 +701,45 @@ async fn another_key_flows(fixture: &Fixture, publisher: &RecordingPublisher) {
     .await;
 }
 
+/// A row event that takes longer to arrive than the reader waits in silence (12 MB over a
+/// link of 1 MB/s, the server sending nothing else meanwhile): every session broke at the
+/// same place, for good. The next session waits twice as long where the last went silent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_slower_to_arrive_than_the_silence_bound_is_read_by_a_later_session() {
+    let fixture = Fixture::new().await;
+    let (proxy, proxied) = outbox_testkit::FaultProxy::start_for_url(&fixture.url)
+        .await
+        .unwrap();
+    let mut options = fixture.options("relay-1");
+    // Over the proxy only: mysql_async would move a local connection to the server's socket.
+    options.binlog.url = format!("{proxied}?prefer_socket=false");
+    let publisher = RecordingPublisher::new();
+    let relay = Relay::reading(options, &publisher).await;
+    proxy
+        .handle()
+        .throttle(outbox_testkit::Direction::ToClient, Some(1_000_000));
+    fixture
+        .db
+        .get_conn()
+        .await
+        .unwrap()
+        .exec_drop(
+            "INSERT INTO outbox (destination, partition_key, event_type, payload)
+             VALUES ('orders', 'big', 'T', JSON_OBJECT('n', 1, 'text', ?))",
+            ("x".repeat(12 * 1024 * 1024),),
+        )
+        .await
+        .unwrap();
+    // 10 s of silence, a reconnection, then 12 s of the event: well past PATIENCE.
+    eventually(
+        "the large row delivered",
+        Duration::from_secs(120),
+        || async { (delivered_n(&publisher, "big") == [1]).then_some(()) },
+    )
+    .await;
+    relay.stop().await;
+}
+
 /// A private MariaDB with the relay's tables in database `shop`, its `max_allowed_packet`
 /// lowered to 512 KiB after the application's connection (returned) was opened, which keeps
 /// the old limit and so can write rows larger than the new one.
