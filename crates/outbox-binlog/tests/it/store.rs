@@ -667,18 +667,7 @@ async fn a_row_larger_than_a_lowered_max_allowed_packet_is_claimed_and_delivered
         outbox_binlog::parked_ddl(database, "outbox_parked")
     })
     .await;
-    fixture
-        .db
-        .get_conn()
-        .await
-        .unwrap()
-        .exec_drop(
-            "INSERT INTO outbox (destination, partition_key, event_type, payload)
-             VALUES ('orders', 'big', 'T', JSON_OBJECT('n', 1, 'text', ?))",
-            ("x".repeat(900 * 1024),),
-        )
-        .await
-        .unwrap();
+    insert_big(&mut fixture.db.get_conn().await.unwrap(), "T", 900 * 1024).await;
     admin
         .query_drop("SET GLOBAL max_allowed_packet = 512 * 1024")
         .await
@@ -690,6 +679,18 @@ async fn a_row_larger_than_a_lowered_max_allowed_packet_is_claimed_and_delivered
     })
     .await;
     relay.stop().await;
+}
+
+/// Writes event 1 of key `big`, of `event_type`, over `conn`, its payload carrying `bytes`
+/// bytes of text.
+async fn insert_big(conn: &mut Conn, event_type: &str, bytes: usize) {
+    conn.exec_drop(
+        "INSERT INTO outbox (destination, partition_key, event_type, payload)
+         VALUES ('orders', 'big', ?, JSON_OBJECT('n', 1, 'text', ?))",
+        (event_type, "x".repeat(bytes)),
+    )
+    .await
+    .unwrap();
 }
 
 /// A row of another key, written now, is delivered.
@@ -718,18 +719,12 @@ async fn an_event_slower_to_arrive_than_the_silence_bound_is_read_by_a_later_ses
     proxy
         .handle()
         .throttle(outbox_testkit::Direction::ToClient, Some(1_000_000));
-    fixture
-        .db
-        .get_conn()
-        .await
-        .unwrap()
-        .exec_drop(
-            "INSERT INTO outbox (destination, partition_key, event_type, payload)
-             VALUES ('orders', 'big', 'T', JSON_OBJECT('n', 1, 'text', ?))",
-            ("x".repeat(12 * 1024 * 1024),),
-        )
-        .await
-        .unwrap();
+    insert_big(
+        &mut fixture.db.get_conn().await.unwrap(),
+        "T",
+        12 * 1024 * 1024,
+    )
+    .await;
     // 10 s of silence, a reconnection, then 12 s of the event: well past PATIENCE.
     eventually(
         "the large row delivered",
@@ -807,14 +802,7 @@ async fn a_row_too_large_to_send_is_parked_by_the_server_and_delivered() {
     let publisher = RecordingPublisher::new();
     publisher.fail("Flaky", 1, PublishErrorKind::Unavailable);
     let relay = Relay::reading(fixture.options("relay-1"), &publisher).await;
-    application
-        .exec_drop(
-            "INSERT INTO outbox (destination, partition_key, event_type, payload)
-             VALUES ('orders', 'big', 'Flaky', JSON_OBJECT('n', 1, 'text', ?))",
-            ("x".repeat(900 * 1024),),
-        )
-        .await
-        .unwrap();
+    insert_big(&mut application, "Flaky", 900 * 1024).await;
     eventually("the large row delivered at its retry", PATIENCE, || async {
         (delivered_n(&publisher, "big") == [1]).then_some(())
     })
