@@ -648,13 +648,14 @@ impl Inner {
         let mut tx = conn
             .start_transaction(mysql_async::TxOpts::default())
             .await?;
-        let seat: Option<i64> = tx
+        // The seat's epoch, and the session's max_allowed_packet the statements are sized by.
+        let seat: Option<(i64, u64)> = tx
             .exec_first(self.sql.seat_epoch(), (&self.seat_key,))
             .await?;
-        if seat != Some(epoch) {
+        let Some((_, packet)) = seat.filter(|(seated, _)| *seated == epoch) else {
             tx.rollback().await?;
             return Ok(false);
-        }
+        };
         // An undecodable row's dead letter is copied from its table row where that is
         // still there; the values its image gave are the fallback, also where the server
         // refuses the copy (bytes the row's character set cannot convert): a savepoint
@@ -685,12 +686,10 @@ impl Inner {
         // Statements past the server's max_allowed_packet are cut off mid-send (the server
         // closes the connection: a broken pipe, as a network failure), so they are sized
         // first: a row alone past it is refused as the server would refuse it.
-        let packet: Option<u64> = tx.query_first("SELECT @@max_allowed_packet").await?;
-        let room = packet.map_or(usize::MAX, |p| {
-            usize::try_from(p)
-                .unwrap_or(usize::MAX)
-                .saturating_sub(PARK_STATEMENT_SLACK)
-        });
+        let room = usize::try_from(packet)
+            .unwrap_or(usize::MAX)
+            .saturating_sub(PARK_STATEMENT_SLACK);
+        let packet = Some(packet);
         for park in from_table {
             // Its other values (headers) may be past the limit too.
             if values_bytes(&park.params) > room {
@@ -711,7 +710,7 @@ impl Inner {
         }
         // Its text goes in a packet of its own (the statement's preparation), one row's
         // placeholders more for each row.
-        let text_per_row = self.sql.park(2).len() - self.sql.park(1).len();
+        let text_per_row = sql::PARK_TEXT_PER_ROW;
         for chunk in park_statements(&written, room, text_per_row) {
             let params: Vec<Value> = chunk
                 .iter()

@@ -23,6 +23,10 @@ const PARK_VALUES: &str = "?, ?, ?, ?, ?, ?, ?, ?, ?, \
 /// The values one parked row binds.
 pub(super) const PARK_PARAMS: usize = 14;
 
+/// What each row adds to [`Statements::park`]'s text: its values in parentheses, and a
+/// comma and space.
+pub(super) const PARK_TEXT_PER_ROW: usize = PARK_VALUES.len() + 4;
+
 /// The session variable in which the adoption leaves how many rows it adopted as dead
 /// letters (read by [`crate::seat::ActiveReader::store_first`]).
 pub const ADOPTED_DEAD: &str = "@outbox_relay_adopted_dead";
@@ -110,10 +114,11 @@ impl Statements {
     }
 
     /// $1 the outbox's name in the positions table: the seat's epoch, read under a shared
-    /// lock so that no standby takes the seat until the park commits.
+    /// lock so that no standby takes the seat until the park commits, with the session's
+    /// `max_allowed_packet`, which the park's statements are sized by.
     pub(super) fn seat_epoch(&self) -> String {
         format!(
-            "SELECT epoch FROM {} WHERE outbox = ? LOCK IN SHARE MODE",
+            "SELECT epoch, @@max_allowed_packet FROM {} WHERE outbox = ? LOCK IN SHARE MODE",
             self.positions
         )
     }
@@ -344,6 +349,13 @@ struct MappedRow {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_parked_row_adds_its_share_of_the_statements_text() {
+        let native = Mapping::native_mysql(None, "outbox", false);
+        let sql = Statements::new(&native, "db", "db.outbox_parked", "db.outbox_binlog").unwrap();
+        assert_eq!(sql.park(3).len() - sql.park(2).len(), PARK_TEXT_PER_ROW);
+    }
 
     #[test]
     fn a_copied_park_binds_the_parks_values_but_the_payload_and_then_the_row() {
