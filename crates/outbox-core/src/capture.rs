@@ -5,13 +5,16 @@
 //! stream's rules (what the WAL slot may be confirmed at, which binlog positions may be
 //! stored), and its store runs the statements and then tells the state what they did.
 //!
-//! A capture's ids need not rise in stream order (a table row's is its insert-order
-//! `sequence_id`, a WAL message's is derived from its position), although the engine's
-//! lanes send back a claimed row only past a *lower* id of its key still being released
-//! (`Lanes::accept`). They never meet that case: in capture mode the engine releases rows
-//! only behind a retry (which parks its row, so the key waits) or when stopping (no
-//! partitions move), a released stream event of a waiting key is parked, not handed out
-//! again, and a key hands out stream events again only once none of its parked rows is
+//! The engine's lanes send back a claimed row only past a *lower* id of its key still being
+//! released (`Lanes::accept`), so a capture's ids rise in stream order per key: a WAL
+//! message's and a BLACKHOLE row's are drawn upwards as they are read, a parked row's rise
+//! with the parked table's. A table row's is its insert-order `sequence_id`, which is commit
+//! order for a key's events unless two transactions wrote the key at once. Releases come
+//! behind a retry (which parks its row, so the key waits), when stopping, and when a sink
+//! gives a key's head back unsent (`NotSent`): then a claim racing the release may hand out
+//! a later event of the key, which the lanes send back, and the released events come out
+//! again in stream order. A released stream event of a waiting key is parked, not handed
+//! out again, and a key hands out stream events again only once none of its parked rows is
 //! pending, released ones included.
 
 mod deletes;

@@ -1214,7 +1214,7 @@ impl OutboxStore for WalStore {
                         _ => false,
                     });
                 tracing::debug!(?behind, ?free, "released stream events");
-                state.redeliver.extend(free);
+                state.redeliver_later(free);
                 behind.into_iter().map(Park::behind_its_key).collect()
             };
             if let Err(e) = inner.park_stream(behind).await {

@@ -275,30 +275,50 @@ impl SettledPositions {
 /// `outbox_emit` message), by position: the same event sent again by a new session keeps
 /// its id while it is held, as a row's sequence id does, and no two events share one.
 /// (Derived from the position, they did: a commit's position plus an ordinal of a large
-/// transaction reached the next commit's.) Drawn downwards, each session from
-/// `-(microseconds since 1970 × 1024)` or below what the last drew: no other session of the
-/// slot, in this process or another, drew those ids (a session draws fewer than 1,024 a
-/// microsecond), which matters since they outlive the process as dead letters' keys
-/// (`ON CONFLICT (sequence_id)` dropped a dead letter that met an id drawn before). Far
-/// below every row's id, even a mapped table's own negative ones.
-#[derive(Default)]
+/// transaction reached the next commit's.) Drawn upwards, in stream order, each session
+/// from `DERIVED_IDS + microseconds since 1970 × 1024` or above what the last drew: no other
+/// session of the slot, in this process or another, drew those ids (a session draws fewer
+/// than 1,024 a microsecond), which matters since they outlive the process as dead letters'
+/// keys (`ON CONFLICT (sequence_id)` dropped a dead letter that met an id drawn before).
+/// Far below every row's id, even a mapped table's own negative ones, and below the ids
+/// drawn downwards from `-(microseconds × 1024)` before 0.2 (about -1.8 × 10^18).
+///
+/// Upwards because the engine's lanes take a key's lower id for its earlier event: a
+/// release racing a claim (a sink's `NotSent`) sends back a claimed event only past a
+/// *lower* released id of its key, so ids drawn downwards let a key's later event overtake
+/// its released earlier ones.
 pub(super) struct DerivedIds {
     by_position: HashMap<EventPosition, SequenceId>,
     drawn: SequenceId,
 }
 
+/// Where derived ids start: about -9.2 × 10^18, with room for 1,024 ids a microsecond
+/// until the year 2255.
+const DERIVED_IDS: SequenceId = SequenceId::MIN + 1;
+
+impl Default for DerivedIds {
+    fn default() -> Self {
+        DerivedIds {
+            by_position: HashMap::new(),
+            drawn: DERIVED_IDS,
+        }
+    }
+}
+
 impl DerivedIds {
-    /// A session starts at `now`: ids are drawn below its start's.
+    /// A session starts at `now`: ids are drawn above its start's.
     fn start_session(&mut self, now: SystemTime) {
         let micros = now
             .duration_since(SystemTime::UNIX_EPOCH)
             .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX));
-        self.drawn = self.drawn.min(micros.saturating_mul(-1024));
+        self.drawn = self
+            .drawn
+            .max(DERIVED_IDS.saturating_add(micros.saturating_mul(1024)));
     }
 
     fn id(&mut self, position: EventPosition) -> SequenceId {
         *self.by_position.entry(position).or_insert_with(|| {
-            self.drawn -= 1;
+            self.drawn = self.drawn.saturating_add(1);
             self.drawn
         })
     }
@@ -392,6 +412,21 @@ impl State {
             self.holdings.held.remove(&id);
         }
         self.holdings.forget_queued_parks();
+    }
+
+    /// Queues released stream events to be handed out again, all of them in stream order:
+    /// two releases can reach the capture in either order (a key's later event, a claim's
+    /// copy sent back by the engine's lanes, ahead of its earlier ones), and the lanes take
+    /// a key's events in the order a claim hands them out.
+    pub(super) fn redeliver_later(&mut self, ids: impl IntoIterator<Item = SequenceId>) {
+        self.redeliver.extend(ids);
+        let held = &self.holdings.held;
+        self.redeliver
+            .make_contiguous()
+            .sort_by_key(|id| match held.get(id) {
+                Some(Held::Stream(event)) => Some(event.position),
+                _ => None,
+            });
     }
 
     /// Hands out released stream events again, into `out` up to `limit` (those of a key
@@ -849,11 +884,52 @@ mod tests {
         let c: Vec<_> = (1000..2000).map(|n| first.id(position(n))).collect();
         let all: HashSet<SequenceId> = a.iter().chain(&b).chain(&c).copied().collect();
         assert_eq!(all.len(), 3000);
-        assert!(
-            all.iter().all(|id| *id < -1_000_000_000_000),
-            "{:?}",
-            &a[..3]
+        // Below the ids drawn downwards before (from -(microseconds × 1024)).
+        let before = -1_800_000_000_000_000 * 1024 / 1_000;
+        assert!(all.iter().all(|id| *id < before), "{:?}", &a[..3]);
+    }
+
+    /// The engine's lanes take a key's lower id for its earlier event (a release racing a
+    /// claim sends back only what is above a released id): drawn downwards, a key's later
+    /// `outbox_emit` message overtook its earlier ones given back by the sink (`NotSent`).
+    #[test]
+    fn derived_ids_rise_in_stream_order_across_sessions() {
+        let start = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        let mut ids = DerivedIds::default();
+        ids.start_session(start);
+        let mut drawn: Vec<_> = (0..100).map(|n| ids.id(position(n))).collect();
+        // The next session, its clock behind, then ahead.
+        ids.start_session(start - Duration::from_secs(60));
+        drawn.extend((100..200).map(|n| ids.id(position(n))));
+        ids.start_session(start + Duration::from_secs(60));
+        drawn.extend((200..300).map(|n| ids.id(position(n))));
+        assert!(drawn.windows(2).all(|w| w[0] < w[1]), "{:?}", &drawn[..3]);
+        assert_eq!(ids.id(position(5)), drawn[5], "an event held keeps its id");
+    }
+
+    /// Two releases reached the capture in the other order (the key's later event, sent
+    /// back by the lanes, first): handed out so, the later one went out first.
+    #[test]
+    fn released_events_are_handed_out_again_in_stream_order() {
+        let mut state = State::new();
+        state.accept(session(1, &[]));
+        let handed = claim(
+            &mut state,
+            vec![
+                idless("k", 200, 0, Some(200)),
+                idless("k", 200, 1, Some(201)),
+                idless("k", 200, 2, Some(202)),
+                committed(200, 3),
+            ],
         );
+        assert_eq!(handed.len(), 3);
+        assert!(handed.windows(2).all(|w| w[0] < w[1]), "{handed:?}");
+        state.redeliver_later([handed[2]]);
+        state.redeliver_later([handed[0], handed[1]]);
+        let mut out = Vec::new();
+        state.redeliver_into(&mut out, 100);
+        let again: Vec<SequenceId> = out.iter().map(Claimed::sequence_id).collect();
+        assert_eq!(again, handed);
     }
 
     fn position(n: u64) -> EventPosition {
