@@ -107,6 +107,35 @@ pub enum Output {
 /// here. The contract is mysql_async's stream's: it keeps the table maps of the events
 /// handed out, and hands out the events inside a MySQL 8 compressed transaction right after
 /// the transaction's payload event.
+/// Whether an event read before the log's format description ends with the CRC32 of the
+/// rest of it. The artificial rotate a session from a GTID starts with names the file, and
+/// comes before the format description says whether the log's events carry a checksum, so
+/// its name is read with whatever follows it; the servers differ on whether a checksum
+/// does. MariaDB adds one whenever the log has them; MySQL adds none when the reader's
+/// `@master_binlog_checksum` is not an algorithm's name (mysql_async sets `'ALL'`), and
+/// taking the log's setting for the rotate's cut four characters off the file's name: every
+/// position stored until the next rotation named a file that does not exist, and the next
+/// start was refused as purged. The bytes say which: a name whose last four bytes happen
+/// to be the CRC32 of the rest (one in 2^32) would be cut, and refused the same way at the
+/// next start, never skipped past.
+fn ends_with_its_checksum(event: &Event) -> bool {
+    let mut raw = Vec::new();
+    if event
+        .write(
+            mysql_common::binlog::consts::BinlogVersion::Version4,
+            &mut raw,
+        )
+        .is_err()
+    {
+        return false;
+    }
+    let Some(split) = raw.len().checked_sub(4) else {
+        return false;
+    };
+    let (covered, sum) = raw.split_at(split);
+    <[u8; 4]>::try_from(sum).is_ok_and(|sum| crc32fast::hash(covered) == u32::from_le_bytes(sum))
+}
+
 trait EventSource: Send {
     fn next_event(&mut self) -> BoxFuture<'_, Option<mysql_async::Result<Event>>>;
     fn table_map(&self, table_id: u64) -> Option<&TableMapEvent<'static>>;
@@ -216,8 +245,6 @@ pub struct BinlogReader {
     /// The log file being read (row events' positions are within it); empty until the
     /// first rotate names it, when reading started from a GTID.
     file: String,
-    /// Whether the first, artificial rotate's name ends with 4 checksum bytes.
-    first_rotate_checksum: bool,
     /// Whether a format description was read: an artificial rotate after one moves to
     /// the next file.
     format_read: bool,
@@ -453,13 +480,12 @@ impl BinlogReader {
         ))
         .await?;
         let request = BinlogStreamRequest::new(config.server_id);
-        let (request, from, checksum) = match start {
+        let (request, from) = match start {
             Start::Position(from) => (
                 request
                     .with_filename(from.file.as_bytes())
                     .with_pos(from.offset),
                 from.clone(),
-                false,
             ),
             Start::AfterGtid(state) => {
                 let request = match state.is_mysql() {
@@ -471,20 +497,14 @@ impl BinlogReader {
                     }
                     true => request.with_gtid().with_gtid_set(dump_sources(state)?),
                 };
-                // The file is named by the first (artificial) rotate, sent before the log's
-                // checksum setting is known: its name then ends with the checksum's bytes.
-                let checksum: Option<String> =
-                    conn.query_first("SELECT @@GLOBAL.binlog_checksum").await?;
+                // The file is named by the first (artificial) rotate
+                // ([`ends_with_its_checksum`]).
                 let from = BinlogPosition {
                     file: String::new(),
                     offset: 4,
                     gtid: Some(state.to_string()),
                 };
-                (
-                    request.with_filename(b"").with_pos(4),
-                    from,
-                    checksum.is_some_and(|c| !c.eq_ignore_ascii_case("NONE")),
-                )
+                (request.with_filename(b"").with_pos(4), from)
             }
         };
         let gtid_state = match start {
@@ -504,7 +524,6 @@ impl BinlogReader {
         };
         let stream = conn.get_binlog_stream(request).await?;
         let mut reader = BinlogReader::of(Box::new(stream), config, layout, from);
-        reader.first_rotate_checksum = checksum;
         reader.mariadb = mariadb;
         reader.gtid_state = gtid_state;
         reader.boundary_gtid = reader.gtid_state.as_ref().map(ToString::to_string);
@@ -534,7 +553,6 @@ impl BinlogReader {
             data_types: layout.data_types,
             matched_table_id: None,
             file: from.file.clone(),
-            first_rotate_checksum: false,
             format_read: false,
             xa_rows: None,
             altered: None,
@@ -816,7 +834,7 @@ impl BinlogReader {
                 // Started from a GTID: the artificial rotate is the only word of the file.
                 Some(EventData::RotateEvent(rotate)) if self.file.is_empty() => {
                     let name = rotate.name_raw();
-                    let name = match self.first_rotate_checksum {
+                    let name = match ends_with_its_checksum(&event) {
                         true => &name[..name.len().saturating_sub(4)],
                         false => name,
                     };

@@ -487,3 +487,34 @@ async fn an_incident_event_stops_the_reader_before_what_follows() {
         "nothing read past the incident: {stopped:?}"
     );
 }
+
+/// The artificial rotate a session from a GTID starts with, naming `file`, with or
+/// without a CRC32 of itself at its end.
+fn artificial_rotate(file: &str, checksummed: bool) -> Vec<u8> {
+    const ROTATE_EVENT: u8 = 4;
+    let mut body = 4u64.to_le_bytes().to_vec();
+    body.extend(file.as_bytes());
+    if !checksummed {
+        return event(ROTATE_EVENT, 0, &body);
+    }
+    body.extend([0; 4]);
+    let mut bytes = event(ROTATE_EVENT, 0, &body);
+    let covered = bytes.len() - 4;
+    let sum = crc32fast::hash(&bytes[..covered]);
+    bytes[covered..].copy_from_slice(&sum.to_le_bytes());
+    bytes
+}
+
+/// MySQL sends the first rotate without a checksum to a reader that set
+/// `@master_binlog_checksum = 'ALL'` (mysql_async does), though its log has them; MariaDB
+/// sends it with one. Cut by the log's setting, the file read `binlog.00` on MySQL, and
+/// every position stored until the next rotation named a file the server does not have.
+#[tokio::test]
+async fn the_first_rotate_names_the_file_with_or_without_a_checksum() {
+    for checksummed in [false, true] {
+        let mut reader = reader_of(vec![artificial_rotate("binlog.000012", checksummed)], None);
+        reader.file = String::new();
+        assert!(read_all(&mut reader).await.is_empty());
+        assert_eq!(reader.file, "binlog.000012", "checksummed: {checksummed}");
+    }
+}
