@@ -153,11 +153,24 @@ impl WalError {
     }
 }
 
+/// Which WAL a server writes (`IDENTIFY_SYSTEM`): its cluster's system identifier and its
+/// timeline. A position means the same transaction only within one history: a promoted
+/// standby goes on on a new timeline, and writes other transactions at positions the old
+/// primary used past the switch; a restored backup does the same; another cluster (an
+/// upgrade, another server behind the same address) shares nothing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct History {
+    pub system: u64,
+    pub timeline: u32,
+}
+
 /// The slot as the session found it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SlotState {
     /// Whether this session created the slot.
     pub created: bool,
+    /// The server's history, as the session started.
+    pub history: History,
     /// Where the stream starts: nothing committed before it is sent.
     pub confirmed_flush: Lsn,
 }
@@ -198,7 +211,8 @@ impl WalStream {
         if publication.is_empty() {
             return Err(WalError::MissingPublication(config.publication.clone()));
         }
-        let slot = ensure_slot(&mut connection, &config.slot, config.create_slot).await?;
+        let history = identify_system(&mut connection).await?;
+        let slot = ensure_slot(&mut connection, &config.slot, config.create_slot, history).await?;
         // From the slot's own position, so the first status update never moves it back.
         let stream = connection
             .start_replication(
@@ -525,10 +539,28 @@ async fn read_slot(connection: &mut Connection, slot: &str) -> Result<Option<Slo
 }
 
 /// Reads the slot, creating it (pgoutput) when missing and `create` allows.
+/// The server's [`History`]: `IDENTIFY_SYSTEM`'s first two columns.
+async fn identify_system(client: &mut Connection) -> Result<History, WalError> {
+    let rows = client.simple_query("IDENTIFY_SYSTEM").await?;
+    history_of(rows.first().map(Vec::as_slice).unwrap_or_default())
+}
+
+fn history_of(row: &[Option<String>]) -> Result<History, WalError> {
+    let column = |n: usize| row.get(n).cloned().flatten().unwrap_or_default();
+    let (system, timeline) = (column(0), column(1));
+    match (system.parse(), timeline.parse()) {
+        (Ok(system), Ok(timeline)) => Ok(History { system, timeline }),
+        _ => Err(WalError::Config(format!(
+            "the server answered IDENTIFY_SYSTEM with system {system:?} and timeline              {timeline:?}, not numbers: is it PostgreSQL?"
+        ))),
+    }
+}
+
 async fn ensure_slot(
     client: &mut Connection,
     slot: &str,
     create: bool,
+    history: History,
 ) -> Result<SlotState, WalError> {
     let slot_error = |reason: String| WalError::Slot {
         slot: slot.to_string(),
@@ -578,6 +610,7 @@ async fn ensure_slot(
         .map_err(|e| slot_error(format!("{e}")))?;
     Ok(SlotState {
         created,
+        history,
         confirmed_flush,
     })
 }
@@ -623,6 +656,24 @@ mod tests {
             code: code.into(),
             message: "m".into(),
         })
+    }
+
+    #[test]
+    fn identify_systems_answer_gives_the_servers_history() {
+        let row = |system: &str, timeline: &str| {
+            [system, timeline, "0/16B3748", "shop"].map(|c| Some(c.to_string()))
+        };
+        let history = history_of(&row("7411502239340123456", "3")).unwrap();
+        assert_eq!(
+            history,
+            History {
+                system: 7_411_502_239_340_123_456,
+                timeline: 3
+            }
+        );
+        let e = history_of(&row("", "x")).unwrap_err().to_string();
+        assert!(e.contains("IDENTIFY_SYSTEM"), "{e}");
+        assert!(history_of(&[]).is_err(), "no row");
     }
 
     #[test]

@@ -42,7 +42,7 @@ pub use capture::{
     decoding_problems, forget_adoption, slot_status, verify_capture, CaptureStatus, SlotStatus,
     WalStore, WalStoreOptions,
 };
-pub use client::{drop_slot, SlotState, WalConfig, WalError, WalStream};
+pub use client::{drop_slot, History, SlotState, WalConfig, WalError, WalStream};
 pub use decode::{decode, DecodeError, LogicalMessage};
 pub use emit::{emit_function, emit_function_ddl, emit_prefix, EMIT_FUNCTION, EMIT_PREFIX};
 pub use event::{EventPosition, EventSource, Undecodable, WalEvent};

@@ -1187,6 +1187,206 @@ async fn a_postgresql_restart_mid_stream_loses_nothing() {
         .await;
 }
 
+/// A webhook that records each request's path and body as it arrives, in order, and holds
+/// those to `/held` until `release` turns true.
+async fn webhook_holding(
+    release: tokio::sync::watch::Receiver<bool>,
+) -> (
+    String,
+    std::sync::Arc<std::sync::Mutex<Vec<(String, Value)>>>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let recorded = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            let (recorded, mut release) = (recorded.clone(), release.clone());
+            tokio::spawn(async move {
+                let mut bytes = Vec::new();
+                let mut buf = [0u8; 8192];
+                let (path, body) = loop {
+                    let Ok(n) = socket.read(&mut buf).await else {
+                        return;
+                    };
+                    if n == 0 {
+                        return;
+                    }
+                    bytes.extend_from_slice(&buf[..n]);
+                    let text = String::from_utf8_lossy(&bytes).to_string();
+                    let Some(end) = text.find("\r\n\r\n") else {
+                        continue;
+                    };
+                    let length: usize = (text[..end].lines())
+                        .find_map(|l| {
+                            l.to_ascii_lowercase()
+                                .strip_prefix("content-length:")
+                                .map(|v| v.trim().to_string())
+                        })
+                        .and_then(|v| v.parse().ok())
+                        .unwrap_or(0);
+                    if bytes.len() >= end + 4 + length {
+                        let path = text.split(' ').nth(1).unwrap_or_default().to_string();
+                        let body = serde_json::from_slice(&bytes[end + 4..end + 4 + length])
+                            .unwrap_or(Value::Null);
+                        break (path, body);
+                    }
+                };
+                let held = path == "/held";
+                recorded.lock().unwrap().push((path, body));
+                if held {
+                    let _ = release.wait_for(|released| *released).await;
+                }
+                let answer = "HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n";
+                let _ = socket.write_all(answer.as_bytes()).await;
+                let _ = socket.shutdown().await;
+            });
+        }
+    });
+    (format!("http://{addr}/{{destination}}"), seen)
+}
+
+/// The slot's confirmed position reaches the server's disk only at its checkpoints (and
+/// when its restart point moves), so a server that crashes streams again from behind what
+/// the relay told it. Event 1 of key k was delivered, the server told past it, and the
+/// relay's settled positions had let go of it (two cuts, after 8,193 more settles) while
+/// event 2 of k was still with the webhook: after the crash the new session read 1 again
+/// and sent it after 2. Nothing committed before what the last session could confirm is
+/// sent again on the same server's history.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_read_again_after_a_server_crash_is_not_sent_after_a_later_one_of_its_key() {
+    // Never the shared server: this one crashes.
+    let server = OwnPostgres::init();
+    server.start("-c wal_level=logical");
+    let w = WalDb::on(server.url("disable"), "rewind_slot".into()).await;
+    let (release, released) = tokio::sync::watch::channel(false);
+    let (sink, seen) = webhook_holding(released).await;
+    let mut relay = w
+        .streaming_to(&sink, &["--publish-timeout", "240s", "--lease", "300s"])
+        .await;
+    let n_of = |body: &Value| body["payload"]["n"].as_i64().unwrap_or(-1);
+    // Key k's events are the only ones numbered below 100.
+    let key_k = || -> Vec<i64> {
+        let seen = seen.lock().unwrap();
+        (seen.iter().map(|(_, body)| n_of(body)))
+            .filter(|n| (0..100).contains(n))
+            .collect()
+    };
+    // The slot saved to disk past a checkpoint's snapshot, and confirmed past it: no save
+    // moves it past event 1 from here (its restart point cannot pass event 2, held).
+    w.db.batch_execute("CHECKPOINT").await.unwrap();
+    insert(&w.db, "warm-up", 1_000_000).await;
+    let after_checkpoint = wal_position(&w.db).await;
+    await_position(
+        "the slot confirmed past the checkpoint",
+        &relay,
+        &w.db,
+        "SELECT confirmed_flush_lsn >= $1::text::pg_lsn FROM pg_replication_slots WHERE slot_name = 'rewind_slot'",
+        &after_checkpoint,
+    )
+    .await;
+    insert(&w.db, "k", 1).await;
+    let past_first = wal_position(&w.db).await;
+    w.db.batch_execute(
+        "INSERT INTO outbox (destination, partition_key, event_type, payload)
+         VALUES ('held', 'k', 'Inserted', jsonb_build_object('n', 2))",
+    )
+    .await
+    .unwrap();
+    eventually_explained(
+        "event 2 at the webhook",
+        Duration::from_secs(60),
+        || relay.logs(),
+        || {
+            let k = key_k();
+            async move { (k == [1, 2]).then_some(()) }
+        },
+    )
+    .await;
+    await_position(
+        "the server told past event 1",
+        &relay,
+        &w.db,
+        "SELECT confirmed_flush_lsn >= $1::text::pg_lsn FROM pg_replication_slots WHERE slot_name = 'rewind_slot'",
+        &past_first,
+    )
+    .await;
+    // Enough settles of other keys for the settled positions to let go of event 1.
+    let others = 9_000;
+    w.db.batch_execute(&format!(
+        "INSERT INTO outbox (destination, partition_key, event_type, payload)
+         SELECT 'orders', 'o' || (g % 50), 'Inserted', jsonb_build_object('n', 100 + g)
+           FROM generate_series(1, {others}) g"
+    ))
+    .await
+    .unwrap();
+    eventually_explained(
+        "the other keys' events delivered",
+        Duration::from_secs(120),
+        || relay.logs(),
+        || {
+            let n = seen
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|(_, b)| n_of(b) >= 100 && n_of(b) < 1_000_000)
+                .count();
+            async move { (n >= others).then_some(()) }
+        },
+    )
+    .await;
+    server.crash_and_restart();
+    let db = pg(&w.url).await;
+    // The new session reads from the slot's position on disk, which must be behind event 1
+    // for the test to prove anything.
+    eventually_explained(
+        "a new session",
+        Duration::from_secs(60),
+        || relay.logs(),
+        || {
+            let sessions = relay.logs().matches(STREAMING).count();
+            async move { (sessions >= 2).then_some(()) }
+        },
+    )
+    .await;
+    let logs = relay.logs();
+    let restarted_at = (logs.lines().rfind(|l| l.contains(STREAMING)))
+        .and_then(|l| l.split("start=").nth(1))
+        .and_then(|rest| rest.split_whitespace().next())
+        .expect("the new session's start")
+        .trim_matches('"')
+        .to_string();
+    let behind: bool = db
+        .query_one(
+            "SELECT $1::text::pg_lsn < $2::text::pg_lsn",
+            &[&restarted_at, &past_first],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(behind, "the slot restarted at {restarted_at}, past event 1 ({past_first}): the test proves nothing");
+    release.send(true).unwrap();
+    eventually_explained(
+        "the outbox empty",
+        Duration::from_secs(120),
+        || relay.logs(),
+        || {
+            let db = &db;
+            async move {
+                let left = query_count(db, "SELECT count(*) FROM outbox", &[])
+                    .await
+                    .ok()?;
+                (left == 0).then_some(())
+            }
+        },
+    )
+    .await;
+    assert_eq!(key_k(), [1, 2], "key k's events as the webhook saw them");
+    let status = relay.terminate().await;
+    assert!(status.success(), "{status:?}");
+}
+
 // ---- 6. Broker outage ----
 
 #[tokio::test]

@@ -171,7 +171,7 @@ struct Inner {
     outputs: tokio::sync::Mutex<mpsc::Receiver<Item>>,
     /// The number of the session that streams now, 0 while none does ([`LiveSession`]).
     live: Arc<LiveSession>,
-    confirm: watch::Sender<Lsn>,
+    confirm: watch::Sender<state::Confirmable>,
     status: watch::Receiver<CaptureStatus>,
     on_change: Arc<Mutex<Option<OnChange>>>,
     close: watch::Sender<bool>,
@@ -222,7 +222,7 @@ impl WalStore {
         // Items carry bursts of up to `READ_BURST` outputs: the channel holds about
         // `read_ahead` outputs, not that many bursts, so memory stays bounded.
         let (tx, rx) = mpsc::channel((options.wal.read_ahead / READ_BURST).max(2));
-        let (confirm, confirm_rx) = watch::channel(Lsn::default());
+        let (confirm, confirm_rx) = watch::channel(state::Confirmable::default());
         let (status_tx, status) = watch::channel(CaptureStatus::Starting);
         let (close, close_rx) = watch::channel(false);
         let on_change: Arc<Mutex<Option<OnChange>>> = Arc::default();
@@ -402,6 +402,27 @@ impl capture::HoldsEvents<HeldWal, Park> for Inner {
     }
 }
 
+/// The most bytes of events one park transaction carries: PostgreSQL refuses a message
+/// past 1 GiB (and drops the connection), and a budget of `wal_memory_mib` past that, its
+/// events all parked at once behind a sink's outage, made one statement that failed every
+/// claim for good.
+const PARK_STATEMENT_BYTES: usize = 64 * 1024 * 1024;
+
+/// How many of the first parks, whose events cost `sizes` bytes, one statement of at most
+/// `room` bytes carries: at least one.
+fn parks_that_fit(sizes: impl Iterator<Item = usize>, room: usize) -> usize {
+    let mut total = 0usize;
+    let mut fit = 0;
+    for size in sizes {
+        total = total.saturating_add(size);
+        if fit > 0 && total > room {
+            break;
+        }
+        fit += 1;
+    }
+    fit
+}
+
 fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
     // A panic while holding it would be a bug; its data is still the best there is.
     state.lock().unwrap_or_else(|e| e.into_inner())
@@ -410,7 +431,7 @@ fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
 impl Inner {
     /// Tells the reader what may be confirmed now.
     fn publish_confirmable(&self, state: &mut State) {
-        let confirmable = state.acks.confirmable();
+        let confirmable = state.confirmable();
         self.confirm.send_if_modified(|current| {
             let moved = confirmable > *current;
             if moved {
@@ -440,14 +461,42 @@ impl Inner {
         accepted
     }
 
-    /// Writes `to_park` to the parked table (and deletes their outbox rows) in one
-    /// transaction, then settles them; parks that must wait ([`Holdings::take_parks`]) stay in
+    /// Writes `to_park` to the parked table (and deletes their outbox rows), then settles
+    /// them: in transactions of at most [`PARK_STATEMENT_BYTES`] of events, one after the
+    /// other, in stream order; parks that must wait ([`Holdings::take_parks`]) stay in
     /// `to_park`. Call it holding `parking`.
     async fn flush_parks(&self) -> StoreResult<u64> {
-        let (parks, columns, dead, dead_keys, largest_parked, rows, parked, owner, session) = {
+        let mut parked = 0;
+        loop {
+            let (n, more) = self.flush_park_statement().await?;
+            parked += n;
+            if !more {
+                return Ok(parked);
+            }
+        }
+    }
+
+    /// One transaction of [`Inner::flush_parks`]; whether parks it left for the next.
+    async fn flush_park_statement(&self) -> StoreResult<(u64, bool)> {
+        let (parks, columns, dead, dead_keys, largest_parked, rows, parked, owner, session, more) = {
             let mut state = lock(&self.state);
             let (owner, session) = (state.owner.clone(), state.followed.session);
-            let parks = state.holdings.take_parks();
+            let mut parks = state.holdings.take_parks();
+            let held = &state.holdings.held;
+            let fit = parks_that_fit(
+                parks.iter().map(|park| match held.get(&park.id) {
+                    Some(Held::Stream(held)) => match &held.body {
+                        Body::Event(event) => event_bytes(event),
+                        Body::Undecodable(_) => outbox_core::memory::EVENT_OVERHEAD,
+                    },
+                    _ => 0,
+                }),
+                PARK_STATEMENT_BYTES,
+            );
+            let rest = parks.split_off(fit);
+            let more = !rest.is_empty();
+            // Ahead of any queued since: later events of their keys wait for them.
+            state.holdings.requeue_parks(rest);
             let mut columns = EventColumns::default();
             // An undecodable event has nothing to park: the polling claim could not read
             // it back. Behind a waiting key (released while its head retries) it is
@@ -492,10 +541,11 @@ impl Inner {
                 parked,
                 owner,
                 session,
+                more,
             )
         };
         if parks.is_empty() {
-            return Ok(0);
+            return Ok((0, false));
         }
         let p = &columns.parking;
         let mut park = columns.params(&[], &[&p.delays, &p.not_before, &p.attempts, &p.errors]);
@@ -526,7 +576,7 @@ impl Inner {
             }),
             Ok(None) => {
                 lock(&self.state).fenced_out(session, parks.iter().map(|p| p.id));
-                return Ok(0);
+                return Ok((0, false));
             }
             Err(e) => Err(e),
         };
@@ -589,7 +639,7 @@ impl Inner {
                     state.undeleted.extend(waiting.iter().map(|p| (p.id, now)));
                 }
                 self.settle(&mut state, done.into_iter().map(|p| p.id));
-                Ok(n)
+                Ok((n, more))
             }
             Err(e) => {
                 // Kept, in order, ahead of anything parked since: the next claim tries again.
@@ -1290,5 +1340,28 @@ impl std::fmt::Debug for WalStore {
         f.debug_struct("WalStore")
             .field("slot", &self.inner.slot)
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Parks are cut into statements that fit, in order; one larger than a statement goes
+    /// alone (PostgreSQL takes a value up to 1 GiB).
+    #[test]
+    fn parks_are_cut_into_statements_of_at_most_the_statements_bytes() {
+        let mib = 1024 * 1024;
+        assert_eq!(parks_that_fit([10, 20, 30].into_iter(), 60), 3);
+        assert_eq!(parks_that_fit([10, 20, 31].into_iter(), 60), 2);
+        assert_eq!(
+            parks_that_fit([70, 1].into_iter(), 60),
+            1,
+            "one too large goes alone"
+        );
+        assert_eq!(parks_that_fit(std::iter::empty(), 60), 0);
+        // A sink's outage with 1 MiB events and a budget of 2 GiB: 64 a statement.
+        let outage = std::iter::repeat_n(mib, 2048);
+        assert_eq!(parks_that_fit(outage, PARK_STATEMENT_BYTES), 64);
     }
 }

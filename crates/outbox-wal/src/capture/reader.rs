@@ -22,7 +22,7 @@ pub(super) struct Reader {
     pub(super) sql: CaptureStatements,
     pub(super) drain: bool,
     pub(super) tx: mpsc::Sender<Item>,
-    pub(super) confirm: watch::Receiver<Lsn>,
+    pub(super) confirm: watch::Receiver<Confirmable>,
     pub(super) close: watch::Receiver<bool>,
     pub(super) status: watch::Sender<CaptureStatus>,
     pub(super) on_change: Arc<Mutex<Option<OnChange>>>,
@@ -61,6 +61,23 @@ pub(super) struct Sessions {
     pub(super) stranded_checked_at: std::sync::Mutex<Option<String>>,
     /// The slot's confirm mark: nothing is confirmed past it ([`ConfirmMark`]).
     pub(super) mark: std::sync::Mutex<ConfirmMark>,
+    /// The server's history as the last session found it, and how many times it changed
+    /// ([`Confirmable`]).
+    pub(super) history: Option<crate::History>,
+    pub(super) histories: u64,
+}
+
+impl Sessions {
+    /// A session started on a server of `history`: whether it is another than the last
+    /// session's (which confirmations and settled positions of before do not apply to).
+    pub(super) fn history_changed(&mut self, history: crate::History) -> bool {
+        let changed = self.history.is_some_and(|last| last != history);
+        if changed {
+            self.histories += 1;
+        }
+        self.history = Some(history);
+        changed
+    }
 }
 
 impl Sessions {
@@ -73,6 +90,8 @@ impl Sessions {
             publication_version: std::sync::Mutex::new(None),
             stranded_checked_at: std::sync::Mutex::new(None),
             mark: std::sync::Mutex::new(ConfirmMark::default()),
+            history: None,
+            histories: 0,
         }
     }
 }
@@ -142,6 +161,10 @@ impl Reader {
             };
             let wait = match started {
                 Ok(mut stream) => {
+                    let history = stream.slot().history;
+                    if self.sessions.history_changed(history) {
+                        tracing::warn!(system = history.system, timeline = history.timeline, "the server's history changed (another system, or a new timeline: a promoted standby, a restored backup): what was confirmed and settled before is not taken for this history's, and events read again are sent again");
+                    }
                     self.sessions.streamed = true;
                     self.sessions.backoff.reset();
                     self.sessions.started += 1;
@@ -523,7 +546,7 @@ impl Reader {
         now_or_never: bool,
     ) {
         self.told.set(stream.reported());
-        let wanted = *self.confirm.borrow();
+        let wanted = self.confirm.borrow().within(self.sessions.histories);
         let now = std::time::Instant::now();
         let due = may_raise && {
             let mut mark = self.lock_mark();
@@ -942,6 +965,7 @@ impl Reader {
             largest_parked,
             owner: self.session_name.clone(),
             adopted_copies,
+            history: self.sessions.histories,
         };
         if let Err(end) = self.send_serviced(stream, session).await {
             return Some(end);

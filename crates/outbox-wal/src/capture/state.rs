@@ -20,6 +20,8 @@ pub(super) enum Item {
         owner: String,
         /// Events the slot's adoption moved to the parked table that its stream carries too.
         adopted_copies: AdoptedCopies,
+        /// The server's history the session reads ([`Confirmable::history`]).
+        history: u64,
     },
     /// `--drain`: the position of the marker written at start-up.
     DrainUntil(Lsn),
@@ -29,6 +31,27 @@ pub(super) enum Item {
 }
 
 pub(super) use outbox_core::capture::LiveSession;
+
+/// What the settled events allow the slot to be confirmed up to, and of which of the
+/// server's histories (a count the reader moves on when IDENTIFY_SYSTEM's system or
+/// timeline changes, [`crate::History`]). The reader confirms only its own history's: a
+/// position of another is another transaction, and confirmed at a promoted standby whose
+/// slot is behind it, it skipped the new primary's transactions up to it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub(super) struct Confirmable {
+    pub(super) history: u64,
+    pub(super) up_to: Lsn,
+}
+
+impl Confirmable {
+    /// What a session reading `history` may confirm (nothing, of another history).
+    pub(super) fn within(self, history: u64) -> Lsn {
+        match self.history == history {
+            true => self.up_to,
+            false => Lsn::default(),
+        }
+    }
+}
 
 /// The events an adoption moved to the parked table that the slot's stream carries too:
 /// rows committed after the slot's start and before the adoption, which found them in the
@@ -200,6 +223,15 @@ pub(super) struct State {
     /// What the server was last told the slot may be confirmed up to (the reader sets it):
     /// the settled positions keep what lies past it.
     pub(super) told: Arc<ToldServer>,
+    /// The server's history the current session reads ([`Confirmable`]).
+    pub(super) history: u64,
+    /// Every event committed before this was settled, of this history: read again by a
+    /// later session, it is settled unsent. The slot's confirmed position reaches the
+    /// server's disk only at its checkpoints, so a server that crashed (or was stopped
+    /// `immediate`) streams again from behind what it was told, through events the
+    /// settled positions let go of once it was told: a key's settled event then went out
+    /// again after a later one still with the engine.
+    pub(super) done_below: Lsn,
 }
 
 /// The position the reader last told the server the slot may be confirmed up to (its last
@@ -388,6 +420,16 @@ impl State {
             adopted_copies: AdoptedCopies::default(),
             settled: SettledPositions::default(),
             told: Arc::default(),
+            history: 0,
+            done_below: Lsn::default(),
+        }
+    }
+
+    /// What the slot may be confirmed up to now, of the current history.
+    pub(super) fn confirmable(&mut self) -> Confirmable {
+        Confirmable {
+            history: self.history,
+            up_to: self.acks.confirmable(),
         }
     }
 
@@ -540,7 +582,7 @@ impl State {
             Ok(event) => Some(event.event.event_id),
             Err(undecodable) => undecodable.event_id,
         };
-        if self.settled.contains(&position, id) {
+        if position.commit_lsn < self.done_below || self.settled.contains(&position, id) {
             if let Err(e) = self.acks.settle(position) {
                 tracing::error!(error = %e, "WAL acknowledgement out of step (a bug)");
             }
@@ -677,7 +719,16 @@ impl capture::Sessions for State {
                 largest_parked,
                 owner,
                 adopted_copies,
+                history,
             } => {
+                if history == self.history {
+                    self.done_below = self.done_below.max(self.acks.confirmable());
+                } else {
+                    // Positions of another history are other transactions.
+                    self.history = history;
+                    self.done_below = Lsn::default();
+                    self.settled = SettledPositions::default();
+                }
                 self.adopted_copies = adopted_copies;
                 // What a row costs in memory beyond its text, as a claimed event's charge.
                 self.largest_parked = largest_parked + outbox_core::memory::EVENT_OVERHEAD;
@@ -756,6 +807,30 @@ mod tests {
         session_with(n, parked_keys, AdoptedCopies::default())
     }
 
+    /// Session `n` on a server of the `history`th history (0: the first).
+    fn session_of_history(n: u64, history: u64) -> Item {
+        match session(n, &[]) {
+            Item::Session {
+                session,
+                start,
+                parked_keys,
+                largest_parked,
+                owner,
+                adopted_copies,
+                ..
+            } => Item::Session {
+                session,
+                start,
+                parked_keys,
+                largest_parked,
+                owner,
+                adopted_copies,
+                history,
+            },
+            _ => unreachable!("a session"),
+        }
+    }
+
     fn session_with(n: u64, parked_keys: &[&str], adopted_copies: AdoptedCopies) -> Item {
         Item::Session {
             session: n,
@@ -764,6 +839,7 @@ mod tests {
             largest_parked: 0,
             owner: format!("session {n}"),
             adopted_copies,
+            history: 0,
         }
     }
 
@@ -986,7 +1062,7 @@ mod tests {
         assert!(state.holdings.held.is_empty());
         // Another event at a settled event's position (a promoted standby's new timeline
         // writes other transactions where the old server wrote these): it goes out.
-        state.accept(session(4, &[]));
+        state.accept(session_of_history(4, 1));
         assert_eq!(claim(&mut state, transactions(&[(7, "k", 200)])), [7]);
     }
 
@@ -1033,6 +1109,58 @@ mod tests {
         state.settle(handed);
         state.accept(session(2, &[]));
         assert_eq!(claim(&mut state, both()), [2], "1 settled unsent");
+    }
+
+    /// Event 1 of key k is settled, the server told past it, and the settled positions let
+    /// go of it; 2 is still with the engine. The server crashes: the slot's confirmed
+    /// position reached its disk only at the last checkpoint, before 1, and the next
+    /// session reads 1 again. Sent, it went out after 2.
+    #[test]
+    fn an_event_read_again_after_a_servers_crash_brought_its_slot_back_is_settled_unsent() {
+        let mut state = State::new();
+        state.accept(session(1, &[]));
+        let both = || transactions(&[(1, "k", 200), (2, "k", 300)]);
+        assert_eq!(claim(&mut state, both()), [1, 2]);
+        state.settle([1]);
+        tell_the_server_past_many_other_settles(&mut state);
+        assert!(!state
+            .settled
+            .settled
+            .keys()
+            .any(|p| p.commit_lsn == Lsn(200)));
+        // The slot back at START (100), behind what the server was told.
+        state.accept(session(2, &[]));
+        assert_eq!(claim(&mut state, both()), [2], "1 settled unsent");
+    }
+
+    /// The same, on a server of another history (a promoted standby, whose slot is behind):
+    /// positions there are other transactions, and nothing read is taken for settled. Nor
+    /// does the reader confirm what the last history's events allowed.
+    #[test]
+    fn events_read_on_another_history_are_not_taken_for_settled_ones() {
+        let mut state = State::new();
+        state.accept(session(1, &[]));
+        let both = || transactions(&[(1, "k", 200), (2, "k", 300)]);
+        assert_eq!(claim(&mut state, both()), [1, 2]);
+        state.settle([1]);
+        tell_the_server_past_many_other_settles(&mut state);
+        let before = state.confirmable();
+        assert!(before.within(0) > START);
+        state.accept(session_of_history(2, 1));
+        assert_eq!(claim(&mut state, transactions(&[(3, "k", 200)])), [3]);
+        assert_eq!(before.within(1), Lsn::default(), "not of this history");
+        assert!(state.confirmable() > before, "this history's come first");
+    }
+
+    /// Settles events of other keys, telling the server what may be confirmed after each,
+    /// until the settled positions let go of what came before.
+    fn tell_the_server_past_many_other_settles(state: &mut State) {
+        state.told.set(state.acks.confirmable());
+        let handed = hand_out_events_of_other_keys(state, 2 * SettledPositions::CUT_EVERY + 1, 10);
+        for id in handed {
+            state.settle([id]);
+            state.told.set(state.acks.confirmable());
+        }
     }
 
     #[test]
