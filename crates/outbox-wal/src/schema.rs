@@ -515,15 +515,34 @@ impl CaptureStatements {
                 park = park_insert(&parked),
                 undeleted = not_visible_yet("$14", "$15"),
             ),
+            // A dead letter already there under the same id is this event's (written by a
+            // try whose answer was lost, or by an earlier session): left as it is. One of
+            // another event (an older dead letter, from before the outbox's ids were reset)
+            // keeps its id, and this one takes a new one, negative and below every dead
+            // letter's, saying so in its error: skipped, the event was lost with its outbox
+            // row.
             dead_letter: format!(
-                "INSERT INTO {dl} (sequence_id, event_id, destination, partition_key, event_type,
-                        payload, headers, mutation_id, rejected, created_at, attempts, last_error)
-                 SELECT s, e, d, k, t, p::jsonb, h::jsonb, m, r, c, n, err
-                   FROM unnest($1::int8[], $2::uuid[], $3::text[], $4::text[], $5::text[],
-                               $6::text[], $7::text[], $8::text[], $9::bool[],
-                               $10::timestamptz[], $11::int4[], $12::text[])
-                        AS u(s, e, d, k, t, p, h, m, r, c, n, err)
-                 ON CONFLICT (sequence_id) DO NOTHING"
+                "WITH u AS (
+                     SELECT * FROM unnest($1::int8[], $2::uuid[], $3::text[], $4::text[], $5::text[],
+                                          $6::text[], $7::text[], $8::text[], $9::bool[],
+                                          $10::timestamptz[], $11::int4[], $12::text[])
+                                   AS u(s, e, d, k, t, p, h, m, r, c, n, err)),
+                 taken AS (
+                     SELECT u.s FROM u JOIN {dl} x ON x.sequence_id = u.s AND x.event_id <> u.e),
+                 kept AS (
+                     INSERT INTO {dl} ({dead_columns})
+                     SELECT s, e, d, k, t, p::jsonb, h::jsonb, m, r, c, n, err FROM u
+                      WHERE u.s NOT IN (SELECT s FROM taken)
+                     ON CONFLICT (sequence_id) DO NOTHING)
+                 INSERT INTO {dl} ({dead_columns})
+                 SELECT (SELECT least(min(sequence_id), 0) FROM {dl}) - row_number() OVER (ORDER BY u.s),
+                        e, d, k, t, p::jsonb, h::jsonb, m, r, c, n,
+                        err || format(' (dead-lettered under a new id: %s is an older dead letter''s, \
+                                       of another event)', u.s)
+                   FROM u WHERE u.s IN (SELECT s FROM taken)",
+                dead_columns = "sequence_id, event_id, destination, partition_key, event_type, \
+                                payload, headers, mutation_id, rejected, created_at, attempts, \
+                                last_error",
             ),
             // The ids left undeleted, as one array (nearly always empty): returning every
             // deleted id was a row per event for the client to decode.

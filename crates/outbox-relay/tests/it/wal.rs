@@ -2524,6 +2524,52 @@ async fn an_undecodable_event_behind_a_retrying_head_is_dead_lettered_not_droppe
     w.assert_empty(&relay.logs()).await;
 }
 
+/// An older dead letter holds the id an event's outbox row has now (the outbox emptied and
+/// its ids started again, `TRUNCATE … RESTART IDENTITY`): the event's dead letter was
+/// skipped (`ON CONFLICT DO NOTHING`) and its row deleted all the same, the event lost
+/// without a word. It is kept under a new id, its error saying why.
+#[tokio::test]
+async fn a_dead_letter_whose_id_an_older_one_holds_is_kept_under_a_new_id() {
+    let w = WalDb::new().await;
+    let mut relay = w.streaming_to("stdout", &[]).await;
+    w.db.batch_execute(
+        "INSERT INTO outbox_dead_letters (sequence_id, event_id, destination, event_type,
+                                          created_at, attempts, last_error, dead_at)
+         SELECT CASE WHEN is_called THEN last_value + 1 ELSE last_value END, gen_random_uuid(),
+                'orders', 'Older', now(), 1, 'older', now()
+           FROM outbox_sequence_id_seq",
+    )
+    .await
+    .unwrap();
+    // Headers that are no JSON object: dead-lettered at once.
+    let event_id: uuid::Uuid =
+        w.db.query_one(
+            "INSERT INTO outbox (destination, partition_key, event_type, payload, headers)
+             VALUES ('orders', 'k', 'Odd', '{}', '[]') RETURNING event_id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let dead = "SELECT count(*) FROM outbox_dead_letters";
+    wait_for_rows(&relay, "both dead letters kept", &w.db, dead, 2).await;
+    let (id, error): (i64, String) = {
+        let row =
+            w.db.query_one(
+                "SELECT sequence_id, last_error FROM outbox_dead_letters WHERE event_id = $1",
+                &[&event_id],
+            )
+            .await
+            .unwrap();
+        (row.get(0), row.get(1))
+    };
+    assert!(id < 0, "a new id: {id}");
+    assert!(error.contains("older dead letter"), "{error}");
+    let status = relay.terminate().await;
+    assert!(status.success(), "{status:?}");
+    w.assert_empty(&relay.logs()).await;
+}
+
 #[tokio::test]
 async fn a_key_holding_nul_whose_event_is_dead_lettered_instead_of_parked_flows_again() {
     let (_nats, deliveries, proxy, broker_url) = nats_behind_a_proxy().await;
