@@ -165,10 +165,20 @@ struct Payload {
 /// decompress (mysql_async hands out none of them when they do not, without a word) and
 /// that their headers' sizes tile them exactly (mysql_common panics on an event longer than
 /// what is left; the reader stops at this payload instead, before the stream reads on).
+/// Read as a stream, a chunk at a time: mysql_async holds the whole transaction
+/// decompressed already, and a second copy doubled what a large one cost.
 fn payload_events_size(payload: &TransactionPayloadEvent<'_>) -> std::io::Result<u64> {
-    let mut events = Vec::new();
-    std::io::Read::read_to_end(&mut payload.decompressed()?, &mut events)?;
-    let size = events.len() as u64;
+    let mut events = payload.decompressed()?;
+    let mut tiles = EventTiles::default();
+    let mut chunk = vec![0u8; 64 * 1024];
+    loop {
+        let n = std::io::Read::read(&mut events, &mut chunk)?;
+        if n == 0 {
+            break;
+        }
+        tiles.read(&chunk[..n])?;
+    }
+    let size = tiles.end()?;
     let compressed = payload.algorithm() != TransactionPayloadCompressionType::NONE;
     if compressed && size != payload.uncompressed_size() {
         return Err(std::io::Error::other(format!(
@@ -176,19 +186,74 @@ fn payload_events_size(payload: &TransactionPayloadEvent<'_>) -> std::io::Result
             payload.uncompressed_size()
         )));
     }
-    // Each event's header: timestamp (4), type (1), server id (4), then its size (4).
-    let mut at = 0;
-    while at < events.len() {
-        let event_size = events
-            .get(at + 9..at + 13)
-            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
-            .filter(|&n| n >= EVENT_HEADER_LEN && at + n <= events.len())
-            .ok_or_else(|| {
-                std::io::Error::other(format!("its event at byte {at} has a broken size"))
-            })?;
-        at += event_size;
-    }
     Ok(size)
+}
+
+/// Events read a chunk at a time, each header's size saying where the next begins.
+#[derive(Default)]
+struct EventTiles {
+    /// Bytes read so far.
+    read: u64,
+    /// Where the event being read began, and its header's first bytes while they come.
+    event_at: u64,
+    header: Vec<u8>,
+    /// Where the next event begins, once the header said.
+    next_at: Option<u64>,
+}
+
+impl EventTiles {
+    /// Each event's header: timestamp (4), type (1), server id (4), then its size (4).
+    const SIZE_END: usize = 13;
+
+    fn read(&mut self, mut bytes: &[u8]) -> std::io::Result<()> {
+        while !bytes.is_empty() {
+            match self.next_at {
+                // Within an event's body: skip to its end.
+                Some(next) => {
+                    let skip = usize::try_from(next - self.read)
+                        .unwrap_or(usize::MAX)
+                        .min(bytes.len());
+                    bytes = &bytes[skip..];
+                    self.read += skip as u64;
+                    if self.read == next {
+                        self.event_at = next;
+                        self.next_at = None;
+                        self.header.clear();
+                    }
+                }
+                None => {
+                    let take = (Self::SIZE_END - self.header.len()).min(bytes.len());
+                    self.header.extend_from_slice(&bytes[..take]);
+                    bytes = &bytes[take..];
+                    self.read += take as u64;
+                    if self.header.len() == Self::SIZE_END {
+                        let h = &self.header[9..13];
+                        let size = u32::from_le_bytes([h[0], h[1], h[2], h[3]]) as usize;
+                        if size < EVENT_HEADER_LEN {
+                            return Err(self.broken());
+                        }
+                        self.next_at = Some(self.event_at + size as u64);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The bytes read, once every event ended where the last read did.
+    fn end(&self) -> std::io::Result<u64> {
+        match (self.next_at, self.header.is_empty()) {
+            (None, true) => Ok(self.read),
+            _ => Err(self.broken()),
+        }
+    }
+
+    fn broken(&self) -> std::io::Error {
+        std::io::Error::other(format!(
+            "its event at byte {} has a broken size",
+            self.event_at
+        ))
+    }
 }
 
 /// The columns of `table_map` of a type the reader cannot read, for an error that names
@@ -1544,6 +1609,41 @@ fn text(value: &BinlogValue<'_>) -> std::result::Result<Option<String>, String> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An event of `size` bytes as far as the tiling looks: its size at bytes 9..13.
+    fn sized(size: u32) -> Vec<u8> {
+        let mut event = vec![0u8; (size as usize).max(13)];
+        event[9..13].copy_from_slice(&size.to_le_bytes());
+        event
+    }
+
+    /// A payload's events, read in chunks of every size, end where the bytes do (headers
+    /// cut across chunks too); a size below a header's, or an event longer than what is
+    /// left, is a broken payload, at the event that says so.
+    #[test]
+    fn a_payloads_events_are_tiled_a_chunk_at_a_time() {
+        let events: Vec<u8> = [19, 200, 70_000, 31].into_iter().flat_map(sized).collect();
+        for chunk in [1, 5, 13, 19, 4096, events.len()] {
+            let mut tiles = EventTiles::default();
+            for bytes in events.chunks(chunk) {
+                tiles.read(bytes).unwrap();
+            }
+            assert_eq!(
+                tiles.end().unwrap(),
+                events.len() as u64,
+                "chunks of {chunk}"
+            );
+        }
+        let mut short = EventTiles::default();
+        let e = short.read(&[sized(19), sized(12)].concat()).unwrap_err();
+        assert!(e.to_string().contains("byte 19"), "{e}");
+        let mut cut = EventTiles::default();
+        cut.read(&sized(50)[..40]).unwrap();
+        assert!(cut.end().is_err(), "an event longer than what is left");
+        let mut half_header = EventTiles::default();
+        half_header.read(&[sized(19), vec![0; 5]].concat()).unwrap();
+        assert!(half_header.end().is_err(), "a header cut short");
+    }
 
     #[test]
     fn mysql_8_binary_json_is_read_back_as_json_text() {
