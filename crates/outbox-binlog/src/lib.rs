@@ -442,7 +442,18 @@ pub async fn server_problems(url: &str, database: &str) -> Result<Vec<Problem>> 
             "SELECT CAST(@@GLOBAL.log_bin AS CHAR), @@GLOBAL.binlog_format, @@GLOBAL.binlog_row_image",
         )
         .await?;
-    let grants: Vec<String> = conn.query("SHOW GRANTS").await?;
+    let mut grants: Vec<String> = conn.query("SHOW GRANTS").await?;
+    // MySQL 8 lists a role's privileges only when asked for them (MariaDB lists those of
+    // the role in use): a role's replication privileges were taken for missing.
+    let version: Option<String> = conn.query_first("SELECT VERSION()").await?;
+    if !version.is_some_and(|v| v.contains("MariaDB")) {
+        let roles: Option<Option<String>> = conn.query_first("SELECT CURRENT_ROLE()").await?;
+        if let Some(statement) = grants_with_roles(roles.flatten().as_deref()) {
+            if let Ok(with_roles) = conn.query::<String, _>(statement).await {
+                grants = with_roles;
+            }
+        }
+    }
     // Compression that binlog capture does not read: MariaDB's compressed events (MySQL
     // 8.0.20+'s compressed transactions are read). MySQL has no such variable.
     let compressions: Vec<(String, String)> = conn
@@ -531,9 +542,22 @@ pub async fn server_problems(url: &str, database: &str) -> Result<Vec<Problem>> 
         ("REPLICATION CLIENT", "to read its position"),
     ] {
         if !granted(&grants, privilege) {
+            // `GRANT role TO user` (no ON): a role granted, not in use at login.
+            let role_granted = grants.iter().any(|line| {
+                let line = line.to_ascii_uppercase();
+                line.starts_with("GRANT ") && !line.contains(" ON ")
+            });
+            let fix = match role_granted {
+                true => format!(
+                    "GRANT {privilege} ON *.* TO <the relay's role>; a role granted to it \
+                     counts only while in use: SET DEFAULT ROLE ALL TO <the relay's user> \
+                     (MySQL), SET DEFAULT ROLE <role> FOR <the relay's user> (MariaDB)"
+                ),
+                false => format!("GRANT {privilege} ON *.* TO <the relay's role>"),
+            };
             problems.push(Problem::blocking(
                 format!("the role lacks {privilege}, which it needs {why}"),
-                format!("GRANT {privilege} ON *.* TO <the relay's role>"),
+                fix,
             ));
         }
     }
@@ -556,6 +580,15 @@ async fn logged_database_filters(conn: &mut Conn) -> Option<(String, String)> {
         }
     }
     None
+}
+
+/// MySQL's statement listing the session's privileges with those of its roles in use,
+/// given `CURRENT_ROLE()`'s answer (`` `r1`@`%`,`r2`@`%` ``, or `NONE`); `None` without a
+/// role in use.
+fn grants_with_roles(current_roles: Option<&str>) -> Option<String> {
+    let roles = current_roles?.trim();
+    (!roles.is_empty() && !roles.eq_ignore_ascii_case("NONE"))
+        .then(|| format!("SHOW GRANTS FOR CURRENT_USER() USING {roles}"))
 }
 
 /// Whether `SHOW GRANTS`' lines give `privilege` (or ALL PRIVILEGES) on `*.*`. MariaDB
@@ -598,6 +631,25 @@ pub fn database_of(url: &str) -> Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// MySQL 8's `SHOW GRANTS` lists `GRANT role TO user` without the role's privileges:
+    /// asked again with the roles in use, as `CURRENT_ROLE()` names them.
+    #[test]
+    fn a_mysql_roles_privileges_are_asked_for_with_the_roles_in_use() {
+        assert_eq!(
+            grants_with_roles(Some("`relay_role`@`%`,`reader`@`%`")).as_deref(),
+            Some("SHOW GRANTS FOR CURRENT_USER() USING `relay_role`@`%`,`reader`@`%`")
+        );
+        assert_eq!(grants_with_roles(Some("NONE")), None);
+        assert_eq!(grants_with_roles(None), None);
+        let with_role = [
+            "GRANT USAGE ON *.* TO `relay`@`%`".to_string(),
+            "GRANT REPLICATION SLAVE, REPLICATION CLIENT ON *.* TO `relay`@`%`".to_string(),
+            "GRANT `relay_role`@`%` TO `relay`@`%`".to_string(),
+        ];
+        assert!(granted(&with_role, "REPLICATION SLAVE"));
+        assert!(granted(&with_role, "REPLICATION CLIENT"));
+    }
 
     #[test]
     fn a_stored_position_is_checked_against_every_log_the_server_lists() {

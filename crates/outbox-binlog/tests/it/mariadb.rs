@@ -281,6 +281,61 @@ async fn the_servers_settings_and_the_roles_privileges_are_checked_by_name() {
     assert!(said[1].contains("REPLICATION CLIENT"), "{said:?}");
 }
 
+/// Replication privileges granted through a role count while the role is in use at login
+/// (a default role); a role granted but not in use gives none, and the fix says how to put
+/// it in use. (MySQL 8 lists a role's privileges only when asked `USING` it: unit-tested,
+/// no MySQL server here.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replication_privileges_through_a_role_count_while_the_role_is_in_use() {
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let opts = Opts::from_url(&url).unwrap();
+    let suffix = fastrand_id();
+    let (user, role) = (
+        format!("outbox_rr_{suffix}"),
+        format!("outbox_rrole_{suffix}"),
+    );
+    let mut admin = connect(&url).await;
+    admin
+        .query_drop(format!(
+            "CREATE ROLE {role};
+             GRANT REPLICATION SLAVE, BINLOG MONITOR ON *.* TO {role};
+             CREATE USER '{user}'@'127.0.0.1' IDENTIFIED BY 'p';
+             GRANT SELECT ON *.* TO '{user}'@'127.0.0.1';
+             GRANT {role} TO '{user}'@'127.0.0.1';"
+        ))
+        .await
+        .unwrap();
+    let as_user = format!(
+        "mysql://{user}:p@{}:{}/{}",
+        opts.ip_or_hostname(),
+        opts.tcp_port(),
+        opts.db_name().unwrap()
+    );
+    let blocking = || async {
+        let problems = server_problems(&as_user, &database_of(&as_user).unwrap())
+            .await
+            .unwrap();
+        problems
+            .into_iter()
+            .filter(|p| p.fails_check())
+            .map(|p| format!("{} (fix: {})", p.what, p.fix))
+            .collect::<Vec<String>>()
+    };
+    let not_in_use = blocking().await;
+    assert_eq!(not_in_use.len(), 2, "{not_in_use:?}");
+    assert!(not_in_use[0].contains("SET DEFAULT ROLE"), "{not_in_use:?}");
+    admin
+        .query_drop(format!("SET DEFAULT ROLE {role} FOR '{user}'@'127.0.0.1'"))
+        .await
+        .unwrap();
+    let in_use = blocking().await;
+    assert!(in_use.is_empty(), "{in_use:?}");
+    admin
+        .query_drop(format!("DROP USER '{user}'@'127.0.0.1'; DROP ROLE {role}"))
+        .await
+        .unwrap();
+}
+
 /// The table-less form: rows inserted into a BLACKHOLE table are in the binary log, in
 /// commit order, and nowhere else. A server without the engine is told how to get it (the
 /// test server has it as a plugin, installed here once).
