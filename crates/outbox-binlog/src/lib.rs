@@ -447,7 +447,12 @@ pub async fn server_problems(url: &str, database: &str) -> Result<Vec<Problem>> 
     // the role in use): a role's replication privileges were taken for missing.
     let version: Option<String> = conn.query_first("SELECT VERSION()").await?;
     if !version.is_some_and(|v| v.contains("MariaDB")) {
-        let roles: Option<Option<String>> = conn.query_first("SELECT CURRENT_ROLE()").await?;
+        // No such function before MySQL 8: no roles either.
+        let roles: Option<Option<String>> = conn
+            .query_first("SELECT CURRENT_ROLE()")
+            .await
+            .ok()
+            .flatten();
         if let Some(statement) = grants_with_roles(roles.flatten().as_deref()) {
             if let Ok(with_roles) = conn.query::<String, _>(statement).await {
                 grants = with_roles;
@@ -549,9 +554,9 @@ pub async fn server_problems(url: &str, database: &str) -> Result<Vec<Problem>> 
             });
             let fix = match role_granted {
                 true => format!(
-                    "GRANT {privilege} ON *.* TO <the relay's role>; a role granted to it \
-                     counts only while in use: SET DEFAULT ROLE ALL TO <the relay's user> \
-                     (MySQL), SET DEFAULT ROLE <role> FOR <the relay's user> (MariaDB)"
+                    "GRANT {privilege} ON *.* TO <the relay's role>; given through a role, \
+                     the role must be in use at login: SET DEFAULT ROLE ALL TO <the relay's \
+                     user> (MySQL), SET DEFAULT ROLE <role> FOR <the relay's user> (MariaDB)"
                 ),
                 false => format!("GRANT {privilege} ON *.* TO <the relay's role>"),
             };

@@ -9,7 +9,10 @@
 //! released (`Lanes::accept`), so a capture's ids rise in stream order per key: a WAL
 //! message's and a BLACKHOLE row's are drawn upwards as they are read, a parked row's rise
 //! with the parked table's. A table row's is its insert-order `sequence_id`, which is commit
-//! order for a key's events unless two transactions wrote the key at once. Releases come
+//! order for a key's events unless two transactions wrote the key at once; and a key whose
+//! events come both as table rows and as `outbox_emit` messages has ids of two ranges
+//! (messages' far below rows'), so a message may overtake a row of its key given back
+//! unsent while the message was being claimed. Releases come
 //! behind a retry (which parks its row, so the key waits), when stopping, and when a sink
 //! gives a key's head back unsent (`NotSent`): then a claim racing the release may hand out
 //! a later event of the key, which the lanes send back, and the released events come out

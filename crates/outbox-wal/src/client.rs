@@ -171,6 +171,10 @@ pub struct SlotState {
     pub created: bool,
     /// The server's history, as the session started.
     pub history: History,
+    /// Where the server's WAL was flushed to as the session started: everything it sent
+    /// before is there after a crash (it sends only flushed WAL), so a server whose WAL ends
+    /// before what was read from it was rolled back (a disk snapshot, `pg_resetwal`).
+    pub flushed: Lsn,
     /// Where the stream starts: nothing committed before it is sent.
     pub confirmed_flush: Lsn,
 }
@@ -211,8 +215,13 @@ impl WalStream {
         if publication.is_empty() {
             return Err(WalError::MissingPublication(config.publication.clone()));
         }
-        let history = identify_system(&mut connection).await?;
-        let slot = ensure_slot(&mut connection, &config.slot, config.create_slot, history).await?;
+        let (history, flushed) = identify_system(&mut connection).await?;
+        let slot = ensure_slot(&mut connection, &config.slot, config.create_slot).await?;
+        let slot = SlotState {
+            history,
+            flushed,
+            ..slot
+        };
         // From the slot's own position, so the first status update never moves it back.
         let stream = connection
             .start_replication(
@@ -538,29 +547,30 @@ async fn read_slot(connection: &mut Connection, slot: &str) -> Result<Option<Slo
     }))
 }
 
-/// Reads the slot, creating it (pgoutput) when missing and `create` allows.
-/// The server's [`History`]: `IDENTIFY_SYSTEM`'s first two columns.
-async fn identify_system(client: &mut Connection) -> Result<History, WalError> {
+/// The server's [`History`], and the position its WAL is flushed to: `IDENTIFY_SYSTEM`'s
+/// first three columns.
+async fn identify_system(client: &mut Connection) -> Result<(History, Lsn), WalError> {
     let rows = client.simple_query("IDENTIFY_SYSTEM").await?;
     history_of(rows.first().map(Vec::as_slice).unwrap_or_default())
 }
 
-fn history_of(row: &[Option<String>]) -> Result<History, WalError> {
+fn history_of(row: &[Option<String>]) -> Result<(History, Lsn), WalError> {
     let column = |n: usize| row.get(n).cloned().flatten().unwrap_or_default();
-    let (system, timeline) = (column(0), column(1));
-    match (system.parse(), timeline.parse()) {
-        (Ok(system), Ok(timeline)) => Ok(History { system, timeline }),
+    let (system, timeline, flushed) = (column(0), column(1), column(2));
+    match (system.parse(), timeline.parse(), flushed.parse()) {
+        (Ok(system), Ok(timeline), Ok(flushed)) => Ok((History { system, timeline }, flushed)),
         _ => Err(WalError::Config(format!(
-            "the server answered IDENTIFY_SYSTEM with system {system:?} and timeline              {timeline:?}, not numbers: is it PostgreSQL?"
+            "the server answered IDENTIFY_SYSTEM with system {system:?}, timeline {timeline:?} \
+             and position {flushed:?}: is it PostgreSQL?"
         ))),
     }
 }
 
+/// Reads the slot, creating it (pgoutput) when missing and `create` allows.
 async fn ensure_slot(
     client: &mut Connection,
     slot: &str,
     create: bool,
-    history: History,
 ) -> Result<SlotState, WalError> {
     let slot_error = |reason: String| WalError::Slot {
         slot: slot.to_string(),
@@ -610,7 +620,12 @@ async fn ensure_slot(
         .map_err(|e| slot_error(format!("{e}")))?;
     Ok(SlotState {
         created,
-        history,
+        // Set by the caller, from IDENTIFY_SYSTEM.
+        history: History {
+            system: 0,
+            timeline: 0,
+        },
+        flushed: Lsn::default(),
         confirmed_flush,
     })
 }
@@ -663,7 +678,7 @@ mod tests {
         let row = |system: &str, timeline: &str| {
             [system, timeline, "0/16B3748", "shop"].map(|c| Some(c.to_string()))
         };
-        let history = history_of(&row("7411502239340123456", "3")).unwrap();
+        let (history, flushed) = history_of(&row("7411502239340123456", "3")).unwrap();
         assert_eq!(
             history,
             History {
@@ -671,6 +686,7 @@ mod tests {
                 timeline: 3
             }
         );
+        assert_eq!(flushed, "0/16B3748".parse().unwrap());
         let e = history_of(&row("", "x")).unwrap_err().to_string();
         assert!(e.contains("IDENTIFY_SYSTEM"), "{e}");
         assert!(history_of(&[]).is_err(), "no row");

@@ -519,8 +519,9 @@ impl CaptureStatements {
             // try whose answer was lost, or by an earlier session): left as it is. One of
             // another event (an older dead letter, from before the outbox's ids were reset)
             // keeps its id, and this one takes a new one, negative and below every dead
-            // letter's, saying so in its error: skipped, the event was lost with its outbox
-            // row.
+            // letter's and the batch's (the batch's own are inserted after, unseen by this
+            // statement's snapshot), saying so in its error: skipped, the event was lost with
+            // its outbox row.
             dead_letter: format!(
                 "WITH u AS (
                      SELECT * FROM unnest($1::int8[], $2::uuid[], $3::text[], $4::text[], $5::text[],
@@ -528,14 +529,18 @@ impl CaptureStatements {
                                           $10::timestamptz[], $11::int4[], $12::text[])
                                    AS u(s, e, d, k, t, p, h, m, r, c, n, err)),
                  taken AS (
-                     SELECT u.s FROM u JOIN {dl} x ON x.sequence_id = u.s AND x.event_id <> u.e),
+                     SELECT u.s FROM u JOIN {dl} x ON x.sequence_id = u.s AND x.event_id <> u.e
+                      -- Moved by a try whose answer was lost: there already.
+                      WHERE NOT EXISTS (SELECT 1 FROM {dl} y
+                                         WHERE y.sequence_id < 0 AND y.event_id = u.e)),
                  kept AS (
                      INSERT INTO {dl} ({dead_columns})
                      SELECT s, e, d, k, t, p::jsonb, h::jsonb, m, r, c, n, err FROM u
                       WHERE u.s NOT IN (SELECT s FROM taken)
                      ON CONFLICT (sequence_id) DO NOTHING)
                  INSERT INTO {dl} ({dead_columns})
-                 SELECT (SELECT least(min(sequence_id), 0) FROM {dl}) - row_number() OVER (ORDER BY u.s),
+                 SELECT least((SELECT min(sequence_id) FROM {dl}), (SELECT min(s) FROM u), 0)
+                          - row_number() OVER (ORDER BY u.s),
                         e, d, k, t, p::jsonb, h::jsonb, m, r, c, n,
                         err || format(' (dead-lettered under a new id: %s is an older dead letter''s, \
                                        of another event)', u.s)

@@ -487,7 +487,8 @@ impl Inner {
                 parks.iter().map(|park| match held.get(&park.id) {
                     Some(Held::Stream(held)) => match &held.body {
                         Body::Event(event) => event_bytes(event),
-                        Body::Undecodable(_) => outbox_core::memory::EVENT_OVERHEAD,
+                        // Dead-lettered with its raw text.
+                        Body::Undecodable(u) => outbox_core::memory::EVENT_OVERHEAD + u.raw.len(),
                     },
                     _ => 0,
                 }),

@@ -65,18 +65,35 @@ pub(super) struct Sessions {
     /// ([`Confirmable`]).
     pub(super) history: Option<crate::History>,
     pub(super) histories: u64,
+    /// The furthest position read on this history (a transaction's end, a keepalive's).
+    pub(super) read_to: std::sync::atomic::AtomicU64,
 }
 
 impl Sessions {
-    /// A session started on a server of `history`: whether it is another than the last
-    /// session's (which confirmations and settled positions of before do not apply to).
-    pub(super) fn history_changed(&mut self, history: crate::History) -> bool {
-        let changed = self.history.is_some_and(|last| last != history);
+    /// A session started on a server of `history`, whose WAL is flushed to `flushed`:
+    /// whether it is another history than the last session's (which confirmations and
+    /// settled positions of before do not apply to). A server whose WAL ends before what
+    /// was read from it was rolled back (a disk snapshot, a backup restored without a new
+    /// timeline, `pg_resetwal`): its positions name other transactions too.
+    pub(super) fn history_changed(&mut self, history: crate::History, flushed: Lsn) -> bool {
+        let read_to = Lsn(self.read_to.load(std::sync::atomic::Ordering::Relaxed));
+        let changed = self
+            .history
+            .is_some_and(|last| last != history || flushed < read_to);
         if changed {
             self.histories += 1;
+            self.read_to.store(0, std::sync::atomic::Ordering::Relaxed);
+            // The mark last read or raised was the other history's.
+            *self.mark.lock().unwrap_or_else(|e| e.into_inner()) = ConfirmMark::default();
         }
         self.history = Some(history);
         changed
+    }
+
+    /// Positions up to `to` were read.
+    fn read(&self, to: Lsn) {
+        self.read_to
+            .fetch_max(to.0, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -92,6 +109,7 @@ impl Sessions {
             mark: std::sync::Mutex::new(ConfirmMark::default()),
             history: None,
             histories: 0,
+            read_to: std::sync::atomic::AtomicU64::new(0),
         }
     }
 }
@@ -161,9 +179,9 @@ impl Reader {
             };
             let wait = match started {
                 Ok(mut stream) => {
-                    let history = stream.slot().history;
-                    if self.sessions.history_changed(history) {
-                        tracing::warn!(system = history.system, timeline = history.timeline, "the server's history changed (another system, or a new timeline: a promoted standby, a restored backup): what was confirmed and settled before is not taken for this history's, and events read again are sent again");
+                    let (history, flushed) = (stream.slot().history, stream.slot().flushed);
+                    if self.sessions.history_changed(history, flushed) {
+                        tracing::warn!(system = history.system, timeline = history.timeline, %flushed, "the server's history changed (another system, a new timeline, or WAL ending before what was read from it: a promoted standby, a restored backup or disk snapshot): what was confirmed and settled before is not taken for this history's, and events read again are sent again");
                     }
                     self.sessions.streamed = true;
                     self.sessions.backoff.reset();
@@ -1093,6 +1111,17 @@ impl Reader {
             if let Some(through) = events_through {
                 self.lock_mark().events_read(through);
             }
+            let read_to = burst
+                .iter()
+                .filter_map(|read| match read.output {
+                    Output::Committed { end_lsn, .. } => Some(end_lsn),
+                    Output::Idle { wal_end } => Some(wal_end),
+                    _ => None,
+                })
+                .max();
+            if let Some(to) = read_to {
+                self.sessions.read(to);
+            }
             let behind = burst.len() >= READ_BURST || self.memory.room() == 0;
             let now = tokio::time::Instant::now();
             pace.handed_over(behind, now);
@@ -1298,6 +1327,38 @@ pub(super) fn describe(error: &WalError) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A server's history changes with its system or timeline, and when its WAL ends before
+    /// what was read from it (rolled back to a disk snapshot: positions read before name
+    /// other transactions there); a crash keeps everything sent, which was flushed.
+    #[test]
+    fn a_history_changes_with_the_system_the_timeline_or_a_wal_rolled_back() {
+        let primary = crate::History {
+            system: 7,
+            timeline: 1,
+        };
+        let mut sessions = Sessions::new();
+        assert!(!sessions.history_changed(primary, Lsn(100)), "the first");
+        sessions.read(Lsn(500));
+        assert!(!sessions.history_changed(primary, Lsn(500)), "a crash");
+        assert!(sessions.history_changed(primary, Lsn(400)), "rolled back");
+        assert_eq!(sessions.histories, 1);
+        assert!(
+            !sessions.history_changed(primary, Lsn(400)),
+            "read nothing since"
+        );
+        let promoted = crate::History {
+            timeline: 2,
+            ..primary
+        };
+        assert!(sessions.history_changed(promoted, Lsn(900)));
+        let other = crate::History {
+            system: 8,
+            ..promoted
+        };
+        assert!(sessions.history_changed(other, Lsn(900)));
+        assert_eq!(sessions.histories, 3);
+    }
 
     /// A slot streamed to a client that is no relay (pg_recvlogical, Debezium) had every
     /// relay wait as its standby, relaying nothing while it called itself ready.

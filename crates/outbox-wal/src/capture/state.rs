@@ -724,10 +724,13 @@ impl capture::Sessions for State {
                 if history == self.history {
                     self.done_below = self.done_below.max(self.acks.confirmable());
                 } else {
-                    // Positions of another history are other transactions.
+                    // Positions of another history are other transactions: an event still
+                    // held from the last would share its id with one of this history's at
+                    // its position (the engine taking the new one for a renewed lease).
                     self.history = history;
                     self.done_below = Lsn::default();
                     self.settled = SettledPositions::default();
+                    self.derived_ids.by_position.clear();
                 }
                 self.adopted_copies = adopted_copies;
                 // What a row costs in memory beyond its text, as a claimed event's charge.
@@ -1150,6 +1153,21 @@ mod tests {
         assert_eq!(claim(&mut state, transactions(&[(3, "k", 200)])), [3]);
         assert_eq!(before.within(1), Lsn::default(), "not of this history");
         assert!(state.confirmable() > before, "this history's come first");
+    }
+
+    /// A message of the last history still with the engine, and another history's at its
+    /// very position: one id for both, and the engine took the new one for a renewed lease
+    /// of the old, never sending it.
+    #[test]
+    fn a_message_of_another_history_at_a_held_ones_position_has_an_id_of_its_own() {
+        let mut state = State::new();
+        state.accept(session(1, &[]));
+        let message = || vec![idless("k", 200, 0, Some(190)), committed(200, 1)];
+        let held = claim(&mut state, message());
+        state.accept(session_of_history(2, 1));
+        let other = claim(&mut state, message());
+        assert_eq!((held.len(), other.len()), (1, 1));
+        assert_ne!(held, other);
     }
 
     /// Settles events of other keys, telling the server what may be confirmed after each,

@@ -1487,3 +1487,79 @@ async fn the_delete_of_delivered_rows_names_only_the_rows_whose_commits_it_canno
         .get(0);
     assert!(none.is_empty());
 }
+
+/// The dead-letter statement keeps every event of a batch: one whose id an older dead
+/// letter of another event holds gets a new id below every dead letter's and the batch's
+/// own (a batch's negative id, a mapped table's or one `dead retry` moved back, was taken by
+/// the new id first, and that event skipped); written twice (an answer lost), nothing
+/// doubles.
+#[tokio::test]
+async fn a_dead_letter_batch_keeps_every_event_whatever_ids_older_ones_hold() {
+    let fixture = Fixture::new().await;
+    let db = connect(&fixture.url).await;
+    let tables = outbox_wal::schema::CaptureTables::new(
+        TableName::new("public", "outbox").unwrap(),
+        TableName::new("public", "outbox_dead_letters").unwrap(),
+        Ident::new(PUBLICATION, "publication").unwrap(),
+    );
+    let sql = outbox_wal::schema::CaptureStatements::new(&tables);
+    db.batch_execute(
+        "INSERT INTO outbox_dead_letters (sequence_id, event_id, destination, event_type,
+                                          created_at, attempts, last_error, dead_at)
+         VALUES (5, gen_random_uuid(), 'orders', 'Older', now(), 1, 'older', now())",
+    )
+    .await
+    .unwrap();
+    let (clashing, moved_back) = (uuid::Uuid::new_v4(), uuid::Uuid::new_v4());
+    let write = || {
+        let (db, sql) = (&db, &sql);
+        async move {
+            let ids: Vec<i64> = vec![5, -1];
+            let events = vec![clashing, moved_back];
+            let texts = |v: &str| vec![v.to_string(), v.to_string()];
+            let keys: Vec<Option<String>> = vec![Some("k".into()), Some("k".into())];
+            let none: Vec<Option<String>> = vec![None, None];
+            let payloads: Vec<Option<String>> = vec![Some("{}".into()), Some("{}".into())];
+            let rejected = vec![false, false];
+            let created = vec![std::time::SystemTime::now(); 2];
+            let attempts: Vec<i32> = vec![3, 3];
+            db.execute(
+                &sql.dead_letter,
+                &[
+                    &ids,
+                    &events,
+                    &texts("orders"),
+                    &keys,
+                    &texts("Failed"),
+                    &payloads,
+                    &payloads,
+                    &none,
+                    &rejected,
+                    &created,
+                    &attempts,
+                    &texts("refused"),
+                ],
+            )
+            .await
+            .unwrap();
+        }
+    };
+    write().await;
+    write().await;
+    let rows: Vec<(i64, uuid::Uuid, String)> = db
+        .query(
+            "SELECT sequence_id, event_id, last_error FROM outbox_dead_letters ORDER BY sequence_id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    assert_eq!(rows.len(), 3, "{rows:?}");
+    let of = |event: uuid::Uuid| rows.iter().find(|(_, e, _)| *e == event).cloned();
+    assert_eq!(of(moved_back).map(|r| r.0), Some(-1), "{rows:?}");
+    let (id, _, error) = of(clashing).expect("the clashing event kept");
+    assert!(id < -1, "below the batch's own ids: {id}");
+    assert!(error.contains("older dead letter"), "{error}");
+}
