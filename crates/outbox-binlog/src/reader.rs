@@ -136,6 +136,54 @@ fn ends_with_its_checksum(event: &Event) -> bool {
     <[u8; 4]>::try_from(sum).is_ok_and(|sum| crc32fast::hash(covered) == u32::from_le_bytes(sum))
 }
 
+/// The savepoints of a transaction, and its outbox rows read since the first. A server logs
+/// a `ROLLBACK TO` a savepoint as a query after the rows it undid, instead of leaving them
+/// out, when the transaction also changed a non-transactional table (MyISAM, MEMORY): read
+/// as they came, those rows went out, events of changes that never happened. So the rows
+/// that follow a savepoint wait for the transaction's end, and a `ROLLBACK TO` drops those
+/// read since its savepoint.
+#[derive(Debug, Default)]
+struct Savepoints {
+    /// Each savepoint's name (as logged), and how many of `rows` were read before it.
+    marks: Vec<(Vec<u8>, usize)>,
+    rows: Vec<Output>,
+    /// Bytes of the rows' values held.
+    bytes: usize,
+    /// More than [`SAVEPOINT_ROWS_HELD`] rows or [`SAVEPOINT_BYTES_HELD`] bytes came: the
+    /// rest of the transaction's rows go out as read.
+    overflowed: bool,
+}
+
+/// The most outbox rows (and bytes of their values) a transaction's savepoints hold until
+/// its end; past them, its rows go out as read (said once, with what a later `ROLLBACK TO`
+/// would mean).
+const SAVEPOINT_ROWS_HELD: usize = 10_000;
+const SAVEPOINT_BYTES_HELD: usize = 64 * 1024 * 1024;
+
+/// A savepoint statement as the server logs it in a transaction.
+#[derive(Debug, PartialEq, Eq)]
+enum SavepointQuery<'a> {
+    Set(&'a [u8]),
+    RollbackTo(&'a [u8]),
+}
+
+fn savepoint_query(query: &[u8]) -> Option<SavepointQuery<'_>> {
+    if let Some(rest) = query.strip_prefix(b"SAVEPOINT ") {
+        return Some(SavepointQuery::Set(rest.trim_ascii()));
+    }
+    let rest = query.strip_prefix(b"ROLLBACK TO ")?;
+    let name = rest.strip_prefix(b"SAVEPOINT ").unwrap_or(rest);
+    Some(SavepointQuery::RollbackTo(name.trim_ascii()))
+}
+
+/// The bytes of a row's values.
+fn output_bytes(output: &Output) -> usize {
+    match output {
+        Output::Row(row) => row.values.iter().flatten().map(String::len).sum(),
+        _ => 0,
+    }
+}
+
 trait EventSource: Send {
     fn next_event(&mut self) -> BoxFuture<'_, Option<mysql_async::Result<Event>>>;
     fn table_map(&self, table_id: u64) -> Option<&TableMapEvent<'static>>;
@@ -317,6 +365,9 @@ pub struct BinlogReader {
     /// held until its end says what they are: committed (MySQL's one-phase commit), or only
     /// prepared (`XA PREPARE`), which a later `XA COMMIT` or `XA ROLLBACK` decides.
     xa_rows: Option<Vec<Output>>,
+    /// The savepoints of the transaction being read, and the outbox rows read since its
+    /// first, held until its end ([`Savepoints`]).
+    savepoints: Option<Savepoints>,
     /// Rows of the current transaction handed out so far.
     rows_in_transaction: u64,
     /// Rows read since the reader started.
@@ -620,6 +671,7 @@ impl BinlogReader {
             file: from.file.clone(),
             format_read: false,
             xa_rows: None,
+            savepoints: None,
             altered: None,
             read_any: false,
             asked_at: None,
@@ -941,6 +993,11 @@ impl BinlogReader {
                 {
                     self.xa_rows = Some(Vec::new());
                 }
+                Some(EventData::QueryEvent(query))
+                    if self.xa_rows.is_none() && savepoint_query(&query.query_raw()).is_some() =>
+                {
+                    self.savepoint(&query.query_raw(), end);
+                }
                 // A transaction without outbox rows ended, or an XA transaction's second
                 // phase (its rows were in its first, and refused there).
                 Some(EventData::QueryEvent(query))
@@ -957,9 +1014,12 @@ impl BinlogReader {
                         b"COMMIT" => return Ok(Some(self.committed(end))),
                         b"ROLLBACK" => {
                             self.gtid = None;
+                            // Rows held behind savepoints never went out.
+                            let held = self.savepoints.take().map_or(0, |s| s.rows.len() as u64);
+                            let rows = std::mem::take(&mut self.rows_in_transaction);
                             return Ok(Some(Output::RolledBack {
                                 next: self.at(end),
-                                rows: std::mem::take(&mut self.rows_in_transaction),
+                                rows: rows - held,
                             }));
                         }
                         _ => {}
@@ -970,6 +1030,7 @@ impl BinlogReader {
                     taken => {
                         taken?;
                         self.hold_xa_rows(end)?;
+                        self.hold_savepoint_rows(end);
                     }
                 },
                 // A compressed transaction: its events come next, each read as any other.
@@ -1039,9 +1100,75 @@ impl BinlogReader {
         Ok(())
     }
 
+    /// A savepoint statement of the transaction being read ([`Savepoints`]).
+    fn savepoint(&mut self, query: &[u8], end: u64) {
+        match savepoint_query(query) {
+            Some(SavepointQuery::Set(name)) => {
+                let savepoints = self.savepoints.get_or_insert_with(Savepoints::default);
+                // A name set again moves: SQL keeps one savepoint of a name.
+                savepoints.marks.retain(|(n, _)| n != name);
+                let held = savepoints.rows.len();
+                savepoints.marks.push((name.to_vec(), held));
+            }
+            Some(SavepointQuery::RollbackTo(name)) => {
+                let found = self.savepoints.as_mut().and_then(|savepoints| {
+                    let at = savepoints.marks.iter().position(|(n, _)| n == name)?;
+                    Some((savepoints, at))
+                });
+                match found {
+                    Some((savepoints, at)) if !savepoints.overflowed => {
+                        let kept = savepoints.marks[at].1;
+                        // Savepoints set after it are gone with what it undid.
+                        savepoints.marks.truncate(at + 1);
+                        let undone = savepoints.rows.split_off(kept);
+                        savepoints.bytes = savepoints.rows.iter().map(output_bytes).sum();
+                        self.rows_in_transaction -= undone.len() as u64;
+                        tracing::debug!(
+                            rows = undone.len(),
+                            "outbox rows undone by ROLLBACK TO a savepoint"
+                        );
+                    }
+                    _ => tracing::error!(
+                        at = %format!("{} offset {end}", self.file),
+                        savepoint = %String::from_utf8_lossy(name),
+                        "the server logged a ROLLBACK TO a savepoint whose outbox rows were \
+                         handed out as read (its SAVEPOINT not read, or more rows after it than \
+                         are held): they may have been delivered, events of changes that never \
+                         happened"
+                    ),
+                }
+            }
+            None => {}
+        }
+    }
+
+    /// Holds the rows just read while the transaction has savepoints ([`Savepoints`]).
+    fn hold_savepoint_rows(&mut self, end: u64) {
+        let Some(savepoints) = self.savepoints.as_mut().filter(|s| !s.overflowed) else {
+            return;
+        };
+        for row in self.pending.drain(..) {
+            savepoints.bytes += output_bytes(&row);
+            savepoints.rows.push(row);
+        }
+        if savepoints.rows.len() > SAVEPOINT_ROWS_HELD || savepoints.bytes > SAVEPOINT_BYTES_HELD {
+            tracing::warn!(
+                at = %format!("{} offset {end}", self.file),
+                rows = savepoints.rows.len(),
+                "a transaction wrote more outbox rows after a savepoint than the reader holds \
+                 until its end: they go out as read, and a ROLLBACK TO that savepoint logged \
+                 after them (only when the transaction changed a non-transactional table too) \
+                 would not undo them"
+            );
+            savepoints.overflowed = true;
+            self.pending.extend(savepoints.rows.drain(..));
+        }
+    }
+
     /// A transaction (or a log file) ended at `end`: a place to start again from, with the
     /// GTID state there.
     fn set_boundary(&mut self, end: u64) {
+        self.savepoints = None;
         self.boundary = end;
         self.boundary_gtid = self.gtid_state.as_ref().map(ToString::to_string);
         self.boundary_known = true;
@@ -1049,11 +1176,24 @@ impl BinlogReader {
 
     /// The commit of the transaction being read, which ends at `end`.
     fn committed(&mut self, end: u64) -> Output {
+        // Rows held behind savepoints are committed, and go out ahead of their commit.
+        let held = self.savepoints.take().map(|s| s.rows).unwrap_or_default();
         self.set_boundary(end);
-        Output::Committed {
+        let committed = Output::Committed {
             next: self.at(end),
             rows: std::mem::take(&mut self.rows_in_transaction),
             gtid: self.gtid.take(),
+        };
+        let mut held: std::collections::VecDeque<Output> = held.into();
+        match held.pop_front() {
+            None => committed,
+            Some(first) => {
+                // Ahead of anything queued (nothing is, at a transaction's end).
+                held.push_back(committed);
+                held.append(&mut self.pending);
+                self.pending = held;
+                first
+            }
         }
     }
 

@@ -518,3 +518,73 @@ async fn the_first_rotate_names_the_file_with_or_without_a_checksum() {
         assert_eq!(reader.file, "binlog.000012", "checksummed: {checksummed}");
     }
 }
+
+/// A transaction that also changed a non-transactional table is logged with its
+/// `ROLLBACK TO` a savepoint as a query after the rows it undid (both servers, MariaDB's
+/// checked by hand): the undone rows went out as events of changes that never happened.
+/// Rows after a savepoint wait for the transaction's end; a `ROLLBACK TO` drops those read
+/// since its savepoint (and the savepoints set after it); rows before the first savepoint go
+/// out as read.
+#[tokio::test]
+async fn rows_undone_by_a_rollback_to_a_savepoint_are_not_relayed() {
+    let mut reader = reader_of(
+        vec![
+            gtid(41, 1050),
+            begin(1100),
+            table_map(1150),
+            write_rows(&[(1, "before")], 1200),
+            query("SAVEPOINT `a`", 1250),
+            table_map(1300),
+            write_rows(&[(2, "kept")], 1350),
+            query("SAVEPOINT `b`", 1400),
+            table_map(1450),
+            write_rows(&[(3, "undone")], 1500),
+            query("SAVEPOINT `c`", 1550),
+            table_map(1600),
+            write_rows(&[(4, "undone")], 1650),
+            query("ROLLBACK TO `b`", 1700),
+            table_map(1750),
+            write_rows(&[(5, "after")], 1800),
+            // `c` went with what `b`'s rollback undid: nothing more to undo.
+            query("ROLLBACK TO `c`", 1850),
+            xid(1900),
+            // A transaction whose every row was undone: no commit to relay.
+            gtid(42, 1950),
+            begin(2000),
+            query("SAVEPOINT `s`", 2050),
+            table_map(2100),
+            write_rows(&[(6, "undone")], 2150),
+            query("ROLLBACK TO SAVEPOINT `s`", 2200),
+            xid(2250),
+        ],
+        Some(&format!("{SOURCE}:1-40")),
+    );
+    assert_eq!(
+        read_all(&mut reader).await,
+        [
+            "row 1 before".to_string(),
+            "row 2 kept".into(),
+            "row 5 after".into(),
+            format!("commit 3 at 1900 gtid {SOURCE}:41"),
+        ]
+    );
+    assert_eq!(reader.boundary().unwrap().offset, 2250);
+}
+
+#[test]
+fn savepoint_statements_are_read_as_the_servers_log_them() {
+    assert_eq!(
+        savepoint_query(b"SAVEPOINT `s`"),
+        Some(SavepointQuery::Set(b"`s`"))
+    );
+    assert_eq!(
+        savepoint_query(b"ROLLBACK TO `s`"),
+        Some(SavepointQuery::RollbackTo(b"`s`"))
+    );
+    assert_eq!(
+        savepoint_query(b"ROLLBACK TO SAVEPOINT `s`"),
+        Some(SavepointQuery::RollbackTo(b"`s`"))
+    );
+    assert_eq!(savepoint_query(b"ROLLBACK"), None);
+    assert_eq!(savepoint_query(b"COMMIT"), None);
+}

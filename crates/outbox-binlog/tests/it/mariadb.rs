@@ -221,6 +221,51 @@ async fn committed_inserts_arrive_in_commit_order_and_nothing_else_does() {
     }
 }
 
+/// A transaction that changed a table that cannot roll back (MyISAM) is logged with its
+/// `ROLLBACK TO SAVEPOINT` as a query after the outbox row it undid: the row went out, an
+/// event of a change that never happened. (An ORM's nested atomic block that fails is such
+/// a rollback.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outbox_row_undone_by_a_rollback_to_a_savepoint_is_not_relayed() {
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let database = Opts::from_url(&url).unwrap().db_name().unwrap().to_string();
+    let mut db = connect(&url).await;
+    db.query_drop(
+        "CREATE TABLE outbox (
+            sequence_id bigint unsigned NOT NULL AUTO_INCREMENT PRIMARY KEY,
+            partition_key varchar(255) NULL);
+         CREATE TABLE plain (id int) ENGINE=MyISAM",
+    )
+    .await
+    .unwrap();
+    let start = current_position(&url).await.unwrap();
+    let config = BinlogConfig {
+        url: url.clone(),
+        server_id: 1000 + fastrand_id(),
+        database,
+        table: "outbox".into(),
+    };
+    let mut reader = BinlogReader::start(&config, &start).await.unwrap();
+    db.query_drop(
+        "BEGIN;
+         INSERT INTO plain VALUES (1);
+         INSERT INTO outbox (partition_key) VALUES ('before');
+         SAVEPOINT s;
+         INSERT INTO outbox (partition_key) VALUES ('undone');
+         ROLLBACK TO SAVEPOINT s;
+         INSERT INTO outbox (partition_key) VALUES ('after');
+         COMMIT;
+         INSERT INTO outbox (partition_key) VALUES ('next');",
+    )
+    .await
+    .unwrap();
+    let seen = transactions(&mut reader, 3).await;
+    let keys: Vec<Vec<&str>> = (seen.iter())
+        .map(|(rows, _)| rows.iter().map(|(_, key)| key.as_str()).collect())
+        .collect();
+    assert_eq!(keys, [vec!["before", "after"], vec!["next"]]);
+}
+
 /// A server id of its own for each run: two readers with the same id make the server drop
 /// the first.
 fn fastrand_id() -> u32 {
