@@ -994,9 +994,9 @@ impl BinlogReader {
                     self.xa_rows = Some(Vec::new());
                 }
                 Some(EventData::QueryEvent(query))
-                    if self.xa_rows.is_none() && savepoint_query(&query.query_raw()).is_some() =>
+                    if self.xa_rows.is_none() && savepoint_query(query.query_raw()).is_some() =>
                 {
-                    self.savepoint(&query.query_raw(), end);
+                    self.savepoint(query.query_raw(), end);
                 }
                 // A transaction without outbox rows ended, or an XA transaction's second
                 // phase (its rows were in its first, and refused there).
