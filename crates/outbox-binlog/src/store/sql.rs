@@ -47,6 +47,11 @@ pub(super) struct Statements {
     /// Each row's event id in SQL, derived (where the table has no event id column) from the
     /// layout as configured: polling derives it from that, schema or none.
     event_id: String,
+    /// When the relay started, in SQL (UTC): the creation time of an adopted row whose
+    /// mapping has none. They were written before the relay started; dated when adopted
+    /// (after `run --drain` began), a drain took one left failing for an event that arrived
+    /// during it, and exited 0.
+    started: String,
 }
 
 impl Statements {
@@ -77,6 +82,18 @@ impl Statements {
             positions: quoted(positions),
             source,
             event_id,
+            started: {
+                let micros = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_micros());
+                // The relay's statements run in UTC (`store::pool_opts`, the adoption's own
+                // `SET time_zone`): FROM_UNIXTIME gives UTC.
+                format!(
+                    "FROM_UNIXTIME({}.{:06})",
+                    micros / 1_000_000,
+                    micros % 1_000_000
+                )
+            },
         })
     }
 
@@ -291,7 +308,7 @@ impl Statements {
             m.rejected.as_ref().map_or("0".into(), |c| {
                 format!("CASE WHEN {} THEN 1 ELSE 0 END", source.column(c))
             }),
-            format!("COALESCE({}, NOW(6))", column(&m.created_at)),
+            format!("COALESCE({}, {})", column(&m.created_at), self.started),
             format!("COALESCE({}, NOW(6))", column(&m.available_at)),
             "0".into(),
         ];
@@ -387,6 +404,30 @@ mod tests {
                 "`db`.`outbox`.`sequence_id` IN (1,22,333) ORDER BY `sequence_id` LIMIT 3"
             ),
             "{settle}"
+        );
+    }
+
+    /// A mapped table without a creation column: its adopted rows are dated when the relay
+    /// started, not when adopted (after a drain began, and taken for rows that arrived
+    /// during it).
+    #[test]
+    fn rows_adopted_without_a_creation_time_are_dated_when_the_relay_started() {
+        let mapping = Mapping {
+            seed: None,
+            created_at: None,
+            ..Mapping::native_mysql(None, "events", false)
+        };
+        let sql = Statements::new(&mapping, "db", "db.events_parked", "db.events_binlog").unwrap();
+        let insert = sql
+            .adoption()
+            .into_iter()
+            .find(|s| s.starts_with("INSERT INTO"))
+            .unwrap();
+        assert!(insert.contains("COALESCE(NULL, FROM_UNIXTIME("), "{insert}");
+        assert_eq!(
+            insert.matches("NOW(6)").count(),
+            2,
+            "available_at and dead_at: {insert}"
         );
     }
 
