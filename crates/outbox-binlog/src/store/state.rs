@@ -200,6 +200,11 @@ pub(super) struct State {
     /// A later session is told before it reads: its announcement lets them go. Few: the
     /// rows in flight at a break; at most [`State::SETTLED_EARLIER_MOST`].
     settled_earlier: HashMap<RowIdentity, u64>,
+    /// The places of held rows let go of unsettled (their parks fenced out, or queued when
+    /// their session ended), until a session reads them again: a later row of their key
+    /// still held keeps its first reading's place, and the copy read again, taking a new
+    /// one, was parked after it. At most [`State::SETTLED_EARLIER_MOST`].
+    forgotten_places: HashMap<RowIdentity, (u64, u64)>,
     /// The session the reader reads now (0 between sessions), which it sets before it
     /// announces one: claims learn of a new session only when they take its announcement.
     reading: Arc<LiveSession>,
@@ -226,9 +231,26 @@ impl State {
             holdings: Holdings::default(),
             settled: Vec::new(),
             settled_earlier: HashMap::new(),
+            forgotten_places: HashMap::new(),
             reading: Arc::default(),
             drained: false,
             dead_by_capture: 0,
+        }
+    }
+
+    /// Remembers the places of the held rows `ids`, about to be let go of unsettled
+    /// ([`State::forgotten_places`]).
+    fn remember_places(&mut self, ids: &[SequenceId]) {
+        if self.forgotten_places.len() >= Self::SETTLED_EARLIER_MOST {
+            // A copy read again then takes a new place, as before.
+            self.forgotten_places.clear();
+        }
+        for id in ids {
+            if let Some(Held::Stream(row)) = self.holdings.held.get(id) {
+                if let Some(identity) = row.identity {
+                    self.forgotten_places.entry(identity).or_insert(row.place);
+                }
+            }
         }
     }
 
@@ -355,9 +377,10 @@ impl State {
                 (key, Body::Undecodable(undecodable))
             }
         };
+        let forgotten = identity.and_then(|identity| self.forgotten_places.remove(&identity));
         let place = match self.holdings.held.get(&id) {
             Some(Held::Stream(first)) => first.place,
-            _ => (self.followed.session, ordinal),
+            _ => forgotten.unwrap_or((self.followed.session, ordinal)),
         };
         self.holdings.held.insert(
             id,
@@ -453,6 +476,8 @@ impl State {
     /// Forgets stream rows this relay may no longer write for (another relay took the
     /// seat: it reads them again from the stored position), and ends the session.
     pub(super) fn leave_to_seat_holder(&mut self, ids: impl IntoIterator<Item = SequenceId>) {
+        let ids: Vec<SequenceId> = ids.into_iter().collect();
+        self.remember_places(&ids);
         let ids = self.holdings.leave_to_other_reader(ids);
         tracing::warn!(
             ?ids,
@@ -482,6 +507,8 @@ impl capture::Sessions for State {
         self.drained = false;
         self.unaccepted.clear();
         self.uncommitted.clear();
+        let queued: Vec<SequenceId> = self.holdings.to_park.iter().map(|p| p.id).collect();
+        self.remember_places(&queued);
         self.holdings.forget_queued_parks();
     }
 
@@ -905,6 +932,21 @@ mod tests {
         );
         state.queue_parks([Park::behind_its_key(10)]);
         assert_eq!(parked(&state.holdings.take_parks()), [10, 11], "log order");
+    }
+
+    /// Row 10's park (its retry) is fenced out by the seat's new epoch while 11 of its key is
+    /// still with the engine; the next session reads both again. 10's copy took a new place,
+    /// after 11's first reading's, and 11 was parked (and delivered) first.
+    #[test]
+    fn a_row_whose_park_was_fenced_out_keeps_its_place_before_later_rows_of_its_key() {
+        let mut state = rows_10_and_11_handed_out();
+        state.queue_parks([Park::behind_its_key(10)]);
+        assert_eq!(parked(&state.holdings.take_parks()), [10]);
+        state.fenced_out(state.epoch, [10]);
+        let mut items = vec![session(2, &[])];
+        items.extend(transactions(&[(10, "k"), (11, "k")]));
+        assert!(claim(&mut state, items).is_empty(), "both wait behind k");
+        assert_eq!(parked(&state.holdings.take_parks()), [10, 11]);
     }
 
     /// Session 1 has handed out rows 10 and 11 of key k.
