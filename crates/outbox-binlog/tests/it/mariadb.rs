@@ -227,25 +227,12 @@ async fn committed_inserts_arrive_in_commit_order_and_nothing_else_does() {
 /// a rollback.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_outbox_row_undone_by_a_rollback_to_a_savepoint_is_not_relayed() {
-    let url = outbox_testkit::fresh_mysql_database().await;
-    let database = Opts::from_url(&url).unwrap().db_name().unwrap().to_string();
-    let mut db = connect(&url).await;
-    db.query_drop(
-        "CREATE TABLE outbox (
-            sequence_id bigint unsigned NOT NULL AUTO_INCREMENT PRIMARY KEY,
-            partition_key varchar(255) NULL);
+    let (_url, mut db, mut reader) = reading_from_now(
+        "CREATE TABLE outbox (sequence_id bigint PRIMARY KEY AUTO_INCREMENT, partition_key text);
          CREATE TABLE plain (id int) ENGINE=MyISAM",
+        6000,
     )
-    .await
-    .unwrap();
-    let start = current_position(&url).await.unwrap();
-    let config = BinlogConfig {
-        url: url.clone(),
-        server_id: 1000 + fastrand_id(),
-        database,
-        table: "outbox".into(),
-    };
-    let mut reader = BinlogReader::start(&config, &start).await.unwrap();
+    .await;
     db.query_drop(
         "BEGIN;
          INSERT INTO plain VALUES (1);

@@ -1120,12 +1120,7 @@ mod tests {
     /// session reads 1 again. Sent, it went out after 2.
     #[test]
     fn an_event_read_again_after_a_servers_crash_brought_its_slot_back_is_settled_unsent() {
-        let mut state = State::new();
-        state.accept(session(1, &[]));
-        let both = || transactions(&[(1, "k", 200), (2, "k", 300)]);
-        assert_eq!(claim(&mut state, both()), [1, 2]);
-        state.settle([1]);
-        tell_the_server_past_many_other_settles(&mut state);
+        let (mut state, both) = event_1_settled_and_let_go_of_with_2_held();
         assert!(!state
             .settled
             .settled
@@ -1141,12 +1136,7 @@ mod tests {
     /// does the reader confirm what the last history's events allowed.
     #[test]
     fn events_read_on_another_history_are_not_taken_for_settled_ones() {
-        let mut state = State::new();
-        state.accept(session(1, &[]));
-        let both = || transactions(&[(1, "k", 200), (2, "k", 300)]);
-        assert_eq!(claim(&mut state, both()), [1, 2]);
-        state.settle([1]);
-        tell_the_server_past_many_other_settles(&mut state);
+        let (mut state, _) = event_1_settled_and_let_go_of_with_2_held();
         let before = state.confirmable();
         assert!(before.within(0) > START);
         state.accept(session_of_history(2, 1));
@@ -1168,6 +1158,18 @@ mod tests {
         let other = claim(&mut state, message());
         assert_eq!((held.len(), other.len()), (1, 1));
         assert_ne!(held, other);
+    }
+
+    /// Events 1 and 2 of key k handed out (the outputs that carry them, again), 1 settled
+    /// and the server told past it, and the settled positions let go of it; 2 still held.
+    fn event_1_settled_and_let_go_of_with_2_held() -> (State, fn() -> Vec<Output>) {
+        let mut state = State::new();
+        state.accept(session(1, &[]));
+        let both = || transactions(&[(1, "k", 200), (2, "k", 300)]);
+        assert_eq!(claim(&mut state, both()), [1, 2]);
+        state.settle([1]);
+        tell_the_server_past_many_other_settles(&mut state);
+        (state, both)
     }
 
     /// Settles events of other keys, telling the server what may be confirmed after each,
