@@ -307,15 +307,19 @@ stop_rabbitmq() {
 # log, which binlog capture reads (crates/outbox-binlog).
 start_mariadb() {
   local dir=$STATE/mariadb
-  mkdir -p "$dir"
-  [ "$(id -u)" = 0 ] && chown mysql "$dir"
+  # Temporary tables of its own: servers sharing /tmp (the suite's, a test's private one, a
+  # developer's) saw their on-disk temporary tables' files go ("Error on delete of
+  # '/tmp/#sql-temptable-…'", a query of information_schema failing).
+  mkdir -p "$dir/tmp"
+  [ "$(id -u)" = 0 ] && chown mysql "$dir" "$dir/tmp"
   if [ ! -d "$dir/data/mysql" ]; then
     mariadb-install-db --no-defaults --user=mysql --datadir="$dir/data" \
       --auth-root-authentication-method=socket --skip-test-db >"$dir/install.log" 2>&1
   fi
   if ! mariadb-admin --no-defaults --socket="$dir/mysqld.sock" ping >/dev/null 2>&1; then
     setsid /usr/sbin/mariadbd --no-defaults --user=mysql --datadir="$dir/data" \
-      --socket="$dir/mysqld.sock" --pid-file="$dir/mysqld.pid" --bind-address=127.0.0.1 \
+      --socket="$dir/mysqld.sock" --pid-file="$dir/mysqld.pid" --tmpdir="$dir/tmp" \
+      --bind-address=127.0.0.1 \
       --port="$MARIADB_PORT" --innodb-flush-log-at-trx-commit=0 \
       --log-bin=mariadb-bin --binlog-format=ROW --server-id="${MARIADB_SERVER_ID:-1}" \
       --log-slave-updates --sync-binlog=0 --expire-logs-days=1 \

@@ -115,17 +115,28 @@ impl Fixture {
 
     /// The binlog dump threads reading for this database: their ids and states.
     async fn dump_threads(&self) -> Vec<(u64, Option<String>)> {
-        self.db
-            .get_conn()
-            .await
-            .unwrap()
-            .exec(
-                "SELECT id, state FROM information_schema.processlist
-                 WHERE command LIKE 'Binlog Dump%' AND db = ?",
-                (&self.database,),
-            )
-            .await
-            .unwrap()
+        let mut conn = self.db.get_conn().await.unwrap();
+        let mut tries = 0;
+        loop {
+            let read = conn
+                .exec(
+                    "SELECT id, state FROM information_schema.processlist
+                     WHERE command LIKE 'Binlog Dump%' AND db = ?",
+                    (&self.database,),
+                )
+                .await;
+            match read {
+                Ok(threads) => return threads,
+                // The server's on-disk temporary table for the query failed ("Error on
+                // delete of '…/#sql-temptable-…'", seen once under the full suite): the
+                // query is the test's own, and is asked again.
+                Err(mysql_async::Error::Server(e)) if tries < 3 => {
+                    tries += 1;
+                    eprintln!("reading the dump threads, again: {e}");
+                }
+                Err(e) => panic!("reading the dump threads: {e}"),
+            }
+        }
     }
 
     /// Ends the binlog session (its dump thread killed), and waits for the next to have sent
