@@ -445,8 +445,7 @@ pub async fn server_problems(url: &str, database: &str) -> Result<Vec<Problem>> 
     let mut grants: Vec<String> = conn.query("SHOW GRANTS").await?;
     // MySQL 8 lists a role's privileges only when asked for them (MariaDB lists those of
     // the role in use): a role's replication privileges were taken for missing.
-    let version: Option<String> = conn.query_first("SELECT VERSION()").await?;
-    if !version.is_some_and(|v| v.contains("MariaDB")) {
+    if !is_mariadb(&mut conn).await? {
         // No such function before MySQL 8: no roles either.
         let roles: Option<Option<String>> = conn
             .query_first("SELECT CURRENT_ROLE()")
@@ -542,16 +541,16 @@ pub async fn server_problems(url: &str, database: &str) -> Result<Vec<Problem>> 
             ));
         }
     }
+    // `GRANT role TO user` (no ON): a role granted, not in use at login.
+    let role_granted = grants.iter().any(|line| {
+        let line = line.to_ascii_uppercase();
+        line.starts_with("GRANT ") && !line.contains(" ON ")
+    });
     for (privilege, why) in [
         ("REPLICATION SLAVE", "to read the binary log"),
         ("REPLICATION CLIENT", "to read its position"),
     ] {
         if !granted(&grants, privilege) {
-            // `GRANT role TO user` (no ON): a role granted, not in use at login.
-            let role_granted = grants.iter().any(|line| {
-                let line = line.to_ascii_uppercase();
-                line.starts_with("GRANT ") && !line.contains(" ON ")
-            });
             let fix = match role_granted {
                 true => format!(
                     "GRANT {privilege} ON *.* TO <the relay's role>; given through a role, \
@@ -585,6 +584,12 @@ async fn logged_database_filters(conn: &mut Conn) -> Option<(String, String)> {
         }
     }
     None
+}
+
+/// Whether the server is MariaDB (not MySQL).
+pub(crate) async fn is_mariadb(conn: &mut Conn) -> Result<bool> {
+    let version: Option<String> = conn.query_first("SELECT VERSION()").await?;
+    Ok(version.is_some_and(|v| v.contains("MariaDB")))
 }
 
 /// MySQL's statement listing the session's privileges with those of its roles in use,

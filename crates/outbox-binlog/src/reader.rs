@@ -584,8 +584,7 @@ impl BinlogReader {
             )));
         }
         let layout = Layout::describe(&mut conn, &config.database, &config.table).await?;
-        let version: Option<String> = conn.query_first("SELECT VERSION()").await?;
-        let mariadb = version.is_some_and(|v| v.contains("MariaDB"));
+        let mariadb = crate::is_mariadb(&mut conn).await?;
         // MariaDB sends its GTID events as they are to a replica that says it can read them
         // (otherwise it rewrites each as a BEGIN query). MySQL ignores the variable.
         conn.query_drop("SET @mariadb_slave_capability = 4").await?;

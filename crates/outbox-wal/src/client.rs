@@ -216,11 +216,13 @@ impl WalStream {
             return Err(WalError::MissingPublication(config.publication.clone()));
         }
         let (history, flushed) = identify_system(&mut connection).await?;
-        let slot = ensure_slot(&mut connection, &config.slot, config.create_slot).await?;
+        let (created, confirmed_flush) =
+            ensure_slot(&mut connection, &config.slot, config.create_slot).await?;
         let slot = SlotState {
+            created,
             history,
             flushed,
-            ..slot
+            confirmed_flush,
         };
         // From the slot's own position, so the first status update never moves it back.
         let stream = connection
@@ -566,12 +568,13 @@ fn history_of(row: &[Option<String>]) -> Result<(History, Lsn), WalError> {
     }
 }
 
-/// Reads the slot, creating it (pgoutput) when missing and `create` allows.
+/// Reads the slot, creating it (pgoutput) when missing and `create` allows: whether this
+/// session created it, and its confirmed position.
 async fn ensure_slot(
     client: &mut Connection,
     slot: &str,
     create: bool,
-) -> Result<SlotState, WalError> {
+) -> Result<(bool, Lsn), WalError> {
     let slot_error = |reason: String| WalError::Slot {
         slot: slot.to_string(),
         reason,
@@ -618,16 +621,7 @@ async fn ensure_slot(
         .ok_or_else(|| slot_error("it has no confirmed position".into()))?
         .parse()
         .map_err(|e| slot_error(format!("{e}")))?;
-    Ok(SlotState {
-        created,
-        // Set by the caller, from IDENTIFY_SYSTEM.
-        history: History {
-            system: 0,
-            timeline: 0,
-        },
-        flushed: Lsn::default(),
-        confirmed_flush,
-    })
+    Ok((created, confirmed_flush))
 }
 
 /// Drops the configured slot, waiting for an active consumer to release it first

@@ -1195,7 +1195,7 @@ async fn webhook_holding(
     String,
     std::sync::Arc<std::sync::Mutex<Vec<(String, Value)>>>,
 ) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
@@ -1204,35 +1204,11 @@ async fn webhook_holding(
         while let Ok((mut socket, _)) = listener.accept().await {
             let (recorded, mut release) = (recorded.clone(), release.clone());
             tokio::spawn(async move {
-                let mut bytes = Vec::new();
-                let mut buf = [0u8; 8192];
-                let (path, body) = loop {
-                    let Ok(n) = socket.read(&mut buf).await else {
-                        return;
-                    };
-                    if n == 0 {
-                        return;
-                    }
-                    bytes.extend_from_slice(&buf[..n]);
-                    let text = String::from_utf8_lossy(&bytes).to_string();
-                    let Some(end) = text.find("\r\n\r\n") else {
-                        continue;
-                    };
-                    let length: usize = (text[..end].lines())
-                        .find_map(|l| {
-                            l.to_ascii_lowercase()
-                                .strip_prefix("content-length:")
-                                .map(|v| v.trim().to_string())
-                        })
-                        .and_then(|v| v.parse().ok())
-                        .unwrap_or(0);
-                    if bytes.len() >= end + 4 + length {
-                        let path = text.split(' ').nth(1).unwrap_or_default().to_string();
-                        let body = serde_json::from_slice(&bytes[end + 4..end + 4 + length])
-                            .unwrap_or(Value::Null);
-                        break (path, body);
-                    }
+                let Some((path, body)) = crate::support::read_http_request(&mut socket).await
+                else {
+                    return;
                 };
+                let body = serde_json::from_slice(&body).unwrap_or(Value::Null);
                 let held = path == "/held";
                 recorded.lock().unwrap().push((path, body));
                 if held {

@@ -1099,26 +1099,25 @@ impl Reader {
                     tracing::trace!(outputs = burst.len(), first_commit_age_ms = age_ms, "read");
                 }
             }
-            let events_through = burst
-                .iter()
-                .filter_map(|read| match read.output {
+            // The furthest transaction with events read, and the furthest position read.
+            let (mut events_through, mut read_to) = (None, None);
+            for read in &burst {
+                match read.output {
                     Output::Committed {
                         end_lsn, events, ..
-                    } if events > 0 => Some(end_lsn),
-                    _ => None,
-                })
-                .max();
+                    } => {
+                        read_to = read_to.max(Some(end_lsn));
+                        if events > 0 {
+                            events_through = events_through.max(Some(end_lsn));
+                        }
+                    }
+                    Output::Idle { wal_end } => read_to = read_to.max(Some(wal_end)),
+                    _ => {}
+                }
+            }
             if let Some(through) = events_through {
                 self.lock_mark().events_read(through);
             }
-            let read_to = burst
-                .iter()
-                .filter_map(|read| match read.output {
-                    Output::Committed { end_lsn, .. } => Some(end_lsn),
-                    Output::Idle { wal_end } => Some(wal_end),
-                    _ => None,
-                })
-                .max();
             if let Some(to) = read_to {
                 self.sessions.read(to);
             }

@@ -1049,11 +1049,7 @@ mod tests {
     /// confirmed past it; the later event, still unsettled, goes as before.
     #[test]
     fn an_event_settled_before_a_new_session_is_settled_unsent_when_read_again() {
-        let mut state = State::new();
-        state.accept(session(1, &[]));
-        let both = || transactions(&[(1, "k", 200), (2, "k", 300)]);
-        assert_eq!(claim(&mut state, both()), [1, 2]);
-        state.settle([1]);
+        let (mut state, both) = event_1_settled_with_2_held();
         state.accept(session(2, &[]));
         assert_eq!(claim(&mut state, both()), [2]);
         assert_eq!(state.acks.confirmable(), Lsn(210));
@@ -1101,11 +1097,7 @@ mod tests {
         // cuts' worth of other keys' events settle, the server told nothing meanwhile (the
         // confirm mark not raised yet). A session broken then reads 1 again: settled
         // unsent, not sent after 2. (Cut by what the session could confirm, it was sent.)
-        let mut state = State::new();
-        state.accept(session(1, &[]));
-        let both = || transactions(&[(1, "k", 200), (2, "k", 300)]);
-        assert_eq!(claim(&mut state, both()), [1, 2]);
-        state.settle([1]);
+        let (mut state, both) = event_1_settled_with_2_held();
         let n = 2 * SettledPositions::CUT_EVERY + 1;
         let handed = hand_out_events_of_other_keys(&mut state, n, 10);
         assert_eq!(handed.len(), n);
@@ -1163,12 +1155,19 @@ mod tests {
     /// Events 1 and 2 of key k handed out (the outputs that carry them, again), 1 settled
     /// and the server told past it, and the settled positions let go of it; 2 still held.
     fn event_1_settled_and_let_go_of_with_2_held() -> (State, fn() -> Vec<Output>) {
+        let (mut state, both) = event_1_settled_with_2_held();
+        tell_the_server_past_many_other_settles(&mut state);
+        (state, both)
+    }
+
+    /// Events 1 (commit 200) and 2 (commit 300) of key k handed out in session 1 (the
+    /// outputs that carry them, again), and 1 settled.
+    fn event_1_settled_with_2_held() -> (State, fn() -> Vec<Output>) {
         let mut state = State::new();
         state.accept(session(1, &[]));
         let both = || transactions(&[(1, "k", 200), (2, "k", 300)]);
         assert_eq!(claim(&mut state, both()), [1, 2]);
         state.settle([1]);
-        tell_the_server_past_many_other_settles(&mut state);
         (state, both)
     }
 

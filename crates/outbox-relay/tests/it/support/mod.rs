@@ -925,17 +925,16 @@ pub const RETRY_AN_OUTAGE: [&str; 8] = [
     "100000",
 ];
 
-/// Reads one request's head and its `content-length` body.
-pub async fn read_http_request(socket: &mut tokio::net::TcpStream) {
+/// Reads one request's head and its `content-length` body; the request line's path and the
+/// body, `None` if the connection ended first.
+pub async fn read_http_request(socket: &mut tokio::net::TcpStream) -> Option<(String, Vec<u8>)> {
     use tokio::io::AsyncReadExt;
     let mut seen = Vec::new();
     let mut buf = [0u8; 4096];
     loop {
-        let Ok(n) = socket.read(&mut buf).await else {
-            return;
-        };
+        let n = socket.read(&mut buf).await.ok()?;
         if n == 0 {
-            return;
+            return None;
         }
         seen.extend_from_slice(&buf[..n]);
         let text = String::from_utf8_lossy(&seen).to_ascii_lowercase();
@@ -946,7 +945,9 @@ pub async fn read_http_request(socket: &mut tokio::net::TcpStream) {
                 .and_then(|v| v.trim().parse().ok())
                 .unwrap_or(0);
             if seen.len() >= end + 4 + length {
-                return;
+                let head = String::from_utf8_lossy(&seen[..end]);
+                let path = head.split(' ').nth(1).unwrap_or_default().to_string();
+                return Some((path, seen[end + 4..end + 4 + length].to_vec()));
             }
         }
     }
