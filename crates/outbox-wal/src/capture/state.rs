@@ -812,29 +812,19 @@ mod tests {
 
     /// Session `n` on a server of the `history`th history (0: the first).
     fn session_of_history(n: u64, history: u64) -> Item {
-        match session(n, &[]) {
-            Item::Session {
-                session,
-                start,
-                parked_keys,
-                largest_parked,
-                owner,
-                adopted_copies,
-                ..
-            } => Item::Session {
-                session,
-                start,
-                parked_keys,
-                largest_parked,
-                owner,
-                adopted_copies,
-                history,
-            },
-            _ => unreachable!("a session"),
-        }
+        session_on(n, &[], AdoptedCopies::default(), history)
     }
 
     fn session_with(n: u64, parked_keys: &[&str], adopted_copies: AdoptedCopies) -> Item {
+        session_on(n, parked_keys, adopted_copies, 0)
+    }
+
+    fn session_on(
+        n: u64,
+        parked_keys: &[&str],
+        adopted_copies: AdoptedCopies,
+        history: u64,
+    ) -> Item {
         Item::Session {
             session: n,
             start: START,
@@ -842,7 +832,7 @@ mod tests {
             largest_parked: 0,
             owner: format!("session {n}"),
             adopted_copies,
-            history: 0,
+            history,
         }
     }
 
