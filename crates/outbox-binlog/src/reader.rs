@@ -167,6 +167,16 @@ enum SavepointQuery<'a> {
     RollbackTo(&'a [u8]),
 }
 
+/// Whether two savepoint names, as logged, name one savepoint: the servers look names up
+/// without regard to case (in their system character set, utf8), and log each statement
+/// with the name as its statement typed it (`SAVEPOINT A` moves `a`).
+fn same_savepoint(a: &[u8], b: &[u8]) -> bool {
+    match (std::str::from_utf8(a), std::str::from_utf8(b)) {
+        (Ok(a), Ok(b)) => a.to_lowercase() == b.to_lowercase(),
+        _ => a.eq_ignore_ascii_case(b),
+    }
+}
+
 fn savepoint_query(query: &[u8]) -> Option<SavepointQuery<'_>> {
     if let Some(rest) = query.strip_prefix(b"SAVEPOINT ") {
         return Some(SavepointQuery::Set(rest.trim_ascii()));
@@ -1028,8 +1038,7 @@ impl BinlogReader {
                     Err(BinlogError::LayoutChanged { width }) => altered_width = Some(width),
                     taken => {
                         taken?;
-                        self.hold_xa_rows(end)?;
-                        self.hold_savepoint_rows(end);
+                        self.hold_read_rows(end)?;
                     }
                 },
                 // A compressed transaction: its events come next, each read as any other.
@@ -1078,7 +1087,16 @@ impl BinlogReader {
         {
             self.take_rows(&rows)?;
         }
-        self.hold_xa_rows(end)
+        self.hold_read_rows(end)
+    }
+
+    /// The rows just read wait for their transaction's end where it may still undo them: an
+    /// XA transaction's, and those after a savepoint. Every row event passes here, whichever
+    /// way it was read.
+    fn hold_read_rows(&mut self, end: u64) -> Result<()> {
+        self.hold_xa_rows(end)?;
+        self.hold_savepoint_rows(end);
+        Ok(())
     }
 
     /// Inside an XA transaction, the rows just read are held until its end says whether
@@ -1105,13 +1123,14 @@ impl BinlogReader {
             Some(SavepointQuery::Set(name)) => {
                 let savepoints = self.savepoints.get_or_insert_with(Savepoints::default);
                 // A name set again moves: SQL keeps one savepoint of a name.
-                savepoints.marks.retain(|(n, _)| n != name);
+                savepoints.marks.retain(|(n, _)| !same_savepoint(n, name));
                 let held = savepoints.rows.len();
                 savepoints.marks.push((name.to_vec(), held));
             }
             Some(SavepointQuery::RollbackTo(name)) => {
                 let found = self.savepoints.as_mut().and_then(|savepoints| {
-                    let at = savepoints.marks.iter().position(|(n, _)| n == name)?;
+                    let at =
+                        (savepoints.marks.iter()).position(|(n, _)| same_savepoint(n, name))?;
                     Some((savepoints, at))
                 });
                 match found {
@@ -1256,6 +1275,11 @@ impl BinlogReader {
             |what: String| BinlogError::Decode(format!("a row of the outbox table: {what}"));
         let null_bitmap_len = present.count_ones().div_ceil(8);
         let mut buf = ParseBuf(rows.rows_data());
+        // Each row takes at least its NULL bitmap's byte, but for an image of no columns,
+        // which no server writes for an INSERT: its rows could not be told apart.
+        if null_bitmap_len == 0 && !buf.is_empty() {
+            return Err(broken("its image has no columns".into()));
+        }
         while !buf.is_empty() {
             let nulls: &[u8] = buf
                 .parse(null_bitmap_len)

@@ -571,6 +571,68 @@ async fn rows_undone_by_a_rollback_to_a_savepoint_are_not_relayed() {
     assert_eq!(reader.boundary().unwrap().offset, 2250);
 }
 
+/// The servers look a savepoint up by its name without regard to case, and log each
+/// statement with the name as it was typed: `SAVEPOINT A` moves `a`, and `ROLLBACK TO a`
+/// undoes only what followed `A`.
+#[tokio::test]
+async fn savepoint_names_differing_only_in_case_are_one_savepoint() {
+    let mut reader = reader_of(
+        vec![
+            gtid(41, 1050),
+            begin(1100),
+            query("SAVEPOINT `a`", 1150),
+            table_map(1200),
+            write_rows(&[(1, "kept")], 1250),
+            query("SAVEPOINT `A`", 1300),
+            table_map(1350),
+            write_rows(&[(2, "undone")], 1400),
+            query("ROLLBACK TO `a`", 1450),
+            query("SAVEPOINT `S`", 1500),
+            table_map(1550),
+            write_rows(&[(3, "undone")], 1600),
+            query("ROLLBACK TO `s`", 1650),
+            xid(1700),
+        ],
+        Some(&format!("{SOURCE}:1-40")),
+    );
+    assert_eq!(
+        read_all(&mut reader).await,
+        [
+            "row 1 kept".to_string(),
+            format!("commit 1 at 1700 gtid {SOURCE}:41"),
+        ]
+    );
+}
+
+/// A row event whose image has no columns (bytes no server writes) is a decoding error,
+/// not a loop that reads nothing from its rows forever.
+#[tokio::test]
+async fn a_row_event_with_no_columns_in_its_image_stops_the_reader() {
+    let mut rows = write_rows(&[(1, "a")], 1250);
+    // The columns-present bitmap: after the 19-byte header, the table id (6), flags (2),
+    // extra data (2) and the column count (1).
+    assert_eq!(rows[30], 0b11);
+    rows[30] = 0;
+    let mut reader = reader_of(
+        vec![
+            gtid(41, 1050),
+            begin(1100),
+            table_map(1200),
+            rows,
+            xid(1300),
+        ],
+        Some(&format!("{SOURCE}:1-40")),
+    );
+    let error = loop {
+        match reader.next().await {
+            Ok(Some(_)) => continue,
+            Ok(None) => panic!("the reader ended without an error"),
+            Err(e) => break e.to_string(),
+        }
+    };
+    assert!(error.contains("no columns"), "{error}");
+}
+
 #[test]
 fn savepoint_statements_are_read_as_the_servers_log_them() {
     assert_eq!(
