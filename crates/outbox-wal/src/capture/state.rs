@@ -109,6 +109,16 @@ pub(super) struct HeldWal {
     pub(super) _memory: Charge,
 }
 
+impl HeldWal {
+    /// The event's id, if it decoded that far.
+    fn event_id(&self) -> Option<uuid::Uuid> {
+        match &self.body {
+            Body::Event(event) => Some(event.event_id),
+            Body::Undecodable(u) => u.event_id,
+        }
+    }
+}
+
 /// An outbox row a stream event was read from, and the transaction that wrote it: a row
 /// the delete does not find is gone already if its transaction is visible, and not visible
 /// yet otherwise (see `Inner::delete_delivered`).
@@ -355,8 +365,12 @@ impl DerivedIds {
         })
     }
 
-    fn forget(&mut self, position: &EventPosition) {
-        self.by_position.remove(position);
+    /// Forgets the id drawn at `position` if it is `id`: another history's event at that
+    /// position may hold one of its own.
+    fn forget(&mut self, position: &EventPosition, id: SequenceId) {
+        if self.by_position.get(position) == Some(&id) {
+            self.by_position.remove(position);
+        }
     }
 
     /// Forgets the ids of events no longer held (dropped unhanded, fenced out).
@@ -493,20 +507,15 @@ impl State {
     pub(super) fn settle(&mut self, ids: impl IntoIterator<Item = SequenceId>) {
         for id in ids {
             if let Some(held) = self.holdings.remove_stream(id) {
-                if held.row.is_none() {
-                    self.derived_ids.forget(&held.position);
-                }
+                self.derived_ids.forget(&held.position, id);
                 let position = held.position;
                 if held.session == self.followed.session {
                     if let Err(e) = self.acks.settle(held.position) {
                         tracing::error!(error = %e, "WAL acknowledgement out of step (a bug): the slot stays where it is");
                     }
                 }
-                let id = match &held.body {
-                    Body::Event(event) => Some(event.event_id),
-                    Body::Undecodable(u) => u.event_id,
-                };
-                self.settled.record(position, id, self.told.get());
+                self.settled
+                    .record(position, held.event_id(), self.told.get());
             }
         }
     }
@@ -570,6 +579,33 @@ impl State {
         }
     }
 
+    /// The engine's id of an event read at `position` ([`event_id_of`]), and its outbox row:
+    /// the row's id, unless a held event that is another one (another event id, or another
+    /// position for events without one) has it. Ids are taken again when a promoted standby
+    /// had not received the sequence's last advance, or after `TRUNCATE … RESTART
+    /// IDENTITY`; sharing one, the engine would take the second event for the first one's
+    /// lease renewed, and the first one's ack would settle the second unsent. The second
+    /// draws an id, and keeps its row to delete.
+    fn engine_id_of(
+        &mut self,
+        source: EventSource,
+        position: EventPosition,
+        event_id: Option<uuid::Uuid>,
+    ) -> (SequenceId, Option<OutboxRow>) {
+        let (id, row) = event_id_of(source, position, &mut self.derived_ids);
+        let another = match self.holdings.held.get(&id) {
+            Some(Held::Stream(held)) if row.is_some() => match (held.event_id(), event_id) {
+                (Some(held), Some(read)) => held != read,
+                _ => held.position != position,
+            },
+            _ => false,
+        };
+        match another {
+            true => (self.derived_ids.id(position), row),
+            false => (id, row),
+        }
+    }
+
     pub(super) fn hand_out(
         &mut self,
         position: EventPosition,
@@ -590,7 +626,8 @@ impl State {
         }
         let (id, row, body) = match event {
             Ok(event) => {
-                let (id, row) = event_id_of(event.source, position, &mut self.derived_ids);
+                let (id, row) =
+                    self.engine_id_of(event.source, position, Some(event.event.event_id));
                 if matches!(self.holdings.held.get(&id), Some(Held::Parked { .. })) {
                     // Adopted into the parked table under its own id (as earlier relays
                     // adopted rows), and committed after the slot's start: the parked
@@ -622,7 +659,8 @@ impl State {
                 (id, row, Body::Event(core))
             }
             Err(undecodable) => {
-                let (id, row) = event_id_of(undecodable.source, position, &mut self.derived_ids);
+                let (id, row) =
+                    self.engine_id_of(undecodable.source, position, undecodable.event_id);
                 out.push(Claimed::Undecodable {
                     sequence_id: id,
                     ordering_key: undecodable.ordering_key().to_string(),
@@ -1140,6 +1178,66 @@ mod tests {
         let other = claim(&mut state, message());
         assert_eq!((held.len(), other.len()), (1, 1));
         assert_ne!(held, other);
+    }
+
+    /// Gives the event `output` carries the event id `n`.
+    fn with_event_id(output: &mut Output, n: u128) {
+        if let Output::Event {
+            event: Ok(event), ..
+        } = output
+        {
+            event.event.event_id = uuid::Uuid::from_u128(n);
+        }
+    }
+
+    /// A row id still held for one event, taken by another event (a promoted standby that
+    /// had not received the sequence's last advance, or `TRUNCATE … RESTART IDENTITY` while
+    /// the first was with the sink): the second gets an engine id of its own, keeping its
+    /// row's, so that the first one's ack neither settles it nor lets the slot pass it.
+    #[test]
+    fn an_event_whose_row_id_a_held_event_of_another_has_gets_an_id_of_its_own() {
+        for (history, commit) in [(1, 150), (0, 300)] {
+            let mut state = State::new();
+            state.accept(session_of_history(1, 0));
+            assert_eq!(claim(&mut state, transactions(&[(34, "a", 200)])), [34]);
+            if history != 0 {
+                state.accept(session_of_history(2, history));
+            }
+            let mut reused = transactions(&[(34, "b", commit)]);
+            with_event_id(&mut reused[0], 99);
+            let handed = claim(&mut state, reused);
+            assert_eq!(handed.len(), 1);
+            assert_ne!(handed[0], 34, "history {history}");
+            assert_eq!(state.held_row(handed[0]).map(|row| row.id), Some(34));
+            state.settle([34]);
+            let confirmable = state.confirmable().within(state.history);
+            assert!(
+                confirmable <= Lsn(commit),
+                "history {history}: {confirmable:?}"
+            );
+            state.settle(handed);
+            assert!(state.confirmable().within(state.history) > Lsn(commit));
+        }
+    }
+
+    /// A message of an earlier history settled after another history's message at its
+    /// position was handed out: the later one keeps its id, so that reading it again (a
+    /// session break) is taken for what it is, a copy of an event the engine holds.
+    #[test]
+    fn a_settled_message_of_an_earlier_history_leaves_the_id_at_its_position_alone() {
+        let mut state = State::new();
+        state.accept(session(1, &[]));
+        let message = |n| {
+            let mut message = vec![idless("k", 200, 0, Some(190)), committed(200, 1)];
+            with_event_id(&mut message[0], n);
+            message
+        };
+        let held = claim(&mut state, message(1));
+        state.accept(session_of_history(2, 1));
+        let other = claim(&mut state, message(2));
+        state.settle(held);
+        state.accept(session_of_history(3, 1));
+        assert_eq!(claim(&mut state, message(2)), other);
     }
 
     /// Events 1 and 2 of key k handed out (the outputs that carry them, again), 1 settled
