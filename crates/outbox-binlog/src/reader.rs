@@ -146,19 +146,48 @@ fn ends_with_its_checksum(event: &Event) -> bool {
 struct Savepoints {
     /// Each savepoint's name (as logged), and how many of `rows` were read before it.
     marks: Vec<(Vec<u8>, usize)>,
-    rows: Vec<Output>,
-    /// Bytes of the rows' values held.
-    bytes: usize,
-    /// More than [`SAVEPOINT_ROWS_HELD`] rows or [`SAVEPOINT_BYTES_HELD`] bytes came: the
-    /// rest of the transaction's rows go out as read.
+    held: HeldRows,
+    /// More than [`ROWS_HELD`] rows or [`BYTES_HELD`] bytes came: the rest of the
+    /// transaction's rows go out as read.
     overflowed: bool,
 }
 
-/// The most outbox rows (and bytes of their values) a transaction's savepoints hold until
-/// its end; past them, its rows go out as read (said once, with what a later `ROLLBACK TO`
-/// would mean).
-const SAVEPOINT_ROWS_HELD: usize = 10_000;
-const SAVEPOINT_BYTES_HELD: usize = 64 * 1024 * 1024;
+/// Outbox rows a transaction holds until its end says what they are, and the bytes of
+/// their values.
+#[derive(Debug, Default)]
+struct HeldRows {
+    rows: Vec<Output>,
+    bytes: usize,
+}
+
+impl HeldRows {
+    fn extend(&mut self, rows: impl IntoIterator<Item = Output>) {
+        for row in rows {
+            self.bytes += output_bytes(&row);
+            self.rows.push(row);
+        }
+    }
+
+    /// Keeps the first `kept` rows; returns how many went.
+    fn truncate(&mut self, kept: usize) -> usize {
+        let undone = self.rows.split_off(kept);
+        self.bytes -= undone.iter().map(output_bytes).sum::<usize>();
+        undone.len()
+    }
+
+    /// Whether they are more than a transaction's rows are held to: [`ROWS_HELD`] rows or
+    /// [`BYTES_HELD`] bytes.
+    fn too_many(&self) -> bool {
+        self.rows.len() > ROWS_HELD || self.bytes > BYTES_HELD
+    }
+}
+
+/// The most outbox rows (and bytes of their values) a transaction's savepoints, or an XA
+/// transaction, hold until its end. Past them, a savepoint's rows go out as read (said
+/// once, with what a later `ROLLBACK TO` would mean), and an XA transaction stops the
+/// reader (its rows may be only prepared).
+const ROWS_HELD: usize = 10_000;
+const BYTES_HELD: usize = 64 * 1024 * 1024;
 
 /// A savepoint statement as the server logs it in a transaction.
 #[derive(Debug, PartialEq, Eq)]
@@ -374,7 +403,7 @@ pub struct BinlogReader {
     /// The outbox rows of the XA transaction being read (its events began with `XA START`),
     /// held until its end says what they are: committed (MySQL's one-phase commit), or only
     /// prepared (`XA PREPARE`), which a later `XA COMMIT` or `XA ROLLBACK` decides.
-    xa_rows: Option<Vec<Output>>,
+    xa_rows: Option<HeldRows>,
     /// The savepoints of the transaction being read, and the outbox rows read since its
     /// first, held until its end ([`Savepoints`]).
     savepoints: Option<Savepoints>,
@@ -499,11 +528,6 @@ pub const BINLOG_HEARTBEAT: std::time::Duration = std::time::Duration::from_secs
 /// takes the connection for dead: on a dump only the server speaks, so a connection a NAT
 /// or proxy dropped silently would otherwise be waited on for good.
 pub const BINLOG_SILENCE: std::time::Duration = std::time::Duration::from_secs(10);
-
-/// The most outbox rows of one XA transaction held until its end says whether they are
-/// committed (MySQL logs a one-phase commit as the transaction's events ended by an
-/// `XA_PREPARE_LOG_EVENT` that says so).
-const XA_ROWS_HELD: usize = 10_000;
 
 /// MariaDB's GTID event (`GTID_EVENT`, 162), which mysql_common does not decode: its body
 /// starts with the sequence number (8 bytes) and the domain id (4 bytes), little-endian; the
@@ -851,7 +875,7 @@ impl BinlogReader {
                 MARIADB_GTID_EVENT => {
                     // A transaction's first event: MariaDB marks an XA transaction's first
                     // phase in its flags (it logs no `XA START` query).
-                    self.xa_rows = mariadb_prepared_xa(event.data()).then(Vec::new);
+                    self.xa_rows = mariadb_prepared_xa(event.data()).then(HeldRows::default);
                     self.gtid = mariadb_gtid(event.data(), event.header().server_id());
                     if let (Some(state), Some(gtid)) = (&mut self.gtid_state, &self.gtid) {
                         state.advance(gtid);
@@ -879,7 +903,8 @@ impl BinlogReader {
                     if end != 0 && whole {
                         self.read_to = end;
                     }
-                    self.pending.extend(self.xa_rows.take().unwrap_or_default());
+                    self.pending
+                        .extend(self.xa_rows.take().map(|xa| xa.rows).unwrap_or_default());
                     if self.rows_in_transaction > 0 {
                         let committed = self.committed(end);
                         self.pending.push_back(committed);
@@ -889,7 +914,9 @@ impl BinlogReader {
                     continue;
                 }
                 XA_PREPARE_LOG_EVENT => {
-                    if let Some(rows) = self.xa_rows.take().filter(|rows| !rows.is_empty()) {
+                    if let Some(rows) =
+                        (self.xa_rows.take().map(|xa| xa.rows)).filter(|rows| !rows.is_empty())
+                    {
                         return Err(BinlogError::Config(format!(
                             "an XA transaction prepared at {} offset {end} wrote {} rows to \
                              the outbox: the binary log carries them at XA PREPARE, before \
@@ -1000,7 +1027,7 @@ impl BinlogReader {
                 Some(EventData::QueryEvent(query))
                     if query.query_raw().starts_with(b"XA START") =>
                 {
-                    self.xa_rows = Some(Vec::new());
+                    self.xa_rows = Some(HeldRows::default());
                 }
                 Some(EventData::QueryEvent(query))
                     if self.xa_rows.is_none() && savepoint_query(query.query_raw()).is_some() =>
@@ -1024,7 +1051,8 @@ impl BinlogReader {
                         b"ROLLBACK" => {
                             self.gtid = None;
                             // Rows held behind savepoints never went out.
-                            let held = self.savepoints.take().map_or(0, |s| s.rows.len() as u64);
+                            let held =
+                                (self.savepoints.take()).map_or(0, |s| s.held.rows.len() as u64);
                             let rows = std::mem::take(&mut self.rows_in_transaction);
                             return Ok(Some(Output::RolledBack {
                                 next: self.at(end),
@@ -1104,13 +1132,14 @@ impl BinlogReader {
     fn hold_xa_rows(&mut self, end: u64) -> Result<()> {
         if let Some(held) = &mut self.xa_rows {
             held.extend(self.pending.drain(..));
-            if held.len() > XA_ROWS_HELD {
+            if held.too_many() {
                 return Err(BinlogError::Config(format!(
-                    "an XA transaction at {} offset {end} wrote more than {XA_ROWS_HELD} rows \
-                     to the outbox before its end, which binlog capture holds to learn whether \
-                     they are committed; relay this outbox by polling (`--capture poll`), or \
-                     write its rows outside XA transactions",
-                    self.file
+                    "an XA transaction at {} offset {end} wrote more than {ROWS_HELD} rows or \
+                     {} MiB to the outbox before its end, which binlog capture holds to learn \
+                     whether they are committed; relay this outbox by polling \
+                     (`--capture poll`), or write its rows outside XA transactions",
+                    self.file,
+                    BYTES_HELD >> 20
                 )));
             }
         }
@@ -1124,7 +1153,7 @@ impl BinlogReader {
                 let savepoints = self.savepoints.get_or_insert_with(Savepoints::default);
                 // A name set again moves: SQL keeps one savepoint of a name.
                 savepoints.marks.retain(|(n, _)| !same_savepoint(n, name));
-                let held = savepoints.rows.len();
+                let held = savepoints.held.rows.len();
                 savepoints.marks.push((name.to_vec(), held));
             }
             Some(SavepointQuery::RollbackTo(name)) => {
@@ -1138,11 +1167,10 @@ impl BinlogReader {
                         let kept = savepoints.marks[at].1;
                         // Savepoints set after it are gone with what it undid.
                         savepoints.marks.truncate(at + 1);
-                        let undone = savepoints.rows.split_off(kept);
-                        savepoints.bytes = savepoints.rows.iter().map(output_bytes).sum();
-                        self.rows_in_transaction -= undone.len() as u64;
+                        let undone = savepoints.held.truncate(kept);
+                        self.rows_in_transaction -= undone as u64;
                         tracing::debug!(
-                            rows = undone.len(),
+                            rows = undone,
                             "outbox rows undone by ROLLBACK TO a savepoint"
                         );
                     }
@@ -1165,21 +1193,19 @@ impl BinlogReader {
         let Some(savepoints) = self.savepoints.as_mut().filter(|s| !s.overflowed) else {
             return;
         };
-        for row in self.pending.drain(..) {
-            savepoints.bytes += output_bytes(&row);
-            savepoints.rows.push(row);
-        }
-        if savepoints.rows.len() > SAVEPOINT_ROWS_HELD || savepoints.bytes > SAVEPOINT_BYTES_HELD {
+        savepoints.held.extend(self.pending.drain(..));
+        if savepoints.held.too_many() {
             tracing::warn!(
                 at = %format!("{} offset {end}", self.file),
-                rows = savepoints.rows.len(),
+                rows = savepoints.held.rows.len(),
                 "a transaction wrote more outbox rows after a savepoint than the reader holds \
                  until its end: they go out as read, and a ROLLBACK TO that savepoint logged \
                  after them (only when the transaction changed a non-transactional table too) \
                  would not undo them"
             );
             savepoints.overflowed = true;
-            self.pending.extend(savepoints.rows.drain(..));
+            self.pending
+                .extend(std::mem::take(&mut savepoints.held).rows);
         }
     }
 
@@ -1195,7 +1221,9 @@ impl BinlogReader {
     /// The commit of the transaction being read, which ends at `end`.
     fn committed(&mut self, end: u64) -> Output {
         // Rows held behind savepoints are committed, and go out ahead of their commit.
-        let held = self.savepoints.take().map(|s| s.rows).unwrap_or_default();
+        let held = (self.savepoints.take())
+            .map(|s| s.held.rows)
+            .unwrap_or_default();
         self.set_boundary(end);
         let committed = Output::Committed {
             next: self.at(end),

@@ -633,6 +633,34 @@ async fn a_row_event_with_no_columns_in_its_image_stops_the_reader() {
     assert!(error.contains("no columns"), "{error}");
 }
 
+/// What a transaction holds to its end (an XA transaction's rows, a savepoint's) is
+/// bounded by its rows' bytes as well as their count: ten thousand rows of a megabyte were
+/// ten gigabytes.
+#[test]
+fn rows_held_to_a_transactions_end_are_too_many_past_their_bytes_or_their_count() {
+    let row = |bytes: usize| {
+        Output::Row(Row {
+            columns: Arc::new(vec!["payload".into()]),
+            values: vec![Some("x".repeat(bytes))],
+            unknown: Vec::new(),
+            ordinal: 1,
+            logged_at: None,
+        })
+    };
+    let mut held = HeldRows::default();
+    held.extend([row(BYTES_HELD / 2), row(BYTES_HELD / 2)]);
+    assert!(!held.too_many());
+    held.extend([row(1)]);
+    assert!(held.too_many());
+    assert_eq!(held.truncate(1), 2);
+    assert_eq!(held.bytes, BYTES_HELD / 2);
+    let mut small = HeldRows::default();
+    small.extend((0..ROWS_HELD).map(|_| row(1)));
+    assert!(!small.too_many());
+    small.extend([row(1)]);
+    assert!(small.too_many());
+}
+
 #[test]
 fn savepoint_statements_are_read_as_the_servers_log_them() {
     assert_eq!(

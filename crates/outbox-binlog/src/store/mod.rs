@@ -1426,6 +1426,44 @@ impl std::fmt::Debug for BinlogStore {
 }
 
 /// Whether `tx`'s channel holds nothing but the place one reserved permit takes.
+/// The transaction the reader reads, while claims hold its rows until its commit
+/// ([`State::hold_to_commit`]). Its rows are freed only once its commit is read, so the
+/// reader reads on without waiting for room, until its rows alone are more than the memory
+/// budget: then they go out as read (`Item::Overflowed`). Rolled back, such a transaction's
+/// rows may have been delivered; held whole, it would have had no bound.
+#[derive(Debug, Default)]
+struct HeldTransaction {
+    /// A row of it was read: its end is not read yet.
+    open: bool,
+    /// The bytes its rows hold in the memory budget.
+    bytes: usize,
+    overflowed: bool,
+}
+
+impl HeldTransaction {
+    fn row(&mut self, bytes: usize) {
+        self.open = true;
+        self.bytes += bytes;
+    }
+
+    /// Its end was read; returns whether its rows went out as read.
+    fn ended(&mut self) -> bool {
+        std::mem::take(self).overflowed
+    }
+
+    /// Whether the reader waits for room in the memory budget before reading on.
+    fn waits_for_room(&self, hold_to_commit: bool) -> bool {
+        !(hold_to_commit && self.open && !self.overflowed)
+    }
+
+    /// Whether its rows go out as read from now on: they are more than `limit` bytes.
+    fn overflows(&mut self, hold_to_commit: bool, limit: usize) -> bool {
+        let overflows = hold_to_commit && self.open && !self.overflowed && self.bytes > limit;
+        self.overflowed |= overflows;
+        overflows
+    }
+}
+
 fn held_nothing_but<T>(tx: &mpsc::Sender<T>) -> bool {
     tx.capacity() + 1 == tx.max_capacity()
 }
@@ -1714,10 +1752,18 @@ impl Reader {
         };
         let mut next_store = tokio::time::Instant::now() + store_every;
         let mut pending: Option<Item> = None;
-        // Rows of a transaction whose end is not read yet.
-        let mut open_rows = false;
+        let mut transaction = HeldTransaction::default();
         let mut drained = drain_until.is_none();
         loop {
+            if pending.is_none() && transaction.overflows(hold_to_commit, self.memory.limit()) {
+                tracing::warn!(
+                    at = %format!("{}:{}", capture.read_to().file, capture.read_to().offset),
+                    "a transaction's rows of the BLACKHOLE outbox are more than the memory \
+                     budget (`memory_mib`): they go out as read instead of at its commit, and \
+                     were it rolled back, they may have been delivered"
+                );
+                pending = Some(Item::Overflowed);
+            }
             let step = tokio::select! {
                 biased;
                 _ = self.close.wait_for(|c| *c) => Step::Close,
@@ -1725,9 +1771,7 @@ impl Reader {
                 _ = tokio::time::sleep_until(next_store) => Step::Store,
                 permit = self.tx.clone().reserve_owned(), if pending.is_some() => Step::Send(permit),
                 output = async {
-                    // A held-to-commit transaction's rows are freed only once its commit is
-                    // read: waiting for room inside one would wait for good.
-                    if !(hold_to_commit && open_rows) {
+                    if transaction.waits_for_room(hold_to_commit) {
                         self.memory.has_room().await;
                     }
                     capture.next().await
@@ -1803,7 +1847,7 @@ impl Reader {
                 Step::Read(Ok(Some(output))) => {
                     pending = Some(match output {
                         Output::Row(row) => {
-                            open_rows = true;
+                            transaction.row(0);
                             let Some(captured) = decode(&row, &self.mapping) else {
                                 // Inserted delivered (or dead) already: no event, nothing
                                 // to wait for.
@@ -1817,6 +1861,7 @@ impl Reader {
                             }
                             set_lag_seconds(&capture, false);
                             let memory = self.memory.charge(captured_bytes(&captured));
+                            transaction.row(memory.bytes());
                             Item::Row {
                                 ordinal: row.ordinal(),
                                 captured: Box::new(captured),
@@ -1825,11 +1870,18 @@ impl Reader {
                         }
                         Output::Committed { next, rows, .. } => {
                             tracing::debug!(rows, next = %format!("{}:{}", next.file, next.offset), "read a transaction");
-                            open_rows = false;
+                            transaction.ended();
                             Item::Committed
                         }
                         Output::RolledBack { rows, .. } => {
-                            if rows > 0 && !hold_to_commit {
+                            if transaction.ended() {
+                                tracing::error!(
+                                    rows,
+                                    "a transaction of the BLACKHOLE outbox larger than the \
+                                     memory budget rolled back: its rows went out as read, and \
+                                     may have been delivered"
+                                );
+                            } else if rows > 0 && !hold_to_commit {
                                 tracing::error!(
                                     rows,
                                     "the server logged outbox rows of a transaction that rolled \
@@ -1838,7 +1890,6 @@ impl Reader {
                                      maintainers the server's version"
                                 );
                             }
-                            open_rows = false;
                             Item::RolledBack
                         }
                     });
@@ -1917,6 +1968,28 @@ fn captured_bytes(captured: &Captured) -> usize {
 
 #[cfg(test)]
 mod tests {
+    /// A MySQL BLACKHOLE transaction is read through without waiting for room in the memory
+    /// budget, its rows freed only at its commit, until its rows alone are more than the
+    /// budget: then they go out as read (once), and the reader waits for room again.
+    #[test]
+    fn a_held_transaction_larger_than_the_memory_budget_goes_out_as_read() {
+        let mut transaction = super::HeldTransaction::default();
+        assert!(transaction.waits_for_room(true));
+        transaction.row(600);
+        assert!(!transaction.waits_for_room(true));
+        assert!(transaction.waits_for_room(false), "rows handed out as read");
+        assert!(!transaction.overflows(true, 1000));
+        transaction.row(600);
+        assert!(!transaction.overflows(false, 1000));
+        assert!(transaction.overflows(true, 1000));
+        assert!(!transaction.overflows(true, 1000), "once");
+        assert!(transaction.waits_for_room(true));
+        assert!(transaction.ended());
+        transaction.row(2000);
+        assert!(!transaction.waits_for_room(true));
+        assert!(!transaction.ended(), "a transaction held whole");
+    }
+
     use super::*;
 
     #[test]

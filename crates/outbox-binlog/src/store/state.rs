@@ -43,6 +43,9 @@ pub(super) enum Item {
     /// The transaction being read was rolled back: its rows never happened (a BLACKHOLE
     /// outbox on MySQL).
     RolledBack,
+    /// The transaction being read holds more rows than the memory budget: those held go
+    /// out now, and the rest as they are read.
+    Overflowed,
     /// `--drain`: the log is read up to the position current at start-up.
     Drained,
 }
@@ -185,6 +188,9 @@ pub(super) struct State {
     pub(super) hold_to_commit: bool,
     /// The transaction being read, while `hold_to_commit`.
     pub(super) uncommitted: Vec<(u64, Box<Captured>, Charge)>,
+    /// The transaction being read overflowed the memory budget: its rows are handed out as
+    /// read ([`Item::Overflowed`]).
+    pub(super) overflowed: bool,
     /// Items received from the reader, not yet taken by a claim (a claim stops at its
     /// limit).
     pub(super) unaccepted: VecDeque<Item>,
@@ -227,6 +233,7 @@ impl State {
             epoch: 0,
             hold_to_commit,
             uncommitted: Vec::new(),
+            overflowed: false,
             unaccepted: VecDeque::new(),
             holdings: Holdings::default(),
             settled: Vec::new(),
@@ -285,18 +292,24 @@ impl State {
                     ordinal,
                     captured,
                     memory,
-                } if self.hold_to_commit => self.uncommitted.push((ordinal, captured, memory)),
+                } if self.hold_to_commit && !self.overflowed => {
+                    self.uncommitted.push((ordinal, captured, memory))
+                }
                 Item::Row {
                     ordinal,
                     captured,
                     memory,
                 } => self.hand_out(ordinal, captured, memory, out),
-                Item::Committed => {
+                Item::Committed | Item::Overflowed => {
                     for (ordinal, captured, memory) in std::mem::take(&mut self.uncommitted) {
                         self.hand_out(ordinal, captured, memory, out);
                     }
+                    self.overflowed = matches!(item, Item::Overflowed);
                 }
-                Item::RolledBack => self.uncommitted.clear(),
+                Item::RolledBack => {
+                    self.uncommitted.clear();
+                    self.overflowed = false;
+                }
                 Item::Drained => self.drained = true,
                 Item::Session { .. } => {}
             }
@@ -507,6 +520,7 @@ impl capture::Sessions for State {
         self.drained = false;
         self.unaccepted.clear();
         self.uncommitted.clear();
+        self.overflowed = false;
         let queued: Vec<SequenceId> = self.holdings.to_park.iter().map(|p| p.id).collect();
         self.remember_places(&queued);
         self.holdings.forget_queued_parks();
@@ -774,6 +788,15 @@ mod tests {
         assert!(claim(&mut state, vec![blackhole(3), Item::RolledBack]).is_empty());
         assert!(state.uncommitted.is_empty());
         assert!(claim(&mut state, vec![Item::Committed]).is_empty());
+        // A transaction larger than the memory budget: its rows held go out when the reader
+        // says so, the rest as read, and the next transaction is held again.
+        assert!(claim(&mut state, vec![blackhole(4)]).is_empty());
+        assert_eq!(
+            claim(&mut state, vec![Item::Overflowed, blackhole(5)]),
+            [stream_id(1, 4), stream_id(1, 5)]
+        );
+        assert!(claim(&mut state, vec![Item::Committed, blackhole(6)]).is_empty());
+        assert_eq!(claim(&mut state, vec![Item::Committed]), [stream_id(1, 6)]);
     }
 
     #[test]
