@@ -1363,6 +1363,112 @@ async fn an_event_read_again_after_a_server_crash_is_not_sent_after_a_later_one_
     assert!(status.success(), "{status:?}");
 }
 
+/// A disk snapshot of the server restored (the same system and timeline, the WAL rolled
+/// back), which then wrote past everything the relay had read before the relay reconnected:
+/// the history's check at a session's start sees nothing changed, but the slot's confirm
+/// mark reads lower than the relay raised it. Before, an event written after the restore at
+/// positions the relay had confirmed on the lost WAL was taken for settled, and lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_written_after_a_snapshot_was_restored_is_not_taken_for_settled() {
+    // Never the shared server: this one is stopped and rolled back.
+    let server = OwnPostgres::init();
+    server.start("-c wal_level=logical");
+    let w = WalDb::on(server.url("disable"), "restored_slot".into()).await;
+    let (_release, released) = tokio::sync::watch::channel(true);
+    let (sink, seen) = webhook_holding(released).await;
+    let relay = w.streaming_to(&sink, &[]).await;
+    let confirmed_past = "SELECT confirmed_flush_lsn >= $1::text::pg_lsn
+                            FROM pg_replication_slots WHERE slot_name = 'restored_slot'";
+    let delivered = |n: i64| {
+        (seen.lock().unwrap().iter()).any(|(_, body)| body["payload"]["n"].as_i64() == Some(n))
+    };
+    emit(&w.db, "a", 1).await;
+    let past_first = wal_position(&w.db).await;
+    await_position(
+        "event 1 confirmed",
+        &relay,
+        &w.db,
+        confirmed_past,
+        &past_first,
+    )
+    .await;
+    server.stop("fast");
+    server.snapshot();
+    server.resume();
+    // Past the snapshot: events delivered, the slot confirmed past them, so the confirm mark
+    // raised past them.
+    let db = pg(&w.url).await;
+    for n in 2..=20 {
+        emit(&db, "b", n).await;
+    }
+    let past_snapshot = wal_position(&db).await;
+    await_position(
+        "events 2-20 confirmed",
+        &relay,
+        &db,
+        confirmed_past,
+        &past_snapshot,
+    )
+    .await;
+    relay.signal("-STOP");
+    let read_at_most = wal_position(&db).await;
+    drop(db);
+    server.stop("immediate");
+    server.restore_snapshot();
+    server.resume();
+    let db = pg(&w.url).await;
+    // At positions the relay confirmed on the WAL that is gone.
+    emit(&db, "c", 100).await;
+    let written = wal_position(&db).await;
+    let before: bool = db
+        .query_one(
+            "SELECT $1::text::pg_lsn < $2::text::pg_lsn",
+            &[&written, &past_snapshot],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        before,
+        "event 100 at {written}, past {past_snapshot}: the test proves nothing"
+    );
+    // Then past everything the relay read, so that the WAL's end does not tell.
+    db.batch_execute("CREATE TABLE filler (n int4, x text)")
+        .await
+        .unwrap();
+    loop {
+        db.batch_execute(
+            "INSERT INTO filler SELECT g, repeat('x', 200) FROM generate_series(1, 20000) g",
+        )
+        .await
+        .unwrap();
+        let past: bool = db
+            .query_one(
+                "SELECT pg_current_wal_lsn() > $1::text::pg_lsn + 1048576",
+                &[&read_at_most],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if past {
+            break;
+        }
+    }
+    relay.signal("-CONT");
+    eventually_explained(
+        "event 100 delivered",
+        Duration::from_secs(60),
+        || relay.logs(),
+        || async { delivered(100).then_some(()) },
+    )
+    .await;
+    assert!(
+        relay.logs().contains("confirm mark reads lower"),
+        "{}",
+        relay.logs()
+    );
+}
+
 // ---- 6. Broker outage ----
 
 #[tokio::test]

@@ -41,6 +41,12 @@ pub(super) struct ConfirmMark {
     failures: u32,
     /// That the mark cannot be kept was said: once a process.
     off_said: bool,
+    /// The mark as this process knew it recorded (read, or raised and committed durably)
+    /// when the session started: one read lower since was rolled back with the server's
+    /// WAL ([`ConfirmMark::checked`]).
+    known_at_start: Option<Lsn>,
+    /// The highest raise of this session so far.
+    raised_since_start: Option<Lsn>,
 }
 
 impl ConfirmMark {
@@ -60,13 +66,28 @@ impl ConfirmMark {
     pub(super) fn session_started(&mut self) {
         self.checked = false;
         self.off = false;
+        self.known_at_start = self.recorded;
+        self.raised_since_start = None;
     }
 
     /// The session's rows are adopted, and the mark read is `recorded` (or none): raises
-    /// may follow.
-    pub(super) fn checked(&mut self, recorded: Option<Lsn>) {
-        self.recorded = self.recorded.max(recorded);
+    /// may follow. Whether the mark went back: it reads lower than this process knew it
+    /// when the session started, which no relay does (raises only raise it, and commit
+    /// durably). The server's WAL was rolled back past the raise (a disk snapshot or a
+    /// backup restored on the same timeline), even where the server has written past what
+    /// was read from it since, which the history's check at the session's start misses.
+    /// The mark is then taken as read.
+    pub(super) fn checked(&mut self, recorded: Option<Lsn>) -> bool {
+        let went_back = matches!(
+            (recorded, self.known_at_start),
+            (Some(read), Some(known)) if read < known
+        );
+        self.recorded = match went_back {
+            true => recorded.max(self.raised_since_start),
+            false => self.recorded.max(recorded),
+        };
         self.checked = true;
+        went_back
     }
 
     /// Transactions with events were read, the last ending at `through`.
@@ -105,6 +126,7 @@ impl ConfirmMark {
     /// The mark is `up_to` now.
     pub(super) fn raised(&mut self, up_to: Lsn) {
         self.recorded = self.recorded.max(Some(up_to));
+        self.raised_since_start = self.raised_since_start.max(Some(up_to));
         self.failures = 0;
     }
 
@@ -261,6 +283,36 @@ mod tests {
         mark.session_started();
         assert!(!mark.is_off(), "tried again");
         assert_eq!(mark.confirmable(Lsn(700)), Lsn(100));
+    }
+
+    /// A mark read lower than this process raised it: the server's WAL was rolled back
+    /// (restored to a disk snapshot), which a crash never does. A session's own raise
+    /// before its check (its adoption's) is no such thing.
+    #[test]
+    fn a_mark_read_lower_than_raised_before_says_the_wal_was_rolled_back() {
+        let mut mark = adopted_at(300);
+        mark.raised(Lsn(900));
+        mark.session_started();
+        assert!(!mark.checked(Some(Lsn(900))), "a crash");
+        mark.session_started();
+        mark.raised(Lsn(1000));
+        assert!(
+            !mark.checked(Some(Lsn(900))),
+            "read before the adoption's raise"
+        );
+        mark.session_started();
+        assert!(mark.checked(Some(Lsn(300))), "a snapshot restored");
+        assert_eq!(mark.confirmable(Lsn(2000)), Lsn(300), "taken as read");
+        mark.session_started();
+        mark.raised(Lsn(400));
+        assert!(mark.checked(Some(Lsn(200))));
+        assert_eq!(
+            mark.confirmable(Lsn(2000)),
+            Lsn(400),
+            "with the session's raise"
+        );
+        mark.session_started();
+        assert!(!mark.checked(None), "no mark row: nothing to compare");
     }
 
     /// A raise read back lower than the mark (another relay's, racing) never lowers it.

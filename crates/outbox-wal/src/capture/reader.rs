@@ -90,6 +90,14 @@ impl Sessions {
         changed
     }
 
+    /// The server's WAL was found rolled back once the session had started (its confirm
+    /// mark went back): another history from here, as [`Sessions::history_changed`] finds
+    /// it at the start.
+    pub(super) fn wal_rolled_back(&mut self) {
+        self.histories += 1;
+        self.read_to.store(0, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Positions up to `to` were read.
     fn read(&self, to: Lsn) {
         self.read_to
@@ -914,11 +922,22 @@ impl Reader {
         };
         match adopted {
             Ok(AdoptCheck::Adopted { mark, start }) => {
-                let behind = {
+                let (went_back, behind) = {
                     let mut state = self.lock_mark();
-                    state.checked(mark);
-                    state.confirmable(start) < start
+                    let went_back = state.checked(mark);
+                    (went_back, state.confirmable(start) < start)
                 };
+                if went_back {
+                    tracing::warn!(
+                        mark = ?mark,
+                        "the slot's confirm mark reads lower than this relay raised it: the \
+                         server's WAL was rolled back (a disk snapshot or backup restored on \
+                         the same timeline), so what was confirmed and settled before is not \
+                         taken for what its positions hold now, and events read again are \
+                         sent again"
+                    );
+                    self.sessions.wal_rolled_back();
+                }
                 // A slot no relay of this version confirmed has no mark yet: one from here.
                 if behind {
                     self.raise_mark(start).await;

@@ -766,6 +766,28 @@ impl OwnPostgres {
         })
     }
 
+    /// Copies the stopped server's data directory aside, as a disk snapshot would.
+    pub fn snapshot(&self) {
+        let snapshot = self.dir.path().join("snapshot");
+        let copied = Command::new("cp")
+            .args(["-a", &self.data(), snapshot.to_str().unwrap()])
+            .status()
+            .unwrap();
+        assert!(copied.success());
+    }
+
+    /// Puts the stopped server's data directory back as [`snapshot`](Self::snapshot) left
+    /// it: the server starts on the same system and timeline, its WAL rolled back.
+    pub fn restore_snapshot(&self) {
+        std::fs::remove_dir_all(self.data()).unwrap();
+        let snapshot = self.dir.path().join("snapshot");
+        let copied = Command::new("cp")
+            .args(["-a", snapshot.to_str().unwrap(), &self.data()])
+            .status()
+            .unwrap();
+        assert!(copied.success());
+    }
+
     /// Stops the server in `mode` (`immediate`: a crash, as far as its clients can tell).
     pub fn stop(&self, mode: &str) {
         as_postgres("pg_ctl", &["-D", &self.data(), "-m", mode, "-w", "stop"]);
