@@ -89,8 +89,13 @@ impl<U> Body<U> {
 pub enum Held<S> {
     /// An event read from the stream.
     Stream(Box<S>),
-    /// A row of the parked table, by its key.
-    Parked { key: String, _memory: Charge },
+    /// A row of the parked table, by its key, and its event's id (none for a row that did
+    /// not decode): a stream event with its id is its copy only if it is that event.
+    Parked {
+        key: String,
+        event_id: Option<uuid::Uuid>,
+        _memory: Charge,
+    },
 }
 
 /// What the engine settles, by where it is.
@@ -403,10 +408,15 @@ impl<S: StreamEvent, P: QueuedPark> Holdings<S, P> {
     pub fn hold_parked(&mut self, rows: Vec<(Claimed, Charge)>, out: &mut Vec<Claimed>) {
         for (row, memory) in rows {
             let key = row.ordering_key().to_string();
+            let event_id = match &row {
+                Claimed::Event(event) => Some(event.event_id),
+                Claimed::Undecodable { .. } => None,
+            };
             self.held.insert(
                 row.sequence_id(),
                 Held::Parked {
                     key,
+                    event_id,
                     _memory: memory,
                 },
             );
@@ -882,6 +892,7 @@ mod tests {
             7,
             Held::Parked {
                 key: "p".into(),
+                event_id: None,
                 _memory: Charge::none(),
             },
         );
@@ -899,6 +910,7 @@ mod tests {
             7,
             Held::Parked {
                 key: "p".into(),
+                event_id: None,
                 _memory: Charge::none(),
             },
         );
@@ -933,6 +945,7 @@ mod tests {
         for (id, key) in [(7, "p"), (8, "q")] {
             let parked = Held::Parked {
                 key: key.into(),
+                event_id: None,
                 _memory: Charge::none(),
             };
             holdings.held.insert(id, parked);

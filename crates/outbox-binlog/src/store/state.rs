@@ -330,7 +330,19 @@ impl State {
             event,
             identity,
         } = *captured;
-        let id = row.unwrap_or_else(|| stream_id(self.followed.session, ordinal));
+        let mut id = row.unwrap_or_else(|| stream_id(self.followed.session, ordinal));
+        // A row id a held row of another event has (ids taken again: `TRUNCATE`, a failover
+        // to a server whose counter is behind): an id of its own, the row's kept to delete.
+        // Sharing it, the engine took this row for the first one's lease renewed, and the
+        // first one's ack settled it unsent.
+        if let Some(Held::Stream(held)) = self.holdings.held.get(&id) {
+            let event_of = |identity: Option<RowIdentity>| identity.and_then(|i| i.event_id);
+            if let (Some(held), Some(read)) = (event_of(held.identity), event_of(identity)) {
+                if held != read {
+                    id = stream_id(self.followed.session, ordinal);
+                }
+            }
+        }
         // Settled while the reader read this session or a later one (it may have moved on
         // while this claim held the state): the copy is of a row settled before it.
         let read_by_this_session = |i: &RowIdentity| {
@@ -701,6 +713,37 @@ mod tests {
             ),
             "which event it is, for a session that reads it again"
         );
+    }
+
+    /// A row id a held row of another event has, taken again (`TRUNCATE`, which starts
+    /// the ids again, while the first was with the sink): the second row gets an engine id
+    /// of its own, keeping its row's to delete, so that the first one's ack does not settle
+    /// it unsent (the engine took it for the first one's lease renewed).
+    #[test]
+    fn a_row_whose_id_a_held_row_of_another_event_has_gets_an_id_of_its_own() {
+        let mut state = State::new(false);
+        state.accept(session(1, &[]));
+        assert_eq!(claim(&mut state, vec![row(34, "a", 1)]), [34]);
+        let mut reused = row(34, "b", 2);
+        if let Item::Row { captured, .. } = &mut reused {
+            let other = uuid::Uuid::from_u128(99);
+            captured.identity = captured.identity.map(|i| RowIdentity {
+                event_id: Some(other),
+                ..i
+            });
+            if let Ok(event) = &mut captured.event {
+                event.event_id = other;
+            }
+        }
+        let handed = claim(&mut state, vec![reused]);
+        assert_eq!(handed.len(), 1);
+        assert_ne!(handed[0], 34);
+        state.settle([34]);
+        assert_eq!(settled(&state, 1), [1], "the first row only");
+        match state.holdings.held.get(&handed[0]) {
+            Some(Held::Stream(second)) => assert_eq!(second.row, Some(34)),
+            _ => panic!("the second row is not held"),
+        }
     }
 
     /// A row read again by a new session while its key waits is queued to park behind it,

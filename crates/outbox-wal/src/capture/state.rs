@@ -581,7 +581,7 @@ impl State {
 
     /// The engine's id of an event read at `position` ([`event_id_of`]), and its outbox row:
     /// the row's id, unless a held event that is another one (another event id, or another
-    /// position for events without one) has it. Ids are taken again when a promoted standby
+    /// position for events without one), or a parked row of another event, has it. Ids are taken again when a promoted standby
     /// had not received the sequence's last advance, or after `TRUNCATE … RESTART
     /// IDENTITY`; sharing one, the engine would take the second event for the first one's
     /// lease renewed, and the first one's ack would settle the second unsent. The second
@@ -598,6 +598,11 @@ impl State {
                 (Some(held), Some(read)) => held != read,
                 _ => held.position != position,
             },
+            // A row adopted under its own id (by a relay before 0.2) is its stream copy.
+            Some(Held::Parked {
+                event_id: Some(parked),
+                ..
+            }) if row.is_some() => event_id != Some(*parked),
             _ => false,
         };
         match another {
@@ -1542,11 +1547,34 @@ mod tests {
             1,
             Held::Parked {
                 key: "a".into(),
+                event_id: Some(uuid::Uuid::from_u128(1)),
                 _memory: Charge::none(),
             },
         );
         assert!(claim(&mut state, vec![event(1, "a", 200, 0), committed(200, 1)]).is_empty());
         assert_eq!(state.acks.confirmable(), Lsn(210));
+    }
+
+    /// A parked row being delivered whose id a stream event of another has (ids taken
+    /// again after `TRUNCATE … RESTART IDENTITY`): the stream event is no copy of it, and
+    /// goes out under an id of its own, where before it was settled unsent.
+    #[test]
+    fn a_stream_event_whose_id_a_parked_row_of_another_event_has_goes_out() {
+        let mut state = State::new();
+        state.accept(session(1, &[]));
+        state.holdings.held.insert(
+            1,
+            Held::Parked {
+                key: "a".into(),
+                event_id: Some(uuid::Uuid::from_u128(77)),
+                _memory: Charge::none(),
+            },
+        );
+        let handed = claim(&mut state, vec![event(1, "a", 200, 0), committed(200, 1)]);
+        assert_eq!(handed.len(), 1);
+        assert_ne!(handed[0], 1);
+        assert_eq!(state.held_row(handed[0]).map(|row| row.id), Some(1));
+        assert!(state.acks.confirmable() < Lsn(200));
     }
 
     /// The million-event soak's inversions: a relay's session broke at a PostgreSQL
