@@ -354,6 +354,25 @@ impl std::fmt::Debug for BinlogConfig {
 }
 
 /// The server's `@@server_id`: whose binary log a position is in.
+/// How long [`gtid_resume_refused`] waits for the server to refuse a GTID state: it refuses
+/// one its log does not continue (a diverged history) at once.
+pub const GTID_PROBE: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// Whether the server refuses to continue after the GTID state `gtid`, as a relay's start
+/// there would find (`check`'s look, after a failover): a reader as `config` names it
+/// (under a server id of its own) is started there, and given [`GTID_PROBE`] to be refused.
+/// A state ahead of the log, which MariaDB may wait for, is not told this way.
+pub async fn gtid_resume_refused(config: &BinlogConfig, gtid: &str) -> Option<BinlogError> {
+    let mut reader = match BinlogReader::start_after_gtid(config, gtid).await {
+        Ok(reader) => reader,
+        Err(e) => return Some(e),
+    };
+    match tokio::time::timeout(GTID_PROBE, reader.next()).await {
+        Ok(Err(e)) => Some(e),
+        Ok(Ok(_)) | Err(_) => None,
+    }
+}
+
 pub async fn server_id(url: &str) -> Result<u64> {
     let mut conn = Conn::new(opts(url)?).await?;
     let id: Option<u64> = conn.query_first("SELECT @@server_id").await?;

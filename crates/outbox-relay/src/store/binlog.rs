@@ -183,6 +183,18 @@ impl BinlogCapture {
     /// and deleted are not lost: they were delivered). A BLACKHOLE outbox (`blackhole`)
     /// stores nothing to adopt: the events are in the binary log only, and lost where no
     /// server's log still has them.
+    /// A reader's configuration for `check`'s look at the server's log: a server id of its
+    /// own, so that it takes no running relay's stream (MySQL ends a reader's stream when
+    /// another comes with its id).
+    fn probe_config(&self) -> outbox_binlog::BinlogConfig {
+        outbox_binlog::BinlogConfig {
+            url: self.url.clone(),
+            server_id: self.server_id ^ 0x5A5A_0000,
+            database: self.database.clone(),
+            table: self.table.clone(),
+        }
+    }
+
     pub fn recovery(&self, blackhole: bool) -> String {
         // An UPDATE, never a DELETE: the row's epoch fences a paused ex-reader's writes, and
         // a row made again would start it over at 0, where that reader's epoch may be valid.
@@ -255,7 +267,14 @@ impl BinlogCapture {
             // Another server's position (a failover): the relay goes on after its GTID
             // state, or refuses without one; its file names say nothing of this server's.
             Ok(Some(_)) if !matches!(resumed, Some(Ok(outbox_binlog::capture::Resume::At(_)))) => {
-                if let Some(Err(e)) = resumed {
+                let refused = match resumed {
+                    Some(Err(e)) => Some(e),
+                    Some(Ok(outbox_binlog::capture::Resume::AfterGtid(gtid))) => {
+                        outbox_binlog::gtid_resume_refused(&self.probe_config(), &gtid).await
+                    }
+                    _ => None,
+                };
+                if let Some(e) = refused {
                     problems.push(Problem::blocking(e.to_string(), self.recovery(blackhole)));
                 }
             }

@@ -782,6 +782,48 @@ async fn a_stored_position_in_a_log_the_server_does_not_have_is_refused_by_check
     assert!(names_it(&refused.logs()), "{}", refused.logs());
 }
 
+/// A position stored on another server (a failover) whose GTID state this server's log
+/// does not continue (their histories diverged): `run` refuses it, and `check` says so too.
+/// `check` passed it before, then `run` stopped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gtid_state_the_servers_log_does_not_continue_fails_the_check_as_it_stops_run() {
+    let db = BinlogDb::new().await;
+    let mut first = db.reading("relay-1", "out.jsonl").await;
+    assert!(first.terminate().await.success(), "{}", first.logs());
+    let mut conn = db.pool.get_conn().await.unwrap();
+    // This server's last GTID, as another server (id 99) would have written it.
+    let position: String = conn
+        .query_first("SELECT @@gtid_binlog_pos")
+        .await
+        .unwrap()
+        .unwrap();
+    let last = position.split(',').next().unwrap();
+    let (domain, sequence) = (
+        last.split('-').next().unwrap(),
+        last.rsplit('-').next().unwrap(),
+    );
+    let diverged = format!("{domain}-99-{sequence}");
+    conn.exec_drop(
+        "UPDATE outbox_binlog SET server_id = server_id + 1000, gtid = ?",
+        (&diverged,),
+    )
+    .await
+    .unwrap();
+    let names_it =
+        |said: &str| said.contains("does not continue after GTID") && said.contains(&diverged);
+    let checked = relay(
+        db.dir.path(),
+        &["check", "--capture", "binlog", "--database-url", &db.url],
+    );
+    let said = format!("{}{}", text(&checked.stdout), text(&checked.stderr));
+    assert!(!checked.status.success(), "{said}");
+    assert!(names_it(&said), "{said}");
+    let mut refused = db.spawn("relay-2", "out.jsonl", &[]);
+    let status = refused.wait_exit_within(Duration::from_secs(30)).await;
+    assert!(!status.success(), "{}", refused.logs());
+    assert!(names_it(&refused.logs()), "{}", refused.logs());
+}
+
 /// The table-less form: a BLACKHOLE outbox stores nothing, so the events committed after a
 /// purged position are in no table to adopt. `check` and `run` refuse the position as for
 /// the native table, and say the events are lost, with the ways back (a server whose logs
