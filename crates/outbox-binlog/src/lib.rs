@@ -353,7 +353,6 @@ impl std::fmt::Debug for BinlogConfig {
     }
 }
 
-/// The server's `@@server_id`: whose binary log a position is in.
 /// How long [`gtid_resume_refused`] waits for the server to refuse a GTID state: it refuses
 /// one its log does not continue (a diverged history) at once.
 pub const GTID_PROBE: std::time::Duration = std::time::Duration::from_secs(3);
@@ -361,18 +360,28 @@ pub const GTID_PROBE: std::time::Duration = std::time::Duration::from_secs(3);
 /// Whether the server refuses to continue after the GTID state `gtid`, as a relay's start
 /// there would find (`check`'s look, after a failover): a reader as `config` names it
 /// (under a server id of its own) is started there, and given [`GTID_PROBE`] to be refused.
-/// A state ahead of the log, which MariaDB may wait for, is not told this way.
+/// A state ahead of the log, which MariaDB may wait for, is not told this way. Only a
+/// refusal counts: any other failure (the server unreachable, a privilege missing) is left
+/// to the start that meets it, which retries or names it.
 pub async fn gtid_resume_refused(config: &BinlogConfig, gtid: &str) -> Option<BinlogError> {
+    let refused = |e: BinlogError| match e {
+        BinlogError::GtidNotInLog { .. } | BinlogError::Purged { .. } => Some(e),
+        other => {
+            tracing::debug!(error = %other, "looking whether the server continues the stored GTID state");
+            None
+        }
+    };
     let mut reader = match BinlogReader::start_after_gtid(config, gtid).await {
         Ok(reader) => reader,
-        Err(e) => return Some(e),
+        Err(e) => return refused(e),
     };
     match tokio::time::timeout(GTID_PROBE, reader.next()).await {
-        Ok(Err(e)) => Some(e),
+        Ok(Err(e)) => refused(e),
         Ok(Ok(_)) | Err(_) => None,
     }
 }
 
+/// The server's `@@server_id`: whose binary log a position is in.
 pub async fn server_id(url: &str) -> Result<u64> {
     let mut conn = Conn::new(opts(url)?).await?;
     let id: Option<u64> = conn.query_first("SELECT @@server_id").await?;

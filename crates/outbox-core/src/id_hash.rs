@@ -1,5 +1,5 @@
 //! Maps keyed by [`SequenceId`], for the ones every event passes through several times
-//! (the engine's lanes, a capture's holdings).
+//! (the engine's lanes, a capture's holdings), and by a WAL stream position (integers too).
 //!
 //! The standard map's SipHash costs about as much as the rest of such a lookup, and an
 //! event goes through a dozen of them between its read and its settle. A sequence id is
@@ -68,7 +68,7 @@ impl Hasher for IdHasher {
         self.write_u64(n as u64);
     }
 
-    /// Any other input, eight bytes at a time (sequence ids never come this way).
+    /// Any other input, eight bytes at a time (a WAL position's 32-bit transaction id).
     fn write(&mut self, bytes: &[u8]) {
         for chunk in bytes.chunks(8) {
             let mut word = [0u8; 8];

@@ -1425,7 +1425,6 @@ impl std::fmt::Debug for BinlogStore {
     }
 }
 
-/// Whether `tx`'s channel holds nothing but the place one reserved permit takes.
 /// The transaction the reader reads, while claims hold its rows until its commit
 /// ([`State::hold_to_commit`]). Its rows are freed only once its commit is read, so the
 /// reader reads on without waiting for room, until its rows alone are more than the memory
@@ -1464,6 +1463,7 @@ impl HeldTransaction {
     }
 }
 
+/// Whether `tx`'s channel holds nothing but the place one reserved permit takes.
 fn held_nothing_but<T>(tx: &mpsc::Sender<T>) -> bool {
     tx.capacity() + 1 == tx.max_capacity()
 }

@@ -211,6 +211,9 @@ pub(super) struct State {
     /// still held keeps its first reading's place, and the copy read again, taking a new
     /// one, was parked after it. At most [`State::SETTLED_EARLIER_MOST`].
     forgotten_places: HashMap<RowIdentity, (u64, u64)>,
+    /// The ids of held rows that drew one of their own (their row id a held row of another
+    /// event had), by identity: read again, such a row keeps it.
+    own_ids: HashMap<RowIdentity, SequenceId>,
     /// The session the reader reads now (0 between sessions), which it sets before it
     /// announces one: claims learn of a new session only when they take its announcement.
     reading: Arc<LiveSession>,
@@ -239,6 +242,7 @@ impl State {
             settled: Vec::new(),
             settled_earlier: HashMap::new(),
             forgotten_places: HashMap::new(),
+            own_ids: HashMap::new(),
             reading: Arc::default(),
             drained: false,
             dead_by_capture: 0,
@@ -317,6 +321,46 @@ impl State {
         taken
     }
 
+    /// The engine's id of a row read as the session's `ordinal`th: its row id (a BLACKHOLE
+    /// row's: one drawn from its place), unless a held row of another event has that id (ids
+    /// taken again: `TRUNCATE`, a failover to a server whose counter is behind). Then it
+    /// draws one of its own, keeping its row id to delete: sharing it, the engine took this
+    /// row for the first one's lease renewed, and the first one's ack settled it unsent.
+    /// Read again while held, such a row keeps the id it drew.
+    fn engine_id_of(
+        &mut self,
+        row: Option<SequenceId>,
+        identity: Option<RowIdentity>,
+        ordinal: u64,
+    ) -> SequenceId {
+        let id = row.unwrap_or_else(|| stream_id(self.followed.session, ordinal));
+        if let Some(identity) = identity.filter(|_| !self.own_ids.is_empty()) {
+            if let Some(&own) = self.own_ids.get(&identity) {
+                if self.holdings.held.contains_key(&own) {
+                    return own;
+                }
+                // Let go of unsettled (fenced out): drawn again if it must be.
+                self.own_ids.remove(&identity);
+            }
+        }
+        let event_of = |identity: Option<RowIdentity>| identity.and_then(|i| i.event_id);
+        let another = match self.holdings.held.get(&id) {
+            Some(Held::Stream(held)) => matches!(
+                (event_of(held.identity), event_of(identity)),
+                (Some(held), Some(read)) if held != read
+            ),
+            _ => false,
+        };
+        match (another, identity) {
+            (true, Some(identity)) => {
+                let own = stream_id(self.followed.session, ordinal);
+                self.own_ids.insert(identity, own);
+                own
+            }
+            _ => id,
+        }
+    }
+
     fn hand_out(
         &mut self,
         ordinal: u64,
@@ -330,19 +374,7 @@ impl State {
             event,
             identity,
         } = *captured;
-        let mut id = row.unwrap_or_else(|| stream_id(self.followed.session, ordinal));
-        // A row id a held row of another event has (ids taken again: `TRUNCATE`, a failover
-        // to a server whose counter is behind): an id of its own, the row's kept to delete.
-        // Sharing it, the engine took this row for the first one's lease renewed, and the
-        // first one's ack settled it unsent.
-        if let Some(Held::Stream(held)) = self.holdings.held.get(&id) {
-            let event_of = |identity: Option<RowIdentity>| identity.and_then(|i| i.event_id);
-            if let (Some(held), Some(read)) = (event_of(held.identity), event_of(identity)) {
-                if held != read {
-                    id = stream_id(self.followed.session, ordinal);
-                }
-            }
-        }
+        let id = self.engine_id_of(row, identity, ordinal);
         // Settled while the reader read this session or a later one (it may have moved on
         // while this claim held the state): the copy is of a row settled before it.
         let read_by_this_session = |i: &RowIdentity| {
@@ -426,6 +458,11 @@ impl State {
     pub(super) fn settle(&mut self, ids: impl IntoIterator<Item = SequenceId>) {
         for id in ids {
             if let Some(s) = self.holdings.remove_stream(id) {
+                if let Some(identity) = s.identity {
+                    if self.own_ids.get(&identity) == Some(&id) {
+                        self.own_ids.remove(&identity);
+                    }
+                }
                 let reading = self.reading.get();
                 if reading > s.session {
                     if self.settled_earlier.len() >= Self::SETTLED_EARLIER_MOST {
@@ -724,8 +761,24 @@ mod tests {
         let mut state = State::new(false);
         state.accept(session(1, &[]));
         assert_eq!(claim(&mut state, vec![row(34, "a", 1)]), [34]);
-        let mut reused = row(34, "b", 2);
-        if let Item::Row { captured, .. } = &mut reused {
+        let handed = claim(&mut state, vec![row_of_event_99(34, "b", 2)]);
+        assert_eq!(handed.len(), 1);
+        assert_ne!(handed[0], 34);
+        state.settle([34]);
+        assert_eq!(settled(&state, 1), [1], "the first row only");
+        match state.holdings.held.get(&handed[0]) {
+            Some(Held::Stream(second)) => assert_eq!(second.row, Some(34)),
+            _ => panic!("the second row is not held"),
+        }
+        // Read again by a new session, it keeps that id: the engine takes it for a copy.
+        state.accept(session(2, &[]));
+        assert_eq!(claim(&mut state, vec![row_of_event_99(34, "b", 1)]), handed);
+    }
+
+    /// Row `id` of key `key`, the `ordinal`th read, of event 99.
+    fn row_of_event_99(id: i64, key: &str, ordinal: u64) -> Item {
+        let mut item = row(id, key, ordinal);
+        if let Item::Row { captured, .. } = &mut item {
             let other = uuid::Uuid::from_u128(99);
             captured.identity = captured.identity.map(|i| RowIdentity {
                 event_id: Some(other),
@@ -735,15 +788,7 @@ mod tests {
                 event.event_id = other;
             }
         }
-        let handed = claim(&mut state, vec![reused]);
-        assert_eq!(handed.len(), 1);
-        assert_ne!(handed[0], 34);
-        state.settle([34]);
-        assert_eq!(settled(&state, 1), [1], "the first row only");
-        match state.holdings.held.get(&handed[0]) {
-            Some(Held::Stream(second)) => assert_eq!(second.row, Some(34)),
-            _ => panic!("the second row is not held"),
-        }
+        item
     }
 
     /// A row read again by a new session while its key waits is queued to park behind it,

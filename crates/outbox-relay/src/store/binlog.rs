@@ -176,6 +176,19 @@ impl BinlogCapture {
         )
     }
 
+    /// A reader's configuration for `check`'s look at the server's log: a server id of its
+    /// own, so that it takes no running relay's stream (MySQL ends a reader's stream when
+    /// another comes with its id).
+    fn probe_config(&self) -> outbox_binlog::BinlogConfig {
+        outbox_binlog::BinlogConfig {
+            url: self.url.clone(),
+            // In the upper half, as the relays' default ids are, and never this relay's.
+            server_id: (self.server_id ^ 0x15A5_A5A5) | 0x4000_0000,
+            database: self.database.clone(),
+            table: self.table.clone(),
+        }
+    }
+
     /// How to go on once the stored position cannot be read on from (its log purged,
     /// another server's, unreadable): forget the position (a file of '' is a position never
     /// stored, and the epoch is kept), and the next start adopts the
@@ -183,18 +196,6 @@ impl BinlogCapture {
     /// and deleted are not lost: they were delivered). A BLACKHOLE outbox (`blackhole`)
     /// stores nothing to adopt: the events are in the binary log only, and lost where no
     /// server's log still has them.
-    /// A reader's configuration for `check`'s look at the server's log: a server id of its
-    /// own, so that it takes no running relay's stream (MySQL ends a reader's stream when
-    /// another comes with its id).
-    fn probe_config(&self) -> outbox_binlog::BinlogConfig {
-        outbox_binlog::BinlogConfig {
-            url: self.url.clone(),
-            server_id: self.server_id ^ 0x5A5A_0000,
-            database: self.database.clone(),
-            table: self.table.clone(),
-        }
-    }
-
     pub fn recovery(&self, blackhole: bool) -> String {
         // An UPDATE, never a DELETE: the row's epoch fences a paused ex-reader's writes, and
         // a row made again would start it over at 0, where that reader's epoch may be valid.
