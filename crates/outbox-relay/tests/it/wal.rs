@@ -2742,12 +2742,27 @@ async fn poison_messages_are_dead_lettered_and_hold_no_key_back() {
     )
     .await
     .unwrap();
+    // JSON nested deeper than PostgreSQL's parser recurses ("stack depth limit exceeded"):
+    // the same stall.
+    let depth = 1_000_000;
+    let deep = format!(
+        r#"{{"destination": "orders", "key": "deep", "type": "T", "payload": {}1{}}}"#,
+        "[".repeat(depth),
+        "]".repeat(depth)
+    );
+    w.db.execute(
+        "SELECT pg_logical_emit_message(true, 'outbox', $1::text)",
+        &[&deep],
+    )
+    .await
+    .unwrap();
     let dead = "SELECT count(*) FROM outbox_dead_letters";
-    wait_for_rows(&relay, "all four dead-lettered", &w.db, dead, 4).await;
+    wait_for_rows(&relay, "all five dead-lettered", &w.db, dead, 5).await;
     handle.heal();
     emit(&w.db, "nul", 1).await;
     emit(&w.db, "half", 3).await;
     emit(&w.db, "huge", 4).await;
+    emit(&w.db, "deep", 5).await;
     insert(&w.db, "other", 2).await;
     eventually_explained(
         "the keys' next events delivered",
@@ -2755,7 +2770,7 @@ async fn poison_messages_are_dead_lettered_and_hold_no_key_back() {
         || relay.logs(),
         || {
             let keys: HashSet<String> = deliveries.snapshot().into_iter().map(|d| d.key).collect();
-            let done = ["nul", "half", "huge", "other"]
+            let done = ["nul", "half", "huge", "deep", "other"]
                 .iter()
                 .all(|k| keys.contains(*k));
             async move { done.then_some(()) }

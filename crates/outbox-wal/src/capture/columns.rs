@@ -147,7 +147,8 @@ pub(super) fn unstorable(event: &Event) -> Option<&'static str> {
     }
     if payload_json(&event.payload).is_some_and(|p| jsonb_refuses(&p)) {
         return Some(
-            "\\u0000, a lone surrogate escape or a number out of numeric's range in its payload",
+            "\\u0000, a lone surrogate escape, a number out of numeric's range, nesting deeper \
+             than 1,000 or more than 255 MiB in its payload",
         );
     }
     let headers = serde_json::to_string(&event.headers).unwrap_or_default();
@@ -172,9 +173,13 @@ pub(super) fn storable_json(json: &str) -> String {
 
 /// Whether JSON text holds what jsonb refuses: the escape `\u0000`, a `\uD800`-`\uDFFF` that
 /// is not part of a high-then-low surrogate pair (an escaped backslash followed by `u0000`
-/// is no such escape), or a number out of `numeric`'s range. The `json` type and the
-/// message form keep such text, jsonb does not.
+/// is no such escape), a number out of `numeric`'s range, nesting deeper than
+/// [`JSONB_DEPTH`], or more than [`JSONB_BYTES`]. The `json` type and the message form keep
+/// such text, jsonb does not: a park that met it failed, first in every claim, for good.
 pub(super) fn jsonb_refuses(json: &str) -> bool {
+    if json.len() > JSONB_BYTES {
+        return true;
+    }
     let bytes = json.as_bytes();
     let unicode_escape = |at: usize| -> Option<u16> {
         let hex = bytes.get(at..at + 6)?;
@@ -204,13 +209,22 @@ pub(super) fn jsonb_refuses(json: &str) -> bool {
     has_a_number_numeric_refuses(bytes)
 }
 
+/// The deepest nesting taken for storable as jsonb. PostgreSQL's parser recurses for each
+/// level, and refuses past `max_stack_depth` (2 MB by default: far deeper; its own tests
+/// refuse 10,000 levels under 100 kB); no event needs a thousand.
+const JSONB_DEPTH: usize = 1_000;
+
+/// The longest JSON text taken for storable as jsonb, whose values' offsets are 28 bits.
+const JSONB_BYTES: usize = 255 * 1024 * 1024;
+
 /// Whether JSON text holds a number outside jsonb's `numeric` ("value overflows numeric
-/// format"): more than 131,072 digits before the decimal point, more than 16,383 after
-/// it, or an exponent PostgreSQL does not read at all. JSON, serde and the `json` type take
-/// any such number.
+/// format": more than 131,072 digits before the decimal point, more than 16,383 after it,
+/// or an exponent PostgreSQL does not read at all), or nests deeper than [`JSONB_DEPTH`].
+/// JSON, serde and the `json` type take any such text.
 fn has_a_number_numeric_refuses(json: &[u8]) -> bool {
     let mut i = 0;
     let mut in_string = false;
+    let mut depth = 0usize;
     while i < json.len() {
         let b = json[i];
         if in_string {
@@ -226,6 +240,15 @@ fn has_a_number_numeric_refuses(json: &[u8]) -> bool {
         }
         if b == b'"' {
             in_string = true;
+            i += 1;
+        } else if b == b'[' || b == b'{' {
+            depth += 1;
+            if depth > JSONB_DEPTH {
+                return true;
+            }
+            i += 1;
+        } else if b == b']' || b == b'}' {
+            depth = depth.saturating_sub(1);
             i += 1;
         } else if b == b'-' || b.is_ascii_digit() {
             let start = i;
@@ -302,6 +325,19 @@ pub(super) fn payload_json(payload: &Payload) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Nesting past what PostgreSQL's parser takes failed a park in every claim, for good.
+    #[test]
+    fn nesting_deeper_than_a_thousand_is_refused_and_brackets_in_strings_do_not_count() {
+        let nested = |depth: usize| format!("{}1{}", "[".repeat(depth), "]".repeat(depth));
+        assert!(!jsonb_refuses(&nested(JSONB_DEPTH)));
+        assert!(jsonb_refuses(&nested(JSONB_DEPTH + 1)));
+        assert!(jsonb_refuses(&nested(1_000_000)));
+        let quoted = format!(r#"{{"a":"{}"}}"#, "[".repeat(5_000));
+        assert!(!jsonb_refuses(&quoted));
+        let siblings = format!("[{}]", vec!["[[1]]"; 5_000].join(","));
+        assert!(!jsonb_refuses(&siblings), "wide, not deep");
+    }
 
     #[test]
     fn only_an_unescaped_u0000_is_the_escape_jsonb_refuses() {
