@@ -1214,8 +1214,10 @@ impl OutboxStore for WalStore {
             if stream.is_empty() {
                 return Ok(recorded);
             }
-            let retries = |_: &mut State| {
-                stream
+            // A retry of an earlier session's event is forgotten (its attempts with it): the
+            // session that streams now reads it again, in order with its key's events.
+            let retries = |state: &mut State| {
+                (state.forget_earlier_sessions(stream, |r| r.sequence_id))
                     .into_iter()
                     .map(|retry| Park {
                         attempts: retry.attempts,
@@ -1259,6 +1261,7 @@ impl OutboxStore for WalStore {
             let n = stream.len() as u64;
             // Behind a parked key they are parked; otherwise the next claim hands them out.
             let behind = |state: &mut State| {
+                let stream = state.forget_earlier_sessions(stream, |id| *id);
                 let (behind, free): (Vec<SequenceId>, Vec<SequenceId>) =
                     stream.into_iter().partition(|id| match state.holdings.held.get(id) {
                         Some(Held::Stream(held)) => state.holdings.waits(held.key()),

@@ -484,6 +484,7 @@ impl State {
     /// copy sent back by the engine's lanes, ahead of its earlier ones), and the lanes take
     /// a key's events in the order a claim hands them out.
     pub(super) fn redeliver_later(&mut self, ids: impl IntoIterator<Item = SequenceId>) {
+        let ids = self.forget_earlier_sessions(ids.into_iter().collect(), |id| *id);
         self.redeliver.extend(ids);
         let held = &self.holdings.held;
         self.redeliver
@@ -492,6 +493,30 @@ impl State {
                 Some(Held::Stream(event)) => Some(event.position),
                 _ => None,
             });
+    }
+
+    /// Of `items` (released or retried stream events, by `id`), forgets those an earlier
+    /// session than the one claims follow read, as that session's start forgot those
+    /// released before it: the session that streams now reads them again, in order with
+    /// their keys' other events. Handed out again or parked from here, one released after a
+    /// new session began went out ahead of an earlier event of its key released before
+    /// (and read again). Returns the rest.
+    pub(super) fn forget_earlier_sessions<T>(
+        &mut self,
+        items: Vec<T>,
+        id: impl Fn(&T) -> SequenceId,
+    ) -> Vec<T> {
+        let session = self.followed.session;
+        let (earlier, rest): (Vec<T>, Vec<T>) = items.into_iter().partition(|item| {
+            matches!(self.holdings.held.get(&id(item)), Some(Held::Stream(held)) if held.session < session)
+        });
+        for item in earlier {
+            let id = id(&item);
+            if let Some(held) = self.holdings.remove_stream(id) {
+                self.derived_ids.forget(&held.position, id);
+            }
+        }
+        rest
     }
 
     /// Hands out released stream events again, into `out` up to `limit` (those of a key
@@ -1247,6 +1272,28 @@ mod tests {
             state.settle(handed);
             assert!(state.confirmable().within(state.history) > Lsn(commit));
         }
+    }
+
+    /// Event 1 of key k given back unsent (a sink's `NotSent`), then a new session, then
+    /// event 2 given back (its release waited behind a claim): 2 went out first, then 1 as
+    /// the new session read it again. An earlier session's event released is forgotten,
+    /// and the new session hands both out in order.
+    #[test]
+    fn an_event_released_after_a_new_session_began_waits_for_its_reading_again() {
+        let mut state = State::new();
+        state.accept(session(1, &[]));
+        let both = || transactions(&[(1, "k", 200), (2, "k", 300)]);
+        assert_eq!(claim(&mut state, both()), [1, 2]);
+        state.redeliver_later([1]);
+        state.accept(session(2, &[]));
+        state.redeliver_later([2]);
+        // A claim: released events first, then the stream.
+        let mut out = Vec::new();
+        state.redeliver_into(&mut out, 100);
+        state.accept(Item::Outputs(charged(both(), &MemoryBudget::new(usize::MAX))));
+        state.accept_outputs(&mut out, 100, 1_000);
+        let handed: Vec<SequenceId> = out.iter().map(Claimed::sequence_id).collect();
+        assert_eq!(handed, [1, 2]);
     }
 
     /// An event that drew an id of its own (its row id a held event of another had) and is
