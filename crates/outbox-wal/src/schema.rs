@@ -4,6 +4,7 @@
 
 use outbox_core::ident::{Ident, TableName};
 use outbox_core::migration::{Lock, Run, Step, Steps};
+use outbox_core::{StoreError, StoreErrorKind};
 
 use crate::emit::{emit_function, emit_function_ddl, emit_prefix, DRAIN_MARKER};
 use crate::table::{ColumnNames, SourceTable};
@@ -811,7 +812,31 @@ fn park_insert(parked: &str) -> String {
     )
 }
 
-/// The table `<outbox><suffix>` beside `outbox`.
+/// The suffixes of WAL capture's tables beside the outbox (`<outbox>_parked`, ...).
+const SIBLING_SUFFIXES: [&str; 3] = ["_parked", "_adopted", "_confirm_marks"];
+
+/// Whether WAL capture's tables beside `outbox` have names PostgreSQL takes (63 bytes):
+/// an error naming the longest and the fix otherwise. Checked where the configuration is
+/// read, before any of them is named.
+pub fn sibling_names_fit(outbox: &TableName) -> Result<(), StoreError> {
+    for suffix in SIBLING_SUFFIXES {
+        let name = format!("{}{suffix}", outbox.name);
+        if Ident::new(&name, "table name").is_err() {
+            let longest = SIBLING_SUFFIXES.iter().map(|s| s.len()).max().unwrap_or(0);
+            return Err(StoreError::new(
+                StoreErrorKind::Config,
+                format!(
+                    "WAL capture keeps a table named {name}, longer than PostgreSQL's 63 bytes: \
+                     give the outbox table a name of at most {} characters (--outbox-table)",
+                    63 - longest
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The table `<outbox><suffix>` beside `outbox` (names checked by [`sibling_names_fit`]).
 fn sibling(outbox: &TableName, suffix: &str) -> TableName {
     TableName {
         schema: outbox.schema.clone(),

@@ -392,6 +392,9 @@ impl DatabaseSettings {
                 // WAL capture needs no NOTIFY: the stream wakes the relay.
                 pg_tables.poll_wakeup =
                     self.wakeup == WakeupMode::Poll || self.capture == CaptureMode::Wal;
+                if self.capture == CaptureMode::Wal {
+                    outbox_wal::schema::sibling_names_fit(&pg_tables.outbox).map_err(report)?;
+                }
                 let capture = match self.capture {
                     // Refused by `validate` on PostgreSQL.
                     CaptureMode::Poll | CaptureMode::Binlog => None,

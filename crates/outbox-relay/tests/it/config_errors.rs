@@ -41,6 +41,34 @@ fn refused(out: Output, setting: &str, fix: &str) {
 
 const PG: &str = "postgres://relay@127.0.0.1:1/app";
 
+/// An outbox table name that fits PostgreSQL's 63 bytes with `_dead_letters` but not with
+/// WAL capture's `_confirm_marks`: WAL capture took the outbox table itself for its marks
+/// table, and `check` and `run --drain` said nothing of a mark that could not be kept.
+#[test]
+fn an_outbox_name_too_long_for_wal_captures_tables_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifty = "o".repeat(50);
+    for command in ["run", "check", "migrate"] {
+        let mut args = vec![command];
+        if command == "migrate" {
+            args.push("--print");
+        }
+        args.extend([
+            "--capture",
+            "wal",
+            "--database-url",
+            PG,
+            "--outbox-table",
+            &fifty,
+        ]);
+        refused(
+            relay(dir.path(), &args, &[]),
+            &format!("{fifty}_confirm_marks"),
+            "at most 49",
+        );
+    }
+}
+
 #[test]
 fn one_webhook_secret_for_several_receivers_is_refused_naming_each_sink() {
     let dir = tempfile::tempdir().unwrap();

@@ -1290,7 +1290,10 @@ mod tests {
         // A claim: released events first, then the stream.
         let mut out = Vec::new();
         state.redeliver_into(&mut out, 100);
-        state.accept(Item::Outputs(charged(both(), &MemoryBudget::new(usize::MAX))));
+        state.accept(Item::Outputs(charged(
+            both(),
+            &MemoryBudget::new(usize::MAX),
+        )));
         state.accept_outputs(&mut out, 100, 1_000);
         let handed: Vec<SequenceId> = out.iter().map(Claimed::sequence_id).collect();
         assert_eq!(handed, [1, 2]);
