@@ -4254,6 +4254,24 @@ async fn readyz_says_when_the_slot_is_gone_and_the_relay_does_not_recreate_it() 
     );
     let (_, metrics) = http_get(&addr, "/metrics").await.unwrap();
     assert_eq!(metric_value(&metrics, "outbox_wal_streaming"), Some(0.0));
+    // The gone slot holds nothing back, and its lag is unknown: the gauges kept their last
+    // values before.
+    eventually_explained(
+        "the slot gauges saying the slot is gone",
+        Duration::from_secs(30),
+        || relay.logs(),
+        || {
+            let addr = addr.clone();
+            async move {
+                let (_, metrics) = http_get(&addr, "/metrics").await?;
+                let gone = metric_value(&metrics, "outbox_wal_slot_retained_bytes") == Some(0.0)
+                    && metric_value(&metrics, "outbox_wal_slot_catalog_xmin_age") == Some(0.0)
+                    && metric_value(&metrics, "outbox_wal_slot_lag_bytes").is_some_and(f64::is_nan);
+                gone.then_some(())
+            }
+        },
+    )
+    .await;
 }
 
 #[tokio::test]

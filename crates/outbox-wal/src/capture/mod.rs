@@ -1102,16 +1102,15 @@ impl Inner {
         ::metrics::gauge!(metric::STREAMING).set(if streaming { 1.0 } else { 0.0 });
         match slot_status(&self.main, &self.slot).await {
             Ok(status) => {
+                // A slot dropped or invalidated holds no WAL and no catalog rows back, and
+                // its lag is unknown: the gauges say so, not their last values.
                 let status = status.unwrap_or_default();
-                if let Some(retained) = status.retained_bytes {
-                    ::metrics::gauge!(metric::SLOT_RETAINED_BYTES).set(retained as f64);
-                }
-                if let Some(lag) = status.lag_bytes {
-                    ::metrics::gauge!(metric::SLOT_LAG_BYTES).set(lag as f64);
-                }
-                if let Some(age) = status.catalog_xmin_age {
-                    ::metrics::gauge!(metric::SLOT_XMIN_AGE).set(age as f64);
-                }
+                let retained = status.retained_bytes.map_or(0.0, |b| b as f64);
+                ::metrics::gauge!(metric::SLOT_RETAINED_BYTES).set(retained);
+                let lag = status.lag_bytes.map_or(f64::NAN, |b| b as f64);
+                ::metrics::gauge!(metric::SLOT_LAG_BYTES).set(lag);
+                let age = status.catalog_xmin_age.map_or(0.0, |a| a as f64);
+                ::metrics::gauge!(metric::SLOT_XMIN_AGE).set(age);
             }
             Err(e) => tracing::debug!(error = %e.report(), "cannot read the slot's position"),
         }
