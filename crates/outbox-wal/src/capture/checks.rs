@@ -234,6 +234,32 @@ pub(super) async fn stranded(
     if recorded.is_empty() {
         return Ok(problems);
     }
+    // The publication changed since the adoption (and perhaps back), while no relay ran:
+    // rows written while it left their INSERTs out are in no stream. (An adoption recorded
+    // without the version says nothing either way; the next session adopts again.)
+    let adopted_at: Option<String> = recorded[0].get(0);
+    let now: Option<String> = main
+        .query_rows(
+            "publication",
+            &sql.publication_version,
+            &[&tables.publication.as_str()],
+        )
+        .await?
+        .first()
+        .and_then(|row| row.get(0));
+    if adopted_at.is_some() && adopted_at != now {
+        problems.push(Problem::degraded(
+            format!(
+                "the publication {} changed since the replication slot {slot:?} adopted the \
+                 rows of {} (while no relay ran): rows written while it left their INSERTs out \
+                 are in no stream",
+                tables.publication, tables.source.name
+            ),
+            "start the relay: its next session moves the rows still in the table to the parked \
+             table and relays them",
+        ));
+        return Ok(problems);
+    }
     // The slot's position first: the mark only rises, so a relay's raise and confirmation
     // between the two reads cannot make the slot look past it.
     let position = |rows: StoreResult<Vec<tokio_postgres::Row>>| {
