@@ -68,7 +68,12 @@ impl Hasher for IdHasher {
         self.write_u64(n as u64);
     }
 
-    /// Any other input, eight bytes at a time (a WAL position's 32-bit transaction id).
+    /// A WAL position's 32-bit transaction id.
+    fn write_u32(&mut self, n: u32) {
+        self.write_u64(u64::from(n) ^ (1 << 32));
+    }
+
+    /// Any other input, eight bytes at a time.
     fn write(&mut self, bytes: &[u8]) {
         for chunk in bytes.chunks(8) {
             let mut word = [0u8; 8];
