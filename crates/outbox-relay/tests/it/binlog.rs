@@ -769,17 +769,7 @@ async fn a_stored_position_in_a_log_the_server_does_not_have_is_refused_by_check
             && said.contains("not in this server's binary logs")
             && said.contains("forget the position")
     };
-    let checked = relay(
-        db.dir.path(),
-        &["check", "--capture", "binlog", "--database-url", &db.url],
-    );
-    let said = format!("{}{}", text(&checked.stdout), text(&checked.stderr));
-    assert!(!checked.status.success(), "{said}");
-    assert!(names_it(&said), "{said}");
-    let mut refused = db.spawn("relay-2", "out.jsonl", &[]);
-    let status = refused.wait_exit_within(Duration::from_secs(30)).await;
-    assert!(!status.success(), "{}", refused.logs());
-    assert!(names_it(&refused.logs()), "{}", refused.logs());
+    check_and_run_refuse(&db, &db.url, names_it).await;
 }
 
 /// A position stored on another server (a failover) whose GTID state this server's log
@@ -811,17 +801,7 @@ async fn a_gtid_state_the_servers_log_does_not_continue_fails_the_check_as_it_st
     .unwrap();
     let names_it =
         |said: &str| said.contains("does not continue after GTID") && said.contains(&diverged);
-    let checked = relay(
-        db.dir.path(),
-        &["check", "--capture", "binlog", "--database-url", &db.url],
-    );
-    let said = format!("{}{}", text(&checked.stdout), text(&checked.stderr));
-    assert!(!checked.status.success(), "{said}");
-    assert!(names_it(&said), "{said}");
-    let mut refused = db.spawn("relay-2", "out.jsonl", &[]);
-    let status = refused.wait_exit_within(Duration::from_secs(30)).await;
-    assert!(!status.success(), "{}", refused.logs());
-    assert!(names_it(&refused.logs()), "{}", refused.logs());
+    check_and_run_refuse(&db, &db.url, names_it).await;
 }
 
 /// The table-less form: a BLACKHOLE outbox stores nothing, so the events committed after a
@@ -850,17 +830,23 @@ async fn a_purged_position_of_a_blackhole_outbox_is_refused_saying_its_events_ar
             && !said.contains("adopts the rows")
             && !said.contains("by polling")
     };
+    check_and_run_refuse(&db, &url, says_lost).await;
+}
+
+/// `check` of the database at `url` fails, and a relay's start there exits non-zero, both
+/// saying what `says_it` looks for.
+async fn check_and_run_refuse(db: &BinlogDb, url: &str, says_it: impl Fn(&str) -> bool) {
     let checked = relay(
         db.dir.path(),
-        &["check", "--capture", "binlog", "--database-url", &url],
+        &["check", "--capture", "binlog", "--database-url", url],
     );
     let said = format!("{}{}", text(&checked.stdout), text(&checked.stderr));
     assert!(!checked.status.success(), "{said}");
-    assert!(says_lost(&said), "{said}");
+    assert!(says_it(&said), "{said}");
     let mut refused = db.spawn("relay-2", "out.jsonl", &[]);
     let status = refused.wait_exit_within(Duration::from_secs(30)).await;
     assert!(!status.success(), "{}", refused.logs());
-    assert!(says_lost(&refused.logs()), "{}", refused.logs());
+    assert!(says_it(&refused.logs()), "{}", refused.logs());
 }
 
 /// The statement a refusal advises to forget the stored position (`forget the position

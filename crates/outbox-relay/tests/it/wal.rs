@@ -1072,18 +1072,13 @@ async fn rows_dead_lettered_while_adopting_a_table_count_in_the_dead_letter_metr
     let addr = http_addr(&relay).await;
     let order = r#"outbox_events_dead_lettered_total{destination="Order"}"#;
     let no_destination = r#"outbox_events_dead_lettered_total{destination=""}"#;
-    eventually_explained(
+    await_metrics(
         "the adoption's dead letters in the metrics: 2 for Order, 1 without a destination",
-        Duration::from_secs(60),
-        || relay.logs(),
-        || {
-            let addr = addr.clone();
-            async move {
-                let (_, metrics) = http_get(&addr, "/metrics").await?;
-                (metric_value(&metrics, order) == Some(2.0)
-                    && metric_value(&metrics, no_destination) == Some(1.0))
-                .then_some(())
-            }
+        &relay,
+        &addr,
+        |metrics| {
+            metric_value(metrics, order) == Some(2.0)
+                && metric_value(metrics, no_destination) == Some(1.0)
         },
     )
     .await;
@@ -1187,14 +1182,34 @@ async fn a_postgresql_restart_mid_stream_loses_nothing() {
         .await;
 }
 
+/// The requests a webhook saw, in order: each one's path and body.
+type SeenRequests = std::sync::Arc<std::sync::Mutex<Vec<(String, Value)>>>;
+
+/// A server of the test's own (for tests that stop or crash it) with `wal_level = logical`,
+/// a database on it whose WAL `slot` captures, and a relay streaming it to a webhook that
+/// holds requests to `/held` until the sender returned says `true`.
+async fn own_server_streaming_to_a_holding_webhook(
+    slot: &str,
+    extra: &[&str],
+) -> (
+    OwnPostgres,
+    WalDb,
+    tokio::sync::watch::Sender<bool>,
+    SeenRequests,
+    RelayProcess,
+) {
+    let server = OwnPostgres::init();
+    server.start("-c wal_level=logical");
+    let w = WalDb::on(server.url("disable"), slot.into()).await;
+    let (release, released) = tokio::sync::watch::channel(false);
+    let (sink, seen) = webhook_holding(released).await;
+    let relay = w.streaming_to(&sink, extra).await;
+    (server, w, release, seen, relay)
+}
+
 /// A webhook that records each request's path and body as it arrives, in order, and holds
 /// those to `/held` until `release` turns true.
-async fn webhook_holding(
-    release: tokio::sync::watch::Receiver<bool>,
-) -> (
-    String,
-    std::sync::Arc<std::sync::Mutex<Vec<(String, Value)>>>,
-) {
+async fn webhook_holding(release: tokio::sync::watch::Receiver<bool>) -> (String, SeenRequests) {
     use tokio::io::AsyncWriteExt;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -1233,14 +1248,11 @@ async fn webhook_holding(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_event_read_again_after_a_server_crash_is_not_sent_after_a_later_one_of_its_key() {
     // Never the shared server: this one crashes.
-    let server = OwnPostgres::init();
-    server.start("-c wal_level=logical");
-    let w = WalDb::on(server.url("disable"), "rewind_slot".into()).await;
-    let (release, released) = tokio::sync::watch::channel(false);
-    let (sink, seen) = webhook_holding(released).await;
-    let mut relay = w
-        .streaming_to(&sink, &["--publish-timeout", "240s", "--lease", "300s"])
-        .await;
+    let (server, w, release, seen, mut relay) = own_server_streaming_to_a_holding_webhook(
+        "rewind_slot",
+        &["--publish-timeout", "240s", "--lease", "300s"],
+    )
+    .await;
     let n_of = |body: &Value| body["payload"]["n"].as_i64().unwrap_or(-1);
     // Key k's events are the only ones numbered below 100.
     let key_k = || -> Vec<i64> {
@@ -1333,14 +1345,7 @@ async fn an_event_read_again_after_a_server_crash_is_not_sent_after_a_later_one_
         .expect("the new session's start")
         .trim_matches('"')
         .to_string();
-    let behind: bool = db
-        .query_one(
-            "SELECT $1::text::pg_lsn < $2::text::pg_lsn",
-            &[&restarted_at, &past_first],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let behind = lsn_before(&db, &restarted_at, &past_first).await;
     assert!(behind, "the slot restarted at {restarted_at}, past event 1 ({past_first}): the test proves nothing");
     release.send(true).unwrap();
     eventually_explained(
@@ -1371,12 +1376,8 @@ async fn an_event_read_again_after_a_server_crash_is_not_sent_after_a_later_one_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_event_written_after_a_snapshot_was_restored_is_not_taken_for_settled() {
     // Never the shared server: this one is stopped and rolled back.
-    let server = OwnPostgres::init();
-    server.start("-c wal_level=logical");
-    let w = WalDb::on(server.url("disable"), "restored_slot".into()).await;
-    let (_release, released) = tokio::sync::watch::channel(true);
-    let (sink, seen) = webhook_holding(released).await;
-    let relay = w.streaming_to(&sink, &[]).await;
+    let (server, w, _release, seen, relay) =
+        own_server_streaming_to_a_holding_webhook("restored_slot", &[]).await;
     let confirmed_past = "SELECT confirmed_flush_lsn >= $1::text::pg_lsn
                             FROM pg_replication_slots WHERE slot_name = 'restored_slot'";
     let delivered = |n: i64| {
@@ -1420,14 +1421,7 @@ async fn an_event_written_after_a_snapshot_was_restored_is_not_taken_for_settled
     // At positions the relay confirmed on the WAL that is gone.
     emit(&db, "c", 100).await;
     let written = wal_position(&db).await;
-    let before: bool = db
-        .query_one(
-            "SELECT $1::text::pg_lsn < $2::text::pg_lsn",
-            &[&written, &past_snapshot],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let before = lsn_before(&db, &written, &past_snapshot).await;
     assert!(
         before,
         "event 100 at {written}, past {past_snapshot}: the test proves nothing"
@@ -1677,6 +1671,33 @@ async fn await_every_delivered(
 /// The server's WAL position now, as text (`$1::text::pg_lsn` reads it back).
 async fn wal_position(db: &Client) -> String {
     db.query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// Waits up to a minute until `relay`'s metrics at `addr` are as `hold` says; returns them.
+async fn await_metrics(
+    what: &str,
+    relay: &RelayProcess,
+    addr: &str,
+    hold: impl Fn(&str) -> bool,
+) -> String {
+    eventually_explained(
+        what,
+        Duration::from_secs(60),
+        || relay.logs(),
+        || async {
+            let (_, metrics) = http_get(addr, "/metrics").await?;
+            hold(&metrics).then_some(metrics)
+        },
+    )
+    .await
+}
+
+/// Whether WAL position `a` comes before `b` (both as text).
+async fn lsn_before(db: &Client, a: &str, b: &str) -> bool {
+    db.query_one("SELECT $1::text::pg_lsn < $2::text::pg_lsn", &[&a, &b])
         .await
         .unwrap()
         .get(0)
@@ -4265,19 +4286,14 @@ async fn readyz_says_when_the_slot_is_gone_and_the_relay_does_not_recreate_it() 
     assert_eq!(metric_value(&metrics, "outbox_wal_streaming"), Some(0.0));
     // The gone slot holds nothing back, and its lag is unknown: the gauges kept their last
     // values before.
-    eventually_explained(
+    await_metrics(
         "the slot gauges saying the slot is gone",
-        Duration::from_secs(30),
-        || relay.logs(),
-        || {
-            let addr = addr.clone();
-            async move {
-                let (_, metrics) = http_get(&addr, "/metrics").await?;
-                let gone = metric_value(&metrics, "outbox_wal_slot_retained_bytes") == Some(0.0)
-                    && metric_value(&metrics, "outbox_wal_slot_catalog_xmin_age") == Some(0.0)
-                    && metric_value(&metrics, "outbox_wal_slot_lag_bytes").is_some_and(f64::is_nan);
-                gone.then_some(())
-            }
+        &relay,
+        &addr,
+        |metrics| {
+            metric_value(metrics, "outbox_wal_slot_retained_bytes") == Some(0.0)
+                && metric_value(metrics, "outbox_wal_slot_catalog_xmin_age") == Some(0.0)
+                && metric_value(metrics, "outbox_wal_slot_lag_bytes").is_some_and(f64::is_nan)
         },
     )
     .await;
