@@ -822,13 +822,14 @@ pub fn sibling_names_fit(outbox: &TableName) -> Result<(), StoreError> {
     for suffix in SIBLING_SUFFIXES {
         let name = format!("{}{suffix}", outbox.name);
         if Ident::new(&name, "table name").is_err() {
+            // The outbox's own name, or a mapped table's `<table>_relay`: said as what to cut.
             let longest = SIBLING_SUFFIXES.iter().map(|s| s.len()).max().unwrap_or(0);
+            let over = (outbox.name.as_str().len() + longest).saturating_sub(63);
             return Err(StoreError::new(
                 StoreErrorKind::Config,
                 format!(
                     "WAL capture keeps a table named {name}, longer than PostgreSQL's 63 bytes: \
-                     give the outbox table a name of at most {} characters (--outbox-table)",
-                    63 - longest
+                     give the outbox table a name {over} characters shorter (--outbox-table)"
                 ),
             ));
         }

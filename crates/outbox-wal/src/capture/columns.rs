@@ -148,7 +148,7 @@ pub(super) fn unstorable(event: &Event) -> Option<&'static str> {
     if payload_json(&event.payload).is_some_and(|p| jsonb_refuses(&p)) {
         return Some(
             "\\u0000, a lone surrogate escape, a number out of numeric's range, nesting deeper \
-             than 1,000 or more than 255 MiB in its payload",
+             than 1,000 or more than 64 MiB in its payload",
         );
     }
     let headers = serde_json::to_string(&event.headers).unwrap_or_default();
@@ -164,7 +164,14 @@ pub(super) fn visible_nul(text: &str) -> String {
 /// JSON text jsonb accepts: as it is, or (holding an escape jsonb refuses) as a JSON string
 /// of itself.
 pub(super) fn storable_json(json: &str) -> String {
-    if jsonb_refuses(json) {
+    if json.len() > JSONB_STRING_BYTES {
+        // Not even as a string: said instead, so that the dead letter is written at all.
+        let said = format!(
+            "(JSON of {} bytes, more than a jsonb value holds: not kept)",
+            json.len()
+        );
+        serde_json::to_string(&said).unwrap_or_else(|_| "null".into())
+    } else if jsonb_refuses(json) {
         serde_json::to_string(json).unwrap_or_else(|_| "null".into())
     } else {
         json.to_string()
@@ -214,8 +221,13 @@ pub(super) fn jsonb_refuses(json: &str) -> bool {
 /// refuse 10,000 levels under 100 kB); no event needs a thousand.
 const JSONB_DEPTH: usize = 1_000;
 
-/// The longest JSON text taken for storable as jsonb, whose values' offsets are 28 bits.
-const JSONB_BYTES: usize = 255 * 1024 * 1024;
+/// The longest JSON text taken for storable as jsonb. Its values' offsets are 28 bits (256
+/// MiB) in the binary form, which can be four times the text (`1,` is 8 bytes there).
+const JSONB_BYTES: usize = 64 * 1024 * 1024;
+
+/// The longest text stored as one jsonb string (with its quotes and escapes): past it, a
+/// dead letter keeps a note of its size instead.
+const JSONB_STRING_BYTES: usize = 0x0FFF_FFFF - 1024;
 
 /// Whether JSON text holds a number outside jsonb's `numeric` ("value overflows numeric
 /// format": more than 131,072 digits before the decimal point, more than 16,383 after it,
@@ -325,6 +337,22 @@ pub(super) fn payload_json(payload: &Payload) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// JSON too long for jsonb, even as a string, is said in its dead letter instead of
+    /// kept: stored, the dead letter failed, and with it every claim, for good.
+    #[test]
+    fn json_too_long_for_a_jsonb_string_is_kept_as_a_note_of_its_size() {
+        let long = format!("[\"{}\"]", "x".repeat(JSONB_STRING_BYTES));
+        let stored = storable_json(&long);
+        assert!(stored.len() < 200, "{}", &stored[..200.min(stored.len())]);
+        assert!(stored.contains("not kept"), "{stored}");
+        let string = format!("[\"{}\"]", "x".repeat(JSONB_BYTES));
+        assert!(jsonb_refuses(&string));
+        assert_eq!(
+            storable_json(&string),
+            serde_json::to_string(&string).unwrap()
+        );
+    }
 
     /// Nesting past what PostgreSQL's parser takes failed a park in every claim, for good.
     #[test]

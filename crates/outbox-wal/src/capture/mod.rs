@@ -1213,11 +1213,17 @@ impl OutboxStore for WalStore {
             if stream.is_empty() {
                 return Ok(recorded);
             }
-            // A retry of an earlier session's event is forgotten (its attempts with it): the
-            // session that streams now reads it again, in order with its key's events.
+            // A retry of an earlier session's event is forgotten (its attempts and delay with
+            // it): the session that streams now reads it again, in order with its key's
+            // events. Counted as recorded: the engine is done with it, and would otherwise
+            // take it for a lease lost.
+            let forgotten = std::sync::atomic::AtomicU64::new(0);
             let retries = |state: &mut State| {
-                (state.forget_earlier_sessions(stream, |r| r.sequence_id))
-                    .into_iter()
+                let n = stream.len();
+                let kept = state.forget_earlier_sessions(stream, |r| r.sequence_id);
+                let gone = (n - kept.len()) as u64;
+                forgotten.store(gone, std::sync::atomic::Ordering::Relaxed);
+                kept.into_iter()
                     .map(|retry| Park {
                         attempts: retry.attempts,
                         error: Some(retry.error),
@@ -1226,7 +1232,8 @@ impl OutboxStore for WalStore {
                     })
                     .collect()
             };
-            Ok(recorded + inner.park_stream(retries).await?)
+            let parked = inner.park_stream(retries).await?;
+            Ok(recorded + parked + forgotten.load(std::sync::atomic::Ordering::Relaxed))
         }
         .boxed()
     }
