@@ -593,7 +593,8 @@ impl capture::Sessions for State {
                 // one left unsettled comes again in this one.
                 self.drained = false;
                 self.epoch = epoch;
-                self.settled.clear();
+                // Settled rows not yet passed on stay: the reader settles those of ended
+                // sessions late (what it reads of them again is settled unsent).
                 self.settled_earlier
                     .retain(|_, read_by| *read_by >= session);
                 self.holdings.load_parked_keys(parked_keys);
@@ -1097,6 +1098,10 @@ mod tests {
         let mut items = vec![session(3, &[])];
         items.extend(transactions(&[(10, "k")]));
         assert_eq!(claim(&mut state, items), [10]);
+        // The copy's notice, not yet passed when session 3 was announced in the same claim,
+        // still reaches the reader: dropped, the reader never learnt that 10 was settled, and
+        // handed it out again behind 11.
+        assert_eq!(settled(&state, 2), [1]);
     }
 
     /// As above, the reader moved on to session 3 when 10 was confirmed, while claims still
