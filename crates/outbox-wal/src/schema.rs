@@ -80,9 +80,7 @@ impl CaptureTables {
         dead_letters: TableName,
         publication: Ident,
     ) -> Self {
-        let parked = sibling(&outbox, "_parked");
-        let adopted = sibling(&outbox, "_adopted");
-        let marks = sibling(&outbox, "_confirm_marks");
+        let [parked, adopted, marks] = SIBLING_SUFFIXES.map(|suffix| sibling(&outbox, suffix));
         CaptureTables {
             outbox,
             source,
@@ -812,7 +810,8 @@ fn park_insert(parked: &str) -> String {
     )
 }
 
-/// The suffixes of WAL capture's tables beside the outbox (`<outbox>_parked`, ...).
+/// The suffixes of WAL capture's tables beside the outbox: the parked table, the adoption
+/// record and the confirm marks.
 const SIBLING_SUFFIXES: [&str; 3] = ["_parked", "_adopted", "_confirm_marks"];
 
 /// Whether WAL capture's tables beside `outbox` have names PostgreSQL takes (63 bytes):

@@ -1266,18 +1266,7 @@ impl OutboxStore for WalStore {
             }
             let n = stream.len() as u64;
             // Behind a parked key they are parked; otherwise the next claim hands them out.
-            let behind = |state: &mut State| {
-                let stream = state.forget_earlier_sessions(stream, |id| *id);
-                let (behind, free): (Vec<SequenceId>, Vec<SequenceId>) =
-                    stream.into_iter().partition(|id| match state.holdings.held.get(id) {
-                        Some(Held::Stream(held)) => state.holdings.waits(held.key()),
-                        _ => false,
-                    });
-                tracing::debug!(?behind, ?free, "released stream events");
-                state.redeliver_later(free);
-                behind.into_iter().map(Park::behind_its_key).collect()
-            };
-            if let Err(e) = inner.park_stream(behind).await {
+            if let Err(e) = inner.park_stream(|state| state.released(stream)).await {
                 tracing::warn!(error = %e.report(), "parking released events failed; trying again with the next claim");
             }
             Ok(released + n)

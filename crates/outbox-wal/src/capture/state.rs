@@ -484,7 +484,6 @@ impl State {
     /// copy sent back by the engine's lanes, ahead of its earlier ones), and the lanes take
     /// a key's events in the order a claim hands them out.
     pub(super) fn redeliver_later(&mut self, ids: impl IntoIterator<Item = SequenceId>) {
-        let ids = self.forget_earlier_sessions(ids.into_iter().collect(), |id| *id);
         self.redeliver.extend(ids);
         let held = &self.holdings.held;
         self.redeliver
@@ -493,6 +492,22 @@ impl State {
                 Some(Held::Stream(event)) => Some(event.position),
                 _ => None,
             });
+    }
+
+    /// Stream events the engine released: an earlier session's are forgotten
+    /// ([`State::forget_earlier_sessions`]), those of a key that waits behind parked events
+    /// are returned to be parked, and the rest are handed out again by the next claims.
+    pub(super) fn released(&mut self, ids: Vec<SequenceId>) -> Vec<Park> {
+        let ids = self.forget_earlier_sessions(ids, |id| *id);
+        let (behind, free): (Vec<SequenceId>, Vec<SequenceId>) =
+            ids.into_iter()
+                .partition(|id| match self.holdings.held.get(id) {
+                    Some(Held::Stream(held)) => self.holdings.waits(held.key()),
+                    _ => false,
+                });
+        tracing::debug!(?behind, ?free, "released stream events");
+        self.redeliver_later(free);
+        behind.into_iter().map(Park::behind_its_key).collect()
     }
 
     /// Of `items` (released or retried stream events, by `id`), forgets those an earlier
@@ -627,8 +642,12 @@ impl State {
         event_id: Option<uuid::Uuid>,
     ) -> (SequenceId, Option<OutboxRow>) {
         let (id, row) = event_id_of(source, position, &mut self.derived_ids);
+        if row.is_none() {
+            // Drawn for its position: no other event has it.
+            return (id, row);
+        }
         // Read again, an event that drew an id of its own keeps it while it is held.
-        if row.is_some() && !self.derived_ids.by_position.is_empty() {
+        if !self.derived_ids.by_position.is_empty() {
             if let Some(&drawn) = self.derived_ids.by_position.get(&position) {
                 if matches!(self.holdings.held.get(&drawn), Some(Held::Stream(held)) if held.event_id() == event_id)
                 {
@@ -637,7 +656,7 @@ impl State {
             }
         }
         let another = match self.holdings.held.get(&id) {
-            Some(Held::Stream(held)) if row.is_some() => match (held.event_id(), event_id) {
+            Some(Held::Stream(held)) => match (held.event_id(), event_id) {
                 (Some(held), Some(read)) => held != read,
                 _ => held.position != position,
             },
@@ -646,7 +665,7 @@ impl State {
             // at worst).
             Some(Held::Parked {
                 event_id: parked, ..
-            }) if row.is_some() => parked.is_none() || event_id != *parked,
+            }) => parked.is_none() || event_id != *parked,
             _ => false,
         };
         match another {
@@ -1284,9 +1303,9 @@ mod tests {
         state.accept(session(1, &[]));
         let both = || transactions(&[(1, "k", 200), (2, "k", 300)]);
         assert_eq!(claim(&mut state, both()), [1, 2]);
-        state.redeliver_later([1]);
+        assert!(state.released(vec![1]).is_empty());
         state.accept(session(2, &[]));
-        state.redeliver_later([2]);
+        assert!(state.released(vec![2]).is_empty());
         // A claim: released events first, then the stream.
         let mut out = Vec::new();
         state.redeliver_into(&mut out, 100);
