@@ -217,15 +217,36 @@ async fn a_drain_after_a_drain_killed_mid_way_delivers_everything_or_fails() {
         },
     )
     .await;
+    // Between one batch's marks and the next claim the drain holds no lease, so it is
+    // frozen until it is seen holding some, and only then killed.
+    let held_rows = || -> i64 {
+        rusqlite::Connection::open(dir.path().join("outbox.db"))
+            .unwrap()
+            .query_row(
+                "SELECT count(*) FROM outbox WHERE delivered_at IS NULL AND locked_by IS NOT NULL",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap()
+    };
+    eventually_explained(
+        "the first drain to be frozen holding leases with rows still to deliver",
+        Duration::from_secs(60),
+        || first.logs(),
+        || {
+            first.signal("-STOP");
+            let pending = sqlite_pending(dir.path());
+            assert!(pending > 0, "the first drain finished before it was killed");
+            let holding = held_rows() > 0;
+            if !holding {
+                first.signal("-CONT");
+            }
+            async move { holding.then_some(()) }
+        },
+    )
+    .await;
     first.kill9();
-    let held: i64 = rusqlite::Connection::open(dir.path().join("outbox.db"))
-        .unwrap()
-        .query_row(
-            "SELECT count(*) FROM outbox WHERE delivered_at IS NULL AND locked_by IS NOT NULL",
-            [],
-            |r| r.get(0),
-        )
-        .unwrap();
+    let held = held_rows();
     assert!(
         held > 0 && sqlite_pending(dir.path()) > 0,
         "killed mid-drain, with rows under its leases (held {held})"
