@@ -165,8 +165,11 @@ struct Inner {
 /// every pending row at or above the floor to sort them instead: 300 ms per claim instead of
 /// a few, a drain of 300,000 events at 12,000-75,000/s instead of 160,000/s (BENCHMARKS.md).
 /// The index gives the order for free, so a plan that sorts is never the better one for the
-/// relay's statements; statements with no index to follow still sort.
-const INDEX_ORDER_PLANS: &str = "-c enable_sort=off";
+/// relay's statements; statements with no index to follow still sort. Such a sort is priced
+/// past `jit_above_cost`, and PostgreSQL compiled the statement at each execution (150-250
+/// ms each for two of WAL capture's start-up checks): the JIT compiler is off, as none of
+/// the relay's short statements gains from it.
+const INDEX_ORDER_PLANS: &str = "-c enable_sort=off -c jit=off";
 
 /// The PostgreSQL store. Cheap to clone.
 #[derive(Clone)]

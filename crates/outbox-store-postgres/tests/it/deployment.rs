@@ -337,3 +337,49 @@ async fn migrating_a_mapped_table_again_holds_no_insert_behind_a_long_transactio
     assert!(inserted.is_ok(), "the application's insert: {inserted:?}");
     migrating.await.unwrap().unwrap();
 }
+
+/// The plan's text lines of `EXPLAIN (ANALYZE) sql` on `client`.
+async fn explained(client: &tokio_postgres::Client, sql: &str) -> Vec<String> {
+    client
+        .simple_query(&format!("EXPLAIN (ANALYZE) {sql}"))
+        .await
+        .unwrap()
+        .into_iter()
+        .filter_map(|message| match message {
+            tokio_postgres::SimpleQueryMessage::Row(row) => row.get(0).map(str::to_string),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The store's sessions price sorts out (`enable_sort=off`), so a statement that must sort
+/// all the same costs past `jit_above_cost`, and PostgreSQL compiled it at every execution:
+/// 150-250 ms each for two of WAL capture's start-up checks, half a second before a relay
+/// streamed. The sessions run without the JIT compiler, which none of their short
+/// statements gains from.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_statement_that_must_sort_is_not_compiled_at_each_execution() {
+    let url = outbox_testkit::fresh_pg_database().await;
+    let sorting = "SELECT relname FROM pg_catalog.pg_class ORDER BY relname::text";
+    let (plain, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    plain.batch_execute("SET enable_sort = off").await.unwrap();
+    let priced_out = explained(&plain, sorting).await;
+    assert!(
+        priced_out.iter().any(|line| line.starts_with("JIT:")),
+        "the test server compiles a priced-out sort (its JIT, llvmjit, is installed and on): {priced_out:#?}"
+    );
+
+    let store = PgStore::new(options(&url)).unwrap();
+    store
+        .batch_execute(&format!(
+            "DO $$ DECLARE line text; BEGIN
+               FOR line IN EXECUTE 'EXPLAIN (ANALYZE) {sorting}' LOOP
+                 IF line LIKE 'JIT:%' THEN RAISE EXCEPTION 'compiled: %', line; END IF;
+               END LOOP; END $$"
+        ))
+        .await
+        .unwrap();
+}
