@@ -27,7 +27,7 @@ pub use deletes::{delete_group_enough, GroupDeletes, DELETE_GROUP_ENOUGH, DELETE
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use crate::id_hash::IdMap;
 use crate::memory::{event_bytes, Charge, MemoryBudget, EVENT_OVERHEAD};
@@ -135,6 +135,11 @@ pub struct Holdings<S, P> {
     pub recheck: Vec<String>,
     /// Held stream events to park; written by the next park statement.
     pub to_park: Vec<P>,
+    /// Keys whose park the database refused when written alone, and until when: their
+    /// events wait (later ones of the key behind them) while the other keys' parks are
+    /// written. One event's park refused for a reason no check foresaw (a trigger, a
+    /// constraint) failed every claim before, and no key moved.
+    pub refused_parks: HashMap<String, Instant>,
 }
 
 impl<S, P> Default for Holdings<S, P> {
@@ -144,6 +149,7 @@ impl<S, P> Default for Holdings<S, P> {
             parked_keys: HashSet::new(),
             recheck: Vec::new(),
             to_park: Vec::new(),
+            refused_parks: HashMap::new(),
         }
     }
 }
@@ -233,6 +239,34 @@ impl<S: StreamEvent, P: QueuedPark> Holdings<S, P> {
                 });
         self.to_park = waiting;
         parks
+    }
+
+    /// `parks` split into those to write now and those of keys refused until after `now`
+    /// ([`Holdings::refused_parks`]), to stay queued. A key whose time came is tried again
+    /// (and refused again, if it is, by a statement of its own).
+    pub fn set_aside_refused_parks(&mut self, parks: Vec<P>, now: Instant) -> (Vec<P>, Vec<P>) {
+        if self.refused_parks.is_empty() {
+            return (parks, Vec::new());
+        }
+        self.refused_parks.retain(|_, until| *until > now);
+        let (held, refused) = (&self.held, &self.refused_parks);
+        parks
+            .into_iter()
+            .partition(|park| match held.get(&park.id()) {
+                Some(Held::Stream(event)) => !refused.contains_key(event.key()),
+                _ => true,
+            })
+    }
+
+    /// Sets the key of the park of `id` (refused, written alone) aside until `until`;
+    /// returns the key, or nothing when the event is not held (nothing to set aside).
+    pub fn refuse_park(&mut self, id: SequenceId, until: Instant) -> Option<String> {
+        let Some(Held::Stream(event)) = self.held.get(&id) else {
+            return None;
+        };
+        let key = event.key().to_string();
+        self.refused_parks.insert(key.clone(), until);
+        Some(key)
     }
 
     /// Queues `parks` again, whose write failed, ahead of any queued since: later events of

@@ -2719,6 +2719,78 @@ async fn a_key_holding_nul_whose_event_is_dead_lettered_instead_of_parked_flows_
     assert!(status.success(), "{status:?}");
 }
 
+/// A park the database refuses for a reason no check foresees (here a trigger a DBA put on
+/// the parked table; a constraint or a column change would do the same) failed its whole
+/// statement, and every claim tried it first: no key moved. The parks are tried one at a
+/// time then, and the one refused holds back its own key only, tried again each second.
+#[tokio::test]
+async fn a_park_refused_for_an_unforeseen_reason_holds_back_only_its_key() {
+    let (_nats, deliveries, proxy, broker_url) = nats_behind_a_proxy().await;
+    let w = WalDb::new().await;
+    w.db.batch_execute(
+        "CREATE FUNCTION refuse_park() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN RAISE EXCEPTION 'refused by the parked table''s trigger'; END $$;
+         CREATE TRIGGER refuse_park BEFORE INSERT ON outbox_parked FOR EACH ROW
+           WHEN (NEW.partition_key = 'refused') EXECUTE FUNCTION refuse_park();",
+    )
+    .await
+    .unwrap();
+    let mut relay = w.streaming_to(&broker_url, &RETRY_AN_OUTAGE).await;
+    let handle = proxy.handle();
+    handle.cut();
+    let refused = [
+        emit(&w.db, "refused", 1).await,
+        emit(&w.db, "refused", 2).await,
+    ];
+    emit(&w.db, "other", 1).await;
+    insert(&w.db, "other", 2).await;
+    relay
+        .wait_for_log(
+            "the refused park",
+            Duration::from_secs(60),
+            "refused by the parked table's trigger",
+        )
+        .await;
+    handle.heal();
+    insert(&w.db, "fresh", 1).await;
+    let delivered_keys =
+        || -> HashSet<String> { deliveries.snapshot().into_iter().map(|d| d.key).collect() };
+    eventually_explained(
+        "the other keys' events delivered",
+        Duration::from_secs(60),
+        || relay.logs(),
+        || {
+            let keys = delivered_keys();
+            async move { (keys.contains("other") && keys.contains("fresh")).then_some(()) }
+        },
+    )
+    .await;
+    assert!(!delivered_keys().contains("refused"));
+    w.db.batch_execute("DROP TRIGGER refuse_park ON outbox_parked")
+        .await
+        .unwrap();
+    eventually_explained(
+        "the refused key's events delivered, in order, once the park is let through",
+        Duration::from_secs(60),
+        || relay.logs(),
+        || {
+            let ids: Vec<String> = deliveries
+                .snapshot()
+                .into_iter()
+                .filter(|d| d.key == "refused")
+                .map(|d| d.id)
+                .collect();
+            async move { (ids.len() >= 2).then_some(ids) }
+        },
+    )
+    .await
+    .iter()
+    .zip(&refused)
+    .for_each(|(delivered, written)| assert_eq!(delivered, written));
+    let status = relay.terminate().await;
+    assert!(status.success(), "{status:?}");
+}
+
 #[tokio::test]
 async fn poison_messages_are_dead_lettered_and_hold_no_key_back() {
     let (_nats, deliveries, proxy, broker_url) = nats_behind_a_proxy().await;

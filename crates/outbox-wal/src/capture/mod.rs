@@ -28,7 +28,7 @@
 
 use std::collections::{HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use futures::future::BoxFuture;
 use futures::FutureExt;
@@ -408,6 +408,17 @@ impl capture::HoldsEvents<HeldWal, Park> for Inner {
 /// claim for good.
 const PARK_STATEMENT_BYTES: usize = 64 * 1024 * 1024;
 
+/// How soon a park the database refused alone is tried again ([`Holdings::refused_parks`]).
+const REFUSED_PARK_RETRY: Duration = Duration::from_secs(1);
+
+/// What one park statement did.
+enum Flushed {
+    /// Wrote this many parks; whether parks it left for the next statement.
+    Wrote(u64, bool),
+    /// Its one park was refused, and that park's key set aside for a while.
+    RefusedAlone,
+}
+
 /// How many of the first parks, whose events cost `sizes` bytes, one statement of at most
 /// `room` bytes carries: at least one.
 fn parks_that_fit(sizes: impl Iterator<Item = usize>, room: usize) -> usize {
@@ -465,37 +476,58 @@ impl Inner {
     /// them: in transactions of at most [`PARK_STATEMENT_BYTES`] of events, one after the
     /// other, in stream order; parks that must wait ([`Holdings::take_parks`]) stay in
     /// `to_park`. Call it holding `parking`.
+    ///
+    /// A statement the database refuses (not a lost connection or a conflict: a trigger,
+    /// a constraint, a value no check foresaw) is tried again one park at a time, and a
+    /// park refused alone holds back its own key only ([`Holdings::refused_parks`]): one
+    /// event's park failed every claim before, and no key moved.
     async fn flush_parks(&self) -> StoreResult<u64> {
         let mut parked = 0;
+        let mut alone = false;
         loop {
-            let (n, more) = self.flush_park_statement().await?;
-            parked += n;
-            if !more {
-                return Ok(parked);
+            match self.flush_park_statement(alone).await {
+                Ok(Flushed::Wrote(n, more)) => {
+                    parked += n;
+                    if !more {
+                        return Ok(parked);
+                    }
+                }
+                Ok(Flushed::RefusedAlone) => {}
+                Err(e) if !alone && e.kind() == StoreErrorKind::Query => alone = true,
+                Err(e) => return Err(e),
             }
         }
     }
 
-    /// One transaction of [`Inner::flush_parks`]; whether parks it left for the next.
-    async fn flush_park_statement(&self) -> StoreResult<(u64, bool)> {
+    /// One transaction of [`Inner::flush_parks`] (of one park when `alone`).
+    async fn flush_park_statement(&self, alone: bool) -> StoreResult<Flushed> {
         let (parks, columns, dead, dead_keys, largest_parked, rows, parked, owner, session, more) = {
             let mut state = lock(&self.state);
             let (owner, session) = (state.owner.clone(), state.followed.session);
-            let mut parks = state.holdings.take_parks();
+            let parks = state.holdings.take_parks();
+            let (mut parks, refused) = state
+                .holdings
+                .set_aside_refused_parks(parks, Instant::now());
             let held = &state.holdings.held;
-            let fit = parks_that_fit(
-                parks.iter().map(|park| match held.get(&park.id) {
-                    Some(Held::Stream(held)) => match &held.body {
-                        Body::Event(event) => event_bytes(event),
-                        // Dead-lettered with its raw text.
-                        Body::Undecodable(u) => outbox_core::memory::EVENT_OVERHEAD + u.raw.len(),
-                    },
-                    _ => 0,
-                }),
-                PARK_STATEMENT_BYTES,
-            );
-            let rest = parks.split_off(fit);
+            let fit = match alone {
+                true => parks.len().min(1),
+                false => parks_that_fit(
+                    parks.iter().map(|park| match held.get(&park.id) {
+                        Some(Held::Stream(held)) => match &held.body {
+                            Body::Event(event) => event_bytes(event),
+                            // Dead-lettered with its raw text.
+                            Body::Undecodable(u) => {
+                                outbox_core::memory::EVENT_OVERHEAD + u.raw.len()
+                            }
+                        },
+                        _ => 0,
+                    }),
+                    PARK_STATEMENT_BYTES,
+                ),
+            };
+            let mut rest = parks.split_off(fit);
             let more = !rest.is_empty();
+            rest.extend(refused);
             // Ahead of any queued since: later events of their keys wait for them.
             state.holdings.requeue_parks(rest);
             let mut columns = EventColumns::default();
@@ -546,7 +578,7 @@ impl Inner {
             )
         };
         if parks.is_empty() {
-            return Ok((0, false));
+            return Ok(Flushed::Wrote(0, false));
         }
         let p = &columns.parking;
         let mut park = columns.params(&[], &[&p.delays, &p.not_before, &p.attempts, &p.errors]);
@@ -577,7 +609,7 @@ impl Inner {
             }),
             Ok(None) => {
                 lock(&self.state).fenced_out(session, parks.iter().map(|p| p.id));
-                return Ok((0, false));
+                return Ok(Flushed::Wrote(0, false));
             }
             Err(e) => Err(e),
         };
@@ -640,7 +672,33 @@ impl Inner {
                     state.undeleted.extend(waiting.iter().map(|p| (p.id, now)));
                 }
                 self.settle(&mut state, done.into_iter().map(|p| p.id));
-                Ok((n, more))
+                Ok(Flushed::Wrote(n, more))
+            }
+            Err(e) if alone && e.kind() == StoreErrorKind::Query => {
+                let refused = parks.first().and_then(|park| {
+                    let key = (state.holdings)
+                        .refuse_park(park.id, Instant::now() + REFUSED_PARK_RETRY)?;
+                    let event_id = match state.holdings.held.get(&park.id) {
+                        Some(Held::Stream(held)) => held.event_id(),
+                        _ => None,
+                    };
+                    Some((key, event_id))
+                });
+                tracing::error!(
+                    key = refused.as_ref().map(|(key, _)| key.as_str()),
+                    event_id = ?refused.as_ref().and_then(|(_, id)| *id),
+                    error = %e.report(),
+                    "the database refused to park this event: its key waits (its later events \
+                     behind it) while the other keys flow, and the park is tried again each \
+                     second; fix what the error names (a trigger, a constraint or a column \
+                     changed on the parked table)"
+                );
+                let set_aside = refused.is_some();
+                state.requeue_parks(session, parks);
+                match set_aside {
+                    true => Ok(Flushed::RefusedAlone),
+                    false => Err(e),
+                }
             }
             Err(e) => {
                 // Kept, in order, ahead of anything parked since: the next claim tries again.

@@ -117,7 +117,7 @@ pub(super) struct HeldWal {
 
 impl HeldWal {
     /// The event's id, if it decoded that far.
-    fn event_id(&self) -> Option<uuid::Uuid> {
+    pub(super) fn event_id(&self) -> Option<uuid::Uuid> {
         match &self.body {
             Body::Event(event) => Some(event.event_id),
             Body::Undecodable(u) => u.event_id,
@@ -1445,6 +1445,35 @@ mod tests {
         assert_eq!(claim(&mut state, two_transactions()), [2], "b only");
         let parks: Vec<SequenceId> = state.holdings.take_parks().iter().map(|p| p.id).collect();
         assert_eq!(parks, [1]);
+    }
+
+    #[test]
+    fn a_key_whose_park_was_refused_waits_its_turn_while_other_keys_are_parked() {
+        let mut state = State::new();
+        state.accept(session(1, &[]));
+        let outputs = transactions(&[(1, "a", 200), (2, "b", 300), (3, "a", 400)]);
+        assert_eq!(claim(&mut state, outputs), [1, 2, 3]);
+        state
+            .holdings
+            .queue_parks([1, 2, 3].map(Park::behind_its_key));
+        let now = std::time::Instant::now();
+        let parks = state.holdings.take_parks();
+        let refused = state
+            .holdings
+            .refuse_park(parks[0].id, now + Duration::from_secs(1));
+        assert_eq!(refused.as_deref(), Some("a"));
+        let ids = |parks: &[Park]| parks.iter().map(|p| p.id).collect::<Vec<_>>();
+        let (now_parks, aside) = state.holdings.set_aside_refused_parks(parks, now);
+        assert_eq!(ids(&now_parks), [2], "b is parked");
+        assert_eq!(
+            ids(&aside),
+            [1, 3],
+            "a's later event waits behind the refused one"
+        );
+        let later = now + Duration::from_secs(1);
+        let (now_parks, aside) = state.holdings.set_aside_refused_parks(aside, later);
+        assert_eq!(ids(&now_parks), [1, 3], "tried again once its time came");
+        assert!(aside.is_empty() && state.holdings.refused_parks.is_empty());
     }
 
     #[test]
