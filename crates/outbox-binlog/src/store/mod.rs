@@ -26,8 +26,9 @@
 //! lapsed. A relay that lost the seat hands out nothing more of what it read, and its
 //! parks are refused by the fence.
 
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use futures::future::BoxFuture;
 use futures::FutureExt;
@@ -190,6 +191,17 @@ fn lock<T>(state: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// How often claims read the parked table's keys again ([`Inner::look_for_retried_dead_letters`]).
 const PARKED_KEYS_REFRESH: Duration = Duration::from_secs(5);
+
+/// How soon a park the database refused alone is tried again.
+const REFUSED_PARK_RETRY: Duration = Duration::from_secs(1);
+
+/// Whether the server refused a statement for a reason of its own (a trigger's `SIGNAL`, a
+/// constraint): not a lost connection, a conflict or a missing table or privilege, which
+/// every statement would meet.
+fn refused_statement(e: &mysql_async::Error) -> bool {
+    matches!(e, mysql_async::Error::Server(_))
+        && outbox_store_mysql::classify(e) == StoreErrorKind::Query
+}
 
 fn store_error(context: &str, e: mysql_async::Error) -> StoreError {
     StoreError::new(
@@ -436,11 +448,17 @@ impl Inner {
     /// allows, a mapped table's longer mutation id) would fail every try, and every claim
     /// with it, since parks go first. When the batch is refused, the parks are written one
     /// by one, in order, and a refused one is dead-lettered in a form the table stores
-    /// ([`unparkable_values`]).
+    /// ([`unparkable_values`]). A park refused alone for any other reason (a trigger, a
+    /// constraint no check foresees) holds back its own key only: set aside for a second
+    /// ([`outbox_core::capture::Holdings::refused_parks`]), its later events queued behind it.
     async fn flush_parks(&self) -> StoreResult<u64> {
         let (parks, values, epoch) = {
             let mut state = lock(&self.state);
             let parks = state.holdings.take_parks();
+            let (parks, refused) = state
+                .holdings
+                .set_aside_refused_parks(parks, Instant::now());
+            state.holdings.requeue_parks(refused);
             let values: Vec<ParkRow> = parks
                 .iter()
                 .map(|park| match state.holdings.held.get(&park.id) {
@@ -475,24 +493,24 @@ impl Inner {
         if parks.is_empty() {
             return Ok(0);
         }
-        let mut written = 0;
+        let mut written = HashSet::new();
         let mut dead_instead = Vec::new();
         let outcome = match self.write_parks(&values, epoch).await {
             Ok(fenced_in) => {
                 if fenced_in {
-                    written = parks.len();
+                    written.extend(parks.iter().map(|p| p.id));
                 }
                 Ok(fenced_in)
             }
-            Err(e) if outbox_store_mysql::refuses_a_value(&e) => {
+            Err(e) if outbox_store_mysql::refuses_a_value(&e) || refused_statement(&e) => {
                 self.write_parks_one_by_one(&parks, values, epoch, &mut written, &mut dead_instead)
                     .await
             }
             Err(e) => Err(store_error("parking rows", e)),
         };
         let mut state = lock(&self.state);
-        let mut parks = parks;
-        let unwritten = parks.split_off(written);
+        let (parks, unwritten): (Vec<Park>, Vec<Park>) =
+            parks.into_iter().partition(|p| written.contains(&p.id));
         if tracing::enabled!(tracing::Level::DEBUG) && !parks.is_empty() {
             // Each parked row's stream id with its event id, for a soak's forensics.
             let parked: Vec<String> = parks
@@ -525,7 +543,11 @@ impl Inner {
         state.holdings.recheck.extend(dead_keys);
         self.settle(&mut state, parks.into_iter().map(|p| p.id));
         match outcome {
-            Ok(true) => Ok(n),
+            Ok(true) => {
+                // Those of keys refused: queued behind the park refused.
+                state.requeue_parks(epoch, unwritten);
+                Ok(n)
+            }
             Ok(false) => {
                 state.fenced_out(epoch, unwritten.into_iter().map(|p| p.id));
                 Ok(n)
@@ -539,21 +561,46 @@ impl Inner {
     }
 
     /// The parks of a refused batch, each in a transaction of its own and in order; one the
-    /// table refuses is written as a dead letter it stores. Counts in `written` the parks
-    /// written (from the first), and lists in `dead_instead` those dead-lettered instead.
+    /// table refuses is written as a dead letter it stores, and one refused for another
+    /// reason sets its key aside, with its later parks. Adds to `written` the parks written,
+    /// and lists in `dead_instead` those dead-lettered instead.
     async fn write_parks_one_by_one(
         &self,
         parks: &[Park],
         values: Vec<ParkRow>,
         epoch: i64,
-        written: &mut usize,
+        written: &mut HashSet<SequenceId>,
         dead_instead: &mut Vec<SequenceId>,
     ) -> StoreResult<bool> {
         for (park, value) in parks.iter().zip(values) {
+            let refused_key = |state: &State| match state.holdings.held.get(&park.id) {
+                Some(Held::Stream(s)) => state.holdings.refused_parks.contains_key(&s.key),
+                _ => false,
+            };
+            if refused_key(&lock(&self.state)) {
+                continue;
+            }
             let refused = match self.write_parks(std::slice::from_ref(&value), epoch).await {
                 Ok(true) => None,
                 Ok(false) => return Ok(false),
                 Err(e) if outbox_store_mysql::refuses_a_value(&e) => Some(e),
+                Err(e) if refused_statement(&e) => {
+                    let key = (lock(&self.state).holdings)
+                        .refuse_park(park.id, Instant::now() + REFUSED_PARK_RETRY);
+                    tracing::error!(
+                        row = park.id,
+                        key,
+                        error = %e,
+                        "the database refused to park this row: its key waits (its later \
+                         rows behind it) while the other keys flow, and the park is tried \
+                         again each second; fix what the error names (a trigger, a \
+                         constraint or a column changed on the parked table)"
+                    );
+                    match key {
+                        Some(_) => continue,
+                        None => return Err(store_error("parking rows", e)),
+                    }
+                }
                 Err(e) => return Err(store_error("parking rows", e)),
             };
             let refused = match refused {
@@ -608,7 +655,7 @@ impl Inner {
                     dead_instead.push(park.id);
                 }
             }
-            *written += 1;
+            written.insert(park.id);
         }
         Ok(true)
     }

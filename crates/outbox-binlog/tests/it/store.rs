@@ -1268,6 +1268,80 @@ async fn claims_go_on_with_the_session_once_a_lapsed_lease_is_renewed() {
     relay.stop().await;
 }
 
+/// A park the server refuses for a reason no check foresees (here a trigger a DBA put on
+/// the parked table) failed its batch, and every claim with it, since parks go first: no
+/// key moved. The parks are written one at a time then, and the one refused holds back its
+/// own key only (its later rows behind it), tried again each second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_park_refused_for_an_unforeseen_reason_holds_back_only_its_key() {
+    let fixture = Fixture::new().await;
+    let mut conn = fixture.db.get_conn().await.unwrap();
+    conn.query_drop(
+        "CREATE TRIGGER refuse_park BEFORE INSERT ON outbox_parked FOR EACH ROW
+         IF NEW.partition_key = 'refused' THEN
+           SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'refused by the parked table''s trigger';
+         END IF",
+    )
+    .await
+    .unwrap();
+    let publisher = RecordingPublisher::new();
+    publisher.fail("Stuck", usize::MAX, PublishErrorKind::Unavailable);
+    let relay = Relay::reading(fixture.options("relay-1"), &publisher).await;
+    conn.query_drop("BEGIN").await.unwrap();
+    for (key, event_type, n) in [
+        ("refused", "Stuck", 1),
+        ("refused", "Placed", 2),
+        ("other", "Stuck", 1),
+    ] {
+        conn.exec_drop(
+            "INSERT INTO outbox (destination, partition_key, event_type, payload)
+             VALUES ('orders', ?, ?, JSON_OBJECT('n', ?))",
+            (key, event_type, n),
+        )
+        .await
+        .unwrap();
+    }
+    conn.query_drop("COMMIT").await.unwrap();
+    fixture.insert("b", "Placed", 3).await;
+    let parked = |key: &'static str| {
+        let db = fixture.db.clone();
+        async move {
+            let mut conn = db.get_conn().await.unwrap();
+            let n: Option<i64> = conn
+                .exec_first(
+                    "SELECT count(*) FROM outbox_parked WHERE partition_key = ?",
+                    (key,),
+                )
+                .await
+                .unwrap();
+            n.unwrap_or(0)
+        }
+    };
+    eventually(
+        "key b delivered, and other's retry parked",
+        PATIENCE,
+        || async {
+            (delivered_n(&publisher, "b") == [3] && parked("other").await == 1).then_some(())
+        },
+    )
+    .await;
+    assert_eq!(parked("refused").await, 0);
+    assert!(delivered_n(&publisher, "refused").is_empty());
+    conn.query_drop("DROP TRIGGER refuse_park").await.unwrap();
+    eventually(
+        "the refused key's rows parked, the later one behind the first",
+        PATIENCE,
+        || async { (parked("refused").await == 2).then_some(()) },
+    )
+    .await;
+    let order: Vec<String> = conn
+        .query("SELECT event_type FROM outbox_parked WHERE partition_key = 'refused' ORDER BY sequence_id")
+        .await
+        .unwrap();
+    assert_eq!(order, ["Stuck", "Placed"]);
+    relay.stop().await;
+}
+
 /// A row the parked table refuses as it is (here a payload nested 40 deep, which MariaDB's
 /// `JSON_VALID` check on the parked table's payload refuses, from an outbox whose payload is
 /// plain text) once it has to wait for a retry. Its park failed every time, and every claim
