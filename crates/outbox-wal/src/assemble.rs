@@ -77,6 +77,10 @@ pub struct AssemblerStats {
     /// Messages with other prefixes.
     pub other_messages: u64,
     pub skipped: u64,
+    /// Relation messages describing a captured table: the server sends one before the
+    /// table's first change of a session, and again after its definition, or what the
+    /// publication sends of it, changed.
+    pub captured_relations: u64,
 }
 
 struct OpenTransaction {
@@ -164,6 +168,9 @@ impl Assembler {
                     .sources
                     .iter()
                     .find_map(|source| source.columns_of(&relation));
+                if columns.is_some() {
+                    self.stats.captured_relations += 1;
+                }
                 self.relations.insert(relation.oid, columns);
                 Ok(None)
             }

@@ -1048,6 +1048,7 @@ impl Reader {
         // server's WAL (and the client's small buffer), not in this process.
         let mut permit = None;
         let mut pace = BurstPace::default();
+        let mut relations_checked = 0;
         loop {
             let memory_full = self.memory.room() == 0;
             let paced = pace.wait_until(tokio::time::Instant::now());
@@ -1110,6 +1111,18 @@ impl Reader {
                 Err(e) => return SessionEnd::Broken(describe(&e)),
             };
             let (burst, end) = read_burst(stream, first, &self.memory).await;
+            // A captured table described anew: its definition, or what the publication sends
+            // of it (a column list, a row filter), may have changed at this point of the
+            // WAL. Checked before anything after it is handed out: rows read without their
+            // columns were dead-lettered as undecodable, and rows a filter left out came
+            // late, after later rows of their key, until the periodic check noticed.
+            let relations = stream.assembler().stats().captured_relations;
+            if relations != relations_checked {
+                match self.serviced(stream, self.publication_drift(), false).await {
+                    Ok(None) => relations_checked = relations,
+                    Ok(Some(end)) | Err(end) => return end,
+                }
+            }
             if tracing::enabled!(tracing::Level::TRACE) {
                 // With the claim's `oldest_ms`: whether events reach the relay late, or wait
                 // in it.
