@@ -1858,7 +1858,9 @@ async fn parks_and_deletes_are_durable_under_synchronous_commit_off() {
          CREATE TRIGGER park AFTER INSERT ON outbox_parked
            FOR EACH STATEMENT EXECUTE FUNCTION record_commit_mode('park');
          CREATE TRIGGER ack AFTER DELETE ON outbox
-           FOR EACH STATEMENT EXECUTE FUNCTION record_commit_mode('delete');",
+           FOR EACH STATEMENT EXECUTE FUNCTION record_commit_mode('delete');
+         CREATE TRIGGER dead AFTER INSERT ON outbox_dead_letters
+           FOR EACH STATEMENT EXECUTE FUNCTION record_commit_mode('dead letter');",
         w.url.rsplit('/').next().unwrap()
     ))
     .await
@@ -1868,6 +1870,13 @@ async fn parks_and_deletes_are_durable_under_synchronous_commit_off() {
     relay
         .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
         .await;
+    // A message that does not decode: dead-lettered, and the slot confirmed past it.
+    w.db.execute(
+        "SELECT pg_logical_emit_message(true, 'outbox', '\\x00'::bytea)",
+        &[],
+    )
+    .await
+    .unwrap();
     // One now, and one scheduled a little later: parked until then.
     insert(&w.db, "now", 1).await;
     w.db.execute(
@@ -1878,6 +1887,15 @@ async fn parks_and_deletes_are_durable_under_synchronous_commit_off() {
     .await
     .unwrap();
     wait_for_lines("both delivered", &out, Duration::from_secs(60), |n| n >= 2).await;
+    let dead = "SELECT count(*) FROM outbox_dead_letters";
+    wait_for_rows(
+        &relay,
+        "the undecodable message dead-lettered",
+        &w.db,
+        dead,
+        1,
+    )
+    .await;
     let modes: Vec<(String, String)> =
         w.db.query(
             "SELECT DISTINCT write, mode FROM commit_modes ORDER BY 1, 2",
@@ -1889,7 +1907,11 @@ async fn parks_and_deletes_are_durable_under_synchronous_commit_off() {
         .map(|r| (r.get(0), r.get(1)))
         .collect();
     let writes: HashSet<&str> = modes.iter().map(|(w, _)| w.as_str()).collect();
-    assert_eq!(writes, HashSet::from(["park", "delete"]), "{modes:?}");
+    assert_eq!(
+        writes,
+        HashSet::from(["park", "delete", "dead letter"]),
+        "{modes:?}"
+    );
     assert!(
         modes.iter().all(|(_, mode)| mode != "off"),
         "a write the slot confirms past committed asynchronously: {modes:?}"
