@@ -135,12 +135,24 @@ pub struct Holdings<S, P> {
     pub recheck: Vec<String>,
     /// Held stream events to park; written by the next park statement.
     pub to_park: Vec<P>,
-    /// Keys whose park the database refused when written alone, and until when: their
-    /// events wait (later ones of the key behind them) while the other keys' parks are
-    /// written. One event's park refused for a reason no check foresaw (a trigger, a
-    /// constraint) failed every claim before, and no key moved.
-    pub refused_parks: HashMap<String, Instant>,
+    /// Keys whose park the database refused when written alone: their events wait (later
+    /// ones of the key behind them) while the other keys' parks are written. One event's
+    /// park refused for a reason no check foresaw (a trigger, a constraint) failed every
+    /// claim before, and no key moved.
+    pub refused_parks: HashMap<String, RefusedPark>,
 }
+
+/// A key's park the database refused: tried again after `until`, each refusal doubling
+/// the wait ([`REFUSED_PARK_FIRST_WAIT`] to [`REFUSED_PARK_LONGEST_WAIT`]), so that a
+/// database refusing every park is not sent one per key per second.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RefusedPark {
+    pub until: Instant,
+    pub wait: Duration,
+}
+
+pub const REFUSED_PARK_FIRST_WAIT: Duration = Duration::from_secs(1);
+pub const REFUSED_PARK_LONGEST_WAIT: Duration = Duration::from_secs(60);
 
 impl<S, P> Default for Holdings<S, P> {
     fn default() -> Self {
@@ -248,25 +260,45 @@ impl<S: StreamEvent, P: QueuedPark> Holdings<S, P> {
         if self.refused_parks.is_empty() {
             return (parks, Vec::new());
         }
-        self.refused_parks.retain(|_, until| *until > now);
         let (held, refused) = (&self.held, &self.refused_parks);
         parks
             .into_iter()
             .partition(|park| match held.get(&park.id()) {
-                Some(Held::Stream(event)) => !refused.contains_key(event.key()),
+                Some(Held::Stream(event)) => refused
+                    .get(event.key())
+                    .is_none_or(|refused| refused.until <= now),
                 _ => true,
             })
     }
 
-    /// Sets the key of the park of `id` (refused, written alone) aside until `until`;
-    /// returns the key, or nothing when the event is not held (nothing to set aside).
-    pub fn refuse_park(&mut self, id: SequenceId, until: Instant) -> Option<String> {
+    /// Sets the key of the park of `id` (refused, written alone) aside from `now`, for
+    /// twice as long as the last time it was (the first time, a second); returns the key
+    /// and how long, or nothing when the event is not held (nothing to set aside).
+    pub fn refuse_park(&mut self, id: SequenceId, now: Instant) -> Option<(String, Duration)> {
         let Some(Held::Stream(event)) = self.held.get(&id) else {
             return None;
         };
         let key = event.key().to_string();
-        self.refused_parks.insert(key.clone(), until);
-        Some(key)
+        let wait = match self.refused_parks.get(&key) {
+            Some(last) => (last.wait * 2).min(REFUSED_PARK_LONGEST_WAIT),
+            None => REFUSED_PARK_FIRST_WAIT,
+        };
+        let until = now + wait;
+        self.refused_parks
+            .insert(key.clone(), RefusedPark { until, wait });
+        Some((key, wait))
+    }
+
+    /// Forgets the refusals of the keys of `parked` (ids of held events just parked).
+    pub fn parked_after_refusal(&mut self, parked: impl IntoIterator<Item = SequenceId>) {
+        if self.refused_parks.is_empty() {
+            return;
+        }
+        for id in parked {
+            if let Some(Held::Stream(event)) = self.held.get(&id) {
+                self.refused_parks.remove(event.key());
+            }
+        }
     }
 
     /// Queues `parks` again, whose write failed, ahead of any queued since: later events of

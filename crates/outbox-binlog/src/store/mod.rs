@@ -192,9 +192,6 @@ fn lock<T>(state: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// How often claims read the parked table's keys again ([`Inner::look_for_retried_dead_letters`]).
 const PARKED_KEYS_REFRESH: Duration = Duration::from_secs(5);
 
-/// How soon a park the database refused alone is tried again.
-const REFUSED_PARK_RETRY: Duration = Duration::from_secs(1);
-
 /// Whether the server refused a statement for a reason of its own (a trigger's `SIGNAL`, a
 /// constraint): not a lost connection, a conflict or a missing table or privilege, which
 /// every statement would meet.
@@ -449,15 +446,15 @@ impl Inner {
     /// with it, since parks go first. When the batch is refused, the parks are written one
     /// by one, in order, and a refused one is dead-lettered in a form the table stores
     /// ([`unparkable_values`]). A park refused alone for any other reason (a trigger, a
-    /// constraint no check foresees) holds back its own key only: set aside for a second
-    /// ([`outbox_core::capture::Holdings::refused_parks`]), its later events queued behind it.
+    /// constraint no check foresees) holds back its own key only: set aside, a second and
+    /// then twice as long each time ([`outbox_core::capture::Holdings::refused_parks`]),
+    /// its later events queued behind it.
     async fn flush_parks(&self) -> StoreResult<u64> {
+        let now = Instant::now();
         let (parks, values, epoch) = {
             let mut state = lock(&self.state);
             let parks = state.holdings.take_parks();
-            let (parks, refused) = state
-                .holdings
-                .set_aside_refused_parks(parks, Instant::now());
+            let (parks, refused) = state.holdings.set_aside_refused_parks(parks, now);
             state.holdings.requeue_parks(refused);
             let values: Vec<ParkRow> = parks
                 .iter()
@@ -503,7 +500,8 @@ impl Inner {
                 Ok(fenced_in)
             }
             Err(e) if outbox_store_mysql::refuses_a_value(&e) || refused_statement(&e) => {
-                self.write_parks_one_by_one(&parks, values, epoch, &mut written, &mut dead_instead)
+                let written = &mut written;
+                self.write_parks_one_by_one(&parks, values, epoch, now, written, &mut dead_instead)
                     .await
             }
             Err(e) => Err(store_error("parking rows", e)),
@@ -541,6 +539,9 @@ impl Inner {
             })
             .collect();
         state.holdings.recheck.extend(dead_keys);
+        state
+            .holdings
+            .parked_after_refusal(parks.iter().map(|p| p.id));
         self.settle(&mut state, parks.into_iter().map(|p| p.id));
         match outcome {
             Ok(true) => {
@@ -569,12 +570,14 @@ impl Inner {
         parks: &[Park],
         values: Vec<ParkRow>,
         epoch: i64,
+        now: Instant,
         written: &mut HashSet<SequenceId>,
         dead_instead: &mut Vec<SequenceId>,
     ) -> StoreResult<bool> {
         for (park, value) in parks.iter().zip(values) {
             let refused_key = |state: &State| match state.holdings.held.get(&park.id) {
-                Some(Held::Stream(s)) => state.holdings.refused_parks.contains_key(&s.key),
+                Some(Held::Stream(s)) => (state.holdings.refused_parks.get(&s.key))
+                    .is_some_and(|refused| refused.until > now),
                 _ => false,
             };
             if refused_key(&lock(&self.state)) {
@@ -585,17 +588,18 @@ impl Inner {
                 Ok(false) => return Ok(false),
                 Err(e) if outbox_store_mysql::refuses_a_value(&e) => Some(e),
                 Err(e) if refused_statement(&e) => {
-                    let key = (lock(&self.state).holdings)
-                        .refuse_park(park.id, Instant::now() + REFUSED_PARK_RETRY);
+                    let refused = (lock(&self.state).holdings).refuse_park(park.id, Instant::now());
                     tracing::error!(
                         row = park.id,
-                        key,
+                        key = refused.as_ref().map(|(key, _)| key.as_str()),
+                        again_in = ?refused.as_ref().map(|(_, wait)| wait),
                         error = %e,
                         "the database refused to park this row: its key waits (its later \
                          rows behind it) while the other keys flow, and the park is tried \
-                         again each second; fix what the error names (a trigger, a \
-                         constraint or a column changed on the parked table)"
+                         again later; fix what the error names (a trigger, a constraint or \
+                         a column changed on the parked table)"
                     );
+                    let key = refused.map(|(key, _)| key);
                     match key {
                         Some(_) => continue,
                         None => return Err(store_error("parking rows", e)),

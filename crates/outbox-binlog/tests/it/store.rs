@@ -1271,7 +1271,7 @@ async fn claims_go_on_with_the_session_once_a_lapsed_lease_is_renewed() {
 /// A park the server refuses for a reason no check foresees (here a trigger a DBA put on
 /// the parked table) failed its batch, and every claim with it, since parks go first: no
 /// key moved. The parks are written one at a time then, and the one refused holds back its
-/// own key only (its later rows behind it), tried again each second.
+/// own key only (its later rows behind it), tried again after a wait.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_park_refused_for_an_unforeseen_reason_holds_back_only_its_key() {
     let fixture = Fixture::new().await;

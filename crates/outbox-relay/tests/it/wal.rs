@@ -2725,6 +2725,19 @@ async fn a_key_holding_nul_whose_event_is_dead_lettered_instead_of_parked_flows_
     )
     .await;
     handle.heal();
+    // The sink back first: a publish of the next event failing meanwhile would have it
+    // dead-lettered too (its key cannot be parked), as a retry.
+    insert(&w.db, "other", 1).await;
+    eventually_explained(
+        "the sink delivering again",
+        Duration::from_secs(60),
+        || relay.logs(),
+        || {
+            let done = deliveries.snapshot().iter().any(|d| d.key == "other");
+            async move { done.then_some(()) }
+        },
+    )
+    .await;
     w.db.execute(emit_raw, &[&message(2)]).await.unwrap();
     eventually_explained(
         "the key's next event delivered",
@@ -2743,8 +2756,8 @@ async fn a_key_holding_nul_whose_event_is_dead_lettered_instead_of_parked_flows_
 
 /// A park the database refuses for a reason no check foresees (here a trigger a DBA put on
 /// the parked table; a constraint or a column change would do the same) failed its whole
-/// statement, and every claim tried it first: no key moved. The parks are tried one at a
-/// time then, and the one refused holds back its own key only, tried again each second.
+/// statement, and every claim tried it first: no key moved. The parks are tried in halves
+/// then, and the one refused holds back its own key only, tried again after a wait.
 #[tokio::test]
 async fn a_park_refused_for_an_unforeseen_reason_holds_back_only_its_key() {
     let (_nats, deliveries, proxy, broker_url) = nats_behind_a_proxy().await;
@@ -2809,6 +2822,68 @@ async fn a_park_refused_for_an_unforeseen_reason_holds_back_only_its_key() {
     .iter()
     .zip(&refused)
     .for_each(|(delivered, written)| assert_eq!(delivered, written));
+    let status = relay.terminate().await;
+    assert!(status.success(), "{status:?}");
+}
+
+/// A database refusing every park (here a trigger; a full disk or a read-only switch do
+/// the same) with hundreds of keys waiting: setting each key aside in turn, one call
+/// outlasted the second a key stays aside, the first came back, and the call went on for
+/// ever, holding every claim. Keys that need no park keep flowing.
+#[tokio::test]
+async fn a_database_refusing_every_park_of_many_keys_holds_no_other_key() {
+    let (_nats, deliveries, proxy, broker_url) = nats_behind_a_proxy().await;
+    let w = WalDb::new().await;
+    w.db.batch_execute(
+        "CREATE FUNCTION refuse_park() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN RAISE EXCEPTION 'refused by the parked table''s trigger'; END $$;
+         CREATE TRIGGER refuse_park BEFORE INSERT ON outbox_parked FOR EACH ROW
+           EXECUTE FUNCTION refuse_park();",
+    )
+    .await
+    .unwrap();
+    let mut relay = w.streaming_to(&broker_url, &RETRY_AN_OUTAGE).await;
+    let handle = proxy.handle();
+    handle.cut();
+    w.db.batch_execute(
+        "INSERT INTO outbox (destination, partition_key, event_type, payload)
+         SELECT 'orders', 'waiting-' || g, 'Inserted', jsonb_build_object('n', g)
+           FROM generate_series(1, 400) g",
+    )
+    .await
+    .unwrap();
+    relay
+        .wait_for_log(
+            "the refused parks",
+            Duration::from_secs(60),
+            "refused by the parked table's trigger",
+        )
+        .await;
+    handle.heal();
+    insert(&w.db, "fresh", 1).await;
+    eventually_explained(
+        "the key needing no park delivered",
+        Duration::from_secs(60),
+        || relay.logs(),
+        || {
+            let fresh = deliveries.snapshot().iter().any(|d| d.key == "fresh");
+            async move { fresh.then_some(()) }
+        },
+    )
+    .await;
+    w.db.batch_execute("DROP TRIGGER refuse_park ON outbox_parked")
+        .await
+        .unwrap();
+    eventually_explained(
+        "every waiting key delivered once the parks are let through",
+        Duration::from_secs(90),
+        || relay.logs(),
+        || {
+            let keys: HashSet<String> = deliveries.snapshot().into_iter().map(|d| d.key).collect();
+            async move { (keys.len() >= 401).then_some(()) }
+        },
+    )
+    .await;
     let status = relay.terminate().await;
     assert!(status.success(), "{status:?}");
 }

@@ -408,15 +408,16 @@ impl capture::HoldsEvents<HeldWal, Park> for Inner {
 /// claim for good.
 const PARK_STATEMENT_BYTES: usize = 64 * 1024 * 1024;
 
-/// How soon a park the database refused alone is tried again ([`Holdings::refused_parks`]).
-const REFUSED_PARK_RETRY: Duration = Duration::from_secs(1);
+/// How many keys one [`Inner::flush_parks`] sets aside before it fails instead.
+const REFUSED_KEYS_PER_FLUSH: usize = 16;
 
 /// What one park statement did.
 enum Flushed {
     /// Wrote this many parks; whether parks it left for the next statement.
     Wrote(u64, bool),
-    /// Its one park was refused, and that park's key set aside for a while.
-    RefusedAlone,
+    /// The database refused the statement of `tried` parks, queued again; of one, its key
+    /// was set aside for a while.
+    Refused { tried: usize },
 }
 
 /// How many of the first parks, whose events cost `sizes` bytes, one statement of at most
@@ -478,53 +479,61 @@ impl Inner {
     /// `to_park`. Call it holding `parking`.
     ///
     /// A statement the database refuses (not a lost connection or a conflict: a trigger,
-    /// a constraint, a value no check foresaw) is tried again one park at a time, and a
-    /// park refused alone holds back its own key only ([`Holdings::refused_parks`]): one
-    /// event's park failed every claim before, and no key moved.
+    /// a constraint, a value no check foresaw) is tried again halved, down to the one park
+    /// refused, which holds back its own key only ([`Holdings::refused_parks`]) while the
+    /// rest are written in whole statements again: one event's park failed every claim
+    /// before, and no key moved. A call sets aside at most [`REFUSED_KEYS_PER_FLUSH`]
+    /// keys, leaving the rest queued for the next: a database refusing every park
+    /// (read-only, out of disk) costs each claim a bounded number of statements, and each
+    /// key's wait doubles, to a minute.
     async fn flush_parks(&self) -> StoreResult<u64> {
+        // One instant for the call: a key set aside in it stays aside until it returns.
+        let now = Instant::now();
         let mut parked = 0;
-        let mut alone = false;
+        let mut limit = usize::MAX;
+        let mut refused_keys = 0;
         loop {
-            match self.flush_park_statement(alone).await {
+            match self.flush_park_statement(limit, now).await {
                 Ok(Flushed::Wrote(n, more)) => {
                     parked += n;
                     if !more {
                         return Ok(parked);
                     }
                 }
-                Ok(Flushed::RefusedAlone) => {}
-                Err(e) if !alone && e.kind() == StoreErrorKind::Query => alone = true,
+                Ok(Flushed::Refused { tried: 1 }) => {
+                    refused_keys += 1;
+                    if refused_keys >= REFUSED_KEYS_PER_FLUSH {
+                        return Ok(parked);
+                    }
+                    limit = usize::MAX;
+                }
+                Ok(Flushed::Refused { tried }) => limit = tried / 2,
                 Err(e) => return Err(e),
             }
         }
     }
 
-    /// One transaction of [`Inner::flush_parks`] (of one park when `alone`).
-    async fn flush_park_statement(&self, alone: bool) -> StoreResult<Flushed> {
+    /// One transaction of [`Inner::flush_parks`], of at most `limit` parks; keys refused
+    /// until after `now` are set aside.
+    async fn flush_park_statement(&self, limit: usize, now: Instant) -> StoreResult<Flushed> {
         let (parks, columns, dead, dead_keys, largest_parked, rows, parked, owner, session, more) = {
             let mut state = lock(&self.state);
             let (owner, session) = (state.owner.clone(), state.followed.session);
             let parks = state.holdings.take_parks();
-            let (mut parks, refused) = state
-                .holdings
-                .set_aside_refused_parks(parks, Instant::now());
+            let (mut parks, refused) = state.holdings.set_aside_refused_parks(parks, now);
             let held = &state.holdings.held;
-            let fit = match alone {
-                true => parks.len().min(1),
-                false => parks_that_fit(
-                    parks.iter().map(|park| match held.get(&park.id) {
-                        Some(Held::Stream(held)) => match &held.body {
-                            Body::Event(event) => event_bytes(event),
-                            // Dead-lettered with its raw text.
-                            Body::Undecodable(u) => {
-                                outbox_core::memory::EVENT_OVERHEAD + u.raw.len()
-                            }
-                        },
-                        _ => 0,
-                    }),
-                    PARK_STATEMENT_BYTES,
-                ),
-            };
+            let fit = parks_that_fit(
+                parks.iter().map(|park| match held.get(&park.id) {
+                    Some(Held::Stream(held)) => match &held.body {
+                        Body::Event(event) => event_bytes(event),
+                        // Dead-lettered with its raw text.
+                        Body::Undecodable(u) => outbox_core::memory::EVENT_OVERHEAD + u.raw.len(),
+                    },
+                    _ => 0,
+                }),
+                PARK_STATEMENT_BYTES,
+            )
+            .min(limit);
             let mut rest = parks.split_off(fit);
             let more = !rest.is_empty();
             rest.extend(refused);
@@ -671,33 +680,41 @@ impl Inner {
                     );
                     state.undeleted.extend(waiting.iter().map(|p| (p.id, now)));
                 }
+                state
+                    .holdings
+                    .parked_after_refusal(done.iter().map(|p| p.id));
                 self.settle(&mut state, done.into_iter().map(|p| p.id));
                 Ok(Flushed::Wrote(n, more))
             }
-            Err(e) if alone && e.kind() == StoreErrorKind::Query => {
+            Err(e) if e.kind() == StoreErrorKind::Query && parks.len() > 1 => {
+                let tried = parks.len();
+                tracing::debug!(parks = tried, error = %e.report(), "a park statement refused: tried again halved");
+                state.requeue_parks(session, parks);
+                Ok(Flushed::Refused { tried })
+            }
+            Err(e) if e.kind() == StoreErrorKind::Query => {
                 let refused = parks.first().and_then(|park| {
-                    let key = (state.holdings)
-                        .refuse_park(park.id, Instant::now() + REFUSED_PARK_RETRY)?;
+                    let (key, wait) = state.holdings.refuse_park(park.id, Instant::now())?;
                     let event_id = match state.holdings.held.get(&park.id) {
                         Some(Held::Stream(held)) => held.event_id(),
                         _ => None,
                     };
-                    Some((key, event_id))
+                    Some((key, wait, event_id))
                 });
                 tracing::error!(
-                    key = refused.as_ref().map(|(key, _)| key.as_str()),
-                    event_id = ?refused.as_ref().and_then(|(_, id)| *id),
+                    key = refused.as_ref().map(|(key, _, _)| key.as_str()),
+                    event_id = ?refused.as_ref().and_then(|(_, _, id)| *id),
+                    again_in = ?refused.as_ref().map(|(_, wait, _)| wait),
                     error = %e.report(),
                     "the database refused to park this event: its key waits (its later events \
-                     behind it) while the other keys flow, and the park is tried again each \
-                     second; fix what the error names (a trigger, a constraint or a column \
-                     changed on the parked table)"
+                     behind it) while the other keys flow, and the park is tried again later; \
+                     fix what the error names (a trigger, a constraint or a column changed on \
+                     the parked table)"
                 );
-                let set_aside = refused.is_some();
                 state.requeue_parks(session, parks);
-                match set_aside {
-                    true => Ok(Flushed::RefusedAlone),
-                    false => Err(e),
+                match refused {
+                    Some(_) => Ok(Flushed::Refused { tried: 1 }),
+                    None => Err(e),
                 }
             }
             Err(e) => {

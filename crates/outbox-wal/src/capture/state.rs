@@ -1458,10 +1458,8 @@ mod tests {
             .queue_parks([1, 2, 3].map(Park::behind_its_key));
         let now = std::time::Instant::now();
         let parks = state.holdings.take_parks();
-        let refused = state
-            .holdings
-            .refuse_park(parks[0].id, now + Duration::from_secs(1));
-        assert_eq!(refused.as_deref(), Some("a"));
+        let refused = state.holdings.refuse_park(parks[0].id, now);
+        assert_eq!(refused, Some(("a".to_string(), Duration::from_secs(1))));
         let ids = |parks: &[Park]| parks.iter().map(|p| p.id).collect::<Vec<_>>();
         let (now_parks, aside) = state.holdings.set_aside_refused_parks(parks, now);
         assert_eq!(ids(&now_parks), [2], "b is parked");
@@ -1473,7 +1471,15 @@ mod tests {
         let later = now + Duration::from_secs(1);
         let (now_parks, aside) = state.holdings.set_aside_refused_parks(aside, later);
         assert_eq!(ids(&now_parks), [1, 3], "tried again once its time came");
-        assert!(aside.is_empty() && state.holdings.refused_parks.is_empty());
+        assert!(aside.is_empty());
+        // Refused again: twice as long.
+        let refused = state.holdings.refuse_park(1, later);
+        assert_eq!(refused, Some(("a".to_string(), Duration::from_secs(2))));
+        let (now_parks, _) = state.holdings.set_aside_refused_parks(now_parks, later);
+        assert!(now_parks.is_empty());
+        // Parked at last: its next refusal waits a second again.
+        state.holdings.parked_after_refusal([1]);
+        assert!(state.holdings.refused_parks.is_empty());
     }
 
     #[test]
