@@ -2728,30 +2728,106 @@ async fn a_key_holding_nul_whose_event_is_dead_lettered_instead_of_parked_flows_
     // The sink back first: a publish of the next event failing meanwhile would have it
     // dead-lettered too (its key cannot be parked), as a retry.
     insert(&w.db, "other", 1).await;
-    eventually_explained(
-        "the sink delivering again",
-        Duration::from_secs(60),
-        || relay.logs(),
-        || {
-            let done = deliveries.snapshot().iter().any(|d| d.key == "other");
-            async move { done.then_some(()) }
-        },
-    )
-    .await;
+    await_key_delivered("the sink delivering again", &deliveries, &relay, "other").await;
     w.db.execute(emit_raw, &[&message(2)]).await.unwrap();
-    eventually_explained(
+    await_key_delivered(
         "the key's next event delivered",
-        Duration::from_secs(60),
-        || relay.logs(),
-        || {
-            let done = deliveries.snapshot().iter().any(|d| d.key == "a\0b");
-            async move { done.then_some(()) }
-        },
+        &deliveries,
+        &relay,
+        "a\0b",
     )
     .await;
     assert_eq!(query_count(&w.db, dead, &[]).await.unwrap(), 1);
     let status = relay.terminate().await;
     assert!(status.success(), "{status:?}");
+}
+
+/// Waits for the broker to have an event of `key`.
+async fn await_key_delivered(what: &str, deliveries: &Deliveries, relay: &RelayProcess, key: &str) {
+    eventually_explained(
+        what,
+        Duration::from_secs(60),
+        || relay.logs(),
+        || {
+            let done = deliveries.snapshot().iter().any(|d| d.key == key);
+            async move { done.then_some(()) }
+        },
+    )
+    .await;
+}
+
+/// A relay streaming to a broker, over a parked table that refuses the rows `which` (a
+/// condition on `NEW`) selects, as a trigger a DBA put there would.
+struct RefusingParks {
+    _nats: outbox_testkit::nats::PrivateNats,
+    deliveries: Deliveries,
+    proxy: outbox_testkit::FaultProxy,
+    w: WalDb,
+    relay: RelayProcess,
+}
+
+const REFUSED_PARK: &str = "refused by the parked table's trigger";
+
+impl RefusingParks {
+    /// Started, and its broker cut: what it reads next waits to be parked.
+    async fn start(which: &str) -> Self {
+        let (_nats, deliveries, proxy, broker_url) = nats_behind_a_proxy().await;
+        let w = WalDb::new().await;
+        w.db.batch_execute(&format!(
+            "CREATE FUNCTION refuse_park() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN RAISE EXCEPTION '{}'; END $$;
+             CREATE TRIGGER refuse_park BEFORE INSERT ON outbox_parked FOR EACH ROW
+               WHEN ({which}) EXECUTE FUNCTION refuse_park();",
+            REFUSED_PARK.replace('\'', "''")
+        ))
+        .await
+        .unwrap();
+        let relay = w.streaming_to(&broker_url, &RETRY_AN_OUTAGE).await;
+        proxy.handle().cut();
+        RefusingParks {
+            _nats,
+            deliveries,
+            proxy,
+            w,
+            relay,
+        }
+    }
+
+    /// Once a park was refused: the broker back, and an event of a key that needs no park
+    /// delivered, with those of `also`.
+    async fn others_delivered(&self, also: impl Fn(&HashSet<String>) -> bool) {
+        self.relay
+            .wait_for_log("a refused park", Duration::from_secs(60), REFUSED_PARK)
+            .await;
+        self.proxy.handle().heal();
+        insert(&self.w.db, "fresh", 1).await;
+        eventually_explained(
+            "the keys needing no park delivered",
+            Duration::from_secs(60),
+            || self.relay.logs(),
+            || {
+                let keys = self.delivered_keys();
+                let done = keys.contains("fresh") && also(&keys);
+                async move { done.then_some(()) }
+            },
+        )
+        .await;
+    }
+
+    fn delivered_keys(&self) -> HashSet<String> {
+        (self.deliveries.snapshot().into_iter())
+            .map(|d| d.key)
+            .collect()
+    }
+
+    /// The trigger dropped: the parks are let through.
+    async fn let_parks_through(&self) {
+        self.w
+            .db
+            .batch_execute("DROP TRIGGER refuse_park ON outbox_parked")
+            .await
+            .unwrap();
+    }
 }
 
 /// A park the database refuses for a reason no check foresees (here a trigger a DBA put on
@@ -2760,58 +2836,22 @@ async fn a_key_holding_nul_whose_event_is_dead_lettered_instead_of_parked_flows_
 /// then, and the one refused holds back its own key only, tried again after a wait.
 #[tokio::test]
 async fn a_park_refused_for_an_unforeseen_reason_holds_back_only_its_key() {
-    let (_nats, deliveries, proxy, broker_url) = nats_behind_a_proxy().await;
-    let w = WalDb::new().await;
-    w.db.batch_execute(
-        "CREATE FUNCTION refuse_park() RETURNS trigger LANGUAGE plpgsql AS $$
-         BEGIN RAISE EXCEPTION 'refused by the parked table''s trigger'; END $$;
-         CREATE TRIGGER refuse_park BEFORE INSERT ON outbox_parked FOR EACH ROW
-           WHEN (NEW.partition_key = 'refused') EXECUTE FUNCTION refuse_park();",
-    )
-    .await
-    .unwrap();
-    let mut relay = w.streaming_to(&broker_url, &RETRY_AN_OUTAGE).await;
-    let handle = proxy.handle();
-    handle.cut();
-    let refused = [
-        emit(&w.db, "refused", 1).await,
-        emit(&w.db, "refused", 2).await,
-    ];
-    emit(&w.db, "other", 1).await;
-    insert(&w.db, "other", 2).await;
-    relay
-        .wait_for_log(
-            "the refused park",
-            Duration::from_secs(60),
-            "refused by the parked table's trigger",
-        )
+    let mut refusing = RefusingParks::start("NEW.partition_key = 'refused'").await;
+    let db = &refusing.w.db;
+    let refused = [emit(db, "refused", 1).await, emit(db, "refused", 2).await];
+    emit(db, "other", 1).await;
+    insert(db, "other", 2).await;
+    refusing
+        .others_delivered(|keys| keys.contains("other"))
         .await;
-    handle.heal();
-    insert(&w.db, "fresh", 1).await;
-    let delivered_keys =
-        || -> HashSet<String> { deliveries.snapshot().into_iter().map(|d| d.key).collect() };
-    eventually_explained(
-        "the other keys' events delivered",
-        Duration::from_secs(60),
-        || relay.logs(),
-        || {
-            let keys = delivered_keys();
-            async move { (keys.contains("other") && keys.contains("fresh")).then_some(()) }
-        },
-    )
-    .await;
-    assert!(!delivered_keys().contains("refused"));
-    w.db.batch_execute("DROP TRIGGER refuse_park ON outbox_parked")
-        .await
-        .unwrap();
+    assert!(!refusing.delivered_keys().contains("refused"));
+    refusing.let_parks_through().await;
     eventually_explained(
         "the refused key's events delivered, in order, once the park is let through",
         Duration::from_secs(60),
-        || relay.logs(),
+        || refusing.relay.logs(),
         || {
-            let ids: Vec<String> = deliveries
-                .snapshot()
-                .into_iter()
+            let ids: Vec<String> = (refusing.deliveries.snapshot().into_iter())
                 .filter(|d| d.key == "refused")
                 .map(|d| d.id)
                 .collect();
@@ -2822,7 +2862,7 @@ async fn a_park_refused_for_an_unforeseen_reason_holds_back_only_its_key() {
     .iter()
     .zip(&refused)
     .for_each(|(delivered, written)| assert_eq!(delivered, written));
-    let status = relay.terminate().await;
+    let status = refusing.relay.terminate().await;
     assert!(status.success(), "{status:?}");
 }
 
@@ -2832,59 +2872,30 @@ async fn a_park_refused_for_an_unforeseen_reason_holds_back_only_its_key() {
 /// ever, holding every claim. Keys that need no park keep flowing.
 #[tokio::test]
 async fn a_database_refusing_every_park_of_many_keys_holds_no_other_key() {
-    let (_nats, deliveries, proxy, broker_url) = nats_behind_a_proxy().await;
-    let w = WalDb::new().await;
-    w.db.batch_execute(
-        "CREATE FUNCTION refuse_park() RETURNS trigger LANGUAGE plpgsql AS $$
-         BEGIN RAISE EXCEPTION 'refused by the parked table''s trigger'; END $$;
-         CREATE TRIGGER refuse_park BEFORE INSERT ON outbox_parked FOR EACH ROW
-           EXECUTE FUNCTION refuse_park();",
-    )
-    .await
-    .unwrap();
-    let mut relay = w.streaming_to(&broker_url, &RETRY_AN_OUTAGE).await;
-    let handle = proxy.handle();
-    handle.cut();
-    w.db.batch_execute(
-        "INSERT INTO outbox (destination, partition_key, event_type, payload)
-         SELECT 'orders', 'waiting-' || g, 'Inserted', jsonb_build_object('n', g)
-           FROM generate_series(1, 400) g",
-    )
-    .await
-    .unwrap();
-    relay
-        .wait_for_log(
-            "the refused parks",
-            Duration::from_secs(60),
-            "refused by the parked table's trigger",
+    let mut refusing = RefusingParks::start("true").await;
+    refusing
+        .w
+        .db
+        .batch_execute(
+            "INSERT INTO outbox (destination, partition_key, event_type, payload)
+             SELECT 'orders', 'waiting-' || g, 'Inserted', jsonb_build_object('n', g)
+               FROM generate_series(1, 400) g",
         )
-        .await;
-    handle.heal();
-    insert(&w.db, "fresh", 1).await;
-    eventually_explained(
-        "the key needing no park delivered",
-        Duration::from_secs(60),
-        || relay.logs(),
-        || {
-            let fresh = deliveries.snapshot().iter().any(|d| d.key == "fresh");
-            async move { fresh.then_some(()) }
-        },
-    )
-    .await;
-    w.db.batch_execute("DROP TRIGGER refuse_park ON outbox_parked")
         .await
         .unwrap();
+    refusing.others_delivered(|_| true).await;
+    refusing.let_parks_through().await;
     eventually_explained(
         "every waiting key delivered once the parks are let through",
         Duration::from_secs(90),
-        || relay.logs(),
+        || refusing.relay.logs(),
         || {
-            let keys: HashSet<String> = deliveries.snapshot().into_iter().map(|d| d.key).collect();
+            let keys = refusing.delivered_keys();
             async move { (keys.len() >= 401).then_some(()) }
         },
     )
     .await;
-    let status = relay.terminate().await;
+    let status = refusing.relay.terminate().await;
     assert!(status.success(), "{status:?}");
 }
 
@@ -3009,62 +3020,38 @@ async fn poison_messages_are_dead_lettered_and_hold_no_key_back() {
     assert!(status.success(), "{status:?}");
 }
 
+/// A DBA's change to the publication while the relay streams: pgoutput leaves rows (or
+/// their columns) out, and keepalives move the slot on. Publishing no INSERTs sends nothing
+/// of them; rows read without their columns were dead-lettered as undecodable, and rows a
+/// filter left out came late, after later rows of their key, until the relay's periodic
+/// check saw the change. The relay checks the publication at each new description of the
+/// table the stream sends too, before handing out what follows it; `check` fails with the
+/// statement that fixes it, and once fixed every row goes out, in order.
 #[tokio::test]
-async fn a_publication_that_stops_publishing_inserts_is_named_and_loses_no_row() {
-    let w = WalDb::new().await;
-    let out = w.path("events.jsonl");
-    let mut relay = w.streaming_with_a_first_event(&out).await;
-    // A DBA's change: pgoutput then sends no INSERT, and keepalives move the slot past them.
-    w.db.batch_execute("ALTER PUBLICATION outbox_relay SET (publish = 'update, delete')")
-        .await
-        .unwrap();
-    for n in 1..4 {
-        insert(&w.db, "k", n).await;
-    }
-    relay
-        .wait_for_log(
-            "the relay naming the publication",
-            Duration::from_secs(60),
-            "publishes no INSERTs",
-        )
-        .await;
-    let check = relay_check(&w);
-    assert_eq!(check.0, Some(1), "{}", check.1);
-    assert!(check.1.contains("publishes no INSERTs"), "{}", check.1);
-    // The fix adds INSERTs to what it publishes, which another consumer may rely on.
-    let fix = r#"ALTER PUBLICATION "outbox_relay" SET (publish = 'insert, update, delete')"#;
-    assert!(check.1.contains(fix), "{}", check.1);
-    w.db.batch_execute(fix).await.unwrap();
-    insert(&w.db, "k", 4).await;
-    wait_for_lines("every event", &out, Duration::from_secs(60), |n| n >= 5).await;
-    let order = counters_by_key(&read_lines(&out));
-    assert_eq!(order["k"], vec![0, 1, 2, 3, 4], "{order:?}");
-    let status = relay.terminate().await;
-    assert!(status.success(), "{status:?}");
-    w.assert_empty(&relay.logs()).await;
-}
-
-/// A row filter or a column list put on the publication while the relay streams: pgoutput
-/// leaves rows (or their columns) out, and keepalives move the slot on. Rows read without
-/// their columns were dead-lettered as undecodable, and rows the filter left out came late,
-/// after later rows of their key, until the relay's periodic check saw the change. The
-/// relay checks the publication at each new description of the table the stream sends,
-/// before handing out what follows it; `check` fails with the statement that fixes it, and
-/// once fixed every row goes out, in order.
-#[tokio::test]
-async fn a_row_filter_or_a_column_list_on_the_publication_is_named_and_loses_no_row() {
+async fn a_publication_that_leaves_rows_out_is_named_and_loses_no_row() {
+    // The table dropped and added again, not SET TABLE, which would drop the others a
+    // shared publication has.
+    let whole_table = r#"ALTER PUBLICATION "outbox_relay" DROP TABLE "public"."outbox"; ALTER PUBLICATION "outbox_relay" ADD TABLE "public"."outbox""#;
     let cases = [
+        (
+            "ALTER PUBLICATION outbox_relay SET (publish = 'update, delete')",
+            "publishes no INSERTs",
+            // INSERTs added to what it publishes, which another consumer may rely on.
+            r#"ALTER PUBLICATION "outbox_relay" SET (publish = 'insert, update, delete')"#,
+        ),
         (
             "ALTER PUBLICATION outbox_relay SET TABLE outbox WHERE (sequence_id % 2 = 0)",
             "has a row filter",
+            whole_table,
         ),
         (
             "ALTER PUBLICATION outbox_relay SET TABLE outbox
                (sequence_id, destination, partition_key, event_type)",
             "has a column list that leaves out",
+            whole_table,
         ),
     ];
-    for (change, named) in cases {
+    for (change, named, fix) in cases {
         let w = WalDb::new().await;
         let out = w.path("events.jsonl");
         let mut relay = w.streaming_with_a_first_event(&out).await;
@@ -3082,9 +3069,6 @@ async fn a_row_filter_or_a_column_list_on_the_publication_is_named_and_loses_no_
         let check = relay_check(&w);
         assert_eq!(check.0, Some(1), "{change}: {}", check.1);
         assert!(check.1.contains(named), "{change}: {}", check.1);
-        // The table dropped and added again, not SET TABLE, which would drop the others a
-        // shared publication has.
-        let fix = r#"ALTER PUBLICATION "outbox_relay" DROP TABLE "public"."outbox"; ALTER PUBLICATION "outbox_relay" ADD TABLE "public"."outbox""#;
         assert!(check.1.contains(fix), "{change}: {}", check.1);
         w.db.batch_execute(fix).await.unwrap();
         insert(&w.db, "k", 4).await;
