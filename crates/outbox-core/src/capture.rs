@@ -289,6 +289,24 @@ impl<S: StreamEvent, P: QueuedPark> Holdings<S, P> {
         Some((key, wait))
     }
 
+    /// While parks are refused, what `/readyz` says: those keys stall.
+    pub fn refused_parks_stall(&self) -> Option<String> {
+        if self.refused_parks.is_empty() {
+            return None;
+        }
+        let mut keys: Vec<&String> = self.refused_parks.keys().collect();
+        keys.sort();
+        let named: Vec<String> = keys.iter().take(3).map(|key| format!("{key:?}")).collect();
+        Some(format!(
+            "the database refuses to park events of {} key(s) ({}{}): they wait, the other \
+             keys flow; the relay's log names the error (a trigger, a constraint or a column \
+             changed on the parked table)",
+            keys.len(),
+            named.join(", "),
+            if keys.len() > 3 { ", …" } else { "" }
+        ))
+    }
+
     /// Forgets the refusals of the keys of `parked` (ids of held events just parked).
     pub fn parked_after_refusal(&mut self, parked: impl IntoIterator<Item = SequenceId>) {
         if self.refused_parks.is_empty() {

@@ -1440,8 +1440,17 @@ impl OutboxStore for BinlogStore {
         self.inner.main.insert(events)
     }
 
+    /// The database answers, and it parks what must wait.
     fn ping(&self) -> StoreFuture<()> {
-        self.inner.main.ping()
+        let inner = self.inner.clone();
+        async move {
+            inner.main.ping().await?;
+            match lock(&inner.state).holdings.refused_parks_stall() {
+                Some(why) => Err(StoreError::new(StoreErrorKind::Query, why)),
+                None => Ok(()),
+            }
+        }
+        .boxed()
     }
 
     fn verify(&self) -> StoreFuture<Vec<Problem>> {

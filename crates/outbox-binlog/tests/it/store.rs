@@ -8,7 +8,7 @@ use std::time::Duration;
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, Opts};
 use outbox_binlog::{positions_ddl, BinlogConfig, BinlogStore, BinlogStoreOptions, SeatConfig};
-use outbox_core::{NodeId, PublishErrorKind, RetryPolicy};
+use outbox_core::{NodeId, OutboxStore, PublishErrorKind, RetryPolicy};
 use outbox_engine::EngineConfig;
 use outbox_layout::Mapping;
 use outbox_store_mysql::{MySqlOptions, MySqlStore};
@@ -1327,6 +1327,13 @@ async fn a_park_refused_for_an_unforeseen_reason_holds_back_only_its_key() {
     .await;
     assert_eq!(parked("refused").await, 0);
     assert!(delivered_n(&publisher, "refused").is_empty());
+    // What /readyz asks: the stall is named.
+    let stalled = relay
+        .store
+        .ping()
+        .await
+        .expect_err("a refused park is a stall");
+    assert!(stalled.to_string().contains("\"refused\""), "{stalled}");
     conn.query_drop("DROP TRIGGER refuse_park").await.unwrap();
     eventually(
         "the refused key's rows parked, the later one behind the first",
@@ -1339,6 +1346,7 @@ async fn a_park_refused_for_an_unforeseen_reason_holds_back_only_its_key() {
         .await
         .unwrap();
     assert_eq!(order, ["Stuck", "Placed"]);
+    relay.store.ping().await.expect("parked at last: no stall");
     relay.stop().await;
 }
 

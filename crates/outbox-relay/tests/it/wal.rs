@@ -2764,6 +2764,8 @@ struct RefusingParks {
     proxy: outbox_testkit::FaultProxy,
     w: WalDb,
     relay: RelayProcess,
+    /// Its HTTP endpoints.
+    addr: String,
 }
 
 const REFUSED_PARK: &str = "refused by the parked table's trigger";
@@ -2782,7 +2784,11 @@ impl RefusingParks {
         ))
         .await
         .unwrap();
-        let relay = w.streaming_to(&broker_url, &RETRY_AN_OUTAGE).await;
+        let http = ["--http-addr", "127.0.0.1:0", "--log-format", "json"];
+        let relay = w
+            .streaming_to(&broker_url, &[&RETRY_AN_OUTAGE[..], &http].concat())
+            .await;
+        let addr = http_addr(&relay).await;
         proxy.handle().cut();
         RefusingParks {
             _nats,
@@ -2790,6 +2796,7 @@ impl RefusingParks {
             proxy,
             w,
             relay,
+            addr,
         }
     }
 
@@ -2845,6 +2852,12 @@ async fn a_park_refused_for_an_unforeseen_reason_holds_back_only_its_key() {
         .others_delivered(|keys| keys.contains("other"))
         .await;
     assert!(!refusing.delivered_keys().contains("refused"));
+    let (relay, addr) = (&refusing.relay, &refusing.addr);
+    let body = readyz(relay, addr, 503, "refuses to park", Duration::from_secs(30)).await;
+    assert!(
+        body.contains(r#"1 key(s) ("refused")"#),
+        "/readyz names the key: {body}"
+    );
     refusing.let_parks_through().await;
     eventually_explained(
         "the refused key's events delivered, in order, once the park is let through",
@@ -2862,6 +2875,14 @@ async fn a_park_refused_for_an_unforeseen_reason_holds_back_only_its_key() {
     .iter()
     .zip(&refused)
     .for_each(|(delivered, written)| assert_eq!(delivered, written));
+    readyz(
+        &refusing.relay,
+        &refusing.addr,
+        200,
+        "ready",
+        Duration::from_secs(30),
+    )
+    .await;
     let status = refusing.relay.terminate().await;
     assert!(status.success(), "{status:?}");
 }

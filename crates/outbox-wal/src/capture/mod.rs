@@ -1367,8 +1367,9 @@ impl OutboxStore for WalStore {
         self.inner.main.insert(events)
     }
 
-    /// The database answers, and the slot is confirmed as its settled events allow: a
-    /// relay whose confirmations stopped holds the server's WAL while it delivers on.
+    /// The database answers, the slot is confirmed as its settled events allow (a relay
+    /// whose confirmations stopped holds the server's WAL while it delivers on), and it
+    /// parks what must wait.
     fn ping(&self) -> StoreFuture<()> {
         let inner = self.inner.clone();
         async move {
@@ -1377,7 +1378,8 @@ impl OutboxStore for WalStore {
                 .confirm_stall
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .clone();
+                .clone()
+                .or_else(|| lock(&inner.state).holdings.refused_parks_stall());
             match stall {
                 Some(why) => Err(StoreError::new(StoreErrorKind::Query, why)),
                 None => Ok(()),
