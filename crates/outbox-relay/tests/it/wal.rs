@@ -3711,6 +3711,16 @@ async fn two_relays_starting_together_adopt_the_rows_that_predate_the_slot_once(
             assert_eq!(counters, &sorted, "round {round}: key {key} out of order");
         }
         for relay in [&mut a, &mut b] {
+            // Started (its signal handlers in place) before it is stopped: on a busy host
+            // the other relay could deliver everything before this one had begun, and a
+            // SIGTERM then ended it by the signal's default.
+            relay
+                .wait_for_log(
+                    "the relay started",
+                    Duration::from_secs(60),
+                    "outbox-relay starting",
+                )
+                .await;
             let status = relay.terminate().await;
             assert!(status.success(), "{status:?}");
         }
