@@ -408,7 +408,8 @@ impl capture::HoldsEvents<HeldWal, Park> for Inner {
 /// claim for good.
 const PARK_STATEMENT_BYTES: usize = 64 * 1024 * 1024;
 
-/// How many keys one [`Inner::flush_parks`] sets aside before it fails instead.
+/// How many keys one [`Inner::flush_parks`] sets aside before it leaves the rest queued
+/// for the next call.
 const REFUSED_KEYS_PER_FLUSH: usize = 16;
 
 /// What one park statement did.
