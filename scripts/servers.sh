@@ -313,8 +313,17 @@ start_mariadb() {
   mkdir -p "$dir/tmp"
   [ "$(id -u)" = 0 ] && chown mysql "$dir" "$dir/tmp"
   if [ ! -d "$dir/data/mysql" ]; then
-    mariadb-install-db --no-defaults --user=mysql --datadir="$dir/data" \
-      --auth-root-authentication-method=socket --skip-test-db >"$dir/install.log" 2>&1
+    # Its output only on failure (CI saw it fail with nothing said); once more after a
+    # failure, from an empty directory, as a bootstrap cut short leaves one half made.
+    local attempt
+    for attempt in 1 2; do
+      mariadb-install-db --no-defaults --user=mysql --datadir="$dir/data" \
+        --auth-root-authentication-method=socket --skip-test-db >"$dir/install.log" 2>&1 && break
+      log "mariadb-install-db failed (attempt $attempt); its output:"
+      tail -n 40 "$dir/install.log" >&2
+      rm -rf "$dir/data"
+      [ "$attempt" = 2 ] && return 1
+    done
   fi
   if ! mariadb-admin --no-defaults --socket="$dir/mysqld.sock" ping >/dev/null 2>&1; then
     setsid /usr/sbin/mariadbd --no-defaults --user=mysql --datadir="$dir/data" \

@@ -143,6 +143,22 @@ impl FaultHandle {
         });
     }
 
+    /// [`cut`](Self::cut), returning once no connection is open through the proxy. Each
+    /// connection resets itself a moment after the cut, and what a client writes meanwhile
+    /// still passes: a test that writes right after a bare cut may see it delivered.
+    pub async fn cut_and_wait(&self) {
+        self.cut();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while self.connections() > 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{} connection(s) still open 30 s after a cut",
+                self.connections()
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    }
+
     /// Stops all traffic both ways without closing anything: a network partition. Peers see
     /// no error, no EOF, no RST; data just stops. New connections are accepted but not
     /// connected upstream until healed (as a SYN would be retransmitted through a

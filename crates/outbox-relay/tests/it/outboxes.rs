@@ -399,7 +399,7 @@ async fn the_cut_outbox_delivers_once_then_loses_its_broker(
         || async { (support::stream_len(js, subject).await == 1).then_some(()) },
     )
     .await;
-    nats_proxy.handle().cut();
+    nats_proxy.handle().cut_and_wait().await;
     for i in 1..4 {
         send(
             d,

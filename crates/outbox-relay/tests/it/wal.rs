@@ -702,7 +702,7 @@ impl DebeziumWal {
         relay
             .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
             .await;
-        proxy.handle().cut();
+        proxy.handle().cut_and_wait().await;
         relay
     }
 }
@@ -1607,7 +1607,7 @@ async fn a_shutdown_is_not_held_by_a_relay_with_unsettled_events(mode: &str) {
     let (_nats, deliveries, proxy, broker_url) = nats_behind_a_proxy().await;
     let mut relay = w.streaming_to(&broker_url, &RETRY_AN_OUTAGE).await;
     let handle = proxy.handle();
-    handle.cut();
+    handle.cut_and_wait().await;
     for n in 0..20 {
         insert(&w.db, &format!("k{}", n % 4), n).await;
     }
@@ -2626,7 +2626,7 @@ async fn an_undecodable_event_behind_a_retrying_head_is_dead_lettered_not_droppe
     let w = WalDb::new().await;
     let mut relay = w.streaming_to(&broker_url, &RETRY_AN_OUTAGE).await;
     let handle = proxy.handle();
-    handle.cut();
+    handle.cut_and_wait().await;
     // One transaction, one claim: the head cannot be published, so the lane releases what
     // is behind it, an event whose headers are no JSON object, to be parked behind it.
     w.db.batch_execute(
@@ -2716,7 +2716,7 @@ async fn a_key_holding_nul_whose_event_is_dead_lettered_instead_of_parked_flows_
     let w = WalDb::new().await;
     let mut relay = w.streaming_to(&broker_url, &RETRY_AN_OUTAGE).await;
     let handle = proxy.handle();
-    handle.cut();
+    handle.cut_and_wait().await;
     // A retry is parked; a key holding NUL cannot be, so its event is dead-lettered. The
     // key stayed waiting behind nothing: every later event of it was dead-lettered unsent.
     let message = |n: i32| {
@@ -2804,7 +2804,7 @@ impl RefusingParks {
             .streaming_to(&broker_url, &[&RETRY_AN_OUTAGE[..], &http].concat())
             .await;
         let addr = http_addr(&relay).await;
-        proxy.handle().cut();
+        proxy.handle().cut_and_wait().await;
         RefusingParks {
             _nats,
             deliveries,
@@ -2941,7 +2941,7 @@ async fn poison_messages_are_dead_lettered_and_hold_no_key_back() {
     let w = WalDb::new().await;
     let mut relay = w.streaming_to(&broker_url, &RETRY_AN_OUTAGE).await;
     let handle = proxy.handle();
-    handle.cut();
+    handle.cut_and_wait().await;
     // A NUL byte, no JSON at all: its dead letter was refused as jsonb, and retried for good.
     w.db.execute(
         "SELECT pg_logical_emit_message(true, 'outbox', '\\x00'::bytea)",
@@ -3180,7 +3180,7 @@ async fn a_row_adopted_again_waits_behind_an_earlier_row_of_its_key_parked_befor
     .await
     .unwrap();
     // Event 1 commits first, and fails: parked by its retry, under an id drawn then.
-    proxy.handle().cut();
+    proxy.handle().cut_and_wait().await;
     insert(&w.db, "k", 1).await;
     let retried = "SELECT count(*) FROM outbox_parked WHERE attempts > 0";
     wait_for_rows(&relay, "event 1 parked by its retry", &w.db, retried, 1).await;
