@@ -119,6 +119,11 @@ impl Capture {
         self.positions.settle(ordinal)
     }
 
+    /// How far the oldest transaction not stored past got ([`Positions::front`]).
+    pub fn front(&self) -> Option<crate::positions::Front> {
+        self.positions.front()
+    }
+
     /// The rows (by ordinal) that a reader started at the position [`Capture::store`] would
     /// store now reads none of ([`Positions::behind_storable`]).
     pub fn behind_storable(&self) -> u64 {

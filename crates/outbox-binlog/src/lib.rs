@@ -35,7 +35,7 @@ mod statement;
 pub mod store;
 pub use capture::{Capture, Started};
 pub use parked::{parked_ddl, parked_index_problem, upgrade_parked};
-pub use positions::{Positions, UnknownRow};
+pub use positions::{Front, Positions, UnknownRow};
 pub use reader::{BinlogReader, Output, Row, BINLOG_HEARTBEAT, BINLOG_SILENCE};
 pub use schema::{
     blackhole_ddl, blackhole_problem, blackhole_table_problems, is_blackhole, parked_table_problem,

@@ -20,6 +20,20 @@ struct Transaction {
     next: Option<BinlogPosition>,
     /// Its first row's id.
     first: Option<u64>,
+    /// Rows read of it so far.
+    read: u64,
+}
+
+/// How far the oldest transaction not behind the storable position got
+/// ([`Positions::front`]): it changes whenever the transaction moves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Front {
+    /// Its first row's id (`None`: none read yet).
+    pub first: Option<u64>,
+    pub read: u64,
+    pub unsettled: usize,
+    /// Its commit was read.
+    pub committed: bool,
 }
 
 /// The positions of what was read, and the one that may be stored.
@@ -56,6 +70,7 @@ impl Positions {
         if let Some(current) = self.open.back_mut() {
             current.unsettled.insert(id);
             current.first.get_or_insert(id);
+            current.read += 1;
         }
         self.next_row = self.next_row.max(id + 1);
     }
@@ -67,9 +82,8 @@ impl Positions {
             Some(current) if current.next.is_none() => current.next = Some(next.clone()),
             // A commit with no row read: nothing to wait for.
             _ => self.open.push_back(Transaction {
-                unsettled: HashSet::new(),
                 next: Some(next.clone()),
-                first: None,
+                ..Transaction::default()
             }),
         }
         self.advance();
@@ -104,6 +118,18 @@ impl Positions {
         if self.open.is_empty() && crate::at_or_after(boundary, &self.storable) {
             self.storable = boundary.clone();
         }
+    }
+
+    /// The oldest transaction not behind the storable position, as far as it got: what a
+    /// stall watch looks at (`outbox_core::capture::SettleWatch`). `None` when nothing is
+    /// open.
+    pub fn front(&self) -> Option<Front> {
+        self.open.front().map(|t| Front {
+            first: t.first,
+            read: t.read,
+            unsettled: t.unsettled.len(),
+            committed: t.next.is_some(),
+        })
     }
 
     /// Where a new reader may start without losing an unsettled row.
@@ -155,6 +181,32 @@ mod tests {
         positions.row(3);
         positions.committed(&at(300));
         positions
+    }
+
+    /// The front is the oldest transaction not passed, and it changes as it moves: a stall
+    /// watch sees any row read or settled.
+    #[test]
+    fn the_front_is_the_oldest_transaction_not_passed_and_moves_with_it() {
+        let mut positions = Positions::new(at(4));
+        assert_eq!(positions.front(), None);
+        positions.row(1);
+        let front = |read, unsettled, committed| {
+            Some(Front {
+                first: Some(1),
+                read,
+                unsettled,
+                committed,
+            })
+        };
+        assert_eq!(positions.front(), front(1, 1, false));
+        positions.row(2);
+        positions.settle(1).unwrap();
+        assert_eq!(positions.front(), front(2, 1, false));
+        positions.committed(&at(200));
+        assert_eq!(positions.front(), front(2, 1, true));
+        positions.row(3);
+        positions.settle(2).unwrap();
+        assert_eq!(positions.front().and_then(|f| f.first), Some(3));
     }
 
     #[test]

@@ -21,8 +21,10 @@
 //! pending, released ones included.
 
 mod deletes;
+mod stall;
 
 pub use deletes::{delete_group_enough, GroupDeletes, DELETE_GROUP_ENOUGH, DELETE_SPACING};
+pub use stall::{SettleWatch, Stalled, SETTLE_PATIENCE};
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};

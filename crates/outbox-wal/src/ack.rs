@@ -55,6 +55,17 @@ impl InFlight {
     }
 }
 
+/// How far the oldest transaction not passed yet got ([`Acknowledgements::front`]): it
+/// changes whenever the transaction moves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Front {
+    pub commit_lsn: Lsn,
+    /// Its Commit was read.
+    pub committed: bool,
+    pub handed_out: u64,
+    pub settled: u64,
+}
+
 /// The settled prefix of one replication session's stream.
 #[derive(Debug)]
 pub struct Acknowledgements {
@@ -122,6 +133,17 @@ impl Acknowledgements {
         self.confirmable
     }
 
+    /// The oldest transaction not passed yet, as far as it got: what a stall watch looks at
+    /// (`outbox_core::capture::SettleWatch`). `None` when every transaction is done.
+    pub fn front(&self) -> Option<Front> {
+        (self.in_flight.iter().find(|t| !t.done())).map(|t| Front {
+            commit_lsn: t.commit_lsn,
+            committed: t.end_lsn.is_some(),
+            handed_out: t.handed_out,
+            settled: t.settled,
+        })
+    }
+
     /// Transactions with events handed out and not all settled, or not yet committed.
     pub fn transactions_in_flight(&self) -> usize {
         self.in_flight.len()
@@ -182,6 +204,35 @@ mod tests {
             events,
             commit_time: SystemTime::UNIX_EPOCH,
         }
+    }
+
+    /// The front is the oldest transaction not done, and it changes as it moves: a stall
+    /// watch sees any event read or settled.
+    #[test]
+    fn the_front_is_the_oldest_transaction_not_done_and_moves_with_it() {
+        let mut acks = Acknowledgements::new(Lsn(0));
+        assert_eq!(acks.front(), None);
+        let (first, first_at) = event(100, 0);
+        acks.observe(&first);
+        let front = |settled, committed| {
+            Some(Front {
+                commit_lsn: Lsn(100),
+                committed,
+                handed_out: 1,
+                settled,
+            })
+        };
+        assert_eq!(acks.front(), front(0, false));
+        acks.observe(&committed(100, 110, 1));
+        assert_eq!(acks.front(), front(0, true));
+        let (second, _) = event(200, 0);
+        acks.observe(&second);
+        acks.settle(first_at).unwrap();
+        assert_eq!(
+            acks.front().map(|f| f.commit_lsn),
+            Some(Lsn(200)),
+            "a done transaction is no front, popped or not"
+        );
     }
 
     #[test]

@@ -56,7 +56,7 @@ pub use sql::ADOPTED_DEAD;
 mod state;
 
 use event::{decode, Captured};
-use outbox_core::capture::Sessions;
+use outbox_core::capture::{Sessions, SettleWatch};
 use sql::{Statements, PARK_PARAMS};
 use state::*;
 
@@ -73,6 +73,9 @@ pub mod metric {
     pub const LAG_BYTES: &str = "outbox_binlog_lag_bytes";
     /// Bytes of events capture holds: read ahead of the engine and in flight.
     pub const MEMORY_HELD: &str = "outbox_binlog_memory_held_bytes";
+    /// Seconds the oldest transaction held has gone without progress (none of its rows
+    /// read or settled), once past [`outbox_core::capture::SETTLE_PATIENCE`]; 0 otherwise.
+    pub const SETTLE_STALL_SECONDS: &str = "outbox_binlog_settle_stall_seconds";
 }
 
 /// How binlog capture runs.
@@ -167,7 +170,15 @@ struct Inner {
     close: watch::Sender<bool>,
     reader: Mutex<Option<tokio::task::JoinHandle<()>>>,
     memory: Arc<MemoryBudget>,
+    /// The oldest transaction the reading session holds, as the reader last saw it.
+    front: Arc<Mutex<Option<ReadFront>>>,
+    /// Whether it moves, looked at by the ping and the metrics.
+    settle_watch: Mutex<SettleWatch<ReadFront>>,
 }
+
+/// The oldest transaction held, by the session reading it (a new one reads it again, from
+/// nothing settled).
+type ReadFront = (u64, crate::Front);
 
 /// The outbox read from the binary log. Cheap to clone.
 #[derive(Clone)]
@@ -303,7 +314,9 @@ impl BinlogStore {
         let memory = MemoryBudget::new(options.memory_budget);
         let live = Arc::new(LiveSession::default());
         let renewed = Arc::new(Renewal::new(options.seat.lease));
+        let front = Arc::new(Mutex::new(None));
         let reader = Reader {
+            front: front.clone(),
             renewed: renewed.clone(),
             binlog: options.binlog.clone(),
             seat: options.seat.clone(),
@@ -364,8 +377,17 @@ impl BinlogStore {
                 close,
                 reader: Mutex::new(Some(handle)),
                 memory,
+                front,
+                settle_watch: Mutex::new(SettleWatch::new(outbox_core::capture::SETTLE_PATIENCE)),
             }),
         })
+    }
+
+    /// How long the oldest transaction held may go without progress before `/readyz` says
+    /// the capture is stalled: [`outbox_core::capture::SETTLE_PATIENCE`] unless a test
+    /// shortens it.
+    pub fn set_settle_patience(&self, patience: Duration) {
+        *lock(&self.inner.settle_watch) = SettleWatch::new(patience);
     }
 
     pub fn status(&self) -> CaptureStatus {
@@ -1090,11 +1112,46 @@ impl Inner {
         lock(&self.state).follow(self.live.get(), || outputs.try_recv().ok())
     }
 
+    /// Looks whether the oldest transaction held moved since the last look; sets the
+    /// stall gauge, logs a stall once, and returns what `/readyz` says of it. A row handed
+    /// out and never settled (a bug, or a sink that never answers past its timeout) stops
+    /// the stored position for good while later rows flow, and only this tells.
+    fn settle_stall(&self) -> Option<String> {
+        // A refused park is a stall `/readyz` names already.
+        let front = *lock(&self.front);
+        let refused = !lock(&self.state).holdings.refused_parks.is_empty();
+        let front = front.filter(|_| !refused);
+        let stalled = lock(&self.settle_watch).look(front, std::time::Instant::now());
+        let seconds = stalled.map_or(0.0, |s| s.still.as_secs_f64());
+        ::metrics::gauge!(metric::SETTLE_STALL_SECONDS).set(seconds);
+        let (stalled, (_, front)) = stalled.zip(front)?;
+        let described = format!(
+            "{} of its {} row(s) read unsettled{}{}",
+            front.unsettled,
+            front.read,
+            front
+                .first
+                .map_or(String::new(), |id| format!(", the first row {id}")),
+            if front.committed {
+                ""
+            } else {
+                ", its commit not read yet"
+            },
+        );
+        Some(stalled.report(
+            "binlog",
+            &described,
+            "the stored position moves no further, and the server may purge the binary \
+             logs past it",
+        ))
+    }
+
     async fn backlog(&self) -> StoreResult<Backlog> {
         let mut backlog = self.parked.backlog().await?;
         let reading = *self.status.borrow() == CaptureStatus::Reading;
         ::metrics::gauge!(metric::READING).set(if reading { 1.0 } else { 0.0 });
         ::metrics::gauge!(metric::MEMORY_HELD).set(self.memory.held() as f64);
+        self.settle_stall();
         let state = lock(&self.state);
         state.holdings.add_stream_backlog(&mut backlog);
         backlog.pending += state.unaccepted.len() as u64;
@@ -1445,7 +1502,8 @@ impl OutboxStore for BinlogStore {
         let inner = self.inner.clone();
         async move {
             inner.main.ping().await?;
-            match lock(&inner.state).holdings.refused_parks_stall() {
+            let settle_stall = inner.settle_stall();
+            match (lock(&inner.state).holdings.refused_parks_stall()).or(settle_stall) {
                 Some(why) => Err(StoreError::new(StoreErrorKind::Query, why)),
                 None => Ok(()),
             }
@@ -1565,6 +1623,8 @@ impl Renewal {
 /// The reader task: takes the seat (or waits as a standby), reads, and stores the position
 /// the settled rows allow.
 struct Reader {
+    /// The oldest transaction this reader holds, for the stall watch ([`Inner::settle_stall`]).
+    front: Arc<Mutex<Option<ReadFront>>>,
     renewed: Arc<Renewal>,
     binlog: BinlogConfig,
     seat: SeatConfig,
@@ -1682,6 +1742,8 @@ impl Reader {
                         }));
                     }
                     let ended = self.read(*capture, drain_until.as_ref()).await;
+                    // An ended session settles nothing more: nothing of it to watch.
+                    *lock(&self.front) = None;
                     seated.store(false, std::sync::atomic::Ordering::SeqCst);
                     self.live.set(0);
                     if let Some(stopped) = &self.on_reading_stopped {
@@ -1782,6 +1844,7 @@ impl Reader {
         };
         self.session += 1;
         self.live.set(self.session);
+        *lock(&self.front) = None;
         // MariaDB leaves a rolled-back BLACKHOLE row out of its log: its rows are handed out
         // as read, within the memory budget, however large their transaction.
         let hold_to_commit = self.hold_to_commit && !capture.mariadb();
@@ -1851,6 +1914,7 @@ impl Reader {
                 Step::Settled(Some(rows)) => self.settle(&mut capture, rows),
                 Step::Store => {
                     next_store = tokio::time::Instant::now() + store_every;
+                    *lock(&self.front) = capture.front().map(|front| (self.session, front));
                     let storing = std::time::Instant::now();
                     let behind = capture.behind_storable();
                     match capture.store().await {

@@ -1064,6 +1064,40 @@ async fn extending_leases_reaches_a_parked_rows_lease_in_the_parked_table() {
     store.close(Duration::from_secs(10)).await;
 }
 
+/// A row handed out and never settled (a bug, or a sink that never answers) stopped the
+/// stored position for good while later rows flowed, and `/readyz` (the store's ping)
+/// stayed green: now the ping names the stalled transaction once it has not moved for the
+/// patience, and is well again once it settles.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_handed_out_and_never_settled_fails_the_ping_until_it_settles() {
+    use outbox_core::store::LeaseHolder;
+    use outbox_core::OutboxStore;
+    let fixture = Fixture::new().await;
+    let store = BinlogStore::start(fixture.options("relay-1")).unwrap();
+    store.set_settle_patience(Duration::from_secs(1));
+    until_reading(&store).await;
+    fixture.insert("a", "T", 1).await;
+    let node = NodeId("binlog-test".into());
+    let ids = claim_ids(&store, &node, 1).await;
+    let stall = eventually("the ping failing", PATIENCE, || async {
+        store.ping().await.err()
+    })
+    .await
+    .to_string();
+    assert!(
+        stall.contains("1 of its 1 row(s) read unsettled") && stall.contains("has not moved"),
+        "{stall}"
+    );
+    store.ack(LeaseHolder::unfenced(node), ids).await.unwrap();
+    eventually(
+        "the ping well again once the row settles",
+        PATIENCE,
+        || async { store.ping().await.ok() },
+    )
+    .await;
+    store.close(Duration::from_secs(10)).await;
+}
+
 /// A delete of delivered rows that fails for want of the table says so, with the fix that
 /// mends it (it was reported as a lost connection, whose fix points at the URL), and every
 /// ack the delete carried says it once.

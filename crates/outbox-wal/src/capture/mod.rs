@@ -63,7 +63,7 @@ mod state;
 use checks::publication_problems;
 pub use checks::{decoding_problems, forget_adoption, slot_status, verify_capture, SlotStatus};
 use columns::{unstorable, DeadColumns, EventColumns};
-use outbox_core::capture::{self, Followed, Holdings, Sessions, StreamEvent};
+use outbox_core::capture::{self, Followed, Holdings, Sessions, SettleWatch, StreamEvent};
 use reader::Reader;
 use state::*;
 
@@ -115,6 +115,9 @@ pub mod metric {
     pub const MEMORY_HELD: &str = "outbox_wal_memory_held_bytes";
     /// The most bytes of events capture held at once since it started.
     pub const MEMORY_PEAK: &str = "outbox_wal_memory_peak_bytes";
+    /// Seconds the oldest transaction held has gone without progress (none of its events
+    /// read or settled), once past [`outbox_core::capture::SETTLE_PATIENCE`]; 0 otherwise.
+    pub const SETTLE_STALL_SECONDS: &str = "outbox_wal_settle_stall_seconds";
     /// 1 while this relay streams from the slot, 0 as a standby or while reconnecting.
     pub const STREAMING: &str = "outbox_wal_streaming";
     /// Outbox messages not relayed because they were written non-transactionally (sent
@@ -181,6 +184,9 @@ struct Inner {
     memory: Arc<MemoryBudget>,
     /// Why the slot is confirmed no further, told by [`WalStore`]'s ping (so `/readyz`).
     confirm_stall: Arc<Mutex<Option<String>>>,
+    /// Whether the oldest transaction held moves, looked at by the ping and the metrics:
+    /// by the session reading it (a new one reads it again, from nothing settled).
+    settle_watch: Mutex<SettleWatch<(String, crate::ack::Front)>>,
 }
 
 /// Dead letters that capture writes itself, not the engine: rows the adoption cannot read
@@ -287,8 +293,15 @@ impl WalStore {
                 dead_letters,
                 memory,
                 confirm_stall,
+                settle_watch: Mutex::new(SettleWatch::new(capture::SETTLE_PATIENCE)),
             }),
         }
+    }
+
+    /// How long the oldest transaction held may go without progress before `/readyz` says
+    /// the capture is stalled: [`capture::SETTLE_PATIENCE`] unless a test shortens it.
+    pub fn set_settle_patience(&self, patience: Duration) {
+        *lock_watch(&self.inner.settle_watch) = SettleWatch::new(patience);
     }
 
     pub fn status(&self) -> CaptureStatus {
@@ -441,7 +454,52 @@ fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
     state.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+type FrontWatch = SettleWatch<(String, crate::ack::Front)>;
+
+fn lock_watch(watch: &Mutex<FrontWatch>) -> std::sync::MutexGuard<'_, FrontWatch> {
+    watch.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 impl Inner {
+    /// Looks whether the oldest transaction held moved since the last look; sets the
+    /// stall gauge, logs a stall once, and returns what `/readyz` says of it. A held event
+    /// never settled (a bug, or a sink that never answers past its timeout) stops the
+    /// slot's confirmation for good while later events flow, and only this tells.
+    fn settle_stall(&self) -> Option<String> {
+        let streaming = *self.status.borrow() == CaptureStatus::Streaming;
+        let front = {
+            let state = lock(&self.state);
+            // An ended session settles nothing more (its events come again in the next, or
+            // in another relay's), and a refused park is a stall `/readyz` names already.
+            let watched =
+                streaming && !state.followed.ended && state.holdings.refused_parks.is_empty();
+            (state.acks.front())
+                .filter(|_| watched)
+                .map(|front| (state.owner.clone(), front))
+        };
+        let at = front.as_ref().map(|(_, front)| *front);
+        let stalled = lock_watch(&self.settle_watch).look(front, std::time::Instant::now());
+        let seconds = stalled.map_or(0.0, |s| s.still.as_secs_f64());
+        ::metrics::gauge!(metric::SETTLE_STALL_SECONDS).set(seconds);
+        let (stalled, front) = stalled.zip(at)?;
+        let front = format!(
+            "commit {}, {} of its {} event(s) read settled{}",
+            front.commit_lsn,
+            front.settled,
+            front.handed_out,
+            if front.committed {
+                ""
+            } else {
+                ", its commit not read yet"
+            },
+        );
+        Some(stalled.report(
+            "WAL",
+            &front,
+            "the slot is confirmed no further, and the server keeps its WAL",
+        ))
+    }
+
     /// Tells the reader what may be confirmed now.
     fn publish_confirmable(&self, state: &mut State) {
         let confirmable = state.confirmable();
@@ -1160,6 +1218,7 @@ impl Inner {
         self.report_slot().await;
         ::metrics::gauge!(metric::MEMORY_HELD).set(self.memory.held() as f64);
         ::metrics::gauge!(metric::MEMORY_PEAK).set(self.memory.peak() as f64);
+        self.settle_stall();
         let state = lock(&self.state);
         state.holdings.add_stream_backlog(&mut backlog);
         if self.drain && !state.drained {
@@ -1375,12 +1434,14 @@ impl OutboxStore for WalStore {
         let inner = self.inner.clone();
         async move {
             inner.main.ping().await?;
+            let settle_stall = inner.settle_stall();
             let stall = inner
                 .confirm_stall
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .clone()
-                .or_else(|| lock(&inner.state).holdings.refused_parks_stall());
+                .or_else(|| lock(&inner.state).holdings.refused_parks_stall())
+                .or(settle_stall);
             match stall {
                 Some(why) => Err(StoreError::new(StoreErrorKind::Query, why)),
                 None => Ok(()),

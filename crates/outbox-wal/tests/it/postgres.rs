@@ -1204,6 +1204,69 @@ mod through_the_engine {
     }
 }
 
+/// An event handed out and never settled (a bug, or a sink that never answers) stopped the
+/// slot's confirmation for good while later events flowed, and `/readyz` (the store's
+/// ping) stayed green: now the ping names the stalled transaction once it has not moved for
+/// the patience, and is well again once it settles.
+#[tokio::test]
+async fn an_event_handed_out_and_never_settled_fails_the_ping_until_it_settles() {
+    use outbox_core::store::{ClaimRequest, LeaseHolder};
+    use outbox_core::{NodeId, OutboxStore};
+    use outbox_store_postgres::{PgOptions, PgStore};
+    use outbox_testkit::eventually;
+    use outbox_wal::{WalStore, WalStoreOptions};
+
+    let fixture = Fixture::new().await;
+    let db = connect(&fixture.url).await;
+    let main = PgStore::new(PgOptions::new(&fixture.url, Tables::standard())).unwrap();
+    let publication = Ident::new(PUBLICATION, "publication").unwrap();
+    let capture = outbox_wal::capture::capture_tables(main.tables(), &publication, None);
+    main.migrate_extra(&capture.ddl()).await.unwrap();
+    let store = WalStore::start(
+        main,
+        WalStoreOptions {
+            wal: fixture.config.clone(),
+            publication,
+            drain: false,
+            labels: Default::default(),
+            max_in_flight: outbox_engine::DEFAULT_MAX_IN_FLIGHT,
+        },
+    );
+    store.set_settle_patience(Duration::from_secs(1));
+    store.wait_streaming(Duration::from_secs(30)).await;
+    insert(&db, "k", 1).await;
+    let node = NodeId("wal-test".into());
+    let claimed = eventually("the event handed out", Duration::from_secs(30), || async {
+        let claimed = (store.claim(ClaimRequest::new(node.clone(), 10, Duration::from_secs(30))))
+            .await
+            .unwrap();
+        (!claimed.is_empty()).then_some(claimed)
+    })
+    .await;
+    store.ping().await.expect("nothing stalled yet");
+    let stall = eventually("the ping failing", Duration::from_secs(30), || async {
+        store.ping().await.err()
+    })
+    .await
+    .to_string();
+    assert!(
+        stall.contains("0 of its 1 event(s) read settled") && stall.contains("has not moved"),
+        "{stall}"
+    );
+    let ids = claimed
+        .iter()
+        .map(outbox_core::Claimed::sequence_id)
+        .collect();
+    store.ack(LeaseHolder::unfenced(node), ids).await.unwrap();
+    eventually(
+        "the ping well again once the event settles",
+        Duration::from_secs(30),
+        || async { store.ping().await.ok() },
+    )
+    .await;
+    store.close(Duration::from_secs(10)).await;
+}
+
 /// The replication connection speaks TLS as the store's connections do (libpq's
 /// `sslmode`): `verify-full` without the server's CA is refused for its certificate, with
 /// it the stream runs over TLS, `require` encrypts without checking, `disable` does not
