@@ -3447,6 +3447,38 @@ async fn a_second_slot_of_one_outbox_is_named_by_check() {
     assert_eq!(code, Some(0), "{said}");
 }
 
+/// A relay streaming from its slot but stopped in its tracks (SIGSTOP here; confirmations
+/// that stall do the same) held the server's WAL, and `check` named only a slot no relay
+/// streamed from. It names this one too, as a warning: `check` still passes.
+#[tokio::test]
+async fn check_names_a_slot_whose_streaming_relay_fell_far_behind() {
+    let w = WalDb::new().await;
+    let out = w.path("events.jsonl");
+    let mut streaming = w
+        .streaming_to(&format!("file:{}", out.display()), &[])
+        .await;
+    streaming.signal("-STOP");
+    // 300 MiB of WAL past the slot's confirmed position, in messages of another prefix.
+    w.db.batch_execute(
+        "SELECT pg_logical_emit_message(false, 'elsewhere', repeat('x', 1048576))
+           FROM generate_series(1, 300)",
+    )
+    .await
+    .unwrap();
+    let (code, said) = relay_check(&w);
+    streaming.signal("-CONT");
+    assert_eq!(code, Some(0), "a warning: {said}");
+    assert!(
+        said.contains(&format!(
+            "a relay streams from the replication slot {:?}, but",
+            w.slot
+        )) && said.contains("MiB of WAL behind"),
+        "{said}"
+    );
+    let status = streaming.terminate().await;
+    assert!(status.success(), "{status:?}");
+}
+
 /// Two outboxes given one slot, in two processes: the relay holding it confirms past the
 /// other's `outbox_emit` messages, and the other's relay waited as a standby for ever. It
 /// now fails, naming the slot's holder and the fix.

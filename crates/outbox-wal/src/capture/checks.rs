@@ -92,42 +92,66 @@ pub async fn verify_capture(
             "raise max_wal_senders in postgresql.conf and restart PostgreSQL, or stop a replication client that is no longer needed (SELECT application_name, client_addr FROM pg_stat_replication)",
         ));
     }
-    if let Some(status) = status {
-        let wal_status = status.wal_status.as_deref();
-        if let Some((cause, fix)) = crate::client::unusable_slot(
-            slot,
-            status.plugin.as_deref(),
-            status.in_this_database,
-            status.two_phase,
-        ) {
-            problems.push(Problem::blocking(
-                format!("the replication slot {slot:?} cannot be used: {cause}"),
-                fix,
-            ));
-        } else if wal_status == Some("lost") {
-            problems.push(Problem::blocking(
-                format!("the replication slot {slot:?} is invalidated (wal_status = lost): the WAL it needed was removed"),
-                "events written while it fell behind cannot be read from the WAL: recover them from the application, then `outbox-relay drop-slot` and run the relay again",
-            ));
-        } else if wal_status == Some("unreserved") {
-            problems.push(Problem::degraded(
-                format!("the replication slot {slot:?} is about to lose WAL it needs (wal_status = unreserved)"),
-                "start the relay now, or raise max_slot_wal_keep_size",
-            ));
-        } else if !status.active
-            && (status.retained_bytes.unwrap_or_default() > SLOT_RETAINED_WARNING
-                || status.catalog_xmin_age.unwrap_or_default() > SLOT_XMIN_AGE_WARNING)
-        {
-            problems.push(Problem::degraded(
-                format!(
-                    "no relay streams from the replication slot {slot:?}, which holds back {}, growing with every write",
-                    status.holds_back()
-                ),
-                "start the relay, or drop the slot (`outbox-relay drop-slot`) if WAL capture is no longer used; bound it with max_slot_wal_keep_size",
-            ));
-        }
-    }
+    problems.extend(status.and_then(|status| slot_problem(slot, &status)));
     Ok(problems)
+}
+
+/// What is wrong with the relay's slot as `pg_replication_slots` shows it, if anything:
+/// unusable, invalidated or about to be, or holding back WAL and the server's vacuum with no
+/// relay streaming, or with one that stays far behind.
+fn slot_problem(slot: &str, status: &SlotStatus) -> Option<Problem> {
+    let wal_status = status.wal_status.as_deref();
+    let holds_much = |wal: Option<i64>| {
+        wal.unwrap_or_default() > SLOT_RETAINED_WARNING
+            || status.catalog_xmin_age.unwrap_or_default() > SLOT_XMIN_AGE_WARNING
+    };
+    if let Some((cause, fix)) = crate::client::unusable_slot(
+        slot,
+        status.plugin.as_deref(),
+        status.in_this_database,
+        status.two_phase,
+    ) {
+        Some(Problem::blocking(
+            format!("the replication slot {slot:?} cannot be used: {cause}"),
+            fix,
+        ))
+    } else if wal_status == Some("lost") {
+        Some(Problem::blocking(
+            format!("the replication slot {slot:?} is invalidated (wal_status = lost): the WAL it needed was removed"),
+            "events written while it fell behind cannot be read from the WAL: recover them from the application, then `outbox-relay drop-slot` and run the relay again",
+        ))
+    } else if wal_status == Some("unreserved") {
+        Some(Problem::degraded(
+            format!("the replication slot {slot:?} is about to lose WAL it needs (wal_status = unreserved)"),
+            "start the relay now, or raise max_slot_wal_keep_size",
+        ))
+    } else if !status.active && holds_much(status.retained_bytes) {
+        Some(Problem::degraded(
+            format!(
+                "no relay streams from the replication slot {slot:?}, which holds back {}, growing with every write",
+                status.holds_back()
+            ),
+            "start the relay, or drop the slot (`outbox-relay drop-slot`) if WAL capture is no longer used; bound it with max_slot_wal_keep_size",
+        ))
+    } else if status.active && holds_much(status.lag_bytes) {
+        // Its relay confirms within seconds of what it read: a slot this far behind has a
+        // relay draining a backlog, or one whose confirmations stall. A risk to know of, not
+        // a failure: the relay runs, and `check` gates deploys.
+        Some(Problem::advisory(
+            format!(
+                "a relay streams from the replication slot {slot:?}, but the slot is {} MiB \
+                 of WAL behind and holds back {}: the relay is draining a backlog, or its \
+                 confirmations stall",
+                status.lag_bytes.unwrap_or_default() / (1024 * 1024),
+                status.holds_back()
+            ),
+            "look at the relay's /readyz and its outbox_wal_slot_lag_bytes and \
+             outbox_wal_settle_stall_seconds: a relay that stays behind needs a faster sink \
+             or a larger max_in_flight; bound the slot with max_slot_wal_keep_size",
+        ))
+    } else {
+        None
+    }
 }
 
 /// What keeps the publication from carrying every INSERT of each captured table, whole:
@@ -667,6 +691,38 @@ async fn main_role(main: &PgStore) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A relay streams from the slot, far behind: `check` named only an idle slot, and a
+    /// relay whose confirmations stalled (or that fell behind a backlog for good) held the
+    /// server's WAL without a word.
+    #[test]
+    fn a_slot_far_behind_its_streaming_relay_is_named_as_an_idle_one_is() {
+        let far_behind = SlotStatus {
+            active: true,
+            retained_bytes: Some(300 * 1024 * 1024),
+            lag_bytes: Some(290 * 1024 * 1024),
+            plugin: Some("pgoutput".into()),
+            in_this_database: true,
+            ..SlotStatus::default()
+        };
+        let said = slot_problem("s", &far_behind).expect("named").to_string();
+        assert!(
+            said.contains("a relay streams from the replication slot \"s\""),
+            "{said}"
+        );
+        assert!(said.contains("the slot is 290 MiB of WAL behind"), "{said}");
+        let keeping_up = SlotStatus {
+            lag_bytes: Some(1024 * 1024),
+            ..far_behind.clone()
+        };
+        assert_eq!(slot_problem("s", &keeping_up), None, "retained WAL alone");
+        let idle = SlotStatus {
+            active: false,
+            ..far_behind
+        };
+        let said = slot_problem("s", &idle).expect("named").to_string();
+        assert!(said.contains("no relay streams"), "{said}");
+    }
 
     #[test]
     fn an_idle_slot_says_what_it_holds_back() {
