@@ -1783,6 +1783,24 @@ async fn commit_waiting_on_the_standby(
     (pid, write)
 }
 
+/// An event scheduled a moment later, so parked at once, committed waiting on the
+/// standby ([`commit_waiting_on_the_standby`]): its row shows only once the wait ends.
+async fn a_delayed_event_waiting_on_the_standby(
+    w: &WalDb,
+) -> (
+    i32,
+    tokio::task::JoinHandle<Result<u64, tokio_postgres::Error>>,
+) {
+    commit_waiting_on_the_standby(
+        &w.url,
+        "INSERT INTO outbox (destination, partition_key, event_type, payload, available_at)
+         VALUES ('orders', 'k', 'Inserted', '{}', now() + interval '1 second')",
+    )
+    .await
+}
+
+const PARKED: &str = "SELECT count(*) FROM outbox_parked";
+
 #[tokio::test]
 async fn a_parked_event_whose_commit_is_not_visible_yet_leaves_no_row_behind() {
     let (_server, w) = waiting_on_a_synchronous_standby("sync_standby_slot").await;
@@ -1794,20 +1812,8 @@ async fn a_parked_event_whose_commit_is_not_visible_yet_leaves_no_row_behind() {
     // A commit waiting on a synchronous standby is in the WAL, and streamed, before other
     // sessions see its row. Scheduled a moment later, the event is parked at once: the
     // park's delete did not find the row, which outlived its delivered event.
-    let (pid, write) = commit_waiting_on_the_standby(
-        &w.url,
-        "INSERT INTO outbox (destination, partition_key, event_type, payload, available_at)
-         VALUES ('orders', 'k', 'Inserted', '{}', now() + interval '1 second')",
-    )
-    .await;
-    wait_for_rows(
-        &relay,
-        "the event parked",
-        &w.db,
-        "SELECT count(*) FROM outbox_parked",
-        1,
-    )
-    .await;
+    let (pid, write) = a_delayed_event_waiting_on_the_standby(&w).await;
+    wait_for_rows(&relay, "the event parked", &w.db, PARKED, 1).await;
     // The standby never answers: the writer gives up waiting, and its row shows.
     w.cancel_the_wait(pid, write).await;
     wait_for_lines("the event delivered", &out, Duration::from_secs(60), |n| {
@@ -1815,6 +1821,65 @@ async fn a_parked_event_whose_commit_is_not_visible_yet_leaves_no_row_behind() {
     })
     .await;
     w.await_an_empty_outbox(&relay).await;
+    let status = relay.terminate().await;
+    assert!(status.success(), "{status:?}");
+}
+
+/// A park refused, then written while its row's commit was not visible yet (waiting on a
+/// synchronous standby): the refusal was forgotten only for parks whose rows the park found,
+/// so `/readyz` went on saying the key's parks were refused, for good.
+#[tokio::test]
+async fn a_refused_park_written_before_its_row_shows_is_no_longer_called_refused() {
+    let (_server, w) = waiting_on_a_synchronous_standby("refused_invisible_slot").await;
+    w.db.batch_execute(&format!(
+        "CREATE FUNCTION refuse_park() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN RAISE EXCEPTION '{}'; END $$;
+         CREATE TRIGGER refuse_park BEFORE INSERT ON outbox_parked FOR EACH ROW
+           EXECUTE FUNCTION refuse_park();",
+        REFUSED_PARK.replace('\'', "''")
+    ))
+    .await
+    .unwrap();
+    let out = w.path("events.jsonl");
+    let mut relay = w.spawn(
+        "relay",
+        &out,
+        &["--http-addr", "127.0.0.1:0", "--log-format", "json"],
+    );
+    let addr = http_addr(&relay).await;
+    relay
+        .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
+        .await;
+    // Scheduled a moment later, the event is parked at once; its row shows only once the
+    // writer stops waiting on the standby.
+    let (pid, write) = a_delayed_event_waiting_on_the_standby(&w).await;
+    relay
+        .wait_for_log("the refused park", Duration::from_secs(60), REFUSED_PARK)
+        .await;
+    readyz(
+        &relay,
+        &addr,
+        503,
+        "refuses to park",
+        Duration::from_secs(30),
+    )
+    .await;
+    w.db.batch_execute("DROP TRIGGER refuse_park ON outbox_parked")
+        .await
+        .unwrap();
+    relay
+        .wait_for_log(
+            "the park written before its row shows",
+            Duration::from_secs(60),
+            "parked events whose outbox rows are not visible yet",
+        )
+        .await;
+    readyz(&relay, &addr, 200, "ready", Duration::from_secs(30)).await;
+    w.cancel_the_wait(pid, write).await;
+    wait_for_lines("the event delivered", &out, Duration::from_secs(60), |n| {
+        n >= 1
+    })
+    .await;
     let status = relay.terminate().await;
     assert!(status.success(), "{status:?}");
 }

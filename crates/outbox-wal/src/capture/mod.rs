@@ -703,6 +703,9 @@ impl Inner {
                 tracing::debug!(?parked, "parked");
                 state.largest_parked = state.largest_parked.max(largest_parked);
                 let n = parks.len() as u64;
+                // Written, whether or not the park found their rows: a key refused before
+                // is refused no longer.
+                (state.holdings).parked_after_refusal(parks.iter().map(|p| p.id));
                 // A parked event whose outbox row the park did not find (its commit is in
                 // the WAL but not visible yet, waiting on a synchronous standby) stays
                 // unsettled, the slot short of it, until the row is deleted as a delivered
@@ -739,9 +742,6 @@ impl Inner {
                     );
                     state.undeleted.extend(waiting.iter().map(|p| (p.id, now)));
                 }
-                state
-                    .holdings
-                    .parked_after_refusal(done.iter().map(|p| p.id));
                 self.settle(&mut state, done.into_iter().map(|p| p.id));
                 Ok(Flushed::Wrote(n, more))
             }

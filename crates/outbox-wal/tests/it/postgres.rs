@@ -698,16 +698,39 @@ async fn one_consumer_holds_the_slot_and_a_standby_takes_over_when_it_goes() {
     assert!(ended.is_retryable(), "{ended}");
 }
 
+/// A [`WalStore`] over the fixture's database (its capture tables made), with the store's
+/// bound for one operation `operation_timeout`.
+async fn wal_store(fixture: &Fixture, operation_timeout: Option<Duration>) -> outbox_wal::WalStore {
+    use outbox_store_postgres::{PgOptions, PgStore};
+    let main = PgStore::new(PgOptions {
+        operation_timeout,
+        ..PgOptions::new(&fixture.url, Tables::standard())
+    })
+    .unwrap();
+    let publication = Ident::new(PUBLICATION, "publication").unwrap();
+    let capture = outbox_wal::capture::capture_tables(main.tables(), &publication, None);
+    main.migrate_extra(&capture.ddl()).await.unwrap();
+    outbox_wal::WalStore::start(
+        main,
+        outbox_wal::WalStoreOptions {
+            wal: fixture.config.clone(),
+            publication,
+            drain: false,
+            labels: Default::default(),
+            max_in_flight: outbox_engine::DEFAULT_MAX_IN_FLIGHT,
+        },
+    )
+}
+
 /// The relay's engine over [`WalStore`], in-process, with a recording publisher.
 mod through_the_engine {
     use std::sync::Arc;
 
     use outbox_core::{NodeId, PublishErrorKind, RetryPolicy};
     use outbox_engine::EngineConfig;
-    use outbox_store_postgres::{PgOptions, PgStore};
     use outbox_testkit::eventually;
     use outbox_testkit::recording::RecordingPublisher;
-    use outbox_wal::{WalStore, WalStoreOptions};
+    use outbox_wal::WalStore;
 
     use super::*;
 
@@ -729,24 +752,7 @@ mod through_the_engine {
             publisher: &RecordingPublisher,
             operation_timeout: Option<Duration>,
         ) -> Relay {
-            let main = PgStore::new(PgOptions {
-                operation_timeout,
-                ..PgOptions::new(&fixture.url, Tables::standard())
-            })
-            .unwrap();
-            let publication = Ident::new(PUBLICATION, "publication").unwrap();
-            let capture = outbox_wal::capture::capture_tables(main.tables(), &publication, None);
-            main.migrate_extra(&capture.ddl()).await.unwrap();
-            let store = WalStore::start(
-                main,
-                WalStoreOptions {
-                    wal: fixture.config.clone(),
-                    publication,
-                    drain: false,
-                    labels: Default::default(),
-                    max_in_flight: outbox_engine::DEFAULT_MAX_IN_FLIGHT,
-                },
-            );
+            let store = super::wal_store(fixture, operation_timeout).await;
             let mut config = EngineConfig::new(NodeId("wal-test".into()));
             config.settings.retry = RetryPolicy {
                 base_delay: Duration::from_millis(50),
@@ -1212,26 +1218,11 @@ mod through_the_engine {
 async fn an_event_handed_out_and_never_settled_fails_the_ping_until_it_settles() {
     use outbox_core::store::{ClaimRequest, LeaseHolder};
     use outbox_core::{NodeId, OutboxStore};
-    use outbox_store_postgres::{PgOptions, PgStore};
     use outbox_testkit::eventually;
-    use outbox_wal::{WalStore, WalStoreOptions};
 
     let fixture = Fixture::new().await;
     let db = connect(&fixture.url).await;
-    let main = PgStore::new(PgOptions::new(&fixture.url, Tables::standard())).unwrap();
-    let publication = Ident::new(PUBLICATION, "publication").unwrap();
-    let capture = outbox_wal::capture::capture_tables(main.tables(), &publication, None);
-    main.migrate_extra(&capture.ddl()).await.unwrap();
-    let store = WalStore::start(
-        main,
-        WalStoreOptions {
-            wal: fixture.config.clone(),
-            publication,
-            drain: false,
-            labels: Default::default(),
-            max_in_flight: outbox_engine::DEFAULT_MAX_IN_FLIGHT,
-        },
-    );
+    let store = wal_store(&fixture, None).await;
     store.set_settle_patience(Duration::from_secs(1));
     store.wait_streaming(Duration::from_secs(30)).await;
     insert(&db, "k", 1).await;
