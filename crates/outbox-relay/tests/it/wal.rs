@@ -200,6 +200,18 @@ impl WalDb {
         relay
     }
 
+    /// A relay writing to the file `out`, with its HTTP endpoints and JSON logs, once it
+    /// streams: the relay and its address.
+    async fn streaming_with_http(&self, out: &Path) -> (RelayProcess, String) {
+        let http = ["--http-addr", "127.0.0.1:0", "--log-format", "json"];
+        let relay = self.spawn("relay", out, &http);
+        let addr = http_addr(&relay).await;
+        relay
+            .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
+            .await;
+        (relay, addr)
+    }
+
     /// A relay running until stopped, writing to the file `out`.
     fn spawn(&self, name: &str, out: &Path, extra: &[&str]) -> RelayProcess {
         let sink = format!("file:{}", out.display());
@@ -1831,25 +1843,9 @@ async fn a_parked_event_whose_commit_is_not_visible_yet_leaves_no_row_behind() {
 #[tokio::test]
 async fn a_refused_park_written_before_its_row_shows_is_no_longer_called_refused() {
     let (_server, w) = waiting_on_a_synchronous_standby("refused_invisible_slot").await;
-    w.db.batch_execute(&format!(
-        "CREATE FUNCTION refuse_park() RETURNS trigger LANGUAGE plpgsql AS $$
-         BEGIN RAISE EXCEPTION '{}'; END $$;
-         CREATE TRIGGER refuse_park BEFORE INSERT ON outbox_parked FOR EACH ROW
-           EXECUTE FUNCTION refuse_park();",
-        REFUSED_PARK.replace('\'', "''")
-    ))
-    .await
-    .unwrap();
+    refuse_parks(&w.db, "true").await;
     let out = w.path("events.jsonl");
-    let mut relay = w.spawn(
-        "relay",
-        &out,
-        &["--http-addr", "127.0.0.1:0", "--log-format", "json"],
-    );
-    let addr = http_addr(&relay).await;
-    relay
-        .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
-        .await;
+    let (mut relay, addr) = w.streaming_with_http(&out).await;
     // Scheduled a moment later, the event is parked at once; its row shows only once the
     // writer stops waiting on the standby.
     let (pid, write) = a_delayed_event_waiting_on_the_standby(&w).await;
@@ -2850,20 +2846,26 @@ struct RefusingParks {
 
 const REFUSED_PARK: &str = "refused by the parked table's trigger";
 
+/// A trigger on the parked table, as a DBA might put there, refusing the rows `which` (a
+/// condition on `NEW`) selects with [`REFUSED_PARK`]; `DROP TRIGGER refuse_park` ends it.
+async fn refuse_parks(db: &Client, which: &str) {
+    db.batch_execute(&format!(
+        "CREATE FUNCTION refuse_park() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN RAISE EXCEPTION '{}'; END $$;
+         CREATE TRIGGER refuse_park BEFORE INSERT ON outbox_parked FOR EACH ROW
+           WHEN ({which}) EXECUTE FUNCTION refuse_park();",
+        REFUSED_PARK.replace('\'', "''")
+    ))
+    .await
+    .unwrap();
+}
+
 impl RefusingParks {
     /// Started, and its broker cut: what it reads next waits to be parked.
     async fn start(which: &str) -> Self {
         let (_nats, deliveries, proxy, broker_url) = nats_behind_a_proxy().await;
         let w = WalDb::new().await;
-        w.db.batch_execute(&format!(
-            "CREATE FUNCTION refuse_park() RETURNS trigger LANGUAGE plpgsql AS $$
-             BEGIN RAISE EXCEPTION '{}'; END $$;
-             CREATE TRIGGER refuse_park BEFORE INSERT ON outbox_parked FOR EACH ROW
-               WHEN ({which}) EXECUTE FUNCTION refuse_park();",
-            REFUSED_PARK.replace('\'', "''")
-        ))
-        .await
-        .unwrap();
+        refuse_parks(&w.db, which).await;
         let http = ["--http-addr", "127.0.0.1:0", "--log-format", "json"];
         let relay = w
             .streaming_to(&broker_url, &[&RETRY_AN_OUTAGE[..], &http].concat())
@@ -3733,15 +3735,7 @@ async fn the_rejected_flag_reaches_the_sink_as_polling_passes_it_parked_or_not()
 async fn a_non_transactional_outbox_message_is_counted_and_named_not_dropped_silently() {
     let w = WalDb::new().await;
     let out = w.path("events.jsonl");
-    let relay = w.spawn(
-        "relay",
-        &out,
-        &["--http-addr", "127.0.0.1:0", "--log-format", "json"],
-    );
-    let addr = http_addr(&relay).await;
-    relay
-        .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
-        .await;
+    let (relay, addr) = w.streaming_with_http(&out).await;
     // Sent whether or not its writer commits: an outbox must not relay it.
     w.db.execute(
         "SELECT pg_logical_emit_message(false, 'outbox', '{\"destination\": \"d\", \"type\": \"T\"}')",
@@ -4544,15 +4538,7 @@ async fn parked_rows_are_claimed_by_their_own_size_not_the_streamed_events() {
 async fn readyz_says_when_the_slot_is_confirmed_no_further() {
     let w = WalDb::new().await;
     let out = w.path("events.jsonl");
-    let mut relay = w.spawn(
-        "relay",
-        &out,
-        &["--http-addr", "127.0.0.1:0", "--log-format", "json"],
-    );
-    let addr = http_addr(&relay).await;
-    relay
-        .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
-        .await;
+    let (mut relay, addr) = w.streaming_with_http(&out).await;
     w.db.batch_execute(
         "CREATE FUNCTION refuse_raise() RETURNS trigger LANGUAGE plpgsql AS
            $$ BEGIN RAISE EXCEPTION 'busy' USING ERRCODE = '40001'; END $$;
@@ -4580,15 +4566,7 @@ async fn readyz_says_when_the_slot_is_confirmed_no_further() {
 async fn readyz_says_when_the_slot_is_gone_and_the_relay_does_not_recreate_it() {
     let w = WalDb::new().await;
     let out = w.path("events.jsonl");
-    let relay = w.spawn(
-        "relay",
-        &out,
-        &["--http-addr", "127.0.0.1:0", "--log-format", "json"],
-    );
-    let addr = http_addr(&relay).await;
-    relay
-        .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
-        .await;
+    let (relay, addr) = w.streaming_with_http(&out).await;
     insert(&w.db, "k", 1).await;
     wait_for_lines("the delivery", &out, Duration::from_secs(30), |n| n == 1).await;
     let metrics = eventually_explained(
