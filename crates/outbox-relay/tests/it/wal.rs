@@ -3516,10 +3516,14 @@ async fn a_second_slot_of_one_outbox_is_named_by_check() {
 
 /// A relay streaming from its slot but stopped in its tracks (SIGSTOP here; confirmations
 /// that stall do the same) held the server's WAL, and `check` named only a slot no relay
-/// streamed from. It names this one too, as a warning: `check` still passes.
+/// streamed from. It names this one too, as a warning: `check` still passes. On a server of
+/// its own: 300 MiB of WAL on the shared one made other tests' idle slots hold that much,
+/// and a frozen client would end its session after the default `wal_sender_timeout`.
 #[tokio::test]
 async fn check_names_a_slot_whose_streaming_relay_fell_far_behind() {
-    let w = WalDb::new().await;
+    let server = OwnPostgres::init();
+    server.start("-c wal_level=logical -c wal_sender_timeout=10min");
+    let w = WalDb::on(server.url("disable"), "far_behind_slot".into()).await;
     let out = w.path("events.jsonl");
     let mut streaming = w
         .streaming_to(&format!("file:{}", out.display()), &[])

@@ -1289,7 +1289,8 @@ const LATE_ROWS_PER_SWEEP: usize = 10_000;
 /// How long a delivered event's outbox row is looked for (see `Inner::delete_delivered`).
 pub const UNDELETED_PATIENCE: Duration = Duration::from_secs(5);
 
-/// An idle slot keeping more WAL than this makes `check` warn.
+/// An idle slot keeping more WAL than this makes `check` warn, and so does an active one
+/// whose confirmed position is this far behind.
 pub const SLOT_RETAINED_WARNING: i64 = 256 * 1024 * 1024;
 
 /// An idle slot whose catalog_xmin is this many transactions old makes `check` warn: a
