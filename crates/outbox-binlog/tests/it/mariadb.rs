@@ -799,8 +799,13 @@ async fn an_outbox_insert_logged_as_a_statement_stops_the_reader_before_it() {
     };
     conn.query_drop(
         "SET SESSION binlog_format = 'STATEMENT';
-         INSERT INTO outbox (partition_key) VALUES ('as-a-statement');
-         SET SESSION binlog_format = 'ROW';
+         INSERT INTO outbox (partition_key) VALUES ('as-a-statement')",
+    )
+    .await
+    .unwrap();
+    let past = log_end(&mut conn).await;
+    conn.query_drop(
+        "SET SESSION binlog_format = 'ROW';
          INSERT INTO outbox (partition_key) VALUES ('after')",
     )
     .await
@@ -816,10 +821,38 @@ async fn an_outbox_insert_logged_as_a_statement_stops_the_reader_before_it() {
     // logs, they are left out.
     assert!(!said.contains("as-a-statement"), "{said}");
     let boundary = reader.boundary().expect("a place read in the log");
-    assert_eq!(
-        (boundary.file, boundary.offset),
-        (next.file, next.offset),
-        "the place to start again is not past the statement"
+    assert_start_again_before_the_statement(&next, &boundary, &past);
+}
+
+/// The log's end now (`SHOW MASTER STATUS`): its file and offset.
+async fn log_end(conn: &mut Conn) -> (String, u64) {
+    let end: mysql_async::Row = conn
+        .query_first("SHOW MASTER STATUS")
+        .await
+        .unwrap()
+        .unwrap();
+    (end.get(0).unwrap(), end.get(1).unwrap())
+}
+
+/// The reader stopped at a statement it cannot read, with its place to start again at or
+/// after `next` (the end of the last transaction it read: other tests' writes to the
+/// server-wide log may lie between, which it passes over) and before `past`, the log's end
+/// once the statement was written. Places compare by file, then offset: another test may
+/// rotate the log in between (CI saw `next` in one file and the statement in the next).
+fn assert_start_again_before_the_statement(
+    next: &BinlogPosition,
+    boundary: &BinlogPosition,
+    past: &(String, u64),
+) {
+    let (next, boundary, past) = (
+        (next.file.as_str(), next.offset),
+        (boundary.file.as_str(), boundary.offset),
+        (past.0.as_str(), past.1),
+    );
+    assert!(
+        next <= boundary && boundary < past,
+        "the reader starts again at or after {next:?}, before the statement (the log at \
+         {past:?}): {boundary:?}"
     );
 }
 
@@ -863,17 +896,7 @@ async fn only_a_statement_logged_insert_whose_target_is_the_outbox_stops_the_rea
     conn.query_drop("-- app: order 17\nINSERT INTO outbox (partition_key) VALUES ('secret')")
         .await
         .unwrap();
-    // The log's end past the statement (other tests' writes to the server-wide log may lie
-    // between it and `next`, and the reader passes over them).
-    let past_statement: mysql_async::Row = conn
-        .query_first("SHOW MASTER STATUS")
-        .await
-        .unwrap()
-        .unwrap();
-    let (past_file, past_offset): (String, u64) = (
-        past_statement.get(0).unwrap(),
-        past_statement.get(1).unwrap(),
-    );
+    let past = log_end(&mut conn).await;
     conn.query_drop(
         "SET SESSION binlog_format = 'ROW';
          INSERT INTO outbox (partition_key) VALUES ('after')",
@@ -886,18 +909,7 @@ async fn only_a_statement_logged_insert_whose_target_is_the_outbox_stops_the_rea
         "{said}"
     );
     let boundary = reader.boundary().expect("a place read in the log");
-    // Places in the log, compared by file, then offset: another test may rotate the shared
-    // server's log in between (CI saw `next` in one file and the statement in the next).
-    let (next, boundary, past) = (
-        (next.file.as_str(), next.offset),
-        (boundary.file.as_str(), boundary.offset),
-        (past_file.as_str(), past_offset),
-    );
-    assert!(
-        next <= boundary && boundary < past,
-        "the reader stops at or after {next:?}, before the statement (the log at {past:?}): \
-         {boundary:?}"
-    );
+    assert_start_again_before_the_statement(&next, &boundary, &past);
 }
 
 /// A LOAD DATA into the outbox logged as a statement is a Begin_load_query event (the
