@@ -1844,7 +1844,6 @@ impl Reader {
         };
         self.session += 1;
         self.live.set(self.session);
-        *lock(&self.front) = None;
         // MariaDB leaves a rolled-back BLACKHOLE row out of its log: its rows are handed out
         // as read, within the memory budget, however large their transaction.
         let hold_to_commit = self.hold_to_commit && !capture.mariadb();

@@ -200,6 +200,15 @@ impl WalDb {
         relay
     }
 
+    /// A fresh database on a PostgreSQL server of the test's own, started with `options`,
+    /// and a slot named `slot`: the server and the database.
+    async fn on_a_server_of_its_own(options: &str, slot: &str) -> (OwnPostgres, WalDb) {
+        let server = OwnPostgres::init();
+        server.start(options);
+        let w = WalDb::on(server.url("disable"), slot.into()).await;
+        (server, w)
+    }
+
     /// A relay writing to the file `out`, with its HTTP endpoints and JSON logs, once it
     /// streams: the relay and its address.
     async fn streaming_with_http(&self, out: &Path) -> (RelayProcess, String) {
@@ -1168,9 +1177,7 @@ async fn sigterm_mid_stream_exits_0_and_loses_nothing() {
 #[tokio::test]
 async fn a_postgresql_restart_mid_stream_loses_nothing() {
     // Never the shared server: other tests use it.
-    let server = OwnPostgres::init();
-    server.start("-c wal_level=logical");
-    let w = WalDb::on(server.url("disable"), "restart_slot".into()).await;
+    let (server, w) = WalDb::on_a_server_of_its_own("-c wal_level=logical", "restart_slot").await;
     let out = w.path("events.jsonl");
     let mut relay = w.spawn("relay", &out, &[]);
     relay
@@ -1210,9 +1217,7 @@ async fn own_server_streaming_to_a_holding_webhook(
     SeenRequests,
     RelayProcess,
 ) {
-    let server = OwnPostgres::init();
-    server.start("-c wal_level=logical");
-    let w = WalDb::on(server.url("disable"), slot.into()).await;
+    let (server, w) = WalDb::on_a_server_of_its_own("-c wal_level=logical", slot).await;
     let (release, released) = tokio::sync::watch::channel(false);
     let (sink, seen) = webhook_holding(released).await;
     let relay = w.streaming_to(&sink, extra).await;
@@ -1536,9 +1541,7 @@ fn assert_a_fast_shutdown_is_not_held(server: &OwnPostgres, relay: &RelayProcess
 #[tokio::test]
 async fn a_fast_shutdown_is_not_held_by_a_session_waiting_to_announce_itself() {
     // Never the shared server: this one is stopped.
-    let server = OwnPostgres::init();
-    server.start("-c wal_level=logical");
-    let w = WalDb::on(server.url("disable"), "announce_slot".into()).await;
+    let (server, w) = WalDb::on_a_server_of_its_own("-c wal_level=logical", "announce_slot").await;
     let (_nats, _deliveries, proxy, broker_url) = nats_behind_a_proxy().await;
     let relay = w
         .streaming_to(
@@ -1570,9 +1573,8 @@ async fn a_fast_shutdown_is_not_held_by_a_session_waiting_to_announce_itself() {
 /// the server's.)
 #[tokio::test]
 async fn check_warns_while_synchronous_standby_names_would_name_the_relay() {
-    let server = OwnPostgres::init();
-    server.start("-c wal_level=logical");
-    let w = WalDb::on(server.url("disable"), "sync_names_slot".into()).await;
+    let (_server, w) =
+        WalDb::on_a_server_of_its_own("-c wal_level=logical", "sync_names_slot").await;
     let check = || {
         relay(
             w.dir.path(),
@@ -1613,9 +1615,9 @@ async fn a_smart_shutdown_of_postgresql_is_not_held_by_a_relay_with_unsettled_ev
 
 async fn a_shutdown_is_not_held_by_a_relay_with_unsettled_events(mode: &str) {
     // Never the shared server: this one is stopped.
-    let server = OwnPostgres::init();
-    server.start("-c wal_level=logical");
-    let w = WalDb::on(server.url("disable"), format!("{mode}_shutdown_slot")).await;
+    let (server, w) =
+        WalDb::on_a_server_of_its_own("-c wal_level=logical", &format!("{mode}_shutdown_slot"))
+            .await;
     let (_nats, deliveries, proxy, broker_url) = nats_behind_a_proxy().await;
     let mut relay = w.streaming_to(&broker_url, &RETRY_AN_OUTAGE).await;
     let handle = proxy.handle();
@@ -1758,9 +1760,7 @@ async fn await_position(
 /// `synchronous_commit = on` waits here) with a synchronous standby that never answers, and
 /// a database where the relay's and the test's own commits are `local`.
 async fn waiting_on_a_synchronous_standby(slot: &str) -> (OwnPostgres, WalDb) {
-    let server = OwnPostgres::init();
-    server.start("-c wal_level=logical");
-    let w = WalDb::on(server.url("disable"), slot.into()).await;
+    let (server, w) = WalDb::on_a_server_of_its_own("-c wal_level=logical", slot).await;
     for statement in [
         "ALTER DATABASE postgres SET synchronous_commit = local",
         "SET synchronous_commit = local",
@@ -2012,9 +2012,11 @@ async fn parks_and_deletes_are_durable_under_synchronous_commit_off() {
 #[tokio::test]
 async fn parked_events_survive_a_server_crash_under_synchronous_commit_off() {
     // Never the shared server: this one crashes.
-    let server = OwnPostgres::init();
-    server.start("-c wal_level=logical -c synchronous_commit=off -c wal_writer_delay=10000");
-    let w = WalDb::on(server.url("disable"), "crash_slot".into()).await;
+    let (server, w) = WalDb::on_a_server_of_its_own(
+        "-c wal_level=logical -c synchronous_commit=off -c wal_writer_delay=10000",
+        "crash_slot",
+    )
+    .await;
     let (_nats, deliveries, proxy, broker_url) = nats_behind_a_proxy().await;
     let mut relay = w
         .streaming_to(
@@ -3521,9 +3523,11 @@ async fn a_second_slot_of_one_outbox_is_named_by_check() {
 /// and a frozen client would end its session after the default `wal_sender_timeout`.
 #[tokio::test]
 async fn check_names_a_slot_whose_streaming_relay_fell_far_behind() {
-    let server = OwnPostgres::init();
-    server.start("-c wal_level=logical -c wal_sender_timeout=10min");
-    let w = WalDb::on(server.url("disable"), "far_behind_slot".into()).await;
+    let (_server, w) = WalDb::on_a_server_of_its_own(
+        "-c wal_level=logical -c wal_sender_timeout=10min",
+        "far_behind_slot",
+    )
+    .await;
     let out = w.path("events.jsonl");
     let mut streaming = w
         .streaming_to(&format!("file:{}", out.display()), &[])
