@@ -349,6 +349,60 @@ async fn emitted_messages_interleave_with_rows_in_commit_order() {
     stream.stop(Duration::from_secs(5)).await.unwrap();
 }
 
+/// A keepalive between two transactions may carry the position of the second's commit record
+/// (the server had read everything before it), and the relay then confirms exactly there.
+/// PostgreSQL skips on restart only the transactions whose commit record starts before the
+/// confirmed position, so the second comes again, whole.
+#[tokio::test]
+async fn a_slot_confirmed_at_a_commit_record_sends_that_transaction_again() {
+    let fixture = Fixture::new().await;
+    let mut stream = fixture.start().await;
+    let db = connect(&fixture.url).await;
+    for t in 0..3 {
+        db.batch_execute("BEGIN").await.unwrap();
+        for e in 0..2 {
+            insert(&db, &format!("k{e}"), t * 10 + e).await;
+        }
+        db.batch_execute("COMMIT").await.unwrap();
+    }
+    let mut acks = Acknowledgements::new(stream.slot().confirmed_flush);
+    let transactions = read_transactions(&mut stream, &mut acks, 3).await;
+    let at_commit = transactions[1].commit_lsn;
+    assert!(at_commit >= transactions[0].end_lsn);
+    let confirm_at = at_commit;
+    stream.confirm(confirm_at);
+    stream.stop(Duration::from_secs(10)).await.unwrap();
+    let probe = connect(&fixture.url).await;
+    let confirmed: String = probe
+        .query_one(
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+            &[&fixture.config.slot],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(confirmed.parse::<Lsn>().unwrap(), confirm_at);
+
+    // One more transaction marks the end of what comes again.
+    insert(&db, "k0", 99).await;
+    let mut stream = fixture.start().await;
+    let mut acks = Acknowledgements::new(stream.slot().confirmed_flush);
+    let mut again = Vec::new();
+    while !again
+        .last()
+        .is_some_and(|t: &Transaction| t.events.iter().any(|(_, e)| payload_n(e) == 99))
+    {
+        again.extend(read_transactions(&mut stream, &mut acks, 1).await);
+    }
+    let delivered: Vec<i64> = again
+        .iter()
+        .flat_map(|t| t.events.iter().map(|(_, e)| payload_n(e)))
+        .collect();
+    assert_eq!(delivered, vec![10, 11, 20, 21, 99]);
+    assert_eq!(again[0].commit_lsn, at_commit);
+    stream.stop(Duration::from_secs(5)).await.unwrap();
+}
+
 #[tokio::test]
 async fn a_restart_resumes_after_the_confirmed_transaction() {
     let fixture = Fixture::new().await;
@@ -371,10 +425,14 @@ async fn a_restart_resumes_after_the_confirmed_transaction() {
     }
     acks.settle(transactions[3].events[0].0).unwrap();
     let confirmable = acks.confirmable();
-    // Past the third transaction, never into the fourth. (Other databases' transactions on
-    // the server, skipped by this slot, may move it past the third's end with a keepalive.)
+    // Past the third transaction, never past the fourth's commit record. A keepalive read
+    // between the two carries the position the server had read up to: past the third's end
+    // when other databases wrote (their transactions are skipped by this slot), and the
+    // fourth's commit record itself when it was the next record the server read. A slot
+    // confirmed there sends the fourth again
+    // (`a_slot_confirmed_at_a_commit_record_sends_that_transaction_again`).
     assert!(
-        confirmable >= transactions[2].end_lsn && confirmable < transactions[3].commit_lsn,
+        confirmable >= transactions[2].end_lsn && confirmable <= transactions[3].commit_lsn,
         "{confirmable} after {} and before {}",
         transactions[2].end_lsn,
         transactions[3].commit_lsn
