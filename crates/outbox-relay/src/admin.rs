@@ -784,7 +784,11 @@ fn same_secret(given: &[u8], expected: &[u8]) -> bool {
 
 /// With a token, every call needs it; without one, reads pass (the server is on loopback)
 /// and changes are refused.
-fn authorize(token: Option<&str>, method: &Method, headers: &HeaderMap) -> Result<(), Response> {
+pub(crate) fn authorize(
+    token: Option<&str>,
+    method: &Method,
+    headers: &HeaderMap,
+) -> Result<(), Response> {
     let Some(token) = token else {
         if method == Method::GET || method == Method::HEAD {
             return Ok(());

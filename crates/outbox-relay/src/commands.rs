@@ -55,9 +55,16 @@ pub async fn health(config: Config, ready: bool) -> anyhow::Result<ExitCode> {
         });
     }
     let path = if ready { "/readyz" } else { "/healthz" };
+    // With an admin token, /readyz gives its reasons to callers that send it only.
+    let authorization = match config.http.admin_token()? {
+        Some(token) => format!("Authorization: Bearer {}\r\n", token.expose()),
+        None => String::new(),
+    };
     let ask = async {
         let mut stream = tokio::net::TcpStream::connect(addr).await?;
-        let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+        let request = format!(
+            "GET {path} HTTP/1.1\r\nHost: {addr}\r\n{authorization}Connection: close\r\n\r\n"
+        );
         stream.write_all(request.as_bytes()).await?;
         let mut response = Vec::new();
         stream.read_to_end(&mut response).await?;

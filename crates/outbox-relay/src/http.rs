@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use axum::extract::{Path, Request, State};
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{any, get};
@@ -64,6 +64,8 @@ pub struct Look {
 struct AppState {
     probes: Probes,
     metrics: PrometheusHandle,
+    /// The admin token: with one, `/readyz` gives its reasons to callers that send it only.
+    token: Option<outbox_core::redact::Secret>,
 }
 
 async fn listen(addr: SocketAddr) -> anyhow::Result<(tokio::net::TcpListener, SocketAddr)> {
@@ -330,11 +332,16 @@ pub async fn serve(
     hosts: AllowedHosts,
 ) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
     let (listener, bound) = listen(addr).await?;
+    let token = console.token.clone();
     let app = Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_text))
-        .with_state(AppState { probes, metrics })
+        .with_state(AppState {
+            probes,
+            metrics,
+            token,
+        })
         .merge(crate::admin::routes(console.clone(), "/"))
         .layer(axum::middleware::from_fn_with_state(hosts, check_host));
     let task = tokio::spawn(async move {
@@ -346,16 +353,45 @@ pub async fn serve(
     Ok((bound, task))
 }
 
-async fn readyz(State(state): State<AppState>) -> (StatusCode, String) {
-    verdict(readiness(&state.probes).await)
+async fn readyz(State(state): State<AppState>, headers: HeaderMap) -> (StatusCode, String) {
+    let shown = Shown::to(state.token.as_ref(), &headers);
+    verdict(readiness(&state.probes).await, shown)
 }
 
-/// The answer of `/readyz`. Its reasons quote what a database or sink said (a webhook
-/// receiver's body, say), which anyone who can reach the port reads and `health --ready`
-/// prints: control characters are escaped.
-fn verdict(reasons: Vec<String>) -> (StatusCode, String) {
+/// What `/readyz` tells its caller. Its reasons quote what a database or sink said (a
+/// webhook receiver's body, which may echo a payload) and name keys (often a customer's or
+/// an order's id). `/readyz` needs no token, so that probes work; with an admin token set,
+/// a caller without it learns only whether the relay is ready.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Shown {
+    Reasons,
+    VerdictOnly,
+}
+
+impl Shown {
+    fn to(token: Option<&outbox_core::redact::Secret>, headers: &HeaderMap) -> Shown {
+        match crate::admin::authorize(token.map(|t| t.expose()), &Method::GET, headers) {
+            Ok(()) => Shown::Reasons,
+            Err(_) => Shown::VerdictOnly,
+        }
+    }
+}
+
+/// The answer of `/readyz`. Reasons are escaped (control characters): `health --ready`
+/// prints them.
+fn verdict(reasons: Vec<String>, shown: Shown) -> (StatusCode, String) {
     if reasons.is_empty() {
         (StatusCode::OK, "ready\n".into())
+    } else if shown == Shown::VerdictOnly {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "not ready: {} problem(s); the relay's log names them, and so does /readyz \
+                 asked with the admin token (`Authorization: Bearer <token>`, as `health \
+                 --ready` sends it)\n",
+                reasons.len()
+            ),
+        )
     } else {
         let reasons: Vec<_> = reasons.iter().map(|r| escape_controls(r)).collect();
         (
@@ -487,9 +523,10 @@ impl OutboxSlot {
 struct SharedState {
     slots: Arc<[Arc<OutboxSlot>]>,
     metrics: PrometheusHandle,
-    /// An admin token is set: the open pages show the outboxes' names only, not what
-    /// `/api/v1/outboxes` needs the token for (each store, a SQLite file's path).
-    guarded: bool,
+    /// The admin token. With one, the open pages show the outboxes' names only, not what
+    /// `/api/v1/outboxes` needs the token for (each store, a SQLite file's path), and
+    /// `/readyz` its reasons to callers that send it only.
+    token: Option<outbox_core::redact::Secret>,
 }
 
 /// What the shared server shows without the admin token: the probes, the index page and
@@ -523,7 +560,7 @@ pub async fn serve_outboxes(
     let state = SharedState {
         slots: slots.into(),
         metrics,
-        guarded: token.is_some(),
+        token: token.clone(),
     };
     let app = Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
@@ -556,7 +593,11 @@ pub async fn serve_outboxes(
 /// How long the shared server waits for an outbox's runtime to answer a probe.
 const OUTBOX_PATIENCE: Duration = Duration::from_secs(5);
 
-async fn shared_readyz(State(state): State<SharedState>) -> (StatusCode, String) {
+async fn shared_readyz(
+    State(state): State<SharedState>,
+    headers: HeaderMap,
+) -> (StatusCode, String) {
+    let shown = Shown::to(state.token.as_ref(), &headers);
     let checks = state.slots.iter().map(|slot| async move {
         let Some(served) = slot.served() else {
             return vec![format!(
@@ -579,7 +620,7 @@ async fn shared_readyz(State(state): State<SharedState>) -> (StatusCode, String)
             .collect()
     });
     let reasons = futures::future::join_all(checks).await.concat();
-    verdict(reasons)
+    verdict(reasons, shown)
 }
 
 async fn shared_metrics(State(state): State<SharedState>) -> String {
@@ -614,7 +655,7 @@ async fn index(State(state): State<SharedState>) -> Response {
         .map(|slot| {
             // Names are [a-z0-9_-] (validated), safe in HTML as they are.
             let what = match slot.served() {
-                Some(_) if state.guarded => String::new(),
+                Some(_) if state.token.is_some() => String::new(),
                 Some(s) => html_text(&s.probes.store.describe()),
                 None => "starting".into(),
             };
@@ -661,7 +702,7 @@ async fn forward_to(state: &SharedState, name: &str, rest: &str, request: Reques
     let Some(slot) = state.slot(name) else {
         // Answered before the outbox's own token check: the list only without a token.
         let names: Vec<&str> = state.slots.iter().map(|s| s.name.as_str()).collect();
-        let listed = match state.guarded {
+        let listed = match state.token.is_some() {
             true => String::new(),
             false => format!("; the outboxes are {}", names.join(", ")),
         };
@@ -744,9 +785,32 @@ mod tests {
     /// `health --ready`, and reached every reader of the open probe as sent.
     #[test]
     fn a_reason_with_control_characters_is_answered_escaped() {
-        let (status, body) = verdict(vec!["sink webhook: 503 \u{1b}[2Jgone\nforged".into()]);
+        let (status, body) = verdict(
+            vec!["sink webhook: 503 \u{1b}[2Jgone\nforged".into()],
+            Shown::Reasons,
+        );
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
         assert!(!body.trim_end().contains(['\u{1b}', '\n']), "{body:?}");
         assert!(body.contains("gone"), "{body:?}");
+    }
+
+    #[test]
+    fn a_caller_without_the_token_is_told_the_verdict_only() {
+        let reasons = || vec!["sink webhook: answered 422: bob@example.com".to_string()];
+        let (status, body) = verdict(reasons(), Shown::VerdictOnly);
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(!body.contains("bob@"), "{body:?}");
+        assert!(body.starts_with("not ready: 1 problem(s)"), "{body:?}");
+        assert_eq!(verdict(Vec::new(), Shown::VerdictOnly).0, StatusCode::OK);
+        let token = outbox_core::redact::Secret::new("t");
+        let mut headers = HeaderMap::new();
+        assert_eq!(
+            Shown::to(None, &headers),
+            Shown::Reasons,
+            "no token: loopback"
+        );
+        assert_eq!(Shown::to(Some(&token), &headers), Shown::VerdictOnly);
+        headers.insert(header::AUTHORIZATION, "Bearer t".parse().unwrap());
+        assert_eq!(Shown::to(Some(&token), &headers), Shown::Reasons);
     }
 }

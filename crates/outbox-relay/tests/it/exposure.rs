@@ -621,3 +621,60 @@ async fn a_sink_refusing_everything_writes_one_error_line_per_batch() {
     let dead = run(&["dead", "list", "--database-url", &url, "--limit", "100"]);
     assert_eq!(text(&dead.stdout).matches("orders").count(), 40);
 }
+
+/// `/readyz` needs no token, so that probes work, and its reasons quote what a sink or the
+/// database said (a receiver's body may echo a payload) and name keys. With an admin token
+/// set, a caller without it (or with a wrong one) learns only whether the relay is ready;
+/// the token holder, and `health --ready`, which sends the configured token, read why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_tells_why_to_the_admin_token_holder_only() {
+    outbox_testkit::install_crypto();
+    let token = "readyz-admin-token-0123456789";
+    let dir = tempfile::tempdir().unwrap();
+    // Nothing listens there: the sink's look fails at once.
+    let sink = format!(
+        "http://127.0.0.1:{}/hook",
+        outbox_testkit::server::free_port()
+    );
+    let args = [
+        "run",
+        "--sink",
+        &sink,
+        "--http-addr",
+        "127.0.0.1:0",
+        "--log-format",
+        "json",
+    ];
+    let env = [("OUTBOX_RELAY_ADMIN_TOKEN", token)];
+    let mut relay = RelayProcess::spawn(dir.path(), "relay", &args, &env);
+    let addr = http_addr(&relay).await;
+    let hidden = support::readyz(&relay, &addr, 503, "not ready", Duration::from_secs(30)).await;
+    assert!(
+        hidden.contains("problem(s)") && !hidden.contains("webhook server"),
+        "without the token: {hidden}"
+    );
+    let (code, wrong) = Admin::with_token(&addr, Some("not-the-token"))
+        .get_text("/readyz")
+        .await;
+    assert!(code == 503 && !wrong.contains("webhook server"), "{wrong}");
+    let (code, told) = Admin::with_token(&addr, Some(token))
+        .get_text("/readyz")
+        .await;
+    assert!(
+        code == 503 && told.contains("webhook server"),
+        "with the token: {told}"
+    );
+    let health = std::process::Command::new(BIN)
+        .args(["health", "--ready", "--http-addr", &addr])
+        .env("OUTBOX_RELAY_ADMIN_TOKEN", token)
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(health.status.code(), Some(1));
+    assert!(
+        text(&health.stderr).contains("webhook server"),
+        "{}",
+        text(&health.stderr)
+    );
+    assert!(relay.terminate().await.success(), "{}", relay.logs());
+}
