@@ -54,6 +54,10 @@ pub struct Settings {
     /// Events per transaction of the WAL drains' backlog (a user's backlog is many
     /// transactions; one huge one is decoded only after its commit, spilled to disk).
     pub wal_events_per_transaction: u64,
+    /// `--wal-drain-rounds N`: the `outbox_emit` drain measured N times over one backlog,
+    /// the floor and the relay alternating, so that the host's speed drifting between two
+    /// drains minutes apart moves both sides of each ratio alike.
+    pub wal_drain_rounds: u64,
     /// Rows per transaction of the `--only binlog` backlog.
     pub binlog_events_per_transaction: u64,
     /// `--relay-sslmode`: how the measured relay connects to PostgreSQL (libpq's `sslmode`;
@@ -79,6 +83,7 @@ fn settings() -> Result<Settings> {
         latency_plan: Vec::new(),
         relay_log: std::env::var("OUTBOX_BENCH_RELAY_LOG").ok(),
         wal_events_per_transaction: 1_000,
+        wal_drain_rounds: 1,
         binlog_events_per_transaction: 1_000,
         relay_sslmode: None,
         scale_backlogs: curve::BACKLOGS.to_vec(),
@@ -107,6 +112,7 @@ fn settings() -> Result<Settings> {
             "--wal-events-per-transaction" => {
                 s.wal_events_per_transaction = value()?.parse::<u64>()?.max(1)
             }
+            "--wal-drain-rounds" => s.wal_drain_rounds = value()?.parse::<u64>()?.max(1),
             "--relay-sslmode" => s.relay_sslmode = Some(value()?),
             "--quick" => {
                 s.events = 100_000;
@@ -122,7 +128,7 @@ fn settings() -> Result<Settings> {
                 println!("  --only curve: the scale curve, `run --drain` to the file sink of un-analyzed backlogs of [--scale-backlogs 100000,1000000,10000000] rows to one destination, and of 1,000,000 rows over [--scale-destinations 1,8,64] destinations; the 10M run needs about 9 GB free disk");
                 println!("  --only binlog: binlog capture's drain on MariaDB, beside mariadb-binlog --read-from-remote-server reading the same log (the floor, raw and decoding rows), MariaDB deleting the same rows alone (the delete floor), polling's drain of the same table and the table-less (BLACKHOLE) form's, with MariaDB's CPU for each, then the writers' cost; [--binlog-events-per-transaction N] sizes the backlog's transactions (default 1000; --events N with N per transaction is one transaction, whose peak RSS the report shows)");
                 println!("  --only binlog-writers: the writers' cost part of --only binlog alone, on a fresh database");
-                println!("  --only wal-drain: the WAL capture drains alone (table form and outbox_emit, each beside pg_recvlogical's drain of the same backlog)");
+                println!("  --only wal-drain: the WAL capture drains alone (table form and outbox_emit, each beside pg_recvlogical's drain of the same backlog); [--wal-drain-rounds N] drains the outbox_emit backlog N times, the floor and the relay alternating, and reports each round's ratio and their median");
                 println!("  --only wal-memory: WAL capture's drain of 256 events of 1 MiB to a webhook answering each after 500 ms, with the relay's peak RSS (also part of --only wal)");
                 println!("  --only wal: the WAL capture drains (table form and outbox_emit), WAL latency runs and WAL writer cost only; [--wal-events-per-transaction N] sizes the drains' backlog transactions (default 1000)");
                 println!("  --relay-sslmode disable|prefer|require: how the measured relay connects to PostgreSQL (default: the relay's own, prefer, which uses the server's TLS)");

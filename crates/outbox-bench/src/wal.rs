@@ -120,22 +120,37 @@ pub async fn drop_slots(admin: &tokio_postgres::Client) -> Result<()> {
 /// the next reader finds it free.
 pub async fn prepare(b: &Bench, db: &tokio_postgres::Client) -> Result<()> {
     b.relay_cli(&["migrate", "--capture", "wal"])?;
+    prepare_slot(b, db, SLOT).await
+}
+
+/// The relay's slot `slot`, made as [`prepare`] makes [`SLOT`] (after `migrate`).
+async fn prepare_slot(b: &Bench, db: &tokio_postgres::Client, slot: &str) -> Result<()> {
     let mut drain = vec!["run", "--drain", "--sink", "stdout", "--http-addr", ""];
-    drain.extend(RELAY_ARGS);
+    drain.extend(["--capture", "wal", "--slot", slot]);
     b.relay_cli(&drain)?;
-    await_slot_active(db, false).await.with_context(|| {
-        format!("the slot {SLOT} stayed active after the relay that made it exited")
-    })
+    await_slot_active_named(db, slot, false)
+        .await
+        .with_context(|| {
+            format!("the slot {slot} stayed active after the relay that made it exited")
+        })
 }
 
 /// Waits, at most 30 s, until [`SLOT`] is streaming to a client (`active`), or is not.
 async fn await_slot_active(db: &tokio_postgres::Client, active: bool) -> Result<()> {
+    await_slot_active_named(db, SLOT, active).await
+}
+
+async fn await_slot_active_named(
+    db: &tokio_postgres::Client,
+    slot: &str,
+    active: bool,
+) -> Result<()> {
     let start = Instant::now();
     while db
         .query_one(
             "SELECT coalesce(bool_or(active), false) FROM pg_catalog.pg_replication_slots
               WHERE slot_name = $1",
-            &[&SLOT],
+            &[&slot],
         )
         .await?
         .get::<_, bool>(0)
@@ -222,12 +237,12 @@ const FLOOR_SLOT: &str = "outbox_bench_floor";
 
 /// The drain's floor: `pg_recvlogical` reads [`FLOOR_SLOT`] up to the current position, to
 /// `/dev/null`, and exits; its wall time, start-up and exit included as in the relay's.
-async fn floor_drain(b: &Bench, db: &tokio_postgres::Client, n: u64) -> Result<Value> {
+async fn floor_drain(b: &Bench, db: &tokio_postgres::Client, slot: &str, n: u64) -> Result<Value> {
     let end: String = db
         .query_one("SELECT pg_current_wal_lsn()::text", &[])
         .await?
         .get(0);
-    let mut command = recvlogical(b, db, FLOOR_SLOT).await?;
+    let mut command = recvlogical(b, db, slot).await?;
     command.arg(format!("--endpos={end}")).stdout(Stdio::null());
     let start = Instant::now();
     let mut child = Recvlogical(command.spawn()?);
@@ -237,7 +252,7 @@ async fn floor_drain(b: &Bench, db: &tokio_postgres::Client, n: u64) -> Result<V
     if !status.success() {
         bail!("pg_recvlogical --endpos {end} failed: {status}");
     }
-    db.execute("SELECT pg_drop_replication_slot($1)", &[&FLOOR_SLOT])
+    db.execute("SELECT pg_drop_replication_slot($1)", &[&slot])
         .await?;
     Ok(json!({ "events": n, "wall_s": wall, "events_per_s": n as f64 / wall }))
 }
@@ -379,13 +394,29 @@ async fn drain_once(b: &Bench, sink: &str, form: &str) -> Result<Value> {
     eprintln!("drain: WAL capture, {n} events ({form}, {per} per transaction) to {sink}");
     let db = b.reset().await?;
     prepare(b, &db).await?;
-    db.execute(
-        "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
-        &[&FLOOR_SLOT],
-    )
-    .await?;
+    // More rounds for the messages only: a relay's drain of the rows deletes them, so a
+    // second one over the same backlog would not do the same work.
+    let rounds = match form {
+        "emit" => b.settings.wal_drain_rounds,
+        _ => 1,
+    };
+    let later_rounds: Vec<(String, String)> = (2..=rounds)
+        .map(|i| (format!("{SLOT}_{i}"), format!("{FLOOR_SLOT}_{i}")))
+        .collect();
+    for (relay_slot, _) in &later_rounds {
+        prepare_slot(b, &db, relay_slot).await?;
+    }
+    for floor_slot in
+        std::iter::once(FLOOR_SLOT).chain(later_rounds.iter().map(|(_, f)| f.as_str()))
+    {
+        db.execute(
+            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+            &[&floor_slot],
+        )
+        .await?;
+    }
     prefill(&db, form, n, per).await?;
-    let floor = floor_drain(b, &db, n).await?;
+    let floor = floor_drain(b, &db, FLOOR_SLOT, n).await?;
     let wal_bytes: i64 = db
         .query_one(
             "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::int8
@@ -410,11 +441,49 @@ async fn drain_once(b: &Bench, sink: &str, form: &str) -> Result<Value> {
         )
         .await?
         .get(0);
+    if !later_rounds.is_empty() {
+        let mut ratios = vec![ratio(&drained, &floor)];
+        let mut each = vec![json!({
+            "floor_events_per_s": floor["events_per_s"],
+            "events_per_s": drained["events_per_s"],
+            "relay_cpu_s_per_million": drained["relay_cpu_s_per_million"],
+        })];
+        for (relay_slot, floor_slot) in &later_rounds {
+            let floor = floor_drain(b, &db, floor_slot, n).await?;
+            let args = ["--capture", "wal", "--slot", relay_slot.as_str()];
+            let file = b.work.join("wal-drain.jsonl");
+            let relay = measure::run_drain(b, &db, sink, &file, n, &args).await?;
+            ratios.push(ratio(&relay, &floor));
+            each.push(json!({
+                "floor_events_per_s": floor["events_per_s"],
+                "events_per_s": relay["events_per_s"],
+                "relay_cpu_s_per_million": relay["relay_cpu_s_per_million"],
+            }));
+            db.execute("SELECT pg_drop_replication_slot($1)", &[relay_slot])
+                .await?;
+        }
+        drained["rounds"] = json!(each);
+        drained["median_ratio"] = json!(median(&mut ratios));
+    }
     drained["form"] = json!(form);
     drained["floor"] = floor;
     drained["backlog_wal_mb"] = json!(wal_bytes as f64 / 1_048_576.0);
     drained["rows_left"] = json!(left);
     Ok(drained)
+}
+
+/// A drain's rate over its floor's.
+fn ratio(drained: &Value, floor: &Value) -> f64 {
+    drained["events_per_s"].as_f64().unwrap_or(0.0) / floor["events_per_s"].as_f64().unwrap_or(1.0)
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let mid = values.len() / 2;
+    match values.len() % 2 {
+        0 if mid > 0 => (values[mid - 1] + values[mid]) / 2.0,
+        _ => values.get(mid).copied().unwrap_or(0.0),
+    }
 }
 
 /// The WAL rows of the drain table for `sink`.
@@ -474,8 +543,34 @@ pub fn drain_note(r: &Value) -> String {
             }
         }
     }
+    let mut rounds = String::new();
+    for sink in ["file", "nats"] {
+        let y = &w[sink]["emit"];
+        let Some(each) = y["rounds"].as_array() else {
+            continue;
+        };
+        let pairs: Vec<String> = each
+            .iter()
+            .map(|round| {
+                let (relay, floor) = (&round["events_per_s"], &round["floor_events_per_s"]);
+                let ratio = relay.as_f64().unwrap_or(0.0) / floor.as_f64().unwrap_or(1.0);
+                format!(
+                    "{}/s against {}/s ({}×)",
+                    measure::f(relay),
+                    measure::f(floor),
+                    measure::f(&json!(ratio))
+                )
+            })
+            .collect();
+        rounds.push_str(&format!(
+            "\noutbox_emit to {sink}, {} rounds over one backlog, the floor and the relay alternating: {}; median {}×.\n",
+            each.len(),
+            pairs.join(", "),
+            measure::f(&y["median_ratio"]),
+        ));
+    }
     format!(
-        "\nWAL capture: `run --capture wal --drain` from a slot created before the backlog was written in transactions of {} events ({} MB of WAL for the rows, {} MB for outbox_emit, file sink's runs). {}\n",
+        "\nWAL capture: `run --capture wal --drain` from a slot created before the backlog was written in transactions of {} events ({} MB of WAL for the rows, {} MB for outbox_emit, file sink's runs). {}\n{rounds}",
         w["events_per_transaction"],
         measure::f(&w["file"]["table"]["backlog_wal_mb"]),
         measure::f(&w["file"]["emit"]["backlog_wal_mb"]),
