@@ -285,10 +285,31 @@ fn redact_parameters(text: &str) -> String {
         let in_query = matches!(rest[..name_start].chars().last(), Some('?' | '&'));
         out.push_str(&rest[..=eq]);
         rest = &rest[eq + 1..];
-        let value_end = rest
-            .find(|c: char| matches!(c, '&' | '#' | ';') || ends_url(c))
-            .unwrap_or(rest.len());
         let secret_name = !name.is_empty() && SECRET_NAMES.iter().any(|s| name.contains(s));
+        let value_end = match (secret_name, in_query, rest.strip_prefix('\'')) {
+            // tokio-postgres reads a query parameter's value up to the next `&`: a `;`, `#`,
+            // quote or `<` is part of the password. (Whitespace still ends it, for a URL
+            // quoted in a message; a password's own is percent-encoded.)
+            (true, true, _) => rest
+                .find(|c: char| c == '&' || c.is_whitespace())
+                .unwrap_or(rest.len()),
+            // A key-value connection string's quoted value (`password='a b;c'`), to its
+            // closing quote (an escaped `\'` does not close it).
+            (true, false, Some(quoted)) => {
+                let mut escaped = false;
+                quoted
+                    .char_indices()
+                    .find(|&(_, c)| {
+                        let closes = c == '\'' && !escaped;
+                        escaped = c == '\\' && !escaped;
+                        closes
+                    })
+                    .map_or(rest.len(), |(i, _)| i + 2)
+            }
+            _ => rest
+                .find(|c: char| matches!(c, '&' | '#' | ';') || ends_url(c))
+                .unwrap_or(rest.len()),
+        };
         if secret_name || (in_query && looks_like_token(&rest[..value_end])) {
             if value_end > 0 {
                 out.push_str("***");
@@ -303,6 +324,36 @@ fn redact_parameters(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::redact_url;
+
+    /// tokio-postgres reads `?password=` up to the next `&`, so a `;`, `#`, quote or `<` is
+    /// part of the password; the redactor ended the value there and showed the rest (or,
+    /// with that character first, nothing was hidden at all).
+    #[test]
+    fn a_secret_query_value_is_hidden_up_to_the_next_parameter() {
+        for c in [';', '\'', '"', '`', '<', '>', '#'] {
+            for name in ["password", "sslpassword"] {
+                for value in [format!("a{c}SECRET"), format!("{c}SECRET")] {
+                    let url = format!("postgres://u@h/d?{name}={value}&sslmode=require");
+                    let shown = redact_url(&url);
+                    assert!(!shown.contains("SECRET"), "{url} shown as {shown}");
+                    assert!(
+                        shown.ends_with(&format!("?{name}=***&sslmode=require")),
+                        "{shown}"
+                    );
+                }
+            }
+        }
+        // A URL quoted in a message ends at whitespace.
+        assert_eq!(
+            redact_url("cannot connect to postgres://u@h/d?password=pw: refused"),
+            "cannot connect to postgres://***@h/d?password=*** refused"
+        );
+        // A key-value connection string's quoted value, to its closing quote.
+        assert_eq!(
+            redact_url("host=h password='a b;c\\'d' user=u"),
+            "host=h password=*** user=u"
+        );
+    }
 
     #[test]
     fn user_info_passwords_are_hidden_and_users_kept() {
@@ -403,9 +454,11 @@ mod tests {
             redact_url("https://hooks.example/in?access_token=abc&channel=x"),
             "https://hooks.example/in?access_token=***&channel=x"
         );
+        // A `#` may be a password's own (tokio-postgres reads a value up to `&`): what
+        // follows a secret is hidden with it.
         assert_eq!(
             redact_url("https://h/p?X-Amz-Signature=f00#frag"),
-            "https://h/p?X-Amz-Signature=***#frag"
+            "https://h/p?X-Amz-Signature=***"
         );
         assert_eq!(
             redact_url("host=db user=relay password=hunter2 sslpassword=k"),
