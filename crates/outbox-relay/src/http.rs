@@ -83,6 +83,11 @@ pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 /// Connections served at once; further ones wait in the listen backlog until one closes.
 pub const MAX_CONNECTIONS: usize = 256;
+/// Connections served at once from one IP address; more from it are closed as they come.
+/// The probes need no token, so without this one client holding every slot (idle
+/// keep-alive connections asking `/healthz` now and then) kept the kubelet's probes waiting
+/// in the backlog past their timeout.
+pub const MAX_CONNECTIONS_PER_PEER: usize = MAX_CONNECTIONS / 4;
 /// An answer being sent must make progress within this, or the connection is closed: a
 /// client that stops reading (its receive window full) would otherwise hold its slot for as
 /// long as its kernel answers TCP's window probes, which is for good.
@@ -132,12 +137,17 @@ async fn serve_bounded(listener: tokio::net::TcpListener, app: Router) {
     http.timer(TokioTimer::new())
         .header_read_timeout(HEADER_TIMEOUT);
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let peers = PeerConnections::default();
     loop {
         let Ok(slot) = slots.clone().acquire_owned().await else {
             return;
         };
-        let stream = match listener.accept().await {
-            Ok((stream, _)) => stream,
+        let (stream, peer) = match listener.accept().await {
+            Ok((stream, peer)) => match peers.admit(peer.ip()) {
+                Some(peer) => (stream, peer),
+                // Closed at once (dropped), its slot free again.
+                None => continue,
+            },
             Err(e) => {
                 // Out of file descriptors, say: pause rather than spin.
                 if !matches!(
@@ -165,8 +175,48 @@ async fn serve_bounded(listener: tokio::net::TcpListener, app: Router) {
                     let _ = tokio::time::timeout(last_answer, connection).await;
                 }
             }
-            drop(slot);
+            drop((slot, peer));
         });
+    }
+}
+
+/// How many connections each IP address has open ([`MAX_CONNECTIONS_PER_PEER`]).
+#[derive(Clone, Default)]
+struct PeerConnections(Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>);
+
+/// One open connection of a peer, counted until dropped.
+struct PeerConnection {
+    peers: PeerConnections,
+    ip: std::net::IpAddr,
+}
+
+impl PeerConnections {
+    fn admit(&self, ip: std::net::IpAddr) -> Option<PeerConnection> {
+        let mut open = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let count = open.entry(ip).or_insert(0);
+        if *count >= MAX_CONNECTIONS_PER_PEER {
+            return None;
+        }
+        *count += 1;
+        Some(PeerConnection {
+            peers: self.clone(),
+            ip,
+        })
+    }
+}
+
+impl Drop for PeerConnection {
+    fn drop(&mut self) {
+        let mut open = (self.peers.0.lock()).unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(count) = open.get_mut(&self.ip) {
+            *count -= 1;
+            if *count == 0 {
+                open.remove(&self.ip);
+            }
+        }
     }
 }
 

@@ -1326,53 +1326,111 @@ async fn a_client_reading_a_trickle_gives_its_connection_back() {
     assert!(process.terminate().await.success());
 }
 
+const HEALTHZ: &[u8] = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
+
+/// A connection to `addr` from the loopback address `from` (127.0.0.0/8 is all loopback).
+async fn connect_from(from: &str, addr: &str) -> tokio::io::BufReader<tokio::net::TcpStream> {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(format!("{from}:0").parse().unwrap()).unwrap();
+    let stream = socket.connect(addr.parse().unwrap()).await.unwrap();
+    tokio::io::BufReader::new(stream)
+}
+
+/// One answer of /healthz on a kept-alive connection: its head, then "ok\n"; `None` when
+/// the relay closed the connection instead.
+async fn healthz_answer(
+    stream: &mut tokio::io::BufReader<tokio::net::TcpStream>,
+) -> Option<String> {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt};
+    let mut head = String::new();
+    loop {
+        let mut line = String::new();
+        if stream.read_line(&mut line).await.ok()? == 0 {
+            return None;
+        }
+        head.push_str(&line);
+        if line == "\r\n" {
+            break;
+        }
+    }
+    let mut body = [0u8; 3];
+    stream.read_exact(&mut body).await.ok()?;
+    Some(head + std::str::from_utf8(&body).unwrap())
+}
+
 /// At most 256 connections are served at once: one more waits until another closes, while
-/// the connected clients keep being answered.
+/// the connected clients keep being answered. (From four addresses: one address is served
+/// a quarter of them, next test.)
 #[tokio::test]
 async fn a_connection_beyond_the_cap_waits_until_another_closes() {
-    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+    use tokio::io::AsyncWriteExt;
     const CAP: usize = 256; // outbox-relay's http::MAX_CONNECTIONS
     let dir = tempfile::tempdir().unwrap();
     let (mut process, addr) = relay_with_token(dir.path(), &[]).await;
-    let healthz = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
-    // One answer of /healthz on a kept-alive connection: its head, then "ok\n".
-    async fn answer(stream: &mut BufReader<tokio::net::TcpStream>) -> String {
-        let mut head = String::new();
-        loop {
-            let mut line = String::new();
-            assert!(
-                stream.read_line(&mut line).await.unwrap() > 0,
-                "closed: {head}"
-            );
-            head.push_str(&line);
-            if line == "\r\n" {
-                break;
-            }
-        }
-        let mut body = [0u8; 3];
-        stream.read_exact(&mut body).await.unwrap();
-        head + std::str::from_utf8(&body).unwrap()
-    }
     let mut served = Vec::new();
-    for _ in 0..CAP {
-        let mut stream = BufReader::new(tokio::net::TcpStream::connect(&addr).await.unwrap());
-        stream.get_mut().write_all(healthz).await.unwrap();
-        assert!(answer(&mut stream).await.starts_with("HTTP/1.1 200"));
+    for i in 0..CAP {
+        let mut stream = connect_from(&format!("127.0.0.{}", 2 + i % 4), &addr).await;
+        stream.get_mut().write_all(HEALTHZ).await.unwrap();
+        let answer = healthz_answer(&mut stream).await;
+        assert!(answer.is_some_and(|a| a.starts_with("HTTP/1.1 200")));
         served.push(stream);
     }
     // The kernel accepts the connection; the relay does not serve it while the cap is full.
-    let mut extra = BufReader::new(tokio::net::TcpStream::connect(&addr).await.unwrap());
-    extra.get_mut().write_all(healthz).await.unwrap();
+    let mut extra = connect_from("127.0.0.1", &addr).await;
+    extra.get_mut().write_all(HEALTHZ).await.unwrap();
     let first = &mut served[0];
-    first.get_mut().write_all(healthz).await.unwrap();
-    assert!(answer(first).await.starts_with("HTTP/1.1 200"));
-    let waited = tokio::time::timeout(Duration::from_secs(1), answer(&mut extra)).await;
+    first.get_mut().write_all(HEALTHZ).await.unwrap();
+    assert!(healthz_answer(first)
+        .await
+        .is_some_and(|a| a.starts_with("HTTP/1.1 200")));
+    let waited = tokio::time::timeout(Duration::from_secs(1), healthz_answer(&mut extra)).await;
     assert!(waited.is_err(), "served beyond the cap: {waited:?}");
     drop(served.pop());
-    let late = tokio::time::timeout(PATIENCE, answer(&mut extra))
+    let late = tokio::time::timeout(PATIENCE, healthz_answer(&mut extra))
         .await
         .expect("the waiting connection served once another closed");
-    assert!(late.starts_with("HTTP/1.1 200"), "{late}");
+    assert!(
+        late.as_deref()
+            .is_some_and(|a| a.starts_with("HTTP/1.1 200")),
+        "{late:?}"
+    );
     drop(served);
+    assert!(process.terminate().await.success());
+}
+
+/// One address is served at most a quarter of the connections at once; more from it are
+/// closed as they come. The probes need no token, so one client holding every slot with
+/// idle keep-alive connections kept the kubelet's probes waiting past their timeout.
+#[tokio::test]
+async fn one_address_is_served_a_quarter_of_the_connections_and_others_still_are() {
+    use tokio::io::AsyncWriteExt;
+    const CAP: usize = 256; // outbox-relay's http::MAX_CONNECTIONS
+    let dir = tempfile::tempdir().unwrap();
+    let (mut process, addr) = relay_with_token(dir.path(), &[]).await;
+    let mut open = Vec::new();
+    let mut closed = 0;
+    for _ in 0..CAP {
+        let mut stream = connect_from("127.0.0.2", &addr).await;
+        let _ = stream.get_mut().write_all(HEALTHZ).await;
+        match healthz_answer(&mut stream).await {
+            Some(answer) => {
+                assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+                open.push(stream);
+            }
+            None => closed += 1,
+        }
+    }
+    assert_eq!((open.len(), closed), (CAP / 4, CAP - CAP / 4));
+    // Another address is served, while the first one's connections are all kept open.
+    let mut probe = connect_from("127.0.0.1", &addr).await;
+    probe.get_mut().write_all(HEALTHZ).await.unwrap();
+    let answer = healthz_answer(&mut probe).await;
+    assert!(answer.is_some_and(|a| a.starts_with("HTTP/1.1 200")));
+    let first = &mut open[0];
+    first.get_mut().write_all(HEALTHZ).await.unwrap();
+    assert!(healthz_answer(first)
+        .await
+        .is_some_and(|a| a.starts_with("HTTP/1.1 200")));
+    drop(open);
     assert!(process.terminate().await.success());
 }
