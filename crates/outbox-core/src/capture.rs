@@ -491,8 +491,24 @@ impl<S: StreamEvent, P: QueuedPark> Holdings<S, P> {
     }
 
     /// Holds claimed parked rows (by their engine id) until settled, and hands them out.
-    pub fn hold_parked(&mut self, rows: Vec<(Claimed, Charge)>, out: &mut Vec<Claimed>) {
+    /// Returns the ids of rows not handed out, for the caller to release: a held stream event
+    /// has the id (ids are taken again after `TRUNCATE … RESTART IDENTITY`, and an early
+    /// relay adopted rows under their own ids). Held in its place, the row replaced the event:
+    /// the engine took the row for the event's lease renewed, the event's ack then deleted
+    /// the row undelivered, and the event, held no more, was never settled (its stream
+    /// position stuck for good). The row waits until the event is settled.
+    #[must_use = "rows not handed out stay leased until released"]
+    pub fn hold_parked(
+        &mut self,
+        rows: Vec<(Claimed, Charge)>,
+        out: &mut Vec<Claimed>,
+    ) -> Vec<SequenceId> {
+        let mut not_held = Vec::new();
         for (row, memory) in rows {
+            if matches!(self.held.get(&row.sequence_id()), Some(Held::Stream(_))) {
+                not_held.push(row.sequence_id());
+                continue;
+            }
             let key = row.ordering_key().to_string();
             let event_id = match &row {
                 Claimed::Event(event) => Some(event.event_id),
@@ -508,6 +524,23 @@ impl<S: StreamEvent, P: QueuedPark> Holdings<S, P> {
             );
             out.push(row);
         }
+        not_held
+    }
+}
+
+/// Releases the parked rows [`Holdings::hold_parked`] did not hand out, so that a later claim
+/// takes them once their id is free; if the release fails, their lease runs out instead.
+pub async fn release_not_held(
+    parked: &dyn OutboxStore,
+    node: &crate::NodeId,
+    not_held: Vec<SequenceId>,
+) {
+    if not_held.is_empty() {
+        return;
+    }
+    tracing::debug!(ids = ?not_held, "parked rows wait: a held stream event has their ids");
+    if let Err(e) = parked.release(node.clone(), not_held).await {
+        tracing::warn!(error = %e.report(), "releasing parked rows failed: they are claimed again once their lease runs out");
     }
 }
 
@@ -987,6 +1020,27 @@ mod tests {
             (split.parked, split.keys, split.stream),
             (vec![7], vec!["p".to_string()], vec![1])
         );
+    }
+
+    /// A parked row whose id a held stream event has (taken again after a sequence reset)
+    /// is not handed out: held in the event's place, the event's ack deleted the row
+    /// undelivered and the event was never settled.
+    #[test]
+    fn a_parked_row_with_a_held_stream_events_id_waits_for_it() {
+        let mut holdings = holding(&[(34, "a")]);
+        let row = |id| {
+            let event = Event::new(id, uuid::Uuid::new_v4(), "d", "t", crate::Payload::Null);
+            (Claimed::Event(Arc::new(event)), Charge::none())
+        };
+        let mut out = Vec::new();
+        let not_held = holdings.hold_parked(vec![row(34), row(35)], &mut out);
+        assert_eq!(not_held, [34]);
+        assert_eq!(
+            out.iter().map(Claimed::sequence_id).collect::<Vec<_>>(),
+            [35]
+        );
+        assert!(matches!(holdings.held.get(&34), Some(Held::Stream(_))));
+        assert!(matches!(holdings.held.get(&35), Some(Held::Parked { .. })));
     }
 
     #[test]

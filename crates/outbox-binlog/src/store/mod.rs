@@ -1095,7 +1095,9 @@ impl Inner {
             .into_iter()
             .map(|(row, memory)| (with_parked_id(row), memory))
             .collect();
-        lock(&self.state).holdings.hold_parked(rows, out);
+        let not_held = lock(&self.state).holdings.hold_parked(rows, out);
+        let not_held = not_held.into_iter().map(state::parked_row).collect();
+        outbox_core::capture::release_not_held(self.parked.as_ref(), &request.node, not_held).await;
         Ok(())
     }
 

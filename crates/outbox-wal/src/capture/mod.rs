@@ -1198,7 +1198,8 @@ impl Inner {
             capture::claim_parked_sized(&self.parked, &self.memory, request, none_out, largest)
                 .await?;
         tracing::debug!(claimed = ?capture::describe_claimed(&rows), "claimed parked rows");
-        lock(&self.state).holdings.hold_parked(rows, out);
+        let not_held = lock(&self.state).holdings.hold_parked(rows, out);
+        capture::release_not_held(&self.parked, &request.node, not_held).await;
         Ok(())
     }
 

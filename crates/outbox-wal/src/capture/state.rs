@@ -241,6 +241,9 @@ pub(super) struct State {
     pub(super) told: Arc<ToldServer>,
     /// The server's history the current session reads ([`Confirmable`]).
     pub(super) history: u64,
+    /// The first session of [`State::history`]: events held from earlier sessions are of
+    /// another history, and their settles say nothing of this one's positions.
+    pub(super) history_began: u64,
     /// Every event committed before this was settled, of this history: read again by a
     /// later session, it is settled unsent. The slot's confirmed position reaches the
     /// server's disk only at its checkpoints, so a server that crashed (or was stopped
@@ -444,6 +447,7 @@ impl State {
             settled: SettledPositions::default(),
             told: Arc::default(),
             history: 0,
+            history_began: 0,
             done_below: Lsn::default(),
         }
     }
@@ -563,8 +567,12 @@ impl State {
                         tracing::error!(error = %e, "WAL acknowledgement out of step (a bug): the slot stays where it is");
                     }
                 }
-                self.settled
-                    .record(position, held.event_id(), self.told.get());
+                // An event of another history (a promoted standby's) is no news of this
+                // one's: another event, with the same derived id, may stand at its position.
+                if held.session >= self.history_began {
+                    self.settled
+                        .record(position, held.event_id(), self.told.get());
+                }
             }
         }
     }
@@ -839,6 +847,7 @@ impl capture::Sessions for State {
                     // held from the last would share its id with one of this history's at
                     // its position (the engine taking the new one for a renewed lease).
                     self.history = history;
+                    self.history_began = session;
                     self.done_below = Lsn::default();
                     self.settled = SettledPositions::default();
                     self.derived_ids.by_position.clear();
@@ -1251,6 +1260,26 @@ mod tests {
         let other = claim(&mut state, message());
         assert_eq!((held.len(), other.len()), (1, 1));
         assert_ne!(held, other);
+    }
+
+    /// A message of the last history settles after another history began, and another
+    /// message of this one stands at its very position, with the same (derived) event id:
+    /// the settle is no news of this history's, and the new message goes out when a new
+    /// session reads it again. (Recorded as settled, it was settled unsent.)
+    #[test]
+    fn a_settle_of_another_historys_event_settles_nothing_of_this_one() {
+        let mut state = State::new();
+        state.accept(session(1, &[]));
+        let message = || vec![idless("k", 200, 0, Some(190)), committed(200, 1)];
+        let old = claim(&mut state, message());
+        state.accept(session_of_history(2, 1));
+        state.settle(old);
+        state.accept(session_of_history(3, 1));
+        assert_eq!(
+            claim(&mut state, message()).len(),
+            1,
+            "sent, not settled unsent"
+        );
     }
 
     /// Gives the event `output` carries the event id `n`.
