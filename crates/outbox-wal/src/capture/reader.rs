@@ -189,6 +189,7 @@ impl Reader {
                 Ok(mut stream) => {
                     let (history, flushed) = (stream.slot().history, stream.slot().flushed);
                     if self.sessions.history_changed(history, flushed) {
+                        self.told.reset();
                         tracing::warn!(system = history.system, timeline = history.timeline, %flushed, "the server's history changed (another system, a new timeline, or WAL ending before what was read from it: a promoted standby, a restored backup or disk snapshot): what was confirmed and settled before is not taken for this history's, and events read again are sent again");
                     }
                     self.sessions.streamed = true;
@@ -937,6 +938,7 @@ impl Reader {
                          sent again"
                     );
                     self.sessions.wal_rolled_back();
+                    self.told.reset();
                 }
                 // A slot no relay of this version confirmed has no mark yet: one from here.
                 if behind {
