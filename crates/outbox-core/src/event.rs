@@ -195,9 +195,24 @@ fn json_kind(value: &serde_json::Value) -> &'static str {
     }
 }
 
+/// An attempt count as a table stores it (any integer type), for [`Event::attempts`]:
+/// negative as 0, and past `u32::MAX` as `u32::MAX` (cast, 2^32 was 0: a row that had failed
+/// that often started over, and no longer held back its key as a retrying row does).
+pub fn attempts_of(stored: i64) -> u32 {
+    u32::try_from(stored.max(0)).unwrap_or(u32::MAX)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn attempt_counts_saturate_instead_of_wrapping() {
+        assert_eq!(attempts_of(-3), 0);
+        assert_eq!(attempts_of(7), 7);
+        assert_eq!(attempts_of(1 << 32), u32::MAX);
+        assert_eq!(attempts_of(i64::MAX), u32::MAX);
+    }
 
     fn event(key: Option<&str>) -> Event {
         Event {

@@ -622,7 +622,7 @@ impl Engine {
                         release.extend(self.lanes.give_back(&lane));
                         continue;
                     }
-                    let attempts = event.attempts + 1;
+                    let attempts = event.attempts.saturating_add(1);
                     let report = error.report();
                     self.summary.last_failure = Some(report.clone());
                     let limit = event.max_attempts.unwrap_or_else(|| {

@@ -121,6 +121,20 @@ impl Memory {
         }
     }
 
+    /// A new term as the table's active relay (the lock taken, or taken again after its
+    /// session was lost): the rows the last term held are reaped back to pending, so all it
+    /// knew goes, but handles keep counting up. The engine's lanes still hold the last
+    /// term's handles: a row given one of them again was taken for that row's lease renewed
+    /// and never published, and the old row's ack, mapped to the new row's UUID, deleted it
+    /// undelivered. An ack of a last term's handle now maps to no row (the row comes again:
+    /// a duplicate at worst).
+    pub fn take_over(&mut self) {
+        *self = Memory {
+            next: self.next,
+            ..Memory::default()
+        };
+    }
+
     /// The UUID behind a handle (UUID-keyed tables).
     pub fn uuid(&self, handle: SequenceId) -> Option<Uuid> {
         self.by_handle.get(&handle).copied()
@@ -243,7 +257,7 @@ pub fn decode(
     });
     let attempts = raw
         .attempts
-        .map(|a| a.max(0) as u32)
+        .map(outbox_core::event::attempts_of)
         .unwrap_or_else(|| memory.attempts.get(&handle).copied().unwrap_or(0));
     memory.held.insert(
         handle,
@@ -304,7 +318,9 @@ pub fn decode(
             mutation_id: raw.mutation_id,
             rejected: raw.rejected.unwrap_or(0) != 0,
             attempts,
-            max_attempts: raw.max_attempts.map(|n| n.max(1) as u32),
+            max_attempts: raw
+                .max_attempts
+                .map(|n| outbox_core::event::attempts_of(n.max(1))),
             created_at: raw.created_micros.map_or_else(SystemTime::now, from_micros),
         })),
         Err(reason) => Claimed::Undecodable {
@@ -385,6 +401,24 @@ mod tests {
             traceparent: None,
             tracestate: None,
         }
+    }
+
+    /// Handles of UUID-keyed rows are never given twice, a new term included: the engine
+    /// still holds the last term's.
+    #[test]
+    fn a_new_term_gives_no_handle_the_last_one_gave() {
+        let mut memory = Memory::default();
+        let (u1, u2, u3) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+        assert_eq!(memory.handle(&RowId::Uuid(u1)), 1);
+        assert_eq!(memory.handle(&RowId::Uuid(u2)), 2);
+        memory.take_over();
+        assert_eq!(
+            memory.uuid(1),
+            None,
+            "an ack of the last term's handle maps to no row"
+        );
+        assert_eq!(memory.handle(&RowId::Uuid(u3)), 3);
+        assert_eq!(memory.handle(&RowId::Uuid(u1)), 4);
     }
 
     #[test]

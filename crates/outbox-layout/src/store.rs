@@ -309,7 +309,7 @@ impl<D: MappedDb> MappedStore<D> {
         leader.lock = Some(lock);
         leader.last_try = Some(Instant::now());
         leader.last_check = Some(Instant::now());
-        *self.memory() = Memory::default();
+        self.memory().take_over();
         let reaped = self.reap(true, lease).await?;
         self.load_waiting_keys().await?;
         leader.last_reap = Some(Instant::now());
@@ -418,7 +418,7 @@ impl<D: MappedDb> MappedStore<D> {
             };
             leader.lock = Some(lock);
             leader.last_check = Some(Instant::now());
-            *self.memory() = Memory::default();
+            self.memory().take_over();
             let reaped = self.reap(true, lease).await?;
             self.load_waiting_keys().await?;
             self.read_error_bound().await;

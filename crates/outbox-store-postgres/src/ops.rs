@@ -108,7 +108,7 @@ impl Operations for PgStore {
                     event_id: r.try_get(1).unwrap_or_default(),
                     destination: r.try_get(2).unwrap_or_default(),
                     event_type: r.try_get(3).unwrap_or_default(),
-                    attempts: r.get::<_, i64>(4).max(0) as u32,
+                    attempts: outbox_core::event::attempts_of(r.get::<_, i64>(4)),
                     last_error: r.get(5),
                     dead_at: from_micros(r.get(6)),
                 })
@@ -134,7 +134,7 @@ impl Operations for PgStore {
                     (false, true) => EventState::Delivered,
                     (false, false) => EventState::Pending,
                 },
-                attempts: r.get::<_, i64>(7).max(0) as u32,
+                attempts: outbox_core::event::attempts_of(r.get::<_, i64>(7)),
                 last_error: r.get(8),
                 created_at: r.get::<_, Option<i64>>(9).map(from_micros),
                 dead_at: r.get::<_, Option<i64>>(12).map(from_micros),

@@ -98,7 +98,7 @@ impl Operations for SqliteStore {
                             event_id: uuid::Uuid::parse_str(&text(r, 1)).unwrap_or_default(),
                             destination: text(r, 2),
                             event_type: text(r, 3),
-                            attempts: r.get::<_, i64>(4)?.max(0) as u32,
+                            attempts: outbox_core::event::attempts_of(r.get::<_, i64>(4)?),
                             last_error: text(r, 5),
                             dead_at: at_ms(r.get(6)?),
                         })
@@ -138,7 +138,7 @@ impl Operations for SqliteStore {
                                 (None, Some(_)) => EventState::Delivered,
                                 (None, None) => EventState::Pending,
                             },
-                            attempts: r.get::<_, i64>(7)?.max(0) as u32,
+                            attempts: outbox_core::event::attempts_of(r.get::<_, i64>(7)?),
                             last_error: lossy_text(r, 8),
                             created_at: Some(at_ms(r.get(9)?)),
                             dead_at: dead_at.map(at_ms),
