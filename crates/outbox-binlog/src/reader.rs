@@ -556,9 +556,31 @@ fn mariadb_prepared_xa(body: &[u8]) -> bool {
 /// without it. An empty answer is a known state, that of a server that wrote no GTID before
 /// the place: the first GTID read fills it. Taken for unknown, it left every position of the
 /// session stored without a state, and a failover refused.
-fn start_gtid_state(said: Option<String>, stored: Option<&str>) -> Option<gtid::GtidState> {
-    said.or_else(|| stored.map(str::to_string))
-        .and_then(|state| gtid::GtidState::parse(&state))
+///
+/// When the server says a state behind the one stored there ([`gtid::GtidState::reaches`]),
+/// the log at that file and offset is not the one the relay read: it was reset
+/// (`RESET MASTER`), or the server was rebuilt or restored with the same `server_id`, and
+/// new files of the same names reached the offset. Reading from there read another
+/// history's events and skipped the rest: refused, as a purged position is. (A state
+/// stored behind the server's, by a relay of an earlier version, is no such sign.)
+fn start_gtid_state(
+    said: Option<String>,
+    from: &BinlogPosition,
+) -> Result<Option<gtid::GtidState>> {
+    let said_state = said.as_deref().and_then(gtid::GtidState::parse);
+    let stored_state = from.gtid.as_deref().and_then(gtid::GtidState::parse);
+    match (said_state, stored_state) {
+        (Some(said_state), Some(stored_state)) if !said_state.reaches(&stored_state) => {
+            Err(BinlogError::Purged {
+                position: from.clone(),
+                reason: format!(
+                    "the server's log there follows GTID state {said_state}, not the {stored_state}                      the relay stored with the position: the log was reset (RESET MASTER), or                      the server was rebuilt or restored with the same server_id"
+                ),
+            })
+        }
+        (Some(state), _) | (None, Some(state)) => Ok(Some(state)),
+        (None, None) => Ok(None),
+    }
 }
 
 /// A MySQL GTID set as `COM_BINLOG_DUMP_GTID` names it: one entry per source.
@@ -667,7 +689,7 @@ impl BinlogReader {
                     .ok()
                     .flatten()
                     .flatten();
-                start_gtid_state(said, from.gtid.as_deref())
+                start_gtid_state(said, from)?
             }
             Start::AfterGtid(state) => Some(state.clone()),
         };
@@ -2053,25 +2075,41 @@ mod tests {
 
     #[test]
     fn a_server_that_says_its_place_has_no_gtid_yet_gives_a_known_empty_state() {
-        let mut empty = start_gtid_state(Some(String::new()), None).expect("known");
+        let from = BinlogPosition::at("mariadb-bin.000001", 4);
+        let mut empty =
+            (start_gtid_state(Some(String::new()), &from).ok().flatten()).expect("known");
         assert!(empty.is_empty());
         assert!(empty.advance("0-1-1"), "the first GTID read fills it");
         assert_eq!(empty.to_string(), "0-1-1");
+        let shown = |said: Option<&str>, stored: Option<&str>| {
+            let from = BinlogPosition {
+                gtid: stored.map(String::from),
+                ..BinlogPosition::at("mariadb-bin.000003", 5000)
+            };
+            start_gtid_state(said.map(String::from), &from).map(|s| s.map(|s| s.to_string()))
+        };
         assert_eq!(
-            start_gtid_state(Some(String::new()), Some("0-1-9")).map(|s| s.to_string()),
-            Some(String::new()),
-            "the server's answer wins over a state stored beside the position"
+            shown(Some("0-1-12"), Some("0-1-9")).ok(),
+            Some(Some("0-1-12".into())),
+            "the server's answer wins over a state stored beside the position (an earlier \
+             relay's, behind it)"
         );
+        assert_eq!(shown(Some("0-1-9"), None).ok(), Some(Some("0-1-9".into())));
         assert_eq!(
-            start_gtid_state(Some("0-1-9".into()), None).map(|s| s.to_string()),
-            Some("0-1-9".into())
-        );
-        assert_eq!(
-            start_gtid_state(None, Some("0-1-7")).map(|s| s.to_string()),
-            Some("0-1-7".into()),
+            shown(None, Some("0-1-7")).ok(),
+            Some(Some("0-1-7".into())),
             "MySQL, or a place the server does not know: the stored state"
         );
-        assert_eq!(start_gtid_state(None, None), None);
+        assert_eq!(shown(None, None).ok(), Some(None));
+        // The log reset (or the server rebuilt) and grown past the offset again: its state
+        // there is behind the one read there.
+        for said in ["", "0-1-3"] {
+            let refused = shown(Some(said), Some("0-1-9"));
+            assert!(
+                matches!(refused, Err(BinlogError::Purged { .. })),
+                "{said}: {refused:?}"
+            );
+        }
         // Stored as the position's state, an empty one is no place on another server.
         let stored = BinlogPosition {
             gtid: Some(String::new()),
