@@ -344,11 +344,11 @@ impl State {
             }
         }
         let event_of = |identity: Option<RowIdentity>| identity.and_then(|i| i.event_id);
+        // A held row that did not decode has no event id: a row read with one is another
+        // event (taken for the same, the engine dropped it as a lease renewal, and the held
+        // row's dead letter parked it).
         let another = match self.holdings.held.get(&id) {
-            Some(Held::Stream(held)) => matches!(
-                (event_of(held.identity), event_of(identity)),
-                (Some(held), Some(read)) if held != read
-            ),
+            Some(Held::Stream(held)) => event_of(held.identity) != event_of(identity),
             _ => false,
         };
         match (another, identity) {
@@ -774,6 +774,23 @@ mod tests {
         // Read again by a new session, it keeps that id: the engine takes it for a copy.
         state.accept(session(2, &[]));
         assert_eq!(claim(&mut state, vec![row_of_event_99(34, "b", 1)]), handed);
+    }
+
+    /// The same, the held row one that did not decode (no event id): the row read with its
+    /// id is another event all the same.
+    #[test]
+    fn a_row_whose_id_a_held_undecodable_row_has_gets_an_id_of_its_own() {
+        let mut state = State::new(false);
+        state.accept(session(1, &[]));
+        assert_eq!(claim(&mut state, vec![undecodable_row(5, "a")]), [5]);
+        let handed = claim(&mut state, vec![row(5, "b", 2)]);
+        assert_eq!(handed.len(), 1);
+        assert_ne!(handed[0], 5);
+        assert!(matches!(state.holdings.held.get(&5), Some(Held::Stream(_))));
+        assert!(matches!(
+            state.holdings.held.get(&handed[0]),
+            Some(Held::Stream(_))
+        ));
     }
 
     /// Row `id` of key `key`, the `ordinal`th read, of event 99.
