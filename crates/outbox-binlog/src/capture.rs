@@ -152,6 +152,13 @@ impl Capture {
         self.reader.read_to()
     }
 
+    /// Whether outputs read are still to be handed out ([`BinlogReader::buffered_rows`]):
+    /// the rows a transaction held behind a savepoint (or an XA transaction's) go out after
+    /// its end was read.
+    pub fn handing_out(&self) -> bool {
+        self.reader.buffered_rows() > 0
+    }
+
     /// See [`BinlogReader::set_silence`].
     pub fn set_silence(&mut self, silence: std::time::Duration) {
         self.reader.set_silence(silence);

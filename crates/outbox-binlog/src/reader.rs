@@ -773,9 +773,10 @@ impl BinlogReader {
         self.mariadb
     }
 
-    /// Rows decoded and not yet handed out: at most one row event's (the server cuts a
-    /// transaction's rows into events of `binlog_row_event_max_size`), however large the
-    /// transaction.
+    /// Outputs decoded and not yet handed out: at most one row event's rows (the server cuts
+    /// a transaction's rows into events of `binlog_row_event_max_size`), however large the
+    /// transaction, or the rows a transaction held behind savepoints (or an XA
+    /// transaction's) with its commit, after its end was read.
     pub fn buffered_rows(&self) -> usize {
         self.pending.len()
     }

@@ -2022,7 +2022,10 @@ impl Reader {
             }
             if !drained && pending.is_none() {
                 if let Some(until) = drain_until {
-                    if at_or_after(&capture.read_to(), until) {
+                    // Read up to it, and everything read handed out: a transaction's rows
+                    // held behind a savepoint go out after its end was read, and the drain
+                    // ended with them still in the reader.
+                    if at_or_after(&capture.read_to(), until) && !capture.handing_out() {
                         drained = true;
                         pending = Some(Item::Drained);
                     }

@@ -1628,6 +1628,61 @@ async fn a_drain_relays_a_parked_retry_that_is_due() {
     assert_eq!(delivered_n(&publisher, "k"), [1]);
 }
 
+/// A drain whose last transaction wrote its rows after a `SAVEPOINT` (as Django, Rails and
+/// Spring nested transactions do): the reader holds those rows until the commit is read, and
+/// hands them out after it, when it has read up to the drain's end already. The drain ended
+/// on reaching that place, with the rows still in the reader.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_ends_after_the_rows_a_savepoint_held_to_the_commit() {
+    let fixture = Fixture::new().await;
+    let publisher = RecordingPublisher::new();
+    let relay = Relay::with_backoff(
+        fixture.options("relay-1"),
+        &publisher,
+        Duration::from_secs(1),
+    )
+    .await;
+    until_reading(&relay.store).await;
+    relay.stop().await;
+    const ROWS: i64 = 300;
+    let mut conn = fixture.db.get_conn().await.unwrap();
+    conn.query_drop("BEGIN").await.unwrap();
+    conn.query_drop("SAVEPOINT nested").await.unwrap();
+    for n in 0..ROWS {
+        conn.exec_drop(
+            "INSERT INTO outbox (destination, partition_key, event_type, payload)
+             VALUES ('orders', 'k', 'T', JSON_OBJECT('n', ?))",
+            (n,),
+        )
+        .await
+        .unwrap();
+    }
+    conn.query_drop("RELEASE SAVEPOINT nested").await.unwrap();
+    conn.query_drop("COMMIT").await.unwrap();
+    let store = BinlogStore::start(BinlogStoreOptions {
+        drain: true,
+        ..fixture.options("relay-1")
+    })
+    .unwrap();
+    let mut config = EngineConfig::new(NodeId("binlog-test".into()));
+    config.drain = true;
+    let summary = outbox_engine::run(
+        Arc::new(store.clone()),
+        Arc::new(publisher.clone()),
+        config,
+        std::future::pending(),
+    )
+    .await
+    .unwrap();
+    store.close(Duration::from_secs(10)).await;
+    assert!(
+        matches!(summary.drain, Some(outbox_engine::DrainEnd::Clean { .. })),
+        "{:?}",
+        summary.drain
+    );
+    assert_eq!(delivered_n(&publisher, "k"), (0..ROWS).collect::<Vec<_>>());
+}
+
 /// The relay that took the seat asks at once whether it still reads, to take the parked
 /// table's lock from a paused ex-reader. It was told no until its session was announced
 /// (after the parked keys were read), and gave up: the lock stayed with the ex-reader, and
