@@ -55,27 +55,6 @@ impl GtidState {
         self.domains.is_empty() && self.sources.is_empty()
     }
 
-    /// Whether this state is at or past `earlier` in one history: every domain of `earlier`
-    /// at the same or a later sequence (MariaDB), every transaction of `earlier` in the set
-    /// (MySQL). A log reset, or a server rebuilt, starts its sequences again, and its state
-    /// at a place is then behind what was read there before.
-    pub fn reaches(&self, earlier: &GtidState) -> bool {
-        let domains = earlier.domains.iter().all(|(domain, (_, sequence))| {
-            self.domains
-                .get(domain)
-                .is_some_and(|(_, reached)| reached >= sequence)
-        });
-        let sources = earlier.sources.iter().all(|(source, intervals)| {
-            let Some(have) = self.sources.get(source) else {
-                return intervals.is_empty();
-            };
-            intervals
-                .iter()
-                .all(|&(first, last)| have.iter().any(|&(from, to)| from <= first && last <= to))
-        });
-        domains && sources
-    }
-
     /// The transaction `gtid` was read: MariaDB's `domain-server-sequence` makes it its
     /// domain's last; MySQL's `uuid:number` (or `uuid:tag:number`) joins the set. A GTID of
     /// another form, or of the other family, leaves the state as it was and says so
@@ -233,32 +212,6 @@ impl fmt::Display for GtidState {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_state_reaches_the_earlier_states_of_its_history_only() {
-        let state = |text: &str| GtidState::parse(text).unwrap();
-        assert!(state("0-1-100,1-2-5").reaches(&state("0-1-90")));
-        assert!(state("0-1-100").reaches(&state("0-1-100")));
-        assert!(state("0-1-100").reaches(&state("")));
-        assert!(
-            !state("0-1-3").reaches(&state("0-1-100")),
-            "a reset log starts again"
-        );
-        assert!(!state("").reaches(&state("0-1-100")));
-        assert!(
-            !state("1-1-100").reaches(&state("0-1-100")),
-            "another domain"
-        );
-        let uuid = "3e11fa47-71ca-11e1-9e33-c80aa9429562";
-        let mysql = |intervals: &str| state(&format!("{uuid}:{intervals}"));
-        assert!(mysql("1-100").reaches(&mysql("1-50")));
-        assert!(mysql("1-5:7-100").reaches(&mysql("1-5:8")));
-        assert!(!mysql("1-5").reaches(&mysql("1-6")));
-        assert!(
-            !mysql("1-5:7-9").reaches(&mysql("5-7")),
-            "6 is not in the set"
-        );
-    }
 
     const A: &str = "3e11fa47-71ca-11e1-9e33-c80aa9429562";
     const B: &str = "4f22ab58-82db-22f2-af44-d91bb0530673";

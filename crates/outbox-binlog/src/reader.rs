@@ -557,12 +557,13 @@ fn mariadb_prepared_xa(body: &[u8]) -> bool {
 /// the place: the first GTID read fills it. Taken for unknown, it left every position of the
 /// session stored without a state, and a failover refused.
 ///
-/// When the server says a state behind the one stored there ([`gtid::GtidState::reaches`]),
-/// the log at that file and offset is not the one the relay read: it was reset
-/// (`RESET MASTER`), or the server was rebuilt or restored with the same `server_id`, and
-/// new files of the same names reached the offset. Reading from there read another
-/// history's events and skipped the rest: refused, as a purged position is. (A state
-/// stored behind the server's, by a relay of an earlier version, is no such sign.)
+/// The state stored with a position is the server's at that place (a boundary carries the
+/// state of its own place, `a_boundary_carries_the_gtid_state_of_its_own_place_in_the_log`).
+/// When the server now says another, the log at that file and offset is not the one the
+/// relay read: it was reset (`RESET MASTER`, which also starts the sequences again), or the
+/// server was rebuilt or restored with the same `server_id`, and new files of the same
+/// names reached the offset. Reading from there read another history's events and skipped
+/// the rest: refused, as a purged position is.
 fn start_gtid_state(
     said: Option<String>,
     from: &BinlogPosition,
@@ -570,11 +571,14 @@ fn start_gtid_state(
     let said_state = said.as_deref().and_then(gtid::GtidState::parse);
     let stored_state = from.gtid.as_deref().and_then(gtid::GtidState::parse);
     match (said_state, stored_state) {
-        (Some(said_state), Some(stored_state)) if !said_state.reaches(&stored_state) => {
+        (Some(said_state), Some(stored_state)) if said_state != stored_state => {
             Err(BinlogError::Purged {
                 position: from.clone(),
                 reason: format!(
-                    "the server's log there follows GTID state {said_state}, not the {stored_state}                      the relay stored with the position: the log was reset (RESET MASTER), or                      the server was rebuilt or restored with the same server_id"
+                    "the server's log there follows GTID state {said_state}, not the \
+                     {stored_state} the relay stored with the position: the log was reset \
+                     (RESET MASTER), or the server was rebuilt or restored with the same \
+                     server_id"
                 ),
             })
         }
@@ -2090,10 +2094,9 @@ mod tests {
             start_gtid_state(said.map(String::from), &from).map(|s| s.map(|s| s.to_string()))
         };
         assert_eq!(
-            shown(Some("0-1-12"), Some("0-1-9")).ok(),
-            Some(Some("0-1-12".into())),
-            "the server's answer wins over a state stored beside the position (an earlier \
-             relay's, behind it)"
+            shown(Some("0-1-9,1-2-4"), Some("1-2-4,0-1-9")).ok(),
+            Some(Some("0-1-9,1-2-4".into())),
+            "the same state, however written"
         );
         assert_eq!(shown(Some("0-1-9"), None).ok(), Some(Some("0-1-9".into())));
         assert_eq!(
@@ -2103,8 +2106,8 @@ mod tests {
         );
         assert_eq!(shown(None, None).ok(), Some(None));
         // The log reset (or the server rebuilt) and grown past the offset again: its state
-        // there is behind the one read there.
-        for said in ["", "0-1-3"] {
+        // there is another than the one read there, behind or ahead.
+        for said in ["", "0-1-3", "0-1-12"] {
             let refused = shown(Some(said), Some("0-1-9"));
             assert!(
                 matches!(refused, Err(BinlogError::Purged { .. })),

@@ -1237,6 +1237,72 @@ async fn after_a_failover_the_relay_goes_on_at_the_promoted_replica_after_its_gt
     assert!(second.terminate().await.success(), "{}", second.logs());
 }
 
+/// `RESET MASTER` while the relay was off (or a server rebuilt or restored with the same
+/// server id): the log starts again under the same file names, and once it has grown past
+/// the stored place the file and offset are there again, in another history. The relay read
+/// on from there, skipping what lay before (here: the events written after the reset). The
+/// server's GTID state at the place, not the one stored with it, says so: the capture refuses
+/// the place as purged (and tries again every second, `/readyz` failing), naming the reset,
+/// and delivers nothing. On a server of its own: a reset
+/// of the shared server's log would pull it from under other tests.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_reset_and_grown_past_the_stored_place_is_refused_not_read_from() {
+    let (server, mut admin) = private_mariadb("1").await;
+    admin.query_drop("CREATE DATABASE shop").await.unwrap();
+    let db = BinlogDb::at(&shop(&server), &[]).await;
+    let out = db.path("out.jsonl");
+    let mut first = db.reading("relay-1", "out.jsonl").await;
+    db.write(&["a"], 0, 10, true).await;
+    wait_for_lines("ten events", &out, Duration::from_secs(30), |n| n >= 10).await;
+    assert!(first.terminate().await.success(), "{}", first.logs());
+    let (file, offset, gtid): (String, u64, Option<String>) = admin
+        .query_first("SELECT log_file, log_offset, gtid FROM shop.outbox_binlog")
+        .await
+        .unwrap()
+        .expect("a stored place");
+    assert!(gtid.is_some(), "stored with its GTID state");
+    admin.query_drop("RESET MASTER").await.unwrap();
+    // Written after the reset, until the log is at the stored file and past its offset, one
+    // transaction at a time; then the stored place is made the boundary the log reached (a
+    // place that falls on one of the new log's events, as any may).
+    let mut n = 10;
+    let reached = loop {
+        let (now_file, now_offset): (String, u64) = admin
+            .query_first("SHOW MASTER STATUS")
+            .await
+            .unwrap()
+            .map(|row: mysql_async::Row| (row.get(0).unwrap(), row.get(1).unwrap()))
+            .unwrap();
+        if now_file < file {
+            admin.query_drop("FLUSH BINARY LOGS").await.unwrap();
+        } else if now_offset < offset {
+            db.write(&["b"], n, 1, true).await;
+            n += 1;
+        } else {
+            assert_eq!(now_file, file);
+            break now_offset;
+        }
+    };
+    admin
+        .exec_drop("UPDATE shop.outbox_binlog SET log_offset = ?", (reached,))
+        .await
+        .unwrap();
+    let mut refused = db.spawn("relay-2", "out.jsonl", &[]);
+    refused
+        .wait_for_log(
+            "the place refused",
+            Duration::from_secs(30),
+            "the log was reset (RESET MASTER)",
+        )
+        .await;
+    assert_eq!(
+        read_lines(&out).len(),
+        10,
+        "nothing read from the other history"
+    );
+    assert!(refused.terminate().await.success(), "{}", refused.logs());
+}
+
 /// A private MariaDB of its own (`servers.sh`) with server id `id`, and a connection to it.
 async fn private_mariadb(id: &str) -> (outbox_testkit::server::ScriptedServer, mysql_async::Conn) {
     let server = outbox_testkit::server::ScriptedServer::start_with(
