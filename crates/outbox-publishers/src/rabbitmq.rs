@@ -3,7 +3,7 @@
 //! A batch is published on one confirm-mode channel and its confirms awaited together.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -91,6 +91,12 @@ struct Inner {
     /// whichever confirmation it completes next, not to its own, so a batch tells its
     /// returned messages by their ids, and only while no other batch's are pending.
     publishing: tokio::sync::Mutex<()>,
+    /// A batch's confirmations may still be pending on the channel: set as a batch starts,
+    /// cleared once every one of them came in. One given up on (its timeout, or the engine
+    /// dropping the publish) stays pending inside lapin, and would take the next batch's
+    /// returned message: that message, unroutable, was then confirmed as published. The
+    /// next batch gets a new channel instead.
+    abandoned_confirms: AtomicBool,
 }
 
 impl RabbitSink {
@@ -115,6 +121,7 @@ impl RabbitSink {
                 max_message_bytes: AtomicUsize::new(DEFAULT_MAX_MESSAGE_BYTES),
                 session: Mutex::new(None),
                 publishing: tokio::sync::Mutex::new(()),
+                abandoned_confirms: AtomicBool::new(false),
             }),
         })
     }
@@ -126,15 +133,20 @@ impl Inner {
     /// lapin can reuse its number before the broker has seen it closed, and the broker then
     /// closes the whole connection (CHANNEL_ERROR "expected 'channel.open'") under the
     /// batches publishing on it.
-    async fn channel(&self) -> Result<Channel, PublishError> {
+    ///
+    /// `replace`: a new one whatever the current one's state (a batch gave up on its
+    /// confirmations there, [`Inner::abandoned_confirms`]). Only a batch asks it, under
+    /// [`Inner::publishing`]: no other batch is waiting on the channel then.
+    async fn channel(&self, replace: bool) -> Result<Channel, PublishError> {
         let mut session = self.session.lock().await;
         if let Some((connection, channel)) = session.as_ref() {
-            if connection.status().connected() && channel.status().connected() {
+            if !replace && connection.status().connected() && channel.status().connected() {
                 return Ok(channel.clone());
             }
         }
         if let Some((old, _)) = session.take().filter(|(c, _)| c.status().connected()) {
-            // Its channel is closed, so no batch is waiting on it; not under the lock.
+            // Its channel is closed, or no batch waits on it any more (one gave up on its
+            // confirmations); not under the lock.
             tokio::spawn(async move {
                 let closing = old.close(200, "replaced after its channel closed".into());
                 let _ = tokio::time::timeout(Duration::from_secs(1), closing).await;
@@ -480,7 +492,7 @@ impl Sink for RabbitSink {
     fn health(&self) -> BoxFuture<'static, Result<(), PublishError>> {
         let inner = self.inner.clone();
         async move {
-            inner.channel().await?;
+            inner.channel(false).await?;
             inner.exchange_exists().await
         }
         .boxed()
@@ -500,7 +512,8 @@ fn message_id(routed: &Routed) -> String {
 async fn publish_batch(inner: &Arc<Inner>, batch: &[Routed]) -> Vec<Result<(), Failure>> {
     let _alone = inner.publishing.lock().await;
     {
-        let channel = match inner.channel().await {
+        let abandoned = inner.abandoned_confirms.load(Ordering::SeqCst);
+        let channel = match inner.channel(abandoned).await {
             Ok(c) => c,
             Err(e) => {
                 return fail_all(batch, &e)
@@ -509,6 +522,8 @@ async fn publish_batch(inner: &Arc<Inner>, batch: &[Routed]) -> Vec<Result<(), F
                     .collect()
             }
         };
+        // Until every confirmation came in: a publish dropped on the way leaves it set.
+        inner.abandoned_confirms.store(true, Ordering::SeqCst);
         // Publish the whole batch, then await every confirm.
         let mut confirms = Vec::with_capacity(batch.len());
         for routed in batch {
@@ -554,6 +569,10 @@ async fn publish_batch(inner: &Arc<Inner>, batch: &[Routed]) -> Vec<Result<(), F
                     }
                 });
         let confirmations = join_all(confirmations).await;
+        let timed_out = confirmations
+            .iter()
+            .any(|c| matches!(c, Err(Failure::Own(e)) if e.kind() == PublishErrorKind::Timeout));
+        inner.abandoned_confirms.store(timed_out, Ordering::SeqCst);
         // The broker returns an unroutable message before confirming it, and every
         // confirmation of the batch is in: each returned message is among these.
         let returned: HashMap<String, String> = confirmations

@@ -303,6 +303,41 @@ async fn each_outcome_is_its_own_messages_in_mixed_and_concurrent_batches() {
     assert_eq!(received, delivered);
 }
 
+/// A batch dropped while its confirmations were pending (the engine's publish timeout, a
+/// lost lease) leaves them pending inside lapin, which hands a returned message to whichever
+/// confirmation completes next: one of the dropped batch's took the next batch's returned
+/// message, and that message, unroutable, was confirmed as published. The next batch now
+/// gets a channel of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unroutable_message_after_a_dropped_batch_is_never_confirmed() {
+    outbox_testkit::install_crypto();
+    let h = new_harness().await;
+    let routed = |id: i64, target: &str| Routed {
+        cloudevents: None,
+        event: event(id, &format!("k{id}"), b"{}".to_vec()),
+        target: target.into(),
+    };
+    for round in 0..100i64 {
+        let dropped: Vec<Routed> = (0..50)
+            .map(|n| routed(round * 1000 + n, &h.queue))
+            .collect();
+        // Dropped as soon as its messages are out, before their confirmations come in.
+        let _ =
+            tokio::time::timeout(std::time::Duration::from_micros(500), h.sink.send(dropped)).await;
+        let unroutable: Vec<Routed> = (0..5)
+            .map(|n| routed(round * 1000 + 500 + n, "no-such-queue"))
+            .collect();
+        for outcome in h.sink.send(unroutable).await {
+            let err =
+                outcome.expect_err(&format!("round {round}: an unroutable message confirmed"));
+            assert!(
+                err.to_string().contains("unroutable"),
+                "round {round}: {err}"
+            );
+        }
+    }
+}
+
 /// One event of a batch names an exchange that does not exist: the broker closes the
 /// channel, and every message waiting on it failed with the same "not found", each counted
 /// as a failed attempt of its own (dead-lettered in the end under a steady flow to the
