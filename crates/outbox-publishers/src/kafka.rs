@@ -247,9 +247,16 @@ fn classify(error: KafkaError, topic: &str) -> PublishError {
         Some(C::QueueFull) => PublishErrorKind::Throttled,
         // The record's own: a topic name the broker refuses (`orders:7`), a record it
         // refuses, a policy (a topic's own rules) it breaks. Sent again, refused again.
-        Some(C::InvalidRecord | C::InvalidTopic | C::InvalidMessage | C::PolicyViolation) => {
-            PublishErrorKind::Rejected
-        }
+        // librdkafka refuses a topic name over 512 bytes as an invalid argument, before
+        // any broker sees it; a NUL in it cannot reach librdkafka at all.
+        Some(
+            C::InvalidRecord
+            | C::InvalidTopic
+            | C::InvalidMessage
+            | C::PolicyViolation
+            | C::InvalidArgument,
+        ) => PublishErrorKind::Rejected,
+        _ if matches!(error, KafkaError::Nul(_)) => PublishErrorKind::Rejected,
         _ => PublishErrorKind::Unavailable,
     };
     PublishError::new(kind, format!("kafka topic {topic:?}")).with_source(error)
@@ -385,6 +392,21 @@ pub fn sink(uri: &str, config: &KafkaConfig) -> Result<Arc<dyn Sink>, SinkSetupE
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A topic name librdkafka refuses (over 512 bytes, a NUL) is the record's own: sent
+    /// again, refused again. Retried, it held its key back until `max_attempts`.
+    #[test]
+    fn a_topic_librdkafka_refuses_is_the_records_fault() {
+        let invalid = KafkaError::MessageProduction(RDKafkaErrorCode::InvalidArgument);
+        assert_eq!(classify(invalid, "t").kind(), PublishErrorKind::Rejected);
+        let nul = std::ffi::CString::new("a\0b").unwrap_err();
+        assert_eq!(
+            classify(KafkaError::Nul(nul), "t").kind(),
+            PublishErrorKind::Rejected
+        );
+        let down = KafkaError::MessageProduction(RDKafkaErrorCode::BrokerTransportFailure);
+        assert_eq!(classify(down, "t").kind(), PublishErrorKind::Unavailable);
+    }
 
     #[test]
     fn topics_starting_with_two_underscores_are_kafkas_own() {

@@ -414,7 +414,16 @@ impl Provider {
         let status = response.status();
         let body = response.text().await.unwrap_or_default();
         if !status.is_success() {
-            return Err(super::query_error(status.as_u16(), &body, &what));
+            // STS refusing the relay's own identity (a malformed role ARN or session name,
+            // a token it does not trust) is the sink's condition, not any event's: retried,
+            // as a refused credential is, never a reason to dead-letter the events.
+            let refused = super::query_error(status.as_u16(), &body, &what);
+            return Err(match refused.disposition() {
+                outbox_core::Disposition::Permanent => {
+                    PublishError::new(PublishErrorKind::Unauthorized, refused.to_string())
+                }
+                _ => refused,
+            });
         }
         let field = |tag: &str| {
             super::xml::text(&body, tag).ok_or_else(|| {

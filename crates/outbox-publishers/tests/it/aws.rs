@@ -631,6 +631,56 @@ async fn a_web_identity_is_exchanged_at_sts() {
     assert!(outcomes[0].is_ok(), "{outcomes:?}");
 }
 
+/// STS refusing the relay's web identity with a 400 (a malformed role ARN or session name)
+/// was classified as the events' fault: every event was dead-lettered, one by one. It is the
+/// sink's condition, retried as a refused credential is. (STS here is a local stand-in that
+/// answers as STS does, `ErrorResponse` with `ValidationError`: moto accepts any role.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_web_identity_sts_refuses_is_retried_not_dead_lettered() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    outbox_testkit::install_crypto();
+    let dir = tempfile::tempdir().unwrap();
+    let token = dir.path().join("token");
+    std::fs::write(&token, "eyJhbGciOiJSUzI1NiJ9.test-token.signature\n").unwrap();
+    let token = token.display().to_string();
+    let sts = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let sts_url = format!("http://{}", sts.local_addr().unwrap());
+    tokio::spawn(async move {
+        let body = "<ErrorResponse><Error><Type>Sender</Type><Code>ValidationError</Code>\
+                    <Message>1 validation error detected: Value 'outbox-relay' at 'roleArn' \
+                    failed to satisfy constraint</Message></Error></ErrorResponse>";
+        while let Ok((mut stream, _)) = sts.accept().await {
+            let mut request = vec![0u8; 64 * 1024];
+            let _ = stream.read(&mut request).await;
+            let answer = format!(
+                "HTTP/1.1 400 Bad Request\r\ncontent-type: text/xml\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = stream.write_all(answer.as_bytes()).await;
+        }
+    });
+    let endpoint = moto();
+    let web_env = |name: &str| match name {
+        "AWS_WEB_IDENTITY_TOKEN_FILE" => Some(token.clone()),
+        "AWS_ROLE_ARN" => Some("outbox-relay".into()),
+        "AWS_REGION" => Some("us-east-1".into()),
+        "AWS_ENDPOINT_URL" => Some(endpoint.clone()),
+        "AWS_ENDPOINT_URL_STS" => Some(sts_url.clone()),
+        _ => None,
+    };
+    let sink = aws::sink(&SinkConfig::new("sqs:"), &web_env).unwrap();
+    let batch = [event(1, "a", b"{}".to_vec()), event(2, "b", b"{}".to_vec())];
+    let outcomes = sink.send(routed(&unique("sts"), &batch)).await;
+    for outcome in outcomes {
+        let error = outcome.expect_err("no credentials");
+        assert!(
+            matches!(error.disposition(), Disposition::Retry { .. }),
+            "{error}"
+        );
+        assert!(error.to_string().contains("ValidationError"), "{error}");
+    }
+}
+
 /// Settings that cannot apply are refused when the sink is built, with the fix.
 #[test]
 fn settings_that_cannot_apply_are_refused() {
