@@ -82,15 +82,24 @@ fn one_line(line: &mut [u8]) {
     }
 }
 
-/// Encodes a batch; events that cannot be encoded get a permanent error and are left out.
+/// Encodes a batch; events that cannot be encoded get a permanent error and are left out,
+/// and so are the later events of their keys (not sent: written after the failed one, they
+/// were written again when the engine sent them again behind it).
 fn encode_batch(batch: &[Routed]) -> (Vec<u8>, Vec<Option<PublishError>>) {
     let mut buffer = Vec::with_capacity(batch.len() * 256);
+    let mut failed_keys: std::collections::HashSet<&str> = std::collections::HashSet::new();
     let errors = batch
         .iter()
         .map(
             |Routed {
                  event, cloudevents, ..
              }| {
+                if !failed_keys.is_empty() && failed_keys.contains(event.ordering_key()) {
+                    return Some(PublishError::new(
+                        PublishErrorKind::NotSent,
+                        "an earlier event of its key failed in this batch",
+                    ));
+                }
                 let mark = buffer.len();
                 if *cloudevents == Some(crate::cloudevents::ContentMode::Structured) {
                     // A structured CloudEvent is the whole line: its envelope is the payload.
@@ -101,7 +110,10 @@ fn encode_batch(batch: &[Routed]) -> (Vec<u8>, Vec<Option<PublishError>>) {
                 }
                 let error = encode_line(event, &mut buffer).err();
                 match error {
-                    Some(_) => buffer.truncate(mark),
+                    Some(_) => {
+                        buffer.truncate(mark);
+                        failed_keys.insert(event.ordering_key());
+                    }
                     None => one_line(&mut buffer[mark..]),
                 }
                 error
@@ -652,7 +664,10 @@ mod tests {
         let mut far = event(2, "2");
         Arc::get_mut(&mut far.event).unwrap().created_at =
             UNIX_EPOCH + Duration::from_secs(253_402_300_800);
-        let (buffer, errors) = encode_batch(&[far, event(3, "3")]);
+        let mut other_key = event(3, "3");
+        Arc::get_mut(&mut other_key.event).unwrap().partition_key = Some("c-2".into());
+        let same_key = event(4, "4");
+        let (buffer, errors) = encode_batch(&[far, other_key, same_key]);
         let error = errors[0].as_ref().expect("year 10000 cannot be written");
         assert_eq!(error.kind(), PublishErrorKind::Encoding);
         assert!(
@@ -660,6 +675,9 @@ mod tests {
             "{error}"
         );
         assert!(errors[1].is_none());
+        // A later event of its key is not written after it (it goes again, behind it).
+        let held_back = errors[2].as_ref().expect("held back");
+        assert_eq!(held_back.kind(), PublishErrorKind::NotSent);
         assert_eq!(buffer.iter().filter(|b| **b == b'\n').count(), 1);
     }
 
