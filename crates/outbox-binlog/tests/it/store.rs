@@ -100,17 +100,8 @@ impl Fixture {
 
     /// Inserts event `n` of `key` (its type `event_type`) in a transaction of its own.
     async fn insert(&self, key: &str, event_type: &str, n: i64) {
-        self.db
-            .get_conn()
-            .await
-            .unwrap()
-            .exec_drop(
-                "INSERT INTO outbox (destination, partition_key, event_type, payload)
-                 VALUES ('orders', ?, ?, JSON_OBJECT('n', ?))",
-                (key, event_type, n),
-            )
-            .await
-            .unwrap();
+        let mut conn = self.db.get_conn().await.unwrap();
+        insert_on(&mut conn, key, event_type, n).await;
     }
 
     /// The binlog dump threads reading for this database: their ids and states.
@@ -1327,13 +1318,7 @@ async fn a_park_refused_for_an_unforeseen_reason_holds_back_only_its_key() {
         ("refused", "Placed", 2),
         ("other", "Stuck", 1),
     ] {
-        conn.exec_drop(
-            "INSERT INTO outbox (destination, partition_key, event_type, payload)
-             VALUES ('orders', ?, ?, JSON_OBJECT('n', ?))",
-            (key, event_type, n),
-        )
-        .await
-        .unwrap();
+        insert_on(&mut conn, key, event_type, n).await;
     }
     conn.query_drop("COMMIT").await.unwrap();
     fixture.insert("b", "Placed", 3).await;
@@ -1581,6 +1566,43 @@ async fn a_retry_counts_its_own_rows_parked_or_waiting_to_be() {
     store.close(Duration::from_secs(10)).await;
 }
 
+/// Inserts event `n` of `key` (its type `event_type`) on `conn`, in its transaction if one
+/// is open.
+async fn insert_on(conn: &mut mysql_async::Conn, key: &str, event_type: &str, n: i64) {
+    conn.exec_drop(
+        "INSERT INTO outbox (destination, partition_key, event_type, payload)
+         VALUES ('orders', ?, ?, JSON_OBJECT('n', ?))",
+        (key, event_type, n),
+    )
+    .await
+    .unwrap();
+}
+
+/// `run --drain` through the engine, as `relay-1`, to `publisher`: it must end clean.
+async fn drain_cleanly(fixture: &Fixture, publisher: &RecordingPublisher) {
+    let store = BinlogStore::start(BinlogStoreOptions {
+        drain: true,
+        ..fixture.options("relay-1")
+    })
+    .unwrap();
+    let mut config = EngineConfig::new(NodeId("binlog-test".into()));
+    config.drain = true;
+    let summary = outbox_engine::run(
+        Arc::new(store.clone()),
+        Arc::new(publisher.clone()),
+        config,
+        std::future::pending(),
+    )
+    .await
+    .unwrap();
+    store.close(Duration::from_secs(10)).await;
+    assert!(
+        matches!(summary.drain, Some(outbox_engine::DrainEnd::Clean { .. })),
+        "{:?}",
+        summary.drain
+    );
+}
+
 /// A drain's first claims came before the reader's first session, which claims nothing,
 /// the parked table's rows neither: a drain whose only row left had failed before (its
 /// retry due by now) ended at once, reporting it left. Its claims wait for the session.
@@ -1604,27 +1626,7 @@ async fn a_drain_relays_a_parked_retry_that_is_due() {
         (fixture.count(waiting).await == 0).then_some(())
     })
     .await;
-    let store = BinlogStore::start(BinlogStoreOptions {
-        drain: true,
-        ..fixture.options("relay-1")
-    })
-    .unwrap();
-    let mut config = EngineConfig::new(NodeId("binlog-test".into()));
-    config.drain = true;
-    let summary = outbox_engine::run(
-        Arc::new(store.clone()),
-        Arc::new(publisher.clone()),
-        config,
-        std::future::pending(),
-    )
-    .await
-    .unwrap();
-    store.close(Duration::from_secs(10)).await;
-    assert!(
-        matches!(summary.drain, Some(outbox_engine::DrainEnd::Clean { .. })),
-        "{:?}",
-        summary.drain
-    );
+    drain_cleanly(&fixture, &publisher).await;
     assert_eq!(delivered_n(&publisher, "k"), [1]);
 }
 
@@ -1649,37 +1651,11 @@ async fn a_drain_ends_after_the_rows_a_savepoint_held_to_the_commit() {
     conn.query_drop("BEGIN").await.unwrap();
     conn.query_drop("SAVEPOINT nested").await.unwrap();
     for n in 0..ROWS {
-        conn.exec_drop(
-            "INSERT INTO outbox (destination, partition_key, event_type, payload)
-             VALUES ('orders', 'k', 'T', JSON_OBJECT('n', ?))",
-            (n,),
-        )
-        .await
-        .unwrap();
+        insert_on(&mut conn, "k", "T", n).await;
     }
     conn.query_drop("RELEASE SAVEPOINT nested").await.unwrap();
     conn.query_drop("COMMIT").await.unwrap();
-    let store = BinlogStore::start(BinlogStoreOptions {
-        drain: true,
-        ..fixture.options("relay-1")
-    })
-    .unwrap();
-    let mut config = EngineConfig::new(NodeId("binlog-test".into()));
-    config.drain = true;
-    let summary = outbox_engine::run(
-        Arc::new(store.clone()),
-        Arc::new(publisher.clone()),
-        config,
-        std::future::pending(),
-    )
-    .await
-    .unwrap();
-    store.close(Duration::from_secs(10)).await;
-    assert!(
-        matches!(summary.drain, Some(outbox_engine::DrainEnd::Clean { .. })),
-        "{:?}",
-        summary.drain
-    );
+    drain_cleanly(&fixture, &publisher).await;
     assert_eq!(delivered_n(&publisher, "k"), (0..ROWS).collect::<Vec<_>>());
 }
 

@@ -549,15 +549,7 @@ async fn readyz_requests_share_one_look_at_the_sink() {
     let receiver = Receiver::start(answer("200 OK", "", "")).await;
     let dir = tempfile::tempdir().unwrap();
     let sink = format!("http://{}/hook", receiver.addr);
-    let args = [
-        "run",
-        "--sink",
-        &sink,
-        "--http-addr",
-        "127.0.0.1:0",
-        "--log-format",
-        "json",
-    ];
+    let args = support::run_serving(&sink, &[]);
     let mut relay = RelayProcess::spawn(dir.path(), "relay", &args, &[]);
     let addr = http_addr(&relay).await;
     support::readyz(&relay, &addr, 200, "ready", Duration::from_secs(30)).await;
@@ -636,15 +628,7 @@ async fn readyz_tells_why_to_the_admin_token_holder_only() {
         "http://127.0.0.1:{}/hook",
         outbox_testkit::server::free_port()
     );
-    let args = [
-        "run",
-        "--sink",
-        &sink,
-        "--http-addr",
-        "127.0.0.1:0",
-        "--log-format",
-        "json",
-    ];
+    let args = support::run_serving(&sink, &[]);
     let env = [("OUTBOX_RELAY_ADMIN_TOKEN", token)];
     let mut relay = RelayProcess::spawn(dir.path(), "relay", &args, &env);
     let addr = http_addr(&relay).await;

@@ -162,6 +162,67 @@ async fn read_transactions(
     done
 }
 
+/// `transactions` transactions of `events` events each, event `e` of transaction `t` of key
+/// `k{e}` with payload `n` = `t * 10 + e`.
+async fn write_transactions(db: &Client, transactions: i32, events: i32) {
+    for t in 0..transactions {
+        db.batch_execute("BEGIN").await.unwrap();
+        for e in 0..events {
+            insert(db, &format!("k{e}"), t * 10 + e).await;
+        }
+        db.batch_execute("COMMIT").await.unwrap();
+    }
+}
+
+/// A stream started, then [`write_transactions`] written and read back whole.
+async fn written_and_read(
+    transactions: i32,
+    events: i32,
+) -> (
+    Fixture,
+    WalStream,
+    Client,
+    Acknowledgements,
+    Vec<Transaction>,
+) {
+    let fixture = Fixture::new().await;
+    let mut stream = fixture.start().await;
+    let db = connect(&fixture.url).await;
+    write_transactions(&db, transactions, events).await;
+    let mut acks = Acknowledgements::new(stream.slot().confirmed_flush);
+    let read = read_transactions(&mut stream, &mut acks, transactions as usize).await;
+    (fixture, stream, db, acks, read)
+}
+
+/// Confirms `at`, ends the session, and checks the slot holds it.
+async fn confirm_and_stop(fixture: &Fixture, mut stream: WalStream, at: Lsn) {
+    stream.confirm(at);
+    stream.stop(Duration::from_secs(10)).await.unwrap();
+    let probe = connect(&fixture.url).await;
+    assert_eq!(slot_confirmed(&probe, &fixture.config.slot).await, at);
+}
+
+/// The slot's confirmed position, as the server has it.
+async fn slot_confirmed(db: &Client, slot: &str) -> Lsn {
+    let confirmed: String = db
+        .query_one(
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    confirmed.parse().unwrap()
+}
+
+/// The payloads' `n` of `transactions`' events, in order.
+fn payloads(transactions: &[Transaction]) -> Vec<i64> {
+    transactions
+        .iter()
+        .flat_map(|t| t.events.iter().map(|(_, e)| payload_n(e)))
+        .collect()
+}
+
 fn payload_n(event: &WalEvent) -> i64 {
     let value: serde_json::Value = serde_json::from_slice(event.payload.as_bytes()).unwrap();
     value["n"].as_i64().unwrap()
@@ -355,33 +416,10 @@ async fn emitted_messages_interleave_with_rows_in_commit_order() {
 /// confirmed position, so the second comes again, whole.
 #[tokio::test]
 async fn a_slot_confirmed_at_a_commit_record_sends_that_transaction_again() {
-    let fixture = Fixture::new().await;
-    let mut stream = fixture.start().await;
-    let db = connect(&fixture.url).await;
-    for t in 0..3 {
-        db.batch_execute("BEGIN").await.unwrap();
-        for e in 0..2 {
-            insert(&db, &format!("k{e}"), t * 10 + e).await;
-        }
-        db.batch_execute("COMMIT").await.unwrap();
-    }
-    let mut acks = Acknowledgements::new(stream.slot().confirmed_flush);
-    let transactions = read_transactions(&mut stream, &mut acks, 3).await;
+    let (fixture, stream, db, _, transactions) = written_and_read(3, 2).await;
     let at_commit = transactions[1].commit_lsn;
     assert!(at_commit >= transactions[0].end_lsn);
-    let confirm_at = at_commit;
-    stream.confirm(confirm_at);
-    stream.stop(Duration::from_secs(10)).await.unwrap();
-    let probe = connect(&fixture.url).await;
-    let confirmed: String = probe
-        .query_one(
-            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
-            &[&fixture.config.slot],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(confirmed.parse::<Lsn>().unwrap(), confirm_at);
+    confirm_and_stop(&fixture, stream, at_commit).await;
 
     // One more transaction marks the end of what comes again.
     insert(&db, "k0", 99).await;
@@ -394,29 +432,14 @@ async fn a_slot_confirmed_at_a_commit_record_sends_that_transaction_again() {
     {
         again.extend(read_transactions(&mut stream, &mut acks, 1).await);
     }
-    let delivered: Vec<i64> = again
-        .iter()
-        .flat_map(|t| t.events.iter().map(|(_, e)| payload_n(e)))
-        .collect();
-    assert_eq!(delivered, vec![10, 11, 20, 21, 99]);
+    assert_eq!(payloads(&again), vec![10, 11, 20, 21, 99]);
     assert_eq!(again[0].commit_lsn, at_commit);
     stream.stop(Duration::from_secs(5)).await.unwrap();
 }
 
 #[tokio::test]
 async fn a_restart_resumes_after_the_confirmed_transaction() {
-    let fixture = Fixture::new().await;
-    let mut stream = fixture.start().await;
-    let db = connect(&fixture.url).await;
-    for t in 0..6 {
-        db.batch_execute("BEGIN").await.unwrap();
-        for e in 0..3 {
-            insert(&db, &format!("k{e}"), t * 10 + e).await;
-        }
-        db.batch_execute("COMMIT").await.unwrap();
-    }
-    let mut acks = Acknowledgements::new(stream.slot().confirmed_flush);
-    let transactions = read_transactions(&mut stream, &mut acks, 6).await;
+    let (fixture, stream, db, mut acks, transactions) = written_and_read(6, 3).await;
     // The sink confirmed the first three transactions, and one event of the fourth.
     for t in &transactions[..3] {
         for (position, _) in &t.events {
@@ -437,19 +460,7 @@ async fn a_restart_resumes_after_the_confirmed_transaction() {
         transactions[2].end_lsn,
         transactions[3].commit_lsn
     );
-    stream.confirm(confirmable);
-    stream.stop(Duration::from_secs(10)).await.unwrap();
-
-    let probe = connect(&fixture.url).await;
-    let confirmed: String = probe
-        .query_one(
-            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
-            &[&fixture.config.slot],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(confirmed.parse::<Lsn>().unwrap(), confirmable);
+    confirm_and_stop(&fixture, stream, confirmable).await;
 
     // One more transaction while the relay is away.
     insert(&db, "k0", 60).await;
@@ -458,10 +469,7 @@ async fn a_restart_resumes_after_the_confirmed_transaction() {
     assert_eq!(stream.slot().confirmed_flush, confirmable);
     let mut acks = Acknowledgements::new(stream.slot().confirmed_flush);
     let again = read_transactions(&mut stream, &mut acks, 4).await;
-    let delivered: Vec<i64> = again
-        .iter()
-        .flat_map(|t| t.events.iter().map(|(_, e)| payload_n(e)))
-        .collect();
+    let delivered = payloads(&again);
     // The fourth transaction comes again whole (its settled event too), at the same
     // positions, and nothing before it.
     assert_eq!(delivered, vec![30, 31, 32, 40, 41, 42, 50, 51, 52, 60]);
@@ -699,17 +707,7 @@ async fn idle_keepalives_move_the_slot_past_other_writes() {
     outbox_testkit::eventually(
         "the slot confirmed past the other writes",
         Duration::from_secs(10),
-        || async {
-            let confirmed: String = db
-            .query_one(
-                "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
-                &[&fixture.config.slot],
-            )
-            .await
-            .unwrap()
-            .get(0);
-            (confirmed.parse::<Lsn>().unwrap() >= written).then_some(())
-        },
+        || async { (slot_confirmed(&db, &fixture.config.slot).await >= written).then_some(()) },
     )
     .await;
 }
@@ -855,15 +853,7 @@ mod through_the_engine {
     }
 
     async fn confirmed(db: &Client, slot: &str) -> Lsn {
-        let text: String = db
-            .query_one(
-                "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
-                &[&slot],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        text.parse().unwrap()
+        super::slot_confirmed(db, slot).await
     }
 
     /// Runs `sql` (one statement) in a transaction, and returns a WAL position inside it,

@@ -561,6 +561,22 @@ pub async fn http_response(addr: &str, request: &str) -> String {
         .unwrap_or_else(|_| panic!("no reply within 30 s to {request:?}"))
 }
 
+/// `run` to `sink` with the HTTP endpoints on a free port and JSON logs (so that
+/// [`http_addr`] finds them), then `more`.
+pub fn run_serving<'a>(sink: &'a str, more: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec![
+        "run",
+        "--sink",
+        sink,
+        "--http-addr",
+        "127.0.0.1:0",
+        "--log-format",
+        "json",
+    ];
+    args.extend_from_slice(more);
+    args
+}
+
 /// Waits until `/readyz` answers `status` with a body that contains `saying` (`""`: any);
 /// returns the body.
 pub async fn readyz(
