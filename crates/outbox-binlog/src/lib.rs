@@ -381,6 +381,27 @@ pub async fn gtid_resume_refused(config: &BinlogConfig, gtid: &str) -> Option<Bi
     }
 }
 
+/// Whether the server's log at `stored` (a place in this server's log) is another than the
+/// one the relay read there: its GTID state there (MariaDB's `BINLOG_GTID_POS`) is not the
+/// one stored with the place (the log was reset, or the server rebuilt with the same
+/// `server_id`). `None` when they agree, or when either is unknown (MySQL, a place stored
+/// without its state), as a reader starting there decides.
+pub async fn reset_log_refused(url: &str, stored: &BinlogPosition) -> Option<BinlogError> {
+    stored.gtid.as_ref()?;
+    let mut conn = Conn::new(opts(url).ok()?).await.ok()?;
+    let said: Option<String> = conn
+        .exec_first::<Option<String>, _, _>(
+            "SELECT BINLOG_GTID_POS(?, ?)",
+            (&stored.file, stored.offset),
+        )
+        .await
+        .ok()
+        .flatten()
+        .flatten();
+    let _ = conn.disconnect().await;
+    reader::start_gtid_state(said, stored).err()
+}
+
 /// The server's `@@server_id`: whose binary log a position is in.
 pub async fn server_id(url: &str) -> Result<u64> {
     let mut conn = Conn::new(opts(url)?).await?;

@@ -564,7 +564,7 @@ fn mariadb_prepared_xa(body: &[u8]) -> bool {
 /// server was rebuilt or restored with the same `server_id`, and new files of the same
 /// names reached the offset. Reading from there read another history's events and skipped
 /// the rest: refused, as a purged position is.
-fn start_gtid_state(
+pub(crate) fn start_gtid_state(
     said: Option<String>,
     from: &BinlogPosition,
 ) -> Result<Option<gtid::GtidState>> {

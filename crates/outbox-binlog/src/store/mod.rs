@@ -1156,7 +1156,9 @@ impl Inner {
         self.settle_stall();
         let state = lock(&self.state);
         state.holdings.add_stream_backlog(&mut backlog);
-        backlog.pending += state.unaccepted.len() as u64;
+        // Rows read and not handed out yet: queued, or (a BLACKHOLE outbox) held until their
+        // transaction's commit is read.
+        backlog.pending += (state.unaccepted.len() + state.uncommitted.len()) as u64;
         if self.drain && !state.drained() {
             // Rows the log has not handed over yet, of an age unknown: the drain must not
             // take them for rows that arrived after it began (all younger than the run).

@@ -285,12 +285,19 @@ impl BinlogCapture {
                     .await
                     .map_err(unreachable)?;
                 let problem = outbox_binlog::retention_problem(&stored, &logs, blackhole);
+                let reset = match problem {
+                    Some(_) => None,
+                    None => outbox_binlog::reset_log_refused(&self.url, &stored).await,
+                };
                 problems.extend(problem.map(|mut problem| {
                     if !problem.is_degraded() {
                         problem.fix = self.recovery(blackhole);
                     }
                     problem
                 }));
+                if let Some(e) = reset {
+                    problems.push(Problem::blocking(e.to_string(), self.recovery(blackhole)));
+                }
             }
             Ok(None) => {}
             Err(e) => problems.push(Problem::blocking(

@@ -1241,9 +1241,9 @@ async fn after_a_failover_the_relay_goes_on_at_the_promoted_replica_after_its_gt
 /// server id): the log starts again under the same file names, and once it has grown past
 /// the stored place the file and offset are there again, in another history. The relay read
 /// on from there, skipping what lay before (here: the events written after the reset). The
-/// server's GTID state at the place, not the one stored with it, says so: the capture refuses
-/// the place as purged (and tries again every second, `/readyz` failing), naming the reset,
-/// and delivers nothing. On a server of its own: a reset
+/// server's GTID state at the place, not the one stored with it, says so: `check` fails and
+/// `run` refuses to start, each naming the reset with the recovery, and nothing is
+/// delivered. (A reader starting there refuses it too, as a purged place.) On a server of its own: a reset
 /// of the shared server's log would pull it from under other tests.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_log_reset_and_grown_past_the_stored_place_is_refused_not_read_from() {
@@ -1287,20 +1287,26 @@ async fn a_log_reset_and_grown_past_the_stored_place_is_refused_not_read_from() 
         .exec_drop("UPDATE shop.outbox_binlog SET log_offset = ?", (reached,))
         .await
         .unwrap();
+    let checked = relay(
+        db.dir.path(),
+        &["check", "--capture", "binlog", "--database-url", &db.url],
+    );
+    let said = format!("{}{}", text(&checked.stdout), text(&checked.stderr));
+    assert!(!checked.status.success(), "{said}");
+    assert!(said.contains("RESET MASTER"), "{said}");
     let mut refused = db.spawn("relay-2", "out.jsonl", &[]);
-    refused
-        .wait_for_log(
-            "the place refused",
-            Duration::from_secs(30),
-            "the log was reset (RESET MASTER)",
-        )
-        .await;
+    let status = refused.wait_exit_within(Duration::from_secs(30)).await;
+    assert!(!status.success(), "{}", refused.logs());
+    assert!(
+        refused.logs().contains("the log was reset (RESET MASTER)"),
+        "{}",
+        refused.logs()
+    );
     assert_eq!(
         read_lines(&out).len(),
         10,
         "nothing read from the other history"
     );
-    assert!(refused.terminate().await.success(), "{}", refused.logs());
 }
 
 /// A private MariaDB of its own (`servers.sh`) with server id `id`, and a connection to it.
