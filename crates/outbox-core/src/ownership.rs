@@ -197,6 +197,21 @@ impl Ownership {
         self.fence(|p, h| h.valid_until > now && !revoking.contains_key(&p))
     }
 
+    /// Whether `partition` is still held at the epoch `fence` (a claim's) has for it: a claim
+    /// reads its rows in one snapshot, and by the time they come back the partition may have
+    /// been handed over, published by its new owner, and taken back at a later epoch. Its rows
+    /// are then older than what that owner published of their keys.
+    pub fn held_at(&self, fence: &Fence, partition: i32) -> bool {
+        let Some(i) = fence.partitions.iter().position(|p| *p == partition) else {
+            return false;
+        };
+        let epoch = fence.epochs.get(i).copied();
+        self.state()
+            .held
+            .get(&partition)
+            .is_some_and(|held| Some(held.epoch) == epoch)
+    }
+
     /// What settles are fenced with: every held partition at its epoch (the database
     /// decides whether the lease still stands).
     pub fn settle_fence(&self) -> Fence {
@@ -231,6 +246,24 @@ impl std::fmt::Debug for Ownership {
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    /// A claim fenced at epoch 5 comes back after the partition was handed over and taken
+    /// back at epoch 7: its rows are not of the partition as held now.
+    #[test]
+    fn a_claims_rows_are_held_only_at_the_epoch_it_was_fenced_with() {
+        let o = Ownership::new(8);
+        let later = Instant::now() + Duration::from_secs(10);
+        o.grant(1, 5, later);
+        o.grant(2, 3, later);
+        let fence = o.claim_fence(Instant::now());
+        assert!(o.held_at(&fence, 1) && o.held_at(&fence, 2));
+        o.remove(1);
+        assert!(!o.held_at(&fence, 1), "lost");
+        o.grant(1, 7, later);
+        assert!(!o.held_at(&fence, 1), "taken again at a later epoch");
+        assert!(o.held_at(&fence, 2));
+        assert!(!o.held_at(&fence, 4), "never in the fence");
+    }
 
     #[test]
     fn fences_follow_grants_revocations_and_the_clock() {

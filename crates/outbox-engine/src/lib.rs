@@ -974,6 +974,7 @@ impl Engine {
             return;
         }
         self.crowded_keys.clone_from(&crowded.keys);
+        let claimed_under = fence.clone();
         let claim = self.store.claim(ClaimRequest {
             node: self.config.node.clone(),
             limit,
@@ -1005,6 +1006,7 @@ impl Engine {
                 Claim {
                     number: claim_no,
                     limit,
+                    fence: claimed_under,
                     result,
                 }
             }
@@ -1012,11 +1014,44 @@ impl Engine {
         );
     }
 
+    /// `rows` of a claim fenced with `fence`, split into those of partitions still held at
+    /// the claim's epochs and the ids of the others ([`outbox_core::Ownership::held_at`]):
+    /// those go back unpublished. Published, they went out after what the partition's owner
+    /// meanwhile published of their keys.
+    fn claimed_under_a_gone_epoch(
+        &self,
+        fence: Option<&outbox_core::partition::Fence>,
+        rows: Vec<outbox_core::Claimed>,
+    ) -> (Vec<outbox_core::Claimed>, Vec<SequenceId>) {
+        let (Some(fence), Some(ownership)) = (fence, self.config.shared.ownership.as_ref()) else {
+            return (rows, Vec::new());
+        };
+        let count = ownership.count();
+        let (kept, stale): (Vec<outbox_core::Claimed>, Vec<outbox_core::Claimed>) =
+            rows.into_iter().partition(|row| {
+                ownership.held_at(fence, outbox_core::partition_of(row.ordering_key(), count))
+            });
+        if !stale.is_empty() {
+            tracing::debug!(
+                rows = stale.len(),
+                "claimed rows of a partition taken again at a later epoch meanwhile: released"
+            );
+        }
+        (
+            kept,
+            stale
+                .iter()
+                .map(outbox_core::Claimed::sequence_id)
+                .collect(),
+        )
+    }
+
     /// A claim came back: its rows join their lanes (or go back, if their key is blocked).
     fn on_claimed(&mut self, claim: Claim) -> StoreResult<()> {
         let Claim {
             number: claim_no,
             limit,
+            fence,
             result,
         } = claim;
         match result {
@@ -1026,7 +1061,9 @@ impl Engine {
                 self.crowded_claim_found_nothing =
                     (rows.is_empty() && !self.crowded_keys.is_empty()).then(Instant::now);
                 self.drain.claims_failing_since = None;
-                let release = self.lanes.accept(claim_no, rows);
+                let (rows, stale) = self.claimed_under_a_gone_epoch(fence.as_deref(), rows);
+                let mut release = self.lanes.accept(claim_no, rows);
+                release.extend(stale);
                 self.lanes.expire_blocks(claim_no);
                 // The claim may carry rows of partitions revoked or lost while it ran: check
                 // again before anything is dispatched.

@@ -21,6 +21,8 @@ pub struct Claim {
     pub number: u64,
     /// The most rows it asked for: a full claim means more are waiting.
     pub limit: usize,
+    /// The partitions and epochs it was fenced with (partition mode).
+    pub fence: Option<std::sync::Arc<outbox_core::partition::Fence>>,
     pub result: StoreResult<Vec<Claimed>>,
 }
 
@@ -125,6 +127,7 @@ mod tests {
             Claim {
                 number: 0,
                 limit: 0,
+                fence: None,
                 result: Ok(Vec::new()),
             }
         }

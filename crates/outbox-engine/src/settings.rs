@@ -169,6 +169,15 @@ impl EngineSettings {
                 self.publish_timeout
             ));
         }
+        // Zero abandoned every publish in flight at each SIGTERM: their rows came back after
+        // the lease and went out again.
+        if self.shutdown_timeout.is_zero() {
+            return Err(
+                "shutdown_timeout must be more than 0: a graceful shutdown waits this long for \
+                 the events in flight to be confirmed (a few seconds, as publish_timeout)"
+                    .to_string(),
+            );
+        }
         // A row lease stops guarding its row when it runs out: a publish still waiting then
         // can be confirmed after another node took the row and published the key's next
         // events. (Partition leases bound each publish by themselves, see the engine.)
@@ -208,6 +217,14 @@ mod tests {
             ..EngineSettings::default()
         });
         assert!(err.contains("shorter than lease"), "{err}");
+        let err = refused(EngineSettings {
+            shutdown_timeout: Duration::ZERO,
+            ..EngineSettings::default()
+        });
+        assert!(
+            err.contains("shutdown_timeout must be more than 0"),
+            "{err}"
+        );
         let err = refused(EngineSettings {
             batch_size: 2000,
             max_in_flight: 1000,

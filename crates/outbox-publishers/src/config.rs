@@ -230,6 +230,14 @@ impl SinkConfig {
             )
         })?;
         let max_message_bytes = take(&mut table, "max_message_bytes")?;
+        if max_message_bytes == Some(0) {
+            // Every event larger than nothing would be dead-lettered as too large.
+            return Err(SinkSetupError::config(
+                "`max_message_bytes` = 0 refuses every event (each would be dead-lettered as \
+                 too large): set the largest message the broker takes, or leave it out for \
+                 the sink's own limit",
+            ));
+        }
         let settings = read_settings(SinkKind::of(&uri)?, &uri, table)?;
         Ok(SinkConfig {
             uri,
@@ -427,6 +435,16 @@ mod tests {
 
     fn read(table: Value) -> Result<SinkConfig, String> {
         serde_json::from_value(table).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn a_max_message_bytes_of_zero_is_refused() {
+        let err = read(json!({"uri": "stdout", "max_message_bytes": 0})).unwrap_err();
+        assert!(
+            err.contains("`max_message_bytes` = 0 refuses every event"),
+            "{err}"
+        );
+        assert!(read(json!({"uri": "stdout", "max_message_bytes": 1})).is_ok());
     }
 
     #[test]
