@@ -41,6 +41,13 @@ pub fn prepare(
     ca_file: Option<&Path>,
 ) -> Result<(tokio_postgres::Config, MakeRustlsConnect), StoreError> {
     let (url, sslmode, rootcert) = split_tls_params(url);
+    if rootcert.is_some() && ca_file.is_some() {
+        return Err(config_error(
+            "both the URL's sslrootcert and database_ca_file (--database-ca-file) name a CA \
+             file: keep one"
+                .into(),
+        ));
+    }
     let ca_file = rootcert.or_else(|| ca_file.map(Path::to_path_buf));
     let (mode, verify) = sslmode_of(sslmode.as_deref(), ca_file.is_some())?;
     let mode = match mode {
@@ -78,6 +85,15 @@ pub fn for_sslmode(
 /// libpq's `sslmode` (`prefer` when unset): whether TLS is used, and what is checked.
 fn sslmode_of(sslmode: Option<&str>, has_ca_file: bool) -> Result<(TlsUse, Verify), StoreError> {
     Ok(match sslmode.unwrap_or("prefer") {
+        // A CA file that checks nothing would be a promise of verification not kept.
+        mode @ ("disable" | "allow" | "prefer") if has_ca_file => {
+            return Err(config_error(format!(
+                "a CA file is given (database_ca_file, --database-ca-file, or the URL's \
+                 sslrootcert), but sslmode={mode} checks no certificate: add \
+                 sslmode=verify-full to the database URL (or verify-ca, or require), or drop \
+                 the CA file"
+            )))
+        }
         "disable" | "allow" => (TlsUse::Never, Verify::Nothing),
         "prefer" => (TlsUse::IfOffered, Verify::Nothing),
         "require" if has_ca_file => (TlsUse::Always, Verify::ChainAndName),
@@ -250,6 +266,29 @@ mod tests {
         assert_eq!(root, Some(PathBuf::from("/ca.pem")));
         let (url, mode, _) = split_tls_params("postgres://u@h/db");
         assert_eq!((url.as_str(), mode), ("postgres://u@h/db", None));
+    }
+
+    /// A CA file with an sslmode that verifies nothing was read by nothing: the server's
+    /// certificate went unchecked, silently.
+    #[test]
+    fn a_ca_file_is_refused_where_the_sslmode_checks_no_certificate() {
+        let ca = Path::new("/nonexistent/ca.pem");
+        for mode in ["", "?sslmode=prefer", "?sslmode=disable", "?sslmode=allow"] {
+            let err = prepare(&format!("postgres://u@h/db{mode}"), Some(ca))
+                .err()
+                .expect("refused");
+            assert!(
+                err.to_string().contains("add sslmode=verify-full"),
+                "{mode}: {err}"
+            );
+        }
+        let err = prepare(
+            "postgres://u@h/db?sslmode=verify-full&sslrootcert=/a.pem",
+            Some(ca),
+        )
+        .err()
+        .expect("refused");
+        assert!(err.to_string().contains("keep one"), "{err}");
     }
 
     #[test]
