@@ -122,6 +122,13 @@ pub fn client_config(uri: &str, config: &KafkaConfig) -> Result<ClientConfig, Si
         )
         .set("client.id", "outbox-relay");
     let sasl = config.sasl_mechanism.is_some();
+    if !sasl && (config.sasl_username.is_some() || config.sasl_password.is_some()) {
+        // Without a mechanism they were left out, and the relay connected unauthenticated.
+        return Err(SinkSetupError::config(
+            "sasl_username and sasl_password need sasl_mechanism (PLAIN, SCRAM-SHA-256 or \
+             SCRAM-SHA-512): set it, or remove them",
+        ));
+    }
     let protocol = match (tls, sasl) {
         (false, false) => "plaintext",
         (true, false) => "ssl",
@@ -146,6 +153,13 @@ pub fn client_config(uri: &str, config: &KafkaConfig) -> Result<ClientConfig, Si
         }
     }
     for (k, v) in &config.kafka {
+        if let Some(setting) = owned_by_a_setting(k) {
+            return Err(SinkSetupError::config(format!(
+                "kafka property {k} is the sink's `{setting}` setting: set that instead (the \
+                 relay checks it against the others: `timeout` must be shorter than \
+                 publish_timeout)"
+            )));
+        }
         if let Some(why) = guarantee_broken_by(k, v) {
             return Err(SinkSetupError::config(format!(
                 "kafka property {k} = {v:?} cannot be set: {why}; remove it (the relay sets it)"
@@ -154,6 +168,24 @@ pub fn client_config(uri: &str, config: &KafkaConfig) -> Result<ClientConfig, Si
         c.set(k, v);
     }
     Ok(c)
+}
+
+/// The sink's own setting that sets the raw property `key`, if one does: set raw, it replaced
+/// the setting unchecked (a `message.timeout.ms` past `publish_timeout` had the engine give
+/// up on a record librdkafka then delivered, sent again: a duplicate).
+fn owned_by_a_setting(key: &str) -> Option<&'static str> {
+    match key.trim() {
+        "message.timeout.ms" | "delivery.timeout.ms" => Some("timeout"),
+        "bootstrap.servers" | "metadata.broker.list" => Some("uri"),
+        "security.protocol" => Some("uri (kafkas:// for TLS) and sasl_mechanism"),
+        "sasl.mechanism" | "sasl.mechanisms" => Some("sasl_mechanism"),
+        "sasl.username" => Some("sasl_username"),
+        "sasl.password" => Some("sasl_password"),
+        "ssl.ca.location" => Some("ca_file"),
+        "ssl.certificate.location" => Some("cert_file"),
+        "ssl.key.location" => Some("key_file"),
+        _ => None,
+    }
 }
 
 /// Why the raw property `key = value` would break what the relay promises, if it would:
@@ -406,6 +438,33 @@ mod tests {
         );
         let down = KafkaError::MessageProduction(RDKafkaErrorCode::BrokerTransportFailure);
         assert_eq!(classify(down, "t").kind(), PublishErrorKind::Unavailable);
+    }
+
+    #[test]
+    fn raw_properties_a_setting_owns_and_credentials_without_a_mechanism_are_refused() {
+        let with = |kafka: &[(&str, &str)]| KafkaConfig {
+            kafka: kafka
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            ..KafkaConfig::default()
+        };
+        let err = client_config("kafka://b:9092", &with(&[("message.timeout.ms", "60000")]))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("`timeout` setting"), "{err}");
+        assert!(client_config("kafka://b:9092", &with(&[("linger.ms", "5")])).is_ok());
+        let credentials = KafkaConfig {
+            sasl_username: Some("relay".into()),
+            sasl_password: Some(Secret::new("pw")),
+            ..KafkaConfig::default()
+        };
+        let err = client_config("kafka://b:9092", &credentials)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("need sasl_mechanism"), "{err}");
     }
 
     #[test]
