@@ -82,6 +82,20 @@ struct Inner {
 impl RedisSink {
     pub fn new(uri: &str, config: &RedisConfig) -> Result<Self, SinkSetupError> {
         let shown = outbox_core::redact::redact_url(uri);
+        if config.maxlen == Some(0) {
+            // Redis's MAXLEN 0 empties the stream; here 0 meant unbounded, silently.
+            return Err(SinkSetupError::config(
+                "`maxlen` = 0: Redis would trim each stream to nothing; leave `maxlen` out for \
+                 streams that are not trimmed, or give the entries to keep",
+            ));
+        }
+        if config.dedupe_window < Duration::from_secs(1) {
+            // Kept in whole seconds: a shorter window became a second, silently.
+            return Err(SinkSetupError::config(format!(
+                "`dedupe_window` = {:?}: it is kept in whole seconds, at least 1s",
+                config.dedupe_window
+            )));
+        }
         let tls = &config.tls;
         let client = if tls.ca_file.is_some() || tls.cert_file.is_some() {
             let read = |path: &std::path::Path| {
@@ -269,4 +283,29 @@ impl Sink for RedisSink {
 
 pub fn sink(uri: &str, config: &RedisConfig) -> Result<Arc<dyn Sink>, SinkSetupError> {
     Ok(Arc::new(RedisSink::new(uri, config)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_maxlen_of_zero_and_a_window_under_a_second_are_refused() {
+        let refused = |config: RedisConfig| match RedisSink::new("redis://127.0.0.1:6379", &config)
+        {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("accepted"),
+        };
+        let err = refused(RedisConfig {
+            maxlen: Some(0),
+            ..RedisConfig::default()
+        });
+        assert!(err.contains("`maxlen` = 0"), "{err}");
+        let err = refused(RedisConfig {
+            dedupe_window: Duration::from_millis(500),
+            ..RedisConfig::default()
+        });
+        assert!(err.contains("at least 1s"), "{err}");
+        assert!(RedisSink::new("redis://127.0.0.1:6379", &RedisConfig::default()).is_ok());
+    }
 }
