@@ -699,22 +699,9 @@ async fn a_purged_position_is_refused_and_forgetting_it_adopts_the_rows_still_in
     )
     .await
     .unwrap();
-    let checked = relay(
-        db.dir.path(),
-        &["check", "--capture", "binlog", "--database-url", &db.url],
-    );
-    let said = format!("{}{}", text(&checked.stdout), text(&checked.stderr));
-    assert!(!checked.status.success(), "{said}");
-    assert!(said.contains("purged"), "{said}");
+    let (said, logs) = check_and_run_refuse(&db, &db.url, |t| t.contains("purged")).await;
     let forget = advised_forget(&said);
-    let mut refused = db.spawn("relay-2", "out.jsonl", &[]);
-    let status = refused.wait_exit_within(Duration::from_secs(30)).await;
-    assert!(!status.success(), "{}", refused.logs());
-    assert!(
-        refused.logs().contains("purged") && refused.logs().contains(&forget),
-        "{}",
-        refused.logs()
-    );
+    assert!(logs.contains(&forget), "{logs}");
     assert!(
         read_lines(&db.path("out.jsonl")).is_empty(),
         "nothing skipped to"
@@ -835,7 +822,11 @@ async fn a_purged_position_of_a_blackhole_outbox_is_refused_saying_its_events_ar
 
 /// `check` of the database at `url` fails, and a relay's start there exits non-zero, both
 /// saying what `says_it` looks for.
-async fn check_and_run_refuse(db: &BinlogDb, url: &str, says_it: impl Fn(&str) -> bool) {
+async fn check_and_run_refuse(
+    db: &BinlogDb,
+    url: &str,
+    says_it: impl Fn(&str) -> bool,
+) -> (String, String) {
     let checked = relay(
         db.dir.path(),
         &["check", "--capture", "binlog", "--database-url", url],
@@ -845,8 +836,10 @@ async fn check_and_run_refuse(db: &BinlogDb, url: &str, says_it: impl Fn(&str) -
     assert!(says_it(&said), "{said}");
     let mut refused = db.spawn("relay-2", "out.jsonl", &[]);
     let status = refused.wait_exit_within(Duration::from_secs(30)).await;
-    assert!(!status.success(), "{}", refused.logs());
-    assert!(says_it(&refused.logs()), "{}", refused.logs());
+    let logs = refused.logs();
+    assert!(!status.success(), "{logs}");
+    assert!(says_it(&logs), "{logs}");
+    (said, logs)
 }
 
 /// The statement a refusal advises to forget the stored position (`forget the position
@@ -1287,21 +1280,8 @@ async fn a_log_reset_and_grown_past_the_stored_place_is_refused_not_read_from() 
         .exec_drop("UPDATE shop.outbox_binlog SET log_offset = ?", (reached,))
         .await
         .unwrap();
-    let checked = relay(
-        db.dir.path(),
-        &["check", "--capture", "binlog", "--database-url", &db.url],
-    );
-    let said = format!("{}{}", text(&checked.stdout), text(&checked.stderr));
-    assert!(!checked.status.success(), "{said}");
-    assert!(said.contains("RESET MASTER"), "{said}");
-    let mut refused = db.spawn("relay-2", "out.jsonl", &[]);
-    let status = refused.wait_exit_within(Duration::from_secs(30)).await;
-    assert!(!status.success(), "{}", refused.logs());
-    assert!(
-        refused.logs().contains("the log was reset (RESET MASTER)"),
-        "{}",
-        refused.logs()
-    );
+    let reset = "the log was reset (RESET MASTER)";
+    check_and_run_refuse(&db, &db.url, |t| t.contains(reset)).await;
     assert_eq!(
         read_lines(&out).len(),
         10,
