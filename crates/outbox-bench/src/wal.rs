@@ -128,23 +128,13 @@ async fn prepare_slot(b: &Bench, db: &tokio_postgres::Client, slot: &str) -> Res
     let mut drain = vec!["run", "--drain", "--sink", "stdout", "--http-addr", ""];
     drain.extend(["--capture", "wal", "--slot", slot]);
     b.relay_cli(&drain)?;
-    await_slot_active_named(db, slot, false)
-        .await
-        .with_context(|| {
-            format!("the slot {slot} stayed active after the relay that made it exited")
-        })
+    await_slot_active(db, slot, false).await.with_context(|| {
+        format!("the slot {slot} stayed active after the relay that made it exited")
+    })
 }
 
-/// Waits, at most 30 s, until [`SLOT`] is streaming to a client (`active`), or is not.
-async fn await_slot_active(db: &tokio_postgres::Client, active: bool) -> Result<()> {
-    await_slot_active_named(db, SLOT, active).await
-}
-
-async fn await_slot_active_named(
-    db: &tokio_postgres::Client,
-    slot: &str,
-    active: bool,
-) -> Result<()> {
+/// Waits, at most 30 s, until `slot` is streaming to a client (`active`), or is not.
+async fn await_slot_active(db: &tokio_postgres::Client, slot: &str, active: bool) -> Result<()> {
     let start = Instant::now();
     while db
         .query_one(
@@ -226,7 +216,7 @@ pub async fn spawn_recvlogical(
     );
     // Writes before the slot is active would still be read, but the writer-cost variant
     // must not measure a start-up.
-    await_slot_active(db, true)
+    await_slot_active(db, SLOT, true)
         .await
         .context("pg_recvlogical did not start streaming")?;
     Ok(child)
@@ -442,28 +432,19 @@ async fn drain_once(b: &Bench, sink: &str, form: &str) -> Result<Value> {
         .await?
         .get(0);
     if !later_rounds.is_empty() {
-        let mut ratios = vec![ratio(&drained, &floor)];
-        let mut each = vec![json!({
-            "floor_events_per_s": floor["events_per_s"],
-            "events_per_s": drained["events_per_s"],
-            "relay_cpu_s_per_million": drained["relay_cpu_s_per_million"],
-        })];
+        let mut each = vec![round(&drained, &floor)];
         for (relay_slot, floor_slot) in &later_rounds {
             let floor = floor_drain(b, &db, floor_slot, n).await?;
             let args = ["--capture", "wal", "--slot", relay_slot.as_str()];
             let file = b.work.join("wal-drain.jsonl");
             let relay = measure::run_drain(b, &db, sink, &file, n, &args).await?;
-            ratios.push(ratio(&relay, &floor));
-            each.push(json!({
-                "floor_events_per_s": floor["events_per_s"],
-                "events_per_s": relay["events_per_s"],
-                "relay_cpu_s_per_million": relay["relay_cpu_s_per_million"],
-            }));
+            each.push(round(&relay, &floor));
             db.execute("SELECT pg_drop_replication_slot($1)", &[relay_slot])
                 .await?;
         }
-        drained["rounds"] = json!(each);
+        let mut ratios: Vec<f64> = each.iter().filter_map(|r| r["ratio"].as_f64()).collect();
         drained["median_ratio"] = json!(median(&mut ratios));
+        drained["rounds"] = json!(each);
     }
     drained["form"] = json!(form);
     drained["floor"] = floor;
@@ -472,9 +453,15 @@ async fn drain_once(b: &Bench, sink: &str, form: &str) -> Result<Value> {
     Ok(drained)
 }
 
-/// A drain's rate over its floor's.
-fn ratio(drained: &Value, floor: &Value) -> f64 {
-    drained["events_per_s"].as_f64().unwrap_or(0.0) / floor["events_per_s"].as_f64().unwrap_or(1.0)
+/// One round of alternating drains: the relay's and the floor's rates, and their ratio.
+fn round(drained: &Value, floor: &Value) -> Value {
+    let rate = |v: &Value| v["events_per_s"].as_f64();
+    json!({
+        "floor_events_per_s": floor["events_per_s"],
+        "events_per_s": drained["events_per_s"],
+        "relay_cpu_s_per_million": drained["relay_cpu_s_per_million"],
+        "ratio": rate(drained).zip(rate(floor)).map(|(relay, floor)| relay / floor),
+    })
 }
 
 fn median(values: &mut [f64]) -> f64 {
@@ -552,13 +539,11 @@ pub fn drain_note(r: &Value) -> String {
         let pairs: Vec<String> = each
             .iter()
             .map(|round| {
-                let (relay, floor) = (&round["events_per_s"], &round["floor_events_per_s"]);
-                let ratio = relay.as_f64().unwrap_or(0.0) / floor.as_f64().unwrap_or(1.0);
                 format!(
                     "{}/s against {}/s ({}×)",
-                    measure::f(relay),
-                    measure::f(floor),
-                    measure::f(&json!(ratio))
+                    measure::f(&round["events_per_s"]),
+                    measure::f(&round["floor_events_per_s"]),
+                    measure::f(&round["ratio"])
                 )
             })
             .collect();

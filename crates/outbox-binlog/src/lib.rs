@@ -389,15 +389,7 @@ pub async fn gtid_resume_refused(config: &BinlogConfig, gtid: &str) -> Option<Bi
 pub async fn reset_log_refused(url: &str, stored: &BinlogPosition) -> Option<BinlogError> {
     stored.gtid.as_ref()?;
     let mut conn = Conn::new(opts(url).ok()?).await.ok()?;
-    let said: Option<String> = conn
-        .exec_first::<Option<String>, _, _>(
-            "SELECT BINLOG_GTID_POS(?, ?)",
-            (&stored.file, stored.offset),
-        )
-        .await
-        .ok()
-        .flatten()
-        .flatten();
+    let said = reader::gtid_state_said_at(&mut conn, stored).await;
     let _ = conn.disconnect().await;
     reader::start_gtid_state(said, stored).err()
 }

@@ -564,6 +564,16 @@ fn mariadb_prepared_xa(body: &[u8]) -> bool {
 /// server was rebuilt or restored with the same `server_id`, and new files of the same
 /// names reached the offset. Reading from there read another history's events and skipped
 /// the rest: refused, as a purged position is.
+/// The GTID state the server says it has at `at` in its log (MariaDB's `BINLOG_GTID_POS`);
+/// `None` from MySQL, which has no such function, or for a place the server does not know.
+pub(crate) async fn gtid_state_said_at(conn: &mut Conn, at: &BinlogPosition) -> Option<String> {
+    conn.exec_first::<Option<String>, _, _>("SELECT BINLOG_GTID_POS(?, ?)", (&at.file, at.offset))
+        .await
+        .ok()
+        .flatten()
+        .flatten()
+}
+
 pub(crate) fn start_gtid_state(
     said: Option<String>,
     from: &BinlogPosition,
@@ -684,16 +694,7 @@ impl BinlogReader {
         };
         let gtid_state = match start {
             Start::Position(from) => {
-                let said = conn
-                    .exec_first::<Option<String>, _, _>(
-                        "SELECT BINLOG_GTID_POS(?, ?)",
-                        (&from.file, from.offset),
-                    )
-                    .await
-                    .ok()
-                    .flatten()
-                    .flatten();
-                start_gtid_state(said, from)?
+                start_gtid_state(gtid_state_said_at(&mut conn, from).await, from)?
             }
             Start::AfterGtid(state) => Some(state.clone()),
         };

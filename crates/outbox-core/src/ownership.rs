@@ -197,19 +197,20 @@ impl Ownership {
         self.fence(|p, h| h.valid_until > now && !revoking.contains_key(&p))
     }
 
-    /// Whether `partition` is still held at the epoch `fence` (a claim's) has for it: a claim
-    /// reads its rows in one snapshot, and by the time they come back the partition may have
-    /// been handed over, published by its new owner, and taken back at a later epoch. Its rows
-    /// are then older than what that owner published of their keys.
-    pub fn held_at(&self, fence: &Fence, partition: i32) -> bool {
-        let Some(i) = fence.partitions.iter().position(|p| *p == partition) else {
-            return false;
-        };
-        let epoch = fence.epochs.get(i).copied();
-        self.state()
-            .held
-            .get(&partition)
-            .is_some_and(|held| Some(held.epoch) == epoch)
+    /// The partitions of `fence` (a claim's) no longer held at its epochs: a claim reads its
+    /// rows in one snapshot, and by the time they come back a partition may have been handed
+    /// over, published by its new owner, and taken back at a later epoch. Its rows are then
+    /// older than what that owner published of their keys. Empty, as almost always, when
+    /// nothing changed.
+    pub fn gone_from(&self, fence: &Fence) -> BTreeSet<i32> {
+        let state = self.state();
+        fence
+            .partitions
+            .iter()
+            .zip(&fence.epochs)
+            .filter(|(p, epoch)| state.held.get(p).is_none_or(|held| held.epoch != **epoch))
+            .map(|(p, _)| *p)
+            .collect()
     }
 
     /// What settles are fenced with: every held partition at its epoch (the database
@@ -256,13 +257,17 @@ mod tests {
         o.grant(1, 5, later);
         o.grant(2, 3, later);
         let fence = o.claim_fence(Instant::now());
-        assert!(o.held_at(&fence, 1) && o.held_at(&fence, 2));
+        assert!(o.gone_from(&fence).is_empty());
         o.remove(1);
-        assert!(!o.held_at(&fence, 1), "lost");
+        assert_eq!(o.gone_from(&fence), BTreeSet::from([1]), "lost");
         o.grant(1, 7, later);
-        assert!(!o.held_at(&fence, 1), "taken again at a later epoch");
-        assert!(o.held_at(&fence, 2));
-        assert!(!o.held_at(&fence, 4), "never in the fence");
+        assert_eq!(
+            o.gone_from(&fence),
+            BTreeSet::from([1]),
+            "taken again at a later epoch"
+        );
+        o.grant(4, 1, later);
+        assert!(!o.gone_from(&fence).contains(&4), "never in the fence");
     }
 
     #[test]

@@ -1015,7 +1015,7 @@ impl Engine {
     }
 
     /// `rows` of a claim fenced with `fence`, split into those of partitions still held at
-    /// the claim's epochs and the ids of the others ([`outbox_core::Ownership::held_at`]):
+    /// the claim's epochs and the ids of the others ([`outbox_core::Ownership::gone_from`]):
     /// those go back unpublished. Published, they went out after what the partition's owner
     /// meanwhile published of their keys.
     fn claimed_under_a_gone_epoch(
@@ -1026,11 +1026,15 @@ impl Engine {
         let (Some(fence), Some(ownership)) = (fence, self.config.shared.ownership.as_ref()) else {
             return (rows, Vec::new());
         };
+        // One look at the partitions; each row's (a hash of its key) only when one went.
+        let gone = ownership.gone_from(fence);
+        if gone.is_empty() {
+            return (rows, Vec::new());
+        }
         let count = ownership.count();
-        let (kept, stale): (Vec<outbox_core::Claimed>, Vec<outbox_core::Claimed>) =
-            rows.into_iter().partition(|row| {
-                ownership.held_at(fence, outbox_core::partition_of(row.ordering_key(), count))
-            });
+        let (kept, stale): (Vec<outbox_core::Claimed>, Vec<outbox_core::Claimed>) = rows
+            .into_iter()
+            .partition(|row| !gone.contains(&outbox_core::partition_of(row.ordering_key(), count)));
         if !stale.is_empty() {
             tracing::debug!(
                 rows = stale.len(),
