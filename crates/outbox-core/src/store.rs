@@ -8,7 +8,8 @@
 //! - no earlier pending row of the same ordering key is *blocking* it: waiting to retry
 //!   (`available_at` in the future after a failed attempt) or leased by another node.
 //!   Rows leased by the claiming node itself do not block it: that node's engine already
-//!   holds them in order.
+//!   holds them in order (or, after a claim whose answer was lost, releases them first:
+//!   [`OutboxStore::release_unheld`]).
 //!
 //! [`OutboxStore::claim`] leases up to `limit` claimable rows to one node in a single
 //! statement, oldest `sequence_id` first, leaving out every row of the request's
@@ -323,6 +324,21 @@ pub trait OutboxStore: Send + Sync + 'static {
     /// Returns leased rows to claimable at once, without counting an attempt
     /// (graceful shutdown, or later rows of a key whose earlier row must retry).
     fn release(&self, node: NodeId, ids: Vec<SequenceId>) -> StoreFuture<u64>;
+
+    /// Returns every row leased to `node` that is not in `held` to claimable at once,
+    /// without counting an attempt; returns how many.
+    ///
+    /// The engine calls it before claiming again after a claim that failed: such a claim
+    /// may have committed its leases and lost only its answer. Those rows are leased to the
+    /// node, which does not hold them, and a node's own leases do not block its claims (see
+    /// the module docs): left leased, a later row of their key would be claimed and published
+    /// before them. Also called once at start, for the leases of an earlier process that ran
+    /// under the same node id. `held` is everything the engine holds, settles in flight
+    /// included, so no row it still works on changes hands.
+    ///
+    /// A claim that commits after the node gave up on it (an answer delayed past the
+    /// statement timeout) is not covered: its rows wait for their lease to run out.
+    fn release_unheld(&self, node: NodeId, held: Vec<SequenceId>) -> StoreFuture<u64>;
 
     /// Pushes the lease of `extension.ids`, still held by its node, to `now + lease`.
     fn extend_leases(&self, extension: LeaseExtension) -> StoreFuture<u64>;

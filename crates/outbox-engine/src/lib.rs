@@ -258,6 +258,12 @@ struct Engine {
     /// window, so the next waits for the poll or a crowded key thinning, not for every
     /// wake-up (under a stream of commits, one after another).
     crowded_claim_found_nothing: Option<Instant>,
+    /// The store may lease rows to this node that its lanes do not hold: a claim failed
+    /// (it may have committed and lost only its answer), or the node just started (an
+    /// earlier process under its id). The next claim first gives them back
+    /// ([`OutboxStore::release_unheld`]): a node's own leases do not block its claims, and
+    /// a later row of their key would go out before them.
+    unheld_leases_possible: bool,
     /// Ownership as last acted on, and as last reported to the coordinator.
     ownership_seen: OwnershipSeen,
     /// The waiting state last told to the store (for its gated wake-up).
@@ -975,14 +981,33 @@ impl Engine {
         }
         self.crowded_keys.clone_from(&crowded.keys);
         let claimed_under = fence.clone();
-        let claim = self.store.claim(ClaimRequest {
+        let release_unheld = self.unheld_leases_possible.then(|| {
+            self.store
+                .release_unheld(self.config.node.clone(), self.lanes.held_ids())
+        });
+        let store = self.store.clone();
+        let request = ClaimRequest {
             node: self.config.node.clone(),
             limit,
             lease: self.config.settings.lease,
             fence,
             ordered: self.config.ordered,
             crowded,
-        });
+        };
+        // Claimed after the release: both in the claim's slot, so no other claim runs
+        // between them.
+        let claim = async move {
+            if let Some(release) = release_unheld {
+                let released = release.await?;
+                if released > 0 {
+                    tracing::warn!(
+                        rows = released,
+                        "gave back rows leased to this node that it did not hold (a claim whose answer was lost, or an earlier process under this node id)"
+                    );
+                }
+            }
+            store.claim(request).await
+        };
         let attempt = self.config.shared.health.begin(Check::Claim);
         let claim_no = self.claims.started + 1;
         let telemetry = self
@@ -1058,6 +1083,7 @@ impl Engine {
             fence,
             result,
         } = claim;
+        self.unheld_leases_possible = result.is_err();
         match result {
             Ok(rows) => {
                 ::metrics::histogram!(metrics::CLAIM_BATCH).record(rows.len() as f64);
@@ -1260,6 +1286,7 @@ pub async fn run(
         publish_streaks: streaks::PublishStreaks::default(),
         crowded_keys: Vec::new(),
         crowded_claim_found_nothing: None,
+        unheld_leases_possible: true,
         ownership_seen: OwnershipSeen::default(),
         reported_waiting: false,
         drain: DrainProgress::new(),

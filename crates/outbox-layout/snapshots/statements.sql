@@ -142,6 +142,9 @@ WITH c AS (SELECT l.id, row_number() OVER () AS n
 -- adbc, Postgres: dead_before
 (none)
 
+-- adbc, Postgres: release_unheld
+UPDATE "public"."outbox" o SET "locked_by" = NULL, "lock_expiry" = NULL WHERE o."locked_by" IS NOT NULL AND o."locked_by" = :node AND :not_held
+
 -- adbc, Postgres: count
 SELECT (count(*))::int8 FROM "public"."outbox" o WHERE :condition
 
@@ -318,6 +321,9 @@ CAST(CAST(o.`channel` AS CHAR) AS BINARY) = CAST(:destination AS BINARY)
 
 -- adbc, MySql: dead_before
 (none)
+
+-- adbc, MySql: release_unheld
+UPDATE `public`.`outbox` o SET o.`locked_by` = NULL, o.`lock_expiry` = NULL WHERE o.`locked_by` IS NOT NULL AND o.`locked_by` = :node AND :not_held
 
 -- adbc, MySql: count
 SELECT CAST(count(*) AS SIGNED) FROM `public`.`outbox` o WHERE :condition
@@ -508,6 +514,9 @@ to_timestamp(:micros::float8 / 1e6)
 -- open_outbox, Postgres: dead_before
 (o."status" = 'DEAD') AND o."updated_at" < to_timestamp(:before::float8 / 1e6)
 
+-- open_outbox, Postgres: release_unheld
+UPDATE "public"."openoutbox_events" o SET "status" = 'PENDING', "locked_by" = NULL, "locked_at" = NULL, "updated_at" = now() WHERE o."status" = 'DELIVERING' AND o."locked_by" = :node AND :not_held
+
 -- open_outbox, Postgres: count
 SELECT (count(*))::int8 FROM "public"."openoutbox_events" o WHERE :condition
 
@@ -697,6 +706,9 @@ CAST(CAST(o.`event_type` AS CHAR) AS BINARY) = CAST(:destination AS BINARY)
 -- open_outbox, MySql: dead_before
 (o.`status` = 'DEAD') AND o.`updated_at` < FROM_UNIXTIME(:before / 1000000)
 
+-- open_outbox, MySql: release_unheld
+UPDATE `public`.`openoutbox_events` o SET o.`status` = 'PENDING', o.`locked_by` = NULL, o.`locked_at` = NULL, o.`updated_at` = UTC_TIMESTAMP(6) WHERE o.`status` = 'DELIVERING' AND o.`locked_by` = :node AND :not_held
+
 -- open_outbox, MySql: count
 SELECT CAST(count(*) AS SIGNED) FROM `public`.`openoutbox_events` o WHERE :condition
 
@@ -880,6 +892,9 @@ to_timestamp(:micros::float8 / 1e6)
 -- export, Postgres: dead_before
 (o."status" = 'ERROR') AND o."updated_at" < to_timestamp(:before::float8 / 1e6)
 
+-- export, Postgres: release_unheld
+UPDATE "public"."event" o SET "status" = 'NEW', "updated_at" = now() WHERE o."status" = 'PROCESSING' AND :node IS NOT NULL AND :not_held
+
 -- export, Postgres: count
 SELECT (count(*))::int8 FROM "public"."event" o WHERE :condition
 
@@ -1062,6 +1077,9 @@ CAST(CAST(o.`type_code` AS CHAR) AS BINARY) = CAST(:destination AS BINARY)
 
 -- export, MySql: dead_before
 (o.`status` = 'ERROR') AND o.`updated_at` < FROM_UNIXTIME(:before / 1000000)
+
+-- export, MySql: release_unheld
+UPDATE `public`.`event` o SET o.`status` = 'NEW', o.`updated_at` = UTC_TIMESTAMP(6) WHERE o.`status` = 'PROCESSING' AND :node IS NOT NULL AND :not_held
 
 -- export, MySql: count
 SELECT CAST(count(*) AS SIGNED) FROM `public`.`event` o WHERE :condition
@@ -1266,6 +1284,9 @@ WITH c AS (SELECT l.id, row_number() OVER () AS n
 
 -- debezium, Postgres: dead_before
 (EXISTS (SELECT 1 FROM "public"."outboxevent_dead_letters" dl WHERE dl.id = o."relay_sequence")) AND (SELECT dl.dead_at FROM "public"."outboxevent_dead_letters" dl WHERE dl.id = o."relay_sequence") < (to_timestamp(:before::float8 / 1e6) AT TIME ZONE 'UTC')
+
+-- debezium, Postgres: release_unheld
+(none)
 
 -- debezium, Postgres: count
 SELECT (count(*))::int8 FROM "public"."outboxevent" o WHERE :condition
@@ -1473,6 +1494,9 @@ CAST(CAST(o.`aggregatetype` AS CHAR) AS BINARY) = CAST(:destination AS BINARY)
 -- debezium, MySql: dead_before
 (EXISTS (SELECT 1 FROM `public`.`outboxevent_dead_letters` dl WHERE dl.id = o.`relay_sequence`)) AND (SELECT dl.dead_at FROM `public`.`outboxevent_dead_letters` dl WHERE dl.id = o.`relay_sequence`) < FROM_UNIXTIME(:before / 1000000)
 
+-- debezium, MySql: release_unheld
+(none)
+
 -- debezium, MySql: count
 SELECT CAST(count(*) AS SIGNED) FROM `public`.`outboxevent` o WHERE :condition
 
@@ -1665,6 +1689,9 @@ to_timestamp(:micros::float8 / 1e6)
 
 -- mysql_outbox_events, Postgres: dead_before
 (EXISTS (SELECT 1 FROM "outbox_events_dead_letters" dl WHERE dl.id = o."id")) AND (SELECT dl.dead_at FROM "outbox_events_dead_letters" dl WHERE dl.id = o."id") < to_timestamp(:before::float8 / 1e6)
+
+-- mysql_outbox_events, Postgres: release_unheld
+(none)
 
 -- mysql_outbox_events, Postgres: count
 SELECT (count(*))::int8 FROM "outbox_events" o WHERE :condition
@@ -1860,6 +1887,9 @@ CAST(CAST(o.`type` AS CHAR) AS BINARY) = CAST(:destination AS BINARY)
 -- mysql_outbox_events, MySql: dead_before
 (EXISTS (SELECT 1 FROM `outbox_events_dead_letters` dl WHERE dl.id = o.`id`)) AND (SELECT dl.dead_at FROM `outbox_events_dead_letters` dl WHERE dl.id = o.`id`) < FROM_UNIXTIME(:before / 1000000)
 
+-- mysql_outbox_events, MySql: release_unheld
+(none)
+
 -- mysql_outbox_events, MySql: count
 SELECT CAST(count(*) AS SIGNED) FROM `outbox_events` o WHERE :condition
 
@@ -2049,6 +2079,9 @@ to_timestamp(:micros::float8 / 1e6)
 -- native_mysql, Postgres: dead_before
 (o."dead_at" IS NOT NULL) AND o."dead_at" < to_timestamp(:before::float8 / 1e6)
 
+-- native_mysql, Postgres: release_unheld
+UPDATE "app"."outbox" o SET "locked_by" = NULL, "locked_until" = NULL WHERE o."locked_by" IS NOT NULL AND o."locked_by" = :node AND :not_held
+
 -- native_mysql, Postgres: count
 SELECT (count(*))::int8 FROM "app"."outbox" o WHERE :condition
 
@@ -2235,6 +2268,9 @@ CAST(CAST(o.`destination` AS CHAR) AS BINARY) = CAST(:destination AS BINARY)
 
 -- native_mysql, MySql: dead_before
 (o.`dead_at` IS NOT NULL) AND o.`dead_at` < FROM_UNIXTIME(:before / 1000000)
+
+-- native_mysql, MySql: release_unheld
+UPDATE `app`.`outbox` o SET o.`locked_by` = NULL, o.`locked_until` = NULL WHERE o.`locked_by` IS NOT NULL AND o.`locked_by` = :node AND :not_held
 
 -- native_mysql, MySql: count
 SELECT CAST(count(*) AS SIGNED) FROM `app`.`outbox` o WHERE :condition
@@ -2423,6 +2459,9 @@ to_timestamp(:micros::float8 / 1e6)
 -- native_mysql retained, Postgres: dead_before
 (o."dead_at" IS NOT NULL) AND o."dead_at" < to_timestamp(:before::float8 / 1e6)
 
+-- native_mysql retained, Postgres: release_unheld
+UPDATE "outbox" o SET "locked_by" = NULL, "locked_until" = NULL WHERE o."locked_by" IS NOT NULL AND o."locked_by" = :node AND :not_held
+
 -- native_mysql retained, Postgres: count
 SELECT (count(*))::int8 FROM "outbox" o WHERE :condition
 
@@ -2609,6 +2648,9 @@ CAST(CAST(o.`destination` AS CHAR) AS BINARY) = CAST(:destination AS BINARY)
 
 -- native_mysql retained, MySql: dead_before
 (o.`dead_at` IS NOT NULL) AND o.`dead_at` < FROM_UNIXTIME(:before / 1000000)
+
+-- native_mysql retained, MySql: release_unheld
+UPDATE `outbox` o SET o.`locked_by` = NULL, o.`locked_until` = NULL WHERE o.`locked_by` IS NOT NULL AND o.`locked_by` = :node AND :not_held
 
 -- native_mysql retained, MySql: count
 SELECT CAST(count(*) AS SIGNED) FROM `outbox` o WHERE :condition

@@ -111,6 +111,10 @@ fn statements(sql: &Sql) -> Vec<(&'static str, Option<String>)> {
         ),
         ("delivered_before", sql.delivered_before(":before")),
         ("dead_before", sql.dead_before(":before")),
+        (
+            "release_unheld",
+            sql.release_unheld(Some(":not_held"), ":node"),
+        ),
         ("count", Some(sql.count(":condition"))),
         ("pick", Some(sql.pick(":condition", n))),
         ("delete", Some(sql.delete(ids))),

@@ -942,6 +942,33 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
         .boxed()
     }
 
+    fn release_unheld(&self, node: NodeId, held: Vec<SequenceId>) -> StoreFuture<u64> {
+        let store = self.clone();
+        async move {
+            // Only the active relay: a standby's release would take rows from under the
+            // active one where the table does not say who holds a row. Held through the
+            // statement, so that no takeover runs meanwhile.
+            let leader = store.inner.leader.lock().await;
+            if leader.lock.is_none() {
+                return Ok(0);
+            }
+            let sql = &store.inner.sql;
+            let mut p = store.params();
+            let node_param = p.text(node.0);
+            let held = store.row_ids(&held);
+            // An empty list leaves the condition out (`NOT IN (NULL)` matches no row).
+            let not_held = (!held.is_empty())
+                .then(|| p.not_in_ids(&sql.id_column(), &held, sql.mapping.id_type));
+            let Some(statement) = sql.release_unheld(not_held.as_deref(), &node_param) else {
+                return Ok(0);
+            };
+            let released = store.inner.db.execute("release unheld", statement, p).await;
+            drop(leader);
+            released
+        }
+        .boxed()
+    }
+
     fn extend_leases(&self, extension: LeaseExtension) -> StoreFuture<u64> {
         let LeaseExtension { node, ids, lease } = extension;
         let store = self.clone();

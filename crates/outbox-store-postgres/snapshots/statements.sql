@@ -258,6 +258,11 @@ WITH locked AS (
 UPDATE "public"."outbox" SET locked_until = NULL
                   WHERE sequence_id = ANY($2) AND locked_by = $1 AND locked_until IS NOT NULL
 
+-- public.outbox: release_unheld
+UPDATE "public"."outbox" SET locked_until = NULL
+                  WHERE locked_by = $1 AND locked_until IS NOT NULL AND delivered_at IS NULL
+                    AND sequence_id NOT IN (SELECT unnest($2::int8[]))
+
 -- public.outbox: extend_leases
 UPDATE "public"."outbox" SET locked_until = now() + $3::int8 * interval '1 millisecond'
                   WHERE sequence_id = ANY($2) AND locked_by = $1 AND locked_until IS NOT NULL
@@ -929,6 +934,11 @@ WITH locked AS (
 -- app.events: release
 UPDATE "app"."events" SET locked_until = NULL
                   WHERE sequence_id = ANY($2) AND locked_by = $1 AND locked_until IS NOT NULL
+
+-- app.events: release_unheld
+UPDATE "app"."events" SET locked_until = NULL
+                  WHERE locked_by = $1 AND locked_until IS NOT NULL AND delivered_at IS NULL
+                    AND sequence_id NOT IN (SELECT unnest($2::int8[]))
 
 -- app.events: extend_leases
 UPDATE "app"."events" SET locked_until = now() + $3::int8 * interval '1 millisecond'

@@ -846,6 +846,22 @@ impl OutboxStore for PgStore {
         .boxed()
     }
 
+    fn release_unheld(&self, node: NodeId, held: Vec<SequenceId>) -> StoreFuture<u64> {
+        let inner = self.inner.clone();
+        async move {
+            let forgotten = inner.owned.forget_all_but(&node.0, &held);
+            let n = Self::execute(
+                &inner,
+                "release unheld",
+                &inner.sql.release_unheld,
+                &[&node.0, &held],
+            )
+            .await?;
+            Ok(n + forgotten)
+        }
+        .boxed()
+    }
+
     fn extend_leases(&self, extension: LeaseExtension) -> StoreFuture<u64> {
         let LeaseExtension { node, ids, lease } = extension;
         let inner = self.inner.clone();

@@ -482,6 +482,7 @@ pub struct Statements {
     pub retry_later: Guarded,
     pub dead_letter: Guarded,
     pub release: String,
+    pub release_unheld: String,
     pub extend_leases: String,
     pub backlog: String,
     pub dead_count: String,
@@ -547,6 +548,7 @@ impl Statements {
             retry_later: native.retry_later(),
             dead_letter: native.dead_letter(),
             release: native.release(),
+            release_unheld: native.release_unheld(),
             extend_leases: native.extend_leases(),
             backlog: native.backlog(),
             dead_count: native.dead_count(),
@@ -934,6 +936,18 @@ impl Native {
         format!(
             "UPDATE {t} SET locked_until = NULL
                   WHERE sequence_id = ANY($2) AND locked_by = $1 AND locked_until IS NOT NULL"
+        )
+    }
+
+    /// $1 node, $2 the ids it holds: every other row it leases is released as by
+    /// [`Native::release`] (the leases of a claim whose answer was lost). Pending and
+    /// leased: the blocking index's rows, not the table's.
+    fn release_unheld(&self) -> String {
+        let t = &self.t;
+        format!(
+            "UPDATE {t} SET locked_until = NULL
+                  WHERE locked_by = $1 AND locked_until IS NOT NULL AND delivered_at IS NULL
+                    AND sequence_id NOT IN (SELECT unnest($2::int8[]))"
         )
     }
 
@@ -1369,6 +1383,7 @@ mod tests {
                 ("floor_after", &s.floor_after),
                 ("claim_unordered", &s.claim_unordered),
                 ("release", &s.release),
+                ("release_unheld", &s.release_unheld),
                 ("extend_leases", &s.extend_leases),
                 ("backlog", &s.backlog),
                 ("dead_count", &s.dead_count),

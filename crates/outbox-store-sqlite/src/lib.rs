@@ -660,6 +660,18 @@ impl OutboxStore for SqliteStore {
         })
     }
 
+    fn release_unheld(&self, node: NodeId, held: Vec<SequenceId>) -> StoreFuture<u64> {
+        self.in_tx("release unheld", move |tx| {
+            let n = tx
+                .prepare_cached(&format!(
+                    "UPDATE outbox SET locked_by = NULL, locked_until = NULL
+                      WHERE locked_by = ?1 AND delivered_at IS NULL AND NOT {IN_IDS}"
+                ))?
+                .execute(params![node.0, id_list(&held)])?;
+            Ok(n as u64)
+        })
+    }
+
     fn extend_leases(&self, extension: LeaseExtension) -> StoreFuture<u64> {
         let LeaseExtension { node, ids, lease } = extension;
         self.in_tx("extend leases", move |tx| {

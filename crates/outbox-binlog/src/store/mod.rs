@@ -1483,6 +1483,13 @@ impl OutboxStore for BinlogStore {
         .boxed()
     }
 
+    /// Only the parked table leases rows: the stream's are held in memory.
+    fn release_unheld(&self, node: NodeId, held: Vec<SequenceId>) -> StoreFuture<u64> {
+        self.inner
+            .parked
+            .release_unheld(node, parked_rows_among(&held))
+    }
+
     fn extend_leases(&self, extension: LeaseExtension) -> StoreFuture<u64> {
         let inner = self.inner.clone();
         async move {

@@ -128,6 +128,14 @@ pub(super) fn parked_row(id: SequenceId) -> SequenceId {
     id - PARKED_IDS
 }
 
+/// The parked table's `sequence_id`s of the parked rows among the engine's ids `ids`.
+pub(super) fn parked_rows_among(ids: &[SequenceId]) -> Vec<SequenceId> {
+    ids.iter()
+        .filter(|&&id| id >= PARKED_IDS)
+        .map(|&id| parked_row(id))
+        .collect()
+}
+
 /// The id of a stream row with no `sequence_id` (BLACKHOLE): its session and ordinal. The
 /// session counts up with every start of a read (a refusal retried each second starts
 /// 86,400 a day), so it wraps below 2^19 (six days of those): past 2^20 the ids reached the

@@ -812,26 +812,54 @@ impl Sql {
         ))
     }
 
+    /// Returns every row `node` holds in the table but those the condition `not_held`
+    /// leaves out (or all, `None`) to pending without counting an attempt. `None` when the
+    /// table marks no row held (memory alone holds them).
+    pub fn release_unheld(&self, not_held: Option<&str>, node: &str) -> Option<String> {
+        let mut set = self.back_to_pending();
+        self.touch(&mut set);
+        let held = self.held_marker()?;
+        let fence = self.fence(node);
+        // A status column's fence names the held state already.
+        let mut condition = if fence.starts_with(&held) {
+            fence
+        } else {
+            format!("{held} AND {fence}")
+        };
+        if let Some(not_held) = not_held {
+            condition = format!("{condition} AND {not_held}");
+        }
+        (!set.is_empty()).then(|| self.update(&set, &condition))
+    }
+
+    /// The condition of a row the table marks held (in flight, or leased).
+    fn held_marker(&self) -> Option<String> {
+        let m = &self.mapping;
+        Some(
+            match (&m.state, self.opt(&m.locked_by), self.opt(&m.locked_until)) {
+                (
+                    State::Status {
+                        column,
+                        in_flight: Some(v),
+                        ..
+                    },
+                    _,
+                    _,
+                ) => {
+                    format!("{} = {}", self.col(column), self.state_literal(v))
+                }
+                (_, Some(by), _) => format!("{by} IS NOT NULL"),
+                (_, None, Some(until)) => format!("{until} IS NOT NULL"),
+                _ => return None,
+            },
+        )
+    }
+
     /// Rows held by a relay that is gone: `all` (a placeholder, true at takeover) or whose
     /// lease ran out (`lease_ms` placeholder).
     fn stale(&self, all: &str, lease_ms: &str) -> Option<String> {
         let m = &self.mapping;
-        let held = match (&m.state, self.opt(&m.locked_by), self.opt(&m.locked_until)) {
-            (
-                State::Status {
-                    column,
-                    in_flight: Some(v),
-                    ..
-                },
-                _,
-                _,
-            ) => {
-                format!("{} = {}", self.col(column), self.state_literal(v))
-            }
-            (_, Some(by), _) => format!("{by} IS NOT NULL"),
-            (_, None, Some(until)) => format!("{until} IS NOT NULL"),
-            _ => return None,
-        };
+        let held = self.held_marker()?;
         let expired = if let Some(until) = self.opt(&m.locked_until) {
             format!("{until} < {}", self.now())
         } else if let Some(at) = self.opt(&m.locked_at) {

@@ -1411,6 +1411,12 @@ impl OutboxStore for WalStore {
         .boxed()
     }
 
+    /// Only the parked table leases rows: the stream's are held in memory. (A stream
+    /// event's id among `held` only keeps a parked row of that id leased.)
+    fn release_unheld(&self, node: NodeId, held: Vec<SequenceId>) -> StoreFuture<u64> {
+        self.inner.parked.release_unheld(node, held)
+    }
+
     fn extend_leases(&self, extension: LeaseExtension) -> StoreFuture<u64> {
         let inner = self.inner.clone();
         async move {
