@@ -10,6 +10,13 @@
 //! table counts them, so a poison event that kills relays ends dead); while active it reaps
 //! rows whose lease expired every half lease. See ARCHITECTURE.md, "Mapped layouts".
 //!
+//! A relay that runs ([`MappedStore::keep_active`]) follows the lock with an
+//! [`Ownership`] of one partition, the whole table, at the epoch of each take: its engine
+//! claims, publishes and settles only while the lock is held at that epoch. The lock's
+//! session can end under a running relay (a killed backend, a server restart, a cut
+//! network) and a standby take the table over; the relay then drops what it holds instead
+//! of publishing it beside the new active relay, and its late settles write nothing.
+//!
 //! # Memory
 //! What the table has no column for (attempts, the next attempt time, a lease, handles for
 //! UUID ids) is kept in [`Memory`]. A retry blocks its key in memory only once the table has
@@ -31,7 +38,9 @@ use outbox_core::store::{
     ReplaySelector, RetryLater, StoreFuture, StoreResult,
 };
 use outbox_core::time::{from_micros, micros, millis};
-use outbox_core::{NewEvent, NodeId, OutboxStore, SequenceId, StoreError, StoreErrorKind};
+use outbox_core::{
+    Fence, NewEvent, NodeId, OutboxStore, Ownership, SequenceId, StoreError, StoreErrorKind,
+};
 use uuid::Uuid;
 
 use crate::memory::{decode, derived_event_id, Memory, RawRow, RowId};
@@ -41,6 +50,13 @@ use crate::{DeadState, Dialect, IdType, Mapping};
 
 /// How often a standby relay tries to become the active one.
 pub const LEADER_RETRY: Duration = Duration::from_secs(1);
+
+/// How often [`MappedStore::keep_active`] checks the lock (and reaps, and a standby tries).
+pub const ACTIVE_CHECK_EVERY: Duration = Duration::from_millis(500);
+
+/// How long one successful check vouches for the lock: past it, unchecked (a stalled
+/// process, a database that does not answer), the engine publishes nothing.
+pub const ACTIVE_VOUCHED_FOR: Duration = Duration::from_secs(3);
 
 /// What [`MappedDb::open`] builds: the database part and the table it runs.
 pub struct Opened<D> {
@@ -206,6 +222,8 @@ pub trait MappedDb: Send + Sync + Sized + 'static {
 
 struct Leader<L> {
     lock: Option<L>,
+    /// Counts the takes of the lock: the fence epoch of the engine's work under each.
+    epoch: i64,
     last_try: Option<Instant>,
     last_check: Option<Instant>,
     last_reap: Option<Instant>,
@@ -253,6 +271,7 @@ impl<D: MappedDb> MappedStore<D> {
                 memory: Mutex::new(Memory::default()),
                 leader: tokio::sync::Mutex::new(Leader {
                     lock: None,
+                    epoch: 0,
                     last_try: None,
                     last_check: None,
                     last_reap: None,
@@ -393,6 +412,56 @@ impl<D: MappedDb> MappedStore<D> {
         )
     }
 
+    /// Keeps `ownership` (one partition: the table) in step with the active-relay lock, every
+    /// [`ACTIVE_CHECK_EVERY`], for as long as it runs: granted at the epoch of each take of
+    /// the lock, renewed by each check that finds it held, removed once it is gone. A lock
+    /// taken again (lost and retaken between two checks) is first removed, and granted at
+    /// its new epoch once the engine holds nothing of the old one: the takeover returned
+    /// those rows to pending. With this running, claims take no lock themselves.
+    pub async fn keep_active(self, ownership: Arc<Ownership>, lease: Duration) {
+        let mut vouched = true;
+        loop {
+            let checked_at = Instant::now();
+            match self.ensure_active(lease).await {
+                Ok(true) => {
+                    vouched = true;
+                    let epoch = self.inner.leader.lock().await.epoch;
+                    let valid_until = checked_at + ACTIVE_VOUCHED_FOR;
+                    match ownership.held().first() {
+                        Some(&(_, held)) if held == epoch => ownership.renewed(0, valid_until),
+                        Some(_) => ownership.remove(0),
+                        None if !ownership.is_busy(0) => ownership.grant(0, epoch, valid_until),
+                        None => {}
+                    }
+                }
+                Ok(false) => {
+                    vouched = true;
+                    if !ownership.held().is_empty() {
+                        ownership.remove(0);
+                    }
+                }
+                // Not renewed: past what the last check vouched for, nothing is published.
+                Err(e) => {
+                    if std::mem::take(&mut vouched) {
+                        tracing::warn!(layout = %self.inner.layout, error = %e.report(), "cannot check the active-relay lock; publishing pauses once the last check no longer vouches for it");
+                    }
+                }
+            }
+            tokio::time::sleep(ACTIVE_CHECK_EVERY).await;
+        }
+    }
+
+    /// Whether a settle fenced with `fence` may write: unfenced (no ownership follows the
+    /// lock), or the lock is held at the fence's epoch. A settle of an earlier take would
+    /// write rows the new active relay holds where the table does not say who holds them.
+    async fn settles_under(&self, fence: Option<&Fence>) -> bool {
+        let Some(fence) = fence else {
+            return true;
+        };
+        let leader = self.inner.leader.lock().await;
+        leader.lock.is_some() && fence.epochs == [leader.epoch]
+    }
+
     /// Becomes (or stays) the active relay; false when another relay is active.
     async fn ensure_active(&self, lease: Duration) -> StoreResult<bool> {
         let inner = &self.inner;
@@ -417,6 +486,7 @@ impl<D: MappedDb> MappedStore<D> {
                 return Ok(false);
             };
             leader.lock = Some(lock);
+            leader.epoch += 1;
             leader.last_check = Some(Instant::now());
             self.memory().take_over();
             let reaped = self.reap(true, lease).await?;
@@ -796,7 +866,13 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
     fn claim(&self, request: ClaimRequest) -> StoreFuture<Vec<Claimed>> {
         let store = self.clone();
         async move {
-            if !store.ensure_active(request.lease).await? {
+            // Fenced: the lock is kept by `keep_active`, and the claim runs only at the
+            // epoch it was granted.
+            let active = match &request.fence {
+                Some(fence) => store.settles_under(Some(fence)).await,
+                None => store.ensure_active(request.lease).await?,
+            };
+            if !active {
                 return Ok(Vec::new());
             }
             let sql = &store.inner.sql;
@@ -860,9 +936,12 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
     }
 
     fn ack(&self, holder: LeaseHolder, ids: Vec<SequenceId>) -> StoreFuture<u64> {
-        let node = holder.node;
         let store = self.clone();
         async move {
+            if !store.settles_under(holder.fence.as_deref()).await {
+                return Ok(0);
+            }
+            let node = holder.node;
             let count = ids.len();
             let n = store
                 .on_rows("ack", &ids, |ids, p| {
@@ -877,9 +956,12 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
     }
 
     fn retry_later(&self, holder: LeaseHolder, retries: Vec<RetryLater>) -> StoreFuture<u64> {
-        let node = holder.node;
         let store = self.clone();
         async move {
+            if !store.settles_under(holder.fence.as_deref()).await {
+                return Ok(0);
+            }
+            let node = holder.node;
             let sql = &store.inner.sql;
             let n = store
                 .statement_per_row(
@@ -903,9 +985,12 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
     }
 
     fn dead_letter(&self, holder: LeaseHolder, entries: Vec<DeadLetter>) -> StoreFuture<u64> {
-        let node = holder.node;
         let store = self.clone();
         async move {
+            if !store.settles_under(holder.fence.as_deref()).await {
+                return Ok(0);
+            }
+            let node = holder.node;
             let sql = &store.inner.sql;
             let n = store
                 .statement_per_row(
@@ -929,6 +1014,12 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
     fn release(&self, node: NodeId, ids: Vec<SequenceId>) -> StoreFuture<u64> {
         let store = self.clone();
         async move {
+            // Not active: the rows are another relay's to hold now (the takeover returned
+            // them to pending), or will be at its takeover.
+            if store.inner.leader.lock().await.lock.is_none() {
+                store.memory().settled(&ids, false);
+                return Ok(ids.len() as u64);
+            }
             let n = store
                 .on_rows("release", &ids, |ids, p| {
                     store.inner.sql.release(ids, &p.text(node.0))

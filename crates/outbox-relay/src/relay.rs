@@ -130,6 +130,8 @@ pub(crate) struct Running {
     otel: Option<Otel>,
     /// Logs what the health checks find.
     monitor: JoinHandle<()>,
+    /// Follows a mapped table's active-relay lock ([`AnyStore::keep_active`]).
+    active_keeper: Option<JoinHandle<()>>,
     /// The HTTP server of its own, or the console's history on the shared one.
     http: Option<JoinHandle<()>>,
 }
@@ -251,6 +253,22 @@ async fn start(
     if let Some(ownership) = &engine.shared.ownership {
         health.watch_ownership(ownership.clone());
     }
+    // One active relay per mapped table: the engine follows its lock as one partition, so
+    // that a relay whose lock's session ended publishes nothing beside the one that took
+    // the table over. Not for a drain: it takes the lock with its claims, and ends on what
+    // they find (behind another active relay, on its patience).
+    let active_keeper = match (&engine.shared.ownership, drain) {
+        (None, false) => {
+            let ownership = Ownership::new(1);
+            store
+                .keep_active(ownership.clone(), engine.settings.lease)
+                .map(|keeper| {
+                    engine.shared.ownership = Some(ownership);
+                    tokio::spawn(tracing::Instrument::in_current_span(keeper))
+                })
+        }
+        _ => None,
+    };
     let coordinator = retry_transient("registering in the nodes table", !drain, || {
         Coordinator::start(store.registry(), partitions.clone(), cluster.clone())
     })
@@ -270,6 +288,7 @@ async fn start(
         capture,
         otel,
         monitor,
+        active_keeper,
         http,
     })
 }
@@ -355,6 +374,9 @@ impl Running {
                 .await;
         }
         self.monitor.abort();
+        if let Some(keeper) = self.active_keeper {
+            keeper.abort();
+        }
         if let Some(http) = self.http {
             http.abort();
         }

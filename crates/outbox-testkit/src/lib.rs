@@ -1,6 +1,7 @@
 //! Test support: databases on the servers `scripts/servers.sh` starts, a scriptable
 //! recording publisher, and the conformance suites every store must pass.
 
+pub mod active_relay;
 pub mod cloudevents_sdk;
 pub mod conformance;
 pub mod faultproxy;

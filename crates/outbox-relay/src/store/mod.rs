@@ -147,6 +147,25 @@ impl AnyStore {
         }
     }
 
+    /// The task that keeps `ownership` in step with a mapped table's active-relay lock
+    /// (MySQL's native table included), for as long as it runs; `None` for the stores
+    /// without one (binlog capture's parked table is claimed through the capture).
+    pub fn keep_active(
+        &self,
+        ownership: Arc<outbox_core::Ownership>,
+        lease: std::time::Duration,
+    ) -> Option<futures::future::BoxFuture<'static, ()>> {
+        use futures::FutureExt;
+        match self {
+            AnyStore::MappedPostgres(s) => Some(s.clone().keep_active(ownership, lease).boxed()),
+            AnyStore::MySql(s) => Some(s.clone().keep_active(ownership, lease).boxed()),
+            AnyStore::Postgres(_)
+            | AnyStore::PostgresWal(..)
+            | AnyStore::MySqlBinlog(..)
+            | AnyStore::Sqlite(_) => None,
+        }
+    }
+
     /// Dead letters, replays and event lookups. Binlog capture's dead letters are rows of its
     /// parked table.
     pub fn operations(&self) -> Arc<dyn outbox_core::store::Operations> {

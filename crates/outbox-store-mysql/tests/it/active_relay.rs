@@ -115,3 +115,66 @@ async fn a_standby_takes_the_table_from_a_silent_holder_but_not_from_a_live_one(
     )
     .await;
 }
+
+/// The active relay whose lock's session ended (`KILL CONNECTION`) publishes nothing more of
+/// what it held ([`MappedStore::keep_active`]).
+///
+/// [`MappedStore::keep_active`]: outbox_layout::store::MappedStore::keep_active
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_whose_table_lock_ended_publishes_nothing_more_of_what_it_held() {
+    use futures::FutureExt;
+    use mysql_async::prelude::Queryable;
+
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let relay = store(&url);
+    relay.migrate().await.unwrap();
+    let database = url.rsplit('/').next().unwrap().to_string();
+    let name = outbox_core::ident::server_lock_name("outbox-relay ", &format!("{database}.outbox"));
+    let take_over = async move {
+        let pool = mysql_async::Pool::new(url.as_str());
+        let mut admin = pool.get_conn().await.unwrap();
+        let holder: u64 = admin
+            .exec_first("SELECT IS_USED_LOCK(?)", (&name,))
+            .await
+            .unwrap()
+            .expect("the relay holds the table's lock");
+        let mut other = pool.get_conn().await.unwrap();
+        let other_id = other.id();
+        let taking = tokio::spawn(async move {
+            let got: Option<i64> = other
+                .exec_first("SELECT GET_LOCK(?, 60)", (&name,))
+                .await
+                .unwrap();
+            assert_eq!(got, Some(1));
+            // Held for the rest of the test.
+            std::mem::forget(other);
+        });
+        eventually(
+            "the other relay waits for the lock",
+            Duration::from_secs(20),
+            || async {
+                let mut conn = pool.get_conn().await.unwrap();
+                let state: Option<Option<String>> = conn
+                    .exec_first(
+                        "SELECT STATE FROM information_schema.PROCESSLIST WHERE ID = ?",
+                        (other_id,),
+                    )
+                    .await
+                    .unwrap();
+                state.flatten().filter(|s| s.contains("lock")).map(|_| ())
+            },
+        )
+        .await;
+        admin
+            .query_drop(format!("KILL CONNECTION {holder}"))
+            .await
+            .unwrap();
+        taking.await.unwrap();
+    };
+    outbox_testkit::active_relay::a_relay_whose_table_lock_ended_publishes_nothing_more_of_what_it_held(
+        std::sync::Arc::new(relay.clone()),
+        |ownership| relay.keep_active(ownership, Duration::from_secs(30)).boxed(),
+        take_over.boxed(),
+    )
+    .await;
+}

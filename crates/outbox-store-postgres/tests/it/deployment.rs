@@ -383,3 +383,74 @@ async fn a_statement_that_must_sort_is_not_compiled_at_each_execution() {
         .await
         .unwrap();
 }
+
+/// The active relay of a mapped table whose lock's session ended (a killed backend)
+/// publishes nothing more of what it held ([`MappedStore::keep_active`]).
+///
+/// [`MappedStore::keep_active`]: outbox_layout::store::MappedStore::keep_active
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_whose_table_lock_ended_publishes_nothing_more_of_what_it_held() {
+    use futures::FutureExt;
+    use outbox_store_postgres::mapped::MappedPgOptions;
+    use outbox_store_postgres::MappedPgStore;
+
+    let url = outbox_testkit::fresh_pg_database().await;
+    let store = MappedPgStore::new(MappedPgOptions {
+        pg: options(&url),
+        mapping: outbox_layout::Mapping::debezium("public", "outboxevent"),
+        layout: "debezium".into(),
+        max_attempts: 20,
+    })
+    .unwrap();
+    store.migrate().await.unwrap();
+    let take_over = async move {
+        let connect = || async {
+            let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+                .await
+                .unwrap();
+            tokio::spawn(connection);
+            client
+        };
+        let admin = connect().await;
+        let other = connect().await;
+        let taking = tokio::spawn(async move {
+            other
+                .execute(
+                    "SELECT pg_advisory_lock(hashtext('outbox-relay public.outboxevent'))",
+                    &[],
+                )
+                .await
+                .unwrap();
+            // Held for the rest of the test.
+            std::mem::forget(other);
+        });
+        let this_database =
+            "database = (SELECT oid FROM pg_database WHERE datname = current_database())";
+        eventually("the other relay waits for the lock", Duration::from_secs(20), || async {
+            let waiting: i64 = admin
+                .query_one(
+                    &format!("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND {this_database}"),
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            (waiting > 0).then_some(())
+        })
+        .await;
+        admin
+            .execute(
+                &format!("SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' AND granted AND {this_database}"),
+                &[],
+            )
+            .await
+            .unwrap();
+        taking.await.unwrap();
+    };
+    outbox_testkit::active_relay::a_relay_whose_table_lock_ended_publishes_nothing_more_of_what_it_held(
+        Arc::new(store.clone()),
+        |ownership| store.keep_active(ownership, Duration::from_secs(30)).boxed(),
+        take_over.boxed(),
+    )
+    .await;
+}
