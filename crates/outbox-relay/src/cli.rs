@@ -289,10 +289,11 @@ pub struct MigrateArgs {
     #[arg(long)]
     #[serde(skip)]
     pub print: bool,
-    /// Role named in the printed GRANTs.
-    #[arg(long, default_value = "outbox_relay", value_name = "ROLE")]
+    /// Role named in the GRANTs `--print` shows (default outbox_relay). Only with
+    /// `--print`: to grant them after migrating, use `--grant-to`.
+    #[arg(long, value_name = "ROLE")]
     #[serde(skip)]
-    pub role: String,
+    pub role: Option<String>,
     /// After migrating, grant the relay's run-time role ROLE what it needs: the GRANTs
     /// `--print --role ROLE` shows (the role must exist). For a migration run as another
     /// role than the relays', as the Kubernetes Job does: tables it makes are otherwise

@@ -139,12 +139,22 @@ pub async fn drop_slot(config: Config) -> anyhow::Result<ExitCode> {
 }
 
 pub async fn migrate(config: Config, args: MigrateArgs) -> anyhow::Result<ExitCode> {
+    // Applied, a migration grants nothing to `--role`: the relays would find out later, on
+    // a missing privilege.
+    if args.role.is_some() && !args.print {
+        return Err(config_error(
+            "--role names the role in the GRANTs --print shows: add --print to see them, or \
+             use --grant-to ROLE to grant them after migrating"
+                .into(),
+        ));
+    }
     let mut store = AnyStore::open(config.store_settings()?)?;
     store.keep_legacy_slot().await;
     if args.print {
-        outbox_core::ident::Ident::new(&args.role, "role name")
+        let role = args.role.as_deref().unwrap_or("outbox_relay");
+        outbox_core::ident::Ident::new(role, "role name")
             .map_err(|e| config_error(format!("--role: {}", e.report())))?;
-        println!("{}", store.printable_ddl(&args.role).await);
+        println!("{}", store.printable_ddl(role).await);
         return Ok(ExitCode::SUCCESS);
     }
     let grants = match &args.grant_to {

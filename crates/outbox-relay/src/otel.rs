@@ -99,10 +99,25 @@ impl Otel {
                  OTEL_EXPORTER_OTLP_ENDPOINT at the collector's HTTP port (4318 by default)"
             )));
         }
-        let timeout = var("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT")
-            .or_else(|| var("OTEL_EXPORTER_OTLP_TIMEOUT"))
-            .and_then(|ms| ms.parse::<u64>().ok())
-            .map_or(REQUEST_TIMEOUT, Duration::from_millis);
+        let timeout = match [
+            "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT",
+            "OTEL_EXPORTER_OTLP_TIMEOUT",
+        ]
+        .into_iter()
+        .find_map(|name| var(name).map(|value| (name, value)))
+        {
+            None => REQUEST_TIMEOUT,
+            Some((name, ms)) => match ms.trim().parse::<u64>() {
+                Ok(ms) if ms > 0 => Duration::from_millis(ms),
+                // Taken for the default, `10s` left every export at 10 s without a word.
+                _ => {
+                    return Err(ConfigError(format!(
+                        "{name}={ms} is not a number of milliseconds above 0: write e.g. 10000 \
+                         for ten seconds"
+                    )))
+                }
+            },
+        };
         let client = reqwest::Client::builder()
             .timeout(timeout)
             .build()

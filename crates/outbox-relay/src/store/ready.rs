@@ -28,7 +28,7 @@ pub async fn ready_store(
         failure(message, &e)
     })?;
     store.use_legacy_slot(keep);
-    let problems = retry_transient("checking the database", wait, || {
+    let (problems, unmigrated) = retry_transient("checking the database", wait, || {
         prepare_store(&store, create)
     })
     .await
@@ -45,7 +45,13 @@ pub async fn ready_store(
         }
     }
     if !fatal.is_empty() {
-        bail!("the database is not ready:\n  - {}", fatal.join("\n  - "));
+        let message = format!("the database is not ready:\n  - {}", fatal.join("\n  - "));
+        // Never migrated: `migrate` is the fix, not a restart (exit 2, as for a schema
+        // older than the relay; systemd does not restart on it).
+        if unmigrated {
+            return Err(crate::error::config_error(message));
+        }
+        bail!(message);
     }
     Ok(store)
 }
@@ -75,16 +81,19 @@ where
     }
 }
 
+/// The store's problems, and whether a part of its schema was never migrated.
 async fn prepare_store(
     store: &AnyStore,
     create: bool,
-) -> Result<Vec<outbox_core::store::Problem>, outbox_core::StoreError> {
+) -> Result<(Vec<outbox_core::store::Problem>, bool), outbox_core::StoreError> {
     let outbox = store.outbox();
     outbox.ping().await?;
     if create || store.creates_tables_implicitly() {
         store.migrate().await?;
     }
+    let mut unmigrated = false;
     for (verdict, line) in store.schema_versions().await? {
+        unmigrated |= verdict == outbox_core::migration::Verdict::Missing;
         // Only a schema newer than this relay is news at every start.
         if matches!(
             verdict,
@@ -95,5 +104,5 @@ async fn prepare_store(
             tracing::debug!("{line}");
         }
     }
-    store.verify().await
+    Ok((store.verify().await?, unmigrated))
 }

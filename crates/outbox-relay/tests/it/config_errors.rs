@@ -1189,3 +1189,24 @@ fn settings_a_mode_would_ignore_or_crash_on_exit_2() {
         stderr(&check)
     );
 }
+
+/// `migrate --role app` applied the migration and granted nothing: `--role` only names the
+/// role in what `--print` shows.
+#[test]
+fn a_role_for_the_printed_grants_without_print_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite:{}", dir.path().join("o.db").display());
+    refused(
+        relay(
+            dir.path(),
+            &["migrate", "--role", "app"],
+            &[("DATABASE_URL", &db)],
+        ),
+        "--role",
+        "--grant-to",
+    );
+    assert!(
+        !dir.path().join("o.db").exists(),
+        "nothing was migrated before the refusal"
+    );
+}

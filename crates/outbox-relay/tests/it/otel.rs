@@ -507,6 +507,29 @@ async fn a_collector_that_never_answers_does_not_hold_up_the_shutdown() {
     held.abort();
 }
 
+/// `10s` is not milliseconds: the timeout was taken for the default, without a word.
+#[test]
+fn an_export_timeout_that_is_no_number_of_milliseconds_is_refused_with_the_fix() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(BIN)
+        .args(["run", "--drain", "--sink", "stdout", "--http-addr", ""])
+        .current_dir(dir.path())
+        .env(
+            "DATABASE_URL",
+            format!("sqlite:{}", dir.path().join("o.db").display()),
+        )
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
+        .env("OTEL_EXPORTER_OTLP_TIMEOUT", "10s")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("OTEL_EXPORTER_OTLP_TIMEOUT=10s") && stderr.contains("10000"),
+        "{stderr}"
+    );
+}
+
 #[test]
 fn a_grpc_protocol_is_refused_with_the_fix() {
     let dir = tempfile::tempdir().unwrap();
