@@ -222,13 +222,19 @@ impl Config {
             }
             None => {}
         }
+        let service_links: std::collections::HashSet<String> = std::env::vars()
+            .filter_map(|(name, value)| {
+                let key = name.strip_prefix("OUTBOX_RELAY_")?.to_ascii_lowercase();
+                kubernetes_service_link(&key, &value).then_some(key)
+            })
+            .collect();
         let env = Env::prefixed("OUTBOX_RELAY_")
             .split("__")
             // OUTBOX_RELAY_CONFIG names the file (`--config`); it is no setting. The admin
             // token is read below, untrimmed. The webhook secret and the Ably key are read
             // by their sinks.
             .ignore(&["webhook_secret", "config", "admin_token", "ably_api_key"])
-            .filter(|key| !kubernetes_service_link(&key.as_str().to_ascii_lowercase()));
+            .filter(move |key| !service_links.contains(&key.as_str().to_ascii_lowercase()));
         let layout: LayoutKind = figment
             .clone()
             .merge(AsWritten(env.clone()))
@@ -1058,21 +1064,25 @@ fn single_sink(uri: &str) -> BTreeMap<String, SinkConfig> {
 /// that Kubernetes sets in every pod for a Service named `outbox-relay` or `outbox-relay-*`
 /// (`OUTBOX_RELAY_SERVICE_HOST`, `OUTBOX_RELAY_PORT=tcp://…`, `…_PORT_2259_TCP_ADDR`): taken
 /// for unknown settings, they stopped every pod of the manifests' own Service with exit 2.
-/// No setting's name holds `service_host`, `service_port` or ends in `port`.
-fn kubernetes_service_link(key: &str) -> bool {
+/// No setting's name holds `service_host`, `service_port` or ends in `port`; a name ending
+/// in `port` alone is a link only with a link's value (`tcp://…`): `OUTBOX_RELAY_HTTP_PORT=9090`,
+/// someone's guess at a setting, was dropped without a word.
+fn kubernetes_service_link(key: &str, value: &str) -> bool {
     let parts: Vec<&str> = key.split('_').collect();
     let is_proto = |p: &str| matches!(p, "tcp" | "udp" | "sctp");
     match parts.as_slice() {
         [.., "service", "host"] | [.., "service", "port"] => true,
-        // OUTBOX_RELAY_PORT, …_PORT_2259_TCP_PORT
-        [.., "port"] => true,
-        // OUTBOX_RELAY_PORT_2259_TCP, …_TCP_PROTO, …_TCP_ADDR
+        // OUTBOX_RELAY_PORT_2259_TCP, …_TCP_PROTO, …_TCP_ADDR, …_TCP_PORT
         [.., "port", number, proto] if number.parse::<u16>().is_ok() && is_proto(proto) => true,
-        [.., "port", number, proto, "proto" | "addr"]
+        [.., "port", number, proto, "proto" | "addr" | "port"]
             if number.parse::<u16>().is_ok() && is_proto(proto) =>
         {
             true
         }
+        // OUTBOX_RELAY_PORT=tcp://10.96.0.12:2259
+        [.., "port"] => ["tcp://", "udp://", "sctp://"]
+            .iter()
+            .any(|scheme| value.starts_with(scheme)),
         // OUTBOX_RELAY_SERVICE_PORT_<port name>
         _ => parts
             .windows(3)
@@ -1087,28 +1097,32 @@ mod tests {
     /// Kubernetes sets these in every pod for a Service named `outbox-relay`.
     #[test]
     fn kubernetes_service_links_are_no_settings() {
-        for key in [
-            "service_host",
-            "service_port",
-            "service_port_http",
-            "port",
-            "port_2259_tcp",
-            "port_2259_tcp_proto",
-            "port_2259_tcp_port",
-            "port_2259_tcp_addr",
-            "admin_service_host",
-            "admin_port_9090_udp_addr",
+        for (key, value) in [
+            ("service_host", "10.96.0.12"),
+            ("service_port", "2259"),
+            ("service_port_http", "2259"),
+            ("port", "tcp://10.96.0.12:2259"),
+            ("admin_port", "udp://10.96.0.13:9090"),
+            ("port_2259_tcp", "tcp://10.96.0.12:2259"),
+            ("port_2259_tcp_proto", "tcp"),
+            ("port_2259_tcp_port", "2259"),
+            ("port_2259_tcp_addr", "10.96.0.12"),
+            ("admin_service_host", "10.96.0.13"),
+            ("admin_port_9090_udp_addr", "10.96.0.13"),
         ] {
-            assert!(kubernetes_service_link(key), "{key}");
+            assert!(kubernetes_service_link(key, value), "{key}");
         }
-        for key in [
-            "database_url",
-            "http_addr",
-            "sink",
-            "partitions",
-            "poll_interval",
+        for (key, value) in [
+            ("database_url", "postgres://db/app"),
+            ("http_addr", "127.0.0.1:9090"),
+            ("sink", "stdout"),
+            ("partitions", "64"),
+            ("poll_interval", "1s"),
+            // A guess at a setting, not a link: refused as unknown, not dropped.
+            ("http_port", "9090"),
+            ("port", "9090"),
         ] {
-            assert!(!kubernetes_service_link(key), "{key}");
+            assert!(!kubernetes_service_link(key, value), "{key}");
         }
     }
     use super::*;

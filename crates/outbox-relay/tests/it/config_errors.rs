@@ -1101,6 +1101,13 @@ fn settings_a_mode_would_ignore_or_crash_on_exit_2() {
         "{}",
         stderr(&linked)
     );
+    // A name that ends in PORT without a link's value is someone's guess at a setting: it
+    // was dropped with the links, and the relay ran on its default address.
+    refused(
+        relay(d, &["check"], &[("OUTBOX_RELAY_HTTP_PORT", "9090")]),
+        "http_port",
+        "unknown",
+    );
     // Half a client certificate was dropped (the sink connected without one), and a
     // confirmation timeout of 0 timed everything out (or meant "never" to Kafka).
     std::fs::write(
