@@ -377,7 +377,24 @@ impl Keeper {
     /// One round of lease keeping among the `live` nodes (none: they could not be listed,
     /// so the leases wait for the next round). Returns whether a hand-over is still waiting.
     async fn keep_partitions(&mut self, live: Option<Vec<String>>) -> bool {
-        let (Some(p), Some(live)) = (&self.partitions, live) else {
+        let Some(p) = &self.partitions else {
+            return false;
+        };
+        let Some(live) = live else {
+            // The heartbeat was answered but the live nodes could not be listed: nothing is
+            // rebalanced without them, but the leases held are still renewed. Skipped, they
+            // ran out by the node's own clock after a few failed listings, and its
+            // partitions stopped publishing for no reason. (Not after a failed heartbeat:
+            // the node's row may be expiring, and others then want its partitions.)
+            if !self.unanswered {
+                let attempt = self.config.health.begin(Check::Leases);
+                match renew_leases(p, &self.config).await {
+                    Ok(()) => attempt.succeeded(),
+                    Err(e) => {
+                        attempt.failed(e.report());
+                    }
+                }
+            }
             return false;
         };
         if self.count.is_none() {
@@ -574,6 +591,50 @@ async fn count_unowned(p: &Partitions, count: u32, within: Duration) {
 
 /// Renews, hands over and takes leases. Returns whether a hand-over is still waiting, and the
 /// first failure of the round.
+/// How long this node counts a lease of `ttl` as its own: a quarter less, counted from
+/// before the statement that took or renewed it.
+fn lease_valid_for(ttl: Duration) -> Duration {
+    ttl.mul_f64(0.75)
+}
+
+/// Renews the leases held; those the database no longer gives this node are removed.
+async fn renew_leases(p: &Partitions, config: &ClusterConfig) -> Result<(), StoreError> {
+    let ttl = config.settings.heartbeat_timeout;
+    let started = Instant::now();
+    let held = p.ownership.held();
+    if held.is_empty() {
+        return Ok(());
+    }
+    match p
+        .registry
+        .renew(config.node.clone(), held.clone(), ttl)
+        .await
+    {
+        Ok(renewed) => {
+            let renewed: BTreeSet<i32> = renewed.into_iter().collect();
+            for (partition, epoch) in held {
+                if renewed.contains(&partition) {
+                    p.ownership
+                        .renewed(partition, started + lease_valid_for(ttl));
+                } else {
+                    tracing::warn!(
+                        partition,
+                        epoch,
+                        "lost partition lease: it ran out or another node took it"
+                    );
+                    metrics::counter!(REBALANCES, "change" => "lost").increment(1);
+                    p.ownership.remove(partition);
+                }
+            }
+            Ok(())
+        }
+        Err(e) => {
+            tracing::warn!(error = %e.report(), "could not renew partition leases; publishing stops when they run out");
+            Err(e)
+        }
+    }
+}
+
 async fn keep_leases(
     p: &Partitions,
     config: &ClusterConfig,
@@ -582,35 +643,11 @@ async fn keep_leases(
 ) -> (bool, Option<StoreError>) {
     let mut failure = None;
     let ttl = config.settings.heartbeat_timeout;
-    // Our own view of a lease ends a quarter early, counted from before the statement.
-    let valid_for = ttl.mul_f64(0.75);
+    let valid_for = lease_valid_for(ttl);
     let node = &config.node;
 
-    let started = Instant::now();
-    let held = p.ownership.held();
-    if !held.is_empty() {
-        match p.registry.renew(node.clone(), held.clone(), ttl).await {
-            Ok(renewed) => {
-                let renewed: BTreeSet<i32> = renewed.into_iter().collect();
-                for (partition, epoch) in held {
-                    if renewed.contains(&partition) {
-                        p.ownership.renewed(partition, started + valid_for);
-                    } else {
-                        tracing::warn!(
-                            partition,
-                            epoch,
-                            "lost partition lease: it ran out or another node took it"
-                        );
-                        metrics::counter!(REBALANCES, "change" => "lost").increment(1);
-                        p.ownership.remove(partition);
-                    }
-                }
-            }
-            Err(e) => {
-                tracing::warn!(error = %e.report(), "could not renew partition leases; publishing stops when they run out");
-                return (false, Some(e));
-            }
-        }
+    if let Err(e) = renew_leases(p, config).await {
+        return (false, Some(e));
     }
 
     let assignment = assign::assign(count, live);

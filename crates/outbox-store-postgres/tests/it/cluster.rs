@@ -783,15 +783,30 @@ async fn a_claim_on_a_table_without_statistics_reads_only_the_rows_it_returns() 
     );
 }
 
-/// The real nodes table, with one heartbeat's answer lost after its write committed (as
-/// when the connection drops between the commit and the reply).
-struct LosesOneAnswer {
+/// The real nodes table, with faults: one heartbeat's answer lost after its write committed
+/// (`armed`: as when the connection drops between the commit and the reply), and listings
+/// of the live nodes that fail (`listings_to_fail` of them).
+struct FaultyNodesTable {
     store: PgStore,
     armed: std::sync::atomic::AtomicBool,
     heartbeats: std::sync::atomic::AtomicUsize,
+    listings_to_fail: std::sync::atomic::AtomicUsize,
+    listings_failed: std::sync::atomic::AtomicUsize,
 }
 
-impl outbox_core::store::NodeRegistry for LosesOneAnswer {
+impl FaultyNodesTable {
+    fn new(store: PgStore) -> Self {
+        FaultyNodesTable {
+            store,
+            armed: false.into(),
+            heartbeats: 0.into(),
+            listings_to_fail: 0.into(),
+            listings_failed: 0.into(),
+        }
+    }
+}
+
+impl outbox_core::store::NodeRegistry for FaultyNodesTable {
     fn register(
         &self,
         node: NodeId,
@@ -845,19 +860,80 @@ impl outbox_core::store::NodeRegistry for LosesOneAnswer {
         'static,
         outbox_core::store::StoreResult<Vec<outbox_core::store::NodeRecord>>,
     > {
+        use std::sync::atomic::Ordering::SeqCst;
+        let failing = self
+            .listings_to_fail
+            .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        if failing {
+            self.listings_failed.fetch_add(1, SeqCst);
+            return Box::pin(async {
+                Err(outbox_core::StoreError::new(
+                    outbox_core::StoreErrorKind::Query,
+                    "canceling statement due to statement timeout (a fault of the test)",
+                ))
+            });
+        }
         self.store.live_nodes()
     }
+}
+
+/// A heartbeat answered but a listing of the live nodes that failed skipped the renewal of
+/// the node's leases: after a few such rounds they ran out by its own clock, and its
+/// partitions stopped publishing while nothing was wrong with them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_are_renewed_while_the_live_nodes_cannot_be_listed() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let (store, _url) = store(4).await;
+    let registry = Arc::new(FaultyNodesTable::new(store.clone()));
+    let ownership = outbox_core::Ownership::new(4);
+    let heartbeat_timeout = Duration::from_secs(1);
+    let coordinator = outbox_cluster::Coordinator::start(
+        registry.clone(),
+        Some(outbox_cluster::Partitions {
+            registry: Arc::new(store),
+            ownership: ownership.clone(),
+        }),
+        outbox_cluster::ClusterConfig {
+            node: NodeId("n1".into()),
+            settings: outbox_cluster::ClusterSettings {
+                heartbeat_interval: Duration::from_millis(50),
+                heartbeat_timeout,
+            },
+            health: outbox_core::Health::new(),
+        },
+    )
+    .await
+    .unwrap();
+    eventually("every partition held", Duration::from_secs(10), || {
+        let held = ownership.held().len();
+        async move { (held == 4).then_some(()) }
+    })
+    .await;
+    // Failed listings for longer than a lease lasts by the node's clock (0.75 s): 25 rounds
+    // of at least 50 ms.
+    registry.listings_to_fail.store(25, SeqCst);
+    eventually("25 failed listings", Duration::from_secs(20), || {
+        let failed = registry.listings_failed.load(SeqCst);
+        async move { (failed >= 25).then_some(()) }
+    })
+    .await;
+    let (publishable, _) = ownership.publishable(std::time::Instant::now());
+    assert_eq!(
+        publishable.len(),
+        4,
+        "leases ran out by the node's clock while only the listing of nodes failed"
+    );
+    coordinator
+        .stop(tokio::time::Instant::now() + Duration::from_secs(5))
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_heartbeat_whose_answer_was_lost_does_not_make_the_node_think_it_was_displaced() {
     use std::sync::atomic::Ordering::SeqCst;
     let (store, _url) = store(4).await;
-    let registry = Arc::new(LosesOneAnswer {
-        store,
-        armed: false.into(),
-        heartbeats: 0.into(),
-    });
+    let registry = Arc::new(FaultyNodesTable::new(store));
     let coordinator = outbox_cluster::Coordinator::start(
         registry.clone(),
         None,
