@@ -487,8 +487,10 @@ pub fn no_answer(context: &str, within: Duration) -> StoreError {
 
 /// Partition leases with fencing epochs, in the same database as the outbox.
 ///
-/// A lease is taken only when the partition is free or its lease expired, and taking it
-/// increments the epoch; renewing and releasing apply only to the holder at its epoch.
+/// A lease is taken only when the partition is free, its lease expired, or the taker holds
+/// it already (an acquire whose answer was lost: the node does not know it, and would idle
+/// the partition until the lease ran out), and taking it increments the epoch; renewing and
+/// releasing apply only to the holder at its epoch.
 pub trait PartitionRegistry: Send + Sync + 'static {
     /// Writes `protocol`, and that it takes this outbox's partitions, into `node`'s row of
     /// the nodes table, and returns the other live nodes whose protocol is below `oldest` (a
@@ -510,8 +512,8 @@ pub trait PartitionRegistry: Send + Sync + 'static {
     /// The outbox's partition count (fixed when it was migrated).
     fn partition_count(&self) -> StoreFuture<u32>;
 
-    /// Takes the free or expired ones of `partitions`; returns those taken with their new
-    /// epochs.
+    /// Takes the free or expired ones of `partitions`, and those `node` holds already;
+    /// returns those taken with their new epochs.
     fn acquire(
         &self,
         node: NodeId,

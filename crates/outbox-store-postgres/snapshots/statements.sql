@@ -343,7 +343,7 @@ UPDATE "public"."outbox_partitions"
                     SET owner = $1, epoch = epoch + 1,
                         lease_until = now() + $3::int8 * interval '1 millisecond'
                   WHERE partition = ANY($2::int4[])
-                    AND (owner IS NULL OR lease_until IS NULL OR lease_until < now())
+                    AND (owner IS NULL OR owner = $1 OR lease_until IS NULL OR lease_until < now())
               RETURNING partition, epoch
 
 -- public.outbox: renew
@@ -1020,7 +1020,7 @@ UPDATE "app"."events_partitions"
                     SET owner = $1, epoch = epoch + 1,
                         lease_until = now() + $3::int8 * interval '1 millisecond'
                   WHERE partition = ANY($2::int4[])
-                    AND (owner IS NULL OR lease_until IS NULL OR lease_until < now())
+                    AND (owner IS NULL OR owner = $1 OR lease_until IS NULL OR lease_until < now())
               RETURNING partition, epoch
 
 -- app.events: renew

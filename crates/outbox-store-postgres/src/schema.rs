@@ -1098,7 +1098,9 @@ impl Native {
         )
     }
 
-    /// $1 node, $2 partitions, $3 ttl in ms.
+    /// $1 node, $2 partitions, $3 ttl in ms. A partition the node holds already is taken
+    /// again, at a new epoch: the node asks only for what it does not know it holds, so
+    /// such a lease is one whose acquire lost its answer (nothing was done under it).
     fn acquire(&self) -> String {
         let parts = &self.parts;
         format!(
@@ -1106,7 +1108,7 @@ impl Native {
                     SET owner = $1, epoch = epoch + 1,
                         lease_until = now() + $3::int8 * interval '1 millisecond'
                   WHERE partition = ANY($2::int4[])
-                    AND (owner IS NULL OR lease_until IS NULL OR lease_until < now())
+                    AND (owner IS NULL OR owner = $1 OR lease_until IS NULL OR lease_until < now())
               RETURNING partition, epoch"
         )
     }

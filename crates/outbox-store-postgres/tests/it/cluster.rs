@@ -1207,3 +1207,109 @@ async fn heartbeats_go_on_while_a_lock_on_the_outbox_holds_every_claim() {
     }
     assert!(beat.unwrap().is_some(), "the heartbeat went through");
 }
+
+/// The real partitions table, with the answer of one acquire that took partitions lost
+/// after it committed.
+struct LosesOneAcquireAnswer {
+    store: PgStore,
+    armed: std::sync::atomic::AtomicBool,
+}
+
+impl outbox_core::store::PartitionRegistry for LosesOneAcquireAnswer {
+    fn nodes_behind(
+        &self,
+        node: NodeId,
+        protocol: u32,
+        oldest: u32,
+    ) -> outbox_core::store::StoreFuture<Vec<(String, u32)>> {
+        self.store.nodes_behind(node, protocol, oldest)
+    }
+    fn partition_peers(&self) -> outbox_core::store::StoreFuture<Vec<String>> {
+        self.store.partition_peers()
+    }
+    fn partition_count(&self) -> outbox_core::store::StoreFuture<u32> {
+        self.store.partition_count()
+    }
+    fn acquire(
+        &self,
+        node: NodeId,
+        partitions: Vec<i32>,
+        ttl: Duration,
+    ) -> outbox_core::store::StoreFuture<Vec<(i32, i64)>> {
+        let taken = self.store.acquire(node, partitions, ttl);
+        if !self.armed.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            return taken;
+        }
+        Box::pin(async move {
+            assert!(
+                !taken.await?.is_empty(),
+                "the first acquire takes partitions"
+            );
+            Err(outbox_core::StoreError::new(
+                outbox_core::StoreErrorKind::Connection,
+                "connection lost before the answer (a fault of the test)",
+            ))
+        })
+    }
+    fn renew(
+        &self,
+        node: NodeId,
+        held: Vec<(i32, i64)>,
+        ttl: Duration,
+    ) -> outbox_core::store::StoreFuture<Vec<i32>> {
+        self.store.renew(node, held, ttl)
+    }
+    fn release_partitions(
+        &self,
+        node: NodeId,
+        partitions: Vec<i32>,
+    ) -> outbox_core::store::StoreFuture<u64> {
+        self.store.release_partitions(node, partitions)
+    }
+    fn partitions(
+        &self,
+    ) -> outbox_core::store::StoreFuture<Vec<outbox_core::store::PartitionRecord>> {
+        self.store.partitions()
+    }
+}
+
+/// An acquire that committed and lost its answer left the partitions leased to the node,
+/// which did not know it: its next acquire passed them over as another's live leases, and
+/// they idled until the lease ran out (here 30 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitions_whose_acquire_lost_its_answer_are_taken_at_the_next_round() {
+    let (store, _url) = store(4).await;
+    let ownership = outbox_core::Ownership::new(4);
+    let coordinator = outbox_cluster::Coordinator::start(
+        Arc::new(store.clone()),
+        Some(outbox_cluster::Partitions {
+            registry: Arc::new(LosesOneAcquireAnswer {
+                store,
+                armed: true.into(),
+            }),
+            ownership: ownership.clone(),
+        }),
+        outbox_cluster::ClusterConfig {
+            node: NodeId("n1".into()),
+            settings: outbox_cluster::ClusterSettings {
+                heartbeat_interval: Duration::from_millis(50),
+                heartbeat_timeout: Duration::from_secs(30),
+            },
+            health: outbox_core::Health::new(),
+        },
+    )
+    .await
+    .unwrap();
+    eventually(
+        "every partition held, well within the lease",
+        Duration::from_secs(10),
+        || {
+            let held = ownership.held().len();
+            async move { (held == 4).then_some(()) }
+        },
+    )
+    .await;
+    coordinator
+        .stop(tokio::time::Instant::now() + Duration::from_secs(5))
+        .await;
+}
