@@ -90,11 +90,26 @@ impl Ownership {
         self.changed();
     }
 
+    /// The lease runs on to `valid_until`. The engine is woken only if it had run out by
+    /// the node's clock (it may publish the partition again): a renewal of a lease still
+    /// valid changes nothing it does, and woke it to claim at every renewal (twice a second
+    /// for a mapped table's lock), whatever its poll interval.
     pub fn renewed(&self, partition: i32, valid_until: Instant) {
-        if let Some(held) = self.state().held.get_mut(&partition) {
+        let lapsed = {
+            let mut state = self.state();
+            let Some(held) = state.held.get_mut(&partition) else {
+                return;
+            };
+            let lapsed = held.valid_until <= Instant::now();
             held.valid_until = valid_until;
+            lapsed
+        };
+        if lapsed {
+            self.changed();
+        } else {
+            // Seen at the engine's next look: its deadlines move on.
+            self.generation.fetch_add(1, Ordering::AcqRel);
         }
-        self.changed();
     }
 
     /// The partition is gone (released, or taken by another node).
@@ -342,5 +357,35 @@ mod tests {
         );
         o.remove(1);
         assert_eq!(o.publish_deadline(&BTreeSet::from([1, 2])), None);
+    }
+
+    /// Each renewal woke the engine, which claimed at each: twice a second for a mapped
+    /// table's lock, whatever the poll interval.
+    #[test]
+    fn a_renewal_wakes_the_engine_only_for_a_lease_that_had_run_out() {
+        use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+        let o = Ownership::new(1);
+        let wakes = Arc::new(AtomicUsize::new(0));
+        let counted = wakes.clone();
+        o.on_change(move || {
+            counted.fetch_add(1, SeqCst);
+        });
+        let now = Instant::now();
+        o.grant(0, 1, now + Duration::from_secs(10));
+        assert_eq!(wakes.load(SeqCst), 1, "a grant wakes it");
+        let before = o.generation();
+        o.renewed(0, now + Duration::from_secs(20));
+        assert_eq!(wakes.load(SeqCst), 1, "a renewal of a valid lease does not");
+        assert!(
+            o.generation() > before,
+            "its deadlines move on at its next look"
+        );
+        o.grant(0, 1, now);
+        o.renewed(0, now + Duration::from_secs(20));
+        assert_eq!(
+            wakes.load(SeqCst),
+            3,
+            "a lease that had run out may publish again"
+        );
     }
 }

@@ -31,6 +31,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures::future::BoxFuture;
 use futures::FutureExt;
+use outbox_core::health::Check;
 use outbox_core::store::{
     Backlog, ClaimRequest, Claimed, Crowded, DeadLetter, DeadQuery, DeadRecord, DeadSelector,
     DestinationStats, EventRecord, EventState, Heartbeat, Incarnation, LeaseExtension, LeaseHolder,
@@ -39,7 +40,7 @@ use outbox_core::store::{
 };
 use outbox_core::time::{from_micros, micros, millis};
 use outbox_core::{
-    Fence, NewEvent, NodeId, OutboxStore, Ownership, SequenceId, StoreError, StoreErrorKind,
+    Fence, Health, NewEvent, NodeId, OutboxStore, Ownership, SequenceId, StoreError, StoreErrorKind,
 };
 use uuid::Uuid;
 
@@ -417,15 +418,24 @@ impl<D: MappedDb> MappedStore<D> {
     /// the lock, renewed by each check that finds it held, removed once it is gone. A lock
     /// taken again (lost and retaken between two checks) is first removed, and granted at
     /// its new epoch once the engine holds nothing of the old one: the takeover returned
-    /// those rows to pending. With this running, claims take no lock themselves.
-    pub async fn keep_active(self, ownership: Arc<Ownership>, lease: Duration) {
-        let mut vouched = true;
+    /// those rows to pending. With this running, claims take no lock themselves. Each
+    /// round is an attempt of `health`'s [`Check::Leases`]: a lock that cannot be checked or
+    /// taken over shows on `/readyz`.
+    pub async fn keep_active(
+        self,
+        ownership: Arc<Ownership>,
+        lease: Duration,
+        health: Arc<Health>,
+    ) {
         loop {
+            let attempt = health.begin(Check::Leases);
             let checked_at = Instant::now();
-            match self.ensure_active(lease).await {
+            let mut leader = self.inner.leader.lock().await;
+            let checked = self.check_or_take(&mut leader, lease).await;
+            let epoch = leader.epoch;
+            // The renewal is vouched for by the check, not held up by the reap after it.
+            match &checked {
                 Ok(true) => {
-                    vouched = true;
-                    let epoch = self.inner.leader.lock().await.epoch;
                     let valid_until = checked_at + ACTIVE_VOUCHED_FOR;
                     match ownership.held().first() {
                         Some(&(_, held)) if held == epoch => ownership.renewed(0, valid_until),
@@ -435,15 +445,23 @@ impl<D: MappedDb> MappedStore<D> {
                     }
                 }
                 Ok(false) => {
-                    vouched = true;
                     if !ownership.held().is_empty() {
                         ownership.remove(0);
                     }
                 }
                 // Not renewed: past what the last check vouched for, nothing is published.
+                Err(_) => {}
+            }
+            let reaped = match checked {
+                Ok(true) => self.reap_expired_if_due(&mut leader, lease).await,
+                other => other.map(|_| ()),
+            };
+            drop(leader);
+            match reaped {
+                Ok(()) => attempt.succeeded(),
                 Err(e) => {
-                    if std::mem::take(&mut vouched) {
-                        tracing::warn!(layout = %self.inner.layout, error = %e.report(), "cannot check the active-relay lock; publishing pauses once the last check no longer vouches for it");
+                    if attempt.failed(e.report()) {
+                        tracing::warn!(layout = %self.inner.layout, error = %e.report(), "cannot check, take or reap the table's active-relay lock; publishing pauses once the last check no longer vouches for it");
                     }
                 }
             }
@@ -462,10 +480,25 @@ impl<D: MappedDb> MappedStore<D> {
         leader.lock.is_some() && fence.epochs == [leader.epoch]
     }
 
-    /// Becomes (or stays) the active relay; false when another relay is active.
+    /// Becomes (or stays) the active relay; false when another relay is active. Reaps rows
+    /// whose lease expired every half lease.
     async fn ensure_active(&self, lease: Duration) -> StoreResult<bool> {
+        let mut leader = self.inner.leader.lock().await;
+        let active = self.check_or_take(&mut leader, lease).await?;
+        if active {
+            self.reap_expired_if_due(&mut leader, lease).await?;
+        }
+        Ok(active)
+    }
+
+    /// Checks the lock held (when a check is due), or tries to take it (a standby, once per
+    /// [`LEADER_RETRY`]); a take is the takeover. Whether this relay is the active one.
+    async fn check_or_take(
+        &self,
+        leader: &mut Leader<D::Lock>,
+        lease: Duration,
+    ) -> StoreResult<bool> {
         let inner = &self.inner;
-        let mut leader = inner.leader.lock().await;
         let check_due = leader
             .last_check
             .is_none_or(|t| t.elapsed() >= D::LOCK_CHECK_INTERVAL);
@@ -477,31 +510,57 @@ impl<D: MappedDb> MappedStore<D> {
                 leader.lock = None;
             }
         }
-        if leader.lock.is_none() {
-            if leader.last_try.is_some_and(|t| t.elapsed() < LEADER_RETRY) {
-                return Ok(false);
-            }
-            leader.last_try = Some(Instant::now());
-            let Some(lock) = inner.db.take_lock(&inner.sql.mapping).await? else {
-                return Ok(false);
-            };
-            leader.lock = Some(lock);
-            leader.epoch += 1;
-            leader.last_check = Some(Instant::now());
-            self.memory().take_over();
+        if leader.lock.is_some() {
+            return Ok(true);
+        }
+        if leader.last_try.is_some_and(|t| t.elapsed() < LEADER_RETRY) {
+            return Ok(false);
+        }
+        leader.last_try = Some(Instant::now());
+        let Some(lock) = inner.db.take_lock(&inner.sql.mapping).await? else {
+            return Ok(false);
+        };
+        leader.lock = Some(lock);
+        leader.epoch += 1;
+        leader.last_check = Some(Instant::now());
+        self.memory().take_over();
+        // A takeover cut short is let go whole, and taken again from the start: kept, its
+        // predecessor's rows stayed in flight for good (a table with no time to reap them
+        // by), and keys waiting to retry went unblocked.
+        let taken_over = async {
             let reaped = self.reap(true, lease).await?;
             self.load_waiting_keys().await?;
-            self.read_error_bound().await;
-            leader.last_reap = Some(Instant::now());
-            tracing::info!(layout = %inner.layout, table = %self.table_name(), reaped, "this relay is now the table's active relay");
-        } else if leader.last_reap.is_none_or(|t| t.elapsed() >= lease / 2) {
-            leader.last_reap = Some(Instant::now());
-            let reaped = self.reap(false, lease).await?;
-            if reaped > 0 {
-                tracing::warn!(layout = %inner.layout, reaped, "returned rows with expired leases to pending");
-            }
+            Ok::<_, StoreError>(reaped)
         }
+        .await;
+        let reaped = match taken_over {
+            Ok(reaped) => reaped,
+            Err(e) => {
+                leader.lock = None;
+                return Err(e);
+            }
+        };
+        self.read_error_bound().await;
+        leader.last_reap = Some(Instant::now());
+        tracing::info!(layout = %inner.layout, table = %self.table_name(), reaped, "this relay is now the table's active relay");
         Ok(true)
+    }
+
+    /// Returns rows whose lease ran out to pending, every half lease.
+    async fn reap_expired_if_due(
+        &self,
+        leader: &mut Leader<D::Lock>,
+        lease: Duration,
+    ) -> StoreResult<()> {
+        if leader.last_reap.is_some_and(|t| t.elapsed() < lease / 2) {
+            return Ok(());
+        }
+        leader.last_reap = Some(Instant::now());
+        let reaped = self.reap(false, lease).await?;
+        if reaped > 0 {
+            tracing::warn!(layout = %self.inner.layout, reaped, "returned rows with expired leases to pending");
+        }
+        Ok(())
     }
 
     /// Reads how much of an error `last_error` holds. An error longer than a custom
@@ -867,14 +926,23 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
         let store = self.clone();
         async move {
             // Fenced: the lock is kept by `keep_active`, and the claim runs only at the
-            // epoch it was granted.
-            let active = match &request.fence {
-                Some(fence) => store.settles_under(Some(fence)).await,
-                None => store.ensure_active(request.lease).await?,
+            // epoch it was granted, holding off a takeover until its rows are marked: marked
+            // after a takeover's reap, they stayed in flight while the key's later rows went.
+            let _same_take = match &request.fence {
+                Some(fence) => {
+                    let leader = store.inner.leader.lock().await;
+                    if leader.lock.is_none() || fence.epochs != [leader.epoch] {
+                        return Ok(Vec::new());
+                    }
+                    Some(leader)
+                }
+                None => {
+                    if !store.ensure_active(request.lease).await? {
+                        return Ok(Vec::new());
+                    }
+                    None
+                }
             };
-            if !active {
-                return Ok(Vec::new());
-            }
             let sql = &store.inner.sql;
             let (blocked, held) = {
                 let mut memory = store.memory();

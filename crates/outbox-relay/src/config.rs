@@ -222,10 +222,12 @@ impl Config {
             }
             None => {}
         }
-        let service_links: std::collections::HashSet<String> = std::env::vars()
+        // `vars_os`: `vars` panics on a variable that is no UTF-8, anywhere in the environment.
+        let service_links: std::collections::HashSet<String> = std::env::vars_os()
             .filter_map(|(name, value)| {
+                let name = name.into_string().ok()?;
                 let key = name.strip_prefix("OUTBOX_RELAY_")?.to_ascii_lowercase();
-                kubernetes_service_link(&key, &value).then_some(key)
+                kubernetes_service_link(&key, &value.to_string_lossy()).then_some(key)
             })
             .collect();
         let env = Env::prefixed("OUTBOX_RELAY_")

@@ -257,15 +257,14 @@ async fn start(
     // that a relay whose lock's session ended publishes nothing beside the one that took
     // the table over. Not for a drain: it takes the lock with its claims, and ends on what
     // they find (behind another active relay, on its patience).
+    // Started once the node is registered: a start that fails before leaves no task
+    // holding the table's lock.
     let active_keeper = match (&engine.shared.ownership, drain) {
         (None, false) => {
             let ownership = Ownership::new(1);
             store
-                .keep_active(ownership.clone(), engine.settings.lease)
-                .map(|keeper| {
-                    engine.shared.ownership = Some(ownership);
-                    tokio::spawn(tracing::Instrument::in_current_span(keeper))
-                })
+                .keep_active(ownership.clone(), engine.settings.lease, health.clone())
+                .inspect(|_| engine.shared.ownership = Some(ownership))
         }
         _ => None,
     };
@@ -277,6 +276,8 @@ async fn start(
         let message = format!("cannot register in the nodes table: {}", e.report());
         failure(message, &e)
     })?;
+    let active_keeper =
+        active_keeper.map(|keeper| tokio::spawn(tracing::Instrument::in_current_span(keeper)));
     let monitor = tokio::spawn(tracing::Instrument::in_current_span(
         crate::http::watch_health(health),
     ));

@@ -154,11 +154,14 @@ impl AnyStore {
         &self,
         ownership: Arc<outbox_core::Ownership>,
         lease: std::time::Duration,
+        health: Arc<outbox_core::Health>,
     ) -> Option<futures::future::BoxFuture<'static, ()>> {
         use futures::FutureExt;
         match self {
-            AnyStore::MappedPostgres(s) => Some(s.clone().keep_active(ownership, lease).boxed()),
-            AnyStore::MySql(s) => Some(s.clone().keep_active(ownership, lease).boxed()),
+            AnyStore::MappedPostgres(s) => {
+                Some(s.clone().keep_active(ownership, lease, health).boxed())
+            }
+            AnyStore::MySql(s) => Some(s.clone().keep_active(ownership, lease, health).boxed()),
             AnyStore::Postgres(_)
             | AnyStore::PostgresWal(..)
             | AnyStore::MySqlBinlog(..)

@@ -1217,3 +1217,25 @@ fn a_role_for_the_printed_grants_without_print_is_refused() {
         "nothing was migrated before the refusal"
     );
 }
+
+/// A variable that is no UTF-8, anywhere in the environment (a locale's leftovers, a
+/// binary secret): reading the environment for Kubernetes' service links panicked on it.
+#[test]
+fn a_variable_that_is_no_utf8_is_no_crash() {
+    use std::os::unix::ffi::OsStrExt;
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite:{}", dir.path().join("o.db").display());
+    let out = Command::new(BIN)
+        .args(["migrate"])
+        .current_dir(dir.path())
+        .env_remove("OUTBOX_RELAY_DATABASE_URL")
+        .env("DATABASE_URL", &db)
+        .env(
+            std::ffi::OsStr::from_bytes(b"OUTBOX_RELAY_PORT_2259_TCP"),
+            std::ffi::OsStr::from_bytes(b"tcp://\xff"),
+        )
+        .env("NOT_OURS", std::ffi::OsStr::from_bytes(b"\xfe\xff"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+}

@@ -449,7 +449,11 @@ async fn a_relay_whose_table_lock_ended_publishes_nothing_more_of_what_it_held()
     };
     outbox_testkit::active_relay::a_relay_whose_table_lock_ended_publishes_nothing_more_of_what_it_held(
         Arc::new(store.clone()),
-        |ownership| store.keep_active(ownership, Duration::from_secs(30)).boxed(),
+        |ownership| {
+            store
+                .keep_active(ownership, Duration::from_secs(30), outbox_core::Health::new())
+                .boxed()
+        },
         take_over.boxed(),
     )
     .await;
