@@ -279,13 +279,59 @@ mod mapped {
         dead_lettering_keeps_the_whole_event, lease_expiry,
         crash_between_publish_and_ack_redelivers, rolled_back_inserts_are_never_claimed,
         undecodable_rows_are_claimed_for_dead_lettering, ack_deletes_or_retains,
-        release_makes_rows_claimable,
+        release_makes_rows_claimable, release_unheld_frees_the_rows_the_node_does_not_hold,
+        engine_a_claim_whose_answer_was_lost_keeps_its_key_in_order,
         engine_delivers_in_order_per_key, engine_retry_blocks_only_its_key,
         engine_dead_letters_after_max_attempts_and_moves_on,
         engine_dead_letters_permanent_errors_and_undecodable_rows,
         engine_unordered_retries_and_dead_letters_go_out_again,
         operator_lists_retries_and_purges_dead_letters, operator_replays_and_prunes_in_batches,
         operator_pages_dead_letters_and_shows_one_event);
+    /// A takeover whose reap failed kept the lock: the predecessor's rows were never reaped
+    /// (a table with no time to reap them by kept them in flight for good), and keys waiting
+    /// to retry went unblocked. Now the lock is let go, the failure is on `/readyz`, and
+    /// the whole takeover is tried again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_takeover_cut_short_lets_the_lock_go_and_says_so() {
+        let url = outbox_testkit::fresh_pg_database().await;
+        let client = connect(&url).await;
+        client.batch_execute(TABLE).await.unwrap();
+        let store = store(&url, false);
+        store.migrate().await.unwrap();
+        // The reap's column gone: each takeover fails once it has the lock.
+        client
+            .batch_execute("ALTER TABLE events RENAME COLUMN locked_until TO lease_end")
+            .await
+            .unwrap();
+        let health = outbox_core::Health::new();
+        let keeper = tokio::spawn(store.clone().keep_active(
+            outbox_core::Ownership::new(1),
+            Duration::from_secs(30),
+            health.clone(),
+        ));
+        outbox_testkit::eventually("the failure on /readyz", Duration::from_secs(20), || {
+            let troubles = health.troubles(std::time::Instant::now(), Duration::from_secs(60));
+            let leases = troubles.iter().any(|t| t.what == "partition leases");
+            async move { leases.then_some(()) }
+        })
+        .await;
+        // Let go between two tries (one a second): held for good before.
+        outbox_testkit::eventually("the lock let go", Duration::from_secs(20), || async {
+            let held: i64 = client
+                .query_one(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted
+                        AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            (held == 0).then_some(())
+        })
+        .await;
+        keeper.abort();
+    }
+
     outbox_testkit::store_conformance!(@groups new_harness;
         long_keys: run,
         owned_partitions: not_applicable("a mapped table has no partition leases: one active relay per table"),
