@@ -404,15 +404,8 @@ async fn a_relay_whose_table_lock_ended_publishes_nothing_more_of_what_it_held()
     .unwrap();
     store.migrate().await.unwrap();
     let take_over = async move {
-        let connect = || async {
-            let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-                .await
-                .unwrap();
-            tokio::spawn(connection);
-            client
-        };
-        let admin = connect().await;
-        let other = connect().await;
+        let admin = crate::conformance::connect(&url).await;
+        let other = crate::conformance::connect(&url).await;
         let taking = tokio::spawn(async move {
             other
                 .execute(
