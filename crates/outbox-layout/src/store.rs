@@ -428,10 +428,12 @@ impl<D: MappedDb> MappedStore<D> {
         health: Arc<Health>,
     ) {
         loop {
+            let mut leader = self.inner.leader.lock().await;
             let attempt = health.begin(Check::Leases);
             let checked_at = Instant::now();
-            let mut leader = self.inner.leader.lock().await;
+            let last_try = leader.last_try;
             let checked = self.check_or_take(&mut leader, lease).await;
+            let tried = leader.last_try != last_try;
             let epoch = leader.epoch;
             // The renewal is vouched for by the check, not held up by the reap after it.
             match &checked {
@@ -449,15 +451,25 @@ impl<D: MappedDb> MappedStore<D> {
                         ownership.remove(0);
                     }
                 }
+                // The lock is known gone (its take again failed): nothing more is published.
+                Err(_) if leader.lock.is_none() => {
+                    if !ownership.held().is_empty() {
+                        ownership.remove(0);
+                    }
+                }
                 // Not renewed: past what the last check vouched for, nothing is published.
                 Err(_) => {}
             }
+            // A standby's round between two tries says nothing: recorded as a success, a
+            // standby whose tries fail showed ready and not ready in turn.
+            let between_tries = matches!(checked, Ok(false)) && !tried;
             let reaped = match checked {
                 Ok(true) => self.reap_expired_if_due(&mut leader, lease).await,
                 other => other.map(|_| ()),
             };
             drop(leader);
             match reaped {
+                Ok(()) if between_tries => drop(attempt),
                 Ok(()) => attempt.succeeded(),
                 Err(e) => {
                     if attempt.failed(e.report()) {
@@ -555,8 +567,10 @@ impl<D: MappedDb> MappedStore<D> {
         if leader.last_reap.is_some_and(|t| t.elapsed() < lease / 2) {
             return Ok(());
         }
-        leader.last_reap = Some(Instant::now());
+        // Marked once done: a reap that fails is tried again at the next look, so that its
+        // failure lasts (and shows) until one succeeds.
         let reaped = self.reap(false, lease).await?;
+        leader.last_reap = Some(Instant::now());
         if reaped > 0 {
             tracing::warn!(layout = %self.inner.layout, reaped, "returned rows with expired leases to pending");
         }
@@ -926,23 +940,15 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
         let store = self.clone();
         async move {
             // Fenced: the lock is kept by `keep_active`, and the claim runs only at the
-            // epoch it was granted, holding off a takeover until its rows are marked: marked
-            // after a takeover's reap, they stayed in flight while the key's later rows went.
-            let _same_take = match &request.fence {
-                Some(fence) => {
-                    let leader = store.inner.leader.lock().await;
-                    if leader.lock.is_none() || fence.epochs != [leader.epoch] {
-                        return Ok(Vec::new());
-                    }
-                    Some(leader)
-                }
-                None => {
-                    if !store.ensure_active(request.lease).await? {
-                        return Ok(Vec::new());
-                    }
-                    None
-                }
+            // epoch it was granted. (Not held through the claim: a slow claim then kept the
+            // keeper from renewing, and the engine dropped all its work.)
+            let active = match &request.fence {
+                Some(fence) => store.settles_under(Some(fence)).await,
+                None => store.ensure_active(request.lease).await?,
             };
+            if !active {
+                return Ok(Vec::new());
+            }
             let sql = &store.inner.sql;
             let (blocked, held) = {
                 let mut memory = store.memory();
