@@ -1380,7 +1380,16 @@ async fn an_event_read_again_after_a_server_crash_is_not_sent_after_a_later_one_
         },
     )
     .await;
-    assert_eq!(key_k(), [1, 2], "key k's events as the webhook saw them");
+    // A crash may send an event again (at least once): the webhook's held request for 2
+    // answered, and 2 read again by the new session. What must not happen is 1 after 2.
+    let seen_k = key_k();
+    let mut runs = seen_k.clone();
+    runs.dedup();
+    assert_eq!(
+        runs,
+        [1, 2],
+        "key k's events as the webhook saw them, copies of one event in a row as one: {seen_k:?}"
+    );
     let status = relay.terminate().await;
     assert!(status.success(), "{status:?}");
 }
