@@ -26,6 +26,7 @@
 
 use std::collections::HashSet;
 use std::future::Future;
+use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -230,16 +231,32 @@ struct Leader<L> {
     last_reap: Option<Instant>,
 }
 
+impl<L> Leader<L> {
+    /// Whether a standby (or a relay whose lock went) may try to take the lock now.
+    fn take_due(&self) -> bool {
+        self.lock.is_none() && self.last_try.is_none_or(|t| t.elapsed() >= LEADER_RETRY)
+    }
+}
+
 struct Inner<D: MappedDb> {
     db: D,
     sql: Sql,
     layout: String,
     default_max_attempts: i64,
     memory: Mutex<Memory>,
+    /// Locked before `leader` by whoever takes both (one order, no deadlock).
     leader: tokio::sync::Mutex<Leader<D::Lock>>,
+    /// Shared by the fenced claims and settles while they check their take and write; a
+    /// takeover holds it alone. Without it, a claim checked at one take could mark its rows
+    /// after the lock was lost, taken again and reaped: they stayed leased to this relay,
+    /// which had dropped them with the old take, and their key's later rows went first.
+    takeover_gate: tokio::sync::RwLock<()>,
+    /// The epoch of the lock held, 0 while none is: read by the fenced writes without
+    /// waiting for `leader`, which a check or a reap holds through its statements.
+    active_epoch: AtomicI64,
     /// The most characters of an error `last_error` takes ([`ERROR_CHARS`] until the
     /// column's own bound is read, at each takeover).
-    error_chars: std::sync::atomic::AtomicUsize,
+    error_chars: AtomicUsize,
 }
 
 /// The most characters of an error written to `last_error`, whatever the column holds: a
@@ -277,7 +294,9 @@ impl<D: MappedDb> MappedStore<D> {
                     last_check: None,
                     last_reap: None,
                 }),
-                error_chars: std::sync::atomic::AtomicUsize::new(ERROR_CHARS),
+                takeover_gate: tokio::sync::RwLock::new(()),
+                active_epoch: AtomicI64::new(0),
+                error_chars: AtomicUsize::new(ERROR_CHARS),
             }),
         })
     }
@@ -296,7 +315,8 @@ impl<D: MappedDb> MappedStore<D> {
     /// only by the binary log's reader): the reader that loses its seat steps down here too.
     pub async fn step_down(&self) {
         let mut leader = self.inner.leader.lock().await;
-        if leader.lock.take().is_some() {
+        if leader.lock.is_some() {
+            self.let_go(&mut leader);
             tracing::info!(table = %self.table_name(), "no longer the table's active relay");
         }
         leader.last_try = None;
@@ -315,6 +335,7 @@ impl<D: MappedDb> MappedStore<D> {
         entitled: &(dyn Fn() -> bool + Sync),
     ) -> StoreResult<bool> {
         let inner = &self.inner;
+        let _alone = inner.takeover_gate.write().await;
         let mut leader = inner.leader.lock().await;
         if leader.lock.is_some() {
             return Ok(true);
@@ -326,9 +347,8 @@ impl<D: MappedDb> MappedStore<D> {
         let Some(lock) = taken else {
             return Ok(false);
         };
-        leader.lock = Some(lock);
+        self.hold(&mut leader, lock);
         leader.last_try = Some(Instant::now());
-        leader.last_check = Some(Instant::now());
         self.memory().take_over();
         let reaped = self.reap(true, lease).await?;
         self.load_waiting_keys().await?;
@@ -428,41 +448,35 @@ impl<D: MappedDb> MappedStore<D> {
         health: Arc<Health>,
     ) {
         loop {
-            let mut leader = self.inner.leader.lock().await;
             let attempt = health.begin(Check::Leases);
             let checked_at = Instant::now();
-            let last_try = leader.last_try;
-            let checked = self.check_or_take(&mut leader, lease).await;
-            let tried = leader.last_try != last_try;
-            let epoch = leader.epoch;
-            // The renewal is vouched for by the check, not held up by the reap after it.
-            match &checked {
-                Ok(true) => {
-                    let valid_until = checked_at + ACTIVE_VOUCHED_FOR;
-                    match ownership.held().first() {
-                        Some(&(_, held)) if held == epoch => ownership.renewed(0, valid_until),
-                        Some(_) => ownership.remove(0),
-                        None if !ownership.is_busy(0) => ownership.grant(0, epoch, valid_until),
-                        None => {}
-                    }
+            let mut leader = self.inner.leader.lock().await;
+            let checked = if self.check_held(&mut leader).await {
+                Ok(true)
+            } else {
+                // Known gone: nothing more is published, whatever a take brings.
+                if !ownership.held().is_empty() {
+                    ownership.remove(0);
                 }
-                Ok(false) => {
-                    if !ownership.held().is_empty() {
-                        ownership.remove(0);
-                    }
+                let taken;
+                (leader, taken) = self.take_if_due(leader, lease).await;
+                taken.map(|taken| taken.is_some())
+            };
+            // The renewal is vouched for by the check, not held up by the reap after it. A
+            // lock taken again is granted once the engine holds nothing of the old take.
+            if matches!(checked, Ok(true)) {
+                let (epoch, valid_until) = (leader.epoch, checked_at + ACTIVE_VOUCHED_FOR);
+                match ownership.held().first() {
+                    Some(&(_, held)) if held == epoch => ownership.renewed(0, valid_until),
+                    Some(_) => ownership.remove(0),
+                    None if !ownership.is_busy(0) => ownership.grant(0, epoch, valid_until),
+                    None => {}
                 }
-                // The lock is known gone (its take again failed): nothing more is published.
-                Err(_) if leader.lock.is_none() => {
-                    if !ownership.held().is_empty() {
-                        ownership.remove(0);
-                    }
-                }
-                // Not renewed: past what the last check vouched for, nothing is published.
-                Err(_) => {}
             }
             // A standby's round between two tries says nothing: recorded as a success, a
             // standby whose tries fail showed ready and not ready in turn.
-            let between_tries = matches!(checked, Ok(false)) && !tried;
+            let between_tries =
+                matches!(checked, Ok(false)) && leader.last_try.is_some_and(|t| t < checked_at);
             let reaped = match checked {
                 Ok(true) => self.reap_expired_if_due(&mut leader, lease).await,
                 other => other.map(|_| ()),
@@ -481,60 +495,109 @@ impl<D: MappedDb> MappedStore<D> {
         }
     }
 
-    /// Whether a settle fenced with `fence` may write: unfenced (no ownership follows the
-    /// lock), or the lock is held at the fence's epoch. A settle of an earlier take would
-    /// write rows the new active relay holds where the table does not say who holds them.
-    async fn settles_under(&self, fence: Option<&Fence>) -> bool {
+    /// Lets a write fenced with `fence` run, holding off a takeover until it ends: unfenced
+    /// (no ownership follows the lock), or the lock is held at the fence's epoch. `None`
+    /// refuses it: a write of an earlier take would touch rows the new take reaped, which
+    /// it (or another relay) may hold now where the table does not say who holds them.
+    async fn fenced_write(
+        &self,
+        fence: Option<&Fence>,
+    ) -> Option<tokio::sync::RwLockReadGuard<'_, ()>> {
+        let gate = self.inner.takeover_gate.read().await;
         let Some(fence) = fence else {
-            return true;
+            return Some(gate);
         };
-        let leader = self.inner.leader.lock().await;
-        leader.lock.is_some() && fence.epochs == [leader.epoch]
+        let active = self.inner.active_epoch.load(Ordering::Acquire);
+        (active != 0 && fence.epochs == [active]).then_some(gate)
+    }
+
+    /// Records `lock` as held, at a new epoch.
+    fn hold(&self, leader: &mut Leader<D::Lock>, lock: D::Lock) {
+        leader.lock = Some(lock);
+        leader.epoch += 1;
+        leader.last_check = Some(Instant::now());
+        self.inner
+            .active_epoch
+            .store(leader.epoch, Ordering::Release);
+    }
+
+    /// Records the lock as gone (its session closes with it).
+    fn let_go(&self, leader: &mut Leader<D::Lock>) {
+        leader.lock = None;
+        self.inner.active_epoch.store(0, Ordering::Release);
     }
 
     /// Becomes (or stays) the active relay; false when another relay is active. Reaps rows
     /// whose lease expired every half lease.
     async fn ensure_active(&self, lease: Duration) -> StoreResult<bool> {
         let mut leader = self.inner.leader.lock().await;
-        let active = self.check_or_take(&mut leader, lease).await?;
-        if active {
-            self.reap_expired_if_due(&mut leader, lease).await?;
+        if !self.check_held(&mut leader).await {
+            let taken;
+            (leader, taken) = self.take_if_due(leader, lease).await;
+            if taken?.is_none() {
+                return Ok(false);
+            }
         }
-        Ok(active)
+        self.reap_expired_if_due(&mut leader, lease).await?;
+        Ok(true)
     }
 
-    /// Checks the lock held (when a check is due), or tries to take it (a standby, once per
-    /// [`LEADER_RETRY`]); a take is the takeover. Whether this relay is the active one.
-    async fn check_or_take(
-        &self,
-        leader: &mut Leader<D::Lock>,
-        lease: Duration,
-    ) -> StoreResult<bool> {
-        let inner = &self.inner;
+    /// Checks the lock held, when a check is due. Whether it is held.
+    async fn check_held(&self, leader: &mut Leader<D::Lock>) -> bool {
         let check_due = leader
             .last_check
             .is_none_or(|t| t.elapsed() >= D::LOCK_CHECK_INTERVAL);
         if let (Some(lock), true) = (leader.lock.as_mut(), check_due) {
-            let alive = inner.db.lock_alive(lock).await;
+            let alive = self.inner.db.lock_alive(lock).await;
             leader.last_check = Some(Instant::now());
             if !alive {
-                tracing::warn!(layout = %inner.layout, "lost the connection holding the active-relay lock; claiming stops until it is taken again");
-                leader.lock = None;
+                tracing::warn!(layout = %self.inner.layout, "lost the connection holding the active-relay lock; claiming stops until it is taken again");
+                self.let_go(leader);
             }
         }
-        if leader.lock.is_some() {
-            return Ok(true);
+        leader.lock.is_some()
+    }
+
+    /// Tries to take the lock (a standby, or a relay whose lock went), once per
+    /// [`LEADER_RETRY`]; a take is the takeover. Alone: the fenced claims and settles of
+    /// the last take end first (`takeover_gate`), so none marks or settles a row after the
+    /// reap. `leader` is let go while they end. The epoch of the take, if this relay is the
+    /// active one now.
+    async fn take_if_due<'a>(
+        &'a self,
+        leader: tokio::sync::MutexGuard<'a, Leader<D::Lock>>,
+        lease: Duration,
+    ) -> (
+        tokio::sync::MutexGuard<'a, Leader<D::Lock>>,
+        StoreResult<Option<i64>>,
+    ) {
+        if !leader.take_due() {
+            let held = leader.lock.as_ref().map(|_| leader.epoch);
+            return (leader, Ok(held));
         }
-        if leader.last_try.is_some_and(|t| t.elapsed() < LEADER_RETRY) {
-            return Ok(false);
+        drop(leader);
+        let alone = self.inner.takeover_gate.write().await;
+        let mut leader = self.inner.leader.lock().await;
+        // Taken meanwhile (`take_over`), or tried.
+        if !leader.take_due() {
+            let held = leader.lock.as_ref().map(|_| leader.epoch);
+            return (leader, Ok(held));
         }
+        let taken = self.take(&mut leader, lease).await;
+        drop(alone);
+        let epoch = leader.epoch;
+        (leader, taken.map(|taken| taken.then_some(epoch)))
+    }
+
+    /// Takes the lock if it is free, and takes the table over: the rows its last holder
+    /// left in flight return to pending. Whether it was taken.
+    async fn take(&self, leader: &mut Leader<D::Lock>, lease: Duration) -> StoreResult<bool> {
+        let inner = &self.inner;
         leader.last_try = Some(Instant::now());
         let Some(lock) = inner.db.take_lock(&inner.sql.mapping).await? else {
             return Ok(false);
         };
-        leader.lock = Some(lock);
-        leader.epoch += 1;
-        leader.last_check = Some(Instant::now());
+        self.hold(leader, lock);
         self.memory().take_over();
         // A takeover cut short is let go whole, and taken again from the start: kept, its
         // predecessor's rows stayed in flight for good (a table with no time to reap them
@@ -548,7 +611,7 @@ impl<D: MappedDb> MappedStore<D> {
         let reaped = match taken_over {
             Ok(reaped) => reaped,
             Err(e) => {
-                leader.lock = None;
+                self.let_go(leader);
                 return Err(e);
             }
         };
@@ -940,15 +1003,17 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
         let store = self.clone();
         async move {
             // Fenced: the lock is kept by `keep_active`, and the claim runs only at the
-            // epoch it was granted. (Not held through the claim: a slow claim then kept the
-            // keeper from renewing, and the engine dropped all its work.)
-            let active = match &request.fence {
-                Some(fence) => store.settles_under(Some(fence)).await,
-                None => store.ensure_active(request.lease).await?,
+            // epoch it was granted, holding off a takeover until its rows are marked. (Not
+            // holding `leader`: a slow claim then kept the keeper from renewing, and the
+            // engine dropped all its work.)
+            let _fenced = match &request.fence {
+                Some(fence) => match store.fenced_write(Some(fence)).await {
+                    Some(gate) => Some(gate),
+                    None => return Ok(Vec::new()),
+                },
+                None if store.ensure_active(request.lease).await? => None,
+                None => return Ok(Vec::new()),
             };
-            if !active {
-                return Ok(Vec::new());
-            }
             let sql = &store.inner.sql;
             let (blocked, held) = {
                 let mut memory = store.memory();
@@ -1012,9 +1077,9 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
     fn ack(&self, holder: LeaseHolder, ids: Vec<SequenceId>) -> StoreFuture<u64> {
         let store = self.clone();
         async move {
-            if !store.settles_under(holder.fence.as_deref()).await {
+            let Some(_fenced) = store.fenced_write(holder.fence.as_deref()).await else {
                 return Ok(0);
-            }
+            };
             let node = holder.node;
             let count = ids.len();
             let n = store
@@ -1032,9 +1097,9 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
     fn retry_later(&self, holder: LeaseHolder, retries: Vec<RetryLater>) -> StoreFuture<u64> {
         let store = self.clone();
         async move {
-            if !store.settles_under(holder.fence.as_deref()).await {
+            let Some(_fenced) = store.fenced_write(holder.fence.as_deref()).await else {
                 return Ok(0);
-            }
+            };
             let node = holder.node;
             let sql = &store.inner.sql;
             let n = store
@@ -1061,9 +1126,9 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
     fn dead_letter(&self, holder: LeaseHolder, entries: Vec<DeadLetter>) -> StoreFuture<u64> {
         let store = self.clone();
         async move {
-            if !store.settles_under(holder.fence.as_deref()).await {
+            let Some(_fenced) = store.fenced_write(holder.fence.as_deref()).await else {
                 return Ok(0);
-            }
+            };
             let node = holder.node;
             let sql = &store.inner.sql;
             let n = store
@@ -1090,7 +1155,7 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
         async move {
             // Not active: the rows are another relay's to hold now (the takeover returned
             // them to pending), or will be at its takeover.
-            if store.inner.leader.lock().await.lock.is_none() {
+            if store.inner.active_epoch.load(Ordering::Acquire) == 0 {
                 store.memory().settled(&ids, false);
                 return Ok(ids.len() as u64);
             }
@@ -1111,10 +1176,10 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
         let store = self.clone();
         async move {
             // Only the active relay: a standby's release would take rows from under the
-            // active one where the table does not say who holds a row. Held through the
-            // statement, so that no takeover runs meanwhile.
-            let leader = store.inner.leader.lock().await;
-            if leader.lock.is_none() {
+            // active one where the table does not say who holds a row. No takeover runs
+            // through the statement.
+            let _alone_with_this_take = store.inner.takeover_gate.read().await;
+            if store.inner.active_epoch.load(Ordering::Acquire) == 0 {
                 return Ok(0);
             }
             let sql = &store.inner.sql;
@@ -1127,9 +1192,7 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
             let Some(statement) = sql.release_unheld(not_held.as_deref(), &node_param) else {
                 return Ok(0);
             };
-            let released = store.inner.db.execute("release unheld", statement, p).await;
-            drop(leader);
-            released
+            store.inner.db.execute("release unheld", statement, p).await
         }
         .boxed()
     }

@@ -332,6 +332,142 @@ mod mapped {
         keeper.abort();
     }
 
+    /// Race: a claim checked at one take of the lock is still running when the lock is
+    /// lost and taken again, and the takeover reaps before the claim marks its rows. Those
+    /// rows stayed leased to the relay, which had dropped them with the old take; the key's
+    /// later row went out first. Now a takeover waits for the claims of the last take to
+    /// end, so its reap returns what they marked.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn race_a_claim_in_flight_while_the_lock_is_lost_and_taken_again() {
+        use outbox_core::store::{ClaimRequest, Crowded};
+        use outbox_core::{Fence, NodeId};
+        let url = outbox_testkit::fresh_pg_database().await;
+        let client = connect(&url).await;
+        client.batch_execute(TABLE).await.unwrap();
+        let store = store(&url, false);
+        store.migrate().await.unwrap();
+        // The claim's marking waits on an advisory lock this session holds: the claim is
+        // held between its check of the take and its write, for as long as the test says.
+        client
+            .batch_execute(
+                "CREATE FUNCTION hold_claims() RETURNS trigger LANGUAGE plpgsql AS $$
+                 BEGIN
+                   IF OLD.locked_by IS NULL AND NEW.locked_by IS NOT NULL THEN
+                     PERFORM pg_advisory_lock_shared(4242, 4242);
+                     PERFORM pg_advisory_unlock_shared(4242, 4242);
+                   END IF;
+                   RETURN NEW;
+                 END $$;
+                 CREATE TRIGGER hold_claims BEFORE UPDATE ON events
+                   FOR EACH ROW EXECUTE FUNCTION hold_claims();
+                 SELECT pg_advisory_lock(4242, 4242);",
+            )
+            .await
+            .unwrap();
+        let ownership = outbox_core::Ownership::new(1);
+        let keeper = tokio::spawn(store.clone().keep_active(
+            ownership.clone(),
+            Duration::from_secs(30),
+            outbox_core::Health::new(),
+        ));
+        let held_at = |ownership: Arc<outbox_core::Ownership>| async move {
+            ownership.held().first().map(|&(_, epoch)| epoch)
+        };
+        let first = outbox_testkit::eventually("the lock taken", Duration::from_secs(20), || {
+            held_at(ownership.clone())
+        })
+        .await;
+        let insert = |n: i32| {
+            format!(
+                "INSERT INTO events (destination, partition_key, event_type, payload)
+                 VALUES ('d', 'k', 't', '{{\"n\": {n}}}')"
+            )
+        };
+        client.batch_execute(&insert(1)).await.unwrap();
+        let claim = |epoch: i64| {
+            store.claim(ClaimRequest {
+                node: NodeId("n1".into()),
+                limit: 10,
+                lease: Duration::from_secs(30),
+                fence: Some(Arc::new(Fence {
+                    count: 1,
+                    partitions: vec![0],
+                    epochs: vec![epoch],
+                })),
+                ordered: true,
+                crowded: Crowded::default(),
+            })
+        };
+        let in_flight = tokio::spawn(claim(first));
+        outbox_testkit::eventually(
+            "the claim held at its write",
+            Duration::from_secs(20),
+            || {
+                let client = &client;
+                async move {
+                    let waiting = outbox_testkit::query_count(
+                        client,
+                        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
+                        &[],
+                    )
+                    .await
+                    .unwrap();
+                    (waiting > 0).then_some(())
+                }
+            },
+        )
+        .await;
+        // The key's next event, after the claim read the table.
+        client.batch_execute(&insert(2)).await.unwrap();
+        client
+            .batch_execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_locks
+                 WHERE locktype = 'advisory' AND granted AND objsubid = 1
+                   AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+            )
+            .await
+            .unwrap();
+        // Before the fix the lock was taken again (and reaped) within a second or two, the
+        // claim still held: this gives that interleaving its chance. Now it cannot happen.
+        let retaken = tokio::time::timeout(Duration::from_secs(4), async {
+            loop {
+                match held_at(ownership.clone()).await {
+                    Some(epoch) if epoch != first => return epoch,
+                    _ => tokio::time::sleep(Duration::from_millis(20)).await,
+                }
+            }
+        })
+        .await;
+        client
+            .batch_execute("SELECT pg_advisory_unlock(4242, 4242)")
+            .await
+            .unwrap();
+        in_flight.await.unwrap().unwrap();
+        let second = match retaken {
+            Ok(epoch) => epoch,
+            Err(_) => {
+                outbox_testkit::eventually("the lock taken again", Duration::from_secs(20), || {
+                    let ownership = ownership.clone();
+                    async move { held_at(ownership).await.filter(|&e| e != first) }
+                })
+                .await
+            }
+        };
+        let claimed = claim(second).await.unwrap();
+        let order: Vec<String> = claimed
+            .iter()
+            .map(|c| match c {
+                outbox_core::Claimed::Event(event) => format!("{:?}", event.payload),
+                undecodable => panic!("undecodable: {undecodable:?}"),
+            })
+            .collect();
+        assert!(
+            order.first().is_some_and(|p| p.contains("1")),
+            "the key's later event was claimed before the one the overtaken claim marked: {order:?}"
+        );
+        keeper.abort();
+    }
+
     outbox_testkit::store_conformance!(@groups new_harness;
         long_keys: run,
         owned_partitions: not_applicable("a mapped table has no partition leases: one active relay per table"),
