@@ -970,12 +970,12 @@ fn refuse_shared_resources(outboxes: &[NamedOutbox]) -> Result<(), String> {
             }
             if wal(&a.config)
                 && wal(&b.config)
-                && a.config.wal.publication == b.config.wal.publication
+                && a.config.wal.publication() == b.config.wal.publication()
             {
                 return Err(format!(
                     "{pair} both use the publication {} of {shown}: a publication names its \
                      outbox's tables; give one its own publication",
-                    a.config.wal.publication
+                    a.config.wal.publication()
                 ));
             }
         }

@@ -25,41 +25,54 @@ outbox_core::settings! {
         /// _<schema> and _<table> when they are not public and outbox (a slot made by an earlier
         /// version under the old default, outbox_relay, is kept).
         pub slot: String = String::new(),
-        /// The publication of --capture wal (created by `migrate --capture wal`).
-        pub publication: String = DEFAULT_PUBLICATION.into(),
+        /// The publication of --capture wal (created by `migrate --capture wal`). Default:
+        /// outbox_relay.
+        pub publication: Option<String> = None,
         /// The most --capture wal holds in memory, in MiB: events read from the slot ahead of
         /// the sink and events in flight together, counted by their size. The stream is read
         /// only while there is room (what is unread waits in the server's WAL); one event
-        /// larger than this still passes, alone.
-        pub wal_memory_mib: u64 = DEFAULT_MEMORY_MIB,
+        /// larger than this still passes, alone. Default: 32.
+        pub wal_memory_mib: Option<u64> = None,
     }
 }
 
 impl WalSettings {
-    /// Whether either setting differs from its default: both apply to WAL capture only.
+    /// Whether any of them is given, even at its default value: they apply to WAL capture
+    /// only. (Compared with the defaults, `--publication outbox_relay` without WAL capture
+    /// passed as if it were not there.)
     pub fn is_set(&self) -> bool {
-        *self != WalSettings::default()
+        !self.slot.is_empty() || self.publication.is_some() || self.wal_memory_mib.is_some()
+    }
+
+    /// The publication: the one given, or [`DEFAULT_PUBLICATION`].
+    pub fn publication(&self) -> &str {
+        self.publication.as_deref().unwrap_or(DEFAULT_PUBLICATION)
+    }
+
+    /// The memory budget in MiB: the one given, or [`DEFAULT_MEMORY_MIB`].
+    pub fn memory_mib(&self) -> u64 {
+        self.wal_memory_mib.unwrap_or(DEFAULT_MEMORY_MIB)
     }
 
     /// The memory budget in bytes.
     pub fn memory_budget(&self) -> usize {
-        usize::try_from(self.wal_memory_mib.saturating_mul(1024 * 1024)).unwrap_or(usize::MAX)
+        usize::try_from(self.memory_mib().saturating_mul(1024 * 1024)).unwrap_or(usize::MAX)
     }
 
     /// Refuses slot and publication names PostgreSQL would not take as given, and a memory
     /// budget of nothing (or of more than 64 GiB).
     pub fn validate(&self) -> Result<(), String> {
-        if !(1..=MAX_MEMORY_MIB).contains(&self.wal_memory_mib) {
+        if !(1..=MAX_MEMORY_MIB).contains(&self.memory_mib()) {
             return Err(format!(
                 "wal_memory_mib must be between 1 and {MAX_MEMORY_MIB} (got {}): it is the MiB of \
                  events WAL capture may hold",
-                self.wal_memory_mib
+                self.memory_mib()
             ));
         }
         let explicit_slot = (!self.slot.is_empty()).then_some(self.slot.as_str());
         for (name, what) in [
             (explicit_slot, "slot"),
-            (Some(&*self.publication), "publication"),
+            (Some(self.publication()), "publication"),
         ] {
             let Some(name) = name else { continue };
             let valid = !name.is_empty()
@@ -115,7 +128,7 @@ impl WalSettings {
     /// not take over the slot of the first.
     pub fn legacy_slot(&self, schema: &str, table: &str) -> Option<String> {
         (self.slot.is_empty()
-            && self.publication == DEFAULT_PUBLICATION
+            && self.publication() == DEFAULT_PUBLICATION
             && (schema, table) == ("public", "outbox"))
             .then(|| DEFAULT_SLOT.into())
     }
@@ -139,7 +152,7 @@ mod tests {
         for (slot, publication) in [("Bad-Name", DEFAULT_PUBLICATION), ("", "pub lication")] {
             let settings = WalSettings {
                 slot: slot.into(),
-                publication: publication.into(),
+                publication: Some(publication.into()),
                 ..WalSettings::default()
             };
             let err = settings.validate().unwrap_err();

@@ -402,7 +402,7 @@ impl DatabaseSettings {
                         slot: self.slot_name(wal),
                         legacy_slot: wal.legacy_slot(&tables.outbox_schema, &tables.outbox_table),
                         publication: outbox_core::ident::Ident::new(
-                            &wal.publication,
+                            wal.publication(),
                             "publication name",
                         )
                         .map_err(report)?,

@@ -484,6 +484,17 @@ fn bad_values_and_names_exit_2_naming_where_they_came_from() {
         "wal_memory_mib apply to WAL capture only",
         "add --capture wal",
     );
+    // Given at their defaults, they passed as if they were not there.
+    for (flag, default) in [
+        ("--publication", "outbox_relay"),
+        ("--wal-memory-mib", "32"),
+    ] {
+        refused(
+            relay(d, &["run", "--drain", flag, default], &[]),
+            "apply to WAL capture only",
+            "add --capture wal",
+        );
+    }
     // Binlog capture's budget, which could not be set at all (wal_memory_mib is refused
     // with binlog capture).
     refused(
