@@ -168,6 +168,11 @@ impl Ownership {
                 .is_some_and(|revoked| state.engine_seen < *revoked)
     }
 
+    /// Whether the engine has acted on `generation` (and on every change before it).
+    pub fn engine_has_seen(&self, generation: u64) -> bool {
+        self.state().engine_seen >= generation
+    }
+
     /// Reported by the engine: the partitions it holds rows of, after it acted on
     /// `generation` (dropped the queued work of partitions it may no longer publish).
     pub fn set_busy(&self, busy: BTreeSet<i32>, generation: u64) {
@@ -261,6 +266,22 @@ impl std::fmt::Debug for Ownership {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_engine_has_seen_a_change_only_once_it_reports_acting_on_it() {
+        let ownership = Ownership::new(1);
+        ownership.grant(0, 1, Instant::now() + std::time::Duration::from_secs(3));
+        ownership.remove(0);
+        let removed = ownership.generation();
+        assert!(!ownership.engine_has_seen(removed));
+        ownership.set_busy(BTreeSet::new(), removed - 1);
+        assert!(
+            !ownership.engine_has_seen(removed),
+            "a report from before the removal"
+        );
+        ownership.set_busy(BTreeSet::new(), removed);
+        assert!(ownership.engine_has_seen(removed));
+    }
     use std::time::Duration;
 
     /// A claim fenced at epoch 5 comes back after the partition was handed over and taken

@@ -335,11 +335,15 @@ impl<D: MappedDb> MappedStore<D> {
         entitled: &(dyn Fn() -> bool + Sync),
     ) -> StoreResult<bool> {
         let inner = &self.inner;
+        if inner.active_epoch.load(Ordering::Acquire) != 0 {
+            return Ok(true);
+        }
         let _alone = inner.takeover_gate.write().await;
         let mut leader = inner.leader.lock().await;
         if leader.lock.is_some() {
             return Ok(true);
         }
+        leader.last_try = Some(Instant::now());
         let taken = inner
             .db
             .take_lock_from_stale(&inner.sql.mapping, entitled)
@@ -347,12 +351,7 @@ impl<D: MappedDb> MappedStore<D> {
         let Some(lock) = taken else {
             return Ok(false);
         };
-        self.hold(&mut leader, lock);
-        leader.last_try = Some(Instant::now());
-        self.memory().take_over();
-        let reaped = self.reap(true, lease).await?;
-        self.load_waiting_keys().await?;
-        leader.last_reap = Some(Instant::now());
+        let reaped = self.become_active(&mut leader, lock, lease).await?;
         tracing::info!(layout = %inner.layout, table = %self.table_name(), reaped, "this relay took over as the table's active relay");
         Ok(true)
     }
@@ -447,6 +446,16 @@ impl<D: MappedDb> MappedStore<D> {
         lease: Duration,
         health: Arc<Health>,
     ) {
+        // The generation of the last removal: a take is granted only once the engine has
+        // acted on it (dropped the old take's work), or it would go on with that work under
+        // the new epoch, its rows reaped and claimed again.
+        let mut removed_at: Option<u64> = None;
+        let remove = |ownership: &Ownership, removed_at: &mut Option<u64>| {
+            if !ownership.held().is_empty() {
+                ownership.remove(0);
+                *removed_at = Some(ownership.generation());
+            }
+        };
         loop {
             let attempt = health.begin(Check::Leases);
             let checked_at = Instant::now();
@@ -455,9 +464,7 @@ impl<D: MappedDb> MappedStore<D> {
                 Ok(true)
             } else {
                 // Known gone: nothing more is published, whatever a take brings.
-                if !ownership.held().is_empty() {
-                    ownership.remove(0);
-                }
+                remove(&ownership, &mut removed_at);
                 let taken;
                 (leader, taken) = self.take_if_due(leader, lease).await;
                 taken.map(|taken| taken.is_some())
@@ -468,9 +475,13 @@ impl<D: MappedDb> MappedStore<D> {
                 let (epoch, valid_until) = (leader.epoch, checked_at + ACTIVE_VOUCHED_FOR);
                 match ownership.held().first() {
                     Some(&(_, held)) if held == epoch => ownership.renewed(0, valid_until),
-                    Some(_) => ownership.remove(0),
-                    None if !ownership.is_busy(0) => ownership.grant(0, epoch, valid_until),
-                    None => {}
+                    Some(_) => remove(&ownership, &mut removed_at),
+                    None if ownership.is_busy(0) => {}
+                    None if removed_at.is_some_and(|g| !ownership.engine_has_seen(g)) => {}
+                    None => {
+                        ownership.grant(0, epoch, valid_until);
+                        removed_at = None;
+                    }
                 }
             }
             // A standby's round between two tries says nothing: recorded as a success, a
@@ -597,28 +608,37 @@ impl<D: MappedDb> MappedStore<D> {
         let Some(lock) = inner.db.take_lock(&inner.sql.mapping).await? else {
             return Ok(false);
         };
+        let reaped = self.become_active(leader, lock, lease).await?;
+        tracing::info!(layout = %inner.layout, table = %self.table_name(), reaped, "this relay is now the table's active relay");
+        Ok(true)
+    }
+
+    /// Holds `lock` (just taken) and takes the table over: the rows its last holder left in
+    /// flight return to pending (how many, returned), and the keys waiting to retry are read.
+    /// A takeover cut short is let go whole, to be taken again from the start: kept, its
+    /// predecessor's rows stayed in flight for good (a table with no time to reap them by),
+    /// and keys waiting to retry went unblocked.
+    async fn become_active(
+        &self,
+        leader: &mut Leader<D::Lock>,
+        lock: D::Lock,
+        lease: Duration,
+    ) -> StoreResult<u64> {
         self.hold(leader, lock);
         self.memory().take_over();
-        // A takeover cut short is let go whole, and taken again from the start: kept, its
-        // predecessor's rows stayed in flight for good (a table with no time to reap them
-        // by), and keys waiting to retry went unblocked.
         let taken_over = async {
             let reaped = self.reap(true, lease).await?;
             self.load_waiting_keys().await?;
             Ok::<_, StoreError>(reaped)
         }
         .await;
-        let reaped = match taken_over {
-            Ok(reaped) => reaped,
-            Err(e) => {
-                self.let_go(leader);
-                return Err(e);
-            }
-        };
+        if taken_over.is_err() {
+            self.let_go(leader);
+        }
+        let reaped = taken_over?;
         self.read_error_bound().await;
         leader.last_reap = Some(Instant::now());
-        tracing::info!(layout = %inner.layout, table = %self.table_name(), reaped, "this relay is now the table's active relay");
-        Ok(true)
+        Ok(reaped)
     }
 
     /// Returns rows whose lease ran out to pending, every half lease.
