@@ -385,24 +385,20 @@ impl OwnedClaims {
     /// Forgets every row `node` holds from owned claims but `held` (what its engine
     /// holds); returns how many, which are claimable again.
     pub fn forget_all_but(&self, node: &str, held: &[SequenceId]) -> u64 {
-        let mut nodes = self.nodes.lock().expect("owned claims lock");
-        let Some(claims) = nodes.get_mut(node) else {
-            return 0;
-        };
         let held: HashSet<SequenceId> = held.iter().copied().collect();
-        let gone: Vec<SequenceId> = claims
-            .held
-            .iter()
-            .copied()
-            .filter(|id| !held.contains(id))
-            .collect();
-        for id in &gone {
-            claims.held.remove(id);
-        }
-        if let Some(&lowest) = gone.iter().min() {
-            claims.floor.lower_to(lowest);
-        }
-        gone.len() as u64
+        let unheld: Vec<SequenceId> = {
+            let nodes = self.nodes.lock().expect("owned claims lock");
+            let Some(claims) = nodes.get(node) else {
+                return 0;
+            };
+            claims
+                .held
+                .iter()
+                .copied()
+                .filter(|id| !held.contains(id))
+                .collect()
+        };
+        self.forget(node, &unheld, true).len() as u64
     }
 
     /// Whether `node` holds `id` from an owned claim.
