@@ -49,6 +49,9 @@ DELETE FROM "public"."outbox" o WHERE o."sequence_id" = ANY($ids) AND o."locked_
 -- adbc, Postgres: release
 UPDATE "public"."outbox" o SET "locked_by" = NULL, "lock_expiry" = NULL WHERE o."sequence_id" = ANY($ids) AND o."locked_by" = $node
 
+-- adbc, Postgres: release unheld
+UPDATE "public"."outbox" o SET "locked_by" = NULL, "lock_expiry" = NULL WHERE o."locked_by" IS NOT NULL AND o."locked_by" = $node AND :not_held
+
 -- adbc, Postgres: extend
 UPDATE "public"."outbox" o SET "lock_expiry" = (now() AT TIME ZONE 'UTC') + $lease::int8 * interval '1 millisecond' WHERE o."sequence_id" = ANY($ids) AND o."locked_by" = $node AND $lease >= 0
 
@@ -229,6 +232,9 @@ DELETE FROM `public`.`outbox` WHERE `public`.`outbox`.`sequence_id` IN (1, 2) AN
 -- adbc, MySql: release
 UPDATE `public`.`outbox` o SET o.`locked_by` = NULL, o.`lock_expiry` = NULL WHERE o.`sequence_id` IN (1, 2) AND o.`locked_by` = :node
 
+-- adbc, MySql: release unheld
+UPDATE `public`.`outbox` o SET o.`locked_by` = NULL, o.`lock_expiry` = NULL WHERE o.`locked_by` IS NOT NULL AND o.`locked_by` = :node AND :not_held
+
 -- adbc, MySql: extend
 UPDATE `public`.`outbox` o SET o.`lock_expiry` = UTC_TIMESTAMP(6) + INTERVAL (:lease * 1000) MICROSECOND WHERE o.`sequence_id` IN (1, 2) AND o.`locked_by` = :node AND :lease >= 0
 
@@ -408,6 +414,9 @@ UPDATE "public"."openoutbox_events" o SET "status" = 'DELIVERED', "delivered_at"
 
 -- open_outbox, Postgres: release
 UPDATE "public"."openoutbox_events" o SET "status" = 'PENDING', "locked_by" = NULL, "locked_at" = NULL, "updated_at" = now() WHERE o."event_id" = ANY($ids) AND o."locked_by" = $node
+
+-- open_outbox, Postgres: release unheld
+UPDATE "public"."openoutbox_events" o SET "status" = 'PENDING', "locked_by" = NULL, "locked_at" = NULL, "updated_at" = now() WHERE o."status" = 'DELIVERING' AND o."locked_by" = $node AND :not_held
 
 -- open_outbox, Postgres: extend
 UPDATE "public"."openoutbox_events" o SET "locked_at" = now() WHERE o."event_id" = ANY($ids) AND o."locked_by" = $node AND $lease >= 0
@@ -601,6 +610,9 @@ UPDATE `public`.`openoutbox_events` o SET o.`status` = 'DELIVERED', o.`delivered
 -- open_outbox, MySql: release
 UPDATE `public`.`openoutbox_events` o SET o.`status` = 'PENDING', o.`locked_by` = NULL, o.`locked_at` = NULL, o.`updated_at` = UTC_TIMESTAMP(6) WHERE o.`event_id` IN (1, 2) AND o.`locked_by` = :node
 
+-- open_outbox, MySql: release unheld
+UPDATE `public`.`openoutbox_events` o SET o.`status` = 'PENDING', o.`locked_by` = NULL, o.`locked_at` = NULL, o.`updated_at` = UTC_TIMESTAMP(6) WHERE o.`status` = 'DELIVERING' AND o.`locked_by` = :node AND :not_held
+
 -- open_outbox, MySql: extend
 UPDATE `public`.`openoutbox_events` o SET o.`locked_at` = UTC_TIMESTAMP(6) WHERE o.`event_id` IN (1, 2) AND o.`locked_by` = :node AND :lease >= 0
 
@@ -793,6 +805,9 @@ UPDATE "public"."event" o SET "status" = 'DONE', "updated_at" = now() WHERE o."i
 -- export, Postgres: release
 UPDATE "public"."event" o SET "status" = 'NEW', "updated_at" = now() WHERE o."id" = ANY($ids) AND o."status" = 'PROCESSING' AND $node IS NOT NULL
 
+-- export, Postgres: release unheld
+UPDATE "public"."event" o SET "status" = 'NEW', "updated_at" = now() WHERE o."status" = 'PROCESSING' AND $node IS NOT NULL AND :not_held
+
 -- export, Postgres: extend
 UPDATE "public"."event" o SET "updated_at" = now() WHERE o."id" = ANY($ids) AND o."status" = 'PROCESSING' AND $node IS NOT NULL AND $lease >= 0
 
@@ -979,6 +994,9 @@ UPDATE `public`.`event` o SET o.`status` = 'DONE', o.`updated_at` = UTC_TIMESTAM
 -- export, MySql: release
 UPDATE `public`.`event` o SET o.`status` = 'NEW', o.`updated_at` = UTC_TIMESTAMP(6) WHERE o.`id` IN (1, 2) AND o.`status` = 'PROCESSING' AND :node IS NOT NULL
 
+-- export, MySql: release unheld
+UPDATE `public`.`event` o SET o.`status` = 'NEW', o.`updated_at` = UTC_TIMESTAMP(6) WHERE o.`status` = 'PROCESSING' AND :node IS NOT NULL AND :not_held
+
 -- export, MySql: extend
 UPDATE `public`.`event` o SET o.`updated_at` = UTC_TIMESTAMP(6) WHERE o.`id` IN (1, 2) AND o.`status` = 'PROCESSING' AND :node IS NOT NULL AND :lease >= 0
 
@@ -1163,6 +1181,9 @@ DELETE FROM "public"."outboxevent" o WHERE o."relay_sequence" = ANY($ids) AND $n
 
 
 -- debezium, Postgres: release
+(none)
+
+-- debezium, Postgres: release unheld
 (none)
 
 -- debezium, Postgres: extend
@@ -1374,6 +1395,9 @@ DELETE FROM `public`.`outboxevent` WHERE `public`.`outboxevent`.`relay_sequence`
 -- debezium, MySql: release
 (none)
 
+-- debezium, MySql: release unheld
+(none)
+
 -- debezium, MySql: extend
 (none)
 
@@ -1582,6 +1606,9 @@ UPDATE "outbox_events" o SET "isConsumed" = 1, "updatedAt" = now() WHERE o."id" 
 -- mysql_outbox_events, Postgres: release
 (none)
 
+-- mysql_outbox_events, Postgres: release unheld
+(none)
+
 -- mysql_outbox_events, Postgres: extend
 (none)
 
@@ -1777,6 +1804,9 @@ UPDATE `outbox_events` o SET o.`isConsumed` = 1, o.`updatedAt` = UTC_TIMESTAMP(6
 
 
 -- mysql_outbox_events, MySql: release
+(none)
+
+-- mysql_outbox_events, MySql: release unheld
 (none)
 
 -- mysql_outbox_events, MySql: extend
@@ -1975,6 +2005,9 @@ DELETE FROM "app"."outbox" o WHERE o."sequence_id" = ANY($ids) AND o."locked_by"
 -- native_mysql, Postgres: release
 UPDATE "app"."outbox" o SET "locked_by" = NULL, "locked_until" = NULL WHERE o."sequence_id" = ANY($ids) AND o."locked_by" = $node
 
+-- native_mysql, Postgres: release unheld
+UPDATE "app"."outbox" o SET "locked_by" = NULL, "locked_until" = NULL WHERE o."locked_by" IS NOT NULL AND o."locked_by" = $node AND :not_held
+
 -- native_mysql, Postgres: extend
 UPDATE "app"."outbox" o SET "locked_until" = now() + $lease::int8 * interval '1 millisecond' WHERE o."sequence_id" = ANY($ids) AND o."locked_by" = $node AND $lease >= 0
 
@@ -2166,6 +2199,9 @@ DELETE FROM `app`.`outbox` WHERE `app`.`outbox`.`sequence_id` IN (1, 2) AND `app
 -- native_mysql, MySql: release
 UPDATE `app`.`outbox` o SET o.`locked_by` = NULL, o.`locked_until` = NULL WHERE o.`sequence_id` IN (1, 2) AND o.`locked_by` = :node
 
+-- native_mysql, MySql: release unheld
+UPDATE `app`.`outbox` o SET o.`locked_by` = NULL, o.`locked_until` = NULL WHERE o.`locked_by` IS NOT NULL AND o.`locked_by` = :node AND :not_held
+
 -- native_mysql, MySql: extend
 UPDATE `app`.`outbox` o SET o.`locked_until` = UTC_TIMESTAMP(6) + INTERVAL (:lease * 1000) MICROSECOND WHERE o.`sequence_id` IN (1, 2) AND o.`locked_by` = :node AND :lease >= 0
 
@@ -2356,6 +2392,9 @@ UPDATE "outbox" o SET "delivered_at" = now(), "locked_by" = NULL, "locked_until"
 -- native_mysql retained, Postgres: release
 UPDATE "outbox" o SET "locked_by" = NULL, "locked_until" = NULL WHERE o."sequence_id" = ANY($ids) AND o."locked_by" = $node
 
+-- native_mysql retained, Postgres: release unheld
+UPDATE "outbox" o SET "locked_by" = NULL, "locked_until" = NULL WHERE o."locked_by" IS NOT NULL AND o."locked_by" = $node AND :not_held
+
 -- native_mysql retained, Postgres: extend
 UPDATE "outbox" o SET "locked_until" = now() + $lease::int8 * interval '1 millisecond' WHERE o."sequence_id" = ANY($ids) AND o."locked_by" = $node AND $lease >= 0
 
@@ -2545,6 +2584,9 @@ UPDATE `outbox` o SET o.`delivered_at` = UTC_TIMESTAMP(6), o.`locked_by` = NULL,
 
 -- native_mysql retained, MySql: release
 UPDATE `outbox` o SET o.`locked_by` = NULL, o.`locked_until` = NULL WHERE o.`sequence_id` IN (1, 2) AND o.`locked_by` = :node
+
+-- native_mysql retained, MySql: release unheld
+UPDATE `outbox` o SET o.`locked_by` = NULL, o.`locked_until` = NULL WHERE o.`locked_by` IS NOT NULL AND o.`locked_by` = :node AND :not_held
 
 -- native_mysql retained, MySql: extend
 UPDATE `outbox` o SET o.`locked_until` = UTC_TIMESTAMP(6) + INTERVAL (:lease * 1000) MICROSECOND WHERE o.`sequence_id` IN (1, 2) AND o.`locked_by` = :node AND :lease >= 0

@@ -71,6 +71,10 @@ fn statements(sql: &Sql) -> Vec<(&'static str, Option<String>)> {
             Some(sql.dead_set(":attempts", ":error").join(", ")),
         ),
         ("release", sql.release(ids, node)),
+        (
+            "release unheld",
+            sql.release_unheld(Some(":not_held"), node),
+        ),
         ("extend", sql.extend(ids, node, lease)),
         ("reap to pending", sql.reap(false, ":max", ":all", lease)),
         ("reap to dead", sql.reap(true, ":max", ":all", lease)),

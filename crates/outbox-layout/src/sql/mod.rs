@@ -578,22 +578,28 @@ impl Sql {
     /// Settles apply only to rows this node still holds, as far as the table can tell.
     pub fn fence(&self, node: &str) -> String {
         let m = &self.mapping;
-        if let Some(by) = self.opt(&m.locked_by) {
-            return format!("{by} = {node}");
-        }
-        if let State::Status {
-            column,
-            in_flight: Some(v),
-            ..
-        } = &m.state
+        if let (
+            None,
+            State::Status {
+                in_flight: Some(_), ..
+            },
+        ) = (&m.locked_by, &m.state)
         {
-            return format!(
-                "{} = {} AND {node} IS NOT NULL",
-                self.col(column),
-                self.state_literal(v)
-            );
+            // No lease owner: the in-flight state is all the table says.
+            if let Some(held) = self.held_marker() {
+                return format!("{held} AND {}", self.owner(node));
+            }
         }
-        format!("{node} IS NOT NULL")
+        self.owner(node)
+    }
+
+    /// The lease owner is `node` (the placeholder), where the table names one; else only
+    /// that a node is given.
+    fn owner(&self, node: &str) -> String {
+        match self.opt(&self.mapping.locked_by) {
+            Some(by) => format!("{by} = {node}"),
+            None => format!("{node} IS NOT NULL"),
+        }
     }
 
     /// Marks delivered rows (delete, or mark): the `count` rows whose id is `ids`
@@ -819,13 +825,7 @@ impl Sql {
         let mut set = self.back_to_pending();
         self.touch(&mut set);
         let held = self.held_marker()?;
-        let fence = self.fence(node);
-        // A status column's fence names the held state already.
-        let mut condition = if fence.starts_with(&held) {
-            fence
-        } else {
-            format!("{held} AND {fence}")
-        };
+        let mut condition = format!("{held} AND {}", self.owner(node));
         if let Some(not_held) = not_held {
             condition = format!("{condition} AND {not_held}");
         }
