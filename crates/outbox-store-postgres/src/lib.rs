@@ -481,12 +481,39 @@ impl PgStore {
     }
 }
 
-/// Keeps a session that only waits (LISTEN, an advisory lock held) from being ended by an
-/// `idle_session_timeout` set on the role or database (PostgreSQL 14+): the lock would be
-/// lost and taken again every period, each time giving back the rows in flight. An older
-/// server has no such setting, and its error is of no account.
-pub(crate) async fn never_idle_out(client: &tokio_postgres::Client) {
-    let _ = client.batch_execute("SET idle_session_timeout = 0").await;
+/// Settings of a session that only waits (LISTEN, an advisory lock held):
+/// - it is not ended by an `idle_session_timeout` set on the role or database (PostgreSQL
+///   14+): the lock would be lost and taken again every period, each time giving back the
+///   rows in flight;
+/// - the server notices a client gone without closing (its host crashed, the network cut)
+///   as soon as the client would notice the server: the client's TCP keepalives and user
+///   timeout (`config`) apply on the server's side too. The server probes an idle session
+///   only after the system's keepalive time, two hours by default, and until then the
+///   session's lock stayed held: no standby could take the table over.
+///
+/// A server without one of these settings (older, or a Unix socket, where they do not
+/// apply) keeps its own; its error is of no account.
+pub(crate) async fn hold_waiting_session(
+    client: &tokio_postgres::Client,
+    config: &tokio_postgres::Config,
+) {
+    let mut settings = vec![("idle_session_timeout", 0)];
+    if config.get_keepalives() {
+        let secs = |d: Duration| d.as_secs().max(1) as u128;
+        settings.push(("tcp_keepalives_idle", secs(config.get_keepalives_idle())));
+        if let Some(interval) = config.get_keepalives_interval() {
+            settings.push(("tcp_keepalives_interval", secs(interval)));
+        }
+        if let Some(retries) = config.get_keepalives_retries() {
+            settings.push(("tcp_keepalives_count", u128::from(retries)));
+        }
+    }
+    if let Some(timeout) = config.get_tcp_user_timeout() {
+        settings.push(("tcp_user_timeout", timeout.as_millis()));
+    }
+    for (name, value) in settings {
+        let _ = client.batch_execute(&format!("SET {name} = {value}")).await;
+    }
 }
 
 /// Runs a store operation with the operation timeout. A connection that did not answer in

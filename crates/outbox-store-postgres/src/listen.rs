@@ -79,7 +79,7 @@ async fn listen_once(inner: &Inner, channel: &str, on_change: &OnChange) -> Stor
         }
     };
     let driver = tokio::spawn(tracing::Instrument::in_current_span(driver));
-    crate::never_idle_out(&client).await;
+    crate::hold_waiting_session(&client, &inner.config).await;
     let listen = format!("LISTEN \"{channel}\"");
     if let Err(e) = client.batch_execute(&listen).await {
         driver.abort();

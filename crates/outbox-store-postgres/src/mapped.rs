@@ -148,7 +148,7 @@ impl MappedDb for MappedPg {
                 _ = refused.wait_for(|since| since.is_some_and(|at| at > opened)) => {}
             }
         });
-        crate::never_idle_out(&client).await;
+        crate::hold_waiting_session(&client, &inner.config).await;
         let table = match &mapping.schema {
             Some(s) => format!("{s}.{}", mapping.table),
             None => mapping.table.clone(),

@@ -478,6 +478,73 @@ mod mapped {
         keeper.abort();
     }
 
+    /// The server probed the idle session holding the table's lock only after the system's
+    /// keepalive time, two hours by default: a relay whose host crashed (no FIN) kept the
+    /// lock that long, and no standby could take the table over. The lock session now has
+    /// the server probe as the relay does (10 s idle). Read from the server's socket in
+    /// `/proc/net/tcp`, since no fault here can cut a connection without closing it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_server_probes_the_lock_session_as_often_as_the_relay_does() {
+        let url = outbox_testkit::fresh_pg_database().await;
+        let client = connect(&url).await;
+        client.batch_execute(TABLE).await.unwrap();
+        let store = store(&url, false);
+        store.migrate().await.unwrap();
+        let ownership = outbox_core::Ownership::new(1);
+        let keeper = tokio::spawn(store.clone().keep_active(
+            ownership.clone(),
+            Duration::from_secs(30),
+            outbox_core::Health::new(),
+        ));
+        outbox_testkit::eventually("the lock taken", Duration::from_secs(20), || {
+            let held = !ownership.held().is_empty();
+            async move { held.then_some(()) }
+        })
+        .await;
+        let row = client
+            .query_one(
+                "SELECT inet_server_port(), a.client_port FROM pg_locks l
+                   JOIN pg_stat_activity a USING (pid)
+                 WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+                   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+                &[],
+            )
+            .await
+            .unwrap();
+        let (server, lock_client): (i32, i32) = (row.get(0), row.get(1));
+        let (server, lock_client) = (format!(":{server:04X}"), format!(":{lock_client:04X}"));
+        let server_socket_timer = || {
+            let tcp = std::fs::read_to_string("/proc/net/tcp").unwrap()
+                + &std::fs::read_to_string("/proc/net/tcp6").unwrap_or_default();
+            // sl local rem st queues tr:when ...: the server's end is local = its port.
+            tcp.lines()
+                .map(|line| line.split_whitespace().collect::<Vec<_>>())
+                .find(|f| f.len() > 5 && f[1].ends_with(&server) && f[2].ends_with(&lock_client))
+                .map(|f| f[5].to_string())
+                .expect("the server's socket of the lock session")
+        };
+        // Once the session's last answer is acknowledged (timer 1 is a retransmission's),
+        // the idle socket has its keepalive timer (2) or, never probed, none (0).
+        let timer = outbox_testkit::eventually("the session idle", Duration::from_secs(20), || {
+            let timer = server_socket_timer();
+            async move { (!timer.starts_with("01:")).then_some(timer) }
+        })
+        .await;
+        let (kind, when) = timer.split_once(':').unwrap();
+        let ticks = u64::from_str_radix(when, 16).unwrap();
+        // Timer 2 is the keepalive timer; `when` counts clock ticks (100 a second).
+        assert_eq!(
+            kind, "02",
+            "no keepalive timer on the server's socket: {timer}"
+        );
+        assert!(
+            ticks <= 10 * 100,
+            "the server probes the idle lock session only in {} s",
+            ticks / 100
+        );
+        keeper.abort();
+    }
+
     outbox_testkit::store_conformance!(@groups new_harness;
         long_keys: run,
         owned_partitions: not_applicable("a mapped table has no partition leases: one active relay per table"),
