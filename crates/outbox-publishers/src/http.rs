@@ -56,8 +56,9 @@ pub const BODY_EXCERPT_CHARS: usize = 200;
 
 /// The one place an HTTP response status becomes an outcome: 2xx delivered; 408, 429
 /// (honouring Retry-After), 5xx retryable; 413 too large; 401/403 unauthorised; a redirect
-/// (followed never) and other 4xx permanent. `location` is a redirect's target: only its
-/// host is named.
+/// (followed never) and an endpoint that is not there (404, 405, 407, 410, 421) retried, as
+/// the receiver's condition; other 4xx permanent. `location` is a redirect's target: only
+/// its host is named.
 pub fn outcome(
     status: reqwest::StatusCode,
     retry_after: Option<&str>,
@@ -88,7 +89,14 @@ pub fn outcome(
     if body.chars().nth(BODY_EXCERPT_CHARS).is_some() {
         detail.push('…');
     }
-    let message = format!("{what} answered {status}: {detail}");
+    let mut message = format!("{what} answered {status}: {detail}");
+    // No such endpoint, or not one for this request: a wrong path, a receiver not deployed
+    // yet, an ingress's default backend, a proxy asking for credentials. It is the same for
+    // every event, and dead-lettering emptied the outbox while it lasted.
+    if matches!(code, 404 | 405 | 407 | 410 | 421) {
+        message.push_str(" (retried: check the sink's URL and that the receiver is deployed)");
+        return Err(PublishError::new(PublishErrorKind::Unavailable, message));
+    }
     let kind = match code {
         408 => PublishErrorKind::Timeout,
         429 => PublishErrorKind::Throttled,
@@ -252,9 +260,15 @@ mod tests {
             (500, true),
             (503, true),
             (400, false),
-            (404, false),
-            (410, false),
+            (409, false),
+            (415, false),
+            (422, false),
             (413, false),
+            (404, true),
+            (405, true),
+            (407, true),
+            (410, true),
+            (421, true),
             (401, true),
             (403, true),
             // A redirect is the receiver's condition (maintenance, an http -> https move),

@@ -145,7 +145,10 @@ impl NatsSink {
             .map_err(|e| classify_connect(e, &shown))?;
         let jetstream = async_nats::jetstream::ContextBuilder::new()
             .timeout(config.timeout.get())
-            .max_ack_inflight(20_000)
+            // The engine's `max_in_flight` bounds what is in flight. A bound of the client's
+            // own below it stalled: a batch's acks are awaited once all of it is sent, so
+            // its send past the bound waited for a permit only those acks could free.
+            .max_ack_inflight(UNBOUNDED_ACKS_IN_FLIGHT)
             .backpressure_on_inflight(true)
             .build(client.clone());
         // A server without JetStream refuses every event the same way: said once, here.
@@ -376,6 +379,15 @@ fn classify(error: async_nats::jetstream::context::PublishError, subject: &str) 
                      space or raise the account's max_file/max_mem limits"
                 ),
             ),
+            // Sealed by an operator, who may unseal it (or make another stream): the
+            // stream's condition. Dead-lettering emptied the outbox of its subjects.
+            Some((_, STREAM_SEALED)) => (
+                PublishErrorKind::Unavailable,
+                format!(
+                    "the stream capturing {subject:?} is sealed and takes no message: unseal \
+                     it, or route the subject to another stream"
+                ),
+            ),
             _ => (
                 PublishErrorKind::Rejected,
                 format!("the stream capturing {subject:?} refused the message"),
@@ -388,6 +400,12 @@ fn classify(error: async_nats::jetstream::context::PublishError, subject: &str) 
     };
     PublishError::new(kind, message).with_source(error)
 }
+
+/// As many unconfirmed publishes as tokio's semaphore can count: no bound of the client's.
+const UNBOUNDED_ACKS_IN_FLIGHT: usize = usize::MAX >> 4;
+
+/// JetStream's error code for a sealed stream ("invalid operation on sealed stream").
+const STREAM_SEALED: u64 = 10109;
 
 /// JetStream's error code for an account over its storage limits ("resource limits
 /// exceeded for account").

@@ -348,7 +348,11 @@ async fn webhook_statuses_map_to_outcomes_and_urls_are_templated() {
         (408, None, true),
         (429, Some("3"), true),
         (400, None, false),
-        (404, None, false),
+        (422, None, false),
+        // No such endpoint (yet): the receiver's condition (a wrong path, a receiver not
+        // deployed, an ingress's default backend), which dead-lettered every event.
+        (404, None, true),
+        (410, None, true),
     ] {
         h.receiver
             .recorder

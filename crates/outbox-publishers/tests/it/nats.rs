@@ -363,3 +363,66 @@ async fn a_full_jetstream_account_is_retried_not_dead_lettered() {
     );
     assert!(err.to_string().contains("account"), "{err}");
 }
+
+/// The client let 20,000 publishes wait for their PubAck, and the sink awaits a batch's
+/// acks only once all of it is sent: a batch (or the batches in flight together) of more
+/// held the next send waiting for a permit that no ack could free. Every event of it timed
+/// out although the stream stored it, at every attempt, until it was dead-lettered. The
+/// engine's `max_in_flight` (up to 10,000,000) bounds what is in flight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_of_more_than_20000_events_is_confirmed() {
+    let harness = new_harness().await;
+    let batch: Vec<outbox_publishers::Routed> = (1..=20_001)
+        .map(|seq| outbox_publishers::Routed {
+            cloudevents: None,
+            event: outbox_testkit::publisher::event(seq, &format!("k{seq}"), b"{}".to_vec()),
+            target: harness.subject.clone(),
+        })
+        .collect();
+    // The bound of a failure only: the batch takes about a second.
+    let outcomes =
+        tokio::time::timeout(std::time::Duration::from_secs(60), harness.sink.send(batch))
+            .await
+            .expect("the batch's sends stalled");
+    let failed: Vec<_> = outcomes.iter().filter_map(|o| o.as_ref().err()).collect();
+    assert!(
+        failed.is_empty(),
+        "{} failed, the first: {}",
+        failed.len(),
+        failed[0]
+    );
+}
+
+/// A sealed stream refuses every message (a 400, error 10109): the stream's condition,
+/// which an operator undoes, not the message's. It dead-lettered every event sent to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sealed_stream_is_retried_not_dead_lettered() {
+    let harness = new_harness().await;
+    let client = async_nats::connect(url(&harness.server)).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    let mut config = js
+        .get_stream(&harness.stream)
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .config
+        .clone();
+    config.sealed = true;
+    js.update_stream(config).await.unwrap();
+    let outcomes = harness
+        .sink
+        .send(vec![outbox_publishers::Routed {
+            cloudevents: None,
+            event: outbox_testkit::publisher::event(1, "k", b"{}".to_vec()),
+            target: harness.subject.clone(),
+        }])
+        .await;
+    let err = outcomes[0].as_ref().unwrap_err();
+    assert!(
+        matches!(err.disposition(), outbox_core::Disposition::Retry { .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("sealed"), "{err}");
+}
