@@ -307,8 +307,17 @@ impl FileSink {
     /// directory, no permission) is the configuration's to fix.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, SinkSetupError> {
         let path = path.as_ref().to_path_buf();
-        let file = open_appending(&path, FILE_MODE)
-            .map_err(|e| SinkSetupError::config(io_report("cannot open", &path, &e)))?;
+        let file = open_appending(&path, FILE_MODE).map_err(|e| {
+            if e.raw_os_error() == Some(rustix::io::Errno::NXIO.raw_os_error()) {
+                SinkSetupError::unavailable(format!(
+                    "sink file {} is a FIFO no process reads: start its consumer first (events \
+                     wait in the outbox until then)",
+                    path.display()
+                ))
+            } else {
+                SinkSetupError::config(io_report("cannot open", &path, &e))
+            }
+        })?;
         if is_regular(&file) {
             // A file created here: its directory entry must survive a crash, like the lines
             // each write makes durable (only a rotation's new file synced it).
@@ -335,7 +344,10 @@ impl FileSink {
 }
 
 fn open_appending(path: &Path, mode: u32) -> std::io::Result<File> {
-    use std::os::unix::fs::OpenOptionsExt;
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    if std::fs::metadata(path).is_ok_and(|m| m.file_type().is_fifo()) {
+        return open_fifo(path);
+    }
     let mut file = OpenOptions::new()
         .create(true)
         .read(true)
@@ -343,6 +355,22 @@ fn open_appending(path: &Path, mode: u32) -> std::io::Result<File> {
         .mode(mode)
         .open(path)?;
     terminate_torn_line(&mut file)?;
+    Ok(file)
+}
+
+/// Opens a FIFO for writing only, failing (`ENXIO`) while no process reads it: opened for
+/// reading too (as a file is, to mend a torn line), the relay was a reader of its own FIFO,
+/// and its writes went into the pipe's buffer with no consumer to take them, acked, then
+/// lost with the pipe at the relay's restart. Once open, a write blocks as a pipe's does;
+/// one made after the consumer left fails (`EPIPE`) and is retried.
+fn open_fifo(path: &Path) -> std::io::Result<File> {
+    use rustix::fs::OFlags;
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = OpenOptions::new()
+        .write(true)
+        .custom_flags(OFlags::NONBLOCK.bits() as i32)
+        .open(path)?;
+    rustix::fs::fcntl_setfl(&file, OFlags::empty())?;
     Ok(file)
 }
 
@@ -447,8 +475,8 @@ impl OpenFile {
     /// so that the retry starts on a line of its own.
     fn append(&mut self, buffer: &[u8], path: &Path) -> Result<(), String> {
         if !is_regular(&self.file) {
-            // Written is all there is to it: discarded (`/dev/null`), or in the reader's
-            // hands (a FIFO).
+            // Written is all there is to it: discarded (`/dev/null`), or in the pipe of a
+            // FIFO a consumer has open (see `open_fifo`).
             self.writes += 1;
             let result = self
                 .file
@@ -789,6 +817,65 @@ mod tests {
                     .unwrap()
             })
             .collect()
+    }
+
+    /// Opened for reading too, a FIFO with no consumer took the relay's writes into its
+    /// buffer: acked, and lost with the pipe at the relay's restart. Now nothing is written
+    /// while no process reads it: refused at start, retried after its consumer left.
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn a_fifo_is_written_only_while_a_consumer_reads_it() {
+        use std::io::Read;
+        use std::os::unix::fs::OpenOptionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("events.fifo");
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            &path,
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::from_raw_mode(0o600),
+            0,
+        )
+        .unwrap();
+        let err = FileSink::open(&path)
+            .err()
+            .expect("refused with no consumer");
+        assert_eq!(
+            err.kind(),
+            crate::SinkSetupKind::Unavailable,
+            "{}",
+            err.report()
+        );
+        assert!(
+            err.report().contains("no process reads"),
+            "{}",
+            err.report()
+        );
+        let consumer = || {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
+                .open(&path)
+                .unwrap()
+        };
+        let mut reader = consumer();
+        let sink = FileSink::open(&path).unwrap();
+        assert!(sink.send(vec![event(1, "1")]).await[0].is_ok());
+        let mut line = String::new();
+        reader.read_to_string(&mut line).unwrap_or_default();
+        assert!(line.contains("\"sequence_id\":1"), "{line}");
+        drop(reader);
+        let outcome = sink.send(vec![event(2, "2")]).await.remove(0);
+        let e = outcome.expect_err("no consumer: nothing may be acked");
+        assert!(
+            matches!(e.disposition(), outbox_core::Disposition::Retry { .. }),
+            "{e}"
+        );
+        let mut reader = consumer();
+        assert!(sink.send(vec![event(3, "3")]).await[0].is_ok());
+        let mut line = String::new();
+        reader.read_to_string(&mut line).unwrap_or_default();
+        assert!(line.contains("\"sequence_id\":3"), "{line}");
     }
 
     #[tokio::test]
