@@ -153,6 +153,16 @@ async fn read_position(
     }))
 }
 
+/// The lease's end, `?` milliseconds from now (with the row's time of writing), and whether
+/// it has passed. On the server's UTC clock: `NOW()` follows the session's time zone, which
+/// each connection fixes as it connects (the system's, by default). A clock moved forward
+/// (daylight saving time, `SET GLOBAL time_zone`) made a standby's new connection take a
+/// healthy reader's lease for lapsed and end it; one moved back left a paused reader's lease
+/// valid for an hour more.
+const RENEWED: &str = "lease_until = UTC_TIMESTAMP(6) + INTERVAL (? * 1000) MICROSECOND, \
+                       updated_at = UTC_TIMESTAMP(6)";
+const LAPSED: &str = "lease_until < UTC_TIMESTAMP(6)";
+
 /// Who to take the seat as, and for which outbox. Its `Debug` shows the URL redacted.
 #[derive(Clone)]
 pub struct SeatConfig {
@@ -222,7 +232,7 @@ impl ActiveReader {
             let row: Option<(String, u64, i64, i64)> = conn
                 .exec_first(
                     format!(
-                        "SELECT holder, connection_id, epoch, lease_until < NOW(6)
+                        "SELECT holder, connection_id, epoch, {LAPSED}
                            FROM {table} WHERE outbox = ?"
                     ),
                     (&config.outbox,),
@@ -243,7 +253,7 @@ impl ActiveReader {
             conn.exec_drop(
                 format!(
                     "UPDATE {table} SET epoch = epoch + 1
-                      WHERE outbox = ? AND epoch = ? AND lease_until < NOW(6)"
+                      WHERE outbox = ? AND epoch = ? AND {LAPSED}"
                 ),
                 (&config.outbox, epoch),
             )
@@ -281,7 +291,7 @@ impl ActiveReader {
         conn.exec_drop(
             format!(
                 "UPDATE {table} SET epoch = epoch + 1, holder = ?, connection_id = CONNECTION_ID(),
-                        lease_until = NOW(6) + INTERVAL (? * 1000) MICROSECOND, updated_at = NOW(6)
+                        {RENEWED}
                   WHERE outbox = ?"
             ),
             (&config.holder, lease_ms, &config.outbox),
@@ -467,8 +477,7 @@ impl ActiveReader {
                     log_offset = COALESCE(?, log_offset),
                     gtid = IF(? IS NULL, gtid, ?),
                     server_id = IF(? IS NULL, server_id, @@server_id),
-                    lease_until = NOW(6) + INTERVAL (? * 1000) MICROSECOND,
-                    updated_at = NOW(6)
+                    {RENEWED}
               WHERE outbox = ? AND epoch = ?"
         )
     }
@@ -529,6 +538,16 @@ fn lock_name(outbox: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every statement of the seat reads and writes its lease on one clock, whatever the
+    /// session's time zone (see [`RENEWED`]).
+    #[test]
+    fn the_lease_is_kept_on_the_servers_utc_clock() {
+        for statement in [RENEWED, LAPSED, &ActiveReader::write_statement("p")] {
+            assert!(!statement.contains("NOW("), "{statement}");
+        }
+        assert!(ActiveReader::write_statement("p").contains(RENEWED));
+    }
 
     #[test]
     fn lock_names_fit_the_servers_limit_and_stay_apart() {

@@ -94,7 +94,7 @@ async fn a_paused_readers_lapsed_lease_is_taken_over_and_its_late_writes_are_ref
     loop {
         let lapsed: Option<i64> = admin
             .query_first(format!(
-                "SELECT lease_until < NOW(6) FROM {POSITIONS} WHERE holder = 'paused'"
+                "SELECT lease_until < UTC_TIMESTAMP(6) FROM {POSITIONS} WHERE holder = 'paused'"
             ))
             .await
             .unwrap();
