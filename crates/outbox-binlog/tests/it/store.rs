@@ -1276,7 +1276,7 @@ async fn claims_go_on_with_the_session_once_a_lapsed_lease_is_renewed() {
             .await
             .ok()?
             .query_first(format!(
-                "SELECT lease_until < NOW(6) - INTERVAL 1 SECOND FROM {POSITIONS}"
+                "SELECT lease_until < UTC_TIMESTAMP(6) - INTERVAL 1 SECOND FROM {POSITIONS}"
             ))
             .await
             .ok()?;
