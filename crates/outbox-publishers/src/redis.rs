@@ -186,8 +186,19 @@ fn classify(error: RedisError, what: &str) -> PublishError {
         ErrorKind::Extension => match error.code() {
             // A password the server requires and the URI does not give.
             Some("NOAUTH") => PublishErrorKind::Unauthorized,
-            // The target key holds something other than a stream.
-            Some("WRONGTYPE") => PublishErrorKind::Rejected,
+            // The target key holds something other than a stream: the destination's
+            // condition (an operator deletes or renames the key), not the event's.
+            // Refused for good, every event sent there was dead-lettered at once.
+            Some("WRONGTYPE") => {
+                return PublishError::new(
+                    PublishErrorKind::Unavailable,
+                    format!(
+                        "redis {what}: the target key holds another type than a stream: \
+                         delete or rename that key, or route the events to another one"
+                    ),
+                )
+                .with_source(error)
+            }
             _ => PublishErrorKind::BrokerFailure,
         },
         // OOM, LOADING, BUSY and the rest: the server may recover.

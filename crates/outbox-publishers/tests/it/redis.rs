@@ -229,7 +229,8 @@ async fn send_one(config: &SinkConfig, target: &str) -> outbox_core::Outcome {
 }
 
 /// The server's refusals become publish outcomes by their error code: a key of another type
-/// is refused for good (WRONGTYPE), a missing permission (NOPERM) or password (NOAUTH) is
+/// (WRONGTYPE) is the destination's condition, retried (refused for good, every event sent
+/// there was dead-lettered at once); a missing permission (NOPERM) or password (NOAUTH) is
 /// unauthorized.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refusals_are_classified_by_the_servers_error_code() {
@@ -251,7 +252,14 @@ async fn refusals_are_classified_by_the_servers_error_code() {
 
     let _: () = admin.set("a-string", "not a stream").await.unwrap();
     let err = refused(url(&server), "a-string").await;
-    assert_eq!(err.kind(), PublishErrorKind::Rejected, "{err}");
+    assert!(
+        matches!(err.disposition(), outbox_core::Disposition::Retry { .. }),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("another type than a stream"),
+        "{err}"
+    );
 
     let _: () = redis::cmd("ACL")
         .arg(&[
