@@ -95,6 +95,11 @@ impl Capture {
         })))
     }
 
+    /// When the seat's lease runs from, as this start left it ([`ActiveReader::lease_from`]).
+    pub fn lease_from(&self) -> std::time::Instant {
+        self.seat.lease_from()
+    }
+
     /// How many rows this start's adoption adopted as dead letters (none but at the first
     /// start): the run counts them, as it counts its own.
     pub fn adopted_dead(&self) -> u64 {

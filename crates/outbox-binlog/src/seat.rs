@@ -208,6 +208,9 @@ pub struct ActiveReader {
     stored: Option<StoredPosition>,
     /// The server's `@@server_id`: whose log the positions this reader stores are in.
     server_id: u64,
+    /// A moment before the last write of the lease, from which it runs (as this process
+    /// reckons it: at most as long as the server does).
+    lease_from: std::time::Instant,
 }
 
 impl ActiveReader {
@@ -288,6 +291,7 @@ impl ActiveReader {
             }
         }
         let lease_ms = lease_millis(config.lease);
+        let lease_from = std::time::Instant::now();
         conn.exec_drop(
             format!(
                 "UPDATE {table} SET epoch = epoch + 1, holder = ?, connection_id = CONNECTION_ID(),
@@ -312,7 +316,16 @@ impl ActiveReader {
             epoch,
             stored,
             server_id: server_id.unwrap_or_default(),
+            lease_from,
         }))
+    }
+
+    /// When the lease last written runs from: the take's, or the first position's after
+    /// the adoption (which can outlast the lease: a reader counting from its take saw its
+    /// lease lapsed, and its standby duties, such as ending a paused ex-reader's session on
+    /// the parked table, were given up).
+    pub fn lease_from(&self) -> std::time::Instant {
+        self.lease_from
     }
 
     /// The position stored when the seat was taken (`None`: never stored; start from the
@@ -408,12 +421,14 @@ impl ActiveReader {
             for statement in adoption {
                 tx.query_drop(statement).await?;
             }
+            let lease_from = std::time::Instant::now();
             tx.exec_drop(store.as_str(), params).await?;
             if tx.affected_rows() == 0 {
                 tx.rollback().await?;
                 return Ok(false);
             }
             tx.commit().await?;
+            self.lease_from = lease_from;
             self.conn
                 .query_drop("SET SESSION wait_timeout = @@GLOBAL.wait_timeout")
                 .await?;

@@ -1734,14 +1734,13 @@ impl Reader {
                     }
                 }
             }
-            let taking = std::time::Instant::now();
             match Capture::start(&self.binlog, &self.seat, &self.adoption).await {
                 Ok(Started::Held { holder }) => {
                     self.wait_after(CaptureStatus::Standby { holder }).await;
                 }
                 Ok(Started::Active(mut capture)) => {
                     capture.set_silence(self.silence.wait);
-                    self.renewed.renewed(taking);
+                    self.renewed.renewed(capture.lease_from());
                     // Seated from here, not from the session's announcement (after the
                     // parked keys are read): the callback asks at once, and a "no" left the
                     // parked table's lock with a paused ex-reader for its wait_timeout.

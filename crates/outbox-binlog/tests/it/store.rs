@@ -1685,6 +1685,62 @@ async fn a_reader_that_took_the_seat_still_reads_from_the_start() {
     store.close(Duration::from_secs(10)).await;
 }
 
+/// The same after an adoption that outlasted the seat's lease (a writer's open transaction
+/// holding a row it must lock): the reader counted its lease from its take, took it for
+/// lapsed, was told it no longer reads, and gave up taking the parked table's lock from a
+/// paused ex-reader (whose session kept every parked row for its wait_timeout).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_whose_adoption_outlasted_its_lease_still_reads() {
+    let fixture = Fixture::new().await;
+    let mut writer = fixture.db.get_conn().await.unwrap();
+    writer.query_drop("BEGIN").await.unwrap();
+    insert_on(&mut writer, "k", "T", 1).await;
+    let (tx, rx) = std::sync::mpsc::channel();
+    let tx = std::sync::Mutex::new(tx);
+    let mut options = fixture.options("relay-1");
+    options.seat.lease = Duration::from_secs(1);
+    let store = BinlogStore::start(BinlogStoreOptions {
+        on_reading_started: Some(Arc::new(
+            move |still_reading: outbox_binlog::StillReading| {
+                let _ = tx.lock().unwrap().send(still_reading());
+            },
+        )),
+        ..options
+    })
+    .unwrap();
+    // The adoption waits on the writer's row: held past the lease (three of them), then let go.
+    // (The process list, not innodb_trx: that table is a cache renewed only when not read
+    // for 0.1 s, and a poll more frequent kept it as it was.)
+    eventually(
+        "the adoption waiting on the writer's row",
+        PATIENCE,
+        || async {
+            let locking: Option<i64> = fixture
+                .db
+                .get_conn()
+                .await
+                .ok()?
+                .exec_first(
+                    "SELECT count(*) FROM information_schema.processlist
+                  WHERE db IS NOT NULL AND info LIKE 'SELECT % FOR UPDATE' AND info LIKE ?",
+                    (format!("%{}%outbox%", fixture.database),),
+                )
+                .await
+                .ok()?;
+            (locking > Some(0)).then_some(())
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    writer.query_drop("COMMIT").await.unwrap();
+    let asked = tokio::task::spawn_blocking(move || rx.recv_timeout(PATIENCE))
+        .await
+        .unwrap()
+        .expect("asked once the seat is taken");
+    assert!(asked, "told it no longer reads");
+    store.close(Duration::from_secs(10)).await;
+}
+
 /// A large transaction into a BLACKHOLE outbox on MariaDB is read within the memory budget:
 /// its rows were held until its commit was read (the reader skipping the budget meanwhile),
 /// so 20,000 rows of 1 KiB held 20 MiB whatever the budget. MariaDB never logs a rolled-back
