@@ -97,8 +97,14 @@ pub const WRITE_STALL_TIMEOUT: Duration = Duration::from_secs(10);
 /// and reads their answers a trickle at a time would otherwise keep its slot for good.
 pub const CONNECTION_LIFETIME: Duration = Duration::from_secs(30);
 /// Paths every client may ask for whatever its `Host`: probes and scrapers name the relay
-/// as they like, and these show no event.
+/// as they like, and these show no event. To a `Host` not the relay's, `/readyz` gives its
+/// verdict only ([`ForeignHost`]).
 const PROBES: [&str; 3] = ["/healthz", "/readyz", "/metrics"];
+
+/// Marks a probe asked with a `Host` that is not the relay's: perhaps a page whose name was
+/// rebound to the relay's address (DNS rebinding), which must not read `/readyz`'s reasons.
+#[derive(Clone, Copy)]
+struct ForeignHost;
 
 /// The policy every response carries. The dashboard loads its script and stylesheet from
 /// this origin and has no inline ones, so nothing else is needed; no page may frame it
@@ -346,17 +352,25 @@ impl AllowedHosts {
 
 /// Refuses a request whose `Host` is not this relay's (DNS rebinding: a page elsewhere
 /// whose name now resolves to this address), before anything else reads it.
-async fn check_host(State(hosts): State<AllowedHosts>, request: Request, next: Next) -> Response {
-    if PROBES.contains(&request.uri().path()) {
-        return next.run(request).await;
-    }
+async fn check_host(
+    State(hosts): State<AllowedHosts>,
+    mut request: Request,
+    next: Next,
+) -> Response {
     let host = request
         .headers()
         .get(header::HOST)
         .and_then(|h| h.to_str().ok())
         .or_else(|| request.uri().authority().map(|a| a.as_str()));
+    let allowed = host.is_some_and(|host| hosts.allows(host));
+    if PROBES.contains(&request.uri().path()) {
+        if !allowed {
+            request.extensions_mut().insert(ForeignHost);
+        }
+        return next.run(request).await;
+    }
     match host {
-        Some(host) if hosts.allows(host) => next.run(request).await,
+        Some(_) if allowed => next.run(request).await,
         _ => {
             let shown = host.map_or("none".into(), |h| format!("{h:?}"));
             (
@@ -403,8 +417,12 @@ pub async fn serve(
     Ok((bound, task))
 }
 
-async fn readyz(State(state): State<AppState>, headers: HeaderMap) -> (StatusCode, String) {
-    let shown = Shown::to(state.token.as_ref(), &headers);
+async fn readyz(
+    State(state): State<AppState>,
+    foreign: Option<axum::Extension<ForeignHost>>,
+    headers: HeaderMap,
+) -> (StatusCode, String) {
+    let shown = Shown::to(state.token.as_ref(), &headers, foreign.is_some());
     verdict(readiness(&state.probes).await, shown)
 }
 
@@ -419,7 +437,16 @@ enum Shown {
 }
 
 impl Shown {
-    fn to(token: Option<&outbox_core::redact::Secret>, headers: &HeaderMap) -> Shown {
+    /// Reasons to a caller with the token (or any, with none set) that named the relay as
+    /// its `Host`; to a `foreign_host`, the verdict only, token or not.
+    fn to(
+        token: Option<&outbox_core::redact::Secret>,
+        headers: &HeaderMap,
+        foreign_host: bool,
+    ) -> Shown {
+        if foreign_host {
+            return Shown::VerdictOnly;
+        }
         match crate::admin::authorize(token.map(|t| t.expose()), &Method::GET, headers) {
             Ok(()) => Shown::Reasons,
             Err(_) => Shown::VerdictOnly,
@@ -645,9 +672,10 @@ const OUTBOX_PATIENCE: Duration = Duration::from_secs(5);
 
 async fn shared_readyz(
     State(state): State<SharedState>,
+    foreign: Option<axum::Extension<ForeignHost>>,
     headers: HeaderMap,
 ) -> (StatusCode, String) {
-    let shown = Shown::to(state.token.as_ref(), &headers);
+    let shown = Shown::to(state.token.as_ref(), &headers, foreign.is_some());
     let checks = state.slots.iter().map(|slot| async move {
         let Some(served) = slot.served() else {
             return vec![format!(
@@ -855,12 +883,14 @@ mod tests {
         let token = outbox_core::redact::Secret::new("t");
         let mut headers = HeaderMap::new();
         assert_eq!(
-            Shown::to(None, &headers),
+            Shown::to(None, &headers, false),
             Shown::Reasons,
             "no token: loopback"
         );
-        assert_eq!(Shown::to(Some(&token), &headers), Shown::VerdictOnly);
+        assert_eq!(Shown::to(None, &headers, true), Shown::VerdictOnly);
+        assert_eq!(Shown::to(Some(&token), &headers, false), Shown::VerdictOnly);
         headers.insert(header::AUTHORIZATION, "Bearer t".parse().unwrap());
-        assert_eq!(Shown::to(Some(&token), &headers), Shown::Reasons);
+        assert_eq!(Shown::to(Some(&token), &headers, false), Shown::Reasons);
+        assert_eq!(Shown::to(Some(&token), &headers, true), Shown::VerdictOnly);
     }
 }

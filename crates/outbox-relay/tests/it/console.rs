@@ -1186,6 +1186,51 @@ async fn hosts_other_than_addresses_localhost_and_allowed_names_are_refused() {
     assert!(process.terminate().await.success());
 }
 
+/// DNS rebinding reached `/readyz`, which skips the `Host` check so that probes may name the
+/// relay as they like: without a token its reasons were shown, and they quote what a sink
+/// or database said (a receiver's body may echo a payload) and name keys. A page whose name
+/// was rebound to the relay read them. To a `Host` not the relay's, only the verdict.
+#[tokio::test]
+async fn a_rebound_host_learns_only_the_readiness_verdict() {
+    outbox_testkit::install_crypto();
+    let dir = tempfile::tempdir().unwrap();
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let sink = format!("nats://127.0.0.1:{}", closed.local_addr().unwrap().port());
+    drop(closed);
+    let mut process = RelayProcess::spawn(
+        dir.path(),
+        "no-token-relay",
+        &[
+            "run",
+            "--http-addr",
+            "127.0.0.1:0",
+            "--log-format",
+            "json",
+            "--sink",
+            &sink,
+        ],
+        &[],
+    );
+    let addr = http_addr(&process).await;
+    let ask = |host: &str| {
+        let head = request("GET", "/readyz", host, "");
+        let addr = addr.clone();
+        async move { support::http_exchange(&addr, &head).await }
+    };
+    let reasons = outbox_testkit::eventually("not ready, naming the sink", PATIENCE, || async {
+        let (code, body) = ask(&addr).await;
+        (code == 503 && body.contains("127.0.0.1")).then_some(body)
+    })
+    .await;
+    let (code, body) = ask("evil.example:2259").await;
+    assert_eq!(code, 503, "{body}");
+    assert!(
+        body.starts_with("not ready: ") && !body.contains("127.0.0.1"),
+        "a rebound page read the reasons: {body} (the relay's own host is shown: {reasons})"
+    );
+    assert!(process.terminate().await.success());
+}
+
 /// Slowloris: a client that never finishes its headers is closed, and so is one that keeps an
 /// idle connection open after its answer.
 #[tokio::test]
