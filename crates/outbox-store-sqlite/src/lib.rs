@@ -80,12 +80,14 @@ CREATE TABLE IF NOT EXISTS outbox_nodes (
 "#;
 
 /// The rows a claim may take: pending, due, unleased (`?2` is now), and those `$blocking` (a
-/// condition on `o`, with `?1` the node) lets through.
+/// condition on `o`, with `?1` the node) lets through. A text or blob `available_at` is
+/// claimed to be dead-lettered, saying why; a NULL one (a table made without the NOT NULL)
+/// is due: never claimed, it held nothing back, and its key's later rows went out.
 macro_rules! claimable {
     ($blocking:expr) => {
         concat!(
             "o.delivered_at IS NULL
-       AND (o.available_at <= ?2 OR typeof(o.available_at) IN ('text', 'blob'))
+       AND (o.available_at <= ?2 OR typeof(o.available_at) IN ('text', 'blob', 'null'))
        AND (o.locked_until IS NULL OR o.locked_until < ?2)",
             $blocking
         )
@@ -688,7 +690,8 @@ impl OutboxStore for SqliteStore {
         self.with_conn(|conn| {
             let (pending, retrying, oldest): (i64, i64, Option<i64>) = conn
                 .query_row(
-                    "SELECT count(*), count(*) FILTER (WHERE attempts > 0), min(created_at)
+                    "SELECT count(*), count(*) FILTER (WHERE attempts > 0),
+                            min(CASE typeof(created_at) WHEN 'integer' THEN created_at END)
                        FROM outbox WHERE delivered_at IS NULL",
                     [],
                     |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
@@ -702,7 +705,7 @@ impl OutboxStore for SqliteStore {
                 retrying: retrying as u64,
                 dead: dead as u64,
                 oldest_pending_age: oldest
-                    .map(|ms| Duration::from_millis((now_ms() - ms).max(0) as u64)),
+                    .map(|ms| Duration::from_millis(now_ms().saturating_sub(ms).max(0) as u64)),
             })
         })
     }
@@ -805,6 +808,11 @@ fn verify_outbox_columns(conn: &Connection) -> StoreResult<Vec<Problem>> {
                     problems.push(Problem::degraded(
                         format!("column {column} of table outbox is declared {found_ty}, not {ty}: rows whose {column} the relay cannot read go to the dead letters"),
                         format!("rebuild the table with {column} {ty} (see `outbox-relay migrate --print`)"),
+                    ));
+                } else if not_null && !found_not_null && column == "available_at" {
+                    problems.push(Problem::degraded(
+                        "column available_at of table outbox allows NULL: a row with NULL there is due at once",
+                        "rebuild the table with available_at NOT NULL (see `outbox-relay migrate --print`)",
                     ));
                 } else if not_null && !found_not_null {
                     problems.push(Problem::nullable_column(

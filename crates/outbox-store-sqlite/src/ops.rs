@@ -17,6 +17,15 @@ fn text(row: &rusqlite::Row<'_>, index: usize) -> String {
     lossy_text(row, index).unwrap_or_default()
 }
 
+/// Column `index` when it holds an integer; `None` for NULL and any other type (SQLite
+/// keeps what it is given).
+fn integer(row: &rusqlite::Row<'_>, index: usize) -> Option<i64> {
+    match row.get_ref(index) {
+        Ok(rusqlite::types::ValueRef::Integer(n)) => Some(n),
+        _ => None,
+    }
+}
+
 fn at_ms(ms: i64) -> SystemTime {
     UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64)
 }
@@ -47,12 +56,20 @@ impl Operations for SqliteStore {
             let now = now_ms();
             let mut stmt = conn
                 .prepare(
-                    "SELECT destination, count(*), count(*) FILTER (WHERE attempts > 0), min(created_at)
+                    "SELECT destination, count(*), count(*) FILTER (WHERE attempts > 0),
+                            min(CASE typeof(created_at) WHEN 'integer' THEN created_at END)
                        FROM outbox WHERE delivered_at IS NULL GROUP BY destination",
                 )
                 .map_err(|e| sql_error("stats", e))?;
             let rows = stmt
-                .query_map([], |r| Ok((text(r, 0), r.get::<_, i64>(1)?, r.get::<_, i64>(2)?, r.get::<_, Option<i64>>(3)?)))
+                .query_map([], |r| {
+                    Ok((
+                        text(r, 0),
+                        r.get::<_, i64>(1)?,
+                        r.get::<_, i64>(2)?,
+                        r.get::<_, Option<i64>>(3)?,
+                    ))
+                })
                 .map_err(|e| sql_error("stats", e))?;
             for row in rows {
                 let (d, pending, retrying, oldest) = row.map_err(|e| sql_error("stats", e))?;
@@ -60,10 +77,13 @@ impl Operations for SqliteStore {
                 s.destination = d;
                 s.pending = pending as u64;
                 s.retrying = retrying as u64;
-                s.oldest_pending_age = oldest.map(|t| Duration::from_millis((now - t).max(0) as u64));
+                s.oldest_pending_age =
+                    oldest.map(|t| Duration::from_millis(now.saturating_sub(t).max(0) as u64));
             }
             let mut stmt = conn
-                .prepare("SELECT destination, count(*) FROM outbox_dead_letters GROUP BY destination")
+                .prepare(
+                    "SELECT destination, count(*) FROM outbox_dead_letters GROUP BY destination",
+                )
                 .map_err(|e| sql_error("stats", e))?;
             let rows = stmt
                 .query_map([], |r| Ok((text(r, 0), r.get::<_, i64>(1)?)))
@@ -138,9 +158,11 @@ impl Operations for SqliteStore {
                                 (None, Some(_)) => EventState::Delivered,
                                 (None, None) => EventState::Pending,
                             },
-                            attempts: outbox_core::event::attempts_of(r.get::<_, i64>(7)?),
+                            attempts: outbox_core::event::attempts_of(integer(r, 7).unwrap_or(0)),
                             last_error: lossy_text(r, 8),
-                            created_at: Some(at_ms(r.get(9)?)),
+                            // The rows dead-lettered for an odd created_at (text, a real)
+                            // are the ones an operator looks at: shown without it.
+                            created_at: integer(r, 9).map(at_ms),
                             dead_at: dead_at.map(at_ms),
                         })
                     },

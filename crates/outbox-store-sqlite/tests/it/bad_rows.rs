@@ -163,3 +163,87 @@ async fn a_row_with_nulls_where_the_table_allows_them_is_dead_lettered() {
         .unwrap();
     assert_eq!(dead, 4);
 }
+
+/// An outbox table made without `available_at`'s NOT NULL: a row with NULL there was never
+/// due (`NULL <= now` is not true), yet held nothing back, so its key's later rows went out
+/// while it stayed in the table for good. A NULL `available_at` is due at once.
+#[tokio::test]
+async fn a_row_without_available_at_is_due_and_keeps_its_place_in_its_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("outbox.db");
+    rusqlite::Connection::open(&path)
+        .unwrap()
+        .execute_batch(
+            "CREATE TABLE outbox (
+                sequence_id   INTEGER PRIMARY KEY AUTOINCREMENT,
+                event_id      TEXT NOT NULL UNIQUE DEFAULT (lower(hex(randomblob(4))) || '-' ||
+                    lower(hex(randomblob(2))) || '-4' || substr(lower(hex(randomblob(2))), 2) ||
+                    '-a' || substr(lower(hex(randomblob(2))), 2) || '-' || lower(hex(randomblob(6)))),
+                destination   TEXT NOT NULL,
+                partition_key TEXT,
+                event_type    TEXT NOT NULL,
+                payload       TEXT,
+                headers       TEXT NOT NULL DEFAULT '{}',
+                mutation_id   TEXT,
+                rejected      INTEGER NOT NULL DEFAULT 0,
+                created_at    INTEGER NOT NULL DEFAULT 1,
+                available_at  INTEGER DEFAULT 0,
+                attempts      INTEGER NOT NULL DEFAULT 0,
+                last_error    TEXT,
+                locked_by     TEXT,
+                locked_until  INTEGER,
+                delivered_at  INTEGER
+            );",
+        )
+        .unwrap();
+    let store = SqliteStore::open(&path, false).unwrap();
+    store.migrate().await.unwrap();
+    store
+        .batch_execute(
+            "INSERT INTO outbox (destination, partition_key, event_type, available_at) VALUES
+               ('first', 'k', 't', NULL),
+               ('second', 'k', 't', 0)",
+        )
+        .await
+        .unwrap();
+    let (events, reasons) = claim_and_settle(&store).await;
+    let destinations: Vec<&str> = events.iter().map(|(d, _)| d.as_str()).collect();
+    assert_eq!(destinations, ["first", "second"], "{reasons:?}");
+}
+
+/// Rows with a `created_at` the relay dead-letters (text, the smallest integer) broke the
+/// reads around them: the backlog and `stats` read `min(created_at)` as an integer (an
+/// error while the oldest was text) and subtracted it from now (an overflow: a panic in a
+/// debug build, a wrong age in a release one); `event` failed on the very rows the dead
+/// letter's reason tells the operator to look at.
+#[tokio::test]
+async fn odd_created_at_values_leave_the_backlog_stats_and_event_readable() {
+    use outbox_core::store::Operations;
+    use outbox_core::OutboxStore;
+    let (_dir, store) = store().await;
+    store
+        .batch_execute(
+            "INSERT INTO outbox (destination, partition_key, event_type, created_at)
+               VALUES ('orders', 'k', 't', 'yesterday')",
+        )
+        .await
+        .unwrap();
+    store
+        .backlog()
+        .await
+        .expect("backlog with a text created_at");
+    store
+        .batch_execute(
+            "INSERT INTO outbox (destination, partition_key, event_type, created_at)
+               VALUES ('orders', 'k2', 't', -9223372036854775808)",
+        )
+        .await
+        .unwrap();
+    let backlog = store.backlog().await.expect("backlog");
+    assert_eq!(backlog.pending, 2);
+    assert!(backlog.oldest_pending_age.is_some());
+    let stats = store.destination_stats().await.expect("stats");
+    assert_eq!(stats.len(), 1, "{stats:?}");
+    let shown = store.event(1).await.expect("event").expect("row 1");
+    assert_eq!(shown.created_at, None);
+}
