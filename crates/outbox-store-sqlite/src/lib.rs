@@ -163,6 +163,53 @@ pub struct SqliteStore {
     conn: Arc<Mutex<Connection>>,
     path: PathBuf,
     retain_delivered: bool,
+    /// The database file opened, and its identity then (none in memory).
+    opened: Option<Arc<OpenedFile>>,
+}
+
+/// The file a connection has open, as it was when opened: a file removed or replaced at its
+/// path (an application that made its database again) is not the one the relay reads, and
+/// the relay saw none of the new file's events while it claimed from the old one, ready.
+struct OpenedFile {
+    path: PathBuf,
+    identity: (u64, u64),
+}
+
+impl OpenedFile {
+    fn of(conn: &Connection) -> Option<OpenedFile> {
+        let file: String = conn
+            .query_row(
+                "SELECT file FROM pragma_database_list WHERE name = 'main'",
+                [],
+                |r| r.get(0),
+            )
+            .ok()?;
+        let path = PathBuf::from(file);
+        let identity = file_identity(&path).ok()?;
+        Some(OpenedFile { path, identity })
+    }
+
+    /// Whether the path still names the file opened.
+    fn still_at_its_path(&self) -> StoreResult<()> {
+        match file_identity(&self.path) {
+            Ok(identity) if identity == self.identity => Ok(()),
+            _ => Err(StoreError::new(
+                StoreErrorKind::Connection,
+                format!(
+                    "the database file {} was removed or replaced since the relay opened it: \
+                     the relay reads the old file and sees none of the new one's events; \
+                     restart the relay",
+                    self.path.display()
+                ),
+            )),
+        }
+    }
+}
+
+fn file_identity(path: &Path) -> std::io::Result<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(path)?;
+    Ok((meta.dev(), meta.ino()))
 }
 
 fn now_ms() -> i64 {
@@ -317,10 +364,12 @@ impl SqliteStore {
     pub fn open(path: impl AsRef<Path>, retain_delivered: bool) -> StoreResult<Self> {
         let path = path.as_ref().to_path_buf();
         let conn = open(&path)?;
+        let opened = OpenedFile::of(&conn).map(Arc::new);
         Ok(SqliteStore {
             conn: Arc::new(Mutex::new(conn)),
             path,
             retain_delivered,
+            opened,
         })
     }
 
@@ -740,9 +789,11 @@ impl OutboxStore for SqliteStore {
     }
 
     fn ping(&self) -> StoreFuture<()> {
-        self.with_conn(|conn| {
+        let opened = self.opened.clone();
+        self.with_conn(move |conn| {
             conn.query_row("SELECT 1", [], |_| Ok(()))
-                .map_err(|e| sql_error("ping", e))
+                .map_err(|e| sql_error("ping", e))?;
+            opened.map_or(Ok(()), |file| file.still_at_its_path())
         })
     }
 

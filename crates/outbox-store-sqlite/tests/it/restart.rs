@@ -42,3 +42,27 @@ async fn a_node_started_again_under_its_id_claims_its_dead_leases_first() {
         ["0", "1"]
     );
 }
+
+/// The database file removed and made again under a running relay (an application that
+/// recreated its database): the relay's connection kept the old file, its claims found
+/// nothing, and its ping (so `/readyz`) said all was well while no new event went out.
+#[tokio::test]
+async fn a_database_file_replaced_under_the_relay_fails_its_ping_naming_it() {
+    use outbox_core::OutboxStore;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("outbox.db");
+    let running = outbox_store_sqlite::SqliteStore::open(&path, false).unwrap();
+    running.migrate().await.unwrap();
+    running.ping().await.expect("the file it opened");
+    for suffix in ["", "-wal", "-shm"] {
+        let file = dir.path().join(format!("outbox.db{suffix}"));
+        if file.exists() {
+            std::fs::rename(&file, dir.path().join(format!("old.db{suffix}"))).unwrap();
+        }
+    }
+    let again = outbox_store_sqlite::SqliteStore::open(&path, false).unwrap();
+    again.migrate().await.unwrap();
+    let err = running.ping().await.expect_err("another file at its path");
+    assert!(err.to_string().contains("replaced"), "{err}");
+    again.ping().await.expect("the new file's own store");
+}
