@@ -307,17 +307,15 @@ impl FileSink {
     /// directory, no permission) is the configuration's to fix.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, SinkSetupError> {
         let path = path.as_ref().to_path_buf();
-        let file = open_appending(&path, FILE_MODE).map_err(|e| {
-            if e.raw_os_error() == Some(rustix::io::Errno::NXIO.raw_os_error()) {
-                SinkSetupError::unavailable(format!(
-                    "sink file {} is a FIFO no process reads: start its consumer first (events \
-                     wait in the outbox until then)",
-                    path.display()
-                ))
-            } else {
-                SinkSetupError::config(io_report("cannot open", &path, &e))
-            }
-        })?;
+        let file = match open_appending(&path, FILE_MODE) {
+            Ok(file) => file,
+            // A FIFO whose consumer has not started: each batch opens it again, and fails
+            // (retried, and shown by health) until one has.
+            Err(e) if is_unread_fifo(&e) => File::open("/dev/null").map_err(|e| {
+                SinkSetupError::config(io_report("cannot open", Path::new("/dev/null"), &e))
+            })?,
+            Err(e) => return Err(SinkSetupError::config(io_report("cannot open", &path, &e))),
+        };
         if is_regular(&file) {
             // A file created here: its directory entry must survive a crash, like the lines
             // each write makes durable (only a rotation's new file synced it).
@@ -358,20 +356,42 @@ fn open_appending(path: &Path, mode: u32) -> std::io::Result<File> {
     Ok(file)
 }
 
-/// Opens a FIFO for writing only, failing (`ENXIO`) while no process reads it: opened for
-/// reading too (as a file is, to mend a torn line), the relay was a reader of its own FIFO,
-/// and its writes went into the pipe's buffer with no consumer to take them, acked, then
-/// lost with the pipe at the relay's restart. Once open, a write blocks as a pipe's does;
-/// one made after the consumer left fails (`EPIPE`) and is retried.
+/// Opens a FIFO for writing only, failing while no process reads it ([`is_unread_fifo`]):
+/// opened for reading too (as a file is, to mend a torn line), the relay was a reader of its
+/// own FIFO, and its writes went into the pipe's buffer with no consumer to take them,
+/// acked, then lost with the pipe at the relay's restart. Once open, a write blocks as a
+/// pipe's does; one made after the consumer left fails (`EPIPE`) and is retried.
 fn open_fifo(path: &Path) -> std::io::Result<File> {
     use rustix::fs::OFlags;
     use std::os::unix::fs::OpenOptionsExt;
     let file = OpenOptions::new()
         .write(true)
         .custom_flags(OFlags::NONBLOCK.bits() as i32)
-        .open(path)?;
+        .open(path)
+        .map_err(|e| match e.raw_os_error() {
+            Some(code) if code == rustix::io::Errno::NXIO.raw_os_error() => {
+                std::io::Error::new(std::io::ErrorKind::NotConnected, UnreadFifo)
+            }
+            _ => e,
+        })?;
     rustix::fs::fcntl_setfl(&file, OFlags::empty())?;
     Ok(file)
+}
+
+/// A FIFO no process has open for reading.
+#[derive(Debug)]
+struct UnreadFifo;
+
+impl std::fmt::Display for UnreadFifo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a FIFO no process reads: start its consumer (events wait in the outbox)")
+    }
+}
+
+impl std::error::Error for UnreadFifo {}
+
+fn is_unread_fifo(e: &std::io::Error) -> bool {
+    e.get_ref().is_some_and(|inner| inner.is::<UnreadFifo>())
 }
 
 /// A crash mid-write can leave a partial last line; end it so the next line stays whole.
@@ -438,6 +458,8 @@ impl OpenFile {
         let dir = directory_of(path);
         match std::fs::metadata(path) {
             Ok(at_path) if same_file(&open, &at_path) => return Ok(()),
+            // Opened again for each batch until its consumer has it open (`FileSink::open`).
+            Ok(at_path) if std::os::unix::fs::FileTypeExt::is_fifo(&at_path.file_type()) => {}
             Ok(_) => tracing::info!(path = %path.display(), "the sink file was replaced (rotated); appending to the new file"),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound && !dir.is_dir() => {
                 return Err(format!(
@@ -453,7 +475,12 @@ impl OpenFile {
             Err(e) => return Err(retried_report("cannot inspect", path, &e)),
         }
         use std::os::unix::fs::PermissionsExt;
-        let mode = open.permissions().mode() & 0o777;
+        // The mode of the file it replaces; not of `/dev/null`, which stands for a FIFO
+        // not read yet.
+        let mode = match is_regular(&self.file) {
+            true => open.permissions().mode() & 0o777,
+            false => FILE_MODE,
+        };
         self.file =
             open_appending(path, mode).map_err(|e| retried_report("cannot reopen", path, &e))?;
         self.maybe_torn = false;
@@ -821,7 +848,8 @@ mod tests {
 
     /// Opened for reading too, a FIFO with no consumer took the relay's writes into its
     /// buffer: acked, and lost with the pipe at the relay's restart. Now nothing is written
-    /// while no process reads it: refused at start, retried after its consumer left.
+    /// while no process reads it: retried (and health fails) until its consumer starts, and
+    /// after it left.
     #[cfg(target_os = "linux")]
     #[tokio::test]
     async fn a_fifo_is_written_only_while_a_consumer_reads_it() {
@@ -837,20 +865,19 @@ mod tests {
             0,
         )
         .unwrap();
-        let err = FileSink::open(&path)
-            .err()
-            .expect("refused with no consumer");
-        assert_eq!(
-            err.kind(),
-            crate::SinkSetupKind::Unavailable,
-            "{}",
-            err.report()
-        );
-        assert!(
-            err.report().contains("no process reads"),
-            "{}",
-            err.report()
-        );
+        let sink = FileSink::open(&path).unwrap();
+        let retried = |outcome: Outcome| {
+            let e = outcome.expect_err("no consumer: nothing may be acked");
+            assert!(
+                matches!(e.disposition(), outbox_core::Disposition::Retry { .. }),
+                "{e}"
+            );
+            e.to_string()
+        };
+        let said = retried(sink.send(vec![event(1, "1")]).await.remove(0));
+        assert!(said.contains("no process reads"), "{said}");
+        let health = sink.health().await.expect_err("no consumer");
+        assert!(health.to_string().contains("no process reads"), "{health}");
         let consumer = || {
             std::fs::OpenOptions::new()
                 .read(true)
@@ -859,23 +886,18 @@ mod tests {
                 .unwrap()
         };
         let mut reader = consumer();
-        let sink = FileSink::open(&path).unwrap();
-        assert!(sink.send(vec![event(1, "1")]).await[0].is_ok());
+        assert!(sink.send(vec![event(2, "2")]).await[0].is_ok());
         let mut line = String::new();
         reader.read_to_string(&mut line).unwrap_or_default();
-        assert!(line.contains("\"sequence_id\":1"), "{line}");
+        assert!(line.contains("\"sequence_id\":2"), "{line}");
         drop(reader);
-        let outcome = sink.send(vec![event(2, "2")]).await.remove(0);
-        let e = outcome.expect_err("no consumer: nothing may be acked");
-        assert!(
-            matches!(e.disposition(), outbox_core::Disposition::Retry { .. }),
-            "{e}"
-        );
+        retried(sink.send(vec![event(3, "3")]).await.remove(0));
         let mut reader = consumer();
-        assert!(sink.send(vec![event(3, "3")]).await[0].is_ok());
+        assert!(sink.send(vec![event(4, "4")]).await[0].is_ok());
         let mut line = String::new();
         reader.read_to_string(&mut line).unwrap_or_default();
-        assert!(line.contains("\"sequence_id\":3"), "{line}");
+        assert!(line.contains("\"sequence_id\":4"), "{line}");
+        assert!(!line.contains("\"sequence_id\":3"), "{line}");
     }
 
     #[tokio::test]
