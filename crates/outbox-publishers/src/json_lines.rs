@@ -506,9 +506,7 @@ impl OpenFile {
             // FIFO a consumer has open (see `open_fifo`).
             self.writes += 1;
             let result = self
-                .file
-                .write_all(buffer)
-                .and_then(|()| self.file.flush())
+                .append_unsynced(buffer)
                 .map_err(|e| retried_report("cannot write to", path, &e));
             self.last_failure = result.as_ref().err().cloned();
             return result;
@@ -522,6 +520,30 @@ impl OpenFile {
         let result = self.append_locked(buffer, path);
         let _ = self.file.unlock();
         result
+    }
+
+    /// Writes `buffer` to what has no length to cut back to. A write cut short (a FIFO's
+    /// consumer that left mid-batch) leaves part of a line in the pipe, which the next
+    /// consumer reads: it is ended with a line break before anything more is written, so
+    /// that the retried batch's first line is not run into it.
+    fn append_unsynced(&mut self, buffer: &[u8]) -> std::io::Result<()> {
+        if self.maybe_torn {
+            self.file.write_all(b"\n")?;
+            self.maybe_torn = false;
+        }
+        let mut written = 0;
+        while written < buffer.len() {
+            match self.file.write(&buffer[written..]) {
+                Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+                Ok(n) => written += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    self.maybe_torn = written > 0 && buffer[written - 1] != b'\n';
+                    return Err(e);
+                }
+            }
+        }
+        self.file.flush()
     }
 
     fn append_locked(&mut self, buffer: &[u8], path: &Path) -> Result<(), String> {
@@ -898,6 +920,70 @@ mod tests {
         reader.read_to_string(&mut line).unwrap_or_default();
         assert!(line.contains("\"sequence_id\":4"), "{line}");
         assert!(!line.contains("\"sequence_id\":3"), "{line}");
+    }
+
+    /// A FIFO's consumer that leaves mid-batch leaves part of a line in the pipe (the
+    /// relay keeps its end open), and the next consumer reads it: the retried batch's
+    /// first line ran into it, and neither parsed. The torn line is ended first.
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn a_line_a_fifos_consumer_left_half_read_is_ended_before_the_next_batch() {
+        use std::io::Read;
+        use std::os::unix::fs::OpenOptionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("events.fifo");
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            &path,
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::from_raw_mode(0o600),
+            0,
+        )
+        .unwrap();
+        let consumer = || {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
+                .open(&path)
+                .unwrap()
+        };
+        let first = consumer();
+        rustix::fs::fcntl_setfl(&first, rustix::fs::OFlags::empty()).unwrap();
+        let sink = FileSink::open(&path).unwrap();
+        // More than the pipe holds: the write waits for the consumer, which leaves.
+        let big = "x".repeat(4096);
+        let batch: Vec<Routed> = (1..=64).map(|n| event(n, &format!("\"{big}\""))).collect();
+        let leaving = std::thread::spawn(move || {
+            let mut first = first;
+            let mut some = [0u8; 1000];
+            first.read_exact(&mut some).unwrap();
+        });
+        let outcomes = sink.send(batch).await;
+        leaving.join().unwrap();
+        assert!(outcomes[0].is_err(), "the consumer left mid-batch");
+        // The next consumer reads what the pipe holds, then the next batch's line.
+        let second = consumer();
+        rustix::fs::fcntl_setfl(&second, rustix::fs::OFlags::empty()).unwrap();
+        let reading = std::thread::spawn(move || {
+            use std::io::BufRead;
+            let mut lines = Vec::new();
+            for line in std::io::BufReader::new(second).split(b'\n') {
+                let line = String::from_utf8_lossy(&line.unwrap()).into_owned();
+                let done = line.contains("\"sequence_id\":100");
+                lines.push(line);
+                if done {
+                    break;
+                }
+            }
+            lines
+        });
+        assert!(sink.send(vec![event(100, "1")]).await[0].is_ok());
+        let lines = reading.join().unwrap();
+        let last = lines.last().unwrap();
+        let parsed: serde_json::Value = serde_json::from_str(last).unwrap_or_else(|e| {
+            panic!("the retried line ran into the torn one ({e}): {last:.120}")
+        });
+        assert_eq!(parsed["sequence_id"], 100);
     }
 
     #[tokio::test]

@@ -223,14 +223,19 @@ async fn a_sink_path_that_is_no_regular_file_is_written_without_fsync() {
         .status()
         .unwrap();
     assert!(made.success());
-    let reader = {
-        let fifo = fifo.clone();
-        std::thread::spawn(move || {
-            use std::io::BufRead;
-            let pipe = std::io::BufReader::new(std::fs::File::open(&fifo).unwrap());
-            pipe.lines().take(5).map(Result::unwrap).collect::<Vec<_>>()
-        })
-    };
+    // The consumer has it open before the relay starts: the relay writes a FIFO only while
+    // a process reads it. (Opened for writing too, so that its reads wait for lines rather
+    // than end while no writer has it open.)
+    let pipe = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&fifo)
+        .unwrap();
+    let reader = std::thread::spawn(move || {
+        use std::io::BufRead;
+        let pipe = std::io::BufReader::new(pipe);
+        pipe.lines().take(5).map(Result::unwrap).collect::<Vec<_>>()
+    });
     insert(&client, 6, 10).await;
     let drained = drain(&format!("file:{}", fifo.display()));
     assert!(
