@@ -171,12 +171,14 @@ pub struct SqliteStore {
 /// path (an application that made its database again) is not the one the relay reads, and
 /// the relay saw none of the new file's events while it claimed from the old one, ready.
 struct OpenedFile {
-    path: PathBuf,
+    /// The file SQLite resolved, and the path as configured when it names the same file
+    /// (a symbolic link re-pointed, as an atomic deploy does, is a replacement too).
+    paths: Vec<PathBuf>,
     identity: (u64, u64),
 }
 
 impl OpenedFile {
-    fn of(conn: &Connection) -> Option<OpenedFile> {
+    fn of(conn: &Connection, configured: &Path) -> Option<OpenedFile> {
         let file: String = conn
             .query_row(
                 "SELECT file FROM pragma_database_list WHERE name = 'main'",
@@ -184,25 +186,31 @@ impl OpenedFile {
                 |r| r.get(0),
             )
             .ok()?;
-        let path = PathBuf::from(file);
-        let identity = file_identity(&path).ok()?;
-        Some(OpenedFile { path, identity })
+        let resolved = PathBuf::from(file);
+        let identity = file_identity(&resolved).ok()?;
+        let mut paths = vec![resolved];
+        if file_identity(configured).is_ok_and(|found| found == identity) {
+            paths.push(configured.to_path_buf());
+        }
+        Some(OpenedFile { paths, identity })
     }
 
-    /// Whether the path still names the file opened.
+    /// Whether its paths still name the file opened.
     fn still_at_its_path(&self) -> StoreResult<()> {
-        match file_identity(&self.path) {
-            Ok(identity) if identity == self.identity => Ok(()),
-            _ => Err(StoreError::new(
-                StoreErrorKind::Connection,
-                format!(
-                    "the database file {} was removed or replaced since the relay opened it: \
-                     the relay reads the old file and sees none of the new one's events; \
-                     restart the relay",
-                    self.path.display()
-                ),
-            )),
+        for path in &self.paths {
+            if !file_identity(path).is_ok_and(|identity| identity == self.identity) {
+                return Err(StoreError::new(
+                    StoreErrorKind::Connection,
+                    format!(
+                        "the database file {} was removed or replaced since the relay opened \
+                         it: the relay reads the old file and sees none of the new one's \
+                         events; restart the relay",
+                        path.display()
+                    ),
+                ));
+            }
         }
+        Ok(())
     }
 }
 
@@ -364,7 +372,7 @@ impl SqliteStore {
     pub fn open(path: impl AsRef<Path>, retain_delivered: bool) -> StoreResult<Self> {
         let path = path.as_ref().to_path_buf();
         let conn = open(&path)?;
-        let opened = OpenedFile::of(&conn).map(Arc::new);
+        let opened = OpenedFile::of(&conn, &path).map(Arc::new);
         Ok(SqliteStore {
             conn: Arc::new(Mutex::new(conn)),
             path,

@@ -66,3 +66,30 @@ async fn a_database_file_replaced_under_the_relay_fails_its_ping_naming_it() {
     assert!(err.to_string().contains("replaced"), "{err}");
     again.ping().await.expect("the new file's own store");
 }
+
+/// The same through a symbolic link re-pointed to another database (an atomic deploy):
+/// SQLite resolves the link, so the file it names was not replaced.
+#[tokio::test]
+async fn a_database_link_pointed_elsewhere_fails_the_ping_too() {
+    use outbox_core::OutboxStore;
+    let dir = tempfile::tempdir().unwrap();
+    let (first, second) = (dir.path().join("a.db"), dir.path().join("b.db"));
+    let link = dir.path().join("outbox.db");
+    std::os::unix::fs::symlink(&first, &link).unwrap();
+    let running = outbox_store_sqlite::SqliteStore::open(&link, false).unwrap();
+    running.migrate().await.unwrap();
+    running.ping().await.expect("the file it opened");
+    outbox_store_sqlite::SqliteStore::open(&second, false)
+        .unwrap()
+        .migrate()
+        .await
+        .unwrap();
+    let moved = dir.path().join("outbox.db.new");
+    std::os::unix::fs::symlink(&second, &moved).unwrap();
+    std::fs::rename(&moved, &link).unwrap();
+    let err = running
+        .ping()
+        .await
+        .expect_err("the link names another file");
+    assert!(err.to_string().contains("replaced"), "{err}");
+}
