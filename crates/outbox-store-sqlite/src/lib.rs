@@ -99,6 +99,13 @@ macro_rules! claimable {
 /// that walk kept the application's inserts waiting. The second, under the write lock,
 /// leases to `?1` for `?4` ms those of the picked rows (`?3`, a JSON array) that are still
 /// claimable, checked again as it takes them.
+///
+/// SQLite keeps a key (or destination) written as bytes as a BLOB, which SQL never finds
+/// equal to the same text, while the relay reads both as one key. The lease turns a BLOB
+/// key into text, so every row that can hold a key back (leased, or tried) holds text, and
+/// the rows checked against them are compared as text (`ordered_blocking!`): `|| ''`,
+/// which makes text with no affinity, unlike `CAST(… AS TEXT)`, whose TEXT affinity kept
+/// the planner from the key's index (a walk of every pending row below each one claimed).
 macro_rules! claim_sql {
     ($blocking:expr, $crowded:expr) => {
         (
@@ -110,7 +117,11 @@ macro_rules! claim_sql {
             ),
             concat!(
                 "
-UPDATE outbox SET locked_by = ?1, locked_until = ?2 + ?4
+UPDATE outbox SET locked_by = ?1, locked_until = ?2 + ?4,
+       partition_key = CASE typeof(partition_key)
+           WHEN 'blob' THEN CAST(partition_key AS TEXT) ELSE partition_key END,
+       destination = CASE typeof(destination)
+           WHEN 'blob' THEN CAST(destination AS TEXT) ELSE destination END
  WHERE sequence_id IN (
     SELECT o.sequence_id FROM outbox o
      WHERE o.sequence_id IN (SELECT value FROM json_each(?3))
@@ -130,7 +141,8 @@ macro_rules! ordered_blocking {
         "
        AND NOT EXISTS (
            SELECT 1 FROM outbox p
-            WHERE coalesce(p.partition_key, p.destination) = coalesce(o.partition_key, o.destination)
+            WHERE coalesce(p.partition_key, p.destination)
+                  = (coalesce(o.partition_key, o.destination) || '')
               AND p.sequence_id < o.sequence_id
               AND p.delivered_at IS NULL
               AND (p.locked_by IS NOT NULL OR p.attempts > 0)
@@ -150,7 +162,8 @@ const CLAIM: (&str, &str) = claim_sql!(ordered_blocking!(), "");
 const CLAIM_CROWDED: (&str, &str) = claim_sql!(
     ordered_blocking!(),
     "
-       AND coalesce(o.partition_key, o.destination) NOT IN (SELECT value FROM json_each(?4))
+       AND (coalesce(o.partition_key, o.destination) || '')
+           NOT IN (SELECT value FROM json_each(?4))
        AND o.sequence_id <= (SELECT coalesce(max(w.sequence_id), 0) FROM (
              SELECT sequence_id FROM outbox
               WHERE delivered_at IS NULL AND (locked_until IS NULL OR locked_until < ?2)
@@ -1022,5 +1035,38 @@ impl NodeRegistry for SqliteStore {
             rows.collect::<rusqlite::Result<Vec<_>>>()
                 .map_err(|e| sql_error("list nodes", e))
         })
+    }
+}
+
+#[cfg(test)]
+mod plan_tests {
+    use super::*;
+
+    /// Each claim's check of the rows holding its key back searches the key's index, never
+    /// the pending rows below it: a comparison whose sides differ in affinity (a key cast to
+    /// text) kept the planner from it.
+    #[test]
+    fn the_key_blocking_check_searches_the_keys_index() {
+        let conn = Connection::open_in_memory().unwrap();
+        conn.execute_batch(DDL).unwrap();
+        for (name, statement) in [("claim", CLAIM.0), ("crowded claim", CLAIM_CROWDED.0)] {
+            let mut plan = conn
+                .prepare(&format!("EXPLAIN QUERY PLAN {statement}"))
+                .unwrap();
+            let unbound = vec![rusqlite::types::Null; plan.parameter_count()];
+            let steps: Vec<String> = plan
+                .query_map(rusqlite::params_from_iter(unbound), |r| {
+                    r.get::<_, String>(3)
+                })
+                .unwrap()
+                .map(Result::unwrap)
+                .collect();
+            assert!(
+                steps
+                    .iter()
+                    .any(|s| s.contains("SEARCH p USING INDEX outbox_blocking_idx")),
+                "{name}: {steps:?}"
+            );
+        }
     }
 }

@@ -247,3 +247,47 @@ async fn odd_created_at_values_leave_the_backlog_stats_and_event_readable() {
     let shown = store.event(1).await.expect("event").expect("row 1");
     assert_eq!(shown.created_at, None);
 }
+
+/// SQLite keeps a key written as bytes (`X'6b31'`: drivers bind Go's `[]byte`, Python's
+/// `bytes`, a Node `Buffer` so) as a BLOB, which SQL never finds equal to the text `'k1'`;
+/// the relay reads both as the key `k1`. A row of one form waiting to retry did not hold
+/// back the key's later rows of the other, which went out first.
+#[tokio::test]
+async fn a_key_written_as_bytes_is_the_same_key_as_its_text() {
+    use outbox_core::store::{ClaimRequest, LeaseHolder, RetryLater};
+    use outbox_core::{NodeId, OutboxStore};
+    use std::time::Duration;
+    for (first, second) in [("X'6b31'", "'k1'"), ("'k1'", "X'6b31'")] {
+        let (_dir, store) = store().await;
+        store
+            .batch_execute(&format!(
+                "INSERT INTO outbox (destination, partition_key, event_type) VALUES
+                   ('orders', {first}, 't'), ('orders', {second}, 't')"
+            ))
+            .await
+            .unwrap();
+        let node = NodeId("n1".into());
+        let claim = || store.claim(ClaimRequest::new(node.clone(), 10, Duration::from_secs(30)));
+        let claimed = claim().await.unwrap();
+        assert_eq!(claimed.len(), 2, "{first} then {second}");
+        let (head, next) = (claimed[0].sequence_id(), claimed[1].sequence_id());
+        store
+            .retry_later(
+                LeaseHolder::unfenced(node.clone()),
+                vec![RetryLater {
+                    sequence_id: head,
+                    attempts: 1,
+                    error: "refused".into(),
+                    delay: Duration::from_secs(60),
+                }],
+            )
+            .await
+            .unwrap();
+        store.release(node.clone(), vec![next]).await.unwrap();
+        let again = claim().await.unwrap();
+        assert!(
+            again.is_empty(),
+            "{first} waits to retry, yet its key's later row {second} was claimed"
+        );
+    }
+}
