@@ -868,17 +868,10 @@ mod tests {
             .collect()
     }
 
-    /// Opened for reading too, a FIFO with no consumer took the relay's writes into its
-    /// buffer: acked, and lost with the pipe at the relay's restart. Now nothing is written
-    /// while no process reads it: retried (and health fails) until its consumer starts, and
-    /// after it left.
+    /// A FIFO made in `dir`.
     #[cfg(target_os = "linux")]
-    #[tokio::test]
-    async fn a_fifo_is_written_only_while_a_consumer_reads_it() {
-        use std::io::Read;
-        use std::os::unix::fs::OpenOptionsExt;
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("events.fifo");
+    fn fifo_in(dir: &Path) -> std::path::PathBuf {
+        let path = dir.join("events.fifo");
         rustix::fs::mknodat(
             rustix::fs::CWD,
             &path,
@@ -887,6 +880,30 @@ mod tests {
             0,
         )
         .unwrap();
+        path
+    }
+
+    /// Opens the FIFO at `path` for reading, as its consumer, without waiting for a writer.
+    #[cfg(target_os = "linux")]
+    fn fifo_consumer(path: &Path) -> std::fs::File {
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
+            .open(path)
+            .unwrap()
+    }
+
+    /// Opened for reading too, a FIFO with no consumer took the relay's writes into its
+    /// buffer: acked, and lost with the pipe at the relay's restart. Now nothing is written
+    /// while no process reads it: retried (and health fails) until its consumer starts, and
+    /// after it left.
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn a_fifo_is_written_only_while_a_consumer_reads_it() {
+        use std::io::Read;
+        let dir = tempfile::tempdir().unwrap();
+        let path = fifo_in(dir.path());
         let sink = FileSink::open(&path).unwrap();
         let retried = |outcome: Outcome| {
             let e = outcome.expect_err("no consumer: nothing may be acked");
@@ -900,13 +917,7 @@ mod tests {
         assert!(said.contains("no process reads"), "{said}");
         let health = sink.health().await.expect_err("no consumer");
         assert!(health.to_string().contains("no process reads"), "{health}");
-        let consumer = || {
-            std::fs::OpenOptions::new()
-                .read(true)
-                .custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
-                .open(&path)
-                .unwrap()
-        };
+        let consumer = || fifo_consumer(&path);
         let mut reader = consumer();
         assert!(sink.send(vec![event(2, "2")]).await[0].is_ok());
         let mut line = String::new();
@@ -929,24 +940,9 @@ mod tests {
     #[tokio::test]
     async fn a_line_a_fifos_consumer_left_half_read_is_ended_before_the_next_batch() {
         use std::io::Read;
-        use std::os::unix::fs::OpenOptionsExt;
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("events.fifo");
-        rustix::fs::mknodat(
-            rustix::fs::CWD,
-            &path,
-            rustix::fs::FileType::Fifo,
-            rustix::fs::Mode::from_raw_mode(0o600),
-            0,
-        )
-        .unwrap();
-        let consumer = || {
-            std::fs::OpenOptions::new()
-                .read(true)
-                .custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
-                .open(&path)
-                .unwrap()
-        };
+        let path = fifo_in(dir.path());
+        let consumer = || fifo_consumer(&path);
         let first = consumer();
         rustix::fs::fcntl_setfl(&first, rustix::fs::OFlags::empty()).unwrap();
         let sink = FileSink::open(&path).unwrap();

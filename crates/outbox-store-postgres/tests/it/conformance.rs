@@ -248,11 +248,7 @@ mod mapped {
     }
 
     async fn new_harness() -> PgHarness<MappedPgStore> {
-        let url = outbox_testkit::fresh_pg_database().await;
-        let client = connect(&url).await;
-        client.batch_execute(TABLE).await.unwrap();
-        let store = store(&url, false);
-        store.migrate().await.unwrap();
+        let (url, client, store) = fresh_table().await;
         PgHarness {
             retaining: self::store(&url, true),
             store,
@@ -267,6 +263,29 @@ mod mapped {
                 fix: "check the [mapping] section",
             },
         }
+    }
+
+    /// A fresh database with the table, and the store migrated on it.
+    async fn fresh_table() -> (String, tokio_postgres::Client, MappedPgStore) {
+        let url = outbox_testkit::fresh_pg_database().await;
+        let client = connect(&url).await;
+        client.batch_execute(TABLE).await.unwrap();
+        let store = store(&url, false);
+        store.migrate().await.unwrap();
+        (url, client, store)
+    }
+
+    /// The table's lock kept into `ownership` as a running relay keeps it (a 30 s lease).
+    fn keep_active(
+        store: &MappedPgStore,
+        ownership: &Arc<outbox_core::Ownership>,
+        health: Arc<outbox_core::Health>,
+    ) -> tokio::task::JoinHandle<()> {
+        tokio::spawn(
+            store
+                .clone()
+                .keep_active(ownership.clone(), Duration::from_secs(30), health),
+        )
     }
 
     // Every test but `node_registry`: a custom mapping keeps no membership (one active relay
@@ -293,22 +312,14 @@ mod mapped {
     /// the whole takeover is tried again.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_takeover_cut_short_lets_the_lock_go_and_says_so() {
-        let url = outbox_testkit::fresh_pg_database().await;
-        let client = connect(&url).await;
-        client.batch_execute(TABLE).await.unwrap();
-        let store = store(&url, false);
-        store.migrate().await.unwrap();
+        let (_, client, store) = fresh_table().await;
         // The reap's column gone: each takeover fails once it has the lock.
         client
             .batch_execute("ALTER TABLE events RENAME COLUMN locked_until TO lease_end")
             .await
             .unwrap();
         let health = outbox_core::Health::new();
-        let keeper = tokio::spawn(store.clone().keep_active(
-            outbox_core::Ownership::new(1),
-            Duration::from_secs(30),
-            health.clone(),
-        ));
+        let keeper = keep_active(&store, &outbox_core::Ownership::new(1), health.clone());
         outbox_testkit::eventually("the failure on /readyz", Duration::from_secs(20), || {
             let troubles = health.troubles(std::time::Instant::now(), Duration::from_secs(60));
             let leases = troubles.iter().any(|t| t.what == "partition leases");
@@ -341,11 +352,7 @@ mod mapped {
     async fn race_a_claim_in_flight_while_the_lock_is_lost_and_taken_again() {
         use outbox_core::store::{ClaimRequest, Crowded};
         use outbox_core::{Fence, NodeId};
-        let url = outbox_testkit::fresh_pg_database().await;
-        let client = connect(&url).await;
-        client.batch_execute(TABLE).await.unwrap();
-        let store = store(&url, false);
-        store.migrate().await.unwrap();
+        let (_, client, store) = fresh_table().await;
         // The claim's marking waits on an advisory lock this session holds: the claim is
         // held between its check of the take and its write, for as long as the test says.
         client
@@ -365,11 +372,7 @@ mod mapped {
             .await
             .unwrap();
         let ownership = outbox_core::Ownership::new(1);
-        let keeper = tokio::spawn(store.clone().keep_active(
-            ownership.clone(),
-            Duration::from_secs(30),
-            outbox_core::Health::new(),
-        ));
+        let keeper = keep_active(&store, &ownership, outbox_core::Health::new());
         // Read as an engine holding nothing would: each look reports what it acted on.
         let held_at = |ownership: Arc<outbox_core::Ownership>| async move {
             ownership.set_busy(Default::default(), ownership.generation());
@@ -485,17 +488,9 @@ mod mapped {
     /// `/proc/net/tcp`, since no fault here can cut a connection without closing it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_server_probes_the_lock_session_as_often_as_the_relay_does() {
-        let url = outbox_testkit::fresh_pg_database().await;
-        let client = connect(&url).await;
-        client.batch_execute(TABLE).await.unwrap();
-        let store = store(&url, false);
-        store.migrate().await.unwrap();
+        let (_, client, store) = fresh_table().await;
         let ownership = outbox_core::Ownership::new(1);
-        let keeper = tokio::spawn(store.clone().keep_active(
-            ownership.clone(),
-            Duration::from_secs(30),
-            outbox_core::Health::new(),
-        ));
+        let keeper = keep_active(&store, &ownership, outbox_core::Health::new());
         outbox_testkit::eventually("the lock taken", Duration::from_secs(20), || {
             let held = !ownership.held().is_empty();
             async move { held.then_some(()) }
