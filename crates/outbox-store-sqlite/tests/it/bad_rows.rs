@@ -110,6 +110,45 @@ async fn an_available_at_written_as_text_is_dead_lettered_saying_so() {
     assert_eq!(events.len(), 1, "{events:?}");
 }
 
+/// Makes the outbox table at `path` as an application might by hand: the relay's columns,
+/// with `nullable` left without their NOT NULL.
+fn made_without_not_null(path: &std::path::Path, nullable: &[&str]) {
+    let not_null = |column: &str| match nullable.contains(&column) {
+        true => "",
+        false => "NOT NULL",
+    };
+    let ddl = format!(
+        "CREATE TABLE outbox (
+            sequence_id   INTEGER PRIMARY KEY AUTOINCREMENT,
+            event_id      TEXT {} UNIQUE,
+            destination   TEXT {},
+            partition_key TEXT,
+            event_type    TEXT {},
+            payload       TEXT,
+            headers       TEXT {} DEFAULT '{{}}',
+            mutation_id   TEXT,
+            rejected      INTEGER NOT NULL DEFAULT 0,
+            created_at    INTEGER {},
+            available_at  INTEGER {} DEFAULT 0,
+            attempts      INTEGER NOT NULL DEFAULT 0,
+            last_error    TEXT,
+            locked_by     TEXT,
+            locked_until  INTEGER,
+            delivered_at  INTEGER
+        );",
+        not_null("event_id"),
+        not_null("destination"),
+        not_null("event_type"),
+        not_null("headers"),
+        not_null("created_at"),
+        not_null("available_at"),
+    );
+    rusqlite::Connection::open(path)
+        .unwrap()
+        .execute_batch(&ddl)
+        .unwrap();
+}
+
 /// An outbox table made without the NOT NULLs (`check` calls it degraded and says such rows
 /// go to the dead letters): a row with a NULL destination, type, event id or `created_at`
 /// is undecodable, and its dead letter failed on the dead-letter table's NOT NULL every
@@ -118,29 +157,16 @@ async fn an_available_at_written_as_text_is_dead_lettered_saying_so() {
 async fn a_row_with_nulls_where_the_table_allows_them_is_dead_lettered() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("outbox.db");
-    rusqlite::Connection::open(&path)
-        .unwrap()
-        .execute_batch(
-            "CREATE TABLE outbox (
-                sequence_id   INTEGER PRIMARY KEY AUTOINCREMENT,
-                event_id      TEXT UNIQUE,
-                destination   TEXT,
-                partition_key TEXT,
-                event_type    TEXT,
-                payload       TEXT,
-                headers       TEXT DEFAULT '{}',
-                mutation_id   TEXT,
-                rejected      INTEGER NOT NULL DEFAULT 0,
-                created_at    INTEGER,
-                available_at  INTEGER NOT NULL DEFAULT 0,
-                attempts      INTEGER NOT NULL DEFAULT 0,
-                last_error    TEXT,
-                locked_by     TEXT,
-                locked_until  INTEGER,
-                delivered_at  INTEGER
-            );",
-        )
-        .unwrap();
+    made_without_not_null(
+        &path,
+        &[
+            "event_id",
+            "destination",
+            "event_type",
+            "headers",
+            "created_at",
+        ],
+    );
     let store = SqliteStore::open(&path, false).unwrap();
     store.migrate().await.unwrap();
     store
@@ -171,38 +197,15 @@ async fn a_row_with_nulls_where_the_table_allows_them_is_dead_lettered() {
 async fn a_row_without_available_at_is_due_and_keeps_its_place_in_its_key() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("outbox.db");
-    rusqlite::Connection::open(&path)
-        .unwrap()
-        .execute_batch(
-            "CREATE TABLE outbox (
-                sequence_id   INTEGER PRIMARY KEY AUTOINCREMENT,
-                event_id      TEXT NOT NULL UNIQUE DEFAULT (lower(hex(randomblob(4))) || '-' ||
-                    lower(hex(randomblob(2))) || '-4' || substr(lower(hex(randomblob(2))), 2) ||
-                    '-a' || substr(lower(hex(randomblob(2))), 2) || '-' || lower(hex(randomblob(6)))),
-                destination   TEXT NOT NULL,
-                partition_key TEXT,
-                event_type    TEXT NOT NULL,
-                payload       TEXT,
-                headers       TEXT NOT NULL DEFAULT '{}',
-                mutation_id   TEXT,
-                rejected      INTEGER NOT NULL DEFAULT 0,
-                created_at    INTEGER NOT NULL DEFAULT 1,
-                available_at  INTEGER DEFAULT 0,
-                attempts      INTEGER NOT NULL DEFAULT 0,
-                last_error    TEXT,
-                locked_by     TEXT,
-                locked_until  INTEGER,
-                delivered_at  INTEGER
-            );",
-        )
-        .unwrap();
+    made_without_not_null(&path, &["available_at"]);
     let store = SqliteStore::open(&path, false).unwrap();
     store.migrate().await.unwrap();
     store
         .batch_execute(
-            "INSERT INTO outbox (destination, partition_key, event_type, available_at) VALUES
-               ('first', 'k', 't', NULL),
-               ('second', 'k', 't', 0)",
+            "INSERT INTO outbox (event_id, destination, partition_key, event_type, created_at,
+                                 available_at) VALUES
+               ('00000001-0000-4000-8000-000000000000', 'first', 'k', 't', 1, NULL),
+               ('00000002-0000-4000-8000-000000000000', 'second', 'k', 't', 1, 0)",
         )
         .await
         .unwrap();
