@@ -178,6 +178,10 @@ pub struct SqliteStore {
     retain_delivered: bool,
     /// The database file opened, and its identity then (none in memory).
     opened: Option<Arc<OpenedFile>>,
+    /// The ping's own read-only connection to that file: on `conn`, a ping queued behind the
+    /// relay's writes, which wait (up to the busy timeout) while the application holds the
+    /// write lock, and `/readyz` said the database did not answer while it was readable.
+    ping: Option<Arc<Mutex<Connection>>>,
 }
 
 /// The file a connection has open, as it was when opened: a file removed or replaced at its
@@ -206,6 +210,16 @@ impl OpenedFile {
             paths.push(configured.to_path_buf());
         }
         Some(OpenedFile { paths, identity })
+    }
+
+    /// A read-only connection of its own to the file (for the ping).
+    fn reader(&self) -> rusqlite::Result<Connection> {
+        let reader = Connection::open_with_flags(
+            &self.paths[0],
+            rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )?;
+        reader.busy_timeout(Duration::from_secs(2))?;
+        Ok(reader)
     }
 
     /// Whether its paths still name the file opened.
@@ -386,11 +400,16 @@ impl SqliteStore {
         let path = path.as_ref().to_path_buf();
         let conn = open(&path)?;
         let opened = OpenedFile::of(&conn, &path).map(Arc::new);
+        let ping = opened
+            .as_ref()
+            .and_then(|file| file.reader().ok())
+            .map(|reader| Arc::new(Mutex::new(reader)));
         Ok(SqliteStore {
             conn: Arc::new(Mutex::new(conn)),
             path,
             retain_delivered,
             opened,
+            ping,
         })
     }
 
@@ -810,12 +829,27 @@ impl OutboxStore for SqliteStore {
     }
 
     fn ping(&self) -> StoreFuture<()> {
-        let opened = self.opened.clone();
-        self.with_conn(move |conn| {
-            conn.query_row("SELECT 1", [], |_| Ok(()))
-                .map_err(|e| sql_error("ping", e))?;
-            opened.map_or(Ok(()), |file| file.still_at_its_path())
-        })
+        let (Some(file), Some(reader)) = (self.opened.clone(), self.ping.clone()) else {
+            // In memory: the store's own connection is the database.
+            return self.with_conn(|conn| {
+                conn.query_row("SELECT 1", [], |_| Ok(()))
+                    .map_err(|e| sql_error("ping", e))
+            });
+        };
+        async move {
+            tokio::task::spawn_blocking(move || {
+                file.still_at_its_path()?;
+                let reader = reader.lock().unwrap_or_else(|p| p.into_inner());
+                reader
+                    .query_row("SELECT count(*) FROM sqlite_master", [], |_| Ok(()))
+                    .map_err(|e| sql_error("ping", e))
+            })
+            .await
+            .map_err(|e| {
+                StoreError::new(StoreErrorKind::Query, format!("SQLite task failed: {e}"))
+            })?
+        }
+        .boxed()
     }
 
     fn verify(&self) -> StoreFuture<Vec<Problem>> {

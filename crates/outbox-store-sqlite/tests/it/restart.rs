@@ -93,3 +93,41 @@ async fn a_database_link_pointed_elsewhere_fails_the_ping_too() {
         .expect_err("the link names another file");
     assert!(err.to_string().contains("replaced"), "{err}");
 }
+
+/// An application holding SQLite's write lock makes the relay's writes wait (up to its
+/// busy timeout, 10 s), and its ping queued behind them on the one connection: `/readyz`
+/// said the database did not answer within 3 s while it was readable, only locked. The
+/// ping has a connection of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ping_answers_while_the_relays_write_waits_for_the_applications_lock() {
+    use outbox_core::store::LeaseHolder;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("outbox.db");
+    let store = SqliteStore::open(&path, false).unwrap();
+    store.migrate().await.unwrap();
+    store.insert(vec![event("k", 0)]).await.unwrap();
+    let node = NodeId("n1".into());
+    let claimed = store
+        .claim(ClaimRequest::new(node.clone(), 10, Duration::from_secs(30)))
+        .await
+        .unwrap();
+    let application = rusqlite::Connection::open(&path).unwrap();
+    application.execute_batch("BEGIN IMMEDIATE").unwrap();
+    // The relay's ack waits for the application's lock for as long as this test holds it.
+    let ack = tokio::spawn({
+        let store = store.clone();
+        let ids = vec![claimed[0].sequence_id()];
+        async move { store.ack(LeaseHolder::unfenced(node), ids).await }
+    });
+    // Pings for the next 4 s (the lock's hold, a fault's length, not a wait for a state):
+    // once the ack holds the connection, a ping on it waited as long as the ack did.
+    let until = tokio::time::Instant::now() + Duration::from_secs(4);
+    while tokio::time::Instant::now() < until {
+        tokio::time::timeout(Duration::from_secs(3), store.ping())
+            .await
+            .expect("the ping waited behind the relay's own write")
+            .expect("the database is readable");
+    }
+    application.execute_batch("COMMIT").unwrap();
+    assert_eq!(ack.await.unwrap().unwrap(), 1);
+}
