@@ -467,7 +467,7 @@ impl<D: MappedDb> MappedStore<D> {
                 remove(&ownership, &mut removed_at);
                 let taken;
                 (leader, taken) = self.take_if_due(leader, lease).await;
-                taken.map(|taken| taken.is_some())
+                taken
             };
             // The renewal is vouched for by the check, not held up by the reap after it. A
             // lock taken again is granted once the engine holds nothing of the old take.
@@ -545,7 +545,7 @@ impl<D: MappedDb> MappedStore<D> {
         if !self.check_held(&mut leader).await {
             let taken;
             (leader, taken) = self.take_if_due(leader, lease).await;
-            if taken?.is_none() {
+            if !taken? {
                 return Ok(false);
             }
         }
@@ -572,32 +572,30 @@ impl<D: MappedDb> MappedStore<D> {
     /// Tries to take the lock (a standby, or a relay whose lock went), once per
     /// [`LEADER_RETRY`]; a take is the takeover. Alone: the fenced claims and settles of
     /// the last take end first (`takeover_gate`), so none marks or settles a row after the
-    /// reap. `leader` is let go while they end. The epoch of the take, if this relay is the
-    /// active one now.
+    /// reap. `leader` is let go while they end. Whether this relay is the active one now.
     async fn take_if_due<'a>(
         &'a self,
         leader: tokio::sync::MutexGuard<'a, Leader<D::Lock>>,
         lease: Duration,
     ) -> (
         tokio::sync::MutexGuard<'a, Leader<D::Lock>>,
-        StoreResult<Option<i64>>,
+        StoreResult<bool>,
     ) {
         if !leader.take_due() {
-            let held = leader.lock.as_ref().map(|_| leader.epoch);
-            return (leader, Ok(held));
+            let active = leader.lock.is_some();
+            return (leader, Ok(active));
         }
         drop(leader);
         let alone = self.inner.takeover_gate.write().await;
         let mut leader = self.inner.leader.lock().await;
         // Taken meanwhile (`take_over`), or tried.
         if !leader.take_due() {
-            let held = leader.lock.as_ref().map(|_| leader.epoch);
-            return (leader, Ok(held));
+            let active = leader.lock.is_some();
+            return (leader, Ok(active));
         }
         let taken = self.take(&mut leader, lease).await;
         drop(alone);
-        let epoch = leader.epoch;
-        (leader, taken.map(|taken| taken.then_some(epoch)))
+        (leader, taken)
     }
 
     /// Takes the lock if it is free, and takes the table over: the rows its last holder

@@ -1659,13 +1659,12 @@ async fn a_drain_ends_after_the_rows_a_savepoint_held_to_the_commit() {
     assert_eq!(delivered_n(&publisher, "k"), (0..ROWS).collect::<Vec<_>>());
 }
 
-/// The relay that took the seat asks at once whether it still reads, to take the parked
-/// table's lock from a paused ex-reader. It was told no until its session was announced
-/// (after the parked keys were read), and gave up: the lock stayed with the ex-reader, and
-/// every parked row with it, for that relay's wait_timeout.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_reader_that_took_the_seat_still_reads_from_the_start() {
-    let fixture = Fixture::new().await;
+/// Starts a store whose `on_reading_started` asks at once whether it still reads (as the
+/// relay does, to take the parked table's lock from a paused ex-reader); the answer comes
+/// once the seat is taken.
+fn started_asking(
+    options: BinlogStoreOptions,
+) -> (BinlogStore, impl std::future::Future<Output = bool>) {
     let (tx, rx) = std::sync::mpsc::channel();
     let tx = std::sync::Mutex::new(tx);
     let store = BinlogStore::start(BinlogStoreOptions {
@@ -1674,14 +1673,27 @@ async fn a_reader_that_took_the_seat_still_reads_from_the_start() {
                 let _ = tx.lock().unwrap().send(still_reading());
             },
         )),
-        ..fixture.options("relay-1")
+        ..options
     })
     .unwrap();
-    let asked = tokio::task::spawn_blocking(move || rx.recv_timeout(PATIENCE))
-        .await
-        .unwrap()
-        .expect("asked once the seat is taken");
-    assert!(asked, "told it no longer reads");
+    let asked = async move {
+        tokio::task::spawn_blocking(move || rx.recv_timeout(PATIENCE))
+            .await
+            .unwrap()
+            .expect("asked once the seat is taken")
+    };
+    (store, asked)
+}
+
+/// The relay that took the seat asks at once whether it still reads, to take the parked
+/// table's lock from a paused ex-reader. It was told no until its session was announced
+/// (after the parked keys were read), and gave up: the lock stayed with the ex-reader, and
+/// every parked row with it, for that relay's wait_timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_that_took_the_seat_still_reads_from_the_start() {
+    let fixture = Fixture::new().await;
+    let (store, asked) = started_asking(fixture.options("relay-1"));
+    assert!(asked.await, "told it no longer reads");
     store.close(Duration::from_secs(10)).await;
 }
 
@@ -1695,19 +1707,9 @@ async fn a_reader_whose_adoption_outlasted_its_lease_still_reads() {
     let mut writer = fixture.db.get_conn().await.unwrap();
     writer.query_drop("BEGIN").await.unwrap();
     insert_on(&mut writer, "k", "T", 1).await;
-    let (tx, rx) = std::sync::mpsc::channel();
-    let tx = std::sync::Mutex::new(tx);
     let mut options = fixture.options("relay-1");
     options.seat.lease = Duration::from_secs(1);
-    let store = BinlogStore::start(BinlogStoreOptions {
-        on_reading_started: Some(Arc::new(
-            move |still_reading: outbox_binlog::StillReading| {
-                let _ = tx.lock().unwrap().send(still_reading());
-            },
-        )),
-        ..options
-    })
-    .unwrap();
+    let (store, asked) = started_asking(options);
     // The adoption waits on the writer's row: held past the lease (three of them), then let go.
     // (The process list, not innodb_trx: that table is a cache renewed only when not read
     // for 0.1 s, and a poll more frequent kept it as it was.)
@@ -1733,11 +1735,7 @@ async fn a_reader_whose_adoption_outlasted_its_lease_still_reads() {
     .await;
     tokio::time::sleep(Duration::from_secs(3)).await;
     writer.query_drop("COMMIT").await.unwrap();
-    let asked = tokio::task::spawn_blocking(move || rx.recv_timeout(PATIENCE))
-        .await
-        .unwrap()
-        .expect("asked once the seat is taken");
-    assert!(asked, "told it no longer reads");
+    assert!(asked.await, "told it no longer reads");
     store.close(Duration::from_secs(10)).await;
 }
 
