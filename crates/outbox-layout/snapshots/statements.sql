@@ -362,7 +362,7 @@ INSERT INTO `public`.`outbox` (`sequence_id`, `channel`) VALUES (?, ?)
 o.`sequence_id` NOT IN (1, 2)
 
 -- adbc, MySql: not_in_texts
-CAST(o.`channel` AS CHAR) NOT IN (:p6, :p7)
+CAST(CAST(o.`channel` AS CHAR) AS BINARY) NOT IN (CAST(:p6 AS BINARY), CAST(:p7 AS BINARY))
 
 -- open_outbox, Postgres: table
 "public"."openoutbox_events"
@@ -752,7 +752,7 @@ INSERT INTO `public`.`openoutbox_events` (`event_id`, `event_type`) VALUES (?, ?
 o.`event_id` NOT IN (1, 2)
 
 -- open_outbox, MySql: not_in_texts
-coalesce(CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR)) NOT IN (:p6, :p7)
+CAST(coalesce(CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR)) AS BINARY) NOT IN (CAST(:p6 AS BINARY), CAST(:p7 AS BINARY))
 
 -- export, Postgres: table
 "public"."event"
@@ -1130,7 +1130,7 @@ INSERT INTO `public`.`event` (`id`, `type_code`) VALUES (?, ?)
 o.`id` NOT IN (1, 2)
 
 -- export, MySql: not_in_texts
-CONCAT('row:', CAST(o.`id` AS CHAR)) NOT IN (:p6, :p7)
+CAST(CONCAT('row:', CAST(o.`id` AS CHAR)) AS BINARY) NOT IN (CAST(:p6 AS BINARY), CAST(:p7 AS BINARY))
 
 -- debezium, Postgres: table
 "public"."outboxevent"
@@ -1553,7 +1553,7 @@ INSERT INTO `public`.`outboxevent` (`relay_sequence`, `aggregatetype`, `id`) VAL
 o.`relay_sequence` NOT IN (1, 2)
 
 -- debezium, MySql: not_in_texts
-coalesce(CAST(o.`aggregateid` AS CHAR), CAST(o.`aggregatetype` AS CHAR)) NOT IN (:p6, :p7)
+CAST(coalesce(CAST(o.`aggregateid` AS CHAR), CAST(o.`aggregatetype` AS CHAR)) AS BINARY) NOT IN (CAST(:p6 AS BINARY), CAST(:p7 AS BINARY))
 
 -- mysql_outbox_events, Postgres: table
 "outbox_events"
@@ -1952,7 +1952,7 @@ INSERT INTO `outbox_events` (`id`, `type`, `createdAt`, `updatedAt`) VALUES (?, 
 o.`id` NOT IN (1, 2)
 
 -- mysql_outbox_events, MySql: not_in_texts
-CAST(o.`type` AS CHAR) NOT IN (:p4, :p5)
+CAST(CAST(o.`type` AS CHAR) AS BINARY) NOT IN (CAST(:p4 AS BINARY), CAST(:p5 AS BINARY))
 
 -- native_mysql, Postgres: table
 "app"."outbox"
@@ -2339,7 +2339,7 @@ INSERT INTO `app`.`outbox` (`sequence_id`, `destination`, `event_id`) VALUES (?,
 o.`sequence_id` NOT IN (1, 2)
 
 -- native_mysql, MySql: not_in_texts
-coalesce(CAST(o.`partition_key` AS CHAR), CAST(o.`destination` AS CHAR)) NOT IN (:p6, :p7)
+CAST(coalesce(CAST(o.`partition_key` AS CHAR), CAST(o.`destination` AS CHAR)) AS BINARY) NOT IN (CAST(:p6 AS BINARY), CAST(:p7 AS BINARY))
 
 -- native_mysql retained, Postgres: table
 "outbox"
@@ -2725,5 +2725,5 @@ INSERT INTO `outbox` (`sequence_id`, `destination`, `event_id`) VALUES (?, ?, UU
 o.`sequence_id` NOT IN (1, 2)
 
 -- native_mysql retained, MySql: not_in_texts
-coalesce(CAST(o.`partition_key` AS CHAR), CAST(o.`destination` AS CHAR)) NOT IN (:p4, :p5)
+CAST(coalesce(CAST(o.`partition_key` AS CHAR), CAST(o.`destination` AS CHAR)) AS BINARY) NOT IN (CAST(:p4 AS BINARY), CAST(:p5 AS BINARY))
 

@@ -143,9 +143,11 @@ impl Params {
         }
     }
 
-    /// `expr` is none of `values` (not empty: leave the condition out instead). PostgreSQL
-    /// gets one array, probed as a hash (`NOT IN (SELECT unnest(..))`; `NOT (.. = ANY(..))`
-    /// would compare each scanned row with every element).
+    /// `expr` is none of `values`, byte for byte (not empty: leave the condition out
+    /// instead). PostgreSQL gets one array, probed as a hash (`NOT IN (SELECT unnest(..))`;
+    /// `NOT (.. = ANY(..))` would compare each scanned row with every element). MySQL
+    /// compares as bytes: under the connection's collation a key waiting to retry held back
+    /// `order-1`, `ORDER-1` and `order-1 ` with it.
     pub fn not_in_texts(&mut self, expr: &str, values: Vec<String>) -> String {
         match self.dialect {
             Dialect::Postgres => format!(
@@ -153,8 +155,11 @@ impl Params {
                 self.push(Value::Texts(values), "text[]")
             ),
             Dialect::MySql => {
-                let names: Vec<String> = values.into_iter().map(|v| self.text(v)).collect();
-                format!("{expr} NOT IN ({})", names.join(", "))
+                let names: Vec<String> = values
+                    .into_iter()
+                    .map(|v| format!("CAST({} AS BINARY)", self.text(v)))
+                    .collect();
+                format!("CAST({expr} AS BINARY) NOT IN ({})", names.join(", "))
             }
         }
     }

@@ -72,19 +72,51 @@ pub struct MySql {
 
 /// Maps a driver error to its kind, by server error code, never by message text.
 pub fn classify(error: &mysql_async::Error) -> StoreErrorKind {
+    use mysql_async::DriverError as D;
     match error {
         mysql_async::Error::Server(e) => match e.code {
-            1146 | 1054 | 1049 | 1305 => StoreErrorKind::MissingSchema,
+            1146 | 1054 | 1305 => StoreErrorKind::MissingSchema,
             1142 | 1143 | 1044 | 1227 => StoreErrorKind::Privilege,
-            1045 => StoreErrorKind::Config,
+            // Access denied, an unknown database, a host not allowed, an authentication the
+            // client cannot do, TLS required: the URL or the account is wrong, and no retry
+            // mends it.
+            1045 | 1049 | 1130 | 1251 | 1698 | 3159 => StoreErrorKind::Config,
             1205 | 1213 => StoreErrorKind::Conflict,
-            1040 | 1053 | 2006 | 2013 | 1927 => StoreErrorKind::Connection,
+            // MySQL 8's ER_CLIENT_INTERACTION_TIMEOUT (4031) ends an idle session, as 2013
+            // does on older servers.
+            1040 | 1053 | 2006 | 2013 | 1927 | 4031 => StoreErrorKind::Connection,
+            // A read-only server: a replica the URL points at, or a primary being demoted.
+            // A failover behind the URL mends it, as a lost connection's reconnect does.
+            code if read_only_server(code) => StoreErrorKind::Connection,
             _ => StoreErrorKind::Query,
         },
+        // A statement the relay built wrong: its bug, not the network's.
+        mysql_async::Error::Driver(
+            D::FromValue { .. }
+            | D::FromRow { .. }
+            | D::Params(_)
+            | D::MixedParams
+            | D::NestedTransaction
+            | D::StmtParamsMismatch { .. }
+            | D::StmtParamsNumberExceedsLimit { .. },
+        ) => StoreErrorKind::Query,
+        // An account or TLS setting the server and the URL do not agree on.
+        mysql_async::Error::Driver(
+            D::UnknownAuthPlugin { .. }
+            | D::MysqlOldPasswordDisabled
+            | D::CleartextPluginDisabled
+            | D::NoClientSslFlagFromServer,
+        ) => StoreErrorKind::Config,
         mysql_async::Error::Io(_) | mysql_async::Error::Driver(_) => StoreErrorKind::Connection,
         mysql_async::Error::Url(_) => StoreErrorKind::Config,
         _ => StoreErrorKind::Query,
     }
+}
+
+/// ER_OPTION_PREVENTS_STATEMENT (`--read-only`), ER_READ_ONLY_MODE,
+/// ER_CANT_EXECUTE_IN_READ_ONLY_TRANSACTION: the server takes no writes.
+fn read_only_server(code: u16) -> bool {
+    matches!(code, 1290 | 1836 | 1792)
 }
 
 /// ER_DATA_TOO_LONG: a value longer than its column, refused in strict mode (the default).
@@ -138,6 +170,29 @@ fn db_error(context: &str, error: mysql_async::Error) -> StoreError {
                 e.message
             ),
         ),
+        mysql_async::Error::Server(e) if read_only_server(e.code) => StoreError::new(
+            kind,
+            format!(
+                "{context}: {}: the server takes no writes (a replica, or `read_only` set): \
+                 point the relay's URL at the primary; the relay retries until it can write",
+                e.message
+            ),
+        ),
+        mysql_async::Error::Server(e) if e.code == 1049 => StoreError::new(
+            kind,
+            format!(
+                "{context}: {}: check the database name in the URL (`migrate` creates tables, \
+                 not the database: CREATE DATABASE it first)",
+                e.message
+            ),
+        ),
+        mysql_async::Error::Server(e) if e.code == 3159 => StoreError::new(
+            kind,
+            format!(
+                "{context}: {}: the account requires TLS: add `?require_ssl=true` to the URL",
+                e.message
+            ),
+        ),
         mysql_async::Error::Server(e) => StoreError::new(kind, format!("{context}: {}", e.message)),
         _ => StoreError::new(kind, format!("{context}: {error}")),
     }
@@ -167,6 +222,28 @@ fn bind(params: Params) -> mysql_async::Params {
                 (name.into_bytes(), value)
             })
             .collect(),
+    )
+}
+
+/// A row id the relay cannot read back as the mapping's id type.
+fn unreadable_id(mapping: &Mapping, read: &str) -> StoreError {
+    let (wanted, fix) = match mapping.id_type {
+        IdType::Integer => ("an integer", "map an integer column as the id"),
+        IdType::Uuid => (
+            "a UUID in text form (CHAR(36))",
+            "map a CHAR(36) column as the id; for UUIDs kept in BINARY(16), add one that \
+             renders them, e.g. `id_text CHAR(36) AS (LOWER(INSERT(INSERT(INSERT(INSERT(HEX(id), \
+             9, 0, '-'), 14, 0, '-'), 19, 0, '-'), 24, 0, '-'))) STORED` with a unique index, \
+             and map that",
+        ),
+    };
+    let shown: String = read.chars().take(40).collect();
+    StoreError::new(
+        StoreErrorKind::SchemaMismatch,
+        format!(
+            "the id column {:?} holds {shown:?}, which is not {wanted}: {fix}",
+            mapping.id
+        ),
     )
 }
 
@@ -436,10 +513,19 @@ impl MappedDb for MySql {
 
     fn raw_row(row: &Row, mapping: &Mapping) -> StoreResult<RawRow> {
         let id_text = text(col(row, 0)).unwrap_or_default();
+        // An id read as another (zero, or a UUID in another form) would be marked, acked and
+        // dead-lettered as a row that is not there: the row would come back for ever, and
+        // rows read alike would go out as one event.
         let id = match mapping.id_type {
-            IdType::Integer => RowId::Integer(id_text.parse().unwrap_or(0)),
-            IdType::Uuid => RowId::Uuid(uuid::Uuid::parse_str(&id_text).unwrap_or_default()),
-        };
+            IdType::Integer => id_text.parse().ok().map(RowId::Integer),
+            // Only the hyphenated form: the statements name ids in it, and 32 bare digits
+            // would parse but match no row.
+            IdType::Uuid => uuid::Uuid::try_parse(&id_text)
+                .ok()
+                .filter(|_| id_text.len() == 36)
+                .map(RowId::Uuid),
+        }
+        .ok_or_else(|| unreadable_id(mapping, &id_text))?;
         RawRow::read(
             id,
             |i| Ok(text(col(row, i))),
@@ -464,8 +550,51 @@ impl MappedDb for MySql {
         .await
     }
 
+    async fn refuse_unusable(&self) -> StoreResult<()> {
+        let rows = self
+            .query(
+                "verify",
+                "SELECT VERSION()".into(),
+                Params::new(Dialect::MySql),
+            )
+            .await?;
+        let version = rows
+            .first()
+            .and_then(|r| text(col(r, 0)))
+            .unwrap_or_default();
+        match skip_locked_missing(&version) {
+            Some(needed) => Err(StoreError::new(
+                StoreErrorKind::Config,
+                format!(
+                    "the server is {version}, which has no `FOR UPDATE SKIP LOCKED` (the relay's \
+                     claims need it): upgrade to {needed} or later"
+                ),
+            )),
+            None => Ok(()),
+        }
+    }
+
     async fn verify_access(&self, sql: &Sql, layout: &str) -> StoreResult<Vec<Problem>> {
-        let mut problems = Vec::new();
+        let mut problems = self.column_problems(sql).await?;
+        let rows = self
+            .query(
+                "verify",
+                "SELECT @@global.read_only, @@global.innodb_read_only".into(),
+                Params::new(Dialect::MySql),
+            )
+            .await?;
+        if rows
+            .first()
+            .is_some_and(|r| int(col(r, 0)) == Some(1) || int(col(r, 1)) == Some(1))
+        {
+            // Degraded: a switchover's window passes, and the relay retries through it.
+            problems.push(Problem::degraded(
+                "the server takes no writes (read_only or innodb_read_only is on: a replica, or a \
+                 primary being demoted), and the relay claims and settles by writing; an account \
+                 allowed past read_only would write to a replica and break its replication",
+                "point the relay's URL at the primary",
+            ));
+        }
         if sql.dead_table_ddl().is_some() {
             let probe = format!("SELECT 1 FROM {} LIMIT 1", sql.dead_table());
             if let Err(e) = self
@@ -529,7 +658,107 @@ impl MappedDb for MySql {
     }
 }
 
+/// The oldest release with `SKIP LOCKED`, when `version` (`SELECT VERSION()`) is older.
+fn skip_locked_missing(version: &str) -> Option<&'static str> {
+    let numbers: Vec<u32> = version
+        .split(|c: char| !c.is_ascii_digit())
+        .take(3)
+        .map_while(|n| n.parse().ok())
+        .collect();
+    let [major, minor, patch] = numbers[..] else {
+        return None;
+    };
+    let at = (major, minor, patch);
+    if version.to_ascii_lowercase().contains("mariadb") {
+        (at < (10, 6, 0)).then_some("MariaDB 10.6")
+    } else {
+        (at < (8, 0, 1)).then_some("MySQL 8.0.1")
+    }
+}
+
+/// Whether a column of `data_type` (information_schema's, lower case) reads as `id_type`.
+fn id_column_fits(data_type: &str, id_type: IdType) -> bool {
+    const INTEGERS: [&str; 6] = [
+        "tinyint",
+        "smallint",
+        "mediumint",
+        "int",
+        "integer",
+        "bigint",
+    ];
+    const TEXTS: [&str; 7] = [
+        "char",
+        "varchar",
+        "tinytext",
+        "text",
+        "mediumtext",
+        "longtext",
+        "uuid",
+    ];
+    match id_type {
+        IdType::Integer => INTEGERS.contains(&data_type),
+        IdType::Uuid => TEXTS.contains(&data_type),
+    }
+}
+
 impl MySql {
+    /// The mapped id and key columns' types, where the relay cannot work with them.
+    async fn column_problems(&self, sql: &Sql) -> StoreResult<Vec<Problem>> {
+        let m = &sql.mapping;
+        let mut problems = Vec::new();
+        let data_type = async |column: &str| -> StoreResult<Option<String>> {
+            let mut p = Params::new(Dialect::MySql);
+            let statement = sql.column_type_query(column, &mut p);
+            let rows = self.query("verify", statement, p).await?;
+            Ok(rows
+                .first()
+                .and_then(|r| text(col(r, 0)))
+                .map(|t| t.to_ascii_lowercase()))
+        };
+        if let Some(found) = data_type(&m.id).await? {
+            if !id_column_fits(&found, m.id_type) {
+                let wanted = match m.id_type {
+                    IdType::Integer => "an integer type",
+                    IdType::Uuid => "CHAR(36) (a UUID in text form)",
+                };
+                problems.push(Problem::blocking(
+                    format!(
+                        "the id column {:?} is {found}, and the mapping reads it as {wanted}: \
+                         the relay could not name its rows to mark, delete or dead-letter them",
+                        m.id
+                    ),
+                    unreadable_id(m, "").to_string(),
+                ));
+            }
+        }
+        if let Some(key) = &m.key {
+            let binary = [
+                "binary",
+                "varbinary",
+                "tinyblob",
+                "blob",
+                "mediumblob",
+                "longblob",
+            ];
+            if let Some(found) = data_type(key)
+                .await?
+                .filter(|t| binary.contains(&t.as_str()))
+            {
+                problems.push(Problem::degraded(
+                    format!(
+                        "the key column {key:?} is {found}: a key that is not UTF-8 text reaches \
+                         the sink altered, and can share its order with another"
+                    ),
+                    format!(
+                        "map a text column as the key, e.g. a generated `key_text VARCHAR(64) \
+                         AS (HEX({key})) STORED`"
+                    ),
+                ));
+            }
+        }
+        Ok(problems)
+    }
+
     /// [`bounded`] by the store's operation timeout.
     async fn bounded<T>(
         &self,
@@ -791,6 +1020,65 @@ async fn lock_connection(opts: &Opts, context: &'static str) -> StoreResult<Conn
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Claims need `SKIP LOCKED`: on an older server every claim failed with a syntax error,
+    /// retried for ever, while `check` passed.
+    #[test]
+    fn servers_without_skip_locked_are_named_with_the_release_to_upgrade_to() {
+        for (version, missing) in [
+            ("10.11.6-MariaDB-0+deb12u1", None),
+            ("10.6.0-MariaDB", None),
+            ("10.5.23-MariaDB-log", Some("MariaDB 10.6")),
+            ("5.5.5-10.3.39-MariaDB", Some("MariaDB 10.6")),
+            ("8.0.36", None),
+            ("8.0.1", None),
+            ("8.0.0-dmr", Some("MySQL 8.0.1")),
+            ("5.7.44-log", Some("MySQL 8.0.1")),
+            ("8.0.mysql_aurora.3.05.2", None),
+            ("not a version", None),
+        ] {
+            assert_eq!(skip_locked_missing(version), missing, "{version}");
+        }
+    }
+
+    #[test]
+    fn id_columns_fit_only_types_read_back_as_the_mapping_reads_them() {
+        assert!(id_column_fits("bigint", IdType::Integer));
+        assert!(id_column_fits("char", IdType::Uuid));
+        assert!(id_column_fits("uuid", IdType::Uuid));
+        assert!(!id_column_fits("binary", IdType::Uuid));
+        assert!(!id_column_fits("varbinary", IdType::Uuid));
+        assert!(!id_column_fits("char", IdType::Integer));
+    }
+
+    /// Failures a retry cannot mend stop at once, naming the fix; a read-only server and a
+    /// session MySQL ended for idling are retried.
+    #[test]
+    fn server_errors_are_classified_by_what_mends_them() {
+        let server = |code: u16| {
+            mysql_async::Error::Server(mysql_async::ServerError {
+                code,
+                message: "m".into(),
+                state: "HY000".into(),
+            })
+        };
+        for (code, kind) in [
+            (1049, StoreErrorKind::Config),
+            (3159, StoreErrorKind::Config),
+            (1130, StoreErrorKind::Config),
+            (4031, StoreErrorKind::Connection),
+            (1290, StoreErrorKind::Connection),
+            (1792, StoreErrorKind::Connection),
+            (1146, StoreErrorKind::MissingSchema),
+        ] {
+            assert_eq!(classify(&server(code)), kind, "{code}");
+        }
+        let bug = mysql_async::Error::Driver(mysql_async::DriverError::MixedParams);
+        assert_eq!(classify(&bug), StoreErrorKind::Query);
+        assert!(db_error("claim", server(1290))
+            .to_string()
+            .contains("point the relay's URL at the primary"));
+    }
 
     /// A holder paused past the stale bound (SIGSTOP, a frozen VM) resumed with its lock
     /// taken by a standby: its claims must stop on their own, before its keepalive task gets

@@ -206,6 +206,15 @@ impl Sql {
         }
     }
 
+    /// The ordering key as the database compares it exactly: MySQL compares texts under the
+    /// connection's collation (case-, accent- and trailing-space-blind), so there, as bytes.
+    fn exact_key(&self) -> String {
+        match self.dialect {
+            Dialect::Postgres => self.key_expr(),
+            Dialect::MySql => format!("CAST({} AS BINARY)", self.key_expr()),
+        }
+    }
+
     /// Whether claims leave out crowded keys: only in the default order of integer ids,
     /// where an id bounds the window ([`Sql::window_end`]).
     pub fn leaves_out_crowded_keys(&self) -> bool {
@@ -421,7 +430,7 @@ impl Sql {
             if m.waiting_rows_block_their_key {
                 // Uncorrelated, so evaluated once a claim: the subquery's alias `o` shadows the
                 // claimed row's, so its columns are its own rows'.
-                let key = self.key_expr();
+                let key = self.exact_key();
                 parts.push(format!(
                     "{key} NOT IN (SELECT {key} FROM {} o WHERE {} AND {a} > {})",
                     self.table(),
@@ -441,16 +450,21 @@ impl Sql {
         let due = self.opt(&m.available_at)?;
         let attempts = self.opt(&m.attempts)?;
         let now = self.now();
-        let key = self.key_expr();
-        let left = match self.dialect {
-            Dialect::Postgres => {
-                format!("CAST(extract(epoch FROM max({due}) - {now}) * 1000 AS bigint)")
-            }
-            Dialect::MySql => format!("TIMESTAMPDIFF(MICROSECOND, {now}, max({due})) DIV 1000"),
+        let (key, group) = (self.key_expr(), self.exact_key());
+        let (key, left) = match self.dialect {
+            Dialect::Postgres => (
+                key,
+                format!("CAST(extract(epoch FROM max({due}) - {now}) * 1000 AS bigint)"),
+            ),
+            // Grouped by bytes, so each group's texts are one: `min` picks it.
+            Dialect::MySql => (
+                format!("min({key})"),
+                format!("TIMESTAMPDIFF(MICROSECOND, {now}, max({due})) DIV 1000"),
+            ),
         };
         Some(format!(
             "SELECT {key}, {left} FROM {} o WHERE {} AND {attempts} > 0 AND {due} > {now} \
-             GROUP BY {key}",
+             GROUP BY {group}",
             self.table(),
             self.pending()
         ))
@@ -1108,8 +1122,8 @@ mod tests {
         .unwrap();
         assert!(
             parked.claimable().contains(
-                "NOT IN (SELECT coalesce(CAST(o.`partition_key` AS CHAR), CAST(o.`destination` AS CHAR)) \
-                 FROM `outbox_parked` o WHERE o.`delivered_at` IS NULL AND o.`dead_at` IS NULL \
+                "NOT IN (SELECT CAST(coalesce(CAST(o.`partition_key` AS CHAR), \
+                 CAST(o.`destination` AS CHAR)) AS BINARY) FROM `outbox_parked` o WHERE o.`delivered_at` IS NULL AND o.`dead_at` IS NULL \
                  AND o.`available_at` > UTC_TIMESTAMP(6))"
             ),
             "{}",

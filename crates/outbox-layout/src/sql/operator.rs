@@ -378,16 +378,22 @@ impl Sql {
         format!("DELETE FROM {} WHERE id {ids}", self.dead_table())
     }
 
-    /// The names of the table's columns (for `check`).
-    pub fn columns_query(&self, params: &mut Params) -> String {
+    /// information_schema's filter for the table's columns.
+    fn the_tables_columns(&self, params: &mut Params) -> String {
         let schema = match (self.dialect, &self.mapping.schema) {
             (_, Some(schema)) => params.text(schema.clone()),
             (Dialect::Postgres, None) => params.text("public".to_string()),
             (Dialect::MySql, None) => "DATABASE()".into(),
         };
         let table = params.text(self.mapping.table.clone());
+        format!("table_schema = {schema} AND table_name = {table}")
+    }
+
+    /// The names of the table's columns (for `check`).
+    pub fn columns_query(&self, params: &mut Params) -> String {
+        let table = self.the_tables_columns(params);
         format!(
-            "SELECT {} FROM information_schema.columns WHERE table_schema = {schema} AND table_name = {table}",
+            "SELECT {} FROM information_schema.columns WHERE {table}",
             self.text("column_name")
         )
     }
@@ -395,18 +401,25 @@ impl Sql {
     /// The most characters, and bytes, `column` of the table holds (NULL where unbounded):
     /// the first row's two integers.
     pub fn column_length_query(&self, column: &str, params: &mut Params) -> String {
-        let schema = match (self.dialect, &self.mapping.schema) {
-            (_, Some(schema)) => params.text(schema.clone()),
-            (Dialect::Postgres, None) => params.text("public".to_string()),
-            (Dialect::MySql, None) => "DATABASE()".into(),
-        };
-        let table = params.text(self.mapping.table.clone());
+        let table = self.the_tables_columns(params);
         let column = params.text(column.to_string());
         format!(
             "SELECT {}, {} FROM information_schema.columns \
-              WHERE table_schema = {schema} AND table_name = {table} AND column_name = {column}",
+              WHERE {table} AND column_name = {column}",
             self.int("character_maximum_length"),
             self.int("character_octet_length")
+        )
+    }
+
+    /// The type of `column` of the table (information_schema's `data_type`), in the first
+    /// row.
+    pub fn column_type_query(&self, column: &str, params: &mut Params) -> String {
+        let table = self.the_tables_columns(params);
+        let column = params.text(column.to_string());
+        format!(
+            "SELECT {} FROM information_schema.columns \
+              WHERE {table} AND column_name = {column}",
+            self.text("data_type")
         )
     }
 

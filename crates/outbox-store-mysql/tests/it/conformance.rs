@@ -478,3 +478,71 @@ async fn an_error_longer_than_last_error_holds_is_cut_to_fit() {
         .unwrap();
     assert_eq!(stored, Some("é".repeat(20)));
 }
+
+/// A key whose head waits to retry holds back that key alone. MySQL compared keys under the
+/// connection's collation, so `order-1` waiting held back `ORDER-1` and `order-1 ` too, for
+/// as long as its retries lasted: in the relay's claims, and in the next active relay's,
+/// which reads the waiting keys from the table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_waiting_to_retry_holds_back_no_key_its_collation_calls_equal() {
+    use outbox_core::store::{ClaimRequest, LeaseHolder, RetryLater};
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let first = store(&url, false);
+    first.migrate().await.unwrap();
+    let event = |key: &str| outbox_core::NewEvent {
+        destination: "d".into(),
+        partition_key: Some(key.into()),
+        event_type: "t".into(),
+        payload: Some("1".into()),
+        ..outbox_core::NewEvent::default()
+    };
+    let keys = ["order-1", "order-1", "ORDER-1", "order-1 ", "ördér-1"];
+    let ids = first
+        .insert(keys.iter().map(|k| event(k)).collect())
+        .await
+        .unwrap();
+    let node = outbox_core::NodeId::random();
+    let request =
+        |node: &outbox_core::NodeId| ClaimRequest::new(node.clone(), 10, Duration::from_secs(30));
+    assert_eq!(first.claim(request(&node)).await.unwrap().len(), keys.len());
+    let retry = RetryLater {
+        sequence_id: ids[0],
+        attempts: 1,
+        error: "the broker is down".into(),
+        delay: Duration::from_secs(60),
+    };
+    first
+        .retry_later(LeaseHolder::unfenced(node.clone()), vec![retry])
+        .await
+        .unwrap();
+    first
+        .release(node.clone(), ids[1..].to_vec())
+        .await
+        .unwrap();
+    let claimed_keys = |claimed: Vec<outbox_core::Claimed>| {
+        let mut keys: Vec<String> = claimed
+            .iter()
+            .map(|c| c.ordering_key().to_string())
+            .collect();
+        keys.sort();
+        keys
+    };
+    let others = ["ORDER-1", "order-1 ", "ördér-1"];
+    assert_eq!(
+        claimed_keys(first.claim(request(&node)).await.unwrap()),
+        others,
+        "this relay's claim"
+    );
+    first.release(node, ids[2..].to_vec()).await.unwrap();
+    first.step_down().await;
+    let next = store(&url, false);
+    assert_eq!(
+        claimed_keys(
+            next.claim(request(&outbox_core::NodeId::random()))
+                .await
+                .unwrap()
+        ),
+        others,
+        "the next active relay's claim"
+    );
+}

@@ -106,3 +106,162 @@ async fn a_role_that_cannot_read_the_versions_table_is_told_the_grant() {
         "{refused}"
     );
 }
+
+/// A custom mapping of UUIDs kept in `BINARY(16)`, MySQL's usual form. Every row read as
+/// the zero UUID: rows went out as one event (one handle, one derived event id), its ack
+/// matched no row, and it came back for ever while nothing else was delivered. `check` now
+/// names the column and the fix, and a claim refuses rows whose id it cannot read back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_id_column_the_relay_cannot_read_is_named_by_check_and_refused_by_claims() {
+    use mysql_async::prelude::Queryable;
+    use outbox_core::store::ClaimRequest;
+    use outbox_core::OutboxStore;
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let mut admin = mysql_async::Conn::from_url(url.as_str()).await.unwrap();
+    admin
+        .query_drop(
+            "CREATE TABLE order_events (
+                 id BINARY(16) NOT NULL PRIMARY KEY,
+                 type VARCHAR(255) NOT NULL,
+                 message JSON NOT NULL,
+                 isConsumed TINYINT(1) NOT NULL DEFAULT 0,
+                 createdAt DATETIME(6) NOT NULL,
+                 updatedAt DATETIME(6) NOT NULL,
+                 deadAt DATETIME(6) NULL);
+             INSERT INTO order_events (id, type, message, isConsumed, createdAt, updatedAt) VALUES
+                 (UNHEX(REPLACE(UUID(), '-', '')), 'orders', '{\"n\": 1}', 0, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6)),
+                 (UNHEX(REPLACE(UUID(), '-', '')), 'orders', '{\"n\": 2}', 0, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6)),
+                 (UNHEX(REPLACE(UUID(), '-', '')), 'orders', '{\"n\": 3}', 0, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6))",
+        )
+        .await
+        .unwrap();
+    let mapping = outbox_layout::Mapping {
+        table: "order_events".into(),
+        id_type: outbox_layout::IdType::Uuid,
+        dead_at: Some("deadAt".into()),
+        seed: None,
+        ..outbox_layout::Mapping::mysql_outbox_events(None, "order_events")
+    };
+    let store = MySqlStore::new(outbox_store_mysql::MySqlOptions {
+        url: url.clone(),
+        mapping,
+        layout: "custom".into(),
+        max_attempts: 10,
+        pool_size: 2,
+        nodes_table: None,
+        operation_timeout: None,
+    })
+    .unwrap();
+    let problems = store.verify().await.unwrap();
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.severity() == outbox_core::store::Severity::Blocking
+                && p.what.contains("\"id\" is binary")
+                && p.fix.contains("CHAR(36)")),
+        "{problems:?}"
+    );
+    let claimed = store
+        .claim(ClaimRequest::new(
+            outbox_core::NodeId::random(),
+            10,
+            Duration::from_secs(30),
+        ))
+        .await;
+    let refused = match claimed {
+        Ok(rows) => panic!(
+            "claimed {} rows as {:?}",
+            rows.len(),
+            rows.iter().map(|c| c.sequence_id()).collect::<Vec<_>>()
+        ),
+        Err(e) => e,
+    };
+    assert_eq!(
+        refused.kind(),
+        outbox_core::StoreErrorKind::SchemaMismatch,
+        "{refused}"
+    );
+    assert!(
+        refused.to_string().contains("the id column \"id\""),
+        "{refused}"
+    );
+}
+
+/// A server that takes no writes (a replica the URL points at, or a primary being demoted):
+/// `check` passed, and each claim failed with a bare "--read-only option" error, retried
+/// under the hint to check the host and port. `check` now says the server is read-only and
+/// to point the URL at the primary, and the claims' refusals say the same, retried until a
+/// failover behind the URL mends them. `read_only` is server-wide: this test runs alone
+/// (`.config/nextest.toml`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_only_server_is_named_by_check_and_its_refusals_are_retried() {
+    use mysql_async::prelude::Queryable;
+    use outbox_core::store::ClaimRequest;
+    use outbox_core::OutboxStore;
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let admin_store = native_store(&url, None);
+    admin_store.migrate().await.unwrap();
+    admin_store
+        .insert(vec![outbox_core::NewEvent {
+            destination: "d".into(),
+            event_type: "t".into(),
+            payload: Some("1".into()),
+            ..outbox_core::NewEvent::default()
+        }])
+        .await
+        .unwrap();
+    let database = mysql_async::Opts::from_url(&url)
+        .unwrap()
+        .db_name()
+        .unwrap()
+        .to_string();
+    let user = format!("r{}", &database[2..14]);
+    let mut admin = mysql_async::Conn::from_url(url.as_str()).await.unwrap();
+    admin
+        .query_drop(format!(
+            "CREATE USER '{user}'@'%' IDENTIFIED BY 'secret-pw';
+             GRANT SELECT, INSERT, UPDATE, DELETE ON `{database}`.* TO '{user}'@'%';
+             SET GLOBAL read_only = 1"
+        ))
+        .await
+        .unwrap();
+    let opts = mysql_async::Opts::from_url(&url).unwrap();
+    let limited = format!(
+        "mysql://{user}:secret-pw@{}:{}/{database}",
+        opts.ip_or_hostname(),
+        opts.tcp_port()
+    );
+    let store: MySqlStore = native_store(&limited, None);
+    let problems = store.verify().await;
+    let claimed = store
+        .claim(ClaimRequest::new(
+            outbox_core::NodeId::random(),
+            10,
+            Duration::from_secs(30),
+        ))
+        .await;
+    admin
+        .query_drop(format!("SET GLOBAL read_only = 0; DROP USER '{user}'@'%'"))
+        .await
+        .unwrap();
+    let problems = problems.unwrap();
+    assert!(
+        problems
+            .iter()
+            .any(|p| p.severity() == outbox_core::store::Severity::Degraded
+                && p.what.contains("takes no writes")
+                && p.fix.contains("primary")),
+        "{problems:?}"
+    );
+    let refused = match claimed {
+        Ok(rows) => panic!("claimed {} rows on a read-only server", rows.len()),
+        Err(e) => e,
+    };
+    assert!(refused.kind().is_retryable(), "{refused}");
+    assert!(
+        refused
+            .to_string()
+            .contains("point the relay's URL at the primary"),
+        "{refused}"
+    );
+}
