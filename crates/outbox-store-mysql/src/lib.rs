@@ -113,6 +113,13 @@ pub fn classify(error: &mysql_async::Error) -> StoreErrorKind {
     }
 }
 
+/// A server that takes no writes, as the relay tells it.
+const READ_ONLY: &str = "the server takes no writes (read_only or innodb_read_only is on: a \
+                         replica, or a primary being demoted)";
+
+/// What to do about [`READ_ONLY`].
+const READ_ONLY_FIX: &str = "point the relay's URL at the primary";
+
 /// ER_OPTION_PREVENTS_STATEMENT (`--read-only`), ER_READ_ONLY_MODE,
 /// ER_CANT_EXECUTE_IN_READ_ONLY_TRANSACTION: the server takes no writes.
 fn read_only_server(code: u16) -> bool {
@@ -173,8 +180,7 @@ fn db_error(context: &str, error: mysql_async::Error) -> StoreError {
         mysql_async::Error::Server(e) if read_only_server(e.code) => StoreError::new(
             kind,
             format!(
-                "{context}: {}: the server takes no writes (a replica, or `read_only` set): \
-                 point the relay's URL at the primary; the relay retries until it can write",
+                "{context}: {}: {READ_ONLY}: {READ_ONLY_FIX}; the relay retries until it can write",
                 e.message
             ),
         ),
@@ -358,6 +364,18 @@ impl MappedDb for MySql {
         let name = self.lock_name(mapping);
         let taken = self.bounded(context, async {
             let mut conn = lock_connection(&self.opts, context).await?;
+            if read_only(&mut conn)
+                .await
+                .map_err(|e| db_error(context, e))?
+            {
+                return Err(StoreError::new(
+                    StoreErrorKind::Connection,
+                    format!(
+                        "{context}: {READ_ONLY}: {READ_ONLY_FIX}; the relay retries until it \
+                         can write"
+                    ),
+                ));
+            }
             let got: Option<Option<i64>> = conn
                 .exec_first("SELECT GET_LOCK(?, 0)", (&name,))
                 .await
@@ -589,10 +607,11 @@ impl MappedDb for MySql {
         {
             // Degraded: a switchover's window passes, and the relay retries through it.
             problems.push(Problem::degraded(
-                "the server takes no writes (read_only or innodb_read_only is on: a replica, or a \
-                 primary being demoted), and the relay claims and settles by writing; an account \
-                 allowed past read_only would write to a replica and break its replication",
-                "point the relay's URL at the primary",
+                format!(
+                    "{READ_ONLY}, and the relay claims and settles by writing; an account allowed \
+                     past read_only would write to a replica and break its replication"
+                ),
+                READ_ONLY_FIX,
             ));
         }
         if sql.dead_table_ddl().is_some() {
@@ -971,7 +990,15 @@ impl HeldLock {
                 let mut conn = conn;
                 loop {
                     tokio::time::sleep(LOCK_KEEPALIVE).await;
-                    let ok = matches!(tokio::time::timeout(timeout, conn.ping()).await, Ok(Ok(())));
+                    let answer = tokio::time::timeout(timeout, read_only(&mut conn)).await;
+                    let ok = matches!(answer, Ok(Ok(false)));
+                    if let Ok(Ok(true)) = answer {
+                        tracing::warn!(
+                            "the server holding the active relay's lock turned read-only (a \
+                             switchover that demoted it?): letting the lock go, so that the \
+                             relay takes it again on the server that takes writes"
+                        );
+                    }
                     let mut last = answered.lock().unwrap_or_else(|p| p.into_inner());
                     if !ok {
                         *last = None;
@@ -990,6 +1017,17 @@ impl HeldLock {
         let last = *self.answered.lock().unwrap_or_else(|p| p.into_inner());
         answered_lately(last, std::time::Instant::now())
     }
+}
+
+/// Whether the server takes no writes. The active relay's lock is the server's alone: on a
+/// primary demoted by a switchover (Orchestrator, ProxySQL, MHA set `read_only` on it), a
+/// lock session left there keeps answering, while claims on new connections reach the new
+/// primary, where a standby takes the same lock freely: two active relays.
+async fn read_only(conn: &mut Conn) -> Result<bool, mysql_async::Error> {
+    let answer: Option<(Option<i64>, Option<i64>)> = conn
+        .query_first("SELECT @@global.read_only, @@global.innodb_read_only")
+        .await?;
+    Ok(answer.is_some_and(|(a, b)| a == Some(1) || b == Some(1)))
 }
 
 /// Whether a ping last `answered` (`None`: one went unanswered) keeps the lock held at `now`.

@@ -182,3 +182,54 @@ async fn a_relay_whose_table_lock_ended_publishes_nothing_more_of_what_it_held()
     )
     .await;
 }
+
+/// A switchover demotes the primary (sets `read_only`) and moves the writers elsewhere: the
+/// active relay's lock session, left on the old primary, kept answering its pings, so the
+/// relay stayed active there while a standby on the new primary took the same lock freely.
+/// The lock is now let go once its server turns read-only, and not taken on a read-only
+/// server. `read_only` is server-wide: this test runs alone (`.config/nextest.toml`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_on_a_server_turned_read_only_is_let_go_and_not_taken_again() {
+    use mysql_async::prelude::Queryable;
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let first = store(&url);
+    first.migrate().await.unwrap();
+    becomes_active_with_an_event(&first).await;
+    let mut admin = mysql_async::Conn::from_url(url.as_str()).await.unwrap();
+    // The lock's holder, as the server sees it (the store names it after the table).
+    let holder = "SELECT IS_USED_LOCK(CONCAT('outbox-relay ', DATABASE(), '.outbox'))";
+    let held = async |admin: &mut mysql_async::Conn| -> bool {
+        let holder: Result<Option<Option<u64>>, _> = admin.query_first(holder).await;
+        !matches!(holder, Ok(Some(None)))
+    };
+    assert!(
+        held(&mut admin).await,
+        "the first store holds the table's lock"
+    );
+    admin.query_drop("SET GLOBAL read_only = 1").await.unwrap();
+    let outcome = async {
+        let deadline = std::time::Instant::now() + Duration::from_secs(15);
+        while held(&mut admin).await || first.is_active().await {
+            if std::time::Instant::now() > deadline {
+                return Err("the lock is still held on the read-only server".to_string());
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        match store(&url).claim(claim_by("second")).await {
+            Ok(claimed) => Err(format!(
+                "a store took the lock on the read-only server and claimed {}",
+                claimed.len()
+            )),
+            Err(e)
+                if e.to_string()
+                    .contains("point the relay's URL at the primary") =>
+            {
+                Ok(())
+            }
+            Err(e) => Err(format!("refused without naming the fix: {e}")),
+        }
+    }
+    .await;
+    admin.query_drop("SET GLOBAL read_only = 0").await.unwrap();
+    outcome.unwrap();
+}
