@@ -48,7 +48,7 @@ use uuid::Uuid;
 use crate::memory::{decode, derived_event_id, Memory, RawRow, RowId};
 use crate::params::Params;
 use crate::sql::{Failure, Sql};
-use crate::{DeadState, Dialect, IdType, Mapping};
+use crate::{DeadState, Dialect, IdType, KeyFallback, Mapping};
 
 /// How often a standby relay tries to become the active one.
 pub const LEADER_RETRY: Duration = Duration::from_secs(1);
@@ -181,6 +181,12 @@ pub trait MappedDb: Send + Sync + Sized + 'static {
     ) -> impl Future<Output = StoreResult<SequenceId>> + Send;
 
     fn raw_row(row: &Self::Row, mapping: &Mapping) -> StoreResult<RawRow>;
+    /// The row's id, or why it cannot be read back as the mapping's id type (a value of
+    /// the row: a UUID in another form). Such a row is set aside by the claim, where any
+    /// other [`MappedDb::raw_row`] failure fails it.
+    fn row_id(_row: &Self::Row, _mapping: &Mapping) -> StoreResult<()> {
+        Ok(())
+    }
     fn int(row: &Self::Row, index: usize) -> Option<i64>;
     fn text(row: &Self::Row, index: usize) -> Option<String>;
 
@@ -263,6 +269,10 @@ struct Inner<D: MappedDb> {
 /// sink's error can quote a long answer, and a `text` column of MySQL holds 65,535 bytes.
 pub const ERROR_CHARS: usize = 8_000;
 
+/// How long the key of a row whose id cannot be read waits before the row is read again
+/// (and its error said again).
+pub const UNREADABLE_ROW_WAIT: Duration = Duration::from_secs(60);
+
 /// A store over a mapped table. Cheap to clone.
 pub struct MappedStore<D: MappedDb> {
     inner: Arc<Inner<D>>,
@@ -299,6 +309,37 @@ impl<D: MappedDb> MappedStore<D> {
                 error_chars: AtomicUsize::new(ERROR_CHARS),
             }),
         })
+    }
+
+    /// The claimed rows whose ids the relay can read back, in claim order. A row whose id
+    /// it cannot (a UUID kept in another form) could be neither marked, acked nor
+    /// dead-lettered: it is set aside with an error naming the fix, and its key waits
+    /// [`UNREADABLE_ROW_WAIT`] (then it is read again), so that its later rows do not go
+    /// out before it while every other key flows.
+    fn readable(&self, rows: Vec<D::Row>) -> StoreResult<Vec<RawRow>> {
+        let m = &self.inner.sql.mapping;
+        let mut set_aside: HashSet<String> = HashSet::new();
+        let mut raw = Vec::with_capacity(rows.len());
+        for row in &rows {
+            // The key as `decode` derives it; a row-keyed table's own id is its key.
+            let key = || {
+                D::text(row, 3).or_else(|| match m.key_fallback {
+                    KeyFallback::Destination => D::text(row, 2),
+                    KeyFallback::Row => None,
+                })
+            };
+            if let Err(e) = D::row_id(row, m) {
+                tracing::error!(error = %e, "a claimed row is set aside");
+                set_aside.extend(key());
+            } else if !key().is_some_and(|k| set_aside.contains(&k)) {
+                raw.push(D::raw_row(row, m)?);
+            }
+        }
+        if !set_aside.is_empty() {
+            self.memory()
+                .waiting(set_aside.into_iter().map(|key| (key, UNREADABLE_ROW_WAIT)));
+        }
+        Ok(raw)
     }
 
     pub fn sql(&self) -> &Sql {
@@ -1071,10 +1112,7 @@ impl<D: MappedDb> OutboxStore for MappedStore<D> {
                 mark: marks.then(|| (request.node.0.clone(), millis(request.lease))),
             };
             let rows = store.inner.db.claim(sql, claim).await?;
-            let raw = rows
-                .iter()
-                .map(|r| D::raw_row(r, &sql.mapping))
-                .collect::<StoreResult<Vec<_>>>()?;
+            let raw = store.readable(rows)?;
             let mut memory = store.memory();
             Ok(raw
                 .into_iter()

@@ -48,6 +48,9 @@ pub struct AblySink {
     authorization: Arc<String>,
 }
 
+/// The relay's own variable for the API key (after ABLY_API_KEY).
+pub const OURS_ENV: &str = "OUTBOX_RELAY_ABLY_API_KEY";
+
 /// The API key: from `api_key_file`, else ABLY_API_KEY, else OUTBOX_RELAY_ABLY_API_KEY, else
 /// the Ably connector's ADBC_ABLY_API_KEY.
 fn api_key(uri: &str, config: &AblyConfig) -> Result<String, SinkSetupError> {
@@ -64,7 +67,7 @@ fn api_key(uri: &str, config: &AblyConfig) -> Result<String, SinkSetupError> {
             ))
         })?,
         None => std::env::var("ABLY_API_KEY")
-            .or_else(|_| std::env::var("OUTBOX_RELAY_ABLY_API_KEY"))
+            .or_else(|_| std::env::var(OURS_ENV))
             .or_else(|_| std::env::var("ADBC_ABLY_API_KEY"))
             .map_err(|_| {
                 SinkSetupError::config("no Ably API key: set ABLY_API_KEY or api_key_file")

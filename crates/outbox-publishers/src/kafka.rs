@@ -51,8 +51,42 @@ pub struct KafkaConfig {
     pub sasl_username: Option<String>,
     pub sasl_password: Option<Secret>,
     /// Extra librdkafka properties (the secret ones shown as `***`, like every `Secret`).
-    #[serde(serialize_with = "properties")]
+    #[serde(serialize_with = "properties", deserialize_with = "scalar_properties")]
     pub kafka: BTreeMap<String, String>,
+}
+
+/// librdkafka's properties, each value written as a string, number or boolean (all text to
+/// librdkafka). A value of another type is refused without being quoted: it may be a
+/// password.
+fn scalar_properties<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<BTreeMap<String, String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Scalar {
+        Text(String),
+        Whole(i64),
+        Number(f64),
+        Flag(bool),
+    }
+    let read = BTreeMap::<String, Scalar>::deserialize(deserializer).map_err(|_| {
+        serde::de::Error::custom(
+            "kafka properties are librdkafka's, each a string, number or boolean \
+             (\"batch.size\" = \"65536\")",
+        )
+    })?;
+    Ok(read
+        .into_iter()
+        .map(|(name, value)| {
+            let text = match value {
+                Scalar::Text(t) => t,
+                Scalar::Whole(n) => n.to_string(),
+                Scalar::Number(n) => n.to_string(),
+                Scalar::Flag(b) => b.to_string(),
+            };
+            (name, text)
+        })
+        .collect())
 }
 
 /// librdkafka's properties whose values are secrets (it marks them sensitive): passwords,
@@ -104,6 +138,13 @@ pub fn client_config(uri: &str, config: &KafkaConfig) -> Result<ClientConfig, Si
     let servers = servers.trim_end_matches('/');
     if servers.is_empty() {
         return Err(SinkSetupError::config("the Kafka URI names no broker"));
+    }
+    if servers.contains('@') {
+        // librdkafka would take `user:password@host` for a host name, and log it.
+        return Err(SinkSetupError::config(
+            "a Kafka URI carries no user or password: give them as the sink's sasl_username \
+             and sasl_password (with sasl_mechanism), and the URI as kafka://host:port",
+        ));
     }
     let mut c = ClientConfig::new();
     c.set("bootstrap.servers", servers)
@@ -424,6 +465,26 @@ pub fn sink(uri: &str, config: &KafkaConfig) -> Result<Arc<dyn Sink>, SinkSetupE
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// librdkafka's properties are text; a number or flag written bare is taken as its text,
+    /// and a value of no scalar type is refused without being quoted (it may be a password:
+    /// serde's own error quoted `98765432101234`).
+    #[test]
+    fn properties_take_scalars_as_text_and_refuse_others_unquoted() {
+        let read: KafkaConfig = serde_json::from_value(serde_json::json!({
+            "kafka": {"batch.size": 65536, "enable.idempotence": true, "client.rack": "r1"}
+        }))
+        .unwrap();
+        assert_eq!(read.kafka["batch.size"], "65536");
+        assert_eq!(read.kafka["enable.idempotence"], "true");
+        let refused = serde_json::from_value::<KafkaConfig>(serde_json::json!({
+            "kafka": {"ssl.key.password": [98765432101234_u64]}
+        }))
+        .unwrap_err()
+        .to_string();
+        assert!(!refused.contains("98765432101234"), "{refused}");
+        assert!(refused.contains("string, number or boolean"), "{refused}");
+    }
 
     /// A topic name librdkafka refuses (over 512 bytes, a NUL) is the record's own: sent
     /// again, refused again. Retried, it held its key back until `max_attempts`.

@@ -99,6 +99,39 @@ pub async fn from_uri(uri: &str) -> Result<Arc<dyn outbox_core::Publisher>, Sink
     Ok(Arc::new(Router::single("default", sink)))
 }
 
+/// Refuses a secret given through the environment that no sink of the process would use:
+/// [`webhook::SECRET_ENV`] when every webhook sink has a `secret` of its own (or there is
+/// none), and `OUTBOX_RELAY_ABLY_API_KEY` without an Ably sink. A rotation through the
+/// deployment's environment otherwise changed nothing, without a word. `sinks` are every
+/// outbox's.
+pub fn refuse_unused_secrets<'a>(
+    sinks: impl IntoIterator<Item = &'a SinkConfig>,
+) -> Result<(), SinkSetupError> {
+    let set = |name: &str| std::env::var_os(name).is_some_and(|v| !v.is_empty());
+    let settings: Vec<&SinkSettings> = sinks.into_iter().map(SinkConfig::settings).collect();
+    #[cfg(feature = "webhook")]
+    if set(webhook::SECRET_ENV)
+        && !settings
+            .iter()
+            .any(|s| matches!(s, SinkSettings::Webhook(w) if w.secret.is_none()))
+    {
+        return Err(SinkSetupError::config(format!(
+            "{} is set, but no webhook sink signs with it (each has a `secret` of its own, or \
+             there is none): unset it, or remove the `secret` of the sink it is for",
+            webhook::SECRET_ENV
+        )));
+    }
+    #[cfg(feature = "ably")]
+    if set(ably::OURS_ENV) && !settings.iter().any(|s| matches!(s, SinkSettings::Ably(_))) {
+        return Err(SinkSetupError::config(format!(
+            "{} is set, but no sink is an Ably one (`ably:`): unset it, or add the Ably sink",
+            ably::OURS_ENV
+        )));
+    }
+    let _ = (set, settings);
+    Ok(())
+}
+
 /// A router over configured sinks and routes. Without routes, a single sink takes every
 /// destination. A route without a `target` (and the single sink) renders `default_target`:
 /// the destination itself, or the layout's convention (Debezium's `outbox.event.{destination}`).

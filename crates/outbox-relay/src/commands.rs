@@ -83,7 +83,7 @@ pub async fn health(config: Config, ready: bool) -> anyhow::Result<ExitCode> {
     let body = response.split("\r\n\r\n").nth(1).unwrap_or_default().trim();
     let body = outbox_core::redact::escape_controls(body);
     if status == "200" {
-        println!("{body}");
+        outln!("{body}");
         Ok(ExitCode::SUCCESS)
     } else {
         bail!("http://{addr}{path} answered {status}: {body}")
@@ -92,6 +92,14 @@ pub async fn health(config: Config, ready: bool) -> anyhow::Result<ExitCode> {
 
 /// `drop-slot`: drops the replication slot of `--capture wal`.
 pub async fn drop_slot(config: Config) -> anyhow::Result<ExitCode> {
+    // Refused before the store opens: opening an SQLite path creates the file.
+    if config.database.capture != crate::config::CaptureMode::Wal {
+        return Err(config_error(
+            "drop-slot drops the replication slot of WAL capture: add --capture wal (with \
+             --slot if it is not the default)"
+                .into(),
+        ));
+    }
     let mut store = AnyStore::open(config.store_settings()?)?;
     store.keep_legacy_slot().await;
     let AnyStore::PostgresWal(pg, capture) = &store else {
@@ -119,13 +127,13 @@ pub async fn drop_slot(config: Config) -> anyhow::Result<ExitCode> {
     // the slot is missing), so the new slot still adopts the table's rows.
     match outbox_wal::drop_slot(&wal).await {
         Ok(true) => match held {
-            Some(held) => println!(
+            Some(held) => outln!(
                 "dropped the replication slot {}, which held back {held}",
                 capture.slot
             ),
-            None => println!("dropped the replication slot {}", capture.slot),
+            None => outln!("dropped the replication slot {}", capture.slot),
         },
-        Ok(false) => println!("there is no replication slot {}", capture.slot),
+        Ok(false) => outln!("there is no replication slot {}", capture.slot),
         Err(e) => bail!("cannot drop the replication slot {}: {e}", capture.slot),
     }
     if let Err(e) = outbox_wal::forget_adoption(pg, &capture.publication, &capture.slot).await {
@@ -148,13 +156,36 @@ pub async fn migrate(config: Config, args: MigrateArgs) -> anyhow::Result<ExitCo
                 .into(),
         ));
     }
-    let mut store = AnyStore::open(config.store_settings()?)?;
+    let sqlite = matches!(
+        config.database.database_kind(),
+        Ok(crate::config::DatabaseKind::Sqlite(_))
+    );
+    if sqlite && args.role.is_some() {
+        return Err(config_error(
+            "--role: SQLite has no roles, and its DDL grants nothing; the relay needs read and \
+             write access to the database file and its directory"
+                .into(),
+        ));
+    }
+    // Printing the DDL for a file not made yet makes none: an empty database lacks the
+    // same steps.
+    let settings = match config.store_settings()? {
+        crate::store::StoreSettings::Sqlite {
+            path,
+            retain_delivered,
+        } if args.print && !path.exists() => crate::store::StoreSettings::Sqlite {
+            path: ":memory:".into(),
+            retain_delivered,
+        },
+        settings => settings,
+    };
+    let mut store = AnyStore::open(settings)?;
     store.keep_legacy_slot().await;
     if args.print {
         let role = args.role.as_deref().unwrap_or("outbox_relay");
         outbox_core::ident::Ident::new(role, "role name")
             .map_err(|e| config_error(format!("--role: {}", e.report())))?;
-        println!("{}", store.printable_ddl(role).await);
+        outln!("{}", store.printable_ddl(role).await);
         return Ok(ExitCode::SUCCESS);
     }
     let grants = match &args.grant_to {
@@ -176,7 +207,7 @@ pub async fn migrate(config: Config, args: MigrateArgs) -> anyhow::Result<ExitCo
         .migrate()
         .await
         .map_err(|e| failure(format!("migration failed: {}", e.report()), &e))?;
-    println!("migrated: {}", store.outbox().describe());
+    outln!("migrated: {}", store.outbox().describe());
     if let Some((role, grants)) = grants {
         store.execute_script(&grants).await.map_err(|e| {
             failure(
@@ -188,7 +219,7 @@ pub async fn migrate(config: Config, args: MigrateArgs) -> anyhow::Result<ExitCo
                 &e,
             )
         })?;
-        println!("granted: what the relay needs, to {role}");
+        outln!("granted: what the relay needs, to {role}");
     }
     // What a migration cannot do itself (a server setting, a role attribute) is said now,
     // not at the first `run`. The migration did apply, so this is no failure; and it is
@@ -202,10 +233,10 @@ pub async fn migrate(config: Config, args: MigrateArgs) -> anyhow::Result<ExitCo
             } else {
                 "ready to run"
             };
-            println!("{verdict}; what `check` finds, as this role:");
+            outln!("{verdict}; what `check` finds, as this role:");
             print_problems(&problems);
         }
-        Err(e) => println!("could not check the result (run `check`): {}", e.report()),
+        Err(e) => outln!("could not check the result (run `check`): {}", e.report()),
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -218,7 +249,7 @@ fn print_problems(problems: &[outbox_core::store::Problem]) {
         } else {
             "warning"
         };
-        println!("{label}: {}\n    fix: {}", p.what, p.fix);
+        outln!("{label}: {}\n    fix: {}", p.what, p.fix);
     }
 }
 
@@ -227,17 +258,17 @@ pub async fn check(config: Config) -> anyhow::Result<ExitCode> {
     let mut misconfigured = false;
     // The HTTP settings (the admin token among them) are checked as `run` checks them.
     config.http.listen()?;
-    println!("ok: configuration is valid ({config:?})");
+    outln!("ok: configuration is valid ({config:?})");
     let mut store = AnyStore::open(config.store_settings()?)?;
     store.keep_legacy_slot().await;
     let outbox = store.outbox();
     match outbox.ping().await {
-        Ok(()) => println!(
+        Ok(()) => outln!(
             "ok: connected to {}",
             redact_url(&config.database.database_url)
         ),
         Err(e) => {
-            println!(
+            outln!(
                 "problem: cannot connect to {}: {}",
                 redact_url(&config.database.database_url),
                 e.report()
@@ -246,10 +277,10 @@ pub async fn check(config: Config) -> anyhow::Result<ExitCode> {
         }
     }
     match store.schema_versions().await {
-        Ok(lines) => lines.iter().for_each(|(_, l)| println!("ok: {l}")),
+        Ok(lines) => lines.iter().for_each(|(_, l)| outln!("ok: {l}")),
         Err(e) => {
             failed = true;
-            println!("problem: {}", e.report());
+            outln!("problem: {}", e.report());
         }
     }
     let mut verified = store.verify().await;
@@ -257,30 +288,30 @@ pub async fn check(config: Config) -> anyhow::Result<ExitCode> {
         problems.extend(store.check_only_problems().await);
     }
     match verified {
-        Ok(problems) if problems.is_empty() => println!("ok: tables, trigger and privileges"),
+        Ok(problems) if problems.is_empty() => outln!("ok: tables, trigger and privileges"),
         Ok(problems) => {
             failed |= problems.iter().any(|p| p.fails_check());
             print_problems(&problems);
         }
         Err(e) => {
             failed = true;
-            println!("problem: {}", e.report());
+            outln!("problem: {}", e.report());
         }
     }
     let (sinks, routes) = config.sink_setup();
     match build_sink(&sinks, &routes, config.database.layout).await {
         Ok(sink) => match sink.health().await {
-            Ok(()) => println!("ok: sink {} is reachable", sink.describe()),
+            Ok(()) => outln!("ok: sink {} is reachable", sink.describe()),
             Err(e) => {
                 failed = true;
-                println!("problem: sink {}: {}", sink.describe(), e.report());
+                outln!("problem: sink {}: {}", sink.describe(), e.report());
             }
         },
         Err(e) => {
             failed = true;
             // A sink the configuration names wrongly: only the operator can fix it.
             misconfigured = crate::error::is_config_error(&e);
-            println!("problem: {e:#}");
+            outln!("problem: {e:#}");
         }
     }
     Ok(if misconfigured {
@@ -313,7 +344,7 @@ pub async fn send(config: Config, args: SendArgs) -> anyhow::Result<ExitCode> {
         .insert(vec![event])
         .await
         .map_err(|e| anyhow::anyhow!("insert failed: {}", e.report()))?;
-    println!("inserted event with sequence_id {}", ids[0]);
+    outln!("inserted event with sequence_id {}", ids[0]);
     Ok(ExitCode::SUCCESS)
 }
 
@@ -383,7 +414,7 @@ pub async fn stats(config: Config, json: bool) -> anyhow::Result<ExitCode> {
                 "lag_bytes": status.as_ref().and_then(|s| s.lag_bytes),
             })),
         });
-        println!("{}", serde_json::to_string_pretty(&value)?);
+        outln!("{}", serde_json::to_string_pretty(&value)?);
         return Ok(ExitCode::SUCCESS);
     }
     let age = backlog
@@ -395,7 +426,7 @@ pub async fn stats(config: Config, json: bool) -> anyhow::Result<ExitCode> {
             )
         })
         .unwrap_or_default();
-    println!(
+    outln!(
         "{}: {} pending{age}, {} retrying, {} dead",
         store.outbox().describe(),
         backlog.pending,
@@ -403,16 +434,19 @@ pub async fn stats(config: Config, json: bool) -> anyhow::Result<ExitCode> {
         backlog.dead
     );
     if !destinations.is_empty() {
-        println!(
+        outln!(
             "  {:<32} {:>9} {:>9} {:>7}  oldest pending",
-            "destination", "pending", "retrying", "dead"
+            "destination",
+            "pending",
+            "retrying",
+            "dead"
         );
         for d in &destinations {
             let oldest = d
                 .oldest_pending_age
                 .map(|a| humantime::format_duration(Duration::from_secs(a.as_secs())).to_string())
                 .unwrap_or_else(|| "-".into());
-            println!(
+            outln!(
                 "  {:<32} {:>9} {:>9} {:>7}  {oldest}",
                 // Untrusted text: no forged row, no escape sequence to the terminal.
                 outbox_core::redact::escape_controls(&d.destination),
@@ -425,7 +459,7 @@ pub async fn stats(config: Config, json: bool) -> anyhow::Result<ExitCode> {
     if let Some((name, status)) = &slot {
         let mib = |b: Option<i64>| b.map_or("-".into(), |b| format!("{} MiB", b / (1024 * 1024)));
         match status {
-            Some(s) => println!(
+            Some(s) => outln!(
                 "replication slot {name}: {}, wal_status {}, retains {}, lag {}",
                 if s.active {
                     "streaming"
@@ -436,12 +470,12 @@ pub async fn stats(config: Config, json: bool) -> anyhow::Result<ExitCode> {
                 mib(s.retained_bytes),
                 mib(s.lag_bytes)
             ),
-            None => println!(
+            None => outln!(
                 "replication slot {name}: not created yet (the relay's first run creates it)"
             ),
         }
     }
-    println!("nodes ({} live):", nodes.len());
+    outln!("nodes ({} live):", nodes.len());
     for n in &nodes {
         let left = n.expiry.duration_since(now).unwrap_or_default();
         let owned = owned_by(&n.id);
@@ -450,14 +484,14 @@ pub async fn stats(config: Config, json: bool) -> anyhow::Result<ExitCode> {
         } else {
             format!("  partitions {} ({})", ranges(&owned), owned.len())
         };
-        println!(
+        outln!(
             "  {}  heartbeat due within {}{owned_text}",
             outbox_core::redact::escape_controls(&n.id),
             humantime::format_duration(Duration::from_secs(left.as_secs()))
         );
     }
     if !partitions.is_empty() {
-        println!(
+        outln!(
             "unowned partitions: {}",
             if unowned.is_empty() {
                 "none".to_string()

@@ -208,15 +208,7 @@ impl Config {
         // can be told from the default one (`database_url_file` refuses the former).
         let mut figment = Figment::new();
         match file {
-            Some(path) => {
-                if !path.exists() {
-                    bail!(
-                        "config file {} does not exist (check --config or OUTBOX_RELAY_CONFIG)",
-                        path.display()
-                    );
-                }
-                figment = figment.merge(Toml::file(path));
-            }
+            Some(path) => figment = figment.merge(config_file(path)?),
             None if Path::new(DEFAULT_CONFIG_FILE).exists() => {
                 figment = figment.merge(Toml::file(DEFAULT_CONFIG_FILE));
             }
@@ -720,6 +712,7 @@ impl Provider for AsWritten {
     fn data(&self) -> Result<figment::value::Map<figment::Profile, Dict>, figment::Error> {
         let mut dict = Dict::new();
         for (key, written) in self.0.iter() {
+            let key = with_case_kept(key.as_str());
             let read: Value = written.parse().expect("figment's parse is infallible");
             let kept = match read {
                 Value::Num(..) | Value::Bool(..)
@@ -729,10 +722,37 @@ impl Provider for AsWritten {
                 }
                 read => read,
             };
-            insert_at(&mut dict, key.as_str(), kept);
+            insert_at(&mut dict, &key, kept);
         }
         Ok(self.0.profile.collect(dict))
     }
+}
+
+/// The tables whose keys are names of the user's, not settings: figment reads variable
+/// names in lower case, and `OUTBOX_RELAY_RETRY__MAX_ATTEMPTS_BY_TYPE__OrderCreated` set a
+/// cap for `ordercreated`, which no event has.
+const TABLES_OF_NAMES: [&str; 1] = ["retry.max_attempts_by_type."];
+
+/// `key` (figment's, lower case) with a name under [`TABLES_OF_NAMES`] in the case its
+/// variable gives it.
+fn with_case_kept(key: &str) -> String {
+    let Some(table) = TABLES_OF_NAMES
+        .iter()
+        .find(|table| key.starts_with(**table))
+    else {
+        return key.to_string();
+    };
+    std::env::vars_os()
+        .filter_map(|(name, _)| {
+            let name = name.into_string().ok()?;
+            let written = name.strip_prefix("OUTBOX_RELAY_")?.replace("__", ".");
+            written.eq_ignore_ascii_case(key).then_some(written)
+        })
+        .next()
+        .map_or_else(
+            || key.to_string(),
+            |written| format!("{table}{}", &written[table.len()..]),
+        )
 }
 
 /// Sets the dotted `path` in `dict`, making the tables on the way. A table set where one
@@ -1003,6 +1023,47 @@ pub struct RunParts {
 /// Figment's errors in the operator's terms: what is wrong, with which setting, and where the
 /// value came from (a file, an environment variable, a flag); never the source-code location
 /// that figment gives for values set in code (the flags).
+/// The `--config` file's layer. Figment reads nothing but a regular file, so a directory
+/// (a ConfigMap mounted whole) or a pipe (`--config <(envsubst < t.toml)`) ran on the
+/// defaults without a word: a directory is refused, a pipe read here.
+fn config_file(path: &Path) -> anyhow::Result<figment::providers::Data<Toml>> {
+    let shown = path.display();
+    let metadata = std::fs::metadata(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => anyhow::anyhow!(
+            "config file {shown} does not exist (check --config or OUTBOX_RELAY_CONFIG)"
+        ),
+        _ => anyhow::anyhow!("config file {shown}: {e} (check --config or OUTBOX_RELAY_CONFIG)"),
+    })?;
+    if metadata.is_dir() {
+        bail!(
+            "config file {shown} is a directory: point --config (or OUTBOX_RELAY_CONFIG) at the \
+             TOML file in it"
+        );
+    }
+    if metadata.is_file() {
+        return Ok(Toml::file(path));
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        anyhow::anyhow!("config file {shown}: {e} (check --config or OUTBOX_RELAY_CONFIG)")
+    })?;
+    Ok(Toml::string(&text))
+}
+
+/// A parse error's message without the excerpt of the source the TOML parser quotes: the
+/// line it shows may hold a secret (a database URL with its password).
+fn without_source_excerpt(message: &str) -> String {
+    message
+        .lines()
+        .filter(|line| {
+            let rest = line
+                .trim_start()
+                .trim_start_matches(|c: char| c.is_ascii_digit());
+            !rest.trim_start().starts_with('|')
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 fn describe_figment_error(error: figment::Error) -> String {
     describe_errors(error, |e, key| {
         let source = e.metadata.as_ref().and_then(|md| md.source.as_ref());
@@ -1036,10 +1097,11 @@ fn describe_errors(
     error
         .into_iter()
         .map(|e| {
-            let mut what = e
-                .kind
-                .to_string()
-                .replace("unknown field", "unknown setting");
+            let mut what = match &e.kind {
+                figment::error::Kind::Message(message) => without_source_excerpt(message),
+                kind => kind.to_string(),
+            }
+            .replace("unknown field", "unknown setting");
             if let figment::error::Kind::InvalidType(figment::error::Actual::Str(text), _) = &e.kind
             {
                 if text.trim().parse::<f64>().is_ok() {
@@ -1191,6 +1253,25 @@ mod tests {
             assert_eq!(c.database.database_url, "postgres://from-env/db");
             assert_eq!(c.engine.retry.max_attempts, 7);
             assert_eq!(c.engine.retry.max_attempts_by_type["order.created"], 2);
+            Ok(())
+        });
+    }
+
+    /// A per-type cap set through the environment keeps its type's case: figment reads
+    /// variable names in lower case, and the cap applied to no event.
+    #[test]
+    fn a_per_type_cap_from_the_environment_keeps_the_types_case() {
+        figment::Jail::expect_with(|jail| {
+            jail.set_env(
+                "OUTBOX_RELAY_RETRY__MAX_ATTEMPTS_BY_TYPE__OrderCreated",
+                "3",
+            );
+            let c =
+                Config::load(None, flags(&["outbox-relay", "run"])).map_err(|e| e.to_string())?;
+            assert_eq!(
+                c.engine.retry.max_attempts_by_type,
+                std::collections::HashMap::from([("OrderCreated".to_string(), 3)])
+            );
             Ok(())
         });
     }

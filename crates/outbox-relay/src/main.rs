@@ -1,5 +1,17 @@
 //! The `outbox-relay` binary: a thin layer of commands over the engine, stores and sinks.
 
+/// `println!` for a command's output. A reader that left (`outbox-relay dead list | head`)
+/// is no failure of the command ([`write_out`]), where `println!` panicked and the relay
+/// called it a bug.
+macro_rules! outln {
+    ($($arg:tt)*) => { $crate::write_out(format_args!("{}\n", format_args!($($arg)*))) };
+}
+
+/// `print!` as [`outln!`] writes.
+macro_rules! out {
+    ($($arg:tt)*) => { $crate::write_out(format_args!($($arg)*)) };
+}
+
 mod admin;
 mod cli;
 mod commands;
@@ -60,6 +72,13 @@ fn escaped_fields() -> impl for<'w> tracing_subscriber::fmt::FormatFields<'w> {
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn init_logging(config: &Config) -> anyhow::Result<()> {
+    // An empty filter has no directive, and turned every log line off without a word.
+    if config.relay.log_level.trim().is_empty() {
+        anyhow::bail!(
+            "the log level is empty, which would log nothing: use e.g. info, debug or \
+             outbox_engine=debug (`off` logs nothing)"
+        );
+    }
     let filter = tracing_subscriber::EnvFilter::try_new(&config.relay.log_level).map_err(|e| {
         anyhow::anyhow!(
             "invalid log level {:?}: {e}; use e.g. info, debug or outbox_engine=debug",
@@ -99,6 +118,7 @@ async fn dispatch(
         return commands::health(config, args.ready).await;
     }
     if config.relay.outboxes.is_empty() {
+        refuse_unused_secrets([&config])?;
         if let Some(name) = outbox {
             return Err(error::config_error(format!(
                 "--outbox {name}: the configuration has no [[outboxes]]; remove --outbox, or \
@@ -108,6 +128,7 @@ async fn dispatch(
         return run_command(command, config).await;
     }
     let outboxes = config.outboxes(&flags)?;
+    refuse_unused_secrets(outboxes.iter().map(|o| &o.config))?;
     let names = || {
         outboxes
             .iter()
@@ -142,7 +163,7 @@ async fn dispatch(
     let mut failures = Vec::new();
     for outbox in &outboxes {
         let closing = if heading == "==" { " ==" } else { "" };
-        println!("{heading} outbox {}{closing}", outbox.name);
+        outln!("{heading} outbox {}{closing}", outbox.name);
         match run_command(command.clone(), outbox.config.clone()).await {
             Ok(code) if code != ExitCode::SUCCESS => worst = code,
             Ok(_) => {}
@@ -169,7 +190,7 @@ async fn run_command(command: Command, config: Config) -> anyhow::Result<ExitCod
         Command::Replay(args) => operator::replay(config, args).await,
         Command::Prune(args) => operator::prune(config, args).await,
         Command::Settings => {
-            print!("{}", cli::reference_text());
+            out!("{}", cli::reference_text());
             Ok(ExitCode::SUCCESS)
         }
     }
@@ -182,7 +203,7 @@ fn main() -> ExitCode {
     };
     if let Command::Settings = cli.command {
         // The reference needs no configuration, and is shown whatever the configuration holds.
-        print!("{}", cli::reference_text());
+        out!("{}", cli::reference_text());
         return ExitCode::SUCCESS;
     }
     let config = match Config::load(cli.global.config.as_deref(), cli.flags()) {
@@ -246,6 +267,37 @@ where
     runtime
         .block_on(runtime.spawn(work))
         .map_err(|e| anyhow::anyhow!("the relay's main task failed (a bug): {e}"))
+}
+
+/// [`outbox_publishers::refuse_unused_secrets`] over the sinks of every outbox in `configs`.
+fn refuse_unused_secrets<'a>(
+    configs: impl IntoIterator<Item = &'a config::Config>,
+) -> anyhow::Result<()> {
+    let sinks: Vec<outbox_publishers::SinkConfig> = configs
+        .into_iter()
+        .flat_map(|c| c.sink_setup().0.into_values())
+        .collect();
+    outbox_publishers::refuse_unused_secrets(&sinks).map_err(|e| error::config_error(e.to_string()))
+}
+
+/// Writes a command's output to stdout ([`outln!`]). Once the reader has left, the rest of
+/// the output is dropped and the command goes on to its end and its own exit code: `check |
+/// head -1` still fails when the check does, and `migrate --grant-to R | grep -m1 ..`
+/// still grants.
+fn write_out(text: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static READER_LEFT: AtomicBool = AtomicBool::new(false);
+    if READER_LEFT.load(Ordering::Relaxed) {
+        return;
+    }
+    let mut stdout = std::io::stdout().lock();
+    if let Err(e) = stdout.write_fmt(text).and_then(|()| stdout.flush()) {
+        READER_LEFT.store(true, Ordering::Relaxed);
+        if e.kind() != std::io::ErrorKind::BrokenPipe {
+            eprintln!("error: cannot write the output ({e}); the command goes on without it");
+        }
+    }
 }
 
 #[cfg(test)]

@@ -80,11 +80,11 @@ pub async fn dead(config: Config, command: DeadCommand) -> anyhow::Result<ExitCo
             for r in &rows {
                 let dead_at = outbox_core::time::display_time(r.dead_at);
                 if json {
-                    println!("{}", dead_record_json(r));
+                    outln!("{}", dead_record_json(r));
                 } else {
                     // Untrusted text: one row per line, no escape sequence reaches the terminal.
                     use outbox_core::redact::escape_controls as shown;
-                    println!(
+                    outln!(
                         "{}\t{}\t{}\t{}\tattempts={}\t{}\t{}",
                         r.sequence_id,
                         r.event_id,
@@ -112,11 +112,11 @@ pub async fn dead(config: Config, command: DeadCommand) -> anyhow::Result<ExitCo
         }
         DeadCommand::Retry(args) => {
             let n = ops.dead_retry(selector(args)).await.map_err(store_error)?;
-            println!("{}", retried_text(n));
+            outln!("{}", retried_text(n));
         }
         DeadCommand::Purge(args) => {
             let n = ops.dead_purge(selector(args)).await.map_err(store_error)?;
-            println!("{}", purged_text(n));
+            outln!("{}", purged_text(n));
         }
     }
     Ok(ExitCode::SUCCESS)
@@ -226,7 +226,7 @@ pub async fn replay(config: Config, args: ReplayArgs) -> anyhow::Result<ExitCode
         .await
         .map_err(store_error)?;
     if total == 0 {
-        println!("{NOTHING_TO_REPLAY}");
+        outln!("{NOTHING_TO_REPLAY}");
         return Ok(ExitCode::SUCCESS);
     }
     let mut progress = Progress::new("replaying", total);
@@ -267,7 +267,7 @@ pub async fn prune(config: Config, args: PruneArgs) -> anyhow::Result<ExitCode> 
         .await
         .map_err(store_error)?;
     if args.dry_run {
-        println!("would delete {n_delivered} delivered rows and {n_dead} dead letters");
+        outln!("would delete {n_delivered} delivered rows and {n_dead} dead letters");
         return Ok(ExitCode::SUCCESS);
     }
     if let Some(before) = delivered {

@@ -231,24 +231,49 @@ fn bind(params: Params) -> mysql_async::Params {
     )
 }
 
-/// A row id the relay cannot read back as the mapping's id type.
-fn unreadable_id(mapping: &Mapping, read: &str) -> StoreError {
-    let (wanted, fix) = match mapping.id_type {
-        IdType::Integer => ("an integer", "map an integer column as the id"),
-        IdType::Uuid => (
-            "a UUID in text form (CHAR(36))",
+/// The row's id, read back as the mapping's type. An id read as another (zero, or a UUID
+/// in another form) would be marked, acked and dead-lettered as a row that is not there:
+/// the row would come back for ever, and rows read alike would go out as one event.
+fn read_id(row: &Row, mapping: &Mapping) -> StoreResult<RowId> {
+    let id_text = text(col(row, 0)).unwrap_or_default();
+    match mapping.id_type {
+        IdType::Integer => id_text.parse().ok().map(RowId::Integer),
+        // Only the hyphenated form: the statements name ids in it, and 32 bare digits
+        // would parse but match no row.
+        IdType::Uuid => uuid::Uuid::try_parse(&id_text)
+            .ok()
+            .filter(|_| id_text.len() == 36)
+            .map(RowId::Uuid),
+    }
+    .ok_or_else(|| unreadable_id(mapping, &id_text))
+}
+
+/// How to map an id column the relay can read back as the mapping's id type.
+fn id_column_fix(mapping: &Mapping) -> &'static str {
+    match mapping.id_type {
+        IdType::Integer => "map an integer column as the id",
+        IdType::Uuid => {
             "map a CHAR(36) column as the id; for UUIDs kept in BINARY(16), add one that \
              renders them, e.g. `id_text CHAR(36) AS (LOWER(INSERT(INSERT(INSERT(INSERT(HEX(id), \
              9, 0, '-'), 14, 0, '-'), 19, 0, '-'), 24, 0, '-'))) STORED` with a unique index, \
-             and map that",
-        ),
+             and map that"
+        }
+    }
+}
+
+/// A row id the relay cannot read back as the mapping's id type.
+fn unreadable_id(mapping: &Mapping, read: &str) -> StoreError {
+    let wanted = match mapping.id_type {
+        IdType::Integer => "an integer",
+        IdType::Uuid => "a UUID in text form (CHAR(36))",
     };
     let shown: String = read.chars().take(40).collect();
     StoreError::new(
         StoreErrorKind::SchemaMismatch,
         format!(
-            "the id column {:?} holds {shown:?}, which is not {wanted}: {fix}",
-            mapping.id
+            "the id column {:?} holds {shown:?}, which is not {wanted}: {}",
+            mapping.id,
+            id_column_fix(mapping)
         ),
     )
 }
@@ -529,23 +554,13 @@ impl MappedDb for MySql {
         .await
     }
 
+    fn row_id(row: &Row, mapping: &Mapping) -> StoreResult<()> {
+        read_id(row, mapping).map(drop)
+    }
+
     fn raw_row(row: &Row, mapping: &Mapping) -> StoreResult<RawRow> {
-        let id_text = text(col(row, 0)).unwrap_or_default();
-        // An id read as another (zero, or a UUID in another form) would be marked, acked and
-        // dead-lettered as a row that is not there: the row would come back for ever, and
-        // rows read alike would go out as one event.
-        let id = match mapping.id_type {
-            IdType::Integer => id_text.parse().ok().map(RowId::Integer),
-            // Only the hyphenated form: the statements name ids in it, and 32 bare digits
-            // would parse but match no row.
-            IdType::Uuid => uuid::Uuid::try_parse(&id_text)
-                .ok()
-                .filter(|_| id_text.len() == 36)
-                .map(RowId::Uuid),
-        }
-        .ok_or_else(|| unreadable_id(mapping, &id_text))?;
         RawRow::read(
-            id,
+            read_id(row, mapping)?,
             |i| Ok(text(col(row, i))),
             |i| Ok(int(col(row, i))),
             |i| Ok(bytes(col(row, i))),
@@ -597,14 +612,11 @@ impl MappedDb for MySql {
         let rows = self
             .query(
                 "verify",
-                "SELECT @@global.read_only, @@global.innodb_read_only".into(),
+                READ_ONLY_QUERY.into(),
                 Params::new(Dialect::MySql),
             )
             .await?;
-        if rows
-            .first()
-            .is_some_and(|r| int(col(r, 0)) == Some(1) || int(col(r, 1)) == Some(1))
-        {
+        if rows.first().is_some_and(answers_read_only) {
             // Degraded: a switchover's window passes, and the relay retries through it.
             problems.push(Problem::degraded(
                 format!(
@@ -678,20 +690,19 @@ impl MappedDb for MySql {
 }
 
 /// The oldest release with `SKIP LOCKED`, when `version` (`SELECT VERSION()`) is older.
+/// Major and minor alone: MySQL 8.0's first releases were milestones nobody runs, and
+/// Aurora writes `8.0.mysql_aurora.3.05.2`. MariaDB's replication prefix `5.5.5-` is no
+/// part of its version.
 fn skip_locked_missing(version: &str) -> Option<&'static str> {
-    let numbers: Vec<u32> = version
+    let bare = version.strip_prefix("5.5.5-").unwrap_or(version);
+    let mut numbers = bare
         .split(|c: char| !c.is_ascii_digit())
-        .take(3)
-        .map_while(|n| n.parse().ok())
-        .collect();
-    let [major, minor, patch] = numbers[..] else {
-        return None;
-    };
-    let at = (major, minor, patch);
-    if version.to_ascii_lowercase().contains("mariadb") {
-        (at < (10, 6, 0)).then_some("MariaDB 10.6")
+        .map_while(|n| n.parse::<u32>().ok());
+    let at = (numbers.next()?, numbers.next()?);
+    if bare.to_ascii_lowercase().contains("mariadb") {
+        (at < (10, 6)).then_some("MariaDB 10.6")
     } else {
-        (at < (8, 0, 1)).then_some("MySQL 8.0.1")
+        (at < (8, 0)).then_some("MySQL 8.0")
     }
 }
 
@@ -746,7 +757,7 @@ impl MySql {
                          the relay could not name its rows to mark, delete or dead-letter them",
                         m.id
                     ),
-                    unreadable_id(m, "").to_string(),
+                    id_column_fix(m),
                 ));
             }
         }
@@ -850,10 +861,11 @@ impl MySql {
             .map_err(|e| db_error("claim", e))?;
         if let (Some((node, lease)), false) = (claim.mark, rows.is_empty()) {
             let set = sql.claim_set(&update.text(node), &update.int(lease));
+            // A row whose id cannot be read back is set aside by the store, unmarked.
             let ids: Vec<RowId> = rows
                 .iter()
-                .map(|r| Self::raw_row(r, &sql.mapping).map(|raw| raw.id))
-                .collect::<StoreResult<_>>()?;
+                .filter_map(|r| read_id(r, &sql.mapping).ok())
+                .collect();
             let membership = update.in_ids(&ids, sql.mapping.id_type);
             if !set.is_empty() {
                 let statement = sql.update(&set, &format!("{} {membership}", sql.id_column()));
@@ -1024,10 +1036,21 @@ impl HeldLock {
 /// lock session left there keeps answering, while claims on new connections reach the new
 /// primary, where a standby takes the same lock freely: two active relays.
 async fn read_only(conn: &mut Conn) -> Result<bool, mysql_async::Error> {
-    let answer: Option<(Option<i64>, Option<i64>)> = conn
-        .query_first("SELECT @@global.read_only, @@global.innodb_read_only")
-        .await?;
-    Ok(answer.is_some_and(|(a, b)| a == Some(1) || b == Some(1)))
+    let answer: Option<Row> = conn.query_first(READ_ONLY_QUERY).await?;
+    Ok(answer.as_ref().is_some_and(answers_read_only))
+}
+
+/// The server's read-only settings, as text: MariaDB 12 answers `read_only` as `ON`/`OFF`
+/// (an enum with NO_LOCK modes), older servers and MySQL as 1/0.
+const READ_ONLY_QUERY: &str =
+    "SELECT CAST(@@global.read_only AS CHAR), CAST(@@global.innodb_read_only AS CHAR)";
+
+/// Whether a row of [`READ_ONLY_QUERY`] says the server takes no writes.
+fn answers_read_only(row: &Row) -> bool {
+    (0..2).any(|i| {
+        text(col(row, i))
+            .is_some_and(|v| !matches!(v.trim().to_ascii_uppercase().as_str(), "0" | "OFF"))
+    })
 }
 
 /// Whether a ping last `answered` (`None`: one went unanswered) keeps the lock held at `now`.
@@ -1068,10 +1091,13 @@ mod tests {
             ("10.6.0-MariaDB", None),
             ("10.5.23-MariaDB-log", Some("MariaDB 10.6")),
             ("5.5.5-10.3.39-MariaDB", Some("MariaDB 10.6")),
+            ("12.0.2-MariaDB", None),
             ("8.0.36", None),
             ("8.0.1", None),
-            ("8.0.0-dmr", Some("MySQL 8.0.1")),
-            ("5.7.44-log", Some("MySQL 8.0.1")),
+            ("9.1.0", None),
+            ("5.5.5-10.11.6-MariaDB", None),
+            ("5.7.44-log", Some("MySQL 8.0")),
+            ("5.7.mysql_aurora.2.11.2", Some("MySQL 8.0")),
             ("8.0.mysql_aurora.3.05.2", None),
             ("not a version", None),
         ] {

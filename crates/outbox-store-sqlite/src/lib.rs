@@ -318,15 +318,15 @@ fn create_private(path: &Path) {
 }
 
 /// The file an SQLite URI (`file:outbox.db?mode=rwc`, `file:///var/lib/outbox%20a.db`) makes
-/// SQLite create, if any: none for in-memory or read-only ones, or a remote authority
-/// (which SQLite refuses itself).
+/// SQLite create, if any: none for in-memory ones, ones that open only a file that exists
+/// (`mode=ro`, `mode=rw`), or a remote authority (which SQLite refuses itself).
 fn uri_file(uri: &str) -> Option<PathBuf> {
     let rest = uri.strip_prefix("file:")?;
     let rest = rest.split('#').next().unwrap_or(rest);
     let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
     let creates = query
         .split('&')
-        .all(|p| p != "mode=ro" && p != "mode=memory");
+        .all(|p| !matches!(p, "mode=ro" | "mode=rw" | "mode=memory"));
     let path = match path.strip_prefix("//") {
         Some(after) => {
             let slash = after.find('/').unwrap_or(after.len());

@@ -58,7 +58,9 @@ pub async fn fresh_mysql_database() -> String {
     let mut conn = mysql_async::Conn::from_url(admin.as_str())
         .await
         .expect("connect to the test MariaDB server");
-    conn.query_drop(format!("CREATE DATABASE {name}"))
+    // The tests that make the server read-only run alone and set it back; one stopped
+    // halfway (a timeout, Ctrl-C) would fail every later test of a server kept running.
+    conn.query_drop(format!("SET GLOBAL read_only = 0; CREATE DATABASE {name}"))
         .await
         .expect("create test database");
     conn.disconnect().await.expect("disconnect");

@@ -119,9 +119,11 @@ fn uri_rest<'a>(uri: &'a str, scheme: &str) -> &'a str {
 fn no_uri_rest(uri: &str, scheme: &str, target: &str) -> Result<(), SinkSetupError> {
     match uri_rest(uri, scheme) {
         "" => Ok(()),
-        rest => Err(SinkSetupError::config(format!(
-            "the sink URI is just `{scheme}:`, not {uri:?}: {target}, and `region` and \
-             `endpoint` are settings of the sink (found {rest:?} after the scheme)"
+        // What follows the scheme is not quoted: it may be credentials.
+        _ => Err(SinkSetupError::config(format!(
+            "the sink URI is just `{scheme}:`, with nothing after it: {target}, `region` and \
+             `endpoint` are settings of the sink, and credentials come from the environment \
+             (AWS_ACCESS_KEY_ID, a profile, a role)"
         ))),
     }
 }

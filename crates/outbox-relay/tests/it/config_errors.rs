@@ -1250,3 +1250,222 @@ fn a_variable_that_is_no_utf8_is_no_crash() {
         .unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
 }
+
+/// `--config` naming a directory (a ConfigMap mounted whole) ran on the defaults without a
+/// word, as did a pipe (`--config <(envsubst < t.toml)`): figment reads regular files alone.
+/// A directory is refused, a pipe read.
+#[test]
+fn a_config_path_that_is_a_directory_is_refused_and_a_pipe_is_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::create_dir(d.join("conf")).unwrap();
+    refused(
+        relay(d, &["--config", "conf", "check"], &[]),
+        "conf is a directory",
+        "point --config",
+    );
+    // A pipe the shell would give: a FIFO with a writer.
+    let fifo = d.join("relay.toml.fifo");
+    assert!(Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap()
+        .success());
+    let writer = std::thread::spawn({
+        let fifo = fifo.clone();
+        move || std::fs::write(fifo, "batch_size = 0\n").unwrap()
+    });
+    // The file's own value, refused: it was read.
+    refused(
+        relay(d, &["--config", fifo.to_str().unwrap(), "check"], &[]),
+        "batch_size",
+        "between 1 and",
+    );
+    writer.join().unwrap();
+}
+
+/// The TOML parser quotes the line it could not read, and a database URL's password went
+/// with it to the terminal and the logs. The error names the place alone.
+#[test]
+fn a_toml_syntax_error_names_its_place_without_quoting_the_line() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("bad.toml"),
+        "database_url = \"postgres://relay:Hunter2Secret@db:5432/app\n",
+    )
+    .unwrap();
+    let out = relay(dir.path(), &["--config", "bad.toml", "check"], &[]);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("line 1, column"), "{err}");
+    assert!(!err.contains("Hunter2Secret"), "{err}");
+}
+
+/// Credentials written into a sink URI where the sink takes none: Kafka's reached
+/// librdkafka as a broker's host name, logged at every attempt, and the run failed at
+/// runtime (exit 1); an AWS URI's were quoted in the refusal.
+#[test]
+fn credentials_in_a_sink_uri_that_takes_none_are_refused_unshown() {
+    let dir = tempfile::tempdir().unwrap();
+    for (sink, secret, fix) in [
+        (
+            "kafka://relay:KafkaPw9@127.0.0.1:19092",
+            "KafkaPw9",
+            "sasl_username",
+        ),
+        (
+            "sqs://AKIAIOSFODNN7EXAMPLE:wJalrXUtnFEMI@us-east-1/queue",
+            "wJalrXUtnFEMI",
+            "credentials come from the environment",
+        ),
+    ] {
+        let out = relay(dir.path(), &["check", "--sink", sink], &[]);
+        // `check` reports on stdout.
+        let err = format!("{}{}", String::from_utf8_lossy(&out.stdout), stderr(&out));
+        assert_eq!(out.status.code(), Some(2), "{sink}: {err}");
+        assert!(err.contains(fix), "{sink}: {err}");
+        assert!(!err.contains(secret), "{sink}: {err}");
+    }
+}
+
+/// A secret given through the environment that no sink uses: rotating it through the
+/// deployment changed nothing, without a word.
+#[test]
+fn a_secret_in_the_environment_that_no_sink_uses_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    refused(
+        relay(
+            d,
+            &["check"],
+            &[("OUTBOX_RELAY_WEBHOOK_SECRET", "whsec_bmV3LWVudi1rZXk=")],
+        ),
+        "OUTBOX_RELAY_WEBHOOK_SECRET is set, but no webhook sink signs with it",
+        "unset it",
+    );
+    std::fs::write(
+        d.join("wh.toml"),
+        "[sinks.hooks]\nuri = \"http://127.0.0.1:9/hook\"\nsecret = \"whsec_b2xkLWZpbGUta2V5\"\n",
+    )
+    .unwrap();
+    refused(
+        relay(
+            d,
+            &["--config", "wh.toml", "check"],
+            &[("OUTBOX_RELAY_WEBHOOK_SECRET", "whsec_bmV3LWVudi1rZXk=")],
+        ),
+        "each has a `secret` of its own",
+        "remove the `secret`",
+    );
+    refused(
+        relay(
+            d,
+            &["check"],
+            &[("OUTBOX_RELAY_ABLY_API_KEY", "app.key:secret")],
+        ),
+        "OUTBOX_RELAY_ABLY_API_KEY is set, but no sink is an Ably one",
+        "unset it",
+    );
+}
+
+/// A reader that leaves early (`| head`): the command panicked writing its output, and
+/// said the relay had a bug. It now ends with its own exit code, quietly.
+#[test]
+fn a_command_whose_reader_left_ends_quietly() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    assert!(relay(d, &["migrate"], &[]).status.success());
+    for command in [&["settings"][..], &["dead", "list"][..], &["check"][..]] {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let out = Command::new(BIN)
+            .args(command)
+            .current_dir(d)
+            .env_remove("DATABASE_URL")
+            .env_remove("OUTBOX_RELAY_DATABASE_URL")
+            .stdout(writer)
+            .output()
+            .unwrap();
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(0), "{command:?}: {err}");
+        assert!(
+            !err.contains("panicked") && !err.contains("bug"),
+            "{command:?}: {err}"
+        );
+    }
+    // A failing check still fails (`check | head -1` under pipefail).
+    let empty = tempfile::tempdir().unwrap();
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let out = Command::new(BIN)
+        .arg("check")
+        .current_dir(empty.path())
+        .env_remove("DATABASE_URL")
+        .env_remove("OUTBOX_RELAY_DATABASE_URL")
+        .stdout(writer)
+        .output()
+        .unwrap();
+    let told = relay(empty.path(), &["check"], &[]);
+    assert_ne!(
+        told.status.code(),
+        Some(0),
+        "the unmigrated outbox fails the check"
+    );
+    assert_eq!(out.status.code(), told.status.code(), "{}", stderr(&out));
+}
+
+/// SQLite: commands that should make no database made one (`migrate --print`,
+/// `drop-slot`, a `mode=rw` URI), and `--role`, which has no meaning there, passed
+/// unnoticed. (`send` creates the file: a relay and `send` may start together on a new
+/// one.)
+#[test]
+fn sqlite_commands_that_should_create_nothing_create_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let printed = relay(
+        d,
+        &["migrate", "--print", "--database-url", "sqlite:p.db"],
+        &[],
+    );
+    assert!(printed.status.success(), "{}", stderr(&printed));
+    assert!(String::from_utf8_lossy(&printed.stdout).contains("CREATE TABLE"));
+    let out = relay(d, &["drop-slot", "--database-url", "sqlite:ds.db"], &[]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    let out = relay(
+        d,
+        &["migrate", "--database-url", "sqlite:file:rw.db?mode=rw"],
+        &[],
+    );
+    assert_ne!(out.status.code(), Some(0), "{}", stderr(&out));
+    for file in ["typo.db", "p.db", "ds.db", "rw.db"] {
+        assert!(!d.join(file).exists(), "{file} was made");
+    }
+    refused(
+        relay(
+            d,
+            &[
+                "migrate",
+                "--print",
+                "--role",
+                "app",
+                "--database-url",
+                "sqlite:p.db",
+            ],
+            &[],
+        ),
+        "--role: SQLite has no roles",
+        "read and write access",
+    );
+}
+
+/// An empty log level (`OUTBOX_RELAY_LOG_LEVEL=` in a unit file) turned every log line off
+/// without a word.
+#[test]
+fn an_empty_log_level_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    refused(
+        relay(dir.path(), &["check"], &[("OUTBOX_RELAY_LOG_LEVEL", "")]),
+        "the log level is empty",
+        "`off` logs nothing",
+    );
+}
