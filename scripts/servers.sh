@@ -278,8 +278,16 @@ start_rabbitmq() {
       /usr/lib/rabbitmq/bin/rabbitmqctl -q wait --timeout 120 "$dir/rabbit.pid" >/dev/null
     fi
   )
+  # A user that may not publish to the default exchange, for the tests of refused writes.
+  (
+    rabbit_env
+    local ctl=/usr/lib/rabbitmq/bin/rabbitmqctl
+    "$ctl" -q add_user outbox_limited limited >/dev/null 2>&1 || true
+    "$ctl" -q set_permissions -p / outbox_limited '.*' '^(?!amq\.default$).*' '.*' >/dev/null
+  )
   log "rabbitmq ready on 127.0.0.1:$RABBIT_PORT"
   echo "export OUTBOX_TEST_AMQP_URL=amqp://guest:guest@127.0.0.1:$RABBIT_PORT/%2f"
+  echo "export OUTBOX_TEST_AMQP_LIMITED_URL=amqp://outbox_limited:limited@127.0.0.1:$RABBIT_PORT/%2f"
 }
 
 stop_rabbitmq() {

@@ -249,7 +249,7 @@ impl Inner {
                     // with X's refusal; only X's are refused.
                     AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED)
                         if text.contains("exchange '")
-                            && !text.contains(&format!("exchange '{exchange}'")) =>
+                            && !text.contains(&format!("exchange '{}'", broker_name(exchange))) =>
                     {
                         return Failure::Collateral(PublishError::new(
                             PublishErrorKind::Unavailable,
@@ -267,7 +267,7 @@ impl Inner {
                     // channel, failing every message waiting on it; only X's are refused.
                     AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND)
                         if text.contains("no exchange")
-                            && !text.contains(&format!("'{exchange}'")) =>
+                            && !text.contains(&format!("'{}'", broker_name(exchange))) =>
                     {
                         return Failure::Collateral(PublishError::new(
                             PublishErrorKind::Unavailable,
@@ -599,4 +599,14 @@ async fn publish_batch(inner: &Arc<Inner>, batch: &[Routed]) -> Vec<Result<(), F
 
 pub fn sink(uri: &str, config: &RabbitMqConfig) -> Result<Arc<dyn Sink>, SinkSetupError> {
     Ok(Arc::new(RabbitSink::new(uri, config)?))
+}
+
+/// An exchange as the broker names it in its refusals: the default exchange, `""` to a
+/// publisher, is `amq.default` there.
+fn broker_name(exchange: &str) -> &str {
+    if exchange.is_empty() {
+        "amq.default"
+    } else {
+        exchange
+    }
 }

@@ -404,6 +404,79 @@ async fn a_missing_exchange_fails_only_its_own_message() {
     }
 }
 
+/// A user that may not publish to the default exchange (`servers.sh` makes one): the
+/// broker refuses `amq.default`, its name for the exchange a publisher calls `""`. The
+/// sink looked for `''` in the refusal, took it for another message's, and retried every
+/// message of the batch as collateral, none of them ever told unauthorised. Now the event
+/// sent there is refused as unauthorised, and only it; and so is one sent to an exchange
+/// the user may not write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_exchange_fails_only_its_own_message_as_unauthorised() {
+    use lapin::options::{ExchangeDeclareOptions, QueueBindOptions};
+    use outbox_core::PublishErrorKind;
+    outbox_testkit::install_crypto();
+    let limited = std::env::var("OUTBOX_TEST_AMQP_LIMITED_URL")
+        .expect("OUTBOX_TEST_AMQP_LIMITED_URL: run the tests through scripts/test.sh");
+    let h = new_harness().await;
+    let present = format!("present-{}", uuid::Uuid::new_v4().simple());
+    let connection = Connection::connect(&h.url, ConnectionProperties::default())
+        .await
+        .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    channel
+        .exchange_declare(
+            present.as_str().into(),
+            lapin::ExchangeKind::Direct,
+            ExchangeDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    channel
+        .queue_bind(
+            h.queue.as_str().into(),
+            present.as_str().into(),
+            h.queue.as_str().into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    connection.close(200, "setup done".into()).await.unwrap();
+    let config: SinkConfig = serde_json::from_value(serde_json::json!({
+        "uri": limited,
+        "exchange": "{destination}",
+    }))
+    .unwrap();
+    let sink = outbox_publishers::build_sink("rabbit", &config)
+        .await
+        .unwrap();
+    let routed = |id: i64, destination: &str| {
+        let mut event = (*event(id, &format!("k{id}"), b"{}".to_vec())).clone();
+        event.destination = destination.into();
+        Routed {
+            cloudevents: None,
+            event: Arc::new(event),
+            target: h.queue.clone(),
+        }
+    };
+    let batch: Vec<Routed> = (0..40)
+        .map(|n| routed(n, if n == 10 { "" } else { &present }))
+        .collect();
+    let outcomes = sink.send(batch).await;
+    for (n, outcome) in outcomes.iter().enumerate() {
+        if n == 10 {
+            let error = outcome
+                .as_ref()
+                .expect_err("the default exchange is refused");
+            assert_eq!(error.kind(), PublishErrorKind::Unauthorized, "{error}");
+            assert!(error.to_string().contains("amq.default"), "{error}");
+        } else {
+            assert!(outcome.is_ok(), "message {n}: {outcome:?}");
+        }
+    }
+}
+
 /// An event with a `CC` header (RabbitMQ's sender-selected routing, an array the broker
 /// validates): as text it is an invalid message, the broker closed the channel, and every
 /// message of the batch failed with it, at every try. It is refused alone.
