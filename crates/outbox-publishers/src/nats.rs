@@ -338,6 +338,57 @@ fn no_stream(subject: &str) -> PublishError {
     )
 }
 
+/// Publishes that timed out to a stream set to `no_ack`: such a stream stores the message
+/// and answers nothing, so every publish timed out, at every attempt, told only as "no
+/// PubAck in time". Their errors now name the stream and the fix. The lookup is made for a
+/// few subjects of the batch at most, and only when some timed out.
+async fn explain_unanswered(
+    jetstream: &async_nats::jetstream::Context,
+    batch: &[Routed],
+    outcomes: &mut [Outcome],
+) {
+    let mut looked_up: Vec<(String, Option<String>)> = Vec::new();
+    for (outcome, routed) in outcomes.iter_mut().zip(batch) {
+        if !outcome
+            .as_ref()
+            .is_err_and(|e| e.kind() == PublishErrorKind::Timeout)
+        {
+            continue;
+        }
+        let subject = &routed.target;
+        let known = looked_up
+            .iter()
+            .find(|(s, _)| s == subject)
+            .map(|(_, n)| n.clone());
+        let silent = match known {
+            Some(silent) => silent,
+            None if looked_up.len() < 4 => {
+                let silent = tokio::time::timeout(Duration::from_secs(2), async {
+                    let name = jetstream.stream_by_subject(subject.as_str()).await.ok()?;
+                    let stream = jetstream.get_stream(&name).await.ok()?;
+                    stream.cached_info().config.no_ack.then_some(name)
+                })
+                .await
+                .ok()
+                .flatten();
+                looked_up.push((subject.clone(), silent.clone()));
+                silent
+            }
+            None => None,
+        };
+        if let Some(stream) = silent {
+            *outcome = Err(PublishError::new(
+                PublishErrorKind::Timeout,
+                format!(
+                    "no PubAck for {subject:?}: its stream {stream:?} is set to no_ack, so it \
+                     confirms nothing and the relay cannot know what it stored; turn no_ack \
+                     off in the stream's configuration"
+                ),
+            ));
+        }
+    }
+}
+
 /// The one place NATS errors become publish outcomes.
 fn classify(error: async_nats::jetstream::context::PublishError, subject: &str) -> PublishError {
     let (kind, message) = match error.kind() {
@@ -499,7 +550,8 @@ impl Sink for NatsSink {
                         Ok(Err(e)) => Err(classify(e, &routed.target)),
                     }
                 });
-            let outcomes = join_all(acks).await;
+            let mut outcomes = join_all(acks).await;
+            explain_unanswered(&jetstream, &batch, &mut outcomes).await;
             let now = Instant::now();
             let mut missing = missing_streams.lock().expect("not poisoned");
             for (outcome, routed) in outcomes.iter().zip(&batch) {

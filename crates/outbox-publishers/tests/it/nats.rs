@@ -426,3 +426,38 @@ async fn a_sealed_stream_is_retried_not_dead_lettered() {
     );
     assert!(err.to_string().contains("sealed"), "{err}");
 }
+
+/// A stream set to `no_ack` stores what it is sent and answers nothing: every publish timed
+/// out, at every attempt, told only as "no PubAck in time". The error now names the stream
+/// and its no_ack.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_acks_nothing_is_named_in_the_timeout() {
+    let id = uuid::Uuid::new_v4().simple().to_string();
+    let subject = format!("orders.{id}");
+    let stream_name = format!("S{id}");
+    let server = PrivateNats::with_stream(async_nats::jetstream::stream::Config {
+        no_ack: true,
+        ..stream(&stream_name, &[&subject])
+    })
+    .await;
+    let config: SinkConfig = serde_json::from_value(serde_json::json!({
+        "uri": url(&server),
+        "timeout": "1s",
+    }))
+    .unwrap();
+    let sink = outbox_publishers::build_sink("nats", &config)
+        .await
+        .unwrap();
+    let outcomes = sink
+        .send(vec![outbox_publishers::Routed {
+            cloudevents: None,
+            event: outbox_testkit::publisher::event(1, "k", b"{}".to_vec()),
+            target: subject,
+        }])
+        .await;
+    let err = outcomes[0].as_ref().unwrap_err();
+    assert!(
+        err.to_string().contains(&stream_name) && err.to_string().contains("no_ack"),
+        "{err}"
+    );
+}
