@@ -8,14 +8,11 @@
 
 use std::collections::BTreeMap;
 
-/// FNV-1a, 64 bits: stable across builds and platforms, so nodes running different
-/// binaries (a rolling upgrade) still agree.
-fn score(node: &str, partition: i32) -> u64 {
-    finish(node_state(node), partition)
-}
-
-/// FNV-1a's state after a node's name and its separator: the part of [`score`] that does
-/// not depend on the partition, computed once per node and round.
+/// A node's score for a partition is FNV-1a (64 bits: stable across builds and platforms,
+/// so nodes running different binaries, a rolling upgrade, still agree) over its name, a
+/// separator and the partition, mixed. This is its state after the name and the
+/// separator: the part that does not depend on the partition, computed once per node and
+/// round.
 fn node_state(node: &str) -> u64 {
     node.bytes()
         .chain([0xff])
@@ -26,7 +23,7 @@ fn fnv_step(hash: u64, byte: u8) -> u64 {
     (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3)
 }
 
-/// [`score`] from a node's [`node_state`].
+/// The node's score for `partition`, from its [`node_state`].
 fn finish(state: u64, partition: i32) -> u64 {
     let mut hash = partition.to_be_bytes().into_iter().fold(state, fnv_step);
     // Mix the low bits so that nearby partitions spread.
@@ -70,6 +67,10 @@ pub fn assign(partition_count: u32, nodes: &[String]) -> BTreeMap<String, Vec<i3
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn score(node: &str, partition: i32) -> u64 {
+        finish(node_state(node), partition)
+    }
 
     /// The assignment as first written (every node ranked by score, per partition): the
     /// one-pass form must give every partition the same owner, or nodes of two versions
