@@ -504,15 +504,27 @@ async fn balance(p: &Partitions, config: &ClusterConfig, count: u32, live: &[Str
         metrics::gauge!(OWNED_PARTITIONS).set(owned as f64);
         return false;
     }
-    let peers = match p.registry.partition_peers().await {
+    let peers: Vec<String> = match p.registry.partition_peers().await {
         Ok(peers) => live
             .iter()
             .filter(|id| **id == config.node.0 || peers.contains(id))
             .cloned()
             .collect(),
+        // Counting every live node instead handed partitions to relays that take none
+        // (another outbox's, an unordered one): they lay unserved until given back. As
+        // when the live nodes cannot be listed, the leases held are renewed, and nothing
+        // moves.
         Err(e) => {
-            tracing::warn!(error = %e.report(), "could not list the nodes sharing the partitions; counting every live node");
-            live.to_vec()
+            tracing::warn!(error = %e.report(), "could not list the nodes sharing the partitions; renewing the leases held, moving none");
+            match renew_leases(p, config).await {
+                Ok(()) => attempt.succeeded(),
+                Err(e) => {
+                    attempt.failed(e.report());
+                }
+            }
+            let owned = p.ownership.publishable(Instant::now()).0.len();
+            metrics::gauge!(OWNED_PARTITIONS).set(owned as f64);
+            return false;
         }
     };
     let (waiting, failure) = keep_leases(p, config, count, &peers).await;

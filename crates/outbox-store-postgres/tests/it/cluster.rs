@@ -1313,3 +1313,136 @@ async fn partitions_whose_acquire_lost_its_answer_are_taken_at_the_next_round() 
         .stop(tokio::time::Instant::now() + Duration::from_secs(5))
         .await;
 }
+
+/// The real partitions table, whose listing of the nodes that share the partitions fails
+/// `peer_listings_to_fail` times.
+struct FaultyPeers {
+    store: PgStore,
+    peer_listings_to_fail: std::sync::atomic::AtomicUsize,
+    peer_listings_failed: std::sync::atomic::AtomicUsize,
+}
+
+impl PartitionRegistry for FaultyPeers {
+    fn nodes_behind(
+        &self,
+        node: NodeId,
+        protocol: u32,
+        oldest: u32,
+    ) -> outbox_core::store::StoreFuture<Vec<(String, u32)>> {
+        self.store.nodes_behind(node, protocol, oldest)
+    }
+
+    fn partition_peers(&self) -> outbox_core::store::StoreFuture<Vec<String>> {
+        use std::sync::atomic::Ordering::SeqCst;
+        if self
+            .peer_listings_to_fail
+            .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            self.peer_listings_failed.fetch_add(1, SeqCst);
+            return Box::pin(async {
+                Err(outbox_core::StoreError::new(
+                    outbox_core::StoreErrorKind::Query,
+                    "canceling statement due to statement timeout (a fault of the test)",
+                ))
+            });
+        }
+        self.store.partition_peers()
+    }
+
+    fn partition_count(&self) -> outbox_core::store::StoreFuture<u32> {
+        self.store.partition_count()
+    }
+
+    fn acquire(
+        &self,
+        node: NodeId,
+        partitions: Vec<i32>,
+        ttl: Duration,
+    ) -> outbox_core::store::StoreFuture<Vec<(i32, i64)>> {
+        self.store.acquire(node, partitions, ttl)
+    }
+
+    fn renew(
+        &self,
+        node: NodeId,
+        held: Vec<(i32, i64)>,
+        ttl: Duration,
+    ) -> outbox_core::store::StoreFuture<Vec<i32>> {
+        self.store.renew(node, held, ttl)
+    }
+
+    fn release_partitions(
+        &self,
+        node: NodeId,
+        partitions: Vec<i32>,
+    ) -> outbox_core::store::StoreFuture<u64> {
+        self.store.release_partitions(node, partitions)
+    }
+
+    fn partitions(
+        &self,
+    ) -> outbox_core::store::StoreFuture<Vec<outbox_core::store::PartitionRecord>> {
+        self.store.partitions()
+    }
+}
+
+/// A node alone among the relays that take partitions, beside one that takes none (an
+/// unordered relay, another outbox's). A failed listing of the partitions' peers counted
+/// every live node: the node handed half its partitions to the one that takes none, where
+/// they lay unserved until the next round gave them back. Now, as when the live nodes
+/// cannot be listed, the leases held are renewed and nothing moves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_listing_of_the_partitions_peers_moves_no_partition() {
+    use outbox_core::store::NodeRegistry;
+    use std::sync::atomic::Ordering::SeqCst;
+    let (store, _url) = store(4).await;
+    // Live for the whole test, taking no partitions.
+    store
+        .register(NodeId("takes-none".into()), Duration::from_secs(120))
+        .await
+        .unwrap();
+    let partitions = Arc::new(FaultyPeers {
+        store: store.clone(),
+        peer_listings_to_fail: 0.into(),
+        peer_listings_failed: 0.into(),
+    });
+    let ownership = outbox_core::Ownership::new(4);
+    let coordinator = outbox_cluster::Coordinator::start(
+        Arc::new(store.clone()),
+        Some(outbox_cluster::Partitions {
+            registry: partitions.clone(),
+            ownership: ownership.clone(),
+        }),
+        outbox_cluster::ClusterConfig {
+            node: NodeId("n1".into()),
+            settings: outbox_cluster::ClusterSettings {
+                heartbeat_interval: Duration::from_millis(50),
+                heartbeat_timeout: Duration::from_secs(2),
+            },
+            health: outbox_core::Health::new(),
+        },
+    )
+    .await
+    .unwrap();
+    eventually("every partition held", Duration::from_secs(10), || {
+        let held = ownership.held().len();
+        async move { (held == 4).then_some(()) }
+    })
+    .await;
+    partitions.peer_listings_to_fail.store(10, SeqCst);
+    let publishable = || ownership.publishable(std::time::Instant::now()).0.len();
+    let mut fewest = 4;
+    while partitions.peer_listings_failed.load(SeqCst) < 10 {
+        fewest = fewest.min(publishable());
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    fewest = fewest.min(publishable());
+    coordinator
+        .stop(tokio::time::Instant::now() + Duration::from_secs(5))
+        .await;
+    assert_eq!(
+        fewest, 4,
+        "partitions were handed to a node that takes none while the peers could not be listed"
+    );
+}
