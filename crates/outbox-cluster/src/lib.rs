@@ -491,6 +491,13 @@ async fn beat(registry: &dyn NodeRegistry, config: &ClusterConfig, last: Incarna
     }
 }
 
+/// The owned-partitions gauge: what the node may publish now, not what it last took, so
+/// that leases it cannot renew drop out of the count when they run out by its own clock.
+fn show_owned(p: &Partitions) {
+    let owned = p.ownership.publishable(Instant::now()).0.len();
+    metrics::gauge!(OWNED_PARTITIONS).set(owned as f64);
+}
+
 /// One round of lease keeping, reported to the health as one attempt. Returns whether a
 /// hand-over is still waiting.
 async fn balance(p: &Partitions, config: &ClusterConfig, count: u32, live: &[String]) -> bool {
@@ -500,8 +507,7 @@ async fn balance(p: &Partitions, config: &ClusterConfig, count: u32, live: &[Str
         if attempt.failed(why.clone()) {
             tracing::warn!("{why}");
         }
-        let owned = p.ownership.publishable(Instant::now()).0.len();
-        metrics::gauge!(OWNED_PARTITIONS).set(owned as f64);
+        show_owned(p);
         return false;
     }
     let peers: Vec<String> = match p.registry.partition_peers().await {
@@ -522,8 +528,7 @@ async fn balance(p: &Partitions, config: &ClusterConfig, count: u32, live: &[Str
                     attempt.failed(e.report());
                 }
             }
-            let owned = p.ownership.publishable(Instant::now()).0.len();
-            metrics::gauge!(OWNED_PARTITIONS).set(owned as f64);
+            show_owned(p);
             return false;
         }
     };
@@ -537,10 +542,7 @@ async fn balance(p: &Partitions, config: &ClusterConfig, count: u32, live: &[Str
             }
         }
     }
-    // What the node may publish now, not what it last took: leases it cannot renew drop out
-    // of the count when they run out by its own clock.
-    let owned = p.ownership.publishable(Instant::now()).0.len();
-    metrics::gauge!(OWNED_PARTITIONS).set(owned as f64);
+    show_owned(p);
     waiting
 }
 
