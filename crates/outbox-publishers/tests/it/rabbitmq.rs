@@ -338,23 +338,17 @@ async fn an_unroutable_message_after_a_dropped_batch_is_never_confirmed() {
     }
 }
 
-/// One event of a batch names an exchange that does not exist: the broker closes the
-/// channel, and every message waiting on it failed with the same "not found", each counted
-/// as a failed attempt of its own (dead-lettered in the end under a steady flow to the
-/// missing exchange). Only that event is refused; the others go again on a fresh channel.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_missing_exchange_fails_only_its_own_message() {
+/// A new direct exchange bound to the harness's queue by its name: its name.
+async fn exchange_to_the_queue(h: &RabbitHarness) -> String {
     use lapin::options::{ExchangeDeclareOptions, QueueBindOptions};
-    outbox_testkit::install_crypto();
-    let h = new_harness().await;
-    let present = format!("present-{}", uuid::Uuid::new_v4().simple());
+    let exchange = format!("present-{}", uuid::Uuid::new_v4().simple());
     let connection = Connection::connect(&h.url, ConnectionProperties::default())
         .await
         .unwrap();
     let channel = connection.create_channel().await.unwrap();
     channel
         .exchange_declare(
-            present.as_str().into(),
+            exchange.as_str().into(),
             lapin::ExchangeKind::Direct,
             ExchangeDeclareOptions::default(),
             FieldTable::default(),
@@ -364,7 +358,7 @@ async fn a_missing_exchange_fails_only_its_own_message() {
     channel
         .queue_bind(
             h.queue.as_str().into(),
-            present.as_str().into(),
+            exchange.as_str().into(),
             h.queue.as_str().into(),
             QueueBindOptions::default(),
             FieldTable::default(),
@@ -372,6 +366,18 @@ async fn a_missing_exchange_fails_only_its_own_message() {
         .await
         .unwrap();
     connection.close(200, "setup done".into()).await.unwrap();
+    exchange
+}
+
+/// One event of a batch names an exchange that does not exist: the broker closes the
+/// channel, and every message waiting on it failed with the same "not found", each counted
+/// as a failed attempt of its own (dead-lettered in the end under a steady flow to the
+/// missing exchange). Only that event is refused; the others go again on a fresh channel.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_exchange_fails_only_its_own_message() {
+    outbox_testkit::install_crypto();
+    let h = new_harness().await;
+    let present = exchange_to_the_queue(&h).await;
     let config: SinkConfig = serde_json::from_value(serde_json::json!({
         "uri": h.url,
         "exchange": "{destination}",
@@ -412,37 +418,12 @@ async fn a_missing_exchange_fails_only_its_own_message() {
 /// the user may not write.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_exchange_fails_only_its_own_message_as_unauthorised() {
-    use lapin::options::{ExchangeDeclareOptions, QueueBindOptions};
     use outbox_core::PublishErrorKind;
     outbox_testkit::install_crypto();
     let limited = std::env::var("OUTBOX_TEST_AMQP_LIMITED_URL")
         .expect("OUTBOX_TEST_AMQP_LIMITED_URL: run the tests through scripts/test.sh");
     let h = new_harness().await;
-    let present = format!("present-{}", uuid::Uuid::new_v4().simple());
-    let connection = Connection::connect(&h.url, ConnectionProperties::default())
-        .await
-        .unwrap();
-    let channel = connection.create_channel().await.unwrap();
-    channel
-        .exchange_declare(
-            present.as_str().into(),
-            lapin::ExchangeKind::Direct,
-            ExchangeDeclareOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
-    channel
-        .queue_bind(
-            h.queue.as_str().into(),
-            present.as_str().into(),
-            h.queue.as_str().into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
-    connection.close(200, "setup done".into()).await.unwrap();
+    let present = exchange_to_the_queue(&h).await;
     let config: SinkConfig = serde_json::from_value(serde_json::json!({
         "uri": limited,
         "exchange": "{destination}",

@@ -69,26 +69,7 @@ async fn a_role_that_cannot_read_the_versions_table_is_told_the_grant() {
     use mysql_async::prelude::Queryable;
     let url = outbox_testkit::fresh_mysql_database().await;
     native_store(&url, None).migrate().await.unwrap();
-    let database = mysql_async::Opts::from_url(&url)
-        .unwrap()
-        .db_name()
-        .unwrap()
-        .to_string();
-    let user = format!("u{}", &database[2..14]);
-    let mut admin = mysql_async::Conn::from_url(url.as_str()).await.unwrap();
-    admin
-        .query_drop(format!(
-            "CREATE USER '{user}'@'%' IDENTIFIED BY 'secret-pw';
-             GRANT SELECT, INSERT, UPDATE, DELETE ON `{database}`.outbox TO '{user}'@'%'"
-        ))
-        .await
-        .unwrap();
-    let opts = mysql_async::Opts::from_url(&url).unwrap();
-    let limited = format!(
-        "mysql://{user}:secret-pw@{}:{}/{database}",
-        opts.ip_or_hostname(),
-        opts.tcp_port()
-    );
+    let (mut admin, user, limited) = limited_user(&url, "outbox").await;
     let store: MySqlStore = native_store(&limited, None);
     let found = store.db().schema_found(store.sql()).await;
     admin
@@ -212,27 +193,8 @@ async fn a_read_only_server_is_named_by_check_and_its_refusals_are_retried() {
         }])
         .await
         .unwrap();
-    let database = mysql_async::Opts::from_url(&url)
-        .unwrap()
-        .db_name()
-        .unwrap()
-        .to_string();
-    let user = format!("r{}", &database[2..14]);
-    let mut admin = mysql_async::Conn::from_url(url.as_str()).await.unwrap();
-    admin
-        .query_drop(format!(
-            "CREATE USER '{user}'@'%' IDENTIFIED BY 'secret-pw';
-             GRANT SELECT, INSERT, UPDATE, DELETE ON `{database}`.* TO '{user}'@'%';
-             SET GLOBAL read_only = 1"
-        ))
-        .await
-        .unwrap();
-    let opts = mysql_async::Opts::from_url(&url).unwrap();
-    let limited = format!(
-        "mysql://{user}:secret-pw@{}:{}/{database}",
-        opts.ip_or_hostname(),
-        opts.tcp_port()
-    );
+    let (mut admin, user, limited) = limited_user(&url, "*").await;
+    admin.query_drop("SET GLOBAL read_only = 1").await.unwrap();
     let store: MySqlStore = native_store(&limited, None);
     let problems = store.verify().await;
     let claimed = store
@@ -266,4 +228,28 @@ async fn a_read_only_server_is_named_by_check_and_its_refusals_are_retried() {
             .contains("point the relay's URL at the primary"),
         "{refused}"
     );
+}
+
+/// A user of the database at `url` granted reads and writes on its `tables` alone (`*`: all
+/// of them), without the privileges that pass `read_only`: an administrator's connection,
+/// the user's name (to drop) and a URL as the user.
+async fn limited_user(url: &str, tables: &str) -> (mysql_async::Conn, String, String) {
+    use mysql_async::prelude::Queryable;
+    let opts = mysql_async::Opts::from_url(url).unwrap();
+    let database = opts.db_name().unwrap().to_string();
+    let user = format!("u{}", &database[2..14]);
+    let mut admin = mysql_async::Conn::from_url(url).await.unwrap();
+    admin
+        .query_drop(format!(
+            "CREATE USER '{user}'@'%' IDENTIFIED BY 'secret-pw';
+             GRANT SELECT, INSERT, UPDATE, DELETE ON `{database}`.{tables} TO '{user}'@'%'"
+        ))
+        .await
+        .unwrap();
+    let limited = format!(
+        "mysql://{user}:secret-pw@{}:{}/{database}",
+        opts.ip_or_hostname(),
+        opts.tcp_port()
+    );
+    (admin, user, limited)
 }

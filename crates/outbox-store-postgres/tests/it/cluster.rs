@@ -19,6 +19,22 @@ async fn store(partitions: u32) -> (PgStore, String) {
     (store, url)
 }
 
+/// A coordinator's configuration for node `node`.
+fn cluster_config(
+    node: &str,
+    heartbeat_interval: Duration,
+    heartbeat_timeout: Duration,
+) -> outbox_cluster::ClusterConfig {
+    outbox_cluster::ClusterConfig {
+        node: NodeId(node.into()),
+        settings: outbox_cluster::ClusterSettings {
+            heartbeat_interval,
+            heartbeat_timeout,
+        },
+        health: outbox_core::Health::new(),
+    }
+}
+
 fn event(key: &str, n: usize) -> NewEvent {
     NewEvent {
         destination: "d".into(),
@@ -894,14 +910,7 @@ async fn leases_are_renewed_while_the_live_nodes_cannot_be_listed() {
             registry: Arc::new(store),
             ownership: ownership.clone(),
         }),
-        outbox_cluster::ClusterConfig {
-            node: NodeId("n1".into()),
-            settings: outbox_cluster::ClusterSettings {
-                heartbeat_interval: Duration::from_millis(50),
-                heartbeat_timeout,
-            },
-            health: outbox_core::Health::new(),
-        },
+        cluster_config("n1", Duration::from_millis(50), heartbeat_timeout),
     )
     .await
     .unwrap();
@@ -937,14 +946,7 @@ async fn a_heartbeat_whose_answer_was_lost_does_not_make_the_node_think_it_was_d
     let coordinator = outbox_cluster::Coordinator::start(
         registry.clone(),
         None,
-        outbox_cluster::ClusterConfig {
-            node: NodeId("n1".into()),
-            settings: outbox_cluster::ClusterSettings {
-                heartbeat_interval: Duration::from_millis(50),
-                heartbeat_timeout: Duration::from_secs(5),
-            },
-            health: outbox_core::Health::new(),
-        },
+        cluster_config("n1", Duration::from_millis(50), Duration::from_secs(5)),
     )
     .await
     .unwrap();
@@ -1109,14 +1111,7 @@ async fn race_a_registration_that_meets_a_concurrent_insert_of_its_row_looks_aga
             outbox_cluster::Coordinator::start(
                 Arc::new(store),
                 None,
-                outbox_cluster::ClusterConfig {
-                    node: NodeId("twin".into()),
-                    settings: outbox_cluster::ClusterSettings {
-                        heartbeat_interval: Duration::from_millis(200),
-                        heartbeat_timeout: Duration::from_secs(30),
-                    },
-                    health: outbox_core::Health::new(),
-                },
+                cluster_config("twin", Duration::from_millis(200), Duration::from_secs(30)),
             )
             .await
         }
@@ -1208,14 +1203,28 @@ async fn heartbeats_go_on_while_a_lock_on_the_outbox_holds_every_claim() {
     assert!(beat.unwrap().is_some(), "the heartbeat went through");
 }
 
-/// The real partitions table, with the answer of one acquire that took partitions lost
-/// after it committed.
-struct LosesOneAcquireAnswer {
+/// The real partitions table, with faults: the answer of one acquire that took
+/// partitions lost after it committed (`acquire_answer_lost`), and listings of the nodes
+/// sharing the partitions that fail (`peer_listings_to_fail` of them).
+struct FaultyPartitions {
     store: PgStore,
-    armed: std::sync::atomic::AtomicBool,
+    acquire_answer_lost: std::sync::atomic::AtomicBool,
+    peer_listings_to_fail: std::sync::atomic::AtomicUsize,
+    peer_listings_failed: std::sync::atomic::AtomicUsize,
 }
 
-impl outbox_core::store::PartitionRegistry for LosesOneAcquireAnswer {
+impl FaultyPartitions {
+    fn new(store: PgStore) -> Self {
+        FaultyPartitions {
+            store,
+            acquire_answer_lost: false.into(),
+            peer_listings_to_fail: 0.into(),
+            peer_listings_failed: 0.into(),
+        }
+    }
+}
+
+impl outbox_core::store::PartitionRegistry for FaultyPartitions {
     fn nodes_behind(
         &self,
         node: NodeId,
@@ -1225,6 +1234,20 @@ impl outbox_core::store::PartitionRegistry for LosesOneAcquireAnswer {
         self.store.nodes_behind(node, protocol, oldest)
     }
     fn partition_peers(&self) -> outbox_core::store::StoreFuture<Vec<String>> {
+        use std::sync::atomic::Ordering::SeqCst;
+        if self
+            .peer_listings_to_fail
+            .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            self.peer_listings_failed.fetch_add(1, SeqCst);
+            return Box::pin(async {
+                Err(outbox_core::StoreError::new(
+                    outbox_core::StoreErrorKind::Query,
+                    "canceling statement due to statement timeout (a fault of the test)",
+                ))
+            });
+        }
         self.store.partition_peers()
     }
     fn partition_count(&self) -> outbox_core::store::StoreFuture<u32> {
@@ -1237,7 +1260,10 @@ impl outbox_core::store::PartitionRegistry for LosesOneAcquireAnswer {
         ttl: Duration,
     ) -> outbox_core::store::StoreFuture<Vec<(i32, i64)>> {
         let taken = self.store.acquire(node, partitions, ttl);
-        if !self.armed.swap(false, std::sync::atomic::Ordering::SeqCst) {
+        if !self
+            .acquire_answer_lost
+            .swap(false, std::sync::atomic::Ordering::SeqCst)
+        {
             return taken;
         }
         Box::pin(async move {
@@ -1283,20 +1309,13 @@ async fn partitions_whose_acquire_lost_its_answer_are_taken_at_the_next_round() 
     let coordinator = outbox_cluster::Coordinator::start(
         Arc::new(store.clone()),
         Some(outbox_cluster::Partitions {
-            registry: Arc::new(LosesOneAcquireAnswer {
-                store,
-                armed: true.into(),
+            registry: Arc::new(FaultyPartitions {
+                acquire_answer_lost: true.into(),
+                ..FaultyPartitions::new(store)
             }),
             ownership: ownership.clone(),
         }),
-        outbox_cluster::ClusterConfig {
-            node: NodeId("n1".into()),
-            settings: outbox_cluster::ClusterSettings {
-                heartbeat_interval: Duration::from_millis(50),
-                heartbeat_timeout: Duration::from_secs(30),
-            },
-            health: outbox_core::Health::new(),
-        },
+        cluster_config("n1", Duration::from_millis(50), Duration::from_secs(30)),
     )
     .await
     .unwrap();
@@ -1314,79 +1333,6 @@ async fn partitions_whose_acquire_lost_its_answer_are_taken_at_the_next_round() 
         .await;
 }
 
-/// The real partitions table, whose listing of the nodes that share the partitions fails
-/// `peer_listings_to_fail` times.
-struct FaultyPeers {
-    store: PgStore,
-    peer_listings_to_fail: std::sync::atomic::AtomicUsize,
-    peer_listings_failed: std::sync::atomic::AtomicUsize,
-}
-
-impl PartitionRegistry for FaultyPeers {
-    fn nodes_behind(
-        &self,
-        node: NodeId,
-        protocol: u32,
-        oldest: u32,
-    ) -> outbox_core::store::StoreFuture<Vec<(String, u32)>> {
-        self.store.nodes_behind(node, protocol, oldest)
-    }
-
-    fn partition_peers(&self) -> outbox_core::store::StoreFuture<Vec<String>> {
-        use std::sync::atomic::Ordering::SeqCst;
-        if self
-            .peer_listings_to_fail
-            .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
-            .is_ok()
-        {
-            self.peer_listings_failed.fetch_add(1, SeqCst);
-            return Box::pin(async {
-                Err(outbox_core::StoreError::new(
-                    outbox_core::StoreErrorKind::Query,
-                    "canceling statement due to statement timeout (a fault of the test)",
-                ))
-            });
-        }
-        self.store.partition_peers()
-    }
-
-    fn partition_count(&self) -> outbox_core::store::StoreFuture<u32> {
-        self.store.partition_count()
-    }
-
-    fn acquire(
-        &self,
-        node: NodeId,
-        partitions: Vec<i32>,
-        ttl: Duration,
-    ) -> outbox_core::store::StoreFuture<Vec<(i32, i64)>> {
-        self.store.acquire(node, partitions, ttl)
-    }
-
-    fn renew(
-        &self,
-        node: NodeId,
-        held: Vec<(i32, i64)>,
-        ttl: Duration,
-    ) -> outbox_core::store::StoreFuture<Vec<i32>> {
-        self.store.renew(node, held, ttl)
-    }
-
-    fn release_partitions(
-        &self,
-        node: NodeId,
-        partitions: Vec<i32>,
-    ) -> outbox_core::store::StoreFuture<u64> {
-        self.store.release_partitions(node, partitions)
-    }
-
-    fn partitions(
-        &self,
-    ) -> outbox_core::store::StoreFuture<Vec<outbox_core::store::PartitionRecord>> {
-        self.store.partitions()
-    }
-}
-
 /// A node alone among the relays that take partitions, beside one that takes none (an
 /// unordered relay, another outbox's). A failed listing of the partitions' peers counted
 /// every live node: the node handed half its partitions to the one that takes none, where
@@ -1402,11 +1348,7 @@ async fn a_failed_listing_of_the_partitions_peers_moves_no_partition() {
         .register(NodeId("takes-none".into()), Duration::from_secs(120))
         .await
         .unwrap();
-    let partitions = Arc::new(FaultyPeers {
-        store: store.clone(),
-        peer_listings_to_fail: 0.into(),
-        peer_listings_failed: 0.into(),
-    });
+    let partitions = Arc::new(FaultyPartitions::new(store.clone()));
     let ownership = outbox_core::Ownership::new(4);
     let coordinator = outbox_cluster::Coordinator::start(
         Arc::new(store.clone()),
@@ -1414,14 +1356,7 @@ async fn a_failed_listing_of_the_partitions_peers_moves_no_partition() {
             registry: partitions.clone(),
             ownership: ownership.clone(),
         }),
-        outbox_cluster::ClusterConfig {
-            node: NodeId("n1".into()),
-            settings: outbox_cluster::ClusterSettings {
-                heartbeat_interval: Duration::from_millis(50),
-                heartbeat_timeout: Duration::from_secs(2),
-            },
-            health: outbox_core::Health::new(),
-        },
+        cluster_config("n1", Duration::from_millis(50), Duration::from_secs(2)),
     )
     .await
     .unwrap();
