@@ -509,6 +509,7 @@ async fn status_body(c: &Console) -> Result<Value, Response> {
             .map(|p| p.partition)
             .collect()
     };
+    let (shown, left_out) = busiest_destinations(destinations);
     let rates = lock(&c.history).rates(RATE_WINDOW);
     // The counters now, not as of the last sample.
     let totals = sample(&c.metrics, c.outbox.as_deref());
@@ -528,13 +529,14 @@ async fn status_body(c: &Console) -> Result<Value, Response> {
             "as_of": time_text(*as_of),
             "refresh_seconds": c.figures.every().as_secs_f64(),
         },
-        "destinations": destinations.iter().map(|d| json!({
+        "destinations": shown.iter().map(|d| json!({
             "destination": d.destination,
             "pending": d.pending,
             "retrying": d.retrying,
             "dead": d.dead,
             "oldest_pending_age_seconds": seconds(d.oldest_pending_age),
         })).collect::<Vec<_>>(),
+        "destinations_left_out": left_out,
         "nodes": nodes.iter().map(|n| json!({
             "id": n.id,
             "this_node": n.id == c.node,
@@ -646,6 +648,35 @@ async fn history(State(c): State<Arc<Console>>, RawQuery(raw): RawQuery) -> Resp
                 "dead_lettered": s.dead_lettered,
                 "store_errors": s.store_errors,
             })).collect::<Vec<_>>(),
+        }),
+    )
+}
+
+/// The most destinations `/api/v1/status` lists (as many as the metrics label).
+const STATUS_DESTINATIONS: usize = 500;
+
+/// The [`STATUS_DESTINATIONS`] destinations with the most events waiting or dead, in the
+/// store's order, and what the others hold together (`null` when none is left out). A
+/// table with a destination per customer made the status 30 MB, read every 2 s by each
+/// dashboard, whose page then failed to draw.
+fn busiest_destinations(all: &[DestinationStats]) -> (Vec<&DestinationStats>, Value) {
+    if all.len() <= STATUS_DESTINATIONS {
+        return (all.iter().collect(), Value::Null);
+    }
+    let held = |d: &DestinationStats| d.pending + d.dead;
+    let mut ranked: Vec<usize> = (0..all.len()).collect();
+    ranked.sort_by_key(|&i| std::cmp::Reverse(held(&all[i])));
+    let (kept, rest) = ranked.split_at(STATUS_DESTINATIONS);
+    let mut kept = kept.to_vec();
+    kept.sort_unstable();
+    let sum = |f: fn(&DestinationStats) -> u64| rest.iter().map(|&i| f(&all[i])).sum::<u64>();
+    (
+        kept.into_iter().map(|i| &all[i]).collect(),
+        json!({
+            "destinations": rest.len(),
+            "pending": sum(|d| d.pending),
+            "retrying": sum(|d| d.retrying),
+            "dead": sum(|d| d.dead),
         }),
     )
 }

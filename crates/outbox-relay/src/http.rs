@@ -649,12 +649,7 @@ pub async fn serve_outboxes(
             get(|| async { crate::admin::stylesheet() }),
         )
         .route("/api/v1/outboxes", get(outbox_list))
-        .route(
-            "/outboxes/{name}",
-            get(|Path(name): Path<String>| async move {
-                Redirect::permanent(&format!("/outboxes/{name}/"))
-            }),
-        )
+        .route("/outboxes/{name}", get(to_outbox_root))
         .route("/outboxes/{name}/", any(forward_root))
         .route("/outboxes/{name}/{*rest}", any(forward))
         .with_state(state)
@@ -774,20 +769,34 @@ async fn forward(
     forward_to(&state, &name, &rest, request).await
 }
 
+/// `/outboxes/NAME` to its console's root. A name no outbox has is answered as under the
+/// root; redirected, one with a control character failed to make its `Location` (a 500).
+async fn to_outbox_root(State(state): State<SharedState>, Path(name): Path<String>) -> Response {
+    match state.slot(&name) {
+        Some(_) => Redirect::permanent(&format!("/outboxes/{name}/")).into_response(),
+        None => no_such_outbox(&state, &name),
+    }
+}
+
+/// The answer to a name no outbox has. Given before the outbox's own token check: the
+/// list only without a token.
+fn no_such_outbox(state: &SharedState, name: &str) -> Response {
+    let names: Vec<&str> = state.slots.iter().map(|s| s.name.as_str()).collect();
+    let listed = match state.token.is_some() {
+        true => String::new(),
+        false => format!("; the outboxes are {}", names.join(", ")),
+    };
+    crate::admin::failure(
+        StatusCode::NOT_FOUND,
+        format!("no outbox named {name:?}{listed}"),
+    )
+}
+
 /// Hands a request under `/outboxes/NAME/` to that outbox's console, on its runtime.
 async fn forward_to(state: &SharedState, name: &str, rest: &str, request: Request) -> Response {
     let refuse = crate::admin::failure;
     let Some(slot) = state.slot(name) else {
-        // Answered before the outbox's own token check: the list only without a token.
-        let names: Vec<&str> = state.slots.iter().map(|s| s.name.as_str()).collect();
-        let listed = match state.token.is_some() {
-            true => String::new(),
-            false => format!("; the outboxes are {}", names.join(", ")),
-        };
-        return refuse(
-            StatusCode::NOT_FOUND,
-            format!("no outbox named {name:?}{listed}"),
-        );
+        return no_such_outbox(state, name);
     };
     let Some(served) = slot.served() else {
         return refuse(

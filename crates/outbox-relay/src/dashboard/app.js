@@ -224,6 +224,13 @@ function renderStatus(st) {
   const rows = st.destinations.map((d) => el("tr", { "data-destination": d.destination },
     cell(d.destination), cell(d.pending, "num"), cell(d.retrying, "num"), cell(d.dead, "num"),
     cell(age(d.oldest_pending_age_seconds), "num")));
+  // The relay lists the busiest destinations; the others are summed in one row.
+  const rest = st.destinations_left_out;
+  if (rest) {
+    rows.push(el("tr", { class: "left-out" },
+      cell(`${rest.destinations} more destinations`), cell(rest.pending, "num"),
+      cell(rest.retrying, "num"), cell(rest.dead, "num"), cell("", "num")));
+  }
   $("destinations").tBodies[0].replaceChildren(...(rows.length ? rows
     : [el("tr", {}, el("td", { colspan: 5, class: "empty" }, "no pending events or dead letters"))]));
 

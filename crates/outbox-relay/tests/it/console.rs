@@ -960,6 +960,63 @@ async fn concurrent_status_requests_share_one_store_read() {
     assert!(relay_process.terminate().await.success());
 }
 
+/// A destination per customer: `/api/v1/status` listed every one (30 MB at 300,000, read
+/// every 2 s by each dashboard, whose page then failed to draw). It lists the 500 holding
+/// the most events, and sums the others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_status_lists_the_busiest_destinations_and_sums_the_others() {
+    outbox_testkit::install_crypto();
+    let database_url = migrated_pg_database().await;
+    // Scheduled an hour ahead, so that the relay leaves them pending: 600 destinations of
+    // one event each, and one of three.
+    pg(&database_url)
+        .await
+        .batch_execute(
+            "INSERT INTO outbox (destination, event_type, payload, available_at)
+             SELECT 'customer-' || i, 't', '{}', now() + interval '1 hour'
+               FROM generate_series(1, 600) i;
+             INSERT INTO outbox (destination, event_type, payload, available_at)
+             SELECT 'busy', 't', '{}', now() + interval '1 hour' FROM generate_series(1, 3)",
+        )
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut relay_process = RelayProcess::spawn(
+        dir.path(),
+        "busiest-relay",
+        &[
+            "run",
+            "--database-url",
+            &database_url,
+            "--sink",
+            "file:out.jsonl",
+            "--http-addr",
+            "127.0.0.1:0",
+            "--log-format",
+            "json",
+        ],
+        &[],
+    );
+    let api = Admin::new(&http_addr(&relay_process).await);
+    let s = eventually("the backlog in the status", PATIENCE, || async {
+        let s = api.status().await;
+        (s["backlog"]["pending"] == 603).then_some(s)
+    })
+    .await;
+    let listed = s["destinations"].as_array().unwrap();
+    assert_eq!(listed.len(), 500);
+    assert!(
+        listed
+            .iter()
+            .any(|d| d["destination"] == "busy" && d["pending"] == 3),
+        "the busiest destination is listed"
+    );
+    let left_out = &s["destinations_left_out"];
+    assert_eq!(left_out["destinations"], 101, "{left_out}");
+    assert_eq!(left_out["pending"], 101, "{left_out}");
+    assert!(relay_process.terminate().await.success());
+}
+
 // ---- The operator surface, safe to expose ----
 
 /// A zero-config relay (SQLite, stdout) holding one event, its HTTP server on a free

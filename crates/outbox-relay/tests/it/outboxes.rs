@@ -274,6 +274,15 @@ async fn the_index_lists_them_and_each_console_is_under_its_name(addr: &str) {
         .await
         .unwrap();
     assert_eq!(code, 404, "{body}");
+    // The bare name of an outbox redirects to its console; one no outbox has (a control
+    // character in it failed the redirect with a 500) is not found.
+    let (code, _) = http_get(addr, "/outboxes/local").await.unwrap();
+    assert_eq!(code, 308);
+    for unknown in ["/outboxes/shipping", "/outboxes/%0a"] {
+        let (code, body) = http_get(addr, unknown).await.unwrap();
+        assert_eq!(code, 404, "{unknown}: {body}");
+        assert!(body.contains("no outbox named"), "{unknown}: {body}");
+    }
 }
 
 /// In a real browser, the dashboard under /outboxes/billing/ reads billing's API: its page,
