@@ -917,30 +917,60 @@ enum DeadAction {
 }
 
 /// Retries or purges the dead letters the body selects, as `dead retry` / `dead purge` do.
-async fn dead_action(c: &Console, body: &Bytes, action: DeadAction) -> Response {
+/// The change runs on a task of its own, which logs its outcome whatever the request
+/// learns: past [`STORE_PATIENCE`] the request is answered that it may still complete,
+/// where it was told the database did not answer, and the change then went through
+/// unlogged.
+async fn dead_action(c: &Arc<Console>, body: &Bytes, action: DeadAction) -> Response {
     let selector = match dead_selector(c, body).await {
         Ok(s) => s,
         Err(r) => return r,
     };
-    let ops = c.store.operations();
-    let done = match action {
-        DeadAction::Retry => patiently("dead retry", ops.dead_retry(selector.clone())).await,
-        DeadAction::Purge => patiently("dead purge", ops.dead_purge(selector.clone())).await,
+    let (what, done) = match action {
+        DeadAction::Retry => ("dead retry", "admin API: dead letters retried"),
+        DeadAction::Purge => ("dead purge", "admin API: dead letters purged"),
     };
-    let n = match done {
-        Ok(n) => n,
-        Err(r) => return r,
+    let change = tokio::spawn({
+        let c = c.clone();
+        async move {
+            let ops = c.store.operations();
+            let outcome = match action {
+                DeadAction::Retry => ops.dead_retry(selector.clone()).await,
+                DeadAction::Purge => ops.dead_purge(selector.clone()).await,
+            };
+            c.figures.mark_stale();
+            match &outcome {
+                Ok(n) => tracing::info!(?selector, count = n, "{done}"),
+                Err(e) => {
+                    tracing::warn!(?selector, error = %e.report(), "admin API: {what} failed")
+                }
+            }
+            outcome
+        }
+    });
+    let n = match tokio::time::timeout(STORE_PATIENCE, change).await {
+        Ok(Ok(Ok(n))) => n,
+        Ok(Ok(Err(e))) => return store_failure(e),
+        Ok(Err(panicked)) => {
+            return failure(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("{what}: the change failed ({panicked}); see the relay's log"),
+            )
+        }
+        Err(_) => {
+            return failure(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!(
+                    "{what}: the database has not answered within {}s; the change may still \
+                     complete, and the relay's log says when it does",
+                    STORE_PATIENCE.as_secs()
+                ),
+            )
+        }
     };
-    c.figures.mark_stale();
     let (field, message) = match action {
-        DeadAction::Retry => {
-            tracing::info!(?selector, count = n, "admin API: dead letters retried");
-            ("retried", retried_text(n))
-        }
-        DeadAction::Purge => {
-            tracing::info!(?selector, count = n, "admin API: dead letters purged");
-            ("purged", purged_text(n))
-        }
+        DeadAction::Retry => ("retried", retried_text(n)),
+        DeadAction::Purge => ("purged", purged_text(n)),
     };
     reply(StatusCode::OK, json!({ field: n, "message": message }))
 }

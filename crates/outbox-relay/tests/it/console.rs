@@ -1017,6 +1017,72 @@ async fn the_status_lists_the_busiest_destinations_and_sums_the_others() {
     assert!(relay_process.terminate().await.success());
 }
 
+/// A purge the database answers only after the request's patience: the request was told
+/// the database did not answer, the purge then went through all the same, and nothing
+/// logged it. The request is now told the change may still complete, and the log says
+/// when it does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_purge_slower_than_the_request_is_said_to_go_on_and_logged_when_done() {
+    outbox_testkit::install_crypto();
+    let database_url = migrated_pg_database().await;
+    let blocker = pg(&database_url).await;
+    blocker
+        .batch_execute(
+            "INSERT INTO outbox_dead_letters (sequence_id, event_id, destination, event_type,
+                                              created_at, attempts, last_error, dead_at)
+             VALUES (1, gen_random_uuid(), 'orders', 't', now(), 1, 'refused', now())",
+        )
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut relay_process = RelayProcess::spawn(
+        dir.path(),
+        "slow-purge-relay",
+        &[
+            "run",
+            "--database-url",
+            &database_url,
+            "--sink",
+            "file:out.jsonl",
+            "--http-addr",
+            "127.0.0.1:0",
+            "--log-format",
+            "json",
+        ],
+        &[("OUTBOX_RELAY_ADMIN_TOKEN", TOKEN)],
+    );
+    let api = Admin::with_token(&http_addr(&relay_process).await, Some(TOKEN));
+    blocker
+        .batch_execute("BEGIN; LOCK TABLE outbox_dead_letters IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let (code, body) = api
+        .post("/api/v1/dead-letters/purge", r#"{"ids": [1]}"#, Some(TOKEN))
+        .await;
+    assert_eq!(code, 503, "{body}");
+    assert!(
+        body["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("may still complete")),
+        "{body}"
+    );
+    blocker.batch_execute("COMMIT").await.unwrap();
+    relay_process
+        .wait_for_log(
+            "the purge logged",
+            PATIENCE,
+            "admin API: dead letters purged",
+        )
+        .await;
+    let left: i64 = blocker
+        .query_one("SELECT count(*) FROM outbox_dead_letters", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(left, 0);
+    assert!(relay_process.terminate().await.success());
+}
+
 // ---- The operator surface, safe to expose ----
 
 /// A zero-config relay (SQLite, stdout) holding one event, its HTTP server on a free
