@@ -342,22 +342,26 @@ fn uri_file(uri: &str) -> Option<PathBuf> {
     (creates && !path.is_empty() && path != ":memory:").then(|| PathBuf::from(path))
 }
 
-/// `%HH` escapes decoded, as SQLite decodes a URI's path; `None` for one it would not open.
+/// `%HH` escapes decoded, as SQLite decodes a URI's path: a `%` not followed by two hex
+/// digits stays as it is written, as SQLite keeps it (`odd%zz.db`); `None` for a path
+/// that is no UTF-8 once decoded.
 fn percent_decode(text: &str) -> Option<String> {
     let bytes = text.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = bytes.get(i + 1..i + 3)?;
-            if !hex.iter().all(u8::is_ascii_hexdigit) {
-                return None;
+        let hex = bytes
+            .get(i + 1..i + 3)
+            .filter(|hex| bytes[i] == b'%' && hex.iter().all(u8::is_ascii_hexdigit));
+        match hex.and_then(|hex| u8::from_str_radix(std::str::from_utf8(hex).ok()?, 16).ok()) {
+            Some(byte) => {
+                out.push(byte);
+                i += 3;
             }
-            out.push(u8::from_str_radix(std::str::from_utf8(hex).ok()?, 16).ok()?);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
+            None => {
+                out.push(bytes[i]);
+                i += 1;
+            }
         }
     }
     String::from_utf8(out).ok()
