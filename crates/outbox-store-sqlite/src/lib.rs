@@ -381,9 +381,17 @@ fn open(path: &Path) -> StoreResult<Connection> {
     // at once, without the busy timeout, while another process opens it too (a relay and a
     // `send` started together on a new outbox.db). Wait that out as the timeout would.
     let started = std::time::Instant::now();
-    loop {
-        match conn.execute_batch("PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL;") {
-            Ok(()) => return Ok(conn),
+    let mode = loop {
+        let switched = conn
+            .query_row("PRAGMA journal_mode = WAL", [], |row| {
+                row.get::<_, String>(0)
+            })
+            .and_then(|mode| {
+                conn.execute_batch("PRAGMA synchronous = FULL")
+                    .map(|()| mode)
+            });
+        match switched {
+            Ok(mode) => break mode,
             Err(e)
                 if e.sqlite_error_code() == Some(rusqlite::ErrorCode::DatabaseBusy)
                     && started.elapsed() < CONFIGURE_PATIENCE =>
@@ -392,7 +400,23 @@ fn open(path: &Path) -> StoreResult<Connection> {
             }
             Err(e) => return Err(sql_error("configure SQLite", e)),
         }
+    };
+    // SQLite answers with the mode it is in, and keeps the old one where WAL cannot apply:
+    // a VFS without shared memory or locks (`vfs=unix-none`), a file system without them.
+    // The relay's reads would then block the application's writes, and without locks the
+    // two could corrupt the file. An in-memory database stays `memory`.
+    if !mode.eq_ignore_ascii_case("wal") && !mode.eq_ignore_ascii_case("memory") {
+        return Err(StoreError::new(
+            StoreErrorKind::Config,
+            format!(
+                "SQLite did not switch {} to WAL (it stays in `{mode}` journal mode): the relay \
+                 needs WAL, so that the application's writes and the relay's reads share the \
+                 file safely; open it with the default VFS, on a local file system",
+                path.display()
+            ),
+        ));
     }
+    Ok(conn)
 }
 
 /// How long opening waits for another process to finish setting up the same new file.

@@ -96,3 +96,26 @@ fn processes_opening_a_new_database_together_all_succeed() {
         }
     }
 }
+
+/// A VFS without shared memory or locks (`vfs=unix-none`) keeps the file out of WAL:
+/// SQLite answers the switch with the mode it stays in, which went unread. The relay ran
+/// with its reads blocking the application's writes, and with no locks between the two.
+#[test]
+fn a_database_that_cannot_switch_to_wal_is_refused_naming_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let uri = format!("file:{}/v.db?vfs=unix-none", dir.path().display());
+    let refused = match SqliteStore::open(&uri, false) {
+        Ok(_) => panic!("{uri} opened out of WAL"),
+        Err(e) => e,
+    };
+    assert_eq!(
+        refused.kind(),
+        outbox_core::StoreErrorKind::Config,
+        "{refused}"
+    );
+    let said = refused.to_string();
+    assert!(
+        said.contains("did not switch") && said.contains("default VFS"),
+        "{said}"
+    );
+}
