@@ -338,6 +338,17 @@ async fn an_unroutable_message_after_a_dropped_batch_is_never_confirmed() {
     }
 }
 
+/// Event `id` of destination `destination`, routed by the harness's queue name.
+fn to_the_queue(h: &RabbitHarness, id: i64, destination: &str) -> Routed {
+    let mut event = (*event(id, &format!("k{id}"), b"{}".to_vec())).clone();
+    event.destination = destination.into();
+    Routed {
+        cloudevents: None,
+        event: Arc::new(event),
+        target: h.queue.clone(),
+    }
+}
+
 /// A new direct exchange bound to the harness's queue by its name: its name.
 async fn exchange_to_the_queue(h: &RabbitHarness) -> String {
     use lapin::options::{ExchangeDeclareOptions, QueueBindOptions};
@@ -386,15 +397,7 @@ async fn a_missing_exchange_fails_only_its_own_message() {
     let sink = outbox_publishers::build_sink("rabbit", &config)
         .await
         .unwrap();
-    let routed = |id: i64, destination: &str| {
-        let mut event = (*event(id, &format!("k{id}"), b"{}".to_vec())).clone();
-        event.destination = destination.into();
-        Routed {
-            cloudevents: None,
-            event: Arc::new(event),
-            target: h.queue.clone(),
-        }
-    };
+    let routed = |id: i64, destination: &str| to_the_queue(&h, id, destination);
     let absent = "absent-exchange";
     let batch: Vec<Routed> = (0..60)
         .map(|n| routed(n, if n == 20 { absent } else { &present }))
@@ -432,15 +435,7 @@ async fn a_refused_exchange_fails_only_its_own_message_as_unauthorised() {
     let sink = outbox_publishers::build_sink("rabbit", &config)
         .await
         .unwrap();
-    let routed = |id: i64, destination: &str| {
-        let mut event = (*event(id, &format!("k{id}"), b"{}".to_vec())).clone();
-        event.destination = destination.into();
-        Routed {
-            cloudevents: None,
-            event: Arc::new(event),
-            target: h.queue.clone(),
-        }
-    };
+    let routed = |id: i64, destination: &str| to_the_queue(&h, id, destination);
     let batch: Vec<Routed> = (0..40)
         .map(|n| routed(n, if n == 10 { "" } else { &present }))
         .collect();

@@ -859,6 +859,27 @@ async fn console_counters(api: &Admin) -> (u64, u64) {
     )
 }
 
+/// `outbox-relay run` on the PostgreSQL database `database_url`, to a file sink, its HTTP
+/// server on a free loopback port, logging JSON, with `env` set.
+fn pg_relay(dir: &Path, name: &str, database_url: &str, env: &[(&str, &str)]) -> RelayProcess {
+    RelayProcess::spawn(
+        dir,
+        name,
+        &[
+            "run",
+            "--database-url",
+            database_url,
+            "--sink",
+            "file:out.jsonl",
+            "--http-addr",
+            "127.0.0.1:0",
+            "--log-format",
+            "json",
+        ],
+        env,
+    )
+}
+
 /// However many clients poll `/api/v1/status`, the relay reads the store at most once per
 /// interval: requests that arrive while a read is under way wait for it and share its
 /// result, and a change shows up once the interval has passed.
@@ -867,22 +888,7 @@ async fn concurrent_status_requests_share_one_store_read() {
     outbox_testkit::install_crypto();
     let database_url = migrated_pg_database().await;
     let dir = tempfile::tempdir().unwrap();
-    let mut relay_process = RelayProcess::spawn(
-        dir.path(),
-        "figures-relay",
-        &[
-            "run",
-            "--database-url",
-            &database_url,
-            "--sink",
-            "file:out.jsonl",
-            "--http-addr",
-            "127.0.0.1:0",
-            "--log-format",
-            "json",
-        ],
-        &[],
-    );
+    let mut relay_process = pg_relay(dir.path(), "figures-relay", &database_url, &[]);
     let api = Arc::new(Admin::new(&http_addr(&relay_process).await));
     let first = api.status().await;
     let first_as_of = first["backlog"]["as_of"]
@@ -981,22 +987,7 @@ async fn the_status_lists_the_busiest_destinations_and_sums_the_others() {
         .await
         .unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let mut relay_process = RelayProcess::spawn(
-        dir.path(),
-        "busiest-relay",
-        &[
-            "run",
-            "--database-url",
-            &database_url,
-            "--sink",
-            "file:out.jsonl",
-            "--http-addr",
-            "127.0.0.1:0",
-            "--log-format",
-            "json",
-        ],
-        &[],
-    );
+    let mut relay_process = pg_relay(dir.path(), "busiest-relay", &database_url, &[]);
     let api = Admin::new(&http_addr(&relay_process).await);
     let s = eventually("the backlog in the status", PATIENCE, || async {
         let s = api.status().await;
@@ -1035,20 +1026,10 @@ async fn a_purge_slower_than_the_request_is_said_to_go_on_and_logged_when_done()
         .await
         .unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let mut relay_process = RelayProcess::spawn(
+    let mut relay_process = pg_relay(
         dir.path(),
         "slow-purge-relay",
-        &[
-            "run",
-            "--database-url",
-            &database_url,
-            "--sink",
-            "file:out.jsonl",
-            "--http-addr",
-            "127.0.0.1:0",
-            "--log-format",
-            "json",
-        ],
+        &database_url,
         &[("OUTBOX_RELAY_ADMIN_TOKEN", TOKEN)],
     );
     let api = Admin::with_token(&http_addr(&relay_process).await, Some(TOKEN));
