@@ -1,7 +1,7 @@
 //! NATS JetStream: `Nats-Msg-Id` = event id, so the stream's duplicate window drops
 //! redeliveries; each event is confirmed by its PubAck.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::path::PathBuf;
 use std::str::FromStr;
 use std::sync::{Arc, Mutex};
@@ -57,6 +57,53 @@ pub struct NatsSink {
     shown: String,
     /// Subjects whose last publish found no stream, and when.
     missing_streams: Arc<Mutex<HashMap<String, Instant>>>,
+    /// What the server refused this connection lately (see [`Refusals`]).
+    refusals: Arc<Mutex<Refusals>>,
+}
+
+/// The permissions violations the server reported on the connection. NATS reports them
+/// there (`-ERR 'Permissions Violation for Publish to "x"'`), not with the publish, whose
+/// PubAck then never comes: without these, a subject or reply inbox the relay's user may not
+/// use was seen only as "no PubAck in time", at every attempt.
+#[derive(Debug, Default)]
+struct Refusals {
+    /// Subjects whose publish was refused, and when: the latest [`Refusals::KEPT`].
+    publishes: VecDeque<(String, Instant)>,
+    /// The reply inbox the server refused to subscribe the relay to, on this connection:
+    /// no PubAck reaches the relay until a new connection subscribes again.
+    inbox: Option<String>,
+}
+
+impl Refusals {
+    const KEPT: usize = 64;
+
+    /// Takes note of the server's error `text`, if it is a permissions violation.
+    fn note(&mut self, text: &str, at: Instant) {
+        let lower = text.to_ascii_lowercase();
+        let quoted = |prefix: &str| {
+            lower
+                .starts_with(prefix)
+                .then(|| text[prefix.len()..].trim().trim_matches('"').to_string())
+        };
+        if let Some(subject) = quoted("permissions violation for publish to ") {
+            self.publishes.retain(|(s, _)| *s != subject);
+            if self.publishes.len() == Self::KEPT {
+                self.publishes.pop_front();
+            }
+            self.publishes.push_back((subject, at));
+        } else if let Some(subject) = quoted("permissions violation for subscription to ") {
+            if subject.starts_with("_INBOX.") {
+                self.inbox = Some(subject);
+            }
+        }
+    }
+
+    /// Whether a publish to `subject` was refused at or after `since`.
+    fn refused_publish(&self, subject: &str, since: Instant) -> bool {
+        self.publishes
+            .iter()
+            .any(|(s, at)| s == subject && *at >= since)
+    }
 }
 
 impl NatsSink {
@@ -135,7 +182,21 @@ impl NatsSink {
             options = options.require_tls(true);
         }
         let shown = format!("nats://{}:{}", addr.host(), addr.port());
+        let refusals: Arc<Mutex<Refusals>> = Arc::default();
+        let noted = refusals.clone();
         let client = options
+            .event_callback(move |event| {
+                let mut refusals = noted.lock().expect("not poisoned");
+                match event {
+                    async_nats::Event::ServerError(async_nats::ServerError::Other(text)) => {
+                        refusals.note(&text, Instant::now())
+                    }
+                    // A new connection subscribes its reply inbox again.
+                    async_nats::Event::Connected => refusals.inbox = None,
+                    _ => {}
+                }
+                std::future::ready(())
+            })
             .name("outbox-relay")
             .connection_timeout(Duration::from_secs(5))
             // A broker that is down at start is retried in the background, like a dropped one.
@@ -170,6 +231,7 @@ impl NatsSink {
             jetstream,
             shown,
             missing_streams: Arc::default(),
+            refusals,
         })
     }
 }
@@ -338,16 +400,21 @@ fn no_stream(subject: &str) -> PublishError {
     )
 }
 
-/// Publishes that timed out to a stream set to `no_ack`: such a stream stores the message
-/// and answers nothing, so every publish timed out, at every attempt, told only as "no
-/// PubAck in time". Their errors now name the stream and the fix. The lookup is made for a
-/// few subjects of the batch at most, and only when some timed out.
+/// Why publishes sent since `sent` timed out, where the server said: it refused the
+/// relay's user the subject or the reply inbox (see [`Refusals`]), or the subject's stream is
+/// set to `no_ack` (it stores the message and answers nothing). Each was told only as "no
+/// PubAck in time", at every attempt; their errors now name the cause and the fix. The stream
+/// lookup is made for a few subjects of the batch at most, and only when some timed out.
 async fn explain_unanswered(
+    client: &async_nats::Client,
     jetstream: &async_nats::jetstream::Context,
+    refusals: &Mutex<Refusals>,
+    sent: Instant,
     batch: &[Routed],
     outcomes: &mut [Outcome],
 ) {
     let mut looked_up: Vec<(String, Option<String>)> = Vec::new();
+    let mut deaf = false;
     for (outcome, routed) in outcomes.iter_mut().zip(batch) {
         if !outcome
             .as_ref()
@@ -356,6 +423,37 @@ async fn explain_unanswered(
             continue;
         }
         let subject = &routed.target;
+        let (refused, inbox) = {
+            let refusals = refusals.lock().expect("not poisoned");
+            (
+                refusals.refused_publish(subject, sent),
+                refusals.inbox.clone(),
+            )
+        };
+        if refused {
+            *outcome = Err(PublishError::new(
+                PublishErrorKind::Unauthorized,
+                format!(
+                    "the NATS server refused the relay's publish to {subject:?} (permissions \
+                     violation): allow the relay's user to publish to it in the server's \
+                     authorization, or route the destination to a subject it may publish to"
+                ),
+            ));
+            continue;
+        }
+        if let Some(inbox) = inbox {
+            deaf = true;
+            *outcome = Err(PublishError::new(
+                PublishErrorKind::Unauthorized,
+                format!(
+                    "no PubAck for {subject:?} can reach the relay: the NATS server refused \
+                     its subscription to its reply inbox {inbox:?} (permissions violation); \
+                     allow the relay's user to subscribe to _INBOX.> in the server's \
+                     authorization"
+                ),
+            ));
+            continue;
+        }
         let known = looked_up
             .iter()
             .find(|(s, _)| s == subject)
@@ -385,6 +483,14 @@ async fn explain_unanswered(
                      off in the stream's configuration"
                 ),
             ));
+        }
+    }
+    // The refused subscription is not tried again on this connection: a new one picks up a
+    // permission granted meanwhile (a reload of the server's configuration keeps
+    // connections).
+    if deaf {
+        if let Err(e) = client.force_reconnect().await {
+            tracing::debug!(error = %e, "NATS reconnect after a refused reply inbox failed");
         }
     }
 }
@@ -494,7 +600,9 @@ impl Sink for NatsSink {
         let jetstream = self.jetstream.clone();
         let client = self.client.clone();
         let missing_streams = self.missing_streams.clone();
+        let refusals = self.refusals.clone();
         async move {
+            let sent = Instant::now();
             if !connected_within(&client, Duration::from_secs(2)).await {
                 return batch
                     .iter()
@@ -551,7 +659,7 @@ impl Sink for NatsSink {
                     }
                 });
             let mut outcomes = join_all(acks).await;
-            explain_unanswered(&jetstream, &batch, &mut outcomes).await;
+            explain_unanswered(&client, &jetstream, &refusals, sent, &batch, &mut outcomes).await;
             let now = Instant::now();
             let mut missing = missing_streams.lock().expect("not poisoned");
             for (outcome, routed) in outcomes.iter().zip(&batch) {
@@ -611,6 +719,38 @@ mod tests {
     use super::*;
     use async_nats::jetstream::context::PublishError as JsError;
     use async_nats::ConnectErrorKind as K;
+
+    #[test]
+    fn permissions_violations_are_noted_by_subject_and_time() {
+        let mut r = Refusals::default();
+        let before = Instant::now();
+        r.note(r#"Permissions Violation for Publish to "orders.x""#, before);
+        r.note(
+            r#"permissions violation for subscription to "_INBOX.abc.*""#,
+            before,
+        );
+        r.note("Maximum Payload Violation", before);
+        r.note(
+            r#"Permissions Violation for Subscription to "other.>""#,
+            before,
+        );
+        assert!(r.refused_publish("orders.x", before));
+        assert!(!r.refused_publish("orders.y", before));
+        let later = before + Duration::from_millis(1);
+        assert!(
+            !r.refused_publish("orders.x", later),
+            "a refusal before the batch was sent is not this batch's"
+        );
+        assert_eq!(r.inbox.as_deref(), Some("_INBOX.abc.*"));
+        for i in 0..Refusals::KEPT + 1 {
+            r.note(
+                &format!(r#"Permissions Violation for Publish to "s.{i}""#),
+                later,
+            );
+        }
+        assert_eq!(r.publishes.len(), Refusals::KEPT, "bounded");
+        assert!(!r.refused_publish("orders.x", before));
+    }
 
     #[test]
     fn the_servers_own_subjects_are_named() {

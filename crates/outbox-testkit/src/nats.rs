@@ -19,7 +19,24 @@ pub struct PrivateNats {
     pub url: String,
     pub client: async_nats::Client,
     pub js: jetstream::Context,
+    /// The configuration file's directory, for a server started from one.
+    _config: Option<tempfile::TempDir>,
 }
+
+/// The users of [`PrivateNats::with_users`]: `admin` may do anything (the harness's own
+/// client), `narrow` may publish to JetStream's API and `orders.allowed.>` only, and `deaf`
+/// may publish anywhere but not subscribe to reply inboxes, where PubAcks come.
+pub const USERS: &str = r#"
+authorization {
+  users = [
+    { user: admin, password: admin }
+    { user: narrow, password: narrow, permissions: {
+        publish: { allow: ["$JS.API.>", "orders.allowed.>"] },
+        subscribe: { allow: ["_INBOX.>"] } } }
+    { user: deaf, password: deaf, permissions: { subscribe: { deny: ["_INBOX.>"] } } }
+  ]
+}
+"#;
 
 /// A stream `name` capturing `subjects`, the rest default: spread it into a
 /// `jetstream::stream::Config { duplicate_window, ..stream(…) }` for more.
@@ -49,6 +66,36 @@ impl PrivateNats {
         PrivateNats::spawn(&[], None).await
     }
 
+    /// A server with JetStream whose users (`admin`, `narrow`, `deaf`; each user's password
+    /// is its name) have the permissions [`USERS`] gives them. `url` names no user:
+    /// [`PrivateNats::url_of`] gives a user's.
+    pub async fn with_users() -> PrivateNats {
+        let config = tempfile::tempdir().unwrap();
+        write_config(config.path(), USERS);
+        let file = config.path().join("nats.conf").display().to_string();
+        let mut nats = PrivateNats::spawn_as(&["-c", &file], None, Some("admin")).await;
+        nats._config = Some(config);
+        nats
+    }
+
+    /// Replaces the users' block of a server started [`PrivateNats::with_users`] and has the
+    /// server reload it (SIGHUP), keeping its connections.
+    pub fn reload_users(&self, users: &str) {
+        let config = self._config.as_ref().expect("a server started with_users");
+        write_config(config.path(), users);
+        let pid = self.server.pid().expect("the server runs");
+        let status = std::process::Command::new("kill")
+            .args(["-HUP", &pid.to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success(), "signal nats-server to reload");
+    }
+
+    /// The URL with `user`'s credentials (its password is its name).
+    pub fn url_of(&self, user: &str) -> String {
+        self.url.replacen("://", &format!("://{user}:{user}@"), 1)
+    }
+
     /// A server with JetStream that accepts TLS only, with the certificates of
     /// [`test_certs`](crate::server::test_certs) in `certs`; the client trusts their CA.
     pub async fn with_tls(certs: &Path) -> PrivateNats {
@@ -56,6 +103,10 @@ impl PrivateNats {
     }
 
     async fn spawn(extra: &[&str], tls: Option<&Path>) -> PrivateNats {
+        PrivateNats::spawn_as(extra, tls, None).await
+    }
+
+    async fn spawn_as(extra: &[&str], tls: Option<&Path>, user: Option<&str>) -> PrivateNats {
         crate::install_crypto();
         let path = |f: &str| tls.unwrap().join(f).display().to_string();
         let mut args = vec!["-a", "127.0.0.1", "-p", "{port}"];
@@ -74,7 +125,13 @@ impl PrivateNats {
             || {
                 let url = url.clone();
                 async move {
-                    let options = async_nats::ConnectOptions::new();
+                    let options = match user {
+                        Some(user) => async_nats::ConnectOptions::with_user_and_password(
+                            user.into(),
+                            user.into(),
+                        ),
+                        None => async_nats::ConnectOptions::new(),
+                    };
                     let options = match tls {
                         Some(certs) => options
                             .add_root_certificates(certs.join("ca.pem"))
@@ -92,6 +149,7 @@ impl PrivateNats {
             url,
             client,
             js,
+            _config: None,
         }
     }
 
@@ -106,6 +164,17 @@ impl PrivateNats {
 }
 
 const JETSTREAM: &[&str] = &["-js", "-sd", "{dir}/js"];
+
+/// A configuration file in `dir` with JetStream (stored in `dir`) and `users`. JetStream is
+/// in the file, not on the command line: a reload turns off what the file does not name.
+fn write_config(dir: &Path, users: &str) {
+    let store = dir.join("js");
+    let text = format!(
+        "jetstream {{ store_dir: {:?} }}\n{users}",
+        store.display().to_string()
+    );
+    std::fs::write(dir.join("nats.conf"), text).unwrap();
+}
 
 impl Deref for PrivateNats {
     type Target = ServerProcess;

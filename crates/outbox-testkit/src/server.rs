@@ -48,6 +48,11 @@ impl ServerProcess {
         server
     }
 
+    /// The running process's id, if it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.lock().unwrap().as_ref().map(|c| c.id())
+    }
+
     pub fn path(&self, name: &str) -> PathBuf {
         self.dir.path().join(name)
     }

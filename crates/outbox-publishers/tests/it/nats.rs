@@ -461,3 +461,90 @@ async fn a_stream_that_acks_nothing_is_named_in_the_timeout() {
         "{err}"
     );
 }
+
+/// One event to `subject` through a sink of `user` on `server`, with a short PubAck timeout.
+async fn send_as(server: &PrivateNats, user: &str, subject: &str) -> outbox_core::Outcome {
+    let config: SinkConfig = serde_json::from_value(serde_json::json!({
+        "uri": server.url_of(user),
+        "timeout": "1s",
+    }))
+    .unwrap();
+    let sink = outbox_publishers::build_sink("nats", &config)
+        .await
+        .unwrap();
+    send_one(&sink, subject).await
+}
+
+async fn send_one(sink: &Arc<dyn Sink>, subject: &str) -> outbox_core::Outcome {
+    sink.send(vec![outbox_publishers::Routed {
+        cloudevents: None,
+        event: outbox_testkit::publisher::event(1, "k", b"{}".to_vec()),
+        target: subject.into(),
+    }])
+    .await
+    .remove(0)
+}
+
+/// NATS tells of a subject the relay's user may not publish to on the connection, not with
+/// the publish: every attempt timed out, told only as "no PubAck in time". The error now
+/// says the server refused it, and is retried as a permission the operator may yet grant.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subject_the_user_may_not_publish_to_is_named_as_refused() {
+    let server = PrivateNats::with_users().await;
+    server.add_stream(stream("ORDERS", &["orders.>"])).await;
+    assert!(send_as(&server, "narrow", "orders.allowed.1").await.is_ok());
+    let err = send_as(&server, "narrow", "orders.denied.1")
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.kind(),
+        outbox_core::PublishErrorKind::Unauthorized,
+        "{err}"
+    );
+    assert!(
+        err.to_string()
+            .contains("refused the relay's publish to \"orders.denied.1\""),
+        "{err}"
+    );
+}
+
+/// A user that may publish but not subscribe to reply inboxes never gets a PubAck. The error
+/// names the inbox, and a permission granted by a reload of the server's configuration (which
+/// keeps connections, so the refused subscription is not made again by itself) is picked up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_inbox_the_user_may_not_subscribe_to_is_named_and_a_grant_picked_up() {
+    let server = PrivateNats::with_users().await;
+    server.add_stream(stream("ORDERS", &["orders.>"])).await;
+    let config: SinkConfig = serde_json::from_value(serde_json::json!({
+        "uri": server.url_of("deaf"),
+        "timeout": "1s",
+    }))
+    .unwrap();
+    let sink = outbox_publishers::build_sink("nats", &config)
+        .await
+        .unwrap();
+    let err = send_one(&sink, "orders.any").await.unwrap_err();
+    assert_eq!(
+        err.kind(),
+        outbox_core::PublishErrorKind::Unauthorized,
+        "{err}"
+    );
+    assert!(
+        err.to_string()
+            .contains("subscription to its reply inbox \"_INBOX."),
+        "{err}"
+    );
+    server.reload_users(
+        &outbox_testkit::nats::USERS
+            .replace(r#"permissions: { subscribe: { deny: ["_INBOX.>"] } }"#, ""),
+    );
+    outbox_testkit::eventually(
+        "the granted inbox to bring PubAcks",
+        std::time::Duration::from_secs(20),
+        || {
+            let sink = sink.clone();
+            async move { send_one(&sink, "orders.any").await.ok() }
+        },
+    )
+    .await;
+}
