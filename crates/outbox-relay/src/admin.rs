@@ -87,9 +87,17 @@ pub struct Console {
     pub figures: StoreFigures,
     /// The outbox's name under `[[outboxes]]`: its history reads only its own series.
     pub outbox: Option<String>,
-    /// A replay runs (on a task of its own, past its request's end): a second one answers
-    /// 409 meanwhile, rather than publish the same events again beside it.
-    pub replaying: Arc<std::sync::atomic::AtomicBool>,
+    /// The replay running, if one is (on a task of its own, past its request's end): a
+    /// second one answers 409 meanwhile, rather than publish the same events again beside it.
+    pub replay: Arc<Mutex<Option<ReplayProgress>>>,
+}
+
+/// How far the running replay has got, as `/api/v1/status` shows it.
+#[derive(Clone, Debug)]
+pub struct ReplayProgress {
+    pub total: u64,
+    pub replayed: u64,
+    pub started: SystemTime,
 }
 
 /// What `/api/v1/status` reads from the store, in one go.
@@ -567,6 +575,11 @@ async fn status_body(c: &Console) -> Result<Value, Response> {
             "dead_lettered": totals.dead_lettered,
             "store_errors": totals.store_errors,
         },
+        "replay": lock(&c.replay).as_ref().map(|r| json!({
+            "total": r.total,
+            "replayed": r.replayed,
+            "started": time_text(r.started),
+        })),
         "admin": { "token_configured": c.token.is_some() },
         "settings": c.settings,
     }))
@@ -1002,22 +1015,31 @@ async fn replay(State(c): State<Arc<Console>>, body: Bytes) -> Response {
             )
         }
     };
-    use std::sync::atomic::Ordering;
-    if c.replaying.swap(true, Ordering::SeqCst) {
-        return failure(
-            StatusCode::CONFLICT,
-            "a replay is running already; try again once it has finished (see the relay's log)"
-                .into(),
-        );
+    // Taken before the count, so two requests never both start.
+    {
+        let mut running = lock(&c.replay);
+        if running.is_some() {
+            return failure(
+                StatusCode::CONFLICT,
+                "a replay is running already; try again once it has finished (its progress is \
+                 under \"replay\" in /api/v1/status)"
+                    .into(),
+            );
+        }
+        *running = Some(ReplayProgress {
+            total: 0,
+            replayed: 0,
+            started: SystemTime::now(),
+        });
     }
-    // Lets go of the flag when the replay ends, however it ends.
-    struct Replaying(Arc<std::sync::atomic::AtomicBool>);
+    // Lets go of the replay's place when it ends, however it ends.
+    struct Replaying(Arc<Mutex<Option<ReplayProgress>>>);
     impl Drop for Replaying {
         fn drop(&mut self) {
-            self.0.store(false, Ordering::SeqCst);
+            *lock(&self.0) = None;
         }
     }
-    let replaying = Replaying(c.replaying.clone());
+    let replaying = Replaying(c.replay.clone());
     let total = match patiently(
         "replay",
         c.store.operations().count_replayable(selector.clone()),
@@ -1033,35 +1055,62 @@ async fn replay(State(c): State<Arc<Console>>, body: Bytes) -> Response {
             json!({ "replayed": 0, "message": NOTHING_TO_REPLAY }),
         );
     }
+    if let Some(progress) = lock(&c.replay).as_mut() {
+        progress.total = total;
+    }
     // Batches commit one by one; the whole may take longer than one store call's patience,
     // or than the request's: on a task of its own, it finishes (and is logged) even if the
-    // request times out.
+    // request is answered first.
     let ops = c.store.operations();
     let console = c.clone();
     let replayed = tokio::spawn(async move {
-        let _replaying = replaying;
-        let replayed = replay_all(&*ops, selector.clone(), |_| {}).await;
+        let replaying = replaying;
+        let replayed = replay_all(&*ops, selector.clone(), |n| {
+            if let Some(progress) = lock(&replaying.0).as_mut() {
+                progress.replayed += n;
+            }
+        })
+        .await;
         console.figures.mark_stale();
-        if let Ok(n) = replayed {
-            tracing::info!(
+        match &replayed {
+            Ok(n) => tracing::info!(
                 since = %time_text(selector.since),
                 until = %time_text(selector.until),
                 destination = ?selector.destination,
                 count = n,
                 "admin API: delivered events replayed"
-            );
+            ),
+            Err(e) => tracing::warn!(
+                since = %time_text(selector.since),
+                until = %time_text(selector.until),
+                destination = ?selector.destination,
+                error = %e.report(),
+                "admin API: replay failed"
+            ),
         }
         replayed
     });
-    match replayed.await {
-        Ok(Ok(n)) => reply(
+    // A long replay is answered while it goes on, where the request's timeout answered a
+    // body-less 408 and left the caller to guess.
+    match tokio::time::timeout(STORE_PATIENCE, replayed).await {
+        Ok(Ok(Ok(n))) => reply(
             StatusCode::OK,
             json!({ "replayed": n, "message": format!("replayed {n} events") }),
         ),
-        Ok(Err(e)) => store_failure(e),
-        Err(e) => failure(
+        Ok(Ok(Err(e))) => store_failure(e),
+        Ok(Err(e)) => failure(
             StatusCode::INTERNAL_SERVER_ERROR,
             format!("the replay failed: {e}; see the relay's log"),
+        ),
+        Err(_) => reply(
+            StatusCode::ACCEPTED,
+            json!({
+                "replaying": total,
+                "message": format!(
+                    "replaying {total} events: it goes on, its progress is under \"replay\" \
+                     in /api/v1/status, and the relay's log says when it has finished"
+                ),
+            }),
         ),
     }
 }

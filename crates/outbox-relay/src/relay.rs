@@ -232,7 +232,7 @@ async fn start(
                 history: Default::default(),
                 figures: crate::admin::StoreFigures::new(engine.settings.backlog_interval),
                 outbox: endpoints.outbox_name(),
-                replaying: Default::default(),
+                replay: Default::default(),
             });
             let probes = Probes::new(outbox.clone(), sink.clone(), health.clone());
             Some(

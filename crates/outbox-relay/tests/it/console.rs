@@ -246,6 +246,7 @@ async fn the_admin_api_reports_and_acts_on_postgres_and_nats() {
     a_retried_dead_letter_reaches_the_broker_once_its_stream_exists(&w).await;
     the_other_is_purged_by_destination(&w).await;
     the_retained_events_are_replayed_to_the_broker(&w).await;
+    a_replay_held_up_is_answered_while_it_goes_on(&w).await;
     every_mutation_is_logged(&w).await;
     w.close().await;
 }
@@ -499,6 +500,53 @@ async fn the_retained_events_are_replayed_to_the_broker(w: &World) {
         async move { done.then_some(()) }
     })
     .await;
+}
+
+/// A replay longer than the request's patience is answered 202 while it goes on (the
+/// request's timeout answered a body-less 408), shows its progress in the status, keeps a
+/// second replay out, and is logged when it ends.
+async fn a_replay_held_up_is_answered_while_it_goes_on(w: &World) {
+    let api = &w.api;
+    let subject = format!("{}.ok", w.prefix);
+    w.until("the replayed events delivered again", |s| {
+        s["backlog"]["pending"] == 0
+    })
+    .await;
+    // Another session's lock on the rows holds the replay's update.
+    let mut holder = pg(&w.database_url).await;
+    let lock = holder.transaction().await.unwrap();
+    let locked = lock
+        .query(
+            "SELECT sequence_id FROM outbox WHERE destination = $1 FOR UPDATE",
+            &[&subject],
+        )
+        .await
+        .unwrap();
+    assert_eq!(locked.len(), 3);
+    let body = json!({ "since": "60y", "destination": subject }).to_string();
+    let (code, reply) = api.post("/api/v1/replay", &body, Some(TOKEN)).await;
+    assert_eq!(code, 202, "{reply}");
+    assert_eq!(reply["replaying"], 3);
+    assert!(
+        reply["message"]
+            .as_str()
+            .unwrap()
+            .contains("/api/v1/status"),
+        "{reply}"
+    );
+    let (_, status) = api.get("/api/v1/status").await;
+    assert_eq!(status["replay"]["total"], 3, "{}", status["replay"]);
+    let (code, second) = api.post("/api/v1/replay", &body, Some(TOKEN)).await;
+    assert_eq!(code, 409, "{second}");
+    lock.commit().await.unwrap();
+    w.until("the replay finished", |s| s["replay"].is_null())
+        .await;
+    let logs = w.relay.logs();
+    assert_eq!(
+        logs.matches("admin API: delivered events replayed").count(),
+        2,
+        "both replays logged"
+    );
 }
 
 /// Every mutation was logged with what it did.
