@@ -307,6 +307,9 @@ function deadQuery() {
   return q;
 }
 
+const UUID_ROWS = "This table's rows have UUID ids, which cannot be chosen one by one here: "
+  + "retry or purge them by destination (the buttons above), or with SQL";
+
 function renderDead(page) {
   // Rebuilt only when it changed, so a focused button keeps the focus between polls.
   const key = JSON.stringify(page);
@@ -314,18 +317,25 @@ function renderDead(page) {
   state.deadKey = key;
   state.nextAfter = page.next_after;
   $("dead-next").disabled = page.next_after === null;
-  const rows = page.dead_letters.map((d) => el("tr", {
-    "data-id": d.sequence_id, class: d.sequence_id === state.selected ? "selected" : "",
-  },
-    cell(d.sequence_id, "num"), cell(d.destination), cell(d.event_type), cell(d.attempts, "num"),
-    el("td", { class: "error", title: d.last_error }, d.last_error),
-    el("td", { class: "when", title: d.dead_at }, d.dead_at.slice(5, 19).replace("T", " ")),
-    el("td", { class: "actions" },
-      el("button", { type: "button", "data-action": "view", onclick: () => showEvent(d.sequence_id) }, "View"),
-      el("button", { type: "button", class: "act", "data-action": "retry", onclick: () => mutate("/api/v1/dead-letters/retry", { ids: [d.sequence_id] }) }, "Retry"),
-      el("button", { type: "button", class: "danger", "data-action": "purge", onclick: () => {
-        if (confirm(`Delete dead letter ${d.sequence_id} for good?`)) mutate("/api/v1/dead-letters/purge", { ids: [d.sequence_id] });
-      } }, "Purge"))));
+  const rows = page.dead_letters.map((d) => {
+    // A table whose rows have UUID ids (open-outbox, a custom mapping) lists them with
+    // sequence id 0: no row can be chosen by it, so its buttons say what can be done.
+    const chosen = d.sequence_id > 0;
+    const off = chosen ? {} : { disabled: "", title: UUID_ROWS };
+    return el("tr", {
+      "data-id": d.sequence_id, class: chosen && d.sequence_id === state.selected ? "selected" : "",
+    },
+      chosen ? cell(d.sequence_id, "num") : el("td", { class: "num", title: UUID_ROWS }, "–"),
+      cell(d.destination), cell(d.event_type), cell(d.attempts, "num"),
+      el("td", { class: "error", title: d.last_error }, d.last_error),
+      el("td", { class: "when", title: d.dead_at }, d.dead_at.slice(5, 19).replace("T", " ")),
+      el("td", { class: "actions" },
+        el("button", { type: "button", "data-action": "view", ...off, onclick: () => showEvent(d.sequence_id) }, "View"),
+        el("button", { type: "button", class: "act", "data-action": "retry", ...off, onclick: () => mutate("/api/v1/dead-letters/retry", { ids: [d.sequence_id] }) }, "Retry"),
+        el("button", { type: "button", class: "danger", "data-action": "purge", ...off, onclick: () => {
+          if (confirm(`Delete dead letter ${d.sequence_id} for good?`)) mutate("/api/v1/dead-letters/purge", { ids: [d.sequence_id] });
+        } }, "Purge")));
+  });
   $("dead-letters").tBodies[0].replaceChildren(...(rows.length ? rows
     : [el("tr", {}, el("td", { colspan: 7, class: "empty" }, "no dead letters"))]));
 }

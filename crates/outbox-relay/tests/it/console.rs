@@ -678,6 +678,66 @@ async fn the_dashboard_shows_the_api_figures_and_retries_from_the_page() {
     w.close().await;
 }
 
+/// A table whose rows have UUID ids (here the open-outbox seed's) lists its dead letters with
+/// sequence id 0, which no per-row action can choose: the page showed "0" and its View, Retry
+/// and Purge answered 400. It now shows no id and greys those buttons out, saying what to do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_of_uuid_rows_offer_no_per_row_action() {
+    outbox_testkit::install_crypto();
+    let url = outbox_testkit::fresh_pg_database().await;
+    let db = pg(&url).await;
+    db.batch_execute(include_str!("../fixtures/seeds/open_outbox.sql"))
+        .await
+        .unwrap();
+    db.batch_execute(
+        "INSERT INTO openoutbox_events (event_id, event_type, payload, status, attempts, last_error)
+              VALUES ('00000000-0000-4000-8000-000000000009', 'user.signup',
+                      convert_to('x', 'UTF8'), 'DEAD', 2, 'no route')",
+    )
+    .await
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut relay_process = RelayProcess::spawn(
+        dir.path(),
+        "uuid-rows",
+        &[
+            "run",
+            "--database-url",
+            &url,
+            "--layout",
+            "open-outbox",
+            "--sink",
+            "file:out.jsonl",
+            "--http-addr",
+            "127.0.0.1:0",
+            "--log-format",
+            "json",
+        ],
+        &[("OUTBOX_RELAY_ADMIN_TOKEN", TOKEN)],
+    );
+    let api = Admin::with_token(&http_addr(&relay_process).await, Some(TOKEN));
+    let shots = screenshots();
+    let browser = webdriver::Browser::start().await;
+    browser.goto(&api.base).await;
+    the_page_asks_for_the_token_and_uses_it(&browser, &shots).await;
+    browser
+        .wait_for(&shots, "#dead-letters tbody tr[data-id]")
+        .await;
+    let row = browser
+        .execute(
+            "const tr = document.querySelector('#dead-letters tbody tr[data-id]'); \
+             const buttons = [...tr.querySelectorAll('button')]; \
+             return [tr.cells[0].textContent, buttons.map((b) => b.disabled), buttons[1].title];",
+            json!([]),
+        )
+        .await;
+    assert_eq!(row[0], "–", "{row}");
+    assert_eq!(row[1], json!([true, true, true]), "{row}");
+    assert!(row[2].as_str().unwrap().contains("UUID ids"), "{row}");
+    drop(browser);
+    assert!(relay_process.terminate().await.success());
+}
+
 /// What the dashboard shows: its figures, rows, nodes, dead letters, partitions and charts.
 const SHOWN_SCRIPT: &str = r#"
         const text = (id) => document.getElementById(id).textContent;
