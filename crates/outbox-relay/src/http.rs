@@ -186,9 +186,24 @@ async fn serve_bounded(listener: tokio::net::TcpListener, app: Router) {
     }
 }
 
-/// How many connections each IP address has open ([`MAX_CONNECTIONS_PER_PEER`]).
+/// How many connections each peer has open ([`MAX_CONNECTIONS_PER_PEER`]), a peer being
+/// an address as [`peer_of`] groups them.
 #[derive(Clone, Default)]
 struct PeerConnections(Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>);
+
+/// The peer an address counts as: an IPv6 address by its /64 (one host is handed a whole
+/// /64, so counted by address it could open as many connections as it has addresses), an
+/// IPv4-mapped one as its IPv4 address, any other address as itself.
+fn peer_of(ip: std::net::IpAddr) -> std::net::IpAddr {
+    use std::net::{IpAddr, Ipv6Addr};
+    match ip {
+        IpAddr::V4(_) => ip,
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(Ipv6Addr::from_bits(v6.to_bits() & !u128::from(u64::MAX))),
+        },
+    }
+}
 
 /// One open connection of a peer, counted until dropped.
 struct PeerConnection {
@@ -198,6 +213,7 @@ struct PeerConnection {
 
 impl PeerConnections {
     fn admit(&self, ip: std::net::IpAddr) -> Option<PeerConnection> {
+        let ip = peer_of(ip);
         let mut open = self
             .0
             .lock()
@@ -867,6 +883,33 @@ pub async fn watch_health(health: Arc<Health>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_ipv6_peer_is_its_64_and_a_mapped_ipv4_one_its_ipv4_address() {
+        let ip = |s: &str| s.parse::<std::net::IpAddr>().unwrap();
+        assert_eq!(peer_of(ip("2001:db8:1:2:aaaa::1")), ip("2001:db8:1:2::"));
+        assert_eq!(
+            peer_of(ip("2001:db8:1:2:ffff:ffff:ffff:ffff")),
+            peer_of(ip("2001:db8:1:2::7"))
+        );
+        assert_ne!(
+            peer_of(ip("2001:db8:1:3::1")),
+            peer_of(ip("2001:db8:1:2::1"))
+        );
+        assert_eq!(peer_of(ip("::ffff:10.0.0.7")), ip("10.0.0.7"));
+        assert_eq!(peer_of(ip("10.0.0.7")), ip("10.0.0.7"));
+        let peers = PeerConnections::default();
+        let held: Vec<_> = (0..MAX_CONNECTIONS_PER_PEER)
+            .map(|i| peers.admit(ip(&format!("2001:db8::{:x}", i + 1))).unwrap())
+            .collect();
+        assert!(
+            peers.admit(ip("2001:db8::ffff")).is_none(),
+            "another address of the same /64 is the same peer"
+        );
+        assert!(peers.admit(ip("2001:db9::1")).is_some());
+        drop(held);
+        assert!(peers.admit(ip("2001:db8::ffff")).is_some());
+    }
 
     /// A sink's error quoting its receiver's body drove the terminal of whoever ran
     /// `health --ready`, and reached every reader of the open probe as sent.
