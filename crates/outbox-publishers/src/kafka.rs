@@ -335,6 +335,29 @@ fn classify(error: KafkaError, topic: &str) -> PublishError {
     PublishError::new(kind, format!("kafka topic {topic:?}")).with_source(error)
 }
 
+/// A delivery report's error. librdkafka refuses a record over the producer's
+/// `message.max.bytes` when it is sent, before any batch; a `MESSAGE_TOO_LARGE` reported at
+/// delivery is the broker's refusal of the whole record batch, over the topic's
+/// `max.message.bytes`, which fails every record in it however small, and librdkafka does
+/// not split the batch. As the record's own, it dead-lettered whole batches of small events
+/// at once; it is the sink's setting, retried until it is mended.
+fn classify_delivery(error: KafkaError, topic: &str) -> PublishError {
+    if error.rdkafka_error_code() != Some(RDKafkaErrorCode::MessageSizeTooLarge) {
+        return classify(error, topic);
+    }
+    PublishError::new(
+        PublishErrorKind::BrokerFailure,
+        format!(
+            "kafka topic {topic:?} refused the record batch carrying this event as larger than \
+             its max.message.bytes: set the sink's batch.size and message.max.bytes (under \
+             [sinks.NAME.kafka]) at or below the topic's max.message.bytes, or raise the \
+             topic's; an event larger than that by itself is dead-lettered once its attempts \
+             run out"
+        ),
+    )
+    .with_source(error)
+}
+
 impl Sink for KafkaSink {
     fn messaging_system(&self) -> Option<&'static str> {
         Some("kafka")
@@ -403,7 +426,7 @@ impl Sink for KafkaSink {
                     Ok(delivery) => async move {
                         match delivery.await {
                             Ok(Ok(_)) => Ok(()),
-                            Ok(Err((e, _))) => Err(classify(e, &topic)),
+                            Ok(Err((e, _))) => Err(classify_delivery(e, &topic)),
                             Err(_) => Err(PublishError::new(
                                 PublishErrorKind::Unavailable,
                                 "the Kafka producer shut down",

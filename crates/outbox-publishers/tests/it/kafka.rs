@@ -183,6 +183,40 @@ async fn a_record_the_broker_refuses_as_its_own_fails_permanently() {
     );
 }
 
+/// The broker refuses a record batch over its topic's `max.message.bytes` whole, failing
+/// every record in it however small (librdkafka does not split it). Taken as each record's
+/// own, it dead-lettered whole batches of small events at once; it is the sink's setting,
+/// retried, and the error says which settings to mend.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_the_broker_refuses_as_too_large_is_retried_naming_the_settings() {
+    use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+    let h = new_harness().await;
+    let cluster = &h.cluster.as_ref().unwrap().0;
+    cluster.request_errors(
+        RDKafkaApiKey::Produce,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE],
+    );
+    let routed = outbox_publishers::Routed {
+        cloudevents: None,
+        event: outbox_testkit::publisher::event(6, "customer-6", b"{}".to_vec()),
+        target: h.topic.clone(),
+    };
+    let err = h
+        .sink
+        .send(vec![routed])
+        .await
+        .remove(0)
+        .expect_err("refused");
+    assert!(
+        matches!(err.disposition(), outbox_core::Disposition::Retry { .. }),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("batch.size") && err.to_string().contains("max.message.bytes"),
+        "{err}"
+    );
+}
+
 /// The broker answers the idempotent producer with an out-of-order sequence, which
 /// librdkafka makes a fatal error: the producer then failed every record for good
 /// (`__FATAL`, retried as unavailable), each event went to its attempt limit and was
