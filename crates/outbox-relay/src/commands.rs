@@ -259,44 +259,17 @@ pub async fn check(config: Config) -> anyhow::Result<ExitCode> {
     // The HTTP settings (the admin token among them) are checked as `run` checks them.
     config.http.listen()?;
     outln!("ok: configuration is valid ({config:?})");
-    let mut store = AnyStore::open(config.store_settings()?)?;
-    store.keep_legacy_slot().await;
-    let outbox = store.outbox();
-    match outbox.ping().await {
-        Ok(()) => outln!(
-            "ok: connected to {}",
-            redact_url(&config.database.database_url)
-        ),
+    // Opened, a mistyped path became a new database that `check` told to migrate: said,
+    // and the sinks are checked all the same.
+    match crate::operator::refuse_a_missing_sqlite_file(&config) {
         Err(e) => {
-            outln!(
-                "problem: cannot connect to {}: {}",
-                redact_url(&config.database.database_url),
-                e.report()
-            );
-            return Ok(ExitCode::FAILURE);
+            misconfigured = true;
+            outln!("problem: {e:#}");
         }
-    }
-    match store.schema_versions().await {
-        Ok(lines) => lines.iter().for_each(|(_, l)| outln!("ok: {l}")),
-        Err(e) => {
-            failed = true;
-            outln!("problem: {}", e.report());
-        }
-    }
-    let mut verified = store.verify().await;
-    if let Ok(problems) = &mut verified {
-        problems.extend(store.check_only_problems().await);
-    }
-    match verified {
-        Ok(problems) if problems.is_empty() => outln!("ok: tables, trigger and privileges"),
-        Ok(problems) => {
-            failed |= problems.iter().any(|p| p.fails_check());
-            print_problems(&problems);
-        }
-        Err(e) => {
-            failed = true;
-            outln!("problem: {}", e.report());
-        }
+        Ok(()) => match check_database(&config).await? {
+            DatabaseCheck::Unreachable => return Ok(ExitCode::FAILURE),
+            DatabaseCheck::Checked { problems } => failed |= problems,
+        },
     }
     let (sinks, routes) = config.sink_setup();
     match build_sink(&sinks, &routes, config.database.layout).await {
@@ -321,6 +294,60 @@ pub async fn check(config: Config) -> anyhow::Result<ExitCode> {
     } else {
         ExitCode::SUCCESS
     })
+}
+
+/// What `check` found of the database.
+enum DatabaseCheck {
+    /// It could not connect (said).
+    Unreachable,
+    /// It connected; `problems`: something fails the check (said).
+    Checked { problems: bool },
+}
+
+/// `check`'s look at the database: the connection, the schema's versions, the tables,
+/// trigger and privileges, each said as it is found.
+async fn check_database(config: &Config) -> anyhow::Result<DatabaseCheck> {
+    let mut failed = false;
+    let mut store = AnyStore::open(config.store_settings()?)?;
+    store.keep_legacy_slot().await;
+    let outbox = store.outbox();
+    match outbox.ping().await {
+        Ok(()) => outln!(
+            "ok: connected to {}",
+            redact_url(&config.database.database_url)
+        ),
+        Err(e) => {
+            outln!(
+                "problem: cannot connect to {}: {}",
+                redact_url(&config.database.database_url),
+                e.report()
+            );
+            return Ok(DatabaseCheck::Unreachable);
+        }
+    }
+    match store.schema_versions().await {
+        Ok(lines) => lines.iter().for_each(|(_, l)| outln!("ok: {l}")),
+        Err(e) => {
+            failed = true;
+            outln!("problem: {}", e.report());
+        }
+    }
+    let mut verified = store.verify().await;
+    if let Ok(problems) = &mut verified {
+        problems.extend(store.check_only_problems().await);
+    }
+    match verified {
+        Ok(problems) if problems.is_empty() => outln!("ok: tables, trigger and privileges"),
+        Ok(problems) => {
+            failed |= problems.iter().any(|p| p.fails_check());
+            print_problems(&problems);
+        }
+        Err(e) => {
+            failed = true;
+            outln!("problem: {}", e.report());
+        }
+    }
+    Ok(DatabaseCheck::Checked { problems: failed })
 }
 
 pub async fn send(config: Config, args: SendArgs) -> anyhow::Result<ExitCode> {

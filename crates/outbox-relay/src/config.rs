@@ -459,6 +459,17 @@ impl Config {
             );
         }
         let relay = &self.relay;
+        // An empty value is a value: a template's `OUTBOX_RELAY_SINK: ""` (the Kubernetes
+        // Secret's) set beside [[routes]] was refused as replacing them, and alone failed
+        // as a URI of no scheme, neither naming the empty setting.
+        if relay.sink.as_ref().is_some_and(|s| s.trim().is_empty()) {
+            bail!(
+                "sink (--sink, OUTBOX_RELAY_SINK) is set but empty: give a sink URI (e.g. \
+                 nats://nats:4222), or unset it (in Kubernetes, delete the key from the \
+                 outbox-relay-env Secret) to use the settings file's [sinks.NAME] and \
+                 [[routes]], or the default, stdout"
+            );
+        }
         if relay.sinks.is_empty() && relay.sink.is_none() {
             if let Some(route) = relay.routes.first() {
                 bail!(

@@ -632,6 +632,37 @@ fn an_operator_command_on_a_missing_sqlite_file_says_so_and_creates_nothing() {
         );
         assert!(!d.join("typo.db").exists(), "{command:?} made the file");
     }
+    // `check` says so among its findings, and checks the rest.
+    let out = relay(d, &["check", "--database-url", "sqlite:typo.db"], &[]);
+    let report = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(2), "{report}");
+    assert!(
+        report.contains("problem: no SQLite database at typo.db") && report.contains("ok: sink"),
+        "{report}"
+    );
+    assert!(!d.join("typo.db").exists(), "check made the file");
+}
+
+/// An empty sink setting (the Kubernetes Secret's template, `OUTBOX_RELAY_SINK: ""`) beside
+/// [[routes]] was refused as replacing them, and alone as a URI of no scheme: neither said
+/// the setting was empty.
+#[test]
+fn an_empty_sink_setting_is_refused_as_empty() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::write(
+        d.join("routes.toml"),
+        "[sinks.main]\nuri = \"stdout\"\n[[routes]]\ndestinations = \"*\"\nsink = \"main\"\n",
+    )
+    .unwrap();
+    for config in [&[][..], &["--config", "routes.toml"][..]] {
+        let out = relay(
+            d,
+            &[config, &["check"]].concat(),
+            &[("OUTBOX_RELAY_SINK", "")],
+        );
+        refused(out, "OUTBOX_RELAY_SINK) is set but empty", "unset it");
+    }
 }
 
 #[test]
@@ -1092,6 +1123,8 @@ fn settings_a_mode_would_ignore_or_crash_on_exit_2() {
     );
     // What Kubernetes sets in every pod for a Service named `outbox-relay` (as the
     // manifests' own is): taken for unknown settings, they stopped every pod with exit 2.
+    // (On a database that exists: `check` calls a missing one a configuration problem.)
+    assert!(relay(d, &["migrate"], &[]).status.success());
     let linked = relay(
         d,
         &["check"],

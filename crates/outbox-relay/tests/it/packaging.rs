@@ -461,7 +461,15 @@ fn the_kubernetes_manifests_build_and_validate_against_the_api_schemas() {
         );
         let said = format!("{}{}", text(&out.stdout), text(&out.stderr));
         assert!(out.status.success(), "{overlay}: {said}");
+        // The overlay makes its namespace: `kubectl apply -k` on a new cluster was refused
+        // ("namespaces \"outbox-relay\" not found").
+        let namespace = match overlay {
+            "production" => "outbox-relay",
+            _ => "outbox-relay-dev",
+        };
+        let namespace_resource = format!("namespace/{namespace}");
         for resource in [
+            namespace_resource.as_str(),
             "deployment/outbox-relay",
             "job/outbox-relay-migrate",
             "secret/outbox-relay-migrate",
@@ -503,6 +511,10 @@ overlay = sys.argv[2]
 by_kind = {}
 for d in docs:
     by_kind.setdefault(d["kind"], []).append(d)
+namespace = by_kind["Namespace"][0]["metadata"]["name"]
+for d in docs:
+    if d["kind"] != "Namespace":
+        assert d["metadata"].get("namespace") == namespace, (d["kind"], d["metadata"])
 deploy = by_kind["Deployment"][0]
 pod = deploy["spec"]["template"]
 c = pod["spec"]["containers"][0]
