@@ -129,7 +129,11 @@ pub fn client_config(uri: &str, config: &KafkaConfig) -> Result<ClientConfig, Si
     let (tls, servers) = if let Some(rest) = uri.strip_prefix("kafkas://") {
         (true, rest)
     } else if let Some(rest) = uri.strip_prefix("kafka://") {
-        (config.tls.ca_file.is_some(), rest)
+        // Any TLS file asks for TLS: a client certificate without a CA (the system's roots
+        // then) connected in plaintext, a SASL password sent in clear.
+        let files = &config.tls;
+        let tls = files.ca_file.is_some() || files.cert_file.is_some() || files.key_file.is_some();
+        (tls, rest)
     } else {
         return Err(SinkSetupError::config(
             "a Kafka sink URI looks like kafka://host:port[,host:port] (kafkas:// for TLS)",
@@ -580,6 +584,27 @@ mod tests {
         assert_eq!(c.get("acks"), Some("all"));
         assert_eq!(c.get("sasl.mechanism"), Some("SCRAM-SHA-512"));
         assert!(client_config("kafka://", &KafkaConfig::default()).is_err());
+    }
+
+    /// A client certificate without a CA connected in plaintext (with SASL, its password in
+    /// clear): any TLS file asks for TLS.
+    #[test]
+    fn a_client_certificate_without_a_ca_is_tls() {
+        let config = KafkaConfig {
+            tls: crate::settings::TlsFiles {
+                cert_file: Some("/etc/relay/client.pem".into()),
+                key_file: Some("/etc/relay/client.key".into()),
+                ..Default::default()
+            },
+            sasl_mechanism: Some("PLAIN".into()),
+            sasl_username: Some("relay".into()),
+            sasl_password: Some(Secret::new("pw")),
+            ..KafkaConfig::default()
+        };
+        let c = client_config("kafka://b1:9093", &config).unwrap();
+        assert_eq!(c.get("security.protocol"), Some("sasl_ssl"));
+        let plain = client_config("kafka://b1:9092", &KafkaConfig::default()).unwrap();
+        assert_eq!(plain.get("security.protocol"), Some("plaintext"));
     }
 
     /// Two of librdkafka's sensitive properties were shown in `/api/v1/status`, and a

@@ -86,6 +86,9 @@ struct Inner {
     unroutable: Unroutable,
     timeout: Duration,
     max_message_bytes: AtomicUsize,
+    /// The connection's negotiated frame size: a message's properties (its headers among
+    /// them) travel in one frame, which AMQP does not split.
+    frame_max: AtomicUsize,
     session: Mutex<Option<(Connection, Channel)>>,
     /// One batch at a time on the channel: lapin hands a returned (unroutable) message to
     /// whichever confirmation it completes next, not to its own, so a batch tells its
@@ -109,6 +112,18 @@ impl RabbitSink {
                  TLS), with user info before the host where the broker wants it"
             ))
         })?;
+        // The AMQP client's parser takes an IPv6 literal's host for none, and connects to
+        // localhost instead: a broker listening there would have taken the events, and the
+        // credentials, in the named one's stead.
+        let authority = uri.split_once("://").map_or("", |(_, rest)| rest);
+        let authority = authority.split(['/', '?']).next().unwrap_or("");
+        if authority.rsplit('@').next().unwrap_or("").starts_with('[') {
+            return Err(SinkSetupError::config(format!(
+                "RabbitMQ URI {shown} names an IPv6 address, which the AMQP client cannot \
+                 connect to (it would connect to localhost instead): use a host name that \
+                 resolves to it"
+            )));
+        }
         let exchange = Template::parse(config.exchange.as_deref().unwrap_or(""))
             .map_err(|e| SinkSetupError::config(format!("exchange: {e}")))?;
         Ok(RabbitSink {
@@ -119,6 +134,7 @@ impl RabbitSink {
                 unroutable: config.unroutable,
                 timeout: config.timeout.get(),
                 max_message_bytes: AtomicUsize::new(DEFAULT_MAX_MESSAGE_BYTES),
+                frame_max: AtomicUsize::new(DEFAULT_FRAME_MAX),
                 session: Mutex::new(None),
                 publishing: tokio::sync::Mutex::new(()),
                 abandoned_confirms: AtomicBool::new(false),
@@ -171,6 +187,10 @@ impl Inner {
             })?
             // Opening a channel sends no message, so its failure is never collateral.
             .map_err(|e| self.classify(e, 0, "").into_error())?;
+        let frame_max = connection.configuration().frame_max();
+        if frame_max > 0 {
+            self.frame_max.store(frame_max as usize, Ordering::Relaxed);
+        }
         *session = Some((connection, channel.clone()));
         Ok(channel)
     }
@@ -356,8 +376,29 @@ impl Inner {
 
     /// The message's properties; an error where a value AMQP carries as a short string
     /// ([`short`]) is too long.
-    fn properties(routed: &Routed) -> Result<BasicProperties, PublishError> {
+    fn properties(routed: &Routed, frame_max: usize) -> Result<BasicProperties, PublishError> {
         let event = &routed.event;
+        // The properties travel in one content-header frame. One over the connection's
+        // frame size made the broker close the connection (FRAME_ERROR, frame_too_large),
+        // failing the batch's other messages, and was retried as a broker gone: at every
+        // try, again.
+        let header_bytes: usize = event
+            .headers
+            .iter()
+            .map(|(k, v)| 1 + k.len() + 1 + 4 + v.len())
+            .sum();
+        let room = frame_max.saturating_sub(PROPERTIES_BESIDE_HEADERS);
+        if header_bytes > room {
+            return Err(PublishError::new(
+                PublishErrorKind::TooLarge,
+                format!(
+                    "the event's headers take {header_bytes} bytes, and a RabbitMQ message's \
+                     properties travel in one frame of at most {frame_max} bytes (the \
+                     connection's frame_max; about {room} left for headers): carry the data in \
+                     the payload, or raise the broker's frame_max"
+                ),
+            ));
+        }
         let mut headers = FieldTable::default();
         // The RabbitMQ binding carries a CloudEvent's content type in the content-type property.
         let content_type = event.headers.get(crate::cloudevents::CONTENT_TYPE_HEADER);
@@ -368,7 +409,8 @@ impl Inner {
             // RabbitMQ reads CC and BCC as extra routing keys, in an array: a text value is
             // an invalid message, for which the broker closes the channel and fails every
             // message waiting on it, the batch's others among them, at every try.
-            if k.eq_ignore_ascii_case("CC") || k.eq_ignore_ascii_case("BCC") {
+            // (Only these exact names: `cc` or `Bcc` is an ordinary header to the broker.)
+            if k == "CC" || k == "BCC" {
                 return Err(PublishError::new(
                     PublishErrorKind::Encoding,
                     format!(
@@ -413,6 +455,15 @@ impl Inner {
         Ok(properties)
     }
 }
+
+/// RabbitMQ's default `frame_max` (128 KiB), until a connection says its own.
+const DEFAULT_FRAME_MAX: usize = 131_072;
+
+/// What a message's properties take in its frame besides the event's own headers, at most:
+/// the frame's and the properties' framing, the message id, type, content type, timestamp,
+/// and the relay's own headers (a type and a key of up to 255 bytes each, the sequence id
+/// and a mutation id).
+const PROPERTIES_BESIDE_HEADERS: usize = 2048;
 
 /// `text` as an AMQP short string, at most 255 bytes (exchange and routing key, a header's
 /// name, the type and content type properties), or the event's permanent error saying
@@ -530,7 +581,8 @@ async fn publish_batch(inner: &Arc<Inner>, batch: &[Routed]) -> Vec<Result<(), F
             let exchange = inner.exchange.render(&routed.event);
             let message = short(&exchange, "exchange").and_then(|exchange| {
                 let key = short(&routed.target, "routing key")?;
-                Ok((exchange, key, Inner::properties(routed)?))
+                let frame_max = inner.frame_max.load(Ordering::Relaxed);
+                Ok((exchange, key, Inner::properties(routed, frame_max)?))
             });
             let published = match message {
                 Ok((exchange, key, properties)) => Ok(channel
@@ -608,5 +660,35 @@ fn broker_name(exchange: &str) -> &str {
         "amq.default"
     } else {
         exchange
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The AMQP client took `[::1]` for no host and connected to localhost: such a URI is
+    /// refused, naming why; a host name or an IPv4 address is taken.
+    #[test]
+    fn an_ipv6_literal_is_refused_and_names_are_taken() {
+        let config = RabbitMqConfig::default();
+        for uri in [
+            "amqp://guest:guest@[::1]:5672/",
+            "amqps://[2001:db8::7]/%2f",
+        ] {
+            let err = match RabbitSink::new(uri, &config) {
+                Ok(_) => panic!("{uri} taken"),
+                Err(e) => e,
+            };
+            assert!(err.kind().is_config(), "{err}");
+            assert!(err.to_string().contains("IPv6"), "{err}");
+            assert!(!err.to_string().contains("guest:guest"), "{err}");
+        }
+        for uri in [
+            "amqp://guest:guest@127.0.0.1:5672/%2f",
+            "amqps://broker.internal/orders",
+        ] {
+            assert!(RabbitSink::new(uri, &config).is_ok(), "{uri}");
+        }
     }
 }

@@ -145,14 +145,22 @@ impl Inner {
             .map_err(|e| classify(e, &self.shown))?;
         // A cluster node answers keys of another node's slots with MOVED: every such event
         // failed as a broker failure until dead-lettered. Said once, at the connection.
-        // A role allowed no INFO (least privilege) cannot tell: it is not asked to.
+        // A role allowed no INFO (least privilege), or a server with INFO renamed away
+        // (`rename-command`, "unknown command"), cannot tell: it is not asked to.
         let info: String = match redis::cmd("INFO")
             .arg("cluster")
             .query_async(&mut manager)
             .await
         {
             Ok(info) => info,
-            Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoPerm) => String::new(),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::Server(ServerErrorKind::NoPerm | ServerErrorKind::ResponseError)
+                ) =>
+            {
+                String::new()
+            }
             Err(e) => return Err(classify(e, &self.shown)),
         };
         if info.lines().any(|l| l.trim() == "cluster_enabled:1") {

@@ -518,7 +518,7 @@ impl AwsClient {
         match answer {
             Answer::Refused { code, .. }
                 if matches!(
-                    short_code(&code),
+                    short_code(&code).as_ref(),
                     "AccessDenied" | "AccessDeniedException" | "AuthorizationError"
                 ) =>
             {
@@ -618,7 +618,7 @@ impl AwsClient {
     /// Expired temporary credentials are fetched again for the next attempt.
     async fn on_refusal(&self, _error: &PublishError, code: &str) {
         if matches!(
-            short_code(code),
+            short_code(code).as_ref(),
             "ExpiredToken" | "ExpiredTokenException" | "RequestExpired"
         ) {
             self.credentials.forget().await;
@@ -702,11 +702,16 @@ fn xml_code_and_message(body: &str) -> (String, String) {
 
 /// The code without its namespace: `com.amazonaws.kinesis#ResourceNotFoundException` and
 /// `AWS.SimpleQueueService.NonExistentQueue` become their last part.
-fn short_code(code: &str) -> &str {
+fn short_code(code: &str) -> std::borrow::Cow<'_, str> {
     let code = code.rsplit('#').next().unwrap_or(code);
     let code = code.strip_prefix("AWS.SimpleQueueService.").unwrap_or(code);
-    // SQS names KMS's errors `KMS.ThrottlingException` and the like.
-    code.strip_prefix("KMS.").unwrap_or(code)
+    // SQS names KMS's errors `KMS.ThrottlingException` and the like: KMS's own names, as
+    // the other services give them (stripped, `KMS.NotFoundException` was a missing queue).
+    match code.strip_prefix("KMS.") {
+        Some(kms) if !kms.starts_with("KMS") => format!("KMS{kms}").into(),
+        Some(kms) => kms.into(),
+        None => code.into(),
+    }
 }
 
 /// The one place an AWS error becomes a publish outcome, by its error code first and its
@@ -717,6 +722,7 @@ fn short_code(code: &str) -> &str {
 pub fn classify(status: Option<u16>, code: &str, message: &str, what: &str) -> PublishError {
     use PublishErrorKind::*;
     let short = short_code(code);
+    let short = short.as_ref();
     let kind = match short {
         "Throttling"
         | "ThrottlingException"
@@ -1188,6 +1194,9 @@ mod tests {
                 matches!(error.disposition(), Disposition::Retry { .. }),
                 "{code}: {error:?}"
             );
+            // The queue exists; its key is what is missing.
+            assert_eq!(error.kind(), PublishErrorKind::Unauthorized, "{code}");
+            assert!(!error.to_string().contains("create it"), "{code}: {error}");
         }
         let skewed = classify(
             Some(400),

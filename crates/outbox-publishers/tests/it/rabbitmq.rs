@@ -455,9 +455,12 @@ async fn a_refused_exchange_fails_only_its_own_message_as_unauthorised() {
 
 /// An event with a `CC` header (RabbitMQ's sender-selected routing, an array the broker
 /// validates): as text it is an invalid message, the broker closed the channel, and every
-/// message of the batch failed with it, at every try. It is refused alone.
+/// message of the batch failed with it, at every try. It is refused alone; `cc` and `Bcc`,
+/// which the broker reads as ordinary headers, were refused too and now travel. An event
+/// whose headers do not fit the connection's frame made the broker close the connection
+/// (FRAME_ERROR) under the whole batch, at every try: it is refused alone, as too large.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_events_cc_header_fails_only_its_own_message() {
+async fn an_events_cc_header_or_oversized_headers_fail_only_its_own_message() {
     outbox_testkit::install_crypto();
     let h = new_harness().await;
     let batch: Vec<Routed> = (0..30)
@@ -465,6 +468,15 @@ async fn an_events_cc_header_fails_only_its_own_message() {
             let mut event = (*event(n, &format!("k{n}"), b"{}".to_vec())).clone();
             if n == 10 {
                 event.headers.insert("CC".into(), "another-queue".into());
+            }
+            if n == 11 {
+                event
+                    .headers
+                    .insert("cc".into(), "alice@example.com".into());
+                event.headers.insert("Bcc".into(), "bob@example.com".into());
+            }
+            if n == 12 {
+                event.headers.insert("note".into(), "x".repeat(150_000));
             }
             Routed {
                 cloudevents: None,
@@ -478,6 +490,10 @@ async fn an_events_cc_header_fails_only_its_own_message() {
         if n == 10 {
             let error = outcome.as_ref().expect_err("a CC header");
             assert_eq!(error.kind(), PublishErrorKind::Encoding, "{error}");
+        } else if n == 12 {
+            let error = outcome.as_ref().expect_err("headers over the frame");
+            assert_eq!(error.kind(), PublishErrorKind::TooLarge, "{error}");
+            assert!(error.to_string().contains("frame_max"), "{error}");
         } else {
             assert!(outcome.is_ok(), "message {n}: {outcome:?}");
         }

@@ -304,6 +304,16 @@ async fn refusals_are_classified_by_the_servers_error_code() {
     assert_eq!(err.kind(), PublishErrorKind::Unauthorized, "{err}");
 }
 
+/// A server with INFO renamed away (`rename-command INFO ""`, as hardened installs do)
+/// answered the sink's cluster check "unknown command", and every event failed until it was
+/// dead-lettered. The check is skipped there, as for a role allowed no INFO.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_with_info_renamed_away_is_published_to() {
+    let server = redis_server(&["--rename-command", "INFO", ""]);
+    let sent = send_one(&SinkConfig::new(url(&server)), "renamed").await;
+    assert!(sent.is_ok(), "{sent:?}");
+}
+
 /// A Redis Cluster node answers a key of a slot another node serves with MOVED, and one of
 /// a cluster missing slots with CLUSTERDOWN: the sink, which speaks to one server, retried
 /// each event as a broker failure until it was dead-lettered. It says at its first
