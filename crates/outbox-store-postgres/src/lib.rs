@@ -281,15 +281,28 @@ impl PgStore {
     pub async fn migrate(&self) -> StoreResult<()> {
         let session = migrate::MigrateSession::open(self).await?;
         let result = async {
-            session
-                .apply(&self.outbox_component(&self.inner.tables.steps()))
-                .await?;
+            let steps = self.inner.tables.steps();
+            let found = session.apply(&self.outbox_component(&steps)).await?;
+            if found.version() > steps.latest() {
+                // A newer relay migrated it, perhaps while this one waited for the lock (a
+                // rolling upgrade): judged as `run` judges it, and its wake-up trigger,
+                // which may differ from this relay's, is left as it is.
+                outbox_core::migration::judge(&steps, found, "migrate")?;
+                return Ok(());
+            }
+            // The trigger's lock on the outbox waits behind any transaction that wrote it,
+            // and every insert of the application queues behind the wait: bounded.
             session
                 .batch(&format!(
-                    "BEGIN;\n{}COMMIT;",
+                    "BEGIN;\nSET LOCAL lock_timeout = '{}ms';\n{}COMMIT;",
+                    DDL_LOCK_WAIT.as_millis(),
                     self.inner.tables.wakeup_ddl()
                 ))
                 .await
+                .map_err(|e| match e.kind() {
+                    StoreErrorKind::Conflict => e.with_hint(outbox_core::migration::STEP_LOCK_HINT),
+                    _ => e,
+                })
         }
         .await;
         session.close().await;

@@ -61,35 +61,64 @@ pub fn printable_steps(found: Option<Found>) -> String {
 }
 
 /// Applies the steps the file lacks, each in an immediate transaction with its version.
+/// The version is read in that transaction, under SQLite's write lock: read before it, a
+/// newer relay's migration committed while this one waited for the lock went unseen, and
+/// this one recorded its older version over the newer one's (and ran on a schema it must
+/// refuse). A newer schema is judged as `run` judges it, and nothing is applied to it.
 pub(crate) fn apply(conn: &mut Connection) -> StoreResult<()> {
     let steps = steps();
     conn.execute_batch(VERSION_TABLE_DDL)
         .map_err(|e| sql_error("migrate", e))?;
-    let found = read_found(conn)?;
-    for step in steps.after(found.version()) {
-        let mut sql = String::from("BEGIN IMMEDIATE;\n");
-        for s in &step.statements {
-            sql.push_str(s);
-            sql.push('\n');
-        }
-        sql.push_str(&record_version(
-            steps.component,
-            step.version,
-            steps.readable_from(step.version),
-        ));
-        sql.push_str("COMMIT;");
-        if let Err(e) = conn.execute_batch(&sql) {
-            let _ = conn.execute_batch("ROLLBACK");
-            return Err(sql_error(
-                &format!(
-                    "migrate: step {} (`migrate` again resumes here)",
-                    step.version
-                ),
-                e,
-            ));
+    loop {
+        conn.execute_batch("BEGIN IMMEDIATE")
+            .map_err(|e| sql_error("migrate", e))?;
+        match apply_next(conn, &steps) {
+            Ok(applied) => {
+                conn.execute_batch("COMMIT")
+                    .map_err(|e| sql_error("migrate", e))?;
+                if !applied {
+                    return Ok(());
+                }
+            }
+            Err(e) => {
+                let _ = conn.execute_batch("ROLLBACK");
+                return Err(e);
+            }
         }
     }
-    Ok(())
+}
+
+/// Within the caller's transaction: the next step the file lacks, with its version; false
+/// when none is left (or the schema is newer than this relay's).
+fn apply_next(conn: &Connection, steps: &Steps) -> StoreResult<bool> {
+    let found = read_found(conn)?;
+    if found.version() > steps.latest() {
+        outbox_core::migration::judge(steps, found, "migrate")?;
+        return Ok(false);
+    }
+    let Some(step) = steps.after(found.version()).next() else {
+        return Ok(false);
+    };
+    let mut sql = String::new();
+    for s in &step.statements {
+        sql.push_str(s);
+        sql.push('\n');
+    }
+    sql.push_str(&record_version(
+        steps.component,
+        step.version,
+        steps.readable_from(step.version),
+    ));
+    conn.execute_batch(&sql).map_err(|e| {
+        sql_error(
+            &format!(
+                "migrate: step {} (`migrate` again resumes here)",
+                step.version
+            ),
+            e,
+        )
+    })?;
+    Ok(true)
 }
 
 /// The recorded version, or whether the outbox table exists without one.

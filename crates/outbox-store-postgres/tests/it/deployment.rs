@@ -338,6 +338,115 @@ async fn migrating_a_mapped_table_again_holds_no_insert_behind_a_long_transactio
     migrating.await.unwrap().unwrap();
 }
 
+/// A native outbox without its wake-up trigger (made by the application's own migration
+/// tool, or the trigger dropped): `migrate`, as `check` advises, creates it, and the
+/// trigger's lock on the table waited behind any transaction that wrote it, for as long as
+/// that lasted, every insert of the application queued behind. The wait is now bounded:
+/// `migrate` fails after it, saying to run it again once the transaction ends, and then
+/// makes the trigger.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_trigger_waits_for_its_lock_a_bounded_time() {
+    let url = outbox_testkit::fresh_pg_database().await;
+    let store = PgStore::new(options(&url)).unwrap();
+    store.migrate().await.unwrap();
+    let (writer, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    let triggers = "SELECT count(*) FROM pg_trigger WHERE tgrelid = 'outbox'::regclass
+                    AND NOT tgisinternal";
+    let trigger: String = writer
+        .query_one(
+            "SELECT tgname::text FROM pg_trigger WHERE tgrelid = 'outbox'::regclass
+             AND NOT tgisinternal",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    writer
+        .batch_execute(&format!("DROP TRIGGER \"{trigger}\" ON outbox"))
+        .await
+        .unwrap();
+    // A transaction that wrote the outbox and stays open.
+    writer.batch_execute("BEGIN").await.unwrap();
+    writer
+        .batch_execute(
+            "INSERT INTO outbox (destination, partition_key, event_type, payload)
+             VALUES ('d', 'k', 't', '{}')",
+        )
+        .await
+        .unwrap();
+    let again = PgStore::new(options(&url)).unwrap();
+    let migrated = tokio::time::timeout(Duration::from_secs(30), again.migrate())
+        .await
+        .expect("migrate waited for the lock without bound");
+    let err = migrated.expect_err("the trigger's lock is held");
+    assert!(
+        err.report().contains("run `outbox-relay migrate` again"),
+        "{}",
+        err.report()
+    );
+    writer.batch_execute("COMMIT").await.unwrap();
+    again.migrate().await.unwrap();
+    let n: i64 = writer.query_one(triggers, &[]).await.unwrap().get(0);
+    assert_eq!(n, 1, "migrate made the trigger once the transaction ended");
+}
+
+/// A schema a newer relay migrated, which this one cannot run on, reached by this relay's
+/// `migrate` (it read the version before taking the migrate lock, while the newer relay
+/// migrated: a rolling upgrade). Under the lock, the store returned and then put its own
+/// wake-up function over the newer relay's. It now refuses the schema there, and leaves the
+/// function as it is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_newer_schema_found_under_the_migrate_lock_is_refused_and_left_alone() {
+    let url = outbox_testkit::fresh_pg_database().await;
+    let store = PgStore::new(options(&url)).unwrap();
+    store.migrate().await.unwrap();
+    let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    let function: String = client
+        .query_one(
+            "SELECT tgfoid::regproc::text FROM pg_trigger WHERE tgrelid = 'outbox'::regclass
+             AND NOT tgisinternal",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    // What a newer relay leaves: a later version only relays from it on may run on, and a
+    // wake-up function of its own.
+    client
+        .batch_execute(&format!(
+            "UPDATE outbox_versions SET version = version + 5, readable_from = version + 5
+              WHERE component = 'outbox';
+             CREATE OR REPLACE FUNCTION {function}() RETURNS trigger AS $$
+             BEGIN -- the newer relay's
+                 RETURN NULL;
+             END $$ LANGUAGE plpgsql;"
+        ))
+        .await
+        .unwrap();
+    let err = store.migrate().await.expect_err("a newer schema");
+    assert_eq!(
+        err.kind(),
+        outbox_core::StoreErrorKind::SchemaVersion,
+        "{}",
+        err.report()
+    );
+    let body: String = client
+        .query_one(
+            &format!("SELECT prosrc FROM pg_proc WHERE oid = '{function}'::regproc"),
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(body.contains("the newer relay's"), "replaced: {body}");
+}
+
 /// The plan's text lines of `EXPLAIN (ANALYZE) sql` on `client`.
 async fn explained(client: &tokio_postgres::Client, sql: &str) -> Vec<String> {
     client

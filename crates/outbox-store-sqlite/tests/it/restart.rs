@@ -131,3 +131,55 @@ async fn the_ping_answers_while_the_relays_write_waits_for_the_applications_lock
     application.execute_batch("COMMIT").unwrap();
     assert_eq!(ack.await.unwrap().unwrap(), 1);
 }
+
+/// A newer relay migrating the file while this one waits for SQLite's write lock (two
+/// relays of different builds started together: a rolling upgrade). The version was read
+/// before the lock, so this relay recorded its older version over the newer one's and ran
+/// on a schema it must refuse. It now reads the version under the lock, and refuses it.
+#[tokio::test]
+async fn a_newer_schema_migrated_while_waiting_for_the_lock_is_refused_not_lowered() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("outbox.db");
+    let newer = rusqlite::Connection::open(&path).unwrap();
+    // The version table exists (as after an earlier run's open), empty: this relay's read
+    // finds no version, and only the step's write waits for the lock.
+    newer
+        .execute_batch(
+            "PRAGMA journal_mode = WAL;
+             CREATE TABLE outbox_versions (component TEXT PRIMARY KEY,
+                 version INTEGER NOT NULL, readable_from INTEGER NOT NULL,
+                 migrated_at INTEGER NOT NULL DEFAULT 0);",
+        )
+        .unwrap();
+    newer.execute_batch("BEGIN IMMEDIATE").unwrap();
+    let store = SqliteStore::open(&path, false).unwrap();
+    let migrating = tokio::spawn(async move { store.migrate().await });
+    // Time for the migration to read the version and wait for the write lock (its busy
+    // timeout is 10 s); nothing tells when it waits. Should it read later, it reads the
+    // newer version and passes the same way.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!migrating.is_finished(), "migrate went ahead of the lock");
+    newer
+        .execute_batch(
+            "INSERT INTO outbox_versions (component, version, readable_from)
+                 VALUES ('outbox', 2, 2);
+             COMMIT;",
+        )
+        .unwrap();
+    let migrated = migrating.await.unwrap();
+    let err = migrated.expect_err("a schema only relays of version 2 on may run on");
+    assert_eq!(
+        err.kind(),
+        outbox_core::StoreErrorKind::SchemaVersion,
+        "{}",
+        err.report()
+    );
+    let recorded: (i64, i64) = newer
+        .query_row(
+            "SELECT version, readable_from FROM outbox_versions WHERE component = 'outbox'",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    assert_eq!(recorded, (2, 2), "the newer relay's version was lowered");
+}
