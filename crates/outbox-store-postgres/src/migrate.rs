@@ -145,6 +145,9 @@ impl MigrateSession {
                 step.summary
             );
         }
+        self.rebuild_lost_indexes(c, found.version())
+            .await
+            .map_err(|e| step_failed(c, latest, e))?;
         self.drop_obsolete(&c.obsolete_indexes)
             .await
             .map_err(|e| step_failed(c, latest, e))?;
@@ -152,6 +155,45 @@ impl MigrateSession {
             version: latest,
             readable_from: c.steps.readable_from(latest),
         })
+    }
+
+    /// Builds again the indexes of steps recorded before this migration (up to `recorded`)
+    /// that are gone or invalid since: dropped by hand, a restore without them, a rebuild
+    /// (`REINDEX CONCURRENTLY`) interrupted. `check` and `run` refuse to run without them
+    /// and name `migrate` as the fix, whose steps were all recorded, so it did nothing. The
+    /// index steps are idempotent (`IF NOT EXISTS`), and run again whole.
+    async fn rebuild_lost_indexes(&self, c: &Component<'_>, recorded: u32) -> StoreResult<()> {
+        let mut lost = Vec::new();
+        for index in &c.concurrent_indexes {
+            let row = self
+                .0
+                .query_one(
+                    "SELECT NOT coalesce((SELECT indisvalid FROM pg_index
+                                           WHERE indexrelid = to_regclass($1)), false)",
+                    &[index],
+                )
+                .await
+                .map_err(|e| db_error("migrate", e))?;
+            if row.get::<_, bool>(0) {
+                lost.push(index.as_str());
+            }
+        }
+        if lost.is_empty() {
+            return Ok(());
+        }
+        tracing::warn!(indexes = ?lost, "building again indexes that are gone or invalid since their step was recorded");
+        self.drop_invalid(&c.concurrent_indexes).await?;
+        let index_steps = c
+            .steps
+            .steps
+            .iter()
+            .filter(|step| step.version <= recorded && matches!(step.run, Run::Alone));
+        for step in index_steps {
+            for statement in &step.statements {
+                self.batch(statement).await?;
+            }
+        }
+        Ok(())
     }
 
     /// Drops each of `indexes` that exists.

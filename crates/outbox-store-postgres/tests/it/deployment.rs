@@ -447,6 +447,45 @@ async fn a_newer_schema_found_under_the_migrate_lock_is_refused_and_left_alone()
     assert!(body.contains("the newer relay's"), "replaced: {body}");
 }
 
+/// An index a recorded step built, gone since (dropped by hand, a restore without it):
+/// `check` and `run` refuse to run and name `migrate` as the fix, but every step was
+/// recorded, so `migrate` did nothing and the relay stayed down. `migrate` builds it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_builds_again_an_index_gone_since_its_step() {
+    let url = outbox_testkit::fresh_pg_database().await;
+    let store = PgStore::new(options(&url)).unwrap();
+    store.migrate().await.unwrap();
+    let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    for index in store.tables().concurrent_indexes() {
+        client
+            .batch_execute(&format!("DROP INDEX {index}"))
+            .await
+            .unwrap();
+    }
+    assert!(
+        !store.verify().await.unwrap().is_empty(),
+        "check names the missing indexes"
+    );
+    store.migrate().await.unwrap();
+    for index in store.tables().concurrent_indexes() {
+        let valid: bool = client
+            .query_one(
+                "SELECT coalesce((SELECT indisvalid FROM pg_index
+                                   WHERE indexrelid = to_regclass($1)), false)",
+                &[&index],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert!(valid, "{index} built again");
+    }
+    let problems = store.verify().await.unwrap();
+    assert!(problems.is_empty(), "{problems:?}");
+}
+
 /// The plan's text lines of `EXPLAIN (ANALYZE) sql` on `client`.
 async fn explained(client: &tokio_postgres::Client, sql: &str) -> Vec<String> {
     client
