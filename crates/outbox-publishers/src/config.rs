@@ -174,6 +174,36 @@ pub enum SinkSettings {
 }
 
 impl SinkSettings {
+    /// The longest one batch may take at this sink: a sink whose requests wait for a free
+    /// slot (the webhook's per destination, the AWS sinks' `concurrency`, RabbitMQ's one
+    /// batch at a time on its channel) gives up waiting after half its timeout, then gives
+    /// the request its whole timeout; the others, their timeout. `None`: a sink that
+    /// confirms by writing (stdout, files).
+    pub fn longest_batch(&self) -> Option<Duration> {
+        let timeout = self
+            .confirm_timeout()
+            .unwrap_or(crate::settings::DEFAULT_SINK_TIMEOUT);
+        let waits = match self {
+            SinkSettings::None => return None,
+            #[cfg(feature = "webhook")]
+            SinkSettings::Webhook(_) => true,
+            #[cfg(feature = "rabbitmq")]
+            SinkSettings::RabbitMq(_) => true,
+            #[cfg(feature = "aws")]
+            SinkSettings::Sqs(_)
+            | SinkSettings::Sns(_)
+            | SinkSettings::Kinesis(_)
+            | SinkSettings::EventBridge(_) => true,
+            #[allow(unreachable_patterns)]
+            _ => false,
+        };
+        Some(if waits {
+            timeout + timeout / 2
+        } else {
+            timeout
+        })
+    }
+
     /// The confirmation `timeout` the sink's table sets; `None`: not set, or a sink that
     /// confirms by writing (stdout, files).
     pub fn confirm_timeout(&self) -> Option<Duration> {

@@ -497,7 +497,8 @@ impl Sink for RabbitSink {
     fn send(&self, batch: Vec<Routed>) -> BoxFuture<'static, Vec<Outcome>> {
         let inner = self.inner.clone();
         async move {
-            let mut outcomes = publish_batch(&inner, &batch).await;
+            let until = tokio::time::Instant::now() + inner.timeout / 2;
+            let mut outcomes = publish_batch(&inner, &batch, until).await;
             // A size refusal makes the broker close the channel, failing the rest of the
             // batch with it; those go once more on a fresh channel.
             // A message too large, or sent to a missing exchange, makes the broker close the
@@ -527,7 +528,7 @@ impl Sink for RabbitSink {
                 let again: Vec<Routed> = collateral.iter().map(|&i| batch[i].clone()).collect();
                 for (i, outcome) in collateral
                     .into_iter()
-                    .zip(publish_batch(&inner, &again).await)
+                    .zip(publish_batch(&inner, &again, until).await)
                 {
                     outcomes[i] = outcome;
                 }
@@ -559,9 +560,32 @@ fn message_id(routed: &Routed) -> String {
     routed.event.event_id.hyphenated().to_string()
 }
 
-/// Publishes a batch on the confirm channel and awaits every confirm.
-async fn publish_batch(inner: &Arc<Inner>, batch: &[Routed]) -> Vec<Result<(), Failure>> {
-    let _alone = inner.publishing.lock().await;
+/// Publishes a batch on the confirm channel and awaits every confirm, once the batch
+/// before it is done there, if that is by `until`. The engine's publish timeout covers the
+/// whole batch: one queued behind slow ones outlived it, and every event was retried, those
+/// the broker had confirmed too. A batch not started in time is given back unsent (no
+/// attempt), and its events go in a later batch.
+async fn publish_batch(
+    inner: &Arc<Inner>,
+    batch: &[Routed],
+    until: tokio::time::Instant,
+) -> Vec<Result<(), Failure>> {
+    let Ok(_alone) = tokio::time::timeout_at(until, inner.publishing.lock()).await else {
+        let not_sent = || {
+            PublishError::new(
+                PublishErrorKind::NotSent,
+                format!(
+                    "{}: not sent, the batch before it held the channel for half the sink's \
+                     timeout",
+                    inner.shown
+                ),
+            )
+        };
+        return batch
+            .iter()
+            .map(|_| Err(Failure::Own(not_sent())))
+            .collect();
+    };
     {
         let abandoned = inner.abandoned_confirms.load(Ordering::SeqCst);
         let channel = match inner.channel(abandoned).await {

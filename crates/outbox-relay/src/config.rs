@@ -505,6 +505,22 @@ impl Config {
                     );
                 }
             }
+            // A request that waited for a free slot for half the sink's timeout still has
+            // its whole timeout: cut short by publish_timeout, its batch's events were all
+            // retried, those the broker had taken too.
+            if let Some(longest) = sink.settings().longest_batch() {
+                if longest >= self.engine.publish_timeout {
+                    bail!(
+                        "the sink {name} may take {longest:?} for a batch (a request waits up \
+                         to half its timeout for a free slot, then has its whole timeout), not \
+                         shorter than publish_timeout ({:?}), which would end such a batch and \
+                         retry its delivered events too: keep the sink's timeout under two \
+                         thirds of publish_timeout (lower it, or raise publish_timeout and \
+                         lease)",
+                        self.engine.publish_timeout
+                    );
+                }
+            }
         }
         Ok(())
     }

@@ -318,6 +318,11 @@ pub struct AwsClient {
     path: String,
     credentials: Arc<Provider>,
     requests: Arc<Semaphore>,
+    /// The size of `requests`: the `concurrency` setting.
+    concurrency: usize,
+    /// How long a batch's request may wait for one of the `concurrency` slots (half the
+    /// sink's timeout); one not started by then is given back unsent ([`AwsClient::slot`]).
+    start_within: Duration,
 }
 
 impl AwsClient {
@@ -330,6 +335,7 @@ impl AwsClient {
                 "`concurrency` = 0 would never send a request: use 1 or more (default 16)",
             ));
         }
+        let concurrency = config.concurrency.unwrap_or(DEFAULT_CONCURRENCY);
         let found = Provider::from_chain(
             env,
             config.profile.as_deref(),
@@ -367,10 +373,32 @@ impl AwsClient {
             endpoint,
             host,
             credentials: found.provider,
-            requests: Arc::new(Semaphore::new(
-                config.concurrency.unwrap_or(DEFAULT_CONCURRENCY),
-            )),
+            requests: Arc::new(Semaphore::new(concurrency)),
+            concurrency,
+            start_within: config.timeout.get() / 2,
         })
+    }
+
+    /// One of the `concurrency` request slots, if one comes free by `until`. The engine's
+    /// publish timeout covers the whole batch: requests queued behind slow ones outlived
+    /// it, and every event was retried, those the service had taken too. A request not
+    /// started in time is given back unsent (no attempt), and goes in a later batch.
+    async fn slot(
+        &self,
+        until: tokio::time::Instant,
+    ) -> Result<tokio::sync::OwnedSemaphorePermit, PublishError> {
+        match tokio::time::timeout_at(until, self.requests.clone().acquire_owned()).await {
+            Ok(permit) => Ok(permit.expect("the semaphore is never closed")),
+            Err(_) => Err(PublishError::new(
+                PublishErrorKind::NotSent,
+                format!(
+                    "{}: not sent, the sink's {} requests at a time were all busy for half its \
+                     timeout",
+                    self.service.name(),
+                    self.concurrency
+                ),
+            )),
+        }
     }
 
     /// A client for another service with the same credentials and region (SNS asks STS
@@ -392,6 +420,8 @@ impl AwsClient {
             endpoint: url,
             credentials: self.credentials.clone(),
             requests: self.requests.clone(),
+            concurrency: self.concurrency,
+            start_within: self.start_within,
         })
     }
 
@@ -420,11 +450,6 @@ impl AwsClient {
         body: Vec<u8>,
         action: &str,
     ) -> Result<(u16, Option<String>, String), PublishError> {
-        let _permit = self
-            .requests
-            .acquire()
-            .await
-            .expect("the semaphore is never closed");
         let credentials = self.credentials.get().await?;
         let signed = sigv4::sign(
             &sigv4::Request {
@@ -916,13 +941,14 @@ pub fn send_batched<A: BatchApi>(
             requests.push((target, chunk));
         }
     }
+    let until = tokio::time::Instant::now() + api.client().start_within;
     let sent: Vec<_> = requests
         .into_iter()
         .map(|(target, chunk)| {
             let (positions, entries): (Vec<usize>, Vec<A::Entry>) = chunk.into_iter().unzip();
             let api = api.clone();
             async move {
-                let results = send_chunk(api, target, entries).await;
+                let results = send_chunk(api, target, entries, until).await;
                 positions.into_iter().zip(results).collect::<Vec<_>>()
             }
         })
@@ -947,14 +973,20 @@ async fn send_chunk<A: BatchApi>(
     api: Arc<A>,
     target: String,
     entries: Vec<A::Entry>,
+    until: tokio::time::Instant,
 ) -> Vec<Outcome> {
     let count = entries.len();
     let entries: Arc<[A::Entry]> = entries.into();
-    let error = match api
+    let slot = match api.client().slot(until).await {
+        Ok(slot) => slot,
+        Err(not_sent) => return crate::sink::fail_n(count, &not_sent),
+    };
+    let sent = api
         .clone()
         .send_entries(target.clone(), entries.clone())
-        .await
-    {
+        .await;
+    drop(slot);
+    let error = match sent {
         Ok(outcomes) => return outcomes,
         Err(error) => error,
     };
@@ -967,6 +999,7 @@ async fn send_chunk<A: BatchApi>(
         let target = target.clone();
         let entry: Arc<[A::Entry]> = Arc::new([entry.clone()]);
         async move {
+            let _slot = api.client().slot(until).await?;
             match api.send_entries(target, entry).await {
                 Ok(mut outcomes) => outcomes
                     .pop()

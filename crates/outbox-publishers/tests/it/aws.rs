@@ -599,6 +599,42 @@ async fn a_missing_queue_is_retried_until_it_exists() {
     );
 }
 
+/// The engine's publish timeout covers the whole batch: requests queued behind the
+/// `concurrency` slow ones outlived it, and every event was retried, those SQS had taken
+/// too. A request not started within half the sink's timeout is given back unsent (no
+/// attempt), and the one that started is confirmed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_that_cannot_start_in_time_are_given_back_unsent() {
+    let (sink, proxy) = build("sqs:", json!({ "timeout": "4s", "concurrency": 1 })).await;
+    let name = unique("slow");
+    let (url, _) = create_queue(&name).await;
+    // Warm: the first call loads moto's models.
+    let warm = sink
+        .send(routed(&url, &[event(1, "warm", b"{}".to_vec())]))
+        .await;
+    assert!(warm[0].is_ok(), "{warm:?}");
+    // Answers come 2.5 s late: the first request holds the one slot past half the timeout
+    // (2 s), and is answered within it (4 s), with room for a slow host either way.
+    proxy.handle().latency(
+        outbox_testkit::faultproxy::Direction::ToClient,
+        Duration::from_millis(2500),
+    );
+    // 30 keys: three requests of 10 entries, one at a time.
+    let batch: Vec<_> = (0..30)
+        .map(|n| event(n + 2, &format!("k{n}"), b"{}".to_vec()))
+        .collect();
+    let outcomes = sink.send(routed(&url, &batch)).await;
+    let sent = outcomes.iter().filter(|o| o.is_ok()).count();
+    let unsent = outcomes
+        .iter()
+        .filter(|o| {
+            o.as_ref()
+                .is_err_and(|e| e.kind() == PublishErrorKind::NotSent)
+        })
+        .count();
+    assert_eq!((sent, unsent), (10, 20), "{outcomes:?}");
+}
+
 /// Kubernetes' web identity: the token file is exchanged at STS for temporary credentials,
 /// which then sign the requests.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -564,3 +564,41 @@ async fn health_fails_for_a_fixed_exchange_that_does_not_exist() {
         .unwrap();
     built.health().await.expect("amq.direct exists");
 }
+
+/// Batches go one at a time on the channel, and the engine's publish timeout covers each
+/// whole: a batch queued behind a slow one outlived it, and every event was retried, those
+/// the broker had confirmed too. A batch not started within half the sink's timeout is given
+/// back unsent (no attempt), and the one that started is confirmed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_that_cannot_start_in_time_is_given_back_unsent() {
+    outbox_testkit::install_crypto();
+    let h = new_harness().await;
+    let (proxy, url) = outbox_testkit::FaultProxy::start_for_url(&h.url)
+        .await
+        .expect("a proxy");
+    let config: SinkConfig =
+        serde_json::from_value(serde_json::json!({ "uri": url, "timeout": "4s" })).unwrap();
+    let sink = outbox_publishers::build_sink("rabbit", &config)
+        .await
+        .unwrap();
+    let one = |n: i64| {
+        vec![Routed {
+            cloudevents: None,
+            event: event(n, &format!("k{n}"), b"{}".to_vec()),
+            target: h.queue.clone(),
+        }]
+    };
+    assert!(sink.send(one(1)).await[0].is_ok(), "connected");
+    // Confirms come 2.5 s late: the first batch holds the channel past half the timeout
+    // (2 s), and is confirmed within it (4 s), with room for a slow host either way.
+    proxy.handle().latency(
+        outbox_testkit::Direction::ToClient,
+        std::time::Duration::from_millis(2500),
+    );
+    let (first, second) = tokio::join!(sink.send(one(2)), sink.send(one(3)));
+    assert!(first[0].is_ok(), "{first:?}");
+    let unsent = second[0]
+        .as_ref()
+        .expect_err("queued past half the timeout");
+    assert_eq!(unsent.kind(), PublishErrorKind::NotSent, "{unsent}");
+}

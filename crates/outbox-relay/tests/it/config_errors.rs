@@ -264,6 +264,20 @@ fn settings_a_run_would_ignore_or_cut_short_exit_2() {
         "the sink main's timeout (30s) must be shorter than publish_timeout (2s)",
         "raise publish_timeout",
     );
+    // A webhook request waits up to half its timeout for a free slot, then has its whole
+    // timeout: 15 s of timeout is 22.5 s, past a publish_timeout of 20 s, which would cut
+    // such a batch short and retry its delivered events too. A NATS sink does not wait.
+    std::fs::write(
+        d.join("queued.toml"),
+        "publish_timeout = \"20s\"\nlease = \"40s\"\n[sinks.main]\n\
+         uri = \"http://127.0.0.1:1/hook\"\ntimeout = \"15s\"\n",
+    )
+    .unwrap();
+    refused(
+        relay(d, &[&["--config", "queued.toml"][..], &drain].concat(), &[]),
+        "the sink main may take 22.5s for a batch",
+        "under two thirds of publish_timeout",
+    );
     // No wait between attempts dead-lettered a backlog within a second's outage; a 1 ns
     // poll interval claimed in a busy loop; 0 attempts for a type was taken as 1.
     refused(
