@@ -174,11 +174,11 @@ pub enum SinkSettings {
 }
 
 impl SinkSettings {
-    /// The longest one batch may take at this sink: a sink whose requests wait for a free
-    /// slot (the webhook's per destination, the AWS sinks' `concurrency`, RabbitMQ's one
-    /// batch at a time on its channel) gives up waiting after half its timeout, then gives
-    /// the request its whole timeout; the others, their timeout. `None`: a sink that
-    /// confirms by writing (stdout, files).
+    /// The longest one batch may take at a sink whose requests wait for a free slot (the
+    /// webhook's per destination, the AWS sinks' `concurrency`, RabbitMQ's one batch at a
+    /// time on its channel): it gives up waiting after half its timeout (the default one
+    /// too), then gives the request its whole timeout. `None` for the other sinks, whose
+    /// longest batch is their timeout.
     pub fn longest_batch(&self) -> Option<Duration> {
         let timeout = self
             .confirm_timeout()
@@ -197,11 +197,7 @@ impl SinkSettings {
             #[allow(unreachable_patterns)]
             _ => false,
         };
-        Some(if waits {
-            timeout + timeout / 2
-        } else {
-            timeout
-        })
+        waits.then(|| timeout + timeout / 2)
     }
 
     /// The confirmation `timeout` the sink's table sets; `None`: not set, or a sink that

@@ -512,11 +512,15 @@ impl Config {
                 if longest >= self.engine.publish_timeout {
                     bail!(
                         "the sink {name} may take {longest:?} for a batch (a request waits up \
-                         to half its timeout for a free slot, then has its whole timeout), not \
+                         to half its timeout, {:?}, for a free slot, then has its whole \
+                         timeout), not \
                          shorter than publish_timeout ({:?}), which would end such a batch and \
                          retry its delivered events too: keep the sink's timeout under two \
                          thirds of publish_timeout (lower it, or raise publish_timeout and \
                          lease)",
+                        sink.settings()
+                            .confirm_timeout()
+                            .unwrap_or(outbox_publishers::settings::DEFAULT_SINK_TIMEOUT),
                         self.engine.publish_timeout
                     );
                 }

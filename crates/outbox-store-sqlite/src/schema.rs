@@ -29,7 +29,9 @@ pub fn steps() -> Steps {
             // SQLite has one writer: a step holds the write lock for its whole transaction
             // (milliseconds on tables that exist, as this one creates only what is missing).
             lock: Lock::Locks(
-                "holds SQLite's write lock for its transaction (creating what is missing: milliseconds)",
+                "holds SQLite's write lock for its transaction (creating what is missing: \
+                 milliseconds; building the indexes of an existing table without them, about \
+                 a second per million rows, while writes wait)",
             ),
             run: Run::InTransaction,
             older_relays_run: false,

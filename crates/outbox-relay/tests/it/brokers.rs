@@ -365,7 +365,7 @@ shutdown_timeout = "1s"
 
 [sinks.hook]
 uri = "http://{addr}/events"
-timeout = "270s"
+timeout = "180s"
 
 [sinks.audit]
 uri = "file:{audit}"
