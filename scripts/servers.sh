@@ -32,41 +32,43 @@ as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 # Whether `server` is among those this run starts.
 wanted() { [[ " $SERVERS " == *" $1 "* ]]; }
 
-# What the servers this run starts need, and with the whole set (the test suite's) what the
-# tests need besides: a run of some servers only (the quickstart's PostgreSQL and NATS)
-# installs no browser, image builder or Kafka toolchain.
+# What every caller needs (the servers' own tools, the relay's build, the scripts'
+# python3 and /usr/bin/time), the servers this run starts, and with the whole set (the test
+# suite's) what only the tests drive: a run of some servers (the quickstart's, the
+# benchmarks', the chaos scenarios') installs no browser, image builder or Kubernetes client.
 install_packages() {
   local missing=()
   local everything=false
   [ -z "${OUTBOX_TEST_SERVERS:-}" ] && everything=true
-  wanted postgres && { [ -x "$PG_BIN/initdb" ] || missing+=(postgresql-15 postgresql-contrib); }
   command -v openssl >/dev/null || missing+=(openssl)
   # The NATS start reads its health endpoint.
   command -v curl >/dev/null || missing+=(curl)
-  wanted nats && { command -v nats-server >/dev/null || missing+=(nats-server); }
+  [ -x /usr/bin/time ] || missing+=(time)   # the benchmarks read CPU and peak RSS from it
+  # The quickstart's subscriber and the CloudEvents tests' SDK (a venv).
+  command -v python3 >/dev/null || missing+=(python3)
+  python3 -c 'import ensurepip' 2>/dev/null || missing+=(python3-venv)
+  # Build prerequisites of librdkafka (the Kafka sink, in the default build every script
+  # makes); its libcurl is built from source (rdkafka's curl-static feature), so no libcurl
+  # headers are needed.
+  command -v cmake >/dev/null || missing+=(cmake)
+  command -v g++ >/dev/null || missing+=(g++)
+  [ -f /usr/include/openssl/ssl.h ] || missing+=(libssl-dev)
+  [ -f /usr/include/zlib.h ] || missing+=(zlib1g-dev)
+  [ -r /etc/ssl/certs/ca-certificates.crt ] || missing+=(ca-certificates)
+  wanted postgres && { [ -x "$PG_BIN/initdb" ] || missing+=(postgresql-15 postgresql-contrib); }
+  # The chaos scenarios start NATS servers of their own beside PostgreSQL alone.
+  command -v nats-server >/dev/null || missing+=(nats-server)
   wanted redis && { command -v redis-server >/dev/null || missing+=(redis-server); }
   wanted rabbitmq && { [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || missing+=(rabbitmq-server); }
   # MariaDB stands in for MySQL 8, which Debian does not package.
   wanted mariadb && { [ -x /usr/sbin/mariadbd ] || missing+=(mariadb-server); }
-  # The CloudEvents tests read what the relay sent with the PyPI `cloudevents` SDK, in a venv.
-  if wanted python || wanted moto; then
-    command -v python3 >/dev/null || missing+=(python3)
-    python3 -c 'import ensurepip' 2>/dev/null || missing+=(python3-venv)
-  fi
   if $everything; then
-    [ -x /usr/bin/time ] || missing+=(time)   # the benchmarks read CPU and peak RSS from it
     # The observability tests check the alert rules with promtool and scrape a relay with a
     # Prometheus of their own (the package's service is not used).
     command -v promtool >/dev/null || missing+=(prometheus)
     # The console tests drive a real headless browser through WebDriver.
     command -v chromium >/dev/null || missing+=(chromium)
     command -v chromedriver >/dev/null || missing+=(chromium-driver)
-    # Build prerequisites of librdkafka (the Kafka sink); its libcurl is built from source
-    # (rdkafka's curl-static feature), so no libcurl headers are needed.
-    command -v cmake >/dev/null || missing+=(cmake)
-    command -v g++ >/dev/null || missing+=(g++)
-    [ -f /usr/include/openssl/ssl.h ] || missing+=(libssl-dev)
-    [ -f /usr/include/zlib.h ] || missing+=(zlib1g-dev)
     # The packaging tests: the image (buildah, FROM scratch: strip), the Debian package's unit
     # (systemd-analyze) and the Kubernetes manifests (kubectl kustomize).
     command -v buildah >/dev/null || missing+=(buildah)
@@ -75,7 +77,6 @@ install_packages() {
     command -v dpkg-shlibdeps >/dev/null || missing+=(dpkg-dev)
     command -v systemd-analyze >/dev/null || missing+=(systemd)
     command -v kubectl >/dev/null || missing+=(kubernetes-client)
-    [ -r /etc/ssl/certs/ca-certificates.crt ] || missing+=(ca-certificates)
   fi
   if [ ${#missing[@]} -gt 0 ]; then
     log "installing ${missing[*]}"

@@ -382,18 +382,27 @@ impl Inner {
         // frame size made the broker close the connection (FRAME_ERROR, frame_too_large),
         // failing the batch's other messages, and was retried as a broker gone: at every
         // try, again.
-        let header_bytes: usize = event
-            .headers
-            .iter()
-            .map(|(k, v)| 1 + k.len() + 1 + 4 + v.len())
-            .sum();
+        let field = |name: &str, value: usize| 1 + name.len() + 1 + 4 + value;
+        let relays_own = field("outbox-event-type", event.event_type.len())
+            + field("outbox-partition-key", event.ordering_key().len())
+            + field("outbox-sequence-id", 8)
+            + event
+                .mutation_id
+                .as_ref()
+                .map_or(0, |m| field("outbox-mutation-id", m.len()));
+        let header_bytes: usize = relays_own
+            + event
+                .headers
+                .iter()
+                .map(|(k, v)| field(k, v.len()))
+                .sum::<usize>();
         let room = frame_max.saturating_sub(PROPERTIES_BESIDE_HEADERS);
         if header_bytes > room {
             return Err(PublishError::new(
                 PublishErrorKind::TooLarge,
                 format!(
-                    "the event's headers take {header_bytes} bytes, and a RabbitMQ message's \
-                     properties travel in one frame of at most {frame_max} bytes (the \
+                    "the event's headers (with its key and the relay's own) take \
+                     {header_bytes} bytes, and a RabbitMQ message's properties travel in one frame of at most {frame_max} bytes (the \
                      connection's frame_max; about {room} left for headers): carry the data in \
                      the payload, or raise the broker's frame_max"
                 ),
@@ -459,11 +468,10 @@ impl Inner {
 /// RabbitMQ's default `frame_max` (128 KiB), until a connection says its own.
 const DEFAULT_FRAME_MAX: usize = 131_072;
 
-/// What a message's properties take in its frame besides the event's own headers, at most:
-/// the frame's and the properties' framing, the message id, type, content type, timestamp,
-/// and the relay's own headers (a type and a key of up to 255 bytes each, the sequence id
-/// and a mutation id).
-const PROPERTIES_BESIDE_HEADERS: usize = 2048;
+/// What a message's properties take in its frame besides its headers, at most: the frame's
+/// and the properties' framing, the message id, the type and content type (short strings,
+/// 255 bytes each), the delivery mode and timestamp.
+const PROPERTIES_BESIDE_HEADERS: usize = 1024;
 
 /// `text` as an AMQP short string, at most 255 bytes (exchange and routing key, a header's
 /// name, the type and content type properties), or the event's permanent error saying

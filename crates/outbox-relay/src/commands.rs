@@ -283,7 +283,7 @@ pub async fn check(config: Config) -> anyhow::Result<ExitCode> {
         Err(e) => {
             failed = true;
             // A sink the configuration names wrongly: only the operator can fix it.
-            misconfigured = crate::error::is_config_error(&e);
+            misconfigured |= crate::error::is_config_error(&e);
             outln!("problem: {e:#}");
         }
     }

@@ -71,18 +71,24 @@ pub(crate) fn apply(conn: &mut Connection) -> StoreResult<()> {
     let steps = steps();
     conn.execute_batch(VERSION_TABLE_DDL)
         .map_err(|e| sql_error("migrate", e))?;
+    // A file at this relay's version (every start, every operator command) takes no write
+    // lock: an application's long write transaction would otherwise hold them up.
+    if read_found(conn)?.version() == steps.latest() {
+        return Ok(());
+    }
     loop {
         conn.execute_batch("BEGIN IMMEDIATE")
             .map_err(|e| sql_error("migrate", e))?;
-        match apply_next(conn, &steps) {
-            Ok(applied) => {
-                conn.execute_batch("COMMIT")
-                    .map_err(|e| sql_error("migrate", e))?;
-                if !applied {
-                    return Ok(());
-                }
-            }
+        let applied = apply_next(conn, &steps).and_then(|applied| {
+            conn.execute_batch("COMMIT")
+                .map_err(|e| sql_error("migrate", e))?;
+            Ok(applied)
+        });
+        match applied {
+            Ok(true) => {}
+            Ok(false) => return Ok(()),
             Err(e) => {
+                // The connection is the store's one writer: no transaction is left open on it.
                 let _ = conn.execute_batch("ROLLBACK");
                 return Err(e);
             }

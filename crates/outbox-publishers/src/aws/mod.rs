@@ -379,6 +379,11 @@ impl AwsClient {
         })
     }
 
+    /// One of the `concurrency` request slots, whenever one comes free.
+    async fn slot_whenever(&self) -> tokio::sync::OwnedSemaphorePermit {
+        (self.requests.clone().acquire_owned().await).expect("the semaphore is never closed")
+    }
+
     /// One of the `concurrency` request slots, if one comes free by `until`. The engine's
     /// publish timeout covers the whole batch: requests queued behind slow ones outlived
     /// it, and every event was retried, those the service had taken too. A request not
@@ -999,7 +1004,10 @@ async fn send_chunk<A: BatchApi>(
         let target = target.clone();
         let entry: Arc<[A::Entry]> = Arc::new([entry.clone()]);
         async move {
-            let _slot = api.client().slot(until).await?;
+            // Waited for however long it takes: given back unsent past a deadline, the entry
+            // the service refuses would never be counted, and would come back in every
+            // batch with the entries of its request.
+            let _slot = api.client().slot_whenever().await;
             match api.send_entries(target, entry).await {
                 Ok(mut outcomes) => outcomes
                     .pop()
@@ -1274,6 +1282,8 @@ mod tests {
     struct RefusesWholeRequests {
         client: AwsClient,
         requests: std::sync::Mutex<Vec<usize>>,
+        /// How long a request of several entries takes to be answered.
+        whole_takes: Duration,
     }
 
     impl BatchApi for RefusesWholeRequests {
@@ -1302,7 +1312,13 @@ mod tests {
         ) -> BoxFuture<'static, Result<Vec<Outcome>, PublishError>> {
             self.requests.lock().unwrap().push(entries.len());
             let refused = entries.iter().any(|bad| *bad);
+            let takes = if entries.len() > 1 {
+                self.whole_takes
+            } else {
+                self.whole_takes / 100
+            };
             async move {
+                tokio::time::sleep(takes).await;
                 match refused {
                     true => Err(classify(Some(400), "InvalidParameterValue", "bad", "x")),
                     false => Ok(entries.iter().map(|_| Ok(())).collect()),
@@ -1312,20 +1328,71 @@ mod tests {
         }
     }
 
-    /// One entry that gets a whole request refused fails alone: the others of its request
-    /// are sent again one by one and delivered. A retryable refusal is not split.
-    #[tokio::test]
-    async fn a_request_refused_for_one_entry_is_split_so_only_that_entry_fails() {
-        let env = |name: &str| match name {
+    fn test_env(name: &str) -> Option<String> {
+        match name {
             "AWS_ACCESS_KEY_ID" => Some("AK".to_string()),
             "AWS_SECRET_ACCESS_KEY" => Some("s".to_string()),
             "AWS_REGION" => Some("us-east-1".to_string()),
             _ => None,
+        }
+    }
+
+    fn ok_bad_ok() -> Vec<Routed> {
+        ["ok", "bad", "ok"]
+            .iter()
+            .enumerate()
+            .map(|(i, payload)| {
+                let event = outbox_core::Event::new(
+                    i as i64,
+                    uuid::Uuid::new_v4(),
+                    "d",
+                    "t",
+                    outbox_core::Payload::Bytes(payload.as_bytes().to_vec()),
+                );
+                Routed {
+                    event: Arc::new(event),
+                    target: "q".into(),
+                    cloudevents: None,
+                }
+            })
+            .collect()
+    }
+
+    /// The entries of a refused request, sent again one by one after the batch's time to
+    /// start its requests had passed, were given back unsent when a slot was busy: the
+    /// refused entry was never counted, and came back with its request's others in every
+    /// batch. They wait for a slot.
+    #[tokio::test(start_paused = true)]
+    async fn entries_sent_alone_after_a_slow_refusal_wait_for_a_slot() {
+        outbox_testkit::install_crypto();
+        let config = AwsConfig {
+            concurrency: Some(1),
+            timeout: crate::settings::ConfirmTimeout {
+                timeout: Some(Duration::from_secs(2)),
+            },
+            ..AwsConfig::default()
         };
+        let api = Arc::new(RefusesWholeRequests {
+            client: AwsClient::new(Service::Sqs, &config, &test_env).unwrap(),
+            requests: Default::default(),
+            whole_takes: Duration::from_millis(1500),
+        });
+        let outcomes = send_batched(api.clone(), ok_bad_ok()).await;
+        assert!(outcomes[0].is_ok() && outcomes[2].is_ok(), "{outcomes:?}");
+        let refused = outcomes[1].as_ref().unwrap_err();
+        assert_eq!(refused.disposition(), Disposition::Permanent, "{refused}");
+    }
+
+    /// One entry that gets a whole request refused fails alone: the others of its request
+    /// are sent again one by one and delivered. A retryable refusal is not split.
+    #[tokio::test]
+    async fn a_request_refused_for_one_entry_is_split_so_only_that_entry_fails() {
+        let env = test_env;
         outbox_testkit::install_crypto();
         let api = Arc::new(RefusesWholeRequests {
             client: AwsClient::new(Service::Sqs, &AwsConfig::default(), &env).unwrap(),
             requests: Default::default(),
+            whole_takes: Duration::ZERO,
         });
         let batch: Vec<Routed> = ["ok", "bad", "ok"]
             .iter()

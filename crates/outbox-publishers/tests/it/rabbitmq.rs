@@ -478,6 +478,11 @@ async fn an_events_cc_header_or_oversized_headers_fail_only_its_own_message() {
             if n == 12 {
                 event.headers.insert("note".into(), "x".repeat(150_000));
             }
+            // Headers that fit, with a key that does not fit beside them.
+            if n == 13 {
+                event.headers.insert("note".into(), "x".repeat(127_000));
+                event.partition_key = Some("k".repeat(5_000));
+            }
             Routed {
                 cloudevents: None,
                 event: Arc::new(event),
@@ -490,7 +495,7 @@ async fn an_events_cc_header_or_oversized_headers_fail_only_its_own_message() {
         if n == 10 {
             let error = outcome.as_ref().expect_err("a CC header");
             assert_eq!(error.kind(), PublishErrorKind::Encoding, "{error}");
-        } else if n == 12 {
+        } else if n == 12 || n == 13 {
             let error = outcome.as_ref().expect_err("headers over the frame");
             assert_eq!(error.kind(), PublishErrorKind::TooLarge, "{error}");
             assert!(error.to_string().contains("frame_max"), "{error}");

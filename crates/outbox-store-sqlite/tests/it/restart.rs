@@ -183,3 +183,25 @@ async fn a_newer_schema_migrated_while_waiting_for_the_lock_is_refused_not_lower
         .unwrap();
     assert_eq!(recorded, (2, 2), "the newer relay's version was lowered");
 }
+
+/// Every start and operator command on SQLite migrates; on a file at this relay's version
+/// that takes no write lock, so an application's long write transaction holds none of them
+/// up.
+#[tokio::test]
+async fn migrating_a_current_file_waits_for_no_writer() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("outbox.db");
+    SqliteStore::open(&path, false)
+        .unwrap()
+        .migrate()
+        .await
+        .unwrap();
+    let writer = rusqlite::Connection::open(&path).unwrap();
+    writer.execute_batch("BEGIN IMMEDIATE").unwrap();
+    let store = SqliteStore::open(&path, false).unwrap();
+    let migrated = tokio::time::timeout(Duration::from_secs(5), store.migrate())
+        .await
+        .expect("migrate waited for the writer's lock");
+    migrated.unwrap();
+    writer.execute_batch("COMMIT").unwrap();
+}
