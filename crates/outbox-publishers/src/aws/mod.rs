@@ -1394,24 +1394,7 @@ mod tests {
             requests: Default::default(),
             whole_takes: Duration::ZERO,
         });
-        let batch: Vec<Routed> = ["ok", "bad", "ok"]
-            .iter()
-            .enumerate()
-            .map(|(i, payload)| {
-                let event = outbox_core::Event::new(
-                    i as i64,
-                    uuid::Uuid::new_v4(),
-                    "d",
-                    "t",
-                    outbox_core::Payload::Bytes(payload.as_bytes().to_vec()),
-                );
-                Routed {
-                    event: Arc::new(event),
-                    target: "q".into(),
-                    cloudevents: None,
-                }
-            })
-            .collect();
+        let batch = ok_bad_ok();
         let outcomes = send_batched(api.clone(), batch).await;
         assert!(outcomes[0].is_ok() && outcomes[2].is_ok(), "{outcomes:?}");
         let refused = outcomes[1].as_ref().unwrap_err();

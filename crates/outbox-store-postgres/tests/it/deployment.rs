@@ -338,6 +338,18 @@ async fn migrating_a_mapped_table_again_holds_no_insert_behind_a_long_transactio
     migrating.await.unwrap().unwrap();
 }
 
+/// A fresh database migrated by a native store, and a client of its own on it.
+async fn migrated_with_a_client() -> (String, PgStore, tokio_postgres::Client) {
+    let url = outbox_testkit::fresh_pg_database().await;
+    let store = PgStore::new(options(&url)).unwrap();
+    store.migrate().await.unwrap();
+    let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    (url, store, client)
+}
+
 /// A native outbox without its wake-up trigger (made by the application's own migration
 /// tool, or the trigger dropped): `migrate`, as `check` advises, creates it, and the
 /// trigger's lock on the table waited behind any transaction that wrote it, for as long as
@@ -346,13 +358,7 @@ async fn migrating_a_mapped_table_again_holds_no_insert_behind_a_long_transactio
 /// makes the trigger.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missing_trigger_waits_for_its_lock_a_bounded_time() {
-    let url = outbox_testkit::fresh_pg_database().await;
-    let store = PgStore::new(options(&url)).unwrap();
-    store.migrate().await.unwrap();
-    let (writer, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(connection);
+    let (url, _, writer) = migrated_with_a_client().await;
     let triggers = "SELECT count(*) FROM pg_trigger WHERE tgrelid = 'outbox'::regclass
                     AND NOT tgisinternal";
     let trigger: String = writer
@@ -400,13 +406,7 @@ async fn a_missing_trigger_waits_for_its_lock_a_bounded_time() {
 /// function as it is.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_newer_schema_found_under_the_migrate_lock_is_refused_and_left_alone() {
-    let url = outbox_testkit::fresh_pg_database().await;
-    let store = PgStore::new(options(&url)).unwrap();
-    store.migrate().await.unwrap();
-    let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(connection);
+    let (_, store, client) = migrated_with_a_client().await;
     let function: String = client
         .query_one(
             "SELECT tgfoid::regproc::text FROM pg_trigger WHERE tgrelid = 'outbox'::regclass
@@ -452,13 +452,7 @@ async fn a_newer_schema_found_under_the_migrate_lock_is_refused_and_left_alone()
 /// recorded, so `migrate` did nothing and the relay stayed down. `migrate` builds it again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_builds_again_an_index_gone_since_its_step() {
-    let url = outbox_testkit::fresh_pg_database().await;
-    let store = PgStore::new(options(&url)).unwrap();
-    store.migrate().await.unwrap();
-    let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(connection);
+    let (_, store, client) = migrated_with_a_client().await;
     for index in store.tables().concurrent_indexes() {
         client
             .batch_execute(&format!("DROP INDEX {index}"))
