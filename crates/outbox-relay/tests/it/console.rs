@@ -697,22 +697,11 @@ async fn dead_letters_of_uuid_rows_offer_no_per_row_action() {
     .await
     .unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let mut relay_process = RelayProcess::spawn(
+    let mut relay_process = pg_relay_with(
         dir.path(),
         "uuid-rows",
-        &[
-            "run",
-            "--database-url",
-            &url,
-            "--layout",
-            "open-outbox",
-            "--sink",
-            "file:out.jsonl",
-            "--http-addr",
-            "127.0.0.1:0",
-            "--log-format",
-            "json",
-        ],
+        &url,
+        &["--layout", "open-outbox"],
         &[("OUTBOX_RELAY_ADMIN_TOKEN", TOKEN)],
     );
     let api = Admin::with_token(&http_addr(&relay_process).await, Some(TOKEN));
@@ -970,22 +959,30 @@ async fn console_counters(api: &Admin) -> (u64, u64) {
 /// `outbox-relay run` on the PostgreSQL database `database_url`, to a file sink, its HTTP
 /// server on a free loopback port, logging JSON, with `env` set.
 fn pg_relay(dir: &Path, name: &str, database_url: &str, env: &[(&str, &str)]) -> RelayProcess {
-    RelayProcess::spawn(
-        dir,
-        name,
-        &[
-            "run",
-            "--database-url",
-            database_url,
-            "--sink",
-            "file:out.jsonl",
-            "--http-addr",
-            "127.0.0.1:0",
-            "--log-format",
-            "json",
-        ],
-        env,
-    )
+    pg_relay_with(dir, name, database_url, &[], env)
+}
+
+/// [`pg_relay`] with `extra` arguments after `run`'s own.
+fn pg_relay_with(
+    dir: &Path,
+    name: &str,
+    database_url: &str,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> RelayProcess {
+    let mut args = vec![
+        "run",
+        "--database-url",
+        database_url,
+        "--sink",
+        "file:out.jsonl",
+        "--http-addr",
+        "127.0.0.1:0",
+        "--log-format",
+        "json",
+    ];
+    args.extend_from_slice(extra);
+    RelayProcess::spawn(dir, name, &args, env)
 }
 
 /// However many clients poll `/api/v1/status`, the relay reads the store at most once per
