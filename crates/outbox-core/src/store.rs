@@ -634,6 +634,16 @@ pub enum DeadSelector {
     All,
 }
 
+/// What [`Operations::dead_retry`] did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeadRetried {
+    /// Dead letters moved back into the outbox.
+    pub moved: u64,
+    /// Dead letters the selector chose that were left dead: the outbox holds their event id
+    /// (or sequence id) already.
+    pub left: u64,
+}
+
 /// Operator commands. Bulk changes go in bounded batches (the callers loop), so no statement
 /// holds locks on many rows for long.
 pub trait Operations: Send + Sync + 'static {
@@ -648,8 +658,10 @@ pub trait Operations: Send + Sync + 'static {
     fn event(&self, id: SequenceId) -> StoreFuture<Option<EventRecord>>;
 
     /// Moves dead letters back into the outbox, under their old sequence ids, with attempts
-    /// reset: the relay publishes them again.
-    fn dead_retry(&self, selector: DeadSelector) -> StoreFuture<u64>;
+    /// reset: the relay publishes them again. A dead letter whose event id (or sequence id)
+    /// a row of the outbox has already (the application wrote the event again) is left dead
+    /// and counted in [`DeadRetried::left`]; it keeps none of the others back.
+    fn dead_retry(&self, selector: DeadSelector) -> StoreFuture<DeadRetried>;
 
     fn dead_purge(&self, selector: DeadSelector) -> StoreFuture<u64>;
 

@@ -34,10 +34,10 @@ use futures::future::BoxFuture;
 use futures::FutureExt;
 use outbox_core::health::Check;
 use outbox_core::store::{
-    Backlog, ClaimRequest, Claimed, Crowded, DeadLetter, DeadQuery, DeadRecord, DeadSelector,
-    DestinationStats, EventRecord, EventState, Heartbeat, Incarnation, LeaseExtension, LeaseHolder,
-    NodeRecord, NodeRegistry, OnChange, Operations, Problem, Registration, ReplayPage,
-    ReplaySelector, RetryLater, StoreFuture, StoreResult,
+    Backlog, ClaimRequest, Claimed, Crowded, DeadLetter, DeadQuery, DeadRecord, DeadRetried,
+    DeadSelector, DestinationStats, EventRecord, EventState, Heartbeat, Incarnation,
+    LeaseExtension, LeaseHolder, NodeRecord, NodeRegistry, OnChange, Operations, Problem,
+    Registration, ReplayPage, ReplaySelector, RetryLater, StoreFuture, StoreResult,
 };
 use outbox_core::time::{from_micros, micros, millis};
 use outbox_core::{
@@ -1499,9 +1499,11 @@ impl<D: MappedDb> Operations for MappedStore<D> {
         .boxed()
     }
 
-    fn dead_retry(&self, selector: DeadSelector) -> StoreFuture<u64> {
+    /// Dead rows are made pending where they are (or their records forgotten): none is
+    /// ever left.
+    fn dead_retry(&self, selector: DeadSelector) -> StoreFuture<DeadRetried> {
         let store = self.clone();
-        async move {
+        let moved = async move {
             let (condition, p) = store.selector(&selector)?;
             let sql = &store.inner.sql;
             if let Some(statement) = sql.dead_retry(&condition) {
@@ -1518,6 +1520,12 @@ impl<D: MappedDb> Operations for MappedStore<D> {
             let mut p = store.params();
             let statement = sql.delete_dead_records(&p.in_ids(&ids, sql.mapping.id_type));
             store.inner.db.execute("dead retry", statement, p).await
+        };
+        async move {
+            Ok(DeadRetried {
+                moved: moved.await?,
+                left: 0,
+            })
         }
         .boxed()
     }

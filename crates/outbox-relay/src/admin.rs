@@ -32,7 +32,8 @@ use axum::Router;
 use metrics_exporter_prometheus::PrometheusHandle;
 use outbox_core::redact::Secret;
 use outbox_core::store::{
-    Backlog, DeadQuery, DeadSelector, DestinationStats, NodeRecord, PartitionRecord, StoreResult,
+    Backlog, DeadQuery, DeadRetried, DeadSelector, DestinationStats, NodeRecord, PartitionRecord,
+    StoreResult,
 };
 use outbox_core::{StoreError, StoreErrorKind};
 use serde::Deserialize;
@@ -949,11 +950,14 @@ async fn dead_action(c: &Arc<Console>, body: &Bytes, action: DeadAction) -> Resp
             let ops = c.store.operations();
             let outcome = match action {
                 DeadAction::Retry => ops.dead_retry(selector.clone()).await,
-                DeadAction::Purge => ops.dead_purge(selector.clone()).await,
+                DeadAction::Purge => ops
+                    .dead_purge(selector.clone())
+                    .await
+                    .map(|moved| DeadRetried { moved, left: 0 }),
             };
             c.figures.mark_stale();
             match &outcome {
-                Ok(n) => tracing::info!(?selector, count = n, "{done}"),
+                Ok(n) => tracing::info!(?selector, count = n.moved, left = n.left, "{done}"),
                 Err(e) => {
                     tracing::warn!(?selector, error = %e.report(), "admin API: {what} failed")
                 }
@@ -981,11 +985,16 @@ async fn dead_action(c: &Arc<Console>, body: &Bytes, action: DeadAction) -> Resp
             )
         }
     };
-    let (field, message) = match action {
-        DeadAction::Retry => ("retried", retried_text(n)),
-        DeadAction::Purge => ("purged", purged_text(n)),
-    };
-    reply(StatusCode::OK, json!({ field: n, "message": message }))
+    match action {
+        DeadAction::Retry => reply(
+            StatusCode::OK,
+            json!({ "retried": n.moved, "left": n.left, "message": retried_text(n) }),
+        ),
+        DeadAction::Purge => reply(
+            StatusCode::OK,
+            json!({ "purged": n.moved, "message": purged_text(n.moved) }),
+        ),
+    }
 }
 
 #[derive(Deserialize)]

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::SystemTime;
 
 use outbox_core::store::{
-    DeadQuery, DeadRecord, DeadSelector, Operations, ReplayPage, ReplaySelector,
+    DeadQuery, DeadRecord, DeadRetried, DeadSelector, Operations, ReplayPage, ReplaySelector,
 };
 
 use crate::cli::{DeadCommand, DeadSelectArgs, PruneArgs, ReplayArgs};
@@ -136,8 +136,18 @@ pub(crate) fn dead_record_json(r: &DeadRecord) -> serde_json::Value {
 }
 
 /// What `dead retry` did, as the CLI and the admin API say it.
-pub(crate) fn retried_text(n: u64) -> String {
-    format!("moved {n} dead letters back to the outbox; the relay publishes them again")
+pub(crate) fn retried_text(done: DeadRetried) -> String {
+    let DeadRetried { moved, left } = done;
+    let mut text =
+        format!("moved {moved} dead letters back to the outbox; the relay publishes them again");
+    if left > 0 {
+        text.push_str(&format!(
+            "; {left} left dead: the outbox holds their event id already (the application \
+             wrote the event again): purge them if the new rows supersede them (`outbox-relay \
+             dead list` shows them)"
+        ));
+    }
+    text
 }
 
 /// What `dead purge` did, as the CLI and the admin API say it.

@@ -375,25 +375,58 @@ WITH taken AS (
                   WHERE id = $1 AND NOT EXISTS (SELECT 1 FROM taken)
 
 -- public.outbox: dead_retry (ids)
-WITH moved AS (DELETE FROM "public"."outbox_dead_letters" WHERE sequence_id = ANY($1::int8[]) RETURNING *)
-                 INSERT INTO "public"."outbox" (sequence_id, event_id, destination, partition_key, event_type,
-                                  payload, headers, mutation_id, rejected, created_at)
-                 SELECT sequence_id, event_id, destination, partition_key, event_type,
-                        payload, headers, mutation_id, rejected, created_at FROM moved
+WITH chosen AS (
+                        SELECT sequence_id, EXISTS (SELECT 1 FROM "public"."outbox" o
+                                                     WHERE o.event_id = d.event_id
+                                                        OR o.sequence_id = d.sequence_id) AS taken
+                          FROM "public"."outbox_dead_letters" d WHERE sequence_id = ANY($1::int8[])),
+                 moved AS (DELETE FROM "public"."outbox_dead_letters"
+                            WHERE sequence_id IN (SELECT sequence_id FROM chosen WHERE NOT taken)
+                        RETURNING *),
+                 inserted AS (
+                     INSERT INTO "public"."outbox" (sequence_id, event_id, destination, partition_key, event_type,
+                                      payload, headers, mutation_id, rejected, created_at)
+                     SELECT sequence_id, event_id, destination, partition_key, event_type,
+                            payload, headers, mutation_id, rejected, created_at FROM moved
+                     RETURNING 1)
+                 SELECT (SELECT count(*) FROM inserted)::int8,
+                        (SELECT count(*) FROM chosen WHERE taken)::int8
 
 -- public.outbox: dead_retry (destination)
-WITH moved AS (DELETE FROM "public"."outbox_dead_letters" WHERE destination = $1 RETURNING *)
-                 INSERT INTO "public"."outbox" (sequence_id, event_id, destination, partition_key, event_type,
-                                  payload, headers, mutation_id, rejected, created_at)
-                 SELECT sequence_id, event_id, destination, partition_key, event_type,
-                        payload, headers, mutation_id, rejected, created_at FROM moved
+WITH chosen AS (
+                        SELECT sequence_id, EXISTS (SELECT 1 FROM "public"."outbox" o
+                                                     WHERE o.event_id = d.event_id
+                                                        OR o.sequence_id = d.sequence_id) AS taken
+                          FROM "public"."outbox_dead_letters" d WHERE destination = $1),
+                 moved AS (DELETE FROM "public"."outbox_dead_letters"
+                            WHERE sequence_id IN (SELECT sequence_id FROM chosen WHERE NOT taken)
+                        RETURNING *),
+                 inserted AS (
+                     INSERT INTO "public"."outbox" (sequence_id, event_id, destination, partition_key, event_type,
+                                      payload, headers, mutation_id, rejected, created_at)
+                     SELECT sequence_id, event_id, destination, partition_key, event_type,
+                            payload, headers, mutation_id, rejected, created_at FROM moved
+                     RETURNING 1)
+                 SELECT (SELECT count(*) FROM inserted)::int8,
+                        (SELECT count(*) FROM chosen WHERE taken)::int8
 
 -- public.outbox: dead_retry (all)
-WITH moved AS (DELETE FROM "public"."outbox_dead_letters" WHERE $1::bool RETURNING *)
-                 INSERT INTO "public"."outbox" (sequence_id, event_id, destination, partition_key, event_type,
-                                  payload, headers, mutation_id, rejected, created_at)
-                 SELECT sequence_id, event_id, destination, partition_key, event_type,
-                        payload, headers, mutation_id, rejected, created_at FROM moved
+WITH chosen AS (
+                        SELECT sequence_id, EXISTS (SELECT 1 FROM "public"."outbox" o
+                                                     WHERE o.event_id = d.event_id
+                                                        OR o.sequence_id = d.sequence_id) AS taken
+                          FROM "public"."outbox_dead_letters" d WHERE $1::bool),
+                 moved AS (DELETE FROM "public"."outbox_dead_letters"
+                            WHERE sequence_id IN (SELECT sequence_id FROM chosen WHERE NOT taken)
+                        RETURNING *),
+                 inserted AS (
+                     INSERT INTO "public"."outbox" (sequence_id, event_id, destination, partition_key, event_type,
+                                      payload, headers, mutation_id, rejected, created_at)
+                     SELECT sequence_id, event_id, destination, partition_key, event_type,
+                            payload, headers, mutation_id, rejected, created_at FROM moved
+                     RETURNING 1)
+                 SELECT (SELECT count(*) FROM inserted)::int8,
+                        (SELECT count(*) FROM chosen WHERE taken)::int8
 
 -- public.outbox: dead_purge (ids)
 DELETE FROM "public"."outbox_dead_letters" WHERE sequence_id = ANY($1::int8[])
@@ -1052,25 +1085,58 @@ WITH taken AS (
                   WHERE id = $1 AND NOT EXISTS (SELECT 1 FROM taken)
 
 -- app.events: dead_retry (ids)
-WITH moved AS (DELETE FROM "app"."events_dead_letters" WHERE sequence_id = ANY($1::int8[]) RETURNING *)
-                 INSERT INTO "app"."events" (sequence_id, event_id, destination, partition_key, event_type,
-                                  payload, headers, mutation_id, rejected, created_at)
-                 SELECT sequence_id, event_id, destination, partition_key, event_type,
-                        payload, headers, mutation_id, rejected, created_at FROM moved
+WITH chosen AS (
+                        SELECT sequence_id, EXISTS (SELECT 1 FROM "app"."events" o
+                                                     WHERE o.event_id = d.event_id
+                                                        OR o.sequence_id = d.sequence_id) AS taken
+                          FROM "app"."events_dead_letters" d WHERE sequence_id = ANY($1::int8[])),
+                 moved AS (DELETE FROM "app"."events_dead_letters"
+                            WHERE sequence_id IN (SELECT sequence_id FROM chosen WHERE NOT taken)
+                        RETURNING *),
+                 inserted AS (
+                     INSERT INTO "app"."events" (sequence_id, event_id, destination, partition_key, event_type,
+                                      payload, headers, mutation_id, rejected, created_at)
+                     SELECT sequence_id, event_id, destination, partition_key, event_type,
+                            payload, headers, mutation_id, rejected, created_at FROM moved
+                     RETURNING 1)
+                 SELECT (SELECT count(*) FROM inserted)::int8,
+                        (SELECT count(*) FROM chosen WHERE taken)::int8
 
 -- app.events: dead_retry (destination)
-WITH moved AS (DELETE FROM "app"."events_dead_letters" WHERE destination = $1 RETURNING *)
-                 INSERT INTO "app"."events" (sequence_id, event_id, destination, partition_key, event_type,
-                                  payload, headers, mutation_id, rejected, created_at)
-                 SELECT sequence_id, event_id, destination, partition_key, event_type,
-                        payload, headers, mutation_id, rejected, created_at FROM moved
+WITH chosen AS (
+                        SELECT sequence_id, EXISTS (SELECT 1 FROM "app"."events" o
+                                                     WHERE o.event_id = d.event_id
+                                                        OR o.sequence_id = d.sequence_id) AS taken
+                          FROM "app"."events_dead_letters" d WHERE destination = $1),
+                 moved AS (DELETE FROM "app"."events_dead_letters"
+                            WHERE sequence_id IN (SELECT sequence_id FROM chosen WHERE NOT taken)
+                        RETURNING *),
+                 inserted AS (
+                     INSERT INTO "app"."events" (sequence_id, event_id, destination, partition_key, event_type,
+                                      payload, headers, mutation_id, rejected, created_at)
+                     SELECT sequence_id, event_id, destination, partition_key, event_type,
+                            payload, headers, mutation_id, rejected, created_at FROM moved
+                     RETURNING 1)
+                 SELECT (SELECT count(*) FROM inserted)::int8,
+                        (SELECT count(*) FROM chosen WHERE taken)::int8
 
 -- app.events: dead_retry (all)
-WITH moved AS (DELETE FROM "app"."events_dead_letters" WHERE $1::bool RETURNING *)
-                 INSERT INTO "app"."events" (sequence_id, event_id, destination, partition_key, event_type,
-                                  payload, headers, mutation_id, rejected, created_at)
-                 SELECT sequence_id, event_id, destination, partition_key, event_type,
-                        payload, headers, mutation_id, rejected, created_at FROM moved
+WITH chosen AS (
+                        SELECT sequence_id, EXISTS (SELECT 1 FROM "app"."events" o
+                                                     WHERE o.event_id = d.event_id
+                                                        OR o.sequence_id = d.sequence_id) AS taken
+                          FROM "app"."events_dead_letters" d WHERE $1::bool),
+                 moved AS (DELETE FROM "app"."events_dead_letters"
+                            WHERE sequence_id IN (SELECT sequence_id FROM chosen WHERE NOT taken)
+                        RETURNING *),
+                 inserted AS (
+                     INSERT INTO "app"."events" (sequence_id, event_id, destination, partition_key, event_type,
+                                      payload, headers, mutation_id, rejected, created_at)
+                     SELECT sequence_id, event_id, destination, partition_key, event_type,
+                            payload, headers, mutation_id, rejected, created_at FROM moved
+                     RETURNING 1)
+                 SELECT (SELECT count(*) FROM inserted)::int8,
+                        (SELECT count(*) FROM chosen WHERE taken)::int8
 
 -- app.events: dead_purge (ids)
 DELETE FROM "app"."events_dead_letters" WHERE sequence_id = ANY($1::int8[])

@@ -6,8 +6,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures::FutureExt;
 use outbox_core::store::{
-    DeadQuery, DeadRecord, DeadSelector, DestinationStats, EventRecord, EventState, Operations,
-    ReplayPage, ReplaySelector, StoreFuture, StoreResult,
+    DeadQuery, DeadRecord, DeadRetried, DeadSelector, DestinationStats, EventRecord, EventState,
+    Operations, ReplayPage, ReplaySelector, StoreFuture, StoreResult,
 };
 use outbox_core::SequenceId;
 use tokio_postgres::types::ToSql;
@@ -143,8 +143,20 @@ impl Operations for PgStore {
         .boxed()
     }
 
-    fn dead_retry(&self, which: DeadSelector) -> StoreFuture<u64> {
-        self.on_dead_letters("dead retry", which, |ops| &ops.dead_retry)
+    fn dead_retry(&self, which: DeadSelector) -> StoreFuture<DeadRetried> {
+        let inner = self.inner.clone();
+        let param = selector_value(&which);
+        async move {
+            let sql = inner.sql.ops.dead_retry.for_selector(&which);
+            let rows =
+                Self::query(&inner, "dead retry", sql, &[&*param as &(dyn ToSql + Sync)]).await?;
+            let count = |i| rows.first().map_or(0, |r| r.get::<_, i64>(i).max(0) as u64);
+            Ok(DeadRetried {
+                moved: count(0),
+                left: count(1),
+            })
+        }
+        .boxed()
     }
 
     fn dead_purge(&self, which: DeadSelector) -> StoreFuture<u64> {

@@ -1268,13 +1268,27 @@ impl Native {
                 created = micros("created_at"),
                 dead_at = micros("dead_at"),
             ),
+            // A dead letter whose event id (or sequence id) the outbox holds already, as the
+            // application wrote the event again, is left dead: its insert failed the whole
+            // statement, and no other dead letter moved. Answers (moved, left).
             dead_retry: BySelector::new(|condition| {
                 format!(
-                    "WITH moved AS (DELETE FROM {dl} WHERE {condition} RETURNING *)
-                 INSERT INTO {t} (sequence_id, event_id, destination, partition_key, event_type,
-                                  payload, headers, mutation_id, rejected, created_at)
-                 SELECT sequence_id, event_id, destination, partition_key, event_type,
-                        payload, headers, mutation_id, rejected, created_at FROM moved"
+                    "WITH chosen AS (
+                        SELECT sequence_id, EXISTS (SELECT 1 FROM {t} o
+                                                     WHERE o.event_id = d.event_id
+                                                        OR o.sequence_id = d.sequence_id) AS taken
+                          FROM {dl} d WHERE {condition}),
+                 moved AS (DELETE FROM {dl}
+                            WHERE sequence_id IN (SELECT sequence_id FROM chosen WHERE NOT taken)
+                        RETURNING *),
+                 inserted AS (
+                     INSERT INTO {t} (sequence_id, event_id, destination, partition_key, event_type,
+                                      payload, headers, mutation_id, rejected, created_at)
+                     SELECT sequence_id, event_id, destination, partition_key, event_type,
+                            payload, headers, mutation_id, rejected, created_at FROM moved
+                     RETURNING 1)
+                 SELECT (SELECT count(*) FROM inserted)::int8,
+                        (SELECT count(*) FROM chosen WHERE taken)::int8"
                 )
             }),
             dead_purge: BySelector::new(|condition| format!("DELETE FROM {dl} WHERE {condition}")),

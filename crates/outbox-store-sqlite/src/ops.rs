@@ -4,8 +4,8 @@ use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use outbox_core::store::{
-    DeadQuery, DeadRecord, DeadSelector, DestinationStats, EventRecord, EventState, Operations,
-    ReplayPage, ReplaySelector, StoreFuture, StoreResult,
+    DeadQuery, DeadRecord, DeadRetried, DeadSelector, DestinationStats, EventRecord, EventState,
+    Operations, ReplayPage, ReplaySelector, StoreFuture, StoreResult,
 };
 use outbox_core::SequenceId;
 use rusqlite::{params, types::Value};
@@ -175,21 +175,44 @@ impl Operations for SqliteStore {
         })
     }
 
-    fn dead_retry(&self, which: DeadSelector) -> StoreFuture<u64> {
+    fn dead_retry(&self, which: DeadSelector) -> StoreFuture<DeadRetried> {
         self.in_tx("dead retry", move |tx| {
             let (condition, param) = selector(&which);
-            tx.execute(
+            // A dead letter whose event id (or sequence id) the outbox holds already, as the
+            // application wrote the event again, is left dead: its insert failed the whole
+            // transaction, and no other dead letter moved.
+            let taken = "EXISTS (SELECT 1 FROM outbox o WHERE o.event_id = d.event_id
+                                    OR o.sequence_id = d.sequence_id)";
+            let left: i64 = tx.query_row(
+                &format!(
+                    "SELECT count(*) FROM outbox_dead_letters d WHERE ({condition}) AND {taken}"
+                ),
+                [&param],
+                |r| r.get(0),
+            )?;
+            let moved = tx.execute(
                 &format!(
                     "INSERT INTO outbox (sequence_id, event_id, destination, partition_key, event_type,
                                          payload, headers, mutation_id, rejected, created_at)
                      SELECT sequence_id, event_id, destination, partition_key, event_type,
                             payload, headers, mutation_id, rejected, created_at
-                       FROM outbox_dead_letters WHERE {condition}"
+                       FROM outbox_dead_letters d WHERE ({condition}) AND NOT {taken}"
                 ),
                 [&param],
             )?;
-            let n = tx.execute(&format!("DELETE FROM outbox_dead_letters WHERE {condition}"), [&param])?;
-            Ok(n as u64)
+            // Those now in the outbox as themselves.
+            tx.execute(
+                &format!(
+                    "DELETE FROM outbox_dead_letters AS d WHERE ({condition}) AND EXISTS (
+                         SELECT 1 FROM outbox o
+                          WHERE o.sequence_id = d.sequence_id AND o.event_id = d.event_id)"
+                ),
+                [&param],
+            )?;
+            Ok(DeadRetried {
+                moved: moved as u64,
+                left: left.max(0) as u64,
+            })
         })
     }
 

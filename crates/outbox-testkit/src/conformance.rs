@@ -25,6 +25,7 @@ pub use long_keys::{
 pub use operator::{
     operator_lists_retries_and_purges_dead_letters,
     operator_pages_dead_letters_and_shows_one_event, operator_replays_and_prunes_in_batches,
+    operator_retry_leaves_a_dead_letter_whose_event_came_back,
 };
 
 use std::collections::{HashMap, HashSet};
@@ -33,8 +34,8 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use outbox_core::store::{
-    Backlog, ClaimRequest, Crowded, DeadLetter, DeadQuery, DeadSelector, EventState, Heartbeat,
-    Incarnation, LeaseExtension, LeaseHolder, NodeRegistry, OnChange, Operations,
+    Backlog, ClaimRequest, Crowded, DeadLetter, DeadQuery, DeadRetried, DeadSelector, EventState,
+    Heartbeat, Incarnation, LeaseExtension, LeaseHolder, NodeRegistry, OnChange, Operations,
     PartitionRegistry, Problem, Registration, ReplayPage, ReplaySelector, RetryLater, StoreFuture,
 };
 use outbox_core::{

@@ -54,7 +54,7 @@ pub async fn operator_lists_retries_and_purges_dead_letters(h: &dyn Harness) {
         ops.dead_retry(DeadSelector::Ids(vec![seq[0]]))
             .await
             .unwrap(),
-        1
+        DeadRetried { moved: 1, left: 0 }
     );
     let again = store.claim(request(&NodeId::random(), 10)).await.unwrap();
     assert_eq!(ids(&again), vec![seq[0]]);
@@ -69,7 +69,7 @@ pub async fn operator_lists_retries_and_purges_dead_letters(h: &dyn Harness) {
         ops.dead_retry(DeadSelector::Destination("a".into()))
             .await
             .unwrap(),
-        1
+        DeadRetried { moved: 1, left: 0 }
     );
     assert_eq!(ops.dead_purge(DeadSelector::All).await.unwrap(), 1);
     assert!(ops
@@ -282,4 +282,46 @@ pub async fn operator_replays_and_prunes_in_batches(h: &dyn Harness) {
         ops.count_prunable(Some(later), Some(later)).await.unwrap(),
         (0, 0)
     );
+}
+
+/// `dead retry` over dead letters, one of which the application wrote again (its event id
+/// back in the outbox): the insert of that one failed the whole retry, and no dead letter
+/// moved. It is left dead and counted, and the others move. For stores whose dead letters
+/// have a table of their own; a store that makes dead rows pending where they are has
+/// nothing to collide with.
+pub async fn operator_retry_leaves_a_dead_letter_whose_event_came_back(h: &dyn Harness) {
+    let (store, seq) = store_with(h, &[("a", Some("k1"), "t", 1), ("a", Some("k2"), "t", 2)]).await;
+    let ops = h.operations();
+    let node = NodeId::random();
+    store.claim(request(&node, 10)).await.unwrap();
+    let dead = dead_letters(&seq, 4, |s| format!("boom {s}"));
+    store
+        .dead_letter(LeaseHolder::unfenced(node), dead)
+        .await
+        .unwrap();
+    let first = ops.dead_list(dead_query(None, 100)).await.unwrap()[0].clone();
+    store
+        .insert(vec![outbox_core::event::NewEvent {
+            event_id: Some(first.event_id),
+            destination: "a".into(),
+            partition_key: Some("k1".into()),
+            event_type: "t".into(),
+            payload: Some("{}".into()),
+            headers: Default::default(),
+            mutation_id: None,
+        }])
+        .await
+        .unwrap();
+    assert_eq!(
+        ops.dead_retry(DeadSelector::All).await.unwrap(),
+        DeadRetried { moved: 1, left: 1 }
+    );
+    let still: Vec<SequenceId> = ops
+        .dead_list(dead_query(None, 100))
+        .await
+        .unwrap()
+        .iter()
+        .map(|d| d.sequence_id)
+        .collect();
+    assert_eq!(still, vec![seq[0]]);
 }
