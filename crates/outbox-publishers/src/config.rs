@@ -197,7 +197,7 @@ impl SinkSettings {
             #[allow(unreachable_patterns)]
             _ => false,
         };
-        waits.then(|| timeout + timeout / 2)
+        waits.then(|| timeout + crate::sink::turn_wait(timeout))
     }
 
     /// The confirmation `timeout` the sink's table sets; `None`: not set, or a sink that

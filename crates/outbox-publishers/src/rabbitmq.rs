@@ -402,9 +402,10 @@ impl Inner {
                 PublishErrorKind::TooLarge,
                 format!(
                     "the event's headers (with its key and the relay's own) take \
-                     {header_bytes} bytes, and a RabbitMQ message's properties travel in one frame of at most {frame_max} bytes (the \
-                     connection's frame_max; about {room} left for headers): carry the data in \
-                     the payload, or raise the broker's frame_max"
+                     {header_bytes} bytes, and a RabbitMQ message's properties travel in one \
+                     frame of at most {frame_max} bytes (the connection's frame_max; about \
+                     {room} left for headers): carry the data in the payload, or raise the \
+                     broker's frame_max"
                 ),
             ));
         }
@@ -505,7 +506,7 @@ impl Sink for RabbitSink {
     fn send(&self, batch: Vec<Routed>) -> BoxFuture<'static, Vec<Outcome>> {
         let inner = self.inner.clone();
         async move {
-            let until = tokio::time::Instant::now() + inner.timeout / 2;
+            let until = crate::sink::turn_deadline(inner.timeout);
             let mut outcomes = publish_batch(&inner, &batch, until).await;
             // A size refusal makes the broker close the channel, failing the rest of the
             // batch with it; those go once more on a fresh channel.
@@ -578,21 +579,16 @@ async fn publish_batch(
     batch: &[Routed],
     until: tokio::time::Instant,
 ) -> Vec<Result<(), Failure>> {
-    let Ok(_alone) = tokio::time::timeout_at(until, inner.publishing.lock()).await else {
-        let not_sent = || {
-            PublishError::new(
-                PublishErrorKind::NotSent,
-                format!(
-                    "{}: not sent, the batch before it held the channel for half the sink's \
-                     timeout",
-                    inner.shown
-                ),
-            )
-        };
-        return batch
-            .iter()
-            .map(|_| Err(Failure::Own(not_sent())))
-            .collect();
+    let held = || "the batch before it held the channel".to_string();
+    let turn = inner.publishing.lock();
+    let _alone = match crate::sink::in_turn(until, turn, &inner.shown, held).await {
+        Ok(alone) => alone,
+        Err(not_sent) => {
+            return fail_all(batch, &not_sent)
+                .into_iter()
+                .map(|o| o.map_err(Failure::Own))
+                .collect()
+        }
     };
     {
         let abandoned = inner.abandoned_confirms.load(Ordering::SeqCst);

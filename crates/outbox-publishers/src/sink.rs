@@ -1,9 +1,11 @@
 //! The contract between the router and one broker connection.
 
+use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures::future::BoxFuture;
-use outbox_core::{Event, Outcome, PublishError};
+use outbox_core::{Event, Outcome, PublishError, PublishErrorKind};
 
 /// An event with the target (subject, topic, exchange/routing key, stream, URL, channel)
 /// its route resolved.
@@ -86,6 +88,37 @@ pub fn fail_n(count: usize, error: &PublishError) -> Vec<Outcome> {
     (0..count)
         .map(|_| Err(PublishError::new(error.kind(), report.clone())))
         .collect()
+}
+
+/// When a batch's request that waits for its turn (a free request slot, the channel) is
+/// given up on: half the sink's `timeout` from the batch's start, so that the wait and the
+/// request's own timeout fit in `publish_timeout`, which the configuration keeps above both
+/// ([`crate::SinkSettings::longest_batch`]).
+pub fn turn_deadline(timeout: Duration) -> tokio::time::Instant {
+    tokio::time::Instant::now() + turn_wait(timeout)
+}
+
+/// The longest a request waits for its turn: half the sink's `timeout`.
+pub fn turn_wait(timeout: Duration) -> Duration {
+    timeout / 2
+}
+
+/// `turn`, if it comes by `until`; past it, the request is given back unsent (no attempt
+/// counted), and goes in a later batch. The engine's publish timeout covers the whole batch:
+/// requests queued behind slow ones outlived it, and every event of the batch was retried,
+/// those the broker had taken too. `shown`: the sink; `held`: what held the turn.
+pub async fn in_turn<T>(
+    until: tokio::time::Instant,
+    turn: impl Future<Output = T>,
+    shown: &str,
+    held: impl FnOnce() -> String,
+) -> Result<T, PublishError> {
+    tokio::time::timeout_at(until, turn).await.map_err(|_| {
+        PublishError::new(
+            PublishErrorKind::NotSent,
+            format!("{shown}: not sent, {} for half the sink's timeout", held()),
+        )
+    })
 }
 
 /// A sink whose size limit comes from configuration instead of the broker.

@@ -10,7 +10,7 @@ use base64::Engine;
 use futures::future::{join_all, BoxFuture};
 use futures::FutureExt;
 use hmac::{Hmac, Mac};
-use outbox_core::{Outcome, PublishError, PublishErrorKind};
+use outbox_core::{Outcome, PublishError};
 use sha2::Sha256;
 use tokio::sync::Semaphore;
 
@@ -172,7 +172,7 @@ impl Sink for WebhookSink {
     }
 
     fn send(&self, batch: Vec<Routed>) -> BoxFuture<'static, Vec<Outcome>> {
-        let queued_until = tokio::time::Instant::now() + self.timeout / 2;
+        let queued_until = crate::sink::turn_deadline(self.timeout);
         let (per_destination, shown) = (self.per_destination, self.shown.clone());
         let requests: Vec<_> = batch
             .into_iter()
@@ -183,22 +183,17 @@ impl Sink for WebhookSink {
                 let limit = self.limit_for(&routed.event.destination);
                 let shown = shown.clone();
                 async move {
-                    // The engine's publish timeout covers the whole batch: a thousand
-                    // requests queued behind `concurrency` slow ones outlived it, and every
-                    // event was retried, those delivered too. One not started in time is
-                    // given back unsent (no attempt), and goes in a later batch.
-                    let Ok(permit) =
-                        tokio::time::timeout_at(queued_until, limit.acquire_owned()).await
-                    else {
-                        return Err(PublishError::new(
-                            PublishErrorKind::NotSent,
-                            format!(
-                                "{shown}: not sent, its destination's {per_destination} \
-                                 requests at a time were all busy for half the sink's timeout"
-                            ),
-                        ));
+                    // A thousand requests queued behind `concurrency` slow ones outlived
+                    // the engine's publish timeout.
+                    let held = || {
+                        format!(
+                            "its destination's {per_destination} requests at a time were all busy"
+                        )
                     };
-                    let _permit = permit.expect("semaphore is never closed");
+                    let _permit =
+                        crate::sink::in_turn(queued_until, limit.acquire_owned(), &shown, held)
+                            .await?
+                            .expect("semaphore is never closed");
                     // A CloudEvent is the payload itself (binary mode) or its envelope
                     // (structured, already the payload); otherwise the relay's JSON line.
                     let body = match routed.cloudevents {

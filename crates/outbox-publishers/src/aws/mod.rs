@@ -320,9 +320,9 @@ pub struct AwsClient {
     requests: Arc<Semaphore>,
     /// The size of `requests`: the `concurrency` setting.
     concurrency: usize,
-    /// How long a batch's request may wait for one of the `concurrency` slots (half the
-    /// sink's timeout); one not started by then is given back unsent ([`AwsClient::slot`]).
-    start_within: Duration,
+    /// The sink's timeout, of which a batch's request waits for one of the `concurrency`
+    /// slots half ([`AwsClient::slot`]).
+    timeout: Duration,
 }
 
 impl AwsClient {
@@ -375,7 +375,7 @@ impl AwsClient {
             credentials: found.provider,
             requests: Arc::new(Semaphore::new(concurrency)),
             concurrency,
-            start_within: config.timeout.get() / 2,
+            timeout: config.timeout.get(),
         })
     }
 
@@ -384,26 +384,21 @@ impl AwsClient {
         (self.requests.clone().acquire_owned().await).expect("the semaphore is never closed")
     }
 
-    /// One of the `concurrency` request slots, if one comes free by `until`. The engine's
-    /// publish timeout covers the whole batch: requests queued behind slow ones outlived
-    /// it, and every event was retried, those the service had taken too. A request not
-    /// started in time is given back unsent (no attempt), and goes in a later batch.
+    /// One of the `concurrency` request slots, if one comes free by `until`
+    /// ([`crate::sink::in_turn`]).
     async fn slot(
         &self,
         until: tokio::time::Instant,
     ) -> Result<tokio::sync::OwnedSemaphorePermit, PublishError> {
-        match tokio::time::timeout_at(until, self.requests.clone().acquire_owned()).await {
-            Ok(permit) => Ok(permit.expect("the semaphore is never closed")),
-            Err(_) => Err(PublishError::new(
-                PublishErrorKind::NotSent,
-                format!(
-                    "{}: not sent, the sink's {} requests at a time were all busy for half its \
-                     timeout",
-                    self.service.name(),
-                    self.concurrency
-                ),
-            )),
-        }
+        let held = || {
+            format!(
+                "the sink's {} requests at a time were all busy",
+                self.concurrency
+            )
+        };
+        let slot = self.requests.clone().acquire_owned();
+        let slot = crate::sink::in_turn(until, slot, self.service.name(), held).await?;
+        Ok(slot.expect("the semaphore is never closed"))
     }
 
     /// A client for another service with the same credentials and region (SNS asks STS
@@ -426,7 +421,7 @@ impl AwsClient {
             credentials: self.credentials.clone(),
             requests: self.requests.clone(),
             concurrency: self.concurrency,
-            start_within: self.start_within,
+            timeout: self.timeout,
         })
     }
 
@@ -946,7 +941,7 @@ pub fn send_batched<A: BatchApi>(
             requests.push((target, chunk));
         }
     }
-    let until = tokio::time::Instant::now() + api.client().start_within;
+    let until = crate::sink::turn_deadline(api.client().timeout);
     let sent: Vec<_> = requests
         .into_iter()
         .map(|(target, chunk)| {
