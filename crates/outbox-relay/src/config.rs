@@ -511,11 +511,10 @@ impl Config {
             if let Some(longest) = sink.settings().longest_batch() {
                 if longest >= self.engine.publish_timeout {
                     bail!(
-                        "the sink {name} may take {longest:?} for a batch (a request waits up \
-                         to half its timeout, {:?}, for a free slot, then has its whole \
-                         timeout), not \
-                         shorter than publish_timeout ({:?}), which would end such a batch and \
-                         retry its delivered events too: keep the sink's timeout under two \
+                        "the sink {name} may take {longest:?} for a batch (its timeout is {:?}: \
+                         a request waits up to half of it for a free slot, then has all of it), \
+                         not shorter than publish_timeout ({:?}), which would end such a batch \
+                         and retry its delivered events too: keep the sink's timeout under two \
                          thirds of publish_timeout (lower it, or raise publish_timeout and \
                          lease)",
                         sink.settings()

@@ -299,10 +299,7 @@ impl PgStore {
                     self.inner.tables.wakeup_ddl()
                 ))
                 .await
-                .map_err(|e| match e.kind() {
-                    StoreErrorKind::Conflict => e.with_hint(outbox_core::migration::STEP_LOCK_HINT),
-                    _ => e,
-                })
+                .map_err(migrate::with_lock_hint)
         }
         .await;
         session.close().await;

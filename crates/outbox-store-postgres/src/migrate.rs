@@ -246,11 +246,17 @@ fn step_failed(c: &Component<'_>, version: u32, e: StoreError) -> StoreError {
         ),
     )
     .with_source(e);
-    match kind {
+    with_lock_hint(failed)
+}
+
+/// A migration's statement that gave up waiting for a lock says to run `migrate` again once
+/// the transaction holding it ends.
+pub(crate) fn with_lock_hint(e: StoreError) -> StoreError {
+    match e.kind() {
         outbox_core::StoreErrorKind::Conflict => {
-            failed.with_hint(outbox_core::migration::STEP_LOCK_HINT)
+            e.with_hint(outbox_core::migration::STEP_LOCK_HINT)
         }
-        _ => failed,
+        _ => e,
     }
 }
 
