@@ -7,7 +7,9 @@
 //! confirmed at the commit record itself sends the transaction again).
 //!
 //! [`Acknowledgements`] keeps one small record per transaction in flight (a count of handed
-//! out and settled events, not the events), in commit order. Events settle in any order;
+//! out events and a bit per settled one, not the events), in commit order. Events settle in
+//! any order, each once: a second settle of one position is refused, so that a caller's slip
+//! cannot count it for a sibling never settled and confirm past that one;
 //! the confirmable position is the `end_lsn` of the last transaction of the settled prefix,
 //! or a later idle keepalive position when nothing after it is in flight. The caller hands
 //! [`Acknowledgements::confirmable`] to [`crate::WalStream::confirm`]; nothing is confirmed
@@ -33,9 +35,44 @@ pub enum AckError {
     #[error("no transaction at {0} is in flight in this session")]
     UnknownTransaction(Lsn),
     #[error(
-        "the transaction at {commit_lsn} had {handed_out} events handed out; more were settled"
+        "the transaction at {commit_lsn} had {handed_out} events handed out; its event \
+         {ordinal} was settled, which is not one of them"
     )]
-    OverSettled { commit_lsn: Lsn, handed_out: u64 },
+    NotHandedOut {
+        commit_lsn: Lsn,
+        ordinal: u64,
+        handed_out: u64,
+    },
+    #[error("the event {ordinal} of the transaction at {commit_lsn} was settled twice")]
+    SettledTwice { commit_lsn: Lsn, ordinal: u64 },
+}
+
+/// Which events of one transaction are settled, by ordinal (handed out densely from 0): a
+/// word inline for the first 64, the common case, and more words only past them.
+#[derive(Debug, Default)]
+struct SettledOrdinals {
+    first: u64,
+    more: Vec<u64>,
+}
+
+impl SettledOrdinals {
+    /// Marks `ordinal` settled; false when it already was.
+    fn insert(&mut self, ordinal: u64) -> bool {
+        let bit = 1u64 << (ordinal % 64);
+        let word = match ordinal / 64 {
+            0 => &mut self.first,
+            n => {
+                let i = usize::try_from(n - 1).unwrap_or(usize::MAX);
+                if self.more.len() <= i {
+                    self.more.resize(i + 1, 0);
+                }
+                &mut self.more[i]
+            }
+        };
+        let fresh = *word & bit == 0;
+        *word |= bit;
+        fresh
+    }
 }
 
 #[derive(Debug)]
@@ -45,6 +82,7 @@ struct InFlight {
     end_lsn: Option<Lsn>,
     handed_out: u64,
     settled: u64,
+    settled_ordinals: SettledOrdinals,
     /// An idle keepalive position seen after this transaction's commit, before the next.
     idle_after: Option<Lsn>,
 }
@@ -109,10 +147,17 @@ impl Acknowledgements {
             .binary_search_by_key(&position.commit_lsn, |t| t.commit_lsn)
             .map_err(|_| AckError::UnknownTransaction(position.commit_lsn))?;
         let transaction = &mut self.in_flight[i];
-        if transaction.settled == transaction.handed_out {
-            return Err(AckError::OverSettled {
+        if position.ordinal >= transaction.handed_out {
+            return Err(AckError::NotHandedOut {
                 commit_lsn: transaction.commit_lsn,
+                ordinal: position.ordinal,
                 handed_out: transaction.handed_out,
+            });
+        }
+        if !transaction.settled_ordinals.insert(position.ordinal) {
+            return Err(AckError::SettledTwice {
+                commit_lsn: transaction.commit_lsn,
+                ordinal: position.ordinal,
             });
         }
         transaction.settled += 1;
@@ -162,6 +207,7 @@ impl Acknowledgements {
                 end_lsn: None,
                 handed_out: 0,
                 settled: 0,
+                settled_ordinals: SettledOrdinals::default(),
                 idle_after: None,
             });
         }
@@ -280,17 +326,60 @@ mod tests {
     }
 
     #[test]
-    fn settling_more_than_was_handed_out_is_refused() {
+    fn settling_an_event_not_handed_out_is_refused() {
         let mut acks = Acknowledgements::new(Lsn::ZERO);
-        let (a0, p_a0) = event(100, 0);
+        let (a0, _) = event(100, 0);
         acks.observe(&a0);
-        acks.settle(p_a0).unwrap();
+        let (_, p_a1) = event(100, 1);
         assert_eq!(
-            acks.settle(p_a0),
-            Err(AckError::OverSettled {
+            acks.settle(p_a1),
+            Err(AckError::NotHandedOut {
                 commit_lsn: Lsn(100),
+                ordinal: 1,
                 handed_out: 1
             })
         );
+    }
+
+    /// A second settle of one event does not stand in for its sibling: counted, it made the
+    /// transaction done and confirmed the slot past an event nothing had delivered.
+    #[test]
+    fn an_event_settled_twice_does_not_settle_its_sibling() {
+        let mut acks = Acknowledgements::new(Lsn(10));
+        let (a0, p_a0) = event(100, 0);
+        let (a1, p_a1) = event(100, 1);
+        for output in [&a0, &a1, &committed(100, 110, 2)] {
+            acks.observe(output);
+        }
+        acks.settle(p_a0).unwrap();
+        assert_eq!(
+            acks.settle(p_a0),
+            Err(AckError::SettledTwice {
+                commit_lsn: Lsn(100),
+                ordinal: 0
+            })
+        );
+        assert_eq!(acks.confirmable(), Lsn(10), "confirmed past an unsettled event");
+        acks.settle(p_a1).unwrap();
+        assert_eq!(acks.confirmable(), Lsn(110));
+    }
+
+    /// Past the inline word: a large transaction's events settle in any order, each once.
+    #[test]
+    fn a_large_transactions_events_settle_each_once_in_any_order() {
+        let mut acks = Acknowledgements::new(Lsn(10));
+        let positions: Vec<EventPosition> = (0..200)
+            .map(|ordinal| {
+                let (output, position) = event(100, ordinal);
+                acks.observe(&output);
+                position
+            })
+            .collect();
+        acks.observe(&committed(100, 110, 200));
+        for position in positions.iter().rev() {
+            acks.settle(*position).unwrap();
+            assert!(acks.settle(*position).is_err());
+        }
+        assert_eq!(acks.confirmable(), Lsn(110));
     }
 }

@@ -1489,6 +1489,67 @@ mod tests {
         assert_eq!(parks, [1]);
     }
 
+    /// An event that did not decode is handed out to be dead-lettered even while its key
+    /// waits behind parked events (it cannot be parked: the parked table holds events), and
+    /// its position settles with its dead letter. Released behind the key as nothing, it
+    /// once settled with no dead letter at all.
+    #[test]
+    fn an_undecodable_event_of_a_waiting_key_is_handed_out_to_be_dead_lettered() {
+        let mut state = State::new();
+        state.accept(session(1, &["a"]));
+        let undecodable = Output::Event {
+            position: EventPosition {
+                commit_lsn: Lsn(200),
+                ordinal: 0,
+                xid: 0,
+            },
+            event: Err(Box::new(Undecodable {
+                reason: "not the documented JSON object".into(),
+                source: EventSource::Table {
+                    sequence_id: Some(1),
+                },
+                event_id: None,
+                destination: Some("orders".into()),
+                partition_key: Some("a".into()),
+                raw: "{".into(),
+            })),
+        };
+        state.accept(Item::Outputs(charged(
+            vec![undecodable, committed(200, 1)],
+            &MemoryBudget::new(usize::MAX),
+        )));
+        let mut out = Vec::new();
+        state.accept_outputs(&mut out, 100, 1_000);
+        assert!(
+            matches!(out.as_slice(), [Claimed::Undecodable { sequence_id: 1, ordering_key, .. }] if ordering_key == "a"),
+            "{out:?}"
+        );
+        assert!(state.holdings.take_parks().is_empty(), "not parked");
+        state.settle([1]);
+        assert_eq!(state.acks.confirmable(), Lsn(210));
+    }
+
+    /// An event due later (`available_at` ahead) is parked with its time, not handed out,
+    /// and keys behind it wait; another key goes out.
+    #[test]
+    fn an_event_due_later_is_parked_with_its_time() {
+        let mut state = State::new();
+        state.accept(session(1, &[]));
+        let due = SystemTime::now() + Duration::from_secs(3600);
+        let mut outputs = transactions(&[(1, "a", 200), (2, "a", 300), (3, "b", 400)]);
+        if let Output::Event {
+            event: Ok(event), ..
+        } = &mut outputs[0]
+        {
+            event.available_at = Some(due);
+        }
+        assert_eq!(claim(&mut state, outputs), [3], "b only");
+        let parks = state.holdings.take_parks();
+        let parked: Vec<(SequenceId, Option<SystemTime>)> =
+            parks.iter().map(|p| (p.id, p.not_before)).collect();
+        assert_eq!(parked, [(1, Some(due)), (2, None)]);
+    }
+
     #[test]
     fn a_key_whose_park_was_refused_waits_its_turn_while_other_keys_are_parked() {
         let mut state = State::new();
