@@ -245,7 +245,7 @@ impl BinlogCapture {
     pub async fn problems(&self) -> Result<Vec<Problem>, StoreError> {
         let mut problems = outbox_binlog::server_problems(&self.url, &self.database)
             .await
-            .map_err(unreachable)?;
+            .map_err(read_failed)?;
         let stored = outbox_binlog::stored_position(
             &self.url,
             &format!("{}.{}", self.database, self.positions_table),
@@ -254,7 +254,7 @@ impl BinlogCapture {
         .await;
         let server = outbox_binlog::server_id(&self.url)
             .await
-            .map_err(unreachable)?;
+            .map_err(read_failed)?;
         let blackhole = self.is_blackhole().await?;
         let resumed = match &stored {
             Ok(Some(stored)) => Some(outbox_binlog::capture::resume(
@@ -281,9 +281,22 @@ impl BinlogCapture {
             }
             Ok(Some(stored)) => {
                 let stored = stored.position;
-                let logs = outbox_binlog::binary_logs(&self.url)
-                    .await
-                    .map_err(unreachable)?;
+                let logs = match outbox_binlog::binary_logs(&self.url).await {
+                    Ok(logs) => logs,
+                    // A role without REPLICATION CLIENT: named above already, with its
+                    // grant, which is the fix (not "the database is unreachable").
+                    Err(e) if read_failed_kind(&e) == StoreErrorKind::Privilege => {
+                        if !problems.iter().any(|p| p.what.contains("REPLICATION CLIENT")) {
+                            problems.push(Problem::blocking(
+                                format!("the role may not list the binary logs: {e}"),
+                                "GRANT REPLICATION CLIENT ON *.* TO <the relay's role> \
+                                 (MariaDB 10.5+ also names it BINLOG MONITOR)",
+                            ));
+                        }
+                        return Ok(problems);
+                    }
+                    Err(e) => return Err(read_failed(e)),
+                };
                 let problem = outbox_binlog::retention_problem(&stored, &logs, blackhole);
                 let reset = match problem {
                     Some(_) => None,
@@ -309,7 +322,7 @@ impl BinlogCapture {
             problems.extend(
                 outbox_binlog::blackhole_problem(&self.url)
                     .await
-                    .map_err(unreachable)?,
+                    .map_err(read_failed)?,
             );
         }
         problems.extend(
@@ -334,7 +347,7 @@ impl BinlogCapture {
         match outbox_binlog::is_blackhole(&self.url, &self.database, &self.table).await {
             Ok(blackhole) => Ok(*self.blackhole.get_or_init(|| blackhole)),
             Err(outbox_binlog::BinlogError::Config(_)) => Ok(false),
-            Err(e) => Err(unreachable(e)),
+            Err(e) => Err(read_failed(e)),
         }
     }
 
@@ -342,7 +355,7 @@ impl BinlogCapture {
     pub async fn blackhole_table_problems(&self) -> Result<Vec<Problem>, StoreError> {
         outbox_binlog::blackhole_table_problems(&self.url, &self.database, &self.table)
             .await
-            .map_err(unreachable)
+            .map_err(read_failed)
     }
 
     /// Starts the reader: the store the engine claims from.
@@ -441,9 +454,19 @@ fn forget_position(database: &str, positions: &str, key: &str) -> String {
     )
 }
 
-/// A failure to read what the server has (its settings, a table's engine or columns).
-fn unreachable(e: outbox_binlog::BinlogError) -> StoreError {
-    StoreError::new(StoreErrorKind::Connection, format!("binlog capture: {e}"))
+/// A failure to read what the server has (its settings, a table's engine or columns),
+/// classified as the MySQL store classifies its own: a privilege missing is no outage to
+/// wait out.
+fn read_failed(e: outbox_binlog::BinlogError) -> StoreError {
+    StoreError::new(read_failed_kind(&e), format!("binlog capture: {e}"))
+}
+
+fn read_failed_kind(e: &outbox_binlog::BinlogError) -> StoreErrorKind {
+    match e {
+        outbox_binlog::BinlogError::Connection(e) => outbox_store_mysql::classify(e),
+        outbox_binlog::BinlogError::Config(_) => StoreErrorKind::Config,
+        _ => StoreErrorKind::Connection,
+    }
 }
 
 /// What the reader takes from the rest of the run.

@@ -428,6 +428,55 @@ async fn run_drain_relays_what_was_committed_before_it_and_exits_0() {
     assert_every_key_in_order(&by_key, &["a", "b"], 50);
 }
 
+/// A role without REPLICATION CLIENT, once a position is stored (a first run as an admin,
+/// then the deployment's own role): `check` and `run` name the grant, and `run` stops as for
+/// the server's other blocking problems (exit 1: a supervisor's restart finds the grant once
+/// made). The failed `SHOW BINARY LOGS` was taken for an unreachable database: `check`
+/// advised checking the URL's host and port, and `run` waited for the database for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_role_without_replication_client_is_told_the_grant_not_to_wait_for_the_database() {
+    let db = BinlogDb::new().await;
+    let mut first = db.reading("relay-1", "out.jsonl").await;
+    assert!(first.terminate().await.success(), "{}", first.logs());
+    let opts = mysql_async::Opts::from_url(&db.url).unwrap();
+    let database = opts.db_name().unwrap().to_string();
+    let user = format!("outbox_norc_{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    let mut admin = db.pool.get_conn().await.unwrap();
+    admin
+        .query_drop(format!(
+            "CREATE USER '{user}'@'127.0.0.1' IDENTIFIED BY 'p';
+             GRANT REPLICATION SLAVE ON *.* TO '{user}'@'127.0.0.1';
+             GRANT SELECT, INSERT, UPDATE, DELETE ON `{database}`.* TO '{user}'@'127.0.0.1';"
+        ))
+        .await
+        .unwrap();
+    let as_user = format!(
+        "mysql://{user}:p@{}:{}/{database}",
+        opts.ip_or_hostname(),
+        opts.tcp_port()
+    );
+    let names_the_grant = |said: &str| {
+        said.contains("GRANT REPLICATION CLIENT ON *.*")
+            && !said.contains("check that the database is running")
+    };
+    let checked = relay(
+        db.dir.path(),
+        &["check", "--capture", "binlog", "--database-url", &as_user],
+    );
+    let said = format!("{}{}", text(&checked.stdout), text(&checked.stderr));
+    assert!(!checked.status.success(), "{said}");
+    assert!(names_the_grant(&said), "{said}");
+    let mut refused = db.spawn_at(&as_user, "relay-2", "out.jsonl", &[]);
+    let status = refused.wait_exit_within(Duration::from_secs(30)).await;
+    let logs = refused.logs();
+    assert_eq!(status.code(), Some(1), "{logs}");
+    assert!(names_the_grant(&logs), "{logs}");
+    admin
+        .query_drop(format!("DROP USER '{user}'@'127.0.0.1'"))
+        .await
+        .unwrap();
+}
+
 /// A first start by `--drain` adopts the rows already in a mapped table: one that is no
 /// event (its message no JSON) is adopted as a dead letter, which the drain did not count,
 /// so it exited 0 as if everything committed before it had been delivered.
