@@ -508,6 +508,12 @@ pub async fn server_problems(url: &str, database: &str) -> Result<Vec<Problem>> 
     let metadata: Vec<(String, String)> = conn
         .query("SHOW GLOBAL VARIABLES WHERE Variable_name = 'binlog_row_metadata'")
         .await?;
+    let expiry: Vec<(String, String)> = conn
+        .query(
+            "SHOW GLOBAL VARIABLES
+              WHERE Variable_name IN ('binlog_expire_logs_seconds', 'expire_logs_days')",
+        )
+        .await?;
     conn.disconnect().await?;
     let (log_bin, format, image) = settings.unwrap_or_default();
     let mut problems = Vec::new();
@@ -553,6 +559,7 @@ pub async fn server_problems(url: &str, database: &str) -> Result<Vec<Problem>> 
             ));
         }
     }
+    problems.extend(retention_advice(&expiry));
     if let Some((logged_only, ignored)) = filters {
         let listed = |list: &str| list.split(',').any(|name| name.trim() == database);
         if listed(&ignored) || (!logged_only.trim().is_empty() && !listed(&logged_only)) {
@@ -607,6 +614,118 @@ pub async fn server_problems(url: &str, database: &str) -> Result<Vec<Problem>> 
         }
     }
     Ok(problems)
+}
+
+/// The name a reader registers under (its `report_host`, which `SHOW SLAVE HOSTS` lists
+/// beside its server id): `outbox-relay <database>.<table>`, so that `check` tells this
+/// outbox's relay from another reader registered under the same id.
+pub fn registered_name(config: &BinlogConfig) -> String {
+    outbox_core::ident::server_lock_name(
+        "outbox-relay ",
+        &format!("{}.{}", config.database, config.table),
+    )
+}
+
+/// Another reader of the server's binary log registered under `config.server_id`, each with
+/// its fix. The server keeps one reader per server id: a second one ends the first's
+/// session, which reconnects and ends the second's, and neither reads for long (a replica's
+/// replication flaps with the relay's). Registered readers only (replicas, relays):
+/// `mariadb-binlog` does not register. Where the role may not list them (MariaDB 10.5+ asks
+/// REPLICATION MASTER ADMIN), nothing is said.
+pub async fn server_id_problems(config: &BinlogConfig) -> Result<Vec<Problem>> {
+    let mut conn = Conn::new(opts(&config.url)?).await?;
+    let mut readers = Vec::new();
+    // MySQL 8.4 knows only the first; MariaDB and MySQL 8.0 the second.
+    for statement in ["SHOW REPLICAS", "SHOW SLAVE HOSTS"] {
+        if let Ok(rows) = conn.query::<mysql_async::Row, _>(statement).await {
+            readers = rows;
+            break;
+        }
+    }
+    conn.disconnect().await?;
+    let ours = registered_name(config);
+    let id = config.server_id;
+    let fix = "give the relay a binlog_server_id (--binlog-server-id) no other replica or \
+               relay of the server uses, or leave it unset: each outbox then derives its own \
+               from its database and table";
+    let mut problems = Vec::new();
+    // Server_id, Host and Port lead both statements' columns.
+    for row in &readers {
+        let server_id: Option<u64> = row.get(0);
+        if server_id != Some(u64::from(id)) {
+            continue;
+        }
+        let host: String = row.get(1).unwrap_or_default();
+        let port: u64 = row.get(2).unwrap_or_default();
+        let collides = format!(
+            "the server keeps one reader per server id, so each ends the other's session \
+             and neither reads for long"
+        );
+        if host == ours {
+            continue;
+        }
+        problems.push(if let Some(outbox) = host.strip_prefix("outbox-relay ") {
+            Problem::blocking(
+                format!(
+                    "the relay of another outbox ({outbox}) reads this server's binary log as \
+                     server id {id} too: {collides}"
+                ),
+                fix,
+            )
+        } else if host.is_empty() {
+            Problem::advisory(
+                format!(
+                    "a reader registered without a name reads this server's binary log as \
+                     server id {id}: a replica without report_host, or a relay older than \
+                     this one; if it is not this outbox's relay, {collides}"
+                ),
+                fix,
+            )
+        } else {
+            Problem::blocking(
+                format!(
+                    "the replica {host}:{port} reads this server's binary log as server id \
+                     {id}: {collides}"
+                ),
+                fix,
+            )
+        });
+    }
+    Ok(problems)
+}
+
+/// Below this, the server's binary log retention is said by `check`: a relay stopped for a
+/// weekend, or a failed deploy left over a night, outlives the logs it reads on from.
+const SHORTEST_RETENTION: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
+
+/// The server's binary log retention (`binlog_expire_logs_seconds`, or else
+/// `expire_logs_days`; 0 for both keeps the logs until purged by hand), said when shorter
+/// than [`SHORTEST_RETENTION`]: how long the relay may be off before its stored position is
+/// purged, and it must adopt the rows still in the table (or, table-less, lose the events).
+fn retention_advice(variables: &[(String, String)]) -> Option<Problem> {
+    let value = |name: &str| {
+        variables
+            .iter()
+            .find(|(variable, _)| variable.eq_ignore_ascii_case(name))
+            .and_then(|(_, value)| value.trim().parse::<f64>().ok())
+            .filter(|value| *value > 0.0)
+    };
+    let seconds = value("binlog_expire_logs_seconds")
+        .or_else(|| value("expire_logs_days").map(|days| days * 86_400.0))?;
+    let kept = std::time::Duration::from_secs_f64(seconds);
+    (kept < SHORTEST_RETENTION).then(|| {
+        Problem::advisory(
+            format!(
+                "the server keeps its binary logs for {}: a relay off longer than that finds \
+                 its stored position purged, and must adopt the rows still in the table (a \
+                 BLACKHOLE outbox's events are lost)",
+                humantime::format_duration(kept)
+            ),
+            "SET GLOBAL binlog_expire_logs_seconds = 604800 (a week; expire_logs_days = 7 on \
+             older servers) and put it in the server's configuration, or keep the relay's \
+             downtime shorter",
+        )
+    })
 }
 
 /// The server's `binlog-do-db` and `binlog-ignore-db` lists (comma-separated, empty for
@@ -682,6 +801,32 @@ pub fn database_of(url: &str) -> Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A retention under a day is said, in the server's own variable or its older one; none
+    /// (0: kept until purged by hand) or a week is not.
+    #[test]
+    fn a_binary_log_retention_under_a_day_is_said() {
+        let vars = |seconds: &str, days: &str| {
+            vec![
+                (
+                    "binlog_expire_logs_seconds".to_string(),
+                    seconds.to_string(),
+                ),
+                ("expire_logs_days".to_string(), days.to_string()),
+            ]
+        };
+        let said = retention_advice(&vars("3600", "0")).expect("an hour is said");
+        assert!(said.what.contains("1h"), "{said}");
+        assert!(!said.fails_check());
+        assert!(retention_advice(&vars("0", "0.5")).is_some(), "half a day");
+        assert!(
+            retention_advice(&vars("0", "0")).is_none(),
+            "kept until purged"
+        );
+        assert!(retention_advice(&vars("604800", "0")).is_none());
+        assert!(retention_advice(&vars("0", "7")).is_none());
+        assert!(retention_advice(&[]).is_none());
+    }
 
     /// MySQL 8's `SHOW GRANTS` lists `GRANT role TO user` without the role's privileges:
     /// asked again with the roles in use, as `CURRENT_ROLE()` names them.

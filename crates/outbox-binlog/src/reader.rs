@@ -664,7 +664,10 @@ impl BinlogReader {
             BINLOG_HEARTBEAT.as_nanos()
         ))
         .await?;
-        let request = BinlogStreamRequest::new(config.server_id);
+        // Registered under a name of its own: `check` tells this outbox's relay from
+        // another reader under the same server id ([`crate::server_id_problems`]).
+        let name = crate::registered_name(config);
+        let request = BinlogStreamRequest::new(config.server_id).with_hostname(name.as_bytes());
         let (request, from) = match start {
             Start::Position(from) => (
                 request

@@ -986,6 +986,26 @@ fn refuse_shared_resources(outboxes: &[NamedOutbox]) -> Result<(), String> {
                     redact_url(&server)
                 ));
             }
+            // A server keeps one binary log reader per server id: two would end each
+            // other's session every second. Derived ids differ by table; a top-level id is
+            // lent to every entry.
+            let binlog = |c: &Config| c.database.capture == CaptureMode::Binlog;
+            if server == other_server && binlog(&a.config) && binlog(&b.config) {
+                if let (Some(id), Some(other_id)) = (
+                    a.config.database.binlog_server_id,
+                    b.config.database.binlog_server_id,
+                ) {
+                    if id == other_id {
+                        return Err(format!(
+                            "{pair} both read the binary log of {} as server id {id}: the \
+                             server keeps one reader per id, and each would end the other's \
+                             session; give each entry its own binlog_server_id, or set none \
+                             (each outbox then derives its own from its database and table)",
+                            redact_url(&server)
+                        ));
+                    }
+                }
+            }
             if database != other_database {
                 continue;
             }
@@ -1819,6 +1839,27 @@ mod tests {
             err.contains("replication slot shared of postgres://db:5432"),
             "{err}"
         );
+        // A top-level binlog_server_id is lent to every entry: two binlog outboxes of one
+        // server would read as one replica, ending each other's session every second.
+        let my = |db: &str| format!("database_url = \"mysql://relay:secret@db/{db}\"");
+        let err = outboxes_of(
+            &format!(
+                "capture = \"binlog\"\nbinlog_server_id = 4242\n{}",
+                two(&my("one"), &my("two"))
+            ),
+            &["outbox-relay", "run"],
+        )
+        .unwrap_err();
+        assert!(
+            err.contains("both read the binary log of mysql://db") && err.contains("4242"),
+            "{err}"
+        );
+        assert!(!err.contains("secret"), "{err}");
+        outboxes_of(
+            &format!("capture = \"binlog\"\n{}", two(&my("one"), &my("two"))),
+            &["outbox-relay", "run"],
+        )
+        .unwrap();
         let err = refused(&two("", ""));
         assert!(
             err.contains("both relay public.outbox of sqlite:outbox.db"),

@@ -359,7 +359,11 @@ mod tests {
                 ordinal: 0
             })
         );
-        assert_eq!(acks.confirmable(), Lsn(10), "confirmed past an unsettled event");
+        assert_eq!(
+            acks.confirmable(),
+            Lsn(10),
+            "confirmed past an unsettled event"
+        );
         acks.settle(p_a1).unwrap();
         assert_eq!(acks.confirmable(), Lsn(110));
     }

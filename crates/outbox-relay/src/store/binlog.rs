@@ -179,11 +179,19 @@ impl BinlogCapture {
     /// A reader's configuration for `check`'s look at the server's log: a server id of its
     /// own, so that it takes no running relay's stream (MySQL ends a reader's stream when
     /// another comes with its id).
-    fn probe_config(&self) -> outbox_binlog::BinlogConfig {
-        outbox_binlog::BinlogConfig {
-            url: self.url.clone(),
+    fn probe_config(&self) -> BinlogConfig {
+        BinlogConfig {
             // In the upper half, as the relays' default ids are, and never this relay's.
             server_id: (self.server_id ^ 0x15A5_A5A5) | 0x4000_0000,
+            ..self.reader_config()
+        }
+    }
+
+    /// The reader's configuration: the server, the relay's server id, the outbox table.
+    fn reader_config(&self) -> BinlogConfig {
+        BinlogConfig {
+            url: self.url.clone(),
+            server_id: self.server_id,
             database: self.database.clone(),
             table: self.table.clone(),
         }
@@ -225,7 +233,9 @@ impl BinlogCapture {
         let needs = "-- Binlog capture needs, on the server (the relay checks each at `check`):\n\
              --   log_bin on, binlog_format = ROW, binlog_row_image = FULL,\n\
              --   log_bin_compress = OFF (MariaDB; MySQL 8's compressed transactions are read),\n\
-             --   a binlog_expire_logs_seconds (expire_logs_days) longer than the relay may be off.\n";
+             --   a binlog_expire_logs_seconds (expire_logs_days) longer than the relay may be off,\n\
+             --   and a binlog_server_id no replica or other relay of the server uses (unset, each\n\
+             --   outbox derives its own from its database and table).\n";
         if !self.native() {
             return needs.to_string();
         }
@@ -255,6 +265,11 @@ impl BinlogCapture {
         let server = outbox_binlog::server_id(&self.url)
             .await
             .map_err(read_failed)?;
+        problems.extend(
+            outbox_binlog::server_id_problems(&self.reader_config())
+                .await
+                .map_err(read_failed)?,
+        );
         let blackhole = self.is_blackhole().await?;
         let resumed = match &stored {
             Ok(Some(stored)) => Some(outbox_binlog::capture::resume(
@@ -286,7 +301,10 @@ impl BinlogCapture {
                     // A role without REPLICATION CLIENT: named above already, with its
                     // grant, which is the fix (not "the database is unreachable").
                     Err(e) if read_failed_kind(&e) == StoreErrorKind::Privilege => {
-                        if !problems.iter().any(|p| p.what.contains("REPLICATION CLIENT")) {
+                        if !problems
+                            .iter()
+                            .any(|p| p.what.contains("REPLICATION CLIENT"))
+                        {
                             problems.push(Problem::blocking(
                                 format!("the role may not list the binary logs: {e}"),
                                 "GRANT REPLICATION CLIENT ON *.* TO <the relay's role> \
@@ -381,12 +399,7 @@ impl BinlogCapture {
             ));
         }
         BinlogStore::start(BinlogStoreOptions {
-            binlog: BinlogConfig {
-                url: self.url.clone(),
-                server_id: self.server_id,
-                database: self.database.clone(),
-                table: self.table.clone(),
-            },
+            binlog: self.reader_config(),
             mapping: self.mapping.clone(),
             seat: SeatConfig {
                 url: self.url.clone(),

@@ -344,6 +344,47 @@ async fn check_passes_on_a_server_ready_for_binlog_capture() {
     );
 }
 
+/// A server keeps one binary log reader per server id. `check` names another outbox's
+/// relay reading under the id this one is given, and passes beside this outbox's own relay
+/// (registered under its outbox's name). Unchecked, the two relays ended each other's
+/// session every second, and a replica's replication flapped with a relay's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_names_another_reader_registered_under_the_relays_server_id() {
+    let (one, two) = (BinlogDb::new().await, BinlogDb::new().await);
+    let id = (uuid::Uuid::new_v4().as_u128() % 1_000_000 + 1_000).to_string();
+    let mut reading = one
+        .reading_with("relay-1", "out.jsonl", &["--binlog-server-id", &id])
+        .await;
+    let check = |db: &BinlogDb| {
+        let checked = relay(
+            db.dir.path(),
+            &[
+                "check",
+                "--capture",
+                "binlog",
+                "--binlog-server-id",
+                &id,
+                "--database-url",
+                &db.url,
+            ],
+        );
+        let said = format!("{}{}", text(&checked.stdout), text(&checked.stderr));
+        (checked.status.success(), said)
+    };
+    let (passed, said) = check(&two);
+    assert!(!passed, "{said}");
+    assert!(
+        said.contains(&format!(
+            "reads this server's binary log as server id {id} too"
+        )) && said.contains(".outbox)")
+            && said.contains("binlog_server_id"),
+        "{said}"
+    );
+    let (passed, said) = check(&one);
+    assert!(passed, "its own relay is no other reader: {said}");
+    assert!(reading.terminate().await.success(), "{}", reading.logs());
+}
+
 /// Rows written before the first start are adopted; then kill -9 and SIGTERM mid-stream,
 /// with rolled-back transactions and binary log rotations (`FLUSH BINARY LOGS`, while a
 /// relay reads and while none runs) in between: every committed event arrives, first
@@ -440,7 +481,10 @@ async fn a_role_without_replication_client_is_told_the_grant_not_to_wait_for_the
     assert!(first.terminate().await.success(), "{}", first.logs());
     let opts = mysql_async::Opts::from_url(&db.url).unwrap();
     let database = opts.db_name().unwrap().to_string();
-    let user = format!("outbox_norc_{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    let user = format!(
+        "outbox_norc_{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    );
     let mut admin = db.pool.get_conn().await.unwrap();
     admin
         .query_drop(format!(
