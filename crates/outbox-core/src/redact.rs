@@ -217,6 +217,19 @@ pub fn user_info_end(after_scheme: &str) -> Option<usize> {
     Some(end)
 }
 
+/// Whether the URL `url` (a setting's value, not free text) holds whitespace before its last
+/// `@`: a password with an unescaped space, which clients connect with but [`redact_url`]
+/// cannot tell from the end of a URL in a message (so it would show it). Settings refuse
+/// it, asking for the space percent-encoded.
+pub fn user_info_has_whitespace(url: &str) -> bool {
+    let Some((_, after_scheme)) = url.split_once("://") else {
+        return false;
+    };
+    after_scheme
+        .rfind('@')
+        .is_some_and(|at| after_scheme[..at].contains(char::is_whitespace))
+}
+
 /// A URL shown redacted ([`redact_url`]) by `Debug`: for the `url` field of connection
 /// settings, whose derived `Debug` would show the password to whatever prints them.
 pub struct RedactedUrl<'a>(pub &'a str);

@@ -470,6 +470,23 @@ impl Config {
                  [[routes]], or the default, stdout"
             );
         }
+        let urls = std::iter::once((
+            "database_url (--database-url)".to_string(),
+            self.database.database_url.as_str(),
+        ))
+        .chain(relay.sink.as_deref().map(|s| ("sink (--sink)".to_string(), s)))
+        .chain(
+            (relay.sinks.iter()).map(|(name, sink)| (format!("[sinks.{name}] uri"), sink.uri())),
+        );
+        for (setting, url) in urls {
+            if outbox_core::redact::user_info_has_whitespace(url) {
+                bail!(
+                    "{setting}: its user info (the password) holds a space, which the relay's \
+                     messages could not hide: percent-encode it (a space is %20; the clients \
+                     decode it)"
+                );
+            }
+        }
         if relay.sinks.is_empty() && relay.sink.is_none() {
             if let Some(route) = relay.routes.first() {
                 bail!(
@@ -1149,9 +1166,16 @@ fn describe_errors(
         .map(|e| {
             let mut what = match &e.kind {
                 figment::error::Kind::Message(message) => without_source_excerpt(message),
+                // The value may be a URL with its password (`OUTBOX_RELAY_SINKS__MAIN=
+                // nats://u:p@…` where a map is expected), or a token: the type tells enough.
+                figment::error::Kind::InvalidType(figment::error::Actual::Str(_), expected) => {
+                    format!("invalid type: found a string, expected {expected}")
+                }
                 kind => kind.to_string(),
             }
             .replace("unknown field", "unknown setting");
+            // Whatever else a message quotes is shown redacted.
+            what = outbox_core::redact::redact_url(&what);
             if let figment::error::Kind::InvalidType(figment::error::Actual::Str(text), _) = &e.kind
             {
                 if text.trim().parse::<f64>().is_ok() {

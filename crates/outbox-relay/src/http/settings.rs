@@ -54,7 +54,7 @@ impl HttpSettings {
         self.http_addr.parse().map(Some).with_context(|| {
             format!(
                 "invalid http_addr {:?}: use host:port, e.g. 127.0.0.1:2259",
-                self.http_addr
+                outbox_core::redact::redact_url(&self.http_addr)
             )
         })
     }

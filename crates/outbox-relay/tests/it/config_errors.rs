@@ -902,6 +902,37 @@ fn check_shows_no_secret_of_a_sink_uri() {
     }
 }
 
+/// A URL given where a map, a list or an address is expected is refused (exit 2) without
+/// its password: the type error quoted the whole value. A password with an unencoded space,
+/// which the redaction cannot tell from the URL's end, is refused asking for it encoded.
+#[test]
+fn a_misplaced_or_unredactable_url_is_refused_without_its_password() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    for (env, fix) in [
+        ("OUTBOX_RELAY_SINKS__MAIN", "found a string, expected a map"),
+        ("OUTBOX_RELAY_SINKS", "found a string, expected a map"),
+        ("OUTBOX_RELAY_ROUTES", "found a string, expected a sequence"),
+        ("OUTBOX_RELAY_HTTP_ADDR", "use host:port"),
+    ] {
+        let out = relay(d, &["check"], &[(env, "nats://relay:s3cr3t-pw@nats:4222")]);
+        assert_eq!(out.status.code(), Some(2), "{env}: {}", stderr(&out));
+        let err = stderr(&out);
+        assert!(err.contains(fix), "{env}: {err}");
+        assert!(!err.contains("s3cr3t"), "{env}: {err}");
+    }
+    for args in [
+        ["check", "--database-url", "postgres://relay:s3cr3t pw@127.0.0.1:1/app"],
+        ["check", "--sink", "amqp://relay:s3cr3t pw@127.0.0.1:1/%2f"],
+    ] {
+        let out = relay(d, &args, &[]);
+        assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+        let err = stderr(&out);
+        assert!(err.contains("percent-encode it"), "{err}");
+        assert!(!err.contains("s3cr3t"), "{err}");
+    }
+}
+
 /// Each sink reads only its own settings: one of another sink's, from a file or the
 /// environment, is refused when the configuration is read (before any command runs), naming
 /// the setting, the sink and the fix; so is a URI no sink reads, and a sink that cannot be
