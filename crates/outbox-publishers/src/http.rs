@@ -41,13 +41,23 @@ pub fn client(tls: &TlsFiles, timeout: Duration) -> Result<reqwest::Client, Sink
         pem.extend(
             std::fs::read(key).map_err(|e| setup(format!("cannot read {}: {e}", key.display())))?,
         );
-        let identity = reqwest::Identity::from_pem(&pem)
-            .map_err(|e| setup(format!("invalid client certificate: {e}")))?;
+        let identity = reqwest::Identity::from_pem(&pem).map_err(|e| {
+            setup(format!(
+                "invalid client certificate {} or key {}: {} (both PEM: the certificate \
+                 chain, and its PKCS#8, PKCS#1 or SEC1 private key)",
+                cert.display(),
+                key.display(),
+                outbox_core::error::report(&e)
+            ))
+        })?;
         builder = builder.identity(identity);
     }
-    builder
-        .build()
-        .map_err(|e| setup(format!("HTTP client setup failed: {e}")))
+    builder.build().map_err(|e| {
+        setup(format!(
+            "HTTP client setup failed: {}",
+            outbox_core::error::report(&e)
+        ))
+    })
 }
 
 /// The most of a receiver's body kept in an error (and so in `last_error`, which the API

@@ -258,6 +258,8 @@ pub async fn check(config: Config) -> anyhow::Result<ExitCode> {
     let mut misconfigured = false;
     // The HTTP settings (the admin token among them) are checked as `run` checks them.
     config.http.listen()?;
+    // The database URL is parsed first: "valid", then refused, was said of a bad one.
+    config.store_settings()?;
     outln!("ok: configuration is valid ({config:?})");
     // Opened, a mistyped path became a new database that `check` told to migrate: said,
     // and the sinks are checked all the same.
@@ -267,7 +269,13 @@ pub async fn check(config: Config) -> anyhow::Result<ExitCode> {
             outln!("problem: {e:#}");
         }
         Ok(()) => match check_database(&config).await? {
-            DatabaseCheck::Unreachable => return Ok(ExitCode::FAILURE),
+            DatabaseCheck::Unreachable {
+                misconfigured: false,
+            } => return Ok(ExitCode::FAILURE),
+            // No such database or role: as `run` and the other commands exit.
+            DatabaseCheck::Unreachable {
+                misconfigured: true,
+            } => return Ok(ExitCode::from(crate::error::EXIT_BAD_CONFIGURATION)),
             DatabaseCheck::Checked { problems } => failed |= problems,
         },
     }
@@ -298,8 +306,9 @@ pub async fn check(config: Config) -> anyhow::Result<ExitCode> {
 
 /// What `check` found of the database.
 enum DatabaseCheck {
-    /// It could not connect (said).
-    Unreachable,
+    /// It could not connect (said); `misconfigured`: because of a setting (an unknown
+    /// database or role), not an outage.
+    Unreachable { misconfigured: bool },
     /// It connected; `problems`: something fails the check (said).
     Checked { problems: bool },
 }
@@ -322,7 +331,9 @@ async fn check_database(config: &Config) -> anyhow::Result<DatabaseCheck> {
                 redact_url(&config.database.database_url),
                 e.report()
             );
-            return Ok(DatabaseCheck::Unreachable);
+            return Ok(DatabaseCheck::Unreachable {
+                misconfigured: crate::error::is_configuration(&e),
+            });
         }
     }
     match store.schema_versions().await {

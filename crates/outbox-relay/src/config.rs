@@ -474,7 +474,12 @@ impl Config {
             "database_url (--database-url)".to_string(),
             self.database.database_url.as_str(),
         ))
-        .chain(relay.sink.as_deref().map(|s| ("sink (--sink)".to_string(), s)))
+        .chain(
+            relay
+                .sink
+                .as_deref()
+                .map(|s| ("sink (--sink)".to_string(), s)),
+        )
         .chain(
             (relay.sinks.iter()).map(|(name, sink)| (format!("[sinks.{name}] uri"), sink.uri())),
         );

@@ -42,13 +42,17 @@ pub fn exit_code(e: &anyhow::Error) -> ExitCode {
 }
 
 /// A store error as the binary reports it: exit 2 when only the configuration can fix it.
-pub fn failure(message: String, e: &outbox_core::StoreError) -> anyhow::Error {
-    // A schema older or newer than the relay runs on is fixed by `migrate` or an upgrade,
-    // never by retrying: exit 2 too.
-    if matches!(
+/// Whether `e` is the configuration's to fix (exit 2): a wrong setting, or a schema older or
+/// newer than the relay runs on, fixed by `migrate` or an upgrade, never by retrying.
+pub fn is_configuration(e: &outbox_core::StoreError) -> bool {
+    matches!(
         e.kind(),
         outbox_core::StoreErrorKind::Config | outbox_core::StoreErrorKind::SchemaVersion
-    ) {
+    )
+}
+
+pub fn failure(message: String, e: &outbox_core::StoreError) -> anyhow::Error {
+    if is_configuration(e) {
         config_error(message)
     } else {
         anyhow::anyhow!(message)

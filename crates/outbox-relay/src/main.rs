@@ -79,6 +79,7 @@ fn init_logging(config: &Config) -> anyhow::Result<()> {
              outbox_engine=debug (`off` logs nothing)"
         );
     }
+    refuse_bare_targets(&config.relay.log_level)?;
     let filter = tracing_subscriber::EnvFilter::try_new(&config.relay.log_level).map_err(|e| {
         anyhow::anyhow!(
             "invalid log level {:?}: {e}; use e.g. info, debug or outbox_engine=debug",
@@ -94,6 +95,30 @@ fn init_logging(config: &Config) -> anyhow::Result<()> {
     match config.relay.log_format {
         LogFormat::Json => builder.json().flatten_event(true).init(),
         LogFormat::Text => builder.fmt_fields(escaped_fields()).init(),
+    }
+    Ok(())
+}
+
+/// Refuses a filter directive that is neither a level nor `target=level`: a bare word is
+/// read as a target logged at every level, so `warning` (a common spelling of `warn`) logged
+/// only a target named "warning", which is to say nothing, errors included.
+fn refuse_bare_targets(filter: &str) -> anyhow::Result<()> {
+    const LEVELS: [&str; 6] = ["trace", "debug", "info", "warn", "error", "off"];
+    for directive in filter.split(',').map(str::trim).filter(|d| !d.is_empty()) {
+        let is_level = LEVELS.iter().any(|l| directive.eq_ignore_ascii_case(l));
+        if !is_level && !directive.contains(['=', '[']) {
+            let hint = match directive.to_ascii_lowercase().as_str() {
+                "warning" => "warn".to_string(),
+                "err" => "error".to_string(),
+                "information" => "info".to_string(),
+                _ => format!("{directive}=debug"),
+            };
+            anyhow::bail!(
+                "invalid log level {filter:?}: {directive:?} is no level (trace, debug, info, \
+                 warn, error, off) and no target=level (read as a module's name, it would log \
+                 that module alone): did you mean {hint:?}?"
+            );
+        }
     }
     Ok(())
 }

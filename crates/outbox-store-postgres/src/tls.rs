@@ -57,7 +57,14 @@ pub fn prepare(
     };
     let url = with_param(&url, "sslmode", mode);
     let config = tokio_postgres::Config::from_str(&url)
-        .map_err(|e| config_error(format!("invalid database URL: {e}")))?;
+        // With its cause (a port that is no number, an option PostgreSQL's client does not
+        // know): "invalid connection string" alone named nothing to fix.
+        .map_err(|e| {
+            config_error(format!(
+                "invalid database URL: {}",
+                outbox_core::redact::redact_url(&outbox_core::error::report(&e))
+            ))
+        })?;
     let tls = client_config(verify, ca_file.as_deref())?;
     Ok((config, MakeRustlsConnect::new(tls)))
 }

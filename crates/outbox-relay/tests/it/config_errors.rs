@@ -922,7 +922,11 @@ fn a_misplaced_or_unredactable_url_is_refused_without_its_password() {
         assert!(!err.contains("s3cr3t"), "{env}: {err}");
     }
     for args in [
-        ["check", "--database-url", "postgres://relay:s3cr3t pw@127.0.0.1:1/app"],
+        [
+            "check",
+            "--database-url",
+            "postgres://relay:s3cr3t pw@127.0.0.1:1/app",
+        ],
         ["check", "--sink", "amqp://relay:s3cr3t pw@127.0.0.1:1/%2f"],
     ] {
         let out = relay(d, &args, &[]);
@@ -930,6 +934,26 @@ fn a_misplaced_or_unredactable_url_is_refused_without_its_password() {
         let err = stderr(&out);
         assert!(err.contains("percent-encode it"), "{err}");
         assert!(!err.contains("s3cr3t"), "{err}");
+    }
+}
+
+/// A PostgreSQL URL the client cannot read is refused naming what is wrong in it: "invalid
+/// connection string" alone named nothing.
+#[test]
+fn a_database_url_the_client_cannot_read_is_refused_naming_the_part() {
+    let dir = tempfile::tempdir().unwrap();
+    for (url, part) in [
+        (
+            "postgres://relay:s3cr3t@127.0.0.1:notaport/app",
+            "option `port`",
+        ),
+        (
+            "postgres://relay:s3cr3t@127.0.0.1:1/app?bogus=1",
+            "unknown option `bogus`",
+        ),
+    ] {
+        let out = relay(dir.path(), &["check", "--database-url", url], &[]);
+        refused(out, "invalid database URL", part);
     }
 }
 
@@ -1545,5 +1569,30 @@ fn an_empty_log_level_is_refused() {
         relay(dir.path(), &["check"], &[("OUTBOX_RELAY_LOG_LEVEL", "")]),
         "the log level is empty",
         "`off` logs nothing",
+    );
+}
+
+/// A level spelled wrong (`warning`) was read as a target logged alone: the relay then
+/// logged nothing, errors included, and said nothing of it.
+#[test]
+fn a_misspelled_log_level_is_refused_with_the_level_meant() {
+    let dir = tempfile::tempdir().unwrap();
+    refused(
+        relay(
+            dir.path(),
+            &["check"],
+            &[("OUTBOX_RELAY_LOG_LEVEL", "warning")],
+        ),
+        "invalid log level \"warning\"",
+        "did you mean \"warn\"?",
+    );
+    refused(
+        relay(
+            dir.path(),
+            &["--log-level", "info,outbox_engine", "check"],
+            &[],
+        ),
+        "\"outbox_engine\" is no level",
+        "did you mean \"outbox_engine=debug\"?",
     );
 }

@@ -559,3 +559,29 @@ async fn wal_capture_given_a_standby_and_the_primary_streams_from_the_primary() 
     );
     assert_eq!(read_lines(&out).len(), 1, "the row was relayed");
 }
+
+/// A database or role that does not exist is the configuration's to fix: `check` exits 2 as
+/// `run`, `stats`, `dead` and `migrate` do (it exited 1, a runtime failure); an unreachable
+/// server stays a runtime failure (1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_exits_2_for_a_database_or_role_that_does_not_exist() {
+    let admin = std::env::var("OUTBOX_TEST_DATABASE_URL").expect("OUTBOX_TEST_DATABASE_URL");
+    let (base, _) = admin.rsplit_once('/').unwrap();
+    let host = base.split_once('@').map_or(base, |(_, host)| host);
+    for (url, code) in [
+        (format!("{base}/outbox_no_such_database"), 2),
+        (format!("postgres://outbox_no_such_role@{host}/postgres"), 2),
+        ("postgres://postgres@127.0.0.1:1/postgres".to_string(), 1),
+    ] {
+        let out = std::process::Command::new(crate::support::BIN)
+            .args(["check", "--database-url", &url])
+            .output()
+            .unwrap();
+        let said = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(out.status.code(), Some(code), "{url}: {said}");
+    }
+}
