@@ -158,6 +158,16 @@ impl NatsSink {
                         path.display()
                     ))
                 })?;
+                // Checked here: async-nats takes any text, and its connects then failed for
+                // good, each saying only that no key pair was made.
+                if let Err(e) = nkeys::KeyPair::from_seed(seed.trim()) {
+                    return Err(SinkSetupError::config(format!(
+                        "the NATS nkey seed file {} holds no nkey seed ({e}): put the user's \
+                         seed in it (one line beginning SU, as `nsc` or `nk -gen user` \
+                         writes it)",
+                        path.display()
+                    )));
+                }
                 async_nats::ConnectOptions::with_nkey(seed.trim().to_string())
             }
             (None, None, Some(token)) => {

@@ -1265,6 +1265,17 @@ fn settings_a_mode_would_ignore_or_crash_on_exit_2() {
         "creds_file and token",
         "give one",
     );
+    // A seed file that holds no seed: accepted, every connect then failed for good, and
+    // nothing named the file.
+    std::fs::write(d.join("seed.nk"), "SUNOTASEEDATALL\n").unwrap();
+    std::fs::write(
+        d.join("nkey.toml"),
+        "[sinks.main]\nuri = \"nats://127.0.0.1:4222\"\nnkey_seed_file = \"seed.nk\"\n",
+    )
+    .unwrap();
+    let out = relay(d, &[&["--config", "nkey.toml"][..], &drain].concat(), &[]);
+    assert!(!stderr(&out).contains("SUNOTASEED"), "{}", stderr(&out));
+    refused(out, "nkey seed file seed.nk holds no nkey seed", "beginning SU");
     // Operator commands' bad input.
     refused(
         relay(d, &["replay", "--since", "yesterday"], &[]),
