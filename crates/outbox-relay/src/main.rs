@@ -56,6 +56,9 @@ fn escaped_fields() -> impl for<'w> tracing_subscriber::fmt::FormatFields<'w> {
     use tracing_subscriber::field::MakeExt;
     tracing_subscriber::fmt::format::debug_fn(|w, field, value| {
         let text = format!("{value:?}");
+        // Our own fields are redacted where they are logged; a dependency's (an exporter's
+        // URL with its password) are not.
+        let text = outbox_core::redact::redact_url(&text);
         let text = outbox_core::redact::escape_controls(&text);
         match field.name() {
             "message" => write!(w, "{text}"),
@@ -80,12 +83,18 @@ fn init_logging(config: &Config) -> anyhow::Result<()> {
         );
     }
     refuse_bare_targets(&config.relay.log_level)?;
-    let filter = tracing_subscriber::EnvFilter::try_new(&config.relay.log_level).map_err(|e| {
-        anyhow::anyhow!(
-            "invalid log level {:?}: {e}; use e.g. info, debug or outbox_engine=debug",
-            config.relay.log_level
-        )
-    })?;
+    let mut filter =
+        tracing_subscriber::EnvFilter::try_new(&config.relay.log_level).map_err(|e| {
+            anyhow::anyhow!(
+                "invalid log level {:?}: {e}; use e.g. info, debug or outbox_engine=debug",
+                config.relay.log_level
+            )
+        })?;
+    // The trace exporter's own debug lines carry its endpoint's URL, password and all (the
+    // JSON format quotes fields as they are): kept at info unless asked for by name.
+    if !config.relay.log_level.contains("opentelemetry") {
+        filter = filter.add_directive("opentelemetry=info".parse()?);
+    }
     // Logs go to stderr: stdout belongs to the stdout sink. Colours only on a terminal: a
     // redirected log (a file, journald, a collector) would keep the escape codes.
     let builder = tracing_subscriber::fmt()

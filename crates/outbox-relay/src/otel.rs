@@ -69,6 +69,55 @@ pub fn requested() -> bool {
     ENDPOINT_VARS.iter().any(|name| var(name).is_some())
 }
 
+/// The endpoint variables as URLs and the header variables as `key=value` lists, as the
+/// exporter reads them. It read neither until an export: an endpoint that is no URL failed
+/// every export as a "network error", and a header entry it could not read (an API key's
+/// name with a space) was dropped, its requests sent without it, both without a word.
+fn check_endpoints_and_headers() -> Result<(), ConfigError> {
+    for name in ENDPOINT_VARS {
+        let Some(endpoint) = var(name) else { continue };
+        let shown = outbox_core::redact::redact_url(&endpoint);
+        match reqwest::Url::parse(&endpoint) {
+            Ok(url) if matches!(url.scheme(), "http" | "https") => {}
+            Ok(url) => {
+                return Err(ConfigError(format!(
+                    "{name}={shown} is not an http:// or https:// URL (its scheme is {}): \
+                     point it at the collector's OTLP/HTTP port, e.g. http://collector:4318",
+                    url.scheme()
+                )))
+            }
+            Err(e) => {
+                return Err(ConfigError(format!(
+                    "{name}={shown} is no URL ({e}): write e.g. http://collector:4318"
+                )))
+            }
+        }
+    }
+    for name in [
+        "OTEL_EXPORTER_OTLP_TRACES_HEADERS",
+        "OTEL_EXPORTER_OTLP_HEADERS",
+    ] {
+        let Some(headers) = var(name) else { continue };
+        for entry in headers.split(',').filter(|e| !e.trim().is_empty()) {
+            // The key only: values are credentials.
+            let (key, value) = entry.split_once('=').unwrap_or((entry, ""));
+            let key = key.trim();
+            let readable = reqwest::header::HeaderName::from_bytes(key.as_bytes()).is_ok()
+                && entry.contains('=')
+                && reqwest::header::HeaderValue::from_str(value.trim()).is_ok();
+            if !readable {
+                return Err(ConfigError(format!(
+                    "{name}: the entry {:?} is no header=value pair a request can carry (a \
+                     header's name has no spaces; its value no line breaks): write \
+                     name=value[,name=value], percent-encoding what the value must hold",
+                    outbox_core::redact::escape_controls(key)
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 impl Otel {
     /// Starts the exporter when the environment asks for it (see [`requested`]); `None`
     /// otherwise. `table` names the outbox in claim and settle spans; `max_links` is the
@@ -99,6 +148,7 @@ impl Otel {
                  OTEL_EXPORTER_OTLP_ENDPOINT at the collector's HTTP port (4318 by default)"
             )));
         }
+        check_endpoints_and_headers()?;
         let timeout = match [
             "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT",
             "OTEL_EXPORTER_OTLP_TIMEOUT",

@@ -1275,7 +1275,11 @@ fn settings_a_mode_would_ignore_or_crash_on_exit_2() {
     .unwrap();
     let out = relay(d, &[&["--config", "nkey.toml"][..], &drain].concat(), &[]);
     assert!(!stderr(&out).contains("SUNOTASEED"), "{}", stderr(&out));
-    refused(out, "nkey seed file seed.nk holds no nkey seed", "beginning SU");
+    refused(
+        out,
+        "nkey seed file seed.nk holds no nkey seed",
+        "beginning SU",
+    );
     // Operator commands' bad input.
     refused(
         relay(d, &["replay", "--since", "yesterday"], &[]),

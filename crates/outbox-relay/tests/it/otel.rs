@@ -548,3 +548,79 @@ fn a_grpc_protocol_is_refused_with_the_fix() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("set it to http/protobuf"), "{stderr}");
 }
+
+/// An endpoint that is no URL, and a header entry no request can carry, are refused naming
+/// the variable (exit 2), the endpoint's password and the header's value unshown: the first
+/// failed every export as a "network error", the second was dropped without a word and the
+/// spans went without it.
+#[test]
+fn an_endpoint_or_header_the_exporter_cannot_use_is_refused_naming_the_variable() {
+    let dir = tempfile::tempdir().unwrap();
+    for (endpoint, headers, said) in [
+        (
+            "http://otel:s3cr3t@127.0.0.1:notaport",
+            "",
+            "OTEL_EXPORTER_OTLP_ENDPOINT=http://otel:***@127.0.0.1:notaport is no URL",
+        ),
+        (
+            "http://127.0.0.1:4318",
+            "x api key=s3cr3t",
+            "OTEL_EXPORTER_OTLP_HEADERS: the entry \"x api key\"",
+        ),
+    ] {
+        let out = std::process::Command::new(BIN)
+            .args(["run", "--sink", "stdout", "--http-addr", ""])
+            .current_dir(dir.path())
+            .env(
+                "DATABASE_URL",
+                format!("sqlite:{}", dir.path().join("o.db").display()),
+            )
+            .env("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+            .env("OTEL_EXPORTER_OTLP_HEADERS", headers)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(stderr.contains(said), "{stderr}");
+        assert!(!stderr.contains("s3cr3t"), "{stderr}");
+    }
+}
+
+/// At `--log-level debug`, the exporter's own lines quoted its endpoint's URL, password and
+/// all, when an export failed.
+#[test]
+fn the_exporters_debug_lines_do_not_show_the_endpoints_password() {
+    let dir = tempfile::tempdir().unwrap();
+    let relay = |args: &[&str], format: &str| {
+        std::process::Command::new(BIN)
+            .args(["--log-level", "debug", "--log-format", format])
+            .args(args)
+            .current_dir(dir.path())
+            .env(
+                "OTEL_EXPORTER_OTLP_ENDPOINT",
+                "http://otel:s3cr3t@127.0.0.1:1",
+            )
+            .output()
+            .unwrap()
+    };
+    for format in ["text", "json"] {
+        assert!(relay(&["send", "--destination", "d", "{}"], format)
+            .status
+            .success());
+        let out = relay(
+            &[
+                "run",
+                "--drain",
+                "--sink",
+                "file:/dev/null",
+                "--http-addr",
+                "",
+            ],
+            format,
+        );
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{stderr}");
+        assert!(stderr.contains("otel:***@"), "{format}: {stderr}");
+        assert!(!stderr.contains("s3cr3t"), "{format}: {stderr}");
+    }
+}
