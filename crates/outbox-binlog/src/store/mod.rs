@@ -1798,7 +1798,12 @@ impl Reader {
     async fn wait_after(&mut self, status: CaptureStatus) {
         if let CaptureStatus::Standby { holder } = &status {
             if !matches!(&*self.status.borrow(), CaptureStatus::Standby { .. }) {
-                tracing::info!(%holder, "waiting as a standby: another relay reads the binary log");
+                if self.drain {
+                    // Its count of rows left, at the end, would not say why.
+                    tracing::warn!(%holder, "waiting as a standby: another relay reads this outbox's binary log, so this drain delivers nothing unless that relay stops; stop it to drain here, or leave the draining to it");
+                } else {
+                    tracing::info!(%holder, "waiting as a standby: another relay reads the binary log");
+                }
             }
         }
         self.status.send_replace(status);

@@ -521,6 +521,24 @@ async fn a_role_without_replication_client_is_told_the_grant_not_to_wait_for_the
         .unwrap();
 }
 
+/// A drain started beside a running relay waits as its standby and delivers nothing: it
+/// says why at once (its exit said only how many rows were left, "leased by another node").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_beside_a_running_relay_says_it_waits_as_its_standby() {
+    let db = BinlogDb::new().await;
+    let mut active = db.reading("relay-1", "out-1.jsonl").await;
+    let mut drain = db.spawn("relay-2", "out-2.jsonl", &["--drain"]);
+    drain
+        .wait_for_log(
+            "the drain saying it waits as a standby",
+            Duration::from_secs(30),
+            "this drain delivers nothing unless that relay stops",
+        )
+        .await;
+    drain.kill9();
+    assert!(active.terminate().await.success(), "{}", active.logs());
+}
+
 /// A first start by `--drain` adopts the rows already in a mapped table: one that is no
 /// event (its message no JSON) is adopted as a dead letter, which the drain did not count,
 /// so it exited 0 as if everything committed before it had been delivered.
