@@ -317,13 +317,13 @@ pub struct CheckArgs {
 #[derive(Args, Clone, Debug)]
 pub struct SendArgs {
     /// The channel, topic or subject.
-    #[arg(long, value_name = "DESTINATION")]
+    #[arg(long, value_name = "DESTINATION", value_parser = not_blank)]
     pub destination: String,
     /// Ordering key [default: the destination].
     #[arg(long, value_name = "KEY")]
     pub key: Option<String>,
     /// Event type (message name).
-    #[arg(long = "type", default_value = "event", value_name = "TYPE")]
+    #[arg(long = "type", default_value = "event", value_name = "TYPE", value_parser = not_blank)]
     pub event_type: String,
     /// A header, repeatable.
     #[arg(long = "header", value_name = "NAME=VALUE", value_parser = parse_header)]
@@ -337,6 +337,14 @@ pub struct SendArgs {
     /// The payload, as JSON (for text, quote it: '"hello"').
     #[arg(value_name = "PAYLOAD_JSON")]
     pub payload: String,
+}
+
+/// A destination or type to send to: a blank one would be routed nowhere a reader looks.
+fn not_blank(text: &str) -> Result<String, String> {
+    match text.trim().is_empty() {
+        true => Err("it must not be blank".into()),
+        false => Ok(text.to_string()),
+    }
 }
 
 fn parse_header(text: &str) -> Result<(String, String), String> {

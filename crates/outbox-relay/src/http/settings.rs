@@ -24,8 +24,8 @@ outbox_core::settings! {
         /// (/); 127.0.0.1:0 picks a free port, an empty value turns it off. A non-loopback
         /// address needs an admin token.
         pub http_addr: String = DEFAULT_HTTP_ADDR.into(),
-        /// The admin API's bearer token (only from OUTBOX_RELAY_ADMIN_TOKEN or the file;
-        /// never shown).
+        /// The admin API's bearer token, from OUTBOX_RELAY_ADMIN_TOKEN, admin_token_file, or
+        /// the settings file (then readable by the relay's user alone); never shown.
         pub admin_token: Option<Secret> = None,
         /// A file holding the admin API's bearer token (or set OUTBOX_RELAY_ADMIN_TOKEN).
         /// Without a token the admin API is read-only.

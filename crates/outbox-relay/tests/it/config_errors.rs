@@ -1282,6 +1282,11 @@ fn settings_a_mode_would_ignore_or_crash_on_exit_2() {
     );
     // Operator commands' bad input.
     refused(
+        relay(d, &["send", "--destination", " ", "{}"], &[]),
+        "--destination",
+        "must not be blank",
+    );
+    refused(
         relay(d, &["replay", "--since", "yesterday"], &[]),
         "invalid time",
         "an age (2h, 7d)",
