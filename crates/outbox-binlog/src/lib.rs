@@ -657,10 +657,8 @@ pub async fn server_id_problems(config: &BinlogConfig) -> Result<Vec<Problem>> {
         }
         let host: String = row.get(1).unwrap_or_default();
         let port: u64 = row.get(2).unwrap_or_default();
-        let collides = format!(
-            "the server keeps one reader per server id, so each ends the other's session \
-             and neither reads for long"
-        );
+        let collides = "the server keeps one reader per server id, so each ends the other's \
+                        session and neither reads for long";
         if host == ours {
             continue;
         }
