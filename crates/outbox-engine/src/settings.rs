@@ -29,10 +29,6 @@ pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(15);
 pub const DEFAULT_MEMORY_MIB: u64 = 64;
 /// The most `memory_mib` may be (64 GiB): more is a typo, not a plan.
 const MAX_MEMORY_MIB: u64 = 65_536;
-/// What a claim expects each row to cost before it has seen one: a claim of rows too large
-/// for the budget then takes one, not a batch.
-const FIRST_ROW_ESTIMATE: usize = 1024 * 1024;
-
 /// How often the backlog gauges are read. Each read counts the pending rows, so on a large
 /// backlog it is a scan of its own; 5 s keeps the gauges useful for alerts.
 pub const DEFAULT_BACKLOG_INTERVAL: Duration = Duration::from_secs(5);
@@ -102,10 +98,15 @@ impl EngineSettings {
     }
 
     /// How many rows a claim may take with `held_bytes` held, each row expected to cost
-    /// `row_bytes` (`None`: no row seen yet). At least one when nothing is held.
+    /// `row_bytes`. At least one when nothing is held. Before any row was seen (`None`),
+    /// one: rows taken as 1 MiB each, a start-up backlog of 8 MiB events was claimed 64 at
+    /// once (eight times the default budget), and claimed again after each OOM kill.
     pub fn rows_that_fit(&self, held_bytes: usize, row_bytes: Option<usize>) -> usize {
+        let Some(row_bytes) = row_bytes else {
+            return 1;
+        };
         let room = self.memory_budget().saturating_sub(held_bytes);
-        let fit = room / row_bytes.unwrap_or(FIRST_ROW_ESTIMATE).max(1);
+        let fit = room / row_bytes.max(1);
         if held_bytes == 0 {
             fit.max(1)
         } else {

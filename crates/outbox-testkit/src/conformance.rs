@@ -1039,12 +1039,28 @@ impl outbox_core::Publisher for GatedPublisher {
 /// Claims were sized by row count alone: behind a slow sink a node held `max_in_flight`
 /// events whatever their size (10,000 events of 1 MiB, an OOM kill that claimed them
 /// again). With `memory_mib = 1`, events of 256 KiB are held three at a time, however many
-/// a batch or `max_in_flight` would allow.
+/// a batch or `max_in_flight` would allow. And the first claim, before any row was seen,
+/// took rows as if each were 1 MiB: with `memory_mib = 4`, six events of 2 MiB were all
+/// held at once (a backlog of large events at start-up, claimed again after each OOM kill);
+/// now one, then what fits.
 pub async fn engine_holds_no_more_claimed_bytes_than_its_memory_budget(h: &dyn Harness) {
+    held_under_a_budget(h, 1, 256 * 1024, 12, 3).await;
+    held_under_a_budget(h, 4, 2 * 1024 * 1024, 6, 2).await;
+}
+
+/// `count` events of `payload_bytes` each relayed behind a gated sink under a budget of
+/// `memory_mib`: no more than `most` wait at the sink at once.
+async fn held_under_a_budget(
+    h: &dyn Harness,
+    memory_mib: u64,
+    payload_bytes: usize,
+    count: usize,
+    most: usize,
+) {
     use std::sync::atomic::Ordering::SeqCst;
     let store = h.store();
-    let payload = format!("\"{}\"", "x".repeat(256 * 1024));
-    let events: Vec<NewEvent> = (0..12)
+    let payload = format!("\"{}\"", "x".repeat(payload_bytes));
+    let events: Vec<NewEvent> = (0..count)
         .map(|n| NewEvent {
             destination: "d".into(),
             partition_key: Some(format!("k{n}")),
@@ -1057,7 +1073,7 @@ pub async fn engine_holds_no_more_claimed_bytes_than_its_memory_budget(h: &dyn H
     let publisher = GatedPublisher::new();
     let gate = publisher.0.clone();
     let mut config = engine_config(false);
-    config.settings.memory_mib = 1;
+    config.settings.memory_mib = memory_mib;
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let engine = tokio::spawn(outbox_engine::run(
         store.clone(),
@@ -1067,7 +1083,7 @@ pub async fn engine_holds_no_more_claimed_bytes_than_its_memory_budget(h: &dyn H
             let _ = stop_rx.await;
         },
     ));
-    for delivered in 1..=12 {
+    for delivered in 1..=count {
         eventually(
             "an event waiting at the sink",
             Duration::from_secs(20),
@@ -1086,10 +1102,10 @@ pub async fn engine_holds_no_more_claimed_bytes_than_its_memory_budget(h: &dyn H
     }
     stop_tx.send(()).unwrap();
     engine.await.unwrap().unwrap();
-    let most = gate.most_waiting.load(SeqCst);
+    let held = gate.most_waiting.load(SeqCst);
     assert!(
-        most <= 3,
-        "{most} events of 256 KiB held at once under a budget of 1 MiB"
+        held <= most,
+        "{held} events of {payload_bytes} bytes held at once under a budget of {memory_mib} MiB"
     );
 }
 
