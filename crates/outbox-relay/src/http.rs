@@ -57,7 +57,14 @@ pub const PROBE_REUSE: Duration = Duration::from_secs(1);
 /// One look at the database and the sink: when it ended, and what was wrong.
 pub struct Look {
     at: std::time::Instant,
-    reasons: Vec<String>,
+    reasons: Vec<Reason>,
+}
+
+/// What one look found wrong: with the database or the sink (`what`), and what it said.
+#[derive(Clone)]
+struct Reason {
+    what: &'static str,
+    detail: String,
 }
 
 #[derive(Clone)]
@@ -496,21 +503,7 @@ fn verdict(reasons: Vec<String>, shown: Shown) -> (StatusCode, String) {
 
 /// Why an outbox is not ready; empty when it is.
 async fn readiness(probes: &Probes) -> Vec<String> {
-    let looked = {
-        let mut last = probes.looked.lock().await;
-        match last.as_ref().filter(|l| l.at.elapsed() < PROBE_REUSE) {
-            Some(look) => look.reasons.clone(),
-            None => {
-                let reasons = look(probes).await;
-                let at = std::time::Instant::now();
-                *last = Some(Look {
-                    at,
-                    reasons: reasons.clone(),
-                });
-                reasons
-            }
-        }
-    };
+    let looked = looked_within(probes, PROBE_REUSE).await;
     // What the node's own work says, as of now: a ping can pass while claims, settles or
     // lease renewals fail (a revoked privilege) or hang.
     let troubles = probes
@@ -518,13 +511,44 @@ async fn readiness(probes: &Probes) -> Vec<String> {
         .troubles(std::time::Instant::now(), DEFAULT_STALL)
         .into_iter()
         .map(|t| t.to_string());
-    looked.into_iter().chain(troubles).collect()
+    looked
+        .into_iter()
+        .map(|r| r.detail)
+        .chain(troubles)
+        .collect()
+}
+
+/// What the last look at the database and the sink found, looking again when it is older
+/// than `age`. Callers that come while a look runs wait for it and share its answer.
+async fn looked_within(probes: &Probes, age: Duration) -> Vec<Reason> {
+    let mut last = probes.looked.lock().await;
+    match last.as_ref().filter(|l| l.at.elapsed() < age) {
+        Some(look) => look.reasons.clone(),
+        None => {
+            let reasons = look(probes).await;
+            *last = Some(Look {
+                at: std::time::Instant::now(),
+                reasons: reasons.clone(),
+            });
+            reasons
+        }
+    }
+}
+
+/// The problems of the last look, if it is recent (as of a scrape, which does not look).
+fn last_look_problems(probes: &Probes) -> usize {
+    match probes.looked.try_lock() {
+        Ok(last) => (last.as_ref())
+            .filter(|l| l.at.elapsed() < 2 * LOOK_EVERY)
+            .map_or(0, |l| l.reasons.len()),
+        Err(_) => 0,
+    }
 }
 
 /// Pings the database and asks the sink whether it is healthy, both at once: one after the
 /// other, two slow answers took longer than a readiness probe's timeout (5 s in the
 /// manifests).
-async fn look(probes: &Probes) -> Vec<String> {
+async fn look(probes: &Probes) -> Vec<Reason> {
     let limit = Duration::from_secs(3);
     let (db, sink) = tokio::join!(
         tokio::time::timeout(limit, probes.store.ping()),
@@ -547,12 +571,21 @@ async fn look(probes: &Probes) -> Vec<String> {
             probes.publisher.describe()
         )),
     };
-    [db.err(), sink.err()].into_iter().flatten().collect()
+    let db = db.err().map(|detail| Reason {
+        what: "database",
+        detail,
+    });
+    let sink = sink.err().map(|detail| Reason {
+        what: "sink",
+        detail,
+    });
+    [db, sink].into_iter().flatten().collect()
 }
 
 /// Gauges computed at scrape time, so they are true even while the tasks that would update
 /// them wait on a database that does not answer.
-fn refresh_health_gauges(health: &Health) {
+fn refresh_health_gauges(probes: &Probes) {
+    let health = &probes.health;
     let now = std::time::Instant::now();
     for check in Check::ALL {
         if let Some(at) = health.last_success(check) {
@@ -567,12 +600,12 @@ fn refresh_health_gauges(health: &Health) {
     if let Some(owned) = health.owned_partitions(now) {
         metrics::gauge!(outbox_cluster::OWNED_PARTITIONS).set(owned as f64);
     }
-    metrics::gauge!(outbox_engine::metrics::TROUBLES)
-        .set(health.troubles(now, DEFAULT_STALL).len() as f64);
+    let problems = health.troubles(now, DEFAULT_STALL).len() + last_look_problems(probes);
+    metrics::gauge!(outbox_engine::metrics::TROUBLES).set(problems as f64);
 }
 
 async fn metrics_text(State(state): State<AppState>) -> String {
-    refresh_health_gauges(&state.probes.health);
+    refresh_health_gauges(&state.probes);
     state.metrics.render()
 }
 
@@ -715,7 +748,7 @@ async fn shared_readyz(
 async fn shared_metrics(State(state): State<SharedState>) -> String {
     for slot in state.slots.iter() {
         if let Some(served) = slot.served() {
-            crate::recorder::labelled(&slot.name, || refresh_health_gauges(&served.probes.health));
+            crate::recorder::labelled(&slot.name, || refresh_health_gauges(&served.probes));
         }
     }
     state.metrics.render()
@@ -851,27 +884,43 @@ async fn forward_to(state: &SharedState, name: &str, rest: &str, request: Reques
 /// deadlock, a restart) are retried and logged as warnings, and only what persists is news.
 const REPORT_AFTER: Duration = Duration::from_secs(5);
 
+/// How often the health watcher looks at the database and the sink itself, unless a
+/// `/readyz` request looked since: the log and `outbox_health_problems` said nothing of a
+/// sink `/readyz` found down (its look was the only one).
+const LOOK_EVERY: Duration = Duration::from_secs(5);
+
 /// Logs every problem `/readyz` would report once it has lasted [`REPORT_AFTER`] (error
-/// level, with what to do), and again when it clears. Runs until aborted.
-pub async fn watch_health(health: Arc<Health>) {
+/// level, with what to do), and again when it clears: the node's own work's, and those of
+/// a look at the database and the sink every [`LOOK_EVERY`]. Runs until aborted.
+pub async fn watch_health(probes: Probes) {
     let mut first_seen: std::collections::HashMap<&'static str, (std::time::Instant, bool)> =
         std::collections::HashMap::new();
     let mut ticker = tokio::time::interval(Duration::from_secs(1));
     loop {
         ticker.tick().await;
+        let looked = looked_within(&probes, LOOK_EVERY).await;
         let now = std::time::Instant::now();
-        let troubles = health.troubles(now, DEFAULT_STALL);
-        for t in &troubles {
+        let troubles: Vec<(&'static str, String, Duration)> = (probes.health)
+            .troubles(now, DEFAULT_STALL)
+            .into_iter()
+            .map(|t| (t.what, t.detail.to_string(), t.lasting))
+            .chain(
+                looked
+                    .into_iter()
+                    .map(|r| (r.what, r.detail, Duration::ZERO)),
+            )
+            .collect();
+        for (what, detail, lasting) in &troubles {
             let (since, logged) = first_seen
-                .entry(t.what)
-                .or_insert((now.checked_sub(t.lasting).unwrap_or(now), false));
+                .entry(what)
+                .or_insert((now.checked_sub(*lasting).unwrap_or(now), false));
             if !*logged && now.saturating_duration_since(*since) >= REPORT_AFTER {
                 *logged = true;
-                tracing::error!(check = t.what, problem = %t.detail, "relay unhealthy: /readyz reports 503 until this clears");
+                tracing::error!(check = *what, problem = %detail, "relay unhealthy: /readyz reports 503 until this clears");
             }
         }
         first_seen.retain(|what, (_, logged)| {
-            let still = troubles.iter().any(|t| t.what == *what);
+            let still = troubles.iter().any(|(t, _, _)| t == what);
             if !still && *logged {
                 tracing::info!(check = *what, "recovered");
             }

@@ -220,6 +220,8 @@ async fn start(
         worker_threads = tokio::runtime::Handle::current().metrics().num_workers(),
         "outbox-relay starting"
     );
+    // What /readyz looks at, and the health watcher too (with or without an HTTP server).
+    let probes = Probes::new(outbox.clone(), sink.clone(), health.clone());
     let http = match endpoints {
         Some(endpoints) => {
             let console = Arc::new(Console {
@@ -234,10 +236,9 @@ async fn start(
                 outbox: endpoints.outbox_name(),
                 replay: Default::default(),
             });
-            let probes = Probes::new(outbox.clone(), sink.clone(), health.clone());
             Some(
                 endpoints
-                    .serve(console, probes, metrics, allowed_hosts)
+                    .serve(console, probes.clone(), metrics, allowed_hosts)
                     .await?,
             )
         }
@@ -279,7 +280,7 @@ async fn start(
     let active_keeper =
         active_keeper.map(|keeper| tokio::spawn(tracing::Instrument::in_current_span(keeper)));
     let monitor = tokio::spawn(tracing::Instrument::in_current_span(
-        crate::http::watch_health(health),
+        crate::http::watch_health(probes),
     ));
     Ok(Running {
         engine,

@@ -510,3 +510,42 @@ async fn wait_for_delivered(relay: &RelayProcess, out: &Path, n: usize) {
     )
     .await;
 }
+
+/// An idle relay whose sink is down: `/readyz` said so, but only its own look did; the log
+/// had no "relay unhealthy" line and `outbox_health_problems` stayed 0, as if all were well.
+/// The health watcher now looks at the database and the sink itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sink_found_down_shows_in_the_log_and_the_metrics_as_in_readyz() {
+    let url = fresh_pg_database().await;
+    let migrated = Command::new(BIN)
+        .args(["migrate"])
+        .env("DATABASE_URL", &url)
+        .output()
+        .unwrap();
+    assert!(migrated.status.success());
+    let dir = tempfile::tempdir().unwrap();
+    let sink = format!(
+        "http://127.0.0.1:{}/hook",
+        outbox_testkit::server::free_port()
+    );
+    let relay = RelayProcess::spawn(
+        dir.path(),
+        "sink-down",
+        &[
+            "run",
+            "--http-addr",
+            "127.0.0.1:0",
+            "--log-format",
+            "json",
+            "--sink",
+            &sink,
+        ],
+        &[("DATABASE_URL", url.as_str())],
+    );
+    let addr = http_addr(&relay).await;
+    let line = error_logged(&relay, "relay unhealthy").await;
+    assert!(line.contains("\"check\":\"sink\""), "{line}");
+    metric(&relay, &addr, "outbox_health_problems", |v| v >= 1.0).await;
+    let body = readyz(&relay, &addr, 503, "", Duration::from_secs(60)).await;
+    assert!(body.contains("not ready"), "{body}");
+}
