@@ -56,7 +56,7 @@ pub fn describe() {
     describe_gauge!(
         LAST_SUCCESS,
         Unit::Seconds,
-        "Unix time of the last success of each check (claim, settle, heartbeat, partition leases, backlog); alert on time() minus this."
+        "Unix time of the last success of each check (claim, settle, heartbeat, partition leases, backlog, publish); alert on time() minus this."
     );
     describe_gauge!(
         TROUBLES,

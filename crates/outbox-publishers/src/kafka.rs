@@ -199,10 +199,16 @@ pub fn client_config(uri: &str, config: &KafkaConfig) -> Result<ClientConfig, Si
     }
     for (k, v) in &config.kafka {
         if let Some(setting) = owned_by_a_setting(k) {
+            // Why for the timeout: the one whose raw form escaped a check.
+            let why = match setting {
+                "timeout" => {
+                    " (the relay checks it against the others: `timeout` must be shorter than \
+                     publish_timeout)"
+                }
+                _ => "",
+            };
             return Err(SinkSetupError::config(format!(
-                "kafka property {k} is the sink's `{setting}` setting: set that instead (the \
-                 relay checks it against the others: `timeout` must be shorter than \
-                 publish_timeout)"
+                "kafka property {k} is the sink's `{setting}` setting: set that instead{why}"
             )));
         }
         if let Some(why) = guarantee_broken_by(k, v) {
@@ -541,7 +547,17 @@ mod tests {
             .err()
             .unwrap()
             .to_string();
-        assert!(err.contains("`timeout` setting"), "{err}");
+        assert!(
+            err.contains("`timeout` setting") && err.contains("publish_timeout"),
+            "{err}"
+        );
+        // The timeout's note is the timeout's alone.
+        let err = client_config("kafka://b:9092", &with(&[("sasl.username", "u")]))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("`sasl_username` setting"), "{err}");
+        assert!(!err.contains("publish_timeout"), "{err}");
         assert!(client_config("kafka://b:9092", &with(&[("linger.ms", "5")])).is_ok());
         let credentials = KafkaConfig {
             sasl_username: Some("relay".into()),

@@ -45,7 +45,9 @@ pub async fn ready_store(
         }
     }
     if !fatal.is_empty() {
-        let message = format!("the database is not ready:\n  - {}", fatal.join("\n  - "));
+        // One line: the error is printed with its control characters escaped, and line
+        // breaks came out as a literal `\n`.
+        let message = format!("the database is not ready: {}", fatal.join("; "));
         // Never migrated: `migrate` is the fix, not a restart (exit 2, as for a schema
         // older than the relay; systemd does not restart on it).
         if unmigrated {

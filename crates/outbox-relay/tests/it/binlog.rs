@@ -515,6 +515,11 @@ async fn a_role_without_replication_client_is_told_the_grant_not_to_wait_for_the
     let logs = refused.logs();
     assert_eq!(status.code(), Some(1), "{logs}");
     assert!(names_the_grant(&logs), "{logs}");
+    // One line, not line breaks printed as a literal `\n`.
+    assert!(
+        logs.contains("the database is not ready: the role lacks") && !logs.contains("\\n"),
+        "{logs}"
+    );
     admin
         .query_drop(format!("DROP USER '{user}'@'127.0.0.1'"))
         .await

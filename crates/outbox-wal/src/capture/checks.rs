@@ -633,11 +633,13 @@ async fn public_emit(
         ),
         format!(
             "as a superuser, make {emit} the gate: REVOKE EXECUTE ON FUNCTION {all} FROM PUBLIC; \
-             GRANT EXECUTE ON FUNCTION {all} TO \"{role}\" (the relay writes its drain marker with \
+             GRANT EXECUTE ON FUNCTION {text} TO \"{role}\" (the relay writes its drain marker with \
              it), <the owner of {emit}>; ALTER FUNCTION {emit} SECURITY DEFINER; REVOKE EXECUTE \
              ON FUNCTION {emit} FROM PUBLIC; GRANT EXECUTE ON FUNCTION {emit} TO <each writer's \
              role> (first check that no other tool of this database emits messages itself)",
             all = functions.join(", "),
+            // The one both the relay's marker and outbox_emit call; the bytea form neither.
+            text = "pg_logical_emit_message(boolean, text, text)",
             role = role.replace('"', "\"\""),
         ),
     )])
