@@ -167,7 +167,7 @@ UPDATE "public"."outbox" o SET "locked_by" = NULL, "lock_expiry" = NULL WHERE o.
 UPDATE "public"."outbox" o SET "processed" = true, "locked_by" = NULL, "lock_expiry" = NULL WHERE o."sequence_id" = :id AND o."locked_by" = $node AND :attempts >= 0 AND :error IS NOT NULL
 
 -- adbc, Postgres: columns_query
-SELECT (column_name)::text FROM information_schema.columns WHERE table_schema = $1::text AND table_name = $2::text
+SELECT (column_name)::text, (data_type)::text FROM information_schema.columns WHERE table_schema = $1::text AND table_name = $2::text
 
 -- adbc, Postgres: column_length_query
 SELECT (character_maximum_length)::int8, (character_octet_length)::int8 FROM information_schema.columns WHERE table_schema = $3::text AND table_name = $4::text AND column_name = $5::text
@@ -350,7 +350,7 @@ UPDATE `public`.`outbox` o SET o.`locked_by` = NULL, o.`lock_expiry` = NULL WHER
 UPDATE `public`.`outbox` o SET o.`processed` = true, o.`locked_by` = NULL, o.`lock_expiry` = NULL WHERE o.`sequence_id` = :id AND o.`locked_by` = :node AND :attempts >= 0 AND :error IS NOT NULL
 
 -- adbc, MySql: columns_query
-SELECT CAST(column_name AS CHAR) FROM information_schema.columns WHERE table_schema = :p1 AND table_name = :p2
+SELECT CAST(column_name AS CHAR), CAST(data_type AS CHAR) FROM information_schema.columns WHERE table_schema = :p1 AND table_name = :p2
 
 -- adbc, MySql: column_length_query
 SELECT CAST(character_maximum_length AS SIGNED), CAST(character_octet_length AS SIGNED) FROM information_schema.columns WHERE table_schema = :p3 AND table_name = :p4 AND column_name = :p5
@@ -545,7 +545,7 @@ UPDATE "public"."openoutbox_events" o SET "status" = 'PENDING', "locked_by" = NU
 UPDATE "public"."openoutbox_events" o SET "status" = 'DEAD', "attempts" = :attempts, "last_error" = :error, "locked_by" = NULL, "locked_at" = NULL, "updated_at" = now() WHERE o."event_id" = :id AND o."locked_by" = $node AND :attempts >= 0 AND :error IS NOT NULL
 
 -- open_outbox, Postgres: columns_query
-SELECT (column_name)::text FROM information_schema.columns WHERE table_schema = $1::text AND table_name = $2::text
+SELECT (column_name)::text, (data_type)::text FROM information_schema.columns WHERE table_schema = $1::text AND table_name = $2::text
 
 -- open_outbox, Postgres: column_length_query
 SELECT (character_maximum_length)::int8, (character_octet_length)::int8 FROM information_schema.columns WHERE table_schema = $3::text AND table_name = $4::text AND column_name = $5::text
@@ -740,7 +740,7 @@ UPDATE `public`.`openoutbox_events` o SET o.`status` = 'PENDING', o.`locked_by` 
 UPDATE `public`.`openoutbox_events` o SET o.`status` = 'DEAD', o.`attempts` = :attempts, o.`last_error` = :error, o.`locked_by` = NULL, o.`locked_at` = NULL, o.`updated_at` = UTC_TIMESTAMP(6) WHERE o.`event_id` = :id AND o.`locked_by` = :node AND :attempts >= 0 AND :error IS NOT NULL
 
 -- open_outbox, MySql: columns_query
-SELECT CAST(column_name AS CHAR) FROM information_schema.columns WHERE table_schema = :p1 AND table_name = :p2
+SELECT CAST(column_name AS CHAR), CAST(data_type AS CHAR) FROM information_schema.columns WHERE table_schema = :p1 AND table_name = :p2
 
 -- open_outbox, MySql: column_length_query
 SELECT CAST(character_maximum_length AS SIGNED), CAST(character_octet_length AS SIGNED) FROM information_schema.columns WHERE table_schema = :p3 AND table_name = :p4 AND column_name = :p5
@@ -929,7 +929,7 @@ UPDATE "public"."event" o SET "status" = 'NEW', "processing_retries_count" = :at
 UPDATE "public"."event" o SET "status" = 'ERROR', "processing_retries_count" = :attempts, "updated_at" = now() WHERE o."id" = :id AND o."status" = 'PROCESSING' AND $node IS NOT NULL AND :attempts >= 0 AND :error IS NOT NULL
 
 -- export, Postgres: columns_query
-SELECT (column_name)::text FROM information_schema.columns WHERE table_schema = $1::text AND table_name = $2::text
+SELECT (column_name)::text, (data_type)::text FROM information_schema.columns WHERE table_schema = $1::text AND table_name = $2::text
 
 -- export, Postgres: column_length_query
 SELECT (character_maximum_length)::int8, (character_octet_length)::int8 FROM information_schema.columns WHERE table_schema = $3::text AND table_name = $4::text AND column_name = $5::text
@@ -1118,7 +1118,7 @@ UPDATE `public`.`event` o SET o.`status` = 'NEW', o.`processing_retries_count` =
 UPDATE `public`.`event` o SET o.`status` = 'ERROR', o.`processing_retries_count` = :attempts, o.`updated_at` = UTC_TIMESTAMP(6) WHERE o.`id` = :id AND o.`status` = 'PROCESSING' AND :node IS NOT NULL AND :attempts >= 0 AND :error IS NOT NULL
 
 -- export, MySql: columns_query
-SELECT CAST(column_name AS CHAR) FROM information_schema.columns WHERE table_schema = :p1 AND table_name = :p2
+SELECT CAST(column_name AS CHAR), CAST(data_type AS CHAR) FROM information_schema.columns WHERE table_schema = :p1 AND table_name = :p2
 
 -- export, MySql: column_length_query
 SELECT CAST(character_maximum_length AS SIGNED), CAST(character_octet_length AS SIGNED) FROM information_schema.columns WHERE table_schema = :p3 AND table_name = :p4 AND column_name = :p5
@@ -1330,7 +1330,7 @@ INSERT INTO "public"."outboxevent_dead_letters" (id, attempts, last_error)
                  ON CONFLICT (id) DO NOTHING
 
 -- debezium, Postgres: columns_query
-SELECT (column_name)::text FROM information_schema.columns WHERE table_schema = $1::text AND table_name = $2::text
+SELECT (column_name)::text, (data_type)::text FROM information_schema.columns WHERE table_schema = $1::text AND table_name = $2::text
 
 -- debezium, Postgres: column_length_query
 SELECT (character_maximum_length)::int8, (character_octet_length)::int8 FROM information_schema.columns WHERE table_schema = $3::text AND table_name = $4::text AND column_name = $5::text
@@ -1541,7 +1541,7 @@ INSERT IGNORE INTO `public`.`outboxevent_dead_letters` (id, attempts, last_error
                  SELECT o.`relay_sequence`, :attempts, :error, UTC_TIMESTAMP(6) FROM `public`.`outboxevent` o WHERE o.`relay_sequence` = :id AND :node IS NOT NULL
 
 -- debezium, MySql: columns_query
-SELECT CAST(column_name AS CHAR) FROM information_schema.columns WHERE table_schema = :p1 AND table_name = :p2
+SELECT CAST(column_name AS CHAR), CAST(data_type AS CHAR) FROM information_schema.columns WHERE table_schema = :p1 AND table_name = :p2
 
 -- debezium, MySql: column_length_query
 SELECT CAST(character_maximum_length AS SIGNED), CAST(character_octet_length AS SIGNED) FROM information_schema.columns WHERE table_schema = :p3 AND table_name = :p4 AND column_name = :p5
@@ -1741,7 +1741,7 @@ INSERT INTO "outbox_events_dead_letters" (id, attempts, last_error)
                  ON CONFLICT (id) DO NOTHING
 
 -- mysql_outbox_events, Postgres: columns_query
-SELECT (column_name)::text FROM information_schema.columns WHERE table_schema = $1::text AND table_name = $2::text
+SELECT (column_name)::text, (data_type)::text FROM information_schema.columns WHERE table_schema = $1::text AND table_name = $2::text
 
 -- mysql_outbox_events, Postgres: column_length_query
 SELECT (character_maximum_length)::int8, (character_octet_length)::int8 FROM information_schema.columns WHERE table_schema = $3::text AND table_name = $4::text AND column_name = $5::text
@@ -1940,7 +1940,7 @@ INSERT IGNORE INTO `outbox_events_dead_letters` (id, attempts, last_error, dead_
                  SELECT o.`id`, :attempts, :error, UTC_TIMESTAMP(6) FROM `outbox_events` o WHERE o.`id` = :id AND :node IS NOT NULL
 
 -- mysql_outbox_events, MySql: columns_query
-SELECT CAST(column_name AS CHAR) FROM information_schema.columns WHERE table_schema = DATABASE() AND table_name = :p1
+SELECT CAST(column_name AS CHAR), CAST(data_type AS CHAR) FROM information_schema.columns WHERE table_schema = DATABASE() AND table_name = :p1
 
 -- mysql_outbox_events, MySql: column_length_query
 SELECT CAST(character_maximum_length AS SIGNED), CAST(character_octet_length AS SIGNED) FROM information_schema.columns WHERE table_schema = DATABASE() AND table_name = :p2 AND column_name = :p3
@@ -2134,7 +2134,7 @@ UPDATE "app"."outbox" o SET "locked_by" = NULL, "locked_until" = NULL, "attempts
 UPDATE "app"."outbox" o SET "dead_at" = now(), "attempts" = :attempts, "last_error" = :error, "locked_by" = NULL, "locked_until" = NULL WHERE o."sequence_id" = :id AND o."locked_by" = $node AND :attempts >= 0 AND :error IS NOT NULL
 
 -- native_mysql, Postgres: columns_query
-SELECT (column_name)::text FROM information_schema.columns WHERE table_schema = $1::text AND table_name = $2::text
+SELECT (column_name)::text, (data_type)::text FROM information_schema.columns WHERE table_schema = $1::text AND table_name = $2::text
 
 -- native_mysql, Postgres: column_length_query
 SELECT (character_maximum_length)::int8, (character_octet_length)::int8 FROM information_schema.columns WHERE table_schema = $3::text AND table_name = $4::text AND column_name = $5::text
@@ -2327,7 +2327,7 @@ UPDATE `app`.`outbox` o SET o.`locked_by` = NULL, o.`locked_until` = NULL, o.`at
 UPDATE `app`.`outbox` o SET o.`dead_at` = UTC_TIMESTAMP(6), o.`attempts` = :attempts, o.`last_error` = :error, o.`locked_by` = NULL, o.`locked_until` = NULL WHERE o.`sequence_id` = :id AND o.`locked_by` = :node AND :attempts >= 0 AND :error IS NOT NULL
 
 -- native_mysql, MySql: columns_query
-SELECT CAST(column_name AS CHAR) FROM information_schema.columns WHERE table_schema = :p1 AND table_name = :p2
+SELECT CAST(column_name AS CHAR), CAST(data_type AS CHAR) FROM information_schema.columns WHERE table_schema = :p1 AND table_name = :p2
 
 -- native_mysql, MySql: column_length_query
 SELECT CAST(character_maximum_length AS SIGNED), CAST(character_octet_length AS SIGNED) FROM information_schema.columns WHERE table_schema = :p3 AND table_name = :p4 AND column_name = :p5
@@ -2520,7 +2520,7 @@ UPDATE "outbox" o SET "locked_by" = NULL, "locked_until" = NULL, "attempts" = :a
 UPDATE "outbox" o SET "dead_at" = now(), "attempts" = :attempts, "last_error" = :error, "locked_by" = NULL, "locked_until" = NULL WHERE o."sequence_id" = :id AND o."locked_by" = $node AND :attempts >= 0 AND :error IS NOT NULL
 
 -- native_mysql retained, Postgres: columns_query
-SELECT (column_name)::text FROM information_schema.columns WHERE table_schema = $1::text AND table_name = $2::text
+SELECT (column_name)::text, (data_type)::text FROM information_schema.columns WHERE table_schema = $1::text AND table_name = $2::text
 
 -- native_mysql retained, Postgres: column_length_query
 SELECT (character_maximum_length)::int8, (character_octet_length)::int8 FROM information_schema.columns WHERE table_schema = $3::text AND table_name = $4::text AND column_name = $5::text
@@ -2713,7 +2713,7 @@ UPDATE `outbox` o SET o.`locked_by` = NULL, o.`locked_until` = NULL, o.`attempts
 UPDATE `outbox` o SET o.`dead_at` = UTC_TIMESTAMP(6), o.`attempts` = :attempts, o.`last_error` = :error, o.`locked_by` = NULL, o.`locked_until` = NULL WHERE o.`sequence_id` = :id AND o.`locked_by` = :node AND :attempts >= 0 AND :error IS NOT NULL
 
 -- native_mysql retained, MySql: columns_query
-SELECT CAST(column_name AS CHAR) FROM information_schema.columns WHERE table_schema = DATABASE() AND table_name = :p1
+SELECT CAST(column_name AS CHAR), CAST(data_type AS CHAR) FROM information_schema.columns WHERE table_schema = DATABASE() AND table_name = :p1
 
 -- native_mysql retained, MySql: column_length_query
 SELECT CAST(character_maximum_length AS SIGNED), CAST(character_octet_length AS SIGNED) FROM information_schema.columns WHERE table_schema = DATABASE() AND table_name = :p2 AND column_name = :p3

@@ -13,6 +13,7 @@
 //! time (a database lock decides which; the others stand by and take over when it dies).
 //! See ARCHITECTURE.md, "Mapped layouts".
 
+mod column_types;
 pub mod memory;
 pub mod params;
 #[cfg(test)]

@@ -24,7 +24,7 @@
 //!
 //! Every statement comes from the layout's [`Sql`]; values are bound through [`Params`].
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -1003,12 +1003,13 @@ impl<D: MappedDb> MappedStore<D> {
         };
         let mut p = self.params();
         let statement = sql.columns_query(&mut p);
-        let present: HashSet<String> = db
+        let types: HashMap<String, String> = db
             .query("verify", statement, p)
             .await?
             .iter()
-            .filter_map(|r| D::text(r, 0))
+            .filter_map(|r| Some((D::text(r, 0)?, D::text(r, 1).unwrap_or_default())))
             .collect();
+        let present: HashSet<String> = types.keys().cloned().collect();
         let table = self.table_name();
         if present.is_empty() {
             return Ok(vec![Problem::blocking(
@@ -1029,6 +1030,11 @@ impl<D: MappedDb> MappedStore<D> {
                 )
             })
             .collect();
+        problems.extend(
+            crate::column_types::problems(m, D::DIALECT, &types)
+                .into_iter()
+                .map(|what| Problem::blocking(format!("table {table}: {what}"), fix.clone())),
+        );
         problems.extend(db.verify_access(sql, layout).await?);
         Ok(problems)
     }

@@ -886,19 +886,27 @@ const REPORT_AFTER: Duration = Duration::from_secs(5);
 
 /// How often the health watcher looks at the database and the sink itself, unless a
 /// `/readyz` request looked since: the log and `outbox_health_problems` said nothing of a
-/// sink `/readyz` found down (its look was the only one).
-const LOOK_EVERY: Duration = Duration::from_secs(5);
+/// sink `/readyz` found down (its look was the only one). Seldom, as a sink's look is a
+/// request to it (a webhook receiver's `HEAD`); what the relay's own work meets (a publish
+/// failing, a claim) is the node's own health, seen at once.
+const LOOK_EVERY: Duration = Duration::from_secs(15);
 
 /// Logs every problem `/readyz` would report once it has lasted [`REPORT_AFTER`] (error
 /// level, with what to do), and again when it clears: the node's own work's, and those of
-/// a look at the database and the sink every [`LOOK_EVERY`]. Runs until aborted.
+/// a look at the database and the sink every [`LOOK_EVERY`] (or a `/readyz` request's, if
+/// more recent). Runs until aborted.
 pub async fn watch_health(probes: Probes) {
     let mut first_seen: std::collections::HashMap<&'static str, (std::time::Instant, bool)> =
         std::collections::HashMap::new();
     let mut ticker = tokio::time::interval(Duration::from_secs(1));
+    // The first look after a while: a relay starting looks at both as it starts.
+    let first_look = tokio::time::Instant::now() + LOOK_EVERY;
     loop {
         ticker.tick().await;
-        let looked = looked_within(&probes, LOOK_EVERY).await;
+        let looked = match tokio::time::Instant::now() >= first_look {
+            true => looked_within(&probes, LOOK_EVERY).await,
+            false => Vec::new(),
+        };
         let now = std::time::Instant::now();
         let troubles: Vec<(&'static str, String, Duration)> = (probes.health)
             .troubles(now, DEFAULT_STALL)

@@ -390,11 +390,13 @@ impl Sql {
     }
 
     /// The names of the table's columns (for `check`).
+    /// The table's columns, each with its type (information_schema's `data_type`).
     pub fn columns_query(&self, params: &mut Params) -> String {
         let table = self.the_tables_columns(params);
         format!(
-            "SELECT {} FROM information_schema.columns WHERE {table}",
-            self.text("column_name")
+            "SELECT {}, {} FROM information_schema.columns WHERE {table}",
+            self.text("column_name"),
+            self.text("data_type")
         )
     }
 

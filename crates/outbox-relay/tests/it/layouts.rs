@@ -792,6 +792,62 @@ state = { kind = "rows" }
     assert!(h.cli(&["dead", "list"]).contains("shipping"));
 }
 
+/// A mapping whose columns are of types its statements cannot read passed `check`, then
+/// failed every claim at `run` (or ended it saying to run `migrate`, which does nothing
+/// for the application's table). `check` and `run` now name each column, its type and the
+/// mapping's field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mapped_column_of_a_type_the_relay_cannot_read_is_named_by_check_and_run() {
+    let h = Harness::new(
+        "CREATE TABLE typed_events (
+             id bigserial PRIMARY KEY,
+             topic text NOT NULL,
+             k text,
+             body bytea NOT NULL,
+             created text DEFAULT now()::text,
+             rej integer DEFAULT 0,
+             sent_at timestamptz
+         );",
+    )
+    .await;
+    h.configure("custom", &["*"]);
+    let config = h.dir.path().join("outbox-relay.toml");
+    let text = std::fs::read_to_string(&config).unwrap().replace(
+        "[sinks.nats]",
+        r#"[mapping]
+table = "typed_events"
+id = "id"
+destination = "topic"
+key = "k"
+payload = "body"
+created_at = "created"
+rejected = "rej"
+delivered_at = "sent_at"
+on_success = "mark"
+state = { kind = "rows" }
+
+[sinks.nats]"#,
+    );
+    std::fs::write(&config, text).unwrap();
+    h.cli(&["migrate"]);
+    let checked = command(h.dir.path(), &["check"]);
+    let said = String::from_utf8_lossy(&checked.stdout).to_string();
+    assert!(!checked.status.success(), "{said}");
+    for column in [
+        "column \"body\" (the mapping's payload) is bytea",
+        "payload_format = \"bytes\"",
+        "column \"created\" (the mapping's created_at) is text",
+        "column \"rej\" (the mapping's rejected) is integer",
+    ] {
+        assert!(said.contains(column), "{column}: {said}");
+    }
+    assert!(said.contains("check the [mapping] section"), "{said}");
+    let ran = command(h.dir.path(), &["run"]);
+    let err = String::from_utf8_lossy(&ran.stderr).to_string();
+    assert!(!ran.status.success(), "{err}");
+    assert!(err.contains("(the mapping's rejected) is integer"), "{err}");
+}
+
 /// Inserts one Open Outbox event per call and waits until the relay has marked it delivered:
 /// with an hour's poll interval only a wake-up on commit can bring it out in time.
 async fn open_outbox_event_is_delivered_without_polling(h: &Harness, n: usize) {
