@@ -326,6 +326,35 @@ impl MappedDb for MappedPg {
         let print = format!("outbox-relay migrate --layout {layout} --print");
         let mut problems =
             crate::missing_privileges(self.inner(), &table, &table, needed, &print).await?;
+        // The side table of dead letters, where the layout keeps them: without INSERT, the
+        // first bad row (days after a deploy) stopped the relay, every key with it.
+        if sql.dead_table_ddl().is_some() {
+            let dead = sql.dead_table();
+            let exists = PgStore::query(
+                self.inner(),
+                "verify",
+                "SELECT to_regclass($1) IS NOT NULL",
+                &[&dead],
+            )
+            .await?;
+            if exists.first().is_some_and(|row| row.get::<_, bool>(0)) {
+                problems.extend(
+                    crate::missing_privileges(
+                        self.inner(),
+                        &dead,
+                        &dead,
+                        "SELECT, INSERT, DELETE",
+                        &print,
+                    )
+                    .await?,
+                );
+            } else {
+                problems.push(Problem::blocking(
+                    format!("table {dead} (the layout's dead letters) does not exist"),
+                    format!("run `outbox-relay migrate --layout {layout}` (or apply `{print}`)"),
+                ));
+            }
+        }
         // Every layout's table wakes the relay through the same trigger as the native one.
         let trigger = format!("{}_trigger", sql.mapping.table);
         let fix = format!(

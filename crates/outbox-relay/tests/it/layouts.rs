@@ -848,6 +848,78 @@ state = { kind = "rows" }
     assert!(err.contains("(the mapping's rejected) is integer"), "{err}");
 }
 
+/// A role given what `migrate --print --role` grants passes `check`; without INSERT on the
+/// layout's dead-letter table it fails it, naming the grant. Unchecked, the first bad row
+/// (days after a deploy) stopped the relay, and every key with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_names_a_missing_grant_on_the_layouts_dead_letter_table() {
+    let h = Harness::new(
+        "CREATE TABLE granted_events (
+             id bigserial PRIMARY KEY,
+             topic text NOT NULL,
+             body jsonb NOT NULL,
+             sent_at timestamptz
+         );",
+    )
+    .await;
+    h.configure("custom", &["*"]);
+    let config = h.dir.path().join("outbox-relay.toml");
+    let text = std::fs::read_to_string(&config).unwrap().replace(
+        "[sinks.nats]",
+        r#"[mapping]
+table = "granted_events"
+id = "id"
+destination = "topic"
+payload = "body"
+delivered_at = "sent_at"
+on_success = "mark"
+state = { kind = "rows" }
+
+[sinks.nats]"#,
+    );
+    std::fs::write(&config, text).unwrap();
+    h.cli(&["migrate"]);
+    let database = h.url.rsplit('/').next().unwrap().to_string();
+    let role = format!("r_{}", &database[database.len() - 12..]);
+    let grants = h.cli(&["migrate", "--print", "--role", &role]);
+    let grants = grants
+        .split("-- The relay's run-time role")
+        .nth(1)
+        .map(|g| format!("-- {g}"))
+        .unwrap_or(grants);
+    h.pg()
+        .batch_execute(&format!("CREATE ROLE {role} LOGIN; {grants}"))
+        .await
+        .unwrap();
+    let as_role = h.url.replacen("postgres@", &format!("{role}@"), 1);
+    let check = |url: &str| {
+        let out = command(h.dir.path(), &["check", "--database-url", url]);
+        let said = String::from_utf8_lossy(&out.stdout).to_string();
+        (said, out.status)
+    };
+    let (said, _) = check(&as_role);
+    assert!(
+        !said.contains("lacks"),
+        "the printed grants suffice: {said}"
+    );
+    h.pg()
+        .batch_execute(&format!(
+            "REVOKE INSERT ON granted_events_dead_letters FROM {role}"
+        ))
+        .await
+        .unwrap();
+    let (said, status) = check(&as_role);
+    assert!(!status.success(), "{said}");
+    assert!(
+        said.contains("lacks INSERT on") && said.contains("granted_events_dead_letters"),
+        "{said}"
+    );
+    h.pg()
+        .batch_execute(&format!("DROP OWNED BY {role}; DROP ROLE {role}"))
+        .await
+        .unwrap();
+}
+
 /// Inserts one Open Outbox event per call and waits until the relay has marked it delivered:
 /// with an hour's poll interval only a wake-up on commit can bring it out in time.
 async fn open_outbox_event_is_delivered_without_polling(h: &Harness, n: usize) {
