@@ -253,3 +253,47 @@ async fn limited_user(url: &str, tables: &str) -> (mysql_async::Conn, String, St
     );
     (admin, user, limited)
 }
+
+/// `verify` said nothing of privileges: a role without DELETE passed `check`, published,
+/// failed its ack, and under a restarting supervisor published the same rows again each
+/// time. Each write the relay makes is now tried (matching no row) and a refusal named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_names_a_write_the_role_may_not_make() {
+    use mysql_async::prelude::Queryable;
+    use outbox_core::OutboxStore;
+    let url = outbox_testkit::fresh_mysql_database().await;
+    native_store(&url, None).migrate().await.unwrap();
+    let (mut admin, user, limited) = limited_user(&url, "*").await;
+    let lacking = |problems: &[outbox_core::store::Problem]| -> Vec<String> {
+        problems
+            .iter()
+            .filter(|p| p.what.contains("lacks"))
+            .map(|p| p.to_string())
+            .collect()
+    };
+    let problems = native_store(&limited, None).verify().await.unwrap();
+    assert!(lacking(&problems).is_empty(), "{problems:?}");
+    let database = mysql_async::Opts::from_url(&url)
+        .unwrap()
+        .db_name()
+        .unwrap()
+        .to_string();
+    admin
+        .query_drop(format!(
+            "REVOKE DELETE ON `{database}`.* FROM '{user}'@'%';
+             GRANT SELECT, INSERT, UPDATE ON `{database}`.* TO '{user}'@'%'"
+        ))
+        .await
+        .unwrap();
+    let problems = native_store(&limited, None).verify().await.unwrap();
+    let said = lacking(&problems);
+    assert_eq!(said.len(), 1, "{problems:?}");
+    assert!(
+        said[0].contains("lacks DELETE on") && said[0].contains("GRANT DELETE"),
+        "{said:?}"
+    );
+    admin
+        .query_drop(format!("DROP USER '{user}'@'%'"))
+        .await
+        .unwrap();
+}
