@@ -203,10 +203,15 @@ struct Floor {
     full_scan_at: Instant,
 }
 
+/// Where a claim that scans from the start starts: below every id. Ids are the sequence's,
+/// from 1, unless the application inserts its own: a row given a negative id was never
+/// claimed while the scan began at zero, and its key's later rows went out before it.
+const FROM_THE_START: SequenceId = SequenceId::MIN;
+
 impl Default for Floor {
     fn default() -> Self {
         Floor {
-            start: 0,
+            start: FROM_THE_START,
             fence: None,
             candidate: None,
             due: None,
@@ -272,7 +277,7 @@ impl OwnedClaims {
         let claims = nodes.entry(node.to_string()).or_default();
         let floor = &mut claims.floor;
         if !use_floor {
-            floor.lower_to(0);
+            floor.lower_to(FROM_THE_START);
         }
         let same_fence = floor
             .fence
@@ -281,11 +286,11 @@ impl OwnedClaims {
         if !same_fence {
             floor.fence = Some((fence.partitions.clone(), fence.epochs.clone()));
             floor.candidate = None;
-            floor.lower_to(0);
+            floor.lower_to(FROM_THE_START);
         }
         if floor.full_scan_at.elapsed() >= FULL_SCAN_EVERY {
             floor.full_scan_at = Instant::now();
-            floor.lower_to(0);
+            floor.lower_to(FROM_THE_START);
         }
         let start = floor.start;
         ClaimPlan {
@@ -354,11 +359,12 @@ impl OwnedClaims {
         floor.due = seen.next_due;
     }
 
-    /// A claim above zero found the floor's due time passed: the next one starts at zero.
+    /// A claim above the start found the floor's due time passed: the next one starts at
+    /// the start.
     pub fn due_passed(&self, node: &str) {
         let mut nodes = self.nodes.lock().expect("owned claims lock");
         if let Some(claims) = nodes.get_mut(node) {
-            claims.floor.lower_to(0);
+            claims.floor.lower_to(FROM_THE_START);
         }
     }
 
@@ -431,7 +437,10 @@ mod tests {
             "caught up: one statement per claim"
         );
         let plan = owned.plan("n", &fence(), owned.wants_floor("n"));
-        assert_eq!(plan.start, 0, "without the floor the claim scans from zero");
+        assert_eq!(
+            plan.start, FROM_THE_START,
+            "without the floor the claim scans from the start"
+        );
         owned.claim_returned("n", true);
         assert!(owned.wants_floor("n"), "a full claim: a backlog to drain");
         assert!(owned.wants_floor("other"), "per node");
@@ -520,11 +529,11 @@ mod tests {
             &[1, 2],
             Some(seen(10, &["3/7"], &[1, 2], false)),
         );
-        assert_eq!(c.plan("a", &fence(), true).start, 0);
+        assert_eq!(c.plan("a", &fence(), true).start, FROM_THE_START);
         // 3/7 still there (with a newcomer): still no move.
         let plan = c.plan("a", &fence(), true);
         c.claimed("a", &plan, &[], Some(seen(12, &["3/7", "4/1"], &[], false)));
-        assert_eq!(c.plan("a", &fence(), true).start, 0);
+        assert_eq!(c.plan("a", &fence(), true).start, FROM_THE_START);
         // 3/7 has ended: everything up to 10 was visible to this claim.
         let plan = c.plan("a", &fence(), true);
         c.claimed("a", &plan, &[3], Some(seen(14, &["4/1"], &[3], false)));
@@ -562,13 +571,13 @@ mod tests {
 
         // A claim that found the floor's due time passed: back to zero.
         c.due_passed("a");
-        assert_eq!(c.plan("a", &fence(), true).start, 0);
+        assert_eq!(c.plan("a", &fence(), true).start, FROM_THE_START);
 
         let other = Fence {
             epochs: vec![1, 2, 1, 1],
             ..fence()
         };
-        assert_eq!(c.plan("a", &other, true).start, 0);
+        assert_eq!(c.plan("a", &other, true).start, FROM_THE_START);
     }
 
     #[test]

@@ -80,6 +80,46 @@ fn dead_reason(dead: &[serde_json::Value], event_type: &str) -> String {
 
 // ---- Rows ----
 
+/// Ids the application gave itself, below the sequence's (zero, negative): every claim
+/// scanned from zero, so a negative id was never claimed, and its key's later row went out
+/// before it. Each store relays them in id order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_with_ids_of_zero_or_below_are_relayed_in_id_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let pg_url = fresh_pg_database().await;
+    assert!(relay(d, &["migrate", "--database-url", &pg_url])
+        .status
+        .success());
+    pg(&pg_url)
+        .await
+        .batch_execute(
+            r#"INSERT INTO outbox (sequence_id, destination, partition_key, event_type, payload)
+               VALUES (-5, 'orders', 'k', 't', '{"n":1}'), (0, 'orders', 'k', 't', '{"n":2}'),
+                      (7, 'orders', 'k', 't', '{"n":3}')"#,
+        )
+        .await
+        .unwrap();
+    let sqlite_url = sqlite_outbox(d);
+    sqlite(d)
+        .execute_batch(
+            r#"INSERT INTO outbox (sequence_id, destination, partition_key, event_type, payload)
+               VALUES (-5, 'orders', 'k', 't', '{"n":1}'), (0, 'orders', 'k', 't', '{"n":2}'),
+                      (7, 'orders', 'k', 't', '{"n":3}');"#,
+        )
+        .unwrap();
+    for url in [pg_url, sqlite_url] {
+        std::fs::remove_file(d.join("events.jsonl")).ok();
+        let (run, lines) = drain_to_file(d, &url, &[]);
+        assert!(run.status.success(), "{url}: {}", text(&run.stderr));
+        let order: Vec<i64> = lines
+            .iter()
+            .map(|l| l["payload"]["n"].as_i64().unwrap())
+            .collect();
+        assert_eq!(order, [1, 2, 3], "{url}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_headers_and_truncated_payloads_are_dead_lettered_with_the_reason_and_other_rows_flow(
 ) {
