@@ -131,7 +131,7 @@ SELECT o.sequence_id, o.event_id, o.destination, o.partition_key, o.event_type, 
                       AND (p.attempts > 0 AND p.available_at > now()))
                     AND $1::text IS NOT NULL
                     AND o.sequence_id >= $7
-                    AND ($7 = 0 OR $8::int8 IS NULL OR now() < to_timestamp($8::int8 / 1000000.0))
+                    AND ($7 = '-9223372036854775808'::int8 OR $8::int8 IS NULL OR now() < to_timestamp($8::int8 / 1000000.0))
                     
                   ORDER BY o.sequence_id
                   LIMIT $2
@@ -191,7 +191,7 @@ SELECT o.sequence_id, o.event_id, o.destination, o.partition_key, o.event_type, 
                       AND (p.attempts > 0 AND p.available_at > now()))
                     AND $1::text IS NOT NULL
                     AND o.sequence_id >= $7
-                    AND ($7 = 0 OR $8::int8 IS NULL OR now() < to_timestamp($8::int8 / 1000000.0))
+                    AND ($7 = '-9223372036854775808'::int8 OR $8::int8 IS NULL OR now() < to_timestamp($8::int8 / 1000000.0))
                     AND NOT (coalesce(o.partition_key, o.destination) = ANY($9::text[]))
                       AND o.sequence_id <= (SELECT coalesce(max(b.sequence_id), 0) FROM (
                             SELECT w.sequence_id FROM "public"."outbox" w
@@ -841,7 +841,7 @@ SELECT o.sequence_id, o.event_id, o.destination, o.partition_key, o.event_type, 
                       AND (p.attempts > 0 AND p.available_at > now()))
                     AND $1::text IS NOT NULL
                     AND o.sequence_id >= $7
-                    AND ($7 = 0 OR $8::int8 IS NULL OR now() < to_timestamp($8::int8 / 1000000.0))
+                    AND ($7 = '-9223372036854775808'::int8 OR $8::int8 IS NULL OR now() < to_timestamp($8::int8 / 1000000.0))
                     
                   ORDER BY o.sequence_id
                   LIMIT $2
@@ -901,7 +901,7 @@ SELECT o.sequence_id, o.event_id, o.destination, o.partition_key, o.event_type, 
                       AND (p.attempts > 0 AND p.available_at > now()))
                     AND $1::text IS NOT NULL
                     AND o.sequence_id >= $7
-                    AND ($7 = 0 OR $8::int8 IS NULL OR now() < to_timestamp($8::int8 / 1000000.0))
+                    AND ($7 = '-9223372036854775808'::int8 OR $8::int8 IS NULL OR now() < to_timestamp($8::int8 / 1000000.0))
                     AND NOT (coalesce(o.partition_key, o.destination) = ANY($9::text[]))
                       AND o.sequence_id <= (SELECT coalesce(max(b.sequence_id), 0) FROM (
                             SELECT w.sequence_id FROM "app"."events" w

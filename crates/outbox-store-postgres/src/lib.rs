@@ -567,7 +567,7 @@ async fn claim_owned(
     let client = inner.pool.get().await.map_err(|e| pool_error("claim", e))?;
     match claim_owned_once(inner, &client, node, limit, fence, crowded).await? {
         Some(rows) => Ok(rows),
-        // A row the floor passed has come due: claim again from zero, so that it goes out
+        // A row the floor passed has come due: claim again from the start, so that it goes out
         // before the rows of its key that it holds back.
         None => {
             inner.owned.due_passed(node);
@@ -580,7 +580,8 @@ async fn claim_owned(
     }
 }
 
-/// One owned claim; `None` when it started above zero and the floor's due time had passed.
+/// One owned claim; `None` when it started above the start and the floor's due time had
+/// passed.
 async fn claim_owned_once(
     inner: &Inner,
     client: &deadpool_postgres::Client,
@@ -657,7 +658,7 @@ async fn claim_owned_once(
     let seen = match (sequence, writers, due, after) {
         (Ok(sequence), Ok(writers), Ok(due), Ok(after)) => {
             // Rows make the statement's clock check moot: it passed, or none would return.
-            if ids.is_empty() && plan.start > 0 && after.get::<_, bool>(1) {
+            if ids.is_empty() && plan.start > owned::FROM_THE_START && after.get::<_, bool>(1) {
                 inner.owned.claimed(node, &plan, &ids, None);
                 return Ok(None);
             }

@@ -206,7 +206,7 @@ struct Floor {
 /// Where a claim that scans from the start starts: below every id. Ids are the sequence's,
 /// from 1, unless the application inserts its own: a row given a negative id was never
 /// claimed while the scan began at zero, and its key's later rows went out before it.
-const FROM_THE_START: SequenceId = SequenceId::MIN;
+pub(crate) const FROM_THE_START: SequenceId = SequenceId::MIN;
 
 impl Default for Floor {
     fn default() -> Self {

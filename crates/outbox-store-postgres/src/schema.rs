@@ -745,8 +745,8 @@ impl Native {
     /// Owned partitions: $1 node, $2 limit, $3 the rows this node already holds, $4 the
     /// partition count, $5 its partitions, $6 their epochs, $7 the scan floor (rows held
     /// in $3 are only those at or above it), $8 when a row the floor passed comes due
-    /// (microseconds since the epoch): from then on a claim above zero returns nothing,
-    /// and the store claims again from zero. The floor is not used with keys to leave out
+    /// (microseconds since the epoch): from then on a claim above the start returns
+    /// nothing, and the store claims again from the start ([`crate::owned::FROM_THE_START`]). The floor is not used with keys to leave out
     /// ([`Native::claim_owned_crowded`]): it passes only rows a claim saw. A plain SELECT: ownership
     /// (checked here against the live leases, and fencing every settle) replaces the row
     /// lease, so rows are neither updated nor locked at claim time. See ARCHITECTURE.md.
@@ -788,6 +788,7 @@ impl Native {
 
     fn claim_owned_leaving_out(&self, crowded: &str) -> String {
         let Native { t, func, .. } = self;
+        let from_the_start = crate::owned::FROM_THE_START;
         let held = self.held_partitions();
         let no_retry_blocks = self.unblocked("p.attempts > 0 AND p.available_at > now()");
         format!(
@@ -799,7 +800,7 @@ impl Native {
                     AND {no_retry_blocks}
                     AND $1::text IS NOT NULL
                     AND o.sequence_id >= $7
-                    AND ($7 = 0 OR $8::int8 IS NULL OR now() < to_timestamp($8::int8 / 1000000.0))
+                    AND ($7 = '{from_the_start}'::int8 OR $8::int8 IS NULL OR now() < to_timestamp($8::int8 / 1000000.0))
                     {crowded}
                   ORDER BY o.sequence_id
                   LIMIT $2"
