@@ -92,6 +92,18 @@ uri = "{nats}"
         .unwrap();
     }
 
+    /// [`Harness::configure`] for a custom mapping whose `[mapping]` section is `mapping`
+    /// (placed before the sinks: it must follow the top-level keys).
+    fn configure_mapping(&self, mapping: &str) {
+        self.configure("custom", &["*"]);
+        let config = self.dir.path().join("outbox-relay.toml");
+        let text = std::fs::read_to_string(&config).unwrap().replace(
+            "[sinks.nats]",
+            &format!("[mapping]\n{mapping}\n[sinks.nats]"),
+        );
+        std::fs::write(&config, text).unwrap();
+    }
+
     fn pg(&self) -> &tokio_postgres::Client {
         self.db.as_ref().expect("a PostgreSQL harness")
     }
@@ -810,12 +822,8 @@ async fn a_mapped_column_of_a_type_the_relay_cannot_read_is_named_by_check_and_r
          );",
     )
     .await;
-    h.configure("custom", &["*"]);
-    let config = h.dir.path().join("outbox-relay.toml");
-    let text = std::fs::read_to_string(&config).unwrap().replace(
-        "[sinks.nats]",
-        r#"[mapping]
-table = "typed_events"
+    h.configure_mapping(
+        r#"table = "typed_events"
 id = "id"
 destination = "topic"
 key = "k"
@@ -825,10 +833,8 @@ rejected = "rej"
 delivered_at = "sent_at"
 on_success = "mark"
 state = { kind = "rows" }
-
-[sinks.nats]"#,
+"#,
     );
-    std::fs::write(&config, text).unwrap();
     h.cli(&["migrate"]);
     let checked = command(h.dir.path(), &["check"]);
     let said = String::from_utf8_lossy(&checked.stdout).to_string();
@@ -862,22 +868,16 @@ async fn check_names_a_missing_grant_on_the_layouts_dead_letter_table() {
          );",
     )
     .await;
-    h.configure("custom", &["*"]);
-    let config = h.dir.path().join("outbox-relay.toml");
-    let text = std::fs::read_to_string(&config).unwrap().replace(
-        "[sinks.nats]",
-        r#"[mapping]
-table = "granted_events"
+    h.configure_mapping(
+        r#"table = "granted_events"
 id = "id"
 destination = "topic"
 payload = "body"
 delivered_at = "sent_at"
 on_success = "mark"
 state = { kind = "rows" }
-
-[sinks.nats]"#,
+"#,
     );
-    std::fs::write(&config, text).unwrap();
     h.cli(&["migrate"]);
     let database = h.url.rsplit('/').next().unwrap().to_string();
     let role = format!("r_{}", &database[database.len() - 12..]);

@@ -421,6 +421,9 @@ impl capture::HoldsEvents<HeldWal, Park> for Inner {
 /// claim for good.
 const PARK_STATEMENT_BYTES: usize = 64 * 1024 * 1024;
 
+/// The fewest stream outputs a claim accepts (when as many wait): see [`WalStore::claim`].
+const MIN_OUTPUTS_PER_CLAIM: usize = 1024;
+
 /// How many keys one [`Inner::flush_parks`] sets aside before it leaves the rest queued
 /// for the next call.
 const REFUSED_KEYS_PER_FLUSH: usize = 16;
@@ -1124,7 +1127,14 @@ impl Inner {
             lock(&self.state).redeliver_into(&mut out, request.limit);
         }
         let redelivered = out.len();
-        let (limit, budget) = (request.limit, request.limit * 4);
+        // Outputs that are no event (keepalives, commits) cost a claim little, but count
+        // against its budget: at a limit of one (the first claim, or events as large as
+        // the memory budget) four a claim fell behind a busy server's keepalives, and the
+        // next event waited behind them for good.
+        let (limit, budget) = (
+            request.limit,
+            (request.limit * 4).max(MIN_OUTPUTS_PER_CLAIM),
+        );
         let mut received = 0;
         if following {
             loop {
