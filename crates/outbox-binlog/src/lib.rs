@@ -306,6 +306,19 @@ pub async fn binary_logs(url: &str) -> Result<Vec<(String, u64)>> {
         .collect())
 }
 
+impl BinlogError {
+    /// What the failure means to a caller that reports it as a store's: a driver error as
+    /// the MySQL store classifies its own (a privilege missing is no outage to wait out), a
+    /// bad setting as configuration, anything else of the stream as a connection to retry.
+    pub fn store_kind(&self) -> outbox_core::StoreErrorKind {
+        match self {
+            BinlogError::Connection(e) => outbox_store_mysql::classify(e),
+            BinlogError::Config(_) => outbox_core::StoreErrorKind::Config,
+            _ => outbox_core::StoreErrorKind::Connection,
+        }
+    }
+}
+
 pub(crate) type Result<T> = std::result::Result<T, BinlogError>;
 
 /// A place in the binary log: a file and the byte offset of an event in it.

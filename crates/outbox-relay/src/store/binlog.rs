@@ -300,7 +300,7 @@ impl BinlogCapture {
                     Ok(logs) => logs,
                     // A role without REPLICATION CLIENT: named above already, with its
                     // grant, which is the fix (not "the database is unreachable").
-                    Err(e) if read_failed_kind(&e) == StoreErrorKind::Privilege => {
+                    Err(e) if e.store_kind() == StoreErrorKind::Privilege => {
                         if !problems
                             .iter()
                             .any(|p| p.what.contains("REPLICATION CLIENT"))
@@ -467,19 +467,9 @@ fn forget_position(database: &str, positions: &str, key: &str) -> String {
     )
 }
 
-/// A failure to read what the server has (its settings, a table's engine or columns),
-/// classified as the MySQL store classifies its own: a privilege missing is no outage to
-/// wait out.
+/// A failure to read what the server has (its settings, a table's engine or columns).
 fn read_failed(e: outbox_binlog::BinlogError) -> StoreError {
-    StoreError::new(read_failed_kind(&e), format!("binlog capture: {e}"))
-}
-
-fn read_failed_kind(e: &outbox_binlog::BinlogError) -> StoreErrorKind {
-    match e {
-        outbox_binlog::BinlogError::Connection(e) => outbox_store_mysql::classify(e),
-        outbox_binlog::BinlogError::Config(_) => StoreErrorKind::Config,
-        _ => StoreErrorKind::Connection,
-    }
+    StoreError::new(e.store_kind(), format!("binlog capture: {e}"))
 }
 
 /// What the reader takes from the rest of the run.

@@ -507,21 +507,37 @@ async fn a_collector_that_never_answers_does_not_hold_up_the_shutdown() {
     held.abort();
 }
 
+/// `run` to stdout on a SQLite file in `dir`, with `extra` flags and `env`.
+fn run_on_sqlite(
+    dir: &std::path::Path,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> std::process::Output {
+    std::process::Command::new(BIN)
+        .args(["run", "--sink", "stdout", "--http-addr", ""])
+        .args(extra)
+        .current_dir(dir)
+        .env(
+            "DATABASE_URL",
+            format!("sqlite:{}", dir.join("o.db").display()),
+        )
+        .envs(env.iter().copied())
+        .output()
+        .unwrap()
+}
+
 /// `10s` is not milliseconds: the timeout was taken for the default, without a word.
 #[test]
 fn an_export_timeout_that_is_no_number_of_milliseconds_is_refused_with_the_fix() {
     let dir = tempfile::tempdir().unwrap();
-    let out = std::process::Command::new(BIN)
-        .args(["run", "--drain", "--sink", "stdout", "--http-addr", ""])
-        .current_dir(dir.path())
-        .env(
-            "DATABASE_URL",
-            format!("sqlite:{}", dir.path().join("o.db").display()),
-        )
-        .env("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
-        .env("OTEL_EXPORTER_OTLP_TIMEOUT", "10s")
-        .output()
-        .unwrap();
+    let out = run_on_sqlite(
+        dir.path(),
+        &["--drain"],
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318"),
+            ("OTEL_EXPORTER_OTLP_TIMEOUT", "10s"),
+        ],
+    );
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -533,17 +549,14 @@ fn an_export_timeout_that_is_no_number_of_milliseconds_is_refused_with_the_fix()
 #[test]
 fn a_grpc_protocol_is_refused_with_the_fix() {
     let dir = tempfile::tempdir().unwrap();
-    let out = std::process::Command::new(BIN)
-        .args(["run", "--sink", "stdout", "--http-addr", ""])
-        .current_dir(dir.path())
-        .env(
-            "DATABASE_URL",
-            format!("sqlite:{}", dir.path().join("o.db").display()),
-        )
-        .env("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4317")
-        .env("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
-        .output()
-        .unwrap();
+    let out = run_on_sqlite(
+        dir.path(),
+        &[],
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4317"),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+        ],
+    );
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("set it to http/protobuf"), "{stderr}");
@@ -568,17 +581,14 @@ fn an_endpoint_or_header_the_exporter_cannot_use_is_refused_naming_the_variable(
             "OTEL_EXPORTER_OTLP_HEADERS: the entry \"x api key\"",
         ),
     ] {
-        let out = std::process::Command::new(BIN)
-            .args(["run", "--sink", "stdout", "--http-addr", ""])
-            .current_dir(dir.path())
-            .env(
-                "DATABASE_URL",
-                format!("sqlite:{}", dir.path().join("o.db").display()),
-            )
-            .env("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
-            .env("OTEL_EXPORTER_OTLP_HEADERS", headers)
-            .output()
-            .unwrap();
+        let out = run_on_sqlite(
+            dir.path(),
+            &[],
+            &[
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint),
+                ("OTEL_EXPORTER_OTLP_HEADERS", headers),
+            ],
+        );
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{stderr}");
         assert!(stderr.contains(said), "{stderr}");

@@ -289,6 +289,18 @@ fn pg_relay(dir: &Path, name: &str, url: &str, extra: &[&str]) -> RelayProcess {
     RelayProcess::spawn(dir, name, &args, &[("DATABASE_URL", url)])
 }
 
+/// A fresh PostgreSQL database, migrated by the relay.
+async fn migrated_pg_database() -> String {
+    let url = fresh_pg_database().await;
+    let migrated = Command::new(BIN)
+        .args(["migrate"])
+        .env("DATABASE_URL", &url)
+        .output()
+        .unwrap();
+    assert!(migrated.status.success());
+    url
+}
+
 /// Waits for a metric in `/metrics` to satisfy `ok`.
 async fn metric(relay: &RelayProcess, addr: &str, name: &str, ok: impl Fn(f64) -> bool) {
     eventually_explained(
@@ -327,13 +339,7 @@ async fn error_logged(relay: &RelayProcess, needle: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_blackholed_database_shows_in_the_logs_the_metrics_and_readyz_and_sigterm_still_ends_the_relay(
 ) {
-    let url = fresh_pg_database().await;
-    let migrated = Command::new(BIN)
-        .args(["migrate"])
-        .env("DATABASE_URL", &url)
-        .output()
-        .unwrap();
-    assert!(migrated.status.success());
+    let url = migrated_pg_database().await;
     let (proxy, proxied) = FaultProxy::start_for_url(&url).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let mut relay = pg_relay(
@@ -516,13 +522,7 @@ async fn wait_for_delivered(relay: &RelayProcess, out: &Path, n: usize) {
 /// The health watcher now looks at the database and the sink itself.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sink_found_down_shows_in_the_log_and_the_metrics_as_in_readyz() {
-    let url = fresh_pg_database().await;
-    let migrated = Command::new(BIN)
-        .args(["migrate"])
-        .env("DATABASE_URL", &url)
-        .output()
-        .unwrap();
-    assert!(migrated.status.success());
+    let url = migrated_pg_database().await;
     let dir = tempfile::tempdir().unwrap();
     let sink = format!(
         "http://127.0.0.1:{}/hook",
