@@ -664,12 +664,17 @@ pub async fn server_id_problems(config: &BinlogConfig) -> Result<Vec<Problem>> {
     let mut problems = Vec::new();
     // Server_id, Host and Port lead both statements' columns.
     for row in &readers {
-        let server_id: Option<u64> = row.get(0);
-        if server_id != Some(u64::from(id)) {
+        // `get_opt`: `get` panics on a value it cannot convert (a NULL host).
+        let column = |i: usize| {
+            row.get_opt::<Option<String>, _>(i)
+                .and_then(|value| value.ok())
+                .flatten()
+        };
+        if column(0).and_then(|s| s.parse::<u64>().ok()) != Some(u64::from(id)) {
             continue;
         }
-        let host: String = row.get(1).unwrap_or_default();
-        let port: u64 = row.get(2).unwrap_or_default();
+        let host = column(1).unwrap_or_default();
+        let port = column(2).unwrap_or_default();
         let collides = "the server keeps one reader per server id, so each ends the other's \
                         session and neither reads for long";
         if host == ours {
