@@ -191,13 +191,13 @@ o."sequence_id" NOT IN (SELECT unnest($6::int8[]))
 UTC_TIMESTAMP(6)
 
 -- adbc, MySql: id_expr
-CAST(o.`sequence_id` AS SIGNED)
+(o.`sequence_id` + 0)
 
 -- adbc, MySql: key_expr
 CAST(o.`channel` AS CHAR)
 
 -- adbc, MySql: select_list
-CAST(o.`sequence_id` AS SIGNED), NULL, CAST(o.`channel` AS CHAR), NULL, CAST(o.`name` AS CHAR), o.`data`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), NULL, NULL, NULL, NULL, NULL
+(o.`sequence_id` + 0), NULL, CAST(o.`channel` AS CHAR), NULL, CAST(o.`name` AS CHAR), o.`data`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), NULL, NULL, NULL, NULL, NULL
 
 -- adbc, MySql: pending
 o.`processed` = false
@@ -254,7 +254,7 @@ SELECT CAST(o.`channel` AS CHAR), CAST(coalesce(sum(CASE WHEN o.`processed` = fa
 SELECT CAST(o.`sequence_id` AS CHAR), NULL, CAST(o.`channel` AS CHAR), CAST(o.`name` AS CHAR), NULL, NULL, NULL FROM `public`.`outbox` o WHERE o.`processed` = true AND :filter ORDER BY o.`sequence_id` LIMIT :n
 
 -- adbc, MySql: event
-SELECT CAST(o.`sequence_id` AS SIGNED), NULL, CAST(o.`channel` AS CHAR), NULL, CAST(o.`name` AS CHAR), o.`data`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), NULL, NULL, NULL, NULL, NULL, CAST((CASE WHEN o.`processed` = true THEN 2 WHEN 1 = 0 THEN 1 ELSE 0 END) AS SIGNED), NULL, NULL, NULL FROM `public`.`outbox` o WHERE :condition
+SELECT (o.`sequence_id` + 0), NULL, CAST(o.`channel` AS CHAR), NULL, CAST(o.`name` AS CHAR), o.`data`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), NULL, NULL, NULL, NULL, NULL, CAST((CASE WHEN o.`processed` = true THEN 2 WHEN 1 = 0 THEN 1 ELSE 0 END) AS SIGNED), NULL, NULL, NULL FROM `public`.`outbox` o WHERE :condition
 
 -- adbc, MySql: dead_retry
 UPDATE `public`.`outbox` o SET o.`processed` = false, o.`locked_by` = NULL, o.`lock_expiry` = NULL WHERE (o.`processed` = true) AND :condition
@@ -297,10 +297,10 @@ GRANT SELECT, UPDATE, DELETE ON `public`.`outbox` TO 'relay'@'%';
 
 
 -- adbc, MySql: claim_select
-SELECT CAST(o.`sequence_id` AS SIGNED), NULL, CAST(o.`channel` AS CHAR), NULL, CAST(o.`name` AS CHAR), o.`data`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), NULL, NULL, NULL, NULL, NULL FROM `public`.`outbox` o WHERE :condition ORDER BY o.`sequence_id` LIMIT :n
+SELECT (o.`sequence_id` + 0), NULL, CAST(o.`channel` AS CHAR), NULL, CAST(o.`name` AS CHAR), o.`data`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), NULL, NULL, NULL, NULL, NULL FROM `public`.`outbox` o WHERE :condition ORDER BY o.`sequence_id` LIMIT :n
 
 -- adbc, MySql: claim_select locking
-SELECT CAST(o.`sequence_id` AS SIGNED), NULL, CAST(o.`channel` AS CHAR), NULL, CAST(o.`name` AS CHAR), o.`data`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), NULL, NULL, NULL, NULL, NULL FROM `public`.`outbox` o WHERE :condition ORDER BY o.`sequence_id` LIMIT :n FOR UPDATE SKIP LOCKED
+SELECT (o.`sequence_id` + 0), NULL, CAST(o.`channel` AS CHAR), NULL, CAST(o.`name` AS CHAR), o.`data`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), NULL, NULL, NULL, NULL, NULL FROM `public`.`outbox` o WHERE :condition ORDER BY o.`sequence_id` LIMIT :n FOR UPDATE SKIP LOCKED
 
 -- adbc, MySql: claim_and_mark
 WITH c AS (SELECT l.id, row_number() OVER () AS n
@@ -308,7 +308,7 @@ WITH c AS (SELECT l.id, row_number() OVER () AS n
                                  ORDER BY o.`sequence_id` LIMIT :n FOR UPDATE SKIP LOCKED) l)
              UPDATE `public`.`outbox` o SET `locked_by` = :node, `lock_expiry` = UTC_TIMESTAMP(6) + INTERVAL (:lease * 1000) MICROSECOND FROM c
               WHERE o.`sequence_id` = c.id AND :node IS NOT NULL AND :lease >= 0
-             RETURNING CAST(o.`sequence_id` AS SIGNED), NULL, CAST(o.`channel` AS CHAR), NULL, CAST(o.`name` AS CHAR), o.`data`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), NULL, NULL, NULL, NULL, NULL, c.n
+             RETURNING (o.`sequence_id` + 0), NULL, CAST(o.`channel` AS CHAR), NULL, CAST(o.`name` AS CHAR), o.`data`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), NULL, NULL, NULL, NULL, NULL, c.n
 
 -- adbc, MySql: claim_order_column
 14
@@ -953,13 +953,13 @@ o."id" NOT IN (SELECT unnest($6::int8[]))
 UTC_TIMESTAMP(6)
 
 -- export, MySql: id_expr
-CAST(o.`id` AS SIGNED)
+(o.`id` + 0)
 
 -- export, MySql: key_expr
 CONCAT('row:', CAST(o.`id` AS CHAR))
 
 -- export, MySql: select_list
-CAST(o.`id` AS SIGNED), NULL, CAST(o.`type_code` AS CHAR), NULL, CAST(o.`type_code` AS CHAR), o.`payload`, NULL, NULL, NULL, CAST(o.`processing_retries_count` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), CAST((SELECT mx.`max_retry_count` + 1 FROM `public`.`event_type` mx WHERE mx.`code` = o.`type_code`) AS SIGNED), NULL, NULL
+(o.`id` + 0), NULL, CAST(o.`type_code` AS CHAR), NULL, CAST(o.`type_code` AS CHAR), o.`payload`, NULL, NULL, NULL, CAST(o.`processing_retries_count` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), CAST((SELECT mx.`max_retry_count` + 1 FROM `public`.`event_type` mx WHERE mx.`code` = o.`type_code`) AS SIGNED), NULL, NULL
 
 -- export, MySql: pending
 o.`status` IN ('NEW', 'PROCESSING')
@@ -1016,7 +1016,7 @@ SELECT CAST(o.`type_code` AS CHAR), CAST(coalesce(sum(CASE WHEN o.`status` IN ('
 SELECT CAST(o.`id` AS CHAR), NULL, CAST(o.`type_code` AS CHAR), CAST(o.`type_code` AS CHAR), CAST(o.`processing_retries_count` AS SIGNED), NULL, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`updated_at`) FROM `public`.`event` o WHERE o.`status` = 'ERROR' AND :filter ORDER BY o.`id` LIMIT :n
 
 -- export, MySql: event
-SELECT CAST(o.`id` AS SIGNED), NULL, CAST(o.`type_code` AS CHAR), NULL, CAST(o.`type_code` AS CHAR), o.`payload`, NULL, NULL, NULL, CAST(o.`processing_retries_count` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), CAST((SELECT mx.`max_retry_count` + 1 FROM `public`.`event_type` mx WHERE mx.`code` = o.`type_code`) AS SIGNED), NULL, NULL, CAST((CASE WHEN o.`status` = 'ERROR' THEN 2 WHEN o.`status` = 'DONE' THEN 1 ELSE 0 END) AS SIGNED), CAST(o.`processing_retries_count` AS SIGNED), NULL, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`updated_at`) FROM `public`.`event` o WHERE :condition
+SELECT (o.`id` + 0), NULL, CAST(o.`type_code` AS CHAR), NULL, CAST(o.`type_code` AS CHAR), o.`payload`, NULL, NULL, NULL, CAST(o.`processing_retries_count` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), CAST((SELECT mx.`max_retry_count` + 1 FROM `public`.`event_type` mx WHERE mx.`code` = o.`type_code`) AS SIGNED), NULL, NULL, CAST((CASE WHEN o.`status` = 'ERROR' THEN 2 WHEN o.`status` = 'DONE' THEN 1 ELSE 0 END) AS SIGNED), CAST(o.`processing_retries_count` AS SIGNED), NULL, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`updated_at`) FROM `public`.`event` o WHERE :condition
 
 -- export, MySql: dead_retry
 UPDATE `public`.`event` o SET o.`status` = 'NEW', o.`processing_retries_count` = 0, o.`updated_at` = UTC_TIMESTAMP(6) WHERE (o.`status` = 'ERROR') AND :condition
@@ -1065,10 +1065,10 @@ GRANT SELECT ON `public`.`event_type` TO 'relay'@'%';
 
 
 -- export, MySql: claim_select
-SELECT CAST(o.`id` AS SIGNED), NULL, CAST(o.`type_code` AS CHAR), NULL, CAST(o.`type_code` AS CHAR), o.`payload`, NULL, NULL, NULL, CAST(o.`processing_retries_count` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), CAST((SELECT mx.`max_retry_count` + 1 FROM `public`.`event_type` mx WHERE mx.`code` = o.`type_code`) AS SIGNED), NULL, NULL FROM `public`.`event` o WHERE :condition ORDER BY o.`id` LIMIT :n
+SELECT (o.`id` + 0), NULL, CAST(o.`type_code` AS CHAR), NULL, CAST(o.`type_code` AS CHAR), o.`payload`, NULL, NULL, NULL, CAST(o.`processing_retries_count` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), CAST((SELECT mx.`max_retry_count` + 1 FROM `public`.`event_type` mx WHERE mx.`code` = o.`type_code`) AS SIGNED), NULL, NULL FROM `public`.`event` o WHERE :condition ORDER BY o.`id` LIMIT :n
 
 -- export, MySql: claim_select locking
-SELECT CAST(o.`id` AS SIGNED), NULL, CAST(o.`type_code` AS CHAR), NULL, CAST(o.`type_code` AS CHAR), o.`payload`, NULL, NULL, NULL, CAST(o.`processing_retries_count` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), CAST((SELECT mx.`max_retry_count` + 1 FROM `public`.`event_type` mx WHERE mx.`code` = o.`type_code`) AS SIGNED), NULL, NULL FROM `public`.`event` o WHERE :condition ORDER BY o.`id` LIMIT :n FOR UPDATE SKIP LOCKED
+SELECT (o.`id` + 0), NULL, CAST(o.`type_code` AS CHAR), NULL, CAST(o.`type_code` AS CHAR), o.`payload`, NULL, NULL, NULL, CAST(o.`processing_retries_count` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), CAST((SELECT mx.`max_retry_count` + 1 FROM `public`.`event_type` mx WHERE mx.`code` = o.`type_code`) AS SIGNED), NULL, NULL FROM `public`.`event` o WHERE :condition ORDER BY o.`id` LIMIT :n FOR UPDATE SKIP LOCKED
 
 -- export, MySql: claim_and_mark
 WITH c AS (SELECT l.id, row_number() OVER () AS n
@@ -1076,7 +1076,7 @@ WITH c AS (SELECT l.id, row_number() OVER () AS n
                                  ORDER BY o.`id` LIMIT :n FOR UPDATE SKIP LOCKED) l)
              UPDATE `public`.`event` o SET `status` = 'PROCESSING', `updated_at` = UTC_TIMESTAMP(6) FROM c
               WHERE o.`id` = c.id AND :node IS NOT NULL AND :lease >= 0
-             RETURNING CAST(o.`id` AS SIGNED), NULL, CAST(o.`type_code` AS CHAR), NULL, CAST(o.`type_code` AS CHAR), o.`payload`, NULL, NULL, NULL, CAST(o.`processing_retries_count` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), CAST((SELECT mx.`max_retry_count` + 1 FROM `public`.`event_type` mx WHERE mx.`code` = o.`type_code`) AS SIGNED), NULL, NULL, c.n
+             RETURNING (o.`id` + 0), NULL, CAST(o.`type_code` AS CHAR), NULL, CAST(o.`type_code` AS CHAR), o.`payload`, NULL, NULL, NULL, CAST(o.`processing_retries_count` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), CAST((SELECT mx.`max_retry_count` + 1 FROM `public`.`event_type` mx WHERE mx.`code` = o.`type_code`) AS SIGNED), NULL, NULL, c.n
 
 -- export, MySql: claim_order_column
 14
@@ -1354,13 +1354,13 @@ coalesce((o."aggregateid")::text, (o."aggregatetype")::text) NOT IN (SELECT unne
 UTC_TIMESTAMP(6)
 
 -- debezium, MySql: id_expr
-CAST(o.`relay_sequence` AS SIGNED)
+(o.`relay_sequence` + 0)
 
 -- debezium, MySql: key_expr
 coalesce(CAST(o.`aggregateid` AS CHAR), CAST(o.`aggregatetype` AS CHAR))
 
 -- debezium, MySql: select_list
-CAST(o.`relay_sequence` AS SIGNED), CAST(o.`id` AS CHAR), CAST(o.`aggregatetype` AS CHAR), CAST(o.`aggregateid` AS CHAR), CAST(o.`type` AS CHAR), o.`payload`, NULL, NULL, NULL, NULL, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`timestamp`), NULL, CAST(o.`tracingspancontext` AS CHAR), NULL
+(o.`relay_sequence` + 0), CAST(o.`id` AS CHAR), CAST(o.`aggregatetype` AS CHAR), CAST(o.`aggregateid` AS CHAR), CAST(o.`type` AS CHAR), o.`payload`, NULL, NULL, NULL, NULL, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`timestamp`), NULL, CAST(o.`tracingspancontext` AS CHAR), NULL
 
 -- debezium, MySql: pending
 NOT EXISTS (SELECT 1 FROM `public`.`outboxevent_dead_letters` dl WHERE dl.id = o.`relay_sequence`)
@@ -1417,7 +1417,7 @@ SELECT CAST(o.`aggregatetype` AS CHAR), CAST(coalesce(sum(CASE WHEN NOT EXISTS (
 SELECT CAST(o.`relay_sequence` AS CHAR), CAST(o.`id` AS CHAR), CAST(o.`aggregatetype` AS CHAR), CAST(o.`type` AS CHAR), CAST((SELECT dl.attempts FROM `public`.`outboxevent_dead_letters` dl WHERE dl.id = o.`relay_sequence`) AS SIGNED), CAST((SELECT dl.last_error FROM `public`.`outboxevent_dead_letters` dl WHERE dl.id = o.`relay_sequence`) AS CHAR), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', (SELECT dl.dead_at FROM `public`.`outboxevent_dead_letters` dl WHERE dl.id = o.`relay_sequence`)) FROM `public`.`outboxevent` o WHERE EXISTS (SELECT 1 FROM `public`.`outboxevent_dead_letters` dl WHERE dl.id = o.`relay_sequence`) AND :filter ORDER BY o.`relay_sequence` LIMIT :n
 
 -- debezium, MySql: event
-SELECT CAST(o.`relay_sequence` AS SIGNED), CAST(o.`id` AS CHAR), CAST(o.`aggregatetype` AS CHAR), CAST(o.`aggregateid` AS CHAR), CAST(o.`type` AS CHAR), o.`payload`, NULL, NULL, NULL, NULL, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`timestamp`), NULL, CAST(o.`tracingspancontext` AS CHAR), NULL, CAST((CASE WHEN EXISTS (SELECT 1 FROM `public`.`outboxevent_dead_letters` dl WHERE dl.id = o.`relay_sequence`) THEN 2 WHEN 1 = 0 THEN 1 ELSE 0 END) AS SIGNED), CAST((SELECT dl.attempts FROM `public`.`outboxevent_dead_letters` dl WHERE dl.id = o.`relay_sequence`) AS SIGNED), CAST((SELECT dl.last_error FROM `public`.`outboxevent_dead_letters` dl WHERE dl.id = o.`relay_sequence`) AS CHAR), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', (SELECT dl.dead_at FROM `public`.`outboxevent_dead_letters` dl WHERE dl.id = o.`relay_sequence`)) FROM `public`.`outboxevent` o WHERE :condition
+SELECT (o.`relay_sequence` + 0), CAST(o.`id` AS CHAR), CAST(o.`aggregatetype` AS CHAR), CAST(o.`aggregateid` AS CHAR), CAST(o.`type` AS CHAR), o.`payload`, NULL, NULL, NULL, NULL, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`timestamp`), NULL, CAST(o.`tracingspancontext` AS CHAR), NULL, CAST((CASE WHEN EXISTS (SELECT 1 FROM `public`.`outboxevent_dead_letters` dl WHERE dl.id = o.`relay_sequence`) THEN 2 WHEN 1 = 0 THEN 1 ELSE 0 END) AS SIGNED), CAST((SELECT dl.attempts FROM `public`.`outboxevent_dead_letters` dl WHERE dl.id = o.`relay_sequence`) AS SIGNED), CAST((SELECT dl.last_error FROM `public`.`outboxevent_dead_letters` dl WHERE dl.id = o.`relay_sequence`) AS CHAR), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', (SELECT dl.dead_at FROM `public`.`outboxevent_dead_letters` dl WHERE dl.id = o.`relay_sequence`)) FROM `public`.`outboxevent` o WHERE :condition
 
 -- debezium, MySql: dead_retry
 (none)
@@ -1487,10 +1487,10 @@ GRANT SELECT, INSERT, DELETE ON `public`.`outboxevent_dead_letters` TO 'relay'@'
 
 
 -- debezium, MySql: claim_select
-SELECT CAST(o.`relay_sequence` AS SIGNED), CAST(o.`id` AS CHAR), CAST(o.`aggregatetype` AS CHAR), CAST(o.`aggregateid` AS CHAR), CAST(o.`type` AS CHAR), o.`payload`, NULL, NULL, NULL, NULL, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`timestamp`), NULL, CAST(o.`tracingspancontext` AS CHAR), NULL FROM `public`.`outboxevent` o WHERE :condition ORDER BY o.`relay_sequence` LIMIT :n
+SELECT (o.`relay_sequence` + 0), CAST(o.`id` AS CHAR), CAST(o.`aggregatetype` AS CHAR), CAST(o.`aggregateid` AS CHAR), CAST(o.`type` AS CHAR), o.`payload`, NULL, NULL, NULL, NULL, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`timestamp`), NULL, CAST(o.`tracingspancontext` AS CHAR), NULL FROM `public`.`outboxevent` o WHERE :condition ORDER BY o.`relay_sequence` LIMIT :n
 
 -- debezium, MySql: claim_select locking
-SELECT CAST(o.`relay_sequence` AS SIGNED), CAST(o.`id` AS CHAR), CAST(o.`aggregatetype` AS CHAR), CAST(o.`aggregateid` AS CHAR), CAST(o.`type` AS CHAR), o.`payload`, NULL, NULL, NULL, NULL, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`timestamp`), NULL, CAST(o.`tracingspancontext` AS CHAR), NULL FROM `public`.`outboxevent` o WHERE :condition ORDER BY o.`relay_sequence` LIMIT :n FOR UPDATE SKIP LOCKED
+SELECT (o.`relay_sequence` + 0), CAST(o.`id` AS CHAR), CAST(o.`aggregatetype` AS CHAR), CAST(o.`aggregateid` AS CHAR), CAST(o.`type` AS CHAR), o.`payload`, NULL, NULL, NULL, NULL, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`timestamp`), NULL, CAST(o.`tracingspancontext` AS CHAR), NULL FROM `public`.`outboxevent` o WHERE :condition ORDER BY o.`relay_sequence` LIMIT :n FOR UPDATE SKIP LOCKED
 
 -- debezium, MySql: claim_and_mark
 WITH c AS (SELECT l.id, row_number() OVER () AS n
@@ -1498,7 +1498,7 @@ WITH c AS (SELECT l.id, row_number() OVER () AS n
                                  ORDER BY o.`relay_sequence` LIMIT :n FOR UPDATE SKIP LOCKED) l)
              UPDATE `public`.`outboxevent` o SET  FROM c
               WHERE o.`relay_sequence` = c.id AND :node IS NOT NULL AND :lease >= 0
-             RETURNING CAST(o.`relay_sequence` AS SIGNED), CAST(o.`id` AS CHAR), CAST(o.`aggregatetype` AS CHAR), CAST(o.`aggregateid` AS CHAR), CAST(o.`type` AS CHAR), o.`payload`, NULL, NULL, NULL, NULL, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`timestamp`), NULL, CAST(o.`tracingspancontext` AS CHAR), NULL, c.n
+             RETURNING (o.`relay_sequence` + 0), CAST(o.`id` AS CHAR), CAST(o.`aggregatetype` AS CHAR), CAST(o.`aggregateid` AS CHAR), CAST(o.`type` AS CHAR), o.`payload`, NULL, NULL, NULL, NULL, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`timestamp`), NULL, CAST(o.`tracingspancontext` AS CHAR), NULL, c.n
 
 -- debezium, MySql: claim_order_column
 14
@@ -1765,13 +1765,13 @@ o."id" NOT IN (SELECT unnest($6::int8[]))
 UTC_TIMESTAMP(6)
 
 -- mysql_outbox_events, MySql: id_expr
-CAST(o.`id` AS SIGNED)
+(o.`id` + 0)
 
 -- mysql_outbox_events, MySql: key_expr
 CAST(o.`type` AS CHAR)
 
 -- mysql_outbox_events, MySql: select_list
-CAST(o.`id` AS SIGNED), NULL, CAST(o.`type` AS CHAR), NULL, CAST(o.`type` AS CHAR), o.`message`, NULL, NULL, NULL, NULL, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`createdAt`), NULL, NULL, NULL
+(o.`id` + 0), NULL, CAST(o.`type` AS CHAR), NULL, CAST(o.`type` AS CHAR), o.`message`, NULL, NULL, NULL, NULL, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`createdAt`), NULL, NULL, NULL
 
 -- mysql_outbox_events, MySql: pending
 o.`isConsumed` = 0 AND NOT EXISTS (SELECT 1 FROM `outbox_events_dead_letters` dl WHERE dl.id = o.`id`)
@@ -1828,7 +1828,7 @@ SELECT CAST(o.`type` AS CHAR), CAST(coalesce(sum(CASE WHEN o.`isConsumed` = 0 AN
 SELECT CAST(o.`id` AS CHAR), NULL, CAST(o.`type` AS CHAR), CAST(o.`type` AS CHAR), CAST((SELECT dl.attempts FROM `outbox_events_dead_letters` dl WHERE dl.id = o.`id`) AS SIGNED), CAST((SELECT dl.last_error FROM `outbox_events_dead_letters` dl WHERE dl.id = o.`id`) AS CHAR), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', (SELECT dl.dead_at FROM `outbox_events_dead_letters` dl WHERE dl.id = o.`id`)) FROM `outbox_events` o WHERE EXISTS (SELECT 1 FROM `outbox_events_dead_letters` dl WHERE dl.id = o.`id`) AND :filter ORDER BY o.`id` LIMIT :n
 
 -- mysql_outbox_events, MySql: event
-SELECT CAST(o.`id` AS SIGNED), NULL, CAST(o.`type` AS CHAR), NULL, CAST(o.`type` AS CHAR), o.`message`, NULL, NULL, NULL, NULL, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`createdAt`), NULL, NULL, NULL, CAST((CASE WHEN EXISTS (SELECT 1 FROM `outbox_events_dead_letters` dl WHERE dl.id = o.`id`) THEN 2 WHEN o.`isConsumed` = 1 THEN 1 ELSE 0 END) AS SIGNED), CAST((SELECT dl.attempts FROM `outbox_events_dead_letters` dl WHERE dl.id = o.`id`) AS SIGNED), CAST((SELECT dl.last_error FROM `outbox_events_dead_letters` dl WHERE dl.id = o.`id`) AS CHAR), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', (SELECT dl.dead_at FROM `outbox_events_dead_letters` dl WHERE dl.id = o.`id`)) FROM `outbox_events` o WHERE :condition
+SELECT (o.`id` + 0), NULL, CAST(o.`type` AS CHAR), NULL, CAST(o.`type` AS CHAR), o.`message`, NULL, NULL, NULL, NULL, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`createdAt`), NULL, NULL, NULL, CAST((CASE WHEN EXISTS (SELECT 1 FROM `outbox_events_dead_letters` dl WHERE dl.id = o.`id`) THEN 2 WHEN o.`isConsumed` = 1 THEN 1 ELSE 0 END) AS SIGNED), CAST((SELECT dl.attempts FROM `outbox_events_dead_letters` dl WHERE dl.id = o.`id`) AS SIGNED), CAST((SELECT dl.last_error FROM `outbox_events_dead_letters` dl WHERE dl.id = o.`id`) AS CHAR), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', (SELECT dl.dead_at FROM `outbox_events_dead_letters` dl WHERE dl.id = o.`id`)) FROM `outbox_events` o WHERE :condition
 
 -- mysql_outbox_events, MySql: dead_retry
 (none)
@@ -1886,10 +1886,10 @@ GRANT SELECT, INSERT, DELETE ON `outbox_events_dead_letters` TO 'relay'@'%';
 
 
 -- mysql_outbox_events, MySql: claim_select
-SELECT CAST(o.`id` AS SIGNED), NULL, CAST(o.`type` AS CHAR), NULL, CAST(o.`type` AS CHAR), o.`message`, NULL, NULL, NULL, NULL, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`createdAt`), NULL, NULL, NULL FROM `outbox_events` o WHERE :condition ORDER BY o.`createdAt`, o.`id` LIMIT :n
+SELECT (o.`id` + 0), NULL, CAST(o.`type` AS CHAR), NULL, CAST(o.`type` AS CHAR), o.`message`, NULL, NULL, NULL, NULL, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`createdAt`), NULL, NULL, NULL FROM `outbox_events` o WHERE :condition ORDER BY o.`createdAt`, o.`id` LIMIT :n
 
 -- mysql_outbox_events, MySql: claim_select locking
-SELECT CAST(o.`id` AS SIGNED), NULL, CAST(o.`type` AS CHAR), NULL, CAST(o.`type` AS CHAR), o.`message`, NULL, NULL, NULL, NULL, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`createdAt`), NULL, NULL, NULL FROM `outbox_events` o WHERE :condition ORDER BY o.`createdAt`, o.`id` LIMIT :n FOR UPDATE SKIP LOCKED
+SELECT (o.`id` + 0), NULL, CAST(o.`type` AS CHAR), NULL, CAST(o.`type` AS CHAR), o.`message`, NULL, NULL, NULL, NULL, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`createdAt`), NULL, NULL, NULL FROM `outbox_events` o WHERE :condition ORDER BY o.`createdAt`, o.`id` LIMIT :n FOR UPDATE SKIP LOCKED
 
 -- mysql_outbox_events, MySql: claim_and_mark
 WITH c AS (SELECT l.id, row_number() OVER () AS n
@@ -1897,7 +1897,7 @@ WITH c AS (SELECT l.id, row_number() OVER () AS n
                                  ORDER BY o.`createdAt`, o.`id` LIMIT :n FOR UPDATE SKIP LOCKED) l)
              UPDATE `outbox_events` o SET  FROM c
               WHERE o.`id` = c.id AND :node IS NOT NULL AND :lease >= 0
-             RETURNING CAST(o.`id` AS SIGNED), NULL, CAST(o.`type` AS CHAR), NULL, CAST(o.`type` AS CHAR), o.`message`, NULL, NULL, NULL, NULL, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`createdAt`), NULL, NULL, NULL, c.n
+             RETURNING (o.`id` + 0), NULL, CAST(o.`type` AS CHAR), NULL, CAST(o.`type` AS CHAR), o.`message`, NULL, NULL, NULL, NULL, TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`createdAt`), NULL, NULL, NULL, c.n
 
 -- mysql_outbox_events, MySql: claim_order_column
 14
@@ -2158,13 +2158,13 @@ coalesce((o."partition_key")::text, (o."destination")::text) NOT IN (SELECT unne
 UTC_TIMESTAMP(6)
 
 -- native_mysql, MySql: id_expr
-CAST(o.`sequence_id` AS SIGNED)
+(o.`sequence_id` + 0)
 
 -- native_mysql, MySql: key_expr
 coalesce(CAST(o.`partition_key` AS CHAR), CAST(o.`destination` AS CHAR))
 
 -- native_mysql, MySql: select_list
-CAST(o.`sequence_id` AS SIGNED), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL
+(o.`sequence_id` + 0), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL
 
 -- native_mysql, MySql: pending
 o.`delivered_at` IS NULL AND o.`dead_at` IS NULL
@@ -2221,7 +2221,7 @@ SELECT CAST(o.`destination` AS CHAR), CAST(coalesce(sum(CASE WHEN o.`delivered_a
 SELECT CAST(o.`sequence_id` AS CHAR), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`event_type` AS CHAR), CAST(o.`attempts` AS SIGNED), CAST(o.`last_error` AS CHAR), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`dead_at`) FROM `app`.`outbox` o WHERE o.`dead_at` IS NOT NULL AND :filter ORDER BY o.`sequence_id` LIMIT :n
 
 -- native_mysql, MySql: event
-SELECT CAST(o.`sequence_id` AS SIGNED), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL, CAST((CASE WHEN o.`dead_at` IS NOT NULL THEN 2 WHEN o.`delivered_at` IS NOT NULL THEN 1 ELSE 0 END) AS SIGNED), CAST(o.`attempts` AS SIGNED), CAST(o.`last_error` AS CHAR), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`dead_at`) FROM `app`.`outbox` o WHERE :condition
+SELECT (o.`sequence_id` + 0), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL, CAST((CASE WHEN o.`dead_at` IS NOT NULL THEN 2 WHEN o.`delivered_at` IS NOT NULL THEN 1 ELSE 0 END) AS SIGNED), CAST(o.`attempts` AS SIGNED), CAST(o.`last_error` AS CHAR), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`dead_at`) FROM `app`.`outbox` o WHERE :condition
 
 -- native_mysql, MySql: dead_retry
 UPDATE `app`.`outbox` o SET o.`dead_at` = NULL, o.`attempts` = 0, o.`last_error` = NULL, o.`available_at` = UTC_TIMESTAMP(6), o.`locked_by` = NULL, o.`locked_until` = NULL WHERE (o.`dead_at` IS NOT NULL) AND :condition
@@ -2274,10 +2274,10 @@ GRANT SELECT, UPDATE, DELETE ON `app`.`outbox` TO 'relay'@'%';
 
 
 -- native_mysql, MySql: claim_select
-SELECT CAST(o.`sequence_id` AS SIGNED), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL FROM `app`.`outbox` o WHERE :condition ORDER BY o.`sequence_id` LIMIT :n
+SELECT (o.`sequence_id` + 0), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL FROM `app`.`outbox` o WHERE :condition ORDER BY o.`sequence_id` LIMIT :n
 
 -- native_mysql, MySql: claim_select locking
-SELECT CAST(o.`sequence_id` AS SIGNED), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL FROM `app`.`outbox` o WHERE :condition ORDER BY o.`sequence_id` LIMIT :n FOR UPDATE SKIP LOCKED
+SELECT (o.`sequence_id` + 0), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL FROM `app`.`outbox` o WHERE :condition ORDER BY o.`sequence_id` LIMIT :n FOR UPDATE SKIP LOCKED
 
 -- native_mysql, MySql: claim_and_mark
 WITH c AS (SELECT l.id, row_number() OVER () AS n
@@ -2285,7 +2285,7 @@ WITH c AS (SELECT l.id, row_number() OVER () AS n
                                  ORDER BY o.`sequence_id` LIMIT :n FOR UPDATE SKIP LOCKED) l)
              UPDATE `app`.`outbox` o SET `locked_by` = :node, `locked_until` = UTC_TIMESTAMP(6) + INTERVAL (:lease * 1000) MICROSECOND FROM c
               WHERE o.`sequence_id` = c.id AND :node IS NOT NULL AND :lease >= 0
-             RETURNING CAST(o.`sequence_id` AS SIGNED), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL, c.n
+             RETURNING (o.`sequence_id` + 0), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL, c.n
 
 -- native_mysql, MySql: claim_order_column
 14
@@ -2544,13 +2544,13 @@ coalesce((o."partition_key")::text, (o."destination")::text) NOT IN (SELECT unne
 UTC_TIMESTAMP(6)
 
 -- native_mysql retained, MySql: id_expr
-CAST(o.`sequence_id` AS SIGNED)
+(o.`sequence_id` + 0)
 
 -- native_mysql retained, MySql: key_expr
 coalesce(CAST(o.`partition_key` AS CHAR), CAST(o.`destination` AS CHAR))
 
 -- native_mysql retained, MySql: select_list
-CAST(o.`sequence_id` AS SIGNED), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL
+(o.`sequence_id` + 0), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL
 
 -- native_mysql retained, MySql: pending
 o.`delivered_at` IS NULL AND o.`dead_at` IS NULL
@@ -2607,7 +2607,7 @@ SELECT CAST(o.`destination` AS CHAR), CAST(coalesce(sum(CASE WHEN o.`delivered_a
 SELECT CAST(o.`sequence_id` AS CHAR), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`event_type` AS CHAR), CAST(o.`attempts` AS SIGNED), CAST(o.`last_error` AS CHAR), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`dead_at`) FROM `outbox` o WHERE o.`dead_at` IS NOT NULL AND :filter ORDER BY o.`sequence_id` LIMIT :n
 
 -- native_mysql retained, MySql: event
-SELECT CAST(o.`sequence_id` AS SIGNED), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL, CAST((CASE WHEN o.`dead_at` IS NOT NULL THEN 2 WHEN o.`delivered_at` IS NOT NULL THEN 1 ELSE 0 END) AS SIGNED), CAST(o.`attempts` AS SIGNED), CAST(o.`last_error` AS CHAR), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`dead_at`) FROM `outbox` o WHERE :condition
+SELECT (o.`sequence_id` + 0), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL, CAST((CASE WHEN o.`dead_at` IS NOT NULL THEN 2 WHEN o.`delivered_at` IS NOT NULL THEN 1 ELSE 0 END) AS SIGNED), CAST(o.`attempts` AS SIGNED), CAST(o.`last_error` AS CHAR), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`dead_at`) FROM `outbox` o WHERE :condition
 
 -- native_mysql retained, MySql: dead_retry
 UPDATE `outbox` o SET o.`dead_at` = NULL, o.`attempts` = 0, o.`last_error` = NULL, o.`available_at` = UTC_TIMESTAMP(6), o.`locked_by` = NULL, o.`locked_until` = NULL WHERE (o.`dead_at` IS NOT NULL) AND :condition
@@ -2660,10 +2660,10 @@ GRANT SELECT, UPDATE ON `outbox` TO 'relay'@'%';
 
 
 -- native_mysql retained, MySql: claim_select
-SELECT CAST(o.`sequence_id` AS SIGNED), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL FROM `outbox` o WHERE :condition ORDER BY o.`sequence_id` LIMIT :n
+SELECT (o.`sequence_id` + 0), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL FROM `outbox` o WHERE :condition ORDER BY o.`sequence_id` LIMIT :n
 
 -- native_mysql retained, MySql: claim_select locking
-SELECT CAST(o.`sequence_id` AS SIGNED), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL FROM `outbox` o WHERE :condition ORDER BY o.`sequence_id` LIMIT :n FOR UPDATE SKIP LOCKED
+SELECT (o.`sequence_id` + 0), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL FROM `outbox` o WHERE :condition ORDER BY o.`sequence_id` LIMIT :n FOR UPDATE SKIP LOCKED
 
 -- native_mysql retained, MySql: claim_and_mark
 WITH c AS (SELECT l.id, row_number() OVER () AS n
@@ -2671,7 +2671,7 @@ WITH c AS (SELECT l.id, row_number() OVER () AS n
                                  ORDER BY o.`sequence_id` LIMIT :n FOR UPDATE SKIP LOCKED) l)
              UPDATE `outbox` o SET `locked_by` = :node, `locked_until` = UTC_TIMESTAMP(6) + INTERVAL (:lease * 1000) MICROSECOND FROM c
               WHERE o.`sequence_id` = c.id AND :node IS NOT NULL AND :lease >= 0
-             RETURNING CAST(o.`sequence_id` AS SIGNED), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL, c.n
+             RETURNING (o.`sequence_id` + 0), CAST(o.`event_id` AS CHAR), CAST(o.`destination` AS CHAR), CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR), o.`payload`, CAST(o.`headers` AS CHAR), CAST(o.`mutation_id` AS CHAR), CAST(CASE WHEN o.`rejected` THEN 1 ELSE 0 END AS SIGNED), CAST(o.`attempts` AS SIGNED), TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', o.`created_at`), NULL, NULL, NULL, c.n
 
 -- native_mysql retained, MySql: claim_order_column
 14

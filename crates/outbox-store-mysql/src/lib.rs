@@ -268,6 +268,25 @@ fn unreadable_id(mapping: &Mapping, read: &str) -> StoreError {
         IdType::Uuid => "a UUID in text form (CHAR(36))",
     };
     let shown: String = read.chars().take(40).collect();
+    if mapping.id_type == IdType::Integer
+        && !read.is_empty()
+        && read
+            .trim_start_matches('-')
+            .bytes()
+            .all(|b| b.is_ascii_digit())
+    {
+        return StoreError::new(
+            StoreErrorKind::SchemaMismatch,
+            format!(
+                "the id column {id:?} holds {shown}, beyond the largest id the relay can hold \
+                 ({}, a signed 64-bit integer), so the row is not relayed: give it an id \
+                 within that range (`UPDATE … SET {id} = … WHERE {id} = {shown}`), and keep \
+                 the table's AUTO_INCREMENT below it",
+                i64::MAX,
+                id = mapping.id,
+            ),
+        );
+    }
     StoreError::new(
         StoreErrorKind::SchemaMismatch,
         format!(

@@ -181,9 +181,14 @@ impl Sql {
     /// The row id as selected (`int8` or `uuid`).
     pub fn id_expr(&self) -> String {
         let id = self.col(&self.mapping.id);
-        match self.mapping.id_type {
-            IdType::Integer => self.int(&id),
-            IdType::Uuid => id,
+        match (self.mapping.id_type, self.dialect) {
+            // `+ 0`, not `CAST(… AS SIGNED)`: both drop ZEROFILL's padding, but the cast
+            // wraps a BIGINT UNSIGNED past 2^63 to a negative id that names no row, so its
+            // ack matched nothing and the row went out again every second. Read as it is,
+            // such an id is one the relay cannot hold, and the row is set aside.
+            (IdType::Integer, Dialect::MySql) => format!("({id} + 0)"),
+            (IdType::Integer, Dialect::Postgres) => self.int(&id),
+            (IdType::Uuid, _) => id,
         }
     }
 
@@ -493,7 +498,7 @@ impl Sql {
             .replace('\\', "\\\\")
             .replace('\'', "''");
         let namespace = Uuid::NAMESPACE_OID.simple();
-        // The id as polling reads it (`CAST(… AS SIGNED)`: no ZEROFILL padding).
+        // The id as polling reads it (`… + 0`: no ZEROFILL padding).
         let h = format!(
             "SHA1(CONCAT(UNHEX('{namespace}'), '{name}', {}))",
             self.text(&self.id_expr())

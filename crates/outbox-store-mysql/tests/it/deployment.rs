@@ -170,6 +170,59 @@ async fn an_id_the_relay_cannot_read_is_named_by_check_and_set_aside_by_claims()
     );
 }
 
+/// The MySQL seed's id is a BIGINT UNSIGNED. A row whose id is past 2^63 was read through
+/// `CAST(… AS SIGNED)`, as a negative id naming no row: it was published, its ack matched
+/// nothing, and it went out again about every second, for good. It is now set aside with
+/// its key, naming the id and the fix, while other keys flow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unsigned_id_past_the_signed_range_is_set_aside_not_published_again_and_again() {
+    use mysql_async::prelude::Queryable;
+    use outbox_core::store::ClaimRequest;
+    use outbox_core::OutboxStore;
+    let url = outbox_testkit::fresh_mysql_database().await;
+    let mut admin = mysql_async::Conn::from_url(url.as_str()).await.unwrap();
+    admin
+        .query_drop(
+            "CREATE TABLE outbox_events (
+                 id BIGINT UNSIGNED NOT NULL AUTO_INCREMENT PRIMARY KEY,
+                 type TINYINT UNSIGNED NOT NULL,
+                 message MEDIUMTEXT NOT NULL,
+                 isConsumed TINYINT(1) NOT NULL DEFAULT 0,
+                 createdAt DATETIME NOT NULL,
+                 updatedAt DATETIME NOT NULL);
+             INSERT INTO outbox_events (id, type, message, createdAt, updatedAt) VALUES
+                 (7, 2, '{\"n\": 1}', '2026-01-01 00:00:02', UTC_TIMESTAMP()),
+                 (9223372036854775809, 1, '{\"n\": 2}', '2026-01-01 00:00:01', UTC_TIMESTAMP());",
+        )
+        .await
+        .unwrap();
+    let store = MySqlStore::new(outbox_store_mysql::MySqlOptions {
+        url: url.clone(),
+        mapping: outbox_layout::Mapping::mysql_outbox_events(None, "outbox_events"),
+        layout: "mysql-outbox-events".into(),
+        max_attempts: 10,
+        pool_size: 2,
+        nodes_table: None,
+        operation_timeout: None,
+    })
+    .unwrap();
+    store.migrate().await.unwrap();
+    let claimed = store
+        .claim(ClaimRequest::new(
+            outbox_core::NodeId::random(),
+            10,
+            Duration::from_secs(30),
+        ))
+        .await
+        .unwrap();
+    let keys: Vec<&str> = claimed.iter().map(|c| c.ordering_key()).collect();
+    assert_eq!(
+        keys,
+        ["2"],
+        "the row past 2^63 is set aside, the other flows"
+    );
+}
+
 /// A server that takes no writes (a replica the URL points at, or a primary being demoted):
 /// `check` passed, and each claim failed with a bare "--read-only option" error, retried
 /// under the hint to check the host and port. `check` now says the server is read-only and
