@@ -172,14 +172,17 @@ SELECT (column_name)::text, (data_type)::text FROM information_schema.columns WH
 -- adbc, Postgres: column_length_query
 SELECT (character_maximum_length)::int8, (character_octet_length)::int8 FROM information_schema.columns WHERE table_schema = $3::text AND table_name = $4::text AND column_name = $5::text
 
+-- adbc, Postgres: unique_column_query
+SELECT count(*)::int8 FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0] WHERE i.indrelid = to_regclass($6::text) AND i.indisunique AND i.indnkeyatts = 1 AND i.indpred IS NULL AND a.attname = $7::text
+
 -- adbc, Postgres: insert
 INSERT INTO "public"."outbox" ("sequence_id", "channel") VALUES ($1, $2) RETURNING "sequence_id"
 
 -- adbc, Postgres: not_in_ids
-o."sequence_id" NOT IN (SELECT unnest($6::int8[]))
+o."sequence_id" NOT IN (SELECT unnest($8::int8[]))
 
 -- adbc, Postgres: not_in_texts
-(o."channel")::text NOT IN (SELECT unnest($7::text[]))
+(o."channel")::text NOT IN (SELECT unnest($9::text[]))
 
 -- adbc, MySql: table
 `public`.`outbox`
@@ -355,6 +358,9 @@ SELECT CAST(column_name AS CHAR), CAST(data_type AS CHAR) FROM information_schem
 -- adbc, MySql: column_length_query
 SELECT CAST(character_maximum_length AS SIGNED), CAST(character_octet_length AS SIGNED) FROM information_schema.columns WHERE table_schema = :p3 AND table_name = :p4 AND column_name = :p5
 
+-- adbc, MySql: unique_column_query
+SELECT CAST(COUNT(*) AS SIGNED) FROM (SELECT index_name FROM information_schema.statistics WHERE table_schema = :p6 AND table_name = :p7 AND non_unique = 0 GROUP BY index_name HAVING COUNT(*) = 1 AND MAX(column_name) = :p8 AND MAX(sub_part) IS NULL) u
+
 -- adbc, MySql: insert
 INSERT INTO `public`.`outbox` (`sequence_id`, `channel`) VALUES (?, ?)
 
@@ -362,7 +368,7 @@ INSERT INTO `public`.`outbox` (`sequence_id`, `channel`) VALUES (?, ?)
 o.`sequence_id` NOT IN (1, 2)
 
 -- adbc, MySql: not_in_texts
-CAST(CAST(o.`channel` AS CHAR) AS BINARY) NOT IN (CAST(:p6 AS BINARY), CAST(:p7 AS BINARY))
+CAST(CAST(o.`channel` AS CHAR) AS BINARY) NOT IN (CAST(:p9 AS BINARY), CAST(:p10 AS BINARY))
 
 -- open_outbox, Postgres: table
 "public"."openoutbox_events"
@@ -550,14 +556,17 @@ SELECT (column_name)::text, (data_type)::text FROM information_schema.columns WH
 -- open_outbox, Postgres: column_length_query
 SELECT (character_maximum_length)::int8, (character_octet_length)::int8 FROM information_schema.columns WHERE table_schema = $3::text AND table_name = $4::text AND column_name = $5::text
 
+-- open_outbox, Postgres: unique_column_query
+SELECT count(*)::int8 FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0] WHERE i.indrelid = to_regclass($6::text) AND i.indisunique AND i.indnkeyatts = 1 AND i.indpred IS NULL AND a.attname = $7::text
+
 -- open_outbox, Postgres: insert
 INSERT INTO "public"."openoutbox_events" ("event_id", "event_type") VALUES ($1, $2) RETURNING "event_id"
 
 -- open_outbox, Postgres: not_in_ids
-o."event_id" NOT IN (SELECT unnest($6::uuid[]))
+o."event_id" NOT IN (SELECT unnest($8::uuid[]))
 
 -- open_outbox, Postgres: not_in_texts
-coalesce((o."partition_key")::text, (o."event_type")::text) NOT IN (SELECT unnest($7::text[]))
+coalesce((o."partition_key")::text, (o."event_type")::text) NOT IN (SELECT unnest($9::text[]))
 
 -- open_outbox, MySql: table
 `public`.`openoutbox_events`
@@ -745,6 +754,9 @@ SELECT CAST(column_name AS CHAR), CAST(data_type AS CHAR) FROM information_schem
 -- open_outbox, MySql: column_length_query
 SELECT CAST(character_maximum_length AS SIGNED), CAST(character_octet_length AS SIGNED) FROM information_schema.columns WHERE table_schema = :p3 AND table_name = :p4 AND column_name = :p5
 
+-- open_outbox, MySql: unique_column_query
+SELECT CAST(COUNT(*) AS SIGNED) FROM (SELECT index_name FROM information_schema.statistics WHERE table_schema = :p6 AND table_name = :p7 AND non_unique = 0 GROUP BY index_name HAVING COUNT(*) = 1 AND MAX(column_name) = :p8 AND MAX(sub_part) IS NULL) u
+
 -- open_outbox, MySql: insert
 INSERT INTO `public`.`openoutbox_events` (`event_id`, `event_type`) VALUES (?, ?)
 
@@ -752,7 +764,7 @@ INSERT INTO `public`.`openoutbox_events` (`event_id`, `event_type`) VALUES (?, ?
 o.`event_id` NOT IN (1, 2)
 
 -- open_outbox, MySql: not_in_texts
-CAST(coalesce(CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR)) AS BINARY) NOT IN (CAST(:p6 AS BINARY), CAST(:p7 AS BINARY))
+CAST(coalesce(CAST(o.`partition_key` AS CHAR), CAST(o.`event_type` AS CHAR)) AS BINARY) NOT IN (CAST(:p9 AS BINARY), CAST(:p10 AS BINARY))
 
 -- export, Postgres: table
 "public"."event"
@@ -934,14 +946,17 @@ SELECT (column_name)::text, (data_type)::text FROM information_schema.columns WH
 -- export, Postgres: column_length_query
 SELECT (character_maximum_length)::int8, (character_octet_length)::int8 FROM information_schema.columns WHERE table_schema = $3::text AND table_name = $4::text AND column_name = $5::text
 
+-- export, Postgres: unique_column_query
+SELECT count(*)::int8 FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0] WHERE i.indrelid = to_regclass($6::text) AND i.indisunique AND i.indnkeyatts = 1 AND i.indpred IS NULL AND a.attname = $7::text
+
 -- export, Postgres: insert
 INSERT INTO "public"."event" ("id", "type_code") VALUES ($1, $2) RETURNING "id"
 
 -- export, Postgres: not_in_ids
-o."id" NOT IN (SELECT unnest($6::int8[]))
+o."id" NOT IN (SELECT unnest($8::int8[]))
 
 -- export, Postgres: not_in_texts
-'row:' || (o."id")::text NOT IN (SELECT unnest($7::text[]))
+'row:' || (o."id")::text NOT IN (SELECT unnest($9::text[]))
 
 -- export, MySql: table
 `public`.`event`
@@ -1123,6 +1138,9 @@ SELECT CAST(column_name AS CHAR), CAST(data_type AS CHAR) FROM information_schem
 -- export, MySql: column_length_query
 SELECT CAST(character_maximum_length AS SIGNED), CAST(character_octet_length AS SIGNED) FROM information_schema.columns WHERE table_schema = :p3 AND table_name = :p4 AND column_name = :p5
 
+-- export, MySql: unique_column_query
+SELECT CAST(COUNT(*) AS SIGNED) FROM (SELECT index_name FROM information_schema.statistics WHERE table_schema = :p6 AND table_name = :p7 AND non_unique = 0 GROUP BY index_name HAVING COUNT(*) = 1 AND MAX(column_name) = :p8 AND MAX(sub_part) IS NULL) u
+
 -- export, MySql: insert
 INSERT INTO `public`.`event` (`id`, `type_code`) VALUES (?, ?)
 
@@ -1130,7 +1148,7 @@ INSERT INTO `public`.`event` (`id`, `type_code`) VALUES (?, ?)
 o.`id` NOT IN (1, 2)
 
 -- export, MySql: not_in_texts
-CAST(CONCAT('row:', CAST(o.`id` AS CHAR)) AS BINARY) NOT IN (CAST(:p6 AS BINARY), CAST(:p7 AS BINARY))
+CAST(CONCAT('row:', CAST(o.`id` AS CHAR)) AS BINARY) NOT IN (CAST(:p9 AS BINARY), CAST(:p10 AS BINARY))
 
 -- debezium, Postgres: table
 "public"."outboxevent"
@@ -1335,14 +1353,17 @@ SELECT (column_name)::text, (data_type)::text FROM information_schema.columns WH
 -- debezium, Postgres: column_length_query
 SELECT (character_maximum_length)::int8, (character_octet_length)::int8 FROM information_schema.columns WHERE table_schema = $3::text AND table_name = $4::text AND column_name = $5::text
 
+-- debezium, Postgres: unique_column_query
+SELECT count(*)::int8 FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0] WHERE i.indrelid = to_regclass($6::text) AND i.indisunique AND i.indnkeyatts = 1 AND i.indpred IS NULL AND a.attname = $7::text
+
 -- debezium, Postgres: insert
 INSERT INTO "public"."outboxevent" ("relay_sequence", "aggregatetype", "id") VALUES ($1, $2, gen_random_uuid()) RETURNING "relay_sequence"
 
 -- debezium, Postgres: not_in_ids
-o."relay_sequence" NOT IN (SELECT unnest($6::int8[]))
+o."relay_sequence" NOT IN (SELECT unnest($8::int8[]))
 
 -- debezium, Postgres: not_in_texts
-coalesce((o."aggregateid")::text, (o."aggregatetype")::text) NOT IN (SELECT unnest($7::text[]))
+coalesce((o."aggregateid")::text, (o."aggregatetype")::text) NOT IN (SELECT unnest($9::text[]))
 
 -- debezium, MySql: table
 `public`.`outboxevent`
@@ -1546,6 +1567,9 @@ SELECT CAST(column_name AS CHAR), CAST(data_type AS CHAR) FROM information_schem
 -- debezium, MySql: column_length_query
 SELECT CAST(character_maximum_length AS SIGNED), CAST(character_octet_length AS SIGNED) FROM information_schema.columns WHERE table_schema = :p3 AND table_name = :p4 AND column_name = :p5
 
+-- debezium, MySql: unique_column_query
+SELECT CAST(COUNT(*) AS SIGNED) FROM (SELECT index_name FROM information_schema.statistics WHERE table_schema = :p6 AND table_name = :p7 AND non_unique = 0 GROUP BY index_name HAVING COUNT(*) = 1 AND MAX(column_name) = :p8 AND MAX(sub_part) IS NULL) u
+
 -- debezium, MySql: insert
 INSERT INTO `public`.`outboxevent` (`relay_sequence`, `aggregatetype`, `id`) VALUES (?, ?, gen_random_uuid())
 
@@ -1553,7 +1577,7 @@ INSERT INTO `public`.`outboxevent` (`relay_sequence`, `aggregatetype`, `id`) VAL
 o.`relay_sequence` NOT IN (1, 2)
 
 -- debezium, MySql: not_in_texts
-CAST(coalesce(CAST(o.`aggregateid` AS CHAR), CAST(o.`aggregatetype` AS CHAR)) AS BINARY) NOT IN (CAST(:p6 AS BINARY), CAST(:p7 AS BINARY))
+CAST(coalesce(CAST(o.`aggregateid` AS CHAR), CAST(o.`aggregatetype` AS CHAR)) AS BINARY) NOT IN (CAST(:p9 AS BINARY), CAST(:p10 AS BINARY))
 
 -- mysql_outbox_events, Postgres: table
 "outbox_events"
@@ -1746,14 +1770,17 @@ SELECT (column_name)::text, (data_type)::text FROM information_schema.columns WH
 -- mysql_outbox_events, Postgres: column_length_query
 SELECT (character_maximum_length)::int8, (character_octet_length)::int8 FROM information_schema.columns WHERE table_schema = $3::text AND table_name = $4::text AND column_name = $5::text
 
+-- mysql_outbox_events, Postgres: unique_column_query
+SELECT count(*)::int8 FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0] WHERE i.indrelid = to_regclass($6::text) AND i.indisunique AND i.indnkeyatts = 1 AND i.indpred IS NULL AND a.attname = $7::text
+
 -- mysql_outbox_events, Postgres: insert
 INSERT INTO "outbox_events" ("id", "type", "createdAt", "updatedAt") VALUES ($1, $2, UTC_TIMESTAMP(), UTC_TIMESTAMP()) RETURNING "id"
 
 -- mysql_outbox_events, Postgres: not_in_ids
-o."id" NOT IN (SELECT unnest($6::int8[]))
+o."id" NOT IN (SELECT unnest($8::int8[]))
 
 -- mysql_outbox_events, Postgres: not_in_texts
-(o."type")::text NOT IN (SELECT unnest($7::text[]))
+(o."type")::text NOT IN (SELECT unnest($9::text[]))
 
 -- mysql_outbox_events, MySql: table
 `outbox_events`
@@ -1945,6 +1972,9 @@ SELECT CAST(column_name AS CHAR), CAST(data_type AS CHAR) FROM information_schem
 -- mysql_outbox_events, MySql: column_length_query
 SELECT CAST(character_maximum_length AS SIGNED), CAST(character_octet_length AS SIGNED) FROM information_schema.columns WHERE table_schema = DATABASE() AND table_name = :p2 AND column_name = :p3
 
+-- mysql_outbox_events, MySql: unique_column_query
+SELECT CAST(COUNT(*) AS SIGNED) FROM (SELECT index_name FROM information_schema.statistics WHERE table_schema = DATABASE() AND table_name = :p4 AND non_unique = 0 GROUP BY index_name HAVING COUNT(*) = 1 AND MAX(column_name) = :p5 AND MAX(sub_part) IS NULL) u
+
 -- mysql_outbox_events, MySql: insert
 INSERT INTO `outbox_events` (`id`, `type`, `createdAt`, `updatedAt`) VALUES (?, ?, UTC_TIMESTAMP(), UTC_TIMESTAMP())
 
@@ -1952,7 +1982,7 @@ INSERT INTO `outbox_events` (`id`, `type`, `createdAt`, `updatedAt`) VALUES (?, 
 o.`id` NOT IN (1, 2)
 
 -- mysql_outbox_events, MySql: not_in_texts
-CAST(CAST(o.`type` AS CHAR) AS BINARY) NOT IN (CAST(:p4 AS BINARY), CAST(:p5 AS BINARY))
+CAST(CAST(o.`type` AS CHAR) AS BINARY) NOT IN (CAST(:p6 AS BINARY), CAST(:p7 AS BINARY))
 
 -- native_mysql, Postgres: table
 "app"."outbox"
@@ -2139,14 +2169,17 @@ SELECT (column_name)::text, (data_type)::text FROM information_schema.columns WH
 -- native_mysql, Postgres: column_length_query
 SELECT (character_maximum_length)::int8, (character_octet_length)::int8 FROM information_schema.columns WHERE table_schema = $3::text AND table_name = $4::text AND column_name = $5::text
 
+-- native_mysql, Postgres: unique_column_query
+SELECT count(*)::int8 FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0] WHERE i.indrelid = to_regclass($6::text) AND i.indisunique AND i.indnkeyatts = 1 AND i.indpred IS NULL AND a.attname = $7::text
+
 -- native_mysql, Postgres: insert
 INSERT INTO "app"."outbox" ("sequence_id", "destination", "event_id") VALUES ($1, $2, UUID()) RETURNING "sequence_id"
 
 -- native_mysql, Postgres: not_in_ids
-o."sequence_id" NOT IN (SELECT unnest($6::int8[]))
+o."sequence_id" NOT IN (SELECT unnest($8::int8[]))
 
 -- native_mysql, Postgres: not_in_texts
-coalesce((o."partition_key")::text, (o."destination")::text) NOT IN (SELECT unnest($7::text[]))
+coalesce((o."partition_key")::text, (o."destination")::text) NOT IN (SELECT unnest($9::text[]))
 
 -- native_mysql, MySql: table
 `app`.`outbox`
@@ -2332,6 +2365,9 @@ SELECT CAST(column_name AS CHAR), CAST(data_type AS CHAR) FROM information_schem
 -- native_mysql, MySql: column_length_query
 SELECT CAST(character_maximum_length AS SIGNED), CAST(character_octet_length AS SIGNED) FROM information_schema.columns WHERE table_schema = :p3 AND table_name = :p4 AND column_name = :p5
 
+-- native_mysql, MySql: unique_column_query
+SELECT CAST(COUNT(*) AS SIGNED) FROM (SELECT index_name FROM information_schema.statistics WHERE table_schema = :p6 AND table_name = :p7 AND non_unique = 0 GROUP BY index_name HAVING COUNT(*) = 1 AND MAX(column_name) = :p8 AND MAX(sub_part) IS NULL) u
+
 -- native_mysql, MySql: insert
 INSERT INTO `app`.`outbox` (`sequence_id`, `destination`, `event_id`) VALUES (?, ?, UUID())
 
@@ -2339,7 +2375,7 @@ INSERT INTO `app`.`outbox` (`sequence_id`, `destination`, `event_id`) VALUES (?,
 o.`sequence_id` NOT IN (1, 2)
 
 -- native_mysql, MySql: not_in_texts
-CAST(coalesce(CAST(o.`partition_key` AS CHAR), CAST(o.`destination` AS CHAR)) AS BINARY) NOT IN (CAST(:p6 AS BINARY), CAST(:p7 AS BINARY))
+CAST(coalesce(CAST(o.`partition_key` AS CHAR), CAST(o.`destination` AS CHAR)) AS BINARY) NOT IN (CAST(:p9 AS BINARY), CAST(:p10 AS BINARY))
 
 -- native_mysql retained, Postgres: table
 "outbox"
@@ -2525,14 +2561,17 @@ SELECT (column_name)::text, (data_type)::text FROM information_schema.columns WH
 -- native_mysql retained, Postgres: column_length_query
 SELECT (character_maximum_length)::int8, (character_octet_length)::int8 FROM information_schema.columns WHERE table_schema = $3::text AND table_name = $4::text AND column_name = $5::text
 
+-- native_mysql retained, Postgres: unique_column_query
+SELECT count(*)::int8 FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0] WHERE i.indrelid = to_regclass($6::text) AND i.indisunique AND i.indnkeyatts = 1 AND i.indpred IS NULL AND a.attname = $7::text
+
 -- native_mysql retained, Postgres: insert
 INSERT INTO "outbox" ("sequence_id", "destination", "event_id") VALUES ($1, $2, UUID()) RETURNING "sequence_id"
 
 -- native_mysql retained, Postgres: not_in_ids
-o."sequence_id" NOT IN (SELECT unnest($6::int8[]))
+o."sequence_id" NOT IN (SELECT unnest($8::int8[]))
 
 -- native_mysql retained, Postgres: not_in_texts
-coalesce((o."partition_key")::text, (o."destination")::text) NOT IN (SELECT unnest($7::text[]))
+coalesce((o."partition_key")::text, (o."destination")::text) NOT IN (SELECT unnest($9::text[]))
 
 -- native_mysql retained, MySql: table
 `outbox`
@@ -2718,6 +2757,9 @@ SELECT CAST(column_name AS CHAR), CAST(data_type AS CHAR) FROM information_schem
 -- native_mysql retained, MySql: column_length_query
 SELECT CAST(character_maximum_length AS SIGNED), CAST(character_octet_length AS SIGNED) FROM information_schema.columns WHERE table_schema = DATABASE() AND table_name = :p2 AND column_name = :p3
 
+-- native_mysql retained, MySql: unique_column_query
+SELECT CAST(COUNT(*) AS SIGNED) FROM (SELECT index_name FROM information_schema.statistics WHERE table_schema = DATABASE() AND table_name = :p4 AND non_unique = 0 GROUP BY index_name HAVING COUNT(*) = 1 AND MAX(column_name) = :p5 AND MAX(sub_part) IS NULL) u
+
 -- native_mysql retained, MySql: insert
 INSERT INTO `outbox` (`sequence_id`, `destination`, `event_id`) VALUES (?, ?, UUID())
 
@@ -2725,5 +2767,5 @@ INSERT INTO `outbox` (`sequence_id`, `destination`, `event_id`) VALUES (?, ?, UU
 o.`sequence_id` NOT IN (1, 2)
 
 -- native_mysql retained, MySql: not_in_texts
-CAST(coalesce(CAST(o.`partition_key` AS CHAR), CAST(o.`destination` AS CHAR)) AS BINARY) NOT IN (CAST(:p4 AS BINARY), CAST(:p5 AS BINARY))
+CAST(coalesce(CAST(o.`partition_key` AS CHAR), CAST(o.`destination` AS CHAR)) AS BINARY) NOT IN (CAST(:p6 AS BINARY), CAST(:p7 AS BINARY))
 

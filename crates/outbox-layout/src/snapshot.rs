@@ -130,6 +130,10 @@ fn statements(sql: &Sql) -> Vec<(&'static str, Option<String>)> {
             "column_length_query",
             Some(sql.column_length_query("last_error", &mut params)),
         ),
+        (
+            "unique_column_query",
+            Some(sql.unique_column_query("event_id", &mut params)),
+        ),
         ("insert", Some(sql.insert(&columns[..2]))),
         (
             "not_in_ids",

@@ -1035,6 +1035,27 @@ impl<D: MappedDb> MappedStore<D> {
                 .into_iter()
                 .map(|what| Problem::blocking(format!("table {table}: {what}"), fix.clone())),
         );
+        if let Some(column) = m.event_id.as_deref().filter(|c| present.contains(*c)) {
+            let mut p = self.params();
+            let statement = sql.unique_column_query(column, &mut p);
+            let unique = db.query("verify", statement, p).await?;
+            if unique.first().and_then(|r| D::int(r, 0)) == Some(0) {
+                // A risk, not a fault: most applications' ids are unique without one.
+                problems.push(Problem::advisory(
+                    format!(
+                        "table {table}: no unique index holds the event id column {column:?} \
+                         alone: two rows with one event id go out as one event to every sink \
+                         that drops duplicates by id (JetStream, SQS FIFO, a consumer's \
+                         dedupe), and the later one is lost"
+                    ),
+                    format!(
+                        "CREATE UNIQUE INDEX … ON {} ({})",
+                        sql.table(),
+                        sql.quote(column)
+                    ),
+                ));
+            }
+        }
         problems.extend(db.verify_access(sql, layout).await?);
         Ok(problems)
     }

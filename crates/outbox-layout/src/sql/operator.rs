@@ -425,6 +425,35 @@ impl Sql {
         )
     }
 
+    /// How many unique indexes hold `column` of the table alone (a primary key among
+    /// them), in the first row: none, and two rows may share an event id. Partial and
+    /// prefix indexes do not count: they leave rows outside them free to repeat it.
+    pub fn unique_column_query(&self, column: &str, params: &mut Params) -> String {
+        match self.dialect {
+            Dialect::Postgres => {
+                let table = params.text(self.table());
+                let column = params.text(column.to_string());
+                format!(
+                    "SELECT count(*)::int8 FROM pg_index i \
+                       JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0] \
+                      WHERE i.indrelid = to_regclass({table}) AND i.indisunique \
+                        AND i.indnkeyatts = 1 AND i.indpred IS NULL AND a.attname = {column}"
+                )
+            }
+            Dialect::MySql => {
+                let table = self.the_tables_columns(params);
+                let column = params.text(column.to_string());
+                format!(
+                    "SELECT CAST(COUNT(*) AS SIGNED) FROM (SELECT index_name \
+                       FROM information_schema.statistics WHERE {table} AND non_unique = 0 \
+                      GROUP BY index_name \
+                     HAVING COUNT(*) = 1 AND MAX(column_name) = {column} \
+                        AND MAX(sub_part) IS NULL) u"
+                )
+            }
+        }
+    }
+
     /// Inserts one row as an application would: `columns` take one untyped placeholder each
     /// (`$n` or `?`, converted to the column's type by the executor), the mapping's insert
     /// defaults fill the columns left out, and PostgreSQL returns the row id.
