@@ -297,24 +297,23 @@ pub const DATABASE_FILE_MODE: u32 = 0o600;
 
 /// Creates the database file with [`DATABASE_FILE_MODE`] unless it exists. A failure is left
 /// to SQLite's own open, which reports it.
-fn create_private(path: &Path) {
+fn create_private(path: &Path) -> Option<PathBuf> {
     use std::os::unix::fs::OpenOptionsExt;
     let name = path.to_string_lossy();
     let file = if name.starts_with("file:") {
-        match uri_file(&name) {
-            Some(file) => file,
-            None => return,
-        }
+        uri_file(&name)?
     } else if name.is_empty() || name == ":memory:" {
-        return;
+        return None;
     } else {
         path.to_path_buf()
     };
-    let _ = std::fs::OpenOptions::new()
+    std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
         .mode(DATABASE_FILE_MODE)
-        .open(file);
+        .open(&file)
+        .ok()
+        .map(|_| file)
 }
 
 /// The file an SQLite URI (`file:outbox.db?mode=rwc`, `file:///var/lib/outbox%20a.db`) makes
@@ -367,8 +366,21 @@ fn percent_decode(text: &str) -> Option<String> {
     String::from_utf8(out).ok()
 }
 
+/// Opens the database at `path`, creating its file private if it is new. A file made
+/// here for an opening that then fails is removed while still empty: refused, it was left
+/// behind as a 0-byte database, which the next start took for a new one.
 fn open(path: &Path) -> StoreResult<Connection> {
-    create_private(path);
+    let created = create_private(path);
+    let opened = open_created(path);
+    if let (Err(_), Some(file)) = (&opened, created) {
+        if std::fs::metadata(&file).is_ok_and(|m| m.len() == 0) {
+            let _ = std::fs::remove_file(&file);
+        }
+    }
+    opened
+}
+
+fn open_created(path: &Path) -> StoreResult<Connection> {
     let conn = Connection::open(path).map_err(|e| {
         sql_error(
             &format!("cannot open SQLite database {}", path.display()),

@@ -118,4 +118,8 @@ fn a_database_that_cannot_switch_to_wal_is_refused_naming_why() {
         said.contains("did not switch") && said.contains("default VFS"),
         "{said}"
     );
+    assert!(
+        !dir.path().join("v.db").exists(),
+        "the refused opening leaves no empty database file behind"
+    );
 }
