@@ -493,10 +493,14 @@ fn with_settings(mut command: clap::Command, defaults: &serde_json::Value) -> cl
 
 /// The configuration reference (`outbox-relay settings`): every setting in declaration order,
 /// with its key and default as the config file writes them, its environment variable, the
-/// flags that set it and the commands that take them, and its documentation.
-pub fn reference_text() -> String {
+/// flags that set it and the commands that take them, and its documentation. With the
+/// `effective` configuration (the file, environment and flags loaded), a setting it gives
+/// another value shows that value, secrets redacted, beside its default: `settings --config
+/// FILE` listed the defaults alone, as if the file set nothing.
+pub fn reference_text(effective: Option<&Config>) -> String {
     use std::fmt::Write;
-    let defaults = serde_json::to_value(Config::default()).unwrap_or_default();
+    let defaults = crate::admin::redacted_settings(&Config::default());
+    let effective = effective.map(crate::admin::redacted_settings);
     let mut command = command();
     command.build();
     let mut flags: Vec<(String, String, String)> = Vec::new();
@@ -514,7 +518,20 @@ pub fn reference_text() -> String {
             }
             Some(value) => value.to_string(),
         };
-        let _ = writeln!(text, "{key} = {default}");
+        let given = effective
+            .as_ref()
+            .and_then(|e| e.pointer(&format!("/{}", key.replace('.', "/"))))
+            .filter(|value| !value.is_null() && !value.is_object())
+            .map(ToString::to_string)
+            .filter(|value| *value != default);
+        match given {
+            Some(value) => {
+                let _ = writeln!(text, "{key} = {value}    (default: {default})");
+            }
+            None => {
+                let _ = writeln!(text, "{key} = {default}");
+            }
+        }
         let variable = format!("OUTBOX_RELAY_{}", key.replace('.', "__").to_uppercase());
         let mut set_by = vec![variable];
         let mut given: Vec<(&str, Vec<&str>)> = Vec::new();
@@ -662,7 +679,7 @@ mod tests {
     fn the_help_and_the_reference_come_from_the_same_declarations() {
         let settings = crate::config::reference();
         let declared = |id: &str| settings.iter().find(|(key, _)| key == id);
-        let reference = reference_text();
+        let reference = reference_text(None);
         let mut raw = Cli::command();
         raw.build();
         let mut shown = command();

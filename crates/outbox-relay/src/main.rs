@@ -224,7 +224,7 @@ async fn run_command(command: Command, config: Config) -> anyhow::Result<ExitCod
         Command::Replay(args) => operator::replay(config, args).await,
         Command::Prune(args) => operator::prune(config, args).await,
         Command::Settings => {
-            out!("{}", cli::reference_text());
+            out!("{}", cli::reference_text(Some(&config)));
             Ok(ExitCode::SUCCESS)
         }
     }
@@ -235,14 +235,14 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => e.exit(),
     };
-    if let Command::Settings = cli.command {
-        // The reference needs no configuration, and is shown whatever the configuration holds.
-        out!("{}", cli::reference_text());
-        return ExitCode::SUCCESS;
-    }
     let config = match Config::load(cli.global.config.as_deref(), cli.flags()) {
         Ok(config) => config,
         Err(e) => {
+            if let Command::Settings = cli.command {
+                // The reference is shown whatever the configuration holds: its defaults,
+                // then what is wrong with the configuration.
+                out!("{}", cli::reference_text(None));
+            }
             eprintln!("error: {e:#}");
             return ExitCode::from(error::EXIT_BAD_CONFIGURATION);
         }

@@ -1616,3 +1616,36 @@ fn a_misspelled_log_level_is_refused_with_the_level_meant() {
         "did you mean \"outbox_engine=debug\"?",
     );
 }
+
+/// `settings --config FILE` listed the defaults alone, as if the file set nothing. A setting
+/// the configuration gives another value now shows it beside its default, with the URL's
+/// password redacted; a configuration that does not load still gets the reference, then the
+/// error and exit 2.
+#[test]
+fn settings_shows_what_the_configuration_sets_beside_each_default() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::write(
+        d.join("given.toml"),
+        "batch_size = 50\ndatabase_url = \"postgres://u:hunter2@db.example/app\"\n[retry]\nmax_attempts = 3\n",
+    )
+    .unwrap();
+    let out = relay(d, &["settings", "--config", "given.toml"], &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let said = String::from_utf8_lossy(&out.stdout);
+    for line in [
+        "batch_size = 50    (default: 1000)",
+        "retry.max_attempts = 3    (default: 20)",
+        "database_url = \"postgres://u:***@db.example/app\"    (default: \"sqlite:outbox.db\")",
+        "max_in_flight = 10000\n",
+    ] {
+        assert!(said.contains(line), "{line:?} in {said}");
+    }
+    assert!(!said.contains("hunter2"), "{said}");
+
+    std::fs::write(d.join("bad.toml"), "batch_size = \"many\"\n").unwrap();
+    let out = relay(d, &["settings", "--config", "bad.toml"], &[]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("batch_size = 1000\n"));
+    assert!(stderr(&out).contains("batch_size"), "{}", stderr(&out));
+}
