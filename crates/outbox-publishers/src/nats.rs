@@ -59,6 +59,44 @@ pub struct NatsSink {
     missing_streams: Arc<Mutex<HashMap<String, Instant>>>,
     /// What the server refused this connection lately (see [`Refusals`]).
     refusals: Arc<Mutex<Refusals>>,
+    /// What was said of the connection, and its last error (see [`Link`]).
+    link: Arc<Mutex<Link>>,
+}
+
+/// The connection as the relay tells it. The client reports every reconnect attempt, and
+/// logged each at INFO: a host that does not resolve filled `check`'s output and the log
+/// with a line a second. A loss is said once, with its error, and the return once; `health`
+/// names the last error.
+#[derive(Debug, Default)]
+struct Link {
+    last_error: Option<String>,
+    said_lost: bool,
+}
+
+impl Link {
+    fn note(&mut self, event: &async_nats::Event, shown: &str) {
+        match event {
+            async_nats::Event::Connected => {
+                if self.said_lost {
+                    tracing::info!(sink = shown, "NATS connection restored");
+                }
+                *self = Link::default();
+            }
+            async_nats::Event::Disconnected if !self.said_lost => {
+                self.said_lost = true;
+                tracing::warn!(sink = shown, "NATS connection lost; reconnecting");
+            }
+            async_nats::Event::ClientError(e) => {
+                let error = outbox_core::redact::redact_url(&e.to_string());
+                if !self.said_lost {
+                    self.said_lost = true;
+                    tracing::warn!(sink = shown, %error, "cannot reach NATS; retrying");
+                }
+                self.last_error = Some(error);
+            }
+            _ => {}
+        }
+    }
 }
 
 /// The permissions violations the server reported on the connection. NATS reports them
@@ -194,8 +232,14 @@ impl NatsSink {
         let shown = format!("nats://{}:{}", addr.host(), addr.port());
         let refusals: Arc<Mutex<Refusals>> = Arc::default();
         let noted = refusals.clone();
+        let link: Arc<Mutex<Link>> = Arc::default();
+        let (linked, said) = (link.clone(), shown.clone());
         let client = options
             .event_callback(move |event| {
+                linked
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .note(&event, &said);
                 let mut refusals = noted.lock().expect("not poisoned");
                 match event {
                     async_nats::Event::ServerError(async_nats::ServerError::Other(text)) => {
@@ -242,6 +286,7 @@ impl NatsSink {
             shown,
             missing_streams: Arc::default(),
             refusals,
+            link,
         })
     }
 }
@@ -688,12 +733,18 @@ impl Sink for NatsSink {
     fn health(&self) -> BoxFuture<'static, Result<(), PublishError>> {
         let client = self.client.clone();
         let shown = self.shown.clone();
+        let last_error = (self.link.lock().unwrap_or_else(|e| e.into_inner()))
+            .last_error
+            .clone();
         async move {
-            match client.connection_state() {
-                async_nats::connection::State::Connected => Ok(()),
-                state => Err(PublishError::new(
+            match (client.connection_state(), last_error) {
+                (async_nats::connection::State::Connected, _) => Ok(()),
+                (state, error) => Err(PublishError::new(
                     PublishErrorKind::Unavailable,
-                    format!("{shown} is {state:?}"),
+                    match error {
+                        Some(error) => format!("{shown} is {state:?}, the last attempt: {error}"),
+                        None => format!("{shown} is {state:?}"),
+                    },
                 )),
             }
         }

@@ -95,6 +95,11 @@ fn init_logging(config: &Config) -> anyhow::Result<()> {
     if !config.relay.log_level.contains("opentelemetry") {
         filter = filter.add_directive("opentelemetry=info".parse()?);
     }
+    // The NATS client logs each event of its connection at INFO, every reconnect attempt
+    // among them; the sink says a loss and a return once itself.
+    if !config.relay.log_level.contains("async_nats") {
+        filter = filter.add_directive("async_nats=warn".parse()?);
+    }
     // Logs go to stderr: stdout belongs to the stdout sink. Colours only on a terminal: a
     // redirected log (a file, journald, a collector) would keep the escape codes.
     let builder = tracing_subscriber::fmt()

@@ -1649,3 +1649,26 @@ fn settings_shows_what_the_configuration_sets_beside_each_default() {
     assert!(String::from_utf8_lossy(&out.stdout).contains("batch_size = 1000\n"));
     assert!(stderr(&out).contains("batch_size"), "{}", stderr(&out));
 }
+
+/// A NATS sink whose host does not resolve: the client's every reconnect attempt was logged
+/// at INFO (ten lines in `check`'s first second, one a second after), and `check` said only
+/// "is Pending". The loss is now said once, and `check` names the last error.
+#[test]
+fn check_names_why_nats_is_unreachable_in_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    assert!(relay(d, &["migrate"], &[]).status.success());
+    let out = relay(
+        d,
+        &["check", "--sink", "nats://no-such-host.invalid:4222"],
+        &[],
+    );
+    let (said, err) = (String::from_utf8_lossy(&out.stdout), stderr(&out));
+    assert_ne!(out.status.code(), Some(0), "{said}{err}");
+    assert!(
+        said.contains("no-such-host.invalid:4222 is Pending, the last attempt: nats:"),
+        "{said}"
+    );
+    let lines = err.lines().filter(|l| l.contains("nats")).count();
+    assert_eq!(lines, 1, "one line about the connection: {err}");
+}
