@@ -401,14 +401,18 @@ fn subject_problem(subject: &str) -> Option<PublishError> {
         || subject.contains(char::is_whitespace)
         || subject.starts_with('.')
         || subject.ends_with('.')
-        || subject.contains("..");
+        || subject.contains("..")
+        // A wildcard token: JetStream stored the event under the literal `a.*`, which no
+        // subscriber of a concrete subject matches, and the relay took its PubAck for
+        // delivery.
+        || subject.split('.').any(|token| token == "*" || token == ">");
     malformed.then(|| {
         PublishError::new(
             PublishErrorKind::Rejected,
             format!(
-                "{subject:?} is not a NATS subject (dot-separated tokens, no spaces, tabs or line \
-                 breaks); publish such destinations under a valid subject with a [[routes]] \
-                 entry's target"
+                "{subject:?} is not a NATS subject to publish to (dot-separated tokens, no \
+                 spaces, tabs or line breaks, no `*` or `>` wildcard); publish such \
+                 destinations under a valid subject with a [[routes]] entry's target"
             ),
         )
     })
@@ -780,6 +784,16 @@ mod tests {
     use super::*;
     use async_nats::jetstream::context::PublishError as JsError;
     use async_nats::ConnectErrorKind as K;
+
+    #[test]
+    fn subjects_no_publish_can_use_are_refused_and_others_pass() {
+        for bad in ["", "a b", ".a", "a.", "a..b", "a.*", ">", "a.>.b", "*"] {
+            assert!(subject_problem(bad).is_some(), "{bad:?}");
+        }
+        for good in ["a", "a.b", "a.b*", "a>.b", "orders.eu-1", "a_*x"] {
+            assert!(subject_problem(good).is_none(), "{good:?}");
+        }
+    }
 
     #[test]
     fn permissions_violations_are_noted_by_subject_and_time() {

@@ -18,11 +18,14 @@ use crate::error::SinkSetupError;
 use crate::settings::{ConfirmTimeout, TlsFiles};
 use crate::sink::{fail_all, Routed, Sink};
 
-/// Appends unless the event's id was seen within the window. The id is recorded only after
-/// XADD succeeded, so a failed append never marks the event as sent.
+/// Appends unless the event's id was seen within the window and its entry is still in the
+/// stream. The id is recorded only after XADD succeeded, so a failed append never marks the
+/// event as sent. An entry gone since (the stream deleted or trimmed: what `replay` is for)
+/// is appended again: a replay within the window was counted as published, and nothing was.
 /// KEYS: stream, dedupe key. ARGV: window seconds, maxlen (0: none), field/value pairs.
 const APPEND_ONCE: &str = r#"
-if redis.call('EXISTS', KEYS[2]) == 1 then
+local seen = redis.call('GET', KEYS[2])
+if seen and #redis.call('XRANGE', KEYS[1], seen, seen) > 0 then
   return false
 end
 local id

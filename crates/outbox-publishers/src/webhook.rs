@@ -53,7 +53,35 @@ pub struct WebhookSink {
     per_destination: usize,
     /// The sink's timeout, for one request: requests wait at most half of it to start.
     timeout: Duration,
-    limits: Arc<Mutex<HashMap<String, Arc<Semaphore>>>>,
+    limits: Arc<Mutex<DestinationLimits>>,
+}
+
+/// Each destination's requests at a time. A destination's entry stays while a request of
+/// it holds or awaits its semaphore; the rest are swept once the map has doubled since the
+/// last sweep: one entry per destination ever seen (a tenant's, a user's) grew for the
+/// life of the process.
+#[derive(Default)]
+struct DestinationLimits {
+    by_destination: HashMap<String, Arc<Semaphore>>,
+    sweep_at: usize,
+}
+
+impl DestinationLimits {
+    /// The fewest entries at which a sweep is worth its walk.
+    const SWEEP_FLOOR: usize = 1024;
+
+    fn get(&mut self, destination: &str, per_destination: usize) -> Arc<Semaphore> {
+        if self.by_destination.len() >= self.sweep_at.max(Self::SWEEP_FLOOR) {
+            // Only the map holds it: no request of that destination is in flight.
+            self.by_destination
+                .retain(|_, limit| Arc::strong_count(limit) > 1);
+            self.sweep_at = 2 * self.by_destination.len();
+        }
+        self.by_destination
+            .entry(destination.to_string())
+            .or_insert_with(|| Arc::new(Semaphore::new(per_destination)))
+            .clone()
+    }
 }
 
 /// Decodes a `whsec_<base64>` secret into the HMAC key.
@@ -146,10 +174,7 @@ impl WebhookSink {
 
     fn limit_for(&self, destination: &str) -> Arc<Semaphore> {
         let mut limits = self.limits.lock().unwrap_or_else(|p| p.into_inner());
-        limits
-            .entry(destination.to_string())
-            .or_insert_with(|| Arc::new(Semaphore::new(self.per_destination)))
-            .clone()
+        limits.get(destination, self.per_destination)
     }
 }
 
@@ -306,6 +331,27 @@ pub fn sink(uri: &str, config: &WebhookConfig) -> Result<Arc<dyn Sink>, SinkSetu
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn destinations_without_a_request_in_flight_are_swept_and_busy_ones_kept() {
+        let mut limits = DestinationLimits::default();
+        let busy = limits.get("busy", 2);
+        let _permit = busy.clone().try_acquire_owned().unwrap();
+        for i in 0..100_000 {
+            drop(limits.get(&format!("tenant-{i}"), 2));
+        }
+        assert!(
+            limits.by_destination.len() <= 2 * DestinationLimits::SWEEP_FLOOR,
+            "{} entries kept",
+            limits.by_destination.len()
+        );
+        let again = limits.get("busy", 2);
+        assert!(
+            Arc::ptr_eq(&busy, &again),
+            "the busy destination keeps its limit"
+        );
+        assert_eq!(again.available_permits(), 1);
+    }
 
     #[test]
     fn signature_matches_the_standard_webhooks_reference_vector() {

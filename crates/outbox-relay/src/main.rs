@@ -95,6 +95,10 @@ fn init_logging(config: &Config) -> anyhow::Result<()> {
     if !config.relay.log_level.contains("opentelemetry") {
         filter = filter.add_directive("opentelemetry=info".parse()?);
     }
+    // lapin logs a message the broker returned (unroutable) at WARN with its body and
+    // headers: an authorization header or a card number went to the log. The sink's own
+    // error names the failure without them. Off whatever the level asks for.
+    filter = filter.add_directive("lapin::returned_messages=off".parse()?);
     // The NATS client logs each event of its connection at INFO, every reconnect attempt
     // among them; the sink says a loss and a return once itself.
     if !config.relay.log_level.contains("async_nats") {

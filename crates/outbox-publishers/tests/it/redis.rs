@@ -174,6 +174,43 @@ async fn entries_carry_every_field_and_maxlen_trims() {
     assert_eq!(last.get::<String>("payload").unwrap(), "{\"a\":1}");
 }
 
+/// An event sent again within the dedupe window is dropped while its entry is in the
+/// stream, and appended again once the entry is gone. `replay` after a stream was deleted
+/// (what it is for) was counted as published for a day, and nothing reached the stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_sent_again_is_appended_again_only_when_its_entry_is_gone() {
+    let server = ServerProcess::start(
+        "redis-server",
+        &["--bind", "127.0.0.1", "--port", "{port}", "--save", ""],
+    );
+    let config = read_config(json!({ "uri": url(&server) }));
+    let mut c = redis::Client::open(url(&server))
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let len = async |c: &mut redis::aio::MultiplexedConnection| -> usize {
+        c.xlen("replayed").await.unwrap()
+    };
+    let sink = outbox_publishers::build_sink("redis", &config)
+        .await
+        .unwrap();
+    let event = outbox_testkit::publisher::event(1, "k", b"{}".to_vec());
+    let send = || {
+        sink.send(vec![outbox_publishers::Routed {
+            cloudevents: None,
+            event: event.clone(),
+            target: "replayed".into(),
+        }])
+    };
+    assert!(send().await.remove(0).is_ok());
+    assert!(send().await.remove(0).is_ok());
+    assert_eq!(len(&mut c).await, 1, "a redelivery is dropped");
+    let _: () = c.del("replayed").await.unwrap();
+    assert!(send().await.remove(0).is_ok());
+    assert_eq!(len(&mut c).await, 1, "sent again once its entry is gone");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tls_is_verified_against_the_configured_ca() {
     outbox_testkit::install_crypto();

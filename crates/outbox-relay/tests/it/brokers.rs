@@ -1,4 +1,5 @@
-//! The binary with a config file of several sinks and routes, against a real nats-server.
+//! The binary with a config file of several sinks and routes, against a real nats-server (and
+//! RabbitMQ, for what its returns log).
 
 use std::path::Path;
 use std::process::Command;
@@ -407,4 +408,54 @@ sink = "audit"
     )
     .await;
     relay_process.terminate().await;
+}
+
+/// A message RabbitMQ returned (no queue for its routing key): the AMQP client logged it at
+/// WARN with its body and headers as byte lists, so an `authorization` header or a card
+/// number reached the log at the default level. The sink's own error names the failure
+/// without them.
+#[test]
+fn a_message_rabbitmq_returns_is_not_logged_with_its_body_or_headers() {
+    let Ok(amqp) = std::env::var("OUTBOX_TEST_AMQP_URL") else {
+        panic!("OUTBOX_TEST_AMQP_URL is not set: run the tests through scripts/test.sh");
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let queue = format!("no-such-queue-{}", uuid::Uuid::new_v4().simple());
+    std::fs::write(
+        d.join("outbox-relay.toml"),
+        format!(
+            "http_addr = \"\"\n[retry]\nbase_delay = \"10ms\"\nmax_attempts = 2\n\
+             [sinks.rabbit]\nuri = \"{amqp}\"\n\
+             [[routes]]\ndestinations = \"*\"\nsink = \"rabbit\"\ntarget = \"{queue}\"\n"
+        ),
+    )
+    .unwrap();
+    assert!(relay(d, &["migrate"]).status.success());
+    let sent = relay(
+        d,
+        &[
+            "send",
+            "--destination",
+            "payments",
+            "--type",
+            "card.charged",
+            "--header",
+            "authorization=Bearer s3cr3t-token",
+            r#"{"card":"4111111111111111"}"#,
+        ],
+    );
+    assert!(sent.status.success(), "{sent:?}");
+    let out = relay(d, &["run", "--drain"]);
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(log.contains("unroutable (NO_ROUTE)"), "{log}");
+    // The secret and the card number as text, and as the byte lists the client printed.
+    let bytes = |text: &str| {
+        let listed: Vec<String> = text.bytes().map(|b| b.to_string()).collect();
+        listed.join(", ")
+    };
+    for secret in ["s3cr3t-token", "4111111111111111"] {
+        assert!(!log.contains(secret), "{secret} in {log}");
+        assert!(!log.contains(&bytes(secret)), "{secret} as bytes in {log}");
+    }
 }
