@@ -83,6 +83,13 @@ pub const EMIT_FUNCTION: &str = "outbox_emit";
 /// Needs no privilege beyond EXECUTE: `pg_logical_emit_message` is executable by PUBLIC. A
 /// NULL destination or type raises an error in the writer's transaction, where it can still
 /// be fixed, rather than becoming a dead letter later; a NULL event_id gets a fresh one.
+/// So does an emit while no pgoutput slot of the database streams (none yet before the
+/// relay's first start, one dropped, one being made, one invalidated): a message is in the
+/// WAL only, and one written before a slot is consistent is in no slot's stream. Such
+/// events were accepted and lost without a word. The slots are read once a second per
+/// session (a read costs several emits), so an emit within a second of a slot's drop can
+/// still pass; and a slot of another pgoutput reader of the database would let it through:
+/// the function does not know the relay's slot name.
 ///
 /// Applied by every `migrate`, so it leaves a function with this body as it is, and keeps
 /// `SECURITY DEFINER` on one it replaces: the README's gate (a `SECURITY DEFINER` function,
@@ -90,26 +97,9 @@ pub const EMIT_FUNCTION: &str = "outbox_emit";
 /// caller's rights, so every writer's next emit failed for lack of `pg_logical_emit_message`.
 pub fn emit_function_ddl(outbox: &TableName) -> String {
     let function = emit_function(outbox);
-    let prefix = emit_prefix(outbox).replace('\'', "''");
-    let name = format!("{}_emit", outbox.name);
-    let signature = format!("{function}(text, text, text, jsonb, jsonb, uuid)");
+    let signature = emit_signature(outbox);
     let signature_literal = signature.replace('\'', "''");
-    let body = format!(
-        r#"
-DECLARE
-    id uuid := coalesce($6, gen_random_uuid());
-BEGIN
-    IF $1 IS NULL OR $3 IS NULL THEN
-        RAISE EXCEPTION '{name}: destination and type must not be NULL'
-            USING ERRCODE = 'null_value_not_allowed';
-    END IF;
-    PERFORM pg_logical_emit_message(true, '{prefix}', json_build_object(
-        'v', 1, 'event_id', id, 'destination', $1, 'key', $2, 'type', $3,
-        'payload', $4, 'headers', coalesce($5, '{{}}'::jsonb))::text);
-    RETURN id;
-END
-"#
-    );
+    let body = emit_function_body(outbox);
     format!(
         r#"DO $migrate_emit$
 DECLARE
@@ -134,6 +124,51 @@ BEGIN
     END IF;
 END
 $migrate_emit$;"#
+    )
+}
+
+/// `outbox`'s emit function with its argument types, as `to_regprocedure` reads it.
+pub fn emit_signature(outbox: &TableName) -> String {
+    format!(
+        "{}(text, text, text, jsonb, jsonb, uuid)",
+        emit_function(outbox)
+    )
+}
+
+/// The body this version gives `outbox`'s emit function (`pg_proc.prosrc`): `check` tells
+/// an earlier version's apart by it.
+pub fn emit_function_body(outbox: &TableName) -> String {
+    let prefix = emit_prefix(outbox).replace('\'', "''");
+    let name = format!("{}_emit", outbox.name);
+    format!(
+        r#"
+DECLARE
+    id uuid := coalesce($6, gen_random_uuid());
+BEGIN
+    IF $1 IS NULL OR $3 IS NULL THEN
+        RAISE EXCEPTION '{name}: destination and type must not be NULL'
+            USING ERRCODE = 'null_value_not_allowed';
+    END IF;
+    -- Looked at once a second per session: reading the slots costs more than the emit.
+    IF current_setting('outbox_relay.stream_seen', true)
+       IS DISTINCT FROM date_trunc('second', statement_timestamp())::text THEN
+        IF NOT EXISTS (SELECT FROM pg_replication_slots
+                        WHERE database = current_database() AND plugin = 'pgoutput'
+                          AND confirmed_flush_lsn IS NOT NULL
+                          AND wal_status IS DISTINCT FROM 'lost') THEN
+            RAISE EXCEPTION '{name}: no replication slot of this database streams yet, so this event would be written to no stream and lost'
+                USING ERRCODE = 'object_not_in_prerequisite_state',
+                      HINT = 'start outbox-relay run --capture wal (its first start makes the slot), then write again';
+        END IF;
+        PERFORM set_config('outbox_relay.stream_seen',
+                           date_trunc('second', statement_timestamp())::text, false);
+    END IF;
+    PERFORM pg_logical_emit_message(true, '{prefix}', json_build_object(
+        'v', 1, 'event_id', id, 'destination', $1, 'key', $2, 'type', $3,
+        'payload', $4, 'headers', coalesce($5, '{{}}'::jsonb))::text);
+    RETURN id;
+END
+"#
     )
 }
 

@@ -457,6 +457,8 @@ pub struct CaptureStatements {
     pub legacy_emit: String,
     /// The overloads of `pg_logical_emit_message` that PUBLIC may execute.
     pub public_emit: String,
+    /// The body of the function `$1` (a signature), if it exists.
+    pub function_body: String,
     /// The keys that have parked events, each with the text size of its largest row.
     pub parked_keys: String,
     /// Which of `$1` still have parked events.
@@ -567,6 +569,9 @@ impl CaptureStatements {
                                                  acldefault('f', p.proowner))) a
                                   WHERE a.grantee = 0 AND a.privilege_type = 'EXECUTE')
                            ORDER BY 1"
+                .into(),
+            function_body: "SELECT p.prosrc FROM pg_catalog.pg_proc p
+                             WHERE p.oid = pg_catalog.to_regprocedure($1)"
                 .into(),
             hold_slot_writes:
                 "SELECT set_config('idle_in_transaction_session_timeout', '10s', true),

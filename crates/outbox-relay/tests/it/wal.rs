@@ -616,6 +616,84 @@ async fn both_forms_are_drained_in_commit_order_without_rolled_back_events() {
 
 // ---- 2. Commit order, not sequence order ----
 
+/// An `outbox_emit` while no slot of the database streams (before the relay's first start,
+/// after its slot was dropped) was accepted and lost: a message lives in the WAL only, and
+/// one written before a slot is consistent is in no slot's stream; `check` said ok. The
+/// writer's transaction now fails, naming the fix, and one written once the slot streams
+/// is relayed.
+#[tokio::test]
+async fn an_emit_while_no_slot_streams_fails_in_the_writers_transaction() {
+    let w = WalDb::new().await;
+    let out = w.path("events.jsonl");
+    let refused = emit_in_a_new_session(&w.url, "early")
+        .await
+        .expect_err("no slot streams yet");
+    let said = refused.as_db_error().map(|e| (e.message(), e.hint()));
+    let (message, hint) = said.unwrap_or_else(|| panic!("{refused:?}"));
+    assert!(
+        message.contains("no replication slot of this database streams yet"),
+        "{message}"
+    );
+    assert!(
+        hint.is_some_and(|h| h.contains("run --capture wal")),
+        "{hint:?}"
+    );
+
+    assert_success("the first drain, which makes the slot", &w.drain(&out));
+    emit_in_a_new_session(&w.url, "streamed").await.unwrap();
+    assert_success("the second drain", &w.drain(&out));
+    let keys: Vec<String> = read_lines(&out)
+        .iter()
+        .filter_map(|line| line["partition_key"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(keys, ["streamed"]);
+
+    w.db.execute("SELECT pg_drop_replication_slot($1)", &[&w.slot])
+        .await
+        .unwrap();
+    emit_in_a_new_session(&w.url, "dropped")
+        .await
+        .expect_err("the slot is gone");
+
+    // An earlier version's function, which `run` does not replace: `check` says to migrate.
+    let check = || {
+        relay(
+            w.dir.path(),
+            &[&["check"][..], &capture_flags(&w.url, &w.slot)].concat(),
+        )
+    };
+    w.db.batch_execute(
+        "CREATE OR REPLACE FUNCTION outbox_emit(destination text, key text, type text,
+             payload jsonb, headers jsonb DEFAULT '{}', event_id uuid DEFAULT gen_random_uuid())
+         RETURNS uuid LANGUAGE plpgsql AS
+         $$ BEGIN PERFORM pg_logical_emit_message(true, 'outbox', '{}'); RETURN $6; END $$",
+    )
+    .await
+    .unwrap();
+    let out = check();
+    let said = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    assert!(said.contains("is not this version's"), "{said}");
+    assert_success(
+        "migrate",
+        &relay(
+            w.dir.path(),
+            &[&["migrate"][..], &capture_flags(&w.url, &w.slot)].concat(),
+        ),
+    );
+    assert!(!text(&check().stdout).contains("is not this version's"));
+}
+
+/// `outbox_emit` with key `key` on a connection of its own (the function reads the slots
+/// once a second per session).
+async fn emit_in_a_new_session(url: &str, key: &str) -> Result<(), tokio_postgres::Error> {
+    pg(url)
+        .await
+        .execute("SELECT outbox_emit('orders', $1, 'Emitted', '{}')", &[&key])
+        .await
+        .map(drop)
+}
+
 #[tokio::test]
 async fn same_key_transactions_are_delivered_in_commit_order() {
     let w = WalDb::new().await;

@@ -66,6 +66,7 @@ pub async fn verify_capture(
     }
     problems.extend(public_emit(main, &sql, &tables).await?);
     problems.extend(legacy_emit(main, &sql, &tables).await?);
+    problems.extend(earlier_emit(main, &sql, &tables).await?);
     problems.extend(other_slots(main, &sql, &tables, slot).await);
     problems.extend(synchronous_standby_names(main).await?);
     let status = slot_status(main, slot).await?;
@@ -678,6 +679,33 @@ async fn legacy_emit(
              {old} be relayed (an earlier version's `run --drain`), then DROP FUNCTION {old}(text, \
              text, text, jsonb, jsonb, uuid)"
         ),
+    )])
+}
+
+/// The emit function as an earlier version made it, which `run` does not replace (only
+/// `migrate` does): it lacks what this version's adds, the refusal of an emit while no slot
+/// of the database streams, whose events were lost without a word.
+async fn earlier_emit(
+    main: &PgStore,
+    sql: &CaptureStatements,
+    tables: &CaptureTables,
+) -> StoreResult<Vec<Problem>> {
+    let signature = crate::emit::emit_signature(&tables.outbox);
+    let rows = main
+        .query_rows("emit function", &sql.function_body, &[&signature])
+        .await?;
+    let Some(body) = rows.first().and_then(|r| r.get::<_, Option<String>>(0)) else {
+        return Ok(Vec::new());
+    };
+    if body == crate::emit::emit_function_body(&tables.outbox) {
+        return Ok(Vec::new());
+    }
+    Ok(vec![Problem::degraded(
+        format!(
+            "{} is not this version's: an earlier version made it (or it was changed by hand),              and it accepts events while no slot of the database streams, which are lost",
+            crate::emit::emit_function(&tables.outbox)
+        ),
+        "run `outbox-relay migrate --capture wal` with this version (it replaces the          function, keeping SECURITY DEFINER where it was set)",
     )])
 }
 
