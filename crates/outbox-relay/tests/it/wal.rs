@@ -3058,6 +3058,80 @@ async fn a_park_refused_for_an_unforeseen_reason_holds_back_only_its_key() {
     assert!(status.success(), "{status:?}");
 }
 
+/// A park refused for want of a privilege (INSERT on the parked table revoked; a row
+/// security policy refuses alike) stopped the relay: restarted by a supervisor, it sent the
+/// events before the refused one again and stopped again, the slot never moving. It now
+/// holds back the refused key only, as any other refusal, until the grant is back.
+#[tokio::test]
+async fn a_park_refused_for_a_privilege_holds_back_only_its_key_and_the_relay_runs_on() {
+    let (_nats, deliveries, proxy, broker_url) = nats_behind_a_proxy().await;
+    let mut w = WalDb::new().await;
+    let role = w.connect_as_a_role_with_the_printed_grants().await;
+    let db = &w.db;
+    let http = ["--http-addr", "127.0.0.1:0", "--log-format", "json"];
+    let mut relay = w
+        .streaming_to(&broker_url, &[&RETRY_AN_OUTAGE[..], &http].concat())
+        .await;
+    let addr = http_addr(&relay).await;
+    // Revoked once it streams: the first session's adoption writes the parked table too.
+    db.batch_execute(&format!("REVOKE INSERT ON outbox_parked FROM {role}"))
+        .await
+        .unwrap();
+    proxy.handle().cut_and_wait().await;
+    let refused = [emit(db, "refused", 1).await, emit(db, "refused", 2).await];
+    relay
+        .wait_for_log(
+            "a park refused for the privilege",
+            Duration::from_secs(60),
+            "permission denied for table outbox_parked",
+        )
+        .await;
+    proxy.handle().heal();
+    insert(db, "fresh", 1).await;
+    let delivered_keys =
+        || -> HashSet<String> { deliveries.snapshot().into_iter().map(|d| d.key).collect() };
+    eventually_explained(
+        "a key needing no park delivered while the relay runs on",
+        Duration::from_secs(60),
+        || relay.logs(),
+        || {
+            let keys = delivered_keys();
+            async move { keys.contains("fresh").then_some(()) }
+        },
+    )
+    .await;
+    assert!(!delivered_keys().contains("refused"));
+    readyz(
+        &relay,
+        &addr,
+        503,
+        "refuses to park",
+        Duration::from_secs(30),
+    )
+    .await;
+    db.batch_execute(&format!("GRANT INSERT ON outbox_parked TO {role}"))
+        .await
+        .unwrap();
+    eventually_explained(
+        "the refused key's events delivered, in order, once the grant is back",
+        Duration::from_secs(90),
+        || relay.logs(),
+        || {
+            let ids: Vec<String> = (deliveries.snapshot().into_iter())
+                .filter(|d| d.key == "refused")
+                .map(|d| d.id)
+                .collect();
+            async move { (ids.len() >= 2).then_some(ids) }
+        },
+    )
+    .await
+    .iter()
+    .zip(&refused)
+    .for_each(|(delivered, written)| assert_eq!(delivered, written));
+    let status = relay.terminate().await;
+    assert!(status.success(), "{status:?}");
+}
+
 /// A database refusing every park (here a trigger; a full disk or a read-only switch do
 /// the same) with hundreds of keys waiting: setting each key aside in turn, one call
 /// outlasted the second a key stays aside, the first came back, and the call went on for

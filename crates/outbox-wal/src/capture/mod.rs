@@ -428,6 +428,15 @@ const MIN_OUTPUTS_PER_CLAIM: usize = 1024;
 /// for the next call.
 const REFUSED_KEYS_PER_FLUSH: usize = 16;
 
+/// Whether a park statement's failure is the database refusing it (a trigger, a constraint,
+/// a value no check foresaw, a grant revoked or a row security policy on the parked table),
+/// which holds back the refused event's key only, rather than a lost connection or a
+/// conflict, retried whole. A refused privilege stopped the relay: restarted by its
+/// supervisor, it sent the same events again and stopped again, the slot never moving.
+fn refused_park(e: &StoreError) -> bool {
+    matches!(e.kind(), StoreErrorKind::Query | StoreErrorKind::Privilege)
+}
+
 /// What one park statement did.
 enum Flushed {
     /// Wrote this many parks; whether parks it left for the next statement.
@@ -748,13 +757,13 @@ impl Inner {
                 self.settle(&mut state, done.into_iter().map(|p| p.id));
                 Ok(Flushed::Wrote(n, more))
             }
-            Err(e) if e.kind() == StoreErrorKind::Query && parks.len() > 1 => {
+            Err(e) if refused_park(&e) && parks.len() > 1 => {
                 let tried = parks.len();
                 tracing::debug!(parks = tried, error = %e.report(), "a park statement refused: tried again halved");
                 state.requeue_parks(session, parks);
                 Ok(Flushed::Refused { tried })
             }
-            Err(e) if e.kind() == StoreErrorKind::Query => {
+            Err(e) if refused_park(&e) => {
                 let refused = parks.first().and_then(|park| {
                     let (key, wait) = state.holdings.refuse_park(park.id, Instant::now())?;
                     let event_id = match state.holdings.held.get(&park.id) {
@@ -771,7 +780,7 @@ impl Inner {
                     "the database refused to park this event: its key waits (its later events \
                      behind it) while the other keys flow, and the park is tried again later; \
                      fix what the error names (a trigger, a constraint or a column changed on \
-                     the parked table)"
+                     the parked table, or a grant `migrate --capture wal --print` lists)"
                 );
                 state.requeue_parks(session, parks);
                 match refused {
