@@ -33,11 +33,7 @@ impl MySql {
                 summary: "created_at and available_at default to UTC, whatever the inserting \
                           session's time zone: the relay compares them with UTC, and a default \
                           in local time held each event back by the zone's offset",
-                statements: ["created_at", "available_at"]
-                    .iter()
-                    .map(|column| utc_default(sql, column))
-                    .chain([rows_ahead_of_utc_due_now(sql)])
-                    .collect(),
+                statements: vec![utc_defaults(sql), rows_ahead_of_utc_due_now(sql)],
                 lock: Lock::Online,
                 run: Run::Alone,
                 older_relays_run: true,
@@ -202,16 +198,25 @@ async fn read_found(conn: &mut Conn, sql: &Sql) -> StoreResult<Found> {
 
 /// Sets `column`'s default to the UTC time, where the table has that column (binlog
 /// capture's BLACKHOLE table has no `available_at`).
-fn utc_default(sql: &Sql, column: &str) -> String {
+/// Both defaults in one ALTER. One ALTER each left a moment (or, when the second waited
+/// out its lock, until `migrate` ran again) in which an insert from a session east of UTC
+/// took `created_at` in UTC and `available_at` in local time: held back by the zone's
+/// offset, behind rows of its key written after it, and missed by the repair below, which
+/// knows such rows by their two defaults being equal.
+fn utc_defaults(sql: &Sql) -> String {
+    let columns = ["created_at", "available_at"];
     let alter = format!(
-        "ALTER TABLE {} ALTER COLUMN `{column}` SET DEFAULT (UTC_TIMESTAMP(6))",
-        sql.table()
+        "ALTER TABLE {} {}",
+        sql.table(),
+        columns
+            .map(|column| format!("ALTER COLUMN `{column}` SET DEFAULT (UTC_TIMESTAMP(6))"))
+            .join(", ")
     );
     // The ALTER waits for the table's metadata lock, and the application's inserts queue
     // behind it: at most 5 s (MySQL's default is a year), then the step fails, to run again.
     format!(
         "SET SESSION lock_wait_timeout = 5;\n{}",
-        where_columns(sql, &[column], &alter)
+        where_columns(sql, &columns, &alter)
     )
 }
 
@@ -262,4 +267,28 @@ DEALLOCATE PREPARE outbox_relay_step;
         literal(&sql.mapping.table),
         names.join(", ")
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One ALTER each left a moment, or until `migrate` ran again after the second waited
+    /// out its lock, in which an insert east of UTC took one default in UTC and the other
+    /// in local time: held back by the offset, and missed by the repair.
+    #[test]
+    fn step_2_changes_both_defaults_in_one_alter() {
+        let mapping = outbox_layout::Mapping::native_mysql(None, "outbox", false);
+        let sql = Sql::new(mapping, outbox_layout::Dialect::MySql).unwrap();
+        let statement = utc_defaults(&sql);
+        assert_eq!(statement.matches("ALTER TABLE").count(), 1, "{statement}");
+        for column in ["created_at", "available_at"] {
+            assert!(
+                statement.contains(&format!(
+                    "ALTER COLUMN `{column}` SET DEFAULT (UTC_TIMESTAMP(6))"
+                )),
+                "{statement}"
+            );
+        }
+    }
 }
