@@ -367,6 +367,15 @@ pub async fn send(config: Config, args: SendArgs) -> anyhow::Result<ExitCode> {
             "the payload is not valid JSON ({e}); quote text as JSON, e.g. '\"hello\"', or send an object like '{{\"id\": 1}}'"
         )));
     }
+    // A new SQLite file is made, as `run` makes one (send first, run later); but from another
+    // directory than the relay's it went unnoticed, the event in a file no relay reads.
+    let new_file = match config.database.database_kind() {
+        Ok(crate::config::DatabaseKind::Sqlite(path)) => {
+            let uri = path.to_string_lossy();
+            (!uri.starts_with("file:") && uri != ":memory:" && !path.exists()).then_some(path)
+        }
+        _ => None,
+    };
     let store = ready_existing_store(&config).await?;
     let event = NewEvent {
         event_id: args.event_id,
@@ -383,6 +392,14 @@ pub async fn send(config: Config, args: SendArgs) -> anyhow::Result<ExitCode> {
         .await
         .map_err(|e| anyhow::anyhow!("insert failed: {}", e.report()))?;
     outln!("inserted event with sequence_id {}", ids[0]);
+    if let Some(path) = new_file {
+        let shown = std::fs::canonicalize(&path).unwrap_or(path);
+        eprintln!(
+            "note: made a new SQLite database at {}: a relay publishes this event only if it \
+             reads that file (check the working directory, or pass --database-url)",
+            shown.display()
+        );
+    }
     Ok(ExitCode::SUCCESS)
 }
 

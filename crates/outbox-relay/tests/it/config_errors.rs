@@ -1672,3 +1672,28 @@ fn check_names_why_nats_is_unreachable_in_one_line() {
     let lines = err.lines().filter(|l| l.contains("nats")).count();
     assert_eq!(lines, 1, "one line about the connection: {err}");
 }
+
+/// `send` from another directory than the relay's made a new `outbox.db` there, inserted
+/// the event into it and said only "inserted": no relay read that file. It still makes the
+/// file (send first, run later), and now says where, once.
+#[test]
+fn send_says_where_it_made_a_new_sqlite_database() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let send = || relay(d, &["send", "--destination", "d", "--type", "t", "{}"], &[]);
+    let first = send();
+    assert_eq!(first.status.code(), Some(0), "{}", stderr(&first));
+    let made = d.canonicalize().unwrap().join("outbox.db");
+    assert!(
+        stderr(&first).contains(&format!("made a new SQLite database at {}", made.display())),
+        "{}",
+        stderr(&first)
+    );
+    let second = send();
+    assert_eq!(second.status.code(), Some(0), "{}", stderr(&second));
+    assert!(
+        !stderr(&second).contains("made a new"),
+        "{}",
+        stderr(&second)
+    );
+}
