@@ -276,7 +276,13 @@ pub async fn check(config: Config) -> anyhow::Result<ExitCode> {
             DatabaseCheck::Unreachable {
                 misconfigured: true,
             } => return Ok(ExitCode::from(crate::error::EXIT_BAD_CONFIGURATION)),
-            DatabaseCheck::Checked { problems } => failed |= problems,
+            DatabaseCheck::Checked {
+                problems,
+                misconfigured: schema,
+            } => {
+                failed |= problems;
+                misconfigured |= schema;
+            }
         },
     }
     let (sinks, routes) = config.sink_setup();
@@ -309,8 +315,9 @@ enum DatabaseCheck {
     /// It could not connect (said); `misconfigured`: because of a setting (an unknown
     /// database or role), not an outage.
     Unreachable { misconfigured: bool },
-    /// It connected; `problems`: something fails the check (said).
-    Checked { problems: bool },
+    /// It connected; `problems`: something fails the check (said); `misconfigured`: among
+    /// them a schema version only `migrate` or an upgrade fixes.
+    Checked { problems: bool, misconfigured: bool },
 }
 
 /// `check`'s look at the database: the connection, the schema's versions, the tables,
@@ -336,10 +343,14 @@ async fn check_database(config: &Config) -> anyhow::Result<DatabaseCheck> {
             });
         }
     }
+    // A schema older or newer than this relay reads is for `migrate` or an upgrade to fix,
+    // as every other command exits for it (check said 1, a runtime failure).
+    let mut misconfigured = false;
     match store.schema_versions().await {
         Ok(lines) => lines.iter().for_each(|(_, l)| outln!("ok: {l}")),
         Err(e) => {
             failed = true;
+            misconfigured = crate::error::is_configuration(&e);
             outln!("problem: {}", e.report());
         }
     }
@@ -358,7 +369,10 @@ async fn check_database(config: &Config) -> anyhow::Result<DatabaseCheck> {
             outln!("problem: {}", e.report());
         }
     }
-    Ok(DatabaseCheck::Checked { problems: failed })
+    Ok(DatabaseCheck::Checked {
+        problems: failed,
+        misconfigured,
+    })
 }
 
 pub async fn send(config: Config, args: SendArgs) -> anyhow::Result<ExitCode> {

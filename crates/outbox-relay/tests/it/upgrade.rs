@@ -99,6 +99,15 @@ fn assert_refused_older(run: &Output) {
     );
 }
 
+/// `check` fails on the older schema as the other commands do, with exit 2 (a schema to
+/// migrate, not a runtime failure: it exited 1).
+fn assert_check_refuses_older(dir: &Path, url: &str) {
+    let check = relay(dir, &["check", "--database-url", url]);
+    let out = text(&check.stdout);
+    assert_eq!(check.status.code(), Some(2), "{out}");
+    assert!(out.contains("unversioned schema"), "{out}");
+}
+
 /// `migrate`, then `check` reports the version this relay needs.
 fn migrate_and_check(dir: &Path, url: &str) {
     let migrate = relay(dir, &["migrate", "--database-url", url]);
@@ -167,6 +176,7 @@ async fn postgres_schemas_from_the_past_upgrade_with_nothing_lost_or_reordered()
         let dir = tempfile::tempdir().unwrap();
         let (run, events) = drain(dir.path(), &url);
         assert_refused_older(&run);
+        assert_check_refuses_older(dir.path(), &url);
         assert!(events.is_empty(), "{events:?}");
         migrate_and_check(dir.path(), &url);
         let (run, events) = drain(dir.path(), &url);
@@ -241,6 +251,7 @@ async fn mariadb_schemas_from_the_past_upgrade_with_nothing_lost_or_reordered() 
         let dir = tempfile::tempdir().unwrap();
         let (run, events) = drain(dir.path(), &url);
         assert_refused_older(&run);
+        assert_check_refuses_older(dir.path(), &url);
         assert!(events.is_empty(), "{events:?}");
         migrate_and_check(dir.path(), &url);
         let (run, events) = drain(dir.path(), &url);
