@@ -95,7 +95,7 @@ UPDATE "public"."outbox" o SET "processed" = false, "locked_by" = NULL, "lock_ex
 (none)
 
 -- adbc, Postgres: ddl
-CREATE SCHEMA IF NOT EXISTS "public";
+DO $create_schema$ BEGIN IF to_regnamespace('"public"') IS NULL THEN CREATE SCHEMA "public"; END IF; END $create_schema$;
 CREATE TABLE IF NOT EXISTS "public"."outbox" ( sequence_id serial PRIMARY KEY, mutation_id TEXT NOT NULL, channel TEXT NOT NULL, name TEXT NOT NULL, rejected boolean NOT NULL DEFAULT false, data JSONB, headers JSONB, locked_by TEXT, lock_expiry TIMESTAMP WITHOUT TIME ZONE, processed BOOLEAN NOT NULL DEFAULT false );
 CREATE OR REPLACE FUNCTION "public"."outbox_notify"() RETURNS trigger AS $$ BEGIN PERFORM pg_notify('ably_adbc'::text, ''::text); RETURN NULL; EXCEPTION -- ensure this function can never throw an uncaught exception
  WHEN others THEN RAISE WARNING 'unexpected error in %s: %%', SQLERRM; RETURN NULL; END; $$ LANGUAGE plpgsql;
@@ -281,7 +281,7 @@ CAST(o.`channel` AS CHAR)
 (none)
 
 -- adbc, MySql: ddl
-CREATE SCHEMA IF NOT EXISTS "public";
+DO $create_schema$ BEGIN IF to_regnamespace('"public"') IS NULL THEN CREATE SCHEMA "public"; END IF; END $create_schema$;
 CREATE TABLE IF NOT EXISTS "public"."outbox" ( sequence_id serial PRIMARY KEY, mutation_id TEXT NOT NULL, channel TEXT NOT NULL, name TEXT NOT NULL, rejected boolean NOT NULL DEFAULT false, data JSONB, headers JSONB, locked_by TEXT, lock_expiry TIMESTAMP WITHOUT TIME ZONE, processed BOOLEAN NOT NULL DEFAULT false );
 CREATE OR REPLACE FUNCTION "public"."outbox_notify"() RETURNS trigger AS $$ BEGIN PERFORM pg_notify('ably_adbc'::text, ''::text); RETURN NULL; EXCEPTION -- ensure this function can never throw an uncaught exception
  WHEN others THEN RAISE WARNING 'unexpected error in %s: %%', SQLERRM; RETURN NULL; END; $$ LANGUAGE plpgsql;
@@ -467,7 +467,7 @@ o."created_at"
 (none)
 
 -- open_outbox, Postgres: ddl
-CREATE SCHEMA IF NOT EXISTS "public";
+DO $create_schema$ BEGIN IF to_regnamespace('"public"') IS NULL THEN CREATE SCHEMA "public"; END IF; END $create_schema$;
 CREATE TABLE IF NOT EXISTS "public"."openoutbox_events" (
     event_id UUID PRIMARY KEY,
     event_type TEXT NOT NULL,
@@ -665,7 +665,7 @@ o.`created_at`
 (none)
 
 -- open_outbox, MySql: ddl
-CREATE SCHEMA IF NOT EXISTS "public";
+DO $create_schema$ BEGIN IF to_regnamespace('"public"') IS NULL THEN CREATE SCHEMA "public"; END IF; END $create_schema$;
 CREATE TABLE IF NOT EXISTS "public"."openoutbox_events" (
     event_id UUID PRIMARY KEY,
     event_type TEXT NOT NULL,
@@ -863,7 +863,7 @@ o."created_at"
 (none)
 
 -- export, Postgres: ddl
-CREATE SCHEMA IF NOT EXISTS "public";
+DO $create_schema$ BEGIN IF to_regnamespace('"public"') IS NULL THEN CREATE SCHEMA "public"; END IF; END $create_schema$;
 CREATE TABLE IF NOT EXISTS "public"."event_type" (
     code text PRIMARY KEY,
     max_retry_count integer NOT NULL
@@ -1055,7 +1055,7 @@ o.`created_at`
 (none)
 
 -- export, MySql: ddl
-CREATE SCHEMA IF NOT EXISTS "public";
+DO $create_schema$ BEGIN IF to_regnamespace('"public"') IS NULL THEN CREATE SCHEMA "public"; END IF; END $create_schema$;
 CREATE TABLE IF NOT EXISTS "public"."event_type" (
     code text PRIMARY KEY,
     max_retry_count integer NOT NULL
@@ -1254,7 +1254,7 @@ CREATE TABLE IF NOT EXISTS "public"."outboxevent_dead_letters" (
 
 
 -- debezium, Postgres: ddl
-CREATE SCHEMA IF NOT EXISTS "public";
+DO $create_schema$ BEGIN IF to_regnamespace('"public"') IS NULL THEN CREATE SCHEMA "public"; END IF; END $create_schema$;
 CREATE TABLE IF NOT EXISTS "public"."outboxevent" (
     id uuid NOT NULL PRIMARY KEY,
     aggregatetype varchar(255) NOT NULL,
@@ -1469,7 +1469,7 @@ CREATE TABLE IF NOT EXISTS `public`.`outboxevent_dead_letters` (
 
 
 -- debezium, MySql: ddl
-CREATE SCHEMA IF NOT EXISTS "public";
+DO $create_schema$ BEGIN IF to_regnamespace('"public"') IS NULL THEN CREATE SCHEMA "public"; END IF; END $create_schema$;
 CREATE TABLE IF NOT EXISTS "public"."outboxevent" (
     id uuid NOT NULL PRIMARY KEY,
     aggregatetype varchar(255) NOT NULL,

@@ -502,7 +502,7 @@ DELETE FROM "public"."outbox_dead_letters" WHERE sequence_id IN (
 
 -- public.outbox: ddl
 -- The schema's version per component, advanced after each step (see README, Upgrading).
-CREATE SCHEMA IF NOT EXISTS "public";
+DO $create_schema$ BEGIN IF to_regnamespace('"public"') IS NULL THEN CREATE SCHEMA "public"; END IF; END $create_schema$;
 CREATE TABLE IF NOT EXISTS "public"."outbox_versions" (
     component     text PRIMARY KEY,
     version       integer NOT NULL,
@@ -511,8 +511,8 @@ CREATE TABLE IF NOT EXISTS "public"."outbox_versions" (
 );
 
 -- outbox schema step 1: the outbox, dead-letter, partitions and nodes tables and the partition function, where missing (existing tables are not touched) (online).
-CREATE SCHEMA IF NOT EXISTS "public";
-CREATE SCHEMA IF NOT EXISTS "public";
+DO $create_schema$ BEGIN IF to_regnamespace('"public"') IS NULL THEN CREATE SCHEMA "public"; END IF; END $create_schema$;
+DO $create_schema$ BEGIN IF to_regnamespace('"public"') IS NULL THEN CREATE SCHEMA "public"; END IF; END $create_schema$;
 
 -- Applications insert here, in the same transaction as their data change.
 CREATE TABLE IF NOT EXISTS "public"."outbox" (
@@ -1212,7 +1212,7 @@ DELETE FROM "app"."events_dead_letters" WHERE sequence_id IN (
 
 -- app.events: ddl
 -- The schema's version per component, advanced after each step (see README, Upgrading).
-CREATE SCHEMA IF NOT EXISTS "app";
+DO $create_schema$ BEGIN IF to_regnamespace('"app"') IS NULL THEN CREATE SCHEMA "app"; END IF; END $create_schema$;
 CREATE TABLE IF NOT EXISTS "app"."events_versions" (
     component     text PRIMARY KEY,
     version       integer NOT NULL,
@@ -1221,8 +1221,8 @@ CREATE TABLE IF NOT EXISTS "app"."events_versions" (
 );
 
 -- outbox schema step 1: the outbox, dead-letter, partitions and nodes tables and the partition function, where missing (existing tables are not touched) (online).
-CREATE SCHEMA IF NOT EXISTS "app";
-CREATE SCHEMA IF NOT EXISTS "app";
+DO $create_schema$ BEGIN IF to_regnamespace('"app"') IS NULL THEN CREATE SCHEMA "app"; END IF; END $create_schema$;
+DO $create_schema$ BEGIN IF to_regnamespace('"app"') IS NULL THEN CREATE SCHEMA "app"; END IF; END $create_schema$;
 
 -- Applications insert here, in the same transaction as their data change.
 CREATE TABLE IF NOT EXISTS "app"."events" (

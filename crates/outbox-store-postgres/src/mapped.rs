@@ -372,8 +372,8 @@ impl MappedDb for MappedPg {
         let tables = self.base.tables();
         if self.uses_nodes_table() {
             ddl.push_str(&format!(
-                "CREATE SCHEMA IF NOT EXISTS {};\nCREATE TABLE IF NOT EXISTS {} ( id TEXT PRIMARY KEY, expiry TIMESTAMP WITHOUT TIME ZONE NOT NULL );\n",
-                tables.nodes.schema.quoted(),
+                "{}\nCREATE TABLE IF NOT EXISTS {} ( id TEXT PRIMARY KEY, expiry TIMESTAMP WITHOUT TIME ZONE NOT NULL );\n",
+                outbox_layout::sql::pg_create_schema(&tables.nodes.schema.quoted()),
                 tables.nodes.quoted()
             ));
         }

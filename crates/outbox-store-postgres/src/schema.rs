@@ -130,7 +130,7 @@ impl Tables {
     pub fn version_table_ddl(&self) -> String {
         format!(
             "-- The schema's version per component, advanced after each step (see README, Upgrading).
-CREATE SCHEMA IF NOT EXISTS {schema};
+{create_schema}
 CREATE TABLE IF NOT EXISTS {table} (
     component     text PRIMARY KEY,
     version       integer NOT NULL,
@@ -138,7 +138,7 @@ CREATE TABLE IF NOT EXISTS {table} (
     migrated_at   timestamptz NOT NULL DEFAULT now()
 );
 ",
-            schema = self.outbox.schema.quoted(),
+            create_schema = outbox_layout::sql::pg_create_schema(&self.outbox.schema.quoted()),
             table = self.versions.quoted(),
         )
     }
@@ -175,15 +175,16 @@ CREATE TABLE IF NOT EXISTS {table} (
         let schema = self.outbox.schema.quoted();
         let dl = self.dead_letters.quoted();
         let nodes = self.nodes.quoted();
-        let nodes_schema = self.nodes.schema.quoted();
+        let create_schema = outbox_layout::sql::pg_create_schema(&schema);
+        let create_nodes_schema = outbox_layout::sql::pg_create_schema(&self.nodes.schema.quoted());
         let key_hash = Self::ORDERING_KEY_HASH;
         let blocking_index = format!("\"{n}{BLOCKING_INDEX_SUFFIX}\""); // in the table's schema
         let parts = self.partitions.quoted();
         let partition_fn = self.partition_function();
         let partition_count = self.partition_count;
         let tables = format!(
-            r#"CREATE SCHEMA IF NOT EXISTS {schema};
-CREATE SCHEMA IF NOT EXISTS {nodes_schema};
+            r#"{create_schema}
+{create_nodes_schema}
 
 -- Applications insert here, in the same transaction as their data change.
 CREATE TABLE IF NOT EXISTS {t} (

@@ -89,13 +89,26 @@ impl Sql {
     }
 }
 
+/// PostgreSQL's `CREATE SCHEMA` for `schema` (quoted), run only where it is missing.
+/// `CREATE SCHEMA IF NOT EXISTS` asks for CREATE on the database before it looks, even for
+/// a schema that exists: a role that owns its tables in `public` (PostgreSQL 15's usual
+/// grant, CREATE on the schema only) could never run `migrate`.
+pub fn pg_create_schema(schema: &str) -> String {
+    format!(
+        "DO $create_schema$ BEGIN IF to_regnamespace('{}') IS NULL THEN CREATE SCHEMA {schema}; \
+         END IF; END $create_schema$;",
+        schema.replace('\'', "''")
+    )
+}
+
 /// The Ably connector's outbox table, function and trigger, exactly as its documentation
 /// gives them (names substituted).
 pub fn adbc_outbox_ddl(m: &Mapping) -> String {
     let schema = m.schema.as_deref().unwrap_or("public");
+    let create_schema = pg_create_schema(&format!("\"{schema}\""));
     let table = &m.table;
     format!(
-        r#"CREATE SCHEMA IF NOT EXISTS "{schema}";
+        r#"{create_schema}
 CREATE TABLE IF NOT EXISTS "{schema}"."{table}" ( sequence_id serial PRIMARY KEY, mutation_id TEXT NOT NULL, channel TEXT NOT NULL, name TEXT NOT NULL, rejected boolean NOT NULL DEFAULT false, data JSONB, headers JSONB, locked_by TEXT, lock_expiry TIMESTAMP WITHOUT TIME ZONE, processed BOOLEAN NOT NULL DEFAULT false );
 CREATE OR REPLACE FUNCTION "{schema}"."{table}_notify"() RETURNS trigger AS $$ BEGIN PERFORM pg_notify('ably_adbc'::text, ''::text); RETURN NULL; EXCEPTION -- ensure this function can never throw an uncaught exception
  WHEN others THEN RAISE WARNING 'unexpected error in %s: %%', SQLERRM; RETURN NULL; END; $$ LANGUAGE plpgsql;
@@ -118,11 +131,12 @@ $$;
 /// how to relay them anyway).
 pub fn debezium_ddl(m: &Mapping) -> String {
     let schema = m.schema.as_deref().unwrap_or("public");
+    let create_schema = pg_create_schema(&format!("\"{schema}\""));
     let t = format!("\"{schema}\".\"{}\"", m.table);
     let n = &m.table;
     let seq = crate::DEBEZIUM_SEQUENCE;
     format!(
-        r#"CREATE SCHEMA IF NOT EXISTS "{schema}";
+        r#"{create_schema}
 CREATE TABLE IF NOT EXISTS {t} (
     id uuid NOT NULL PRIMARY KEY,
     aggregatetype varchar(255) NOT NULL,
@@ -165,10 +179,11 @@ $$;
 /// development-only `DROP TABLE`).
 pub fn open_outbox_ddl(m: &Mapping) -> String {
     let schema = m.schema.as_deref().unwrap_or("public");
+    let create_schema = pg_create_schema(&format!("\"{schema}\""));
     let t = format!("\"{schema}\".\"{}\"", m.table);
     let n = &m.table;
     format!(
-        r#"CREATE SCHEMA IF NOT EXISTS "{schema}";
+        r#"{create_schema}
 CREATE TABLE IF NOT EXISTS {t} (
     event_id UUID PRIMARY KEY,
     event_type TEXT NOT NULL,
@@ -224,11 +239,12 @@ CREATE TABLE IF NOT EXISTS {t} (
 /// `updated_at`), plus `created_at`.
 pub fn export_ddl(m: &Mapping) -> String {
     let schema = m.schema.as_deref().unwrap_or("public");
+    let create_schema = pg_create_schema(&format!("\"{schema}\""));
     let t = format!("\"{schema}\".\"{}\"", m.table);
     let types = format!("\"{schema}\".\"event_type\"");
     let n = &m.table;
     format!(
-        r#"CREATE SCHEMA IF NOT EXISTS "{schema}";
+        r#"{create_schema}
 CREATE TABLE IF NOT EXISTS {types} (
     code text PRIMARY KEY,
     max_retry_count integer NOT NULL

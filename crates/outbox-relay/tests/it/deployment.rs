@@ -1,5 +1,5 @@
 //! Deployment faults against real PostgreSQL: two processes under one node id, a relay
-//! pointed at a hot standby, and the sessions' application name.
+//! pointed at a hot standby, the sessions' application name, and `migrate` as a schema's owner.
 
 use std::path::Path;
 use std::process::Command;
@@ -584,4 +584,39 @@ async fn check_exits_2_for_a_database_or_role_that_does_not_exist() {
         );
         assert_eq!(out.status.code(), Some(code), "{url}: {said}");
     }
+}
+
+/// A role that may create tables in `public` but not schemas in the database (PostgreSQL
+/// 15's usual grant: CREATE on the schema): `migrate` failed, "permission denied for
+/// database", for `CREATE SCHEMA IF NOT EXISTS public` asks for the database's CREATE
+/// before it looks. It now makes a schema only where one is missing; for every layout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_runs_as_a_role_that_may_create_only_in_its_schema() {
+    let url = outbox_testkit::fresh_pg_database().await;
+    let db = pg(&url).await;
+    let database = url.rsplit('/').next().unwrap().to_string();
+    let role = format!("owner_{}", uuid::Uuid::new_v4().simple());
+    db.batch_execute(&format!(
+        "REVOKE CREATE ON DATABASE \"{database}\" FROM PUBLIC;
+         CREATE ROLE {role} LOGIN;
+         GRANT CREATE, USAGE ON SCHEMA public TO {role};"
+    ))
+    .await
+    .unwrap();
+    let as_owner = url.replacen("postgres@", &format!("{role}@"), 1);
+    for layout in ["native", "debezium"] {
+        migrate_with(&as_owner, &["--layout", layout]);
+    }
+    let tables: i64 = db
+        .query_one(
+            "SELECT count(*) FROM pg_tables WHERE tableowner = $1",
+            &[&role],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(tables >= 3, "the owner made the tables: {tables}");
+    db.batch_execute(&format!("DROP OWNED BY {role} CASCADE; DROP ROLE {role};"))
+        .await
+        .unwrap();
 }

@@ -225,7 +225,7 @@ mod mapped {
     const TABLE: &str = "
         CREATE TABLE events (
             sequence_id  bigserial PRIMARY KEY,
-            event_id     uuid NOT NULL DEFAULT gen_random_uuid(),
+            event_id     uuid NOT NULL UNIQUE DEFAULT gen_random_uuid(),
             destination  text NOT NULL,
             partition_key text,
             event_type   text NOT NULL,
