@@ -46,6 +46,16 @@ impl PgStore {
         }
     }
 
+    /// `check`'s finding for `table` (a table the capture deletes or updates rows of, such
+    /// as its parked table) in a publication of deletes or updates without a replica
+    /// identity, which makes PostgreSQL refuse those writes.
+    pub async fn unidentified_rows(
+        &self,
+        table: &outbox_core::ident::TableName,
+    ) -> StoreResult<Vec<outbox_core::store::Problem>> {
+        crate::verify::unidentified_rows(&self.inner, &table.quoted(), &table.to_string()).await
+    }
+
     /// Runs one query through the statement cache, bounded by the operation timeout.
     pub async fn query_rows(
         &self,

@@ -355,6 +355,9 @@ impl MappedDb for MappedPg {
                 ));
             }
         }
+        problems.extend(
+            crate::verify::unidentified_rows(self.inner(), &table, &sql.mapping.table).await?,
+        );
         // Every layout's table wakes the relay through the same trigger as the native one.
         let trigger = format!("{}_trigger", sql.mapping.table);
         let fix = format!(

@@ -81,7 +81,64 @@ pub(crate) async fn verify(inner: &Inner) -> StoreResult<Vec<Problem>> {
         missing_trigger(inner, &trigger, &table, &t.outbox.to_string(), migrate_fix).await?,
     );
     index_problems(inner, &mut problems, migrate_fix).await?;
+    problems.extend(unidentified_rows(inner, &t.outbox.quoted(), &t.outbox.to_string()).await?);
     Ok(problems)
+}
+
+/// `table` (quoted) in a publication that publishes deletes or updates (one `FOR ALL
+/// TABLES` for a replica, another tool's) with no replica identity (`REPLICA IDENTITY
+/// NOTHING`, or the default without a primary key): PostgreSQL refuses every DELETE and
+/// UPDATE of it, so no delivered row was deleted (under WAL capture the slot stopped being
+/// confirmed) while `check` said ok.
+pub(crate) async fn unidentified_rows(
+    inner: &Inner,
+    table: &str,
+    shown: &str,
+) -> StoreResult<Vec<Problem>> {
+    let rows = PgStore::query(
+        inner,
+        "verify",
+        "SELECT c.relreplident::text,
+                EXISTS (SELECT FROM pg_catalog.pg_index i
+                         WHERE i.indrelid = c.oid AND i.indisprimary),
+                ARRAY(SELECT DISTINCT pt.pubname::text
+                        FROM pg_catalog.pg_publication_tables pt
+                        JOIN pg_catalog.pg_publication p ON p.pubname = pt.pubname
+                       WHERE pt.schemaname = n.nspname AND pt.tablename = c.relname
+                         AND (p.pubdelete OR p.pubupdate)
+                       ORDER BY 1)
+           FROM pg_catalog.pg_class c
+           JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+          WHERE c.oid = to_regclass($1)",
+        &[&table],
+    )
+    .await?;
+    let Some(row) = rows.first() else {
+        return Ok(Vec::new());
+    };
+    let (identity, primary_key, publications): (String, bool, Vec<String>) =
+        (row.get(0), row.get(1), row.get(2));
+    let unidentified = identity == "n" || (identity == "d" && !primary_key);
+    if !unidentified || publications.is_empty() {
+        return Ok(Vec::new());
+    }
+    let why = if identity == "n" {
+        "REPLICA IDENTITY NOTHING"
+    } else {
+        "no primary key for its default replica identity"
+    };
+    Ok(vec![Problem::blocking(
+        format!(
+            "table {shown} has {why} and is in publication(s) {} that publish deletes or \
+             updates: PostgreSQL refuses every DELETE and UPDATE of it, so no delivered row \
+             is deleted or marked",
+            publications.join(", ")
+        ),
+        format!(
+            "ALTER TABLE {table} REPLICA IDENTITY DEFAULT (with a primary key) or FULL, or \
+             ALTER PUBLICATION <name> DROP TABLE {table}"
+        ),
+    )])
 }
 
 /// The outbox's id sequence behind the dead-letter table's ids (reset by `TRUNCATE …

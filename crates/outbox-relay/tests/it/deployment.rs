@@ -620,3 +620,46 @@ async fn migrate_runs_as_a_role_that_may_create_only_in_its_schema() {
         .await
         .unwrap();
 }
+
+/// The outbox in a publication that publishes deletes (one `FOR ALL TABLES` for a replica)
+/// and set to `REPLICA IDENTITY NOTHING`: PostgreSQL refuses every DELETE of it, so no
+/// delivered row was deleted (under WAL capture the slot stopped being confirmed), and
+/// `check` said ok. It now names the table, the publication and the fix.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_names_an_outbox_whose_deletes_a_publication_refuses() {
+    let url = outbox_testkit::fresh_pg_database().await;
+    migrate_with(&url, &[]);
+    let db = pg(&url).await;
+    db.batch_execute(
+        "CREATE PUBLICATION replica_feed FOR ALL TABLES;
+         ALTER TABLE outbox REPLICA IDENTITY NOTHING;",
+    )
+    .await
+    .unwrap();
+    let check = || {
+        Command::new(BIN)
+            .args(["check", "--database-url", &url])
+            .output()
+            .unwrap()
+    };
+    let out = check();
+    let said = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    assert!(
+        said.contains("REPLICA IDENTITY NOTHING and is in publication(s) replica_feed"),
+        "{said}"
+    );
+    assert!(said.contains("REPLICA IDENTITY DEFAULT"), "{said}");
+    db.batch_execute("ALTER TABLE outbox REPLICA IDENTITY DEFAULT")
+        .await
+        .unwrap();
+    let out = check();
+    assert!(
+        !String::from_utf8_lossy(&out.stdout).contains("REPLICA IDENTITY"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    db.batch_execute("DROP PUBLICATION replica_feed")
+        .await
+        .unwrap();
+}

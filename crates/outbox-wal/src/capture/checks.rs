@@ -37,6 +37,7 @@ pub async fn verify_capture(
         ));
     }
     problems.extend(publication_problems(main, &sql, &tables, publication).await?);
+    problems.extend(main.unidentified_rows(&tables.parked).await?);
     let parked = main.with_tables(Tables {
         outbox: tables.parked.clone(),
         ..main.tables().clone()
