@@ -459,6 +459,9 @@ pub struct CaptureStatements {
     pub public_emit: String,
     /// The body of the function `$1` (a signature), if it exists.
     pub function_body: String,
+    /// The oldest transactions with an id (what making a slot waits for), and the prepared
+    /// ones, each described in a line.
+    pub running_transactions: String,
     /// The keys that have parked events, each with the text size of its largest row.
     pub parked_keys: String,
     /// Which of `$1` still have parked events.
@@ -569,6 +572,17 @@ impl CaptureStatements {
                                                  acldefault('f', p.proowner))) a
                                   WHERE a.grantee = 0 AND a.privilege_type = 'EXECUTE')
                            ORDER BY 1"
+                .into(),
+            running_transactions: "(SELECT format('pid %s (%s, database %s) since %s', pid,
+                                       coalesce(nullif(application_name, ''), usename::text, '?'),
+                                       coalesce(datname, '?'),
+                                       coalesce(xact_start::text, '?'))
+                                  FROM pg_catalog.pg_stat_activity
+                                 WHERE backend_xid IS NOT NULL AND pid <> pg_backend_pid()
+                                 ORDER BY xact_start NULLS LAST LIMIT 3)
+                                UNION ALL
+                                (SELECT format('prepared transaction %L since %s', gid, prepared)
+                                  FROM pg_catalog.pg_prepared_xacts ORDER BY prepared LIMIT 3)"
                 .into(),
             function_body: "SELECT p.prosrc FROM pg_catalog.pg_proc p
                              WHERE p.oid = pg_catalog.to_regprocedure($1)"

@@ -5099,3 +5099,53 @@ async fn create_slot(db: &Client, slot: &str, plugin: &str) {
     .await
     .unwrap();
 }
+
+/// Making the slot at the first start waits for every transaction running on the server,
+/// in any database (prepared ones too, which can last days). The session waited without a
+/// word, `/readyz` said ready and nothing was relayed. It now says so after 10 s, naming
+/// what runs, and claims fail with it (so `/readyz` says it), until the slot is made.
+#[tokio::test]
+async fn a_slot_waiting_for_running_transactions_is_said_and_fails_readyz() {
+    let (_server, w) =
+        WalDb::on_a_server_of_its_own("-c wal_level=logical", "slow_start_slot").await;
+    w.db.batch_execute("CREATE TABLE elsewhere (n int)")
+        .await
+        .unwrap();
+    let mut holder = pg(&w.url).await;
+    let open = holder.transaction().await.unwrap();
+    open.execute("INSERT INTO elsewhere VALUES (1)", &[])
+        .await
+        .unwrap();
+    let out = w.path("events.jsonl");
+    let http = ["--http-addr", "127.0.0.1:0", "--log-format", "json"];
+    let relay = w.spawn("relay", &out, &http);
+    let addr = http_addr(&relay).await;
+    relay
+        .wait_for_log(
+            "the slow start said",
+            Duration::from_secs(60),
+            "the replication session is slow to start",
+        )
+        .await;
+    assert!(
+        relay.logs().contains("running now: pid"),
+        "{}",
+        relay.logs()
+    );
+    let body = readyz(
+        &relay,
+        &addr,
+        503,
+        "making the slot",
+        Duration::from_secs(30),
+    )
+    .await;
+    assert!(body.contains("waits until every transaction"), "{body}");
+    open.commit().await.unwrap();
+    relay
+        .wait_for_log("the relay streaming", Duration::from_secs(60), STREAMING)
+        .await;
+    insert(&w.db, "k", 1).await;
+    wait_for_lines("the delivery", &out, Duration::from_secs(30), |n| n == 1).await;
+    readyz(&relay, &addr, 200, "ready", Duration::from_secs(30)).await;
+}

@@ -180,10 +180,23 @@ impl Reader {
             };
             let started = match forgotten {
                 Err(reason) => Err(StartError::Forget(reason)),
-                Ok(()) => tokio::select! {
-                    started = WalStream::start(&config) => started.map_err(StartError::Stream),
-                    _ = self.close.changed() => return,
-                },
+                Ok(()) => {
+                    let start = WalStream::start(&config);
+                    tokio::pin!(start);
+                    let patience = tokio::time::sleep(SESSION_START_PATIENCE);
+                    tokio::pin!(patience);
+                    let mut said = false;
+                    loop {
+                        tokio::select! {
+                            started = &mut start => break started.map_err(StartError::Stream),
+                            _ = self.close.changed() => return,
+                            () = &mut patience, if !said => {
+                                said = true;
+                                self.starting_slowly(&config).await;
+                            }
+                        }
+                    }
+                }
             };
             let wait = match started {
                 Ok(mut stream) => {
@@ -278,6 +291,41 @@ impl Reader {
     }
 
     /// A session could not start for a reason that may pass: the delay before trying again.
+    /// A session not started after [`SESSION_START_PATIENCE`]: said, with what may hold it,
+    /// and claims fail with it meanwhile. Making a slot waits for every transaction running
+    /// on the server (in any database, prepared ones too, which can last days); the session
+    /// waited without a word while `/readyz` said ready and nothing was relayed.
+    async fn starting_slowly(&self, config: &WalConfig) {
+        let patience = SESSION_START_PATIENCE.as_secs();
+        let reason = if config.create_slot {
+            let running = match self
+                .main
+                .query_rows("transactions", &self.sql.running_transactions, &[])
+                .await
+            {
+                Ok(rows) if !rows.is_empty() => {
+                    let found: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
+                    format!(" (running now: {})", found.join("; "))
+                }
+                _ => String::new(),
+            };
+            format!(
+                "the replication session has not started after {patience} s: making the slot \
+                 {:?} waits until every transaction running on the server when it began has \
+                 ended, in any database, prepared ones too{running}; end or commit them (or \
+                 COMMIT PREPARED / ROLLBACK PREPARED)",
+                config.slot
+            )
+        } else {
+            format!(
+                "the replication session has not started after {patience} s (the server is slow \
+                 to answer the replication connection)"
+            )
+        };
+        tracing::warn!(error = %reason, "the replication session is slow to start");
+        self.set_status(CaptureStatus::Reconnecting(reason));
+    }
+
     fn cannot_start(&mut self, reason: String) -> Duration {
         tracing::warn!(error = %reason, "cannot start the replication session; retrying");
         self.set_status(CaptureStatus::Reconnecting(reason));
@@ -1218,6 +1266,10 @@ pub(super) fn session_name(base: &str, outbox_tag: &str) -> String {
 
 /// How often a standby asks whether the relay streaming from the slot is still there.
 const STANDBY_LOOKS_EVERY: Duration = Duration::from_secs(1);
+
+/// How long a replication session may take to start before the reader says so and claims
+/// fail with the reason ([`Reader::starting_slowly`]).
+const SESSION_START_PATIENCE: Duration = Duration::from_secs(10);
 
 /// Who holds a slot, told by its session's name ([`session_name`]).
 #[derive(Debug, PartialEq)]
