@@ -557,13 +557,27 @@ pub struct DeadRecord {
 /// in `sequence_id` order, starting after `after`, at most `limit` of them. A page ends at
 /// its last row's `sequence_id`; passing it as the next query's `after` gives the next page
 /// (the admin API's `after=`), and an empty page means there are no more.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct DeadQuery {
     pub destination: Option<String>,
     pub event_type: Option<String>,
-    /// Only rows with a larger `sequence_id` (0: from the start).
+    /// Only rows with a larger `sequence_id` ([`SequenceId::MIN`], the default: from the
+    /// start). Ids can be negative: WAL capture's table-less events draw theirs from near
+    /// the smallest, and an application may insert any. With 0 as the start, their dead
+    /// letters were never listed, while the drain that made them said to list them.
     pub after: SequenceId,
     pub limit: u32,
+}
+
+impl Default for DeadQuery {
+    fn default() -> Self {
+        DeadQuery {
+            destination: None,
+            event_type: None,
+            after: SequenceId::MIN,
+            limit: 0,
+        }
+    }
 }
 
 /// Where an event is in its lifecycle (see the module docs).

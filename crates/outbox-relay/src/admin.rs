@@ -743,8 +743,8 @@ async fn dead_letters(State(c): State<Arc<Console>>, RawQuery(raw): RawQuery) ->
                 _ => return number(&format!("a number from 1 to {MAX_PAGE}")),
             },
             "after" => match v.parse::<i64>() {
-                Ok(n) if n >= 0 => query.after = n,
-                _ => return number("a sequence id (0 or more)"),
+                Ok(n) => query.after = n,
+                _ => return number("a sequence id"),
             },
             _ => {}
         }
@@ -761,10 +761,11 @@ async fn dead_letters(State(c): State<Arc<Console>>, RawQuery(raw): RawQuery) ->
     };
     // A full page may have more after it. A table with UUID row ids shows them as 0 and
     // cannot be paged by id: no `next_after`, which gave its first page again for good.
+    // (Ids below 0 page as any other: WAL capture's table-less events draw theirs there.)
     let next_after = (rows.len() == limit)
         .then(|| rows.last().map(|r| r.sequence_id))
         .flatten()
-        .filter(|&id| id > 0);
+        .filter(|&id| id != 0);
     reply(
         StatusCode::OK,
         json!({
@@ -783,12 +784,13 @@ fn as_json(text: Option<String>) -> Value {
 }
 
 async fn event(State(c): State<Arc<Console>>, Path(id): Path<String>) -> Response {
+    // Any integer: WAL capture's table-less events have ids below 0.
     let id = match id.parse::<i64>() {
-        Ok(id) if id > 0 => id,
+        Ok(id) => id,
         _ => {
             return failure(
                 StatusCode::BAD_REQUEST,
-                format!("event id must be a sequence id (a positive integer), got {id:?}"),
+                format!("event id must be a sequence id (an integer), got {id:?}"),
             )
         }
     };

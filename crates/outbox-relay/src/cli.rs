@@ -128,9 +128,10 @@ pub enum DeadCommand {
         /// Only this event type.
         #[arg(long = "type", value_name = "T")]
         event_type: Option<String>,
-        /// Only those after this sequence id (the last one of the previous page).
-        #[arg(long, default_value_t = 0, value_name = "ID")]
-        after: i64,
+        /// Only those after this sequence id (the last one of the previous page) [default:
+        /// from the first, negative ids included]
+        #[arg(long, value_name = "ID", allow_negative_numbers = true)]
+        after: Option<i64>,
         /// At most this many (1 or more).
         #[arg(long, default_value_t = 50, value_name = "N",
               value_parser = clap::value_parser!(u32).range(1..))]

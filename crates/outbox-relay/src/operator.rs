@@ -73,7 +73,7 @@ pub async fn dead(config: Config, command: DeadCommand) -> anyhow::Result<ExitCo
             let query = DeadQuery {
                 destination,
                 event_type,
-                after,
+                after: after.unwrap_or(DeadQuery::default().after),
                 limit,
             };
             let rows = ops.dead_list(query).await.map_err(store_error)?;

@@ -5149,3 +5149,52 @@ async fn a_slot_waiting_for_running_transactions_is_said_and_fails_readyz() {
     wait_for_lines("the delivery", &out, Duration::from_secs(30), |n| n == 1).await;
     readyz(&relay, &addr, 200, "ready", Duration::from_secs(30)).await;
 }
+
+/// A table-less event's id is drawn from near the smallest 64-bit integer. `dead list`
+/// started after id 0, so such a dead letter was never listed ("no dead letters"), while
+/// the drain that made it said to see `dead list`. It now starts from the first id.
+#[tokio::test]
+async fn dead_list_shows_a_table_less_events_dead_letter() {
+    let w = WalDb::new().await;
+    let out = w.path("events.jsonl");
+    assert_success("the first drain, which makes the slot", &w.drain(&out));
+    w.db.execute(
+        "SELECT pg_logical_emit_message(true, 'outbox', '\\x00'::bytea)",
+        &[],
+    )
+    .await
+    .unwrap();
+    let drained = w.drain(&out);
+    assert!(
+        text(&drained.stderr).contains("dead-lettered (see `outbox-relay dead list`)"),
+        "{}",
+        text(&drained.stderr)
+    );
+    let list = relay(
+        w.dir.path(),
+        &["dead", "list", "--json", "--database-url", &w.url],
+    );
+    assert_success("dead list", &list);
+    let rows: Vec<Value> = text(&list.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    let id = rows[0]["sequence_id"].as_i64().unwrap();
+    assert!(id < 0, "a drawn id: {id}");
+    let after = (id - 1).to_string();
+    let paged = relay(
+        w.dir.path(),
+        &[
+            "dead",
+            "list",
+            "--json",
+            "--after",
+            &after,
+            "--database-url",
+            &w.url,
+        ],
+    );
+    assert_success("dead list --after a negative id", &paged);
+    assert_eq!(text(&paged.stdout).lines().count(), 1);
+}
