@@ -111,8 +111,11 @@ pub async fn dead(config: Config, command: DeadCommand) -> anyhow::Result<ExitCo
             }
         }
         DeadCommand::Retry(args) => {
-            let n = ops.dead_retry(selector(args)).await.map_err(store_error)?;
-            outln!("{}", retried_text(n));
+            let done = match selector(args) {
+                ids @ DeadSelector::Ids(_) => ops.dead_retry(ids).await.map_err(store_error)?,
+                all => dead_retry_in_pages(&*ops, all).await?,
+            };
+            outln!("{}", retried_text(done));
         }
         DeadCommand::Purge(args) => {
             let n = ops.dead_purge(selector(args)).await.map_err(store_error)?;
@@ -120,6 +123,60 @@ pub async fn dead(config: Config, command: DeadCommand) -> anyhow::Result<ExitCo
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// How many dead letters `dead retry` moves in one statement.
+const DEAD_RETRY_PAGE: u32 = 1_000;
+
+/// `dead retry` of a destination's dead letters or of all, a page of ids at a time, each in
+/// a statement of its own, with progress. In one statement, 1.2 million of them outlasted
+/// PostgreSQL's statement timeout (nothing moved), and on SQLite held the application's
+/// writers out for half a minute. A store whose dead letters have no integer ids (a mapped
+/// table with UUID row ids shows 0) is moved in one statement, as before.
+async fn dead_retry_in_pages(
+    ops: &dyn Operations,
+    selector: DeadSelector,
+) -> anyhow::Result<DeadRetried> {
+    let destination = match &selector {
+        DeadSelector::Destination(d) => Some(d.clone()),
+        _ => None,
+    };
+    let total: u64 = (ops.destination_stats().await.map_err(store_error)?.iter())
+        .filter(|s| destination.as_deref().is_none_or(|d| d == s.destination))
+        .map(|s| s.dead)
+        .sum();
+    let mut progress = Progress::new("retrying dead letters", total);
+    let mut done = DeadRetried::default();
+    let mut after = DeadQuery::default().after;
+    loop {
+        let page = ops
+            .dead_list(DeadQuery {
+                destination: destination.clone(),
+                after,
+                limit: DEAD_RETRY_PAGE,
+                ..DeadQuery::default()
+            })
+            .await
+            .map_err(store_error)?;
+        let Some(last) = page.last() else { break };
+        if page.iter().any(|r| r.sequence_id == 0) {
+            let rest = ops.dead_retry(selector).await.map_err(store_error)?;
+            done.moved += rest.moved;
+            done.left += rest.left;
+            break;
+        }
+        after = last.sequence_id;
+        let ids = page.iter().map(|r| r.sequence_id).collect();
+        let moved = ops
+            .dead_retry(DeadSelector::Ids(ids))
+            .await
+            .map_err(store_error)?;
+        done.moved += moved.moved;
+        done.left += moved.left;
+        progress.add(page.len() as u64);
+    }
+    progress.finish();
+    Ok(done)
 }
 
 /// One dead letter as `dead list --json` and the admin API show it.
