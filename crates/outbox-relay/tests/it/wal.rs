@@ -2921,8 +2921,8 @@ async fn await_key_delivered(what: &str, deliveries: &Deliveries, relay: &RelayP
     .await;
 }
 
-/// A relay streaming to a broker, over a parked table that refuses the rows `which` (a
-/// condition on `NEW`) selects, as a trigger a DBA put there would.
+/// A relay streaming to a broker, over a parked table that refuses parks as a DBA's change
+/// would ([`Refusal`]).
 struct RefusingParks {
     _nats: outbox_testkit::nats::PrivateNats,
     deliveries: Deliveries,
@@ -2931,6 +2931,25 @@ struct RefusingParks {
     relay: RelayProcess,
     /// Its HTTP endpoints.
     addr: String,
+    refusal: Refusal,
+}
+
+/// How the parked table refuses parks.
+enum Refusal {
+    /// A trigger refusing the rows its condition on `NEW` selects ([`refuse_parks`]).
+    Trigger(&'static str),
+    /// INSERT revoked from the relay's role (a role with the printed grants, named here).
+    Grant(String),
+}
+
+impl Refusal {
+    /// What the relay logs of a refused park.
+    fn logged(&self) -> &'static str {
+        match self {
+            Refusal::Trigger(_) => REFUSED_PARK,
+            Refusal::Grant(_) => "permission denied for table outbox_parked",
+        }
+    }
 }
 
 const REFUSED_PARK: &str = "refused by the parked table's trigger";
@@ -2950,16 +2969,36 @@ async fn refuse_parks(db: &Client, which: &str) {
 }
 
 impl RefusingParks {
-    /// Started, and its broker cut: what it reads next waits to be parked.
-    async fn start(which: &str) -> Self {
+    /// Started, refusing parks as `which` selects (a condition on `NEW`), and its broker
+    /// cut: what it reads next waits to be parked.
+    async fn start(which: &'static str) -> Self {
+        Self::refusing(Refusal::Trigger(which)).await
+    }
+
+    /// As [`RefusingParks::start`], refusing every park for want of INSERT on the table.
+    async fn without_the_grant() -> Self {
+        Self::refusing(Refusal::Grant(String::new())).await
+    }
+
+    async fn refusing(mut refusal: Refusal) -> Self {
         let (_nats, deliveries, proxy, broker_url) = nats_behind_a_proxy().await;
-        let w = WalDb::new().await;
-        refuse_parks(&w.db, which).await;
+        let mut w = WalDb::new().await;
+        match &mut refusal {
+            Refusal::Trigger(which) => refuse_parks(&w.db, which).await,
+            Refusal::Grant(role) => *role = w.connect_as_a_role_with_the_printed_grants().await,
+        }
         let http = ["--http-addr", "127.0.0.1:0", "--log-format", "json"];
         let relay = w
             .streaming_to(&broker_url, &[&RETRY_AN_OUTAGE[..], &http].concat())
             .await;
         let addr = http_addr(&relay).await;
+        // Revoked once it streams: the first session's adoption writes the parked table.
+        if let Refusal::Grant(role) = &refusal {
+            (w.db
+                .batch_execute(&format!("REVOKE INSERT ON outbox_parked FROM {role}"))
+                .await)
+                .unwrap();
+        }
         proxy.handle().cut_and_wait().await;
         RefusingParks {
             _nats,
@@ -2968,6 +3007,7 @@ impl RefusingParks {
             w,
             relay,
             addr,
+            refusal,
         }
     }
 
@@ -2975,7 +3015,11 @@ impl RefusingParks {
     /// delivered, with those of `also`.
     async fn others_delivered(&self, also: impl Fn(&HashSet<String>) -> bool) {
         self.relay
-            .wait_for_log("a refused park", Duration::from_secs(60), REFUSED_PARK)
+            .wait_for_log(
+                "a refused park",
+                Duration::from_secs(60),
+                self.refusal.logged(),
+            )
             .await;
         self.proxy.handle().heal();
         insert(&self.w.db, "fresh", 1).await;
@@ -2998,13 +3042,33 @@ impl RefusingParks {
             .collect()
     }
 
-    /// The trigger dropped: the parks are let through.
+    /// The trigger dropped, or the grant given back: the parks are let through.
     async fn let_parks_through(&self) {
-        self.w
-            .db
-            .batch_execute("DROP TRIGGER refuse_park ON outbox_parked")
-            .await
-            .unwrap();
+        let undo = match &self.refusal {
+            Refusal::Trigger(_) => "DROP TRIGGER refuse_park ON outbox_parked".to_string(),
+            Refusal::Grant(role) => format!("GRANT INSERT ON outbox_parked TO {role}"),
+        };
+        self.w.db.batch_execute(&undo).await.unwrap();
+    }
+
+    /// Waits for the events of the key `refused` to be delivered, as `written`, in order.
+    async fn refused_key_delivered_in_order(&self, written: &[String]) {
+        eventually_explained(
+            "the refused key's events delivered, in order, once the park is let through",
+            Duration::from_secs(90),
+            || self.relay.logs(),
+            || {
+                let ids: Vec<String> = (self.deliveries.snapshot().into_iter())
+                    .filter(|d| d.key == "refused")
+                    .map(|d| d.id)
+                    .collect();
+                async move { (ids.len() >= written.len()).then_some(ids) }
+            },
+        )
+        .await
+        .iter()
+        .zip(written)
+        .for_each(|(delivered, written)| assert_eq!(delivered, written));
     }
 }
 
@@ -3030,22 +3094,7 @@ async fn a_park_refused_for_an_unforeseen_reason_holds_back_only_its_key() {
         "/readyz names the key: {body}"
     );
     refusing.let_parks_through().await;
-    eventually_explained(
-        "the refused key's events delivered, in order, once the park is let through",
-        Duration::from_secs(60),
-        || refusing.relay.logs(),
-        || {
-            let ids: Vec<String> = (refusing.deliveries.snapshot().into_iter())
-                .filter(|d| d.key == "refused")
-                .map(|d| d.id)
-                .collect();
-            async move { (ids.len() >= 2).then_some(ids) }
-        },
-    )
-    .await
-    .iter()
-    .zip(&refused)
-    .for_each(|(delivered, written)| assert_eq!(delivered, written));
+    refusing.refused_key_delivered_in_order(&refused).await;
     readyz(
         &refusing.relay,
         &refusing.addr,
@@ -3064,71 +3113,16 @@ async fn a_park_refused_for_an_unforeseen_reason_holds_back_only_its_key() {
 /// holds back the refused key only, as any other refusal, until the grant is back.
 #[tokio::test]
 async fn a_park_refused_for_a_privilege_holds_back_only_its_key_and_the_relay_runs_on() {
-    let (_nats, deliveries, proxy, broker_url) = nats_behind_a_proxy().await;
-    let mut w = WalDb::new().await;
-    let role = w.connect_as_a_role_with_the_printed_grants().await;
-    let db = &w.db;
-    let http = ["--http-addr", "127.0.0.1:0", "--log-format", "json"];
-    let mut relay = w
-        .streaming_to(&broker_url, &[&RETRY_AN_OUTAGE[..], &http].concat())
-        .await;
-    let addr = http_addr(&relay).await;
-    // Revoked once it streams: the first session's adoption writes the parked table too.
-    db.batch_execute(&format!("REVOKE INSERT ON outbox_parked FROM {role}"))
-        .await
-        .unwrap();
-    proxy.handle().cut_and_wait().await;
+    let mut refusing = RefusingParks::without_the_grant().await;
+    let db = &refusing.w.db;
     let refused = [emit(db, "refused", 1).await, emit(db, "refused", 2).await];
-    relay
-        .wait_for_log(
-            "a park refused for the privilege",
-            Duration::from_secs(60),
-            "permission denied for table outbox_parked",
-        )
-        .await;
-    proxy.handle().heal();
-    insert(db, "fresh", 1).await;
-    let delivered_keys =
-        || -> HashSet<String> { deliveries.snapshot().into_iter().map(|d| d.key).collect() };
-    eventually_explained(
-        "a key needing no park delivered while the relay runs on",
-        Duration::from_secs(60),
-        || relay.logs(),
-        || {
-            let keys = delivered_keys();
-            async move { keys.contains("fresh").then_some(()) }
-        },
-    )
-    .await;
-    assert!(!delivered_keys().contains("refused"));
-    readyz(
-        &relay,
-        &addr,
-        503,
-        "refuses to park",
-        Duration::from_secs(30),
-    )
-    .await;
-    db.batch_execute(&format!("GRANT INSERT ON outbox_parked TO {role}"))
-        .await
-        .unwrap();
-    eventually_explained(
-        "the refused key's events delivered, in order, once the grant is back",
-        Duration::from_secs(90),
-        || relay.logs(),
-        || {
-            let ids: Vec<String> = (deliveries.snapshot().into_iter())
-                .filter(|d| d.key == "refused")
-                .map(|d| d.id)
-                .collect();
-            async move { (ids.len() >= 2).then_some(ids) }
-        },
-    )
-    .await
-    .iter()
-    .zip(&refused)
-    .for_each(|(delivered, written)| assert_eq!(delivered, written));
-    let status = relay.terminate().await;
+    refusing.others_delivered(|_| true).await;
+    assert!(!refusing.delivered_keys().contains("refused"));
+    let (relay, addr) = (&refusing.relay, &refusing.addr);
+    readyz(relay, addr, 503, "refuses to park", Duration::from_secs(30)).await;
+    refusing.let_parks_through().await;
+    refusing.refused_key_delivered_in_order(&refused).await;
+    let status = refusing.relay.terminate().await;
     assert!(status.success(), "{status:?}");
 }
 

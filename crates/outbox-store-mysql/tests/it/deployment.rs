@@ -96,7 +96,6 @@ async fn a_role_that_cannot_read_the_versions_table_is_told_the_grant() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_id_the_relay_cannot_read_is_named_by_check_and_set_aside_by_claims() {
     use mysql_async::prelude::Queryable;
-    use outbox_core::store::ClaimRequest;
     use outbox_core::OutboxStore;
     let url = outbox_testkit::fresh_mysql_database().await;
     let mut admin = mysql_async::Conn::from_url(url.as_str()).await.unwrap();
@@ -154,17 +153,8 @@ async fn an_id_the_relay_cannot_read_is_named_by_check_and_set_aside_by_claims()
                 && p.fix.starts_with("map a CHAR(36) column")),
         "{problems:?}"
     );
-    let claimed = store("text_ids")
-        .claim(ClaimRequest::new(
-            outbox_core::NodeId::random(),
-            10,
-            Duration::from_secs(30),
-        ))
-        .await
-        .unwrap();
-    let keys: Vec<&str> = claimed.iter().map(|c| c.ordering_key()).collect();
     assert_eq!(
-        keys,
+        claimed_keys(&store("text_ids")).await,
         ["orders"],
         "the unreadable row's key waits, the others flow"
     );
@@ -177,8 +167,6 @@ async fn an_id_the_relay_cannot_read_is_named_by_check_and_set_aside_by_claims()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unsigned_id_past_the_signed_range_is_set_aside_not_published_again_and_again() {
     use mysql_async::prelude::Queryable;
-    use outbox_core::store::ClaimRequest;
-    use outbox_core::OutboxStore;
     let url = outbox_testkit::fresh_mysql_database().await;
     let mut admin = mysql_async::Conn::from_url(url.as_str()).await.unwrap();
     admin
@@ -207,20 +195,23 @@ async fn an_unsigned_id_past_the_signed_range_is_set_aside_not_published_again_a
     })
     .unwrap();
     store.migrate().await.unwrap();
-    let claimed = store
-        .claim(ClaimRequest::new(
-            outbox_core::NodeId::random(),
-            10,
-            Duration::from_secs(30),
-        ))
-        .await
-        .unwrap();
-    let keys: Vec<&str> = claimed.iter().map(|c| c.ordering_key()).collect();
     assert_eq!(
-        keys,
+        claimed_keys(&store).await,
         ["2"],
         "the row past 2^63 is set aside, the other flows"
     );
+}
+
+/// The keys of up to ten rows one claim of `store` takes, in claim order.
+async fn claimed_keys(store: &MySqlStore) -> Vec<String> {
+    use outbox_core::store::ClaimRequest;
+    use outbox_core::OutboxStore;
+    let request = ClaimRequest::new(outbox_core::NodeId::random(), 10, Duration::from_secs(30));
+    let claimed = store.claim(request).await.unwrap();
+    claimed
+        .iter()
+        .map(|c| c.ordering_key().to_string())
+        .collect()
 }
 
 /// A server that takes no writes (a replica the URL points at, or a primary being demoted):
