@@ -203,12 +203,17 @@ fn lock<T>(state: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// How often claims read the parked table's keys again ([`Inner::look_for_retried_dead_letters`]).
 const PARKED_KEYS_REFRESH: Duration = Duration::from_secs(5);
 
-/// Whether the server refused a statement for a reason of its own (a trigger's `SIGNAL`, a
-/// constraint): not a lost connection, a conflict or a missing table or privilege, which
-/// every statement would meet.
+/// Whether the server refused a park for a reason of its own (a trigger's `SIGNAL`, a
+/// constraint, a grant revoked on the parked table): not a lost connection, a conflict or
+/// a missing table. A revoked grant stopped the relay, and a supervisor's restarts read the
+/// same rows again and stopped again, the position never stored; it now holds back the
+/// refused rows' keys, as any refusal.
 fn refused_statement(e: &mysql_async::Error) -> bool {
     matches!(e, mysql_async::Error::Server(_))
-        && outbox_store_mysql::classify(e) == StoreErrorKind::Query
+        && matches!(
+            outbox_store_mysql::classify(e),
+            StoreErrorKind::Query | StoreErrorKind::Privilege
+        )
 }
 
 fn store_error(context: &str, e: mysql_async::Error) -> StoreError {
@@ -619,7 +624,8 @@ impl Inner {
                         "the database refused to park this row: its key waits (its later \
                          rows behind it) while the other keys flow, and the park is tried \
                          again later; fix what the error names (a trigger, a constraint or \
-                         a column changed on the parked table)"
+                         a column changed on the parked table, or a grant `migrate --capture \
+                         binlog --print` lists)"
                     );
                     let key = refused.map(|(key, _)| key);
                     match key {

@@ -526,6 +526,93 @@ async fn a_role_without_replication_client_is_told_the_grant_not_to_wait_for_the
         .unwrap();
 }
 
+/// A park refused for a grant revoked on the parked table stopped the relay: restarted by a
+/// supervisor, it read the same rows again and stopped again, its position never stored. It
+/// now holds back the refused row's key only, as any refusal, until the grant is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_park_refused_for_a_revoked_grant_holds_back_only_its_key() {
+    let db = BinlogDb::new().await;
+    let user = format!(
+        "outbox_nopark_{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    );
+    let printed = relay(
+        db.dir.path(),
+        &[
+            "migrate",
+            "--capture",
+            "binlog",
+            "--print",
+            "--role",
+            "relay_x",
+            "--database-url",
+            &db.url,
+        ],
+    );
+    assert!(printed.status.success(), "{}", text(&printed.stderr));
+    let grants: String = text(&printed.stdout)
+        .lines()
+        .filter(|l| l.starts_with("GRANT "))
+        .map(|l| l.replace("'relay_x'@'%'", &format!("'{user}'@'127.0.0.1'")) + "\n")
+        .collect();
+    let mut admin = db.pool.get_conn().await.unwrap();
+    admin
+        .query_drop(format!(
+            "CREATE USER '{user}'@'127.0.0.1' IDENTIFIED BY 'p'; {grants}"
+        ))
+        .await
+        .unwrap();
+    let opts = mysql_async::Opts::from_url(&db.url).unwrap();
+    let database = opts.db_name().unwrap().to_string();
+    let as_user = format!(
+        "mysql://{user}:p@{}:{}/{database}",
+        opts.ip_or_hostname(),
+        opts.tcp_port()
+    );
+    let mut reader = db.spawn_at(&as_user, "relay-1", "out.jsonl", &[]);
+    reader
+        .wait_for_log("the relay reading", Duration::from_secs(60), READING)
+        .await;
+    let parked_grant = format!("INSERT ON `{database}`.`outbox_parked`");
+    admin
+        .query_drop(format!("REVOKE {parked_grant} FROM '{user}'@'127.0.0.1'"))
+        .await
+        .unwrap();
+    db.write_a_not_yet_due().await;
+    reader
+        .wait_for_log(
+            "the refused park",
+            Duration::from_secs(60),
+            "the database refused to park this row",
+        )
+        .await;
+    db.write(&["b"], 0, 1, true).await;
+    let files = [db.path("out.jsonl")];
+    eventually_explained(
+        "key b delivered while the relay runs on",
+        Duration::from_secs(30),
+        || reader.logs(),
+        || async { first_deliveries(&files).0.contains_key("b").then_some(()) },
+    )
+    .await;
+    admin
+        .query_drop(format!("GRANT {parked_grant} TO '{user}'@'127.0.0.1'"))
+        .await
+        .unwrap();
+    eventually_explained(
+        "the refused row delivered once the grant is back",
+        Duration::from_secs(90),
+        || reader.logs(),
+        || async { first_deliveries(&files).0.contains_key("a").then_some(()) },
+    )
+    .await;
+    assert!(reader.terminate().await.success(), "{}", reader.logs());
+    admin
+        .query_drop(format!("DROP USER '{user}'@'127.0.0.1'"))
+        .await
+        .unwrap();
+}
+
 /// A drain started beside a running relay waits as its standby and delivers nothing: it
 /// says why at once (its exit said only how many rows were left, "leased by another node").
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
