@@ -72,7 +72,33 @@ impl Payload {
             .map(Payload::Json)
             .map_err(|e| format!("payload is not valid JSON: {e}"))
     }
+
+    /// The payload a stored row holds, given its `headers`: one kept as a JSON string of its
+    /// text (marked by the header [`PAYLOAD_KEPT_AS_TEXT`], which is taken out) is that
+    /// text again.
+    pub fn restore_kept(self, headers: &mut Headers) -> Result<Self, String> {
+        if headers.remove(PAYLOAD_KEPT_AS_TEXT).is_none() {
+            return Ok(self);
+        }
+        let Payload::Json(raw) = self else {
+            return Ok(self);
+        };
+        let text: String = serde_json::from_str(raw.get()).map_err(|e| {
+            format!(
+                "the payload kept as its JSON text ({PAYLOAD_KEPT_AS_TEXT}) is no JSON string: {e}"
+            )
+        })?;
+        Payload::from_json_text(text)
+    }
 }
+
+/// The header of a row whose payload is kept as a JSON string of its JSON text, read back
+/// by [`Payload::restore_kept`]. PostgreSQL's jsonb refuses some JSON that the relay must
+/// still keep (`\u0000`, a lone surrogate escape, a number past `numeric`'s range, nesting
+/// deeper than it parses): a WAL event with such a payload that has to wait behind a retry
+/// of its key was dead-lettered instead, and a retry of the dead letter published the
+/// string. The name is the relay's own: a row an application writes should not carry it.
+pub const PAYLOAD_KEPT_AS_TEXT: &str = "outbox-relay-payload-kept-as-text";
 
 impl Serialize for Payload {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {

@@ -139,14 +139,15 @@ pub(crate) fn row_to_claimed(sequence_id: i64, row: &Row) -> Claimed {
     let partition_key: Option<String> = row.try_get(3).unwrap_or_default();
     let attempts = row.try_get::<_, i32>(9).unwrap_or_default().max(0) as u32;
     let decoded = (|| {
-        let headers = match column::<Option<String>>(row, 6)? {
+        let mut headers = match column::<Option<String>>(row, 6)? {
             Some(text) => headers_from_json_text(&text)?,
             None => return Err(column::<String>(row, 6).unwrap_err()),
         };
         let payload = match column::<Option<String>>(row, 5)? {
             None => Payload::Null,
             Some(text) => Payload::from_json_text(text)?,
-        };
+        }
+        .restore_kept(&mut headers)?;
         let created_at = column::<PgMicros>(row, 10)?.unix_micros();
         if let Some(problem) = outbox_core::time::created_at_problem(created_at) {
             return Err(problem);

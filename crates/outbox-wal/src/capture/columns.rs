@@ -1,8 +1,10 @@
 //! Events as the array parameters of the park and dead-letter statements, made storable:
-//! what PostgreSQL refuses (a NUL) is made visible in a dead letter, and such an event is
-//! never parked.
+//! a payload jsonb refuses is kept as the JSON string of its text, marked in the headers
+//! ([`PAYLOAD_KEPT_AS_TEXT`]); what PostgreSQL refuses otherwise (a NUL in a text column)
+//! is made visible in a dead letter, and such an event is never parked.
 
 use super::*;
+use outbox_core::event::PAYLOAD_KEPT_AS_TEXT;
 
 /// Undecodable events as the parameters of the dead-letter statement, with no attempt
 /// made.
@@ -29,8 +31,8 @@ impl DeadColumns {
         self.attempts.push(0);
         self.errors.push(format!(
             "{what}, which PostgreSQL cannot store: it could not wait in the parked table, so it \
-             was dead-lettered, NULs shown as \\0 in text and a payload or headers jsonb refuses \
-             kept as their JSON text in a string"
+             was dead-lettered, NULs shown as \\0 in text and headers jsonb refuses kept as \
+             their JSON text in a string"
         ));
     }
 
@@ -106,9 +108,21 @@ impl EventColumns {
         self.keys
             .push(event.partition_key.as_deref().map(visible_nul));
         self.types.push(visible_nul(&event.event_type));
-        self.payloads
-            .push(payload_json(&event.payload).map(|p| storable_json(&p)));
-        let headers = serde_json::to_string(&event.headers).unwrap_or_else(|_| "{}".into());
+        // A payload jsonb refuses is kept as a JSON string of its text, marked in the
+        // headers so that a claim of the row (or of its dead letter, retried) reads the
+        // text again ([`Payload::restore_kept`]). A marker the event brought is not kept:
+        // the name is the relay's.
+        let mut headers = event.headers.clone();
+        headers.remove(PAYLOAD_KEPT_AS_TEXT);
+        let payload = payload_json(&event.payload).map(|p| match payload_as_text(&p) {
+            Some(text) => {
+                headers.insert(PAYLOAD_KEPT_AS_TEXT.into(), "true".into());
+                text
+            }
+            None => storable_json(&p),
+        });
+        self.payloads.push(payload);
+        let headers = serde_json::to_string(&headers).unwrap_or_else(|_| "{}".into());
         self.headers.push(storable_json(&headers));
         self.mutations
             .push(event.mutation_id.as_deref().map(visible_nul));
@@ -133,8 +147,17 @@ impl EventColumns {
     }
 }
 
-/// What of `event` PostgreSQL cannot store as it is: a NUL byte in a text column, or
-/// JSON jsonb refuses (`\u0000`, or half of a surrogate pair).
+/// A payload jsonb refuses as the JSON string of its text, which jsonb keeps: `None` for
+/// one jsonb takes as it is, or one too long even as a string.
+fn payload_as_text(json: &str) -> Option<String> {
+    (jsonb_refuses(json) && json.len() <= JSONB_STRING_BYTES)
+        .then(|| serde_json::to_string(json).ok())
+        .flatten()
+}
+
+/// What of `event` PostgreSQL cannot store, even with its payload kept as text: a NUL byte
+/// in a text column, JSON jsonb refuses in its headers (`\u0000`, or half of a surrogate
+/// pair), or a refused payload too long even as a string.
 pub(super) fn unstorable(event: &Event) -> Option<&'static str> {
     let text = [
         Some(event.destination.as_str()),
@@ -145,11 +168,10 @@ pub(super) fn unstorable(event: &Event) -> Option<&'static str> {
     if text.into_iter().flatten().any(|t| t.contains('\0')) {
         return Some("a NUL byte in its destination, key, type or mutation id");
     }
-    if payload_json(&event.payload).is_some_and(|p| jsonb_refuses(&p)) {
-        return Some(
-            "\\u0000, a lone surrogate escape, a number out of numeric's range, nesting deeper \
-             than 1,000 or more than 64 MiB in its payload",
-        );
+    if payload_json(&event.payload)
+        .is_some_and(|p| jsonb_refuses(&p) && p.len() > JSONB_STRING_BYTES)
+    {
+        return Some("a payload jsonb refuses, too long to keep even as its JSON text");
     }
     let headers = serde_json::to_string(&event.headers).unwrap_or_default();
     jsonb_refuses(&headers).then_some("\\u0000 or a lone surrogate escape in its headers")
@@ -455,20 +477,48 @@ mod tests {
         assert_eq!(storable_json(r#"{"a":1}"#), r#"{"a":1}"#);
     }
 
+    fn event(destination: &str, payload: &str) -> Event {
+        let payload = serde_json::value::RawValue::from_string(payload.into()).unwrap();
+        Event::new(
+            1,
+            uuid::Uuid::nil(),
+            destination,
+            "T",
+            Payload::Json(payload),
+        )
+    }
+
     #[test]
-    fn an_event_with_a_nul_anywhere_cannot_be_parked() {
-        let event = |destination: &str, payload: &str| {
-            let payload = serde_json::value::RawValue::from_string(payload.into()).unwrap();
-            Event::new(
-                1,
-                uuid::Uuid::nil(),
-                destination,
-                "T",
-                Payload::Json(payload),
-            )
-        };
+    fn an_event_with_a_nul_in_a_text_column_cannot_be_parked() {
         assert_eq!(unstorable(&event("orders", "{}")), None);
         assert!(unstorable(&event("ord\0ers", "{}")).is_some());
-        assert!(unstorable(&event("orders", r#"{"a":"\u0000"}"#)).is_some());
+    }
+
+    /// A payload jsonb refuses was dead-lettered when its event had to wait behind a retry
+    /// (a transient failure made permanent), and a retry of the dead letter published its
+    /// text as a JSON string. It is parked as the JSON string of its text, marked, and read
+    /// back whole.
+    #[test]
+    fn a_payload_jsonb_refuses_is_parked_as_its_text_and_read_back_whole() {
+        let json = r#"{"a":"\u0000","b":1e131072}"#;
+        let waiting = event("orders", json);
+        assert_eq!(unstorable(&waiting), None);
+        let mut columns = EventColumns::default();
+        columns.push(&waiting);
+        let stored = columns.payloads[0].clone().unwrap();
+        assert!(!jsonb_refuses(&stored), "{stored}");
+        let mut headers = outbox_core::event::headers_from_json_text(&columns.headers[0]).unwrap();
+        assert!(headers.contains_key(PAYLOAD_KEPT_AS_TEXT), "{headers:?}");
+        let back = Payload::from_json_text(stored)
+            .unwrap()
+            .restore_kept(&mut headers)
+            .unwrap();
+        assert_eq!(back.as_bytes(), json.as_bytes());
+        assert!(headers.is_empty(), "the marker is taken out: {headers:?}");
+        // A payload jsonb takes is stored as it is, unmarked.
+        let mut plain = EventColumns::default();
+        plain.push(&event("orders", r#"{"a":1}"#));
+        assert_eq!(plain.payloads[0].as_deref(), Some(r#"{"a":1}"#));
+        assert_eq!(plain.headers[0], "{}");
     }
 }
