@@ -1156,15 +1156,33 @@ impl Inner {
 
     async fn backlog(&self) -> StoreResult<Backlog> {
         let mut backlog = self.parked.backlog().await?;
+        // The rows still in the outbox table: held and queued ones, but also any the log
+        // never brings (written with `sql_log_bin = 0`), which waited for good while the
+        // backlog and its age said nothing was pending. A BLACKHOLE outbox keeps none.
+        let table = match self.blackhole {
+            true => Backlog::default(),
+            false => self.main.backlog().await?,
+        };
         let reading = *self.status.borrow() == CaptureStatus::Reading;
         ::metrics::gauge!(metric::READING).set(if reading { 1.0 } else { 0.0 });
         ::metrics::gauge!(metric::MEMORY_HELD).set(self.memory.held() as f64);
         self.settle_stall();
         let state = lock(&self.state);
-        state.holdings.add_stream_backlog(&mut backlog);
+        let mut stream = Backlog::default();
+        state.holdings.add_stream_backlog(&mut stream);
         // Rows read and not handed out yet: queued, or (a BLACKHOLE outbox) held until their
         // transaction's commit is read.
-        backlog.pending += (state.unaccepted.len() + state.uncommitted.len()) as u64;
+        stream.pending += (state.unaccepted.len() + state.uncommitted.len()) as u64;
+        // Held rows are in the table until delivered: the larger count, not the sum.
+        backlog.pending += stream.pending.max(table.pending);
+        backlog.oldest_pending_age = [
+            backlog.oldest_pending_age,
+            stream.oldest_pending_age,
+            table.oldest_pending_age,
+        ]
+        .into_iter()
+        .flatten()
+        .max();
         if self.drain && !state.drained() {
             // Rows the log has not handed over yet, of an age unknown: the drain must not
             // take them for rows that arrived after it began (all younger than the run).

@@ -15,8 +15,8 @@ use mysql_async::prelude::Queryable;
 use outbox_testkit::{eventually, eventually_explained};
 
 use crate::support::{
-    nats_behind_a_proxy, read_lines, relay, relay_ok, text, wait_for_lines, RelayProcess,
-    RETRY_AN_OUTAGE,
+    http_addr, http_get, metric_value, nats_behind_a_proxy, read_lines, relay, relay_ok, text,
+    wait_for_lines, RelayProcess, RETRY_AN_OUTAGE,
 };
 
 /// The log line of a relay that reads the binary log.
@@ -115,11 +115,13 @@ impl BinlogDb {
             &sink,
             "--node-id",
             name,
-            "--http-addr",
-            "",
             "--shutdown-timeout",
             "5s",
         ];
+        // No HTTP endpoints unless `extra` asks for them.
+        if !extra.contains(&"--http-addr") {
+            args.extend(["--http-addr", ""]);
+        }
         args.extend(extra);
         RelayProcess::spawn(
             self.dir.path(),
@@ -611,6 +613,42 @@ async fn a_park_refused_for_a_revoked_grant_holds_back_only_its_key() {
         .query_drop(format!("DROP USER '{user}'@'127.0.0.1'"))
         .await
         .unwrap();
+}
+
+/// A row written with `sql_log_bin = 0` never reaches the binary log, so capture never
+/// brings it (the README says so). It waited for good while the backlog gauge and its age
+/// said nothing was pending; they now count the rows still in the outbox table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_the_log_never_carries_shows_in_the_backlog() {
+    let db = BinlogDb::new().await;
+    let relay = db
+        .reading_with(
+            "relay-1",
+            "out.jsonl",
+            &["--http-addr", "127.0.0.1:0", "--log-format", "json"],
+        )
+        .await;
+    let addr = http_addr(&relay).await;
+    let mut conn = db.pool.get_conn().await.unwrap();
+    conn.query_drop(
+        "SET SESSION sql_log_bin = 0;
+         INSERT INTO outbox (destination, partition_key, event_type, payload)
+              VALUES ('orders', 'unlogged', 'T', JSON_OBJECT('n', 1));
+         SET SESSION sql_log_bin = 1;",
+    )
+    .await
+    .unwrap();
+    eventually_explained(
+        "the unlogged row in the backlog gauge",
+        Duration::from_secs(30),
+        || relay.logs(),
+        || async {
+            let (_, metrics) = http_get(&addr, "/metrics").await?;
+            let pending = metric_value(&metrics, "outbox_backlog_events")?;
+            (pending >= 1.0).then_some(())
+        },
+    )
+    .await;
 }
 
 /// A drain started beside a running relay waits as its standby and delivers nothing: it
