@@ -74,7 +74,7 @@ pub(crate) async fn verify(inner: &Inner) -> StoreResult<Vec<Problem>> {
     problems.extend(verify_outbox_columns(inner).await?);
     // Only over tables that are all there, with their columns.
     if problems.iter().all(|p| !p.fails_check()) {
-        problems.extend(sequence_behind_dead_letters(inner).await?);
+        problems.extend(sequence_went_back(inner).await?);
     }
     let (trigger, table) = t.trigger_exists_sql();
     problems.extend(
@@ -82,7 +82,48 @@ pub(crate) async fn verify(inner: &Inner) -> StoreResult<Vec<Problem>> {
     );
     index_problems(inner, &mut problems, migrate_fix).await?;
     problems.extend(unidentified_rows(inner, &t.outbox.quoted(), &t.outbox.to_string()).await?);
+    problems
+        .extend(hidden_by_row_security(inner, &t.outbox.quoted(), &t.outbox.to_string()).await?);
     Ok(problems)
+}
+
+/// Row-level security on `table` (quoted) for a role that is neither its owner nor
+/// BYPASSRLS, and no policy naming the role or PUBLIC: the relay's claims see no row, and
+/// the rows waited for good while `/readyz`, the backlog and `check` said nothing pended.
+pub(crate) async fn hidden_by_row_security(
+    inner: &Inner,
+    table: &str,
+    shown: &str,
+) -> StoreResult<Vec<Problem>> {
+    let rows = PgStore::query(
+        inner,
+        "verify",
+        "SELECT c.relrowsecurity
+                AND (c.relforcerowsecurity OR NOT pg_has_role(c.relowner, 'USAGE'))
+                AND NOT (SELECT rolbypassrls FROM pg_catalog.pg_roles WHERE rolname = current_user)
+                AND NOT EXISTS (SELECT FROM pg_catalog.pg_policies p
+                                 WHERE p.schemaname = n.nspname AND p.tablename = c.relname
+                                   AND (current_user = ANY (p.roles) OR 'public' = ANY (p.roles)))
+           FROM pg_catalog.pg_class c
+           JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+          WHERE c.oid = to_regclass($1)",
+        &[&table],
+    )
+    .await?;
+    if !rows.first().is_some_and(|r| r.get::<_, bool>(0)) {
+        return Ok(Vec::new());
+    }
+    Ok(vec![Problem::blocking(
+        format!(
+            "row-level security is on for {shown}, and no policy names the relay's role, which \
+             is neither the table's owner nor BYPASSRLS: the relay sees none of its rows, and \
+             relays none"
+        ),
+        format!(
+            "CREATE POLICY outbox_relay ON {table} TO <relay role> USING (true); (or ALTER \
+             ROLE <relay role> BYPASSRLS, or ALTER TABLE {table} DISABLE ROW LEVEL SECURITY)"
+        ),
+    )])
 }
 
 /// `table` (quoted) in a publication that publishes deletes or updates (one `FOR ALL
@@ -145,7 +186,7 @@ pub(crate) async fn unidentified_rows(
 /// RESTART IDENTITY`, a restore, an `ALTER SEQUENCE … RESTART`): the next event to be
 /// dead-lettered with an id already there would fail on the table's key at every try, its
 /// key held back for good.
-async fn sequence_behind_dead_letters(inner: &Inner) -> StoreResult<Option<Problem>> {
+async fn sequence_went_back(inner: &Inner) -> StoreResult<Option<Problem>> {
     let t = &inner.tables;
     let (outbox, dead) = (t.outbox.quoted(), t.dead_letters.quoted());
     // Index lookups only: the highest dead letter's id, whether the outbox holds a row of
@@ -170,14 +211,31 @@ async fn sequence_behind_dead_letters(inner: &Inner) -> StoreResult<Option<Probl
         bool,
         Option<i64>,
     ) = (row.get(0), row.get(1), row.get(2), row.get(3), row.get(4));
-    let (Some(sequence), Some(dead_max)) = (sequence, dead_max) else {
+    let Some(sequence) = sequence else {
+        return Ok(None);
+    };
+    // Past every id either table holds: never backwards, for the application's inserts.
+    let past = dead_max.unwrap_or(0).max(outbox_max.unwrap_or(0));
+    // Behind the rows still in the outbox: rows written now take ids below rows still
+    // pending, and go out before them, out of order within their keys, without a word.
+    if let (Some(last), Some(outbox_max)) = (last, outbox_max) {
+        if last < outbox_max {
+            return Ok(Some(Problem::blocking(
+                format!(
+                    "the outbox's id sequence {sequence} went back behind the ids of rows still \
+                     in the outbox (at {last}, up to {outbox_max}): it was reset, and rows \
+                     written now would be relayed before earlier rows of their keys"
+                ),
+                format!("SELECT setval('{sequence}', {past});"),
+            )));
+        }
+    }
+    let Some(dead_max) = dead_max else {
         return Ok(None);
     };
     if !taken && last.is_none_or(|last| last >= dead_max) {
         return Ok(None);
     }
-    // Past every id either table holds: never backwards, for the application's inserts.
-    let past = dead_max.max(outbox_max.unwrap_or(0));
     // The relay runs with it (only an event dead-lettered under a taken id fails); check
     // fails, naming the fix.
     Ok(Some(Problem::degraded(

@@ -663,3 +663,99 @@ async fn check_names_an_outbox_whose_deletes_a_publication_refuses() {
         .await
         .unwrap();
 }
+
+/// `check` against `url`: its exit code and report.
+fn check_at(url: &str) -> (Option<i32>, String) {
+    let out = Command::new(BIN)
+        .args(["check", "--database-url", url])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout).to_string();
+    (out.status.code(), said)
+}
+
+/// The outbox's id sequence reset (`ALTER SEQUENCE … RESTART`) while rows are pending:
+/// rows written next took ids below them and went out first, out of order within their
+/// keys, and `check` said ok. It now fails, with the `setval` that mends it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_names_an_id_sequence_reset_behind_pending_rows() {
+    let url = outbox_testkit::fresh_pg_database().await;
+    migrate_with(&url, &[]);
+    let db = pg(&url).await;
+    for key in ["a", "b", "c"] {
+        send(&url, key).await;
+    }
+    // The first delivered (its row gone), then the sequence reset: the next row takes its id.
+    db.batch_execute(
+        "DELETE FROM outbox WHERE sequence_id = (SELECT min(sequence_id) FROM outbox);
+         ALTER SEQUENCE outbox_sequence_id_seq RESTART WITH 1;",
+    )
+    .await
+    .unwrap();
+    send(&url, "a").await;
+    let (code, said) = check_at(&url);
+    assert_eq!(code, Some(1), "{said}");
+    assert!(
+        said.contains("went back behind the ids of rows still"),
+        "{said}"
+    );
+    assert!(said.contains("setval("), "{said}");
+    db.batch_execute(
+        "SELECT setval('outbox_sequence_id_seq', (SELECT max(sequence_id) FROM outbox))",
+    )
+    .await
+    .unwrap();
+    let (code, said) = check_at(&url);
+    assert!(!said.contains("went back"), "{code:?} {said}");
+}
+
+/// Row-level security on the outbox with no policy for the relay's role: the relay saw no
+/// row, and `/readyz`, the backlog and `check` all said nothing was pending. `check` now
+/// names it, with the policy that lets the relay see the rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_names_row_security_that_hides_the_outbox_from_the_relay() {
+    let url = outbox_testkit::fresh_pg_database().await;
+    migrate_with(&url, &[]);
+    let db = pg(&url).await;
+    let role = format!("relay_{}", uuid::Uuid::new_v4().simple());
+    let printed = Command::new(BIN)
+        .args([
+            "migrate",
+            "--print",
+            "--role",
+            &role,
+            "--database-url",
+            &url,
+        ])
+        .output()
+        .unwrap();
+    db.batch_execute(&format!(
+        "CREATE ROLE {role} LOGIN; {}",
+        String::from_utf8_lossy(&printed.stdout)
+    ))
+    .await
+    .unwrap();
+    let app = format!("app_{}", uuid::Uuid::new_v4().simple());
+    db.batch_execute(&format!(
+        "CREATE ROLE {app}; ALTER TABLE outbox ENABLE ROW LEVEL SECURITY;
+         CREATE POLICY app_rows ON outbox TO {app} USING (true);"
+    ))
+    .await
+    .unwrap();
+    let as_relay = url.replacen("postgres@", &format!("{role}@"), 1);
+    let (code, said) = check_at(&as_relay);
+    assert_eq!(code, Some(1), "{said}");
+    assert!(said.contains("row-level security is on"), "{said}");
+    db.batch_execute(&format!(
+        "CREATE POLICY relay_rows ON outbox TO {role} USING (true)"
+    ))
+    .await
+    .unwrap();
+    let (_, said) = check_at(&as_relay);
+    assert!(!said.contains("row-level security"), "{said}");
+    db.batch_execute(&format!(
+        "DROP OWNED BY {role} CASCADE; DROP ROLE {role}; DROP POLICY app_rows ON outbox; DROP ROLE {app};"
+    ))
+    .await
+    .unwrap();
+}
