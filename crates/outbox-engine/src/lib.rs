@@ -207,7 +207,17 @@ impl Default for OwnershipSeen {
 
 /// Retries a store write until it succeeds or fails for good. Settling must not be dropped:
 /// a row whose ack is lost would be published again, one whose retry is lost could reorder.
-async fn persist<F>(health: Arc<Health>, what: &'static str, mut op: F) -> StoreResult<u64>
+/// A privilege the database refuses is retried too: the relay exited on it, and a
+/// supervisor's restarts published the pending events again at every start (the grants
+/// `run` checks at start do not cover a trigger or a policy a DBA adds on the outbox);
+/// retried, nothing goes out twice, `/readyz` says why, and a grant given back mends it.
+/// A drain (`outlast_refusals` false) ends on it instead, as a cron job must.
+async fn persist<F>(
+    health: Arc<Health>,
+    what: &'static str,
+    outlast_refusals: bool,
+    mut op: F,
+) -> StoreResult<u64>
 where
     F: FnMut() -> StoreFuture<u64>,
 {
@@ -223,7 +233,10 @@ where
         }
         match result {
             Ok(n) => return Ok(n),
-            Err(e) if e.is_retryable() => {
+            Err(e)
+                if e.is_retryable()
+                    || (outlast_refusals && e.kind() == outbox_core::StoreErrorKind::Privilege) =>
+            {
                 let retry_in = backoff.next_delay();
                 ::metrics::counter!(metrics::STORE_ERRORS, "operation" => what).increment(1);
                 tracing::warn!(operation = what, error = %e.report(), ?retry_in, "store write failed; retrying");
@@ -362,11 +375,14 @@ impl Engine {
         };
         let health = self.config.shared.health.clone();
         let telemetry = self.config.shared.telemetry.clone();
+        let outlast_refusals = !self.config.drain;
         self.spawn_settle(
             async move {
                 let start = telemetry.as_ref().map(|_| SystemTime::now());
-                let result =
-                    persist(health, what, || op(&*store, holder.clone(), rows.clone())).await;
+                let result = persist(health, what, outlast_refusals, || {
+                    op(&*store, holder.clone(), rows.clone())
+                })
+                .await;
                 if let (Some(telemetry), Some(start)) = (telemetry, start) {
                     telemetry.settled(Span::since(start), kind, count, result.as_ref().copied());
                 }
@@ -384,9 +400,10 @@ impl Engine {
         let store = self.store.clone();
         let node = self.config.node.clone();
         let health = self.config.shared.health.clone();
+        let outlast_refusals = !self.config.drain;
         self.spawn_settle(
             async move {
-                let result = persist(health, "release", || {
+                let result = persist(health, "release", outlast_refusals, || {
                     store.release(node.clone(), ids.clone())
                 })
                 .await;

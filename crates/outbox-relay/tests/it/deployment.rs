@@ -759,3 +759,56 @@ async fn check_names_row_security_that_hides_the_outbox_from_the_relay() {
     .await
     .unwrap();
 }
+
+/// An ack the database refuses for a privilege the relay's grants do not cover (here an
+/// audit trigger a DBA put on the outbox, writing where the relay may not): the relay
+/// exited, and a supervisor's restarts published the same pending events again at each
+/// start (5,829 copies of 300 in 30 s). It now retries the ack, publishing nothing twice,
+/// until the cause is fixed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ack_refused_for_a_privilege_is_retried_without_exiting_or_publishing_again() {
+    let url = outbox_testkit::fresh_pg_database().await;
+    migrate_with(&url, &[]);
+    let db = pg(&url).await;
+    db.batch_execute(
+        "CREATE FUNCTION refuse_delete() RETURNS trigger LANGUAGE plpgsql AS
+           $$ BEGIN RAISE EXCEPTION 'permission denied for table outbox_audit'
+                USING ERRCODE = 'insufficient_privilege'; END $$;
+         CREATE TRIGGER audit_delete BEFORE DELETE ON outbox
+           FOR EACH ROW EXECUTE FUNCTION refuse_delete();",
+    )
+    .await
+    .unwrap();
+    for key in ["a", "b", "c"] {
+        send(&url, key).await;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let sink = dir.path().join("out.jsonl");
+    let mut node = relay(dir.path(), "relay", &url, "n1", &sink);
+    node.wait_for_log(
+        "the refused ack retried",
+        Duration::from_secs(60),
+        "store write failed; retrying",
+    )
+    .await;
+    assert!(node.is_running(), "{}", node.logs());
+    db.batch_execute("DROP TRIGGER audit_delete ON outbox")
+        .await
+        .unwrap();
+    eventually_explained(
+        "the acks through once the trigger is gone",
+        Duration::from_secs(60),
+        || node.logs(),
+        || async {
+            let left: i64 = db
+                .query_one("SELECT count(*) FROM outbox", &[])
+                .await
+                .ok()?
+                .get(0);
+            (left == 0).then_some(())
+        },
+    )
+    .await;
+    assert!(node.terminate().await.success(), "{}", node.logs());
+    assert_eq!(read_lines(&sink).len(), 3, "each event published once");
+}
