@@ -289,9 +289,14 @@ impl Health {
                     if waited >= stall {
                         out.push(Trouble {
                             what: check.name(),
+                            // A lock another session holds waits as silently as a
+                            // network path that went dead: a DBA's `LOCK TABLE` was
+                            // reported as the network alone.
                             detail: format!(
-                                "no answer from the database for {}s (the connection may be \
-                                 blackholed: check the network path to the database)",
+                                "no answer from the database for {}s: a statement waits for a \
+                                 lock another session holds, or the connection may be \
+                                 blackholed (see the relay's sessions in pg_stat_activity or \
+                                 SHOW PROCESSLIST, then the network path to the database)",
                                 waited.as_secs()
                             ),
                             lasting: waited,
@@ -389,7 +394,15 @@ mod tests {
         let stall = Duration::from_secs(10);
         assert!(health.troubles(Instant::now(), stall).is_empty());
         let later = Instant::now() + stall;
-        assert_eq!(health.troubles(later, stall)[0].what, "claim");
+        let trouble = &health.troubles(later, stall)[0];
+        assert_eq!(trouble.what, "claim");
+        // A lock wait is as silent as a dead network path: both are named.
+        assert!(
+            trouble.detail.contains("lock another session holds")
+                && trouble.detail.contains("blackholed"),
+            "{}",
+            trouble.detail
+        );
         drop(attempt);
         assert!(health.troubles(later, stall).is_empty());
     }

@@ -33,16 +33,11 @@ async fn migrate_makes_the_outbox_in_its_configured_database() {
         .db_name()
         .unwrap()
         .to_string();
-    let store = outbox_store_mysql::MySqlStore::new(outbox_store_mysql::MySqlOptions {
-        url: url.clone(),
-        mapping: outbox_layout::Mapping::native_mysql(Some(&other_db), "outbox", false),
-        layout: "native".into(),
-        max_attempts: 10,
-        pool_size: 2,
-        nodes_table: None,
-        operation_timeout: None,
-    })
-    .unwrap();
+    let store = store_over(
+        &url,
+        outbox_layout::Mapping::native_mysql(Some(&other_db), "outbox", false),
+        "native",
+    );
     store.migrate().await.unwrap();
     assert_eq!(
         store.verify().await.unwrap(),
@@ -133,16 +128,7 @@ async fn an_id_the_relay_cannot_read_is_named_by_check_and_set_aside_by_claims()
             seed: None,
             ..outbox_layout::Mapping::mysql_outbox_events(None, table)
         };
-        MySqlStore::new(outbox_store_mysql::MySqlOptions {
-            url: url.clone(),
-            mapping,
-            layout: "custom".into(),
-            max_attempts: 10,
-            pool_size: 2,
-            nodes_table: None,
-            operation_timeout: None,
-        })
-        .unwrap()
+        store_over(&url, mapping, "custom")
     };
     let problems = store("binary_ids").verify().await.unwrap();
     assert!(
@@ -184,22 +170,31 @@ async fn an_unsigned_id_past_the_signed_range_is_set_aside_not_published_again_a
         )
         .await
         .unwrap();
-    let store = MySqlStore::new(outbox_store_mysql::MySqlOptions {
-        url: url.clone(),
-        mapping: outbox_layout::Mapping::mysql_outbox_events(None, "outbox_events"),
-        layout: "mysql-outbox-events".into(),
-        max_attempts: 10,
-        pool_size: 2,
-        nodes_table: None,
-        operation_timeout: None,
-    })
-    .unwrap();
+    let store = store_over(
+        &url,
+        outbox_layout::Mapping::mysql_outbox_events(None, "outbox_events"),
+        "mysql-outbox-events",
+    );
     store.migrate().await.unwrap();
     assert_eq!(
         claimed_keys(&store).await,
         ["2"],
         "the row past 2^63 is set aside, the other flows"
     );
+}
+
+/// A store over the table `mapping` names at `url`, with `layout`'s name.
+fn store_over(url: &str, mapping: outbox_layout::Mapping, layout: &str) -> MySqlStore {
+    MySqlStore::new(outbox_store_mysql::MySqlOptions {
+        url: url.to_string(),
+        mapping,
+        layout: layout.into(),
+        max_attempts: 10,
+        pool_size: 2,
+        nodes_table: None,
+        operation_timeout: None,
+    })
+    .unwrap()
 }
 
 /// The keys of up to ten rows one claim of `store` takes, in claim order.
