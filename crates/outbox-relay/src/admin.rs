@@ -951,7 +951,9 @@ async fn dead_action(c: &Arc<Console>, body: &Bytes, action: DeadAction) -> Resp
         async move {
             let ops = c.store.operations();
             let outcome = match action {
-                DeadAction::Retry => ops.dead_retry(selector.clone()).await,
+                DeadAction::Retry => {
+                    crate::operator::dead_retry_in_pages(&*ops, selector.clone(), |_| {}).await
+                }
                 DeadAction::Purge => ops
                     .dead_purge(selector.clone())
                     .await

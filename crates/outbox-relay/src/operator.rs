@@ -111,10 +111,17 @@ pub async fn dead(config: Config, command: DeadCommand) -> anyhow::Result<ExitCo
             }
         }
         DeadCommand::Retry(args) => {
-            let done = match selector(args) {
-                ids @ DeadSelector::Ids(_) => ops.dead_retry(ids).await.map_err(store_error)?,
-                all => dead_retry_in_pages(&*ops, all).await?,
+            let selector = selector(args);
+            let total = match &selector {
+                DeadSelector::Ids(ids) => ids.len() as u64,
+                DeadSelector::Destination(d) => dead_count(&*ops, Some(d)).await?,
+                DeadSelector::All => dead_count(&*ops, None).await?,
             };
+            let mut progress = Progress::new("retrying dead letters", total);
+            let done = dead_retry_in_pages(&*ops, selector, |n| progress.add(n))
+                .await
+                .map_err(store_error)?;
+            progress.finish();
             outln!("{}", retried_text(done));
         }
         DeadCommand::Purge(args) => {
@@ -129,23 +136,22 @@ pub async fn dead(config: Config, command: DeadCommand) -> anyhow::Result<ExitCo
 const DEAD_RETRY_PAGE: u32 = 1_000;
 
 /// `dead retry` of a destination's dead letters or of all, a page of ids at a time, each in
-/// a statement of its own, with progress. In one statement, 1.2 million of them outlasted
+/// a statement of its own, `on_page` told how many each page held (the CLI's progress; the
+/// admin API's retry goes the same way). In one statement, 1.2 million of them outlasted
 /// PostgreSQL's statement timeout (nothing moved), and on SQLite held the application's
-/// writers out for half a minute. A store whose dead letters have no integer ids (a mapped
-/// table with UUID row ids shows 0) is moved in one statement, as before.
-async fn dead_retry_in_pages(
+/// writers out for half a minute. Ids given are moved in one statement, as before, and so
+/// are the dead letters of a store whose rows have no integer ids (a mapped table with UUID
+/// row ids shows 0).
+pub(crate) async fn dead_retry_in_pages(
     ops: &dyn Operations,
     selector: DeadSelector,
-) -> anyhow::Result<DeadRetried> {
+    mut on_page: impl FnMut(u64),
+) -> outbox_core::store::StoreResult<DeadRetried> {
     let destination = match &selector {
+        DeadSelector::Ids(_) => return ops.dead_retry(selector).await,
         DeadSelector::Destination(d) => Some(d.clone()),
-        _ => None,
+        DeadSelector::All => None,
     };
-    let total: u64 = (ops.destination_stats().await.map_err(store_error)?.iter())
-        .filter(|s| destination.as_deref().is_none_or(|d| d == s.destination))
-        .map(|s| s.dead)
-        .sum();
-    let mut progress = Progress::new("retrying dead letters", total);
     let mut done = DeadRetried::default();
     let mut after = DeadQuery::default().after;
     loop {
@@ -156,27 +162,33 @@ async fn dead_retry_in_pages(
                 limit: DEAD_RETRY_PAGE,
                 ..DeadQuery::default()
             })
-            .await
-            .map_err(store_error)?;
+            .await?;
         let Some(last) = page.last() else { break };
         if page.iter().any(|r| r.sequence_id == 0) {
-            let rest = ops.dead_retry(selector).await.map_err(store_error)?;
+            let rest = ops.dead_retry(selector).await?;
             done.moved += rest.moved;
             done.left += rest.left;
+            on_page(rest.moved + rest.left);
             break;
         }
         after = last.sequence_id;
         let ids = page.iter().map(|r| r.sequence_id).collect();
-        let moved = ops
-            .dead_retry(DeadSelector::Ids(ids))
-            .await
-            .map_err(store_error)?;
+        let moved = ops.dead_retry(DeadSelector::Ids(ids)).await?;
         done.moved += moved.moved;
         done.left += moved.left;
-        progress.add(page.len() as u64);
+        on_page(page.len() as u64);
     }
-    progress.finish();
     Ok(done)
+}
+
+/// How many dead letters a destination (or every one) has, for the progress line.
+async fn dead_count(ops: &dyn Operations, destination: Option<&str>) -> anyhow::Result<u64> {
+    let stats = ops.destination_stats().await.map_err(store_error)?;
+    Ok(stats
+        .iter()
+        .filter(|s| destination.is_none_or(|d| d == s.destination))
+        .map(|s| s.dead)
+        .sum())
 }
 
 /// One dead letter as `dead list --json` and the admin API show it.
