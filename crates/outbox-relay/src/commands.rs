@@ -383,13 +383,7 @@ pub async fn send(config: Config, args: SendArgs) -> anyhow::Result<ExitCode> {
     }
     // A new SQLite file is made, as `run` makes one (send first, run later); but from another
     // directory than the relay's it went unnoticed, the event in a file no relay reads.
-    let new_file = match config.database.database_kind() {
-        Ok(crate::config::DatabaseKind::Sqlite(path)) => {
-            let uri = path.to_string_lossy();
-            (!uri.starts_with("file:") && uri != ":memory:" && !path.exists()).then_some(path)
-        }
-        _ => None,
-    };
+    let new_file = crate::operator::missing_sqlite_file(&config);
     let store = ready_existing_store(&config).await?;
     let event = NewEvent {
         event_id: args.event_id,

@@ -35,17 +35,26 @@ async fn operations(config: &Config) -> anyhow::Result<Arc<dyn Operations>> {
 /// opening it made an empty database, and the command reported "no dead letters", "0
 /// pending", or a purge of nothing, with exit 0.
 pub(crate) fn refuse_a_missing_sqlite_file(config: &Config) -> anyhow::Result<()> {
-    if let Ok(crate::config::DatabaseKind::Sqlite(path)) = config.database.database_kind() {
-        let uri = path.to_string_lossy();
-        if !uri.starts_with("file:") && uri != ":memory:" && !path.exists() {
-            return Err(config_error(format!(
-                "no SQLite database at {}: check --database-url and the working directory (the \
-                 default is outbox.db in it); `outbox-relay migrate` or `run` creates it",
-                path.display()
-            )));
-        }
+    match missing_sqlite_file(config) {
+        Some(path) => Err(config_error(format!(
+            "no SQLite database at {}: check --database-url and the working directory (the \
+             default is outbox.db in it); `outbox-relay migrate` or `run` creates it",
+            path.display()
+        ))),
+        None => Ok(()),
     }
-    Ok(())
+}
+
+/// The SQLite file the configuration names, if opening it would make a new one (a plain
+/// path that does not exist; a `file:` URI or `:memory:` is left to SQLite).
+pub(crate) fn missing_sqlite_file(config: &Config) -> Option<std::path::PathBuf> {
+    match config.database.database_kind() {
+        Ok(crate::config::DatabaseKind::Sqlite(path)) => {
+            let uri = path.to_string_lossy();
+            (!uri.starts_with("file:") && uri != ":memory:" && !path.exists()).then_some(path)
+        }
+        _ => None,
+    }
 }
 
 fn store_error(e: outbox_core::StoreError) -> anyhow::Error {

@@ -114,12 +114,16 @@ impl EventColumns {
         // the name is the relay's.
         let mut headers = event.headers.clone();
         headers.remove(PAYLOAD_KEPT_AS_TEXT);
-        let payload = payload_json(&event.payload).map(|p| match payload_as_text(&p) {
-            Some(text) => {
+        let payload = payload_json(&event.payload).map(|p| {
+            if !jsonb_refuses(&p) {
+                p
+            } else if p.len() <= JSONB_STRING_BYTES {
                 headers.insert(PAYLOAD_KEPT_AS_TEXT.into(), "true".into());
-                text
+                serde_json::to_string(&p).unwrap_or_else(|_| "null".into())
+            } else {
+                // Not even as a string: a note of its size (only a dead letter gets it).
+                storable_json(&p)
             }
-            None => storable_json(&p),
         });
         self.payloads.push(payload);
         let headers = serde_json::to_string(&headers).unwrap_or_else(|_| "{}".into());
@@ -145,14 +149,6 @@ impl EventColumns {
         self.rejected.push(false);
         self.created.push(SystemTime::now());
     }
-}
-
-/// A payload jsonb refuses as the JSON string of its text, which jsonb keeps: `None` for
-/// one jsonb takes as it is, or one too long even as a string.
-fn payload_as_text(json: &str) -> Option<String> {
-    (jsonb_refuses(json) && json.len() <= JSONB_STRING_BYTES)
-        .then(|| serde_json::to_string(json).ok())
-        .flatten()
 }
 
 /// What of `event` PostgreSQL cannot store, even with its payload kept as text: a NUL byte
